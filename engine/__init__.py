@@ -1,0 +1,1 @@
+"""Tensors: model runner, models, attention backends, paged KV cache, sampler, loader, the step loop."""

@@ -1,0 +1,30 @@
+"""Continuous-batching scheduler over a paged KV cache. Pure Python: no torch, no engine."""
+
+from scheduler.block_hash import BlockHash, hash_block
+from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.config import CacheConfig, SchedulerConfig, parse_size
+from scheduler.errors import RequestRejectedError
+from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "CacheConfig",
+    "KVBlock",
+    "KVCacheManager",
+    "NewRequestData",
+    "PrefixCacheStats",
+    "Request",
+    "RequestRejectedError",
+    "RequestStatus",
+    "RequestStepOutput",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "hash_block",
+    "parse_size",
+]

@@ -1,0 +1,37 @@
+"""Content hashes of full KV blocks, chained so that a hash names a whole prefix."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import NamedTuple, Optional, Sequence
+
+
+class BlockHash(NamedTuple):
+    """`value` digests the parent block's value and `token_ids`; equal values mean
+    equal prefixes (SHA-256, so a client cannot forge a collision to read another
+    request's cache). `token_ids` is kept to check a hit exactly."""
+
+    value: bytes
+    token_ids: tuple[int, ...]
+
+
+def hash_block(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHash:
+    tokens = tuple(token_ids)
+    digest = hashlib.sha256(parent.value if parent is not None else b"")
+    digest.update(array("q", tokens).tobytes())
+    return BlockHash(digest.digest(), tokens)
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+) -> None:
+    """Append the hashes of the full blocks of `token_ids` not yet in `block_hashes`.
+
+    block i covers token_ids[i * block_size : (i + 1) * block_size]
+    """
+    num_full = len(token_ids) // block_size
+    parent = block_hashes[-1] if block_hashes else None
+    for i in range(len(block_hashes), num_full):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        block_hashes.append(parent)

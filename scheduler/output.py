@@ -1,0 +1,77 @@
+"""What the scheduler hands the model runner each step, and what it reports back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Union
+
+from scheduler.request import RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner has no state for: newly admitted, or resumed after preemption.
+
+    `token_ids` is the whole sequence so far (prompt, then any output kept across
+    a preemption); `block_ids` is its whole block table.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step of work, keyed by request id.
+
+    For every scheduled request the runner computes tokens
+    `[num_computed_tokens[id], num_computed_tokens[id] + num_scheduled_tokens[id])`
+    of its sequence, writing their K/V to the request's blocks, and samples a
+    token when that range reaches the end of the sequence.
+
+    A request may be admitted with prefix-cache hits on blocks that another
+    request fills in this very step: the runner must write every token's K/V for
+    a layer before any attention of that layer reads the cache.
+    """
+
+    num_scheduled_tokens: dict[str, int]
+    num_computed_tokens: dict[str, int]
+    new_requests: tuple[NewRequestData, ...] = ()
+    new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    preempted_request_ids: frozenset[str] = frozenset()
+    finished_request_ids: frozenset[str] = frozenset()
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class RequestStepOutput(NamedTuple):
+    """A request's progress in one step: new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    status: RequestStatus
+    stop_reason: Union[int, str, None] = None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.finish_reason
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int

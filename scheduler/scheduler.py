@@ -1,0 +1,354 @@
+"""Continuous batching: which requests compute how many tokens in each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.errors import RequestRejectedError
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import make_request_queue
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """The step being assembled by `Scheduler.schedule`."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    num_computed: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, new_block_ids: tuple[int, ...]) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.num_computed[request.request_id] = request.num_computed_tokens
+        if new_block_ids:
+            self.new_block_ids[request.request_id] = new_block_ids
+        self.budget -= num_tokens
+
+    def drop(self, request_id: str) -> None:
+        """Undo `add` for a request preempted later in the same step."""
+        num_tokens = self.num_scheduled.pop(request_id, 0)
+        self.num_computed.pop(request_id, None)
+        self.new_block_ids.pop(request_id, None)
+        self.budget += num_tokens
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache, without prefill/decode phases.
+
+    Each step spends `max_num_batched_tokens` over at most `max_num_seqs`
+    requests: first one token for every running request that is decoding, then
+    chunks of running prompts, then newly admitted requests (FCFS or by
+    priority), whose prompts may be split across steps (chunked prefill). When
+    blocks run out, the most recently admitted running request (under the
+    priority policy: the lowest-priority one) is preempted: its blocks are freed
+    and it goes back to the head of the queue, to be recomputed later.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
+        if scheduler_config.max_model_len is None:
+            raise ValueError("scheduler_config.max_model_len must be resolved before building a Scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len: int = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_since_last_step: set[str] = set()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejectedError if it can never be served."""
+        self._validate(request)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """End the given requests in whatever state they are; returns those it ended."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def finish(
+        self,
+        request_id: str,
+        status: RequestStatus = RequestStatus.FINISHED_STOPPED,
+        stop_reason: Union[int, str, None] = None,
+    ) -> Optional[Request]:
+        """End a request for a reason found outside the scheduler (a stop string)."""
+        if not status.is_finished:
+            raise ValueError(f"{status!r} is not a finished state")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.stop_reason = stop_reason
+        self._finish(request, status)
+        return request
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+        )
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        max_num_batched_tokens = self.scheduler_config.max_num_batched_tokens
+        plan = _StepPlan(budget=max_num_batched_tokens)
+        self._schedule_decodes(plan)
+        # Decodes take one token each and max_num_batched_tokens >= max_num_seqs.
+        plan.budget = max_num_batched_tokens - len(plan.num_scheduled)
+        prefilling = [
+            r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1
+        ]
+        for request in prefilling:  # then chunks of running prompts
+            if plan.budget <= 0:
+                break
+            if request.status is _RUNNING:
+                num_left = request.num_tokens - request.num_computed_tokens
+                self._schedule_running(plan, request, min(num_left, plan.budget))
+        if not plan.preempted:
+            self._admit_waiting(plan)
+
+        finished = frozenset(self._finished_since_last_step)
+        self._finished_since_last_step.clear()
+        return SchedulerOutput(
+            num_scheduled_tokens=plan.num_scheduled,
+            num_computed_tokens=plan.num_computed,
+            new_requests=tuple(plan.new_requests),
+            new_block_ids=plan.new_block_ids,
+            preempted_request_ids=frozenset(plan.preempted),
+            finished_request_ids=finished,
+        )
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, Sequence[int]],
+    ) -> list[RequestStepOutput]:
+        """Advance the scheduled requests, append sampled tokens, apply stop rules.
+
+        Requests that finish are freed here; the outputs list every request that
+        got tokens or finished.
+        """
+        outputs = []
+        append_output = outputs.append
+        any_finished = False
+        requests = self.requests
+        max_model_len = self.max_model_len
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(request_id)
+            if request is None or request.status is not _RUNNING:
+                continue  # ended between schedule() and now
+            num_computed = request.num_computed_tokens + num_tokens
+            request.num_computed_tokens = num_computed
+            token_ids = sampled_token_ids.get(request_id)
+            all_token_ids = request.all_token_ids
+            if not token_ids or num_computed < len(all_token_ids):
+                continue  # a prompt chunk short of the end samples nothing
+            output_token_ids = request.output_token_ids
+            status = _RUNNING
+            for i, token_id in enumerate(token_ids):
+                output_token_ids.append(token_id)
+                all_token_ids.append(token_id)
+                if (
+                    token_id in request.eos_token_ids
+                    or token_id in request.stop_token_ids
+                    or len(output_token_ids) >= request.max_tokens
+                    or len(all_token_ids) >= max_model_len
+                ):
+                    status = self._check_stop(request, token_id)
+                    if status is not _RUNNING:
+                        token_ids = token_ids[: i + 1]
+                        request.status = status
+                        self._release(request)
+                        any_finished = True
+                        break
+            append_output(RequestStepOutput(request_id, token_ids, status, request.stop_reason))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    # ------------------------------------------------------------------ internals
+
+    def _schedule_decodes(self, plan: _StepPlan) -> None:
+        """One token for every running request at the end of its sequence (the hot loop)."""
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        num_scheduled = plan.num_scheduled
+        num_computed = plan.num_computed
+        new_block_ids = plan.new_block_ids
+        for request in list(self.running):
+            if request.status is not _RUNNING:
+                continue  # preempted earlier in this loop
+            if len(request.all_token_ids) - request.num_computed_tokens > 1:
+                continue  # still in its prompt
+            new_blocks = allocate_slots(request, 1)
+            if new_blocks is None:
+                self._schedule_running(plan, request, 1)
+                continue
+            request_id = request.request_id
+            num_scheduled[request_id] = 1
+            num_computed[request_id] = request.num_computed_tokens
+            if new_blocks:
+                new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
+
+    def _schedule_running(self, plan: _StepPlan, request: Request, num_tokens: int) -> bool:
+        """Allocate for a running request, preempting others until it fits (or is itself preempted)."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            if new_blocks is not None:
+                request_id = request.request_id
+                plan.num_scheduled[request_id] = num_tokens
+                plan.num_computed[request_id] = request.num_computed_tokens
+                plan.budget -= num_tokens
+                if new_blocks:
+                    plan.new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
+                return True
+            victim = self._pick_victim()
+            self._preempt(victim)
+            plan.drop(victim.request_id)
+            plan.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        kv = self.kv_cache_manager
+        while len(self.waiting) and plan.budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_tokens = min(request.num_tokens - num_hit, plan.budget)
+            new_blocks = kv.allocate_slots(request, num_tokens, computed_blocks)
+            if new_blocks is None:
+                break  # head of the queue waits for blocks; later ones wait behind it
+            self.waiting.pop()
+            request.status = _RUNNING
+            request.num_computed_tokens = num_hit
+            request.num_cached_tokens = num_hit
+            kv.record_admission(request, num_hit)
+            self.running.append(request)
+            plan.add(request, num_tokens, ())
+            plan.new_requests.append(
+                NewRequestData(
+                    request.request_id,
+                    tuple(request.all_token_ids),
+                    tuple(kv.get_block_ids(request.request_id)),
+                    num_hit,
+                )
+            )
+
+    def _pick_victim(self) -> Request:
+        if self.scheduler_config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(request)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus:
+        """Token-level stop rules, after `token_id` was appended."""
+        num_output = len(request.output_token_ids)
+        if num_output >= request.min_tokens:
+            if token_id in request.eos_token_ids and not request.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in request.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return _RUNNING
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is _RUNNING:
+            self.running.remove(request)
+        elif not request.is_finished:
+            self.waiting.remove(request)
+        request.status = status
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.add(request.request_id)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejectedError(
+                f"request id {request.request_id!r} is already in use", param="request_id"
+            )
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise RequestRejectedError("a new request must be WAITING with nothing computed")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise RequestRejectedError("the prompt is empty", param="prompt")
+        if request.max_tokens < 1:
+            raise RequestRejectedError(
+                f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens"
+            )
+        if not 0 <= request.min_tokens <= request.max_tokens:
+            raise RequestRejectedError(
+                f"min_tokens must be between 0 and max_tokens ({request.max_tokens}), "
+                f"got {request.min_tokens}",
+                param="min_tokens",
+            )
+        total = num_prompt + request.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but "
+                f"{total} were requested ({num_prompt} in the prompt, {request.max_tokens} "
+                "for the completion). Shorten the prompt or lower max_tokens.",
+                param="max_tokens" if num_prompt < self.max_model_len else "prompt",
+                code="context_length_exceeded",
+            )
+        kv = self.kv_cache_manager
+        # The last sampled token is never fed back, so it needs no slot.
+        num_blocks = kv.num_blocks_for(total - 1)
+        if num_blocks > kv.num_blocks:
+            raise RequestRejectedError(
+                f"{num_prompt} prompt tokens plus max_tokens {request.max_tokens} need "
+                f"{num_blocks} KV blocks of {self.block_size} tokens, but the whole cache holds "
+                f"{kv.num_blocks} blocks ({kv.num_blocks * self.block_size} tokens). "
+                "Shorten the prompt or lower max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )

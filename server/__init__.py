@@ -1,0 +1,1 @@
+"""HTTP: the OpenAI-compatible FastAPI server, metrics and the `pagedserve` CLI."""

@@ -1,0 +1,164 @@
+"""Builders and invariant checks for scheduler tests: no model, no torch, no network."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Callable, Iterable, Optional, Sequence
+
+from scheduler import (
+    CacheConfig,
+    Request,
+    RequestStepOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+EOS = 2
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 256,
+    enable_prefix_caching: bool = True,
+    policy: str = "fcfs",
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            policy=policy,
+        ),
+        CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+    )
+
+
+_ids = itertools.count()
+
+
+def make_request(
+    prompt: Sequence[int] | int = 8,
+    *,
+    request_id: Optional[str] = None,
+    max_tokens: int = 4,
+    min_tokens: int = 0,
+    eos_token_ids: Iterable[int] = (EOS,),
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    priority: int = 0,
+    arrival_time: Optional[float] = None,
+    first_token: int = 100,
+) -> Request:
+    """A request; an int prompt means that many distinct tokens starting at `first_token`."""
+    prompt_ids = list(range(first_token, first_token + prompt)) if isinstance(prompt, int) else list(prompt)
+    kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
+    return Request(
+        request_id=request_id if request_id is not None else f"req-{next(_ids)}",
+        prompt_token_ids=prompt_ids,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        eos_token_ids=frozenset(eos_token_ids),
+        stop_token_ids=frozenset(stop_token_ids),
+        ignore_eos=ignore_eos,
+        priority=priority,
+        **kwargs,
+    )
+
+
+def sample_for(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    token_fn: Callable[[Request], int] = lambda r: 7,
+) -> dict[str, list[int]]:
+    """What a model runner returns: one token per request whose step reaches its sequence end."""
+    sampled = {}
+    for request_id, num_tokens in output.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        if output.num_computed_tokens[request_id] + num_tokens == request.num_tokens:
+            sampled[request_id] = [token_fn(request)]
+    return sampled
+
+
+def step(
+    scheduler: Scheduler,
+    token_fn: Callable[[Request], int] = lambda r: 7,
+) -> tuple[SchedulerOutput, list[RequestStepOutput]]:
+    """One schedule + update round with the invariants checked after each half."""
+    output = scheduler.schedule()
+    check_step_output(scheduler, output)
+    check_invariants(scheduler)
+    results = scheduler.update_from_output(output, sample_for(scheduler, output, token_fn))
+    check_invariants(scheduler)
+    return output, results
+
+
+def run_until_done(
+    scheduler: Scheduler,
+    max_steps: int = 10_000,
+    token_fn: Callable[[Request], int] = lambda r: 7,
+) -> list[SchedulerOutput]:
+    outputs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests:
+            return outputs
+        outputs.append(step(scheduler, token_fn)[0])
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def check_step_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    config = scheduler.scheduler_config
+    assert output.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    assert len(output.num_scheduled_tokens) <= config.max_num_seqs
+    assert all(n >= 1 for n in output.num_scheduled_tokens.values())
+    assert set(output.num_computed_tokens) == set(output.num_scheduled_tokens)
+    for request_id, num_tokens in output.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        start = output.num_computed_tokens[request_id]
+        assert start == request.num_computed_tokens
+        assert start + num_tokens <= request.num_tokens
+        blocks = scheduler.kv_cache_manager.get_blocks(request_id)
+        assert len(blocks) * scheduler.block_size >= start + num_tokens
+    for new in output.new_requests:
+        assert new.block_ids == tuple(scheduler.kv_cache_manager.get_block_ids(new.request_id))
+        assert list(new.token_ids) == scheduler.requests[new.request_id].all_token_ids
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    """Block accounting: every block is free xor referenced, ref counts equal table
+    membership, hashed blocks hold exactly their tokens."""
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    free_ids = pool.free_block_ids()
+    assert len(free_ids) == len(set(free_ids))
+    owners: Counter[int] = Counter()
+    for request_id in scheduler.requests:
+        blocks = kv.get_blocks(request_id)
+        ids = [b.block_id for b in blocks]
+        assert len(ids) == len(set(ids)), "a request holds the same block twice"
+        owners.update(ids)
+        request = scheduler.requests[request_id]
+        for index, block in enumerate(blocks):
+            if block.block_hash is not None:
+                tokens = request.all_token_ids[index * kv.block_size : (index + 1) * kv.block_size]
+                assert list(block.block_hash.token_ids) == tokens
+        if request.is_finished or request.status.name in ("WAITING", "PREEMPTED"):
+            assert not blocks, f"{request.status.name} request holds blocks"
+    for block in pool.blocks:
+        assert block.ref_cnt == owners.get(block.block_id, 0)
+        assert (block.ref_cnt == 0) == (block.block_id in set(free_ids))
+    assert len(free_ids) + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_blocks
+    running = {r.request_id for r in scheduler.running}
+    waiting = {r.request_id for r in scheduler.waiting}
+    assert not running & waiting
+    assert running | waiting == set(scheduler.requests)
+    assert len(scheduler.running) <= scheduler.scheduler_config.max_num_seqs

@@ -1,0 +1,95 @@
+from scheduler import KVCacheManager
+
+from tests.scheduler.factories import make_request
+
+
+def admit(kv: KVCacheManager, request):
+    blocks, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_hit, blocks) is not None
+    request.num_computed_tokens = request.num_tokens
+    kv.record_admission(request, num_hit)
+    return num_hit
+
+
+def test_prefix_hit_on_shared_full_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request(list(range(10)))
+    assert admit(kv, a) == 0
+    b = make_request(list(range(8)) + [50, 51, 52])
+    assert admit(kv, b) == 8
+    assert kv.get_block_ids(b.request_id)[:2] == kv.get_block_ids(a.request_id)[:2]
+    assert kv.get_block_ids(b.request_id)[2] != kv.get_block_ids(a.request_id)[2]
+    assert kv.prefix_cache_stats.queries == 21 and kv.prefix_cache_stats.hits == 8
+
+
+def test_no_hit_on_partial_block_or_different_tokens():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    admit(kv, make_request(list(range(6))))  # one full block [0..3], one partial [4, 5]
+    assert kv.get_computed_blocks(make_request(list(range(6)) + [9]))[1] == 4
+    assert kv.get_computed_blocks(make_request([0, 1, 2, 99, 4, 5, 6]))[1] == 0
+
+
+def test_hit_of_a_later_block_needs_the_same_prefix():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    admit(kv, make_request([1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    # Same second block, different first block: no hit at all.
+    assert kv.get_computed_blocks(make_request([9, 2, 3, 4, 5, 6, 7, 8, 0]))[1] == 0
+
+
+def test_hit_is_capped_to_leave_one_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    admit(kv, make_request(list(range(8))))
+    blocks, num_hit = kv.get_computed_blocks(make_request(list(range(8))))
+    assert num_hit == 4 and len(blocks) == 1
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request(list(range(8)))
+    admit(kv, a)
+    b = make_request(list(range(8)) + list(range(20, 28)))  # hit 8, needs 2 more blocks, 1 free
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8
+    assert kv.allocate_slots(b, b.num_tokens - num_hit, blocks) is None
+    assert kv.block_pool.num_free_blocks == 1
+    assert all(block.ref_cnt == 1 for block in kv.get_blocks(a.request_id))
+    assert kv.get_blocks(b.request_id) == ()
+
+
+def test_freed_hit_blocks_count_as_reclaimable():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request(list(range(9)))
+    admit(kv, a)
+    kv.free(a)
+    assert kv.usage == 0
+    b = make_request(list(range(9)))  # 2 cached free blocks + 1 new: exactly the pool
+    assert admit(kv, b) == 8
+    assert kv.usage == 1.0
+
+
+def test_blocks_are_cached_as_they_fill_during_decode():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request([1, 2, 3])
+    admit(kv, a)
+    for token in (4, 5):
+        a.append_output_token(token)
+        assert kv.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    blocks, num_hit = kv.get_computed_blocks(make_request([1, 2, 3, 4, 5, 6]))
+    assert num_hit == 4 and blocks[0] is kv.get_blocks(a.request_id)[0]
+
+
+def test_disabled_caching_never_hits():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
+    admit(kv, make_request(list(range(12))))
+    assert kv.get_computed_blocks(make_request(list(range(12))))[1] == 0
+    assert kv.prefix_cache_stats.queries == 0
+
+
+def test_free_returns_blocks_tail_first():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request([1, 2, 3, 4, 5])
+    admit(kv, a)
+    ids = kv.get_block_ids(a.request_id)
+    kv.free(a)
+    assert kv.block_pool.free_block_ids()[-3:] == ids[::-1]
