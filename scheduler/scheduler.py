@@ -165,8 +165,9 @@ class Scheduler:
         Requests that finish are freed here; the outputs list every request that
         got tokens or finished.
         """
-        outputs = []
+        outputs: list[RequestStepOutput] = []
         append_output = outputs.append
+        new_output = tuple.__new__  # RequestStepOutput without its Python-level __new__
         any_finished = False
         requests = self.requests
         max_model_len = self.max_model_len
@@ -198,7 +199,7 @@ class Scheduler:
                         self._release(request)
                         any_finished = True
                         break
-            append_output(RequestStepOutput(request_id, token_ids, status, request.stop_reason))
+            append_output(new_output(RequestStepOutput, (request_id, token_ids, status, request.stop_reason)))
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
