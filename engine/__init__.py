@@ -1,1 +1,18 @@
-"""Tensors: model runner, models, attention backends, paged KV cache, sampler, loader, the step loop."""
+"""Tensors: model runner, models, attention backends, paged KV cache, sampler, loader, the step loop.
+
+    from engine import LLM, SamplingParams
+"""
+
+from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; load it on first use.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams"]

@@ -1,0 +1,195 @@
+"""Runs an EngineCore on its own thread and serves asyncio callers, one output stream per request.
+
+    event loop thread                    engine thread
+    -----------------                    -------------
+    generate() --add--> commands queue --> drain, add/abort
+        ^                                  step()
+        |  call_soon_threadsafe(outputs)   |
+        +----------------------------------+
+
+The model computes off the event loop, so HTTP stays responsive while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Sequence, Union
+
+from engine.engine import EngineCore
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from scheduler import RequestRejectedError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an internal error or a shutdown); requests cannot be served."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+_Command = Union[_Add, _Abort, None]  # None stops the loop
+
+
+class AsyncEngine:
+    """Thread-safe front of an EngineCore for asyncio code (the HTTP server)."""
+
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+        self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    # ------------------------------------------------------------------ requests
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestRejectedError now for a request that can never be served."""
+        request = self.engine.make_request("check", prompt_token_ids, params)
+        self.engine.scheduler.check_request(request)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Closing the iterator (a client
+        that went away) aborts the request in the engine at once."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+        self.check_request(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use", param="request_id")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, priority, arrival))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort([request_id]))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._commands.put(_Abort(list(request_ids)))
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                block = not engine.has_unfinished_requests
+                if not self._drain(block):
+                    return
+                if engine.has_unfinished_requests:
+                    self._publish(engine.step())
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting clients
+            logger.exception("engine loop failed")
+            self._error = exc
+            self._fail_all(EngineDeadError(f"the engine loop failed: {exc!r}"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; waits for one when idle. False when asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is None:
+                self._fail_all(EngineDeadError("the engine is shutting down"))
+                return False
+            if isinstance(command, _Abort):
+                self._publish(self.engine.abort(command.request_ids))
+                continue
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                        arrival_time=command.arrival_time, priority=command.priority)
+            except RequestRejectedError as exc:
+                self._deliver(command.request_id, exc)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _deliver(self, request_id: str, item) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch_one, request_id, item)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for output in outputs:
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+
+    def _dispatch_one(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        def fail() -> None:
+            for stream in self._streams.values():
+                stream.put_nowait(error)
+
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fail)

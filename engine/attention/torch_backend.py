@@ -1,0 +1,77 @@
+"""Paged attention in plain torch: the CPU backend and the reference for the GPU ones."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata, PrefillChunk
+
+
+class TorchAttentionBackend:
+    """Decodes are one batched gather + two batched matmuls; prefill chunks use SDPA per request."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        slots = metadata.slot_mapping
+        key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slots, key)
+        value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slots, value)
+
+    def attend(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+        num_decodes = metadata.num_decodes
+        if not metadata.prefills:
+            return self._decode(query, key_cache, value_cache, metadata, scale)
+        out = torch.empty_like(query)
+        if num_decodes:
+            out[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
+        for chunk in metadata.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], key_cache, value_cache, chunk, scale)
+        return out
+
+    @staticmethod
+    def _decode(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One query per request over its gathered blocks, masked past its context length.
+
+        scores[b, kv_head, group, t] = q[b, kv_head * group_size + group] . K[b, t, kv_head]
+        """
+        num_decodes, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        group = num_heads // num_kv_heads
+        tables = metadata.decode_block_tables  # [B, max_blocks]
+        max_len = tables.shape[1] * block_size
+        flat = tables.reshape(-1)
+        # [B, max_blocks, block_size, kv_heads, head_dim] -> [B, kv_heads, max_len, head_dim]
+        keys = key_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        values = value_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        q = query.view(num_decodes, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, keys.transpose(2, 3))  # [B, kv_heads, group, max_len]
+        scores = torch.add(metadata.decode_bias, scores, alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, values)  # [B, kv_heads, group, head_dim]
+        return out.view(num_decodes, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+        """Causal attention of a chunk; continues a cached prefix when context_len > query_len.
+
+        query i (position context_len - query_len + i) sees keys [0, context_len - query_len + i]
+        """
+        q = query.transpose(0, 1)  # [heads, query_len, head_dim]
+        if chunk.context_len == chunk.query_len:
+            k, v = key.transpose(0, 1), value.transpose(0, 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            return out.transpose(0, 1)
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        num_blocks = -(-chunk.context_len // block_size)
+        table = chunk.block_table[:num_blocks]
+        k = key_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len].transpose(0, 1)
+        v = value_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len].transpose(0, 1)
+        offset = chunk.context_len - chunk.query_len
+        query_pos = torch.arange(offset, chunk.context_len, device=query.device)
+        key_pos = torch.arange(chunk.context_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)

@@ -1,0 +1,90 @@
+"""Building an EngineCore from its configuration: checkpoint, model, KV cache, scheduler."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.engine import EngineCore
+from engine.engine_config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import iter_weights, load_hf_config, prepare_checkpoint
+from engine.model_runner import ModelRunner
+from engine.models import build_model
+from engine.tokenizer import load_tokenizer
+from scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = None) -> EngineCore:
+    """Load the model and size the KV cache; logs the resulting token capacity."""
+    started = time.monotonic()
+    model_config = config.model
+    torch.manual_seed(model_config.seed)
+    checkpoint = prepare_checkpoint(model_config.model, revision=model_config.revision)
+    hf_config = load_hf_config(checkpoint.path)
+    tokenizer_path = checkpoint.path
+    if model_config.tokenizer is not None:
+        tokenizer_path = prepare_checkpoint(model_config.tokenizer).path
+    tokenizer = load_tokenizer(tokenizer_path)
+    device = model_config.resolve_device()
+    dtype = model_config.resolve_dtype(device)
+    max_model_len = model_config.resolve_max_model_len(hf_config)
+
+    model = build_model(hf_config, dtype, device)
+    if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
+        logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
+        max_model_len = model.arch.sliding_window
+    model.load_weights(iter_weights(checkpoint.path))
+    spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
+                       model.arch.head_dim, dtype)
+    num_blocks = _num_kv_blocks(config, spec, device)
+    backend = get_attention_backend(config.attention_backend, device)
+    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
+    scheduler = Scheduler(
+        config.scheduler.model_copy(update={"max_model_len": max_model_len}),
+        config.cache.model_copy(update={"num_blocks": num_blocks}),
+    )
+    gc.collect()
+    gc.freeze()  # the weights and long-lived state never need scanning by the cyclic GC
+    logger.info(
+        "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB), "
+        "max_model_len %d, attention backend %s",
+        checkpoint.source, hf_config.model_type, str(dtype).removeprefix("torch."), device,
+        time.monotonic() - started, num_blocks, spec.block_size, num_blocks * spec.block_size,
+        num_blocks * spec.bytes_per_block / 2**20, max_model_len, backend.name,
+    )
+    return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
+
+
+def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if cache.kv_cache_memory is not None:
+        budget = int(cache.kv_cache_memory)
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free
+        budget = int(total * cache.gpu_memory_utilization) - in_use - _activation_reserve(config, device)
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_MEMORY
+    num_blocks = spec.num_blocks_for(budget)
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "
+            "raise kv_cache_memory / gpu_memory_utilization or set num_blocks"
+        )
+    return num_blocks
+
+
+def _activation_reserve(config: EngineConfig, device: torch.device) -> int:
+    """Headroom for one step's activations on CUDA: a generous bound from the token budget."""
+    tokens = config.scheduler.max_num_batched_tokens
+    return max(tokens * 256 * 1024, 1 << 30)

@@ -1,0 +1,98 @@
+"""Model configuration: which checkpoint, in which dtype, on which device (pydantic, unknown keys refused)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
+    import torch
+
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def model_max_length(hf_config: "PretrainedConfig") -> Optional[int]:
+    """The context length a HF config declares, or None when it declares none."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class ModelConfig(BaseModel):
+    """Which model to serve and how to place it.
+
+    `model` None is the embedded SmolLM2-135M-Instruct GGUF; otherwise a checkpoint
+    directory, a `.gguf` file or a hub id (see `engine.loader.prepare_checkpoint`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = Field(None, description="checkpoint dir, .gguf file or hub id; None = embedded")
+    tokenizer: Optional[str] = Field(None, description="tokenizer source; None = the model's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: Optional[int] = Field(None, ge=1, description="None = the model's own context length")
+    seed: int = 0
+    revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit)")
+    trust_remote_code: bool = False
+
+    @field_validator("trust_remote_code")
+    @classmethod
+    def _refuse_remote_code(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "trust_remote_code=True is not supported: pagedserve runs only its own model "
+                "implementations and never executes code shipped with a checkpoint"
+            )
+        return value
+
+    @property
+    def tokenizer_source(self) -> Optional[str]:
+        """Where the tokenizer comes from: `tokenizer` when set, else the model."""
+        return self.tokenizer if self.tokenizer is not None else self.model
+
+    def resolve_device(self) -> "torch.device":
+        """`cuda` when asked for or (auto) when available, else `cpu`."""
+        import torch
+
+        if self.device == "cpu":
+            return torch.device("cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if self.device == "cuda":
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+        return torch.device("cpu")
+
+    def resolve_dtype(self, device: Optional["torch.device"] = None) -> "torch.dtype":
+        """The weight/activation dtype; `auto` is bf16 on CUDA and on CPUs with native bf16, else fp32."""
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)  # the literal names are torch dtype names
+        device = device if device is not None else self.resolve_device()
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+    def resolve_max_model_len(self, hf_config: "PretrainedConfig") -> int:
+        """`max_model_len`, checked against the model's context length (which it defaults to)."""
+        own = model_max_length(hf_config)
+        if self.max_model_len is None:
+            if own is None:
+                raise ValueError("the model config declares no context length; set max_model_len")
+            return own
+        if own is not None and self.max_model_len > own:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's context length "
+                f"(max_position_embeddings={own})"
+            )
+        return self.max_model_len

@@ -1,0 +1,194 @@
+"""EngineCore: the step loop that ties the scheduler, the model runner and the text together.
+
+    add_request / abort
+          |
+          v
+    1. scheduler.schedule()              -> SchedulerOutput
+    2. runner.execute(scheduler_output)  -> ModelRunnerOutput (one forward pass)
+    3. scheduler.update_from_output(...) -> token-level stops, frees finished requests
+    4. detokenize, stop strings          -> RequestOutput per request that progressed
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable, Optional, Sequence
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStringMatcher
+from engine.tokenizer import Tokenizer
+from scheduler import Request, RequestRejectedError, RequestStatus, Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Synchronous engine: `add_request`, `abort`, then `step()` until no work is left.
+
+    Not thread-safe: one thread drives it (see `AsyncEngine` for the server).
+    Build it with `engine.builder.build_engine(config)`.
+    """
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner,
+                 tokenizer: Tokenizer, model_name: str):
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len: int = scheduler.max_model_len
+        self.vocab_size = runner.model.arch.vocab_size
+        self._states: dict[str, RequestState] = {}
+        self.num_steps = 0
+        self.last_step_num_tokens = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`).
+
+        Raises RequestRejectedError (an HTTP 400) for a request that can never be served.
+        """
+        if params.n != 1:
+            raise ValueError("EngineCore.add_request takes one sequence; fan n > 1 out with fan_out()")
+        request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority)
+        self.scheduler.add_request(request)
+        self.runner.add_request(request_id, request.prompt_token_ids, params, self.tokenizer.eos_token_ids)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer.hf,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+        matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        state = RequestState(request, params, detokenizer, matcher)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        self._states[request_id] = state
+
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+        """The scheduler request for these inputs, validated against the model (not queued)."""
+        prompt = list(prompt_token_ids)
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejectedError(
+                f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt"
+            )
+        params.verify_vocab(self.vocab_size)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - len(prompt), 1)
+        kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            priority=priority,
+            **kwargs,
+        )
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """End requests in any state; returns their final outputs (finish_reason "abort")."""
+        outputs = []
+        now = time.monotonic()
+        for request in self.scheduler.abort(request_ids):
+            state = self._states.pop(request.request_id)
+            outputs.append(self._output(state, [], "", None, now))
+        return outputs
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished_requests
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        if scheduler_output.is_empty:
+            return []
+        step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        now = time.monotonic()
+        self.num_steps += 1
+        self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        for new in scheduler_output.new_requests:
+            state = self._states[new.request_id]
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            self._states[request_id].prompt_logprobs.extend(chunk)
+        outputs = []
+        for step_output in step_outputs:
+            state = self._states[step_output.request_id]
+            finish_reason = step_output.status.finish_reason
+            delta, stop = state.take_text(
+                state.detokenizer.add_tokens(step_output.new_token_ids), finishing=finish_reason is not None
+            )
+            if stop is not None and finish_reason is None:
+                self.scheduler.finish(step_output.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                finish_reason = "stop"
+            elif stop is not None:
+                finish_reason = "stop"
+            stop_reason = stop if stop is not None else step_output.stop_reason
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.last_token_time = now
+            logprobs = runner_output.logprobs.get(step_output.request_id)
+            outputs.append(
+                self._output(state, step_output.new_token_ids, delta, finish_reason, now, stop_reason,
+                             None if logprobs is None else [logprobs])
+            )
+            if finish_reason is not None:
+                del self._states[step_output.request_id]
+        return outputs
+
+    def _output(self, state: RequestState, new_token_ids: list[int], delta: str, finish_reason: Optional[str],
+                now: float, stop_reason=None, logprobs=None) -> RequestOutput:
+        request = state.request
+        finished = finish_reason is not None or request.status is RequestStatus.FINISHED_ABORTED
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            finish_reason = "abort"
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            prompt_logprobs = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            text_delta=delta,
+            text=state.text,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=state.metrics(now if finished else None),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )

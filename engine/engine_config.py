@@ -1,0 +1,23 @@
+"""The engine's configuration: the model, cache and scheduler sections together."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.config import ModelConfig
+from scheduler import CacheConfig, SchedulerConfig
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither num_blocks nor kv_cache_memory is set
+
+
+class EngineConfig(BaseModel):
+    """Everything `EngineCore.from_config` needs; each section is owned by its package."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    attention_backend: Literal["auto", "torch", "flash", "triton"] = "auto"

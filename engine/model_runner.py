@@ -1,0 +1,192 @@
+"""Turns a SchedulerOutput into one forward pass and the sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import ModelRunnerOutput
+from engine.sampler import Sampler, SamplingState, TokenLogprobs, prompt_logprobs
+from engine.sampling_params import SamplingParams
+from scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner keeps about a request between steps (until it finishes)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    sampling: SamplingState
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.params.prompt_logprobs is not None
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The flat token batch of one step, decodes first."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    prefill_spans: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, start, len, pos0
+    sample_rows: list[int] = field(default_factory=list)
+    sample_states: list[CachedRequestState] = field(default_factory=list)
+    prompt_rows: list[tuple[CachedRequestState, int, int]] = field(default_factory=list)  # state, first row, count
+
+
+class ModelRunner:
+    """Owns the model, the physical KV cache and per-request sampling state."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+                 device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self.block_size = kv_cache.spec.block_size
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: frozenset[int]) -> None:
+        """Register a request's sampling state before the scheduler first schedules it."""
+        sampling = SamplingState.create(params, prompt_token_ids, [], eos_token_ids, self.device)
+        self.requests[request_id] = CachedRequestState(request_id, len(prompt_token_ids), sampling)
+
+    def remove_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        batch = self._build_batch(scheduler_output)
+        metadata = self._attention_metadata(batch)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache.layers, metadata, self.backend)
+        return self._sample(hidden, batch)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for request_id in so.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in so.new_requests:  # admitted, or resumed after preemption
+            state = self.requests[new.request_id]
+            state.token_ids = list(new.token_ids)
+            state.block_ids = list(new.block_ids)
+        for request_id, block_ids in so.new_block_ids.items():
+            self.requests[request_id].block_ids.extend(block_ids)
+
+    def _build_batch(self, so: SchedulerOutput) -> _Batch:
+        batch = _Batch()
+        block_size = self.block_size
+        chunks = []
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start = so.num_computed_tokens[request_id]
+            if num_tokens != 1 or state.wants_prompt_logprobs:
+                chunks.append((state, start, num_tokens))
+                continue
+            blocks = state.block_ids
+            batch.input_ids.append(state.token_ids[start])
+            batch.positions.append(start)
+            batch.slots.append(blocks[start // block_size] * block_size + start % block_size)
+            batch.decode_tables.append(blocks[: start // block_size + 1])
+            batch.decode_lens.append(start + 1)
+            if start + 1 == len(state.token_ids):
+                batch.sample_rows.append(len(batch.input_ids) - 1)
+                batch.sample_states.append(state)
+        for state, start, num_tokens in chunks:
+            self._add_chunk(batch, state, start, num_tokens)
+        return batch
+
+    def _add_chunk(self, batch: _Batch, state: CachedRequestState, start: int, num_tokens: int) -> None:
+        block_size = self.block_size
+        first_row = len(batch.input_ids)
+        end = start + num_tokens
+        batch.input_ids.extend(state.token_ids[start:end])
+        batch.positions.extend(range(start, end))
+        blocks = state.block_ids
+        batch.slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        batch.prefill_spans.append((state, first_row, num_tokens, start))
+        if state.wants_prompt_logprobs:
+            # Row of position j predicts token j + 1: rows start .. min(end, prompt - 1) - 1.
+            count = min(end, state.num_prompt_tokens - 1) - start
+            if count > 0:
+                batch.prompt_rows.append((state, first_row, count))
+        if end == len(state.token_ids):
+            batch.sample_rows.append(first_row + num_tokens - 1)
+            batch.sample_states.append(state)
+
+    def _attention_metadata(self, batch: _Batch) -> AttentionMetadata:
+        device = self.device
+        block_size = self.block_size
+        num_decodes = len(batch.decode_lens)
+        tables = lens = bias = None
+        if num_decodes:
+            max_blocks = max(len(t) for t in batch.decode_tables)
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in batch.decode_tables],
+                                  dtype=torch.int64, device=device)
+            lens = torch.tensor(batch.decode_lens, dtype=torch.int64, device=device)
+            key_pos = torch.arange(max_blocks * block_size, device=device)
+            bias = torch.zeros((num_decodes, 1, 1, max_blocks * block_size), dtype=self.model.dtype, device=device)
+            bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
+        prefills = tuple(
+            PrefillChunk(
+                query_start=first_row,
+                query_len=num_tokens,
+                context_len=pos0 + num_tokens,
+                block_table=torch.tensor(state.block_ids[: -(-(pos0 + num_tokens) // block_size)],
+                                         dtype=torch.int64, device=device),
+            )
+            for state, first_row, num_tokens, pos0 in batch.prefill_spans
+        )
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(batch.slots, dtype=torch.int64, device=device),
+            num_decodes=num_decodes,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+            decode_bias=bias,
+            prefills=prefills,
+        )
+
+    def _sample(self, hidden: torch.Tensor, batch: _Batch) -> ModelRunnerOutput:
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        prompt_lps: dict[str, list[TokenLogprobs]] = {}
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+            result = self.sampler(logits, [s.sampling for s in batch.sample_states])
+            for i, (state, token_id) in enumerate(zip(batch.sample_states, result.sampled_token_ids)):
+                state.token_ids.append(token_id)
+                state.sampling.output_token_ids.append(token_id)
+                sampled[state.request_id] = [token_id]
+                if result.logprobs is not None and result.logprobs[i] is not None:
+                    logprobs[state.request_id] = result.logprobs[i]
+        for state, first_row, count in batch.prompt_rows:
+            pos0 = batch.positions[first_row]
+            logits = self.model.compute_logits(hidden[first_row : first_row + count])
+            targets = torch.tensor(state.token_ids[pos0 + 1 : pos0 + 1 + count], dtype=torch.int64,
+                                   device=hidden.device)
+            prompt_lps[state.request_id] = prompt_logprobs(logits, targets, state.sampling.params.prompt_logprobs)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)

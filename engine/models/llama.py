@@ -1,0 +1,161 @@
+"""One Llama-family decoder for llama, mistral, smollm, qwen2 (q/k/v bias) and qwen3 (q/k norm).
+
+The model works on a flat batch of tokens (no padding) and keeps its weights as
+plain tensors, fused where HF has separate projections (q|k|v, gate|up), so a
+layer costs few operator calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.models.llama_arch import LlamaArch
+from engine.models.rotary import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class LlamaLayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]  # [head_dim] (qwen3)
+    k_norm: Optional[torch.Tensor]
+    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: Optional[torch.Tensor]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: Optional[torch.Tensor]
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: Optional[torch.Tensor]
+
+
+class LlamaForCausalLM:
+    """Forward pass over paged KV caches; `compute_logits` only for the rows that need them."""
+
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: torch.device):
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
+        )
+        self.scale = arch.head_dim**-0.5
+        self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
+        self.final_norm: Optional[torch.Tensor] = None
+        self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
+        self.layers: list[LlamaLayerWeights] = []
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take HF state-dict names and tensors; fuse q|k|v and gate|up."""
+        arch = self.arch
+        state = {}
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if "rotary_emb" in name:
+                continue
+            state[name] = tensor.to(dtype=self.dtype, device=self.device)
+        take = state.pop
+        self.embed = take("embed_tokens.weight")
+        self.final_norm = take("norm.weight")
+        lm_head = state.pop("lm_head.weight", None)
+        if lm_head is None and not arch.tie_word_embeddings:
+            raise ValueError("checkpoint has no lm_head.weight and the config does not tie embeddings")
+        self.lm_head = self.embed if arch.tie_word_embeddings or lm_head is None else lm_head
+        self.layers = [self._take_layer(state, i) for i in range(arch.num_layers)]
+        if state:
+            unused = ", ".join(sorted(state)[:8])
+            raise ValueError(f"{len(state)} checkpoint tensors were not used by the model: {unused}")
+
+    def _take_layer(self, state: dict, index: int) -> LlamaLayerWeights:
+        p = f"layers.{index}."
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return state.pop(p + name)
+            except KeyError:
+                raise ValueError(f"checkpoint lacks {p + name}") from None
+
+        def maybe(name: str) -> Optional[torch.Tensor]:
+            return state.pop(p + name, None)
+
+        def cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if tensors[0] is None else torch.cat(tensors, dim=0).contiguous()
+
+        attn = "self_attn."
+        return LlamaLayerWeights(
+            input_norm=take("input_layernorm.weight"),
+            qkv=cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")),
+            qkv_bias=cat(maybe(attn + "q_proj.bias"), maybe(attn + "k_proj.bias"), maybe(attn + "v_proj.bias")),
+            q_norm=maybe(attn + "q_norm.weight"),
+            k_norm=maybe(attn + "k_norm.weight"),
+            o_proj=take(attn + "o_proj.weight"),
+            o_bias=maybe(attn + "o_proj.bias"),
+            post_norm=take("post_attention_layernorm.weight"),
+            gate_up=cat(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")),
+            gate_up_bias=cat(maybe("mlp.gate_proj.bias"), maybe("mlp.up_proj.bias")),
+            down=take("mlp.down_proj.weight"),
+            down_bias=maybe("mlp.down_proj.bias"),
+        )
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every matrix the forward pass reads once per step (for the bandwidth floor)."""
+        mats = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        return mats + [self.lm_head]
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        arch = self.arch
+        eps = arch.rms_norm_eps
+        hidden_shape = (arch.hidden_size,)
+        cos, sin = self.rotary.tables(positions)
+        h = F.embedding(input_ids, self.embed)
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            x = F.rms_norm(h, hidden_shape, layer.input_norm, eps)
+            h = h + self._attention(layer, x, cos, sin, key_cache, value_cache, metadata, backend)
+            x = F.rms_norm(h, hidden_shape, layer.post_norm, eps)
+            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return h
+
+    def _attention(self, layer: LlamaLayerWeights, x, cos, sin, key_cache, value_cache,
+                   metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        arch = self.arch
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
+        qkv = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim)
+        if layer.q_norm is None:
+            qk = self.rotary.apply(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, head_dim]
+        else:
+            q = F.rms_norm(qkv[:, :heads], (head_dim,), layer.q_norm, arch.rms_norm_eps)
+            k = F.rms_norm(qkv[:, heads : heads + kv_heads], (head_dim,), layer.k_norm, arch.rms_norm_eps)
+            qk = self.rotary.apply(torch.cat([q, k], dim=1), cos, sin)
+        query, key = qk[:, :heads], qk[:, heads:]
+        value = qkv[:, heads + kv_heads :]
+        backend.write_kv(key, value, key_cache, value_cache, metadata)
+        out = backend.attend(query, key, value, key_cache, value_cache, metadata, self.scale)
+        return F.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32."""
+        x = F.rms_norm(hidden, (self.arch.hidden_size,), self.final_norm, self.arch.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

@@ -1,0 +1,35 @@
+"""Which implementation serves which HF architecture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.llama_arch import LlamaArch
+
+_LLAMA_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_LLAMA_FAMILY)
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """An empty model for the config's architecture (load weights with `load_weights`)."""
+    from engine.loader import rope_settings
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not any(a in _LLAMA_FAMILY for a in architectures) and hf_config.model_type not in _LLAMA_FAMILY.values():
+        raise ValueError(
+            f"architecture {architectures or hf_config.model_type} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+    return LlamaForCausalLM(arch, dtype, device)

@@ -1,0 +1,92 @@
+"""What the runner returns to the engine, and what the engine publishes per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """One step's sampled tokens, keyed by request id (only requests that sampled)."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's prompt chunk
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic seconds) for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float]
+    first_token_time: Optional[float]
+    last_token_time: Optional[float]
+    finished_time: Optional[float]
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A request's progress in one engine step.
+
+    `text` is everything settled so far; `text_delta` what this step added (text
+    that may still turn into a stop string is held back until resolved).
+    `prompt_logprobs` is set once, on the first output of a request that asked
+    for it: one entry per prompt token, None for the first.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    text: str
+    finish_reason: Optional[str]
+    stop_reason: Union[int, str, None]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    logprobs: Optional[list[TokenLogprobs]] = None  # one per new token, when asked
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One generated sequence of a finished request (the offline API)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]
+    stop_reason: Union[int, str, None]
+    logprobs: Optional[list[TokenLogprobs]]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A finished prompt with its `n` completions, as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int

@@ -1,0 +1,50 @@
+"""The engine's per-request bookkeeping: text, stop strings, logprobs, timestamps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestMetrics
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStringMatcher
+from scheduler import Request
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: Optional[StopStringMatcher]
+    text: str = ""
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    prompt_logprobs_sent: bool = False
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)
+
+    def metrics(self, finished_time: Optional[float]) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=self.request.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            last_token_time=self.last_token_time,
+            finished_time=finished_time,
+        )
+
+    def take_text(self, delta: str, finishing: bool) -> tuple[str, Optional[str]]:
+        """Run a detokenized delta through the stop strings; returns (text to emit, stop string hit)."""
+        if finishing:
+            delta += self.detokenizer.flush()
+        stop = None
+        if self.stop_matcher is not None:
+            match = self.stop_matcher.add_text(delta)
+            delta, stop = match.text, match.stop
+            if stop is None and finishing:
+                delta += self.stop_matcher.flush()
+        self.text += delta
+        return delta, stop

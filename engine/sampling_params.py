@@ -1,0 +1,237 @@
+"""Per-request sampling parameters (vLLM's names), validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Optional
+
+from scheduler.errors import RequestRejectedError
+
+MAX_LOGPROBS = 20
+"""The most alternatives `logprobs` / `prompt_logprobs` may ask for."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily (argmax)."""
+
+LOGIT_BIAS_LIMIT = 100.0
+PENALTY_LIMIT = 2.0
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the tokens of one request, mirroring vLLM's `SamplingParams`.
+
+    Normalised on construction: `top_k` 0 or -1 (vLLM's "disabled") becomes None,
+    a `stop` string becomes a one-element list, `logit_bias` keys become ints
+    (decimal strings, as JSON sends them, are accepted) and an empty bias None.
+    Invalid values raise `RequestRejectedError` naming the field in `param`.
+
+    `max_tokens` None means "up to the context length" (the engine resolves it).
+    `logprobs` is the number of top alternatives returned per sampled token (0:
+    only the sampled token's own logprob); `prompt_logprobs` likewise per prompt
+    token. Both are capped at `MAX_LOGPROBS`.
+
+    With `n` > 1 the engine runs `n` children made by `for_child(i)`; when `seed`
+    is set, child i samples with seed `seed + i`, so the children differ from one
+    another yet the whole request is reproducible.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_sampling()
+        self._check_penalties()
+        self._check_stops()
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature (near) zero: the token is the argmax of the processed logits."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Any of presence, frequency or repetition penalty is active."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def needs_top_k_top_p(self) -> bool:
+        """The distribution is truncated to a few candidates (top-k and/or top-p)."""
+        return self.top_k is not None or self.top_p < 1.0
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    # ------------------------------------------------------------------ copies
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with `changes` applied (lists and dicts are copied)."""
+        return dataclasses.replace(self, **changes)
+
+    def clone(self) -> "SamplingParams":
+        return self.replace()
+
+    def for_child(self, index: int) -> "SamplingParams":
+        """The parameters of child `index` (0-based) of an `n` > 1 request: n=1, seed + index."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"child index {index} out of range for n={self.n}")
+        seed = None if self.seed is None else self.seed + index
+        return self.replace(n=1, seed=seed)
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Refuse `logit_bias` token ids the model does not have (call once the model is known)."""
+        for token_id in self.logit_bias or {}:
+            if token_id >= vocab_size:
+                raise RequestRejectedError(
+                    f"logit_bias token id {token_id} is out of the vocabulary (size {vocab_size})",
+                    param="logit_bias",
+                )
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_counts(self) -> None:
+        self.n = _as_int(self.n, "n")
+        if self.n < 1:
+            _reject("n", f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None:
+            self.max_tokens = _as_int(self.max_tokens, "max_tokens")
+            if self.max_tokens < 1:
+                _reject("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        self.min_tokens = _as_int(self.min_tokens, "min_tokens")
+        if self.min_tokens < 0:
+            _reject("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _reject(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = _as_int(value, name)
+            if not 0 <= value <= MAX_LOGPROBS:
+                _reject(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+            setattr(self, name, value)
+        if self.seed is not None:
+            self.seed = _as_int(self.seed, "seed")
+
+    def _check_sampling(self) -> None:
+        self.temperature = _as_float(self.temperature, "temperature")
+        if self.temperature < 0.0:
+            _reject("temperature", f"temperature must be non-negative, got {self.temperature}")
+        self.top_p = _as_float(self.top_p, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            _reject("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None:
+            top_k = _as_int(self.top_k, "top_k")
+            if top_k < -1:
+                _reject("top_k", f"top_k must be at least 1 (0 or -1: disabled), got {top_k}")
+            self.top_k = top_k if top_k >= 1 else None
+        self.min_p = _as_float(self.min_p, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            _reject("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(getattr(self, name), name)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                _reject(name, f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _as_float(self.repetition_penalty, "repetition_penalty")
+        if self.repetition_penalty <= 0.0:
+            _reject(
+                "repetition_penalty",
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+            )
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    def _check_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif not isinstance(stop, (list, tuple)):
+            _reject("stop", "stop must be a string or a list of strings")
+        for text in stop:
+            if not isinstance(text, str) or not text:
+                _reject("stop", f"stop strings must be non-empty strings, got {text!r}")
+        self.stop = list(stop)
+        token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(token_ids, (list, tuple, set, frozenset)):
+            _reject("stop_token_ids", "stop_token_ids must be a list of token ids")
+        self.stop_token_ids = [_as_int(t, "stop_token_ids") for t in token_ids]
+        if any(t < 0 for t in self.stop_token_ids):
+            _reject("stop_token_ids", "stop_token_ids must be non-negative")
+
+
+def _normalize_logit_bias(bias: Any) -> Optional[dict[int, float]]:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        _reject("logit_bias", "logit_bias must map token ids to biases")
+    normalized: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = _as_token_id(key)
+        value = _as_float(value, "logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            _reject("logit_bias", f"logit_bias values must be in [-100, 100], got {value}")
+        normalized[token_id] = value
+    return normalized or None
+
+
+def _as_token_id(key: Any) -> int:
+    if isinstance(key, str) and key.strip().isdigit():
+        key = int(key)
+    if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
+        _reject("logit_bias", f"logit_bias keys must be non-negative token ids, got {key!r}")
+    return int(key)
+
+
+def _as_int(value: Any, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _reject(param, f"{param} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_float(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _reject(param, f"{param} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        _reject(param, f"{param} must be finite, got {value!r}")
+    return value
+
+
+def _reject(param: str, message: str) -> NoReturn:
+    raise RequestRejectedError(message, param=param)

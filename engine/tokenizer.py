@@ -1,0 +1,88 @@
+"""The tokenizer: a thin wrapper over the HF fast tokenizer with chat templates and stop-token ids."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Union
+
+from engine.loader import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenizer:
+    """Text <-> token ids for one model.
+
+    `hf` is the underlying HF fast tokenizer (the incremental detokenizer uses it directly).
+    `eos_token_ids` holds every id that ends generation: the tokenizer's eos plus
+    generation_config.json's `eos_token_id` (an int or a list).
+    """
+
+    hf: "PreTrainedTokenizerBase"
+    eos_token_ids: frozenset[int]
+    max_token_id: int  # largest id the tokenizer can produce, added tokens included
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included (the model's embedding may be larger)."""
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template makes of `messages`."""
+        from jinja2.exceptions import TemplateError
+
+        if not self.has_chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
+            )
+        try:
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as exc:
+            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat prompt (the template writes any special tokens itself)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
+    """The tokenizer saved in a checkpoint directory (tokenizer.json et al., generation_config.json)."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
+    eos = set(generation_eos_token_ids(Path(path)))
+    if hf.eos_token_id is not None:
+        eos.add(hf.eos_token_id)
+    max_token_id = max(hf.get_vocab().values())
+    return Tokenizer(hf=hf, eos_token_ids=frozenset(eos), max_token_id=max_token_id)
+
+
+def generation_eos_token_ids(path: Path) -> frozenset[int]:
+    """`eos_token_id` of generation_config.json in `path` (int or list); empty when absent."""
+    try:
+        value = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return frozenset()
+    if value is None:
+        return frozenset()
+    values = value if isinstance(value, list) else [value]
+    return frozenset(int(v) for v in values)

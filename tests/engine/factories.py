@@ -1,0 +1,189 @@
+"""Builders for engine tests: tiny random-weight checkpoints (HF layout and GGUF) with a real tokenizer.
+
+Everything is built in memory in a second or two; nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+TINY_PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+EOS_ID = 2
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TRAINING_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A paged key-value cache splits every sequence "
+    "into blocks of tokens, so memory is handed out in small pieces and freed the moment a request "
+    "finishes. The scheduler decides, at every step, which requests run and how many tokens each "
+    "one computes; decodes go first, then chunks of prompts.\n",
+    "Once upon a time, in a small town by the sea, there lived an old engineer who repaired clocks. "
+    "Every morning she opened the shop at eight o'clock, drank her coffee, and listened to the "
+    "ticking of a hundred machines. Numbers like 3.14159, 2048 and 65536 were written on the wall.\n",
+    "Hello, world! How are you today? I'm fine, thanks. What's the weather like? It's sunny and warm, "
+    "with a light breeze from the west. Let's go for a walk in the park and talk about language models, "
+    "tokenizers, attention, and the meaning of life.\n",
+    "Café crème, naïve façade, résumé, jalapeño, Ångström, Straße, smörgåsbord, déjà vu, "
+    "Zürich, São Paulo, Kraków, Œuvre complète.\n",
+    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다。"
+    "今日は良い天気ですね。我喜欢学习语言模型。\n",
+    "Emoji too: 🙂 😀 🚀 🎉 👍🏽 ❤️ 🌍 — and symbols: €, £, ¥, ©, ™, ±, ≤, ≥, ∞, →.\n",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i, add(i, i))\n",
+)
+
+_ARCHITECTURES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "head_dim": 16,
+        "attention_bias": False,
+    },
+}
+
+
+def tiny_config_dict(arch: Literal["llama", "qwen2", "qwen3"] = "llama", **overrides) -> dict:
+    """The HF config of the tiny test model: configs/tiny.yaml's `tiny_model`, the arch, overrides."""
+    config = dict(yaml.safe_load(TINY_PRESET.read_text())["tiny_model"])
+    config.update(_ARCHITECTURES[arch])
+    config["initializer_range"] = 0.15  # large enough that greedy logits are not near-ties
+    config.update(overrides)
+    return config
+
+
+def make_tiny_model_dir(
+    path: Path,
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama",
+    *,
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    """Write a tiny random-weight model (safetensors, config, generation config, tokenizer) to `path`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config_dict = tiny_config_dict(arch, **overrides)
+    config = AutoConfig.for_model(**config_dict)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=0
+    ).save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def make_tiny_tokenizer():
+    """A byte-level BPE (vocab 512) trained on TRAINING_TEXT, ChatML template, eos `<|im_end|>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(TRAINING_TEXT, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    hf.chat_template = CHATML_TEMPLATE
+    return hf
+
+
+def make_tiny_gguf(model_dir: Path, gguf_path: Path) -> Path:
+    """Write a tiny Llama checkpoint directory as an F32 GGUF, the way llama.cpp's converter lays it out."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if config["model_type"] != "llama":
+        raise ValueError("make_tiny_gguf writes llama checkpoints only")
+    writer = gguf.GGUFWriter(str(gguf_path), "llama")
+    _write_gguf_hparams(writer, config)
+    _write_gguf_tokenizer(writer, model_dir)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        array = tensor.float().numpy()
+        if base.endswith("q_proj"):
+            array = _llama_cpp_permute(array, heads)
+        elif base.endswith("k_proj"):
+            array = _llama_cpp_permute(array, kv_heads)
+        writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_path
+
+
+def _llama_cpp_permute(weights, n_head: int):
+    """llama.cpp's q/k row order: each head's rotary halves interleaved."""
+    rows = weights.shape[0]
+    return (
+        weights.reshape(n_head, 2, rows // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _write_gguf_hparams(writer, config: dict) -> None:
+    import gguf
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_name("tiny-llama")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
+def _write_gguf_tokenizer(writer, model_dir: Path) -> None:
+    import gguf
+
+    model = json.loads((model_dir / "tokenizer.json").read_text())["model"]
+    tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [
+        gguf.TokenType.CONTROL if token in SPECIAL_TOKENS else gguf.TokenType.NORMAL for token in tokens
+    ]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(SPECIAL_TOKENS.index("<|im_start|>"))
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(CHATML_TEMPLATE)

@@ -1,0 +1,67 @@
+"""Engine builders with the tiny preset, and HF transformers references to compare against."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import yaml
+
+from engine import LLM
+
+TINY_PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def make_llm(model_dir: Path, **overrides) -> LLM:
+    """An LLM over a checkpoint with configs/tiny.yaml's cache and scheduler settings, fp32 on CPU."""
+    preset = yaml.safe_load(TINY_PRESET.read_text())
+    kwargs = {**preset["cache"], **preset["scheduler"], "dtype": "float32", "device": "cpu"}
+    kwargs.update(overrides)
+    return LLM(str(model_dir), **kwargs)
+
+
+def assert_idle(llm: LLM) -> None:
+    """Nothing left running and every KV block back in the free pool."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests
+    assert engine.scheduler.kv_cache_manager.usage == 0
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+@lru_cache(maxsize=4)
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_greedy(model_dir: Path, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF `generate` greedy tokens (eos ignored) and the raw log-softmax of each chosen token."""
+    from transformers import GenerationConfig
+
+    model = hf_model(str(model_dir))
+    ids = torch.tensor([list(prompt_ids)])
+    with torch.inference_mode():
+        # No eos at all: [] (None falls back to the model's; min_new_tokens would mask eos out).
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[],
+                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    assert out.sequences.shape[1] == ids.shape[1] + max_new_tokens
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def hf_prompt_logprobs(model_dir: Path, prompt_ids: Sequence[int]) -> list[float]:
+    """log p(prompt[i] | prompt[:i]) for i >= 1."""
+    model = hf_model(str(model_dir))
+    ids = torch.tensor([list(prompt_ids)])
+    with torch.inference_mode():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], -1)
+    return logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist()

