@@ -3,7 +3,9 @@
 The output ends at the first moment any stop string is complete: the occurrence
 with the smallest end position in the text (of those ending there, the longest).
 That moment does not depend on how the text was split into deltas, so neither
-does the result. The final text is the output up to the start of that occurrence
+does the result (vLLM, which checks per token, takes the first stop string in list
+order among those found in one token's text; the two agree except on such ties).
+The final text is the output up to the start of that occurrence
 (up to its end with `include_stop_str_in_output`); nothing after it is emitted.
 
 While streaming, the longest suffix of the text that is a proper prefix of some
@@ -14,17 +16,18 @@ stop string is held back until later text completes or rules it out:
 
 Any occurrence not yet complete starts inside the held suffix, so each delta is
 searched together with the held text only: the cost per delta is
-O((longest stop string + len(delta)) * number of stop strings).
+O((longest stop string + len(delta)) * number of stop strings) for the search, plus
+one regex search over the last (longest - 1) characters for the suffix to hold,
+whatever the output length.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+import re
+from typing import NamedTuple, Optional, Sequence
 
 
-@dataclass(frozen=True, slots=True)
-class StopMatch:
+class StopMatch(NamedTuple):
     """What `StopStringMatcher.add_text` found: text safe to emit now, and the stop hit if any."""
 
     text: str = ""
@@ -35,12 +38,13 @@ class StopStringMatcher:
     """Finds stop strings in streamed text and holds back text that could be the start of one.
 
     Feed text deltas with `add_text`; once it reports a stop, the request is done
-    and later text is ignored. If the request finishes for another reason, `flush`
-    releases the held-back text. Across all calls, the emitted text is the output
-    text cut as described in the module docstring.
+    and later text is ignored. If the request finishes for another reason, pass the
+    detokenizer's `flush()` through `add_text` first (it may still complete a stop
+    string), then `flush` releases the held-back text. Across all calls, the emitted
+    text is the output text cut as described in the module docstring.
     """
 
-    __slots__ = ("_stops", "_prefixes", "_max_held", "_include_stop", "_held", "_stopped")
+    __slots__ = ("_stops", "_prefix_at_end", "_max_held", "_include_stop", "_held", "_stopped")
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
         if isinstance(stop, str):
@@ -48,7 +52,11 @@ class StopStringMatcher:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stops = tuple(dict.fromkeys(stop))
-        self._prefixes = frozenset(s[:n] for s in self._stops for n in range(1, len(s)))
+        prefixes = sorted({s[:n] for s in self._stops for n in range(1, len(s))}, key=len, reverse=True)
+        # leftmost match = longest suffix of the text that is a proper prefix of a stop string
+        self._prefix_at_end = (
+            re.compile("(?:%s)\\Z" % "|".join(map(re.escape, prefixes))) if prefixes else None
+        )
         self._max_held = max((len(s) - 1 for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
         self._held = ""
@@ -68,6 +76,8 @@ class StopStringMatcher:
         """Take the next piece of output text; return what can be emitted and any stop hit."""
         if self._stopped:
             return StopMatch()
+        if not self._stops:
+            return StopMatch(delta)
         text = self._held + delta
         hit = self._first_stop(text)
         if hit is not None:
@@ -100,8 +110,7 @@ class StopStringMatcher:
 
     def _held_suffix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        prefixes = self._prefixes
-        for n in range(min(len(text), self._max_held), 0, -1):
-            if text[len(text) - n :] in prefixes:
-                return n
-        return 0
+        if self._prefix_at_end is None:
+            return 0
+        match = self._prefix_at_end.search(text, max(0, len(text) - self._max_held))
+        return 0 if match is None else len(text) - match.start()

@@ -75,7 +75,11 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejectedError if it can never be served."""
-        self._validate(request)
+        if request.request_id in self.requests:
+            raise RequestRejectedError(
+                f"request id {request.request_id!r} is already in use", param="request_id"
+            )
+        self.check_request(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -312,11 +316,8 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)
 
-    def _validate(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise RequestRejectedError(
-                f"request id {request.request_id!r} is already in use", param="request_id"
-            )
+    def check_request(self, request: Request) -> None:
+        """Raise RequestRejectedError if the request could never be served (changes nothing)."""
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise RequestRejectedError("a new request must be WAITING with nothing computed")
         num_prompt = request.num_prompt_tokens

@@ -14,7 +14,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     bench_kinds.add_parser(
-        "scheduler", help="scheduler overhead per step (extra flags go to python -m scheduler.bench)", add_help=False
+        "scheduler", help="scheduler overhead per step (flags: python -m scheduler.bench --help)", add_help=False
+    )
+    bench_kinds.add_parser(
+        "offline", help="offline throughput vs HF transformers (flags: python -m engine.bench --help)", add_help=False
     )
     return parser
 
@@ -25,6 +28,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from scheduler.bench import main as bench_main
 
         bench_main(rest)
+        return 0
+    if args.command == "bench" and args.kind == "offline":
+        from engine.bench import main as offline_main
+
+        offline_main(rest)
         return 0
     if rest:
         print(f"pagedserve {args.command}: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)

@@ -171,7 +171,9 @@ def test_byte_fallback_run_that_turns_invalid_keeps_what_was_emitted(sentencepie
     prompt = tok.encode("Hi", add_special_tokens=False)
     output = byte_fallback_ids(tok, "中".encode() + b"\x80") + tok.encode(" ok", add_special_tokens=False)
     assert reference(tok, prompt, output, True) == "\ufffd" * 4 + " ok"
-    assert stream(tok, prompt, [[i] for i in output]) == ["", "", "中", "", "\ufffd ok", ""]
+    deltas = stream(tok, prompt, [[i] for i in output])
+    assert deltas[:4] == ["", "", "中", ""]
+    assert "".join(deltas) == "中\ufffd ok"
 
 
 def test_byte_fallback_output_cut_inside_a_character_keeps_the_run_before_it(sentencepiece):
@@ -223,6 +225,15 @@ def test_sentencepiece_prompt_ending_in_skipped_specials_still_spaces_the_first_
     assert (
         "".join(stream(tok, prompt, [output], skip=True)) == " world" == reference(tok, prompt, output, True)
     )
+
+
+def test_context_does_not_start_inside_a_byte_run(sentencepiece):
+    """The prompt's last 5 tokens start inside "文"; the output continues the same byte run."""
+    tok = sentencepiece
+    prompt = tok.encode("Hi 中文日", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(prompt[-5]) == "<0x96>"  # a continuation byte of "文"
+    output = byte_fallback_ids(tok, "本".encode())
+    assert "".join(stream(tok, prompt, [output])) == "本" == reference(tok, prompt, output, True)
 
 
 def test_context_is_a_short_prompt_suffix_even_for_long_prompts(sentencepiece):

@@ -1,0 +1,170 @@
+"""Offline throughput against HF transformers, side by side: `pagedserve bench offline`.
+
+Both run the same prompts (token ids) with the same weights and dtype in one
+process, one after the other:
+  - pagedserve: `LLM.generate` with continuous batching over the paged KV cache;
+  - HF: `model.generate` on the prompts as one padded batch.
+It prints output tokens/s for both and the ratio, then the single-stream decode
+step time next to the memory-bandwidth floor: one bare matrix-vector pass over
+all the weights in the same dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which this be or has "
+    "had not but one all new more first after also two time year city system people world music team "
+    "history river station school village model paper data light water energy science road market"
+).split()
+
+
+def make_prompts(llm: LLM, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of exactly `length` token ids, from random word salad."""
+    rng = random.Random(seed)
+    tokenizer = llm.get_tokenizer()
+    prompts = []
+    for _ in range(count):
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(64)), add_special_tokens=False)
+        prompts.append(ids[:length])
+    return prompts
+
+
+def bench_pagedserve(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(r.outputs[0].token_ids) == output_len for r in results)
+    return len(prompts) * output_len / elapsed
+
+
+def bench_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+    from transformers import GenerationConfig
+
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=[], pad_token_id=pad_id)
+    with torch.inference_mode():
+        model.generate(ids[:2, :8], attention_mask=mask[:2, :8], generation_config=config.__class__(
+            max_new_tokens=4, do_sample=False, eos_token_id=[], pad_token_id=pad_id))
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == longest + output_len
+    return len(prompts) * output_len / elapsed
+
+
+def single_stream_step_ms(llm: LLM, prompt: list[int], steps: int) -> float:
+    engine = llm.engine
+    engine.add_request("bench-single", prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+    engine.step()  # prefill
+    timings = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        timings.append(time.perf_counter() - start)
+    engine.abort(["bench-single"])
+    engine.step()
+    return statistics.median(timings) * 1e3
+
+
+def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int) -> float:
+    """One matrix-vector product per weight matrix, batch 1: the bandwidth floor of a decode step."""
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    timings = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            timings.append(time.perf_counter() - start)
+    return statistics.median(timings) * 1e3
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = llm.engine
+    dtype = engine.runner.model.dtype
+    prompts = make_prompts(llm, args.num_prompts, args.input_len, args.seed)
+    report: dict[str, float] = {}
+    report["step_ms"] = single_stream_step_ms(llm, prompts[0], args.single_steps)
+    report["floor_ms"] = weight_floor_ms(engine.runner.model.weight_tensors(), args.single_steps)
+    print(f"single-stream decode step: {report['step_ms']:.2f} ms; weight-read floor (batch-1 matvec over all "
+          f"weights, {str(dtype).removeprefix('torch.')}): {report['floor_ms']:.2f} ms; "
+          f"ratio {report['step_ms'] / report['floor_ms']:.2f}x", flush=True)
+    report["pagedserve_tok_s"] = bench_pagedserve(llm, prompts, args.output_len)
+    print(f"pagedserve: {report['pagedserve_tok_s']:.1f} output tok/s", flush=True)
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        checkpoint_dir = str(_checkpoint_dir(args.model))
+        del llm, engine
+        gc.collect()
+        model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype)
+        model.eval()
+        report["hf_tok_s"] = bench_hf(model, prompts, args.output_len, pad_id=_pad_id(model))
+        print(f"HF transformers generate (padded batch): {report['hf_tok_s']:.1f} output tok/s", flush=True)
+        report["ratio"] = report["pagedserve_tok_s"] / report["hf_tok_s"]
+    _print_table(args, report, dtype)
+    return report
+
+
+def _checkpoint_dir(model: Optional[str]):
+    from engine.loader import prepare_checkpoint
+
+    return prepare_checkpoint(model).path
+
+
+def _pad_id(model) -> int:
+    pad = model.generation_config.pad_token_id
+    return pad if isinstance(pad, int) else 0
+
+
+def _print_table(args, report: dict[str, float], dtype: torch.dtype) -> None:
+    print()
+    print(f"| {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+          f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads | output tok/s |")
+    print("|---|---|")
+    print(f"| pagedserve | {report['pagedserve_tok_s']:.1f} |")
+    if "hf_tok_s" in report:
+        print(f"| HF transformers generate | {report['hf_tok_s']:.1f} |")
+        print(f"| ratio | {report['ratio']:.2f}x |")
+    print(f"| single-stream step / weight floor | {report['step_ms']:.2f} ms / {report['floor_ms']:.2f} ms "
+          f"= {report['step_ms'] / report['floor_ms']:.2f}x |")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedserve bench offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--single-steps", type=int, default=32)
+    parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
+    parser.add_argument("--seed", type=int, default=0)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
