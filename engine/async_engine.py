@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence, Union
+from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 from engine.engine import EngineCore
 from engine.outputs import RequestOutput
@@ -52,8 +52,9 @@ _Command = Union[_Add, _Abort, None]  # None stops the loop
 class AsyncEngine:
     """Thread-safe front of an EngineCore for asyncio code (the HTTP server)."""
 
-    def __init__(self, engine: EngineCore):
+    def __init__(self, engine: EngineCore, on_step: Optional[Callable[[int], None]] = None):
         self.engine = engine
+        self.on_step = on_step  # called on the engine thread with each step's token count
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -142,6 +143,8 @@ class AsyncEngine:
                     return
                 if engine.has_unfinished_requests:
                     self._publish(engine.step())
+                    if self.on_step is not None and engine.last_step_num_tokens:
+                        self.on_step(engine.last_step_num_tokens)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting clients
             logger.exception("engine loop failed")
             self._error = exc

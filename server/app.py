@@ -1,0 +1,138 @@
+"""The FastAPI application factory: routes, the error envelope, auth, metrics, engine lifecycle."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.errors import APIError, error_body
+from server.logprob_format import LogprobFormatter
+from server.metrics import ServerMetrics, cache_info
+from server.routes import chat, completions, models, ops, tokenize
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+_AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
+               on_ready: Optional[Callable[[], None]] = None) -> FastAPI:
+    """The app serving `engine`. Its lifespan starts the engine thread, warms the model up
+    (one short generation) before /health reports ready, and stops the engine at shutdown."""
+    state = _make_state(engine, server_config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        await _warm_up(state)
+        if on_ready is not None:
+            on_ready()
+        yield
+        state.draining = True
+        await engine.shutdown()
+
+    app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
+    app.state.server = state
+    for module in (completions, chat, models, tokenize, ops):
+        app.include_router(module.router)
+    _install_error_handlers(app, state)
+    _install_middleware(app, state)
+    return app
+
+
+def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
+    core = engine.engine
+    name = config.served_model_name or core.model_name
+    cache = core.scheduler.cache_config
+    metrics = ServerMetrics(name, core.stats, cache_info(
+        num_blocks=cache.num_blocks, block_size=cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+        dtype=str(core.runner.model.dtype).removeprefix("torch."), attention_backend=core.runner.backend.name,
+        max_model_len=core.max_model_len))
+    engine.on_step = metrics.observe_step
+    return ServerState(engine=engine, config=config, served_model_names=[name], metrics=metrics,
+                       formatter=LogprobFormatter(core.tokenizer))
+
+
+async def _warm_up(state: ServerState) -> None:
+    prompt = state.tokenizer.encode("Hello") or [0]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    async for _ in state.engine.generate("warmup", prompt, params):
+        pass
+    state.ready = True
+    logger.info("warm-up done; ready to serve %s", ", ".join(state.served_model_names))
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        if exc.status == 400:
+            state.metrics.observe_rejected()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        state.metrics.observe_rejected()
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None  # the request field, as OpenAI names it
+        message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
+        return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        state.metrics.observe_error()
+        return JSONResponse(error_body(503, str(exc)), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        state.metrics.observe_error()
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+def _install_middleware(app: FastAPI, state: ServerState) -> None:
+    keys = [key.encode() for key in state.config.api_keys]
+
+    @app.middleware("http")
+    async def auth_and_metrics(request: Request, call_next):
+        path = request.url.path
+        if keys and request.method != "OPTIONS" and path.startswith(_AUTH_PREFIXES) and not _authorized(request, keys):
+            response = JSONResponse(error_body(401, "Invalid or missing API key (send Authorization: Bearer <key>)."),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")
+        state.metrics.observe_http(getattr(route, "path", "unmatched"), response.status_code)
+        return response
+
+    app.add_middleware(CORSMiddleware, allow_origins=state.config.allowed_origins, allow_methods=["*"],
+                       allow_headers=["*"], allow_credentials=False)
+
+
+def _authorized(request: Request, keys: list[bytes]) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    presented = token.strip().encode()
+    matched = False
+    for key in keys:  # compare against every key: constant time in which key matched
+        matched |= hmac.compare_digest(presented, key)
+    return matched

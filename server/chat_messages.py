@@ -1,0 +1,31 @@
+"""Chat messages as the chat template sees them (text only; tools refused)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from server.errors import bad_request
+from server.protocol import ChatMessage
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """`[{"role", "content"}]` for the tokenizer's chat template; `developer` becomes `system`."""
+    return [_template_message(m, i) for i, m in enumerate(messages)]
+
+
+def _template_message(message: ChatMessage, index: int) -> dict:
+    param = f"messages[{index}]"
+    if message.role in ("tool", "function") or (message.model_extra or {}).get("tool_calls"):
+        raise bad_request("tool and function messages are not supported.", param=f"{param}.role",
+                          code="unsupported_parameter")
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"content part of type {part.get('type')!r} is not supported; only 'text'.",
+                                  param=f"{param}.content[{j}]", code="unsupported_parameter")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}

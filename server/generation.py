@@ -1,0 +1,172 @@
+"""From an OpenAI request to engine requests: sampling parameters, prompts, and the choices' streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional, Sequence
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
+from engine.parallel_sampling import fan_out
+from engine.sampling_params import SamplingParams
+from scheduler import RequestRejectedError
+from server.errors import APIError, bad_request
+from server.protocol import SamplingFields
+
+logger = logging.getLogger(__name__)
+
+OutputObserver = Callable[[RequestOutput], None]
+
+
+def check_model(requested: Optional[str], served: Sequence[str]) -> str:
+    """The served model name for the request; 404 for an unknown one."""
+    if requested is None or requested in served:
+        return served[0]
+    raise APIError(404, f"The model {requested!r} does not exist; this server serves {', '.join(map(repr, served))}.",
+                   param="model", code="model_not_found")
+
+
+def check_extra_fields(request: SamplingFields, strict: bool) -> None:
+    """Fields nobody defines: logged and accepted, or 400 under --strict-params."""
+    extra = sorted(request.model_extra or {})
+    if not extra:
+        return
+    if strict:
+        raise bad_request(f"Unrecognized request argument(s): {', '.join(extra)}.", param=extra[0],
+                          code="unknown_parameter")
+    logger.warning("ignoring unrecognized request field(s): %s", ", ".join(extra))
+
+
+def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], logprobs: Optional[int] = None,
+                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    """SamplingParams from the request's fields; a bad value is a 400 naming its field."""
+    values = {
+        "n": request.n,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "logit_bias": request.logit_bias,
+        "seed": request.seed,
+        "max_tokens": max_tokens,
+        "min_tokens": request.min_tokens,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
+        "spaces_between_special_tokens": request.spaces_between_special_tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+    }
+    nullable = {"top_k", "logit_bias", "seed", "max_tokens", "logprobs", "prompt_logprobs", "stop"}
+    kwargs = {k: v for k, v in values.items() if v is not None or k in nullable}
+    if kwargs.get("stop") is None:
+        kwargs.pop("stop")
+    if kwargs.get("stop_token_ids") is None:
+        kwargs.pop("stop_token_ids", None)
+    try:
+        return SamplingParams(**kwargs)
+    except RequestRejectedError as exc:
+        raise bad_request(exc.message, param=exc.param, code=exc.code) from None
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request behind a response choice."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """A choice's accumulated output (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: Optional[list] = None
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    num_cached_tokens: int = 0
+
+
+def plan_choices(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
+    """Choice `prompt_index * n + i` is child i of prompt `prompt_index` (OpenAI's numbering)."""
+    choices = []
+    for prompt_index, prompt in enumerate(prompts):
+        base = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_index}"
+        for i, (child_id, child_params) in enumerate(fan_out(base, params)):
+            choices.append(Choice(prompt_index * params.n + i, child_id, prompt_index, prompt, child_params))
+    return choices
+
+
+def check_choices(engine: AsyncEngine, choices: Sequence[Choice]) -> None:
+    """Refuse the whole request (400) before anything runs if one choice can never be served."""
+    for choice in choices:
+        try:
+            engine.check_request(choice.prompt_token_ids, choice.params)
+        except RequestRejectedError as exc:
+            raise bad_request(exc.message, param=exc.param, code=exc.code) from None
+
+
+async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int,
+                         observe: OutputObserver) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Interleave the outputs of every choice as they come. Closing this iterator aborts them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for output in engine.generate(choice.request_id, choice.prompt_token_ids, choice.params,
+                                                priority=priority):
+                observe(output)
+                queue.put_nowait((choice, output))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(done)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int,
+                          observe: OutputObserver) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in choices]
+    position = {choice.request_id: i for i, choice in enumerate(choices)}
+    async for choice, output in stream_choices(engine, choices, priority, observe):
+        result = results[position[choice.request_id]]
+        result.text = output.text
+        result.token_ids.extend(output.new_token_ids)
+        if output.logprobs:
+            result.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            result.prompt_logprobs = output.prompt_logprobs
+        if output.finished:
+            result.finish_reason = output.finish_reason
+            result.stop_reason = output.stop_reason
+        result.num_cached_tokens = output.num_cached_tokens
+    return results

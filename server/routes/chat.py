@@ -1,0 +1,126 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.disconnect import cancel_on_disconnect
+from server.errors import ERROR_RESPONSES, bad_request
+from server.chat_messages import template_messages
+from server.generation import (Choice, check_choices, check_extra_fields, check_model, collect_choices,
+                               make_sampling_params, plan_choices, stream_choices)
+from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                             ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
+                             PromptTokensDetails, Usage, new_id, now)
+from server.sse import sse_event, with_error_events
+from server.state import ServerState
+
+router = APIRouter()
+
+# OpenAI fields this server does not implement, with the values that mean "not used".
+_UNSUPPORTED = {
+    "tools": (None, []),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "metadata": (None,),
+    "verbosity": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
+    "echo": (False,),
+    "continue_final_message": (False,),
+}
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    state: ServerState = request.app.state.server
+    model = check_model(body.model, state.served_model_names)
+    check_extra_fields(body, state.config.strict_params)
+    _refuse_unsupported(body)
+    prompt = _render(body, state)
+    num_top = _num_top_logprobs(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = make_sampling_params(body, max_tokens=max_tokens, logprobs=num_top)
+    request_id = body.request_id or new_id("chatcmpl")
+    choices = plan_choices(request_id, [prompt], params)
+    check_choices(state.engine, choices)
+    if body.stream:
+        return StreamingResponse(with_error_events(_stream(state, body, model, request_id, choices, num_top)),
+                                 media_type="text/event-stream")
+    results = await cancel_on_disconnect(
+        request, collect_choices(state.engine, choices, body.priority, state.metrics.observe_output))
+    out = []
+    for choice, result in zip(choices, results):
+        logprobs = state.formatter.chat(result.logprobs, num_top) if num_top is not None else None
+        out.append(ChatChoice(index=choice.index, message=AssistantMessage(content=result.text), logprobs=logprobs,
+                              finish_reason=result.finish_reason, stop_reason=result.stop_reason))
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    usage = Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                  total_tokens=len(prompt) + completion_tokens,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=results[0].num_cached_tokens))
+    response = ChatCompletionResponse(id=request_id, created=now(), model=model, choices=out, usage=usage)
+    return JSONResponse(response.model_dump())
+
+
+def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    for name, allowed in _UNSUPPORTED.items():
+        if getattr(body, name) not in allowed:
+            raise bad_request(f"{name} is not supported by this server.", param=name, code="unsupported_parameter")
+    if body.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice other than 'none' is not supported (no tool calling yet).",
+                          param="tool_choice", code="unsupported_parameter")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(f"response_format {body.response_format.type!r} is not supported; only 'text'.",
+                          param="response_format", code="unsupported_parameter")
+
+
+def _num_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if not body.logprobs:
+        return None
+    return body.top_logprobs or 0
+
+
+def _render(body: ChatCompletionRequest, state: ServerState) -> list[int]:
+    if not body.messages:
+        raise bad_request("messages must not be empty.", param="messages")
+    messages = template_messages(body.messages)
+    try:
+        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+
+
+async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, request_id: str,
+                  choices: list[Choice], num_top: Optional[int]) -> AsyncIterator[bytes]:
+    created = now()
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def chunk(choices_, usage=None) -> bytes:
+        return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices_,
+                                             usage=usage))
+
+    for choice in choices:
+        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
+    completion_tokens = 0
+    prompt_tokens = len(choices[0].prompt_token_ids)
+    async for choice, output in stream_choices(state.engine, choices, body.priority, state.metrics.observe_output):
+        completion_tokens += len(output.new_token_ids)
+        if not output.text_delta and not output.finished and num_top is None:
+            continue
+        logprobs = state.formatter.chat(output.logprobs or [], num_top) if num_top is not None else None
+        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(content=output.text_delta),
+                                     logprobs=logprobs, finish_reason=output.finish_reason,
+                                     stop_reason=output.stop_reason)])
+    if include_usage:
+        yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens))

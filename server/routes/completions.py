@@ -1,0 +1,122 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.disconnect import cancel_on_disconnect
+from server.errors import ERROR_RESPONSES, bad_request
+from server.generation import (Choice, ChoiceResult, check_choices, check_extra_fields, check_model,
+                               collect_choices, make_sampling_params, plan_choices, stream_choices)
+from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage,
+                             new_id, now)
+from server.sse import DONE, sse_event, with_error_events
+from server.state import ServerState
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+async def create_completion(body: CompletionRequest, request: Request):
+    state: ServerState = request.app.state.server
+    model = check_model(body.model, state.served_model_names)
+    check_extra_fields(body, state.config.strict_params)
+    if body.suffix is not None:
+        raise bad_request("suffix is not supported.", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of must equal n (best-of-n selection is not supported).", param="best_of")
+    prompts = _prompt_token_ids(body, state)
+    params = make_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                  prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+    request_id = body.request_id or new_id("cmpl")
+    choices = plan_choices(request_id, prompts, params)
+    check_choices(state.engine, choices)
+    observe = state.metrics.observe_output
+    if body.stream:
+        events = _stream(state, body, model, request_id, choices, prompts)
+        return StreamingResponse(with_error_events(events), media_type="text/event-stream")
+    results = await cancel_on_disconnect(request, collect_choices(state.engine, choices, body.priority, observe))
+    return JSONResponse(_response(state, body, model, request_id, choices, prompts, results).model_dump())
+
+
+def _prompt_token_ids(body: CompletionRequest, state: ServerState) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [state.tokenizer.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def _echo_text(state: ServerState, body: CompletionRequest, prompt: list[int]) -> str:
+    if isinstance(body.prompt, str):
+        return body.prompt
+    return state.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+def _response(state, body, model, request_id, choices: list[Choice], prompts, results: list[ChoiceResult]):
+    out_choices = []
+    for choice, result in zip(choices, results):
+        prefix = _echo_text(state, body, choice.prompt_token_ids) if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            entries, tokens = list(result.logprobs), list(result.token_ids)
+            if body.echo:
+                entries = list(result.prompt_logprobs or [None] * len(choice.prompt_token_ids)) + entries
+                tokens = choice.prompt_token_ids + tokens
+            logprobs = state.formatter.completion(entries, tokens, body.logprobs)
+        out_choices.append(CompletionChoice(index=choice.index, text=prefix + result.text, logprobs=logprobs,
+                                            finish_reason=result.finish_reason, stop_reason=result.stop_reason))
+    return CompletionResponse(id=request_id, created=now(), model=model, choices=out_choices,
+                              usage=_usage(prompts, results, body.n))
+
+
+def _usage(prompts: list[list[int]], results, n: int) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    cached = sum(r.num_cached_tokens for i, r in enumerate(results) if i % n == 0)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def _stream(state: ServerState, body: CompletionRequest, model: str, request_id: str,
+                  choices: list[Choice], prompts: list[list[int]]) -> AsyncIterator[bytes]:
+    created = now()
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    completion_tokens = 0
+    started: set[int] = set()
+    offsets = {choice.index: 0 for choice in choices}
+    async for choice, output in stream_choices(state.engine, choices, body.priority, state.metrics.observe_output):
+        text, tokens, entries = output.text_delta, list(output.new_token_ids), list(output.logprobs or [])
+        if body.echo and choice.index not in started:
+            text = _echo_text(state, body, choice.prompt_token_ids) + text
+            if body.logprobs is not None:
+                prompt_entries = output.prompt_logprobs or [None] * len(choice.prompt_token_ids)
+                entries, tokens = list(prompt_entries) + entries, choice.prompt_token_ids + tokens
+        started.add(choice.index)
+        completion_tokens += len(output.new_token_ids)
+        if not text and not output.finished and body.logprobs is None:
+            continue  # nothing to say yet (text held back for a possible stop string)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = state.formatter.completion(entries, tokens, body.logprobs, offsets[choice.index])
+            offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
+        chunk = CompletionResponse(
+            id=request_id, created=created, model=model,
+            choices=[CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
+                                      finish_reason=output.finish_reason, stop_reason=output.stop_reason)],
+        )
+        yield sse_event(chunk)
+    if include_usage:
+        prompt_tokens = sum(len(p) for p in prompts)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+        yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))

@@ -1,0 +1,38 @@
+"""Operations: GET /health, /version, /metrics."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server.errors import ERROR_RESPONSES, APIError
+from server.state import ServerState
+
+router = APIRouter()
+
+
+@router.get("/health", responses=ERROR_RESPONSES)
+async def health(request: Request) -> Response:
+    """200 once warmed up while the engine loop is alive; 503 otherwise."""
+    state: ServerState = request.app.state.server
+    if not state.engine.is_alive:
+        raise APIError(503, f"the engine is not running: {state.engine.error or 'stopped'}")
+    if not state.ready:
+        raise APIError(503, "the server is warming up")
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def get_version() -> dict:
+    try:
+        return {"version": version("pagedserve")}
+    except PackageNotFoundError:
+        return {"version": "unknown"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

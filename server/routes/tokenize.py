@@ -1,0 +1,41 @@
+"""POST /tokenize and POST /detokenize (vLLM's extras)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server.errors import ERROR_RESPONSES, bad_request
+from server.generation import check_model
+from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.chat_messages import template_messages
+from server.state import ServerState
+
+router = APIRouter()
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state: ServerState = request.app.state.server
+    check_model(body.model, state.served_model_names)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages.", param="prompt")
+    if body.prompt is not None:
+        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        messages = template_messages(body.messages)
+        try:
+            tokens = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+    return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state: ServerState = request.app.state.server
+    check_model(body.model, state.served_model_names)
+    vocab = state.engine.engine.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1}).", param="tokens")
+    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))

@@ -1,0 +1,31 @@
+"""What the routes share, kept on `app.state.server` (no module-level state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.async_engine import AsyncEngine
+from engine.tokenizer import Tokenizer
+from server.config import ServerConfig
+from server.logprob_format import LogprobFormatter
+from server.metrics import ServerMetrics
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    served_model_names: list[str]
+    metrics: ServerMetrics
+    formatter: LogprobFormatter
+    ready: bool = False
+    draining: bool = False
+    warmup_error: BaseException | None = field(default=None)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len

@@ -1,0 +1,86 @@
+"""A real uvicorn server on a free loopback port, serving the tiny random model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from server.app import create_app
+from server.config import ServerConfig
+from tests.engine.factories import make_tiny_model_dir
+from tests.engine.references import make_llm
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    engine: AsyncEngine
+    model_name: str
+    api_key: str | None = None
+
+    def client(self, **kwargs) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=60, **kwargs)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request is left in the engine and every KV block is free."""
+        core = self.engine.engine
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = core.stats()
+            if stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"engine not idle after {timeout} s: {core.stats()}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model_dir, server_config: ServerConfig, **engine_overrides):
+    engine = AsyncEngine(make_llm(model_dir, **engine_overrides).engine)
+    port = free_port()
+    app = create_app(engine, server_config.model_copy(update={"port": port}))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    keys = server_config.api_keys
+    running = RunningServer(f"http://127.0.0.1:{port}", engine, app.state.server.served_model_names[0],
+                            keys[0] if keys else None)
+    return server, thread, running
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("server-tiny"), "llama")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir):
+    """The shared server (no auth). Tests must leave it idle."""
+    uv, thread, running = start_server(tiny_model_dir, ServerConfig(served_model_name="tiny"))
+    yield running
+    uv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(autouse=True)
+def leaves_engine_idle(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").wait_idle()
