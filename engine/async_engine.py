@@ -13,6 +13,7 @@ The model computes off the event loop, so HTTP stays responsive while it runs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -56,7 +57,9 @@ class AsyncEngine:
         self.engine = engine
         self.on_step = on_step  # called on the engine thread with each step's token count
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, asyncio.Queue] = {}  # by engine request id
+        self._live: dict[str, str] = {}  # caller's request id -> engine request id
+        self._serial = itertools.count()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
@@ -90,6 +93,9 @@ class AsyncEngine:
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejectedError now for a request that can never be served."""
+        if params.n != 1:
+            raise RequestRejectedError("one sequence per request: fan n > 1 out with parallel_sampling.fan_out",
+                                       param="n")
         request = self.engine.make_request("check", prompt_token_ids, params)
         self.engine.scheduler.check_request(request)
 
@@ -104,15 +110,18 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Closing the iterator (a client
         that went away) aborts the request in the engine at once."""
-        if not self.is_alive:
+        if not self.is_alive or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
         self.check_request(prompt_token_ids, params)
-        if request_id in self._streams:
+        if request_id in self._live:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", param="request_id")
+        # A unique engine id per call: a reused id never receives a late output of its predecessor.
+        engine_id = f"{request_id}#{next(self._serial)}"
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[engine_id] = stream
+        self._live[request_id] = engine_id
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, priority, arrival))
+        self._commands.put(_Add(engine_id, list(prompt_token_ids), params, priority, arrival))
         finished = False
         try:
             while True:
@@ -125,12 +134,15 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(engine_id, None)
+            self._live.pop(request_id, None)
             if not finished:
-                self._commands.put(_Abort([request_id]))
+                self._commands.put(_Abort([engine_id]))
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        self._commands.put(_Abort(list(request_ids)))
+        """Abort requests by the ids given to `generate`."""
+        engine_ids = [self._live[r] for r in request_ids if r in self._live]
+        self._commands.put(_Abort(engine_ids))
 
     # ------------------------------------------------------------------ engine thread
 
@@ -159,6 +171,7 @@ class AsyncEngine:
                 return True
             block = False
             if command is None:
+                self.engine.abort(self.engine.unfinished_request_ids())
                 self._fail_all(EngineDeadError("the engine is shutting down"))
                 return False
             if isinstance(command, _Abort):
@@ -167,7 +180,9 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                         arrival_time=command.arrival_time, priority=command.priority)
-            except RequestRejectedError as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
+                if not isinstance(exc, RequestRejectedError):
+                    logger.exception("could not add request %s", command.request_id)
                 self._deliver(command.request_id, exc)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:

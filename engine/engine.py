@@ -66,8 +66,6 @@ class EngineCore:
         if params.n != 1:
             raise ValueError("EngineCore.add_request takes one sequence; fan n > 1 out with fan_out()")
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority)
-        self.scheduler.add_request(request)
-        self.runner.add_request(request_id, request.prompt_token_ids, params, self.tokenizer.eos_token_ids)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer.hf,
             request.prompt_token_ids,
@@ -78,6 +76,8 @@ class EngineCore:
         state = RequestState(request, params, detokenizer, matcher)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
+        self.scheduler.add_request(request)  # the last step that can refuse it
+        self.runner.add_request(request_id, request.prompt_token_ids, params, self.tokenizer.eos_token_ids)
         self._states[request_id] = state
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -114,6 +114,9 @@ class EngineCore:
             state = self._states.pop(request.request_id)
             outputs.append(self._output(state, [], "", None, now))
         return outputs
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._states)
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -80,6 +80,8 @@ class Scheduler:
                 f"request id {request.request_id!r} is already in use", param="request_id"
             )
         self.check_request(request)
+        # A reused id: the runner must keep the new request's state, not drop it as finished.
+        self._finished_since_last_step.discard(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

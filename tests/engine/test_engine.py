@@ -143,3 +143,11 @@ def test_min_tokens_through_the_engine(llm):
     (r,) = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id], min_tokens=4), use_tqdm=False)
     assert len(r.outputs[0].token_ids) >= 4
     assert stop_id not in r.outputs[0].token_ids[:4]
+
+
+def test_request_id_reused_right_after_finishing(llm):
+    engine = llm.engine
+    engine.add_request("again", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    first = [t for o in drain(engine) for t in o.new_token_ids]
+    engine.add_request("again", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))  # before any step
+    assert [t for o in drain(engine) for t in o.new_token_ids] == first

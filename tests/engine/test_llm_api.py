@@ -1,0 +1,294 @@
+"""The offline API: `LLM.generate` / `LLM.chat` inputs, ordering, n > 1, stops, logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.sampler import TokenLogprobs
+from scheduler import RequestRejectedError
+from tests.engine.references import assert_idle, make_llm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny tensors: on 2 shared, busy cores torch's intra-op thread barriers cost more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(autouse=True)
+def idle_after(llm):
+    yield
+    assert_idle(llm)
+
+
+def greedy(max_tokens: int = 6, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
+
+
+def token_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+def generate(llm, prompts, params=None):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def alone(llm, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    (result,) = generate(llm, {"prompt_token_ids": prompt_ids}, params)
+    return result.outputs[0].token_ids
+
+
+# ---------------------------------------------------------------------- prompt forms
+
+
+def test_import_path():
+    import engine
+    from engine import LLM
+    from engine.llm import LLM as ModuleLLM
+
+    assert LLM is ModuleLLM
+    assert set(engine.__all__) >= {"LLM", "SamplingParams"}
+
+
+def test_single_string(llm):
+    (result,) = generate(llm, "Hello, world!", greedy())
+    tokenizer = llm.get_tokenizer()
+    assert result.prompt == "Hello, world!"
+    assert result.prompt_token_ids == tokenizer.encode("Hello, world!")
+    (out,) = result.outputs
+    assert out.index == 0 and len(out.token_ids) == 6
+    assert out.text == tokenizer.decode(out.token_ids)
+    assert out.token_ids == alone(llm, result.prompt_token_ids, greedy())
+
+
+def test_list_of_strings(llm):
+    prompts = ["The quick brown fox", "Once upon a time", "Hello"]
+    results = generate(llm, prompts, greedy())
+    tokenizer = llm.get_tokenizer()
+    assert [r.prompt for r in results] == prompts
+    assert [r.prompt_token_ids for r in results] == [tokenizer.encode(p) for p in prompts]
+
+
+def test_single_list_of_token_ids(llm):
+    prompt_ids = token_prompt(1, 9)
+    (result,) = generate(llm, prompt_ids, greedy())
+    assert result.prompt is None and result.prompt_token_ids == prompt_ids
+    assert result.outputs[0].token_ids == alone(llm, prompt_ids, greedy())
+
+
+def test_list_of_token_id_lists(llm):
+    prompts = [token_prompt(2, 5), token_prompt(3, 1), token_prompt(4, 17)]
+    results = generate(llm, prompts, greedy())
+    assert [r.prompt_token_ids for r in results] == prompts
+    assert all(r.prompt is None for r in results)
+
+
+def test_prompt_token_ids_dicts(llm):
+    prompts = [{"prompt_token_ids": token_prompt(5, 6)}, {"prompt_token_ids": token_prompt(6, 3)}]
+    results = generate(llm, prompts, greedy())
+    assert [r.prompt_token_ids for r in results] == [p["prompt_token_ids"] for p in prompts]
+    (single,) = generate(llm, prompts[0], greedy())
+    assert single.prompt_token_ids == prompts[0]["prompt_token_ids"]
+    assert single.outputs[0].token_ids == results[0].outputs[0].token_ids
+
+
+def test_results_come_back_in_input_order(llm):
+    """24 prompts (more than max_num_seqs) finishing in a different order than submitted."""
+    prompts = [token_prompt(100 + i, 2 + (i * 5) % 19) for i in range(24)]
+    max_tokens = [1 + (i * 11) % 17 for i in range(24)]  # the later ones often finish first
+    params = [greedy(n) for n in max_tokens]
+    results = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
+    assert [r.prompt_token_ids for r in results] == prompts
+    assert [len(r.outputs[0].token_ids) for r in results] == max_tokens
+    assert len({r.request_id for r in results}) == len(results)
+    for i in (0, 7, 23):  # batching does not change what each prompt gets
+        assert results[i].outputs[0].token_ids == alone(llm, prompts[i], params[i])
+
+
+# ---------------------------------------------------------------------- sampling params
+
+
+def test_one_params_object_applies_to_every_prompt(llm):
+    results = generate(llm, [token_prompt(7, 4), token_prompt(8, 8)], greedy(5))
+    assert [len(r.outputs[0].token_ids) for r in results] == [5, 5]
+
+
+def test_default_params(llm):
+    (result,) = generate(llm, token_prompt(9, 4))
+    assert 1 <= len(result.outputs[0].token_ids) <= 16  # SamplingParams() default max_tokens
+
+
+def test_params_list_length_mismatch_raises(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        generate(llm, ["a", "b", "c"], [greedy(), greedy()])
+    assert llm.engine.num_unfinished_requests == 0
+
+
+def test_a_rejected_prompt_in_a_batch_leaves_nothing_behind(llm):
+    too_long = token_prompt(10, 250)
+    with pytest.raises(RequestRejectedError) as info:
+        generate(llm, [token_prompt(11, 4), too_long], greedy(16))
+    assert info.value.param == "max_tokens"
+
+
+def test_n_children_have_indexes_and_are_reproducible(llm):
+    prompt_ids = token_prompt(12, 10)
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    (first,) = generate(llm, [prompt_ids], params)
+    (second,) = generate(llm, [prompt_ids], params)
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 8 for o in first.outputs)
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1  # children use different seeds
+    # Child i samples with seed + i.
+    child = SamplingParams(n=1, temperature=1.0, seed=1235, max_tokens=8, ignore_eos=True)
+    assert alone(llm, prompt_ids, child) == first.outputs[1].token_ids
+
+
+def test_max_tokens_finishes_with_length(llm):
+    (result,) = generate(llm, "Hello", greedy(7))
+    (out,) = result.outputs
+    assert out.finish_reason == "length" and out.stop_reason is None
+    assert len(out.token_ids) == 7
+
+
+def test_eos_finishes_with_stop(llm):
+    params = SamplingParams(max_tokens=5, temperature=0, logit_bias={2: 100.0})  # force eos (id 2)
+    (result,) = generate(llm, "Hello", params)
+    (out,) = result.outputs
+    assert out.finish_reason == "stop" and len(out.token_ids) == 1
+    assert out.text == ""
+
+
+# ---------------------------------------------------------------------- stop strings
+
+
+def reference_text(llm, prompt: str, max_tokens: int = 20) -> str:
+    (result,) = generate(llm, prompt, greedy(max_tokens))
+    return result.outputs[0].text
+
+
+def pick_stop(text: str) -> str:
+    """A two-character alphanumeric ASCII piece past the start of the text."""
+    return next(text[i : i + 2] for i in range(3, len(text) - 1)
+                if text[i : i + 2].isascii() and text[i : i + 2].isalnum())
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ends_the_text(llm, include):
+    prompt = "The quick brown fox"
+    full = reference_text(llm, prompt)
+    stop = pick_stop(full)
+    at = full.find(stop)
+    params = greedy(20, stop=[stop, "never-generated"], include_stop_str_in_output=include)
+    (result,) = generate(llm, prompt, params)
+    (out,) = result.outputs
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == (full[: at + len(stop)] if include else full[:at])
+    assert len(out.token_ids) < 20
+
+
+def test_stop_string_not_generated_runs_to_length(llm):
+    full = reference_text(llm, "Once upon a time", 10)
+    (result,) = generate(llm, "Once upon a time", greedy(10, stop=["never-generated"]))
+    assert result.outputs[0].finish_reason == "length"
+    assert result.outputs[0].text == full
+
+
+# ---------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_two_alternatives_per_token(llm):
+    (result,) = generate(llm, "Hello, world!", greedy(6, logprobs=2))
+    (out,) = result.outputs
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for token_id, lp in zip(out.token_ids, out.logprobs):
+        assert isinstance(lp, TokenLogprobs)
+        assert lp.token_id == token_id and lp.logprob <= 0.0
+        assert len(lp.top) == 2
+        assert lp.top[0][1] >= lp.top[1][1]
+        assert lp.rank == 1 and lp.top[0] == (token_id, pytest.approx(lp.logprob))  # greedy: the top token
+
+
+def test_logprobs_zero_gives_only_the_sampled_token(llm):
+    (result,) = generate(llm, "Hello", greedy(3, logprobs=0))
+    assert [lp.top for lp in result.outputs[0].logprobs] == [[], [], []]
+    (plain,) = generate(llm, "Hello", greedy(3))
+    assert plain.outputs[0].logprobs is None
+
+
+def test_prompt_logprobs(llm):
+    prompt_ids = token_prompt(13, 11)
+    (result,) = generate(llm, [prompt_ids], greedy(2, prompt_logprobs=1))
+    lps = result.prompt_logprobs
+    assert len(lps) == len(prompt_ids)
+    assert lps[0] is None
+    assert [lp.token_id for lp in lps[1:]] == prompt_ids[1:]
+    assert all(isinstance(lp, TokenLogprobs) and len(lp.top) == 1 and lp.logprob <= 0.0 for lp in lps[1:])
+    assert all(lp.top[0][1] >= lp.logprob - 1e-6 for lp in lps[1:])
+
+
+# ---------------------------------------------------------------------- chat
+
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def chatml(messages: list[dict]) -> str:
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def test_chat_one_conversation(llm):
+    conversation = [SYSTEM, {"role": "user", "content": "Hello, world!"}]
+    (result,) = llm.chat(conversation, greedy(5), use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    assert result.prompt == chatml(conversation)
+    assert result.prompt == tokenizer.hf.apply_chat_template(conversation, tokenize=False,
+                                                             add_generation_prompt=True)
+    assert result.prompt_token_ids == tokenizer.apply_chat_template(conversation)
+    assert result.prompt_token_ids.count(1) == 3  # <|im_start|> is one special token
+    assert result.prompt_token_ids.count(2) == 2  # and so is <|im_end|>
+    assert len(result.outputs[0].token_ids) == 5
+    assert result.outputs[0].token_ids == alone(llm, result.prompt_token_ids, greedy(5))
+
+
+def test_chat_list_of_conversations(llm):
+    conversations = [
+        [{"role": "user", "content": "Once upon a time"}],
+        [SYSTEM, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+         {"role": "user", "content": "How are you?"}],
+    ]
+    results = llm.chat(conversations, [greedy(3), greedy(4)], use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    assert [r.prompt for r in results] == [chatml(c) for c in conversations]
+    assert [r.prompt_token_ids for r in results] == [tokenizer.apply_chat_template(c) for c in conversations]
+    assert [len(r.outputs[0].token_ids) for r in results] == [3, 4]
+
+
+def test_chat_without_generation_prompt(llm):
+    conversation = [{"role": "user", "content": "Hi"}]
+    (result,) = llm.chat(conversation, greedy(2), use_tqdm=False, add_generation_prompt=False)
+    assert result.prompt == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+# ---------------------------------------------------------------------- construction
+
+
+def test_unknown_keyword_raises_type_error(tiny_llama_dir):
+    from engine import LLM
+
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(str(tiny_llama_dir), no_such_option=1)
