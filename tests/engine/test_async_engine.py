@@ -24,13 +24,7 @@ from tests.engine.references import assert_idle, make_llm
 TIMEOUT_S = 30.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: on 2 shared, busy cores torch's intra-op thread barriers cost more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

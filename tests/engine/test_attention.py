@@ -23,13 +23,7 @@ NUM_BLOCKS = 160
 ATOL = RTOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: on 2 shared, busy cores torch's intra-op thread barriers cost more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass
