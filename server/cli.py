@@ -1,16 +1,26 @@
-"""The `pagedserve` command line."""
+"""The `pagedserve` command line: `serve` (the HTTP server) and `bench`."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import shlex
+import socket
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    from server.settings import Settings
+
+logger = logging.getLogger("server.cli")
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM inference server")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("serve", help="start the HTTP server")
+    commands.add_parser("serve", help="start the HTTP server (flags: pagedserve serve --help)", add_help=False)
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     bench_kinds.add_parser(
@@ -24,25 +34,112 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, rest = _build_parser().parse_known_args(argv)
-    if args.command == "bench" and args.kind == "scheduler":
+    if args.command == "serve":
+        return serve(rest, os.environ)
+    if args.kind == "scheduler":
         from scheduler.bench import main as bench_main
 
         bench_main(rest)
         return 0
-    if args.command == "bench" and args.kind == "offline":
-        from engine.bench import main as offline_main
+    from engine.bench import main as offline_main
 
-        offline_main(rest)
-        return 0
-    if rest:
-        print(f"pagedserve {args.command}: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
+    offline_main(rest)
+    return 0
+
+
+def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    """Load the settings, build the engine and serve until interrupted; the exit status.
+
+    2: a bad setting (message on stderr); 1: the port or the model could not be had;
+    130: stopped by Ctrl-C (uvicorn re-raises the signal after its graceful shutdown).
+    """
+    from server.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings(argv, environ)
+    except SettingsError as error:
+        print(f"pagedserve serve: error: {error}\n(pagedserve serve --help lists the flags)", file=sys.stderr)
         return 2
-    print(
-        "pagedserve serve: the HTTP server is not built yet (the engine and server issues come next);\n"
-        "today this checkout provides the scheduler: try `pagedserve bench scheduler`.",
-        file=sys.stderr,
+    server_config = settings.server
+    _configure_logging(server_config.log_level)
+    logger.debug("settings: %r", settings)  # the repr leaves out the API keys
+    try:
+        sock = bind_socket(server_config.host, server_config.port)
+    except OSError as error:
+        print(f"pagedserve serve: error: cannot listen on {server_config.host}:{server_config.port} "
+              f"(--host/--port): {error.strerror or error}", file=sys.stderr)
+        return 1
+    try:
+        return _run(settings, sock)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sock.close()
+
+
+def _run(settings: "Settings", sock: socket.socket) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from engine.builder import build_engine
+    from engine.loader import CheckpointError
+
+    server_config = settings.server
+    try:
+        engine = build_engine(settings.engine, served_model_name=server_config.served_model_name)
+    except (CheckpointError, ValueError) as error:
+        print(f"pagedserve serve: error: cannot load the model: {error}", file=sys.stderr)
+        return 1
+    logger.info("authentication: %s", f"{len(server_config.api_keys)} API key(s)" if server_config.api_keys
+                else "none (set --api-key or PAGEDSERVE_API_KEY to require one)")
+    port = sock.getsockname()[1]
+    message = ready_message(server_config.host, port, engine.model_name, bool(server_config.api_keys))
+
+    def on_ready() -> None:
+        print(message, flush=True)
+
+    from server.app import create_app
+
+    app = create_app(AsyncEngine(engine), server_config, on_ready=on_ready)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=server_config.host, port=port, log_level=server_config.log_level, timeout_graceful_shutdown=5,
+    ))
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound (not yet listening) to host:port; port 0 picks a free one.
+
+    Bound before the model loads, so a busy port fails at once and port 0 is known
+    in time for the ready message.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def ready_message(host: str, port: int, model_name: str, needs_key: bool) -> str:
+    """The URL and a ready-to-paste curl line; a `$PAGEDSERVE_API_KEY` placeholder, never a key."""
+    reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    url = f"http://[{reachable}]:{port}" if ":" in reachable else f"http://{reachable}:{port}"
+    body = json.dumps({"model": model_name, "prompt": "The capital of France is", "max_tokens": 32})
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if needs_key else ""
+    curl = f'curl {url}/v1/completions -H "Content-Type: application/json"{auth} -d {shlex.quote(body)}'
+    return f"pagedserve: serving {model_name!r} at {url}/v1 (metrics at {url}/metrics)\ntry:\n  {curl}"
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    return 2
 
 
 if __name__ == "__main__":

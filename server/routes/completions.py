@@ -13,7 +13,7 @@ from server.generation import (Choice, ChoiceResult, check_choices, check_extra_
                                collect_choices, make_sampling_params, plan_choices, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage,
                              new_id, now)
-from server.sse import DONE, sse_event, with_error_events
+from server.sse import sse_event, with_error_events
 from server.state import ServerState
 
 router = APIRouter()

@@ -13,7 +13,6 @@ import random
 import time
 
 import pytest
-import torch
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError

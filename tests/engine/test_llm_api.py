@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine import SamplingParams
 from engine.sampler import TokenLogprobs

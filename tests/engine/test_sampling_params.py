@@ -12,7 +12,8 @@ from scheduler.errors import RequestRejectedError
 
 def test_defaults_mirror_vllm():
     params = SamplingParams()
-    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, None, 0.0)
+    assert (params.n, params.temperature, params.top_p) == (1, 1.0, 1.0)
+    assert params.top_k is None and params.min_p == 0.0
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
     assert params.max_tokens == 16 and params.min_tokens == 0
     assert params.stop == [] and params.stop_token_ids == [] and params.logit_bias is None
