@@ -26,6 +26,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     """Load the model and size the KV cache; logs the resulting token capacity."""
     started = time.monotonic()
     model_config = config.model
+    if model_config.max_model_len is None and config.scheduler.max_model_len is not None:
+        model_config = model_config.model_copy(update={"max_model_len": config.scheduler.max_model_len})
     torch.manual_seed(model_config.seed)
     checkpoint = prepare_checkpoint(model_config.model, revision=model_config.revision)
     hf_config = load_hf_config(checkpoint.path)

@@ -1,0 +1,42 @@
+"""HTTP server configuration: where to listen, who may call, how strict to be (pydantic, unknown keys refused)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+class ServerConfig(BaseModel):
+    """The `server` section of a preset; what `create_app` needs besides the engine.
+
+    `api_keys` empty means no authentication; otherwise a request needs
+    `Authorization: Bearer <one of the keys>`. The keys never appear in repr/str.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 = any free port")
+    api_keys: list[str] = Field(
+        default_factory=list, repr=False, description="accepted bearer tokens; empty = no authentication"
+    )
+    served_model_name: Optional[str] = Field(
+        None, min_length=1, description="the model id clients send and see; None = the model's source"
+    )
+    strict_params: bool = Field(
+        False, description="also reject request fields the OpenAI API does not define"
+    )
+    log_level: LogLevel = "info"
+    allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, keys: list[str]) -> list[str]:
+        for index, key in enumerate(keys):
+            if not key or any(char.isspace() for char in key):
+                # never echo the key itself
+                raise ValueError(f"API key #{index + 1} is empty or contains whitespace")
+        return keys

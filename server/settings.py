@@ -1,0 +1,351 @@
+"""The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
+
+    defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
+                 (model/cache/scheduler/server sections, top-level attention_backend)
+
+Every value remembers where it came from, so an error names the flag, the
+environment variable or the YAML key that set it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.engine_config import EngineConfig
+from scheduler import parse_size
+from server.config import ServerConfig
+
+ENV_PREFIX = "PAGEDSERVE_"
+FieldPath = tuple[str, ...]  # a field's place in Settings, e.g. ("engine", "scheduler", "max_num_seqs")
+
+# YAML top level -> place in Settings; `tiny_model` belongs to the tests' model factory.
+_YAML_SECTIONS: dict[str, FieldPath] = {
+    "model": ("engine", "model"),
+    "cache": ("engine", "cache"),
+    "scheduler": ("engine", "scheduler"),
+    "server": ("server",),
+}
+_YAML_SCALARS: dict[str, FieldPath] = {"attention_backend": ("engine", "attention_backend")}
+_YAML_IGNORED = frozenset({"tiny_model"})
+_SECRET_FIELDS = frozenset({("server", "api_keys")})
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_NONE = frozenset({"none", "null"})
+
+
+class SettingsError(ValueError):
+    """A bad setting; the message names its source (flag, environment variable or YAML key)."""
+
+
+class Settings(BaseModel):
+    """Everything `pagedserve serve` needs: the engine's configuration and the HTTP server's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+
+Kind = Literal["str", "int", "float", "bool", "size", "keys", "list"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting reachable by a flag and by the environment variable named after it."""
+
+    flag: str
+    path: Optional[FieldPath]  # None: --config, which names the preset rather than a field
+    kind: Kind
+    help: str
+    metavar: Optional[str] = None
+    default_text: Optional[str] = None  # what "default:" says when the field's default reads badly
+    nullable: bool = False  # "none" resets to the default of None
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+_M, _C, _S, _SV = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--config", None, "str", "YAML preset with sections model/cache/scheduler/server "
+           "(e.g. configs/default.yaml)", "FILE", "none"),
+    Option("--model", (*_M, "model"), "str", "checkpoint directory, .gguf file or hub id", "MODEL",
+           "the embedded SmolLM2-135M-Instruct"),
+    Option("--tokenizer", (*_M, "tokenizer"), "str", "tokenizer source", "TOKENIZER", "the model's"),
+    Option("--served-model-name", (*_SV, "served_model_name"), "str",
+           "model id that clients send and that responses report", "NAME", "the --model value"),
+    Option("--host", (*_SV, "host"), "str", "address to bind", "HOST"),
+    Option("--port", (*_SV, "port"), "int", "TCP port; 0 = any free port", "PORT"),
+    Option("--api-key", (*_SV, "api_keys"), "keys", "accepted bearer token; repeat the flag for several "
+           "(the environment variable takes a comma-separated list)", "KEY", "none, no authentication"),
+    Option("--dtype", (*_M, "dtype"), "str", "weight and activation dtype; auto = bfloat16 on CUDA and "
+           "on CPUs with native bf16, else float32"),
+    Option("--device", (*_M, "device"), "str", "where the model runs"),
+    Option("--max-model-len", (*_M, "max_model_len"), "int", "prompt + output tokens at most", "N",
+           "the model's context length", nullable=True),
+    Option("--block-size", (*_C, "block_size"), "int", "tokens per KV cache block", "N"),
+    Option("--num-kv-blocks", (*_C, "num_blocks"), "int", "KV cache blocks (overrides --kv-cache-memory "
+           "and --gpu-memory-utilization)", "N", "derived from the memory budget", nullable=True),
+    Option("--kv-cache-memory", (*_C, "kv_cache_memory"), "size", "KV cache budget on CPU, "
+           "e.g. 1GiB, 512MiB, 2000000000", "SIZE", "1GiB on CPU", nullable=True),
+    Option("--gpu-memory-utilization", (*_C, "gpu_memory_utilization"), "float",
+           "fraction of GPU memory for weights, activations and KV cache", "F"),
+    Option("--max-num-seqs", (*_S, "max_num_seqs"), "int", "requests in the running batch at most", "N"),
+    Option("--max-num-batched-tokens", (*_S, "max_num_batched_tokens"), "int",
+           "tokens computed per engine step at most", "N"),
+    Option("--enable-prefix-caching", (*_C, "enable_prefix_caching"), "bool",
+           "reuse the KV blocks of shared prompt prefixes"),
+    Option("--scheduling-policy", (*_S, "policy"), "str", "order of admission to the running batch"),
+    Option("--attention-backend", ("engine", "attention_backend"), "str",
+           "attention kernels; auto picks from the device and what imports"),
+    Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),
+    Option("--strict-params", (*_SV, "strict_params"), "bool",
+           "also reject request fields that the OpenAI API does not define (by default they are ignored)"),
+    Option("--allowed-origins", (*_SV, "allowed_origins"), "list", "CORS allowed origins, comma-separated "
+           "(or repeat the flag)", "ORIGINS"),
+    Option("--log-level", (*_SV, "log_level"), "str", "log level of pagedserve and uvicorn"),
+)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Settings from `pagedserve serve` arguments and an environment, in that order of precedence.
+
+    Raises SettingsError with a message naming the source of a bad value; `--help`
+    prints the help and raises SystemExit(0), as argparse does.
+    """
+    args = vars(build_parser().parse_args(list(argv)))
+    data: dict[str, Any] = {}
+    origins: dict[FieldPath, str] = {}
+    config_source = "--config" if "config" in args else _env_name("--config")
+    config_path = args.get("config") or environ.get(_env_name("--config")) or None
+    if config_path:
+        _apply_preset(data, origins, config_path, config_source)
+    for option in OPTIONS:
+        raw = environ.get(option.env)
+        if option.path is not None and raw:  # an empty variable counts as unset
+            _set(data, origins, option.path, _convert_env(option, raw), option.env)
+    for option in OPTIONS:
+        if option.path is not None and option.dest in args:
+            _set(data, origins, option.path, args[option.dest], option.flag)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as error:
+        raise SettingsError(_describe(error, origins)) from None
+
+
+def _set(data: dict, origins: dict[FieldPath, str], path: FieldPath, value: Any, source: str) -> None:
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    origins[path] = source
+
+
+def _apply_preset(data: dict, origins: dict[FieldPath, str], path: str, source: str) -> None:
+    """Lay a YAML preset's sections onto `data`; unknown keys are errors (`tiny_model` excepted)."""
+    try:
+        preset = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise SettingsError(f"{source}: cannot read {path!r}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise SettingsError(f"{path}: not valid YAML: {error}") from None
+    if preset is None:
+        return
+    if not isinstance(preset, dict):
+        raise SettingsError(f"{path}: the top level must be a mapping of sections, not {type(preset).__name__}")
+    known = sorted([*_YAML_SECTIONS, *_YAML_SCALARS])
+    for key, value in preset.items():
+        if key in _YAML_IGNORED:
+            continue
+        if key in _YAML_SCALARS:
+            _set(data, origins, _YAML_SCALARS[key], value, f"{path}: {key}")
+        elif key in _YAML_SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise SettingsError(f"{path}: {key}: must be a mapping of settings, not {type(value).__name__}")
+            for name, item in value.items():
+                _set(data, origins, (*_YAML_SECTIONS[key], str(name)), item, f"{path}: {key}.{name}")
+        else:
+            raise SettingsError(f"{path}: unknown key {key!r} (expected one of: {', '.join(known)})")
+
+
+def _describe(error: ValidationError, origins: Mapping[FieldPath, str]) -> str:
+    """One line per pydantic error, each led by the source of the value it is about."""
+    lines = []
+    for item in error.errors():
+        loc = tuple(str(part) for part in item["loc"])
+        source = _source_of(loc, origins)
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = f"unknown key (expected one of: {', '.join(_field_names(loc[:-1]))})"
+        elif not any(loc[: len(secret)] == secret for secret in _SECRET_FIELDS) and _is_scalar(item.get("input")):
+            message += f" (got {item['input']!r})"
+        lines.append(f"{source}: {message}")
+    return "\n".join(lines)
+
+
+def _source_of(loc: tuple[str, ...], origins: Mapping[FieldPath, str]) -> str:
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in origins:
+            return origins[loc[:end]]
+    below = [origin for path, origin in origins.items() if path[: len(loc)] == loc]
+    where = ".".join(loc[1:] if loc[:1] == ("engine",) else loc) or "settings"
+    return f"{where} (set by {', '.join(below)})" if below else f"{where} (defaults)"
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) or value is None
+
+
+def _field_names(path: Sequence[str]) -> list[str]:
+    model: Any = Settings
+    for key in path:
+        model = model.model_fields[key].annotation
+    return sorted(model.model_fields)
+
+
+# ---------------------------------------------------------------------------- flags and variables
+
+
+def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
+    """The `serve` flags; every flag is also `PAGEDSERVE_<FLAG>`. Only flags given appear in the result."""
+    parser = _Parser(
+        prog=prog,
+        description="Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    for option in OPTIONS:
+        help_text = f"{option.help} (default: {_default_text(option)}; env: {option.env})".replace("%", "%%")
+        kwargs: dict[str, Any] = {"help": help_text}
+        choices = _choices(option)
+        if option.kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif option.kind in ("keys", "list"):
+            kwargs.update(action="extend", type=_flag_type(option), metavar=option.metavar)
+        else:
+            kwargs.update(type=_flag_type(option), metavar=option.metavar or _choice_metavar(choices))
+        parser.add_argument(option.flag, **kwargs)
+    return parser
+
+
+_EPILOG = """\
+Precedence: defaults < --config FILE.yaml < PAGEDSERVE_* environment variables < flags.
+An empty environment variable counts as unset. Booleans in the environment: true/false/1/0/yes/no/on/off.
+--max-model-len, --num-kv-blocks and --kv-cache-memory accept "none" (back to the default).
+Examples:
+  pagedserve serve --config configs/default.yaml
+  PAGEDSERVE_API_KEY=secret pagedserve serve --model ./my-model --port 8080"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises SettingsError instead of exiting on a bad flag."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise SettingsError(message.removeprefix("argument "))
+
+
+def _env_name(flag: str) -> str:
+    return next(option.env for option in OPTIONS if option.flag == flag)
+
+
+def _field(path: FieldPath):
+    model: Any = Settings
+    for key in path[:-1]:
+        model = model.model_fields[key].annotation
+    return model.model_fields[path[-1]]
+
+
+def _choices(option: Option) -> Optional[tuple[str, ...]]:
+    if option.path is None:
+        return None
+    annotation = _field(option.path).annotation
+    return tuple(get_args(annotation)) if get_origin(annotation) is Literal else None
+
+
+def _choice_metavar(choices: Optional[tuple[str, ...]]) -> Optional[str]:
+    return "{" + ",".join(choices) + "}" if choices else None
+
+
+def _default_text(option: Option) -> str:
+    if option.default_text is not None:
+        return option.default_text
+    default = _field(option.path).get_default(call_default_factory=True)
+    if option.kind == "bool":
+        return "on" if default else "off"
+    if isinstance(default, list):
+        return ",".join(default) or "none"
+    return "none" if default is None else str(default)
+
+
+def _flag_type(option: Option):
+    """argparse `type=` for an option: the environment's conversion, with argparse's error type."""
+
+    def convert(raw: str) -> Any:
+        try:
+            return convert_value(option, raw)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = option.kind
+    return convert
+
+
+def _convert_env(option: Option, raw: str) -> Any:
+    try:
+        return convert_value(option, raw, from_env=True)
+    except ValueError as error:
+        raise SettingsError(f"{option.env}: {error}") from None
+
+
+def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
+    """A flag's or an environment variable's string as the field's type; ValueError says why not.
+
+    A flag value of a list option is one item (the flag repeats); an environment
+    value is the whole list, comma-separated. The result of a list option is a list.
+    """
+    text = raw.strip()
+    if option.nullable and text.lower() in _NONE:
+        return None
+    if option.kind == "keys":
+        return [key.strip() for key in raw.split(",") if key.strip()] if from_env else [raw]
+    if option.kind == "list":
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    if option.kind == "bool":
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"expected a boolean (true/false/1/0), got {raw!r}")
+    if option.kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if option.kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+    if option.kind == "size":
+        return parse_size(text)
+    choices = _choices(option)
+    if choices is not None and text not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")
+    return text

@@ -1,0 +1,121 @@
+"""`pagedserve serve`: its help, its errors (exit 2, no traceback), its ready message, a real start."""
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.cli import main, ready_message
+from server.settings import OPTIONS
+
+SERVE = [sys.executable, "-m", "server.cli", "serve"]
+REPO = Path(__file__).resolve().parents[2]
+TINY_PRESET = REPO / "configs" / "tiny.yaml"
+
+
+def run_serve(*args: str, env=None) -> subprocess.CompletedProcess:
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
+    return subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**environ, **(env or {})})
+
+
+def test_help_documents_every_flag_with_its_default_and_variable():
+    result = run_serve("--help")
+    assert result.returncode == 0, result.stderr
+    help_text = " ".join(result.stdout.split())  # argparse wraps lines
+    for option in OPTIONS:
+        assert option.flag in help_text
+        assert option.env in help_text
+    for flag in ("--no-enable-prefix-caching", "--no-strict-params", "PAGEDSERVE_API_KEY", "(default: 8000;",
+                 "(default: 256;", "(default: fcfs;", "Precedence: defaults < --config"):
+        assert flag in help_text
+
+
+def test_top_level_help_still_lists_serve_and_bench():
+    result = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, timeout=60,
+                            cwd=REPO)
+    assert result.returncode == 0 and "serve" in result.stdout and "bench" in result.stdout
+
+
+@pytest.mark.parametrize("args,env,expected", [
+    (["--max-num-seqs", "many"], {}, "--max-num-seqs: expected an integer, got 'many'"),
+    ([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "2"}, "PAGEDSERVE_GPU_MEMORY_UTILIZATION: Input should be less"),
+    (["--scheduling-policy", "lifo"], {}, "--scheduling-policy: expected one of fcfs, priority"),
+])
+def test_a_bad_value_exits_2_with_a_clear_message_and_no_traceback(args, env, expected):
+    result = run_serve(*args, env=env)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert result.stderr.startswith("pagedserve serve: error: ")
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_a_bad_yaml_key_exits_2(tmp_path, capsys):
+    preset = tmp_path / "bad.yaml"
+    preset.write_text("server:\n  prot: 8000\n")
+    assert main(["serve", "--config", str(preset)]) == 2
+    assert "bad.yaml: server.prot: unknown key" in capsys.readouterr().err
+
+
+def test_a_busy_port_exits_1_before_loading_a_model(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--model", "/nonexistent"]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_ready_message_has_a_working_curl_line_and_never_a_key():
+    message = ready_message("0.0.0.0", 8123, "it's-a-model", needs_key=True)
+    assert "http://127.0.0.1:8123/v1" in message
+    curl = shlex.split(message.splitlines()[-1])
+    assert curl[:2] == ["curl", "http://127.0.0.1:8123/v1/completions"]
+    assert "Authorization: Bearer $PAGEDSERVE_API_KEY" in curl
+    assert json.loads(curl[curl.index("-d") + 1])["model"] == "it's-a-model"
+    assert "Authorization" not in ready_message("127.0.0.1", 1, "m", needs_key=False)
+    assert "http://[::1]:8000/v1" in ready_message("::", 8000, "m", needs_key=False)
+
+
+def _wait_for(path, needle: str, process: subprocess.Popen, timeout: float) -> str:
+    """The text of `path` once it holds `needle`, or when the process ended or time ran out."""
+    deadline = time.monotonic() + timeout
+    while needle not in path.read_text() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return path.read_text()
+
+
+def test_serve_starts_on_a_free_port_and_prints_it_once_ready(tmp_path, tiny_model_dir):
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
+    environ.update(PAGEDSERVE_API_KEY="s3cret-key", HF_HUB_OFFLINE="1")
+    stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with stdout.open("w") as out, stderr.open("w") as err:
+        process = subprocess.Popen(
+            [*SERVE, "--config", str(TINY_PRESET), "--model", str(tiny_model_dir), "--served-model-name", "tiny",
+             "--log-level", "debug"],
+            stdout=out, stderr=err, env=environ, cwd=REPO,
+        )
+    try:
+        printed = _wait_for(stdout, "curl ", process, timeout=120)
+        assert "curl " in printed, stderr.read_text()
+        url = printed.split(" at ", 1)[1].split("/v1", 1)[0]
+        assert not url.endswith(":0")
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret-key"}, timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    assert process.returncode == 130, stderr.read_text()  # uvicorn re-raises the SIGINT after shutting down
+    assert "Application shutdown complete" in stderr.read_text()
+    assert "s3cret-key" not in stdout.read_text() + stderr.read_text()
+    assert "settings: Settings(" in stderr.read_text()  # the debug log of the settings, keys left out
+    assert "$PAGEDSERVE_API_KEY" in printed

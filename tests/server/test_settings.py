@@ -1,0 +1,279 @@
+"""Settings: defaults < YAML preset < PAGEDSERVE_* variables < flags, with errors that name their source."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.settings import OPTIONS, Settings, SettingsError, build_parser, load_settings
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+# flag, value given, place in Settings, value expected there
+FLAG_CASES = [
+    ("--model", "/models/llama", ("engine", "model", "model"), "/models/llama"),
+    ("--tokenizer", "/models/tok", ("engine", "model", "tokenizer"), "/models/tok"),
+    ("--served-model-name", "my-model", ("server", "served_model_name"), "my-model"),
+    ("--host", "0.0.0.0", ("server", "host"), "0.0.0.0"),
+    ("--port", "9000", ("server", "port"), 9000),
+    ("--api-key", "k1", ("server", "api_keys"), ["k1"]),
+    ("--dtype", "bfloat16", ("engine", "model", "dtype"), "bfloat16"),
+    ("--device", "cpu", ("engine", "model", "device"), "cpu"),
+    ("--max-model-len", "512", ("engine", "model", "max_model_len"), 512),
+    ("--block-size", "32", ("engine", "cache", "block_size"), 32),
+    ("--num-kv-blocks", "100", ("engine", "cache", "num_blocks"), 100),
+    ("--kv-cache-memory", "512MiB", ("engine", "cache", "kv_cache_memory"), 512 * 2**20),
+    ("--gpu-memory-utilization", "0.5", ("engine", "cache", "gpu_memory_utilization"), 0.5),
+    ("--max-num-seqs", "8", ("engine", "scheduler", "max_num_seqs"), 8),
+    ("--max-num-batched-tokens", "4096", ("engine", "scheduler", "max_num_batched_tokens"), 4096),
+    ("--scheduling-policy", "priority", ("engine", "scheduler", "policy"), "priority"),
+    ("--attention-backend", "torch", ("engine", "attention_backend"), "torch"),
+    ("--seed", "7", ("engine", "model", "seed"), 7),
+    ("--allowed-origins", "http://a.test,http://b.test", ("server", "allowed_origins"),
+     ["http://a.test", "http://b.test"]),
+    ("--log-level", "debug", ("server", "log_level"), "debug"),
+]
+# boolean flags: place in Settings, default
+BOOL_FLAGS = {
+    "--enable-prefix-caching": (("engine", "cache", "enable_prefix_caching"), True),
+    "--strict-params": (("server", "strict_params"), False),
+}
+ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config"}
+
+
+def get(settings: Settings, path):
+    value = settings
+    for key in path:
+        value = getattr(value, key)
+    return value
+
+
+def env_name(flag: str) -> str:
+    return "PAGEDSERVE_" + flag[2:].upper().replace("-", "_")
+
+
+def write_yaml(tmp_path, data) -> str:
+    path = tmp_path / "preset.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_defaults_are_the_config_models_defaults():
+    assert load_settings([], {}) == Settings()
+
+
+def test_the_flags_are_vllms_names_and_nothing_else():
+    flags = {action.option_strings[0] for action in build_parser()._actions if action.option_strings} - {"-h"}
+    assert flags == ALL_FLAGS
+    assert {option.flag for option in OPTIONS} == ALL_FLAGS
+
+
+@pytest.mark.parametrize("flag,value,path,expected", FLAG_CASES, ids=[case[0] for case in FLAG_CASES])
+def test_every_flag_and_its_variable_set_their_field(flag, value, path, expected):
+    assert get(load_settings([flag, value], {}), path) == expected
+    assert get(load_settings([], {env_name(flag): value}), path) == expected
+
+
+@pytest.mark.parametrize("flag", sorted(BOOL_FLAGS))
+def test_boolean_flags_both_ways(flag):
+    path, default = BOOL_FLAGS[flag]
+    assert get(load_settings([], {}), path) is default
+    assert get(load_settings([flag], {}), path) is True
+    assert get(load_settings(["--no-" + flag[2:]], {}), path) is False
+
+
+# YAML section, YAML key, flag, YAML value, env value, flag value, place, expected for YAML / env / flag
+PRECEDENCE_CASES = [
+    ("model", "seed", "--seed", 1, "2", "3", ("engine", "model", "seed"), (1, 2, 3)),
+    ("model", "dtype", "--dtype", "float32", "bfloat16", "float16", ("engine", "model", "dtype"),
+     ("float32", "bfloat16", "float16")),
+    ("cache", "block_size", "--block-size", 8, "32", "64", ("engine", "cache", "block_size"), (8, 32, 64)),
+    ("cache", "enable_prefix_caching", "--no-enable-prefix-caching", True, "true", None,
+     ("engine", "cache", "enable_prefix_caching"), (True, True, False)),
+    ("scheduler", "max_num_seqs", "--max-num-seqs", 4, "8", "16", ("engine", "scheduler", "max_num_seqs"),
+     (4, 8, 16)),
+    ("scheduler", "policy", "--scheduling-policy", "priority", "fcfs", "priority",
+     ("engine", "scheduler", "policy"), ("priority", "fcfs", "priority")),
+    ("server", "port", "--port", 1111, "2222", "3333", ("server", "port"), (1111, 2222, 3333)),
+    ("server", "strict_params", "--strict-params", False, "0", None, ("server", "strict_params"),
+     (False, False, True)),
+    ("server", "allowed_origins", "--allowed-origins", ["http://y.test"], "http://e1.test,http://e2.test",
+     "http://f.test", ("server", "allowed_origins"),
+     (["http://y.test"], ["http://e1.test", "http://e2.test"], ["http://f.test"])),
+    (None, "attention_backend", "--attention-backend", "torch", "auto", "torch",
+     ("engine", "attention_backend"), ("torch", "auto", "torch")),
+]
+
+
+@pytest.mark.parametrize("case", PRECEDENCE_CASES, ids=[case[2] for case in PRECEDENCE_CASES])
+def test_precedence_defaults_yaml_env_flags(tmp_path, case):
+    section, key, flag, yaml_value, env_value, flag_value, path, expected = case
+    preset = {key: yaml_value} if section is None else {section: {key: yaml_value}}
+    config = ["--config", write_yaml(tmp_path, preset)]
+    env = {env_name(flag.replace("--no-", "--")): env_value}
+    flag_args = [flag] if flag_value is None else [flag, flag_value]
+    assert get(load_settings(config, {}), path) == expected[0]
+    assert get(load_settings(config, env), path) == expected[1]
+    assert get(load_settings([*config, *flag_args], env), path) == expected[2]
+
+
+def test_layers_combine_field_by_field(tmp_path):
+    config = write_yaml(tmp_path, {"scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}})
+    settings = load_settings(["--config", config, "--port", "7"], {"PAGEDSERVE_MAX_NUM_SEQS": "32"})
+    assert settings.engine.scheduler.max_num_seqs == 32
+    assert settings.engine.scheduler.max_num_batched_tokens == 64
+    assert settings.server.port == 7
+
+
+def test_config_file_from_the_environment_and_the_flag_overrides_it(tmp_path):
+    env_preset = tmp_path / "env.yaml"
+    env_preset.write_text("server: {port: 1}\n")
+    flag_preset = tmp_path / "flag.yaml"
+    flag_preset.write_text("server: {port: 2}\n")
+    assert load_settings([], {"PAGEDSERVE_CONFIG": str(env_preset)}).server.port == 1
+    assert load_settings(["--config", str(flag_preset)], {"PAGEDSERVE_CONFIG": str(env_preset)}).server.port == 2
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ("true", True), ("false", False), ("1", True), ("0", False), ("TRUE", True), ("yes", True), ("off", False),
+])
+def test_environment_booleans(raw, expected):
+    assert load_settings([], {"PAGEDSERVE_STRICT_PARAMS": raw}).server.strict_params is expected
+    assert load_settings([], {"PAGEDSERVE_ENABLE_PREFIX_CACHING": raw}).engine.cache.enable_prefix_caching is expected
+
+
+def test_environment_numbers_lists_and_nulls(tmp_path):
+    settings = load_settings([], {
+        "PAGEDSERVE_PORT": " 8080 ",
+        "PAGEDSERVE_GPU_MEMORY_UTILIZATION": "0.75",
+        "PAGEDSERVE_KV_CACHE_MEMORY": "2GiB",
+        "PAGEDSERVE_API_KEY": "k1, k2,,k3",
+        "PAGEDSERVE_ALLOWED_ORIGINS": "http://a.test, http://b.test",
+    })
+    assert settings.server.port == 8080
+    assert settings.engine.cache.gpu_memory_utilization == 0.75
+    assert settings.engine.cache.kv_cache_memory == 2 * 2**30
+    assert settings.server.api_keys == ["k1", "k2", "k3"]
+    assert settings.server.allowed_origins == ["http://a.test", "http://b.test"]
+    preset = write_yaml(tmp_path, {"model": {"max_model_len": 128}})
+    assert load_settings(["--config", preset], {"PAGEDSERVE_MAX_MODEL_LEN": "none"}).engine.model.max_model_len is None
+
+
+def test_empty_variables_and_foreign_variables_count_as_unset():
+    settings = load_settings([], {"PAGEDSERVE_PORT": "", "PAGEDSERVE_API_KEY": "", "PAGEDSERVE_CACHE_DIR": "/x"})
+    assert settings == Settings()
+
+
+def test_repeated_list_flags_accumulate_and_replace_lower_layers():
+    settings = load_settings(
+        ["--api-key", "a", "--api-key", "b", "--allowed-origins", "http://1.test,http://2.test",
+         "--allowed-origins", "http://3.test"],
+        {"PAGEDSERVE_API_KEY": "from-env"},
+    )
+    assert settings.server.api_keys == ["a", "b"]
+    assert settings.server.allowed_origins == ["http://1.test", "http://2.test", "http://3.test"]
+
+
+@pytest.mark.parametrize("argv,env,expected", [
+    (["--port", "abc"], {}, "--port: expected an integer, got 'abc'"),
+    (["--max-num-seqs", "0"], {}, "--max-num-seqs: Input should be greater than or equal to 1"),
+    (["--dtype", "fp8"], {}, "--dtype: expected one of auto, float32, bfloat16, float16, got 'fp8'"),
+    (["--kv-cache-memory", "lots"], {}, "--kv-cache-memory: not a size"),
+    (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: Input should be less than or equal to 1"),
+    (["--bogus"], {}, "unrecognized arguments: --bogus"),
+    ([], {"PAGEDSERVE_PORT": "x"}, "PAGEDSERVE_PORT: expected an integer, got 'x'"),
+    ([], {"PAGEDSERVE_PORT": "70000"}, "PAGEDSERVE_PORT: Input should be less than or equal to 65535"),
+    ([], {"PAGEDSERVE_STRICT_PARAMS": "maybe"}, "PAGEDSERVE_STRICT_PARAMS: expected a boolean"),
+    ([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "half"}, "PAGEDSERVE_GPU_MEMORY_UTILIZATION: expected a number"),
+    ([], {"PAGEDSERVE_SCHEDULING_POLICY": "lifo"}, "PAGEDSERVE_SCHEDULING_POLICY: expected one of fcfs, priority"),
+    (["--config", "missing.yaml"], {}, "--config: cannot read 'missing.yaml'"),
+    ([], {"PAGEDSERVE_CONFIG": "missing.yaml"}, "PAGEDSERVE_CONFIG: cannot read 'missing.yaml'"),
+])
+def test_errors_name_the_flag_or_variable(argv, env, expected):
+    with pytest.raises(SettingsError) as raised:
+        load_settings(argv, env)
+    assert expected in str(raised.value)
+
+
+@pytest.mark.parametrize("preset,expected", [
+    ({"schedular": {}}, "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, cache, "
+                        "model, scheduler, server)"),
+    ({"scheduler": {"max_num_seq": 3}}, "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
+                                        "max_model_len, max_num_batched_tokens, max_num_seqs, policy)"),
+    ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),
+    ({"cache": {"block_size": 0}}, "preset.yaml: cache.block_size: Input should be greater than or equal to 1"),
+    ({"model": {"trust_remote_code": True}}, "preset.yaml: model.trust_remote_code: trust_remote_code=True is "
+                                             "not supported"),
+    ({"attention_backend": "cudnn"}, "preset.yaml: attention_backend: Input should be"),
+    ({"cache": [1, 2]}, "preset.yaml: cache: must be a mapping"),
+    ([1, 2], "preset.yaml: the top level must be a mapping"),
+])
+def test_errors_name_the_yaml_key(tmp_path, preset, expected):
+    with pytest.raises(SettingsError) as raised:
+        load_settings(["--config", write_yaml(tmp_path, preset)], {})
+    assert expected in str(raised.value)
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("server: [unclosed\n")
+    with pytest.raises(SettingsError, match="broken.yaml: not valid YAML"):
+        load_settings(["--config", str(path)], {})
+
+
+def test_a_cross_field_error_names_every_source_involved(tmp_path):
+    preset = write_yaml(tmp_path, {"scheduler": {"max_num_batched_tokens": 8}})
+    with pytest.raises(SettingsError) as raised:
+        load_settings(["--config", preset], {"PAGEDSERVE_MAX_NUM_SEQS": "32"})
+    message = str(raised.value)
+    assert "scheduler.max_num_batched_tokens" in message and "PAGEDSERVE_MAX_NUM_SEQS" in message
+    assert "must be >= max_num_seqs" in message
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "tiny.yaml"])
+def test_the_presets_load(name):
+    settings = load_settings(["--config", str(CONFIGS / name)], {})
+    preset = yaml.safe_load((CONFIGS / name).read_text())
+    assert settings.engine.scheduler.max_num_seqs == preset["scheduler"]["max_num_seqs"]
+    assert settings.engine.cache.block_size == preset["cache"]["block_size"]
+    assert settings.server.port == preset["server"]["port"]
+    assert settings.engine.model.max_model_len == preset["model"]["max_model_len"]
+
+
+def test_the_tiny_model_section_is_the_only_extra_key_allowed(tmp_path):
+    assert load_settings(["--config", write_yaml(tmp_path, {"tiny_model": {"vocab_size": 8}})], {}) == Settings()
+    with pytest.raises(SettingsError, match="unknown key 'tiny'"):
+        load_settings(["--config", write_yaml(tmp_path, {"tiny": {}})], {})
+
+
+def test_an_empty_preset_and_empty_sections_are_defaults(tmp_path):
+    assert load_settings(["--config", write_yaml(tmp_path, None)], {}) == Settings()
+    assert load_settings(["--config", write_yaml(tmp_path, {"server": None})], {}) == Settings()
+
+
+def test_api_keys_never_show(tmp_path):
+    preset = write_yaml(tmp_path, {"server": {"api_keys": ["yaml-secret-1"]}})
+    for argv, env in [
+        (["--config", preset], {}),
+        ([], {"PAGEDSERVE_API_KEY": "env-secret-1,env-secret-2"}),
+        (["--api-key", "flag-secret-1"], {}),
+    ]:
+        settings = load_settings(argv, env)
+        assert settings.server.api_keys
+        for text in (repr(settings), str(settings), repr(settings.server), str(settings.server)):
+            assert "secret" not in text
+
+
+def test_a_bad_api_key_error_does_not_echo_the_key(tmp_path):
+    for argv, env in [([], {"PAGEDSERVE_API_KEY": "ok, bad secret "}), (["--api-key", " bad-secret"], {}),
+                      (["--config", write_yaml(tmp_path, {"server": {"api_keys": [" bad-secret", 5]}})], {})]:
+        with pytest.raises(SettingsError) as raised:
+            load_settings(argv, env)
+        assert "api" in str(raised.value).lower() and "secret" not in str(raised.value)
+
+
+def test_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as raised:
+        load_settings(["--help"], {})
+    assert raised.value.code == 0
+    assert "--max-num-seqs" in capsys.readouterr().out
