@@ -10,7 +10,8 @@ from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput
-from engine.sampler import Sampler, SamplingState, TokenLogprobs, prompt_logprobs
+from engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from engine.sampling_state import SamplingState
 from engine.sampling_params import SamplingParams
 from scheduler import SchedulerOutput
 

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import engine.sampler as sampler_module
-from engine.sampler import Sampler, SamplerOutput, SamplingState, prompt_logprobs
+from engine.sampler import Sampler, SamplerOutput, prompt_logprobs
+from engine.sampling_state import SamplingState
 from engine.sampling_params import SamplingParams
 
 EOS = 2
