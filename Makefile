@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+PROMTOOL := $(BIN)/promtool
 
-.PHONY: serve test install clean bench
+.PHONY: serve test install clean bench promtool
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +21,19 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --config configs/default.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(PROMTOOL)
 	$(BIN)/python -m pytest
+
+# Prometheus' promtool (the metrics tests lint /metrics with it), taken from Debian's
+# `prometheus` package extracted locally: no daemon, no root install.
+promtool: $(PROMTOOL)
+
+$(PROMTOOL): | $(BIN)/python
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	(cd "$$tmp" && (apt-get download prometheus || (apt-get update -qq && apt-get download prometheus))); \
+	dpkg-deb -x "$$tmp"/prometheus_*.deb "$$tmp/root"; \
+	cp "$$tmp/root/usr/bin/promtool" $@.tmp && chmod +x $@.tmp && mv $@.tmp $@
+	$@ --version
 
 bench: $(STAMP)
 	$(BIN)/python -m scheduler.bench

@@ -53,9 +53,11 @@ _Command = Union[_Add, _Abort, None]  # None stops the loop
 class AsyncEngine:
     """Thread-safe front of an EngineCore for asyncio code (the HTTP server)."""
 
-    def __init__(self, engine: EngineCore, on_step: Optional[Callable[[int], None]] = None):
+    def __init__(self, engine: EngineCore, on_step: Optional[Callable[[int], None]] = None,
+                 on_output: Optional[Callable[[RequestOutput], None]] = None):
         self.engine = engine
         self.on_step = on_step  # called on the engine thread with each step's token count
+        self.on_output = on_output  # called on the event loop for every output, abort outputs included
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}  # by engine request id
         self._live: dict[str, str] = {}  # caller's request id -> engine request id
@@ -194,7 +196,10 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         streams = self._streams
+        on_output = self.on_output
         for output in outputs:
+            if on_output is not None:
+                on_output(output)
             stream = streams.get(output.request_id)
             if stream is not None:
                 stream.put_nowait(output)

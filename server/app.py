@@ -37,6 +37,7 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
     async def lifespan(app: FastAPI):
         engine.start()
         await _warm_up(state)
+        engine.on_output = state.metrics.observe_output  # the warm-up is not a request to count
         if on_ready is not None:
             on_ready()
         yield

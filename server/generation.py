@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
@@ -16,9 +16,6 @@ from server.errors import APIError, bad_request
 from server.protocol import SamplingFields
 
 logger = logging.getLogger(__name__)
-
-OutputObserver = Callable[[RequestOutput], None]
-
 
 def check_model(requested: Optional[str], served: Sequence[str]) -> str:
     """The served model name for the request; 404 for an unknown one."""
@@ -119,8 +116,8 @@ def check_choices(engine: AsyncEngine, choices: Sequence[Choice]) -> None:
             raise bad_request(exc.message, param=exc.param, code=exc.code) from None
 
 
-async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int,
-                         observe: OutputObserver) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice],
+                         priority: int) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Interleave the outputs of every choice as they come. Closing this iterator aborts them all."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -129,7 +126,6 @@ async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice], priorit
         try:
             async for output in engine.generate(choice.request_id, choice.prompt_token_ids, choice.params,
                                                 priority=priority):
-                observe(output)
                 queue.put_nowait((choice, output))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait(exc)
@@ -153,11 +149,10 @@ async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice], priorit
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int,
-                          observe: OutputObserver) -> list[ChoiceResult]:
+async def collect_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in choices]
     position = {choice.request_id: i for i, choice in enumerate(choices)}
-    async for choice, output in stream_choices(engine, choices, priority, observe):
+    async for choice, output in stream_choices(engine, choices, priority):
         result = results[position[choice.request_id]]
         result.text = output.text
         result.token_ids.extend(output.new_token_ids)

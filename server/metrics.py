@@ -84,7 +84,8 @@ class ServerMetrics:
         self.request_generation_tokens = tokens("pagedserve_request_generation_tokens",
                                                 "Generated tokens per request.")
         self.iteration_tokens = tokens("pagedserve_iteration_tokens", "Tokens computed per engine step.")
-        Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(cache_info)
+        Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(
+            {"model_name": model_name, **cache_info})
         self.registry.register(_SchedulerCollector(model_name, stats))
         self._last_token_time: dict[str, float] = {}
 

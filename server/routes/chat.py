@@ -56,7 +56,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return StreamingResponse(with_error_events(_stream(state, body, model, request_id, choices, num_top)),
                                  media_type="text/event-stream")
     results = await cancel_on_disconnect(
-        request, collect_choices(state.engine, choices, body.priority, state.metrics.observe_output))
+        request, collect_choices(state.engine, choices, body.priority))
     out = []
     for choice, result in zip(choices, results):
         logprobs = state.formatter.chat(result.logprobs, num_top) if num_top is not None else None
@@ -113,7 +113,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
         yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
     completion_tokens = 0
     prompt_tokens = len(choices[0].prompt_token_ids)
-    async for choice, output in stream_choices(state.engine, choices, body.priority, state.metrics.observe_output):
+    async for choice, output in stream_choices(state.engine, choices, body.priority):
         completion_tokens += len(output.new_token_ids)
         if not output.text_delta and not output.finished and num_top is None:
             continue

@@ -34,11 +34,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     request_id = body.request_id or new_id("cmpl")
     choices = plan_choices(request_id, prompts, params)
     check_choices(state.engine, choices)
-    observe = state.metrics.observe_output
     if body.stream:
         events = _stream(state, body, model, request_id, choices, prompts)
         return StreamingResponse(with_error_events(events), media_type="text/event-stream")
-    results = await cancel_on_disconnect(request, collect_choices(state.engine, choices, body.priority, observe))
+    results = await cancel_on_disconnect(request, collect_choices(state.engine, choices, body.priority))
     return JSONResponse(_response(state, body, model, request_id, choices, prompts, results).model_dump())
 
 
@@ -94,7 +93,7 @@ async def _stream(state: ServerState, body: CompletionRequest, model: str, reque
     completion_tokens = 0
     started: set[int] = set()
     offsets = {choice.index: 0 for choice in choices}
-    async for choice, output in stream_choices(state.engine, choices, body.priority, state.metrics.observe_output):
+    async for choice, output in stream_choices(state.engine, choices, body.priority):
         text, tokens, entries = output.text_delta, list(output.new_token_ids), list(output.logprobs or [])
         if body.echo and choice.index not in started:
             text = _echo_text(state, body, choice.prompt_token_ids) + text
