@@ -41,6 +41,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already indexed
+        self.num_slots: dict[str, int] = {}  # token slots allocated per request (read-only outside)
 
     @property
     def num_blocks(self) -> int:
@@ -117,6 +118,7 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
         req_blocks.extend(new_blocks)
+        self.num_slots[request.request_id] = len(req_blocks) * block_size
         self._cache_full_blocks(request, req_blocks, num_total)
         return new_blocks
 
@@ -130,6 +132,7 @@ class KVCacheManager:
         """Release every block of the request (tail first, so its tail is evicted first)."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self.num_slots.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

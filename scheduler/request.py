@@ -65,6 +65,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Union[int, str, None] = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Length (prompt + output) at which the request stops at the latest: set by the scheduler.
+    max_num_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -80,6 +80,7 @@ class Scheduler:
                 f"request id {request.request_id!r} is already in use", param="request_id"
             )
         self.check_request(request)
+        request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         # A reused id: the runner must keep the new request's state, not drop it as finished.
         self._finished_since_last_step.discard(request.request_id)
         self.requests[request.request_id] = request
@@ -175,36 +176,38 @@ class Scheduler:
         append_output = outputs.append
         new_output = tuple.__new__  # RequestStepOutput without its Python-level __new__
         any_finished = False
-        requests = self.requests
-        max_model_len = self.max_model_len
+        get_request = self.requests.get
+        get_sampled = sampled_token_ids.get
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = requests.get(request_id)
+            request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # ended between schedule() and now
             num_computed = request.num_computed_tokens + num_tokens
             request.num_computed_tokens = num_computed
-            token_ids = sampled_token_ids.get(request_id)
             all_token_ids = request.all_token_ids
-            if not token_ids or num_computed < len(all_token_ids):
+            if num_computed < len(all_token_ids):
                 continue  # a prompt chunk short of the end samples nothing
-            output_token_ids = request.output_token_ids
-            status = _RUNNING
-            for i, token_id in enumerate(token_ids):
-                output_token_ids.append(token_id)
+            token_ids = get_sampled(request_id)
+            if not token_ids:
+                continue
+            if len(token_ids) == 1:  # the common case, without the loop below
+                token_id = token_ids[0]
+                request.output_token_ids.append(token_id)
                 all_token_ids.append(token_id)
                 if (
-                    token_id in request.eos_token_ids
-                    or token_id in request.stop_token_ids
-                    or len(output_token_ids) >= request.max_tokens
-                    or len(all_token_ids) >= max_model_len
+                    len(all_token_ids) < request.max_num_tokens
+                    and token_id not in request.eos_token_ids
+                    and token_id not in request.stop_token_ids
                 ):
-                    status = self._check_stop(request, token_id)
-                    if status is not _RUNNING:
-                        token_ids = token_ids[: i + 1]
-                        request.status = status
-                        self._release(request)
-                        any_finished = True
-                        break
+                    append_output(new_output(RequestStepOutput, (request_id, token_ids, _RUNNING, None)))
+                    continue
+                status = self._check_stop(request, token_id)
+            else:
+                token_ids, status = self._append_tokens(request, token_ids)
+            if status is not _RUNNING:
+                request.status = status
+                self._release(request)
+                any_finished = True
             append_output(new_output(RequestStepOutput, (request_id, token_ids, status, request.stop_reason)))
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
@@ -215,21 +218,29 @@ class Scheduler:
     def _schedule_decodes(self, plan: _StepPlan) -> None:
         """One token for every running request at the end of its sequence (the hot loop)."""
         allocate_slots = self.kv_cache_manager.allocate_slots
+        slots = self.kv_cache_manager.num_slots
+        block_size = self.block_size
         num_scheduled = plan.num_scheduled
         num_computed = plan.num_computed
         new_block_ids = plan.new_block_ids
         for request in list(self.running):
             if request.status is not _RUNNING:
                 continue  # preempted earlier in this loop
-            if len(request.all_token_ids) - request.num_computed_tokens > 1:
+            computed = request.num_computed_tokens
+            if len(request.all_token_ids) - computed > 1:
                 continue  # still in its prompt
+            request_id = request.request_id
+            if computed + 1 <= slots[request_id] and (computed + 1) % block_size:
+                # Inside its allocated slots without filling a block: nothing for the KV manager to do.
+                num_scheduled[request_id] = 1
+                num_computed[request_id] = computed
+                continue
             new_blocks = allocate_slots(request, 1)
             if new_blocks is None:
                 self._schedule_running(plan, request, 1)
                 continue
-            request_id = request.request_id
             num_scheduled[request_id] = 1
-            num_computed[request_id] = request.num_computed_tokens
+            num_computed[request_id] = computed
             if new_blocks:
                 new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
 
@@ -291,6 +302,15 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_front(request)
+
+    def _append_tokens(self, request: Request, token_ids: Sequence[int]) -> tuple[Sequence[int], RequestStatus]:
+        """Several tokens in one step: append them up to the first that stops the request."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not _RUNNING:
+                return token_ids[: i + 1], status
+        return token_ids, _RUNNING
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus:
         """Token-level stop rules, after `token_id` was appended."""
