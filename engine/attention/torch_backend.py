@@ -31,27 +31,61 @@ class TorchAttentionBackend:
             out[rows] = self._prefill(query[rows], key[rows], value[rows], key_cache, value_cache, chunk, scale)
         return out
 
-    @staticmethod
-    def _decode(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    @classmethod
+    def _decode(cls, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         """One query per request over its gathered blocks, masked past its context length.
 
-        scores[b, kv_head, group, t] = q[b, kv_head * group_size + group] . K[b, t, kv_head]
+        The gathered K/V stay in the cache's layout ([B, tokens, kv_heads, head_dim]);
+        the products read them in place instead of transposing copies of them.
         """
         num_decodes, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
+        flat = metadata.decode_block_tables.reshape(-1)  # [B * max_blocks]
+        max_len = metadata.decode_block_tables.shape[1] * block_size
+        keys = key_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
+        values = value_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
+        if num_kv_heads <= cls.DIAGONAL_MAX_KV_HEADS:
+            return cls._decode_all_pairs(query, keys, values, metadata.decode_bias, scale)
+        return cls._decode_per_kv_head(query, keys, values, metadata.decode_bias, scale)
+
+    DIAGONAL_MAX_KV_HEADS = 4
+    """Up to this many KV heads, score every (head, kv head) pair and keep the matching ones:
+    kv_heads times the (small) arithmetic, two products per layer. Beyond, loop over KV heads."""
+
+    @staticmethod
+    def _decode_all_pairs(query, keys, values, bias, scale: float) -> torch.Tensor:
+        """
+        scores[b, h, t, k] = q[b, h] . K[b, t, k]   for every pair, then keep k == kv_head(h)
+        kv_head(h) = h // group
+        """
+        batch, num_heads, head_dim = query.shape
+        _, max_len, num_kv_heads, _ = keys.shape
         group = num_heads // num_kv_heads
-        tables = metadata.decode_block_tables  # [B, max_blocks]
-        max_len = tables.shape[1] * block_size
-        flat = tables.reshape(-1)
-        # [B, max_blocks, block_size, kv_heads, head_dim] -> [B, kv_heads, max_len, head_dim]
-        keys = key_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        values = value_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        q = query.view(num_decodes, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, keys.transpose(2, 3))  # [B, kv_heads, group, max_len]
-        scores = torch.add(metadata.decode_bias, scores, alpha=scale)
+        pairs = torch.bmm(query, keys.view(batch, max_len * num_kv_heads, head_dim).transpose(1, 2))
+        # [B, heads, max_len * kv_heads] -> [B, kv_heads, group, max_len]
+        scores = torch.diagonal(pairs.view(batch, num_kv_heads, group, max_len, num_kv_heads), dim1=1, dim2=4)
+        scores = torch.add(bias, scores.permute(0, 3, 1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(batch, num_heads, max_len)
+        out = torch.bmm(probs, values.view(batch, max_len, num_kv_heads * head_dim))  # [B, heads, kv_heads * hd]
+        out = torch.diagonal(out.view(batch, num_kv_heads, group, num_kv_heads, head_dim), dim1=1, dim2=3)
+        return out.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_per_kv_head(query, keys, values, bias, scale: float) -> torch.Tensor:
+        """One pair of batched products per KV head, reading the strided K/V views in place."""
+        batch, num_heads, head_dim = query.shape
+        _, max_len, num_kv_heads, _ = keys.shape
+        group = num_heads // num_kv_heads
+        q = query.view(batch, num_kv_heads, group, head_dim)
+        scores = torch.empty((batch, num_kv_heads, group, max_len), dtype=query.dtype, device=query.device)
+        for k in range(num_kv_heads):
+            torch.bmm(q[:, k], keys[:, :, k].transpose(1, 2), out=scores[:, k])
+        scores = torch.add(bias, scores, alpha=scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.matmul(probs, values)  # [B, kv_heads, group, head_dim]
-        return out.view(num_decodes, num_heads, head_dim)
+        out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=query.dtype, device=query.device)
+        for k in range(num_kv_heads):
+            torch.bmm(probs[:, k], values[:, :, k], out=out[:, k])
+        return out.view(batch, num_heads, head_dim)
 
     @staticmethod
     def _prefill(query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:

@@ -219,8 +219,11 @@ def test_mixed_step_matches_reference(block_size, group, head_dim):
         run_and_check(step, key_cache, value_cache, head_dim)
 
 
+@pytest.mark.parametrize("decode_path", ["all_pairs", "per_kv_head"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_decode_only_step(block_size):
+def test_decode_only_step(block_size, decode_path, monkeypatch):
+    if decode_path == "per_kv_head":  # the path taken by models with many KV heads
+        monkeypatch.setattr(TorchAttentionBackend, "DIAGONAL_MAX_KV_HEADS", 0)
     rng = random.Random(block_size)
     gen = torch.Generator().manual_seed(1)
     key_cache, value_cache = make_cache(block_size, 16, gen)
