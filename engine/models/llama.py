@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.models.linear import select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
 
@@ -45,6 +46,7 @@ class LlamaForCausalLM:
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
         )
         self.scale = arch.head_dim**-0.5
+        self.linear = select_linear(device, dtype)
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.final_norm: Optional[torch.Tensor] = None
         self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
@@ -124,15 +126,16 @@ class LlamaForCausalLM:
         arch = self.arch
         eps = arch.rms_norm_eps
         hidden_shape = (arch.hidden_size,)
+        linear = self.linear
         cos, sin = self.rotary.tables(positions)
         h = F.embedding(input_ids, self.embed)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             x = F.rms_norm(h, hidden_shape, layer.input_norm, eps)
             h = h + self._attention(layer, x, cos, sin, key_cache, value_cache, metadata, backend)
             x = F.rms_norm(h, hidden_shape, layer.post_norm, eps)
-            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+            gate_up = linear(x, layer.gate_up, layer.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            h = h + linear(F.silu(gate) * up, layer.down, layer.down_bias)
         return h
 
     def _attention(self, layer: LlamaLayerWeights, x, cos, sin, key_cache, value_cache,
@@ -140,7 +143,7 @@ class LlamaForCausalLM:
         arch = self.arch
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
         qkv = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim)
         if layer.q_norm is None:
             qk = self.rotary.apply(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, head_dim]
@@ -152,10 +155,10 @@ class LlamaForCausalLM:
         value = qkv[:, heads + kv_heads :]
         backend.write_kv(key, value, key_cache, value_cache, metadata)
         out = backend.attend(query, key, value, key_cache, value_cache, metadata, self.scale)
-        return F.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+        return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32."""
         x = F.rms_norm(hidden, (self.arch.hidden_size,), self.final_norm, self.arch.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.linear(x, self.lm_head, None).float()
