@@ -103,6 +103,7 @@ class EngineCore:
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             priority=priority,
+            skip_prefix_cache=params.prompt_logprobs is not None,
             **kwargs,
         )
 

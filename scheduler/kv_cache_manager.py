@@ -66,7 +66,7 @@ class KVCacheManager:
         The hit stops one token short of the whole sequence, so that the step
         that admits the request computes at least one token (and samples).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -56,6 +56,7 @@ class Request:
     ignore_eos: bool = False
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    skip_prefix_cache: bool = False  # e.g. prompt logprobs, which cached positions would not produce
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

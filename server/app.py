@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import SamplingParams
+from scheduler import RequestRejectedError
 from server.config import ServerConfig
 from server.errors import APIError, error_body
 from server.logprob_format import LogprobFormatter
@@ -50,7 +51,26 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
         app.include_router(module.router)
     _install_error_handlers(app, state)
     _install_middleware(app, state)
+    _drop_default_422(app)
     return app
+
+
+def _drop_default_422(app: FastAPI) -> None:
+    """Validation errors are 400s in OpenAI's envelope: take FastAPI's 422 out of the schema."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
@@ -86,10 +106,18 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def validation_error(request: Request, exc: RequestValidationError):
         state.metrics.observe_rejected()
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(400, f"the request body is not valid JSON: {first.get('msg')}"),
+                                status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None  # the request field, as OpenAI names it
         message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
         return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(RequestRejectedError)
+    async def rejected(request: Request, exc: RequestRejectedError):
+        state.metrics.observe_rejected()
+        return JSONResponse(error_body(400, exc.message, param=exc.param, code=exc.code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -36,6 +36,17 @@ def check_extra_fields(request: SamplingFields, strict: bool) -> None:
     logger.warning("ignoring unrecognized request field(s): %s", ", ".join(extra))
 
 
+def check_stream_options(request: SamplingFields) -> None:
+    options = request.stream_options
+    if options is None:
+        return
+    if not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
+    if options.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported.",
+                          param="stream_options", code="unsupported_parameter")
+
+
 def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], logprobs: Optional[int] = None,
                          prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """SamplingParams from the request's fields; a bad value is a 400 naming its field."""

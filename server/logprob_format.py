@@ -38,8 +38,10 @@ class LogprobFormatter:
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(entry.logprob)
-            top = {self.token_text(t): lp for t, lp in entry.top[:num_top]}
-            top.setdefault(token, entry.logprob)
+            top: dict[str, float] = {}
+            for t, lp in entry.top[:num_top]:  # best first: a text shared by several ids keeps its best
+                top.setdefault(self.token_text(t), lp)
+            top[token] = entry.logprob  # the sampled token's own value, as token_logprobs says
             out.top_logprobs.append(top)
         return out
 

@@ -24,9 +24,12 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat (OpenAI's and vLLM's extras at top level)."""
+    """Fields shared by completions and chat (OpenAI's and vLLM's extras at top level).
 
-    model_config = ConfigDict(extra="allow")
+    Strict types: `true` is not a temperature and "yes" is not a boolean.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: Optional[str] = None
     n: int = 1

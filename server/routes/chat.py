@@ -8,9 +8,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.disconnect import cancel_on_disconnect
-from server.errors import ERROR_RESPONSES, bad_request
+from server.errors import ERROR_RESPONSES, APIError, bad_request
 from server.chat_messages import template_messages
-from server.generation import (Choice, check_choices, check_extra_fields, check_model, collect_choices,
+from server.generation import (Choice, check_choices, check_stream_options, check_extra_fields, check_model, collect_choices,
                                make_sampling_params, plan_choices, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
@@ -44,11 +44,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     model = check_model(body.model, state.served_model_names)
     check_extra_fields(body, state.config.strict_params)
+    check_stream_options(body)
     _refuse_unsupported(body)
     prompt = _render(body, state)
     num_top = _num_top_logprobs(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = make_sampling_params(body, max_tokens=max_tokens, logprobs=num_top)
+    try:
+        params = make_sampling_params(body, max_tokens=max_tokens, logprobs=num_top)
+    except APIError as exc:  # name the fields as chat spells them
+        renames = {"logprobs": "top_logprobs"}
+        if body.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        exc.param = renames.get(exc.param, exc.param)
+        exc.message = exc.message.replace("max_tokens", renames.get("max_tokens", "max_tokens"))
+        raise
     request_id = body.request_id or new_id("chatcmpl")
     choices = plan_choices(request_id, [prompt], params)
     check_choices(state.engine, choices)

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
-from server.generation import (Choice, ChoiceResult, check_choices, check_extra_fields, check_model,
+from server.generation import (Choice, ChoiceResult, check_choices, check_stream_options, check_extra_fields, check_model,
                                collect_choices, make_sampling_params, plan_choices, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage,
                              new_id, now)
@@ -24,6 +24,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     model = check_model(body.model, state.served_model_names)
     check_extra_fields(body, state.config.strict_params)
+    check_stream_options(body)
     if body.suffix is not None:
         raise bad_request("suffix is not supported.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -68,7 +69,11 @@ def _response(state, body, model, request_id, choices: list[Choice], prompts, re
         if body.logprobs is not None:
             entries, tokens = list(result.logprobs), list(result.token_ids)
             if body.echo:
-                entries = list(result.prompt_logprobs or [None] * len(choice.prompt_token_ids)) + entries
+                prompt_entries = list(result.prompt_logprobs or [])
+                if len(prompt_entries) != len(choice.prompt_token_ids):
+                    raise RuntimeError(f"{len(prompt_entries)} prompt logprobs for "
+                                       f"{len(choice.prompt_token_ids)} prompt tokens")
+                entries = prompt_entries + entries
                 tokens = choice.prompt_token_ids + tokens
             logprobs = state.formatter.completion(entries, tokens, body.logprobs)
         out_choices.append(CompletionChoice(index=choice.index, text=prefix + result.text, logprobs=logprobs,
