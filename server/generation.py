@@ -36,6 +36,14 @@ def check_extra_fields(request: SamplingFields, strict: bool) -> None:
     logger.warning("ignoring unrecognized request field(s): %s", ", ".join(extra))
 
 
+def check_common(request: SamplingFields, served: Sequence[str], strict: bool) -> str:
+    """The checks every generation route makes first; returns the served model name."""
+    model = check_model(request.model, served)
+    check_extra_fields(request, strict)
+    check_stream_options(request)
+    return model
+
+
 def check_stream_options(request: SamplingFields) -> None:
     options = request.stream_options
     if options is None:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, APIError, bad_request
 from server.chat_messages import template_messages
-from server.generation import (Choice, check_choices, check_stream_options, check_extra_fields, check_model, collect_choices,
+from server.generation import (Choice, check_choices, check_common, collect_choices,
                                make_sampling_params, plan_choices, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
@@ -42,9 +42,7 @@ _UNSUPPORTED = {
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
-    model = check_model(body.model, state.served_model_names)
-    check_extra_fields(body, state.config.strict_params)
-    check_stream_options(body)
+    model = check_common(body, state.served_model_names, state.config.strict_params)
     _refuse_unsupported(body)
     prompt = _render(body, state)
     num_top = _num_top_logprobs(body)

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
-from server.generation import (Choice, ChoiceResult, check_choices, check_stream_options, check_extra_fields, check_model,
+from server.generation import (Choice, ChoiceResult, check_choices, check_common,
                                collect_choices, make_sampling_params, plan_choices, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage,
                              new_id, now)
@@ -22,9 +22,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
-    model = check_model(body.model, state.served_model_names)
-    check_extra_fields(body, state.config.strict_params)
-    check_stream_options(body)
+    model = check_common(body, state.served_model_names, state.config.strict_params)
     if body.suffix is not None:
         raise bad_request("suffix is not supported.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
