@@ -101,6 +101,9 @@ class AsyncEngine:
         request = self.engine.make_request("check", prompt_token_ids, params)
         self.engine.scheduler.check_request(request)
 
+    def request_id_in_use(self, request_id: str) -> bool:
+        return request_id in self._live
+
     async def generate(
         self,
         request_id: str,

@@ -91,8 +91,10 @@ class EngineCore:
             )
         params.verify_vocab(self.vocab_size)
         max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = max(self.max_model_len - len(prompt), 1)
+        if max_tokens is None:  # the rest of the context, as far as the whole KV cache holds it
+            kv = self.scheduler.kv_cache_manager
+            limit = min(self.max_model_len, kv.num_blocks * kv.block_size + 1)
+            max_tokens = max(limit - len(prompt), 1)
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(
             request_id=request_id,
@@ -112,6 +114,7 @@ class EngineCore:
         outputs = []
         now = time.monotonic()
         for request in self.scheduler.abort(request_ids):
+            self.runner.remove_request(request.request_id)
             state = self._states.pop(request.request_id)
             outputs.append(self._output(state, [], "", None, now))
         return outputs
@@ -152,7 +155,9 @@ class EngineCore:
             state = self._states[step_output.request_id]
             finish_reason = step_output.status.finish_reason
             delta, stop = state.take_text(
-                state.detokenizer.add_tokens(step_output.new_token_ids), finishing=finish_reason is not None
+                state.detokenizer.add_tokens(self._text_token_ids(state, step_output)),
+                finishing=finish_reason is not None,
+                check_stops=state.request.num_output_tokens >= state.params.min_tokens,
             )
             if stop is not None and finish_reason is None:
                 self.scheduler.finish(step_output.request_id, RequestStatus.FINISHED_STOPPED, stop)
@@ -171,6 +176,16 @@ class EngineCore:
             if finish_reason is not None:
                 del self._states[step_output.request_id]
         return outputs
+
+    @staticmethod
+    def _text_token_ids(state: RequestState, step_output) -> Sequence[int]:
+        """The tokens whose text the output shows: a stop token's (eos or stop_token_ids) is left
+        out unless include_stop_str_in_output, as vLLM does."""
+        token_ids = step_output.new_token_ids
+        if (step_output.status is RequestStatus.FINISHED_STOPPED and token_ids
+                and not state.params.include_stop_str_in_output):
+            return token_ids[:-1]
+        return token_ids
 
     def _output(self, state: RequestState, new_token_ids: list[int], delta: str, finish_reason: Optional[str],
                 now: float, stop_reason=None, logprobs=None) -> RequestOutput:

@@ -25,6 +25,7 @@ class CachedRequestState:
     sampling: SamplingState
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     block_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = 0  # prompt rows scored so far (kept across a preemption's recompute)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -129,10 +130,12 @@ class ModelRunner:
         batch.slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         batch.prefill_spans.append((state, first_row, num_tokens, start))
         if state.wants_prompt_logprobs:
-            # Row of position j predicts token j + 1: rows start .. min(end, prompt - 1) - 1.
-            count = min(end, state.num_prompt_tokens - 1) - start
+            # Row of position j predicts token j + 1: rows first .. min(end, prompt - 1) - 1, each once.
+            first = max(start, state.num_prompt_logprobs)
+            count = min(end, state.num_prompt_tokens - 1) - first
             if count > 0:
-                batch.prompt_rows.append((state, first_row, count))
+                batch.prompt_rows.append((state, first_row + first - start, count))
+                state.num_prompt_logprobs = first + count
         if end == len(state.token_ids):
             batch.sample_rows.append(first_row + num_tokens - 1)
             batch.sample_states.append(state)

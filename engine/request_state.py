@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -25,7 +25,6 @@ class RequestState:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
-    token_times: list[float] = field(default_factory=list)
 
     def metrics(self, finished_time: Optional[float]) -> RequestMetrics:
         return RequestMetrics(
@@ -36,12 +35,14 @@ class RequestState:
             finished_time=finished_time,
         )
 
-    def take_text(self, delta: str, finishing: bool) -> tuple[str, Optional[str]]:
-        """Run a detokenized delta through the stop strings; returns (text to emit, stop string hit)."""
+    def take_text(self, delta: str, finishing: bool, check_stops: bool = True) -> tuple[str, Optional[str]]:
+        """Run a detokenized delta through the stop strings; returns (text to emit, stop string hit).
+
+        Before `min_tokens` output tokens (`check_stops` False) stop strings are not looked for."""
         if finishing:
             delta += self.detokenizer.flush()
         stop = None
-        if self.stop_matcher is not None:
+        if self.stop_matcher is not None and check_stops:
             match = self.stop_matcher.add_text(delta)
             delta, stop = match.text, match.stop
             if stop is None and finishing:

@@ -11,6 +11,9 @@ from typing import Any, NoReturn, Optional
 from scheduler.errors import RequestRejectedError
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_N = 128
 """The most alternatives `logprobs` / `prompt_logprobs` may ask for."""
 
 GREEDY_TEMPERATURE = 1e-5
@@ -123,6 +126,8 @@ class SamplingParams:
         self.n = _as_int(self.n, "n")
         if self.n < 1:
             _reject("n", f"n must be at least 1, got {self.n}")
+        if self.n > MAX_N:
+            _reject("n", f"n must be at most {MAX_N}, got {self.n}")
         if self.max_tokens is not None:
             self.max_tokens = _as_int(self.max_tokens, "max_tokens")
             if self.max_tokens < 1:
@@ -187,6 +192,9 @@ class SamplingParams:
         for text in stop:
             if not isinstance(text, str) or not text:
                 _reject("stop", f"stop strings must be non-empty strings, got {text!r}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(text) > MAX_STOP_STRING_CHARS for text in stop):
+            _reject("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
+                            "characters each")
         self.stop = list(stop)
         token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(token_ids, (list, tuple, set, frozenset)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
@@ -14,6 +14,9 @@ from engine.sampling_params import SamplingParams
 from scheduler import RequestRejectedError
 from server.errors import APIError, bad_request
 from server.protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +39,30 @@ def check_extra_fields(request: SamplingFields, strict: bool) -> None:
     logger.warning("ignoring unrecognized request field(s): %s", ", ".join(extra))
 
 
-def check_common(request: SamplingFields, served: Sequence[str], strict: bool) -> str:
+# vLLM request extras this server does not implement: refused by name, never ignored.
+UNIMPLEMENTED_EXTRAS = frozenset({
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs", "chat_template", "chat_template_kwargs",
+    "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "use_beam_search", "length_penalty",
+    "prompt_logprobs", "return_tokens_as_token_ids", "documents", "mm_processor_kwargs", "lora_request",
+    "kv_transfer_params", "vllm_xargs", "cache_salt", "response_format",
+})
+
+
+def check_common(request: SamplingFields, state: "ServerState") -> str:
     """The checks every generation route makes first; returns the served model name."""
-    model = check_model(request.model, served)
-    check_extra_fields(request, strict)
+    if state.draining or not state.engine.is_alive:
+        raise APIError(503, "the server is shutting down" if state.draining
+                       else f"the engine is not running: {state.engine.error or 'stopped'}")
+    model = check_model(request.model, state.served_model_names)
+    unimplemented = sorted(UNIMPLEMENTED_EXTRAS & set(request.model_extra or {}))
+    if unimplemented:
+        raise bad_request(f"{', '.join(unimplemented)} is not supported by this server.", param=unimplemented[0],
+                          code="unsupported_parameter")
+    check_extra_fields(request, state.config.strict_params)
     check_stream_options(request)
+    if request.priority != 0 and state.engine.engine.scheduler.scheduler_config.policy != "priority":
+        raise bad_request("priority needs a server started with --scheduling-policy priority.", param="priority")
     return model
 
 
@@ -129,6 +151,8 @@ def plan_choices(request_id: str, prompts: list[list[int]], params: SamplingPara
 def check_choices(engine: AsyncEngine, choices: Sequence[Choice]) -> None:
     """Refuse the whole request (400) before anything runs if one choice can never be served."""
     for choice in choices:
+        if engine.request_id_in_use(choice.request_id):
+            raise bad_request(f"request id {choice.request_id!r} is already in use", param="request_id")
         try:
             engine.check_request(choice.prompt_token_ids, choice.params)
         except RequestRejectedError as exc:

@@ -9,6 +9,7 @@ from typing import AsyncIterator, Union
 from pydantic import BaseModel
 
 from engine.async_engine import EngineDeadError
+from scheduler import RequestRejectedError
 from server.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ async def with_error_events(events: AsyncIterator[bytes]) -> AsyncIterator[bytes
             yield event
     except APIError as exc:
         yield sse_event(exc.body())
+    except RequestRejectedError as exc:
+        yield sse_event(error_body(400, exc.message, param=exc.param, code=exc.code))
     except EngineDeadError as exc:
         yield sse_event(error_body(503, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the client must learn the stream failed

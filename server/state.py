@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine
 from engine.tokenizer import Tokenizer
@@ -19,8 +19,7 @@ class ServerState:
     metrics: ServerMetrics
     formatter: LogprobFormatter
     ready: bool = False
-    draining: bool = False
-    warmup_error: BaseException | None = field(default=None)
+    draining: bool = False  # shutting down: new generation requests get a 503
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -42,7 +42,7 @@ _UNSUPPORTED = {
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
-    model = check_common(body, state.served_model_names, state.config.strict_params)
+    model = check_common(body, state)
     _refuse_unsupported(body)
     prompt = _render(body, state)
     num_top = _num_top_logprobs(body)

@@ -22,7 +22,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
-    model = check_common(body, state.served_model_names, state.config.strict_params)
+    model = check_common(body, state)
     if body.suffix is not None:
         raise bad_request("suffix is not supported.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -53,16 +53,19 @@ def _prompt_token_ids(body: CompletionRequest, state: ServerState) -> list[list[
     return [list(p) for p in prompt]
 
 
-def _echo_text(state: ServerState, body: CompletionRequest, prompt: list[int]) -> str:
+def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> str:
+    """The prompt as sent when it was text; token ids are decoded."""
     if isinstance(body.prompt, str):
         return body.prompt
-    return state.tokenizer.decode(prompt, skip_special_tokens=False)
+    if isinstance(body.prompt[0], str):
+        return body.prompt[choice.prompt_index]
+    return state.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
 
 
 def _response(state, body, model, request_id, choices: list[Choice], prompts, results: list[ChoiceResult]):
     out_choices = []
     for choice, result in zip(choices, results):
-        prefix = _echo_text(state, body, choice.prompt_token_ids) if body.echo else ""
+        prefix = _echo_text(state, body, choice) if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
             entries, tokens = list(result.logprobs), list(result.token_ids)
@@ -99,7 +102,7 @@ async def _stream(state: ServerState, body: CompletionRequest, model: str, reque
     async for choice, output in stream_choices(state.engine, choices, body.priority):
         text, tokens, entries = output.text_delta, list(output.new_token_ids), list(output.logprobs or [])
         if body.echo and choice.index not in started:
-            text = _echo_text(state, body, choice.prompt_token_ids) + text
+            text = _echo_text(state, body, choice) + text
             if body.logprobs is not None:
                 prompt_entries = output.prompt_logprobs or [None] * len(choice.prompt_token_ids)
                 entries, tokens = list(prompt_entries) + entries, choice.prompt_token_ids + tokens

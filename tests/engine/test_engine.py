@@ -151,3 +151,29 @@ def test_request_id_reused_right_after_finishing(llm):
     first = [t for o in drain(engine) for t in o.new_token_ids]
     engine.add_request("again", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))  # before any step
     assert [t for o in drain(engine) for t in o.new_token_ids] == first
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    prompt = llm.get_tokenizer().encode("The quick brown fox")
+    (base,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    first_token_text = llm.get_tokenizer().decode(base.outputs[0].token_ids[:1])
+    stop = first_token_text[:1]
+    assert stop
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop], min_tokens=3)
+    (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert len(result.outputs[0].token_ids) >= 3  # the stop string in the first token did not end it
+
+
+def test_stop_token_text_is_left_out_unless_asked(llm):
+    prompt = [10, 20, 30]
+    (base,) = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
+    tokens = base.outputs[0].token_ids
+    stop_id = tokens[2]
+    cut = tokens.index(stop_id)
+    tokenizer = llm.get_tokenizer()
+    for include in (False, True):
+        params = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        (r,) = llm.generate([prompt], params, use_tqdm=False)
+        shown = tokens[: cut + 1] if include else tokens[:cut]
+        assert r.outputs[0].token_ids == tokens[: cut + 1]
+        assert r.outputs[0].text == tokenizer.decode(shown)

@@ -78,3 +78,17 @@ def test_prompt_logprobs(tiny_llama_dir):
     assert [lp.logprob for lp in got] == pytest.approx(hf_prompt_logprobs(tiny_llama_dir, prompt), abs=1e-4)
     assert all(len(lp.top) == 3 for lp in got)
     assert_idle(llm)
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama_dir):
+    """A prompt recomputed after a preemption is scored once, not twice."""
+    llm = make_llm(tiny_llama_dir, num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    prompts = mixed_prompts(5)[4:7]  # 17, 33, 60 tokens
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    for prompt, result in zip(prompts, results):
+        assert len(result.prompt_logprobs) == len(prompt)
+        got = [lp.logprob for lp in result.prompt_logprobs[1:]]
+        assert got == pytest.approx(hf_prompt_logprobs(tiny_llama_dir, prompt), abs=1e-4)
+    assert_idle(llm)

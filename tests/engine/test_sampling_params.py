@@ -146,3 +146,14 @@ def test_verify_vocab_refuses_bias_outside_the_vocabulary():
     with pytest.raises(RequestRejectedError) as info:
         SamplingParams(logit_bias={100: 1.0}).verify_vocab(100)
     assert info.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"n": 129}, "n"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ["x" * 257]}, "stop"),
+])
+def test_request_size_limits(kwargs, param):
+    with pytest.raises(RequestRejectedError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param

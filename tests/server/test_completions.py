@@ -416,8 +416,18 @@ def test_vllm_extras_accepted(server):
     assert out["choices"][0]["finish_reason"] in ("length", "stop")
     client = sdk(server)
     via_sdk = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
-                                        extra_body={"top_k": 5, "min_tokens": 1, "priority": 1})
+                                        extra_body={"top_k": 5, "min_tokens": 1})
     assert via_sdk.choices[0].text == greedy_text(server, PROMPT, 3)
+    with pytest.raises(openai.BadRequestError) as info:  # fcfs server: a priority would be ignored
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"priority": 1})
+    assert info.value.body["param"] == "priority"
+
+
+@pytest.mark.parametrize("field", ["guided_json", "prompt_logprobs", "response_format", "use_beam_search"])
+def test_known_unimplemented_vllm_extras_are_refused(server, field):
+    with server.client() as c:
+        response = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, field: {"type": "x"}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
 def test_eos_handling_ignore_eos_min_tokens_skip_special_tokens(server):

@@ -359,3 +359,13 @@ def test_duplicate_request_id_is_a_400(server, monkeypatch):
         with server.client() as c:
             response = c.post(COMPLETIONS, json={**body, "max_tokens": 2})
         assert_error(response, 400, "request_id")
+
+
+def test_draining_server_answers_503(server):
+    server.state.draining = True  # what the app's lifespan sets at shutdown
+    try:
+        with server.client() as c:
+            response = c.post(COMPLETIONS, json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        assert_error(response, 503)
+    finally:
+        server.state.draining = False
