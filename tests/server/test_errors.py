@@ -17,7 +17,7 @@ CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error"}
+         405: "invalid_request_error", 503: "service_unavailable_error"}
 ANY = object()
 
 
