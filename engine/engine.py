@@ -138,16 +138,17 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        scheduled_at = time.monotonic()
+        for new in scheduler_output.new_requests:
+            state = self._states[new.request_id]
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = scheduled_at
         runner_output = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty:
             return []
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         now = time.monotonic()
         self.num_steps += 1
-        for new in scheduler_output.new_requests:
-            state = self._states[new.request_id]
-            if state.first_scheduled_time is None:
-                state.first_scheduled_time = now
         for request_id, chunk in runner_output.prompt_logprobs.items():
             self._states[request_id].prompt_logprobs.extend(chunk)
         outputs = []

@@ -130,7 +130,7 @@ def ready_message(host: str, port: int, model_name: str, needs_key: bool) -> str
     """The URL and a ready-to-paste curl line; a `$PAGEDSERVE_API_KEY` placeholder, never a key."""
     reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     url = f"http://[{reachable}]:{port}" if ":" in reachable else f"http://{reachable}:{port}"
-    body = json.dumps({"model": model_name, "prompt": "The capital of France is", "max_tokens": 32})
+    body = json.dumps({"model": model_name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0})
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if needs_key else ""
     curl = f'curl {url}/v1/completions -H "Content-Type: application/json"{auth} -d {shlex.quote(body)}'
     return f"pagedserve: serving {model_name!r} at {url}/v1 (metrics at {url}/metrics)\ntry:\n  {curl}"
