@@ -20,10 +20,12 @@ from engine.engine_config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
-from scheduler import Request, RequestRejectedError, RequestStatus, Scheduler, SchedulerStats
+from scheduler import (Request, RequestRejectedError, RequestStatus, RequestStepOutput, Scheduler,
+                       SchedulerStats)
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ class EngineCore:
         for request in self.scheduler.abort(request_ids):
             self.runner.remove_request(request.request_id)
             state = self._states.pop(request.request_id)
-            outputs.append(self._output(state, [], "", None, now))
+            outputs.append(self._output(state, [], "", "abort", now))
         return outputs
 
     def unfinished_request_ids(self) -> list[str]:
@@ -151,35 +153,35 @@ class EngineCore:
         self.num_steps += 1
         for request_id, chunk in runner_output.prompt_logprobs.items():
             self._states[request_id].prompt_logprobs.extend(chunk)
-        outputs = []
-        for step_output in step_outputs:
-            state = self._states[step_output.request_id]
-            finish_reason = step_output.status.finish_reason
-            delta, stop = state.take_text(
-                state.detokenizer.add_tokens(self._text_token_ids(state, step_output)),
-                finishing=finish_reason is not None,
-                check_stops=state.request.num_output_tokens >= state.params.min_tokens,
-            )
-            if stop is not None and finish_reason is None:
-                self.scheduler.finish(step_output.request_id, RequestStatus.FINISHED_STOPPED, stop)
-                finish_reason = "stop"
-            elif stop is not None:
-                finish_reason = "stop"
-            stop_reason = stop if stop is not None else step_output.stop_reason
-            if state.first_token_time is None:
-                state.first_token_time = now
-            state.last_token_time = now
-            logprobs = runner_output.logprobs.get(step_output.request_id)
-            outputs.append(
-                self._output(state, step_output.new_token_ids, delta, finish_reason, now, stop_reason,
-                             None if logprobs is None else [logprobs])
-            )
-            if finish_reason is not None:
-                del self._states[step_output.request_id]
-        return outputs
+        return [self._process(step_output, runner_output.logprobs.get(step_output.request_id), now)
+                for step_output in step_outputs]
+
+    def _process(self, step_output: RequestStepOutput, logprobs: Optional[TokenLogprobs],
+                 now: float) -> RequestOutput:
+        """Text, stop strings and timestamps for one request's new tokens."""
+        request_id = step_output.request_id
+        state = self._states[request_id]
+        finish_reason = step_output.status.finish_reason
+        stop_reason = step_output.stop_reason
+        delta, stop = state.take_text(
+            state.detokenizer.add_tokens(self._text_token_ids(state, step_output)),
+            finishing=finish_reason is not None,
+            check_stops=state.request.num_output_tokens >= state.params.min_tokens,
+        )
+        if stop is not None:
+            if finish_reason is None:
+                self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED, stop)
+            finish_reason, stop_reason = "stop", stop
+        if state.first_token_time is None:
+            state.first_token_time = now
+        state.last_token_time = now
+        if finish_reason is not None:
+            del self._states[request_id]
+        return self._output(state, step_output.new_token_ids, delta, finish_reason, now, stop_reason,
+                            None if logprobs is None else [logprobs])
 
     @staticmethod
-    def _text_token_ids(state: RequestState, step_output) -> Sequence[int]:
+    def _text_token_ids(state: RequestState, step_output: RequestStepOutput) -> Sequence[int]:
         """The tokens whose text the output shows: a stop token's (eos or stop_token_ids) is left
         out unless include_stop_str_in_output, as vLLM does."""
         token_ids = step_output.new_token_ids
@@ -191,9 +193,6 @@ class EngineCore:
     def _output(self, state: RequestState, new_token_ids: list[int], delta: str, finish_reason: Optional[str],
                 now: float, stop_reason=None, logprobs=None) -> RequestOutput:
         request = state.request
-        finished = finish_reason is not None or request.status is RequestStatus.FINISHED_ABORTED
-        if request.status is RequestStatus.FINISHED_ABORTED:
-            finish_reason = "abort"
         prompt_logprobs = None
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             prompt_logprobs = state.prompt_logprobs
@@ -208,7 +207,7 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            metrics=state.metrics(now if finished else None),
+            metrics=state.metrics(None if finish_reason is None else now),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )

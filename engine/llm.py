@@ -11,7 +11,7 @@ from engine.builder import build_engine
 from engine.config import ModelConfig
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
-from engine.outputs import CompletionOutput, GenerationResult, RequestOutput
+from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator
 from engine.parallel_sampling import fan_out
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -111,48 +111,29 @@ class LLM:
         except BaseException:
             engine.abort([c for _, children in parents for c in children])
             raise
-        finals: dict[str, RequestOutput] = {}
-        tokens: dict[str, list[int]] = {}
-        logprobs: dict[str, list] = {}
-        prompt_logprobs: dict[str, list] = {}
-        total = sum(len(children) for _, children in parents)
-        with tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm) as bar:
+        results = {child: OutputAccumulator() for _, children in parents for child in children}
+        with tqdm(total=len(results), desc="generating", unit="seq", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests:
                 for out in engine.step():
-                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                    if out.logprobs is not None:
-                        logprobs.setdefault(out.request_id, []).extend(out.logprobs)
-                    if out.prompt_logprobs is not None:
-                        prompt_logprobs[out.request_id] = out.prompt_logprobs
+                    results[out.request_id].add(out)
                     if out.finished:
-                        finals[out.request_id] = out
                         bar.update(1)
         return [
-            self._result(parent, children, prompt, token_ids, finals, tokens, logprobs, prompt_logprobs)
+            _result(parent, prompt, token_ids, [results[child] for child in children])
             for (parent, children), (prompt, token_ids) in zip(parents, encoded)
         ]
 
-    @staticmethod
-    def _result(parent, children, prompt, token_ids, finals, tokens, logprobs, prompt_logprobs) -> GenerationResult:
-        outputs = []
-        for index, child in enumerate(children):
-            final = finals[child]
-            outputs.append(CompletionOutput(
-                index=index,
-                text=final.text,
-                token_ids=tokens.get(child, []),
-                finish_reason=final.finish_reason,
-                stop_reason=final.stop_reason,
-                logprobs=logprobs.get(child),
-            ))
-        return GenerationResult(
-            request_id=parent,
-            prompt=prompt,
-            prompt_token_ids=token_ids,
-            prompt_logprobs=prompt_logprobs.get(children[0]),
-            outputs=outputs,
-            num_cached_tokens=finals[children[0]].num_cached_tokens,
-        )
+
+def _result(parent: str, prompt: Optional[str], token_ids: list[int],
+            children: list[OutputAccumulator]) -> GenerationResult:
+    outputs = [
+        CompletionOutput(index=index, text=child.text, token_ids=child.token_ids, finish_reason=child.finish_reason,
+                         stop_reason=child.stop_reason, logprobs=child.logprobs)
+        for index, child in enumerate(children)
+    ]
+    return GenerationResult(request_id=parent, prompt=prompt, prompt_token_ids=token_ids,
+                            prompt_logprobs=children[0].prompt_logprobs, outputs=outputs,
+                            num_cached_tokens=children[0].num_cached_tokens)
 
 
 def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:

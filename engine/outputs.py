@@ -68,6 +68,30 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class OutputAccumulator:
+    """One sequence's RequestOutputs gathered into its final result (offline API, non-streaming HTTP)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprobs]] = None  # None unless the request asked for them
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    num_cached_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.text = output.text
+        self.token_ids.extend(output.new_token_ids)
+        if output.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + output.logprobs
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        self.finish_reason = output.finish_reason
+        self.stop_reason = output.stop_reason
+        self.num_cached_tokens = output.num_cached_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
     """One generated sequence of a finished request (the offline API)."""

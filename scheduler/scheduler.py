@@ -216,7 +216,10 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
 
     def _schedule_decodes(self, plan: _StepPlan) -> None:
-        """One token for every running request at the end of its sequence (the hot loop)."""
+        """One token for every running request at the end of its sequence.
+
+        The hot loop: it records into `plan` directly (what `_StepPlan.add` does, without
+        the budget, which `schedule` settles once afterwards)."""
         allocate_slots = self.kv_cache_manager.allocate_slots
         slots = self.kv_cache_manager.num_slots
         block_size = self.block_size
@@ -249,12 +252,7 @@ class Scheduler:
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_tokens)
             if new_blocks is not None:
-                request_id = request.request_id
-                plan.num_scheduled[request_id] = num_tokens
-                plan.num_computed[request_id] = request.num_computed_tokens
-                plan.budget -= num_tokens
-                if new_blocks:
-                    plan.new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
+                plan.add(request, num_tokens, tuple([b.block_id for b in new_blocks]))
                 return True
             victim = self._pick_victim()
             self._preempt(victim)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
 from engine.async_engine import AsyncEngine
-from engine.outputs import RequestOutput
+from engine.outputs import OutputAccumulator, RequestOutput
 from engine.parallel_sampling import fan_out
 from engine.sampling_params import SamplingParams
 from scheduler import RequestRejectedError
@@ -77,6 +77,10 @@ def check_stream_options(request: SamplingFields) -> None:
                           param="stream_options", code="unsupported_parameter")
 
 
+_DEFAULTED_WHEN_NULL = frozenset({"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                  "repetition_penalty"})
+
+
 def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], logprobs: Optional[int] = None,
                          prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """SamplingParams from the request's fields; a bad value is a 400 naming its field."""
@@ -102,12 +106,8 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], 
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
     }
-    nullable = {"top_k", "logit_bias", "seed", "max_tokens", "logprobs", "prompt_logprobs", "stop"}
-    kwargs = {k: v for k, v in values.items() if v is not None or k in nullable}
-    if kwargs.get("stop") is None:
-        kwargs.pop("stop")
-    if kwargs.get("stop_token_ids") is None:
-        kwargs.pop("stop_token_ids", None)
+    # An unset (null) field takes SamplingParams' default; for the others None is the default.
+    kwargs = {k: v for k, v in values.items() if v is not None or k not in _DEFAULTED_WHEN_NULL}
     try:
         return SamplingParams(**kwargs)
     except RequestRejectedError as exc:
@@ -123,19 +123,6 @@ class Choice:
     prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
-
-
-@dataclass(slots=True)
-class ChoiceResult:
-    """A choice's accumulated output (non-streaming responses)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None
-    stop_reason: object = None
-    num_cached_tokens: int = 0
 
 
 def plan_choices(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
@@ -192,19 +179,9 @@ async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int) -> list[ChoiceResult]:
-    results = [ChoiceResult() for _ in choices]
-    position = {choice.request_id: i for i, choice in enumerate(choices)}
+async def collect_choices(engine: AsyncEngine, choices: Sequence[Choice],
+                          priority: int) -> list[OutputAccumulator]:
+    results = {choice.request_id: OutputAccumulator() for choice in choices}
     async for choice, output in stream_choices(engine, choices, priority):
-        result = results[position[choice.request_id]]
-        result.text = output.text
-        result.token_ids.extend(output.new_token_ids)
-        if output.logprobs:
-            result.logprobs.extend(output.logprobs)
-        if output.prompt_logprobs is not None:
-            result.prompt_logprobs = output.prompt_logprobs
-        if output.finished:
-            result.finish_reason = output.finish_reason
-            result.stop_reason = output.stop_reason
-        result.num_cached_tokens = output.num_cached_tokens
-    return results
+        results[choice.request_id].add(output)
+    return list(results.values())

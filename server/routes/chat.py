@@ -66,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         request, collect_choices(state.engine, choices, body.priority))
     out = []
     for choice, result in zip(choices, results):
-        logprobs = state.formatter.chat(result.logprobs, num_top) if num_top is not None else None
+        logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None
         out.append(ChatChoice(index=choice.index, message=AssistantMessage(content=result.text), logprobs=logprobs,
                               finish_reason=result.finish_reason, stop_reason=result.stop_reason))
     completion_tokens = sum(len(r.token_ids) for r in results)

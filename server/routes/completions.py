@@ -7,9 +7,10 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.outputs import OutputAccumulator
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
-from server.generation import (Choice, ChoiceResult, check_choices, check_common,
+from server.generation import (Choice, check_choices, check_common,
                                collect_choices, make_sampling_params, plan_choices, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage,
                              new_id, now)
@@ -62,13 +63,13 @@ def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> s
     return state.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
 
 
-def _response(state, body, model, request_id, choices: list[Choice], prompts, results: list[ChoiceResult]):
+def _response(state, body, model, request_id, choices: list[Choice], prompts, results: list[OutputAccumulator]):
     out_choices = []
     for choice, result in zip(choices, results):
         prefix = _echo_text(state, body, choice) if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
-            entries, tokens = list(result.logprobs), list(result.token_ids)
+            entries, tokens = list(result.logprobs or []), list(result.token_ids)
             if body.echo:
                 prompt_entries = list(result.prompt_logprobs or [])
                 if len(prompt_entries) != len(choice.prompt_token_ids):
