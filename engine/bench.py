@@ -85,20 +85,22 @@ def single_stream_step_ms(llm: LLM, prompt: list[int], steps: int) -> float:
     return statistics.median(timings) * 1e3
 
 
-def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear_fns) -> float:
+def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear) -> float:
     """One matrix-vector product per weight matrix, batch 1: the bandwidth floor of a decode step.
 
-    The fastest of the given product functions (F.linear and the model's own), so
-    the floor is never flattered by a slow kernel."""
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    The faster of `F.linear` on plain copies of the weights and the model's own
+    product on its (possibly packed) weights, so the floor is never flattered by
+    a slow kernel."""
+    plain = [w.to_dense() if w.layout == torch._mkldnn else w for w in weights]
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in plain}
     best = float("inf")
     with torch.inference_mode():
-        for linear in linear_fns:
+        for product, mats in ((F.linear, plain), (linear, weights)):
             timings = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                for w in weights:
-                    linear(inputs[w.shape[1]], w, None)
+                for w in mats:
+                    product(inputs[w.shape[1]], w, None)
                 timings.append(time.perf_counter() - start)
             best = min(best, statistics.median(timings) * 1e3)
     return best
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     report: dict[str, float] = {}
     report["step_ms"] = single_stream_step_ms(llm, prompts[0], args.single_steps)
     model = engine.runner.model
-    report["floor_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, {F.linear, model.linear})
+    report["floor_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear)
     print(f"single-stream decode step: {report['step_ms']:.2f} ms; weight-read floor (batch-1 matvec over all "
           f"weights, {str(dtype).removeprefix('torch.')}): {report['floor_ms']:.2f} ms; "
           f"ratio {report['step_ms'] / report['floor_ms']:.2f}x", flush=True)

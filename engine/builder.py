@@ -47,7 +47,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, dtype)
     num_blocks = _num_kv_blocks(config, spec, device)
-    backend = get_attention_backend(config.attention_backend, device)
+    backend = get_attention_backend(config.attention_backend, device, dtype)
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),

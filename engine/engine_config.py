@@ -20,4 +20,4 @@ class EngineConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    attention_backend: Literal["auto", "torch", "flash", "triton"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "flash", "triton"] = "auto"

@@ -150,9 +150,11 @@ class ModelRunner:
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in batch.decode_tables],
                                   dtype=torch.int64, device=device)
             lens = torch.tensor(batch.decode_lens, dtype=torch.int64, device=device)
-            key_pos = torch.arange(max_blocks * block_size, device=device)
-            bias = torch.zeros((num_decodes, 1, 1, max_blocks * block_size), dtype=self.model.dtype, device=device)
-            bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
+            if self.backend.needs_decode_bias:
+                key_pos = torch.arange(max_blocks * block_size, device=device)
+                bias = torch.zeros((num_decodes, 1, 1, max_blocks * block_size), dtype=self.model.dtype,
+                                   device=device)
+                bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
         prefills = tuple(
             PrefillChunk(
                 query_start=first_row,

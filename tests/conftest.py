@@ -31,3 +31,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """The native CPU kernels, built here (skipped only on a machine without a C++ compiler)."""
+    from engine.attention.cpu_kernels import compiler, load_cpu_kernels
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler: the native CPU kernels cannot be built here")
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "a C++ compiler is present but the native CPU kernels did not build"
+    return kernels

@@ -14,6 +14,7 @@ class AttentionBackend(Protocol):
     `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V."""
 
     name: str
+    needs_decode_bias: bool  # whether AttentionMetadata.decode_bias must be built (an additive -inf mask)
 
     def write_kv(
         self,
@@ -40,21 +41,51 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks flash-attn on CUDA when it imports, else the torch backend."""
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """`auto`: flash-attn on CUDA when it imports; on CPU the native kernels when they build here;
+    else the torch backend. Naming `cpu` insists on the native kernels (an error if they cannot serve
+    this device and dtype: float32 and bfloat16 on CPU)."""
     if name == "auto":
-        name = "torch"
         if device.type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
-            except ImportError:
-                pass
-            else:
-                name = "flash"
+            name = "flash" if _imports("flash_attn") else "torch"
+        else:
+            name = "cpu"
+            backend = _cpu_backend(device, dtype, required=False)
+            if backend is not None:
+                return backend
+            name = "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        return _cpu_backend(device, dtype, required=True)
     if name in ("flash", "triton"):
         raise ValueError(f"attention backend {name!r} is not available in this build yet; use 'torch'")
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch)")
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, cpu, torch)")
+
+
+def _imports(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):
+    from engine.attention.cpu_backend import CpuAttentionBackend
+    from engine.attention.cpu_kernels import KERNEL_DTYPES, load_cpu_kernels
+
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
+        if required:
+            raise ValueError(f"attention backend 'cpu' runs float32/bfloat16 on CPU, not {dtype} on {device.type}")
+        return None
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        if required:
+            raise ValueError("attention backend 'cpu' needs its native kernels, which did not build here "
+                             "(see the warning above); use 'torch'")
+        return None
+    return CpuAttentionBackend(kernels)

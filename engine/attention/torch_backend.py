@@ -12,6 +12,7 @@ class TorchAttentionBackend:
     """Decodes are one batched gather + two batched matmuls; prefill chunks use SDPA per request."""
 
     name = "torch"
+    needs_decode_bias = True  # the runner builds AttentionMetadata.decode_bias for it
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         num_slots = key_cache.shape[0] * key_cache.shape[1]
@@ -93,19 +94,22 @@ class TorchAttentionBackend:
 
         query i (position context_len - query_len + i) sees keys [0, context_len - query_len + i]
         """
-        q = query.transpose(0, 1)  # [heads, query_len, head_dim]
+        # 4-D [1, heads, len, head_dim] views: SDPA's fused CPU kernel takes those (3-D ones fall back to
+        # the unfused math path, 1.8x slower here).
+        q = query.transpose(0, 1).unsqueeze(0)
         if chunk.context_len == chunk.query_len:
-            k, v = key.transpose(0, 1), value.transpose(0, 1)
+            k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            return out.transpose(0, 1)
+            return out[0].transpose(0, 1)
         _, block_size, num_kv_heads, head_dim = key_cache.shape
         num_blocks = -(-chunk.context_len // block_size)
         table = chunk.block_table[:num_blocks]
-        k = key_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len].transpose(0, 1)
-        v = value_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len].transpose(0, 1)
+        k = key_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+        v = value_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         offset = chunk.context_len - chunk.query_len
         query_pos = torch.arange(offset, chunk.context_len, device=query.device)
         key_pos = torch.arange(chunk.context_len, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)

@@ -70,7 +70,8 @@ class LlamaForCausalLM:
         lm_head = state.pop("lm_head.weight", None)
         if lm_head is None and not arch.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and the config does not tie embeddings")
-        self.lm_head = self.embed if arch.tie_word_embeddings or lm_head is None else lm_head
+        prepare = self.linear.prepare
+        self.lm_head = prepare(self.embed if arch.tie_word_embeddings or lm_head is None else lm_head)
         self.layers = [self._take_layer(state, i) for i in range(arch.num_layers)]
         if state:
             unused = ", ".join(sorted(state)[:8])
@@ -92,23 +93,24 @@ class LlamaForCausalLM:
             return None if tensors[0] is None else torch.cat(tensors, dim=0).contiguous()
 
         attn = "self_attn."
+        prepare = self.linear.prepare  # matrices in the form the product takes (e.g. packed once)
         return LlamaLayerWeights(
             input_norm=take("input_layernorm.weight"),
-            qkv=cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")),
+            qkv=prepare(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"))),
             qkv_bias=cat(maybe(attn + "q_proj.bias"), maybe(attn + "k_proj.bias"), maybe(attn + "v_proj.bias")),
             q_norm=maybe(attn + "q_norm.weight"),
             k_norm=maybe(attn + "k_norm.weight"),
-            o_proj=take(attn + "o_proj.weight"),
+            o_proj=prepare(take(attn + "o_proj.weight")),
             o_bias=maybe(attn + "o_proj.bias"),
             post_norm=take("post_attention_layernorm.weight"),
-            gate_up=cat(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")),
+            gate_up=prepare(cat(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))),
             gate_up_bias=cat(maybe("mlp.gate_proj.bias"), maybe("mlp.up_proj.bias")),
-            down=take("mlp.down_proj.weight"),
+            down=prepare(take("mlp.down_proj.weight")),
             down_bias=maybe("mlp.down_proj.bias"),
         )
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """Every matrix the forward pass reads once per step (for the bandwidth floor)."""
+        """Every matrix the forward pass reads once per step (for the bandwidth floor), as `self.linear` takes them."""
         mats = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         return mats + [self.lm_head]
 

@@ -1,4 +1,5 @@
-"""The torch attention backend against a naive float64 reference over the paged cache.
+"""The attention backends (torch; cpu, i.e. the native decode kernel) against a naive float64
+reference over the paged cache.
 
 Each case builds a step the way engine/model_runner.py does: a flat batch with
 decode rows first, then prefill chunks; per-request non-contiguous block tables;
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
 NUM_KV_HEADS = 2
@@ -24,6 +26,13 @@ ATOL = RTOL = 1e-5
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(params=["torch", "cpu"])
+def backend(request, cpu_kernels):
+    if request.param == "cpu":
+        return CpuAttentionBackend(cpu_kernels)
+    return TorchAttentionBackend()
 
 
 @dataclass
@@ -153,8 +162,7 @@ def reference_attention(seq: Seq, key_cache, value_cache, scale: float) -> torch
     return torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), v)
 
 
-def run_and_check(step: Step, key_cache, value_cache, head_dim: int) -> None:
-    backend = TorchAttentionBackend()
+def run_and_check(step: Step, key_cache, value_cache, head_dim: int, backend) -> None:
     scale = head_dim ** -0.5
     before_k, before_v = key_cache.clone(), value_cache.clone()
     backend.write_kv(step.key, step.value, key_cache, value_cache, step.metadata)
@@ -209,43 +217,51 @@ def random_shapes(rng: random.Random, block_size: int) -> list[tuple[int, int, b
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mixed_step_matches_reference(block_size, group, head_dim):
+def test_mixed_step_matches_reference(block_size, group, head_dim, backend):
     for seed in range(3):
         rng = random.Random(f"{block_size}-{group}-{head_dim}-{seed}")
         gen = torch.Generator().manual_seed(seed)
         key_cache, value_cache = make_cache(block_size, head_dim, gen)
         step = build_step(random_shapes(rng, block_size), block_size, group, head_dim,
                           key_cache, value_cache, rng, gen)
-        run_and_check(step, key_cache, value_cache, head_dim)
+        run_and_check(step, key_cache, value_cache, head_dim, backend)
 
 
-@pytest.mark.parametrize("decode_path", ["all_pairs", "per_kv_head"])
+@pytest.mark.parametrize("head_dim", [16, 64, 80])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_decode_only_step(block_size, decode_path, monkeypatch):
-    if decode_path == "per_kv_head":  # the path taken by models with many KV heads
-        monkeypatch.setattr(TorchAttentionBackend, "DIAGONAL_MAX_KV_HEADS", 0)
+def test_decode_only_step(block_size, head_dim, backend):
     rng = random.Random(block_size)
     gen = torch.Generator().manual_seed(1)
-    key_cache, value_cache = make_cache(block_size, 16, gen)
+    key_cache, value_cache = make_cache(block_size, head_dim, gen)
     shapes = [(rng.randint(1, 6 * block_size), 1, True) for _ in range(7)]
-    step = build_step(shapes, block_size, 3, 16, key_cache, value_cache, rng, gen)
+    step = build_step(shapes, block_size, 3, head_dim, key_cache, value_cache, rng, gen)
     assert not step.metadata.prefills
-    run_and_check(step, key_cache, value_cache, 16)
+    run_and_check(step, key_cache, value_cache, head_dim, backend)
+
+
+def test_torch_decode_per_kv_head_path(monkeypatch):
+    """The torch backend's decode path for models with many KV heads."""
+    monkeypatch.setattr(TorchAttentionBackend, "DIAGONAL_MAX_KV_HEADS", 0)
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    key_cache, value_cache = make_cache(4, 16, gen)
+    step = build_step([(rng.randint(1, 24), 1, True) for _ in range(7)], 4, 3, 16, key_cache, value_cache, rng, gen)
+    run_and_check(step, key_cache, value_cache, 16, TorchAttentionBackend())
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_prefill_only_step(block_size):
+def test_prefill_only_step(block_size, backend):
     rng = random.Random(block_size)
     gen = torch.Generator().manual_seed(2)
     key_cache, value_cache = make_cache(block_size, 64, gen)
     shapes = [(20, 20, False), (37, 9, False), (5, 5, False), (2 * block_size + 1, 1, False)]
     step = build_step(shapes, block_size, 1, 64, key_cache, value_cache, rng, gen)
     assert step.metadata.num_decodes == 0 and step.metadata.decode_bias is None
-    run_and_check(step, key_cache, value_cache, 64)
+    run_and_check(step, key_cache, value_cache, 64, backend)
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_reads_blocks_filled_in_the_same_step(block_size):
+def test_reads_blocks_filled_in_the_same_step(block_size, backend):
     """A prefix-cache hit admitted together with its owner reads blocks the owner writes this step."""
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)
@@ -254,16 +270,19 @@ def test_reads_blocks_filled_in_the_same_step(block_size):
     shapes = [(5, 1, True), (12 + 3, 15, False), (12 + 6, 6, False), (12 + 1, 1, False)]
     shared = {2: (1, shared_blocks), 3: (1, shared_blocks)}  # both read the owner's first 12 tokens
     step = build_step(shapes, block_size, 3, 16, key_cache, value_cache, rng, gen, shared_prefix=shared)
-    run_and_check(step, key_cache, value_cache, 16)
+    run_and_check(step, key_cache, value_cache, 16, backend)
 
 
-def test_auto_backend_on_cpu_is_torch():
-    backend = get_attention_backend("auto", torch.device("cpu"))
-    assert isinstance(backend, TorchAttentionBackend)
-    assert backend.name == "torch"
-    assert isinstance(get_attention_backend("torch", torch.device("cpu")), TorchAttentionBackend)
+def test_auto_backend_on_cpu(cpu_kernels):
+    """auto takes the native kernels on CPU for the dtypes they serve, the torch backend otherwise."""
+    assert get_attention_backend("auto", torch.device("cpu"), torch.float32).name == "cpu"
+    assert get_attention_backend("auto", torch.device("cpu"), torch.bfloat16).name == "cpu"
+    assert get_attention_backend("auto", torch.device("cpu"), torch.float16).name == "torch"
+    assert isinstance(get_attention_backend("torch", torch.device("cpu"), torch.float32), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="runs float32/bfloat16 on CPU"):
+        get_attention_backend("cpu", torch.device("cpu"), torch.float16)
 
 
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="unknown attention backend"):
-        get_attention_backend("no-such-backend", torch.device("cpu"))
+        get_attention_backend("no-such-backend", torch.device("cpu"), torch.float32)

@@ -1,0 +1,26 @@
+"""The CPU backend: decodes through the native paged kernel, prefill chunks as the torch backend does."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.cpu_kernels import CpuKernels
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Decode queries read K/V in place from the paged cache (csrc/paged_decode.cpp): no gather into a
+    padded copy, no mask, no wasted (head, kv head) pairs. Measured on a 2-core AVX2 machine, batch 64 at
+    ~190 cached tokens: 2.9 ms per layer against ~4.8 ms for the torch backend's gather + products."""
+
+    name = "cpu"
+    needs_decode_bias = False
+
+    def __init__(self, kernels: CpuKernels):
+        self.kernels = kernels
+
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.kernels.paged_decode(query.contiguous(), key_cache, value_cache, metadata.decode_block_tables,
+                                         metadata.decode_context_lens, scale)

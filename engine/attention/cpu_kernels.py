@@ -1,0 +1,190 @@
+"""Native CPU kernels (csrc/*.cpp), compiled on first use and cached, called through ctypes.
+
+The source is built with the machine's C++ compiler (`$CXX`, else `c++`/`g++`)
+for the CPU it runs on (`-march=native`) and OpenMP. The shared library lands in
+`<cache_dir>/kernels/<key>.so`, the key hashing the source, the flags, the
+compiler's version and the CPU's feature flags, so a second start loads it in
+milliseconds and a cache shared by different machines never runs code built for
+another CPU. The library is loaded after torch, whose OpenMP runtime has the
+same soname, so kernels and torch ops share one thread pool.
+
+Everything here is optional: without a compiler, or when the build or a
+self-check fails, `load_cpu_kernels` returns None with the reason logged and
+the torch backend does the work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from engine.gguf_converter import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+ABI = 1
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
+
+
+def compiler() -> Optional[str]:
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build_key(compiler_path: str, source: bytes) -> str:
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256()
+    for part in (source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+                 platform.machine().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:32]
+
+
+def build_library(cache_dir: Optional[Path] = None) -> Path:
+    """Compile the kernels (or find the cached build); raises RuntimeError with the reason."""
+    if platform.system() != "Linux":
+        raise RuntimeError(f"native CPU kernels are built on Linux only (this is {platform.system()})")
+    compiler_path = compiler()
+    if compiler_path is None:
+        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
+    source = SOURCE.read_bytes()
+    target_dir = (cache_dir or default_cache_dir()) / "kernels"
+    target = target_dir / f"paged_decode-{_build_key(compiler_path, source)}.so"
+    if target.exists():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=target_dir, prefix=".build-", suffix=".so")
+    os.close(handle)
+    try:
+        result = subprocess.run([compiler_path, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True,
+                                text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler_path} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)  # atomic: concurrent builders each publish a complete file
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=target_dir, prefix=".build-", suffix=".so")
+    os.close(handle)
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)  # atomic: concurrent builders each publish a complete file
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    """The loaded library's entry points."""
+
+    path: Path
+    library: ctypes.CDLL
+
+    def paged_decode(
+        self,
+        query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [num_seqs, width] int64
+        context_lens: torch.Tensor,  # [num_seqs] int64, each >= 1 and <= width * block_size
+        scale: float,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Attention of one query per sequence over its cached tokens (the new token included)."""
+        num_seqs, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+        if cache_head_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {tuple(key_cache.shape)}")
+        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
+            raise ValueError("block_tables and context_lens must be int64")
+        for tensor in (query, key_cache, value_cache, block_tables, context_lens):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError("paged_decode takes contiguous CPU tensors")
+        if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+            raise ValueError("query and caches must share one dtype")
+        if out is None:
+            out = torch.empty_like(query)
+        function = getattr(self.library, f"pagedserve_paged_decode_{_DTYPE_SUFFIX[query.dtype]}")
+        function(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                 context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+                 block_size, block_tables.shape[1], scale)
+        return out
+
+
+def _bind(library: ctypes.CDLL) -> None:
+    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
+    library.pagedserve_kernels_abi.restype = ctypes.c_int
+    library.pagedserve_kernels_abi.argtypes = []
+    for suffix in _DTYPE_SUFFIX.values():
+        function = getattr(library, f"pagedserve_paged_decode_{suffix}")
+        function.restype = None
+        function.argtypes = [pointer] * 6 + [int64] * 6 + [ctypes.c_float]
+
+
+def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
+    """Build (once per machine and source) and load the kernels; None, with the reason logged, if unusable."""
+    try:
+        path = build_library(cache_dir)
+        library = ctypes.CDLL(str(path))
+        _bind(library)
+        if library.pagedserve_kernels_abi() != ABI:
+            raise RuntimeError(f"{path} reports another kernel ABI")
+        kernels = CpuKernels(path, library)
+        _self_check(kernels)
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
+        logger.warning("native CPU attention kernels unavailable, using the torch backend: %s", error)
+        return None
+    return kernels
+
+
+def _self_check(kernels: CpuKernels) -> None:
+    """A small decode against plain torch, so a miscompiled build is never used."""
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, block_size, kv_heads, head_dim, heads = 6, 4, 2, 8, 4
+    keys = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    values = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    query = torch.randn(2, heads, head_dim, generator=generator)
+    tables = torch.tensor([[3, 1, 5], [0, 2, 4]])
+    lens = torch.tensor([9, 4])
+    got = kernels.paged_decode(query, keys, values, tables, lens, 0.5)
+    for seq in range(2):
+        k = keys[tables[seq]].reshape(-1, kv_heads, head_dim)[: lens[seq]].repeat_interleave(heads // kv_heads, 1)
+        v = values[tables[seq]].reshape(-1, kv_heads, head_dim)[: lens[seq]].repeat_interleave(heads // kv_heads, 1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", query[seq], k) * 0.5, dim=-1)
+        expected = torch.einsum("ht,thd->hd", probs, v)
+        if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
+            raise RuntimeError(f"{kernels.path} failed its self-check against torch")
