@@ -10,12 +10,14 @@ from typing import Optional
 import torch
 
 from engine.attention import get_attention_backend
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.engine import EngineCore
 from engine.engine_config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models import build_model
+from engine.models.layer_ops import NativeLayerOps
 from engine.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -48,6 +50,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
                        model.arch.head_dim, dtype)
     num_blocks = _num_kv_blocks(config, spec, device)
     backend = get_attention_backend(config.attention_backend, device, dtype)
+    if isinstance(backend, CpuAttentionBackend):  # the same native library fuses the per-token ops
+        model.ops = NativeLayerOps(backend.kernels)
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),

@@ -36,7 +36,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def cpu_kernels():
     """The native CPU kernels, built here (skipped only on a machine without a C++ compiler)."""
-    from engine.attention.cpu_kernels import compiler, load_cpu_kernels
+    from engine.kernels.cpu import compiler, load_cpu_kernels
 
     if compiler() is None:
         pytest.skip("no C++ compiler: the native CPU kernels cannot be built here")

@@ -75,7 +75,7 @@ def _imports(module: str) -> bool:
 
 def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):
     from engine.attention.cpu_backend import CpuAttentionBackend
-    from engine.attention.cpu_kernels import KERNEL_DTYPES, load_cpu_kernels
+    from engine.kernels.cpu import KERNEL_DTYPES, load_cpu_kernels
 
     if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         if required:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.cpu_kernels import CpuKernels
+from engine.kernels.cpu import CpuKernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.models.layer_ops import TorchLayerOps
 from engine.models.linear import select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
@@ -47,6 +48,7 @@ class LlamaForCausalLM:
         )
         self.scale = arch.head_dim**-0.5
         self.linear = select_linear(device, dtype)
+        self.ops: TorchLayerOps = TorchLayerOps()  # the builder swaps in NativeLayerOps with the cpu backend
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.final_norm: Optional[torch.Tensor] = None
         self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
@@ -125,34 +127,35 @@ class LlamaForCausalLM:
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
-        arch = self.arch
-        eps = arch.rms_norm_eps
-        hidden_shape = (arch.hidden_size,)
-        linear = self.linear
-        cos, sin = self.rotary.tables(positions)
+        eps = self.arch.rms_norm_eps
+        linear, ops = self.linear, self.ops
         h = F.embedding(input_ids, self.embed)
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            x = F.rms_norm(h, hidden_shape, layer.input_norm, eps)
-            h = h + self._attention(layer, x, cos, sin, key_cache, value_cache, metadata, backend)
-            x = F.rms_norm(h, hidden_shape, layer.post_norm, eps)
-            gate_up = linear(x, layer.gate_up, layer.gate_up_bias)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down, layer.down_bias)
-        return h
+        residual = h  # the residual stream; ops.add_rms_norm may update it in place
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+            if index:
+                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
+            h = self._attention(layer, x, positions, key_cache, value_cache, metadata, backend)
+            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
+            h = linear(ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return residual + h
 
-    def _attention(self, layer: LlamaLayerWeights, x, cos, sin, key_cache, value_cache,
+    def _attention(self, layer: LlamaLayerWeights, x, positions, key_cache, value_cache,
                    metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         arch = self.arch
+        ops = self.ops
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
         qkv = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim)
         if layer.q_norm is None:
-            qk = self.rotary.apply(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, head_dim]
+            qk = qkv[:, : heads + kv_heads]  # [T, heads + kv_heads, head_dim]
         else:
-            q = F.rms_norm(qkv[:, :heads], (head_dim,), layer.q_norm, arch.rms_norm_eps)
-            k = F.rms_norm(qkv[:, heads : heads + kv_heads], (head_dim,), layer.k_norm, arch.rms_norm_eps)
-            qk = self.rotary.apply(torch.cat([q, k], dim=1), cos, sin)
+            eps = arch.rms_norm_eps
+            q = ops.rms_norm(qkv[:, :heads].reshape(-1, head_dim), layer.q_norm, eps)
+            k = ops.rms_norm(qkv[:, heads : heads + kv_heads].reshape(-1, head_dim), layer.k_norm, eps)
+            qk = torch.cat([q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)], dim=1)
+        qk = ops.rotary(qk, positions, self.rotary)
         query, key = qk[:, :heads], qk[:, heads:]
         value = qkv[:, heads + kv_heads :]
         backend.write_kv(key, value, key_cache, value_cache, metadata)
@@ -162,5 +165,5 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32."""
-        x = F.rms_norm(hidden, (self.arch.hidden_size,), self.final_norm, self.arch.rms_norm_eps)
+        x = self.ops.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
         return self.linear(x, self.lm_head, None).float()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention.cpu_kernels import build_library, load_cpu_kernels
+from engine.kernels.cpu import build_library, load_cpu_kernels
 
 
 def _maps_of(name: str) -> set[str]:
@@ -35,9 +35,9 @@ def test_kernels_share_torch_openmp_runtime(cpu_kernels):
 
 def test_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that exists and always fails
-    with caplog.at_level(logging.WARNING, logger="engine.attention.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu"):
         assert load_cpu_kernels(tmp_path) is None
-    assert "native CPU attention kernels unavailable" in caplog.text and "failed to build" in caplog.text
+    assert "native CPU kernels unavailable" in caplog.text and "failed to build" in caplog.text
 
 
 def test_bfloat16_decode_matches_float32(cpu_kernels):

@@ -12,57 +12,41 @@
 // Each sequence is one work item: one token's K (all kv heads) is a contiguous
 // row, read once and scored against every query head. Threads come from the
 // OpenMP runtime torch has already loaded (same soname, so one thread pool).
-// Built and loaded by engine/attention/cpu_kernels.py.
+// Built and loaded by engine/kernels/cpu.py.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "common.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
+using pagedserve::fast_exp;
+using pagedserve::store;
+using pagedserve::to_float;
 
-inline float to_float(uint16_t bf16) {
-    uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-inline void store(float* dst, float x) { *dst = x; }
-
-inline void store(uint16_t* dst, float x) {  // bfloat16, round to nearest even; NaN stays NaN
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        *dst = static_cast<uint16_t>((bits >> 16) | 0x40u);
-        return;
+// Loads `count` bf16/f32 values as floats into `dst`; float rows are used in place instead.
+template <typename T>
+inline const float* as_floats(const T* src, float* dst, int64_t count) {
+    if constexpr (std::is_same_v<T, float>) {
+        (void)dst;
+        (void)count;
+        return src;
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < count; ++i) dst[i] = to_float(src[i]);
+        return dst;
     }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    *dst = static_cast<uint16_t>(bits >> 16);
 }
 
-// exp(x) for x <= 0 (a score minus its row maximum), in a form loops vectorize:
-// x = k ln2 + r with |r| <= ln2 / 2, exp(x) = 2^k p(r); relative error ~2e-7.
-inline float exp_nonpositive(float x) {
-    x = std::max(x, -87.0f);
-    const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t exponent_bits = (static_cast<int32_t>(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &exponent_bits, sizeof two_k);
-    return p * two_k;
-}
-
+// One pass over a sequence's blocks with an online softmax (running max m, running sum l per
+// head): K and V of each block are read once, scores live in a block-sized buffer. (Measured: 1.6x
+// faster than scoring all tokens first, then softmax, then a second pass for V; prefetching the
+// next block explicitly made no measurable difference.)
 // HD > 0: head_dim known at compile time (the inner loops unroll fully); HD == 0: any head_dim.
 template <typename T, int HD>
 void paged_decode(const T* query, const T* key_cache, const T* value_cache, const int64_t* block_tables,
@@ -76,70 +60,80 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
 
 #pragma omp parallel
     {
-        std::vector<float> q(query_size);
-        std::vector<float> acc(query_size);
-        std::vector<float> row(token_size);
-        std::vector<float> inv_sum(num_heads);
-        std::vector<float> scores;
+        std::vector<float> q(query_size), acc(query_size), row(token_size);
+        std::vector<float> running_max(num_heads), running_sum(num_heads);
+        std::vector<float> scores(num_heads * block_size);
 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t seq = 0; seq < num_seqs; ++seq) {
             const int64_t len = context_lens[seq];
+            const int64_t num_blocks = (len + block_size - 1) / block_size;
             const int64_t* table = block_tables + seq * table_width;
             const T* q_src = query + seq * query_size;
             for (int64_t i = 0; i < query_size; ++i) q[i] = to_float(q_src[i]) * scale;
-            scores.resize(static_cast<size_t>(num_heads * len));
-            float* s = scores.data();
-            float* r = row.data();
-
-            // s[h][t] = q[h] . K[t][kv_head(h)]
-            for (int64_t t = 0; t < len; ++t) {
-                const T* k = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_size;
-#pragma omp simd
-                for (int64_t i = 0; i < token_size; ++i) r[i] = to_float(k[i]);
-                for (int64_t h = 0; h < num_heads; ++h) {
-                    const float* qh = q.data() + h * head_dim;
-                    const float* kh = r + (h / group) * head_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                    s[h * len + t] = dot;
-                }
-            }
-
-            // softmax over t for each head; the 1 / sum is applied to the output
-            for (int64_t h = 0; h < num_heads; ++h) {
-                float* sh = s + h * len;
-                float m = sh[0];
-#pragma omp simd reduction(max : m)
-                for (int64_t t = 0; t < len; ++t) m = std::max(m, sh[t]);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; ++t) {
-                    sh[t] = exp_nonpositive(sh[t] - m);
-                    sum += sh[t];
-                }
-                inv_sum[h] = 1.0f / sum;
-            }
-
-            // acc[h] = sum_t p[h][t] V[t][kv_head(h)]
             std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int64_t t = 0; t < len; ++t) {
-                const T* v = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_size;
-#pragma omp simd
-                for (int64_t i = 0; i < token_size; ++i) r[i] = to_float(v[i]);
+            std::fill(running_max.begin(), running_max.end(), -INFINITY);
+            std::fill(running_sum.begin(), running_sum.end(), 0.0f);
+            float* s = scores.data();
+
+            for (int64_t b = 0; b < num_blocks; ++b) {
+                const T* keys = key_cache + table[b] * block_stride;
+                const T* values = value_cache + table[b] * block_stride;
+                const int64_t n = std::min(block_size, len - b * block_size);
+
+                // s[h][j] = q[h] . K[j][kv_head(h)]
+                for (int64_t j = 0; j < n; ++j) {
+                    const float* k = as_floats(keys + j * token_size, row.data(), token_size);
+                    for (int64_t h = 0; h < num_heads; ++h) {
+                        const float* qh = q.data() + h * head_dim;
+                        const float* kh = k + (h / group) * head_dim;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+                        s[h * block_size + j] = dot;
+                    }
+                }
+
+                // online softmax: rescale what was accumulated when the maximum grows
                 for (int64_t h = 0; h < num_heads; ++h) {
-                    const float p = s[h * len + t];
-                    const float* vh = r + (h / group) * head_dim;
-                    float* a = acc.data() + h * head_dim;
+                    float* sh = s + h * block_size;
+                    float block_max = sh[0];
+                    for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
+                    const float new_max = std::max(running_max[h], block_max);
+                    const float correction = fast_exp(running_max[h] - new_max);
+                    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t j = 0; j < n; ++j) {
+                        sh[j] = fast_exp(sh[j] - new_max);
+                        sum += sh[j];
+                    }
+                    running_sum[h] = running_sum[h] * correction + sum;
+                    running_max[h] = new_max;
+                    if (correction != 1.0f) {
+                        float* a = acc.data() + h * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+                        for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+                    }
+                }
+
+                // acc[h] += sum_j p[h][j] V[j][kv_head(h)]
+                for (int64_t j = 0; j < n; ++j) {
+                    const float* v = as_floats(values + j * token_size, row.data(), token_size);
+                    for (int64_t h = 0; h < num_heads; ++h) {
+                        const float p = s[h * block_size + j];
+                        const float* vh = v + (h / group) * head_dim;
+                        float* a = acc.data() + h * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+                    }
                 }
             }
 
             T* dst = out + seq * query_size;
-            for (int64_t h = 0; h < num_heads; ++h)
-                for (int64_t d = 0; d < head_dim; ++d) store(dst + h * head_dim + d, acc[h * head_dim + d] * inv_sum[h]);
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float inv = 1.0f / running_sum[h];
+                for (int64_t d = 0; d < head_dim; ++d) store(dst + h * head_dim + d, acc[h * head_dim + d] * inv);
+            }
         }
     }
 }
@@ -163,8 +157,6 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
 }  // namespace
 
 extern "C" {
-
-int pagedserve_kernels_abi() { return 1; }
 
 void pagedserve_paged_decode_f32(const float* query, const float* key_cache, const float* value_cache,
                                  const int64_t* block_tables, const int64_t* context_lens, float* out,

@@ -1,6 +1,6 @@
 """Native CPU kernels (csrc/*.cpp), compiled on first use and cached, called through ctypes.
 
-The source is built with the machine's C++ compiler (`$CXX`, else `c++`/`g++`)
+The sources are built with the machine's C++ compiler (`$CXX`, else `c++`/`g++`)
 for the CPU it runs on (`-march=native`) and OpenMP. The shared library lands in
 `<cache_dir>/kernels/<key>.so`, the key hashing the source, the flags, the
 compiler's version and the CPU's feature flags, so a second start loads it in
@@ -33,9 +33,10 @@ from engine.gguf_converter import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ABI = 1
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp")
+HEADERS = ("common.h",)
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
 
@@ -57,10 +58,11 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build_key(compiler_path: str, source: bytes) -> str:
+def _build_key(compiler_path: str) -> str:
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+    sources = [(CSRC / name).read_bytes() for name in (*SOURCES, *HEADERS)]
+    for part in (*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
                  platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -74,19 +76,18 @@ def build_library(cache_dir: Optional[Path] = None) -> Path:
     compiler_path = compiler()
     if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
-    source = SOURCE.read_bytes()
     target_dir = (cache_dir or default_cache_dir()) / "kernels"
-    target = target_dir / f"paged_decode-{_build_key(compiler_path, source)}.so"
+    target = target_dir / f"cpu-kernels-{_build_key(compiler_path)}.so"
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=target_dir, prefix=".build-", suffix=".so")
     os.close(handle)
     try:
-        result = subprocess.run([compiler_path, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True,
-                                text=True, timeout=300)
+        command = [compiler_path, *FLAGS, "-o", partial, *(str(CSRC / name) for name in SOURCES)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler_path} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler_path} failed to build the CPU kernels: {result.stderr.strip()[-2000:]}")
         os.replace(partial, target)  # atomic: concurrent builders each publish a complete file
     finally:
         if os.path.exists(partial):
@@ -138,21 +139,64 @@ class CpuKernels:
             raise ValueError("query and caches must share one dtype")
         if out is None:
             out = torch.empty_like(query)
-        function = getattr(self.library, f"pagedserve_paged_decode_{_DTYPE_SUFFIX[query.dtype]}")
-        function(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        self._function("paged_decode", query.dtype)(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                  context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
                  block_size, block_tables.shape[1], scale)
         return out
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, hidden] contiguous -> a new normalized tensor."""
+        out = torch.empty_like(x)
+        self._function("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                                            x.shape[1], eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """residual += x (in place); returns rms_norm(residual). Both [rows, hidden] contiguous."""
+        out = torch.empty_like(x)
+        self._function("add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                                out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 * width] contiguous -> silu(gate) * up [rows, width]."""
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
+        self._function("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        return out
+
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin_signed: torch.Tensor) -> torch.Tensor:
+        """Rotate x [rows, heads, head_dim] in place (rows may be strided, heads and dims contiguous)."""
+        rows, heads, head_dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
+            raise ValueError("rotary_ takes [rows, heads, head_dim] with contiguous heads and int64 positions")
+        self._function("rotary", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+                                          sin_signed.data_ptr(), rows, x.stride(0), heads, head_dim)
+        return x
+
+    def _function(self, name: str, dtype: torch.dtype):
+        suffix = _DTYPE_SUFFIX.get(dtype)
+        if suffix is None:
+            raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}")
+        return getattr(self.library, f"pagedserve_{name}_{suffix}")
+
 
 def _bind(library: ctypes.CDLL) -> None:
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
-    library.pagedserve_kernels_abi.restype = ctypes.c_int
-    library.pagedserve_kernels_abi.argtypes = []
+    signatures = {
+        "paged_decode": [pointer] * 6 + [int64] * 6 + [ctypes.c_float],
+        "rms_norm": [pointer] * 3 + [int64] * 2 + [ctypes.c_float],
+        "add_rms_norm": [pointer] * 4 + [int64] * 2 + [ctypes.c_float],
+        "silu_and_mul": [pointer] * 2 + [int64] * 2,
+        "rotary": [pointer] * 4 + [int64] * 4,
+    }
     for suffix in _DTYPE_SUFFIX.values():
-        function = getattr(library, f"pagedserve_paged_decode_{suffix}")
-        function.restype = None
-        function.argtypes = [pointer] * 6 + [int64] * 6 + [ctypes.c_float]
+        for name, argtypes in signatures.items():
+            function = getattr(library, f"pagedserve_{name}_{suffix}")
+            function.restype = None
+            function.argtypes = argtypes
 
 
 def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
@@ -161,12 +205,10 @@ def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
         path = build_library(cache_dir)
         library = ctypes.CDLL(str(path))
         _bind(library)
-        if library.pagedserve_kernels_abi() != ABI:
-            raise RuntimeError(f"{path} reports another kernel ABI")
         kernels = CpuKernels(path, library)
         _self_check(kernels)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
-        logger.warning("native CPU attention kernels unavailable, using the torch backend: %s", error)
+        logger.warning("native CPU kernels unavailable, using the torch backend: %s", error)
         return None
     return kernels
 

@@ -1,0 +1,50 @@
+// Scalar helpers shared by the CPU kernels, written so loops over them vectorize.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedserve {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(uint16_t bf16) {
+    uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+inline void store(float* dst, float x) { *dst = x; }
+
+inline void store(uint16_t* dst, float x) {  // bfloat16, round to nearest even; NaN stays NaN (branch-free)
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
+    const bool is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    *dst = static_cast<uint16_t>((is_nan ? (bits | 0x400000u) : rounded) >> 16);
+}
+
+// exp(x), x clamped to [-87, 88]: x = k ln2 + r with |r| <= ln2 / 2, exp(x) = 2^k p(r);
+// relative error ~2e-7.
+inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    // floor(x log2(e) + 0.5) via truncation of a positive number
+    const float k = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f + 128.5f)) - 128.0f;
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t exponent_bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &exponent_bits, sizeof two_k);
+    return p * two_k;
+}
+
+}  // namespace pagedserve

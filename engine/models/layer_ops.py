@@ -1,0 +1,64 @@
+"""The per-token operations between a layer's matrix products: plain torch, or fused native CPU kernels.
+
+Both implement the same contract (results agree to float32 rounding):
+
+    rms_norm(x, w, eps)               -> x / sqrt(mean(x^2) + eps) * w
+    add_rms_norm(x, residual, w, eps) -> (rms_norm(residual + x), residual + x); the native one
+                                         updates `residual` in place
+    silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
+    rotary(x, positions, rope)        -> x rotated by RoPE at `positions`; the native one in place
+
+The native ones make each a single pass over memory (torch: 3-6 operator calls each);
+measured on a 2-core AVX2 machine, fp32, batch 64 decode step of the embedded model:
+~20 ms of 240 ms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import CpuKernels
+from engine.models.rotary import RotaryEmbedding
+
+
+class TorchLayerOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        cos, sin_signed = rope.tables(positions)
+        return rope.apply(x, cos, sin_signed)
+
+
+class NativeLayerOps(TorchLayerOps):
+    """The fused kernels of csrc/layer_ops.cpp (float32 / bfloat16 on CPU)."""
+
+    name = "cpu"
+
+    def __init__(self, kernels: CpuKernels):
+        self.kernels = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(x.contiguous(), residual, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_and_mul(gate_up.contiguous())
+
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        return self.kernels.rotary_(x, positions, rope.cos, rope.sin_signed)
