@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from engine.block_table import BlockTable
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput
@@ -23,6 +25,7 @@ class CachedRequestState:
     request_id: str
     num_prompt_tokens: int
     sampling: SamplingState
+    row: int  # in the runner's BlockTable
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     block_ids: list[int] = field(default_factory=list)
     num_prompt_logprobs: int = 0  # prompt rows scored so far (kept across a preemption's recompute)
@@ -39,7 +42,7 @@ class _Batch:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
-    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)  # BlockTable rows
     decode_lens: list[int] = field(default_factory=list)
     prefill_spans: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, start, len, pos0
     sample_rows: list[int] = field(default_factory=list)
@@ -59,15 +62,20 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_table = BlockTable()
+        self._inputs = _HostBuffers()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: frozenset[int]) -> None:
         """Register a request's sampling state before the scheduler first schedules it."""
         sampling = SamplingState.create(params, prompt_token_ids, [], eos_token_ids, self.device)
-        self.requests[request_id] = CachedRequestState(request_id, len(prompt_token_ids), sampling)
+        self.requests[request_id] = CachedRequestState(request_id, len(prompt_token_ids), sampling,
+                                                       self.block_table.acquire())
 
     def remove_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.block_table.release(state.row)
 
     @property
     def num_requests(self) -> int:
@@ -82,20 +90,24 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._build_batch(scheduler_output)
         metadata = self._attention_metadata(batch)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
-        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
+        input_ids = self._inputs.put("input_ids", batch.input_ids, self.device)
+        positions = self._inputs.put("positions", batch.positions, self.device)
         hidden = self.model.forward(input_ids, positions, self.kv_cache.layers, metadata, self.backend)
         return self._sample(hidden, batch)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for request_id in so.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self.remove_request(request_id)
+        table = self.block_table
         for new in so.new_requests:  # admitted, or resumed after preemption
             state = self.requests[new.request_id]
             state.token_ids = list(new.token_ids)
             state.block_ids = list(new.block_ids)
+            table.set(state.row, state.block_ids)
         for request_id, block_ids in so.new_block_ids.items():
-            self.requests[request_id].block_ids.extend(block_ids)
+            state = self.requests[request_id]
+            state.block_ids.extend(block_ids)
+            table.append(state.row, block_ids)
 
     def _build_batch(self, so: SchedulerOutput) -> _Batch:
         batch = _Batch()
@@ -111,7 +123,7 @@ class ModelRunner:
             batch.input_ids.append(state.token_ids[start])
             batch.positions.append(start)
             batch.slots.append(blocks[start // block_size] * block_size + start % block_size)
-            batch.decode_tables.append(blocks[: start // block_size + 1])
+            batch.decode_rows.append(state.row)
             batch.decode_lens.append(start + 1)
             if start + 1 == len(state.token_ids):
                 batch.sample_rows.append(len(batch.input_ids) - 1)
@@ -145,11 +157,13 @@ class ModelRunner:
         block_size = self.block_size
         num_decodes = len(batch.decode_lens)
         tables = lens = bias = None
+        table = self.block_table
+        inputs = self._inputs
         if num_decodes:
-            max_blocks = max(len(t) for t in batch.decode_tables)
-            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in batch.decode_tables],
-                                  dtype=torch.int64, device=device)
-            lens = torch.tensor(batch.decode_lens, dtype=torch.int64, device=device)
+            max_blocks = -(-max(batch.decode_lens) // block_size)
+            rows = inputs.put("decode_rows", batch.decode_rows, torch.device("cpu"))
+            tables = table.gather(rows, max_blocks).to(device)
+            lens = inputs.put("decode_lens", batch.decode_lens, device)
             if self.backend.needs_decode_bias:
                 key_pos = torch.arange(max_blocks * block_size, device=device)
                 bias = torch.zeros((num_decodes, 1, 1, max_blocks * block_size), dtype=self.model.dtype,
@@ -160,13 +174,12 @@ class ModelRunner:
                 query_start=first_row,
                 query_len=num_tokens,
                 context_len=pos0 + num_tokens,
-                block_table=torch.tensor(state.block_ids[: -(-(pos0 + num_tokens) // block_size)],
-                                         dtype=torch.int64, device=device),
+                block_table=table.row(state.row, -(-(pos0 + num_tokens) // block_size)).to(device),
             )
             for state, first_row, num_tokens, pos0 in batch.prefill_spans
         )
         return AttentionMetadata(
-            slot_mapping=torch.tensor(batch.slots, dtype=torch.int64, device=device),
+            slot_mapping=inputs.put("slots", batch.slots, device),
             num_decodes=num_decodes,
             decode_block_tables=tables,
             decode_context_lens=lens,
@@ -195,3 +208,27 @@ class ModelRunner:
                                    device=hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, state.sampling.params.prompt_logprobs)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+
+class _HostBuffers:
+    """Preallocated int64 host buffers, one per step input, reused every step (grown by doubling).
+
+    `put` copies a step's values in and returns a view of the first len(values)
+    entries (moved to `device` when that is not the CPU): valid until the next step.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self._capacity = capacity
+        self._arrays: dict[str, np.ndarray] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, values: list[int], device: torch.device) -> torch.Tensor:
+        count = len(values)
+        array = self._arrays.get(name)
+        if array is None or array.shape[0] < count:
+            size = max(self._capacity, 1 << max(count - 1, 0).bit_length())
+            array = self._arrays[name] = np.empty(size, dtype=np.int64)
+            self._tensors[name] = torch.from_numpy(array)
+        array[:count] = values
+        view = self._tensors[name][:count]
+        return view if device.type == "cpu" else view.to(device)

@@ -38,9 +38,13 @@ def model_dir(request, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir):
     return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}[request.param]
 
 
-def test_plain_batch(model_dir):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_plain_batch(model_dir, backend):
+    """`cpu` (the default on CPU): native kernels; `torch`: plain torch ops throughout."""
     prompts = mixed_prompts()
-    check_against_hf(model_dir, prompts, run_greedy(make_llm(model_dir), prompts))
+    llm = make_llm(model_dir, attention_backend=backend)
+    assert llm.engine.runner.backend.name == backend and llm.engine.runner.model.ops.name == backend
+    check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
 
 
 def test_chunked_prefill(model_dir):
