@@ -14,6 +14,7 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.engine import EngineCore
 from engine.engine_config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.memory_profile import cuda_kv_budget, profile_step_peak_bytes
 from engine.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models import build_model
@@ -48,10 +49,10 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     model.load_weights(iter_weights(checkpoint.path))
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, dtype)
-    num_blocks = _num_kv_blocks(config, spec, device)
     backend = get_attention_backend(config.attention_backend, device, dtype)
     if isinstance(backend, CpuAttentionBackend):  # the same native library fuses the per-token ops
         model.ops = NativeLayerOps(backend.kernels)
+    num_blocks = _num_kv_blocks(config, spec, device, model, backend, max_model_len)
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
@@ -69,16 +70,20 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
 
 
-def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, model, backend,
+                   max_model_len: int) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        in_use = total - free
-        budget = int(total * cache.gpu_memory_utilization) - in_use - _activation_reserve(config, device)
+        scheduler = config.scheduler
+        step_tokens = scheduler.max_num_batched_tokens
+        peak = profile_step_peak_bytes(model, backend, spec, step_tokens, scheduler.max_num_seqs, max_model_len,
+                                       device)
+        budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device)
+        logger.info("profiled a %d-token step: %.0f MiB of activations at peak", step_tokens, peak / 2**20)
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
     num_blocks = spec.num_blocks_for(budget)
@@ -88,9 +93,3 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
             "raise kv_cache_memory / gpu_memory_utilization or set num_blocks"
         )
     return num_blocks
-
-
-def _activation_reserve(config: EngineConfig, device: torch.device) -> int:
-    """Headroom for one step's activations on CUDA: a generous bound from the token budget."""
-    tokens = config.scheduler.max_num_batched_tokens
-    return max(tokens * 256 * 1024, 1 << 30)

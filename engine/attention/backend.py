@@ -42,12 +42,12 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """`auto`: flash-attn on CUDA when it imports; on CPU the native kernels when they build here;
-    else the torch backend. Naming `cpu` insists on the native kernels (an error if they cannot serve
+    """`auto`: on CPU the native kernels when they build here, else (and on CUDA, until the flash and
+    triton backends land) the torch backend. Naming `cpu` insists on the native kernels (an error if they cannot serve
     this device and dtype: float32 and bfloat16 on CPU)."""
     if name == "auto":
         if device.type == "cuda":
-            name = "flash" if _imports("flash_attn") else "torch"
+            name = "torch"  # until the flash / triton backends land (the GPU issue)
         else:
             name = "cpu"
             backend = _cpu_backend(device, dtype, required=False)
@@ -63,14 +63,6 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -
     if name in ("flash", "triton"):
         raise ValueError(f"attention backend {name!r} is not available in this build yet; use 'torch'")
     raise ValueError(f"unknown attention backend {name!r} (choose auto, cpu, torch)")
-
-
-def _imports(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
 
 
 def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):

@@ -17,3 +17,15 @@ def test_tiny_model_greedy_on_cuda_matches_cpu(tmp_path):
     cpu = make_llm(model_dir).generate(prompts, params, use_tqdm=False)
     cuda = make_llm(model_dir, device="cuda").generate(prompts, params, use_tqdm=False)
     assert [r.outputs[0].token_ids for r in cuda] == [r.outputs[0].token_ids for r in cpu]
+
+
+def test_gpu_memory_utilization_sizes_the_cache_after_profiling(tmp_path):
+    """The KV cache takes what is left of total x utilization after weights and a profiled max step."""
+    model_dir = make_tiny_model_dir(tmp_path, "llama")
+    llm = make_llm(model_dir, device="cuda", num_blocks=None, gpu_memory_utilization=0.3)
+    _, total = torch.cuda.mem_get_info()
+    engine = llm.engine
+    assert engine.runner.kv_cache.num_blocks > 0
+    assert torch.cuda.memory_reserved() <= 0.3 * total * 1.02
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
