@@ -12,19 +12,17 @@ class BlockTable:
     A request takes a row when it is added and gives it back when it ends; the
     scheduler's new block ids are appended to the row as they arrive, so a step
     never rebuilds tables from Python lists: decode tables are one `index_select`
-    of the rows in the batch, and a prefill chunk's table is a view of its row.
+    of the rows in the batch, a prefill chunk's table is a view of its row, and
+    slots (block_id * block_size + offset) are read from the row.
     Rows and width grow by doubling when needed (rare), which reallocates.
     """
 
-    def __init__(self, rows: int = 64, width: int = 64):
+    def __init__(self, block_size: int, rows: int = 64, width: int = 64):
+        self.block_size = block_size
         self._tensor = torch.zeros((rows, width), dtype=torch.int64)
         self._array = self._tensor.numpy()
         self._free = list(range(rows - 1, -1, -1))
         self._lengths = np.zeros(rows, dtype=np.int64)
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self._tensor
 
     def acquire(self) -> int:
         if not self._free:
@@ -53,13 +51,25 @@ class BlockTable:
         self._array[row, start:end] = block_ids
         self._lengths[row] = end
 
-    def row(self, row: int, num_blocks: int) -> torch.Tensor:
-        """The first `num_blocks` block ids of a row (a view: valid until the table next changes)."""
-        return self._tensor[row, :num_blocks]
+    def slot(self, row: int, position: int) -> int:
+        """Where the token at `position` of the row's request lives in the cache."""
+        block_size = self.block_size
+        return int(self._array[row, position // block_size]) * block_size + position % block_size
 
-    def gather(self, rows: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """`[len(rows), num_blocks]` copy of those rows' first blocks (entries past a row's end are stale)."""
-        return self._tensor[:, :num_blocks].index_select(0, rows)
+    def slots(self, row: int, start: int, end: int) -> list[int]:
+        """`slot` for positions start .. end - 1."""
+        positions = np.arange(start, end)
+        return (self._array[row, positions // self.block_size] * self.block_size
+                + positions % self.block_size).tolist()
+
+    def blocks(self, row: int, num_tokens: int) -> torch.Tensor:
+        """The block ids holding the row's first `num_tokens` tokens (a view: valid until the table changes)."""
+        return self._tensor[row, : -(-num_tokens // self.block_size)]
+
+    def gather(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """`[len(rows), blocks of num_tokens]` copy of those rows' first blocks (entries past a row's end are
+        stale but valid block ids)."""
+        return self._tensor[:, : -(-num_tokens // self.block_size)].index_select(0, rows)
 
     def _resize(self, rows: int, width: int) -> None:
         old_rows, old_width = self._tensor.shape

@@ -9,16 +9,17 @@ from typing import Optional
 
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.engine import EngineCore
 from engine.engine_config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.memory_profile import cuda_kv_budget, profile_step_peak_bytes
 from engine.loader import iter_weights, load_hf_config, prepare_checkpoint
+from engine.memory_profile import cuda_kv_budget, profile_step_peak_bytes
 from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.layer_ops import NativeLayerOps
+from engine.models.llama import LlamaForCausalLM
 from engine.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -42,16 +43,16 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
-    model = build_model(hf_config, dtype, device)
+    backend = get_attention_backend(config.attention_backend, device, dtype)
+    # the cpu backend's native library also fuses the per-token ops between the products
+    ops = NativeLayerOps(backend.kernels) if isinstance(backend, CpuAttentionBackend) else None
+    model = build_model(hf_config, dtype, device, ops)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
         max_model_len = model.arch.sliding_window
     model.load_weights(iter_weights(checkpoint.path))
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, dtype)
-    backend = get_attention_backend(config.attention_backend, device, dtype)
-    if isinstance(backend, CpuAttentionBackend):  # the same native library fuses the per-token ops
-        model.ops = NativeLayerOps(backend.kernels)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, max_model_len)
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
     scheduler = Scheduler(
@@ -70,8 +71,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
 
 
-def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, model, backend,
-                   max_model_len: int) -> int:
+def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, model: LlamaForCausalLM,
+                   backend: AttentionBackend, max_model_len: int) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks

@@ -34,9 +34,9 @@ def profile_step_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, 
         num_decodes=0,
         decode_block_tables=None,
         decode_context_lens=None,
-        decode_bias=None,
         prefills=(PrefillChunk(0, num_tokens, num_tokens, torch.arange(num_blocks, device=device)),),
     )
+    metadata = backend.prepare(metadata, spec)
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

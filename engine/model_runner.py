@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -25,9 +26,8 @@ class CachedRequestState:
     request_id: str
     num_prompt_tokens: int
     sampling: SamplingState
-    row: int  # in the runner's BlockTable
+    row: int  # in the runner's BlockTable, which holds the request's block ids
     token_ids: list[int] = field(default_factory=list)  # prompt + output
-    block_ids: list[int] = field(default_factory=list)
     num_prompt_logprobs: int = 0  # prompt rows scored so far (kept across a preemption's recompute)
 
     @property
@@ -59,10 +59,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
-        self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        self.block_table = BlockTable()
+        self.block_table = BlockTable(kv_cache.spec.block_size)
         self._inputs = _HostBuffers()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -102,16 +101,13 @@ class ModelRunner:
         for new in so.new_requests:  # admitted, or resumed after preemption
             state = self.requests[new.request_id]
             state.token_ids = list(new.token_ids)
-            state.block_ids = list(new.block_ids)
-            table.set(state.row, state.block_ids)
+            table.set(state.row, new.block_ids)
         for request_id, block_ids in so.new_block_ids.items():
-            state = self.requests[request_id]
-            state.block_ids.extend(block_ids)
-            table.append(state.row, block_ids)
+            table.append(self.requests[request_id].row, block_ids)
 
     def _build_batch(self, so: SchedulerOutput) -> _Batch:
         batch = _Batch()
-        block_size = self.block_size
+        table = self.block_table
         chunks = []
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             state = self.requests[request_id]
@@ -119,10 +115,9 @@ class ModelRunner:
             if num_tokens != 1 or state.wants_prompt_logprobs:
                 chunks.append((state, start, num_tokens))
                 continue
-            blocks = state.block_ids
             batch.input_ids.append(state.token_ids[start])
             batch.positions.append(start)
-            batch.slots.append(blocks[start // block_size] * block_size + start % block_size)
+            batch.slots.append(table.slot(state.row, start))
             batch.decode_rows.append(state.row)
             batch.decode_lens.append(start + 1)
             if start + 1 == len(state.token_ids):
@@ -133,13 +128,11 @@ class ModelRunner:
         return batch
 
     def _add_chunk(self, batch: _Batch, state: CachedRequestState, start: int, num_tokens: int) -> None:
-        block_size = self.block_size
         first_row = len(batch.input_ids)
         end = start + num_tokens
         batch.input_ids.extend(state.token_ids[start:end])
         batch.positions.extend(range(start, end))
-        blocks = state.block_ids
-        batch.slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        batch.slots.extend(self.block_table.slots(state.row, start, end))
         batch.prefill_spans.append((state, first_row, num_tokens, start))
         if state.wants_prompt_logprobs:
             # Row of position j predicts token j + 1: rows first .. min(end, prompt - 1) - 1, each once.
@@ -154,45 +147,38 @@ class ModelRunner:
 
     def _attention_metadata(self, batch: _Batch) -> AttentionMetadata:
         device = self.device
-        block_size = self.block_size
         num_decodes = len(batch.decode_lens)
-        tables = lens = bias = None
+        tables = lens = None
         table = self.block_table
         inputs = self._inputs
         if num_decodes:
-            max_blocks = -(-max(batch.decode_lens) // block_size)
-            rows = inputs.put("decode_rows", batch.decode_rows, torch.device("cpu"))
-            tables = table.gather(rows, max_blocks).to(device)
+            rows = inputs.put("decode_rows", batch.decode_rows)
+            tables = table.gather(rows, max(batch.decode_lens)).to(device)
             lens = inputs.put("decode_lens", batch.decode_lens, device)
-            if self.backend.needs_decode_bias:
-                key_pos = torch.arange(max_blocks * block_size, device=device)
-                bias = torch.zeros((num_decodes, 1, 1, max_blocks * block_size), dtype=self.model.dtype,
-                                   device=device)
-                bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
         prefills = tuple(
             PrefillChunk(
                 query_start=first_row,
                 query_len=num_tokens,
                 context_len=pos0 + num_tokens,
-                block_table=table.row(state.row, -(-(pos0 + num_tokens) // block_size)).to(device),
+                block_table=table.blocks(state.row, pos0 + num_tokens).to(device),
             )
             for state, first_row, num_tokens, pos0 in batch.prefill_spans
         )
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             slot_mapping=inputs.put("slots", batch.slots, device),
             num_decodes=num_decodes,
             decode_block_tables=tables,
             decode_context_lens=lens,
-            decode_bias=bias,
             prefills=prefills,
         )
+        return self.backend.prepare(metadata, self.kv_cache.spec)
 
     def _sample(self, hidden: torch.Tensor, batch: _Batch) -> ModelRunnerOutput:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         if batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=hidden.device)
+            rows = self._inputs.put("sample_rows", batch.sample_rows, hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
             result = self.sampler(logits, [s.sampling for s in batch.sample_states])
             for i, (state, token_id) in enumerate(zip(batch.sample_states, result.sampled_token_ids)):
@@ -214,7 +200,7 @@ class _HostBuffers:
     """Preallocated int64 host buffers, one per step input, reused every step (grown by doubling).
 
     `put` copies a step's values in and returns a view of the first len(values)
-    entries (moved to `device` when that is not the CPU): valid until the next step.
+    entries (moved to `device` when given and not the CPU): valid until the next step.
     """
 
     def __init__(self, capacity: int = 256):
@@ -222,7 +208,7 @@ class _HostBuffers:
         self._arrays: dict[str, np.ndarray] = {}
         self._tensors: dict[str, torch.Tensor] = {}
 
-    def put(self, name: str, values: list[int], device: torch.device) -> torch.Tensor:
+    def put(self, name: str, values: list[int], device: Optional[torch.device] = None) -> torch.Tensor:
         count = len(values)
         array = self._arrays.get(name)
         if array is None or array.shape[0] < count:
@@ -231,4 +217,4 @@ class _HostBuffers:
             self._tensors[name] = torch.from_numpy(array)
         array[:count] = values
         view = self._tensors[name][:count]
-        return view if device.type == "cpu" else view.to(device)
+        return view if device is None or device.type == "cpu" else view.to(device)

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCacheSpec
 
 
 class AttentionBackend(Protocol):
@@ -14,7 +15,10 @@ class AttentionBackend(Protocol):
     `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V."""
 
     name: str
-    needs_decode_bias: bool  # whether AttentionMetadata.decode_bias must be built (an additive -inf mask)
+
+    def prepare(self, metadata: AttentionMetadata, spec: KVCacheSpec) -> AttentionMetadata:
+        """Once per step, before the first layer: add what this backend derives from the metadata."""
+        ...
 
     def write_kv(
         self,
@@ -43,17 +47,14 @@ class AttentionBackend(Protocol):
 
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """`auto`: on CPU the native kernels when they build here, else (and on CUDA, until the flash and
-    triton backends land) the torch backend. Naming `cpu` insists on the native kernels (an error if they cannot serve
-    this device and dtype: float32 and bfloat16 on CPU)."""
+    triton backends land) the torch backend. Naming `cpu` insists on the native kernels (an error if
+    they cannot serve this device and dtype: float32 and bfloat16 on CPU)."""
     if name == "auto":
-        if device.type == "cuda":
-            name = "torch"  # until the flash / triton backends land (the GPU issue)
-        else:
-            name = "cpu"
+        if device.type == "cpu":
             backend = _cpu_backend(device, dtype, required=False)
             if backend is not None:
                 return backend
-            name = "torch"
+        name = "torch"  # on CUDA until the flash / triton backends land (the GPU issue)
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -73,7 +74,6 @@ def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):
         if required:
             raise ValueError(f"attention backend 'cpu' runs float32/bfloat16 on CPU, not {dtype} on {device.type}")
         return None
-
     kernels = load_cpu_kernels()
     if kernels is None:
         if required:

@@ -40,8 +40,9 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks] int64
     decode_context_lens: Optional[torch.Tensor]  # [num_decodes] int64
-    decode_bias: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: tuple[PrefillChunk, ...]
+    decode_bias: Optional[torch.Tensor] = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf,
+    # added by the torch backend's `prepare` (the padding mask of its gathered decode K/V)
 
     @property
     def num_tokens(self) -> int:

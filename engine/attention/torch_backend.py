@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.kv_cache import KVCacheSpec
 
 
 class TorchAttentionBackend:
     """Decodes are one batched gather + two batched matmuls; prefill chunks use SDPA per request."""
 
     name = "torch"
-    needs_decode_bias = True  # the runner builds AttentionMetadata.decode_bias for it
+
+    def prepare(self, metadata: AttentionMetadata, spec: KVCacheSpec) -> AttentionMetadata:
+        """The decodes' additive mask: 0 up to each context length, -inf past it (padding of the gather)."""
+        if not metadata.num_decodes:
+            return metadata
+        lens = metadata.decode_context_lens
+        _, max_blocks = metadata.decode_block_tables.shape
+        block_size = spec.block_size
+        key_pos = torch.arange(max_blocks * block_size, device=lens.device)
+        bias = torch.zeros((metadata.num_decodes, 1, 1, max_blocks * block_size), dtype=spec.dtype,
+                           device=lens.device)
+        bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(metadata.num_decodes, 1, 1, -1), float("-inf"))
+        return dataclasses.replace(metadata, decode_bias=bias)
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         num_slots = key_cache.shape[0] * key_cache.shape[1]

@@ -23,7 +23,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -93,27 +92,29 @@ def build_library(cache_dir: Optional[Path] = None) -> Path:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
-    target_dir.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=target_dir, prefix=".build-", suffix=".so")
-    os.close(handle)
-    try:
-        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
-                                timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
-        os.replace(partial, target)  # atomic: concurrent builders each publish a complete file
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
 
 
-@dataclass(frozen=True, slots=True)
+_SIGNATURES = {
+    "paged_decode": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float],
+    "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],
+    "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
+    "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
+    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
+}
+
+
 class CpuKernels:
-    """The loaded library's entry points."""
+    """The loaded library's entry points, bound once per (kernel, dtype)."""
 
-    path: Path
-    library: ctypes.CDLL
+    def __init__(self, path: Path):
+        self.path = path
+        library = ctypes.CDLL(str(path))
+        self._functions = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _DTYPE_SUFFIX.items():
+                function = getattr(library, f"pagedserve_{name}_{suffix}")
+                function.restype, function.argtypes = None, argtypes
+                self._functions[name, dtype] = function
 
     def paged_decode(
         self,
@@ -123,7 +124,6 @@ class CpuKernels:
         block_tables: torch.Tensor,  # [num_seqs, width] int64
         context_lens: torch.Tensor,  # [num_seqs] int64, each >= 1 and <= width * block_size
         scale: float,
-        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Attention of one query per sequence over its cached tokens (the new token included)."""
         num_seqs, num_heads, head_dim = query.shape
@@ -137,11 +137,11 @@ class CpuKernels:
                 raise ValueError("paged_decode takes contiguous CPU tensors")
         if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
             raise ValueError("query and caches must share one dtype")
-        if out is None:
-            out = torch.empty_like(query)
-        self._function("paged_decode", query.dtype)(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                 context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-                 block_size, block_tables.shape[1], scale)
+        out = torch.empty_like(query)
+        self._function("paged_decode", query.dtype)(
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+            block_tables.shape[1], scale)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,35 +177,16 @@ class CpuKernels:
         return x
 
     def _function(self, name: str, dtype: torch.dtype):
-        suffix = _DTYPE_SUFFIX.get(dtype)
-        if suffix is None:
+        function = self._functions.get((name, dtype))
+        if function is None:
             raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}")
-        return getattr(self.library, f"pagedserve_{name}_{suffix}")
-
-
-def _bind(library: ctypes.CDLL) -> None:
-    pointer, int64 = ctypes.c_void_p, ctypes.c_int64
-    signatures = {
-        "paged_decode": [pointer] * 6 + [int64] * 6 + [ctypes.c_float],
-        "rms_norm": [pointer] * 3 + [int64] * 2 + [ctypes.c_float],
-        "add_rms_norm": [pointer] * 4 + [int64] * 2 + [ctypes.c_float],
-        "silu_and_mul": [pointer] * 2 + [int64] * 2,
-        "rotary": [pointer] * 4 + [int64] * 4,
-    }
-    for suffix in _DTYPE_SUFFIX.values():
-        for name, argtypes in signatures.items():
-            function = getattr(library, f"pagedserve_{name}_{suffix}")
-            function.restype = None
-            function.argtypes = argtypes
+        return function
 
 
 def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
     """Build (once per machine and source) and load the kernels; None, with the reason logged, if unusable."""
     try:
-        path = build_library(cache_dir)
-        library = ctypes.CDLL(str(path))
-        _bind(library)
-        kernels = CpuKernels(path, library)
+        kernels = CpuKernels(build_library(cache_dir))
         _self_check(kernels)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
         logger.warning("native CPU kernels unavailable, using the torch backend: %s", error)

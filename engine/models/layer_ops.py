@@ -6,7 +6,8 @@ Both implement the same contract (results agree to float32 rounding):
     add_rms_norm(x, residual, w, eps) -> (rms_norm(residual + x), residual + x); the native one
                                          updates `residual` in place
     silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
-    rotary(x, positions, rope)        -> x rotated by RoPE at `positions`; the native one in place
+    rotary(x, angles, rope)           -> x rotated by RoPE; `angles = rotary_angles(positions, rope)`,
+                                         once per forward pass; the native one rotates in place
 
 The native ones make each a single pass over memory (torch: 3-6 operator calls each);
 measured on a 2-core AVX2 machine, fp32, batch 64 decode step of the embedded model:
@@ -37,8 +38,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rotary(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        cos, sin_signed = rope.tables(positions)
+    def rotary_angles(self, positions: torch.Tensor, rope: RotaryEmbedding):
+        return rope.tables(positions)  # cos, sin_signed rows of the step's positions
+
+    def rotary(self, x: torch.Tensor, angles, rope: RotaryEmbedding) -> torch.Tensor:
+        cos, sin_signed = angles
         return rope.apply(x, cos, sin_signed)
 
 
@@ -60,5 +64,8 @@ class NativeLayerOps(TorchLayerOps):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(gate_up.contiguous())
 
-    def rotary(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        return self.kernels.rotary_(x, positions, rope.cos, rope.sin_signed)
+    def rotary_angles(self, positions: torch.Tensor, rope: RotaryEmbedding):
+        return positions  # the kernel reads the full tables at each row's position
+
+    def rotary(self, x: torch.Tensor, angles, rope: RotaryEmbedding) -> torch.Tensor:
+        return self.kernels.rotary_(x, angles, rope.cos, rope.sin_signed)

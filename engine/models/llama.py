@@ -39,7 +39,8 @@ class LlamaLayerWeights:
 class LlamaForCausalLM:
     """Forward pass over paged KV caches; `compute_logits` only for the rows that need them."""
 
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: torch.device):
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: torch.device,
+                 ops: Optional[TorchLayerOps] = None):
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -48,7 +49,7 @@ class LlamaForCausalLM:
         )
         self.scale = arch.head_dim**-0.5
         self.linear = select_linear(device, dtype)
-        self.ops: TorchLayerOps = TorchLayerOps()  # the builder swaps in NativeLayerOps with the cpu backend
+        self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.final_norm: Optional[torch.Tensor] = None
         self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
@@ -129,18 +130,19 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         eps = self.arch.rms_norm_eps
         linear, ops = self.linear, self.ops
+        angles = ops.rotary_angles(positions, self.rotary)
         h = F.embedding(input_ids, self.embed)
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             if index:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
-            h = self._attention(layer, x, positions, key_cache, value_cache, metadata, backend)
+            h = self._attention(layer, x, angles, key_cache, value_cache, metadata, backend)
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
             h = linear(ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
         return residual + h
 
-    def _attention(self, layer: LlamaLayerWeights, x, positions, key_cache, value_cache,
+    def _attention(self, layer: LlamaLayerWeights, x, angles, key_cache, value_cache,
                    metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         arch = self.arch
         ops = self.ops
@@ -155,7 +157,7 @@ class LlamaForCausalLM:
             q = ops.rms_norm(qkv[:, :heads].reshape(-1, head_dim), layer.q_norm, eps)
             k = ops.rms_norm(qkv[:, heads : heads + kv_heads].reshape(-1, head_dim), layer.k_norm, eps)
             qk = torch.cat([q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)], dim=1)
-        qk = ops.rotary(qk, positions, self.rotary)
+        qk = ops.rotary(qk, angles, self.rotary)
         query, key = qk[:, :heads], qk[:, heads:]
         value = qkv[:, heads + kv_heads :]
         backend.write_kv(key, value, key_cache, value_cache, metadata)

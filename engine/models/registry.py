@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from engine.models.layer_ops import TorchLayerOps
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 
@@ -21,7 +22,8 @@ def supported_architectures() -> list[str]:
     return sorted(_LLAMA_FAMILY)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
+                ops: Optional[TorchLayerOps] = None) -> LlamaForCausalLM:
     """An empty model for the config's architecture (load weights with `load_weights`)."""
     from engine.loader import rope_settings
 
@@ -32,4 +34,4 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> Lla
             f"supported: {', '.join(supported_architectures())}"
         )
     arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
-    return LlamaForCausalLM(arch, dtype, device)
+    return LlamaForCausalLM(arch, dtype, device, ops)

@@ -3,9 +3,10 @@ reference over the paged cache.
 
 Each case builds a step the way engine/model_runner.py does: a flat batch with
 decode rows first, then prefill chunks; per-request non-contiguous block tables;
-`slot_mapping` for the new tokens; `decode_bias` 0 up to each decode's context
-length and -inf beyond. The reference reads each request's K/V back token by
-token through its block table and runs causal softmax attention in float64.
+`slot_mapping` for the new tokens; then the backend's `prepare` (the torch one adds
+its decode mask: 0 up to each decode's context length, -inf beyond). The reference
+reads each request's K/V back token by token through its block table and runs
+causal softmax attention in float64.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kv_cache import KVCacheSpec
 
 NUM_KV_HEADS = 2
 NUM_BLOCKS = 160
@@ -119,21 +121,17 @@ def build_step(
                                          block_table=torch.tensor(seq.blocks, dtype=torch.int64)))
         row += seq.query_len
 
-    tables = lens = bias = None
+    tables = lens = None
     if num_decodes:
         decode_tables = [s.blocks for s in seqs[:num_decodes]]
         max_blocks = max(len(t) for t in decode_tables)
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int64)
         lens = torch.tensor([s.context_len for s in seqs[:num_decodes]], dtype=torch.int64)
-        key_pos = torch.arange(max_blocks * block_size)
-        bias = torch.zeros((num_decodes, 1, 1, max_blocks * block_size), dtype=torch.float32)
-        bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         num_decodes=num_decodes,
         decode_block_tables=tables,
         decode_context_lens=lens,
-        decode_bias=bias,
         prefills=tuple(prefills),
     )
     return Step(seqs, num_decodes, torch.cat(queries), torch.cat(new_keys), torch.cat(new_values),
@@ -164,14 +162,16 @@ def reference_attention(seq: Seq, key_cache, value_cache, scale: float) -> torch
 
 def run_and_check(step: Step, key_cache, value_cache, head_dim: int, backend) -> None:
     scale = head_dim ** -0.5
+    spec = KVCacheSpec(1, step.block_size, NUM_KV_HEADS, head_dim, key_cache.dtype)
+    metadata = backend.prepare(step.metadata, spec)  # what the runner does once per step
     before_k, before_v = key_cache.clone(), value_cache.clone()
-    backend.write_kv(step.key, step.value, key_cache, value_cache, step.metadata)
+    backend.write_kv(step.key, step.value, key_cache, value_cache, metadata)
     check_write(step, before_k, before_v, key_cache, value_cache)
     for seq in step.seqs:  # the cache now holds exactly each request's context
         assert torch.equal(gather(key_cache, seq.blocks, seq.context_len), seq.keys)
         assert torch.equal(gather(value_cache, seq.blocks, seq.context_len), seq.values)
 
-    out = backend.attend(step.query, step.key, step.value, key_cache, value_cache, step.metadata, scale)
+    out = backend.attend(step.query, step.key, step.value, key_cache, value_cache, metadata, scale)
     assert out.shape == step.query.shape and out.dtype == torch.float32
     row = 0
     for i, seq in enumerate(step.seqs):

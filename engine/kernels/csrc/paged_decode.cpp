@@ -156,22 +156,17 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
 
 }  // namespace
 
+#define PAGEDSERVE_PAGED_DECODE(SUFFIX, T)                                                                     \
+    void pagedserve_paged_decode_##SUFFIX(const T* query, const T* key_cache, const T* value_cache,             \
+                                          const int64_t* block_tables, const int64_t* context_lens, T* out,     \
+                                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,            \
+                                          int64_t head_dim, int64_t block_size, int64_t table_width,            \
+                                          float scale) {                                                        \
+        dispatch(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,          \
+                 num_kv_heads, head_dim, block_size, table_width, scale);                                      \
+    }
+
 extern "C" {
-
-void pagedserve_paged_decode_f32(const float* query, const float* key_cache, const float* value_cache,
-                                 const int64_t* block_tables, const int64_t* context_lens, float* out,
-                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                 int64_t block_size, int64_t table_width, float scale) {
-    dispatch(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, num_kv_heads,
-             head_dim, block_size, table_width, scale);
+PAGEDSERVE_PAGED_DECODE(f32, float)
+PAGEDSERVE_PAGED_DECODE(bf16, uint16_t)
 }
-
-void pagedserve_paged_decode_bf16(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
-                                  const int64_t* block_tables, const int64_t* context_lens, uint16_t* out,
-                                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t block_size, int64_t table_width, float scale) {
-    dispatch(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, num_kv_heads,
-             head_dim, block_size, table_width, scale);
-}
-
-}  // extern "C"
