@@ -1,10 +1,11 @@
-"""Shared engine fixtures: tiny random checkpoints per architecture."""
+"""Shared engine fixtures: tiny random checkpoints per architecture, and an LLM over the llama one."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.engine.factories import make_tiny_model_dir
+from tests.engine.references import make_llm
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +21,9 @@ def tiny_qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    """One LLM per test module over the tiny llama (configs/tiny.yaml settings, fp32 on CPU)."""
+    return make_llm(tiny_llama_dir)

@@ -26,11 +26,6 @@ TIMEOUT_S = 30.0
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
-
-
 @pytest.fixture
 def fresh_llm(tiny_llama_dir):
     """A core of its own, for tests that may leave it broken."""

@@ -5,12 +5,7 @@ import pytest
 from engine import SamplingParams
 from engine.parallel_sampling import fan_out
 from scheduler import RequestRejectedError
-from tests.engine.references import assert_idle, make_llm
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
+from tests.engine.references import assert_idle
 
 
 @pytest.fixture(autouse=True)

@@ -9,15 +9,10 @@ import pytest
 from engine import SamplingParams
 from engine.sampler import TokenLogprobs
 from scheduler import RequestRejectedError
-from tests.engine.references import assert_idle, make_llm
+from tests.engine.references import assert_idle
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
 
 
 @pytest.fixture(autouse=True)
