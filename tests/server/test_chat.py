@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import openai
 import pytest
+
+from tests.server.sse_frames import stream_raw as stream_frames
 
 USER = [{"role": "user", "content": "Hello, how are you today?"}]
 
@@ -38,21 +39,8 @@ def prompt_tokens(server, messages, **extra) -> list[int]:
     return body["tokens"]
 
 
-def parse_sse(response) -> list[dict]:
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/event-stream")
-    frames = response.text.split("\n\n")
-    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
-    payloads = []
-    for frame in frames[:-2]:
-        assert frame.startswith("data: ") and "\n" not in frame, frame
-        payloads.append(json.loads(frame[len("data: "):]))
-    return payloads
-
-
 def stream_raw(server, **body) -> list[dict]:
-    with server.client() as c:
-        return parse_sse(c.post("/v1/chat/completions", json={"model": "tiny", "stream": True, **body}))
+    return stream_frames(server, "/v1/chat/completions", **body)
 
 
 # ------------------------------------------------------------------ the SDK

@@ -4,10 +4,11 @@ small endpoints (/v1/models, /tokenize, /detokenize, /version, /health, /openapi
 from __future__ import annotations
 
 import asyncio
-import json
 
 import openai
 import pytest
+
+from tests.server.sse_frames import stream_raw as stream_frames
 
 PROMPT = "Hello, world!"
 OTHER_PROMPT = "The quick brown fox"
@@ -49,26 +50,8 @@ def token_string(server, token_id: int) -> str:
     return r.json()["prompt"]
 
 
-def parse_sse(response) -> list[dict]:
-    """Check the exact SSE framing (`data: {json}\\n\\n` frames, `data: [DONE]` last); the payloads."""
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/event-stream")
-    raw = response.text
-    assert raw.endswith("data: [DONE]\n\n")
-    frames = raw.split("\n\n")
-    assert frames[-1] == ""  # every frame, the last included, ends with a blank line
-    frames = frames[:-1]
-    assert frames[-1] == "data: [DONE]"
-    payloads = []
-    for frame in frames[:-1]:
-        assert frame.startswith("data: ") and "\n" not in frame, frame
-        payloads.append(json.loads(frame[len("data: "):]))
-    return payloads
-
-
 def stream_raw(server, **body) -> list[dict]:
-    with server.client() as c:
-        return parse_sse(c.post("/v1/completions", json={"model": "tiny", "stream": True, **body}))
+    return stream_frames(server, "/v1/completions", **body)
 
 
 def assert_offsets(logprobs: dict, start: int = 0) -> None:
