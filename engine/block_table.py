@@ -24,6 +24,10 @@ class BlockTable:
         self._free = list(range(rows - 1, -1, -1))
         self._lengths = np.zeros(rows, dtype=np.int64)
 
+    @property
+    def num_rows_in_use(self) -> int:
+        return self._tensor.shape[0] - len(self._free)
+
     def acquire(self) -> int:
         if not self._free:
             self._resize(self._tensor.shape[0] * 2, self._tensor.shape[1])

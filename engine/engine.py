@@ -174,7 +174,7 @@ class EngineCore:
             finish_reason, stop_reason = "stop", stop
         if state.first_token_time is None:
             state.first_token_time = now
-        state.last_token_time = now
+        state.previous_token_time, state.last_token_time = state.last_token_time, now
         if finish_reason is not None:
             del self._states[request_id]
         return self._output(state, step_output.new_token_ids, delta, finish_reason, now, stop_reason,

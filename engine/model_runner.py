@@ -66,7 +66,9 @@ class ModelRunner:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: frozenset[int]) -> None:
-        """Register a request's sampling state before the scheduler first schedules it."""
+        """Register a request's sampling state before the scheduler first schedules it. A reused id
+        (its predecessor finished, the runner not told yet) replaces the old state and frees its row."""
+        self.remove_request(request_id)
         sampling = SamplingState.create(params, prompt_token_ids, [], eos_token_ids, self.device)
         self.requests[request_id] = CachedRequestState(request_id, len(prompt_token_ids), sampling,
                                                        self.block_table.acquire())

@@ -26,6 +26,7 @@ class RequestMetrics:
     first_token_time: Optional[float]
     last_token_time: Optional[float]
     finished_time: Optional[float]
+    previous_token_time: Optional[float] = None  # the step before last_token_time's, when there was one
 
     @property
     def queue_time(self) -> Optional[float]:
@@ -34,6 +35,13 @@ class RequestMetrics:
     @property
     def time_to_first_token(self) -> Optional[float]:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latency(self) -> Optional[float]:
+        """Between the last two steps that produced tokens."""
+        if self.previous_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.previous_token_time
 
     @property
     def e2e_latency(self) -> Optional[float]:

@@ -25,6 +25,7 @@ class RequestState:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    previous_token_time: Optional[float] = None
 
     def metrics(self, finished_time: Optional[float]) -> RequestMetrics:
         return RequestMetrics(
@@ -33,6 +34,7 @@ class RequestState:
             first_token_time=self.first_token_time,
             last_token_time=self.last_token_time,
             finished_time=finished_time,
+            previous_token_time=self.previous_token_time,
         )
 
     def take_text(self, delta: str, finishing: bool, check_stops: bool = True) -> tuple[str, Optional[str]]:

@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling_params import SamplingParams
 from scheduler import RequestRejectedError
 from server.config import ServerConfig
-from server.errors import APIError, error_body
+from server.errors import APIError, error_body, handle_error
 from server.logprob_format import LogprobFormatter
 from server.metrics import ServerMetrics, cache_info
 from server.routes import chat, completions, models, ops, tokenize
@@ -96,15 +96,17 @@ async def _warm_up(state: ServerState) -> None:
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        if exc.status == 400:
-            state.metrics.observe_rejected()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def failed(request: Request, exc: Exception):
+        """APIError, RequestRejectedError (400), EngineDeadError (503), anything else (500)."""
+        error = handle_error(exc, state.metrics, request.url.path)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    for exception in (APIError, RequestRejectedError, EngineDeadError, Exception):
+        app.add_exception_handler(exception, failed)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        state.metrics.observe_rejected()
+        state.metrics.observe_failure("rejected")
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(400, f"the request body is not valid JSON: {first.get('msg')}"),
@@ -114,26 +116,11 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
         return JSONResponse(error_body(400, message, param=param), status_code=400)
 
-    @app.exception_handler(RequestRejectedError)
-    async def rejected(request: Request, exc: RequestRejectedError):
-        state.metrics.observe_rejected()
-        return JSONResponse(error_body(400, exc.message, param=exc.param, code=exc.code), status_code=400)
-
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError):
-        state.metrics.observe_error()
-        return JSONResponse(error_body(503, str(exc)), status_code=503)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        state.metrics.observe_error()
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
 
 def _install_middleware(app: FastAPI, state: ServerState) -> None:

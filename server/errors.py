@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from http import HTTPStatus
-from typing import Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from pydantic import BaseModel
+
+from engine.async_engine import EngineDeadError
+from scheduler import RequestRejectedError
+
+if TYPE_CHECKING:
+    from server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 
 class ErrorInfo(BaseModel):
@@ -56,6 +66,40 @@ def error_body(status: int, message: str, *, param: Optional[str] = None, code: 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def handle_error(exc: BaseException, metrics: ServerMetrics, where: str) -> APIError:
+    """What the client sees for an exception raised while serving `where`; counted in the request-failure
+    metric, and logged with its traceback when it is a bug (500)."""
+    error, failure = _classify(exc)
+    if error.status == 500:
+        logger.error("unhandled error on %s", where, exc_info=exc)
+    if failure is not None:
+        metrics.observe_failure(failure)
+    return error
+
+
+def _classify(exc: BaseException) -> tuple[APIError, Optional[str]]:
+    """What the client sees for any exception, and the request-failure reason it counts as in the
+    metrics ("rejected", "error", or None: 401, 404, 503 while draining... are not request failures)."""
+    if isinstance(exc, APIError):
+        return exc, "rejected" if exc.status == 400 else None
+    if isinstance(exc, RequestRejectedError):
+        return bad_request(exc.message, param=exc.param, code=exc.code), "rejected"
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc)), "error"
+    return APIError(500, f"internal error: {type(exc).__name__}"), "error"
+
+
+def renamed(exc: RequestRejectedError, names: Mapping[str, str],
+            param_only: frozenset[str] = frozenset()) -> RequestRejectedError:
+    """The same refusal with request fields named as an endpoint spells them: `param`, and whole-word
+    mentions in the message (except for the names in `param_only`, which read as plain words there)."""
+    message = exc.message
+    for ours, theirs in names.items():
+        if ours not in param_only:
+            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
+    return RequestRejectedError(message, param=names.get(exc.param, exc.param), code=exc.code)
 
 
 # Declared on every route in the OpenAPI schema.

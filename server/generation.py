@@ -108,10 +108,7 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], 
     }
     # An unset (null) field takes SamplingParams' default; for the others None is the default.
     kwargs = {k: v for k, v in values.items() if v is not None or k not in _DEFAULTED_WHEN_NULL}
-    try:
-        return SamplingParams(**kwargs)
-    except RequestRejectedError as exc:
-        raise bad_request(exc.message, param=exc.param, code=exc.code) from None
+    return SamplingParams(**kwargs)  # a RequestRejectedError becomes a 400 in the app's handler
 
 
 @dataclass(slots=True)
@@ -136,14 +133,15 @@ def plan_choices(request_id: str, prompts: list[list[int]], params: SamplingPara
 
 
 def check_choices(engine: AsyncEngine, choices: Sequence[Choice]) -> None:
-    """Refuse the whole request (400) before anything runs if one choice can never be served."""
+    """Refuse the whole request (RequestRejectedError, a 400) before anything runs if one choice can never
+    be served. The choices of one prompt differ only in their seed: each prompt is checked once."""
+    checked = set()
     for choice in choices:
         if engine.request_id_in_use(choice.request_id):
-            raise bad_request(f"request id {choice.request_id!r} is already in use", param="request_id")
-        try:
+            raise RequestRejectedError(f"request id {choice.request_id!r} is already in use", param="request_id")
+        if choice.prompt_index not in checked:
             engine.check_request(choice.prompt_token_ids, choice.params)
-        except RequestRejectedError as exc:
-            raise bad_request(exc.message, param=exc.param, code=exc.code) from None
+            checked.add(choice.prompt_index)
 
 
 async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice],

@@ -77,6 +77,7 @@ class ServerMetrics:
 
         self.ttft = latency("pagedserve_time_to_first_token_seconds", "Arrival to first generated token.")
         self.itl = latency("pagedserve_inter_token_latency_seconds", "Time between consecutive output steps.")
+        self._itl_child = self.itl.labels(model_name)  # observed on every token: the label lookup done once
         self.tpot = latency("pagedserve_time_per_output_token_seconds", "Mean time per token after the first.")
         self.e2e = latency("pagedserve_e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = latency("pagedserve_request_queue_time_seconds", "Arrival to first scheduled.")
@@ -87,7 +88,6 @@ class ServerMetrics:
         Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(
             {"model_name": model_name, **cache_info})
         self.registry.register(_SchedulerCollector(model_name, stats))
-        self._last_token_time: dict[str, float] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -95,15 +95,11 @@ class ServerMetrics:
     def observe_output(self, output: RequestOutput) -> None:
         """Called on the event loop for every RequestOutput, in order."""
         name = self.model_name
-        metrics = output.metrics
-        if output.new_token_ids and metrics.last_token_time is not None:
-            previous = self._last_token_time.get(output.request_id)
-            if previous is not None:
-                self.itl.labels(name).observe(metrics.last_token_time - previous)
-            self._last_token_time[output.request_id] = metrics.last_token_time
+        itl = output.metrics.inter_token_latency
+        if output.new_token_ids and itl is not None:
+            self._itl_child.observe(itl)
         if not output.finished:
             return
-        self._last_token_time.pop(output.request_id, None)
         if output.finish_reason == "abort":
             self.request_failure.labels(name, "aborted").inc()
         else:
@@ -126,11 +122,9 @@ class ServerMetrics:
             span = metrics.last_token_time - metrics.first_token_time
             self.tpot.labels(name).observe(span / (output.num_output_tokens - 1))
 
-    def observe_rejected(self) -> None:
-        self.request_failure.labels(self.model_name, "rejected").inc()
-
-    def observe_error(self) -> None:
-        self.request_failure.labels(self.model_name, "error").inc()
+    def observe_failure(self, reason: str) -> None:
+        """A request that ended before the engine served it: "rejected" (400) or "error"."""
+        self.request_failure.labels(self.model_name, reason).inc()
 
     def observe_step(self, num_tokens: int) -> None:
         """Called on the engine thread after each step (prometheus-client is thread-safe)."""

@@ -8,9 +8,8 @@ from typing import AsyncIterator, Union
 
 from pydantic import BaseModel
 
-from engine.async_engine import EngineDeadError
-from scheduler import RequestRejectedError
-from server.errors import APIError, error_body
+from server.errors import handle_error
+from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +24,12 @@ def sse_event(payload: Union[BaseModel, dict]) -> bytes:
     return b"data: " + text.encode("utf-8") + b"\n\n"
 
 
-async def with_error_events(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Pass events through; an error after the stream started becomes an error event, then [DONE]."""
+async def with_error_events(events: AsyncIterator[bytes], metrics: ServerMetrics) -> AsyncIterator[bytes]:
+    """Pass events through; an error after the stream started becomes an error event (the same envelope
+    and failure count as the app's error handlers), then [DONE]."""
     try:
         async for event in events:
             yield event
-    except APIError as exc:
-        yield sse_event(exc.body())
-    except RequestRejectedError as exc:
-        yield sse_event(error_body(400, exc.message, param=exc.param, code=exc.code))
-    except EngineDeadError as exc:
-        yield sse_event(error_body(503, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the client must learn the stream failed
-        logger.exception("stream failed")
-        yield sse_event(error_body(500, f"internal error: {type(exc).__name__}"))
+        yield sse_event(handle_error(exc, metrics, "a stream").body())
     yield DONE

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.disconnect import cancel_on_disconnect
-from server.errors import ERROR_RESPONSES, APIError, bad_request
+from scheduler import RequestRejectedError
+from server.errors import ERROR_RESPONSES, bad_request, renamed
 from server.chat_messages import template_messages
 from server.generation import (Choice, check_choices, check_common, collect_choices,
                                make_sampling_params, plan_choices, stream_choices)
@@ -47,20 +48,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     prompt = _render(body, state)
     num_top = _num_top_logprobs(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    request_id = body.request_id or new_id("chatcmpl")
     try:
         params = make_sampling_params(body, max_tokens=max_tokens, logprobs=num_top)
-    except APIError as exc:  # name the fields as chat spells them
-        renames = {"logprobs": "top_logprobs"}
+        choices = plan_choices(request_id, [prompt], params)
+        check_choices(state.engine, choices)
+    except RequestRejectedError as exc:  # name the fields as chat spells them
+        names = {"logprobs": "top_logprobs", "prompt": "messages"}
         if body.max_completion_tokens is not None:
-            renames["max_tokens"] = "max_completion_tokens"
-        exc.param = renames.get(exc.param, exc.param)
-        exc.message = exc.message.replace("max_tokens", renames.get("max_tokens", "max_tokens"))
-        raise
-    request_id = body.request_id or new_id("chatcmpl")
-    choices = plan_choices(request_id, [prompt], params)
-    check_choices(state.engine, choices)
+            names["max_tokens"] = "max_completion_tokens"
+        raise renamed(exc, names, param_only=frozenset({"prompt"})) from None
     if body.stream:
-        return StreamingResponse(with_error_events(_stream(state, body, model, request_id, choices, num_top)),
+        return StreamingResponse(with_error_events(_stream(state, body, model, request_id, choices, num_top), state.metrics),
                                  media_type="text/event-stream")
     results = await cancel_on_disconnect(
         request, collect_choices(state.engine, choices, body.priority))

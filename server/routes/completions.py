@@ -36,7 +36,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     check_choices(state.engine, choices)
     if body.stream:
         events = _stream(state, body, model, request_id, choices, prompts)
-        return StreamingResponse(with_error_events(events), media_type="text/event-stream")
+        return StreamingResponse(with_error_events(events, state.metrics), media_type="text/event-stream")
     results = await cancel_on_disconnect(request, collect_choices(state.engine, choices, body.priority))
     return JSONResponse(_response(state, body, model, request_id, choices, prompts, results).model_dump())
 

@@ -146,6 +146,11 @@ def test_request_id_reused_right_after_finishing(llm):
     first = [t for o in drain(engine) for t in o.new_token_ids]
     engine.add_request("again", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))  # before any step
     assert [t for o in drain(engine) for t in o.new_token_ids] == first
+    for _ in range(3):
+        engine.add_request("again", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+        drain(engine)
+    # the runner's state of each predecessor was replaced, its block-table row given back
+    assert engine.runner.block_table.num_rows_in_use == engine.runner.num_requests <= 1
 
 
 def test_stop_strings_wait_for_min_tokens(llm):

@@ -322,6 +322,20 @@ def test_chat_max_completion_tokens_names_itself(server):
     assert_error(response, 400, "max_completion_tokens")
 
 
+def test_chat_refusals_name_chat_fields(server):
+    """Refusals found after the sampling parameters (context length) name the fields chat has."""
+    error = assert_error(post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": 250}),
+                         400, "max_completion_tokens", "context_length_exceeded")
+    assert "max_completion_tokens" in error["message"] and "max_tokens" not in error["message"].replace(
+        "max_completion_tokens", "")
+    long_messages = [{"role": "user", "content": "hello " * 400}]
+    assert_error(post(server, CHAT, {"model": "tiny", "messages": long_messages, "max_tokens": 1}),
+                 400, "messages", "context_length_exceeded")
+    error = assert_error(post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "logprobs": True,
+                                             "top_logprobs": 21}), 400, "top_logprobs")
+    assert "top_logprobs" in error["message"]
+
+
 @pytest.mark.parametrize("field, value", [("temperature", True), ("n", True), ("stream", "yes")])
 def test_wrongly_typed_value_is_not_coerced(server, field, value):
     response = post(server, COMPLETIONS, {"model": "tiny", "prompt": "Hello", "max_tokens": 1, field: value})
