@@ -82,10 +82,8 @@ class LLM:
         """Generate replies to one conversation or a list of them, using the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        encoded = [
-            (tokenizer.render_chat(c, add_generation_prompt), tokenizer.apply_chat_template(c, add_generation_prompt))
-            for c in conversations
-        ]
+        texts = [tokenizer.render_chat(c, add_generation_prompt) for c in conversations]
+        encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
         return self._run(encoded, _as_params_list(sampling_params, len(encoded)), use_tqdm)
 
     def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

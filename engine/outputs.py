@@ -92,7 +92,9 @@ class OutputAccumulator:
         self.text = output.text
         self.token_ids.extend(output.new_token_ids)
         if output.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + output.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(output.logprobs)
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
         self.finish_reason = output.finish_reason

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from engine.tokenizer import Tokenizer
 from server.errors import bad_request
 from server.protocol import ChatMessage
+
+
+def render_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The prompt token ids of a conversation (a template error is a 400 on `messages`)."""
+    try:
+        return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:

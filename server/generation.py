@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
 from engine.async_engine import AsyncEngine
@@ -13,7 +13,7 @@ from engine.parallel_sampling import fan_out
 from engine.sampling_params import SamplingParams
 from scheduler import RequestRejectedError
 from server.errors import APIError, bad_request
-from server.protocol import SamplingFields
+from server.protocol import PromptTokensDetails, SamplingFields, Usage
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -130,6 +130,31 @@ def plan_choices(request_id: str, prompts: list[list[int]], params: SamplingPara
         for i, (child_id, child_params) in enumerate(fan_out(base, params)):
             choices.append(Choice(prompt_index * params.n + i, child_id, prompt_index, prompt, child_params))
     return choices
+
+
+@dataclass(slots=True)
+class UsageCounter:
+    """A response's token usage, streamed or not: every prompt once, every choice's completion tokens,
+    the cached prompt tokens of each prompt's first choice."""
+
+    prompt_tokens: int
+    n: int
+    completion_tokens: int = 0
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> cached tokens
+
+    @classmethod
+    def of(cls, prompts: Sequence[Sequence[int]], n: int) -> "UsageCounter":
+        return cls(sum(len(p) for p in prompts), n)
+
+    def add(self, choice: Choice, num_tokens: int, num_cached_tokens: int) -> None:
+        self.completion_tokens += num_tokens
+        if choice.index % self.n == 0:
+            self.cached_tokens[choice.prompt_index] = num_cached_tokens
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
 
 
 def check_choices(engine: AsyncEngine, choices: Sequence[Choice]) -> None:

@@ -7,7 +7,7 @@ read from the scheduler at scrape time, so they are exact and never drift.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -135,8 +135,8 @@ class ServerMetrics:
 
 
 def cache_info(num_blocks: int, block_size: int, enable_prefix_caching: bool, dtype: str,
-               attention_backend: str, max_model_len: int, gpu_memory_utilization: Optional[float] = None) -> dict:
-    info = {
+               attention_backend: str, max_model_len: int) -> dict:
+    return {
         "num_blocks": str(num_blocks),
         "block_size": str(block_size),
         "num_tokens": str(num_blocks * block_size),
@@ -145,6 +145,3 @@ def cache_info(num_blocks: int, block_size: int, enable_prefix_caching: bool, dt
         "attention_backend": attention_backend,
         "max_model_len": str(max_model_len),
     }
-    if gpu_memory_utilization is not None:
-        info["gpu_memory_utilization"] = str(gpu_memory_utilization)
-    return info

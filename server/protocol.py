@@ -66,13 +66,6 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 

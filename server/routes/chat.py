@@ -7,15 +7,15 @@ from typing import AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.disconnect import cancel_on_disconnect
 from scheduler import RequestRejectedError
+from server.chat_messages import render_prompt
+from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request, renamed
-from server.chat_messages import template_messages
-from server.generation import (Choice, check_choices, check_common, collect_choices,
+from server.generation import (Choice, UsageCounter, check_choices, check_common, collect_choices,
                                make_sampling_params, plan_choices, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
-                             PromptTokensDetails, Usage, new_id, now)
+                             new_id, now)
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
 
@@ -68,11 +68,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None
         out.append(ChatChoice(index=choice.index, message=AssistantMessage(content=result.text), logprobs=logprobs,
                               finish_reason=result.finish_reason, stop_reason=result.stop_reason))
-    completion_tokens = sum(len(r.token_ids) for r in results)
-    usage = Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
-                  total_tokens=len(prompt) + completion_tokens,
-                  prompt_tokens_details=PromptTokensDetails(cached_tokens=results[0].num_cached_tokens))
-    response = ChatCompletionResponse(id=request_id, created=now(), model=model, choices=out, usage=usage)
+    counter = UsageCounter.of([prompt], body.n)
+    for choice, result in zip(choices, results):
+        counter.add(choice, len(result.token_ids), result.num_cached_tokens)
+    response = ChatCompletionResponse(id=request_id, created=now(), model=model, choices=out, usage=counter.usage())
     return JSONResponse(response.model_dump())
 
 
@@ -99,11 +98,7 @@ def _num_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
 def _render(body: ChatCompletionRequest, state: ServerState) -> list[int]:
     if not body.messages:
         raise bad_request("messages must not be empty.", param="messages")
-    messages = template_messages(body.messages)
-    try:
-        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from None
+    return render_prompt(state.tokenizer, body.messages, body.add_generation_prompt)
 
 
 async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, request_id: str,
@@ -117,10 +112,9 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
 
     for choice in choices:
         yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
-    completion_tokens = 0
-    prompt_tokens = len(choices[0].prompt_token_ids)
+    counter = UsageCounter.of([choices[0].prompt_token_ids], body.n)
     async for choice, output in stream_choices(state.engine, choices, body.priority):
-        completion_tokens += len(output.new_token_ids)
+        counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not output.text_delta and not output.finished and num_top is None:
             continue
         logprobs = state.formatter.chat(output.logprobs or [], num_top) if num_top is not None else None
@@ -128,5 +122,4 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
                                      logprobs=logprobs, finish_reason=output.finish_reason,
                                      stop_reason=output.stop_reason)])
     if include_usage:
-        yield chunk([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens))
+        yield chunk([], counter.usage())

@@ -10,10 +10,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.outputs import OutputAccumulator
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
-from server.generation import (Choice, check_choices, check_common,
+from server.generation import (Choice, UsageCounter, check_choices, check_common,
                                collect_choices, make_sampling_params, plan_choices, stream_choices)
-from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage,
-                             new_id, now)
+from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, new_id, now)
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
 
@@ -80,24 +79,18 @@ def _response(state, body, model, request_id, choices: list[Choice], prompts, re
             logprobs = state.formatter.completion(entries, tokens, body.logprobs)
         out_choices.append(CompletionChoice(index=choice.index, text=prefix + result.text, logprobs=logprobs,
                                             finish_reason=result.finish_reason, stop_reason=result.stop_reason))
+    counter = UsageCounter.of(prompts, body.n)
+    for choice, result in zip(choices, results):
+        counter.add(choice, len(result.token_ids), result.num_cached_tokens)
     return CompletionResponse(id=request_id, created=now(), model=model, choices=out_choices,
-                              usage=_usage(prompts, results, body.n))
-
-
-def _usage(prompts: list[list[int]], results, n: int) -> Usage:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(r.token_ids) for r in results)
-    cached = sum(r.num_cached_tokens for i, r in enumerate(results) if i % n == 0)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                              usage=counter.usage())
 
 
 async def _stream(state: ServerState, body: CompletionRequest, model: str, request_id: str,
                   choices: list[Choice], prompts: list[list[int]]) -> AsyncIterator[bytes]:
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    completion_tokens = 0
+    counter = UsageCounter.of(prompts, body.n)
     started: set[int] = set()
     offsets = {choice.index: 0 for choice in choices}
     async for choice, output in stream_choices(state.engine, choices, body.priority):
@@ -108,7 +101,7 @@ async def _stream(state: ServerState, body: CompletionRequest, model: str, reque
                 prompt_entries = output.prompt_logprobs or [None] * len(choice.prompt_token_ids)
                 entries, tokens = list(prompt_entries) + entries, choice.prompt_token_ids + tokens
         started.add(choice.index)
-        completion_tokens += len(output.new_token_ids)
+        counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not text and not output.finished and body.logprobs is None:
             continue  # nothing to say yet (text held back for a possible stop string)
         logprobs = None
@@ -122,7 +115,5 @@ async def _stream(state: ServerState, body: CompletionRequest, model: str, reque
         )
         yield sse_event(chunk)
     if include_usage:
-        prompt_tokens = sum(len(p) for p in prompts)
-        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=prompt_tokens + completion_tokens)
-        yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
+        yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                           usage=counter.usage()))

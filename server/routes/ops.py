@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request, Response
@@ -26,10 +27,16 @@ async def health(request: Request) -> Response:
 
 @router.get("/version")
 async def get_version() -> dict:
+    return {"version": _package_version()}
+
+
+@functools.cache
+def _package_version() -> str:
+    """Read once: the installed distribution's metadata does not change while the server runs."""
     try:
-        return {"version": version("pagedserve")}
+        return version("pagedserve")
     except PackageNotFoundError:
-        return {"version": "unknown"}
+        return "unknown"
 
 
 @router.get("/metrics")

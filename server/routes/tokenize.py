@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from server.errors import ERROR_RESPONSES, bad_request
 from server.generation import check_model
 from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.chat_messages import template_messages
+from server.chat_messages import render_prompt
 from server.state import ServerState
 
 router = APIRouter()
@@ -22,11 +22,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.prompt is not None:
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
-        messages = template_messages(body.messages)
-        try:
-            tokens = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
+        tokens = render_prompt(state.tokenizer, body.messages, body.add_generation_prompt)
     return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
 
 

@@ -504,3 +504,15 @@ def test_openapi_does_not_declare_422(server):
         schema = c.get("/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert "422" not in schema["paths"][path]["post"]["responses"], path
+
+
+def test_streamed_usage_reports_cached_prompt_tokens_like_the_response(server):
+    prompt = "A prompt long enough to fill a few KV blocks of the prefix cache, said twice."
+    stream_raw(server, prompt=prompt, max_tokens=2, temperature=0)  # its blocks are now cached
+    streamed = stream_raw(server, prompt=prompt, max_tokens=2, temperature=0,
+                          stream_options={"include_usage": True})[-1]["usage"]
+    with server.client() as c:
+        whole = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
+                                                "temperature": 0}).json()["usage"]
+    assert streamed["prompt_tokens_details"]["cached_tokens"] > 0
+    assert streamed == whole
