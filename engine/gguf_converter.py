@@ -6,6 +6,8 @@ takes tens of seconds, so it is done once per file content and published atomica
     <cache_dir>/gguf/<sha256>.lock          held while converting (one converter at a time)
     <cache_dir>/gguf/<sha256>.tmp-XXXX/     written here ...
     <cache_dir>/gguf/<sha256>/              ... then renamed here, manifest last inside
+    <cache_dir>/gguf-stat/<key>             the sha256 of a file seen before, keyed by its resolved
+                                            path, size and mtime (so a start does not re-read it)
 
 A directory counts as converted only when its manifest exists and every file it lists
 has the recorded size; anything else is a leftover and is replaced.
@@ -63,7 +65,7 @@ def is_complete_checkpoint(path: Path) -> bool:
 
 def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
     """The converted checkpoint directory for `gguf_path`, converting it first if needed."""
-    digest = file_sha256(gguf_path)
+    digest = _known_sha256(gguf_path, cache_dir / "gguf-stat")
     final = cache_dir / "gguf" / digest
     if is_complete_checkpoint(final):
         return final
@@ -83,6 +85,27 @@ def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _known_sha256(path: Path, index_dir: Path) -> str:
+    """`file_sha256(path)`, remembered per (resolved path, size, mtime): the whole file is read only
+    when it is new or changed."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    entry = index_dir / key
+    try:
+        digest = entry.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = file_sha256(path)
+    index_dir.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=index_dir, prefix=".tmp-")
+    with os.fdopen(handle, "w") as out:
+        out.write(digest)
+    os.replace(partial, entry)  # atomic: a concurrent reader sees a whole digest or none
+    return digest
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.sampling_state import SamplingState
 
 TOP_P_CANDIDATES = 128
@@ -122,13 +122,13 @@ class _BatchPlan:
         plan = cls()
         for row, state in enumerate(states):
             params = state.params
-            if params.temperature < GREEDY_TEMPERATURE:
+            if params.is_greedy:
                 plan.greedy_rows.append(row)
             elif (params.top_k is not None and params.top_k < vocab) or params.top_p < 1.0:
                 plan.candidate_rows.append(row)
             else:
                 plan.full_rows.append(row)
-            if params.logprobs is not None:
+            if params.needs_logprobs:
                 plan.logprob_rows.append(row)
             if state.has_processors:
                 plan._add_processors(row, state, vocab)

@@ -18,7 +18,8 @@ class SamplingState:
 
     `output_token_ids` is the request's live list, to which the runner appends each
     sampled token. For the penalties the state keeps the prompt's distinct ids and
-    the output ids as device tensors, extended by the new tokens at each step.
+    the output ids as device tensors; the output ids live in a buffer that grows by
+    doubling, so each step copies only its new tokens.
     """
 
     params: SamplingParams
@@ -29,7 +30,8 @@ class SamplingState:
     suppressed_ids: tuple[int, ...] = field(default=(), init=False)  # masked until min_tokens
     has_processors: bool = field(default=False, init=False)  # min_tokens, logit_bias or penalties
     _prompt_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
-    _output_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
+    _output_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)  # capacity >= filled
+    _num_output_ids: int = field(default=0, init=False, repr=False)  # entries of _output_ids filled
 
     def __post_init__(self) -> None:
         params = self.params
@@ -68,11 +70,15 @@ class SamplingState:
 
     def output_ids_tensor(self, device: torch.device) -> torch.Tensor:
         """The output ids, extended by those appended since the last call.  # [num_output_tokens]"""
-        cached, num_tokens = self._output_ids, len(self.output_token_ids)
-        if cached is None or cached.device != device or cached.numel() > num_tokens:
-            cached = torch.tensor(list(self.output_token_ids), dtype=torch.long, device=device)
-        elif cached.numel() < num_tokens:
-            new = torch.tensor(list(self.output_token_ids[cached.numel():]), dtype=torch.long, device=device)
-            cached = torch.cat((cached, new))
-        self._output_ids = cached
-        return cached
+        buffer, filled, num_tokens = self._output_ids, self._num_output_ids, len(self.output_token_ids)
+        if buffer is None or buffer.device != device or filled > num_tokens:
+            buffer, filled = torch.empty(max(16, 2 * num_tokens), dtype=torch.long, device=device), 0
+        elif buffer.numel() < num_tokens:
+            grown = torch.empty(2 * num_tokens, dtype=torch.long, device=device)
+            grown[:filled] = buffer[:filled]
+            buffer = grown
+        if filled < num_tokens:
+            buffer[filled:num_tokens] = torch.tensor(list(self.output_token_ids[filled:]), dtype=torch.long,
+                                                     device=device)
+        self._output_ids, self._num_output_ids = buffer, num_tokens
+        return buffer[:num_tokens]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -154,6 +155,22 @@ def test_gguf_file_converts_once_to_the_same_weights(tiny_gguf, tiny_llama_dir, 
     assert prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path) == checkpoint
     print(f"second resolve of a converted .gguf: {time.perf_counter() - start:.3f}s")
     assert [p.name for p in (tmp_path / "gguf").iterdir() if ".tmp-" in p.name] == []
+
+
+def test_gguf_is_hashed_once_per_file_version(tiny_gguf, tmp_path, monkeypatch):
+    """A second start finds the digest by path, size and mtime; a touched file is read again."""
+    checkpoint = prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
+    calls = []
+    monkeypatch.setattr(gguf_converter, "file_sha256", lambda path: calls.append(path) or file_sha256(path))
+    assert prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path) == checkpoint
+    assert calls == []
+    stat = tiny_gguf.stat()
+    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    try:
+        assert prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path) == checkpoint  # same content, same digest
+    finally:
+        os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert calls == [tiny_gguf]
 
 
 @pytest.mark.parametrize("damage", ["half_written", "truncated_weights", "bad_manifest"])

@@ -472,3 +472,15 @@ def test_cuda_keeps_the_same_contract():
     tokens = [Sampler()(logits, first).sampled_token_ids[0] for _ in range(5)]
     assert [Sampler()(moved, later).sampled_token_ids[5] for _ in range(5)] == tokens
     assert len(set(tokens)) > 1
+
+
+def test_output_ids_tensor_follows_the_live_list():
+    """Grown in place step by step (past its first capacity), rebuilt when the list shrinks (preemption)."""
+    output: list[int] = []
+    state = SamplingState.create(SamplingParams(frequency_penalty=0.5), [1, 2], output, frozenset(), torch.device("cpu"))
+    for token in range(40):
+        output.append(token * 7 % 11)
+        if token % 3:  # some steps are skipped: several new tokens at once
+            assert state.output_ids_tensor(torch.device("cpu")).tolist() == output
+    del output[5:]
+    assert state.output_ids_tensor(torch.device("cpu")).tolist() == output
