@@ -23,8 +23,8 @@ from engine.request_state import RequestState
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer
-from scheduler import (Request, RequestRejectedError, RequestStatus, RequestStepOutput, Scheduler,
+from engine.tokenizer import Tokenizer, check_token_ids
+from scheduler import (Request, RequestStatus, RequestStepOutput, Scheduler,
                        SchedulerStats)
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,7 @@ class EngineCore:
                      arrival_time: Optional[float] = None, priority: int = 0) -> Request:
         """The scheduler request for these inputs, validated against the model (not queued)."""
         prompt = list(prompt_token_ids)
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejectedError(
-                f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt"
-            )
+        check_token_ids(prompt, self.vocab_size, "prompt", what="prompt token id")
         params.verify_vocab(self.vocab_size)
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole KV cache holds it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
@@ -172,6 +173,13 @@ def check_choices(engine: AsyncEngine, choices: Sequence[Choice]) -> None:
 async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice],
                          priority: int) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Interleave the outputs of every choice as they come. Closing this iterator aborts them all."""
+    if len(choices) == 1:  # nothing to interleave: read the engine's stream directly
+        choice = choices[0]
+        async with contextlib.aclosing(engine.generate(choice.request_id, choice.prompt_token_ids, choice.params,
+                                                       priority=priority)) as outputs:
+            async for output in outputs:
+                yield choice, output
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

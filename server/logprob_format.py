@@ -10,18 +10,22 @@ from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, 
 
 
 class LogprobFormatter:
-    """Token strings are each token decoded alone (special tokens shown), memoised per id."""
+    """Token strings are each token decoded alone (special tokens shown); text and UTF-8 bytes
+    memoised per id."""
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def token_text(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
+        return self._token(token_id)[0]
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            self._cache[token_id] = text
-        return text
+            entry = self._cache[token_id] = (text, list(text.encode("utf-8")))
+        return entry
 
     def completion(self, entries: Sequence[Optional[TokenLogprobs]], token_ids: Sequence[int],
                    num_top: int, text_offset: int = 0) -> CompletionLogprobs:
@@ -48,14 +52,12 @@ class LogprobFormatter:
     def chat(self, entries: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
         content = []
         for entry in entries:
-            token = self.token_text(entry.token_id)
+            token, token_bytes = self._token(entry.token_id)
+            top = [(self._token(t), lp) for t, lp in entry.top[:num_top]]
             content.append(ChatTokenLogprob(
                 token=token,
                 logprob=entry.logprob,
-                bytes=list(token.encode("utf-8")),
-                top_logprobs=[
-                    TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_text(t).encode("utf-8")))
-                    for t, lp in entry.top[:num_top]
-                ],
+                bytes=token_bytes,
+                top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=data) for (text, data), lp in top],
             ))
         return ChatLogprobs(content=content)

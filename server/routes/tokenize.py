@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from engine.tokenizer import check_token_ids
+
 from server.errors import ERROR_RESPONSES, bad_request
 from server.generation import check_model
 from server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -30,8 +32,5 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state: ServerState = request.app.state.server
     check_model(body.model, state.served_model_names)
-    vocab = state.engine.engine.vocab_size
-    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1}).", param="tokens")
+    check_token_ids(body.tokens, state.engine.engine.vocab_size, "tokens")
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
