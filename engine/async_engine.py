@@ -95,9 +95,7 @@ class AsyncEngine:
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejectedError now for a request that can never be served."""
-        if params.n != 1:
-            raise RequestRejectedError("one sequence per request: fan n > 1 out with parallel_sampling.fan_out",
-                                       param="n")
+        _check_one_sequence(params)
         request = self.engine.make_request("check", prompt_token_ids, params)
         self.engine.scheduler.check_request(request)
 
@@ -117,7 +115,9 @@ class AsyncEngine:
         that went away) aborts the request in the engine at once."""
         if not self.is_alive or self._stopping:
             raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
-        self.check_request(prompt_token_ids, params)
+        _check_one_sequence(params)
+        # Validated once, by EngineCore.add_request on the engine thread; a refusal is this stream's error.
+        # (Callers that must refuse before answering, like the server, call check_request first.)
         if request_id in self._live:
             raise RequestRejectedError(f"request id {request_id!r} is already in use", param="request_id")
         # A unique engine id per call: a reused id never receives a late output of its predecessor.
@@ -219,3 +219,9 @@ class AsyncEngine:
 
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fail)
+
+
+def _check_one_sequence(params: SamplingParams) -> None:
+    if params.n != 1:
+        raise RequestRejectedError("one sequence per request: fan n > 1 out with parallel_sampling.fan_out",
+                                   param="n")
