@@ -80,7 +80,7 @@ class Scheduler:
                 f"request id {request.request_id!r} is already in use", param="request_id"
             )
         self.check_request(request)
-        request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        request.max_num_tokens = request.num_prompt_tokens + request.max_tokens  # <= max_model_len (checked)
         # A reused id: the runner must keep the new request's state, not drop it as finished.
         self._finished_since_last_step.discard(request.request_id)
         self.requests[request.request_id] = request
@@ -319,7 +319,7 @@ class Scheduler:
             if token_id in request.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+        if len(request.all_token_ids) >= request.max_num_tokens:  # max_tokens reached (within max_model_len)
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return _RUNNING
 
