@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from scheduler.block_hash import extend_block_hashes
+from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.request import Request
 
@@ -32,6 +32,12 @@ class KVCacheManager:
                  full, hashed  full, hashed  partial, never shared
 
     Token i lives in slot `table[i // block_size] * block_size + i % block_size`.
+
+    A full block enters the prefix-cache index only when the step that writes its
+    K/V has completed (`commit_step`): while a step is being scheduled its newly
+    filled blocks are *pending*, and a request preempted in that same step takes
+    its pending blocks with it, unindexed. So a hit never points at unwritten K/V,
+    whatever order requests are scheduled and preempted in.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
@@ -40,7 +46,10 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._req_blocks: dict[str, list[KVBlock]] = {}
-        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already indexed
+        self._num_cached_blocks: dict[str, int] = {}  # leading full blocks indexed or pending
+        # Full blocks the current step fills, indexed once it completes: block id -> (block, hash).
+        self._pending: dict[int, tuple[KVBlock, BlockHash]] = {}
+        self._pending_hashes: dict[bytes, int] = {}  # hash value -> pending block id
         self.num_slots: dict[str, int] = {}  # token slots allocated per request (read-only outside)
 
     @property
@@ -79,33 +88,48 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def next_block_pending(self, request: Request, num_hit_blocks: int) -> bool:
+        """Whether the block after a request's `num_hit_blocks` hits is being filled in this step.
+
+        The request would hit it once the step completes: admitting it now would compute
+        the same K/V twice (n > 1 siblings, identical prompts arriving together).
+        """
+        if not self._pending_hashes or request.skip_prefix_cache:
+            return False
+        if num_hit_blocks >= (request.num_tokens - 1) // self.block_size:
+            return False  # the hit is capped there anyway
+        return request.block_hashes[num_hit_blocks].value in self._pending_hashes
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> Optional[Sequence[KVBlock]]:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+        """Make room for `num_new_tokens` more tokens after the computed ones, scheduled now.
 
         `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) to
-        adopt first, at admission. Returns the newly allocated blocks, or None
-        (changing nothing) when the pool cannot serve the request now.
+        adopt first, at admission. `num_lookahead_tokens` more slots are allocated but
+        not scheduled (the rest of a prompt admitted chunk by chunk). Returns the newly
+        allocated blocks, or None (changing nothing) when the pool cannot serve the
+        request now.
         """
         req_blocks = self._req_blocks.get(request.request_id)
         block_size = self.block_size
         if req_blocks is not None and not new_computed_blocks:
             num_total = request.num_computed_tokens + num_new_tokens
-            if num_total <= len(req_blocks) * block_size:
-                # Fast path (a decode within its last block): nothing to allocate.
-                if num_total % block_size == 0:
-                    self._cache_full_blocks(request, req_blocks, num_total)
+            if num_total + num_lookahead_tokens <= len(req_blocks) * block_size:
+                # Fast path (a decode within its last block, a chunk of an allocated prompt).
+                self._cache_full_blocks(request, req_blocks, num_total)
                 return ()
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * block_size
         num_total = num_computed + num_new_tokens
         if req_blocks is None:
             req_blocks = self._req_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = 0
-        num_needed = self.num_blocks_for(num_total) - len(req_blocks) - len(new_computed_blocks)
+        num_needed = (self.num_blocks_for(num_total + num_lookahead_tokens)
+                      - len(req_blocks) - len(new_computed_blocks))
         num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.block_pool.num_free_blocks - num_reclaimed:
             if not req_blocks:
@@ -133,14 +157,33 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.num_slots.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        if not blocks:
+            return
+        if self._pending:  # preempted in the step that was to fill them: never indexed
+            for block in blocks:
+                entry = self._pending.pop(block.block_id, None)
+                if entry is not None:
+                    del self._pending_hashes[entry[1].value]
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def commit_step(self) -> None:
+        """The scheduled step has run: index the blocks it filled (see the class docstring)."""
+        cache_block = self.block_pool.cache_block
+        for block, block_hash in self._pending.values():
+            cache_block(block, block_hash)
+        self.discard_step()
+
+    def discard_step(self) -> None:
+        """Forget the pending blocks of a step that will not complete (or before scheduling anew)."""
+        if self._pending:
+            self._pending.clear()
+            self._pending_hashes.clear()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVBlock], num_tokens: int) -> None:
-        """Index the blocks that `num_tokens` (scheduled, so known) tokens fill."""
+        """Mark pending the blocks that `num_tokens` (scheduled, so known) tokens fill."""
         if not self.enable_caching:
             return
         num_full = num_tokens // self.block_size
@@ -148,8 +191,12 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
-        cache_block = self.block_pool.cache_block
         hashes = request.block_hashes
+        pending = self._pending
+        pending_hashes = self._pending_hashes
         for i in range(num_cached, num_full):
-            cache_block(req_blocks[i], hashes[i])
+            block, block_hash = req_blocks[i], hashes[i]
+            if block.block_hash is None and block_hash.value not in pending_hashes:
+                pending[block.block_id] = (block, block_hash)
+                pending_hashes[block_hash.value] = block.block_id
         self._num_cached_blocks[request.request_id] = num_full

@@ -31,9 +31,8 @@ class SchedulerOutput:
     of its sequence, writing their K/V to the request's blocks, and samples a
     token when that range reaches the end of the sequence.
 
-    A request may be admitted with prefix-cache hits on blocks that another
-    request fills in this very step: the runner must write every token's K/V for
-    a layer before any attention of that layer reads the cache.
+    Prefix-cache hits only name blocks written by earlier, completed steps, so
+    within a step no request reads K/V that another request of the step writes.
     """
 
     num_scheduled_tokens: dict[str, int]

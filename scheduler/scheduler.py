@@ -134,7 +134,9 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. Its filled blocks become prefix-cache hits when `update_from_output` reports it done."""
         max_num_batched_tokens = self.scheduler_config.max_num_batched_tokens
+        self.kv_cache_manager.discard_step()  # a step scheduled before that never completed
         plan = _StepPlan(budget=max_num_batched_tokens)
         self._schedule_decodes(plan)
         # Decodes take one token each and max_num_batched_tokens >= max_num_seqs.
@@ -170,8 +172,9 @@ class Scheduler:
         """Advance the scheduled requests, append sampled tokens, apply stop rules.
 
         Requests that finish are freed here; the outputs list every request that
-        got tokens or finished.
+        got tokens or finished. The blocks the step filled join the prefix-cache index.
         """
+        self.kv_cache_manager.commit_step()
         outputs: list[RequestStepOutput] = []
         append_output = outputs.append
         new_output = tuple.__new__  # RequestStepOutput without its Python-level __new__
@@ -267,8 +270,13 @@ class Scheduler:
         while len(self.waiting) and plan.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_hit = kv.get_computed_blocks(request)
-            num_tokens = min(request.num_tokens - num_hit, plan.budget)
-            new_blocks = kv.allocate_slots(request, num_tokens, computed_blocks)
+            if kv.next_block_pending(request, len(computed_blocks)):
+                break  # its next block is being computed now: hit it next step, don't compute it twice
+            num_left = request.num_tokens - num_hit
+            num_tokens = min(num_left, plan.budget)
+            # Blocks for the whole rest of the prompt, not just this chunk: a request admitted
+            # without them would be preempted by its own next chunk and lose its work, repeatedly.
+            new_blocks = kv.allocate_slots(request, num_tokens, computed_blocks, num_left - num_tokens)
             if new_blocks is None:
                 break  # head of the queue waits for blocks; later ones wait behind it
             self.waiting.pop()

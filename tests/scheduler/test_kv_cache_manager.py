@@ -8,6 +8,7 @@ def admit(kv: KVCacheManager, request):
     assert kv.allocate_slots(request, request.num_tokens - num_hit, blocks) is not None
     request.num_computed_tokens = request.num_tokens
     kv.record_admission(request, num_hit)
+    kv.commit_step()  # the step that computes it completes
     return num_hit
 
 
@@ -74,6 +75,7 @@ def test_blocks_are_cached_as_they_fill_during_decode():
     for token in (4, 5):
         a.append_output_token(token)
         assert kv.allocate_slots(a, 1) is not None
+        kv.commit_step()
         a.num_computed_tokens += 1
     blocks, num_hit = kv.get_computed_blocks(make_request([1, 2, 3, 4, 5, 6]))
     assert num_hit == 4 and blocks[0] is kv.get_blocks(a.request_id)[0]
@@ -93,3 +95,47 @@ def test_free_returns_blocks_tail_first():
     ids = kv.get_block_ids(a.request_id)
     kv.free(a)
     assert kv.block_pool.free_block_ids()[-3:] == ids[::-1]
+
+
+def test_filled_blocks_are_hits_only_once_their_step_completes():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(list(range(9)))
+    assert kv.allocate_slots(a, 9) is not None  # scheduled: fills blocks 0 and 1
+    probe = make_request(list(range(9)))
+    assert kv.get_computed_blocks(probe)[1] == 0
+    assert kv.next_block_pending(probe, 0)
+    kv.commit_step()
+    assert kv.get_computed_blocks(probe)[1] == 8
+    assert not kv.next_block_pending(probe, 2)
+
+
+def test_blocks_of_a_request_freed_in_their_own_step_are_never_indexed():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(list(range(9)))
+    assert kv.allocate_slots(a, 9) is not None
+    kv.free(a)  # preempted in the step that was to write them
+    kv.commit_step()
+    assert kv.get_computed_blocks(make_request(list(range(9))))[1] == 0
+    assert kv.block_pool.num_cached_blocks == 0
+
+
+def test_a_step_that_never_completes_indexes_nothing():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(list(range(9)))
+    assert kv.allocate_slots(a, 9) is not None
+    kv.discard_step()
+    kv.commit_step()
+    assert kv.block_pool.num_cached_blocks == 0
+
+
+def test_lookahead_allocates_without_scheduling():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(list(range(14)))
+    new_blocks = kv.allocate_slots(a, 4, num_lookahead_tokens=10)
+    assert len(new_blocks) == 4 and kv.num_slots[a.request_id] == 16
+    kv.commit_step()
+    assert kv.block_pool.num_cached_blocks == 1  # only the scheduled 4 tokens' block
+    a.num_computed_tokens = 4
+    assert kv.allocate_slots(a, 9) == ()  # a later chunk within the allocation: blocks 1 and 2 fill
+    kv.commit_step()
+    assert kv.block_pool.num_cached_blocks == 3

@@ -296,18 +296,21 @@ def test_duplicate_request_id_refused():
 
 
 def test_parallel_samples_share_prompt_blocks():
-    """n > 1: children admitted together reuse the first child's full prompt blocks."""
+    """n > 1: the first child computes the prompt; the others wait one step and reuse its full blocks."""
     s = make_scheduler(num_blocks=32, block_size=4)
     prompt = list(range(100, 114))  # 3 full blocks + 2 tokens
     children = [make_request(prompt, max_tokens=3, request_id=f"cmpl-1-{i}") for i in range(3)]
     for c in children:
         s.add_request(c)
     out, _ = step(s)
+    # Their next block is being computed by the first child: admitting them now would compute it twice.
+    assert dict(out.num_scheduled_tokens) == {children[0].request_id: 14}
+    out, _ = step(s)
     tables = [s.kv_cache_manager.get_block_ids(c.request_id) for c in children]
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]
     assert len({t[3] for t in tables}) == 3  # the partial last block is private
-    assert [out.num_scheduled_tokens[c.request_id] for c in children] == [14, 2, 2]
-    assert [out.num_computed_tokens[c.request_id] for c in children] == [0, 12, 12]
+    assert [out.num_scheduled_tokens[c.request_id] for c in children] == [1, 2, 2]
+    assert [out.num_computed_tokens[c.request_id] for c in children] == [14, 12, 12]
     shared = s.kv_cache_manager.get_blocks(children[0].request_id)[0]
     assert shared.ref_cnt == 3
     assert s.stats().prefix_cache_hits == 24
