@@ -78,8 +78,8 @@ class EngineCore:
         state = RequestState(request, params, detokenizer, matcher)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        self.scheduler.add_request(request)  # the last step that can refuse it
-        self.runner.add_request(request_id, request.prompt_token_ids, params, self.tokenizer.eos_token_ids)
+        self.scheduler.add_request(request)  # the last step that can refuse it; the runner
+        # learns of the request from the step message that first schedules it
         self._states[request_id] = state
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -104,6 +104,7 @@ class EngineCore:
             ignore_eos=params.ignore_eos,
             priority=priority,
             skip_prefix_cache=params.prompt_logprobs is not None,
+            sampling_params=params,
             **kwargs,
         )
 
@@ -111,8 +112,7 @@ class EngineCore:
         """End requests in any state; returns their final outputs (finish_reason "abort")."""
         outputs = []
         now = time.monotonic()
-        for request in self.scheduler.abort(request_ids):
-            self.runner.remove_request(request.request_id)
+        for request in self.scheduler.abort(request_ids):  # the next step message tells the runner
             state = self._states.pop(request.request_id)
             outputs.append(self._output(state, [], "", "abort", now))
         return outputs

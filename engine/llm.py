@@ -63,13 +63,17 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
     ) -> list[GenerationResult]:
         """Complete each prompt (a string, a list of token ids or {"prompt_token_ids": [...]});
-        results come back in input order."""
+        results come back in input order. `priority` (one per prompt, lower first) needs the
+        priority scheduling policy, as in vLLM."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         encoded = [self._encode(p) for p in prompt_list]
-        return self._run(encoded, params_list, use_tqdm)
+        return self._run(encoded, params_list, use_tqdm, priority)
 
     def chat(
         self,
@@ -96,16 +100,17 @@ class LLM:
         return None, list(prompt)
 
     def _run(self, encoded: list[tuple[Optional[str], list[int]]], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[GenerationResult]:
+             use_tqdm: bool, priority: Optional[Sequence[int]] = None) -> list[GenerationResult]:
         engine = self.engine
         parents: list[tuple[str, list[str]]] = []
         try:
-            for (_, token_ids), params in zip(encoded, params_list):
+            for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
                 parent = f"offline-{next(self._ids)}"
                 children = fan_out(parent, params)
                 parents.append((parent, [child_id for child_id, _ in children]))
                 for child_id, child_params in children:
-                    engine.add_request(child_id, token_ids, child_params)
+                    engine.add_request(child_id, token_ids, child_params,
+                                       priority=0 if priority is None else priority[index])
         except BaseException:
             engine.abort([c for _, children in parents for c in children])
             raise

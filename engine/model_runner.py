@@ -16,17 +16,21 @@ from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from engine.sampling_state import SamplingState
 from engine.sampling_params import SamplingParams
-from scheduler import SchedulerOutput
+from scheduler import NewRequestData, SchedulerOutput
 
 
 @dataclass(slots=True)
 class CachedRequestState:
-    """What the runner keeps about a request between steps (until it finishes)."""
+    """What the runner keeps about a request between steps, from its first step until it ends.
+
+    Built from the step message's NewRequestData; across a preemption it keeps its
+    sampler state (a seeded generator continues where it was) but gives its table row back.
+    """
 
     request_id: str
     num_prompt_tokens: int
     sampling: SamplingState
-    row: int  # in the runner's BlockTable, which holds the request's block ids
+    row: Optional[int]  # in the runner's BlockTable (the request's block ids); None while preempted
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_prompt_logprobs: int = 0  # prompt rows scored so far (kept across a preemption's recompute)
 
@@ -64,18 +68,10 @@ class ModelRunner:
         self.block_table = BlockTable(kv_cache.spec.block_size)
         self._inputs = _HostBuffers()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: frozenset[int]) -> None:
-        """Register a request's sampling state before the scheduler first schedules it. A reused id
-        (its predecessor finished, the runner not told yet) replaces the old state and frees its row."""
-        self.remove_request(request_id)
-        sampling = SamplingState.create(params, prompt_token_ids, [], eos_token_ids, self.device)
-        self.requests[request_id] = CachedRequestState(request_id, len(prompt_token_ids), sampling,
-                                                       self.block_table.acquire())
-
     def remove_request(self, request_id: str) -> None:
+        """Forget a request that has ended (its state and its table row)."""
         state = self.requests.pop(request_id, None)
-        if state is not None:
+        if state is not None and state.row is not None:
             self.block_table.release(state.row)
 
     @property
@@ -97,15 +93,31 @@ class ModelRunner:
         return self._sample(hidden, batch)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the message's request changes: ended, preempted, new or resumed, new blocks."""
         for request_id in so.finished_request_ids:
             self.remove_request(request_id)
         table = self.block_table
+        for request_id in so.preempted_request_ids:
+            state = self.requests[request_id]
+            table.release(state.row)
+            state.row = None
         for new in so.new_requests:  # admitted, or resumed after preemption
-            state = self.requests[new.request_id]
+            state = self.requests.get(new.request_id)
+            if state is None:
+                state = self.requests[new.request_id] = self._new_state(new)
             state.token_ids = list(new.token_ids)
+            state.row = table.acquire()
             table.set(state.row, new.block_ids)
         for request_id, block_ids in so.new_block_ids.items():
             table.append(self.requests[request_id].row, block_ids)
+
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        params = new.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {new.request_id!r} reached the runner without SamplingParams")
+        prompt = list(new.prompt_token_ids)
+        sampling = SamplingState.create(params, prompt, list(new.output_token_ids), new.eos_token_ids, self.device)
+        return CachedRequestState(new.request_id, new.num_prompt_tokens, sampling, None)
 
     def _build_batch(self, so: SchedulerOutput) -> _Batch:
         batch = _Batch()

@@ -10,21 +10,42 @@ from scheduler.request import RequestStatus
 
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
-    """A request the runner has no state for: newly admitted, or resumed after preemption.
+    """Everything the runner needs of a request it holds no KV for: newly admitted, or resumed.
 
-    `token_ids` is the whole sequence so far (prompt, then any output kept across
-    a preemption); `block_ids` is its whole block table.
+    `token_ids` is the whole sequence so far (the first `num_prompt_tokens` are the
+    prompt, then any output kept across a preemption); `block_ids` is its whole block
+    table; `sampling_params` (the engine's, opaque here) and `eos_token_ids` are what
+    it samples with. A resumed request comes with all of it again, so a runner that
+    keeps nothing across a preemption (a fresh worker) can rebuild it from this alone.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
+    num_prompt_tokens: int
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    sampling_params: object = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One step of work, keyed by request id.
+
+    The message is complete: a runner (in this process, or a worker that receives
+    it pickled) needs nothing else. It learns of a request when it is first
+    scheduled (`new_requests`), drops its KV rows when it is preempted
+    (`preempted_request_ids`; it may keep its sampler state, e.g. a seeded
+    generator, until the request comes back) and forgets it when it has ended
+    (`finished_request_ids`: finished, aborted, or stopped, since the last step).
 
     For every scheduled request the runner computes tokens
     `[num_computed_tokens[id], num_computed_tokens[id] + num_scheduled_tokens[id])`

@@ -57,6 +57,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     skip_prefix_cache: bool = False  # e.g. prompt logprobs, which cached positions would not produce
+    # What the runner samples with (the engine's SamplingParams); opaque to the scheduler, which
+    # hands it over in the step that first schedules the request (NewRequestData).
+    sampling_params: object = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

@@ -81,8 +81,6 @@ class Scheduler:
             )
         self.check_request(request)
         request.max_num_tokens = request.num_prompt_tokens + request.max_tokens  # <= max_model_len (checked)
-        # A reused id: the runner must keep the new request's state, not drop it as finished.
-        self._finished_since_last_step.discard(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -290,8 +288,11 @@ class Scheduler:
                 NewRequestData(
                     request.request_id,
                     tuple(request.all_token_ids),
+                    request.num_prompt_tokens,
                     tuple(kv.get_block_ids(request.request_id)),
                     num_hit,
+                    request.sampling_params,
+                    request.eos_token_ids,
                 )
             )
 

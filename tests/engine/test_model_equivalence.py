@@ -86,7 +86,7 @@ def test_prompt_logprobs(tiny_llama_dir):
 
 def test_prompt_logprobs_survive_preemption(tiny_llama_dir):
     """A prompt recomputed after a preemption is scored once, not twice."""
-    llm = make_llm(tiny_llama_dir, num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = make_llm(tiny_llama_dir, num_blocks=20, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
     prompts = mixed_prompts(5)[4:7]  # 17, 33, 60 tokens
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, prompt_logprobs=1)
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -96,3 +96,17 @@ def test_prompt_logprobs_survive_preemption(tiny_llama_dir):
         got = [lp.logprob for lp in result.prompt_logprobs[1:]]
         assert got == pytest.approx(hf_prompt_logprobs(tiny_llama_dir, prompt), abs=1e-4)
     assert_idle(llm)
+
+
+def test_priority_policy_with_a_tiny_pool(tiny_llama_dir):
+    """Priority scheduling, preemption, chunked prefill and prefix hits at once: still HF's tokens."""
+    llm = make_llm(tiny_llama_dir, num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                   scheduling_policy="priority", enable_prefix_caching=True)
+    prompts = mixed_prompts(6, shared_prefix=9) + mixed_prompts(7)[3:]
+    priorities = [(i * 7) % 5 - 2 for i in range(len(prompts))]
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, priority=priorities)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_idle(llm)
+    check_against_hf(tiny_llama_dir, prompts, results)

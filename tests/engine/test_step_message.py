@@ -1,0 +1,45 @@
+"""The step message is complete: a fresh runner fed the pickled messages samples the same tokens."""
+
+import pickle
+
+from engine import SamplingParams
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner
+from tests.engine.references import assert_idle, make_llm
+
+
+def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, num_blocks=20, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                   scheduling_policy="priority")
+    engine = llm.engine
+    runner = engine.runner
+    recorded: list[tuple[bytes, dict, dict]] = []
+    execute = runner.execute
+
+    def recording_execute(scheduler_output):
+        out = execute(scheduler_output)
+        recorded.append((pickle.dumps(scheduler_output), out.sampled_token_ids, out.prompt_logprobs))
+        return out
+
+    runner.execute = recording_execute
+    prompts = [list(range(3 + i, 15 + 4 * i)) for i in range(5)]  # 12 to 24 tokens
+    params = [
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=11, ignore_eos=True, top_k=20),
+        SamplingParams(max_tokens=28, temperature=0.8, seed=5, presence_penalty=0.5, repetition_penalty=1.2,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=1, ignore_eos=True, min_tokens=4),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=3, logit_bias={7: 5.0}, ignore_eos=True),
+    ]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, priority=[1, -1, 0, 2, -2])
+    assert_idle(llm)
+    assert engine.stats().num_preemptions > 0  # resumed requests travel in the message too
+    engine.step()  # delivers the last finished notices
+
+    fresh = ModelRunner(runner.model, KVCache(runner.kv_cache.spec, runner.kv_cache.num_blocks, runner.device),
+                        runner.backend, runner.device)
+    for step, (message, sampled, prompt_logprobs) in enumerate(recorded):
+        out = fresh.execute(pickle.loads(message))
+        assert out.sampled_token_ids == sampled, f"step {step}"
+        assert out.prompt_logprobs.keys() == prompt_logprobs.keys()
+    assert fresh.num_requests == runner.num_requests == 0
