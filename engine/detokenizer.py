@@ -44,16 +44,27 @@ Cost per token: one decode of the window (context + pending tokens, usually 2-8
 tokens) and, when text is settled, one decode of the next context. Pending tokens
 pile up only while the decoded text keeps ending in U+FFFD.
 
+Two paths run this algorithm on the same window. A tokenizer with a Rust
+backend (every `PreTrainedTokenizerFast`) steps a `tokenizers.decoders.DecodeStream`,
+the same loop in Rust (what TGI and vLLM use), and this class only mirrors the
+window's ids: ~1.1 us per token on SmolLM2's tokenizer where the Python loop takes
+~1.9 us. The Python loop (`_settle`) serves every other tokenizer, and takes over a
+fast tokenizer's window, for the rest of the output, where DecodeStream would go
+wrong: the prompt context decodes ending in U+FFFD (DecodeStream would emit the
+context's text too), the decoder rewrites settled text (DecodeStream raises
+"Invalid prefix"), and `flush` (DecodeStream has no end-of-output call).
+
 `spaces_between_special_tokens` is passed to `tokenizer.decode` for tokenizers
-without a Rust backend; the Rust decoders (every `PreTrainedTokenizerFast`) have
-no such option and ignore it, as transformers and vLLM do.
+without a Rust backend; the Rust decoders have no such option and ignore it, as
+transformers' fast tokenizers do.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import transformers
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 MIN_PROMPT_CONTEXT = 5  # prompt tokens decoded before the first output token
@@ -72,7 +83,10 @@ class IncrementalDetokenizer:
     U+FFFD). See the module docstring for the exact guarantee.
     """
 
-    __slots__ = ("_decode", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_parts", "_text")
+    __slots__ = (
+        "_decode", "_backend", "_stream", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_parts",
+        "_text",
+    )
 
     def __init__(
         self,
@@ -82,13 +96,17 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
     ):
         self._decode = make_decode_fn(tokenizer, skip_special_tokens, spaces_between_special_tokens)
-        context = prompt_context(self._decode, prompt_token_ids)
+        context, context_text = prompt_context(self._decode, prompt_token_ids)
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._decode(context) if context else ""
+        self._prefix_text = context_text  # kept by the Python loop only (stale in stream mode)
         self._parts: list[str] = []
         self._text = ""
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: Optional[DecodeStream] = None
+        if self._backend is not None and not context_text.endswith(REPLACEMENT_CHAR):
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
     @property
     def output_text(self) -> str:
@@ -101,19 +119,43 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append output ids; return the text they settle (may be "")."""
         deltas = []
+        ids = self._ids
         for token_id in new_token_ids:
-            self._ids.append(token_id)
-            delta = self._settle(final=False)
+            ids.append(token_id)
+            delta = self._step(token_id) if self._stream is not None else self._settle(final=False)
             if delta:
                 deltas.append(delta)
         return "".join(deltas)
 
     def flush(self) -> str:
         """At the end of the output: release any held-back text, U+FFFD for unfinished bytes."""
+        if self._read_offset == len(self._ids):
+            return ""
+        self._leave_stream()
         return self._settle(final=True)
 
+    def _step(self, token_id: int) -> str:
+        """Stream mode: DecodeStream settles the window; `_ids` mirrors it (context, then pending ids)."""
+        try:
+            delta = self._stream.step(self._backend, token_id)
+        except Exception:  # "Invalid prefix": a real decode error recurs in the Python loop's own decode
+            self._leave_stream()
+            return self._settle(final=False)
+        if delta is None:
+            return ""
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self._parts.append(delta)
+        return delta
+
+    def _leave_stream(self) -> None:
+        """Hand the window over to the Python loop (for the rest of this output)."""
+        if self._stream is not None:
+            self._stream = None
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+
     def _settle(self, final: bool) -> str:
-        """Emit the window's text beyond the settled prefix, if it is ready (or `final`)."""
+        """Python loop: emit the window's text beyond the settled prefix, if it is ready (or `final`)."""
         ids = self._ids
         if self._read_offset == len(ids):
             return ""
@@ -157,8 +199,8 @@ def make_decode_fn(
     )
 
 
-def prompt_context(decode: DecodeFn, prompt_token_ids: Sequence[int]) -> list[int]:
-    """The prompt suffix to decode the first output tokens after.
+def prompt_context(decode: DecodeFn, prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
+    """The prompt suffix to decode the first output tokens after, and its text.
 
     The shortest suffix of at least MIN_PROMPT_CONTEXT tokens whose text is non-empty
     (so a sentencepiece decoder does not treat the first output token as the start of
@@ -167,9 +209,11 @@ def prompt_context(decode: DecodeFn, prompt_token_ids: Sequence[int]) -> list[in
     """
     n = len(prompt_token_ids)
     longest = min(n, MAX_PROMPT_CONTEXT)
+    suffix: list[int] = []
+    text = ""
     for length in range(min(MIN_PROMPT_CONTEXT, n), longest + 1):
         suffix = list(prompt_token_ids[n - length :])
         text = decode(suffix)
         if text and text[0] != REPLACEMENT_CHAR:
-            return suffix
-    return list(prompt_token_ids[n - longest :])
+            break
+    return suffix, text

@@ -5,6 +5,16 @@
 
 Every value remembers where it came from, so an error names the flag, the
 environment variable or the YAML key that set it.
+
+Why not pydantic-settings (tried, 2.16): its env source reaches a nested field only
+as PAGEDSERVE_ENGINE__SCHEDULER__MAX_NUM_SEQS, or through aliases on the engine's
+and scheduler's own models; it JSON-decodes lists (PAGEDSERVE_API_KEY=k1,k2 fails)
+and knows no "none"; its YAML source skips a missing file silently and reads the
+file as the root model, not as the preset's sections; its CLI source names flags
+--engine.scheduler.max_num_seqs; and it validates the merged sources at once, so an
+error cannot say which flag, variable or key set the value. Kept by custom sources,
+it would merge three dicts, the few lines of `load_settings` below; a BaseSettings
+would also read os.environ in its constructor.
 """
 
 from __future__ import annotations
@@ -131,8 +141,9 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     args = vars(build_parser().parse_args(list(argv)))
     data: dict[str, Any] = {}
     origins: dict[FieldPath, str] = {}
-    config_source = "--config" if "config" in args else _env_name("--config")
-    config_path = args.get("config") or environ.get(_env_name("--config")) or None
+    config_env = ENV_PREFIX + "CONFIG"
+    config_source = "--config" if "config" in args else config_env
+    config_path = args.get("config") or environ.get(config_env) or None
     if config_path:
         _apply_preset(data, origins, config_path, config_source)
     for option in OPTIONS:
@@ -193,7 +204,7 @@ def _describe(error: ValidationError, origins: Mapping[FieldPath, str]) -> str:
         source = _source_of(loc, origins)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = f"unknown key (expected one of: {', '.join(_field_names(loc[:-1]))})"
+            message = f"unknown key (expected one of: {', '.join(sorted(_model_at(loc[:-1]).model_fields))})"
         elif not any(loc[: len(secret)] == secret for secret in _SECRET_FIELDS) and _is_scalar(item.get("input")):
             message += f" (got {item['input']!r})"
         lines.append(f"{source}: {message}")
@@ -213,11 +224,12 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, (str, int, float, bool)) or value is None
 
 
-def _field_names(path: Sequence[str]) -> list[str]:
+def _model_at(path: Sequence[str]) -> Any:
+    """The config model at `path` in Settings (() is Settings itself)."""
     model: Any = Settings
     for key in path:
         model = model.model_fields[key].annotation
-    return sorted(model.model_fields)
+    return model
 
 
 # ---------------------------------------------------------------------------- flags and variables
@@ -242,7 +254,8 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
         elif option.kind in ("keys", "list"):
             kwargs.update(action="extend", type=_flag_type(option), metavar=option.metavar)
         else:
-            kwargs.update(type=_flag_type(option), metavar=option.metavar or _choice_metavar(choices))
+            metavar = option.metavar or ("{" + ",".join(choices) + "}" if choices else None)
+            kwargs.update(type=_flag_type(option), metavar=metavar)
         parser.add_argument(option.flag, **kwargs)
     return parser
 
@@ -263,15 +276,8 @@ class _Parser(argparse.ArgumentParser):
         raise SettingsError(message.removeprefix("argument "))
 
 
-def _env_name(flag: str) -> str:
-    return next(option.env for option in OPTIONS if option.flag == flag)
-
-
 def _field(path: FieldPath):
-    model: Any = Settings
-    for key in path[:-1]:
-        model = model.model_fields[key].annotation
-    return model.model_fields[path[-1]]
+    return _model_at(path[:-1]).model_fields[path[-1]]
 
 
 def _choices(option: Option) -> Optional[tuple[str, ...]]:
@@ -279,10 +285,6 @@ def _choices(option: Option) -> Optional[tuple[str, ...]]:
         return None
     annotation = _field(option.path).annotation
     return tuple(get_args(annotation)) if get_origin(annotation) is Literal else None
-
-
-def _choice_metavar(choices: Optional[tuple[str, ...]]) -> Optional[str]:
-    return "{" + ",".join(choices) + "}" if choices else None
 
 
 def _default_text(option: Option) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Self
 
 import httpx
 
@@ -40,7 +39,7 @@ class StreamingLoad:
         self._stop = asyncio.Event()
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),), daemon=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> StreamingLoad:
         self._thread.start()
         return self
 
