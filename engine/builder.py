@@ -57,7 +57,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
-        config.cache.model_copy(update={"num_blocks": num_blocks}),
+        config.cache.for_scheduler(num_blocks),
     )
     gc.collect()
     gc.freeze()  # the weights and long-lived state never need scanning by the cyclic GC

@@ -2,7 +2,7 @@
 
 from scheduler.block_hash import BlockHash, hash_block
 from scheduler.block_pool import BlockPool, KVBlock
-from scheduler.config import CacheConfig, SchedulerConfig, parse_size
+from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.errors import RequestRejectedError
 from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
@@ -26,5 +26,4 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "hash_block",
-    "parse_size",
 ]
