@@ -17,7 +17,8 @@ import pytest
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.parallel_sampling import fan_out
-from scheduler import RequestRejectedError
+from engine.errors import TokenIdOutOfVocabularyError
+from scheduler import ContextLengthExceededError, DuplicateRequestIdError, RequestRejectedError
 from tests.engine.references import assert_idle, make_llm
 
 TIMEOUT_S = 30.0
@@ -227,9 +228,11 @@ def test_rejected_request_raises_at_once(llm, prompt_len, max_tokens, token, par
         return info.value
 
     error = run_with_engine(llm, body)
-    assert error.param == param
-    if param == "max_tokens" or prompt_len == 256:
-        assert error.code == "context_length_exceeded"
+    assert error.field == param
+    if token is None:
+        assert isinstance(error, ContextLengthExceededError)
+    else:
+        assert isinstance(error, TokenIdOutOfVocabularyError) and error.token_id == token
 
 
 def test_request_id_in_use_is_rejected(llm):
@@ -238,7 +241,7 @@ def test_request_id_in_use_is_rejected(llm):
         await first.__anext__()
         with pytest.raises(RequestRejectedError) as info:
             await engine.generate("dup-1", prompt(9), greedy(5)).__anext__()
-        assert info.value.param == "request_id"
+        assert isinstance(info.value, DuplicateRequestIdError) and info.value.field == "request_id"
         await first.aclose()
         await wait_until_idle(llm.engine)
 
