@@ -12,7 +12,8 @@ import torch
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.engine import EngineCore
-from engine.engine_config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.memory_profile import cuda_kv_budget, profile_step_peak_bytes

@@ -14,6 +14,8 @@ from pydantic import Field, field_validator
 
 from scheduler import CacheConfig
 
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither num_blocks nor kv_cache_memory is set
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -10,8 +10,6 @@ from engine.cache_config import EngineCacheConfig
 from engine.config import ModelConfig
 from scheduler import SchedulerConfig
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither num_blocks nor kv_cache_memory is set
-
 
 class EngineConfig(BaseModel):
     """Everything `EngineCore.from_config` needs; each section is owned by its package."""

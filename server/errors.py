@@ -91,9 +91,10 @@ def _classify(exc: BaseException) -> tuple[APIError, Optional[str]]:
     return APIError(500, f"internal error: {type(exc).__name__}"), "error"
 
 
-def rejection_error(exc: RequestRejectedError, names: Mapping[str, str] = {}) -> APIError:
-    """The 400 for a refusal of the engine or the scheduler, naming request fields as `names` spells them."""
-    message, param, code = describe_rejection(exc, names)
+def rejection_error(exc: RequestRejectedError, names: Optional[Mapping[str, str]] = None) -> APIError:
+    """The 400 for a refusal of the engine or the scheduler, naming request fields as `names` spells them
+    (by default as the engine does, which is how /v1/completions spells them too)."""
+    message, param, code = describe_rejection(exc, names or {})
     return bad_request(message, param=param, code=code)
 
 
