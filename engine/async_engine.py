@@ -1,30 +1,38 @@
 """Runs an EngineCore on its own thread and serves asyncio callers, one output stream per request.
 
-    event loop thread                    engine thread
-    -----------------                    -------------
-    generate() --add--> commands queue --> drain, add/abort
-        ^                                  step()
-        |  call_soon_threadsafe(outputs)   |
-        +----------------------------------+
+    event loop thread                       engine thread
+    -----------------                       -------------
+    add_requests() --add--> commands queue --> drain: EngineCore.add_request (validates)
+         ^   ^                                 step()
+         |   +-- verdict (admitted / refused) --+
+         +------ outputs, call_soon_threadsafe -+
 
 The model computes off the event loop, so HTTP stays responsive while it runs.
+A request is validated once, where it is queued (EngineCore.add_request on the
+engine thread); `add_requests` awaits that verdict, so a caller can refuse a
+request before it answers anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Sequence, Union
+from typing import AsyncIterator, Callable, NamedTuple, Optional, Sequence, Union
 
+from engine.config import ModelConfig
 from engine.engine import EngineCore
+from engine.errors import InvalidParameterError
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
-from scheduler import RequestRejectedError
+from engine.tokenizer import Tokenizer
+from scheduler import CacheConfig, DuplicateRequestIdError, RequestRejectedError, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +41,23 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (an internal error or a shutdown); requests cannot be served."""
 
 
+class RequestInput(NamedTuple):
+    """One sequence to generate: the caller's request id, the prompt's token ids, its parameters (n == 1)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+
+
 @dataclass(slots=True)
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    """Requests to queue together, all or none; `admitted` receives the verdict."""
+
+    engine_ids: list[str]
+    inputs: list[RequestInput]
     priority: int
     arrival_time: float
+    admitted: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -51,7 +69,12 @@ _Command = Union[_Add, _Abort, None]  # None stops the loop
 
 
 class AsyncEngine:
-    """Thread-safe front of an EngineCore for asyncio code (the HTTP server)."""
+    """Thread-safe front of an EngineCore for asyncio code (the HTTP server).
+
+    Besides requests, it answers what a front end needs to know of the engine
+    (model, context length, dtype, attention backend, tokenizer, KV cache, stats)
+    through read-only properties, so callers never reach into the core.
+    """
 
     def __init__(self, engine: EngineCore, on_step: Optional[Callable[[int], None]] = None,
                  on_output: Optional[Callable[[RequestOutput], None]] = None):
@@ -59,8 +82,9 @@ class AsyncEngine:
         self.on_step = on_step  # called on the engine thread with each step's token count
         self.on_output = on_output  # called on the event loop for every output, abort outputs included
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}  # by engine request id
+        self._streams: dict[str, RequestStream] = {}  # by engine request id
         self._live: dict[str, str] = {}  # caller's request id -> engine request id
+        self._admissions: set[asyncio.Future] = set()  # verdicts not yet given
         self._serial = itertools.count()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -91,16 +115,97 @@ class AsyncEngine:
     def error(self) -> Optional[BaseException]:
         return self._error
 
+    # ------------------------------------------------------------------ what the engine serves
+
+    @property
+    def model_name(self) -> str:
+        """The checkpoint (or the name it was built with) that the engine serves."""
+        return self.engine.model_name
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens at most, as resolved against the model."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts are 0..vocab_size - 1."""
+        return self.engine.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        """The weights' and activations' dtype, e.g. "bfloat16"."""
+        return str(self.engine.runner.model.dtype).removeprefix("torch.")
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend in use: "cpu", "torch", "flash" or "triton"."""
+        return self.engine.runner.backend.name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def scheduling_policy(self) -> str:
+        """The order of admission: "fcfs", or "priority" (requests may then carry a priority)."""
+        return self.engine.scheduler.scheduler_config.policy
+
+    @property
+    def kv_cache_config(self) -> CacheConfig:
+        """The KV pool's layout, with `num_blocks` resolved (treat as read-only)."""
+        return self.engine.scheduler.cache_config
+
+    def stats(self) -> SchedulerStats:
+        """Queue lengths, KV usage, preemptions and prefix-cache counters, now."""
+        return self.engine.stats()
+
     # ------------------------------------------------------------------ requests
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise RequestRejectedError now for a request that can never be served."""
-        _check_one_sequence(params)
-        request = self.engine.make_request("check", prompt_token_ids, params)
-        self.engine.scheduler.check_request(request)
+    async def add_requests(self, inputs: Sequence[RequestInput], *, priority: int = 0,
+                           arrival_time: Optional[float] = None) -> list[RequestStream]:
+        """Queue sequences together and return their output streams once the engine admitted all of them.
 
-    def request_id_in_use(self, request_id: str) -> bool:
-        return request_id in self._live
+        Raises (queuing none of them) a RequestRejectedError for the first one that can never be
+        served, or EngineDeadError. `arrival_time` (time.monotonic) is when the caller received the
+        request, so queue time and time to first token include what it did before; default now.
+        Close every stream returned (`aclose`), which aborts a request still running.
+        """
+        if not self.is_alive or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+        seen: set[str] = set()
+        for item in inputs:
+            if item.request_id in self._live or item.request_id in seen:
+                raise DuplicateRequestIdError(item.request_id)
+            seen.add(item.request_id)
+            _check_one_sequence(item.params)
+        streams = [RequestStream(item.request_id, f"{item.request_id}#{next(self._serial)}", self._close)
+                   for item in inputs]
+        for stream in streams:
+            self._streams[stream.engine_id] = stream
+            self._live[stream.request_id] = stream.engine_id
+        admitted = self._loop.create_future()
+        self._admissions.add(admitted)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._commands.put(_Add([s.engine_id for s in streams], list(inputs), priority, arrival, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:  # the caller went away: the requests may be in by now
+            self._commands.put(_Abort([s.engine_id for s in streams]))
+            for stream in streams:
+                self._forget(stream)
+            raise
+        except BaseException:
+            for stream in streams:
+                self._forget(stream)
+            raise
+        finally:
+            self._admissions.discard(admitted)
+        return streams
 
     async def generate(
         self,
@@ -111,43 +216,28 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes. Closing the iterator (a client
-        that went away) aborts the request in the engine at once."""
-        if not self.is_alive or self._stopping:
-            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
-        _check_one_sequence(params)
-        # Validated once, by EngineCore.add_request on the engine thread; a refusal is this stream's error.
-        # (Callers that must refuse before answering, like the server, call check_request first.)
-        if request_id in self._live:
-            raise RequestRejectedError(f"request id {request_id!r} is already in use", param="request_id")
-        # A unique engine id per call: a reused id never receives a late output of its predecessor.
-        engine_id = f"{request_id}#{next(self._serial)}"
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[engine_id] = stream
-        self._live[request_id] = engine_id
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(_Add(engine_id, list(prompt_token_ids), params, priority, arrival))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(engine_id, None)
-            self._live.pop(request_id, None)
-            if not finished:
-                self._commands.put(_Abort([engine_id]))
+        """Yield the request's outputs until it finishes (one `add_requests` stream). Closing the
+        iterator (a client that went away) aborts the request in the engine at once."""
+        (stream,) = await self.add_requests([RequestInput(request_id, prompt_token_ids, params)],
+                                            priority=priority, arrival_time=arrival_time)
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                yield output
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests by the ids given to `generate`."""
+        """Abort requests by the ids given to `add_requests`."""
         engine_ids = [self._live[r] for r in request_ids if r in self._live]
         self._commands.put(_Abort(engine_ids))
+
+    def _close(self, stream: RequestStream, abort: bool) -> None:
+        self._forget(stream)
+        if abort:
+            self._commands.put(_Abort([stream.engine_id]))
+
+    def _forget(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.engine_id, None)
+        if self._live.get(stream.request_id) == stream.engine_id:
+            del self._live[stream.request_id]
 
     # ------------------------------------------------------------------ engine thread
 
@@ -182,20 +272,27 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self._publish(self.engine.abort(command.request_ids))
                 continue
-            try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+            self._add(command)
+
+    def _add(self, command: _Add) -> None:
+        """Queue a batch, all or none, and send the verdict back to `add_requests`."""
+        added: list[str] = []
+        try:
+            for engine_id, item in zip(command.engine_ids, command.inputs):
+                self.engine.add_request(engine_id, item.prompt_token_ids, item.params,
                                         arrival_time=command.arrival_time, priority=command.priority)
-            except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
-                if not isinstance(exc, RequestRejectedError):
-                    logger.exception("could not add request %s", command.request_id)
-                self._deliver(command.request_id, exc)
+                added.append(engine_id)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
+            if not isinstance(exc, RequestRejectedError):
+                logger.exception("could not add request %s", command.engine_ids[len(added)])
+            self.engine.abort(added)  # their abort outputs are nobody's: the caller never had them
+            self._loop.call_soon_threadsafe(_settle, command.admitted, exc)
+            return
+        self._loop.call_soon_threadsafe(_settle, command.admitted, None)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
-
-    def _deliver(self, request_id: str, item) -> None:
-        self._loop.call_soon_threadsafe(self._dispatch_one, request_id, item)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         streams = self._streams
@@ -205,23 +302,32 @@ class AsyncEngine:
                 on_output(output)
             stream = streams.get(output.request_id)
             if stream is not None:
-                stream.put_nowait(output)
-
-    def _dispatch_one(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(item)
+                stream.put(output)
+                if output.finished:  # the id is free again, even if the caller never reads this output
+                    self._forget(stream)
 
     def _fail_all(self, error: BaseException) -> None:
         def fail() -> None:
             for stream in self._streams.values():
-                stream.put_nowait(error)
+                stream.put(error)
+            for admitted in self._admissions:
+                _settle(admitted, error)
 
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fail)
 
 
+def _settle(admitted: asyncio.Future, error: Optional[BaseException]) -> None:
+    """On the event loop: give an admission its verdict, unless its caller already left."""
+    if admitted.done():
+        return
+    if error is None:
+        admitted.set_result(None)
+    else:
+        admitted.set_exception(error)
+
+
 def _check_one_sequence(params: SamplingParams) -> None:
     if params.n != 1:
-        raise RequestRejectedError("one sequence per request: fan n > 1 out with parallel_sampling.fan_out",
-                                   param="n")
+        raise InvalidParameterError("n", "must be 1 for one engine request (fan n > 1 out with "
+                                         "parallel_sampling.fan_out)")

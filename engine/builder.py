@@ -12,7 +12,8 @@ import torch
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.engine import EngineCore
-from engine.engine_config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.memory_profile import cuda_kv_budget, profile_step_peak_bytes
@@ -57,7 +58,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
-        config.cache.model_copy(update={"num_blocks": num_blocks}),
+        config.cache.for_scheduler(num_blocks),
     )
     gc.collect()
     gc.freeze()  # the weights and long-lived state never need scanning by the cyclic GC

@@ -63,7 +63,7 @@ class EngineCore:
     ) -> None:
         """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`).
 
-        Raises RequestRejectedError (an HTTP 400) for a request that can never be served.
+        Raises a RequestRejectedError for a request that can never be served.
         """
         if params.n != 1:
             raise ValueError("EngineCore.add_request takes one sequence; fan n > 1 out with fan_out()")
@@ -86,7 +86,7 @@ class EngineCore:
                      arrival_time: Optional[float] = None, priority: int = 0) -> Request:
         """The scheduler request for these inputs, validated against the model (not queued)."""
         prompt = list(prompt_token_ids)
-        check_token_ids(prompt, self.vocab_size, "prompt", what="prompt token id")
+        check_token_ids(prompt, self.vocab_size, "prompt")
         params.verify_vocab(self.vocab_size)
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole KV cache holds it

@@ -6,10 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.cache_config import EngineCacheConfig
 from engine.config import ModelConfig
-from scheduler import CacheConfig, SchedulerConfig
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither num_blocks nor kv_cache_memory is set
+from scheduler import SchedulerConfig
 
 
 class EngineConfig(BaseModel):
@@ -18,6 +17,6 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    cache: CacheConfig = Field(default_factory=CacheConfig)
+    cache: EngineCacheConfig = Field(default_factory=EngineCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "cpu", "torch", "flash", "triton"] = "auto"

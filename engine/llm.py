@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from engine.builder import build_engine
+from engine.cache_config import EngineCacheConfig
 from engine.config import ModelConfig
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
@@ -15,10 +16,10 @@ from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator
 from engine.parallel_sampling import fan_out
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from scheduler import CacheConfig, SchedulerConfig
+from scheduler import SchedulerConfig
 
 PromptType = Union[str, Sequence[int], dict]
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS = {"model": ModelConfig, "cache": EngineCacheConfig, "scheduler": SchedulerConfig}
 
 
 def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:

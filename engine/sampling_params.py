@@ -8,7 +8,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional
 
-from scheduler.errors import RequestRejectedError
+from engine.errors import InvalidParameterError, TokenIdOutOfVocabularyError
+from scheduler import InvalidMaxTokensError, MinTokensOutOfRangeError
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -30,7 +31,8 @@ class SamplingParams:
     Normalised on construction: `top_k` 0 or -1 (vLLM's "disabled") becomes None,
     a `stop` string becomes a one-element list, `logit_bias` keys become ints
     (decimal strings, as JSON sends them, are accepted) and an empty bias None.
-    Invalid values raise `RequestRejectedError` naming the field in `param`.
+    Invalid values raise a `RequestRejectedError` naming the field (`InvalidParameterError`,
+    or the scheduler's own error type where it has one).
 
     `max_tokens` None means "up to the context length" (the engine resolves it).
     `logprobs` is the number of top alternatives returned per sampled token (0:
@@ -115,38 +117,30 @@ class SamplingParams:
         """Refuse `logit_bias` token ids the model does not have (call once the model is known)."""
         for token_id in self.logit_bias or {}:
             if token_id >= vocab_size:
-                raise RequestRejectedError(
-                    f"logit_bias token id {token_id} is out of the vocabulary (size {vocab_size})",
-                    param="logit_bias",
-                )
+                raise TokenIdOutOfVocabularyError("logit_bias", token_id, vocab_size)
 
     # ------------------------------------------------------------------ validation
 
     def _check_counts(self) -> None:
         self.n = _as_int(self.n, "n")
         if self.n < 1:
-            _reject("n", f"n must be at least 1, got {self.n}")
+            _reject("n", f"must be at least 1, got {self.n}")
         if self.n > MAX_N:
-            _reject("n", f"n must be at most {MAX_N}, got {self.n}")
+            _reject("n", f"must be at most {MAX_N}, got {self.n}")
         if self.max_tokens is not None:
             self.max_tokens = _as_int(self.max_tokens, "max_tokens")
             if self.max_tokens < 1:
-                _reject("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+                raise InvalidMaxTokensError(self.max_tokens)
         self.min_tokens = _as_int(self.min_tokens, "min_tokens")
-        if self.min_tokens < 0:
-            _reject("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            _reject(
-                "min_tokens",
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
-            )
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise MinTokensOutOfRangeError(self.min_tokens, self.max_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
                 continue
             value = _as_int(value, name)
             if not 0 <= value <= MAX_LOGPROBS:
-                _reject(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+                _reject(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
             setattr(self, name, value)
         if self.seed is not None:
             self.seed = _as_int(self.seed, "seed")
@@ -154,31 +148,28 @@ class SamplingParams:
     def _check_sampling(self) -> None:
         self.temperature = _as_float(self.temperature, "temperature")
         if self.temperature < 0.0:
-            _reject("temperature", f"temperature must be non-negative, got {self.temperature}")
+            _reject("temperature", f"must be non-negative, got {self.temperature}")
         self.top_p = _as_float(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
-            _reject("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+            _reject("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k is not None:
             top_k = _as_int(self.top_k, "top_k")
             if top_k < -1:
-                _reject("top_k", f"top_k must be at least 1 (0 or -1: disabled), got {top_k}")
+                _reject("top_k", f"must be at least 1 (0 or -1: disabled), got {top_k}")
             self.top_k = top_k if top_k >= 1 else None
         self.min_p = _as_float(self.min_p, "min_p")
         if not 0.0 <= self.min_p <= 1.0:
-            _reject("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+            _reject("min_p", f"must be in [0, 1], got {self.min_p}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = _as_float(getattr(self, name), name)
             if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
-                _reject(name, f"{name} must be in [-2, 2], got {value}")
+                _reject(name, f"must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _as_float(self.repetition_penalty, "repetition_penalty")
         if self.repetition_penalty <= 0.0:
-            _reject(
-                "repetition_penalty",
-                f"repetition_penalty must be positive, got {self.repetition_penalty}",
-            )
+            _reject("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
 
     def _check_stops(self) -> None:
@@ -188,33 +179,33 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = [stop]
         elif not isinstance(stop, (list, tuple)):
-            _reject("stop", "stop must be a string or a list of strings")
+            _reject("stop", "must be a string or a list of strings")
         for text in stop:
             if not isinstance(text, str) or not text:
-                _reject("stop", f"stop strings must be non-empty strings, got {text!r}")
+                _reject("stop", f"must hold non-empty strings, got {text!r}")
         if len(stop) > MAX_STOP_STRINGS or any(len(text) > MAX_STOP_STRING_CHARS for text in stop):
-            _reject("stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
+            _reject("stop", f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
                             "characters each")
         self.stop = list(stop)
         token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(token_ids, (list, tuple, set, frozenset)):
-            _reject("stop_token_ids", "stop_token_ids must be a list of token ids")
+            _reject("stop_token_ids", "must be a list of token ids")
         self.stop_token_ids = [_as_int(t, "stop_token_ids") for t in token_ids]
         if any(t < 0 for t in self.stop_token_ids):
-            _reject("stop_token_ids", "stop_token_ids must be non-negative")
+            _reject("stop_token_ids", "must be non-negative")
 
 
 def _normalize_logit_bias(bias: Any) -> Optional[dict[int, float]]:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        _reject("logit_bias", "logit_bias must map token ids to biases")
+        _reject("logit_bias", "must map token ids to biases")
     normalized: dict[int, float] = {}
     for key, value in bias.items():
         token_id = _as_token_id(key)
         value = _as_float(value, "logit_bias")
         if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
-            _reject("logit_bias", f"logit_bias values must be in [-100, 100], got {value}")
+            _reject("logit_bias", f"values must be in [-100, 100], got {value}")
         normalized[token_id] = value
     return normalized or None
 
@@ -223,24 +214,24 @@ def _as_token_id(key: Any) -> int:
     if isinstance(key, str) and key.strip().isdigit():
         key = int(key)
     if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
-        _reject("logit_bias", f"logit_bias keys must be non-negative token ids, got {key!r}")
+        _reject("logit_bias", f"keys must be non-negative token ids, got {key!r}")
     return int(key)
 
 
-def _as_int(value: Any, param: str) -> int:
+def _as_int(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _reject(param, f"{param} must be an integer, got {value!r}")
+        _reject(field, f"must be an integer, got {value!r}")
     return int(value)
 
 
-def _as_float(value: Any, param: str) -> float:
+def _as_float(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _reject(param, f"{param} must be a number, got {value!r}")
+        _reject(field, f"must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
-        _reject(param, f"{param} must be finite, got {value!r}")
+        _reject(field, f"must be finite, got {value!r}")
     return value
 
 
-def _reject(param: str, message: str) -> NoReturn:
-    raise RequestRejectedError(message, param=param)
+def _reject(field: str, problem: str) -> NoReturn:
+    raise InvalidParameterError(field, problem)

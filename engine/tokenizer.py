@@ -7,18 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence, Union
 
+from engine.errors import TokenIdOutOfVocabularyError
 from engine.loader import CheckpointError
-from scheduler import RequestRejectedError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str, what: str = "token id") -> None:
-    """Refuse (RequestRejectedError on `param`) ids outside the model's vocabulary."""
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str) -> None:
+    """Refuse ids outside the model's vocabulary (TokenIdOutOfVocabularyError naming `field`)."""
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestRejectedError(f"{what} {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
+        raise TokenIdOutOfVocabularyError(field, bad, vocab_size)
 
 
 @dataclass(frozen=True, slots=True)

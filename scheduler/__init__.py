@@ -2,8 +2,10 @@
 
 from scheduler.block_hash import BlockHash, hash_block
 from scheduler.block_pool import BlockPool, KVBlock
-from scheduler.config import CacheConfig, SchedulerConfig, parse_size
-from scheduler.errors import RequestRejectedError
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
+                              InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
+                              RequestRejectedError)
 from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
@@ -13,8 +15,14 @@ __all__ = [
     "BlockHash",
     "BlockPool",
     "CacheConfig",
+    "ContextLengthExceededError",
+    "DuplicateRequestIdError",
+    "EmptyPromptError",
+    "InvalidMaxTokensError",
+    "KVCacheTooSmallError",
     "KVBlock",
     "KVCacheManager",
+    "MinTokensOutOfRangeError",
     "NewRequestData",
     "PrefixCacheStats",
     "Request",
@@ -26,5 +34,4 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "hash_block",
-    "parse_size",
 ]

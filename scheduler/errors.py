@@ -1,4 +1,8 @@
-"""Errors the scheduler raises for requests it refuses."""
+"""Errors the scheduler raises for requests it refuses, each carrying the facts of the refusal.
+
+The messages are plain descriptions for logs and offline users; a front end
+that answers remote clients words its own replies from the fields.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,97 @@ from typing import Optional
 
 
 class RequestRejectedError(ValueError):
-    """A request that can never be served (the server answers 400).
+    """A request that can never be served, as it stands.
 
-    `param` names the offending request field and `code` is the OpenAI error
-    code, e.g. "context_length_exceeded".
+    `field` names the request field at fault in the engine's terms ("prompt",
+    "max_tokens", ...), or is None when no single field is.
     """
 
-    def __init__(self, message: str, *, param: Optional[str] = None, code: Optional[str] = None):
+    field: Optional[str] = None
+
+    def __init__(self, message: str, *, field: Optional[str] = None):
         super().__init__(message)
         self.message = message
-        self.param = param
-        self.code = code
+        if field is not None:
+            self.field = field
+
+
+class EmptyPromptError(RequestRejectedError):
+    """The prompt has no token."""
+
+    field = "prompt"
+
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty")
+
+
+class InvalidMaxTokensError(RequestRejectedError):
+    """`max_tokens` below 1: the request could produce nothing."""
+
+    field = "max_tokens"
+
+    def __init__(self, max_tokens: int):
+        super().__init__(f"max_tokens must be at least 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+
+
+class MinTokensOutOfRangeError(RequestRejectedError):
+    """`min_tokens` negative, or above `max_tokens` (None: no maximum known yet)."""
+
+    field = "min_tokens"
+
+    def __init__(self, min_tokens: int, max_tokens: Optional[int]):
+        bounds = "non-negative" if max_tokens is None else f"between 0 and max_tokens ({max_tokens})"
+        super().__init__(f"min_tokens must be {bounds}, got {min_tokens}")
+        self.min_tokens = min_tokens
+        self.max_tokens = max_tokens
+
+
+class ContextLengthExceededError(RequestRejectedError):
+    """The prompt plus `max_tokens` is longer than `max_model_len`."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int):
+        super().__init__(
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} prompt + {max_tokens} max_tokens) "
+            f"exceed max_model_len {max_model_len}"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens
+
+    @property
+    def field(self) -> str:  # type: ignore[override]
+        """"prompt" when the prompt alone fills the context, else "max_tokens"."""
+        return "prompt" if self.num_prompt_tokens >= self.max_model_len else "max_tokens"
+
+
+class KVCacheTooSmallError(RequestRejectedError):
+    """The request needs more KV blocks than the whole pool holds."""
+
+    field = "max_tokens"
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, num_blocks_needed: int, num_blocks: int,
+                 block_size: int):
+        super().__init__(
+            f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens need {num_blocks_needed} KV blocks "
+            f"of {block_size} tokens; the pool holds {num_blocks}"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.num_blocks_needed = num_blocks_needed
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+
+class DuplicateRequestIdError(RequestRejectedError):
+    """Another unfinished request has this id."""
+
+    field = "request_id"
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request id {request_id!r} is already in use")
+        self.request_id = request_id

@@ -26,7 +26,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """The OpenAI `finish_reason` of a finished state, None while unfinished."""
+        """The `finish_reason` name of a finished state ("stop", "length", "abort"), None while unfinished."""
         return _FINISH_REASONS.get(self)
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.errors import RequestRejectedError
+from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
+                              InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError)
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
@@ -76,9 +77,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejectedError if it can never be served."""
         if request.request_id in self.requests:
-            raise RequestRejectedError(
-                f"request id {request.request_id!r} is already in use", param="request_id"
-            )
+            raise DuplicateRequestIdError(request.request_id)
         self.check_request(request)
         request.max_num_tokens = request.num_prompt_tokens + request.max_tokens  # <= max_model_len (checked)
         self.requests[request.request_id] = request
@@ -346,40 +345,21 @@ class Scheduler:
         self._finished_since_last_step.add(request.request_id)
 
     def check_request(self, request: Request) -> None:
-        """Raise RequestRejectedError if the request could never be served (changes nothing)."""
+        """Raise a RequestRejectedError if the request could never be served (changes nothing)."""
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
-            raise RequestRejectedError("a new request must be WAITING with nothing computed")
+            raise ValueError("a new request must be WAITING with nothing computed")
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
-            raise RequestRejectedError("the prompt is empty", param="prompt")
+            raise EmptyPromptError()
         if request.max_tokens < 1:
-            raise RequestRejectedError(
-                f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens"
-            )
+            raise InvalidMaxTokensError(request.max_tokens)
         if not 0 <= request.min_tokens <= request.max_tokens:
-            raise RequestRejectedError(
-                f"min_tokens must be between 0 and max_tokens ({request.max_tokens}), "
-                f"got {request.min_tokens}",
-                param="min_tokens",
-            )
+            raise MinTokensOutOfRangeError(request.min_tokens, request.max_tokens)
         total = num_prompt + request.max_tokens
         if total > self.max_model_len:
-            raise RequestRejectedError(
-                f"This model's maximum context length is {self.max_model_len} tokens, but "
-                f"{total} were requested ({num_prompt} in the prompt, {request.max_tokens} "
-                "for the completion). Shorten the prompt or lower max_tokens.",
-                param="max_tokens" if num_prompt < self.max_model_len else "prompt",
-                code="context_length_exceeded",
-            )
+            raise ContextLengthExceededError(num_prompt, request.max_tokens, self.max_model_len)
         kv = self.kv_cache_manager
         # The last sampled token is never fed back, so it needs no slot.
         num_blocks = kv.num_blocks_for(total - 1)
         if num_blocks > kv.num_blocks:
-            raise RequestRejectedError(
-                f"{num_prompt} prompt tokens plus max_tokens {request.max_tokens} need "
-                f"{num_blocks} KV blocks of {self.block_size} tokens, but the whole cache holds "
-                f"{kv.num_blocks} blocks ({kv.num_blocks * self.block_size} tokens). "
-                "Shorten the prompt or lower max_tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+            raise KVCacheTooSmallError(num_prompt, request.max_tokens, num_blocks, kv.num_blocks, self.block_size)

@@ -74,16 +74,14 @@ def _drop_default_422(app: FastAPI) -> None:
 
 
 def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
-    core = engine.engine
-    name = config.served_model_name or core.model_name
-    cache = core.scheduler.cache_config
-    metrics = ServerMetrics(name, core.stats, cache_info(
+    name = config.served_model_name or engine.model_name
+    cache = engine.kv_cache_config
+    metrics = ServerMetrics(name, engine.stats, cache_info(
         num_blocks=cache.num_blocks, block_size=cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
-        dtype=str(core.runner.model.dtype).removeprefix("torch."), attention_backend=core.runner.backend.name,
-        max_model_len=core.max_model_len))
+        dtype=engine.dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len))
     engine.on_step = metrics.observe_step
     return ServerState(engine=engine, config=config, served_model_names=[name], metrics=metrics,
-                       formatter=LogprobFormatter(core.tokenizer))
+                       formatter=LogprobFormatter(engine.tokenizer))
 
 
 async def _warm_up(state: ServerState) -> None:

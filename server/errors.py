@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Mapping, Optional
 
@@ -11,6 +10,7 @@ from pydantic import BaseModel
 
 from engine.async_engine import EngineDeadError
 from scheduler import RequestRejectedError
+from server.rejections import describe_rejection
 
 if TYPE_CHECKING:
     from server.metrics import ServerMetrics
@@ -85,21 +85,17 @@ def _classify(exc: BaseException) -> tuple[APIError, Optional[str]]:
     if isinstance(exc, APIError):
         return exc, "rejected" if exc.status == 400 else None
     if isinstance(exc, RequestRejectedError):
-        return bad_request(exc.message, param=exc.param, code=exc.code), "rejected"
+        return rejection_error(exc), "rejected"
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc)), "error"
     return APIError(500, f"internal error: {type(exc).__name__}"), "error"
 
 
-def renamed(exc: RequestRejectedError, names: Mapping[str, str],
-            param_only: frozenset[str] = frozenset()) -> RequestRejectedError:
-    """The same refusal with request fields named as an endpoint spells them: `param`, and whole-word
-    mentions in the message (except for the names in `param_only`, which read as plain words there)."""
-    message = exc.message
-    for ours, theirs in names.items():
-        if ours not in param_only:
-            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
-    return RequestRejectedError(message, param=names.get(exc.param, exc.param), code=exc.code)
+def rejection_error(exc: RequestRejectedError, names: Optional[Mapping[str, str]] = None) -> APIError:
+    """The 400 for a refusal of the engine or the scheduler, naming request fields as `names` spells them
+    (by default as the engine does, which is how /v1/completions spells them too)."""
+    message, param, code = describe_rejection(exc, names or {})
+    return bad_request(message, param=param, code=code)
 
 
 # Declared on every route in the OpenAPI schema.

@@ -8,11 +8,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, RequestInput
 from engine.outputs import OutputAccumulator, RequestOutput
 from engine.parallel_sampling import fan_out
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
-from scheduler import RequestRejectedError
 from server.errors import APIError, bad_request
 from server.protocol import PromptTokensDetails, SamplingFields, Usage
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from server.state import ServerState
 
 logger = logging.getLogger(__name__)
+
 
 def check_model(requested: Optional[str], served: Sequence[str]) -> str:
     """The served model name for the request; 404 for an unknown one."""
@@ -62,7 +63,7 @@ def check_common(request: SamplingFields, state: "ServerState") -> str:
                           code="unsupported_parameter")
     check_extra_fields(request, state.config.strict_params)
     check_stream_options(request)
-    if request.priority != 0 and state.engine.engine.scheduler.scheduler_config.policy != "priority":
+    if request.priority != 0 and state.engine.scheduling_policy != "priority":
         raise bad_request("priority needs a server started with --scheduling-policy priority.", param="priority")
     return model
 
@@ -158,42 +159,52 @@ class UsageCounter:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
 
 
-def check_choices(engine: AsyncEngine, choices: Sequence[Choice]) -> None:
-    """Refuse the whole request (RequestRejectedError, a 400) before anything runs if one choice can never
-    be served. The choices of one prompt differ only in their seed: each prompt is checked once."""
-    checked = set()
-    for choice in choices:
-        if engine.request_id_in_use(choice.request_id):
-            raise RequestRejectedError(f"request id {choice.request_id!r} is already in use", param="request_id")
-        if choice.prompt_index not in checked:
-            engine.check_request(choice.prompt_token_ids, choice.params)
-            checked.add(choice.prompt_index)
+async def start_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int,
+                        arrival_time: float) -> list[RequestStream]:
+    """Queue every choice in the engine, all or none; their streams in the same order. A choice that can
+    never be served refuses the whole request (a RequestRejectedError, a 400) before anything runs.
+    `arrival_time` is when the route received the request."""
+    inputs = [RequestInput(choice.request_id, choice.prompt_token_ids, choice.params) for choice in choices]
+    return await engine.add_requests(inputs, priority=priority, arrival_time=arrival_time)
 
 
-async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice],
-                         priority: int) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-    """Interleave the outputs of every choice as they come. Closing this iterator aborts them all."""
-    if len(choices) == 1:  # nothing to interleave: read the engine's stream directly
-        choice = choices[0]
-        async with contextlib.aclosing(engine.generate(choice.request_id, choice.prompt_token_ids, choice.params,
-                                                       priority=priority)) as outputs:
-            async for output in outputs:
-                yield choice, output
-        return
+async def stream_choices(choices: Sequence[Choice],
+                         streams: Sequence[RequestStream]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Interleave the outputs of every choice as they come. Ending or closing this iterator closes every
+    stream, which aborts the choices still running."""
+    try:
+        if len(choices) == 1:  # nothing to interleave: read the engine's stream directly
+            async for output in streams[0]:
+                yield choices[0], output
+            return
+        async with contextlib.aclosing(_interleave(choices, streams)) as items:
+            async for item in items:
+                yield item
+    finally:
+        await close_streams(streams)
+
+
+async def close_streams(streams: Sequence[RequestStream]) -> None:
+    """Let go of every stream, aborting the choices still running (closing twice is harmless)."""
+    for stream in streams:
+        await stream.aclose()
+
+
+async def _interleave(choices: Sequence[Choice],
+                      streams: Sequence[RequestStream]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(choice: Choice) -> None:
+    async def pump(choice: Choice, stream: RequestStream) -> None:
         try:
-            async for output in engine.generate(choice.request_id, choice.prompt_token_ids, choice.params,
-                                                priority=priority):
+            async for output in stream:
                 queue.put_nowait((choice, output))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait(exc)
             return
         queue.put_nowait(done)
 
-    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    tasks = [asyncio.create_task(pump(choice, stream)) for choice, stream in zip(choices, streams)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -210,9 +221,8 @@ async def stream_choices(engine: AsyncEngine, choices: Sequence[Choice],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect_choices(engine: AsyncEngine, choices: Sequence[Choice],
-                          priority: int) -> list[OutputAccumulator]:
+async def collect_choices(choices: Sequence[Choice], streams: Sequence[RequestStream]) -> list[OutputAccumulator]:
     results = {choice.request_id: OutputAccumulator() for choice in choices}
-    async for choice, output in stream_choices(engine, choices, priority):
+    async for choice, output in stream_choices(choices, streams):
         results[choice.request_id].add(output)
     return list(results.values())

@@ -27,8 +27,8 @@ from typing import Any, Literal, Mapping, Optional, Sequence, get_args, get_orig
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.cache_config import parse_size
 from engine.engine_config import EngineConfig
-from scheduler import parse_size
 from server.config import ServerConfig
 
 ENV_PREFIX = "PAGEDSERVE_"

@@ -23,8 +23,8 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scheduler import CacheConfig, SchedulerConfig
+from engine.cache_config import EngineCacheConfig
+from scheduler import SchedulerConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -15,7 +16,7 @@ def test_presets_exist():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_scheduler_sections_validate(path):
+def test_cache_and_scheduler_sections_validate(path):
     preset = yaml.safe_load(path.read_text())
-    CacheConfig(**preset.get("cache", {}))
+    EngineCacheConfig(**preset.get("cache", {}))
     SchedulerConfig(**preset.get("scheduler", {}))

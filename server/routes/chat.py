@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.request_stream import RequestStream
 from scheduler import RequestRejectedError
 from server.chat_messages import render_prompt
 from server.disconnect import cancel_on_disconnect
-from server.errors import ERROR_RESPONSES, bad_request, renamed
-from server.generation import (Choice, UsageCounter, check_choices, check_common, collect_choices,
-                               make_sampling_params, plan_choices, stream_choices)
+from server.errors import ERROR_RESPONSES, bad_request, rejection_error
+from server.generation import (Choice, UsageCounter, check_common, close_streams, collect_choices,
+                               make_sampling_params, plan_choices, start_choices, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
                              new_id, now)
+from server.rejections import CHAT_FIELD_NAMES
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
 
@@ -42,6 +45,7 @@ _UNSUPPORTED = {
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    arrival_time = time.monotonic()  # queue time and TTFT include template rendering and tokenization
     state: ServerState = request.app.state.server
     model = check_common(body, state)
     _refuse_unsupported(body)
@@ -52,17 +56,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     try:
         params = make_sampling_params(body, max_tokens=max_tokens, logprobs=num_top)
         choices = plan_choices(request_id, [prompt], params)
-        check_choices(state.engine, choices)
+        streams = await start_choices(state.engine, choices, body.priority, arrival_time)
     except RequestRejectedError as exc:  # name the fields as chat spells them
-        names = {"logprobs": "top_logprobs", "prompt": "messages"}
+        names = dict(CHAT_FIELD_NAMES)
         if body.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
-        raise renamed(exc, names, param_only=frozenset({"prompt"})) from None
+        raise rejection_error(exc, names) from None
     if body.stream:
-        return StreamingResponse(with_error_events(_stream(state, body, model, request_id, choices, num_top), state.metrics),
-                                 media_type="text/event-stream")
-    results = await cancel_on_disconnect(
-        request, collect_choices(state.engine, choices, body.priority))
+        events = _stream(state, body, model, request_id, choices, streams, num_top)
+        return StreamingResponse(with_error_events(events, state.metrics), media_type="text/event-stream")
+    results = await cancel_on_disconnect(request, collect_choices(choices, streams))
     out = []
     for choice, result in zip(choices, results):
         logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None
@@ -102,7 +105,7 @@ def _render(body: ChatCompletionRequest, state: ServerState) -> list[int]:
 
 
 async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, request_id: str,
-                  choices: list[Choice], num_top: Optional[int]) -> AsyncIterator[bytes]:
+                  choices: list[Choice], streams: list[RequestStream], num_top: Optional[int]) -> AsyncIterator[bytes]:
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -110,10 +113,14 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
         return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices_,
                                              usage=usage))
 
-    for choice in choices:
-        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
+    try:
+        for choice in choices:
+            yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
+    except BaseException:  # closed before reading any output: the choices must not run on
+        await close_streams(streams)
+        raise
     counter = UsageCounter.of([choices[0].prompt_token_ids], body.n)
-    async for choice, output in stream_choices(state.engine, choices, body.priority):
+    async for choice, output in stream_choices(choices, streams):
         counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not output.text_delta and not output.finished and num_top is None:
             continue

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import OutputAccumulator
+from engine.request_stream import RequestStream
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
-from server.generation import (Choice, UsageCounter, check_choices, check_common,
-                               collect_choices, make_sampling_params, plan_choices, stream_choices)
+from server.generation import (Choice, UsageCounter, check_common, collect_choices, make_sampling_params,
+                               plan_choices, start_choices, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, new_id, now)
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
@@ -21,6 +23,7 @@ router = APIRouter()
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request):
+    arrival_time = time.monotonic()  # queue time and TTFT include tokenization
     state: ServerState = request.app.state.server
     model = check_common(body, state)
     if body.suffix is not None:
@@ -32,11 +35,11 @@ async def create_completion(body: CompletionRequest, request: Request):
                                   prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     request_id = body.request_id or new_id("cmpl")
     choices = plan_choices(request_id, prompts, params)
-    check_choices(state.engine, choices)
+    streams = await start_choices(state.engine, choices, body.priority, arrival_time)
     if body.stream:
-        events = _stream(state, body, model, request_id, choices, prompts)
+        events = _stream(state, body, model, request_id, choices, streams, prompts)
         return StreamingResponse(with_error_events(events, state.metrics), media_type="text/event-stream")
-    results = await cancel_on_disconnect(request, collect_choices(state.engine, choices, body.priority))
+    results = await cancel_on_disconnect(request, collect_choices(choices, streams))
     return JSONResponse(_response(state, body, model, request_id, choices, prompts, results).model_dump())
 
 
@@ -87,13 +90,13 @@ def _response(state, body, model, request_id, choices: list[Choice], prompts, re
 
 
 async def _stream(state: ServerState, body: CompletionRequest, model: str, request_id: str,
-                  choices: list[Choice], prompts: list[list[int]]) -> AsyncIterator[bytes]:
+                  choices: list[Choice], streams: list[RequestStream], prompts: list[list[int]]) -> AsyncIterator[bytes]:
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     counter = UsageCounter.of(prompts, body.n)
     started: set[int] = set()
     offsets = {choice.index: 0 for choice in choices}
-    async for choice, output in stream_choices(state.engine, choices, body.priority):
+    async for choice, output in stream_choices(choices, streams):
         text, tokens, entries = output.text_delta, list(output.new_token_ids), list(output.logprobs or [])
         if body.echo and choice.index not in started:
             text = _echo_text(state, body, choice) + text

@@ -14,6 +14,6 @@ router = APIRouter()
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> ModelList:
     state: ServerState = request.app.state.server
-    root = state.engine.engine.model_name
+    root = state.engine.model_name
     return ModelList(data=[ModelCard(id=name, created=now(), root=root, max_model_len=state.max_model_len)
                            for name in state.served_model_names])

@@ -32,5 +32,5 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state: ServerState = request.app.state.server
     check_model(body.model, state.served_model_names)
-    check_token_ids(body.tokens, state.engine.engine.vocab_size, "tokens")
+    check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))

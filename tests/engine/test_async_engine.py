@@ -9,15 +9,17 @@ unique across the module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
 import pytest
 
 from engine import SamplingParams
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestInput
+from engine.errors import TokenIdOutOfVocabularyError
 from engine.parallel_sampling import fan_out
-from scheduler import RequestRejectedError
+from scheduler import ContextLengthExceededError, DuplicateRequestIdError, RequestRejectedError
 from tests.engine.references import assert_idle, make_llm
 
 TIMEOUT_S = 30.0
@@ -227,9 +229,11 @@ def test_rejected_request_raises_at_once(llm, prompt_len, max_tokens, token, par
         return info.value
 
     error = run_with_engine(llm, body)
-    assert error.param == param
-    if param == "max_tokens" or prompt_len == 256:
-        assert error.code == "context_length_exceeded"
+    assert error.field == param
+    if token is None:
+        assert isinstance(error, ContextLengthExceededError)
+    else:
+        assert isinstance(error, TokenIdOutOfVocabularyError) and error.token_id == token
 
 
 def test_request_id_in_use_is_rejected(llm):
@@ -238,11 +242,60 @@ def test_request_id_in_use_is_rejected(llm):
         await first.__anext__()
         with pytest.raises(RequestRejectedError) as info:
             await engine.generate("dup-1", prompt(9), greedy(5)).__anext__()
-        assert info.value.param == "request_id"
+        assert isinstance(info.value, DuplicateRequestIdError) and info.value.field == "request_id"
         await first.aclose()
         await wait_until_idle(llm.engine)
 
     run_with_engine(llm, body)
+
+
+def test_a_batch_is_admitted_all_or_none(llm):
+    """One refused sequence refuses the batch: nothing of it runs, no output is published, its ids stay free."""
+    published = []
+
+    async def body(engine):
+        engine.on_output = published.append
+        steps = llm.engine.num_steps
+        batch = [RequestInput("batch-ok", prompt(22), greedy(4)), RequestInput("batch-long", prompt(23, 250), greedy(10))]
+        with pytest.raises(ContextLengthExceededError):
+            await engine.add_requests(batch)
+        assert llm.engine.num_steps == steps and not llm.engine.has_unfinished_requests
+        assert published == []
+        with pytest.raises(DuplicateRequestIdError):  # checked before anything is queued
+            await engine.add_requests([RequestInput("twin", prompt(24), greedy(2))] * 2)
+        (stream,) = await engine.add_requests([batch[0]])  # the refused batch's id is free
+        async with contextlib.aclosing(stream):
+            return [out async for out in stream]
+
+    outputs = run_with_engine(llm, body)
+    assert outputs[-1].finished and outputs[-1].num_output_tokens == 4
+    assert [out.finish_reason for out in published] == [out.finish_reason for out in outputs]
+
+
+def test_arrival_time_is_the_callers(llm):
+    """Queue time and time to first token count from the caller's arrival time, not from the engine call."""
+    arrival = time.monotonic() - 1000.0  # as if the caller had spent 1000 s before calling
+
+    async def body(engine):
+        return [out async for out in engine.generate("arrival-1", prompt(25), greedy(2), arrival_time=arrival)]
+
+    metrics = run_with_engine(llm, body)[-1].metrics
+    assert metrics.arrival_time == arrival
+    assert metrics.queue_time >= 1000.0 and metrics.time_to_first_token >= 1000.0
+
+
+def test_engine_facts_without_reaching_into_the_core(llm):
+    core, engine = llm.engine, AsyncEngine(llm.engine)  # facts need no engine thread
+    assert engine.model_name == core.model_name
+    assert engine.model_config == core.config.model
+    assert engine.max_model_len == 256 and engine.vocab_size == 512
+    assert engine.dtype == "float32"
+    assert engine.attention_backend == core.runner.backend.name
+    assert engine.tokenizer is core.tokenizer
+    assert engine.scheduling_policy == "fcfs"
+    cache = engine.kv_cache_config
+    assert (cache.block_size, cache.num_blocks, cache.enable_prefix_caching) == (4, 256, True)
+    assert engine.stats() == core.stats()
 
 
 # ---------------------------------------------------------------------- n > 1

@@ -120,7 +120,7 @@ def test_abort_returns_final_outputs(llm):
 def test_refusals_name_the_parameter(llm, prompt, params, param):
     with pytest.raises(RequestRejectedError) as info:
         llm.engine.add_request("bad", prompt, params)
-    assert info.value.param == param
+    assert info.value.field == param
     assert llm.engine.runner.num_requests == 0
 
 

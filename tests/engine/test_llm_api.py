@@ -129,7 +129,7 @@ def test_a_rejected_prompt_in_a_batch_leaves_nothing_behind(llm):
     too_long = token_prompt(10, 250)
     with pytest.raises(RequestRejectedError) as info:
         generate(llm, [token_prompt(11, 4), too_long], greedy(16))
-    assert info.value.param == "max_tokens"
+    assert info.value.field == "max_tokens"
 
 
 def test_n_children_have_indexes_and_are_reproducible(llm):

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from scheduler.errors import RequestRejectedError
+from scheduler import RequestRejectedError
 
 
 def test_defaults_mirror_vllm():
@@ -85,14 +85,14 @@ def test_normalisation():
 def test_invalid_values_are_rejected_naming_the_param(param, value):
     with pytest.raises(RequestRejectedError) as info:
         SamplingParams(**{param: value})
-    assert info.value.param == param
+    assert info.value.field == param
     assert param in info.value.message
 
 
 def test_min_tokens_may_not_exceed_max_tokens():
     with pytest.raises(RequestRejectedError) as info:
         SamplingParams(max_tokens=4, min_tokens=5)
-    assert info.value.param == "min_tokens"
+    assert info.value.field == "min_tokens"
     SamplingParams(max_tokens=5, min_tokens=5)
     SamplingParams(max_tokens=None, min_tokens=1000)
 
@@ -128,7 +128,7 @@ def test_replace_validates_and_copies():
     assert params.replace(temperature=0.5).temperature == 0.5
     with pytest.raises(RequestRejectedError) as info:
         params.replace(top_p=2.0)
-    assert info.value.param == "top_p"
+    assert info.value.field == "top_p"
 
 
 def test_children_get_consecutive_seeds():
@@ -145,7 +145,7 @@ def test_verify_vocab_refuses_bias_outside_the_vocabulary():
     SamplingParams(logit_bias={99: 1.0}).verify_vocab(100)
     with pytest.raises(RequestRejectedError) as info:
         SamplingParams(logit_bias={100: 1.0}).verify_vocab(100)
-    assert info.value.param == "logit_bias"
+    assert info.value.field == "logit_bias"
 
 
 @pytest.mark.parametrize("kwargs,param", [
@@ -156,4 +156,4 @@ def test_verify_vocab_refuses_bias_outside_the_vocabulary():
 def test_request_size_limits(kwargs, param):
     with pytest.raises(RequestRejectedError) as info:
         SamplingParams(**kwargs)
-    assert info.value.param == param
+    assert info.value.field == param

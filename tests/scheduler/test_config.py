@@ -1,7 +1,15 @@
 import pytest
 from pydantic import ValidationError
 
-from scheduler import CacheConfig, Scheduler, SchedulerConfig, parse_size
+from scheduler import CacheConfig, Scheduler, SchedulerConfig
+
+
+def test_memory_sizing_is_not_the_schedulers():
+    """The pool's byte budget belongs to the engine's cache section (engine/cache_config.py)."""
+    for key in ("kv_cache_memory", "gpu_memory_utilization"):
+        assert key not in CacheConfig.model_fields
+        with pytest.raises(ValidationError, match="extra"):
+            CacheConfig(**{key: 1})
 
 
 def test_defaults():
@@ -25,21 +33,6 @@ def test_budget_must_cover_max_num_seqs():
 def test_policy_is_checked():
     with pytest.raises(ValidationError):
         SchedulerConfig(policy="lifo")
-
-
-@pytest.mark.parametrize(
-    "text,expected",
-    [("1GiB", 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("2g", 2 * 10**9), (4096, 4096), ("100", 100)],
-)
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-    assert CacheConfig(kv_cache_memory=text).kv_cache_memory == expected
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "1 parsec", "-1GiB"])
-def test_parse_size_rejects(text):
-    with pytest.raises(ValidationError):
-        CacheConfig(kv_cache_memory=text)
 
 
 def test_scheduler_needs_resolved_sizes():

@@ -1,6 +1,8 @@
 import pytest
 
-from scheduler import RequestRejectedError, RequestStatus
+from scheduler import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
+                       InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
+                       RequestRejectedError, RequestStatus)
 
 from tests.scheduler.factories import (
     EOS,
@@ -256,28 +258,38 @@ def test_finish_for_stop_string():
 
 
 @pytest.mark.parametrize(
-    "kwargs,param,code",
+    "kwargs,error,field",
     [
-        (dict(prompt=[]), "prompt", None),
-        (dict(prompt=4, max_tokens=0), "max_tokens", None),
-        (dict(prompt=4, max_tokens=3, min_tokens=4), "min_tokens", None),
-        (dict(prompt=250, max_tokens=10), "max_tokens", "context_length_exceeded"),
-        (dict(prompt=300, max_tokens=1), "prompt", "context_length_exceeded"),
-        (dict(prompt=100, max_tokens=100), "max_tokens", "context_length_exceeded"),  # > whole pool
+        (dict(prompt=[]), EmptyPromptError, "prompt"),
+        (dict(prompt=4, max_tokens=0), InvalidMaxTokensError, "max_tokens"),
+        (dict(prompt=4, max_tokens=3, min_tokens=4), MinTokensOutOfRangeError, "min_tokens"),
+        (dict(prompt=250, max_tokens=10), ContextLengthExceededError, "max_tokens"),
+        (dict(prompt=300, max_tokens=1), ContextLengthExceededError, "prompt"),
+        (dict(prompt=100, max_tokens=100), KVCacheTooSmallError, "max_tokens"),  # > whole pool
     ],
 )
-def test_impossible_requests_are_refused(kwargs, param, code):
+def test_impossible_requests_are_refused(kwargs, error, field):
     s = make_scheduler(num_blocks=40, block_size=4, max_model_len=256)
-    with pytest.raises(RequestRejectedError) as info:
+    with pytest.raises(error) as info:
         s.add_request(make_request(**kwargs))
-    assert info.value.param == param and info.value.code == code
+    assert isinstance(info.value, RequestRejectedError) and info.value.field == field
     assert not s.has_unfinished_requests
 
 
-def test_context_error_names_both_numbers():
+def test_context_error_carries_both_numbers():
     s = make_scheduler(max_model_len=256, num_blocks=128)
-    with pytest.raises(RequestRejectedError, match=r"256.*260.*250.*10"):
+    with pytest.raises(ContextLengthExceededError) as info:
         s.add_request(make_request(250, max_tokens=10))
+    error = info.value
+    assert (error.num_prompt_tokens, error.max_tokens, error.max_model_len, error.num_tokens) == (250, 10, 256, 260)
+
+
+def test_kv_cache_error_carries_the_pool_size():
+    s = make_scheduler(num_blocks=40, block_size=4, max_model_len=256)
+    with pytest.raises(KVCacheTooSmallError) as info:
+        s.add_request(make_request(100, max_tokens=100))
+    error = info.value
+    assert (error.num_blocks_needed, error.num_blocks, error.block_size) == (50, 40, 4)  # 199 slots / 4
 
 
 def test_request_that_exactly_fills_pool_is_served():
@@ -291,8 +303,9 @@ def test_request_that_exactly_fills_pool_is_served():
 def test_duplicate_request_id_refused():
     s = make_scheduler()
     s.add_request(make_request(4, request_id="a"))
-    with pytest.raises(RequestRejectedError, match="already in use"):
+    with pytest.raises(DuplicateRequestIdError) as info:
         s.add_request(make_request(4, request_id="a"))
+    assert info.value.request_id == "a" and info.value.field == "request_id"
 
 
 def test_parallel_samples_share_prompt_blocks():

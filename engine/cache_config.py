@@ -1,0 +1,63 @@
+"""The KV cache section of the engine's configuration: the scheduler's layout plus how big the pool is.
+
+The scheduler only needs the pool's layout (`block_size`, `num_blocks`,
+`enable_prefix_caching`); how many bytes it may take is the engine's business,
+which turns a memory budget into `num_blocks` once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Union
+
+from pydantic import Field, field_validator
+
+from scheduler import CacheConfig
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither num_blocks nor kv_cache_memory is set
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12,
+}
+
+
+def parse_size(value: Union[int, str]) -> int:
+    """Bytes from an int or a string such as "512MiB", "1.5GB", "2g"."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r} (examples: 1GiB, 512MiB, 2000000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+class EngineCacheConfig(CacheConfig):
+    """The `cache` section: the scheduler's `CacheConfig` plus the memory budget of the pool.
+
+    The number of blocks is `num_blocks` when given; otherwise the engine derives
+    it from `kv_cache_memory` (CPU) or `gpu_memory_utilization` (CUDA).
+    """
+
+    kv_cache_memory: Optional[Union[int, str]] = Field(
+        None, description='KV cache budget on CPU, e.g. "1GiB"'
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + activations + KV"
+    )
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_size(cls, value: Optional[Union[int, str]]) -> Optional[int]:
+        if value is None:
+            return None
+        size = parse_size(value)
+        if size <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        return size
+
+    def for_scheduler(self, num_blocks: int) -> CacheConfig:
+        """The scheduler's section with the pool size the engine resolved."""
+        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
+                           enable_prefix_caching=self.enable_prefix_caching)

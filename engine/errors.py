@@ -1,0 +1,31 @@
+"""Refusals the engine adds to the scheduler's: request fields checked against the model.
+
+Like the scheduler's errors they carry facts and name the field in the engine's
+terms (`SamplingParams` and prompt field names); the server words its replies.
+"""
+
+from __future__ import annotations
+
+from scheduler import RequestRejectedError
+
+
+class InvalidParameterError(RequestRejectedError):
+    """A request field outside its domain.
+
+    `problem` completes a sentence that starts with the field's name, e.g.
+    "must be in (0, 1], got 1.5", so a front end can name the field its own way.
+    """
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}", field=field)
+        self.problem = problem
+
+
+class TokenIdOutOfVocabularyError(RequestRejectedError):
+    """A token id (in the prompt, in logit_bias, ...) that the model does not have."""
+
+    def __init__(self, field: str, token_id: int, vocab_size: int):
+        super().__init__(f"{field}: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
+                         field=field)
+        self.token_id = token_id
+        self.vocab_size = vocab_size
