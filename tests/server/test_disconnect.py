@@ -93,7 +93,21 @@ def test_streams_closed_after_first_chunk_are_aborted(server):
     assert successes(server) == before + 1
 
 
-def test_non_streaming_clients_that_time_out_are_aborted(server):
+def paced(server, monkeypatch, seconds_per_step: float = 0.01) -> None:
+    """Slow the engine to at least `seconds_per_step` a step, so that LONG tokens outlast a
+    client's short timeout on any machine (200 tiny-model steps can take under 0.3 s)."""
+    runner = server.engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(scheduler_output):
+        time.sleep(seconds_per_step)
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+
+
+def test_non_streaming_clients_that_time_out_are_aborted(server, monkeypatch):
+    paced(server, monkeypatch)
     before_success = successes(server)
     before_499 = counter(server, "pagedserve_http_requests_total", route="/v1/completions", status="499")
     errors: list[BaseException] = []
