@@ -245,10 +245,9 @@ class AsyncEngine:
         engine = self.engine
         try:
             while True:
-                block = not engine.has_unfinished_requests
-                if not self._drain(block):
+                if not self._drain(block=not engine.has_work):
                     return
-                if engine.has_unfinished_requests:
+                if engine.has_work:
                     self._publish(engine.step())
                     if self.on_step is not None and engine.last_step_num_tokens:
                         self.on_step(engine.last_step_num_tokens)

@@ -125,6 +125,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests
 
     @property
+    def has_work(self) -> bool:
+        """Requests to step, or ended ones the runner has not been told of (a step tells it)."""
+        return self.scheduler.has_unfinished_requests or self.scheduler.has_finished_notices
+
+    @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished_requests
 

@@ -52,6 +52,12 @@ class Scheduler:
     blocks run out, the most recently admitted running request (under the
     priority policy: the lowest-priority one) is preempted: its blocks are freed
     and it goes back to the head of the queue, to be recomputed later.
+
+    Blocks a step fills become prefix-cache hits only in `update_from_output`, once
+    the step has run, so soundness does not depend on which request is preempted or
+    in which order requests are scheduled (no invariant about partially prefilled
+    requests is needed under either policy). Admission allocates a prompt's whole
+    remainder, so a running prefill never needs blocks, and only decodes preempt.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
@@ -112,6 +118,11 @@ class Scheduler:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def has_finished_notices(self) -> bool:
+        """Requests ended since the last step, which the next step message reports to the runner."""
+        return bool(self._finished_since_last_step)
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -65,9 +65,10 @@ async def collect(engine: AsyncEngine, request_id: str, prompt_ids, params) -> l
 
 
 async def wait_until_idle(core, timeout_s: float = 5.0) -> None:
-    """Give the engine thread a bounded moment to process queued aborts."""
+    """Give the engine thread a bounded moment to process queued aborts: the scheduler frees the
+    blocks, and a step message tells the runner to forget the requests (no runner state is left)."""
     deadline = time.monotonic() + timeout_s
-    while core.has_unfinished_requests or core.scheduler.kv_cache_manager.usage > 0:
+    while core.has_work or core.scheduler.kv_cache_manager.usage > 0 or core.runner.num_requests:
         assert time.monotonic() < deadline, "the engine did not drop the request in time"
         await asyncio.sleep(0.01)
 
