@@ -3,7 +3,7 @@
     from engine import LLM, SamplingParams
 """
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, NamedTuple, Optional, Sequence, Union
 
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
 from engine.errors import InvalidParameterError
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.sampling.params import SamplingParams
+from engine.text.tokenizer import Tokenizer
 from scheduler import CacheConfig, DuplicateRequestIdError, RequestRejectedError, SchedulerStats
 
 logger = logging.getLogger(__name__)

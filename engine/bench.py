@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 _WORDS = (
     "the of and to in is was for on that with as by at from his her an were are which this be or has "
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _checkpoint_dir(model: Optional[str]):
-    from engine.loader import prepare_checkpoint
+    from engine.loading.loader import prepare_checkpoint
 
     return prepare_checkpoint(model).path
 

@@ -14,14 +14,14 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import iter_weights, load_hf_config, prepare_checkpoint
-from engine.memory_profile import cuda_kv_budget, profile_step_peak_bytes
-from engine.model_runner import ModelRunner
+from engine.runner.kv_cache import KVCache, KVCacheSpec
+from engine.loading.loader import iter_weights, load_hf_config, prepare_checkpoint
+from engine.runner.memory_profile import cuda_kv_budget, profile_step_peak_bytes
+from engine.runner.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaForCausalLM
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

@@ -15,15 +15,15 @@ import logging
 import time
 from typing import Iterable, Optional, Sequence
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer, check_token_ids
+from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.params import SamplingParams
+from engine.text.stop_strings import StopStringMatcher
+from engine.text.tokenizer import Tokenizer, check_token_ids
 from scheduler import (Request, RequestStatus, RequestStepOutput, Scheduler,
                        SchedulerStats)
 

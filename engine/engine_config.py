@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.cache_config import EngineCacheConfig
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from scheduler import SchedulerConfig
 
 

@@ -9,13 +9,13 @@ from tqdm.auto import tqdm
 
 from engine.builder import build_engine
 from engine.cache_config import EngineCacheConfig
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
 from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator
-from engine.parallel_sampling import fan_out
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.sampling.parallel import fan_out
+from engine.sampling.params import SamplingParams
+from engine.text.tokenizer import Tokenizer
 from scheduler import SchedulerConfig
 
 PromptType = Union[str, Sequence[int], dict]

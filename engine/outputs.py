@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from engine.sampler import TokenLogprobs
+from engine.sampling.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

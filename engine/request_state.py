@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestMetrics
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.stop_strings import StopStringMatcher
+from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.params import SamplingParams
+from engine.text.stop_strings import StopStringMatcher
 from scheduler import Request
 
 

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from scheduler import RequestRejectedError
 from server.config import ServerConfig
 from server.errors import APIError, error_body, handle_error

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from server.errors import bad_request
 from server.protocol import ChatMessage
 

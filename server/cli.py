@@ -82,7 +82,7 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
 
     from engine.async_engine import AsyncEngine
     from engine.builder import build_engine
-    from engine.loader import CheckpointError
+    from engine.loading.loader import CheckpointError
 
     server_config = settings.server
     try:

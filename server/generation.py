@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
 from engine.async_engine import AsyncEngine, RequestInput
 from engine.outputs import OutputAccumulator, RequestOutput
-from engine.parallel_sampling import fan_out
+from engine.sampling.parallel import fan_out
 from engine.request_stream import RequestStream
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request
 from server.protocol import PromptTokensDetails, SamplingFields, Usage
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from engine.sampler import TokenLogprobs
-from engine.tokenizer import Tokenizer
+from engine.sampling.sampler import TokenLogprobs
+from engine.text.tokenizer import Tokenizer
 from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from server.config import ServerConfig
 from server.logprob_format import LogprobFormatter
 from server.metrics import ServerMetrics

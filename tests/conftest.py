@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from engine.loader import EMBEDDED_PACKAGE, Checkpoint, prepare_checkpoint
+from engine.loading.loader import EMBEDDED_PACKAGE, Checkpoint, prepare_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="session")

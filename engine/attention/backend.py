@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_cache import KVCacheSpec
+from engine.runner.kv_cache import KVCacheSpec
 
 
 class AttentionBackend(Protocol):

@@ -7,7 +7,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
-from engine.kv_cache import KVCacheSpec
+from engine.runner.kv_cache import KVCacheSpec
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

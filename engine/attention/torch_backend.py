@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
-from engine.kv_cache import KVCacheSpec
+from engine.runner.kv_cache import KVCacheSpec
 
 
 class TorchAttentionBackend:

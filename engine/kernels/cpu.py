@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from engine.gguf_converter import default_cache_dir
+from engine.loading.gguf_converter import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ def supported_architectures() -> list[str]:
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
                 ops: Optional[TorchLayerOps] = None) -> LlamaForCausalLM:
     """An empty model for the config's architecture (load weights with `load_weights`)."""
-    from engine.loader import rope_settings
+    from engine.loading.loader import rope_settings
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not any(a in _LLAMA_FAMILY for a in architectures) and hf_config.model_type not in _LLAMA_FAMILY.values():

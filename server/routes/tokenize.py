@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from engine.tokenizer import check_token_ids
+from engine.text.tokenizer import check_token_ids
 
 from server.errors import ERROR_RESPONSES, bad_request
 from server.generation import check_model

@@ -18,7 +18,7 @@ import pytest
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestInput
 from engine.errors import TokenIdOutOfVocabularyError
-from engine.parallel_sampling import fan_out
+from engine.sampling.parallel import fan_out
 from scheduler import ContextLengthExceededError, DuplicateRequestIdError, RequestRejectedError
 from tests.engine.references import assert_idle, make_llm
 

@@ -1,7 +1,7 @@
 """The attention backends (torch; cpu, i.e. the native decode kernel) against a naive float64
 reference over the paged cache.
 
-Each case builds a step the way engine/model_runner.py does: a flat batch with
+Each case builds a step the way engine/runner/model_runner.py does: a flat batch with
 decode rows first, then prefill chunks; per-request non-contiguous block tables;
 `slot_mapping` for the new tokens; then the backend's `prepare` (the torch one adds
 its decode mask: 0 up to each decode's context length, -inf beyond). The reference
@@ -20,7 +20,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kv_cache import KVCacheSpec
+from engine.runner.kv_cache import KVCacheSpec
 
 NUM_KV_HEADS = 2
 NUM_BLOCKS = 160

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.block_table import BlockTable
+from engine.runner.block_table import BlockTable
 
 
 def test_rows_hold_their_blocks_through_growth():

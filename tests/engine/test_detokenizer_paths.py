@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 from tests.engine.test_detokenizer import detok_cases, reference, split
 from tests.engine.tokenizers_for_tests import (
     byte_fallback_ids,

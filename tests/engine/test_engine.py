@@ -3,7 +3,7 @@
 import pytest
 
 from engine import SamplingParams
-from engine.parallel_sampling import fan_out
+from engine.sampling.parallel import fan_out
 from scheduler import RequestRejectedError
 from tests.engine.references import assert_idle
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import SamplingParams
-from engine.sampler import TokenLogprobs
+from engine.sampling.sampler import TokenLogprobs
 from scheduler import RequestRejectedError
 from tests.engine.references import assert_idle
 

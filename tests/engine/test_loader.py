@@ -16,10 +16,10 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from engine import gguf_converter
-from engine.config import ModelConfig, cpu_has_fast_bf16
-from engine.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
-from engine.loader import (
+from engine.loading import gguf_converter as gguf_converter
+from engine.loading.model_config import ModelConfig, cpu_has_fast_bf16
+from engine.loading.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
+from engine.loading.loader import (
     CheckpointError,
     embedded_gguf_path,
     iter_weights,
@@ -28,7 +28,7 @@ from engine.loader import (
     rope_settings,
     weight_files,
 )
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 from tests.engine.factories import make_tiny_gguf
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))

@@ -5,8 +5,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import rope_settings
+from engine.runner.kv_cache import KVCache, KVCacheSpec
+from engine.loading.loader import rope_settings
 from engine.models import build_model
 from engine.models.rotary import inverse_frequencies
 
@@ -61,7 +61,7 @@ def test_kv_cache_layout_and_sizing():
 
 
 def test_weights_missing_or_unused_are_errors(tiny_llama_dir):
-    from engine.loader import iter_weights, load_hf_config
+    from engine.loading.loader import iter_weights, load_hf_config
 
     config = load_hf_config(tiny_llama_dir)
     model = build_model(config, torch.float32, torch.device("cpu"))

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import engine.sampler as sampler_module
-from engine.sampler import Sampler, SamplerOutput, prompt_logprobs
-from engine.sampling_state import SamplingState
-from engine.sampling_params import SamplingParams
+import engine.sampling.sampler as sampler_module
+from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from engine.sampling.state import SamplingState
+from engine.sampling.params import SamplingParams
 
 EOS = 2
 CPU = torch.device("cpu")

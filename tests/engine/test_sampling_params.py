@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from scheduler import RequestRejectedError
 
 

@@ -3,8 +3,8 @@
 import pickle
 
 from engine import SamplingParams
-from engine.kv_cache import KVCache
-from engine.model_runner import ModelRunner
+from engine.runner.kv_cache import KVCache
+from engine.runner.model_runner import ModelRunner
 from tests.engine.references import assert_idle, make_llm
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.stop_strings import StopMatch, StopStringMatcher
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.stop_strings import StopMatch, StopStringMatcher
 from tests.engine.tokenizers_for_tests import byte_level_ids, make_byte_level_tokenizer
 
 

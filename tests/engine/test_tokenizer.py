@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from engine.loader import CheckpointError
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.loading.loader import CheckpointError
+from engine.text.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.factories import EOS_ID, make_tiny_tokenizer
 
 MULTI_BYTE = "Crème brûlée in Zürich, 東京と北京, emoji 🙂🚀👍🏽 and ❤️."

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 CASES = [
     ("/v1/completions", {"prompt": "Once upon a time"}, "encode"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import InvalidParameterError, TokenIdOutOfVocabularyError
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from scheduler import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
                        InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
                        RequestRejectedError)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def child_request_id(request_id: str, index: int) -> str:

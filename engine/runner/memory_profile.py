@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.runner.kv_cache import KVCache, KVCacheSpec
 from engine.models.llama import LlamaForCausalLM
 
 

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 _SEED_MODULUS = 1 << 64
 

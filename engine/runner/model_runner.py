@@ -9,13 +9,13 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
-from engine.block_table import BlockTable
-from engine.kv_cache import KVCache
+from engine.runner.block_table import BlockTable
+from engine.runner.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput
-from engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
-from engine.sampling_state import SamplingState
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from engine.sampling.state import SamplingState
+from engine.sampling.params import SamplingParams
 from scheduler import NewRequestData, SchedulerOutput
 
 

@@ -31,7 +31,7 @@ class ModelConfig(BaseModel):
     """Which model to serve and how to place it.
 
     `model` None is the embedded SmolLM2-135M-Instruct GGUF; otherwise a checkpoint
-    directory, a `.gguf` file or a hub id (see `engine.loader.prepare_checkpoint`).
+    directory, a `.gguf` file or a hub id (see `engine.loading.loader.prepare_checkpoint`).
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -19,8 +19,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.sampling_state import SamplingState
+from engine.sampling.params import SamplingParams
+from engine.sampling.state import SamplingState
 
 TOP_P_CANDIDATES = 128
 """Candidates first examined for a top-p row without top-k (then 16x more, then the whole vocabulary)."""

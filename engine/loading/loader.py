@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Union
 
-from engine.gguf_converter import default_cache_dir, ensure_converted
+from engine.loading.gguf_converter import default_cache_dir, ensure_converted
 
 if TYPE_CHECKING:
     import torch

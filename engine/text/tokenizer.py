@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence, Union
 
 from engine.errors import TokenIdOutOfVocabularyError
-from engine.loader import CheckpointError
+from engine.loading.loader import CheckpointError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

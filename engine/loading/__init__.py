@@ -1,0 +1,1 @@
+"""Loading a checkpoint: the model config, weight loading, GGUF conversion."""

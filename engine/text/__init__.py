@@ -1,0 +1,1 @@
+"""Text around the tokens: tokenizer and chat templates, incremental detokenization, stop strings."""
