@@ -153,7 +153,12 @@ class EngineCore:
         now = time.monotonic()
         self.num_steps += 1
         for request_id, chunk in runner_output.prompt_logprobs.items():
-            self._states[request_id].prompt_logprobs.extend(chunk)
+            # The chunk scores prompt tokens start + 1 onwards; a recompute after a preemption
+            # repeats positions already held, which are kept as first scored.
+            held = self._states[request_id].prompt_logprobs
+            num_repeated = len(held) - scheduler_output.num_computed_tokens[request_id] - 1
+            assert num_repeated >= 0, "prompt logprobs arrived out of order"
+            held.extend(chunk[num_repeated:])
         return [self._process(step_output, runner_output.logprobs.get(step_output.request_id), now)
                 for step_output in step_outputs]
 

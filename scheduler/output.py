@@ -15,8 +15,8 @@ class NewRequestData:
     `token_ids` is the whole sequence so far (the first `num_prompt_tokens` are the
     prompt, then any output kept across a preemption); `block_ids` is its whole block
     table; `sampling_params` (the engine's, opaque here) and `eos_token_ids` are what
-    it samples with. A resumed request comes with all of it again, so a runner that
-    keeps nothing across a preemption (a fresh worker) can rebuild it from this alone.
+    it samples with. A resumed request comes with all of it again: the runner keeps
+    nothing of a preempted request, and any worker can rebuild it from this alone.
     """
 
     request_id: str
@@ -42,10 +42,9 @@ class SchedulerOutput:
 
     The message is complete: a runner (in this process, or a worker that receives
     it pickled) needs nothing else. It learns of a request when it is first
-    scheduled (`new_requests`), drops its KV rows when it is preempted
-    (`preempted_request_ids`; it may keep its sampler state, e.g. a seeded
-    generator, until the request comes back) and forgets it when it has ended
-    (`finished_request_ids`: finished, aborted, or stopped, since the last step).
+    scheduled (`new_requests`, again when it resumes), and forgets it when it is
+    preempted (`preempted_request_ids`) or has ended (`finished_request_ids`:
+    finished, aborted, or stopped, since the last step).
 
     For every scheduled request the runner computes tokens
     `[num_computed_tokens[id], num_computed_tokens[id] + num_scheduled_tokens[id])`

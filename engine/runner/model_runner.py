@@ -21,18 +21,18 @@ from scheduler import NewRequestData, SchedulerOutput
 
 @dataclass(slots=True)
 class CachedRequestState:
-    """What the runner keeps about a request between steps, from its first step until it ends.
+    """What the runner keeps about a request while it holds KV blocks.
 
-    Built from the step message's NewRequestData; across a preemption it keeps its
-    sampler state (a seeded generator continues where it was) but gives its table row back.
+    Built from the step message's NewRequestData when the request is admitted or
+    resumed, dropped when it is preempted or has ended: nothing survives a
+    preemption (a seeded request's draws depend on its seed and output position only).
     """
 
     request_id: str
     num_prompt_tokens: int
     sampling: SamplingState
-    row: Optional[int]  # in the runner's BlockTable (the request's block ids); None while preempted
+    row: int  # in the runner's BlockTable, which holds the request's block ids
     token_ids: list[int] = field(default_factory=list)  # prompt + output
-    num_prompt_logprobs: int = 0  # prompt rows scored so far (kept across a preemption's recompute)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -71,7 +71,7 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""
         state = self.requests.pop(request_id, None)
-        if state is not None and state.row is not None:
+        if state is not None:
             self.block_table.release(state.row)
 
     @property
@@ -94,19 +94,12 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the message's request changes: ended, preempted, new or resumed, new blocks."""
-        for request_id in so.finished_request_ids:
+        for request_id in so.finished_request_ids | so.preempted_request_ids:
             self.remove_request(request_id)
         table = self.block_table
-        for request_id in so.preempted_request_ids:
-            state = self.requests[request_id]
-            table.release(state.row)
-            state.row = None
         for new in so.new_requests:  # admitted, or resumed after preemption
-            state = self.requests.get(new.request_id)
-            if state is None:
-                state = self.requests[new.request_id] = self._new_state(new)
-            state.token_ids = list(new.token_ids)
-            state.row = table.acquire()
+            self.remove_request(new.request_id)
+            state = self.requests[new.request_id] = self._new_state(new)
             table.set(state.row, new.block_ids)
         for request_id, block_ids in so.new_block_ids.items():
             table.append(self.requests[request_id].row, block_ids)
@@ -117,7 +110,8 @@ class ModelRunner:
             raise TypeError(f"request {new.request_id!r} reached the runner without SamplingParams")
         prompt = list(new.prompt_token_ids)
         sampling = SamplingState.create(params, prompt, list(new.output_token_ids), new.eos_token_ids, self.device)
-        return CachedRequestState(new.request_id, new.num_prompt_tokens, sampling, None)
+        return CachedRequestState(new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(),
+                                  list(new.token_ids))
 
     def _build_batch(self, so: SchedulerOutput) -> _Batch:
         batch = _Batch()
@@ -149,12 +143,11 @@ class ModelRunner:
         batch.slots.extend(self.block_table.slots(state.row, start, end))
         batch.prefill_spans.append((state, first_row, num_tokens, start))
         if state.wants_prompt_logprobs:
-            # Row of position j predicts token j + 1: rows first .. min(end, prompt - 1) - 1, each once.
-            first = max(start, state.num_prompt_logprobs)
-            count = min(end, state.num_prompt_tokens - 1) - first
+            # Row of position j predicts token j + 1: rows start .. min(end, prompt - 1) - 1. After a
+            # preemption they are scored again; the engine keeps the first score of each position.
+            count = min(end, state.num_prompt_tokens - 1) - start
             if count > 0:
-                batch.prompt_rows.append((state, first_row + first - start, count))
-                state.num_prompt_logprobs = first + count
+                batch.prompt_rows.append((state, first_row, count))
         if end == len(state.token_ids):
             batch.sample_rows.append(first_row + num_tokens - 1)
             batch.sample_states.append(state)

@@ -39,7 +39,7 @@ class SamplingParams:
     only the sampled token's own logprob); `prompt_logprobs` likewise per prompt
     token. Both are capped at `MAX_LOGPROBS`.
 
-    `seed` may be any int (its generator is seeded with seed mod 2**64). With `n` > 1
+    `seed` may be any int (its draws are a function of seed mod 2**64 and the output position). With `n` > 1
     the engine runs `n` children made by `for_child(i)`; when `seed` is set, child i
     samples with seed `seed + i`, so the children differ from one another yet the
     whole request is reproducible.

@@ -54,8 +54,8 @@ class Sampler:
 
     Sampled rows draw by inverse CDF, one uniform per row: the same distribution as
     the `argmax(probs / q)`, q ~ Exp(1), race, for one random number per row instead
-    of one per vocabulary entry. A seeded request draws from its own generator, once
-    per sampled step, and each row's arithmetic involves that row alone, so it gets
+    of one per vocabulary entry. A seeded request's draw is a function of its seed and
+    output position alone, and each row's arithmetic involves that row alone, so it gets
     the same tokens whatever shares its batch. Unseeded rows share one batched draw
     from torch's default generator.
     """
@@ -274,11 +274,11 @@ def _choose(
 
 
 def _uniforms(states: Sequence[SamplingState], rows: list[int], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) per row: from the request's generator when seeded, else from one batched draw.  # [rows]"""
-    seeded = [(i, states[r].generator) for i, r in enumerate(rows) if states[r].generator is not None]
+    """One U[0, 1) per row: the request's own draw when seeded, else from one batched draw.  # [rows]"""
+    seeded = [(i, states[r]) for i, r in enumerate(rows) if states[r].seed is not None]
     u = torch.rand(len(rows), device=device)
     if seeded:
-        draws = torch.cat([torch.rand(1, generator=g, device=g.device) for _, g in seeded])
+        draws = torch.tensor([state.seeded_uniform() for _, state in seeded], dtype=u.dtype)
         u[_index([i for i, _ in seeded], device)] = draws.to(device)
     return u
 

@@ -1,4 +1,4 @@
-"""Per-request sampling state: parameters, token history and the request's own generator."""
+"""Per-request sampling state: parameters, token history and the request's own random stream."""
 
 from __future__ import annotations
 
@@ -10,6 +10,15 @@ import torch
 from engine.sampling.params import SamplingParams
 
 _SEED_MODULUS = 1 << 64
+_MASK64 = _SEED_MODULUS - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (a bijection on 64-bit ints with good avalanche)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass(slots=True)
@@ -26,7 +35,7 @@ class SamplingState:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int]
-    generator: Optional[torch.Generator]
+    seed: Optional[int]  # params.seed mod 2**64; None: draws come from torch's default generator
     suppressed_ids: tuple[int, ...] = field(default=(), init=False)  # masked until min_tokens
     has_processors: bool = field(default=False, init=False)  # min_tokens, logit_bias or penalties
     _prompt_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
@@ -49,12 +58,22 @@ class SamplingState:
         eos_token_ids: frozenset[int],
         device: torch.device,
     ) -> "SamplingState":
-        """A state with a generator on `device` seeded with `params.seed` (mod 2**64) when it is set."""
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed % _SEED_MODULUS)
-        return cls(params, prompt_token_ids, output_token_ids, frozenset(eos_token_ids), generator)
+        """A state for a request with these tokens so far (`device`: where its tensors go)."""
+        seed = None if params.seed is None else params.seed % _SEED_MODULUS
+        return cls(params, prompt_token_ids, output_token_ids, frozenset(eos_token_ids), seed)
+
+    def seeded_uniform(self) -> float:
+        """The U[0, 1) draw of a seeded request for its next output token.
+
+        A pure function of (seed, number of outputs so far) (SplitMix64 over their
+        combination), not a generator's running state: a request resumed after a
+        preemption, or rebuilt from the step message by another worker, draws exactly
+        what it would have drawn uninterrupted.
+        """
+        assert self.seed is not None
+        # SplitMix64: the stream of seed mix64(seed), element len(outputs) + 1.
+        state = (_mix64(self.seed) + (len(self.output_token_ids) + 1) * _GOLDEN_GAMMA) & _MASK64
+        return (_mix64(state) >> 11) * (1.0 / (1 << 53))
 
     @property
     def suppresses_stops(self) -> bool:
