@@ -21,3 +21,8 @@ class EngineConfig(BaseModel):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "cpu", "torch", "flash", "triton"] = "auto"
+    batch_invariant: bool = Field(
+        False,
+        description="products, norms and attention whose per-row arithmetic does not depend on the batch: "
+        "a request gives the same tokens whatever runs beside it, in every dtype (CPU; engine/batch_invariant.py)",
+    )
