@@ -209,7 +209,7 @@ def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
 
 
 def _self_check(kernels: CpuKernels) -> None:
-    """A small decode against plain torch, so a miscompiled build is never used."""
+    """A small decode and a small product against plain torch, so a miscompiled build is never used."""
     generator = torch.Generator().manual_seed(0)
     num_blocks, block_size, kv_heads, head_dim, heads = 6, 4, 2, 8, 4
     keys = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
@@ -225,3 +225,9 @@ def _self_check(kernels: CpuKernels) -> None:
         expected = torch.einsum("ht,thd->hd", probs, v)
         if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
             raise RuntimeError(f"{kernels.path} failed its self-check against torch")
+    from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
+
+    weight, x = torch.randn(70, 9, generator=generator), torch.randn(5, 9, generator=generator)
+    packed = pack_invariant_weight(weight).data  # 70 columns: a block of 64 and a tail
+    if not torch.allclose(kernels.invariant_linear(x, packed, None, 70), x @ weight.t(), atol=1e-5, rtol=1e-4):
+        raise RuntimeError(f"{kernels.path} failed its self-check against torch")
