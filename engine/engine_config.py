@@ -24,5 +24,6 @@ class EngineConfig(BaseModel):
     batch_invariant: bool = Field(
         False,
         description="products, norms and attention whose per-row arithmetic does not depend on the batch: "
-        "a request gives the same tokens whatever runs beside it, in every dtype (CPU; engine/batch_invariant.py)",
+        "a request gives the same tokens and logprobs whatever runs beside it, in float32 and bfloat16 "
+        "(CPU; engine/batch_invariant.py)",
     )
