@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.llm import LLM
+from engine.models.invariant_linear import PackedWeight
 from engine.sampling.params import SamplingParams
 
 _WORDS = (
@@ -91,24 +92,31 @@ def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear) -> fl
     The faster of `F.linear` on plain copies of the weights and the model's own
     product on its (possibly packed) weights, so the floor is never flattered by
     a slow kernel."""
-    plain = [w.to_dense() if w.layout == torch._mkldnn else w for w in weights]
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in plain}
+    plain = [_plain(w) for w in weights]
+    inputs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in plain]
     best = float("inf")
     with torch.inference_mode():
         for product, mats in ((F.linear, plain), (linear, weights)):
             timings = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                for w in mats:
-                    product(inputs[w.shape[1]], w, None)
+                for x, w in zip(inputs, mats):
+                    product(x, w, None)
                 timings.append(time.perf_counter() - start)
             best = min(best, statistics.median(timings) * 1e3)
     return best
 
 
+def _plain(weight) -> torch.Tensor:
+    """A weight as the model's product takes it -> a plain [out, in] tensor."""
+    if isinstance(weight, PackedWeight):
+        return weight.unpack()
+    return weight.to_dense() if weight.layout == torch._mkldnn else weight
+
+
 def run(args: argparse.Namespace) -> dict[str, float]:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant)
     engine = llm.engine
     dtype = engine.runner.model.dtype
     prompts = make_prompts(llm, args.num_prompts, args.input_len, args.seed)
@@ -149,8 +157,9 @@ def _pad_id(model) -> int:
 
 def _print_table(args, report: dict[str, float], dtype: torch.dtype) -> None:
     print()
+    mode = ", batch-invariant" if args.batch_invariant else ""
     print(f"| {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
-          f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads | output tok/s |")
+          f"{str(dtype).removeprefix('torch.')}{mode}, {torch.get_num_threads()} threads | output tok/s |")
     print("|---|---|")
     print(f"| pagedserve | {report['pagedserve_tok_s']:.1f} |")
     if "hf_tok_s" in report:
@@ -171,6 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--single-steps", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
+    parser.add_argument("--batch-invariant", action="store_true", help="run pagedserve in batch-invariant mode")
     parser.add_argument("--seed", type=int, default=0)
     run(parser.parse_args(argv))
 

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.batch_invariant import Numerics, batch_invariant_numerics
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
@@ -44,10 +45,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
-    backend = get_attention_backend(config.attention_backend, device, dtype)
-    # the cpu backend's native library also fuses the per-token ops between the products
-    ops = NativeLayerOps(backend.kernels) if isinstance(backend, CpuAttentionBackend) else None
-    model = build_model(hf_config, dtype, device, ops)
+    backend, ops, linear = _numerics(config, device, dtype)
+    model = build_model(hf_config, dtype, device, ops, linear)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
         max_model_len = model.arch.sliding_window
@@ -70,6 +69,16 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         num_blocks * spec.bytes_per_block / 2**20, max_model_len, backend.name,
     )
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
+
+
+def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Numerics:
+    """The attention backend, per-token ops and matrix product the model runs with."""
+    if config.batch_invariant:
+        return batch_invariant_numerics(config.attention_backend, device, dtype)
+    backend = get_attention_backend(config.attention_backend, device, dtype)
+    # the cpu backend's native library also fuses the per-token ops between the products
+    ops = NativeLayerOps(backend.kernels) if isinstance(backend, CpuAttentionBackend) else None
+    return Numerics(backend, ops, None)
 
 
 def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, model: LlamaForCausalLM,

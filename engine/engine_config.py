@@ -20,3 +20,9 @@ class EngineConfig(BaseModel):
     cache: EngineCacheConfig = Field(default_factory=EngineCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "cpu", "torch", "flash", "triton"] = "auto"
+    batch_invariant: bool = Field(
+        False,
+        description="products, norms and attention whose per-row arithmetic does not depend on the batch: "
+        "a request gives the same tokens and logprobs whatever runs beside it, in float32 and bfloat16 "
+        "(CPU; engine/batch_invariant.py)",
+    )

@@ -1,7 +1,7 @@
 """The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
 
     defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
-                 (model/cache/scheduler/server sections, top-level attention_backend)
+                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant)
 
 Every value remembers where it came from, so an error names the flag, the
 environment variable or the YAML key that set it.
@@ -41,7 +41,10 @@ _YAML_SECTIONS: dict[str, FieldPath] = {
     "scheduler": ("engine", "scheduler"),
     "server": ("server",),
 }
-_YAML_SCALARS: dict[str, FieldPath] = {"attention_backend": ("engine", "attention_backend")}
+_YAML_SCALARS: dict[str, FieldPath] = {
+    "attention_backend": ("engine", "attention_backend"),
+    "batch_invariant": ("engine", "batch_invariant"),
+}
 _YAML_IGNORED = frozenset({"tiny_model"})
 _SECRET_FIELDS = frozenset({("server", "api_keys")})
 _TRUE = frozenset({"true", "1", "yes", "on"})
@@ -120,6 +123,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--scheduling-policy", (*_S, "policy"), "str", "order of admission to the running batch"),
     Option("--attention-backend", ("engine", "attention_backend"), "str",
            "attention kernels; auto picks from the device and what imports"),
+    Option("--batch-invariant", ("engine", "batch_invariant"), "bool",
+           "kernels whose per-request arithmetic does not depend on the batch: a request gives the same "
+           "tokens and logprobs whatever runs beside it, in float32 and bfloat16 (CPU)"),
     Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),
     Option("--strict-params", (*_SV, "strict_params"), "bool",
            "also reject request fields that the OpenAI API does not define (by default they are ignored)"),

@@ -33,7 +33,7 @@ from engine.loading.gguf_converter import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp")
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp")
 HEADERS = ("common.h",)
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -100,6 +100,7 @@ _SIGNATURES = {
     "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
+    "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
 }
 
 
@@ -176,6 +177,19 @@ class CpuKernels:
                                           sin_signed.data_ptr(), rows, x.stride(0), heads, head_dim)
         return x
 
+    def invariant_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                         out_features: int) -> torch.Tensor:
+        """x [rows, in] contiguous, `packed` from `pack_invariant_weight` -> [rows, out_features]; each element
+        summed in one fixed order whatever the number of rows (csrc/invariant_linear.cpp)."""
+        rows, in_features = x.shape
+        if packed.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+            raise ValueError("x, the packed weight and the bias must share one dtype")
+        out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+        self._function("invariant_linear", x.dtype)(
+            x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+            out_features, in_features)
+        return out
+
     def _function(self, name: str, dtype: torch.dtype):
         function = self._functions.get((name, dtype))
         if function is None:
@@ -195,7 +209,7 @@ def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
 
 
 def _self_check(kernels: CpuKernels) -> None:
-    """A small decode against plain torch, so a miscompiled build is never used."""
+    """A small decode and a small product against plain torch, so a miscompiled build is never used."""
     generator = torch.Generator().manual_seed(0)
     num_blocks, block_size, kv_heads, head_dim, heads = 6, 4, 2, 8, 4
     keys = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
@@ -211,3 +225,9 @@ def _self_check(kernels: CpuKernels) -> None:
         expected = torch.einsum("ht,thd->hd", probs, v)
         if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
             raise RuntimeError(f"{kernels.path} failed its self-check against torch")
+    from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
+
+    weight, x = torch.randn(70, 9, generator=generator), torch.randn(5, 9, generator=generator)
+    packed = pack_invariant_weight(weight).data  # 70 columns: a block of 64 and a tail
+    if not torch.allclose(kernels.invariant_linear(x, packed, None, 70), x @ weight.t(), atol=1e-5, rtol=1e-4):
+        raise RuntimeError(f"{kernels.path} failed its self-check against torch")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.layer_ops import TorchLayerOps
-from engine.models.linear import select_linear
+from engine.models.linear import Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
 
@@ -40,7 +40,7 @@ class LlamaForCausalLM:
     """Forward pass over paged KV caches; `compute_logits` only for the rows that need them."""
 
     def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: torch.device,
-                 ops: Optional[TorchLayerOps] = None):
+                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None):
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -48,7 +48,7 @@ class LlamaForCausalLM:
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
         )
         self.scale = arch.head_dim**-0.5
-        self.linear = select_linear(device, dtype)
+        self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.final_norm: Optional[torch.Tensor] = None

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from engine.models.layer_ops import TorchLayerOps
+from engine.models.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 
@@ -23,7 +24,7 @@ def supported_architectures() -> list[str]:
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
-                ops: Optional[TorchLayerOps] = None) -> LlamaForCausalLM:
+                ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None) -> LlamaForCausalLM:
     """An empty model for the config's architecture (load weights with `load_weights`)."""
     from engine.loading.loader import rope_settings
 
@@ -34,4 +35,4 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
             f"supported: {', '.join(supported_architectures())}"
         )
     arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
-    return LlamaForCausalLM(arch, dtype, device, ops)
+    return LlamaForCausalLM(arch, dtype, device, ops, linear)

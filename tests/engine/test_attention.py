@@ -1,5 +1,5 @@
-"""The attention backends (torch; cpu, i.e. the native decode kernel) against a naive float64
-reference over the paged cache.
+"""The attention backends (torch; cpu, i.e. the native decode kernel; cpu-batch-invariant, that kernel for
+every query) against a naive float64 reference over the paged cache.
 
 Each case builds a step the way engine/runner/model_runner.py does: a flat batch with
 decode rows first, then prefill chunks; per-request non-contiguous block tables;
@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.runner.kv_cache import KVCacheSpec
 
@@ -30,10 +31,12 @@ ATOL = RTOL = 1e-5
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(params=["torch", "cpu"])
+@pytest.fixture(params=["torch", "cpu", "cpu-batch-invariant"])
 def backend(request, cpu_kernels):
     if request.param == "cpu":
         return CpuAttentionBackend(cpu_kernels)
+    if request.param == "cpu-batch-invariant":
+        return BatchInvariantCpuBackend(cpu_kernels)
     return TorchAttentionBackend()
 
 

@@ -47,6 +47,13 @@ def test_plain_batch(model_dir, backend):
     check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
 
 
+def test_batch_invariant_mode(model_dir):
+    """The batch-invariant kernels (qkv biases and q/k norms included), chunked prefill: HF's tokens."""
+    prompts = mixed_prompts(5)
+    llm = make_llm(model_dir, batch_invariant=True, max_num_batched_tokens=16, max_num_seqs=4)
+    check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
+
+
 def test_chunked_prefill(model_dir):
     llm = make_llm(model_dir, max_num_batched_tokens=16, max_num_seqs=4)
     prompts = mixed_prompts(1)

@@ -37,6 +37,7 @@ FLAG_CASES = [
 BOOL_FLAGS = {
     "--enable-prefix-caching": (("engine", "cache", "enable_prefix_caching"), True),
     "--strict-params": (("server", "strict_params"), False),
+    "--batch-invariant": (("engine", "batch_invariant"), False),
 }
 ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config"}
 
@@ -102,6 +103,8 @@ PRECEDENCE_CASES = [
      (["http://y.test"], ["http://e1.test", "http://e2.test"], ["http://f.test"])),
     (None, "attention_backend", "--attention-backend", "torch", "auto", "torch",
      ("engine", "attention_backend"), ("torch", "auto", "torch")),
+    (None, "batch_invariant", "--batch-invariant", True, "0", None, ("engine", "batch_invariant"),
+     (True, False, True)),
 ]
 
 
@@ -196,8 +199,8 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
 
 
 @pytest.mark.parametrize("preset,expected", [
-    ({"schedular": {}}, "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, cache, "
-                        "model, scheduler, server)"),
+    ({"schedular": {}}, "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
+                        "batch_invariant, cache, model, scheduler, server)"),
     ({"scheduler": {"max_num_seq": 3}}, "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
                                         "max_model_len, max_num_batched_tokens, max_num_seqs, policy)"),
     ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),
