@@ -64,6 +64,72 @@ def test_a_block_filled_in_a_step_that_preempts_its_owner_is_never_a_hit():
     assert s.kv_cache_manager.usage == 0
 
 
+def test_a_decode_that_preempts_a_request_which_filled_a_block_earlier_in_the_step():
+    """The same bug through today's admission: v's decode fills its block 1, then h's decode,
+    later in the same step, needs a block and preempts v (the lower priority). Block 1 was
+    never written and must not be a hit for a request extending v's tokens."""
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                       max_model_len=64, policy="priority")
+    runner = RecordingRunner(4, lambda request_id, token_ids: 50 if request_id == "v" else 60)
+    v = make_request(list(range(10, 16)), request_id="v", max_tokens=6, priority=5, ignore_eos=True)
+    h = make_request(list(range(20, 28)), request_id="h", max_tokens=2, priority=0, ignore_eos=True)
+    s.add_request(v)
+    one_step(s, runner)  # v's prompt
+    s.add_request(h)
+    one_step(s, runner)  # v decodes; h's prompt (8 tokens)
+    output = one_step(s, runner)  # v fills its block 1, then h's decode preempts v
+    assert output.preempted_request_ids == {"v"}
+    s.add_request(make_request(v.all_token_ids + [1], request_id="probe", max_tokens=1, priority=-3,
+                               ignore_eos=True))
+    drive(s, runner)
+    assert s.kv_cache_manager.usage == 0
+
+
+def test_tight_pools_with_aborts_between_schedule_and_update():
+    """Seeded fuzzing where decodes run pools dry, so requests are preempted in the very step
+    that fills their blocks (counted: the test fails if that never happens), with aborts
+    arriving between `schedule` and `update_from_output` and request ids reused at once."""
+    dropped_pending = 0
+    for seed in range(250):
+        rng = random.Random(seed)
+        block_size = rng.choice([2, 4])
+        s = make_scheduler(num_blocks=rng.randint(3, 10), block_size=block_size, max_num_seqs=rng.randint(2, 4),
+                           max_num_batched_tokens=rng.randint(4, 16), max_model_len=64,
+                           policy=rng.choice(["fcfs", "priority"]))
+        kv = s.kv_cache_manager
+        free = kv.free
+
+        def counting_free(request, free=free, kv=kv):
+            nonlocal dropped_pending
+            held = {b.block_id for b in kv.get_blocks(request.request_id)}
+            dropped_pending += bool(held & set(kv._pending))
+            free(request)
+
+        kv.free = counting_free
+        runner = RecordingRunner(block_size, lambda request_id, token_ids: rng.choice([10, 11]))
+        for _ in range(40):
+            if rng.random() < 0.4:
+                live = list(s.requests.values())
+                prompt = ([rng.choice([10, 11]) for _ in range(rng.randint(1, 12))] if not live or rng.random() < 0.5
+                          else rng.choice(live).all_token_ids + [10])
+                request = make_request(prompt, request_id=f"r{rng.randint(0, 5)}", max_tokens=rng.randint(1, 30),
+                                       priority=rng.randint(-2, 2), ignore_eos=True)
+                if request.request_id not in s.requests:
+                    try:
+                        s.add_request(request)
+                    except RequestRejectedError:
+                        pass
+            output = s.schedule()
+            check_step_output(s, output)
+            if s.requests and rng.random() < 0.1:
+                s.abort([rng.choice(list(s.requests))])
+            s.update_from_output(output, runner.execute(output))
+            check_invariants(s)
+        drive(s, runner)
+        assert kv.usage == 0
+    assert dropped_pending > 0
+
+
 @st.composite
 def setups(draw):
     max_num_seqs = draw(st.integers(1, 5))
