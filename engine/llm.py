@@ -117,7 +117,7 @@ class LLM:
             raise
         results = {child: OutputAccumulator() for _, children in parents for child in children}
         with tqdm(total=len(results), desc="generating", unit="seq", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests:
+            while engine.has_work:  # the last step tells the runner which requests ended
                 for out in engine.step():
                     results[out.request_id].add(out)
                     if out.finished:
