@@ -42,6 +42,19 @@ class RunningServer:
         raise AssertionError(f"engine not idle after {timeout} s: {core.stats()}")
 
 
+def pace_engine(server: RunningServer, monkeypatch, seconds_per_step: float) -> None:
+    """Make every engine step of `server` last at least `seconds_per_step` (for the test's duration),
+    so that a test's timing does not depend on how fast this machine runs the tiny model."""
+    runner = server.engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(scheduler_output):
+        time.sleep(seconds_per_step)
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -15,6 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.server.conftest import pace_engine
+
 MODEL = "tiny"
 LONG = 200  # tokens: seconds of generation on the tiny model, far longer than any test step
 NUM_STREAMS = 4
@@ -93,21 +95,8 @@ def test_streams_closed_after_first_chunk_are_aborted(server):
     assert successes(server) == before + 1
 
 
-def paced(server, monkeypatch, seconds_per_step: float = 0.01) -> None:
-    """Slow the engine to at least `seconds_per_step` a step, so that LONG tokens outlast a
-    client's short timeout on any machine (200 tiny-model steps can take under 0.3 s)."""
-    runner = server.engine.engine.runner
-    execute = runner.execute
-
-    def slow_execute(scheduler_output):
-        time.sleep(seconds_per_step)
-        return execute(scheduler_output)
-
-    monkeypatch.setattr(runner, "execute", slow_execute)
-
-
 def test_non_streaming_clients_that_time_out_are_aborted(server, monkeypatch):
-    paced(server, monkeypatch)
+    pace_engine(server, monkeypatch, 0.01)  # 200 tiny-model steps can take under the 0.3 s timeout
     before_success = successes(server)
     before_499 = counter(server, "pagedserve_http_requests_total", route="/v1/completions", status="499")
     errors: list[BaseException] = []

@@ -16,6 +16,8 @@ import time
 
 import httpx
 
+from tests.server.conftest import pace_engine
+
 MODEL = "tiny"
 NUM_STREAMS = 16  # configs/tiny.yaml's max_num_seqs: a full batch
 PROMPT_LEN = 8  # 16 prompts x 8 tokens = 128 = max_num_batched_tokens: one step prefills them all
@@ -109,12 +111,5 @@ def test_health_stays_fast_while_the_model_computes(server):
 
 
 def test_health_stays_fast_while_each_step_outlasts_the_budget(server, monkeypatch):
-    runner = server.engine.engine.runner
-    execute = runner.execute
-
-    def stalled_execute(scheduler_output):
-        time.sleep(STEP_STALL)
-        return execute(scheduler_output)
-
-    monkeypatch.setattr(runner, "execute", stalled_execute)
+    pace_engine(server, monkeypatch, STEP_STALL)
     probe_health_under_load(server, min_steps=2)
