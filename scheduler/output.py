@@ -57,6 +57,7 @@ class SchedulerOutput:
 
     num_scheduled_tokens: dict[str, int]
     num_computed_tokens: dict[str, int]
+    step_id: int = 0  # the scheduler's count of scheduled steps: update_from_output takes the latest only
     new_requests: tuple[NewRequestData, ...] = ()
     new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     preempted_request_ids: frozenset[str] = frozenset()

@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_steps = 0  # steps scheduled
         self._finished_since_last_step: set[str] = set()
 
     # ------------------------------------------------------------------ requests
@@ -145,6 +146,7 @@ class Scheduler:
         """The next step. Its filled blocks become prefix-cache hits when `update_from_output` reports it done."""
         max_num_batched_tokens = self.scheduler_config.max_num_batched_tokens
         self.kv_cache_manager.discard_step()  # a step scheduled before that never completed
+        self.num_steps += 1
         plan = _StepPlan(budget=max_num_batched_tokens)
         self._schedule_decodes(plan)
         # Decodes take one token each and max_num_batched_tokens >= max_num_seqs.
@@ -166,6 +168,7 @@ class Scheduler:
         return SchedulerOutput(
             num_scheduled_tokens=plan.num_scheduled,
             num_computed_tokens=plan.num_computed,
+            step_id=self.num_steps,
             new_requests=tuple(plan.new_requests),
             new_block_ids=plan.new_block_ids,
             preempted_request_ids=frozenset(plan.preempted),
@@ -182,6 +185,10 @@ class Scheduler:
         Requests that finish are freed here; the outputs list every request that
         got tokens or finished. The blocks the step filled join the prefix-cache index.
         """
+        if scheduler_output.step_id != self.num_steps:
+            # The pending blocks belong to the latest step; one step is in flight at a time.
+            raise ValueError(f"update for step {scheduler_output.step_id}, but step {self.num_steps} "
+                             "was scheduled since")
         self.kv_cache_manager.commit_step()
         outputs: list[RequestStepOutput] = []
         append_output = outputs.append

@@ -236,3 +236,13 @@ def test_long_prompts_in_a_pool_just_larger_than_one_are_admitted_whole_and_neve
     assert s.num_preemptions == 0
     # Nothing was computed twice: 96 prompt tokens and 7 fed-back outputs per request.
     assert runner.num_tokens_written == len(requests) * 103
+
+
+def test_an_update_for_a_step_that_is_not_the_latest_is_refused():
+    """Pending blocks belong to the latest scheduled step: an older step's update must not index them."""
+    s = make_scheduler()
+    s.add_request(make_request(9))
+    stale = s.schedule()
+    s.schedule()  # scheduled again before the first completed
+    with pytest.raises(ValueError, match="was scheduled since"):
+        s.update_from_output(stale, {})
