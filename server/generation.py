@@ -8,10 +8,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
+from fastapi.responses import StreamingResponse
+
 from engine.async_engine import AsyncEngine, RequestInput
 from engine.outputs import OutputAccumulator, RequestOutput
-from engine.sampling.parallel import fan_out
 from engine.request_stream import RequestStream
+from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request
 from server.protocol import PromptTokensDetails, SamplingFields, Usage
@@ -182,6 +184,23 @@ async def stream_choices(choices: Sequence[Choice],
                 yield item
     finally:
         await close_streams(streams)
+
+
+class ChoicesStreamingResponse(StreamingResponse):
+    """An SSE response that owns its choices' engine streams: whenever the response ends (sent,
+    failed, or never started because the client left before the headers went out) it closes them,
+    aborting the choices still running. A plain StreamingResponse whose body generator never
+    starts would leave them to run to max_tokens for nobody."""
+
+    def __init__(self, content: AsyncIterator[bytes], streams: Sequence[RequestStream]):
+        super().__init__(content, media_type="text/event-stream")
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await close_streams(self._streams)  # never suspends: completes even when cancelled
 
 
 async def close_streams(streams: Sequence[RequestStream]) -> None:

@@ -6,14 +6,14 @@ import time
 from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from engine.request_stream import RequestStream
 from scheduler import RequestRejectedError
 from server.chat_messages import render_prompt
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request, rejection_error
-from server.generation import (Choice, UsageCounter, check_common, close_streams, collect_choices,
+from server.generation import (Choice, ChoicesStreamingResponse, UsageCounter, check_common, collect_choices,
                                make_sampling_params, plan_choices, start_choices, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
@@ -64,7 +64,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise rejection_error(exc, names) from None
     if body.stream:
         events = _stream(state, body, model, request_id, choices, streams, num_top)
-        return StreamingResponse(with_error_events(events, state.metrics), media_type="text/event-stream")
+        return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams)
     results = await cancel_on_disconnect(request, collect_choices(choices, streams))
     out = []
     for choice, result in zip(choices, results):
@@ -113,12 +113,8 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
         return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices_,
                                              usage=usage))
 
-    try:
-        for choice in choices:
-            yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
-    except BaseException:  # closed before reading any output: the choices must not run on
-        await close_streams(streams)
-        raise
+    for choice in choices:  # closed here, the response still closes the streams
+        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
     counter = UsageCounter.of([choices[0].prompt_token_ids], body.n)
     async for choice, output in stream_choices(choices, streams):
         counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)

@@ -6,14 +6,14 @@ import time
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from engine.outputs import OutputAccumulator
 from engine.request_stream import RequestStream
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
-from server.generation import (Choice, UsageCounter, check_common, collect_choices, make_sampling_params,
-                               plan_choices, start_choices, stream_choices)
+from server.generation import (Choice, ChoicesStreamingResponse, UsageCounter, check_common, collect_choices,
+                               make_sampling_params, plan_choices, start_choices, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, new_id, now)
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
@@ -38,7 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     streams = await start_choices(state.engine, choices, body.priority, arrival_time)
     if body.stream:
         events = _stream(state, body, model, request_id, choices, streams, prompts)
-        return StreamingResponse(with_error_events(events, state.metrics), media_type="text/event-stream")
+        return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams)
     results = await cancel_on_disconnect(request, collect_choices(choices, streams))
     return JSONResponse(_response(state, body, model, request_id, choices, prompts, results).model_dump())
 

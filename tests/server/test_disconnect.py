@@ -7,6 +7,8 @@ that none of them finished (no new `length` success), and that the server still 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 import time
 
@@ -164,3 +166,42 @@ def test_client_gone_before_first_token_leaves_nothing(server, stream):
     assert_gauges_reach_zero(server)
     server.wait_idle(timeout=1)
     assert successes(server) == before
+
+
+def http_requests(server, route: str) -> float:
+    """pagedserve_http_requests_total for `route`, summed over status codes."""
+    with server.client() as http:
+        text = http.get("/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "pagedserve_http_requests_total" and sample.labels.get("route") == route)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_whose_client_left_before_the_headers_is_aborted(server, monkeypatch, route):
+    """The request is queued, but the client is gone before the response starts: the body never runs,
+    and the response itself must abort the choices (they used to run to max_tokens for nobody)."""
+    pace_engine(server, monkeypatch, 0.1)  # 30 tokens would take 3 s
+    runner = server.engine.engine.runner
+    execute, steps = runner.execute, []
+
+    def counting_execute(scheduler_output):
+        steps.append(sum(1 for rid in scheduler_output.num_scheduled_tokens if rid.startswith("left-early")))
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute", counting_execute)
+    before_requests = http_requests(server, route)
+    body = {"model": MODEL, "max_tokens": 30, "stream": True, "ignore_eos": True, "n": 3, "request_id": "left-early"}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if "chat" in route else {"prompt": "Hi"})
+    payload = json.dumps(body).encode()
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    deadline = time.monotonic() + 10
+    while http_requests(server, route) == before_requests:  # the server has handled (and logged) it
+        assert time.monotonic() < deadline, "the server never logged the request"
+        time.sleep(0.02)
+    server.wait_idle(timeout=20)
+    assert_gauges_reach_zero(server)
+    # aborted within a few steps, not run for all 30 tokens
+    assert sum(1 for n in steps if n) < 10, steps
