@@ -60,4 +60,7 @@ def batch_invariant_numerics(attention_backend: str, device: torch.device, dtype
     if kernels is None:
         raise ValueError("batch_invariant needs the native CPU kernels, which did not build here "
                          "(see the warning above)")
+    if not kernels.invariant_product_ok:
+        raise ValueError("batch_invariant needs the native batch-invariant product, which failed its "
+                         "self-check here (see the warning above)")
     return Numerics(BatchInvariantCpuBackend(kernels), NativeLayerOps(kernels), BatchInvariantLinear(kernels))

@@ -109,6 +109,7 @@ class CpuKernels:
 
     def __init__(self, path: Path):
         self.path = path
+        self.invariant_product_ok = False  # set by the load-time self-check
         library = ctypes.CDLL(str(path))
         self._functions = {}
         for name, argtypes in _SIGNATURES.items():
@@ -181,9 +182,19 @@ class CpuKernels:
                          out_features: int) -> torch.Tensor:
         """x [rows, in] contiguous, `packed` from `pack_invariant_weight` -> [rows, out_features]; each element
         summed in one fixed order whatever the number of rows (csrc/invariant_linear.cpp)."""
+        if x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("invariant_linear takes x as a contiguous 2-D CPU tensor")
         rows, in_features = x.shape
         if packed.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
             raise ValueError("x, the packed weight and the bias must share one dtype")
+        num_blocks = -(-out_features // 64)
+        expected = ((num_blocks, -(-in_features // 2), 64, 2) if x.dtype == torch.bfloat16
+                    else (num_blocks, in_features, 64))
+        if tuple(packed.shape) != expected or not packed.is_contiguous():
+            raise ValueError(f"packed weight of shape {tuple(packed.shape)}, expected {expected} (contiguous) "
+                             f"for {out_features} x {in_features}")
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({out_features},)")
         out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
         self._function("invariant_linear", x.dtype)(
             x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows,
@@ -225,9 +236,22 @@ def _self_check(kernels: CpuKernels) -> None:
         expected = torch.einsum("ht,thd->hd", probs, v)
         if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
             raise RuntimeError(f"{kernels.path} failed its self-check against torch")
+    kernels.invariant_product_ok = _invariant_product_ok(kernels, generator)
+
+
+def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
+    """The batch-invariant product against a float64 reference, in float32 and in bfloat16 (odd K, a
+    column tail). Only batch-invariant mode depends on it: a failure is logged and refuses that mode."""
     from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
 
     weight, x = torch.randn(70, 9, generator=generator), torch.randn(5, 9, generator=generator)
-    packed = pack_invariant_weight(weight).data  # 70 columns: a block of 64 and a tail
-    if not torch.allclose(kernels.invariant_linear(x, packed, None, 70), x @ weight.t(), atol=1e-5, rtol=1e-4):
-        raise RuntimeError(f"{kernels.path} failed its self-check against torch")
+    expected = (x.double() @ weight.double().t())
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+        w, xs = weight.to(dtype), x.to(dtype)
+        reference = xs.double() @ w.double().t() if dtype == torch.bfloat16 else expected
+        got = kernels.invariant_linear(xs, pack_invariant_weight(w).data, None, 70).double()
+        if not torch.allclose(got, reference, atol=tolerance, rtol=tolerance):
+            logger.warning("%s: the batch-invariant %s product failed its self-check; --batch-invariant is "
+                           "unavailable", kernels.path, str(dtype).removeprefix("torch."))
+            return False
+    return True

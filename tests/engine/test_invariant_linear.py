@@ -84,3 +84,17 @@ def test_takes_strided_input_and_refuses_mixed_dtypes(linear):
     torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="share one dtype"):
         linear(x.bfloat16(), packed, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_refuses_inputs_that_do_not_match_the_packed_weight(cpu_kernels, dtype):
+    packed = pack_invariant_weight(torch.randn(70, 9).to(dtype)).data
+    call = cpu_kernels.invariant_linear
+    assert call(torch.randn(3, 9).to(dtype), packed, None, 70).shape == (3, 70)
+    with pytest.raises(ValueError, match="packed weight"):
+        call(torch.randn(3, 4096).to(dtype), packed, None, 70)  # wrong in_features: would read past the weight
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        call(torch.randn(9, 3).to(dtype).t(), packed, None, 70)
+    with pytest.raises(ValueError, match="bias"):
+        call(torch.randn(3, 9).to(dtype), packed, torch.zeros(7, dtype=dtype), 70)
+    assert cpu_kernels.invariant_product_ok

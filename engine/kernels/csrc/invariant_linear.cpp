@@ -1,5 +1,6 @@
 // A batch-invariant matrix product for CPUs: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), where every
-// output element is summed in one fixed order (k ascending, in float32) whatever the number of rows M,
+// output element is summed in one fixed order (k ascending, in float32; on AVX512-BF16 a pair of k at a
+// time, as vdpbf16ps computes it, denormals flushed) whatever the number of rows M,
 // the row's place in the batch or the thread count. (oneDNN's products pick other kernels, and other
 // reduction orders, for other M: one row alone and the same row among others round differently.)
 //
