@@ -10,17 +10,15 @@ from typing import Optional
 import torch
 
 from engine.attention import AttentionBackend, get_attention_backend
-from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.batch_invariant import Numerics, batch_invariant_numerics
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.runner.kv_cache import KVCache, KVCacheSpec
 from engine.loading.loader import iter_weights, load_hf_config, prepare_checkpoint
-from engine.runner.memory_profile import cuda_kv_budget, profile_step_peak_bytes
-from engine.runner.model_runner import ModelRunner
+from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
+from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
-from engine.models.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaForCausalLM
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
@@ -54,7 +52,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, dtype)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, max_model_len)
-    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device)
+    limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
+    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
@@ -76,9 +75,7 @@ def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype) ->
     if config.batch_invariant:
         return batch_invariant_numerics(config.attention_backend, device, dtype)
     backend = get_attention_backend(config.attention_backend, device, dtype)
-    # the cpu backend's native library also fuses the per-token ops between the products
-    ops = NativeLayerOps(backend.kernels) if isinstance(backend, CpuAttentionBackend) else None
-    return Numerics(backend, ops, None)
+    return Numerics(backend, backend.layer_ops(), None)
 
 
 def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, model: LlamaForCausalLM,
@@ -91,10 +88,11 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
     elif device.type == "cuda":
         scheduler = config.scheduler
         step_tokens = scheduler.max_num_batched_tokens
-        peak = profile_step_peak_bytes(model, backend, spec, step_tokens, scheduler.max_num_seqs, max_model_len,
-                                       device)
+        peak = profile_peak_bytes(model, backend, spec, step_tokens, scheduler.max_num_seqs, max_model_len,
+                                  device)
         budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device)
-        logger.info("profiled a %d-token step: %.0f MiB of activations at peak", step_tokens, peak / 2**20)
+        logger.info("profiled a %d-token prefill and a %d-request decode at %d tokens: %.0f MiB of activations "
+                    "at peak", step_tokens, scheduler.max_num_seqs, max_model_len, peak / 2**20)
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
     num_blocks = spec.num_blocks_for(budget)

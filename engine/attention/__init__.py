@@ -2,5 +2,6 @@
 
 from engine.attention.backend import AttentionBackend, get_attention_backend
 from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.attention.step_metadata import StepMetadata
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillChunk", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillChunk", "StepMetadata", "get_attention_backend"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.step_metadata import StepMetadata
 from engine.runner.kv_cache import KVCacheSpec
+
+if TYPE_CHECKING:
+    from engine.models.layer_ops import TorchLayerOps
 
 
 class AttentionBackend(Protocol):
@@ -16,8 +19,13 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def prepare(self, metadata: AttentionMetadata, spec: KVCacheSpec) -> AttentionMetadata:
-        """Once per step, before the first layer: add what this backend derives from the metadata."""
+    def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> Any:
+        """Once per step, before the first layer: this backend's own metadata from the step's (which
+        the runner wrote into its persistent buffers); every layer's `write_kv` and `attend` get it."""
+        ...
+
+    def layer_ops(self) -> Optional["TorchLayerOps"]:
+        """The per-token ops (norms, SiLU-and-mul, RoPE) this backend brings, or None for plain torch's."""
         ...
 
     def write_kv(
@@ -26,7 +34,7 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: Any,
     ) -> None:
         """Store the new tokens' K/V at `metadata.slot_mapping`."""
         ...
@@ -38,7 +46,7 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: Any,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each query over its request's cached and new tokens."""

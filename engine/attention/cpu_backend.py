@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, decode_and_chunks
+from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
+from engine.models.layer_ops import NativeLayerOps
 from engine.runner.kv_cache import KVCacheSpec
 
 
@@ -20,8 +22,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
 
-    def prepare(self, metadata: AttentionMetadata, spec: KVCacheSpec) -> AttentionMetadata:
-        return metadata  # the kernel stops at each context length: no mask
+    def layer_ops(self) -> NativeLayerOps:
+        """The same native library also fuses the per-token ops between the products."""
+        return NativeLayerOps(self.kernels)
+
+    def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
+        return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:

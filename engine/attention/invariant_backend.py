@@ -17,40 +17,32 @@ per query tile (the kernel is the decode one); decodes cost what they cost with 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.step_metadata import StepMetadata
 from engine.runner.kv_cache import KVCacheSpec
 
 
 class BatchInvariantCpuBackend(CpuAttentionBackend):
-    """`cpu` with prompt chunks turned into single-query rows in `prepare` (once per step)."""
+    """`cpu` with prompt chunks turned into single-query rows when the step's metadata is built."""
 
     name = "cpu-batch-invariant"
 
-    def prepare(self, metadata: AttentionMetadata, spec: KVCacheSpec) -> AttentionMetadata:
-        if not metadata.prefills:
-            return metadata
-        block_size = spec.block_size
-        num_tokens = metadata.num_tokens
-        width = max(-(-chunk.context_len // block_size) for chunk in metadata.prefills)
-        if metadata.num_decodes:
-            width = max(width, metadata.decode_block_tables.shape[1])
-        device = metadata.slot_mapping.device
-        tables = torch.zeros((num_tokens, width), dtype=torch.int64, device=device)  # [num_tokens, width]
-        lens = torch.empty(num_tokens, dtype=torch.int64, device=device)  # [num_tokens]
-        if metadata.num_decodes:
-            decodes = metadata.num_decodes
-            tables[:decodes, : metadata.decode_block_tables.shape[1]] = metadata.decode_block_tables
-            lens[:decodes] = metadata.decode_context_lens
-        for chunk in metadata.prefills:
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            num_blocks = -(-chunk.context_len // block_size)
-            tables[rows, :num_blocks] = chunk.block_table[:num_blocks]
-            first = chunk.context_len - chunk.query_len + 1
-            lens[rows] = torch.arange(first, chunk.context_len + 1, device=device)
-        return dataclasses.replace(metadata, num_decodes=num_tokens, decode_block_tables=tables,
-                                   decode_context_lens=lens, prefills=())
+    def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
+        if step.num_decodes == step.num_reqs:
+            return super().build_metadata(step, spec)
+        num_tokens = step.num_tokens
+        device = step.slot_mapping.device
+        starts = step.query_start_loc_cpu
+        query_lens = (starts[1:] - starts[:-1]).to(device=device, dtype=torch.int64)  # [num_reqs]
+        # token t of request i (at position seq_lens[i] - q(i) + j): its request's table row, context j + 1 + ...
+        width = -(-step.max_seq_len // spec.block_size)
+        tables = step.block_table[:, :width].repeat_interleave(query_lens, dim=0).contiguous()  # [num_tokens, width]
+        request_of_token = torch.repeat_interleave(torch.arange(step.num_reqs, device=device), query_lens)
+        first_position = (step.seq_lens.to(torch.int64) - query_lens)[request_of_token]  # [num_tokens]
+        offset_in_request = torch.arange(num_tokens, device=device) - starts[:-1].to(device=device,
+                                                                                      dtype=torch.int64)[request_of_token]
+        lens = (first_position + offset_in_request + 1).to(torch.int32)  # [num_tokens]
+        return AttentionMetadata(step.slot_mapping, num_tokens, tables, lens, ())

@@ -7,7 +7,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
+from engine.attention.step_metadata import StepMetadata
 from engine.runner.kv_cache import KVCacheSpec
 
 
@@ -16,15 +17,19 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def prepare(self, metadata: AttentionMetadata, spec: KVCacheSpec) -> AttentionMetadata:
-        """The decodes' additive mask: 0 up to each context length, -inf past it (padding of the gather)."""
+    def layer_ops(self) -> None:
+        return None  # plain torch ops
+
+    def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
+        """Decode tables and lengths (views of the step's), one PrefillChunk per other request, and the
+        decodes' additive mask: 0 up to each context length, -inf past it (padding of the gather)."""
+        metadata = decode_and_chunks(step, spec.block_size)
         if not metadata.num_decodes:
             return metadata
         lens = metadata.decode_context_lens
         _, max_blocks = metadata.decode_block_tables.shape
-        block_size = spec.block_size
-        key_pos = torch.arange(max_blocks * block_size, device=lens.device)
-        bias = torch.zeros((metadata.num_decodes, 1, 1, max_blocks * block_size), dtype=spec.dtype,
+        key_pos = torch.arange(max_blocks * spec.block_size, device=lens.device)
+        bias = torch.zeros((metadata.num_decodes, 1, 1, max_blocks * spec.block_size), dtype=spec.dtype,
                            device=lens.device)
         bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(metadata.num_decodes, 1, 1, -1), float("-inf"))
         return dataclasses.replace(metadata, decode_bias=bias)

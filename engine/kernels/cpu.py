@@ -123,8 +123,8 @@ class CpuKernels:
         query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
-        block_tables: torch.Tensor,  # [num_seqs, width] int64
-        context_lens: torch.Tensor,  # [num_seqs] int64, each >= 1 and <= width * block_size
+        block_tables: torch.Tensor,  # [num_seqs, width] int32
+        context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1 and <= width * block_size
         scale: float,
     ) -> torch.Tensor:
         """Attention of one query per sequence over its cached tokens (the new token included)."""
@@ -132,8 +132,8 @@ class CpuKernels:
         _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
             raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {tuple(key_cache.shape)}")
-        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
-            raise ValueError("block_tables and context_lens must be int64")
+        if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+            raise ValueError("block_tables and context_lens must be int32")
         for tensor in (query, key_cache, value_cache, block_tables, context_lens):
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError("paged_decode takes contiguous CPU tensors")
@@ -226,8 +226,8 @@ def _self_check(kernels: CpuKernels) -> None:
     keys = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
     values = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
     query = torch.randn(2, heads, head_dim, generator=generator)
-    tables = torch.tensor([[3, 1, 5], [0, 2, 4]])
-    lens = torch.tensor([9, 4])
+    tables = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=torch.int32)
+    lens = torch.tensor([9, 4], dtype=torch.int32)
     got = kernels.paged_decode(query, keys, values, tables, lens, 0.5)
     for seq in range(2):
         k = keys[tables[seq]].reshape(-1, kv_heads, head_dim)[: lens[seq]].repeat_interleave(heads // kv_heads, 1)

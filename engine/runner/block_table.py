@@ -7,19 +7,19 @@ import torch
 
 
 class BlockTable:
-    """A host-side `[rows, width]` int64 table (a torch tensor and a numpy view of the same memory).
+    """A host-side `[rows, width]` int32 table (a torch tensor and a numpy view of the same memory).
 
     A request takes a row when it is added and gives it back when it ends; the
     scheduler's new block ids are appended to the row as they arrive, so a step
-    never rebuilds tables from Python lists: decode tables are one `index_select`
-    of the rows in the batch, a prefill chunk's table is a view of its row, and
-    slots (block_id * block_size + offset) are read from the row.
+    never rebuilds tables from Python lists: the step's table is one `index_select`
+    of the rows in the batch (`gather_into`), and slots (block_id * block_size +
+    offset) are read from the rows.
     Rows and width grow by doubling when needed (rare), which reallocates.
     """
 
     def __init__(self, block_size: int, rows: int = 64, width: int = 64):
         self.block_size = block_size
-        self._tensor = torch.zeros((rows, width), dtype=torch.int64)
+        self._tensor = torch.zeros((rows, width), dtype=torch.int32)
         self._array = self._tensor.numpy()
         self._free = list(range(rows - 1, -1, -1))
         self._lengths = np.zeros(rows, dtype=np.int64)
@@ -55,29 +55,29 @@ class BlockTable:
         self._array[row, start:end] = block_ids
         self._lengths[row] = end
 
-    def slot(self, row: int, position: int) -> int:
-        """Where the token at `position` of the row's request lives in the cache."""
-        block_size = self.block_size
-        return int(self._array[row, position // block_size]) * block_size + position % block_size
-
-    def slots(self, row: int, start: int, end: int) -> list[int]:
-        """`slot` for positions start .. end - 1."""
+    def slots(self, row: int, start: int, end: int) -> np.ndarray:
+        """Where the tokens at positions start .. end - 1 of the row's request live in the cache."""
         positions = np.arange(start, end)
-        return (self._array[row, positions // self.block_size] * self.block_size
-                + positions % self.block_size).tolist()
+        return self._array[row, positions // self.block_size].astype(np.int64) * self.block_size + \
+            positions % self.block_size
+
+    def slots_at(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """`slot` of one position per row (decodes): rows and positions int64 arrays of one length."""
+        return self._array[rows, positions // self.block_size].astype(np.int64) * self.block_size + \
+            positions % self.block_size
 
     def blocks(self, row: int, num_tokens: int) -> torch.Tensor:
         """The block ids holding the row's first `num_tokens` tokens (a view: valid until the table changes)."""
         return self._tensor[row, : -(-num_tokens // self.block_size)]
 
-    def gather(self, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """`[len(rows), blocks of num_tokens]` copy of those rows' first blocks (entries past a row's end are
-        stale but valid block ids)."""
-        return self._tensor[:, : -(-num_tokens // self.block_size)].index_select(0, rows)
+    def gather_into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = the first out.shape[1] block ids of row rows[i] (entries past a row's blocks are stale
+        but valid block ids)."""
+        torch.index_select(self._tensor[:, : out.shape[1]], 0, rows, out=out)
 
     def _resize(self, rows: int, width: int) -> None:
         old_rows, old_width = self._tensor.shape
-        tensor = torch.zeros((rows, width), dtype=torch.int64)
+        tensor = torch.zeros((rows, width), dtype=torch.int32)
         tensor[:old_rows, :old_width] = self._tensor
         self._tensor, self._array = tensor, tensor.numpy()
         self._free = list(range(rows - 1, old_rows - 1, -1)) + self._free

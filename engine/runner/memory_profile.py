@@ -6,37 +6,45 @@
                 + memory held outside torch's allocator (CUDA context, other processes)
     KV budget   = requested - non-KV
 
-The profiled step is the largest the scheduler can form: `max_num_batched_tokens`
-query tokens (as one prefill over a throwaway cache) and logits for `max_num_seqs`
-rows, so the real steps never need more activation memory than was set aside.
+Two steps are profiled, and the larger peak kept: the largest prefill the scheduler
+can form (`max_num_batched_tokens` query tokens, as one request over a throwaway
+cache, logits for `max_num_seqs` rows) and the largest decode (`max_num_seqs`
+requests at `max_model_len`, all reading one throwaway request's blocks), since a
+backend's decode may need more working memory than its prefill (the torch backend
+gathers every decode's K/V into a padded copy).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
-from engine.runner.kv_cache import KVCache, KVCacheSpec
+from engine.attention import AttentionBackend
+from engine.attention.step_metadata import (StepMetadata, shared_context_decode_metadata,
+                                            single_prefill_metadata)
 from engine.models.llama import LlamaForCausalLM
+from engine.runner.kv_cache import KVCache, KVCacheSpec
+
+
+def profile_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, max_num_tokens: int,
+                       max_num_seqs: int, max_model_len: int, device: torch.device) -> int:
+    """The larger activation peak of the largest prefill step and the largest decode step."""
+    prefill = single_prefill_metadata(max_num_tokens, spec.block_size, device)
+    decode = shared_context_decode_metadata(max_num_seqs, max_model_len, spec.block_size, device)
+    return max(profile_step_peak_bytes(model, backend, spec, prefill, max_num_seqs, max_model_len, device),
+               profile_step_peak_bytes(model, backend, spec, decode, max_num_seqs, max_model_len, device))
 
 
 def profile_step_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
-                            num_tokens: int, num_logit_rows: int, max_model_len: int, device: torch.device) -> int:
-    """Peak memory allocated above the current allocation while one step of `num_tokens` runs.
+                            step: StepMetadata, num_logit_rows: int, max_model_len: int,
+                            device: torch.device) -> int:
+    """Peak memory allocated above the current allocation while `step` runs over a throwaway cache.
 
     Positions wrap at max_model_len (a step may hold more tokens than one sequence can)."""
-    num_blocks = -(-num_tokens // spec.block_size)
+    num_blocks = -(-step.max_seq_len // spec.block_size)
     scratch = KVCache(spec, num_blocks, device)
-    slots = torch.arange(num_tokens, device=device)
-    positions = slots % max_model_len
-    metadata = AttentionMetadata(
-        slot_mapping=slots,
-        num_decodes=0,
-        decode_block_tables=None,
-        decode_context_lens=None,
-        prefills=(PrefillChunk(0, num_tokens, num_tokens, torch.arange(num_blocks, device=device)),),
-    )
-    metadata = backend.prepare(metadata, spec)
+    num_tokens = step.num_tokens
+    positions = torch.arange(num_tokens, device=device) % max_model_len
+    metadata = backend.build_metadata(step, spec)
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

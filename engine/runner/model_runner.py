@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from engine.attention import AttentionBackend, StepMetadata
+from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
 from engine.runner.kv_cache import KVCache
-from engine.models.llama import LlamaForCausalLM
+from engine.runner.step_buffers import StepBuffers
 from engine.outputs import ModelRunnerOutput
 from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from engine.sampling.state import SamplingState
@@ -39,34 +39,41 @@ class CachedRequestState:
         return self.sampling.params.prompt_logprobs is not None
 
 
+@dataclass(frozen=True, slots=True)
+class RunnerLimits:
+    """The scheduler's limits, which size the runner's persistent step buffers."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
 @dataclass(slots=True)
 class _Batch:
-    """The flat token batch of one step, decodes first."""
+    """What the step samples and scores, besides the inputs written into the step buffers."""
 
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    decode_rows: list[int] = field(default_factory=list)  # BlockTable rows
-    decode_lens: list[int] = field(default_factory=list)
-    prefill_spans: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, start, len, pos0
+    num_tokens: int = 0
     sample_rows: list[int] = field(default_factory=list)
     sample_states: list[CachedRequestState] = field(default_factory=list)
-    prompt_rows: list[tuple[CachedRequestState, int, int]] = field(default_factory=list)  # state, first row, count
+    prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, row, count, pos0
 
 
 class ModelRunner:
     """Owns the model, the physical KV cache and per-request sampling state."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 device: torch.device):
+                 device: torch.device, limits: RunnerLimits):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
+        self.limits = limits
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        self.block_table = BlockTable(kv_cache.spec.block_size)
-        self._inputs = _HostBuffers()
+        block_size = kv_cache.spec.block_size
+        max_blocks = -(-limits.max_model_len // block_size)
+        self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
+        self.buffers = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs, max_blocks, device)
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""
@@ -85,10 +92,11 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        batch = self._build_batch(scheduler_output)
-        metadata = self._attention_metadata(batch)
-        input_ids = self._inputs.put("input_ids", batch.input_ids, self.device)
-        positions = self._inputs.put("positions", batch.positions, self.device)
+        batch, step = self._prepare_inputs(scheduler_output)
+        metadata = self.backend.build_metadata(step, self.kv_cache.spec)
+        buffers = self.buffers
+        input_ids = buffers.input_ids.upload(batch.num_tokens)
+        positions = buffers.positions.upload(batch.num_tokens)
         hidden = self.model.forward(input_ids, positions, self.kv_cache.layers, metadata, self.backend)
         return self._sample(hidden, batch)
 
@@ -113,79 +121,92 @@ class ModelRunner:
         return CachedRequestState(new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(),
                                   list(new.token_ids))
 
-    def _build_batch(self, so: SchedulerOutput) -> _Batch:
-        batch = _Batch()
-        table = self.block_table
-        chunks = []
+    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[_Batch, StepMetadata]:
+        """Write the step into the persistent buffers, decodes first, and describe it (StepMetadata).
+
+        A "decode" here is any request with one scheduled token (and no prompt logprobs to score)."""
+        decodes, chunks = [], []
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = so.num_computed_tokens[request_id]
-            if num_tokens != 1 or state.wants_prompt_logprobs:
+            if num_tokens == 1 and not state.wants_prompt_logprobs:
+                decodes.append((state, start))
+            else:
                 chunks.append((state, start, num_tokens))
-                continue
-            batch.input_ids.append(state.token_ids[start])
-            batch.positions.append(start)
-            batch.slots.append(table.slot(state.row, start))
-            batch.decode_rows.append(state.row)
-            batch.decode_lens.append(start + 1)
-            if start + 1 == len(state.token_ids):
-                batch.sample_rows.append(len(batch.input_ids) - 1)
-                batch.sample_states.append(state)
-        for state, start, num_tokens in chunks:
-            self._add_chunk(batch, state, start, num_tokens)
-        return batch
+        num_decodes, num_reqs = len(decodes), len(decodes) + len(chunks)
+        buffers = self.buffers
+        buffers.check_fits(so.total_num_scheduled_tokens, num_reqs, 0)
+        ids, positions, slots = buffers.input_ids.array, buffers.positions.array, buffers.slot_mapping.array
+        starts, seq_lens = buffers.query_start_loc.array, buffers.seq_lens.array
+        rows = np.empty(num_reqs, dtype=np.int64)
+        batch = _Batch()
+        if num_decodes:
+            decode_pos = np.fromiter((start for _, start in decodes), dtype=np.int64, count=num_decodes)
+            rows[:num_decodes] = [state.row for state, _ in decodes]
+            ids[:num_decodes] = [state.token_ids[start] for state, start in decodes]
+            positions[:num_decodes] = decode_pos
+            slots[:num_decodes] = self.block_table.slots_at(rows[:num_decodes], decode_pos)
+            starts[: num_decodes + 1] = np.arange(num_decodes + 1)
+            seq_lens[:num_decodes] = decode_pos + 1
+            for i, (state, start) in enumerate(decodes):
+                if start + 1 == len(state.token_ids):
+                    batch.sample_rows.append(i)
+                    batch.sample_states.append(state)
+        else:
+            starts[0] = 0
+        token = num_decodes
+        max_query_len = 1 if num_decodes else 0
+        for i, (state, start, num_tokens) in enumerate(chunks, num_decodes):
+            end = start + num_tokens
+            ids[token:token + num_tokens] = state.token_ids[start:end]
+            positions[token:token + num_tokens] = np.arange(start, end)
+            slots[token:token + num_tokens] = self.block_table.slots(state.row, start, end)
+            rows[i], starts[i + 1], seq_lens[i] = state.row, token + num_tokens, end
+            self._add_chunk_outputs(batch, state, token, start, num_tokens)
+            token += num_tokens
+            max_query_len = max(max_query_len, num_tokens)
+        batch.num_tokens = token
+        max_seq_len = int(seq_lens[:num_reqs].max())
+        width = -(-max_seq_len // self.block_table.block_size)
+        buffers.check_fits(token, num_reqs, width)
+        host_table, _ = buffers.block_table_view(num_reqs, width)
+        self.block_table.gather_into(torch.from_numpy(rows), host_table)
+        step = StepMetadata(
+            slot_mapping=buffers.slot_mapping.upload(token),
+            query_start_loc=buffers.query_start_loc.upload(num_reqs + 1),
+            seq_lens=buffers.seq_lens.upload(num_reqs),
+            block_table=buffers.upload_block_table(num_reqs, width),
+            query_start_loc_cpu=buffers.query_start_loc.host[: num_reqs + 1],
+            seq_lens_cpu=buffers.seq_lens.host[:num_reqs],
+            num_decodes=num_decodes,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+        return batch, step
 
-    def _add_chunk(self, batch: _Batch, state: CachedRequestState, start: int, num_tokens: int) -> None:
-        first_row = len(batch.input_ids)
+    @staticmethod
+    def _add_chunk_outputs(batch: _Batch, state: CachedRequestState, first_row: int, start: int,
+                           num_tokens: int) -> None:
+        """What a chunk samples (its last row, at the end of the sequence) and scores (prompt logprobs)."""
         end = start + num_tokens
-        batch.input_ids.extend(state.token_ids[start:end])
-        batch.positions.extend(range(start, end))
-        batch.slots.extend(self.block_table.slots(state.row, start, end))
-        batch.prefill_spans.append((state, first_row, num_tokens, start))
         if state.wants_prompt_logprobs:
             # Row of position j predicts token j + 1: rows start .. min(end, prompt - 1) - 1. After a
             # preemption they are scored again; the engine keeps the first score of each position.
             count = min(end, state.num_prompt_tokens - 1) - start
             if count > 0:
-                batch.prompt_rows.append((state, first_row, count))
+                batch.prompt_rows.append((state, first_row, count, start))
         if end == len(state.token_ids):
             batch.sample_rows.append(first_row + num_tokens - 1)
             batch.sample_states.append(state)
-
-    def _attention_metadata(self, batch: _Batch) -> AttentionMetadata:
-        device = self.device
-        num_decodes = len(batch.decode_lens)
-        tables = lens = None
-        table = self.block_table
-        inputs = self._inputs
-        if num_decodes:
-            rows = inputs.put("decode_rows", batch.decode_rows)
-            tables = table.gather(rows, max(batch.decode_lens)).to(device)
-            lens = inputs.put("decode_lens", batch.decode_lens, device)
-        prefills = tuple(
-            PrefillChunk(
-                query_start=first_row,
-                query_len=num_tokens,
-                context_len=pos0 + num_tokens,
-                block_table=table.blocks(state.row, pos0 + num_tokens).to(device),
-            )
-            for state, first_row, num_tokens, pos0 in batch.prefill_spans
-        )
-        metadata = AttentionMetadata(
-            slot_mapping=inputs.put("slots", batch.slots, device),
-            num_decodes=num_decodes,
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-            prefills=prefills,
-        )
-        return self.backend.prepare(metadata, self.kv_cache.spec)
 
     def _sample(self, hidden: torch.Tensor, batch: _Batch) -> ModelRunnerOutput:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         if batch.sample_rows:
-            rows = self._inputs.put("sample_rows", batch.sample_rows, hidden.device)
+            sample_rows = self.buffers.sample_rows
+            sample_rows.array[: len(batch.sample_rows)] = batch.sample_rows
+            rows = sample_rows.upload(len(batch.sample_rows))
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
             result = self.sampler(logits, [s.sampling for s in batch.sample_states])
             for i, (state, token_id) in enumerate(zip(batch.sample_states, result.sampled_token_ids)):
@@ -194,34 +215,9 @@ class ModelRunner:
                 sampled[state.request_id] = [token_id]
                 if result.logprobs is not None and result.logprobs[i] is not None:
                     logprobs[state.request_id] = result.logprobs[i]
-        for state, first_row, count in batch.prompt_rows:
-            pos0 = batch.positions[first_row]
+        for state, first_row, count, pos0 in batch.prompt_rows:
             logits = self.model.compute_logits(hidden[first_row : first_row + count])
             targets = torch.tensor(state.token_ids[pos0 + 1 : pos0 + 1 + count], dtype=torch.int64,
                                    device=hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, state.sampling.params.prompt_logprobs)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
-
-
-class _HostBuffers:
-    """Preallocated int64 host buffers, one per step input, reused every step (grown by doubling).
-
-    `put` copies a step's values in and returns a view of the first len(values)
-    entries (moved to `device` when given and not the CPU): valid until the next step.
-    """
-
-    def __init__(self, capacity: int = 256):
-        self._capacity = capacity
-        self._arrays: dict[str, np.ndarray] = {}
-        self._tensors: dict[str, torch.Tensor] = {}
-
-    def put(self, name: str, values: list[int], device: Optional[torch.device] = None) -> torch.Tensor:
-        count = len(values)
-        array = self._arrays.get(name)
-        if array is None or array.shape[0] < count:
-            size = max(self._capacity, 1 << max(count - 1, 0).bit_length())
-            array = self._arrays[name] = np.empty(size, dtype=np.int64)
-            self._tensors[name] = torch.from_numpy(array)
-        array[:count] = values
-        view = self._tensors[name][:count]
-        return view if device is None or device.type == "cpu" else view.to(device)

@@ -3,8 +3,9 @@ every query) against a naive float64 reference over the paged cache.
 
 Each case builds a step the way engine/runner/model_runner.py does: a flat batch with
 decode rows first, then prefill chunks; per-request non-contiguous block tables;
-`slot_mapping` for the new tokens; then the backend's `prepare` (the torch one adds
-its decode mask: 0 up to each decode's context length, -inf beyond). The reference
+`slot_mapping` for the new tokens, as one StepMetadata; then the backend's
+`build_metadata` (the torch one adds its decode mask: 0 up to each decode's context
+length, -inf beyond). The reference
 reads each request's K/V back token by token through its block table and runs
 causal softmax attention in float64.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.attention import StepMetadata, get_attention_backend
+from engine.attention.step_metadata import step_metadata_for
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -60,7 +62,7 @@ class Step:
     query: torch.Tensor  # [num_tokens, heads, head_dim]
     key: torch.Tensor  # [num_tokens, kv_heads, head_dim]
     value: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: StepMetadata
     block_size: int
 
 
@@ -111,32 +113,15 @@ def build_step(
 
     num_decodes = sum(1 for s in seqs if s.is_decode)
     assert all(s.is_decode for s in seqs[:num_decodes]), "decodes go first"
-    slots, queries, new_keys, new_values, prefills = [], [], [], [], []
-    row = 0
+    slots, queries, new_keys, new_values = [], [], [], []
     for seq in seqs:
         start = seq.context_len - seq.query_len
         slots.extend(slot_of(seq.blocks, p, block_size) for p in range(start, seq.context_len))
         queries.append(seq.queries)
         new_keys.append(seq.keys[start:])
         new_values.append(seq.values[start:])
-        if not seq.is_decode:
-            prefills.append(PrefillChunk(query_start=row, query_len=seq.query_len, context_len=seq.context_len,
-                                         block_table=torch.tensor(seq.blocks, dtype=torch.int64)))
-        row += seq.query_len
-
-    tables = lens = None
-    if num_decodes:
-        decode_tables = [s.blocks for s in seqs[:num_decodes]]
-        max_blocks = max(len(t) for t in decode_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int64)
-        lens = torch.tensor([s.context_len for s in seqs[:num_decodes]], dtype=torch.int64)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_decodes=num_decodes,
-        decode_block_tables=tables,
-        decode_context_lens=lens,
-        prefills=tuple(prefills),
-    )
+    metadata = step_metadata_for([(s.context_len, s.query_len, s.blocks) for s in seqs],
+                                 torch.tensor(slots, dtype=torch.int64), num_decodes, torch.device("cpu"))
     return Step(seqs, num_decodes, torch.cat(queries), torch.cat(new_keys), torch.cat(new_values),
                 metadata, block_size)
 
@@ -166,7 +151,7 @@ def reference_attention(seq: Seq, key_cache, value_cache, scale: float) -> torch
 def run_and_check(step: Step, key_cache, value_cache, head_dim: int, backend) -> None:
     scale = head_dim ** -0.5
     spec = KVCacheSpec(1, step.block_size, NUM_KV_HEADS, head_dim, key_cache.dtype)
-    metadata = backend.prepare(step.metadata, spec)  # what the runner does once per step
+    metadata = backend.build_metadata(step.metadata, spec)  # what the runner does once per step
     before_k, before_v = key_cache.clone(), value_cache.clone()
     backend.write_kv(step.key, step.value, key_cache, value_cache, metadata)
     check_write(step, before_k, before_v, key_cache, value_cache)
@@ -238,7 +223,7 @@ def test_decode_only_step(block_size, head_dim, backend):
     key_cache, value_cache = make_cache(block_size, head_dim, gen)
     shapes = [(rng.randint(1, 6 * block_size), 1, True) for _ in range(7)]
     step = build_step(shapes, block_size, 3, head_dim, key_cache, value_cache, rng, gen)
-    assert not step.metadata.prefills
+    assert step.metadata.num_decodes == step.metadata.num_reqs
     run_and_check(step, key_cache, value_cache, head_dim, backend)
 
 
@@ -259,7 +244,7 @@ def test_prefill_only_step(block_size, backend):
     key_cache, value_cache = make_cache(block_size, 64, gen)
     shapes = [(20, 20, False), (37, 9, False), (5, 5, False), (2 * block_size + 1, 1, False)]
     step = build_step(shapes, block_size, 1, 64, key_cache, value_cache, rng, gen)
-    assert step.metadata.num_decodes == 0 and step.metadata.decode_bias is None
+    assert step.metadata.num_decodes == 0
     run_and_check(step, key_cache, value_cache, 64, backend)
 
 

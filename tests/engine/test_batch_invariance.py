@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention.step_metadata import StepMetadata, step_metadata_for
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.batch_invariant import batch_invariant_numerics
 from engine.runner.kv_cache import KVCacheSpec
@@ -139,14 +139,12 @@ def test_refuses_what_it_cannot_make_invariant(device, dtype, backend, message):
 # ---------------------------------------------------------------------- attention alone
 
 
-def metadata_for(runs: list[tuple[int, int]], tables: list[list[int]], block_size: int) -> AttentionMetadata:
+def metadata_for(runs: list[tuple[int, int]], tables: list[list[int]]) -> StepMetadata:
     """Prefill chunks only: runs[i] = (context_len, query_len) of request i, whose blocks are tables[i]."""
-    chunks, row = [], 0
-    for (context_len, query_len), table in zip(runs, tables):
-        chunks.append(PrefillChunk(row, query_len, context_len, torch.tensor(table, dtype=torch.int64)))
-        row += query_len
-    slots = torch.zeros(row, dtype=torch.int64)  # unused: the cache is filled beforehand
-    return AttentionMetadata(slots, 0, None, None, tuple(chunks))
+    num_tokens = sum(query_len for _, query_len in runs)
+    slots = torch.zeros(num_tokens, dtype=torch.int64)  # unused: the cache is filled beforehand
+    requests = [(context_len, query_len, table) for (context_len, query_len), table in zip(runs, tables)]
+    return step_metadata_for(requests, slots, 0, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -163,7 +161,7 @@ def test_attention_of_a_query_does_not_depend_on_chunks_or_neighbours(cpu_kernel
     backend = BatchInvariantCpuBackend(cpu_kernels)
 
     def attend(runs, tables, query):
-        metadata = backend.prepare(metadata_for(runs, tables, block_size), spec)
+        metadata = backend.build_metadata(metadata_for(runs, tables), spec)
         return backend.attend(query, None, None, key_cache, value_cache, metadata, head_dim**-0.5)
 
     whole = attend([(length, length)], [table], queries)

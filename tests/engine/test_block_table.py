@@ -1,5 +1,6 @@
 """The runner's persistent block table."""
 
+import numpy as np
 import torch
 
 from engine.runner.block_table import BlockTable
@@ -16,7 +17,9 @@ def test_rows_hold_their_blocks_through_growth():
     assert table.blocks(a, 3).tolist() == [7, 3, 2]
     assert table.blocks(b, 1).tolist() == [1]
     assert table.blocks(c, 5).tolist() == [9, 8, 6, 5, 4]
-    assert table.gather(torch.tensor([c, a]), 2).tolist() == [[9, 8], [7, 3]]
+    out = torch.empty((2, 2), dtype=torch.int32)
+    table.gather_into(torch.tensor([c, a]), out)
+    assert out.tolist() == [[9, 8], [7, 3]]
     assert len({a, b, c}) == 3
 
 
@@ -44,7 +47,9 @@ def test_slots_and_tables_in_tokens():
     table = BlockTable(block_size=4)
     row = table.acquire()
     table.set(row, [10, 3, 7])
-    assert table.slot(row, 0) == 40 and table.slot(row, 5) == 13 and table.slot(row, 11) == 31
-    assert table.slots(row, 2, 10) == [42, 43, 12, 13, 14, 15, 28, 29]
+    assert table.slots_at(np.array([row] * 3), np.array([0, 5, 11])).tolist() == [40, 13, 31]
+    assert table.slots(row, 2, 10).tolist() == [42, 43, 12, 13, 14, 15, 28, 29]
     assert table.blocks(row, 5).tolist() == [10, 3]  # 5 tokens span 2 blocks
-    assert table.gather(torch.tensor([row]), 9).tolist() == [[10, 3, 7]]
+    out = torch.empty((1, 3), dtype=torch.int32)
+    table.gather_into(torch.tensor([row]), out)
+    assert out.tolist() == [[10, 3, 7]]

@@ -46,8 +46,8 @@ def test_bfloat16_decode_matches_float32(cpu_kernels):
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
     query = torch.randn(5, heads, head_dim, generator=gen).bfloat16()
-    tables = torch.randperm(num_blocks, generator=gen)[:30].view(5, 6)
-    lens = torch.tensor([1, 17, 96, 50, 33])
+    tables = torch.randperm(num_blocks, generator=gen)[:30].view(5, 6).int()
+    lens = torch.tensor([1, 17, 96, 50, 33], dtype=torch.int32)
     got = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
     expected = cpu_kernels.paged_decode(query.float(), key_cache.float(), value_cache.float(), tables, lens,
                                         head_dim**-0.5)
@@ -58,10 +58,10 @@ def test_bfloat16_decode_matches_float32(cpu_kernels):
 def test_rejects_what_it_cannot_read(cpu_kernels):
     query = torch.randn(2, 4, 8)
     cache = torch.randn(3, 4, 2, 8)
-    tables = torch.zeros(2, 3, dtype=torch.int64)
-    lens = torch.ones(2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="int64"):
-        cpu_kernels.paged_decode(query, cache, cache, tables.int(), lens, 1.0)
+    tables = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_kernels.paged_decode(query, cache, cache, tables.long(), lens, 1.0)
     with pytest.raises(ValueError, match="contiguous"):
         cpu_kernels.paged_decode(query.transpose(0, 1), cache, cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="does not fit"):

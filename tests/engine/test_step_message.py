@@ -41,7 +41,7 @@ def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(
     assert engine.stats().num_preemptions > 0  # resumed requests travel in the message too
 
     fresh = ModelRunner(runner.model, KVCache(runner.kv_cache.spec, runner.kv_cache.num_blocks, runner.device),
-                        runner.backend, runner.device)
+                        runner.backend, runner.device, runner.limits)
     for step, (message, sampled, prompt_logprobs) in enumerate(recorded):
         out = fresh.execute(pickle.loads(message))
         assert out.sampled_token_ids == sampled, f"step {step}"

@@ -5,8 +5,8 @@
 // Layouts (row-major, contiguous):
 //   query        [num_seqs, num_heads, head_dim]
 //   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
-//   block_tables [num_seqs, table_width] int64
-//   context_lens [num_seqs] int64, each >= 1
+//   block_tables [num_seqs, table_width] int32
+//   context_lens [num_seqs] int32, each >= 1
 //   out          [num_seqs, num_heads, head_dim]
 //
 // Each sequence is one work item: one token's K (all kv heads) is a contiguous
@@ -49,8 +49,8 @@ inline const float* as_floats(const T* src, float* dst, int64_t count) {
 // next block explicitly made no measurable difference.)
 // HD > 0: head_dim known at compile time (the inner loops unroll fully); HD == 0: any head_dim.
 template <typename T, int HD>
-void paged_decode(const T* query, const T* key_cache, const T* value_cache, const int64_t* block_tables,
-                  const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+void paged_decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+                  const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                   int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale) {
     const int64_t head_dim = HD > 0 ? HD : runtime_head_dim;
     const int64_t group = num_heads / num_kv_heads;
@@ -68,7 +68,7 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
         for (int64_t seq = 0; seq < num_seqs; ++seq) {
             const int64_t len = context_lens[seq];
             const int64_t num_blocks = (len + block_size - 1) / block_size;
-            const int64_t* table = block_tables + seq * table_width;
+            const int32_t* table = block_tables + seq * table_width;
             const T* q_src = query + seq * query_size;
             for (int64_t i = 0; i < query_size; ++i) q[i] = to_float(q_src[i]) * scale;
             std::fill(acc.begin(), acc.end(), 0.0f);
@@ -139,8 +139,8 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
 }
 
 template <typename T>
-void dispatch(const T* query, const T* key_cache, const T* value_cache, const int64_t* block_tables,
-              const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+void dispatch(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+              const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t block_size, int64_t table_width, float scale) {
 #define PAGEDSERVE_DECODE(HD)                                                                                   \
     paged_decode<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,   \
@@ -158,7 +158,7 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
 
 #define PAGEDSERVE_PAGED_DECODE(SUFFIX, T)                                                                     \
     void pagedserve_paged_decode_##SUFFIX(const T* query, const T* key_cache, const T* value_cache,             \
-                                          const int64_t* block_tables, const int64_t* context_lens, T* out,     \
+                                          const int32_t* block_tables, const int32_t* context_lens, T* out,     \
                                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,            \
                                           int64_t head_dim, int64_t block_size, int64_t table_width,            \
                                           float scale) {                                                        \

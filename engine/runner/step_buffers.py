@@ -1,0 +1,71 @@
+"""The step's input tensors, allocated once at start-up and reused by every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StepBuffer:
+    """One input of the step: a host tensor (pinned when the device is CUDA) with a numpy view of the
+    same memory, and its device twin (the host tensor itself on CPU).
+
+    A step writes a prefix through `array` and `upload`s it: one non-blocking copy on CUDA, nothing
+    on CPU. The returned views stay valid until the next step writes the buffer again.
+    """
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device):
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(capacity, dtype=dtype, pin_memory=on_cuda)
+        self.array = self.host.numpy()
+        self.device = torch.zeros(capacity, dtype=dtype, device=device) if on_cuda else self.host
+
+    @property
+    def capacity(self) -> int:
+        return self.host.shape[0]
+
+    def upload(self, count: int) -> torch.Tensor:
+        """The device view of the first `count` entries, copied up (asynchronously) from the host."""
+        if self.device is not self.host:
+            self.device[:count].copy_(self.host[:count], non_blocking=True)
+        return self.device[:count]
+
+
+class StepBuffers:
+    """Every per-step input the runner hands the model and the attention backend.
+
+        input_ids, positions, slot_mapping   [max_num_tokens]                int64
+        query_start_loc                      [max_num_reqs + 1]               int32
+        seq_lens                             [max_num_reqs]                   int32
+        block_table                          [max_num_reqs * max_blocks]      int32, viewed [num_reqs, width]
+        sample_rows                          [max_num_reqs]                   int64
+
+    Sized from the scheduler's limits (`max_num_batched_tokens`, `max_num_seqs`,
+    `max_model_len`), so no step allocates, and a CUDA graph can read them in place.
+    """
+
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        self.max_blocks_per_req = max_blocks_per_req
+        self.input_ids = StepBuffer(max_num_tokens, torch.int64, device)
+        self.positions = StepBuffer(max_num_tokens, torch.int64, device)
+        self.slot_mapping = StepBuffer(max_num_tokens, torch.int64, device)
+        self.query_start_loc = StepBuffer(max_num_reqs + 1, torch.int32, device)
+        self.seq_lens = StepBuffer(max_num_reqs, torch.int32, device)
+        self.block_table = StepBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device)
+        self.sample_rows = StepBuffer(max_num_reqs, torch.int64, device)
+
+    def check_fits(self, num_tokens: int, num_reqs: int, width: int) -> None:
+        if num_tokens > self.max_num_tokens or num_reqs > self.max_num_reqs or width > self.max_blocks_per_req:
+            raise ValueError(
+                f"a step of {num_tokens} tokens, {num_reqs} requests and {width} blocks per request exceeds the "
+                f"runner's buffers ({self.max_num_tokens}, {self.max_num_reqs}, {self.max_blocks_per_req})")
+
+    def block_table_view(self, num_reqs: int, width: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The host `[num_reqs, width]` block table of this step (contiguous), as a tensor and an array."""
+        host = self.block_table.host[: num_reqs * width].view(num_reqs, width)
+        return host, self.block_table.array[: num_reqs * width].reshape(num_reqs, width)
+
+    def upload_block_table(self, num_reqs: int, width: int) -> torch.Tensor:
+        return self.block_table.upload(num_reqs * width).view(num_reqs, width)
