@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, NamedTuple, Optional, Sequence, Union
 
+import torch
+
 from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
 from engine.errors import InvalidParameterError
@@ -140,6 +142,11 @@ class AsyncEngine:
     def dtype(self) -> str:
         """The weights' and activations' dtype, e.g. "bfloat16"."""
         return str(self.engine.runner.model.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs: `cpu`, or `cuda` / `cuda:N` (no index: the current CUDA device)."""
+        return self.engine.runner.device
 
     @property
     def attention_backend(self) -> str:

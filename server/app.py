@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ from engine.sampling.params import SamplingParams
 from scheduler import RequestRejectedError
 from server.config import ServerConfig
 from server.errors import APIError, error_body, handle_error
+from server.gpu_monitor import cuda_devices, start_gpu_monitor
 from server.logprob_format import LogprobFormatter
 from server.metrics import ServerMetrics, cache_info
 from server.routes import chat, completions, models, ops, tokenize
@@ -31,7 +33,8 @@ _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
                on_ready: Optional[Callable[[], None]] = None) -> FastAPI:
     """The app serving `engine`. Its lifespan starts the engine thread, warms the model up
-    (one short generation) before /health reports ready, and stops the engine at shutdown."""
+    (one short generation) before /health reports ready, starts the GPU monitor where the
+    engine runs on CUDA, and stops them both at shutdown."""
     state = _make_state(engine, server_config)
 
     @asynccontextmanager
@@ -39,11 +42,16 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
         engine.start()
         await _warm_up(state)
         engine.on_output = state.metrics.observe_output  # the warm-up is not a request to count
+        monitor = await asyncio.to_thread(start_gpu_monitor, cuda_devices(engine.device))
+        state.metrics.gpu_monitor = monitor
         if on_ready is not None:
             on_ready()
         yield
         state.draining = True
         await engine.shutdown()
+        if monitor is not None:
+            state.metrics.gpu_monitor = None
+            await asyncio.to_thread(monitor.close)
 
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
     app.state.server = state

@@ -2,12 +2,14 @@
 
 Per-request counters and histograms are updated from the engine's outputs on the
 event loop; queue lengths, KV usage, preemptions and prefix-cache counters are
-read from the scheduler at scrape time, so they are exact and never drift.
+read from the scheduler at scrape time, so they are exact and never drift. GPU
+readings come from the `GpuMonitor`'s latest round (its thread calls NVML, a scrape
+never does), and exist only while a monitor runs: none on CPU.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -15,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
 from scheduler import SchedulerStats
+from server.gpu_monitor import GpuMonitor, GpuSample
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
@@ -49,6 +52,30 @@ class _SchedulerCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+
+
+class _GpuCollector(Collector):
+    """Gauges (labels `model_name`, `gpu`) from the GPU monitor's latest readings; nothing without them."""
+
+    def __init__(self, model_name: str, samples: Callable[[], Sequence[GpuSample]]):
+        self._model_name = model_name
+        self._samples = samples
+
+    def collect(self) -> Iterable:
+        samples = self._samples()
+        for name, doc, read in (
+            ("pagedserve_gpu_utilization_ratio", "Fraction of the last NVML sample period a kernel ran on the GPU.",
+             lambda sample: sample.utilization),
+            ("pagedserve_gpu_memory_used_bytes", "GPU memory in use, by every process (NVML).",
+             lambda sample: sample.memory_used),
+            ("pagedserve_gpu_memory_total_bytes", "GPU memory in all (NVML).", lambda sample: sample.memory_total),
+        ):
+            values = [(sample.gpu, read(sample)) for sample in samples if read(sample) is not None]
+            if values:
+                gauge = GaugeMetricFamily(name, doc, labels=["model_name", "gpu"])
+                for gpu, value in values:
+                    gauge.add_metric([self._model_name, gpu], value)
+                yield gauge
 
 
 class ServerMetrics:
@@ -88,6 +115,12 @@ class ServerMetrics:
         Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(
             {"model_name": model_name, **cache_info})
         self.registry.register(_SchedulerCollector(model_name, stats))
+        self.gpu_monitor: Optional[GpuMonitor] = None  # set by the app's lifespan where the engine is on CUDA
+        self.registry.register(_GpuCollector(model_name, self._gpu_samples))
+
+    def _gpu_samples(self) -> Sequence[GpuSample]:
+        monitor = self.gpu_monitor
+        return () if monitor is None else monitor.samples
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
