@@ -99,7 +99,8 @@ def _decode_partition_kernel(
         tl.store(part_acc_ptr + stat[:, None] * HEAD_DIM + lanes[None, :], acc, mask=out_mask)
     else:
         out = acc / l_i[:, None]
-        o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + lanes[None, :] * stride_o_dim
+        o_row = out_ptr + seq.to(tl.int64) * stride_o_seq
+        o_ptrs = o_row + heads[:, None] * stride_o_head + lanes[None, :] * stride_o_dim
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -147,8 +148,9 @@ def paged_decode(
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks.
 
-    The number of partitions comes from `max_seq_len` when given, else from the block table's width
-    (`max_blocks * block_size`: no host read of `seq_lens`). `partition_size` is a power of two >= 16.
+    The number of partitions comes from `max_seq_len` when given (>= every `seq_lens[b]`: a longer
+    context would be cut), else from the block table's width (`max_blocks * block_size`: no host read
+    of `seq_lens`, a grid fixed for a CUDA graph). `partition_size` is a power of two >= 16.
     """
     _, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     batch, num_heads, q_dim = q.shape
@@ -156,6 +158,8 @@ def paged_decode(
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape:
+        raise ValueError(f"out must be shaped like q {tuple(q.shape)}, got {tuple(out.shape)}")
     if batch == 0:
         return out
     max_context = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size

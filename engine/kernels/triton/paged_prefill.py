@@ -103,10 +103,12 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & lane_mask[None, :])
 
 
-def prefill_tiles(group: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 64 query rows (at least one token of every query head of a KV head),
-    keys in tiles of 32 for wide heads, 64 otherwise."""
-    block_m = max(64, triton.next_power_of_2(group))
+def prefill_tiles(group: int, head_dim: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N). Query rows: the batch's longest chunk times the group, between 16 and 64
+    (and at least the group: one token of every query head of a KV head), so a batch of short chunks
+    (decodes in a mixed batch) does not pad to 64 rows. Keys in tiles of 64, 32 for heads over 128."""
+    rows = triton.next_power_of_2(max_query_len * group)
+    block_m = max(16, triton.next_power_of_2(group), min(64, rows))
     block_n = 32 if head_dim > 128 else 64
     return block_m, block_n
 
@@ -127,8 +129,9 @@ def paged_prefill(
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each request's query chunk over its cached context (prefix + chunk).
 
-    `max_query_len` (a host int, >= every request's query length) sizes the grid. `block_m` and
-    `block_n` (powers of two, block_m >= 16 and >= the GQA group, block_n >= 16) override the tiles.
+    `max_query_len` (a host int, >= every request's query length: longer chunks would be cut) sizes
+    the grid and the query tile. `block_m` and `block_n` (powers of two, block_m >= 16 and >= the GQA
+    group, block_n >= 16) override the tiles.
     """
     _, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     num_tokens, num_heads, q_dim = q.shape
@@ -140,10 +143,12 @@ def paged_prefill(
         raise ValueError(f"cu_seqlens_q must be [{batch + 1}] and block_table [{batch}, max_blocks], "
                          f"got {tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}")
     out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape:
+        raise ValueError(f"out must be shaped like q {tuple(q.shape)}, got {tuple(out.shape)}")
     if batch == 0 or num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    default_m, default_n = prefill_tiles(group, head_dim)
+    default_m, default_n = prefill_tiles(group, head_dim, max_query_len)
     block_m, block_n = block_m or default_m, block_n or default_n
     if block_m < group or block_m < 16 or block_n < 16:
         raise ValueError(f"block_m ({block_m}) must be >= 16 and >= the group ({group}); block_n ({block_n}) >= 16")

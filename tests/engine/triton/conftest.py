@@ -27,6 +27,8 @@ def _import_interpreted() -> str | None:
     try:
         from engine.kernels.triton.paged_kv import is_interpreted
         from engine.kernels.triton.paged_prefill import _prefill_kernel
+    except ImportError:
+        return None  # a broken triton: the test module's importorskip says why
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]

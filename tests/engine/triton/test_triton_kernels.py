@@ -233,6 +233,23 @@ def test_reads_blocks_filled_in_the_same_step(block_size):
     run_attention(step, key_cache, value_cache, 16)
 
 
+@pytest.mark.parametrize("kernel", [paged_decode, paged_prefill])
+def test_never_reads_outside_the_contexts(kernel):
+    """A real cache starts as torch.empty: NaN in every slot outside the requests' contexts (and in the blocks
+    the table's padding points at) must not reach the output. Head dim 80: the padded lanes of the last
+    head would read into the next slot."""
+    shapes = [(23, 1, True), (9, 1, True), (40, 1, True)] if kernel is paged_decode else \
+        [(23, 1, True), (30, 12, False), (17, 17, False)]
+    step, key_cache, value_cache = make_step(shapes, 4, 2, 80, seed=13)
+    used = torch.zeros(key_cache.shape[0] * key_cache.shape[1], dtype=torch.bool)
+    for seq in step.seqs:
+        used[[seq.blocks[p // 4] * 4 + p % 4 for p in range(seq.context_len)]] = True
+    for cache in (key_cache, value_cache):
+        cache.view(-1, NUM_KV_HEADS, 80)[~used] = float("nan")
+    kwargs = {"partition_size": 16} if kernel is paged_decode else {"block_m": 16, "block_n": 16}
+    run_attention(step, key_cache, value_cache, 80, kernel=kernel, **kwargs)
+
+
 # --- 16-bit inputs -------------------------------------------------------------------------------------------
 
 
