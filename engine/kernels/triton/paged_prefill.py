@@ -150,8 +150,9 @@ def paged_prefill(
     group = num_heads // num_kv_heads
     default_m, default_n = prefill_tiles(group, head_dim, max_query_len)
     block_m, block_n = block_m or default_m, block_n or default_n
-    if block_m < group or block_m < 16 or block_n < 16:
-        raise ValueError(f"block_m ({block_m}) must be >= 16 and >= the group ({group}); block_n ({block_n}) >= 16")
+    if block_m < max(16, group) or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
+        raise ValueError(f"block_m ({block_m}) and block_n ({block_n}) must be powers of two >= 16, "
+                         f"block_m >= the group ({group})")
     block_q = block_m // group
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](

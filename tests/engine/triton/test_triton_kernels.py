@@ -281,3 +281,5 @@ def test_rejects_mismatched_inputs():
         paged_attention(q, key_cache, key_cache, torch.arange(3, dtype=torch.int32), lens[:2], table[:2], 1.0, 1)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         paged_prefill(q, key_cache, key_cache, torch.arange(3, dtype=torch.int32), lens, table, 1.0, 2)
+    with pytest.raises(ValueError, match="powers of two"):
+        paged_prefill(q, key_cache, key_cache, torch.arange(4, dtype=torch.int32), lens, table, 1.0, 2, block_m=24)
