@@ -1,0 +1,38 @@
+"""Triton paged-attention kernels over the KV-cache layout `[num_blocks, block_size, num_kv_heads, head_dim]`
+(per layer, one tensor for K and one for V), for float32, float16 and bfloat16 with float32 accumulation.
+
+    write_kv(key, value, key_cache, value_cache, slot_mapping)
+        key, value [T, KVH, D]; slot_mapping [T] int64/int32. Token j goes to block
+        slot_mapping[j] // block_size, offset slot_mapping[j] % block_size (a negative slot is skipped).
+
+    paged_attention(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len) -> out
+        q, out [T, H, D]; cu_seqlens_q [B + 1] int32; seq_lens [B] int32 (KV length of each request,
+        its new tokens included); block_table [B, max_blocks] int32; max_query_len a host int.
+        Request b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1, the last positions of
+        its context, attending causally to it. The new tokens' K/V must be written first.
+        max_query_len == 1: `paged_decode`; otherwise `paged_prefill` for the whole batch.
+
+    paged_decode(q [B, H, D], key_cache, value_cache, block_table, seq_lens, scale,
+                 *, max_seq_len=None, partition_size=512) -> out [B, H, D]
+        One query per request; the context split into partitions of `partition_size` tokens run in
+        parallel, then combined (flash-decoding). One program serves all query heads of a KV head.
+
+    paged_prefill(q [T, H, D], key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,
+                  max_query_len, *, block_m=None, block_n=None) -> out [T, H, D]
+        Variable-length query chunks over cached prefixes: whole prefills, chunked prefill,
+        prefix-cache hits, one-token rows.
+
+Head dims need not be powers of two (80: padded lanes are masked), nor block sizes (tiles gather
+token by token through the block table). Group sizes (H / KVH) are any integer.
+
+On a machine without a GPU the same kernels run on CPU tensors under Triton's interpreter: set
+TRITON_INTERPRET=1 before this package is imported (the kernels are decorated at import). That is for
+testing only: it is orders of magnitude slower than the native CPU kernels.
+"""
+
+from engine.kernels.triton.paged_attention import paged_attention
+from engine.kernels.triton.paged_decode import paged_decode
+from engine.kernels.triton.paged_prefill import paged_prefill
+from engine.kernels.triton.write_kv import write_kv
+
+__all__ = ["paged_attention", "paged_decode", "paged_prefill", "write_kv"]

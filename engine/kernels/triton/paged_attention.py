@@ -1,0 +1,38 @@
+"""The one entry point: decode kernel for a batch of single-token queries, prefill kernel otherwise."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from engine.kernels.triton.paged_decode import paged_decode
+from engine.kernels.triton.paged_prefill import paged_prefill
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32: KV length per request, its queries included
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    max_query_len: int,
+    *,
+    out: Optional[torch.Tensor] = None,  # [T, H, D]
+) -> torch.Tensor:  # [T, H, D]
+    """Causal paged attention of a flat batch of query chunks (K/V already written by `write_kv`).
+
+    `max_query_len == 1` (every request decodes one token, so T == B and `cu_seqlens_q` is
+    0, 1, .., B): the split-KV decode kernel, its partitions sized from the block table's width.
+    Otherwise the prefill kernel for the whole batch, decode rows included (one-token chunks;
+    their context is not split across programs).
+    """
+    if max_query_len == 1:
+        if q.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"max_query_len 1 needs one query per request: {q.shape[0]} queries, "
+                             f"{seq_lens.shape[0]} requests")
+        return paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, out=out)
+    return paged_prefill(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len,
+                         out=out)

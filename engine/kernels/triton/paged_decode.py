@@ -1,0 +1,201 @@
+"""Paged decode attention: one query token per request, split over the context ("flash-decoding").
+
+    context of request b:  [ partition 0 | partition 1 | ... | partition P-1 ]   PARTITION tokens each
+                                 |              |                   |
+    pass 1 (grid B x KVH x P):  m, l, acc     m, l, acc          m, l, acc      per query head of the KV head
+    pass 2 (grid B x H):        out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p,   M = max_p m_p
+
+A pass-1 program takes one KV head and all the query heads that share it (GQA): their
+`group` query rows, padded to a tile of BLOCK_M >= 16 rows, multiply each K/V tile read once.
+When the context fits one partition, pass 1 writes the normalized output and pass 2 is skipped.
+Partitions past a request's length exit at once, so the grid can be sized from the block
+table's width (no device-to-host read of the lengths; a fixed grid for CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton.paged_kv import (
+    LOG2_E, TORCH_TO_TL, check_cache, dot_precision, load_for_dot, needs_upcast, probs_for_dot, token_offsets,
+)
+
+DEFAULT_PARTITION_SIZE = 512
+"""Context tokens per pass-1 program (vLLM's choice): long contexts spread over more programs."""
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr,  # [B, H, D]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, KVH, D]
+    block_table_ptr,  # [B, max_blocks]
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, H, D]: written when not SPLIT
+    part_acc_ptr,  # [B, H, P, D] float32: unnormalized partial outputs, when SPLIT
+    part_max_ptr, part_sum_ptr,  # [B, H, P] float32: running max (log2 domain) and sum of exp2
+    scale_log2,
+    block_size,
+    stride_q_seq, stride_q_head, stride_q_dim,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
+    stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
+    stride_bt_seq,
+    stride_o_seq, stride_o_head, stride_o_dim,
+    num_partitions,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + PARTITION, seq_len)
+
+    rows = tl.arange(0, BLOCK_M)  # query heads of this KV head, padded
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    lanes = tl.arange(0, HEAD_DIM_PAD)
+    lane_mask = lanes < HEAD_DIM
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + lanes[None, :] * stride_q_dim
+    q = load_for_dot(q_ptrs, row_mask[:, None] & lane_mask[None, :], UPCAST)  # [BLOCK_M, HEAD_DIM_PAD]
+
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kc_head
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vc_head
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):  # every tile holds >= 1 valid token, so m_i turns finite at once
+        tokens = n0 + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        kv_mask = token_mask[:, None] & lane_mask[None, :]
+        k_offs = token_offsets(table, tokens, token_mask, block_size, stride_kc_block, stride_kc_slot)
+        k = load_for_dot(k_head + k_offs[:, None] + lanes[None, :] * stride_kc_dim, kv_mask, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_offs = token_offsets(table, tokens, token_mask, block_size, stride_vc_block, stride_vc_slot)
+        v = load_for_dot(v_head + v_offs[:, None] + lanes[None, :] * stride_vc_dim, kv_mask, UPCAST)
+        p = probs_for_dot(p, v_cache_ptr.dtype.element_ty, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_mask[:, None] & lane_mask[None, :]
+    if SPLIT:
+        # [B, H, P] and [B, H, P, D], contiguous
+        stat = (seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_partitions + part
+        tl.store(part_max_ptr + stat, m_i, mask=row_mask)
+        tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
+        tl.store(part_acc_ptr + stat[:, None] * HEAD_DIM + lanes[None, :], acc, mask=out_mask)
+    else:
+        out = acc / l_i[:, None]
+        o_row = out_ptr + seq.to(tl.int64) * stride_o_seq
+        o_ptrs = o_row + heads[:, None] * stride_o_head + lanes[None, :] * stride_o_dim
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_acc_ptr,  # [B, H, P, D] float32
+    part_max_ptr, part_sum_ptr,  # [B, H, P] float32
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, H, D]
+    stride_o_seq, stride_o_head, stride_o_dim,
+    num_partitions,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITIONS_PAD: tl.constexpr, PARTITION: tl.constexpr,
+):
+    """One program per (request, query head): combine the partitions that hold its context."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(seq_len, PARTITION)
+    parts = tl.arange(0, PARTITIONS_PAD)
+    part_mask = parts < used
+    stat = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions + parts  # [PARTITIONS_PAD]
+    m = tl.load(part_max_ptr + stat, mask=part_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + stat, mask=part_mask, other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))  # 0 for unused partitions
+    lanes = tl.arange(0, HEAD_DIM_PAD)
+    lane_mask = lanes < HEAD_DIM
+    acc = tl.load(part_acc_ptr + stat[:, None] * HEAD_DIM + lanes[None, :],
+                  mask=part_mask[:, None] & lane_mask[None, :], other=0.0)  # [PARTITIONS_PAD, HEAD_DIM_PAD]
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + lanes * stride_o_dim
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=lane_mask)
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, H, D]: one query token per request
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context length of each request, the query token included (>= 1)
+    scale: float,
+    *,
+    max_seq_len: Optional[int] = None,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    out: Optional[torch.Tensor] = None,  # [B, H, D]
+) -> torch.Tensor:  # [B, H, D]
+    """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks.
+
+    The number of partitions comes from `max_seq_len` when given (>= every `seq_lens[b]`: a longer
+    context would be cut), else from the block table's width (`max_blocks * block_size`: no host read
+    of `seq_lens`, a grid fixed for a CUDA graph). `partition_size` is a power of two >= 16.
+    """
+    _, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
+    batch, num_heads, q_dim = q.shape
+    _check_decode_inputs(q, key_cache, block_table, seq_lens, num_heads, num_kv_heads, head_dim, q_dim)
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape:
+        raise ValueError(f"out must be shaped like q {tuple(q.shape)}, got {tuple(out.shape)}")
+    if batch == 0:
+        return out
+    max_context = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+    num_partitions = max(1, triton.cdiv(max_context, partition_size))
+    split = num_partitions > 1
+    group = num_heads // num_kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    if split:
+        part_acc = torch.empty((batch, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((batch, num_heads, num_partitions), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
+        q, key_cache, value_cache, block_table, seq_lens, out, part_acc, part_max, part_sum,
+        scale * LOG2_E, block_size,
+        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
+        num_partitions,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=min(64, partition_size), PARTITION=partition_size,
+        SPLIT=split, UPCAST=needs_upcast(_decode_partition_kernel, q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+    )
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_acc, part_max, part_sum, seq_lens, out, *out.stride(), num_partitions,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
+            PARTITION=partition_size,
+        )
+    return out
+
+
+def _check_decode_inputs(q, key_cache, block_table, seq_lens, num_heads, num_kv_heads, head_dim, q_dim) -> None:
+    if q.dtype != key_cache.dtype or q.dtype not in TORCH_TO_TL:
+        raise ValueError(f"query dtype {q.dtype} must match the cache's {key_cache.dtype}")
+    if q_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query [B, {num_heads}, {q_dim}] does not fit {num_kv_heads} KV heads of dim {head_dim}")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"block_table must be [{q.shape[0]}, max_blocks] and seq_lens [{q.shape[0]}], "
+                         f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")

@@ -1,0 +1,83 @@
+"""Reading the paged KV cache from Triton: token positions -> cache offsets through a block table.
+
+The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (K and V alike):
+
+    position t of a request  ->  block  block_table[t // block_size]
+                                 slot   t %  block_size
+
+A tile gathers its tokens one by one through the table, so a tile may span
+several blocks (small blocks) or part of one (large blocks), and the block size
+need not be a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+"""Scores are scaled by `scale * log2(e)` so the softmax runs on exp2."""
+
+
+@triton.jit
+def token_offsets(block_table_row, tokens, token_mask, block_size, stride_block, stride_slot):
+    """Element offsets (int64) of `tokens` [BLOCK_N] of one request in a cache, heads and lanes excluded.
+
+    Masked-out tokens read no block table entry and get offset 0 (their loads are masked too).
+    """
+    logical = tokens // block_size
+    physical = tl.load(block_table_row + logical, mask=token_mask, other=0).to(tl.int64)
+    return physical * stride_block + (tokens % block_size).to(tl.int64) * stride_slot
+
+
+@triton.jit
+def load_for_dot(ptrs, mask, UPCAST: tl.constexpr):
+    """A tile as the products take it: in its own dtype, or in float32 when UPCAST (see `needs_upcast`)."""
+    tile = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def probs_for_dot(p, V_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """The float32 probabilities rounded to V's dtype for the P @ V product (what flash attention does)."""
+    p = p.to(V_DTYPE)
+    if UPCAST:
+        p = p.to(tl.float32)
+    return p
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether `kernel` was decorated under TRITON_INTERPRET=1 (it then runs on CPU tensors in numpy)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def needs_upcast(kernel, dtype: torch.dtype) -> bool:
+    """Triton's interpreter stores bfloat16 as raw uint16 and computes no bfloat16 arithmetic, only
+    loads, stores and conversions. There the bfloat16 tiles go to float32 before the products: the
+    same result (a product of two bfloat16 numbers is exact in float32), with fp32 accumulation."""
+    return dtype == torch.bfloat16 and is_interpreted(kernel)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`ieee` for float32 inputs (no TF32 rounding on GPUs); the 16-bit types ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+SUPPORTED_DTYPES = frozenset(TORCH_TO_TL)
+
+
+def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """The caches' common shape `(num_blocks, block_size, num_kv_heads, head_dim)`, checked."""
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"K/V caches must share one [num_blocks, block_size, num_kv_heads, head_dim] shape, "
+                         f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"K/V caches must share a float32/float16/bfloat16 dtype, "
+                         f"got {key_cache.dtype} and {value_cache.dtype}")
+    return tuple(key_cache.shape)

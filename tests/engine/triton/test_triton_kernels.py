@@ -1,0 +1,285 @@
+"""The Triton paged-attention kernels against the float64 reference of tests/engine/test_attention.py.
+
+Steps are built as there (decodes first, then prefill chunks; shuffled, non-contiguous block tables;
+a cache full of finite garbage), then handed to the kernels in their varlen form: `cu_seqlens_q`,
+`seq_lens`, one int32 block table for the whole batch (padded past every row's blocks). Shapes stay
+small: on CPU each kernel program runs through Triton's interpreter, one numpy op at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.kernels.triton import paged_attention, paged_decode, paged_prefill, write_kv  # noqa: E402
+from tests.engine.test_attention import (  # noqa: E402
+    NUM_KV_HEADS, Step, build_step, gather, make_cache, random_shapes, reference_attention,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # atol and rtol
+
+
+@dataclasses.dataclass
+class Batch:
+    """A step in the kernels' terms, on DEVICE, in the test's dtype."""
+
+    query: torch.Tensor  # [T, H, D]
+    key: torch.Tensor  # [T, KVH, D]
+    value: torch.Tensor
+    key_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_blocks + extra] int32
+    max_query_len: int
+
+
+def to_batch(step: Step, key_cache, value_cache, dtype: torch.dtype, extra_blocks: int = 2,
+             strided_query: bool = False) -> Batch:
+    """The step's tensors for the kernels; `strided_query` reads Q out of a wider fused projection."""
+    seqs = step.seqs
+    cu = [0]
+    for seq in seqs:
+        cu.append(cu[-1] + seq.query_len)
+    width = max(len(s.blocks) for s in seqs) + extra_blocks
+    table = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
+    query = step.query.to(dtype)
+    if strided_query:
+        num_tokens, num_heads, head_dim = query.shape
+        fused = torch.zeros(num_tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, dtype=dtype)
+        fused[:, :num_heads] = query
+        query = fused.to(DEVICE)[:, :num_heads]
+    return Batch(
+        query=query.to(DEVICE), key=step.key.to(dtype).to(DEVICE), value=step.value.to(dtype).to(DEVICE),
+        key_cache=key_cache.to(dtype).to(DEVICE), value_cache=value_cache.to(dtype).to(DEVICE),
+        slot_mapping=step.metadata.slot_mapping.to(DEVICE),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=DEVICE),
+        block_table=torch.tensor(table, dtype=torch.int32, device=DEVICE),
+        max_query_len=max(s.query_len for s in seqs),
+    )
+
+
+def write_and_check(step: Step, batch: Batch) -> None:
+    """After `write_kv` the cache holds exactly each request's context (in the cache's dtype)."""
+    write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.slot_mapping)
+    key_cache, value_cache = batch.key_cache.cpu(), batch.value_cache.cpu()
+    for seq in step.seqs:
+        assert torch.equal(gather(key_cache, seq.blocks, seq.context_len), seq.keys.to(key_cache.dtype))
+        assert torch.equal(gather(value_cache, seq.blocks, seq.context_len), seq.values.to(value_cache.dtype))
+
+
+def check_output(step: Step, batch: Batch, out: torch.Tensor, scale: float) -> None:
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    tol = TOLERANCE[out.dtype]
+    key_cache, value_cache = batch.key_cache.cpu(), batch.value_cache.cpu()
+    row = 0
+    for i, seq in enumerate(step.seqs):
+        seq = dataclasses.replace(seq, queries=seq.queries.to(out.dtype))
+        expected = reference_attention(seq, key_cache, value_cache, scale)
+        got = out[row: row + seq.query_len].cpu().double()
+        kind = "decode" if seq.is_decode else "prefill"
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol,
+                                   msg=lambda m: f"request {i} ({kind}, context {seq.context_len}, "
+                                                 f"query {seq.query_len}): {m}")
+        row += seq.query_len
+
+
+def make_step(shapes, block_size: int, group: int, head_dim: int, seed: int, shared_prefix=None):
+    rng = random.Random(f"{shapes}-{block_size}-{group}-{head_dim}-{seed}")
+    gen = torch.Generator().manual_seed(seed)
+    key_cache, value_cache = make_cache(block_size, head_dim, gen)
+    step = build_step(shapes, block_size, group, head_dim, key_cache, value_cache, rng, gen,
+                      shared_prefix=shared_prefix)
+    return step, key_cache, value_cache
+
+
+def run_attention(step, key_cache, value_cache, head_dim: int, dtype=torch.float32, kernel=None, **kwargs):
+    """write_kv, then `kernel` (paged_attention by default) over the whole batch, against the reference."""
+    batch = to_batch(step, key_cache, value_cache, dtype, strided_query=kwargs.pop("strided_query", False))
+    write_and_check(step, batch)
+    scale = head_dim ** -0.5
+    if kernel is paged_decode:
+        out = paged_decode(batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens,
+                           scale, **kwargs)
+    elif kernel is paged_prefill:
+        out = paged_prefill(batch.query, batch.key_cache, batch.value_cache, batch.cu_seqlens_q, batch.seq_lens,
+                            batch.block_table, scale, batch.max_query_len, **kwargs)
+    else:
+        out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.cu_seqlens_q, batch.seq_lens,
+                              batch.block_table, scale, batch.max_query_len)
+    check_output(step, batch, out, scale)
+
+
+# --- write_kv ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("block_size", [4, 5, 16])
+def test_write_kv_matches_index_copy(block_size, slot_dtype, dtype):
+    """Token j lands in slot_mapping[j] (block s // block_size, offset s % block_size), nothing else moves;
+    K/V read in place from a fused QKV projection; a negative slot (padding) writes nothing."""
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_kv_heads, head_dim, num_tokens = 6, 3, 80, 9
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    key, value = qkv[:, 4: 4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]  # strided views
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[3] = -1
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    keep = slots >= 0
+    expected_k.view(-1, num_kv_heads, head_dim).index_copy_(0, slots[keep], key[keep])
+    expected_v.view(-1, num_kv_heads, head_dim).index_copy_(0, slots[keep], value[keep])
+
+    key_cache, value_cache = key_cache.to(DEVICE), value_cache.to(DEVICE)
+    write_kv(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(slot_dtype).to(DEVICE))
+    assert torch.equal(key_cache.cpu(), expected_k)
+    assert torch.equal(value_cache.cpu(), expected_v)
+
+
+# --- decode -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_split_kv_decode(block_size, head_dim):
+    """Contexts over several 16-token partitions (and within one, and on a block boundary), GQA group 3."""
+    rng = random.Random(block_size * head_dim)
+    shapes = [(rng.randint(1, 5 * block_size), 1, True) for _ in range(3)]
+    shapes += [(1, 1, True), (2 * block_size, 1, True), (70, 1, True)]
+    step, key_cache, value_cache = make_step(shapes, block_size, 3, head_dim, seed=head_dim)
+    run_attention(step, key_cache, value_cache, head_dim, kernel=paged_decode, partition_size=16)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_in_one_partition(group, block_size):
+    """paged_attention's decode path (max_query_len 1): every context in one partition, no reduction pass."""
+    rng = random.Random(block_size + group)
+    shapes = [(rng.randint(1, 40), 1, True) for _ in range(4)] + [(3 * block_size, 1, True)]
+    step, key_cache, value_cache = make_step(shapes, block_size, group, 16, seed=group)
+    run_attention(step, key_cache, value_cache, 16, strided_query=True)
+
+
+def test_decode_partitions_from_max_seq_len():
+    """Given max_seq_len, the grid covers it rather than the block table's width."""
+    step, key_cache, value_cache = make_step([(33, 1, True), (50, 1, True), (7, 1, True)], 4, 2, 64, seed=3)
+    run_attention(step, key_cache, value_cache, 64, kernel=paged_decode, partition_size=16, max_seq_len=50)
+
+
+def test_paged_attention_dispatch(monkeypatch):
+    """max_query_len 1 takes the decode kernel, anything longer the prefill kernel for the whole batch."""
+    paged_attention_module = importlib.import_module("engine.kernels.triton.paged_attention")
+    calls = []
+    for name in ("paged_decode", "paged_prefill"):
+        real = getattr(paged_attention_module, name)
+        monkeypatch.setattr(paged_attention_module, name,
+                            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    step, key_cache, value_cache = make_step([(9, 1, True), (4, 1, True)], 4, 2, 16, seed=4)
+    run_attention(step, key_cache, value_cache, 16)
+    step, key_cache, value_cache = make_step([(9, 1, True), (6, 3, False)], 4, 2, 16, seed=4)
+    run_attention(step, key_cache, value_cache, 16)
+    assert calls == ["paged_decode", "paged_prefill"]
+
+
+# --- prefill / extend ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [16, 80])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_step(block_size, group, head_dim):
+    """Decodes, chunks continuing a cached prefix, fresh prefills, one-token chunks: one prefill launch."""
+    rng = random.Random(f"mixed-{block_size}-{group}-{head_dim}")
+    step, key_cache, value_cache = make_step(random_shapes(rng, block_size), block_size, group, head_dim,
+                                             seed=block_size + group)
+    run_attention(step, key_cache, value_cache, head_dim, strided_query=group == 3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunked_prefill_over_cached_prefix(block_size, head_dim):
+    shapes = [(20, 20, False), (37, 9, False), (5, 5, False), (2 * block_size + 1, 1, False)]
+    step, key_cache, value_cache = make_step(shapes, block_size, 1, head_dim, seed=2)
+    run_attention(step, key_cache, value_cache, head_dim)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_prefill_small_tiles(group):
+    """16-row tiles: several query tiles per request (padded rows when the group does not divide 16)
+    and several key tiles, crossing blocks of 5."""
+    shapes = [(45, 30, False), (23, 23, False), (40, 2, False)]
+    step, key_cache, value_cache = make_step(shapes, 5, group, 16, seed=group)
+    run_attention(step, key_cache, value_cache, 16, kernel=paged_prefill, block_m=max(16, group), block_n=16)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_reads_blocks_filled_in_the_same_step(block_size):
+    """A prefix-cache hit admitted with its owner reads blocks the owner's write_kv fills this step."""
+    shapes = [(5, 1, True), (12 + 3, 15, False), (12 + 6, 6, False), (12 + 1, 1, False)]
+    step, key_cache, value_cache = make_step(shapes, block_size, 3, 16, seed=7,
+                                             shared_prefix={2: (1, 12 // block_size), 3: (1, 12 // block_size)})
+    run_attention(step, key_cache, value_cache, 16)
+
+
+@pytest.mark.parametrize("kernel", [paged_decode, paged_prefill])
+def test_never_reads_outside_the_contexts(kernel):
+    """A real cache starts as torch.empty: NaN in every slot outside the requests' contexts (and in the blocks
+    the table's padding points at) must not reach the output. Head dim 80: the padded lanes of the last
+    head would read into the next slot."""
+    shapes = [(23, 1, True), (9, 1, True), (40, 1, True)] if kernel is paged_decode else \
+        [(23, 1, True), (30, 12, False), (17, 17, False)]
+    step, key_cache, value_cache = make_step(shapes, 4, 2, 80, seed=13)
+    used = torch.zeros(key_cache.shape[0] * key_cache.shape[1], dtype=torch.bool)
+    for seq in step.seqs:
+        used[[seq.blocks[p // 4] * 4 + p % 4 for p in range(seq.context_len)]] = True
+    for cache in (key_cache, value_cache):
+        cache.view(-1, NUM_KV_HEADS, 80)[~used] = float("nan")
+    kwargs = {"partition_size": 16} if kernel is paged_decode else {"block_m": 16, "block_n": 16}
+    run_attention(step, key_cache, value_cache, 80, kernel=kernel, **kwargs)
+
+
+# --- 16-bit inputs -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_mixed_step(dtype):
+    rng = random.Random(11)
+    step, key_cache, value_cache = make_step(random_shapes(rng, 4), 4, 3, 64, seed=11)
+    run_attention(step, key_cache, value_cache, 64, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_split_kv_decode(dtype):
+    step, key_cache, value_cache = make_step([(61, 1, True), (16, 1, True), (3, 1, True)], 16, 3, 80, seed=12)
+    run_attention(step, key_cache, value_cache, 80, dtype=dtype, kernel=paged_decode, partition_size=16)
+
+
+def test_rejects_mismatched_inputs():
+    key_cache = torch.zeros(4, 4, 2, 16)
+    q = torch.zeros(3, 4, 16)
+    lens = torch.ones(3, dtype=torch.int32)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="share one"):
+        paged_decode(q, key_cache, torch.zeros(4, 4, 2, 32), table, lens, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode(q.bfloat16(), key_cache, key_cache, table, lens, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode(q, key_cache, key_cache, table, lens, 1.0, partition_size=24)
+    with pytest.raises(ValueError, match="one query per request"):
+        paged_attention(q, key_cache, key_cache, torch.arange(3, dtype=torch.int32), lens[:2], table[:2], 1.0, 1)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_prefill(q, key_cache, key_cache, torch.arange(3, dtype=torch.int32), lens, table, 1.0, 2)
+    with pytest.raises(ValueError, match="powers of two"):
+        paged_prefill(q, key_cache, key_cache, torch.arange(4, dtype=torch.int32), lens, table, 1.0, 2, block_m=24)
