@@ -69,9 +69,16 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -
         return TorchAttentionBackend()
     if name == "cpu":
         return _cpu_backend(device, dtype, required=True)
-    if name in ("flash", "triton"):
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend, triton_unavailable_reason
+
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"attention backend 'triton': {reason}")
+        return TritonAttentionBackend()
+    if name == "flash":
         raise ValueError(f"attention backend {name!r} is not available in this build yet; use 'torch'")
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, cpu, torch)")
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, cpu, torch, triton)")
 
 
 def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):

@@ -1,0 +1,55 @@
+"""The `triton` backend: the Triton paged-attention kernels of engine/kernels/triton over the step's metadata.
+
+The kernels read the step's StepMetadata as it is (cu_seqlens_q, int32 seq lens, one int32
+block table), so the backend builds nothing of its own. It is meant for CUDA; on a machine
+without a GPU it runs only under Triton's interpreter (`TRITON_INTERPRET=1` before the
+kernels are imported), which is for testing: orders of magnitude slower than `cpu`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.attention.step_metadata import StepMetadata
+from engine.runner.kv_cache import KVCacheSpec
+
+
+class TritonAttentionBackend:
+    """write_kv through slot_mapping, then one varlen paged-attention call for the whole batch."""
+
+    name = "triton"
+
+    def __init__(self):
+        from engine.kernels import triton as kernels  # imported (and decorated) only when chosen
+
+        self._kernels = kernels
+
+    def layer_ops(self) -> None:
+        return None  # plain torch ops between the products
+
+    def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> StepMetadata:
+        return step
+
+    def write_kv(self, key, value, key_cache, value_cache, metadata: StepMetadata) -> None:
+        self._kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+
+    def attend(self, query, key, value, key_cache, value_cache, metadata: StepMetadata, scale: float):
+        return self._kernels.paged_attention(query, key_cache, value_cache, metadata.query_start_loc,
+                                             metadata.seq_lens, metadata.block_table, scale,
+                                             metadata.max_query_len)
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the triton backend cannot run here (None when it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # the interpreter: tests only
+    return (f"Triton kernels run on CUDA (on {device.type} only under TRITON_INTERPRET=1, for testing); "
+            "use 'cpu' or 'torch'")

@@ -1,0 +1,36 @@
+"""The `triton` attention backend end to end on CPU, through Triton's interpreter (see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine import SamplingParams  # noqa: E402
+from engine.attention import get_attention_backend  # noqa: E402
+from tests.engine.references import assert_idle, make_llm  # noqa: E402
+
+
+def test_greedy_tokens_match_the_torch_backend(tiny_llama_dir):
+    """Chunked prefill, prefix-cache hits and decodes through the Triton kernels: the same greedy tokens
+    (and logprobs within float32 tolerance) as plain torch, on the tiny random llama in float32."""
+    prompts = [list(range(3, 40)), list(range(3, 30)) + [7, 8], [5, 9, 11], list(range(100, 117))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(tiny_llama_dir, attention_backend=backend, max_num_batched_tokens=16, max_num_seqs=4)
+        assert llm.engine.runner.backend.name == backend
+        results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.stats().prefix_cache_hits > 0
+        assert_idle(llm)
+    for reference, got in zip(results["torch"], results["triton"]):
+        assert got.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert [lp.logprob for lp in got.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in reference.outputs[0].logprobs], abs=1e-4)
+
+
+def test_the_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        get_attention_backend("triton", torch.device("cpu"), torch.float32)
