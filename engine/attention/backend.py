@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
@@ -11,6 +12,8 @@ from engine.runner.kv_cache import KVCacheSpec
 
 if TYPE_CHECKING:
     from engine.models.layer_ops import TorchLayerOps
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -53,22 +56,31 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """`auto`: on CPU the native kernels when they build here, else (and on CUDA, until the flash and
-    triton backends land) the torch backend. Naming `cpu` insists on the native kernels (an error if
-    they cannot serve this device and dtype: float32 and bfloat16 on CPU)."""
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, *,
+                          block_size: Optional[int] = None) -> AttentionBackend:
+    """The backend `name` names, for this device, dtype and KV block size (None: not known, which rules
+    flash-attn 2 out).
+
+    `auto`: on CPU the native kernels when they build here, else the torch backend; on CUDA flash-attn
+    when it imports and fits the block size, else the triton backend when it is available, else torch
+    (`cuda_auto_choice`). The choice and the reason are logged. Naming `cpu` or `flash` insists: a
+    ValueError saying why it cannot serve here and what to do instead."""
     if name == "auto":
+        if device.type == "cuda":
+            return _cuda_auto(device, dtype, block_size)
         if device.type == "cpu":
             backend = _cpu_backend(device, dtype, required=False)
             if backend is not None:
                 return backend
-        name = "torch"  # on CUDA until the flash / triton backends land (the GPU issue)
+        name = "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "cpu":
         return _cpu_backend(device, dtype, required=True)
+    if name == "flash":
+        return _flash_backend(device, dtype, block_size)
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend, triton_unavailable_reason
 
@@ -76,9 +88,58 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -
         if reason is not None:
             raise ValueError(f"attention backend 'triton': {reason}")
         return TritonAttentionBackend()
-    if name == "flash":
-        raise ValueError(f"attention backend {name!r} is not available in this build yet; use 'torch'")
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, cpu, torch, triton)")
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, cpu, torch, flash, triton)")
+
+
+def cuda_auto_choice(flash_available: bool, triton_available: bool) -> str:
+    """`auto`'s order on CUDA: flash-attn (when it imports and fits the block size), then our Triton
+    kernels, then the torch reference."""
+    if flash_available:
+        return "flash"
+    if triton_available:
+        return "triton"
+    return "torch"
+
+
+def _triton_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the triton backend can serve this device (Triton installed; CUDA)."""
+    from engine.attention.triton_backend import triton_unavailable_reason
+
+    return device.type == "cuda" and triton_unavailable_reason(device) is None
+
+
+def _cuda_auto(device: torch.device, dtype: torch.dtype, block_size: Optional[int]) -> AttentionBackend:
+    from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
+
+    search = find_flash_kernel(device, dtype, block_size)
+    choice = cuda_auto_choice(search.kernel is not None, _triton_available(device, dtype))
+    logger.info("attention backend auto on CUDA: %s (%s)", choice, search.summary)
+    if search.kernel is not None and choice == "flash":
+        return FlashAttentionBackend(search.kernel)
+    return get_attention_backend(choice, device, dtype, block_size=block_size)
+
+
+def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: Optional[int]) -> AttentionBackend:
+    from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
+
+    search = find_flash_kernel(device, dtype, block_size)
+    if search.kernel is None:
+        raise ValueError(f"attention backend 'flash' cannot run here: {search.summary}. "
+                         f"{_flash_remedy(device, dtype)}")
+    logger.info("attention backend flash: %s", search.summary)
+    return FlashAttentionBackend(search.kernel)
+
+
+def _flash_remedy(device: torch.device, dtype: torch.dtype) -> str:
+    from engine.attention.flash_backend import FLASH_ATTN_2_BLOCK_MULTIPLE, FLASH_DTYPES
+
+    if device.type != "cuda":
+        return "Use auto, cpu or torch off CUDA."
+    if dtype not in FLASH_DTYPES:
+        return "Set --dtype bfloat16 (or float16), or use auto / torch."
+    return (f"Install flash-attn-4 (Hopper or newer, any block size), or run flash-attn 2 with "
+            f"--block-size {FLASH_ATTN_2_BLOCK_MULTIPLE} (or another multiple of {FLASH_ATTN_2_BLOCK_MULTIPLE}), "
+            "or use auto / torch.")
 
 
 def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):

@@ -1,0 +1,235 @@
+"""The flash-attn backend: one varlen paged call per layer for the whole step (decodes and prefill chunks).
+
+Two implementations read the cache layout `[num_blocks, block_size, num_kv_heads, head_dim]` in place:
+
+    flash-attn 4  flash_attn.cute.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=, seqused_k=,
+                  page_table=, max_seqlen_q=, softmax_scale=, causal=True) -> (out, lse)
+                  Hopper or newer; any block size.
+    flash-attn 2  flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=, cu_seqlens_k=,
+                  max_seqlen_q=, max_seqlen_k=, softmax_scale=, causal=True, block_table=) -> out
+                  Ampere or newer; block size a multiple of 256 (its paged kernels' limit).
+
+Both align the causal mask to the bottom right: query i of a request with q query tokens and
+k cached tokens (this step's included) sees keys 0 .. k - q + i, i.e. positions up to its own.
+Which one runs is decided once, by `find_flash_kernel`, when the backend is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from engine.attention.step_metadata import StepMetadata
+from engine.runner.kv_cache import KVCacheSpec
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_ATTN_2_BLOCK_MULTIPLE = 256
+"""flash-attn 2's paged kernels need `block_size % 256 == 0` ("Paged KV cache block size must be divisible by 256")."""
+FLASH_ATTN_4_MIN_CAPABILITY = (9, 0)
+"""flash-attn 4 runs paged KV on Hopper (sm90) and newer; its sm80 path rejects a page table."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlashKernel:
+    """The flash-attn implementation found at start-up: its major version and varlen entry point."""
+
+    major: int  # 2 or 4
+    version: str  # the installed distribution's version
+    varlen: Callable[..., Any]  # flash_attn_varlen_func
+    takes_max_seqlen_q: bool = True  # early flash-attn 4 releases had no max_seqlen_q argument
+
+    @property
+    def label(self) -> str:
+        return f"flash-attn {self.major}"
+
+
+class FlashSearch(NamedTuple):
+    """What `find_flash_kernel` found: the kernel to use (None: none fits), and why, per candidate."""
+
+    kernel: Optional[FlashKernel]
+    reasons: tuple[str, ...]
+
+    @property
+    def summary(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def find_flash_kernel(device: torch.device, dtype: torch.dtype, block_size: Optional[int]) -> FlashSearch:
+    """The flash-attn implementation that can serve this device, dtype and KV block size: flash-attn 4
+    when it imports on a Hopper or newer GPU, else flash-attn 2 when it imports and the block size is
+    a multiple of 256 (`block_size` None: not known, which rules flash-attn 2 out). Imports them."""
+    if device.type != "cuda":
+        return FlashSearch(None, (f"flash-attn runs on CUDA, not {device.type}",))
+    if dtype not in FLASH_DTYPES:
+        return FlashSearch(None, (f"flash-attn runs float16/bfloat16, not {_dtype_name(dtype)}",))
+    reasons = []
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability < FLASH_ATTN_4_MIN_CAPABILITY:
+        reasons.append(f"flash-attn 4: needs compute capability 9.0 or newer (Hopper+), this GPU has "
+                       f"{capability[0]}.{capability[1]}")
+    else:
+        kernel = _import_flash_attn_4(reasons)
+        if kernel is not None:
+            return FlashSearch(kernel, (f"flash-attn 4 {kernel.version}: paged varlen kernels, any block size",))
+    kernel = _import_flash_attn_2(reasons)
+    if kernel is None:
+        return FlashSearch(None, tuple(reasons))
+    if block_size is None or block_size % FLASH_ATTN_2_BLOCK_MULTIPLE:
+        given = "the block size is not known" if block_size is None else f"not {block_size}"
+        reasons.append(f"flash-attn 2 {kernel.version}: its paged kernels need a KV block size that is a multiple "
+                       f"of {FLASH_ATTN_2_BLOCK_MULTIPLE}, {given}")
+        return FlashSearch(None, tuple(reasons))
+    return FlashSearch(kernel, (*reasons, f"flash-attn 2 {kernel.version}: block size {block_size} fits"))
+
+
+def _import_flash_attn_4(reasons: list[str]) -> Optional[FlashKernel]:
+    varlen = _import_function("flash_attn.cute", "flash_attn_varlen_func", "flash-attn 4", reasons)
+    if varlen is None:
+        return None
+    params = _parameters(varlen)
+    missing = [name for name in ("cu_seqlens_q", "seqused_k", "page_table") if name not in (params or {name})]
+    if missing:
+        reasons.append(f"flash-attn 4: this release's flash_attn_varlen_func has no {', '.join(missing)}; upgrade "
+                       "flash-attn-4")
+        return None
+    return FlashKernel(4, _version(("flash-attn-4", "fa4"), "flash_attn.cute"), varlen,
+                       takes_max_seqlen_q=params is None or "max_seqlen_q" in params)
+
+
+def _import_flash_attn_2(reasons: list[str]) -> Optional[FlashKernel]:
+    varlen = _import_function("flash_attn", "flash_attn_varlen_func", "flash-attn 2", reasons)
+    if varlen is None:
+        return None
+    params = _parameters(varlen)
+    if params is not None and "block_table" not in params:
+        reasons.append("flash-attn 2: this release's flash_attn_varlen_func has no block_table (paged KV came "
+                       "in 2.5); upgrade flash-attn")
+        return None
+    return FlashKernel(2, _version(("flash-attn",), "flash_attn"), varlen)
+
+
+def _import_function(module_name: str, attribute: str, label: str, reasons: list[str]) -> Optional[Callable]:
+    """`module.attribute`, or None with the reason noted (not installed, or installed but not loading)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and f"{module_name}.".startswith(f"{exc.name}."):  # the module or its package
+            reasons.append(f"{label}: not installed (no module {module_name})")
+        else:
+            reasons.append(f"{label}: {module_name} does not import (ModuleNotFoundError: {exc})")
+        return None
+    except Exception as exc:  # a CUDA extension can also fail with OSError / RuntimeError
+        reasons.append(f"{label}: {module_name} does not import ({type(exc).__name__}: {exc})")
+        return None
+    function = getattr(module, attribute, None)
+    if function is None:
+        reasons.append(f"{label}: {module_name} has no {attribute} (not installed)")
+    return function
+
+
+def _parameters(function: Callable) -> Optional[frozenset[str]]:
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return None
+
+
+def _version(distributions: tuple[str, ...], module_name: str) -> str:
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return str(getattr(importlib.import_module(module_name), "__version__", "unknown version"))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class FlashMetadata:
+    """One step as flash-attn reads it (views of the step's persistent buffers, plus flash-attn 2's
+    cumulative KV lengths):
+
+        cu_seqlens_q  [0, q0, q0+q1, ...]     query rows of each request in the flat batch
+        seqused_k     [k0, k1, ...]           KV tokens of each request, this step's included
+        cu_seqlens_k  [0, k0, k0+k1, ...]     the same, cumulative (flash-attn 2's paged varlen reads these)
+        page_table    [num_reqs, max_blocks]  block ids of each request, in order
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    cu_seqlens_q: torch.Tensor  # [num_reqs + 1] int32
+    seqused_k: torch.Tensor  # [num_reqs] int32
+    cu_seqlens_k: Optional[torch.Tensor]  # [num_reqs + 1] int32, flash-attn 2 only
+    page_table: torch.Tensor  # [num_reqs, max_blocks] int32, last dimension contiguous
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+class FlashAttentionBackend:
+    """Writes K/V through `slot_mapping`, then one flash-attn varlen call over the paged cache per layer."""
+
+    def __init__(self, kernel: FlashKernel):
+        self.kernel = kernel
+        self.name = f"flash ({kernel.label})"
+        self._cu_seqlens_k: Optional[torch.Tensor] = None  # flash-attn 2: [capacity + 1] int32, grown on demand
+
+    def layer_ops(self) -> None:
+        return None  # plain torch ops
+
+    def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> FlashMetadata:
+        cu_seqlens_k = None
+        if self.kernel.major == 2:
+            cu_seqlens_k = self._cumulative_kv_lens(step.seq_lens)
+        return FlashMetadata(
+            slot_mapping=step.slot_mapping,
+            cu_seqlens_q=step.query_start_loc,
+            seqused_k=step.seq_lens,
+            cu_seqlens_k=cu_seqlens_k,
+            page_table=step.block_table,
+            max_seqlen_q=step.max_query_len,
+            max_seqlen_k=step.max_seq_len,
+        )
+
+    def _cumulative_kv_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """[0, k0, k0+k1, ...] on the device, into a buffer kept across steps (no host round trip)."""
+        num_reqs = seq_lens.shape[0]
+        buffer = self._cu_seqlens_k
+        if buffer is None or buffer.shape[0] < num_reqs + 1 or buffer.device != seq_lens.device:
+            buffer = self._cu_seqlens_k = torch.zeros(max(num_reqs + 1, 64), dtype=torch.int32,
+                                                      device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=buffer[1 : num_reqs + 1])
+        return buffer[: num_reqs + 1]
+
+    def write_kv(self, key, value, key_cache, value_cache, metadata: FlashMetadata) -> None:
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        slots = metadata.slot_mapping
+        key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slots, key)
+        value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slots, value)
+
+    def attend(self, query, key, value, key_cache, value_cache, metadata: FlashMetadata, scale: float):
+        """query [num_tokens, heads, head_dim] over the cache (this step's K/V already written)."""
+        if self.kernel.major == 2:
+            return self.kernel.varlen(
+                query, key_cache, value_cache,
+                cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_k=metadata.cu_seqlens_k,
+                max_seqlen_q=metadata.max_seqlen_q, max_seqlen_k=metadata.max_seqlen_k,
+                softmax_scale=scale, causal=True, block_table=metadata.page_table,
+            )
+        extra = {"max_seqlen_q": metadata.max_seqlen_q} if self.kernel.takes_max_seqlen_q else {}
+        out = self.kernel.varlen(
+            query, key_cache, value_cache,
+            cu_seqlens_q=metadata.cu_seqlens_q, seqused_k=metadata.seqused_k, page_table=metadata.page_table,
+            softmax_scale=scale, causal=True, **extra,
+        )
+        return out[0] if isinstance(out, tuple) else out  # (out, lse); lse is None unless return_lse
