@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+import engine.attention.backend as backend_module
 from engine.attention import get_attention_backend
 from engine.attention.backend import cuda_auto_choice
 from engine.attention.flash_backend import FlashAttentionBackend, FlashKernel, find_flash_kernel
@@ -277,6 +278,12 @@ def test_flash_writes_what_the_torch_backend_writes(monkeypatch):
 # ------------------------------------------------------------------ selection
 
 
+@pytest.fixture(autouse=True)
+def no_triton(monkeypatch):
+    """These tests choose between flash and torch: Triton (installed here) is taken out of `auto`'s order."""
+    monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: False)
+
+
 @pytest.mark.parametrize("flash, triton, expected", [
     (True, True, "flash"), (True, False, "flash"), (False, True, "triton"), (False, False, "torch"),
 ])
@@ -317,7 +324,7 @@ def test_auto_on_cuda_logs_why_flash_attn_2_was_passed_over(monkeypatch, caplog)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_auto_on_cuda_in_full_precision_is_torch(monkeypatch, dtype):
+def test_auto_on_cuda_in_full_precision_is_torch_without_triton(monkeypatch, dtype):
     install(monkeypatch, fa4=FakeFlashAttn4(), fa2=FakeFlashAttn2())
     assert get_attention_backend("auto", CUDA, dtype, block_size=256).name == "torch"
 
@@ -373,6 +380,8 @@ def test_find_flash_kernel_reports_the_version(monkeypatch):
     assert search.summary.startswith("flash-attn 4 ") and "any block size" in search.summary
 
 
-def test_triton_is_still_named_as_coming():
-    with pytest.raises(ValueError, match="'triton' is not available in this build yet"):
-        get_attention_backend("triton", CUDA, torch.bfloat16, block_size=16)
+def test_auto_on_cuda_picks_triton_when_flash_cannot_serve(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: True)
+    install(monkeypatch, fa2=FakeFlashAttn2())  # flash-attn 2 only, at a block size it cannot page
+    assert get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16).name == "triton"
