@@ -1,0 +1,5 @@
+"""The parts of the GPU check (`scripts/gpu_check.py`): numerics, greedy tokens, throughput, single stream.
+
+Each part is a function `run(ctx: PartContext) -> None` that fills `ctx.result` and saves it as it
+goes (`ctx.save()`), so a part killed at its deadline still leaves what it measured.
+"""
