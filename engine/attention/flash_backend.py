@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.step_metadata import StepMetadata
 from engine.runner.kv_cache import KVCacheSpec
 
@@ -212,10 +213,7 @@ class FlashAttentionBackend:
         return buffer[: num_reqs + 1]
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: FlashMetadata) -> None:
-        num_slots = key_cache.shape[0] * key_cache.shape[1]
-        slots = metadata.slot_mapping
-        key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slots, key)
-        value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slots, value)
+        write_kv_by_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, metadata: FlashMetadata, scale: float):
         """query [num_tokens, heads, head_dim] over the cache (this step's K/V already written)."""

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
 from engine.runner.kv_cache import KVCacheSpec
@@ -35,10 +36,7 @@ class TorchAttentionBackend:
         return dataclasses.replace(metadata, decode_bias=bias)
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
-        num_slots = key_cache.shape[0] * key_cache.shape[1]
-        slots = metadata.slot_mapping
-        key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slots, key)
-        value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slots, value)
+        write_kv_by_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
         num_decodes = metadata.num_decodes
