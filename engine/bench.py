@@ -99,12 +99,19 @@ def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear) -> fl
         for product, mats in ((F.linear, plain), (linear, weights)):
             timings = []
             for _ in range(repeats):
+                _synchronize(inputs[0].device)
                 start = time.perf_counter()
                 for x, w in zip(inputs, mats):
                     product(x, w, None)
+                _synchronize(inputs[0].device)  # on CUDA the products only queue until then
                 timings.append(time.perf_counter() - start)
             best = min(best, statistics.median(timings) * 1e3)
     return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _plain(weight) -> torch.Tensor:
