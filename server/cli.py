@@ -51,7 +51,9 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """Load the settings, build the engine and serve until interrupted; the exit status.
 
     2: a bad setting (message on stderr); 1: the port or the model could not be had;
-    130: stopped by Ctrl-C (uvicorn re-raises the signal after its graceful shutdown).
+    130: stopped by Ctrl-C (SIGINT) after the graceful shutdown, whether or not uvicorn's re-raised
+    signal reaches Python before the event loop returns (a race). SIGTERM, re-raised after the
+    shutdown, ends the process by that signal (status 143 in a shell).
     """
     from server.settings import SettingsError, load_settings
 
@@ -104,7 +106,17 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=port, log_level=server_config.log_level, timeout_graceful_shutdown=5,
     ))
+    signals: list[int] = []  # the exit status follows the first stop signal, whatever races after it
+    handle_exit = server.handle_exit
+
+    def record_exit(sig: int, frame) -> None:
+        signals.append(sig)
+        handle_exit(sig, frame)
+
+    server.handle_exit = record_exit  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
+    if signals:
+        return 128 + signals[0]
     return 0 if server.started else 1
 
 

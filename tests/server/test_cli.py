@@ -93,7 +93,10 @@ def _wait_for(path, needle: str, process: subprocess.Popen, timeout: float) -> s
     return path.read_text()
 
 
-def test_serve_starts_on_a_free_port_and_prints_it_once_ready(tmp_path, tiny_model_dir):
+# Ctrl-C: exit status 130; SIGTERM: uvicorn re-raises it after the graceful shutdown, and its default
+# action ends the process by that signal (-15 here, 143 in a shell), as `kill` expects.
+@pytest.mark.parametrize("stop, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+def test_serve_starts_on_a_free_port_and_prints_it_once_ready(tmp_path, tiny_model_dir, stop, status):
     environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
     environ.update(PAGEDSERVE_API_KEY="s3cret-key", HF_HUB_OFFLINE="1")
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
@@ -112,9 +115,9 @@ def test_serve_starts_on_a_free_port_and_prints_it_once_ready(tmp_path, tiny_mod
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret-key"}, timeout=30)
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         process.wait(timeout=60)
-    assert process.returncode == 130, stderr.read_text()  # uvicorn re-raises the SIGINT after shutting down
+    assert process.returncode == status, stderr.read_text()
     assert "Application shutdown complete" in stderr.read_text()
     assert "s3cret-key" not in stdout.read_text() + stderr.read_text()
     assert "settings: Settings(" in stderr.read_text()  # the debug log of the settings, keys left out
