@@ -1,11 +1,14 @@
-"""/health answers fast while the engine is saturated: model compute never blocks the event loop.
+"""/health answers while the engine is saturated: model compute never blocks the event loop.
 
 Two loads, each 16 long streaming completions (a full batch of configs/tiny.yaml):
-  - the real thing: the tiny model computing flat out on the CPU;
+  - the real thing: the tiny model computing flat out on the CPU; every probe must answer 200
+    within a second (a hang detector, not a latency claim: this suite runs on loaded machines);
   - steps stretched to STEP_STALL (a sleep inside the model runner, the way a GPU step waits on its
-    kernels with the GIL released), three times the latency budget: were a step ever run on the event
-    loop, most probes would wait for it and blow the budget, which the tiny model's ~10 ms steps could hide.
-Latency is measured client-side on a kept-alive connection; every probe must be 200 and under budget.
+    kernels with the GIL released): were a step ever run on the event loop, probes landing during a
+    step would wait for most of it, so every probe must stay under half a step. The margin is wide
+    (a loaded 2-core machine was seen at ~140 ms per probe) so that only a blocked loop fails it.
+Latency is measured client-side on a kept-alive connection. /health's latency as such is a
+benchmark's business, not this test's.
 """
 
 from __future__ import annotations
@@ -22,11 +25,10 @@ MODEL = "tiny"
 NUM_STREAMS = 16  # configs/tiny.yaml's max_num_seqs: a full batch
 PROMPT_LEN = 8  # 16 prompts x 8 tokens = 128 = max_num_batched_tokens: one step prefills them all
 LONG = 256 - PROMPT_LEN  # 16 x 256 tokens overflow the 1024-token KV cache: preemption joins in
-HEALTH_BUDGET = 0.100  # seconds, client-side
 PROBE_WINDOW = 1.0  # seconds of probing, cut short should a request finish
 MIN_PROBES = 20  # probes answered while all 16 requests were unfinished
 PROBE_INTERVAL = 0.01
-STEP_STALL = 0.3
+STEP_STALL = 1.0  # seconds a stalled step lasts
 
 
 class StreamingLoad:
@@ -76,7 +78,7 @@ class StreamingLoad:
             self.errors.append(exc)
 
 
-def probe_health_under_load(server, min_steps: int) -> None:
+def probe_health_under_load(server, min_steps: int, budget: float, window: float = PROBE_WINDOW) -> None:
     core = server.engine.engine
     with server.client() as http:
         assert http.get("/health").status_code == 200  # opens the connection the probes reuse
@@ -87,7 +89,7 @@ def probe_health_under_load(server, min_steps: int) -> None:
                 time.sleep(0.01)
             steps_before = core.num_steps
             latencies, statuses = [], []
-            window_end = time.monotonic() + PROBE_WINDOW
+            window_end = time.monotonic() + window
             while time.monotonic() < window_end and core.num_unfinished_requests == NUM_STREAMS:
                 started = time.perf_counter()
                 response = http.get("/health")
@@ -97,8 +99,8 @@ def probe_health_under_load(server, min_steps: int) -> None:
             steps_during = core.num_steps - steps_before
     assert not load.errors, load.errors
     assert statuses == [200] * len(statuses)
-    slow = [round(t * 1000, 1) for t in latencies if t >= HEALTH_BUDGET]
-    assert not slow, (f"/health over {HEALTH_BUDGET * 1000:.0f} ms under load: {slow} ms "
+    slow = [round(t * 1000, 1) for t in latencies if t >= budget]
+    assert not slow, (f"/health over {budget * 1000:.0f} ms under load: {slow} ms "
                       f"({len(slow)} of {len(latencies)} probes, {steps_during} engine steps)")
     # the probes overlapped the compute: nothing had finished and the engine kept stepping
     assert len(latencies) >= MIN_PROBES, f"only {len(latencies)} probes before a request finished"
@@ -107,9 +109,9 @@ def probe_health_under_load(server, min_steps: int) -> None:
 
 
 def test_health_stays_fast_while_the_model_computes(server):
-    probe_health_under_load(server, min_steps=10)
+    probe_health_under_load(server, min_steps=10, budget=1.0)
 
 
 def test_health_stays_fast_while_each_step_outlasts_the_budget(server, monkeypatch):
     pace_engine(server, monkeypatch, STEP_STALL)
-    probe_health_under_load(server, min_steps=2)
+    probe_health_under_load(server, min_steps=2, budget=STEP_STALL / 2, window=2.5 * STEP_STALL)
