@@ -364,7 +364,9 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     columns = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1)  # [rows, 1]
     bad = ~(weights.gather(1, columns) > 0)
-    if bool(bad.any()):
+    # On a GPU always take the fallback (no host sync to ask whether it is needed); on CPU asking is free
+    # and skips an argmax over the vocabulary.
+    if weights.device.type != "cpu" or bool(bad.any()):
         columns = torch.where(bad, weights.argmax(dim=-1, keepdim=True), columns)
     return columns.squeeze(1)
 
