@@ -44,11 +44,11 @@ def profile_step_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, 
     scratch = KVCache(spec, num_blocks, device)
     num_tokens = step.num_tokens
     positions = torch.arange(num_tokens, device=device) % max_model_len
-    metadata = backend.build_metadata(step, spec)
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
+    metadata = backend.build_metadata(step, spec)  # counted: real steps build theirs every step
     hidden = model.forward(input_ids, positions, scratch.layers, metadata, backend)
     model.compute_logits(hidden[: min(num_logit_rows, num_tokens)])
     torch.cuda.synchronize(device)

@@ -92,13 +92,17 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
+        buffers = self.buffers
+        buffers.begin_step()
         batch, step = self._prepare_inputs(scheduler_output)
         metadata = self.backend.build_metadata(step, self.kv_cache.spec)
-        buffers = self.buffers
         input_ids = buffers.input_ids.upload(batch.num_tokens)
         positions = buffers.positions.upload(batch.num_tokens)
         hidden = self.model.forward(input_ids, positions, self.kv_cache.layers, metadata, self.backend)
-        return self._sample(hidden, batch)
+        try:
+            return self._sample(hidden, batch)
+        finally:
+            buffers.end_step()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the message's request changes: ended, preempted, new or resumed, new blocks."""

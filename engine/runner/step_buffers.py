@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -45,6 +47,11 @@ class StepBuffers:
     """
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+        # The host side of a non-blocking copy is read when the copy runs on the stream, not when it is
+        # queued: a step must not rewrite the host buffers before the last step's copies have run (a step
+        # that samples nothing never waits on the device).
+        self._copies_done: Optional[torch.cuda.Event] = None
+        self._on_cuda = device.type == "cuda"
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
@@ -55,6 +62,18 @@ class StepBuffers:
         self.seq_lens = StepBuffer(max_num_reqs, torch.int32, device)
         self.block_table = StepBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device)
         self.sample_rows = StepBuffer(max_num_reqs, torch.int64, device)
+
+    def begin_step(self) -> None:
+        """Before writing the host buffers: wait until the previous step's copies up have run."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
+
+    def end_step(self) -> None:
+        """After the step's last upload: mark where its copies end on the stream."""
+        if self._on_cuda:
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
 
     def check_fits(self, num_tokens: int, num_reqs: int, width: int) -> None:
         if num_tokens > self.max_num_tokens or num_reqs > self.max_num_reqs or width > self.max_blocks_per_req:
