@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.paged_kv import (
-    LOG2_E, TORCH_TO_TL, check_cache, dot_precision, load_for_dot, needs_upcast, probs_for_dot, token_offsets,
+    LOG2_E, TORCH_TO_TL, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast,
 )
 
 DEFAULT_PARTITION_SIZE = 512
@@ -69,26 +69,11 @@ def _decode_partition_kernel(
     table = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kc_head
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vc_head
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for n0 in range(start, end, BLOCK_N):  # every tile holds >= 1 valid token, so m_i turns finite at once
-        tokens = n0 + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        kv_mask = token_mask[:, None] & lane_mask[None, :]
-        k_offs = token_offsets(table, tokens, token_mask, block_size, stride_kc_block, stride_kc_slot)
-        k = load_for_dot(k_head + k_offs[:, None] + lanes[None, :] * stride_kc_dim, kv_mask, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        s = tl.where(token_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_offs = token_offsets(table, tokens, token_mask, block_size, stride_vc_block, stride_vc_slot)
-        v = load_for_dot(v_head + v_offs[:, None] + lanes[None, :] * stride_vc_dim, kv_mask, UPCAST)
-        p = probs_for_dot(p, v_cache_ptr.dtype.element_ty, UPCAST)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # every tile holds >= 1 valid token, so m turns finite at once
+    acc, l_i, m_i = attend_tiles(q, rows, table, k_head, v_head, start, end, lanes, lane_mask, block_size,
+                                 stride_kc_block, stride_kc_slot, stride_kc_dim,
+                                 stride_vc_block, stride_vc_slot, stride_vc_dim, scale_log2,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, False, UPCAST, DOT_PRECISION)
 
     out_mask = row_mask[:, None] & lane_mask[None, :]
     if SPLIT:

@@ -49,6 +49,45 @@ def probs_for_dot(p, V_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     return p
 
 
+@triton.jit
+def attend_tiles(q, query_pos, table, k_head, v_head, n_start, n_end, lanes, lane_mask, block_size,
+                 stride_kc_block, stride_kc_slot, stride_kc_dim, stride_vc_block, stride_vc_slot, stride_vc_dim,
+                 scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of query rows `q` [BLOCK_M, HEAD_DIM_PAD] over keys n_start .. n_end - 1 of one
+    request and KV head, tile by tile; when CAUSAL, row r sees keys up to `query_pos[r]` only.
+
+    Returns (acc [BLOCK_M, HEAD_DIM_PAD], l [BLOCK_M], m [BLOCK_M]): the unnormalised output, the
+    softmax denominator and the running max (log2 units), for the caller to divide or to combine.
+    The first tile must hold a key every row may see, so that m turns finite at once.
+    """
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        tokens = n0 + tl.arange(0, BLOCK_N)
+        token_mask = tokens < n_end
+        kv_mask = token_mask[:, None] & lane_mask[None, :]
+        k_offs = token_offsets(table, tokens, token_mask, block_size, stride_kc_block, stride_kc_slot)
+        k = load_for_dot(k_head + k_offs[:, None] + lanes[None, :] * stride_kc_dim, kv_mask, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if CAUSAL:
+            visible = token_mask[None, :] & (tokens[None, :] <= query_pos[:, None])
+        else:
+            visible = token_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_offs = token_offsets(table, tokens, token_mask, block_size, stride_vc_block, stride_vc_slot)
+        v = load_for_dot(v_head + v_offs[:, None] + lanes[None, :] * stride_vc_dim, kv_mask, UPCAST)
+        p = probs_for_dot(p, v_head.dtype.element_ty, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 def is_interpreted(kernel) -> bool:
     """Whether `kernel` was decorated under TRITON_INTERPRET=1 (it then runs on CPU tensors in numpy)."""
     from triton.runtime.interpreter import InterpretedFunction
