@@ -173,8 +173,7 @@ class ModelRunner:
         max_seq_len = int(seq_lens[:num_reqs].max())
         width = -(-max_seq_len // self.block_table.block_size)
         buffers.check_fits(token, num_reqs, width)
-        host_table, _ = buffers.block_table_view(num_reqs, width)
-        self.block_table.gather_into(torch.from_numpy(rows), host_table)
+        self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, width))
         step = StepMetadata(
             slot_mapping=buffers.slot_mapping.upload(token),
             query_start_loc=buffers.query_start_loc.upload(num_reqs + 1),

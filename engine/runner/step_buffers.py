@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 
 
@@ -21,10 +20,6 @@ class StepBuffer:
         self.host = torch.zeros(capacity, dtype=dtype, pin_memory=on_cuda)
         self.array = self.host.numpy()
         self.device = torch.zeros(capacity, dtype=dtype, device=device) if on_cuda else self.host
-
-    @property
-    def capacity(self) -> int:
-        return self.host.shape[0]
 
     def upload(self, count: int) -> torch.Tensor:
         """The device view of the first `count` entries, copied up (asynchronously) from the host."""
@@ -81,10 +76,9 @@ class StepBuffers:
                 f"a step of {num_tokens} tokens, {num_reqs} requests and {width} blocks per request exceeds the "
                 f"runner's buffers ({self.max_num_tokens}, {self.max_num_reqs}, {self.max_blocks_per_req})")
 
-    def block_table_view(self, num_reqs: int, width: int) -> tuple[torch.Tensor, np.ndarray]:
-        """The host `[num_reqs, width]` block table of this step (contiguous), as a tensor and an array."""
-        host = self.block_table.host[: num_reqs * width].view(num_reqs, width)
-        return host, self.block_table.array[: num_reqs * width].reshape(num_reqs, width)
+    def block_table_view(self, num_reqs: int, width: int) -> torch.Tensor:
+        """The host `[num_reqs, width]` block table of this step (contiguous)."""
+        return self.block_table.host[: num_reqs * width].view(num_reqs, width)
 
     def upload_block_table(self, num_reqs: int, width: int) -> torch.Tensor:
         return self.block_table.upload(num_reqs * width).view(num_reqs, width)

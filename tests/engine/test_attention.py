@@ -24,6 +24,7 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.runner.kv_cache import KVCacheSpec
+from tests.engine.paged_steps import slot_of
 
 NUM_KV_HEADS = 2
 NUM_BLOCKS = 160
@@ -64,10 +65,6 @@ class Step:
     value: torch.Tensor
     metadata: StepMetadata
     block_size: int
-
-
-def slot_of(blocks: list[int], pos: int, block_size: int) -> int:
-    return blocks[pos // block_size] * block_size + pos % block_size
 
 
 def make_cache(block_size: int, head_dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
