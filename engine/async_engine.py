@@ -154,6 +154,11 @@ class AsyncEngine:
         return self.engine.runner.backend.name
 
     @property
+    def cuda_graphs(self) -> str:
+        """What runs as CUDA graphs: "off", or the decode batch sizes captured."""
+        return self.engine.runner.cuda_graphs
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

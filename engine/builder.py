@@ -17,6 +17,7 @@ from engine.engine_config import EngineConfig
 from engine.runner.kv_cache import KVCache, KVCacheSpec
 from engine.loading.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
+from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
@@ -51,9 +52,12 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     model.load_weights(iter_weights(checkpoint.path))
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, dtype)
-    num_blocks = _num_kv_blocks(config, spec, device, model, backend, max_model_len)
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
+    buckets = _graph_buckets(config, device, backend)
+    num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits)
+    if buckets:
+        runner.capture_decode_graphs(buckets)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
@@ -62,12 +66,32 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     gc.freeze()  # the weights and long-lived state never need scanning by the cyclic GC
     logger.info(
         "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB), "
-        "max_model_len %d, attention backend %s",
+        "max_model_len %d, attention backend %s, CUDA graphs %s",
         checkpoint.source, hf_config.model_type, str(dtype).removeprefix("torch."), device,
         time.monotonic() - started, num_blocks, spec.block_size, num_blocks * spec.block_size,
-        num_blocks * spec.bytes_per_block / 2**20, max_model_len, backend.name,
+        num_blocks * spec.bytes_per_block / 2**20, max_model_len, backend.name, runner.cuda_graphs,
     )
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
+
+
+def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, limits: RunnerLimits,
+                      buckets: tuple[int, ...], device: torch.device) -> int:
+    """Device memory the decode graphs take (their shared pool and the graphs themselves), measured by
+    capturing them over a throwaway cache of one request's blocks and releasing them, before the KV cache
+    is sized (the real graphs capture over the real cache afterwards)."""
+    scratch = ModelRunner(model, KVCache(spec, -(-limits.max_model_len // spec.block_size), device), backend,
+                          device, limits)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    scratch.capture_decode_graphs(buckets)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # warm-up activations are not graph memory; the graphs' pool stays
+    free_after, _ = torch.cuda.mem_get_info(device)
+    del scratch
+    gc.collect()
+    torch.cuda.empty_cache()
+    return max(free_before - free_after, 0)
 
 
 def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Numerics:
@@ -78,24 +102,39 @@ def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype) ->
     return Numerics(backend, backend.layer_ops(), None)
 
 
+def _graph_buckets(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> tuple[int, ...]:
+    """The decode batch sizes to capture as CUDA graphs (none off CUDA, with --enforce-eager, or when the
+    backend cannot run in a graph)."""
+    if device.type != "cuda":
+        return ()
+    if config.enforce_eager:
+        logger.info("CUDA graphs off (enforce_eager): every step runs eagerly")
+        return ()
+    if not backend.cuda_graphs:
+        logger.info("CUDA graphs off: attention backend %s runs eagerly only", backend.name)
+        return ()
+    return decode_buckets(config.scheduler.max_num_seqs)
+
+
 def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, model: LlamaForCausalLM,
-                   backend: AttentionBackend, max_model_len: int) -> int:
+                   backend: AttentionBackend, limits: RunnerLimits, buckets: tuple[int, ...]) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
-        scheduler = config.scheduler
-        step_tokens = scheduler.max_num_batched_tokens
-        peak = profile_peak_bytes(model, backend, spec, step_tokens, scheduler.max_num_seqs, max_model_len,
-                                  device)
-        budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device)
+        step_tokens, max_num_seqs, max_model_len = limits.max_num_batched_tokens, limits.max_num_seqs, \
+            limits.max_model_len
+        peak = profile_peak_bytes(model, backend, spec, step_tokens, max_num_seqs, max_model_len, device)
+        graphs = _cuda_graph_bytes(model, backend, spec, limits, buckets, device) if buckets else 0
+        budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device) - graphs
         logger.info("profiled a %d-token prefill and a %d-request decode at %d tokens: %.0f MiB of activations "
-                    "at peak", step_tokens, scheduler.max_num_seqs, max_model_len, peak / 2**20)
+                    "at peak; CUDA graphs take %.0f MiB", step_tokens, max_num_seqs, max_model_len, peak / 2**20,
+                    graphs / 2**20)
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
-    num_blocks = spec.num_blocks_for(budget)
+    num_blocks = spec.num_blocks_for(budget) - 1  # KVCache adds its padding block
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "

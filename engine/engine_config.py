@@ -20,6 +20,11 @@ class EngineConfig(BaseModel):
     cache: EngineCacheConfig = Field(default_factory=EngineCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "cpu", "torch", "flash", "triton"] = "auto"
+    enforce_eager: bool = Field(
+        False,
+        description="never run CUDA graphs (on CUDA, decode steps are otherwise replayed from graphs "
+        "captured at start-up for batch sizes up to max_num_seqs; engine/runner/cuda_graphs.py)",
+    )
     batch_invariant: bool = Field(
         False,
         description="products, norms and attention whose per-row arithmetic does not depend on the batch: "

@@ -86,7 +86,8 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     cache = engine.kv_cache_config
     metrics = ServerMetrics(name, engine.stats, cache_info(
         num_blocks=cache.num_blocks, block_size=cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
-        dtype=engine.dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len))
+        dtype=engine.dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
+        cuda_graphs=engine.cuda_graphs))
     engine.on_step = metrics.observe_step
     return ServerState(engine=engine, config=config, served_model_names=[name], metrics=metrics,
                        formatter=LogprobFormatter(engine.tokenizer))

@@ -168,7 +168,7 @@ class ServerMetrics:
 
 
 def cache_info(num_blocks: int, block_size: int, enable_prefix_caching: bool, dtype: str,
-               attention_backend: str, max_model_len: int) -> dict:
+               attention_backend: str, max_model_len: int, cuda_graphs: str = "off") -> dict:
     return {
         "num_blocks": str(num_blocks),
         "block_size": str(block_size),
@@ -176,5 +176,6 @@ def cache_info(num_blocks: int, block_size: int, enable_prefix_caching: bool, dt
         "enable_prefix_caching": str(enable_prefix_caching).lower(),
         "cache_dtype": dtype,
         "attention_backend": attention_backend,
+        "cuda_graphs": cuda_graphs,
         "max_model_len": str(max_model_len),
     }

@@ -1,7 +1,7 @@
 """The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
 
     defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
-                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant)
+                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant, enforce_eager)
 
 Every value remembers where it came from, so an error names the flag, the
 environment variable or the YAML key that set it.
@@ -44,6 +44,7 @@ _YAML_SECTIONS: dict[str, FieldPath] = {
 _YAML_SCALARS: dict[str, FieldPath] = {
     "attention_backend": ("engine", "attention_backend"),
     "batch_invariant": ("engine", "batch_invariant"),
+    "enforce_eager": ("engine", "enforce_eager"),
 }
 _YAML_IGNORED = frozenset({"tiny_model"})
 _SECRET_FIELDS = frozenset({("server", "api_keys")})
@@ -126,6 +127,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--batch-invariant", ("engine", "batch_invariant"), "bool",
            "kernels whose per-request arithmetic does not depend on the batch: a request gives the same "
            "tokens and logprobs whatever runs beside it, in float32 and bfloat16 (CPU)"),
+    Option("--enforce-eager", ("engine", "enforce_eager"), "bool",
+           "never use CUDA graphs (by default decode steps on CUDA replay graphs captured at start-up)"),
     Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),
     Option("--strict-params", (*_SV, "strict_params"), "bool",
            "also reject request fields that the OpenAI API does not define (by default they are ignored)"),

@@ -21,6 +21,10 @@ class AttentionBackend(Protocol):
     `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V."""
 
     name: str
+    cuda_graphs: bool
+    """Whether a decode step can be captured as a CUDA graph: `build_metadata` and the kernels read the
+    step's device tensors only (no host value decides a shape or a launch), given the fixed `max_seq_len`
+    and full-width block table of engine/runner/cuda_graphs.py."""
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> Any:
         """Once per step, before the first layer: this backend's own metadata from the step's (which

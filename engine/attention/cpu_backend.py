@@ -18,6 +18,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ~190 cached tokens: 1.9 ms per layer against ~4.8 ms for the torch backend's gather + products."""
 
     name = "cpu"
+    cuda_graphs = False  # CPU only
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels

@@ -180,6 +180,8 @@ class FlashMetadata:
 class FlashAttentionBackend:
     """Writes K/V through `slot_mapping`, then one flash-attn varlen call over the paged cache per layer."""
 
+    cuda_graphs = True  # device views of the step, host ints fixed per graph (max_seqlen_q 1, max_seqlen_k)
+
     def __init__(self, kernel: FlashKernel):
         self.kernel = kernel
         self.name = f"flash ({kernel.label})"

@@ -29,6 +29,7 @@ class BatchInvariantCpuBackend(CpuAttentionBackend):
     """`cpu` with prompt chunks turned into single-query rows when the step's metadata is built."""
 
     name = "cpu-batch-invariant"
+    cuda_graphs = False  # CPU only
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         if step.num_decodes == step.num_reqs:

@@ -17,6 +17,7 @@ class TorchAttentionBackend:
     """Decodes are one batched gather + two batched matmuls; prefill chunks use SDPA per request."""
 
     name = "torch"
+    cuda_graphs = False  # its metadata is shaped by host values (per-request chunks, the decode width)
 
     def layer_ops(self) -> None:
         return None  # plain torch ops

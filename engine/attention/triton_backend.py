@@ -20,6 +20,7 @@ class TritonAttentionBackend:
     """write_kv through slot_mapping, then one varlen paged-attention call for the whole batch."""
 
     name = "triton"
+    cuda_graphs = True  # the metadata is the step's device views; the decode grid comes from their shapes
 
     def __init__(self):
         from engine.kernels import triton as kernels  # imported (and decorated) only when chosen

@@ -28,14 +28,17 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """Per layer, K and V of shape `[num_blocks, block_size, num_kv_heads, head_dim]`
+    """Per layer, K and V of shape `[num_blocks + 1, block_size, num_kv_heads, head_dim]`
     (the layout flash-attn's paged kernels read). The scheduler's KVCacheManager
-    decides which blocks belong to whom; this class only holds the memory."""
+    decides which of blocks 0 .. num_blocks - 1 belong to whom; this class only holds
+    the memory. The last block, `pad_block`, is never handed out: the padding rows of a
+    CUDA-graph step write and read it (engine/runner/cuda_graphs.py)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.spec = spec
         self.num_blocks = num_blocks
+        self.pad_block = num_blocks
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
             for _ in range(spec.num_layers)

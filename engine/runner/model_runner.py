@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -10,6 +11,7 @@ import torch
 from engine.attention import AttentionBackend, StepMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
+from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs
 from engine.runner.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
 from engine.outputs import ModelRunnerOutput
@@ -74,6 +76,7 @@ class ModelRunner:
         max_blocks = -(-limits.max_model_len // block_size)
         self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
         self.buffers = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs, max_blocks, device)
+        self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""
@@ -94,15 +97,36 @@ class ModelRunner:
             return ModelRunnerOutput()
         buffers = self.buffers
         buffers.begin_step()
-        batch, step = self._prepare_inputs(scheduler_output)
-        metadata = self.backend.build_metadata(step, self.kv_cache.spec)
-        input_ids = buffers.input_ids.upload(batch.num_tokens)
-        positions = buffers.positions.upload(batch.num_tokens)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache.layers, metadata, self.backend)
+        batch, step, bucket = self._prepare_inputs(scheduler_output)
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket)  # its inputs are uploaded
+        else:
+            hidden = self._forward(buffers.input_ids.upload(batch.num_tokens),
+                                   buffers.positions.upload(batch.num_tokens), step)
         try:
             return self._sample(hidden, batch)
         finally:
             buffers.end_step()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+        """The model over the KV cache: hidden states [num_tokens, hidden] (what a decode graph captures)."""
+        metadata = self.backend.build_metadata(step, self.kv_cache.spec)
+        return self.model.forward(input_ids, positions, self.kv_cache.layers, metadata, self.backend)
+
+    def capture_decode_graphs(self, buckets: tuple[int, ...], graph_type: type = CudaGraph) -> None:
+        """Capture (or, with EagerReplay, prepare) the decode graphs; from then on a decode-only step of at
+        most `buckets[-1]` requests replays the smallest bucket that holds it."""
+        if graph_type is CudaGraph and not self.backend.cuda_graphs:
+            raise ValueError(f"attention backend {self.backend.name!r} does not run in CUDA graphs")
+        graphs = DecodeGraphs(self._forward, self.backend, self.kv_cache, self.buffers, buckets,
+                              self.limits.max_model_len, graph_type)
+        graphs.capture()
+        self.graphs = graphs
+
+    @property
+    def cuda_graphs(self) -> str:
+        """What runs as CUDA graphs ("off", or the decode batch sizes)."""
+        return "off" if self.graphs is None else self.graphs.describe()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the message's request changes: ended, preempted, new or resumed, new blocks."""
@@ -125,8 +149,10 @@ class ModelRunner:
         return CachedRequestState(new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(),
                                   list(new.token_ids))
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[_Batch, StepMetadata]:
-        """Write the step into the persistent buffers, decodes first, and describe it (StepMetadata).
+    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[_Batch, Optional[StepMetadata], Optional[int]]:
+        """Write the step into the persistent buffers, decodes first, and describe it (StepMetadata);
+        the third value is the decode graph's bucket when the step replays one (then the buffers hold
+        that many rows, padding included, all uploaded, and no StepMetadata is built).
 
         A "decode" here is any request with one scheduled token (and no prompt logprobs to score)."""
         decodes, chunks = [], []
@@ -173,6 +199,12 @@ class ModelRunner:
         max_seq_len = int(seq_lens[:num_reqs].max())
         width = -(-max_seq_len // self.block_table.block_size)
         buffers.check_fits(token, num_reqs, width)
+        bucket = self.graphs.bucket_for(num_decodes) if self.graphs is not None and not chunks else None
+        if bucket is not None:
+            self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, self.graphs.width))
+            self.graphs.pad(num_reqs, bucket)
+            buffers.upload_all(bucket, self.graphs.width)
+            return batch, None, bucket
         self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, width))
         step = StepMetadata(
             slot_mapping=buffers.slot_mapping.upload(token),
@@ -185,7 +217,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        return batch, step
+        return batch, step, None
 
     @staticmethod
     def _add_chunk_outputs(batch: _Batch, state: CachedRequestState, first_row: int, start: int,

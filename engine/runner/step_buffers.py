@@ -80,5 +80,13 @@ class StepBuffers:
         """The host `[num_reqs, width]` block table of this step (contiguous)."""
         return self.block_table.host[: num_reqs * width].view(num_reqs, width)
 
+    def upload_all(self, num_reqs: int, width: int) -> None:
+        """Copy up the first `num_reqs` rows of every input of a decode step (one token per request)
+        whose block table is `width` wide (a CUDA-graph step, which reads the device buffers in place)."""
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
+            buffer.upload(num_reqs)
+        self.query_start_loc.upload(num_reqs + 1)
+        self.block_table.upload(num_reqs * width)
+
     def upload_block_table(self, num_reqs: int, width: int) -> torch.Tensor:
         return self.block_table.upload(num_reqs * width).view(num_reqs, width)

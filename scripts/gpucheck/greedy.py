@@ -131,6 +131,7 @@ def run_one(model_dir: Path, prompts, max_tokens: int, reference: list[list[int]
             refusals.append(f"block_size {block_size}: {type(exc).__name__}: {exc}"[:500])
             logger.info("greedy %s %s: no engine with block_size %d: %s", name, dtype, block_size, exc)
             continue
+        record["cuda_graphs"] = llm.engine.runner.cuda_graphs  # on CUDA, decodes replay graphs by default
         try:
             tokens = generate(llm, prompts, max_tokens)
         except Exception as exc:  # noqa: BLE001 - recorded, the next run goes on

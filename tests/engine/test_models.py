@@ -56,7 +56,8 @@ def test_kv_cache_layout_and_sizing():
     cache = KVCache(spec, 10, torch.device("cpu"))
     assert len(cache.layers) == 2
     key, value = cache.layers[0]
-    assert key.shape == value.shape == (10, 16, 3, 64)
+    assert key.shape == value.shape == (11, 16, 3, 64)  # and the padding block, which no request gets
+    assert cache.pad_block == 10
     assert cache.num_tokens == 160 and cache.nbytes == 10 * spec.bytes_per_block
 
 

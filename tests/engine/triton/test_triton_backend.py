@@ -34,3 +34,22 @@ def test_the_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         get_attention_backend("triton", torch.device("cpu"), torch.float32)
+
+
+def test_decode_graph_steps_match_the_torch_backend(tiny_llama_dir):
+    """The triton backend is one that CUDA graphs capture: its decode steps padded to a bucket and read at
+    the graph's fixed width (the whole max_model_len; the kernel stops at each request's length) give the
+    torch backend's greedy tokens."""
+    from engine.runner.cuda_graphs import EagerReplay
+
+    prompts = [list(range(3, 20)), [5, 9, 11], list(range(30, 40))]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    reference = make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=4).generate(
+        requests, params, use_tqdm=False)
+    llm = make_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4)
+    llm.engine.runner.capture_decode_graphs((1, 2, 4), EagerReplay)
+    got = llm.generate(requests, params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
+    assert llm.engine.runner.graphs._graphs[4].replays > 0
+    assert_idle(llm)

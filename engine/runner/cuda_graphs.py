@@ -1,0 +1,209 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at start-up, replayed per step.
+
+A decode step of B requests runs the graph of the smallest bucket >= B. The graph reads
+the runner's persistent step buffers in place (StepBuffers: input ids, positions, slot
+mapping, query start offsets, sequence lengths, block table), so a step only writes its
+inputs into them and replays. Rows B .. bucket - 1 are padding: token 0 at position 0,
+writing its K/V into the cache's padding block (KVCache.pad_block, which the scheduler
+never hands out), attending to that one token. Their outputs are ignored.
+
+What is fixed in a graph, and so the same for every step of its bucket:
+  - the number of rows (the bucket), and the block table's width (`max_blocks_per_req`:
+    every request's row is read as if it were as long as `max_model_len`; kernels stop
+    at each request's `seq_lens`, as the Triton decode kernel and flash-attn do);
+  - `max_seq_len` (= max_model_len) and `max_query_len` (= 1), the host ints a backend
+    may size its grid from;
+  - the backend's metadata built from those views (captured with the forward pass).
+Backends whose metadata reads host values to shape the step (the torch and cpu
+backends walk requests in Python) say `cuda_graphs = False` and always run eagerly.
+
+Prefill and mixed steps, and decode batches larger than the largest bucket, run eagerly.
+The graphs share one memory pool, captured largest first so smaller ones reuse its blocks;
+their memory is measured before the KV cache is sized (engine/builder.py).
+
+Off CUDA there is nothing to capture; `EagerReplay` runs the same padded step through the
+same buffers each time, which is how the padding and bucketing are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+import time
+from typing import Callable, Optional, Protocol
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionBackend
+from engine.attention.step_metadata import StepMetadata
+from engine.runner.kv_cache import KVCache
+from engine.runner.step_buffers import StepBuffers
+
+logger = logging.getLogger(__name__)
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+"""Bucket sizes below the regular steps (a small batch padded to 8 would waste most of a step)."""
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then steps of 8 up to 256 and of 16 beyond, and
+    `max_num_seqs` itself (so every decode batch the scheduler can form has one)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [size for size in SMALL_BUCKETS if size <= max_num_seqs]
+    size = 16
+    while size <= max_num_seqs:
+        sizes.append(size)
+        size += 8 if size < 256 else 16
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
+def bucket_for(buckets: tuple[int, ...], num_reqs: int) -> Optional[int]:
+    """The smallest bucket holding `num_reqs` rows (None: larger than every bucket, or empty)."""
+    if num_reqs < 1:
+        return None
+    index = bisect.bisect_left(buckets, num_reqs)
+    return buckets[index] if index < len(buckets) else None
+
+
+class Graph(Protocol):
+    def replay(self) -> torch.Tensor:
+        """Run the captured step; returns its output tensor ([bucket, hidden])."""
+        ...
+
+
+class CudaGraph:
+    """A captured CUDA graph and its static output."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], pool, stream: torch.cuda.Stream):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.output = forward()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class EagerReplay:
+    """The same padded step run eagerly at each replay (off CUDA: tests of padding and bucketing; any
+    backend, since its metadata is built again at every replay)."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], pool=None, stream=None):
+        self.forward = forward
+        self.replays = 0
+
+    def replay(self) -> torch.Tensor:
+        self.replays += 1
+        return self.forward()
+
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, StepMetadata], torch.Tensor]
+"""(input_ids, positions, step) -> hidden states: the model's forward pass over the KV cache."""
+
+
+class DecodeGraphs:
+    """The decode graphs of one runner: `pad(num_decodes)` before the step's inputs are uploaded
+    (it fills the padding rows and says how many rows to upload), then `replay(bucket)`."""
+
+    def __init__(self, forward: ForwardFn, backend: AttentionBackend, kv_cache: KVCache, buffers: StepBuffers,
+                 buckets: tuple[int, ...], max_model_len: int, graph_type: type = CudaGraph):
+        if buckets[-1] > buffers.max_num_reqs:
+            raise ValueError(f"bucket {buckets[-1]} exceeds the step buffers' {buffers.max_num_reqs} requests")
+        self.forward = forward
+        self.backend = backend
+        self.kv_cache = kv_cache
+        self.buffers = buffers
+        self.buckets = buckets
+        self.max_model_len = max_model_len
+        self.graph_type = graph_type
+        self.width = buffers.max_blocks_per_req
+        self.pad_slot = kv_cache.pad_block * kv_cache.spec.block_size
+        self._graphs: dict[int, Graph] = {}
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def describe(self) -> str:
+        if not self._graphs:
+            return "off"
+        sizes = self.sizes
+        return f"decode batches {sizes[0]}-{sizes[-1]} ({len(sizes)} sizes)"
+
+    def bucket_for(self, num_decodes: int) -> Optional[int]:
+        return bucket_for(self.sizes, num_decodes)
+
+    # ------------------------------------------------------------------ capture
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool."""
+        started = time.monotonic()
+        on_cuda = self.graph_type is CudaGraph
+        pool = torch.cuda.graph_pool_handle() if on_cuda else None
+        stream = torch.cuda.Stream() if on_cuda else None
+        gc.collect()
+        for size in sorted(self.buckets, reverse=True):
+            forward = self._step_fn(size)
+            self._write_padding(0, size)
+            self.buffers.upload_all(size, self.width)
+            forward()  # warm-up: compiles and autotunes kernels, allocates library workspaces
+            if on_cuda:
+                torch.cuda.synchronize()
+            self._graphs[size] = self.graph_type(forward, pool, stream)
+        if on_cuda:
+            torch.cuda.synchronize()
+        logger.info("captured %d decode graphs (batch sizes %d-%d) in %.1f s", len(self._graphs),
+                    min(self.buckets), max(self.buckets), time.monotonic() - started)
+
+    def _step_fn(self, size: int) -> Callable[[], torch.Tensor]:
+        """The step of `size` decode rows over the persistent buffers (views fixed now, values read at run)."""
+        buffers = self.buffers
+        step = StepMetadata(
+            slot_mapping=buffers.slot_mapping.device[:size],
+            query_start_loc=buffers.query_start_loc.device[: size + 1],
+            seq_lens=buffers.seq_lens.device[:size],
+            block_table=buffers.block_table.device[: size * self.width].view(size, self.width),
+            query_start_loc_cpu=buffers.query_start_loc.host[: size + 1],
+            seq_lens_cpu=buffers.seq_lens.host[:size],
+            num_decodes=size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+        input_ids = buffers.input_ids.device[:size]
+        positions = buffers.positions.device[:size]
+        forward = self.forward
+
+        def run() -> torch.Tensor:
+            return forward(input_ids, positions, step)
+
+        return run
+
+    # ------------------------------------------------------------------ a step
+
+    def pad(self, num_decodes: int, bucket: int) -> None:
+        """Fill rows num_decodes .. bucket - 1 of the host buffers with padding (after the real rows:
+        the block table's real rows must already be written at this graph's width)."""
+        self._write_padding(num_decodes, bucket)
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Run the bucket's graph over what was uploaded; its output is valid until the next replay."""
+        return self._graphs[bucket].replay()
+
+    def _write_padding(self, start: int, end: int) -> None:
+        if start >= end:
+            return
+        buffers = self.buffers
+        buffers.input_ids.array[start:end] = 0
+        buffers.positions.array[start:end] = 0
+        buffers.slot_mapping.array[start:end] = self.pad_slot
+        buffers.seq_lens.array[start:end] = 1
+        buffers.query_start_loc.array[start : end + 1] = np.arange(start, end + 1)
+        table = buffers.block_table.array[: end * self.width].reshape(end, self.width)
+        table[start:end] = self.kv_cache.pad_block
+
