@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from engine.kernels import cpu_ops
 from engine.loading.gguf_converter import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -94,29 +95,20 @@ def build_library(cache_dir: Optional[Path] = None) -> Path:
     return target
 
 
-_SIGNATURES = {
-    "paged_decode": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float],
-    "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],
-    "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
-    "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
-    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
-    "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-}
-
-
 class CpuKernels:
-    """The loaded library's entry points, bound once per (kernel, dtype)."""
+    """The loaded library's entry points (their addresses, per kernel and dtype), called through the
+    `torch.ops.pagedserve.cpu_*` operators of cpu_ops.py after checking their arguments."""
 
     def __init__(self, path: Path):
         self.path = path
         self.invariant_product_ok = False  # set by the load-time self-check
-        library = ctypes.CDLL(str(path))
-        self._functions = {}
-        for name, argtypes in _SIGNATURES.items():
+        self._library = ctypes.CDLL(str(path))  # loaded while this object lives
+        self._functions: dict[tuple[str, torch.dtype], int] = {}
+        self._ops = cpu_ops.Overloads()
+        for name in cpu_ops.SIGNATURES:
             for dtype, suffix in _DTYPE_SUFFIX.items():
-                function = getattr(library, f"pagedserve_{name}_{suffix}")
-                function.restype, function.argtypes = None, argtypes
-                self._functions[name, dtype] = function
+                function = getattr(self._library, f"pagedserve_{name}_{suffix}")
+                self._functions[name, dtype] = ctypes.cast(function, ctypes.c_void_p).value
 
     def paged_decode(
         self,
@@ -139,34 +131,22 @@ class CpuKernels:
                 raise ValueError("paged_decode takes contiguous CPU tensors")
         if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
             raise ValueError("query and caches must share one dtype")
-        out = torch.empty_like(query)
-        self._function("paged_decode", query.dtype)(
-            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-            block_tables.shape[1], scale)
-        return out
+        return self._ops.cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
+                                                     scale, self._function("paged_decode", query.dtype))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, hidden] contiguous -> a new normalized tensor."""
-        out = torch.empty_like(x)
-        self._function("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
-                                            x.shape[1], eps)
-        return out
+        return self._ops.cpu_rms_norm(x, weight, eps, self._function("rms_norm", x.dtype))
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual). Both [rows, hidden] contiguous."""
-        out = torch.empty_like(x)
-        self._function("add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                                out.data_ptr(), x.shape[0], x.shape[1], eps)
-        return out
+        return self._ops.cpu_add_rms_norm(x, residual, weight, eps,
+                                                     self._function("add_rms_norm", x.dtype))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 * width] contiguous -> silu(gate) * up [rows, width]."""
-        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
-        self._function("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, width)
-        return out
+        return self._ops.cpu_silu_and_mul(gate_up, self._function("silu_and_mul", gate_up.dtype))
 
     def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin_signed: torch.Tensor) -> torch.Tensor:
@@ -174,8 +154,7 @@ class CpuKernels:
         rows, heads, head_dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
             raise ValueError("rotary_ takes [rows, heads, head_dim] with contiguous heads and int64 positions")
-        self._function("rotary", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-                                          sin_signed.data_ptr(), rows, x.stride(0), heads, head_dim)
+        self._ops.cpu_rotary_(x, positions, cos, sin_signed, self._function("rotary", x.dtype))
         return x
 
     def invariant_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
@@ -195,13 +174,10 @@ class CpuKernels:
                              f"for {out_features} x {in_features}")
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({out_features},)")
-        out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
-        self._function("invariant_linear", x.dtype)(
-            x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows,
-            out_features, in_features)
-        return out
+        return self._ops.cpu_invariant_linear(x, packed, bias, out_features,
+                                                         self._function("invariant_linear", x.dtype))
 
-    def _function(self, name: str, dtype: torch.dtype):
+    def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))
         if function is None:
             raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}")

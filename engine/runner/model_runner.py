@@ -15,6 +15,7 @@ from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs
 from engine.runner.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
 from engine.outputs import ModelRunnerOutput
+from engine.sampling.device_io import to_device
 from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from engine.sampling.state import SamplingState
 from engine.sampling.params import SamplingParams
@@ -252,7 +253,6 @@ class ModelRunner:
                     logprobs[state.request_id] = result.logprobs[i]
         for state, first_row, count, pos0 in batch.prompt_rows:
             logits = self.model.compute_logits(hidden[first_row : first_row + count])
-            targets = torch.tensor(state.token_ids[pos0 + 1 : pos0 + 1 + count], dtype=torch.int64,
-                                   device=hidden.device)
+            targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, state.sampling.params.prompt_logprobs)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)

@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from engine.sampling.device_io import to_device, to_host
 from engine.sampling.params import SamplingParams
 from engine.sampling.state import SamplingState
 
@@ -58,22 +59,46 @@ class Sampler:
     output position alone, and each row's arithmetic involves that row alone, so it gets
     the same tokens whatever shares its batch. Unseeded rows share one batched draw
     from torch's default generator.
+
+    On a GPU (`sync_free`, by default whenever the logits are not on the CPU) a step
+    never waits for the device until its results come down, together, in one copy (the
+    sampled ids and the requested logprobs): inputs go up from pinned memory without
+    waiting, and what would need a look at device values takes the way that does not
+    (a full-vocabulary sort for top-p without top-k, dense penalty counts, every rank
+    counted over its whole row). On CPU looking is free, and the cheaper sparse ways
+    are taken. Both give the same tokens and logprobs (top-p may break exact ties
+    differently).
     """
+
+    def __init__(self, sync_free: Optional[bool] = None):
+        self.sync_free = sync_free  # None: decided by the logits' device
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """logits: [num_rows, vocab] (any float dtype, not modified); row i belongs to states[i]."""
         num_rows, vocab = logits.shape
         if len(states) != num_rows:
             raise ValueError(f"{num_rows} rows of logits for {len(states)} sampling states")
+        sync_free = self.sync_free if self.sync_free is not None else logits.device.type != "cpu"
         plan = _BatchPlan.build(states, vocab)
         x = logits
         if plan.needs_processing:
             x = logits.to(torch.float32, copy=True)  # [num_rows, vocab]
-            _apply_processors(x, states, plan)
-        sampled = _choose(x, states, plan, x_is_private=plan.needs_processing).tolist()
-        logprobs = None
-        if plan.logprob_rows:
-            logprobs = _sampled_logprobs(logits, sampled, states, plan.logprob_rows)
+            _apply_processors(x, states, plan, sync_free)
+        chosen = _choose(x, states, plan, x_is_private=plan.needs_processing, sync_free=sync_free)  # [num_rows]
+        if not plan.logprob_rows:
+            return SamplerOutput(to_host(chosen)[0].tolist(), None)
+        rows, device = plan.logprob_rows, logits.device
+        index = None if len(rows) == num_rows else _index(rows, device)
+        rows_logits = logits if index is None else logits.index_select(0, index)
+        raw = torch.log_softmax(rows_logits.float(), dim=-1)  # [rows, vocab]
+        num_top = [states[r].params.logprobs for r in rows]
+        found = _logprob_tensors(raw, chosen if index is None else chosen.index_select(0, index), num_top,
+                                 sync_free)
+        sampled, *found_host = to_host(chosen, *found)  # the step's one wait for the device
+        sampled = sampled.tolist()
+        logprobs: list[Optional[TokenLogprobs]] = [None] * num_rows
+        for row, entry in zip(rows, _logprob_entries(*found_host, num_top)):
+            logprobs[row] = entry
         return SamplerOutput(sampled, logprobs)
 
 
@@ -90,10 +115,13 @@ def prompt_logprobs(
     num_rows, vocab = logits.shape
     chunk = max(1, PROMPT_LOGPROBS_CHUNK // vocab)
     targets = target_token_ids.to(device=logits.device, dtype=torch.long)
+    sync_free = logits.device.type != "cpu"
     result: list[TokenLogprobs] = []
     for start in range(0, num_rows, chunk):
         raw = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)  # [chunk, vocab]
-        result += _token_logprobs(raw, targets[start:start + chunk], [num_top] * raw.shape[0])
+        tops = [num_top] * raw.shape[0]
+        result += _logprob_entries(*to_host(*_logprob_tensors(raw, targets[start:start + chunk], tops, sync_free)),
+                                   tops)
     return result
 
 
@@ -159,7 +187,7 @@ class _RowParams(NamedTuple):
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device) -> "_RowParams":
         def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+            return to_device(values, dtype, device).unsqueeze(1)
 
         top_ks = [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params]
         use = [any(p.temperature != 1.0 for p in params), any(p.min_p > 0.0 for p in params),
@@ -177,20 +205,22 @@ class _RowParams(NamedTuple):
 # ---------------------------------------------------------------------- processors
 
 
-def _apply_processors(x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan) -> None:
+def _apply_processors(x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan, sync_free: bool) -> None:
     """min_tokens, logit_bias and the penalties, in place on x [num_rows, vocab] (float32)."""
     device = x.device
     if plan.add_ids:
         rows, ids = _index(plan.add_rows, device), _index(plan.add_ids, device)
-        x.index_put_((rows, ids), torch.tensor(plan.add_values, device=device), accumulate=True)
+        x.index_put_((rows, ids), to_device(plan.add_values, torch.float32, device), accumulate=True)
     if plan.penalty_rows:
-        _apply_penalties(x, states, plan.penalty_rows)
+        penalize = _apply_penalties_dense if sync_free else _apply_penalties
+        penalize(x, states, plan.penalty_rows)
 
 
 def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
     """Repetition (HF/vLLM: prompt and output tokens), then presence and frequency (OpenAI: output tokens).
 
-    Touches only the (row, token) entries that occurred, never whole rows.
+    Touches only the (row, token) entries that occurred, never whole rows (counting them needs
+    `torch.unique`, which waits for the device: see `_apply_penalties_dense`).
     """
     device, vocab = x.device, x.shape[1]
     flat_x = x.view(-1)  # [num_rows * vocab]
@@ -216,10 +246,36 @@ def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: lis
         flat_x.index_add_(0, index, -(frequency * counts + presence))
 
 
+def _apply_penalties_dense(x: torch.Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
+    """`_apply_penalties` without waiting for the device: occurrences counted into a [num_rows, vocab]
+    table (an accumulating scatter), penalties applied over whole rows. The same arithmetic on the
+    entries that occurred, and none on the others."""
+    device, vocab = x.device, x.shape[1]
+    params = {r: states[r].params for r in rows}
+    rep_rows = [r for r in rows if params[r].repetition_penalty != 1.0]
+    if rep_rows:
+        ids = [states[r].unique_prompt_ids(device) for r in rep_rows]
+        ids += [states[r].output_ids_tensor(device) for r in rep_rows]
+        seen = torch.zeros(x.numel(), dtype=torch.bool, device=device)
+        seen[_flat_index(ids, rep_rows + rep_rows, vocab)] = True
+        penalty = _by_row(x, rep_rows, [[params[r].repetition_penalty for r in rep_rows]], 1.0).view(-1, 1)
+        x.copy_(torch.where(seen.view_as(x), torch.where(x > 0, x / penalty, x * penalty), x))
+    count_rows = [r for r in rows if params[r].presence_penalty != 0.0 or params[r].frequency_penalty != 0.0]
+    if count_rows:
+        index = _flat_index([states[r].output_ids_tensor(device) for r in count_rows], count_rows, vocab)
+        counts = torch.zeros(x.numel(), dtype=torch.float32, device=device)
+        counts.index_put_((index,), torch.ones(index.shape, dtype=torch.float32, device=device), accumulate=True)
+        counts = counts.view_as(x)
+        columns = [[params[r].presence_penalty for r in count_rows],
+                   [params[r].frequency_penalty for r in count_rows]]
+        presence, frequency = _by_row(x, count_rows, columns, 0.0).unsqueeze(2)  # [num_rows, 1] each
+        x.sub_(torch.where(counts > 0, frequency * counts + presence, 0.0))
+
+
 def _by_row(x: torch.Tensor, rows: list[int], columns: list[list[float]], default: float) -> torch.Tensor:
     """Per-row values of some parameters, columns[j][i] for rows[i].  # [len(columns), num_rows]"""
     table = torch.full((len(columns), x.shape[0]), default, device=x.device)
-    table[:, _index(rows, x.device)] = torch.tensor(columns, device=x.device)
+    table[:, _index(rows, x.device)] = to_device(columns, torch.float32, x.device)
     return table
 
 
@@ -244,7 +300,7 @@ def _flat_index(token_ids: list[torch.Tensor], rows: list[int], vocab: int) -> t
 
 
 def _choose(
-    x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan, x_is_private: bool
+    x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan, x_is_private: bool, sync_free: bool
 ) -> torch.Tensor:
     """The token of every row.  # [num_rows]
 
@@ -266,7 +322,7 @@ def _choose(
             rows_x = x.index_select(0, index).float()  # a copy
         else:
             rows_x = x.to(torch.float32, copy=overwrites and not x_is_private)
-        chosen = sample(rows_x, [states[r].params for r in rows], _uniforms(states, rows, device))
+        chosen = sample(rows_x, [states[r].params for r in rows], _uniforms(states, rows, device), sync_free)
         if len(rows) == num_rows:
             return chosen
         token_ids[index] = chosen
@@ -278,12 +334,12 @@ def _uniforms(states: Sequence[SamplingState], rows: list[int], device: torch.de
     seeded = [(i, states[r]) for i, r in enumerate(rows) if states[r].seed is not None]
     u = torch.rand(len(rows), device=device)
     if seeded:
-        draws = torch.tensor([state.seeded_uniform() for _, state in seeded], dtype=u.dtype)
-        u[_index([i for i, _ in seeded], device)] = draws.to(device)
+        u[_index([i for i, _ in seeded], device)] = to_device([state.seeded_uniform() for _, state in seeded],
+                                                              u.dtype, device)
     return u
 
 
-def _sample_full(x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+def _sample_full(x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor, sync_free: bool) -> torch.Tensor:
     """Rows without top-k/top-p: temperature and min_p over the whole vocabulary, then a draw.
 
     x: [rows, vocab] float32, overwritten; u: [rows]. Returns token ids [rows].
@@ -294,11 +350,12 @@ def _sample_full(x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Ten
         z.div_(rp.temperature)
     if rp.log_min_p is not None:
         z.masked_fill_(z < rp.log_min_p, -math.inf)  # p < min_p * p_max
-    return _draw(z.exp_(), u)
+    return _draw(z.exp_(), u, sync_free)
 
 
 def _sample_candidates(
-    x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor, num_candidates: Optional[int] = None
+    x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor, sync_free: bool,
+    num_candidates: Optional[int] = None,
 ) -> torch.Tensor:
     """Rows with top-k and/or top-p: min_p, top-k, top-p and the draw among each row's best tokens.
 
@@ -306,12 +363,14 @@ def _sample_candidates(
     Everything a row's token depends on is a prefix sum over its own sorted
     candidates or a sum over its own row, never over `num_candidates` entries, so
     the token does not depend on the other rows. A row without top-k whose nucleus
-    runs past the candidates is redone with 16x more, then with the whole vocabulary.
+    runs past the candidates is redone with 16x more, then with the whole vocabulary; `sync_free`
+    (asking whether one did would wait for the device) takes the whole vocabulary at once.
     """
     vocab = x.shape[1]
     rp = _RowParams.build(params, vocab, x.device)
     if num_candidates is None:
-        num_candidates = max(rp.max_top_k, TOP_P_CANDIDATES if rp.open_rows else 0)
+        open_candidates = (vocab if sync_free else TOP_P_CANDIDATES) if rp.open_rows else 0
+        num_candidates = max(rp.max_top_k, open_candidates)
     num_candidates = min(max(num_candidates, 1), vocab)
     values, indices = x.topk(num_candidates, dim=-1)  # [rows, K], best first
     z = values - values[:, :1]  # [rows, K]
@@ -323,14 +382,14 @@ def _sample_candidates(
     if rp.log_min_p is not None:
         weights.masked_fill_(z < rp.log_min_p, 0.0)
     if rp.top_p is None:
-        return indices.gather(1, _draw(weights, u).unsqueeze(1)).squeeze(1)
+        return indices.gather(1, _draw(weights, u, sync_free).unsqueeze(1)).squeeze(1)
 
     cdf = weights.cumsum(dim=-1)  # [rows, K]
     mass = cdf[:, -1:].clone()  # [rows, 1], complete for rows with top-k
-    if rp.open_rows:
+    if rp.open_rows and num_candidates < vocab:
         mass[_index(rp.open_rows, x.device)] = _open_mass(x, values, rp)
     weights.masked_fill_(cdf - weights >= rp.top_p * mass, 0.0)  # mass before the token reaches top_p
-    token_ids = indices.gather(1, _draw(weights, u).unsqueeze(1)).squeeze(1)  # [rows]
+    token_ids = indices.gather(1, _draw(weights, u, sync_free).unsqueeze(1)).squeeze(1)  # [rows]
     if num_candidates == vocab or not rp.open_rows:
         return token_ids
     open_index = _index(rp.open_rows, x.device)
@@ -338,7 +397,8 @@ def _sample_candidates(
     short = open_index[~reached[open_index]]  # open rows whose nucleus runs past the candidates
     if short.numel():
         more = num_candidates * 16 if num_candidates * 64 < vocab else vocab
-        token_ids[short] = _sample_candidates(x[short], [params[i] for i in short.tolist()], u[short], more)
+        token_ids[short] = _sample_candidates(x[short], [params[i] for i in short.tolist()], u[short], sync_free,
+                                              more)
     return token_ids
 
 
@@ -353,7 +413,7 @@ def _open_mass(x: torch.Tensor, values: torch.Tensor, rp: _RowParams) -> torch.T
     return z.exp_().sum(dim=-1, keepdim=True)
 
 
-def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _draw(weights: torch.Tensor, u: torch.Tensor, sync_free: bool) -> torch.Tensor:
     """Inverse-CDF draw of column i with probability weights[:, i] / row total.
 
     weights: [rows, n], non-negative; u: [rows] in [0, 1). Returns columns [rows]. A
@@ -364,9 +424,9 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     columns = torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[1] - 1)  # [rows, 1]
     bad = ~(weights.gather(1, columns) > 0)
-    # On a GPU always take the fallback (no host sync to ask whether it is needed); on CPU asking is free
-    # and skips an argmax over the vocabulary.
-    if weights.device.type != "cpu" or bool(bad.any()):
+    # Sync-free: always take the fallback (asking whether it is needed would wait for the device); on CPU
+    # asking is free and skips an argmax over the vocabulary.
+    if sync_free or bool(bad.any()):
         columns = torch.where(bad, weights.argmax(dim=-1, keepdim=True), columns)
     return columns.squeeze(1)
 
@@ -374,37 +434,34 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- logprobs
 
 
-def _sampled_logprobs(
-    logits: torch.Tensor, sampled: list[int], states: Sequence[SamplingState], rows: list[int]
-) -> list[Optional[TokenLogprobs]]:
-    device = logits.device
-    rows_logits = logits if len(rows) == logits.shape[0] else logits.index_select(0, _index(rows, device))
-    raw = torch.log_softmax(rows_logits.float(), dim=-1)  # [rows, vocab]
-    token_ids = _index([sampled[r] for r in rows], device)
-    entries = _token_logprobs(raw, token_ids, [states[r].params.logprobs for r in rows])
-    result: list[Optional[TokenLogprobs]] = [None] * logits.shape[0]
-    for row, entry in zip(rows, entries):
-        result[row] = entry
-    return result
-
-
-def _token_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+def _logprob_tensors(raw: torch.Tensor, token_ids: torch.Tensor, num_top: list[int],
+                     sync_free: bool) -> tuple[torch.Tensor, ...]:
     """raw: [n, vocab] log-softmax; token_ids: [n]; num_top: the alternatives wanted per row.
+    Returns (token_ids [n], their logprobs [n], ranks [n], top logprobs [n, k], top ids [n, k]).
 
-    A token at least as likely as the k-th best takes its rank from the top k; only
-    the others are counted over their whole row.
+    A rank is 1 + the tokens strictly more likely. A token at least as likely as the k-th best
+    takes it from the top k; only the others are counted over their whole row (sync-free: every
+    row is counted over its whole row, since picking the others out would wait for the device).
     """
     k = min(max(max(num_top, default=0), 1), raw.shape[1])
     top_values, top_ids = raw.topk(k, dim=-1)  # [n, k], best first
     chosen = raw.gather(1, token_ids.unsqueeze(1))  # [n, 1]
-    ranks = (top_values > chosen).sum(dim=-1) + 1  # [n]
-    outside = (chosen.squeeze(1) < top_values[:, -1]).nonzero().squeeze(1)
-    if outside.numel():
-        ranks[outside] = (raw.index_select(0, outside) > chosen.index_select(0, outside)).sum(dim=-1) + 1
-    rows = zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
-               top_values.tolist(), num_top)
+    if sync_free:
+        ranks = (raw > chosen).sum(dim=-1) + 1  # [n]
+    else:
+        ranks = (top_values > chosen).sum(dim=-1) + 1
+        outside = (chosen.squeeze(1) < top_values[:, -1]).nonzero().squeeze(1)
+        if outside.numel():
+            ranks[outside] = (raw.index_select(0, outside) > chosen.index_select(0, outside)).sum(dim=-1) + 1
+    return token_ids, chosen.squeeze(1), ranks, top_values, top_ids
+
+
+def _logprob_entries(token_ids: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor, top_values: torch.Tensor,
+                     top_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """`_logprob_tensors`' results (on the host) as one TokenLogprobs per row."""
+    rows = zip(token_ids.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), num_top)
     return [TokenLogprobs(t, lp, rank, list(zip(ids[:n], vals[:n]))) for t, lp, rank, ids, vals, n in rows]
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(values, torch.long, device)

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.sampling.device_io import to_device
 from engine.sampling.params import SamplingParams
 
 _SEED_MODULUS = 1 << 64
@@ -83,8 +84,8 @@ class SamplingState:
     def unique_prompt_ids(self, device: torch.device) -> torch.Tensor:
         """The distinct prompt ids, built once.  # [num_distinct_prompt_ids]"""
         if self._prompt_ids is None or self._prompt_ids.device != device:
-            ids = torch.tensor(list(self.prompt_token_ids), dtype=torch.long, device=device)
-            self._prompt_ids = torch.unique(ids)
+            ids = torch.unique(torch.tensor(list(self.prompt_token_ids), dtype=torch.long))  # on the host
+            self._prompt_ids = ids if device.type == "cpu" else ids.pin_memory().to(device, non_blocking=True)
         return self._prompt_ids
 
     def output_ids_tensor(self, device: torch.device) -> torch.Tensor:
@@ -97,7 +98,6 @@ class SamplingState:
             grown[:filled] = buffer[:filled]
             buffer = grown
         if filled < num_tokens:
-            buffer[filled:num_tokens] = torch.tensor(list(self.output_token_ids[filled:]), dtype=torch.long,
-                                                     device=device)
+            buffer[filled:num_tokens] = to_device(list(self.output_token_ids[filled:]), torch.long, device)
         self._output_ids, self._num_output_ids = buffer, num_tokens
         return buffer[:num_tokens]

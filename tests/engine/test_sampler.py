@@ -441,12 +441,86 @@ def test_sampled_tokens_always_have_nonzero_probability(case):
         assert token in allowed, (token, sorted(allowed), state.params)
 
 
+# ---------------------------------------------------------------------- sync-free (the GPU's way)
+
+
+SYNC_FREE_KINDS = [
+    {"temperature": 0.0, "logprobs": 3},
+    {"top_k": 20, "logprobs": 0},
+    {"top_p": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+    {"min_p": 0.05, "repetition_penalty": 1.3, "logit_bias": {5: 2.0}, "logprobs": 5},
+    {"top_k": 50, "top_p": 0.9, "repetition_penalty": 0.8, "seed": 7},
+    {"temperature": 0.7, "min_tokens": 3, "stop_token_ids": [9]},
+    {"temperature": 0.0, "frequency_penalty": -0.4, "logprobs": 20},
+]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sync_free_sampling_gives_the_same_tokens_and_logprobs(seed):
+    """The way taken on GPUs (dense penalty counts, full-row ranks, always the draw's fallback), run on
+    CPU: the same tokens and logprobs as the CPU's sparse way, row by row, in one mixed batch. Top-p rows
+    without top-k sort the whole vocabulary instead of growing candidate sets: their tokens are checked
+    against the support of the reference instead (exact ties may break differently)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(SYNC_FREE_KINDS), 3000, generator=generator) * 3
+    outputs = [[int(t) for t in torch.randint(0, 3000, (5,), generator=generator)] + [5, 5]
+               for _ in SYNC_FREE_KINDS]
+    states = [make_state(prompt=[3, 4, 3, 11], output=out, eos=(2,), **{"temperature": 1.0, **kind})
+              for kind, out in zip(SYNC_FREE_KINDS, outputs)]
+    results = {}
+    for sync_free in (False, True):
+        torch.manual_seed(100 + seed)  # the unseeded rows' shared draw
+        results[sync_free] = Sampler(sync_free=sync_free)(logits, states)
+    sparse, dense = results[False], results[True]
+    for i, state in enumerate(states):
+        open_top_p = state.params.top_p < 1.0 and state.params.top_k is None
+        if open_top_p:
+            assert dense.sampled_token_ids[i] in reference_support(logits[i], state)
+        else:
+            assert dense.sampled_token_ids[i] == sparse.sampled_token_ids[i], (i, state.params)
+        if state.params.logprobs is not None and not open_top_p:
+            assert dense.logprobs[i] == sparse.logprobs[i]
+    assert dense.logprobs[2] is None and sparse.logprobs[2] is None
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition_penalty": 1.4}, {"repetition_penalty": 0.7, "presence_penalty": 0.2},
+    {"frequency_penalty": 0.6}, {"presence_penalty": -1.0, "frequency_penalty": -0.2},
+])
+def test_dense_penalties_match_the_sparse_ones_exactly(penalties):
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 4
+    logits[0, 7] = -math.inf
+    states = [make_state(prompt=[1, 7, 7, 9], output=[7, 3, 3, 3, 60], **penalties),
+              make_state(temperature=0.0),
+              make_state(prompt=[2], output=[2, 2, 63], **penalties)]
+    rows = [0, 2]
+    sparse, dense = logits.clone(), logits.clone()
+    sampler_module._apply_penalties(sparse, states, rows)
+    sampler_module._apply_penalties_dense(dense, states, rows)
+    assert torch.equal(sparse, dense)
+    assert torch.equal(dense[1], logits[1])
+    for r in rows:
+        assert torch.equal(dense[r], reference_logits(logits[r], states[r]))
+
+
+def test_prompt_logprobs_take_the_same_ranks_either_way():
+    logits = torch.randn(9, 500, generator=torch.Generator().manual_seed(3)) * 3
+    targets = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(4))
+    raw = torch.log_softmax(logits, -1)
+    for sync_free in (False, True):
+        found = sampler_module._logprob_tensors(raw, targets, [2] * 9, sync_free)
+        entries = sampler_module._logprob_entries(*found, [2] * 9)
+        for i, entry in enumerate(entries):
+            assert entry.rank == int((raw[i] > raw[i, targets[i]]).sum()) + 1
+            assert entry.top == list(zip(raw[i].topk(2).indices.tolist(), raw[i].topk(2).values.tolist()))
+
+
 # ---------------------------------------------------------------------- CUDA
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_keeps_the_same_contract():
+def test_cuda_keeps_the_same_contract(monkeypatch):
     cuda = torch.device("cuda")
     torch.manual_seed(14)
     logits = torch.randn(6, 3000, device=cuda) * 3
@@ -460,7 +534,25 @@ def test_cuda_keeps_the_same_contract():
         return made[:seeded_row] + [target] + made[seeded_row:]
 
     batch = states(0)
-    out = Sampler()(logits, batch)
+    copies_down = []
+    real_to_host = sampler_module.to_host
+
+    def to_host(*tensors):  # the one wait allowed: the results' copy down
+        copies_down.append(len(tensors))
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real_to_host(*tensors)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(sampler_module, "to_host", to_host)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any other wait for the device raises
+    try:
+        out = Sampler()(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert copies_down == [6]  # sampled ids, and the logprob rows' ids, logprobs, ranks, top values, top ids
     cpu_logits = logits.cpu()
     for i, (token, state) in enumerate(zip(out.sampled_token_ids, batch)):
         assert token in reference_support(cpu_logits[i], state, slack=1e-3)

@@ -1,0 +1,123 @@
+"""The native CPU kernels as torch operators, `torch.ops.pagedserve.cpu_*`, so torch.compile can trace
+through them (each has a fake implementation giving its output's shape) and the dispatcher knows which
+arguments each one writes.
+
+    cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, fn) -> out
+    cpu_rms_norm(x, weight, eps, fn) -> out
+    cpu_add_rms_norm(x, residual!, weight, eps, fn) -> out         residual += x, in place
+    cpu_silu_and_mul(gate_up, fn) -> out
+    cpu_rotary_(x!, positions, cos, sin_signed, fn) -> ()           x rotated in place
+    cpu_invariant_linear(x, packed, bias?, out_features, fn) -> out
+
+`fn` is the address of the compiled function for the arguments' dtype (CpuKernels resolves it): the
+operators hold no reference to a loaded library, so they are defined once, here, whatever loads it.
+The shape and dtype checks stay in CpuKernels, in front of the operators.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+SIGNATURES = {
+    "paged_decode": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float],
+    "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],
+    "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
+    "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
+    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
+    "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+}
+"""Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
+
+PROTOTYPES = {name: ctypes.CFUNCTYPE(None, *argtypes) for name, argtypes in SIGNATURES.items()}
+
+
+class Overloads:
+    """The operators' default overloads, looked up once (a call through `torch.ops.pagedserve.x` resolves
+    the overload every time)."""
+
+    def __init__(self):
+        ops = torch.ops.pagedserve
+        self.cpu_paged_decode = ops.cpu_paged_decode.default
+        self.cpu_rms_norm = ops.cpu_rms_norm.default
+        self.cpu_add_rms_norm = ops.cpu_add_rms_norm.default
+        self.cpu_silu_and_mul = ops.cpu_silu_and_mul.default
+        self.cpu_rotary_ = ops.cpu_rotary_.default
+        self.cpu_invariant_linear = ops.cpu_invariant_linear.default
+
+
+def _call(name: str, fn: int, *args) -> None:
+    PROTOTYPES[name](fn)(*args)
+
+
+def _define(name: str, schema: str, kernel, fake) -> None:
+    """`pagedserve::name` with its CPU kernel and its fake (shape-only) implementation. The schema
+    marks what an operator writes in place (`Tensor(a!)`). (torch.library.define/impl dispatch in about
+    3 us; the custom_op decorator's wrapper costs twice that, per call, per layer.)"""
+    qualname = f"pagedserve::{name}"
+    torch.library.define(qualname, schema)
+    torch.library.impl(qualname, "cpu", kernel)
+    torch.library.register_fake(qualname, fake)
+
+
+def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, fn):
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query)
+    _call("paged_decode", fn, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+          block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
+          head_dim, block_size, block_tables.shape[1], scale)
+    return out
+
+
+def _rms_norm(x, weight, eps, fn):
+    out = torch.empty_like(x)
+    _call("rms_norm", fn, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def _add_rms_norm(x, residual, weight, eps, fn):
+    out = torch.empty_like(x)
+    _call("add_rms_norm", fn, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+          x.shape[1], eps)
+    return out
+
+
+def _silu_and_mul(gate_up, fn):
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, width))
+    _call("silu_and_mul", fn, gate_up.data_ptr(), out.data_ptr(), rows, width)
+    return out
+
+
+def _rotary_(x, positions, cos, sin_signed, fn):
+    rows, heads, head_dim = x.shape
+    _call("rotary", fn, x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), rows,
+          x.stride(0), heads, head_dim)
+
+
+def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, fn):
+    rows, in_features = x.shape
+    out = x.new_empty((rows, out_features))
+    _call("invariant_linear", fn, x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+          out.data_ptr(), rows, out_features, in_features)
+    return out
+
+
+def _like_first(x, *args):
+    return torch.empty_like(x)
+
+
+_define("cpu_paged_decode", "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int fn) -> Tensor", _paged_decode, _like_first)
+_define("cpu_rms_norm", "(Tensor x, Tensor weight, float eps, int fn) -> Tensor", _rms_norm, _like_first)
+_define("cpu_add_rms_norm", "(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int fn) -> Tensor",
+        _add_rms_norm, _like_first)
+_define("cpu_silu_and_mul", "(Tensor gate_up, int fn) -> Tensor", _silu_and_mul,
+        lambda gate_up, fn: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)))
+_define("cpu_rotary_", "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_signed, int fn) -> ()", _rotary_,
+        lambda x, positions, cos, sin_signed, fn: None)
+_define("cpu_invariant_linear", "(Tensor x, Tensor packed, Tensor? bias, int out_features, int fn) -> Tensor",
+        _invariant_linear, lambda x, packed, bias, out_features, fn: x.new_empty((x.shape[0], out_features)))
