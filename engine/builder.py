@@ -57,7 +57,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
     runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits)
     if buckets:
-        runner.capture_decode_graphs(buckets)
+        _capture(runner, buckets)
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
@@ -84,7 +84,7 @@ def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: 
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free_before, _ = torch.cuda.mem_get_info(device)
-    scratch.capture_decode_graphs(buckets)
+    _capture(scratch, buckets)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # warm-up activations are not graph memory; the graphs' pool stays
     free_after, _ = torch.cuda.mem_get_info(device)
@@ -100,6 +100,14 @@ def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype) ->
         return batch_invariant_numerics(config.attention_backend, device, dtype)
     backend = get_attention_backend(config.attention_backend, device, dtype, block_size=config.cache.block_size)
     return Numerics(backend, backend.layer_ops(), None)
+
+
+def _capture(runner: ModelRunner, buckets: tuple[int, ...]) -> None:
+    try:
+        runner.capture_decode_graphs(buckets)
+    except Exception as exc:
+        raise RuntimeError(f"capturing the decode CUDA graphs failed with attention backend {runner.backend.name} "
+                           f"({type(exc).__name__}: {exc}); start with --enforce-eager to run without them") from exc
 
 
 def _graph_buckets(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> tuple[int, ...]:
