@@ -29,3 +29,22 @@ def test_gpu_memory_utilization_sizes_the_cache_after_profiling(tmp_path):
     assert torch.cuda.memory_reserved() <= 0.3 * total * 1.02
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_decode_graphs_give_the_tokens_of_eager_steps(tmp_path, backend):
+    """Decode batches replayed from CUDA graphs (padded to their buckets) vs --enforce-eager, fp32/bf16."""
+    model_dir = make_tiny_model_dir(tmp_path, "llama")
+    prompts = [list(range(3, 3 + 7 * i)) for i in range(1, 8)]
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True) for i in range(7)]
+    tokens = {}
+    for eager in (True, False):
+        try:
+            llm = make_llm(model_dir, device="cuda", dtype="bfloat16", attention_backend=backend, max_num_seqs=8,
+                           enforce_eager=eager)
+        except ValueError as exc:  # flash-attn not installed, or not for this GPU / block size
+            pytest.skip(str(exc))
+        assert (llm.engine.runner.cuda_graphs == "off") == eager
+        tokens[eager] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.scheduler.kv_cache_manager.usage == 0
+    assert tokens[False] == tokens[True]
