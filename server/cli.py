@@ -29,6 +29,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser(
         "offline", help="offline throughput vs HF transformers (flags: python -m engine.bench --help)", add_help=False
     )
+    bench_kinds.add_parser(
+        "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput "
+        "(flags: pagedserve bench serve --help)", add_help=False
+    )
     return parser
 
 
@@ -36,6 +40,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, rest = _build_parser().parse_known_args(argv)
     if args.command == "serve":
         return serve(rest, os.environ)
+    if args.kind == "serve":
+        from server.benchmark.serve import main as serve_bench_main
+
+        return serve_bench_main(rest)
     if args.kind == "scheduler":
         from scheduler.bench import main as bench_main
 

@@ -1,0 +1,203 @@
+"""`pagedserve bench serve`: the metric arithmetic, the arrival process, the datasets, the client against a
+fake server with known delays, and a run against the tiny model's real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from engine.text.tokenizer import load_tokenizer
+from server.benchmark.client import RequestResult, Target
+from server.benchmark.datasets import (BenchRequest, jsonl_requests, prefix_shared_requests, random_requests,
+                                       sharegpt_requests)
+from server.benchmark.metrics import compute, format_table, meets, parse_slos, tpot
+from server.benchmark.serve import LoadShape, arrival_gaps, main, run_load
+from tests.server.conftest import free_port
+
+
+# ---------------------------------------------------------------------- metrics
+
+
+def _result(ttft, itl, output_tokens, prompt_len=10, success=True, error=""):
+    latency = ttft + sum(itl) + 0.004  # the stream ends a little after its last chunk
+    return RequestResult(success, error, prompt_len, output_tokens, ttft, list(itl), latency, 0.0)
+
+
+def test_metrics_follow_vllms_definitions():
+    results = [
+        _result(0.100, [0.010, 0.020, 0.030], 4, prompt_len=10),
+        _result(0.300, [0.040], 2, prompt_len=20),
+        _result(0.200, [], 1, prompt_len=30),  # one token: no TPOT
+        _result(0.0, [], 0, success=False, error="HTTP 500: boom"),
+    ]
+    m = compute(results, duration_s=2.0, slos_ms={"ttft": 250.0})
+    assert (m.completed, m.failed) == (3, 1)
+    assert (m.total_input_tokens, m.total_output_tokens) == (60, 7)
+    assert m.request_throughput == pytest.approx(1.5)
+    assert m.output_throughput == pytest.approx(3.5)
+    assert m.total_token_throughput == pytest.approx(33.5)
+    assert m.request_goodput == pytest.approx(1.0)  # two of three meet TTFT <= 250 ms
+    assert m.ttft_ms.mean == pytest.approx(200.0) and m.ttft_ms.median == pytest.approx(200.0)
+    tpots = [(0.064 - 0.0) / 3 * 1000 + 0, 0.044 / 1 * 1000]  # (latency - ttft) / (tokens - 1)
+    assert tpot(results[0]) == pytest.approx((results[0].latency - 0.1) / 3)
+    assert m.tpot_ms.mean == pytest.approx(statistics.mean(tpots))
+    assert m.itl_ms.mean == pytest.approx(25.0) and m.itl_ms.median == pytest.approx(25.0)
+    assert m.itl_ms.p99 == pytest.approx(39.7)  # linear percentile of 10, 20, 30, 40
+    assert m.e2el_ms.median == pytest.approx(results[2].latency * 1000)
+    assert m.errors == {"HTTP 500": 1}
+    assert meets(results[0], {"tpot": 22.0, "e2el": 170.0}) and not meets(results[0], {"tpot": 21.0})
+    table = format_table(m)
+    assert "Successful requests" in table and "P99 ITL (ms)" in table and "Request goodput" in table
+
+
+def test_goodput_slos_parse_and_refuse_nonsense():
+    assert parse_slos(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
+    assert parse_slos(None) == {}
+    for bad in ("ttft", "latency:5", "tpot:x", "e2el:-1"):
+        with pytest.raises(ValueError):
+            parse_slos([bad])
+
+
+def test_arrivals_are_gamma_gaps_with_the_asked_mean_rate():
+    assert arrival_gaps(5, LoadShape()) == [0.0] * 5
+    for burstiness in (0.5, 1.0, 4.0):
+        gaps = arrival_gaps(20_000, LoadShape(request_rate=8.0, burstiness=burstiness, seed=1))
+        assert statistics.mean(gaps) == pytest.approx(1 / 8.0, rel=0.05)
+        # gamma(k, theta): variance k theta^2 = mean^2 / k, so burstier (smaller k) means more spread
+        assert statistics.pvariance(gaps) == pytest.approx((1 / 8.0) ** 2 / burstiness, rel=0.1)
+    assert arrival_gaps(3, LoadShape(request_rate=2.0, seed=5)) == arrival_gaps(3, LoadShape(request_rate=2.0, seed=5))
+
+
+# ---------------------------------------------------------------------- datasets
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_random_prompts_have_exact_token_lengths(tokenizer):
+    requests = random_requests(tokenizer, 12, input_len=40, output_len=16, range_ratio=0.5, seed=3)
+    for r in requests:
+        assert len(tokenizer.encode(r.prompt, add_special_tokens=False)) == r.prompt_len
+        assert 20 <= r.prompt_len <= 60 and 8 <= r.output_len <= 24
+    exact = random_requests(tokenizer, 5, input_len=33, output_len=7, seed=4)
+    assert {r.prompt_len for r in exact} == {33} and {r.output_len for r in exact} == {7}
+    assert random_requests(tokenizer, 5, 33, 7, seed=4) == exact  # seeded
+
+
+def test_prefix_shared_prompts_share_their_prefix(tokenizer):
+    requests = prefix_shared_requests(tokenizer, 4, prefix_len=64, suffix_len=8, output_len=5, seed=0)
+    head = requests[0].prompt[: len(requests[0].prompt) // 2]
+    assert all(r.prompt.startswith(head) for r in requests) and len({r.prompt for r in requests}) == 4
+    assert all(70 <= r.prompt_len <= 74 for r in requests)
+
+
+def test_sharegpt_and_jsonl_files(tokenizer, tmp_path):
+    conversations = [{"conversations": [{"from": "human", "value": f"Tell me about number {i} in detail."},
+                                        {"from": "gpt", "value": "It is a number. " * (i + 2)}]} for i in range(5)]
+    conversations.append({"conversations": [{"from": "human", "value": "hi"}]})  # no reply: skipped
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    requests = sharegpt_requests(path, tokenizer, 7, seed=0)
+    assert len(requests) == 7 and len({r.prompt for r in requests}) == 5  # cycled to the number asked
+    assert all(r.output_len >= 4 for r in requests)
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"prompt": "one two three", "output_len": 9}\n\n{"prompt": "four"}\n')
+    got = jsonl_requests(lines, tokenizer, 2)
+    assert [(r.prompt, r.output_len) for r in got] == [("one two three", 9), ("four", 128)]
+    lines.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match="prompts.jsonl:1"):
+        jsonl_requests(lines, tokenizer, 1)
+
+
+# ---------------------------------------------------------------------- the client, against a fake server
+
+FIRST_DELAY, GAP, CHUNKS = 0.15, 0.05, 5
+
+
+def _fake_app() -> Starlette:
+    async def completions(request):
+        body = await request.json()
+        if body.get("model") == "broken":
+            return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
+
+        async def stream():
+            await asyncio.sleep(FIRST_DELAY)
+            yield 'data: {"choices": [{"index": 0, "text": ""}]}\n\n'  # a role/empty chunk: not content
+            for i in range(CHUNKS):
+                if i:
+                    await asyncio.sleep(GAP)
+                yield f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'
+            usage = {"prompt_tokens": 11, "completion_tokens": CHUNKS + 2, "total_tokens": CHUNKS + 13}
+            yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_fake_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_client_times_content_chunks_of_a_slow_server(fake_server):
+    """Delays are minimums (a loaded machine only adds): TTFT >= the first delay, each ITL >= the gap; the
+    counts are exact: ITLs between content chunks only, output tokens from usage."""
+    requests = [BenchRequest("p", 3, 8)] * 4
+    results, duration = asyncio.run(run_load(Target(fake_server, "m"), requests, LoadShape(max_concurrency=2),
+                                             progress=False))
+    assert duration >= 2 * (FIRST_DELAY + (CHUNKS - 1) * GAP)  # two waves of two
+    for r in results:
+        assert r.success, r.error
+        assert r.ttft >= FIRST_DELAY and len(r.itl) == CHUNKS - 1 and min(r.itl) >= GAP * 0.9
+        assert (r.output_tokens, r.prompt_len) == (CHUNKS + 2, 11)
+        assert r.latency >= r.ttft + sum(r.itl)
+    broken = asyncio.run(run_load(Target(fake_server, "broken"), requests[:1], LoadShape(), progress=False))[0][0]
+    assert not broken.success and broken.error.startswith("HTTP 404") and "no such model" in broken.error
+
+
+# ---------------------------------------------------------------------- against pagedserve
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_against_the_tiny_model(server, tiny_model_dir, tmp_path, capsys, endpoint):
+    out = tmp_path / "result.json"
+    code = main(["--base-url", server.base_url, "--tokenizer", str(tiny_model_dir), "--endpoint", endpoint,
+                 "--num-prompts", "6", "--input-len", "24", "--output-len", "5", "--max-concurrency", "3",
+                 "--ignore-eos", "--goodput", "e2el:600000", "--result-json", str(out), "--disable-tqdm"])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["model"] == "tiny" and record["completed"] == 6 and record["failed"] == 0
+    assert record["output_lens"] == [5] * 6 and record["total_output_tokens"] == 30
+    if endpoint == "completions":
+        assert record["input_lens"] == [24] * 6  # exact lengths, as the server counted them
+    assert record["request_goodput"] > 0 and record["ttft_ms"]["mean"] > 0
+    assert all(len(itl) <= 4 for itl in record["itls_s"])  # a chunk per token, unless a token adds no text yet
+    assert "Output token throughput (tok/s)" in capsys.readouterr().out
+
+
+def test_bench_serve_reports_an_unreachable_server(capsys):
+    code = main(["--base-url", f"http://127.0.0.1:{free_port()}", "--model", "x", "--num-prompts", "1",
+                 "--disable-tqdm", "--input-len", "4"])
+    assert code == 1 and "first request failed" in capsys.readouterr().err
