@@ -79,8 +79,8 @@ def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: 
     """Device memory the decode graphs take (their shared pool and the graphs themselves), measured by
     capturing them over a throwaway cache of one request's blocks and releasing them, before the KV cache
     is sized (the real graphs capture over the real cache afterwards)."""
-    scratch = ModelRunner(model, KVCache(spec, -(-limits.max_model_len // spec.block_size), device), backend,
-                          device, limits)
+    scratch = ModelRunner(model, KVCache(spec, 1, device), backend, device, limits)  # padding rows read only
+    # the padding block
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free_before, _ = torch.cuda.mem_get_info(device)
@@ -90,6 +90,8 @@ def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: 
     free_after, _ = torch.cuda.mem_get_info(device)
     del scratch
     gc.collect()
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()  # a workspace made for the capture stream pins its pool
     torch.cuda.empty_cache()
     return max(free_before - free_after, 0)
 

@@ -205,7 +205,9 @@ class FlashAttentionBackend:
         )
 
     def _cumulative_kv_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """[0, k0, k0+k1, ...] on the device, into a buffer kept across steps (no host round trip)."""
+        """[0, k0, k0+k1, ...] on the device, into a buffer kept across steps (no host round trip). CUDA graphs
+        capture its address: it must not grow after capture, which holds since the memory profile and each
+        graph's warm-up (largest bucket first) build metadata for max_num_seqs requests before any capture."""
         num_reqs = seq_lens.shape[0]
         buffer = self._cu_seqlens_k
         if buffer is None or buffer.shape[0] < num_reqs + 1 or buffer.device != seq_lens.device:

@@ -146,15 +146,21 @@ class DecodeGraphs:
         started = time.monotonic()
         on_cuda = self.graph_type is CudaGraph
         pool = torch.cuda.graph_pool_handle() if on_cuda else None
-        stream = torch.cuda.Stream() if on_cuda else None
-        gc.collect()
+        stream = torch.cuda.Stream() if on_cuda else None  # warm-ups and captures: library workspaces
+        gc.collect()                                       # are per stream, so made outside the graphs
         for size in sorted(self.buckets, reverse=True):
             forward = self._step_fn(size)
             self._write_padding(0, size)
             self.buffers.upload_all(size, self.width)
-            forward()  # warm-up: compiles and autotunes kernels, allocates library workspaces
             if on_cuda:
                 torch.cuda.synchronize()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    forward()  # warm-up: compiles kernels, allocates workspaces and any backend buffers
+                torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.synchronize()
+            else:
+                forward()
             self._graphs[size] = self.graph_type(forward, pool, stream)
         if on_cuda:
             torch.cuda.synchronize()

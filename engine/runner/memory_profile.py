@@ -2,7 +2,8 @@
 
     requested   = total device memory x gpu_memory_utilization
     non-KV      = torch allocations after loading (the weights)
-                + peak activation memory of one profiled step at the token budget
+                + peak activation memory of one profiled step at the token budget, its
+                  logits and their sampling (worst case: top-p, penalties, logprobs)
                 + memory held outside torch's allocator (CUDA context, other processes)
     KV budget   = requested - non-KV
 
@@ -23,6 +24,9 @@ from engine.attention.step_metadata import (StepMetadata, shared_context_decode_
                                             single_prefill_metadata)
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.kv_cache import KVCache, KVCacheSpec
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler
+from engine.sampling.state import SamplingState
 
 
 def profile_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, max_num_tokens: int,
@@ -50,12 +54,23 @@ def profile_step_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, 
     before = torch.cuda.memory_allocated(device)
     metadata = backend.build_metadata(step, spec)  # counted: real steps build theirs every step
     hidden = model.forward(input_ids, positions, scratch.layers, metadata, backend)
-    model.compute_logits(hidden[: min(num_logit_rows, num_tokens)])
+    logits = model.compute_logits(hidden[: min(num_logit_rows, num_tokens)])
+    del hidden
+    Sampler()(logits, worst_case_sampling_states(logits.shape[0], device))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del scratch, hidden
+    del scratch, logits
     torch.cuda.empty_cache()
     return peak  # activations only: the scratch cache was allocated before `before`
+
+
+def worst_case_sampling_states(num_rows: int, device: torch.device) -> list[SamplingState]:
+    """Rows that take the sampler's most memory-hungry way on a GPU: top-p without top-k (a sort of the
+    whole vocabulary), every penalty (dense occurrence tables), logprobs (ranks over whole rows)."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.1,
+                            frequency_penalty=0.1, logprobs=20)
+    return [SamplingState.create(params, list(range(64)), list(range(64)), frozenset(), device)
+            for _ in range(num_rows)]
 
 
 def cuda_kv_budget(utilization: float, step_peak_bytes: int, device: torch.device) -> int:

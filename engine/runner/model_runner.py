@@ -155,12 +155,12 @@ class ModelRunner:
         the third value is the decode graph's bucket when the step replays one (then the buffers hold
         that many rows, padding included, all uploaded, and no StepMetadata is built).
 
-        A "decode" here is any request with one scheduled token (and no prompt logprobs to score)."""
+        A "decode" here is any request with one scheduled token (and no prompt logprobs left to score)."""
         decodes, chunks = [], []
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = so.num_computed_tokens[request_id]
-            if num_tokens == 1 and not state.wants_prompt_logprobs:
+            if num_tokens == 1 and (not state.wants_prompt_logprobs or start >= state.num_prompt_tokens - 1):
                 decodes.append((state, start))
             else:
                 chunks.append((state, start, num_tokens))

@@ -66,8 +66,9 @@ class Sampler:
     waiting, and what would need a look at device values takes the way that does not
     (a full-vocabulary sort for top-p without top-k, dense penalty counts, every rank
     counted over its whole row). On CPU looking is free, and the cheaper sparse ways
-    are taken. Both give the same tokens and logprobs (top-p may break exact ties
-    differently).
+    are taken. Both give the same tokens and logprobs, except that top-p without
+    top-k sums a row's mass in another order, so a token at the nucleus boundary
+    may fall the other way (and exact ties may break differently).
     """
 
     def __init__(self, sync_free: Optional[bool] = None):

@@ -104,3 +104,17 @@ def test_off_cuda_no_graph_is_captured(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir)
     assert llm.engine.runner.graphs is None and llm.engine.runner.cuda_graphs == "off"
     assert torch.device(llm.engine.runner.device).type == "cpu"
+
+
+def test_a_request_with_prompt_logprobs_decodes_through_the_graphs_once_scored(tiny_llama_dir):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    prompts = [list(range(3, 20)), list(range(30, 41))]
+    reference = _generate(make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=4), prompts, params)
+    llm = make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.capture_decode_graphs((1, 2, 4), EagerReplay)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in got] == [o.token_ids for o in reference]
+    assert all(len(r.prompt_logprobs) == len(p) for r, p in zip(got, prompts))
+    assert runner.graphs._graphs[2].replays >= 4  # the decodes after the prompt went through the graph
+    assert_idle(llm)

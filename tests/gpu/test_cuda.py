@@ -48,3 +48,19 @@ def test_decode_graphs_give_the_tokens_of_eager_steps(tmp_path, backend):
         tokens[eager] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.scheduler.kv_cache_manager.usage == 0
     assert tokens[False] == tokens[True]
+
+
+def test_decode_graphs_over_long_contexts_with_a_profiled_cache(tmp_path):
+    """A graph's block table spans max_model_len (4096: several decode partitions), the cache is sized by
+    profiling (graph memory measured first), and a 1500-token prompt decodes through the graphs with the
+    tokens of eager steps."""
+    model_dir = make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=4096)
+    prompts = [list(range(3, 500)) * 3, [5, 6, 7]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        llm = make_llm(model_dir, device="cuda", dtype="bfloat16", attention_backend="triton", block_size=16,
+                       max_model_len=4096, max_num_batched_tokens=2048, num_blocks=None, gpu_memory_utilization=0.2,
+                       enforce_eager=eager)
+        tokens[eager] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[False] == tokens[True]

@@ -13,8 +13,9 @@
         max_query_len == 1: `paged_decode`; otherwise `paged_prefill` for the whole batch.
 
     paged_decode(q [B, H, D], key_cache, value_cache, block_table, seq_lens, scale,
-                 *, max_seq_len=None, partition_size=512) -> out [B, H, D]
-        One query per request; the context split into partitions of `partition_size` tokens run in
+                 *, max_seq_len=None, partition_size=None) -> out [B, H, D]
+        One query per request; the context split into partitions of `partition_size` tokens (512, or
+        more past 64 partitions: a CUDA graph's grid is sized for max_model_len) run in
         parallel, then combined (flash-decoding). One program serves all query heads of a KV head.
 
     paged_prefill(q [T, H, D], key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale,

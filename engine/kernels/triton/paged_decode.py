@@ -25,6 +25,10 @@ from engine.kernels.triton.paged_kv import (
 )
 
 DEFAULT_PARTITION_SIZE = 512
+MAX_PARTITIONS = 64
+"""Past DEFAULT_PARTITION_SIZE x MAX_PARTITIONS tokens the partitions grow instead (a CUDA graph sizes its
+grid for max_model_len: at 128k tokens, 64 partitions of 2048, not 256 of 512 with their scratch and a
+256-wide reduction)."""
 """Context tokens per pass-1 program (vLLM's choice): long contexts spread over more programs."""
 
 
@@ -128,27 +132,26 @@ def paged_decode(
     scale: float,
     *,
     max_seq_len: Optional[int] = None,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    partition_size: Optional[int] = None,
     out: Optional[torch.Tensor] = None,  # [B, H, D]
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks.
 
     The number of partitions comes from `max_seq_len` when given (>= every `seq_lens[b]`: a longer
     context would be cut), else from the block table's width (`max_blocks * block_size`: no host read
-    of `seq_lens`, a grid fixed for a CUDA graph). `partition_size` is a power of two >= 16.
+    of `seq_lens`, a grid fixed for a CUDA graph). `partition_size` is a power of two >= 16; by default
+    DEFAULT_PARTITION_SIZE, or larger so that there are at most MAX_PARTITIONS.
     """
     _, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     batch, num_heads, q_dim = q.shape
     _check_decode_inputs(q, key_cache, block_table, seq_lens, num_heads, num_kv_heads, head_dim, q_dim)
-    if partition_size < 16 or partition_size & (partition_size - 1):
-        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    max_context = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
+    partition_size, num_partitions = decode_partitions(max_context, partition_size)
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape:
         raise ValueError(f"out must be shaped like q {tuple(q.shape)}, got {tuple(out.shape)}")
     if batch == 0:
         return out
-    max_context = max_seq_len if max_seq_len is not None else block_table.shape[1] * block_size
-    num_partitions = max(1, triton.cdiv(max_context, partition_size))
     split = num_partitions > 1
     group = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -174,6 +177,15 @@ def paged_decode(
             PARTITION=partition_size,
         )
     return out
+
+
+def decode_partitions(max_context: int, partition_size: Optional[int] = None) -> tuple[int, int]:
+    """(partition size, number of partitions) for contexts up to `max_context` tokens."""
+    if partition_size is None:
+        partition_size = max(DEFAULT_PARTITION_SIZE, triton.next_power_of_2(triton.cdiv(max_context, MAX_PARTITIONS)))
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    return partition_size, max(1, triton.cdiv(max_context, partition_size))
 
 
 def _check_decode_inputs(q, key_cache, block_table, seq_lens, num_heads, num_kv_heads, head_dim, q_dim) -> None:

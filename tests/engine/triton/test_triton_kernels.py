@@ -178,6 +178,28 @@ def test_decode_partitions_from_max_seq_len():
     run_attention(step, key_cache, value_cache, 64, kernel=paged_decode, partition_size=16, max_seq_len=50)
 
 
+def test_decode_partitions_grow_past_the_cap():
+    from engine.kernels.triton.paged_decode import MAX_PARTITIONS, decode_partitions
+
+    assert decode_partitions(100) == (512, 1)
+    assert decode_partitions(512 * MAX_PARTITIONS) == (512, MAX_PARTITIONS)
+    assert decode_partitions(512 * MAX_PARTITIONS + 1) == (1024, 33)
+    assert decode_partitions(131072) == (2048, 64)
+    assert decode_partitions(100, 16) == (16, 7)
+
+
+def test_decode_over_a_graph_wide_block_table():
+    """A CUDA graph's step: the block table as wide as max_model_len (here ~33k tokens: 33 partitions of
+    1024), the contexts short; partitions past each context exit, the reduction ignores them."""
+    step, key_cache, value_cache = make_step([(33, 1, True), (5, 1, True), (70, 1, True)], 16, 2, 16, seed=9)
+    batch = to_batch(step, key_cache, value_cache, torch.float32, strided_query=False)
+    write_and_check(step, batch)
+    wide = torch.zeros((batch.block_table.shape[0], 2060), dtype=torch.int32)
+    wide[:, : batch.block_table.shape[1]] = batch.block_table
+    out = paged_decode(batch.query, batch.key_cache, batch.value_cache, wide, batch.seq_lens, 16 ** -0.5)
+    check_output(step, batch, out, 16 ** -0.5)
+
+
 def test_paged_attention_dispatch(monkeypatch):
     """max_query_len 1 takes the decode kernel, anything longer the prefill kernel for the whole batch."""
     paged_attention_module = importlib.import_module("engine.kernels.triton.paged_attention")
