@@ -5,8 +5,10 @@ process, one after the other:
   - pagedserve: `LLM.generate` with continuous batching over the paged KV cache;
   - HF: `model.generate` on the prompts as one padded batch.
 It prints output tokens/s for both and the ratio, then the single-stream decode
-step time next to the memory-bandwidth floor: one bare matrix-vector pass over
-all the weights in the same dtype.
+step time next to its physical floor: the bytes a step reads (every weight
+matrix and the context's K/V) over this machine's streaming-read bandwidth,
+measured in the same run (engine/memory_bandwidth.py); and, for reference, one
+bare matrix-vector pass over all the weights with torch's product.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.llm import LLM
+from engine.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
 from engine.models.invariant_linear import PackedWeight
 from engine.sampling.params import SamplingParams
 
@@ -87,11 +90,8 @@ def single_stream_step_ms(llm: LLM, prompt: list[int], steps: int) -> float:
 
 
 def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear) -> float:
-    """One matrix-vector product per weight matrix, batch 1: the bandwidth floor of a decode step.
-
-    The faster of `F.linear` on plain copies of the weights and the model's own
-    product on its (possibly packed) weights, so the floor is never flattered by
-    a slow kernel."""
+    """One matrix-vector product per weight matrix, batch 1, with torch's products (the faster of `F.linear`
+    on plain copies and the model's own product): a reference, not a floor (see memory_bandwidth.py)."""
     plain = [_plain(w) for w in weights]
     inputs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in plain]
     best = float("inf")
@@ -128,14 +128,28 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     dtype = engine.runner.model.dtype
     prompts = make_prompts(llm, args.num_prompts, args.input_len, args.seed)
     report: dict[str, float] = {}
+    profile = engine.enable_profile() if args.profile else None
     report["step_ms"] = single_stream_step_ms(llm, prompts[0], args.single_steps)
+    if profile is not None:
+        print("single stream, " + profile.table(), flush=True)
+        profile.reset()
     model = engine.runner.model
-    report["floor_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear)
-    print(f"single-stream decode step: {report['step_ms']:.2f} ms; weight-read floor (batch-1 matvec over all "
-          f"weights, {str(dtype).removeprefix('torch.')}): {report['floor_ms']:.2f} ms; "
-          f"ratio {report['step_ms'] / report['floor_ms']:.2f}x", flush=True)
+    arch = model.arch
+    step_bytes = tensor_bytes([_plain(w) for w in model.weight_tensors()]) + kv_read_bytes(
+        arch.num_layers, args.input_len + args.single_steps // 2, arch.num_kv_heads, arch.head_dim, dtype)
+    bandwidth = read_bandwidth(model.device)
+    report["read_gb_s"] = bandwidth / 1e9
+    report["step_mb"] = step_bytes / 1e6
+    report["floor_ms"] = step_bytes / bandwidth * 1e3
+    report["matvec_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear)
+    print(f"single-stream decode step: {report['step_ms']:.2f} ms; floor {report['floor_ms']:.2f} ms "
+          f"({report['step_mb']:.0f} MB of weights and K/V at {report['read_gb_s']:.1f} GB/s streaming read); "
+          f"ratio {report['step_ms'] / report['floor_ms']:.2f}x (torch's batch-1 products alone: "
+          f"{report['matvec_ms']:.2f} ms)", flush=True)
     report["pagedserve_tok_s"] = bench_pagedserve(llm, prompts, args.output_len)
     print(f"pagedserve: {report['pagedserve_tok_s']:.1f} output tok/s", flush=True)
+    if profile is not None:
+        print(f"{args.num_prompts} prompts, " + profile.table(), flush=True)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -172,8 +186,9 @@ def _print_table(args, report: dict[str, float], dtype: torch.dtype) -> None:
     if "hf_tok_s" in report:
         print(f"| HF transformers generate | {report['hf_tok_s']:.1f} |")
         print(f"| ratio | {report['ratio']:.2f}x |")
-    print(f"| single-stream step / weight floor | {report['step_ms']:.2f} ms / {report['floor_ms']:.2f} ms "
-          f"= {report['step_ms'] / report['floor_ms']:.2f}x |")
+    print(f"| single-stream step / floor (bytes read / {report['read_gb_s']:.1f} GB/s) | {report['step_ms']:.2f} ms "
+          f"/ {report['floor_ms']:.2f} ms = {report['step_ms'] / report['floor_ms']:.2f}x |")
+    print(f"| torch's batch-1 products over the weights | {report['matvec_ms']:.2f} ms |")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -189,6 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
     parser.add_argument("--batch-invariant", action="store_true", help="run pagedserve in batch-invariant mode")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="print where the steps' time goes, by phase")
     run(parser.parse_args(argv))
 
 

@@ -15,6 +15,9 @@ import logging
 import time
 from typing import Iterable, Optional, Sequence
 
+import torch
+
+from engine.step_profile import StepProfile
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.runner.model_runner import ModelRunner
@@ -28,6 +31,9 @@ from scheduler import (Request, RequestStatus, RequestStepOutput, Scheduler,
                        SchedulerStats)
 
 logger = logging.getLogger(__name__)
+
+PROFILE_LOG_EVERY = 1000
+"""Steps between two logged profiles (`--profile`): cumulative since start."""
 
 
 class EngineCore:
@@ -49,6 +55,16 @@ class EngineCore:
         self._states: dict[str, RequestState] = {}
         self.num_steps = 0
         self.last_step_num_tokens = 0
+        self.profile: Optional[StepProfile] = None
+        if config.profile:
+            self.enable_profile()
+
+    def enable_profile(self) -> StepProfile:
+        """Time every step's phases from now on (`--profile`); logged every PROFILE_LOG_EVERY steps."""
+        device = self.runner.device
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        self.profile = self.runner.profile = StepProfile(sync)
+        return self.profile
 
     # ------------------------------------------------------------------ requests
 
@@ -139,7 +155,12 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        profile = self.profile
+        if profile is not None:
+            profile.begin_step()
         scheduler_output = self.scheduler.schedule()
+        if profile is not None:
+            profile.lap("schedule")
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         scheduled_at = time.monotonic()
         for new in scheduler_output.new_requests:
@@ -150,6 +171,8 @@ class EngineCore:
         if scheduler_output.is_empty:
             return []
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        if profile is not None:
+            profile.lap("update")
         now = time.monotonic()
         self.num_steps += 1
         for request_id, chunk in runner_output.prompt_logprobs.items():
@@ -159,8 +182,14 @@ class EngineCore:
             num_repeated = len(held) - scheduler_output.num_computed_tokens[request_id] - 1
             assert num_repeated >= 0, "prompt logprobs arrived out of order"
             held.extend(chunk[num_repeated:])
-        return [self._process(step_output, runner_output.logprobs.get(step_output.request_id), now)
-                for step_output in step_outputs]
+        outputs = [self._process(step_output, runner_output.logprobs.get(step_output.request_id), now)
+                   for step_output in step_outputs]
+        if profile is not None:
+            profile.lap("detokenize")
+            profile.end_step()
+            if self.num_steps % PROFILE_LOG_EVERY == 0:
+                logger.info("%s", profile.table())
+        return outputs
 
     def _process(self, step_output: RequestStepOutput, logprobs: Optional[TokenLogprobs],
                  now: float) -> RequestOutput:

@@ -25,6 +25,11 @@ class EngineConfig(BaseModel):
         description="never run CUDA graphs (on CUDA, decode steps are otherwise replayed from graphs "
         "captured at start-up for batch sizes up to max_num_seqs; engine/runner/cuda_graphs.py)",
     )
+    profile: bool = Field(
+        False,
+        description="time every step's phases (schedule, prepare, forward, sample, update, detokenize, between) "
+        "and log the breakdown every 1000 steps (engine/step_profile.py)",
+    )
     batch_invariant: bool = Field(
         False,
         description="products, norms and attention whose per-row arithmetic does not depend on the batch: "

@@ -1,7 +1,7 @@
 """The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
 
     defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
-                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant, enforce_eager)
+                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant, enforce_eager, profile)
 
 Every value remembers where it came from, so an error names the flag, the
 environment variable or the YAML key that set it.
@@ -45,6 +45,7 @@ _YAML_SCALARS: dict[str, FieldPath] = {
     "attention_backend": ("engine", "attention_backend"),
     "batch_invariant": ("engine", "batch_invariant"),
     "enforce_eager": ("engine", "enforce_eager"),
+    "profile": ("engine", "profile"),
 }
 _YAML_IGNORED = frozenset({"tiny_model"})
 _SECRET_FIELDS = frozenset({("server", "api_keys")})
@@ -129,6 +130,9 @@ OPTIONS: tuple[Option, ...] = (
            "tokens and logprobs whatever runs beside it, in float32 and bfloat16 (CPU)"),
     Option("--enforce-eager", ("engine", "enforce_eager"), "bool",
            "never use CUDA graphs (by default decode steps on CUDA replay graphs captured at start-up)"),
+    Option("--profile", ("engine", "profile"), "bool",
+           "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
+           "between steps), every 1000 steps"),
     Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),
     Option("--strict-params", (*_SV, "strict_params"), "bool",
            "also reject request fields that the OpenAI API does not define (by default they are ignored)"),

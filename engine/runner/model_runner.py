@@ -14,6 +14,7 @@ from engine.runner.block_table import BlockTable
 from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs
 from engine.runner.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
+from engine.step_profile import StepProfile
 from engine.outputs import ModelRunnerOutput
 from engine.sampling.device_io import to_device
 from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
@@ -78,6 +79,7 @@ class ModelRunner:
         self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
         self.buffers = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs, max_blocks, device)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
+        self.profile: Optional[StepProfile] = None  # set by EngineCore.enable_profile
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""
@@ -98,16 +100,26 @@ class ModelRunner:
             return ModelRunnerOutput()
         buffers = self.buffers
         buffers.begin_step()
+        profile = self.profile
         batch, step, bucket = self._prepare_inputs(scheduler_output)
         if bucket is not None:
+            if profile is not None:
+                profile.lap("prepare")
             hidden = self.graphs.replay(bucket)  # its inputs are uploaded
         else:
-            hidden = self._forward(buffers.input_ids.upload(batch.num_tokens),
-                                   buffers.positions.upload(batch.num_tokens), step)
+            input_ids = buffers.input_ids.upload(batch.num_tokens)
+            positions = buffers.positions.upload(batch.num_tokens)
+            if profile is not None:
+                profile.lap("prepare")
+            hidden = self._forward(input_ids, positions, step)
+        if profile is not None:
+            profile.lap("forward")
         try:
             return self._sample(hidden, batch)
         finally:
             buffers.end_step()
+            if profile is not None:
+                profile.lap("sample")
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         """The model over the KV cache: hidden states [num_tokens, hidden] (what a decode graph captures)."""
