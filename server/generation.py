@@ -232,6 +232,8 @@ async def stream_choices(choices: Sequence[Choice], streams: Sequence[RequestStr
                     raise RequestTimeoutError(guard.timeout) from None
                 if guard is not None:
                     guard.started(choice.request_id)
+                if output.error is not None:
+                    raise GenerationFailedError(output.error)
                 yield choice, output
     finally:
         await close_streams(streams)
@@ -248,6 +250,13 @@ async def _next(items: AsyncIterator, deadline: Optional[float]):
 async def _single(choice: Choice, stream: RequestStream) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     async for output in stream:
         yield choice, output
+
+
+class GenerationFailedError(APIError):
+    """The engine failed this request alone (its sampling or its text); the other requests go on."""
+
+    def __init__(self, reason: str):
+        super().__init__(500, f"generating this completion failed: {reason}", code="generation_failed")
 
 
 class RequestTimeoutError(APIError):

@@ -140,6 +140,8 @@ class ServerMetrics:
             return
         if output.finish_reason == "abort":
             self.request_failure.labels(name, self._abort_reasons.pop(output.request_id, "aborted")).inc()
+        elif output.error is not None:  # failed alone in the engine (see engine.fault_isolation)
+            self.request_failure.labels(name, "error").inc()
         else:
             self.request_success.labels(name, output.finish_reason).inc()
         self.prompt_tokens.labels(name).inc(output.num_prompt_tokens)

@@ -16,8 +16,10 @@ router = APIRouter()
 
 @router.get("/health", responses=ERROR_RESPONSES)
 async def health(request: Request) -> Response:
-    """200 once warmed up while the engine loop is alive; 503 otherwise."""
+    """200 once warmed up while the engine loop is alive; 503 otherwise (and from the first stop signal on)."""
     state: ServerState = request.app.state.server
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
     if not state.engine.is_alive:
         raise APIError(503, f"the engine is not running: {state.engine.error or 'stopped'}")
     if not state.ready:
