@@ -65,7 +65,8 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
     for module in (completions, chat, models, tokenize, ops):
         app.include_router(module.router)
     _install_error_handlers(app, state)
-    json_paths = [route.path for route in app.routes if getattr(route, "body_field", None) is not None]
+    json_paths = [route.path for module in (completions, chat, models, tokenize, ops)
+                  for route in module.router.routes if getattr(route, "body_field", None) is not None]
     app.add_middleware(BodyGuard, max_bytes=server_config.max_request_body, json_paths=json_paths)  # after auth
     _install_middleware(app, state)
     _drop_default_422(app)
