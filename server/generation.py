@@ -43,7 +43,8 @@ def check_extra_fields(request: SamplingFields, strict: bool) -> None:
     if strict:
         raise bad_request(f"Unrecognized request argument(s): {', '.join(extra)}.", param=extra[0],
                           code="unknown_parameter")
-    logger.warning("ignoring unrecognized request field(s): %s", ", ".join(extra))
+    shown = ", ".join(repr(name[:40]) for name in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+    logger.warning("ignoring unrecognized request field(s): %s", shown)  # names only, cut short: never values
 
 
 # vLLM request extras this server does not implement: refused by name, never ignored.
