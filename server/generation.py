@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
 from fastapi.responses import StreamingResponse
 
@@ -16,8 +16,8 @@ from engine.outputs import OutputAccumulator, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
-from server.admission import Ticket
 from server.errors import APIError, bad_request
+from server.request_guard import RequestGuard, RequestTimeoutError
 from server.rejections import CONTEXT_LENGTH_EXCEEDED
 from server.protocol import PromptTokensDetails, SamplingFields, Usage
 
@@ -213,7 +213,7 @@ async def start_choices(engine: AsyncEngine, choices: Sequence[Choice], priority
 
 
 async def stream_choices(choices: Sequence[Choice], streams: Sequence[RequestStream], *,
-                         guard: Optional["RequestGuard"] = None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+                         guard: Optional[RequestGuard] = None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Interleave the outputs of every choice as they come. Ending or closing this iterator closes every
     stream, which aborts the choices still running. With a `guard`, each choice's first output frees its
     place in the queue, and passing the deadline raises RequestTimeoutError (504)."""
@@ -258,36 +258,6 @@ class GenerationFailedError(APIError):
 
     def __init__(self, reason: str):
         super().__init__(500, f"generating this completion failed: {reason}", code="generation_failed")
-
-
-class RequestTimeoutError(APIError):
-    """A request still waiting or running at --request-timeout: aborted, its client told with a 504."""
-
-    def __init__(self, timeout: float):
-        super().__init__(504, f"the request did not finish within {timeout:g} s (--request-timeout); it was "
-                              f"aborted.", code="request_timeout")
-
-
-@dataclass(slots=True)
-class RequestGuard:
-    """What the server holds for one generation request: its places in the queue and its deadline."""
-
-    ticket: Optional[Ticket]
-    deadline: Optional[float]  # time.monotonic
-    timeout: float = 0.0
-    on_timeout: Optional[Callable[[Sequence[str]], None]] = None  # engine ids aborted for the deadline
-
-    def started(self, request_id: str) -> None:
-        if self.ticket is not None:
-            self.ticket.started(request_id)
-
-    def release(self) -> None:
-        if self.ticket is not None:
-            self.ticket.release()
-
-    def timed_out(self, streams: Sequence[RequestStream]) -> None:
-        if self.on_timeout is not None:
-            self.on_timeout([stream.engine_id for stream in streams if not stream.ended])
 
 
 class ChoicesStreamingResponse(StreamingResponse):
