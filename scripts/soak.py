@@ -41,9 +41,10 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def start_server(serve_args: str, logs: Path) -> tuple[subprocess.Popen, str]:
+def start_server(serve_args: str, logs: Path, extra_env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra_env)
     stdout, stderr = logs / "stdout.txt", logs / "stderr.txt"
     command = [sys.executable, "-m", "server.cli", "serve", "--port", "0", *shlex.split(serve_args)]
     with stdout.open("w") as out, stderr.open("w") as err:
@@ -109,7 +110,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
 
 
 async def traffic(url: str, model: str, minutes: float, workers: int, burst: int, tally: Tally,
-                  on_warm) -> None:
+                  on_warm, on_sample) -> None:
     end = time.monotonic() + minutes * 60
     warm_at = time.monotonic() + min(60.0, minutes * 6)  # RSS "at start": after a minute of traffic
     limits = httpx.Limits(max_connections=workers + burst + 4)
@@ -129,7 +130,12 @@ async def traffic(url: str, model: str, minutes: float, workers: int, burst: int
             await asyncio.sleep(max(warm_at - time.monotonic(), 0))
             on_warm()
 
-        await asyncio.gather(*(worker(i) for i in range(workers)), bursts(), warm_marker())
+        async def sampler() -> None:
+            while time.monotonic() < end:
+                on_sample()
+                await asyncio.sleep(min(60.0, max(minutes * 6, 5.0)))
+
+        await asyncio.gather(*(worker(i) for i in range(workers)), bursts(), warm_marker(), sampler())
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -149,16 +155,20 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=12, help="clients sending back to back")
     parser.add_argument("--burst", type=int, default=48, help="requests in each burst (past the queue bound)")
     parser.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS)
+    parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the server (repeatable), e.g. MALLOC_ARENA_MAX=2")
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="pagedserve-soak-"))
-    process, url = start_server(args.serve_args, logs)
+    process, url = start_server(args.serve_args, logs, dict(item.split("=", 1) for item in args.server_env))
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     rss = {"ready": rss_bytes(process.pid)}
+    timeline: list[tuple[float, int]] = []
     tally = Tally()
     started = time.monotonic()
     try:
         asyncio.run(traffic(url, model, args.minutes, args.workers, args.burst, tally,
-                            lambda: rss.__setitem__("warm", rss_bytes(process.pid))))
+                            lambda: rss.__setitem__("warm", rss_bytes(process.pid)),
+                            lambda: timeline.append((time.monotonic() - started, rss_bytes(process.pid)))))
         elapsed = time.monotonic() - started
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -185,6 +195,7 @@ def main(argv=None) -> int:
         print(f"latency of served requests: p50 {statistics.median(latencies):.2f} s, p99 {p99:.2f} s")
     print(f"server RSS: {rss['ready'] / 2**20:.0f} MiB when ready, {warm / 2**20:.0f} MiB after warm-up, "
           f"{rss['end'] / 2**20:.0f} MiB at the end ({(rss['end'] - warm) / warm * 100:+.1f}% since warm-up)")
+    print("server RSS over time: " + ", ".join(f"{t / 60:.1f} min {b / 2**20:.0f} MiB" for t, b in timeline))
     print(f"at the end: KV usage {metrics.get('pagedserve_kv_cache_usage_ratio')}, running "
           f"{metrics.get('pagedserve_num_requests_running')}, waiting {metrics.get('pagedserve_num_requests_waiting')}, "
           f"preemptions {metrics.get('pagedserve_num_preemptions_total')}, "
