@@ -1,7 +1,7 @@
 """Fault isolation: a failure in one request's sampling or text ends that request, never the step.
 
     runner.sampler = GuardedSampler(sampler)   (installed by EngineCore)
-        logits rows not finite (NaN / inf)  -> that row is sampled from zeros, its request recorded as failed
+        logits rows not finite (NaN / inf)  -> its request is recorded as failed (its token is never shown)
         the batched sampler raises           -> every row is sampled alone; the rows that raise are failed
     EngineCore.step: failed requests end with finish_reason "error" (and the message), the rest go on
 
@@ -69,14 +69,11 @@ class GuardedSampler:
         if self.injector is not None:
             logits = logits.clone()
             self.injector.on_logits(logits, [self.request_id_of(state) for state in states])
-        finite = torch.isfinite(logits).all(dim=-1)  # [num_rows]
-        if not bool(finite.all()):
-            bad = (~finite).nonzero().flatten().tolist()
-            for row in bad:
-                self._fail(states[row], "the model produced non-finite logits (NaN or inf)")
-            logits = logits.clone()
-            logits[bad] = 0
-        return self.sampler(logits, states)
+        finite = torch.isfinite(logits).all(dim=-1)  # [num_rows]; read once the sampler has synchronized
+        out = self.sampler(logits, states)
+        for row in (~finite).nonzero().flatten().tolist():  # a non-finite row's token is garbage: fail it
+            self._fail(states[row], "the model produced non-finite logits (NaN or inf)")
+        return out
 
     def _fail(self, state: SamplingState, message: str) -> None:
         request_id = self.request_id_of(state)

@@ -45,13 +45,13 @@ def _body(prompt, **extra):
             **extra}
 
 
-async def _run_all(base_url: str, stream_poison: bool):
+async def _run_all(base_url: str, stream_poison: bool, temperature: float):
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         async def healthy(prompt):
             return (await client.post("/v1/completions", json=_body(prompt))).json()
 
         async def poisoned():
-            body = _body([40, 41, 42], request_id=f"{POISON}-1", stream=stream_poison)
+            body = {**_body([40, 41, 42], request_id=f"{POISON}-1", stream=stream_poison), "temperature": temperature}
             if not stream_poison:
                 return await client.post("/v1/completions", json=body)
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -60,15 +60,16 @@ async def _run_all(base_url: str, stream_poison: bool):
         return await asyncio.gather(poisoned(), *(healthy(p) for p in PROMPTS))
 
 
-@pytest.mark.parametrize("kind,stream", [("nan", False), ("sampling", True), ("detokenize", False)])
-def test_a_fault_in_one_request_fails_it_alone(server, kind, stream):
+@pytest.mark.parametrize("kind,stream,temperature", [("nan", False, 0.0), ("nan", True, 1.0), ("sampling", True, 0.0),
+                                                     ("detokenize", False, 0.0)])
+def test_a_fault_in_one_request_fails_it_alone(server, kind, stream, temperature):
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         alone = [client.post("/v1/completions", json=_body(p)).json()["choices"][0]["text"] for p in PROMPTS]
     errors_before = metric(server.base_url, "pagedserve_request_failure_total", reason="error")
     core = server.engine.engine
     core.fault_injector = Injector(kind)
     try:
-        poisoned, *others = asyncio.run(_run_all(server.base_url, stream))
+        poisoned, *others = asyncio.run(_run_all(server.base_url, stream, temperature))
     finally:
         core.fault_injector = None
     if stream:
