@@ -115,7 +115,13 @@ class AsyncEngine:
 
     @property
     def error(self) -> Optional[BaseException]:
+        """What stopped the engine loop, when it failed (None while it runs and after a plain shutdown)."""
         return self._error
+
+    @property
+    def num_requests(self) -> int:
+        """Requests admitted and not yet finished or closed, plus batches awaiting their verdict."""
+        return len(self._streams) + len(self._admissions)
 
     # ------------------------------------------------------------------ what the engine serves
 
@@ -166,6 +172,11 @@ class AsyncEngine:
     def scheduling_policy(self) -> str:
         """The order of admission: "fcfs", or "priority" (requests may then carry a priority)."""
         return self.engine.scheduler.scheduler_config.policy
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests in the running batch at most."""
+        return self.engine.scheduler.scheduler_config.max_num_seqs
 
     @property
     def kv_cache_config(self) -> CacheConfig:

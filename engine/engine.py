@@ -20,6 +20,7 @@ import torch
 from engine.step_profile import StepProfile
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
+from engine.fault_isolation import FaultInjector, GuardedSampler
 from engine.runner.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
@@ -55,9 +56,22 @@ class EngineCore:
         self._states: dict[str, RequestState] = {}
         self.num_steps = 0
         self.last_step_num_tokens = 0
+        self._sampler = runner.sampler = GuardedSampler(runner.sampler, self._request_id_of)
         self.profile: Optional[StepProfile] = None
         if config.profile:
             self.enable_profile()
+
+    @property
+    def fault_injector(self) -> Optional[FaultInjector]:
+        """Tests only: hooks that corrupt logits or fail detokenization (see fault_isolation)."""
+        return self._sampler.injector
+
+    @fault_injector.setter
+    def fault_injector(self, injector: Optional[FaultInjector]) -> None:
+        self._sampler.injector = injector
+
+    def _request_id_of(self, sampling) -> str:
+        return next(rid for rid, state in self.runner.requests.items() if state.sampling is sampling)
 
     def enable_profile(self) -> StepProfile:
         """Time every step's phases from now on (`--profile`); logged every PROFILE_LOG_EVERY steps."""
@@ -170,6 +184,7 @@ class EngineCore:
         runner_output = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty:
             return []
+        failures = self._sampler.take_failures()
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         if profile is not None:
             profile.lap("update")
@@ -182,8 +197,17 @@ class EngineCore:
             num_repeated = len(held) - scheduler_output.num_computed_tokens[request_id] - 1
             assert num_repeated >= 0, "prompt logprobs arrived out of order"
             held.extend(chunk[num_repeated:])
-        outputs = [self._process(step_output, runner_output.logprobs.get(step_output.request_id), now)
-                   for step_output in step_outputs]
+        outputs = []
+        for step_output in step_outputs:
+            request_id = step_output.request_id
+            failure = failures.get(request_id)
+            if failure is None:
+                try:
+                    outputs.append(self._process(step_output, runner_output.logprobs.get(request_id), now))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failure = f"processing its output failed: {type(exc).__name__}: {exc}"
+            outputs.append(self._fail(request_id, failure, now))
         if profile is not None:
             profile.lap("detokenize")
             profile.end_step()
@@ -191,11 +215,20 @@ class EngineCore:
                 logger.info("%s", profile.table())
         return outputs
 
+    def _fail(self, request_id: str, message: str, now: float) -> RequestOutput:
+        """End one request with finish_reason "error"; the others go on."""
+        logger.error("request %s failed: %s", request_id, message)
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)  # frees its blocks (if unfinished)
+        state = self._states.pop(request_id)
+        return self._output(state, [], "", "error", now, error=message)
+
     def _process(self, step_output: RequestStepOutput, logprobs: Optional[TokenLogprobs],
                  now: float) -> RequestOutput:
         """Text, stop strings and timestamps for one request's new tokens."""
         request_id = step_output.request_id
         state = self._states[request_id]
+        if self._sampler.injector is not None:
+            self._sampler.injector.on_detokenize(request_id)
         finish_reason = step_output.status.finish_reason
         stop_reason = step_output.stop_reason
         delta, stop = state.take_text(
@@ -226,7 +259,7 @@ class EngineCore:
         return token_ids
 
     def _output(self, state: RequestState, new_token_ids: list[int], delta: str, finish_reason: Optional[str],
-                now: float, stop_reason=None, logprobs=None) -> RequestOutput:
+                now: float, stop_reason=None, logprobs=None, error: Optional[str] = None) -> RequestOutput:
         request = state.request
         prompt_logprobs = None
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
@@ -245,4 +278,5 @@ class EngineCore:
             metrics=state.metrics(None if finish_reason is None else now),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            error=error,
         )

@@ -70,6 +70,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: Optional[list[TokenLogprobs]] = None  # one per new token, when asked
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    error: Optional[str] = None  # finish_reason "error": what failed this request alone (see fault_isolation)
 
     @property
     def finished(self) -> bool:

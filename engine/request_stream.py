@@ -24,6 +24,11 @@ class RequestStream:
         self._ended = False
         self._closed = False
 
+    @property
+    def ended(self) -> bool:
+        """The finishing output or an error was read: nothing is left running in the engine."""
+        return self._ended
+
     def put(self, item: Union[RequestOutput, BaseException]) -> None:
         """Called on the event loop by the AsyncEngine with each output, or the error that ends it."""
         self._queue.put_nowait(item)

@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling.params import SamplingParams
 from scheduler import RequestRejectedError
+from server.admission import Admission
+from server.body_guard import BodyGuard
 from server.config import ServerConfig
 from server.errors import APIError, error_body, handle_error
 from server.gpu_monitor import cuda_devices, start_gpu_monitor
@@ -28,13 +30,16 @@ from server.state import ServerState
 logger = logging.getLogger(__name__)
 
 _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_WATCH_INTERVAL_S = 0.1
 
 
 def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
-               on_ready: Optional[Callable[[], None]] = None) -> FastAPI:
+               on_ready: Optional[Callable[[], None]] = None,
+               on_engine_death: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """The app serving `engine`. Its lifespan starts the engine thread, warms the model up
     (one short generation) before /health reports ready, starts the GPU monitor where the
-    engine runs on CUDA, and stops them both at shutdown."""
+    engine runs on CUDA, watches the engine loop (`on_engine_death` is called on the event loop
+    if it fails), and stops them all at shutdown."""
     state = _make_state(engine, server_config)
 
     @asynccontextmanager
@@ -44,9 +49,11 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
         engine.on_output = state.metrics.observe_output  # the warm-up is not a request to count
         monitor = await asyncio.to_thread(start_gpu_monitor, cuda_devices(engine.device))
         state.metrics.gpu_monitor = monitor
+        watcher = asyncio.create_task(_watch_engine(engine, on_engine_death))
         if on_ready is not None:
             on_ready()
         yield
+        watcher.cancel()
         state.draining = True
         await engine.shutdown()
         if monitor is not None:
@@ -58,6 +65,9 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
     for module in (completions, chat, models, tokenize, ops):
         app.include_router(module.router)
     _install_error_handlers(app, state)
+    json_paths = [route.path for module in (completions, chat, models, tokenize, ops)
+                  for route in module.router.routes if getattr(route, "body_field", None) is not None]
+    app.add_middleware(BodyGuard, max_bytes=server_config.max_request_body, json_paths=json_paths)  # after auth
     _install_middleware(app, state)
     _drop_default_422(app)
     return app
@@ -89,8 +99,27 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         dtype=engine.dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
         cuda_graphs=engine.cuda_graphs))
     engine.on_step = metrics.observe_step
+    admission = Admission(*queue_limits(config, engine), on_reject=metrics.observe_rejected)
     return ServerState(engine=engine, config=config, served_model_names=[name], metrics=metrics,
-                       formatter=LogprobFormatter(engine.tokenizer))
+                       formatter=LogprobFormatter(engine.tokenizer), admission=admission)
+
+
+def queue_limits(config: ServerConfig, engine: AsyncEngine) -> tuple[int, int]:
+    """(sequences, prompt tokens) that may wait at most: the flags, else 4 x max_num_seqs and the KV
+    cache's capacity in tokens (at least one full context)."""
+    cache = engine.kv_cache_config
+    max_requests = config.max_queued_requests or 4 * engine.max_num_seqs
+    max_tokens = config.max_queued_tokens or max(cache.num_blocks * cache.block_size, engine.max_model_len)
+    return max_requests, max_tokens
+
+
+async def _watch_engine(engine: AsyncEngine, on_death: Optional[Callable[[BaseException], None]]) -> None:
+    """Until the engine loop fails: then tell `on_death` (the CLI exits non-zero so a supervisor restarts)."""
+    while engine.error is None:
+        await asyncio.sleep(_WATCH_INTERVAL_S)
+    logger.error("the engine loop died (%r): every request gets a 503 from now on", engine.error)
+    if on_death is not None:
+        on_death(engine.error)
 
 
 async def _warm_up(state: ServerState) -> None:
@@ -132,11 +161,12 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 def _install_middleware(app: FastAPI, state: ServerState) -> None:
     keys = [key.encode() for key in state.config.api_keys]
+    prefixes = _AUTH_PREFIXES + (("/metrics",) if state.config.metrics_require_auth else ())
 
     @app.middleware("http")
     async def auth_and_metrics(request: Request, call_next):
         path = request.url.path
-        if keys and request.method != "OPTIONS" and path.startswith(_AUTH_PREFIXES) and not _authorized(request, keys):
+        if keys and request.method != "OPTIONS" and path.startswith(prefixes) and not _authorized(request, keys):
             response = JSONResponse(error_body(401, "Invalid or missing API key (send Authorization: Bearer <key>)."),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
         else:

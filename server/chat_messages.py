@@ -17,6 +17,18 @@ def render_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gen
         raise bad_request(str(exc), param="messages") from None
 
 
+def message_chars(messages: Sequence[ChatMessage]) -> int:
+    """Characters of text in the messages' contents (what the template adds is not counted)."""
+    total = 0
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content if isinstance(part.get("text"), str))
+    return total
+
+
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
     """`[{"role", "content"}]` for the tokenizer's chat template; `developer` becomes `system`."""
     return [_template_message(m, i) for i, m in enumerate(messages)]

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("server.cli")
 
+_RESPONSE_TAIL_S = 5  # after the drain, seconds the last responses get to be written out
+
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM inference server")
@@ -58,10 +60,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """Load the settings, build the engine and serve until interrupted; the exit status.
 
-    2: a bad setting (message on stderr); 1: the port or the model could not be had;
-    130: stopped by Ctrl-C (SIGINT) after the graceful shutdown, whether or not uvicorn's re-raised
-    signal reaches Python before the event loop returns (a race). SIGTERM, re-raised after the
-    shutdown, ends the process by that signal (status 143 in a shell).
+    0: stopped by SIGTERM or SIGINT after the graceful drain (see server.drain); 1: the port or the
+    model could not be had, or the engine loop died while serving; 2: a bad setting (message on stderr);
+    130: Ctrl-C before the server started serving (while the model loads). A second SIGTERM/SIGINT
+    during the drain exits at once with 128 + the signal (143 / 130).
     """
     from server.settings import SettingsError, load_settings
 
@@ -88,6 +90,8 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
 
 
 def _run(settings: "Settings", sock: socket.socket) -> int:
+    import asyncio
+
     import uvicorn
 
     from engine.async_engine import AsyncEngine
@@ -105,27 +109,34 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     port = sock.getsockname()[1]
     message = ready_message(server_config.host, port, engine.model_name, bool(server_config.api_keys))
 
-    def on_ready() -> None:
+    from server.app import create_app
+    from server.drain import GracefulShutdown
+
+    server: Optional[uvicorn.Server] = None
+    exit_status = [0]
+
+    def request_exit() -> None:
+        server.should_exit = True
+
+    def on_engine_death(error: BaseException) -> None:
+        exit_status[0] = 1  # non-zero: a supervisor restarts the process
+        request_exit()
+
+    def on_ready() -> None:  # on the event loop, once warmed up
+        shutdown.bind(asyncio.get_running_loop())
         print(message, flush=True)
 
-    from server.app import create_app
-
-    app = create_app(AsyncEngine(engine), server_config, on_ready=on_ready)
+    app = create_app(AsyncEngine(engine), server_config, on_ready=on_ready, on_engine_death=on_engine_death)
+    shutdown = GracefulShutdown(app.state.server, server_config.shutdown_timeout, request_exit)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=server_config.host, port=port, log_level=server_config.log_level, timeout_graceful_shutdown=5,
+        app, host=server_config.host, port=port, log_level=server_config.log_level,
+        timeout_graceful_shutdown=_RESPONSE_TAIL_S,
     ))
-    signals: list[int] = []  # the exit status follows the first stop signal, whatever races after it
-    handle_exit = server.handle_exit
-
-    def record_exit(sig: int, frame) -> None:
-        signals.append(sig)
-        handle_exit(sig, frame)
-
-    server.handle_exit = record_exit  # what uvicorn installs as the SIGINT / SIGTERM handler
+    server.handle_exit = shutdown.handle_signal  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
-    if signals:
-        return 128 + signals[0]
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return exit_status[0]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

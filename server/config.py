@@ -31,6 +31,24 @@ class ServerConfig(BaseModel):
     )
     log_level: LogLevel = "info"
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
+    metrics_require_auth: bool = Field(False, description="/metrics also needs an API key (when keys are set)")
+    # limits (see README, "Running in production")
+    max_queued_requests: Optional[int] = Field(
+        None, ge=1, description="sequences admitted but not yet generating, at most; None = 4 x max_num_seqs")
+    max_queued_tokens: Optional[int] = Field(
+        None, ge=1, description="prompt tokens of those sequences, at most; None = the KV cache's capacity")
+    request_timeout: Optional[float] = Field(
+        None, gt=0, description="seconds a request may wait and run before it is aborted; None = no deadline")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    max_request_body: int = Field(4 * 2**20, ge=1024, description="request body bytes at most (413 beyond)")
+
+    @field_validator("max_request_body", mode="before")
+    @classmethod
+    def _parse_size(cls, value):
+        from engine.cache_config import parse_size
+
+        return parse_size(value) if isinstance(value, str) else value
 
     @field_validator("api_keys")
     @classmethod

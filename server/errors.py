@@ -37,9 +37,11 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 
@@ -101,5 +103,5 @@ def rejection_error(exc: RequestRejectedError, names: Optional[Mapping[str, str]
 # Declared on every route in the OpenAPI schema.
 ERROR_RESPONSES = {
     status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase}
-    for status in (400, 401, 404, 429, 500, 503)
+    for status in (400, 401, 404, 413, 415, 429, 500, 503, 504)
 }

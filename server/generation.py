@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
@@ -16,6 +17,8 @@ from engine.request_stream import RequestStream
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request
+from server.request_guard import RequestGuard, RequestTimeoutError
+from server.rejections import CONTEXT_LENGTH_EXCEEDED
 from server.protocol import PromptTokensDetails, SamplingFields, Usage
 
 if TYPE_CHECKING:
@@ -40,7 +43,8 @@ def check_extra_fields(request: SamplingFields, strict: bool) -> None:
     if strict:
         raise bad_request(f"Unrecognized request argument(s): {', '.join(extra)}.", param=extra[0],
                           code="unknown_parameter")
-    logger.warning("ignoring unrecognized request field(s): %s", ", ".join(extra))
+    shown = ", ".join(repr(name[:40]) for name in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+    logger.warning("ignoring unrecognized request field(s): %s", shown)  # names only, cut short: never values
 
 
 # vLLM request extras this server does not implement: refused by name, never ignored.
@@ -161,6 +165,44 @@ class UsageCounter:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())))
 
 
+PROMPT_CHARS_MARGIN = 4  # normalizers may fold characters: refuse only far beyond what could fit
+
+
+def check_prompt_chars(state: "ServerState", num_chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose length in characters alone proves it cannot fit: no token
+    covers more than the vocabulary's longest entry (times a margin for normalizers)."""
+    per_token = state.tokenizer.max_token_chars
+    if per_token is None:
+        return
+    limit = state.max_model_len * per_token * PROMPT_CHARS_MARGIN
+    if num_chars > limit:
+        raise APIError(400, f"The prompt has {num_chars} characters; this model's maximum context length is "
+                            f"{state.max_model_len} tokens, which never hold more than {limit} characters. "
+                            f"Shorten the prompt.", param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def check_queue_room(state: "ServerState", num_sequences: int, param: str) -> None:
+    """Before any work: 400 for a request that could never be queued, 429 when the queue is full now."""
+    state.admission.check_size(num_sequences, param)
+    state.admission.precheck(num_sequences)
+
+
+async def start_generation(state: "ServerState", choices: Sequence[Choice], priority: int,
+                           arrival_time: float) -> tuple[list[RequestStream], RequestGuard]:
+    """Take the choices' places in the queue (429 when full), then queue them in the engine. The guard
+    returned holds the places and the deadline; release it once the streams are closed."""
+    ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
+    timeout = state.config.request_timeout
+    guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0,
+                         state.metrics.expect_aborts_for_timeout)
+    try:
+        streams = await start_choices(state.engine, choices, priority, arrival_time)
+    except BaseException:
+        ticket.release()
+        raise
+    return streams, guard
+
+
 async def start_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int,
                         arrival_time: float) -> list[RequestStream]:
     """Queue every choice in the engine, all or none; their streams in the same order. A choice that can
@@ -170,20 +212,52 @@ async def start_choices(engine: AsyncEngine, choices: Sequence[Choice], priority
     return await engine.add_requests(inputs, priority=priority, arrival_time=arrival_time)
 
 
-async def stream_choices(choices: Sequence[Choice],
-                         streams: Sequence[RequestStream]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+async def stream_choices(choices: Sequence[Choice], streams: Sequence[RequestStream], *,
+                         guard: Optional[RequestGuard] = None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Interleave the outputs of every choice as they come. Ending or closing this iterator closes every
-    stream, which aborts the choices still running."""
+    stream, which aborts the choices still running. With a `guard`, each choice's first output frees its
+    place in the queue, and passing the deadline raises RequestTimeoutError (504)."""
+    if len(choices) == 1:  # nothing to interleave: read the engine's stream directly
+        items: AsyncIterator = _single(choices[0], streams[0])
+    else:
+        items = _interleave(choices, streams)
     try:
-        if len(choices) == 1:  # nothing to interleave: read the engine's stream directly
-            async for output in streams[0]:
-                yield choices[0], output
-            return
-        async with contextlib.aclosing(_interleave(choices, streams)) as items:
-            async for item in items:
-                yield item
+        async with contextlib.aclosing(items):
+            while True:
+                try:
+                    choice, output = await _next(items, None if guard is None else guard.deadline)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    guard.timed_out(streams)
+                    raise RequestTimeoutError(guard.timeout) from None
+                if guard is not None:
+                    guard.started(choice.request_id)
+                if output.error is not None:
+                    raise GenerationFailedError(output.error)
+                yield choice, output
     finally:
         await close_streams(streams)
+        if guard is not None:
+            guard.release()
+
+
+async def _next(items: AsyncIterator, deadline: Optional[float]):
+    if deadline is None:
+        return await items.__anext__()
+    return await asyncio.wait_for(items.__anext__(), max(deadline - time.monotonic(), 0.0))
+
+
+async def _single(choice: Choice, stream: RequestStream) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    async for output in stream:
+        yield choice, output
+
+
+class GenerationFailedError(APIError):
+    """The engine failed this request alone (its sampling or its text); the other requests go on."""
+
+    def __init__(self, reason: str):
+        super().__init__(500, f"generating this completion failed: {reason}", code="generation_failed")
 
 
 class ChoicesStreamingResponse(StreamingResponse):
@@ -192,15 +266,17 @@ class ChoicesStreamingResponse(StreamingResponse):
     aborting the choices still running. A plain StreamingResponse whose body generator never
     starts would leave them to run to max_tokens for nobody."""
 
-    def __init__(self, content: AsyncIterator[bytes], streams: Sequence[RequestStream]):
+    def __init__(self, content: AsyncIterator[bytes], streams: Sequence[RequestStream], guard: RequestGuard):
         super().__init__(content, media_type="text/event-stream")
         self._streams = streams
+        self._guard = guard
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await close_streams(self._streams)  # never suspends: completes even when cancelled
+            self._guard.release()
 
 
 async def close_streams(streams: Sequence[RequestStream]) -> None:
@@ -240,8 +316,9 @@ async def _interleave(choices: Sequence[Choice],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect_choices(choices: Sequence[Choice], streams: Sequence[RequestStream]) -> list[OutputAccumulator]:
+async def collect_choices(choices: Sequence[Choice], streams: Sequence[RequestStream],
+                          guard: Optional[RequestGuard] = None) -> list[OutputAccumulator]:
     results = {choice.request_id: OutputAccumulator() for choice in choices}
-    async for choice, output in stream_choices(choices, streams):
+    async for choice, output in stream_choices(choices, streams, guard=guard):
         results[choice.request_id].add(output)
     return list(results.values())

@@ -21,6 +21,7 @@ from server.gpu_monitor import GpuMonitor, GpuSample
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
+_MAX_PENDING_REASONS = 4096
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -91,8 +92,12 @@ class ServerMetrics:
         self.request_success = Counter("pagedserve_request_success", "Requests that finished, by finish reason.",
                                        m + ["finished_reason"], registry=r)
         self.request_failure = Counter("pagedserve_request_failure",
-                                       "Requests that failed: aborted (client gone), rejected (400), error.",
-                                       m + ["reason"], registry=r)
+                                       "Requests that failed: aborted (client gone), rejected (400), timeout "
+                                       "(--request-timeout), error.", m + ["reason"], registry=r)
+        self.request_rejected = Counter("pagedserve_request_rejected",
+                                        "Requests refused before any work: queue_full (429).",
+                                        m + ["reason"], registry=r)
+        self._abort_reasons: dict[str, str] = {}  # engine request id -> failure reason of its coming abort
         self.http_requests = Counter("pagedserve_http_requests", "HTTP responses by route and status.",
                                      m + ["route", "status"], registry=r)
 
@@ -134,7 +139,9 @@ class ServerMetrics:
         if not output.finished:
             return
         if output.finish_reason == "abort":
-            self.request_failure.labels(name, "aborted").inc()
+            self.request_failure.labels(name, self._abort_reasons.pop(output.request_id, "aborted")).inc()
+        elif output.error is not None:  # failed alone in the engine (see engine.fault_isolation)
+            self.request_failure.labels(name, "error").inc()
         else:
             self.request_success.labels(name, output.finish_reason).inc()
         self.prompt_tokens.labels(name).inc(output.num_prompt_tokens)
@@ -158,6 +165,16 @@ class ServerMetrics:
     def observe_failure(self, reason: str) -> None:
         """A request that ended before the engine served it: "rejected" (400) or "error"."""
         self.request_failure.labels(self.model_name, reason).inc()
+
+    def observe_rejected(self, reason: str = "queue_full") -> None:
+        self.request_rejected.labels(self.model_name, reason).inc()
+
+    def expect_aborts_for_timeout(self, engine_ids) -> None:
+        """These requests are being aborted for their deadline: count their aborts as "timeout"."""
+        if len(self._abort_reasons) > _MAX_PENDING_REASONS:  # aborts that never came (the request had ended)
+            self._abort_reasons.clear()
+        for engine_id in engine_ids:
+            self._abort_reasons[engine_id] = "timeout"
 
     def observe_step(self, num_tokens: int) -> None:
         """Called on the engine thread after each step (prometheus-client is thread-safe)."""

@@ -139,6 +139,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("--allowed-origins", (*_SV, "allowed_origins"), "list", "CORS allowed origins, comma-separated "
            "(or repeat the flag)", "ORIGINS"),
     Option("--log-level", (*_SV, "log_level"), "str", "log level of pagedserve and uvicorn"),
+    Option("--metrics-require-auth", (*_SV, "metrics_require_auth"), "bool",
+           "with --api-key, /metrics needs a key too"),
+    Option("--max-queued-requests", (*_SV, "max_queued_requests"), "int", "sequences waiting for their first "
+           "token at most (n > 1 counts n); beyond it a request gets 429 with Retry-After", "N",
+           "4 x --max-num-seqs", nullable=True),
+    Option("--max-queued-tokens", (*_SV, "max_queued_tokens"), "int", "prompt tokens of the waiting sequences "
+           "at most (a request is always admitted into an empty queue)", "N", "the KV cache's capacity in tokens",
+           nullable=True),
+    Option("--request-timeout", (*_SV, "request_timeout"), "float", "seconds a request may wait and run; "
+           "past it, it is aborted and its client gets a 504", "SECONDS", "none, no deadline", nullable=True),
+    Option("--shutdown-timeout", (*_SV, "shutdown_timeout"), "float", "seconds in-flight requests get to finish "
+           "after SIGTERM or SIGINT before they are aborted", "SECONDS"),
+    Option("--max-request-body", (*_SV, "max_request_body"), "size", "request body size at most, e.g. 4MiB "
+           "(413 beyond, checked before the body is parsed)", "SIZE"),
 )
 
 
@@ -276,7 +290,8 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
 _EPILOG = """\
 Precedence: defaults < --config FILE.yaml < PAGEDSERVE_* environment variables < flags.
 An empty environment variable counts as unset. Booleans in the environment: true/false/1/0/yes/no/on/off.
---max-model-len, --num-kv-blocks and --kv-cache-memory accept "none" (back to the default).
+--max-model-len, --num-kv-blocks, --kv-cache-memory, --max-queued-requests, --max-queued-tokens and
+--request-timeout accept "none" (back to the default).
 Examples:
   pagedserve serve --config configs/default.yaml
   PAGEDSERVE_API_KEY=secret pagedserve serve --model ./my-model --port 8080"""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine
+from server.admission import Admission
 from engine.text.tokenizer import Tokenizer
 from server.config import ServerConfig
 from server.logprob_format import LogprobFormatter
@@ -18,6 +19,7 @@ class ServerState:
     served_model_names: list[str]
     metrics: ServerMetrics
     formatter: LogprobFormatter
+    admission: Admission
     ready: bool = False
     draining: bool = False  # shutting down: new generation requests get a 503
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 from engine.errors import TokenIdOutOfVocabularyError
 from engine.loading.loader import CheckpointError
@@ -33,6 +33,7 @@ class Tokenizer:
     hf: "PreTrainedTokenizerBase"
     eos_token_ids: frozenset[int]
     max_token_id: int  # largest id the tokenizer can produce, added tokens included
+    max_token_chars: Optional[int] = None  # the longest vocabulary entry's length: bounds text per token
 
     @property
     def vocab_size(self) -> int:
@@ -80,8 +81,10 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     eos = set(generation_eos_token_ids(Path(path)))
     if hf.eos_token_id is not None:
         eos.add(hf.eos_token_id)
-    max_token_id = max(hf.get_vocab().values())
-    return Tokenizer(hf=hf, eos_token_ids=frozenset(eos), max_token_id=max_token_id)
+    vocab = hf.get_vocab()
+    max_token_id = max(vocab.values())
+    max_token_chars = max(len(token) for token in vocab)
+    return Tokenizer(hf=hf, eos_token_ids=frozenset(eos), max_token_id=max_token_id, max_token_chars=max_token_chars)
 
 
 def generation_eos_token_ids(path: Path) -> frozenset[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator, Optional
 
@@ -10,11 +11,12 @@ from fastapi.responses import JSONResponse
 
 from engine.request_stream import RequestStream
 from scheduler import RequestRejectedError
-from server.chat_messages import render_prompt
+from server.chat_messages import message_chars, render_prompt
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request, rejection_error
-from server.generation import (Choice, ChoicesStreamingResponse, UsageCounter, check_common, collect_choices,
-                               make_sampling_params, plan_choices, start_choices, stream_choices)
+from server.generation import (Choice, ChoicesStreamingResponse, RequestGuard, UsageCounter, check_common,
+                               check_prompt_chars, check_queue_room, close_streams, collect_choices,
+                               make_sampling_params, plan_choices, start_generation, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
                              new_id, now)
@@ -49,23 +51,28 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     model = check_common(body, state)
     _refuse_unsupported(body)
-    prompt = _render(body, state)
+    check_queue_room(state, max(body.n, 1), "n")
+    prompt = await _render(body, state)
     num_top = _num_top_logprobs(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request_id = body.request_id or new_id("chatcmpl")
     try:
         params = make_sampling_params(body, max_tokens=max_tokens, logprobs=num_top)
         choices = plan_choices(request_id, [prompt], params)
-        streams = await start_choices(state.engine, choices, body.priority, arrival_time)
+        streams, guard = await start_generation(state, choices, body.priority, arrival_time)
     except RequestRejectedError as exc:  # name the fields as chat spells them
         names = dict(CHAT_FIELD_NAMES)
         if body.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         raise rejection_error(exc, names) from None
     if body.stream:
-        events = _stream(state, body, model, request_id, choices, streams, num_top)
-        return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams)
-    results = await cancel_on_disconnect(request, collect_choices(choices, streams))
+        events = _stream(state, body, model, request_id, choices, streams, num_top, guard)
+        return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams, guard)
+    try:
+        results = await cancel_on_disconnect(request, collect_choices(choices, streams, guard))
+    finally:
+        await close_streams(streams)
+        guard.release()
     out = []
     for choice, result in zip(choices, results):
         logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None
@@ -98,14 +105,17 @@ def _num_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     return body.top_logprobs or 0
 
 
-def _render(body: ChatCompletionRequest, state: ServerState) -> list[int]:
+async def _render(body: ChatCompletionRequest, state: ServerState) -> list[int]:
+    """The prompt's token ids: the messages are measured first, then rendered and tokenized off the loop."""
     if not body.messages:
         raise bad_request("messages must not be empty.", param="messages")
-    return render_prompt(state.tokenizer, body.messages, body.add_generation_prompt)
+    check_prompt_chars(state, message_chars(body.messages), "messages")
+    return await asyncio.to_thread(render_prompt, state.tokenizer, body.messages, body.add_generation_prompt)
 
 
 async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, request_id: str,
-                  choices: list[Choice], streams: list[RequestStream], num_top: Optional[int]) -> AsyncIterator[bytes]:
+                  choices: list[Choice], streams: list[RequestStream], num_top: Optional[int],
+                  guard: RequestGuard) -> AsyncIterator[bytes]:
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -116,7 +126,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
     for choice in choices:  # closed here, the response still closes the streams
         yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
     counter = UsageCounter.of([choices[0].prompt_token_ids], body.n)
-    async for choice, output in stream_choices(choices, streams):
+    async for choice, output in stream_choices(choices, streams, guard=guard):
         counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not output.text_delta and not output.finished and num_top is None:
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
@@ -12,8 +13,9 @@ from engine.outputs import OutputAccumulator
 from engine.request_stream import RequestStream
 from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
-from server.generation import (Choice, ChoicesStreamingResponse, UsageCounter, check_common, collect_choices,
-                               make_sampling_params, plan_choices, start_choices, stream_choices)
+from server.generation import (Choice, ChoicesStreamingResponse, RequestGuard, UsageCounter, check_common,
+                               check_prompt_chars, check_queue_room, close_streams, collect_choices,
+                               make_sampling_params, plan_choices, start_generation, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, new_id, now)
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
@@ -30,29 +32,39 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise bad_request("suffix is not supported.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (best-of-n selection is not supported).", param="best_of")
-    prompts = _prompt_token_ids(body, state)
+    num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) \
+        else len(body.prompt)
+    check_queue_room(state, num_prompts * max(body.n, 1), "prompt" if num_prompts > 1 else "n")
+    prompts = await _prompt_token_ids(body, state)
     params = make_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                   prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
     request_id = body.request_id or new_id("cmpl")
     choices = plan_choices(request_id, prompts, params)
-    streams = await start_choices(state.engine, choices, body.priority, arrival_time)
+    streams, guard = await start_generation(state, choices, body.priority, arrival_time)
     if body.stream:
-        events = _stream(state, body, model, request_id, choices, streams, prompts)
-        return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams)
-    results = await cancel_on_disconnect(request, collect_choices(choices, streams))
+        events = _stream(state, body, model, request_id, choices, streams, prompts, guard)
+        return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams, guard)
+    try:
+        results = await cancel_on_disconnect(request, collect_choices(choices, streams, guard))
+    finally:
+        await close_streams(streams)
+        guard.release()
     return JSONResponse(_response(state, body, model, request_id, choices, prompts, results).model_dump())
 
 
-def _prompt_token_ids(body: CompletionRequest, state: ServerState) -> list[list[int]]:
+async def _prompt_token_ids(body: CompletionRequest, state: ServerState) -> list[list[int]]:
+    """The prompts' token ids; text is measured first (too long to fit: a 400), then tokenized off the loop."""
     prompt = body.prompt
-    if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
-    if not prompt:
+    if not isinstance(prompt, str) and not prompt:
         raise bad_request("prompt must not be empty.", param="prompt")
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        for text in texts:
+            check_prompt_chars(state, len(text), "prompt")
+        tokenizer = state.tokenizer
+        return await asyncio.to_thread(lambda: [tokenizer.encode(text) for text in texts])
     if isinstance(prompt[0], int):
         return [list(prompt)]
-    if isinstance(prompt[0], str):
-        return [state.tokenizer.encode(p) for p in prompt]
     return [list(p) for p in prompt]
 
 
@@ -90,13 +102,14 @@ def _response(state, body, model, request_id, choices: list[Choice], prompts, re
 
 
 async def _stream(state: ServerState, body: CompletionRequest, model: str, request_id: str,
-                  choices: list[Choice], streams: list[RequestStream], prompts: list[list[int]]) -> AsyncIterator[bytes]:
+                  choices: list[Choice], streams: list[RequestStream], prompts: list[list[int]],
+                  guard: RequestGuard) -> AsyncIterator[bytes]:
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     counter = UsageCounter.of(prompts, body.n)
     started: set[int] = set()
     offsets = {choice.index: 0 for choice in choices}
-    async for choice, output in stream_choices(choices, streams):
+    async for choice, output in stream_choices(choices, streams, guard=guard):
         text, tokens, entries = output.text_delta, list(output.new_token_ids), list(output.logprobs or [])
         if body.echo and choice.index not in started:
             text = _echo_text(state, body, choice) + text

@@ -14,10 +14,13 @@ from server.state import ServerState
 router = APIRouter()
 
 
-@router.get("/health", responses=ERROR_RESPONSES)
+@router.get("/health", response_class=Response, responses={200: {"description": "Ready (empty body)"},
+                                                           503: ERROR_RESPONSES[503]})
 async def health(request: Request) -> Response:
-    """200 once warmed up while the engine loop is alive; 503 otherwise."""
+    """200 once warmed up while the engine loop is alive; 503 otherwise (and from the first stop signal on)."""
     state: ServerState = request.app.state.server
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
     if not state.engine.is_alive:
         raise APIError(503, f"the engine is not running: {state.engine.error or 'stopped'}")
     if not state.ready:
@@ -39,7 +42,9 @@ def _package_version() -> str:
         return "unknown"
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={
+    200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}},
+    401: ERROR_RESPONSES[401]})
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.server
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from engine.text.tokenizer import check_token_ids
@@ -21,10 +23,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     check_model(body.model, state.served_model_names)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages.", param="prompt")
+    tokenizer = state.tokenizer  # large texts: tokenized off the event loop
     if body.prompt is not None:
-        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
     else:
-        tokens = render_prompt(state.tokenizer, body.messages, body.add_generation_prompt)
+        tokens = await asyncio.to_thread(render_prompt, tokenizer, body.messages, body.add_generation_prompt)
     return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
 
 
@@ -33,4 +36,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     state: ServerState = request.app.state.server
     check_model(body.model, state.served_model_names)
     check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
+    text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)
+    return DetokenizeResponse(prompt=text)

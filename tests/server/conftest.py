@@ -61,10 +61,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir, server_config: ServerConfig, **engine_overrides):
+def start_server(model_dir, server_config: ServerConfig, *, on_engine_death=None, **engine_overrides):
     engine = AsyncEngine(make_llm(model_dir, **engine_overrides).engine)
     port = free_port()
-    app = create_app(engine, server_config.model_copy(update={"port": port}))
+    app = create_app(engine, server_config.model_copy(update={"port": port}), on_engine_death=on_engine_death)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

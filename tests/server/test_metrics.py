@@ -35,6 +35,7 @@ DOCUMENTED_METRICS = {
     "pagedserve_generation_tokens": "counter",
     "pagedserve_request_success": "counter",
     "pagedserve_request_failure": "counter",
+    "pagedserve_request_rejected": "counter",
     "pagedserve_http_requests": "counter",
     "pagedserve_time_to_first_token_seconds": "histogram",
     "pagedserve_inter_token_latency_seconds": "histogram",

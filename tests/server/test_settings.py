@@ -32,12 +32,18 @@ FLAG_CASES = [
     ("--allowed-origins", "http://a.test,http://b.test", ("server", "allowed_origins"),
      ["http://a.test", "http://b.test"]),
     ("--log-level", "debug", ("server", "log_level"), "debug"),
+    ("--max-queued-requests", "12", ("server", "max_queued_requests"), 12),
+    ("--max-queued-tokens", "5000", ("server", "max_queued_tokens"), 5000),
+    ("--request-timeout", "2.5", ("server", "request_timeout"), 2.5),
+    ("--shutdown-timeout", "5", ("server", "shutdown_timeout"), 5.0),
+    ("--max-request-body", "1MiB", ("server", "max_request_body"), 2**20),
 ]
 # boolean flags: place in Settings, default
 BOOL_FLAGS = {
     "--enable-prefix-caching": (("engine", "cache", "enable_prefix_caching"), True),
     "--strict-params": (("server", "strict_params"), False),
     "--batch-invariant": (("engine", "batch_invariant"), False),
+    "--metrics-require-auth": (("server", "metrics_require_auth"), False),
 }
 ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config"}
 

@@ -1,0 +1,80 @@
+"""Fault isolation: a failure in one request's sampling or text ends that request, never the step.
+
+    runner.sampler = GuardedSampler(sampler)   (installed by EngineCore)
+        logits rows not finite (NaN / inf)  -> its request is recorded as failed (its token is never shown)
+        the batched sampler raises           -> every row is sampled alone; the rows that raise are failed
+    EngineCore.step: failed requests end with finish_reason "error" (and the message), the rest go on
+
+`FaultInjector` is how tests reach inside (no HTTP field, no flag): set
+`EngineCore.fault_injector` to an object with these methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from engine.sampling.sampler import SamplerOutput
+from engine.sampling.state import SamplingState
+
+logger = logging.getLogger(__name__)
+
+
+class FaultInjector(Protocol):
+    """Test-only hooks into the step (the engine never sets one itself)."""
+
+    def on_logits(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
+        """May write into `logits` ([num_rows, vocab], row i for request_ids[i]) or raise."""
+
+    def on_detokenize(self, request_id: str) -> None:
+        """May raise, as a failing detokenizer would."""
+
+
+class GuardedSampler:
+    """Wraps the runner's sampler: a row that cannot be sampled fails its request alone."""
+
+    def __init__(self, sampler: Callable[[torch.Tensor, Sequence[SamplingState]], SamplerOutput],
+                 request_id_of: Callable[[SamplingState], str]):
+        self.sampler = sampler
+        self.request_id_of = request_id_of
+        self.injector: Optional[FaultInjector] = None
+        self.failures: dict[str, str] = {}  # request id -> what went wrong, until the engine takes them
+
+    def take_failures(self) -> dict[str, str]:
+        failures, self.failures = self.failures, {}
+        return failures
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        try:
+            return self._sample(logits, states)
+        except Exception:  # noqa: BLE001 - find the rows at fault: sample each alone
+            logger.warning("sampling a batch of %d failed; sampling its rows one by one", len(states))
+        tokens: list[int] = []
+        logprobs: list = []
+        for row, state in enumerate(states):
+            try:
+                out = self._sample(logits[row : row + 1], [state])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._fail(state, f"sampling failed: {type(exc).__name__}: {exc}")
+                tokens.append(0)  # never shown: the request ends with an error in this step
+                logprobs.append(None)
+                continue
+            tokens.append(out.sampled_token_ids[0])
+            logprobs.append(None if out.logprobs is None else out.logprobs[0])
+        return SamplerOutput(tokens, logprobs if any(lp is not None for lp in logprobs) else None)
+
+    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        if self.injector is not None:
+            logits = logits.clone()
+            self.injector.on_logits(logits, [self.request_id_of(state) for state in states])
+        finite = torch.isfinite(logits).all(dim=-1)  # [num_rows]; read once the sampler has synchronized
+        out = self.sampler(logits, states)
+        for row in (~finite).nonzero().flatten().tolist():  # a non-finite row's token is garbage: fail it
+            self._fail(states[row], "the model produced non-finite logits (NaN or inf)")
+        return out
+
+    def _fail(self, state: SamplingState, message: str) -> None:
+        request_id = self.request_id_of(state)
+        self.failures.setdefault(request_id, message)
