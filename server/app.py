@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Callable, Optional
@@ -18,6 +17,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling.params import SamplingParams
 from scheduler import RequestRejectedError
 from server.admission import Admission
+from server.auth_metrics import AuthAndMetrics
 from server.body_guard import BodyGuard
 from server.config import ServerConfig
 from server.errors import APIError, error_body, handle_error
@@ -162,30 +162,6 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 def _install_middleware(app: FastAPI, state: ServerState) -> None:
     keys = [key.encode() for key in state.config.api_keys]
     prefixes = _AUTH_PREFIXES + (("/metrics",) if state.config.metrics_require_auth else ())
-
-    @app.middleware("http")
-    async def auth_and_metrics(request: Request, call_next):
-        path = request.url.path
-        if keys and request.method != "OPTIONS" and path.startswith(prefixes) and not _authorized(request, keys):
-            response = JSONResponse(error_body(401, "Invalid or missing API key (send Authorization: Bearer <key>)."),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        state.metrics.observe_http(getattr(route, "path", "unmatched"), response.status_code)
-        return response
-
+    app.add_middleware(AuthAndMetrics, keys=keys, prefixes=prefixes, metrics=state.metrics)
     app.add_middleware(CORSMiddleware, allow_origins=state.config.allowed_origins, allow_methods=["*"],
                        allow_headers=["*"], allow_credentials=False)
-
-
-def _authorized(request: Request, keys: list[bytes]) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    presented = token.strip().encode()
-    matched = False
-    for key in keys:  # compare against every key: constant time in which key matched
-        matched |= hmac.compare_digest(presented, key)
-    return matched

@@ -25,6 +25,7 @@ class RunningServer:
     model_name: str
     api_key: str | None = None
     state: object = None  # the app's ServerState
+    app: object = None  # the FastAPI app
 
     def client(self, **kwargs) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -75,7 +76,7 @@ def start_server(model_dir, server_config: ServerConfig, *, on_engine_death=None
         time.sleep(0.02)
     keys = server_config.api_keys
     running = RunningServer(f"http://127.0.0.1:{port}", engine, app.state.server.served_model_names[0],
-                            keys[0] if keys else None, app.state.server)
+                            keys[0] if keys else None, app.state.server, app)
     return server, thread, running
 
 

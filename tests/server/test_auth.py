@@ -179,3 +179,13 @@ def test_keys_never_logged(auth_server, caplog):
         text = record.getMessage() + (record.exc_text or "") + repr(record.args)
         for secret in (KEY1, KEY2, WRONG):
             assert secret not in text, (record.name, text)
+
+
+def test_auth_and_counting_are_pure_asgi_middleware(server):
+    """No BaseHTTPMiddleware (which passes every streamed chunk through a task and a memory stream)."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    from server.auth_metrics import AuthAndMetrics
+
+    classes = [m.cls for m in server.app.user_middleware]
+    assert AuthAndMetrics in classes and BaseHTTPMiddleware not in classes
