@@ -300,7 +300,10 @@ class Session:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, _raise_on_term)  # so that the servers are stopped on the way out
+    # Ctrl-C, SIGTERM and SIGHUP all unwind through the server pool, which stops every server (SIGINT's
+    # handler is set explicitly: a shell starts background jobs with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_on_term)
     signal.signal(signal.SIGHUP, _raise_on_term)
     from engine.loading.loader import prepare_checkpoint
     from engine.loading.model_config import cpu_has_fast_bf16

@@ -249,9 +249,9 @@ def probe_versions(python: Path, code: str) -> dict:
         return {}
 
 
-LLAMACPP_VERSIONS = ("import json, importlib.metadata as m, xllamacpp as x; "
-                     "print(json.dumps({'xllamacpp': m.version('xllamacpp'), "
-                     "'llama.cpp build': str(x.BUILD_INFO.get('build_number')) + ' ' + str(x.BUILD_INFO.get('commit'))}))")
+LLAMACPP_VERSIONS = ("import json, importlib.metadata as m, xllamacpp as x; b = x.BUILD_INFO; "
+                     "print(json.dumps({'xllamacpp': m.version('xllamacpp'), **({'llama.cpp build': "
+                     "f\"{b.get('build_number')} {b.get('commit')}\"} if b.get('build_number') else {})}))")
 TRANSFORMERS_VERSIONS = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
                          "('transformers', 'torch')}))")
 
