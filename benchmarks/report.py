@@ -157,10 +157,15 @@ def machine_lines(meta: dict) -> list[str]:
     return lines + [f"- {note}" for note in meta.get("notes", [])]
 
 
+def failures(results: dict) -> list[str]:
+    return [f"- failed: {run['workload']} against {run['server']}, round {run['round']}: {run['error'][:300]}"
+            for run in results["runs"] if run.get("status") != "ok"]
+
+
 def readme(results: dict, plots: list[str]) -> str:
     meta = results["meta"]
     parts = [f"# pagedserve and its peers, {meta['date']}, {meta['cpu']['model']} ({meta['cpu']['isa']})", "",
-             *machine_lines(meta), "", "## Figures (all rounds pooled)", "", figures_table(results), "",
+             *machine_lines(meta), *failures(results), "", "## Figures (all rounds pooled)", "", figures_table(results), "",
              "## Ratios, pagedserve / peer", "",
              "Throughput: above 1 means pagedserve is faster. Latencies: below 1 means pagedserve is quicker.", "",
              ratios_table(results), "",
