@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMTOOL := $(BIN)/promtool
 
-.PHONY: serve test install clean bench promtool
+.PHONY: serve test install clean bench bench-peers promtool
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ $(PROMTOOL): | $(BIN)/python
 
 bench: $(STAMP)
 	$(BIN)/python -m scheduler.bench
+
+# pagedserve against llama.cpp's server and transformers serve (benchmarks/peers.py); ARGS=--quick for a tiny run
+bench-peers: $(STAMP)
+	$(BIN)/python -m benchmarks.peers $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

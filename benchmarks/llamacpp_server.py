@@ -1,0 +1,55 @@
+"""llama.cpp's own HTTP server from the `xllamacpp` wheel, as a process of its own (run by the peers venv's
+Python, never imported by pagedserve): serves until SIGTERM / SIGINT.
+
+    python llamacpp_server.py --model FILE.gguf --port P --parallel N [--threads 2] [--ctx-per-slot 1024] [--alias NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, help="a .gguf file")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--parallel", type=int, default=1, help="slots: requests decoded together")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ctx-per-slot", type=int, default=1024, help="context tokens per slot")
+    parser.add_argument("--poll", type=int, default=None,
+                        help="how hard its threads spin waiting for work, 0-100 (llama.cpp's default: 50)")
+    parser.add_argument("--alias", default=None, help="the model name clients send and responses carry")
+    args = parser.parse_args()
+
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = args.model
+    params.n_parallel = args.parallel
+    params.n_ctx = args.ctx_per_slot * args.parallel
+    params.cont_batching = True
+    params.cpuparams.n_threads = args.threads
+    params.cpuparams_batch.n_threads = args.threads
+    if args.poll is not None:
+        params.cpuparams.poll = args.poll
+        params.cpuparams_batch.poll = args.poll
+    params.port = args.port
+    params.hostnames = ["127.0.0.1"]
+    if args.alias:
+        params.model_alias = {args.alias}
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = xllamacpp.Server(params)  # serves HTTP on its own threads while this process lives
+    print(f"llama.cpp server (xllamacpp {getattr(xllamacpp, '__version__', '?')}) on 127.0.0.1:{args.port}, "
+          f"{args.parallel} slots", flush=True)
+    stop.wait()
+    del server
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
