@@ -104,7 +104,7 @@ class Replica:
         return total
 
 
-def start_replicas(model_dir: Path, logs: Path, count: int = 2, timeout: float = 180) -> list[Replica]:
+def start_replicas(model_dir: Path, logs: Path, *flags: str, count: int = 2, timeout: float = 180) -> list[Replica]:
     """Start `count` replicas at once and wait for each to print its ready line (warmed up)."""
     environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
     environ.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -114,7 +114,7 @@ def start_replicas(model_dir: Path, logs: Path, count: int = 2, timeout: float =
         with stdout.open("w") as out, stderr.open("w") as err:
             process = subprocess.Popen(
                 [sys.executable, "-m", "server.cli", "serve", "--config", str(TINY_PRESET), "--model", str(model_dir),
-                 "--served-model-name", "tiny", "--port", "0"],
+                 "--served-model-name", "tiny", "--port", "0", *flags],
                 stdout=out, stderr=err, env=environ, cwd=REPO,
             )
         started.append((process, stdout, stderr))
