@@ -3,10 +3,11 @@
 #   docker build -t pagedserve:gpu .                          # default: NVIDIA CUDA runtime base, PyTorch's CUDA build
 #   docker build -t pagedserve:cpu --build-arg VARIANT=cpu .  # Debian slim, CPU build of torch, the embedded model
 #
-# Both run `pagedserve serve --host 0.0.0.0` (port 8000, PAGEDSERVE_PORT to change it) as a non-root user, answer the HEALTHCHECK on
-# /health, and stop on SIGTERM with a drain of up to PAGEDSERVE_SHUTDOWN_TIMEOUT (30 s) seconds: give the
-# runtime a grace period above it (`docker run --stop-timeout 40`, compose `stop_grace_period: 40s`,
-# Kubernetes `terminationGracePeriodSeconds: 40`), since Docker's default of 10 s would cut the drain short.
+# Both run `pagedserve serve --host 0.0.0.0` (port 8000; PAGEDSERVE_PORT changes it) as a non-root user,
+# answer the HEALTHCHECK on /health, and stop on SIGTERM with a drain of up to PAGEDSERVE_SHUTDOWN_TIMEOUT
+# (30) seconds: give the runtime a grace period above it (`docker run --stop-timeout 40`, compose
+# `stop_grace_period: 40s`, Kubernetes `terminationGracePeriodSeconds: 40`); Docker's default of 10 s
+# would cut the drain short.
 #
 # The CPU image serves the embedded SmolLM2-135M-Instruct with no volume and no network: the GGUF file is
 # converted at build time and the native CPU kernels are built then too. Those kernels are compiled for the
@@ -104,9 +105,9 @@ LABEL org.opencontainers.image.title="pagedserve" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="${SOURCE}"
 
-RUN groupadd --system --gid 10001 pagedserve \
- && useradd --system --uid 10001 --gid pagedserve --home-dir /home/pagedserve --create-home \
-        --shell /usr/sbin/nologin pagedserve \
+RUN groupadd --gid 10001 pagedserve \
+ && useradd --uid 10001 --gid pagedserve --home-dir /home/pagedserve --create-home --shell /usr/sbin/nologin \
+        pagedserve \
  && mkdir -p /var/cache/pagedserve /cache/huggingface /models \
  && chown pagedserve:pagedserve /var/cache/pagedserve /cache/huggingface
 COPY --from=build /opt/venv /opt/venv

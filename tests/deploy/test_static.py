@@ -65,6 +65,13 @@ def test_compose_config_rejects_a_misspelled_key(tmp_path):
     assert result.returncode != 0 and "stop_grace_perod" in result.stderr
 
 
+def test_compose_files_interpolate_the_way_podman_compose_does():
+    """podman-compose 1.0 (Debian's, what scripts/container_test.sh runs) leaves `${VAR:-}` (an empty
+    default) as it is: a server would get the literal text as its API key or model."""
+    for path in (REPO / "docker-compose.yml", REPO / "docker-compose.cpu.yml", DEPLOY / "compose" / "pagedserve.yml"):
+        assert ":-}" not in path.read_text(), path
+
+
 def test_gpu_and_cpu_stacks_differ_only_in_image_and_gpu():
     gpu, cpu = _config("docker-compose.yml", "gateway"), _config("docker-compose.cpu.yml", "gateway")
     assert set(gpu["services"]) == set(cpu["services"]) == {"pagedserve", "pagedserve-2", "gateway", "prometheus",
