@@ -128,7 +128,7 @@ pm run -d --name "$NAME" -p "127.0.0.1:$PORT:8000" --stop-timeout 40 "$IMAGE" >/
 healthy=""
 for _ in $(seq 300); do
     if podman healthcheck run "$NAME" >/dev/null 2>&1; then healthy=$(now); break; fi
-    [ "$(podman inspect "$NAME" --format '{{.State.Running}}')" = true ] || break
+    [ "$(pm inspect "$NAME" --format '{{.State.Running}}')" = true ] || break
     sleep 1
 done
 if [ -n "$healthy" ]; then
@@ -185,7 +185,7 @@ echo "stream chunks when SIGTERM was sent: $chunks_at_term; /health during the d
 wait "$stream_pid"
 podman wait "$NAME" >/dev/null 2>&1
 stopped=$(now)
-code=$(podman inspect "$NAME" --format '{{.State.ExitCode}}')
+code=$(pm inspect "$NAME" --format '{{.State.ExitCode}}')
 python3 - "$C/drain-stream.txt" <<'EOF' && pass "the stream in flight finished after SIGTERM" || fail "the stream in flight was cut by SIGTERM"
 import json, sys
 events = [line[6:] for line in open(sys.argv[1]).read().splitlines() if line.startswith("data: ")]
