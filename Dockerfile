@@ -3,6 +3,9 @@
 #   docker build -t pagedserve:gpu .                          # default: NVIDIA CUDA runtime base, PyTorch's CUDA build
 #   docker build -t pagedserve:cpu --build-arg VARIANT=cpu .  # Debian slim, CPU build of torch, the embedded model
 #
+# With podman/buildah, name the variant even for the default (`--build-arg VARIANT=gpu`): buildah 1.28
+# skips the stages it thinks unused without expanding an ARG's default in `FROM build-${VARIANT}`.
+#
 # Both run `pagedserve serve --host 0.0.0.0` (port 8000; PAGEDSERVE_PORT changes it) as a non-root user,
 # answer the HEALTHCHECK on /health, and stop on SIGTERM with a drain of up to PAGEDSERVE_SHUTDOWN_TIMEOUT
 # (30) seconds: give the runtime a grace period above it (`docker run --stop-timeout 40`, compose
@@ -29,7 +32,7 @@
 #   FLASH_ATTN_WHEEL a flash-attn wheel for the gpu variant (optional, see above)
 
 ARG VARIANT=gpu
-ARG GPU_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG GPU_BASE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 ARG CPU_BASE=debian:bookworm-slim
 
 # ------------------------------------------------------------------ build stages: a virtualenv in /opt/venv
@@ -41,7 +44,8 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# PyPI's Linux wheels of torch are its CUDA builds (they bring their own CUDA libraries as nvidia-* wheels).
+# PyPI's Linux wheels of torch are its CUDA builds: 2.13.0 is built for CUDA 13 and brings its own CUDA
+# libraries as nvidia-* wheels (the base's CUDA version matches it; the host needs a driver for CUDA 13).
 RUN pip install torch==2.13.0
 COPY pyproject.toml README.md /src/
 COPY scheduler /src/scheduler
