@@ -11,6 +11,8 @@
 #   6. the compose stack of docker-compose.cpu.yml (pagedserve + Prometheus) with podman-compose: Prometheus
 #      must scrape the server (up == 1). Prometheus' image is built locally from Debian's package (no
 #      registry); Grafana has no such package, so the stack runs without it.
+#   7. its gateway profile: the second replica and nginx (also built from Debian's package): completions
+#      through the gateway reach both replicas, and Prometheus discovers the second one (up == 1 for both).
 #
 # Needs root, podman, buildah, debootstrap, podman-compose (installed with apt-get when missing) and about
 # 6 GB of disk under $PAGEDSERVE_CTR_DIR. Every published port is bound to 127.0.0.1. Exit status 0 when
@@ -21,9 +23,11 @@ cd "$(dirname "$0")/.."
 C=${PAGEDSERVE_CTR_DIR:-/tmp/pagedserve-ctr}
 IMAGE=${PAGEDSERVE_TEST_IMAGE:-localhost/pagedserve:cpu-test}
 PROM_IMAGE=localhost/prometheus-debian:test
+NGINX_IMAGE=localhost/nginx-debian:test
 PORT=${PAGEDSERVE_CTR_PORT:-18000}
 STACK_PORT=$((PORT + 1))
 PROM_PORT=$((PORT + 90))
+GATEWAY_PORT=$((PORT + 80))
 NAME=pagedserve-ctr-test
 PROJECT=pagedserve-ctr-test
 MODEL=SmolLM2-135M-Instruct
@@ -215,7 +219,8 @@ EXPOSE 9090
 ENTRYPOINT ["/usr/bin/prometheus"]
 EOF
 fi
-export PAGEDSERVE_IMAGE=$IMAGE PROMETHEUS_IMAGE=$PROM_IMAGE PAGEDSERVE_HOST_PORT=$STACK_PORT PROMETHEUS_HOST_PORT=$PROM_PORT
+export PAGEDSERVE_IMAGE=$IMAGE PROMETHEUS_IMAGE=$PROM_IMAGE NGINX_IMAGE=$NGINX_IMAGE PAGEDSERVE_HOST_PORT=$STACK_PORT \
+    PROMETHEUS_HOST_PORT=$PROM_PORT GATEWAY_HOST_PORT=$GATEWAY_PORT
 podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down >/dev/null 2>&1
 COMPOSE_UP=1
 # podman-compose 1.0 knows no profiles: name the services (Grafana has no image here).
@@ -239,6 +244,55 @@ case "$up" in
 esac
 rules=$(curl -s -m 5 "http://127.0.0.1:$PROM_PORT/api/v1/rules" | python3 -c 'import json, sys; g = json.load(sys.stdin)["data"]["groups"]; print(sum(len(x["rules"]) for x in g))' 2>/dev/null)
 [ "${rules:-0}" -ge 6 ] && pass "Prometheus loaded the $rules alert rules" || fail "alert rules loaded: ${rules:-none}"
+
+# ------------------------------------------------------------------ 7. the gateway profile: a second replica, nginx
+log "gateway profile: pagedserve-2 and nginx (built from Debian's package) in front of both replicas"
+if ! podman image exists "$NGINX_IMAGE"; then
+    podman build --network host --pull=never --format docker -t "$NGINX_IMAGE" -f - . >"$C/nginx-build.log" 2>&1 <<'EOF' \
+        || { tail -20 "$C/nginx-build.log"; fail "nginx image build"; }
+FROM localhost/debian:bookworm
+RUN apt-get update && apt-get install -y --no-install-recommends nginx && rm -rf /var/lib/apt/lists/*
+EXPOSE 8080
+CMD ["nginx", "-g", "daemon off;"]
+EOF
+fi
+if podman-compose -p "$PROJECT" -f docker-compose.cpu.yml up -d pagedserve-2 gateway >>"$C/compose.log" 2>&1; then
+    podman ps --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}} {{.Image}} {{.Status}}'
+else
+    tail -30 "$C/compose.log"
+    fail "podman-compose up (gateway profile)"
+fi
+for _ in $(seq 180); do  # both replicas healthy (the gateway would route around one still loading)
+    podman healthcheck run "${PROJECT}_pagedserve-2_1" >/dev/null 2>&1 \
+        && podman healthcheck run "${PROJECT}_pagedserve_1" >/dev/null 2>&1 \
+        && [ "$(curl -s -o /dev/null -m 10 -w '%{http_code}' "http://127.0.0.1:$GATEWAY_PORT/v1/models")" = 200 ] && break
+    sleep 1
+done
+for index in 1 2 3 4; do
+    curl -s -m 60 -o /dev/null -w '%{http_code}\n' "http://127.0.0.1:$GATEWAY_PORT/v1/completions" -H 'Content-Type: application/json' \
+        -d "{\"model\": \"$MODEL\", \"prompt\": \"Hello $index\", \"max_tokens\": 4, \"temperature\": 0}"
+done > "$C/gateway-codes.txt"
+sleep 1
+pm logs "${PROJECT}_gateway_1" 2>/dev/null > "$C/gateway-access.log"
+python3 - "$C/gateway-codes.txt" "$C/gateway-access.log" <<'EOF' && pass "the gateway balances completions over both replicas (JSON access log)" || fail "the gateway"
+import json, sys
+codes = open(sys.argv[1]).read().split()
+entries = [json.loads(line) for line in open(sys.argv[2]) if line.startswith("{")]
+completions = [e for e in entries if e["uri"] == "/v1/completions"]
+served = [e["upstream_addr"].split(", ")[-1] for e in completions]  # the last try of each request
+print(f"through the gateway: statuses {codes}, served by {served}")
+assert codes == ["200"] * 4 and len(completions) == 4 and len(set(served)) == 2
+EOF
+up=""
+for _ in $(seq 60); do
+    up=$(curl -s -m 5 "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode 'query=up{job="pagedserve"}' \
+        | python3 -c 'import json, sys; r = json.load(sys.stdin)["data"]["result"]; print(" ".join(sorted(s["metric"]["instance"] + "=" + s["value"][1] for s in r)))' 2>/dev/null)
+    [ "$up" = "pagedserve-2:8000=1 pagedserve:8000=1" ] && break
+    sleep 1
+done
+echo "Prometheus: up{job=\"pagedserve\"}: ${up:-no answer}"
+[ "$up" = "pagedserve-2:8000=1 pagedserve:8000=1" ] && pass "Prometheus finds and scrapes the second replica (DNS discovery)" \
+    || fail "Prometheus and the second replica (up: ${up:-none})"
 podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down >/dev/null 2>&1
 COMPOSE_UP=
 

@@ -179,9 +179,8 @@ def _manifests() -> dict[str, dict]:
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
 def test_k8s_manifests_validate_against_the_kubernetes_schemas(version):
-    pytest.importorskip("kubernetes_validate", reason="the `dev` extra installs kubernetes-validate")
-    import kubernetes_validate
-
+    kubernetes_validate = pytest.importorskip("kubernetes_validate",
+                                              reason="the `dev` extra installs kubernetes-validate")
     checked = 0
     for path in K8S_FILES:
         for document in yaml.safe_load_all(path.read_text()):
@@ -194,7 +193,8 @@ def test_k8s_manifests_validate_against_the_kubernetes_schemas(version):
 
 def test_k8s_rejects_a_wrong_field():
     """The schemas are strict: an unknown field in the Deployment fails."""
-    import kubernetes_validate
+    kubernetes_validate = pytest.importorskip("kubernetes_validate",
+                                              reason="the `dev` extra installs kubernetes-validate")
 
     deployment = _manifests()["Deployment"]
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 40
