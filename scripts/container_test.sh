@@ -45,7 +45,7 @@ elapsed() { python3 -c "print(f'{$2 - $1:.1f}')"; }
 cleanup() {
     podman rm -f "$NAME" >/dev/null 2>&1 || true
     if [ -n "${COMPOSE_UP:-}" ]; then
-        podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down >/dev/null 2>&1 || true
+        podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down -v >/dev/null 2>&1 || true
     fi
 }
 trap cleanup EXIT
@@ -221,7 +221,7 @@ EOF
 fi
 export PAGEDSERVE_IMAGE=$IMAGE PROMETHEUS_IMAGE=$PROM_IMAGE NGINX_IMAGE=$NGINX_IMAGE PAGEDSERVE_HOST_PORT=$STACK_PORT \
     PROMETHEUS_HOST_PORT=$PROM_PORT GATEWAY_HOST_PORT=$GATEWAY_PORT
-podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down >/dev/null 2>&1
+podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down -v >/dev/null 2>&1
 COMPOSE_UP=1
 # podman-compose 1.0 knows no profiles: name the services (Grafana has no image here).
 if podman-compose -p "$PROJECT" -f docker-compose.cpu.yml up -d pagedserve prometheus >"$C/compose.log" 2>&1; then
@@ -293,7 +293,7 @@ done
 echo "Prometheus: up{job=\"pagedserve\"}: ${up:-no answer}"
 [ "$up" = "pagedserve-2:8000=1 pagedserve:8000=1" ] && pass "Prometheus finds and scrapes the second replica (DNS discovery)" \
     || fail "Prometheus and the second replica (up: ${up:-none})"
-podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down >/dev/null 2>&1
+podman-compose -p "$PROJECT" -f docker-compose.cpu.yml down -v >/dev/null 2>&1
 COMPOSE_UP=
 
 # ------------------------------------------------------------------

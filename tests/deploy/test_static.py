@@ -70,6 +70,11 @@ def test_compose_files_interpolate_the_way_podman_compose_does():
     default) as it is: a server would get the literal text as its API key or model."""
     for path in (REPO / "docker-compose.yml", REPO / "docker-compose.cpu.yml", DEPLOY / "compose" / "pagedserve.yml"):
         assert ":-}" not in path.read_text(), path
+    # and it joins a ["CMD", ...] health check into a broken shell line: one CMD-SHELL string works
+    for name, service in _config("docker-compose.cpu.yml", "gateway")["services"].items():
+        if "healthcheck" in service:
+            test = service["healthcheck"]["test"]
+            assert test[0] == "CMD-SHELL" and len(test) == 2, (name, test)
 
 
 def test_gpu_and_cpu_stacks_differ_only_in_image_and_gpu():
