@@ -44,7 +44,8 @@ def render_config(work: Path, port: int, upstreams: list[int]) -> Path:
     text = text.replace("listen 8080;", f"listen 127.0.0.1:{port};")
     directives = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
     assert set(re.findall(r"(/(?:etc|tmp|var)/\S*?)[^/]*;", directives)) == {"/etc/nginx/pagedserve/", "/tmp/"}
-    text = text.replace("/etc/nginx/pagedserve/", f"{NGINX}/").replace("/tmp/", f"{work}/")
+    # /tmp first: the checkout itself may lie under /tmp
+    text = text.replace("/tmp/", f"{work}/").replace("/etc/nginx/pagedserve/", f"{NGINX}/")
     path = work / "nginx.conf"
     path.write_text(text)
     return path
