@@ -176,7 +176,7 @@ user=$(podman exec "$NAME" id -u)
 # ------------------------------------------------------------------ 5. SIGTERM with a stream in flight
 log "SIGTERM with a stream in flight (the drain)"
 curl -sS -N -m 120 "$URL/v1/completions" -H 'Content-Type: application/json' \
-    -d "{\"model\": \"$MODEL\", \"prompt\": \"Once upon a time\", \"stream\": true, \"max_tokens\": 300, \"ignore_eos\": true, \"temperature\": 0}" \
+    -d "{\"model\": \"$MODEL\", \"prompt\": \"Once upon a time\", \"stream\": true, \"max_tokens\": 120, \"ignore_eos\": true, \"temperature\": 0}" \
     > "$C/drain-stream.txt" &
 stream_pid=$!
 for _ in $(seq 100); do grep -q '^data: {' "$C/drain-stream.txt" 2>/dev/null && break; sleep 0.1; done
