@@ -134,8 +134,8 @@ RUN python -c "from engine.loading.loader import prepare_checkpoint; print(prepa
     fi
 
 EXPOSE 8000
-# /health is 200 once the model is warmed up and the engine loop runs, 503 while starting or draining
-# (urlopen raises on a 503: exit status 1). The slim base has no curl: Python asks.
+# /health is 200 once the model is warmed up and the engine loop runs, 503 while draining; nothing
+# answers while the model loads (urlopen raises either way: exit status 1). The slim base has no curl.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PAGEDSERVE_PORT', '8000'), timeout=4)"]
 STOPSIGNAL SIGTERM
