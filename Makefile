@@ -4,8 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMTOOL := $(BIN)/promtool
+PROMETHEUS := $(BIN)/prometheus
+NGINX := $(BIN)/nginx
 
-.PHONY: serve test install clean bench bench-peers promtool
+.PHONY: serve test install clean bench bench-peers promtool deploy-tools container-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +23,7 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --config configs/default.yaml
 
-test: $(STAMP) $(PROMTOOL)
+test: $(STAMP) $(PROMTOOL) $(PROMETHEUS) $(NGINX)
 	$(BIN)/python -m pytest
 
 # Prometheus' promtool (the metrics tests lint /metrics with it), taken from Debian's
@@ -34,6 +36,28 @@ $(PROMTOOL): | $(BIN)/python
 	dpkg-deb -x "$$tmp"/prometheus_*.deb "$$tmp/root"; \
 	cp "$$tmp/root/usr/bin/promtool" $@.tmp && chmod +x $@.tmp && mv $@.tmp $@
 	$@ --version
+
+# The deployment tests (tests/deploy) run a real Prometheus server and a real nginx: the binaries of
+# Debian's `prometheus` and `nginx` packages, extracted the same way (plain processes on 127.0.0.1).
+deploy-tools: $(PROMTOOL) $(PROMETHEUS) $(NGINX)
+
+$(PROMETHEUS): | $(BIN)/python
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	(cd "$$tmp" && (apt-get download prometheus || (apt-get update -qq && apt-get download prometheus))); \
+	dpkg-deb -x "$$tmp"/prometheus_*.deb "$$tmp/root"; \
+	cp "$$tmp/root/usr/bin/prometheus" $@.tmp && chmod +x $@.tmp && mv $@.tmp $@
+	$@ --version
+
+$(NGINX): | $(BIN)/python
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	(cd "$$tmp" && (apt-get download nginx || (apt-get update -qq && apt-get download nginx))); \
+	dpkg-deb -x "$$tmp"/nginx_*.deb "$$tmp/root"; \
+	cp "$$tmp/root/usr/sbin/nginx" $@.tmp && chmod +x $@.tmp && mv $@.tmp $@
+	$@ -v
+
+# Heavy (not part of `make test`): builds the CPU image with podman and runs it (scripts/container_test.sh).
+container-test:
+	scripts/container_test.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m scheduler.bench
