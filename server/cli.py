@@ -21,6 +21,7 @@ _RESPONSE_TAIL_S = 5  # after the drain, seconds the last responses get to be wr
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM inference server")
+    parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("serve", help="start the HTTP server (flags: pagedserve serve --help)", add_help=False)
     bench = commands.add_parser("bench", help="benchmarks")
@@ -36,6 +37,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "(flags: pagedserve bench serve --help)", add_help=False
     )
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version ("unknown" when run from a tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

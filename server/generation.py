@@ -80,9 +80,11 @@ def check_stream_options(request: SamplingFields) -> None:
         return
     if not request.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-    if options.continuous_usage_stats:
-        raise bad_request("stream_options.continuous_usage_stats is not supported.",
-                          param="stream_options", code="unsupported_parameter")
+
+
+def continuous_usage(request: SamplingFields) -> bool:
+    """`stream_options.continuous_usage_stats`: every chunk carries the usage of its choice so far (vLLM's)."""
+    return request.stream_options is not None and request.stream_options.continuous_usage_stats
 
 
 _DEFAULTED_WHEN_NULL = frozenset({"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -149,6 +151,7 @@ class UsageCounter:
     n: int
     completion_tokens: int = 0
     cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> cached tokens
+    per_choice: dict[int, int] = field(default_factory=dict)  # choice index -> its completion tokens so far
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[int]], n: int) -> "UsageCounter":
@@ -156,8 +159,16 @@ class UsageCounter:
 
     def add(self, choice: Choice, num_tokens: int, num_cached_tokens: int) -> None:
         self.completion_tokens += num_tokens
+        self.per_choice[choice.index] = self.per_choice.get(choice.index, 0) + num_tokens
         if choice.index % self.n == 0:
             self.cached_tokens[choice.prompt_index] = num_cached_tokens
+
+    def choice_usage(self, choice: Choice) -> Usage:
+        """One choice's usage so far (a chunk's, under continuous_usage_stats): its prompt, its tokens."""
+        prompt_tokens = len(choice.prompt_token_ids)
+        completion_tokens = self.per_choice.get(choice.index, 0)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
