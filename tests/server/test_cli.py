@@ -83,6 +83,14 @@ def test_ready_message_has_a_working_curl_line_and_never_a_key():
     assert json.loads(curl[curl.index("-d") + 1])["model"] == "it's-a-model"
     assert "Authorization" not in ready_message("127.0.0.1", 1, "m", needs_key=False)
     assert "http://[::1]:8000/v1" in ready_message("::", 8000, "m", needs_key=False)
+    assert "export PAGEDSERVE_API_KEY=" in message  # a log never holds the key: it says to export it
+
+
+def test_ready_message_on_a_terminal_carries_the_key_and_over_https_curl_gets_k():
+    message = ready_message("127.0.0.1", 8443, "m", needs_key=True, key="it's-k", scheme="https")
+    curl = shlex.split(message.splitlines()[-1])
+    assert curl[:3] == ["curl", "-k", "https://127.0.0.1:8443/v1/completions"]
+    assert "Authorization: Bearer it's-k" in curl and "export" not in message
 
 
 def _wait_for(path, needle: str, process: subprocess.Popen, timeout: float) -> str:

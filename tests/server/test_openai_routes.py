@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import openai
 import pytest
 
@@ -97,3 +99,11 @@ def test_unsupported_completion_parameters_carry_the_code(server, fields, param)
     with server.client() as c:
         response = c.post(COMPLETIONS, json={"model": "tiny", "prompt": "Hello", **fields})
     assert_error(response, 400, param, "unsupported_parameter")
+
+
+def test_requests_are_not_logged_by_default(server, caplog):
+    with caplog.at_level(logging.DEBUG, logger="server.generation"), server.client() as c:
+        reply = c.post(COMPLETIONS, json={"model": "tiny", "prompt": "a private prompt", "max_tokens": 2})
+    assert reply.status_code == 200
+    assert not [r for r in caplog.records if reply.json()["id"] in r.getMessage()]
+    assert "private prompt" not in caplog.text
