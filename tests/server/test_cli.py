@@ -1,7 +1,6 @@
 """`pagedserve serve`: its help, its errors (exit 2, no traceback), its ready message, a real start."""
 
 import json
-import os
 import shlex
 import signal
 import socket
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from server.cli import main, ready_message
+from tests.conftest import server_environment
 from server.settings import OPTIONS
 
 SERVE = [sys.executable, "-m", "server.cli", "serve"]
@@ -22,7 +22,7 @@ TINY_PRESET = REPO / "configs" / "tiny.yaml"
 
 
 def run_serve(*args: str, env=None) -> subprocess.CompletedProcess:
-    environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
+    environ = server_environment()
     return subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=60, cwd=REPO,
                           env={**environ, **(env or {})})
 
@@ -104,8 +104,7 @@ def _wait_for(path, needle: str, process: subprocess.Popen, timeout: float) -> s
 # SIGINT (Ctrl-C) and SIGTERM both drain, then exit 0 (see tests/reliability/test_drain.py for the drain).
 @pytest.mark.parametrize("stop, status", [(signal.SIGINT, 0), (signal.SIGTERM, 0)])
 def test_serve_starts_on_a_free_port_and_prints_it_once_ready(tmp_path, tiny_model_dir, stop, status):
-    environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
-    environ.update(PAGEDSERVE_API_KEY="s3cret-key", HF_HUB_OFFLINE="1")
+    environ = server_environment(PAGEDSERVE_API_KEY="s3cret-key")
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(

@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from tests.server.test_errors import assert_error
+from tests.conftest import server_environment
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "flag-key-7d1c"
@@ -87,8 +88,7 @@ def flagged(tmp_path_factory, tiny_model_dir):
     template = tmp / "template.jinja"
     template.write_text(TEMPLATE)
     stderr = tmp / "stderr.txt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
-    env["HF_HUB_OFFLINE"] = "1"
+    env = server_environment()
     master, slave = pty.openpty()
     with stderr.open("w") as err:
         process = subprocess.Popen(
