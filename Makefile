@@ -20,8 +20,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# Flags pass through ARGS (make serve ARGS="--port 8011 --api-key secret"); PAGEDSERVE_* variables work too.
+ARGS ?=
+
 serve: $(STAMP)
-	$(BIN)/pagedserve serve --config configs/default.yaml
+	$(BIN)/pagedserve serve --config configs/default.yaml $(ARGS)
 
 test: $(STAMP) $(PROMTOOL) $(PROMETHEUS) $(NGINX)
 	$(BIN)/python -m pytest

@@ -34,12 +34,14 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     if model_config.max_model_len is None and config.scheduler.max_model_len is not None:
         model_config = model_config.model_copy(update={"max_model_len": config.scheduler.max_model_len})
     torch.manual_seed(model_config.seed)
-    checkpoint = prepare_checkpoint(model_config.model, revision=model_config.revision)
-    hf_config = load_hf_config(checkpoint.path)
+    checkpoint = prepare_checkpoint(model_config.model, revision=model_config.revision,
+                                    download_dir=model_config.download_dir)
+    hf_config = load_hf_config(checkpoint.path, trust_remote_code=model_config.trust_remote_code)
     tokenizer_path = checkpoint.path
     if model_config.tokenizer is not None:
-        tokenizer_path = prepare_checkpoint(model_config.tokenizer).path
-    tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer_path = prepare_checkpoint(model_config.tokenizer, download_dir=model_config.download_dir).path
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=model_config.trust_remote_code,
+                               chat_template=model_config.chat_template)
     device = model_config.resolve_device()
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)

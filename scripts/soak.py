@@ -42,7 +42,8 @@ def rss_bytes(pid: int) -> int:
 
 
 def start_server(serve_args: str, logs: Path, extra_env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    keep = {"PAGEDSERVE_CACHE_DIR"}  # the converted model and the built kernels, where this machine keeps them
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_") or k in keep}
     env["HF_HUB_OFFLINE"] = "1"
     env.update(extra_env)
     stdout, stderr = logs / "stdout.txt", logs / "stderr.txt"

@@ -32,7 +32,7 @@ class AuthAndMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if (self.keys and scope["method"] != "OPTIONS" and scope["path"].startswith(self.prefixes)
+        if (self.keys and scope["method"] != "OPTIONS" and route_path(scope).startswith(self.prefixes)
                 and not authorized(Headers(scope=scope), self.keys)):
             response = JSONResponse(error_body(401, "Invalid or missing API key (send Authorization: Bearer <key>)."),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -63,3 +63,12 @@ def authorized(headers: Headers, keys: Sequence[bytes]) -> bool:
     for key in keys:  # compare against every key: constant time in which key matched
         matched |= hmac.compare_digest(presented, key)
     return matched
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes match: without the `root_path` (--root-path) that uvicorn puts in front of it
+    (as Starlette's router strips it), so a prefix never takes a route out of authentication."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path

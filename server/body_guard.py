@@ -20,6 +20,7 @@ from typing import Callable, Collection, Optional
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.auth_metrics import route_path
 from server.errors import error_body
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -51,7 +52,7 @@ class BodyGuard:
             body = await self._read(scope, receive)
             if body is None:
                 return  # the client went away while sending
-            if scope["path"] in self.json_paths:
+            if route_path(scope) in self.json_paths:
                 await _check_json_object(body, Headers(scope=scope))
         except BodyRefused as refusal:
             if self.on_refusal is not None:

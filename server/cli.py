@@ -21,6 +21,7 @@ _RESPONSE_TAIL_S = 5  # after the drain, seconds the last responses get to be wr
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM inference server")
+    parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("serve", help="start the HTTP server (flags: pagedserve serve --help)", add_help=False)
     bench = commands.add_parser("bench", help="benchmarks")
@@ -36,6 +37,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "(flags: pagedserve bench serve --help)", add_help=False
     )
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version ("unknown" when run from a tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -73,6 +84,10 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         print(f"pagedserve serve: error: {error}\n(pagedserve serve --help lists the flags)", file=sys.stderr)
         return 2
     server_config = settings.server
+    tls_error = check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
+    if tls_error is not None:
+        print(f"pagedserve serve: error: {tls_error}", file=sys.stderr)
+        return 2
     _configure_logging(server_config.log_level)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
     try:
@@ -107,7 +122,9 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     logger.info("authentication: %s", f"{len(server_config.api_keys)} API key(s)" if server_config.api_keys
                 else "none (set --api-key or PAGEDSERVE_API_KEY to require one)")
     port = sock.getsockname()[1]
-    message = ready_message(server_config.host, port, engine.model_name, bool(server_config.api_keys))
+    keys = server_config.api_keys
+    message = ready_message(server_config.host, port, engine.model_name, bool(keys), scheme=server_config.scheme,
+                            key=keys[0] if keys and _is_terminal(sys.stdout) else None)
 
     from server.app import create_app
     from server.drain import GracefulShutdown
@@ -130,7 +147,8 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     shutdown = GracefulShutdown(app.state.server, server_config.shutdown_timeout, request_exit)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=port, log_level=server_config.log_level,
-        timeout_graceful_shutdown=_RESPONSE_TAIL_S,
+        timeout_graceful_shutdown=_RESPONSE_TAIL_S, root_path=server_config.root_path,
+        ssl_keyfile=server_config.ssl_keyfile, ssl_certfile=server_config.ssl_certfile,
     ))
     server.handle_exit = shutdown.handle_signal  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
@@ -157,14 +175,48 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def ready_message(host: str, port: int, model_name: str, needs_key: bool) -> str:
-    """The URL and a ready-to-paste curl line; a `$PAGEDSERVE_API_KEY` placeholder, never a key."""
+def ready_message(host: str, port: int, model_name: str, needs_key: bool, *, key: Optional[str] = None,
+                  scheme: str = "http") -> str:
+    """The URL and a ready-to-paste curl line.
+
+    With API keys, the line carries `key` itself when given (the CLI gives it only when stdout is a
+    terminal: the screen of whoever started the server); otherwise `$PAGEDSERVE_API_KEY`, with a line
+    saying to export it first, so a log never holds a key. Over HTTPS, curl gets `-k`: the line talks to
+    127.0.0.1, a name that the certificate rarely carries.
+    """
     reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    url = f"http://[{reachable}]:{port}" if ":" in reachable else f"http://{reachable}:{port}"
+    url = f"{scheme}://[{reachable}]:{port}" if ":" in reachable else f"{scheme}://{reachable}:{port}"
     body = json.dumps({"model": model_name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0})
-    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if needs_key else ""
-    curl = f'curl {url}/v1/completions -H "Content-Type: application/json"{auth} -d {shlex.quote(body)}'
-    return f"pagedserve: serving {model_name!r} at {url}/v1 (metrics at {url}/metrics)\ntry:\n  {curl}"
+    insecure = " -k" if scheme == "https" else ""
+    auth, before = "", ""
+    if needs_key and key is not None:
+        auth = " -H " + shlex.quote(f"Authorization: Bearer {key}")
+    elif needs_key:
+        auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"'
+        before = "  export PAGEDSERVE_API_KEY=...  # one of the keys given with --api-key or PAGEDSERVE_API_KEY\n"
+    curl = f'curl{insecure} {url}/v1/completions -H "Content-Type: application/json"{auth} -d {shlex.quote(body)}'
+    return f"pagedserve: serving {model_name!r} at {url}/v1 (metrics at {url}/metrics)\ntry:\n{before}  {curl}"
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def check_tls_files(certfile: Optional[str], keyfile: Optional[str]) -> Optional[str]:
+    """Why --ssl-certfile / --ssl-keyfile cannot serve HTTPS (checked before the model loads), or None."""
+    if certfile is None or keyfile is None:
+        return None
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as error:
+        return (f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}: cannot load them: "
+                f"{getattr(error, 'strerror', None) or error}")
+    return None
 
 
 def _configure_logging(level: str) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling.params import MAX_LOGPROBS
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -42,6 +44,32 @@ class ServerConfig(BaseModel):
     shutdown_timeout: float = Field(
         30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     max_request_body: int = Field(4 * 2**20, ge=1024, description="request body bytes at most (413 beyond)")
+    max_logprobs: int = Field(
+        MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS, description="alternatives per token a request may ask for, at most "
+        "(completions' logprobs, chat's top_logprobs)")
+    enable_log_requests: bool = Field(
+        False, description="log each generation request at info: id, route, token counts and sampling "
+        "settings, never its text")
+    root_path: str = Field("", description="path prefix of a proxy in front (FastAPI's root_path)")
+    ssl_keyfile: Optional[str] = Field(None, description="TLS private key (PEM); with ssl_certfile, serve HTTPS")
+    ssl_certfile: Optional[str] = Field(None, description="TLS certificate chain (PEM)")
+
+    @field_validator("root_path")
+    @classmethod
+    def _check_root_path(cls, value: str) -> str:
+        if value and (not value.startswith("/") or value.endswith("/")):
+            raise ValueError(f"must start with / and not end with one, e.g. /api (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _check_ssl(self) -> "ServerConfig":
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together (--ssl-keyfile and --ssl-certfile)")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile is not None else "http"
 
     @field_validator("max_request_body", mode="before")
     @classmethod

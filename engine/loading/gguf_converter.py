@@ -76,7 +76,7 @@ def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
         _remove_leftovers(final)
         tmp = Path(tempfile.mkdtemp(prefix=f"{digest}.tmp-", dir=final.parent))
         try:
-            logger.warning("converting %s into %s (once; later starts reuse it)", gguf_path, final)
+            logger.info("converting %s into %s (once; later starts reuse it)", gguf_path, final)
             convert_gguf(gguf_path, tmp)
             write_manifest(tmp, source_name=gguf_path.name, sha256=digest)
             _make_readable(tmp)
@@ -109,22 +109,55 @@ def _known_sha256(path: Path, index_dir: Path) -> str:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors (fp32), generation_config.json and the tokenizer to `out_dir`."""
+    """Write config.json, model.safetensors (fp32), generation_config.json and the tokenizer to `out_dir`.
+
+    One progress bar: a step per GGUF tensor dequantized, then one for saving the weights and one for
+    the tokenizer (transformers' own bars and warnings are held back meanwhile).
+    """
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
-    with tqdm(total=3, desc=f"pagedserve: converting {gguf_path.name}", unit="step") as stages:
+    with tqdm(total=2, desc=f"pagedserve: converting {gguf_path.name}", unit="step") as bar, _quiet_transformers(bar):
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
-        stages.update()
         _save_config(model.config, type(model).__name__, out_dir)
         _save_generation_config(model.config, out_dir)
         _save_weights(model, out_dir)
         del model
-        stages.update()
+        bar.update()
         AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
-        stages.update()
+        bar.update()
+
+
+@contextlib.contextmanager
+def _quiet_transformers(bar) -> Iterator[None]:
+    """transformers' progress bars off and its warnings held back; its per-tensor GGUF loop counted on `bar`."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    def counted(iterable, *args, **kwargs):
+        items = list(iterable)
+        bar.total += len(items)
+        bar.refresh()
+        for item in items:
+            yield item
+            bar.update()
+
+    bars_were_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    original = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if original is not None:
+        gguf_utils.tqdm = counted
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
 
 def write_manifest(out_dir: Path, *, source_name: str, sha256: str) -> None:

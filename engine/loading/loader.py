@@ -70,13 +70,15 @@ def prepare_checkpoint(
     *,
     cache_dir: Optional[Path] = None,
     revision: Optional[str] = None,
+    download_dir: Optional[Union[str, Path]] = None,
 ) -> Checkpoint:
     """Resolve `model` to a local HF checkpoint directory.
 
     None: the embedded SmolLM2 GGUF, converted once into `cache_dir`.
     A directory with config.json and weights: used as is.
     A `.gguf` file: converted once into `cache_dir` (keyed by content hash).
-    Anything else: a hub id, downloaded (or, offline, taken from the local HF cache).
+    Anything else: a hub id at `revision`, downloaded into `download_dir` (default: the HF cache), or,
+    offline, taken from there.
     """
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     if model is None:
@@ -91,7 +93,7 @@ def prepare_checkpoint(
         return Checkpoint(_convert(local.resolve(), cache_dir), model)
     if _looks_like_path(model):
         raise CheckpointError(f"model path not found: {model!r}")
-    return Checkpoint(download_from_hub(model, revision=revision), model)
+    return Checkpoint(download_from_hub(model, revision=revision, download_dir=download_dir), model)
 
 
 def _convert(gguf_path: Path, cache_dir: Path) -> Path:
@@ -112,27 +114,35 @@ def check_checkpoint_dir(path: Path) -> None:
         raise CheckpointError(f"model directory {str(path)!r} has no *.safetensors or pytorch_model*.bin weights")
 
 
-def download_from_hub(repo_id: str, *, revision: Optional[str] = None) -> Path:
-    """A snapshot of `repo_id` with config, tokenizer and weights; offline, only from the local HF cache."""
+def download_from_hub(repo_id: str, *, revision: Optional[str] = None,
+                      download_dir: Optional[Union[str, Path]] = None) -> Path:
+    """A snapshot of `repo_id` with config, tokenizer and weights, in `download_dir` (an HF cache layout;
+    None: the default HF cache); offline, only from there."""
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in _OFFLINE_VALUES
-    path = _snapshot(repo_id, revision, HUB_CONFIG_PATTERNS + HUB_SAFETENSORS_PATTERNS, offline)
+    cache = None if download_dir is None else str(Path(download_dir).expanduser())
+    path = _snapshot(repo_id, revision, HUB_CONFIG_PATTERNS + HUB_SAFETENSORS_PATTERNS, offline, cache)
     if not weight_files(path):
-        path = _snapshot(repo_id, revision, HUB_CONFIG_PATTERNS + HUB_BIN_PATTERNS, offline)
+        path = _snapshot(repo_id, revision, HUB_CONFIG_PATTERNS + HUB_BIN_PATTERNS, offline, cache)
     check_checkpoint_dir(path)
     return path
 
 
-def _snapshot(repo_id: str, revision: Optional[str], patterns: tuple[str, ...], offline: bool) -> Path:
+def _snapshot(repo_id: str, revision: Optional[str], patterns: tuple[str, ...], offline: bool,
+              cache_dir: Optional[str] = None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         return Path(
             snapshot_download(
-                repo_id, revision=revision, allow_patterns=list(patterns), local_files_only=offline
+                repo_id, revision=revision, allow_patterns=list(patterns), local_files_only=offline,
+                cache_dir=cache_dir,
             )
         )
     except Exception as exc:  # hub errors have many types (offline, 401/404, validation, network)
-        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
+        cache = "the local Hugging Face cache" if cache_dir is None else f"the download dir {cache_dir!r}"
+        where = f"{cache} (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
+        if revision is not None:
+            where += f" at revision {revision!r}"
         raise CheckpointError(
             f"model {repo_id!r} is not a local path and could not be fetched from {where}; "
             f"looked for: {', '.join(patterns)} ({type(exc).__name__}: {exc})"
@@ -148,12 +158,12 @@ def _looks_like_path(model: str) -> bool:
     )
 
 
-def load_hf_config(path: Union[str, Path]) -> "PretrainedConfig":
-    """The HF config of a checkpoint directory (no remote code)."""
+def load_hf_config(path: Union[str, Path], *, trust_remote_code: bool = False) -> "PretrainedConfig":
+    """The HF config of a checkpoint directory (its own config code only with `trust_remote_code`)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"cannot read the model config in {str(path)!r}: {exc}") from exc
 

@@ -42,17 +42,24 @@ class ModelConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: Optional[int] = Field(None, ge=1, description="None = the model's own context length")
     seed: int = 0
-    revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit)")
-    trust_remote_code: bool = False
+    revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit) of a hub id")
+    download_dir: Optional[str] = Field(
+        None, description="where hub downloads go and are looked up; None = the Hugging Face cache")
+    trust_remote_code: bool = Field(
+        False, description="let the checkpoint's own Python code build its config and tokenizer (transformers' "
+        "trust_remote_code); the model itself always runs pagedserve's implementation")
+    chat_template: Optional[str] = Field(
+        None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's")
 
-    @field_validator("trust_remote_code")
+    @field_validator("chat_template")
     @classmethod
-    def _refuse_remote_code(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(
-                "trust_remote_code=True is not supported: pagedserve runs only its own model "
-                "implementations and never executes code shipped with a checkpoint"
-            )
+    def _check_chat_template(cls, value: Optional[str]) -> Optional[str]:
+        """Inline Jinja, or the path of a file that exists (read when the tokenizer loads)."""
+        from pathlib import Path
+
+        if value is not None and not any(m in value for m in ("{{", "{%", "{#")) \
+                and not Path(value).expanduser().is_file():
+            raise ValueError(f"neither a file nor a Jinja template: no file {value!r}, and no {{{{ or {{%")
         return value
 
     @property

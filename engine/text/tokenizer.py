@@ -70,14 +70,21 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
 
-def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
-    """The tokenizer saved in a checkpoint directory (tokenizer.json et al., generation_config.json)."""
+def load_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = False,
+                   chat_template: Optional[str] = None) -> Tokenizer:
+    """The tokenizer saved in a checkpoint directory (tokenizer.json et al., generation_config.json).
+
+    `trust_remote_code` lets the checkpoint's own tokenizer code run; `chat_template` (Jinja text or a
+    file holding it, see `read_chat_template`) replaces the tokenizer's chat template.
+    """
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        hf = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
+    if chat_template is not None:
+        hf.chat_template = read_chat_template(chat_template)
     eos = set(generation_eos_token_ids(Path(path)))
     if hf.eos_token_id is not None:
         eos.add(hf.eos_token_id)
@@ -85,6 +92,33 @@ def load_tokenizer(path: Union[str, Path]) -> Tokenizer:
     max_token_id = max(vocab.values())
     max_token_chars = max(len(token) for token in vocab)
     return Tokenizer(hf=hf, eos_token_ids=frozenset(eos), max_token_id=max_token_id, max_token_chars=max_token_chars)
+
+
+def looks_like_jinja(text: str) -> bool:
+    return any(mark in text for mark in ("{{", "{%", "{#"))
+
+
+def read_chat_template(value: str) -> str:
+    """The Jinja text of a chat template given as a file path (read) or inline (as is), checked to parse;
+    ValueError says what is wrong (as vLLM's --chat-template, a path that exists wins)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text, where = path.read_text(), f"chat template file {value!r}"
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the chat template file {value!r}: {exc}") from None
+    elif looks_like_jinja(value):
+        text, where = value, "the inline chat template"
+    else:
+        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+    try:  # the environment transformers renders chat templates in
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"{where} is not valid Jinja (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 def generation_eos_token_ids(path: Path) -> frozenset[int]:

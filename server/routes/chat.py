@@ -16,7 +16,7 @@ from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request, rejection_error
 from server.generation import (Choice, ChoicesStreamingResponse, RequestGuard, UsageCounter, check_common,
                                check_prompt_chars, check_queue_room, close_streams, collect_choices,
-                               make_sampling_params, plan_choices, start_generation, stream_choices)
+                               continuous_usage, make_sampling_params, plan_choices, start_generation, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
                              new_id, now)
@@ -118,14 +118,16 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
                   guard: RequestGuard) -> AsyncIterator[bytes]:
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    every_chunk = continuous_usage(body)
+    counter = UsageCounter.of([choices[0].prompt_token_ids], body.n)
 
     def chunk(choices_, usage=None) -> bytes:
         return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices_,
                                              usage=usage))
 
     for choice in choices:  # closed here, the response still closes the streams
-        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))])
-    counter = UsageCounter.of([choices[0].prompt_token_ids], body.n)
+        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))],
+                    counter.choice_usage(choice) if every_chunk else None)
     async for choice, output in stream_choices(choices, streams, guard=guard):
         counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not output.text_delta and not output.finished and num_top is None:
@@ -133,6 +135,7 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, model: str, r
         logprobs = state.formatter.chat(output.logprobs or [], num_top) if num_top is not None else None
         yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(content=output.text_delta),
                                      logprobs=logprobs, finish_reason=output.finish_reason,
-                                     stop_reason=output.stop_reason)])
+                                     stop_reason=output.stop_reason)],
+                    counter.choice_usage(choice) if every_chunk else None)
     if include_usage:
         yield chunk([], counter.usage())

@@ -15,7 +15,7 @@ from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
 from server.generation import (Choice, ChoicesStreamingResponse, RequestGuard, UsageCounter, check_common,
                                check_prompt_chars, check_queue_room, close_streams, collect_choices,
-                               make_sampling_params, plan_choices, start_generation, stream_choices)
+                               continuous_usage, make_sampling_params, plan_choices, start_generation, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, new_id, now)
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
@@ -29,9 +29,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     model = check_common(body, state)
     if body.suffix is not None:
-        raise bad_request("suffix is not supported.", param="suffix")
+        raise bad_request("suffix is not supported.", param="suffix", code="unsupported_parameter")
     if body.best_of is not None and body.best_of != body.n:
-        raise bad_request("best_of must equal n (best-of-n selection is not supported).", param="best_of")
+        raise bad_request("best_of must equal n (best-of-n selection is not supported).", param="best_of",
+                          code="unsupported_parameter")
     num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) \
         else len(body.prompt)
     check_queue_room(state, num_prompts * max(body.n, 1), "prompt" if num_prompts > 1 else "n")
@@ -106,6 +107,7 @@ async def _stream(state: ServerState, body: CompletionRequest, model: str, reque
                   guard: RequestGuard) -> AsyncIterator[bytes]:
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    every_chunk = continuous_usage(body)
     counter = UsageCounter.of(prompts, body.n)
     started: set[int] = set()
     offsets = {choice.index: 0 for choice in choices}
@@ -128,6 +130,7 @@ async def _stream(state: ServerState, body: CompletionRequest, model: str, reque
             id=request_id, created=created, model=model,
             choices=[CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
                                       finish_reason=output.finish_reason, stop_reason=output.stop_reason)],
+            usage=counter.choice_usage(choice) if every_chunk else None,
         )
         yield sse_event(chunk)
     if include_usage:

@@ -3,7 +3,6 @@ embedded SmolLM2, driven by the real openai SDK and scraped like Prometheus woul
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import server_environment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,8 +35,7 @@ def _wait_for_line(path: Path, needle: str, process: subprocess.Popen, timeout: 
 def embedded_server(tmp_path_factory, embedded_checkpoint):
     logs = tmp_path_factory.mktemp("serve")
     stdout, stderr = logs / "stdout.txt", logs / "stderr.txt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
-    env["HF_HUB_OFFLINE"] = "1"
+    env = server_environment()
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--config", "configs/default.yaml", "--port", "0",

@@ -200,7 +200,7 @@ def test_concurrent_conversions_convert_once(tiny_gguf, tmp_path, caplog):
     def convert() -> None:
         results.append(prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path).path)
 
-    with caplog.at_level(logging.WARNING, logger=gguf_converter.__name__):
+    with caplog.at_level(logging.INFO, logger=gguf_converter.__name__):
         threads = [threading.Thread(target=convert) for _ in range(2)]
         for thread in threads:
             thread.start()
@@ -208,6 +208,19 @@ def test_concurrent_conversions_convert_once(tiny_gguf, tmp_path, caplog):
             thread.join()
     assert len(results) == 2 and results[0] == results[1] and is_complete_checkpoint(results[0])
     assert sum("converting" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_conversion_logs_at_info_with_one_progress_bar(tiny_gguf, tmp_path, caplog, capfd):
+    with caplog.at_level(logging.DEBUG):
+        prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
+    ours = [r for r in caplog.records if r.name == gguf_converter.__name__]
+    assert [r.levelno for r in ours] == [logging.INFO] and "converting" in ours[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    err = capfd.readouterr().err
+    assert "pagedserve: converting tiny-llama.F32.gguf" in err
+    assert "GGUF tensors" not in err and "Loading weights" not in err  # transformers' own bars stay off
+    bars = {line.split(":")[0] for line in err.replace("\r", "\n").splitlines() if "%|" in line}
+    assert bars == {"pagedserve"}
 
 
 def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
@@ -286,13 +299,14 @@ def test_device_resolution():
             ModelConfig(device="cuda").resolve_device()
 
 
-def test_unknown_keys_bad_values_and_remote_code_refused():
+def test_unknown_keys_and_bad_values_refused():
     with pytest.raises(ValidationError, match="extra"):
         ModelConfig(modle="x")
     with pytest.raises(ValidationError):
         ModelConfig(dtype="float64")
-    with pytest.raises(ValidationError, match="trust_remote_code"):
-        ModelConfig(trust_remote_code=True)
+    with pytest.raises(ValidationError, match="neither a file nor a Jinja template"):
+        ModelConfig(chat_template="no/such/template.jinja")
+    assert ModelConfig(trust_remote_code=True).trust_remote_code
     assert ModelConfig(model="m").tokenizer_source == "m"
     assert ModelConfig(model="m", tokenizer="t").tokenizer_source == "t"
 

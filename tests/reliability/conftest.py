@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.config import ServerConfig
 from tests.server.conftest import RunningServer, pace_engine, start_server  # noqa: F401 - re-exported
+from tests.conftest import server_environment
 from tests.engine.factories import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,8 +84,7 @@ def sse_payloads(lines) -> list:
 def serve_process(tmp_path, *args: str, hooks: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, Path]:
     """`pagedserve serve` on the tiny preset in a child process (through tests/reliability/serve_with_hooks.py
     when `hooks` are given); returns the process, its URL and its stderr file, once it is ready."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
-    env["HF_HUB_OFFLINE"] = "1"
+    env = server_environment()
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     command = [sys.executable, "-m", "tests.reliability.serve_with_hooks", *hooks, "--", "serve",
                "--config", str(TINY_PRESET), "--served-model-name", "tiny", *args]

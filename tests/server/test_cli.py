@@ -1,7 +1,6 @@
 """`pagedserve serve`: its help, its errors (exit 2, no traceback), its ready message, a real start."""
 
 import json
-import os
 import shlex
 import signal
 import socket
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from server.cli import main, ready_message
+from tests.conftest import server_environment
 from server.settings import OPTIONS
 
 SERVE = [sys.executable, "-m", "server.cli", "serve"]
@@ -22,7 +22,7 @@ TINY_PRESET = REPO / "configs" / "tiny.yaml"
 
 
 def run_serve(*args: str, env=None) -> subprocess.CompletedProcess:
-    environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
+    environ = server_environment()
     return subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=60, cwd=REPO,
                           env={**environ, **(env or {})})
 
@@ -83,6 +83,14 @@ def test_ready_message_has_a_working_curl_line_and_never_a_key():
     assert json.loads(curl[curl.index("-d") + 1])["model"] == "it's-a-model"
     assert "Authorization" not in ready_message("127.0.0.1", 1, "m", needs_key=False)
     assert "http://[::1]:8000/v1" in ready_message("::", 8000, "m", needs_key=False)
+    assert "export PAGEDSERVE_API_KEY=" in message  # a log never holds the key: it says to export it
+
+
+def test_ready_message_on_a_terminal_carries_the_key_and_over_https_curl_gets_k():
+    message = ready_message("127.0.0.1", 8443, "m", needs_key=True, key="it's-k", scheme="https")
+    curl = shlex.split(message.splitlines()[-1])
+    assert curl[:3] == ["curl", "-k", "https://127.0.0.1:8443/v1/completions"]
+    assert "Authorization: Bearer it's-k" in curl and "export" not in message
 
 
 def _wait_for(path, needle: str, process: subprocess.Popen, timeout: float) -> str:
@@ -96,8 +104,7 @@ def _wait_for(path, needle: str, process: subprocess.Popen, timeout: float) -> s
 # SIGINT (Ctrl-C) and SIGTERM both drain, then exit 0 (see tests/reliability/test_drain.py for the drain).
 @pytest.mark.parametrize("stop, status", [(signal.SIGINT, 0), (signal.SIGTERM, 0)])
 def test_serve_starts_on_a_free_port_and_prints_it_once_ready(tmp_path, tiny_model_dir, stop, status):
-    environ = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDSERVE_")}
-    environ.update(PAGEDSERVE_API_KEY="s3cret-key", HF_HUB_OFFLINE="1")
+    environ = server_environment(PAGEDSERVE_API_KEY="s3cret-key")
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(

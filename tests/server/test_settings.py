@@ -37,15 +37,28 @@ FLAG_CASES = [
     ("--request-timeout", "2.5", ("server", "request_timeout"), 2.5),
     ("--shutdown-timeout", "5", ("server", "shutdown_timeout"), 5.0),
     ("--max-request-body", "1MiB", ("server", "max_request_body"), 2**20),
+    ("--revision", "v1.0", ("engine", "model", "revision"), "v1.0"),
+    ("--download-dir", "/models/hf", ("engine", "model", "download_dir"), "/models/hf"),
+    ("--chat-template", "{{ messages[0].content }}", ("engine", "model", "chat_template"),
+     "{{ messages[0].content }}"),
+    ("--max-logprobs", "5", ("server", "max_logprobs"), 5),
+    ("--root-path", "/llm", ("server", "root_path"), "/llm"),
+    ("--ssl-keyfile", "key.pem", ("server", "ssl_keyfile"), "key.pem"),  # needs its pair: see below
+    ("--ssl-certfile", "cert.pem", ("server", "ssl_certfile"), "cert.pem"),
 ]
+_PAIRS = {"--ssl-keyfile": ("--ssl-certfile", "cert.pem"), "--ssl-certfile": ("--ssl-keyfile", "key.pem")}
 # boolean flags: place in Settings, default
 BOOL_FLAGS = {
     "--enable-prefix-caching": (("engine", "cache", "enable_prefix_caching"), True),
     "--strict-params": (("server", "strict_params"), False),
     "--batch-invariant": (("engine", "batch_invariant"), False),
     "--metrics-require-auth": (("server", "metrics_require_auth"), False),
+    "--enforce-eager": (("engine", "enforce_eager"), False),
+    "--profile": (("engine", "profile"), False),
+    "--trust-remote-code": (("engine", "model", "trust_remote_code"), False),
+    "--enable-log-requests": (("server", "enable_log_requests"), False),
 }
-ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config"}
+ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config", "--disable-log-requests"}
 
 
 def get(settings: Settings, path):
@@ -77,8 +90,28 @@ def test_the_flags_are_vllms_names_and_nothing_else():
 
 @pytest.mark.parametrize("flag,value,path,expected", FLAG_CASES, ids=[case[0] for case in FLAG_CASES])
 def test_every_flag_and_its_variable_set_their_field(flag, value, path, expected):
-    assert get(load_settings([flag, value], {}), path) == expected
-    assert get(load_settings([], {env_name(flag): value}), path) == expected
+    pair = list(_PAIRS.get(flag, ()))
+    assert get(load_settings([flag, value, *pair], {}), path) == expected
+    assert get(load_settings(pair, {env_name(flag): value}), path) == expected
+
+
+def test_disable_log_requests_is_vllms_spelling_of_no_enable():
+    path = ("server", "enable_log_requests")
+    assert get(load_settings(["--disable-log-requests"], {"PAGEDSERVE_ENABLE_LOG_REQUESTS": "1"}), path) is False
+    assert get(load_settings([], {"PAGEDSERVE_DISABLE_LOG_REQUESTS": "true"}), path) is False
+    assert get(load_settings(["--enable-log-requests"], {"PAGEDSERVE_DISABLE_LOG_REQUESTS": "1"}), path) is True
+    with pytest.raises(SettingsError):
+        load_settings(["--no-disable-log-requests"], {})
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--max-logprobs", "21"], "--max-logprobs: Input should be less than or equal to 20"),
+    (["--root-path", "llm/"], "--root-path: must start with /"),
+    (["--ssl-certfile", "cert.pem"], "ssl_keyfile and ssl_certfile go together"),
+])
+def test_new_flags_refuse_bad_values_naming_the_flag(argv, expected):
+    with pytest.raises(SettingsError, match=expected):
+        load_settings(argv, {})
 
 
 @pytest.mark.parametrize("flag", sorted(BOOL_FLAGS))
@@ -206,13 +239,15 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
 
 @pytest.mark.parametrize("preset,expected", [
     ({"schedular": {}}, "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
-                        "batch_invariant, cache, model, scheduler, server)"),
+                        "batch_invariant, cache, enforce_eager, model, profile, scheduler, server)"),
     ({"scheduler": {"max_num_seq": 3}}, "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
                                         "max_model_len, max_num_batched_tokens, max_num_seqs, policy)"),
     ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),
     ({"cache": {"block_size": 0}}, "preset.yaml: cache.block_size: Input should be greater than or equal to 1"),
-    ({"model": {"trust_remote_code": True}}, "preset.yaml: model.trust_remote_code: trust_remote_code=True is "
-                                             "not supported"),
+    ({"model": {"chat_template": "no-such-file"}}, "preset.yaml: model.chat_template: neither a file nor a "
+                                                   "Jinja template"),
+    ({"server": {"ssl_keyfile": "key.pem"}}, "preset.yaml: server.ssl_keyfile): ssl_keyfile and "
+                                             "ssl_certfile go together"),
     ({"attention_backend": "cudnn"}, "preset.yaml: attention_backend: Input should be"),
     ({"cache": [1, 2]}, "preset.yaml: cache: must be a mapping"),
     ([1, 2], "preset.yaml: the top level must be a mapping"),
