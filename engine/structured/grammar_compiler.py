@@ -79,8 +79,8 @@ def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs
     kind = constraint.kind
     if kind == "json":
         return compiler.compile_json_schema(constraint.json, any_whitespace=False, strict_mode=True)
-    if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+    if kind == "json_object":  # an object, as OpenAI's json_object promises (the builtin grammar takes any value)
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if kind == "regex":
         return compiler.compile_regex(constraint.regex)
     if kind == "choice":
