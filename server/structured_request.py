@@ -30,7 +30,7 @@ def constraint_from_extras(body: SamplingFields) -> Optional[tuple[StructuredOut
     (name, value), = extra.items()
     if name == "structured_outputs":
         return StructuredOutputs.parse(value, name), name
-    return StructuredOutputs.parse({GUIDED_EXTRAS[name]: value}, name), name
+    return StructuredOutputs.of_kind(GUIDED_EXTRAS[name], value, name), name
 
 
 def constraint_from_response_format(response_format: Optional[ResponseFormat]) -> Optional[tuple[StructuredOutputs,
@@ -52,7 +52,7 @@ def constraint_from_response_format(response_format: Optional[ResponseFormat]) -
     field = "response_format.json_schema.schema"
     if schema == {}:
         return StructuredOutputs(json_object=True), field
-    return StructuredOutputs.parse({"json": schema}, field), field
+    return StructuredOutputs.of_kind("json", schema, field), field
 
 
 async def compile_constraint(state: "ServerState", constraint: tuple[StructuredOutputs, str]) -> None:

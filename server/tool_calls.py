@@ -35,7 +35,7 @@ class ToolPlan:
     def constraint(self, parallel_tool_calls: Optional[bool]) -> Optional[tuple[StructuredOutputs, str]]:
         """The grammar of a valid answer under `required` or a named function (None otherwise)."""
         if self.mode == "named":
-            return StructuredOutputs.parse({"json": _parameters(self.functions[self.named])}, "tools"), "tools"
+            return StructuredOutputs.of_kind("json", _parameters(self.functions[self.named]), "tools"), "tools"
         if self.mode != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(function)},
@@ -44,7 +44,7 @@ class ToolPlan:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return StructuredOutputs.parse({"json": schema}, "tools"), "tools"
+        return StructuredOutputs.of_kind("json", schema, "tools"), "tools"
 
     def calls_of(self, text: str, parser: str) -> tuple[Optional[str], list[ParsedCall]]:
         """(content, calls) of a finished output."""
@@ -52,7 +52,7 @@ class ToolPlan:
             return None, [ParsedCall(self.named, text)]
         if self.mode == "required":
             try:
-                items = json.loads(text)
+                items = json.loads(text, strict=False)  # xgrammar strings may hold raw control characters
                 return None, [ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
             except (ValueError, TypeError, KeyError):
                 return text, []  # cut short (length): the text as it is
@@ -105,7 +105,7 @@ def _functions(tools: list) -> dict[str, dict]:
         if not isinstance(parameters, dict):
             raise bad_request("function.parameters must be a JSON Schema object.",
                               param=f"tools[{i}].function.parameters")
-        StructuredOutputs.parse({"json": parameters}, f"tools[{i}].function.parameters")  # checked, by name
+        StructuredOutputs.of_kind("json", parameters, f"tools[{i}].function.parameters")  # checked, by name
         functions[function["name"]] = function
     return functions
 

@@ -50,7 +50,14 @@ class StructuredOutputs:
         if len(given) != 1:
             _reject(field, f"must set exactly one of {', '.join(_KINDS)}, got {len(given)}")
         kind = given[0]
-        return getattr(cls, f"_{kind}")(value[kind], f"{field}.{kind}")
+        return cls.of_kind(kind, value[kind], f"{field}.{kind}")
+
+    @classmethod
+    def of_kind(cls, kind: str, value: Any, field: str) -> "StructuredOutputs":
+        """One kind's constraint ("json": a schema, "regex", ...), refusals naming `field` as given."""
+        if kind not in _KINDS:
+            raise ValueError(f"unknown constraint kind {kind!r}")
+        return getattr(cls, f"_{kind}")(value, field)
 
     @classmethod
     def _json(cls, schema: Any, field: str) -> "StructuredOutputs":
