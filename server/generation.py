@@ -54,7 +54,7 @@ UNIMPLEMENTED_EXTRAS = frozenset({
     "guided_decoding_backend", "guided_whitespace_pattern", "chat_template", "chat_template_kwargs",
     "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "use_beam_search", "length_penalty",
     "prompt_logprobs", "return_tokens_as_token_ids", "documents", "mm_processor_kwargs", "lora_request",
-    "kv_transfer_params", "vllm_xargs", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "cache_salt", "response_format",
 })
 
 

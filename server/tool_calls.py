@@ -96,7 +96,8 @@ def _functions(tools: list) -> dict[str, dict]:
     functions: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request("only tools of type 'function' are supported.", param=f"tools[{i}].type",
+            raise bad_request(f"tools[{i}].type must be 'function' (only function tools are supported).",
+                              param=f"tools[{i}].type",
                               code="unsupported_parameter")
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
