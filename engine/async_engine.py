@@ -33,6 +33,7 @@ from engine.errors import InvalidParameterError
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling.params import SamplingParams
+from engine.structured.grammar_compiler import GrammarCompiler
 from engine.text.tokenizer import Tokenizer
 from scheduler import CacheConfig, DuplicateRequestIdError, RequestRejectedError, SchedulerStats
 
@@ -163,6 +164,11 @@ class AsyncEngine:
     def cuda_graphs(self) -> str:
         """What runs as CUDA graphs: "off", or the decode batch sizes captured."""
         return self.engine.runner.cuda_graphs
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints (thread-safe, cached): call it off the event loop."""
+        return self.engine.grammar_compiler
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -26,6 +26,8 @@ from engine.outputs import RequestOutput
 from engine.request_state import RequestState
 from engine.sampling.sampler import TokenLogprobs
 from engine.sampling.params import SamplingParams
+from engine.structured.grammar_compiler import GrammarCompiler
+from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer, check_token_ids
 from scheduler import (Request, RequestStatus, RequestStepOutput, Scheduler,
@@ -57,6 +59,9 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_num_tokens = 0
         self._sampler = runner.sampler = GuardedSampler(runner.sampler, self._request_id_of)
+        self.grammar_compiler = GrammarCompiler(tokenizer.hf, self.vocab_size, tokenizer.eos_token_ids)
+        if runner.grammar is None:
+            runner.grammar = GrammarDecoder(self.grammar_compiler, runner.limits.max_num_seqs, runner.device)
         self.profile: Optional[StepProfile] = None
         if config.profile:
             self.enable_profile()
@@ -118,6 +123,8 @@ class EngineCore:
         prompt = list(prompt_token_ids)
         check_token_ids(prompt, self.vocab_size, "prompt")
         params.verify_vocab(self.vocab_size)
+        if params.structured_outputs is not None:  # a cache hit when the caller compiled it beforehand
+            self.grammar_compiler.compile(params.structured_outputs)
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole KV cache holds it
             kv = self.scheduler.kv_cache_manager

@@ -18,6 +18,7 @@ import torch
 
 from engine.sampling.sampler import SamplerOutput
 from engine.sampling.state import SamplingState
+from engine.structured.token_bitmask import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,17 @@ class GuardedSampler:
         failures, self.failures = self.failures, {}
         return failures
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         try:
-            return self._sample(logits, states)
+            return self._sample(logits, states, token_bitmask)
         except Exception:  # noqa: BLE001 - find the rows at fault: sample each alone
             logger.warning("sampling a batch of %d failed; sampling its rows one by one", len(states))
         tokens: list[int] = []
         logprobs: list = []
         for row, state in enumerate(states):
             try:
-                out = self._sample(logits[row : row + 1], [state])
+                out = self._sample(logits[row : row + 1], [state], _row_mask(token_bitmask, row))
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self._fail(state, f"sampling failed: {type(exc).__name__}: {exc}")
                 tokens.append(0)  # never shown: the request ends with an error in this step
@@ -65,12 +67,13 @@ class GuardedSampler:
             logprobs.append(None if out.logprobs is None else out.logprobs[0])
         return SamplerOutput(tokens, logprobs if any(lp is not None for lp in logprobs) else None)
 
-    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                token_bitmask: Optional[TokenBitmask]) -> SamplerOutput:
         if self.injector is not None:
             logits = logits.clone()
             self.injector.on_logits(logits, [self.request_id_of(state) for state in states])
         finite = torch.isfinite(logits).all(dim=-1)  # [num_rows]; read once the sampler has synchronized
-        out = self.sampler(logits, states)
+        out = self.sampler(logits, states) if token_bitmask is None else self.sampler(logits, states, token_bitmask)
         for row in (~finite).nonzero().flatten().tolist():  # a non-finite row's token is garbage: fail it
             self._fail(states[row], "the model produced non-finite logits (NaN or inf)")
         return out
@@ -78,3 +81,10 @@ class GuardedSampler:
     def _fail(self, state: SamplingState, message: str) -> None:
         request_id = self.request_id_of(state)
         self.failures.setdefault(request_id, message)
+
+
+def _row_mask(mask: Optional[TokenBitmask], row: int) -> Optional[TokenBitmask]:
+    """The bitmask of one row sampled alone (None when that row is unconstrained)."""
+    if mask is None or row not in mask.rows:
+        return None
+    return TokenBitmask(mask.bitmask[row : row + 1], [0])

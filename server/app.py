@@ -99,6 +99,8 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         dtype=engine.dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
         cuda_graphs=engine.cuda_graphs))
     engine.on_step = metrics.observe_step
+    engine.grammar_compiler.on_compile = metrics.grammar_compile.labels(name).observe
+    engine.engine.runner.grammar.on_fill = metrics.grammar_mask_fill.labels(name).observe
     admission = Admission(*queue_limits(config, engine), on_reject=metrics.observe_rejected)
     return ServerState(engine=engine, config=config, served_model_names=[name], metrics=metrics,
                        formatter=LogprobFormatter(engine.tokenizer), admission=admission)

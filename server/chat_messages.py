@@ -1,18 +1,21 @@
-"""Chat messages as the chat template sees them (text only; tools refused)."""
+"""Chat messages as the chat template sees them: text, assistant tool calls and tool results."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from typing import Optional, Sequence
 
 from engine.text.tokenizer import Tokenizer
 from server.errors import bad_request
 from server.protocol import ChatMessage
 
 
-def render_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                  tools: Optional[list[dict]] = None) -> list[int]:
     """The prompt token ids of a conversation (a template error is a 400 on `messages`)."""
     try:
-        return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
 
@@ -36,9 +39,9 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
 
 def _template_message(message: ChatMessage, index: int) -> dict:
     param = f"messages[{index}]"
-    if message.role in ("tool", "function") or (message.model_extra or {}).get("tool_calls"):
-        raise bad_request("tool and function messages are not supported.", param=f"{param}.role",
-                          code="unsupported_parameter")
+    if message.role == "function":
+        raise bad_request("function messages (deprecated) are not supported; use role 'tool'.",
+                          param=f"{param}.role", code="unsupported_parameter")
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -49,4 +52,32 @@ def _template_message(message: ChatMessage, index: int) -> dict:
             texts.append(part["text"])
         content = "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    out = {"role": role, "content": content or ""}
+    extra = message.model_extra or {}
+    if role == "tool" and isinstance(extra.get("tool_call_id"), str):
+        out["tool_call_id"] = extra["tool_call_id"]
+    if extra.get("tool_calls"):
+        if role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls.", param=f"{param}.tool_calls")
+        out["tool_calls"] = _template_tool_calls(extra["tool_calls"], f"{param}.tool_calls")
+    return out
+
+
+def _template_tool_calls(calls, param: str) -> list[dict]:
+    """OpenAI's tool_calls with their arguments as objects (as chat templates expect them)."""
+    if not isinstance(calls, list):
+        raise bad_request("tool_calls must be a list.", param=param)
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request("a tool call needs function.name and function.arguments.", param=f"{param}[{i}]")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise bad_request("function.arguments must be a JSON object's text.",
+                              param=f"{param}[{i}].function.arguments") from None
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out

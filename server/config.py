@@ -32,6 +32,8 @@ class ServerConfig(BaseModel):
         False, description="also reject request fields the OpenAI API does not define"
     )
     log_level: LogLevel = "info"
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes", description="how tool calls are found in the text under tool_choice auto")
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
     metrics_require_auth: bool = Field(False, description="/metrics also needs an API key (when keys are set)")
     # limits (see README, "Running in production")

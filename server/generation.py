@@ -16,10 +16,12 @@ from engine.outputs import OutputAccumulator, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
+from engine.structured import StructuredOutputs
 from server.errors import APIError, bad_request
 from server.request_guard import RequestGuard, RequestTimeoutError
 from server.rejections import CONTEXT_LENGTH_EXCEEDED
 from server.protocol import PromptTokensDetails, SamplingFields, Usage
+from server.structured_request import STRUCTURED_EXTRAS
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -37,7 +39,7 @@ def check_model(requested: Optional[str], served: Sequence[str]) -> str:
 
 def check_extra_fields(request: SamplingFields, strict: bool) -> None:
     """Fields nobody defines: logged and accepted, or 400 under --strict-params."""
-    extra = sorted(request.model_extra or {})
+    extra = sorted(set(request.model_extra or {}) - STRUCTURED_EXTRAS)
     if not extra:
         return
     if strict:
@@ -49,8 +51,7 @@ def check_extra_fields(request: SamplingFields, strict: bool) -> None:
 
 # vLLM request extras this server does not implement: refused by name, never ignored.
 UNIMPLEMENTED_EXTRAS = frozenset({
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "chat_template", "chat_template_kwargs",
+    "guided_decoding_backend", "guided_whitespace_pattern", "chat_template", "chat_template_kwargs",
     "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "use_beam_search", "length_penalty",
     "prompt_logprobs", "return_tokens_as_token_ids", "documents", "mm_processor_kwargs", "lora_request",
     "kv_transfer_params", "vllm_xargs", "cache_salt", "response_format",
@@ -103,7 +104,8 @@ _DEFAULTED_WHEN_NULL = frozenset({"temperature", "top_p", "min_p", "presence_pen
 
 
 def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], logprobs: Optional[int] = None,
-                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                         prompt_logprobs: Optional[int] = None,
+                         structured_outputs: Optional[StructuredOutputs] = None) -> SamplingParams:
     """SamplingParams from the request's fields; a bad value is a 400 naming its field."""
     values = {
         "n": request.n,
@@ -126,6 +128,7 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], 
         "spaces_between_special_tokens": request.spaces_between_special_tokens,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        "structured_outputs": structured_outputs,
     }
     # An unset (null) field takes SamplingParams' default; for the others None is the default.
     kwargs = {k: v for k, v in values.items() if v is not None or k not in _DEFAULTED_WHEN_NULL}

@@ -79,6 +79,10 @@ class _GpuCollector(Collector):
                 yield gauge
 
 
+_GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0)
+
+
 class ServerMetrics:
     """Everything `/metrics` shows; one instance per app."""
 
@@ -117,6 +121,12 @@ class ServerMetrics:
         self.request_generation_tokens = tokens("pagedserve_request_generation_tokens",
                                                 "Generated tokens per request.")
         self.iteration_tokens = tokens("pagedserve_iteration_tokens", "Tokens computed per engine step.")
+        self.grammar_compile = Histogram("pagedserve_grammar_compile_seconds",
+                                         "Compiling a structured-output grammar (cache misses only).", m,
+                                         buckets=_GRAMMAR_BUCKETS, registry=r)
+        self.grammar_mask_fill = Histogram("pagedserve_grammar_mask_fill_seconds",
+                                           "Filling a step's token bitmask of its constrained requests.", m,
+                                           buckets=_GRAMMAR_BUCKETS, registry=r)
         Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(
             {"model_name": model_name, **cache_info})
         self.registry.register(_SchedulerCollector(model_name, stats))

@@ -140,6 +140,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--allowed-origins", (*_SV, "allowed_origins"), "list", "CORS allowed origins, comma-separated "
            "(or repeat the flag)", "ORIGINS"),
     Option("--log-level", (*_SV, "log_level"), "str", "log level of pagedserve and uvicorn"),
+    Option("--tool-call-parser", (*_SV, "tool_call_parser"), "str",
+           "the tool-call format parsed from the text under tool_choice auto: hermes "
+           "(<tool_call>{...}</tool_call>, Qwen and SmolLM templates) or llama3_json", "PARSER"),
     Option("--metrics-require-auth", (*_SV, "metrics_require_auth"), "bool",
            "with --api-key, /metrics needs a key too"),
     Option("--max-queued-requests", (*_SV, "max_queued_requests"), "int", "sequences waiting for their first "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,7 +21,10 @@ from engine.sampling.device_io import to_device
 from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from engine.sampling.state import SamplingState
 from engine.sampling.params import SamplingParams
+from engine.structured.grammar_decoder import GrammarDecoder, accept
 from scheduler import NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -37,6 +41,7 @@ class CachedRequestState:
     sampling: SamplingState
     row: int  # in the runner's BlockTable, which holds the request's block ids
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    matcher: Optional[object] = None  # an xgrammar GrammarMatcher when the request is constrained
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -80,6 +85,7 @@ class ModelRunner:
         self.buffers = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs, max_blocks, device)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile: Optional[StepProfile] = None  # set by EngineCore.enable_profile
+        self.grammar: Optional[GrammarDecoder] = None  # set by the builder: structured output
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""
@@ -159,8 +165,13 @@ class ModelRunner:
             raise TypeError(f"request {new.request_id!r} reached the runner without SamplingParams")
         prompt = list(new.prompt_token_ids)
         sampling = SamplingState.create(params, prompt, list(new.output_token_ids), new.eos_token_ids, self.device)
+        matcher = None
+        if params.structured_outputs is not None:  # rebuilt from the outputs so far after a preemption
+            if self.grammar is None:
+                raise RuntimeError("a constrained request reached a runner without a grammar decoder")
+            matcher = self.grammar.new_matcher(params.structured_outputs, new.output_token_ids)
         return CachedRequestState(new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(),
-                                  list(new.token_ids))
+                                  list(new.token_ids), matcher)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[_Batch, Optional[StepMetadata], Optional[int]]:
         """Write the step into the persistent buffers, decodes first, and describe it (StepMetadata);
@@ -256,8 +267,16 @@ class ModelRunner:
             sample_rows.array[: len(batch.sample_rows)] = batch.sample_rows
             rows = sample_rows.upload(len(batch.sample_rows))
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
-            result = self.sampler(logits, [s.sampling for s in batch.sample_states])
+            states = [s.sampling for s in batch.sample_states]
+            matchers = [(i, s.matcher) for i, s in enumerate(batch.sample_states) if s.matcher is not None]
+            if matchers:
+                result = self.sampler(logits, states, self.grammar.fill_bitmask(matchers, len(states)))
+            else:
+                result = self.sampler(logits, states)
             for i, (state, token_id) in enumerate(zip(batch.sample_states, result.sampled_token_ids)):
+                if state.matcher is not None and not accept(state.matcher, token_id):
+                    logger.warning("request %s: sampled token %d is outside its grammar", state.request_id,
+                                   token_id)
                 state.token_ids.append(token_id)
                 state.sampling.output_token_ids.append(token_id)
                 sampled[state.request_id] = [token_id]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional
 
 from engine.errors import InvalidParameterError, TokenIdOutOfVocabularyError
+from engine.structured.constraint import StructuredOutputs
 from scheduler import InvalidMaxTokensError, MinTokensOutOfRangeError
 
 MAX_LOGPROBS = 20
@@ -39,6 +40,10 @@ class SamplingParams:
     only the sampled token's own logprob); `prompt_logprobs` likewise per prompt
     token. Both are capped at `MAX_LOGPROBS`.
 
+    `structured_outputs` constrains the output to a grammar (JSON Schema, regex, choice, EBNF, any JSON
+    object); a dict in vLLM's spelling is parsed into a StructuredOutputs. The grammar ends the output with
+    an eos token, so it cannot be combined with `ignore_eos`.
+
     `seed` may be any int (its draws are a function of seed mod 2**64 and the output position). With `n` > 1
     the engine runs `n` children made by `for_child(i)`; when `seed` is set, child i
     samples with seed `seed + i`, so the children differ from one another yet the
@@ -65,12 +70,17 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_sampling()
         self._check_penalties()
         self._check_stops()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
+            if self.ignore_eos:
+                _reject("ignore_eos", "cannot be combined with structured output (the grammar ends with eos)")
 
     # ------------------------------------------------------------------ derived
 

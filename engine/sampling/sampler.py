@@ -6,6 +6,7 @@
         ├─ logit_bias, added
         ├─ repetition penalty over prompt + output tokens
         ├─ presence / frequency penalties over output tokens
+        ├─ structured output: tokens outside the grammar -> -inf (a TokenBitmask, on the device)
         ▼
     greedy rows: argmax
     sampled rows: temperature, min_p, top_k, top_p, then a draw
@@ -22,6 +23,7 @@ import torch
 from engine.sampling.device_io import to_device, to_host
 from engine.sampling.params import SamplingParams
 from engine.sampling.state import SamplingState
+from engine.structured.token_bitmask import TokenBitmask, apply_token_bitmask
 
 TOP_P_CANDIDATES = 128
 """Candidates first examined for a top-p row without top-k (then 16x more, then the whole vocabulary)."""
@@ -74,18 +76,23 @@ class Sampler:
     def __init__(self, sync_free: Optional[bool] = None):
         self.sync_free = sync_free  # None: decided by the logits' device
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        """logits: [num_rows, vocab] (any float dtype, not modified); row i belongs to states[i]."""
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
+        """logits: [num_rows, vocab] (any float dtype, not modified); row i belongs to states[i].
+        `token_bitmask`: the tokens each constrained row may take (its grammar's), applied last."""
         num_rows, vocab = logits.shape
         if len(states) != num_rows:
             raise ValueError(f"{num_rows} rows of logits for {len(states)} sampling states")
         sync_free = self.sync_free if self.sync_free is not None else logits.device.type != "cpu"
         plan = _BatchPlan.build(states, vocab)
         x = logits
-        if plan.needs_processing:
+        private = plan.needs_processing or token_bitmask is not None
+        if private:
             x = logits.to(torch.float32, copy=True)  # [num_rows, vocab]
             _apply_processors(x, states, plan, sync_free)
-        chosen = _choose(x, states, plan, x_is_private=plan.needs_processing, sync_free=sync_free)  # [num_rows]
+            if token_bitmask is not None:
+                apply_token_bitmask(x, token_bitmask)
+        chosen = _choose(x, states, plan, x_is_private=private, sync_free=sync_free)  # [num_rows]
         if not plan.logprob_rows:
             return SamplerOutput(to_host(chosen)[0].tolist(), None)
         rows, device = plan.logprob_rows, logits.device

@@ -50,8 +50,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages`."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None) -> str:
+        """The prompt text the model's chat template makes of `messages` (and of `tools`, for templates that
+        show them)."""
         from jinja2.exceptions import TemplateError
 
         if not self.has_chat_template:
@@ -60,14 +62,15 @@ class Tokenizer:
             )
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of the chat prompt (the template writes any special tokens itself)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 def load_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = False,

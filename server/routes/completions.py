@@ -19,6 +19,7 @@ from server.generation import (Choice, ChoicesStreamingResponse, RequestGuard, U
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, new_id, now)
 from server.sse import sse_event, with_error_events
 from server.state import ServerState
+from server.structured_request import compile_constraint, constraint_from_extras
 
 router = APIRouter()
 
@@ -36,9 +37,13 @@ async def create_completion(body: CompletionRequest, request: Request):
     num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) \
         else len(body.prompt)
     check_queue_room(state, num_prompts * max(body.n, 1), "prompt" if num_prompts > 1 else "n")
+    constraint = constraint_from_extras(body)
+    if constraint is not None:
+        await compile_constraint(state, constraint)
     prompts = await _prompt_token_ids(body, state)
     params = make_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                  prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+                                  prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+                                  structured_outputs=None if constraint is None else constraint[0])
     request_id = body.request_id or new_id("cmpl")
     choices = plan_choices(request_id, prompts, params)
     streams, guard = await start_generation(state, choices, body.priority, arrival_time)

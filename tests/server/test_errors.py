@@ -145,7 +145,7 @@ MESSAGES_CASES = [
     ("not a list", "Hello", "messages"),
     ("unknown role", [{"role": "robot", "content": "x"}], "messages"),
     ("no role", [{"content": "x"}], "messages"),
-    ("tool message", [*MESSAGES, {"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[1].role"),
+    ("function message", [*MESSAGES, {"role": "function", "content": "42", "name": "f"}], "messages[1].role"),
 ]
 
 
@@ -158,11 +158,7 @@ def test_chat_bad_messages(server, case, messages, param):
 
 
 UNSUPPORTED_CASES = [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
@@ -305,8 +301,9 @@ def test_sdk_raises_typed_errors(server):
 
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert info.value.body["param"] == "tools"
+                                       tools=[{"type": "function", "function": {"name": "f"}}],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
+    assert info.value.body["param"] == "tool_choice"
 
 
 # ------------------------------------------------------------------ known bugs

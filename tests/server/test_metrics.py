@@ -45,6 +45,8 @@ DOCUMENTED_METRICS = {
     "pagedserve_request_prompt_tokens": "histogram",
     "pagedserve_request_generation_tokens": "histogram",
     "pagedserve_iteration_tokens": "histogram",
+    "pagedserve_grammar_compile_seconds": "histogram",
+    "pagedserve_grammar_mask_fill_seconds": "histogram",
     "pagedserve_cache_config_info": "gauge",  # an Info: a constant-1 gauge in the text format
     "pagedserve_num_requests_running": "gauge",
     "pagedserve_num_requests_waiting": "gauge",

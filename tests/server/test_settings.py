@@ -32,6 +32,7 @@ FLAG_CASES = [
     ("--allowed-origins", "http://a.test,http://b.test", ("server", "allowed_origins"),
      ["http://a.test", "http://b.test"]),
     ("--log-level", "debug", ("server", "log_level"), "debug"),
+    ("--tool-call-parser", "llama3_json", ("server", "tool_call_parser"), "llama3_json"),
     ("--max-queued-requests", "12", ("server", "max_queued_requests"), 12),
     ("--max-queued-tokens", "5000", ("server", "max_queued_tokens"), 5000),
     ("--request-timeout", "2.5", ("server", "request_timeout"), 2.5),

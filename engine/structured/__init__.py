@@ -1,0 +1,6 @@
+"""Structured output: grammar-constrained decoding (JSON Schema, regex, choice, EBNF) with xgrammar."""
+
+from engine.structured.constraint import StructuredOutputs
+from engine.structured.grammar_compiler import GrammarCompiler
+
+__all__ = ["GrammarCompiler", "StructuredOutputs"]

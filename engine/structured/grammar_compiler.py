@@ -1,0 +1,94 @@
+"""Compiling constraints into grammars over the model's vocabulary, cached by the constraint's text."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Optional
+
+from engine.errors import InvalidParameterError
+from engine.structured.constraint import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used dropped first)."""
+
+
+class GrammarCompiler:
+    """Turns a StructuredOutputs into an xgrammar CompiledGrammar, thread-safe, with an LRU cache.
+
+    The server calls `compile` off the event loop and off the engine thread before it queues a request;
+    the runner's own call is then a cache hit (a worker rebuilt from the step message compiles it itself).
+    The vocabulary's token table is built on first use. `on_compile(seconds)` observes each cache miss.
+    """
+
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int, stop_token_ids: frozenset[int],
+                 cache_size: int = CACHE_SIZE):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_size = cache_size
+        self.on_compile: Optional[Callable[[float], None]] = None
+        self._compiler: Optional["xgrammar.GrammarCompiler"] = None
+        self._cache: OrderedDict[tuple, "xgrammar.CompiledGrammar"] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def compiler(self) -> "xgrammar.GrammarCompiler":
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, constraint: StructuredOutputs, field: str = "structured_outputs") -> "xgrammar.CompiledGrammar":
+        """The compiled grammar (cached); an uncompilable constraint is an InvalidParameterError on `field`."""
+        key = constraint.key
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiler = self.compiler()
+        started = time.perf_counter()
+        try:
+            compiled = _compile(compiler, constraint)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidParameterError(field, f"cannot be compiled into a grammar: {_first_line(exc)}") from None
+        if self.on_compile is not None:
+            self.on_compile(time.perf_counter() - started)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs) -> "xgrammar.CompiledGrammar":
+    kind = constraint.kind
+    if kind == "json":
+        return compiler.compile_json_schema(constraint.json, any_whitespace=False, strict_mode=True)
+    if kind == "json_object":  # an object, as OpenAI's json_object promises (the builtin grammar takes any value)
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return compiler.compile_regex(constraint.regex)
+    if kind == "choice":
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
+        return compiler.compile_grammar(f"root ::= {literals}")
+    return compiler.compile_grammar(constraint.grammar)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

@@ -1,0 +1,155 @@
+"""Grammar-constrained decoding in the engine: hypothesis-made JSON schemas validate, at temperature 0 and 1,
+mixed with unconstrained requests (unchanged by their neighbours), across preemption, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from engine.errors import InvalidParameterError
+from engine.sampling.params import SamplingParams
+from engine.structured import StructuredOutputs
+from tests.engine.references import assert_idle, make_llm
+
+PROMPTS = ["The quick brown fox", "Hello, world! How", "def add(a, b):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def invariant_llm(tiny_llama_dir):
+    """Batch-invariant kernels: an unconstrained request's tokens cannot depend on its neighbours."""
+    return make_llm(tiny_llama_dir, batch_invariant=True)
+
+
+def _leaf() -> st.SearchStrategy[dict]:
+    return st.one_of(
+        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+                  st.integers(-50, 50), st.integers(0, 100)),
+        st.builds(lambda lo, span: {"type": "number", "minimum": lo, "maximum": lo + span},
+                  st.integers(-5, 5), st.integers(1, 10)),
+        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 6)),
+        st.lists(st.sampled_from(["red", "green", "blue", "cyan", 1, 2, None]), min_size=1, max_size=4,
+                 unique=True).map(lambda values: {"enum": values}),
+        st.just({"type": "boolean"}),
+    )
+
+
+def _schemas() -> st.SearchStrategy[dict]:
+    def extend(children):
+        names = st.sampled_from(["a", "b", "c", "id", "name", "tags"])
+        objects = st.builds(
+            lambda props, required_mask, closed: {
+                "type": "object", "properties": props,
+                "required": [k for k, keep in zip(props, required_mask) if keep],
+                **({"additionalProperties": False} if closed else {})},
+            st.dictionaries(names, children, min_size=1, max_size=3), st.lists(st.booleans(), min_size=3,
+                                                                                max_size=3), st.booleans())
+        arrays = st.builds(lambda item, lo, extra: {"type": "array", "items": item, "minItems": lo,
+                                                    "maxItems": lo + extra},
+                           children, st.integers(0, 2), st.integers(0, 2))
+        return st.one_of(objects, arrays)
+
+    return st.recursive(_leaf(), extend, max_leaves=5).filter(lambda s: s.get("type") in ("object", "array"))
+
+
+def _check(schema: dict, text: str) -> None:
+    # strict=False: xgrammar's JSON strings admit raw control characters (tab, U+001D, ...), which strict
+    # JSON parsers refuse; the structure and values are what the schema constrains
+    jsonschema.validate(json.loads(text, strict=False), schema)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=_schemas(), temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 1000))
+def test_generated_schemas_validate_in_mixed_batches(invariant_llm, schema, temperature, seed):
+    plain = SamplingParams(max_tokens=8, temperature=0.0)
+    constrained = SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
+                                 structured_outputs={"json": schema})
+    alone = invariant_llm.generate(PROMPTS[:1], plain)[0].outputs[0]
+    outputs = invariant_llm.generate(PROMPTS, [plain, constrained, constrained.replace(seed=seed + 1), plain])
+    for out in outputs[1:3]:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        _check(schema, out.outputs[0].text)
+    assert outputs[0].outputs[0].token_ids == alone.token_ids
+    assert_idle(invariant_llm)
+
+
+def test_every_kind_of_constraint(llm):
+    kinds = [({"regex": "[a-c]{2,4}-[0-9]{3}"}, lambda t: __import__("re").fullmatch("[a-c]{2,4}-[0-9]{3}", t)),
+             ({"choice": ["alpha", "beta gamma"]}, lambda t: t in ("alpha", "beta gamma")),
+             ({"grammar": 'root ::= "yes" | "no" | "maybe"'}, lambda t: t in ("yes", "no", "maybe")),
+             ({"json_object": True}, lambda t: isinstance(json.loads(t, strict=False), dict))]
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=3, structured_outputs=k) for k, _ in kinds]
+    outputs = llm.generate(PROMPTS, params)
+    for (_, ok), out in zip(kinds, outputs):
+        assert out.outputs[0].finish_reason == "stop"
+        assert ok(out.outputs[0].text), out.outputs[0].text
+
+
+def test_penalties_logprobs_and_top_k_keep_working(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=60, temperature=0.8, top_k=5, top_p=0.9, seed=1, logprobs=2,
+                            repetition_penalty=1.2, presence_penalty=0.5, logit_bias={5: 3.0},
+                            structured_outputs={"json": schema})
+    out = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+    _check(schema, out.text)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+
+
+def test_preemption_rebuilds_the_matcher(tiny_llama_dir):
+    """Few KV blocks: requests are preempted and recomputed; their matchers are rebuilt from the outputs."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 12,
+              "maxItems": 12}
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs={"json": schema})
+    roomy = make_llm(tiny_llama_dir, enable_prefix_caching=True)
+    expected = [o.outputs[0].text for o in roomy.generate(PROMPTS, params)]
+    tight = make_llm(tiny_llama_dir, num_blocks=24, enable_prefix_caching=True)
+    outputs = tight.generate(PROMPTS, params)
+    assert tight.llm_engine.stats().num_preemptions > 0
+    assert [o.outputs[0].text for o in outputs] == expected
+    for text in expected:
+        _check(schema, text)
+    again = tight.generate(PROMPTS[:1], params)[0]  # prefix-cache hit on the prompt
+    assert again.outputs[0].text == expected[0]
+    assert_idle(tight)
+
+
+def test_compiled_grammars_are_cached(llm):
+    compiler = llm.llm_engine.grammar_compiler
+    seen = []
+    compiler.on_compile = seen.append
+    constraint = StructuredOutputs.parse({"json": {"type": "object", "properties": {"zz": {"type": "boolean"}}}})
+    first = compiler.compile(constraint)
+    assert compiler.compile(StructuredOutputs.parse({"json": {"properties": {"zz": {"type": "boolean"}},
+                                                              "type": "object"}})) is first
+    assert len(seen) == 1
+    compiler.on_compile = None
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"json": {"type": "object", "uniqueItems": True}}, "structured_outputs.json"),
+    ({"json": {"type": "strange"}}, "structured_outputs.json"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"regex": ""}, "structured_outputs.regex"),
+    ({"json": {}, "regex": "a"}, "structured_outputs"),
+    ({"nonsense": 1}, "structured_outputs.nonsense"),
+])
+def test_refusals_name_the_field(value, field):
+    with pytest.raises(InvalidParameterError) as caught:
+        SamplingParams(structured_outputs=value)
+    assert caught.value.field == field
+
+
+def test_uncompilable_grammar_is_refused(llm):
+    with pytest.raises(InvalidParameterError) as caught:
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs={"grammar": "root ::= ( unclosed"}))
+    assert caught.value.field == "structured_outputs"
+    assert_idle(llm)
+
+
+def test_ignore_eos_cannot_combine():
+    with pytest.raises(InvalidParameterError) as caught:
+        SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
+    assert caught.value.field == "ignore_eos"
