@@ -61,3 +61,4 @@ class StepProfile:
     def reset(self) -> None:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        self._last = self._step_end = None
