@@ -34,7 +34,7 @@ from engine.loading.gguf_converter import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "small_linear.cpp")
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp")
 HEADERS = ("common.h",)
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -176,15 +176,6 @@ class CpuKernels:
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({out_features},)")
         return self._ops.cpu_invariant_linear(x, packed, bias, out_features,
                                                          self._function("invariant_linear", x.dtype))
-
-    def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [rows, in] @ weight [out, in]^T + bias, for a few rows (csrc/small_linear.cpp: each weight read
-        once, at memory bandwidth); all contiguous CPU tensors of one dtype."""
-        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-            raise ValueError(f"small_linear: x {tuple(x.shape)} does not fit a weight of {tuple(weight.shape)}")
-        if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-            raise ValueError("x, the weight and the bias must share one dtype")
-        return self._ops.cpu_small_linear(x.contiguous(), weight, bias, self._function("small_linear", x.dtype))
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))

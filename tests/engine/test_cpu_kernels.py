@@ -67,22 +67,3 @@ def test_rejects_what_it_cannot_read(cpu_kernels):
     with pytest.raises(ValueError, match="does not fit"):
         cpu_kernels.paged_decode(torch.randn(2, 4, 16), cache, cache, tables, lens, 1.0)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
-def test_small_linear_against_float64(cpu_kernels, dtype, rows):
-    """Shapes with an output tail (not a multiple of the 4-row groups) and odd input widths; with and
-    without bias; the error of one rounding to the output dtype."""
-    g = torch.Generator().manual_seed(rows)
-    for out_features, in_features in ((7, 5), (64, 96), (130, 577), (1027, 64)):
-        x = torch.randn(rows, in_features, generator=g).to(dtype)
-        w = torch.randn(out_features, in_features, generator=g).to(dtype)
-        b = torch.randn(out_features, generator=g).to(dtype)
-        for bias in (None, b):
-            got = cpu_kernels.small_linear(x, w, bias)
-            expected = x.double() @ w.double().t() + (0 if bias is None else bias.double())
-            # float32: summation-order error, relative to the size of the terms; bfloat16: one rounding
-            rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
-            atol = 1e-5 * float(expected.abs().max()) if dtype == torch.float32 else 1e-3
-            assert got.dtype == dtype and got.shape == (rows, out_features)
-            torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)

@@ -33,8 +33,6 @@ def _inputs(kernels, dtype):
         "cpu_add_rms_norm": (x, x.clone() * 2, weight, 1e-5, fn("add_rms_norm", dtype)),
         "cpu_silu_and_mul": (gate_up, fn("silu_and_mul", dtype)),
         "cpu_rotary_": (qk, positions, rope.cos, rope.sin_signed, fn("rotary", dtype)),
-        "cpu_small_linear": (x[:3], torch.randn(40, 64, generator=g).to(dtype), None,
-                             fn("small_linear", dtype)),
     }
 
 
