@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Sequence
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine.async_engine import AsyncEngine, RequestInput
@@ -22,6 +23,7 @@ from server.request_guard import RequestGuard, RequestTimeoutError
 from server.rejections import CONTEXT_LENGTH_EXCEEDED
 from server.protocol import PromptTokensDetails, SamplingFields, Usage
 from server.structured_request import STRUCTURED_EXTRAS
+from server.disconnect import cancel_on_disconnect
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -360,3 +362,14 @@ async def collect_choices(choices: Sequence[Choice], streams: Sequence[RequestSt
     async for choice, output in stream_choices(choices, streams, guard=guard):
         results[choice.request_id].add(output)
     return list(results.values())
+
+
+async def collect_or_cancel(request: Request, choices: Sequence[Choice], streams: Sequence[RequestStream],
+                            guard: RequestGuard) -> list[OutputAccumulator]:
+    """A non-streamed response's results: every choice collected (all aborted if the client leaves first),
+    then the streams closed and the guard released, whatever happened."""
+    try:
+        return await cancel_on_disconnect(request, collect_choices(choices, streams, guard))
+    finally:
+        await close_streams(streams)
+        guard.release()

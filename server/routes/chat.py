@@ -12,10 +12,9 @@ from fastapi.responses import JSONResponse
 from engine.request_stream import RequestStream
 from scheduler import RequestRejectedError
 from server.chat_messages import message_chars, render_prompt
-from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request, rejection_error
 from server.generation import (Choice, ChoicesStreamingResponse, RequestGuard, UsageCounter, check_common,
-                               check_prompt_chars, check_queue_room, close_streams, collect_choices,
+                               check_prompt_chars, check_queue_room, collect_or_cancel,
                                continuous_usage, make_sampling_params, plan_choices, start_generation, stream_choices)
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                              ChatCompletionRequest, ChatCompletionResponse, DeltaMessage,
@@ -76,11 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.stream:
         events = _stream(state, body, model, request_id, choices, streams, num_top, guard, tools)
         return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams, guard)
-    try:
-        results = await cancel_on_disconnect(request, collect_choices(choices, streams, guard))
-    finally:
-        await close_streams(streams)
-        guard.release()
+    results = await collect_or_cancel(request, choices, streams, guard)
     out = []
     for choice, result in zip(choices, results):
         logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None

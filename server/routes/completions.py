@@ -11,10 +11,9 @@ from fastapi.responses import JSONResponse
 
 from engine.outputs import OutputAccumulator
 from engine.request_stream import RequestStream
-from server.disconnect import cancel_on_disconnect
 from server.errors import ERROR_RESPONSES, bad_request
 from server.generation import (Choice, ChoicesStreamingResponse, RequestGuard, UsageCounter, check_common,
-                               check_prompt_chars, check_queue_room, close_streams, collect_choices,
+                               check_prompt_chars, check_queue_room, collect_or_cancel,
                                continuous_usage, make_sampling_params, plan_choices, start_generation, stream_choices)
 from server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, new_id, now)
 from server.sse import sse_event, with_error_events
@@ -50,11 +49,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     if body.stream:
         events = _stream(state, body, model, request_id, choices, streams, prompts, guard)
         return ChoicesStreamingResponse(with_error_events(events, state.metrics), streams, guard)
-    try:
-        results = await cancel_on_disconnect(request, collect_choices(choices, streams, guard))
-    finally:
-        await close_streams(streams)
-        guard.release()
+    results = await collect_or_cancel(request, choices, streams, guard)
     return JSONResponse(_response(state, body, model, request_id, choices, prompts, results).model_dump())
 
 
