@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -33,8 +34,9 @@ def test_make_serve_passes_args_through():
     if shutil.which("make") is None:
         pytest.skip("no make here")
     repo = Path(__file__).resolve().parents[1]
-    result = subprocess.run(["make", "-n", "serve", "ARGS=--port 8011 --max-num-seqs 4"], capture_output=True,
-                            text=True, check=True, cwd=repo)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # not as a sub-make
+    result = subprocess.run(["make", "--no-print-directory", "-n", "serve", "ARGS=--port 8011 --max-num-seqs 4"],
+                            capture_output=True, text=True, check=True, cwd=repo, env=env)
     assert result.stdout.strip().splitlines()[-1].endswith(
         "pagedserve serve --config configs/default.yaml --port 8011 --max-num-seqs 4")
 
