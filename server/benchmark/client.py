@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 
@@ -73,12 +73,17 @@ def _content(chunk: dict, endpoint: str) -> str:
     return choices[0].get("text") or ""
 
 
-async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestResult:
-    """Send one request and time its stream; failures are recorded, never raised."""
+Clock = Callable[[], float]
+
+
+async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest,
+               clock: Clock = time.perf_counter) -> RequestResult:
+    """Send one request and time its stream with `clock` (read at send, at every chunk, at the end);
+    failures are recorded, never raised."""
     result = RequestResult(prompt_len=request.prompt_len)
     chunks = 0
     usage = None
-    result.start = last = time.perf_counter()
+    result.start = last = clock()
     try:
         async with client.stream("POST", target.url, json=target.body(request), headers=target.headers()) as response:
             if response.status_code != 200:
@@ -95,7 +100,7 @@ async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest)
                 if "error" in chunk:
                     result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
                     return result
-                now = time.perf_counter()
+                now = clock()
                 if _content(chunk, target.endpoint):
                     if chunks == 0:
                         result.ttft = now - result.start
@@ -108,7 +113,7 @@ async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
-    result.latency = time.perf_counter() - result.start
+    result.latency = clock() - result.start
     if chunks == 0:
         result.error = "no content in the stream"
         return result

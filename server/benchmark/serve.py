@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import httpx
 
-from server.benchmark.client import RequestResult, Target, send
+from server.benchmark.client import Clock, RequestResult, Target, send
 from server.benchmark.datasets import (BenchRequest, jsonl_requests, prefix_shared_requests, random_requests,
                                        sharegpt_requests)
 from server.benchmark.metrics import BenchmarkMetrics, compute, format_table, parse_slos
@@ -58,8 +58,9 @@ def arrival_gaps(count: int, shape: LoadShape) -> list[float]:
 
 
 async def run_load(target: Target, requests: Sequence[BenchRequest], shape: LoadShape,
-                   progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send every request by the load shape; the results (in request order) and the duration in seconds."""
+                   progress: bool = True, clock: Clock = time.perf_counter) -> tuple[list[RequestResult], float]:
+    """Send every request by the load shape; the results (in request order) and the duration in seconds
+    (both timed with `clock`)."""
     from tqdm.auto import tqdm
 
     limit = shape.max_concurrency or len(requests)
@@ -70,18 +71,18 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], shape: Load
                                                                        max_keepalive_connections=limit)) as client:
         async def one(request: BenchRequest) -> RequestResult:
             async with semaphore:
-                result = await send(client, target, request)
+                result = await send(client, target, request, clock)
             bar.update(1)
             return result
 
-        started = time.perf_counter()
+        started = clock()
         tasks = []
         for request, gap in zip(requests, arrival_gaps(len(requests), shape)):
             if gap:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(request)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
+        duration = clock() - started
     bar.close()
     return list(results), duration
 

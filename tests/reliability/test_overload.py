@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -37,9 +36,8 @@ async def _burst_and_probe(base_url: str):
         probes = []
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as prober:
             while not burst.done():
-                started = time.monotonic()
-                status = (await prober.get("/health")).status_code
-                probes.append((status, time.monotonic() - started))
+                status = (await prober.get("/health")).status_code  # a hang ends in the client's timeout
+                probes.append((status, burst.done()))  # answered while the burst was still in flight?
                 await asyncio.sleep(0.02)
         return await burst, probes
 
@@ -47,9 +45,7 @@ async def _burst_and_probe(base_url: str):
 def test_a_burst_gets_only_200_and_429(server, monkeypatch):
     pace_engine(server, monkeypatch, 0.02)
     rejected_before = metric(server.base_url, "pagedserve_request_rejected_total", reason="queue_full")
-    started = time.monotonic()
-    responses, probes = asyncio.run(_burst_and_probe(server.base_url))
-    assert time.monotonic() - started < 60
+    responses, probes = asyncio.run(_burst_and_probe(server.base_url))  # every call bounded by a 60 s timeout
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 429}, statuses
     assert statuses.count(200) >= MAX_QUEUED and statuses.count(429) >= 1, statuses
@@ -58,9 +54,9 @@ def test_a_burst_gets_only_200_and_429(server, monkeypatch):
             assert int(response.headers["Retry-After"]) >= 1
             error = assert_envelope(response.json())
             assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
-    # /health answered every probe (a generous bound: a hang detector, not a latency claim)
+    # /health answered every probe, and answered during the overload (order, not a latency claim)
     assert probes and all(status == 200 for status, _ in probes)
-    assert max(seconds for _, seconds in probes) < 5.0
+    assert any(not burst_was_done for _, burst_was_done in probes)
     rejected = metric(server.base_url, "pagedserve_request_rejected_total", reason="queue_full")
     assert rejected - rejected_before == statuses.count(429)
     assert_gauges_zero(server)

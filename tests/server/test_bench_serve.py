@@ -122,25 +122,28 @@ def test_sharegpt_and_jsonl_files(tokenizer, tmp_path):
 
 # ---------------------------------------------------------------------- the client, against a fake server
 
-FIRST_DELAY, GAP, CHUNKS = 0.15, 0.05, 5
+CHUNKS = 5
 
 
-def _fake_app() -> Starlette:
+def _fake_app(in_flight: dict) -> Starlette:
     async def completions(request):
         body = await request.json()
         if body.get("model") == "broken":
             return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
 
         async def stream():
-            await asyncio.sleep(FIRST_DELAY)
-            yield 'data: {"choices": [{"index": 0, "text": ""}]}\n\n'  # a role/empty chunk: not content
-            for i in range(CHUNKS):
-                if i:
-                    await asyncio.sleep(GAP)
-                yield f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'
-            usage = {"prompt_tokens": 11, "completion_tokens": CHUNKS + 2, "total_tokens": CHUNKS + 13}
-            yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
-            yield "data: [DONE]\n\n"
+            in_flight["now"] += 1
+            in_flight["max"] = max(in_flight["max"], in_flight["now"])
+            try:
+                yield 'data: {"choices": [{"index": 0, "text": ""}]}\n\n'  # a role/empty chunk: not content
+                for i in range(CHUNKS):
+                    await asyncio.sleep(0.01)  # let the other requests in flight
+                    yield f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'
+                usage = {"prompt_tokens": 11, "completion_tokens": CHUNKS + 2, "total_tokens": CHUNKS + 13}
+                yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
+                yield "data: [DONE]\n\n"
+            finally:
+                in_flight["now"] -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -150,30 +153,46 @@ def _fake_app() -> Starlette:
 @pytest.fixture(scope="module")
 def fake_server():
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_fake_app(), host="127.0.0.1", port=port, log_level="warning"))
+    in_flight = {"now": 0, "max": 0}
+    server = uvicorn.Server(uvicorn.Config(_fake_app(in_flight), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", in_flight
     server.should_exit = True
     thread.join(10)
 
 
-def test_client_times_content_chunks_of_a_slow_server(fake_server):
-    """Delays are minimums (a loaded machine only adds): TTFT >= the first delay, each ITL >= the gap; the
-    counts are exact: ITLs between content chunks only, output tokens from usage."""
-    requests = [BenchRequest("p", 3, 8)] * 4
-    results, duration = asyncio.run(run_load(Target(fake_server, "m"), requests, LoadShape(max_concurrency=2),
-                                             progress=False))
-    assert duration >= 2 * (FIRST_DELAY + (CHUNKS - 1) * GAP)  # two waves of two
+def _ticks():
+    """A clock that advances by one at every reading: the timings become counts of readings."""
+    counter = iter(range(1_000_000))
+    return lambda: float(next(counter))
+
+
+def test_client_times_content_chunks(fake_server):
+    """One request at a time on a clock that ticks per reading: sent (0), an empty chunk (1), five content
+    chunks (2-6), the usage chunk (7), the end (8). TTFT is 2 ticks, the ITLs 1 each (content chunks only),
+    the latency 8; output tokens come from usage."""
+    url, _ = fake_server
+    requests = [BenchRequest("p", 3, 8)] * 3
+    results, duration = asyncio.run(run_load(Target(url, "m"), requests, LoadShape(max_concurrency=1),
+                                             progress=False, clock=_ticks()))
     for r in results:
         assert r.success, r.error
-        assert r.ttft >= FIRST_DELAY and len(r.itl) == CHUNKS - 1 and min(r.itl) >= GAP * 0.9
+        assert (r.ttft, r.itl, r.latency) == (2.0, [1.0] * (CHUNKS - 1), 8.0)
         assert (r.output_tokens, r.prompt_len) == (CHUNKS + 2, 11)
-        assert r.latency >= r.ttft + sum(r.itl)
-    broken = asyncio.run(run_load(Target(fake_server, "broken"), requests[:1], LoadShape(), progress=False))[0][0]
+    assert duration == 1 + 3 * 9  # the start, then nine readings per request
+
+
+def test_client_keeps_to_the_concurrency_cap_and_records_failures(fake_server):
+    url, in_flight = fake_server
+    in_flight["max"] = 0
+    results, _ = asyncio.run(run_load(Target(url, "m"), [BenchRequest("p", 3, 8)] * 6, LoadShape(max_concurrency=2),
+                                      progress=False))
+    assert all(r.success for r in results) and in_flight["max"] == 2
+    broken = asyncio.run(run_load(Target(url, "broken"), [BenchRequest("p", 3, 8)], LoadShape(), progress=False))[0][0]
     assert not broken.success and broken.error.startswith("HTTP 404") and "no such model" in broken.error
 
 
@@ -192,7 +211,8 @@ def test_bench_serve_against_the_tiny_model(server, tiny_model_dir, tmp_path, ca
     assert record["output_lens"] == [5] * 6 and record["total_output_tokens"] == 30
     if endpoint == "completions":
         assert record["input_lens"] == [24] * 6  # exact lengths, as the server counted them
-    assert record["request_goodput"] > 0 and record["ttft_ms"]["mean"] > 0
+    assert record["request_goodput"] == record["request_throughput"]  # all six within the 600 s SLO
+    assert record["ttft_ms"]["mean"] <= record["e2el_ms"]["mean"]
     assert all(len(itl) <= 4 for itl in record["itls_s"])  # a chunk per token, unless a token adds no text yet
     assert "Output token throughput (tok/s)" in capsys.readouterr().out
 
