@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from engine.quantization.quantized_weight import QuantizedWeight
+
 DEFAULT_BUFFER_BYTES = 1 << 30
 """Large against any CPU's last-level cache (tens to hundreds of MiB) and quick to sum."""
 
@@ -36,10 +38,11 @@ def read_bandwidth(device: torch.device, nbytes: int = DEFAULT_BUFFER_BYTES, rep
 
 
 def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the given tensors as stored (packed / opaque layouts by their logical element count)."""
+    """Bytes of the given tensors as stored (packed / opaque layouts by their logical element count;
+    quantized weights by the bytes their product reads)."""
     total = 0
     for tensor in tensors:
-        total += tensor.numel() * tensor.element_size()
+        total += tensor.nbytes if isinstance(tensor, QuantizedWeight) else tensor.numel() * tensor.element_size()
     return total
 
 

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from engine.quantization.quantized_weight import QuantizedWeight
+
 PACK_BATCH_HINT = 64
 """The row count oneDNN picks the packed layout for (any row count works; decode batches are the target)."""
 
@@ -47,6 +49,12 @@ def _bucketed(product, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) ->
     return product(F.pad(x, (0, 0, 0, padded - rows)), weight, bias)[:rows]
 
 
+def quantized_product(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [rows, in] times a quantized [out, in] weight, plus the bias."""
+    out = weight.matmul(x)
+    return out if bias is None else out + bias
+
+
 class Linear:
     """`F.linear` on plain weights: every device and dtype (on CPU at bucketed row counts, `padded_rows`)."""
 
@@ -57,6 +65,8 @@ class Linear:
         return weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return quantized_product(x, weight, bias)
         if x.device.type == "cpu":
             return _bucketed(F.linear, x, weight, bias)
         return F.linear(x, weight, bias)
@@ -68,9 +78,13 @@ class PackedOneDnnLinear(Linear):
     name = "onednn-packed"
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return weight
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return quantized_product(x, weight, bias)
         return _bucketed(self._product, x, weight, bias)
 
     @staticmethod

@@ -1,0 +1,38 @@
+"""The contract of a weight matrix stored quantized: what `Linear` multiplies when a weight is not a tensor.
+
+A projection's weight is either a plain `[out, in]` tensor (or the packed form `Linear.prepare` made of one)
+or a `QuantizedWeight`: its own storage (GGUF blocks, int8 per channel, int4 groups, ...) and its own
+product. `Linear.__call__` hands a quantized weight the activations and adds the bias; everything else
+(the model, the runner, the memory floor) sees only the interface below.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class QuantizedWeight:
+    """A `[out_features, in_features]` matrix in a quantized storage format."""
+
+    format: str = "unknown"  # e.g. "q4_1", "q8_0", "int8", "int4-g128"
+
+    @property
+    def out_features(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def in_features(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads from memory (the packed data with its scales and zeros)."""
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> x @ W.T [rows, out_features], in x's dtype."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float matrix it stands for, [out_features, in_features] (references, tests, fallbacks)."""
+        raise NotImplementedError
