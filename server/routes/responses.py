@@ -27,7 +27,7 @@ from server.responses_protocol import (UNSUPPORTED, ResponsesRequest, function_c
                                        new_item_id, response_object, unsupported_reason, usage)
 from server.responses_stream import ResponseEvents, sse_typed, with_error_event
 from server.state import ServerState
-from server.structured_request import compile_constraint
+from server.structured_request import compile_constraint, constraint_from_extras
 from server.tool_calls import ToolPlan, new_call_id, plan_tools
 from server.tool_stream import ToolCallStream
 
@@ -80,11 +80,13 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
 
 
 def _constraint(body: ResponsesRequest, tools: ToolPlan) -> Optional[tuple[StructuredOutputs, str]]:
-    """The output's grammar: from text.format or the tools (required or named); not both."""
-    found = [c for c in (text_constraint(body.text), tools.constraint(body.parallel_tool_calls)) if c is not None]
+    """The output's grammar: from text.format, the vLLM extras (structured_outputs / guided_*) or the tools
+    (required or named); at most one of them."""
+    found = [c for c in (text_constraint(body.text), constraint_from_extras(body),
+                         tools.constraint(body.parallel_tool_calls)) if c is not None]
     if len(found) > 1:
-        raise bad_request("text.format and tool_choice required or named each constrain the output; use one.",
-                          param="tool_choice")
+        raise bad_request("text.format, structured_outputs / guided_* and tool_choice required or named each "
+                          "constrain the output; use one.", param=found[1][1])
     return found[0] if found else None
 
 

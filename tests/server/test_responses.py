@@ -5,6 +5,7 @@ test_responses_stream.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -134,6 +135,17 @@ def test_function_call_output_follow_up_turn(server):
     assert response.usage.input_tokens == twin.usage.prompt_tokens
 
 
+def test_vllm_extras_constrain_as_on_chat(server):
+    response = sdk(server).responses.create(model=MODEL, input="A code:", max_output_tokens=20, temperature=1.0,
+                                            extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}", "seed": 1})
+    assert re.fullmatch("[A-Z]{3}[0-9]{2}", response.output_text) and response.status == "completed"
+
+
+def test_an_unknown_model_is_a_404(server):
+    with pytest.raises(openai.NotFoundError):
+        sdk(server).responses.create(model="gpt-4o", input="Hi", max_output_tokens=2)
+
+
 def test_store_is_answered_false(server):
     response = sdk(server).responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=True,
                                             metadata={"k": "v"})
@@ -168,7 +180,8 @@ def test_unsupported_parameters_are_refused_by_name(server, body, param):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"not": {}}}]}, "tools[0].parameters"),
     ({"tools": [WEATHER], "tool_choice": "required",
-      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
+      "text": {"format": {"type": "json_object"}}}, "tools"),
+    ({"guided_regex": "[0-9]+", "text": {"format": {"type": "json_object"}}}, "guided_regex"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
