@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.server.conftest import pace_engine
-from tests.server.test_disconnect import assert_gauges_reach_zero, assert_still_serves, engine_load
+from tests.server.test_disconnect import assert_gauges_reach_zero, assert_still_serves, engine_load, successes
 from tests.server.test_responses import MODEL, SCHEMA, TIME, WEATHER, sdk
 
 TEXT_ORDER = re.compile(r"created in_progress output_item\.added content_part\.added (output_text\.delta )+"
@@ -124,4 +124,17 @@ def test_client_leaving_mid_stream_aborts(server, monkeypatch):
     assert in_flight == 1 and kv_usage > 0
     assert_gauges_reach_zero(server)
     server.wait_idle(timeout=1)
+    assert successes(server) == before  # aborted, not run to max_output_tokens
     assert_still_serves(server)
+
+
+def test_a_non_streamed_client_that_times_out_is_aborted(server, monkeypatch):
+    pace_engine(server, monkeypatch, 0.03)  # 200 tokens: 6 s at least
+    before = successes(server)
+    body = {"model": MODEL, "input": "Go on", "max_output_tokens": 200, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.5)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/responses", json=body)
+    assert_gauges_reach_zero(server)
+    server.wait_idle(timeout=1)
+    assert successes(server) == before  # aborted, not run to max_output_tokens
