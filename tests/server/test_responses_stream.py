@@ -113,6 +113,7 @@ def test_error_event_shape(server, monkeypatch):
 
 def test_client_leaving_mid_stream_aborts(server, monkeypatch):
     pace_engine(server, monkeypatch, 0.03)  # 200 tokens: seconds, far longer than the test needs
+    before = successes(server)
     body = {"model": MODEL, "input": "Go on", "max_output_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=server.base_url, timeout=30) as http, \
             http.stream("POST", "/v1/responses", json=body) as r:
