@@ -109,7 +109,8 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 

@@ -9,7 +9,9 @@ import re
 
 import httpx
 import openai
+import pydantic
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
 from tests.server.conftest import pace_engine
 from tests.server.test_disconnect import assert_gauges_reach_zero, assert_still_serves, engine_load, successes
@@ -26,6 +28,23 @@ def order(events) -> str:
     """The event types without their `response.` prefix, space-separated; the numbering checked first."""
     assert [e.sequence_number for e in events] == list(range(len(events)))
     return " ".join(e.type.removeprefix("response.") for e in events)
+
+
+@pytest.mark.parametrize("body", [
+    {"max_output_tokens": 5},
+    {"max_output_tokens": 100, "tools": [WEATHER], "tool_choice": "required"},
+    {"max_output_tokens": 200, "text": JSON_FORMAT},
+], ids=["text", "function_call", "json_schema"])
+def test_shapes_validate_against_the_sdk_models(server, body):
+    """Validated, not just constructed (the SDK builds its objects without checking): every required field."""
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    body = {"model": MODEL, "input": "Hi", "temperature": 0, **body}
+    with server.client() as http:
+        Response.model_validate(http.post("/v1/responses", json=body).json())
+        with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            events = [adapter.validate_python(json.loads(line[6:])) for line in r.iter_lines()
+                      if line.startswith("data: ")]
+    assert events[-1].type in ("response.completed", "response.incomplete")
 
 
 def test_stream_events_reassemble_to_the_non_streamed_text(server):
