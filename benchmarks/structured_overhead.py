@@ -137,8 +137,8 @@ def mask_parts(llm: LLM, batch: int, repeats: int) -> dict[str, float]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=24, help="timed decode steps per run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per run")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each mode, alternating")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="the model's dtype (default: the engine's CPU default)")
     args = parser.parse_args(argv)
