@@ -24,7 +24,7 @@ from server.errors import APIError, error_body, handle_error
 from server.gpu_monitor import cuda_devices, start_gpu_monitor
 from server.logprob_format import LogprobFormatter
 from server.metrics import ServerMetrics, cache_info
-from server.routes import chat, completions, models, ops, tokenize
+from server.routes import chat, completions, models, ops, responses, tokenize
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -62,10 +62,10 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
 
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
     app.state.server = state
-    for module in (completions, chat, models, tokenize, ops):
+    for module in (completions, chat, responses, models, tokenize, ops):
         app.include_router(module.router)
     _install_error_handlers(app, state)
-    json_paths = [route.path for module in (completions, chat, models, tokenize, ops)
+    json_paths = [route.path for module in (completions, chat, responses, models, tokenize, ops)
                   for route in module.router.routes if getattr(route, "body_field", None) is not None]
     app.add_middleware(BodyGuard, max_bytes=server_config.max_request_body, json_paths=json_paths)  # after auth
     _install_middleware(app, state)

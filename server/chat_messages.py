@@ -11,13 +11,13 @@ from server.protocol import ChatMessage
 
 
 def render_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                  tools: Optional[list[dict]] = None) -> list[int]:
-    """The prompt token ids of a conversation (a template error is a 400 on `messages`)."""
+                  tools: Optional[list[dict]] = None, param: str = "messages") -> list[int]:
+    """The prompt token ids of a conversation (a template error is a 400 on `param`)."""
     try:
         return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
                                              tools=tools)
     except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from None
+        raise bad_request(str(exc), param=param) from None
 
 
 def message_chars(messages: Sequence[ChatMessage]) -> int:

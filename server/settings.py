@@ -295,7 +295,8 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
     """The `serve` flags; every flag is also `PAGEDSERVE_<FLAG>`. Only flags given appear in the result."""
     parser = _Parser(
         prog=prog,
-        description="Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics).",
+        description="Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses, "
+                    "/metrics).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,

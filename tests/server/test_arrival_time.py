@@ -16,10 +16,11 @@ from engine.text.tokenizer import Tokenizer
 CASES = [
     ("/v1/completions", {"prompt": "Once upon a time"}, "encode"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}, "render_chat"),
+    ("/v1/responses", {"input": "Hello", "max_output_tokens": 2}, "render_chat"),
 ]
 
 
-@pytest.mark.parametrize("path, body, step", CASES, ids=["completions", "chat"])
+@pytest.mark.parametrize("path, body, step", CASES, ids=["completions", "chat", "responses"])
 def test_arrival_precedes_prompt_processing(server, monkeypatch, path, body, step):
     started: list[float] = []  # when the route began turning the request into token ids
     original = getattr(Tokenizer, step)
@@ -34,7 +35,8 @@ def test_arrival_precedes_prompt_processing(server, monkeypatch, path, body, ste
     monkeypatch.setattr(server.engine, "on_output", lambda output: (outputs.append(output), observe(output)))
 
     with server.client() as c:
-        response = c.post(path, json={"model": "tiny", "max_tokens": 2, "temperature": 0, **body})
+        response = c.post(path, json={"model": "tiny", "temperature": 0,
+                                      **({"max_tokens": 2} if "input" not in body else {}), **body})
     assert response.status_code == 200, response.text
     (final,) = [output for output in outputs if output.finished]
     metrics = final.metrics

@@ -22,6 +22,7 @@ PROTECTED = [
     ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}),
     ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
                                       "max_tokens": 2, "temperature": 0}),
+    ("POST", "/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 2, "temperature": 0}),
     ("POST", "/tokenize", {"prompt": "Hello"}),
     ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
 ]

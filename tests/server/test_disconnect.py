@@ -176,7 +176,7 @@ def http_requests(server, route: str) -> float:
                if sample.name == "pagedserve_http_requests_total" and sample.labels.get("route") == route)
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_a_stream_whose_client_left_before_the_headers_is_aborted(server, monkeypatch, route):
     """The request is queued, but the client is gone before the response starts: the body never runs,
     and the response itself must abort the choices (they used to run to max_tokens for nobody)."""
@@ -192,6 +192,9 @@ def test_a_stream_whose_client_left_before_the_headers_is_aborted(server, monkey
     before_requests = http_requests(server, route)
     body = {"model": MODEL, "max_tokens": 30, "stream": True, "ignore_eos": True, "n": 3, "request_id": "left-early"}
     body.update({"messages": [{"role": "user", "content": "Hi"}]} if "chat" in route else {"prompt": "Hi"})
+    if route == "/v1/responses":  # one output, its own names
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 30, "stream": True, "ignore_eos": True,
+                "request_id": "left-early"}
     payload = json.dumps(body).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:

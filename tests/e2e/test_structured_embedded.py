@@ -1,0 +1,64 @@
+"""Structured output on the embedded SmolLM2 model (a real vocabulary and real preferences, where the tiny random
+model has neither): bounded JSON schemas in one batch with unconstrained requests. Every constrained output
+ends by its grammar and validates; every unconstrained output equals its output alone (batch-invariant
+kernels, so its neighbours' masks cannot have touched it)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.references import assert_idle
+
+COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["colour", "count"], "additionalProperties": False}
+FRUITS = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 2}
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                 "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "address"], "additionalProperties": False}
+REVIEW = {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1},
+                                           "ok": {"type": "boolean"},
+                                           "note": {"type": "string", "maxLength": 6}},
+          "required": ["score", "ok"], "additionalProperties": False}
+CONSTRAINED = [  # (question, schema, temperature)
+    ("Pick a colour and a count, as JSON.", COLOUR, 0.0),
+    ("List two fruits as a JSON array.", FRUITS, 0.0),
+    ("Give a person's name and address as JSON.", PERSON, 0.0),
+    ("Review this film as JSON: score and ok.", REVIEW, 0.0),
+    ("Give a person's name and address as JSON.", PERSON, 1.0),
+]
+PLAIN = ["What is the capital of France?"]
+MAX_TOKENS = 64  # the longest bounded output here is under 50 tokens
+
+
+@pytest.fixture(scope="module")
+def embedded_llm(embedded_checkpoint):
+    return LLM(None, device="cpu", max_model_len=512, kv_cache_memory="64MiB", batch_invariant=True)
+
+
+def conversation(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def test_bounded_schemas_validate_beside_unchanged_plain_requests(embedded_llm):
+    plain = SamplingParams(max_tokens=12, temperature=0)
+    alone = [out.outputs[0] for out in embedded_llm.chat([conversation(q) for q in PLAIN], plain, use_tqdm=False)]
+    conversations = [conversation(q) for q, _, _ in CONSTRAINED] + [conversation(q) for q in PLAIN]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=i, structured_outputs={"json": schema})
+              for i, (_, schema, t) in enumerate(CONSTRAINED)] + [plain] * len(PLAIN)
+    results = embedded_llm.chat(conversations, params, use_tqdm=False)
+    for (question, schema, _), result in zip(CONSTRAINED, results):
+        out = result.outputs[0]
+        assert out.finish_reason == "stop", (question, out.text)
+        jsonschema.validate(json.loads(out.text, strict=False), schema)
+    for solo, result in zip(alone, results[len(CONSTRAINED):]):
+        assert result.outputs[0].token_ids == solo.token_ids
+        assert result.outputs[0].text == solo.text
+    assert_idle(embedded_llm)
