@@ -57,14 +57,6 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return codes.view(rows, packs * 8).to(torch.uint8)
 
 
-def pack_awq(codes: torch.Tensor) -> torch.Tensor:
-    """uint8/int codes [rows, cols] -> AWQ's int32 [rows, cols / 8] (the inverse of `unpack_awq`)."""
-    rows, cols = codes.shape
-    grouped = codes.to(torch.int64).view(rows, cols // 8, 8)
-    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for nibble, column in enumerate(AWQ_ORDER):
-        packed |= grouped[..., column] << (4 * nibble)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def awq_to_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Groups:

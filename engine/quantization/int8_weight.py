@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from engine.quantization.quantized_weight import QuantizedWeight
 
 INT8_MAX = 127
+KERNEL_IN_MULTIPLE = 16
+"""torch 2.13's CPU `_weight_int8pack_mm` reads in_features in steps of 16: other widths give wrong sums or
+crash (measured), so those matrices take the dequantizing product."""
 
 
 class Int8Weight(QuantizedWeight):
@@ -57,7 +60,8 @@ class Int8Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         scales = self._scales_for(x.dtype)
         if self._kernel_ok.get(x.dtype) is None:
-            self._kernel_ok[x.dtype] = _int8pack_agrees(x.dtype, x.device)
+            fits = self.in_features % KERNEL_IN_MULTIPLE == 0
+            self._kernel_ok[x.dtype] = fits and _int8pack_agrees(x.dtype, x.device)
         if self._kernel_ok[x.dtype]:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, scales)
         return self.matmul_dequantized(x)
