@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runner.kv_cache import to_cache
+from engine.runner.kv_cache import as_stored, to_cache
 
 
 def write_kv_by_slots(
@@ -16,7 +16,8 @@ def write_kv_by_slots(
 ) -> None:
     """Token j's K/V go to slot slot_mapping[j] of the cache viewed as `[num_blocks * block_size, ...]`,
     converted to the cache's dtype."""
-    key, value = to_cache(key, key_cache.dtype), to_cache(value, value_cache.dtype)
+    key, value = as_stored(to_cache(key, key_cache.dtype)), as_stored(to_cache(value, value_cache.dtype))
+    key_cache, value_cache = as_stored(key_cache), as_stored(value_cache)
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)

@@ -56,6 +56,16 @@ def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.to(cache_dtype)
 
 
+def as_stored(x: torch.Tensor) -> torch.Tensor:
+    """`x` viewed as its bytes when it is fp8 (index_copy_ / index_select have no float8 kernels), else `x`."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def select_blocks(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`cache.index_select(0, index)`, fp8 caches included."""
+    return as_stored(cache).index_select(0, index).view(cache.dtype)
+
+
 def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cached K or V (any shape) in the compute dtype `dtype`."""
     if x.dtype == dtype:
