@@ -1,10 +1,10 @@
 """Weight-only int8, symmetric per output channel: W[o, :] = scale[o] * q[o, :], q in [-127, 127].
 
-The product reads the int8 matrix once (a quarter of fp32's bytes, half of bf16's) and scales the
-outputs: `x @ W.T = (x @ q.T) * scale`. On CPU and CUDA it runs torch's weight-only kernel
-`aten._weight_int8pack_mm` where this build has it for the device and dtype (checked once against the
-dequantized product); elsewhere the int8 matrix is converted to the activations' dtype per call
-(`F.linear` on the converted matrix, then the scales), which is correct everywhere but reads more.
+The product reads the int8 matrix (a quarter of fp32's bytes, half of bf16's) and scales the outputs:
+`x @ W.T = (x @ q.T) * scale`, either through torch's weight-only kernel `aten._weight_int8pack_mm`
+(where this build has it for the device and dtype, checked once against the dequantized product) or
+by converting the int8 matrix to the activations' dtype and calling `F.linear`; `uses_kernel` says
+which, per row count and dtype, from measurements.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine.quantization.quantized_weight import QuantizedWeight
 
 INT8_MAX = 127
+CPU_KERNEL_MAX_ROWS = 8
 KERNEL_IN_MULTIPLE = 16
 """torch 2.13's CPU `_weight_int8pack_mm` reads in_features in steps of 16: other widths give wrong sums or
 crash (measured), so those matrices take the dequantizing product."""
@@ -58,13 +59,23 @@ class Int8Weight(QuantizedWeight):
         return (self.qweight.float() * self.scales[:, None]).to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        scales = self._scales_for(x.dtype)
-        if self._kernel_ok.get(x.dtype) is None:
-            fits = self.in_features % KERNEL_IN_MULTIPLE == 0
-            self._kernel_ok[x.dtype] = fits and _int8pack_agrees(x.dtype, x.device)
-        if self._kernel_ok[x.dtype]:
-            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, scales)
+        if self.uses_kernel(x.shape[0], x.dtype, x.device):
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self._scales_for(x.dtype))
         return self.matmul_dequantized(x)
+
+    def uses_kernel(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a product of `rows` rows runs torch's int8 kernel (else the dequantizing product).
+
+        On CPU only 16-bit activations at up to CPU_KERNEL_MAX_ROWS rows take it: measured (one thread,
+        one SmolLM layer) it beats bf16's own product at 1 row (0.20 vs 0.35 ms) and ties at 4, while at
+        16 rows it loses to dequantize + `F.linear` (1.54 vs 1.26 ms), and with fp32 activations it is
+        4-50x slower than dequantizing (no vectorized fp32 path)."""
+        if device.type == "cpu" and (dtype == torch.float32 or rows > CPU_KERNEL_MAX_ROWS):
+            return False
+        if self._kernel_ok.get(dtype) is None:
+            fits = self.in_features % KERNEL_IN_MULTIPLE == 0
+            self._kernel_ok[dtype] = fits and _int8pack_agrees(dtype, device)
+        return self._kernel_ok[dtype]
 
     def matmul_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """The fallback (and the measured alternative): convert the int8 matrix, multiply, scale."""

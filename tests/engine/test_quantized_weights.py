@@ -34,8 +34,9 @@ def test_int8_product_matches_its_dequantized_matrix(dtype, shape):
     weight = Int8Weight.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
     for rows in ROWS:
         _assert_product(weight, weight.dequantize(), dtype, rows)
-    # torch's int8 kernel ran where the width allows it (in_features a multiple of 16), else the fallback
-    assert weight._kernel_ok[dtype] == (shape[1] % 16 == 0)
+    # torch's int8 kernel takes decode-sized bf16 products where the width allows (a multiple of 16)
+    assert weight.uses_kernel(1, dtype, CPU) == (dtype == torch.bfloat16 and shape[1] % 16 == 0)
+    assert not weight.uses_kernel(40, dtype, CPU)
     x = torch.randn(5, shape[1]).to(dtype)
     torch.testing.assert_close(weight.matmul(x), weight.matmul_dequantized(x), rtol=TOLERANCE[dtype],
                                atol=TOLERANCE[dtype] * 10)
