@@ -5,7 +5,8 @@
     python -m benchmarks.perplexity --agreement-prompts 32 --agreement-tokens 64 --reference bf16
 
 A row is a name for engine settings: fp32, bf16, int8, int4 (group 128), int4-g32, int8-head / int4-head
-(the LM head quantized too), kv-bf16 (an fp32 model with a bf16 KV cache), q8_0 (the model requantized to a
+(the LM head quantized too), kv-bf16 (an fp32 model with a bf16 KV cache, prefill in chunks of 64 tokens
+so that it reads the cache; fp32-chunked is its fp32-cache twin), q8_0 (the model requantized to a
 Q8_0 GGUF, dequantized on load) and, with the native GGUF path (`--quantization gguf`), q8_0-native and
 q4_1-native. A row the engine cannot build here is reported with the reason.
 
@@ -35,7 +36,9 @@ TEXT = Path(__file__).resolve().parent / "data" / "genesis_37-41_kjv.txt"
 ROWS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
-    "kv-bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+    # prefill chunks of 64 tokens: later chunks read the earlier ones' K/V from the (bf16) cache
+    "kv-bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "max_num_batched_tokens": 64, "max_num_seqs": 32},
+    "fp32-chunked": {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 32},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
     "int4": {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 128},
     "int4-g32": {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 32},
@@ -45,7 +48,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "q8_0-native": {"dtype": "float32", "gguf": "Q8_0", "quantization": "gguf"},
     "q4_1-native": {"dtype": "float32", "quantization": "gguf"},
 }
-DEFAULT_ROWS = "fp32,bf16,kv-bf16,int8,int4,int4-g32,int8-head,int4-head,q8_0,q8_0-native,q4_1-native"
+DEFAULT_ROWS = "fp32,bf16,fp32-chunked,kv-bf16,int8,int4,int4-g32,int8-head,int4-head,q8_0,q8_0-native,q4_1-native"
 
 
 @dataclass
@@ -65,8 +68,8 @@ def build_llm(model: Optional[str], row: dict[str, Any], cache_dir: Path, window
     settings = {k: v for k, v in row.items() if k not in ("gguf", "lm_head")}
     if "gguf" in row:
         model = str(requantized_gguf(model, row["gguf"], cache_dir))
-    llm = LLM(model, device="cpu", max_model_len=max(window + 1, 512), max_num_batched_tokens=max(window + 1, 512),
-              enable_prefix_caching=False, **settings)
+    settings.setdefault("max_num_batched_tokens", max(window + 1, 512))
+    llm = LLM(model, device="cpu", max_model_len=max(window + 1, 512), enable_prefix_caching=False, **settings)
     if row.get("lm_head"):
         quantize_lm_head(llm)
     return llm

@@ -51,7 +51,11 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
 
     backend, ops, linear = _numerics(config, device, dtype)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend.name)
-    quantizer = _quantizer(model_config.quantization, model_config.quantization_group_size, hf_config, device)
+    quantizer = _quantizer(model_config.quantization, model_config.quantization_group_size, hf_config, device,
+                           config.batch_invariant)
+    if quantizer is not None and quantizer.method != "int8" and device.type == "cpu" and dtype == torch.float32:
+        logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
+                       "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16")
     model = build_model(hf_config, dtype, device, ops, linear, quantizer)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
@@ -86,11 +90,15 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
 
 
-def _quantizer(requested, group_size: int, hf_config, device: torch.device) -> Optional[WeightQuantizer]:
+def _quantizer(requested, group_size: int, hf_config, device: torch.device,
+               batch_invariant: bool = False) -> Optional[WeightQuantizer]:
     """The load-time weight quantizer for --quantization and the checkpoint (None: weights as stored)."""
     method, awq_group_size = resolve_quantization(requested, hf_config)
     if method is None:
         return None
+    if batch_invariant:
+        raise ValueError(f"--quantization {method} cannot be combined with --batch-invariant (its products are "
+                         "float ones whose rows do not depend on the batch)")
     return WeightQuantizer(method, awq_group_size or group_size, device)
 
 

@@ -71,3 +71,5 @@ def test_bad_quantization_settings_are_config_errors(tiny_llama_dir):
         make_llm(tiny_llama_dir, quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="--quantization awq needs an AWQ checkpoint"):
         make_llm(tiny_llama_dir, quantization="awq")
+    with pytest.raises(ValueError, match="--quantization int8 cannot be combined with --batch-invariant"):
+        make_llm(tiny_llama_dir, quantization="int8", batch_invariant=True)
