@@ -151,6 +151,11 @@ class AsyncEngine:
         return str(self.engine.runner.model.dtype).removeprefix("torch.")
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """The dtype the KV cache stores (--kv-cache-dtype; auto is the model's), e.g. "bfloat16"."""
+        return str(self.engine.runner.kv_cache.spec.dtype).removeprefix("torch.")
+
+    @property
     def device(self) -> torch.device:
         """Where the model runs: `cpu`, or `cuda` / `cuda:N` (no index: the current CUDA device)."""
         return self.engine.runner.device

@@ -14,13 +14,16 @@ from engine.batch_invariant import Numerics, batch_invariant_numerics
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
-from engine.runner.kv_cache import KVCache, KVCacheSpec
+from engine.runner.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
 from engine.loading.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization.awq import awq_weights
+from engine.quantization.quantized_weight import QuantizedWeight
+from engine.quantization.weight_quantizer import WeightQuantizer, resolve_quantization
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -47,13 +50,23 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
     backend, ops, linear = _numerics(config, device, dtype)
-    model = build_model(hf_config, dtype, device, ops, linear)
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend.name)
+    quantizer = _quantizer(model_config.quantization, model_config.quantization_group_size, hf_config, device,
+                           config.batch_invariant)
+    if quantizer is not None and quantizer.method != "int8" and device.type == "cpu" and dtype == torch.float32:
+        logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
+                       "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16")
+    model = build_model(hf_config, dtype, device, ops, linear, quantizer)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
         max_model_len = model.arch.sliding_window
-    model.load_weights(iter_weights(checkpoint.path))
+    weights = iter_weights(checkpoint.path)
+    if quantizer is not None and quantizer.method == "awq":
+        weights = awq_weights(weights, quantizer.group_size)
+    model.load_weights(weights)
+    _log_weights(model, quantizer)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
-                       model.arch.head_dim, dtype)
+                       model.arch.head_dim, kv_dtype)
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
@@ -67,13 +80,37 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     gc.collect()
     gc.freeze()  # the weights and long-lived state never need scanning by the cyclic GC
     logger.info(
-        "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB), "
+        "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s), "
         "max_model_len %d, attention backend %s, CUDA graphs %s",
         checkpoint.source, hf_config.model_type, str(dtype).removeprefix("torch."), device,
         time.monotonic() - started, num_blocks, spec.block_size, num_blocks * spec.block_size,
-        num_blocks * spec.bytes_per_block / 2**20, max_model_len, backend.name, runner.cuda_graphs,
+        num_blocks * spec.bytes_per_block / 2**20, str(kv_dtype).removeprefix("torch."), max_model_len,
+        backend.name, runner.cuda_graphs,
     )
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
+
+
+def _quantizer(requested, group_size: int, hf_config, device: torch.device,
+               batch_invariant: bool = False) -> Optional[WeightQuantizer]:
+    """The load-time weight quantizer for --quantization and the checkpoint (None: weights as stored)."""
+    method, awq_group_size = resolve_quantization(requested, hf_config)
+    if method is None:
+        return None
+    if batch_invariant:
+        raise ValueError(f"--quantization {method} cannot be combined with --batch-invariant (its products are "
+                         "float ones whose rows do not depend on the batch)")
+    return WeightQuantizer(method, awq_group_size or group_size, device)
+
+
+def _log_weights(model: LlamaForCausalLM, quantizer: Optional[WeightQuantizer]) -> None:
+    from engine.memory_bandwidth import tensor_bytes
+
+    matrices = model.weight_tensors()
+    formats = sorted({w.format if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
+                      for w in matrices})
+    logger.info("weights: %.1f MiB of matrices read per step (%s; quantization %s), %.1f MiB of embeddings",
+                tensor_bytes(matrices) / 2**20, ", ".join(formats),
+                "none" if quantizer is None else quantizer.method, tensor_bytes([model.embed]) / 2**20)
 
 
 def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, limits: RunnerLimits,

@@ -8,7 +8,7 @@ which turns a memory budget into `num_blocks` once the model is loaded.
 from __future__ import annotations
 
 import re
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
@@ -46,6 +46,9 @@ class EngineCacheConfig(CacheConfig):
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + activations + KV"
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
+        "auto", description="dtype the KV cache stores: auto = the model's; fp8 = float8 e4m3 with a per-layer "
+        "scale (CUDA, torch attention backend); engine/runner/kv_cache.py")
 
     @field_validator("kv_cache_memory")
     @classmethod

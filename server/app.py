@@ -96,7 +96,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     cache = engine.kv_cache_config
     metrics = ServerMetrics(name, engine.stats, cache_info(
         num_blocks=cache.num_blocks, block_size=cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
-        dtype=engine.dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
+        dtype=engine.kv_cache_dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
         cuda_graphs=engine.cuda_graphs))
     engine.on_step = metrics.observe_step
     engine.grammar_compiler.on_compile = metrics.grammar_compile.labels(name).observe

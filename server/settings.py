@@ -134,6 +134,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("--profile", ("engine", "profile"), "bool",
            "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
            "between steps), every 1000 steps"),
+    Option("--quantization", (*_M, "quantization"), "str", "weight-only quantization: int8 or int4 of a float "
+           "checkpoint at load, awq for an AWQ int4 checkpoint (detected from config.json when unset)",
+           default_text="none (awq for AWQ checkpoints)", nullable=True),
+    Option("--quantization-group-size", (*_M, "quantization_group_size"), "int",
+           "input columns per int4 scale and zero: 32, 64 or 128", "N"),
+    Option("--kv-cache-dtype", (*_C, "kv_cache_dtype"), "str", "dtype the KV cache stores: auto = the model's "
+           "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) on CUDA only"),
     Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),
     Option("--strict-params", (*_SV, "strict_params"), "bool",
            "also reject request fields that the OpenAI API does not define (by default they are ignored)"),

@@ -32,5 +32,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.kernels.paged_decode(query.contiguous(), key_cache, value_cache, metadata.decode_block_tables,
-                                         metadata.decode_context_lens, scale)
+        # a cache in another dtype than the model's (--kv-cache-dtype): the kernel runs in the cache's dtype,
+        # so the query is rounded to it (the kernel accumulates in float32 either way)
+        out = self.kernels.paged_decode(query.to(key_cache.dtype).contiguous(), key_cache, value_cache,
+                                        metadata.decode_block_tables, metadata.decode_context_lens, scale)
+        return out.to(query.dtype)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
-from engine.runner.kv_cache import KVCacheSpec
+from engine.runner.kv_cache import KVCacheSpec, from_cache, select_blocks
 
 
 class TorchAttentionBackend:
@@ -31,7 +31,8 @@ class TorchAttentionBackend:
         lens = metadata.decode_context_lens
         _, max_blocks = metadata.decode_block_tables.shape
         key_pos = torch.arange(max_blocks * spec.block_size, device=lens.device)
-        bias = torch.zeros((metadata.num_decodes, 1, 1, max_blocks * spec.block_size), dtype=spec.dtype,
+        bias_dtype = torch.float32 if spec.dtype.itemsize == 1 else spec.dtype  # fp8 has no -inf
+        bias = torch.zeros((metadata.num_decodes, 1, 1, max_blocks * spec.block_size), dtype=bias_dtype,
                            device=lens.device)
         bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(metadata.num_decodes, 1, 1, -1), float("-inf"))
         return dataclasses.replace(metadata, decode_bias=bias)
@@ -62,8 +63,9 @@ class TorchAttentionBackend:
         _, block_size, num_kv_heads, _ = key_cache.shape
         flat = metadata.decode_block_tables.reshape(-1)  # [B * max_blocks]
         max_len = metadata.decode_block_tables.shape[1] * block_size
-        keys = key_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
-        values = value_cache.index_select(0, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
+        keys = select_blocks(key_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
+        values = select_blocks(value_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
+        keys, values = from_cache(keys, query.dtype), from_cache(values, query.dtype)  # --kv-cache-dtype
         if num_kv_heads <= cls.DIAGONAL_MAX_KV_HEADS:
             return cls._decode_all_pairs(query, keys, values, metadata.decode_bias, scale)
         return cls._decode_per_kv_head(query, keys, values, metadata.decode_bias, scale)
@@ -123,8 +125,9 @@ class TorchAttentionBackend:
         _, block_size, num_kv_heads, head_dim = key_cache.shape
         num_blocks = -(-chunk.context_len // block_size)
         table = chunk.block_table[:num_blocks]
-        k = key_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-        v = value_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+        k = select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+        v = select_blocks(value_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+        k, v = from_cache(k, query.dtype), from_cache(v, query.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         offset = chunk.context_len - chunk.query_len
         query_pos = torch.arange(offset, chunk.context_len, device=query.device)

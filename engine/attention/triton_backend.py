@@ -37,9 +37,11 @@ class TritonAttentionBackend:
         self._kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, metadata: StepMetadata, scale: float):
-        return self._kernels.paged_attention(query, key_cache, value_cache, metadata.query_start_loc,
-                                             metadata.seq_lens, metadata.block_table, scale,
-                                             metadata.max_query_len)
+        # the kernels take one dtype: a query in another than the cache's (--kv-cache-dtype) is converted
+        out = self._kernels.paged_attention(query.to(key_cache.dtype), key_cache, value_cache,
+                                            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+                                            scale, metadata.max_query_len)
+        return out.to(query.dtype)
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -50,6 +50,12 @@ class ModelConfig(BaseModel):
         "trust_remote_code); the model itself always runs pagedserve's implementation")
     chat_template: Optional[str] = Field(
         None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    quantization: Optional[Literal["int8", "int4", "awq"]] = Field(
+        None, description="weight-only quantization of the projections: int8 (per output channel) or int4 "
+        "(group-wise) of a float checkpoint at load time, awq for an AWQ checkpoint (detected when unset); "
+        "engine/quantization/weight_quantizer.py")
+    quantization_group_size: Literal[32, 64, 128] = Field(
+        128, description="input columns per int4 scale and zero (--quantization int4)")
 
     @field_validator("chat_template")
     @classmethod

@@ -18,6 +18,8 @@ from engine.models.layer_ops import TorchLayerOps
 from engine.models.linear import Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
+from engine.quantization.int4_groups import Int4Groups
+from engine.quantization.weight_quantizer import WeightQuantizer
 
 
 @dataclass(slots=True)
@@ -40,7 +42,8 @@ class LlamaForCausalLM:
     """Forward pass over paged KV caches; `compute_logits` only for the rows that need them."""
 
     def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: torch.device,
-                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None):
+                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
+                 quantizer: Optional[WeightQuantizer] = None):
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -50,6 +53,7 @@ class LlamaForCausalLM:
         self.scale = arch.head_dim**-0.5
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
+        self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.final_norm: Optional[torch.Tensor] = None
         self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
@@ -66,15 +70,16 @@ class LlamaForCausalLM:
                 name = name[len("model."):]
             if "rotary_emb" in name:
                 continue
-            state[name] = tensor.to(dtype=self.dtype, device=self.device)
+            # pre-quantized matrices (AWQ) stay as they are until `_prepare`
+            state[name] = tensor if isinstance(tensor, Int4Groups) else tensor.to(dtype=self.dtype, device=self.device)
         take = state.pop
         self.embed = take("embed_tokens.weight")
         self.final_norm = take("norm.weight")
         lm_head = state.pop("lm_head.weight", None)
         if lm_head is None and not arch.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and the config does not tie embeddings")
-        prepare = self.linear.prepare
-        self.lm_head = prepare(self.embed if arch.tie_word_embeddings or lm_head is None else lm_head)
+        lm_head = self.embed if arch.tie_word_embeddings or lm_head is None else lm_head
+        self.lm_head = self.linear.prepare(lm_head if self.quantizer is None else self.quantizer.lm_head(lm_head))
         self.layers = [self._take_layer(state, i) for i in range(arch.num_layers)]
         if state:
             unused = ", ".join(sorted(state)[:8])
@@ -93,10 +98,12 @@ class LlamaForCausalLM:
             return state.pop(p + name, None)
 
         def cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if isinstance(tensors[0], Int4Groups):
+                return Int4Groups.concat(list(tensors))
             return None if tensors[0] is None else torch.cat(tensors, dim=0).contiguous()
 
         attn = "self_attn."
-        prepare = self.linear.prepare  # matrices in the form the product takes (e.g. packed once)
+        prepare = self._prepare
         return LlamaLayerWeights(
             input_norm=take("input_layernorm.weight"),
             qkv=prepare(cat(take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"))),
@@ -111,6 +118,12 @@ class LlamaForCausalLM:
             down=prepare(take("mlp.down_proj.weight")),
             down_bias=maybe("mlp.down_proj.bias"),
         )
+
+    def _prepare(self, weight):
+        """A projection in the form the product takes: quantized (--quantization), packed once (oneDNN)."""
+        if isinstance(weight, Int4Groups) and self.quantizer is None:
+            raise ValueError("the checkpoint holds int4 (AWQ) matrices but the model was built without a quantizer")
+        return self.linear.prepare(weight if self.quantizer is None else self.quantizer(weight))
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every matrix the forward pass reads once per step (for the bandwidth floor), as `self.linear` takes them."""

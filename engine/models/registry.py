@@ -10,6 +10,7 @@ from engine.models.layer_ops import TorchLayerOps
 from engine.models.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
+from engine.quantization.weight_quantizer import WeightQuantizer
 
 _LLAMA_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -24,7 +25,8 @@ def supported_architectures() -> list[str]:
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
-                ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None) -> LlamaForCausalLM:
+                ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
+                quantizer: Optional[WeightQuantizer] = None) -> LlamaForCausalLM:
     """An empty model for the config's architecture (load weights with `load_weights`)."""
     from engine.loading.loader import rope_settings
 
@@ -35,4 +37,4 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
             f"supported: {', '.join(supported_architectures())}"
         )
     arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
-    return LlamaForCausalLM(arch, dtype, device, ops, linear)
+    return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer)

@@ -275,3 +275,16 @@ def test_abandoned_stream_is_counted_as_aborted(fresh, workload):
     assert later.get("pagedserve_e2e_request_latency_seconds_count") == NUM_FINISHED + 1
     assert later.get("pagedserve_time_to_first_token_seconds_count") == NUM_FINISHED + 1
     assert not math.isnan(later.get("pagedserve_e2e_request_latency_seconds_sum"))
+
+
+def test_cache_config_info_shows_the_kv_cache_dtype(tiny_model_dir):
+    """--kv-cache-dtype: the info metric shows what the cache stores, not the model's dtype."""
+    from engine.async_engine import AsyncEngine
+    from server.app import create_app
+    from tests.engine.references import make_llm
+
+    engine = AsyncEngine(make_llm(tiny_model_dir, kv_cache_dtype="bfloat16").engine)
+    app = create_app(engine, ServerConfig(served_model_name="tiny-bf16-kv"))
+    families = text_string_to_metric_families(app.state.server.metrics.render().decode())
+    info = [s for f in families for s in f.samples if s.name == "pagedserve_cache_config_info"]
+    assert engine.dtype == "float32" and info[0].labels["cache_dtype"] == "bfloat16"

@@ -46,6 +46,9 @@ FLAG_CASES = [
     ("--root-path", "/llm", ("server", "root_path"), "/llm"),
     ("--ssl-keyfile", "key.pem", ("server", "ssl_keyfile"), "key.pem"),  # needs its pair: see below
     ("--ssl-certfile", "cert.pem", ("server", "ssl_certfile"), "cert.pem"),
+    ("--quantization", "int4", ("engine", "model", "quantization"), "int4"),
+    ("--quantization-group-size", "64", ("engine", "model", "quantization_group_size"), 64),
+    ("--kv-cache-dtype", "bfloat16", ("engine", "cache", "kv_cache_dtype"), "bfloat16"),
 ]
 _PAIRS = {"--ssl-keyfile": ("--ssl-certfile", "cert.pem"), "--ssl-certfile": ("--ssl-keyfile", "key.pem")}
 # boolean flags: place in Settings, default
@@ -109,6 +112,9 @@ def test_disable_log_requests_is_vllms_spelling_of_no_enable():
     (["--max-logprobs", "21"], "--max-logprobs: Input should be less than or equal to 20"),
     (["--root-path", "llm/"], "--root-path: must start with /"),
     (["--ssl-certfile", "cert.pem"], "ssl_keyfile and ssl_certfile go together"),
+    (["--quantization", "int3"], "--quantization: Input should be 'int8', 'int4' or 'awq'"),
+    (["--quantization-group-size", "48"], "--quantization-group-size: Input should be 32, 64 or 128"),
+    (["--kv-cache-dtype", "int8"], "kv-cache-dtype: expected one of auto, float32, bfloat16, float16, fp8"),
 ])
 def test_new_flags_refuse_bad_values_naming_the_flag(argv, expected):
     with pytest.raises(SettingsError, match=expected):

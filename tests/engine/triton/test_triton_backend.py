@@ -53,3 +53,22 @@ def test_decode_graph_steps_match_the_torch_backend(tiny_llama_dir):
     assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
     assert llm.engine.runner.graphs._graphs[4].replays > 0
     assert_idle(llm)
+
+
+def test_a_bf16_cache_under_an_fp32_model_matches_the_torch_backend(tiny_llama_dir):
+    """--kv-cache-dtype bfloat16 with an fp32 model: the Triton kernels read the bf16 cache (the query
+    converted to it) and give the torch backend's greedy tokens over the same bf16 cache (logprobs within
+    bf16 rounding: the kernels also round the query, the probabilities and their output to bf16, where the
+    torch backend widens the cache to fp32)."""
+    prompts = [list(range(3, 40)), [5, 9, 11]]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="bfloat16",
+                       max_num_batched_tokens=16, max_num_seqs=4)
+        assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.bfloat16
+        results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for reference, got in zip(results["torch"], results["triton"]):
+        assert got.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert [lp.logprob for lp in got.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in reference.outputs[0].logprobs], abs=6e-2)

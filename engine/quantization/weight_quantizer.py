@@ -1,0 +1,70 @@
+"""Which projections are quantized at load time, and how (`--quantization`, `--quantization-group-size`).
+
+    int8   float checkpoint, each projection to int8 per output channel (`Int8Weight`)
+    int4   float checkpoint, each projection to group-wise int4 (`Int4Weight`)
+    awq    AWQ int4 checkpoint (auto-detected from config.json), read into the int4 path as stored
+
+Quantized: the matrices of every decoder layer (q|k|v, o, gate|up, down), which are nearly all of a
+step's weight reads in a model of some size. Kept in the model's dtype: the norms (a few KiB), the
+embedding table (a lookup reads one row per token, not the table) and the LM head (by default:
+the vocabulary projection is where a rounding error shows directly in the logits, and for a tied
+model such as SmolLM2 it is the embedding table itself; `quantize_lm_head` turns it on, and the
+perplexity script measures both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from engine.quantization.awq import awq_group_size, quantization_config
+from engine.quantization.int4_groups import Int4Groups
+from engine.quantization.int4_weight import Int4Weight, int4_weight
+from engine.quantization.int8_weight import Int8Weight
+from engine.quantization.quantized_weight import QuantizedWeight
+
+Weight = Union[torch.Tensor, QuantizedWeight]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightQuantizer:
+    """Turns a loaded projection into the form it is served in (the model calls it once per matrix)."""
+
+    method: Optional[str]  # None, "int8", "int4", "awq"
+    group_size: int
+    device: torch.device
+    quantize_lm_head: bool = False
+
+    def __call__(self, weight: Union[torch.Tensor, Int4Groups]) -> Weight:
+        if isinstance(weight, Int4Groups):  # pre-quantized (AWQ)
+            return Int4Weight(weight, self.device)
+        if self.method == "int8":
+            return Int8Weight.quantize(weight).to(self.device)
+        if self.method == "int4":
+            return int4_weight(weight, self.group_size, self.device)
+        return weight
+
+    def lm_head(self, weight: torch.Tensor) -> Weight:
+        return self(weight) if self.quantize_lm_head and self.method in ("int8", "int4") else weight
+
+
+def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Optional[str], Optional[int]]:
+    """(method, AWQ group size or None) for `--quantization` and a checkpoint's config.json.
+
+    None with an AWQ checkpoint is AWQ; `awq` needs one; int8/int4 need a float checkpoint."""
+    config = quantization_config(hf_config)
+    method = None if config is None else str(config.get("quant_method", "unknown")).lower()
+    if method is not None and method != "awq":
+        raise ValueError(f"the checkpoint is quantized with {method!r} (config.json quantization_config), "
+                         "which is not supported; supported pre-quantized format: awq")
+    if requested == "awq" or (requested is None and method == "awq"):
+        if method != "awq":
+            raise ValueError("--quantization awq needs an AWQ checkpoint (config.json quantization_config with "
+                             "quant_method 'awq'); for a float checkpoint use --quantization int8 or int4")
+        return "awq", awq_group_size(config)
+    if method == "awq":
+        raise ValueError(f"--quantization {requested}: the checkpoint is already AWQ int4; "
+                         "leave --quantization unset (or awq)")
+    return requested, None

@@ -1,0 +1,97 @@
+"""`--kv-cache-dtype`: a cache narrower than the model (bf16 for an fp32 model) holds twice the tokens in
+the same budget and gives nearly the same logprobs and greedy tokens with the torch and cpu backends;
+fp8 converts with its scale (torch backend) and is refused off CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.kv_write import write_kv_by_slots
+from engine.attention.step_metadata import step_metadata_for
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.runner.kv_cache import KVCacheSpec, from_cache, resolve_kv_cache_dtype, to_cache
+from engine.sampling.params import SamplingParams
+from tests.engine.references import make_llm
+
+# prompts longer than a prefill chunk, so later chunks read the earlier ones' K/V from the cache
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 4, "Once upon a time, in a small town by the sea, "
+           "there lived an old engineer who repaired clocks. Every morning she opened the shop."]
+PARAMS = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, logprobs=0)
+CPU = torch.device("cpu")
+
+
+def _run(model_dir, **settings):
+    llm = make_llm(model_dir, max_num_batched_tokens=16, **settings)
+    return llm, llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bf16_cache_for_an_fp32_model_stays_close(tiny_llama_dir, backend, cpu_kernels):
+    if backend == "cpu" and cpu_kernels is None:
+        pytest.skip("the native CPU kernels do not build here")
+    llm, narrow = _run(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="bfloat16")
+    key_cache, _ = llm.engine.runner.kv_cache.layers[0]
+    assert key_cache.dtype == torch.bfloat16 and llm.engine.runner.model.dtype == torch.float32
+    _, wide = _run(tiny_llama_dir, attention_backend=backend)
+    same = total = 0
+    for a, b in zip(narrow, wide):
+        prompt_a = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
+        prompt_b = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
+        torch.testing.assert_close(prompt_a, prompt_b, rtol=0, atol=5e-2)
+        assert not torch.equal(prompt_a, prompt_b)  # the chunks did read the rounded cache
+        same += sum(x == y for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
+        total += len(b.outputs[0].token_ids)
+    assert same / total >= 0.9
+
+
+def test_a_bf16_cache_holds_twice_the_tokens(tiny_llama_dir):
+    budget = {"num_blocks": None, "kv_cache_memory": "1MiB"}
+    wide = make_llm(tiny_llama_dir, **budget).engine.runner.kv_cache
+    narrow = make_llm(tiny_llama_dir, kv_cache_dtype="bfloat16", **budget).engine.runner.kv_cache
+    assert narrow.spec.bytes_per_block * 2 == wide.spec.bytes_per_block
+    assert narrow.num_blocks + 1 == 2 * (wide.num_blocks + 1)  # the budget's blocks, less the padding block
+
+
+def test_kv_cache_dtype_resolution_names_the_flag():
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CPU, "cpu") == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, CPU, "cpu") == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32, CPU, "torch") == torch.float16
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on CUDA only"):
+        resolve_kv_cache_dtype("fp8", torch.float32, CPU, "torch")
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16: the cpu attention backend"):
+        resolve_kv_cache_dtype("float16", torch.float32, CPU, "cpu")
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is read by the torch attention backend only"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, "flash")
+    with pytest.raises(ValueError, match="flash-attn reads a cache in the model's dtype"):
+        resolve_kv_cache_dtype("float16", torch.bfloat16, cuda, "flash")
+
+
+def test_fp8_is_refused_on_cpu_by_the_engine(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on CUDA only"):
+        make_llm(tiny_llama_dir, kv_cache_dtype="fp8")
+
+
+def test_fp8_cache_round_trip_and_decode_in_the_torch_backend():
+    """The torch backend's fp8 path (the CUDA one) runs on CPU tensors too: writes scale into e4m3, reads
+    back to the query's dtype; a decode over an fp8 cache stays within e4m3's rounding of the fp32 one."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 16, generator=generator)
+    back = from_cache(to_cache(x, torch.float8_e4m3fn), torch.float32)
+    assert ((back - x).abs() <= x.abs() / 16 + 2**-9).all()  # e4m3: 3 mantissa bits
+    outputs = {}
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        spec = KVCacheSpec(1, 4, 2, 16, dtype)
+        caches = [torch.zeros(9, 4, 2, 16, dtype=dtype) for _ in range(2)]
+        keys, values = torch.randn(2, 12, 2, 16, generator=torch.Generator().manual_seed(1))
+        slots = torch.arange(12)
+        backend = TorchAttentionBackend()
+        write_kv_by_slots(keys, values, caches[0], caches[1], slots)
+        query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(2))
+        # two decodes: 12 cached tokens in blocks 0-2, and 7 in blocks 0-1
+        step = step_metadata_for([(12, 1, [0, 1, 2]), (7, 1, [0, 1])], torch.tensor([11, 6]), 2, CPU)
+        metadata = backend.build_metadata(step, spec)
+        outputs[dtype] = backend.attend(query, None, None, caches[0], caches[1], metadata, 0.25)
+    torch.testing.assert_close(outputs[torch.float8_e4m3fn], outputs[torch.float32], rtol=0, atol=0.1)
+
