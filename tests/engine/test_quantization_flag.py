@@ -37,9 +37,9 @@ def _prompt_logprobs(result) -> torch.Tensor:
 
 @pytest.mark.parametrize("settings,round_trip,weight_type", [
     ({"quantization": "int8"}, lambda w: Int8Weight.quantize(w).dequantize(), Int8Weight),
-    ({"quantization": "int4", "quantization_group_size": 32},
+    ({"quantization": "int4"},  # the default group, 32
      lambda w: Int4Groups.quantize(w, 32).dequantize(), Int4Weight),
-    ({"quantization": "int4"},  # group 128 over the tiny model's 64 columns: padded groups
+    ({"quantization": "int4", "quantization_group_size": 128},  # over the tiny model's 64 columns: padded groups
      lambda w: Int4Groups.quantize(w, 128).dequantize(), Int4Weight),
 ])
 def test_quantized_engine_serves_the_dequantized_model(tiny_llama_dir, tmp_path, settings, round_trip,
