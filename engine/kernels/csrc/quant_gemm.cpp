@@ -114,8 +114,8 @@ struct Activations {
 template <int64_t FORMAT, int NR>
 void column_dot(const uint8_t* qs, const uint16_t* d, const uint16_t* m, Activations a, float* result) {
     const int64_t nbp = a.nbp;
-    __m512 acc[NR], accm[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
+    __m512 acc[NR][2], accm[NR];  // two chains per row: pairs alternate (hides the fma latency at NR = 1)
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = accm[r] = _mm512_setzero_ps();
     const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
     const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t g = 0; g < nbp; g += 16) {
@@ -144,11 +144,13 @@ void column_dot(const uint8_t* qs, const uint16_t* d, const uint16_t* m, Activat
             for (int r = 0; r < NR; ++r) {
                 const __m512i xv = _mm512_loadu_si512(a.xq + r * nbp * kBlock + b * kBlock);
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, scale[r]), acc[r]);
+                acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, scale[r]),
+                                                 acc[r][p & 1]);
             }
         }
     }
-    for (int r = 0; r < NR; ++r) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], accm[r]));
+    for (int r = 0; r < NR; ++r)
+        result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), accm[r]));
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
