@@ -23,7 +23,7 @@ from engine.quantization.quantized_weight import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "gguf")
-GGUF_BY_DEFAULT = True
+GGUF_BY_DEFAULT = False
 """`auto` keeps a GGUF's blocks quantized on CPU: measured as accurate (see README) and faster per decode
 step than the dequantized bf16 weights."""
 

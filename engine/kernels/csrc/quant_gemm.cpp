@@ -111,13 +111,37 @@ struct Activations {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
+// Blocks b and b + 1 of a weight row as 64 unsigned bytes (lanes 0-31: block b, 32-63: block b + 1).
+template <int64_t FORMAT>
+inline __m512i load_pair(const uint8_t* qs, int64_t b) {
+    if constexpr (FORMAT == kQ8_0) {
+        return _mm512_loadu_si512(qs + b * kBlock);
+    } else {
+        const __m512i both =
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b / 2) * kBlock)));
+        return _mm512_and_si512(_mm512_inserti64x4(both, _mm512_castsi512_si256(_mm512_srli_epi16(both, 4)), 1),
+                                _mm512_set1_epi8(0x0f));
+    }
+}
+
+// acc[r] += (sum of u * xq over each block, 8 lanes per block) * d dx of that block, for the pair at b.
+template <int64_t FORMAT, int NR>
+inline void pair_step(const uint8_t* qs, int64_t b, int64_t g, const __m512* scale, Activations a, __m512* acc) {
+    const __m512i w = load_pair<FORMAT>(qs, b);
+    const __m512i index = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                           _mm512_set1_epi32(static_cast<int>(b - g)));
+    for (int r = 0; r < NR; ++r) {
+        const __m512i xv = _mm512_loadu_si512(a.xq + r * a.nbp * kBlock + b * kBlock);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, scale[r]), acc[r]);
+    }
+}
+
 template <int64_t FORMAT, int NR>
 void column_dot(const uint8_t* qs, const uint16_t* d, const uint16_t* m, Activations a, float* result) {
     const int64_t nbp = a.nbp;
-    __m512 acc[NR][2], accm[NR];  // two chains per row: pairs alternate (hides the fma latency at NR = 1)
-    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = accm[r] = _mm512_setzero_ps();
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-    const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 even[NR], odd[NR], accm[NR];  // two chains per row (pairs alternate): hides the fma latency
+    for (int r = 0; r < NR; ++r) even[r] = odd[r] = accm[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nbp; g += 16) {
         const int64_t blocks = std::min<int64_t>(16, nbp - g);
         const __mmask16 mask = static_cast<__mmask16>((1u << blocks) - 1u);
@@ -129,28 +153,15 @@ void column_dot(const uint8_t* qs, const uint16_t* d, const uint16_t* m, Activat
             scale[r] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mask, a.dx + r * nbp + g));
             accm[r] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(mask, a.sx + r * nbp + g), accm[r]);
         }
-        for (int64_t p = 0; p < blocks / 2; ++p) {
-            const int64_t b = g + 2 * p;  // lanes 0-7: block b, lanes 8-15: block b + 1
-            __m512i w;
-            if constexpr (FORMAT == kQ8_0) {
-                w = _mm512_loadu_si512(qs + b * kBlock);
-            } else {
-                const __m512i both = _mm512_castsi256_si512(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b / 2) * kBlock)));
-                w = _mm512_and_si512(_mm512_inserti64x4(both, _mm512_castsi512_si256(_mm512_srli_epi16(both, 4)), 1),
-                                     low_nibbles);
-            }
-            const __m512i index = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(static_cast<int>(b - g)));
-            for (int r = 0; r < NR; ++r) {
-                const __m512i xv = _mm512_loadu_si512(a.xq + r * nbp * kBlock + b * kBlock);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-                acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, scale[r]),
-                                                 acc[r][p & 1]);
-            }
+        int64_t b = g;
+        for (; b + 4 <= g + blocks; b += 4) {
+            pair_step<FORMAT, NR>(qs, b, g, scale, a, even);
+            pair_step<FORMAT, NR>(qs, b + 2, g, scale, a, odd);
         }
+        if (b < g + blocks) pair_step<FORMAT, NR>(qs, b, g, scale, a, even);
     }
     for (int r = 0; r < NR; ++r)
-        result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), accm[r]));
+        result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even[r], odd[r]), accm[r]));
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -295,21 +306,42 @@ void quant_linear(const T* x, const uint8_t* qs, const uint16_t* d, const uint16
     }
 }
 
-// Rows [N, K] of the float matrix the blocks stand for (design (a)'s tile, tests, fallbacks).
+// Rows [N, K] of the float matrix the blocks stand for (design (a)'s dense product, tests, fallbacks).
+template <typename T>
+void dequantize_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t nb, int64_t format) {
+    for (int64_t b = 0; b < nb; b += 2) {  // a pair of blocks (the second may be padding: not written)
+        const float d0 = half_to_float(d[b]), m0 = block_min(format, d, m, b);
+        const float d1 = half_to_float(d[b + 1]), m1 = block_min(format, d, m, b + 1);
+        T* dst = out + b * kBlock;
+        const bool second = b + 1 < nb;
+        if (format == kQ8_0) {
+            const uint8_t* src = qs + b * kBlock;
+#pragma omp simd
+            for (int64_t j = 0; j < kBlock; ++j) store(dst + j, d0 * static_cast<float>(src[j]) + m0);
+            if (second) {
+#pragma omp simd
+                for (int64_t j = 0; j < kBlock; ++j) store(dst + kBlock + j, d1 * static_cast<float>(src[kBlock + j]) + m1);
+            }
+        } else {
+            const uint8_t* src = qs + (b / 2) * kBlock;
+#pragma omp simd
+            for (int64_t j = 0; j < kBlock; ++j) store(dst + j, d0 * static_cast<float>(src[j] & 0x0f) + m0);
+            if (second) {
+#pragma omp simd
+                for (int64_t j = 0; j < kBlock; ++j) store(dst + kBlock + j, d1 * static_cast<float>(src[j] >> 4) + m1);
+            }
+        }
+    }
+}
+
 template <typename T>
 void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t columns,
                 int64_t in_features, int64_t nbp, int64_t format) {
     const int64_t row_bytes = format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2;
 #pragma omp parallel for if (columns * in_features >= kParallelMinWork)
-    for (int64_t n = 0; n < columns; ++n) {
-        const uint8_t* row = qs + n * row_bytes;
-        for (int64_t b = 0; b < in_features / kBlock; ++b) {
-            const float scale = half_to_float(d[n * nbp + b]);
-            const float mm = block_min(format, d + n * nbp, m ? m + n * nbp : nullptr, b);
-            for (int64_t j = 0; j < kBlock; ++j)
-                store(out + n * in_features + b * kBlock + j, scale * stored_quant(format, row, b, j) + mm);
-        }
-    }
+    for (int64_t n = 0; n < columns; ++n)
+        dequantize_row(qs + n * row_bytes, d + n * nbp, m ? m + n * nbp : nullptr, out + n * in_features,
+                       in_features / kBlock, format);
 }
 
 }  // namespace
