@@ -1,0 +1,102 @@
+"""The embedded SmolLM2 GGUF loaded with `quantization="gguf"` (Q4_1 projections and the Q8_0 embedding /
+LM head kept quantized) against the same weights dequantized to float32 (`quantization="none"`), and the
+pieces of the loading: names, the q/k row un-permutation, the flag's resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.loading.gguf_weights import hf_name, unpermute_rows
+from engine.quantization.gguf_weight import GgufWeight
+from engine.quantization.model_weights import resolve_quantization
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three primary colors:",
+]
+NEW_TOKENS = 24
+CPU = torch.device("cpu")
+
+
+def hf_reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """HF transformers' GGUF loader's un-permutation of llama q/k rows (modeling_gguf_pytorch_utils)."""
+    dim = weights.shape[0] // n_head // 2
+    return weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
+
+
+def test_unpermute_rows_is_hfs_reverse_permutation():
+    for rows, heads in ((576, 9), (192, 3), (8, 2)):
+        stored = np.arange(rows * 3).reshape(rows, 3)
+        np.testing.assert_array_equal(stored[unpermute_rows(rows, heads).numpy()], hf_reverse_permute(stored, heads))
+
+
+def test_gguf_names_map_to_hf_names():
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("blk.3.attn_k.bias") == "model.layers.3.self_attn.k_proj.bias"
+    with pytest.raises(KeyError, match="blk.0.ffn_gate_exps.weight"):
+        hf_name("blk.0.ffn_gate_exps.weight")
+
+
+def test_the_flag_resolves_or_says_why_not(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    assert resolve_quantization("gguf", gguf, CPU, torch.bfloat16) == "gguf"
+    assert resolve_quantization("none", gguf, CPU, torch.bfloat16) == "none"
+    assert resolve_quantization("auto", None, CPU, torch.float32) == "none"
+    refusals = [
+        ((None, CPU, torch.float32, False), "not a .gguf file"),
+        ((gguf, torch.device("cuda"), torch.float32, False), "CPU only"),
+        ((gguf, CPU, torch.float16, False), "not float16"),
+        ((gguf, CPU, torch.float32, True), "batch-invariant"),
+    ]
+    for args, reason in refusals:
+        with pytest.raises(ValueError, match=reason):
+            resolve_quantization("gguf", *args)
+        assert resolve_quantization("auto", *args) == "none"
+    with pytest.raises(ValueError, match="unknown quantization"):
+        resolve_quantization("int3", gguf, CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llms(embedded_checkpoint):
+    options = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="32MiB")
+    return LLM(None, quantization="gguf", **options), LLM(None, quantization="none", **options)
+
+
+def test_weights_stay_quantized(llms):
+    model = llms[0].engine.runner.model
+    assert model.quantization == "gguf"
+    layer = model.layers[0]
+    assert all(isinstance(w, GgufWeight) and w.format == "q4_1" for w in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                          layer.down))
+    assert (layer.qkv.out_features, layer.gate_up.out_features) == (576 + 2 * 192, 2 * 1536)
+    assert model.lm_head is model.embed and model.embed.format == "q8_0"  # tied: one Q8_0 matrix
+    assert model.weight_bytes() < 100e6 < llms[1].engine.runner.model.weight_bytes()
+
+
+def test_greedy_tokens_and_logprobs_follow_the_float_weights(llms):
+    """Teacher-forced on the float path's greedy continuations: at most positions the quantized path picks
+    the same token, and its logprobs of the chosen tokens stay close."""
+    quantized, float_path = llms
+    continuations = float_path.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0),
+                                        use_tqdm=False)
+    sequences = [r.prompt_token_ids + r.outputs[0].token_ids for r in continuations]
+    scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    agree = total = 0
+    gaps = []
+    for q_result, f_result in zip(quantized.generate(sequences, scoring, use_tqdm=False),
+                                  float_path.generate(sequences, scoring, use_tqdm=False)):
+        for q_lp, f_lp in zip(q_result.prompt_logprobs[1:], f_result.prompt_logprobs[1:]):
+            agree += q_lp.top[0][0] == f_lp.top[0][0]
+            total += 1
+            gaps.append(abs(q_lp.logprob - f_lp.logprob))
+    assert agree / total >= 0.9, f"{agree} of {total} positions agree"
+    assert float(np.mean(gaps)) < 0.05 and max(gaps) < 1.0, (float(np.mean(gaps)), max(gaps))
