@@ -19,9 +19,8 @@ PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time, in a land far away,",
-    "List three primary colors:",
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 CPU = torch.device("cpu")
 
 
@@ -99,4 +98,4 @@ def test_greedy_tokens_and_logprobs_follow_the_float_weights(llms):
             total += 1
             gaps.append(abs(q_lp.logprob - f_lp.logprob))
     assert agree / total >= 0.9, f"{agree} of {total} positions agree"
-    assert float(np.mean(gaps)) < 0.05 and max(gaps) < 1.0, (float(np.mean(gaps)), max(gaps))
+    assert float(np.mean(gaps)) < 0.05 and max(gaps) < 0.5, (float(np.mean(gaps)), max(gaps))

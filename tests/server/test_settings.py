@@ -19,6 +19,7 @@ FLAG_CASES = [
     ("--api-key", "k1", ("server", "api_keys"), ["k1"]),
     ("--dtype", "bfloat16", ("engine", "model", "dtype"), "bfloat16"),
     ("--device", "cpu", ("engine", "model", "device"), "cpu"),
+    ("--quantization", "gguf", ("engine", "model", "quantization"), "gguf"),
     ("--max-model-len", "512", ("engine", "model", "max_model_len"), 512),
     ("--block-size", "32", ("engine", "cache", "block_size"), 32),
     ("--num-kv-blocks", "100", ("engine", "cache", "num_blocks"), 100),
