@@ -110,8 +110,8 @@ OPTIONS: tuple[Option, ...] = (
            "on CPUs with native bf16, else float32"),
     Option("--device", (*_M, "device"), "str", "where the model runs"),
     Option("--quantization", (*_M, "quantization"), "str", "weight storage: gguf keeps a .gguf file's "
-           "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels), none loads float weights; auto = gguf for "
-           ".gguf files on CPU"),
+           "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels), none loads float weights; auto = none (gguf "
+           "is faster for one request, slower at 16: README)"),
     Option("--max-model-len", (*_M, "max_model_len"), "int", "prompt + output tokens at most", "N",
            "the model's context length", nullable=True),
     Option("--block-size", (*_C, "block_size"), "int", "tokens per KV cache block", "N"),

@@ -50,7 +50,7 @@ class ModelConfig(BaseModel):
         "trust_remote_code); the model itself always runs pagedserve's implementation")
     quantization: Literal["auto", "none", "gguf"] = Field(
         "auto", description="weight storage: gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized (native CPU "
-        "kernels); none loads float weights; auto = gguf for .gguf files on CPU (engine/quantization/model_weights.py)")
+        "kernels); none loads float weights; auto = none for now (engine/quantization/model_weights.py)")
     chat_template: Optional[str] = Field(
         None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's")
 

@@ -3,7 +3,7 @@
     none   float tensors in the model's dtype (a GGUF dequantized once by gguf_converter.py)
     gguf   a GGUF file's Q4_0/Q4_1/Q8_0 matrices kept in their blocks, multiplied by the native CPU
            kernels (csrc/quant_gemm.cpp); its float tensors (norms, F32/F16 matrices) load as floats
-    auto   `gguf` for GGUF checkpoints on CPU in float32/bfloat16 (see GGUF_BY_DEFAULT), else `none`
+    auto   `gguf` for GGUF checkpoints on CPU in float32/bfloat16 when GGUF_BY_DEFAULT, else `none`
 
 Which layers stay in high precision with `gguf`: none is re-quantized; the norms stay as the GGUF has
 them (F32); the token embedding keeps its GGUF format too (Q8_0 in the embedded model: the looked-up rows
@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "gguf")
 GGUF_BY_DEFAULT = False
-"""`auto` keeps a GGUF's blocks quantized on CPU: measured as accurate (see README) and faster per decode
-step than the dequantized bf16 weights."""
+"""Whether `auto` keeps a GGUF's blocks quantized on CPU. Not yet: measured (README), a single request's
+decode step is ~3.7x faster than with bf16 weights, but a 16-request step ~1.3x slower (the integer
+product at 16 rows runs below oneDNN's bf16 product on float weights), and issue 11 asks for both."""
 
 WeightItem = tuple[str, Union[torch.Tensor, QuantizedWeight]]
 
