@@ -34,8 +34,8 @@ from engine.loading.gguf_converter import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "quant_gemm.cpp")
-HEADERS = ("common.h",)
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "quant_gemm.cpp", "quant_dense_bf16.cpp")
+HEADERS = ("common.h", "quant_blocks.h")
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)

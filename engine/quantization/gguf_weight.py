@@ -1,9 +1,9 @@
 """A weight matrix kept in a GGUF block format (Q4_0, Q4_1, Q8_0), multiplied by the native kernels.
 
-Products of fewer than `DENSE_MIN_ROWS` activation rows (decode, batched decode) quantize the activations to
-int8 per 32-block and take integer dot products with the blocks (csrc/quant_gemm.cpp); longer ones
-(prefill chunks) dequantize the matrix to the activations' dtype and use torch's dense product, which
-is faster once the dequantization is spread over enough rows (measured, see DENSE_MIN_ROWS).
+Few activation rows (decode) are quantized to int8 per 32-block and take integer dot products with the
+blocks (csrc/quant_gemm.cpp). More rows in bf16 take bf16 products with tiles of the weight dequantized
+once per call (csrc/quant_dense_bf16.cpp, AVX512-BF16); in float32 (or without AVX512-BF16) long products
+dequantize the whole matrix and use torch's dense product. The thresholds are measured (below).
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ from engine.kernels.quant import QuantKernels
 from engine.quantization.gguf_formats import BlockFormat, PackedBlocks
 from engine.quantization.quantized_weight import QuantizedWeight
 
-DENSE_MIN_ROWS = {torch.bfloat16: 16, torch.float32: 64}
-"""Per activation dtype, the row count from which dequantize + torch's dense product beats the integer
-kernel. Measured per thread on the embedded model's shapes (AVX512-VNNI + AVX512-BF16, Q4_1, ms for 8
-layers): bf16 at 16 rows 15.1 (integer) vs 13.7 (dense), at 32 rows 29.3 vs 17.7; fp32 at 32 rows 28.5
-vs 30.2, at 64 rows 57.3 vs 57.6. At 1-8 rows the integer kernel is 1.5-7x faster than torch's product
-on the same weights already dequantized."""
+TILE_MIN_ROWS = 6
+"""bf16 activations of at least this many rows take the bf16 tile product (a tile of the weight dequantized
+once per call, csrc/quant_dense_bf16.cpp) where the build has AVX512-BF16. Measured per thread on 8 layers
+of the embedded model's Q4_1 shapes (ms): integer vs tile vs oneDNN on the float weights: 4 rows 4.2 /
+4.6 / 8.4; 8 rows 8.7 / 6.0 / 9.1; 16 rows 15.9 / 8.6 / 11.4; 64 rows 62.3 / 25.2 / 25.2."""
+
+DENSE_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
+"""Otherwise, from this many rows the weight is dequantized whole and multiplied by torch's product.
+Measured per thread (ms, 8 layers, Q4_1): fp32 at 32 rows 28.5 (integer) vs 30.2 (dense), at 64 rows 57.3
+vs 57.6; bf16 (no AVX512-BF16 tiles) at 16 rows 15.1 vs 13.7, at 32 rows 29.3 vs 17.7."""
 
 
 class GgufWeight(QuantizedWeight):
@@ -52,9 +56,13 @@ class GgufWeight(QuantizedWeight):
         """x [rows, in_features] f32/bf16 -> [rows, out_features] in x's dtype."""
         if x.shape[-1] != self._in_features:
             raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self._in_features}")
-        if x.shape[0] >= DENSE_MIN_ROWS.get(x.dtype, 0):
-            return F.linear(x, self.dequantize(x.dtype))
         p = self.packed
+        rows = x.shape[0]
+        if x.dtype == torch.bfloat16 and self.kernels.bf16_tiles:
+            return self.kernels.linear(x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code,
+                                       TILE_MIN_ROWS)
+        if rows >= DENSE_MIN_ROWS.get(x.dtype, 0):
+            return F.linear(x, self.dequantize(x.dtype))
         return self.kernels.linear(x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.kernels.cpu import compiler
-from engine.kernels.quant import load_quant_kernels
+from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
 from engine.quantization.gguf_formats import FORMATS, padded_blocks, repack
-from engine.quantization.gguf_weight import DENSE_MIN_ROWS, GgufWeight
+from engine.quantization.gguf_weight import DENSE_MIN_ROWS, TILE_MIN_ROWS, GgufWeight
 
 TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 SHAPES = [(1, 32), (5, 96), (17, 160), (33, 576), (70, 1536)]  # [out, in]: odd block counts, column tails
@@ -43,7 +43,7 @@ def kernels(request):
         pytest.skip("no C++ compiler: the native kernels cannot be built here")
     if request.param == "haswell" and not _cpu_has("avx2", "fma", "f16c"):
         pytest.skip("this CPU cannot run AVX2 code")
-    return load_quant_kernels(march=request.param, sources=("quant_gemm.cpp",))
+    return load_quant_kernels(march=request.param, sources=QUANT_SOURCES)
 
 
 @pytest.fixture(scope="module")
@@ -118,21 +118,44 @@ def test_integer_product_every_shape_and_row_count(kernels, weights, name, dtype
             check_integer_product(got, x, reference)
 
 
+def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray, relative: float) -> None:
+    """Within `relative` of the sum of absolute products (bf16 rounding of weights or of the result)."""
+    xs = x.double().numpy()
+    exact = xs @ reference.T
+    tolerance = relative * (np.abs(xs) @ np.abs(reference).T) + 1e-6
+    np.testing.assert_array_less(np.abs(got.double().numpy() - exact), tolerance)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name):
+    """bf16 activations with tiles of the weight dequantized to bf16 (AVX512-BF16 builds; elsewhere the
+    same call falls back to the integer product)."""
+    for shape in SHAPES:
+        raw, reference = weights[name, shape]
+        w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
+        p = w.packed
+        for rows in ROWS:
+            x = make_x(rows, shape[1], torch.bfloat16, seed=rows)
+            got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, tile_min_rows=1)
+            if kernels.bf16_tiles:
+                check_float_product(got, x, reference, 2.0**-7)
+            else:
+                check_integer_product(got, x, reference)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matmul_takes_the_dense_product_from_its_threshold(kernels, weights, dtype):
+def test_matmul_picks_its_product_by_rows(kernels, weights, dtype):
     raw, reference = weights["q4_1", (33, 576)]
     w = GgufWeight(FORMATS["q4_1"], repack(FORMATS["q4_1"], raw, 576), 576, kernels)
-    threshold = DENSE_MIN_ROWS[dtype]
+    tiles = dtype == torch.bfloat16 and kernels.bf16_tiles
+    threshold = TILE_MIN_ROWS if tiles else DENSE_MIN_ROWS[dtype]
     for rows in (1, threshold - 1, threshold, threshold + 5):
         x = make_x(rows, 576, dtype, seed=rows)
         got = w.matmul(x)
         if rows < threshold:
             check_integer_product(got, x, reference)
-            continue
-        dense = x.double().numpy() @ torch.from_numpy(reference).to(dtype).double().numpy().T
-        magnitude = np.abs(x.double().numpy()) @ np.abs(reference).T
-        tolerance = (1e-5 if dtype == torch.float32 else 1e-2) * magnitude + 1e-6
-        np.testing.assert_array_less(np.abs(got.double().numpy() - dense), tolerance)
+        else:
+            check_float_product(got, x, reference, 1e-5 if dtype == torch.float32 else 2.0**-7)
 
 
 def test_rows_concat_and_take_are_exact(kernels, weights):
@@ -162,12 +185,12 @@ def test_bytes_read_are_the_blocks_and_scales(kernels, weights):
 def test_the_operator_passes_torch_library_checks(weights):
     if compiler() is None:
         pytest.skip("no C++ compiler: the native kernels cannot be built here")
-    kernels = load_quant_kernels(sources=("quant_gemm.cpp",))
+    kernels = load_quant_kernels(sources=QUANT_SOURCES)
     raw, _ = weights["q4_0", (17, 160)]
     w = GgufWeight(FORMATS["q4_0"], repack(FORMATS["q4_0"], raw, 160), 160, kernels)
     p = w.packed
     x = make_x(3, 160, torch.float32, seed=0)
     function = kernels._function("quant_linear", torch.float32)
     torch.library.opcheck(torch.ops.pagedserve.cpu_quant_linear.default,
-                          (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, function),
+                          (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, 1 << 40, function),
                           test_utils=("test_schema", "test_faketensor"))

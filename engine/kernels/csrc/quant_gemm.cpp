@@ -14,9 +14,11 @@
 //   xq int8 [R, nbp * 32], dx float [R, nbp] (= amax / 127), sx float [R, nbp] (= dx * sum(xq))
 // and a block's dot product is d dx sum(u xq) + mm sx: an integer dot product (vpdpbusd on AVX512-VNNI,
 // vpmaddubsw on AVX2) and two multiply-adds per block. Threads split blocks of output columns.
+// With bf16 activations and enough rows, quant_dense_bf16.cpp's tile product is used instead.
 // Built and loaded by engine/kernels/cpu.py and engine/kernels/quant.py.
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -24,54 +26,16 @@
 #endif
 
 #include "common.h"
+#include "quant_blocks.h"
 
 namespace {
+
+using namespace pagedserve::quant;
 
 using pagedserve::store;
 using pagedserve::to_float;
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
-
-constexpr int64_t kBlock = 32;
-constexpr int kMaxRows = 4;             // activation rows per micro-kernel call
-constexpr int64_t kColumnsPerTask = 16;  // output columns (weight rows) per work item
-constexpr int64_t kParallelMinWork = 1 << 16;
-
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
-    if (exponent == 0x1f) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else {  // subnormal: normalize
-        exponent = 113;
-        while ((mantissa & 0x400u) == 0) { mantissa <<= 1; --exponent; }
-        bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-    }
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-#endif
-}
-
-// The additive term of a block: mm = m, -8 d or -128 d.
-inline float block_min(int64_t format, const uint16_t* d, const uint16_t* m, int64_t b) {
-    if (format == kQ4_1) return half_to_float(m[b]);
-    return half_to_float(d[b]) * (format == kQ4_0 ? -8.0f : -128.0f);
-}
-
-// The stored unsigned quant of element j of block b in a row of qs.
-inline int stored_quant(int64_t format, const uint8_t* qs, int64_t b, int64_t j) {
-    if (format == kQ8_0) return qs[b * kBlock + j];
-    const uint8_t byte = qs[(b / 2) * kBlock + j];
-    return (b & 1) ? (byte >> 4) : (byte & 0x0f);
-}
+constexpr int kMaxRows = 4;  // activation rows per micro-kernel call
 
 // ---------------------------------------------------------------- activations
 
@@ -110,19 +74,6 @@ struct Activations {
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-
-// Blocks b and b + 1 of a weight row as 64 unsigned bytes (lanes 0-31: block b, 32-63: block b + 1).
-template <int64_t FORMAT>
-inline __m512i load_pair(const uint8_t* qs, int64_t b) {
-    if constexpr (FORMAT == kQ8_0) {
-        return _mm512_loadu_si512(qs + b * kBlock);
-    } else {
-        const __m512i both =
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b / 2) * kBlock)));
-        return _mm512_and_si512(_mm512_inserti64x4(both, _mm512_castsi512_si256(_mm512_srli_epi16(both, 4)), 1),
-                                _mm512_set1_epi8(0x0f));
-    }
-}
 
 // acc[r] += (sum of u * xq over each block, 8 lanes per block) * d dx of that block, for the pair at b.
 template <int64_t FORMAT, int NR>
@@ -285,7 +236,12 @@ struct Scratch {
 
 template <typename T>
 void quant_linear(const T* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t rows,
-                  int64_t in_features, int64_t columns, int64_t nbp, int64_t format) {
+                  int64_t in_features, int64_t columns, int64_t nbp, int64_t format, int64_t tile_min_rows) {
+    if constexpr (std::is_same_v<T, uint16_t>) {  // bf16 activations: the bf16 tile product from tile_min_rows
+        if (rows >= tile_min_rows &&
+            dense_bf16_product(x, qs, d, m, out, rows, in_features, columns, nbp, format))
+            return;
+    }
     static thread_local Scratch scratch;
     const int64_t nb = in_features / kBlock;
     scratch.xq.resize(rows * nbp * kBlock);
@@ -349,10 +305,10 @@ void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out,
 #define PAGEDSERVE_QUANT(SUFFIX, T)                                                                          \
     void pagedserve_quant_linear_##SUFFIX(const void* x, const void* qs, const void* d, const void* m,       \
                                           void* out, int64_t rows, int64_t in_features, int64_t columns,     \
-                                          int64_t nbp, int64_t format) {                                     \
+                                          int64_t nbp, int64_t format, int64_t tile_min_rows) {              \
         quant_linear(static_cast<const T*>(x), static_cast<const uint8_t*>(qs),                              \
                      static_cast<const uint16_t*>(d), static_cast<const uint16_t*>(m), static_cast<T*>(out), \
-                     rows, in_features, columns, nbp, format);                                               \
+                     rows, in_features, columns, nbp, format, tile_min_rows);                                \
     }                                                                                                        \
     void pagedserve_quant_dequantize_##SUFFIX(const void* qs, const void* d, const void* m, void* out,       \
                                               int64_t columns, int64_t in_features, int64_t nbp,             \
