@@ -3,7 +3,7 @@
     none   float tensors in the model's dtype (a GGUF dequantized once by gguf_converter.py)
     gguf   a GGUF file's Q4_0/Q4_1/Q8_0 matrices kept in their blocks, multiplied by the native CPU
            kernels (csrc/quant_gemm.cpp); its float tensors (norms, F32/F16 matrices) load as floats
-    auto   `gguf` for GGUF checkpoints on CPU in float32/bfloat16 when GGUF_BY_DEFAULT, else `none`
+    auto   `gguf` for GGUF checkpoints on CPU in bfloat16 when GGUF_BY_DEFAULT, else `none`
 
 Which layers stay in high precision with `gguf`: none is re-quantized; the norms stay as the GGUF has
 them (F32); the token embedding keeps its GGUF format too (Q8_0 in the embedded model: the looked-up rows
@@ -24,9 +24,12 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "gguf")
 GGUF_BY_DEFAULT = False
-"""Whether `auto` keeps a GGUF's blocks quantized on CPU. Not yet: measured (README), a single request's
-decode step is ~3.7x faster than with bf16 weights, but a 16-request step ~1.3x slower (the integer
-product at 16 rows runs below oneDNN's bf16 product on float weights), and issue 11 asks for both."""
+"""Whether `auto` keeps a GGUF's blocks quantized on CPU in bfloat16 (in float32 a 16-request step is
+slower than with the float weights: never by default). Off for now, measured (README): in bf16 decode
+steps are 3.4x (1 request) and 1.2x (16 requests) faster and perplexity is equal, but greedy answers
+change where the float path's top two tokens are close (the embedded model's "What is the capital of
+France?" chat starts with "L'" instead of "The", 0.08 apart in float32), which the end-to-end test of the
+default server pins; the lead decides after measuring on a quiet machine."""
 
 WeightItem = tuple[str, Union[torch.Tensor, QuantizedWeight]]
 
@@ -43,7 +46,7 @@ def resolve_quantization(requested: str, gguf_file: Optional[Path], device: torc
         if problem:
             raise ValueError(f"--quantization gguf is unavailable: {problem}")
         return "gguf"
-    return "gguf" if GGUF_BY_DEFAULT and problem is None else "none"
+    return "gguf" if GGUF_BY_DEFAULT and problem is None and dtype == torch.bfloat16 else "none"
 
 
 def _gguf_problem(gguf_file: Optional[Path], device: torch.device, dtype: torch.dtype,
