@@ -1,9 +1,9 @@
 """A weight matrix kept in a GGUF block format (Q4_0, Q4_1, Q8_0), multiplied by the native kernels.
 
 Few activation rows (decode) are quantized to int8 per 32-block and take integer dot products with the
-blocks (csrc/quant_gemm.cpp). More rows in bf16 take bf16 products with tiles of the weight dequantized
-once per call (csrc/quant_dense_bf16.cpp, AVX512-BF16); in float32 (or without AVX512-BF16) long products
-dequantize the whole matrix and use torch's dense product. The thresholds are measured (below).
+blocks (csrc/quant_gemm.cpp). More rows take bf16 products with tiles of the weight dequantized once per
+call (csrc/quant_dense_bf16.cpp, AVX512-BF16); float32 prefill (and bf16 without AVX512-BF16) dequantizes
+the whole matrix and uses torch's dense product. The thresholds are measured (below).
 """
 
 from __future__ import annotations
@@ -18,15 +18,18 @@ from engine.quantization.gguf_formats import BlockFormat, PackedBlocks
 from engine.quantization.quantized_weight import QuantizedWeight
 
 TILE_MIN_ROWS = 6
-"""bf16 activations of at least this many rows take the bf16 tile product (a tile of the weight dequantized
-once per call, csrc/quant_dense_bf16.cpp) where the build has AVX512-BF16. Measured per thread on 8 layers
+"""Activations of at least this many rows take the bf16 tile product (a tile of the weight dequantized once
+per call, csrc/quant_dense_bf16.cpp; float32 activations rounded to bf16) where the build has AVX512-BF16. Measured per thread on 8 layers
 of the embedded model's Q4_1 shapes (ms): integer vs tile vs oneDNN on the float weights: 4 rows 4.2 /
 4.6 / 8.4; 8 rows 8.7 / 6.0 / 9.1; 16 rows 15.9 / 8.6 / 11.4; 64 rows 62.3 / 25.2 / 25.2."""
 
+NO_TILES = 1 << 62
+
 DENSE_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
-"""Otherwise, from this many rows the weight is dequantized whole and multiplied by torch's product.
+"""From this many rows the weight is dequantized whole and multiplied by torch's product: float32 prefill
+(exact float32 products, as the float weights give), and bf16 where the build has no bf16 tiles.
 Measured per thread (ms, 8 layers, Q4_1): fp32 at 32 rows 28.5 (integer) vs 30.2 (dense), at 64 rows 57.3
-vs 57.6; bf16 (no AVX512-BF16 tiles) at 16 rows 15.1 vs 13.7, at 32 rows 29.3 vs 17.7."""
+vs 57.6; bf16 (without tiles) at 16 rows 15.1 vs 13.7, at 32 rows 29.3 vs 17.7."""
 
 
 class GgufWeight(QuantizedWeight):
@@ -57,13 +60,11 @@ class GgufWeight(QuantizedWeight):
         if x.shape[-1] != self._in_features:
             raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self._in_features}")
         p = self.packed
-        rows = x.shape[0]
-        if x.dtype == torch.bfloat16 and self.kernels.bf16_tiles:
-            return self.kernels.linear(x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code,
-                                       TILE_MIN_ROWS)
-        if rows >= DENSE_MIN_ROWS.get(x.dtype, 0):
+        tiles = self.kernels.bf16_tiles
+        if x.shape[0] >= DENSE_MIN_ROWS.get(x.dtype, 0) and not (tiles and x.dtype == torch.bfloat16):
             return F.linear(x, self.dequantize(x.dtype))
-        return self.kernels.linear(x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code)
+        return self.kernels.linear(x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code,
+                                   TILE_MIN_ROWS if tiles else NO_TILES)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [out_features, in_features] (float32/bfloat16 by the kernel, others cast)."""

@@ -126,16 +126,17 @@ def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarra
     np.testing.assert_array_less(np.abs(got.double().numpy() - exact), tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(TYPES))
-def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name):
-    """bf16 activations with tiles of the weight dequantized to bf16 (AVX512-BF16 builds; elsewhere the
+def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name, dtype):
+    """Tiles of the weight dequantized to bf16, activations in bf16 (AVX512-BF16 builds; elsewhere the
     same call falls back to the integer product)."""
     for shape in SHAPES:
         raw, reference = weights[name, shape]
         w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
         p = w.packed
         for rows in ROWS:
-            x = make_x(rows, shape[1], torch.bfloat16, seed=rows)
+            x = make_x(rows, shape[1], dtype, seed=rows)
             got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, tile_min_rows=1)
             if kernels.bf16_tiles:
                 check_float_product(got, x, reference, 2.0**-7)
@@ -147,15 +148,17 @@ def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name):
 def test_matmul_picks_its_product_by_rows(kernels, weights, dtype):
     raw, reference = weights["q4_1", (33, 576)]
     w = GgufWeight(FORMATS["q4_1"], repack(FORMATS["q4_1"], raw, 576), 576, kernels)
-    tiles = dtype == torch.bfloat16 and kernels.bf16_tiles
-    threshold = TILE_MIN_ROWS if tiles else DENSE_MIN_ROWS[dtype]
-    for rows in (1, threshold - 1, threshold, threshold + 5):
+    tiles = TILE_MIN_ROWS if kernels.bf16_tiles else DENSE_MIN_ROWS[dtype]
+    dense = DENSE_MIN_ROWS[dtype] if dtype == torch.float32 or not kernels.bf16_tiles else None
+    for rows in sorted({1, tiles - 1, tiles, tiles + 5, *((dense - 1, dense, dense + 3) if dense else ())}):
         x = make_x(rows, 576, dtype, seed=rows)
         got = w.matmul(x)
-        if rows < threshold:
+        if rows < tiles:
             check_integer_product(got, x, reference)
-        else:
+        elif dense is not None and rows >= dense:  # torch's product on the dequantized weight
             check_float_product(got, x, reference, 1e-5 if dtype == torch.float32 else 2.0**-7)
+        else:  # bf16 tiles
+            check_float_product(got, x, reference, 2.0**-7)
 
 
 def test_rows_concat_and_take_are_exact(kernels, weights):

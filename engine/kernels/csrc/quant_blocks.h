@@ -71,10 +71,13 @@ constexpr int64_t kColumnsPerTask = 16;  // output columns (weight rows) per wor
 constexpr int64_t kParallelMinWork = 1 << 16;
 
 // The bf16 product of quant_dense_bf16.cpp: out [rows, columns] = x [rows, K] @ W.T, W dequantized to bf16
-// one tile of columns at a time. False (nothing done) where the build has no AVX512-BF16.
+// one tile of columns at a time (float32 x rounded to bf16 first). False (nothing done) where the build
+// has no AVX512-BF16.
 bool dense_bf16_product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
                         uint16_t* out, int64_t rows, int64_t in_features, int64_t columns, int64_t nbp,
                         int64_t format);
+bool dense_bf16_product(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, float* out,
+                        int64_t rows, int64_t in_features, int64_t columns, int64_t nbp, int64_t format);
 
 }  // namespace quant
 }  // namespace pagedserve

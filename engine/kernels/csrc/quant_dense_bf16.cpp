@@ -5,7 +5,8 @@
 //     for a tile of columns:  dequantize W[n0:n0+16, :] -> tile (bf16)
 //         for rows r0 += 4:  for columns c0 += 4:  acc[4 x 4] += x[r, k:k+32] . tile[c, k:k+32]  (k += 32)
 //
-// The dequantization is paid once per weight per call, so this wins over the integer kernel of
+// float32 activations are rounded to bf16 first (finer than the int8 blocks of the integer kernel); the sums
+// and the output stay float32. The dequantization is paid once per weight per call, so this wins over the integer kernel of
 // quant_gemm.cpp from a few rows on (its per-block scaling is paid per row); with one or two rows the
 // integer kernel reads less and is kept. Layouts as in quant_gemm.cpp.
 
@@ -79,8 +80,8 @@ void row_chunk(const uint16_t* x, const uint16_t* w, int64_t in_features, int64_
     }
 }
 
-template <int64_t FORMAT>
-void product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, uint16_t* out,
+template <int64_t FORMAT, typename T>
+void product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out,
              int64_t rows, int64_t in_features, int64_t columns, int64_t nbp) {
     const int64_t tasks = (columns + kColumnsPerTask - 1) / kColumnsPerTask;
 #pragma omp parallel for schedule(static) if (tasks > 1 && rows * columns * in_features >= kParallelMinWork)
@@ -105,16 +106,31 @@ void product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint
     }
 }
 
-}  // namespace
-
-bool dense_bf16_product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
-                        uint16_t* out, int64_t rows, int64_t in_features, int64_t columns, int64_t nbp,
-                        int64_t format) {
+template <typename T>
+void dispatch(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t rows,
+              int64_t in_features, int64_t columns, int64_t nbp, int64_t format) {
     switch (format) {
         case kQ4_0: product<kQ4_0>(x, qs, d, m, out, rows, in_features, columns, nbp); break;
         case kQ4_1: product<kQ4_1>(x, qs, d, m, out, rows, in_features, columns, nbp); break;
         default: product<kQ8_0>(x, qs, d, m, out, rows, in_features, columns, nbp); break;
     }
+}
+
+}  // namespace
+
+bool dense_bf16_product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                        uint16_t* out, int64_t rows, int64_t in_features, int64_t columns, int64_t nbp,
+                        int64_t format) {
+    dispatch(x, qs, d, m, out, rows, in_features, columns, nbp, format);
+    return true;
+}
+
+bool dense_bf16_product(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, float* out,
+                        int64_t rows, int64_t in_features, int64_t columns, int64_t nbp, int64_t format) {
+    static thread_local std::vector<uint16_t> rounded;  // x [rows, K] rounded to bf16
+    rounded.resize(rows * in_features);
+    for (int64_t i = 0; i < rows * in_features; ++i) store(rounded.data() + i, x[i]);
+    dispatch(rounded.data(), qs, d, m, out, rows, in_features, columns, nbp, format);
     return true;
 }
 
@@ -122,6 +138,11 @@ bool dense_bf16_product(const uint16_t* x, const uint8_t* qs, const uint16_t* d,
 
 bool dense_bf16_product(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
                         int64_t, int64_t, int64_t, int64_t) {
+    return false;
+}
+
+bool dense_bf16_product(const float*, const uint8_t*, const uint16_t*, const uint16_t*, float*, int64_t, int64_t,
+                        int64_t, int64_t, int64_t) {
     return false;
 }
 

@@ -14,11 +14,10 @@
 //   xq int8 [R, nbp * 32], dx float [R, nbp] (= amax / 127), sx float [R, nbp] (= dx * sum(xq))
 // and a block's dot product is d dx sum(u xq) + mm sx: an integer dot product (vpdpbusd on AVX512-VNNI,
 // vpmaddubsw on AVX2) and two multiply-adds per block. Threads split blocks of output columns.
-// With bf16 activations and enough rows, quant_dense_bf16.cpp's tile product is used instead.
+// From `tile_min_rows` rows, quant_dense_bf16.cpp's bf16 tile product is used instead (AVX512-BF16 builds).
 // Built and loaded by engine/kernels/cpu.py and engine/kernels/quant.py.
 
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -237,11 +236,8 @@ struct Scratch {
 template <typename T>
 void quant_linear(const T* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t rows,
                   int64_t in_features, int64_t columns, int64_t nbp, int64_t format, int64_t tile_min_rows) {
-    if constexpr (std::is_same_v<T, uint16_t>) {  // bf16 activations: the bf16 tile product from tile_min_rows
-        if (rows >= tile_min_rows &&
-            dense_bf16_product(x, qs, d, m, out, rows, in_features, columns, nbp, format))
-            return;
-    }
+    if (rows >= tile_min_rows && dense_bf16_product(x, qs, d, m, out, rows, in_features, columns, nbp, format))
+        return;  // the bf16 tile product (quant_dense_bf16.cpp)
     static thread_local Scratch scratch;
     const int64_t nb = in_features / kBlock;
     scratch.xq.resize(rows * nbp * kBlock);
