@@ -100,3 +100,62 @@ def test_greedy_tokens_and_logprobs_follow_the_float_weights(llms):
     assert total > 50
     assert agree / total >= 0.9, f"{agree} of {total} positions agree"
     assert float(np.mean(gaps)) < 0.05 and max(gaps) < 0.5, (float(np.mean(gaps)), max(gaps))
+
+
+def write_gguf(path: Path, architecture: str, tensors: dict) -> None:
+    """A GGUF file of the given tensors: name -> (float32 array [out, in] or [n], GGML type)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    writer = GGUFWriter(str(path), architecture)
+    for name, (array, qtype) in tensors.items():
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_gguf_file_reads_into_hf_names_kept_quantized(tmp_path, architecture):
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
+    from engine.loading.gguf_weights import iter_gguf_weights
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((8, 64)).astype(np.float32)  # 2 heads of 4 dims
+    tensors = {
+        "blk.0.attn_q.weight": (q, T.Q4_1),
+        "blk.0.attn_k.weight": (q[:4].copy(), T.Q8_0),  # 1 kv head
+        "blk.0.ffn_down.weight": (rng.standard_normal((64, 96)).astype(np.float32), T.Q4_0),
+        "blk.0.attn_output.weight": (rng.standard_normal((64, 64)).astype(np.float32), T.F16),
+        "blk.0.attn_norm.weight": (rng.standard_normal(64).astype(np.float32), T.F32),
+        "output.weight": (rng.standard_normal((10, 64)).astype(np.float32), T.Q8_0),
+    }
+    path = tmp_path / "m.gguf"
+    write_gguf(path, architecture, tensors)
+    got = dict(iter_gguf_weights(path, load_quant_kernels(sources=QUANT_SOURCES), num_heads=2, num_kv_heads=1))
+    assert set(got) == {hf_name(name) for name in tensors}
+    assert got["model.layers.0.input_layernorm.weight"].dtype == torch.float32
+    assert got["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float16
+    for name, (array, qtype) in tensors.items():
+        value = got[hf_name(name)]
+        if qtype in (T.F32, T.F16):
+            np.testing.assert_array_equal(value.float().numpy(), array.astype(np.float16 if qtype == T.F16 else
+                                                                              np.float32).astype(np.float32))
+            continue
+        assert isinstance(value, GgufWeight) and value.format == qtype.name.lower()
+        expected = dequantize(quantize(array, qtype), qtype)
+        part = name.split(".")[-2]  # attn_q, attn_k, ffn_down, output
+        heads = {"attn_q": 2, "attn_k": 1}.get(part, 0) if architecture == "llama" else 0
+        if heads:
+            expected = hf_reverse_permute(expected, heads)
+        np.testing.assert_array_equal(value.dequantize().numpy(), expected)
+
