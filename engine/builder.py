@@ -16,8 +16,7 @@ from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.runner.kv_cache import KVCache, KVCacheSpec
 from engine.loading.loader import load_hf_config, prepare_checkpoint
-from engine.memory_bandwidth import tensor_bytes
-from engine.quantization.model_weights import model_weights, resolve_quantization
+from engine.quantization.model_weights import footprint_bytes, model_weights, resolve_quantization
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
@@ -59,7 +58,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     model.load_weights(model_weights(quantization, checkpoint.path, checkpoint.gguf, model.arch.num_heads,
                                      model.arch.num_kv_heads))
     logger.info("model weights: %.1f MB (quantization %s; %.1f MB read per decode step)",
-                model.weight_bytes() / 1e6, quantization, tensor_bytes(model.weight_tensors()) / 1e6)
+                model.weight_bytes() / 1e6, quantization, footprint_bytes(model.weight_tensors()) / 1e6)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, dtype)
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)

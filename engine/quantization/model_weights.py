@@ -75,14 +75,18 @@ def model_weights(quantization: str, checkpoint_dir: Path, gguf_file: Optional[P
     return iter_gguf_weights(gguf_file, load_quant_kernels(), num_heads, num_kv_heads)
 
 
-def footprint_bytes(tensors) -> int:
-    """Bytes of distinct weights (a tied matrix once): tensors by their storage, quantized weights by
-    their blocks and scales."""
+def footprint_bytes(weights) -> int:
+    """Bytes of distinct weights (a tied matrix once): tensors by their elements (opaque packed layouts
+    included), quantized weights by their blocks and scales, other packed forms by their `data` tensor."""
     seen: set[int] = set()
     total = 0
-    for tensor in tensors:
-        if tensor is None or id(tensor) in seen:
+    for weight in weights:
+        if weight is None or id(weight) in seen:
             continue
-        seen.add(id(tensor))
-        total += tensor.nbytes if isinstance(tensor, QuantizedWeight) else tensor.numel() * tensor.element_size()
+        seen.add(id(weight))
+        if isinstance(weight, QuantizedWeight):
+            total += weight.nbytes
+        else:
+            tensor = weight if isinstance(weight, torch.Tensor) else weight.data  # e.g. a batch-invariant PackedWeight
+            total += tensor.numel() * tensor.element_size()
     return total
