@@ -59,10 +59,11 @@ inline __m512i load_pair(const uint8_t* qs, int64_t b) {
     if constexpr (FORMAT == kQ8_0) {
         return _mm512_loadu_si512(qs + b * kBlock);
     } else {
+        // the 32 bytes in both halves (a load), the upper half shifted right by 4: low nibbles | high nibbles
         const __m512i both =
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b / 2) * kBlock)));
-        return _mm512_and_si512(_mm512_inserti64x4(both, _mm512_castsi512_si256(_mm512_srli_epi16(both, 4)), 1),
-                                _mm512_set1_epi8(0x0f));
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b / 2) * kBlock)));
+        const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+        return _mm512_and_si512(_mm512_srlv_epi16(both, shifts), _mm512_set1_epi8(0x0f));
     }
 }
 #endif

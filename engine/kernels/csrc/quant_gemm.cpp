@@ -77,9 +77,15 @@ struct Activations {
 // acc[r] += (sum of u * xq over each block, 8 lanes per block) * d dx of that block, for the pair at b.
 template <int64_t FORMAT, int NR>
 inline void pair_step(const uint8_t* qs, int64_t b, int64_t g, const __m512* scale, Activations a, __m512* acc) {
+    // lanes 0-7 take block b's scale, lanes 8-15 block b + 1's: kPairLanes[(b - g) / 2] (a load, no ALU work)
+    alignas(64) static constexpr int32_t kPairLanes[8][16] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},     {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},     {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+        {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},     {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+        {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+        {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
     const __m512i w = load_pair<FORMAT>(qs, b);
-    const __m512i index = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                           _mm512_set1_epi32(static_cast<int>(b - g)));
+    const __m512i index = _mm512_load_si512(kPairLanes[(b - g) / 2]);
     for (int r = 0; r < NR; ++r) {
         const __m512i xv = _mm512_loadu_si512(a.xq + r * a.nbp * kBlock + b * kBlock);
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
