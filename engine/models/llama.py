@@ -18,6 +18,7 @@ from engine.models.layer_ops import TorchLayerOps
 from engine.models.linear import Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
+from engine.quantization.model_weights import footprint_bytes, fuse_rows
 from engine.quantization.quantized_weight import QuantizedWeight
 
 
@@ -98,8 +99,8 @@ class LlamaForCausalLM:
         def cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             if tensors[0] is None:
                 return None
-            if isinstance(tensors[0], QuantizedWeight):
-                return type(tensors[0]).concat_rows(tensors)
+            if any(isinstance(t, QuantizedWeight) for t in tensors):
+                return fuse_rows(tensors, self.dtype)
             return torch.cat(tensors, dim=0).contiguous()
 
         attn = "self_attn."
@@ -126,8 +127,6 @@ class LlamaForCausalLM:
 
     def weight_bytes(self) -> int:
         """The memory its weights take (tied matrices once; quantized ones by their blocks and scales)."""
-        from engine.quantization.model_weights import footprint_bytes
-
         fields = [getattr(layer, name) for layer in self.layers for name in LlamaLayerWeights.__slots__]
         return footprint_bytes([self.embed, self.final_norm, self.lm_head, *fields])
 

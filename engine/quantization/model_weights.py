@@ -90,3 +90,18 @@ def footprint_bytes(weights) -> int:
             tensor = weight if isinstance(weight, torch.Tensor) else weight.data  # e.g. a batch-invariant PackedWeight
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+def fuse_rows(weights, dtype: torch.dtype) -> Union[torch.Tensor, QuantizedWeight]:
+    """[w0; w1; ...] along the output rows (q|k|v, gate|up): one quantized weight where they share a format,
+    else (a GGUF mixing formats, or quantized with float) a float tensor in `dtype`, logged."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        try:
+            return type(weights[0]).concat_rows(weights)
+        except (ValueError, NotImplementedError) as error:
+            reason = str(error)
+    else:
+        reason = "quantized and float matrices"
+    logger.info("fusing %s as %s floats: %s", " | ".join(getattr(w, "format", "float") for w in weights),
+                str(dtype).removeprefix("torch."), reason)
+    return torch.cat([w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype) for w in weights]).contiguous()

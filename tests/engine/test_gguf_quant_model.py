@@ -159,3 +159,28 @@ def test_a_gguf_file_reads_into_hf_names_kept_quantized(tmp_path, architecture):
             expected = hf_reverse_permute(expected, heads)
         np.testing.assert_array_equal(value.dequantize().numpy(), expected)
 
+
+
+def test_mixed_formats_fuse_as_floats(tmp_path):
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
+    from engine.quantization.gguf_formats import FORMATS, repack
+    from engine.quantization.model_weights import fuse_rows
+
+    kernels = load_quant_kernels(sources=QUANT_SOURCES)
+    rng = np.random.default_rng(5)
+    parts, expected = [], []
+    for qtype in (T.Q4_1, T.Q8_0):
+        raw = quantize(rng.standard_normal((4, 64)).astype(np.float32), qtype)
+        name = qtype.name.lower()
+        parts.append(GgufWeight(FORMATS[name], repack(FORMATS[name], raw, 64), 64, kernels))
+        expected.append(dequantize(raw, qtype))
+    same = fuse_rows([parts[0], parts[0]], torch.float32)
+    assert isinstance(same, GgufWeight) and same.out_features == 8
+    mixed = fuse_rows(parts, torch.float32)
+    assert isinstance(mixed, torch.Tensor)
+    np.testing.assert_array_equal(mixed.numpy(), np.concatenate(expected))
+    with_float = fuse_rows([parts[0], torch.ones(2, 64)], torch.float32)
+    np.testing.assert_array_equal(with_float.numpy(), np.concatenate([expected[0], np.ones((2, 64))]))
