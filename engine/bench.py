@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     report["floor_ms"] = step_bytes / bandwidth * 1e3
     report["matvec_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear, dtype)
     print(f"single-stream decode step: {report['step_ms']:.2f} ms; floor {report['floor_ms']:.2f} ms "
-          f"({report['step_mb']:.0f} MB of {model.quantization} weights and K/V at {report['read_gb_s']:.1f} GB/s streaming read); "
+          f"({report['step_mb']:.0f} MB of {model.quantization} weights and K/V at {report['read_gb_s']:.1f} GB/s "
+          "streaming read); "
           f"ratio {report['step_ms'] / report['floor_ms']:.2f}x (torch's batch-1 products alone: "
           f"{report['matvec_ms']:.2f} ms)", flush=True)
     report["pagedserve_tok_s"] = bench_pagedserve(llm, prompts, args.output_len)

@@ -19,9 +19,10 @@ from engine.quantization.quantized_weight import QuantizedWeight
 
 TILE_MIN_ROWS = 6
 """Activations of at least this many rows take the bf16 tile product (a tile of the weight dequantized once
-per call, csrc/quant_dense_bf16.cpp; float32 activations rounded to bf16) where the build has AVX512-BF16. Measured per thread on 8 layers
-of the embedded model's Q4_1 shapes (ms): integer vs tile vs oneDNN on the float weights: 4 rows 4.2 /
-4.6 / 8.4; 8 rows 8.7 / 6.0 / 9.1; 16 rows 15.9 / 8.6 / 11.4; 64 rows 62.3 / 25.2 / 25.2."""
+per call, csrc/quant_dense_bf16.cpp; float32 activations rounded to bf16) where the build has AVX512-BF16.
+Measured per thread on 8 layers of the embedded model's Q4_1 shapes (ms), integer vs tiles vs oneDNN on the
+float weights: 4 rows 4.2 / 4.6 / 8.4; 8 rows 8.7 / 6.0 / 9.1; 16 rows 15.9 / 8.6 / 11.4; 64 rows 62.3 /
+25.2 / 25.2."""
 
 NO_TILES = 1 << 62
 

@@ -104,4 +104,5 @@ def fuse_rows(weights, dtype: torch.dtype) -> Union[torch.Tensor, QuantizedWeigh
         reason = "quantized and float matrices"
     logger.info("fusing %s as %s floats: %s", " | ".join(getattr(w, "format", "float") for w in weights),
                 str(dtype).removeprefix("torch."), reason)
-    return torch.cat([w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype) for w in weights]).contiguous()
+    rows = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype) for w in weights]
+    return torch.cat(rows).contiguous()

@@ -6,9 +6,9 @@
 //         for rows r0 += 4:  for columns c0 += 4:  acc[4 x 4] += x[r, k:k+32] . tile[c, k:k+32]  (k += 32)
 //
 // float32 activations are rounded to bf16 first (finer than the int8 blocks of the integer kernel); the sums
-// and the output stay float32. The dequantization is paid once per weight per call, so this wins over the integer kernel of
-// quant_gemm.cpp from a few rows on (its per-block scaling is paid per row); with one or two rows the
-// integer kernel reads less and is kept. Layouts as in quant_gemm.cpp.
+// and the output stay float32. The dequantization is paid once per weight per call, so this wins over the
+// integer kernel of quant_gemm.cpp from a few rows on (its per-block scaling is paid per row); below that
+// the integer kernel is kept. Layouts as in quant_gemm.cpp.
 
 #include <algorithm>
 #include <cstdint>
@@ -101,7 +101,8 @@ void product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint
                 default: row_chunk<4>(xr, tile.data(), in_features, n1 - n0, sums); break;
             }
             for (int64_t r = 0; r < nr; ++r)
-                for (int64_t n = n0; n < n1; ++n) store(out + (r0 + r) * columns + n, sums[r * kColumnsPerTask + n - n0]);
+                for (int64_t n = n0; n < n1; ++n)
+                    store(out + (r0 + r) * columns + n, sums[r * kColumnsPerTask + n - n0]);
         }
     }
 }

@@ -81,7 +81,8 @@ inline void pair_step(const uint8_t* qs, int64_t b, int64_t g, const __m512* sca
     alignas(64) static constexpr int32_t kPairLanes[8][16] = {
         {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},     {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
         {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},     {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
-        {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},     {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+        {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+        {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
         {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
         {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
     const __m512i w = load_pair<FORMAT>(qs, b);
@@ -278,7 +279,8 @@ void dequantize_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* 
             for (int64_t j = 0; j < kBlock; ++j) store(dst + j, d0 * static_cast<float>(src[j]) + m0);
             if (second) {
 #pragma omp simd
-                for (int64_t j = 0; j < kBlock; ++j) store(dst + kBlock + j, d1 * static_cast<float>(src[kBlock + j]) + m1);
+                for (int64_t j = 0; j < kBlock; ++j)
+                    store(dst + kBlock + j, d1 * static_cast<float>(src[kBlock + j]) + m1);
             }
         } else {
             const uint8_t* src = qs + (b / 2) * kBlock;
