@@ -4,8 +4,8 @@
     python -m benchmarks.perplexity --rows bf16,int8,int4    # some rows
     python -m benchmarks.perplexity --agreement-prompts 32 --agreement-tokens 64 --reference bf16
 
-A row is a name for engine settings: fp32, bf16, int8, int4 (group 128), int4-g64, int4-g32, int8-head / int4-head
-(the LM head quantized too), kv-bf16 (an fp32 model with a bf16 KV cache, prefill in chunks of 64 tokens
+A row is a name for engine settings: fp32, bf16, int8, int4 (group 32, the default), int4-g64,
+int4-g128, int8-head / int4-head (the LM head quantized too), kv-bf16 (an fp32 model with a bf16 KV cache, prefill in chunks of 64 tokens
 so that it reads the cache; fp32-chunked is its fp32-cache twin), q8_0 (the model requantized to a
 Q8_0 GGUF, dequantized on load) and, with the native GGUF path (`--quantization gguf`), q8_0-native and
 q4_1-native. A row the engine cannot build here is reported with the reason.
@@ -40,16 +40,16 @@ ROWS: dict[str, dict[str, Any]] = {
     "kv-bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16", "max_num_batched_tokens": 64, "max_num_seqs": 32},
     "fp32-chunked": {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 32},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
-    "int4": {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 128},
+    "int4": {"dtype": "bfloat16", "quantization": "int4"},  # group 32, the default
+    "int4-g128": {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 128},
     "int4-g64": {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 64},
-    "int4-g32": {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 32},
     "int8-head": {"dtype": "bfloat16", "quantization": "int8", "lm_head": True},
     "int4-head": {"dtype": "bfloat16", "quantization": "int4", "lm_head": True},
     "q8_0": {"dtype": "float32", "gguf": "Q8_0"},
     "q8_0-native": {"dtype": "float32", "gguf": "Q8_0", "quantization": "gguf"},
     "q4_1-native": {"dtype": "float32", "quantization": "gguf"},
 }
-DEFAULT_ROWS = ("fp32,bf16,fp32-chunked,kv-bf16,int8,int4,int4-g64,int4-g32,int8-head,int4-head,"
+DEFAULT_ROWS = ("fp32,bf16,fp32-chunked,kv-bf16,int8,int4,int4-g64,int4-g128,int8-head,int4-head,"
                 "q8_0,q8_0-native,q4_1-native")
 
 

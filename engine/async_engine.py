@@ -156,6 +156,16 @@ class AsyncEngine:
         return str(self.engine.runner.kv_cache.spec.dtype).removeprefix("torch.")
 
     @property
+    def quantization(self) -> str:
+        """The weights' storage: "none", "gguf", "int8", "int4" or "awq"."""
+        return self.engine.runner.model.quantization
+
+    @property
+    def weight_bytes(self) -> int:
+        """Memory the model's weights take."""
+        return self.engine.runner.model.weight_bytes()
+
+    @property
     def device(self) -> torch.device:
         """Where the model runs: `cpu`, or `cuda` / `cuda:N` (no index: the current CUDA device)."""
         return self.engine.runner.device

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from engine.llm import LLM
 from engine.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
 from engine.models.invariant_linear import PackedWeight
+from engine.quantization.quantized_weight import QuantizedWeight
 from engine.sampling.params import SamplingParams
 
 _WORDS = (
@@ -89,10 +90,10 @@ def single_stream_step_ms(llm: LLM, prompt: list[int], steps: int) -> float:
     return statistics.median(timings) * 1e3
 
 
-def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear) -> float:
+def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear, dtype: torch.dtype) -> float:
     """One matrix-vector product per weight matrix, batch 1, with torch's products (the faster of `F.linear`
     on plain copies and the model's own product): a reference, not a floor (see memory_bandwidth.py)."""
-    plain = [_plain(w) for w in weights]
+    plain = [_plain(w, dtype) for w in weights]
     inputs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in plain]
     best = float("inf")
     with torch.inference_mode():
@@ -114,8 +115,10 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _plain(weight) -> torch.Tensor:
+def _plain(weight, dtype: torch.dtype) -> torch.Tensor:
     """A weight as the model's product takes it -> a plain [out, in] tensor."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.dequantize(dtype)
     if isinstance(weight, PackedWeight):
         return weight.unpack()
     return weight.to_dense() if weight.layout == torch._mkldnn else weight
@@ -123,7 +126,8 @@ def _plain(weight) -> torch.Tensor:
 
 def run(args: argparse.Namespace) -> dict[str, float]:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-              max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant)
+              max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant,
+              quantization=args.quantization)
     engine = llm.engine
     dtype = engine.runner.model.dtype
     prompts = make_prompts(llm, args.num_prompts, args.input_len, args.seed)
@@ -135,15 +139,17 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         profile.reset()
     model = engine.runner.model
     arch = model.arch
-    step_bytes = tensor_bytes([_plain(w) for w in model.weight_tensors()]) + kv_read_bytes(
+    stored = [w if isinstance(w, QuantizedWeight) else _plain(w, dtype) for w in model.weight_tensors()]
+    step_bytes = tensor_bytes(stored) + kv_read_bytes(
         arch.num_layers, args.input_len + args.single_steps // 2, arch.num_kv_heads, arch.head_dim, dtype)
     bandwidth = read_bandwidth(model.device)
     report["read_gb_s"] = bandwidth / 1e9
     report["step_mb"] = step_bytes / 1e6
     report["floor_ms"] = step_bytes / bandwidth * 1e3
-    report["matvec_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear)
+    report["matvec_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear, dtype)
     print(f"single-stream decode step: {report['step_ms']:.2f} ms; floor {report['floor_ms']:.2f} ms "
-          f"({report['step_mb']:.0f} MB of weights and K/V at {report['read_gb_s']:.1f} GB/s streaming read); "
+          f"({report['step_mb']:.0f} MB of {model.quantization} weights and K/V at {report['read_gb_s']:.1f} GB/s "
+          "streaming read); "
           f"ratio {report['step_ms'] / report['floor_ms']:.2f}x (torch's batch-1 products alone: "
           f"{report['matvec_ms']:.2f} ms)", flush=True)
     report["pagedserve_tok_s"] = bench_pagedserve(llm, prompts, args.output_len)
@@ -203,6 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--single-steps", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
     parser.add_argument("--batch-invariant", action="store_true", help="run pagedserve in batch-invariant mode")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4", "awq"],
+                        help="weight storage (gguf: a .gguf file's quantized blocks; its floor counts their bytes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="print where the steps' time goes, by phase")
     run(parser.parse_args(argv))

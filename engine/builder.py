@@ -15,7 +15,8 @@ from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.runner.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
-from engine.loading.loader import iter_weights, load_hf_config, prepare_checkpoint
+from engine.loading.loader import load_hf_config, prepare_checkpoint
+from engine.quantization.model_weights import footprint_bytes, model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
@@ -23,7 +24,7 @@ from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
-from engine.quantization.weight_quantizer import WeightQuantizer, resolve_quantization
+from engine.quantization.weight_quantizer import LOAD_TIME_METHODS, WeightQuantizer, resolve_quantization
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -51,7 +52,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
 
     backend, ops, linear = _numerics(config, device, dtype)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend.name)
-    quantizer = _quantizer(model_config.quantization, model_config.quantization_group_size, hf_config, device,
+    load_time = model_config.quantization if model_config.quantization in LOAD_TIME_METHODS else None
+    quantizer = _quantizer(load_time, model_config.quantization_group_size, hf_config, device,
                            config.batch_invariant)
     if quantizer is not None and quantizer.method != "int8" and device.type == "cpu" and dtype == torch.float32:
         logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
@@ -60,11 +62,15 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
         max_model_len = model.arch.sliding_window
-    weights = iter_weights(checkpoint.path)
-    if quantizer is not None and quantizer.method == "awq":
+    storage = quantizer.method if quantizer is not None else resolve_gguf_storage(
+        model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
+    model.quantization = storage
+    weights = model_weights("none" if quantizer is not None else storage, checkpoint.path, checkpoint.gguf,
+                            model.arch.num_heads, model.arch.num_kv_heads)
+    if storage == "awq":
         weights = awq_weights(weights, quantizer.group_size)
     model.load_weights(weights)
-    _log_weights(model, quantizer)
+    _log_weights(model)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, kv_dtype)
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
@@ -102,15 +108,17 @@ def _quantizer(requested, group_size: int, hf_config, device: torch.device,
     return WeightQuantizer(method, awq_group_size or group_size, device)
 
 
-def _log_weights(model: LlamaForCausalLM, quantizer: Optional[WeightQuantizer]) -> None:
-    from engine.memory_bandwidth import tensor_bytes
-
+def _log_weights(model: LlamaForCausalLM) -> None:
     matrices = model.weight_tensors()
-    formats = sorted({w.format if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
-                      for w in matrices})
-    logger.info("weights: %.1f MiB of matrices read per step (%s; quantization %s), %.1f MiB of embeddings",
-                tensor_bytes(matrices) / 2**20, ", ".join(formats),
-                "none" if quantizer is None else quantizer.method, tensor_bytes([model.embed]) / 2**20)
+    formats = sorted({w.format if isinstance(w, QuantizedWeight) else _dtype_name(w) for w in matrices})
+    logger.info("model weights: %.1f MB (quantization %s; %.1f MB of matrices read per decode step: %s)",
+                model.weight_bytes() / 1e6, model.quantization, footprint_bytes(matrices) / 1e6, ", ".join(formats))
+
+
+def _dtype_name(weight) -> str:
+    """A float matrix's dtype (packed batch-invariant weights keep theirs in `data`)."""
+    tensor = weight if isinstance(weight, torch.Tensor) else weight.data
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, limits: RunnerLimits,

@@ -98,6 +98,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         num_blocks=cache.num_blocks, block_size=cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
         dtype=engine.kv_cache_dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
         cuda_graphs=engine.cuda_graphs))
+    metrics.model_weight_bytes.labels(name, engine.quantization).set(engine.weight_bytes)
     engine.on_step = metrics.observe_step
     engine.grammar_compiler.on_compile = metrics.grammar_compile.labels(name).observe
     engine.engine.runner.grammar.on_fill = metrics.grammar_mask_fill.labels(name).observe

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -127,6 +127,9 @@ class ServerMetrics:
         self.grammar_mask_fill = Histogram("pagedserve_grammar_mask_fill_seconds",
                                            "Filling a step's token bitmask of its constrained requests.", m,
                                            buckets=_GRAMMAR_BUCKETS, registry=r)
+        self.model_weight_bytes = Gauge("pagedserve_model_weight_bytes",
+                                        "Memory the model's weights take (quantized ones by their blocks and scales).",
+                                        m + ["quantization"], registry=r)
         Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(
             {"model_name": model_name, **cache_info})
         self.registry.register(_SchedulerCollector(model_name, stats))

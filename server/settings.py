@@ -134,9 +134,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--profile", ("engine", "profile"), "bool",
            "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
            "between steps), every 1000 steps"),
-    Option("--quantization", (*_M, "quantization"), "str", "weight-only quantization: int8 or int4 of a float "
-           "checkpoint at load, awq for an AWQ int4 checkpoint (detected from config.json when unset)",
-           default_text="none (awq for AWQ checkpoints)", nullable=True),
+    Option("--quantization", (*_M, "quantization"), "str", "weight storage: gguf keeps a .gguf file's "
+           "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
+           "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
+           "else none"),
     Option("--quantization-group-size", (*_M, "quantization_group_size"), "int",
            "input columns per int4 scale and zero: 32, 64 or 128", "N"),
     Option("--kv-cache-dtype", (*_C, "kv_cache_dtype"), "str", "dtype the KV cache stores: auto = the model's "

@@ -34,9 +34,9 @@ from engine.loading.gguf_converter import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp")
-HEADERS = ("common.h",)
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "quant_gemm.cpp", "quant_dense_bf16.cpp")
+HEADERS = ("common.h", "quant_blocks.h")
+FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
 
@@ -58,33 +58,38 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build_key(compiler_path: str) -> str:
+def _build_key(compiler_path: str, flags: tuple[str, ...], sources: tuple[str, ...]) -> str:
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    sources = [(CSRC / name).read_bytes() for name in (*SOURCES, *HEADERS)]
-    for part in (*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+    texts = [name.encode() + (CSRC / name).read_bytes() for name in (*sources, *HEADERS)]
+    for part in (*texts, " ".join(flags).encode(), version.encode(), _cpu_flags().encode(),
                  platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:32]
 
 
-def build_library(cache_dir: Optional[Path] = None) -> Path:
-    """Compile the kernels (or find the cached build); raises RuntimeError with the reason."""
+def build_library(cache_dir: Optional[Path] = None, *, march: str = "native",
+                  sources: tuple[str, ...] = SOURCES) -> Path:
+    """Compile the kernels (or find the cached build); raises RuntimeError with the reason.
+
+    `march` and `sources` pick another target (e.g. `haswell`, to test the AVX2 paths on an AVX-512
+    machine) or a subset of the sources; each combination is cached under its own key."""
     if platform.system() != "Linux":
         raise RuntimeError(f"native CPU kernels are built on Linux only (this is {platform.system()})")
     compiler_path = compiler()
     if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     target_dir = (cache_dir or default_cache_dir()) / "kernels"
-    target = target_dir / f"cpu-kernels-{_build_key(compiler_path)}.so"
+    flags = (*FLAGS, f"-march={march}")
+    target = target_dir / f"cpu-kernels-{_build_key(compiler_path, flags, sources)}.so"
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=target_dir, prefix=".build-", suffix=".so")
     os.close(handle)
     try:
-        command = [compiler_path, *FLAGS, "-o", partial, *(str(CSRC / name) for name in SOURCES)]
+        command = [compiler_path, *flags, "-o", partial, *(str(CSRC / name) for name in sources)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler_path} failed to build the CPU kernels: {result.stderr.strip()[-2000:]}")

@@ -50,6 +50,7 @@ class Checkpoint:
 
     path: Path  # holds config.json, weights, tokenizer files (and generation_config.json when known)
     source: str  # for logs and /v1/models: the embedded name, the path or the hub id as given
+    gguf: Optional[Path] = None  # the .gguf file it was converted from, if any
 
 
 def embedded_gguf_path() -> Path:
@@ -82,7 +83,8 @@ def prepare_checkpoint(
     """
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     if model is None:
-        return Checkpoint(_convert(embedded_gguf_path(), cache_dir), EMBEDDED_SOURCE)
+        embedded = embedded_gguf_path()
+        return Checkpoint(_convert(embedded, cache_dir), EMBEDDED_SOURCE, embedded)
     local = Path(model).expanduser()
     if local.is_dir():
         check_checkpoint_dir(local)
@@ -90,7 +92,7 @@ def prepare_checkpoint(
     if local.is_file():
         if local.suffix.lower() != ".gguf":
             raise CheckpointError(f"model file {model!r} is not a .gguf file; pass a checkpoint directory instead")
-        return Checkpoint(_convert(local.resolve(), cache_dir), model)
+        return Checkpoint(_convert(local.resolve(), cache_dir), model, local.resolve())
     if _looks_like_path(model):
         raise CheckpointError(f"model path not found: {model!r}")
     return Checkpoint(download_from_hub(model, revision=revision, download_dir=download_dir), model)

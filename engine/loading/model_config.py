@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Any, TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -48,15 +48,23 @@ class ModelConfig(BaseModel):
     trust_remote_code: bool = Field(
         False, description="let the checkpoint's own Python code build its config and tokenizer (transformers' "
         "trust_remote_code); the model itself always runs pagedserve's implementation")
+    quantization: Literal["auto", "none", "gguf", "int8", "int4", "awq"] = Field(
+        "auto", description="weight storage: gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized (native CPU "
+        "kernels, engine/quantization/model_weights.py); int8 (per output channel) or int4 (group-wise) quantize "
+        "a float checkpoint's projections at load time, awq loads an AWQ checkpoint "
+        "(engine/quantization/weight_quantizer.py); none loads float weights; auto = awq for an AWQ checkpoint, "
+        "else none")
     chat_template: Optional[str] = Field(
         None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's")
-    quantization: Optional[Literal["int8", "int4", "awq"]] = Field(
-        None, description="weight-only quantization of the projections: int8 (per output channel) or int4 "
-        "(group-wise) of a float checkpoint at load time, awq for an AWQ checkpoint (detected when unset); "
-        "engine/quantization/weight_quantizer.py")
     quantization_group_size: Literal[32, 64, 128] = Field(
         32, description="input columns per int4 scale and zero (--quantization int4); 32 is llama.cpp's "
         "Q4 block: measured on the embedded model, groups of 64 and 128 lose 39% and 66% of perplexity")
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _none_is_auto(cls, value: Any) -> Any:
+        """vLLM's `quantization=None` (what the checkpoint says) is auto."""
+        return "auto" if value is None else value
 
     @field_validator("chat_template")
     @classmethod

@@ -19,6 +19,8 @@ from engine.models.linear import Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
 from engine.quantization.int4_groups import Int4Groups
+from engine.quantization.model_weights import footprint_bytes, fuse_rows
+from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer
 
 
@@ -58,6 +60,7 @@ class LlamaForCausalLM:
         self.final_norm: Optional[torch.Tensor] = None
         self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.layers: list[LlamaLayerWeights] = []
+        self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
 
     # ------------------------------------------------------------------ weights
 
@@ -70,8 +73,9 @@ class LlamaForCausalLM:
                 name = name[len("model."):]
             if "rotary_emb" in name:
                 continue
-            # pre-quantized matrices (AWQ) stay as they are until `_prepare`
-            state[name] = tensor if isinstance(tensor, Int4Groups) else tensor.to(dtype=self.dtype, device=self.device)
+            # quantized matrices keep their own storage: GGUF blocks (on CPU), AWQ groups until `_prepare`
+            quantized = isinstance(tensor, (QuantizedWeight, Int4Groups))
+            state[name] = tensor if quantized else tensor.to(dtype=self.dtype, device=self.device)
         take = state.pop
         self.embed = take("embed_tokens.weight")
         self.final_norm = take("norm.weight")
@@ -98,9 +102,13 @@ class LlamaForCausalLM:
             return state.pop(p + name, None)
 
         def cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if tensors[0] is None:
+                return None
             if isinstance(tensors[0], Int4Groups):
                 return Int4Groups.concat(list(tensors))
-            return None if tensors[0] is None else torch.cat(tensors, dim=0).contiguous()
+            if any(isinstance(t, QuantizedWeight) for t in tensors):
+                return fuse_rows(tensors, self.dtype)
+            return torch.cat(tensors, dim=0).contiguous()
 
         attn = "self_attn."
         prepare = self._prepare
@@ -130,6 +138,11 @@ class LlamaForCausalLM:
         mats = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         return mats + [self.lm_head]
 
+    def weight_bytes(self) -> int:
+        """The memory its weights take (tied matrices once; quantized ones by their blocks and scales)."""
+        fields = [getattr(layer, name) for layer in self.layers for name in LlamaLayerWeights.__slots__]
+        return footprint_bytes([self.embed, self.final_norm, self.lm_head, *fields])
+
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()
@@ -144,7 +157,7 @@ class LlamaForCausalLM:
         eps = self.arch.rms_norm_eps
         linear, ops = self.linear, self.ops
         angles = ops.rotary_angles(positions, self.rotary)
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
@@ -154,6 +167,11 @@ class LlamaForCausalLM:
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
             h = linear(ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
         return residual + h
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     def _attention(self, layer: LlamaLayerWeights, x, angles, key_cache, value_cache,
                    metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:

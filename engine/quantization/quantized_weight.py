@@ -36,3 +36,13 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix it stands for, [out_features, in_features] (references, tests, fallbacks)."""
         raise NotImplementedError
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized rows `index` [n] -> [n, in_features] (an embedding lookup; formats that can
+        dequantize rows alone override this)."""
+        return self.dequantize(dtype).index_select(0, index)
+
+    @classmethod
+    def concat_rows(cls, weights) -> "QuantizedWeight":
+        """The weights stacked along the output rows (fused q|k|v, gate|up), when the format allows."""
+        raise NotImplementedError(f"{cls.__name__} cannot be fused")

@@ -50,6 +50,11 @@ class WeightQuantizer:
         return self(weight) if self.quantize_lm_head and self.method in ("int8", "int4") else weight
 
 
+LOAD_TIME_METHODS = ("int8", "int4", "awq")
+"""The `--quantization` values this module applies while loading (gguf keeps a file's own blocks:
+model_weights.py)."""
+
+
 def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Optional[str], Optional[int]]:
     """(method, AWQ group size or None) for `--quantization` and a checkpoint's config.json.
 

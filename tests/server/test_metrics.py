@@ -48,6 +48,7 @@ DOCUMENTED_METRICS = {
     "pagedserve_grammar_compile_seconds": "histogram",
     "pagedserve_grammar_mask_fill_seconds": "histogram",
     "pagedserve_cache_config_info": "gauge",  # an Info: a constant-1 gauge in the text format
+    "pagedserve_model_weight_bytes": "gauge",
     "pagedserve_num_requests_running": "gauge",
     "pagedserve_num_requests_waiting": "gauge",
     "pagedserve_kv_cache_usage_ratio": "gauge",
@@ -221,6 +222,11 @@ def test_cache_config_info(workload):
     assert labels["block_size"] == "4" and labels["num_blocks"] == "256" and labels["num_tokens"] == "1024"
     assert labels["enable_prefix_caching"] == "true" and labels["max_model_len"] == "256"
     assert labels["cache_dtype"] == "float32" and labels["attention_backend"] == "cpu"  # auto on CPU
+
+
+def test_model_weight_bytes(workload):
+    (sample,) = [s for s in workload.after.samples if s.name == "pagedserve_model_weight_bytes"]
+    assert sample.labels["quantization"] == "none" and sample.value > 0
 
 
 def test_every_sample_is_labelled_with_the_model_name(workload):

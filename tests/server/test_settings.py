@@ -19,6 +19,7 @@ FLAG_CASES = [
     ("--api-key", "k1", ("server", "api_keys"), ["k1"]),
     ("--dtype", "bfloat16", ("engine", "model", "dtype"), "bfloat16"),
     ("--device", "cpu", ("engine", "model", "device"), "cpu"),
+    ("--quantization", "gguf", ("engine", "model", "quantization"), "gguf"),
     ("--max-model-len", "512", ("engine", "model", "max_model_len"), 512),
     ("--block-size", "32", ("engine", "cache", "block_size"), 32),
     ("--num-kv-blocks", "100", ("engine", "cache", "num_blocks"), 100),
@@ -112,7 +113,7 @@ def test_disable_log_requests_is_vllms_spelling_of_no_enable():
     (["--max-logprobs", "21"], "--max-logprobs: Input should be less than or equal to 20"),
     (["--root-path", "llm/"], "--root-path: must start with /"),
     (["--ssl-certfile", "cert.pem"], "ssl_keyfile and ssl_certfile go together"),
-    (["--quantization", "int3"], "--quantization: Input should be 'int8', 'int4' or 'awq'"),
+    (["--quantization", "int3"], "--quantization: expected one of auto, none, gguf, int8, int4, awq, got 'int3'"),
     (["--quantization-group-size", "48"], "--quantization-group-size: Input should be 32, 64 or 128"),
     (["--kv-cache-dtype", "int8"], "kv-cache-dtype: expected one of auto, float32, bfloat16, float16, fp8"),
 ])

@@ -1,0 +1,127 @@
+"""The block-quantized products of csrc/quant_gemm.cpp as torch operators, and the library that holds them.
+
+    cpu_quant_linear(x, qs, d, m?, out_features, nbp, format, tile_min_rows, fn) -> x @ W.T  [rows, out_features]
+    cpu_quant_dequantize(qs, d, m?, in_features, nbp, format, dtype, fn) -> W   [out_features, in_features]
+
+`qs`, `d`, `m` are a weight repacked by engine/quantization/gguf_formats.py; `fn` the address of the
+compiled function for the float dtype. Each operator has a fake (shape-only) implementation so
+torch.compile traces through it. `QuantKernels` resolves the addresses from a library built by
+engine/kernels/cpu.py (the full build, or for tests a `-march=haswell` build of quant_gemm.cpp alone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+QUANT_SOURCES = ("quant_gemm.cpp", "quant_dense_bf16.cpp")
+"""The sources of the quantized products alone (a build for another target, in tests)."""
+
+SIGNATURES = {
+    "quant_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6,
+    "quant_dequantize": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
+}
+"""Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
+
+_PROTOTYPES = {name: ctypes.CFUNCTYPE(None, *argtypes) for name, argtypes in SIGNATURES.items()}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _address(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _quant_linear(x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, tile_min_rows, fn):
+    rows, in_features = x.shape
+    out = x.new_empty((rows, out_features))  # [rows, out_features]
+    _function("quant_linear", fn)(x.data_ptr(), qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), rows,
+                                  in_features, out_features, nbp, fmt, tile_min_rows)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _function(name: str, fn: int):
+    """The callable for the entry point at address `fn` (made once: building one costs ~0.3 us a call)."""
+    return _PROTOTYPES[name](fn)
+
+
+def _quant_dequantize(qs, d, m: Optional[torch.Tensor], in_features, nbp, fmt, dtype, fn):
+    out = torch.empty((qs.shape[0], in_features), dtype=dtype)  # [out_features, in_features]
+    _function("quant_dequantize", fn)(qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), qs.shape[0],
+                                        in_features, nbp, fmt)
+    return out
+
+
+def _define(name: str, schema: str, kernel, fake) -> None:
+    qualname = f"pagedserve::{name}"
+    torch.library.define(qualname, schema)
+    torch.library.impl(qualname, "cpu", kernel)
+    torch.library.register_fake(qualname, fake)
+
+
+_define("cpu_quant_linear", "(Tensor x, Tensor qs, Tensor d, Tensor? m, int out_features, int nbp, int fmt, "
+        "int tile_min_rows, int fn) -> Tensor", _quant_linear,
+        lambda x, qs, d, m, out_features, nbp, fmt, tile_min_rows, fn: x.new_empty((x.shape[0], out_features)))
+_define("cpu_quant_dequantize", "(Tensor qs, Tensor d, Tensor? m, int in_features, int nbp, int fmt, "
+        "ScalarType dtype, int fn) -> Tensor", _quant_dequantize,
+        lambda qs, d, m, in_features, nbp, fmt, dtype, fn: qs.new_empty((qs.shape[0], in_features), dtype=dtype))
+
+
+class QuantKernels:
+    """The quantized-product entry points of a built kernel library, called through the operators above."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._library = ctypes.CDLL(str(path))  # loaded while this object lives
+        self._functions: dict[tuple[str, torch.dtype], int] = {}
+        for name in SIGNATURES:
+            for dtype, suffix in _SUFFIX.items():
+                function = getattr(self._library, f"pagedserve_{name}_{suffix}")
+                self._functions[name, dtype] = ctypes.cast(function, ctypes.c_void_p).value
+        self.bf16_tiles = bool(ctypes.CFUNCTYPE(ctypes.c_int64)(
+            ctypes.cast(self._library.pagedserve_quant_bf16_tiles, ctypes.c_void_p).value)())
+        """Whether bf16 activations can take the bf16 tile product (an AVX512-BF16 build)."""
+        self._linear = torch.ops.pagedserve.cpu_quant_linear.default
+        self._dequantize = torch.ops.pagedserve.cpu_quant_dequantize.default
+
+    def linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor],
+               out_features: int, nbp: int, fmt: int, tile_min_rows: int = 1 << 62) -> torch.Tensor:
+        """x [rows, in] contiguous f32/bf16 -> x @ W.T [rows, out_features] in x's dtype: integer dot products
+        with int8 activations, or, for bf16 x of at least `tile_min_rows` rows on AVX512-BF16 builds, bf16
+        products with tiles of W dequantized once (csrc/quant_dense_bf16.cpp)."""
+        fn = self._function("quant_linear", x.dtype)
+        if torch.compiler.is_compiling():
+            return self._linear(x, qs, d, m, out_features, nbp, fmt, tile_min_rows, fn)
+        # eagerly, the operator's kernel itself: the dispatcher would add ~6 us to each of a step's ~120 calls
+        return _quant_linear(x, qs, d, m, out_features, nbp, fmt, tile_min_rows, fn)
+
+    def dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor], in_features: int,
+                   nbp: int, fmt: int, dtype: torch.dtype) -> torch.Tensor:
+        """The float matrix [out_features, in_features] in `dtype` (f32/bf16)."""
+        return self._dequantize(qs, d, m, in_features, nbp, fmt, dtype, self._function("quant_dequantize", dtype))
+
+    def _function(self, name: str, dtype: torch.dtype) -> int:
+        function = self._functions.get((name, dtype))
+        if function is None:
+            raise ValueError(f"the quantized products take float32 or bfloat16 activations, not {dtype}")
+        return function
+
+
+def load_quant_kernels(cache_dir: Optional[Path] = None, *, march: str = "native",
+                       sources: Optional[tuple[str, ...]] = None) -> QuantKernels:
+    """Build (once per machine, target and source) and load the quantized products; raises RuntimeError
+    with the reason when no library can be built (there is no torch fallback for quantized weights)."""
+    from engine.kernels.cpu import SOURCES, build_library  # (cpu.py imports this module's neighbours)
+
+    try:
+        return QuantKernels(build_library(cache_dir, march=march, sources=sources or SOURCES))
+    except (OSError, subprocess.SubprocessError, AttributeError) as error:
+        raise RuntimeError(f"the quantized CPU kernels could not be built or loaded: {error}") from error

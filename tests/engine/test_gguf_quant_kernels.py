@@ -1,0 +1,199 @@
+"""The GGUF block-format products (csrc/quant_gemm.cpp) against float64 references of gguf's own
+dequantization, for every format, every compiled path (this machine's, AVX2 via -march=haswell, scalar
+via -march=x86-64), odd shapes, 1..70 activation rows, float32 and bfloat16 activations.
+
+Two references per product:
+  tight  the activations quantized to int8 per 32-block exactly as the kernel does (emulated here in
+         numpy), times gguf's dequantized weights, in float64: only float rounding may differ;
+  float  the activations as given: the difference must stay within the bound the activation
+         quantization allows (half a step per element, sum_j |w_ij| dx_j / 2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine.kernels.cpu import compiler
+from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
+from engine.quantization.gguf_formats import FORMATS, padded_blocks, repack
+from engine.quantization.gguf_weight import DENSE_MIN_ROWS, TILE_MIN_ROWS, GgufWeight
+
+TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+SHAPES = [(1, 32), (5, 96), (17, 160), (33, 576), (70, 1536)]  # [out, in]: odd block counts, column tails
+ROWS = (1, 3, 4, 5, 8, 17, 70)
+TARGETS = {"native": "this CPU", "haswell": "AVX2 + FMA + F16C", "x86-64": "scalar"}
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
+    return all(f" {flag}" in line for flag in flags)
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def kernels(request):
+    if compiler() is None:
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    if request.param == "haswell" and not _cpu_has("avx2", "fma", "f16c"):
+        pytest.skip("this CPU cannot run AVX2 code")
+    return load_quant_kernels(march=request.param, sources=QUANT_SOURCES)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """(format, shape) -> (raw GGUF blocks, gguf's float64 dequantization [out, in])."""
+    rng = np.random.default_rng(11)
+    made = {}
+    for name, qtype in TYPES.items():
+        for out_features, in_features in SHAPES:
+            w = rng.standard_normal((out_features, in_features)).astype(np.float32)
+            w[:, :32] *= 8.0  # one block per row with larger weights: scales differ per block
+            raw = quantize(w, qtype)
+            made[name, (out_features, in_features)] = raw, dequantize(raw, qtype).astype(np.float64)
+    return made
+
+
+def quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 [rows, K] -> (the kernel's int8 activations times their scales, float64 [rows, K]; the
+    scales dx [rows, K], one per element's block), computed with the kernel's float32 operations."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint(blocks * inverse)
+    dx = (amax / np.float32(127.0)).astype(np.float32)
+    return (q.astype(np.float64) * dx.astype(np.float64)).reshape(rows, k), np.broadcast_to(dx, blocks.shape).reshape(
+        rows, k).astype(np.float64)
+
+
+def make_x(rows: int, in_features: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator)
+    x[:, 3] *= 20.0  # an outlier channel, as hidden states have
+    return x.to(dtype)
+
+
+def check_integer_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray) -> None:
+    x32 = x.float().numpy()
+    x_quantized, dx = quantized_activations(x32)
+    exact = x_quantized @ reference.T
+    magnitude = np.abs(x_quantized) @ np.abs(reference).T
+    rounding = 1e-5 * magnitude + (2.0**-8 * np.abs(exact) if got.dtype == torch.bfloat16 else 0.0) + 1e-6
+    np.testing.assert_array_less(np.abs(got.double().numpy() - exact), rounding)
+    plain = x32.astype(np.float64) @ reference.T
+    bound = np.abs(reference) @ (dx / 2).T  # [out, rows]: half a quantization step per element
+    assert np.all(np.abs(exact - plain) <= bound.T * (1 + 1e-6) + 1e-9)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_is_ggufs(kernels, weights, name, shape):
+    raw, reference = weights[name, shape]
+    w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
+    assert (w.out_features, w.in_features, w.format) == (*shape, name)
+    np.testing.assert_array_equal(w.dequantize(torch.float32).double().numpy(), reference)
+    expected_bf16 = torch.from_numpy(reference).to(torch.bfloat16)
+    assert torch.equal(w.dequantize(torch.bfloat16), expected_bf16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_integer_product_every_shape_and_row_count(kernels, weights, name, dtype):
+    for shape in SHAPES:
+        raw, reference = weights[name, shape]
+        w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
+        p = w.packed
+        for rows in ROWS:
+            x = make_x(rows, shape[1], dtype, seed=rows)
+            got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code)
+            assert got.shape == (rows, shape[0]) and got.dtype == dtype
+            check_integer_product(got, x, reference)
+
+
+def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray, relative: float) -> None:
+    """Within `relative` of the sum of absolute products (bf16 rounding of weights or of the result)."""
+    xs = x.double().numpy()
+    exact = xs @ reference.T
+    tolerance = relative * (np.abs(xs) @ np.abs(reference).T) + 1e-6
+    np.testing.assert_array_less(np.abs(got.double().numpy() - exact), tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name, dtype):
+    """Tiles of the weight dequantized to bf16, activations in bf16 (AVX512-BF16 builds; elsewhere the
+    same call falls back to the integer product)."""
+    for shape in SHAPES:
+        raw, reference = weights[name, shape]
+        w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
+        p = w.packed
+        for rows in ROWS:
+            x = make_x(rows, shape[1], dtype, seed=rows)
+            got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, tile_min_rows=1)
+            if kernels.bf16_tiles:
+                check_float_product(got, x, reference, 2.0**-7)
+            else:
+                check_integer_product(got, x, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_picks_its_product_by_rows(kernels, weights, dtype):
+    raw, reference = weights["q4_1", (33, 576)]
+    w = GgufWeight(FORMATS["q4_1"], repack(FORMATS["q4_1"], raw, 576), 576, kernels)
+    tiles = TILE_MIN_ROWS if kernels.bf16_tiles else DENSE_MIN_ROWS[dtype]
+    dense = DENSE_MIN_ROWS[dtype] if dtype == torch.float32 or not kernels.bf16_tiles else None
+    for rows in sorted({1, tiles - 1, tiles, tiles + 5, *((dense - 1, dense, dense + 3) if dense else ())}):
+        x = make_x(rows, 576, dtype, seed=rows)
+        got = w.matmul(x)
+        if rows < tiles:
+            check_integer_product(got, x, reference)
+        elif dense is not None and rows >= dense:  # torch's product on the dequantized weight
+            check_float_product(got, x, reference, 1e-5 if dtype == torch.float32 else 2.0**-7)
+        else:  # bf16 tiles
+            check_float_product(got, x, reference, 2.0**-7)
+
+
+def test_rows_concat_and_take_are_exact(kernels, weights):
+    raw, reference = weights["q8_0", (70, 1536)]
+    w = GgufWeight(FORMATS["q8_0"], repack(FORMATS["q8_0"], raw, 1536), 1536, kernels)
+    index = torch.tensor([69, 0, 5, 5, 33])
+    np.testing.assert_array_equal(w.rows(index, torch.float32).double().numpy(), reference[index.numpy()])
+    raw4, reference4 = weights["q4_1", (5, 96)]
+    part = GgufWeight(FORMATS["q4_1"], repack(FORMATS["q4_1"], raw4, 96), 96, kernels)
+    fused = GgufWeight.concat_rows([part, part.take_rows(torch.tensor([4, 3, 2, 1, 0]))])
+    expected = np.concatenate([reference4, reference4[::-1]])
+    np.testing.assert_array_equal(fused.dequantize().double().numpy(), expected)
+    assert fused.nbytes == 2 * part.nbytes
+    with pytest.raises(ValueError, match="different formats"):
+        GgufWeight.concat_rows([part, w])
+
+
+def test_bytes_read_are_the_blocks_and_scales(kernels, weights):
+    raw, _ = weights["q4_1", (33, 576)]
+    w = GgufWeight(FORMATS["q4_1"], repack(FORMATS["q4_1"], raw, 576), 576, kernels)
+    assert w.nbytes == raw.nbytes  # 18 blocks of 20 bytes per row: nothing padded at an even block count
+    assert padded_blocks(96) == 4 and padded_blocks(576) == 18
+    with pytest.raises(ValueError, match="multiple of 32"):
+        padded_blocks(100)
+
+
+def test_the_operator_passes_torch_library_checks(weights):
+    if compiler() is None:
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    kernels = load_quant_kernels(sources=QUANT_SOURCES)
+    raw, _ = weights["q4_0", (17, 160)]
+    w = GgufWeight(FORMATS["q4_0"], repack(FORMATS["q4_0"], raw, 160), 160, kernels)
+    p = w.packed
+    x = make_x(3, 160, torch.float32, seed=0)
+    function = kernels._function("quant_linear", torch.float32)
+    torch.library.opcheck(torch.ops.pagedserve.cpu_quant_linear.default,
+                          (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, 1 << 40, function),
+                          test_utils=("test_schema", "test_faketensor"))
