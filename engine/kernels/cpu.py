@@ -34,9 +34,10 @@ from engine.loading.gguf_converter import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp")
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "gemv.cpp")
 HEADERS = ("common.h",)
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
 
@@ -58,33 +59,39 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build_key(compiler_path: str) -> str:
+def _flags(arch: str) -> tuple[str, ...]:
+    return (*FLAGS, f"-march={arch}")
+
+
+def _build_key(compiler_path: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
     sources = [(CSRC / name).read_bytes() for name in (*SOURCES, *HEADERS)]
-    for part in (*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+    for part in (*sources, " ".join(flags).encode(), version.encode(), _cpu_flags().encode(),
                  platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:32]
 
 
-def build_library(cache_dir: Optional[Path] = None) -> Path:
-    """Compile the kernels (or find the cached build); raises RuntimeError with the reason."""
+def build_library(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH) -> Path:
+    """Compile the kernels (or find the cached build) for `-march=<arch>` (this CPU by default; another,
+    older one such as "haswell" to test the AVX2 code paths here); raises RuntimeError with the reason."""
     if platform.system() != "Linux":
         raise RuntimeError(f"native CPU kernels are built on Linux only (this is {platform.system()})")
     compiler_path = compiler()
     if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     target_dir = (cache_dir or default_cache_dir()) / "kernels"
-    target = target_dir / f"cpu-kernels-{_build_key(compiler_path)}.so"
+    flags = _flags(arch)
+    target = target_dir / f"cpu-kernels-{_build_key(compiler_path, flags)}.so"
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=target_dir, prefix=".build-", suffix=".so")
     os.close(handle)
     try:
-        command = [compiler_path, *FLAGS, "-o", partial, *(str(CSRC / name) for name in SOURCES)]
+        command = [compiler_path, *flags, "-o", partial, *(str(CSRC / name) for name in SOURCES)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler_path} failed to build the CPU kernels: {result.stderr.strip()[-2000:]}")
@@ -177,6 +184,18 @@ class CpuKernels:
         return self._ops.cpu_invariant_linear(x, packed, bias, out_features,
                                                          self._function("invariant_linear", x.dtype))
 
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [rows, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out], all contiguous CPU tensors of one
+        dtype; reads the weight once whatever `rows` (csrc/gemv.cpp: for small batches)."""
+        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"gemv of x {tuple(x.shape)} by a weight of {tuple(weight.shape)}")
+        for tensor in (x, weight) if bias is None else (x, weight, bias):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != x.dtype:
+                raise ValueError("gemv takes contiguous CPU tensors of one dtype")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+        return self._ops.cpu_gemv(x, weight, bias, self._function("gemv", x.dtype))
+
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))
         if function is None:
@@ -184,10 +203,11 @@ class CpuKernels:
         return function
 
 
-def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
-    """Build (once per machine and source) and load the kernels; None, with the reason logged, if unusable."""
+def load_cpu_kernels(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH) -> Optional[CpuKernels]:
+    """Build (once per machine, source and `arch`) and load the kernels; None, with the reason logged, if
+    unusable."""
     try:
-        kernels = CpuKernels(build_library(cache_dir))
+        kernels = CpuKernels(build_library(cache_dir, arch))
         _self_check(kernels)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
         logger.warning("native CPU kernels unavailable, using the torch backend: %s", error)

@@ -8,6 +8,7 @@ arguments each one writes.
     cpu_silu_and_mul(gate_up, fn) -> out
     cpu_rotary_(x!, positions, cos, sin_signed, fn) -> ()           x rotated in place
     cpu_invariant_linear(x, packed, bias?, out_features, fn) -> out
+    cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
 
 `fn` is the address of the compiled function for the arguments' dtype (CpuKernels resolves it): the
 operators hold no reference to a loaded library, so they are defined once, here, whatever loads it.
@@ -28,6 +29,7 @@ SIGNATURES = {
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+    "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
 
@@ -46,6 +48,7 @@ class Overloads:
         self.cpu_silu_and_mul = ops.cpu_silu_and_mul.default
         self.cpu_rotary_ = ops.cpu_rotary_.default
         self.cpu_invariant_linear = ops.cpu_invariant_linear.default
+        self.cpu_gemv = ops.cpu_gemv.default
 
 
 def _call(name: str, fn: int, *args) -> None:
@@ -106,6 +109,14 @@ def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, fn)
     return out
 
 
+def _gemv(x, weight, bias: Optional[torch.Tensor], fn):
+    rows, in_features = x.shape
+    out = x.new_empty((rows, weight.shape[0]))
+    _call("gemv", fn, x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+          rows, weight.shape[0], in_features)
+    return out
+
+
 def _like_first(x, *args):
     return torch.empty_like(x)
 
@@ -121,3 +132,5 @@ _define("cpu_rotary_", "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_
         lambda x, positions, cos, sin_signed, fn: None)
 _define("cpu_invariant_linear", "(Tensor x, Tensor packed, Tensor? bias, int out_features, int fn) -> Tensor",
         _invariant_linear, lambda x, packed, bias, out_features, fn: x.new_empty((x.shape[0], out_features)))
+_define("cpu_gemv", "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor", _gemv,
+        lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])))
