@@ -34,8 +34,8 @@ from engine.loading.gguf_converter import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "gemv.cpp")
-HEADERS = ("common.h",)
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "gemv.cpp", "decode_layer.cpp")
+HEADERS = ("common.h", "gemv.h", "row_ops.h")
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -195,6 +195,25 @@ class CpuKernels:
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
         return self._ops.cpu_gemv(x, weight, bias, self._function("gemv", x.dtype))
+
+    def decode_qkv(self, h: Optional[torch.Tensor], residual: torch.Tensor, norm: torch.Tensor, w_qkv: torch.Tensor,
+                   b_qkv: Optional[torch.Tensor], positions: torch.Tensor, cos: torch.Tensor,
+                   sin_signed: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slots: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+        """A decode layer up to attention (csrc/decode_layer.cpp): residual += h (unless None, the first
+        layer); x = rms_norm(residual); qkv = x @ w_qkv^T (+ b); RoPE; K/V stored at `slots`.
+        Returns the rotated queries [rows, heads, head_dim]. Shapes are the caller's to get right
+        (`FusedDecode` checks them once per model)."""
+        return self._ops.cpu_decode_qkv(h, residual, norm, w_qkv, b_qkv, positions, cos, sin_signed, key_cache,
+                                        value_cache, slots, heads, eps, self._function("decode_qkv", residual.dtype))
+
+    def decode_o_mlp(self, attn: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
+                     norm: torch.Tensor, w_gu: torch.Tensor, b_gu: Optional[torch.Tensor], w_down: torch.Tensor,
+                     b_down: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+        """A decode layer after attention: residual += attn @ w_o^T (+ b); x = rms_norm(residual);
+        returns (silu(g) * u) @ w_down^T (+ b) [rows, hidden], [g | u] = x @ w_gu^T (+ b)."""
+        return self._ops.cpu_decode_o_mlp(attn, residual, w_o, b_o, norm, w_gu, b_gu, w_down, b_down, eps,
+                                          self._function("decode_o_mlp", residual.dtype))
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))
