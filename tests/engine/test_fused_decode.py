@@ -1,0 +1,88 @@
+"""The fused small-batch decode (engine/models/fused_decode.py, csrc/decode_layer.cpp) against the unfused
+ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows, with q/k/v
+biases (qwen2); models it does not fit (q/k norms, qwen3) take the general path; and on the embedded model
+in bf16 the same greedy tokens as torch's products with the unfused ops (the numerics before it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
+from tests.engine.references import assert_idle, make_llm
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three primary colors:",
+    "Translate to French: Good morning, my friend.",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Water boils at",
+]
+
+
+def _generate(llm: LLM, prompts: list[str], max_tokens: int, logprobs=None):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
+    results = llm.generate(prompts, params, use_tqdm=False)
+    assert_idle(llm)
+    return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+
+def _counting_fused(model, monkeypatch) -> list[int]:
+    """Records the row count of every step the fused path runs."""
+    rows: list[int] = []
+    forward = model.fused.forward
+    monkeypatch.setattr(model.fused, "forward",
+                        lambda m, input_ids, *args: rows.append(input_ids.shape[0]) or forward(m, input_ids, *args))
+    return rows
+
+
+@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, request, cpu_kernels, monkeypatch):
+    llm = make_llm(request.getfixturevalue(model_dir_fixture), dtype="bfloat16", attention_backend="cpu",
+                   enable_prefix_caching=False)  # both runs compute every prompt token the same way
+    model = llm.engine.runner.model
+    assert isinstance(model.linear, GemvLinear) and model.fused is not None
+    rows = _counting_fused(model, monkeypatch)
+    fused = _generate(llm, PROMPTS, 12, logprobs=3)
+    assert max(rows) == GEMV_MAX_ROWS
+    fused_path = model.fused
+    model.fused = None
+    try:
+        unfused = _generate(llm, PROMPTS, 12, logprobs=3)
+    finally:
+        model.fused = fused_path
+    assert fused == unfused
+
+
+def test_models_with_qk_norm_take_the_general_path(tiny_qwen3_dir, cpu_kernels, monkeypatch):
+    llm = make_llm(tiny_qwen3_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    rows = _counting_fused(model, monkeypatch)
+    fused = _generate(llm, PROMPTS[:3], 6)
+    assert rows == []
+    model.fused = None
+    assert _generate(llm, PROMPTS[:3], 6) == fused
+
+
+NEAR_TIE = 0.25
+"""Top-2 logprob gap (nats) under which bf16 products summed in another order may pick the other token:
+two bf16 steps of a logit between 16 and 32 (the logits are rounded to bf16 before the softmax)."""
+
+
+def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, cpu_kernels):
+    llm = LLM(None, dtype="bfloat16", device="cpu", max_model_len=512, kv_cache_memory="64MiB",
+              attention_backend="cpu", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.fused is not None
+    fused = _generate(llm, PROMPTS[:4], 24)
+    model.linear, model.fused = Linear(), None  # the numerics before the native products
+    reference = _generate(llm, PROMPTS[:4], 24, logprobs=2)
+    for (tokens, _), (expected, logprobs) in zip(fused, reference):
+        for got, want, entry in zip(tokens, expected, logprobs):
+            gap = entry.top[0][1] - entry.top[1][1]
+            assert got == want or gap < NEAR_TIE, f"token {want} (lead {gap:.3f} nats) became {got}"
+            if got != want:
+                break  # past a near tie the continuations differ
