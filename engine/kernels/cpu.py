@@ -196,24 +196,29 @@ class CpuKernels:
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
         return self._ops.cpu_gemv(x, weight, bias, self._function("gemv", x.dtype))
 
-    def decode_qkv(self, h: Optional[torch.Tensor], residual: torch.Tensor, norm: torch.Tensor, w_qkv: torch.Tensor,
-                   b_qkv: Optional[torch.Tensor], positions: torch.Tensor, cos: torch.Tensor,
-                   sin_signed: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slots: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
-        """A decode layer up to attention (csrc/decode_layer.cpp): residual += h (unless None, the first
-        layer); x = rms_norm(residual); qkv = x @ w_qkv^T (+ b); RoPE; K/V stored at `slots`.
-        Returns the rotated queries [rows, heads, head_dim]. Shapes are the caller's to get right
-        (`FusedDecode` checks them once per model)."""
-        return self._ops.cpu_decode_qkv(h, residual, norm, w_qkv, b_qkv, positions, cos, sin_signed, key_cache,
-                                        value_cache, slots, heads, eps, self._function("decode_qkv", residual.dtype))
-
-    def decode_o_mlp(self, attn: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
-                     norm: torch.Tensor, w_gu: torch.Tensor, b_gu: Optional[torch.Tensor], w_down: torch.Tensor,
-                     b_down: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        """A decode layer after attention: residual += attn @ w_o^T (+ b); x = rms_norm(residual);
-        returns (silu(g) * u) @ w_down^T (+ b) [rows, hidden], [g | u] = x @ w_gu^T (+ b)."""
-        return self._ops.cpu_decode_o_mlp(attn, residual, w_o, b_o, norm, w_gu, b_gu, w_down, b_down, eps,
-                                          self._function("decode_o_mlp", residual.dtype))
+    def decode_layers(self, residual: torch.Tensor, weights: torch.Tensor, key_caches: list[torch.Tensor],
+                      value_caches: list[torch.Tensor], positions: torch.Tensor, cos: torch.Tensor,
+                      sin_signed: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, heads: int, inter: int, eps: float, scale: float) -> torch.Tensor:
+        """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
+        residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
+        updated in place, K/V written at `slots` [rows] int64 of each layer's cache; returns the last layer's
+        MLP output [rows, hidden]. `weights` [num_layers, 10] int64 holds each layer's tensor addresses
+        (`FusedDecode` builds it, from tensors it checked and keeps alive); positions [rows] int64;
+        block_tables [rows, width] and context_lens [rows] int32."""
+        rows = residual.shape[0]
+        if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
+            raise ValueError("decode_layers takes int64 positions and slots, one per row")
+        if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.shape[0] != rows:
+            raise ValueError("decode_layers takes int32 block tables and context lengths, one per row")
+        for tensor in (residual, positions, slots, block_tables, context_lens):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError("decode_layers takes contiguous CPU tensors")
+        if len(key_caches) != weights.shape[0] or len(value_caches) != weights.shape[0]:
+            raise ValueError(f"{weights.shape[0]} layers of weights for {len(key_caches)} caches")
+        return self._ops.cpu_decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed,
+                                           slots, block_tables, context_lens, heads, inter, eps, scale,
+                                           self._function("decode_layers", residual.dtype))
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))

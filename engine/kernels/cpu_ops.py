@@ -9,9 +9,9 @@ arguments each one writes.
     cpu_rotary_(x!, positions, cos, sin_signed, fn) -> ()           x rotated in place
     cpu_invariant_linear(x, packed, bias?, out_features, fn) -> out
     cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
-    cpu_decode_qkv(h?, residual!, norm, w_qkv, b_qkv?, positions, cos, sin_signed, key_cache!, value_cache!,
-                   slots, heads, eps, fn) -> query                  a decode layer up to attention
-    cpu_decode_o_mlp(attn, residual!, w_o, b_o?, norm, w_gu, b_gu?, w_down, b_down?, eps, fn) -> out
+    cpu_decode_layers(residual!, weights, key_caches!, value_caches!, positions, cos, sin_signed, slots,
+                      block_tables, context_lens, heads, inter, eps, scale, fn) -> out
+                                                                    every layer of a small decode step
 
 `fn` is the address of the compiled function for the arguments' dtype (CpuKernels resolves it): the
 operators hold no reference to a loaded library, so they are defined once, here, whatever loads it.
@@ -33,8 +33,7 @@ SIGNATURES = {
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-    "decode_qkv": [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 5 + [ctypes.c_float],
-    "decode_o_mlp": [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 4 + [ctypes.c_float],
+    "decode_layers": [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
 
@@ -54,8 +53,7 @@ class Overloads:
         self.cpu_rotary_ = ops.cpu_rotary_.default
         self.cpu_invariant_linear = ops.cpu_invariant_linear.default
         self.cpu_gemv = ops.cpu_gemv.default
-        self.cpu_decode_qkv = ops.cpu_decode_qkv.default
-        self.cpu_decode_o_mlp = ops.cpu_decode_o_mlp.default
+        self.cpu_decode_layers = ops.cpu_decode_layers.default
 
 
 def _call(name: str, fn: int, *args) -> None:
@@ -124,27 +122,20 @@ def _gemv(x, weight, bias: Optional[torch.Tensor], fn):
     return out
 
 
-def _address(tensor: Optional[torch.Tensor]) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
+def _addresses(tensors) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
-def _decode_qkv(h, residual, norm, w_qkv, b_qkv, positions, cos, sin_signed, key_cache, value_cache, slots, heads,
-                eps, fn):
+def _decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots, block_tables,
+                   context_lens, heads, inter, eps, scale, fn):
     rows, hidden = residual.shape
-    _, _, kv_heads, head_dim = key_cache.shape
-    query = residual.new_empty((rows, heads, head_dim))
-    _call("decode_qkv", fn, _address(h), residual.data_ptr(), norm.data_ptr(), w_qkv.data_ptr(), _address(b_qkv),
-          positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-          slots.data_ptr(), query.data_ptr(), rows, hidden, heads, kv_heads, head_dim, eps)
-    return query
-
-
-def _decode_o_mlp(attn, residual, w_o, b_o, norm, w_gu, b_gu, w_down, b_down, eps, fn):
-    rows, hidden = residual.shape
+    _, block_size, kv_heads, head_dim = key_caches[0].shape
     out = torch.empty_like(residual)
-    _call("decode_o_mlp", fn, attn.data_ptr(), residual.data_ptr(), w_o.data_ptr(), _address(b_o), norm.data_ptr(),
-          w_gu.data_ptr(), _address(b_gu), w_down.data_ptr(), _address(b_down), out.data_ptr(), rows, hidden,
-          attn.shape[1], w_down.shape[1], eps)
+    keys, values = _addresses(key_caches), _addresses(value_caches)  # [num_layers] int64
+    _call("decode_layers", fn, residual.data_ptr(), weights.data_ptr(), keys.data_ptr(), values.data_ptr(),
+          positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+          context_lens.data_ptr(), out.data_ptr(), weights.shape[0], rows, hidden, heads, kv_heads, head_dim, inter,
+          block_size, block_tables.shape[1], eps, scale)
     return out
 
 
@@ -165,11 +156,7 @@ _define("cpu_invariant_linear", "(Tensor x, Tensor packed, Tensor? bias, int out
         _invariant_linear, lambda x, packed, bias, out_features, fn: x.new_empty((x.shape[0], out_features)))
 _define("cpu_gemv", "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor", _gemv,
         lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])))
-_define("cpu_decode_qkv", "(Tensor? h, Tensor(a!) residual, Tensor norm, Tensor w_qkv, Tensor? b_qkv, Tensor positions, "
-        "Tensor cos, Tensor sin_signed, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slots, int heads, "
-        "float eps, int fn) -> Tensor", _decode_qkv,
-        lambda h, residual, norm, w_qkv, b_qkv, positions, cos, sin_signed, key_cache, value_cache, slots, heads, eps,
-        fn: residual.new_empty((residual.shape[0], heads, key_cache.shape[-1])))
-_define("cpu_decode_o_mlp", "(Tensor attn, Tensor(a!) residual, Tensor w_o, Tensor? b_o, Tensor norm, Tensor w_gu, "
-        "Tensor? b_gu, Tensor w_down, Tensor? b_down, float eps, int fn) -> Tensor", _decode_o_mlp,
-        lambda attn, residual, *rest: torch.empty_like(residual))
+_define("cpu_decode_layers", "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, "
+        "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
+        "int heads, int inter, float eps, float scale, int fn) -> Tensor", _decode_layers,
+        lambda residual, *rest: torch.empty_like(residual))
