@@ -7,7 +7,9 @@ weights on every call. Measured on a 2-core AVX2 machine against `F.linear`
 (GFLOP/s, fp32): batch 64: 125 vs 110 (576x3072), 129 vs 119 (1536x576),
 116 vs 68 (the 576x49152 LM head); batch 2048: on par; batch 1: 25 vs 20.
 It is used only where the ops exist and agree with `F.linear` on a probe;
-elsewhere weights stay plain tensors and `F.linear` does the work. (Neither keeps a row's
+elsewhere weights stay plain tensors and `F.linear` does the work. With the cpu attention
+backend in bfloat16, `GemvLinear` multiplies batches of up to 8 rows natively (a
+weight-streaming kernel), larger ones with `F.linear`. (Neither keeps a row's
 result independent of the other rows: batch-invariant mode multiplies with
 `invariant_linear.BatchInvariantLinear` instead.)
 """
