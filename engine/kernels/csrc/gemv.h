@@ -138,35 +138,30 @@ struct Policy<uint16_t> { using type = Bf16x32; };
 template <typename T, int G, int R>
 void dot_tile(const T* w, const T* x, int64_t K, float* sums) {
     using P = typename Policy<T>::type;
-    typename P::Acc acc[G][R];
-    for (int g = 0; g < G; ++g)
-        for (int r = 0; r < R; ++r) acc[g][r] = P::zero();
     const int64_t main = K - K % P::kStep;
     for (int g = 0; g < G; ++g) {  // the G rows in memory order: one sequential stream
         const T* wg = w + g * K;
+        typename P::Acc even[R], odd[R];  // two chains per batch row: half the dependent steps
+        for (int r = 0; r < R; ++r) even[r] = odd[r] = P::zero();
         int64_t k = 0;
-        typename P::Acc odd[R];  // a second chain per row: half the dependent steps
-        for (int r = 0; r < R; ++r) odd[r] = P::zero();
         for (; k + 2 * P::kStep <= main; k += 2 * P::kStep) {
             const auto w0 = P::load_w(wg + k);
             const auto w1 = P::load_w(wg + k + P::kStep);
             for (int r = 0; r < R; ++r) {
-                acc[g][r] = P::madd(acc[g][r], w0, x + r * K + k);
+                even[r] = P::madd(even[r], w0, x + r * K + k);
                 odd[r] = P::madd(odd[r], w1, x + r * K + k + P::kStep);
             }
         }
-        for (int r = 0; r < R; ++r) acc[g][r] = P::add(acc[g][r], odd[r]);
         for (; k < main; k += P::kStep) {
             const auto wv = P::load_w(wg + k);
-            for (int r = 0; r < R; ++r) acc[g][r] = P::madd(acc[g][r], wv, x + r * K + k);
+            for (int r = 0; r < R; ++r) even[r] = P::madd(even[r], wv, x + r * K + k);
         }
-    }
-    for (int g = 0; g < G; ++g)
         for (int r = 0; r < R; ++r) {
-            float s = P::sum(acc[g][r]);
-            for (int64_t k = main; k < K; ++k) s += to_float(w[g * K + k]) * to_float(x[r * K + k]);
+            float s = P::sum(P::add(even[r], odd[r]));
+            for (k = main; k < K; ++k) s += to_float(wg[k]) * to_float(x[r * K + k]);
             sums[g * R + r] = s;
         }
+    }
 }
 #else
 template <typename T, int G, int R>
