@@ -6,6 +6,7 @@ in bf16 the same greedy tokens as torch's products with the unfused ops (the num
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
@@ -86,3 +87,24 @@ def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, c
             assert got == want or gap < NEAR_TIE, f"token {want} (lead {gap:.3f} nats) became {got}"
             if got != want:
                 break  # past a near tie the continuations differ
+
+
+def test_decode_layers_rejects_wrong_index_types(cpu_kernels):
+    residual = torch.zeros(2, 8, dtype=torch.bfloat16)
+    weights = torch.zeros(1, 10, dtype=torch.int64)
+    caches = [torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16)]
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    cos = torch.zeros(16, 8, dtype=torch.bfloat16)
+    args = dict(cos=cos, sin_signed=cos, heads=1, inter=8, eps=1e-5, scale=1.0)
+    with pytest.raises(ValueError, match="int64 positions"):
+        cpu_kernels.decode_layers(residual, weights, caches, caches, torch.zeros(2, dtype=torch.int32),
+                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables, context_lens=lens,
+                                  **args)
+    with pytest.raises(ValueError, match="int32 block tables"):
+        cpu_kernels.decode_layers(residual, weights, caches, caches, torch.zeros(2, dtype=torch.int64),
+                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables.long(),
+                                  context_lens=lens, **args)
+    with pytest.raises(ValueError, match="1 layers of weights for 2 caches"):
+        cpu_kernels.decode_layers(residual, weights, caches * 2, caches * 2, torch.zeros(2, dtype=torch.int64),
+                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables, context_lens=lens,
+                                  **args)
