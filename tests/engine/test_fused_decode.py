@@ -1,14 +1,18 @@
 """The fused small-batch decode (engine/models/fused_decode.py, csrc/decode_layer.cpp) against the unfused
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows, with q/k/v
 biases (qwen2); models it does not fit (q/k norms, qwen3) take the general path; and on the embedded model
-in bf16 the same greedy tokens as torch's products with the unfused ops (the numerics before it)."""
+in bf16 the same greedy tokens as torch's products with the unfused ops (the numerics before it). The
+comparison runs on the native build and on an AVX2 (-march=haswell) one."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu import NATIVE_ARCH, load_cpu_kernels
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from tests.engine.references import assert_idle, make_llm
 
@@ -40,12 +44,24 @@ def _counting_fused(model, monkeypatch) -> list[int]:
     return rows
 
 
+def _use_kernels(llm: LLM, kernels) -> None:
+    """Every native kernel of the model (products, fused decode, per-token ops, attention) from `kernels`."""
+    runner = llm.engine.runner
+    runner.model.linear.kernels = runner.model.fused.kernels = runner.model.ops.kernels = kernels
+    runner.backend.kernels = kernels
+
+
+@pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
 @pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, request, cpu_kernels, monkeypatch):
+def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, arch, request, cpu_kernels, monkeypatch):
     llm = make_llm(request.getfixturevalue(model_dir_fixture), dtype="bfloat16", attention_backend="cpu",
                    enable_prefix_caching=False)  # both runs compute every prompt token the same way
     model = llm.engine.runner.model
     assert isinstance(model.linear, GemvLinear) and model.fused is not None
+    if arch != NATIVE_ARCH:  # the AVX2 code paths, built into their own cache key
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip(f"-march={arch} is an x86 target")
+        _use_kernels(llm, load_cpu_kernels(arch=arch))
     rows = _counting_fused(model, monkeypatch)
     fused = _generate(llm, PROMPTS, 12, logprobs=3)
     assert max(rows) == GEMV_MAX_ROWS
