@@ -156,7 +156,8 @@ _define("cpu_invariant_linear", "(Tensor x, Tensor packed, Tensor? bias, int out
         _invariant_linear, lambda x, packed, bias, out_features, fn: x.new_empty((x.shape[0], out_features)))
 _define("cpu_gemv", "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor", _gemv,
         lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])))
-_define("cpu_decode_layers", "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, "
+_define("cpu_decode_layers", "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, "
+        "Tensor(c!)[] value_caches, "
         "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
         "int heads, int inter, float eps, float scale, int fn) -> Tensor", _decode_layers,
         lambda residual, *rest: torch.empty_like(residual))

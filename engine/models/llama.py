@@ -51,7 +51,7 @@ class LlamaForCausalLM:
         self.scale = arch.head_dim**-0.5
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
-        self.fused: Optional[FusedDecode] = None  # small decode batches in 3 native calls per layer (cpu backend)
+        self.fused: Optional[FusedDecode] = None  # small decode steps in one native call (cpu backend, bf16)
         if isinstance(self.linear, GemvLinear) and isinstance(self.ops, NativeLayerOps):
             self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]

@@ -69,7 +69,8 @@ void decode_o_mlp(const T* attn, T* residual, const T* w_o, const T* b_o, const 
             add_rms_norm_row(o.data() + r * hidden, residual + r * hidden, norm, x.data() + r * hidden, hidden, eps);
         gemv_for(x.data(), w_gu, b_gu, gate_up.data(), rows, 2 * inter, hidden);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) silu_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+        for (int64_t r = 0; r < rows; ++r)
+            silu_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
         gemv_for(act.data(), w_down, b_down, out, rows, hidden, inter);
     }
 }
