@@ -148,7 +148,7 @@ def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype) ->
     if config.batch_invariant:
         return batch_invariant_numerics(config.attention_backend, device, dtype)
     backend = get_attention_backend(config.attention_backend, device, dtype, block_size=config.cache.block_size)
-    return Numerics(backend, backend.layer_ops(), None)
+    return Numerics(backend, backend.layer_ops(), backend.linear(dtype))
 
 
 def _capture(runner: ModelRunner, buckets: tuple[int, ...]) -> None:

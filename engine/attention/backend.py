@@ -12,6 +12,7 @@ from engine.runner.kv_cache import KVCacheSpec
 
 if TYPE_CHECKING:
     from engine.models.layer_ops import TorchLayerOps
+    from engine.models.linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,10 @@ class AttentionBackend(Protocol):
 
     def layer_ops(self) -> Optional["TorchLayerOps"]:
         """The per-token ops (norms, SiLU-and-mul, RoPE) this backend brings, or None for plain torch's."""
+        ...
+
+    def linear(self, dtype: torch.dtype) -> Optional["Linear"]:
+        """The matrix product this backend brings for `dtype`, or None for the model's default."""
         ...
 
     def write_kv(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from engine.attention.metadata import AttentionMetadata, decode_and_chunks
@@ -9,6 +11,7 @@ from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
 from engine.models.layer_ops import NativeLayerOps
+from engine.models.linear import GemvLinear
 from engine.runner.kv_cache import KVCacheSpec
 
 
@@ -26,6 +29,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def layer_ops(self) -> NativeLayerOps:
         """The same native library also fuses the per-token ops between the products."""
         return NativeLayerOps(self.kernels)
+
+    def linear(self, dtype: torch.dtype) -> Optional[GemvLinear]:
+        """bfloat16: the native small-batch product (float32 keeps oneDNN's packed weights, which need no
+        second copy for large batches)."""
+        return GemvLinear(self.kernels) if dtype == torch.bfloat16 else None
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask

@@ -190,6 +190,9 @@ class FlashAttentionBackend:
     def layer_ops(self) -> None:
         return None  # plain torch ops
 
+    def linear(self, dtype: torch.dtype) -> None:
+        return None  # the model's default product
+
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> FlashMetadata:
         cu_seqlens_k = None
         if self.kernel.major == 2:

@@ -22,6 +22,9 @@ class TorchAttentionBackend:
     def layer_ops(self) -> None:
         return None  # plain torch ops
 
+    def linear(self, dtype: torch.dtype) -> None:
+        return None  # the model's default product
+
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         """Decode tables and lengths (views of the step's), one PrefillChunk per other request, and the
         decodes' additive mask: 0 up to each context length, -inf past it (padding of the gather)."""

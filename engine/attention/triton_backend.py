@@ -30,6 +30,9 @@ class TritonAttentionBackend:
     def layer_ops(self) -> None:
         return None  # plain torch ops between the products
 
+    def linear(self, dtype: torch.dtype) -> None:
+        return None  # the model's default product
+
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> StepMetadata:
         return step
 

@@ -34,9 +34,11 @@ from engine.loading.gguf_converter import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "quant_gemm.cpp", "quant_dense_bf16.cpp")
-HEADERS = ("common.h", "quant_blocks.h")
+SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "gemv.cpp", "decode_layer.cpp",
+           "quant_gemm.cpp", "quant_dense_bf16.cpp")
+HEADERS = ("common.h", "gemv.h", "row_ops.h", "quant_blocks.h")
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
 
@@ -58,6 +60,10 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def _flags(arch: str) -> tuple[str, ...]:
+    return (*FLAGS, f"-march={arch}")
+
+
 def _build_key(compiler_path: str, flags: tuple[str, ...], sources: tuple[str, ...]) -> str:
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
@@ -69,19 +75,18 @@ def _build_key(compiler_path: str, flags: tuple[str, ...], sources: tuple[str, .
     return digest.hexdigest()[:32]
 
 
-def build_library(cache_dir: Optional[Path] = None, *, march: str = "native",
+def build_library(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH, *,
                   sources: tuple[str, ...] = SOURCES) -> Path:
-    """Compile the kernels (or find the cached build); raises RuntimeError with the reason.
-
-    `march` and `sources` pick another target (e.g. `haswell`, to test the AVX2 paths on an AVX-512
-    machine) or a subset of the sources; each combination is cached under its own key."""
+    """Compile the kernels (or find the cached build) for `-march=<arch>` (this CPU by default; another,
+    older one such as "haswell" to test the AVX2 code paths here), of `sources` (all by default, a subset
+    in tests); each combination is cached under its own key. Raises RuntimeError with the reason."""
     if platform.system() != "Linux":
         raise RuntimeError(f"native CPU kernels are built on Linux only (this is {platform.system()})")
     compiler_path = compiler()
     if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     target_dir = (cache_dir or default_cache_dir()) / "kernels"
-    flags = (*FLAGS, f"-march={march}")
+    flags = _flags(arch)
     target = target_dir / f"cpu-kernels-{_build_key(compiler_path, flags, sources)}.so"
     if target.exists():
         return target
@@ -182,6 +187,42 @@ class CpuKernels:
         return self._ops.cpu_invariant_linear(x, packed, bias, out_features,
                                                          self._function("invariant_linear", x.dtype))
 
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [rows, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out], all contiguous CPU tensors of one
+        dtype; reads the weight once whatever `rows` (csrc/gemv.cpp: for small batches)."""
+        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"gemv of x {tuple(x.shape)} by a weight of {tuple(weight.shape)}")
+        for tensor in (x, weight) if bias is None else (x, weight, bias):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != x.dtype:
+                raise ValueError("gemv takes contiguous CPU tensors of one dtype")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+        return self._ops.cpu_gemv(x, weight, bias, self._function("gemv", x.dtype))
+
+    def decode_layers(self, residual: torch.Tensor, weights: torch.Tensor, key_caches: list[torch.Tensor],
+                      value_caches: list[torch.Tensor], positions: torch.Tensor, cos: torch.Tensor,
+                      sin_signed: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, heads: int, inter: int, eps: float, scale: float) -> torch.Tensor:
+        """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
+        residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
+        updated in place, K/V written at `slots` [rows] int64 of each layer's cache; returns the last layer's
+        MLP output [rows, hidden]. `weights` [num_layers, 10] int64 holds each layer's tensor addresses
+        (`FusedDecode` builds it, from tensors it checked and keeps alive); positions [rows] int64;
+        block_tables [rows, width] and context_lens [rows] int32."""
+        rows = residual.shape[0]
+        if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
+            raise ValueError("decode_layers takes int64 positions and slots, one per row")
+        if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.shape[0] != rows:
+            raise ValueError("decode_layers takes int32 block tables and context lengths, one per row")
+        for tensor in (residual, positions, slots, block_tables, context_lens):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError("decode_layers takes contiguous CPU tensors")
+        if len(key_caches) != weights.shape[0] or len(value_caches) != weights.shape[0]:
+            raise ValueError(f"{weights.shape[0]} layers of weights for {len(key_caches)} caches")
+        return self._ops.cpu_decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed,
+                                           slots, block_tables, context_lens, heads, inter, eps, scale,
+                                           self._function("decode_layers", residual.dtype))
+
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))
         if function is None:
@@ -189,10 +230,11 @@ class CpuKernels:
         return function
 
 
-def load_cpu_kernels(cache_dir: Optional[Path] = None) -> Optional[CpuKernels]:
-    """Build (once per machine and source) and load the kernels; None, with the reason logged, if unusable."""
+def load_cpu_kernels(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH) -> Optional[CpuKernels]:
+    """Build (once per machine, source and `arch`) and load the kernels; None, with the reason logged, if
+    unusable."""
     try:
-        kernels = CpuKernels(build_library(cache_dir))
+        kernels = CpuKernels(build_library(cache_dir, arch))
         _self_check(kernels)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
         logger.warning("native CPU kernels unavailable, using the torch backend: %s", error)

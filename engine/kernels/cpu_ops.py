@@ -8,6 +8,10 @@ arguments each one writes.
     cpu_silu_and_mul(gate_up, fn) -> out
     cpu_rotary_(x!, positions, cos, sin_signed, fn) -> ()           x rotated in place
     cpu_invariant_linear(x, packed, bias?, out_features, fn) -> out
+    cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
+    cpu_decode_layers(residual!, weights, key_caches!, value_caches!, positions, cos, sin_signed, slots,
+                      block_tables, context_lens, heads, inter, eps, scale, fn) -> out
+                                                                    every layer of a small decode step
 
 `fn` is the address of the compiled function for the arguments' dtype (CpuKernels resolves it): the
 operators hold no reference to a loaded library, so they are defined once, here, whatever loads it.
@@ -28,6 +32,8 @@ SIGNATURES = {
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+    "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+    "decode_layers": [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
 
@@ -46,6 +52,8 @@ class Overloads:
         self.cpu_silu_and_mul = ops.cpu_silu_and_mul.default
         self.cpu_rotary_ = ops.cpu_rotary_.default
         self.cpu_invariant_linear = ops.cpu_invariant_linear.default
+        self.cpu_gemv = ops.cpu_gemv.default
+        self.cpu_decode_layers = ops.cpu_decode_layers.default
 
 
 def _call(name: str, fn: int, *args) -> None:
@@ -106,6 +114,31 @@ def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, fn)
     return out
 
 
+def _gemv(x, weight, bias: Optional[torch.Tensor], fn):
+    rows, in_features = x.shape
+    out = x.new_empty((rows, weight.shape[0]))
+    _call("gemv", fn, x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+          rows, weight.shape[0], in_features)
+    return out
+
+
+def _addresses(tensors) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+def _decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots, block_tables,
+                   context_lens, heads, inter, eps, scale, fn):
+    rows, hidden = residual.shape
+    _, block_size, kv_heads, head_dim = key_caches[0].shape
+    out = torch.empty_like(residual)
+    keys, values = _addresses(key_caches), _addresses(value_caches)  # [num_layers] int64
+    _call("decode_layers", fn, residual.data_ptr(), weights.data_ptr(), keys.data_ptr(), values.data_ptr(),
+          positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+          context_lens.data_ptr(), out.data_ptr(), weights.shape[0], rows, hidden, heads, kv_heads, head_dim, inter,
+          block_size, block_tables.shape[1], eps, scale)
+    return out
+
+
 def _like_first(x, *args):
     return torch.empty_like(x)
 
@@ -121,3 +154,10 @@ _define("cpu_rotary_", "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_
         lambda x, positions, cos, sin_signed, fn: None)
 _define("cpu_invariant_linear", "(Tensor x, Tensor packed, Tensor? bias, int out_features, int fn) -> Tensor",
         _invariant_linear, lambda x, packed, bias, out_features, fn: x.new_empty((x.shape[0], out_features)))
+_define("cpu_gemv", "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor", _gemv,
+        lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])))
+_define("cpu_decode_layers", "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, "
+        "Tensor(c!)[] value_caches, "
+        "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
+        "int heads, int inter, float eps, float scale, int fn) -> Tensor", _decode_layers,
+        lambda residual, *rest: torch.empty_like(residual))

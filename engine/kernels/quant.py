@@ -122,6 +122,6 @@ def load_quant_kernels(cache_dir: Optional[Path] = None, *, march: str = "native
     from engine.kernels.cpu import SOURCES, build_library  # (cpu.py imports this module's neighbours)
 
     try:
-        return QuantKernels(build_library(cache_dir, march=march, sources=sources or SOURCES))
+        return QuantKernels(build_library(cache_dir, arch=march, sources=sources or SOURCES))
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         raise RuntimeError(f"the quantized CPU kernels could not be built or loaded: {error}") from error

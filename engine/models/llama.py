@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.layer_ops import TorchLayerOps
-from engine.models.linear import Linear, select_linear
+from engine.models.fused_decode import FusedDecode
+from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
+from engine.models.linear import GemvLinear, Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
 from engine.quantization.int4_groups import Int4Groups
@@ -56,6 +57,9 @@ class LlamaForCausalLM:
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
+        self.fused: Optional[FusedDecode] = None  # small decode steps in one native call (cpu backend, bf16)
+        if isinstance(self.linear, GemvLinear) and isinstance(self.ops, NativeLayerOps):
+            self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.final_norm: Optional[torch.Tensor] = None
         self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
@@ -154,6 +158,8 @@ class LlamaForCausalLM:
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        if self.fused is not None and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend):
+            return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         eps = self.arch.rms_norm_eps
         linear, ops = self.linear, self.ops
         angles = ops.rotary_angles(positions, self.rotary)

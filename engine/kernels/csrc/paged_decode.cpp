@@ -58,7 +58,7 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
     const int64_t block_stride = block_size * token_size;
     const int64_t query_size = num_heads * head_dim;
 
-#pragma omp parallel
+#pragma omp parallel if (num_seqs > 1)  // one sequence: no team to wake
     {
         std::vector<float> q(query_size), acc(query_size), row(token_size);
         std::vector<float> running_max(num_heads), running_sum(num_heads);

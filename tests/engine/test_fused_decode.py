@@ -1,0 +1,126 @@
+"""The fused small-batch decode (engine/models/fused_decode.py, csrc/decode_layer.cpp) against the unfused
+ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows, with q/k/v
+biases (qwen2); models it does not fit (q/k norms, qwen3) take the general path; and on the embedded model
+in bf16 the same greedy tokens as torch's products with the unfused ops (the numerics before it). The
+comparison runs on the native build and on an AVX2 (-march=haswell) one."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels.cpu import NATIVE_ARCH, load_cpu_kernels
+from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
+from tests.engine.references import assert_idle, make_llm
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three primary colors:",
+    "Translate to French: Good morning, my friend.",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Water boils at",
+]
+
+
+def _generate(llm: LLM, prompts: list[str], max_tokens: int, logprobs=None):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
+    results = llm.generate(prompts, params, use_tqdm=False)
+    assert_idle(llm)
+    return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+
+def _counting_fused(model, monkeypatch) -> list[int]:
+    """Records the row count of every step the fused path runs."""
+    rows: list[int] = []
+    forward = model.fused.forward
+    monkeypatch.setattr(model.fused, "forward",
+                        lambda m, input_ids, *args: rows.append(input_ids.shape[0]) or forward(m, input_ids, *args))
+    return rows
+
+
+def _use_kernels(llm: LLM, kernels) -> None:
+    """Every native kernel of the model (products, fused decode, per-token ops, attention) from `kernels`."""
+    runner = llm.engine.runner
+    runner.model.linear.kernels = runner.model.fused.kernels = runner.model.ops.kernels = kernels
+    runner.backend.kernels = kernels
+
+
+@pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
+@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, arch, request, cpu_kernels, monkeypatch):
+    llm = make_llm(request.getfixturevalue(model_dir_fixture), dtype="bfloat16", attention_backend="cpu",
+                   enable_prefix_caching=False)  # both runs compute every prompt token the same way
+    model = llm.engine.runner.model
+    assert isinstance(model.linear, GemvLinear) and model.fused is not None
+    if arch != NATIVE_ARCH:  # the AVX2 code paths, built into their own cache key
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip(f"-march={arch} is an x86 target")
+        _use_kernels(llm, load_cpu_kernels(arch=arch))
+    rows = _counting_fused(model, monkeypatch)
+    fused = _generate(llm, PROMPTS, 12, logprobs=3)
+    assert max(rows) == GEMV_MAX_ROWS
+    fused_path = model.fused
+    model.fused = None
+    try:
+        unfused = _generate(llm, PROMPTS, 12, logprobs=3)
+    finally:
+        model.fused = fused_path
+    assert fused == unfused
+
+
+def test_models_with_qk_norm_take_the_general_path(tiny_qwen3_dir, cpu_kernels, monkeypatch):
+    llm = make_llm(tiny_qwen3_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    rows = _counting_fused(model, monkeypatch)
+    fused = _generate(llm, PROMPTS[:3], 6)
+    assert rows == []
+    model.fused = None
+    assert _generate(llm, PROMPTS[:3], 6) == fused
+
+
+NEAR_TIE = 0.25
+"""Top-2 logprob gap (nats) under which bf16 products summed in another order may pick the other token:
+two bf16 steps of a logit between 16 and 32 (the logits are rounded to bf16 before the softmax)."""
+
+
+def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, cpu_kernels):
+    llm = LLM(None, dtype="bfloat16", device="cpu", max_model_len=512, kv_cache_memory="64MiB",
+              attention_backend="cpu", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.fused is not None
+    fused = _generate(llm, PROMPTS[:4], 24)
+    model.linear, model.fused = Linear(), None  # the numerics before the native products
+    reference = _generate(llm, PROMPTS[:4], 24, logprobs=2)
+    for (tokens, _), (expected, logprobs) in zip(fused, reference):
+        for got, want, entry in zip(tokens, expected, logprobs):
+            gap = entry.top[0][1] - entry.top[1][1]
+            assert got == want or gap < NEAR_TIE, f"token {want} (lead {gap:.3f} nats) became {got}"
+            if got != want:
+                break  # past a near tie the continuations differ
+
+
+def test_decode_layers_rejects_wrong_index_types(cpu_kernels):
+    residual = torch.zeros(2, 8, dtype=torch.bfloat16)
+    weights = torch.zeros(1, 10, dtype=torch.int64)
+    caches = [torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16)]
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    cos = torch.zeros(16, 8, dtype=torch.bfloat16)
+    args = dict(cos=cos, sin_signed=cos, heads=1, inter=8, eps=1e-5, scale=1.0)
+    with pytest.raises(ValueError, match="int64 positions"):
+        cpu_kernels.decode_layers(residual, weights, caches, caches, torch.zeros(2, dtype=torch.int32),
+                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables, context_lens=lens,
+                                  **args)
+    with pytest.raises(ValueError, match="int32 block tables"):
+        cpu_kernels.decode_layers(residual, weights, caches, caches, torch.zeros(2, dtype=torch.int64),
+                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables.long(),
+                                  context_lens=lens, **args)
+    with pytest.raises(ValueError, match="1 layers of weights for 2 caches"):
+        cpu_kernels.decode_layers(residual, weights, caches * 2, caches * 2, torch.zeros(2, dtype=torch.int64),
+                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables, context_lens=lens,
+                                  **args)
