@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend
-from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels
 
@@ -43,7 +42,7 @@ class FusedDecode:
     def takes(self, model, num_tokens: int, metadata: AttentionMetadata,
               kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
         """Whether this step can run fused (cheap after the first call)."""
-        if num_tokens == 0 or num_tokens > self.max_rows or not isinstance(backend, CpuAttentionBackend):
+        if num_tokens == 0 or num_tokens > self.max_rows or backend.name != "cpu":
             return False
         if metadata.num_decodes != num_tokens:
             return False

@@ -27,12 +27,17 @@ async def _storm(base_url: str) -> int:
         async def impatient(i: int) -> bool:
             body = {"model": "tiny", "prompt": [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))],
                     "max_tokens": 200, "ignore_eos": True, "stream": i % 2 == 0}
-            try:
-                async with client.stream("POST", "/v1/completions", json=body,
-                                         timeout=rng.uniform(0.05, 0.5)) as response:
+            patience = rng.uniform(0.05, 0.5)  # the whole request's, streamed or not (httpx's read timeout
+            # would only bound the gaps between a stream's chunks)
+
+            async def read() -> None:
+                async with client.stream("POST", "/v1/completions", json=body, timeout=5) as response:
                     async for _ in response.aiter_bytes():
                         pass
-            except httpx.TimeoutException:
+
+            try:
+                await asyncio.wait_for(read(), patience)
+            except asyncio.TimeoutError:
                 return True
             return False
 
