@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.machine import cpu_info, short_name
-from benchmarks.servers import (LLAMACPP_VENV, LLAMACPP_VERSIONS, MODEL_NAME, PLOTS_VENV, REPO, TRANSFORMERS_VENV,
+from benchmarks.servers import (LLAMACPP_VENV, LLAMACPP_VERSIONS, MODEL_NAME, PAGEDSERVE_VARIANTS, PLOTS_VENV, REPO, TRANSFORMERS_VENV,
                                 TRANSFORMERS_VERSIONS, Peer, ServerPool, ensure_venv, llamacpp_peer, pagedserve_peer,
                                 pagedserve_versions, probe_versions, transformers_peer)
 from benchmarks.workloads import Workload, build_requests, stop_token_ids, with_rate, workloads
 
 WORK_DIR = REPO / ".bench-peers"
-SERVERS = ("pagedserve", "llama.cpp", "transformers")
+SERVERS = ("pagedserve", "pagedserve-gguf", "llama.cpp", "transformers")
 DEFAULT_SLOS = {"ttft": 2000.0, "tpot": 200.0}
 
 
@@ -117,8 +117,8 @@ def prepare_peers(names: Sequence[str], threads: int, dtype: str, logs: Path) ->
     log(f"venvs ready ({time.perf_counter() - started:.0f} s)")
     peers = []
     for name in names:
-        if name == "pagedserve":
-            peer = pagedserve_peer()
+        if name in PAGEDSERVE_VARIANTS:
+            peer = pagedserve_peer(name)
             peer.versions = {**pagedserve_versions(), "dtype": dtype}
         elif name == "llama.cpp" and name in pythons:
             peer = llamacpp_peer(pythons[name], gguf, threads, eos)

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.report import _ordered, summarize  # noqa: E402
 
-COLORS = {"pagedserve": "#1f77b4", "llama.cpp": "#ff7f0e", "transformers": "#2ca02c"}
+COLORS = {"pagedserve": "#1f77b4", "pagedserve-gguf": "#17becf", "llama.cpp": "#ff7f0e", "transformers": "#2ca02c"}
 
 
 def _subtitle(meta: dict) -> str:

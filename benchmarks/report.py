@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-PEER_ORDER = ("pagedserve", "llama.cpp", "transformers")
+PEER_ORDER = ("pagedserve", "pagedserve-gguf", "llama.cpp", "transformers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,25 +112,30 @@ def figures_table(results: dict) -> str:
 
 
 def ratios_table(results: dict) -> str:
-    """pagedserve / peer for each figure: above 1 is better for throughput, below 1 better for latencies."""
+    """pagedserve (each variant) / peer for each figure: above 1 is better for throughput, below 1 better for
+    latencies."""
     table = summarize(results["runs"])
     titles = {w["name"]: w["title"] for w in results["meta"]["workloads"]}
-    lines = ["| workload | pagedserve / peer | output tok/s | TTFT mean | TTFT p99 | TPOT mean | TPOT p99 |",
+    lines = ["| workload | ours / peer | output tok/s | TTFT mean | TTFT p99 | TPOT mean | TPOT p99 |",
              "|---|---|---|---|---|---|---|"]
     for workload in titles:
         row = table.get(workload, {})
-        if "pagedserve" not in row:
-            continue
-        ours = row["pagedserve"]
-        for peer in _ordered(s for s in row if s != "pagedserve"):
-            theirs = row[peer]
-            lines.append(
-                f"| {titles[workload]} | {peer} | **{_ratio(ours.output_tps, theirs.output_tps)}** "
-                f"| {_ratio(ours.ttft_ms['mean'], theirs.ttft_ms['mean'])} "
-                f"| {_ratio(ours.ttft_ms['p99'], theirs.ttft_ms['p99'])} "
-                f"| {_ratio(ours.tpot_ms['mean'], theirs.tpot_ms['mean'])} "
-                f"| {_ratio(ours.tpot_ms['p99'], theirs.tpot_ms['p99'])} |")
+        for name in _ordered(s for s in row if s.startswith("pagedserve")):
+            lines += _ratio_rows(titles[workload], name, row)
     return "\n".join(lines)
+
+
+def _ratio_rows(title: str, name: str, row: dict) -> list[str]:
+    ours, lines = row[name], []
+    for peer in _ordered(s for s in row if not s.startswith("pagedserve")):
+        theirs = row[peer]
+        lines.append(
+            f"| {title} | {name} / {peer} | **{_ratio(ours.output_tps, theirs.output_tps)}** "
+            f"| {_ratio(ours.ttft_ms['mean'], theirs.ttft_ms['mean'])} "
+            f"| {_ratio(ours.ttft_ms['p99'], theirs.ttft_ms['p99'])} "
+            f"| {_ratio(ours.tpot_ms['mean'], theirs.tpot_ms['mean'])} "
+            f"| {_ratio(ours.tpot_ms['p99'], theirs.tpot_ms['p99'])} |")
+    return lines
 
 
 def machine_lines(meta: dict) -> list[str]:

@@ -199,12 +199,16 @@ class ServerPool:
         self.stop_all()
 
 
-def pagedserve_peer() -> Peer:
+PAGEDSERVE_VARIANTS = {"pagedserve": (), "pagedserve-gguf": ("--quantization", "gguf")}
+"""pagedserve as configured by default (float weights), and serving the GGUF's quantized blocks as stored."""
+
+
+def pagedserve_peer(name: str = "pagedserve") -> Peer:
     def command(port: int, slots: int) -> list[str]:
         return [sys.executable, "-m", "server.cli", "serve", "--config", "configs/default.yaml", "--port", str(port),
-                "--served-model-name", MODEL_NAME, "--log-level", "warning"]
+                "--served-model-name", MODEL_NAME, "--log-level", "warning", *PAGEDSERVE_VARIANTS[name]]
 
-    return Peer("pagedserve", command, ignore_eos=True)
+    return Peer(name, command, ignore_eos=True)
 
 
 def llamacpp_peer(python: Path, gguf: Path, threads: int, eos_ids: list[int]) -> Peer:
