@@ -216,7 +216,10 @@ template <typename T>
 void gemv_for(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K) {
     using namespace gemv_detail;
     const int64_t groups = N / kGroup;
-#pragma omp for schedule(static)
+    // Guided, not static: behind a server the other core also runs the event loop and the client, and a
+    // static half stalls the team whenever its thread is preempted (measured, 2 cores, one stream over
+    // HTTP: 20.1 ms per token static, 14.6 ms guided; offline within noise).
+#pragma omp for schedule(guided, 4)
     for (int64_t i = 0; i < groups; ++i) rows_of_group<T, kGroup>(x, w, bias, out, rows, N, K, i * kGroup);
 #pragma omp single
     for (int64_t o = groups * kGroup; o < N; ++o) rows_of_group<T, 1>(x, w, bias, out, rows, N, K, o);

@@ -215,7 +215,9 @@ template <int64_t FORMAT, typename T>
 void matmul(Weights w, Activations a, int64_t rows, T* out) {
     const int64_t tasks = (w.columns + kColumnsPerTask - 1) / kColumnsPerTask;
     const bool parallel = rows * w.columns * a.nbp * kBlock >= kParallelMinWork && tasks > 1;
-#pragma omp parallel for schedule(static) if (parallel)
+    // Guided: a preempted thread's columns go to the running one (one stream over HTTP on 2 cores,
+    // measured: 18.1 ms per token with a static split, 11.5 ms guided).
+#pragma omp parallel for schedule(guided, 1) if (parallel)
     for (int64_t task = 0; task < tasks; ++task) {
         const int64_t n0 = task * kColumnsPerTask, n1 = std::min(w.columns, n0 + kColumnsPerTask);
         float tile[kMaxRows * kColumnsPerTask];
