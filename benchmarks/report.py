@@ -149,8 +149,9 @@ def machine_lines(meta: dict) -> list[str]:
         f"- Date: {meta['date']}; rounds: {meta['rounds_done']} of {meta['rounds_planned']} "
         f"(servers alternating within every workload of every round){'; QUICK run (plumbing only)' if meta.get('quick') else ''}",
         f"- Versions: {servers}",
-        f"- Model: the embedded SmolLM2-135M-Instruct: its Q4_1 GGUF for llama.cpp; the same GGUF dequantized "
-        f"to {meta['dtype']} for pagedserve and transformers; temperature 0",
+        f"- Model: the embedded SmolLM2-135M-Instruct: its Q4_1 GGUF for llama.cpp and pagedserve-gguf "
+        f"(`--quantization gguf`: its Q4_1/Q8_0 blocks as stored); the same GGUF dequantized to {meta['dtype']} "
+        "for pagedserve and transformers; temperature 0",
     ]
     if meta.get("poisson_rate"):
         lines.append(f"- Poisson workload: {meta['poisson_rate']:.2f} requests/s ({meta.get('poisson_rate_rule', '')}); "
