@@ -107,15 +107,20 @@ def test_dequantize_is_ggufs(kernels, weights, name, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(TYPES))
 def test_integer_product_every_shape_and_row_count(kernels, weights, name, dtype):
+    for got, x, reference in each_product(kernels, weights, name, dtype):
+        assert got.shape == (x.shape[0], reference.shape[0]) and got.dtype == dtype
+        check_integer_product(got, x, reference)
+
+
+def each_product(kernels, weights, name: str, dtype: torch.dtype, **options):
+    """(product, activations, float64 reference weight) for every shape and row count of format `name`."""
     for shape in SHAPES:
         raw, reference = weights[name, shape]
         w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
         p = w.packed
         for rows in ROWS:
             x = make_x(rows, shape[1], dtype, seed=rows)
-            got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code)
-            assert got.shape == (rows, shape[0]) and got.dtype == dtype
-            check_integer_product(got, x, reference)
+            yield kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, **options), x, reference
 
 
 def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray, relative: float) -> None:
@@ -131,17 +136,11 @@ def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarra
 def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name, dtype):
     """Tiles of the weight dequantized to bf16, activations in bf16 (AVX512-BF16 builds; elsewhere the
     same call falls back to the integer product)."""
-    for shape in SHAPES:
-        raw, reference = weights[name, shape]
-        w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
-        p = w.packed
-        for rows in ROWS:
-            x = make_x(rows, shape[1], dtype, seed=rows)
-            got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, tile_min_rows=1)
-            if kernels.bf16_tiles:
-                check_float_product(got, x, reference, 2.0**-7)
-            else:
-                check_integer_product(got, x, reference)
+    for got, x, reference in each_product(kernels, weights, name, dtype, tile_min_rows=1):
+        if kernels.bf16_tiles:
+            check_float_product(got, x, reference, 2.0**-7)
+        else:
+            check_integer_product(got, x, reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
