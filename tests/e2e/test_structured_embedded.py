@@ -1,5 +1,6 @@
 """Structured output on the embedded SmolLM2 model (a real vocabulary and real preferences, where the tiny random
-model has neither): bounded JSON schemas in one batch with unconstrained requests. Every constrained output
+model has neither): bounded JSON schemas, written out and hypothesis-made, in one batch with unconstrained
+requests. Every constrained output
 ends by its grammar and validates; every unconstrained output equals its output alone (batch-invariant
 kernels, so its neighbours' masks cannot have touched it)."""
 
@@ -9,8 +10,10 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine import LLM, SamplingParams
+from tests.engine.json_schemas import bounded_schemas, check_output
 from tests.engine.references import assert_idle
 
 COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
@@ -61,4 +64,21 @@ def test_bounded_schemas_validate_beside_unchanged_plain_requests(embedded_llm):
     for solo, result in zip(alone, results[len(CONSTRAINED):]):
         assert result.outputs[0].token_ids == solo.token_ids
         assert result.outputs[0].text == solo.text
+    assert_idle(embedded_llm)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=bounded_schemas(), temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 1000))
+def test_generated_schemas_validate_beside_an_unchanged_plain_request(embedded_llm, schema, temperature, seed):
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    alone = embedded_llm.chat([conversation(PLAIN[0])], plain, use_tqdm=False)[0].outputs[0]
+    question = f"Answer with JSON matching this schema: {json.dumps(schema)}"
+    constrained = SamplingParams(max_tokens=160, temperature=temperature, seed=seed,
+                                 structured_outputs={"json": schema})
+    results = embedded_llm.chat([conversation(question), conversation(PLAIN[0])], [constrained, plain],
+                                use_tqdm=False)
+    out = results[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    check_output(schema, out.text)
+    assert results[1].outputs[0].token_ids == alone.token_ids
     assert_idle(embedded_llm)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.errors import InvalidParameterError
 from engine.sampling.params import SamplingParams
 from engine.structured import StructuredOutputs
+from tests.engine.json_schemas import bounded_schemas, check_output
 from tests.engine.references import assert_idle, make_llm
 
 PROMPTS = ["The quick brown fox", "Hello, world! How", "def add(a, b):", "Once upon a time"]
@@ -23,45 +23,8 @@ def invariant_llm(tiny_llama_dir):
     return make_llm(tiny_llama_dir, batch_invariant=True)
 
 
-def _leaf() -> st.SearchStrategy[dict]:
-    return st.one_of(
-        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-                  st.integers(-50, 50), st.integers(0, 100)),
-        st.builds(lambda lo, span: {"type": "number", "minimum": lo, "maximum": lo + span},
-                  st.integers(-5, 5), st.integers(1, 10)),
-        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 6)),
-        st.lists(st.sampled_from(["red", "green", "blue", "cyan", 1, 2, None]), min_size=1, max_size=4,
-                 unique=True).map(lambda values: {"enum": values}),
-        st.just({"type": "boolean"}),
-    )
-
-
-def _schemas() -> st.SearchStrategy[dict]:
-    def extend(children):
-        names = st.sampled_from(["a", "b", "c", "id", "name", "tags"])
-        objects = st.builds(
-            lambda props, required_mask, closed: {
-                "type": "object", "properties": props,
-                "required": [k for k, keep in zip(props, required_mask) if keep],
-                **({"additionalProperties": False} if closed else {})},
-            st.dictionaries(names, children, min_size=1, max_size=3), st.lists(st.booleans(), min_size=3,
-                                                                                max_size=3), st.booleans())
-        arrays = st.builds(lambda item, lo, extra: {"type": "array", "items": item, "minItems": lo,
-                                                    "maxItems": lo + extra},
-                           children, st.integers(0, 2), st.integers(0, 2))
-        return st.one_of(objects, arrays)
-
-    return st.recursive(_leaf(), extend, max_leaves=5).filter(lambda s: s.get("type") in ("object", "array"))
-
-
-def _check(schema: dict, text: str) -> None:
-    # strict=False: xgrammar's JSON strings admit raw control characters (tab, U+001D, ...), which strict
-    # JSON parsers refuse; the structure and values are what the schema constrains
-    jsonschema.validate(json.loads(text, strict=False), schema)
-
-
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(schema=_schemas(), temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 1000))
+@given(schema=bounded_schemas(), temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 1000))
 def test_generated_schemas_validate_in_mixed_batches(invariant_llm, schema, temperature, seed):
     plain = SamplingParams(max_tokens=8, temperature=0.0)
     constrained = SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
@@ -70,7 +33,7 @@ def test_generated_schemas_validate_in_mixed_batches(invariant_llm, schema, temp
     outputs = invariant_llm.generate(PROMPTS, [plain, constrained, constrained.replace(seed=seed + 1), plain])
     for out in outputs[1:3]:
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
-        _check(schema, out.outputs[0].text)
+        check_output(schema, out.outputs[0].text)
     assert outputs[0].outputs[0].token_ids == alone.token_ids
     assert_idle(invariant_llm)
 
@@ -94,7 +57,7 @@ def test_penalties_logprobs_and_top_k_keep_working(llm):
                             repetition_penalty=1.2, presence_penalty=0.5, logit_bias={5: 3.0},
                             structured_outputs={"json": schema})
     out = llm.generate(PROMPTS[:1], params)[0].outputs[0]
-    _check(schema, out.text)
+    check_output(schema, out.text)
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
 
 
@@ -110,7 +73,7 @@ def test_preemption_rebuilds_the_matcher(tiny_llama_dir):
     assert tight.llm_engine.stats().num_preemptions > 0
     assert [o.outputs[0].text for o in outputs] == expected
     for text in expected:
-        _check(schema, text)
+        check_output(schema, text)
     again = tight.generate(PROMPTS[:1], params)[0]  # prefix-cache hit on the prompt
     assert again.outputs[0].text == expected[0]
     assert_idle(tight)
