@@ -24,7 +24,7 @@ from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
-from engine.quantization.weight_quantizer import LOAD_TIME_METHODS, WeightQuantizer, resolve_quantization
+from engine.quantization.weight_quantizer import WeightQuantizer, resolve_quantization
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -52,12 +52,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
 
     backend, ops, linear = _numerics(config, device, dtype)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend.name)
-    load_time = model_config.quantization if model_config.quantization in LOAD_TIME_METHODS else None
-    quantizer = _quantizer(load_time, model_config.quantization_group_size, hf_config, device,
+    requested = None if model_config.quantization == "auto" else model_config.quantization
+    quantizer = _quantizer(requested, model_config.quantization_group_size, hf_config, device, dtype,
                            config.batch_invariant)
-    if quantizer is not None and quantizer.method != "int8" and device.type == "cpu" and dtype == torch.float32:
-        logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
-                       "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16")
     model = build_model(hf_config, dtype, device, ops, linear, quantizer)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
@@ -96,7 +93,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
 
 
-def _quantizer(requested, group_size: int, hf_config, device: torch.device,
+def _quantizer(requested, group_size: int, hf_config, device: torch.device, dtype: torch.dtype,
                batch_invariant: bool = False) -> Optional[WeightQuantizer]:
     """The load-time weight quantizer for --quantization and the checkpoint (None: weights as stored)."""
     method, awq_group_size = resolve_quantization(requested, hf_config)
@@ -105,6 +102,9 @@ def _quantizer(requested, group_size: int, hf_config, device: torch.device,
     if batch_invariant:
         raise ValueError(f"--quantization {method} cannot be combined with --batch-invariant (its products are "
                          "float ones whose rows do not depend on the batch)")
+    if method != "int8" and device.type == "cpu" and dtype == torch.float32:
+        logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
+                       "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16")
     return WeightQuantizer(method, awq_group_size or group_size, device)
 
 

@@ -58,7 +58,8 @@ model_weights.py)."""
 def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Optional[str], Optional[int]]:
     """(method, AWQ group size or None) for `--quantization` and a checkpoint's config.json.
 
-    None with an AWQ checkpoint is AWQ; `awq` needs one; int8/int4 need a float checkpoint."""
+    None (auto) with an AWQ checkpoint is AWQ; `awq` needs one; int8/int4 need a float checkpoint; any other
+    value (none, gguf: not applied at load) is (None, None) on a float checkpoint and refused on an AWQ one."""
     config = quantization_config(hf_config)
     method = None if config is None else str(config.get("quant_method", "unknown")).lower()
     if method is not None and method != "awq":
@@ -72,4 +73,4 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
     if method == "awq":
         raise ValueError(f"--quantization {requested}: the checkpoint is already AWQ int4; "
                          "leave --quantization unset (or awq)")
-    return requested, None
+    return (requested, None) if requested in LOAD_TIME_METHODS else (None, None)

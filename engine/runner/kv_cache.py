@@ -36,9 +36,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     if attention_backend == "flash" and dtype != model_dtype:
         raise ValueError(f"--kv-cache-dtype {name}: flash-attn reads a cache in the model's dtype "
                          f"({str(model_dtype).removeprefix('torch.')}); use auto or another attention backend")
-    if attention_backend == "cpu" and name not in ("float32", "bfloat16"):
-        raise ValueError(f"--kv-cache-dtype {name}: the cpu attention backend's kernels read float32 or bfloat16 "
-                         "caches; use one of those or --attention-backend torch")
+    if attention_backend.startswith("cpu") and name not in ("float32", "bfloat16"):  # cpu, cpu-batch-invariant
+        raise ValueError(f"--kv-cache-dtype {name}: the {attention_backend} attention backend's kernels read float32 "
+                         "or bfloat16 caches; use one of those or --attention-backend torch")
     return dtype
 
 

@@ -123,6 +123,10 @@ def test_quantization_flag_against_the_checkpoint_kind():
     assert resolve_quantization(None, awq) == ("awq", 128)
     assert resolve_quantization(None, plain) == (None, None)
     assert resolve_quantization("int4", plain) == ("int4", None)
+    assert resolve_quantization("none", plain) == resolve_quantization("gguf", plain) == (None, None)
+    for storage in ("none", "gguf"):  # float or GGUF weights were asked for: never AWQ in their place
+        with pytest.raises(ValueError, match="already AWQ"):
+            resolve_quantization(storage, awq)
     with pytest.raises(ValueError, match="--quantization awq needs an AWQ checkpoint"):
         resolve_quantization("awq", plain)
     with pytest.raises(ValueError, match="--quantization int8: the checkpoint is already AWQ"):

@@ -61,6 +61,8 @@ def test_kv_cache_dtype_resolution_names_the_flag():
         resolve_kv_cache_dtype("fp8", torch.float32, CPU, "torch")
     with pytest.raises(ValueError, match="--kv-cache-dtype float16: the cpu attention backend"):
         resolve_kv_cache_dtype("float16", torch.float32, CPU, "cpu")
+    with pytest.raises(ValueError, match="the cpu-batch-invariant attention backend"):
+        resolve_kv_cache_dtype("float16", torch.float32, CPU, "cpu-batch-invariant")
     cuda = torch.device("cuda")
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is read by the torch attention backend only"):
         resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, "flash")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import SamplingParams
@@ -34,10 +35,12 @@ def test_floor_arithmetic_and_a_measured_bandwidth():
     assert read_bandwidth(torch.device("cpu"), nbytes=1 << 24, repeats=2) > 1e8  # > 0.1 GB/s anywhere
 
 
-def test_offline_bench_reports_the_step_next_to_its_floor(tiny_llama_dir, capsys):
+@pytest.mark.parametrize("extra", [[], ["--batch-invariant"], ["--quantization", "int8", "--dtype", "bfloat16"]],
+                         ids=["plain", "batch-invariant", "int8"])
+def test_offline_bench_reports_the_step_next_to_its_floor(tiny_llama_dir, capsys, extra):
     from engine.bench import main
 
     main(["--model", str(tiny_llama_dir), "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
-          "--single-steps", "4", "--skip-hf", "--profile", "--dtype", "float32"])
+          "--single-steps", "4", "--skip-hf", "--profile", "--dtype", "float32", *extra])
     out = capsys.readouterr().out
     assert "floor" in out and "GB/s streaming read" in out and "step profile over" in out
