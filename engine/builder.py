@@ -16,7 +16,8 @@ from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.runner.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
 from engine.loading.loader import load_hf_config, prepare_checkpoint
-from engine.quantization.model_weights import footprint_bytes, model_weights, resolve_gguf_storage
+from engine.memory_bandwidth import tensor_bytes
+from engine.quantization.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
@@ -112,7 +113,7 @@ def _log_weights(model: LlamaForCausalLM) -> None:
     matrices = model.weight_tensors()
     formats = sorted({w.format if isinstance(w, QuantizedWeight) else _dtype_name(w) for w in matrices})
     logger.info("model weights: %.1f MB (quantization %s; %.1f MB of matrices read per decode step: %s)",
-                model.weight_bytes() / 1e6, model.quantization, footprint_bytes(matrices) / 1e6, ", ".join(formats))
+                model.weight_bytes() / 1e6, model.quantization, tensor_bytes(matrices) / 1e6, ", ".join(formats))
 
 
 def _dtype_name(weight) -> str:

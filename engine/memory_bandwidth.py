@@ -37,12 +37,21 @@ def read_bandwidth(device: torch.device, nbytes: int = DEFAULT_BUFFER_BYTES, rep
     return buffer.numel() * 4 / best
 
 
-def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the given tensors as stored (packed / opaque layouts by their logical element count;
-    quantized weights by the bytes their product reads)."""
+def tensor_bytes(weights: Sequence) -> int:
+    """Bytes of distinct weights as stored (a tied matrix once; None skipped): tensors by their elements
+    (opaque packed layouts by their logical element count), quantized weights by the bytes their product
+    reads, other packed forms (a batch-invariant PackedWeight) by their `data` tensor."""
+    seen: set[int] = set()
     total = 0
-    for tensor in tensors:
-        total += tensor.nbytes if isinstance(tensor, QuantizedWeight) else tensor.numel() * tensor.element_size()
+    for weight in weights:
+        if weight is None or id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        if isinstance(weight, QuantizedWeight):
+            total += weight.nbytes
+        else:
+            tensor = weight if isinstance(weight, torch.Tensor) else weight.data
+            total += tensor.numel() * tensor.element_size()
     return total
 
 

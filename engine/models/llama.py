@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.memory_bandwidth import tensor_bytes
 from engine.models.fused_decode import FusedDecode
 from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
 from engine.models.linear import GemvLinear, Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
 from engine.quantization.int4_groups import Int4Groups
-from engine.quantization.model_weights import footprint_bytes, fuse_rows
+from engine.quantization.model_weights import fuse_rows
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -145,7 +146,7 @@ class LlamaForCausalLM:
     def weight_bytes(self) -> int:
         """The memory its weights take (tied matrices once; quantized ones by their blocks and scales)."""
         fields = [getattr(layer, name) for layer in self.layers for name in LlamaLayerWeights.__slots__]
-        return footprint_bytes([self.embed, self.final_norm, self.lm_head, *fields])
+        return tensor_bytes([self.embed, self.final_norm, self.lm_head, *fields])
 
     # ------------------------------------------------------------------ forward
 

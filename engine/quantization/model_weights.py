@@ -75,23 +75,6 @@ def model_weights(quantization: str, checkpoint_dir: Path, gguf_file: Optional[P
     return iter_gguf_weights(gguf_file, load_quant_kernels(), num_heads, num_kv_heads)
 
 
-def footprint_bytes(weights) -> int:
-    """Bytes of distinct weights (a tied matrix once): tensors by their elements (opaque packed layouts
-    included), quantized weights by their blocks and scales, other packed forms by their `data` tensor."""
-    seen: set[int] = set()
-    total = 0
-    for weight in weights:
-        if weight is None or id(weight) in seen:
-            continue
-        seen.add(id(weight))
-        if isinstance(weight, QuantizedWeight):
-            total += weight.nbytes
-        else:
-            tensor = weight if isinstance(weight, torch.Tensor) else weight.data  # e.g. a batch-invariant PackedWeight
-            total += tensor.numel() * tensor.element_size()
-    return total
-
-
 def fuse_rows(weights, dtype: torch.dtype) -> Union[torch.Tensor, QuantizedWeight]:
     """[w0; w1; ...] along the output rows (q|k|v, gate|up): one quantized weight where they share a format,
     else (a GGUF mixing formats, or quantized with float) a float tensor in `dtype`, logged."""
