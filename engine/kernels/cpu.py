@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "gemv.cpp", "decode_layer.cpp",
            "quant_gemm.cpp", "quant_dense_bf16.cpp")
-HEADERS = ("common.h", "gemv.h", "row_ops.h", "quant_blocks.h")
+HEADERS = ("common.h", "gemv.h", "row_ops.h", "quant_blocks.h", "quant_product.h")
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -206,8 +206,9 @@ class CpuKernels:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
         updated in place, K/V written at `slots` [rows] int64 of each layer's cache; returns the last layer's
-        MLP output [rows, hidden]. `weights` [num_layers, 10] int64 holds each layer's tensor addresses
-        (`FusedDecode` builds it, from tensors it checked and keeps alive); positions [rows] int64;
+        MLP output [rows, hidden]. `weights` [num_layers, 26] int64 holds each layer's norm and bias addresses
+        and its four matrices (plain or GGUF blocks) as csrc/decode_layer.cpp reads them (`FusedDecode` builds
+        it, from weights it checked and the model keeps alive); positions [rows] int64;
         block_tables [rows, width] and context_lens [rows] int32."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:

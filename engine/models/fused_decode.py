@@ -7,10 +7,13 @@
     then        residual + h (before the final norm), as `LlamaForCausalLM.forward` returns
 
 The two fused kernels are one OpenMP team each, running the products through the small-batch kernel of
-csrc/gemv.cpp, with every intermediate rounded where the unfused ops round it: the result is the unfused
-path's, bit for bit. It applies to steps whose every token is a decode (one new token per sequence) of at
-most `max_rows` sequences, on plain (not quantized) weights in the model's dtype, a KV cache of that dtype,
-and models without q/k norms; anything else takes the general path.
+csrc/gemv.cpp (plain weights) or the integer product of csrc/quant_product.h (GGUF blocks kept quantized,
+`--quantization gguf`), with every intermediate rounded where the unfused ops round it: the result is the
+unfused path's, bit for bit. It applies to steps whose every token is a decode (one new token per
+sequence) of at most `max_rows` sequences (with GGUF blocks, fewer than the rows from which the unfused
+path switches to bf16 tiles), on plain weights in the model's dtype or GGUF blocks, a KV cache of the
+model's dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the
+general path.
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels
+from engine.quantization.gguf_weight import NO_TILES, TILE_MIN_ROWS, GgufWeight
 
 
-WEIGHT_COLUMNS = ("input_norm", "qkv", "qkv_bias", "o_proj", "o_bias", "post_norm", "gate_up", "gate_up_bias",
-                  "down", "down_bias")
-"""A layer's row of the weight table, in csrc/decode_layer.cpp's WeightColumn order."""
+VECTOR_COLUMNS = ("input_norm", "post_norm", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")
+MATRIX_COLUMNS = ("qkv", "o_proj", "gate_up", "down")
+"""A layer's row of the weight table, in csrc/decode_layer.cpp's WeightColumn order: one address per
+vector (0: no bias), then five values per matrix (`_matrix_entry`)."""
+
+DENSE_FORMAT = -1
 
 
 class FusedDecode:
@@ -35,6 +41,7 @@ class FusedDecode:
         self.kernels = kernels
         self.max_rows = max_rows
         self._model_ok: Optional[bool] = None  # decided once, on the first step (the weights are loaded)
+        self._max_rows = max_rows  # lowered for GGUF blocks (below the unfused path's bf16-tile rows)
         self._weights: Optional[torch.Tensor] = None  # [num_layers, len(WEIGHT_COLUMNS)] int64 addresses
         self._caches: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
         self._caches_of: Optional[Sequence] = None  # the kv_caches sequence they were split from
@@ -42,13 +49,13 @@ class FusedDecode:
     def takes(self, model, num_tokens: int, metadata: AttentionMetadata,
               kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
         """Whether this step can run fused (cheap after the first call)."""
-        if num_tokens == 0 or num_tokens > self.max_rows or backend.name != "cpu":
-            return False
-        if metadata.num_decodes != num_tokens:
+        if num_tokens == 0 or backend.name != "cpu" or metadata.num_decodes != num_tokens:
             return False
         if self._model_ok is None:
             self._model_ok = _model_fits(model, kv_caches)
-        return self._model_ok
+            if self._model_ok and _has_blocks(model):
+                self._max_rows = min(self.max_rows, _integer_rows(model) - 1)
+        return self._model_ok and num_tokens <= self._max_rows
 
     def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -59,7 +66,7 @@ class FusedDecode:
         if self._caches_of is not kv_caches:
             self._caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             self._caches_of = kv_caches
-        residual = F.embedding(input_ids, model.embed)  # [T, hidden], updated in place layer by layer
+        residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
         h = self.kernels.decode_layers(
             residual, self._weights, *self._caches, positions, rotary.cos, rotary.sin_signed, metadata.slot_mapping,
             metadata.decode_block_tables, metadata.decode_context_lens, arch.num_heads, arch.intermediate_size,
@@ -68,23 +75,61 @@ class FusedDecode:
 
 
 def _weight_table(model) -> torch.Tensor:
-    """[num_layers, len(WEIGHT_COLUMNS)] int64: the address of each layer's tensors (0: no bias); the model
-    keeps them alive and never moves them."""
-    rows = [[0 if getattr(layer, name) is None else getattr(layer, name).data_ptr() for name in WEIGHT_COLUMNS]
-            for layer in model.layers]
+    """[num_layers, 6 + 5 * 4] int64: per layer the address of each vector (0: no bias), then each matrix's
+    entry; the model keeps the tensors alive and never moves them."""
+    rows = []
+    for layer in model.layers:
+        row = [0 if getattr(layer, name) is None else getattr(layer, name).data_ptr() for name in VECTOR_COLUMNS]
+        for name in MATRIX_COLUMNS:
+            row += _matrix_entry(getattr(layer, name))
+        rows.append(row)
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def _matrix_entry(weight) -> list[int]:
+    """(data, d, m, format, nbp): a plain [out, in] tensor (format -1), or GGUF blocks (qs, scales, Q4_1
+    minimums or 0, the format's code, blocks per row)."""
+    if isinstance(weight, GgufWeight):
+        p = weight.packed
+        return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp]
+    return [weight.data_ptr(), 0, 0, DENSE_FORMAT, 0]
+
+
+def _has_blocks(model) -> bool:
+    return any(isinstance(getattr(layer, name), GgufWeight) for layer in model.layers for name in MATRIX_COLUMNS)
+
+
+def _integer_rows(model) -> int:
+    """The row count from which the unfused path multiplies GGUF blocks as bf16 tiles instead."""
+    kernels = next(getattr(layer, name).kernels for layer in model.layers for name in MATRIX_COLUMNS
+                   if isinstance(getattr(layer, name), GgufWeight))
+    return TILE_MIN_ROWS if kernels.bf16_tiles else NO_TILES
+
+
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Plain contiguous weights and caches in the model's dtype, no q/k norm, RoPE tables in that dtype."""
+    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype, no q/k norm, RoPE tables
+    in that dtype."""
     dtype = model.dtype
-    tensors = [model.embed, model.rotary.cos, model.rotary.sin_signed]
+    tensors = [model.rotary.cos, model.rotary.sin_signed]  # in the model's dtype
+    blocks: list[torch.Tensor] = []  # GGUF blocks and scales
+    if not isinstance(model.embed, GgufWeight):
+        tensors.append(model.embed)
     for layer in model.layers:
         if layer.q_norm is not None:
             return False
-        tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
+        tensors += [layer.input_norm, layer.post_norm]
         tensors += [b for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias) if b is not None]
+        for name in MATRIX_COLUMNS:
+            weight = getattr(layer, name)
+            if isinstance(weight, GgufWeight):
+                blocks += [t for t in (weight.packed.qs, weight.packed.d, weight.packed.m) if t is not None]
+            else:
+                tensors.append(weight)
     for key_cache, value_cache in kv_caches:
         tensors += [key_cache, value_cache]
-    return all(type(t) is torch.Tensor and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
-               and t.layout == torch.strided for t in tensors)
+    return all(_plain(t) and t.dtype == dtype for t in tensors) and all(_plain(t) for t in blocks)
+
+
+def _plain(t) -> bool:
+    """A contiguous, strided CPU tensor (not a subclass, an opaque packed layout, or a quantized weight)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and t.layout == torch.strided

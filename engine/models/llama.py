@@ -58,7 +58,7 @@ class LlamaForCausalLM:
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
-        self.fused: Optional[FusedDecode] = None  # small decode steps in one native call (cpu backend, bf16)
+        self.fused: Optional[FusedDecode] = None  # small decode steps in one native call (cpu backend, bf16, plain or gguf)
         if isinstance(self.linear, GemvLinear) and isinstance(self.ops, NativeLayerOps):
             self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
@@ -164,7 +164,7 @@ class LlamaForCausalLM:
         eps = self.arch.rms_norm_eps
         linear, ops = self.linear, self.ops
         angles = ops.rotary_angles(positions, self.rotary)
-        h = self._embed(input_ids)  # [num_tokens, hidden]
+        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
@@ -175,7 +175,8 @@ class LlamaForCausalLM:
             h = linear(ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
         return residual + h
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden] in the model's dtype (quantized embeddings dequantized by row)."""
         if isinstance(self.embed, QuantizedWeight):
             return self.embed.rows(input_ids, self.dtype)
         return F.embedding(input_ids, self.embed)

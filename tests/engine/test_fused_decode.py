@@ -1,8 +1,9 @@
 """The fused small-batch decode (engine/models/fused_decode.py, csrc/decode_layer.cpp) against the unfused
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows, with q/k/v
-biases (qwen2); models it does not fit (q/k norms, qwen3) take the general path; and on the embedded model
-in bf16 the same greedy tokens as torch's products with the unfused ops (the numerics before it). The
-comparison runs on the native build and on an AVX2 (-march=haswell) one."""
+biases (qwen2), and with the embedded model's GGUF blocks kept quantized (`quantization="gguf"`, with and
+without biases added to its projections); models it does not fit (q/k norms, qwen3) take the general path;
+and on the embedded model in bf16 the same greedy tokens as torch's products with the unfused ops (the
+numerics before it). The comparisons run on the native build and on an AVX2 (-march=haswell) one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels.cpu import NATIVE_ARCH, load_cpu_kernels
+from engine.kernels.quant import load_quant_kernels
+from engine.models.fused_decode import MATRIX_COLUMNS
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
+from engine.quantization.gguf_weight import TILE_MIN_ROWS, GgufWeight
 from tests.engine.references import assert_idle, make_llm
 
 PROMPTS = [
@@ -72,6 +76,55 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, arch, request, c
     finally:
         model.fused = fused_path
     assert fused == unfused
+
+
+def _unfused(llm: LLM, prompts, params):
+    model = llm.engine.runner.model
+    fused_path, model.fused = model.fused, None
+    try:
+        return _generate_each(llm, prompts, params)
+    finally:
+        model.fused = fused_path
+
+
+def _generate_each(llm: LLM, prompts, params):
+    results = llm.generate(prompts, params, use_tqdm=False)
+    assert_idle(llm)
+    return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
+def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(embedded_checkpoint, arch, bias, cpu_kernels,
+                                                              monkeypatch):
+    llm = LLM(None, quantization="gguf", dtype="bfloat16", device="cpu", max_model_len=256,
+              kv_cache_memory="32MiB", attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=8)
+    model = llm.engine.runner.model
+    layers = model.layers
+    assert model.fused is not None and all(isinstance(getattr(layers[0], name), GgufWeight) for name in MATRIX_COLUMNS)
+    integer_rows = TILE_MIN_ROWS  # from here on the unfused path multiplies bf16 tiles: the fused path stops
+    if arch != NATIVE_ARCH:  # the AVX2 code paths (no bf16 tiles: fused up to GEMV_MAX_ROWS rows)
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip(f"-march={arch} is an x86 target")
+        _use_kernels(llm, load_cpu_kernels(arch=arch))
+        quant_kernels = load_quant_kernels(march=arch)
+        for weight in [model.embed, *(getattr(layer, name) for layer in layers for name in MATRIX_COLUMNS)]:
+            weight.kernels = quant_kernels
+        integer_rows = GEMV_MAX_ROWS + 1
+    elif not model.embed.kernels.bf16_tiles:
+        integer_rows = GEMV_MAX_ROWS + 1
+    if bias:  # the projections' biases of a qwen2 GGUF, on the blocks
+        generator = torch.Generator().manual_seed(1)
+        for layer in layers:
+            for matrix, name in zip(MATRIX_COLUMNS, ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")):
+                rows = getattr(layer, matrix).out_features
+                setattr(layer, name, (torch.randn(rows, generator=generator) * 0.05).to(torch.bfloat16))
+    rows = _counting_fused(model, monkeypatch)
+    # staggered lengths: decode batches of every size from 8 rows down to 1
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
+    fused = _generate_each(llm, PROMPTS, params)
+    assert set(rows) == set(range(1, min(integer_rows - 1, GEMV_MAX_ROWS) + 1))
+    assert fused == _unfused(llm, PROMPTS, params)
 
 
 def test_models_with_qk_norm_take_the_general_path(tiny_qwen3_dir, cpu_kernels, monkeypatch):

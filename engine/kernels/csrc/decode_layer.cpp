@@ -6,33 +6,71 @@
 //   decode_o_mlp   residual += attn @ w_o^T (+ b); x = rms_norm(residual); [g | u] = x @ w_gu^T (+ b);
 //                  out = (silu(g) * u) @ w_down^T (+ b)
 // Every intermediate is
-// rounded to T where the unfused ops (layer_ops.cpp, gemv.cpp) round it, so the results are theirs.
+// rounded to T where the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results
+// are theirs. A matrix is either plain T [out, in] (the small-batch product of gemv.h) or GGUF blocks
+// (the integer product of quant_product.h, which the unfused path takes below its bf16-tile row count).
 //
 // Layouts (row-major, contiguous): h, residual [rows, hidden]; weights [out, in]; caches
 // [num_blocks * block_size, kv_heads, head_dim] addressed by slot; positions, slots [rows] int64;
 // cos / sin_signed [max_positions, head_dim]; attn [rows, heads * head_dim]; out [rows, hidden];
 // block_tables [rows, table_width] int32, context_lens [rows] int32 (the new token included); per layer
-// one row of the weight table (WeightColumn) and one address in key_caches / value_caches.
+// one row of the weight table (WeightColumn: addresses of the norms and biases, then per matrix
+// kMatrixColumns values, see Matrix) and one address in key_caches / value_caches.
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "gemv.h"
+#include "quant_product.h"
 #include "row_ops.h"
 
 namespace {
 
 using pagedserve::add_rms_norm_row;
 using pagedserve::gemv_for;
+using pagedserve::store;
+using pagedserve::to_float;
+using pagedserve::quant::BlockMatrix;
+using pagedserve::quant::integer_product_for;
+using pagedserve::quant::Scratch;
 using pagedserve::rms_norm_row;
 using pagedserve::rotary_row;
 using pagedserve::silu_and_mul_row;
 
+// A projection's weight: plain T [N, K] at `data` (format < 0), or GGUF blocks (qs at `data`, scales d,
+// Q4_1 minimums m, nbp blocks per row; format a pagedserve::quant::Format).
+struct Matrix {
+    const void* data;
+    const uint16_t* d;
+    const uint16_t* m;
+    int64_t format;
+    int64_t nbp;
+};
+constexpr int kMatrixColumns = 5;  // its values in a row of the weight table, in the order above
+
+// out [rows, N] = x [rows, K] @ W.T (+ bias), work-shared over the calling team; `scratch` holds the int8
+// activations of a block-quantized W (reserved for rows x nbp before the team started).
 template <typename T>
-void decode_qkv(const T* h, T* residual, const T* norm, const T* w_qkv, const T* b_qkv, const int64_t* positions,
+void product_for(const T* x, const Matrix& w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K,
+                 Scratch& scratch) {
+    if (w.format < 0) {
+        gemv_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K);
+        return;
+    }
+    integer_product_for(x, BlockMatrix{static_cast<const uint8_t*>(w.data), w.d, w.m, w.format, w.nbp}, out, rows,
+                        K, N, scratch);
+    if (bias == nullptr) return;
+#pragma omp for schedule(static)  // rounded, then the bias added and rounded: as `out + bias` in torch
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < N; ++n) store(out + r * N + n, to_float(out[r * N + n]) + to_float(bias[n]));
+}
+
+template <typename T>
+void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, const T* b_qkv, const int64_t* positions,
                 const T* cos, const T* sin_signed, T* key_cache, T* value_cache, const int64_t* slots, T* query,
-                int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps) {
+                int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
+                Scratch& scratch) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     std::vector<T> x(rows * hidden), qkv(rows * width);
 #pragma omp parallel
@@ -43,7 +81,7 @@ void decode_qkv(const T* h, T* residual, const T* norm, const T* w_qkv, const T*
             if (h != nullptr) add_rms_norm_row(h + r * hidden, res, norm, x.data() + r * hidden, hidden, eps);
             else rms_norm_row(res, norm, x.data() + r * hidden, hidden, eps);
         }
-        gemv_for(x.data(), w_qkv, b_qkv, qkv.data(), rows, width, hidden);
+        product_for(x.data(), w_qkv, b_qkv, qkv.data(), rows, width, hidden, scratch);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = qkv.data() + r * width;  // [q heads | k heads | v heads] x head_dim
@@ -57,21 +95,21 @@ void decode_qkv(const T* h, T* residual, const T* norm, const T* w_qkv, const T*
 }
 
 template <typename T>
-void decode_o_mlp(const T* attn, T* residual, const T* w_o, const T* b_o, const T* norm, const T* w_gu,
-                  const T* b_gu, const T* w_down, const T* b_down, T* out, int64_t rows, int64_t hidden,
-                  int64_t attn_width, int64_t inter, float eps) {
+void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, const T* norm, const Matrix& w_gu,
+                  const T* b_gu, const Matrix& w_down, const T* b_down, T* out, int64_t rows, int64_t hidden,
+                  int64_t attn_width, int64_t inter, float eps, Scratch& scratch) {
     std::vector<T> o(rows * hidden), x(rows * hidden), gate_up(rows * 2 * inter), act(rows * inter);
 #pragma omp parallel
     {
-        gemv_for(attn, w_o, b_o, o.data(), rows, hidden, attn_width);
+        product_for(attn, w_o, b_o, o.data(), rows, hidden, attn_width, scratch);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
             add_rms_norm_row(o.data() + r * hidden, residual + r * hidden, norm, x.data() + r * hidden, hidden, eps);
-        gemv_for(x.data(), w_gu, b_gu, gate_up.data(), rows, 2 * inter, hidden);
+        product_for(x.data(), w_gu, b_gu, gate_up.data(), rows, 2 * inter, hidden, scratch);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
             silu_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
-        gemv_for(act.data(), w_down, b_down, out, rows, hidden, inter);
+        product_for(act.data(), w_down, b_down, out, rows, hidden, inter, scratch);
     }
 }
 
@@ -97,9 +135,19 @@ inline void paged_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v
                                  scale);
 }
 
-// Columns of a layer's row in the weight table (addresses; 0 for an absent bias).
-enum WeightColumn { kInputNorm, kQkv, kQkvBias, kOProj, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias,
-                    kWeightColumns };
+// Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias),
+// then each matrix's kMatrixColumns values.
+enum WeightColumn {
+    kInputNorm, kPostNorm, kQkvBias, kOBias, kGateUpBias, kDownBias,
+    kQkv, kOProj = kQkv + kMatrixColumns, kGateUp = kOProj + kMatrixColumns, kDown = kGateUp + kMatrixColumns,
+    kWeightColumns = kDown + kMatrixColumns
+};
+
+Matrix matrix_at(const int64_t* row, int column) {
+    const int64_t* v = row + column;
+    return Matrix{reinterpret_cast<const void*>(v[0]), reinterpret_cast<const uint16_t*>(v[1]),
+                  reinterpret_cast<const uint16_t*>(v[2]), v[3], v[4]};
+}
 
 struct DecodeShape {
     int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width;
@@ -114,18 +162,26 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                    const int32_t* block_tables, const int32_t* context_lens, T* out, int64_t num_layers,
                    const DecodeShape& s) {
     std::vector<T> query(s.rows * s.heads * s.head_dim), attn(query.size());
+    Scratch scratch;  // int8 activations of block-quantized matrices, shared by each kernel's team
+    for (int64_t layer = 0; layer < num_layers; ++layer)
+        for (int column : {kQkv, kOProj, kGateUp, kDown})
+            if (matrix_at(weights + layer * kWeightColumns, column).format >= 0)
+                scratch.reserve(s.rows, matrix_at(weights + layer * kWeightColumns, column).nbp);
     const T* h = nullptr;
     for (int64_t layer = 0; layer < num_layers; ++layer) {
         const int64_t* row = weights + layer * kWeightColumns;
         auto w = [row](WeightColumn column) { return reinterpret_cast<const T*>(row[column]); };
+        auto matrix = [row](WeightColumn column) { return matrix_at(row, column); };
         T* key_cache = reinterpret_cast<T*>(key_caches[layer]);
         T* value_cache = reinterpret_cast<T*>(value_caches[layer]);
-        decode_qkv(h, residual, w(kInputNorm), w(kQkv), w(kQkvBias), positions, cos, sin_signed, key_cache,
-                   value_cache, slots, query.data(), s.rows, s.hidden, s.heads, s.kv_heads, s.head_dim, s.eps);
+        decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), positions, cos, sin_signed, key_cache,
+                   value_cache, slots, query.data(), s.rows, s.hidden, s.heads, s.kv_heads, s.head_dim, s.eps,
+                   scratch);
         paged_decode(query.data(), key_cache, value_cache, block_tables, context_lens, attn.data(), s.rows, s.heads,
                      s.kv_heads, s.head_dim, s.block_size, s.table_width, s.scale);
-        decode_o_mlp(attn.data(), residual, w(kOProj), w(kOBias), w(kPostNorm), w(kGateUp), w(kGateUpBias), w(kDown),
-                     w(kDownBias), out, s.rows, s.hidden, s.heads * s.head_dim, s.inter, s.eps);
+        decode_o_mlp(attn.data(), residual, matrix(kOProj), w(kOBias), w(kPostNorm), matrix(kGateUp), w(kGateUpBias),
+                     matrix(kDown), w(kDownBias), out, s.rows, s.hidden, s.heads * s.head_dim, s.inter, s.eps,
+                     scratch);
         h = out;
     }
 }

@@ -1,0 +1,282 @@
+// Products of int8-quantized activations with GGUF blocks (Q4_0, Q4_1, Q8_0), llama.cpp's scheme for
+// decode-sized batches, as team work-sharing loops: quant_gemm.cpp runs them in a team of their own,
+// decode_layer.cpp inside its fused per-layer kernels.
+//
+// Weights are repacked once, at load (engine/quantization/gguf_formats.py), for W [N, K] with
+// nb = K / 32 blocks per row, padded to nbp (even) with zero blocks:
+//   qs  4-bit  uint8 [N, nbp / 2, 32]  block pair p: byte j's low nibble is block 2p's element j, its high
+//                                      nibble block 2p+1's element j (one 32-byte load gives both blocks
+//                                      in natural order: a ymm each on AVX2, one zmm on AVX-512)
+//       8-bit  uint8 [N, nbp, 32]      the int8 quant + 128 (unsigned, as vpdpbusd's first operand wants)
+//   d   fp16 [N, nbp]                  block scale
+//   m   fp16 [N, nbp]                  Q4_1's block minimum (absent for Q4_0 and Q8_0)
+// so a weight is w = d * u + mm, u the stored unsigned quant, mm = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0).
+//
+// Activations are quantized per row and 32-block to int8 (llama.cpp's Q8 activations):
+//   xq int8 [R, nbp * 32], dx float [R, nbp] (= amax / 127), sx float [R, nbp] (= dx * sum(xq))
+// and a block's dot product is d dx sum(u xq) + mm sx: an integer dot product (vpdpbusd on AVX512-VNNI,
+// vpmaddubsw on AVX2) and two multiply-adds per block. Threads split blocks of output columns.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+#include "quant_blocks.h"
+
+namespace pagedserve {
+namespace quant {
+
+constexpr int kMaxRows = 4;  // activation rows per micro-kernel call
+
+// ---------------------------------------------------------------- activations
+
+template <typename T>
+void quantize_row(const T* x, int8_t* xq, float* dx, float* sx, int64_t nb, int64_t nbp) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const T* src = x + b * kBlock;
+        float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(to_float(src[j])));
+        const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < kBlock; ++j) {
+            const int q = static_cast<int>(std::nearbyint(to_float(src[j]) * inverse));
+            xq[b * kBlock + j] = static_cast<int8_t>(q);
+            sum += q;
+        }
+        dx[b] = scale;
+        sx[b] = scale * static_cast<float>(sum);
+    }
+    for (int64_t b = nb; b < nbp; ++b) {
+        std::memset(xq + b * kBlock, 0, kBlock);
+        dx[b] = 0.0f;
+        sx[b] = 0.0f;
+    }
+}
+
+// ---------------------------------------------------------------- micro-kernels: NR rows x one column
+
+struct Activations {
+    const int8_t* xq;
+    const float* dx;
+    const float* sx;
+    int64_t nbp;  // blocks per row (the row strides: nbp * 32 quants, nbp scales)
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+// acc[r] += (sum of u * xq over each block, 8 lanes per block) * d dx of that block, for the pair at b.
+template <int64_t FORMAT, int NR>
+inline void pair_step(const uint8_t* qs, int64_t b, int64_t g, const __m512* scale, Activations a, __m512* acc) {
+    // lanes 0-7 take block b's scale, lanes 8-15 block b + 1's: kPairLanes[(b - g) / 2] (a load, no ALU work)
+    alignas(64) static constexpr int32_t kPairLanes[8][16] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},     {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},     {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+        {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+        {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+        {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+        {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+    const __m512i w = load_pair<FORMAT>(qs, b);
+    const __m512i index = _mm512_load_si512(kPairLanes[(b - g) / 2]);
+    for (int r = 0; r < NR; ++r) {
+        const __m512i xv = _mm512_loadu_si512(a.xq + r * a.nbp * kBlock + b * kBlock);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(index, scale[r]), acc[r]);
+    }
+}
+
+template <int64_t FORMAT, int NR>
+void column_dot(const uint8_t* qs, const uint16_t* d, const uint16_t* m, Activations a, float* result) {
+    const int64_t nbp = a.nbp;
+    __m512 even[NR], odd[NR], accm[NR];  // two chains per row (pairs alternate): hides the fma latency
+    for (int r = 0; r < NR; ++r) even[r] = odd[r] = accm[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nbp; g += 16) {
+        const int64_t blocks = std::min<int64_t>(16, nbp - g);
+        const __mmask16 mask = static_cast<__mmask16>((1u << blocks) - 1u);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + g));
+        const __m512 mw = FORMAT == kQ4_1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + g))
+                                          : _mm512_mul_ps(dw, _mm512_set1_ps(FORMAT == kQ4_0 ? -8.0f : -128.0f));
+        __m512 scale[NR];
+        for (int r = 0; r < NR; ++r) {
+            scale[r] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mask, a.dx + r * nbp + g));
+            accm[r] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(mask, a.sx + r * nbp + g), accm[r]);
+        }
+        int64_t b = g;
+        for (; b + 4 <= g + blocks; b += 4) {
+            pair_step<FORMAT, NR>(qs, b, g, scale, a, even);
+            pair_step<FORMAT, NR>(qs, b + 2, g, scale, a, odd);
+        }
+        if (b < g + blocks) pair_step<FORMAT, NR>(qs, b, g, scale, a, even);
+    }
+    for (int r = 0; r < NR; ++r)
+        result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even[r], odd[r]), accm[r]));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// sum over 32 bytes of u * x as 8 int32 lanes (4-bit u: vpmaddubsw cannot saturate, 2 * 15 * 128 < 2^15)
+inline __m256i dot_unsigned(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+// sum over 32 bytes of w * x for signed w (|w| <= 128 keeps vpmaddubsw's pair sums below 2^15)
+inline __m256i dot_signed(__m256i w, __m256i x) {
+    return dot_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+template <int64_t FORMAT, int NR>
+void column_dot(const uint8_t* qs, const uint16_t* d, const uint16_t* m, Activations a, float* result) {
+    const int64_t nbp = a.nbp;
+    __m256 acc[NR];
+    float accm[NR];
+    for (int r = 0; r < NR; ++r) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f), bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t b = 0; b < nbp; b += 2) {
+        __m256i w[2];
+        if constexpr (FORMAT == kQ8_0) {  // back to signed int8: dot_signed, no -128 d term
+            w[0] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * kBlock)), bias);
+            w[1] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b + 1) * kBlock)),
+                                    bias);
+        } else {
+            const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b / 2) * kBlock));
+            w[0] = _mm256_and_si256(both, low_nibbles);
+            w[1] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low_nibbles);
+        }
+        for (int k = 0; k < 2; ++k) {
+            const float dw = half_to_float(d[b + k]);
+            const float mm = FORMAT == kQ8_0 ? 0.0f : block_min(FORMAT, d, m, b + k);
+            for (int r = 0; r < NR; ++r) {
+                const __m256i xv = _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(a.xq + r * nbp * kBlock + (b + k) * kBlock));
+                const __m256i dot = FORMAT == kQ8_0 ? dot_signed(w[k], xv) : dot_unsigned(w[k], xv);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a.dx[r * nbp + b + k]), acc[r]);
+                accm[r] += mm * a.sx[r * nbp + b + k];
+            }
+        }
+    }
+    for (int r = 0; r < NR; ++r) result[r] = hsum(acc[r]) + accm[r];
+}
+
+#else
+
+template <int64_t FORMAT, int NR>
+void column_dot(const uint8_t* qs, const uint16_t* d, const uint16_t* m, Activations a, float* result) {
+    const int64_t nbp = a.nbp;
+    for (int r = 0; r < NR; ++r) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < nbp; ++b) {
+            const int8_t* xq = a.xq + r * nbp * kBlock + b * kBlock;
+            int32_t dot = 0;
+            for (int64_t j = 0; j < kBlock; ++j) dot += stored_quant(FORMAT, qs, b, j) * xq[j];
+            sum += half_to_float(d[b]) * a.dx[r * nbp + b] * static_cast<float>(dot) +
+                   block_min(FORMAT, d, m, b) * a.sx[r * nbp + b];
+        }
+        result[r] = sum;
+    }
+}
+
+#endif
+
+// ---------------------------------------------------------------- the product
+
+struct Weights {
+    const uint8_t* qs;
+    const uint16_t* d;
+    const uint16_t* m;
+    int64_t columns;      // N
+    int64_t row_bytes;    // bytes of qs per weight row
+};
+
+template <int64_t FORMAT, int NR>
+void columns_dot(Weights w, int64_t n0, int64_t n1, Activations a, float* result /*[NR][n1 - n0]*/) {
+    float one[NR];
+    for (int64_t n = n0; n < n1; ++n) {
+        column_dot<FORMAT, NR>(w.qs + n * w.row_bytes, w.d + n * a.nbp, w.m ? w.m + n * a.nbp : nullptr, a, one);
+        for (int r = 0; r < NR; ++r) result[r * (n1 - n0) + n - n0] = one[r];
+    }
+}
+
+// out [rows, N] = activations x W.T, work-shared over the calling OpenMP team (an orphaned `omp for`).
+// Guided: a preempted thread's columns go to the running one (one stream over HTTP on 2 cores, measured:
+// 18.1 ms per token with a static split, 11.5 ms guided).
+template <int64_t FORMAT, typename T>
+void matmul_for(Weights w, Activations a, int64_t rows, T* out) {
+    const int64_t tasks = (w.columns + kColumnsPerTask - 1) / kColumnsPerTask;
+#pragma omp for schedule(guided, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t n0 = task * kColumnsPerTask, n1 = std::min(w.columns, n0 + kColumnsPerTask);
+        float tile[kMaxRows * kColumnsPerTask];
+        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+            const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+            const Activations chunk{a.xq + r0 * a.nbp * kBlock, a.dx + r0 * a.nbp, a.sx + r0 * a.nbp, a.nbp};
+            switch (nr) {
+                case 1: columns_dot<FORMAT, 1>(w, n0, n1, chunk, tile); break;
+                case 2: columns_dot<FORMAT, 2>(w, n0, n1, chunk, tile); break;
+                case 3: columns_dot<FORMAT, 3>(w, n0, n1, chunk, tile); break;
+                default: columns_dot<FORMAT, 4>(w, n0, n1, chunk, tile); break;
+            }
+            for (int r = 0; r < nr; ++r)
+                for (int64_t n = n0; n < n1; ++n) store(out + (r0 + r) * w.columns + n, tile[r * (n1 - n0) + n - n0]);
+        }
+    }
+}
+
+// Room for the int8 activations of `rows` rows of up to `nbp` blocks, shared by a team.
+struct Scratch {
+    std::vector<int8_t> xq;
+    std::vector<float> dx, sx;
+
+    void reserve(int64_t rows, int64_t nbp) {
+        if (static_cast<int64_t>(dx.size()) >= rows * nbp) return;
+        xq.resize(rows * nbp * kBlock);
+        dx.resize(rows * nbp);
+        sx.resize(rows * nbp);
+    }
+};
+
+// A GGUF weight as the kernels take it (see the top of this file).
+struct BlockMatrix {
+    const uint8_t* qs;
+    const uint16_t* d;
+    const uint16_t* m;  // Q4_1 only
+    int64_t format;
+    int64_t nbp;
+};
+
+// out [rows, N] = x [rows, K] @ W.T with integer dot products, work-shared over the calling team: the
+// rows are quantized into `scratch` (reserved for rows x nbp by the caller, before the team starts),
+// then the team splits the columns. Call it from every thread of a team, or from outside one.
+template <typename T>
+void integer_product_for(const T* x, const BlockMatrix& w, T* out, int64_t rows, int64_t K, int64_t N,
+                         Scratch& scratch) {
+    const int64_t nbp = w.nbp, nb = K / kBlock;
+    int8_t* xq = scratch.xq.data();
+    float *dx = scratch.dx.data(), *sx = scratch.sx.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        quantize_row(x + r * K, xq + r * nbp * kBlock, dx + r * nbp, sx + r * nbp, nb, nbp);
+    const Activations a{xq, dx, sx, nbp};
+    const Weights weights{w.qs, w.d, w.format == kQ4_1 ? w.m : nullptr, N,
+                          w.format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2};
+    switch (w.format) {
+        case kQ4_0: matmul_for<kQ4_0>(weights, a, rows, out); break;
+        case kQ4_1: matmul_for<kQ4_1>(weights, a, rows, out); break;
+        default: matmul_for<kQ8_0>(weights, a, rows, out); break;
+    }
+}
+
+}  // namespace quant
+}  // namespace pagedserve
