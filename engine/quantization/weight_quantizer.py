@@ -14,7 +14,7 @@ perplexity script measures both).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -22,7 +22,7 @@ import torch
 from engine.quantization.awq import awq_group_size, quantization_config
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int4_weight import Int4Weight, int4_weight
-from engine.quantization.int8_weight import Int8Weight
+from engine.quantization.int8_weight import Int8KernelCheck, Int8Weight
 from engine.quantization.quantized_weight import QuantizedWeight
 
 Weight = Union[torch.Tensor, QuantizedWeight]
@@ -36,12 +36,14 @@ class WeightQuantizer:
     group_size: int
     device: torch.device
     quantize_lm_head: bool = False
+    int8_kernel: Int8KernelCheck = field(default_factory=Int8KernelCheck, compare=False, repr=False)
+    """Whether torch's int8 kernel serves this model's products: probed once, shared by its int8 matrices."""
 
     def __call__(self, weight: Union[torch.Tensor, Int4Groups]) -> Weight:
         if isinstance(weight, Int4Groups):  # pre-quantized (AWQ)
             return Int4Weight(weight, self.device)
         if self.method == "int8":
-            return Int8Weight.quantize(weight).to(self.device)
+            return Int8Weight.quantize(weight, self.int8_kernel).to(self.device)
         if self.method == "int4":
             return int4_weight(weight, self.group_size, self.device)
         return weight
