@@ -25,7 +25,7 @@ from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
-from engine.quantization.weight_quantizer import WeightQuantizer, resolve_quantization
+from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -94,10 +94,12 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
 
 
-def _quantizer(requested, group_size: int, hf_config, device: torch.device, dtype: torch.dtype,
-               batch_invariant: bool = False) -> Optional[WeightQuantizer]:
-    """The load-time weight quantizer for --quantization and the checkpoint (None: weights as stored)."""
+def _quantizer(requested: Optional[str], group_size: Optional[int], hf_config, device: torch.device,
+               dtype: torch.dtype, batch_invariant: bool = False) -> Optional[WeightQuantizer]:
+    """The load-time weight quantizer for --quantization (None: auto) and --quantization-group-size (None:
+    unset) on the checkpoint (None: weights as stored); ValueError for a group size that would not apply."""
     method, awq_group_size = resolve_quantization(requested, hf_config)
+    group_size = resolve_group_size(requested, method, group_size, awq_group_size)
     if method is None:
         return None
     if batch_invariant:
@@ -106,7 +108,7 @@ def _quantizer(requested, group_size: int, hf_config, device: torch.device, dtyp
     if method != "int8" and device.type == "cpu" and dtype == torch.float32:
         logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
                        "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16")
-    return WeightQuantizer(method, awq_group_size or group_size, device)
+    return WeightQuantizer(method, group_size, device)
 
 
 def _log_weights(model: LlamaForCausalLM) -> None:

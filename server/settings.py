@@ -139,7 +139,9 @@ OPTIONS: tuple[Option, ...] = (
            "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
            "else none"),
     Option("--quantization-group-size", (*_M, "quantization_group_size"), "int",
-           "input columns per int4 scale and zero: 32, 64 or 128", "N"),
+           "input columns per int4 scale and zero: 32, 64 or 128, with --quantization int4 (or, unchanged, an "
+           "AWQ checkpoint's own); refused with --quantization none, gguf or int8, where no groups apply", "N",
+           "32 with int4, the checkpoint's with awq", nullable=True),
     Option("--kv-cache-dtype", (*_C, "kv_cache_dtype"), "str", "dtype the KV cache stores: auto = the model's "
            "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) on CUDA only"),
     Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),

@@ -56,9 +56,11 @@ class ModelConfig(BaseModel):
         "else none")
     chat_template: Optional[str] = Field(
         None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's")
-    quantization_group_size: Literal[32, 64, 128] = Field(
-        32, description="input columns per int4 scale and zero (--quantization int4); 32 is llama.cpp's "
-        "Q4 block: measured on the embedded model, groups of 64 and 128 lose 39% and 66% of perplexity")
+    quantization_group_size: Optional[Literal[32, 64, 128]] = Field(
+        None, description="input columns per int4 scale and zero; None = 32 with --quantization int4 (llama.cpp's "
+        "Q4 block: measured on the embedded model, groups of 64 and 128 lose 39% and 66% of perplexity), the "
+        "checkpoint's own with awq. A value is refused where no groups apply (none, gguf, int8, a float checkpoint "
+        "under auto) and with awq when it is not the checkpoint's (engine/builder.py)")
 
     @field_validator("quantization", mode="before")
     @classmethod

@@ -2,12 +2,15 @@
 
 The product reads the int8 matrix (a quarter of fp32's bytes, half of bf16's) and scales the outputs:
 `x @ W.T = (x @ q.T) * scale`, either through torch's weight-only kernel `aten._weight_int8pack_mm`
-(where this build has it for the device and dtype, checked once against the dequantized product) or
-by converting the int8 matrix to the activations' dtype and calling `F.linear`; `uses_kernel` says
-which, per row count and dtype, from measurements.
+(where this build has it for the device and dtype, checked once per `Int8KernelCheck` against the
+reference product: a model's int8 matrices share their quantizer's) or by converting the int8 matrix
+to the activations' dtype and calling `F.linear`; `uses_kernel` says which, per row count and dtype,
+from measurements.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +24,32 @@ KERNEL_IN_MULTIPLE = 16
 crash (measured), so those matrices take the dequantizing product."""
 
 
+class Int8KernelCheck:
+    """Whether `aten._weight_int8pack_mm` runs for a dtype and device type and matches the reference,
+    probed the first time it is asked and remembered for its owner's lifetime (a `WeightQuantizer` passes
+    one to all of a model's int8 matrices; a weight made without one gets its own)."""
+
+    __slots__ = ("_answers",)
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple[torch.dtype, str], bool] = {}
+
+    def __call__(self, dtype: torch.dtype, device: torch.device) -> bool:
+        key = (dtype, device.type)
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = self._answers[key] = _probe(dtype, device)
+        return answer
+
+
 class Int8Weight(QuantizedWeight):
-    """`qweight` int8 [out, in] and `scales` [out] (float32, with a copy per activation dtype)."""
+    """`qweight` int8 [out, in] and `scales` [out] (float32, with a copy per activation dtype); `kernel_check`
+    says whether torch's int8 kernel can serve its products."""
 
     format = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
+                 kernel_check: Optional[Int8KernelCheck] = None):
         if qweight.dtype != torch.int8 or qweight.dim() != 2 or scales.shape != (qweight.shape[0],):
             raise ValueError(f"int8 weight wants int8 [out, in] and scales [out], got {qweight.dtype} "
                              f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
@@ -34,14 +57,15 @@ class Int8Weight(QuantizedWeight):
         self.scales = scales.float().contiguous()
         self._scales_as: dict[torch.dtype, torch.Tensor] = {}
         self._kernel_ok: dict[torch.dtype, bool] = {}
+        self.kernel_check = Int8KernelCheck() if kernel_check is None else kernel_check
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
+    def quantize(cls, weight: torch.Tensor, kernel_check: Optional[Int8KernelCheck] = None) -> "Int8Weight":
         """Round a float [out, in] matrix to int8 with one scale per row (its absolute maximum / 127)."""
         w = weight.float()
         scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
         q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return cls(q, scales)
+        return cls(q, scales, kernel_check)
 
     @property
     def out_features(self) -> int:
@@ -74,7 +98,7 @@ class Int8Weight(QuantizedWeight):
             return False
         if self._kernel_ok.get(dtype) is None:
             fits = self.in_features % KERNEL_IN_MULTIPLE == 0
-            self._kernel_ok[dtype] = fits and _int8pack_agrees(dtype, device)
+            self._kernel_ok[dtype] = fits and self.kernel_check(dtype, device)
         return self._kernel_ok[dtype]
 
     def matmul_dequantized(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,21 +112,11 @@ class Int8Weight(QuantizedWeight):
         return scales
 
     def to(self, device: torch.device) -> "Int8Weight":
-        return Int8Weight(self.qweight.to(device), self.scales.to(device))
-
-
-_PROBES: dict[tuple[torch.dtype, str], bool] = {}
-
-
-def _int8pack_agrees(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `aten._weight_int8pack_mm` runs for this dtype and device and matches the reference."""
-    key = (dtype, device.type)
-    if key not in _PROBES:
-        _PROBES[key] = _probe(dtype, device)
-    return _PROBES[key]
+        return Int8Weight(self.qweight.to(device), self.scales.to(device), self.kernel_check)
 
 
 def _probe(dtype: torch.dtype, device: torch.device) -> bool:
+    """One small product through `aten._weight_int8pack_mm` against a float64 reference."""
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return False
     generator = torch.Generator().manual_seed(0)

@@ -14,15 +14,15 @@ perplexity script measures both).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 
 from engine.quantization.awq import awq_group_size, quantization_config
-from engine.quantization.int4_groups import Int4Groups
+from engine.quantization.int4_groups import DEFAULT_INT4_GROUP_SIZE, Int4Groups
 from engine.quantization.int4_weight import Int4Weight, int4_weight
-from engine.quantization.int8_weight import Int8Weight
+from engine.quantization.int8_weight import Int8KernelCheck, Int8Weight
 from engine.quantization.quantized_weight import QuantizedWeight
 
 Weight = Union[torch.Tensor, QuantizedWeight]
@@ -33,15 +33,17 @@ class WeightQuantizer:
     """Turns a loaded projection into the form it is served in (the model calls it once per matrix)."""
 
     method: Optional[str]  # None, "int8", "int4", "awq"
-    group_size: int
+    group_size: Optional[int]  # input columns per int4 group (int4, awq); None where there are none (int8)
     device: torch.device
     quantize_lm_head: bool = False
+    int8_kernel: Int8KernelCheck = field(default_factory=Int8KernelCheck, compare=False, repr=False)
+    """Whether torch's int8 kernel serves this model's products: probed once, shared by its int8 matrices."""
 
     def __call__(self, weight: Union[torch.Tensor, Int4Groups]) -> Weight:
         if isinstance(weight, Int4Groups):  # pre-quantized (AWQ)
             return Int4Weight(weight, self.device)
         if self.method == "int8":
-            return Int8Weight.quantize(weight).to(self.device)
+            return Int8Weight.quantize(weight, self.int8_kernel).to(self.device)
         if self.method == "int4":
             return int4_weight(weight, self.group_size, self.device)
         return weight
@@ -74,3 +76,33 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
         raise ValueError(f"--quantization {requested}: the checkpoint is already AWQ int4; "
                          "leave --quantization unset (or awq)")
     return (requested, None) if requested in LOAD_TIME_METHODS else (None, None)
+
+
+_NO_GROUPS = {
+    "none": "it loads float weights",
+    "gguf": "a .gguf file's blocks keep their own size",
+    "int8": "int8 has one scale per output row",
+}
+
+
+def resolve_group_size(requested: Optional[str], method: Optional[str], group_size: Optional[int],
+                       checkpoint_group_size: Optional[int]) -> Optional[int]:
+    """The int4 group size for `--quantization-group-size` (None: unset) under the resolved method.
+
+    int4: the flag's value, else DEFAULT_INT4_GROUP_SIZE. awq: the checkpoint's own; a flag that differs is
+    refused. Anything else (int8, none, gguf, auto on a float checkpoint) has no groups: None, and a flag
+    value is refused rather than ignored. `requested` is `--quantization` (None: auto), for the messages."""
+    flag = f"--quantization {requested or 'auto'}"
+    if method == "awq":
+        if group_size is not None and group_size != checkpoint_group_size:
+            raise ValueError(f"--quantization-group-size {group_size} differs from the AWQ checkpoint's group size "
+                             f"{checkpoint_group_size} (config.json quantization_config), which {flag} serves as "
+                             f"stored; leave --quantization-group-size unset or give {checkpoint_group_size}")
+        return checkpoint_group_size
+    if method == "int4":
+        return DEFAULT_INT4_GROUP_SIZE if group_size is None else group_size
+    if group_size is not None:
+        reason = _NO_GROUPS.get(requested or "", "no weights are quantized to int4 at load for this checkpoint")
+        raise ValueError(f"--quantization-group-size {group_size} does not apply to {flag} ({reason}); it sets "
+                         "--quantization int4's groups: leave it unset, or add --quantization int4")
+    return None

@@ -1,15 +1,18 @@
 """`--quantization int8|int4` on a float checkpoint: the engine serves exactly the model whose projections
 are the quantized matrices dequantized (checked against that model stored as floats), keeps the
-embeddings, norms and LM head float, and stays close to the float model."""
+embeddings, norms and LM head float, and stays close to the float model. `--quantization-group-size`:
+32 when unset with int4, the checkpoint's with awq, refused wherever it would not apply."""
 
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.builder import _quantizer
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int4_weight import Int4Weight
 from engine.quantization.int8_weight import Int8Weight
@@ -19,6 +22,10 @@ from tests.engine.references import make_llm
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a small town by the sea"]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARAMS = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
+CPU = torch.device("cpu")
+FLOAT_CHECKPOINT = SimpleNamespace()  # an HF config without quantization_config
+AWQ_CHECKPOINT = SimpleNamespace(quantization_config={"quant_method": "awq", "version": "gemm", "bits": 4,
+                                                      "group_size": 128, "zero_point": True})
 
 
 def _dequantized_copy(model_dir, target, round_trip):
@@ -73,3 +80,48 @@ def test_bad_quantization_settings_are_config_errors(tiny_llama_dir):
         make_llm(tiny_llama_dir, quantization="awq")
     with pytest.raises(ValueError, match="--quantization int8 cannot be combined with --batch-invariant"):
         make_llm(tiny_llama_dir, quantization="int8", batch_invariant=True)
+    with pytest.raises(ValueError, match="--quantization-group-size 64 does not apply to --quantization int8"):
+        make_llm(tiny_llama_dir, quantization="int8", quantization_group_size=64)
+
+
+def _quantizer_for(quantization, group_size, checkpoint=FLOAT_CHECKPOINT):
+    """What the builder makes of --quantization (None: auto) and --quantization-group-size (None: unset)."""
+    return _quantizer(quantization, group_size, checkpoint, CPU, torch.bfloat16)
+
+
+def test_int4_groups_default_to_32_and_take_the_flag():
+    assert _quantizer_for("int4", None).group_size == 32
+    for group_size in (32, 64, 128):
+        assert _quantizer_for("int4", group_size).group_size == group_size
+    int8 = _quantizer_for("int8", None)
+    assert int8.method == "int8" and int8.group_size is None
+    assert _quantizer_for("none", None) is None and _quantizer_for("gguf", None) is None
+    assert _quantizer_for(None, None) is None
+
+
+@pytest.mark.parametrize("quantization,reason", [
+    ("none", "it loads float weights"),
+    ("gguf", "a .gguf file's blocks keep their own size"),
+    ("int8", "int8 has one scale per output row"),
+    (None, "no weights are quantized to int4 at load for this checkpoint"),  # auto, on a float checkpoint
+])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_a_group_size_where_no_groups_apply_is_refused(quantization, reason, group_size):
+    """Even the int4 default (32) is refused when given explicitly: the flag would be ignored."""
+    with pytest.raises(ValueError) as error:
+        _quantizer_for(quantization, group_size)
+    message = str(error.value)
+    assert message.startswith(f"--quantization-group-size {group_size} does not apply to "
+                              f"--quantization {quantization or 'auto'} ({reason})")
+    assert "--quantization int4" in message
+
+
+@pytest.mark.parametrize("quantization", [None, "awq"])
+def test_awq_takes_the_checkpoints_group_size_and_refuses_another(quantization):
+    assert _quantizer_for(quantization, None, AWQ_CHECKPOINT).group_size == 128
+    assert _quantizer_for(quantization, 128, AWQ_CHECKPOINT).group_size == 128  # the same value: accepted
+    for group_size in (32, 64):
+        with pytest.raises(ValueError, match=rf"--quantization-group-size {group_size} differs from the AWQ "
+                           rf"checkpoint's group size 128 .* which --quantization {quantization or 'auto'} "
+                           "serves as stored"):
+            _quantizer_for(quantization, group_size, AWQ_CHECKPOINT)

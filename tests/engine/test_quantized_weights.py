@@ -8,7 +8,9 @@ import torch
 
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int4_weight import Int4Weight
+from engine.quantization import int8_weight
 from engine.quantization.int8_weight import Int8Weight
+from engine.quantization.weight_quantizer import WeightQuantizer
 
 CPU = torch.device("cpu")
 ROWS = (1, 7, 40)  # a decode, a small batch, a prefill chunk
@@ -40,6 +42,24 @@ def test_int8_product_matches_its_dequantized_matrix(dtype, shape):
     x = torch.randn(5, shape[1]).to(dtype)
     torch.testing.assert_close(weight.matmul(x), weight.matmul_dequantized(x), rtol=TOLERANCE[dtype],
                                atol=TOLERANCE[dtype] * 10)
+
+
+def test_one_quantizer_probes_the_int8_kernel_once_for_all_its_matrices(monkeypatch):
+    """The probe's answer lives with its owner (the quantizer), not in the module: its matrices share one
+    probe per dtype (moved to a device too); a weight made on its own, or by another quantizer, probes anew."""
+    probes = []
+    monkeypatch.setattr(int8_weight, "_probe", lambda dtype, device: probes.append(dtype) or True)
+    quantizer = WeightQuantizer("int8", None, CPU)
+    generator = torch.Generator().manual_seed(3)
+    weights = [quantizer(torch.randn(32, 64, generator=generator)) for _ in range(3)]
+    weights.append(weights[0].to(CPU))
+    assert all(w.uses_kernel(1, torch.bfloat16, CPU) for w in weights)
+    assert all(w.kernel_check is quantizer.int8_kernel for w in weights)
+    assert probes == [torch.bfloat16]
+    assert WeightQuantizer("int8", None, CPU)(weights[0].dequantize()).uses_kernel(1, torch.bfloat16, CPU)
+    assert Int8Weight.quantize(weights[0].dequantize()).uses_kernel(1, torch.bfloat16, CPU)
+    assert probes == [torch.bfloat16] * 3
+    assert not hasattr(int8_weight, "_PROBES")
 
 
 def test_int8_rounding_is_within_half_a_step_per_row():

@@ -209,6 +209,15 @@ def test_environment_numbers_lists_and_nulls(tmp_path):
     assert load_settings(["--config", preset], {"PAGEDSERVE_MAX_MODEL_LEN": "none"}).engine.model.max_model_len is None
 
 
+def test_quantization_group_size_is_unset_by_default_and_none_resets_it(tmp_path):
+    """Unset (None) is not 32: the builder refuses an explicit value where no int4 groups apply."""
+    path = ("engine", "model", "quantization_group_size")
+    assert get(load_settings([], {}), path) is None
+    preset = write_yaml(tmp_path, {"model": {"quantization_group_size": 64}})
+    assert get(load_settings(["--config", preset], {}), path) == 64
+    assert get(load_settings(["--config", preset, "--quantization-group-size", "none"], {}), path) is None
+
+
 def test_empty_variables_and_foreign_variables_count_as_unset():
     settings = load_settings([], {"PAGEDSERVE_PORT": "", "PAGEDSERVE_API_KEY": "", "PAGEDSERVE_CACHE_DIR": "/x"})
     assert settings == Settings()
