@@ -4,8 +4,10 @@ The config and tokenizer still come from the converted checkpoint directory (ggu
 the weights are read here, straight from the GGUF with `gguf.GGUFReader` (memory-mapped):
 
     Q4_0, Q4_1, Q8_0 2-D     -> GgufWeight (repacked blocks, gguf_formats.py)
+    other quantized 2-D      -> GgufWeight, carried into Q4_1 (Q4_K) or Q8_0 blocks (gguf_transcode.py, logged)
     F32, F16, BF16           -> float tensors, as the converted checkpoint has them
-    other types (K-quants)   -> dequantized to float32 by `gguf.quants.dequantize` (logged)
+    other quantized 1-D      -> dequantized to float32 by `gguf.quants.dequantize` (and 2-D ones whose
+                                scales do not fit in fp16)
 
 llama.cpp's converter permutes the rows of attn_q / attn_k of `llama` models for its RoPE layout; they
 are permuted back as HF's GGUF loader does (whole rows, so whole rows of blocks: exact on quantized data):
@@ -25,6 +27,7 @@ import torch
 
 from engine.kernels.quant import QuantKernels
 from engine.quantization.gguf_formats import FORMATS, repack
+from engine.quantization.gguf_transcode import transcode
 from engine.quantization.gguf_weight import GgufWeight
 
 logger = logging.getLogger(__name__)
@@ -107,6 +110,10 @@ def _read_tensor(tensor, kernels: QuantKernels) -> Union[torch.Tensor, GgufWeigh
         return GgufWeight(fmt, repack(fmt, np.asarray(tensor.data), shape[1]), shape[1], kernels)
     if type_name in _FLOAT_TYPES:
         return torch.from_numpy(np.array(tensor.data)).view(_FLOAT_TYPES[type_name]).reshape(shape)
-    logger.info("GGUF tensor %s (%s) is dequantized to float32: only %s stay quantized", tensor.name, type_name,
-                ", ".join(f.upper() for f in FORMATS))
+    carried = transcode(type_name, np.asarray(tensor.data).reshape(shape[0], -1), shape[1]) if len(shape) == 2 else None
+    if carried is not None:
+        fmt, packed = carried
+        logger.info("GGUF tensor %s (%s) is kept as %s blocks", tensor.name, type_name, fmt.name.upper())
+        return GgufWeight(fmt, packed, shape[1], kernels)
+    logger.info("GGUF tensor %s (%s) is dequantized to float32", tensor.name, type_name)
     return torch.from_numpy(dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)).reshape(shape)

@@ -103,13 +103,16 @@ def test_greedy_tokens_and_logprobs_follow_the_float_weights(llms):
 
 
 def write_gguf(path: Path, architecture: str, tensors: dict) -> None:
-    """A GGUF file of the given tensors: name -> (float32 array [out, in] or [n], GGML type)."""
+    """A GGUF file of the given tensors: name -> (float32 array [out, in] or [n], GGML type), or (uint8 rows
+    of blocks already in that type, the type)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
     writer = GGUFWriter(str(path), architecture)
     for name, (array, qtype) in tensors.items():
-        if qtype == GGMLQuantizationType.F32:
+        if array.dtype == np.uint8:
+            writer.add_tensor(name, array, raw_dtype=qtype)
+        elif qtype == GGMLQuantizationType.F32:
             writer.add_tensor(name, array)
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
