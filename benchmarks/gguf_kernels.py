@@ -43,7 +43,7 @@ def measure(weights: Sequence[GgufWeight], rows: int, dtype: torch.dtype, repeat
             for w in weights:
                 p = w.packed
                 kernels.linear(inputs[w.in_features], p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code,
-                               tile_min_rows)
+                               p.layout, tile_min_rows)
         return run
 
     def torch_products() -> None:
@@ -65,7 +65,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     kernels = load_quant_kernels()
-    weights = [w for _, w in iter_gguf_weights(embedded_gguf_path(), kernels, 9, 3) if isinstance(w, GgufWeight)]
+    weights = [w.interleaved() for _, w in iter_gguf_weights(embedded_gguf_path(), kernels, 9, 3)
+               if isinstance(w, GgufWeight)]  # in the layout the model multiplies (X16 where rows allow)
     nbytes = sum(w.nbytes for w in weights)
     macs = sum(w.in_features * w.out_features for w in weights)
     dtype = getattr(torch, args.dtype)

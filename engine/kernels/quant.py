@@ -1,9 +1,10 @@
 """The block-quantized products of csrc/quant_gemm.cpp as torch operators, and the library that holds them.
 
-    cpu_quant_linear(x, qs, d, m?, out_features, nbp, format, tile_min_rows, fn) -> x @ W.T  [rows, out_features]
-    cpu_quant_dequantize(qs, d, m?, in_features, nbp, format, dtype, fn) -> W   [out_features, in_features]
+    cpu_quant_linear(x, qs, d, m?, out_features, nbp, format, layout, tile_min_rows, fn) -> x @ W.T  [rows, out]
+    cpu_quant_dequantize(qs, d, m?, out_features, in_features, nbp, format, layout, dtype, fn) -> W  [out, in]
 
-`qs`, `d`, `m` are a weight repacked by engine/quantization/gguf_formats.py; `fn` the address of the
+`qs`, `d`, `m` are a weight repacked by engine/quantization/gguf_formats.py (in its ROWS or X16 layout);
+`fn` the address of the
 compiled function for the float dtype. Each operator has a fake (shape-only) implementation so
 torch.compile traces through it. `QuantKernels` resolves the addresses from a library built by
 engine/kernels/cpu.py (the full build, or for tests a `-march=haswell` build of quant_gemm.cpp alone).
@@ -26,8 +27,8 @@ QUANT_SOURCES = ("quant_gemm.cpp", "quant_dense_bf16.cpp")
 """The sources of the quantized products alone (a build for another target, in tests)."""
 
 SIGNATURES = {
-    "quant_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6,
-    "quant_dequantize": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
+    "quant_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7,
+    "quant_dequantize": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
 
@@ -39,11 +40,11 @@ def _address(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _quant_linear(x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, tile_min_rows, fn):
+def _quant_linear(x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, layout, tile_min_rows, fn):
     rows, in_features = x.shape
     out = x.new_empty((rows, out_features))  # [rows, out_features]
     _function("quant_linear", fn)(x.data_ptr(), qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), rows,
-                                  in_features, out_features, nbp, fmt, tile_min_rows)
+                                  in_features, out_features, nbp, fmt, layout, tile_min_rows)
     return out
 
 
@@ -53,10 +54,10 @@ def _function(name: str, fn: int):
     return _PROTOTYPES[name](fn)
 
 
-def _quant_dequantize(qs, d, m: Optional[torch.Tensor], in_features, nbp, fmt, dtype, fn):
-    out = torch.empty((qs.shape[0], in_features), dtype=dtype)  # [out_features, in_features]
-    _function("quant_dequantize", fn)(qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), qs.shape[0],
-                                        in_features, nbp, fmt)
+def _quant_dequantize(qs, d, m: Optional[torch.Tensor], out_features, in_features, nbp, fmt, layout, dtype, fn):
+    out = torch.empty((out_features, in_features), dtype=dtype)  # [out_features, in_features]
+    _function("quant_dequantize", fn)(qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), out_features,
+                                        in_features, nbp, fmt, layout)
     return out
 
 
@@ -68,11 +69,12 @@ def _define(name: str, schema: str, kernel, fake) -> None:
 
 
 _define("cpu_quant_linear", "(Tensor x, Tensor qs, Tensor d, Tensor? m, int out_features, int nbp, int fmt, "
-        "int tile_min_rows, int fn) -> Tensor", _quant_linear,
-        lambda x, qs, d, m, out_features, nbp, fmt, tile_min_rows, fn: x.new_empty((x.shape[0], out_features)))
-_define("cpu_quant_dequantize", "(Tensor qs, Tensor d, Tensor? m, int in_features, int nbp, int fmt, "
-        "ScalarType dtype, int fn) -> Tensor", _quant_dequantize,
-        lambda qs, d, m, in_features, nbp, fmt, dtype, fn: qs.new_empty((qs.shape[0], in_features), dtype=dtype))
+        "int layout, int tile_min_rows, int fn) -> Tensor", _quant_linear,
+        lambda x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn: x.new_empty((x.shape[0], out_features)))
+_define("cpu_quant_dequantize", "(Tensor qs, Tensor d, Tensor? m, int out_features, int in_features, int nbp, "
+        "int fmt, int layout, ScalarType dtype, int fn) -> Tensor", _quant_dequantize,
+        lambda qs, d, m, out_features, in_features, nbp, fmt, layout, dtype, fn:
+        qs.new_empty((out_features, in_features), dtype=dtype))
 
 
 class QuantKernels:
@@ -93,20 +95,21 @@ class QuantKernels:
         self._dequantize = torch.ops.pagedserve.cpu_quant_dequantize.default
 
     def linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor],
-               out_features: int, nbp: int, fmt: int, tile_min_rows: int = 1 << 62) -> torch.Tensor:
+               out_features: int, nbp: int, fmt: int, layout: int = 0, tile_min_rows: int = 1 << 62) -> torch.Tensor:
         """x [rows, in] contiguous f32/bf16 -> x @ W.T [rows, out_features] in x's dtype: integer dot products
         with int8 activations, or, for bf16 x of at least `tile_min_rows` rows on AVX512-BF16 builds, bf16
         products with tiles of W dequantized once (csrc/quant_dense_bf16.cpp)."""
         fn = self._function("quant_linear", x.dtype)
         if torch.compiler.is_compiling():
-            return self._linear(x, qs, d, m, out_features, nbp, fmt, tile_min_rows, fn)
+            return self._linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
         # eagerly, the operator's kernel itself: the dispatcher would add ~6 us to each of a step's ~120 calls
-        return _quant_linear(x, qs, d, m, out_features, nbp, fmt, tile_min_rows, fn)
+        return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
 
-    def dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor], in_features: int,
-                   nbp: int, fmt: int, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor], out_features: int,
+                   in_features: int, nbp: int, fmt: int, layout: int, dtype: torch.dtype) -> torch.Tensor:
         """The float matrix [out_features, in_features] in `dtype` (f32/bf16)."""
-        return self._dequantize(qs, d, m, in_features, nbp, fmt, dtype, self._function("quant_dequantize", dtype))
+        return self._dequantize(qs, d, m, out_features, in_features, nbp, fmt, layout, dtype,
+                                self._function("quant_dequantize", dtype))
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))

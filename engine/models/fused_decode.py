@@ -11,7 +11,7 @@ csrc/gemv.cpp (plain weights) or the integer product of csrc/quant_product.h (GG
 `--quantization gguf`), with every intermediate rounded where the unfused ops round it: the result is the
 unfused path's, bit for bit. It applies to steps whose every token is a decode (one new token per
 sequence) of at most `max_rows` sequences (with GGUF blocks, fewer than the rows from which the unfused
-path switches to bf16 tiles), on plain weights in the model's dtype or GGUF blocks, a KV cache of the
+path leaves the integer product), on plain weights in the model's dtype or GGUF blocks, a KV cache of the
 model's dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the
 general path.
 """
@@ -25,13 +25,13 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels
-from engine.quantization.gguf_weight import NO_TILES, TILE_MIN_ROWS, GgufWeight
+from engine.quantization.gguf_weight import GgufWeight
 
 
 VECTOR_COLUMNS = ("input_norm", "post_norm", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")
 MATRIX_COLUMNS = ("qkv", "o_proj", "gate_up", "down")
 """A layer's row of the weight table, in csrc/decode_layer.cpp's WeightColumn order: one address per
-vector (0: no bias), then five values per matrix (`_matrix_entry`)."""
+vector (0: no bias), then six values per matrix (`_matrix_entry`)."""
 
 DENSE_FORMAT = -1
 
@@ -54,7 +54,7 @@ class FusedDecode:
         if self._model_ok is None:
             self._model_ok = _model_fits(model, kv_caches)
             if self._model_ok and _has_blocks(model):
-                self._max_rows = min(self.max_rows, _integer_rows(model) - 1)
+                self._max_rows = min(self.max_rows, _integer_rows(model, self.max_rows) - 1)
         return self._model_ok and num_tokens <= self._max_rows
 
     def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -75,7 +75,7 @@ class FusedDecode:
 
 
 def _weight_table(model) -> torch.Tensor:
-    """[num_layers, 6 + 5 * 4] int64: per layer the address of each vector (0: no bias), then each matrix's
+    """[num_layers, 6 + 6 * 4] int64: per layer the address of each vector (0: no bias), then each matrix's
     entry; the model keeps the tensors alive and never moves them."""
     rows = []
     for layer in model.layers:
@@ -87,23 +87,28 @@ def _weight_table(model) -> torch.Tensor:
 
 
 def _matrix_entry(weight) -> list[int]:
-    """(data, d, m, format, nbp): a plain [out, in] tensor (format -1), or GGUF blocks (qs, scales, Q4_1
-    minimums or 0, the format's code, blocks per row)."""
+    """(data, d, m, format, nbp, layout): a plain [out, in] tensor (format -1), or GGUF blocks (qs, scales,
+    Q4_1 minimums or 0, the format's code, blocks per row, the layout's code)."""
     if isinstance(weight, GgufWeight):
         p = weight.packed
-        return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp]
-    return [weight.data_ptr(), 0, 0, DENSE_FORMAT, 0]
+        return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp,
+                p.layout]
+    return [weight.data_ptr(), 0, 0, DENSE_FORMAT, 0, 0]
 
 
 def _has_blocks(model) -> bool:
     return any(isinstance(getattr(layer, name), GgufWeight) for layer in model.layers for name in MATRIX_COLUMNS)
 
 
-def _integer_rows(model) -> int:
-    """The row count from which the unfused path multiplies GGUF blocks as bf16 tiles instead."""
-    kernels = next(getattr(layer, name).kernels for layer in model.layers for name in MATRIX_COLUMNS
-                   if isinstance(getattr(layer, name), GgufWeight))
-    return TILE_MIN_ROWS if kernels.bf16_tiles else NO_TILES
+def _integer_rows(model, limit: int) -> int:
+    """The row count from which the unfused path stops multiplying some GGUF matrix with the integer
+    product (bf16 tiles or a dense product instead), within the rows the fused path may take."""
+    blocks = [getattr(layer, name) for layer in model.layers for name in MATRIX_COLUMNS
+              if isinstance(getattr(layer, name), GgufWeight)]
+    rows = 1
+    while rows <= limit and all(w.product(rows, model.dtype) == "integer" for w in blocks):
+        rows += 1
+    return rows
 
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:

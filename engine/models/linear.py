@@ -66,8 +66,8 @@ class Linear:
     name = "torch"
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        """The form of a [out, in] weight that `__call__` takes (here: itself)."""
-        return weight
+        """The form of a [out, in] weight that `__call__` takes (here: itself; a quantized weight's own)."""
+        return weight.for_products() if isinstance(weight, QuantizedWeight) else weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
@@ -84,7 +84,7 @@ class PackedOneDnnLinear(Linear):
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
-            return weight
+            return weight.for_products()
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -118,7 +118,7 @@ class GemvLinear(Linear):
         self.max_rows = max_rows
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight if isinstance(weight, QuantizedWeight) else weight.contiguous()
+        return weight.for_products() if isinstance(weight, QuantizedWeight) else weight.contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):

@@ -13,6 +13,13 @@ Repacked (nb blocks per row, padded to an even nbp with zero blocks):
     d   fp16 [N, nbp]; m fp16 [N, nbp] (Q4_1 only)
 
 Scales stay fp16 (the kernel converts them; fp32 would add 10-20% to the bytes a product reads).
+
+Once the model's matrices are final (rows un-permuted, q|k|v and gate|up fused), those with a multiple of
+16 rows are interleaved by 16 (`interleave16`, csrc/quant_blocks.h's kX16): for group g of 16 rows and
+block b, 4-bit: 4 x 64 bytes P_q, byte 4c + j = u[c][4q + j] | u[c][16 + 4q + j] << 4; 8-bit: 8 x 64
+bytes, byte 4c + j = u[c][4q + j]; d and m [N / 16, nb, 16]; no padding block. The integer kernel then
+keeps 16 output columns in one vector's lanes (measured on one thread, a 3072 x 576 Q4_1 matrix: 5.7x
+faster than on the row layout).
 """
 
 from __future__ import annotations
@@ -51,14 +58,26 @@ FORMATS = {
 """The formats kept quantized, by GGUF's lower-case type name (`GGMLQuantizationType.Q4_1.name.lower()`)."""
 
 
+ROWS = 0
+X16 = 1
+"""Layout codes (csrc/quant_blocks.h's Layout)."""
+
+GROUP = 16
+
+
 @dataclass(frozen=True, slots=True)
 class PackedBlocks:
-    """A repacked [N, K] weight: the three tensors the kernel reads."""
+    """A repacked [N, K] weight: the three tensors the kernel reads, in one of the two layouts."""
 
-    qs: torch.Tensor  # uint8 [N, nbp * 32 * bits / 8]
-    d: torch.Tensor  # float16 [N, nbp]
-    m: Optional[torch.Tensor]  # float16 [N, nbp] (Q4_1) or None
-    nbp: int
+    qs: torch.Tensor  # ROWS: uint8 [N, nbp * 32 * bits / 8]; X16: uint8 [N / 16, nb * 16 * 32 * bits / 8]
+    d: torch.Tensor  # float16 ROWS: [N, nbp]; X16: [N / 16, nb * 16]
+    m: Optional[torch.Tensor]  # float16, as d (Q4_1) or None
+    nbp: int  # blocks per row as stored (X16: nb, no padding)
+    layout: int = ROWS
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0] * (GROUP if self.layout == X16 else 1)
 
 
 def padded_blocks(in_features: int) -> int:
@@ -95,3 +114,64 @@ def repack(fmt: BlockFormat, raw: np.ndarray, in_features: int) -> PackedBlocks:
         m=None if m is None else torch.from_numpy(m),
         nbp=nbp,
     )
+
+
+def _quants(fmt: BlockFormat, packed: PackedBlocks, nb: int) -> torch.Tensor:
+    """The unsigned quants of a ROWS weight in element order, uint8 [N, nb, 32]."""
+    rows = packed.qs.shape[0]
+    if fmt.bits == 8:
+        return packed.qs.view(rows, packed.nbp, BLOCK)[:, :nb]
+    pairs = packed.qs.view(rows, packed.nbp // 2, 1, BLOCK)
+    quants = torch.cat([pairs & 0x0F, pairs >> 4], dim=2)  # [N, nbp / 2, 2, 32]: blocks 2p, 2p + 1
+    return quants.reshape(rows, packed.nbp, BLOCK)[:, :nb]
+
+
+def interleave16(fmt: BlockFormat, packed: PackedBlocks, in_features: int) -> PackedBlocks:
+    """A ROWS weight of N rows (a multiple of 16) in the X16 layout (exact: the same quants and scales)."""
+    rows, nb = packed.qs.shape[0], in_features // BLOCK
+    if packed.layout != ROWS or rows % GROUP:
+        raise ValueError(f"interleave16 takes a row-layout weight of a multiple of {GROUP} rows, got {rows}")
+    groups = rows // GROUP
+    u = _quants(fmt, packed, nb).reshape(groups, GROUP, nb, BLOCK).transpose(1, 2)  # [G, nb, 16 (c), 32 (k)]
+    if fmt.bits == 8:
+        qs = u.reshape(groups, nb, GROUP, 8, 4).permute(0, 1, 3, 2, 4)  # [G, nb, q, c, j]
+    else:
+        low = u[..., :16].reshape(groups, nb, GROUP, 4, 4)
+        high = u[..., 16:].reshape(groups, nb, GROUP, 4, 4)
+        qs = (low | (high << 4)).permute(0, 1, 3, 2, 4)  # [G, nb, q, c, j]
+
+    def scales(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return t[:, :nb].reshape(groups, GROUP, nb).transpose(1, 2).contiguous().reshape(groups, nb * GROUP)
+
+    return PackedBlocks(qs.contiguous().reshape(groups, -1), scales(packed.d), scales(packed.m), nb, X16)
+
+
+def rows_of_x16(fmt: BlockFormat, packed: PackedBlocks, index: torch.Tensor, in_features: int) -> PackedBlocks:
+    """Rows `index` of an X16 weight, in the ROWS layout (exact; an embedding lookup's few rows)."""
+    nb, nbp = in_features // BLOCK, padded_blocks(in_features)
+    groups = packed.qs.shape[0]
+    group, lane = index // GROUP, index % GROUP
+    if fmt.bits == 8:
+        qs = packed.qs.view(groups, nb, 8, GROUP, 4)[group, :, :, lane]  # [n, nb, 8 (q), 4 (j)]
+        u = qs.reshape(-1, nb, BLOCK)
+    else:
+        both = packed.qs.view(groups, nb, 4, GROUP, 4)[group, :, :, lane].reshape(-1, nb, 16)
+        u = torch.cat([both & 0x0F, both >> 4], dim=2)  # [n, nb, 32]
+    n = index.shape[0]
+    padded = torch.zeros(n, nbp, BLOCK, dtype=torch.uint8)
+    padded[:, :nb] = u
+    if fmt.bits == 8:
+        qs_rows = padded.reshape(n, -1)
+    else:
+        qs_rows = (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(n, -1)
+
+    def scales(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        out = torch.zeros(n, nbp, dtype=t.dtype)
+        out[:, :nb] = t.view(groups, nb, GROUP)[group, :, lane]
+        return out
+
+    return PackedBlocks(qs_rows.contiguous(), scales(packed.d), scales(packed.m), nbp, ROWS)

@@ -42,6 +42,11 @@ class QuantizedWeight:
         dequantize rows alone override this)."""
         return self.dequantize(dtype).index_select(0, index)
 
+    def for_products(self) -> "QuantizedWeight":
+        """The form the model multiplies, once its matrices are final (rows fused): by default itself; a
+        format may re-lay its data for its product (GGUF blocks: 16 rows interleaved)."""
+        return self
+
     @classmethod
     def concat_rows(cls, weights) -> "QuantizedWeight":
         """The weights stacked along the output rows (fused q|k|v, gate|up), when the format allows."""

@@ -17,7 +17,8 @@ from engine.kernels.cpu import NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
-from engine.quantization.gguf_weight import TILE_MIN_ROWS, GgufWeight
+from engine.quantization.gguf_formats import X16
+from engine.quantization.gguf_weight import GgufWeight
 from tests.engine.references import assert_idle, make_llm
 
 PROMPTS = [
@@ -102,17 +103,17 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(embedded_checkpoin
     model = llm.engine.runner.model
     layers = model.layers
     assert model.fused is not None and all(isinstance(getattr(layers[0], name), GgufWeight) for name in MATRIX_COLUMNS)
-    integer_rows = TILE_MIN_ROWS  # from here on the unfused path multiplies bf16 tiles: the fused path stops
-    if arch != NATIVE_ARCH:  # the AVX2 code paths (no bf16 tiles: fused up to GEMV_MAX_ROWS rows)
+    assert all(getattr(layer, name).packed.layout == X16 for layer in layers for name in MATRIX_COLUMNS)
+    if arch != NATIVE_ARCH:  # the AVX2 code paths
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip(f"-march={arch} is an x86 target")
         _use_kernels(llm, load_cpu_kernels(arch=arch))
         quant_kernels = load_quant_kernels(march=arch)
         for weight in [model.embed, *(getattr(layer, name) for layer in layers for name in MATRIX_COLUMNS)]:
             weight.kernels = quant_kernels
-        integer_rows = GEMV_MAX_ROWS + 1
-    elif not model.embed.kernels.bf16_tiles:
-        integer_rows = GEMV_MAX_ROWS + 1
+    # the unfused path's integer product up to here (beyond, tiles or a dense product): the fused path too
+    integer_rows = next(rows for rows in range(1, GEMV_MAX_ROWS + 2)
+                        if layers[0].qkv.product(rows, torch.bfloat16) != "integer" or rows > GEMV_MAX_ROWS)
     if bias:  # the projections' biases of a qwen2 GGUF, on the blocks
         generator = torch.Generator().manual_seed(1)
         for layer in layers:

@@ -1,6 +1,7 @@
 """The GGUF block-format products (csrc/quant_gemm.cpp) against float64 references of gguf's own
-dequantization, for every format, every compiled path (this machine's, AVX2 via -march=haswell, scalar
-via -march=x86-64), odd shapes, 1..70 activation rows, float32 and bfloat16 activations.
+dequantization, for every format, both layouts (row-major, and 16 rows interleaved: gguf_formats.py's X16),
+every compiled path (this machine's, AVX2 via -march=haswell, scalar via -march=x86-64), odd shapes,
+1..70 activation rows, float32 and bfloat16 activations.
 
 Two references per product:
   tight  the activations quantized to int8 per 32-block exactly as the kernel does (emulated here in
@@ -19,11 +20,13 @@ from gguf.quants import dequantize, quantize
 
 from engine.kernels.cpu import compiler
 from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
-from engine.quantization.gguf_formats import FORMATS, padded_blocks, repack
+from engine.quantization.gguf_formats import FORMATS, X16, padded_blocks, repack
 from engine.quantization.gguf_weight import DENSE_MIN_ROWS, TILE_MIN_ROWS, GgufWeight
 
 TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 SHAPES = [(1, 32), (5, 96), (17, 160), (33, 576), (70, 1536)]  # [out, in]: odd block counts, column tails
+X16_SHAPES = [(16, 32), (48, 96), (32, 160), (64, 576), (80, 1536)]  # out a multiple of 16, odd block counts
+LAYOUT_SHAPES = {"rows": SHAPES, "x16": X16_SHAPES}
 ROWS = (1, 3, 4, 5, 8, 17, 70)
 TARGETS = {"native": "this CPU", "haswell": "AVX2 + FMA + F16C", "x86-64": "scalar"}
 
@@ -52,7 +55,7 @@ def weights():
     rng = np.random.default_rng(11)
     made = {}
     for name, qtype in TYPES.items():
-        for out_features, in_features in SHAPES:
+        for out_features, in_features in SHAPES + X16_SHAPES:
             w = rng.standard_normal((out_features, in_features)).astype(np.float32)
             w[:, :32] *= 8.0  # one block per row with larger weights: scales differ per block
             raw = quantize(w, qtype)
@@ -93,34 +96,47 @@ def check_integer_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndar
     assert np.all(np.abs(exact - plain) <= bound.T * (1 + 1e-6) + 1e-9)
 
 
-@pytest.mark.parametrize("name", list(TYPES))
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_dequantize_is_ggufs(kernels, weights, name, shape):
-    raw, reference = weights[name, shape]
+def make_weight(kernels, weights, name: str, shape: tuple[int, int], layout: str = "rows") -> GgufWeight:
+    raw, _ = weights[name, shape]
     w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
+    return w.interleaved() if layout == "x16" else w
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("shape", SHAPES + X16_SHAPES, ids=str)
+def test_dequantize_is_ggufs(kernels, weights, name, shape):
+    _, reference = weights[name, shape]
+    w = make_weight(kernels, weights, name, shape)
     assert (w.out_features, w.in_features, w.format) == (*shape, name)
-    np.testing.assert_array_equal(w.dequantize(torch.float32).double().numpy(), reference)
-    expected_bf16 = torch.from_numpy(reference).to(torch.bfloat16)
-    assert torch.equal(w.dequantize(torch.bfloat16), expected_bf16)
+    interleaved = w.interleaved()
+    assert (interleaved.packed.layout == X16) == (shape[0] % 16 == 0)  # else the row layout stays
+    assert interleaved.nbytes <= w.nbytes  # the same blocks (no padding block)
+    for weight in (w, interleaved):
+        assert weight.out_features == shape[0]
+        np.testing.assert_array_equal(weight.dequantize(torch.float32).double().numpy(), reference)
+        expected_bf16 = torch.from_numpy(reference).to(torch.bfloat16)
+        assert torch.equal(weight.dequantize(torch.bfloat16), expected_bf16)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(TYPES))
-def test_integer_product_every_shape_and_row_count(kernels, weights, name, dtype):
-    for got, x, reference in each_product(kernels, weights, name, dtype):
+def test_integer_product_every_shape_and_row_count(kernels, weights, name, dtype, layout):
+    for got, x, reference in each_product(kernels, weights, name, dtype, layout):
         assert got.shape == (x.shape[0], reference.shape[0]) and got.dtype == dtype
         check_integer_product(got, x, reference)
 
 
-def each_product(kernels, weights, name: str, dtype: torch.dtype, **options):
+def each_product(kernels, weights, name: str, dtype: torch.dtype, layout: str, **options):
     """(product, activations, float64 reference weight) for every shape and row count of format `name`."""
-    for shape in SHAPES:
-        raw, reference = weights[name, shape]
-        w = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
+    for shape in LAYOUT_SHAPES[layout]:
+        _, reference = weights[name, shape]
+        w = make_weight(kernels, weights, name, shape, layout)
         p = w.packed
         for rows in ROWS:
             x = make_x(rows, shape[1], dtype, seed=rows)
-            yield kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, **options), x, reference
+            yield (kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout, **options), x,
+                   reference)
 
 
 def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray, relative: float) -> None:
@@ -131,28 +147,31 @@ def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarra
     np.testing.assert_array_less(np.abs(got.double().numpy() - exact), tolerance)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(TYPES))
-def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name, dtype):
-    """Tiles of the weight dequantized to bf16, activations in bf16 (AVX512-BF16 builds; elsewhere the
-    same call falls back to the integer product)."""
-    for got, x, reference in each_product(kernels, weights, name, dtype, tile_min_rows=1):
-        if kernels.bf16_tiles:
+def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name, dtype, layout):
+    """Tiles of the weight dequantized to bf16, activations in bf16 (AVX512-BF16 builds, row layout;
+    elsewhere the same call falls back to the integer product)."""
+    for got, x, reference in each_product(kernels, weights, name, dtype, layout, tile_min_rows=1):
+        if kernels.bf16_tiles and layout == "rows":
             check_float_product(got, x, reference, 2.0**-7)
         else:
             check_integer_product(got, x, reference)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matmul_picks_its_product_by_rows(kernels, weights, dtype):
-    raw, reference = weights["q4_1", (33, 576)]
-    w = GgufWeight(FORMATS["q4_1"], repack(FORMATS["q4_1"], raw, 576), 576, kernels)
-    tiles = TILE_MIN_ROWS if kernels.bf16_tiles else DENSE_MIN_ROWS[dtype]
+def test_matmul_picks_its_product_by_rows(kernels, weights, dtype, layout):
+    shape = (33, 576) if layout == "rows" else (64, 576)
+    _, reference = weights["q4_1", shape]
+    w = make_weight(kernels, weights, "q4_1", shape, layout)
+    tiles = TILE_MIN_ROWS if kernels.bf16_tiles and layout == "rows" else DENSE_MIN_ROWS[dtype]
     dense = DENSE_MIN_ROWS[dtype] if dtype == torch.float32 or not kernels.bf16_tiles else None
     for rows in sorted({1, tiles - 1, tiles, tiles + 5, *((dense - 1, dense, dense + 3) if dense else ())}):
         x = make_x(rows, 576, dtype, seed=rows)
         got = w.matmul(x)
-        if rows < tiles:
+        if rows < tiles or (dense is None and layout == "x16"):  # X16 with bf16 tiles built: always integer
             check_integer_product(got, x, reference)
         elif dense is not None and rows >= dense:  # torch's product on the dequantized weight
             check_float_product(got, x, reference, 1e-5 if dtype == torch.float32 else 2.0**-7)
@@ -173,6 +192,13 @@ def test_rows_concat_and_take_are_exact(kernels, weights):
     assert fused.nbytes == 2 * part.nbytes
     with pytest.raises(ValueError, match="different formats"):
         GgufWeight.concat_rows([part, w])
+    for name, shape in (("q8_0", (80, 1536)), ("q4_1", (64, 576)), ("q4_0", (48, 96))):  # X16: rows taken back
+        interleaved = make_weight(kernels, weights, name, shape, "x16")
+        index = torch.tensor([shape[0] - 1, 0, 17, 17, 5])
+        np.testing.assert_array_equal(interleaved.rows(index, torch.float32).double().numpy(),
+                                      weights[name, shape][1][index.numpy()])
+        with pytest.raises(ValueError, match="before they are interleaved"):
+            GgufWeight.concat_rows([interleaved, interleaved])
 
 
 def test_bytes_read_are_the_blocks_and_scales(kernels, weights):
@@ -194,5 +220,5 @@ def test_the_operator_passes_torch_library_checks(weights):
     x = make_x(3, 160, torch.float32, seed=0)
     function = kernels._function("quant_linear", torch.float32)
     torch.library.opcheck(torch.ops.pagedserve.cpu_quant_linear.default,
-                          (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, 1 << 40, function),
+                          (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, p.layout, 1 << 40, function),
                           test_utils=("test_schema", "test_faketensor"))

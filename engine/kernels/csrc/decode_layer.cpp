@@ -39,15 +39,16 @@ using pagedserve::rotary_row;
 using pagedserve::silu_and_mul_row;
 
 // A projection's weight: plain T [N, K] at `data` (format < 0), or GGUF blocks (qs at `data`, scales d,
-// Q4_1 minimums m, nbp blocks per row; format a pagedserve::quant::Format).
+// Q4_1 minimums m, nbp blocks per row; format a pagedserve::quant::Format, layout a ...::Layout).
 struct Matrix {
     const void* data;
     const uint16_t* d;
     const uint16_t* m;
     int64_t format;
     int64_t nbp;
+    int64_t layout;
 };
-constexpr int kMatrixColumns = 5;  // its values in a row of the weight table, in the order above
+constexpr int kMatrixColumns = 6;  // its values in a row of the weight table, in the order above
 
 // out [rows, N] = x [rows, K] @ W.T (+ bias), work-shared over the calling team; `scratch` holds the int8
 // activations of a block-quantized W (reserved for rows x nbp before the team started).
@@ -58,8 +59,8 @@ void product_for(const T* x, const Matrix& w, const T* bias, T* out, int64_t row
         gemv_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K);
         return;
     }
-    integer_product_for(x, BlockMatrix{static_cast<const uint8_t*>(w.data), w.d, w.m, w.format, w.nbp}, out, rows,
-                        K, N, scratch);
+    integer_product_for(x, BlockMatrix{static_cast<const uint8_t*>(w.data), w.d, w.m, w.format, w.nbp, w.layout},
+                        out, rows, K, N, scratch);
     if (bias == nullptr) return;
 #pragma omp for schedule(static)  // rounded, then the bias added and rounded: as `out + bias` in torch
     for (int64_t r = 0; r < rows; ++r)
@@ -146,7 +147,7 @@ enum WeightColumn {
 Matrix matrix_at(const int64_t* row, int column) {
     const int64_t* v = row + column;
     return Matrix{reinterpret_cast<const void*>(v[0]), reinterpret_cast<const uint16_t*>(v[1]),
-                  reinterpret_cast<const uint16_t*>(v[2]), v[3], v[4]};
+                  reinterpret_cast<const uint16_t*>(v[2]), v[3], v[4], v[5]};
 }
 
 struct DecodeShape {

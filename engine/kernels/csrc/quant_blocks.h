@@ -68,6 +68,25 @@ inline __m512i load_pair(const uint8_t* qs, int64_t b) {
 }
 #endif
 
+// Layouts of the quants (engine/quantization/gguf_formats.py):
+//   kRows  row-major: a weight row's blocks one after the other, 4-bit blocks in pairs (see quant_gemm.cpp)
+//   kX16   16 weight rows interleaved, for integer products that keep 16 output columns in one vector's
+//          lanes: for group g of 16 rows and block b, 4-bit: 4 x 64 bytes P_q (q = 0..3), byte 4c + j =
+//          u[c][4q + j] | u[c][16 + 4q + j] << 4; 8-bit: 8 x 64 bytes V_q (q = 0..7), byte 4c + j =
+//          u[c][4q + j]; scales d (and m) [N / 16, nb, 16]; no padding block (nbp = nb)
+enum Layout : int64_t { kRows = 0, kX16 = 1 };
+
+constexpr int64_t kGroupColumns = 16;
+
+inline int64_t x16_block_bytes(int64_t format) { return format == kQ8_0 ? 512 : 256; }
+
+// The stored unsigned quant of element k of column c (0..15) in a kX16 block at p.
+inline int x16_quant(int64_t format, const uint8_t* p, int64_t c, int64_t k) {
+    if (format == kQ8_0) return p[64 * (k / 4) + 4 * c + k % 4];
+    const uint8_t byte = p[64 * ((k % 16) / 4) + 4 * c + k % 4];
+    return k < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
 constexpr int64_t kColumnsPerTask = 16;  // output columns (weight rows) per work item
 constexpr int64_t kParallelMinWork = 1 << 16;
 
@@ -76,9 +95,10 @@ constexpr int64_t kParallelMinWork = 1 << 16;
 // has no AVX512-BF16.
 bool dense_bf16_product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
                         uint16_t* out, int64_t rows, int64_t in_features, int64_t columns, int64_t nbp,
-                        int64_t format);
+                        int64_t format, int64_t layout);
 bool dense_bf16_product(const float* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, float* out,
-                        int64_t rows, int64_t in_features, int64_t columns, int64_t nbp, int64_t format);
+                        int64_t rows, int64_t in_features, int64_t columns, int64_t nbp, int64_t format,
+                        int64_t layout);
 
 }  // namespace quant
 }  // namespace pagedserve

@@ -18,13 +18,15 @@ using pagedserve::store;
 
 template <typename T>
 void quant_linear(const T* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t rows,
-                  int64_t in_features, int64_t columns, int64_t nbp, int64_t format, int64_t tile_min_rows) {
-    if (rows >= tile_min_rows && dense_bf16_product(x, qs, d, m, out, rows, in_features, columns, nbp, format))
+                  int64_t in_features, int64_t columns, int64_t nbp, int64_t format, int64_t layout,
+                  int64_t tile_min_rows) {
+    if (rows >= tile_min_rows &&
+        dense_bf16_product(x, qs, d, m, out, rows, in_features, columns, nbp, format, layout))
         return;  // the bf16 tile product (quant_dense_bf16.cpp)
     static thread_local Scratch calling_thread_scratch;  // reused across calls by the calling thread
     Scratch& scratch = calling_thread_scratch;  // (by name in the team, each thread would see its own)
     scratch.reserve(rows, nbp);
-    const BlockMatrix w{qs, d, m, format, nbp};
+    const BlockMatrix w{qs, d, m, format, nbp, layout};
     const bool parallel = rows * columns * nbp * kBlock >= kParallelMinWork && columns > kColumnsPerTask;
 #pragma omp parallel if (parallel)
     integer_product_for(x, w, out, rows, in_features, columns, scratch);
@@ -59,9 +61,33 @@ void dequantize_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* 
     }
 }
 
+// Row n of a kX16 weight: column n % 16 of its group's blocks.
+template <typename T>
+void dequantize_x16_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t n, int64_t nb,
+                        int64_t format) {
+    const int64_t g = n / kGroupColumns, c = n % kGroupColumns;
+    const uint8_t* group = qs + g * nb * x16_block_bytes(format);
+    const uint16_t* dg = d + g * nb * kGroupColumns;
+    const uint16_t* mg = m ? m + g * nb * kGroupColumns : nullptr;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = group + b * x16_block_bytes(format);
+        const float scale = half_to_float(dg[b * kGroupColumns + c]);
+        const float shift = format == kQ4_1 ? half_to_float(mg[b * kGroupColumns + c])
+                                            : scale * (format == kQ4_0 ? -8.0f : -128.0f);
+        for (int64_t k = 0; k < kBlock; ++k)
+            store(out + b * kBlock + k, scale * static_cast<float>(x16_quant(format, p, c, k)) + shift);
+    }
+}
+
 template <typename T>
 void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t columns,
-                int64_t in_features, int64_t nbp, int64_t format) {
+                int64_t in_features, int64_t nbp, int64_t format, int64_t layout) {
+    if (layout == kX16) {
+#pragma omp parallel for if (columns * in_features >= kParallelMinWork)
+        for (int64_t n = 0; n < columns; ++n)
+            dequantize_x16_row(qs, d, m, out + n * in_features, n, in_features / kBlock, format);
+        return;
+    }
     const int64_t row_bytes = format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2;
 #pragma omp parallel for if (columns * in_features >= kParallelMinWork)
     for (int64_t n = 0; n < columns; ++n)
@@ -74,16 +100,18 @@ void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out,
 #define PAGEDSERVE_QUANT(SUFFIX, T)                                                                          \
     void pagedserve_quant_linear_##SUFFIX(const void* x, const void* qs, const void* d, const void* m,       \
                                           void* out, int64_t rows, int64_t in_features, int64_t columns,     \
-                                          int64_t nbp, int64_t format, int64_t tile_min_rows) {              \
+                                          int64_t nbp, int64_t format, int64_t layout,                       \
+                                          int64_t tile_min_rows) {                                           \
         quant_linear(static_cast<const T*>(x), static_cast<const uint8_t*>(qs),                              \
                      static_cast<const uint16_t*>(d), static_cast<const uint16_t*>(m), static_cast<T*>(out), \
-                     rows, in_features, columns, nbp, format, tile_min_rows);                                \
+                     rows, in_features, columns, nbp, format, layout, tile_min_rows);                        \
     }                                                                                                        \
     void pagedserve_quant_dequantize_##SUFFIX(const void* qs, const void* d, const void* m, void* out,       \
                                               int64_t columns, int64_t in_features, int64_t nbp,             \
-                                              int64_t format) {                                              \
+                                              int64_t format, int64_t layout) {                              \
         dequantize(static_cast<const uint8_t*>(qs), static_cast<const uint16_t*>(d),                         \
-                   static_cast<const uint16_t*>(m), static_cast<T*>(out), columns, in_features, nbp, format); \
+                   static_cast<const uint16_t*>(m), static_cast<T*>(out), columns, in_features, nbp, format, \
+                   layout);                                                                                  \
     }
 
 extern "C" {

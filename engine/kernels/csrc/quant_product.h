@@ -234,6 +234,150 @@ void matmul_for(Weights w, Activations a, int64_t rows, T* out) {
     }
 }
 
+// ---------------------------------------------------------------- kX16: 16 columns in one vector's lanes
+// Per block: the group's quants unpacked once (4-bit: low and high nibbles of P_q), then per activation row
+// 8 integer dot products of a quant vector with 4 activation bytes broadcast to every lane, each lane
+// a column: no horizontal sums, no per-pair scale shuffles (measured, one thread, a 3072 x 576 Q4_1
+// matrix in cache: 20 us against 116 us for the row-major kernel).
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+template <int64_t FORMAT, int NR>
+void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
+               float* result /*[NR][16]*/) {
+    __m512 acc[NR], accm[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = qs + b * x16_block_bytes(FORMAT);
+        __m512i u[8];
+        if constexpr (FORMAT == kQ8_0) {
+            for (int q = 0; q < 8; ++q) u[q] = _mm512_loadu_si512(p + 64 * q);
+        } else {
+            for (int q = 0; q < 4; ++q) {
+                const __m512i both = _mm512_loadu_si512(p + 64 * q);
+                u[q] = _mm512_and_si512(both, low);
+                u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * 16)));
+        const __m512 mw = FORMAT == kQ4_1
+                              ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * 16)))
+                              : _mm512_mul_ps(dw, _mm512_set1_ps(FORMAT == kQ4_0 ? -8.0f : -128.0f));
+        for (int r = 0; r < NR; ++r) {
+            const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + r * a.nbp * kBlock + b * kBlock);
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, u[q], _mm512_set1_epi32(xb[q]));
+                s1 = _mm512_dpbusd_epi32(s1, u[q + 1], _mm512_set1_epi32(xb[q + 1]));
+            }
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nbp + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[r]);
+            accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sx[r * a.nbp + b]), accm[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(result + r * 16, _mm512_add_ps(acc[r], accm[r]));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// Columns 8h .. 8h + 7 of the group: the second 32 bytes of each 64-byte vector.
+template <int64_t FORMAT, int NR>
+void x16_half(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a, int h,
+              float* result /*[NR][16]*/) {
+    __m256 acc[NR], accm[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = qs + b * x16_block_bytes(FORMAT) + 32 * h;
+        __m256i u[8];
+        if constexpr (FORMAT == kQ8_0) {  // back to signed int8: dot_signed, no -128 d term
+            for (int q = 0; q < 8; ++q)
+                u[q] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * q)), bias);
+        } else {
+            for (int q = 0; q < 4; ++q) {
+                const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * q));
+                u[q] = _mm256_and_si256(both, low);
+                u[q + 4] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * 16 + 8 * h)));
+        const __m256 mw = FORMAT == kQ4_1
+                              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * 16 + 8 * h)))
+                              : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < NR; ++r) {
+            const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + r * a.nbp * kBlock + b * kBlock);
+            __m256i s = _mm256_setzero_si256();
+            for (int q = 0; q < 8; ++q) {
+                const __m256i xv = _mm256_set1_epi32(xb[q]);
+                s = _mm256_add_epi32(s, FORMAT == kQ8_0 ? dot_signed(u[q], xv) : dot_unsigned(u[q], xv));
+            }
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.dx[r * a.nbp + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+            if constexpr (FORMAT != kQ8_0) accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sx[r * a.nbp + b]), accm[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(result + r * 16 + 8 * h, _mm256_add_ps(acc[r], accm[r]));
+}
+
+template <int64_t FORMAT, int NR>
+void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
+               float* result /*[NR][16]*/) {
+    x16_half<FORMAT, NR>(qs, d, m, nb, a, 0, result);
+    x16_half<FORMAT, NR>(qs, d, m, nb, a, 1, result);
+}
+
+#else
+
+template <int64_t FORMAT, int NR>
+void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
+               float* result /*[NR][16]*/) {
+    for (int r = 0; r < NR; ++r)
+        for (int64_t c = 0; c < kGroupColumns; ++c) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* p = qs + b * x16_block_bytes(FORMAT);
+                const int8_t* xq = a.xq + r * a.nbp * kBlock + b * kBlock;
+                int32_t dot = 0;
+                for (int64_t k = 0; k < kBlock; ++k) dot += x16_quant(FORMAT, p, c, k) * xq[k];
+                const float mm = FORMAT == kQ4_1 ? half_to_float(m[b * 16 + c])
+                                                 : half_to_float(d[b * 16 + c]) * (FORMAT == kQ4_0 ? -8.0f : -128.0f);
+                sum += half_to_float(d[b * 16 + c]) * a.dx[r * a.nbp + b] * static_cast<float>(dot) +
+                       mm * a.sx[r * a.nbp + b];
+            }
+            result[r * 16 + c] = sum;
+        }
+}
+
+#endif
+
+// out [rows, N] for kX16 weights, work-shared over the calling team: a work item is a group of 16 columns.
+template <int64_t FORMAT, typename T>
+void x16_matmul_for(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
+                    int64_t rows, int64_t columns, T* out) {
+    const int64_t groups = columns / kGroupColumns, group_bytes = nb * x16_block_bytes(FORMAT);
+#pragma omp for schedule(guided, 1)
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* qg = qs + g * group_bytes;
+        const uint16_t* dg = d + g * nb * kGroupColumns;
+        const uint16_t* mg = m ? m + g * nb * kGroupColumns : nullptr;
+        float tile[kMaxRows * kGroupColumns];
+        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+            const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+            const Activations chunk{a.xq + r0 * a.nbp * kBlock, a.dx + r0 * a.nbp, a.sx + r0 * a.nbp, a.nbp};
+            switch (nr) {
+                case 1: x16_group<FORMAT, 1>(qg, dg, mg, nb, chunk, tile); break;
+                case 2: x16_group<FORMAT, 2>(qg, dg, mg, nb, chunk, tile); break;
+                case 3: x16_group<FORMAT, 3>(qg, dg, mg, nb, chunk, tile); break;
+                default: x16_group<FORMAT, 4>(qg, dg, mg, nb, chunk, tile); break;
+            }
+            for (int r = 0; r < nr; ++r)
+                for (int64_t c = 0; c < kGroupColumns; ++c)
+                    store(out + (r0 + r) * columns + g * kGroupColumns + c, tile[r * kGroupColumns + c]);
+        }
+    }
+}
+
 // Room for the int8 activations of `rows` rows of up to `nbp` blocks, shared by a team.
 struct Scratch {
     std::vector<int8_t> xq;
@@ -253,7 +397,8 @@ struct BlockMatrix {
     const uint16_t* d;
     const uint16_t* m;  // Q4_1 only
     int64_t format;
-    int64_t nbp;
+    int64_t nbp;     // blocks per row as stored (kX16: nb)
+    int64_t layout;  // kRows or kX16 (quant_blocks.h)
 };
 
 // out [rows, N] = x [rows, K] @ W.T with integer dot products, work-shared over the calling team: the
@@ -269,6 +414,14 @@ void integer_product_for(const T* x, const BlockMatrix& w, T* out, int64_t rows,
     for (int64_t r = 0; r < rows; ++r)
         quantize_row(x + r * K, xq + r * nbp * kBlock, dx + r * nbp, sx + r * nbp, nb, nbp);
     const Activations a{xq, dx, sx, nbp};
+    if (w.layout == kX16) {
+        switch (w.format) {
+            case kQ4_0: x16_matmul_for<kQ4_0>(w.qs, w.d, nullptr, nb, a, rows, N, out); break;
+            case kQ4_1: x16_matmul_for<kQ4_1>(w.qs, w.d, w.m, nb, a, rows, N, out); break;
+            default: x16_matmul_for<kQ8_0>(w.qs, w.d, nullptr, nb, a, rows, N, out); break;
+        }
+        return;
+    }
     const Weights weights{w.qs, w.d, w.format == kQ4_1 ? w.m : nullptr, N,
                           w.format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2};
     switch (w.format) {
