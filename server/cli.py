@@ -112,10 +112,12 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     from engine.async_engine import AsyncEngine
     from engine.builder import build_engine
     from engine.loading.loader import CheckpointError
+    from engine.scratch_thread import run_on_scratch_thread
 
     server_config = settings.server
-    try:
-        engine = build_engine(settings.engine, served_model_name=server_config.served_model_name)
+    try:  # off the main thread, so the engine thread's OpenMP pool is the only one (see scratch_thread.py)
+        engine = run_on_scratch_thread(
+            lambda: build_engine(settings.engine, served_model_name=server_config.served_model_name))
     except (CheckpointError, ValueError) as error:
         print(f"pagedserve serve: error: cannot load the model: {error}", file=sys.stderr)
         return 1
