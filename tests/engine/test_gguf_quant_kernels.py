@@ -21,7 +21,7 @@ from gguf.quants import dequantize, quantize
 from engine.kernels.cpu import compiler
 from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
 from engine.quantization.gguf_formats import FORMATS, X16, padded_blocks, repack
-from engine.quantization.gguf_weight import DENSE_MIN_ROWS, TILE_MIN_ROWS, GgufWeight
+from engine.quantization.gguf_weight import DENSE_MIN_ROWS, TILE_MIN_ROWS, X16_TILE_MIN_ROWS, GgufWeight
 
 TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 SHAPES = [(1, 32), (5, 96), (17, 160), (33, 576), (70, 1536)]  # [out, in]: odd block counts, column tails
@@ -154,7 +154,7 @@ def test_bf16_tile_product_every_shape_and_row_count(kernels, weights, name, dty
     """Tiles of the weight dequantized to bf16, activations in bf16 (AVX512-BF16 builds, row layout;
     elsewhere the same call falls back to the integer product)."""
     for got, x, reference in each_product(kernels, weights, name, dtype, layout, tile_min_rows=1):
-        if kernels.bf16_tiles and layout == "rows":
+        if kernels.bf16_tiles:
             check_float_product(got, x, reference, 2.0**-7)
         else:
             check_integer_product(got, x, reference)
@@ -166,12 +166,21 @@ def test_matmul_picks_its_product_by_rows(kernels, weights, dtype, layout):
     shape = (33, 576) if layout == "rows" else (64, 576)
     _, reference = weights["q4_1", shape]
     w = make_weight(kernels, weights, "q4_1", shape, layout)
-    tiles = TILE_MIN_ROWS if kernels.bf16_tiles and layout == "rows" else DENSE_MIN_ROWS[dtype]
+    if not kernels.bf16_tiles:
+        tiles = DENSE_MIN_ROWS[dtype]
+    elif dtype == torch.bfloat16 and layout == "x16":
+        tiles = X16_TILE_MIN_ROWS
+    elif layout == "x16":  # float32 activations on X16: integer products, then dense ones
+        tiles = DENSE_MIN_ROWS[dtype]
+    else:
+        tiles = TILE_MIN_ROWS
     dense = DENSE_MIN_ROWS[dtype] if dtype == torch.float32 or not kernels.bf16_tiles else None
     for rows in sorted({1, tiles - 1, tiles, tiles + 5, *((dense - 1, dense, dense + 3) if dense else ())}):
         x = make_x(rows, 576, dtype, seed=rows)
+        assert w.product(rows, dtype) in ("integer", "tiles", "dense")
         got = w.matmul(x)
-        if rows < tiles or (dense is None and layout == "x16"):  # X16 with bf16 tiles built: always integer
+        if rows < tiles:
+            assert w.product(rows, dtype) == "integer"
             check_integer_product(got, x, reference)
         elif dense is not None and rows >= dense:  # torch's product on the dequantized weight
             check_float_product(got, x, reference, 1e-5 if dtype == torch.float32 else 2.0**-7)

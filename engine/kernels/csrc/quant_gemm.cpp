@@ -61,21 +61,33 @@ void dequantize_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* 
     }
 }
 
-// Row n of a kX16 weight: column n % 16 of its group's blocks.
+// The 16 rows of kX16 group g into out (rows 16 g .. 16 g + 15 of [N, K]).
 template <typename T>
-void dequantize_x16_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t n, int64_t nb,
-                        int64_t format) {
-    const int64_t g = n / kGroupColumns, c = n % kGroupColumns;
-    const uint8_t* group = qs + g * nb * x16_block_bytes(format);
+void dequantize_x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t g, int64_t nb,
+                          int64_t format) {
+    const int64_t bytes = x16_block_bytes(format), in_features = nb * kBlock;
+    const uint8_t* group = qs + g * nb * bytes;
     const uint16_t* dg = d + g * nb * kGroupColumns;
     const uint16_t* mg = m ? m + g * nb * kGroupColumns : nullptr;
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = group + b * x16_block_bytes(format);
-        const float scale = half_to_float(dg[b * kGroupColumns + c]);
-        const float shift = format == kQ4_1 ? half_to_float(mg[b * kGroupColumns + c])
-                                            : scale * (format == kQ4_0 ? -8.0f : -128.0f);
-        for (int64_t k = 0; k < kBlock; ++k)
-            store(out + b * kBlock + k, scale * static_cast<float>(x16_quant(format, p, c, k)) + shift);
+        const uint8_t* p = group + b * bytes;
+        for (int64_t c = 0; c < kGroupColumns; ++c) {
+            const float step = half_to_float(dg[b * kGroupColumns + c]);
+            const float offset = format == kQ4_1 ? half_to_float(mg[b * kGroupColumns + c])
+                                                 : step * (format == kQ4_0 ? -8.0f : -128.0f);
+            T* dst = out + (g * kGroupColumns + c) * in_features + b * kBlock;
+            if (format == kQ8_0) {
+                for (int64_t q = 0; q < 8; ++q)
+                    for (int64_t j = 0; j < 4; ++j) store(dst + 4 * q + j, step * p[64 * q + 4 * c + j] + offset);
+            } else {
+                for (int64_t q = 0; q < 4; ++q)
+                    for (int64_t j = 0; j < 4; ++j) {
+                        const uint8_t byte = p[64 * q + 4 * c + j];
+                        store(dst + 4 * q + j, step * static_cast<float>(byte & 0x0f) + offset);
+                        store(dst + 16 + 4 * q + j, step * static_cast<float>(byte >> 4) + offset);
+                    }
+            }
+        }
     }
 }
 
@@ -84,8 +96,8 @@ void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out,
                 int64_t in_features, int64_t nbp, int64_t format, int64_t layout) {
     if (layout == kX16) {
 #pragma omp parallel for if (columns * in_features >= kParallelMinWork)
-        for (int64_t n = 0; n < columns; ++n)
-            dequantize_x16_row(qs, d, m, out + n * in_features, n, in_features / kBlock, format);
+        for (int64_t g = 0; g < columns / kGroupColumns; ++g)
+            dequantize_x16_group(qs, d, m, out, g, in_features / kBlock, format);
         return;
     }
     const int64_t row_bytes = format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2;
