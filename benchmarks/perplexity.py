@@ -9,7 +9,7 @@ int4-g128, int8-head / int4-head (the LM head quantized too), kv-bf16 (an fp32 m
 so that it reads the cache; fp32-chunked is its fp32-cache twin), q8_0 (the model requantized to a
 Q8_0 GGUF, dequantized on load) and, with the native GGUF path (`--quantization gguf`), q8_0-native and
 q4_1-native (fp32: prompts go through the dense product of the same weights), q4_1-native-bf16 (bf16
-activations: prompts too go through the integer products of the interleaved blocks) and q4_1-native-int8 (prompts in chunks of 4 tokens, so every product is the decode
+activations: prompt windows go through the bf16 tiles of the interleaved blocks) and q4_1-native-int8 (prompts in chunks of 4 tokens, so every product is the decode
 kernel's, with int8 activations). A row the engine cannot build here is reported with the reason.
 
 Perplexity: the text (benchmarks/data/genesis_37-41_kjv.txt) in windows of `--window` tokens, each
@@ -50,7 +50,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "q8_0": {"dtype": "float32", "gguf": "Q8_0"},
     "q8_0-native": {"dtype": "float32", "gguf": "Q8_0", "quantization": "gguf"},
     "q4_1-native": {"dtype": "float32", "quantization": "gguf"},  # fp32 prompts: the dense product
-    "q4_1-native-bf16": {"dtype": "bfloat16", "quantization": "gguf"},  # prompts through the integer products
+    "q4_1-native-bf16": {"dtype": "bfloat16", "quantization": "gguf"},  # prompt windows through the bf16 tiles
     # prompts in chunks of 4 tokens: every product is the decode kernel's (int8 activations)
     "q4_1-native-int8": {"dtype": "float32", "quantization": "gguf", "max_num_batched_tokens": 4,
                          "max_num_seqs": 4},

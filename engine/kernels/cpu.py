@@ -41,6 +41,8 @@ FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", 
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
+DECODE_WEIGHT_COLUMNS = 6 + 6 * 4
+"""Values per layer in decode_layers' weight table (csrc/decode_layer.cpp's WeightColumn)."""
 
 
 def compiler() -> Optional[str]:
@@ -206,7 +208,7 @@ class CpuKernels:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
         updated in place, K/V written at `slots` [rows] int64 of each layer's cache; returns the last layer's
-        MLP output [rows, hidden]. `weights` [num_layers, 30] int64 holds each layer's norm and bias addresses
+        MLP output [rows, hidden]. `weights` [num_layers, DECODE_WEIGHT_COLUMNS] int64 holds each layer's norm and bias addresses
         and its four matrices (plain or GGUF blocks) as csrc/decode_layer.cpp reads them (`FusedDecode` builds
         it, from weights it checked and the model keeps alive); positions [rows] int64;
         block_tables [rows, width] and context_lens [rows] int32."""
@@ -218,6 +220,10 @@ class CpuKernels:
         for tensor in (residual, positions, slots, block_tables, context_lens):
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError("decode_layers takes contiguous CPU tensors")
+        if weights.dtype != torch.int64 or weights.dim() != 2 or weights.shape[1] != DECODE_WEIGHT_COLUMNS \
+                or not weights.is_contiguous():
+            raise ValueError(f"decode_layers takes a contiguous int64 weight table of {DECODE_WEIGHT_COLUMNS} "
+                             f"columns per layer, got {weights.dtype} {tuple(weights.shape)}")
         if len(key_caches) != weights.shape[0] or len(value_caches) != weights.shape[0]:
             raise ValueError(f"{weights.shape[0]} layers of weights for {len(key_caches)} caches")
         return self._ops.cpu_decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed,

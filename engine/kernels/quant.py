@@ -42,6 +42,8 @@ def _address(tensor: Optional[torch.Tensor]) -> int:
 
 def _quant_linear(x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, layout, tile_min_rows, fn):
     rows, in_features = x.shape
+    if layout and out_features % 16:
+        raise ValueError(f"an X16 weight has a multiple of 16 rows, got {out_features}")
     out = x.new_empty((rows, out_features))  # [rows, out_features]
     _function("quant_linear", fn)(x.data_ptr(), qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), rows,
                                   in_features, out_features, nbp, fmt, layout, tile_min_rows)
@@ -55,6 +57,8 @@ def _function(name: str, fn: int):
 
 
 def _quant_dequantize(qs, d, m: Optional[torch.Tensor], out_features, in_features, nbp, fmt, layout, dtype, fn):
+    if layout and out_features % 16:
+        raise ValueError(f"an X16 weight has a multiple of 16 rows, got {out_features}")
     out = torch.empty((out_features, in_features), dtype=dtype)  # [out_features, in_features]
     _function("quant_dequantize", fn)(qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), out_features,
                                         in_features, nbp, fmt, layout)

@@ -89,8 +89,10 @@ class LlamaForCausalLM:
             raise ValueError("checkpoint has no lm_head.weight and the config does not tie embeddings")
         lm_head = self.embed if arch.tie_word_embeddings or lm_head is None else lm_head
         self.lm_head = self.linear.prepare(lm_head if self.quantizer is None else self.quantizer.lm_head(lm_head))
-        if lm_head is self.embed and isinstance(self.lm_head, QuantizedWeight):
-            self.embed = self.lm_head  # tied: one matrix, in the form its product takes (it also looks rows up)
+        if lm_head is self.embed and isinstance(self.embed, QuantizedWeight):
+            # tied and stored quantized (GGUF): one matrix, in the form its product takes (it also looks rows up);
+            # a float embedding stays float even where the LM head is quantized from it
+            self.embed = self.lm_head
         self.layers = [self._take_layer(state, i) for i in range(arch.num_layers)]
         if state:
             unused = ", ".join(sorted(state)[:8])

@@ -15,6 +15,7 @@ perplexity script measures both).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Optional, Union
 
 import torch
@@ -78,11 +79,11 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
     return (requested, None) if requested in LOAD_TIME_METHODS else (None, None)
 
 
-_NO_GROUPS = {
+_NO_GROUPS = MappingProxyType({
     "none": "it loads float weights",
     "gguf": "a .gguf file's blocks keep their own size",
     "int8": "int8 has one scale per output row",
-}
+})
 
 
 def resolve_group_size(requested: Optional[str], method: Optional[str], group_size: Optional[int],

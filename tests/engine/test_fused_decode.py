@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kernels.cpu import NATIVE_ARCH, load_cpu_kernels
+from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
@@ -161,7 +161,7 @@ def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, c
 
 def test_decode_layers_rejects_wrong_index_types(cpu_kernels):
     residual = torch.zeros(2, 8, dtype=torch.bfloat16)
-    weights = torch.zeros(1, 10, dtype=torch.int64)
+    weights = torch.zeros(1, DECODE_WEIGHT_COLUMNS, dtype=torch.int64)
     caches = [torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16)]
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     cos = torch.zeros(16, 8, dtype=torch.bfloat16)
@@ -178,3 +178,7 @@ def test_decode_layers_rejects_wrong_index_types(cpu_kernels):
         cpu_kernels.decode_layers(residual, weights, caches * 2, caches * 2, torch.zeros(2, dtype=torch.int64),
                                   slots=torch.zeros(2, dtype=torch.int64), block_tables=tables, context_lens=lens,
                                   **args)
+    with pytest.raises(ValueError, match="weight table of 30 columns"):  # a table of the old 10-column form
+        cpu_kernels.decode_layers(residual, torch.zeros(1, 10, dtype=torch.int64), caches, caches,
+                                  torch.zeros(2, dtype=torch.int64), slots=torch.zeros(2, dtype=torch.int64),
+                                  block_tables=tables, context_lens=lens, **args)

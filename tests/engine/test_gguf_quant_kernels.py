@@ -183,8 +183,10 @@ def test_matmul_picks_its_product_by_rows(kernels, weights, dtype, layout):
             assert w.product(rows, dtype) == "integer"
             check_integer_product(got, x, reference)
         elif dense is not None and rows >= dense:  # torch's product on the dequantized weight
+            assert w.product(rows, dtype) == "dense"
             check_float_product(got, x, reference, 1e-5 if dtype == torch.float32 else 2.0**-7)
         else:  # bf16 tiles
+            assert w.product(rows, dtype) == "tiles"
             check_float_product(got, x, reference, 2.0**-7)
 
 
