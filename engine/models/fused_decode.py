@@ -41,8 +41,8 @@ class FusedDecode:
         self.kernels = kernels
         self.max_rows = max_rows
         self._model_ok: Optional[bool] = None  # decided once, on the first step (the weights are loaded)
-        self._max_rows = max_rows  # lowered for GGUF blocks (below the unfused path's bf16-tile rows)
-        self._weights: Optional[torch.Tensor] = None  # [num_layers, len(WEIGHT_COLUMNS)] int64 addresses
+        self._max_rows = max_rows  # lowered for GGUF blocks to the rows the unfused path multiplies as integers
+        self._weights: Optional[torch.Tensor] = None  # the weight table (`_weight_table`)
         self._caches: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
         self._caches_of: Optional[Sequence] = None  # the kv_caches sequence they were split from
 
@@ -54,7 +54,7 @@ class FusedDecode:
         if self._model_ok is None:
             self._model_ok = _model_fits(model, kv_caches)
             if self._model_ok and _has_blocks(model):
-                self._max_rows = min(self.max_rows, _integer_rows(model, self.max_rows) - 1)
+                self._max_rows = _integer_rows(model, self.max_rows)
         return self._model_ok and num_tokens <= self._max_rows
 
     def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -101,12 +101,12 @@ def _has_blocks(model) -> bool:
 
 
 def _integer_rows(model, limit: int) -> int:
-    """The row count from which the unfused path stops multiplying some GGUF matrix with the integer
-    product (bf16 tiles or a dense product instead), within the rows the fused path may take."""
+    """The most rows, up to `limit`, that the unfused path multiplies with every GGUF matrix's integer
+    product (beyond, bf16 tiles or a dense product: the fused path stops there too)."""
     blocks = [getattr(layer, name) for layer in model.layers for name in MATRIX_COLUMNS
               if isinstance(getattr(layer, name), GgufWeight)]
-    rows = 1
-    while rows <= limit and all(w.product(rows, model.dtype) == "integer" for w in blocks):
+    rows = 0
+    while rows < limit and all(w.product(rows + 1, model.dtype) == "integer" for w in blocks):
         rows += 1
     return rows
 

@@ -30,7 +30,7 @@ bf16 tiles from it on. The integer product is the faster at every row count (1 t
 model's 211 matrices, bf16, ms: 16 rows 23 vs 62 for the tiles and 51 for torch's product on the float
 weights; 64 rows 73 vs 136 and 109; 256 rows 277 vs 446 and 351), but its int8 activations cost prompt
 scoring accuracy: perplexity +0.54% over the same weights in float32 when prompts go through it, against
-+0.10% through the tiles. So decode batches (up to 64 rows, the default server's max_num_seqs) take the
++0.15% through the tiles (`python -m benchmarks.perplexity`). So decode batches (up to 64 rows, the default server's max_num_seqs) take the
 integer product and prefill chunks the tiles."""
 
 NO_TILES = 1 << 62

@@ -165,9 +165,10 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
     std::vector<T> query(s.rows * s.heads * s.head_dim), attn(query.size());
     Scratch scratch;  // int8 activations of block-quantized matrices, shared by each kernel's team
     for (int64_t layer = 0; layer < num_layers; ++layer)
-        for (int column : {kQkv, kOProj, kGateUp, kDown})
-            if (matrix_at(weights + layer * kWeightColumns, column).format >= 0)
-                scratch.reserve(s.rows, matrix_at(weights + layer * kWeightColumns, column).nbp);
+        for (int column : {kQkv, kOProj, kGateUp, kDown}) {
+            const Matrix m = matrix_at(weights + layer * kWeightColumns, column);
+            if (m.format >= 0) scratch.reserve(s.rows, m.nbp);
+        }
     const T* h = nullptr;
     for (int64_t layer = 0; layer < num_layers; ++layer) {
         const int64_t* row = weights + layer * kWeightColumns;
