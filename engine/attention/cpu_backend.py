@@ -11,7 +11,8 @@ from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
 from engine.models.layer_ops import NativeLayerOps
-from engine.models.linear import GemvLinear
+from engine.models.invariant_linear import ColumnBlockLinear
+from engine.models.linear import GemvLinear, Linear
 from engine.runner.kv_cache import KVCacheSpec
 
 
@@ -30,10 +31,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """The same native library also fuses the per-token ops between the products."""
         return NativeLayerOps(self.kernels)
 
-    def linear(self, dtype: torch.dtype) -> Optional[GemvLinear]:
-        """bfloat16: the native small-batch product (float32 keeps oneDNN's packed weights, which need no
-        second copy for large batches)."""
-        return GemvLinear(self.kernels) if dtype == torch.bfloat16 else None
+    def linear(self, dtype: torch.dtype) -> Optional[Linear]:
+        """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16, else the
+        native small-batch product up to 8 rows (and torch's beyond); float32 keeps oneDNN's packed weights."""
+        if dtype != torch.bfloat16:
+            return None
+        return ColumnBlockLinear(self.kernels) if self.kernels.bf16_column_blocks else GemvLinear(self.kernels)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "gemv.cpp", "decode_layer.cpp",
            "quant_gemm.cpp", "quant_dense_bf16.cpp")
-HEADERS = ("common.h", "gemv.h", "row_ops.h", "quant_blocks.h", "quant_product.h")
+HEADERS = ("common.h", "column_blocks.h", "gemv.h", "row_ops.h", "quant_blocks.h", "quant_product.h")
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -115,6 +115,10 @@ class CpuKernels:
         self.path = path
         self.invariant_product_ok = False  # set by the load-time self-check
         self._library = ctypes.CDLL(str(path))  # loaded while this object lives
+        probe = self._library.pagedserve_column_blocks_bf16_native
+        probe.restype = ctypes.c_int64
+        # the column-block product's bf16 kernel runs on vdpbf16ps (AVX512-BF16): the engine's bf16 product
+        self.bf16_column_blocks = bool(probe())
         self._functions: dict[tuple[str, torch.dtype], int] = {}
         self._ops = cpu_ops.Overloads()
         for name in cpu_ops.SIGNATURES:
@@ -172,7 +176,7 @@ class CpuKernels:
     def invariant_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
                          out_features: int) -> torch.Tensor:
         """x [rows, in] contiguous, `packed` from `pack_invariant_weight` -> [rows, out_features]; each element
-        summed in one fixed order whatever the number of rows (csrc/invariant_linear.cpp)."""
+        summed in one fixed order whatever the number of rows (csrc/column_blocks.h)."""
         if x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError("invariant_linear takes x as a contiguous 2-D CPU tensor")
         rows, in_features = x.shape

@@ -6,10 +6,10 @@
                 decode_o_mlp    o product; residual += ; norm; gate|up product; SiLU * up; down product
     then        residual + h (before the final norm), as `LlamaForCausalLM.forward` returns
 
-The two fused kernels are one OpenMP team each, running the products through the small-batch kernel of
-csrc/gemv.cpp (plain weights) or the integer product of csrc/quant_product.h (GGUF blocks kept quantized,
-`--quantization gguf`), with every intermediate rounded where the unfused ops round it: the result is the
-unfused path's, bit for bit. It applies to steps whose every token is a decode (one new token per
+The two fused kernels are one OpenMP team each, running the products through the column-block kernel of
+csrc/column_blocks.h (bf16 weights packed for it, AVX512-BF16), the small-batch kernel of csrc/gemv.h (plain
+weights) or the integer product of csrc/quant_product.h (GGUF blocks kept quantized, `--quantization gguf`),
+with every intermediate rounded where the unfused ops round it: the result is the unfused path's, bit for bit. It applies to steps whose every token is a decode (one new token per
 sequence) of at most `max_rows` sequences (with GGUF blocks, fewer than the rows from which the unfused
 path leaves the integer product), on plain weights in the model's dtype or GGUF blocks, a KV cache of the
 model's dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the
@@ -25,6 +25,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels
+from engine.models.invariant_linear import PackedWeight
 from engine.quantization.gguf_weight import GgufWeight
 
 
@@ -34,6 +35,9 @@ MATRIX_COLUMNS = ("qkv", "o_proj", "gate_up", "down")
 vector (0: no bias), then six values per matrix (`_matrix_entry`)."""
 
 DENSE_FORMAT = -1
+COLUMN_BLOCKS_FORMAT = -2
+"""A matrix entry's format code for a plain [out, in] tensor and for a column-block `PackedWeight`
+(csrc/decode_layer.cpp's Matrix; GGUF blocks carry their format's code, >= 0)."""
 
 
 class FusedDecode:
@@ -87,8 +91,10 @@ def _weight_table(model) -> torch.Tensor:
 
 
 def _matrix_entry(weight) -> list[int]:
-    """(data, d, m, format, nbp, layout): a plain [out, in] tensor (format -1), or GGUF blocks (qs, scales,
-    Q4_1 minimums or 0, the format's code, blocks per row, the layout's code)."""
+    """(data, d, m, format, nbp, layout): a plain [out, in] tensor (format -1), a column-block packing (format
+    -2), or GGUF blocks (qs, scales, Q4_1 minimums or 0, the format's code, blocks per row, the layout's code)."""
+    if isinstance(weight, PackedWeight):
+        return [weight.data.data_ptr(), 0, 0, COLUMN_BLOCKS_FORMAT, 0, 0]
     if isinstance(weight, GgufWeight):
         p = weight.packed
         return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp,
@@ -117,7 +123,7 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
     dtype = model.dtype
     tensors = [model.rotary.cos, model.rotary.sin_signed]  # in the model's dtype
     blocks: list[torch.Tensor] = []  # GGUF blocks and scales
-    if not isinstance(model.embed, GgufWeight):
+    if not isinstance(model.embed, (GgufWeight, PackedWeight)):
         tensors.append(model.embed)
     for layer in model.layers:
         if layer.q_norm is not None:
@@ -128,6 +134,8 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
             weight = getattr(layer, name)
             if isinstance(weight, GgufWeight):
                 blocks += [t for t in (weight.packed.qs, weight.packed.d, weight.packed.m) if t is not None]
+            elif isinstance(weight, PackedWeight):
+                tensors.append(weight.data)
             else:
                 tensors.append(weight)
     for key_cache, value_cache in kv_caches:

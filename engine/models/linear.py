@@ -8,10 +8,12 @@ weights on every call. Measured on a 2-core AVX2 machine against `F.linear`
 116 vs 68 (the 576x49152 LM head); batch 2048: on par; batch 1: 25 vs 20.
 It is used only where the ops exist and agree with `F.linear` on a probe;
 elsewhere weights stay plain tensors and `F.linear` does the work. With the cpu attention
-backend in bfloat16, `GemvLinear` multiplies batches of up to 8 rows natively (a
-weight-streaming kernel), larger ones with `F.linear`. (Neither keeps a row's
-result independent of the other rows: batch-invariant mode multiplies with
-`invariant_linear.BatchInvariantLinear` instead.)
+backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row count natively
+on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count
+there, and batch invariant); on other builds `GemvLinear` multiplies batches of up to 8 rows
+natively (a weight-streaming kernel), larger ones with `F.linear`. (Neither oneDNN nor
+`GemvLinear` keeps a row's result independent of the other rows: batch-invariant mode
+multiplies with `invariant_linear.BatchInvariantLinear` instead.)
 """
 
 from __future__ import annotations
@@ -103,9 +105,10 @@ blocked products, which reuse each weight tile across many rows)."""
 
 
 class GemvLinear(Linear):
-    """CPU bfloat16: up to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which
-    streams the plain [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the
-    same tensor. Quantized weights go to their own product.
+    """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16): up
+    to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which streams the plain
+    [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
+    Quantized weights go to their own product.
 
     Measured on a 2-core AVX-512 (BF16) machine, one thread, the embedded model's 121 products at batch 1:
     24.4 GB/s of weight read (the process's streaming read: 22.0) against 6.3 for torch's; at 4 and 8

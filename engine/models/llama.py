@@ -17,6 +17,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.memory_bandwidth import tensor_bytes
 from engine.models.fused_decode import FusedDecode
 from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
+from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
 from engine.models.linear import GemvLinear, Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
@@ -59,7 +60,7 @@ class LlamaForCausalLM:
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
         self.fused: Optional[FusedDecode] = None  # small decode steps in one native call (cpu backend, bf16, plain or gguf)
-        if isinstance(self.linear, GemvLinear) and isinstance(self.ops, NativeLayerOps):
+        if isinstance(self.linear, (GemvLinear, ColumnBlockLinear)) and isinstance(self.ops, NativeLayerOps):
             self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
         self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.final_norm: Optional[torch.Tensor] = None
@@ -89,9 +90,9 @@ class LlamaForCausalLM:
             raise ValueError("checkpoint has no lm_head.weight and the config does not tie embeddings")
         lm_head = self.embed if arch.tie_word_embeddings or lm_head is None else lm_head
         self.lm_head = self.linear.prepare(lm_head if self.quantizer is None else self.quantizer.lm_head(lm_head))
-        if lm_head is self.embed and isinstance(self.embed, QuantizedWeight):
-            # tied and stored quantized (GGUF): one matrix, in the form its product takes (it also looks rows up);
-            # a float embedding stays float even where the LM head is quantized from it
+        if lm_head is self.embed and (isinstance(self.embed, QuantizedWeight) or isinstance(self.lm_head, PackedWeight)):
+            # tied and stored quantized (GGUF), or packed in column blocks: one matrix, in the form its product
+            # takes (it also looks rows up); a float embedding stays float where the LM head is quantized from it
             self.embed = self.lm_head
         self.layers = [self._take_layer(state, i) for i in range(arch.num_layers)]
         if state:
@@ -183,6 +184,8 @@ class LlamaForCausalLM:
         """input_ids [T] -> [T, hidden] in the model's dtype (quantized embeddings dequantized by row)."""
         if isinstance(self.embed, QuantizedWeight):
             return self.embed.rows(input_ids, self.dtype)
+        if isinstance(self.embed, PackedWeight):
+            return self.embed.rows(input_ids)
         return F.embedding(input_ids, self.embed)
 
     def _attention(self, layer: LlamaLayerWeights, x, angles, key_cache, value_cache,

@@ -1,9 +1,11 @@
 """The fused small-batch decode (engine/models/fused_decode.py, csrc/decode_layer.cpp) against the unfused
-ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows, with q/k/v
-biases (qwen2), and with the embedded model's GGUF blocks kept quantized (`quantization="gguf"`, with and
-without biases added to its projections); models it does not fit (q/k norms, qwen3) take the general path;
-and on the embedded model in bf16 the same greedy tokens as torch's products with the unfused ops (the
-numerics before it). The comparisons run on the native build and on an AVX2 (-march=haswell) one."""
+ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows (and, with
+the column-block product, 16), with q/k/v biases (qwen2), on weights packed in column blocks (AVX512-BF16
+builds) and plain ones (the small-batch kernel elsewhere), and with the embedded model's GGUF blocks kept
+quantized (`quantization="gguf"`, with and without biases added to its projections); models it does not fit
+(q/k norms, qwen3) take the general path; and on the embedded model in bf16 the same greedy tokens as torch's
+products with the unfused ops (the numerics before it). The comparisons run on the native build and on an
+AVX2 (-march=haswell) one."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from engine import LLM, SamplingParams
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight
@@ -56,24 +60,40 @@ def _use_kernels(llm: LLM, kernels) -> None:
     runner.backend.kernels = kernels
 
 
+def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
+    """Makes the cpu backend choose `product` ("column-blocks" or "gemv") as it would on a machine with (without)
+    AVX512-BF16; its class."""
+    if product == "column-blocks":
+        if not cpu_kernels.bf16_column_blocks:
+            pytest.skip("the column-block product is the bf16 product on AVX512-BF16 builds only")
+        return ColumnBlockLinear
+    monkeypatch.setattr(CpuAttentionBackend, "linear", lambda backend, dtype: GemvLinear(backend.kernels))
+    return GemvLinear
+
+
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
+@pytest.mark.parametrize("product", ["column-blocks", "gemv"])
 @pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, arch, request, cpu_kernels, monkeypatch):
+def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
+    linear_class = _with_product(product, cpu_kernels, monkeypatch)
     llm = make_llm(request.getfixturevalue(model_dir_fixture), dtype="bfloat16", attention_backend="cpu",
-                   enable_prefix_caching=False)  # both runs compute every prompt token the same way
+                   enable_prefix_caching=False, max_num_seqs=16)  # both runs compute every prompt token the same way
     model = llm.engine.runner.model
-    assert isinstance(model.linear, GemvLinear) and model.fused is not None
+    assert type(model.linear) is linear_class and model.fused is not None
+    if product == "column-blocks":
+        assert all(isinstance(getattr(layer, name), PackedWeight) for layer in model.layers for name in MATRIX_COLUMNS)
     if arch != NATIVE_ARCH:  # the AVX2 code paths, built into their own cache key
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip(f"-march={arch} is an x86 target")
         _use_kernels(llm, load_cpu_kernels(arch=arch))
     rows = _counting_fused(model, monkeypatch)
-    fused = _generate(llm, PROMPTS, 12, logprobs=3)
-    assert max(rows) == GEMV_MAX_ROWS
+    prompts = PROMPTS if product == "gemv" else PROMPTS + [p + " and" for p in PROMPTS]  # 16 rows: past gemv's 8
+    fused = _generate(llm, prompts, 12, logprobs=3)
+    assert max(rows) == (GEMV_MAX_ROWS if product == "gemv" else 16)
     fused_path = model.fused
     model.fused = None
     try:
-        unfused = _generate(llm, PROMPTS, 12, logprobs=3)
+        unfused = _generate(llm, prompts, 12, logprobs=3)
     finally:
         model.fused = fused_path
     assert fused == unfused
@@ -143,14 +163,23 @@ NEAR_TIE = 0.25
 two bf16 steps of a logit between 16 and 32 (the logits are rounded to bf16 before the softmax)."""
 
 
-def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, cpu_kernels):
-    llm = LLM(None, dtype="bfloat16", device="cpu", max_model_len=512, kv_cache_memory="64MiB",
-              attention_backend="cpu", enable_prefix_caching=False)
+def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, cpu_kernels, monkeypatch):
+    def embedded_llm() -> LLM:
+        return LLM(None, dtype="bfloat16", device="cpu", max_model_len=512, kv_cache_memory="64MiB",
+                   attention_backend="cpu", enable_prefix_caching=False)
+
+    llm = embedded_llm()
     model = llm.engine.runner.model
     assert model.fused is not None
+    if isinstance(model.linear, ColumnBlockLinear):  # tied: the embedding is looked up in the packed LM head
+        assert model.embed is model.lm_head and isinstance(model.embed, PackedWeight)
+    del model
     fused = _generate(llm, PROMPTS[:4], 24)
-    model.linear, model.fused = Linear(), None  # the numerics before the native products
-    reference = _generate(llm, PROMPTS[:4], 24, logprobs=2)
+    del llm
+    monkeypatch.setattr(CpuAttentionBackend, "linear", lambda backend, dtype: None)  # torch's products, unfused:
+    torch_llm = embedded_llm()  # the numerics before the native products
+    assert type(torch_llm.engine.runner.model.linear) is Linear and torch_llm.engine.runner.model.fused is None
+    reference = _generate(torch_llm, PROMPTS[:4], 24, logprobs=2)
     for (tokens, _), (expected, logprobs) in zip(fused, reference):
         for got, want, entry in zip(tokens, expected, logprobs):
             gap = entry.top[0][1] - entry.top[1][1]

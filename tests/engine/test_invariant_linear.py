@@ -1,5 +1,7 @@
-"""The batch-invariant product (csrc/invariant_linear.cpp): packing, accuracy, and rows that do not depend on
-the batch, bit for bit."""
+"""The column-block product (csrc/column_blocks.h): packing, row lookups in the packing, accuracy, rows that do
+not depend on the batch, bit for bit (whole blocks and half blocks as work items), and `ColumnBlockLinear`,
+the cpu backend's bf16 product on AVX512-BF16 builds (its choice, quantized weights, a tied embedding looked
+up in the packed LM head)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.invariant_linear import BatchInvariantLinear, pack_invariant_weight
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear, PackedWeight, pack_invariant_weight
+from engine.models.linear import GemvLinear
+from engine.quantization.int8_weight import Int8Weight
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (out_features, in_features): a column tail (N % 64), odd K, the embedded model's down projection (K = 1536,
@@ -98,3 +103,39 @@ def test_the_kernel_refuses_inputs_that_do_not_match_the_packed_weight(cpu_kerne
     with pytest.raises(ValueError, match="bias"):
         call(torch.randn(3, 9).to(dtype), packed, torch.zeros(7, dtype=dtype), 70)
     assert cpu_kernels.invariant_product_ok
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rows_are_looked_up_in_the_packing(shape, dtype):
+    weight, _ = weights(*shape, dtype)
+    packed = pack_invariant_weight(weight)
+    ids = torch.tensor([0, shape[0] - 1, 63 % shape[0], shape[0] // 2, 0])
+    got = packed.rows(ids)
+    assert got.shape == (5, shape[1]) and got.dtype == dtype
+    assert torch.equal(got, F.embedding(ids, weight))
+
+
+def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_kernels, monkeypatch):
+    backend = CpuAttentionBackend(cpu_kernels)
+    assert backend.linear(torch.float32) is None  # oneDNN's packed fp32 product
+    expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
+    assert type(backend.linear(torch.bfloat16)) is expected
+    monkeypatch.setattr(cpu_kernels, "bf16_column_blocks", False)  # an AVX2 or AVX512F-only build
+    assert type(backend.linear(torch.bfloat16)) is GemvLinear
+
+
+def test_column_block_linear_multiplies_packed_and_quantized_weights(cpu_kernels):
+    linear = ColumnBlockLinear(cpu_kernels)
+    weight, bias = weights(200, 96, torch.bfloat16)
+    packed = linear.prepare(weight)
+    assert isinstance(packed, PackedWeight)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(linear(x, packed, bias).double(), expected, atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="column-block product"):
+        linear(x.float(), packed, None)
+    quantized = Int8Weight.quantize(weight.float())
+    prepared = linear.prepare(quantized)
+    assert isinstance(prepared, Int8Weight)  # its own product, not a packing
+    torch.testing.assert_close(linear(x.float(), prepared, None), quantized.matmul(x.float()))

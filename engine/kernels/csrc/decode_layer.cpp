@@ -7,8 +7,9 @@
 //                  out = (silu(g) * u) @ w_down^T (+ b)
 // Every intermediate is
 // rounded to T where the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results
-// are theirs. A matrix is either plain T [out, in] (the small-batch product of gemv.h) or GGUF blocks
-// (the integer product of quant_product.h, which the unfused path takes below its bf16-tile row count).
+// are theirs. A matrix is plain T [out, in] (the small-batch product of gemv.h), packed in column blocks
+// (the product of column_blocks.h), or GGUF blocks (the integer product of quant_product.h, which the unfused
+// path takes below its bf16-tile row count).
 //
 // Layouts (row-major, contiguous): h, residual [rows, hidden]; weights [out, in]; caches
 // [num_blocks * block_size, kv_heads, head_dim] addressed by slot; positions, slots [rows] int64;
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "column_blocks.h"
 #include "gemv.h"
 #include "quant_product.h"
 #include "row_ops.h"
@@ -38,8 +40,9 @@ using pagedserve::rms_norm_row;
 using pagedserve::rotary_row;
 using pagedserve::silu_and_mul_row;
 
-// A projection's weight: plain T [N, K] at `data` (format < 0), or GGUF blocks (qs at `data`, scales d,
-// Q4_1 minimums m, nbp blocks per row; format a pagedserve::quant::Format, layout a ...::Layout).
+// A projection's weight: plain T [N, K] at `data` (format kPlain), packed in column blocks (kColumnBlocks,
+// column_blocks.h), or GGUF blocks (qs at `data`, scales d, Q4_1 minimums m, nbp blocks per row; format a
+// pagedserve::quant::Format >= 0, layout a ...::Layout).
 struct Matrix {
     const void* data;
     const uint16_t* d;
@@ -49,13 +52,18 @@ struct Matrix {
     int64_t layout;
 };
 constexpr int kMatrixColumns = 6;  // its values in a row of the weight table, in the order above
+constexpr int64_t kPlain = -1, kColumnBlocks = -2;  // engine/models/fused_decode.py's format codes
 
 // out [rows, N] = x [rows, K] @ W.T (+ bias), work-shared over the calling team; `scratch` holds the int8
 // activations of a block-quantized W (reserved for rows x nbp before the team started).
 template <typename T>
 void product_for(const T* x, const Matrix& w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K,
                  Scratch& scratch) {
-    if (w.format < 0) {
+    if (w.format == kColumnBlocks) {
+        pagedserve::column_blocks::product_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K);
+        return;
+    }
+    if (w.format == kPlain) {
         gemv_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K);
         return;
     }

@@ -1,0 +1,230 @@
+// The column-block matrix product for CPUs: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) on a weight
+// packed once, at load, into blocks of kBlockN = 64 output columns (the last one padded with zero columns):
+//   float32   packed[N / 64][K][64]           column j of block b at packed[b][k][j]
+//   bfloat16  packed[N / 64][K / 2][64][2]    k pairs side by side (K padded to even with zeros), the
+//                                              layout AVX512-BF16's dot product of pairs reads
+// A micro-kernel keeps an [MR rows x 16 NC columns] tile of float32 accumulators in registers, one vector
+// of 16 output columns each, and walks k once: per k (a k pair in bf16) it loads NC weight vectors and,
+// per row, broadcasts the row's x (pair) and multiplies-adds it into the row's NC vectors (vdpbf16ps in
+// bf16). Every output element is summed in one fixed order (k ascending, float32; on AVX512-BF16 a pair
+// of k at a time, denormals flushed, as vdpbf16ps computes it) whatever the number of rows, the row's
+// place in the batch, the tile shape or the thread count: the product is batch invariant by construction.
+// No per-output horizontal sums, and each weight vector loaded is used by up to MR rows: on a 2-core
+// AVX512-BF16 machine, one thread, it measured 108-113 G MAC/s from 16 rows on (torch's oneDNN: 80-110)
+// and 35 GB/s of weight read at 1 row (the plain-layout kernel of gemv.h: 31; torch: 13), so it is the
+// engine's bf16 product there at every row count (engine/models/invariant_linear.py).
+//
+// Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
+// blocks than a few per thread (576 output columns are 9 blocks), half blocks of 32 columns, so that two
+// threads split a small matrix evenly; threads take items dynamically (behind a server the other core
+// also runs the event loop, and a static split stalls the team whenever one thread is preempted). The
+// k sum is never split.
+//
+// Layouts (row-major): x [M, K] contiguous; out [M, N] contiguous; bias [N] or null.
+#pragma once
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+namespace pagedserve {
+namespace column_blocks {
+
+constexpr int64_t kBlockN = 64;
+constexpr int kRowsPerTile = 4;
+constexpr int64_t kRowsPerChunk = 128;          // rows one work item covers (bounds the x read per item)
+constexpr int64_t kParallelMinMacs = 1 << 18;   // below this, one thread beats waking the pool
+constexpr int64_t kItemsPerThread = 4;          // fewer blocks than this per thread: split them in halves
+
+// Stores one tile row of float32 sums (+ bias) into columns [0, n_valid) of out.
+template <typename T>
+inline void store_row(const float* acc, const T* bias, T* out, int64_t n_valid) {
+    for (int64_t j = 0; j < n_valid; ++j) store(out + j, bias ? acc[j] + to_float(bias[j]) : acc[j]);
+}
+
+// A tile of MR rows by NC vectors of 16 columns, the block's columns [16 c0, 16 (c0 + NC)); `w` points at the
+// block, `out` and `bias` at its first column; n_valid of the tile's 16 NC columns are stored.
+#if defined(__AVX512F__)
+
+template <int MR, int NC>
+void tile_f32(const float* x, int64_t K, const float* w, int c0, const float* bias, float* out, int64_t N,
+              int64_t n_valid) {
+    __m512 acc[MR][NC];
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const float* wk = w + k * kBlockN + 16 * c0;
+        __m512 wv[NC];
+        for (int c = 0; c < NC; ++c) wv[c] = _mm512_loadu_ps(wk + 16 * c);
+        for (int r = 0; r < MR; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    alignas(64) float row[16 * NC];
+    for (int r = 0; r < MR; ++r) {
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(row + 16 * c, acc[r][c]);
+        store_row(row, bias, out + r * N, n_valid);
+    }
+}
+
+#else
+
+template <int MR, int NC>
+void tile_f32(const float* x, int64_t K, const float* w, int c0, const float* bias, float* out, int64_t N,
+              int64_t n_valid) {
+    float acc[MR][16 * NC] = {};
+    for (int64_t k = 0; k < K; ++k) {
+        const float* wk = w + k * kBlockN + 16 * c0;
+        for (int r = 0; r < MR; ++r) {
+            const float xv = x[r * K + k];
+#pragma omp simd
+            for (int64_t j = 0; j < 16 * NC; ++j) acc[r][j] += xv * wk[j];
+        }
+    }
+    for (int r = 0; r < MR; ++r) store_row(acc[r], bias, out + r * N, n_valid);
+}
+
+#endif
+
+#if defined(__AVX512BF16__)
+
+// Two bf16 of row r at k = 2p, 2p + 1 as one 32-bit lane (the second one zero past an odd K).
+inline int32_t bf16_pair(const uint16_t* row, int64_t p, int64_t K) {
+    if (2 * p + 1 < K) {
+        int32_t both;
+        std::memcpy(&both, row + 2 * p, sizeof both);  // little endian: k = 2p in the low half
+        return both;
+    }
+    return static_cast<int32_t>(row[2 * p]);
+}
+
+template <int MR, int NC>
+void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int c0, const uint16_t* bias, uint16_t* out,
+               int64_t N, int64_t n_valid) {
+    __m512 acc[MR][NC];
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+    const int64_t pairs = (K + 1) / 2, even_pairs = K / 2;
+    const uint16_t* wc = w + 32 * c0;
+    int64_t p = 0;
+    for (; p < even_pairs; ++p) {  // whole pairs: each row's pair read as one 32-bit broadcast
+        const uint16_t* wp = wc + p * 2 * kBlockN;
+        __m512bh wv[NC];
+        for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wp + 32 * c);
+        for (int r = 0; r < MR; ++r) {
+            int32_t both;
+            std::memcpy(&both, x + r * K + 2 * p, sizeof both);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(both);
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    for (; p < pairs; ++p) {  // an odd K's last element, paired with zero
+        const uint16_t* wp = wc + p * 2 * kBlockN;
+        __m512bh wv[NC];
+        for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wp + 32 * c);
+        for (int r = 0; r < MR; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(bf16_pair(x + r * K, p, K));
+            for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    alignas(64) float row[16 * NC];
+    for (int r = 0; r < MR; ++r) {
+        for (int c = 0; c < NC; ++c) _mm512_store_ps(row + 16 * c, acc[r][c]);
+        store_row(row, bias, out + r * N, n_valid);
+    }
+}
+
+#else
+
+template <int MR, int NC>
+void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int c0, const uint16_t* bias, uint16_t* out,
+               int64_t N, int64_t n_valid) {
+    float acc[MR][16 * NC] = {};
+    for (int64_t k = 0; k < K; ++k) {
+        const uint16_t* wk = w + (k / 2) * 2 * kBlockN + 32 * c0 + (k % 2);
+        for (int r = 0; r < MR; ++r) {
+            const float xv = to_float(x[r * K + k]);
+#pragma omp simd
+            for (int64_t j = 0; j < 16 * NC; ++j) acc[r][j] += xv * to_float(wk[2 * j]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) store_row(acc[r], bias, out + r * N, n_valid);
+}
+
+#endif
+
+template <int MR, int NC>
+inline void tile_of(const float* x, int64_t K, const float* w, int c0, const float* bias, float* out, int64_t N,
+                    int64_t n_valid) {
+    tile_f32<MR, NC>(x, K, w, c0, bias, out, N, n_valid);
+}
+
+template <int MR, int NC>
+inline void tile_of(const uint16_t* x, int64_t K, const uint16_t* w, int c0, const uint16_t* bias, uint16_t* out,
+                    int64_t N, int64_t n_valid) {
+    tile_bf16<MR, NC>(x, K, w, c0, bias, out, N, n_valid);
+}
+
+template <typename T, int NC>
+inline void tile(const T* x, int rows, int64_t K, const T* w, int c0, const T* bias, T* out, int64_t N,
+                 int64_t n_valid) {
+    switch (rows) {
+        case 4: tile_of<4, NC>(x, K, w, c0, bias, out, N, n_valid); break;
+        case 3: tile_of<3, NC>(x, K, w, c0, bias, out, N, n_valid); break;
+        case 2: tile_of<2, NC>(x, K, w, c0, bias, out, N, n_valid); break;
+        default: tile_of<1, NC>(x, K, w, c0, bias, out, N, n_valid); break;
+    }
+}
+
+// Elements of one packed column block: K x 64 (float32) or ceil(K / 2) x 64 x 2 (bfloat16).
+template <typename T>
+constexpr int64_t block_elements(int64_t K) {
+    return (sizeof(T) == 2 ? (K + 1) / 2 * 2 : K) * kBlockN;
+}
+
+// Rows [m0, m1) of the block's columns [32 half, 32 half + width) (width 64: the whole block).
+template <typename T>
+void run_item(const T* x, const T* packed, const T* bias, T* out, int64_t N, int64_t K, int64_t block, int half,
+              int64_t width, int64_t m0, int64_t m1) {
+    const int64_t n0 = block * kBlockN + 32 * half;
+    if (n0 >= N) return;  // a padding half
+    const int64_t n_valid = N - n0 < width ? N - n0 : width;
+    const T* w = packed + block * block_elements<T>(K);
+    const T* b = bias ? bias + n0 : nullptr;
+    for (int64_t m = m0; m < m1; m += kRowsPerTile) {
+        const int rows = static_cast<int>(m1 - m < kRowsPerTile ? m1 - m : kRowsPerTile);
+        if (width == kBlockN) tile<T, 4>(x + m * K, rows, K, w, 0, b, out + m * N + n0, N, n_valid);
+        else tile<T, 2>(x + m * K, rows, K, w, 2 * half, b, out + m * N + n0, N, n_valid);
+    }
+}
+
+// out = x @ W^T (+ bias), work-shared over the calling OpenMP team (an orphaned `omp for`: call it from
+// inside a parallel region, every thread of the team, or from outside one to run it on this thread).
+template <typename T>
+void product_for(const T* x, const T* packed, const T* bias, T* out, int64_t M, int64_t N, int64_t K) {
+    const int64_t threads = omp_get_num_threads();
+    const int64_t num_blocks = (N + kBlockN - 1) / kBlockN;
+    const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
+    const bool halves = num_blocks * num_chunks < kItemsPerThread * threads;
+    const int64_t column_items = halves ? 2 * num_blocks : num_blocks;
+    const int64_t items = column_items * num_chunks;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t column_item = item % column_items, chunk = item / column_items;
+        const int64_t m0 = chunk * kRowsPerChunk, m1 = m0 + kRowsPerChunk < M ? m0 + kRowsPerChunk : M;
+        if (halves) run_item(x, packed, bias, out, N, K, column_item / 2, static_cast<int>(column_item % 2), 32, m0, m1);
+        else run_item(x, packed, bias, out, N, K, column_item, 0, kBlockN, m0, m1);
+    }
+}
+
+}  // namespace column_blocks
+}  // namespace pagedserve
+
