@@ -53,7 +53,7 @@ using pagedserve::fast_exp;
 using pagedserve::store;
 using pagedserve::to_float;
 
-constexpr int64_t kParallelMinWork = 512;  // cached tokens x query heads: below, one thread
+constexpr int64_t kParallelMinWork = 1024;  // cached tokens x query heads: below, one thread
 
 // Loads `count` bf16/f32 values as floats into `dst`; float rows are used in place instead.
 template <typename T>
@@ -300,11 +300,12 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 
     alignas(64) float acc[G][HD];
     alignas(64) float probs[G][kChunk];
-    float running_max[G], running_sum[G], correction[G];
+    float running_max[G], correction[G];
+    __m512 running_sum[G];
     for (int h = 0; h < G; ++h) {
         std::fill(acc[h], acc[h] + HD, 0.0f);
         running_max[h] = -INFINITY;
-        running_sum[h] = 0.0f;
+        running_sum[h] = _mm512_setzero_ps();
     }
     const int64_t block_stride = block_size * token_size;
     const __m512 scale_v = _mm512_set1_ps(scale);
@@ -337,15 +338,23 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
         const T* keys[kChunk];
         for (int s = 0; s < kChunk; ++s) keys[s] = key_cache + rows[kSlotKey[s]];
 
+        bool rescale = false;
         for (int h = 0; h < G; ++h) {
             __m512 partial[kChunk];
             for (int s = 0; s < kChunk; ++s) partial[s] = dot<HD>(keys[s], q + h * HD);
             const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
                                                      _mm512_mul_ps(sum16(partial), scale_v));
-            const float new_max = std::max(running_max[h], _mm512_reduce_max_ps(scores));
+            // the maximum and the sums are rescaled only when a score exceeds the running maximum (the
+            // first chunks, mostly); the sums are kept per lane, added up at the end
+            float new_max = running_max[h];
+            correction[h] = 1.0f;
+            if (_mm512_cmp_ps_mask(scores, _mm512_set1_ps(new_max), _CMP_GT_OQ)) {
+                new_max = _mm512_reduce_max_ps(scores);
+                correction[h] = fast_exp(running_max[h] - new_max);
+                rescale = true;
+            }
             const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-            correction[h] = fast_exp(running_max[h] - new_max);
-            running_sum[h] = running_sum[h] * correction[h] + _mm512_reduce_add_ps(p);
+            running_sum[h] = _mm512_fmadd_ps(running_sum[h], _mm512_set1_ps(correction[h]), p);
             running_max[h] = new_max;
             _mm512_store_ps(probs[h], p);
         }
@@ -354,8 +363,10 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
             __m512 a[G][kStepVecs * V::kVecs];
             for (int h = 0; h < G; ++h) {
                 const __m512 c = _mm512_set1_ps(correction[h]);
-                for (int i = 0; i < kStepVecs * V::kVecs; ++i)
-                    a[h][i] = _mm512_mul_ps(_mm512_load_ps(acc[h] + d0 + 16 * i), c);
+                for (int i = 0; i < kStepVecs * V::kVecs; ++i) {
+                    a[h][i] = _mm512_load_ps(acc[h] + d0 + 16 * i);
+                    if (rescale) a[h][i] = _mm512_mul_ps(a[h][i], c);
+                }
             }
             for (int j = 0; j < n; ++j) {
                 const T* v = value_cache + rows[j] + d0;
@@ -372,7 +383,7 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
     }
 
     for (int h = 0; h < G; ++h) {
-        const __m512 inv = _mm512_set1_ps(1.0f / running_sum[h]);
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(running_sum[h]));
         for (int d = 0; d < HD; d += V::kDims) V::store(out + h * HD + d, acc[h] + d, inv);
     }
 }
