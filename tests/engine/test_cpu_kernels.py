@@ -74,7 +74,8 @@ def test_rejects_what_it_cannot_read(cpu_kernels):
 # The kernel's code paths (csrc/paged_decode.cpp): AVX-512 passes of 1-4 query heads of a GQA group
 # (larger groups take several passes) for head_dim 64/128/256, in chunks of 16 keys that may span blocks
 # and end part-way; the portable loops for any other head_dim and on builds without AVX-512; one thread
-# or the whole team (items of (sequence, kv head, pass), so fewer sequences than threads still split).
+# or the whole team (items of (sequence, kv head, pass), so fewer sequences than threads still split;
+# with few items per thread, long sequences split into parts merged at the end).
 DECODE_ARCHES = {
     "native": (),
     "skylake-avx512": ("avx512f", "avx512bw"),  # AVX-512 without BF16: bf16 widened to float32
@@ -89,6 +90,8 @@ DECODE_SHAPES = [
     (64, 10, 2, 32, [70, 3]),  # a group of 5: passes of 4 and 1
     (128, 16, 2, 16, [45]),  # a group of 8 (two passes), one sequence
     (64, 14, 2, 5, [23, 1, 11, 64]),  # a group of 7, blocks of 5
+    (64, 9, 3, 16, [2000]),  # few items for the threads: the sequence split into parts, then merged
+    (128, 8, 2, 16, [700, 3, 300]),  # split too: the 3-token sequence has an empty part
     (48, 6, 2, 16, [23, 50]),  # head_dim outside 64/128/256: the portable loops
     (80, 4, 1, 7, [37]),
 ]

@@ -12,14 +12,16 @@
 // AVX-512 builds (head_dim 64, 128 or 256; float32 or bfloat16), paged_decode_simd:
 //   work items    (sequence, kv head, pass): a pass takes up to 4 query heads of the kv head's GQA group
 //                 (larger groups take several passes), spread over the threads dynamically, so a single
-//                 sequence (the latency-critical case) still uses every thread.
+//                 sequence (the latency-critical case) still uses every thread. With fewer than 4 items
+//                 per thread, long sequences are split into parts of 256+ tokens, merged at the end.
 //   chunks of 16  keys of the sequence (they may span blocks or end part-way, the rest masked out): per
 //                 query head, 16 dot products (bf16: vdpbf16ps, exact products and float32 sums; without
 //                 AVX512_BF16 both widened to float32; float32: FMA) summed by a transpose-and-add tree
-//                 into one vector of 16 scores; the online softmax (running max / sum per head, a 16-lane
-//                 fast_exp) on that vector; then P.V with each V row widened once (bf16: even / odd
-//                 elements by shift / mask, the accumulators kept in that order until the output is
-//                 stored) and FMA'd into the pass's heads' float32 accumulators, held in registers.
+//                 into one vector of 16 scores; the online softmax on that vector (a 16-lane fast_exp;
+//                 the running max and sums rescaled only when a score exceeds the max, the sums kept
+//                 per lane); then P.V with each V row widened once (bf16: even / odd elements by shift /
+//                 mask, the accumulators kept in that order until the output is stored) and FMA'd into
+//                 the float32 accumulators of the pass's heads, held in registers.
 //   prefetch      the next chunk's K and V rows into L2: the blocks are scattered, and demand misses one
 //                 chunk at a time left the kernel waiting on DRAM (16 sequences x 150 tokens, the caches
 //                 of 30 layers in turn: 160 -> 90 us).
@@ -28,9 +30,10 @@
 // against every query head with `omp simd` dot products.
 //
 // Measured (bf16, SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, blocks of 16; 2 threads of an
-// AVX512-BF16 EPYC, the caches of 30 layers in turn, through the Python op; before: the portable loops):
-//   16 sequences x 150 tokens   254 -> 87 us      64 x 150   960 -> 340 us
-//   1 x 200                      39 -> 16.6 us     1 x 2000   350 -> 79 us
+// AVX512-BF16 EPYC shared with other work, best of 3 runs; the caches of 30 layers in turn, as in a
+// decode step; through the Python op, whose own cost is ~11 us; before = the portable loops):
+//   16 sequences x 150 tokens   234 -> 86 us       64 x 150   929 -> 365 us
+//   1 x 200                      34.5 -> 17.1 us    1 x 2000   360 -> 74 us
 // Threads come from the OpenMP runtime torch has already loaded (same soname, so one thread pool).
 // Built and loaded by engine/kernels/cpu.py.
 
@@ -43,6 +46,10 @@
 
 #include "common.h"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -53,7 +60,8 @@ using pagedserve::fast_exp;
 using pagedserve::store;
 using pagedserve::to_float;
 
-constexpr int64_t kParallelMinWork = 1024;  // cached tokens x query heads: below, one thread
+constexpr int64_t kParallelMinWork = 1024;  // cached tokens x query heads: below, one thread (AVX-512
+                                            // path: the team and one thread tie at 1 x 100 x 9 heads)
 
 // Loads `count` bf16/f32 values as floats into `dst`; float rows are used in place instead.
 template <typename T>
@@ -171,6 +179,9 @@ constexpr int kChunk = 16;    // keys scored together: one vector of 16 scores p
 constexpr int kMaxPass = 4;   // query heads of a GQA group per pass over their kv head's K/V
 constexpr int kPrefetchChunks = 1;  // K/V prefetched this many chunks ahead (2 measured no better)
 constexpr int kMaxAccs = 16;
+constexpr int64_t kMinSplitTokens = 256;  // tokens per part when few items split their sequences
+constexpr int64_t kPartialHeader = 16;     // floats before a part's sums: running max, running sum
+constexpr int64_t kPartialSize = kPartialHeader + 256;  // floats per head of a part (head_dim <= 256)
 constexpr int kSeqsPerThread = 4;  // whole sequences as work items from this many per thread  // float32 accumulator vectors held in registers by the P.V loop
 
 // fast_exp (common.h) on 16 lanes, same clamp, reduction and polynomial.
@@ -288,9 +299,9 @@ struct VRow<uint16_t> {
 // keys' scores for each head (K rows read from L1 once per head after the first), the online softmax
 // on those vectors, then P.V with each V row widened once for the G heads.
 template <typename T, int HD, int G>
-void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t len,
-                 int64_t head_offset, int64_t token_size, int64_t block_size, float scale, T* out,
-                 int64_t prefetch_bytes) {
+void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t begin,
+                 int64_t len, int64_t head_offset, int64_t token_size, int64_t block_size, float scale, T* out,
+                 float* partial, int64_t prefetch_bytes) {
     using V = VRow<T>;
     static_assert(HD % 32 == 0, "whole bf16 vectors");
     // dims per P.V step: G x (dims / 16) accumulators stay in registers
@@ -309,10 +320,10 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
     }
     const int64_t block_stride = block_size * token_size;
     const __m512 scale_v = _mm512_set1_ps(scale);
-    int64_t block = 0, offset = 0;  // the chunk's first token: block index in the table, row in the block
+    int64_t block = begin / block_size, offset = begin - block * block_size;  // the chunk's first token
     // K and V rows are prefetched into L2 kPrefetchChunks chunks ahead of their use (demand misses on the
     // scattered blocks, a chunk at a time, left the kernel waiting on DRAM); the cursor runs ahead.
-    int64_t ahead = 0, ahead_block = 0, ahead_offset = 0;
+    int64_t ahead = begin, ahead_block = block, ahead_offset = offset;
     auto prefetch_to = [&](int64_t end) {
         for (end = std::min(end, len); ahead < end; ++ahead) {
             const int64_t r = table[ahead_block] * block_stride + ahead_offset * token_size + head_offset;
@@ -323,9 +334,9 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
             if (++ahead_offset == block_size) ahead_offset = 0, ++ahead_block;
         }
     };
-    prefetch_to(kPrefetchChunks * kChunk);
+    prefetch_to(begin + kPrefetchChunks * kChunk);
 
-    for (int64_t t0 = 0; t0 < len; t0 += kChunk) {
+    for (int64_t t0 = begin; t0 < len; t0 += kChunk) {
         const int n = static_cast<int>(std::min<int64_t>(kChunk, len - t0));
         const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
         int64_t rows[kChunk];  // element offset of each token's kv head row in the caches
@@ -382,6 +393,15 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
         }
     }
 
+    if (partial != nullptr) {  // part of a split sequence: the running max, sum and unnormalized sums
+        for (int h = 0; h < G; ++h) {
+            float* dst = partial + h * kPartialSize;
+            dst[0] = running_max[h];
+            dst[1] = _mm512_reduce_add_ps(running_sum[h]);
+            std::copy(acc[h], acc[h] + HD, dst + kPartialHeader);
+        }
+        return;
+    }
     for (int h = 0; h < G; ++h) {
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(running_sum[h]));
         for (int d = 0; d < HD; d += V::kDims) V::store(out + h * HD + d, acc[h] + d, inv);
@@ -389,9 +409,10 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 }
 
 // Work items: (sequence, kv head, pass of up to kMaxPass of its query heads), spread over the threads:
-// finer than sequences, so a single sequence (the latency-critical case) still uses every thread.
-// (Whole sequences as items, their first pass prefetching every kv head's rows for the next passes to
-// read from L2, measured 2x slower at 16 sequences.)
+// finer than sequences, so a single sequence (the latency-critical case) still uses every thread. When
+// there are fewer than 4 items per thread, long sequences are split into parts of at least
+// kMinSplitTokens (whole chunks), each part's running max, sum and unnormalized sums kept, and merged
+// once all are done (1 x 2000 tokens, 2 threads: ~78 -> ~70 us).
 template <typename T, int HD>
 void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
@@ -401,29 +422,77 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
     const int64_t token_size = num_kv_heads * HD;
     const int64_t items = num_seqs * num_kv_heads * passes;
     const int64_t row_bytes = HD * static_cast<int64_t>(sizeof(T));  // prefetched by a kv head's first pass
-    int64_t work = 0;  // cached tokens x query heads
-    for (int64_t seq = 0; seq < num_seqs; ++seq) work += context_lens[seq];
+    int64_t work = 0, longest = 0;  // work: cached tokens x query heads
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+        work += context_lens[seq];
+        longest = std::max<int64_t>(longest, context_lens[seq]);
+    }
     work *= num_heads;
+    const bool parallel = items > 1 && work >= kParallelMinWork;
+    int64_t parts = 1;
+#if defined(_OPENMP)
+    const int64_t threads = omp_get_max_threads();
+    if (threads > 1 && items < 4 * threads)
+        parts = std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, longest / kMinSplitTokens));
+#endif
+    std::vector<float> partials(parts > 1 ? items * parts * kMaxPass * kPartialSize : 0);
 
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work >= kParallelMinWork)
-    for (int64_t item = 0; item < items; ++item) {
-        const int64_t seq = item / (num_kv_heads * passes);
-        const int64_t kv_head = item / passes % num_kv_heads;
-        const int64_t pass = item % passes;
-        const int64_t first = kv_head * group + pass * kMaxPass;  // first query head of the pass
-        const int heads = static_cast<int>(std::min<int64_t>(kMaxPass, group - pass * kMaxPass));
-        const int64_t at = (seq * num_heads + first) * HD;
-        const int32_t* table = block_tables + seq * table_width;
+#pragma omp parallel if (parallel || parts > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t index = 0; index < items * parts; ++index) {
+            const int64_t item = index / parts, part = index % parts;
+            const int64_t seq = item / (num_kv_heads * passes);
+            const int64_t kv_head = item / passes % num_kv_heads;
+            const int64_t pass = item % passes;
+            const int64_t first = kv_head * group + pass * kMaxPass;  // first query head of the pass
+            const int heads = static_cast<int>(std::min<int64_t>(kMaxPass, group - pass * kMaxPass));
+            const int64_t at = (seq * num_heads + first) * HD;
+            const int32_t* table = block_tables + seq * table_width;
+            const int64_t len = context_lens[seq], chunks = (len + kChunk - 1) / kChunk;
+            const int64_t begin = std::min(len, chunks * part / parts * kChunk);
+            const int64_t end = std::min(len, chunks * (part + 1) / parts * kChunk);
+            float* partial = parts > 1 ? partials.data() + index * kMaxPass * kPartialSize : nullptr;
 #define PAGEDSERVE_PASS(G)                                                                                       \
-    attend_pass<T, HD, G>(query + at, key_cache, value_cache, table, context_lens[seq], kv_head * HD,          \
-                          token_size, block_size, scale, out + at, pass == 0 ? row_bytes : 0)
-        switch (heads) {
-            case 1: PAGEDSERVE_PASS(1); break;
-            case 2: PAGEDSERVE_PASS(2); break;
-            case 3: PAGEDSERVE_PASS(3); break;
-            default: PAGEDSERVE_PASS(4); break;
-        }
+    attend_pass<T, HD, G>(query + at, key_cache, value_cache, table, begin, end, kv_head * HD, token_size,      \
+                          block_size, scale, out + at, partial, pass == 0 ? row_bytes : 0)
+            switch (heads) {
+                case 1: PAGEDSERVE_PASS(1); break;
+                case 2: PAGEDSERVE_PASS(2); break;
+                case 3: PAGEDSERVE_PASS(3); break;
+                default: PAGEDSERVE_PASS(4); break;
+            }
 #undef PAGEDSERVE_PASS
+        }
+        if (parts > 1) {
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < items; ++item) {
+                const int64_t seq = item / (num_kv_heads * passes);
+                const int64_t kv_head = item / passes % num_kv_heads;
+                const int64_t pass = item % passes;
+                const int64_t first = kv_head * group + pass * kMaxPass;
+                const int heads = static_cast<int>(std::min<int64_t>(kMaxPass, group - pass * kMaxPass));
+                T* dst = out + (seq * num_heads + first) * HD;
+                for (int h = 0; h < heads; ++h) {
+                    auto part_of = [&](int64_t part) {
+                        return partials.data() + ((item * parts + part) * kMaxPass + h) * kPartialSize;
+                    };
+                    float max = -INFINITY;  // empty parts: -inf, sum 0
+                    for (int64_t part = 0; part < parts; ++part) max = std::max(max, part_of(part)[0]);
+                    alignas(64) float acc[HD] = {};
+                    float sum = 0.0f;
+                    for (int64_t part = 0; part < parts; ++part) {
+                        const float* p = part_of(part);
+                        if (p[1] == 0.0f) continue;
+                        const float weight = fast_exp(p[0] - max);
+                        sum += weight * p[1];
+                        for (int d = 0; d < HD; ++d) acc[d] += weight * p[kPartialHeader + d];
+                    }
+                    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+                    for (int d = 0; d < HD; d += VRow<T>::kDims) VRow<T>::store(dst + h * HD + d, acc + d, inv);
+                }
+            }
+        }
     }
 }
 #endif  // __AVX512F__
