@@ -7,6 +7,7 @@ backend, in test_attention.py.)
 from __future__ import annotations
 
 import logging
+import platform
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,103 @@ def test_rejects_what_it_cannot_read(cpu_kernels):
     with pytest.raises(ValueError, match="does not fit"):
         cpu_kernels.paged_decode(torch.randn(2, 4, 16), cache, cache, tables, lens, 1.0)
 
+
+
+# ------------------------------------------------------------------ paged decode against float64, per build
+# The kernel's code paths (csrc/paged_decode.cpp): AVX-512 passes of 1-4 query heads of a GQA group
+# (larger groups take several passes) for head_dim 64/128/256, in chunks of 16 keys that may span blocks
+# and end part-way; the portable loops for any other head_dim and on builds without AVX-512; one thread
+# or the whole team (items of (sequence, kv head, pass), so fewer sequences than threads still split;
+# with few items per thread, long sequences split into parts merged at the end).
+DECODE_ARCHES = {
+    "native": (),
+    "skylake-avx512": ("avx512f", "avx512bw"),  # AVX-512 without BF16: bf16 widened to float32
+    "haswell": ("avx2", "fma"),  # the portable loops, AVX2-vectorized
+    "x86-64": (),  # the portable loops, SSE2
+}
+# head_dim, heads, kv_heads, block_size, context lengths (one per sequence)
+DECODE_SHAPES = [
+    (64, 9, 3, 16, [150, 1, 17, 33, 16]),  # SmolLM2-135M: a group of 3
+    (128, 8, 2, 16, [200, 31]),  # a group of 4
+    (256, 4, 4, 8, [5, 40, 9]),  # groups of 1, blocks of 8: chunks span two blocks
+    (64, 10, 2, 32, [70, 3]),  # a group of 5: passes of 4 and 1
+    (128, 16, 2, 16, [45]),  # a group of 8 (two passes), one sequence
+    (64, 14, 2, 5, [23, 1, 11, 64]),  # a group of 7, blocks of 5
+    (64, 9, 3, 16, [2000]),  # few items for the threads: the sequence split into parts, then merged
+    (128, 8, 2, 16, [700, 3, 300]),  # split too: the 3-token sequence has an empty part
+    (48, 6, 2, 16, [23, 50]),  # head_dim outside 64/128/256: the portable loops
+    (80, 4, 1, 7, [37]),
+]
+
+
+def _cpu_has(*flags: str) -> bool:
+    line = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    return all(f" {flag}" in f"{line} " for flag in flags)
+
+
+@pytest.fixture(scope="module", params=list(DECODE_ARCHES))
+def decode_kernels(request, cpu_kernels):
+    if request.param == "native":
+        return cpu_kernels
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"-march={request.param} is an x86 target")
+    if not _cpu_has(*DECODE_ARCHES[request.param]):
+        pytest.skip(f"this CPU cannot run -march={request.param} code")
+    kernels = load_cpu_kernels(arch=request.param)
+    assert kernels is not None, f"the -march={request.param} build failed"
+    return kernels
+
+
+def _decode_reference(query, key_cache, value_cache, tables, lens, scale):
+    """float64 attention over each sequence's cached tokens, gathered from the same cache."""
+    num_seqs, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for seq in range(num_seqs):
+        n = int(lens[seq])
+        blocks = tables[seq, : (n + block_size - 1) // block_size].long()
+        k = key_cache[blocks].double().reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        v = value_cache[blocks].double().reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", query[seq].double(), k) * scale, dim=-1)
+        out[seq] = torch.einsum("ht,thd->hd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads, block_size, lens", DECODE_SHAPES)
+def test_paged_decode_matches_float64(decode_kernels, dtype, head_dim, heads, kv_heads, block_size, lens):
+    gen = torch.Generator().manual_seed(head_dim * 100 + heads * 10 + block_size)
+    width = max((n + block_size - 1) // block_size for n in lens) + 1  # a spare column
+    num_blocks = width * len(lens) + 3
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # a spread of score magnitudes: the running maximum grows mid-sequence and rescales the sums
+    query = (torch.randn(len(lens), heads, head_dim, generator=gen) * 3).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).int()
+    for seq, n in enumerate(lens):
+        tables[seq, (n + block_size - 1) // block_size:] = 1 << 30  # never read
+    lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    got = decode_kernels.paged_decode(query, key_cache, value_cache, tables, lens, scale)
+    expected = _decode_reference(query, key_cache, value_cache, tables, lens, scale)
+    assert got.dtype == dtype and got.shape == query.shape
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding (2^-9) and its sums
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_paged_decode_one_thread_matches_the_team(cpu_kernels):
+    """Work items are independent: one thread and the team compute the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    key_cache = torch.randn(40, 16, 2, 128, generator=gen).bfloat16()
+    value_cache = torch.randn(40, 16, 2, 128, generator=gen).bfloat16()
+    query = torch.randn(3, 8, 128, generator=gen).bfloat16()
+    tables = torch.randperm(40, generator=gen)[:39].view(3, 13).int()
+    lens = torch.tensor([200, 7, 150], dtype=torch.int32)
+    team = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(team, alone)
