@@ -64,8 +64,10 @@ def test_openai_sdk_chat_and_completion(embedded_server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     assert model == "SmolLM2-135M-Instruct"
+    # "What is the capital of France?" alone opens with a near tie (0.08 nats in fp32 between "The" and "L",
+    # below bf16's logit resolution): this wording leads every token by 0.86+ nats in fp32 and bf16
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        model=model, messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         max_tokens=16, temperature=0,
     )
     assert "Paris" in chat.choices[0].message.content
