@@ -23,6 +23,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
     cuda_graphs = False  # CPU only
+    split_sequences = True  # the kernel may split a long sequence across threads when the batch is small
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
@@ -32,11 +33,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return NativeLayerOps(self.kernels)
 
     def linear(self, dtype: torch.dtype) -> Optional[Linear]:
-        """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16, else the
-        native small-batch product up to 8 rows (and torch's beyond); float32 keeps oneDNN's packed weights."""
+        """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16 (and
+        passed its load-time self-check), else the native small-batch product up to 8 rows (and torch's
+        beyond); float32 keeps oneDNN's packed weights."""
         if dtype != torch.bfloat16:
             return None
-        return ColumnBlockLinear(self.kernels) if self.kernels.bf16_column_blocks else GemvLinear(self.kernels)
+        if self.kernels.bf16_column_blocks and self.kernels.invariant_product_ok:
+            return ColumnBlockLinear(self.kernels)
+        return GemvLinear(self.kernels)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask
@@ -46,5 +50,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # a cache in another dtype than the model's (--kv-cache-dtype): the kernel runs in the cache's dtype,
         # so the query is rounded to it (the kernel accumulates in float32 either way)
         out = self.kernels.paged_decode(query.to(key_cache.dtype).contiguous(), key_cache, value_cache,
-                                        metadata.decode_block_tables, metadata.decode_context_lens, scale)
+                                        metadata.decode_block_tables, metadata.decode_context_lens, scale,
+                                        self.split_sequences)
         return out.to(query.dtype)

@@ -30,6 +30,7 @@ class BatchInvariantCpuBackend(CpuAttentionBackend):
 
     name = "cpu-batch-invariant"
     cuda_graphs = False  # CPU only
+    split_sequences = False  # a split sums a row's keys in parts whose number depends on the batch and threads
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         if step.num_decodes == step.num_reqs:

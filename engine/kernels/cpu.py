@@ -134,8 +134,11 @@ class CpuKernels:
         block_tables: torch.Tensor,  # [num_seqs, width] int32
         context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1 and <= width * block_size
         scale: float,
+        split: bool = True,
     ) -> torch.Tensor:
-        """Attention of one query per sequence over its cached tokens (the new token included)."""
+        """Attention of one query per sequence over its cached tokens (the new token included). `split`: with
+        few sequences, long ones may be split across threads and merged (faster; the sums grouped by the
+        batch's shape and the thread count); False keeps each row's result independent of both."""
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -148,7 +151,7 @@ class CpuKernels:
         if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
             raise ValueError("query and caches must share one dtype")
         return self._ops.cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
-                                                     scale, self._function("paged_decode", query.dtype))
+                                                     scale, int(split), self._function("paged_decode", query.dtype))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, hidden] contiguous -> a new normalized tensor."""
@@ -274,18 +277,21 @@ def _self_check(kernels: CpuKernels) -> None:
 
 
 def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
-    """The batch-invariant product against a float64 reference, in float32 and in bfloat16 (odd K, a
-    column tail). Only batch-invariant mode depends on it: a failure is logged and refuses that mode."""
+    """The column-block product against a float64 reference, in float32 and in bfloat16 (odd K, a column
+    tail; 2 blocks, taken as half blocks, and 10, taken whole on 2 threads). Batch-invariant mode and the
+    bf16 product on AVX512-BF16 depend on it: a failure is logged, refuses that mode and keeps bf16 products
+    off it."""
     from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
 
-    weight, x = torch.randn(70, 9, generator=generator), torch.randn(5, 9, generator=generator)
-    expected = (x.double() @ weight.double().t())
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
-        w, xs = weight.to(dtype), x.to(dtype)
-        reference = xs.double() @ w.double().t() if dtype == torch.bfloat16 else expected
-        got = kernels.invariant_linear(xs, pack_invariant_weight(w).data, None, 70).double()
-        if not torch.allclose(got, reference, atol=tolerance, rtol=tolerance):
-            logger.warning("%s: the batch-invariant %s product failed its self-check; --batch-invariant is "
-                           "unavailable", kernels.path, str(dtype).removeprefix("torch."))
-            return False
+    for columns, k, rows in ((70, 9, 5), (600, 33, 3)):
+        weight, x = torch.randn(columns, k, generator=generator), torch.randn(rows, k, generator=generator)
+        for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+            w, xs = weight.to(dtype), x.to(dtype)
+            reference = xs.double() @ w.double().t()
+            got = kernels.invariant_linear(xs, pack_invariant_weight(w).data, None, columns).double()
+            if not torch.allclose(got, reference, atol=tolerance, rtol=tolerance):
+                logger.warning("%s: the column-block %s product failed its self-check; --batch-invariant is "
+                               "unavailable and bf16 products stay off it", kernels.path,
+                               str(dtype).removeprefix("torch."))
+                return False
     return True

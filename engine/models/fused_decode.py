@@ -9,9 +9,10 @@
 The two fused kernels are one OpenMP team each, running the products through the column-block kernel of
 csrc/column_blocks.h (bf16 weights packed for it, AVX512-BF16), the small-batch kernel of csrc/gemv.h (plain
 weights) or the integer product of csrc/quant_product.h (GGUF blocks kept quantized, `--quantization gguf`),
-with every intermediate rounded where the unfused ops round it: the result is the unfused path's, bit for bit. It applies to steps whose every token is a decode (one new token per
-sequence) of at most `max_rows` sequences (with GGUF blocks, fewer than the rows from which the unfused
-path leaves the integer product), on plain weights in the model's dtype or GGUF blocks, a KV cache of the
+with every intermediate rounded where the unfused ops round it: the result is the unfused path's, bit for
+bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
+sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
+on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the
 model's dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the
 general path.
 """

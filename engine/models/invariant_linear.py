@@ -29,7 +29,7 @@ from engine.models.linear import Linear, quantized_product
 from engine.quantization.quantized_weight import QuantizedWeight
 
 BLOCK_N = 64
-"""Output columns per packed block (csrc/invariant_linear.cpp's kBlockN)."""
+"""Output columns per packed block (csrc/column_blocks.h's kBlockN)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,3 +170,31 @@ def test_attention_of_a_query_does_not_depend_on_chunks_or_neighbours(cpu_kernel
     noise = torch.randn(11, heads, head_dim, generator=gen).to(dtype)
     beside = attend([(45, 11), (length, 23)], [other, table], torch.cat([noise, queries[17:]]))[11:]
     assert torch.equal(split, whole) and torch.equal(rows, whole) and torch.equal(beside, whole[17:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_context_decoded_alone_on_two_threads_matches_its_prefill(cpu_kernels, dtype):
+    """600 cached tokens, SmolLM2's heads: the last query alone is few work items for 2 threads, where the
+    `cpu` backend's kernel splits the sequence into parts; this backend never does, so the row alone and the
+    same row at the end of the whole prompt's 600 rows have the same bits."""
+    block_size, kv_heads, heads, head_dim, length = 16, 3, 9, 64, 600
+    gen = torch.Generator().manual_seed(1)
+    key_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(40, generator=gen)[:38].tolist()
+    queries = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
+    spec = KVCacheSpec(1, block_size, kv_heads, head_dim, dtype)
+    backend = BatchInvariantCpuBackend(cpu_kernels)
+
+    def attend(runs, query):
+        metadata = backend.build_metadata(metadata_for(runs, [table]), spec)
+        return backend.attend(query, None, None, key_cache, value_cache, metadata, head_dim**-0.5)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        whole = attend([(length, length)], queries)
+        alone = attend([(length, 1)], queries[-1:])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, whole[-1:])

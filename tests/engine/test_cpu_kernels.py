@@ -153,7 +153,8 @@ def test_paged_decode_matches_float64(decode_kernels, dtype, head_dim, heads, kv
 
 
 def test_paged_decode_one_thread_matches_the_team(cpu_kernels):
-    """Work items are independent: one thread and the team compute the same bits."""
+    """Sequences too short to split: work items are independent, one thread and the team compute the same
+    bits."""
     gen = torch.Generator().manual_seed(5)
     key_cache = torch.randn(40, 16, 2, 128, generator=gen).bfloat16()
     value_cache = torch.randn(40, 16, 2, 128, generator=gen).bfloat16()
@@ -168,3 +169,34 @@ def test_paged_decode_one_thread_matches_the_team(cpu_kernels):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(team, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_unsplit_decode_of_a_long_sequence_depends_on_nothing_else(decode_kernels, dtype):
+    """split=False (batch-invariant mode): a 1000-token sequence alone on 2 threads, on 1 thread, and beside
+    3 other sequences gives the same bits (with split=True, alone on 2 threads, it is cut into parts and
+    merged: close to the float64 reference, not bit-equal)."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, kv_heads, heads, head_dim, length = 16, 3, 9, 64, 1000
+    key_cache = torch.randn(260, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(260, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    query = (torch.randn(4, heads, head_dim, generator=gen) * 3).to(dtype)
+    tables = torch.randperm(260, generator=gen)[:256].view(4, 64).int()
+    lens = torch.tensor([length, 900, 333, 1], dtype=torch.int32)
+    threads = torch.get_num_threads()
+
+    def decode(rows: int, num_threads: int, split: bool) -> torch.Tensor:
+        torch.set_num_threads(num_threads)
+        return decode_kernels.paged_decode(query[:rows].contiguous(), key_cache, value_cache,
+                                           tables[:rows].contiguous(), lens[:rows].contiguous(), 0.125, split)[0]
+
+    try:
+        alone = decode(1, 2, False)
+        assert torch.equal(decode(1, 1, False), alone) and torch.equal(decode(4, 2, False), alone)
+        parts = decode(1, 2, True)
+    finally:
+        torch.set_num_threads(threads)
+    expected = _decode_reference(query[:1], key_cache, value_cache, tables[:1], lens[:1], 0.125)[0]
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    for got in (alone, parts):
+        torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)

@@ -158,9 +158,10 @@ def test_models_with_qk_norm_take_the_general_path(tiny_qwen3_dir, cpu_kernels, 
     assert _generate(llm, PROMPTS[:3], 6) == fused
 
 
-NEAR_TIE = 0.25
+NEAR_TIE = 0.5
 """Top-2 logprob gap (nats) under which bf16 products summed in another order may pick the other token:
-two bf16 steps of a logit between 16 and 32 (the logits are rounded to bf16 before the softmax)."""
+four bf16 steps of a logit between 16 and 32 (the logits are rounded to bf16 before the softmax). Two
+were not enough: against oneDNN's bf16 products on a Xeon with AMX, a 0.25-nat lead flipped."""
 
 
 def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, cpu_kernels, monkeypatch):

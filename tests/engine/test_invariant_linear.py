@@ -121,6 +121,9 @@ def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_k
     assert backend.linear(torch.float32) is None  # oneDNN's packed fp32 product
     expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     assert type(backend.linear(torch.bfloat16)) is expected
+    monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check
+    assert type(backend.linear(torch.bfloat16)) is GemvLinear
+    monkeypatch.setattr(cpu_kernels, "invariant_product_ok", True)
     monkeypatch.setattr(cpu_kernels, "bf16_column_blocks", False)  # an AVX2 or AVX512F-only build
     assert type(backend.linear(torch.bfloat16)) is GemvLinear
 
@@ -139,3 +142,15 @@ def test_column_block_linear_multiplies_packed_and_quantized_weights(cpu_kernels
     prepared = linear.prepare(quantized)
     assert isinstance(prepared, Int8Weight)  # its own product, not a packing
     torch.testing.assert_close(linear(x.float(), prepared, None), quantized.matmul(x.float()))
+
+
+def test_a_product_failing_its_self_check_is_refused(cpu_kernels, monkeypatch, caplog):
+    """A miscompiled column-block product: the check says no (the backend then keeps bf16 products off it
+    and batch-invariant mode refuses to start)."""
+    from engine.kernels.cpu import _invariant_product_ok
+
+    assert _invariant_product_ok(cpu_kernels, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(cpu_kernels, "invariant_linear",
+                        lambda x, weight, bias, n: torch.zeros(x.shape[0], n, dtype=x.dtype))
+    assert not _invariant_product_ok(cpu_kernels, torch.Generator().manual_seed(0))
+    assert "failed its self-check" in caplog.text

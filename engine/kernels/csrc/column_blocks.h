@@ -15,8 +15,8 @@
 // engine's bf16 product there at every row count (engine/models/invariant_linear.py).
 //
 // Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
-// blocks than a few per thread (576 output columns are 9 blocks), half blocks of 32 columns, so that two
-// threads split a small matrix evenly; threads take items dynamically (behind a server the other core
+// items than 4 per thread (576 output columns at one row are 9 items: fewer than 16 on 4 threads), half
+// blocks of 32 columns, so that the threads split a small matrix evenly; threads take items dynamically (behind a server the other core
 // also runs the event loop, and a static split stalls the team whenever one thread is preempted). The
 // k sum is never split.
 //

@@ -13,7 +13,9 @@
 //   work items    (sequence, kv head, pass): a pass takes up to 4 query heads of the kv head's GQA group
 //                 (larger groups take several passes), spread over the threads dynamically, so a single
 //                 sequence (the latency-critical case) still uses every thread. With fewer than 4 items
-//                 per thread, long sequences are split into parts of 256+ tokens, merged at the end.
+//                 per thread, long sequences are split into parts of 256+ tokens, merged at the end
+//                 (`split` = 0 turns this off: how a row's sums are grouped then depends on the row alone,
+//                 as batch-invariant mode needs, not on its neighbours or the thread count).
 //   chunks of 16  keys of the sequence (they may span blocks or end part-way, the rest masked out): per
 //                 query head, 16 dot products (bf16: vdpbf16ps, exact products and float32 sums; without
 //                 AVX512_BF16 both widened to float32; float32: FMA) summed by a transpose-and-add tree
@@ -178,11 +180,10 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
 constexpr int kChunk = 16;    // keys scored together: one vector of 16 scores per head
 constexpr int kMaxPass = 4;   // query heads of a GQA group per pass over their kv head's K/V
 constexpr int kPrefetchChunks = 1;  // K/V prefetched this many chunks ahead (2 measured no better)
-constexpr int kMaxAccs = 16;
+constexpr int kMaxAccs = 16;  // float32 accumulator vectors held in registers by the P.V loop
 constexpr int64_t kMinSplitTokens = 256;  // tokens per part when few items split their sequences
 constexpr int64_t kPartialHeader = 16;     // floats before a part's sums: running max, running sum
 constexpr int64_t kPartialSize = kPartialHeader + 256;  // floats per head of a part (head_dim <= 256)
-constexpr int kSeqsPerThread = 4;  // whole sequences as work items from this many per thread  // float32 accumulator vectors held in registers by the P.V loop
 
 // fast_exp (common.h) on 16 lanes, same clamp, reduction and polynomial.
 inline __m512 exp16(__m512 x) {
@@ -412,11 +413,13 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 // finer than sequences, so a single sequence (the latency-critical case) still uses every thread. When
 // there are fewer than 4 items per thread, long sequences are split into parts of at least
 // kMinSplitTokens (whole chunks), each part's running max, sum and unnormalized sums kept, and merged
-// once all are done (1 x 2000 tokens, 2 threads: ~78 -> ~70 us).
+// once all are done (1 x 2000 tokens, 2 threads: ~78 -> ~70 us); the merge sums in another order than one
+// pass does, so `split` is off in batch-invariant mode.
 template <typename T, int HD>
 void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale) {
+                       int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale,
+                       bool split) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t passes = (group + kMaxPass - 1) / kMaxPass;
     const int64_t token_size = num_kv_heads * HD;
@@ -432,7 +435,7 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
     int64_t parts = 1;
 #if defined(_OPENMP)
     const int64_t threads = omp_get_max_threads();
-    if (threads > 1 && items < 4 * threads)
+    if (split && threads > 1 && items < 4 * threads)
         parts = std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, longest / kMinSplitTokens));
 #endif
     std::vector<float> partials(parts > 1 ? items * parts * kMaxPass * kPartialSize : 0);
@@ -500,14 +503,14 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
 template <typename T>
 void dispatch(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
               const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, int64_t block_size, int64_t table_width, float scale) {
+              int64_t head_dim, int64_t block_size, int64_t table_width, float scale, bool split) {
 #define PAGEDSERVE_DECODE(HD)                                                                                   \
     paged_decode<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,   \
                         num_kv_heads, head_dim, block_size, table_width, scale)
 #if defined(__AVX512F__)
 #define PAGEDSERVE_SIMD(HD)                                                                                     \
     paged_decode_simd<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, \
-                             num_kv_heads, block_size, table_width, scale)
+                             num_kv_heads, block_size, table_width, scale, split)
     switch (head_dim) {
         case 64: PAGEDSERVE_SIMD(64); return;
         case 128: PAGEDSERVE_SIMD(128); return;
@@ -532,9 +535,9 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
                                           const int32_t* block_tables, const int32_t* context_lens, T* out,     \
                                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,            \
                                           int64_t head_dim, int64_t block_size, int64_t table_width,            \
-                                          float scale) {                                                        \
+                                          float scale, int64_t split) {                                         \
         dispatch(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,          \
-                 num_kv_heads, head_dim, block_size, table_width, scale);                                      \
+                 num_kv_heads, head_dim, block_size, table_width, scale, split != 0);                          \
     }
 
 extern "C" {
