@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
+from engine.attention import cpu_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
@@ -66,6 +67,7 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
     if product == "column-blocks":
         if not cpu_kernels.bf16_column_blocks:
             pytest.skip("the column-block product is the bf16 product on AVX512-BF16 builds only")
+        monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: False)  # as without AMX
         return ColumnBlockLinear
     monkeypatch.setattr(CpuAttentionBackend, "linear", lambda backend, dtype: GemvLinear(backend.kernels))
     return GemvLinear
@@ -144,7 +146,7 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(embedded_checkpoin
     # staggered lengths: decode batches of every size from 8 rows down to 1
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
     fused = _generate_each(llm, PROMPTS, params)
-    assert set(rows) == set(range(1, min(integer_rows - 1, GEMV_MAX_ROWS) + 1))
+    assert set(rows) == set(range(1, min(integer_rows - 1, model.linear.max_rows, GEMV_MAX_ROWS) + 1))
     assert fused == _unfused(llm, PROMPTS, params)
 
 
