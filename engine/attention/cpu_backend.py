@@ -11,14 +11,11 @@ from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
 from engine.models.layer_ops import NativeLayerOps
+from engine.models.amx_linear import AmxLinear
 from engine.models.invariant_linear import ColumnBlockLinear
 from engine.models.linear import GemvLinear, Linear
 from engine.runner.kv_cache import KVCacheSpec
 
-AMX_NATIVE_MAX_ROWS = 4
-"""On CPUs with AMX tiles, bf16 products of more rows go to torch's (oneDNN on AMX). Measured on a 2-core
-Xeon with AMX, 2 threads, 3072x576: native 60/90/155 us at 1/4/8 rows, oneDNN 115/124/125 us (flat: its
-tiles take 16 rows at a time); at 16 rows the column-block kernel's 281 us against oneDNN's 126."""
 
 
 def torch_bf16_products_use_amx() -> bool:
@@ -47,14 +44,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return NativeLayerOps(self.kernels)
 
     def linear(self, dtype: torch.dtype) -> Optional[Linear]:
-        """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16 (and
-        passed its load-time self-check), unless the CPU has AMX: then the native small-batch product up to
-        AMX_NATIVE_MAX_ROWS rows and oneDNN's AMX product beyond; elsewhere the small-batch product up to 8
-        rows (and torch's beyond). float32 keeps oneDNN's packed weights."""
+        """bfloat16: on CPUs with AMX, the native small-batch product up to 4 rows and oneDNN's AMX product on
+        weights packed for it beyond (models/amx_linear.py: at 16 rows the column-block kernel takes 281 us
+        for 3072 x 576 there, packed oneDNN 64); elsewhere the native column-block product at every row count
+        where it runs on AVX512-BF16 (and passed its load-time self-check), else the small-batch product up
+        to 8 rows (and torch's beyond). float32 keeps oneDNN's packed weights."""
         if dtype != torch.bfloat16:
             return None
         if torch_bf16_products_use_amx():
-            return GemvLinear(self.kernels, AMX_NATIVE_MAX_ROWS)
+            return AmxLinear(self.kernels)
         if self.kernels.bf16_column_blocks and self.kernels.invariant_product_ok:
             return ColumnBlockLinear(self.kernels)
         return GemvLinear(self.kernels)

@@ -26,6 +26,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels
+from engine.models.amx_linear import DualWeight
 from engine.models.invariant_linear import PackedWeight
 from engine.quantization.gguf_weight import GgufWeight
 
@@ -96,6 +97,8 @@ def _matrix_entry(weight) -> list[int]:
     -2), or GGUF blocks (qs, scales, Q4_1 minimums or 0, the format's code, blocks per row, the layout's code)."""
     if isinstance(weight, PackedWeight):
         return [weight.data.data_ptr(), 0, 0, COLUMN_BLOCKS_FORMAT, 0, 0]
+    if isinstance(weight, DualWeight):  # its plain copy
+        return [weight.data.data_ptr(), 0, 0, DENSE_FORMAT, 0, 0]
     if isinstance(weight, GgufWeight):
         p = weight.packed
         return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp,
@@ -135,7 +138,7 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
             weight = getattr(layer, name)
             if isinstance(weight, GgufWeight):
                 blocks += [t for t in (weight.packed.qs, weight.packed.d, weight.packed.m) if t is not None]
-            elif isinstance(weight, PackedWeight):
+            elif isinstance(weight, (PackedWeight, DualWeight)):
                 tensors.append(weight.data)
             else:
                 tensors.append(weight)

@@ -9,8 +9,9 @@ weights on every call. Measured on a 2-core AVX2 machine against `F.linear`
 It is used only where the ops exist and agree with `F.linear` on a probe;
 elsewhere weights stay plain tensors and `F.linear` does the work. With the cpu attention
 backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row count natively
-on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count
-there, and batch invariant); on other builds `GemvLinear` multiplies batches of up to 8 rows
+on AVX512-BF16 builds without AMX (weights packed in column blocks: faster than oneDNN at every row count
+there, and batch invariant); with AMX, `amx_linear.AmxLinear` multiplies up to 4 rows natively and more
+with oneDNN on weights packed for AMX; on other builds `GemvLinear` multiplies batches of up to 8 rows
 natively (a weight-streaming kernel), larger ones with `F.linear`. (Neither oneDNN nor
 `GemvLinear` keeps a row's result independent of the other rows: batch-invariant mode
 multiplies with `invariant_linear.BatchInvariantLinear` instead.)
@@ -48,7 +49,7 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
-def _bucketed(product, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def bucketed(product, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     rows = x.shape[0]
     padded = padded_rows(rows) if x.dim() == 2 else rows
     if padded == rows:
@@ -75,7 +76,7 @@ class Linear:
         if isinstance(weight, QuantizedWeight):
             return quantized_product(x, weight, bias)
         if x.device.type == "cpu":
-            return _bucketed(F.linear, x, weight, bias)
+            return bucketed(F.linear, x, weight, bias)
         return F.linear(x, weight, bias)
 
 
@@ -92,7 +93,7 @@ class PackedOneDnnLinear(Linear):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return quantized_product(x, weight, bias)
-        return _bucketed(self._product, x, weight, bias)
+        return bucketed(self._product, x, weight, bias)
 
     @staticmethod
     def _product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -128,7 +129,7 @@ class GemvLinear(Linear):
             return quantized_product(x, weight, bias)
         if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == weight.dtype:
             return self.kernels.gemv(x.contiguous(), weight, bias)
-        return _bucketed(F.linear, x, weight, bias)
+        return bucketed(F.linear, x, weight, bias)
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> Linear:

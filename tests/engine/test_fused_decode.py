@@ -20,6 +20,7 @@ from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
 from engine.attention import cpu_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.models.amx_linear import AMX_NATIVE_MAX_ROWS, AmxLinear, DualWeight
 from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from engine.quantization.gguf_formats import X16
@@ -62,8 +63,13 @@ def _use_kernels(llm: LLM, kernels) -> None:
 
 
 def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
-    """Makes the cpu backend choose `product` ("column-blocks" or "gemv") as it would on a machine with (without)
-    AVX512-BF16; its class."""
+    """Makes the cpu backend choose `product` ("column-blocks", "gemv" or "amx") as it would on a machine with
+    AVX512-BF16, without it, or with AMX tiles; its class."""
+    if product == "amx":
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            pytest.skip("oneDNN has no bf16 products on this CPU")
+        monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)  # as with AMX
+        return AmxLinear
     if product == "column-blocks":
         if not cpu_kernels.bf16_column_blocks:
             pytest.skip("the column-block product is the bf16 product on AVX512-BF16 builds only")
@@ -74,7 +80,7 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
 
 
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
-@pytest.mark.parametrize("product", ["column-blocks", "gemv"])
+@pytest.mark.parametrize("product", ["column-blocks", "gemv", "amx"])
 @pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
     linear_class = _with_product(product, cpu_kernels, monkeypatch)
@@ -82,23 +88,23 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, r
                    enable_prefix_caching=False, max_num_seqs=16)  # both runs compute every prompt token the same way
     model = llm.engine.runner.model
     assert type(model.linear) is linear_class and model.fused is not None
-    if product == "column-blocks":
-        assert all(isinstance(getattr(layer, name), PackedWeight) for layer in model.layers for name in MATRIX_COLUMNS)
+    if product != "gemv":
+        packing = PackedWeight if product == "column-blocks" else DualWeight
+        assert all(isinstance(getattr(layer, name), packing) for layer in model.layers for name in MATRIX_COLUMNS)
     if arch != NATIVE_ARCH:  # the AVX2 code paths, built into their own cache key
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip(f"-march={arch} is an x86 target")
         _use_kernels(llm, load_cpu_kernels(arch=arch))
     rows = _counting_fused(model, monkeypatch)
-    prompts = PROMPTS if product == "gemv" else PROMPTS + [p + " and" for p in PROMPTS]  # 16 rows: past gemv's 8
-    fused = _generate(llm, prompts, 12, logprobs=3)
-    assert max(rows) == (GEMV_MAX_ROWS if product == "gemv" else 16)
-    fused_path = model.fused
-    model.fused = None
-    try:
-        unfused = _generate(llm, prompts, 12, logprobs=3)
-    finally:
-        model.fused = fused_path
-    assert fused == unfused
+    prompts = PROMPTS if product != "column-blocks" else PROMPTS + [p + " and" for p in PROMPTS]  # past gemv's 8
+    # staggered lengths: decode steps of every size from all the prompts' down to 1 (amx: fused up to 4 rows,
+    # oneDNN's packed product beyond)
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3)
+              for i in range(len(prompts))]
+    fused = _generate_each(llm, prompts, params)
+    limit = {"gemv": GEMV_MAX_ROWS, "column-blocks": 16, "amx": AMX_NATIVE_MAX_ROWS}[product]
+    assert set(rows) == set(range(1, limit + 1))
+    assert fused == _unfused(llm, prompts, params)
 
 
 def _unfused(llm: LLM, prompts, params):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.attention import cpu_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.models.amx_linear import AMX_NATIVE_MAX_ROWS, AmxLinear
 from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear, PackedWeight, pack_invariant_weight
 from engine.models.linear import GemvLinear
 from engine.quantization.int8_weight import Int8Weight
@@ -121,11 +122,11 @@ def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_k
     backend = CpuAttentionBackend(cpu_kernels)
     assert backend.linear(torch.float32) is None  # oneDNN's packed fp32 product
     amx = cpu_backend.torch_bf16_products_use_amx()
-    expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks and not amx else GemvLinear
+    expected = AmxLinear if amx else ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     assert type(backend.linear(torch.bfloat16)) is expected
     monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)  # oneDNN on AMX tiles
     linear = backend.linear(torch.bfloat16)
-    assert type(linear) is GemvLinear and linear.max_rows == cpu_backend.AMX_NATIVE_MAX_ROWS
+    assert type(linear) is AmxLinear and linear.max_rows == AMX_NATIVE_MAX_ROWS
     monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: False)
     expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     assert type(backend.linear(torch.bfloat16)) is expected
