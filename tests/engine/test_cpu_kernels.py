@@ -200,3 +200,13 @@ def test_unsplit_decode_of_a_long_sequence_depends_on_nothing_else(decode_kernel
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     for got in (alone, parts):
         torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_the_weight_stream_is_prefetched_in_software_on_intel_only(monkeypatch):
+    from engine.kernels import cpu
+
+    define = f"-DPAGEDSERVE_GEMV_PREFETCH={cpu.GEMV_PREFETCH_BYTES}"
+    monkeypatch.setattr(cpu, "_cpu_vendor", lambda: "GenuineIntel")
+    assert define in cpu._flags("native") and "-march=native" in cpu._flags("native")
+    monkeypatch.setattr(cpu, "_cpu_vendor", lambda: "AuthenticAMD")
+    assert define not in cpu._flags("native")
