@@ -11,7 +11,7 @@ from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
 from engine.models.layer_ops import NativeLayerOps
-from engine.models.amx_linear import AmxLinear
+from engine.models.amx_linear import AmxLinear, amx_product_ok
 from engine.models.invariant_linear import ColumnBlockLinear
 from engine.models.linear import GemvLinear, Linear
 from engine.runner.kv_cache import KVCacheSpec
@@ -51,7 +51,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         to 8 rows (and torch's beyond). float32 keeps oneDNN's packed weights."""
         if dtype != torch.bfloat16:
             return None
-        if torch_bf16_products_use_amx():
+        if torch_bf16_products_use_amx() and amx_product_ok():
             return AmxLinear(self.kernels)
         if self.kernels.bf16_column_blocks and self.kernels.invariant_product_ok:
             return ColumnBlockLinear(self.kernels)

@@ -136,6 +136,7 @@ class CpuKernels:
         probe = self._library.pagedserve_column_blocks_bf16_native
         probe.restype = ctypes.c_int64
         # the column-block product's bf16 kernel runs on vdpbf16ps (AVX512-BF16): the engine's bf16 product
+        # there, unless the CPU has AMX (attention/cpu_backend.py)
         self.bf16_column_blocks = bool(probe())
         self._functions: dict[tuple[str, torch.dtype], int] = {}
         self._ops = cpu_ops.Overloads()
@@ -296,12 +297,13 @@ def _self_check(kernels: CpuKernels) -> None:
 
 def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
     """The column-block product against a float64 reference, in float32 and in bfloat16 (odd K, a column
-    tail; 2 blocks, taken as half blocks, and 10, taken whole on 2 threads). Batch-invariant mode and the
+    tail; 2 blocks, taken as half blocks, and 4 per thread + 2, taken whole). Batch-invariant mode and the
     bf16 product on AVX512-BF16 depend on it: a failure is logged, refuses that mode and keeps bf16 products
     off it."""
     from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
 
-    for columns, k, rows in ((70, 9, 5), (600, 33, 3)):
+    whole_blocks = 4 * torch.get_num_threads() + 2  # csrc/column_blocks.h: half blocks below 4 items per thread
+    for columns, k, rows in ((70, 9, 5), (64 * whole_blocks - 6, 33, 3)):
         weight, x = torch.randn(columns, k, generator=generator), torch.randn(rows, k, generator=generator)
         for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
             w, xs = weight.to(dtype), x.to(dtype)

@@ -11,9 +11,11 @@ same product takes half the time. Measured on a 2-core Xeon with AMX, 2 threads 
     16     134* / 66* / 2121*       132 / 67 / 2089       64 / 34 / 1267
     64     229* / 129* / 3764*      221 / 123 / 3663      129 / 77 / 2218      (* past 8 rows: F.linear)
 
-Per call they are on par up to 4 rows, but only the native kernel's steps run fused (one native call per
-decode step, models/fused_decode.py), which saves ~5 ms of per-op overhead per step of the embedded model.
-So each matrix is kept twice, plain for the native kernel (and the fused path) up to `max_rows` rows,
+Per call they are on par at 1 row and the packed product takes half the time at 4, but only the native
+kernel's steps run fused (one native call per decode step, models/fused_decode.py), which saves ~5 ms of
+per-op overhead per step of the embedded model: bench offline --num-prompts 4 (decode steps of 4 rows) made
+157-158 tok/s with the native kernel at 1 row only, 167-168 up to 2, 208-211 up to 4; with 8 prompts, up to
+4 or up to 8 rows measured the same (282-290). So each matrix is kept twice, plain for the native kernel (and the fused path) up to `max_rows` rows,
 packed for oneDNN beyond, for twice the bf16 weights' memory. bench offline --num-prompts 16: 446-465 tok/s,
 against 393-397 with `F.linear` beyond 4 rows and 277-285 with the column-block kernel at every row count
 (which on AVX512-BF16 CPUs without AMX is the fastest); the packed copy alone, unfused: ~490, but a
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.linear import GemvLinear, bucketed, quantized_product
 from engine.quantization.quantized_weight import QuantizedWeight
@@ -38,6 +41,24 @@ AMX_NATIVE_MAX_ROWS = 4
 
 AMX_PACK_BATCH_HINT = 1
 """The row count oneDNN lays the packed weight out for (measured: as fast as 16 from 1 to 64 rows, faster at 1-16)."""
+
+
+def amx_product_ok() -> bool:
+    """oneDNN's bf16 product on a weight packed for it, against `F.linear` (1, 5 and 17 rows, a bias): the
+    load-time check before the engine relies on it (False on an error or a mismatch)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 72, generator=generator).bfloat16()
+    bias = torch.randn(40, generator=generator).bfloat16()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, AMX_PACK_BATCH_HINT)
+        for rows in (1, 5, 17):
+            x = torch.randn(rows, 72, generator=generator).bfloat16()
+            got = AmxLinear._packed_product(x, packed, bias)
+            if not torch.allclose(got.float(), F.linear(x, weight, bias).float(), atol=5e-2, rtol=2e-2):
+                return False
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ weights) or the integer product of csrc/quant_product.h (GGUF blocks kept quanti
 with every intermediate rounded where the unfused ops round it: the result is the unfused path's, bit for
 bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
-on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the
+on weights in the model's dtype (plain, packed in column blocks, or the plain copy of an AMX `DualWeight`)
+or GGUF blocks, a KV cache of the
 model's dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the
 general path.
 """

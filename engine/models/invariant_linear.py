@@ -1,5 +1,5 @@
 """The column-block product (csrc/column_blocks.h): each output row summed in one fixed order, whatever else is
-in the batch, and on AVX512-BF16 the fastest bf16 product at every row count.
+in the batch, and on AVX512-BF16 without AMX the fastest bf16 product at every row count.
 
 oneDNN (behind `F.linear` and the packed fp32 product) chooses its kernel by the shape of
 the product: measured on an AVX-512 machine in bfloat16, a row of the down projection

@@ -106,7 +106,8 @@ blocked products, which reuse each weight tile across many rows)."""
 
 
 class GemvLinear(Linear):
-    """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16): up
+    """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16; on
+    AMX CPUs its subclass `amx_linear.AmxLinear`): up
     to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which streams the plain
     [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
     Quantized weights go to their own product.

@@ -211,7 +211,7 @@ def weight_read_bytes(model) -> int:
         else:  # a packed CPU weight: count it as its plain matrix
             from engine.bench import _plain
 
-            plain = _plain(weight)
+            plain = _plain(weight, model.dtype)
             total += plain.numel() * plain.element_size()
     return total
 

@@ -128,15 +128,15 @@ def measure_engine(llm, device: torch.device, steps: int) -> dict:
     record.update(weight_read_bytes=weights, floor_ms=round((weights + kv) / HBM_BYTES_PER_S * 1e3, 6),
                   all_weight_bytes=weights + untied_embedding,
                   floor_ms_all_weights=round((weights + untied_embedding) / HBM_BYTES_PER_S * 1e3, 6),
-                  matvec_pass_ms=matvec_pass_ms(model.weight_tensors(), device))
+                  matvec_pass_ms=matvec_pass_ms(model.weight_tensors(), device, model.dtype))
     return record
 
 
-def matvec_pass_ms(weights, device: torch.device, repeats: int = 20) -> dict:
+def matvec_pass_ms(weights, device: torch.device, dtype: torch.dtype, repeats: int = 20) -> dict:
     """One batch-1 F.linear per weight matrix: median ms, eager and (CUDA) replayed as one graph."""
     from engine.bench import _plain
 
-    mats = [w if isinstance(w, torch.Tensor) and w.layout == torch.strided else _plain(w) for w in weights]
+    mats = [w if isinstance(w, torch.Tensor) and w.layout == torch.strided else _plain(w, dtype) for w in weights]
     inputs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=device) for w in mats]
 
     def one_pass():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.memory_bandwidth import tensor_bytes
-from engine.models.amx_linear import AMX_NATIVE_MAX_ROWS, AmxLinear, DualWeight
+from engine.models.amx_linear import AMX_NATIVE_MAX_ROWS, AmxLinear, DualWeight, amx_product_ok
 from engine.models.linear import bucketed
 from engine.quantization.int8_weight import Int8Weight
 
@@ -57,3 +57,10 @@ def test_a_tied_matrix_is_counted_once_and_its_packing_as_extra_memory(cpu_kerne
     dual = AmxLinear(cpu_kernels).prepare(weight)
     assert tensor_bytes([weight, dual]) == tensor_bytes([dual]) == 128 * 64 * 2  # what a step reads
     assert dual.extra_bytes == 128 * 64 * 2
+
+
+def test_the_load_time_check_passes_here_and_refuses_a_broken_product(monkeypatch):
+    assert amx_product_ok()
+    monkeypatch.setattr(AmxLinear, "_packed_product", staticmethod(lambda x, packed, bias: torch.zeros(
+        x.shape[0], 40, dtype=x.dtype)))
+    assert not amx_product_ok()

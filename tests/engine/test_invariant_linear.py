@@ -121,12 +121,16 @@ def test_rows_are_looked_up_in_the_packing(shape, dtype):
 def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_kernels, monkeypatch):
     backend = CpuAttentionBackend(cpu_kernels)
     assert backend.linear(torch.float32) is None  # oneDNN's packed fp32 product
-    amx = cpu_backend.torch_bf16_products_use_amx()
+    amx = cpu_backend.torch_bf16_products_use_amx() and cpu_backend.amx_product_ok()
     expected = AmxLinear if amx else ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     assert type(backend.linear(torch.bfloat16)) is expected
     monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)  # oneDNN on AMX tiles
+    monkeypatch.setattr(cpu_backend, "amx_product_ok", lambda: True)
     linear = backend.linear(torch.bfloat16)
     assert type(linear) is AmxLinear and linear.max_rows == AMX_NATIVE_MAX_ROWS
+    monkeypatch.setattr(cpu_backend, "amx_product_ok", lambda: False)  # oneDNN's packed product failed its check
+    expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
+    assert type(backend.linear(torch.bfloat16)) is expected
     monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: False)
     expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     assert type(backend.linear(torch.bfloat16)) is expected

@@ -152,8 +152,9 @@ void dot_tile(const T* w, const T* x, int64_t K, float* sums) {
         int64_t k = 0;
         for (; k + 2 * P::kStep <= main; k += 2 * P::kStep) {
 #if defined(PAGEDSERVE_GEMV_PREFETCH)
-            _mm_prefetch(reinterpret_cast<const char*>(wg + k) + PAGEDSERVE_GEMV_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(wg + k) + PAGEDSERVE_GEMV_PREFETCH + 64, _MM_HINT_T0);
+            // each 64-byte line of the step once (AVX-512 bf16: 2 lines per step; AVX2 bf16: 1)
+            for (int64_t line = 0; line < 2 * P::kStep * static_cast<int64_t>(sizeof(T)); line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(wg + k) + PAGEDSERVE_GEMV_PREFETCH + line, _MM_HINT_T0);
 #endif
             const auto w0 = P::load_w(wg + k);
             const auto w1 = P::load_w(wg + k + P::kStep);
