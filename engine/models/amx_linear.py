@@ -5,7 +5,7 @@ the tiles' layout on every call; reordered once, at load (`torch.ops.mkldnn._reo
 same product takes half the time. Measured on a 2-core Xeon with AMX, 2 threads (us, 3072 x 576 /
 576 x 1536 / the 49152 x 576 LM head):
 
-    rows   native (csrc/gemv.h)     F.linear              oneDNN, packed once
+    rows   native (csrc/gemv.h)     F.linear              oneDNN, packed once (for 1 row)
     1      66 / 24 / 1139           122 / 64 / 2056       59 / 28 / 1185
     4      116 / 53 / 1598          129 / 64 / 2035       58 / 29 / 1184
     16     134* / 66* / 2121*       132 / 67 / 2089       64 / 34 / 1267
@@ -19,7 +19,9 @@ per-op overhead per step of the embedded model: bench offline --num-prompts 4 (d
 packed for oneDNN beyond, for twice the bf16 weights' memory. bench offline --num-prompts 16: 446-465 tok/s,
 against 393-397 with `F.linear` beyond 4 rows and 277-285 with the column-block kernel at every row count
 (which on AVX512-BF16 CPUs without AMX is the fastest); the packed copy alone, unfused: ~490, but a
-single-stream step of 20 ms against 15.
+single-stream step of 20 ms against 15. The packing is laid out for PACK_BATCH_HINT rows (64): the model's
+121 products from memory at 64 rows took 20.3 ms packed for 64 rows, 23.1 for 1 (at 16 rows, 15.6 either
+way: 17 GB/s, against a streaming read of ~30); end to end, 16 and 64 prompts, within noise.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from engine.models.linear import GemvLinear, bucketed, quantized_product
+from engine.models.linear import PACK_BATCH_HINT, GemvLinear, bucketed, quantized_product
 from engine.quantization.quantized_weight import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -39,8 +41,6 @@ if TYPE_CHECKING:
 AMX_NATIVE_MAX_ROWS = 4
 """Rows up to which the native kernel multiplies (and decode steps run fused); oneDNN's AMX product beyond."""
 
-AMX_PACK_BATCH_HINT = 1
-"""The row count oneDNN lays the packed weight out for (measured: as fast as 16 from 1 to 64 rows, faster at 1-16)."""
 
 
 def amx_product_ok() -> bool:
@@ -50,7 +50,7 @@ def amx_product_ok() -> bool:
     weight = torch.randn(40, 72, generator=generator).bfloat16()
     bias = torch.randn(40, generator=generator).bfloat16()
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, AMX_PACK_BATCH_HINT)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         for rows in (1, 5, 17):
             x = torch.randn(rows, 72, generator=generator).bfloat16()
             got = AmxLinear._packed_product(x, packed, bias)
@@ -88,7 +88,7 @@ class AmxLinear(GemvLinear):
         if isinstance(weight, QuantizedWeight):
             return weight.for_products()
         plain = weight.contiguous()
-        return DualWeight(plain, torch.ops.mkldnn._reorder_linear_weight(plain, AMX_PACK_BATCH_HINT))
+        return DualWeight(plain, torch.ops.mkldnn._reorder_linear_weight(plain, PACK_BATCH_HINT))
 
     def __call__(self, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
