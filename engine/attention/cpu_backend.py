@@ -44,18 +44,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return NativeLayerOps(self.kernels)
 
     def linear(self, dtype: torch.dtype) -> Optional[Linear]:
-        """bfloat16: on CPUs with AMX, the native small-batch product up to 4 rows and oneDNN's AMX product on
-        weights packed for it beyond (models/amx_linear.py: at 16 rows the column-block kernel takes 281 us
-        for 3072 x 576 there, packed oneDNN 64); elsewhere the native column-block product at every row count
-        where it runs on AVX512-BF16 (and passed its load-time self-check), else the small-batch product up
-        to 8 rows (and torch's beyond). float32 keeps oneDNN's packed weights."""
+        """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16 (and
+        passed its load-time self-check), on CPUs with AMX only where its AMX tile path is built in and
+        granted (without it, vdpbf16ps alone: 281 us at 16 rows of 3072 x 576 there, against 73 on the tiles);
+        else, on AMX CPUs, models/amx_linear.py (the small-batch product up to 4 rows, oneDNN's AMX product on
+        a packed copy beyond); else the small-batch product up to 8 rows (and torch's beyond). float32 keeps
+        oneDNN's packed weights."""
         if dtype != torch.bfloat16:
             return None
-        if torch_bf16_products_use_amx() and amx_product_ok():
-            return AmxLinear(self.kernels)
-        if self.kernels.bf16_column_blocks and self.kernels.invariant_product_ok:
-            return ColumnBlockLinear(self.kernels)
-        return GemvLinear(self.kernels)
+        amx_cpu = torch_bf16_products_use_amx()
+        kernels = self.kernels
+        if kernels.bf16_column_blocks and kernels.invariant_product_ok and (kernels.amx_tiles or not amx_cpu):
+            return ColumnBlockLinear(kernels)  # on AMX CPUs with the kernels' tile path built in and granted
+        if amx_cpu and amx_product_ok():
+            return AmxLinear(kernels)
+        return GemvLinear(kernels)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask

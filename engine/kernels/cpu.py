@@ -136,8 +136,13 @@ class CpuKernels:
         probe = self._library.pagedserve_column_blocks_bf16_native
         probe.restype = ctypes.c_int64
         # the column-block product's bf16 kernel runs on vdpbf16ps (AVX512-BF16): the engine's bf16 product
-        # there, unless the CPU has AMX (attention/cpu_backend.py)
+        # there (on AMX CPUs, with its tile path: attention/cpu_backend.py)
         self.bf16_column_blocks = bool(probe())
+        # built with AMX and granted the tile state by the OS: bf16 column-block products (K a multiple of 32)
+        # may run on the tiles
+        tiles = self._library.pagedserve_amx_tiles
+        tiles.restype = ctypes.c_int64
+        self.amx_tiles = bool(tiles())  # cleared by a failed self-check
         self._functions: dict[tuple[str, torch.dtype], int] = {}
         self._ops = cpu_ops.Overloads()
         for name in cpu_ops.SIGNATURES:
@@ -196,9 +201,10 @@ class CpuKernels:
         return x
 
     def invariant_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
-                         out_features: int) -> torch.Tensor:
+                         out_features: int, amx: bool = False) -> torch.Tensor:
         """x [rows, in] contiguous, `packed` from `pack_invariant_weight` -> [rows, out_features]; each element
-        summed in one fixed order whatever the number of rows (csrc/column_blocks.h)."""
+        summed in one fixed order whatever the number of rows (csrc/column_blocks.h). `amx`: bf16 products whose K
+        is a multiple of 32 may run on AMX tiles where `amx_tiles` (faster there; no longer batch invariant)."""
         if x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError("invariant_linear takes x as a contiguous 2-D CPU tensor")
         rows, in_features = x.shape
@@ -212,7 +218,7 @@ class CpuKernels:
                              f"for {out_features} x {in_features}")
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({out_features},)")
-        return self._ops.cpu_invariant_linear(x, packed, bias, out_features,
+        return self._ops.cpu_invariant_linear(x, packed, bias, out_features, int(amx),
                                                          self._function("invariant_linear", x.dtype))
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -293,6 +299,27 @@ def _self_check(kernels: CpuKernels) -> None:
         if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
             raise RuntimeError(f"{kernels.path} failed its self-check against torch")
     kernels.invariant_product_ok = _invariant_product_ok(kernels, generator)
+    if kernels.amx_tiles and not _amx_product_ok(kernels, generator):
+        kernels.amx_tiles = False
+
+
+def _amx_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
+    """The column-block product on AMX tiles against a float64 reference: 1, 5 and 17 rows (a partial tile
+    of rows, two row groups), K = 64, 200 columns (a column tail), a bias."""
+    from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
+
+    weight = torch.randn(200, 64, generator=generator).bfloat16()
+    bias = torch.randn(200, generator=generator).bfloat16()
+    packed = pack_invariant_weight(weight).data
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        got = kernels.invariant_linear(x, packed, bias, 200, amx=True).double()
+        reference = x.double() @ weight.double().t() + bias.double()
+        if not torch.allclose(got, reference, atol=5e-2, rtol=5e-2):
+            logger.warning("%s: the column-block product on AMX tiles failed its self-check; products stay off "
+                           "the tiles", kernels.path)
+            return False
+    return True
 
 
 def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:

@@ -7,7 +7,7 @@ arguments each one writes.
     cpu_add_rms_norm(x, residual!, weight, eps, fn) -> out         residual += x, in place
     cpu_silu_and_mul(gate_up, fn) -> out
     cpu_rotary_(x!, positions, cos, sin_signed, fn) -> ()           x rotated in place
-    cpu_invariant_linear(x, packed, bias?, out_features, fn) -> out
+    cpu_invariant_linear(x, packed, bias?, out_features, amx, fn) -> out
     cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
     cpu_decode_layers(residual!, weights, key_caches!, value_caches!, positions, cos, sin_signed, slots,
                       block_tables, context_lens, heads, inter, eps, scale, fn) -> out
@@ -31,7 +31,7 @@ SIGNATURES = {
     "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
-    "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
+    "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
     "decode_layers": [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2,
 }
@@ -106,11 +106,11 @@ def _rotary_(x, positions, cos, sin_signed, fn):
           x.stride(0), heads, head_dim)
 
 
-def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, fn):
+def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, amx, fn):
     rows, in_features = x.shape
     out = x.new_empty((rows, out_features))
     _call("invariant_linear", fn, x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-          out.data_ptr(), rows, out_features, in_features)
+          out.data_ptr(), rows, out_features, in_features, amx)
     return out
 
 
@@ -152,8 +152,9 @@ _define("cpu_silu_and_mul", "(Tensor gate_up, int fn) -> Tensor", _silu_and_mul,
         lambda gate_up, fn: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)))
 _define("cpu_rotary_", "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_signed, int fn) -> ()", _rotary_,
         lambda x, positions, cos, sin_signed, fn: None)
-_define("cpu_invariant_linear", "(Tensor x, Tensor packed, Tensor? bias, int out_features, int fn) -> Tensor",
-        _invariant_linear, lambda x, packed, bias, out_features, fn: x.new_empty((x.shape[0], out_features)))
+_define("cpu_invariant_linear",
+        "(Tensor x, Tensor packed, Tensor? bias, int out_features, int amx, int fn) -> Tensor", _invariant_linear,
+        lambda x, packed, bias, out_features, amx, fn: x.new_empty((x.shape[0], out_features)))
 _define("cpu_gemv", "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor", _gemv,
         lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])))
 _define("cpu_decode_layers", "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, "

@@ -39,8 +39,10 @@ vector (0: no bias), then six values per matrix (`_matrix_entry`)."""
 
 DENSE_FORMAT = -1
 COLUMN_BLOCKS_FORMAT = -2
-"""A matrix entry's format code for a plain [out, in] tensor and for a column-block `PackedWeight`
-(csrc/decode_layer.cpp's Matrix; GGUF blocks carry their format's code, >= 0)."""
+COLUMN_BLOCKS_TILES_FORMAT = -3
+"""A matrix entry's format code for a plain [out, in] tensor and for a column-block `PackedWeight` (-3: its
+product may run on AMX tiles, as the model's `ColumnBlockLinear` does) (csrc/decode_layer.cpp's Matrix; GGUF
+blocks carry their format's code, >= 0)."""
 
 
 class FusedDecode:
@@ -84,20 +86,22 @@ class FusedDecode:
 def _weight_table(model) -> torch.Tensor:
     """[num_layers, 6 + 6 * 4] int64: per layer the address of each vector (0: no bias), then each matrix's
     entry; the model keeps the tensors alive and never moves them."""
+    tiles = getattr(model.linear, "amx", False)  # ColumnBlockLinear on AMX tiles
     rows = []
     for layer in model.layers:
         row = [0 if getattr(layer, name) is None else getattr(layer, name).data_ptr() for name in VECTOR_COLUMNS]
         for name in MATRIX_COLUMNS:
-            row += _matrix_entry(getattr(layer, name))
+            row += _matrix_entry(getattr(layer, name), tiles)
         rows.append(row)
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def _matrix_entry(weight) -> list[int]:
+def _matrix_entry(weight, tiles: bool = False) -> list[int]:
     """(data, d, m, format, nbp, layout): a plain [out, in] tensor (format -1), a column-block packing (format
-    -2), or GGUF blocks (qs, scales, Q4_1 minimums or 0, the format's code, blocks per row, the layout's code)."""
+    -2, or -3 with `tiles`), or GGUF blocks (qs, scales, Q4_1 minimums or 0, the format's code, blocks per row,
+    the layout's code)."""
     if isinstance(weight, PackedWeight):
-        return [weight.data.data_ptr(), 0, 0, COLUMN_BLOCKS_FORMAT, 0, 0]
+        return [weight.data.data_ptr(), 0, 0, COLUMN_BLOCKS_TILES_FORMAT if tiles else COLUMN_BLOCKS_FORMAT, 0, 0]
     if isinstance(weight, DualWeight):  # its plain copy
         return [weight.data.data_ptr(), 0, 0, DENSE_FORMAT, 0, 0]
     if isinstance(weight, GgufWeight):

@@ -107,6 +107,10 @@ class ColumnBlockLinear(BatchInvariantLinear):
     name = "cpu-column-blocks"
     max_rows = FUSED_MAX_ROWS
 
+    def __init__(self, kernels: CpuKernels, amx: Optional[bool] = None):
+        super().__init__(kernels)
+        self.amx = kernels.amx_tiles if amx is None else amx  # on AMX tiles (the fused decode too)
+
     def prepare(self, weight):
         if isinstance(weight, QuantizedWeight):
             return weight.for_products()
@@ -117,4 +121,4 @@ class ColumnBlockLinear(BatchInvariantLinear):
             return quantized_product(x, weight, bias)
         if x.dtype != weight.data.dtype:
             raise ValueError(f"the column-block product of {x.dtype} rows by a {weight.data.dtype} weight")
-        return super().__call__(x, weight, bias)
+        return self.kernels.invariant_linear(x.contiguous(), weight.data, bias, weight.out_features, amx=self.amx)

@@ -121,19 +121,20 @@ def test_rows_are_looked_up_in_the_packing(shape, dtype):
 def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_kernels, monkeypatch):
     backend = CpuAttentionBackend(cpu_kernels)
     assert backend.linear(torch.float32) is None  # oneDNN's packed fp32 product
-    amx = cpu_backend.torch_bf16_products_use_amx() and cpu_backend.amx_product_ok()
-    expected = AmxLinear if amx else ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
-    assert type(backend.linear(torch.bfloat16)) is expected
-    monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)  # oneDNN on AMX tiles
+    column_blocks = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
+    # a CPU with AMX: column blocks where their tile path is built in and granted, else oneDNN's AMX product
+    monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)
     monkeypatch.setattr(cpu_backend, "amx_product_ok", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "amx_tiles", True)
+    assert type(backend.linear(torch.bfloat16)) is (ColumnBlockLinear if cpu_kernels.bf16_column_blocks else AmxLinear)
+    monkeypatch.setattr(cpu_kernels, "amx_tiles", False)
     linear = backend.linear(torch.bfloat16)
     assert type(linear) is AmxLinear and linear.max_rows == AMX_NATIVE_MAX_ROWS
     monkeypatch.setattr(cpu_backend, "amx_product_ok", lambda: False)  # oneDNN's packed product failed its check
-    expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
-    assert type(backend.linear(torch.bfloat16)) is expected
+    assert type(backend.linear(torch.bfloat16)) is GemvLinear
+    # no AMX
     monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: False)
-    expected = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
-    assert type(backend.linear(torch.bfloat16)) is expected
+    assert type(backend.linear(torch.bfloat16)) is column_blocks
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check
     assert type(backend.linear(torch.bfloat16)) is GemvLinear
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", True)
@@ -167,3 +168,20 @@ def test_a_product_failing_its_self_check_is_refused(cpu_kernels, monkeypatch, c
                         lambda x, weight, bias, n: torch.zeros(x.shape[0], n, dtype=x.dtype))
     assert not _invariant_product_ok(cpu_kernels, torch.Generator().manual_seed(0))
     assert "failed its self-check" in caplog.text
+
+
+@pytest.mark.parametrize("shape", [(200, 64), (576, 1536), (130, 96)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 130])
+def test_the_product_on_amx_tiles_follows_the_float64_reference(cpu_kernels, shape, rows):
+    """Whole and half blocks (few or many items per thread), a column tail, partial and whole row groups of 16,
+    row chunks of 128; a K that is no multiple of 32 stays on vdpbf16ps (the same bits as without tiles)."""
+    if not cpu_kernels.amx_tiles:
+        pytest.skip("no AMX tiles here (or their self-check failed)")
+    weight, bias = weights(*shape, torch.bfloat16)
+    packed = pack_invariant_weight(weight).data
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = cpu_kernels.invariant_linear(x, packed, bias, shape[0], amx=True)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
+    if shape[1] % 32:
+        assert torch.equal(got, cpu_kernels.invariant_linear(x, packed, bias, shape[0], amx=False))

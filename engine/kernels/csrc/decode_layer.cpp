@@ -52,15 +52,16 @@ struct Matrix {
     int64_t layout;
 };
 constexpr int kMatrixColumns = 6;  // its values in a row of the weight table, in the order above
-constexpr int64_t kPlain = -1, kColumnBlocks = -2;  // engine/models/fused_decode.py's format codes
+constexpr int64_t kPlain = -1, kColumnBlocks = -2, kColumnBlocksTiles = -3;  // fused_decode.py's format codes
 
 // out [rows, N] = x [rows, K] @ W.T (+ bias), work-shared over the calling team; `scratch` holds the int8
 // activations of a block-quantized W (reserved for rows x nbp before the team started).
 template <typename T>
 void product_for(const T* x, const Matrix& w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K,
                  Scratch& scratch) {
-    if (w.format == kColumnBlocks) {
-        pagedserve::column_blocks::product_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K);
+    if (w.format == kColumnBlocks || w.format == kColumnBlocksTiles) {
+        pagedserve::column_blocks::product_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K,
+                                               w.format == kColumnBlocksTiles);
         return;
     }
     if (w.format == kPlain) {
