@@ -1,4 +1,6 @@
-"""The bf16 product on CPUs with AMX tiles: small batches streamed by the native kernel, larger ones on AMX.
+"""The bf16 product on CPUs with AMX tiles whose native kernels were built without their tile path (an older
+compiler; with it, the column-block product runs on the tiles itself: models/invariant_linear.py, faster and
+without a second copy of the weights): small batches streamed by the native kernel, larger ones on oneDNN's AMX.
 
 oneDNN runs bf16 products on AMX tiles there, but `F.linear` on a plain weight reorders the weight into
 the tiles' layout on every call; reordered once, at load (`torch.ops.mkldnn._reorder_linear_weight`), the

@@ -1,5 +1,5 @@
 """The column-block product (csrc/column_blocks.h): each output row summed in one fixed order, whatever else is
-in the batch, and on AVX512-BF16 without AMX the fastest bf16 product at every row count.
+in the batch, and on AVX512-BF16 the fastest bf16 product at every row count (on AMX CPUs, on the tiles).
 
 oneDNN (behind `F.linear` and the packed fp32 product) chooses its kernel by the shape of
 the product: measured on an AVX-512 machine in bfloat16, a row of the down projection
@@ -13,7 +13,8 @@ never the sum; weights are packed once, at load, into its column-block layout.
                            2-core AVX512-BF16 machine, against torch's bf16 `F.linear` (oneDNN) and the
                            plain-layout kernel of csrc/gemv.h (G MAC/s, 3072 x 576 / LM head 49152 x 576):
                            1 row 34 / 17 vs 13 / 5 and 32 / 14; 4 rows 92 / 57 vs 42 / 17 and 45 / 25;
-                           16 rows 108 / 86 vs 80 / 45 and 57 / 40; 64 rows 112 / 96 vs 104 / 82
+                           16 rows 108 / 86 vs 80 / 45 and 57 / 40; 64 rows 112 / 96 vs 104 / 82. On AMX
+                           CPUs it runs on the tile unit (`amx`; csrc/column_blocks.h has the figures)
 """
 
 from __future__ import annotations

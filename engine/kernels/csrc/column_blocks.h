@@ -12,8 +12,8 @@
 // No per-output horizontal sums, and each weight vector loaded is used by up to MR rows: on a 2-core
 // AVX512-BF16 machine, one thread, it measured 108-113 G MAC/s from 16 rows on (torch's oneDNN: 80-110)
 // and 35 GB/s of weight read at 1 row (the plain-layout kernel of gemv.h: 31; torch: 13), so it is the
-// engine's bf16 product there at every row count (engine/models/invariant_linear.py), except on CPUs
-// with AMX, where oneDNN's tiles win from a few rows (engine/models/amx_linear.py).
+// engine's bf16 product there at every row count (engine/models/invariant_linear.py); on CPUs with AMX,
+// on the tile unit (below).
 //
 // Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
 // items than 4 per thread (576 output columns at one row are 9 items: fewer than 16 on 4 threads), half
