@@ -46,7 +46,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def linear(self, dtype: torch.dtype) -> Optional[Linear]:
         """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16 (and
         passed its load-time self-check), on CPUs with AMX only where its AMX tile path is built in and
-        granted (without it, vdpbf16ps alone: 281 us at 16 rows of 3072 x 576 there, against 73 on the tiles);
+        granted (without it, vdpbf16ps alone: 281-287 us at 16 rows of 3072 x 576 there, against 73 on the tiles);
         else, on AMX CPUs, models/amx_linear.py (the small-batch product up to 4 rows, oneDNN's AMX product on
         a packed copy beyond); else the small-batch product up to 8 rows (and torch's beyond). float32 keeps
         oneDNN's packed weights."""

@@ -63,10 +63,11 @@ def _cpu_flags() -> str:
 
 
 GEMV_PREFETCH_BYTES = 2048
-"""On Intel CPUs the weight-streaming kernel (csrc/gemv.h) prefetches its stream this far ahead: 2-core Xeon
-with AMX, 2 threads, the embedded model's 121 batch-1 products from memory: 16-17.6 GB/s without, 21-22 with
-2048 (1024: 19.5-20.7; 4096: 19.2). Off elsewhere: on an AMD EPYC an earlier software prefetch measured
-slower than the hardware prefetcher alone."""
+"""On Intel CPUs the weight-streaming kernel (csrc/gemv.h) and the column-block kernel's vdpbf16ps path
+(csrc/column_blocks.h) prefetch their weight streams this far ahead: 2-core Xeon with AMX, 2 threads, the
+embedded model's 121 batch-1 products from memory: gemv 16-17.6 GB/s without, 21-22 with 2048 (1024:
+19.5-20.7; 4096: 19.2); column blocks 17.5 -> 13.7-14.8 ms. Off elsewhere: on an AMD EPYC an earlier software
+prefetch measured slower than the hardware prefetcher alone."""
 
 
 def _cpu_vendor() -> str:
@@ -204,7 +205,8 @@ class CpuKernels:
                          out_features: int, amx: bool = False) -> torch.Tensor:
         """x [rows, in] contiguous, `packed` from `pack_invariant_weight` -> [rows, out_features]; each element
         summed in one fixed order whatever the number of rows (csrc/column_blocks.h). `amx`: bf16 products whose K
-        is a multiple of 32 may run on AMX tiles where `amx_tiles` (faster there; no longer batch invariant)."""
+        is a multiple of 32 may run on AMX tiles where `amx_tiles` (faster there; their sums grouped by 32 k, so
+        other bits than vdpbf16ps's: batch-invariant mode keeps to the latter)."""
         if x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError("invariant_linear takes x as a contiguous 2-D CPU tensor")
         rows, in_features = x.shape
@@ -305,20 +307,22 @@ def _self_check(kernels: CpuKernels) -> None:
 
 def _amx_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
     """The column-block product on AMX tiles against a float64 reference: 1, 5 and 17 rows (a partial tile
-    of rows, two row groups), K = 64, 200 columns (a column tail), a bias."""
+    of rows, two row groups), K = 64, 70 columns (2 blocks: half blocks) and 200 (4: whole blocks, a column
+    tail), a bias."""
     from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
 
-    weight = torch.randn(200, 64, generator=generator).bfloat16()
-    bias = torch.randn(200, generator=generator).bfloat16()
-    packed = pack_invariant_weight(weight).data
-    for rows in (1, 5, 17):
-        x = torch.randn(rows, 64, generator=generator).bfloat16()
-        got = kernels.invariant_linear(x, packed, bias, 200, amx=True).double()
-        reference = x.double() @ weight.double().t() + bias.double()
-        if not torch.allclose(got, reference, atol=5e-2, rtol=5e-2):
-            logger.warning("%s: the column-block product on AMX tiles failed its self-check; products stay off "
-                           "the tiles", kernels.path)
-            return False
+    for columns in (70, 200):
+        weight = torch.randn(columns, 64, generator=generator).bfloat16()
+        bias = torch.randn(columns, generator=generator).bfloat16()
+        packed = pack_invariant_weight(weight).data
+        for rows in (1, 5, 17):
+            x = torch.randn(rows, 64, generator=generator).bfloat16()
+            got = kernels.invariant_linear(x, packed, bias, columns, amx=True).double()
+            reference = x.double() @ weight.double().t() + bias.double()
+            if not torch.allclose(got, reference, atol=5e-2, rtol=5e-2):
+                logger.warning("%s: the column-block product on AMX tiles failed its self-check; products stay "
+                               "off the tiles", kernels.path)
+                return False
     return True
 
 

@@ -9,8 +9,8 @@ weights on every call. Measured on a 2-core AVX2 machine against `F.linear`
 It is used only where the ops exist and agree with `F.linear` on a probe;
 elsewhere weights stay plain tensors and `F.linear` does the work. With the cpu attention
 backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row count natively
-on AVX512-BF16 builds without AMX (weights packed in column blocks: faster than oneDNN at every row count
-there, and batch invariant; on AMX CPUs on the tiles, no longer batch invariant); with AMX but kernels
+on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count there, and
+batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise); with AMX but kernels
 without the tile path, `amx_linear.AmxLinear` multiplies up to 4 rows natively and more with oneDNN on
 weights packed for AMX; on other builds `GemvLinear` multiplies batches of up to 8 rows
 natively (a weight-streaming kernel), larger ones with `F.linear`. (Neither oneDNN nor

@@ -170,7 +170,7 @@ def test_a_product_failing_its_self_check_is_refused(cpu_kernels, monkeypatch, c
     assert "failed its self-check" in caplog.text
 
 
-@pytest.mark.parametrize("shape", [(200, 64), (576, 1536), (130, 96)])
+@pytest.mark.parametrize("shape", [(200, 64), (576, 1536), (130, 96), (130, 100)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 130])
 def test_the_product_on_amx_tiles_follows_the_float64_reference(cpu_kernels, shape, rows):
     """Whole and half blocks (few or many items per thread), a column tail, partial and whole row groups of 16,

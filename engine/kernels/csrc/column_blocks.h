@@ -8,7 +8,8 @@
 // per row, broadcasts the row's x (pair) and multiplies-adds it into the row's NC vectors (vdpbf16ps in
 // bf16). Every output element is summed in one fixed order (k ascending, float32; on AVX512-BF16 a pair
 // of k at a time, denormals flushed, as vdpbf16ps computes it) whatever the number of rows, the row's
-// place in the batch, the tile shape or the thread count: the product is batch invariant by construction.
+// place in the batch, the tile shape or the thread count: the product is batch invariant by construction
+// (the AMX tile path below groups the sums by 32 k instead: batch-invariant mode never takes it).
 // No per-output horizontal sums, and each weight vector loaded is used by up to MR rows: on a 2-core
 // AVX512-BF16 machine, one thread, it measured 108-113 G MAC/s from 16 rows on (torch's oneDNN: 80-110)
 // and 35 GB/s of weight read at 1 row (the plain-layout kernel of gemv.h: 31; torch: 13), so it is the
@@ -173,7 +174,7 @@ void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int c0, const ui
 // tile of x, one B tile per 16 columns, tdpbf16ps into float32 C tiles. Sums are grouped by 32 k, not pairs:
 // not batch invariant against the vdpbf16ps path, so batch-invariant mode never takes it. 2-core Xeon, 2
 // threads, the embedded model's 121 products from memory (ms; oneDNN on weights packed for AMX in brackets):
-// 1 row 13.5-14.3 (vdpbf16ps 13.7-14.8 with the prefetch below), 4 rows 13.4-14.4 (15.9), 16 rows 13.1-14.2
+// 1 row 13.5-14.3 (vdpbf16ps 13.7-14.8 with the prefetch in tile_bf16), 4 rows 13.4-14.4 (15.9), 16 rows 13.1-14.2
 // (15.6), 64 rows 23.3-24.7 (20.3). A software prefetch of the B rows measured no gain.
 constexpr int64_t kAmxMinRows = 1;  // from memory, 1 row: on par with vdpbf16ps; 2+: faster
 constexpr int64_t kAmxK = 32;
