@@ -18,7 +18,6 @@ from engine import LLM, SamplingParams
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
-from engine.attention import cpu_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.models.amx_linear import AMX_NATIVE_MAX_ROWS, AmxLinear, DualWeight
 from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
