@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from engine.llm import LLM
 from engine.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
-from engine.models.amx_linear import DualWeight
 from engine.models.invariant_linear import PackedWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.sampling.params import SamplingParams
@@ -128,8 +127,6 @@ def _plain(weight, dtype: torch.dtype) -> torch.Tensor:
         return weight.dequantize(dtype)
     if isinstance(weight, PackedWeight):
         return weight.unpack()
-    if isinstance(weight, DualWeight):
-        return weight.data
     return weight.to_dense() if weight.layout == torch._mkldnn else weight
 
 

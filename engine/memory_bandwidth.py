@@ -40,17 +40,13 @@ def read_bandwidth(device: torch.device, nbytes: int = DEFAULT_BUFFER_BYTES, rep
 def tensor_bytes(weights: Sequence) -> int:
     """Bytes of distinct weights as stored (a tied matrix once; None skipped): tensors by their elements
     (opaque packed layouts by their logical element count), quantized weights by the bytes their product
-    reads, other packed forms (a column-block PackedWeight, an AMX DualWeight) by their `data` tensor."""
+    reads, other packed forms (a batch-invariant PackedWeight) by their `data` tensor."""
     seen: set[int] = set()
     total = 0
     for weight in weights:
-        if weight is None:
+        if weight is None or id(weight) in seen:
             continue
-        # a tied matrix may come as the embedding's tensor and as its LM head's packing around the same tensor
-        key = id(weight if isinstance(weight, (torch.Tensor, QuantizedWeight)) else weight.data)
-        if key in seen:
-            continue
-        seen.add(key)
+        seen.add(id(weight))
         if isinstance(weight, QuantizedWeight):
             total += weight.nbytes
         else:

@@ -11,11 +11,14 @@ from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
 from engine.models.layer_ops import NativeLayerOps
-from engine.models.amx_linear import AmxLinear, amx_product_ok
 from engine.models.invariant_linear import ColumnBlockLinear
 from engine.models.linear import GemvLinear, Linear
 from engine.runner.kv_cache import KVCacheSpec
 
+AMX_GEMV_MAX_ROWS = 4
+"""On AMX CPUs whose kernels lack the tile path, bf16 products beyond this many rows go to `F.linear` (oneDNN
+on the tiles). 2-core Xeon, 2 threads, 3072 x 576: native 63 / 106 / 188 us at 1 / 4 / 8 rows, `F.linear`
+115 / 124 / 125; bench offline --num-prompts 16: 393-397 tok/s, against 277-285 on vdpbf16ps column blocks."""
 
 
 def torch_bf16_products_use_amx() -> bool:
@@ -44,21 +47,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return NativeLayerOps(self.kernels)
 
     def linear(self, dtype: torch.dtype) -> Optional[Linear]:
-        """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16 (and
-        passed its load-time self-check), on CPUs with AMX only where its AMX tile path is built in and
-        granted (without it, vdpbf16ps alone: 281-287 us at 16 rows of 3072 x 576 there, against 73 on the tiles);
-        else, on AMX CPUs, models/amx_linear.py (the small-batch product up to 4 rows, oneDNN's AMX product on
-        a packed copy beyond); else the small-batch product up to 8 rows (and torch's beyond). float32 keeps
-        oneDNN's packed weights."""
+        """bfloat16: the native column-block product at every row count where it runs on AVX512-BF16 and
+        passed its load-time self-check; on AMX CPUs only with its tile path built in and granted (on
+        vdpbf16ps alone it takes 281-287 us for 16 rows of 3072 x 576 there, on the tiles 73). Else the native
+        small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32 keeps oneDNN's packed weights."""
         if dtype != torch.bfloat16:
             return None
-        amx_cpu = torch_bf16_products_use_amx()
         kernels = self.kernels
+        amx_cpu = torch_bf16_products_use_amx()
         if kernels.bf16_column_blocks and kernels.invariant_product_ok and (kernels.amx_tiles or not amx_cpu):
-            return ColumnBlockLinear(kernels)  # on AMX CPUs with the kernels' tile path built in and granted
-        if amx_cpu and amx_product_ok():
-            return AmxLinear(kernels)
-        return GemvLinear(kernels)
+            return ColumnBlockLinear(kernels)
+        return GemvLinear(kernels, AMX_GEMV_MAX_ROWS) if amx_cpu else GemvLinear(kernels)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask

@@ -12,10 +12,8 @@ weights) or the integer product of csrc/quant_product.h (GGUF blocks kept quanti
 with every intermediate rounded where the unfused ops round it: the result is the unfused path's, bit for
 bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
-on weights in the model's dtype (plain, packed in column blocks, or the plain copy of an AMX `DualWeight`)
-or GGUF blocks, a KV cache of the
-model's dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the
-general path.
+on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
+dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the general path.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels
-from engine.models.amx_linear import DualWeight
 from engine.models.invariant_linear import PackedWeight
 from engine.quantization.gguf_weight import GgufWeight
 
@@ -102,8 +99,6 @@ def _matrix_entry(weight, tiles: bool = False) -> list[int]:
     the layout's code)."""
     if isinstance(weight, PackedWeight):
         return [weight.data.data_ptr(), 0, 0, COLUMN_BLOCKS_TILES_FORMAT if tiles else COLUMN_BLOCKS_FORMAT, 0, 0]
-    if isinstance(weight, DualWeight):  # its plain copy
-        return [weight.data.data_ptr(), 0, 0, DENSE_FORMAT, 0, 0]
     if isinstance(weight, GgufWeight):
         p = weight.packed
         return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp,
@@ -143,7 +138,7 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
             weight = getattr(layer, name)
             if isinstance(weight, GgufWeight):
                 blocks += [t for t in (weight.packed.qs, weight.packed.d, weight.packed.m) if t is not None]
-            elif isinstance(weight, (PackedWeight, DualWeight)):
+            elif isinstance(weight, PackedWeight):
                 tensors.append(weight.data)
             else:
                 tensors.append(weight)

@@ -10,9 +10,8 @@ It is used only where the ops exist and agree with `F.linear` on a probe;
 elsewhere weights stay plain tensors and `F.linear` does the work. With the cpu attention
 backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row count natively
 on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count there, and
-batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise); with AMX but kernels
-without the tile path, `amx_linear.AmxLinear` multiplies up to 4 rows natively and more with oneDNN on
-weights packed for AMX; on other builds `GemvLinear` multiplies batches of up to 8 rows
+batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise); on other builds
+`GemvLinear` multiplies batches of up to 8 rows (4 on AMX CPUs, where `F.linear` runs on the tiles)
 natively (a weight-streaming kernel), larger ones with `F.linear`. (Neither oneDNN nor
 `GemvLinear` keeps a row's result independent of the other rows: batch-invariant mode
 multiplies with `invariant_linear.BatchInvariantLinear` instead.)
@@ -50,7 +49,7 @@ def padded_rows(rows: int) -> int:
     return rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
-def bucketed(product, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _bucketed(product, x: torch.Tensor, weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     rows = x.shape[0]
     padded = padded_rows(rows) if x.dim() == 2 else rows
     if padded == rows:
@@ -77,7 +76,7 @@ class Linear:
         if isinstance(weight, QuantizedWeight):
             return quantized_product(x, weight, bias)
         if x.device.type == "cpu":
-            return bucketed(F.linear, x, weight, bias)
+            return _bucketed(F.linear, x, weight, bias)
         return F.linear(x, weight, bias)
 
 
@@ -94,7 +93,7 @@ class PackedOneDnnLinear(Linear):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return quantized_product(x, weight, bias)
-        return bucketed(self._product, x, weight, bias)
+        return _bucketed(self._product, x, weight, bias)
 
     @staticmethod
     def _product(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -107,8 +106,8 @@ blocked products, which reuse each weight tile across many rows)."""
 
 
 class GemvLinear(Linear):
-    """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16; on
-    AMX CPUs its subclass `amx_linear.AmxLinear`): up
+    """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16) or,
+    on AMX CPUs, no tile path: up
     to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which streams the plain
     [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
     Quantized weights go to their own product.
@@ -131,7 +130,7 @@ class GemvLinear(Linear):
             return quantized_product(x, weight, bias)
         if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == weight.dtype:
             return self.kernels.gemv(x.contiguous(), weight, bias)
-        return bucketed(F.linear, x, weight, bias)
+        return _bucketed(F.linear, x, weight, bias)
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> Linear:

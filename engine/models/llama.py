@@ -17,7 +17,6 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.memory_bandwidth import tensor_bytes
 from engine.models.fused_decode import FusedDecode
 from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
-from engine.models.amx_linear import DualWeight
 from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
 from engine.models.linear import GemvLinear, Linear, select_linear
 from engine.models.llama_arch import LlamaArch
@@ -152,8 +151,7 @@ class LlamaForCausalLM:
     def weight_bytes(self) -> int:
         """The memory its weights take (tied matrices once; quantized ones by their blocks and scales)."""
         fields = [getattr(layer, name) for layer in self.layers for name in LlamaLayerWeights.__slots__]
-        weights = [self.embed, self.final_norm, self.lm_head, *fields]
-        return tensor_bytes(weights) + sum(w.extra_bytes for w in weights if isinstance(w, DualWeight))
+        return tensor_bytes([self.embed, self.final_norm, self.lm_head, *fields])
 
     # ------------------------------------------------------------------ forward
 

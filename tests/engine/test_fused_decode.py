@@ -19,7 +19,6 @@ from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kern
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.models.amx_linear import AMX_NATIVE_MAX_ROWS, AmxLinear, DualWeight
 from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from engine.quantization.gguf_formats import X16
@@ -63,13 +62,7 @@ def _use_kernels(llm: LLM, kernels) -> None:
 
 def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
     """Makes the cpu backend choose `product` as it would on a machine with AVX512-BF16 ("column-blocks": on
-    vdpbf16ps; "column-blocks-tiles": on AMX tiles), without it ("gemv"), or with AMX and kernels without
-    their tile path ("amx"); its class."""
-    if product == "amx":  # an AMX CPU whose kernels lack the tile path: oneDNN's AMX product beyond 4 rows
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            pytest.skip("oneDNN has no bf16 products on this CPU")
-        monkeypatch.setattr(CpuAttentionBackend, "linear", lambda backend, dtype: AmxLinear(backend.kernels))
-        return AmxLinear
+    vdpbf16ps; "column-blocks-tiles": on AMX tiles) or without it ("gemv"); its class."""
     if product.startswith("column-blocks"):
         if not cpu_kernels.bf16_column_blocks:
             pytest.skip("the column-block product is the bf16 product on AVX512-BF16 builds only")
@@ -84,7 +77,7 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
 
 
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
-@pytest.mark.parametrize("product", ["column-blocks", "column-blocks-tiles", "gemv", "amx"])
+@pytest.mark.parametrize("product", ["column-blocks", "column-blocks-tiles", "gemv"])
 @pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
     linear_class = _with_product(product, cpu_kernels, monkeypatch)
@@ -95,20 +88,18 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, r
     if product.startswith("column-blocks"):
         assert model.linear.amx == (product == "column-blocks-tiles")
     if product != "gemv":
-        packing = DualWeight if product == "amx" else PackedWeight
-        assert all(isinstance(getattr(layer, name), packing) for layer in model.layers for name in MATRIX_COLUMNS)
+        assert all(isinstance(getattr(layer, name), PackedWeight) for layer in model.layers for name in MATRIX_COLUMNS)
     if arch != NATIVE_ARCH:  # the AVX2 code paths, built into their own cache key
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip(f"-march={arch} is an x86 target")
         _use_kernels(llm, load_cpu_kernels(arch=arch))
     rows = _counting_fused(model, monkeypatch)
     prompts = PROMPTS if not product.startswith("column-blocks") else PROMPTS + [p + " and" for p in PROMPTS]
-    # staggered lengths: decode steps of every size from all the prompts' down to 1 (amx: fused up to 4 rows,
-    # oneDNN's packed product beyond)
+    # staggered lengths: decode steps of every size from all the prompts' down to 1
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3)
               for i in range(len(prompts))]
     fused = _generate_each(llm, prompts, params)
-    limit = {"gemv": GEMV_MAX_ROWS, "amx": AMX_NATIVE_MAX_ROWS}.get(product, 16)  # 16: every prompt
+    limit = GEMV_MAX_ROWS if product == "gemv" else 16  # 16: every prompt
     assert set(rows) == set(range(1, limit + 1))
     assert fused == _unfused(llm, prompts, params)
 

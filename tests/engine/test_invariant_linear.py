@@ -11,9 +11,8 @@ import torch.nn.functional as F
 
 from engine.attention import cpu_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.models.amx_linear import AMX_NATIVE_MAX_ROWS, AmxLinear
 from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear, PackedWeight, pack_invariant_weight
-from engine.models.linear import GemvLinear
+from engine.models.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -122,21 +121,19 @@ def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_k
     backend = CpuAttentionBackend(cpu_kernels)
     assert backend.linear(torch.float32) is None  # oneDNN's packed fp32 product
     column_blocks = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
-    # a CPU with AMX: column blocks where their tile path is built in and granted, else oneDNN's AMX product
+    # a CPU with AMX: column blocks where their tile path is built in and granted, else gemv up to 4 rows
     monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)
-    monkeypatch.setattr(cpu_backend, "amx_product_ok", lambda: True)
     monkeypatch.setattr(cpu_kernels, "amx_tiles", True)
-    assert type(backend.linear(torch.bfloat16)) is (ColumnBlockLinear if cpu_kernels.bf16_column_blocks else AmxLinear)
+    assert type(backend.linear(torch.bfloat16)) is column_blocks
     monkeypatch.setattr(cpu_kernels, "amx_tiles", False)
     linear = backend.linear(torch.bfloat16)
-    assert type(linear) is AmxLinear and linear.max_rows == AMX_NATIVE_MAX_ROWS
-    monkeypatch.setattr(cpu_backend, "amx_product_ok", lambda: False)  # oneDNN's packed product failed its check
-    assert type(backend.linear(torch.bfloat16)) is GemvLinear
+    assert type(linear) is GemvLinear and linear.max_rows == cpu_backend.AMX_GEMV_MAX_ROWS
     # no AMX
     monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: False)
     assert type(backend.linear(torch.bfloat16)) is column_blocks
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check
-    assert type(backend.linear(torch.bfloat16)) is GemvLinear
+    linear = backend.linear(torch.bfloat16)
+    assert type(linear) is GemvLinear and linear.max_rows == GEMV_MAX_ROWS
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", True)
     monkeypatch.setattr(cpu_kernels, "bf16_column_blocks", False)  # an AVX2 or AVX512F-only build
     assert type(backend.linear(torch.bfloat16)) is GemvLinear
