@@ -18,9 +18,9 @@
 //
 // Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
 // items than 4 per thread (576 output columns at one row are 9 items: fewer than 16 on 4 threads), half
-// blocks of 32 columns, so that the threads split a small matrix evenly; threads take items dynamically (behind a server the other core
-// also runs the event loop, and a static split stalls the team whenever one thread is preempted). The
-// k sum is never split.
+// blocks of 32 columns, so that the threads split a small matrix evenly; threads take items dynamically
+// (behind a server the other core also runs the event loop, and a static split stalls the team whenever one
+// thread is preempted). The k sum is never split.
 //
 // Layouts (row-major): x [M, K] contiguous; out [M, N] contiguous; bias [N] or null.
 #pragma once
@@ -169,14 +169,15 @@ void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int c0, const ui
 #endif
 
 // ------------------------------------------------------------------------------------- AMX tiles (bf16)
-// On CPUs with AMX (Sapphire Rapids and newer), products whose K is a multiple of 32 run on the tile unit: the bf16 packing above is already the layout its B tiles read (16 k pairs x 16 columns,
-// one 64-byte row per pair, a 256-byte stride within a block). Per group of up to 16 rows and per 32 k: one A
-// tile of x, one B tile per 16 columns, tdpbf16ps into float32 C tiles. Sums are grouped by 32 k, not pairs:
-// not batch invariant against the vdpbf16ps path, so batch-invariant mode never takes it. 2-core Xeon, 2
-// threads, the embedded model's 121 products from memory (ms; oneDNN on weights packed for AMX in brackets):
-// 1 row 13.5-14.3 (vdpbf16ps 13.7-14.8 with the prefetch in tile_bf16), 4 rows 13.4-14.4 (15.9), 16 rows 13.1-14.2
-// (15.6), 64 rows 23.3-24.7 (20.3). A software prefetch of the B rows measured no gain.
-constexpr int64_t kAmxMinRows = 1;  // from memory, 1 row: on par with vdpbf16ps; 2+: faster
+// On CPUs with AMX (Sapphire Rapids and newer), products whose K is a multiple of 32 run on the tile unit,
+// at every row count: the bf16 packing above is already the layout its B tiles read (16 k pairs x 16
+// columns, one 64-byte row per pair, a 256-byte stride within a block). Per group of up to 16 rows and per
+// 32 k: one A tile of x, one B tile per 16 columns, tdpbf16ps into float32 C tiles. Sums are grouped by 32 k,
+// not pairs: other bits than the vdpbf16ps path, so batch-invariant mode never takes it. 2-core Xeon, 2
+// threads, the embedded model's 121 products from memory (ms; vdpbf16ps, then oneDNN on weights packed for
+// AMX, in brackets): 1 row 13.5-14.3 (13.7-14.8 with the prefetch in tile_bf16), 4 rows 13.4-14.4 (15.9),
+// 16 rows 13.1-14.2 (oneDNN 15.6), 64 rows 23.3-24.7 (oneDNN 20.3). A software prefetch of the B rows, and
+// two row groups sharing each B tile, measured no gain.
 constexpr int64_t kAmxK = 32;
 
 // Whether the process may use the tile unit (Linux grants it on request: pagedserve_amx_tiles()); callers
@@ -276,7 +277,7 @@ constexpr int64_t block_elements(int64_t K) {
 template <typename T>
 inline bool on_amx(bool amx, int64_t M, int64_t K) {
 #if defined(PAGEDSERVE_COLUMN_BLOCKS_AMX)
-    return sizeof(T) == 2 && amx && M >= kAmxMinRows && K % kAmxK == 0 && amx_permitted().load();
+    return sizeof(T) == 2 && amx && M > 0 && K % kAmxK == 0 && amx_permitted().load();
 #else
     (void)amx, (void)M, (void)K;
     return false;
@@ -314,7 +315,7 @@ void run_item(const T* x, const T* packed, const T* bias, T* out, int64_t N, int
 
 // out = x @ W^T (+ bias), work-shared over the calling OpenMP team (an orphaned `omp for`: call it from
 // inside a parallel region, every thread of the team, or from outside one to run it on this thread).
-// `amx`: products of kAmxMinRows rows and more may run on the tile unit where it is built in and permitted.
+// `amx`: bf16 products whose K is a multiple of 32 may run on the tile unit where it is built in and permitted.
 template <typename T>
 void product_for(const T* x, const T* packed, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                  bool amx = false) {
