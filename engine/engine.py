@@ -99,9 +99,11 @@ class EngineCore:
         same memory (nothing in it forms a reference cycle); this does it at a known point."""
         if self.is_shut_down:
             return
-        self.abort(list(self._states))
-        self.runner.shutdown()
-        self.is_shut_down = True
+        try:
+            self.abort(list(self._states))
+            self.runner.shutdown()
+        finally:  # half released is no state to step in
+            self.is_shut_down = True
 
     def _check_running(self) -> None:
         if self.is_shut_down:

@@ -161,8 +161,11 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     ))
     server.handle_exit = shutdown.handle_signal  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
-    if not async_engine.is_alive:  # its thread stopped (not stuck in a step): release the memory before the exit
-        engine.shutdown()
+    if not async_engine.is_alive and async_engine.error is None:  # stopped cleanly (not stuck, not failed)
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - the process is exiting anyway; say why the release failed
+            logger.exception("releasing the engine's memory failed")
     if not server.started:
         return 1
     return exit_status[0]

@@ -148,10 +148,8 @@ class ModelRunner:
             self.graphs = None
         self.kv_cache.release()
         self.model = self._forward = self.buffers = self.grammar = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-                torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps a workspace per stream in the pool
+        if self.device.type == "cuda":  # (torch's per-stream cuBLAS workspaces stay: clearing them all would
+            torch.cuda.synchronize(self.device)  # free those baked into another live engine's graphs)
             torch.cuda.empty_cache()
 
     @property

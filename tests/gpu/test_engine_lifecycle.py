@@ -28,8 +28,12 @@ PROFILED = {"device": "cuda", "dtype": "bfloat16", "num_blocks": None, "gpu_memo
 
 
 def settle() -> tuple[int, int]:
-    """(allocated, free on the device) once pending work is done and the allocator's cache is returned."""
+    """(allocated, free on the device) once pending work is done and the allocator's cache is returned.
+    torch keeps a cuBLAS workspace per stream (through the allocator, up to 32 MiB on Hopper) for the process,
+    not for an engine: the measurement clears them, which the engine must not do (another engine's graphs
+    may use theirs)."""
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
 
