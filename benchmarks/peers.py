@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.machine import cpu_info, short_name
+from benchmarks.plot_runner import WORK_DIR, make_plots
 from benchmarks.servers import (LLAMACPP_VENV, LLAMACPP_VERSIONS, MODEL_NAME, PAGEDSERVE_VARIANTS, PLOTS_VENV, REPO, TRANSFORMERS_VENV,
                                 TRANSFORMERS_VERSIONS, Peer, ServerPool, ensure_venv, llamacpp_peer, pagedserve_peer,
                                 pagedserve_versions, probe_versions, transformers_peer)
 from benchmarks.workloads import Workload, build_requests, stop_token_ids, with_rate, workloads
 
-WORK_DIR = REPO / ".bench-peers"
 SERVERS = ("pagedserve", "pagedserve-gguf", "llama.cpp", "transformers")
 DEFAULT_SLOS = {"ttft": 2000.0, "tpot": 200.0}
 
@@ -187,19 +187,6 @@ def workload_json(workload: Workload) -> dict:
     if math.isinf(workload.request_rate):
         record["request_rate"] = None
     return record
-
-
-def make_plots(out_dir: Path) -> list[str]:
-    """Plots from results.json by a Python that has matplotlib (this one, else the plots venv)."""
-    python = Path(sys.executable)
-    if importlib.util.find_spec("matplotlib") is None:
-        python = ensure_venv(WORK_DIR / "venvs", PLOTS_VENV, WORK_DIR / "pip-plots.log")
-    result = subprocess.run([str(python), "-m", "benchmarks.plots", str(out_dir)], cwd=REPO, capture_output=True,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if result.returncode != 0:
-        log(f"plots failed:\n{result.stderr[-2000:]}")
-        return []
-    return result.stdout.split()
 
 
 def _raise_on_term(signum, frame) -> None:

@@ -192,9 +192,12 @@ def write(out_dir: Path, plots: list[str]) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from benchmarks.peers import make_plots
+    from benchmarks.plot_runner import make_plots
 
     args = sys.argv[1:] if argv is None else argv
+    if args in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if len(args) != 1:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.llm import LLM
 from engine.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
-from engine.models.invariant_linear import PackedWeight
+from engine.kernels.column_block_weight import PackedWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.sampling.params import SamplingParams
 

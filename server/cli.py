@@ -11,6 +11,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
+from server.version import package_version
+
 if TYPE_CHECKING:
     from server.settings import Settings
 
@@ -37,16 +39,6 @@ def _build_parser() -> argparse.ArgumentParser:
         "(flags: pagedserve bench serve --help)", add_help=False
     )
     return parser
-
-
-def package_version() -> str:
-    """The installed distribution's version ("unknown" when run from a tree that was never installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pagedserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -20,7 +20,7 @@ def test_console_script_is_installed():
 def test_version_flag_prints_the_package_version():
     result = subprocess.run([sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True,
                             check=True)
-    from server.cli import package_version
+    from server.version import package_version
 
     assert result.stdout.strip() == f"pagedserve {package_version()}" and package_version() != ""
 

@@ -309,7 +309,7 @@ def _amx_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
     """The column-block product on AMX tiles against a float64 reference: 1, 5 and 17 rows (a partial tile
     of rows, two row groups), K = 64, 70 columns (2 blocks: half blocks) and 200 (4: whole blocks, a column
     tail), a bias."""
-    from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
+    from engine.kernels.column_block_weight import pack_invariant_weight
 
     for columns in (70, 200):
         weight = torch.randn(columns, 64, generator=generator).bfloat16()
@@ -331,7 +331,7 @@ def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bo
     tail; 2 blocks, taken as half blocks, and 4 per thread + 2, taken whole). Batch-invariant mode and the
     bf16 product on AVX512-BF16 depend on it: a failure is logged, refuses that mode and keeps bf16 products
     off it."""
-    from engine.models.invariant_linear import pack_invariant_weight  # (it imports this module)
+    from engine.kernels.column_block_weight import pack_invariant_weight
 
     whole_blocks = 4 * torch.get_num_threads() + 2  # csrc/column_blocks.h: half blocks below 4 items per thread
     for columns, k, rows in ((70, 9, 5), (64 * whole_blocks - 6, 33, 3)):

@@ -25,7 +25,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels
-from engine.models.invariant_linear import PackedWeight
+from engine.kernels.column_block_weight import PackedWeight
 from engine.quantization.gguf_weight import GgufWeight
 
 

@@ -17,7 +17,8 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.memory_bandwidth import tensor_bytes
 from engine.models.fused_decode import FusedDecode
 from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
-from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
+from engine.kernels.column_block_weight import PackedWeight
+from engine.models.invariant_linear import ColumnBlockLinear
 from engine.models.linear import GemvLinear, Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding

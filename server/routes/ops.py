@@ -7,9 +7,9 @@ import functools
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.cli import package_version
 from server.errors import ERROR_RESPONSES, APIError
 from server.state import ServerState
+from server.version import package_version
 
 router = APIRouter()
 

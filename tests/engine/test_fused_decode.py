@@ -19,7 +19,8 @@ from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kern
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.models.invariant_linear import ColumnBlockLinear, PackedWeight
+from engine.kernels.column_block_weight import PackedWeight
+from engine.models.invariant_linear import ColumnBlockLinear
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from engine.attention import cpu_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear, PackedWeight, pack_invariant_weight
+from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
+from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
 
