@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from engine.attention import AttentionBackend, get_attention_backend
+from engine.attention.attention_shape import AttentionShape
 from engine.batch_invariant import Numerics, batch_invariant_numerics
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
@@ -51,8 +52,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
-    backend, ops, linear = _numerics(config, device, dtype)
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend.name)
+    backend, ops, linear = _numerics(config, device, dtype, AttentionShape.from_hf_config(hf_config))
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(requested, model_config.quantization_group_size, hf_config, device, dtype,
                            config.batch_invariant)
@@ -146,11 +147,12 @@ def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: 
     return max(free_before - free_after, 0)
 
 
-def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Numerics:
+def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> Numerics:
     """The attention backend, per-token ops and matrix product the model runs with."""
     if config.batch_invariant:
         return batch_invariant_numerics(config.attention_backend, device, dtype)
-    backend = get_attention_backend(config.attention_backend, device, dtype, block_size=config.cache.block_size)
+    backend = get_attention_backend(config.attention_backend, device, dtype, block_size=config.cache.block_size,
+                                    shape=shape)
     return Numerics(backend, backend.layer_ops(), backend.linear(dtype))
 
 

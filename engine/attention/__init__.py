@@ -1,4 +1,4 @@
-"""Attention backends behind one interface: `cpu`, `torch` (the reference), `flash` (CUDA); `triton` to come."""
+"""Attention backends behind one interface: `cpu`, `torch` (the reference), `flash` and `triton` (CUDA)."""
 
 from engine.attention.backend import AttentionBackend, get_attention_backend
 from engine.attention.metadata import AttentionMetadata, PrefillChunk

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
+from engine.attention.attention_shape import AttentionShape
 from engine.attention.step_metadata import StepMetadata
 from engine.runner.kv_cache import KVCacheSpec
 
@@ -26,6 +27,11 @@ class AttentionBackend(Protocol):
     """Whether a decode step can be captured as a CUDA graph: `build_metadata` and the kernels read the
     step's device tensors only (no host value decides a shape or a launch), given the fixed `max_seq_len`
     and full-width block table of engine/runner/cuda_graphs.py."""
+
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The KV cache dtypes this backend reads for a model computing in `model_dtype`
+        (`--kv-cache-dtype` must name one of them; auto is the model's own)."""
+        ...
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> Any:
         """Once per step, before the first layer: this backend's own metadata from the step's (which
@@ -66,9 +72,10 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, *,
-                          block_size: Optional[int] = None) -> AttentionBackend:
+                          block_size: Optional[int] = None, shape: Optional[AttentionShape] = None) -> AttentionBackend:
     """The backend `name` names, for this device, dtype and KV block size (None: not known, which rules
-    flash-attn 2 out).
+    flash-attn 2 out). With the model's attention `shape` (and the block size), flash-attn is chosen only
+    once one tiny paged call of exactly that configuration has run on the device (engine/attention/probe.py).
 
     `auto`: on CPU the native kernels when they build here, else the torch backend; on CUDA flash-attn
     when it imports and fits the block size, else the triton backend when it is available, else torch
@@ -76,7 +83,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, *
     ValueError saying why it cannot serve here and what to do instead."""
     if name == "auto":
         if device.type == "cuda":
-            return _cuda_auto(device, dtype, block_size)
+            return _cuda_auto(device, dtype, block_size, shape)
         if device.type == "cpu":
             backend = _cpu_backend(device, dtype, required=False)
             if backend is not None:
@@ -89,7 +96,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, *
     if name == "cpu":
         return _cpu_backend(device, dtype, required=True)
     if name == "flash":
-        return _flash_backend(device, dtype, block_size)
+        return _flash_backend(device, dtype, block_size, shape)
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend, triton_unavailable_reason
 
@@ -117,10 +124,11 @@ def _triton_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and triton_unavailable_reason(device) is None
 
 
-def _cuda_auto(device: torch.device, dtype: torch.dtype, block_size: Optional[int]) -> AttentionBackend:
+def _cuda_auto(device: torch.device, dtype: torch.dtype, block_size: Optional[int],
+               shape: Optional[AttentionShape]) -> AttentionBackend:
     from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 
-    search = find_flash_kernel(device, dtype, block_size)
+    search = find_flash_kernel(device, dtype, block_size, shape)
     choice = cuda_auto_choice(search.kernel is not None, _triton_available(device, dtype))
     logger.info("attention backend auto on CUDA: %s (%s)", choice, search.summary)
     if search.kernel is not None and choice == "flash":
@@ -128,10 +136,11 @@ def _cuda_auto(device: torch.device, dtype: torch.dtype, block_size: Optional[in
     return get_attention_backend(choice, device, dtype, block_size=block_size)
 
 
-def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: Optional[int]) -> AttentionBackend:
+def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: Optional[int],
+                   shape: Optional[AttentionShape]) -> AttentionBackend:
     from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 
-    search = find_flash_kernel(device, dtype, block_size)
+    search = find_flash_kernel(device, dtype, block_size, shape)
     if search.kernel is None:
         raise ValueError(f"attention backend 'flash' cannot run here: {search.summary}. "
                          f"{_flash_remedy(device, dtype)}")

@@ -42,6 +42,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
 
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.bfloat16)  # the paged decode kernel is built for these (KERNEL_DTYPES)
+
     def layer_ops(self) -> NativeLayerOps:
         """The same native library also fuses the per-token ops between the products."""
         return NativeLayerOps(self.kernels)

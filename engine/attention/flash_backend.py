@@ -11,7 +11,9 @@ Two implementations read the cache layout `[num_blocks, block_size, num_kv_heads
 
 Both align the causal mask to the bottom right: query i of a request with q query tokens and
 k cached tokens (this step's included) sees keys 0 .. k - q + i, i.e. positions up to its own.
-Which one runs is decided once, by `find_flash_kernel`, when the backend is chosen.
+Which one runs is decided once, by `find_flash_kernel`, when the backend is chosen: by what imports
+and what the GPU and block size allow, then by a probe (engine/attention/probe.py) that runs one tiny
+paged step of the model's exact configuration, since a signature does not say what the kernels accept.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from engine.attention.attention_shape import AttentionShape
 from engine.attention.kv_write import write_kv_by_slots
+from engine.attention.probe import probe_backend
 from engine.attention.step_metadata import StepMetadata
 from engine.runner.kv_cache import KVCacheSpec
 
@@ -32,7 +36,8 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_ATTN_2_BLOCK_MULTIPLE = 256
 """flash-attn 2's paged kernels need `block_size % 256 == 0` ("Paged KV cache block size must be divisible by 256")."""
 FLASH_ATTN_4_MIN_CAPABILITY = (9, 0)
-"""flash-attn 4 runs paged KV on Hopper (sm90) and newer; its sm80 path rejects a page table."""
+"""flash-attn 4's sm80 path rejects a page table; on sm90 and newer paging depends on the release and the
+head dim (before 4.0.0b5 sm90 asserted on it; sm12x still does), which the start-up probe finds out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,32 +65,78 @@ class FlashSearch(NamedTuple):
         return "; ".join(self.reasons)
 
 
-def find_flash_kernel(device: torch.device, dtype: torch.dtype, block_size: Optional[int]) -> FlashSearch:
+def find_flash_kernel(device: torch.device, dtype: torch.dtype, block_size: Optional[int],
+                      shape: Optional[AttentionShape] = None, *, generations: tuple[int, ...] = (4, 2)) -> FlashSearch:
     """The flash-attn implementation that can serve this device, dtype and KV block size: flash-attn 4
     when it imports on a Hopper or newer GPU, else flash-attn 2 when it imports and the block size is
-    a multiple of 256 (`block_size` None: not known, which rules flash-attn 2 out). Imports them."""
+    a multiple of 256 (`block_size` None: not known, which rules flash-attn 2 out). Imports them.
+
+    With `shape` (the model's heads and head dim) and a block size, each candidate must also run one
+    tiny paged step of exactly that configuration on the device and agree with a float32 reference
+    (engine/attention/probe.py): a release or GPU whose kernels assert on it is passed over, with why.
+    `generations` limits the search (the GPU check measures each installed one on its own)."""
     if device.type != "cuda":
         return FlashSearch(None, (f"flash-attn runs on CUDA, not {device.type}",))
     if dtype not in FLASH_DTYPES:
         return FlashSearch(None, (f"flash-attn runs float16/bfloat16, not {_dtype_name(dtype)}",))
-    reasons = []
+    reasons: list[str] = []
+    if 4 in generations:
+        kernel = _flash_attn_4(device, reasons)
+        if kernel is not None and _passes_probe(kernel, device, dtype, block_size, shape, reasons):
+            return FlashSearch(kernel, (*reasons, f"flash-attn 4 {kernel.version}: paged varlen kernels, any block "
+                                                  f"size{_probed(shape, block_size)}"))
+    if 2 in generations:
+        kernel = _import_flash_attn_2(reasons)
+        if kernel is None:
+            return FlashSearch(None, tuple(reasons))
+        if block_size is None or block_size % FLASH_ATTN_2_BLOCK_MULTIPLE:
+            given = "the block size is not known" if block_size is None else f"not {block_size}"
+            reasons.append(f"flash-attn 2 {kernel.version}: its paged kernels need a KV block size that is a multiple "
+                           f"of {FLASH_ATTN_2_BLOCK_MULTIPLE}, {given}")
+            return FlashSearch(None, tuple(reasons))
+        if _passes_probe(kernel, device, dtype, block_size, shape, reasons):
+            return FlashSearch(kernel, (*reasons, f"flash-attn 2 {kernel.version}: block size {block_size} "
+                                                  f"fits{_probed(shape, block_size)}"))
+    return FlashSearch(None, tuple(reasons))
+
+
+def flash_versions() -> dict[str, Optional[str]]:
+    """The installed flash-attn distributions' versions (None: not installed), without importing them:
+    flash-attn 4 installs `flash_attn.cute` into a namespace package with no `__version__`."""
+    versions: dict[str, Optional[str]] = {}
+    for distribution in ("flash-attn", "flash-attn-4"):
+        try:
+            versions[distribution] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            versions[distribution] = None
+    return versions
+
+
+def _flash_attn_4(device: torch.device, reasons: list[str]) -> Optional[FlashKernel]:
     capability = tuple(torch.cuda.get_device_capability(device))
     if capability < FLASH_ATTN_4_MIN_CAPABILITY:
         reasons.append(f"flash-attn 4: needs compute capability 9.0 or newer (Hopper+), this GPU has "
                        f"{capability[0]}.{capability[1]}")
-    else:
-        kernel = _import_flash_attn_4(reasons)
-        if kernel is not None:
-            return FlashSearch(kernel, (f"flash-attn 4 {kernel.version}: paged varlen kernels, any block size",))
-    kernel = _import_flash_attn_2(reasons)
-    if kernel is None:
-        return FlashSearch(None, tuple(reasons))
-    if block_size is None or block_size % FLASH_ATTN_2_BLOCK_MULTIPLE:
-        given = "the block size is not known" if block_size is None else f"not {block_size}"
-        reasons.append(f"flash-attn 2 {kernel.version}: its paged kernels need a KV block size that is a multiple "
-                       f"of {FLASH_ATTN_2_BLOCK_MULTIPLE}, {given}")
-        return FlashSearch(None, tuple(reasons))
-    return FlashSearch(kernel, (*reasons, f"flash-attn 2 {kernel.version}: block size {block_size} fits"))
+        return None
+    return _import_flash_attn_4(reasons)
+
+
+def _passes_probe(kernel: FlashKernel, device: torch.device, dtype: torch.dtype, block_size: Optional[int],
+                  shape: Optional[AttentionShape], reasons: list[str]) -> bool:
+    if shape is None or block_size is None:
+        return True  # nothing to probe with: callers that serve a model pass both
+    failure = probe_backend(FlashAttentionBackend(kernel), shape, block_size, dtype, device)
+    if failure is not None:
+        reasons.append(f"{kernel.label} {kernel.version}: {failure} with {_dtype_name(dtype)}, "
+                       f"{shape.num_heads}/{shape.num_kv_heads} heads of dim {shape.head_dim}, block size {block_size}")
+    return failure is None
+
+
+def _probed(shape: Optional[AttentionShape], block_size: Optional[int]) -> str:
+    if shape is None or block_size is None:
+        return ""
+    return (f"; its probe of {shape.num_heads}/{shape.num_kv_heads} heads of dim {shape.head_dim}, "
+            f"block size {block_size} passed")
 
 
 def _import_flash_attn_4(reasons: list[str]) -> Optional[FlashKernel]:
@@ -192,6 +243,9 @@ class FlashAttentionBackend:
 
     def linear(self, dtype: torch.dtype) -> None:
         return None  # the model's default product
+
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (model_dtype,)  # both generations check that K/V have the query's dtype
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> FlashMetadata:
         cu_seqlens_k = None

@@ -33,6 +33,9 @@ class TritonAttentionBackend:
     def linear(self, dtype: torch.dtype) -> None:
         return None  # the model's default product
 
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.float16, torch.bfloat16)  # the query is converted to the cache's dtype
+
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> StepMetadata:
         return step
 

@@ -9,6 +9,7 @@ K/V to the cache's dtype, divided by `kv_scale` for fp8) and on read (back to th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -19,27 +20,35 @@ FP8_KV_SCALE = 1.0
 default too): e4m3 spans +-448, well beyond the K/V activations of Llama-family models."""
 
 
+class ReadsKVCache(Protocol):
+    """What the KV cache dtype's resolution asks of an attention backend."""
+
+    name: str
+
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]: ...
+
+
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
-                           attention_backend: str) -> torch.dtype:
-    """The cache's torch dtype for `--kv-cache-dtype` (auto: the model's); ValueError naming the flag."""
-    if name == "auto":
-        return model_dtype
-    if name not in KV_CACHE_DTYPES:
+                           backend: ReadsKVCache) -> torch.dtype:
+    """The cache's torch dtype for `--kv-cache-dtype` (auto: the model's), one that `backend` reads;
+    ValueError naming the flag otherwise."""
+    if name != "auto" and name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name!r}: choose auto, {', '.join(KV_CACHE_DTYPES)}")
-    dtype = KV_CACHE_DTYPES[name]
-    if name == "fp8":
-        if device.type != "cuda":
-            raise ValueError("--kv-cache-dtype fp8 runs on CUDA only; on CPU use bfloat16 (or auto)")
-        if attention_backend != "torch":
-            raise ValueError(f"--kv-cache-dtype fp8 is read by the torch attention backend only (this engine "
-                             f"runs {attention_backend!r}): add --attention-backend torch, or use bfloat16")
-    if attention_backend == "flash" and dtype != model_dtype:
-        raise ValueError(f"--kv-cache-dtype {name}: flash-attn reads a cache in the model's dtype "
-                         f"({str(model_dtype).removeprefix('torch.')}); use auto or another attention backend")
-    if attention_backend.startswith("cpu") and name not in ("float32", "bfloat16"):  # cpu, cpu-batch-invariant
-        raise ValueError(f"--kv-cache-dtype {name}: the {attention_backend} attention backend's kernels read float32 "
-                         "or bfloat16 caches; use one of those or --attention-backend torch")
+    dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+    if dtype == torch.float8_e4m3fn and device.type != "cuda":
+        raise ValueError("--kv-cache-dtype fp8 runs on CUDA only; on CPU use bfloat16 (or auto)")
+    accepted = backend.kv_cache_dtypes(model_dtype)
+    if dtype not in accepted:
+        names = ", ".join(_dtype_flag(d) for d in accepted)
+        raise ValueError(f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
+                         f"{names} for a {_dtype_flag(model_dtype)} model; use one of those (auto: the model's "
+                         f"dtype) or --attention-backend torch, which reads every cache dtype")
     return dtype
+
+
+def _dtype_flag(dtype: torch.dtype) -> str:
+    """A dtype as `--kv-cache-dtype` names it."""
+    return next((flag for flag, each in KV_CACHE_DTYPES.items() if each == dtype), str(dtype).removeprefix("torch."))
 
 
 def kv_scale(dtype: torch.dtype) -> float:

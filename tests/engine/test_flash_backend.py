@@ -11,7 +11,10 @@ the output against the float64 reference. Nothing here runs flash-attn itself: t
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
+import re
 import sys
 import types
 from typing import Any, Callable, Optional
@@ -20,9 +23,12 @@ import pytest
 import torch
 
 import engine.attention.backend as backend_module
+import engine.attention.probe as probe_module
 from engine.attention import get_attention_backend
 from engine.attention.backend import cuda_auto_choice
-from engine.attention.flash_backend import FlashAttentionBackend, FlashKernel, find_flash_kernel
+from engine.attention.attention_shape import AttentionShape
+from engine.attention.flash_backend import FlashAttentionBackend, FlashKernel, find_flash_kernel, flash_versions
+from engine.attention.probe import probe_backend
 from engine.attention.step_metadata import step_metadata_for
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.runner.kv_cache import KVCacheSpec
@@ -385,3 +391,114 @@ def test_auto_on_cuda_picks_triton_when_flash_cannot_serve(monkeypatch):
     monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: True)
     install(monkeypatch, fa2=FakeFlashAttn2())  # flash-attn 2 only, at a block size it cannot page
     assert get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16).name == "triton"
+
+
+# ------------------------------------------------------------------ the start-up probe
+
+SHAPE = AttentionShape(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+
+
+class FakeFlashAttn4PagingRefused(FakeFlashAttn4):
+    """flash-attn 4 before 4.0.0b5 on SM 9.0 (and SM 12.x still): the signature takes a page table, the
+    kernel asserts on one."""
+
+    @functools.wraps(FakeFlashAttn4.flash_attn_varlen_func)  # the real signature, which the search inspects
+    def flash_attn_varlen_func(self, q, k, v, *args, page_table=None, **kwargs):
+        self.calls.append(dict(q=q, page_table=page_table))
+        assert page_table is None, "paged KV not supported on SM 9.0"
+        raise AssertionError("never reached")
+
+
+class FakeFlashAttn4Wrong(FakeFlashAttn4):
+    """A kernel that runs but answers wrongly (here: ignores the scale)."""
+
+    @functools.wraps(FakeFlashAttn4.flash_attn_varlen_func)
+    def flash_attn_varlen_func(self, q, k, v, *args, softmax_scale=None, **kwargs):
+        return super().flash_attn_varlen_func(q, k, v, *args, softmax_scale=1.0, **kwargs)
+
+
+@pytest.fixture
+def probe_on_cpu(monkeypatch):
+    """The probe allocates on the device it is given: here the CPU stands in for the GPU."""
+    real = probe_module.probe_step
+    monkeypatch.setattr(probe_module, "probe_step",
+                        lambda shape, block_size, dtype, device: real(shape, block_size, dtype, torch.device("cpu")))
+
+
+@pytest.mark.usefixtures("probe_on_cpu")
+def test_auto_probes_the_exact_configuration_before_choosing_flash(monkeypatch, caplog):
+    fa4 = FakeFlashAttn4()
+    install(monkeypatch, fa4=fa4)
+    with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
+        backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, shape=SHAPE)
+    assert backend.name == "flash (flash-attn 4)"
+    (call,) = fa4.calls  # the probe: one paged call of the model's heads, head dim and dtype
+    assert call["q"].shape == (4, HEADS, HEAD_DIM) and call["q"].dtype == torch.bfloat16
+    assert call["k"].shape[1:] == (16, KV_HEADS, HEAD_DIM) and call["page_table"].tolist() == [[2, 0], [1, 0]]
+    assert call["seqused_k"].tolist() == [18, 3] and call["cu_seqlens_q"].tolist() == [0, 1, 4]
+    assert "its probe of 6/2 heads of dim 16, block size 16 passed" in caplog.text
+
+
+@pytest.mark.usefixtures("probe_on_cpu")
+@pytest.mark.parametrize("fake, reason", [
+    (FakeFlashAttn4PagingRefused, r"its probe call failed \(AssertionError: paged KV not supported on SM 9\.0\)"),
+    (FakeFlashAttn4Wrong, r"its probe call gave wrong results \(max abs error .* against a float32 reference\)"),
+])
+def test_auto_falls_back_to_triton_when_the_flash_probe_fails(monkeypatch, caplog, fake, reason):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: True)
+    install(monkeypatch, fa4=fake())
+    with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
+        backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, shape=SHAPE)
+    assert backend.name == "triton"
+    (line,) = [r.getMessage() for r in caplog.records if "attention backend auto on CUDA" in r.getMessage()]
+    assert line.startswith("attention backend auto on CUDA: triton (flash-attn 4 4.0.0: ")
+    assert re.search(reason + r" with bfloat16, 6/2 heads of dim 16, block size 16", line)
+
+
+@pytest.mark.usefixtures("probe_on_cpu")
+def test_a_failed_flash_attn_4_probe_leaves_flash_attn_2_its_turn(monkeypatch):
+    fa2 = FakeFlashAttn2()
+    install(monkeypatch, fa4=FakeFlashAttn4PagingRefused(), fa2=fa2)
+    backend = get_attention_backend("auto", CUDA, torch.float16, block_size=256, shape=SHAPE)
+    assert backend.name == "flash (flash-attn 2)" and len(fa2.calls) == 1  # its own probe
+
+
+@pytest.mark.usefixtures("probe_on_cpu")
+def test_naming_flash_whose_probe_fails_says_why(monkeypatch):
+    install(monkeypatch, fa4=FakeFlashAttn4PagingRefused())
+    with pytest.raises(ValueError, match=r"attention backend 'flash' cannot run here: flash-attn 4 4\.0\.0: its probe "
+                                         r"call failed \(AssertionError: paged KV not supported on SM 9\.0\)"):
+        get_attention_backend("flash", CUDA, torch.bfloat16, block_size=16, shape=SHAPE)
+
+
+def test_the_probe_passes_the_torch_backend_and_refuses_a_wrong_one():
+    """The probe's own reference, checked on the reference backend (fp32 and bf16) and on a broken one."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert probe_backend(TorchAttentionBackend(), SHAPE, 16, dtype, torch.device("cpu")) is None
+
+    class NoCausalMask(TorchAttentionBackend):
+        def attend(self, query, key, value, key_cache, value_cache, metadata, scale):
+            return super().attend(query, key, value, key_cache, value_cache, metadata, scale).flip(0)
+
+    failure = probe_backend(NoCausalMask(), SHAPE, 16, torch.float32, torch.device("cpu"))
+    assert failure is not None and failure.startswith("its probe call gave wrong results")
+
+
+def test_find_flash_kernel_searches_the_generations_asked_for(monkeypatch):
+    install(monkeypatch, fa4=FakeFlashAttn4(), fa2=FakeFlashAttn2())
+    assert find_flash_kernel(CUDA, torch.bfloat16, 256, generations=(2,)).kernel.major == 2
+    assert find_flash_kernel(CUDA, torch.bfloat16, 256, generations=(4,)).kernel.major == 4
+    assert find_flash_kernel(CUDA, torch.bfloat16, 16, generations=(2,)).kernel is None
+
+
+def test_flash_versions_come_from_the_distributions(monkeypatch):
+    installed = {"flash-attn-4": "4.0.0b20"}
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert flash_versions() == {"flash-attn": None, "flash-attn-4": "4.0.0b20"}

@@ -9,7 +9,11 @@ import torch
 
 from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.step_metadata import step_metadata_for
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.flash_backend import FlashAttentionBackend, FlashKernel
+from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 from engine.runner.kv_cache import KVCacheSpec, from_cache, resolve_kv_cache_dtype, to_cache
 from engine.sampling.params import SamplingParams
 from tests.engine.references import make_llm
@@ -53,21 +57,61 @@ def test_a_bf16_cache_holds_twice_the_tokens(tiny_llama_dir):
     assert narrow.num_blocks + 1 == 2 * (wide.num_blocks + 1)  # the budget's blocks, less the padding block
 
 
-def test_kv_cache_dtype_resolution_names_the_flag():
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CPU, "cpu") == torch.bfloat16
-    assert resolve_kv_cache_dtype("bfloat16", torch.float32, CPU, "cpu") == torch.bfloat16
-    assert resolve_kv_cache_dtype("float16", torch.float32, CPU, "torch") == torch.float16
+def fake_flash_backend() -> FlashAttentionBackend:
+    """The flash backend as start-up would choose it (its kernel never runs here)."""
+    def varlen(*args, **kwargs):
+        raise AssertionError("flash-attn is never called by these tests")
+
+    return FlashAttentionBackend(FlashKernel(4, "4.0.0b20", varlen))
+
+
+def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
+    cpu, invariant = CpuAttentionBackend(kernels=None), BatchInvariantCpuBackend(kernels=None)
+    torch_backend = TorchAttentionBackend()
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CPU, cpu) == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, CPU, cpu) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32, CPU, torch_backend) == torch.float16
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'int4': choose auto, float32, bfloat16"):
+        resolve_kv_cache_dtype("int4", torch.float32, CPU, torch_backend)
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on CUDA only"):
-        resolve_kv_cache_dtype("fp8", torch.float32, CPU, "torch")
-    with pytest.raises(ValueError, match="--kv-cache-dtype float16: the cpu attention backend"):
-        resolve_kv_cache_dtype("float16", torch.float32, CPU, "cpu")
+        resolve_kv_cache_dtype("fp8", torch.float32, CPU, torch_backend)
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype float16: the cpu attention backend reads a KV cache of "
+                                         r"float32, bfloat16 for a float32 model"):
+        resolve_kv_cache_dtype("float16", torch.float32, CPU, cpu)
     with pytest.raises(ValueError, match="the cpu-batch-invariant attention backend"):
-        resolve_kv_cache_dtype("float16", torch.float32, CPU, "cpu-batch-invariant")
+        resolve_kv_cache_dtype("float16", torch.float32, CPU, invariant)
     cuda = torch.device("cuda")
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is read by the torch attention backend only"):
-        resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, "flash")
-    with pytest.raises(ValueError, match="flash-attn reads a cache in the model's dtype"):
-        resolve_kv_cache_dtype("float16", torch.bfloat16, cuda, "flash")
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, torch_backend) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8: the triton attention backend reads a KV cache of "
+                                         r"float32, float16, bfloat16"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, TritonAttentionBackend.__new__(TritonAttentionBackend))
+    flash = fake_flash_backend()
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda, flash) == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, cuda, flash) == torch.bfloat16
+    for name in ("float16", "float32", "fp8"):
+        with pytest.raises(ValueError, match=rf"--kv-cache-dtype {name}: the flash \(flash-attn 4\) attention backend "
+                                             r"reads a KV cache of bfloat16 for a bfloat16 model.*--attention-backend "
+                                             r"torch"):
+            resolve_kv_cache_dtype(name, torch.bfloat16, cuda, flash)
+
+
+def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir, monkeypatch):
+    """The check runs at build time against the backend the builder chose, whatever its name says (the flash
+    backend is named after its generation, "flash (flash-attn 4)"): before any memory profiling or step."""
+    import engine.builder as builder_module
+
+    chosen = []
+
+    def choose_flash(name, device, dtype, **kwargs):
+        chosen.append((name, dtype, kwargs))
+        return fake_flash_backend()
+
+    monkeypatch.setattr(builder_module, "get_attention_backend", choose_flash)
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype float16: the flash \(flash-attn 4\) attention backend "
+                                         r"reads a KV cache of bfloat16"):
+        make_llm(tiny_llama_dir, dtype="bfloat16", attention_backend="flash", kv_cache_dtype="float16")
+    ((name, dtype, kwargs),) = chosen
+    assert name == "flash" and dtype == torch.bfloat16 and kwargs["shape"] == (4, 2, 16)
 
 
 def test_fp8_is_refused_on_cpu_by_the_engine(tiny_llama_dir):
