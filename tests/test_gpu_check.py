@@ -245,6 +245,73 @@ def test_numerics_measures_each_flash_generation_at_its_block_sizes(tmp_path, mo
                                                       "block_sizes": [256]}
 
 
+def test_greedy_reruns_each_graph_replaying_bf16_run_eagerly(tmp_path, monkeypatch, gpucheck):
+    """On CUDA a run that replayed graphs is run again with enforce_eager (here the runs only claim graphs)."""
+    import gpucheck.greedy as greedy
+
+    def run_one(*args, **settings):
+        record, tokens = real_run_one(*args, **settings)
+        if not settings.get("enforce_eager"):
+            record["cuda_graphs"] = "decode batches 1-8"
+        return record, tokens
+
+    real_run_one = greedy.run_one
+    monkeypatch.setattr(greedy, "run_one", run_one)
+    ctx = gpucheck.common.PartContext(name="greedy", out_dir=tmp_path, work_dir=tmp_path, device=torch.device("cpu"),
+                                      quick=True, deadline=time.time() + 120, options={"backends": ["torch"]})
+    greedy.run(ctx)
+    runs = ctx.result["models"]["tiny-llama"]["runs"]  # on CPU the cpu backend joins in
+    assert [(r["backend"], r["dtype"], "graphs_match_eager" in r) for r in runs] == [
+        ("torch", "bfloat16", True), ("torch", "float32", False), ("cpu", "bfloat16", True), ("cpu", "float32", False)]
+    assert runs[0]["matching_prefix_vs_eager"] == [ctx.result["max_tokens"]] * len(ctx.result["prompt_lens"])
+    assert ctx.result["graphs_match_eager"] is True and ctx.result["reference_matches_hf"] is True
+
+
+FAKE_GPU_TESTS = """
+import os, signal, pytest
+
+def test_a_passes():
+    print("max abs error 1e-3")
+
+def test_b_crashes():
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_c_hits_a_cuda_error():
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+def test_d_passes_in_a_fresh_process():
+    pass
+
+@pytest.mark.skip(reason="needs flash-attn")
+def test_e_skips():
+    pass
+"""
+
+
+def test_tests_gpu_goes_on_in_a_fresh_process_after_a_crash_or_a_cuda_error(tmp_path, gpucheck):
+    import gpucheck.tests_gpu as tests_gpu
+
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "test_fake.py").write_text(FAKE_GPU_TESTS)
+    ctx = gpucheck.common.PartContext(name="tests_gpu", out_dir=tmp_path, work_dir=tmp_path, device=torch.device("cpu"),
+                                      quick=True, deadline=time.time() + 120,
+                                      options={"tests": str(tmp_path / "fake")})
+    tests_gpu.run(ctx)
+    result = ctx.result
+    tests = {node.rsplit("::", 1)[1]: entry for node, entry in result["tests"].items()}
+    assert {name: entry["outcome"] for name, entry in tests.items()} == {
+        "test_a_passes": "passed", "test_b_crashes": "crashed", "test_c_hits_a_cuda_error": "failed",
+        "test_d_passes_in_a_fresh_process": "passed", "test_e_skips": "skipped"}
+    assert tests["test_a_passes"]["stdout"] == "max abs error 1e-3\n"
+    assert tests["test_b_crashes"]["returncode"] == -signal.SIGSEGV and "Fatal Python error" in tests[
+        "test_b_crashes"]["failure"]
+    assert "illegal memory access" in tests["test_c_hits_a_cuda_error"]["failure"]
+    assert tests["test_e_skips"]["reason"] == "needs flash-attn"
+    assert [sorted(run) for run in result["runs"]] == [["ended_in", "returncode"], ["returncode", "stopped_after"],
+                                                       ["returncode"]]
+    assert result["status"] == "failed" and result["counts"] == {"passed": 2, "crashed": 1, "failed": 1, "skipped": 1}
+
+
 def test_the_throughput_workload_is_nano_vllms(gpucheck):
     """256 requests, lengths uniform in 100-1024 from seed 0: 133,966 output tokens (the issue's count)."""
     from gpucheck.throughput import make_requests, workload
