@@ -105,10 +105,14 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
+        """Stop the engine thread (every request ends). The EngineCore stays as it is: whoever built it
+        releases its memory (`EngineCore.shutdown()`), since another AsyncEngine may serve it next."""
         self._stopping = True
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within 30 s")
 
     @property
     def is_alive(self) -> bool:
@@ -148,7 +152,7 @@ class AsyncEngine:
     @property
     def dtype(self) -> str:
         """The weights' and activations' dtype, e.g. "bfloat16"."""
-        return str(self.engine.runner.model.dtype).removeprefix("torch.")
+        return str(self.engine.model_dtype).removeprefix("torch.")
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -158,12 +162,12 @@ class AsyncEngine:
     @property
     def quantization(self) -> str:
         """The weights' storage: "none", "gguf", "int8", "int4" or "awq"."""
-        return self.engine.runner.model.quantization
+        return self.engine.quantization
 
     @property
     def weight_bytes(self) -> int:
         """Memory the model's weights take."""
-        return self.engine.runner.model.weight_bytes()
+        return self.engine.weight_bytes
 
     @property
     def device(self) -> torch.device:

@@ -82,8 +82,6 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
     )
-    gc.collect()
-    gc.freeze()  # the weights and long-lived state never need scanning by the cyclic GC
     logger.info(
         "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s), "
         "max_model_len %d, attention backend %s, CUDA graphs %s",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -39,6 +39,19 @@ PROFILE_LOG_EVERY = 1000
 """Steps between two logged profiles (`--profile`): cumulative since start."""
 
 
+class EngineShutDownError(RuntimeError):
+    """A request or a step reached an engine after its shutdown()."""
+
+
+def _request_id_lookup(requests: dict) -> "Callable[[object], str]":
+    """sampling state -> its request's id, over the runner's live requests (a closure over the dict, not a
+    method of the engine: the runner keeps it, and a runner -> engine reference would make a cycle)."""
+    def request_id_of(sampling) -> str:
+        return next(rid for rid, state in requests.items() if state.sampling is sampling)
+
+    return request_id_of
+
+
 class EngineCore:
     """Synchronous engine: `add_request`, `abort`, then `step()` until no work is left.
 
@@ -54,11 +67,16 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len: int = scheduler.max_model_len
-        self.vocab_size = runner.model.arch.vocab_size
+        model = runner.model
+        self.vocab_size = model.arch.vocab_size
+        self.model_dtype: torch.dtype = model.dtype
+        self.quantization: str = model.quantization
+        self.weight_bytes: int = model.weight_bytes()  # what the weights took, also after shutdown
         self._states: dict[str, RequestState] = {}
         self.num_steps = 0
         self.last_step_num_tokens = 0
-        self._sampler = runner.sampler = GuardedSampler(runner.sampler, self._request_id_of)
+        self.is_shut_down = False
+        self._sampler = runner.sampler = GuardedSampler(runner.sampler, _request_id_lookup(runner.requests))
         self.grammar_compiler = GrammarCompiler(tokenizer.hf, self.vocab_size, tokenizer.eos_token_ids)
         if runner.grammar is None:
             runner.grammar = GrammarDecoder(self.grammar_compiler, runner.limits.max_num_seqs, runner.device)
@@ -75,8 +93,21 @@ class EngineCore:
     def fault_injector(self, injector: Optional[FaultInjector]) -> None:
         self._sampler.injector = injector
 
-    def _request_id_of(self, sampling) -> str:
-        return next(rid for rid, state in self.runner.requests.items() if state.sampling is sampling)
+    def shutdown(self) -> None:
+        """End every request (finish_reason "abort") and release the KV cache, the CUDA graphs and the
+        weights; nothing is served after. Idempotent. Dropping the last reference to the engine frees the
+        same memory (nothing in it forms a reference cycle); this does it at a known point."""
+        if self.is_shut_down:
+            return
+        try:
+            self.abort(list(self._states))
+            self.runner.shutdown()
+        finally:  # half released is no state to step in
+            self.is_shut_down = True
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise EngineShutDownError("the engine was shut down: build a new one to generate")
 
     def enable_profile(self) -> StepProfile:
         """Time every step's phases from now on (`--profile`); logged every PROFILE_LOG_EVERY steps."""
@@ -100,6 +131,7 @@ class EngineCore:
 
         Raises a RequestRejectedError for a request that can never be served.
         """
+        self._check_running()
         if params.n != 1:
             raise ValueError("EngineCore.add_request takes one sequence; fan n > 1 out with fan_out()")
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority)
@@ -176,6 +208,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        self._check_running()
         profile = self.profile
         if profile is not None:
             profile.begin_step()

@@ -51,6 +51,17 @@ class LLM:
         self.engine: EngineCore = build_engine(engine_config_from_kwargs(model, **kwargs))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Release the KV cache, the CUDA graphs and the weights now (also what leaving `with LLM(...)`
+        does); the LLM generates nothing after. Dropping the last reference frees the same memory."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     @property
     def llm_engine(self) -> EngineCore:
         return self.engine

@@ -23,11 +23,17 @@ class BlockPool:
 
     Free queue (least recently freed first):
 
-        head -> [evicted next] ... [freed last] <- tail
+        head -> [never used: ids next_fresh .. num_blocks - 1] [freed: LRU order] <- tail
+                 (no objects yet)                                (the OrderedDict)
 
     Freed blocks that still hold a full, hashed block stay in the prefix-cache
     index while they wait in the queue; a later request can take them back
     (`touch`) until `get_new_blocks` pops them from the head and evicts them.
+
+    Blocks that were never used are a range, not objects: a freed block always
+    joins behind them, so they leave the queue first and in id order, and a
+    block's KVBlock is made when it is first handed out. Start-up costs the
+    same for a hundred blocks as for the millions a large GPU holds.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
@@ -35,13 +41,17 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._made: list[KVBlock] = []  # blocks 0 .. len - 1, by id; the others were never used
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()  # freed blocks, behind the never-used ones
         self._cached: dict[bytes, KVBlock] = {}
 
     @property
+    def _num_fresh(self) -> int:
+        return self.num_blocks - len(self._made)
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_fresh + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -50,11 +60,15 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (cached-but-free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def free_block_ids(self) -> list[int]:
         """Free block ids, head (next to evict) first."""
-        return list(self._free)
+        return [*range(len(self._made), self.num_blocks), *self._free]
+
+    def all_blocks(self) -> list[KVBlock]:
+        """Every block by id (checks and tests): a never-used one as a new, free KVBlock."""
+        return [*self._made, *(KVBlock(i) for i in range(len(self._made), self.num_blocks))]
 
     def get_cached_block(self, block_hash: BlockHash) -> Optional[KVBlock]:
         block = self._cached.get(block_hash.value)
@@ -64,11 +78,13 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Pop `num_blocks` from the head of the free queue, evicting their cache entries."""
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self._free)} free")
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        first = len(self._made)
+        blocks = [KVBlock(i, ref_cnt=1) for i in range(first, first + min(num_blocks, self._num_fresh))]
+        self._made.extend(blocks)
         popitem = self._free.popitem
-        blocks = []
-        for _ in range(num_blocks):
+        for _ in range(num_blocks - len(blocks)):
             block = popitem(last=False)[1]
             if block.block_hash is not None:
                 self._evict(block)
@@ -107,7 +123,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
         for block in self._cached.values():
             block.block_hash = None

@@ -106,6 +106,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
 
 def _run(settings: "Settings", sock: socket.socket) -> int:
     import asyncio
+    import gc
 
     import uvicorn
 
@@ -121,6 +122,11 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     except (CheckpointError, ValueError) as error:
         print(f"pagedserve serve: error: cannot load the model: {error}", file=sys.stderr)
         return 1
+    # This process serves this one engine until it exits: the weights and long-lived state need no scanning
+    # by the cyclic GC. (Not in the builder: an LLM or a test suite that builds engines again must not
+    # freeze them, since a frozen reference cycle is never collected.)
+    gc.collect()
+    gc.freeze()
     logger.info("authentication: %s", f"{len(server_config.api_keys)} API key(s)" if server_config.api_keys
                 else "none (set --api-key or PAGEDSERVE_API_KEY to require one)")
     port = sock.getsockname()[1]
@@ -145,7 +151,8 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
         shutdown.bind(asyncio.get_running_loop())
         print(message, flush=True)
 
-    app = create_app(AsyncEngine(engine), server_config, on_ready=on_ready, on_engine_death=on_engine_death)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, server_config, on_ready=on_ready, on_engine_death=on_engine_death)
     shutdown = GracefulShutdown(app.state.server, server_config.shutdown_timeout, request_exit)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=port, log_level=server_config.log_level,
@@ -154,6 +161,11 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     ))
     server.handle_exit = shutdown.handle_signal  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
+    if not async_engine.is_alive and async_engine.error is None:  # stopped cleanly (not stuck, not failed)
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - the process is exiting anyway; say why the release failed
+            logger.exception("releasing the engine's memory failed")
     if not server.started:
         return 1
     return exit_status[0]

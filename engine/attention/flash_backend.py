@@ -35,6 +35,8 @@ from engine.runner.kv_cache import KVCacheSpec
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_ATTN_2_BLOCK_MULTIPLE = 256
 """flash-attn 2's paged kernels need `block_size % 256 == 0` ("Paged KV cache block size must be divisible by 256")."""
+FLASH_ATTN_2_HEAD_DIM_MULTIPLE = 8
+"""flash-attn 2's kernels take head dims in multiples of 8; its Python wrapper pads q, k and v to one."""
 FLASH_ATTN_4_MIN_CAPABILITY = (9, 0)
 """flash-attn 4's sm80 path rejects a page table; on sm90 and newer paging depends on the release and the
 head dim (before 4.0.0b5 sm90 asserted on it; sm12x still does), which the start-up probe finds out."""
@@ -93,6 +95,11 @@ def find_flash_kernel(device: torch.device, dtype: torch.dtype, block_size: Opti
             given = "the block size is not known" if block_size is None else f"not {block_size}"
             reasons.append(f"flash-attn 2 {kernel.version}: its paged kernels need a KV block size that is a multiple "
                            f"of {FLASH_ATTN_2_BLOCK_MULTIPLE}, {given}")
+            return FlashSearch(None, tuple(reasons))
+        if shape is not None and shape.head_dim % FLASH_ATTN_2_HEAD_DIM_MULTIPLE:
+            reasons.append(f"flash-attn 2 {kernel.version}: head dim {shape.head_dim} is not a multiple of "
+                           f"{FLASH_ATTN_2_HEAD_DIM_MULTIPLE} (its wrapper would pad, so copy, every layer's whole "
+                           "paged cache at every call)")
             return FlashSearch(None, tuple(reasons))
         if _passes_probe(kernel, device, dtype, block_size, shape, reasons):
             return FlashSearch(kernel, (*reasons, f"flash-attn 2 {kernel.version}: block size {block_size} "

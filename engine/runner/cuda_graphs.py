@@ -75,6 +75,10 @@ class Graph(Protocol):
         """Run the captured step; returns its output tensor ([bucket, hidden])."""
         ...
 
+    def release(self) -> None:
+        """Free the graph and its output (it is not replayed again)."""
+        ...
+
 
 class CudaGraph:
     """A captured CUDA graph and its static output."""
@@ -87,6 +91,10 @@ class CudaGraph:
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.output
+
+    def release(self) -> None:
+        self.graph.reset()
+        self.output = None
 
 
 class EagerReplay:
@@ -101,9 +109,23 @@ class EagerReplay:
         self.replays += 1
         return self.forward()
 
+    def release(self) -> None:
+        self.forward = None
+
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, StepMetadata], torch.Tensor]
 """(input_ids, positions, step) -> hidden states: the model's forward pass over the KV cache."""
+
+
+def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> ForwardFn:
+    """The model's forward pass over `kv_cache` through `backend`: what a step runs and a decode graph
+    captures. A closure over the three parts, not a method of the runner: the graphs keep it, and a
+    runner <-> graphs cycle would outlive the last reference to the engine."""
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+        metadata = backend.build_metadata(step, kv_cache.spec)
+        return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
+
+    return forward
 
 
 class DecodeGraphs:
@@ -137,6 +159,13 @@ class DecodeGraphs:
 
     def bucket_for(self, num_decodes: int) -> Optional[int]:
         return bucket_for(self.sizes, num_decodes)
+
+    def release(self) -> None:
+        """Free every graph (their memory pool goes with the last one)."""
+        for graph in self._graphs.values():
+            graph.release()
+        self._graphs.clear()
+        self.forward = None
 
     # ------------------------------------------------------------------ capture
 

@@ -121,6 +121,10 @@ class KVCache:
             for _ in range(spec.num_layers)
         ]
 
+    def release(self) -> None:
+        """Drop the tensors (the engine is shutting down); the spec stays for what describes the cache."""
+        self.layers = []
+
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.spec.block_size

@@ -12,7 +12,7 @@ import torch
 from engine.attention import AttentionBackend, StepMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
-from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs
+from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, model_forward
 from engine.runner.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
 from engine.step_profile import StepProfile
@@ -83,6 +83,7 @@ class ModelRunner:
         max_blocks = -(-limits.max_model_len // block_size)
         self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
         self.buffers = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs, max_blocks, device)
+        self._forward = model_forward(model, backend, kv_cache)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile: Optional[StepProfile] = None  # set by EngineCore.enable_profile
         self.grammar: Optional[GrammarDecoder] = None  # set by the builder: structured output
@@ -127,11 +128,6 @@ class ModelRunner:
             if profile is not None:
                 profile.lap("sample")
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
-        """The model over the KV cache: hidden states [num_tokens, hidden] (what a decode graph captures)."""
-        metadata = self.backend.build_metadata(step, self.kv_cache.spec)
-        return self.model.forward(input_ids, positions, self.kv_cache.layers, metadata, self.backend)
-
     def capture_decode_graphs(self, buckets: tuple[int, ...], graph_type: type = CudaGraph) -> None:
         """Capture (or, with EagerReplay, prepare) the decode graphs; from then on a decode-only step of at
         most `buckets[-1]` requests replays the smallest bucket that holds it."""
@@ -141,6 +137,20 @@ class ModelRunner:
                               self.limits.max_model_len, graph_type)
         graphs.capture()
         self.graphs = graphs
+
+    def shutdown(self) -> None:
+        """Release the decode graphs, the KV cache, the step buffers and the weights (on CUDA, back to the
+        allocator's free pool and then to the device), so that another engine in this process gets the
+        memory. The runner runs no step after this."""
+        self.requests.clear()
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self.kv_cache.release()
+        self.model = self._forward = self.buffers = self.grammar = None
+        if self.device.type == "cuda":  # (torch's per-stream cuBLAS workspaces stay: clearing them all would
+            torch.cuda.synchronize(self.device)  # free those baked into another live engine's graphs)
+            torch.cuda.empty_cache()
 
     @property
     def cuda_graphs(self) -> str:

@@ -421,8 +421,7 @@ class FakeFlashAttn4Wrong(FakeFlashAttn4):
 def probe_on_cpu(monkeypatch):
     """The probe allocates on the device it is given: here the CPU stands in for the GPU."""
     real = probe_module.probe_step
-    monkeypatch.setattr(probe_module, "probe_step",
-                        lambda shape, block_size, dtype, device: real(shape, block_size, dtype, torch.device("cpu")))
+    monkeypatch.setattr(probe_module, "probe_step", lambda *args: real(*args[:-1], torch.device("cpu")))
 
 
 @pytest.mark.usefixtures("probe_on_cpu")
@@ -432,17 +431,21 @@ def test_auto_probes_the_exact_configuration_before_choosing_flash(monkeypatch, 
     with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
         backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, shape=SHAPE)
     assert backend.name == "flash (flash-attn 4)"
-    (call,) = fa4.calls  # the probe: one paged call of the model's heads, head dim and dtype
-    assert call["q"].shape == (4, HEADS, HEAD_DIM) and call["q"].dtype == torch.bfloat16
-    assert call["k"].shape[1:] == (16, KV_HEADS, HEAD_DIM) and call["page_table"].tolist() == [[2, 0], [1, 0]]
-    assert call["seqused_k"].tolist() == [18, 3] and call["cu_seqlens_q"].tolist() == [0, 1, 4]
+    mixed, decodes = fa4.calls  # the probe: paged calls of the model's heads, head dim and dtype
+    assert mixed["q"].shape == (204, HEADS, HEAD_DIM) and mixed["q"].dtype == torch.bfloat16
+    assert mixed["k"].shape[1:] == (16, KV_HEADS, HEAD_DIM) and mixed["page_table"].shape == (3, 17)
+    assert mixed["seqused_k"].tolist() == [18, 260, 3] and mixed["cu_seqlens_q"].tolist() == [0, 1, 201, 204]
+    assert mixed["max_seqlen_q"] == 200 and decodes["max_seqlen_q"] == 1
+    assert decodes["seqused_k"].tolist() == [300, 37, 1] and decodes["cu_seqlens_q"].tolist() == [0, 1, 2, 3]
     assert "its probe of 6/2 heads of dim 16, block size 16 passed" in caplog.text
 
 
 @pytest.mark.usefixtures("probe_on_cpu")
 @pytest.mark.parametrize("fake, reason", [
-    (FakeFlashAttn4PagingRefused, r"its probe call failed \(AssertionError: paged KV not supported on SM 9\.0\)"),
-    (FakeFlashAttn4Wrong, r"its probe call gave wrong results \(max abs error .* against a float32 reference\)"),
+    (FakeFlashAttn4PagingRefused, r"its probe mixed step failed \(AssertionError: paged KV not supported on SM "
+                                  r"9\.0\)"),
+    (FakeFlashAttn4Wrong, r"its probe mixed step gave wrong results \(max abs error .* against a float32 "
+                          r"reference\)"),
 ])
 def test_auto_falls_back_to_triton_when_the_flash_probe_fails(monkeypatch, caplog, fake, reason):
     pytest.importorskip("triton")
@@ -461,14 +464,14 @@ def test_a_failed_flash_attn_4_probe_leaves_flash_attn_2_its_turn(monkeypatch):
     fa2 = FakeFlashAttn2()
     install(monkeypatch, fa4=FakeFlashAttn4PagingRefused(), fa2=fa2)
     backend = get_attention_backend("auto", CUDA, torch.float16, block_size=256, shape=SHAPE)
-    assert backend.name == "flash (flash-attn 2)" and len(fa2.calls) == 1  # its own probe
+    assert backend.name == "flash (flash-attn 2)" and len(fa2.calls) == 2  # its own probe
 
 
 @pytest.mark.usefixtures("probe_on_cpu")
 def test_naming_flash_whose_probe_fails_says_why(monkeypatch):
     install(monkeypatch, fa4=FakeFlashAttn4PagingRefused())
     with pytest.raises(ValueError, match=r"attention backend 'flash' cannot run here: flash-attn 4 4\.0\.0: its probe "
-                                         r"call failed \(AssertionError: paged KV not supported on SM 9\.0\)"):
+                                         r"mixed step failed \(AssertionError: paged KV not supported on SM 9\.0\)"):
         get_attention_backend("flash", CUDA, torch.bfloat16, block_size=16, shape=SHAPE)
 
 
@@ -482,7 +485,12 @@ def test_the_probe_passes_the_torch_backend_and_refuses_a_wrong_one():
             return super().attend(query, key, value, key_cache, value_cache, metadata, scale).flip(0)
 
     failure = probe_backend(NoCausalMask(), SHAPE, 16, torch.float32, torch.device("cpu"))
-    assert failure is not None and failure.startswith("its probe call gave wrong results")
+    assert failure is not None and failure.startswith("its probe mixed step gave wrong results")
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16, 256])
+def test_the_probe_runs_at_every_block_size(block_size):
+    assert probe_backend(TorchAttentionBackend(), SHAPE, block_size, torch.float32, torch.device("cpu")) is None
 
 
 def test_find_flash_kernel_searches_the_generations_asked_for(monkeypatch):
@@ -502,3 +510,9 @@ def test_flash_versions_come_from_the_distributions(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", version)
     assert flash_versions() == {"flash-attn": None, "flash-attn-4": "4.0.0b20"}
+
+
+def test_flash_attn_2_is_passed_over_for_a_head_dim_it_would_pad(monkeypatch):
+    install(monkeypatch, fa2=FakeFlashAttn2(), capability=AMPERE)
+    search = find_flash_kernel(CUDA, torch.bfloat16, 256, AttentionShape(4, 2, 36))
+    assert search.kernel is None and "head dim 36 is not a multiple of 8" in search.summary

@@ -20,15 +20,17 @@ def test_tiny_model_greedy_on_cuda_matches_cpu(tmp_path):
 
 
 def test_gpu_memory_utilization_sizes_the_cache_after_profiling(tmp_path):
-    """The KV cache takes what is left of total x utilization after weights and a profiled max step."""
+    """The KV cache takes what is left of total x utilization after weights and a profiled max step. (The one
+    test sized by a fraction: a tiny model's blocks at 0.1 of a large GPU number in the millions, which the
+    block pool holds without an object per block.)"""
     model_dir = make_tiny_model_dir(tmp_path, "llama")
-    llm = make_llm(model_dir, device="cuda", num_blocks=None, gpu_memory_utilization=0.3)
-    _, total = torch.cuda.mem_get_info()
-    engine = llm.engine
-    assert engine.runner.kv_cache.num_blocks > 0
-    assert torch.cuda.memory_reserved() <= 0.3 * total * 1.02
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    with make_llm(model_dir, device="cuda", num_blocks=None, gpu_memory_utilization=0.1) as llm:
+        _, total = torch.cuda.mem_get_info()
+        engine = llm.engine
+        assert engine.runner.kv_cache.num_blocks > 0
+        assert torch.cuda.memory_reserved() <= 0.1 * total * 1.02
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("backend", ["triton", "flash"])
@@ -51,16 +53,17 @@ def test_decode_graphs_give_the_tokens_of_eager_steps(tmp_path, backend):
 
 
 def test_decode_graphs_over_long_contexts_with_a_profiled_cache(tmp_path):
-    """A graph's block table spans max_model_len (4096: several decode partitions), the cache is sized by
-    profiling (graph memory measured first), and a 1500-token prompt decodes through the graphs with the
-    tokens of eager steps."""
+    """A graph's block table spans max_model_len (4096: several decode partitions) and a 1500-token prompt
+    decodes through the graphs with the tokens of eager steps. The cache is sized by kv_cache_memory: a
+    fraction of a large GPU would be millions of a tiny model's blocks."""
     model_dir = make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=4096)
     prompts = [list(range(3, 500)) * 3, [5, 6, 7]]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     tokens = {}
     for eager in (True, False):
         llm = make_llm(model_dir, device="cuda", dtype="bfloat16", attention_backend="triton", block_size=16,
-                       max_model_len=4096, max_num_batched_tokens=2048, num_blocks=None, gpu_memory_utilization=0.2,
+                       max_model_len=4096, max_num_batched_tokens=2048, num_blocks=None, kv_cache_memory="64MiB",
                        enforce_eager=eager)
         tokens[eager] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
     assert tokens[False] == tokens[True]

@@ -22,7 +22,9 @@ def test_the_monitor_reads_torchs_device_through_nvml():
     try:
         (sample,) = monitor.samples
         _, total = torch.cuda.mem_get_info(devices[0].ordinal)
-        assert sample.memory_total == total
+        # not equal: the driver reserves some memory from what the CUDA runtime reports (an H100 80GB:
+        # 81,251 MiB through torch, 81,559 MiB through NVML)
+        assert abs(sample.memory_total - total) <= 0.02 * total
         assert 0 < sample.memory_used <= sample.memory_total
         assert sample.utilization is not None and 0 <= sample.utilization <= 1
     finally:

@@ -153,10 +153,13 @@ def check_invariants(scheduler: Scheduler) -> None:
                 assert list(block.block_hash.token_ids) == tokens
         if request.is_finished or request.status.name in ("WAITING", "PREEMPTED"):
             assert not blocks, f"{request.status.name} request holds blocks"
-    for block in pool.blocks:
+    all_blocks = pool.all_blocks()
+    assert [b.block_id for b in all_blocks] == list(range(pool.num_blocks))
+    free = set(free_ids)
+    for block in all_blocks:
         assert block.ref_cnt == owners.get(block.block_id, 0)
-        assert (block.ref_cnt == 0) == (block.block_id in set(free_ids))
-    assert len(free_ids) + sum(1 for b in pool.blocks if b.ref_cnt > 0) == pool.num_blocks
+        assert (block.ref_cnt == 0) == (block.block_id in free)
+    assert len(free_ids) + sum(1 for b in all_blocks if b.ref_cnt > 0) == pool.num_blocks
     running = {r.request_id for r in scheduler.running}
     waiting = {r.request_id for r in scheduler.waiting}
     assert not running & waiting

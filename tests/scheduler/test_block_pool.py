@@ -97,3 +97,35 @@ def test_reset_prefix_cache_only_when_idle():
     pool.free_blocks([a])
     assert pool.reset_prefix_cache()
     assert pool.get_cached_block(h) is None and pool.num_cached_blocks == 0
+
+
+def test_never_used_blocks_leave_first_in_id_order_then_the_freed_ones_lru():
+    pool = BlockPool(6)
+    a, b = pool.get_new_blocks(2)
+    assert (a.block_id, b.block_id) == (0, 1)
+    pool.free_blocks([b, a])  # behind the never-used blocks 2..5
+    assert pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
+    assert [x.block_id for x in pool.get_new_blocks(5)] == [2, 3, 4, 5, 1]
+    assert pool.num_free_blocks == 1 and pool.get_new_blocks(1) == [a]
+    assert [x.block_id for x in pool.all_blocks()] == list(range(6))
+
+
+def test_a_pool_of_millions_of_blocks_costs_no_object_per_block_at_start_up():
+    """A large GPU's cache holds millions of blocks (0.3 of an H200 for a tiny model: ~22 M); the pool,
+    the KV cache manager and the scheduler must not build a Python object per block before serving."""
+    import tracemalloc
+
+    from scheduler import CacheConfig, Scheduler, SchedulerConfig
+
+    num_blocks = 5_000_000
+    tracemalloc.start()
+    try:
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                              CacheConfig(num_blocks=num_blocks, block_size=16))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak / 2**20:.0f} MiB to start a pool of {num_blocks} blocks"
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == num_blocks and pool.usage == 0.0
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [0, 1, 2]
