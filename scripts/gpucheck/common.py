@@ -230,11 +230,13 @@ def speed_block_size(backend: str, device: torch.device) -> int:
     loads (its paged kernels need it) and `backend` may pick flash."""
     if backend not in ("auto", "flash") or device.type != "cuda":
         return 16
-    fa4, _ = find_flash(4, device, torch.bfloat16, 16)
-    fa2, _ = find_flash(2, device, torch.bfloat16, 256)
-    if fa4 is None and fa2 is not None:
-        return 256
-    return 16
+    try:
+        fa4, _ = find_flash(4, device, torch.bfloat16, 16)
+        fa2, _ = find_flash(2, device, torch.bfloat16, 256)
+    except Exception as exc:  # noqa: BLE001 - the engine's own choice will say more
+        logger.warning("looking for flash-attn failed (%s: %s): blocks of 16", type(exc).__name__, exc)
+        return 16
+    return 256 if fa4 is None and fa2 is not None else 16
 
 
 def distribution_versions(names: Iterable[str]) -> dict[str, Optional[str]]:
