@@ -79,8 +79,11 @@ def gpu_python(tmp_path_factory) -> Path:
 
 
 def start_check(python: Path, out: Path, *options: str) -> subprocess.Popen:
-    """scripts/gpu_check.sh with that Python and no carried wheels (a checkout's .gpu-wheels are not for it)."""
-    env = {**os.environ, "PYTHON": str(python), "GPU_WHEELS": str(out.parent / "no-wheels")}
+    """scripts/gpu_check.sh with that Python and no carried wheels (a checkout's .gpu-wheels are not for it);
+    its temporary files under the test's own folder (a killed check cannot remove them)."""
+    scratch = out.parent / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHON": str(python), "GPU_WHEELS": str(out.parent / "no-wheels"), "TMPDIR": str(scratch)}
     return subprocess.Popen(["bash", "scripts/gpu_check.sh", str(out), "--device", "cpu", "--quick", *options],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -124,7 +124,7 @@ def run(ctx: PartContext) -> None:
                   max_tokens=max_tokens, engine=ENGINE, prompt_lens=[len(p) for p in prompts], models={})
     result["backends"], runs = planned_runs(candidates, device)
     all_match_fp32 = True
-    with tempfile.TemporaryDirectory(prefix="gpu-check-tiny-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tiny-", dir=ctx.work_dir) as tmp:  # the check removes it if killed
         for model_name, (arch, overrides) in tiny_models(ctx.quick).items():
             model_dir = make_tiny_model_dir(Path(tmp) / model_name, arch, **overrides)
             entry = result["models"][model_name] = {"arch": arch, "overrides": overrides, "runs": []}
