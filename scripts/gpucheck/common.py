@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import logging
 import os
 import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from gpucheck.results import write_json
 
+DISTRIBUTIONS = ("torch", "triton", "transformers", "tokenizers", "pydantic", "flash-attn", "flash-attn-4",
+                 "nvidia-cutlass-dsl", "quack-kernels", "apache-tvm-ffi", "cuda-bindings", "nvidia-ml-py", "pytest",
+                 "pytest-timeout")
 HBM_BYTES_PER_S = 4.8e12  # the H200's memory bandwidth by its datasheet: the floors' denominator
 BF16_TARGET_MAX_ABS_ERR = 2e-2
 
@@ -167,8 +171,17 @@ def with_torch_fallback(run: Callable[[dict], dict], settings: dict, ctx: "PartC
     return record
 
 
+def shutdown(llm) -> None:
+    """`llm.shutdown()` (it releases the KV cache, graphs and weights) where the engine has one; the
+    caller then drops its reference and calls free_memory() for engines without it."""
+    method = getattr(llm, "shutdown", None)
+    if callable(method):
+        method()
+
+
 def free_memory() -> None:
-    """Release what dropped engines held (the builder gc.freeze()s everything it loaded)."""
+    """Release what dropped engines held. gc.unfreeze() for engine builders that gc.freeze() what they
+    loaded (frozen objects are never collected); without a freeze it does nothing."""
     gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
@@ -180,15 +193,62 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def backend_available(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
-    """Whether `get_attention_backend` gives backend `name` here (and why not)."""
+def backend_available(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                      block_size: Optional[int] = None) -> tuple[bool, str]:
+    """Whether `get_attention_backend` gives backend `name` here for blocks of `block_size` (and why not;
+    without a block size flash-attn 2 is ruled out)."""
     from engine.attention import get_attention_backend
 
     try:
-        backend = get_attention_backend(name, device, dtype)
+        backend = get_attention_backend(name, device, dtype, block_size=block_size)
     except Exception as exc:  # noqa: BLE001 - any failure means unavailable, with its reason
         return False, f"{type(exc).__name__}: {exc}"
     return True, getattr(backend, "name", name)
+
+
+FLASH_GENERATIONS = {4: (16, 256), 2: (256,)}
+"""Each flash-attn generation with the block sizes it is measured at (flash-attn 2's paged kernels
+take multiples of 256 only)."""
+
+
+def flash_label(generation: int) -> str:
+    return f"flash-attn {generation}"
+
+
+def find_flash(generation: int, device: torch.device, dtype: torch.dtype, block_size: int, shape=None):
+    """`find_flash_kernel` limited to one generation: (FlashAttentionBackend or None, why). With the
+    model's `shape` the kernel must also pass the engine's start-up probe of that configuration."""
+    from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
+
+    search = find_flash_kernel(device, dtype, block_size, shape, generations=(generation,))
+    backend = FlashAttentionBackend(search.kernel) if search.kernel is not None else None
+    return backend, search.summary
+
+
+def speed_block_size(backend: str, device: torch.device) -> int:
+    """The KV block size of the speed parts: 16, or 256 where flash-attn 2 is the only flash kernel that
+    loads (its paged kernels need it) and `backend` may pick flash."""
+    if backend not in ("auto", "flash") or device.type != "cuda":
+        return 16
+    try:
+        fa4, _ = find_flash(4, device, torch.bfloat16, 16)
+        fa2, _ = find_flash(2, device, torch.bfloat16, 256)
+    except Exception as exc:  # noqa: BLE001 - the engine's own choice will say more
+        logger.warning("looking for flash-attn failed (%s: %s): blocks of 16", type(exc).__name__, exc)
+        return 16
+    return 256 if fa4 is None and fa2 is not None else 16
+
+
+def distribution_versions(names: Iterable[str]) -> dict[str, Optional[str]]:
+    """Installed versions by distribution name (None: not installed), read without importing: flash-attn 4
+    installs `flash_attn.cute` into a namespace package that has no __version__."""
+    versions: dict[str, Optional[str]] = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def cuda_graph_modes() -> list[tuple[str, dict]]:
@@ -227,11 +287,14 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(), "torch": torch.__version__, "device": str(device),
         "cuda_available": torch.cuda.is_available(), "hostname": platform.node(),
     }
-    for module in ("transformers", "tokenizers", "triton", "pydantic", "flash_attn"):
+    for module in ("transformers", "tokenizers", "triton", "pydantic"):
         try:
             info[module] = __import__(module).__version__
         except Exception as exc:  # noqa: BLE001 - absent or broken: say which
             info[module] = f"unavailable ({type(exc).__name__})"
+    info["flash_versions"] = distribution_versions(("flash-attn", "flash-attn-4"))
+    info["versions"] = distribution_versions(DISTRIBUTIONS)
+    info["carried_wheels"] = os.environ.get("GPU_CHECK_CARRIED", "").split()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),

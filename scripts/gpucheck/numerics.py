@@ -1,10 +1,14 @@
-"""Part 1: each GPU attention backend against the `torch` backend on random paged inputs, in bf16.
+"""Part: each GPU attention backend against the `torch` backend on random paged inputs, in bf16.
 
 A case is one step built as the runner builds it (decodes first, then prefill chunks, one int32
 block table over shuffled, non-contiguous blocks, `slot_mapping` for the new tokens), over a cache
 full of large garbage except each request's cached prefix. Every backend gets its own copy of the
 cache, writes the step's K/V and attends; its output is compared with the torch backend's on the
 same inputs (the target: max abs error < 2e-2) and, for scale, with the torch backend in float32.
+
+`flash` stands for each installed flash-attn generation on its own ("flash-attn 4", "flash-attn 2"),
+each at the block sizes it takes, chosen per head shape and block size as the engine chooses it
+(the start-up probe of that configuration included: a probe that fails makes the case unsupported).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpucheck.common import BF16_TARGET_MAX_ABS_ERR, PartContext, backend_available, error_record, logger, synchronize
+from gpucheck.common import (BF16_TARGET_MAX_ABS_ERR, FLASH_GENERATIONS, PartContext, distribution_versions,
+                             error_record, find_flash, flash_label, logger, synchronize)
 
 CANDIDATES = ("triton", "flash")
 Shape = tuple[int, int, bool]  # (context_len, query_len, is_decode)
@@ -130,25 +135,85 @@ def finite(x: float):
     return x if math.isfinite(x) else str(x)
 
 
+class Candidates:
+    """The backends under test by label, and how to get each for a block size and head shape. A flash
+    generation is looked up per block size, and for each head shape the engine's start-up probe of
+    that configuration is run too: its verdict is recorded beside the measurement, which is made
+    either way (a kernel the probe turns away is measured all the same, to see how wrong it is)."""
+
+    def __init__(self, names: list[str], device: torch.device, dtype: torch.dtype):
+        from engine.attention import get_attention_backend
+
+        self.device, self.dtype = device, dtype
+        self.plain: dict[str, object] = {}
+        self.flash: dict[str, int] = {}  # label -> generation
+        self.availability: dict[str, dict] = {}
+        self._found: dict[tuple, tuple] = {}
+        for name in names:
+            if name == "flash":
+                for generation, block_sizes in FLASH_GENERATIONS.items():
+                    label = flash_label(generation)
+                    backend, why = self._find(generation, block_sizes[0])
+                    self._record(label, backend is not None, why, block_sizes=list(block_sizes))
+                    if backend is not None:
+                        self.flash[label] = generation
+                continue
+            try:
+                self.plain[name] = get_attention_backend(name, device, dtype)
+                self._record(name, True, self.plain[name].name)
+            except Exception as exc:  # noqa: BLE001 - any failure means unavailable, with its reason
+                self._record(name, False, f"{type(exc).__name__}: {exc}")
+
+    def _record(self, label: str, ok: bool, reason: str, **extra) -> None:
+        self.availability[label] = {"available": ok, ("found" if ok else "reason"): reason, **extra}
+        logger.info("backend %s: %s", label, "available" if ok else f"unavailable ({reason})")
+
+    def _find(self, generation: int, block_size: int, shape=None) -> tuple:
+        """find_flash, once per configuration (a failure of the search itself is its reason)."""
+        key = (generation, block_size, shape)
+        if key not in self._found:
+            try:
+                self._found[key] = find_flash(generation, self.device, self.dtype, block_size, shape)
+            except Exception as exc:  # noqa: BLE001 - recorded as the reason
+                self._found[key] = (None, f"{type(exc).__name__}: {exc}")
+        return self._found[key]
+
+    @property
+    def labels(self) -> list[str]:
+        return [*self.plain, *self.flash]
+
+    def takes(self, label: str, block_size: int) -> bool:
+        return label in self.plain or block_size in FLASH_GENERATIONS[self.flash[label]]
+
+    def get(self, label: str, block_size: int, heads: int, kv_heads: int, head_dim: int) -> tuple[object, dict]:
+        """(backend or None, notes for the case: why none, or the probe's verdict on this configuration)."""
+        if label in self.plain:
+            return self.plain[label], {}
+        from engine.attention.attention_shape import AttentionShape
+
+        generation = self.flash[label]
+        backend, why = self._find(generation, block_size)
+        if backend is None:
+            return None, {"reason": why[:500]}
+        probed, verdict = self._find(generation, block_size, AttentionShape(heads, kv_heads, head_dim))
+        return backend, {"probe": "passed" if probed is not None else verdict[-500:]}
+
+
 def run(ctx: PartContext) -> None:
     from engine.attention import get_attention_backend
 
     device = ctx.device
     dtype = torch.bfloat16
-    candidates = list(ctx.options.get("backends") or CANDIDATES)
-    if device.type == "cpu" and "cpu" not in candidates:
-        candidates.append("cpu")  # the native CPU kernels stand in for a GPU backend on CPU (--device cpu)
+    names = list(ctx.options.get("backends") or CANDIDATES)
+    if device.type == "cpu" and "cpu" not in names:
+        names.append("cpu")  # the native CPU kernels stand in for a GPU backend on CPU (--device cpu)
     result = ctx.result
-    result.update(dtype="bfloat16", target_max_abs_err=BF16_TARGET_MAX_ABS_ERR, backends={}, cases=[])
-    backends = {}
-    for name in candidates:
-        ok, reason = backend_available(name, device, dtype)
-        result["backends"][name] = {"available": ok, **({} if ok else {"reason": reason})}
-        if ok:
-            backends[name] = get_attention_backend(name, device, dtype)
-        logger.info("backend %s: %s", name, "available" if ok else f"unavailable ({reason})")
+    result.update(dtype="bfloat16", target_max_abs_err=BF16_TARGET_MAX_ABS_ERR, cases=[],
+                  flash_versions=distribution_versions(("flash-attn", "flash-attn-4")))
+    candidates = Candidates(names, device, dtype)
+    result["backends"] = candidates.availability
     ctx.save()
-    if not backends:
+    if not candidates.labels:
         result["status"] = "skipped"
         result["reason"] = "no GPU attention backend is available here"
         return
@@ -157,11 +222,13 @@ def run(ctx: PartContext) -> None:
     block_sizes = (16,) if ctx.quick else (16, 256)
     kinds = ("prefill", "chunked_prefill", "decode", "mixed")
     skipped = 0
-    for block_size in block_sizes:
-        for heads, kv_heads, head_dim in head_configs:
+    # Head shapes outermost: when time runs out, every backend and block size has its first shapes measured.
+    for heads, kv_heads, head_dim in head_configs:
+        for block_size in block_sizes:
+            labels = [label for label in candidates.labels if candidates.takes(label, block_size)]
             for kind in kinds:
                 if not ctx.has_time(5):
-                    skipped += len(backends)
+                    skipped += len(labels)
                     continue
                 seed = len(result["cases"]) + 1
                 shapes, shared = case_shapes(kind, block_size, ctx.quick, random.Random(seed))
@@ -172,8 +239,13 @@ def run(ctx: PartContext) -> None:
                 base = dict(block_size=block_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, case=kind,
                             num_reqs=len(shapes), num_tokens=int(inputs.query.shape[0]),
                             torch_max_abs_err_vs_fp32=finite(max_abs(ref_out, fp32_out)))
-                for name, backend in backends.items():
-                    result["cases"].append(compare(name, backend, bf16, device, base, ref_out, ref_k, ref_v, fp32_out))
+                for label in labels:
+                    backend, notes = candidates.get(label, block_size, heads, kv_heads, head_dim)
+                    if backend is None:
+                        result["cases"].append(dict(backend=label, **base, status="unsupported", **notes))
+                        continue
+                    record = compare(label, backend, bf16, device, base, ref_out, ref_k, ref_v, fp32_out)
+                    result["cases"].append({**record, **notes})
                 ctx.save()
     summarize(result, skipped)
 
@@ -207,8 +279,11 @@ def summarize(result: dict, skipped: int) -> None:
     (None when a backend refused every case: nothing was measured)."""
     per_backend: dict[str, dict] = {}
     for case in result["cases"]:
-        entry = per_backend.setdefault(case["backend"], {"cases": 0, "errors": 0, "unsupported": 0, "_errs": []})
+        entry = per_backend.setdefault(case["backend"], {"cases": 0, "errors": 0, "unsupported": 0,
+                                                         "probe_failed": 0, "_errs": []})
         entry["cases"] += 1
+        if case.get("probe", "passed") != "passed":  # the engine would not pick this kernel here
+            entry["probe_failed"] += 1
         status = case.get("status")
         if status == "ok":
             err = case["max_abs_err"]
@@ -231,6 +306,7 @@ def summarize(result: dict, skipped: int) -> None:
     result["passed"] = all(measured) if measured else None
     result["status"] = "ok" if not skipped else "partial"
     for name, entry in per_backend.items():
-        logger.info("numerics %s: max abs err %s over %d cases (%d errors, %d unsupported) -> %s", name,
-                    entry["max_abs_err"], entry["cases"], entry["errors"], entry["unsupported"],
+        logger.info("numerics %s: max abs err %s over %d cases (%d errors, %d unsupported, %d failed the "
+                    "engine's probe) -> %s", name, entry["max_abs_err"], entry["cases"], entry["errors"],
+                    entry["unsupported"], entry["probe_failed"],
                     {True: "PASS", False: "FAIL", None: "not measured"}[entry["passed"]])

@@ -1,4 +1,4 @@
-"""Part 4: single-stream decode step time next to the weight-read floor (Qwen3-0.6B shape; Llama-3.1-8B
+"""Part: single-stream decode step time next to the weight-read floor (Qwen3-0.6B shape; Llama-3.1-8B
 shape when the parent gives it time).
 
 A step is one `engine.step()` of one request decoding after a 128-token prompt (scheduler, forward
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from gpucheck.common import (HBM_BYTES_PER_S, PartContext, build_llm, cuda_graph_modes, ensure_checkpoint,
-                             error_record, free_memory, kv_bytes_per_token, logger, synchronize, weight_read_bytes,
-                             with_torch_fallback)
+                             error_record, free_memory, kv_bytes_per_token, logger, shutdown, speed_block_size,
+                             synchronize, weight_read_bytes, with_torch_fallback)
 from gpucheck.results import read_json
 
 TARGET_STEP_MS = {"qwen3-0.6b": 1.5, "llama-3.1-8b": 4.2}  # the issue's targets on an H200
@@ -57,9 +57,10 @@ def measure_model(ctx: PartContext, name: str, modes: list[tuple[str, dict]]) ->
     model_dir = ensure_checkpoint(ctx.work_dir, name, ctx.quick, ctx.device)
     record: dict = {"checkpoint_s": round(time.perf_counter() - started, 1), "steps_timed": steps,
                     "target_step_ms": None if ctx.quick else TARGET_STEP_MS.get(name), "modes": {}}
+    backend = ctx.options.get("throughput_backend") or "auto"
     base = dict(dtype="bfloat16", device=ctx.device.type, max_num_seqs=4, max_num_batched_tokens=1024,
-                max_model_len=1024, kv_cache_memory="16MiB" if ctx.quick else "1GiB",
-                attention_backend=ctx.options.get("throughput_backend") or "auto")
+                max_model_len=1024, kv_cache_memory="16MiB" if ctx.quick else "1GiB", attention_backend=backend,
+                block_size=speed_block_size(backend, ctx.device))
     try:
         for label, extra in modes:
             mode = with_torch_fallback(lambda s: measure_settings(model_dir, s, ctx.device, steps),
@@ -93,6 +94,7 @@ def measure_settings(model_dir, settings: dict, device: torch.device, steps: int
     try:
         return measure_engine(llm, device, steps)
     finally:
+        shutdown(llm)
         del llm
         free_memory()
 

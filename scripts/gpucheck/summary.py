@@ -17,14 +17,23 @@ def headline(results: dict[str, dict], on_gpu: bool) -> dict[str, Any]:
     def met(ok: Optional[bool]) -> Optional[bool]:
         return ok if on_gpu else None
 
-    numerics, greedy, throughput, single = (results[k] for k in ("numerics", "greedy", "throughput", "single_stream"))
+    tests, numerics, greedy, throughput, single = (results[k] for k in ("tests_gpu", "numerics", "greedy",
+                                                                         "throughput", "single_stream"))
     out: dict[str, Any] = {}
+    out["tests_gpu"] = {"status": tests.get("status"), "counts": tests.get("counts"),
+                        "failures": test_failures(tests.get("tests") or {})}
+    if tests.get("running"):
+        out["tests_gpu"]["running_when_it_ended"] = tests["running"]
     per_backend = numerics.get("summary") or {}
     out["numerics_max_abs_err_bf16"] = {
         "target": TARGETS["numerics_max_abs_err_bf16"], "status": numerics.get("status"),
         "value": {name: entry["max_abs_err"] for name, entry in per_backend.items()} or None,
+        "cases": {name: {k: entry.get(k) for k in ("cases", "errors", "unsupported", "probe_failed")}
+                  for name, entry in per_backend.items()} or None,
         "met": met(numerics.get("passed")) if per_backend else None}
     out["greedy"] = {"status": greedy.get("status"), "all_match_float32": greedy.get("all_match_float32"),
+                     "reference_matches_hf": greedy.get("reference_matches_hf"),
+                     "graphs_match_eager": greedy.get("graphs_match_eager"),
                      "min_matching_prefix": greedy_prefixes(greedy)}
     runs = throughput.get("runs") or {}
     graphs = runs.get("cuda_graphs", {}).get("output_tok_s")
@@ -61,11 +70,23 @@ def greedy_prefixes(greedy: dict) -> dict[str, str]:
     out = {}
     for model, entry in (greedy.get("models") or {}).items():
         for run in entry.get("runs", []):
-            key = f"{model} {run.get('backend')} {run.get('dtype')}"
+            key = f"{model} {run.get('kernel') or run.get('backend')} {run.get('dtype')}"
+            if run.get("block_size") is not None:
+                key += f" block {run['block_size']}"
             if run.get("status") == "ok":
                 out[key] = f"{min(run['matching_prefix'])}/{run['num_tokens']}"
                 if run.get("matching_prefix_vs_device_torch"):
                     out[key] += f" (vs torch on the device: {min(run['matching_prefix_vs_device_torch'])})"
             else:
                 out[key] = run.get("status", "?")
+    return out
+
+
+def test_failures(tests: dict[str, dict]) -> dict[str, str]:
+    """'node id' -> 'outcome: the failure's last line' for each test that failed, errored or xpassed."""
+    out = {}
+    for node, entry in tests.items():
+        if entry.get("outcome") in ("failed", "error", "xpassed"):
+            lines = (entry.get("failure") or "").strip().splitlines()
+            out[node] = f"{entry['outcome']}: {lines[-1][:300]}" if lines else entry["outcome"]
     return out

@@ -1,4 +1,4 @@
-"""Part 3: output tokens/s on nano-vllm's benchmark workload, Qwen3-0.6B-shaped random weights.
+"""Part: output tokens/s on nano-vllm's benchmark workload, Qwen3-0.6B-shaped random weights.
 
 The workload is nano-vllm's bench.py (github.com/GeeeekExplorer/nano-vllm):
 
@@ -21,8 +21,8 @@ import statistics
 import time
 
 from gpucheck.common import (HBM_BYTES_PER_S, PartContext, build_llm, cuda_graph_modes, ensure_checkpoint,
-                             error_record, free_memory, kv_bytes_per_token, logger, weight_read_bytes,
-                             with_torch_fallback)
+                             error_record, free_memory, kv_bytes_per_token, logger, shutdown, speed_block_size,
+                             weight_read_bytes, with_torch_fallback)
 
 TEARDOWN_S = 8  # left at the deadline to abort, release the engine and save
 
@@ -50,8 +50,8 @@ def engine_settings(ctx: PartContext) -> dict:
                     enable_prefix_caching=True)
     # nano-vllm's defaults: max_num_seqs 512, max_num_batched_tokens 16384, max_model_len 4096, 0.9 of memory
     return dict(dtype="bfloat16", device=ctx.device.type, attention_backend=backend, max_num_seqs=256,
-                max_num_batched_tokens=16384, max_model_len=4096, block_size=16, gpu_memory_utilization=0.9,
-                enable_prefix_caching=True)
+                max_num_batched_tokens=16384, max_model_len=4096, block_size=speed_block_size(backend, ctx.device),
+                gpu_memory_utilization=0.9, enable_prefix_caching=True)
 
 
 class StepRecorder:
@@ -123,6 +123,7 @@ def run_mode(model_dir, settings: dict, prompts, output_lens, temperature: float
                     "completed" if record["completed"] else "stopped at the deadline", record["full_batch_decode"])
         return record
     finally:
+        shutdown(llm)
         del llm
         free_memory()
 
