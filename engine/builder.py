@@ -9,21 +9,21 @@ from typing import Optional
 
 import torch
 
-from engine.attention import AttentionBackend, get_attention_backend
+from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape
-from engine.batch_invariant import Numerics, batch_invariant_numerics
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
-from engine.runner.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
+from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
 from engine.loading.loader import load_hf_config, prepare_checkpoint
 from engine.memory_bandwidth import tensor_bytes
-from engine.quantization.model_weights import model_weights, resolve_gguf_storage
+from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
+from engine.platform import choose_numerics
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
@@ -52,7 +52,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
-    backend, ops, linear = _numerics(config, device, dtype, AttentionShape.from_hf_config(hf_config))
+    backend, ops, linear = choose_numerics(config.attention_backend, device, dtype, block_size=config.cache.block_size,
+                                           shape=AttentionShape.from_hf_config(hf_config),
+                                           batch_invariant=config.batch_invariant)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(requested, model_config.quantization_group_size, hf_config, device, dtype,
@@ -143,15 +145,6 @@ def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: 
         torch._C._cuda_clearCublasWorkspaces()  # a workspace made for the capture stream pins its pool
     torch.cuda.empty_cache()
     return max(free_before - free_after, 0)
-
-
-def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> Numerics:
-    """The attention backend, per-token ops and matrix product the model runs with."""
-    if config.batch_invariant:
-        return batch_invariant_numerics(config.attention_backend, device, dtype)
-    backend = get_attention_backend(config.attention_backend, device, dtype, block_size=config.cache.block_size,
-                                    shape=shape)
-    return Numerics(backend, backend.layer_ops(), backend.linear(dtype))
 
 
 def _capture(runner: ModelRunner, buckets: tuple[int, ...]) -> None:

@@ -13,7 +13,7 @@ from engine.attention import AttentionBackend, StepMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
 from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, model_forward
-from engine.runner.kv_cache import KVCache
+from engine.attention.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
 from engine.step_profile import StepProfile
 from engine.outputs import ModelRunnerOutput

@@ -14,7 +14,7 @@ from engine.attention.flash_backend import FlashAttentionBackend, FlashKernel
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from engine.runner.kv_cache import KVCacheSpec, from_cache, resolve_kv_cache_dtype, to_cache
+from engine.attention.kv_cache import KVCacheSpec, from_cache, resolve_kv_cache_dtype, to_cache
 from engine.sampling.params import SamplingParams
 from tests.engine.references import make_llm
 
@@ -35,7 +35,7 @@ def test_bf16_cache_for_an_fp32_model_stays_close(tiny_llama_dir, backend, cpu_k
     if backend == "cpu" and cpu_kernels is None:
         pytest.skip("the native CPU kernels do not build here")
     llm, narrow = _run(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="bfloat16")
-    key_cache, _ = llm.engine.runner.kv_cache.layers[0]
+    key_cache, _ = llm.engine.attention.kv_cache.layers[0]
     assert key_cache.dtype == torch.bfloat16 and llm.engine.runner.model.dtype == torch.float32
     _, wide = _run(tiny_llama_dir, attention_backend=backend)
     same = total = 0
@@ -51,8 +51,8 @@ def test_bf16_cache_for_an_fp32_model_stays_close(tiny_llama_dir, backend, cpu_k
 
 def test_a_bf16_cache_holds_twice_the_tokens(tiny_llama_dir):
     budget = {"num_blocks": None, "kv_cache_memory": "1MiB"}
-    wide = make_llm(tiny_llama_dir, **budget).engine.runner.kv_cache
-    narrow = make_llm(tiny_llama_dir, kv_cache_dtype="bfloat16", **budget).engine.runner.kv_cache
+    wide = make_llm(tiny_llama_dir, **budget).engine.attention.kv_cache
+    narrow = make_llm(tiny_llama_dir, kv_cache_dtype="bfloat16", **budget).engine.attention.kv_cache
     assert narrow.spec.bytes_per_block * 2 == wide.spec.bytes_per_block
     assert narrow.num_blocks + 1 == 2 * (wide.num_blocks + 1)  # the budget's blocks, less the padding block
 
