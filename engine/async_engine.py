@@ -157,7 +157,7 @@ class AsyncEngine:
     @property
     def kv_cache_dtype(self) -> str:
         """The dtype the KV cache stores (--kv-cache-dtype; auto is the model's), e.g. "bfloat16"."""
-        return str(self.engine.attention.kv_cache.spec.dtype).removeprefix("torch.")
+        return str(self.engine.runner.kv_cache.spec.dtype).removeprefix("torch.")
 
     @property
     def quantization(self) -> str:

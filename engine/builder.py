@@ -23,7 +23,7 @@ from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
-from engine.platform import choose_numerics
+from engine.numerics import choose_numerics
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization

@@ -2,7 +2,7 @@
 included): no module imports another that imports it back, however far round; the packages point one way,
 server -> engine -> scheduler; and inside the engine each room keeps to its floor:
 
-    top        builder, llm, async_engine, engine (the step loop), platform (which parts run), bench, ...
+    top        builder, llm, async_engine, engine (the step loop), numerics (which parts run), bench, ...
     runner     the forward pass and sampling of a step          -> models, attention, sampling, structured
     models     the families, built from layers                  -> attention, kernels, quantization, loading
     attention  backends, the paged KV cache and its spec        -> kernels
@@ -24,12 +24,12 @@ PACKAGES = ("engine", "server", "scheduler", "benchmarks", "scripts")
 HTTP_LIBRARIES = ("fastapi", "starlette", "uvicorn", "httpx")
 ENGINE_FORBIDDEN = {  # engine room -> rooms it must not import
     "kernels": {"attention", "models", "runner", "loading", "quantization", "sampling", "structured", "text",
-                "platform", "builder", "engine", "llm", "async_engine"},
-    "quantization": {"loading", "attention", "models", "runner", "platform", "builder"},
-    "loading": {"attention", "models", "runner", "platform", "builder"},
-    "attention": {"models", "runner", "loading", "quantization", "sampling", "platform", "builder"},
-    "models": {"runner", "platform", "builder", "llm", "async_engine", "engine"},
-    "runner": {"platform", "builder", "llm", "async_engine"},
+                "numerics", "builder", "engine", "llm", "async_engine"},
+    "quantization": {"loading", "attention", "models", "runner", "numerics", "builder"},
+    "loading": {"attention", "models", "runner", "numerics", "builder"},
+    "attention": {"models", "runner", "loading", "quantization", "sampling", "numerics", "builder"},
+    "models": {"runner", "numerics", "builder", "llm", "async_engine", "engine"},
+    "runner": {"numerics", "builder", "llm", "async_engine"},
 }
 
 

@@ -125,7 +125,7 @@ def measure_engine(llm, device: torch.device, steps: int) -> dict:
               "backend": engine.runner.backend.name}
     model = engine.runner.model
     weights = weight_read_bytes(model)
-    kv = (PROMPT_LEN + warmup + steps // 2) * kv_bytes_per_token(engine.attention.kv_cache.spec)
+    kv = (PROMPT_LEN + warmup + steps // 2) * kv_bytes_per_token(engine.runner.kv_cache.spec)
     untied_embedding = 0 if model.arch.tie_word_embeddings else model.embed.numel() * model.embed.element_size()
     record.update(weight_read_bytes=weights, floor_ms=round((weights + kv) / HBM_BYTES_PER_S * 1e3, 6),
                   all_weight_bytes=weights + untied_embedding,

@@ -104,7 +104,7 @@ def run_mode(model_dir, settings: dict, prompts, output_lens, temperature: float
     try:
         engine = llm.engine
         record = {"build_s": round(time.perf_counter() - started, 1), "backend": engine.runner.backend.name,
-                  "kv_cache_tokens": engine.attention.kv_cache.num_tokens}
+                  "kv_cache_tokens": engine.runner.kv_cache.num_tokens}
         warm = SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p[:32]} for p in prompts[:2]], warm, use_tqdm=False)
         recorder = StepRecorder(engine.runner)
@@ -113,7 +113,7 @@ def run_mode(model_dir, settings: dict, prompts, output_lens, temperature: float
                                                                  ignore_eos=True))
         record.update(drive(engine, recorder, {f"tp-{i}": len(p) for i, p in enumerate(prompts)}, deadline))
         model = engine.runner.model
-        weights, per_token = weight_read_bytes(model), kv_bytes_per_token(engine.attention.kv_cache.spec)
+        weights, per_token = weight_read_bytes(model), kv_bytes_per_token(engine.runner.kv_cache.spec)
         record.update(weight_read_bytes=weights, kv_bytes_per_token=per_token, hbm_bytes_per_s=HBM_BYTES_PER_S,
                       num_preemptions=engine.stats().num_preemptions)
         full_batch = min(len(prompts), settings["max_num_seqs"])

@@ -35,7 +35,7 @@ def test_bf16_cache_for_an_fp32_model_stays_close(tiny_llama_dir, backend, cpu_k
     if backend == "cpu" and cpu_kernels is None:
         pytest.skip("the native CPU kernels do not build here")
     llm, narrow = _run(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="bfloat16")
-    key_cache, _ = llm.engine.attention.kv_cache.layers[0]
+    key_cache, _ = llm.engine.runner.kv_cache.layers[0]
     assert key_cache.dtype == torch.bfloat16 and llm.engine.runner.model.dtype == torch.float32
     _, wide = _run(tiny_llama_dir, attention_backend=backend)
     same = total = 0
@@ -51,8 +51,8 @@ def test_bf16_cache_for_an_fp32_model_stays_close(tiny_llama_dir, backend, cpu_k
 
 def test_a_bf16_cache_holds_twice_the_tokens(tiny_llama_dir):
     budget = {"num_blocks": None, "kv_cache_memory": "1MiB"}
-    wide = make_llm(tiny_llama_dir, **budget).engine.attention.kv_cache
-    narrow = make_llm(tiny_llama_dir, kv_cache_dtype="bfloat16", **budget).engine.attention.kv_cache
+    wide = make_llm(tiny_llama_dir, **budget).engine.runner.kv_cache
+    narrow = make_llm(tiny_llama_dir, kv_cache_dtype="bfloat16", **budget).engine.runner.kv_cache
     assert narrow.spec.bytes_per_block * 2 == wide.spec.bytes_per_block
     assert narrow.num_blocks + 1 == 2 * (wide.num_blocks + 1)  # the budget's blocks, less the padding block
 
@@ -98,7 +98,7 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
 def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir, monkeypatch):
     """The check runs at build time against the backend the builder chose, whatever its name says (the flash
     backend is named after its generation, "flash (flash-attn 4)"): before any memory profiling or step."""
-    import engine.builder as builder_module
+    import engine.numerics as numerics_module
 
     chosen = []
 
@@ -106,7 +106,7 @@ def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir
         chosen.append((name, dtype, kwargs))
         return fake_flash_backend()
 
-    monkeypatch.setattr(builder_module, "get_attention_backend", choose_flash)
+    monkeypatch.setattr(numerics_module, "get_attention_backend", choose_flash)
     with pytest.raises(ValueError, match=r"--kv-cache-dtype float16: the flash \(flash-attn 4\) attention backend "
                                          r"reads a KV cache of bfloat16"):
         make_llm(tiny_llama_dir, dtype="bfloat16", attention_backend="flash", kv_cache_dtype="float16")

@@ -52,7 +52,7 @@ def test_leaving_with_releases_the_kv_cache_and_the_weights(tiny_llama_dir):
         refs = held(llm)
         llm.engine.add_request("unfinished", [1, 2, 3], PARAMS)  # still queued at the exit
     assert alive(refs) == ["runner"]  # the LLM is still referenced here; what it held is gone
-    assert llm.engine.attention.kv_cache.layers == [] and llm.engine.runner.graphs is None
+    assert llm.engine.runner.kv_cache.layers == [] and llm.engine.runner.graphs is None
     assert_idle(llm)  # the queued request ended (aborted) and gave its blocks back
     with pytest.raises(EngineShutDownError, match="shut down"):
         llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)

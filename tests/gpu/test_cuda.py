@@ -27,7 +27,7 @@ def test_gpu_memory_utilization_sizes_the_cache_after_profiling(tmp_path):
     with make_llm(model_dir, device="cuda", num_blocks=None, gpu_memory_utilization=0.1) as llm:
         _, total = torch.cuda.mem_get_info()
         engine = llm.engine
-        assert engine.attention.kv_cache.num_blocks > 0
+        assert engine.runner.kv_cache.num_blocks > 0
         assert torch.cuda.memory_reserved() <= 0.1 * total * 1.02
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4

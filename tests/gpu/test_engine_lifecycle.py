@@ -49,7 +49,7 @@ def test_shutdown_gives_the_memory_back_and_a_second_engine_gets_the_same_cache(
     for _ in range(2):
         with make_llm(model_dir, **PROFILED) as llm:  # CUDA graphs captured (auto backend), cache profiled
             assert torch.cuda.memory_allocated() > baseline
-            blocks.append(llm.engine.attention.kv_cache.num_blocks)
+            blocks.append(llm.engine.runner.kv_cache.num_blocks)
             llm.generate([[5, 6, 7], list(range(10, 60))], PARAMS, use_tqdm=False)
         allocated, _ = settle()
         assert allocated - baseline < SCRATCH, f"{(allocated - baseline) / 2**20:.1f} MiB still allocated"

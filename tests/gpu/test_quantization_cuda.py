@@ -55,7 +55,7 @@ def test_fp8_kv_cache_with_the_torch_backend(tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     common = {"device": "cuda", "dtype": "bfloat16", "attention_backend": "torch", "max_num_batched_tokens": 16}
     fp8 = make_llm(model_dir, kv_cache_dtype="fp8", **common)
-    assert fp8.engine.attention.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
+    assert fp8.engine.runner.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
     got = fp8.generate(prompts, params, use_tqdm=False)
     want = make_llm(model_dir, **common).generate(prompts, params, use_tqdm=False)
     same = sum(a == b for x, y in zip(got, want) for a, b in zip(x.outputs[0].token_ids, y.outputs[0].token_ids))

@@ -66,7 +66,7 @@ def test_a_bf16_cache_under_an_fp32_model_matches_the_torch_backend(tiny_llama_d
     for backend in ("torch", "triton"):
         llm = make_llm(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="bfloat16",
                        max_num_batched_tokens=16, max_num_seqs=4)
-        assert llm.engine.attention.kv_cache.layers[0][0].dtype == torch.bfloat16
+        assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.bfloat16
         results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for reference, got in zip(results["torch"], results["triton"]):
         assert got.outputs[0].token_ids == reference.outputs[0].token_ids

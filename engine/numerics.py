@@ -1,5 +1,5 @@
-"""The platform's choice: which attention backend, per-token ops and matrix product a model runs with,
-for its device, dtype and settings. The attention backends and the model's layers are the parts; this
+"""The numerics a model runs with: which attention backend, per-token ops and matrix product, for its device,
+dtype and settings. The attention backends and the model's layers are the parts; this
 module alone picks them, so neither has to know the other.
 
     default          the attention backend `--attention-backend` names (auto: engine/attention/backend.py);
