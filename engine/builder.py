@@ -27,6 +27,9 @@ from engine.numerics import choose_numerics
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
+from engine.step_profile import StepProfile
+from engine.structured.grammar_compiler import GrammarCompiler
+from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -77,7 +80,10 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
-    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits)
+    grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
+    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits,
+                         grammar=GrammarDecoder(grammar_compiler, limits.max_num_seqs, device),
+                         profile=_step_profile(device) if config.profile else None)
     if buckets:
         _capture(runner, buckets)
     scheduler = Scheduler(
@@ -92,7 +98,12 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         num_blocks * spec.bytes_per_block / 2**20, str(kv_dtype).removeprefix("torch."), max_model_len,
         backend.name, runner.cuda_graphs,
     )
-    return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
+    return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler)
+
+
+def _step_profile(device: torch.device) -> StepProfile:
+    """`--profile`: each step's phases timed (on CUDA, after the device has caught up)."""
+    return StepProfile((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
 
 
 def _quantizer(requested: Optional[str], group_size: Optional[int], hf_config, device: torch.device,
