@@ -23,13 +23,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, NamedTuple, Optional, Sequence, Union
+from typing import AsyncIterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
 from engine.errors import InvalidParameterError
+from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling.params import SamplingParams
@@ -66,6 +67,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
+    reason: str = "aborted"
 
 
 _Command = Union[_Add, _Abort, None]  # None stops the loop
@@ -79,11 +81,9 @@ class AsyncEngine:
     through read-only properties, so callers never reach into the core.
     """
 
-    def __init__(self, engine: EngineCore, on_step: Optional[Callable[[int], None]] = None,
-                 on_output: Optional[Callable[[RequestOutput], None]] = None):
+    def __init__(self, engine: EngineCore):
         self.engine = engine
-        self.on_step = on_step  # called on the engine thread with each step's token count
-        self.on_output = on_output  # called on the event loop for every output, abort outputs included
+        self.observer = EngineObserver()  # tells nobody until `observe`
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # by engine request id
         self._live: dict[str, str] = {}  # caller's request id -> engine request id
@@ -103,6 +103,11 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
+
+    def observe(self, observer: EngineObserver) -> None:
+        """Report the engine's events to `observer` from now on (one at a time: the server's metrics)."""
+        self.observer = observer
+        self.engine.observe(observer)
 
     async def shutdown(self) -> None:
         """Stop the engine thread (every request ends). The EngineCore stays as it is: whoever built it
@@ -277,10 +282,10 @@ class AsyncEngine:
         engine_ids = [self._live[r] for r in request_ids if r in self._live]
         self._commands.put(_Abort(engine_ids))
 
-    def _close(self, stream: RequestStream, abort: bool) -> None:
+    def _close(self, stream: RequestStream, abort_reason: Optional[str]) -> None:
         self._forget(stream)
-        if abort:
-            self._commands.put(_Abort([stream.engine_id]))
+        if abort_reason is not None:
+            self._commands.put(_Abort([stream.engine_id], abort_reason))
 
     def _forget(self, stream: RequestStream) -> None:
         self._streams.pop(stream.engine_id, None)
@@ -297,8 +302,8 @@ class AsyncEngine:
                     return
                 if engine.has_work:
                     self._publish(engine.step())
-                    if self.on_step is not None and engine.last_step_num_tokens:
-                        self.on_step(engine.last_step_num_tokens)
+                    if engine.last_step_num_tokens:
+                        self.observer.on_step(engine.last_step_num_tokens)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting clients
             logger.exception("engine loop failed")
             self._error = exc
@@ -317,7 +322,7 @@ class AsyncEngine:
                 self._fail_all(EngineDeadError("the engine is shutting down"))
                 return False
             if isinstance(command, _Abort):
-                self._publish(self.engine.abort(command.request_ids))
+                self._publish(self.engine.abort(command.request_ids, command.reason))
                 continue
             self._add(command)
 
@@ -343,10 +348,9 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         streams = self._streams
-        on_output = self.on_output
+        on_output = self.observer.on_output
         for output in outputs:
-            if on_output is not None:
-                on_output(output)
+            on_output(output)
             stream = streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)

@@ -21,6 +21,7 @@ from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.runner.fault_isolation import FaultInjector
 from engine.runner.model_runner import ModelRunner
+from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
 from engine.sampling.sampler import TokenLogprobs
@@ -155,14 +156,21 @@ class EngineCore:
             **kwargs,
         )
 
-    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """End requests in any state; returns their final outputs (finish_reason "abort")."""
+    def abort(self, request_ids: Iterable[str], reason: str = "aborted") -> list[RequestOutput]:
+        """End requests in any state; returns their final outputs (finish_reason "abort", `reason` as their
+        abort_reason)."""
         outputs = []
         now = time.monotonic()
         for request in self.scheduler.abort(request_ids):  # the next step message tells the runner
             state = self._states.pop(request.request_id)
-            outputs.append(self._output(state, [], "", "abort", now))
+            outputs.append(self._output(state, [], "", "abort", now, abort_reason=reason))
         return outputs
+
+    def observe(self, observer: EngineObserver) -> None:
+        """Report grammar compile and fill times to `observer` (AsyncEngine.observe registers it)."""
+        self.grammar_compiler.on_compile = observer.on_grammar_compile
+        if self.runner.grammar is not None:
+            self.runner.grammar.on_fill = observer.on_grammar_fill
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._states)
@@ -277,7 +285,8 @@ class EngineCore:
         return token_ids
 
     def _output(self, state: RequestState, new_token_ids: list[int], delta: str, finish_reason: Optional[str],
-                now: float, stop_reason=None, logprobs=None, error: Optional[str] = None) -> RequestOutput:
+                now: float, stop_reason=None, logprobs=None, error: Optional[str] = None,
+                abort_reason: Optional[str] = None) -> RequestOutput:
         request = state.request
         prompt_logprobs = None
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
@@ -297,4 +306,5 @@ class EngineCore:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             error=error,
+            abort_reason=abort_reason,
         )

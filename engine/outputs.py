@@ -71,6 +71,7 @@ class RequestOutput:
     logprobs: Optional[list[TokenLogprobs]] = None  # one per new token, when asked
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
     error: Optional[str] = None  # finish_reason "error": what failed this request alone (see fault_isolation)
+    abort_reason: Optional[str] = None  # finish_reason "abort": why ("aborted": the caller; "timeout": its deadline)
 
     @property
     def finished(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from engine.outputs import RequestOutput
 
@@ -16,10 +16,11 @@ class RequestStream:
     aborts the request in the engine; after the end it only lets go.
     """
 
-    def __init__(self, request_id: str, engine_id: str, on_close: Callable[["RequestStream", bool], None]):
+    def __init__(self, request_id: str, engine_id: str,
+                 on_close: Callable[["RequestStream", Optional[str]], None]):
         self.request_id = request_id  # the caller's id
         self.engine_id = engine_id  # unique per admission: a reused id never sees its predecessor's outputs
-        self._on_close = on_close  # (stream, abort) -> None, from the AsyncEngine
+        self._on_close = on_close  # (stream, abort reason or None: nothing to abort) -> None, from the AsyncEngine
         self._queue: "asyncio.Queue[Union[RequestOutput, BaseException]]" = asyncio.Queue()
         self._ended = False
         self._closed = False
@@ -49,6 +50,11 @@ class RequestStream:
 
     async def aclose(self) -> None:
         """Stop listening; a request still in the engine is aborted at once."""
+        self.close()
+
+    def close(self, reason: str = "aborted") -> None:
+        """`aclose()`, saying why a request still running is aborted (its last output's abort_reason); the
+        first close decides."""
         if not self._closed:
             self._closed = True
-            self._on_close(self, not self._ended)
+            self._on_close(self, None if self._ended else reason)

@@ -46,7 +46,7 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
     async def lifespan(app: FastAPI):
         engine.start()
         await _warm_up(state)
-        engine.on_output = state.metrics.observe_output  # the warm-up is not a request to count
+        state.metrics.counting_requests = True  # the warm-up is not a request to count
         monitor = await asyncio.to_thread(start_gpu_monitor, cuda_devices(engine.device))
         state.metrics.gpu_monitor = monitor
         watcher = asyncio.create_task(_watch_engine(engine, on_engine_death))
@@ -99,9 +99,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         dtype=engine.kv_cache_dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
         cuda_graphs=engine.cuda_graphs))
     metrics.model_weight_bytes.labels(name, engine.quantization).set(engine.weight_bytes)
-    engine.on_step = metrics.observe_step
-    engine.grammar_compiler.on_compile = metrics.grammar_compile.labels(name).observe
-    engine.engine.runner.grammar.on_fill = metrics.grammar_mask_fill.labels(name).observe
+    engine.observe(metrics)
     admission = Admission(*queue_limits(config, engine), on_reject=metrics.observe_rejected)
     return ServerState(engine=engine, config=config, served_model_names=[name], metrics=metrics,
                        formatter=LogprobFormatter(engine.tokenizer), admission=admission)

@@ -222,8 +222,7 @@ async def start_generation(state: "ServerState", choices: Sequence[Choice], prio
     if state.config.enable_log_requests:
         log_request(choices)
     timeout = state.config.request_timeout
-    guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0,
-                         state.metrics.expect_aborts_for_timeout)
+    guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
     try:
         streams = await start_choices(state.engine, choices, priority, arrival_time)
     except BaseException:

@@ -15,13 +15,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
 from scheduler import SchedulerStats
 from server.gpu_monitor import GpuMonitor, GpuSample
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
-_MAX_PENDING_REASONS = 4096
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -83,7 +83,7 @@ _GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
                     5.0)
 
 
-class ServerMetrics:
+class ServerMetrics(EngineObserver):
     """Everything `/metrics` shows; one instance per app."""
 
     def __init__(self, model_name: str, stats: Callable[[], SchedulerStats], cache_info: dict[str, str]):
@@ -101,7 +101,7 @@ class ServerMetrics:
         self.request_rejected = Counter("pagedserve_request_rejected",
                                         "Requests refused before any work: queue_full (429).",
                                         m + ["reason"], registry=r)
-        self._abort_reasons: dict[str, str] = {}  # engine request id -> failure reason of its coming abort
+        self.counting_requests = False  # outputs count from the end of the warm-up (not a client's request)
         self.http_requests = Counter("pagedserve_http_requests", "HTTP responses by route and status.",
                                      m + ["route", "status"], registry=r)
 
@@ -143,8 +143,10 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe_output(self, output: RequestOutput) -> None:
+    def on_output(self, output: RequestOutput) -> None:
         """Called on the event loop for every RequestOutput, in order."""
+        if not self.counting_requests:
+            return
         name = self.model_name
         itl = output.metrics.inter_token_latency
         if output.new_token_ids and itl is not None:
@@ -152,7 +154,7 @@ class ServerMetrics:
         if not output.finished:
             return
         if output.finish_reason == "abort":
-            self.request_failure.labels(name, self._abort_reasons.pop(output.request_id, "aborted")).inc()
+            self.request_failure.labels(name, output.abort_reason or "aborted").inc()
         elif output.error is not None:  # failed alone in the engine (see engine.runner.fault_isolation)
             self.request_failure.labels(name, "error").inc()
         else:
@@ -182,16 +184,15 @@ class ServerMetrics:
     def observe_rejected(self, reason: str = "queue_full") -> None:
         self.request_rejected.labels(self.model_name, reason).inc()
 
-    def expect_aborts_for_timeout(self, engine_ids) -> None:
-        """These requests are being aborted for their deadline: count their aborts as "timeout"."""
-        if len(self._abort_reasons) > _MAX_PENDING_REASONS:  # aborts that never came (the request had ended)
-            self._abort_reasons.clear()
-        for engine_id in engine_ids:
-            self._abort_reasons[engine_id] = "timeout"
-
-    def observe_step(self, num_tokens: int) -> None:
+    def on_step(self, num_tokens: int) -> None:
         """Called on the engine thread after each step (prometheus-client is thread-safe)."""
         self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+    def on_grammar_compile(self, seconds: float) -> None:
+        self.grammar_compile.labels(self.model_name).observe(seconds)
+
+    def on_grammar_fill(self, seconds: float) -> None:
+        self.grammar_mask_fill.labels(self.model_name).observe(seconds)
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.labels(self.model_name, route, str(status)).inc()

@@ -4,7 +4,7 @@ admission queue (given back on the first output or at the end) and its deadline 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from engine.request_stream import RequestStream
 from server.admission import Ticket
@@ -26,7 +26,6 @@ class RequestGuard:
     ticket: Optional[Ticket]
     deadline: Optional[float]  # time.monotonic
     timeout: float = 0.0
-    on_timeout: Optional[Callable[[Sequence[str]], None]] = None  # engine ids aborted for the deadline
 
     def started(self, request_id: str) -> None:
         if self.ticket is not None:
@@ -37,5 +36,6 @@ class RequestGuard:
             self.ticket.release()
 
     def timed_out(self, streams: Sequence[RequestStream]) -> None:
-        if self.on_timeout is not None:
-            self.on_timeout([stream.engine_id for stream in streams if not stream.ended])
+        """Abort what still runs, for its deadline (its last output's abort_reason says "timeout")."""
+        for stream in streams:
+            stream.close("timeout")

@@ -17,6 +17,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestInput
+from engine.observer import EngineObserver
 from engine.errors import TokenIdOutOfVocabularyError
 from engine.sampling.parallel import fan_out
 from scheduler import ContextLengthExceededError, DuplicateRequestIdError, RequestRejectedError
@@ -250,12 +251,20 @@ def test_request_id_in_use_is_rejected(llm):
     run_with_engine(llm, body)
 
 
+class Recorder(EngineObserver):
+    def __init__(self, outputs: list):
+        self.outputs = outputs
+
+    def on_output(self, output) -> None:
+        self.outputs.append(output)
+
+
 def test_a_batch_is_admitted_all_or_none(llm):
     """One refused sequence refuses the batch: nothing of it runs, no output is published, its ids stay free."""
     published = []
 
     async def body(engine):
-        engine.on_output = published.append
+        engine.observe(Recorder(published))
         steps = llm.engine.num_steps
         batch = [RequestInput("batch-ok", prompt(22), greedy(4)), RequestInput("batch-long", prompt(23, 250), greedy(10))]
         with pytest.raises(ContextLengthExceededError):

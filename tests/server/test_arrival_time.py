@@ -31,8 +31,8 @@ def test_arrival_precedes_prompt_processing(server, monkeypatch, path, body, ste
 
     monkeypatch.setattr(Tokenizer, step, timed)
     outputs = []
-    observe = server.engine.on_output
-    monkeypatch.setattr(server.engine, "on_output", lambda output: (outputs.append(output), observe(output)))
+    observe = server.engine.observer.on_output
+    monkeypatch.setattr(server.engine.observer, "on_output", lambda output: (outputs.append(output), observe(output)))
 
     with server.client() as c:
         response = c.post(path, json={"model": "tiny", "temperature": 0,
