@@ -3,19 +3,20 @@
 
     none      tools not shown to the model; plain text
     auto      tools in the chat template; calls parsed from the text (tool_parsers)
-    required  output constrained to a JSON list of {"name", "arguments"} over the tools' schemas
+    required  output constrained to a JSON list of {"name", "arguments"} over the tools' schemas (one call
+              when parallel_tool_calls is false; the list may end after any call)
     named     output constrained to the named function's arguments
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from engine.structured import StructuredOutputs
 from server.errors import bad_request
+from server.tool_array_reader import ToolArrayReader
 from server.tool_parsers import ParsedCall, parse_tool_calls
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -50,12 +51,11 @@ class ToolPlan:
         """(content, calls) of a finished output."""
         if self.mode == "named":
             return None, [ParsedCall(self.named, text)]
-        if self.mode == "required":
-            try:
-                items = json.loads(text, strict=False)  # xgrammar strings may hold raw control characters
-                return None, [ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
-            except (ValueError, TypeError, KeyError):
-                return text, []  # cut short (length): the text as it is
+        if self.mode == "required":  # the arguments as written (what a stream sends), cut short or not
+            array = ToolArrayReader()
+            array.feed(text)
+            calls = [ParsedCall(c.name, array.arguments(c)) for c in array.calls if c.name is not None]
+            return (None, calls) if calls else (text, [])
         if self.mode == "auto":
             return parse_tool_calls(text, parser)
         return text, []

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from server.protocol import DeltaMessage
+from server.tool_array_reader import ToolArrayReader
 from server.tool_calls import ToolPlan, new_call_id
 from server.tool_parsers import ParsedCall, may_start_tool_call
 
@@ -13,21 +14,25 @@ from server.tool_parsers import ParsedCall, may_start_tool_call
 class ToolCallStream:
     """Turns one choice's text deltas into the deltas to send (content, or tool-call pieces).
 
-    named: the arguments stream as they come. required: the calls are sent once the output is complete
-    (a JSON list is parsed whole). auto: text that may be a tool call is held back until the end, then sent
-    as calls or as content.
+    named: the arguments stream as they come. required: each call's header once its name is written, then its
+    arguments as they grow (the output is a JSON array of calls, read as it comes: ToolArrayReader). auto: text
+    that may be a tool call is held back until the end, then sent as calls or as content.
     """
 
     def __init__(self, plan: ToolPlan, parser: str):
         self.plan = plan
         self.parser = parser
         self.text = ""
-        self.holding = plan.mode in ("auto", "required")
+        self.holding = plan.mode == "auto"
         self.num_calls = 0
+        self._array = ToolArrayReader() if plan.mode == "required" else None
+        self._arguments_sent: list[int] = []  # required: characters of each call's arguments sent so far
 
     def feed(self, delta: str, finished: bool) -> list[DeltaMessage]:
         self.text += delta
         mode = self.plan.mode
+        if self._array is not None:
+            return self._required(delta, finished)
         if mode == "named":
             out = []
             if self.num_calls == 0:
@@ -47,6 +52,28 @@ class ToolCallStream:
         out = [DeltaMessage(content=content)] if content else []
         for call in calls:
             out += self._call(call)
+        return out
+
+    def _required(self, delta: str, finished: bool) -> list[DeltaMessage]:
+        """Headers of the calls whose names are complete, and the arguments' text written since the last
+        delta; an output cut short before any call's name is sent as content at the end."""
+        array = self._array
+        array.feed(delta)
+        out = []
+        for index in range(max(self.num_calls - 1, 0), len(array.calls)):  # earlier calls are complete and sent
+            call = array.calls[index]
+            if call.name is None:
+                break
+            if index == self.num_calls:
+                out.append(self._header(index, call.name))
+                self.num_calls += 1
+                self._arguments_sent.append(0)
+            piece = array.arguments(call, skip=self._arguments_sent[index])
+            if piece:
+                self._arguments_sent[index] += len(piece)
+                out.append(DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": piece}}]))
+        if finished and self.num_calls == 0 and self.text:
+            out.append(DeltaMessage(content=self.text))
         return out
 
     def finish_reason(self, engine_reason: Optional[str]) -> Optional[str]:

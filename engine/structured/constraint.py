@@ -7,15 +7,16 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
 from engine.errors import InvalidParameterError
-from engine.structured.schema_check import check_schema
+from engine.structured.schema_check import canonical_schema, check_schema
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
-    """Exactly one of: a JSON Schema (`json`, canonical text), a regex, a choice of strings, an EBNF
-    grammar (`grammar`, xgrammar's GBNF dialect), or `json_object` (any JSON object).
+    """Exactly one of: a JSON Schema (`json`, canonical text: keywords sorted, properties in the schema's
+    order, which is the order the output writes them), a regex, a choice of strings, an EBNF grammar
+    (`grammar`, xgrammar's GBNF dialect), or `json_object` (any JSON object).
 
     Frozen and hashable: `key` is what compiled grammars are cached by. Build it with `parse`, which
     validates and names the request field (`field`) in its refusals.
@@ -69,7 +70,7 @@ class StructuredOutputs:
         if not isinstance(schema, (dict, bool)):
             _reject(field, "must be a JSON Schema (an object)")
         check_schema(schema, field)
-        return cls(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls(json=json.dumps(canonical_schema(schema), separators=(",", ":")))
 
     @classmethod
     def _regex(cls, pattern: Any, field: str) -> "StructuredOutputs":

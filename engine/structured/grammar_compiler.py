@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from engine.errors import InvalidParameterError
 from engine.structured.constraint import StructuredOutputs
+from engine.structured.json_bounds import json_schema_grammar
 
 if TYPE_CHECKING:
     import xgrammar
@@ -77,10 +78,10 @@ class GrammarCompiler:
 
 def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs) -> "xgrammar.CompiledGrammar":
     kind = constraint.kind
-    if kind == "json":
-        return compiler.compile_json_schema(constraint.json, any_whitespace=False, strict_mode=True)
+    if kind == "json":  # bounded: numbers, whitespace and key order (json_bounds)
+        return compiler.compile_grammar(json_schema_grammar(constraint.json))
     if kind == "json_object":  # an object, as OpenAI's json_object promises (the builtin grammar takes any value)
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', strict=False))
     if kind == "regex":
         return compiler.compile_regex(constraint.regex)
     if kind == "choice":

@@ -1,4 +1,5 @@
-"""JSON Schema keywords the grammar engine honours; any other is refused by name (never ignored)."""
+"""JSON Schema keywords the grammar engine honours; any other is refused by name (never ignored). The canonical
+form of a schema."""
 
 from __future__ import annotations
 
@@ -56,3 +57,23 @@ def _check(schema: Any, field: str, path: str) -> None:
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         raise InvalidParameterError(field, f"has a 'required' that is not a list of names at {path}")
+
+
+def canonical_schema(schema: Any) -> Any:
+    """`schema` with every schema object's keywords sorted (equal schemas, equal text) but the names under
+    `properties` in their given order: the order the output writes them. Values of other keywords (enum, const,
+    default, ...) are kept as given."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for keyword in sorted(schema):
+        value = schema[keyword]
+        if keyword in _SCHEMA_MAPS and isinstance(value, dict):
+            names = value if keyword == "properties" else sorted(value)
+            value = {name: canonical_schema(value[name]) for name in names}
+        elif keyword in _SCHEMA_LISTS and isinstance(value, list):
+            value = [canonical_schema(child) for child in value]
+        elif keyword in _SCHEMA_VALUES:
+            value = canonical_schema(value)
+        out[keyword] = value
+    return out

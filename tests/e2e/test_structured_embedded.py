@@ -1,12 +1,13 @@
 """Structured output on the embedded SmolLM2 model (a real vocabulary and real preferences, where the tiny random
 model has neither): bounded JSON schemas, written out and hypothesis-made, in one batch with unconstrained
-requests. Every constrained output
+requests, and schemas whose numbers have no bound but the grammar's own. Every constrained output
 ends by its grammar and validates; every unconstrained output equals its output alone (batch-invariant
 kernels, so its neighbours' masks cannot have touched it)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -39,6 +40,24 @@ CONSTRAINED = [  # (question, schema, temperature)
 ]
 PLAIN = ["What is the capital of France?"]
 MAX_TOKENS = 64  # the longest bounded output here is under 50 tokens
+
+CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                                         "population_millions": {"type": "number"}},
+        "required": ["name", "country", "population_millions"]}
+FILM = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                                         "rating": {"type": "number"}, "seen": {"type": "boolean"}},
+        "required": ["title", "year", "rating", "seen"]}
+PRODUCT = {"type": "object", "properties": {
+    "product": {"type": "string"}, "price": {"type": "number", "minimum": 0}, "in_stock": {"type": "boolean"},
+    "size": {"type": "object", "properties": {"width_cm": {"type": "number"}, "height_cm": {"type": "number"}},
+             "required": ["width_cm", "height_cm"]}},
+    "required": ["product", "price", "in_stock", "size"]}
+UNBOUNDED = [  # schemas without maxLength / maximum: the grammar's own bounds end the numbers (issue 23)
+    ("Give me the city of Paris as JSON with its population.", CITY),
+    ("Return JSON about Lagos.", CITY),
+    ("Describe the movie Titanic as JSON.", FILM),
+    ("A chair for sale, as JSON.", PRODUCT),
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,4 +100,22 @@ def test_generated_schemas_validate_beside_an_unchanged_plain_request(embedded_l
     assert out.finish_reason == "stop", out.text
     check_output(schema, out.text)
     assert results[1].outputs[0].token_ids == alone.token_ids
+    assert_idle(embedded_llm)
+
+
+
+@pytest.mark.slow
+def test_greedy_json_with_unbounded_numbers_ends(embedded_llm):
+    """At temperature 0 the model wrote `"population_millions": 1111111...` until max_tokens; bounded numbers
+    (17 significant digits) and no whitespace between tokens end every output well before it."""
+    params = [SamplingParams(max_tokens=200, temperature=0, structured_outputs={"json": schema})
+              for _, schema in UNBOUNDED]
+    results = embedded_llm.chat([conversation(q) for q, _ in UNBOUNDED], params, use_tqdm=False)
+    for (question, schema), result in zip(UNBOUNDED, results):
+        out = result.outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) < 100, (question, len(out.token_ids), out.text)
+        value = json.loads(out.text)
+        jsonschema.validate(value, schema)
+        assert list(value) == list(schema["properties"])  # the schema's order
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', out.text)), out.text  # no whitespace
     assert_idle(embedded_llm)

@@ -110,6 +110,45 @@ def test_streamed_tool_call_reassembles(server, tool_choice):
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
+def test_streamed_required_call_arguments_arrive_in_pieces(server):
+    """As OpenAI streams them: a header with id, type and name (arguments ""), then the arguments' text in
+    pieces as it is generated, adding up to the non-streamed call's arguments exactly."""
+    client = sdk(server)
+    kwargs = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=100, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    headers, pieces = [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                headers.append((delta.index, delta.type, delta.function.name, delta.function.arguments))
+            else:
+                assert delta.index == 0 and delta.function.name is None
+                pieces.append(delta.function.arguments)
+    assert headers == [(0, "function", whole[0].function.name, "")]
+    assert len(pieces) >= 3 and all(pieces), pieces
+    arguments = "".join(pieces)
+    jsonschema.validate(json.loads(arguments), PARAMS[whole[0].function.name])
+    assert arguments == whole[0].function.arguments
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_without_parallel_calls_is_one_call(server, stream):
+    client = sdk(server)
+    for seed in range(3):
+        kwargs = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                      parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=seed)
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            names = [d.function.name for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []
+                     if d.id is not None]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            names, finish = [c.function.name for c in choice.message.tool_calls or []], choice.finish_reason
+            _valid_calls(choice.message.tool_calls)
+        assert len(names) == 1 and finish == "tool_calls", (seed, names, finish)
+
 def test_tool_follow_up_turn(server):
     messages = USER + [
         {"role": "assistant", "content": None, "tool_calls": [
