@@ -133,12 +133,12 @@ def _plain(weight, dtype: torch.dtype) -> torch.Tensor:
 def run(args: argparse.Namespace) -> dict[str, float]:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
               max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant,
-              quantization=args.quantization)
+              quantization=args.quantization, profile=args.profile)
     engine = llm.engine
     dtype = engine.runner.model.dtype
     prompts = make_prompts(llm, args.num_prompts, args.input_len, args.seed)
     report: dict[str, float] = {}
-    profile = engine.enable_profile() if args.profile else None
+    profile = engine.profile
     report["step_ms"] = single_stream_step_ms(llm, prompts[0], args.single_steps)
     if profile is not None:
         print("single stream, " + profile.table(), flush=True)

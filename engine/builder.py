@@ -9,24 +9,27 @@ from typing import Optional
 
 import torch
 
-from engine.attention import AttentionBackend, get_attention_backend
+from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape
-from engine.batch_invariant import Numerics, batch_invariant_numerics
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
-from engine.runner.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
+from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
 from engine.loading.loader import load_hf_config, prepare_checkpoint
 from engine.memory_bandwidth import tensor_bytes
-from engine.quantization.model_weights import model_weights, resolve_gguf_storage
+from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
+from engine.numerics import choose_numerics
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
+from engine.step_profile import StepProfile
+from engine.structured.grammar_compiler import GrammarCompiler
+from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
@@ -52,7 +55,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
-    backend, ops, linear = _numerics(config, device, dtype, AttentionShape.from_hf_config(hf_config))
+    backend, ops, linear = choose_numerics(config.attention_backend, device, dtype, block_size=config.cache.block_size,
+                                           shape=AttentionShape.from_hf_config(hf_config),
+                                           batch_invariant=config.batch_invariant)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(requested, model_config.quantization_group_size, hf_config, device, dtype,
@@ -75,7 +80,10 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
-    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits)
+    grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
+    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits,
+                         grammar=GrammarDecoder(grammar_compiler, limits.max_num_seqs, device),
+                         profile=_step_profile(device) if config.profile else None)
     if buckets:
         _capture(runner, buckets)
     scheduler = Scheduler(
@@ -90,7 +98,12 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         num_blocks * spec.bytes_per_block / 2**20, str(kv_dtype).removeprefix("torch."), max_model_len,
         backend.name, runner.cuda_graphs,
     )
-    return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source)
+    return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler)
+
+
+def _step_profile(device: torch.device) -> StepProfile:
+    """`--profile`: each step's phases timed (on CUDA, after the device has caught up)."""
+    return StepProfile((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
 
 
 def _quantizer(requested: Optional[str], group_size: Optional[int], hf_config, device: torch.device,
@@ -143,15 +156,6 @@ def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: 
         torch._C._cuda_clearCublasWorkspaces()  # a workspace made for the capture stream pins its pool
     torch.cuda.empty_cache()
     return max(free_before - free_after, 0)
-
-
-def _numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> Numerics:
-    """The attention backend, per-token ops and matrix product the model runs with."""
-    if config.batch_invariant:
-        return batch_invariant_numerics(config.attention_backend, device, dtype)
-    backend = get_attention_backend(config.attention_backend, device, dtype, block_size=config.cache.block_size,
-                                    shape=shape)
-    return Numerics(backend, backend.layer_ops(), backend.linear(dtype))
 
 
 def _capture(runner: ModelRunner, buckets: tuple[int, ...]) -> None:

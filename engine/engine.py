@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from engine.step_profile import StepProfile
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
-from engine.fault_isolation import FaultInjector, GuardedSampler
+from engine.runner.fault_isolation import FaultInjector
 from engine.runner.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
 from engine.sampling.sampler import TokenLogprobs
 from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
-from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer, check_token_ids
 from scheduler import (Request, RequestStatus, RequestStepOutput, Scheduler,
@@ -43,15 +41,6 @@ class EngineShutDownError(RuntimeError):
     """A request or a step reached an engine after its shutdown()."""
 
 
-def _request_id_lookup(requests: dict) -> "Callable[[object], str]":
-    """sampling state -> its request's id, over the runner's live requests (a closure over the dict, not a
-    method of the engine: the runner keeps it, and a runner -> engine reference would make a cycle)."""
-    def request_id_of(sampling) -> str:
-        return next(rid for rid, state in requests.items() if state.sampling is sampling)
-
-    return request_id_of
-
-
 class EngineCore:
     """Synchronous engine: `add_request`, `abort`, then `step()` until no work is left.
 
@@ -60,7 +49,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner,
-                 tokenizer: Tokenizer, model_name: str):
+                 tokenizer: Tokenizer, model_name: str, grammar_compiler: GrammarCompiler):
         self.config = config
         self.scheduler = scheduler
         self.runner = runner
@@ -76,13 +65,9 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_num_tokens = 0
         self.is_shut_down = False
-        self._sampler = runner.sampler = GuardedSampler(runner.sampler, _request_id_lookup(runner.requests))
-        self.grammar_compiler = GrammarCompiler(tokenizer.hf, self.vocab_size, tokenizer.eos_token_ids)
-        if runner.grammar is None:
-            runner.grammar = GrammarDecoder(self.grammar_compiler, runner.limits.max_num_seqs, runner.device)
-        self.profile: Optional[StepProfile] = None
-        if config.profile:
-            self.enable_profile()
+        self._sampler = runner.sampler
+        self.grammar_compiler = grammar_compiler
+        self.profile = runner.profile
 
     @property
     def fault_injector(self) -> Optional[FaultInjector]:
@@ -108,13 +93,6 @@ class EngineCore:
     def _check_running(self) -> None:
         if self.is_shut_down:
             raise EngineShutDownError("the engine was shut down: build a new one to generate")
-
-    def enable_profile(self) -> StepProfile:
-        """Time every step's phases from now on (`--profile`); logged every PROFILE_LOG_EVERY steps."""
-        device = self.runner.device
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-        self.profile = self.runner.profile = StepProfile(sync)
-        return self.profile
 
     # ------------------------------------------------------------------ requests
 

@@ -34,5 +34,5 @@ class EngineConfig(BaseModel):
         False,
         description="products, norms and attention whose per-row arithmetic does not depend on the batch: "
         "a request gives the same tokens and logprobs whatever runs beside it, in float32 and bfloat16 "
-        "(CPU; engine/batch_invariant.py)",
+        "(CPU; engine/numerics.py)",
     )

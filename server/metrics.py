@@ -153,7 +153,7 @@ class ServerMetrics:
             return
         if output.finish_reason == "abort":
             self.request_failure.labels(name, self._abort_reasons.pop(output.request_id, "aborted")).inc()
-        elif output.error is not None:  # failed alone in the engine (see engine.fault_isolation)
+        elif output.error is not None:  # failed alone in the engine (see engine.runner.fault_isolation)
             self.request_failure.labels(name, "error").inc()
         else:
             self.request_success.labels(name, output.finish_reason).inc()

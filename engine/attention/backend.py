@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.step_metadata import StepMetadata
-from engine.runner.kv_cache import KVCacheSpec
-
-if TYPE_CHECKING:
-    from engine.models.layer_ops import TorchLayerOps
-    from engine.models.linear import Linear
+from engine.attention.kv_cache import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +32,6 @@ class AttentionBackend(Protocol):
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> Any:
         """Once per step, before the first layer: this backend's own metadata from the step's (which
         the runner wrote into its persistent buffers); every layer's `write_kv` and `attend` get it."""
-        ...
-
-    def layer_ops(self) -> Optional["TorchLayerOps"]:
-        """The per-token ops (norms, SiLU-and-mul, RoPE) this backend brings, or None for plain torch's."""
-        ...
-
-    def linear(self, dtype: torch.dtype) -> Optional["Linear"]:
-        """The matrix product this backend brings for `dtype`, or None for the model's default."""
         ...
 
     def write_kv(

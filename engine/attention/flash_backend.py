@@ -30,7 +30,7 @@ from engine.attention.attention_shape import AttentionShape
 from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.probe import probe_backend
 from engine.attention.step_metadata import StepMetadata
-from engine.runner.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_ATTN_2_BLOCK_MULTIPLE = 256
@@ -244,12 +244,6 @@ class FlashAttentionBackend:
         self.kernel = kernel
         self.name = f"flash ({kernel.label})"
         self._cu_seqlens_k: Optional[torch.Tensor] = None  # flash-attn 2: [capacity + 1] int32, grown on demand
-
-    def layer_ops(self) -> None:
-        return None  # plain torch ops
-
-    def linear(self, dtype: torch.dtype) -> None:
-        return None  # the model's default product
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (model_dtype,)  # both generations check that K/V have the query's dtype

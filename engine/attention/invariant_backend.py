@@ -22,7 +22,7 @@ import torch
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.step_metadata import StepMetadata
-from engine.runner.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec
 
 
 class BatchInvariantCpuBackend(CpuAttentionBackend):

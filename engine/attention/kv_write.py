@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runner.kv_cache import as_stored, to_cache
+from engine.attention.kv_cache import as_stored, to_cache
 
 
 def write_kv_by_slots(

@@ -25,7 +25,7 @@ import torch
 
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.step_metadata import StepMetadata, step_metadata_for
-from engine.runner.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec
 
 PROBE_MAX_ABS_ERROR = 2e-2
 PROBE_STEPS = {  # (seq_len, query_len) per request, decodes first; and the number of decodes

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
-from engine.runner.kv_cache import KV_CACHE_DTYPES, KVCacheSpec, from_cache, select_blocks
+from engine.attention.kv_cache import KV_CACHE_DTYPES, KVCacheSpec, from_cache, select_blocks
 
 
 class TorchAttentionBackend:
@@ -18,12 +18,6 @@ class TorchAttentionBackend:
 
     name = "torch"
     cuda_graphs = False  # its metadata is shaped by host values (per-request chunks, the decode width)
-
-    def layer_ops(self) -> None:
-        return None  # plain torch ops
-
-    def linear(self, dtype: torch.dtype) -> None:
-        return None  # the model's default product
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return tuple(KV_CACHE_DTYPES.values())  # converted on read (from_cache), fp8 with its scale

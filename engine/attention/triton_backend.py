@@ -13,7 +13,7 @@ import os
 import torch
 
 from engine.attention.step_metadata import StepMetadata
-from engine.runner.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec
 
 
 class TritonAttentionBackend:
@@ -26,12 +26,6 @@ class TritonAttentionBackend:
         from engine.kernels import triton as kernels  # imported (and decorated) only when chosen
 
         self._kernels = kernels
-
-    def layer_ops(self) -> None:
-        return None  # plain torch ops between the products
-
-    def linear(self, dtype: torch.dtype) -> None:
-        return None  # the model's default product
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.float16, torch.bfloat16)  # the query is converted to the cache's dtype

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from engine.kernels import cpu_ops
-from engine.loading.gguf_converter import default_cache_dir
+from engine.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -25,21 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from engine.cache_dir import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "pagedserve-checkpoint.json"
 FORMAT_VERSION = 1
 _HASH_CHUNK = 1 << 20
-
-
-def default_cache_dir() -> Path:
-    """`$PAGEDSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedserve`, else `~/.cache/pagedserve`."""
-    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "pagedserve"
 
 
 def file_sha256(path: Path) -> str:

@@ -23,7 +23,7 @@ from engine.models.linear import GemvLinear, Linear, select_linear
 from engine.models.llama_arch import LlamaArch
 from engine.models.rotary import RotaryEmbedding
 from engine.quantization.int4_groups import Int4Groups
-from engine.quantization.model_weights import fuse_rows
+from engine.loading.model_weights import fuse_rows
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer
 

@@ -38,7 +38,7 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.attention.step_metadata import StepMetadata
-from engine.runner.kv_cache import KVCache
+from engine.attention.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from engine.attention import AttentionBackend
 from engine.attention.step_metadata import (StepMetadata, shared_context_decode_metadata,
                                             single_prefill_metadata)
 from engine.models.llama import LlamaForCausalLM
-from engine.runner.kv_cache import KVCache, KVCacheSpec
+from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
 from engine.sampling.state import SamplingState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -13,7 +13,8 @@ from engine.attention import AttentionBackend, StepMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
 from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, model_forward
-from engine.runner.kv_cache import KVCache
+from engine.runner.fault_isolation import GuardedSampler
+from engine.attention.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
 from engine.step_profile import StepProfile
 from engine.outputs import ModelRunnerOutput
@@ -48,6 +49,15 @@ class CachedRequestState:
         return self.sampling.params.prompt_logprobs is not None
 
 
+def _request_id_lookup(requests: dict[str, CachedRequestState]) -> Callable[[SamplingState], str]:
+    """sampling state -> its request's id, over the runner's live requests (a closure over the dict, not a
+    bound method: the sampler is the runner's, and a sampler -> runner reference would make a cycle)."""
+    def request_id_of(sampling: SamplingState) -> str:
+        return next(rid for rid, state in requests.items() if state.sampling is sampling)
+
+    return request_id_of
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerLimits:
     """The scheduler's limits, which size the runner's persistent step buffers."""
@@ -71,22 +81,25 @@ class ModelRunner:
     """Owns the model, the physical KV cache and per-request sampling state."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 device: torch.device, limits: RunnerLimits):
+                 device: torch.device, limits: RunnerLimits, *, grammar: Optional[GrammarDecoder] = None,
+                 profile: Optional[StepProfile] = None):
+        """`grammar` decodes structured-output constraints (None: a runner that is never given one);
+        `profile` times each step's phases (`--profile`)."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
         self.limits = limits
-        self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = GuardedSampler(Sampler(), _request_id_lookup(self.requests))  # a bad row fails alone
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)
         self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
         self.buffers = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs, max_blocks, device)
         self._forward = model_forward(model, backend, kv_cache)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
-        self.profile: Optional[StepProfile] = None  # set by EngineCore.enable_profile
-        self.grammar: Optional[GrammarDecoder] = None  # set by the builder: structured output
+        self.profile = profile
+        self.grammar = grammar
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""

@@ -107,7 +107,7 @@ def build_inputs(shapes: list[Shape], shared: dict, block_size: int, heads: int,
 
 def build_metadata(backend, inputs: StepInputs):
     """The backend's metadata of the step (where a backend refuses a configuration, e.g. a block size)."""
-    from engine.runner.kv_cache import KVCacheSpec
+    from engine.attention.kv_cache import KVCacheSpec
 
     _, block_size, kv_heads, head_dim = inputs.key_cache.shape
     return backend.build_metadata(inputs.step, KVCacheSpec(1, block_size, kv_heads, head_dim, inputs.key_cache.dtype))

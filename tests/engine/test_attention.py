@@ -23,7 +23,7 @@ from engine.attention.step_metadata import step_metadata_for
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.runner.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec
 from tests.engine.paged_steps import slot_of
 
 NUM_KV_HEADS = 2

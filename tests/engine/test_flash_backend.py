@@ -31,7 +31,7 @@ from engine.attention.flash_backend import FlashAttentionBackend, FlashKernel, f
 from engine.attention.probe import probe_backend
 from engine.attention.step_metadata import step_metadata_for
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.runner.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec
 from tests.engine.paged_steps import random_paged_step, reference_attention, slot_of
 
 CUDA = torch.device("cuda")  # only ever named here: nothing is allocated on it

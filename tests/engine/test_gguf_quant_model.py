@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.loading.gguf_weights import hf_name, unpermute_rows
 from engine.quantization.gguf_weight import GgufWeight
-from engine.quantization.model_weights import resolve_gguf_storage
+from engine.loading.model_weights import resolve_gguf_storage
 
 TEXTS = [  # scored teacher-forced: the model's greedy choice at every position, on both paths
     "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and its cafes, and the "
@@ -171,7 +171,7 @@ def test_mixed_formats_fuse_as_floats(tmp_path):
 
     from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
     from engine.quantization.gguf_formats import FORMATS, repack
-    from engine.quantization.model_weights import fuse_rows
+    from engine.loading.model_weights import fuse_rows
 
     kernels = load_quant_kernels(sources=QUANT_SOURCES)
     rng = np.random.default_rng(5)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_backend
+from engine import numerics
+from engine.numerics import cpu_linear
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
 from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear
@@ -120,24 +121,24 @@ def test_rows_are_looked_up_in_the_packing(shape, dtype):
 
 def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_kernels, monkeypatch):
     backend = CpuAttentionBackend(cpu_kernels)
-    assert backend.linear(torch.float32) is None  # oneDNN's packed fp32 product
+    assert cpu_linear(backend, torch.float32) is None  # oneDNN's packed fp32 product
     column_blocks = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     # a CPU with AMX: column blocks where their tile path is built in and granted, else gemv up to 4 rows
-    monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)
+    monkeypatch.setattr(numerics, "torch_bf16_products_use_amx", lambda: True)
     monkeypatch.setattr(cpu_kernels, "amx_tiles", True)
-    assert type(backend.linear(torch.bfloat16)) is column_blocks
+    assert type(cpu_linear(backend, torch.bfloat16)) is column_blocks
     monkeypatch.setattr(cpu_kernels, "amx_tiles", False)
-    linear = backend.linear(torch.bfloat16)
-    assert type(linear) is GemvLinear and linear.max_rows == cpu_backend.AMX_GEMV_MAX_ROWS
+    linear = cpu_linear(backend, torch.bfloat16)
+    assert type(linear) is GemvLinear and linear.max_rows == numerics.AMX_GEMV_MAX_ROWS
     # no AMX
-    monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: False)
-    assert type(backend.linear(torch.bfloat16)) is column_blocks
+    monkeypatch.setattr(numerics, "torch_bf16_products_use_amx", lambda: False)
+    assert type(cpu_linear(backend, torch.bfloat16)) is column_blocks
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check
-    linear = backend.linear(torch.bfloat16)
+    linear = cpu_linear(backend, torch.bfloat16)
     assert type(linear) is GemvLinear and linear.max_rows == GEMV_MAX_ROWS
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", True)
     monkeypatch.setattr(cpu_kernels, "bf16_column_blocks", False)  # an AVX2 or AVX512F-only build
-    assert type(backend.linear(torch.bfloat16)) is GemvLinear
+    assert type(cpu_linear(backend, torch.bfloat16)) is GemvLinear
 
 
 def test_column_block_linear_multiplies_packed_and_quantized_weights(cpu_kernels):

@@ -14,7 +14,7 @@ from engine.attention.flash_backend import FlashAttentionBackend, FlashKernel
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from engine.runner.kv_cache import KVCacheSpec, from_cache, resolve_kv_cache_dtype, to_cache
+from engine.attention.kv_cache import KVCacheSpec, from_cache, resolve_kv_cache_dtype, to_cache
 from engine.sampling.params import SamplingParams
 from tests.engine.references import make_llm
 
@@ -98,7 +98,7 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
 def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir, monkeypatch):
     """The check runs at build time against the backend the builder chose, whatever its name says (the flash
     backend is named after its generation, "flash (flash-attn 4)"): before any memory profiling or step."""
-    import engine.builder as builder_module
+    import engine.numerics as numerics_module
 
     chosen = []
 
@@ -106,7 +106,7 @@ def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir
         chosen.append((name, dtype, kwargs))
         return fake_flash_backend()
 
-    monkeypatch.setattr(builder_module, "get_attention_backend", choose_flash)
+    monkeypatch.setattr(numerics_module, "get_attention_backend", choose_flash)
     with pytest.raises(ValueError, match=r"--kv-cache-dtype float16: the flash \(flash-attn 4\) attention backend "
                                          r"reads a KV cache of bfloat16"):
         make_llm(tiny_llama_dir, dtype="bfloat16", attention_backend="flash", kv_cache_dtype="float16")

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.runner.kv_cache import KVCache, KVCacheSpec
+from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.loading.loader import rope_settings
 from engine.models import build_model
 from engine.models.rotary import inverse_frequencies

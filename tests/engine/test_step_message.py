@@ -3,7 +3,7 @@
 import pickle
 
 from engine import SamplingParams
-from engine.runner.kv_cache import KVCache
+from engine.attention.kv_cache import KVCache
 from engine.runner.model_runner import ModelRunner
 from tests.engine.references import assert_idle, make_llm
 

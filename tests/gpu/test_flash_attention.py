@@ -9,7 +9,7 @@ import torch
 
 from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.runner.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec
 from tests.engine.paged_steps import random_paged_step, reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -89,7 +89,7 @@ def test_a_fault_in_one_request_fails_it_alone(server, kind, stream, temperature
 def test_finite_rows_are_exact_including_overflowing_sums():
     import torch
 
-    from engine.fault_isolation import _finite_rows
+    from engine.runner.fault_isolation import _finite_rows
 
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([[1.0, nan, 2.0], [-inf, 0.0, 1.0], [1.0, 2.0, 3.0], [3e38, 3e38, -1.0], [inf, -inf, 0.0]])

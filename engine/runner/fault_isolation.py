@@ -1,6 +1,6 @@
 """Fault isolation: a failure in one request's sampling or text ends that request, never the step.
 
-    runner.sampler = GuardedSampler(sampler)   (installed by EngineCore)
+    runner.sampler = GuardedSampler(sampler)   (the runner guards its own sampler)
         logits rows not finite (NaN / inf)  -> its request is recorded as failed (its token is never shown)
         the batched sampler raises           -> every row is sampled alone; the rows that raise are failed
     EngineCore.step: failed requests end with finish_reason "error" (and the message), the rest go on

@@ -1,11 +1,19 @@
-"""Batch-invariant mode (`batch_invariant`, `--batch-invariant`): a request's tokens do not depend on its batch.
+"""The numerics a model runs with: which attention backend, per-token ops and matrix product, for its device,
+dtype and settings. The attention backends and the model's layers are the parts; this
+module alone picks them, so neither has to know the other.
+
+    default          the attention backend `--attention-backend` names (auto: engine/attention/backend.py);
+                     with the `cpu` backend, the native per-token ops and, in bfloat16, the native product
+    batch invariant  every part batch invariant (below)
+
+Batch-invariant mode (`batch_invariant`, `--batch-invariant`): a request's tokens do not depend on its batch.
 
 What else is in a step changes the shapes of the step's operations: the number of rows
 of every matrix product, how a prompt is split into chunks (by the token budget the
 others leave), whether a prompt continues a cached prefix. The default kernels pick
 their blocking, and so the order in which they sum, by those shapes; in bfloat16 the
 difference in rounding flips greedy tokens within a few dozen tokens (measured on the
-embedded model: 3 of 4 prompts, 64 tokens, alone vs beside 1-8 others). In this mode
+embedded model: docs/batch-invariance.md). In this mode
 every operation computes each row with arithmetic that depends on that row alone
 (the idea of vLLM's VLLM_BATCH_INVARIANT and SGLang's --enable-deterministic-inference):
 
@@ -25,12 +33,20 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, get_attention_backend
+from engine.attention.attention_shape import AttentionShape
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.invariant_backend import BatchInvariantCpuBackend
+from engine.kernels.cpu import KERNEL_DTYPES, load_cpu_kernels
+from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear
 from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
-from engine.models.linear import Linear
+from engine.models.linear import GemvLinear, Linear
 
 INVARIANT_ATTENTION_BACKENDS = ("auto", "cpu")
 """The `attention_backend` values batch-invariant mode accepts (it brings its own variant of `cpu`)."""
+AMX_GEMV_MAX_ROWS = 4
+"""On AMX CPUs whose kernels lack the tile path, bf16 products beyond this many rows go to `F.linear` (oneDNN
+on the tiles): measured in docs/performance.md."""
 
 
 class Numerics(NamedTuple):
@@ -40,6 +56,41 @@ class Numerics(NamedTuple):
     backend: AttentionBackend
     ops: Optional[TorchLayerOps]
     linear: Optional[Linear]
+
+
+def choose_numerics(attention_backend: str, device: torch.device, dtype: torch.dtype, *, block_size: int,
+                    shape: AttentionShape, batch_invariant: bool = False) -> Numerics:
+    """The parts for this device and dtype; ValueError saying why when the settings cannot run here."""
+    if batch_invariant:
+        return batch_invariant_numerics(attention_backend, device, dtype)
+    backend = get_attention_backend(attention_backend, device, dtype, block_size=block_size, shape=shape)
+    if not isinstance(backend, CpuAttentionBackend):
+        return Numerics(backend, None, None)
+    return Numerics(backend, NativeLayerOps(backend.kernels), cpu_linear(backend, dtype))
+
+
+def cpu_linear(backend: CpuAttentionBackend, dtype: torch.dtype) -> Optional[Linear]:
+    """The product beside the cpu backend's kernels. bfloat16: the native column-block product at every row
+    count where it runs on AVX512-BF16 and passed its load-time self-check; on AMX CPUs only with its tile
+    path built in and granted (on vdpbf16ps alone it is slower than oneDNN on the tiles there). Else the
+    native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32 keeps oneDNN's packed
+    weights (None)."""
+    if dtype != torch.bfloat16:
+        return None
+    kernels = backend.kernels
+    amx_cpu = torch_bf16_products_use_amx()
+    if kernels.bf16_column_blocks and kernels.invariant_product_ok and (kernels.amx_tiles or not amx_cpu):
+        return ColumnBlockLinear(kernels)
+    return GemvLinear(kernels, AMX_GEMV_MAX_ROWS) if amx_cpu else GemvLinear(kernels)
+
+
+def torch_bf16_products_use_amx() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN's bf16 products run on (Sapphire Rapids and newer)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch 2.x
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
 
 
 def batch_invariant_numerics(attention_backend: str, device: torch.device, dtype: torch.dtype) -> Numerics:
