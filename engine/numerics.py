@@ -13,7 +13,7 @@ of every matrix product, how a prompt is split into chunks (by the token budget 
 others leave), whether a prompt continues a cached prefix. The default kernels pick
 their blocking, and so the order in which they sum, by those shapes; in bfloat16 the
 difference in rounding flips greedy tokens within a few dozen tokens (measured on the
-embedded model: 3 of 4 prompts, 64 tokens, alone vs beside 1-8 others). In this mode
+embedded model: docs/batch-invariance.md). In this mode
 every operation computes each row with arithmetic that depends on that row alone
 (the idea of vLLM's VLLM_BATCH_INVARIANT and SGLang's --enable-deterministic-inference):
 

@@ -4,9 +4,8 @@ libgomp (the OpenMP runtime behind torch's CPU operators and the native kernels)
 threads for every thread that ever started a parallel region, for that thread's lifetime. Once it manages
 more threads than there are CPUs, it cuts its workers' spin-wait before sleeping from ~300,000 to ~100
 iterations (its "throttled" spin count), and each of the engine thread's parallel regions (about a hundred
-per decode step) then wakes sleeping workers. Measured on 2 cores with the embedded GGUF model: a decode
-step on the engine thread took 9.0 ms after the main thread had loaded the model, 4.6 ms after a thread
-that exited had. So a server loads its model on a scratch thread, and the engine thread's pool is the
+per decode step) then wakes sleeping workers, which nearly doubled a small model's decode step on 2 cores
+(measured in docs/performance.md). So a server loads its model on a scratch thread, and the engine thread's pool is the
 only one left.
 """
 

@@ -64,10 +64,9 @@ def _cpu_flags() -> str:
 
 GEMV_PREFETCH_BYTES = 2048
 """On Intel CPUs the weight-streaming kernel (csrc/gemv.h) and the column-block kernel's vdpbf16ps path
-(csrc/column_blocks.h) prefetch their weight streams this far ahead: 2-core Xeon with AMX, 2 threads, the
-embedded model's 121 batch-1 products from memory: gemv 16-17.6 GB/s without, 21-22 with 2048 (1024:
-19.5-20.7; 4096: 19.2); column blocks 17.5 -> 13.7-14.8 ms. Off elsewhere: on an AMD EPYC an earlier software
-prefetch measured slower than the hardware prefetcher alone."""
+(csrc/column_blocks.h) prefetch their weight streams this far ahead: on a Xeon the batch-1 products read
+their weights markedly faster with it, and 2048 bytes beat 1024 and 4096. Off elsewhere: on an AMD EPYC an
+earlier software prefetch was slower than the hardware prefetcher alone. Measured in docs/performance.md."""
 
 
 def _cpu_vendor() -> str:

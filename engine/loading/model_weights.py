@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("auto", "none", "gguf")
 GGUF_BY_DEFAULT = False
 """Whether `auto` keeps a GGUF's blocks quantized on CPU in bfloat16 (float32 stays `none`: exact float
-products are what its tests compare with HF). Off for now, measured (README): in bf16 decode steps are
-3.9x (1 request) and 1.3x (16 requests) faster and perplexity is equal, but greedy answers
+products are what its tests compare with HF). Off for now: in bf16 decode steps are faster and perplexity
+is equal (measured in docs/performance.md and docs/quantization.md), but greedy answers
 change where the float path's top two tokens are close (the embedded model's "What is the capital of
 France?" chat starts with "L'" instead of "The", 0.08 apart in float32), which the end-to-end test of the
 default server pins; the lead decides after measuring on a quiet machine."""

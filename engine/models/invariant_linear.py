@@ -2,19 +2,17 @@
 in the batch, and on AVX512-BF16 the fastest bf16 product at every row count (on AMX CPUs, on the tiles).
 
 oneDNN (behind `F.linear` and the packed fp32 product) chooses its kernel by the shape of
-the product: measured on an AVX-512 machine in bfloat16, a row of the down projection
-(576 x 1536) computed alone rounds differently from the same row among others (any batch
-of 2 or more), enough to flip a greedy token within 30-odd tokens of the embedded model.
-The native kernel sums every element in float32 with k ascending, threads split columns,
-never the sum; weights are packed once, at load, into its column-block layout.
+the product, so a row computed alone can round differently from the same row among others,
+enough to flip greedy tokens in bfloat16. The native kernel sums every element in float32
+with k ascending, threads split columns, never the sum; weights are packed once, at load,
+into its column-block layout.
 
     BatchInvariantLinear   batch-invariant mode's product (float32 and bfloat16)
-    ColumnBlockLinear      the cpu backend's bf16 product where the kernel runs on vdpbf16ps: one thread,
-                           2-core AVX512-BF16 machine, against torch's bf16 `F.linear` (oneDNN) and the
-                           plain-layout kernel of csrc/gemv.h (G MAC/s, 3072 x 576 / LM head 49152 x 576):
-                           1 row 34 / 17 vs 13 / 5 and 32 / 14; 4 rows 92 / 57 vs 42 / 17 and 45 / 25;
-                           16 rows 108 / 86 vs 80 / 45 and 57 / 40; 64 rows 112 / 96 vs 104 / 82. On AMX
-                           CPUs it runs on the tile unit (`amx`; csrc/column_blocks.h has the figures)
+    ColumnBlockLinear      the cpu backend's bf16 product where the kernel runs on vdpbf16ps: faster than
+                           oneDNN and than the plain-layout kernel of csrc/gemv.h at every row count there.
+                           On AMX CPUs it runs on the tile unit (`amx`)
+
+Measured in docs/performance.md ("Products on CPU").
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ Both implement the same contract (results agree to float32 rounding):
                                          once per forward pass; the native one rotates in place
 
 The native ones make each a single pass over memory (torch: 3-6 operator calls each);
-measured on a 2-core AVX2 machine, fp32, batch 64 decode step of the embedded model:
-~20 ms of 240 ms.
+what that saves a decode step is measured in docs/performance.md.
 """
 
 from __future__ import annotations

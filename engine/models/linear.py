@@ -3,11 +3,10 @@
 On x86 CPUs in fp32 the weights are reordered once, at load, into oneDNN's blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with oneDNN's
 linear (`torch.ops.mkldnn._linear_pointwise`): the products no longer repack the
-weights on every call. Measured on a 2-core AVX2 machine against `F.linear`
-(GFLOP/s, fp32): batch 64: 125 vs 110 (576x3072), 129 vs 119 (1536x576),
-116 vs 68 (the 576x49152 LM head); batch 2048: on par; batch 1: 25 vs 20.
-It is used only where the ops exist and agree with `F.linear` on a probe;
-elsewhere weights stay plain tensors and `F.linear` does the work. With the cpu attention
+weights on every call (faster than `F.linear` up to mid-sized batches, on par
+at large ones: measured in docs/performance.md). It is used only where the ops
+exist and agree with `F.linear` on a probe; elsewhere weights stay plain tensors
+and `F.linear` does the work. With the cpu attention
 backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row count natively
 on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count there, and
 batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise); on other builds
@@ -42,10 +41,9 @@ def padded_rows(rows: int) -> int:
 
     oneDNN (behind torch's CPU products) builds and caches a JIT-compiled primitive per shape, about half
     a MiB each: with prefill chunks of every length up to max_num_batched_tokens, a server's memory grew
-    by ~1 MiB per request for its first thousands of requests (measured: +161 MiB over 2000 bf16 products
-    of random row counts up to 300; +2 MiB with rows bucketed). Bucketing bounds the shapes per weight to
-    16 + max_num_batched_tokens / 32, for at most 31 padding rows (compute that decode-sized products,
-    bound by reading the weights, barely notice)."""
+    by ~1 MiB per request for its first thousands of requests (measured in docs/performance.md). Bucketing
+    bounds the shapes per weight to 16 + max_num_batched_tokens / 32, for at most 31 padding rows (compute
+    that decode-sized products, bound by reading the weights, barely notice)."""
     return rows if rows <= EXACT_ROWS else -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
@@ -112,9 +110,8 @@ class GemvLinear(Linear):
     [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
     Quantized weights go to their own product.
 
-    Measured on a 2-core AVX-512 (BF16) machine, one thread, the embedded model's 121 products at batch 1:
-    24.4 GB/s of weight read (the process's streaming read: 22.0) against 6.3 for torch's; at 4 and 8
-    rows 9.5 and 6.9 against 5.3 and 4.4 (a shared, loaded machine: ratios, not absolutes)."""
+    At batch 1 it reads the weights near the machine's streaming bandwidth, several times faster than
+    torch's product; the lead shrinks by 8 rows (measured in docs/performance.md)."""
 
     name = "cpu-gemv"
 

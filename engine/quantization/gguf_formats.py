@@ -18,8 +18,8 @@ Once the model's matrices are final (rows un-permuted, q|k|v and gate|up fused),
 16 rows are interleaved by 16 (`interleave16`, csrc/quant_blocks.h's kX16): for group g of 16 rows and
 block b, 4-bit: 4 x 64 bytes P_q, byte 4c + j = u[c][4q + j] | u[c][16 + 4q + j] << 4; 8-bit: 8 x 64
 bytes, byte 4c + j = u[c][4q + j]; d and m [N / 16, nb, 16]; no padding block. The integer kernel then
-keeps 16 output columns in one vector's lanes (measured on one thread, a 3072 x 576 Q4_1 matrix: 5.7x
-faster than on the row layout).
+keeps 16 output columns in one vector's lanes: no horizontal sums and no per-block scale shuffles (several
+times faster than on the row layout, measured in docs/performance.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Few activation rows (decode) are quantized to int8 per 32-block and take integer dot products with the
 blocks (csrc/quant_gemm.cpp). More rows take bf16 products with tiles of the weight dequantized once per
 call (csrc/quant_dense_bf16.cpp, AVX512-BF16); float32 prefill (and bf16 without AVX512-BF16) dequantizes
-the whole matrix and uses torch's dense product. The thresholds are measured (below).
+the whole matrix and uses torch's dense product. The thresholds are measured (docs/performance.md, "GGUF
+block products").
 """
 
 from __future__ import annotations
@@ -19,27 +20,23 @@ from engine.quantization.quantized_weight import QuantizedWeight
 
 TILE_MIN_ROWS = 6
 """Activations of at least this many rows take the bf16 tile product (a tile of the weight dequantized once
-per call, csrc/quant_dense_bf16.cpp; float32 activations rounded to bf16) where the build has AVX512-BF16.
-Measured per thread on 8 layers of the embedded model's Q4_1 shapes (ms), integer vs tiles vs oneDNN on the
-float weights: 4 rows 4.2 / 4.6 / 8.4; 8 rows 8.7 / 6.0 / 9.1; 16 rows 15.9 / 8.6 / 11.4; 64 rows 62.3 /
-25.2 / 25.2."""
+per call, csrc/quant_dense_bf16.cpp; float32 activations rounded to bf16) where the build has AVX512-BF16:
+on the row layout the tiles overtake the integer product between 4 and 8 rows (measured in
+docs/performance.md)."""
 
 X16_TILE_MIN_ROWS = 65
 """bf16 activations on X16 weights (gguf_formats.py) take the integer product below this many rows and the
-bf16 tiles from it on. The integer product is the faster at every row count (1 thread, the embedded
-model's 211 matrices, bf16, ms: 16 rows 23 vs 62 for the tiles and 51 for torch's product on the float
-weights; 64 rows 73 vs 136 and 109; 256 rows 277 vs 446 and 351), but its int8 activations cost prompt
-scoring accuracy: perplexity +0.54% over the same weights in float32 when prompts go through it, against
-+0.15% through the tiles (`python -m benchmarks.perplexity`). So decode batches (up to 64 rows, the default server's max_num_seqs) take the
-integer product and prefill chunks the tiles."""
+bf16 tiles from it on. The integer product is the faster at every row count, but its int8 activations
+cost prompt scoring accuracy: perplexity rises over three times as much as through the tiles (measured in
+docs/performance.md and docs/quantization.md). So decode batches (up to 64 rows, the default server's
+max_num_seqs) take the integer product and prefill chunks the tiles."""
 
 NO_TILES = 1 << 62
 
 DENSE_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 """From this many rows the weight is dequantized whole and multiplied by torch's product: float32 prefill
-(exact float32 products, as the float weights give), and bf16 where the build has no bf16 tiles.
-Measured per thread (ms, 8 layers, Q4_1): fp32 at 32 rows 28.5 (integer) vs 30.2 (dense), at 64 rows 57.3
-vs 57.6; bf16 (without tiles) at 16 rows 15.1 vs 13.7, at 32 rows 29.3 vs 17.7."""
+(exact float32 products, as the float weights give), and bf16 where the build has no bf16 tiles: where
+the dense product catches up with the integer one (measured in docs/performance.md)."""
 
 
 class GgufWeight(QuantizedWeight):

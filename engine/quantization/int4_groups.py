@@ -21,7 +21,7 @@ import torch
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 32
 """`--quantization int4` with `--quantization-group-size` unset: llama.cpp's Q4 block (the perplexity table in
-the README: groups of 64 and 128 lose far more on the embedded model)."""
+docs/quantization.md: groups of 64 and 128 lose far more on the embedded model)."""
 CODE_OFFSET = 8
 
 

@@ -90,10 +90,9 @@ class Int8Weight(QuantizedWeight):
     def uses_kernel(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a product of `rows` rows runs torch's int8 kernel (else the dequantizing product).
 
-        On CPU only 16-bit activations at up to CPU_KERNEL_MAX_ROWS rows take it: measured (one thread,
-        one SmolLM layer) it beats bf16's own product at 1 row (0.20 vs 0.35 ms) and ties at 4, while at
-        16 rows it loses to dequantize + `F.linear` (1.54 vs 1.26 ms), and with fp32 activations it is
-        4-50x slower than dequantizing (no vectorized fp32 path)."""
+        On CPU only 16-bit activations at up to CPU_KERNEL_MAX_ROWS rows take it: there it beats bf16's own
+        product, while at 16 rows it loses to dequantize + `F.linear`, and with fp32 activations it is far
+        slower than dequantizing (no vectorized fp32 path). Measured in docs/performance.md."""
         if device.type == "cpu" and (dtype == torch.float32 or rows > CPU_KERNEL_MAX_ROWS):
             return False
         if self._kernel_ok.get(dtype) is None:

@@ -1,0 +1,101 @@
+"""The documentation holds together: README.md stays a front page whose first `make test` is what CI runs,
+and every relative link in README.md and docs/*.md names a file that exists and, with a `#fragment`, a
+heading of that file (anchors as GitHub makes them)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 250
+EXPECTED_DOCS = {"api", "configuration", "operations", "deploying", "architecture", "quantization",
+                 "batch-invariance", "performance", "gpu", "testing"}
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+INLINE_CODE = re.compile(r"`[^`]*`")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: markup dropped, lower case, punctuation removed, spaces as hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link keeps its text
+    text = text.replace("`", "").replace("*", "").lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    counts: dict[str, int] = {}
+    for line in prose_lines(path.read_text()):
+        match = HEADING.match(line)
+        if match is None:
+            continue
+        base = slug(match.group(2))
+        seen = counts.get(base, 0)
+        counts[base] = seen + 1
+        found.add(base if seen == 0 else f"{base}-{seen}")
+    return found
+
+
+def links(path: Path) -> list[str]:
+    targets = []
+    for line in prose_lines(path.read_text()):
+        targets.extend(LINK.findall(INLINE_CODE.sub("", line)))
+    return [t for t in targets if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto:
+
+
+def test_the_docs_pages_exist():
+    assert {p.stem for p in PAGES if p.parent.name == "docs"} >= EXPECTED_DOCS
+
+
+def test_readme_is_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+    assert lines[:6] == ["# pagedserve", "", "```sh", "make serve", "make test", "```"]
+
+
+def test_readmes_first_make_test_is_what_ci_runs():
+    first = next(line.strip() for line in README.read_text().splitlines() if "make test" in line)
+    assert first in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_readme_links_every_docs_page():
+    linked = {(README.parent / t.partition("#")[0]).resolve() for t in links(README)}
+    missing = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not missing, f"README.md does not link {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    broken = []
+    for target in links(page):
+        file_part, _, fragment = target.partition("#")
+        path = (page.parent / file_part).resolve() if file_part else page
+        if not path.exists():
+            broken.append(f"{target}: no file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        elif fragment and path.suffix == ".md" and fragment not in anchors(path):
+            broken.append(f"{target}: no heading #{fragment} in {path.name}")
+    assert not broken, f"{page.name}: " + "; ".join(broken)
+
+
+def test_slug_matches_githubs():
+    assert slug("GGUF weights kept quantized (`--quantization gguf`)") == "gguf-weights-kept-quantized---quantization-gguf"
+    assert slug("Where a step's time goes") == "where-a-steps-time-goes"
+    assert slug("int8, int4 and AWQ weights") == "int8-int4-and-awq-weights"
