@@ -36,9 +36,7 @@ import torch
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.attention.invariant_backend import BatchInvariantCpuBackend
-from engine.kernels.cpu import KERNEL_DTYPES, load_cpu_kernels
-from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear
+from engine.models.invariant_linear import ColumnBlockLinear
 from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
 from engine.models.linear import GemvLinear, Linear
 

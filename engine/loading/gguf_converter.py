@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from engine.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Union
 
-from engine.loading.gguf_converter import default_cache_dir, ensure_converted
+from engine.cache_dir import default_cache_dir
+from engine.loading.gguf_converter import ensure_converted
 
 if TYPE_CHECKING:
     import torch

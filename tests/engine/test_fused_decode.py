@@ -18,7 +18,6 @@ from engine import LLM, SamplingParams, numerics
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.models.fused_decode import MATRIX_COLUMNS
-from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight
 from engine.models.invariant_linear import ColumnBlockLinear
 from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear

@@ -16,6 +16,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
+from engine import cache_dir
 from engine.loading import gguf_converter as gguf_converter
 from engine.loading.model_config import ModelConfig, cpu_has_fast_bf16
 from engine.loading.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
@@ -225,12 +226,12 @@ def test_a_conversion_logs_at_info_with_one_progress_bar(tiny_gguf, tmp_path, ca
 
 def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "explicit"))
-    assert gguf_converter.default_cache_dir() == tmp_path / "explicit"
+    assert cache_dir.default_cache_dir() == tmp_path / "explicit"
     monkeypatch.delenv("PAGEDSERVE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert gguf_converter.default_cache_dir() == tmp_path / "xdg" / "pagedserve"
+    assert cache_dir.default_cache_dir() == tmp_path / "xdg" / "pagedserve"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert gguf_converter.default_cache_dir() == Path.home() / ".cache" / "pagedserve"
+    assert cache_dir.default_cache_dir() == Path.home() / ".cache" / "pagedserve"
 
 
 # ---- errors ---------------------------------------------------------------------------------
