@@ -29,7 +29,6 @@ import torch
 
 from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
-from engine.errors import InvalidParameterError
 from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
@@ -235,7 +234,6 @@ class AsyncEngine:
             if item.request_id in self._live or item.request_id in seen:
                 raise DuplicateRequestIdError(item.request_id)
             seen.add(item.request_id)
-            _check_one_sequence(item.params)
         streams = [RequestStream(item.request_id, f"{item.request_id}#{next(self._serial)}", self._close)
                    for item in inputs]
         for stream in streams:
@@ -376,9 +374,3 @@ def _settle(admitted: asyncio.Future, error: Optional[BaseException]) -> None:
         admitted.set_result(None)
     else:
         admitted.set_exception(error)
-
-
-def _check_one_sequence(params: SamplingParams) -> None:
-    if params.n != 1:
-        raise InvalidParameterError("n", "must be 1 for one engine request (fan n > 1 out with "
-                                         "parallel_sampling.fan_out)")

@@ -21,6 +21,7 @@ from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.runner.fault_isolation import FaultInjector
 from engine.runner.model_runner import ModelRunner
+from engine.errors import InvalidParameterError
 from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
 from engine.request_state import RequestState
@@ -112,7 +113,8 @@ class EngineCore:
         """
         self._check_running()
         if params.n != 1:
-            raise ValueError("EngineCore.add_request takes one sequence; fan n > 1 out with fan_out()")
+            raise InvalidParameterError("n", "must be 1 for one engine request (fan n > 1 out with "
+                                             "engine.sampling.parallel.fan_out)")
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer.hf,

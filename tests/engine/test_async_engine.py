@@ -18,7 +18,7 @@ import pytest
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestInput
 from engine.observer import EngineObserver
-from engine.errors import TokenIdOutOfVocabularyError
+from engine.errors import InvalidParameterError, TokenIdOutOfVocabularyError
 from engine.sampling.parallel import fan_out
 from scheduler import ContextLengthExceededError, DuplicateRequestIdError, RequestRejectedError
 from tests.engine.references import assert_idle, make_llm
@@ -433,7 +433,7 @@ def test_a_request_with_n_above_one_is_refused_without_killing_the_engine(fresh_
     async def body(engine):
         neighbour = asyncio.create_task(collect(engine, "n-neighbour", prompt(19), greedy(40)))
         try:
-            with pytest.raises(ValueError):
+            with pytest.raises(InvalidParameterError, match="n must be 1"):  # checked once, where it is queued
                 await collect(engine, "n-2", prompt(20), SamplingParams(n=2, max_tokens=4))
             assert engine.is_alive
         finally:
