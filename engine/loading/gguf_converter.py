@@ -102,38 +102,39 @@ def _known_sha256(path: Path, index_dir: Path) -> str:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors (fp32), generation_config.json and the tokenizer to `out_dir`.
 
-    One progress bar: a step per GGUF tensor dequantized, then one for saving the weights and one for
-    the tokenizer (transformers' own bars and warnings are held back meanwhile).
+    Its progress is shown by `ConversionProgress` (transformers' own bars and warnings are held back
+    meanwhile).
     """
     import torch
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.loading.conversion_progress import ConversionProgress
+
     source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
-    with tqdm(total=2, desc=f"pagedserve: converting {gguf_path.name}", unit="step") as bar, _quiet_transformers(bar):
+    with ConversionProgress(gguf_path.name) as progress, _quiet_transformers(progress):
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+        progress.stage("writing the weights")
         _save_config(model.config, type(model).__name__, out_dir)
         _save_generation_config(model.config, out_dir)
         _save_weights(model, out_dir)
         del model
-        bar.update()
+        progress.stage("converting the tokenizer")
         AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
-        bar.update()
 
 
 @contextlib.contextmanager
-def _quiet_transformers(bar) -> Iterator[None]:
-    """transformers' progress bars off and its warnings held back; its per-tensor GGUF loop counted on `bar`."""
+def _quiet_transformers(progress) -> Iterator[None]:
+    """transformers' progress bars off and its warnings held back; its per-tensor GGUF loop counted on
+    `progress`."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     def counted(iterable, *args, **kwargs):
         items = list(iterable)
-        bar.total += len(items)
-        bar.refresh()
+        progress.start_tensors(len(items))
         for item in items:
             yield item
-            bar.update()
+            progress.tensor_done()
 
     bars_were_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     original = getattr(gguf_utils, "tqdm", None)

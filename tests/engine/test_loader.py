@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -211,17 +213,45 @@ def test_concurrent_conversions_convert_once(tiny_gguf, tmp_path, caplog):
     assert sum("converting" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_conversion_logs_at_info_with_one_progress_bar(tiny_gguf, tmp_path, caplog, capfd):
+def test_a_conversion_off_a_terminal_logs_its_progress_as_lines(tiny_gguf, tmp_path, caplog, capfd):
     with caplog.at_level(logging.DEBUG):
         prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
     ours = [r for r in caplog.records if r.name == gguf_converter.__name__]
     assert [r.levelno for r in ours] == [logging.INFO] and "converting" in ours[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    progress = [r.getMessage() for r in caplog.records if r.name == "engine.loading.conversion_progress"]
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "engine.loading.conversion_progress")
+    name = "tiny-llama.F32.gguf"
+    tensors = int(next(m for m in progress if "dequantizing" in m).split("dequantizing ")[1].split()[0])
+    assert progress[0] == f"converting {name}: reading the GGUF metadata" and tensors > 0
+    assert f"converting {name}: {tensors}/{tensors} tensors dequantized" in progress
+    assert progress[-3:-1] == [f"converting {name}: writing the weights", f"converting {name}: converting the tokenizer"]
+    assert progress[-1].startswith(f"converted {name} in ")
     err = capfd.readouterr().err
-    assert "pagedserve: converting tiny-llama.F32.gguf" in err
+    assert "\r" not in err and "%|" not in err  # no bar: a log file gets whole lines
     assert "GGUF tensors" not in err and "Loading weights" not in err  # transformers' own bars stay off
-    bars = {line.split(":")[0] for line in err.replace("\r", "\n").splitlines() if "%|" in line}
-    assert bars == {"pagedserve"}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_conversion_on_a_terminal_shows_one_bar_of_tensors_without_an_eta(tiny_gguf, tmp_path, monkeypatch,
+                                                                            caplog):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with caplog.at_level(logging.INFO):
+        prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
+    lines = [line.strip() for line in terminal.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    assert lines and all(line.startswith("pagedserve: converting tiny-llama.F32.gguf: ") for line in lines)
+    assert "GGUF tensors" not in terminal.getvalue() and "Loading weights" not in terminal.getvalue()
+    stages = ("reading the GGUF metadata", "dequantizing", "writing the weights", "converting the tokenizer", "done")
+    assert all(any(stage in line for line in lines) for stage in stages)
+    assert not any("<" in line or "/s" in line for line in lines)  # neither an ETA nor a rate
+    done, total = lines[-1].split(": ")[2].split(" tensors")[0].split("/")
+    assert done == total and int(total) > 0
+    assert not [r for r in caplog.records if "converting tiny-llama.F32.gguf:" in r.getMessage()]  # the bar only
 
 
 def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
