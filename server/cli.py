@@ -29,10 +29,11 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     bench_kinds.add_parser(
-        "scheduler", help="scheduler overhead per step (flags: python -m scheduler.bench --help)", add_help=False
+        "scheduler", help="scheduler overhead per step (flags: pagedserve bench scheduler --help)", add_help=False
     )
     bench_kinds.add_parser(
-        "offline", help="offline throughput vs HF transformers (flags: python -m engine.bench --help)", add_help=False
+        "offline", help="offline throughput vs HF transformers (flags: pagedserve bench offline --help)",
+        add_help=False
     )
     bench_kinds.add_parser(
         "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput "
