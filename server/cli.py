@@ -69,7 +69,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     130: Ctrl-C before the server started serving (while the model loads). A second SIGTERM/SIGINT
     during the drain exits at once with 128 + the signal (143 / 130).
     """
-    from server.settings import SettingsError, load_settings
+    from server.settings import SettingsError, load_settings, warn_unknown_variables
 
     try:
         settings = load_settings(argv, environ)
@@ -82,6 +82,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         print(f"pagedserve serve: error: {tls_error}", file=sys.stderr)
         return 2
     _configure_logging(server_config.log_level)
+    warn_unknown_variables(environ)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
     try:
         sock = bind_socket(server_config.host, server_config.port)
