@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from engine.loading.child_process import call_in_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f"{digest}.tmp-", dir=final.parent))
         try:
             logger.info("converting %s into %s (once; later starts reuse it)", gguf_path, final)
-            convert_gguf(gguf_path, tmp)
+            # In a child process: transformers' model classes import torch._dynamo, which imports Triton
+            # wherever it is installed (and Triton's nanobind reports leaked types when the process exits);
+            # the conversion's peak memory goes with the child too.
+            call_in_child_process(convert_gguf, gguf_path, tmp)
             write_manifest(tmp, source_name=gguf_path.name, sha256=digest)
             _make_readable(tmp)
             _publish(tmp, final)

@@ -242,7 +242,7 @@ def test_a_conversion_on_a_terminal_shows_one_bar_of_tensors_without_an_eta(tiny
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     with caplog.at_level(logging.INFO):
-        prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
+        gguf_converter.convert_gguf(tiny_gguf, tmp_path)  # here, not in the child process of a start
     lines = [line.strip() for line in terminal.getvalue().replace("\r", "\n").splitlines() if line.strip()]
     assert lines and all(line.startswith("pagedserve: converting tiny-llama.F32.gguf: ") for line in lines)
     assert "GGUF tensors" not in terminal.getvalue() and "Loading weights" not in terminal.getvalue()
@@ -252,6 +252,38 @@ def test_a_conversion_on_a_terminal_shows_one_bar_of_tensors_without_an_eta(tiny
     done, total = lines[-1].split(": ")[2].split(" tensors")[0].split("/")
     assert done == total and int(total) > 0
     assert not [r for r in caplog.records if "converting tiny-llama.F32.gguf:" in r.getMessage()]  # the bar only
+
+
+_CPU_START = """
+import json, sys
+from pathlib import Path
+from engine.llm import LLM
+from engine.loading.gguf_converter import ensure_converted
+from engine.sampling.params import SamplingParams
+
+with LLM(str(ensure_converted(Path(sys.argv[1]), Path(sys.argv[2])))) as llm:  # the default backend: auto
+    llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    backend = llm.engine.runner.backend.name
+print(json.dumps({"backend": backend, "triton": sorted(m for m in sys.modules if m.split(".")[0] == "triton")}))
+"""
+
+
+def test_a_cpu_start_that_converts_its_model_never_imports_triton(tiny_gguf, tmp_path, cpu_kernels):
+    """Triton is the GPU's (and its tests'): a CPU process that imports it pays its import and, at exit,
+    nanobind's reports of leaked types. transformers' model classes, which the conversion uses, import
+    torch._dynamo, which imports Triton wherever it is installed: the conversion runs in a child process."""
+    import subprocess
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed here: nothing could import it")
+    from tests.conftest import server_environment
+
+    result = subprocess.run([sys.executable, "-c", _CPU_START, str(tiny_gguf), str(tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=300, env=server_environment())
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"backend": "cpu", "triton": []}
+    assert "nanobind" not in result.stderr
 
 
 def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
