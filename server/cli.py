@@ -65,7 +65,8 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """Load the settings, build the engine and serve until interrupted; the exit status.
 
     0: stopped by SIGTERM or SIGINT after the graceful drain (see server.drain); 1: the port or the
-    model could not be had, or the engine loop died while serving; 2: a bad setting (message on stderr);
+    model could not be had, or the engine loop died while serving; 2: a bad setting (message on stderr), a
+    --max-model-len over the model's context length included;
     130: Ctrl-C before the server started serving (while the model loads). A second SIGTERM/SIGINT
     during the drain exits at once with 128 + the signal (143 / 130).
     """
@@ -107,12 +108,18 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     from engine.async_engine import AsyncEngine
     from engine.builder import build_engine
     from engine.loading.loader import CheckpointError
+    from engine.loading.model_config import ContextLengthError
     from engine.scratch_thread import run_on_scratch_thread
 
     server_config = settings.server
     try:  # off the main thread, so the engine thread's OpenMP pool is the only one (see scratch_thread.py)
         engine = run_on_scratch_thread(
             lambda: build_engine(settings.engine, served_model_name=server_config.served_model_name))
+    except ContextLengthError as error:  # a setting, not the model: exit 2 as for any bad setting
+        print(f"pagedserve serve: error: --max-model-len {error.requested} is larger than the model's context "
+              f"length, {error.limit} (its {error.key}): give {error.limit} or less, or none for the model's own",
+              file=sys.stderr)
+        return 2
     except (CheckpointError, ValueError) as error:
         print(f"pagedserve serve: error: cannot load the model: {error}", file=sys.stderr)
         return 1

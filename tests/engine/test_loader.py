@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from engine import cache_dir
 from engine.loading import gguf_converter as gguf_converter
-from engine.loading.model_config import ModelConfig, cpu_has_fast_bf16
+from engine.loading.model_config import ContextLengthError, ModelConfig, cpu_has_fast_bf16
 from engine.loading.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
 from engine.loading.loader import (
     CheckpointError,
@@ -378,8 +378,9 @@ def test_max_model_len_checked_against_the_model(tiny_llama_dir):
     config = load_hf_config(tiny_llama_dir)
     assert ModelConfig().resolve_max_model_len(config) == 256
     assert ModelConfig(max_model_len=128).resolve_max_model_len(config) == 128
-    with pytest.raises(ValueError, match="max_model_len=512.*256"):
+    with pytest.raises(ContextLengthError, match=r"max_model_len=512 .*\(max_position_embeddings=256\)") as error:
         ModelConfig(max_model_len=512).resolve_max_model_len(config)
+    assert (error.value.requested, error.value.limit, error.value.key) == (512, 256, "max_position_embeddings")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
