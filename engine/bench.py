@@ -1,4 +1,4 @@
-"""Offline throughput against HF transformers, side by side: `pagedserve bench offline`.
+"""Offline throughput against HF transformers, side by side, in this process (no server).
 
 Both run the same prompts (token ids) with the same weights and dtype in one
 process, one after the other:
@@ -204,23 +204,31 @@ def _print_table(args, report: dict[str, float], dtype: torch.dtype) -> None:
     print(f"| batch-1 products over the weights | {report['matvec_ms']:.2f} ms = {report['matvec_gb_s']:.1f} GB/s |")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve bench offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--single-steps", type=int, default=32)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="of the weights and activations, for both (auto: the engine's choice for the model and "
+                        "device)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts generated at once")
+    parser.add_argument("--input-len", type=int, default=128, help="tokens of each (random) prompt")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens generated for each prompt")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="pagedserve's token budget per step")
+    parser.add_argument("--single-steps", type=int, default=32,
+                        help="decode steps timed for the single-stream step time")
     parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
     parser.add_argument("--batch-invariant", action="store_true", help="run pagedserve in batch-invariant mode")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4", "awq"],
                         help="weight storage (gguf: a .gguf file's quantized blocks; its floor counts their bytes)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--profile", action="store_true", help="print where the steps' time goes, by phase")
-    run(parser.parse_args(argv))
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Scheduler overhead per step: `python -m scheduler.bench`.
+"""Scheduler overhead per step, on made-up requests (no model).
 
 Keeps `--num-running` requests decoding (prefix caching on, prompts sharing a
 system prefix), replacing each finished request with a new one, and reports the
@@ -83,14 +83,21 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve bench scheduler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-running", type=int, default=256, help="requests kept decoding")
+    parser.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt (half of them shared)")
+    parser.add_argument("--output-len", type=int, default=256,
+                        help="most tokens a request generates (each draws from half of it up to it)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--steps", type=int, default=2000, help="steps timed")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the made-up tokens and lengths")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-running", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = build_parser()
     args = parser.parse_args(argv)
     result = run(args)
     print(

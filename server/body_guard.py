@@ -89,7 +89,8 @@ class BodyGuard:
 
 
 def _too_large(size: Optional[int], limit: int) -> BodyRefused:
-    what = f"{size} bytes" if size is not None else "more"
+    """`size`: the declared Content-Length; None for a chunked upload, whose size is known only past the limit."""
+    what = f"{size} bytes" if size is not None else f"more than {limit} bytes"
     return BodyRefused(413, f"the request body is {what}; this server accepts at most {limit} bytes "
                             f"(--max-request-body).", code="request_too_large")
 

@@ -29,10 +29,11 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     bench_kinds.add_parser(
-        "scheduler", help="scheduler overhead per step (flags: python -m scheduler.bench --help)", add_help=False
+        "scheduler", help="scheduler overhead per step (flags: pagedserve bench scheduler --help)", add_help=False
     )
     bench_kinds.add_parser(
-        "offline", help="offline throughput vs HF transformers (flags: python -m engine.bench --help)", add_help=False
+        "offline", help="offline throughput vs HF transformers (flags: pagedserve bench offline --help)",
+        add_help=False
     )
     bench_kinds.add_parser(
         "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput "
@@ -64,11 +65,12 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """Load the settings, build the engine and serve until interrupted; the exit status.
 
     0: stopped by SIGTERM or SIGINT after the graceful drain (see server.drain); 1: the port or the
-    model could not be had, or the engine loop died while serving; 2: a bad setting (message on stderr);
+    model could not be had, or the engine loop died while serving; 2: a bad setting (message on stderr), a
+    --max-model-len over the model's context length included;
     130: Ctrl-C before the server started serving (while the model loads). A second SIGTERM/SIGINT
     during the drain exits at once with 128 + the signal (143 / 130).
     """
-    from server.settings import SettingsError, load_settings
+    from server.settings import SettingsError, load_settings, warn_unknown_variables
 
     try:
         settings = load_settings(argv, environ)
@@ -81,6 +83,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         print(f"pagedserve serve: error: {tls_error}", file=sys.stderr)
         return 2
     _configure_logging(server_config.log_level)
+    warn_unknown_variables(environ)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
     try:
         sock = bind_socket(server_config.host, server_config.port)
@@ -105,12 +108,18 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     from engine.async_engine import AsyncEngine
     from engine.builder import build_engine
     from engine.loading.loader import CheckpointError
+    from engine.loading.model_config import ContextLengthError
     from engine.scratch_thread import run_on_scratch_thread
 
     server_config = settings.server
     try:  # off the main thread, so the engine thread's OpenMP pool is the only one (see scratch_thread.py)
         engine = run_on_scratch_thread(
             lambda: build_engine(settings.engine, served_model_name=server_config.served_model_name))
+    except ContextLengthError as error:  # a setting, not the model: exit 2 as for any bad setting
+        print(f"pagedserve serve: error: --max-model-len {error.requested} is larger than the model's context "
+              f"length, {error.limit} (its {error.key}): give {error.limit} or less, or none for the model's own",
+              file=sys.stderr)
+        return 2
     except (CheckpointError, ValueError) as error:
         print(f"pagedserve serve: error: cannot load the model: {error}", file=sys.stderr)
         return 1

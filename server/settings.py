@@ -20,6 +20,8 @@ would also read os.environ in its constructor.
 from __future__ import annotations
 
 import argparse
+import difflib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence, get_args, get_origin
@@ -31,7 +33,17 @@ from engine.cache_config import parse_size
 from engine.engine_config import EngineConfig
 from server.config import ServerConfig
 
+logger = logging.getLogger(__name__)
+
 ENV_PREFIX = "PAGEDSERVE_"
+NOT_SETTINGS = frozenset({
+    "PAGEDSERVE_CACHE_DIR",  # read by the engine: where converted models and built kernels are kept
+    # read by docker-compose (docker-compose*.yml, deploy/compose/)
+    "PAGEDSERVE_IMAGE", "PAGEDSERVE_HOST_PORT", "PAGEDSERVE_MODELS_DIR", "PAGEDSERVE_GPU", "PAGEDSERVE_2_GPU",
+    # read by scripts/container_test.sh
+    "PAGEDSERVE_TEST_IMAGE", "PAGEDSERVE_CTR_DIR", "PAGEDSERVE_CTR_PORT",
+})
+"""PAGEDSERVE_* variables that are not settings but are read elsewhere: no warning for them."""
 FieldPath = tuple[str, ...]  # a field's place in Settings, e.g. ("engine", "scheduler", "max_num_seqs")
 
 # YAML top level -> place in Settings; `tiny_model` belongs to the tests' model factory.
@@ -221,6 +233,22 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         raise SettingsError(_describe(error, origins)) from None
 
 
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """A WARNING for each PAGEDSERVE_* variable that is neither a setting nor in NOT_SETTINGS, with the
+    closest known name: a misspelled flag is an error, a misspelled variable would otherwise be silently
+    ignored."""
+    settings = {option.env for option in OPTIONS}
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in settings or name in NOT_SETTINGS:
+            continue
+        # compared without the prefix, which every name shares and which would make any two look alike
+        known = sorted(known_name.removeprefix(ENV_PREFIX) for known_name in settings | NOT_SETTINGS)
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1)
+        hint = (f"did you mean {ENV_PREFIX}{close[0]}?" if close
+                else "each flag --x-y is PAGEDSERVE_X_Y: pagedserve serve --help")
+        logger.warning("%s is not a pagedserve setting, ignored (%s)", name, hint)
+
+
 def _negated(option: Option, value: Any) -> Any:
     return not value if option.negates else value
 
@@ -332,6 +360,8 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
 _EPILOG = """\
 Precedence: defaults < --config FILE.yaml < PAGEDSERVE_* environment variables < flags.
 An empty environment variable counts as unset. Booleans in the environment: true/false/1/0/yes/no/on/off.
+Another PAGEDSERVE_* variable gets a warning, unless read elsewhere (PAGEDSERVE_CACHE_DIR: the cache of
+converted models and built kernels; the compose files' and scripts' own).
 --max-model-len, --num-kv-blocks, --kv-cache-memory, --max-queued-requests, --max-queued-tokens,
 --request-timeout, --revision, --download-dir, --chat-template and --ssl-* accept "none" (back to the default).
 Examples:

@@ -58,3 +58,18 @@ def cpu_kernels():
     kernels = load_cpu_kernels()
     assert kernels is not None, "a C++ compiler is present but the native CPU kernels did not build"
     return kernels
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's peak resident memory, so what the suite asks of a machine shows at the end of every run: the
+    test process's (the engines tests build in it), and its children's (the servers tests start) where
+    larger. A child's peak counts the test process's size when it started (Linux records the old memory's
+    peak at exec), so only a larger one says something of the children."""
+    import resource
+    import sys
+
+    to_mib = 1 / (1 << 20) if sys.platform == "darwin" else 1 / 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * to_mib
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * to_mib
+    children = f"; a child process reached {child:.0f} MiB" if child > own else ""
+    terminalreporter.write_line(f"peak RSS: {own:.0f} MiB in the test process{children}")

@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -41,6 +42,9 @@ FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", 
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
+BUILD_SECONDS = 30
+"""What the build of all SOURCES takes on a development machine (one compiler process: more cores do not
+shorten it); the first start says so before it goes quiet for that long."""
 DECODE_WEIGHT_COLUMNS = 6 + 6 * 4
 """Values per layer in decode_layers' weight table (csrc/decode_layer.cpp's WeightColumn)."""
 
@@ -113,12 +117,16 @@ def build_library(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH, *,
     target_dir.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=target_dir, prefix=".build-", suffix=".so")
     os.close(handle)
+    estimate = f", about {BUILD_SECONDS} s" if set(sources) == set(SOURCES) else ""
+    logger.info("building the native CPU kernels (first start only%s) ...", estimate)
+    started = time.monotonic()
     try:
         command = [compiler_path, *flags, "-o", partial, *(str(CSRC / name) for name in sources)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler_path} failed to build the CPU kernels: {result.stderr.strip()[-2000:]}")
         os.replace(partial, target)  # atomic: concurrent builders each publish a complete file
+        logger.info("built the native CPU kernels in %.1f s (cached in %s)", time.monotonic() - started, target_dir)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)

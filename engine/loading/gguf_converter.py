@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from engine.loading.child_process import call_in_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f"{digest}.tmp-", dir=final.parent))
         try:
             logger.info("converting %s into %s (once; later starts reuse it)", gguf_path, final)
-            convert_gguf(gguf_path, tmp)
+            # In a child process: transformers' model classes import torch._dynamo, which imports Triton
+            # wherever it is installed (and Triton's nanobind reports leaked types when the process exits);
+            # the conversion's peak memory goes with the child too.
+            call_in_child_process(convert_gguf, gguf_path, tmp)
             write_manifest(tmp, source_name=gguf_path.name, sha256=digest)
             _make_readable(tmp)
             _publish(tmp, final)
@@ -102,38 +106,39 @@ def _known_sha256(path: Path, index_dir: Path) -> str:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors (fp32), generation_config.json and the tokenizer to `out_dir`.
 
-    One progress bar: a step per GGUF tensor dequantized, then one for saving the weights and one for
-    the tokenizer (transformers' own bars and warnings are held back meanwhile).
+    Its progress is shown by `ConversionProgress` (transformers' own bars and warnings are held back
+    meanwhile).
     """
     import torch
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.loading.conversion_progress import ConversionProgress
+
     source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
-    with tqdm(total=2, desc=f"pagedserve: converting {gguf_path.name}", unit="step") as bar, _quiet_transformers(bar):
+    with ConversionProgress(gguf_path.name) as progress, _quiet_transformers(progress):
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+        progress.stage("writing the weights")
         _save_config(model.config, type(model).__name__, out_dir)
         _save_generation_config(model.config, out_dir)
         _save_weights(model, out_dir)
         del model
-        bar.update()
+        progress.stage("converting the tokenizer")
         AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
-        bar.update()
 
 
 @contextlib.contextmanager
-def _quiet_transformers(bar) -> Iterator[None]:
-    """transformers' progress bars off and its warnings held back; its per-tensor GGUF loop counted on `bar`."""
+def _quiet_transformers(progress) -> Iterator[None]:
+    """transformers' progress bars off and its warnings held back; its per-tensor GGUF loop counted on
+    `progress`."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     def counted(iterable, *args, **kwargs):
         items = list(iterable)
-        bar.total += len(items)
-        bar.refresh()
+        progress.start_tensors(len(items))
         for item in items:
             yield item
-            bar.update()
+            progress.tensor_done()
 
     bars_were_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     original = getattr(gguf_utils, "tqdm", None)

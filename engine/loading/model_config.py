@@ -20,11 +20,26 @@ def cpu_has_fast_bf16() -> bool:
 
 def model_max_length(hf_config: "PretrainedConfig") -> Optional[int]:
     """The context length a HF config declares, or None when it declares none."""
+    declared = _declared_context_length(hf_config)
+    return None if declared is None else declared[1]
+
+
+def _declared_context_length(hf_config: "PretrainedConfig") -> Optional[tuple[str, int]]:
+    """(the config key, the context length) a HF config declares, or None."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
-            return value
+            return key, value
     return None
+
+
+class ContextLengthError(ValueError):
+    """max_model_len over the model's context length: a setting the user chose that this model cannot
+    honour (the server exits 2 for it, naming the flag), not a model that fails to load."""
+
+    def __init__(self, requested: int, limit: int, key: str):
+        super().__init__(f"max_model_len={requested} is larger than the model's context length ({key}={limit})")
+        self.requested, self.limit, self.key = requested, limit, key
 
 
 class ModelConfig(BaseModel):
@@ -108,15 +123,13 @@ class ModelConfig(BaseModel):
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
     def resolve_max_model_len(self, hf_config: "PretrainedConfig") -> int:
-        """`max_model_len`, checked against the model's context length (which it defaults to)."""
-        own = model_max_length(hf_config)
+        """`max_model_len`, checked against the model's context length (which it defaults to); ContextLengthError
+        when it is larger."""
+        declared = _declared_context_length(hf_config)
         if self.max_model_len is None:
-            if own is None:
+            if declared is None:
                 raise ValueError("the model config declares no context length; set max_model_len")
-            return own
-        if own is not None and self.max_model_len > own:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} is larger than the model's context length "
-                f"(max_position_embeddings={own})"
-            )
+            return declared[1]
+        if declared is not None and self.max_model_len > declared[1]:
+            raise ContextLengthError(self.max_model_len, declared[1], declared[0])
         return self.max_model_len

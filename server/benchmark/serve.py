@@ -126,11 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (any OpenAI-compatible one)")
     p.add_argument("--model", default=None, help="model name to send (default: the first at /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--dataset", choices=("random", "prefix-shared", "sharegpt", "jsonl"), default="random")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="the API to load: /v1/completions, or /v1/chat/completions with each prompt as one user "
+                   "message")
+    p.add_argument("--dataset", choices=("random", "prefix-shared", "sharegpt", "jsonl"), default="random",
+                   help="where the prompts come from: random tokens (--input-len, --output-len), one shared prefix "
+                   "with a suffix of its own each (--prefix-len, --suffix-len), or a file (--dataset-path: a "
+                   "ShareGPT JSON, or JSON lines with a prompt each)")
     p.add_argument("--dataset-path", type=Path, default=None, help="file for --dataset sharegpt / jsonl")
-    p.add_argument("--tokenizer", default=None, help="tokenizer of the served model (see above)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer of the served model, to make prompts of exact token lengths: a checkpoint "
+                   "directory, a .gguf file or a hub id in the local cache (default: --model when it is a local "
+                   "path, else the embedded model's)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (the run's size)")
     p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="random, prefix-shared: max_tokens")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in len * [1-r, 1+r]")
@@ -138,17 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=int, default=64, help="prefix-shared: tokens of each own suffix")
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt, jsonl: override output lengths")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson arrivals")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier, above more "
+                   "regular")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--ignore-eos", action="store_true", help="ask every request to run its max_tokens")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=None,
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (or $OPENAI_API_KEY)")
-    p.add_argument("--result-json", type=Path, default=None, help="write the figures and per-request data here")
+    p.add_argument("--result-json", type=Path, default=None,
+                   help="write the figures and per-request data here (python -m benchmarks.report reads it)")
     p.add_argument("--label", default=None, help="a name for this run in the JSON")
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
 
@@ -181,6 +192,7 @@ def benchmark(args: argparse.Namespace) -> tuple[BenchmarkMetrics, dict]:
         "client_host": {"machine": platform.machine(), "python": platform.python_version()},
         **metrics.to_dict(),
         "input_lens": [r.prompt_len for r in results],
+        "max_tokens": [r.output_len for r in requests],
         "output_lens": [r.output_tokens for r in results],
         "ttfts_s": [r.ttft for r in results],
         "itls_s": [r.itl for r in results],
@@ -193,6 +205,7 @@ def benchmark(args: argparse.Namespace) -> tuple[BenchmarkMetrics, dict]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per request, across the progress bar
     try:
         metrics, record = benchmark(args)
     except (ValueError, RuntimeError, httpx.HTTPError) as exc:

@@ -62,7 +62,8 @@ UNBOUNDED = [  # schemas without maxLength / maximum: the grammar's own bounds e
 
 @pytest.fixture(scope="module")
 def embedded_llm(embedded_checkpoint):
-    return LLM(None, device="cpu", max_model_len=512, kv_cache_memory="64MiB", batch_invariant=True)
+    with LLM(None, device="cpu", max_model_len=512, kv_cache_memory="64MiB", batch_invariant=True) as llm:
+        yield llm  # shut down after the module, not kept for the rest of the run
 
 
 def conversation(question: str) -> list[dict]:

@@ -26,4 +26,5 @@ def tiny_qwen3_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     """One LLM per test module over the tiny llama (configs/tiny.yaml settings, fp32 on CPU)."""
-    return make_llm(tiny_llama_dir)
+    with make_llm(tiny_llama_dir) as llm:
+        yield llm  # shut down after the module: engines do not pile up over the run

@@ -82,8 +82,8 @@ def wide_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=MODES, ids=[f"{d}{'-invariant' if i else ''}" for d, i in MODES])
 def mode(request, wide_llama_dir):
     dtype, invariant = request.param
-    llm = make_llm(wide_llama_dir, dtype=dtype, batch_invariant=invariant, max_num_batched_tokens=32)
-    return llm, invariant
+    with make_llm(wide_llama_dir, dtype=dtype, batch_invariant=invariant, max_num_batched_tokens=32) as llm:
+        yield llm, invariant  # shut down before the next mode's
 
 
 @pytest.mark.parametrize("length,seed", TARGETS)

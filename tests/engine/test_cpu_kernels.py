@@ -8,23 +8,32 @@ from __future__ import annotations
 
 import logging
 import platform
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.kernels.cpu import build_library, load_cpu_kernels
+from engine.kernels.cpu import BUILD_SECONDS, build_library, load_cpu_kernels
 
 
 def _maps_of(name: str) -> set[str]:
     return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if name in line}
 
 
-def test_build_is_cached_per_machine_and_source(cpu_kernels, tmp_path):
-    first = build_library(tmp_path)
+def test_build_is_cached_per_machine_and_source(cpu_kernels, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.kernels.cpu"):
+        first = build_library(tmp_path)
+    # the first start says why it goes quiet, and how long it took
+    assert [r.getMessage() for r in caplog.records][0] == \
+        f"building the native CPU kernels (first start only, about {BUILD_SECONDS} s) ..."
+    assert re.fullmatch(r"built the native CPU kernels in \d+\.\d s \(cached in .+\)", caplog.records[1].getMessage())
+    caplog.clear()
     stamp = first.stat().st_mtime_ns
-    second = build_library(tmp_path)
+    with caplog.at_level(logging.INFO, logger="engine.kernels.cpu"):
+        second = build_library(tmp_path)
     assert second == first and second.stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert not caplog.records  # a cached build loads silently
     assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no partial builds left behind
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.references import assert_idle, hf_model
+from tests.engine.references import assert_idle
 
 PROMPTS = [
     "The capital of France is",
@@ -20,11 +20,20 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def embedded_llm(embedded_checkpoint):
     # fp32 to compare token for token with HF's fp32 reference.
-    return LLM(None, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="64MiB")
+    with LLM(None, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="64MiB") as llm:
+        yield llm  # shut down after the module: its weights and KV cache do not stay for the rest of the run
 
 
-def hf_continuation(checkpoint, token_ids):
-    model = hf_model(str(checkpoint.path))
+@pytest.fixture(scope="module")
+def hf_reference(embedded_checkpoint):
+    """HF's fp32 model on the same weights, for this module only (references.hf_model's cache would keep it
+    for the rest of the run)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(embedded_checkpoint.path), dtype=torch.float32).eval()
+
+
+def hf_continuation(model, token_ids):
     from transformers import GenerationConfig
 
     ids = torch.tensor([token_ids])
@@ -41,22 +50,22 @@ def test_embedded_model_shape(embedded_llm):
     )
 
 
-def test_greedy_prompts_match_hf(embedded_llm, embedded_checkpoint):
+def test_greedy_prompts_match_hf(embedded_llm, hf_reference):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
     results = embedded_llm.generate(PROMPTS, params, use_tqdm=False)
     tokenizer = embedded_llm.get_tokenizer()
     for prompt, result in zip(PROMPTS, results):
-        expected = hf_continuation(embedded_checkpoint, result.prompt_token_ids)
+        expected = hf_continuation(hf_reference, result.prompt_token_ids)
         got = result.outputs[0].token_ids
         assert got == expected, prompt
         assert result.outputs[0].text == tokenizer.decode(expected)
     assert_idle(embedded_llm)
 
 
-def test_chat_turn_matches_hf(embedded_llm, embedded_checkpoint):
+def test_chat_turn_matches_hf(embedded_llm, hf_reference):
     (result,) = embedded_llm.chat(CHAT, SamplingParams(max_tokens=NEW_TOKENS, temperature=0), use_tqdm=False)
     assert result.prompt.startswith("<|im_start|>")
-    expected = hf_continuation(embedded_checkpoint, result.prompt_token_ids)
+    expected = hf_continuation(hf_reference, result.prompt_token_ids)
     assert result.outputs[0].token_ids == expected
     assert "Everest" in result.outputs[0].text
     assert_idle(embedded_llm)

@@ -67,8 +67,9 @@ def test_the_flag_resolves_or_says_why_not(tmp_path):
 def llms(embedded_checkpoint):
     options = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="32MiB")
     # prefill chunks of 5 tokens: every product of the quantized path runs the integer (decode) kernel
-    quantized = LLM(None, quantization="gguf", max_num_batched_tokens=5, max_num_seqs=4, **options)
-    return quantized, LLM(None, quantization="none", **options)
+    with LLM(None, quantization="gguf", max_num_batched_tokens=5, max_num_seqs=4, **options) as quantized, \
+            LLM(None, quantization="none", **options) as plain:
+        yield quantized, plain  # shut down after the module, not kept for the rest of the run
 
 
 def test_weights_stay_quantized(llms):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from pydantic import ValidationError
 
 from engine import cache_dir
 from engine.loading import gguf_converter as gguf_converter
-from engine.loading.model_config import ModelConfig, cpu_has_fast_bf16
+from engine.loading.model_config import ContextLengthError, ModelConfig, cpu_has_fast_bf16
 from engine.loading.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
 from engine.loading.loader import (
     CheckpointError,
@@ -211,17 +213,77 @@ def test_concurrent_conversions_convert_once(tiny_gguf, tmp_path, caplog):
     assert sum("converting" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_conversion_logs_at_info_with_one_progress_bar(tiny_gguf, tmp_path, caplog, capfd):
+def test_a_conversion_off_a_terminal_logs_its_progress_as_lines(tiny_gguf, tmp_path, caplog, capfd):
     with caplog.at_level(logging.DEBUG):
         prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
     ours = [r for r in caplog.records if r.name == gguf_converter.__name__]
     assert [r.levelno for r in ours] == [logging.INFO] and "converting" in ours[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    progress = [r.getMessage() for r in caplog.records if r.name == "engine.loading.conversion_progress"]
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "engine.loading.conversion_progress")
+    name = "tiny-llama.F32.gguf"
+    tensors = int(next(m for m in progress if "dequantizing" in m).split("dequantizing ")[1].split()[0])
+    assert progress[0] == f"converting {name}: reading the GGUF metadata" and tensors > 0
+    assert f"converting {name}: {tensors}/{tensors} tensors dequantized" in progress
+    assert progress[-3:-1] == [f"converting {name}: writing the weights", f"converting {name}: converting the tokenizer"]
+    assert progress[-1].startswith(f"converted {name} in ")
     err = capfd.readouterr().err
-    assert "pagedserve: converting tiny-llama.F32.gguf" in err
+    assert "\r" not in err and "%|" not in err  # no bar: a log file gets whole lines
     assert "GGUF tensors" not in err and "Loading weights" not in err  # transformers' own bars stay off
-    bars = {line.split(":")[0] for line in err.replace("\r", "\n").splitlines() if "%|" in line}
-    assert bars == {"pagedserve"}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_conversion_on_a_terminal_shows_one_bar_of_tensors_without_an_eta(tiny_gguf, tmp_path, monkeypatch,
+                                                                            caplog):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with caplog.at_level(logging.INFO):
+        gguf_converter.convert_gguf(tiny_gguf, tmp_path)  # here, not in the child process of a start
+    lines = [line.strip() for line in terminal.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    assert lines and all(line.startswith("pagedserve: converting tiny-llama.F32.gguf: ") for line in lines)
+    assert "GGUF tensors" not in terminal.getvalue() and "Loading weights" not in terminal.getvalue()
+    stages = ("reading the GGUF metadata", "dequantizing", "writing the weights", "converting the tokenizer", "done")
+    assert all(any(stage in line for line in lines) for stage in stages)
+    assert not any("<" in line or "/s" in line for line in lines)  # neither an ETA nor a rate
+    done, total = lines[-1].split(": ")[2].split(" tensors")[0].split("/")
+    assert done == total and int(total) > 0
+    assert not [r for r in caplog.records if "converting tiny-llama.F32.gguf:" in r.getMessage()]  # the bar only
+
+
+_CPU_START = """
+import json, sys
+from pathlib import Path
+from engine.llm import LLM
+from engine.loading.gguf_converter import ensure_converted
+from engine.sampling.params import SamplingParams
+
+with LLM(str(ensure_converted(Path(sys.argv[1]), Path(sys.argv[2])))) as llm:  # the default backend: auto
+    llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    backend = llm.engine.runner.backend.name
+print(json.dumps({"backend": backend, "triton": sorted(m for m in sys.modules if m.split(".")[0] == "triton")}))
+"""
+
+
+def test_a_cpu_start_that_converts_its_model_never_imports_triton(tiny_gguf, tmp_path, cpu_kernels):
+    """Triton is the GPU's (and its tests'): a CPU process that imports it pays its import and, at exit,
+    nanobind's reports of leaked types. transformers' model classes, which the conversion uses, import
+    torch._dynamo, which imports Triton wherever it is installed: the conversion runs in a child process."""
+    import subprocess
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed here: nothing could import it")
+    from tests.conftest import server_environment
+
+    result = subprocess.run([sys.executable, "-c", _CPU_START, str(tiny_gguf), str(tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=300, env=server_environment())
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"backend": "cpu", "triton": []}
+    assert "nanobind" not in result.stderr
 
 
 def test_default_cache_dir_follows_environment(monkeypatch, tmp_path):
@@ -316,8 +378,9 @@ def test_max_model_len_checked_against_the_model(tiny_llama_dir):
     config = load_hf_config(tiny_llama_dir)
     assert ModelConfig().resolve_max_model_len(config) == 256
     assert ModelConfig(max_model_len=128).resolve_max_model_len(config) == 128
-    with pytest.raises(ValueError, match="max_model_len=512.*256"):
+    with pytest.raises(ContextLengthError, match=r"max_model_len=512 .*\(max_position_embeddings=256\)") as error:
         ModelConfig(max_model_len=512).resolve_max_model_len(config)
+    assert (error.value.requested, error.value.limit, error.value.key) == (512, 256, "max_position_embeddings")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

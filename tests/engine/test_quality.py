@@ -12,13 +12,15 @@ from engine.llm import LLM
 
 
 def _embedded(checkpoint, **settings) -> LLM:
+    # a KV cache for a few windows, not the default GiB: two of these live at once
     return LLM(str(checkpoint.path), dtype="float32", device="cpu", max_model_len=256, max_num_batched_tokens=256,
-               enable_prefix_caching=False, **settings)
+               kv_cache_memory="64MiB", enable_prefix_caching=False, **settings)
 
 
 @pytest.fixture(scope="module")
 def engines(embedded_checkpoint, one_torch_thread):
-    return _embedded(embedded_checkpoint), _embedded(embedded_checkpoint, quantization="int8")
+    with _embedded(embedded_checkpoint) as reference, _embedded(embedded_checkpoint, quantization="int8") as int8:
+        yield reference, int8  # shut down after the module, not kept for the rest of the run
 
 
 def test_int8_perplexity_within_one_percent_of_float(engines):

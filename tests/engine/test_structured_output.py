@@ -20,7 +20,8 @@ PROMPTS = ["The quick brown fox", "Hello, world! How", "def add(a, b):", "Once u
 @pytest.fixture(scope="module")
 def invariant_llm(tiny_llama_dir):
     """Batch-invariant kernels: an unconstrained request's tokens cannot depend on its neighbours."""
-    return make_llm(tiny_llama_dir, batch_invariant=True)
+    with make_llm(tiny_llama_dir, batch_invariant=True) as llm:
+        yield llm
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))

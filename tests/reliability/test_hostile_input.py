@@ -69,7 +69,10 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(server):
     body = json.dumps({"model": "tiny", "prompt": "a " * LIMIT}).encode()
     response = httpx.post(f"{server.base_url}/v1/completions", content=body, headers=JSON, timeout=30)
     assert response.status_code == 413
-    assert assert_envelope(response.json())["code"] == "request_too_large"
+    error = assert_envelope(response.json())
+    assert error["code"] == "request_too_large"
+    assert error["message"] == (f"the request body is {len(body)} bytes; this server accepts at most {LIMIT} bytes "
+                                "(--max-request-body).")
 
 
 def test_a_chunked_upload_over_the_limit_is_413(server):
@@ -81,7 +84,10 @@ def test_a_chunked_upload_over_the_limit_is_413(server):
 
     response = httpx.post(f"{server.base_url}/v1/completions", content=chunks(), headers=JSON, timeout=30)
     assert response.status_code == 413
-    assert assert_envelope(response.json())["code"] == "request_too_large"
+    error = assert_envelope(response.json())
+    assert error["code"] == "request_too_large"
+    assert error["message"] == (f"the request body is more than {LIMIT} bytes; this server accepts at most {LIMIT} "
+                                "bytes (--max-request-body).")
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):

@@ -3,8 +3,10 @@ fake server with known delays, and a run against the tiny model's real server.""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import logging
 import statistics
 import threading
 import time
@@ -200,12 +202,14 @@ def test_client_keeps_to_the_concurrency_cap_and_records_failures(fake_server):
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_bench_serve_against_the_tiny_model(server, tiny_model_dir, tmp_path, capsys, endpoint):
+def test_bench_serve_against_the_tiny_model(server, tiny_model_dir, tmp_path, capsys, caplog, endpoint):
     out = tmp_path / "result.json"
-    code = main(["--base-url", server.base_url, "--tokenizer", str(tiny_model_dir), "--endpoint", endpoint,
-                 "--num-prompts", "6", "--input-len", "24", "--output-len", "5", "--max-concurrency", "3",
-                 "--ignore-eos", "--goodput", "e2el:600000", "--result-json", str(out), "--disable-tqdm"])
+    with caplog.at_level(logging.INFO):
+        code = main(["--base-url", server.base_url, "--tokenizer", str(tiny_model_dir), "--endpoint", endpoint,
+                     "--num-prompts", "6", "--input-len", "24", "--output-len", "5", "--max-concurrency", "3",
+                     "--ignore-eos", "--goodput", "e2el:600000", "--result-json", str(out), "--disable-tqdm"])
     assert code == 0
+    assert not [r for r in caplog.records if r.name.startswith("httpx")]  # no line per request over the bar
     record = json.loads(out.read_text())
     assert record["model"] == "tiny" and record["completed"] == 6 and record["failed"] == 0
     assert record["output_lens"] == [5] * 6 and record["total_output_tokens"] == 30
@@ -215,6 +219,55 @@ def test_bench_serve_against_the_tiny_model(server, tiny_model_dir, tmp_path, ca
     assert record["ttft_ms"]["mean"] <= record["e2el_ms"]["mean"]
     assert all(len(itl) <= 4 for itl in record["itls_s"])  # a chunk per token, unless a token adds no text yet
     assert "Output token throughput (tok/s)" in capsys.readouterr().out
+
+    # benchmarks.report reads the file: one row, the dataset and load shape its workload, the model its server
+    from benchmarks.report import main as report_main
+
+    assert report_main([str(out)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| random")]
+    assert len(rows) == 1 and rows[0].startswith("| random (3 concurrent) | tiny | ")
+    assert "| 5.0 (5) | 100% of requests |" in rows[0]  # 5 tokens each as asked; all within the SLO
+
+
+def test_benchmarks_report_says_what_it_reads(tmp_path, capsys):
+    from benchmarks.report import main as report_main
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model": "m", "runs": []}))
+    assert report_main([str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"{other} is not a `pagedserve bench serve --result-json` file (no dataset" in err
+    assert "RESULTS_DIR" in err and "RUN.json" in err
+    assert report_main([str(tmp_path)]) == 2
+    assert f"{tmp_path} has no results.json (python -m benchmarks.peers writes one)" in capsys.readouterr().err
+
+
+def _bench_parsers() -> dict[str, argparse.ArgumentParser]:
+    from engine.bench import build_parser as offline_parser
+    from scheduler.bench import build_parser as scheduler_parser
+    from server.benchmark.serve import build_parser as serve_parser
+
+    return {"serve": serve_parser(), "offline": offline_parser(), "scheduler": scheduler_parser()}
+
+
+@pytest.mark.parametrize("kind", ["serve", "offline", "scheduler"])
+def test_every_bench_option_says_what_it_does(kind):
+    parser = _bench_parsers()[kind]
+    assert parser.prog == f"pagedserve bench {kind}"
+    for action in parser._actions:
+        assert action.help and "see above" not in action.help, f"{kind}: {action.option_strings} has no help"
+    assert "python -m" not in (parser.description or "").split("\n")[0]
+
+
+def test_pagedserve_bench_help_points_to_its_own_commands(capsys):
+    from server.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "python -m" not in out
+    words = " ".join(out.split())  # argparse wraps the lines
+    assert all(f"(flags: pagedserve bench {kind} --help)" in words for kind in ("scheduler", "offline", "serve"))
 
 
 def test_bench_serve_reports_an_unreachable_server(capsys):

@@ -74,6 +74,30 @@ def test_a_busy_port_exits_1_before_loading_a_model(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
+def test_a_max_model_len_over_the_models_context_exits_2_naming_the_flag_and_the_limit(tiny_model_dir):
+    result = run_serve("--model", str(tiny_model_dir), "--max-model-len", "99999", "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "pagedserve serve: error: --max-model-len 99999 is larger than the model's context length, 256 (its "
+        "max_position_embeddings): give 256 or less, or none for the model's own")
+    assert "Traceback" not in result.stderr and "cannot load the model" not in result.stderr
+
+
+def test_a_misspelled_variable_gets_a_warning_naming_the_setting_it_resembles():
+    with socket.socket() as busy:  # the start stops at the port, once logging is set up
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_serve("--port", str(port), "--model", "/nonexistent",
+                           env={"PAGEDSERVE_PROT": "8011", "PAGEDSERVE_CACHE_DIR": "/somewhere",
+                                "PAGEDSERVE_IMAGE": "pagedserve:cpu"})
+    assert result.returncode == 1, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1, result.stderr  # the allowed variables pass silently
+    assert warnings[0].endswith("server.settings: PAGEDSERVE_PROT is not a pagedserve setting, ignored "
+                                "(did you mean PAGEDSERVE_PORT?)")
+
+
 def test_ready_message_has_a_working_curl_line_and_never_a_key():
     message = ready_message("0.0.0.0", 8123, "it's-a-model", needs_key=True)
     assert "http://127.0.0.1:8123/v1" in message

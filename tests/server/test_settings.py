@@ -1,5 +1,6 @@
 """Settings: defaults < YAML preset < PAGEDSERVE_* variables < flags, with errors that name their source."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,39 @@ def test_help_exits_zero(capsys):
         load_settings(["--help"], {})
     assert raised.value.code == 0
     assert "--max-num-seqs" in capsys.readouterr().out
+
+
+def test_unknown_pagedserve_variables_are_named_with_the_closest_setting(caplog):
+    from server.settings import NOT_SETTINGS, warn_unknown_variables
+
+    environ = {"PAGEDSERVE_PROT": "8011", "PAGEDSERVE_MAX_NUM_SEQ": "4", "PAGEDSERVE_WHATEVER_ELSE": "1",
+               "PAGEDSERVE_PORT": "8011", "PAGEDSERVE_CONFIG": "x.yaml", "HOME": "/home/u",
+               **{name: "1" for name in NOT_SETTINGS}}
+    with caplog.at_level(logging.WARNING, logger="server.settings"):
+        warn_unknown_variables(environ)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "PAGEDSERVE_MAX_NUM_SEQ is not a pagedserve setting, ignored (did you mean PAGEDSERVE_MAX_NUM_SEQS?)",
+        "PAGEDSERVE_PROT is not a pagedserve setting, ignored (did you mean PAGEDSERVE_PORT?)",
+        "PAGEDSERVE_WHATEVER_ELSE is not a pagedserve setting, ignored (each flag --x-y is PAGEDSERVE_X_Y: "
+        "pagedserve serve --help)",
+    ]
+
+
+def test_every_variable_read_elsewhere_is_allowed():
+    """A PAGEDSERVE_* variable that the engine, a compose file or a script reads, and that is no setting, is in
+    NOT_SETTINGS (else the server would warn about it)."""
+    import re
+
+    from server.settings import NOT_SETTINGS
+
+    repo = Path(__file__).resolve().parents[2]
+    files = [*repo.glob("docker-compose*.yml"), *repo.glob("deploy/**/*.yml"), *repo.glob("scripts/*.sh"),
+             *(path for folder in ("engine", "server", "scheduler") for path in (repo / folder).rglob("*.py"))]
+    read = set()
+    for path in files:
+        text = path.read_text()
+        read |= set(re.findall(r"\$\{(PAGEDSERVE_[A-Z0-9_]+)", text))  # shell, compose
+        read |= set(re.findall(r"environ(?:\.get\(|\[)\"(PAGEDSERVE_[A-Z0-9_]+)", text))  # Python
+    assert "PAGEDSERVE_CACHE_DIR" in read and "PAGEDSERVE_IMAGE" in read
+    assert read - {option.env for option in OPTIONS} <= NOT_SETTINGS
