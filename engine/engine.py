@@ -67,18 +67,17 @@ class EngineCore:
         self.num_steps = 0
         self.last_step_num_tokens = 0
         self.is_shut_down = False
-        self._sampler = runner.sampler
         self.grammar_compiler = grammar_compiler
         self.profile = runner.profile
 
     @property
     def fault_injector(self) -> Optional[FaultInjector]:
         """Tests only: hooks that corrupt logits or fail detokenization (see fault_isolation)."""
-        return self._sampler.injector
+        return self.runner.sampler.injector
 
     @fault_injector.setter
     def fault_injector(self, injector: Optional[FaultInjector]) -> None:
-        self._sampler.injector = injector
+        self.runner.sampler.injector = injector
 
     def shutdown(self) -> None:
         """End every request (finish_reason "abort") and release the KV cache, the CUDA graphs and the
@@ -212,7 +211,7 @@ class EngineCore:
         runner_output = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty:
             return []
-        failures = self._sampler.take_failures()
+        failures = self.runner.sampler.take_failures()
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         if profile is not None:
             profile.lap("update")
@@ -255,8 +254,8 @@ class EngineCore:
         """Text, stop strings and timestamps for one request's new tokens."""
         request_id = step_output.request_id
         state = self._states[request_id]
-        if self._sampler.injector is not None:
-            self._sampler.injector.on_detokenize(request_id)
+        if self.runner.sampler.injector is not None:
+            self.runner.sampler.injector.on_detokenize(request_id)
         finish_reason = step_output.status.finish_reason
         stop_reason = step_output.stop_reason
         delta, stop = state.take_text(

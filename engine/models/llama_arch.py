@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from engine.attention.attention_shape import AttentionShape
+
 
 @dataclass(frozen=True, slots=True)
 class LlamaArch:
@@ -36,8 +38,7 @@ class LlamaArch:
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        shape = AttentionShape.from_hf_config(config)  # what the attention backend was chosen for
         sliding_window = getattr(config, "sliding_window", None)
         if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
             sliding_window = None
@@ -49,9 +50,9 @@ class LlamaArch:
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
             num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=rope[0],
             rope_scaling=rope[1],
