@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from engine.kernels.quant import load_quant_kernels
 from engine.loading.gguf_weights import iter_gguf_weights
 from engine.loading.loader import embedded_gguf_path
-from engine.memory_bandwidth import read_bandwidth
+from engine.profiling.memory_bandwidth import read_bandwidth
 from engine.quantization.gguf_weight import GgufWeight
 
 

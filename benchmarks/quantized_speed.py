@@ -42,7 +42,7 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
 def layer_products(dtype: torch.dtype, rows_list: list[int], repeats: int,
                    group_sizes: list[int]) -> dict[str, list[float]]:
     """ms for the four products of one layer, per variant and batch size."""
-    from engine.models.linear import select_linear
+    from engine.layers.linear import select_linear
     from engine.quantization.int4_groups import Int4Groups
     from engine.quantization.int4_weight import Int4Weight
     from engine.quantization.int8_weight import Int8Weight

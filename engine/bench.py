@@ -7,7 +7,7 @@ process, one after the other:
 It prints output tokens/s for both and the ratio, then the single-stream decode
 step time next to its physical floor: the bytes a step reads (every weight
 matrix and the context's K/V) over this machine's streaming-read bandwidth,
-measured in the same run (engine/memory_bandwidth.py); and, for reference, one
+measured in the same run (engine/profiling/memory_bandwidth.py); and, for reference, one
 bare matrix-vector pass over all the weights (the faster of torch's product and the
 model's own, e.g. the native small-batch kernel) with the weight bytes it streams per second.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.llm import LLM
-from engine.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
+from engine.profiling.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
 from engine.kernels.column_block_weight import PackedWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.sampling.params import SamplingParams

@@ -16,18 +16,18 @@ from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
 from engine.loading.loader import load_hf_config, prepare_checkpoint
-from engine.memory_bandwidth import tensor_bytes
+from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
-from engine.numerics import choose_numerics
+from engine.platform import choose_numerics
 from engine.quantization.awq import awq_weights
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
-from engine.step_profile import StepProfile
+from engine.profiling.step_profile import StepProfile
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.tokenizer import load_tokenizer

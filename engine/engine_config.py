@@ -28,11 +28,11 @@ class EngineConfig(BaseModel):
     profile: bool = Field(
         False,
         description="time every step's phases (schedule, prepare, forward, sample, update, detokenize, between) "
-        "and log the breakdown every 1000 steps (engine/step_profile.py)",
+        "and log the breakdown every 1000 steps (engine/profiling/step_profile.py)",
     )
     batch_invariant: bool = Field(
         False,
         description="products, norms and attention whose per-row arithmetic does not depend on the batch: "
         "a request gives the same tokens and logprobs whatever runs beside it, in float32 and bfloat16 "
-        "(CPU; engine/numerics.py)",
+        "(CPU; engine/platform.py)",
     )

@@ -109,7 +109,7 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     from engine.builder import build_engine
     from engine.loading.loader import CheckpointError
     from engine.loading.model_config import ContextLengthError
-    from engine.scratch_thread import run_on_scratch_thread
+    from engine.runner.scratch_thread import run_on_scratch_thread
 
     server_config = settings.server
     try:  # off the main thread, so the engine thread's OpenMP pool is the only one (see scratch_thread.py)

@@ -2,11 +2,13 @@
 included): no module imports another that imports it back, however far round; the packages point one way,
 server -> engine -> scheduler; and inside the engine each room keeps to its floor:
 
-    top        builder, llm, async_engine, engine (the step loop), numerics (which parts run), bench, ...
-    runner     the forward pass and sampling of a step          -> models, attention, sampling, structured
-    models     the families, built from layers                  -> attention, kernels, quantization, loading
+    top        builder, llm, async_engine, engine (the step loop), platform (which parts run), bench, ...
+    runner     the forward pass and sampling of a step          -> models, attention, sampling, structured, profiling
+    models     the families, built from layers                  -> layers, attention, quantization, loading
+    layers     linears, norms, rotary, the fused decode step    -> attention, kernels, quantization
     attention  backends, the paged KV cache and its spec        -> kernels
     loading    checkpoints and GGUF files                       -> quantization, kernels
+    profiling  step timings and bandwidth floors                -> quantization
     quantization, kernels (the floor: kernels import nothing of the engine but its cache folder)
 
 A new import that breaks one of these fails here, with the edge that broke it."""
@@ -23,13 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server", "scheduler", "benchmarks", "scripts")
 HTTP_LIBRARIES = ("fastapi", "starlette", "uvicorn", "httpx")
 ENGINE_FORBIDDEN = {  # engine room -> rooms it must not import
-    "kernels": {"attention", "models", "runner", "loading", "quantization", "sampling", "structured", "text",
-                "numerics", "builder", "engine", "llm", "async_engine"},
-    "quantization": {"loading", "attention", "models", "runner", "numerics", "builder"},
-    "loading": {"attention", "models", "runner", "numerics", "builder"},
-    "attention": {"models", "runner", "loading", "quantization", "sampling", "numerics", "builder"},
-    "models": {"runner", "numerics", "builder", "llm", "async_engine", "engine"},
-    "runner": {"numerics", "builder", "llm", "async_engine"},
+    "kernels": {"attention", "layers", "models", "runner", "loading", "quantization", "sampling", "structured",
+                "text", "profiling", "platform", "builder", "engine", "llm", "async_engine"},
+    "quantization": {"loading", "attention", "layers", "models", "runner", "platform", "builder"},
+    "loading": {"attention", "layers", "models", "runner", "platform", "builder"},
+    "attention": {"layers", "models", "runner", "loading", "quantization", "sampling", "platform", "builder"},
+    "layers": {"models", "runner", "loading", "platform", "builder", "llm", "async_engine", "engine"},
+    "models": {"runner", "platform", "builder", "llm", "async_engine", "engine"},
+    "profiling": {"runner", "models", "layers", "platform", "builder", "llm", "async_engine", "engine"},
+    "runner": {"platform", "builder", "llm", "async_engine"},
 }
 
 

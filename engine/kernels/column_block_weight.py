@@ -1,5 +1,5 @@
 """Weights in the column-block layout that the native column-block product reads (csrc/column_blocks.h):
-packed once, at load, by whoever multiplies with them (engine/models/invariant_linear.py) and by the
+packed once, at load, by whoever multiplies with them (engine/layers/invariant_linear.py) and by the
 kernels' own load-time self-checks."""
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.memory_bandwidth import tensor_bytes
-from engine.models.fused_decode import FusedDecode
-from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
+from engine.profiling.memory_bandwidth import tensor_bytes
+from engine.layers.fused_decode import FusedDecode
+from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
 from engine.kernels.column_block_weight import PackedWeight
-from engine.models.invariant_linear import ColumnBlockLinear
-from engine.models.linear import GemvLinear, Linear, select_linear
+from engine.layers.invariant_linear import ColumnBlockLinear
+from engine.layers.linear import GemvLinear, Linear, select_linear
 from engine.models.llama_arch import LlamaArch
-from engine.models.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding
 from engine.quantization.int4_groups import Int4Groups
 from engine.loading.model_weights import fuse_rows
 from engine.quantization.quantized_weight import QuantizedWeight

@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 import torch
 
-from engine.models.layer_ops import TorchLayerOps
-from engine.models.linear import Linear
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.quantization.weight_quantizer import WeightQuantizer

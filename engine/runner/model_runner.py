@@ -16,7 +16,7 @@ from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, model_forward
 from engine.runner.fault_isolation import GuardedSampler
 from engine.attention.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
-from engine.step_profile import StepProfile
+from engine.profiling.step_profile import StepProfile
 from engine.outputs import ModelRunnerOutput
 from engine.sampling.device_io import to_device
 from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs

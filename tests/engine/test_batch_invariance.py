@@ -26,7 +26,7 @@ import torch
 from engine import SamplingParams
 from engine.attention.step_metadata import StepMetadata, step_metadata_for
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
-from engine.numerics import batch_invariant_numerics
+from engine.platform import batch_invariant_numerics
 from engine.attention.kv_cache import KVCacheSpec
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, make_llm

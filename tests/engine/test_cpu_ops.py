@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layer_ops import NativeLayerOps
-from engine.models.rotary import RotaryEmbedding
+from engine.layers.layer_ops import NativeLayerOps
+from engine.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 

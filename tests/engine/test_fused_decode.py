@@ -1,4 +1,4 @@
-"""The fused small-batch decode (engine/models/fused_decode.py, csrc/decode_layer.cpp) against the unfused
+"""The fused small-batch decode (engine/layers/fused_decode.py, csrc/decode_layer.cpp) against the unfused
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows (and, with
 the column-block product, 16), with q/k/v biases (qwen2), on weights packed in column blocks (AVX512-BF16
 builds) and plain ones (the small-batch kernel elsewhere), and with the embedded model's GGUF blocks kept
@@ -17,10 +17,10 @@ import torch
 from engine import LLM, SamplingParams, numerics
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
-from engine.models.fused_decode import MATRIX_COLUMNS
+from engine.layers.fused_decode import MATRIX_COLUMNS
 from engine.kernels.column_block_weight import PackedWeight
-from engine.models.invariant_linear import ColumnBlockLinear
-from engine.models.linear import GEMV_MAX_ROWS, GemvLinear, Linear
+from engine.layers.invariant_linear import ColumnBlockLinear
+from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight
 from tests.engine.references import assert_idle, make_llm

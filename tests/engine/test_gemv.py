@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import NATIVE_ARCH, load_cpu_kernels
-from engine.models.linear import GEMV_MAX_ROWS, GemvLinear
+from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear
 
 X86_ARCHES = ("haswell", "x86-64")  # AVX2 + FMA; SSE2 only (the scalar code)
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 8e-3}

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import numerics
-from engine.numerics import cpu_linear
+from engine import platform
+from engine.platform import cpu_linear
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
-from engine.models.invariant_linear import BatchInvariantLinear, ColumnBlockLinear
-from engine.models.linear import GEMV_MAX_ROWS, GemvLinear
+from engine.layers.invariant_linear import BatchInvariantLinear, ColumnBlockLinear
+from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -124,14 +124,14 @@ def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_k
     assert cpu_linear(backend, torch.float32) is None  # oneDNN's packed fp32 product
     column_blocks = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     # a CPU with AMX: column blocks where their tile path is built in and granted, else gemv up to 4 rows
-    monkeypatch.setattr(numerics, "torch_bf16_products_use_amx", lambda: True)
+    monkeypatch.setattr(platform, "torch_bf16_products_use_amx", lambda: True)
     monkeypatch.setattr(cpu_kernels, "amx_tiles", True)
     assert type(cpu_linear(backend, torch.bfloat16)) is column_blocks
     monkeypatch.setattr(cpu_kernels, "amx_tiles", False)
     linear = cpu_linear(backend, torch.bfloat16)
-    assert type(linear) is GemvLinear and linear.max_rows == numerics.AMX_GEMV_MAX_ROWS
+    assert type(linear) is GemvLinear and linear.max_rows == platform.AMX_GEMV_MAX_ROWS
     # no AMX
-    monkeypatch.setattr(numerics, "torch_bf16_products_use_amx", lambda: False)
+    monkeypatch.setattr(platform, "torch_bf16_products_use_amx", lambda: False)
     assert type(cpu_linear(backend, torch.bfloat16)) is column_blocks
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check
     linear = cpu_linear(backend, torch.bfloat16)

@@ -98,7 +98,7 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
 def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir, monkeypatch):
     """The check runs at build time against the backend the builder chose, whatever its name says (the flash
     backend is named after its generation, "flash (flash-attn 4)"): before any memory profiling or step."""
-    import engine.numerics as numerics_module
+    import engine.platform as numerics_module
 
     chosen = []
 

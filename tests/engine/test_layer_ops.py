@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
-from engine.models.rotary import RotaryEmbedding
+from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
+from engine.layers.rotary import RotaryEmbedding
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

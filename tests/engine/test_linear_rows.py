@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.models.linear as linear_module
-from engine.models.linear import padded_rows, select_linear
+import engine.layers.linear as linear_module
+from engine.layers.linear import padded_rows, select_linear
 
 
 def test_rows_are_exact_up_to_16_then_multiples_of_32():

@@ -8,7 +8,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.loading.loader import rope_settings
 from engine.models import build_model
-from engine.models.rotary import inverse_frequencies
+from engine.layers.rotary import inverse_frequencies
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

@@ -1,4 +1,4 @@
-"""engine/scratch_thread.py: work on a thread that exits, taking its OpenMP worker threads with it."""
+"""engine/runner/scratch_thread.py: work on a thread that exits, taking its OpenMP worker threads with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine.scratch_thread import run_on_scratch_thread
+from engine.runner.scratch_thread import run_on_scratch_thread
 
 
 def _threads() -> int:

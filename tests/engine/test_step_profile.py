@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
-from engine.step_profile import PHASES, StepProfile
+from engine.profiling.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
+from engine.profiling.step_profile import PHASES, StepProfile
 from tests.engine.references import assert_idle, make_llm
 
 

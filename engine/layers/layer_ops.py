@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import CpuKernels
-from engine.models.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding
 
 
 class TorchLayerOps:

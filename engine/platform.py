@@ -1,4 +1,4 @@
-"""The numerics a model runs with: which attention backend, per-token ops and matrix product, for its device,
+"""The platform: the numerics a model runs with (which attention backend, per-token ops and matrix product) for its device,
 dtype and settings. The attention backends and the model's layers are the parts; this
 module alone picks them, so neither has to know the other.
 
@@ -36,9 +36,9 @@ import torch
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.models.invariant_linear import ColumnBlockLinear
-from engine.models.layer_ops import NativeLayerOps, TorchLayerOps
-from engine.models.linear import GemvLinear, Linear
+from engine.layers.invariant_linear import ColumnBlockLinear
+from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
+from engine.layers.linear import GemvLinear, Linear
 
 INVARIANT_ATTENTION_BACKENDS = ("auto", "cpu")
 """The `attention_backend` values batch-invariant mode accepts (it brings its own variant of `cpu`)."""
@@ -95,7 +95,7 @@ def batch_invariant_numerics(attention_backend: str, device: torch.device, dtype
     """The batch-invariant kernels for this device and dtype; ValueError saying why when there are none."""
     from engine.attention.invariant_backend import BatchInvariantCpuBackend
     from engine.kernels.cpu import KERNEL_DTYPES, load_cpu_kernels
-    from engine.models.invariant_linear import BatchInvariantLinear
+    from engine.layers.invariant_linear import BatchInvariantLinear
 
     if device.type != "cpu":
         raise ValueError(f"batch_invariant runs on CPU only for now (its kernels are native CPU ones), "

@@ -23,7 +23,7 @@ import torch
 
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
 from engine.kernels.cpu import CpuKernels
-from engine.models.linear import Linear, quantized_product
+from engine.layers.linear import Linear, quantized_product
 from engine.quantization.quantized_weight import QuantizedWeight
 
 class BatchInvariantLinear(Linear):
@@ -42,7 +42,7 @@ class BatchInvariantLinear(Linear):
 
 
 FUSED_MAX_ROWS = 256
-"""The decode batches `ColumnBlockLinear`'s model runs through the fused decode (engine/models/fused_decode.py):
+"""The decode batches `ColumnBlockLinear`'s model runs through the fused decode (engine/layers/fused_decode.py):
 its product is the same kernel at every row count, so the fused path takes any decode-only step up to this."""
 
 
