@@ -190,7 +190,8 @@ class AsyncEngine:
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """Compiles structured-output constraints (thread-safe, cached): call it off the event loop."""
+        """Compiles structured-output constraints (thread-safe, cached); `add_requests` compiles a request's
+        off the event loop and the engine thread."""
         return self.engine.grammar_compiler
 
     @property
@@ -234,6 +235,7 @@ class AsyncEngine:
             if item.request_id in self._live or item.request_id in seen:
                 raise DuplicateRequestIdError(item.request_id)
             seen.add(item.request_id)
+        await self._compile_grammars(inputs)
         streams = [RequestStream(item.request_id, f"{item.request_id}#{next(self._serial)}", self._close)
                    for item in inputs]
         for stream in streams:
@@ -257,6 +259,15 @@ class AsyncEngine:
         finally:
             self._admissions.discard(admitted)
         return streams
+
+    async def _compile_grammars(self, inputs: Sequence[RequestInput]) -> None:
+        """Compile the inputs' output grammars on a worker thread before they are queued: a slow schema never
+        stalls the engine's batch, where the request's validation then finds it in the compiler's cache.
+        An uncompilable one is an InvalidParameterError (a RequestRejectedError) naming structured_outputs."""
+        constraints = {item.params.structured_outputs.key: item.params.structured_outputs for item in inputs
+                       if item.params.structured_outputs is not None}
+        for constraint in constraints.values():
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, constraint)
 
     async def generate(
         self,

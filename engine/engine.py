@@ -30,7 +30,7 @@ from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer, check_token_ids
-from scheduler import (Request, RequestStatus, RequestStepOutput, Scheduler,
+from scheduler import (MinTokensOutOfRangeError, Request, RequestStatus, RequestStepOutput, Scheduler,
                        SchedulerStats)
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,8 @@ class EngineCore:
             kv = self.scheduler.kv_cache_manager
             limit = min(self.max_model_len, kv.num_blocks * kv.block_size + 1)
             max_tokens = max(limit - len(prompt), 1)
+            if params.min_tokens > max_tokens:  # only here is the bound that min_tokens must respect known
+                raise MinTokensOutOfRangeError(params.min_tokens, max_tokens)
         kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(
             request_id=request_id,

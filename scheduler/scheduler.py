@@ -7,7 +7,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
-                              InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError)
+                              KVCacheTooSmallError)
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
@@ -369,10 +369,6 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise EmptyPromptError()
-        if request.max_tokens < 1:
-            raise InvalidMaxTokensError(request.max_tokens)
-        if not 0 <= request.min_tokens <= request.max_tokens:
-            raise MinTokensOutOfRangeError(request.min_tokens, request.max_tokens)
         total = num_prompt + request.max_tokens
         if total > self.max_model_len:
             raise ContextLengthExceededError(num_prompt, request.max_tokens, self.max_model_len)

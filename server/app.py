@@ -16,15 +16,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling.params import SamplingParams
 from scheduler import RequestRejectedError
-from server.admission import Admission
-from server.auth_metrics import AuthAndMetrics
-from server.body_guard import BodyGuard
-from server.config import ServerConfig
-from server.errors import APIError, error_body, handle_error
-from server.gpu_monitor import cuda_devices, start_gpu_monitor
-from server.logprob_format import LogprobFormatter
-from server.metrics import ServerMetrics, cache_info
-from server.routes import chat, completions, models, ops, responses, tokenize
+from server.serving.admission import Admission
+from server.http.auth_metrics import AuthAndMetrics
+from server.http.body_guard import BodyGuard
+from server.config.server_config import ServerConfig
+from server.http.errors import APIError, error_body, handle_error
+from server.observability.gpu_monitor import cuda_devices, start_gpu_monitor
+from server.openai.logprob_format import LogprobFormatter
+from server.observability.metrics import ServerMetrics, cache_info
+from server.http import ops
+from server.openai import chat, completions, models, tokenize
+from server.openai.responses import route as responses
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)

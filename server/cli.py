@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 from server.version import package_version
 
 if TYPE_CHECKING:
-    from server.settings import Settings
+    from server.config.settings import Settings
 
 logger = logging.getLogger("server.cli")
 
@@ -64,13 +64,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     """Load the settings, build the engine and serve until interrupted; the exit status.
 
-    0: stopped by SIGTERM or SIGINT after the graceful drain (see server.drain); 1: the port or the
+    0: stopped by SIGTERM or SIGINT after the graceful drain (see server.http.drain); 1: the port or the
     model could not be had, or the engine loop died while serving; 2: a bad setting (message on stderr), a
     --max-model-len over the model's context length included;
     130: Ctrl-C before the server started serving (while the model loads). A second SIGTERM/SIGINT
     during the drain exits at once with 128 + the signal (143 / 130).
     """
-    from server.settings import SettingsError, load_settings, warn_unknown_variables
+    from server.config.settings import SettingsError, load_settings, warn_unknown_variables
 
     try:
         settings = load_settings(argv, environ)
@@ -136,7 +136,7 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
                             key=keys[0] if keys and _is_terminal(sys.stdout) else None)
 
     from server.app import create_app
-    from server.drain import GracefulShutdown
+    from server.http.drain import GracefulShutdown
 
     server: Optional[uvicorn.Server] = None
     exit_status = [0]

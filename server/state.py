@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine
-from server.admission import Admission
+from server.serving.admission import Admission
 from engine.text.tokenizer import Tokenizer
-from server.config import ServerConfig
-from server.logprob_format import LogprobFormatter
-from server.metrics import ServerMetrics
+from server.config.server_config import ServerConfig
+from server.openai.logprob_format import LogprobFormatter
+from server.observability.metrics import ServerMetrics
 
 
 @dataclass(slots=True)

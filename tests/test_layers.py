@@ -158,3 +158,19 @@ def test_the_checker_sees_a_cycle_and_a_relative_import(tmp_path):
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     path = ROOT / "engine" / "attention" / "backend.py"
     assert "engine.attention.kv_cache" in imports_of(path, "engine.attention.backend")
+
+
+GENERATION_ROUTES = ("server.openai.chat", "server.openai.completions", "server.openai.responses.route")
+
+
+@pytest.mark.parametrize("route", GENERATION_ROUTES)
+def test_generation_routes_only_translate_into_the_one_pipeline(graph, route):
+    """A generation route translates its protocol into a GenerationRequest and writes the Generation back;
+    checking, admitting, queueing in the engine and reading its streams are the pipeline's alone."""
+    imported = graph[route]
+    assert "server.serving.pipeline" in imported
+    pipeline_parts = ("server.serving.admission", "server.serving.request_guard", "server.serving.streams",
+                      "server.serving.checks", "server.serving.sampling_params", "engine.async_engine",
+                      "engine.request_stream", "engine.sampling", "scheduler")
+    broken = sorted(name for name in imported if name.startswith(pipeline_parts))
+    assert broken == []

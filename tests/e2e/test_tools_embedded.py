@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.server.conftest import start_server
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

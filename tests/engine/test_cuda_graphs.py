@@ -92,7 +92,7 @@ def test_capture_refuses_a_backend_that_cannot_run_in_a_graph(tiny_llama_dir):
 
 def test_enforce_eager_is_a_flag_and_an_llm_argument():
     from engine.llm import engine_config_from_kwargs
-    from server.settings import load_settings
+    from server.config.settings import load_settings
 
     assert engine_config_from_kwargs(None, enforce_eager=True).enforce_eager
     assert not engine_config_from_kwargs(None).enforce_eager

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from server.gpu_monitor import cuda_devices, start_gpu_monitor
+from server.observability.gpu_monitor import cuda_devices, start_gpu_monitor
 
 pytestmark = [
     pytest.mark.gpu,

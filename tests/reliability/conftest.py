@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.server.conftest import RunningServer, pace_engine, start_server  # noqa: F401 - re-exported
 from tests.conftest import server_environment
 from tests.engine.factories import make_tiny_model_dir

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.admission import Admission
-from server.errors import APIError
+from server.serving.admission import Admission
+from server.http.errors import APIError
 
 
 class Clock:

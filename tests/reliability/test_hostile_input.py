@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.reliability.conftest import assert_envelope, assert_gauges_zero, serving
 
 LIMIT = 1 << 20  # --max-request-body for these tests

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.reliability.conftest import assert_envelope, assert_gauges_zero, metric, pace_engine, serving
 
 BURST = 40

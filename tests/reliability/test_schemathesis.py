@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.reliability.conftest import serving
 
 schemathesis = pytest.importorskip("schemathesis")

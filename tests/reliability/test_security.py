@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.reliability.conftest import serving
 
 KEY = "sk-very-secret-key-0042"

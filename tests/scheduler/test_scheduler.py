@@ -1,8 +1,7 @@
 import pytest
 
 from scheduler import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
-                       InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
-                       RequestRejectedError, RequestStatus)
+                       KVCacheTooSmallError, RequestRejectedError, RequestStatus)
 
 from tests.scheduler.factories import (
     EOS,
@@ -261,8 +260,6 @@ def test_finish_for_stop_string():
     "kwargs,error,field",
     [
         (dict(prompt=[]), EmptyPromptError, "prompt"),
-        (dict(prompt=4, max_tokens=0), InvalidMaxTokensError, "max_tokens"),
-        (dict(prompt=4, max_tokens=3, min_tokens=4), MinTokensOutOfRangeError, "min_tokens"),
         (dict(prompt=250, max_tokens=10), ContextLengthExceededError, "max_tokens"),
         (dict(prompt=300, max_tokens=1), ContextLengthExceededError, "prompt"),
         (dict(prompt=100, max_tokens=100), KVCacheTooSmallError, "max_tokens"),  # > whole pool
@@ -274,6 +271,15 @@ def test_impossible_requests_are_refused(kwargs, error, field):
         s.add_request(make_request(**kwargs))
     assert isinstance(info.value, RequestRejectedError) and info.value.field == field
     assert not s.has_unfinished_requests
+
+
+@pytest.mark.parametrize("kwargs", [dict(prompt=4, max_tokens=0), dict(prompt=4, max_tokens=3, min_tokens=4),
+                                    dict(prompt=4, max_tokens=3, min_tokens=-1)])
+def test_token_bounds_are_an_invariant_of_a_request(kwargs):
+    """max_tokens and min_tokens are validated where a request is made (SamplingParams, and the engine where
+    it resolves an unset max_tokens); a Request that breaks them is a bug, refused as one."""
+    with pytest.raises(ValueError, match="min_tokens"):
+        make_request(**kwargs)
 
 
 def test_context_error_carries_both_numbers():

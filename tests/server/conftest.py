@@ -13,7 +13,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from server.app import create_app
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import make_llm
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.server.conftest import start_server
 
 KEY1 = "k1-Qm7vX2pLr9"
@@ -186,7 +186,7 @@ def test_auth_and_counting_are_pure_asgi_middleware(server):
     """No BaseHTTPMiddleware (which passes every streamed chunk through a task and a memory stream)."""
     from starlette.middleware.base import BaseHTTPMiddleware
 
-    from server.auth_metrics import AuthAndMetrics
+    from server.http.auth_metrics import AuthAndMetrics
 
     classes = [m.cls for m in server.app.user_middleware]
     assert AuthAndMetrics in classes and BaseHTTPMiddleware not in classes

@@ -14,7 +14,7 @@ import pytest
 
 from server.cli import main, ready_message
 from tests.conftest import server_environment
-from server.settings import OPTIONS
+from server.config.settings import OPTIONS
 
 SERVE = [sys.executable, "-m", "server.cli", "serve"]
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_a_misspelled_variable_gets_a_warning_naming_the_setting_it_resembles():
     assert result.returncode == 1, result.stderr
     warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
     assert len(warnings) == 1, result.stderr  # the allowed variables pass silently
-    assert warnings[0].endswith("server.settings: PAGEDSERVE_PROT is not a pagedserve setting, ignored "
+    assert warnings[0].endswith("server.config.settings: PAGEDSERVE_PROT is not a pagedserve setting, ignored "
                                 "(did you mean PAGEDSERVE_PORT?)")
 
 

@@ -9,7 +9,7 @@ import uuid
 import openai
 import pytest
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.server.conftest import start_server
 
 COMPLETIONS = "/v1/completions"

@@ -18,10 +18,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler import SchedulerStats
-from server.config import ServerConfig
-from server.gpu_monitor import (CudaDevice, GpuMonitor, cuda_devices, nvml_uuid, start_gpu_monitor,
+from server.config.server_config import ServerConfig
+from server.observability.gpu_monitor import (CudaDevice, GpuMonitor, cuda_devices, nvml_uuid, start_gpu_monitor,
                                 visible_nvml_index)
-from server.metrics import ServerMetrics, cache_info
+from server.observability.metrics import ServerMetrics, cache_info
 from tests.promtool import check_metrics
 from tests.server.conftest import start_server
 
@@ -171,7 +171,7 @@ def test_no_monitor_no_families():
 def test_a_reading_the_device_lacks_is_left_out_and_logged_once(monitor_of, caplog):
     fake = FakeNvml([FakeGpu("GPU-a", utilization_supported=False), FakeGpu("GPU-b", utilization_percent=50)])
     metrics = make_metrics()
-    with caplog.at_level(logging.WARNING, logger="server.gpu_monitor"):
+    with caplog.at_level(logging.WARNING, logger="server.observability.gpu_monitor"):
         metrics.gpu_monitor = monitor = monitor_of(fake, [CudaDevice(0, "GPU-a"), CudaDevice(1, "GPU-b")])
         monitor.sample()
         monitor.sample()
@@ -248,9 +248,9 @@ def test_a_sampler_failure_outside_nvml_drops_the_families_instead_of_freezing_t
 
 def test_nvml_init_failure_means_no_families_and_one_log_line(caplog):
     fake = FakeNvml([FakeGpu("GPU-a")], init_error=True)
-    with caplog.at_level(logging.INFO, logger="server.gpu_monitor"):
+    with caplog.at_level(logging.INFO, logger="server.observability.gpu_monitor"):
         assert start_gpu_monitor([CudaDevice(0, "GPU-a")], fake.module(), environ={}) is None
-    records = [r for r in caplog.records if r.name == "server.gpu_monitor"]
+    records = [r for r in caplog.records if r.name == "server.observability.gpu_monitor"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     assert "NVML did not initialise" in records[0].getMessage() and "Driver Not Loaded" in records[0].getMessage()
     assert fake.calls == [("nvmlInit", "MainThread")]
@@ -259,9 +259,9 @@ def test_nvml_init_failure_means_no_families_and_one_log_line(caplog):
 
 def test_missing_pynvml_means_no_monitor_and_a_log_line(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
-    with caplog.at_level(logging.INFO, logger="server.gpu_monitor"):
+    with caplog.at_level(logging.INFO, logger="server.observability.gpu_monitor"):
         assert start_gpu_monitor([CudaDevice(0, "GPU-a")], environ={}) is None
-    assert [r.levelno for r in caplog.records if r.name == "server.gpu_monitor"] == [logging.WARNING]
+    assert [r.levelno for r in caplog.records if r.name == "server.observability.gpu_monitor"] == [logging.WARNING]
     assert "pynvml is missing" in caplog.text
 
 
@@ -278,7 +278,7 @@ def test_pynvml_is_imported_when_no_module_is_passed(monkeypatch):
 def test_on_cpu_there_is_no_device_to_watch(caplog):
     assert cuda_devices(torch.device("cpu")) == []
     fake = four_gpus()
-    with caplog.at_level(logging.INFO, logger="server.gpu_monitor"):
+    with caplog.at_level(logging.INFO, logger="server.observability.gpu_monitor"):
         assert start_gpu_monitor([], fake.module(), environ={}) is None
     assert fake.calls == []  # NVML is not even initialised
     assert "does not run on CUDA" in caplog.text
@@ -286,7 +286,7 @@ def test_on_cpu_there_is_no_device_to_watch(caplog):
 
 def test_no_known_device_means_no_monitor_and_nvml_shut_down(caplog):
     fake = four_gpus()
-    with caplog.at_level(logging.WARNING, logger="server.gpu_monitor"):
+    with caplog.at_level(logging.WARNING, logger="server.observability.gpu_monitor"):
         assert start_gpu_monitor([CudaDevice(7, None)], fake.module(), environ={}) is None
     assert fake.shut_down
     assert "none of the engine's devices" in caplog.text

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.config import ServerConfig
+from server.config.server_config import ServerConfig
 from tests.promtool import check_metrics
 from tests.server.conftest import start_server
 
@@ -29,7 +29,7 @@ ABORTED_PROMPT_LENGTH = 6
 ABORTED_MAX_TOKENS = 200
 NUM_FINISHED = len(PROMPT_LENGTHS) + 1  # the completions and the chat
 
-# Every metric the README documents (server/metrics.py), by parsed family name and type.
+# Every metric the README documents (server/observability/metrics.py), by parsed family name and type.
 DOCUMENTED_METRICS = {
     "pagedserve_prompt_tokens": "counter",
     "pagedserve_generation_tokens": "counter",

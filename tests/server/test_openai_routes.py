@@ -102,7 +102,7 @@ def test_unsupported_completion_parameters_carry_the_code(server, fields, param)
 
 
 def test_requests_are_not_logged_by_default(server, caplog):
-    with caplog.at_level(logging.DEBUG, logger="server.generation"), server.client() as c:
+    with caplog.at_level(logging.DEBUG, logger="server.serving.pipeline"), server.client() as c:
         reply = c.post(COMPLETIONS, json={"model": "tiny", "prompt": "a private prompt", "max_tokens": 2})
     assert reply.status_code == 200
     assert not [r for r in caplog.records if reply.json()["id"] in r.getMessage()]

@@ -12,8 +12,8 @@ from engine.sampling.params import SamplingParams
 from scheduler import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
                        InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
                        RequestRejectedError)
-from server.errors import rejection_error
-from server.rejections import CHAT_FIELD_NAMES
+from server.http.errors import rejection_error
+from server.serving.rejections import CHAT_FIELD_NAMES
 
 CHAT_WITH_MAX_COMPLETION_TOKENS = {**CHAT_FIELD_NAMES, "max_tokens": "max_completion_tokens"}
 

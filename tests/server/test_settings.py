@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.settings import OPTIONS, Settings, SettingsError, build_parser, load_settings
+from server.config.settings import OPTIONS, Settings, SettingsError, build_parser, load_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -342,12 +342,12 @@ def test_help_exits_zero(capsys):
 
 
 def test_unknown_pagedserve_variables_are_named_with_the_closest_setting(caplog):
-    from server.settings import NOT_SETTINGS, warn_unknown_variables
+    from server.config.settings import NOT_SETTINGS, warn_unknown_variables
 
     environ = {"PAGEDSERVE_PROT": "8011", "PAGEDSERVE_MAX_NUM_SEQ": "4", "PAGEDSERVE_WHATEVER_ELSE": "1",
                "PAGEDSERVE_PORT": "8011", "PAGEDSERVE_CONFIG": "x.yaml", "HOME": "/home/u",
                **{name: "1" for name in NOT_SETTINGS}}
-    with caplog.at_level(logging.WARNING, logger="server.settings"):
+    with caplog.at_level(logging.WARNING, logger="server.config.settings"):
         warn_unknown_variables(environ)
     assert [r.levelno for r in caplog.records] == [logging.WARNING] * 3
     assert [r.getMessage() for r in caplog.records] == [
@@ -363,7 +363,7 @@ def test_every_variable_read_elsewhere_is_allowed():
     NOT_SETTINGS (else the server would warn about it)."""
     import re
 
-    from server.settings import NOT_SETTINGS
+    from server.config.settings import NOT_SETTINGS
 
     repo = Path(__file__).resolve().parents[2]
     files = [*repo.glob("docker-compose*.yml"), *repo.glob("deploy/**/*.yml"), *repo.glob("scripts/*.sh"),

@@ -9,7 +9,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server.tool_parsers import parse_tool_calls
+from server.openai.tools.parsers import parse_tool_calls
 
 USER = [{"role": "user", "content": "Give me the data."}]
 WEATHER = {"type": "function", "function": {

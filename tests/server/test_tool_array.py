@@ -8,10 +8,10 @@ import pytest
 import xgrammar as xgr
 
 from engine.structured.json_bounds import json_schema_grammar
-from server.tool_array_reader import ToolArrayReader
-from server.tool_calls import plan_tools
-from server.tool_parsers import ParsedCall
-from server.tool_stream import ToolCallStream
+from server.openai.tools.array_reader import ToolArrayReader
+from server.openai.tools.calls import plan_tools
+from server.openai.tools.parsers import ParsedCall
+from server.openai.tools.stream import ToolCallStream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "number"}}, "required": ["city"]}}}

@@ -1,0 +1,453 @@
+"""The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
+
+    defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
+                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant, enforce_eager, profile)
+
+Every value remembers where it came from, so an error names the flag, the
+environment variable or the YAML key that set it.
+
+Why not pydantic-settings (tried, 2.16): its env source reaches a nested field only
+as PAGEDSERVE_ENGINE__SCHEDULER__MAX_NUM_SEQS, or through aliases on the engine's
+and scheduler's own models; it JSON-decodes lists (PAGEDSERVE_API_KEY=k1,k2 fails)
+and knows no "none"; its YAML source skips a missing file silently and reads the
+file as the root model, not as the preset's sections; its CLI source names flags
+--engine.scheduler.max_num_seqs; and it validates the merged sources at once, so an
+error cannot say which flag, variable or key set the value. Kept by custom sources,
+it would merge three dicts, the few lines of `load_settings` below; a BaseSettings
+would also read os.environ in its constructor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.cache_config import parse_size
+from engine.engine_config import EngineConfig
+from server.config.server_config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "PAGEDSERVE_"
+NOT_SETTINGS = frozenset({
+    "PAGEDSERVE_CACHE_DIR",  # read by the engine: where converted models and built kernels are kept
+    # read by docker-compose (docker-compose*.yml, deploy/compose/)
+    "PAGEDSERVE_IMAGE", "PAGEDSERVE_HOST_PORT", "PAGEDSERVE_MODELS_DIR", "PAGEDSERVE_GPU", "PAGEDSERVE_2_GPU",
+    # read by scripts/container_test.sh
+    "PAGEDSERVE_TEST_IMAGE", "PAGEDSERVE_CTR_DIR", "PAGEDSERVE_CTR_PORT",
+})
+"""PAGEDSERVE_* variables that are not settings but are read elsewhere: no warning for them."""
+FieldPath = tuple[str, ...]  # a field's place in Settings, e.g. ("engine", "scheduler", "max_num_seqs")
+
+# YAML top level -> place in Settings; `tiny_model` belongs to the tests' model factory.
+_YAML_SECTIONS: dict[str, FieldPath] = {
+    "model": ("engine", "model"),
+    "cache": ("engine", "cache"),
+    "scheduler": ("engine", "scheduler"),
+    "server": ("server",),
+}
+_YAML_SCALARS: dict[str, FieldPath] = {
+    "attention_backend": ("engine", "attention_backend"),
+    "batch_invariant": ("engine", "batch_invariant"),
+    "enforce_eager": ("engine", "enforce_eager"),
+    "profile": ("engine", "profile"),
+}
+_YAML_IGNORED = frozenset({"tiny_model"})
+_SECRET_FIELDS = frozenset({("server", "api_keys")})
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_NONE = frozenset({"none", "null"})
+
+
+class SettingsError(ValueError):
+    """A bad setting; the message names its source (flag, environment variable or YAML key)."""
+
+
+class Settings(BaseModel):
+    """Everything `pagedserve serve` needs: the engine's configuration and the HTTP server's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+
+Kind = Literal["str", "int", "float", "bool", "size", "keys", "list"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting reachable by a flag and by the environment variable named after it."""
+
+    flag: str
+    path: Optional[FieldPath]  # None: --config, which names the preset rather than a field
+    kind: Kind
+    help: str
+    metavar: Optional[str] = None
+    default_text: Optional[str] = None  # what "default:" says when the field's default reads badly
+    nullable: bool = False  # "none" resets to the default of None
+    negates: bool = False  # a bool flag that sets its field to False (vLLM's --disable-*), no --no- form
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+_M, _C, _S, _SV = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--config", None, "str", "YAML preset with sections model/cache/scheduler/server "
+           "(e.g. configs/default.yaml)", "FILE", "none"),
+    Option("--model", (*_M, "model"), "str", "checkpoint directory, .gguf file or hub id", "MODEL",
+           "the embedded SmolLM2-135M-Instruct"),
+    Option("--tokenizer", (*_M, "tokenizer"), "str", "tokenizer source", "TOKENIZER", "the model's"),
+    Option("--served-model-name", (*_SV, "served_model_name"), "str",
+           "model id that clients send and that responses report", "NAME", "the --model value"),
+    Option("--host", (*_SV, "host"), "str", "address to bind", "HOST"),
+    Option("--port", (*_SV, "port"), "int", "TCP port; 0 = any free port", "PORT"),
+    Option("--api-key", (*_SV, "api_keys"), "keys", "accepted bearer token; repeat the flag for several "
+           "(the environment variable takes a comma-separated list)", "KEY", "none, no authentication"),
+    Option("--dtype", (*_M, "dtype"), "str", "weight and activation dtype; auto = bfloat16 on CUDA and "
+           "on CPUs with native bf16, else float32"),
+    Option("--device", (*_M, "device"), "str", "where the model runs"),
+    Option("--max-model-len", (*_M, "max_model_len"), "int", "prompt + output tokens at most", "N",
+           "the model's context length", nullable=True),
+    Option("--block-size", (*_C, "block_size"), "int", "tokens per KV cache block", "N"),
+    Option("--num-kv-blocks", (*_C, "num_blocks"), "int", "KV cache blocks (overrides --kv-cache-memory "
+           "and --gpu-memory-utilization)", "N", "derived from the memory budget", nullable=True),
+    Option("--kv-cache-memory", (*_C, "kv_cache_memory"), "size", "KV cache budget on CPU, "
+           "e.g. 1GiB, 512MiB, 2000000000", "SIZE", "1GiB on CPU", nullable=True),
+    Option("--gpu-memory-utilization", (*_C, "gpu_memory_utilization"), "float",
+           "fraction of GPU memory for weights, activations and KV cache", "F"),
+    Option("--max-num-seqs", (*_S, "max_num_seqs"), "int", "requests in the running batch at most", "N"),
+    Option("--max-num-batched-tokens", (*_S, "max_num_batched_tokens"), "int",
+           "tokens computed per engine step at most", "N"),
+    Option("--enable-prefix-caching", (*_C, "enable_prefix_caching"), "bool",
+           "reuse the KV blocks of shared prompt prefixes"),
+    Option("--scheduling-policy", (*_S, "policy"), "str", "order of admission to the running batch"),
+    Option("--attention-backend", ("engine", "attention_backend"), "str",
+           "attention kernels; auto picks from the device and what imports"),
+    Option("--batch-invariant", ("engine", "batch_invariant"), "bool",
+           "kernels whose per-request arithmetic does not depend on the batch: a request gives the same "
+           "tokens and logprobs whatever runs beside it, in float32 and bfloat16 (CPU)"),
+    Option("--enforce-eager", ("engine", "enforce_eager"), "bool",
+           "never use CUDA graphs (by default decode steps on CUDA replay graphs captured at start-up)"),
+    Option("--profile", ("engine", "profile"), "bool",
+           "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
+           "between steps), every 1000 steps"),
+    Option("--quantization", (*_M, "quantization"), "str", "weight storage: gguf keeps a .gguf file's "
+           "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
+           "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
+           "else none"),
+    Option("--quantization-group-size", (*_M, "quantization_group_size"), "int",
+           "input columns per int4 scale and zero: 32, 64 or 128, with --quantization int4 (or, unchanged, an "
+           "AWQ checkpoint's own); refused with --quantization none, gguf or int8, where no groups apply", "N",
+           "32 with int4, the checkpoint's with awq", nullable=True),
+    Option("--kv-cache-dtype", (*_C, "kv_cache_dtype"), "str", "dtype the KV cache stores: auto = the model's "
+           "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) on CUDA only"),
+    Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),
+    Option("--strict-params", (*_SV, "strict_params"), "bool",
+           "also reject request fields that the OpenAI API does not define (by default they are ignored)"),
+    Option("--allowed-origins", (*_SV, "allowed_origins"), "list", "CORS allowed origins, comma-separated "
+           "(or repeat the flag)", "ORIGINS"),
+    Option("--log-level", (*_SV, "log_level"), "str", "log level of pagedserve and uvicorn"),
+    Option("--tool-call-parser", (*_SV, "tool_call_parser"), "str",
+           "the tool-call format parsed from the text under tool_choice auto: hermes "
+           "(<tool_call>{...}</tool_call>, Qwen and SmolLM templates) or llama3_json", "PARSER"),
+    Option("--metrics-require-auth", (*_SV, "metrics_require_auth"), "bool",
+           "with --api-key, /metrics needs a key too"),
+    Option("--max-queued-requests", (*_SV, "max_queued_requests"), "int", "sequences waiting for their first "
+           "token at most (n > 1 counts n); beyond it a request gets 429 with Retry-After", "N",
+           "4 x --max-num-seqs", nullable=True),
+    Option("--max-queued-tokens", (*_SV, "max_queued_tokens"), "int", "prompt tokens of the waiting sequences "
+           "at most (a request is always admitted into an empty queue)", "N", "the KV cache's capacity in tokens",
+           nullable=True),
+    Option("--request-timeout", (*_SV, "request_timeout"), "float", "seconds a request may wait and run; "
+           "past it, it is aborted and its client gets a 504", "SECONDS", "none, no deadline", nullable=True),
+    Option("--shutdown-timeout", (*_SV, "shutdown_timeout"), "float", "seconds in-flight requests get to finish "
+           "after SIGTERM or SIGINT before they are aborted", "SECONDS"),
+    Option("--max-request-body", (*_SV, "max_request_body"), "size", "request body size at most, e.g. 4MiB "
+           "(413 beyond, checked before the body is parsed)", "SIZE"),
+    # vLLM's flags where users reach for them
+    Option("--revision", (*_M, "revision"), "str", "branch, tag or commit of a hub --model", "REV", "main",
+           nullable=True),
+    Option("--download-dir", (*_M, "download_dir"), "str", "where hub models are downloaded and looked up "
+           "(a Hugging Face cache layout)", "DIR", "the Hugging Face cache", nullable=True),
+    Option("--trust-remote-code", (*_M, "trust_remote_code"), "bool", "let a checkpoint's own Python code build "
+           "its config and tokenizer (the model always runs pagedserve's own implementation)"),
+    Option("--chat-template", (*_M, "chat_template"), "str", "chat template replacing the tokenizer's: a file, "
+           "or the Jinja text itself", "TEMPLATE", "the tokenizer's", nullable=True),
+    Option("--max-logprobs", (*_SV, "max_logprobs"), "int", "alternatives per token a request may ask for "
+           "(logprobs, top_logprobs), 0-20; a request asking for more gets a 400", "N"),
+    Option("--enable-log-requests", (*_SV, "enable_log_requests"), "bool", "log each generation request at info "
+           "(id, route, token counts, sampling settings; never its text)"),
+    Option("--disable-log-requests", (*_SV, "enable_log_requests"), "bool", "vLLM's older spelling of "
+           "--no-enable-log-requests", default_text="not set", negates=True),
+    Option("--root-path", (*_SV, "root_path"), "str", "path prefix under which a proxy serves the API, "
+           "e.g. /llm (FastAPI's root_path)", "PATH", "none"),
+    Option("--ssl-keyfile", (*_SV, "ssl_keyfile"), "str", "TLS private key file (PEM); with --ssl-certfile the "
+           "server speaks HTTPS", "FILE", "none", nullable=True),
+    Option("--ssl-certfile", (*_SV, "ssl_certfile"), "str", "TLS certificate chain file (PEM)", "FILE", "none",
+           nullable=True),
+)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Settings from `pagedserve serve` arguments and an environment, in that order of precedence.
+
+    Raises SettingsError with a message naming the source of a bad value; `--help`
+    prints the help and raises SystemExit(0), as argparse does.
+    """
+    args = vars(build_parser().parse_args(list(argv)))
+    data: dict[str, Any] = {}
+    origins: dict[FieldPath, str] = {}
+    config_env = ENV_PREFIX + "CONFIG"
+    config_source = "--config" if "config" in args else config_env
+    config_path = args.get("config") or environ.get(config_env) or None
+    if config_path:
+        _apply_preset(data, origins, config_path, config_source)
+    for option in OPTIONS:
+        raw = environ.get(option.env)
+        if option.path is not None and raw:  # an empty variable counts as unset
+            _set(data, origins, option.path, _negated(option, _convert_env(option, raw)), option.env)
+    for option in OPTIONS:
+        if option.path is not None and option.dest in args:
+            _set(data, origins, option.path, _negated(option, args[option.dest]), option.flag)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as error:
+        raise SettingsError(_describe(error, origins)) from None
+
+
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """A WARNING for each PAGEDSERVE_* variable that is neither a setting nor in NOT_SETTINGS, with the
+    closest known name: a misspelled flag is an error, a misspelled variable would otherwise be silently
+    ignored."""
+    settings = {option.env for option in OPTIONS}
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in settings or name in NOT_SETTINGS:
+            continue
+        # compared without the prefix, which every name shares and which would make any two look alike
+        known = sorted(known_name.removeprefix(ENV_PREFIX) for known_name in settings | NOT_SETTINGS)
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1)
+        hint = (f"did you mean {ENV_PREFIX}{close[0]}?" if close
+                else "each flag --x-y is PAGEDSERVE_X_Y: pagedserve serve --help")
+        logger.warning("%s is not a pagedserve setting, ignored (%s)", name, hint)
+
+
+def _negated(option: Option, value: Any) -> Any:
+    return not value if option.negates else value
+
+
+def _set(data: dict, origins: dict[FieldPath, str], path: FieldPath, value: Any, source: str) -> None:
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    origins[path] = source
+
+
+def _apply_preset(data: dict, origins: dict[FieldPath, str], path: str, source: str) -> None:
+    """Lay a YAML preset's sections onto `data`; unknown keys are errors (`tiny_model` excepted)."""
+    try:
+        preset = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise SettingsError(f"{source}: cannot read {path!r}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise SettingsError(f"{path}: not valid YAML: {error}") from None
+    if preset is None:
+        return
+    if not isinstance(preset, dict):
+        raise SettingsError(f"{path}: the top level must be a mapping of sections, not {type(preset).__name__}")
+    known = sorted([*_YAML_SECTIONS, *_YAML_SCALARS])
+    for key, value in preset.items():
+        if key in _YAML_IGNORED:
+            continue
+        if key in _YAML_SCALARS:
+            _set(data, origins, _YAML_SCALARS[key], value, f"{path}: {key}")
+        elif key in _YAML_SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise SettingsError(f"{path}: {key}: must be a mapping of settings, not {type(value).__name__}")
+            for name, item in value.items():
+                _set(data, origins, (*_YAML_SECTIONS[key], str(name)), item, f"{path}: {key}.{name}")
+        else:
+            raise SettingsError(f"{path}: unknown key {key!r} (expected one of: {', '.join(known)})")
+
+
+def _describe(error: ValidationError, origins: Mapping[FieldPath, str]) -> str:
+    """One line per pydantic error, each led by the source of the value it is about."""
+    lines = []
+    for item in error.errors():
+        loc = tuple(str(part) for part in item["loc"])
+        source = _source_of(loc, origins)
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = f"unknown key (expected one of: {', '.join(sorted(_model_at(loc[:-1]).model_fields))})"
+        elif not any(loc[: len(secret)] == secret for secret in _SECRET_FIELDS) and _is_scalar(item.get("input")):
+            message += f" (got {item['input']!r})"
+        lines.append(f"{source}: {message}")
+    return "\n".join(lines)
+
+
+def _source_of(loc: tuple[str, ...], origins: Mapping[FieldPath, str]) -> str:
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in origins:
+            return origins[loc[:end]]
+    below = [origin for path, origin in origins.items() if path[: len(loc)] == loc]
+    where = ".".join(loc[1:] if loc[:1] == ("engine",) else loc) or "settings"
+    return f"{where} (set by {', '.join(below)})" if below else f"{where} (defaults)"
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) or value is None
+
+
+def _model_at(path: Sequence[str]) -> Any:
+    """The config model at `path` in Settings (() is Settings itself)."""
+    model: Any = Settings
+    for key in path:
+        model = model.model_fields[key].annotation
+    return model
+
+
+# ---------------------------------------------------------------------------- flags and variables
+
+
+def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
+    """The `serve` flags; every flag is also `PAGEDSERVE_<FLAG>`. Only flags given appear in the result."""
+    parser = _Parser(
+        prog=prog,
+        description="Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses, "
+                    "/metrics).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    for option in OPTIONS:
+        help_text = f"{option.help} (default: {_default_text(option)}; env: {option.env})".replace("%", "%%")
+        kwargs: dict[str, Any] = {"help": help_text}
+        choices = _choices(option)
+        if option.negates:
+            kwargs["action"] = "store_true"
+        elif option.kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif option.kind in ("keys", "list"):
+            kwargs.update(action="extend", type=_flag_type(option), metavar=option.metavar)
+        else:
+            metavar = option.metavar or ("{" + ",".join(choices) + "}" if choices else None)
+            kwargs.update(type=_flag_type(option), metavar=metavar)
+        parser.add_argument(option.flag, **kwargs)
+    return parser
+
+
+_EPILOG = """\
+Precedence: defaults < --config FILE.yaml < PAGEDSERVE_* environment variables < flags.
+An empty environment variable counts as unset. Booleans in the environment: true/false/1/0/yes/no/on/off.
+Another PAGEDSERVE_* variable gets a warning, unless read elsewhere (PAGEDSERVE_CACHE_DIR: the cache of
+converted models and built kernels; the compose files' and scripts' own).
+--max-model-len, --num-kv-blocks, --kv-cache-memory, --max-queued-requests, --max-queued-tokens,
+--request-timeout, --revision, --download-dir, --chat-template and --ssl-* accept "none" (back to the default).
+Examples:
+  pagedserve serve --config configs/default.yaml
+  PAGEDSERVE_API_KEY=secret pagedserve serve --model ./my-model --port 8080"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises SettingsError instead of exiting on a bad flag."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise SettingsError(message.removeprefix("argument "))
+
+
+def _field(path: FieldPath):
+    return _model_at(path[:-1]).model_fields[path[-1]]
+
+
+def _choices(option: Option) -> Optional[tuple[str, ...]]:
+    if option.path is None:
+        return None
+    annotation = _field(option.path).annotation
+    return tuple(get_args(annotation)) if get_origin(annotation) is Literal else None
+
+
+def _default_text(option: Option) -> str:
+    if option.default_text is not None:
+        return option.default_text
+    default = _field(option.path).get_default(call_default_factory=True)
+    if option.kind == "bool":
+        return "on" if default else "off"
+    if isinstance(default, list):
+        return ",".join(default) or "none"
+    return "none" if default is None else str(default)
+
+
+def _flag_type(option: Option):
+    """argparse `type=` for an option: the environment's conversion, with argparse's error type."""
+
+    def convert(raw: str) -> Any:
+        try:
+            return convert_value(option, raw)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = option.kind
+    return convert
+
+
+def _convert_env(option: Option, raw: str) -> Any:
+    try:
+        return convert_value(option, raw, from_env=True)
+    except ValueError as error:
+        raise SettingsError(f"{option.env}: {error}") from None
+
+
+def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
+    """A flag's or an environment variable's string as the field's type; ValueError says why not.
+
+    A flag value of a list option is one item (the flag repeats); an environment
+    value is the whole list, comma-separated. The result of a list option is a list.
+    """
+    text = raw.strip()
+    if option.nullable and text.lower() in _NONE:
+        return None
+    if option.kind == "keys":
+        return [key.strip() for key in raw.split(",") if key.strip()] if from_env else [raw]
+    if option.kind == "list":
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    if option.kind == "bool":
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"expected a boolean (true/false/1/0), got {raw!r}")
+    if option.kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if option.kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+    if option.kind == "size":
+        return parse_size(text)
+    choices = _choices(option)
+    if choices is not None and text not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")
+    return text

@@ -1,0 +1,167 @@
+"""The request body guard: size (413), content type (415), UTF-8 and a JSON object (400), before the route.
+
+    client --body--> BodyGuard: Content-Length > limit? -> 413 (the body is read and dropped)
+                                 chunks add up past the limit? -> 413 (chunked uploads too)
+                                 Content-Type not JSON? -> 415
+                                 not UTF-8 / not JSON / nested too deep / not an object? -> 400
+                     --the same bytes, replayed--> the app (FastAPI parses them again)
+
+A pure ASGI middleware: it sees the raw byte stream, so a 20 MB body costs a
+read, never a parse. Only methods with a body (POST, PUT, PATCH) are checked, the
+JSON checks only on the routes that read a JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Callable, Collection, Optional
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.http.auth_metrics import route_path
+from server.http.errors import error_body
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_PARSE_OFF_LOOP = 256 * 1024  # bodies above this are decoded and parsed on a worker thread
+_DRAIN_FACTOR = 16  # an over-limit body is read and dropped up to this many limits, then the connection closes
+
+
+class BodyRefused(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class BodyGuard:
+    """Refuse bodies over `max_bytes` and bodies that are not one JSON object; `on_refusal(status)` counts them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, json_paths: Collection[str] = (),
+                 on_refusal: Optional[Callable[[int], None]] = None):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.json_paths = frozenset(json_paths)  # routes whose body must be one JSON object
+        self.on_refusal = on_refusal
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await self._read(scope, receive)
+            if body is None:
+                return  # the client went away while sending
+            if route_path(scope) in self.json_paths:
+                await _check_json_object(body, Headers(scope=scope))
+        except BodyRefused as refusal:
+            if self.on_refusal is not None:
+                self.on_refusal(refusal.status)
+            await _send_error(send, refusal)
+            return
+        if b"content-type" not in dict(scope["headers"]):  # curl without -H: read as JSON all the same
+            scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, scope: Scope, receive: Receive) -> Optional[bytes]:
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise BodyRefused(400, "the Content-Length header is not a number.")
+            if int(declared) > self.max_bytes:
+                await _drop_body(receive, self.max_bytes * _DRAIN_FACTOR)
+                raise _too_large(int(declared), self.max_bytes)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await _drop_body(receive, self.max_bytes * (_DRAIN_FACTOR - 1))
+                raise _too_large(None, self.max_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(size: Optional[int], limit: int) -> BodyRefused:
+    """`size`: the declared Content-Length; None for a chunked upload, whose size is known only past the limit."""
+    what = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return BodyRefused(413, f"the request body is {what}; this server accepts at most {limit} bytes "
+                            f"(--max-request-body).", code="request_too_large")
+
+
+async def _drop_body(receive: Receive, budget: int) -> None:
+    """Read what is left of the body and drop it, so the client reads the 413 rather than a reset."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+async def _check_json_object(body: bytes, headers: Headers) -> None:
+    media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise BodyRefused(415, f"the Content-Type header is {media_type!r}; send application/json.",
+                          code="unsupported_media_type")
+    if len(body) > _PARSE_OFF_LOOP:
+        await asyncio.to_thread(_parse_object, body)
+    else:
+        _parse_object(body)
+
+
+def _parse_object(body: bytes) -> None:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyRefused(400, f"the request body is not valid UTF-8 (byte {exc.start}).") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BodyRefused(400, f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, "
+                               f"column {exc.colno}).") from None
+    except RecursionError:
+        raise BodyRefused(400, "the request body's JSON is nested too deeply.") from None
+    if not isinstance(value, dict):
+        raise BodyRefused(400, f"the request body must be a JSON object, not {_json_kind(value)}.")
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number"
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body in one message, then the connection's own messages (a disconnect, later)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _send_error(send: Send, refusal: BodyRefused) -> None:
+    payload = json.dumps(error_body(refusal.status, refusal.message, param=refusal.param, code=refusal.code))
+    data = payload.encode()
+    await send({"type": "http.response.start", "status": refusal.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: the chat protocol in and out of the serving pipeline."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from server.http.errors import ERROR_RESPONSES, bad_request
+from server.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                    ChatCompletionRequest, ChatCompletionResponse, DeltaMessage, new_id, now)
+from server.openai.tools.calls import ToolPlan, plan_tools, tool_call_dicts
+from server.openai.tools.stream import ToolCallStream
+from server.serving import unsupported
+from server.serving.choices import UsageCounter
+from server.serving.constraints import constraint_from_response_format
+from server.serving.pipeline import Generation, GenerationRequest, start_generation
+from server.serving.prompts import ChatPrompt
+from server.serving.rejections import CHAT_FIELD_NAMES
+from server.serving.sse import sse_event
+from server.state import ServerState
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    arrival_time = time.monotonic()  # queue time and TTFT include template rendering and tokenization
+    state: ServerState = request.app.state.server
+    tools = plan_tools(body.tools, body.tool_choice)
+    num_top = _num_top_logprobs(body)
+    names = dict(CHAT_FIELD_NAMES)
+    if body.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    generation = await start_generation(state, GenerationRequest(
+        body=body,
+        request_id=body.request_id or new_id("chatcmpl"),
+        prompt=ChatPrompt(body.messages, body.add_generation_prompt, tools.tools),
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        logprobs=num_top,
+        unsupported=unsupported.CHAT,
+        constraints=[("response_format", constraint_from_response_format(body.response_format)),
+                     ("tool_choice required or named", tools.constraint(body.parallel_tool_calls))],
+        field_names=names,
+    ), arrival_time)
+    if body.stream:
+        return generation.stream(_stream(generation, body, num_top, tools))
+    results = await generation.collect(request)
+    out = []
+    counter = UsageCounter.of(generation.prompts, body.n)
+    for choice, result in zip(generation.choices, results):
+        logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None
+        content, calls = tools.calls_of(result.text, state.config.tool_call_parser)
+        finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+        message = AssistantMessage(content=content, tool_calls=tool_call_dicts(calls) if calls else None)
+        out.append(ChatChoice(index=choice.index, message=message, logprobs=logprobs,
+                              finish_reason=finish_reason, stop_reason=result.stop_reason))
+        counter.add(choice, len(result.token_ids), result.num_cached_tokens)
+    response = ChatCompletionResponse(id=generation.request_id, created=now(), model=generation.model, choices=out,
+                                      usage=counter.usage())
+    return JSONResponse(response.model_dump())
+
+
+def _num_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if not body.logprobs:
+        return None
+    return body.top_logprobs or 0
+
+
+async def _stream(generation: Generation, body: ChatCompletionRequest, num_top: Optional[int],
+                  tools: ToolPlan) -> AsyncIterator[bytes]:
+    state, choices = generation.state, generation.choices
+    created = now()
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    every_chunk = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    counter = UsageCounter.of(generation.prompts, body.n)
+
+    def chunk(choices_, usage=None) -> bytes:
+        return sse_event(ChatCompletionChunk(id=generation.request_id, created=created, model=generation.model,
+                                             choices=choices_, usage=usage))
+
+    for choice in choices:  # closed here, the response still closes the streams
+        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))],
+                    counter.choice_usage(choice) if every_chunk else None)
+    tool_streams = {c.index: ToolCallStream(tools, state.config.tool_call_parser) for c in choices} \
+        if tools.mode != "none" else {}
+    async for choice, output in generation.outputs():
+        counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
+        if not output.text_delta and not output.finished and num_top is None:
+            continue
+        logprobs = state.formatter.chat(output.logprobs or [], num_top) if num_top is not None else None
+        finish_reason = output.finish_reason
+        deltas = [DeltaMessage(content=output.text_delta)]
+        tool_stream = tool_streams.get(choice.index)
+        if tool_stream is not None:
+            deltas = tool_stream.feed(output.text_delta, output.finished)
+            finish_reason = tool_stream.finish_reason(finish_reason)
+            for delta in deltas[:-1]:
+                yield chunk([ChatChunkChoice(index=choice.index, delta=delta)],
+                            counter.choice_usage(choice) if every_chunk else None)
+            deltas = deltas[-1:] or [DeltaMessage()]
+            if deltas[0] == DeltaMessage() and not output.finished and num_top is None:
+                continue
+        yield chunk([ChatChunkChoice(index=choice.index, delta=deltas[0], logprobs=logprobs,
+                                     finish_reason=finish_reason, stop_reason=output.stop_reason)],
+                    counter.choice_usage(choice) if every_chunk else None)
+    if include_usage:
+        yield chunk([], counter.usage())

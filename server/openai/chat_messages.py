@@ -1,0 +1,83 @@
+"""Chat messages as the chat template sees them: text, assistant tool calls and tool results."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional, Sequence
+
+from engine.text.tokenizer import Tokenizer
+from server.http.errors import bad_request
+from server.openai.protocol import ChatMessage
+
+
+def render_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                  tools: Optional[list[dict]] = None, param: str = "messages") -> list[int]:
+    """The prompt token ids of a conversation (a template error is a 400 on `param`)."""
+    try:
+        return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=param) from None
+
+
+def message_chars(messages: Sequence[ChatMessage]) -> int:
+    """Characters of text in the messages' contents (what the template adds is not counted)."""
+    total = 0
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content if isinstance(part.get("text"), str))
+    return total
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """`[{"role", "content"}]` for the tokenizer's chat template; `developer` becomes `system`."""
+    return [_template_message(m, i) for i, m in enumerate(messages)]
+
+
+def _template_message(message: ChatMessage, index: int) -> dict:
+    param = f"messages[{index}]"
+    if message.role == "function":
+        raise bad_request("function messages (deprecated) are not supported; use role 'tool'.",
+                          param=f"{param}.role", code="unsupported_parameter")
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"content part of type {part.get('type')!r} is not supported; only 'text'.",
+                                  param=f"{param}.content[{j}]", code="unsupported_parameter")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    role = "system" if message.role == "developer" else message.role
+    out = {"role": role, "content": content or ""}
+    extra = message.model_extra or {}
+    if role == "tool" and isinstance(extra.get("tool_call_id"), str):
+        out["tool_call_id"] = extra["tool_call_id"]
+    if extra.get("tool_calls"):
+        if role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls.", param=f"{param}.tool_calls")
+        out["tool_calls"] = _template_tool_calls(extra["tool_calls"], f"{param}.tool_calls")
+    return out
+
+
+def _template_tool_calls(calls, param: str) -> list[dict]:
+    """OpenAI's tool_calls with their arguments as objects (as chat templates expect them)."""
+    if not isinstance(calls, list):
+        raise bad_request("tool_calls must be a list.", param=param)
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request("a tool call needs function.name and function.arguments.", param=f"{param}[{i}]")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise bad_request("function.arguments must be a JSON object's text.",
+                              param=f"{param}[{i}].function.arguments") from None
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out

@@ -1,0 +1,114 @@
+"""POST /v1/completions: the completions protocol in and out of the serving pipeline."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from engine.outputs import OutputAccumulator
+from server.http.errors import ERROR_RESPONSES, bad_request
+from server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, new_id, now
+from server.serving import unsupported
+from server.serving.choices import Choice, UsageCounter
+from server.serving.pipeline import Generation, GenerationRequest, start_generation
+from server.serving.prompts import TextPrompts
+from server.serving.sse import sse_event
+from server.state import ServerState
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+async def create_completion(body: CompletionRequest, request: Request):
+    arrival_time = time.monotonic()  # queue time and TTFT include tokenization
+    state: ServerState = request.app.state.server
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of must equal n (best-of-n selection is not supported).", param="best_of",
+                          code="unsupported_parameter")
+    generation = await start_generation(state, GenerationRequest(
+        body=body,
+        request_id=body.request_id or new_id("cmpl"),
+        prompt=TextPrompts(body.prompt),
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+        unsupported=unsupported.COMPLETIONS,
+    ), arrival_time)
+    if body.stream:
+        return generation.stream(_stream(generation, body))
+    results = await generation.collect(request)
+    return JSONResponse(_response(generation, body, results).model_dump())
+
+
+def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> str:
+    """The prompt as sent when it was text; token ids are decoded."""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if isinstance(body.prompt[0], str):
+        return body.prompt[choice.prompt_index]
+    return state.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
+
+
+def _response(generation: Generation, body: CompletionRequest,
+              results: list[OutputAccumulator]) -> CompletionResponse:
+    state, choices = generation.state, generation.choices
+    out_choices = []
+    for choice, result in zip(choices, results):
+        prefix = _echo_text(state, body, choice) if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            entries, tokens = list(result.logprobs or []), list(result.token_ids)
+            if body.echo:
+                prompt_entries = list(result.prompt_logprobs or [])
+                if len(prompt_entries) != len(choice.prompt_token_ids):
+                    raise RuntimeError(f"{len(prompt_entries)} prompt logprobs for "
+                                       f"{len(choice.prompt_token_ids)} prompt tokens")
+                entries = prompt_entries + entries
+                tokens = choice.prompt_token_ids + tokens
+            logprobs = state.formatter.completion(entries, tokens, body.logprobs)
+        out_choices.append(CompletionChoice(index=choice.index, text=prefix + result.text, logprobs=logprobs,
+                                            finish_reason=result.finish_reason, stop_reason=result.stop_reason))
+    counter = UsageCounter.of(generation.prompts, body.n)
+    for choice, result in zip(choices, results):
+        counter.add(choice, len(result.token_ids), result.num_cached_tokens)
+    return CompletionResponse(id=generation.request_id, created=now(), model=generation.model, choices=out_choices,
+                              usage=counter.usage())
+
+
+async def _stream(generation: Generation, body: CompletionRequest) -> AsyncIterator[bytes]:
+    state, choices = generation.state, generation.choices
+    request_id, model = generation.request_id, generation.model
+    created = now()
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    every_chunk = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    counter = UsageCounter.of(generation.prompts, body.n)
+    started: set[int] = set()
+    offsets = {choice.index: 0 for choice in choices}
+    async for choice, output in generation.outputs():
+        text, tokens, entries = output.text_delta, list(output.new_token_ids), list(output.logprobs or [])
+        if body.echo and choice.index not in started:
+            text = _echo_text(state, body, choice) + text
+            if body.logprobs is not None:
+                prompt_entries = output.prompt_logprobs or [None] * len(choice.prompt_token_ids)
+                entries, tokens = list(prompt_entries) + entries, choice.prompt_token_ids + tokens
+        started.add(choice.index)
+        counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
+        if not text and not output.finished and body.logprobs is None:
+            continue  # nothing to say yet (text held back for a possible stop string)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = state.formatter.completion(entries, tokens, body.logprobs, offsets[choice.index])
+            offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
+        chunk = CompletionResponse(
+            id=request_id, created=created, model=model,
+            choices=[CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
+                                      finish_reason=output.finish_reason, stop_reason=output.stop_reason)],
+            usage=counter.choice_usage(choice) if every_chunk else None,
+        )
+        yield sse_event(chunk)
+    if include_usage:
+        yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                           usage=counter.usage()))

@@ -1,0 +1,63 @@
+"""Engine logprobs in OpenAI's two response formats (completions and chat)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from engine.sampling.sampler import TokenLogprobs
+from engine.text.tokenizer import Tokenizer
+from server.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+class LogprobFormatter:
+    """Token strings are each token decoded alone (special tokens shown); text and UTF-8 bytes
+    memoised per id."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def token_text(self, token_id: int) -> str:
+        return self._token(token_id)[0]
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            entry = self._cache[token_id] = (text, list(text.encode("utf-8")))
+        return entry
+
+    def completion(self, entries: Sequence[Optional[TokenLogprobs]], token_ids: Sequence[int],
+                   num_top: int, text_offset: int = 0) -> CompletionLogprobs:
+        """`entries[i]` scores `token_ids[i]`; None (the first prompt token) scores nothing."""
+        out = CompletionLogprobs()
+        offset = text_offset
+        for entry, token_id in zip(entries, token_ids):
+            token = self.token_text(token_id)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(entry.logprob)
+            top: dict[str, float] = {}
+            for t, lp in entry.top[:num_top]:  # best first: a text shared by several ids keeps its best
+                top.setdefault(self.token_text(t), lp)
+            top[token] = entry.logprob  # the sampled token's own value, as token_logprobs says
+            out.top_logprobs.append(top)
+        return out
+
+    def chat(self, entries: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
+        content = []
+        for entry in entries:
+            token, token_bytes = self._token(entry.token_id)
+            top = [(self._token(t), lp) for t, lp in entry.top[:num_top]]
+            content.append(ChatTokenLogprob(
+                token=token,
+                logprob=entry.logprob,
+                bytes=token_bytes,
+                top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=data) for (text, data), lp in top],
+            ))
+        return ChatLogprobs(content=content)

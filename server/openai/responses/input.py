@@ -1,0 +1,146 @@
+"""A Responses request in chat terms: `instructions` + `input` items as chat messages, flat function tools and
+`tool_choice` as chat's, `text.format` as a structured-output constraint. Bad input is a 400 naming its field
+as the Responses API spells it (`input[2].content[0]`, `tools[1].parameters`, `text.format.schema`).
+
+    input item                                      chat message
+    {"role", "content": str | [input_text, ...]}    {"role", "content": str}
+    {"type": "function_call", call_id, name, ...}   assistant message with tool_calls (consecutive ones merged)
+    {"type": "function_call_output", call_id, ...}  {"role": "tool", "tool_call_id", "content"}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from engine.structured import StructuredOutputs
+from server.http.errors import bad_request
+from server.openai.protocol import ChatMessage
+
+_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text")
+
+
+def chat_messages(instructions: Optional[str], items: Any) -> list[ChatMessage]:
+    """The conversation the chat template renders: the instructions as the system message, then the input."""
+    messages = [ChatMessage(role="system", content=instructions)] if instructions else []
+    if isinstance(items, str):
+        return messages + [ChatMessage(role="user", content=items)]
+    if not items:
+        raise bad_request("input must not be empty.", param="input")
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, param))
+        elif kind == "function_call":
+            _add_call(messages, item, param)
+        elif kind == "function_call_output":
+            messages.append(_call_output(item, param))
+        else:
+            raise bad_request(f"input items of type {kind!r} are not supported; use messages, function_call and "
+                              "function_call_output.", param=f"{param}.type", code="unsupported_parameter")
+    return messages
+
+
+def _message(item: dict, param: str) -> ChatMessage:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise bad_request(f"role must be one of {', '.join(_ROLES)}.", param=f"{param}.role")
+    return ChatMessage(role=role, content=_text(item.get("content"), f"{param}.content"))
+
+
+def _text(content: Any, param: str) -> str:
+    """A string, or the text of a list of input_text (output_text in assistant history) parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request("content must be a string or a list of input_text parts.", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(f"content part of type {kind!r} is not supported; only input_text.",
+                              param=f"{param}[{j}]", code="unsupported_parameter")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _add_call(messages: list[ChatMessage], item: dict, param: str) -> None:
+    """An earlier function call of the model: appended to the assistant message just before, or a new one."""
+    for field in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(field), str):
+            raise bad_request(f"a function_call item needs {field} as a string.", param=f"{param}.{field}")
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant":
+        extra = last.model_extra
+        extra["tool_calls"] = [*(extra.get("tool_calls") or []), call]
+        return
+    messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+
+
+def _call_output(item: dict, param: str) -> ChatMessage:
+    if not isinstance(item.get("call_id"), str):
+        raise bad_request("a function_call_output item needs call_id.", param=f"{param}.call_id")
+    return ChatMessage(role="tool", content=_text(item.get("output"), f"{param}.output"),
+                       tool_call_id=item["call_id"])
+
+
+def chat_tools(tools: Optional[list]) -> Optional[list[dict]]:
+    """Responses' flat function tools as chat's `{"type": "function", "function": {...}}`; built-in tools
+    (web_search, file_search, ...) are refused by name."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"tools of type {kind!r} are not supported; only function tools.",
+                              param=f"tools[{i}].type", code="unsupported_parameter")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request("a function tool needs a name.", param=f"tools[{i}].name")
+        parameters = tool.get("parameters") or {"type": "object"}
+        if not isinstance(parameters, dict):
+            raise bad_request("parameters must be a JSON Schema object.", param=f"tools[{i}].parameters")
+        StructuredOutputs.of_kind("json", parameters, f"tools[{i}].parameters")  # checked, by name
+        function = {k: tool[k] for k in ("name", "description", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": {**function, "parameters": parameters}})
+    return out
+
+
+def chat_tool_choice(tool_choice: Any) -> Any:
+    """`{"type": "function", "name"}` as chat's `{"type": "function", "function": {"name"}}`; the strings as
+    they are; any other kind (allowed_tools, built-in tools, mcp...) refused by name."""
+    if tool_choice is None or isinstance(tool_choice, str):
+        return tool_choice
+    kind = tool_choice.get("type")
+    if kind != "function":
+        raise bad_request(f"tool_choice of type {kind!r} is not supported; use none, auto, required or "
+                          "{\"type\": \"function\", \"name\": ...}.", param="tool_choice", code="unsupported_parameter")
+    return {"type": "function", "function": {"name": tool_choice.get("name")}}
+
+
+def text_constraint(text: Optional[dict]) -> Optional[tuple[StructuredOutputs, str]]:
+    """`text.format`: text (none), json_object, or json_schema `{"name", "schema", "strict"}`."""
+    if text is None:
+        return None
+    unknown = sorted(set(text) - {"format", "verbosity"})
+    if unknown or text.get("verbosity") not in (None, "medium"):
+        name = unknown[0] if unknown else "verbosity"
+        raise bad_request(f"text.{name} is not supported.", param=f"text.{name}", code="unsupported_parameter")
+    fmt = text.get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True), "text.format"
+    if kind != "json_schema":
+        raise bad_request(f"text.format type {kind!r} is not supported; use text, json_object or json_schema.",
+                          param="text.format.type")
+    if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema", {}), dict):
+        raise bad_request("text.format json_schema needs a name and a schema object.", param="text.format")
+    schema = fmt.get("schema", {})
+    if schema == {}:
+        return StructuredOutputs(json_object=True), "text.format.schema"
+    return StructuredOutputs.of_kind("json", schema, "text.format.schema"), "text.format.schema"

@@ -1,0 +1,40 @@
+"""POST /tokenize and POST /detokenize (vLLM's extras)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from engine.text.tokenizer import check_token_ids
+
+from server.http.errors import ERROR_RESPONSES, bad_request
+from server.serving.checks import check_model
+from server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.openai.chat_messages import render_prompt
+from server.state import ServerState
+
+router = APIRouter()
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state: ServerState = request.app.state.server
+    check_model(body.model, state.served_model_names)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages.", param="prompt")
+    tokenizer = state.tokenizer  # large texts: tokenized off the event loop
+    if body.prompt is not None:
+        tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+    else:
+        tokens = await asyncio.to_thread(render_prompt, tokenizer, body.messages, body.add_generation_prompt)
+    return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state: ServerState = request.app.state.server
+    check_model(body.model, state.served_model_names)
+    check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
+    text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)
+    return DetokenizeResponse(prompt=text)

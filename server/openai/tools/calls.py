@@ -1,0 +1,116 @@
+"""`tools` and `tool_choice`: what the model is asked for, the constraint that makes it comply, and the
+`tool_calls` made of its output.
+
+    none      tools not shown to the model; plain text
+    auto      tools in the chat template; calls parsed from the text (tool_parsers)
+    required  output constrained to a JSON list of {"name", "arguments"} over the tools' schemas (one call
+              when parallel_tool_calls is false; the list may end after any call)
+    named     output constrained to the named function's arguments
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from engine.structured import StructuredOutputs
+from server.http.errors import bad_request
+from server.openai.tools.array_reader import ToolArrayReader
+from server.openai.tools.parsers import ParsedCall, parse_tool_calls
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    mode: ToolMode
+    functions: dict[str, dict] = field(default_factory=dict)  # name -> the tool's "function" object
+    tools: Optional[list[dict]] = None  # for the chat template (None: not shown)
+    named: Optional[str] = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def constraint(self, parallel_tool_calls: Optional[bool]) -> Optional[tuple[StructuredOutputs, str]]:
+        """The grammar of a valid answer under `required` or a named function (None otherwise)."""
+        if self.mode == "named":
+            return StructuredOutputs.of_kind("json", _parameters(self.functions[self.named]), "tools"), "tools"
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(function)},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, function in self.functions.items()]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return StructuredOutputs.of_kind("json", schema, "tools"), "tools"
+
+    def calls_of(self, text: str, parser: str) -> tuple[Optional[str], list[ParsedCall]]:
+        """(content, calls) of a finished output."""
+        if self.mode == "named":
+            return None, [ParsedCall(self.named, text)]
+        if self.mode == "required":  # the arguments as written (what a stream sends), cut short or not
+            array = ToolArrayReader()
+            array.feed(text)
+            calls = [ParsedCall(c.name, array.arguments(c)) for c in array.calls if c.name is not None]
+            return (None, calls) if calls else (text, [])
+        if self.mode == "auto":
+            return parse_tool_calls(text, parser)
+        return text, []
+
+
+def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
+    """Validate `tools` and `tool_choice` (400s naming them) into a ToolPlan."""
+    functions = _functions(tools or [])
+    if tool_choice is None:
+        tool_choice = "auto" if functions else "none"
+    if tool_choice == "none" or (tool_choice == "auto" and not functions):
+        return ToolPlan("none", functions)
+    if tool_choice in ("auto", "required"):
+        if not functions:
+            raise bad_request("tool_choice 'required' needs tools.", param="tool_choice")
+        return ToolPlan(tool_choice, functions, list(tools))
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools.",
+                              param="tool_choice")
+        return ToolPlan("named", functions, list(tools), name)
+    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                      "\"function\": {\"name\": ...}}.", param="tool_choice")
+
+
+def tool_call_dicts(calls: list[ParsedCall]) -> list[dict]:
+    """OpenAI's `message.tool_calls`: ids, type function, name, arguments as a JSON string."""
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _functions(tools: list) -> dict[str, dict]:
+    functions: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad_request(f"tools[{i}].type must be 'function' (only function tools are supported).",
+                              param=f"tools[{i}].type",
+                              code="unsupported_parameter")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad_request("a function tool needs function.name.", param=f"tools[{i}].function")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise bad_request("function.parameters must be a JSON Schema object.",
+                              param=f"tools[{i}].function.parameters")
+        StructuredOutputs.of_kind("json", parameters, f"tools[{i}].function.parameters")  # checked, by name
+        functions[function["name"]] = function
+    return functions
+
+
+def _parameters(function: dict) -> dict:
+    parameters = function.get("parameters") or {"type": "object"}
+    return parameters

@@ -1,0 +1,91 @@
+"""Streaming a choice's tool calls as OpenAI does: a `delta.tool_calls` entry with the call's id, type and
+name (arguments ""), then entries with pieces of its arguments, all keyed by the call's index."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from server.openai.protocol import DeltaMessage
+from server.openai.tools.array_reader import ToolArrayReader
+from server.openai.tools.calls import ToolPlan, new_call_id
+from server.openai.tools.parsers import ParsedCall, may_start_tool_call
+
+
+class ToolCallStream:
+    """Turns one choice's text deltas into the deltas to send (content, or tool-call pieces).
+
+    named: the arguments stream as they come. required: each call's header once its name is written, then its
+    arguments as they grow (the output is a JSON array of calls, read as it comes: ToolArrayReader). auto: text
+    that may be a tool call is held back until the end, then sent as calls or as content.
+    """
+
+    def __init__(self, plan: ToolPlan, parser: str):
+        self.plan = plan
+        self.parser = parser
+        self.text = ""
+        self.holding = plan.mode == "auto"
+        self.num_calls = 0
+        self._array = ToolArrayReader() if plan.mode == "required" else None
+        self._arguments_sent: list[int] = []  # required: characters of each call's arguments sent so far
+
+    def feed(self, delta: str, finished: bool) -> list[DeltaMessage]:
+        self.text += delta
+        mode = self.plan.mode
+        if self._array is not None:
+            return self._required(delta, finished)
+        if mode == "named":
+            out = []
+            if self.num_calls == 0:
+                out.append(self._header(0, self.plan.named))
+                self.num_calls = 1
+            if delta:
+                out.append(DeltaMessage(tool_calls=[{"index": 0, "function": {"arguments": delta}}]))
+            return out
+        if not self.holding:
+            return [DeltaMessage(content=delta)] if delta else []
+        if mode == "auto" and not may_start_tool_call(self.text, self.parser):
+            self.holding = False
+            return [DeltaMessage(content=self.text)]
+        if not finished:
+            return []
+        content, calls = self.plan.calls_of(self.text, self.parser)
+        out = [DeltaMessage(content=content)] if content else []
+        for call in calls:
+            out += self._call(call)
+        return out
+
+    def _required(self, delta: str, finished: bool) -> list[DeltaMessage]:
+        """Headers of the calls whose names are complete, and the arguments' text written since the last
+        delta; an output cut short before any call's name is sent as content at the end."""
+        array = self._array
+        array.feed(delta)
+        out = []
+        for index in range(max(self.num_calls - 1, 0), len(array.calls)):  # earlier calls are complete and sent
+            call = array.calls[index]
+            if call.name is None:
+                break
+            if index == self.num_calls:
+                out.append(self._header(index, call.name))
+                self.num_calls += 1
+                self._arguments_sent.append(0)
+            piece = array.arguments(call, skip=self._arguments_sent[index])
+            if piece:
+                self._arguments_sent[index] += len(piece)
+                out.append(DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": piece}}]))
+        if finished and self.num_calls == 0 and self.text:
+            out.append(DeltaMessage(content=self.text))
+        return out
+
+    def finish_reason(self, engine_reason: Optional[str]) -> Optional[str]:
+        return "tool_calls" if self.num_calls and engine_reason == "stop" else engine_reason
+
+    def _call(self, call: ParsedCall) -> list[DeltaMessage]:
+        index = self.num_calls
+        self.num_calls += 1
+        return [self._header(index, call.name),
+                DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": call.arguments}}])]
+
+    @staticmethod
+    def _header(index: int, name: str) -> DeltaMessage:
+        return DeltaMessage(tool_calls=[{"index": index, "id": new_call_id(), "type": "function",
+                                         "function": {"name": name, "arguments": ""}}])

@@ -1,0 +1,157 @@
+"""The one serving pipeline every generation route goes through.
+
+A route translates its protocol into a GenerationRequest, hands it to `start_generation`, and writes the
+Generation it gets back in its protocol: collected into one response, or as a stream of events. Between the
+two, in this order and only here:
+
+    check       the server takes requests, the model is served, no refused or unknown field
+                (serving/checks.py, the refused fields' table in serving/unsupported.py)
+    constrain   at most one source of an output grammar (response_format, structured_outputs, tools)
+    room        the request fits the queue (400 if never, 429 if not now), before any tokenizing
+    render      the prompt's token ids, off the event loop (serving/prompts.py)
+    admit       sampling parameters, one engine request per choice (prompts x n), places in the queue,
+                queued in the engine all or none; a refusal is a 400 naming the route's own field
+    answer      the choices' outputs interleaved under the request's deadline; the streams closed, aborting
+                what still runs, however the response ends (serving/streams.py); an error inside a stream
+                framed once (serving/sse.py)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional, Sequence
+
+from fastapi import Request
+
+from engine.async_engine import RequestInput
+from engine.outputs import OutputAccumulator, RequestOutput
+from engine.request_stream import RequestStream
+from engine.structured import StructuredOutputs
+from scheduler import RequestRejectedError
+from server.http.errors import bad_request, rejection_error
+from server.openai.protocol import SamplingFields
+from server.serving.checks import check_fields, check_queue_room, check_server_and_model
+from server.serving.choices import Choice, plan_choices
+from server.serving.constraints import constraint_from_extras
+from server.serving.prompts import Prompt
+from server.serving.request_guard import RequestGuard
+from server.serving.sampling_params import make_sampling_params
+from server.serving.sse import DATA_FRAMING, Framing, with_error_events
+from server.serving.streams import ChoicesStreamingResponse, collect_or_cancel, stream_choices
+from server.serving.unsupported import Unsupported, refuse_unsupported
+
+if TYPE_CHECKING:
+    from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+Constraint = tuple[StructuredOutputs, str]  # the grammar and the request field it came from
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One generation request, whatever route it came by, in the pipeline's terms."""
+
+    body: SamplingFields  # the sampling fields every route shares
+    request_id: str
+    prompt: Prompt
+    max_tokens: Optional[int]
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    unsupported: Mapping[str, Unsupported] = field(default_factory=dict)  # the route's refused fields
+    # The route's sources of an output grammar, (source as the route names it, constraint): its format field
+    # first, then its tools; the vLLM extras (structured_outputs, guided_*) go between, on every route.
+    constraints: Sequence[tuple[str, Optional[Constraint]]] = ()
+    field_names: Mapping[str, str] = field(default_factory=dict)  # engine field -> the route's name for it
+
+
+@dataclass(slots=True)
+class Generation:
+    """An admitted request: its choices, their engine streams, and its places in the queue and deadline.
+    Either `collect` it or `stream` it; both close the streams and release the guard however they end."""
+
+    state: "ServerState"
+    model: str
+    request_id: str
+    prompts: list[list[int]]
+    choices: list[Choice]
+    streams: list[RequestStream]
+    guard: RequestGuard
+
+    def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Every choice's outputs as they come (for a streamed response's events)."""
+        return stream_choices(self.choices, self.streams, guard=self.guard)
+
+    async def collect(self, request: Request) -> list[OutputAccumulator]:
+        """Every choice's whole output, in the choices' order (all aborted if the client leaves first)."""
+        return await collect_or_cancel(request, self.choices, self.streams, self.guard)
+
+    def stream(self, events: AsyncIterator[bytes], framing: Framing = DATA_FRAMING) -> ChoicesStreamingResponse:
+        """The SSE response sending `events`; an error after it began is one error frame."""
+        return ChoicesStreamingResponse(with_error_events(events, framing, self.state.metrics), self.streams,
+                                        self.guard)
+
+
+async def start_generation(state: "ServerState", request: GenerationRequest, arrival_time: float) -> Generation:
+    """Check, constrain, render and admit `request`; `arrival_time` (time.monotonic) is when the route received it,
+    so queue time and time to first token include rendering and tokenizing."""
+    body = request.body
+    model = check_server_and_model(state, body.model)
+    refuse_unsupported(body, request.unsupported)
+    check_fields(body, state)
+    extras = ("structured_outputs / guided_*", constraint_from_extras(body))
+    constraint = _one_constraint([*request.constraints[:1], extras, *request.constraints[1:]])
+    check_queue_room(state, request.prompt.count * max(body.n, 1), request.prompt.param
+                     if request.prompt.count > 1 else "n")
+    prompts = await request.prompt.token_ids(state)
+    names = dict(request.field_names)
+    if constraint is not None:
+        names["structured_outputs"] = constraint[1]
+    try:
+        params = make_sampling_params(body, max_tokens=request.max_tokens, logprobs=request.logprobs,
+                                      prompt_logprobs=request.prompt_logprobs,
+                                      structured_outputs=None if constraint is None else constraint[0])
+        choices = plan_choices(request.request_id, prompts, params)
+        streams, guard = await _admit(state, choices, body.priority, arrival_time)
+    except RequestRejectedError as exc:  # named as the route spells its fields
+        raise rejection_error(exc, names) from None
+    return Generation(state, model, request.request_id, prompts, choices, streams, guard)
+
+
+def _one_constraint(found: Sequence[tuple[str, Optional[Constraint]]]) -> Optional[Constraint]:
+    present = [(source, constraint) for source, constraint in found if constraint is not None]
+    if len(present) > 1:
+        sources = [source for source, _ in found]
+        raise bad_request(f"{', '.join(sources[:-1])} and {sources[-1]} each constrain the output; use one.",
+                          param=present[1][1][1])
+    return present[0][1] if present else None
+
+
+async def _admit(state: "ServerState", choices: Sequence[Choice], priority: int,
+                 arrival_time: float) -> tuple[list[RequestStream], RequestGuard]:
+    """Take the choices' places in the queue (429 when full), then queue them in the engine, all or none.
+    The guard returned holds the places and the deadline."""
+    ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
+    if state.config.enable_log_requests:
+        _log_request(choices)
+    timeout = state.config.request_timeout
+    guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
+    inputs = [RequestInput(choice.request_id, choice.prompt_token_ids, choice.params) for choice in choices]
+    try:
+        streams = await state.engine.add_requests(inputs, priority=priority, arrival_time=arrival_time)
+    except BaseException:
+        ticket.release()
+        raise
+    return streams, guard
+
+
+def _log_request(choices: Sequence[Choice]) -> None:
+    """One info line per request (--enable-log-requests): ids, token counts and sampling settings. Never its
+    text: no prompt, no stop strings, no logit_bias keys."""
+    params = choices[0].params
+    prompts = {choice.prompt_index: len(choice.prompt_token_ids) for choice in choices}
+    logger.info("request %s: %d choice(s), prompt tokens %s, max_tokens %s, temperature %g, top_p %g, top_k %s, "
+                "seed %s, logprobs %s, %d stop string(s)", choices[0].request_id, len(choices),
+                ",".join(map(str, prompts.values())), params.max_tokens, params.temperature, params.top_p,
+                params.top_k, params.seed, params.logprobs, len(params.stop))
