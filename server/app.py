@@ -90,12 +90,13 @@ def _drop_default_422(app: FastAPI) -> None:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to change the schema
 
 
 def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     name = config.served_model_name or engine.model_name
     cache = engine.kv_cache_config
+    assert cache.num_blocks is not None  # sized when the engine was built
     metrics = ServerMetrics(name, engine.stats, cache_info(
         num_blocks=cache.num_blocks, block_size=cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
         dtype=engine.kv_cache_dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
@@ -111,6 +112,7 @@ def queue_limits(config: ServerConfig, engine: AsyncEngine) -> tuple[int, int]:
     """(sequences, prompt tokens) that may wait at most: the flags, else 4 x max_num_seqs and the KV
     cache's capacity in tokens (at least one full context)."""
     cache = engine.kv_cache_config
+    assert cache.num_blocks is not None  # sized when the engine was built
     max_requests = config.max_queued_requests or 4 * engine.max_num_seqs
     max_tokens = config.max_queued_tokens or max(cache.num_blocks * cache.block_size, engine.max_model_len)
     return max_requests, max_tokens

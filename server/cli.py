@@ -142,6 +142,7 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     exit_status = [0]
 
     def request_exit() -> None:
+        assert server is not None  # called only once uvicorn runs
         server.should_exit = True
 
     def on_engine_death(error: BaseException) -> None:
@@ -160,7 +161,7 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
         timeout_graceful_shutdown=_RESPONSE_TAIL_S, root_path=server_config.root_path,
         ssl_keyfile=server_config.ssl_keyfile, ssl_certfile=server_config.ssl_certfile,
     ))
-    server.handle_exit = shutdown.handle_signal  # what uvicorn installs as the SIGINT / SIGTERM handler
+    server.handle_exit = shutdown.handle_signal  # type: ignore[method-assign]  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
     if not async_engine.is_alive and async_engine.error is None:  # stopped cleanly (not stuck, not failed)
         try:

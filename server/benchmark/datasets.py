@@ -50,6 +50,7 @@ def text_of_length(tokenizer: Tokenizer, ids: Sequence[int], length: int, pool: 
             ids.pop()
         else:
             ids.append(rng.choice(pool))
+    assert best is not None  # the loop ran at least once
     return best
 
 
@@ -99,7 +100,7 @@ def sharegpt_requests(path: Path, tokenizer: Tokenizer, num: int, output_len: Op
     conversations = [c.get("conversations") or c.get("conversation") or [] for c in data]
     pairs = [(c[0]["value"], c[1]["value"]) for c in conversations if len(c) >= 2]
     random.Random(seed).shuffle(pairs)
-    requests = []
+    requests: list = []
     for prompt, reply in pairs:
         if len(requests) == num:
             break

@@ -372,7 +372,7 @@ Examples:
 class _Parser(argparse.ArgumentParser):
     """argparse that raises SettingsError instead of exiting on a bad flag."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise SettingsError(message.removeprefix("argument "))
 
 
@@ -390,6 +390,7 @@ def _choices(option: Option) -> Optional[tuple[str, ...]]:
 def _default_text(option: Option) -> str:
     if option.default_text is not None:
         return option.default_text
+    assert option.path is not None, "an option without a field says its default_text"
     default = _field(option.path).get_default(call_default_factory=True)
     if option.kind == "bool":
         return "on" if default else "off"

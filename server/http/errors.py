@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from pydantic import BaseModel
 
@@ -101,7 +101,7 @@ def rejection_error(exc: RequestRejectedError, names: Optional[Mapping[str, str]
 
 
 # Declared on every route in the OpenAPI schema.
-ERROR_RESPONSES = {
+ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase}
     for status in (400, 401, 404, 413, 415, 429, 500, 503, 504)
 }

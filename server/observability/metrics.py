@@ -173,7 +173,8 @@ class ServerMetrics(EngineObserver):
             self.queue_time.labels(name).observe(metrics.queue_time)
         if metrics.e2e_latency is not None:
             self.e2e.labels(name).observe(metrics.e2e_latency)
-        if output.num_output_tokens > 1 and metrics.first_token_time is not None:
+        if (output.num_output_tokens > 1 and metrics.first_token_time is not None
+                and metrics.last_token_time is not None):
             span = metrics.last_token_time - metrics.first_token_time
             self.tpot.labels(name).observe(span / (output.num_output_tokens - 1))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from engine.text.tokenizer import Tokenizer
 from server.http.errors import bad_request
@@ -52,7 +52,7 @@ def _template_message(message: ChatMessage, index: int) -> dict:
             texts.append(part["text"])
         content = "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
-    out = {"role": role, "content": content or ""}
+    out: dict[str, Any] = {"role": role, "content": content or ""}
     extra = message.model_extra or {}
     if role == "tool" and isinstance(extra.get("tool_call_id"), str):
         out["tool_call_id"] = extra["tool_call_id"]

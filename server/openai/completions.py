@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from engine.outputs import OutputAccumulator
+from engine.sampling.sampler import TokenLogprobs
 from server.http.errors import ERROR_RESPONSES, bad_request
 from server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, new_id, now
 from server.serving import unsupported
@@ -60,7 +61,8 @@ def _response(generation: Generation, body: CompletionRequest,
         prefix = _echo_text(state, body, choice) if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
-            entries, tokens = list(result.logprobs or []), list(result.token_ids)
+            entries: list[Optional[TokenLogprobs]] = list(result.logprobs or [])
+            tokens = list(result.token_ids)
             if body.echo:
                 prompt_entries = list(result.prompt_logprobs or [])
                 if len(prompt_entries) != len(choice.prompt_token_ids):
@@ -88,7 +90,8 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
     started: set[int] = set()
     offsets = {choice.index: 0 for choice in choices}
     async for choice, output in generation.outputs():
-        text, tokens, entries = output.text_delta, list(output.new_token_ids), list(output.logprobs or [])
+        text, tokens = output.text_delta, list(output.new_token_ids)
+        entries: list[Optional[TokenLogprobs]] = list(output.logprobs or [])
         if body.echo and choice.index not in started:
             text = _echo_text(state, body, choice) + text
             if body.logprobs is not None:

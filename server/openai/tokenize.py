@@ -27,7 +27,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.prompt is not None:
         tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
     else:
-        tokens = await asyncio.to_thread(render_prompt, tokenizer, body.messages, body.add_generation_prompt)
+        messages = body.messages or []  # given: exactly one of the two is
+        tokens = await asyncio.to_thread(render_prompt, tokenizer, messages, body.add_generation_prompt)
     return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
 
 

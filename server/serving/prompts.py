@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 
 class Prompt(Protocol):
-    param: str  # the request field that holds it, named in its errors
+    @property
+    def param(self) -> str:
+        """The request field that holds it, named in its errors."""
 
     @property
     def count(self) -> int:

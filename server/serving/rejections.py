@@ -31,8 +31,8 @@ class Refusal(NamedTuple):
 def describe_rejection(exc: RequestRejectedError, names: Mapping[str, str]) -> Refusal:
     """What a client is told of `exc`, naming request fields as `names` spells them (others as they are)."""
 
-    def name(field: str) -> str:
-        return names.get(field, field)
+    def name(field: Optional[str]) -> str:
+        return names.get(field, field) if field is not None else "the request"
 
     def param(field: Optional[str]) -> Optional[str]:
         return None if field is None else name(field)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from engine.sampling.params import SamplingParams
 from engine.structured import StructuredOutputs
@@ -16,7 +16,7 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], 
                          prompt_logprobs: Optional[int] = None,
                          structured_outputs: Optional[StructuredOutputs] = None) -> SamplingParams:
     """SamplingParams from the request's fields; a bad value is a RequestRejectedError naming its field."""
-    values = {
+    values: dict[str, Any] = {  # SamplingParams checks each value: its field is named in a refusal
         "n": request.n,
         "temperature": request.temperature,
         "top_p": request.top_p,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncGenerator, AsyncIterator, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -25,7 +25,7 @@ async def stream_choices(choices: Sequence[Choice], streams: Sequence[RequestStr
     stream, which aborts the choices still running. With a `guard`, each choice's first output frees its
     place in the queue, and passing the deadline raises RequestTimeoutError (504)."""
     if len(choices) == 1:  # nothing to interleave: read the engine's stream directly
-        items: AsyncIterator = _single(choices[0], streams[0])
+        items: AsyncGenerator[tuple[Choice, RequestOutput], None] = _single(choices[0], streams[0])
     else:
         items = _interleave(choices, streams)
     try:
@@ -35,7 +35,8 @@ async def stream_choices(choices: Sequence[Choice], streams: Sequence[RequestStr
                     choice, output = await _next(items, None if guard is None else guard.deadline)
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
+                except asyncio.TimeoutError:  # only a guard sets a deadline
+                    assert guard is not None
                     guard.timed_out(streams)
                     raise RequestTimeoutError(guard.timeout) from None
                 if guard is not None:
@@ -55,7 +56,7 @@ async def _next(items: AsyncIterator, deadline: Optional[float]):
     return await asyncio.wait_for(items.__anext__(), max(deadline - time.monotonic(), 0.0))
 
 
-async def _single(choice: Choice, stream: RequestStream) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+async def _single(choice: Choice, stream: RequestStream) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
     async for output in stream:
         yield choice, output
 
@@ -93,7 +94,7 @@ async def close_streams(streams: Sequence[RequestStream]) -> None:
 
 
 async def _interleave(choices: Sequence[Choice],
-                      streams: Sequence[RequestStream]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+                      streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -51,7 +51,7 @@ class ResponseEvents:
 
     def text(self, delta: str) -> list[dict]:
         events = [] if self._is_open("message") else self.close("completed") + self._open_message()
-        item = self._open
+        item = self._current()
         item["content"][0]["text"] += delta
         events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self._index,
                                  content_index=0, delta=delta, logprobs=[]))
@@ -64,7 +64,7 @@ class ResponseEvents:
         return events + [self.event("response.output_item.added", output_index=self._index, item=self._open)]
 
     def arguments(self, delta: str) -> list[dict]:
-        item = self._open
+        item = self._current()
         item["arguments"] += delta
         return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self._index,
                            delta=delta)]
@@ -97,6 +97,12 @@ class ResponseEvents:
         error = body["error"]
         return self.event("error", code=error.get("code"), message=error["message"], param=error.get("param"),
                           error=error)
+
+    def _current(self) -> dict:
+        """The item receiving deltas (a call's arguments follow its header, text opens a message first)."""
+        if self._open is None:
+            raise RuntimeError("no output item is open")
+        return self._open
 
     @property
     def _index(self) -> int:

@@ -75,6 +75,7 @@ def _add_call(messages: list[ChatMessage], item: dict, param: str) -> None:
     last = messages[-1] if messages else None
     if last is not None and last.role == "assistant":
         extra = last.model_extra
+        assert extra is not None  # ChatMessage allows extra fields: pydantic keeps them in a dict
         extra["tool_calls"] = [*(extra.get("tool_calls") or []), call]
         return
     messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))

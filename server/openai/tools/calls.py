@@ -36,6 +36,7 @@ class ToolPlan:
     def constraint(self, parallel_tool_calls: Optional[bool]) -> Optional[tuple[StructuredOutputs, str]]:
         """The grammar of a valid answer under `required` or a named function (None otherwise)."""
         if self.mode == "named":
+            assert self.named is not None
             return StructuredOutputs.of_kind("json", _parameters(self.functions[self.named]), "tools"), "tools"
         if self.mode != "required":
             return None
@@ -50,6 +51,7 @@ class ToolPlan:
     def calls_of(self, text: str, parser: str) -> tuple[Optional[str], list[ParsedCall]]:
         """(content, calls) of a finished output."""
         if self.mode == "named":
+            assert self.named is not None
             return None, [ParsedCall(self.named, text)]
         if self.mode == "required":  # the arguments as written (what a stream sends), cut short or not
             array = ToolArrayReader()
@@ -71,13 +73,13 @@ def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
     if tool_choice in ("auto", "required"):
         if not functions:
             raise bad_request("tool_choice 'required' needs tools.", param="tool_choice")
-        return ToolPlan(tool_choice, functions, list(tools))
+        return ToolPlan(tool_choice, functions, list(tools or []))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in functions:
             raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools.",
                               param="tool_choice")
-        return ToolPlan("named", functions, list(tools), name)
+        return ToolPlan("named", functions, list(tools or []), name)
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                       "\"function\": {\"name\": ...}}.", param="tool_choice")
 

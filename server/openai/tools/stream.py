@@ -34,6 +34,7 @@ class ToolCallStream:
         if self._array is not None:
             return self._required(delta, finished)
         if mode == "named":
+            assert self.plan.named is not None
             out = []
             if self.num_calls == 0:
                 out.append(self._header(0, self.plan.named))
@@ -58,6 +59,7 @@ class ToolCallStream:
         """Headers of the calls whose names are complete, and the arguments' text written since the last
         delta; an output cut short before any call's name is sent as content at the end."""
         array = self._array
+        assert array is not None  # feed() comes here only with an array reader
         array.feed(delta)
         out = []
         for index in range(max(self.num_calls - 1, 0), len(array.calls)):  # earlier calls are complete and sent
