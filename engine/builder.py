@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape
 from engine.engine import EngineCore
@@ -115,7 +116,7 @@ def _quantizer(requested: Optional[str], group_size: Optional[int], hf_config, d
     if method is None:
         return None
     if batch_invariant:
-        raise ValueError(f"--quantization {method} cannot be combined with --batch-invariant (its products are "
+        raise SettingsConflictError(f"--quantization {method} cannot be combined with --batch-invariant (its products are "
                          "float ones whose rows do not depend on the batch)")
     if method != "int8" and device.type == "cpu" and dtype == torch.float32:
         logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
@@ -200,7 +201,7 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
     num_blocks = spec.num_blocks_for(budget) - 1  # KVCache adds its padding block
     if num_blocks < 1:
-        raise ValueError(
+        raise SettingsConflictError(
             f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "
             "raise kv_cache_memory / gpu_memory_utilization or set num_blocks"
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Literal, Optional, Union
 
+from engine.errors import SettingsConflictError
+
 from pydantic import Field, field_validator
 
 from scheduler import CacheConfig
@@ -57,7 +59,7 @@ class EngineCacheConfig(CacheConfig):
             return None
         size = parse_size(value)
         if size <= 0:
-            raise ValueError("kv_cache_memory must be positive")
+            raise SettingsConflictError("kv_cache_memory must be positive")
         return size
 
     def for_scheduler(self, num_blocks: int) -> CacheConfig:

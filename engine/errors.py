@@ -29,3 +29,9 @@ class TokenIdOutOfVocabularyError(RequestRejectedError):
                          field=field)
         self.token_id = token_id
         self.vocab_size = vocab_size
+
+
+class SettingsConflictError(ValueError):
+    """Settings that cannot run together, or not on this machine (an attention backend, a KV-cache dtype, a
+    quantization, batch invariance): a fault of the settings, not of the model, so `pagedserve serve` exits
+    with status 2 as for any bad flag."""

@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.cpu_backend import CpuAttentionBackend
@@ -98,18 +99,18 @@ def batch_invariant_numerics(attention_backend: str, device: torch.device, dtype
     from engine.layers.invariant_linear import BatchInvariantLinear
 
     if device.type != "cpu":
-        raise ValueError(f"batch_invariant runs on CPU only for now (its kernels are native CPU ones), "
+        raise SettingsConflictError(f"batch_invariant runs on CPU only for now (its kernels are native CPU ones), "
                          f"not on {device.type}")
     if dtype not in KERNEL_DTYPES:
-        raise ValueError(f"batch_invariant runs float32 or bfloat16, not {str(dtype).removeprefix('torch.')}")
+        raise SettingsConflictError(f"batch_invariant runs float32 or bfloat16, not {str(dtype).removeprefix('torch.')}")
     if attention_backend not in INVARIANT_ATTENTION_BACKENDS:
-        raise ValueError(f"batch_invariant brings its own attention (the cpu backend's paged kernel for every "
+        raise SettingsConflictError(f"batch_invariant brings its own attention (the cpu backend's paged kernel for every "
                          f"query); attention_backend must be auto or cpu, not {attention_backend!r}")
     kernels = load_cpu_kernels()
     if kernels is None:
-        raise ValueError("batch_invariant needs the native CPU kernels, which did not build here "
+        raise SettingsConflictError("batch_invariant needs the native CPU kernels, which did not build here "
                          "(see the warning above)")
     if not kernels.invariant_product_ok:
-        raise ValueError("batch_invariant needs the native batch-invariant product, which failed its "
+        raise SettingsConflictError("batch_invariant needs the native batch-invariant product, which failed its "
                          "self-check here (see the warning above)")
     return Numerics(BatchInvariantCpuBackend(kernels), NativeLayerOps(kernels), BatchInvariantLinear(kernels))

@@ -107,6 +107,7 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
 
     from engine.async_engine import AsyncEngine
     from engine.builder import build_engine
+    from engine.errors import SettingsConflictError
     from engine.loading.loader import CheckpointError
     from engine.loading.model_config import ContextLengthError
     from engine.runner.scratch_thread import run_on_scratch_thread
@@ -119,6 +120,9 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
         print(f"pagedserve serve: error: --max-model-len {error.requested} is larger than the model's context "
               f"length, {error.limit} (its {error.key}): give {error.limit} or less, or none for the model's own",
               file=sys.stderr)
+        return 2
+    except SettingsConflictError as error:  # settings that cannot run here or together: as a bad flag
+        print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
     except (CheckpointError, ValueError) as error:
         print(f"pagedserve serve: error: cannot load the model: {error}", file=sys.stderr)

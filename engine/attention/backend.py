@@ -7,6 +7,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from engine.errors import SettingsConflictError
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCacheSpec
@@ -90,9 +91,9 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, *
 
         reason = triton_unavailable_reason(device)
         if reason is not None:
-            raise ValueError(f"attention backend 'triton': {reason}")
+            raise SettingsConflictError(f"attention backend 'triton': {reason}")
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, cpu, torch, flash, triton)")
+    raise SettingsConflictError(f"unknown attention backend {name!r} (choose auto, cpu, torch, flash, triton)")
 
 
 def cuda_auto_choice(flash_available: bool, triton_available: bool) -> str:
@@ -130,7 +131,7 @@ def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: Optiona
 
     search = find_flash_kernel(device, dtype, block_size, shape)
     if search.kernel is None:
-        raise ValueError(f"attention backend 'flash' cannot run here: {search.summary}. "
+        raise SettingsConflictError(f"attention backend 'flash' cannot run here: {search.summary}. "
                          f"{_flash_remedy(device, dtype)}")
     logger.info("attention backend flash: %s", search.summary)
     return FlashAttentionBackend(search.kernel)
@@ -154,12 +155,12 @@ def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):
 
     if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         if required:
-            raise ValueError(f"attention backend 'cpu' runs float32/bfloat16 on CPU, not {dtype} on {device.type}")
+            raise SettingsConflictError(f"attention backend 'cpu' runs float32/bfloat16 on CPU, not {dtype} on {device.type}")
         return None
     kernels = load_cpu_kernels()
     if kernels is None:
         if required:
-            raise ValueError("attention backend 'cpu' needs its native kernels, which did not build here "
+            raise SettingsConflictError("attention backend 'cpu' needs its native kernels, which did not build here "
                              "(see the warning above); use 'torch'")
         return None
     return CpuAttentionBackend(kernels)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.errors import SettingsConflictError
+
 import torch
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -33,14 +35,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     """The cache's torch dtype for `--kv-cache-dtype` (auto: the model's), one that `backend` reads;
     ValueError naming the flag otherwise."""
     if name != "auto" and name not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {name!r}: choose auto, {', '.join(KV_CACHE_DTYPES)}")
+        raise SettingsConflictError(f"--kv-cache-dtype {name!r}: choose auto, {', '.join(KV_CACHE_DTYPES)}")
     dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
     if dtype == torch.float8_e4m3fn and device.type != "cuda":
-        raise ValueError("--kv-cache-dtype fp8 runs on CUDA only; on CPU use bfloat16 (or auto)")
+        raise SettingsConflictError("--kv-cache-dtype fp8 runs on CUDA only; on CPU use bfloat16 (or auto)")
     accepted = backend.kv_cache_dtypes(model_dtype)
     if dtype not in accepted:
         names = ", ".join(_dtype_flag(d) for d in accepted)
-        raise ValueError(f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
+        raise SettingsConflictError(f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
                          f"{names} for a {_dtype_flag(model_dtype)} model; use one of those (auto: the model's "
                          f"dtype) or --attention-backend torch, which reads every cache dtype")
     return dtype

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from engine.errors import SettingsConflictError
 from engine.quantization.awq import awq_group_size, quantization_config
 from engine.quantization.int4_groups import DEFAULT_INT4_GROUP_SIZE, Int4Groups
 from engine.quantization.int4_weight import Int4Weight, int4_weight
@@ -70,11 +71,11 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
                          "which is not supported; supported pre-quantized format: awq")
     if requested == "awq" or (requested is None and method == "awq"):
         if method != "awq":
-            raise ValueError("--quantization awq needs an AWQ checkpoint (config.json quantization_config with "
+            raise SettingsConflictError("--quantization awq needs an AWQ checkpoint (config.json quantization_config with "
                              "quant_method 'awq'); for a float checkpoint use --quantization int8 or int4")
         return "awq", awq_group_size(config)
     if method == "awq":
-        raise ValueError(f"--quantization {requested}: the checkpoint is already AWQ int4; "
+        raise SettingsConflictError(f"--quantization {requested}: the checkpoint is already AWQ int4; "
                          "leave --quantization unset (or awq)")
     return (requested, None) if requested in LOAD_TIME_METHODS else (None, None)
 
@@ -96,7 +97,7 @@ def resolve_group_size(requested: Optional[str], method: Optional[str], group_si
     flag = f"--quantization {requested or 'auto'}"
     if method == "awq":
         if group_size is not None and group_size != checkpoint_group_size:
-            raise ValueError(f"--quantization-group-size {group_size} differs from the AWQ checkpoint's group size "
+            raise SettingsConflictError(f"--quantization-group-size {group_size} differs from the AWQ checkpoint's group size "
                              f"{checkpoint_group_size} (config.json quantization_config), which {flag} serves as "
                              f"stored; leave --quantization-group-size unset or give {checkpoint_group_size}")
         return checkpoint_group_size
@@ -104,6 +105,6 @@ def resolve_group_size(requested: Optional[str], method: Optional[str], group_si
         return DEFAULT_INT4_GROUP_SIZE if group_size is None else group_size
     if group_size is not None:
         reason = _NO_GROUPS.get(requested or "", "no weights are quantized to int4 at load for this checkpoint")
-        raise ValueError(f"--quantization-group-size {group_size} does not apply to {flag} ({reason}); it sets "
+        raise SettingsConflictError(f"--quantization-group-size {group_size} does not apply to {flag} ({reason}); it sets "
                          "--quantization int4's groups: leave it unset, or add --quantization int4")
     return None

@@ -83,6 +83,18 @@ def test_a_max_model_len_over_the_models_context_exits_2_naming_the_flag_and_the
     assert "Traceback" not in result.stderr and "cannot load the model" not in result.stderr
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["--attention-backend", "flash"], "attention backend 'flash' cannot run here"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 runs on CUDA only"),
+])
+def test_settings_that_cannot_run_here_exit_2_as_a_bad_flag(tiny_model_dir, args, expected):
+    result = run_serve("--model", str(tiny_model_dir), "--port", "0", *args)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedserve serve: error: ") and expected in last, result.stderr
+    assert "Traceback" not in result.stderr and "cannot load the model" not in result.stderr
+
+
 def test_a_misspelled_variable_gets_a_warning_naming_the_setting_it_resembles():
     with socket.socket() as busy:  # the start stops at the port, once logging is set up
         busy.bind(("127.0.0.1", 0))
