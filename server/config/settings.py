@@ -104,38 +104,39 @@ class Option:
         return ENV_PREFIX + self.dest.upper()
 
 
-_M, _C, _S, _SV = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
+# Where each section's fields live in Settings (an option's path is its section's plus the field name).
+MODEL, CACHE, SCHEDULER, SERVER = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
 
 OPTIONS: tuple[Option, ...] = (
     Option("--config", None, "str", "YAML preset with sections model/cache/scheduler/server "
            "(e.g. configs/default.yaml)", "FILE", "none"),
-    Option("--model", (*_M, "model"), "str", "checkpoint directory, .gguf file or hub id", "MODEL",
+    Option("--model", (*MODEL, "model"), "str", "checkpoint directory, .gguf file or hub id", "MODEL",
            "the embedded SmolLM2-135M-Instruct"),
-    Option("--tokenizer", (*_M, "tokenizer"), "str", "tokenizer source", "TOKENIZER", "the model's"),
-    Option("--served-model-name", (*_SV, "served_model_name"), "str",
+    Option("--tokenizer", (*MODEL, "tokenizer"), "str", "tokenizer source", "TOKENIZER", "the model's"),
+    Option("--served-model-name", (*SERVER, "served_model_name"), "str",
            "model id that clients send and that responses report", "NAME", "the --model value"),
-    Option("--host", (*_SV, "host"), "str", "address to bind", "HOST"),
-    Option("--port", (*_SV, "port"), "int", "TCP port; 0 = any free port", "PORT"),
-    Option("--api-key", (*_SV, "api_keys"), "keys", "accepted bearer token; repeat the flag for several "
+    Option("--host", (*SERVER, "host"), "str", "address to bind", "HOST"),
+    Option("--port", (*SERVER, "port"), "int", "TCP port; 0 = any free port", "PORT"),
+    Option("--api-key", (*SERVER, "api_keys"), "keys", "accepted bearer token; repeat the flag for several "
            "(the environment variable takes a comma-separated list)", "KEY", "none, no authentication"),
-    Option("--dtype", (*_M, "dtype"), "str", "weight and activation dtype; auto = bfloat16 on CUDA and "
+    Option("--dtype", (*MODEL, "dtype"), "str", "weight and activation dtype; auto = bfloat16 on CUDA and "
            "on CPUs with native bf16, else float32"),
-    Option("--device", (*_M, "device"), "str", "where the model runs"),
-    Option("--max-model-len", (*_M, "max_model_len"), "int", "prompt + output tokens at most", "N",
+    Option("--device", (*MODEL, "device"), "str", "where the model runs"),
+    Option("--max-model-len", (*MODEL, "max_model_len"), "int", "prompt + output tokens at most", "N",
            "the model's context length", nullable=True),
-    Option("--block-size", (*_C, "block_size"), "int", "tokens per KV cache block", "N"),
-    Option("--num-kv-blocks", (*_C, "num_blocks"), "int", "KV cache blocks (overrides --kv-cache-memory "
+    Option("--block-size", (*CACHE, "block_size"), "int", "tokens per KV cache block", "N"),
+    Option("--num-kv-blocks", (*CACHE, "num_blocks"), "int", "KV cache blocks (overrides --kv-cache-memory "
            "and --gpu-memory-utilization)", "N", "derived from the memory budget", nullable=True),
-    Option("--kv-cache-memory", (*_C, "kv_cache_memory"), "size", "KV cache budget on CPU, "
+    Option("--kv-cache-memory", (*CACHE, "kv_cache_memory"), "size", "KV cache budget on CPU, "
            "e.g. 1GiB, 512MiB, 2000000000", "SIZE", "1GiB on CPU", nullable=True),
-    Option("--gpu-memory-utilization", (*_C, "gpu_memory_utilization"), "float",
+    Option("--gpu-memory-utilization", (*CACHE, "gpu_memory_utilization"), "float",
            "fraction of GPU memory for weights, activations and KV cache", "F"),
-    Option("--max-num-seqs", (*_S, "max_num_seqs"), "int", "requests in the running batch at most", "N"),
-    Option("--max-num-batched-tokens", (*_S, "max_num_batched_tokens"), "int",
+    Option("--max-num-seqs", (*SCHEDULER, "max_num_seqs"), "int", "requests in the running batch at most", "N"),
+    Option("--max-num-batched-tokens", (*SCHEDULER, "max_num_batched_tokens"), "int",
            "tokens computed per engine step at most", "N"),
-    Option("--enable-prefix-caching", (*_C, "enable_prefix_caching"), "bool",
+    Option("--enable-prefix-caching", (*CACHE, "enable_prefix_caching"), "bool",
            "reuse the KV blocks of shared prompt prefixes"),
-    Option("--scheduling-policy", (*_S, "policy"), "str", "order of admission to the running batch"),
+    Option("--scheduling-policy", (*SCHEDULER, "policy"), "str", "order of admission to the running batch"),
     Option("--attention-backend", ("engine", "attention_backend"), "str",
            "attention kernels; auto picks from the device and what imports"),
     Option("--batch-invariant", ("engine", "batch_invariant"), "bool",
@@ -146,59 +147,59 @@ OPTIONS: tuple[Option, ...] = (
     Option("--profile", ("engine", "profile"), "bool",
            "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
            "between steps), every 1000 steps"),
-    Option("--quantization", (*_M, "quantization"), "str", "weight storage: gguf keeps a .gguf file's "
+    Option("--quantization", (*MODEL, "quantization"), "str", "weight storage: gguf keeps a .gguf file's "
            "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
            "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
            "else none"),
-    Option("--quantization-group-size", (*_M, "quantization_group_size"), "int",
+    Option("--quantization-group-size", (*MODEL, "quantization_group_size"), "int",
            "input columns per int4 scale and zero: 32, 64 or 128, with --quantization int4 (or, unchanged, an "
            "AWQ checkpoint's own); refused with --quantization none, gguf or int8, where no groups apply", "N",
            "32 with int4, the checkpoint's with awq", nullable=True),
-    Option("--kv-cache-dtype", (*_C, "kv_cache_dtype"), "str", "dtype the KV cache stores: auto = the model's "
+    Option("--kv-cache-dtype", (*CACHE, "kv_cache_dtype"), "str", "dtype the KV cache stores: auto = the model's "
            "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) on CUDA only"),
-    Option("--seed", (*_M, "seed"), "int", "random seed of the engine", "N"),
-    Option("--strict-params", (*_SV, "strict_params"), "bool",
+    Option("--seed", (*MODEL, "seed"), "int", "random seed of the engine", "N"),
+    Option("--strict-params", (*SERVER, "strict_params"), "bool",
            "also reject request fields that the OpenAI API does not define (by default they are ignored)"),
-    Option("--allowed-origins", (*_SV, "allowed_origins"), "list", "CORS allowed origins, comma-separated "
+    Option("--allowed-origins", (*SERVER, "allowed_origins"), "list", "CORS allowed origins, comma-separated "
            "(or repeat the flag)", "ORIGINS"),
-    Option("--log-level", (*_SV, "log_level"), "str", "log level of pagedserve and uvicorn"),
-    Option("--tool-call-parser", (*_SV, "tool_call_parser"), "str",
+    Option("--log-level", (*SERVER, "log_level"), "str", "log level of pagedserve and uvicorn"),
+    Option("--tool-call-parser", (*SERVER, "tool_call_parser"), "str",
            "the tool-call format parsed from the text under tool_choice auto: hermes "
            "(<tool_call>{...}</tool_call>, Qwen and SmolLM templates) or llama3_json", "PARSER"),
-    Option("--metrics-require-auth", (*_SV, "metrics_require_auth"), "bool",
+    Option("--metrics-require-auth", (*SERVER, "metrics_require_auth"), "bool",
            "with --api-key, /metrics needs a key too"),
-    Option("--max-queued-requests", (*_SV, "max_queued_requests"), "int", "sequences waiting for their first "
+    Option("--max-queued-requests", (*SERVER, "max_queued_requests"), "int", "sequences waiting for their first "
            "token at most (n > 1 counts n); beyond it a request gets 429 with Retry-After", "N",
            "4 x --max-num-seqs", nullable=True),
-    Option("--max-queued-tokens", (*_SV, "max_queued_tokens"), "int", "prompt tokens of the waiting sequences "
+    Option("--max-queued-tokens", (*SERVER, "max_queued_tokens"), "int", "prompt tokens of the waiting sequences "
            "at most (a request is always admitted into an empty queue)", "N", "the KV cache's capacity in tokens",
            nullable=True),
-    Option("--request-timeout", (*_SV, "request_timeout"), "float", "seconds a request may wait and run; "
+    Option("--request-timeout", (*SERVER, "request_timeout"), "float", "seconds a request may wait and run; "
            "past it, it is aborted and its client gets a 504", "SECONDS", "none, no deadline", nullable=True),
-    Option("--shutdown-timeout", (*_SV, "shutdown_timeout"), "float", "seconds in-flight requests get to finish "
+    Option("--shutdown-timeout", (*SERVER, "shutdown_timeout"), "float", "seconds in-flight requests get to finish "
            "after SIGTERM or SIGINT before they are aborted", "SECONDS"),
-    Option("--max-request-body", (*_SV, "max_request_body"), "size", "request body size at most, e.g. 4MiB "
+    Option("--max-request-body", (*SERVER, "max_request_body"), "size", "request body size at most, e.g. 4MiB "
            "(413 beyond, checked before the body is parsed)", "SIZE"),
     # vLLM's flags where users reach for them
-    Option("--revision", (*_M, "revision"), "str", "branch, tag or commit of a hub --model", "REV", "main",
+    Option("--revision", (*MODEL, "revision"), "str", "branch, tag or commit of a hub --model", "REV", "main",
            nullable=True),
-    Option("--download-dir", (*_M, "download_dir"), "str", "where hub models are downloaded and looked up "
+    Option("--download-dir", (*MODEL, "download_dir"), "str", "where hub models are downloaded and looked up "
            "(a Hugging Face cache layout)", "DIR", "the Hugging Face cache", nullable=True),
-    Option("--trust-remote-code", (*_M, "trust_remote_code"), "bool", "let a checkpoint's own Python code build "
+    Option("--trust-remote-code", (*MODEL, "trust_remote_code"), "bool", "let a checkpoint's own Python code build "
            "its config and tokenizer (the model always runs pagedserve's own implementation)"),
-    Option("--chat-template", (*_M, "chat_template"), "str", "chat template replacing the tokenizer's: a file, "
+    Option("--chat-template", (*MODEL, "chat_template"), "str", "chat template replacing the tokenizer's: a file, "
            "or the Jinja text itself", "TEMPLATE", "the tokenizer's", nullable=True),
-    Option("--max-logprobs", (*_SV, "max_logprobs"), "int", "alternatives per token a request may ask for "
+    Option("--max-logprobs", (*SERVER, "max_logprobs"), "int", "alternatives per token a request may ask for "
            "(logprobs, top_logprobs), 0-20; a request asking for more gets a 400", "N"),
-    Option("--enable-log-requests", (*_SV, "enable_log_requests"), "bool", "log each generation request at info "
+    Option("--enable-log-requests", (*SERVER, "enable_log_requests"), "bool", "log each generation request at info "
            "(id, route, token counts, sampling settings; never its text)"),
-    Option("--disable-log-requests", (*_SV, "enable_log_requests"), "bool", "vLLM's older spelling of "
+    Option("--disable-log-requests", (*SERVER, "enable_log_requests"), "bool", "vLLM's older spelling of "
            "--no-enable-log-requests", default_text="not set", negates=True),
-    Option("--root-path", (*_SV, "root_path"), "str", "path prefix under which a proxy serves the API, "
+    Option("--root-path", (*SERVER, "root_path"), "str", "path prefix under which a proxy serves the API, "
            "e.g. /llm (FastAPI's root_path)", "PATH", "none"),
-    Option("--ssl-keyfile", (*_SV, "ssl_keyfile"), "str", "TLS private key file (PEM); with --ssl-certfile the "
+    Option("--ssl-keyfile", (*SERVER, "ssl_keyfile"), "str", "TLS private key file (PEM); with --ssl-certfile the "
            "server speaks HTTPS", "FILE", "none", nullable=True),
-    Option("--ssl-certfile", (*_SV, "ssl_certfile"), "str", "TLS certificate chain file (PEM)", "FILE", "none",
+    Option("--ssl-certfile", (*SERVER, "ssl_certfile"), "str", "TLS certificate chain file (PEM)", "FILE", "none",
            nullable=True),
 )
 
