@@ -14,7 +14,8 @@ import platform
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, numerics
+from engine import LLM, SamplingParams
+from engine import platform as engine_platform
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.layers.fused_decode import MATRIX_COLUMNS
@@ -69,9 +70,9 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
         tiles = product == "column-blocks-tiles"
         if tiles and not cpu_kernels.amx_tiles:
             pytest.skip("no AMX tiles here")
-        monkeypatch.setattr(numerics, "cpu_linear", lambda backend, dtype: ColumnBlockLinear(backend.kernels, amx=tiles))
+        monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: ColumnBlockLinear(backend.kernels, amx=tiles))
         return ColumnBlockLinear
-    monkeypatch.setattr(numerics, "cpu_linear", lambda backend, dtype: GemvLinear(backend.kernels))
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: GemvLinear(backend.kernels))
     return GemvLinear
 
 
@@ -181,7 +182,7 @@ def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, c
     del model
     fused = _generate(llm, PROMPTS[:4], 24)
     del llm
-    monkeypatch.setattr(numerics, "cpu_linear", lambda backend, dtype: None)  # torch's products, unfused:
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: None)  # torch's products, unfused:
     torch_llm = embedded_llm()  # the numerics before the native products
     assert type(torch_llm.engine.runner.model.linear) is Linear and torch_llm.engine.runner.model.fused is None
     reference = _generate(torch_llm, PROMPTS[:4], 24, logprobs=2)

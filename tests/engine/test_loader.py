@@ -18,7 +18,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from engine.loading import cache_dir
+from engine import cache_dir
 from engine.loading import gguf_converter as gguf_converter
 from engine.loading.model_config import ContextLengthError, ModelConfig, cpu_has_fast_bf16
 from engine.loading.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
