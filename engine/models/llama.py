@@ -71,6 +71,11 @@ class LlamaForCausalLM:
         self.layers: list[LlamaLayerWeights] = []
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
 
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention, as the backend computes it (checked against the backend at start-up)."""
+        return (self.attention,) * self.arch.num_layers
+
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
