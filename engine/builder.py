@@ -12,6 +12,7 @@ import torch
 from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape
+from engine.attention.layer_attention import check_backend_serves
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
@@ -23,6 +24,7 @@ from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
+from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
 from engine.platform import choose_numerics
 from engine.quantization.awq import awq_weights
@@ -63,7 +65,13 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(requested, model_config.quantization_group_size, hf_config, device, dtype,
                            config.batch_invariant)
+    family = family_of(hf_config)
+    if checkpoint.gguf is not None and "gguf" not in family.formats:
+        raise ValueError(f"{family.architecture} is served from HF checkpoints ({', '.join(family.formats)}), "
+                         "not from GGUF files; GGUF is supported for "
+                         f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}")
     model = build_model(hf_config, dtype, device, ops, linear, quantizer)
+    check_backend_serves(backend, model.attention_layers, family.architecture)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
         max_model_len = model.arch.sliding_window

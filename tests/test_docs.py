@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 250
-EXPECTED_DOCS = {"api", "configuration", "operations", "deploying", "architecture", "quantization",
+EXPECTED_DOCS = {"api", "configuration", "operations", "deploying", "architecture", "models", "quantization",
                  "batch-invariance", "performance", "gpu", "testing"}
 
 FENCE = re.compile(r"^\s*(```|~~~)")

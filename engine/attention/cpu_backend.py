@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.layer_attention import FEATURES, LayerAttention
 from engine.attention.metadata import AttentionMetadata, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -18,6 +19,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     cuda_graphs = False  # CPU only
     split_sequences = True  # the kernel may split a long sequence across threads when the batch is small
+    attention_features = FEATURES  # the decode kernel starts each sequence at its window and caps its scores
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
@@ -29,10 +31,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
         # a cache in another dtype than the model's (--kv-cache-dtype): the kernel runs in the cache's dtype,
         # so the query is rounded to it (the kernel accumulates in float32 either way)
         out = self.kernels.paged_decode(query.to(key_cache.dtype).contiguous(), key_cache, value_cache,
-                                        metadata.decode_block_tables, metadata.decode_context_lens, scale,
-                                        self.split_sequences)
+                                        metadata.decode_block_tables, metadata.decode_context_lens, layer.scale,
+                                        self.split_sequences, window=layer.sliding_window, softcap=layer.softcap)
         return out.to(query.dtype)

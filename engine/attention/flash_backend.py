@@ -11,6 +11,8 @@ Two implementations read the cache layout `[num_blocks, block_size, num_kv_heads
 
 Both align the causal mask to the bottom right: query i of a request with q query tokens and
 k cached tokens (this step's included) sees keys 0 .. k - q + i, i.e. positions up to its own.
+A layer's sliding window W goes in as `window_size=(W - 1, 0)` (keys k - q + i - W + 1 .. k - q + i, HF's
+`kv_idx > q_idx - W`), its soft-cap as `softcap=`, to releases whose varlen function takes them.
 Which one runs is decided once, by `find_flash_kernel`, when the backend is chosen: by what imports
 and what the GPU and block size allow, then by a probe (engine/attention/probe.py) that runs one tiny
 paged step of the model's exact configuration, since a signature does not say what the kernels accept.
@@ -28,6 +30,7 @@ import torch
 
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.kv_write import write_kv_by_slots
+from engine.attention.layer_attention import SLIDING_WINDOW, SOFTCAP, LayerAttention
 from engine.attention.probe import probe_backend
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCacheSpec
@@ -50,6 +53,8 @@ class FlashKernel:
     version: str  # the installed distribution's version
     varlen: Callable[..., Any]  # flash_attn_varlen_func
     takes_max_seqlen_q: bool = True  # early flash-attn 4 releases had no max_seqlen_q argument
+    takes_window: bool = True  # window_size= (flash-attn 2 since 2.3)
+    takes_softcap: bool = True  # softcap= (flash-attn 2 since 2.6)
 
     @property
     def label(self) -> str:
@@ -161,7 +166,7 @@ def _import_flash_attn_4(reasons: list[str]) -> Optional[FlashKernel]:
                        "flash-attn-4")
         return None
     return FlashKernel(4, _version(("flash-attn-4", "fa4"), "flash_attn.cute"), varlen,
-                       takes_max_seqlen_q=params is None or "max_seqlen_q" in params)
+                       takes_max_seqlen_q=params is None or "max_seqlen_q" in params, **_layer_options(params))
 
 
 def _import_flash_attn_2(reasons: list[str]) -> Optional[FlashKernel]:
@@ -173,7 +178,13 @@ def _import_flash_attn_2(reasons: list[str]) -> Optional[FlashKernel]:
         reasons.append("flash-attn 2: this release's flash_attn_varlen_func has no block_table (paged KV came "
                        "in 2.5); upgrade flash-attn")
         return None
-    return FlashKernel(2, _version(("flash-attn",), "flash_attn"), varlen)
+    return FlashKernel(2, _version(("flash-attn",), "flash_attn"), varlen, **_layer_options(params))
+
+
+def _layer_options(params: Optional[frozenset[str]]) -> dict[str, bool]:
+    """Whether the varlen function takes a sliding window and a soft-cap (no signature: trusted)."""
+    return {"takes_window": params is None or "window_size" in params,
+            "takes_softcap": params is None or "softcap" in params}
 
 
 def _import_function(module_name: str, attribute: str, label: str, reasons: list[str]) -> Optional[Callable]:
@@ -247,6 +258,8 @@ class FlashAttentionBackend:
     def __init__(self, kernel: FlashKernel):
         self.kernel = kernel
         self.name = f"flash ({kernel.label})"
+        self.attention_features = tuple(feature for feature, taken in ((SLIDING_WINDOW, kernel.takes_window),
+                                                                       (SOFTCAP, kernel.takes_softcap)) if taken)
         self._cu_seqlens_k: Optional[torch.Tensor] = None  # flash-attn 2: [capacity + 1] int32, grown on demand
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -281,19 +294,31 @@ class FlashAttentionBackend:
     def write_kv(self, key, value, key_cache, value_cache, metadata: FlashMetadata) -> None:
         write_kv_by_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
 
-    def attend(self, query, key, value, key_cache, value_cache, metadata: FlashMetadata, scale: float):
+    def attend(self, query, key, value, key_cache, value_cache, metadata: FlashMetadata, layer: LayerAttention):
         """query [num_tokens, heads, head_dim] over the cache (this step's K/V already written)."""
+        extra = _layer_arguments(layer)  # only what the layer uses: releases without them still serve the rest
         if self.kernel.major == 2:
             return self.kernel.varlen(
                 query, key_cache, value_cache,
                 cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_k=metadata.cu_seqlens_k,
                 max_seqlen_q=metadata.max_seqlen_q, max_seqlen_k=metadata.max_seqlen_k,
-                softmax_scale=scale, causal=True, block_table=metadata.page_table,
+                softmax_scale=layer.scale, causal=True, block_table=metadata.page_table, **extra,
             )
-        extra = {"max_seqlen_q": metadata.max_seqlen_q} if self.kernel.takes_max_seqlen_q else {}
+        if self.kernel.takes_max_seqlen_q:
+            extra["max_seqlen_q"] = metadata.max_seqlen_q
         out = self.kernel.varlen(
             query, key_cache, value_cache,
             cu_seqlens_q=metadata.cu_seqlens_q, seqused_k=metadata.seqused_k, page_table=metadata.page_table,
-            softmax_scale=scale, causal=True, **extra,
+            softmax_scale=layer.scale, causal=True, **extra,
         )
         return out[0] if isinstance(out, tuple) else out  # (out, lse); lse is None unless return_lse
+
+
+def _layer_arguments(layer: LayerAttention) -> dict:
+    """flash-attn's keyword arguments for the layer's window and soft-cap (both generations name them alike)."""
+    arguments: dict = {}
+    if layer.sliding_window is not None:
+        arguments["window_size"] = (layer.sliding_window - 1, 0)
+    if layer.softcap is not None:
+        arguments["softcap"] = layer.softcap
+    return arguments

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from engine.attention.layer_attention import LayerAttention
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.step_metadata import StepMetadata, step_metadata_for
 from engine.attention.kv_cache import KVCacheSpec
@@ -107,7 +108,7 @@ def _probe_one(backend: Any, step: ProbeStep, scale: float) -> Optional[str]:
     try:
         metadata = backend.build_metadata(step.metadata, step.spec)
         backend.write_kv(step.key, step.value, step.key_cache, step.value_cache, metadata)
-        out = backend.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata, scale)
+        out = backend.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata, LayerAttention(scale))
         if out.is_cuda:
             torch.cuda.synchronize(out.device)  # a launch failure surfaces here, not at the first step
     except Exception as exc:  # noqa: BLE001 - any failure means the kernel cannot serve this configuration

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.kv_write import write_kv_by_slots
+from engine.attention.layer_attention import FEATURES, LayerAttention
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KV_CACHE_DTYPES, KVCacheSpec, from_cache, select_blocks
@@ -18,6 +19,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     cuda_graphs = False  # its metadata is shaped by host values (per-request chunks, the decode width)
+    attention_features = FEATURES  # windows and soft-caps as masks and a tanh on the scores
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return tuple(KV_CACHE_DTYPES.values())  # converted on read (from_cache), fp8 with its scale
@@ -40,20 +42,20 @@ class TorchAttentionBackend:
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
         write_kv_by_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
 
-    def attend(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, scale: float):
+    def attend(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, layer: LayerAttention):
         num_decodes = metadata.num_decodes
         if not metadata.prefills:
-            return self._decode(query, key_cache, value_cache, metadata, scale)
+            return self._decode(query, key_cache, value_cache, metadata, layer)
         out = torch.empty_like(query)
         if num_decodes:
-            out[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
+            out[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, layer)
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(query[rows], key[rows], value[rows], key_cache, value_cache, chunk, scale)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], key_cache, value_cache, chunk, layer)
         return out
 
     @classmethod
-    def _decode(cls, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(cls, query, key_cache, value_cache, metadata: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
         """One query per request over its gathered blocks, masked past its context length.
 
         The gathered K/V stay in the cache's layout ([B, tokens, kv_heads, head_dim]);
@@ -66,16 +68,21 @@ class TorchAttentionBackend:
         keys = select_blocks(key_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
         values = select_blocks(value_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
         keys, values = from_cache(keys, query.dtype), from_cache(values, query.dtype)  # --kv-cache-dtype
+        bias = metadata.decode_bias
+        if layer.sliding_window is not None:  # keys before each query's window are masked out too
+            first_seen = (metadata.decode_context_lens - layer.sliding_window).view(num_decodes, 1, 1, 1)
+            key_pos = torch.arange(max_len, device=bias.device)
+            bias = bias.masked_fill(key_pos < first_seen, float("-inf"))
         if num_kv_heads <= cls.DIAGONAL_MAX_KV_HEADS:
-            return cls._decode_all_pairs(query, keys, values, metadata.decode_bias, scale)
-        return cls._decode_per_kv_head(query, keys, values, metadata.decode_bias, scale)
+            return cls._decode_all_pairs(query, keys, values, bias, layer)
+        return cls._decode_per_kv_head(query, keys, values, bias, layer)
 
     DIAGONAL_MAX_KV_HEADS = 4
     """Up to this many KV heads, score every (head, kv head) pair and keep the matching ones:
     kv_heads times the (small) arithmetic, two products per layer. Beyond, loop over KV heads."""
 
     @staticmethod
-    def _decode_all_pairs(query, keys, values, bias, scale: float) -> torch.Tensor:
+    def _decode_all_pairs(query, keys, values, bias, layer: LayerAttention) -> torch.Tensor:
         """
         scores[b, h, t, k] = q[b, h] . K[b, t, k]   for every pair, then keep k == kv_head(h)
         kv_head(h) = h // group
@@ -86,14 +93,14 @@ class TorchAttentionBackend:
         pairs = torch.bmm(query, keys.view(batch, max_len * num_kv_heads, head_dim).transpose(1, 2))
         # [B, heads, max_len * kv_heads] -> [B, kv_heads, group, max_len]
         scores = torch.diagonal(pairs.view(batch, num_kv_heads, group, max_len, num_kv_heads), dim1=1, dim2=4)
-        scores = torch.add(bias, scores.permute(0, 3, 1, 2), alpha=scale)
+        scores = biased_scores(scores.permute(0, 3, 1, 2), bias, layer)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(batch, num_heads, max_len)
         out = torch.bmm(probs, values.view(batch, max_len, num_kv_heads * head_dim))  # [B, heads, kv_heads * hd]
         out = torch.diagonal(out.view(batch, num_kv_heads, group, num_kv_heads, head_dim), dim1=1, dim2=3)
         return out.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
 
     @staticmethod
-    def _decode_per_kv_head(query, keys, values, bias, scale: float) -> torch.Tensor:
+    def _decode_per_kv_head(query, keys, values, bias, layer: LayerAttention) -> torch.Tensor:
         """One pair of batched products per KV head, reading the strided K/V views in place."""
         batch, num_heads, head_dim = query.shape
         _, max_len, num_kv_heads, _ = keys.shape
@@ -102,7 +109,7 @@ class TorchAttentionBackend:
         scores = torch.empty((batch, num_kv_heads, group, max_len), dtype=query.dtype, device=query.device)
         for k in range(num_kv_heads):
             torch.bmm(q[:, k], keys[:, :, k].transpose(1, 2), out=scores[:, k])
-        scores = torch.add(bias, scores, alpha=scale)
+        scores = biased_scores(scores, bias, layer)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=query.dtype, device=query.device)
         for k in range(num_kv_heads):
@@ -110,28 +117,48 @@ class TorchAttentionBackend:
         return out.view(batch, num_heads, head_dim)
 
     @staticmethod
-    def _prefill(query, key, value, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    def _prefill(query, key, value, key_cache, value_cache, chunk: PrefillChunk, layer: LayerAttention) -> torch.Tensor:
         """Causal attention of a chunk; continues a cached prefix when context_len > query_len.
 
         query i (position context_len - query_len + i) sees keys [0, context_len - query_len + i]
+        (with a sliding window W, only the last W of them)
         """
         # 4-D [1, heads, len, head_dim] views: SDPA's fused CPU kernel takes those (3-D ones fall back to
         # the unfused math path, 1.8x slower here).
         q = query.transpose(0, 1).unsqueeze(0)
+        plain = layer.sliding_window is None and layer.softcap is None
         if chunk.context_len == chunk.query_len:
             k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            return out[0].transpose(0, 1)
-        _, block_size, num_kv_heads, head_dim = key_cache.shape
-        num_blocks = -(-chunk.context_len // block_size)
-        table = chunk.block_table[:num_blocks]
-        k = select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-        v = select_blocks(value_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-        k, v = from_cache(k, query.dtype), from_cache(v, query.dtype)
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            if plain:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
+                return out[0].transpose(0, 1)
+        else:
+            _, block_size, num_kv_heads, head_dim = key_cache.shape
+            num_blocks = -(-chunk.context_len // block_size)
+            table = chunk.block_table[:num_blocks]
+            k = select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+            v = select_blocks(value_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+            k, v = from_cache(k, query.dtype), from_cache(v, query.dtype)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         offset = chunk.context_len - chunk.query_len
         query_pos = torch.arange(offset, chunk.context_len, device=query.device)
         key_pos = torch.arange(chunk.context_len, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if layer.sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - layer.sliding_window
+        if layer.softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+        else:  # SDPA has no soft-cap: the scores in full
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            scores = biased_scores(q @ k.transpose(-1, -2), bias, layer)
+            out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
         return out[0].transpose(0, 1)
+
+
+def biased_scores(raw: torch.Tensor, bias: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
+    """bias + the layer's scores from the raw products q . k (scaled, then soft-capped as HF computes it)."""
+    if layer.softcap is None:
+        return torch.add(bias, raw, alpha=layer.scale)
+    return bias + torch.tanh(raw * layer.scale / layer.softcap) * layer.softcap

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from engine.attention.layer_attention import FEATURES, LayerAttention
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCacheSpec
 
@@ -21,6 +22,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     cuda_graphs = True  # the metadata is the step's device views; the decode grid comes from their shapes
+    attention_features = FEATURES  # windows and soft-caps are constexpr variants of the kernels
 
     def __init__(self):
         from engine.kernels import triton as kernels  # imported (and decorated) only when chosen
@@ -36,11 +38,12 @@ class TritonAttentionBackend:
     def write_kv(self, key, value, key_cache, value_cache, metadata: StepMetadata) -> None:
         self._kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
-    def attend(self, query, key, value, key_cache, value_cache, metadata: StepMetadata, scale: float):
+    def attend(self, query, key, value, key_cache, value_cache, metadata: StepMetadata, layer: LayerAttention):
         # the kernels take one dtype: a query in another than the cache's (--kv-cache-dtype) is converted
         out = self._kernels.paged_attention(query.to(key_cache.dtype), key_cache, value_cache,
                                             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-                                            scale, metadata.max_query_len)
+                                            layer.scale, metadata.max_query_len, window=layer.sliding_window,
+                                            softcap=layer.softcap)
         return out.to(query.dtype)
 
 

@@ -167,10 +167,14 @@ class CpuKernels:
         context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1 and <= width * block_size
         scale: float,
         split: bool = True,
+        *,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """Attention of one query per sequence over its cached tokens (the new token included). `split`: with
         few sequences, long ones may be split across threads and merged (faster; the sums grouped by the
-        batch's shape and the thread count); False keeps each row's result independent of both."""
+        batch's shape and the thread count); False keeps each row's result independent of both. `window`: only
+        the last `window` tokens of each sequence are seen; `softcap`: scores capped by softcap * tanh(s / softcap)."""
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -182,8 +186,11 @@ class CpuKernels:
                 raise ValueError("paged_decode takes contiguous CPU tensors")
         if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
             raise ValueError("query and caches must share one dtype")
-        return self._ops.cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
-                                                     scale, int(split), self._function("paged_decode", query.dtype))
+        if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
+            raise ValueError(f"window must be >= 1 and softcap > 0, got {window} and {softcap}")
+        return self._ops.cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                          int(split), window or 0, softcap or 0.0,
+                                          self._function("paged_decode", query.dtype))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, hidden] contiguous -> a new normalized tensor."""
@@ -299,14 +306,18 @@ def _self_check(kernels: CpuKernels) -> None:
     query = torch.randn(2, heads, head_dim, generator=generator)
     tables = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=torch.int32)
     lens = torch.tensor([9, 4], dtype=torch.int32)
-    got = kernels.paged_decode(query, keys, values, tables, lens, 0.5)
-    for seq in range(2):
-        k = keys[tables[seq]].reshape(-1, kv_heads, head_dim)[: lens[seq]].repeat_interleave(heads // kv_heads, 1)
-        v = values[tables[seq]].reshape(-1, kv_heads, head_dim)[: lens[seq]].repeat_interleave(heads // kv_heads, 1)
-        probs = torch.softmax(torch.einsum("hd,thd->ht", query[seq], k) * 0.5, dim=-1)
-        expected = torch.einsum("ht,thd->hd", probs, v)
-        if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
-            raise RuntimeError(f"{kernels.path} failed its self-check against torch")
+    for window, softcap in ((None, None), (5, 1.5)):  # plain, and a sliding window with soft-capped scores
+        got = kernels.paged_decode(query, keys, values, tables, lens, 0.5, window=window, softcap=softcap)
+        for seq in range(2):
+            first = 0 if window is None else max(0, int(lens[seq]) - window)
+            k = keys[tables[seq]].reshape(-1, kv_heads, head_dim)[first: lens[seq]].repeat_interleave(heads // kv_heads, 1)
+            v = values[tables[seq]].reshape(-1, kv_heads, head_dim)[first: lens[seq]].repeat_interleave(heads // kv_heads, 1)
+            scores = torch.einsum("hd,thd->ht", query[seq], k) * 0.5
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            expected = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
+            if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
+                raise RuntimeError(f"{kernels.path} failed its self-check against torch")
     kernels.invariant_product_ok = _invariant_product_ok(kernels, generator)
     if kernels.amx_tiles and not _amx_product_ok(kernels, generator):
         kernels.amx_tiles = False

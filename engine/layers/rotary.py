@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear and llama3 frequency scaling."""
+"""Rotary position embeddings: default, linear, llama3, YaRN and LongRoPE frequency scaling."""
 
 from __future__ import annotations
 
@@ -7,18 +7,91 @@ from typing import Optional
 
 import torch
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
-    """[head_dim // 2] float32 rotation speeds, after the model's frequency scaling."""
+
+def rope_type_of(scaling: Optional[dict]) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def check_rope_scaling(scaling: Optional[dict]) -> None:
+    """ValueError naming a RoPE scaling type this module does not implement, and those it does."""
+    rope_type = rope_type_of(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
+                        max_position_embeddings: Optional[int] = None) -> torch.Tensor:
+    """[head_dim // 2] float32 rotation speeds, after the model's frequency scaling (LongRoPE: its short
+    factors, those of positions before `original_max_position_embeddings`)."""
+    check_rope_scaling(scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_scaling(inv_freq, scaling)
-    raise ValueError(f"RoPE scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling, max_position_embeddings)
+    return _longrope_frequencies(head_dim, theta, scaling["short_factor"])
+
+
+def attention_factor(scaling: Optional[dict], max_position_embeddings: Optional[int] = None) -> float:
+    """What cos and sin are multiplied by (YaRN's and LongRoPE's attention scaling; 1 otherwise)."""
+    rope_type = rope_type_of(scaling)
+    if rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _factor(scaling, max_position_embeddings)
+    if rope_type == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _factor(scaling: dict, max_position_embeddings: Optional[int]) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # Phi-3 and DeepSeek configs give the ratio of the context lengths instead
+        factor = max_position_embeddings / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_frequencies(head_dim: int, theta: float, scaling: dict, max_position_embeddings: Optional[int]):
+    """YaRN: interpolated (divided by the factor) where a dimension turns fewer than beta_slow times over the
+    original context, extrapolated (unchanged) past beta_fast turns, a linear ramp between."""
+    factor = _factor(scaling, max_position_embeddings)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero in the ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _longrope_frequencies(head_dim: int, theta: float, factors) -> torch.Tensor:
+    ext = torch.tensor(factors, dtype=torch.float32)
+    return 1.0 / (ext * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -45,15 +118,23 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict],
                  dtype: torch.dtype, device: torch.device):
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        inv_freq = inverse_frequencies(head_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        if rope_type_of(scaling) == "longrope":
+            # positions past the original context turn at the long factors' speeds. HF switches a whole forward
+            # pass to them once any position passes it (so a prompt's early tokens change with its length); per
+            # position, a token's rotation never depends on the tokens after it or on the batch.
+            original = scaling["original_max_position_embeddings"]
+            long_freq = _longrope_frequencies(head_dim, theta, scaling["long_factor"])
+            freqs[original:] = positions[original:, None] * long_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         half = head_dim // 2
-        sin = emb.sin()
+        factor = attention_factor(scaling, max_positions)
+        cos, sin = emb.cos() * factor, emb.sin() * factor
         sin[:, :half] = -sin[:, :half]
         self.half = half
-        self.cos = emb.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim]
+        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, head_dim]
         self.sin_signed = sin.to(dtype=dtype, device=device)  # [max_positions, head_dim]
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.layer_attention import LayerAttention
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.layers.fused_decode import FusedDecode
 from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
@@ -57,6 +58,7 @@ class LlamaForCausalLM:
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
         )
         self.scale = arch.head_dim**-0.5
+        self.attention = LayerAttention(self.scale)  # every layer's: no window (max_model_len is capped to it), no cap
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
@@ -68,6 +70,11 @@ class LlamaForCausalLM:
         self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
         self.layers: list[LlamaLayerWeights] = []
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
+
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention, as the backend computes it (checked against the backend at start-up)."""
+        return (self.attention,) * self.arch.num_layers
 
     # ------------------------------------------------------------------ weights
 
@@ -208,7 +215,7 @@ class LlamaForCausalLM:
         query, key = qk[:, :heads], qk[:, heads:]
         value = qkv[:, heads + kv_heads :]
         backend.write_kv(key, value, key_cache, value_cache, metadata)
-        out = backend.attend(query, key, value, key_cache, value_cache, metadata, self.scale)
+        out = backend.attend(query, key, value, key_cache, value_cache, metadata, self.attention)
         return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
 
     @torch.inference_mode()

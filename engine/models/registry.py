@@ -1,7 +1,9 @@
-"""Which implementation serves which HF architecture."""
+"""Which implementation serves which HF architecture, and what each one supports (docs/models.md is
+generated from this table by `python -m engine.models.table`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -12,16 +14,55 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.quantization.weight_quantizer import WeightQuantizer
 
-_LLAMA_FAMILY = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+HF_FORMATS = ("safetensors", "bin")
+LLAMA_FORMATS = (*HF_FORMATS, "gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    architecture: str  # the HF `architectures` entry
+    model_types: tuple[str, ...]  # config `model_type`s it is also recognised by
+    implementation: str  # "llama" (LlamaForCausalLM, the fused CPU decode step) or "decoder" (DecoderForCausalLM)
+    formats: tuple[str, ...]  # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load)
+    features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
+
+
+FAMILIES = (
+    ModelFamily("LlamaForCausalLM", ("llama",), "llama", LLAMA_FORMATS,
+                ("RoPE default/linear/llama3/YaRN/LongRoPE", "GQA", "tied or untied LM head", "fused CPU decode step")),
+    ModelFamily("MistralForCausalLM", ("mistral",), "llama", LLAMA_FORMATS,
+                ("as Llama", "max_model_len capped to sliding_window")),
+    ModelFamily("Qwen2ForCausalLM", ("qwen2",), "llama", LLAMA_FORMATS, ("as Llama", "q/k/v bias")),
+    ModelFamily("Qwen3ForCausalLM", ("qwen3",), "llama", LLAMA_FORMATS, ("as Llama", "per-head q/k RMSNorm")),
+    ModelFamily("Gemma2ForCausalLM", ("gemma2",), "decoder", HF_FORMATS,
+                ("sliding-window layers", "attention and final-logit soft-capping", "query_pre_attn_scalar",
+                 "pre/post norms (1 + w)", "GeGLU (tanh)", "embeddings x sqrt(hidden)")),
+    ModelFamily("Gemma3ForCausalLM", ("gemma3_text",), "decoder", HF_FORMATS,
+                ("as Gemma 2", "layer_types", "local/global RoPE bases", "per-head q/k norms")),
+    ModelFamily("Phi3ForCausalLM", ("phi3",), "decoder", HF_FORMATS,
+                ("fused qkv_proj/gate_up_proj", "LongRoPE (per position)", "sliding window")),
+    ModelFamily("Olmo2ForCausalLM", ("olmo2",), "decoder", HF_FORMATS,
+                ("post-norms only", "q/k RMSNorm over the whole projection")),
+    ModelFamily("GraniteForCausalLM", ("granite",), "decoder", HF_FORMATS,
+                ("embedding/residual/attention multipliers", "logits_scaling")),
+)
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_LLAMA_FAMILY)
+    return sorted(family.architecture for family in FAMILIES)
+
+
+def family_of(hf_config: Any) -> ModelFamily:
+    """The family serving the config's architecture (else its model_type); ValueError listing the supported."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for family in FAMILIES:
+        if family.architecture in architectures:
+            return family
+    for family in FAMILIES:
+        if hf_config.model_type in family.model_types:
+            return family
+    raise ValueError(f"architecture {architectures or hf_config.model_type} is not supported; "
+                     f"supported: {', '.join(supported_architectures())}")
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
@@ -30,11 +71,11 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
     """An empty model for the config's architecture (load weights with `load_weights`)."""
     from engine.loading.loader import rope_settings
 
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not any(a in _LLAMA_FAMILY for a in architectures) and hf_config.model_type not in _LLAMA_FAMILY.values():
-        raise ValueError(
-            f"architecture {architectures or hf_config.model_type} is not supported; "
-            f"supported: {', '.join(supported_architectures())}"
-        )
-    arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
-    return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer)
+    family = family_of(hf_config)
+    if family.implementation == "llama":
+        arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer)
+    from engine.models.decoder import DecoderForCausalLM
+    from engine.models.families import ARCH_READERS
+
+    return DecoderForCausalLM(ARCH_READERS[family.architecture](hf_config), dtype, device, ops, linear, quantizer)

@@ -117,10 +117,13 @@ def run_backend(backend, inputs: StepInputs, device: torch.device,
                 metadata=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output, key cache, value cache) after the backend wrote the step's K/V and attended."""
     key_cache, value_cache = inputs.key_cache.clone(), inputs.value_cache.clone()
+    from engine.attention.layer_attention import LayerAttention
+
     head_dim = key_cache.shape[-1]
     metadata = build_metadata(backend, inputs) if metadata is None else metadata
     backend.write_kv(inputs.key, inputs.value, key_cache, value_cache, metadata)
-    out = backend.attend(inputs.query, inputs.key, inputs.value, key_cache, value_cache, metadata, head_dim**-0.5)
+    layer = LayerAttention(head_dim**-0.5)
+    out = backend.attend(inputs.query, inputs.key, inputs.value, key_cache, value_cache, metadata, layer)
     synchronize(device)
     return out, key_cache, value_cache
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
-
 import yaml
 
 TINY_PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
@@ -52,11 +50,45 @@ _ARCHITECTURES = {
     },
 }
 
+_HEAD_SHORT_FACTORS = [1.0, 1.05, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5]  # per rotary pair of a 16-wide head
+DENSE_FAMILIES = {
+    # every window shorter than the tests' prompts; every scale and cap set off its default so it is exercised
+    "gemma2": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 4, "head_dim": 16,
+        "sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 4.0, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "pad_token_id": 0,
+    },
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 4, "head_dim": 16,
+        "sliding_window": 8, "query_pre_attn_scalar": 24, "layer_types": [
+            "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+        "tie_word_embeddings": True, "pad_token_id": 0,
+    },
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 12, "pad_token_id": 0,
+        "original_max_position_embeddings": 128,  # the tests' sequences stay below: the short factors
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _HEAD_SHORT_FACTORS,
+                            "long_factor": [f * 2 for f in _HEAD_SHORT_FACTORS],
+                            "original_max_position_embeddings": 128},
+    },
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "pad_token_id": 0},
+    "granite": {
+        "architectures": ["GraniteForCausalLM"], "model_type": "granite", "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5, "attention_multiplier": 0.3, "logits_scaling": 2.0, "pad_token_id": 0,
+    },
+}
+_ARCHITECTURES.update(DENSE_FAMILIES)
 
-def tiny_config_dict(arch: Literal["llama", "qwen2", "qwen3"] = "llama", **overrides) -> dict:
+
+def tiny_config_dict(arch: str = "llama", **overrides) -> dict:
     """The HF config of the tiny test model: configs/tiny.yaml's `tiny_model`, the arch, overrides."""
     config = dict(yaml.safe_load(TINY_PRESET.read_text())["tiny_model"])
     config.update(_ARCHITECTURES[arch])
+    if "rope_parameters" in config:
+        config.pop("rope_theta")
     config["initializer_range"] = 0.15  # large enough that greedy logits are not near-ties
     config.update(overrides)
     return config
@@ -64,7 +96,7 @@ def tiny_config_dict(arch: Literal["llama", "qwen2", "qwen3"] = "llama", **overr
 
 def make_tiny_model_dir(
     path: Path,
-    arch: Literal["llama", "qwen2", "qwen3"] = "llama",
+    arch: str = "llama",
     *,
     seed: int = 0,
     **overrides,

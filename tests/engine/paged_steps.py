@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -97,9 +98,11 @@ def random_paged_step(
     )
 
 
-def reference_attention(step: PagedStep, scale: float) -> torch.Tensor:
+def reference_attention(step: PagedStep, scale: float, window: Optional[int] = None,
+                        softcap: Optional[float] = None) -> torch.Tensor:
     """Causal softmax attention in float64 over each request's own K/V (not the cache): [num_tokens, heads,
-    head_dim], on the CPU. Query i of a request sits at position seq_len - query_len + i."""
+    head_dim], on the CPU. Query i of a request sits at position seq_len - query_len + i; with a `window` it
+    sees the keys after its position - window; `softcap` caps the scaled scores (softcap * tanh(s / softcap))."""
     outputs = []
     for r in step.requests:
         q = r.queries.double()
@@ -107,8 +110,13 @@ def reference_attention(step: PagedStep, scale: float) -> torch.Tensor:
         k = r.keys.double().repeat_interleave(group, dim=1)  # [seq_len, heads, head_dim]
         v = r.values.double().repeat_interleave(group, dim=1)
         query_pos = torch.arange(r.seq_len - r.query_len, r.seq_len)[:, None]
-        visible = torch.arange(r.seq_len)[None, :] <= query_pos  # [query_len, seq_len]
+        key_pos = torch.arange(r.seq_len)[None, :]
+        visible = key_pos <= query_pos  # [query_len, seq_len]
+        if window is not None:
+            visible &= key_pos > query_pos - window
         scores = torch.einsum("qhd,thd->hqt", q, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         outputs.append(torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), v))
     return torch.cat(outputs)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from engine.attention.layer_attention import LayerAttention
 from engine.attention import StepMetadata, get_attention_backend
 from engine.attention.step_metadata import step_metadata_for
 from engine.attention.cpu_backend import CpuAttentionBackend
@@ -156,7 +157,7 @@ def run_and_check(step: Step, key_cache, value_cache, head_dim: int, backend) ->
         assert torch.equal(gather(key_cache, seq.blocks, seq.context_len), seq.keys)
         assert torch.equal(gather(value_cache, seq.blocks, seq.context_len), seq.values)
 
-    out = backend.attend(step.query, step.key, step.value, key_cache, value_cache, metadata, scale)
+    out = backend.attend(step.query, step.key, step.value, key_cache, value_cache, metadata, LayerAttention(scale))
     assert out.shape == step.query.shape and out.dtype == torch.float32
     row = 0
     for i, seq in enumerate(step.seqs):

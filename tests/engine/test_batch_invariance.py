@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 
+from engine.attention.layer_attention import LayerAttention
 from engine import SamplingParams
 from engine.attention.step_metadata import StepMetadata, step_metadata_for
 from engine.attention.invariant_backend import BatchInvariantCpuBackend
@@ -162,7 +163,7 @@ def test_attention_of_a_query_does_not_depend_on_chunks_or_neighbours(cpu_kernel
 
     def attend(runs, tables, query):
         metadata = backend.build_metadata(metadata_for(runs, tables), spec)
-        return backend.attend(query, None, None, key_cache, value_cache, metadata, head_dim**-0.5)
+        return backend.attend(query, None, None, key_cache, value_cache, metadata, LayerAttention(head_dim**-0.5))
 
     whole = attend([(length, length)], [table], queries)
     split = torch.cat([attend([(17, 17)], [table], queries[:17]), attend([(length, 23)], [table], queries[17:])])
@@ -188,7 +189,7 @@ def test_a_long_context_decoded_alone_on_two_threads_matches_its_prefill(cpu_ker
 
     def attend(runs, query):
         metadata = backend.build_metadata(metadata_for(runs, [table]), spec)
-        return backend.attend(query, None, None, key_cache, value_cache, metadata, head_dim**-0.5)
+        return backend.attend(query, None, None, key_cache, value_cache, metadata, LayerAttention(head_dim**-0.5))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -28,7 +28,7 @@ def _inputs(kernels, dtype):
     positions = torch.tensor([0, 3, 7, 8, 63])
     fn = kernels._function
     return {
-        "cpu_paged_decode": (query, keys, values, tables, lens, 0.25, 1, fn("paged_decode", dtype)),
+        "cpu_paged_decode": (query, keys, values, tables, lens, 0.25, 1, 0, 0.0, fn("paged_decode", dtype)),
         "cpu_rms_norm": (x, weight, 1e-5, fn("rms_norm", dtype)),
         "cpu_add_rms_norm": (x, x.clone() * 2, weight, 1e-5, fn("add_rms_norm", dtype)),
         "cpu_silu_and_mul": (gate_up, fn("silu_and_mul", dtype)),
@@ -50,7 +50,7 @@ def test_torch_compile_traces_a_layer_of_native_ops_in_one_graph(cpu_kernels):
     ops = NativeLayerOps(cpu_kernels)
     rope = RotaryEmbedding(16, 64, 10000.0, None, torch.float32, torch.device("cpu"))
     inputs = _inputs(cpu_kernels, torch.float32)
-    query, keys, values, tables, lens, _, _, _ = inputs["cpu_paged_decode"]
+    query, keys, values, tables, lens, *_ = inputs["cpu_paged_decode"]
 
     def layer(x, residual, weight, gate_up, qk, positions, query):
         normed = ops.add_rms_norm(x, residual, weight, 1e-5)[0]

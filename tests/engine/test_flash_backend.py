@@ -24,6 +24,7 @@ import torch
 
 import engine.attention.backend as backend_module
 import engine.attention.probe as probe_module
+from engine.attention.layer_attention import LayerAttention
 from engine.attention import get_attention_backend
 from engine.attention.backend import cuda_auto_choice
 from engine.attention.attention_shape import AttentionShape
@@ -193,7 +194,8 @@ def run_step(backend, block_size: int, shapes=MIXED, num_decodes: int = 2):
     metadata = backend.build_metadata(step.metadata, spec)
     backend.write_kv(step.key, step.value, step.key_cache, step.value_cache, metadata)
     scale = HEAD_DIM ** -0.5
-    out = backend.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata, scale)
+    out = backend.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata,
+                         LayerAttention(scale))
     return step, out, reference_attention(step, scale)
 
 
@@ -481,8 +483,8 @@ def test_the_probe_passes_the_torch_backend_and_refuses_a_wrong_one():
         assert probe_backend(TorchAttentionBackend(), SHAPE, 16, dtype, torch.device("cpu")) is None
 
     class NoCausalMask(TorchAttentionBackend):
-        def attend(self, query, key, value, key_cache, value_cache, metadata, scale):
-            return super().attend(query, key, value, key_cache, value_cache, metadata, scale).flip(0)
+        def attend(self, query, key, value, key_cache, value_cache, metadata, layer):
+            return super().attend(query, key, value, key_cache, value_cache, metadata, layer).flip(0)
 
     failure = probe_backend(NoCausalMask(), SHAPE, 16, torch.float32, torch.device("cpu"))
     assert failure is not None and failure.startswith("its probe mixed step gave wrong results")

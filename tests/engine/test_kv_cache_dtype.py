@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.layer_attention import LayerAttention
 from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.step_metadata import step_metadata_for
 from engine.attention.cpu_backend import CpuAttentionBackend
@@ -138,6 +139,6 @@ def test_fp8_cache_round_trip_and_decode_in_the_torch_backend():
         # two decodes: 12 cached tokens in blocks 0-2, and 7 in blocks 0-1
         step = step_metadata_for([(12, 1, [0, 1, 2]), (7, 1, [0, 1])], torch.tensor([11, 6]), 2, CPU)
         metadata = backend.build_metadata(step, spec)
-        outputs[dtype] = backend.attend(query, None, None, caches[0], caches[1], metadata, 0.25)
+        outputs[dtype] = backend.attend(query, None, None, caches[0], caches[1], metadata, LayerAttention(0.25))
     torch.testing.assert_close(outputs[torch.float8_e4m3fn], outputs[torch.float32], rtol=0, atol=0.1)
 

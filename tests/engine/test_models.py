@@ -8,7 +8,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.loading.loader import rope_settings
 from engine.models import build_model
-from engine.layers.rotary import inverse_frequencies
+from engine.layers.rotary import RotaryEmbedding, attention_factor, inverse_frequencies
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -36,9 +36,45 @@ def test_inverse_frequencies_match_hf(scaling):
     torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
 
 
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                "beta_slow": 1.0}
+
+
+@pytest.mark.parametrize("scaling", [YARN_SCALING, {**YARN_SCALING, "mscale": 1.0, "mscale_all_dim": 0.5},
+                                     {**YARN_SCALING, "attention_factor": 1.3, "truncate": False}])
+def test_yarn_matches_hf(scaling):
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=16384,
+                         rope_parameters={"rope_theta": 10000.0, **scaling})
+    theta, parsed = rope_settings(config)
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    torch.testing.assert_close(inverse_frequencies(64, theta, parsed, 16384), expected.float(), rtol=1e-6, atol=0)
+    assert attention_factor(parsed, 16384) == pytest.approx(factor)
+
+
+def test_longrope_tables_match_hf_short_and_long():
+    """Positions before original_max_position_embeddings rotate with the short factors, later ones with the long
+    factors (HF's frequencies at a sequence length past it); cos and sin carry the attention factor."""
+    from transformers import Phi3Config
+
+    short = [1.0 + i / 16 for i in range(8)]
+    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512, pad_token_id=0,
+                        original_max_position_embeddings=128,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                                         "long_factor": [2 * f for f in short]})
+    theta, parsed = rope_settings(config)
+    parsed.setdefault("original_max_position_embeddings", 128)
+    short_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](config)
+    long_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=129)
+    rope = RotaryEmbedding(16, 512, theta, parsed, torch.float32, torch.device("cpu"))
+    for position, freq in ((5, short_freq), (127, short_freq), (128, long_freq), (400, long_freq)):
+        angles = position * torch.cat([freq, freq]).float()
+        torch.testing.assert_close(rope.cos[position], angles.cos() * factor, rtol=1e-5, atol=1e-6)
+    assert factor != 1.0
+
+
 def test_unsupported_rope_and_architecture_are_refused():
-    with pytest.raises(ValueError, match="yarn"):
-        inverse_frequencies(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"'dynamic' is not supported \(supported: default, linear, llama3, yarn"):
+        inverse_frequencies(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1)
     config.architectures = ["GPT2LMHeadModel"]
     config.model_type = "gpt2"
@@ -72,3 +108,12 @@ def test_weights_missing_or_unused_are_errors(tiny_llama_dir):
     del weights["model.layers.1.mlp.down_proj.weight"]
     with pytest.raises(ValueError, match="down_proj"):
         build_model(config, torch.float32, torch.device("cpu")).load_weights(weights.items())
+
+
+def test_models_doc_is_generated_from_the_registry():
+    """docs/models.md is what `python -m engine.models.table` writes (run it after changing the registry)."""
+    from engine.models.registry import FAMILIES
+    from engine.models.table import DOC, render
+
+    assert DOC.read_text() == render()
+    assert all(f"`{family.architecture}`" in DOC.read_text() for family in FAMILIES)

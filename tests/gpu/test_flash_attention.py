@@ -7,6 +7,7 @@ is at most 2**-7: the 2e-2 bound then allows a few roundings, not a wrong mask o
 import pytest
 import torch
 
+from engine.attention.layer_attention import LayerAttention
 from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.kv_cache import KVCacheSpec
@@ -45,7 +46,7 @@ def test_flash_matches_torch_in_bf16(flash, name, heads, kv_heads, head_dim):
         metadata = each.build_metadata(step.metadata, KVCacheSpec(1, block_size, kv_heads, head_dim, torch.bfloat16))
         each.write_kv(step.key, step.value, step.key_cache, step.value_cache, metadata)
         outputs.append(each.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata,
-                                   head_dim ** -0.5))
+                                   LayerAttention(head_dim ** -0.5)))
         caches.append((step.key_cache, step.value_cache))
     torch.cuda.synchronize()
     flash_out, torch_out = outputs

@@ -8,6 +8,9 @@
 //   block_tables [num_seqs, table_width] int32
 //   context_lens [num_seqs] int32, each >= 1
 //   out          [num_seqs, num_heads, head_dim]
+//   window       > 0: a sliding window, the query (at position len - 1) sees the last `window` tokens only
+//                (positions >= len - window, as HF's `kv_idx > q_idx - sliding_window`); 0: every token
+//   softcap      > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: none
 //
 // AVX-512 builds (head_dim 64, 128 or 256; float32 or bfloat16), paged_decode_simd:
 //   work items    (sequence, kv head, pass): a pass takes up to 4 query heads of the kv head's GQA group
@@ -87,7 +90,8 @@ inline const float* as_floats(const T* src, float* dst, int64_t count) {
 template <typename T, int HD>
 void paged_decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                   const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale) {
+                  int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale, int64_t window,
+                  float softcap) {
     const int64_t head_dim = HD > 0 ? HD : runtime_head_dim;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_size = num_kv_heads * head_dim;  // one token's K (or V) over all kv heads
@@ -104,6 +108,7 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
         for (int64_t seq = 0; seq < num_seqs; ++seq) {
             const int64_t len = context_lens[seq];
             const int64_t num_blocks = (len + block_size - 1) / block_size;
+            const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the first visible token
             const int32_t* table = block_tables + seq * table_width;
             const T* q_src = query + seq * query_size;
             for (int64_t i = 0; i < query_size; ++i) q[i] = to_float(q_src[i]) * scale;
@@ -112,13 +117,14 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
             std::fill(running_sum.begin(), running_sum.end(), 0.0f);
             float* s = scores.data();
 
-            for (int64_t b = 0; b < num_blocks; ++b) {
+            for (int64_t b = first / block_size; b < num_blocks; ++b) {
                 const T* keys = key_cache + table[b] * block_stride;
                 const T* values = value_cache + table[b] * block_stride;
                 const int64_t n = std::min(block_size, len - b * block_size);
+                const int64_t j0 = std::max<int64_t>(0, first - b * block_size);  // tokens of the block in view
 
                 // s[h][j] = q[h] . K[j][kv_head(h)]
-                for (int64_t j = 0; j < n; ++j) {
+                for (int64_t j = j0; j < n; ++j) {
                     const float* k = as_floats(keys + j * token_size, row.data(), token_size);
                     for (int64_t h = 0; h < num_heads; ++h) {
                         const float* qh = q.data() + h * head_dim;
@@ -126,20 +132,20 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                         for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                        s[h * block_size + j] = dot;
+                        s[h * block_size + j] = softcap > 0.0f ? softcap * std::tanh(dot / softcap) : dot;
                     }
                 }
 
                 // online softmax: rescale what was accumulated when the maximum grows
                 for (int64_t h = 0; h < num_heads; ++h) {
                     float* sh = s + h * block_size;
-                    float block_max = sh[0];
-                    for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
+                    float block_max = sh[j0];
+                    for (int64_t j = j0 + 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
                     const float new_max = std::max(running_max[h], block_max);
                     const float correction = fast_exp(running_max[h] - new_max);
                     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-                    for (int64_t j = 0; j < n; ++j) {
+                    for (int64_t j = j0; j < n; ++j) {
                         sh[j] = fast_exp(sh[j] - new_max);
                         sum += sh[j];
                     }
@@ -153,7 +159,7 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
                 }
 
                 // acc[h] += sum_j p[h][j] V[j][kv_head(h)]
-                for (int64_t j = 0; j < n; ++j) {
+                for (int64_t j = j0; j < n; ++j) {
                     const float* v = as_floats(values + j * token_size, row.data(), token_size);
                     for (int64_t h = 0; h < num_heads; ++h) {
                         const float p = s[h * block_size + j];
@@ -203,6 +209,14 @@ inline __m512 exp16(__m512 x) {
     // 2^k: (k + 127) << 23 with k = ki - 128
     const __m512i two_k = _mm512_slli_epi32(_mm512_sub_epi32(ki, _mm512_set1_epi32(1)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(two_k));
+}
+
+// softcap * tanh(x / softcap) on 16 lanes, tanh(y) = 1 - 2 / (exp(2y) + 1): exp16's clamp keeps it in [-1, 1].
+inline __m512 softcap16(__m512 x, float softcap) {
+    const __m512 e = exp16(_mm512_mul_ps(x, _mm512_set1_ps(2.0f / softcap)));
+    const __m512 tanh = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                                      _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    return _mm512_mul_ps(tanh, _mm512_set1_ps(softcap));
 }
 
 // Slot s of a chunk's 16 dot products holds key kSlotKey[s], so that sum16 returns key l's sum in lane l.
@@ -301,8 +315,8 @@ struct VRow<uint16_t> {
 // on those vectors, then P.V with each V row widened once for the G heads.
 template <typename T, int HD, int G>
 void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t begin,
-                 int64_t len, int64_t head_offset, int64_t token_size, int64_t block_size, float scale, T* out,
-                 float* partial, int64_t prefetch_bytes) {
+                 int64_t len, int64_t head_offset, int64_t token_size, int64_t block_size, float scale,
+                 float softcap, T* out, float* partial, int64_t prefetch_bytes) {
     using V = VRow<T>;
     static_assert(HD % 32 == 0, "whole bf16 vectors");
     // dims per P.V step: G x (dims / 16) accumulators stay in registers
@@ -354,8 +368,9 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
         for (int h = 0; h < G; ++h) {
             __m512 partial[kChunk];
             for (int s = 0; s < kChunk; ++s) partial[s] = dot<HD>(keys[s], q + h * HD);
-            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                                     _mm512_mul_ps(sum16(partial), scale_v));
+            __m512 scaled = _mm512_mul_ps(sum16(partial), scale_v);
+            if (softcap > 0.0f) scaled = softcap16(scaled, softcap);
+            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, scaled);
             // the maximum and the sums are rescaled only when a score exceeds the running maximum (the
             // first chunks, mostly); the sums are kept per lane, added up at the end
             float new_max = running_max[h];
@@ -419,7 +434,7 @@ template <typename T, int HD>
 void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
                        int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale,
-                       bool split) {
+                       bool split, int64_t window, float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t passes = (group + kMaxPass - 1) / kMaxPass;
     const int64_t token_size = num_kv_heads * HD;
@@ -452,13 +467,15 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
             const int heads = static_cast<int>(std::min<int64_t>(kMaxPass, group - pass * kMaxPass));
             const int64_t at = (seq * num_heads + first) * HD;
             const int32_t* table = block_tables + seq * table_width;
-            const int64_t len = context_lens[seq], chunks = (len + kChunk - 1) / kChunk;
-            const int64_t begin = std::min(len, chunks * part / parts * kChunk);
-            const int64_t end = std::min(len, chunks * (part + 1) / parts * kChunk);
+            const int64_t len = context_lens[seq];
+            const int64_t seen = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the first visible token
+            const int64_t span = len - seen, chunks = (span + kChunk - 1) / kChunk;
+            const int64_t begin = seen + std::min(span, chunks * part / parts * kChunk);
+            const int64_t end = seen + std::min(span, chunks * (part + 1) / parts * kChunk);
             float* partial = parts > 1 ? partials.data() + index * kMaxPass * kPartialSize : nullptr;
 #define PAGEDSERVE_PASS(G)                                                                                       \
     attend_pass<T, HD, G>(query + at, key_cache, value_cache, table, begin, end, kv_head * HD, token_size,      \
-                          block_size, scale, out + at, partial, pass == 0 ? row_bytes : 0)
+                          block_size, scale, softcap, out + at, partial, pass == 0 ? row_bytes : 0)
             switch (heads) {
                 case 1: PAGEDSERVE_PASS(1); break;
                 case 2: PAGEDSERVE_PASS(2); break;
@@ -503,14 +520,15 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
 template <typename T>
 void dispatch(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
               const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, int64_t block_size, int64_t table_width, float scale, bool split) {
+              int64_t head_dim, int64_t block_size, int64_t table_width, float scale, bool split, int64_t window,
+              float softcap) {
 #define PAGEDSERVE_DECODE(HD)                                                                                   \
     paged_decode<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,   \
-                        num_kv_heads, head_dim, block_size, table_width, scale)
+                        num_kv_heads, head_dim, block_size, table_width, scale, window, softcap)
 #if defined(__AVX512F__)
 #define PAGEDSERVE_SIMD(HD)                                                                                     \
     paged_decode_simd<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, \
-                             num_kv_heads, block_size, table_width, scale, split)
+                             num_kv_heads, block_size, table_width, scale, split, window, softcap)
     switch (head_dim) {
         case 64: PAGEDSERVE_SIMD(64); return;
         case 128: PAGEDSERVE_SIMD(128); return;
@@ -535,9 +553,9 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
                                           const int32_t* block_tables, const int32_t* context_lens, T* out,     \
                                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,            \
                                           int64_t head_dim, int64_t block_size, int64_t table_width,            \
-                                          float scale, int64_t split) {                                         \
+                                          float scale, int64_t split, int64_t window, float softcap) {          \
         dispatch(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,          \
-                 num_kv_heads, head_dim, block_size, table_width, scale, split != 0);                          \
+                 num_kv_heads, head_dim, block_size, table_width, scale, split != 0, window, softcap);         \
     }
 
 extern "C" {

@@ -21,6 +21,8 @@ def paged_attention(
     max_query_len: int,
     *,
     out: Optional[torch.Tensor] = None,  # [T, H, D]
+    window: Optional[int] = None,  # a sliding window: each query sees its last `window` keys
+    softcap: Optional[float] = None,  # scores s -> softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention of a flat batch of query chunks (K/V already written by `write_kv`).
 
@@ -33,6 +35,7 @@ def paged_attention(
         if q.shape[0] != seq_lens.shape[0]:
             raise ValueError(f"max_query_len 1 needs one query per request: {q.shape[0]} queries, "
                              f"{seq_lens.shape[0]} requests")
-        return paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, out=out)
+        return paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, out=out, window=window,
+                            softcap=softcap)
     return paged_prefill(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len,
-                         out=out)
+                         out=out, window=window, softcap=softcap)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.paged_kv import (
-    LOG2_E, TORCH_TO_TL, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast,
+    LOG2_E, TORCH_TO_TL, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast, softcap_factors,
 )
 
 DEFAULT_PARTITION_SIZE = 512
@@ -42,6 +42,7 @@ def _decode_partition_kernel(
     part_acc_ptr,  # [B, H, P, D] float32: unnormalized partial outputs, when SPLIT
     part_max_ptr, part_sum_ptr,  # [B, H, P] float32: running max (log2 domain) and sum of exp2
     scale_log2,
+    window, cap_in, cap_out,
     block_size,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
@@ -52,15 +53,18 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * PARTITION
-    if start >= seq_len:
-        return
     end = tl.minimum(start + PARTITION, seq_len)
+    if WINDOW:  # the query (position seq_len - 1) sees the last `window` keys
+        start = tl.maximum(start, seq_len - window)
+    if start >= end:
+        return  # past the context, or (WINDOW) before it: the reduction skips this partition
 
     rows = tl.arange(0, BLOCK_M)  # query heads of this KV head, padded
     heads = kv_head * GROUP + rows
@@ -76,8 +80,8 @@ def _decode_partition_kernel(
     # every tile holds >= 1 valid token, so m turns finite at once
     acc, l_i, m_i = attend_tiles(q, rows, table, k_head, v_head, start, end, lanes, lane_mask, block_size,
                                  stride_kc_block, stride_kc_slot, stride_kc_dim,
-                                 stride_vc_block, stride_vc_slot, stride_vc_dim, scale_log2,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, False, UPCAST, DOT_PRECISION)
+                                 stride_vc_block, stride_vc_slot, stride_vc_dim, scale_log2, window, cap_in, cap_out,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, False, UPCAST, DOT_PRECISION, False, SOFTCAP)
 
     out_mask = row_mask[:, None] & lane_mask[None, :]
     if SPLIT:
@@ -101,15 +105,19 @@ def _decode_reduce_kernel(
     out_ptr,  # [B, H, D]
     stride_o_seq, stride_o_head, stride_o_dim,
     num_partitions,
+    window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITIONS_PAD: tl.constexpr, PARTITION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """One program per (request, query head): combine the partitions that hold its context."""
+    """One program per (request, query head): combine the partitions that hold its context (its window's)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     used = tl.cdiv(seq_len, PARTITION)
     parts = tl.arange(0, PARTITIONS_PAD)
     part_mask = parts < used
+    if WINDOW:
+        part_mask = part_mask & (parts >= tl.maximum(seq_len - window, 0) // PARTITION)
     stat = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions + parts  # [PARTITIONS_PAD]
     m = tl.load(part_max_ptr + stat, mask=part_mask, other=float("-inf"))
     l = tl.load(part_sum_ptr + stat, mask=part_mask, other=0.0)
@@ -134,8 +142,11 @@ def paged_decode(
     max_seq_len: Optional[int] = None,
     partition_size: Optional[int] = None,
     out: Optional[torch.Tensor] = None,  # [B, H, D]
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:  # [B, H, D]
-    """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks.
+    """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks (the last
+    `window` of them with a sliding window; scores soft-capped by `softcap`).
 
     The number of partitions comes from `max_seq_len` when given (>= every `seq_lens[b]`: a longer
     context would be cut), else from the block table's width (`max_blocks * block_size`: no host read
@@ -163,18 +174,19 @@ def paged_decode(
         part_acc = part_max = part_sum = out  # unused
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
         q, key_cache, value_cache, block_table, seq_lens, out, part_acc, part_max, part_sum,
-        scale * LOG2_E, block_size,
+        scale * LOG2_E, window or 0, *softcap_factors(scale, softcap), block_size,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
         num_partitions,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=min(64, partition_size), PARTITION=partition_size,
         SPLIT=split, UPCAST=needs_upcast(_decode_partition_kernel, q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        WINDOW=window is not None, SOFTCAP=softcap is not None,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_acc, part_max, part_sum, seq_lens, out, *out.stride(), num_partitions,
+            part_acc, part_max, part_sum, seq_lens, out, *out.stride(), num_partitions, window or 0,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
-            PARTITION=partition_size,
+            PARTITION=partition_size, WINDOW=window is not None,
         )
     return out
 

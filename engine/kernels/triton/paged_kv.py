@@ -52,14 +52,20 @@ def probs_for_dot(p, V_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def attend_tiles(q, query_pos, table, k_head, v_head, n_start, n_end, lanes, lane_mask, block_size,
                  stride_kc_block, stride_kc_slot, stride_kc_dim, stride_vc_block, stride_vc_slot, stride_vc_dim,
-                 scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 scale_log2, window, cap_in, cap_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of query rows `q` [BLOCK_M, HEAD_DIM_PAD] over keys n_start .. n_end - 1 of one
-    request and KV head, tile by tile; when CAUSAL, row r sees keys up to `query_pos[r]` only.
+    request and KV head, tile by tile; when CAUSAL, row r sees keys up to `query_pos[r]` only, and with
+    a WINDOW (causal only) keys after `query_pos[r] - window` only. SOFTCAP: each score s (q . k) becomes
+    softcap * tanh(s * scale / softcap), given as `cap_in` = scale / softcap and `cap_out` = softcap * log2(e)
+    (`softcap_factors`).
 
     Returns (acc [BLOCK_M, HEAD_DIM_PAD], l [BLOCK_M], m [BLOCK_M]): the unnormalised output, the
     softmax denominator and the running max (log2 units), for the caller to divide or to combine.
-    The first tile must hold a key every row may see, so that m turns finite at once.
+    Without a WINDOW the first tile must hold a key every row may see, so that m turns finite at once;
+    with one, a row may see nothing in a tile, so the max is kept finite where a row saw nothing yet.
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -70,13 +76,21 @@ def attend_tiles(q, query_pos, table, k_head, v_head, n_start, n_end, lanes, lan
         kv_mask = token_mask[:, None] & lane_mask[None, :]
         k_offs = token_offsets(table, tokens, token_mask, block_size, stride_kc_block, stride_kc_slot)
         k = load_for_dot(k_head + k_offs[:, None] + lanes[None, :] * stride_kc_dim, kv_mask, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): exp's overflow to inf gives 1
+            s = (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s) + 1.0)) * cap_out
+        else:
+            s = s * scale_log2
         if CAUSAL:
             visible = token_mask[None, :] & (tokens[None, :] <= query_pos[:, None])
+            if WINDOW:
+                visible = visible & (tokens[None, :] > query_pos[:, None] - window)
         else:
             visible = token_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOW:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet: all terms 0
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -86,6 +100,13 @@ def attend_tiles(q, query_pos, table, k_head, v_head, n_start, n_end, lanes, lan
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+def softcap_factors(scale: float, softcap) -> tuple[float, float]:
+    """(cap_in, cap_out) of `attend_tiles` for a soft-cap (None: unused zeros)."""
+    if softcap is None:
+        return 0.0, 0.0
+    return scale / softcap, softcap * LOG2_E
 
 
 def is_interpreted(kernel) -> bool:

@@ -1,0 +1,201 @@
+"""The generic decoder: Llama's weights and attention call, the layer recipe read from a DecoderArch.
+
+    per layer   x = norm_attn_pre(h)?                      (each norm only where the arch has it)
+                h = h + residual_scale * norm_attn_post(attention(x))?
+                x = norm_mlp_pre(h)?
+                h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?
+    logits      cap(lm_head(final_norm(h)) / logits_divisor)
+
+It runs every step on the unfused per-operation path: the fused CPU decode step (engine/layers/fused_decode.py)
+is written for Llama's layer and stays with LlamaForCausalLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.layer_attention import LayerAttention
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.decoder_arch import DecoderArch
+from engine.models.llama import LlamaForCausalLM
+from engine.profiling.memory_bandwidth import tensor_bytes
+from engine.quantization.weight_quantizer import WeightQuantizer
+
+
+@dataclass(slots=True)
+class DecoderLayerWeights:
+    norms: dict[str, torch.Tensor]  # role (NORM_ROLES) -> [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]  # [head_dim] per head, or [heads * head_dim] over the projection
+    k_norm: Optional[torch.Tensor]
+    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: Optional[torch.Tensor]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: Optional[torch.Tensor]
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: Optional[torch.Tensor]
+
+
+class DecoderForCausalLM(LlamaForCausalLM):
+    """Gemma 2/3, Phi-3, OLMo 2, Granite: the forward pass of `DecoderArch`'s recipe."""
+
+    arch: DecoderArch
+
+    def __init__(self, arch: DecoderArch, dtype: torch.dtype, device: torch.device,
+                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
+                 quantizer: Optional[WeightQuantizer] = None):
+        super().__init__(arch, dtype, device, ops, linear, quantizer)
+        self.fused = None  # the fused decode step computes Llama's layer only
+        self.rotaries = [self.rotary] + [RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, theta, scaling,
+                                                         dtype, device) for theta, scaling in arch.ropes[1:]]
+        self.embedding_scale = arch.embedding_scale
+        if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
+            self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
+
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        return self.arch.layer_attention
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._folded(weights) if self.arch.norm_offset else self._plain(weights))
+
+    def _plain(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """The checkpoint's tensors, refusing pre-quantized storage (AWQ groups, GGUF blocks): the Llama family's."""
+        for name, tensor in weights:
+            if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+                raise ValueError(f"{self.arch.architecture}: {name} is stored as {type(tensor).__name__}; "
+                                 "pre-quantized checkpoints are served for the Llama family only")
+            yield name, tensor
+
+    def _folded(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Gemma's norms scale by (1 + w): w + 1, in float32 before any rounding to the model's dtype."""
+        for name, tensor in self._plain(weights):
+            yield name, (tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
+
+    def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        p = f"layers.{index}."
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return state.pop(p + name)
+            except KeyError:
+                raise ValueError(f"checkpoint lacks {p + name}") from None
+
+        def maybe(name: str) -> Optional[torch.Tensor]:
+            return state.pop(p + name, None)
+
+        def fused(name: str, parts: tuple[str, ...]) -> torch.Tensor:
+            """A fused projection as stored (Phi-3's qkv_proj, gate_up_proj), else its parts stacked."""
+            whole = maybe(name + ".weight")
+            return whole if whole is not None else torch.cat([take(part + ".weight") for part in parts]).contiguous()
+
+        def biases(parts: tuple[str, ...]) -> Optional[torch.Tensor]:
+            found = [maybe(part + ".bias") for part in parts]
+            return None if found[0] is None else torch.cat(found).contiguous()
+
+        attn, mlp = "self_attn.", "mlp."
+        qkv_parts = tuple(attn + name for name in ("q_proj", "k_proj", "v_proj"))
+        gate_up_parts = (mlp + "gate_proj", mlp + "up_proj")
+        prepare = self._prepare
+        return DecoderLayerWeights(
+            norms={role: take(name + ".weight") for role, name in self.arch.norms},
+            qkv=prepare(fused(attn + "qkv_proj", qkv_parts)),
+            qkv_bias=biases(qkv_parts),
+            q_norm=maybe(attn + "q_norm.weight"),
+            k_norm=maybe(attn + "k_norm.weight"),
+            o_proj=prepare(take(attn + "o_proj.weight")),
+            o_bias=maybe(attn + "o_proj.bias"),
+            gate_up=prepare(fused(mlp + "gate_up_proj", gate_up_parts)),
+            gate_up_bias=biases(gate_up_parts),
+            down=prepare(take(mlp + "down_proj.weight")),
+            down_bias=maybe(mlp + "down_proj.bias"),
+        )
+
+    def weight_bytes(self) -> int:
+        fields = [getattr(layer, name) for layer in self.layers for name in DecoderLayerWeights.__slots__
+                  if name != "norms"]
+        norms = [norm for layer in self.layers for norm in layer.norms.values()]
+        return tensor_bytes([self.embed, self.final_norm, self.lm_head, *fields, *norms])
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        arch, ops, linear = self.arch, self.ops, self.linear
+        angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
+        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if self.embedding_scale is not None:
+            h = h * self.embedding_scale
+        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+            rope = arch.layer_rope[index]
+            x = self._norm(h, layer, "attn_pre")
+            x = self._attention(layer, x, self.rotaries[rope], angles[rope], key_cache, value_cache, metadata,
+                                backend, arch.layer_attention[index])
+            h = self._add(h, self._norm(x, layer, "attn_post"))
+            x = linear(self._norm(h, layer, "mlp_pre"), layer.gate_up, layer.gate_up_bias)
+            x = linear(self._activate(x), layer.down, layer.down_bias)
+            h = self._add(h, self._norm(x, layer, "mlp_post"))
+        return h
+
+    def _norm(self, x: torch.Tensor, layer: DecoderLayerWeights, role: str) -> torch.Tensor:
+        weight = layer.norms.get(role)
+        return x if weight is None else self.ops.rms_norm(x, weight, self.arch.rms_norm_eps)
+
+    def _add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        scale = self.arch.residual_scale
+        return residual + (branch if scale == 1.0 else branch * scale)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.arch.activation == "silu":
+            return self.ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def _attention(self, layer: DecoderLayerWeights, x, rotary: RotaryEmbedding, angles, key_cache, value_cache,
+                   metadata: AttentionMetadata, backend: AttentionBackend,
+                   attention: LayerAttention) -> torch.Tensor:
+        arch, ops = self.arch, self.ops
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        eps = arch.rms_norm_eps
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
+        q, k = qkv[:, : arch.q_size], qkv[:, arch.q_size : arch.q_size + arch.kv_size]
+        if arch.qk_norm == "projection":  # over all heads at once, before they are split
+            q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
+        elif arch.qk_norm == "head":
+            q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, eps)
+            k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, eps)
+        qk = torch.cat([q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)], dim=1)
+        qk = ops.rotary(qk, angles, rotary)
+        query, key = qk[:, :heads], qk[:, heads:]
+        value = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, kv_heads, head_dim)
+        backend.write_kv(key, value, key_cache, value_cache, metadata)
+        out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
+        return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32."""
+        logits = super().compute_logits(hidden)
+        if self.arch.logits_divisor != 1.0:
+            logits = logits / self.arch.logits_divisor
+        cap = self.arch.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+

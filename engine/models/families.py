@@ -1,0 +1,173 @@
+"""Each generic-decoder family's reading of its HF config into a DecoderArch, refusing what it does not serve.
+
+One function per family: what its config says about norms, activation, scales, windows and RoPE. A config
+field that would change the model's output and that is not implemented is a ValueError naming it, never
+ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from engine.attention.attention_shape import AttentionShape
+from engine.attention.layer_attention import LayerAttention
+from engine.layers.rotary import check_rope_scaling
+from engine.loading.loader import rope_settings
+from engine.models.decoder_arch import LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
+
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+"""HF activations that are GELU's tanh approximation (GeGLU as Gemma computes it)."""
+
+
+def gemma2_arch(config: Any) -> DecoderArch:
+    """Gemma 2: sandwich norms of (1 + w), GeGLU, embeddings times sqrt(hidden), scale query_pre_attn_scalar^-0.5,
+    soft-capped attention scores and logits, sliding-window layers by `layer_types` (every other one)."""
+    _refuse_bidirectional(config)
+    rope = rope_settings(config)
+    attention = _layer_attention(config, config.query_pre_attn_scalar ** -0.5, config.attn_logit_softcapping)
+    return _arch(config, rope, norms=SANDWICH_NORMS, norm_offset=True, activation=_gelu_tanh(config),
+                 embedding_scale=config.hidden_size ** 0.5, embedding_scale_in_dtype=True,
+                 final_softcap=config.final_logit_softcapping, layer_attention=attention)
+
+
+def gemma3_arch(config: Any) -> DecoderArch:
+    """Gemma 3 (text): Gemma 2's layer with per-head q/k norms of (1 + w); sliding layers rotate with
+    `rope_local_base_freq` (unscaled), global ones with rope_theta and the config's scaling."""
+    _refuse_bidirectional(config)
+    layer_types = _layer_types(config)
+    ropes = (rope_settings(config, "full_attention"), rope_settings(config, "sliding_attention"))
+    layer_rope = tuple(1 if kind == "sliding_attention" else 0 for kind in layer_types)
+    attention = _layer_attention(config, config.query_pre_attn_scalar ** -0.5, config.attn_logit_softcapping)
+    return _arch(config, ropes[0], norms=SANDWICH_NORMS, norm_offset=True, activation=_gelu_tanh(config),
+                 qk_norm="head", embedding_scale=config.hidden_size ** 0.5, embedding_scale_in_dtype=True,
+                 final_softcap=config.final_logit_softcapping, layer_attention=attention, ropes=ropes,
+                 layer_rope=layer_rope)
+
+
+def phi3_arch(config: Any) -> DecoderArch:
+    """Phi-3 / Phi-4: Llama's layer from fused qkv_proj and gate_up_proj (taken as they are: the model fuses them
+    anyway), LongRoPE, a sliding window on every layer when the config sets one."""
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"{_name(config)}: partial_rotary_factor {partial} is not supported (RoPE over whole "
+                         "heads only)")
+    theta, scaling = rope_settings(config)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        original = getattr(config, "original_max_position_embeddings", None)
+        scaling.setdefault("original_max_position_embeddings", original)
+    window = getattr(config, "sliding_window", None)
+    attention = tuple(LayerAttention(_head_scale(config), sliding_window=window)
+                      for _ in range(config.num_hidden_layers))
+    return _arch(config, (theta, scaling), activation=_silu(config), layer_attention=attention)
+
+
+def olmo2_arch(config: Any) -> DecoderArch:
+    """OLMo 2: no norms before the branches, norms on their outputs, q and k normalised over the whole
+    projection before RoPE."""
+    return _arch(config, rope_settings(config), norms=POST_NORMS, activation=_silu(config), qk_norm="projection",
+                 layer_attention=_uniform_attention(config, _head_scale(config)))
+
+
+def granite_arch(config: Any) -> DecoderArch:
+    """Granite: Llama's layer with embedding_multiplier, residual_multiplier, attention_multiplier as the
+    attention scale and the logits divided by logits_scaling."""
+    return _arch(config, rope_settings(config), activation=_silu(config),
+                 embedding_scale=float(config.embedding_multiplier), residual_scale=float(config.residual_multiplier),
+                 logits_divisor=float(config.logits_scaling),
+                 layer_attention=_uniform_attention(config, float(config.attention_multiplier)))
+
+
+ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
+    "Gemma2ForCausalLM": gemma2_arch,
+    "Gemma3ForCausalLM": gemma3_arch,
+    "Phi3ForCausalLM": phi3_arch,
+    "Olmo2ForCausalLM": olmo2_arch,
+    "GraniteForCausalLM": granite_arch,
+}
+
+
+def _arch(config: Any, rope: tuple[float, Optional[dict]], *, layer_attention: tuple[LayerAttention, ...],
+          norms=LLAMA_NORMS, ropes: Optional[tuple] = None, layer_rope: Optional[tuple[int, ...]] = None,
+          **recipe) -> DecoderArch:
+    shape = AttentionShape.from_hf_config(config)
+    ropes = ropes or (rope,)
+    for _, scaling in ropes:
+        check_rope_scaling(scaling)
+    return DecoderArch(
+        model_type=config.model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=rope[0],
+        rope_scaling=rope[1],
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_window=None,
+        architecture=_name(config),
+        norms=norms,
+        layer_attention=layer_attention,
+        ropes=ropes,
+        layer_rope=layer_rope or (0,) * config.num_hidden_layers,
+        **recipe,
+    )
+
+
+def _name(config: Any) -> str:
+    return (getattr(config, "architectures", None) or [config.model_type])[0]
+
+
+def _head_scale(config: Any) -> float:
+    return AttentionShape.from_hf_config(config).head_dim ** -0.5
+
+
+def _uniform_attention(config: Any, scale: float) -> tuple[LayerAttention, ...]:
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"{_name(config)}: sliding_window is not supported for this family")
+    return (LayerAttention(scale),) * config.num_hidden_layers
+
+
+def _layer_types(config: Any) -> list[str]:
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if len(layer_types) != config.num_hidden_layers:
+        raise ValueError(f"{_name(config)}: layer_types must name each of the {config.num_hidden_layers} layers")
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{_name(config)}: layer types {unknown} are not supported "
+                         "(supported: sliding_attention, full_attention)")
+    return layer_types
+
+
+def _layer_attention(config: Any, scale: float, softcap: Optional[float]) -> tuple[LayerAttention, ...]:
+    return tuple(LayerAttention(scale, sliding_window=config.sliding_window if kind == "sliding_attention" else None,
+                                softcap=softcap)
+                 for kind in _layer_types(config))
+
+
+def _refuse_bidirectional(config: Any) -> None:
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{_name(config)}: use_bidirectional_attention is not supported (causal decoding only)")
+
+
+def _activation(config: Any) -> str:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+
+
+def _gelu_tanh(config: Any) -> str:
+    act = _activation(config)
+    if act not in GELU_TANH:
+        raise ValueError(f"{_name(config)}: hidden_activation {act!r} is not supported (supported: "
+                         f"{', '.join(GELU_TANH)})")
+    return "gelu_tanh"
+
+
+def _silu(config: Any) -> str:
+    act = _activation(config)
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: silu)")
+    return "silu"
+

@@ -1,0 +1,106 @@
+"""Gemma 2, Gemma 3 (text), Phi-3, OLMo 2 and Granite against HF transformers on tiny random checkpoints made here
+(tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and caps off their defaults),
+in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends,
+under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from engine import SamplingParams
+from engine.models import build_model
+from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
+from tests.engine.references import assert_idle, hf_greedy, hf_prompt_logprobs, make_llm
+from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
+
+
+@pytest.fixture(scope="module", params=sorted(DENSE_FAMILIES))
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@lru_cache(maxsize=None)
+def hf_reference(model_dir, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    return hf_greedy(model_dir, prompt, NEW_TOKENS)
+
+
+def check_against_hf(model_dir, prompts, results) -> None:
+    for prompt, result in zip(prompts, results):
+        expected, expected_lps = hf_reference(model_dir, tuple(prompt))
+        out = result.outputs[0]
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_batch_and_alone(model_dir, backend):
+    prompts = mixed_prompts()
+    with make_llm(model_dir, attention_backend=backend) as llm:
+        assert llm.engine.runner.backend.name == backend and llm.engine.runner.model.fused is None
+        check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
+        check_against_hf(model_dir, prompts[6:7], run_greedy(llm, prompts[6:7]))  # 60 tokens, alone
+
+
+def test_batch_invariant_mode(model_dir):
+    """The batch-invariant kernels (every query through the native decode kernel, windows and caps included)."""
+    prompts = mixed_prompts(5)
+    with make_llm(model_dir, batch_invariant=True, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        assert llm.engine.runner.backend.name == "cpu-batch-invariant"
+        check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
+
+
+def test_chunked_prefill_with_preemption(model_dir):
+    with make_llm(model_dir, num_blocks=30, block_size=4, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        prompts = mixed_prompts(3)
+        results = run_greedy(llm, prompts)
+        assert llm.engine.stats().num_preemptions > 0
+        check_against_hf(model_dir, prompts, results)
+
+
+def test_prefix_cache_hits(model_dir):
+    with make_llm(model_dir, enable_prefix_caching=True, max_num_batched_tokens=32) as llm:
+        prompts = mixed_prompts(2, shared_prefix=21)
+        results = run_greedy(llm, prompts[:2]) + run_greedy(llm, prompts[2:])
+        assert any(r.num_cached_tokens >= 20 for r in results[2:])
+        check_against_hf(model_dir, prompts, results)
+
+
+def test_prompt_logprobs(model_dir):
+    prompt = mixed_prompts(4)[6]  # 60 tokens: several chunks, past every window
+    with make_llm(model_dir, max_num_batched_tokens=16) as llm:
+        sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+        (result,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+        got = [lp.logprob for lp in result.prompt_logprobs[1:]]
+        assert got == pytest.approx(hf_prompt_logprobs(model_dir, prompt), abs=1e-4)
+        assert_idle(llm)
+
+
+def config_of(family: str, **overrides):
+    return AutoConfig.for_model(**tiny_config_dict(family, **overrides))
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
+    ("gemma2", {"hidden_activation": "gelu"}, r"hidden_activation 'gelu' is not supported \(supported: gelu_pytorch"),
+    ("granite", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+    ("olmo2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     r"RoPE scaling 'dynamic' is not supported \(supported: default, linear, llama3, yarn, longrope\)"),
+])
+def test_unsupported_config_fields_are_refused(family, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(config_of(family, **overrides), torch.float32, torch.device("cpu"))
+
+
+def test_partial_rotary_and_multimodal_gemma_are_refused():
+    phi3 = config_of("phi3")
+    phi3.rope_parameters["partial_rotary_factor"] = 0.75
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        build_model(phi3, torch.float32, torch.device("cpu"))
+    gemma3 = config_of("gemma3")
+    gemma3.architectures, gemma3.model_type = ["Gemma3ForConditionalGeneration"], "gemma3"
+    with pytest.raises(ValueError, match=r"not supported; supported: .*Gemma3ForCausalLM"):
+        build_model(gemma3, torch.float32, torch.device("cpu"))
