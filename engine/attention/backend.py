@@ -11,6 +11,7 @@ from engine.errors import SettingsConflictError
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCacheSpec
+from engine.attention.layer_attention import LayerAttention
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,10 @@ class AttentionBackend(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: Any,
-        scale: float,
+        layer: LayerAttention,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Causal attention of each query over its request's cached and new tokens."""
+        """Causal attention of each query over its request's cached and new tokens, with the layer's scale,
+        sliding window and soft-cap."""
         ...
 
 

@@ -30,11 +30,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask
 
-    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                metadata: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
+    # An instance method where the torch backend's is a classmethod: the kernels are this instance's.
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor,  # type: ignore[override]
+                value_cache: torch.Tensor, metadata: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
         # a cache in another dtype than the model's (--kv-cache-dtype): the kernel runs in the cache's dtype,
         # so the query is rounded to it (the kernel accumulates in float32 either way)
+        tables, lens = metadata.decodes()
         out = self.kernels.paged_decode(query.to(key_cache.dtype).contiguous(), key_cache, value_cache,
-                                        metadata.decode_block_tables, metadata.decode_context_lens, layer.scale,
+                                        tables, lens, layer.scale,
                                         self.split_sequences, window=layer.sliding_window, softcap=layer.softcap)
         return out.to(query.dtype)

@@ -135,7 +135,7 @@ def _flash_attn_4(device: torch.device, reasons: list[str]) -> Optional[FlashKer
 
 def _passes_probe(kernel: FlashKernel, device: torch.device, dtype: torch.dtype, block_size: Optional[int],
                   shape: Optional[AttentionShape], reasons: list[str]) -> bool:
-    if not _probes(shape, block_size):
+    if shape is None or block_size is None:
         return True  # nothing to probe with: callers that serve a model pass both
     failure = probe_backend(FlashAttentionBackend(kernel), shape, block_size, dtype, device)
     if failure is not None:
@@ -144,12 +144,8 @@ def _passes_probe(kernel: FlashKernel, device: torch.device, dtype: torch.dtype,
     return failure is None
 
 
-def _probes(shape: Optional[AttentionShape], block_size: Optional[int]) -> bool:
-    return shape is not None and block_size is not None
-
-
 def _probed(shape: Optional[AttentionShape], block_size: Optional[int]) -> str:
-    if not _probes(shape, block_size):
+    if shape is None or block_size is None:
         return ""
     return (f"; its probe of {shape.num_heads}/{shape.num_kv_heads} heads of dim {shape.head_dim}, "
             f"block size {block_size} passed")

@@ -48,6 +48,12 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
+    def decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, context lengths) of the step's decodes: for a step that has some."""
+        if self.decode_block_tables is None or self.decode_context_lens is None:
+            raise RuntimeError("this step has no decodes")
+        return self.decode_block_tables, self.decode_context_lens
+
 
 def decode_and_chunks(step: StepMetadata, block_size: int) -> AttentionMetadata:
     """Split the step into its decodes (tables as wide as the longest decode needs, contiguous) and

@@ -30,8 +30,8 @@ class TorchAttentionBackend:
         metadata = decode_and_chunks(step, spec.block_size)
         if not metadata.num_decodes:
             return metadata
-        lens = metadata.decode_context_lens
-        _, max_blocks = metadata.decode_block_tables.shape
+        tables, lens = metadata.decodes()
+        _, max_blocks = tables.shape
         key_pos = torch.arange(max_blocks * spec.block_size, device=lens.device)
         bias_dtype = torch.float32 if spec.dtype.itemsize == 1 else spec.dtype  # fp8 has no -inf
         bias = torch.zeros((metadata.num_decodes, 1, 1, max_blocks * spec.block_size), dtype=bias_dtype,
@@ -63,14 +63,16 @@ class TorchAttentionBackend:
         """
         num_decodes, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
-        flat = metadata.decode_block_tables.reshape(-1)  # [B * max_blocks]
-        max_len = metadata.decode_block_tables.shape[1] * block_size
+        tables, lens = metadata.decodes()
+        flat = tables.reshape(-1)  # [B * max_blocks]
+        max_len = tables.shape[1] * block_size
         keys = select_blocks(key_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
         values = select_blocks(value_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
         keys, values = from_cache(keys, query.dtype), from_cache(values, query.dtype)  # --kv-cache-dtype
         bias = metadata.decode_bias
+        assert bias is not None  # build_metadata masks every step with decodes
         if layer.sliding_window is not None:  # keys before each query's window are masked out too
-            first_seen = (metadata.decode_context_lens - layer.sliding_window).view(num_decodes, 1, 1, 1)
+            first_seen = (lens - layer.sliding_window).view(num_decodes, 1, 1, 1)
             key_pos = torch.arange(max_len, device=bias.device)
             bias = bias.masked_fill(key_pos < first_seen, float("-inf"))
         if num_kv_heads <= cls.DIAGONAL_MAX_KV_HEADS:
