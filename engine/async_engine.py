@@ -123,6 +123,12 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     @property
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that consumes outputs (set by `start`, before the engine thread runs)."""
+        assert self._loop is not None, "the engine was not started"
+        return self._loop
+
+    @property
     def error(self) -> Optional[BaseException]:
         """What stopped the engine loop, when it failed (None while it runs and after a plain shutdown)."""
         return self._error
@@ -241,7 +247,7 @@ class AsyncEngine:
         for stream in streams:
             self._streams[stream.engine_id] = stream
             self._live[stream.request_id] = stream.engine_id
-        admitted = self._loop.create_future()
+        admitted = self._started_loop.create_future()
         self._admissions.add(admitted)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._commands.put(_Add([s.engine_id for s in streams], list(inputs), priority, arrival, admitted))
@@ -347,13 +353,13 @@ class AsyncEngine:
             if not isinstance(exc, RequestRejectedError):
                 logger.exception("could not add request %s", command.engine_ids[len(added)])
             self.engine.abort(added)  # their abort outputs are nobody's: the caller never had them
-            self._loop.call_soon_threadsafe(_settle, command.admitted, exc)
+            self._started_loop.call_soon_threadsafe(_settle, command.admitted, exc)
             return
-        self._loop.call_soon_threadsafe(_settle, command.admitted, None)
+        self._started_loop.call_soon_threadsafe(_settle, command.admitted, None)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            self._started_loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         streams = self._streams

@@ -127,7 +127,8 @@ def _plain(weight, dtype: torch.dtype) -> torch.Tensor:
         return weight.dequantize(dtype)
     if isinstance(weight, PackedWeight):
         return weight.unpack()
-    return weight.to_dense() if weight.layout == torch._mkldnn else weight
+    # torch's stubs do not declare the mkldnn layout (torch._mkldnn exists at run time)
+    return weight.to_dense() if weight.layout == torch._mkldnn else weight  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -135,7 +136,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
               max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant,
               quantization=args.quantization, profile=args.profile)
     engine = llm.engine
-    dtype = engine.runner.model.dtype
+    model = engine.runner.model
+    assert model is not None  # a running engine's
+    dtype = model.dtype
     prompts = make_prompts(llm, args.num_prompts, args.input_len, args.seed)
     report: dict[str, float] = {}
     profile = engine.profile
@@ -143,7 +146,6 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     if profile is not None:
         print("single stream, " + profile.table(), flush=True)
         profile.reset()
-    model = engine.runner.model
     arch = model.arch
     weight_bytes = tensor_bytes(model.weight_tensors())
     step_bytes = weight_bytes + kv_read_bytes(
@@ -167,11 +169,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         from transformers import AutoModelForCausalLM
 
         checkpoint_dir = str(_checkpoint_dir(args.model))
-        del llm, engine
+        del llm, engine, model
         gc.collect()
-        model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype)
-        model.eval()
-        report["hf_tok_s"] = bench_hf(model, prompts, args.output_len, pad_id=_pad_id(model))
+        hf_model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype)
+        hf_model.eval()
+        report["hf_tok_s"] = bench_hf(hf_model, prompts, args.output_len, pad_id=_pad_id(hf_model))
         print(f"HF transformers generate (padded batch): {report['hf_tok_s']:.1f} output tok/s", flush=True)
         report["ratio"] = report["pagedserve_tok_s"] / report["hf_tok_s"]
     _print_table(args, report, dtype)

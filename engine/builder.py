@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Optional
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -17,7 +17,7 @@ from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
-from engine.loading.loader import load_hf_config, prepare_checkpoint
+from engine.loading.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
@@ -28,6 +28,7 @@ from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
 from engine.platform import choose_numerics
 from engine.quantization.awq import awq_weights
+from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
 from engine.profiling.step_profile import StepProfile
@@ -78,10 +79,17 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     storage = quantizer.method if quantizer is not None else resolve_gguf_storage(
         model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
     model.quantization = storage
-    weights = model_weights("none" if quantizer is not None else storage, checkpoint.path, checkpoint.gguf,
-                            model.arch.num_heads, model.arch.num_kv_heads)
-    if storage == "awq":
-        weights = awq_weights(weights, quantizer.group_size)
+    weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]
+    if quantizer is None:
+        weights = model_weights(storage, checkpoint.path, checkpoint.gguf, model.arch.num_heads,
+                                model.arch.num_kv_heads)
+    else:  # the quantizer takes the checkpoint's tensors as stored (an AWQ one's triples grouped first)
+        tensors = iter_weights(checkpoint.path)
+        if quantizer.method == "awq":
+            assert quantizer.group_size is not None  # the AWQ checkpoint's own (resolve_group_size)
+            weights = awq_weights(tensors, quantizer.group_size)
+        else:
+            weights = tensors
     model.load_weights(weights)
     _log_weights(model)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,7 @@ class EngineCore:
         self.model_name = model_name
         self.max_model_len: int = scheduler.max_model_len
         model = runner.model
+        assert model is not None  # a runner not yet shut down
         self.vocab_size = model.arch.vocab_size
         self.model_dtype: torch.dtype = model.dtype
         self.quantization: str = model.quantization
@@ -144,7 +145,7 @@ class EngineCore:
             max_tokens = max(limit - len(prompt), 1)
             if params.min_tokens > max_tokens:  # only here is the bound that min_tokens must respect known
                 raise MinTokensOutOfRangeError(params.min_tokens, max_tokens)
-        kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
+        kwargs: dict[str, Any] = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -223,6 +224,7 @@ class EngineCore:
             # The chunk scores prompt tokens start + 1 onwards; a recompute after a preemption
             # repeats positions already held, which are kept as first scored.
             held = self._states[request_id].prompt_logprobs
+            assert held is not None, "prompt logprobs for a request that did not ask for them"
             num_repeated = len(held) - scheduler_output.num_computed_tokens[request_id] - 1
             assert num_repeated >= 0, "prompt logprobs arrived out of order"
             held.extend(chunk[num_repeated:])

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+from pydantic import BaseModel
 from tqdm.auto import tqdm
 
 from engine.builder import build_engine
@@ -18,8 +19,13 @@ from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from scheduler import SchedulerConfig
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 PromptType = Union[str, Sequence[int], dict]
-_SECTIONS = {"model": ModelConfig, "cache": EngineCacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig, "cache": EngineCacheConfig, "scheduler": SchedulerConfig,
+}
 
 
 def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:
@@ -96,7 +102,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[GenerationResult]:
         """Generate replies to one conversation or a list of them, using the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.engine.tokenizer
         texts = [tokenizer.render_chat(c, add_generation_prompt) for c in conversations]
         encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
@@ -111,7 +117,7 @@ class LLM:
             return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
         return None, list(prompt)
 
-    def _run(self, encoded: list[tuple[Optional[str], list[int]]], params_list: list[SamplingParams],
+    def _run(self, encoded: Sequence[tuple[Optional[str], list[int]]], params_list: list[SamplingParams],
              use_tqdm: bool, priority: Optional[Sequence[int]] = None) -> list[GenerationResult]:
         engine = self.engine
         parents: list[tuple[str, list[str]]] = []
@@ -154,10 +160,15 @@ def _result(parent: str, prompt: Optional[str], token_ids: list[int],
 def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
-    return prompts
+    items: list[Any] = list(prompts)  # one prompt's token ids, or prompts: told apart by the first item
+    if items and isinstance(items[0], int):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _is_conversation(messages: Union[list[dict], Sequence[list[dict]]]) -> "TypeIs[list[dict]]":
+    """One conversation (its messages), not a list of them."""
+    return bool(messages) and isinstance(messages[0], dict)
 
 
 def _as_params_list(params: Union[SamplingParams, Sequence[SamplingParams], None], count: int) -> list[SamplingParams]:

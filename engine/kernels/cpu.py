@@ -156,7 +156,9 @@ class CpuKernels:
         for name in cpu_ops.SIGNATURES:
             for dtype, suffix in _DTYPE_SUFFIX.items():
                 function = getattr(self._library, f"pagedserve_{name}_{suffix}")
-                self._functions[name, dtype] = ctypes.cast(function, ctypes.c_void_p).value
+                address = ctypes.cast(function, ctypes.c_void_p).value
+                assert address is not None  # a symbol the library exports (getattr raised otherwise)
+                self._functions[name, dtype] = address
 
     def paged_decode(
         self,

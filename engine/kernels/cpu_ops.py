@@ -22,11 +22,11 @@ The shape and dtype checks stay in CpuKernels, in front of the operators.
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-SIGNATURES = {
+SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "paged_decode": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
                                                                     ctypes.c_float],
     "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],

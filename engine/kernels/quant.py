@@ -91,9 +91,12 @@ class QuantKernels:
         for name in SIGNATURES:
             for dtype, suffix in _SUFFIX.items():
                 function = getattr(self._library, f"pagedserve_{name}_{suffix}")
-                self._functions[name, dtype] = ctypes.cast(function, ctypes.c_void_p).value
-        self.bf16_tiles = bool(ctypes.CFUNCTYPE(ctypes.c_int64)(
-            ctypes.cast(self._library.pagedserve_quant_bf16_tiles, ctypes.c_void_p).value)())
+                address = ctypes.cast(function, ctypes.c_void_p).value
+                assert address is not None  # a symbol the library exports (getattr raised otherwise)
+                self._functions[name, dtype] = address
+        tiles = ctypes.cast(self._library.pagedserve_quant_bf16_tiles, ctypes.c_void_p).value
+        assert tiles is not None  # as above
+        self.bf16_tiles = bool(ctypes.CFUNCTYPE(ctypes.c_int64)(tiles)())
         """Whether bf16 activations can take the bf16 tile product (an AVX512-BF16 build)."""
         self._linear = torch.ops.pagedserve.cpu_quant_linear.default
         self._dequantize = torch.ops.pagedserve.cpu_quant_dequantize.default

@@ -33,6 +33,7 @@ def call_in_child_process(function: Callable[..., T], *args: Any) -> T:
     level = min(logging.getLogger().getEffectiveLevel(), logging.INFO)
     command = [sys.executable, "-m", __name__]
     with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_environment()) as child:
+        assert child.stdin is not None and child.stdout is not None  # both opened as PIPE
         pickle.dump((function, args, level), child.stdin)
         child.stdin.close()
         outcome = None

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from engine.loading.child_process import call_in_child_process
 
@@ -114,7 +114,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     from engine.loading.conversion_progress import ConversionProgress
 
-    source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
+    source: dict[str, Any] = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
     with ConversionProgress(gguf_path.name) as progress, _quiet_transformers(progress):
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
         progress.stage("writing the weights")

@@ -72,6 +72,7 @@ def model_weights(quantization: str, checkpoint_dir: Path, gguf_file: Optional[P
     from engine.kernels.quant import load_quant_kernels
     from engine.loading.gguf_weights import iter_gguf_weights
 
+    assert gguf_file is not None  # resolve_gguf_storage gives "gguf" only for a .gguf model
     return iter_gguf_weights(gguf_file, load_quant_kernels(), num_heads, num_kv_heads)
 
 

@@ -46,6 +46,7 @@ def awq_group_size(config: dict) -> int:
         problems.append(f"group_size {group_size!r} (only {', '.join(map(str, INT4_GROUP_SIZES))})")
     if problems:
         raise ValueError("--quantization awq: this AWQ checkpoint is not supported: " + "; ".join(problems))
+    assert group_size is not None  # one of INT4_GROUP_SIZES, checked above
     return int(group_size)
 
 

@@ -101,7 +101,7 @@ def repack(fmt: BlockFormat, raw: np.ndarray, in_features: int) -> PackedBlocks:
         m[:, :nb] = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
     payload = blocks[:, :, 4 if fmt.has_min else 2:]
     if fmt.bits == 8:
-        qs = np.zeros((rows, nbp, BLOCK), dtype=np.uint8)
+        qs: np.ndarray = np.zeros((rows, nbp, BLOCK), dtype=np.uint8)
         qs[:, :nb] = payload ^ np.uint8(0x80)  # int8 q -> q + 128
     else:
         quants = np.zeros((rows, nbp, BLOCK), dtype=np.uint8)  # [N, nbp, 32] in element order
@@ -140,12 +140,11 @@ def interleave16(fmt: BlockFormat, packed: PackedBlocks, in_features: int) -> Pa
         high = u[..., 16:].reshape(groups, nb, GROUP, 4, 4)
         qs = (low | (high << 4)).permute(0, 1, 3, 2, 4)  # [G, nb, q, c, j]
 
-    def scales(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if t is None:
-            return None
+    def scales(t: torch.Tensor) -> torch.Tensor:
         return t[:, :nb].reshape(groups, GROUP, nb).transpose(1, 2).contiguous().reshape(groups, nb * GROUP)
 
-    return PackedBlocks(qs.contiguous().reshape(groups, -1), scales(packed.d), scales(packed.m), nb, X16)
+    m = None if packed.m is None else scales(packed.m)
+    return PackedBlocks(qs.contiguous().reshape(groups, -1), scales(packed.d), m, nb, X16)
 
 
 def rows_of_x16(fmt: BlockFormat, packed: PackedBlocks, index: torch.Tensor, in_features: int) -> PackedBlocks:
@@ -167,11 +166,10 @@ def rows_of_x16(fmt: BlockFormat, packed: PackedBlocks, index: torch.Tensor, in_
     else:
         qs_rows = (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(n, -1)
 
-    def scales(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if t is None:
-            return None
+    def scales(t: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(n, nbp, dtype=t.dtype)
         out[:, :nb] = t.view(groups, nb, GROUP)[group, :, lane]
         return out
 
-    return PackedBlocks(qs_rows.contiguous(), scales(packed.d), scales(packed.m), nbp, ROWS)
+    m = None if packed.m is None else scales(packed.m)
+    return PackedBlocks(qs_rows.contiguous(), scales(packed.d), m, nbp, ROWS)

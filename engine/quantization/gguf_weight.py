@@ -119,7 +119,9 @@ class GgufWeight(QuantizedWeight):
             raise ValueError(f"cannot fuse GGUF weights of different formats or widths: {formats}")
         m: Optional[torch.Tensor] = None
         if first.packed.m is not None:
-            m = torch.cat([w.packed.m for w in weights])
+            mins = [w.packed.m for w in weights if w.packed.m is not None]
+            assert len(mins) == len(weights)  # one format (checked above): all of them have mins
+            m = torch.cat(mins)
         packed = PackedBlocks(torch.cat([w.packed.qs for w in weights]), torch.cat([w.packed.d for w in weights]),
                               m, first.packed.nbp)
         return GgufWeight(first.fmt, packed, first.in_features, first.kernels)

@@ -34,7 +34,7 @@ Weight = Union[torch.Tensor, QuantizedWeight]
 class WeightQuantizer:
     """Turns a loaded projection into the form it is served in (the model calls it once per matrix)."""
 
-    method: Optional[str]  # None, "int8", "int4", "awq"
+    method: str  # "int8", "int4", "awq"
     group_size: Optional[int]  # input columns per int4 group (int4, awq); None where there are none (int8)
     device: torch.device
     quantize_lm_head: bool = False
@@ -47,6 +47,7 @@ class WeightQuantizer:
         if self.method == "int8":
             return Int8Weight.quantize(weight, self.int8_kernel).to(self.device)
         if self.method == "int4":
+            assert self.group_size is not None  # resolve_group_size gives int4 one
             return int4_weight(weight, self.group_size, self.device)
         return weight
 
@@ -73,6 +74,7 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
         if method != "awq":
             raise SettingsConflictError("--quantization awq needs an AWQ checkpoint (config.json quantization_config with "
                              "quant_method 'awq'); for a float checkpoint use --quantization int8 or int4")
+        assert config is not None  # method "awq" was read from it
         return "awq", awq_group_size(config)
     if method == "awq":
         raise SettingsConflictError(f"--quantization {requested}: the checkpoint is already AWQ int4; "

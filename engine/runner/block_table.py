@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -39,12 +41,12 @@ class BlockTable:
         self._lengths[row] = 0
         self._free.append(row)
 
-    def set(self, row: int, block_ids: list[int]) -> None:
+    def set(self, row: int, block_ids: Sequence[int]) -> None:
         """Replace the row's blocks (a request admitted, or resumed after preemption)."""
         self._lengths[row] = 0
         self.append(row, block_ids)
 
-    def append(self, row: int, block_ids: list[int]) -> None:
+    def append(self, row: int, block_ids: Sequence[int]) -> None:
         start = int(self._lengths[row])
         end = start + len(block_ids)
         if end > self._tensor.shape[1]:

@@ -85,10 +85,12 @@ class CudaGraph:
 
     def __init__(self, forward: Callable[[], torch.Tensor], pool, stream: torch.cuda.Stream):
         self.graph = torch.cuda.CUDAGraph()
+        self.output: Optional[torch.Tensor]  # None once released
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = forward()
 
     def replay(self) -> torch.Tensor:
+        assert self.output is not None  # not released (a released graph is not replayed)
         self.graph.replay()
         return self.output
 
@@ -102,10 +104,11 @@ class EagerReplay:
     backend, since its metadata is built again at every replay)."""
 
     def __init__(self, forward: Callable[[], torch.Tensor], pool=None, stream=None):
-        self.forward = forward
+        self.forward: Optional[Callable[[], torch.Tensor]] = forward  # None once released
         self.replays = 0
 
     def replay(self) -> torch.Tensor:
+        assert self.forward is not None  # not released (a released graph is not replayed)
         self.replays += 1
         return self.forward()
 
@@ -136,7 +139,7 @@ class DecodeGraphs:
                  buckets: tuple[int, ...], max_model_len: int, graph_type: type = CudaGraph):
         if buckets[-1] > buffers.max_num_reqs:
             raise ValueError(f"bucket {buckets[-1]} exceeds the step buffers' {buffers.max_num_reqs} requests")
-        self.forward = forward
+        self.forward: Optional[ForwardFn] = forward  # None once released
         self.backend = backend
         self.kv_cache = kv_cache
         self.buffers = buffers
@@ -181,7 +184,7 @@ class DecodeGraphs:
             forward = self._step_fn(size)
             self._write_padding(0, size)
             self.buffers.upload_all(size, self.width)
-            if on_cuda:
+            if stream is not None:  # on CUDA
                 torch.cuda.synchronize()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
@@ -213,6 +216,7 @@ class DecodeGraphs:
         input_ids = buffers.input_ids.device[:size]
         positions = buffers.positions.device[:size]
         forward = self.forward
+        assert forward is not None  # not released (capture comes before release)
 
         def run() -> torch.Tensor:
             return forward(input_ids, positions, step)

@@ -33,10 +33,17 @@ class FaultInjector(Protocol):
         """May raise, as a failing detokenizer would."""
 
 
+class SampleFn(Protocol):
+    """What GuardedSampler wraps: a `Sampler`'s call."""
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput: ...
+
+
 class GuardedSampler:
     """Wraps the runner's sampler: a row that cannot be sampled fails its request alone."""
 
-    def __init__(self, sampler: Callable[[torch.Tensor, Sequence[SamplingState]], SamplerOutput],
+    def __init__(self, sampler: SampleFn,
                  request_id_of: Callable[[SamplingState], str]):
         self.sampler = sampler
         self.request_id_of = request_id_of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
@@ -12,7 +12,7 @@ import torch
 from engine.attention import AttentionBackend, StepMetadata
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
-from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, model_forward
+from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, ForwardFn, model_forward
 from engine.runner.fault_isolation import GuardedSampler
 from engine.attention.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
@@ -24,6 +24,9 @@ from engine.sampling.state import SamplingState
 from engine.sampling.params import SamplingParams
 from engine.structured.grammar_decoder import GrammarDecoder, accept
 from scheduler import NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class CachedRequestState:
     sampling: SamplingState
     row: int  # in the runner's BlockTable, which holds the request's block ids
     token_ids: list[int] = field(default_factory=list)  # prompt + output
-    matcher: Optional[object] = None  # an xgrammar GrammarMatcher when the request is constrained
+    matcher: Optional["xgrammar.GrammarMatcher"] = None  # when the request is constrained
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -85,7 +88,7 @@ class ModelRunner:
                  profile: Optional[StepProfile] = None):
         """`grammar` decodes structured-output constraints (None: a runner that is never given one);
         `profile` times each step's phases (`--profile`)."""
-        self.model = model
+        self.model: Optional[LlamaForCausalLM] = model  # None once shut down (as are _forward and buffers)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -95,8 +98,9 @@ class ModelRunner:
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)
         self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
-        self.buffers = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs, max_blocks, device)
-        self._forward = model_forward(model, backend, kv_cache)
+        self.buffers: Optional[StepBuffers] = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs,
+                                                          max_blocks, device)
+        self._forward: Optional[ForwardFn] = model_forward(model, backend, kv_cache)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile = profile
         self.grammar = grammar
@@ -118,20 +122,23 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        buffers = self.buffers
+        buffers, forward = self.buffers, self._forward
+        assert buffers is not None and forward is not None  # not shut down (no step runs after)
         buffers.begin_step()
         profile = self.profile
         batch, step, bucket = self._prepare_inputs(scheduler_output)
         if bucket is not None:
+            assert self.graphs is not None  # the bucket is one of theirs
             if profile is not None:
                 profile.lap("prepare")
             hidden = self.graphs.replay(bucket)  # its inputs are uploaded
         else:
+            assert step is not None  # built whenever no graph replays
             input_ids = buffers.input_ids.upload(batch.num_tokens)
             positions = buffers.positions.upload(batch.num_tokens)
             if profile is not None:
                 profile.lap("prepare")
-            hidden = self._forward(input_ids, positions, step)
+            hidden = forward(input_ids, positions, step)
         if profile is not None:
             profile.lap("forward")
         try:
@@ -146,6 +153,7 @@ class ModelRunner:
         most `buckets[-1]` requests replays the smallest bucket that holds it."""
         if graph_type is CudaGraph and not self.backend.cuda_graphs:
             raise ValueError(f"attention backend {self.backend.name!r} does not run in CUDA graphs")
+        assert self._forward is not None and self.buffers is not None  # not shut down
         graphs = DecodeGraphs(self._forward, self.backend, self.kv_cache, self.buffers, buckets,
                               self.limits.max_model_len, graph_type)
         graphs.capture()
@@ -212,6 +220,7 @@ class ModelRunner:
                 chunks.append((state, start, num_tokens))
         num_decodes, num_reqs = len(decodes), len(decodes) + len(chunks)
         buffers = self.buffers
+        assert buffers is not None  # not shut down
         buffers.check_fits(so.total_num_scheduled_tokens, num_reqs, 0)
         ids, positions, slots = buffers.input_ids.array, buffers.positions.array, buffers.slot_mapping.array
         starts, seq_lens = buffers.query_start_loc.array, buffers.seq_lens.array
@@ -246,11 +255,12 @@ class ModelRunner:
         max_seq_len = int(seq_lens[:num_reqs].max())
         width = -(-max_seq_len // self.block_table.block_size)
         buffers.check_fits(token, num_reqs, width)
-        bucket = self.graphs.bucket_for(num_decodes) if self.graphs is not None and not chunks else None
-        if bucket is not None:
-            self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, self.graphs.width))
-            self.graphs.pad(num_reqs, bucket)
-            buffers.upload_all(bucket, self.graphs.width)
+        graphs = self.graphs
+        bucket = graphs.bucket_for(num_decodes) if graphs is not None and not chunks else None
+        if graphs is not None and bucket is not None:
+            self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, graphs.width))
+            graphs.pad(num_reqs, bucket)
+            buffers.upload_all(bucket, graphs.width)
             return batch, None, bucket
         self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, width))
         step = StepMetadata(
@@ -285,14 +295,17 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
+        model, buffers = self.model, self.buffers
+        assert model is not None and buffers is not None  # not shut down
         if batch.sample_rows:
-            sample_rows = self.buffers.sample_rows
+            sample_rows = buffers.sample_rows
             sample_rows.array[: len(batch.sample_rows)] = batch.sample_rows
             rows = sample_rows.upload(len(batch.sample_rows))
-            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+            logits = model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
             states = [s.sampling for s in batch.sample_states]
             matchers = [(i, s.matcher) for i, s in enumerate(batch.sample_states) if s.matcher is not None]
             if matchers:
+                assert self.grammar is not None  # a request has a matcher only from it (_new_state)
                 result = self.sampler(logits, states, self.grammar.fill_bitmask(matchers, len(states)))
             else:
                 result = self.sampler(logits, states)
@@ -303,10 +316,13 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 state.sampling.output_token_ids.append(token_id)
                 sampled[state.request_id] = [token_id]
-                if result.logprobs is not None and result.logprobs[i] is not None:
-                    logprobs[state.request_id] = result.logprobs[i]
+                entry = None if result.logprobs is None else result.logprobs[i]
+                if entry is not None:
+                    logprobs[state.request_id] = entry
         for state, first_row, count, pos0 in batch.prompt_rows:
-            logits = self.model.compute_logits(hidden[first_row : first_row + count])
+            num_top = state.sampling.params.prompt_logprobs
+            assert num_top is not None  # a prompt row is scored only when it is asked for (wants_prompt_logprobs)
+            logits = model.compute_logits(hidden[first_row : first_row + count])
             targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
-            prompt_lps[state.request_id] = prompt_logprobs(logits, targets, state.sampling.params.prompt_logprobs)
+            prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)

@@ -99,15 +99,15 @@ class Sampler:
         index = None if len(rows) == num_rows else _index(rows, device)
         rows_logits = logits if index is None else logits.index_select(0, index)
         raw = torch.log_softmax(rows_logits.float(), dim=-1)  # [rows, vocab]
-        num_top = [states[r].params.logprobs for r in rows]
+        num_top = plan.logprob_tops
         found = _logprob_tensors(raw, chosen if index is None else chosen.index_select(0, index), num_top,
                                  sync_free)
-        sampled, *found_host = to_host(chosen, *found)  # the step's one wait for the device
-        sampled = sampled.tolist()
+        # the step's one wait for the device
+        sampled, ids, id_logprobs, ranks, top_values, top_ids = to_host(chosen, *found)
         logprobs: list[Optional[TokenLogprobs]] = [None] * num_rows
-        for row, entry in zip(rows, _logprob_entries(*found_host, num_top)):
+        for row, entry in zip(rows, _logprob_entries(ids, id_logprobs, ranks, top_values, top_ids, num_top)):
             logprobs[row] = entry
-        return SamplerOutput(sampled, logprobs)
+        return SamplerOutput(sampled.tolist(), logprobs)
 
 
 def prompt_logprobs(
@@ -128,8 +128,9 @@ def prompt_logprobs(
     for start in range(0, num_rows, chunk):
         raw = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)  # [chunk, vocab]
         tops = [num_top] * raw.shape[0]
-        result += _logprob_entries(*to_host(*_logprob_tensors(raw, targets[start:start + chunk], tops, sync_free)),
-                                   tops)
+        ids, id_logprobs, ranks, top_values, top_ids = to_host(
+            *_logprob_tensors(raw, targets[start:start + chunk], tops, sync_free))
+        result += _logprob_entries(ids, id_logprobs, ranks, top_values, top_ids, tops)
     return result
 
 
@@ -144,6 +145,7 @@ class _BatchPlan:
     full_rows: list[int] = field(default_factory=list)  # sampled over the whole vocabulary
     candidate_rows: list[int] = field(default_factory=list)  # sampled among top-k / top-p candidates
     logprob_rows: list[int] = field(default_factory=list)
+    logprob_tops: list[int] = field(default_factory=list)  # the alternatives each logprob row wants
     penalty_rows: list[int] = field(default_factory=list)
     add_rows: list[int] = field(default_factory=list)  # (row, id, value) added to the logits:
     add_ids: list[int] = field(default_factory=list)  # logit_bias, and -inf for min_tokens
@@ -164,8 +166,9 @@ class _BatchPlan:
                 plan.candidate_rows.append(row)
             else:
                 plan.full_rows.append(row)
-            if params.needs_logprobs:
+            if params.logprobs is not None:  # needs_logprobs
                 plan.logprob_rows.append(row)
+                plan.logprob_tops.append(params.logprobs)
             if state.has_processors:
                 plan._add_processors(row, state, vocab)
         return plan

@@ -34,7 +34,7 @@ class SamplingState:
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    output_token_ids: list[int]
     eos_token_ids: frozenset[int]
     seed: Optional[int]  # params.seed mod 2**64; None: draws come from torch's default generator
     suppressed_ids: tuple[int, ...] = field(default=(), init=False)  # masked until min_tokens
@@ -55,7 +55,7 @@ class SamplingState:
         cls,
         params: SamplingParams,
         prompt_token_ids: Sequence[int],
-        output_token_ids: Sequence[int],
+        output_token_ids: list[int],
         eos_token_ids: frozenset[int],
         device: torch.device,
     ) -> "SamplingState":

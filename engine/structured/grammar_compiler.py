@@ -77,17 +77,18 @@ class GrammarCompiler:
 
 
 def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs) -> "xgrammar.CompiledGrammar":
-    kind = constraint.kind
-    if kind == "json":  # bounded: numbers, whitespace and key order (json_bounds)
+    # its one constraint, looked for in the order of `constraint.kind`
+    if constraint.json is not None:  # bounded: numbers, whitespace and key order (json_bounds)
         return compiler.compile_grammar(json_schema_grammar(constraint.json))
-    if kind == "json_object":  # an object, as OpenAI's json_object promises (the builtin grammar takes any value)
-        return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', strict=False))
-    if kind == "regex":
+    if constraint.regex is not None:
         return compiler.compile_regex(constraint.regex)
-    if kind == "choice":
+    if constraint.choice is not None:
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
         return compiler.compile_grammar(f"root ::= {literals}")
-    return compiler.compile_grammar(constraint.grammar)
+    if constraint.grammar is not None:
+        return compiler.compile_grammar(constraint.grammar)
+    # json_object: an object, as OpenAI's json_object promises (the builtin grammar takes any value)
+    return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', strict=False))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -136,6 +136,7 @@ class IncrementalDetokenizer:
 
     def _step(self, token_id: int) -> str:
         """Stream mode: DecodeStream settles the window; `_ids` mirrors it (context, then pending ids)."""
+        assert self._stream is not None and self._backend is not None  # stream mode: made from the backend
         try:
             delta = self._stream.step(self._backend, token_id)
         except Exception:  # "Invalid prefix": a real decode error recurs in the Python loop's own decode
@@ -191,7 +192,8 @@ def make_decode_fn(
     if backend is not None:
         backend_decode = backend.decode
         return lambda ids: backend_decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(
+    # transformers annotates decode as str | list[str] (no overloads); a flat id list decodes to one str
+    return lambda ids: tokenizer.decode(  # type: ignore[return-value]
         ids,
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=spaces_between_special_tokens,

@@ -140,4 +140,5 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int
     if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"K/V caches must share a float32/float16/bfloat16 dtype, "
                          f"got {key_cache.dtype} and {value_cache.dtype}")
-    return tuple(key_cache.shape)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    return num_blocks, block_size, num_kv_heads, head_dim
