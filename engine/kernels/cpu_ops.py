@@ -64,8 +64,8 @@ def _call(name: str, fn: int, *args) -> None:
 
 def _define(name: str, schema: str, kernel, fake) -> None:
     """`pagedserve::name` with its CPU kernel and its fake (shape-only) implementation. The schema
-    marks what an operator writes in place (`Tensor(a!)`). (torch.library.define/impl dispatch in about
-    3 us; the custom_op decorator's wrapper costs twice that, per call, per layer.)"""
+    marks what an operator writes in place (`Tensor(a!)`). torch.library.define/impl, not the custom_op
+    decorator, whose wrapper costs about twice the dispatch per call, per layer (docs/performance.md)."""
     qualname = f"pagedserve::{name}"
     torch.library.define(qualname, schema)
     torch.library.impl(qualname, "cpu", kernel)

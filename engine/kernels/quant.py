@@ -52,7 +52,8 @@ def _quant_linear(x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, l
 
 @functools.lru_cache(maxsize=64)
 def _function(name: str, fn: int):
-    """The callable for the entry point at address `fn` (made once: building one costs ~0.3 us a call)."""
+    """The callable for the entry point at address `fn`, made once (building one costs more than the call it
+    makes: docs/performance.md)."""
     return _PROTOTYPES[name](fn)
 
 
@@ -109,7 +110,8 @@ class QuantKernels:
         fn = self._function("quant_linear", x.dtype)
         if torch.compiler.is_compiling():
             return self._linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
-        # eagerly, the operator's kernel itself: the dispatcher would add ~6 us to each of a step's ~120 calls
+        # eagerly, the operator's kernel itself: the dispatcher's cost, on each of a step's quantized products,
+        # is a share of the step worth saving (docs/performance.md)
         return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
 
     def dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor], out_features: int,
