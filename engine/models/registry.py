@@ -10,6 +10,8 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
+from engine.models.moe import moe_model
+from engine.models.moe_arch import MOE_ARCHITECTURES
 from engine.quantization.weight_quantizer import WeightQuantizer
 
 _LLAMA_FAMILY = {
@@ -21,7 +23,7 @@ _LLAMA_FAMILY = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_LLAMA_FAMILY)
+    return sorted({**_LLAMA_FAMILY, **MOE_ARCHITECTURES})
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
@@ -31,10 +33,12 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
     from engine.loading.loader import rope_settings
 
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not any(a in _LLAMA_FAMILY for a in architectures) and hf_config.model_type not in _LLAMA_FAMILY.values():
+    known = {**_LLAMA_FAMILY, **MOE_ARCHITECTURES}
+    if not any(a in known for a in architectures) and hf_config.model_type not in known.values():
         raise ValueError(
             f"architecture {architectures or hf_config.model_type} is not supported; "
             f"supported: {', '.join(supported_architectures())}"
         )
     arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
-    return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer)
+    moe = moe_model(hf_config, arch, dtype, device, ops, linear, quantizer)  # Mixtral, Qwen2-MoE, Qwen3-MoE
+    return moe if moe is not None else LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer)
