@@ -58,7 +58,7 @@ class SparseMoeBlock:
                  linear: Linear, shared: Optional[SharedExpert] = None):
         if not 0 < top_k <= experts.num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
-        self.router = router  # [E, H]
+        self.router = linear.prepare(router)  # [E, H], through the model's product (batch invariant when it is)
         self.top_k = top_k
         self.renormalize = renormalize
         self.shared = shared
@@ -80,12 +80,12 @@ class SparseMoeBlock:
         extra = [self.router] + ([self.shared.gate] if self.shared is not None else [])
         return self.matrices() + extra
 
-    def route(self, x: torch.Tensor) -> Routing:
-        return select_experts(F.linear(x, self.router), self.top_k, self.renormalize)
+    def route(self, x: torch.Tensor, linear: Linear) -> Routing:
+        return select_experts(linear(x, self.router, None), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H]."""
-        routing = self.route(x)
+        routing = self.route(x, linear)
         if x.device.type == "cuda" and self.stacked is not None:
             from engine.kernels.triton.fused_moe import fused_moe
 
