@@ -1,0 +1,86 @@
+"""Mixtral, Qwen3-MoE and Qwen2-MoE: greedy tokens identical to HF transformers on tiny random checkpoints
+(fp32), alone and batched, under chunked prefill, prefix-cache hits and preemption; prompt logprobs."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from engine import SamplingParams
+from tests.engine.factories import make_tiny_model_dir
+from tests.engine.references import hf_greedy, hf_prompt_logprobs, make_llm
+from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
+
+FAMILIES = {
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8),
+    # a dense layer between sparse ones (mlp_only_layers), q/k norms, renormalised top-k
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
+                      moe_intermediate_size=48, head_dim=16, num_hidden_layers=3, mlp_only_layers=[1],
+                      norm_topk_prob=True),
+    # the shared expert and its sigmoid gate, qkv biases, top-k weights as they come (norm_topk_prob false)
+    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=6,
+                      moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def moe_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return make_tiny_model_dir(path, "llama", num_experts_per_tok=2, **FAMILIES[request.param])
+
+
+@lru_cache(maxsize=None)
+def _hf_greedy(model_dir: Path, prompt: tuple[int, ...]):
+    return hf_greedy(model_dir, prompt, NEW_TOKENS)
+
+
+def check_against_hf(model_dir, prompts, results):
+    for prompt, result in zip(prompts, results):
+        expected, expected_lps = _hf_greedy(model_dir, tuple(prompt))
+        out = result.outputs[0]
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_batch_and_alone(moe_dir, backend):
+    prompts = mixed_prompts()
+    with make_llm(moe_dir, attention_backend=backend) as llm:
+        assert type(llm.engine.runner.model).__name__ == "MoeForCausalLM"
+        check_against_hf(moe_dir, prompts, run_greedy(llm, prompts))
+        check_against_hf(moe_dir, prompts[5:6], run_greedy(llm, prompts[5:6]))
+
+
+def test_chunked_prefill_and_batch_invariant_mode(moe_dir):
+    prompts = mixed_prompts(1)
+    with make_llm(moe_dir, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        check_against_hf(moe_dir, prompts, run_greedy(llm, prompts))
+    with make_llm(moe_dir, batch_invariant=True, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        check_against_hf(moe_dir, prompts, run_greedy(llm, prompts))
+
+
+def test_prefix_cache_hits(moe_dir):
+    prompts = mixed_prompts(2, shared_prefix=21)
+    with make_llm(moe_dir, enable_prefix_caching=True) as llm:
+        results = run_greedy(llm, prompts[:2]) + run_greedy(llm, prompts[2:])
+        assert llm.engine.stats().prefix_cache_hits > 0
+    check_against_hf(moe_dir, prompts, results)
+
+
+def test_preemption(moe_dir):
+    prompts = mixed_prompts(3)
+    with make_llm(moe_dir, num_blocks=30, block_size=4, max_num_batched_tokens=64) as llm:
+        results = run_greedy(llm, prompts)
+        assert llm.engine.stats().num_preemptions > 0
+    check_against_hf(moe_dir, prompts, results)
+
+
+def test_prompt_logprobs(moe_dir):
+    prompt = mixed_prompts(4)[5]  # 33 tokens: several chunks
+    with make_llm(moe_dir, max_num_batched_tokens=16) as llm:
+        sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+        (result,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    got = [lp.logprob for lp in result.prompt_logprobs[1:]]
+    assert got == pytest.approx(hf_prompt_logprobs(moe_dir, prompt), abs=1e-4)
