@@ -99,13 +99,13 @@ class SparseMoeBlock:
         return out + torch.sigmoid(F.linear(x, shared.gate)) * dense
 
     def _grouped(self, x: torch.Tensor, routing: Routing, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
-        groups = group_by_expert(routing, self.num_experts)
+        groups = group_by_expert(routing)
         rows = x.index_select(0, groups.token_index)  # [T * top_k, H], sorted by expert
-        out_rows = torch.empty_like(rows)
+        outputs = []
         for expert, start, count in groups.segments():
             gate_up, down = self.per_expert[expert]
-            segment = rows[start : start + count]
-            out_rows[start : start + count] = linear(ops.silu_and_mul(linear(segment, gate_up, None)), down, None)
+            outputs.append(linear(ops.silu_and_mul(linear(rows[start : start + count], gate_up, None)), down, None))
+        out_rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         # HF scales each expert's output, rounded to the model's dtype, by the float32 weight, then adds
         weighted = (out_rows * groups.weights[:, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, groups.token_index, weighted)

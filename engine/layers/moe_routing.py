@@ -4,14 +4,15 @@
         softmax over all E experts in float32, the top_k largest, divided by their sum when
         `renormalize` (Mixtral always; Qwen MoE when the config's `norm_topk_prob`): HF's routers.
 
-    group_by_expert(routing, num_experts) -> ExpertGroups
+    group_by_expert(routing) -> ExpertGroups
         the T * top_k (token, expert) pairs sorted by expert id (stable: tokens ascending within an
         expert), so each expert's rows are one contiguous segment:
 
             flat pair j = t * top_k + slot          expert_ids.view(-1)[j]
             order       = argsort(expert of each pair)        [T * top_k]
             token_index = order // top_k            the token of each sorted row
-            counts[e]   = rows of expert e          segment e = rows offsets[e] .. offsets[e] + counts[e]
+            experts, counts                         the experts with rows and their row counts, ascending:
+                                                    expert experts[i] has the i-th segment, counts[i] rows
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ class Routing(NamedTuple):
 class ExpertGroups(NamedTuple):
     token_index: torch.Tensor  # [T * top_k] int64: the token of each row, rows sorted by expert
     weights: torch.Tensor  # [T * top_k] float32: each row's routing weight
-    counts: list[int]  # [E] rows per expert, on the host (which experts have work)
+    experts: list[int]  # the experts with rows, ascending (on the host: which products to run)
+    counts: list[int]  # their row counts
 
     def segments(self):
         """(expert, first row, row count) of every expert with rows, in expert order."""
         start = 0
-        for expert, count in enumerate(self.counts):
-            if count:
-                yield expert, start, count
+        for expert, count in zip(self.experts, self.counts):
+            yield expert, start, count
             start += count
 
 
@@ -49,9 +50,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return Routing(weights, expert_ids)
 
 
-def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
+def group_by_expert(routing: Routing) -> ExpertGroups:
     top_k = routing.expert_ids.shape[1]
-    flat = routing.expert_ids.reshape(-1)  # [T * top_k]
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return ExpertGroups(order // top_k, routing.weights.reshape(-1)[order], counts)
+    sorted_ids, order = torch.sort(routing.expert_ids.reshape(-1), stable=True)  # [T * top_k]
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    return ExpertGroups(order // top_k, routing.weights.reshape(-1)[order], experts.tolist(), counts.tolist())

@@ -35,6 +35,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.fused = None  # the fused decode step (layers/fused_decode.py) runs dense MLPs only
         self.moe_blocks: dict[int, SparseMoeBlock] = {}
 
+    def load_weights(self, weights) -> None:
+        if self.quantization == "gguf":  # set by the builder before loading
+            raise ValueError(f"--quantization gguf is not supported for mixture-of-experts models "
+                             f"({self.arch.model_type}): llama.cpp's stacked expert tensors have no quantized "
+                             f"product here yet; use --quantization none (the GGUF is dequantized on load)")
+        super().load_weights(weights)
+
     def _take_mlp(self, index: int, take, maybe, cat) -> dict:
         if not self.moe.is_sparse(index):
             return super()._take_mlp(index, take, maybe, cat)

@@ -105,8 +105,8 @@ def test_routing_softmax_top_k_and_renormalisation():
 def test_grouping_makes_one_contiguous_segment_per_expert():
     ids = torch.tensor([[2, 0], [0, 5], [2, 5], [1, 2]])
     weights = torch.arange(8, dtype=torch.float32).view(4, 2)
-    groups = group_by_expert(Routing(weights, ids), 6)
-    assert groups.counts == [2, 1, 3, 0, 0, 2]
+    groups = group_by_expert(Routing(weights, ids))
+    assert (groups.experts, groups.counts) == ([0, 1, 2, 5], [2, 1, 3, 2])
     assert list(groups.segments()) == [(0, 0, 2), (1, 2, 1), (2, 3, 3), (5, 6, 2)]
     assert groups.token_index.tolist() == [0, 1, 3, 0, 2, 3, 1, 2]  # tokens ascending within an expert
     assert groups.weights.tolist() == [1.0, 2.0, 6.0, 0.0, 4.0, 7.0, 3.0, 5.0]
@@ -150,3 +150,10 @@ def test_quantized_experts_are_refused_at_start_up():
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts"):
         build_model(moe_config("qwen3_moe"), torch.float32, torch.device("cpu"),
                     quantizer=WeightQuantizer("int8", None, torch.device("cpu")))
+
+
+def test_gguf_blocks_are_refused_for_moe_models():
+    model = build_model(moe_config("mixtral"), torch.float32, torch.device("cpu"))
+    model.quantization = "gguf"  # what the builder sets for --quantization gguf
+    with pytest.raises(ValueError, match="--quantization gguf is not supported for mixture-of-experts"):
+        model.load_weights([])
