@@ -1,6 +1,6 @@
 """Decode step time of a mixture of experts against a dense model with the same active parameters.
 
-    python -m benchmarks.moe_step [--dtype bfloat16] [--batches 1,8] [--layers 4] [--hidden 1024]
+    python -m benchmarks.moe_step [--dtype bfloat16] [--batches 1,8] [--layers 4] [--hidden 1024] [--threads N]
 
 Both are random-weight checkpoints written by transformers to a temporary folder and served by the engine:
 a Qwen3-MoE with 8 experts of intermediate size I, top-2 routing, and a Qwen3 whose dense MLP has
@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from benchmarks.machine import cpu_info
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = {"machine": cpu_info(), "torch_threads": torch.get_num_threads(), "dtype": args.dtype,
               "shape": {"layers": args.layers, "hidden": args.hidden, "experts": EXPERTS, "top_k": TOP_K,
                         "expert_intermediate": args.expert_intermediate,
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=20, help="steps timed per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON as well")
     return parser
 

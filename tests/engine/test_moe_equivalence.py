@@ -84,3 +84,34 @@ def test_prompt_logprobs(moe_dir):
         (result,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     got = [lp.logprob for lp in result.prompt_logprobs[1:]]
     assert got == pytest.approx(hf_prompt_logprobs(moe_dir, prompt), abs=1e-4)
+
+
+def test_experts_stored_stacked_load_as_well(moe_dir, tmp_path):
+    """transformers' in-memory layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) as a
+    checkpoint: the same tokens as the per-expert names."""
+    import json
+    import re
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((moe_dir / "config.json").read_text())
+    experts = config.get("num_local_experts") or config["num_experts"]
+    state = load_file(str(moe_dir / "model.safetensors"))
+    pattern = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+    stacked: dict[str, dict[str, list]] = {}
+    for name in [n for n in state if pattern.fullmatch(n)]:
+        prefix, index, part = pattern.fullmatch(name).groups()
+        stacked.setdefault(prefix, {}).setdefault(part, [None] * experts)[int(index)] = state.pop(name)
+    for prefix, parts in stacked.items():
+        gate, up, down = (("w1", "w3", "w2") if "w1" in parts else ("gate_proj", "up_proj", "down_proj"))
+        state[prefix + ".gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(parts[gate], parts[up])])
+        state[prefix + ".down_proj"] = torch.stack(parts[down])
+    for item in moe_dir.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = mixed_prompts()[3:6]
+    with make_llm(tmp_path) as llm:
+        check_against_hf(moe_dir, prompts, run_greedy(llm, prompts))
