@@ -71,7 +71,9 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     flat = expert_ids.reshape(-1)
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     sorted_experts = flat[order]
