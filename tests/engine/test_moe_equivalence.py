@@ -19,9 +19,11 @@ FAMILIES = {
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
                       moe_intermediate_size=48, head_dim=16, num_hidden_layers=3, mlp_only_layers=[1],
                       norm_topk_prob=True),
-    # the shared expert and its sigmoid gate, qkv biases, top-k weights as they come (norm_topk_prob false)
+    # the shared expert and its sigmoid gate, qkv biases, top-k weights as they come (norm_topk_prob false),
+    # every second layer sparse (decoder_sparse_step 2: layers 1 and 3)
     "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=6,
-                      moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False),
+                      moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False,
+                      num_hidden_layers=4, decoder_sparse_step=2),
 }
 
 
@@ -48,7 +50,8 @@ def check_against_hf(model_dir, prompts, results):
 def test_batch_and_alone(moe_dir, backend):
     prompts = mixed_prompts()
     with make_llm(moe_dir, attention_backend=backend) as llm:
-        assert type(llm.engine.runner.model).__name__ == "MoeForCausalLM"
+        model = llm.engine.runner.model
+        assert type(model).__name__ == "MoeForCausalLM" and model.moe_blocks
         check_against_hf(moe_dir, prompts, run_greedy(llm, prompts))
         check_against_hf(moe_dir, prompts[5:6], run_greedy(llm, prompts[5:6]))
 
