@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
@@ -48,7 +47,7 @@ class SharedExpert:
 
     gate_up: torch.Tensor  # [2 * I_shared, H], in the form `linear` takes
     down: torch.Tensor  # [H, I_shared], idem
-    gate: torch.Tensor  # [1, H]
+    gate: torch.Tensor  # [1, H], idem
 
 
 class SparseMoeBlock:
@@ -96,7 +95,7 @@ class SparseMoeBlock:
             return out
         shared = self.shared
         dense = linear(ops.silu_and_mul(linear(x, shared.gate_up, None)), shared.down, None)
-        return out + torch.sigmoid(F.linear(x, shared.gate)) * dense
+        return out + torch.sigmoid(linear(x, shared.gate, None)) * dense
 
     def _grouped(self, x: torch.Tensor, routing: Routing, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
         groups = group_by_expert(routing)

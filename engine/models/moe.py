@@ -58,7 +58,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             shared = SharedExpert(
                 gate_up=self._prepare(cat_rows(take(s + "gate_proj.weight"), take(s + "up_proj.weight"))),
                 down=self._prepare(take(s + "down_proj.weight")),
-                gate=_float(take(p + "shared_expert_gate.weight")),
+                gate=self.linear.prepare(_float(take(p + "shared_expert_gate.weight"))),
             )
         return SparseMoeBlock(_float(take(p + "gate.weight")), experts, moe.top_k, moe.renormalize, self.linear,
                               shared)

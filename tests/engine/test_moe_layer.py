@@ -31,7 +31,7 @@ def make_block(linear, top_k=2, renormalize=True, dtype=torch.float32, shared=Fa
     experts = ExpertWeights(gate_up.to(dtype).clone(), down.to(dtype).clone())
     shared_expert = None if shared_weights is None else SharedExpert(
         linear.prepare(shared_weights[0].to(dtype)), linear.prepare(shared_weights[1].to(dtype)),
-        shared_weights[2].to(dtype))
+        linear.prepare(shared_weights[2].to(dtype)))
     block = SparseMoeBlock(router.to(dtype), experts, top_k, renormalize, linear, shared_expert)
     return block, (router, gate_up, down, shared_weights)
 
@@ -85,7 +85,7 @@ def test_native_products_match_the_reference(cpu_kernels, dtype):
         for rows in (1, 5, 40):
             check_block(block, weights, ops, linear, dtype, rows, 2, True, tolerance)
     invariant = BatchInvariantLinear(cpu_kernels)
-    block, _ = make_block(invariant, dtype=dtype)
+    block, _ = make_block(invariant, dtype=dtype, shared=True)
     x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
     together = block.forward(x, invariant, ops)
     alone = torch.cat([block.forward(x[i : i + 1], invariant, ops) for i in range(x.shape[0])])
