@@ -85,9 +85,8 @@ class SparseMoeBlock:
     def forward(self, x: torch.Tensor, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H]."""
         routing = self.route(x, linear)
-        if x.device.type == "cuda" and self.stacked is not None:
-            from engine.kernels.triton.fused_moe import fused_moe
-
+        fused_moe = self._fused_kernel(x.device)
+        if fused_moe is not None:
             out = fused_moe(x, self.stacked.gate_up, self.stacked.down, routing.weights, routing.expert_ids)
         else:
             out = self._grouped(x, routing, linear, ops)
@@ -96,6 +95,16 @@ class SparseMoeBlock:
         shared = self.shared
         dense = linear(ops.silu_and_mul(linear(x, shared.gate_up, None)), shared.down, None)
         return out + torch.sigmoid(linear(x, shared.gate, None)) * dense
+
+    def _fused_kernel(self, device: torch.device):
+        """The grouped Triton kernel on CUDA (when Triton is installed), else None: the per-expert products."""
+        if device.type != "cuda" or self.stacked is None:
+            return None
+        try:
+            from engine.kernels.triton.fused_moe import fused_moe
+        except ImportError:  # CUDA without Triton (flash-attn serves attention): the grouped torch path
+            return None
+        return fused_moe
 
     def _grouped(self, x: torch.Tensor, routing: Routing, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
         groups = group_by_expert(routing)
