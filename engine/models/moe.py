@@ -14,19 +14,24 @@ from typing import Optional
 
 import torch
 
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
 from engine.layers.moe import ExpertWeights, SharedExpert, SparseMoeBlock
 from engine.models.llama import LlamaForCausalLM, LlamaLayerWeights
-from engine.models.moe_arch import MoeArch
+from engine.models.llama_arch import LlamaArch
+from engine.models.moe_arch import MOE_ARCHITECTURES, MoeArch
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.quantized_weight import QuantizedWeight
+from engine.quantization.weight_quantizer import WeightQuantizer
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with a `SparseMoeBlock` in place of the dense MLP of each sparse layer."""
 
-    def __init__(self, arch, moe: MoeArch, dtype: torch.dtype, device: torch.device, ops=None, linear=None,
-                 quantizer=None):
+    def __init__(self, arch: LlamaArch, moe: MoeArch, dtype: torch.dtype, device: torch.device,
+                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
+                 quantizer: Optional[WeightQuantizer] = None):
         if quantizer is not None:
             raise ValueError(f"--quantization {quantizer.method} is not supported for mixture-of-experts models "
                              f"({arch.model_type}): their experts are kept in {str(dtype).removeprefix('torch.')}")
@@ -56,7 +61,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         if moe.shared_intermediate_size is not None:
             s = p + "shared_expert."
             shared = SharedExpert(
-                gate_up=self._prepare(cat_rows(take(s + "gate_proj.weight"), take(s + "up_proj.weight"))),
+                gate_up=self._prepare(_cat_rows(take(s + "gate_proj.weight"), take(s + "up_proj.weight"))),
                 down=self._prepare(take(s + "down_proj.weight")),
                 gate=self.linear.prepare(_float(take(p + "shared_expert_gate.weight"))),
             )
@@ -74,7 +79,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             gate_up, downs = [], []
             for e in range(moe.num_experts):
                 q = f"{p}{e}."
-                gate_up.append(cat_rows(_float(take(q + gate + ".weight")), _float(take(q + up + ".weight"))))
+                gate_up.append(_cat_rows(_float(take(q + gate + ".weight")), _float(take(q + up + ".weight"))))
                 downs.append(_float(take(q + down + ".weight")))
             experts = ExpertWeights(torch.stack(gate_up), torch.stack(downs))
         intermediate, hidden = moe.expert_intermediate_size, self.arch.hidden_size
@@ -99,7 +104,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         return super().weight_bytes() + tensor_bytes([t for b in self.moe_blocks.values() for t in b.tensors()])
 
 
-def cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
+def _cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat(tensors, dim=0).contiguous()
 
 
@@ -111,10 +116,9 @@ def _float(tensor) -> torch.Tensor:
     return tensor
 
 
-def moe_model(hf_config, arch, dtype, device, ops, linear, quantizer) -> Optional[MoeForCausalLM]:
+def moe_model(hf_config, arch: LlamaArch, dtype: torch.dtype, device: torch.device, ops: Optional[TorchLayerOps],
+              linear: Optional[Linear], quantizer: Optional[WeightQuantizer]) -> Optional[MoeForCausalLM]:
     """The MoE model for a Mixtral / Qwen MoE config (None for other families)."""
-    from engine.models.moe_arch import MOE_ARCHITECTURES
-
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not any(a in MOE_ARCHITECTURES for a in architectures) and hf_config.model_type not in MOE_ARCHITECTURES.values():
         return None
