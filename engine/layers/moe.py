@@ -54,12 +54,13 @@ class SparseMoeBlock:
     """One layer's experts, router and optional shared expert; `forward` replaces the dense MLP."""
 
     def __init__(self, router: torch.Tensor, experts: ExpertWeights, top_k: int, renormalize: bool,
-                 linear: Linear, shared: Optional[SharedExpert] = None):
+                 linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False):
         if not 0 < top_k <= experts.num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
         self.router = linear.prepare(router)  # [E, H], through the model's product (batch invariant when it is)
         self.top_k = top_k
         self.renormalize = renormalize
+        self.weights_in_model_dtype = weights_in_model_dtype  # Qwen MoE rounds the top-k weights to it, Mixtral not
         self.shared = shared
         self.num_experts = experts.num_experts
         per_expert = [(linear.prepare(g), linear.prepare(d)) for g, d in zip(experts.gate_up, experts.down)]
@@ -80,7 +81,10 @@ class SparseMoeBlock:
         return self.matrices() + extra
 
     def route(self, x: torch.Tensor, linear: Linear) -> Routing:
-        return select_experts(linear(x, self.router, None), self.top_k, self.renormalize)
+        routing = select_experts(linear(x, self.router, None), self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:
+            return Routing(routing.weights.to(x.dtype), routing.expert_ids)
+        return routing
 
     def forward(self, x: torch.Tensor, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H]."""
@@ -114,7 +118,7 @@ class SparseMoeBlock:
             gate_up, down = self.per_expert[expert]
             outputs.append(linear(ops.silu_and_mul(linear(rows[start : start + count], gate_up, None)), down, None))
         out_rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        # HF scales each expert's output, rounded to the model's dtype, by the float32 weight, then adds
+        # as HF: each expert's output, rounded to the model's dtype, times its weight, rounded, then added
         weighted = (out_rows * groups.weights[:, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, groups.token_index, weighted)
 

@@ -23,13 +23,13 @@ import torch
 
 
 class Routing(NamedTuple):
-    weights: torch.Tensor  # [T, top_k] float32
+    weights: torch.Tensor  # [T, top_k] float32 (or the model's dtype where the family rounds them to it)
     expert_ids: torch.Tensor  # [T, top_k] int64
 
 
 class ExpertGroups(NamedTuple):
     token_index: torch.Tensor  # [T * top_k] int64: the token of each row, rows sorted by expert
-    weights: torch.Tensor  # [T * top_k] float32: each row's routing weight
+    weights: torch.Tensor  # [T * top_k]: each row's routing weight
     experts: list[int]  # the experts with rows, ascending (on the host: which products to run)
     counts: list[int]  # their row counts
 

@@ -66,7 +66,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 gate=self.linear.prepare(_float(take(p + "shared_expert_gate.weight"))),
             )
         return SparseMoeBlock(_float(take(p + "gate.weight")), experts, moe.top_k, moe.renormalize, self.linear,
-                              shared)
+                              shared, moe.weights_in_model_dtype)
 
     def _take_experts(self, take, maybe) -> ExpertWeights:
         moe = self.moe

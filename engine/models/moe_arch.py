@@ -30,6 +30,7 @@ class MoeArch:
     top_k: int
     expert_intermediate_size: int
     renormalize: bool  # divide the top-k probabilities by their sum
+    weights_in_model_dtype: bool  # the top-k weights rounded to the model's dtype before scaling (Qwen MoE)
     shared_intermediate_size: Optional[int]  # Qwen2-MoE's shared expert (None: none)
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE block (others are dense)
     prefix: str  # the block's name in a layer: "block_sparse_moe." (Mixtral) or "mlp."
@@ -48,6 +49,7 @@ class MoeArch:
                 top_k=config.num_experts_per_tok,
                 expert_intermediate_size=config.intermediate_size,
                 renormalize=True,
+                weights_in_model_dtype=False,
                 shared_intermediate_size=None,
                 sparse_layers=tuple(range(layers)),
                 prefix="block_sparse_moe.",
@@ -64,6 +66,7 @@ class MoeArch:
                 top_k=config.num_experts_per_tok,
                 expert_intermediate_size=config.moe_intermediate_size,
                 renormalize=bool(config.norm_topk_prob),
+                weights_in_model_dtype=True,
                 shared_intermediate_size=shared,
                 sparse_layers=sparse,
                 prefix="mlp.",
