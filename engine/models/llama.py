@@ -39,9 +39,9 @@ class LlamaLayerWeights:
     o_proj: torch.Tensor  # [hidden, heads * head_dim]
     o_bias: Optional[torch.Tensor]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: Optional[torch.Tensor]  # [2 * intermediate, hidden]; None: the layer is a mixture of experts
     gate_up_bias: Optional[torch.Tensor]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: Optional[torch.Tensor]  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
 
 
@@ -139,9 +139,15 @@ class LlamaForCausalLM:
             o_proj=prepare(take(attn + "o_proj.weight")),
             o_bias=maybe(attn + "o_proj.bias"),
             post_norm=take("post_attention_layernorm.weight"),
-            gate_up=prepare(cat(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))),
+            **self._take_mlp(index, take, maybe, cat),
+        )
+
+    def _take_mlp(self, index: int, take, maybe, cat) -> dict:
+        """The dense MLP's fields of layer `index` (a mixture of experts takes its own: models/moe.py)."""
+        return dict(
+            gate_up=self._prepare(cat(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"))),
             gate_up_bias=cat(maybe("mlp.gate_proj.bias"), maybe("mlp.up_proj.bias")),
-            down=prepare(take("mlp.down_proj.weight")),
+            down=self._prepare(take("mlp.down_proj.weight")),
             down_bias=maybe("mlp.down_proj.bias"),
         )
 
@@ -153,7 +159,8 @@ class LlamaForCausalLM:
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every matrix the forward pass reads once per step (for the bandwidth floor), as `self.linear` takes them."""
-        mats = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        mats = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                if w is not None]  # a mixture-of-experts layer has no dense MLP
         return mats + [self.lm_head]
 
     def weight_bytes(self) -> int:
@@ -175,7 +182,7 @@ class LlamaForCausalLM:
         if self.fused is not None and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend):
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         eps = self.arch.rms_norm_eps
-        linear, ops = self.linear, self.ops
+        ops = self.ops
         angles = ops.rotary_angles(positions, self.rotary)
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
@@ -185,8 +192,12 @@ class LlamaForCausalLM:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
             h = self._attention(layer, x, angles, key_cache, value_cache, metadata, backend)
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
-            h = linear(ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+            h = self._mlp(index, layer, x)
         return residual + h
+
+    def _mlp(self, index: int, layer: LlamaLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        linear = self.linear
+        return linear(self.ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden] in the model's dtype (quantized embeddings dequantized by row)."""

@@ -44,6 +44,8 @@ class LlamaArch:
             sliding_window = None
         if config.model_type == "qwen3" and not getattr(config, "use_sliding_window", False):
             sliding_window = None
+        if config.model_type in ("qwen2_moe", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
+            sliding_window = None  # qwen2_moe writes 0 there when off
         return cls(
             model_type=config.model_type,
             vocab_size=config.vocab_size,

@@ -12,6 +12,8 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
+from engine.models.moe import MoeForCausalLM
+from engine.models.moe_arch import MoeArch
 from engine.quantization.weight_quantizer import WeightQuantizer
 
 HF_FORMATS = ("safetensors", "bin")
@@ -22,7 +24,9 @@ LLAMA_FORMATS = (*HF_FORMATS, "gguf")
 class ModelFamily:
     architecture: str  # the HF `architectures` entry
     model_types: tuple[str, ...]  # config `model_type`s it is also recognised by
-    implementation: str  # "llama" (LlamaForCausalLM, the fused CPU decode step) or "decoder" (DecoderForCausalLM)
+    # "llama" (LlamaForCausalLM, the fused CPU decode step), "decoder" (DecoderForCausalLM) or "moe"
+    # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs)
+    implementation: str
     formats: tuple[str, ...]  # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load)
     features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
 
@@ -45,6 +49,12 @@ FAMILIES = (
                 ("post-norms only", "q/k RMSNorm over the whole projection")),
     ModelFamily("GraniteForCausalLM", ("granite",), "decoder", HF_FORMATS,
                 ("embedding/residual/attention multipliers", "logits_scaling")),
+    ModelFamily("MixtralForCausalLM", ("mixtral",), "moe", HF_FORMATS,
+                ("as Mistral", "top-k softmax routing, renormalised", "experts grouped, one product each")),
+    ModelFamily("Qwen2MoeForCausalLM", ("qwen2_moe",), "moe", HF_FORMATS,
+                ("as Qwen2", "shared expert with its sigmoid gate", "decoder_sparse_step / mlp_only_layers")),
+    ModelFamily("Qwen3MoeForCausalLM", ("qwen3_moe",), "moe", HF_FORMATS,
+                ("as Qwen3", "norm_topk_prob", "decoder_sparse_step / mlp_only_layers")),
 )
 
 
@@ -72,8 +82,10 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
     from engine.loading.loader import rope_settings
 
     family = family_of(hf_config)
-    if family.implementation == "llama":
+    if family.implementation in ("llama", "moe"):
         arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        if family.implementation == "moe":
+            return MoeForCausalLM(arch, MoeArch.from_hf_config(hf_config), dtype, device, ops, linear, quantizer)
         return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer)
     from engine.models.decoder import DecoderForCausalLM
     from engine.models.families import ARCH_READERS

@@ -13,6 +13,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 IMPLEMENTATIONS = {
     "llama": "`LlamaForCausalLM` (engine/models/llama.py; the fused CPU decode step)",
     "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; the unfused path)",
+    "moe": "`MoeForCausalLM` (engine/models/moe.py; experts grouped, one product each, unfused)",
 }
 FORMAT_NAMES = {"safetensors": "safetensors", "bin": "PyTorch .bin", "gguf": "GGUF (dequantized on load)"}
 

@@ -23,6 +23,10 @@
         Variable-length query chunks over cached prefixes: whole prefills, chunked prefill,
         prefix-cache hits, one-token rows.
 
+    fused_moe(x [T, H], gate_up [E, 2I, H], down [E, H, I], weights [T, k], expert_ids [T, k]) -> [T, H]
+        A mixture-of-experts MLP: the (token, expert) pairs sorted by expert into tiles of one expert
+        each, two grouped products (gate|up, then down scaled by the routing weights), summed per token.
+
 Head dims need not be powers of two (80: padded lanes are masked), nor block sizes (tiles gather
 token by token through the block table). Group sizes (H / KVH) are any integer.
 
@@ -31,9 +35,10 @@ TRITON_INTERPRET=1 before this package is imported (the kernels are decorated at
 testing only: it is orders of magnitude slower than the native CPU kernels.
 """
 
+from engine.kernels.triton.fused_moe import fused_moe
 from engine.kernels.triton.paged_attention import paged_attention
 from engine.kernels.triton.paged_decode import paged_decode
 from engine.kernels.triton.paged_prefill import paged_prefill
 from engine.kernels.triton.write_kv import write_kv
 
-__all__ = ["paged_attention", "paged_decode", "paged_prefill", "write_kv"]
+__all__ = ["fused_moe", "paged_attention", "paged_decode", "paged_prefill", "write_kv"]

@@ -1,0 +1,125 @@
+"""A mixture-of-experts MLP as two grouped Triton products over stacked expert weights (CUDA; tests run it
+on CPU tensors under Triton's interpreter).
+
+    fused_moe(x [T, H], gate_up [E, 2I, H], down [E, H, I], weights [T, k] float32, expert_ids [T, k]) -> [T, H]
+
+The T * k (token, expert) pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M,
+so every tile of BLOCK_M rows belongs to one expert (`align_rows`, plain torch on the device: no host
+sync, a CUDA graph can hold it):
+
+    pair j = t * k + slot            sorted_pairs   [j of expert 0 ..., pad, j of expert 1 ..., pad, ...]
+    tile m: rows m*BLOCK_M ..        tile_expert[m]  the expert of the tile; num_padded: where tiles end
+    pad entries hold T * k           (masked: they read nothing and write nothing)
+
+    first product   rows x[j // k]              @ gate_up[e]^T -> h1 [T*k, 2I]; silu(gate) * up -> h2 [T*k, I]
+    second product  rows h2[j]                  @ down[e]^T * weights[j] -> h3 [T*k, H]
+    out[t] = sum over the k slots of h3[t * k + slot]
+
+Each program computes one BLOCK_M x BLOCK_N tile with float32 accumulation (`ieee` for float32 inputs:
+no TF32 rounding), reading each of its expert's weight tiles once for all its rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.kernels.triton.paged_kv import dot_precision, needs_upcast
+
+
+@triton.jit
+def _grouped_product_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, tile_expert_ptr, num_padded_ptr,
+    N, K, num_pairs, a_row_divisor,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    SCALE_ROWS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)  # [BLOCK_M]: pair index, num_pairs for padding
+    valid = pairs < num_pairs
+    a_rows = (pairs // a_row_divisor).to(tl.int64)
+    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk,
+                    mask=col_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if SCALE_ROWS:
+        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
+
+
+def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int):
+    """expert_ids [T, k] -> (sorted_pairs [P_max] int32, tile_expert [P_max / block_m] int32, num_padded [1])."""
+    flat = expert_ids.reshape(-1)
+    num_pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    destination = (padded_end - padded)[sorted_experts] + rank
+    # each expert with pairs adds at most one partly filled tile
+    num_tiles = num_pairs // block_m + min(num_pairs, num_experts)
+    sorted_pairs = torch.full((num_tiles * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[destination] = order.to(torch.int32)
+    tile_starts = torch.arange(num_tiles, device=flat.device) * block_m
+    tile_expert = torch.searchsorted(padded_end, tile_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, tile_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+def _grouped_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aligned, a_row_divisor: int,
+                     weights, block_m: int) -> None:
+    sorted_pairs, tile_expert, num_padded = aligned
+    n, k = b.shape[1], b.shape[2]
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (tile_expert.shape[0], triton.cdiv(n, block_n))
+    _grouped_product_kernel[grid](
+        a, b, out, weights if weights is not None else out, sorted_pairs, tile_expert, num_padded,
+        n, k, out.shape[0], a_row_divisor,
+        *a.stride(), *b.stride(), *out.stride(),
+        SCALE_ROWS=weights is not None, UPCAST=needs_upcast(_grouped_product_kernel, a.dtype),
+        DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              expert_ids: torch.Tensor, *, block_m: int = 16) -> torch.Tensor:
+    """The experts' weighted sum for each token of x (see the module docstring)."""
+    num_tokens, top_k = expert_ids.shape
+    num_experts, intermediate = gate_up.shape[0], down.shape[2]
+    if gate_up.shape[1:] != (2 * intermediate, x.shape[1]) or down.shape[:2] != (num_experts, x.shape[1]):
+        raise ValueError(f"expert weights {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit x "
+                         f"{tuple(x.shape)}")
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    aligned = align_rows(expert_ids, num_experts, block_m)
+    h1 = x.new_empty((num_pairs, 2 * intermediate))
+    _grouped_product(x, gate_up, h1, aligned, top_k, None, block_m)
+    gate, up = h1.chunk(2, dim=-1)
+    h2 = (F.silu(gate) * up).contiguous()  # [T * k, I]
+    h3 = x.new_empty((num_pairs, x.shape[1]))
+    _grouped_product(h2, down, h3, aligned, 1, weights.reshape(-1).float().contiguous(), block_m)
+    return h3.view(num_tokens, top_k, -1).sum(dim=1)

@@ -1,0 +1,128 @@
+"""A sparse mixture-of-experts MLP: a router picks `top_k` of `E` SwiGLU experts per token.
+
+    router logits = x @ router^T                           [T, E]
+    routing       = select_experts(logits, top_k, ...)     (moe_routing.py)
+    rows          = x's tokens grouped by expert           [T * top_k, H], one segment per expert
+    expert e      = down_e(silu(gate_e(rows)) * up_e(rows)), one product per expert with rows
+    out[t]       += weight(t, e) * expert e's row of t     (index_add over the sorted rows)
+    (+ sigmoid(x @ shared_gate^T) * shared MLP(x)          Qwen2-MoE's shared expert)
+
+Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E, 2I, H] and [E, H, I].
+On CPU each expert's rows go through the model's own product (`Linear`: oneDNN's packed fp32, the native
+bf16 kernels, the batch-invariant one), so the experts run on what the dense layers run on; where that
+product reads plain weights the per-expert matrices are views of the stacked tensors, elsewhere the
+stacked tensors are dropped once each expert is packed. On CUDA the whole block runs as two grouped
+Triton products (engine/kernels/triton/fused_moe.py) over the stacked tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
+from engine.layers.moe_routing import Routing, group_by_expert, select_experts
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    gate_up: torch.Tensor  # [E, 2 * I, H]: each expert's gate rows, then its up rows
+    down: torch.Tensor  # [E, H, I]
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.shape[2]
+
+
+@dataclass(slots=True)
+class SharedExpert:
+    """Qwen2-MoE's dense expert every token goes through, scaled by a sigmoid gate of its own."""
+
+    gate_up: torch.Tensor  # [2 * I_shared, H], in the form `linear` takes
+    down: torch.Tensor  # [H, I_shared], idem
+    gate: torch.Tensor  # [1, H], idem
+
+
+class SparseMoeBlock:
+    """One layer's experts, router and optional shared expert; `forward` replaces the dense MLP."""
+
+    def __init__(self, router: torch.Tensor, experts: ExpertWeights, top_k: int, renormalize: bool,
+                 linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False):
+        if not 0 < top_k <= experts.num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
+        self.router = linear.prepare(router)  # [E, H], through the model's product (batch invariant when it is)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_model_dtype = weights_in_model_dtype  # Qwen MoE rounds the top-k weights to it, Mixtral not
+        self.shared = shared
+        self.num_experts = experts.num_experts
+        per_expert = [(linear.prepare(g), linear.prepare(d)) for g, d in zip(experts.gate_up, experts.down)]
+        views = all(_is_view(g, gate_up) and _is_view(d, down)
+                    for (g, d), gate_up, down in zip(per_expert, experts.gate_up, experts.down))
+        # the stacked tensors stay only when the per-expert forms are their views (no second copy)
+        self.stacked: Optional[ExpertWeights] = experts if views else None
+        self.per_expert = per_expert  # [(gate_up [2I, H], down [H, I]) in `linear`'s form] per expert
+
+    def matrices(self) -> list:
+        """Every matrix the block may read (all experts'), as its product takes them."""
+        mats = [m for pair in self.per_expert for m in pair]
+        return mats + ([self.shared.gate_up, self.shared.down] if self.shared is not None else [])
+
+    def tensors(self) -> list:
+        """Everything it stores, for its memory."""
+        extra = [self.router] + ([self.shared.gate] if self.shared is not None else [])
+        return self.matrices() + extra
+
+    def route(self, x: torch.Tensor, linear: Linear) -> Routing:
+        routing = select_experts(linear(x, self.router, None), self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:
+            return Routing(routing.weights.to(x.dtype), routing.expert_ids)
+        return routing
+
+    def forward(self, x: torch.Tensor, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
+        """x [T, H] (normed) -> [T, H]."""
+        routing = self.route(x, linear)
+        fused_moe = self._fused_kernel(x.device)
+        if fused_moe is not None:
+            out = fused_moe(x, self.stacked.gate_up, self.stacked.down, routing.weights, routing.expert_ids)
+        else:
+            out = self._grouped(x, routing, linear, ops)
+        if self.shared is None:
+            return out
+        shared = self.shared
+        dense = linear(ops.silu_and_mul(linear(x, shared.gate_up, None)), shared.down, None)
+        return out + torch.sigmoid(linear(x, shared.gate, None)) * dense
+
+    def _fused_kernel(self, device: torch.device):
+        """The grouped Triton kernel on CUDA (when Triton is installed), else None: the per-expert products."""
+        if device.type != "cuda" or self.stacked is None:
+            return None
+        try:
+            from engine.kernels.triton.fused_moe import fused_moe
+        except ImportError:  # CUDA without Triton (flash-attn serves attention): the grouped torch path
+            return None
+        return fused_moe
+
+    def _grouped(self, x: torch.Tensor, routing: Routing, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
+        groups = group_by_expert(routing)
+        rows = x.index_select(0, groups.token_index)  # [T * top_k, H], sorted by expert
+        outputs = []
+        for expert, start, count in groups.segments():
+            gate_up, down = self.per_expert[expert]
+            outputs.append(linear(ops.silu_and_mul(linear(rows[start : start + count], gate_up, None)), down, None))
+        out_rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        # as HF: each expert's output, rounded to the model's dtype, times its weight, rounded, then added
+        weighted = (out_rows * groups.weights[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, groups.token_index, weighted)
+
+
+def _is_view(form, row: torch.Tensor) -> bool:
+    """Whether a prepared expert matrix is the stacked tensor's own row (a plain tensor sharing its memory)."""
+    return isinstance(form, torch.Tensor) and not form.is_mkldnn and form.data_ptr() == row.data_ptr()

@@ -1,0 +1,57 @@
+"""Which experts each token goes to, and the token rows grouped by expert.
+
+    select_experts(router_logits [T, E], top_k, renormalize) -> Routing
+        softmax over all E experts in float32, the top_k largest, divided by their sum when
+        `renormalize` (Mixtral always; Qwen MoE when the config's `norm_topk_prob`): HF's routers.
+
+    group_by_expert(routing) -> ExpertGroups
+        the T * top_k (token, expert) pairs sorted by expert id (stable: tokens ascending within an
+        expert), so each expert's rows are one contiguous segment:
+
+            flat pair j = t * top_k + slot          expert_ids.view(-1)[j]
+            order       = argsort(expert of each pair)        [T * top_k]
+            token_index = order // top_k            the token of each sorted row
+            experts, counts                         the experts with rows and their row counts, ascending:
+                                                    expert experts[i] has the i-th segment, counts[i] rows
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # [T, top_k] float32 (or the model's dtype where the family rounds them to it)
+    expert_ids: torch.Tensor  # [T, top_k] int64
+
+
+class ExpertGroups(NamedTuple):
+    token_index: torch.Tensor  # [T * top_k] int64: the token of each row, rows sorted by expert
+    weights: torch.Tensor  # [T * top_k]: each row's routing weight
+    experts: list[int]  # the experts with rows, ascending (on the host: which products to run)
+    counts: list[int]  # their row counts
+
+    def segments(self):
+        """(expert, first row, row count) of every expert with rows, in expert order."""
+        start = 0
+        for expert, count in zip(self.experts, self.counts):
+            yield expert, start, count
+            start += count
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """router_logits [T, E] -> the top_k experts of each token and their weights."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)  # [T, top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights, expert_ids)
+
+
+def group_by_expert(routing: Routing) -> ExpertGroups:
+    top_k = routing.expert_ids.shape[1]
+    sorted_ids, order = torch.sort(routing.expert_ids.reshape(-1), stable=True)  # [T * top_k]
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    return ExpertGroups(order // top_k, routing.weights.reshape(-1)[order], experts.tolist(), counts.tolist())
