@@ -69,13 +69,15 @@ class FusedDecode:
         arch, rotary = model.arch, model.rotary
         if self._weights is None:
             self._weights = _weight_table(model)
-        if self._caches_of is not kv_caches:
+        if self._caches is None or self._caches_of is not kv_caches:
             self._caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             self._caches_of = kv_caches
+        key_caches, value_caches = self._caches
+        tables, lens = metadata.decodes()
         residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
         h = self.kernels.decode_layers(
-            residual, self._weights, *self._caches, positions, rotary.cos, rotary.sin_signed, metadata.slot_mapping,
-            metadata.decode_block_tables, metadata.decode_context_lens, arch.num_heads, arch.intermediate_size,
+            residual, self._weights, key_caches, value_caches, positions, rotary.cos, rotary.sin_signed,
+            metadata.slot_mapping, tables, lens, arch.num_heads, arch.intermediate_size,
             arch.rms_norm_eps, model.scale)
         return residual + h
 

@@ -17,13 +17,13 @@ Measured in docs/performance.md ("Products on CPU").
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
 from engine.kernels.cpu import CpuKernels
-from engine.layers.linear import Linear, quantized_product
+from engine.layers.linear import Linear, Weight, quantized_product
 from engine.quantization.quantized_weight import QuantizedWeight
 
 class BatchInvariantLinear(Linear):
@@ -34,7 +34,10 @@ class BatchInvariantLinear(Linear):
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
 
-    def prepare(self, weight: torch.Tensor) -> PackedWeight:
+    def prepare(self, weight: Weight) -> Any:
+        if isinstance(weight, QuantizedWeight):
+            raise ValueError("the batch-invariant product multiplies float weights (quantization is refused with "
+                             "batch invariance at build)")
         return pack_invariant_weight(weight.contiguous())
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:

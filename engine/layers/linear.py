@@ -18,7 +18,7 @@ multiplies with `invariant_linear.BatchInvariantLinear` instead.)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,11 @@ from engine.quantization.quantized_weight import QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.kernels.cpu import CpuKernels
+
+Weight = Union[torch.Tensor, QuantizedWeight]
+"""A projection's weight as loaded: a float [out, in] matrix or a quantized one. Each Linear's `prepare` turns it
+into the form its own `__call__` takes (a tensor, a oneDNN-packed tensor, column blocks, a quantized weight's
+product form), typed Any here since only that Linear knows it."""
 
 PACK_BATCH_HINT = 64
 """The row count oneDNN picks the packed layout for (any row count works; decode batches are the target)."""
@@ -66,11 +71,11 @@ class Linear:
 
     name = "torch"
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: Weight) -> Any:
         """The form of a [out, in] weight that `__call__` takes (here: itself; a quantized weight's own)."""
         return weight.for_products() if isinstance(weight, QuantizedWeight) else weight
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return quantized_product(x, weight, bias)
         if x.device.type == "cpu":
@@ -83,7 +88,7 @@ class PackedOneDnnLinear(Linear):
 
     name = "onednn-packed"
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: Weight) -> Any:
         if isinstance(weight, QuantizedWeight):
             return weight.for_products()
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
@@ -119,7 +124,7 @@ class GemvLinear(Linear):
         self.kernels = kernels
         self.max_rows = max_rows
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: Weight) -> Any:
         return weight.for_products() if isinstance(weight, QuantizedWeight) else weight.contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

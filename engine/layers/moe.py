@@ -90,7 +90,7 @@ class SparseMoeBlock:
         """x [T, H] (normed) -> [T, H]."""
         routing = self.route(x, linear)
         fused_moe = self._fused_kernel(x.device)
-        if fused_moe is not None:
+        if fused_moe is not None and self.stacked is not None:
             out = fused_moe(x, self.stacked.gate_up, self.stacked.down, routing.weights, routing.expert_ids)
         else:
             out = self._grouped(x, routing, linear, ops)

@@ -28,7 +28,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
     check_rope_scaling(scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = rope_type_of(scaling)
-    if rope_type == "default":
+    if scaling is None or rope_type == "default":
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
@@ -42,7 +42,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
 def attention_factor(scaling: Optional[dict], max_position_embeddings: Optional[int] = None) -> float:
     """What cos and sin are multiplied by (YaRN's and LongRoPE's attention scaling; 1 otherwise)."""
     rope_type = rope_type_of(scaling)
-    if rope_type not in ("yarn", "longrope"):
+    if scaling is None or rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -121,7 +121,7 @@ class RotaryEmbedding:
         inv_freq = inverse_frequencies(head_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        if rope_type_of(scaling) == "longrope":
+        if scaling is not None and rope_type_of(scaling) == "longrope":
             # positions past the original context turn at the long factors' speeds. HF switches a whole forward
             # pass to them once any position passes it (so a prompt's early tokens change with its length); per
             # position, a token's rotation never depends on the tokens after it or on the batch.

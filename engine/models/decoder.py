@@ -13,7 +13,7 @@ is written for Llama's layer and stays with LlamaForCausalLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +32,15 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 @dataclass(slots=True)
 class DecoderLayerWeights:
     norms: dict[str, torch.Tensor]  # role (NORM_ROLES) -> [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Any  # [(heads + 2 * kv_heads) * head_dim, hidden]; projections as the Linear prepared them
     qkv_bias: Optional[torch.Tensor]
     q_norm: Optional[torch.Tensor]  # [head_dim] per head, or [heads * head_dim] over the projection
     k_norm: Optional[torch.Tensor]
-    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    o_proj: Any  # [hidden, heads * head_dim]
     o_bias: Optional[torch.Tensor]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: Any  # [2 * intermediate, hidden]
     gate_up_bias: Optional[torch.Tensor]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: Any  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
 
 
@@ -48,6 +48,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
     """Gemma 2/3, Phi-3, OLMo 2, Granite: the forward pass of `DecoderArch`'s recipe."""
 
     arch: DecoderArch
+    layers: list[DecoderLayerWeights]  # type: ignore[assignment]  # its own layers: norms by role
 
     def __init__(self, arch: DecoderArch, dtype: torch.dtype, device: torch.device,
                  ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
@@ -66,7 +67,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._folded(weights) if self.arch.norm_offset else self._plain(weights))
 
     def _plain(self, weights: Iterable[tuple[str, torch.Tensor]]):
@@ -82,7 +83,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         for name, tensor in self._plain(weights):
             yield name, (tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
 
-    def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+    def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:  # type: ignore[override]
         p = f"layers.{index}."
 
         def take(name: str) -> torch.Tensor:
@@ -101,7 +102,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
         def biases(parts: tuple[str, ...]) -> Optional[torch.Tensor]:
             found = [maybe(part + ".bias") for part in parts]
-            return None if found[0] is None else torch.cat(found).contiguous()
+            present = [bias for bias in found if bias is not None]
+            if not present:
+                return None
+            if len(present) < len(found):
+                raise ValueError(f"checkpoint has biases for some of {', '.join(parts)} only")
+            return torch.cat(present).contiguous()
 
         attn, mlp = "self_attn.", "mlp."
         qkv_parts = tuple(attn + name for name in ("q_proj", "k_proj", "v_proj"))
@@ -146,8 +152,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             rope = arch.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
-            x = self._attention(layer, x, self.rotaries[rope], angles[rope], key_cache, value_cache, metadata,
-                                backend, arch.layer_attention[index])
+            x = self._layer_attention(layer, x, self.rotaries[rope], angles[rope], key_cache, value_cache, metadata,
+                                      backend, arch.layer_attention[index])
             h = self._add(h, self._norm(x, layer, "attn_post"))
             x = linear(self._norm(h, layer, "mlp_pre"), layer.gate_up, layer.gate_up_bias)
             x = linear(self._activate(x), layer.down, layer.down_bias)
@@ -168,20 +174,23 @@ class DecoderForCausalLM(LlamaForCausalLM):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
-    def _attention(self, layer: DecoderLayerWeights, x, rotary: RotaryEmbedding, angles, key_cache, value_cache,
-                   metadata: AttentionMetadata, backend: AttentionBackend,
-                   attention: LayerAttention) -> torch.Tensor:
+    def _layer_attention(self, layer: DecoderLayerWeights, x, rotary: RotaryEmbedding, angles, key_cache,
+                         value_cache, metadata: AttentionMetadata, backend: AttentionBackend,
+                         attention: LayerAttention) -> torch.Tensor:
         arch, ops = self.arch, self.ops
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         eps = arch.rms_norm_eps
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
         q, k = qkv[:, : arch.q_size], qkv[:, arch.q_size : arch.q_size + arch.kv_size]
-        if arch.qk_norm == "projection":  # over all heads at once, before they are split
-            q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
-        elif arch.qk_norm == "head":
-            q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, eps)
-            k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, eps)
+        if arch.qk_norm is not None:
+            q_norm, k_norm = layer.q_norm, layer.k_norm
+            assert q_norm is not None and k_norm is not None  # an arch with q/k norms: the loader took both
+            if arch.qk_norm == "projection":  # over all heads at once, before they are split
+                q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+            else:  # "head": each head's
+                q = ops.rms_norm(q.reshape(-1, head_dim), q_norm, eps)
+                k = ops.rms_norm(k.reshape(-1, head_dim), k_norm, eps)
         qk = torch.cat([q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)], dim=1)
         qk = ops.rotary(qk, angles, rotary)
         query, key = qk[:, :heads], qk[:, heads:]

@@ -154,7 +154,7 @@ def _refuse_bidirectional(config: Any) -> None:
 
 
 def _activation(config: Any) -> str:
-    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
 
 
 def _gelu_tanh(config: Any) -> str:

@@ -8,7 +8,7 @@ layer costs few operator calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +31,19 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 
 @dataclass(slots=True)
 class LlamaLayerWeights:
+    # The projections (qkv, o_proj, gate_up, down) are held in the form the model's Linear prepared (a tensor,
+    # a packed or quantized matrix): typed Any, as Linear.prepare's result is.
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Any  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: Optional[torch.Tensor]
     q_norm: Optional[torch.Tensor]  # [head_dim] (qwen3)
     k_norm: Optional[torch.Tensor]
-    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    o_proj: Any  # [hidden, heads * head_dim]
     o_bias: Optional[torch.Tensor]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Optional[torch.Tensor]  # [2 * intermediate, hidden]; None: the layer is a mixture of experts
+    gate_up: Any  # [2 * intermediate, hidden]; None: the layer is a mixture of experts
     gate_up_bias: Optional[torch.Tensor]
-    down: Optional[torch.Tensor]  # [hidden, intermediate]
+    down: Any  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
 
 
@@ -65,9 +67,11 @@ class LlamaForCausalLM:
         self.fused: Optional[FusedDecode] = None  # small decode steps in one native call (cpu backend, bf16, plain or gguf)
         if isinstance(self.linear, (GemvLinear, ColumnBlockLinear)) and isinstance(self.ops, NativeLayerOps):
             self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
-        self.embed: Optional[torch.Tensor] = None  # [vocab, hidden]
-        self.final_norm: Optional[torch.Tensor] = None
-        self.lm_head: Optional[torch.Tensor] = None  # [vocab, hidden]
+        # Set by load_weights (an empty model until then). embed and lm_head: a tensor, or the quantized or packed
+        # matrix the products take.
+        self.embed: Any = None  # [vocab, hidden]
+        self.final_norm: Any = None  # [hidden]
+        self.lm_head: Any = None  # [vocab, hidden]
         self.layers: list[LlamaLayerWeights] = []
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
 
@@ -78,18 +82,18 @@ class LlamaForCausalLM:
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]) -> None:
         """Take HF state-dict names and tensors; fuse q|k|v and gate|up."""
         arch = self.arch
-        state = {}
+        state: dict[str, Any] = {}
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model."):]
             if "rotary_emb" in name:
                 continue
             # quantized matrices keep their own storage: GGUF blocks (on CPU), AWQ groups until `_prepare`
-            quantized = isinstance(tensor, (QuantizedWeight, Int4Groups))
-            state[name] = tensor if quantized else tensor.to(dtype=self.dtype, device=self.device)
+            state[name] = tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype,
+                                                                                         device=self.device)
         take = state.pop
         self.embed = take("embed_tokens.weight")
         self.final_norm = take("norm.weight")
@@ -119,7 +123,7 @@ class LlamaForCausalLM:
         def maybe(name: str) -> Optional[torch.Tensor]:
             return state.pop(p + name, None)
 
-        def cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def cat(*tensors: Any) -> Any:  # tensors, GGUF blocks or AWQ groups: fused in their own storage
             if tensors[0] is None:
                 return None
             if isinstance(tensors[0], Int4Groups):
@@ -215,7 +219,7 @@ class LlamaForCausalLM:
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
         qkv = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim)
-        if layer.q_norm is None:
+        if layer.q_norm is None or layer.k_norm is None:  # (a family has both or neither)
             qk = qkv[:, : heads + kv_heads]  # [T, heads + kv_heads, head_dim]
         else:
             eps = arch.rms_norm_eps
