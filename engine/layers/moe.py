@@ -14,8 +14,8 @@ On CPU each expert's rows go through the model's own product (`Linear`: oneDNN's
 bf16 kernels, the batch-invariant one), so the experts run on what the dense layers run on; where that
 product reads plain weights the per-expert matrices are views of the stacked tensors, elsewhere the
 stacked tensors are dropped once each expert is packed. On CUDA the whole block runs as two grouped
-Triton products (engine/kernels/triton/fused_moe.py) over the stacked tensors; a block with expert biases or
-another activation than SwiGLU runs the per-expert products there too.
+Triton products (engine/kernels/triton/fused_moe.py) over the stacked tensors (their biases and the activation
+included).
 """
 
 from __future__ import annotations
@@ -110,7 +110,10 @@ class SparseMoeBlock:
         routing = self.route(x, linear)
         fused_moe = self._fused_kernel(x.device)
         if fused_moe is not None:
-            out = fused_moe(x, self.stacked.gate_up, self.stacked.down, routing.weights, routing.expert_ids)
+            stacked = self.stacked
+            assert stacked is not None  # _fused_kernel gives a kernel only where the stacked tensors are kept
+            out = fused_moe(x, stacked.gate_up, stacked.down, routing.weights, routing.expert_ids,
+                            gate_up_bias=stacked.gate_up_bias, down_bias=stacked.down_bias, activation=self.activation)
         else:
             out = self._grouped(x, routing, linear, ops)
         if self.shared is None:
@@ -123,8 +126,6 @@ class SparseMoeBlock:
         """The grouped Triton kernel on CUDA (when Triton is installed), else None: the per-expert products."""
         if device.type != "cuda" or self.stacked is None:
             return None
-        if self.activation is not None or self.stacked.gate_up_bias is not None:
-            return None  # the grouped kernel computes SwiGLU experts without biases
         try:
             from engine.kernels.triton.fused_moe import fused_moe
         except ImportError:  # CUDA without Triton (flash-attn serves attention): the grouped torch path
