@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.layer_attention import FEATURES, LayerAttention
+from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
 from engine.attention.metadata import AttentionMetadata, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -19,7 +19,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     cuda_graphs = False  # CPU only
     split_sequences = True  # the kernel may split a long sequence across threads when the batch is small
-    attention_features = FEATURES  # the decode kernel starts each sequence at its window and caps its scores
+    # the decode kernel starts each sequence at its window, caps its scores, adds the sinks to its denominators
+    attention_features = (*FEATURES, SINKS)
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
@@ -38,5 +39,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tables, lens = metadata.decodes()
         out = self.kernels.paged_decode(query.to(key_cache.dtype).contiguous(), key_cache, value_cache,
                                         tables, lens, layer.scale,
-                                        self.split_sequences, window=layer.sliding_window, softcap=layer.softcap)
+                                        self.split_sequences, window=layer.sliding_window, softcap=layer.softcap,
+                                        sinks=layer.sinks)
         return out.to(query.dtype)

@@ -30,7 +30,7 @@ import torch
 
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.kv_write import write_kv_by_slots
-from engine.attention.layer_attention import SLIDING_WINDOW, SOFTCAP, LayerAttention
+from engine.attention.layer_attention import SINKS, SLIDING_WINDOW, SOFTCAP, LayerAttention
 from engine.attention.probe import probe_backend
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCacheSpec
@@ -55,6 +55,7 @@ class FlashKernel:
     takes_max_seqlen_q: bool = True  # early flash-attn 4 releases had no max_seqlen_q argument
     takes_window: bool = True  # window_size= (flash-attn 2 since 2.3)
     takes_softcap: bool = True  # softcap= (flash-attn 2 since 2.6)
+    takes_sinks: bool = False  # learnable_sink= (flash-attn 4's cute interface; never flash-attn 2)
 
     @property
     def label(self) -> str:
@@ -178,9 +179,11 @@ def _import_flash_attn_2(reasons: list[str]) -> Optional[FlashKernel]:
 
 
 def _layer_options(params: Optional[frozenset[str]]) -> dict[str, bool]:
-    """Whether the varlen function takes a sliding window and a soft-cap (no signature: trusted)."""
+    """Whether the varlen function takes a sliding window and a soft-cap (no signature: trusted), and attention
+    sinks (only when its signature names `learnable_sink`: no release is assumed to)."""
     return {"takes_window": params is None or "window_size" in params,
-            "takes_softcap": params is None or "softcap" in params}
+            "takes_softcap": params is None or "softcap" in params,
+            "takes_sinks": params is not None and "learnable_sink" in params}
 
 
 def _import_function(module_name: str, attribute: str, label: str, reasons: list[str]) -> Optional[Callable]:
@@ -255,7 +258,8 @@ class FlashAttentionBackend:
         self.kernel = kernel
         self.name = f"flash ({kernel.label})"
         self.attention_features = tuple(feature for feature, taken in ((SLIDING_WINDOW, kernel.takes_window),
-                                                                       (SOFTCAP, kernel.takes_softcap)) if taken)
+                                                                       (SOFTCAP, kernel.takes_softcap),
+                                                                       (SINKS, kernel.takes_sinks)) if taken)
         self._cu_seqlens_k: Optional[torch.Tensor] = None  # flash-attn 2: [capacity + 1] int32, grown on demand
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -311,10 +315,13 @@ class FlashAttentionBackend:
 
 
 def _layer_arguments(layer: LayerAttention) -> dict:
-    """flash-attn's keyword arguments for the layer's window and soft-cap (both generations name them alike)."""
+    """flash-attn's keyword arguments for the layer's window and soft-cap (both generations name them alike), and
+    its sinks (flash-attn 4's `learnable_sink`, which it takes in bfloat16 only: the dtype flash serves anyway)."""
     arguments: dict = {}
     if layer.sliding_window is not None:
         arguments["window_size"] = (layer.sliding_window - 1, 0)
     if layer.softcap is not None:
         arguments["softcap"] = layer.softcap
+    if layer.sinks is not None:
+        arguments["learnable_sink"] = layer.sinks.to(torch.bfloat16)
     return arguments

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.kv_write import write_kv_by_slots
-from engine.attention.layer_attention import FEATURES, LayerAttention
+from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KV_CACHE_DTYPES, KVCacheSpec, from_cache, select_blocks
@@ -19,7 +19,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     cuda_graphs = False  # its metadata is shaped by host values (per-request chunks, the decode width)
-    attention_features = FEATURES  # windows and soft-caps as masks and a tanh on the scores
+    attention_features = (*FEATURES, SINKS)  # windows and soft-caps as masks and a tanh; sinks as a column
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return tuple(KV_CACHE_DTYPES.values())  # converted on read (from_cache), fp8 with its scale
@@ -95,8 +95,9 @@ class TorchAttentionBackend:
         pairs = torch.bmm(query, keys.view(batch, max_len * num_kv_heads, head_dim).transpose(1, 2))
         # [B, heads, max_len * kv_heads] -> [B, kv_heads, group, max_len]
         scores = torch.diagonal(pairs.view(batch, num_kv_heads, group, max_len, num_kv_heads), dim1=1, dim2=4)
-        scores = biased_scores(scores.permute(0, 3, 1, 2), bias, layer)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(batch, num_heads, max_len)
+        scores = biased_scores(scores.permute(0, 3, 1, 2), bias, layer)  # [B, kv_heads, group, max_len]
+        probs = softmax_probs(scores, layer, (1, num_kv_heads, group, 1)).to(query.dtype)
+        probs = probs.view(batch, num_heads, max_len)
         out = torch.bmm(probs, values.view(batch, max_len, num_kv_heads * head_dim))  # [B, heads, kv_heads * hd]
         out = torch.diagonal(out.view(batch, num_kv_heads, group, num_kv_heads, head_dim), dim1=1, dim2=3)
         return out.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
@@ -112,7 +113,7 @@ class TorchAttentionBackend:
         for k in range(num_kv_heads):
             torch.bmm(q[:, k], keys[:, :, k].transpose(1, 2), out=scores[:, k])
         scores = biased_scores(scores, bias, layer)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        probs = softmax_probs(scores, layer, (1, num_kv_heads, group, 1)).to(query.dtype)
         out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=query.dtype, device=query.device)
         for k in range(num_kv_heads):
             torch.bmm(probs[:, k], values[:, :, k], out=out[:, k])
@@ -128,7 +129,7 @@ class TorchAttentionBackend:
         # 4-D [1, heads, len, head_dim] views: SDPA's fused CPU kernel takes those (3-D ones fall back to
         # the unfused math path, 1.8x slower here).
         q = query.transpose(0, 1).unsqueeze(0)
-        plain = layer.sliding_window is None and layer.softcap is None
+        plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
         if chunk.context_len == chunk.query_len:
             k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
             if plain:
@@ -148,14 +149,14 @@ class TorchAttentionBackend:
         mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
         if layer.sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - layer.sliding_window
-        if layer.softcap is None:
+        if layer.softcap is None and layer.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
-        else:  # SDPA has no soft-cap: the scores in full
+        else:  # SDPA has no soft-cap and no sinks: the scores in full
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
             scores = biased_scores(q @ k.transpose(-1, -2), bias, layer)
-            out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+            out = softmax_probs(scores, layer, (1, q.shape[1], 1, 1)).to(q.dtype) @ v
         return out[0].transpose(0, 1)
 
 
@@ -164,3 +165,14 @@ def biased_scores(raw: torch.Tensor, bias: torch.Tensor, layer: LayerAttention) 
     if layer.softcap is None:
         return torch.add(bias, raw, alpha=layer.scale)
     return bias + torch.tanh(raw * layer.scale / layer.softcap) * layer.softcap
+
+
+def softmax_probs(scores: torch.Tensor, layer: LayerAttention, sinks_shape: tuple[int, ...]) -> torch.Tensor:
+    """The softmax of the scores over the last dimension, in float32; with attention sinks, each head's sink
+    logit (`layer.sinks` viewed as `sinks_shape` against the scores) joins the denominator as one more column,
+    dropped after: the keys' probabilities then sum to less than 1."""
+    if layer.sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sinks = layer.sinks.to(device=scores.device, dtype=torch.float32).view(sinks_shape)
+    column = sinks.expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores.float(), column], dim=-1), dim=-1)[..., :-1]

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from engine.attention.layer_attention import FEATURES, LayerAttention
+from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCacheSpec
 
@@ -22,7 +22,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     cuda_graphs = True  # the metadata is the step's device views; the decode grid comes from their shapes
-    attention_features = FEATURES  # windows and soft-caps are constexpr variants of the kernels
+    attention_features = (*FEATURES, SINKS)  # windows, soft-caps and sinks are constexpr variants of the kernels
 
     def __init__(self):
         from engine.kernels import triton as kernels  # imported (and decorated) only when chosen
@@ -43,7 +43,7 @@ class TritonAttentionBackend:
         out = self._kernels.paged_attention(query.to(key_cache.dtype), key_cache, value_cache,
                                             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
                                             layer.scale, metadata.max_query_len, window=layer.sliding_window,
-                                            softcap=layer.softcap)
+                                            softcap=layer.softcap, sinks=layer.sinks)
         return out.to(query.dtype)
 
 

@@ -172,11 +172,13 @@ class CpuKernels:
         *,
         window: Optional[int] = None,
         softcap: Optional[float] = None,
+        sinks: Optional[torch.Tensor] = None,  # [num_heads]: each head's sink logit (float32 or not)
     ) -> torch.Tensor:
         """Attention of one query per sequence over its cached tokens (the new token included). `split`: with
         few sequences, long ones may be split across threads and merged (faster; the sums grouped by the
         batch's shape and the thread count); False keeps each row's result independent of both. `window`: only
-        the last `window` tokens of each sequence are seen; `softcap`: scores capped by softcap * tanh(s / softcap)."""
+        the last `window` tokens of each sequence are seen; `softcap`: scores capped by softcap * tanh(s / softcap);
+        `sinks`: each head's logit joins the softmax's denominator (no value)."""
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -190,8 +192,12 @@ class CpuKernels:
             raise ValueError("query and caches must share one dtype")
         if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
             raise ValueError(f"window must be >= 1 and softcap > 0, got {window} and {softcap}")
+        if sinks is not None:
+            if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
+                raise ValueError(f"sinks must be [{num_heads}] on the CPU, got {tuple(sinks.shape)}")
+            sinks = sinks.to(torch.float32).contiguous()
         return self._ops.cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                                          int(split), window or 0, softcap or 0.0,
+                                          int(split), window or 0, softcap or 0.0, sinks,
                                           self._function("paged_decode", query.dtype))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -308,8 +314,11 @@ def _self_check(kernels: CpuKernels) -> None:
     query = torch.randn(2, heads, head_dim, generator=generator)
     tables = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=torch.int32)
     lens = torch.tensor([9, 4], dtype=torch.int32)
-    for window, softcap in ((None, None), (5, 1.5)):  # plain, and a sliding window with soft-capped scores
-        got = kernels.paged_decode(query, keys, values, tables, lens, 0.5, window=window, softcap=softcap)
+    sinks = torch.randn(heads, generator=generator)
+    # plain; a sliding window with soft-capped scores; and with attention sinks
+    for window, softcap, sink in ((None, None, None), (5, 1.5, None), (5, 1.5, sinks)):
+        got = kernels.paged_decode(query, keys, values, tables, lens, 0.5, window=window, softcap=softcap,
+                                   sinks=sink)
         for seq in range(2):
             first = 0 if window is None else max(0, int(lens[seq]) - window)
             k = keys[tables[seq]].reshape(-1, kv_heads, head_dim)[first: lens[seq]].repeat_interleave(heads // kv_heads, 1)
@@ -317,7 +326,10 @@ def _self_check(kernels: CpuKernels) -> None:
             scores = torch.einsum("hd,thd->ht", query[seq], k) * 0.5
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
-            expected = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v)
+            if sink is not None:  # one more column in the softmax, dropped after
+                scores = torch.cat([scores, sink[:, None]], dim=1)
+            probs = torch.softmax(scores, dim=-1)[:, : k.shape[0]]
+            expected = torch.einsum("ht,thd->hd", probs, v)
             if not torch.allclose(got[seq], expected, atol=1e-5, rtol=1e-4):
                 raise RuntimeError(f"{kernels.path} failed its self-check against torch")
     kernels.invariant_product_ok = _invariant_product_ok(kernels, generator)

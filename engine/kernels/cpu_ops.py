@@ -3,7 +3,7 @@ through them (each has a fake implementation giving its output's shape) and the 
 arguments each one writes.
 
     cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, split, window, softcap,
-                     fn) -> out                                     window 0 / softcap 0.0: none
+                     sinks?, fn) -> out                             window 0 / softcap 0.0 / sinks None: none
     cpu_rms_norm(x, weight, eps, fn) -> out
     cpu_add_rms_norm(x, residual!, weight, eps, fn) -> out         residual += x, in place
     cpu_silu_and_mul(gate_up, fn) -> out
@@ -28,7 +28,7 @@ import torch
 
 SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "paged_decode": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
-                                                                    ctypes.c_float],
+                                                                    ctypes.c_float, ctypes.c_void_p],
     "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
@@ -72,13 +72,15 @@ def _define(name: str, schema: str, kernel, fake) -> None:
     torch.library.register_fake(qualname, fake)
 
 
-def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, split, window, softcap, fn):
+def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, split, window, softcap,
+                  sinks: Optional[torch.Tensor], fn):
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
     _call("paged_decode", fn, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
           block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-          head_dim, block_size, block_tables.shape[1], scale, split, window, softcap)
+          head_dim, block_size, block_tables.shape[1], scale, split, window, softcap,
+          None if sinks is None else sinks.data_ptr())
     return out
 
 
@@ -146,7 +148,8 @@ def _like_first(x, *args):
 
 
 _define("cpu_paged_decode", "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int split, int window, float softcap, int fn) -> Tensor", _paged_decode,
+        "Tensor context_lens, float scale, int split, int window, float softcap, Tensor? sinks, int fn) -> Tensor",
+        _paged_decode,
         _like_first)
 _define("cpu_rms_norm", "(Tensor x, Tensor weight, float eps, int fn) -> Tensor", _rms_norm, _like_first)
 _define("cpu_add_rms_norm", "(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int fn) -> Tensor",

@@ -4,15 +4,18 @@
     routing       = select_experts(logits, top_k, ...)     (moe_routing.py)
     rows          = x's tokens grouped by expert           [T * top_k, H], one segment per expert
     expert e      = down_e(silu(gate_e(rows)) * up_e(rows)), one product per expert with rows
+                    (GPT-OSS: biases on both products and its clamped SwiGLU, clamped_swiglu.py)
     out[t]       += weight(t, e) * expert e's row of t     (index_add over the sorted rows)
     (+ sigmoid(x @ shared_gate^T) * shared MLP(x)          Qwen2-MoE's shared expert)
 
-Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E, 2I, H] and [E, H, I].
+Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E, 2I, H] and [E, H, I]
+(and, where the family has them, their biases [E, 2I] and [E, H]).
 On CPU each expert's rows go through the model's own product (`Linear`: oneDNN's packed fp32, the native
 bf16 kernels, the batch-invariant one), so the experts run on what the dense layers run on; where that
 product reads plain weights the per-expert matrices are views of the stacked tensors, elsewhere the
 stacked tensors are dropped once each expert is packed. On CUDA the whole block runs as two grouped
-Triton products (engine/kernels/triton/fused_moe.py) over the stacked tensors.
+Triton products (engine/kernels/triton/fused_moe.py) over the stacked tensors (their biases and the activation
+included).
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from typing import Optional
 
 import torch
 
+from engine.layers.clamped_swiglu import ClampedSwiGLU
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
-from engine.layers.moe_routing import Routing, group_by_expert, select_experts
+from engine.layers.moe_routing import Routing, group_by_expert, select_experts, select_top_logits
 
 
 @dataclass(slots=True)
 class ExpertWeights:
     gate_up: torch.Tensor  # [E, 2 * I, H]: each expert's gate rows, then its up rows
     down: torch.Tensor  # [E, H, I]
+    gate_up_bias: Optional[torch.Tensor] = None  # [E, 2 * I] (GPT-OSS), in gate_up's row order
+    down_bias: Optional[torch.Tensor] = None  # [E, H]
 
     @property
     def num_experts(self) -> int:
@@ -54,10 +60,18 @@ class SparseMoeBlock:
     """One layer's experts, router and optional shared expert; `forward` replaces the dense MLP."""
 
     def __init__(self, router: torch.Tensor, experts: ExpertWeights, top_k: int, renormalize: bool,
-                 linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False):
+                 linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False,
+                 *, router_bias: Optional[torch.Tensor] = None, softmax_after_top_k: bool = False,
+                 activation: Optional[ClampedSwiGLU] = None):
         if not 0 < top_k <= experts.num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
         self.router = linear.prepare(router)  # [E, H], through the model's product (batch invariant when it is)
+        self.router_bias = router_bias  # [E] (GPT-OSS)
+        self.softmax_after_top_k = softmax_after_top_k  # GPT-OSS: top-k of the logits, softmax over those
+        self.activation = activation  # None: SwiGLU (the layer ops' silu_and_mul)
+        self.biases = [(None if experts.gate_up_bias is None else experts.gate_up_bias[e],
+                        None if experts.down_bias is None else experts.down_bias[e])
+                       for e in range(experts.num_experts)]  # [(gate_up [2I], down [H]) or Nones] per expert
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_model_dtype = weights_in_model_dtype  # Qwen MoE rounds the top-k weights to it, Mixtral not
@@ -78,10 +92,15 @@ class SparseMoeBlock:
     def tensors(self) -> list:
         """Everything it stores, for its memory."""
         extra = [self.router] + ([self.shared.gate] if self.shared is not None else [])
-        return self.matrices() + extra
+        biases = [b for pair in self.biases for b in pair if b is not None]
+        return self.matrices() + extra + biases + ([self.router_bias] if self.router_bias is not None else [])
 
     def route(self, x: torch.Tensor, linear: Linear) -> Routing:
-        routing = select_experts(linear(x, self.router, None), self.top_k, self.renormalize)
+        logits = linear(x, self.router, self.router_bias)
+        if self.softmax_after_top_k:
+            routing = select_top_logits(logits, self.top_k)
+        else:
+            routing = select_experts(logits, self.top_k, self.renormalize)
         if self.weights_in_model_dtype:
             return Routing(routing.weights.to(x.dtype), routing.expert_ids)
         return routing
@@ -90,8 +109,11 @@ class SparseMoeBlock:
         """x [T, H] (normed) -> [T, H]."""
         routing = self.route(x, linear)
         fused_moe = self._fused_kernel(x.device)
-        if fused_moe is not None and self.stacked is not None:
-            out = fused_moe(x, self.stacked.gate_up, self.stacked.down, routing.weights, routing.expert_ids)
+        if fused_moe is not None:
+            stacked = self.stacked
+            assert stacked is not None  # _fused_kernel gives a kernel only where the stacked tensors are kept
+            out = fused_moe(x, stacked.gate_up, stacked.down, routing.weights, routing.expert_ids,
+                            gate_up_bias=stacked.gate_up_bias, down_bias=stacked.down_bias, activation=self.activation)
         else:
             out = self._grouped(x, routing, linear, ops)
         if self.shared is None:
@@ -116,7 +138,10 @@ class SparseMoeBlock:
         outputs = []
         for expert, start, count in groups.segments():
             gate_up, down = self.per_expert[expert]
-            outputs.append(linear(ops.silu_and_mul(linear(rows[start : start + count], gate_up, None)), down, None))
+            gate_up_bias, down_bias = self.biases[expert]
+            h = linear(rows[start : start + count], gate_up, gate_up_bias)
+            h = ops.silu_and_mul(h) if self.activation is None else self.activation(h)
+            outputs.append(linear(h, down, down_bias))
         out_rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         # as HF: each expert's output, rounded to the model's dtype, times its weight, rounded, then added
         weighted = (out_rows * groups.weights[:, None]).to(x.dtype)

@@ -4,6 +4,9 @@
         softmax over all E experts in float32, the top_k largest, divided by their sum when
         `renormalize` (Mixtral always; Qwen MoE when the config's `norm_topk_prob`): HF's routers.
 
+    select_top_logits(router_logits [T, E], top_k) -> Routing
+        the top_k largest logits, then a softmax over those k only (GPT-OSS's router).
+
     group_by_expert(routing) -> ExpertGroups
         the T * top_k (token, expert) pairs sorted by expert id (stable: tokens ascending within an
         expert), so each expert's rows are one contiguous segment:
@@ -48,6 +51,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(weights, expert_ids)
+
+
+def select_top_logits(router_logits: torch.Tensor, top_k: int) -> Routing:
+    """router_logits [T, E] -> the top_k experts of each token, weighted by a softmax over their k logits."""
+    logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)  # [T, top_k]
+    return Routing(torch.softmax(logits.float(), dim=-1), expert_ids)
 
 
 def group_by_expert(routing: Routing) -> ExpertGroups:

@@ -1,5 +1,5 @@
 """The mixture-of-experts shape of Mixtral, Qwen2-MoE and Qwen3-MoE, read from the HF config; what their
-checkpoints call the experts."""
+checkpoints call the experts. (GPT-OSS's is read with the rest of its shape: engine/models/gpt_oss_arch.py.)"""
 
 from __future__ import annotations
 
@@ -35,6 +35,11 @@ class MoeArch:
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE block (others are dense)
     prefix: str  # the block's name in a layer: "block_sparse_moe." (Mixtral) or "mlp."
     expert_names: tuple[str, str, str]  # each expert's gate, up and down matrices
+    # GPT-OSS (engine/models/gpt_oss_arch.py): the top-k router logits, then a softmax over those k; the experts'
+    # clamped SwiGLU (swiglu_limit None: plain SwiGLU)
+    softmax_after_top_k: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: Optional[float] = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers

@@ -24,8 +24,8 @@ LLAMA_FORMATS = (*HF_FORMATS, "gguf")
 class ModelFamily:
     architecture: str  # the HF `architectures` entry
     model_types: tuple[str, ...]  # config `model_type`s it is also recognised by
-    # "llama" (LlamaForCausalLM, the fused CPU decode step), "decoder" (DecoderForCausalLM) or "moe"
-    # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs)
+    # "llama" (LlamaForCausalLM, the fused CPU decode step), "decoder" (DecoderForCausalLM), "moe"
+    # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs) or "gpt_oss" (GptOssForCausalLM)
     implementation: str
     formats: tuple[str, ...]  # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load)
     features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
@@ -55,6 +55,10 @@ FAMILIES = (
                 ("as Qwen2", "shared expert with its sigmoid gate", "decoder_sparse_step / mlp_only_layers")),
     ModelFamily("Qwen3MoeForCausalLM", ("qwen3_moe",), "moe", HF_FORMATS,
                 ("as Qwen3", "norm_topk_prob", "decoder_sparse_step / mlp_only_layers")),
+    ModelFamily("GptOssForCausalLM", ("gpt_oss",), "gpt_oss", HF_FORMATS,
+                ("attention sinks", "layer_types (sliding / full)", "q/k/v/o biases", "YaRN",
+                 "router with bias, softmax over the top-k logits", "experts with biases and clamped SwiGLU",
+                 "MXFP4 checkpoints refused")),
 )
 
 
@@ -82,6 +86,11 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
     from engine.loading.loader import rope_settings
 
     family = family_of(hf_config)
+    if family.implementation == "gpt_oss":
+        from engine.models.gpt_oss import GptOssForCausalLM
+        from engine.models.gpt_oss_arch import gpt_oss_arch
+
+        return GptOssForCausalLM(gpt_oss_arch(hf_config), dtype, device, ops, linear, quantizer)
     if family.implementation in ("llama", "moe"):
         arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
         if family.implementation == "moe":

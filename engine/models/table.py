@@ -14,6 +14,7 @@ IMPLEMENTATIONS = {
     "llama": "`LlamaForCausalLM` (engine/models/llama.py; the fused CPU decode step)",
     "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; the unfused path)",
     "moe": "`MoeForCausalLM` (engine/models/moe.py; experts grouped, one product each, unfused)",
+    "gpt_oss": "`GptOssForCausalLM` (engine/models/gpt_oss.py; experts grouped, one product each, unfused)",
 }
 FORMAT_NAMES = {"safetensors": "safetensors", "bin": "PyTorch .bin", "gguf": "GGUF (dequantized on load)"}
 
@@ -25,11 +26,13 @@ HEADER = """# Supported models
 other is refused at start-up with this list. A config field that changes the output and is not implemented
 (an unknown RoPE scaling type, bidirectional attention, partial rotary dimensions, an activation) is refused
 at start-up naming it. Every family is checked against HF transformers on a tiny random checkpoint
-(tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py): greedy tokens identical and
+(tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py, tests/engine/test_moe_equivalence.py,
+tests/engine/test_gpt_oss.py): greedy tokens identical and
 logprobs within 1e-4 in float32.
 
 Sliding windows and attention soft-caps are computed by every attention backend (`torch`, `cpu`,
-`cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`);
+`cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`),
+and so are attention sinks (GPT-OSS; `flash` only where flash-attn 4's varlen function takes `learnable_sink`);
 a backend that cannot is refused at start-up, naming the model and the feature.
 """
 

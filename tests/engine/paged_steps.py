@@ -99,10 +99,11 @@ def random_paged_step(
 
 
 def reference_attention(step: PagedStep, scale: float, window: Optional[int] = None,
-                        softcap: Optional[float] = None) -> torch.Tensor:
+                        softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal softmax attention in float64 over each request's own K/V (not the cache): [num_tokens, heads,
     head_dim], on the CPU. Query i of a request sits at position seq_len - query_len + i; with a `window` it
-    sees the keys after its position - window; `softcap` caps the scaled scores (softcap * tanh(s / softcap))."""
+    sees the keys after its position - window; `softcap` caps the scaled scores (softcap * tanh(s / softcap));
+    `sinks` [heads]: each head's logit is one more softmax column, with no value (HF's GPT-OSS eager attention)."""
     outputs = []
     for r in step.requests:
         q = r.queries.double()
@@ -118,5 +119,10 @@ def reference_attention(step: PagedStep, scale: float, window: Optional[int] = N
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
-        outputs.append(torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), v))
+        if sinks is not None:
+            column = sinks.double().cpu().view(-1, 1, 1).expand(-1, r.query_len, 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        outputs.append(torch.einsum("hqt,thd->qhd", probs, v))
     return torch.cat(outputs)

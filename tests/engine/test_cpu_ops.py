@@ -28,7 +28,7 @@ def _inputs(kernels, dtype):
     positions = torch.tensor([0, 3, 7, 8, 63])
     fn = kernels._function
     return {
-        "cpu_paged_decode": (query, keys, values, tables, lens, 0.25, 1, 0, 0.0, fn("paged_decode", dtype)),
+        "cpu_paged_decode": (query, keys, values, tables, lens, 0.25, 1, 0, 0.0, None, fn("paged_decode", dtype)),
         "cpu_rms_norm": (x, weight, 1e-5, fn("rms_norm", dtype)),
         "cpu_add_rms_norm": (x, x.clone() * 2, weight, 1e-5, fn("add_rms_norm", dtype)),
         "cpu_silu_and_mul": (gate_up, fn("silu_and_mul", dtype)),

@@ -128,24 +128,24 @@ void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, c
 extern "C" {
 void pagedserve_paged_decode_f32(const float*, const float*, const float*, const int32_t*, const int32_t*, float*,
                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t,
-                                 float);
+                                 float, const float*);
 void pagedserve_paged_decode_bf16(const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*,
                                   const int32_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                  float, int64_t, int64_t, float);
+                                  float, int64_t, int64_t, float, const float*);
 }
 
 inline void paged_decode(const float* q, const float* k, const float* v, const int32_t* tables, const int32_t* lens,
                          float* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t width, float scale) {
     pagedserve_paged_decode_f32(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width, scale,
-                                1, 0, 0.0f);  // the fused step serves models without windows or soft-caps
+                                1, 0, 0.0f, nullptr);  // the fused step serves models without windows, caps, sinks
 }
 
 inline void paged_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
                          const int32_t* lens, uint16_t* out, int64_t rows, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, int64_t block_size, int64_t width, float scale) {
     pagedserve_paged_decode_bf16(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width,
-                                 scale, 1, 0, 0.0f);
+                                 scale, 1, 0, 0.0f, nullptr);
 }
 
 // Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias),

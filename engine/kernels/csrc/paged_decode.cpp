@@ -11,6 +11,9 @@
 //   window       > 0: a sliding window, the query (at position len - 1) sees the last `window` tokens only
 //                (positions >= len - window, as HF's `kv_idx > q_idx - sliding_window`); 0: every token
 //   softcap      > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: none
+//   sinks        [num_heads] float32: a logit per query head that joins the softmax's denominator and has no
+//                value (GPT-OSS); null: none. With the running max m and sum l of a head, out = acc / l becomes
+//                acc * e^(m - M) / (l * e^(m - M) + e^(sink - M)), M = max(m, sink): no exponent overflows.
 //
 // AVX-512 builds (head_dim 64, 128 or 256; float32 or bfloat16), paged_decode_simd:
 //   work items    (sequence, kv head, pass): a pass takes up to 4 query heads of the kv head's GQA group
@@ -65,6 +68,15 @@ using pagedserve::fast_exp;
 using pagedserve::store;
 using pagedserve::to_float;
 
+// The factor that normalizes a head's accumulated sums: 1 / l without a sink, else with its sink in the
+// denominator (see the header).
+inline float normalizer(float running_max, float running_sum, const float* sink) {
+    if (sink == nullptr) return 1.0f / running_sum;
+    const float top = std::max(running_max, *sink);
+    const float factor = std::exp(running_max - top);
+    return factor / (running_sum * factor + std::exp(*sink - top));
+}
+
 constexpr int64_t kParallelMinWork = 1024;  // cached tokens x query heads: below, one thread (AVX-512
                                             // path: the team and one thread tie at 1 x 100 x 9 heads)
 
@@ -91,7 +103,7 @@ template <typename T, int HD>
 void paged_decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                   const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                   int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale, int64_t window,
-                  float softcap) {
+                  float softcap, const float* sinks) {
     const int64_t head_dim = HD > 0 ? HD : runtime_head_dim;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_size = num_kv_heads * head_dim;  // one token's K (or V) over all kv heads
@@ -173,7 +185,7 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
 
             T* dst = out + seq * query_size;
             for (int64_t h = 0; h < num_heads; ++h) {
-                const float inv = 1.0f / running_sum[h];
+                const float inv = normalizer(running_max[h], running_sum[h], sinks ? sinks + h : nullptr);
                 for (int64_t d = 0; d < head_dim; ++d) store(dst + h * head_dim + d, acc[h * head_dim + d] * inv);
             }
         }
@@ -316,7 +328,7 @@ struct VRow<uint16_t> {
 template <typename T, int HD, int G>
 void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t begin,
                  int64_t len, int64_t head_offset, int64_t token_size, int64_t block_size, float scale,
-                 float softcap, T* out, float* partial, int64_t prefetch_bytes) {
+                 float softcap, const float* sinks, T* out, float* partial, int64_t prefetch_bytes) {
     using V = VRow<T>;
     static_assert(HD % 32 == 0, "whole bf16 vectors");
     // dims per P.V step: G x (dims / 16) accumulators stay in registers
@@ -419,7 +431,8 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
         return;
     }
     for (int h = 0; h < G; ++h) {
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(running_sum[h]));
+        const float sum = _mm512_reduce_add_ps(running_sum[h]);
+        const __m512 inv = _mm512_set1_ps(normalizer(running_max[h], sum, sinks ? sinks + h : nullptr));
         for (int d = 0; d < HD; d += V::kDims) V::store(out + h * HD + d, acc[h] + d, inv);
     }
 }
@@ -434,7 +447,7 @@ template <typename T, int HD>
 void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
                        int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale,
-                       bool split, int64_t window, float softcap) {
+                       bool split, int64_t window, float softcap, const float* sinks) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t passes = (group + kMaxPass - 1) / kMaxPass;
     const int64_t token_size = num_kv_heads * HD;
@@ -475,7 +488,8 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
             float* partial = parts > 1 ? partials.data() + index * kMaxPass * kPartialSize : nullptr;
 #define PAGEDSERVE_PASS(G)                                                                                       \
     attend_pass<T, HD, G>(query + at, key_cache, value_cache, table, begin, end, kv_head * HD, token_size,      \
-                          block_size, scale, softcap, out + at, partial, pass == 0 ? row_bytes : 0)
+                          block_size, scale, softcap, sinks ? sinks + first : nullptr, out + at, partial,         \
+                          pass == 0 ? row_bytes : 0)
             switch (heads) {
                 case 1: PAGEDSERVE_PASS(1); break;
                 case 2: PAGEDSERVE_PASS(2); break;
@@ -499,6 +513,7 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
                     };
                     float max = -INFINITY;  // empty parts: -inf, sum 0
                     for (int64_t part = 0; part < parts; ++part) max = std::max(max, part_of(part)[0]);
+                    if (sinks != nullptr) max = std::max(max, sinks[first + h]);  // the sink: a part of no value
                     alignas(64) float acc[HD] = {};
                     float sum = 0.0f;
                     for (int64_t part = 0; part < parts; ++part) {
@@ -508,6 +523,7 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
                         sum += weight * p[1];
                         for (int d = 0; d < HD; ++d) acc[d] += weight * p[kPartialHeader + d];
                     }
+                    if (sinks != nullptr) sum += std::exp(sinks[first + h] - max);
                     const __m512 inv = _mm512_set1_ps(1.0f / sum);
                     for (int d = 0; d < HD; d += VRow<T>::kDims) VRow<T>::store(dst + h * HD + d, acc + d, inv);
                 }
@@ -521,14 +537,14 @@ template <typename T>
 void dispatch(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
               const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t block_size, int64_t table_width, float scale, bool split, int64_t window,
-              float softcap) {
+              float softcap, const float* sinks) {
 #define PAGEDSERVE_DECODE(HD)                                                                                   \
     paged_decode<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,   \
-                        num_kv_heads, head_dim, block_size, table_width, scale, window, softcap)
+                        num_kv_heads, head_dim, block_size, table_width, scale, window, softcap, sinks)
 #if defined(__AVX512F__)
 #define PAGEDSERVE_SIMD(HD)                                                                                     \
     paged_decode_simd<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, \
-                             num_kv_heads, block_size, table_width, scale, split, window, softcap)
+                             num_kv_heads, block_size, table_width, scale, split, window, softcap, sinks)
     switch (head_dim) {
         case 64: PAGEDSERVE_SIMD(64); return;
         case 128: PAGEDSERVE_SIMD(128); return;
@@ -553,9 +569,10 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
                                           const int32_t* block_tables, const int32_t* context_lens, T* out,     \
                                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,            \
                                           int64_t head_dim, int64_t block_size, int64_t table_width,            \
-                                          float scale, int64_t split, int64_t window, float softcap) {          \
+                                          float scale, int64_t split, int64_t window, float softcap,            \
+                                          const float* sinks) {                                                 \
         dispatch(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,          \
-                 num_kv_heads, head_dim, block_size, table_width, scale, split != 0, window, softcap);         \
+                 num_kv_heads, head_dim, block_size, table_width, scale, split != 0, window, softcap, sinks);  \
     }
 
 extern "C" {

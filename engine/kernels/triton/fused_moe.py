@@ -2,6 +2,8 @@
 on CPU tensors under Triton's interpreter).
 
     fused_moe(x [T, H], gate_up [E, 2I, H], down [E, H, I], weights [T, k] float32, expert_ids [T, k]) -> [T, H]
+        optional: gate_up_bias [E, 2I], down_bias [E, H] (added to each product's rows of their expert), and
+        the activation of [gate | up] (default SwiGLU; GPT-OSS's clamped one, layers/clamped_swiglu.py)
 
 The T * k (token, expert) pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M,
 so every tile of BLOCK_M rows belongs to one expert (`align_rows`, plain torch on the device: no host
@@ -21,6 +23,8 @@ no TF32 rounding), reading each of its expert's weight tiles once for all its ro
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -31,10 +35,10 @@ from engine.kernels.triton.paged_kv import dot_precision, needs_upcast
 
 @triton.jit
 def _grouped_product_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, tile_expert_ptr, num_padded_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, bias_ptr, sorted_pairs_ptr, tile_expert_ptr, num_padded_ptr,
     N, K, num_pairs, a_row_divisor,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    SCALE_ROWS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_bias_e,
+    SCALE_ROWS: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -60,6 +64,8 @@ def _grouped_product_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if BIAS:  # the expert's bias, before the routing weight scales the row (as HF adds it)
+        acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if SCALE_ROWS:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
@@ -89,23 +95,26 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def _grouped_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aligned, a_row_divisor: int,
-                     weights, block_m: int) -> None:
+                     weights, block_m: int, bias: Optional[torch.Tensor] = None) -> None:
     sorted_pairs, tile_expert, num_padded = aligned
     n, k = b.shape[1], b.shape[2]
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (tile_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_product_kernel[grid](
-        a, b, out, weights if weights is not None else out, sorted_pairs, tile_expert, num_padded,
+        a, b, out, weights if weights is not None else out, bias if bias is not None else out,
+        sorted_pairs, tile_expert, num_padded,
         n, k, out.shape[0], a_row_divisor,
-        *a.stride(), *b.stride(), *out.stride(),
-        SCALE_ROWS=weights is not None, UPCAST=needs_upcast(_grouped_product_kernel, a.dtype),
+        *a.stride(), *b.stride(), *out.stride(), bias.stride(0) if bias is not None else 0,
+        SCALE_ROWS=weights is not None, BIAS=bias is not None, UPCAST=needs_upcast(_grouped_product_kernel, a.dtype),
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              expert_ids: torch.Tensor, *, block_m: int = 16) -> torch.Tensor:
+              expert_ids: torch.Tensor, *, block_m: int = 16, gate_up_bias: Optional[torch.Tensor] = None,
+              down_bias: Optional[torch.Tensor] = None,
+              activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """The experts' weighted sum for each token of x (see the module docstring)."""
     num_tokens, top_k = expert_ids.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
@@ -117,9 +126,17 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         return torch.zeros_like(x)
     aligned = align_rows(expert_ids, num_experts, block_m)
     h1 = x.new_empty((num_pairs, 2 * intermediate))
-    _grouped_product(x, gate_up, h1, aligned, top_k, None, block_m)
-    gate, up = h1.chunk(2, dim=-1)
-    h2 = (F.silu(gate) * up).contiguous()  # [T * k, I]
+    _grouped_product(x, gate_up, h1, aligned, top_k, None, block_m, _contiguous(gate_up_bias))
+    if activation is None:
+        gate, up = h1.chunk(2, dim=-1)
+        h2 = (F.silu(gate) * up).contiguous()  # [T * k, I]
+    else:
+        h2 = activation(h1).contiguous()
     h3 = x.new_empty((num_pairs, x.shape[1]))
-    _grouped_product(h2, down, h3, aligned, 1, weights.reshape(-1).float().contiguous(), block_m)
+    _grouped_product(h2, down, h3, aligned, 1, weights.reshape(-1).float().contiguous(), block_m,
+                     _contiguous(down_bias))
     return h3.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _contiguous(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if bias is None else bias.contiguous()

@@ -23,6 +23,7 @@ def paged_attention(
     out: Optional[torch.Tensor] = None,  # [T, H, D]
     window: Optional[int] = None,  # a sliding window: each query sees its last `window` keys
     softcap: Optional[float] = None,  # scores s -> softcap * tanh(s / softcap)
+    sinks: Optional[torch.Tensor] = None,  # [H]: each head's logit in the softmax's denominator (no value)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention of a flat batch of query chunks (K/V already written by `write_kv`).
 
@@ -36,6 +37,6 @@ def paged_attention(
             raise ValueError(f"max_query_len 1 needs one query per request: {q.shape[0]} queries, "
                              f"{seq_lens.shape[0]} requests")
         return paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, out=out, window=window,
-                            softcap=softcap)
+                            softcap=softcap, sinks=sinks)
     return paged_prefill(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len,
-                         out=out, window=window, softcap=softcap)
+                         out=out, window=window, softcap=softcap, sinks=sinks)

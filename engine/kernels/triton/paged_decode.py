@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.paged_kv import (
-    LOG2_E, TORCH_TO_TL, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast, softcap_factors,
+    LOG2_E, TORCH_TO_TL, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast, sink_normalizer,
+    sinks_log2, softcap_factors,
 )
 
 DEFAULT_PARTITION_SIZE = 512
@@ -41,6 +42,7 @@ def _decode_partition_kernel(
     out_ptr,  # [B, H, D]: written when not SPLIT
     part_acc_ptr,  # [B, H, P, D] float32: unnormalized partial outputs, when SPLIT
     part_max_ptr, part_sum_ptr,  # [B, H, P] float32: running max (log2 domain) and sum of exp2
+    sinks_ptr,  # [H] float32, log2 units: read when SINKS
     scale_log2,
     window, cap_in, cap_out,
     block_size,
@@ -53,7 +55,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,7 +93,10 @@ def _decode_partition_kernel(
         tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
         tl.store(part_acc_ptr + stat[:, None] * HEAD_DIM + lanes[None, :], acc, mask=out_mask)
     else:
-        out = acc / l_i[:, None]
+        if SINKS:
+            out = acc * sink_normalizer(m_i, l_i, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0))[:, None]
+        else:
+            out = acc / l_i[:, None]
         o_row = out_ptr + seq.to(tl.int64) * stride_o_seq
         o_ptrs = o_row + heads[:, None] * stride_o_head + lanes[None, :] * stride_o_dim
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -102,14 +107,16 @@ def _decode_reduce_kernel(
     part_acc_ptr,  # [B, H, P, D] float32
     part_max_ptr, part_sum_ptr,  # [B, H, P] float32
     seq_lens_ptr,  # [B]
+    sinks_ptr,  # [H] float32, log2 units: read when SINKS
     out_ptr,  # [B, H, D]
     stride_o_seq, stride_o_head, stride_o_dim,
     num_partitions,
     window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITIONS_PAD: tl.constexpr, PARTITION: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """One program per (request, query head): combine the partitions that hold its context (its window's)."""
+    """One program per (request, query head): combine the partitions that hold its context (its window's); a
+    sink joins the denominator as a partition of no value."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -121,12 +128,19 @@ def _decode_reduce_kernel(
     stat = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions + parts  # [PARTITIONS_PAD]
     m = tl.load(part_max_ptr + stat, mask=part_mask, other=float("-inf"))
     l = tl.load(part_sum_ptr + stat, mask=part_mask, other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))  # 0 for unused partitions
+    top = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # 0 for unused partitions
     lanes = tl.arange(0, HEAD_DIM_PAD)
     lane_mask = lanes < HEAD_DIM
     acc = tl.load(part_acc_ptr + stat[:, None] * HEAD_DIM + lanes[None, :],
                   mask=part_mask[:, None] & lane_mask[None, :], other=0.0)  # [PARTITIONS_PAD, HEAD_DIM_PAD]
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    denominator = tl.sum(l * weight, 0)
+    if SINKS:
+        denominator += tl.exp2(sink - top)
+    out = tl.sum(acc * weight[:, None], 0) / denominator
     o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + lanes * stride_o_dim
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=lane_mask)
 
@@ -144,9 +158,11 @@ def paged_decode(
     out: Optional[torch.Tensor] = None,  # [B, H, D]
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,  # [H]: each head's sink logit
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks (the last
-    `window` of them with a sliding window; scores soft-capped by `softcap`).
+    `window` of them with a sliding window; scores soft-capped by `softcap`; each head's `sinks` logit in the
+    softmax's denominator).
 
     The number of partitions comes from `max_seq_len` when given (>= every `seq_lens[b]`: a longer
     context would be cut), else from the block table's width (`max_blocks * block_size`: no host read
@@ -173,20 +189,21 @@ def paged_decode(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
-        q, key_cache, value_cache, block_table, seq_lens, out, part_acc, part_max, part_sum,
+        q, key_cache, value_cache, block_table, seq_lens, out, part_acc, part_max, part_sum, sinks_log2(sinks, q),
         scale * LOG2_E, window or 0, *softcap_factors(scale, softcap), block_size,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
         num_partitions,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=min(64, partition_size), PARTITION=partition_size,
         SPLIT=split, UPCAST=needs_upcast(_decode_partition_kernel, q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        WINDOW=window is not None, SOFTCAP=softcap is not None,
+        WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_acc, part_max, part_sum, seq_lens, out, *out.stride(), num_partitions, window or 0,
+            part_acc, part_max, part_sum, seq_lens, sinks_log2(sinks, q), out, *out.stride(), num_partitions,
+            window or 0,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
-            PARTITION=partition_size, WINDOW=window is not None,
+            PARTITION=partition_size, WINDOW=window is not None, SINKS=sinks is not None,
         )
     return out
 

@@ -102,6 +102,22 @@ def attend_tiles(q, query_pos, table, k_head, v_head, n_start, n_end, lanes, lan
     return acc, l_i, m_i
 
 
+@triton.jit
+def sink_normalizer(m, l, sink_log2):
+    """What a row's unnormalised output is multiplied by when its head's sink (log2 units, as m) joins the
+    softmax's denominator: e^(m - M) / (l e^(m - M) + e^(sink - M)), M = max(m, sink), so nothing overflows."""
+    top = tl.maximum(m, sink_log2)
+    factor = tl.exp2(m - top)
+    return factor / (l * factor + tl.exp2(sink_log2 - top))
+
+
+def sinks_log2(sinks, like: torch.Tensor) -> torch.Tensor:
+    """The sinks [heads] in the kernels' log2 units, float32 on the query's device (a placeholder without)."""
+    if sinks is None:
+        return like
+    return (sinks.to(device=like.device, dtype=torch.float32) * LOG2_E).contiguous()
+
+
 def softcap_factors(scale: float, softcap) -> tuple[float, float]:
     """(cap_in, cap_out) of `attend_tiles` for a soft-cap (None: unused zeros)."""
     if softcap is None:

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.paged_kv import (
-    LOG2_E, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast, softcap_factors,
+    LOG2_E, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast, sink_normalizer, sinks_log2,
+    softcap_factors,
 )
 
 
@@ -38,6 +39,7 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
     out_ptr,  # [T, H, D]
+    sinks_ptr,  # [H] float32, log2 units: read when SINKS
     scale_log2,
     window, cap_in, cap_out,
     block_size,
@@ -49,6 +51,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -80,14 +83,17 @@ def _prefill_kernel(
     kv_start = 0  # without a window key 0 is visible to every row: m turns finite after the first tile
     if WINDOW:  # keys before the tile's first query's window are never seen
         kv_start = tl.maximum(prefix + first - window + 1, 0)
-    acc, l_i, _ = attend_tiles(q, query_pos, table, k_head, v_head, kv_start, kv_end, lanes, lane_mask, block_size,
+    acc, l_i, m_i = attend_tiles(q, query_pos, table, k_head, v_head, kv_start, kv_end, lanes, lane_mask, block_size,
                                stride_kc_block, stride_kc_slot, stride_kc_dim,
                                stride_vc_block, stride_vc_slot, stride_vc_dim, scale_log2, window, cap_in, cap_out,
                                BLOCK_M, BLOCK_N, HEAD_DIM_PAD, True, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP)
 
     if WINDOW:  # a padding row (past the chunk) may see no key in its window: 0 / 0 where it is never stored
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
+    if SINKS:  # a row that saw nothing (padding) has l 0, m 0 or -inf: its output is 0, never stored
+        out = acc * sink_normalizer(m_i, l_i, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0))[:, None]
+    else:
+        out = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + lanes[None, :] * stride_o_dim
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & lane_mask[None, :])
 
@@ -117,9 +123,11 @@ def paged_prefill(
     out: Optional[torch.Tensor] = None,  # [T, H, D]
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,  # [H]: each head's sink logit
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each request's query chunk over its cached context (prefix + chunk); with a
-    sliding `window` each query sees its last `window` keys; scores soft-capped by `softcap`.
+    sliding `window` each query sees its last `window` keys; scores soft-capped by `softcap`; each head's
+    `sinks` logit in the softmax's denominator.
 
     `max_query_len` (a host int, >= every request's query length: longer chunks would be cut) sizes
     the grid and the query tile. `block_m` and `block_n` (powers of two, block_m >= 16 and >= the GQA
@@ -148,12 +156,12 @@ def paged_prefill(
     block_q = block_m // group
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
-        q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, out,
+        q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, out, sinks_log2(sinks, q),
         scale * LOG2_E, window or 0, *softcap_factors(scale, softcap), block_size,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         UPCAST=needs_upcast(_prefill_kernel, q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        WINDOW=window is not None, SOFTCAP=softcap is not None,
+        WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
     )
     return out

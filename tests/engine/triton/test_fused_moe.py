@@ -44,3 +44,54 @@ def test_fused_moe_matches_the_float64_reference(dtype, tokens, top_k, renormali
     assert got.dtype == dtype and got.shape == x.shape
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got.cpu().double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_with_biases_and_the_clamped_swiglu(dtype):
+    """GPT-OSS's experts: biases on both products, the clamped SwiGLU between, against float64 per token."""
+    from engine.layers.clamped_swiglu import ClampedSwiGLU
+
+    experts, hidden, intermediate, tokens, top_k = 4, 40, 24, 11, 2
+    router, gate_up, down = random_experts(experts, hidden, intermediate, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    gate_up_bias = torch.randn(experts, 2 * intermediate, generator=gen) * 0.5
+    down_bias = torch.randn(experts, hidden, generator=gen) * 0.5
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    activation = ClampedSwiGLU(alpha=1.702, limit=0.8)
+    routing = select_experts(x.float() @ router.T, top_k, True)
+    got = fused_moe(x.to(DEVICE), gate_up.to(dtype).to(DEVICE), down.to(dtype).to(DEVICE),
+                    routing.weights.to(DEVICE), routing.expert_ids.to(DEVICE),
+                    gate_up_bias=gate_up_bias.to(dtype).to(DEVICE), down_bias=down_bias.to(dtype).to(DEVICE),
+                    activation=activation)
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for e, w in zip(routing.expert_ids[t].tolist(), routing.weights[t].double()):
+            h = gate_up[e].to(dtype).double() @ x[t].double() + gate_up_bias[e].to(dtype).double()
+            expected[t] += w * (down[e].to(dtype).double() @ activation(h[None])[0] + down_bias[e].to(dtype).double())
+    clamped = (gate_up.double() @ x.double().T).abs().max() > activation.limit
+    assert clamped  # the clamp bites
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.cpu().double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_gpt_oss_block_runs_the_same_through_the_kernel(monkeypatch):
+    """SparseMoeBlock with GPT-OSS's router (bias, softmax over the top-k logits) and experts (biases, clamped
+    SwiGLU): the grouped kernel, as on CUDA, gives the per-expert products' output."""
+    from engine.layers.clamped_swiglu import ClampedSwiGLU
+    from engine.layers.layer_ops import TorchLayerOps
+    from engine.layers.linear import Linear
+    from engine.layers.moe import ExpertWeights, SparseMoeBlock
+
+    experts, hidden, intermediate = 4, 40, 24
+    router, gate_up, down = random_experts(experts, hidden, intermediate, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    weights = ExpertWeights(gate_up, down, torch.randn(experts, 2 * intermediate, generator=gen) * 0.5,
+                            torch.randn(experts, hidden, generator=gen) * 0.5)
+    linear = Linear()  # plain weights: the per-expert matrices are views of the stacked ones, as on CUDA
+    block = SparseMoeBlock(router, weights, 2, False, linear, router_bias=torch.randn(experts, generator=gen),
+                           softmax_after_top_k=True, activation=ClampedSwiGLU(1.702, 0.8))
+    assert block.stacked is not None
+    x = torch.randn(13, hidden, generator=gen)
+    grouped = block.forward(x, linear, TorchLayerOps())
+    monkeypatch.setattr(block, "_fused_kernel", lambda device: fused_moe)
+    torch.testing.assert_close(block.forward(x, linear, TorchLayerOps()), grouped, atol=1e-5, rtol=1e-5)

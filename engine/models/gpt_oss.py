@@ -1,0 +1,147 @@
+"""GPT-OSS: the Llama layer with q/k/v/o biases and YaRN, each layer's attention sliding or full (`layer_types`)
+with attention sinks, and a mixture of experts with biases and a clamped SwiGLU.
+
+    attention   softmax over [q . k for the keys seen] + [sinks[h]], the sink's share dropped (no value)
+    router      logits = x @ W^T + b; the top-k logits, softmax over those k
+    expert e    (x @ gate_up_e + b) -> ClampedSwiGLU -> (@ down_e + b)
+
+The checkpoint stores the experts stacked as transformers keeps them: `experts.gate_up_proj` [E, H, 2I] with
+gate and up interleaved (gate in the even columns), `experts.down_proj` [E, I, H], their biases, and
+`self_attn.sinks` [heads]. At load the experts become the house's [E, 2I, H] (gate rows, then up rows) and
+[E, H, I]; the sinks join each layer's LayerAttention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.layer_attention import LayerAttention
+from engine.layers.clamped_swiglu import ClampedSwiGLU
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
+from engine.layers.moe import ExpertWeights, SparseMoeBlock
+from engine.models.gpt_oss_arch import GptOssArch
+from engine.models.llama import LlamaLayerWeights
+from engine.models.moe import MoeForCausalLM, _float
+from engine.quantization.weight_quantizer import WeightQuantizer
+
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+"""How MXFP4 checkpoints name their expert tensors (`gate_up_proj_blocks`, ...)."""
+
+
+class GptOssForCausalLM(MoeForCausalLM):
+    """`MoeForCausalLM` with GPT-OSS's experts and router, and each layer's own attention (window, sinks)."""
+
+    def __init__(self, arch: GptOssArch, dtype: torch.dtype, device: torch.device,
+                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
+                 quantizer: Optional[WeightQuantizer] = None):
+        super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer)
+        self.layer_attention = arch.layer_attention  # the sinks join them at load
+        self.sinks: dict[int, torch.Tensor] = {}  # layer -> [heads], float32
+
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        return self.layer_attention
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._refuse_mxfp4(weights))
+        self.layer_attention = tuple(dataclasses.replace(attention, sinks=self.sinks[index])
+                                     for index, attention in enumerate(self.layer_attention))
+
+    @staticmethod
+    def _refuse_mxfp4(weights: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in weights:
+            if name.endswith(MXFP4_SUFFIXES):
+                raise ValueError(f"GptOssForCausalLM: {name} is an MXFP4 tensor; MXFP4 checkpoints are not supported "
+                                 "(serve a bfloat16 copy)")
+            yield name, tensor
+
+    def _take_layer(self, state: dict, index: int) -> LlamaLayerWeights:
+        name = f"layers.{index}.self_attn.sinks"
+        sinks = state.pop(name, None)
+        if sinks is None:
+            raise ValueError(f"checkpoint lacks {name}")
+        self.sinks[index] = sinks.to(torch.float32).contiguous()
+        return super()._take_layer(state, index)
+
+    def _take_block(self, take, maybe) -> SparseMoeBlock:
+        moe, hidden = self.moe, self.arch.hidden_size
+        p = moe.prefix
+        gate_up = _float(take(p + "experts.gate_up_proj"))  # [E, H, 2I], gate and up interleaved
+        gate_up_bias = _float(take(p + "experts.gate_up_proj_bias"))  # [E, 2I], interleaved alike
+        down = _float(take(p + "experts.down_proj"))  # [E, I, H]
+        expected = (moe.num_experts, hidden, 2 * moe.expert_intermediate_size)
+        if tuple(gate_up.shape) != expected or tuple(down.shape) != (expected[0], expected[2] // 2, hidden):
+            raise ValueError(f"experts of shapes {tuple(gate_up.shape)} and {tuple(down.shape)}, expected "
+                             f"{expected} and {(expected[0], expected[2] // 2, hidden)} from the config")
+        rows = gate_up.transpose(1, 2)  # [E, 2I, H]
+        experts = ExpertWeights(
+            gate_up=_halves(rows, dim=1),  # [E, 2I, H]: gate rows, then up rows
+            down=down.transpose(1, 2).contiguous(),  # [E, H, I]
+            gate_up_bias=_halves(gate_up_bias, dim=1),
+            down_bias=_float(take(p + "experts.down_proj_bias")).contiguous(),  # [E, H]
+        )
+        assert moe.swiglu_limit is not None  # gpt_oss_arch sets it
+        return SparseMoeBlock(_float(take(p + "router.weight")), experts, moe.top_k, moe.renormalize, self.linear,
+                              weights_in_model_dtype=moe.weights_in_model_dtype,
+                              router_bias=_float(take(p + "router.bias")),
+                              softmax_after_top_k=moe.softmax_after_top_k,
+                              activation=ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit))
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + sum(s.numel() * s.element_size() for s in self.sinks.values())
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        """The Llama layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its
+        own LayerAttention."""
+        eps = self.arch.rms_norm_eps
+        ops = self.ops
+        angles = ops.rotary_angles(positions, self.rotary)
+        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = h
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+            if index:
+                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
+            h = self._layer_attention(layer, x, angles, key_cache, value_cache, metadata, backend,
+                                      self.layer_attention[index])
+            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
+            h = self._mlp(index, layer, x)
+        return residual + h
+
+    def _layer_attention(self, layer: LlamaLayerWeights, x: torch.Tensor, angles, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
+                         attention: LayerAttention) -> torch.Tensor:
+        arch = self.arch
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, heads + 2 * kv_heads, head_dim)
+        qk = self.ops.rotary(qkv[:, : heads + kv_heads], angles, self.rotary)  # [T, heads + kv_heads, head_dim]
+        query, key = qk[:, :heads], qk[:, heads:]
+        value = qkv[:, heads + kv_heads :]
+        backend.write_kv(key, value, key_cache, value_cache, metadata)
+        out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
+        return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+
+
+def _halves(interleaved: torch.Tensor, dim: int) -> torch.Tensor:
+    """[..., 2I, ...] with gate at the even and up at the odd indices of `dim` -> [gate | up] along `dim`."""
+    index = torch.arange(interleaved.shape[dim], device=interleaved.device)
+    order = torch.cat([index[0::2], index[1::2]])
+    return interleaved.index_select(dim, order).contiguous()
