@@ -59,8 +59,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
+    shape = AttentionShape.from_hf_config(hf_config)
     backend, ops, linear = choose_numerics(config.attention_backend, device, dtype, block_size=config.cache.block_size,
-                                           shape=AttentionShape.from_hf_config(hf_config),
+                                           shape=shape,
                                            batch_invariant=config.batch_invariant)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
@@ -93,7 +94,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     model.load_weights(weights)
     _log_weights(model)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
-                       model.arch.head_dim, kv_dtype)
+                       model.arch.head_dim, kv_dtype, latent_rank=shape.latent_rank)  # MLA: the latent layout
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)

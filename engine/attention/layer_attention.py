@@ -1,4 +1,5 @@
-"""What one layer's attention computes beyond plain causal softmax: its scale, sliding window and soft-cap.
+"""What one layer's attention computes beyond plain causal softmax: its scale, sliding window and soft-cap,
+and whether it attends over a latent cache (multi-head latent attention).
 
 A model hands each layer's `LayerAttention` to the backend's `attend`; the backends read it, and a backend
 that cannot compute one of its features says so at start-up (`check_backend_serves`), never at a step.
@@ -12,6 +13,8 @@ from typing import Iterable, Optional
 SLIDING_WINDOW = "sliding window"
 SOFTCAP = "attention soft-capping"
 FEATURES = (SLIDING_WINDOW, SOFTCAP)
+LATENT = "multi-head latent attention"
+"""Not in FEATURES: only the backends that read the latent layout (engine/attention/kv_cache.py) list it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,11 +25,16 @@ class LayerAttention:
         s = softcap * tanh(s / softcap)          when softcap is set
         k is seen only if k > q - sliding_window  when sliding_window is set (the query's own key included,
                                                   so `sliding_window` keys at most: HF's convention)
+
+    With `latent_rank` (multi-head latent attention, absorbed): one KV head whose keys are the cached latent
+    entries [c_kv | k_pe] and whose values are their first `latent_rank` features; the queries come as
+    [q_nope W_UK | q_pe] and the output has `latent_rank` features per head (the model applies W_UV).
     """
 
     scale: float
     sliding_window: Optional[int] = None
     softcap: Optional[float] = None
+    latent_rank: Optional[int] = None
 
     def __post_init__(self):
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -41,6 +49,8 @@ class LayerAttention:
             used.add(SLIDING_WINDOW)
         if self.softcap is not None:
             used.add(SOFTCAP)
+        if self.latent_rank is not None:
+            used.add(LATENT)
         return frozenset(used)
 
 

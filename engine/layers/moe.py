@@ -6,6 +6,10 @@
     expert e      = down_e(silu(gate_e(rows)) * up_e(rows)), one product per expert with rows
     out[t]       += weight(t, e) * expert e's row of t     (index_add over the sorted rows)
     (+ sigmoid(x @ shared_gate^T) * shared MLP(x)          Qwen2-MoE's shared expert)
+    (+ shared MLP(x)                                       DeepSeek's shared experts: no gate)
+
+A family may bring its own routing of the logits (`select`: DeepSeek's grouped top-k, grouped_routing.py),
+computed from float32 logits where HF keeps the router in float32 (`router_in_float32`).
 
 Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E, 2I, H] and [E, H, I].
 On CPU each expert's rows go through the model's own product (`Linear`: oneDNN's packed fp32, the native
@@ -18,9 +22,10 @@ Triton products (engine/kernels/triton/fused_moe.py) over the stacked tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
@@ -43,21 +48,27 @@ class ExpertWeights:
 
 @dataclass(slots=True)
 class SharedExpert:
-    """Qwen2-MoE's dense expert every token goes through, scaled by a sigmoid gate of its own."""
+    """The dense expert every token goes through: Qwen2-MoE's scaled by a sigmoid gate of its own, DeepSeek's
+    (its n_shared_experts as one MLP) added as it is."""
 
     gate_up: torch.Tensor  # [2 * I_shared, H], in the form `linear` takes
     down: torch.Tensor  # [H, I_shared], idem
-    gate: torch.Tensor  # [1, H], idem
+    gate: Optional[torch.Tensor]  # [1, H], idem; None: no gate
 
 
 class SparseMoeBlock:
     """One layer's experts, router and optional shared expert; `forward` replaces the dense MLP."""
 
     def __init__(self, router: torch.Tensor, experts: ExpertWeights, top_k: int, renormalize: bool,
-                 linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False):
+                 linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False,
+                 select: Optional[Callable[[torch.Tensor], Routing]] = None, router_in_float32: bool = False):
         if not 0 < top_k <= experts.num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
-        self.router = linear.prepare(router)  # [E, H], through the model's product (batch invariant when it is)
+        self.router_in_float32 = router_in_float32
+        # [E, H]: float32 as stored where the logits are float32, else through the model's product (batch
+        # invariant when it is)
+        self.router = router.float() if router_in_float32 else linear.prepare(router)
+        self.select = select  # the family's routing of the logits (None: select_experts below)
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_model_dtype = weights_in_model_dtype  # Qwen MoE rounds the top-k weights to it, Mixtral not
@@ -77,11 +88,14 @@ class SparseMoeBlock:
 
     def tensors(self) -> list:
         """Everything it stores, for its memory."""
-        extra = [self.router] + ([self.shared.gate] if self.shared is not None else [])
+        extra = [self.router] + ([self.shared.gate] if self.shared is not None and self.shared.gate is not None else [])
         return self.matrices() + extra
 
     def route(self, x: torch.Tensor, linear: Linear) -> Routing:
-        routing = select_experts(linear(x, self.router, None), self.top_k, self.renormalize)
+        logits = F.linear(x.float(), self.router) if self.router_in_float32 else linear(x, self.router, None)
+        if self.select is not None:
+            return self.select(logits)
+        routing = select_experts(logits, self.top_k, self.renormalize)
         if self.weights_in_model_dtype:
             return Routing(routing.weights.to(x.dtype), routing.expert_ids)
         return routing
@@ -98,6 +112,8 @@ class SparseMoeBlock:
             return out
         shared = self.shared
         dense = linear(ops.silu_and_mul(linear(x, shared.gate_up, None)), shared.down, None)
+        if shared.gate is None:
+            return out + dense
         return out + torch.sigmoid(linear(x, shared.gate, None)) * dense
 
     def _fused_kernel(self, device: torch.device):

@@ -14,6 +14,7 @@ IMPLEMENTATIONS = {
     "llama": "`LlamaForCausalLM` (engine/models/llama.py; the fused CPU decode step)",
     "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; the unfused path)",
     "moe": "`MoeForCausalLM` (engine/models/moe.py; experts grouped, one product each, unfused)",
+    "deepseek": "`DeepseekForCausalLM` (engine/models/deepseek.py; latent attention, experts grouped, unfused)",
 }
 FORMAT_NAMES = {"safetensors": "safetensors", "bin": "PyTorch .bin", "gguf": "GGUF (dequantized on load)"}
 
