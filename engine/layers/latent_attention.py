@@ -64,7 +64,7 @@ def latent_attention(weights: LatentAttentionWeights, x: torch.Tensor, angles, r
     a = linear(x, weights.qkv_a, weights.qkv_a_bias)  # [T, q rows + rank + rope]
     q_rows = a.shape[1] - rank - rotary.cos.shape[-1]
     q = a[:, :q_rows]
-    if weights.q_b is not None:
+    if weights.q_b is not None and weights.q_a_norm is not None:  # q_lora_rank: both, else neither
         q = linear(ops.rms_norm(q.contiguous(), weights.q_a_norm, LATENT_NORM_EPS), weights.q_b, None)
     q = q.view(num_tokens, num_heads, -1)  # [T, H, nope + rope]
     c_kv = ops.rms_norm(a[:, q_rows : q_rows + rank].contiguous(), weights.kv_a_norm, LATENT_NORM_EPS)

@@ -48,6 +48,8 @@ class DeepseekLayerWeights:
 class DeepseekForCausalLM(MoeForCausalLM):
     """The Llama-family forward pass (norms, residuals, the MoE blocks of `MoeForCausalLM`) with latent attention."""
 
+    layers: list[DeepseekLayerWeights]  # type: ignore[assignment]  # its own layers' fields (LlamaLayerWeights' norms)
+
     def __init__(self, arch: LlamaArch, deepseek: DeepseekArch, dtype: torch.dtype, device: torch.device,
                  ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
                  quantizer: Optional[WeightQuantizer] = None):
