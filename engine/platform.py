@@ -61,11 +61,12 @@ class Numerics(NamedTuple):
 
 
 def choose_numerics(attention_backend: str, device: torch.device, dtype: torch.dtype, *, block_size: int,
-                    shape: AttentionShape, batch_invariant: bool = False) -> Numerics:
-    """The parts for this device and dtype; ValueError saying why when the settings cannot run here."""
+                    shape: AttentionShape, batch_invariant: bool = False, latent: bool = False) -> Numerics:
+    """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
+    the model's attention is multi-head latent attention over a latent cache (auto then means torch)."""
     if batch_invariant:
         return batch_invariant_numerics(attention_backend, device, dtype)
-    if shape.latent_rank is not None and attention_backend == "auto":
+    if latent and attention_backend == "auto":
         # multi-head latent attention reads a latent cache that only the torch backend reads so far; a backend
         # named explicitly is checked against the model's layers at start-up (check_backend_serves)
         logger.info("attention backend auto: torch (multi-head latent attention)")
