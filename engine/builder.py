@@ -11,7 +11,7 @@ import torch
 
 from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend
-from engine.attention.attention_shape import AttentionShape
+from engine.attention.attention_shape import AttentionShape, latent_rank_of
 from engine.attention.layer_attention import check_backend_serves
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
@@ -59,8 +59,10 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
+    latent_rank = latent_rank_of(hf_config)  # multi-head latent attention: the cache holds the latent
     backend, ops, linear = choose_numerics(config.attention_backend, device, dtype, block_size=config.cache.block_size,
                                            shape=AttentionShape.from_hf_config(hf_config),
+                                           latent=latent_rank is not None,
                                            batch_invariant=config.batch_invariant)
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
@@ -93,7 +95,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     model.load_weights(weights)
     _log_weights(model)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
-                       model.arch.head_dim, kv_dtype)
+                       model.arch.head_dim, kv_dtype, latent_rank=latent_rank)  # MLA: the latent layout
     limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)

@@ -29,6 +29,7 @@ seed and output position only). It runs on CPU, in float32 and bfloat16, and nee
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Optional
 
 import torch
@@ -40,6 +41,8 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
 from engine.layers.linear import GemvLinear, Linear
+
+logger = logging.getLogger(__name__)
 
 INVARIANT_ATTENTION_BACKENDS = ("auto", "cpu")
 """The `attention_backend` values batch-invariant mode accepts (it brings its own variant of `cpu`)."""
@@ -58,10 +61,16 @@ class Numerics(NamedTuple):
 
 
 def choose_numerics(attention_backend: str, device: torch.device, dtype: torch.dtype, *, block_size: int,
-                    shape: AttentionShape, batch_invariant: bool = False) -> Numerics:
-    """The parts for this device and dtype; ValueError saying why when the settings cannot run here."""
+                    shape: AttentionShape, batch_invariant: bool = False, latent: bool = False) -> Numerics:
+    """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
+    the model's attention is multi-head latent attention over a latent cache (auto then means torch)."""
     if batch_invariant:
         return batch_invariant_numerics(attention_backend, device, dtype)
+    if latent and attention_backend == "auto":
+        # multi-head latent attention reads a latent cache that only the torch backend reads so far; a backend
+        # named explicitly is checked against the model's layers at start-up (check_backend_serves)
+        logger.info("attention backend auto: torch (multi-head latent attention)")
+        attention_backend = "torch"
     backend = get_attention_backend(attention_backend, device, dtype, block_size=block_size, shape=shape)
     if not isinstance(backend, CpuAttentionBackend):
         return Numerics(backend, None, None)

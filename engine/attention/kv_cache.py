@@ -1,4 +1,5 @@
-"""The physical paged KV cache: one K and one V tensor per layer, in the KV cache dtype.
+"""The physical paged KV cache: one K and one V tensor per layer, in the KV cache dtype (or, for multi-head
+latent attention, one tensor of latent entries per layer whose values are their first features).
 
 The cache may store a narrower dtype than the model computes in (`--kv-cache-dtype`): bfloat16 for
 an fp32 model halves the cache's bytes (twice the tokens in the same budget) and what decode
@@ -9,7 +10,7 @@ K/V to the cache's dtype, divided by `kv_scale` for fp8) and on read (back to th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 from engine.errors import SettingsConflictError
 
@@ -77,6 +78,11 @@ def select_blocks(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return as_stored(cache).index_select(0, index).view(cache.dtype)
 
 
+def values_in_keys(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether `value_cache` is a latent cache's view of its entries (written with them, never on its own)."""
+    return value_cache.data_ptr() == key_cache.data_ptr()
+
+
 def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cached K or V (any shape) in the compute dtype `dtype`."""
     if x.dtype == dtype:
@@ -88,19 +94,47 @@ def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """The shape of one layer's cache block."""
+    """The shape of one layer's cache block.
+
+    With `latent_rank` set the layout is multi-head latent attention's (DeepSeek-V2/V3): per token and layer
+    one entry `[c_kv | k_pe]` of `head_dim` = kv_lora_rank + qk_rope_head_dim features (`num_kv_heads` 1),
+    the compressed latent and the rotated shared key, never the expanded heads; the values are each entry's
+    first `latent_rank` (= kv_lora_rank) features, so there is no V tensor of their own.
+    """
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    latent_rank: Optional[int] = None
+
+    def __post_init__(self):
+        if self.latent_rank is not None and (self.num_kv_heads != 1 or not 0 < self.latent_rank <= self.head_dim):
+            raise ValueError(f"a latent KV cache has one entry per token (num_kv_heads 1, not {self.num_kv_heads}) "
+                             f"whose first latent_rank {self.latent_rank} of {self.head_dim} features are the values")
+
+    @classmethod
+    def latent(cls, num_layers: int, block_size: int, kv_lora_rank: int, rope_dim: int,
+               dtype: torch.dtype) -> "KVCacheSpec":
+        """Multi-head latent attention's layout: `kv_lora_rank + rope_dim` values per token and layer."""
+        return cls(num_layers, block_size, 1, kv_lora_rank + rope_dim, dtype, latent_rank=kv_lora_rank)
+
+    @property
+    def tensors_per_layer(self) -> int:
+        """K and V apart (2), or the latent entries alone (1)."""
+        return 1 if self.latent_rank is not None else 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one token's cache takes over every layer."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return self.tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block in every layer."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        """K and V (or the latent entries) of one block in every layer."""
+        return self.block_size * self.bytes_per_token
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
@@ -111,7 +145,9 @@ class KVCache:
     (the layout flash-attn's paged kernels read). The scheduler's KVCacheManager
     decides which of blocks 0 .. num_blocks - 1 belong to whom; this class only holds
     the memory. The last block, `pad_block`, is never handed out: the padding rows of a
-    CUDA-graph step write and read it (engine/runner/cuda_graphs.py)."""
+    CUDA-graph step write and read it (engine/runner/cuda_graphs.py). A latent spec's layer is its one
+    tensor of entries `[num_blocks + 1, block_size, 1, kv_lora_rank + rope_dim]` and, as V, the view of their
+    first kv_lora_rank features."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
         shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
@@ -119,9 +155,16 @@ class KVCache:
         self.num_blocks = num_blocks
         self.pad_block = num_blocks
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)
+            self._layer(spec, shape, device) for _ in range(spec.num_layers)
         ]
+
+    @staticmethod
+    def _layer(spec: KVCacheSpec, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V); for a latent spec (entries, their first latent_rank features): a view, no second tensor."""
+        keys = torch.zeros(shape, dtype=spec.dtype, device=device)
+        if spec.latent_rank is not None:
+            return keys, keys[..., : spec.latent_rank]
+        return keys, torch.zeros(shape, dtype=spec.dtype, device=device)
 
     def release(self) -> None:
         """Drop the tensors (the engine is shutting down); the spec stays for what describes the cache."""

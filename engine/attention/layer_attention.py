@@ -1,5 +1,5 @@
-"""What one layer's attention computes beyond plain causal softmax: its scale, sliding window, soft-cap and
-attention sinks.
+"""What one layer's attention computes beyond plain causal softmax: its scale, sliding window, soft-cap,
+attention sinks, and whether it attends over a latent cache (multi-head latent attention).
 
 A model hands each layer's `LayerAttention` to the backend's `attend`; the backends read it, and a backend
 that cannot compute one of its features says so at start-up (`check_backend_serves`), never at a step.
@@ -17,6 +17,8 @@ SOFTCAP = "attention soft-capping"
 SINKS = "attention sinks"
 FEATURES = (SLIDING_WINDOW, SOFTCAP)
 """What every backend computes; attention sinks only those that list SINKS in their `attention_features`."""
+LATENT = "multi-head latent attention"
+"""Not in FEATURES: only the backends that read the latent layout (engine/attention/kv_cache.py) list it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,10 @@ class LayerAttention:
                                                   so `sliding_window` keys at most: HF's convention)
         p = softmax over [s(k) for the seen k] + [sinks[h]], the sink's share dropped (it has no value):
             out = sum_k p_k v_k, so the weights of the keys sum to less than 1     when sinks is set (GPT-OSS)
+
+    With `latent_rank` (multi-head latent attention, absorbed): one KV head whose keys are the cached latent
+    entries [c_kv | k_pe] and whose values are their first `latent_rank` features; the queries come as
+    [q_nope W_UK | q_pe] and the output has `latent_rank` features per head (the model applies W_UV).
     """
 
     scale: float
@@ -37,6 +43,7 @@ class LayerAttention:
     # [num_heads] float32: a learned logit per query head joining the softmax's denominator. A tensor: left out
     # of equality and hashing, which compare the layer's settings.
     sinks: Optional[torch.Tensor] = field(default=None, compare=False)
+    latent_rank: Optional[int] = None
 
     def __post_init__(self):
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -53,6 +60,8 @@ class LayerAttention:
             used.add(SOFTCAP)
         if self.sinks is not None:
             used.add(SINKS)
+        if self.latent_rank is not None:
+            used.add(LATENT)
         return frozenset(used)
 
 

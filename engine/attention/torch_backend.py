@@ -8,18 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.kv_write import write_kv_by_slots
-from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
+from engine.attention.layer_attention import FEATURES, LATENT, SINKS, LayerAttention
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
-from engine.attention.kv_cache import KV_CACHE_DTYPES, KVCacheSpec, from_cache, select_blocks
+from engine.attention.kv_cache import KV_CACHE_DTYPES, KVCacheSpec, from_cache, select_blocks, values_in_keys
 
 
 class TorchAttentionBackend:
-    """Decodes are one batched gather + two batched matmuls; prefill chunks use SDPA per request."""
+    """Decodes are one batched gather + two batched matmuls; prefill chunks use SDPA per request.
+
+    It also reads multi-head latent attention's cache (a layer with `latent_rank`): one KV head of latent
+    entries whose values are their first `latent_rank` features, so values may be narrower than the queries.
+    """
 
     name = "torch"
     cuda_graphs = False  # its metadata is shaped by host values (per-request chunks, the decode width)
-    attention_features = (*FEATURES, SINKS)  # windows and soft-caps as masks and a tanh; sinks as a column
+    # windows and soft-caps as masks and a tanh; sinks as a column; the latent layout (MLA)
+    attention_features: tuple[str, ...] = (*FEATURES, SINKS, LATENT)
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return tuple(KV_CACHE_DTYPES.values())  # converted on read (from_cache), fp8 with its scale
@@ -40,13 +45,16 @@ class TorchAttentionBackend:
         return dataclasses.replace(metadata, decode_bias=bias)
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: AttentionMetadata) -> None:
+        if values_in_keys(key_cache, value_cache):  # a latent cache: the values are written with the entries
+            write_kv_by_slots(key, key, key_cache, key_cache, metadata.slot_mapping, values=False)
+            return
         write_kv_by_slots(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, metadata: AttentionMetadata, layer: LayerAttention):
         num_decodes = metadata.num_decodes
         if not metadata.prefills:
             return self._decode(query, key_cache, value_cache, metadata, layer)
-        out = torch.empty_like(query)
+        out = query.new_empty(*query.shape[:2], value.shape[-1])  # latent attention: values narrower than queries
         if num_decodes:
             out[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, layer)
         for chunk in metadata.prefills:
@@ -66,9 +74,13 @@ class TorchAttentionBackend:
         tables, lens = metadata.decodes()
         flat = tables.reshape(-1)  # [B * max_blocks]
         max_len = tables.shape[1] * block_size
-        keys = select_blocks(key_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
-        values = select_blocks(value_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim)
-        keys, values = from_cache(keys, query.dtype), from_cache(values, query.dtype)  # --kv-cache-dtype
+        keys = from_cache(select_blocks(key_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim),
+                          query.dtype)  # --kv-cache-dtype
+        if layer.latent_rank is not None:  # the entries' first features: no second gather
+            values = keys[..., : layer.latent_rank]
+        else:
+            values = select_blocks(value_cache, flat).view(num_decodes, max_len, num_kv_heads, value_cache.shape[-1])
+            values = from_cache(values, query.dtype)
         bias = metadata.decode_bias
         assert bias is not None  # build_metadata masks every step with decodes
         if layer.sliding_window is not None:  # keys before each query's window are masked out too
@@ -91,6 +103,7 @@ class TorchAttentionBackend:
         """
         batch, num_heads, head_dim = query.shape
         _, max_len, num_kv_heads, _ = keys.shape
+        value_dim = values.shape[-1]
         group = num_heads // num_kv_heads
         pairs = torch.bmm(query, keys.view(batch, max_len * num_kv_heads, head_dim).transpose(1, 2))
         # [B, heads, max_len * kv_heads] -> [B, kv_heads, group, max_len]
@@ -98,9 +111,9 @@ class TorchAttentionBackend:
         scores = biased_scores(scores.permute(0, 3, 1, 2), bias, layer)  # [B, kv_heads, group, max_len]
         probs = softmax_probs(scores, layer, (1, num_kv_heads, group, 1)).to(query.dtype)
         probs = probs.view(batch, num_heads, max_len)
-        out = torch.bmm(probs, values.view(batch, max_len, num_kv_heads * head_dim))  # [B, heads, kv_heads * hd]
-        out = torch.diagonal(out.view(batch, num_kv_heads, group, num_kv_heads, head_dim), dim1=1, dim2=3)
-        return out.permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
+        out = torch.bmm(probs, values.view(batch, max_len, num_kv_heads * value_dim))  # [B, heads, kv_heads * vd]
+        out = torch.diagonal(out.view(batch, num_kv_heads, group, num_kv_heads, value_dim), dim1=1, dim2=3)
+        return out.permute(0, 3, 1, 2).reshape(batch, num_heads, value_dim)
 
     @staticmethod
     def _decode_per_kv_head(query, keys, values, bias, layer: LayerAttention) -> torch.Tensor:
@@ -114,10 +127,11 @@ class TorchAttentionBackend:
             torch.bmm(q[:, k], keys[:, :, k].transpose(1, 2), out=scores[:, k])
         scores = biased_scores(scores, bias, layer)
         probs = softmax_probs(scores, layer, (1, num_kv_heads, group, 1)).to(query.dtype)
-        out = torch.empty((batch, num_kv_heads, group, head_dim), dtype=query.dtype, device=query.device)
+        value_dim = values.shape[-1]
+        out = torch.empty((batch, num_kv_heads, group, value_dim), dtype=query.dtype, device=query.device)
         for k in range(num_kv_heads):
             torch.bmm(probs[:, k], values[:, :, k], out=out[:, k])
-        return out.view(batch, num_heads, head_dim)
+        return out.view(batch, num_heads, value_dim)
 
     @staticmethod
     def _prefill(query, key, value, key_cache, value_cache, chunk: PrefillChunk, layer: LayerAttention) -> torch.Tensor:
@@ -139,9 +153,13 @@ class TorchAttentionBackend:
             _, block_size, num_kv_heads, head_dim = key_cache.shape
             num_blocks = -(-chunk.context_len // block_size)
             table = chunk.block_table[:num_blocks]
-            k = select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-            v = select_blocks(value_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-            k, v = from_cache(k, query.dtype), from_cache(v, query.dtype)
+            k = from_cache(select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len],
+                           query.dtype)
+            if layer.latent_rank is not None:  # the entries' first features
+                v = k[..., : layer.latent_rank]
+            else:
+                v = select_blocks(value_cache, table).view(-1, num_kv_heads, value_cache.shape[-1])
+                v = from_cache(v[: chunk.context_len], query.dtype)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         offset = chunk.context_len - chunk.query_len
         query_pos = torch.arange(offset, chunk.context_len, device=query.device)

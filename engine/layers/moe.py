@@ -7,6 +7,10 @@
                     (GPT-OSS: biases on both products and its clamped SwiGLU, clamped_swiglu.py)
     out[t]       += weight(t, e) * expert e's row of t     (index_add over the sorted rows)
     (+ sigmoid(x @ shared_gate^T) * shared MLP(x)          Qwen2-MoE's shared expert)
+    (+ shared MLP(x)                                       DeepSeek's shared experts: no gate)
+
+A family may bring its own routing of the logits (`select`: DeepSeek's grouped top-k, grouped_routing.py),
+computed from float32 logits where HF keeps the router in float32 (`router_in_float32`).
 
 Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E, 2I, H] and [E, H, I]
 (and, where the family has them, their biases [E, 2I] and [E, H]).
@@ -21,9 +25,10 @@ included).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers.clamped_swiglu import ClampedSwiGLU
 from engine.layers.layer_ops import TorchLayerOps
@@ -49,11 +54,12 @@ class ExpertWeights:
 
 @dataclass(slots=True)
 class SharedExpert:
-    """Qwen2-MoE's dense expert every token goes through, scaled by a sigmoid gate of its own."""
+    """The dense expert every token goes through: Qwen2-MoE's scaled by a sigmoid gate of its own, DeepSeek's
+    (its n_shared_experts as one MLP) added as it is."""
 
     gate_up: torch.Tensor  # [2 * I_shared, H], in the form `linear` takes
     down: torch.Tensor  # [H, I_shared], idem
-    gate: torch.Tensor  # [1, H], idem
+    gate: Optional[torch.Tensor]  # [1, H], idem; None: no gate
 
 
 class SparseMoeBlock:
@@ -62,12 +68,17 @@ class SparseMoeBlock:
     def __init__(self, router: torch.Tensor, experts: ExpertWeights, top_k: int, renormalize: bool,
                  linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False,
                  *, router_bias: Optional[torch.Tensor] = None, softmax_after_top_k: bool = False,
-                 activation: Optional[ClampedSwiGLU] = None):
+                 activation: Optional[ClampedSwiGLU] = None,
+                 select: Optional[Callable[[torch.Tensor], Routing]] = None, router_in_float32: bool = False):
         if not 0 < top_k <= experts.num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
-        self.router = linear.prepare(router)  # [E, H], through the model's product (batch invariant when it is)
+        self.router_in_float32 = router_in_float32
+        # [E, H]: float32 as stored where the logits are float32 (DeepSeek), else through the model's product
+        # (batch invariant when it is)
+        self.router = router.float() if router_in_float32 else linear.prepare(router)
         self.router_bias = router_bias  # [E] (GPT-OSS)
         self.softmax_after_top_k = softmax_after_top_k  # GPT-OSS: top-k of the logits, softmax over those
+        self.select = select  # a family's own routing of the logits (DeepSeek's grouped routing)
         self.activation = activation  # None: SwiGLU (the layer ops' silu_and_mul)
         self.biases = [(None if experts.gate_up_bias is None else experts.gate_up_bias[e],
                         None if experts.down_bias is None else experts.down_bias[e])
@@ -91,12 +102,18 @@ class SparseMoeBlock:
 
     def tensors(self) -> list:
         """Everything it stores, for its memory."""
-        extra = [self.router] + ([self.shared.gate] if self.shared is not None else [])
+        extra = [self.router] + ([self.shared.gate] if self.shared is not None and self.shared.gate is not None else [])
         biases = [b for pair in self.biases for b in pair if b is not None]
         return self.matrices() + extra + biases + ([self.router_bias] if self.router_bias is not None else [])
 
     def route(self, x: torch.Tensor, linear: Linear) -> Routing:
-        logits = linear(x, self.router, self.router_bias)
+        if self.router_in_float32:
+            bias = None if self.router_bias is None else self.router_bias.float()
+            logits = F.linear(x.float(), self.router, bias)
+        else:
+            logits = linear(x, self.router, self.router_bias)
+        if self.select is not None:
+            return self.select(logits)
         if self.softmax_after_top_k:
             routing = select_top_logits(logits, self.top_k)
         else:
@@ -120,6 +137,8 @@ class SparseMoeBlock:
             return out
         shared = self.shared
         dense = linear(ops.silu_and_mul(linear(x, shared.gate_up, None)), shared.down, None)
+        if shared.gate is None:
+            return out + dense
         return out + torch.sigmoid(linear(x, shared.gate, None)) * dense
 
     def _fused_kernel(self, device: torch.device):

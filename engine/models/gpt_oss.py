@@ -14,7 +14,7 @@ gate and up interleaved (gate in the even columns), `experts.down_proj` [E, I, H
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._refuse_mxfp4(weights))
         self.layer_attention = tuple(dataclasses.replace(attention, sinks=self.sinks[index])
                                      for index, attention in enumerate(self.layer_attention))

@@ -25,7 +25,8 @@ class ModelFamily:
     architecture: str  # the HF `architectures` entry
     model_types: tuple[str, ...]  # config `model_type`s it is also recognised by
     # "llama" (LlamaForCausalLM, the fused CPU decode step), "decoder" (DecoderForCausalLM), "moe"
-    # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs) or "gpt_oss" (GptOssForCausalLM)
+    # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs), "gpt_oss" (GptOssForCausalLM) or
+    # "deepseek" (DeepseekForCausalLM: multi-head latent attention and DeepSeek's mixture of experts)
     implementation: str
     formats: tuple[str, ...]  # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load)
     features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
@@ -59,6 +60,14 @@ FAMILIES = (
                 ("attention sinks", "layer_types (sliding / full)", "q/k/v/o biases", "YaRN",
                  "router with bias, softmax over the top-k logits", "experts with biases and clamped SwiGLU",
                  "MXFP4 checkpoints refused")),
+    ModelFamily("DeepseekV2ForCausalLM", ("deepseek_v2",), "deepseek", HF_FORMATS,
+                ("multi-head latent attention, absorbed, over a latent KV cache (kv_lora_rank + qk_rope_head_dim "
+                 "per token and layer; attention backend torch)", "q_lora_rank or q_proj (V2-Lite)",
+                 "softmax routing, greedy or group_limited_greedy", "routed_scaling_factor", "shared experts",
+                 "first_k_dense_replace / moe_layer_freq", "YaRN with mscale")),
+    ModelFamily("DeepseekV3ForCausalLM", ("deepseek_v3",), "deepseek", HF_FORMATS,
+                ("as DeepSeek-V2", "sigmoid routing with e_score_correction_bias (noaux_tc)", "norm_topk_prob",
+                 "rope_interleave", "the multi-token-prediction layer not read")),
 )
 
 
@@ -91,6 +100,13 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
         from engine.models.gpt_oss_arch import gpt_oss_arch
 
         return GptOssForCausalLM(gpt_oss_arch(hf_config), dtype, device, ops, linear, quantizer)
+    if family.implementation == "deepseek":
+        from engine.models.deepseek import DeepseekForCausalLM
+        from engine.models.deepseek_arch import read_deepseek
+
+        rope = rope_settings(hf_config)
+        return DeepseekForCausalLM(LlamaArch.from_hf_config(hf_config, rope), read_deepseek(hf_config, rope[1]),
+                                   dtype, device, ops, linear, quantizer)
     if family.implementation in ("llama", "moe"):
         arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
         if family.implementation == "moe":

@@ -15,6 +15,7 @@ IMPLEMENTATIONS = {
     "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; the unfused path)",
     "moe": "`MoeForCausalLM` (engine/models/moe.py; experts grouped, one product each, unfused)",
     "gpt_oss": "`GptOssForCausalLM` (engine/models/gpt_oss.py; experts grouped, one product each, unfused)",
+    "deepseek": "`DeepseekForCausalLM` (engine/models/deepseek.py; latent attention, experts grouped, unfused)",
 }
 FORMAT_NAMES = {"safetensors": "safetensors", "bin": "PyTorch .bin", "gguf": "GGUF (dequantized on load)"}
 
@@ -27,13 +28,19 @@ other is refused at start-up with this list. A config field that changes the out
 (an unknown RoPE scaling type, bidirectional attention, partial rotary dimensions, an activation) is refused
 at start-up naming it. Every family is checked against HF transformers on a tiny random checkpoint
 (tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py, tests/engine/test_moe_equivalence.py,
-tests/engine/test_gpt_oss.py): greedy tokens identical and
+tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py): greedy tokens identical and
 logprobs within 1e-4 in float32.
 
 Sliding windows and attention soft-caps are computed by every attention backend (`torch`, `cpu`,
 `cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`),
 and so are attention sinks (GPT-OSS; `flash` only where flash-attn 4's varlen function takes `learnable_sink`);
 a backend that cannot is refused at start-up, naming the model and the feature.
+
+DeepSeek's multi-head latent attention caches per token and layer only its latent (`kv_lora_rank +
+qk_rope_head_dim` values: the normalised c_kv and the rotated shared key), and attends in the absorbed form
+(W_UK folded into the query, W_UV applied to the output). The `torch` backend reads that cache (`auto` picks it
+for these models); `cpu`, `cpu-batch-invariant` (`--batch-invariant`), `triton` and `flash` are refused at
+start-up, naming the model and the feature.
 """
 
 
