@@ -86,7 +86,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     _log_weights(model)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, kv_dtype)
-    limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
+    speculative = config.speculative_config
+    limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len,
+                          0 if speculative is None else speculative.num_speculative_tokens)
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
@@ -98,7 +100,11 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
+        proposer=None if speculative is None else speculative.make_proposer(),
     )
+    if speculative is not None:
+        logger.info("speculative decoding: %s, up to %d draft tokens per request and step", speculative.method,
+                    speculative.num_speculative_tokens)
     logger.info(
         "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s), "
         "max_model_len %d, attention backend %s, CUDA graphs %s",

@@ -3,6 +3,7 @@
 from scheduler.block_hash import BlockHash, hash_block
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
 from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
                               InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
                               RequestRejectedError)
@@ -16,6 +17,7 @@ __all__ = [
     "BlockPool",
     "CacheConfig",
     "ContextLengthExceededError",
+    "DraftProposer",
     "DuplicateRequestIdError",
     "EmptyPromptError",
     "InvalidMaxTokensError",
@@ -33,5 +35,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SpecDecodeStats",
     "hash_block",
 ]

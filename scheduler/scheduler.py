@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
 from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
                               KVCacheTooSmallError)
 from scheduler.kv_cache_manager import KVCacheManager
@@ -26,6 +27,7 @@ class _StepPlan:
     new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    spec_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafts to verify, by request
 
     def add(self, request: Request, num_tokens: int, new_block_ids: tuple[int, ...]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -39,6 +41,7 @@ class _StepPlan:
         num_tokens = self.num_scheduled.pop(request_id, 0)
         self.num_computed.pop(request_id, None)
         self.new_block_ids.pop(request_id, None)
+        self.spec_tokens.pop(request_id, None)
         self.budget += num_tokens
 
 
@@ -58,9 +61,17 @@ class Scheduler:
     in which order requests are scheduled (no invariant about partially prefilled
     requests is needed under either policy). Admission allocates a prompt's whole
     remainder, so a running prefill never needs blocks, and only decodes preempt.
+
+    With a `proposer` (speculative decoding) a decoding request also verifies the
+    proposer's draft tokens: they take slots beyond the sequence (allocated, never
+    hashed), count against the token budget (what is left after one token per
+    decode), and never preempt anyone (a request whose drafts do not fit decodes
+    without them). `update_from_output` rolls `num_computed_tokens` back past the
+    rejected ones.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 proposer: Optional[DraftProposer] = None):
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -78,6 +89,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps scheduled
         self._finished_since_last_step: set[str] = set()
+        self.proposer = proposer
+        self.spec_decode_stats: Optional[SpecDecodeStats] = None if proposer is None else SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests
 
@@ -138,6 +151,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            speculation=None if self.spec_decode_stats is None else self.spec_decode_stats.snapshot(),
         )
 
     # ------------------------------------------------------------------ the step
@@ -148,9 +162,12 @@ class Scheduler:
         self.kv_cache_manager.discard_step()  # a step scheduled before that never completed
         self.num_steps += 1
         plan = _StepPlan(budget=max_num_batched_tokens)
-        self._schedule_decodes(plan)
-        # Decodes take one token each and max_num_batched_tokens >= max_num_seqs.
-        plan.budget = max_num_batched_tokens - len(plan.num_scheduled)
+        if self.proposer is None:
+            self._schedule_decodes(plan)
+        else:
+            self._schedule_decodes_with_drafts(plan, self.proposer)
+        # Decodes take one token each (and their drafts) and max_num_batched_tokens >= max_num_seqs.
+        plan.budget = max_num_batched_tokens - sum(plan.num_scheduled.values())
         prefilling = [
             r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1
         ]
@@ -173,6 +190,7 @@ class Scheduler:
             new_block_ids=plan.new_block_ids,
             preempted_request_ids=frozenset(plan.preempted),
             finished_request_ids=finished,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
 
     def update_from_output(
@@ -196,11 +214,14 @@ class Scheduler:
         any_finished = False
         get_request = self.requests.get
         get_sampled = sampled_token_ids.get
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # ended between schedule() and now
             num_computed = request.num_computed_tokens + num_tokens
+            if spec_tokens and request_id in spec_tokens:
+                num_computed -= self._num_rejected(spec_tokens[request_id], get_sampled(request_id))
             request.num_computed_tokens = num_computed
             all_token_ids = request.all_token_ids
             if num_computed < len(all_token_ids):
@@ -264,6 +285,48 @@ class Scheduler:
             num_computed[request_id] = computed
             if new_blocks:
                 new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
+
+    def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: DraftProposer) -> None:
+        """`_schedule_decodes`, each decode with up to k draft tokens while the budget lasts.
+
+        The budget left after one token per decode goes to drafts in the running order. A draft's
+        slots are lookahead slots: allocated, but not counted when the step's full blocks are hashed."""
+        decoding = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens <= 1]
+        spare = self.scheduler_config.max_num_batched_tokens - len(decoding)
+        kv = self.kv_cache_manager
+        for request in decoding:
+            if request.status is not _RUNNING:
+                continue  # preempted earlier in this loop
+            drafts = self._propose(proposer, request, spare) if spare > 0 else ()
+            if drafts:
+                new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
+                if new_blocks is not None:
+                    plan.add(request, 1 + len(drafts), tuple([b.block_id for b in new_blocks]))
+                    plan.spec_tokens[request.request_id] = drafts
+                    spare -= len(drafts)
+                    continue
+            self._schedule_running(plan, request, 1)
+
+    def _propose(self, proposer: DraftProposer, request: Request, spare: int) -> tuple[int, ...]:
+        """The request's drafts: at most its own k, the budget's spare tokens, and one fewer than the tokens
+        it may still produce (the step adds one token beyond the accepted drafts)."""
+        k = proposer.num_speculative_tokens
+        if request.num_speculative_tokens is not None:
+            k = min(k, request.num_speculative_tokens)
+        k = min(k, spare, request.max_num_tokens - request.num_tokens - 1)
+        if k <= 0:
+            return ()
+        return tuple(proposer.propose(request.all_token_ids, k)[:k])
+
+    def _num_rejected(self, drafts: tuple[int, ...], token_ids: Optional[Sequence[int]]) -> int:
+        """Drafts of a verified request that were not accepted, counted into the statistics; the runner
+        returns the accepted drafts and one token more."""
+        num_accepted = max(len(token_ids) - 1, 0) if token_ids else 0
+        if num_accepted > len(drafts):
+            raise ValueError(f"{len(token_ids)} tokens back for {len(drafts)} drafts")
+        if self.spec_decode_stats is not None:
+            self.spec_decode_stats.record(len(drafts), num_accepted)
+        return len(drafts) - num_accepted
 
     def _schedule_running(self, plan: _StepPlan, request: Request, num_tokens: int) -> bool:
         """Allocate for a running request, preempting others until it fits (or is itself preempted)."""

@@ -1,0 +1,52 @@
+"""`--speculative-config`: which proposer guesses draft tokens, and how many (vLLM's JSON spelling)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.spec_decode.ngram import NgramProposer
+
+METHODS = ("ngram",)
+PLANNED_METHODS = ("suffix", "draft_model", "eagle", "medusa", "mtp")
+"""Methods vLLM spells that this engine does not run (yet): refused by name at start-up."""
+
+
+class SpeculativeConfig(BaseModel):
+    """`{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`.
+
+    Each decoding request verifies up to k draft tokens per step; a request opts out with `speculative: false`
+    or asks for fewer with its own `num_speculative_tokens`. Requests with structured output are not speculated.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = Field("ngram", description="the proposer: ngram (prompt lookup over the request's own tokens)")
+    num_speculative_tokens: int = Field(ge=1, le=32, description="draft tokens a request verifies per step at most")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram looked up (ngram)")
+    prompt_lookup_max: Optional[int] = Field(None, ge=1, description="longest n-gram looked up (ngram; default: "
+                                             "prompt_lookup_min + 3)")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method in METHODS:
+            return method
+        if method in PLANNED_METHODS:
+            raise ValueError(f"speculative method {method!r} is not implemented yet (implemented: "
+                             f"{', '.join(METHODS)})")
+        raise ValueError(f"unknown speculative method {method!r} (expected one of: {', '.join(METHODS)})")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min + 3
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+    def make_proposer(self) -> NgramProposer:
+        assert self.prompt_lookup_max is not None  # set by the validator
+        return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
