@@ -34,37 +34,35 @@ def num_accepted(sampled: Sequence[int], draft_token_ids: Sequence[int]) -> int:
     return accepted
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_token_ids: Sequence[int],
+def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                      draft_probs: Optional[torch.Tensor] = None,
-                     generator: Optional[torch.Generator] = None) -> list[int]:
-    """Leviathan et al.'s speculative sampling for one request: the accepted drafts and one token more.
+                     generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan et al.'s speculative sampling, batched over requests that each verify k drafts.
 
-    target_probs: [k + 1, vocab], row j the target's distribution after j drafts; draft_probs: [k, vocab], the
-    proposer's distribution each draft was drawn from, or None for drafts that are point masses. Draft j is
-    accepted with probability min(1, p(d) / q(d)); at the first rejection the token is drawn from
-    max(p - q, 0), normalized; when all are accepted a bonus token is drawn from the last row.
+    target_probs: [n, k + 1, vocab], row j the target's distribution after j drafts; draft_token_ids: [n, k];
+    draft_probs: [n, k, vocab], the distribution each draft was drawn from, or None for drafts that are point
+    masses. Draft j is accepted with probability min(1, p(d) / q(d)); at the first rejection the token is drawn
+    from max(p - q, 0), normalized; when all are accepted a bonus token is drawn from the last row.
+
+    Returns (tokens [n, k + 1], num_tokens [n]): request i's output is tokens[i, : num_tokens[i]], its accepted
+    drafts and one token more (entries past it are unspecified).
     """
-    k = len(draft_token_ids)
-    if target_probs.shape[0] != k + 1:
-        raise ValueError(f"{target_probs.shape[0]} rows of target probabilities for {k} drafts")
-    out: list[int] = []
-    for j, draft in enumerate(draft_token_ids):
-        p = target_probs[j]  # [vocab]
-        q = _point_mass(p, draft) if draft_probs is None else draft_probs[j]
-        ratio = float(p[draft]) / float(q[draft]) if float(q[draft]) > 0 else 0.0
-        if float(torch.rand((), generator=generator)) < min(1.0, ratio):
-            out.append(draft)
-            continue
-        residual = (p - q).clamp_(min=0.0)
-        if float(residual.sum()) <= 0:  # p == q: nothing is left to correct, any draw of p is right
-            residual = p
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
-    return out
-
-
-def _point_mass(p: torch.Tensor, token_id: int) -> torch.Tensor:
-    q = torch.zeros_like(p)
-    q[token_id] = 1.0
-    return q
+    n, k = draft_token_ids.shape
+    if target_probs.shape[:2] != (n, k + 1):
+        raise ValueError(f"target probabilities of shape {tuple(target_probs.shape)} for drafts {(n, k)}")
+    drafts = draft_token_ids.long().unsqueeze(2)  # [n, k, 1]
+    p = target_probs[:, :k]  # [n, k, vocab]
+    q = torch.zeros_like(p).scatter_(2, drafts, 1.0) if draft_probs is None else draft_probs
+    p_d, q_d = p.gather(2, drafts).squeeze(2), q.gather(2, drafts).squeeze(2)  # [n, k]
+    u = torch.rand((n, k), generator=generator, dtype=p.dtype, device=p.device)
+    accepted = u * q_d < p_d  # u < min(1, p/q), without dividing by a zero q
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [n], leading accepted drafts
+    residual = (p - q).clamp_(min=0.0)  # [n, k, vocab]
+    empty = residual.sum(dim=2, keepdim=True) <= 0  # p == q there: no correction needed, draw from p
+    residual = torch.where(empty, p, residual)
+    last = torch.cat([residual, target_probs[:, k:]], dim=1)  # [n, k + 1, vocab]: row k is the bonus row
+    chosen = last[torch.arange(n, device=p.device), num_accepted]  # [n, vocab]
+    extra = torch.multinomial(chosen, 1, generator=generator).squeeze(1)  # [n]
+    tokens = torch.cat([draft_token_ids.long(), torch.zeros((n, 1), dtype=torch.long, device=p.device)], dim=1)
+    tokens[torch.arange(n, device=p.device), num_accepted] = extra
+    return tokens, num_accepted + 1
