@@ -203,13 +203,14 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
-        step_tokens, max_num_seqs, max_model_len = limits.max_num_batched_tokens, limits.max_num_seqs, \
+        # Verification rows (a request and its drafts) sample like decodes: the decode step profiled is that wide.
+        step_tokens, max_rows, max_model_len = limits.max_num_batched_tokens, limits.max_query_rows, \
             limits.max_model_len
-        peak = profile_peak_bytes(model, backend, spec, step_tokens, max_num_seqs, max_model_len, device)
+        peak = profile_peak_bytes(model, backend, spec, step_tokens, max_rows, max_model_len, device)
         graphs = _cuda_graph_bytes(model, backend, spec, limits, buckets, device) if buckets else 0
         budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device) - graphs
         logger.info("profiled a %d-token prefill and a %d-request decode at %d tokens: %.0f MiB of activations "
-                    "at peak; CUDA graphs take %.0f MiB", step_tokens, max_num_seqs, max_model_len, peak / 2**20,
+                    "at peak; CUDA graphs take %.0f MiB", step_tokens, max_rows, max_model_len, peak / 2**20,
                     graphs / 2**20)
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
