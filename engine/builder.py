@@ -101,6 +101,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
         proposer=None if speculative is None else speculative.make_proposer(),
+        adaptive_drafts=speculative is not None and speculative.adaptive,
+        max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
     )
     if speculative is not None:
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step", speculative.method,

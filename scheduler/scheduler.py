@@ -71,7 +71,10 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 proposer: Optional[DraftProposer] = None):
+                 proposer: Optional[DraftProposer] = None, *, adaptive_drafts: bool = False,
+                 max_drafting_batch: Optional[int] = None):
+        """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
+        the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -90,6 +93,8 @@ class Scheduler:
         self.num_steps = 0  # steps scheduled
         self._finished_since_last_step: set[str] = set()
         self.proposer = proposer
+        self.adaptive_drafts = adaptive_drafts
+        self.max_drafting_batch = max_drafting_batch
         self.spec_decode_stats: Optional[SpecDecodeStats] = None if proposer is None else SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests
@@ -221,7 +226,7 @@ class Scheduler:
                 continue  # ended between schedule() and now
             num_computed = request.num_computed_tokens + num_tokens
             if spec_tokens and request_id in spec_tokens:
-                num_computed -= self._num_rejected(spec_tokens[request_id], get_sampled(request_id))
+                num_computed -= self._num_rejected(request, spec_tokens[request_id], get_sampled(request_id))
             request.num_computed_tokens = num_computed
             all_token_ids = request.all_token_ids
             if num_computed < len(all_token_ids):
@@ -293,6 +298,8 @@ class Scheduler:
         slots are lookahead slots: allocated, but not counted when the step's full blocks are hashed."""
         decoding = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens <= 1]
         spare = self.scheduler_config.max_num_batched_tokens - len(decoding)
+        if self.max_drafting_batch is not None and len(decoding) > self.max_drafting_batch:
+            spare = 0  # a batch this large is compute-bound: verification rows would cost more than they save
         kv = self.kv_cache_manager
         for request in decoding:
             if request.status is not _RUNNING:
@@ -311,6 +318,8 @@ class Scheduler:
         """The request's drafts: at most its own k, the budget's spare tokens, and one fewer than the tokens
         it may still produce (the step adds one token beyond the accepted drafts)."""
         k = proposer.num_speculative_tokens
+        if self.adaptive_drafts:
+            k = 1 + int((k - 1) * request.draft_acceptance + 0.5)
         if request.num_speculative_tokens is not None:
             k = min(k, request.num_speculative_tokens)
         k = min(k, spare, request.max_num_tokens - request.num_tokens - 1)
@@ -318,14 +327,16 @@ class Scheduler:
             return ()
         return tuple(proposer.propose(request.all_token_ids, k)[:k])
 
-    def _num_rejected(self, drafts: tuple[int, ...], token_ids: Optional[Sequence[int]]) -> int:
-        """Drafts of a verified request that were not accepted, counted into the statistics; the runner
-        returns the accepted drafts and one token more."""
+    def _num_rejected(self, request: Request, drafts: tuple[int, ...], token_ids: Optional[Sequence[int]]) -> int:
+        """Drafts of a verified request that were not accepted, counted into the statistics and the request's
+        acceptance; the runner returns the accepted drafts and one token more."""
         num_accepted = max(len(token_ids) - 1, 0) if token_ids else 0
         if num_accepted > len(drafts):
             raise ValueError(f"{len(token_ids)} tokens back for {len(drafts)} drafts")
         if self.spec_decode_stats is not None:
             self.spec_decode_stats.record(len(drafts), num_accepted)
+        # Half weight to the latest verification: a request that starts or stops copying adapts in a few steps.
+        request.draft_acceptance = (request.draft_acceptance + num_accepted / len(drafts)) / 2
         return len(drafts) - num_accepted
 
     def _schedule_running(self, plan: _StepPlan, request: Request, num_tokens: int) -> bool:

@@ -27,6 +27,9 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram looked up (ngram)")
     prompt_lookup_max: Optional[int] = Field(None, ge=1, description="longest n-gram looked up (ngram; default: "
                                              "prompt_lookup_min + 3)")
+    adaptive: bool = Field(True, description="each request's k follows the share of its recent drafts accepted")
+    disable_by_batch_size: Optional[int] = Field(None, ge=1, description="no drafts in a step with more decoding "
+                                                 "requests than this (vLLM's name); None: drafts at any batch size")
 
     @field_validator("method")
     @classmethod

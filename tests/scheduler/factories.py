@@ -29,6 +29,8 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     policy: str = "fcfs",
     proposer: Optional[DraftProposer] = None,
+    adaptive_drafts: bool = False,
+    max_drafting_batch: Optional[int] = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -43,6 +45,8 @@ def make_scheduler(
             enable_prefix_caching=enable_prefix_caching,
         ),
         proposer,
+        adaptive_drafts=adaptive_drafts,
+        max_drafting_batch=max_drafting_batch,
     )
 
 

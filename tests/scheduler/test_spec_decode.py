@@ -246,7 +246,8 @@ def test_tight_pools_with_drafts_preemption_and_aborts_between_schedule_and_upda
         s = make_spec_scheduler(ListProposer(rng.randint(1, 5), rng), num_blocks=rng.randint(4, 12),
                                 block_size=block_size, max_num_seqs=rng.randint(2, 4),
                                 max_num_batched_tokens=rng.randint(4, 16), max_model_len=64,
-                                policy=rng.choice(["fcfs", "priority"]))
+                                policy=rng.choice(["fcfs", "priority"]), adaptive_drafts=rng.random() < 0.5,
+                                max_drafting_batch=rng.choice([None, None, 1, 2]))
 
         def accept(request_id, drafts):
             accepted = rng.randint(0, len(drafts))
@@ -280,3 +281,32 @@ def test_tight_pools_with_drafts_preemption_and_aborts_between_schedule_and_upda
         seen["hits"] += s.stats().prefix_cache_hits
         assert s.kv_cache_manager.usage == 0
     assert all(seen.values()), seen
+
+
+def test_adaptive_drafts_follow_each_requests_recent_acceptance():
+    """k falls to 1 while a request's drafts are rejected, and climbs back to the proposer's k as they are
+    accepted again (half weight to the latest verification)."""
+    s = make_scheduler(proposer=FixedProposer(5), adaptive_drafts=True, num_blocks=64, max_model_len=256)
+    accept_all = [False]
+    runner = RecordingRunner(4, accept_fn=lambda request_id, drafts: len(drafts) if accept_all[0] else 0)
+    s.add_request(make_request(4, max_tokens=100, ignore_eos=True))
+    one_step(s, runner)
+    sizes = []
+    for step in range(12):
+        accept_all[0] = step >= 5
+        output = one_step(s, runner)
+        sizes.append(len(next(iter(output.scheduled_spec_decode_tokens.values()))))
+    # k = 1 + round(4 * average acceptance), the average from 1: halved by each rejection, halfway up by each
+    # full acceptance
+    assert sizes == [5, 3, 2, 2, 1, 1, 3, 4, 5, 5, 5, 5]
+
+
+def test_no_drafts_in_a_batch_larger_than_max_drafting_batch():
+    s = make_scheduler(proposer=FixedProposer(2), max_drafting_batch=2, num_blocks=64)
+    runner = RecordingRunner(4)
+    for i in range(3):
+        s.add_request(make_request(4, request_id=f"r{i}", max_tokens=6, ignore_eos=True, first_token=100 + 10 * i))
+    one_step(s, runner)
+    assert not one_step(s, runner).scheduled_spec_decode_tokens  # three decode: speculation paused
+    s.abort(["r2"])
+    assert one_step(s, runner).scheduled_spec_decode_tokens  # two: drafts again

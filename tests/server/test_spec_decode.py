@@ -3,6 +3,8 @@ and the settings that turn it on (flag, environment, YAML) or refuse it at start
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from server.config.server_config import ServerConfig
@@ -93,3 +95,16 @@ def test_a_bad_config_is_refused_at_start_up_naming_the_flag(value, message):
     with pytest.raises(SettingsError, match="--speculative-config") as caught:
         load_settings(["--speculative-config", value], {})
     assert message in str(caught.value)
+
+
+def test_bench_serve_reports_the_acceptance(spec_server, tiny_model_dir, tmp_path, capsys):
+    from server.benchmark.serve import main
+
+    out = tmp_path / "result.json"
+    code = main(["--base-url", spec_server.base_url, "--tokenizer", str(tiny_model_dir), "--num-prompts", "4",
+                 "--input-len", "16", "--output-len", "48", "--max-concurrency", "4", "--ignore-eos",
+                 "--temperature", "0", "--result-json", str(out), "--disable-tqdm"])
+    assert code == 0
+    spec = json.loads(out.read_text())["speculative_decoding"]
+    assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] >= 1
+    assert "Speculative decoding: mean acceptance length" in capsys.readouterr().out
