@@ -162,11 +162,8 @@ class EngineCore:
 
     @staticmethod
     def _num_speculative_tokens(params: SamplingParams) -> Optional[int]:
-        """The request's own cap on draft tokens: 0 when it opts out or is constrained by a grammar (whose
-        matcher would have to check drafts before verification), None for the engine's."""
-        if not params.speculative or params.structured_outputs is not None:
-            return 0
-        return params.num_speculative_tokens
+        """The request's own cap on draft tokens: 0 when it opts out, None for the engine's."""
+        return 0 if not params.speculative else params.num_speculative_tokens
 
     def abort(self, request_ids: Iterable[str], reason: str = "aborted") -> list[RequestOutput]:
         """End requests in any state; returns their final outputs (finish_reason "abort", `reason` as their

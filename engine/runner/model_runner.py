@@ -223,8 +223,6 @@ class ModelRunner:
             start = so.num_computed_tokens[request_id]
             drafts = spec.get(request_id) if spec else None
             if drafts:
-                if state.matcher is not None:
-                    raise ValueError(f"request {request_id!r} is constrained by a grammar and got draft tokens")
                 tokens = (state.token_ids[start], *drafts)
                 decodes += [(state, start + i, token_id) for i, token_id in enumerate(tokens)]
             elif num_tokens == 1 and (not state.wants_prompt_logprobs or start >= state.num_prompt_tokens - 1):
@@ -314,9 +312,11 @@ class ModelRunner:
             rows = sample_rows.upload(len(batch.sample_rows))
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
             states = self._sampling_states(batch)
-            matchers = [(i, s.matcher) for i, s in enumerate(batch.sample_states) if s.matcher is not None]
+            # One matcher per request, at its first row (a request's rows after drafts follow it: fill_bitmask).
+            matchers = [(i, s.matcher) for i, s in enumerate(batch.sample_states)
+                        if s.matcher is not None and (i == 0 or batch.sample_states[i - 1] is not s)]
             if matchers:
-                result = self.sampler(logits, states, self.grammar.fill_bitmask(matchers, len(states)))
+                result = self.sampler(logits, states, self.grammar.fill_bitmask(matchers, len(states), batch.drafts))
             else:
                 result = self.sampler(logits, states)
             i = 0
@@ -326,9 +326,10 @@ class ModelRunner:
                 num_rows = 1 + len(drafts)
                 token_ids = result.sampled_token_ids[i : i + num_rows]
                 token_ids = token_ids[: num_accepted(token_ids, drafts) + 1]  # accepted drafts, one more
-                if state.matcher is not None and not accept(state.matcher, token_ids[0]):
-                    logger.warning("request %s: sampled token %d is outside its grammar", state.request_id,
-                                   token_ids[0])
+                for token_id in token_ids if state.matcher is not None else ():
+                    if not accept(state.matcher, token_id):
+                        logger.warning("request %s: sampled token %d is outside its grammar", state.request_id,
+                                       token_id)
                 state.token_ids += token_ids
                 state.sampling.output_token_ids += token_ids
                 sampled[state.request_id] = token_ids

@@ -17,7 +17,8 @@ class SpeculativeConfig(BaseModel):
     """`{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`.
 
     Each decoding request verifies up to k draft tokens per step; a request opts out with `speculative: false`
-    or asks for fewer with its own `num_speculative_tokens`. Requests with structured output are not speculated.
+    or asks for fewer with its own `num_speculative_tokens`. A constrained request's drafts are checked by its
+    grammar before verification (engine/structured/grammar_decoder.py).
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -9,6 +9,9 @@ asserts that drafts were accepted, so the verification path is the one exercised
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -158,8 +161,7 @@ def test_a_request_opts_out_or_asks_for_fewer_drafts(tiny_llama_dir):
         prompt = PROMPTS[1]  # the tiny model loops on it: drafts all the way
         off = engine.make_request("a", prompt, SamplingParams(speculative=False))
         fewer = engine.make_request("b", prompt, SamplingParams(num_speculative_tokens=1))
-        grammar = engine.make_request("c", prompt, SamplingParams(structured_outputs={"choice": ["yes", "no"]}))
-        assert (off.num_speculative_tokens, fewer.num_speculative_tokens, grammar.num_speculative_tokens) == (0, 1, 0)
+        assert (off.num_speculative_tokens, fewer.num_speculative_tokens) == (0, 1)
         run(spec, [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculative=False))
         assert engine.stats().speculation.num_drafts == 0
         run(spec, [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=1))
@@ -199,3 +201,25 @@ def test_the_embedded_model_gives_the_same_greedy_text_with_drafts_accepted(embe
         on = run(llm, [COPY_PROMPT], params)
         assert accepted(llm) > 8
     assert_same(off, on)
+
+
+def test_structured_output_checks_drafts_and_keeps_its_tokens(tiny_llama_dir):
+    """The grammar checks each draft before verification (a draft it refuses cannot be accepted, nor any
+    after it): constrained output with drafts is the output without them, greedy and seeded, and valid."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 12,
+              "maxItems": 12}
+    params = [SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": schema}),
+              SamplingParams(max_tokens=80, temperature=0.1, seed=4, structured_outputs={"json": schema}),
+              SamplingParams(max_tokens=80, temperature=0, structured_outputs={"regex": "(ab|ba){10}c"})]
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[0]]
+    with make_llm(tiny_llama_dir) as base:
+        expected = [base.generate([p], sp, use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]
+    with make_llm(tiny_llama_dir, speculative_config=NGRAM) as spec:
+        got = [spec.generate([p], sp, use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]
+        stats = spec.engine.stats().speculation
+        assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+        assert_idle(spec)
+    for want, out in zip(expected, got):
+        assert out.token_ids == want.token_ids and out.finish_reason == want.finish_reason == "stop"
+    assert [len(json.loads(out.text)) for out in got[:2]] == [12, 12]
+    assert re.fullmatch("(ab|ba){10}c", got[2].text)
