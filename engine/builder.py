@@ -23,6 +23,7 @@ from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
+from engine.runner.step_timing import measure_step_cost
 from engine.models import build_model
 from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
@@ -37,6 +38,9 @@ from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+STEP_COST_MAX_ROWS = 64
+"""Decode rows timed at start-up for speculation's step-cost model at most (beyond, its cost is extrapolated)."""
 
 
 def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = None) -> EngineCore:
@@ -97,12 +101,18 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
                          profile=_step_profile(device) if config.profile else None)
     if buckets:
         _capture(runner, buckets)
+    step_cost = None
+    if speculative is not None and speculative.step_cost_model:
+        step_cost = measure_step_cost(model, backend, spec, device, min(limits.max_query_rows, STEP_COST_MAX_ROWS))
+        logger.info("decode step by rows (ms), for weighing draft tokens: %s",
+                    ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)))
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
         proposer=None if speculative is None else speculative.make_proposer(),
         adaptive_drafts=speculative is not None and speculative.adaptive,
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
+        step_cost=step_cost,
     )
     if speculative is not None:
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step", speculative.method,

@@ -11,6 +11,7 @@ from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from scheduler.step_cost import StepCost
 
 __all__ = [
     "BlockHash",
@@ -36,5 +37,6 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "SpecDecodeStats",
+    "StepCost",
     "hash_block",
 ]

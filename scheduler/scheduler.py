@@ -13,6 +13,7 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_request_queue
+from scheduler.step_cost import StepCost
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -72,9 +73,11 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  proposer: Optional[DraftProposer] = None, *, adaptive_drafts: bool = False,
-                 max_drafting_batch: Optional[int] = None):
+                 max_drafting_batch: Optional[int] = None, step_cost: Optional[StepCost] = None):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
-        the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this."""
+        the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
+        `step_cost`: a step's measured time by its rows, against which each request's drafts must pay
+        (`_drafts_that_pay`)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -95,6 +98,7 @@ class Scheduler:
         self.proposer = proposer
         self.adaptive_drafts = adaptive_drafts
         self.max_drafting_batch = max_drafting_batch
+        self.step_cost = step_cost
         self.spec_decode_stats: Optional[SpecDecodeStats] = None if proposer is None else SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests
@@ -300,19 +304,49 @@ class Scheduler:
         spare = self.scheduler_config.max_num_batched_tokens - len(decoding)
         if self.max_drafting_batch is not None and len(decoding) > self.max_drafting_batch:
             spare = 0  # a batch this large is compute-bound: verification rows would cost more than they save
-        kv = self.kv_cache_manager
+        proposals = []
         for request in decoding:
+            drafts = self._propose(proposer, request, spare) if spare > 0 else ()
+            spare -= len(drafts)
+            proposals.append((request, drafts))
+        if self.step_cost is not None and spare < self.scheduler_config.max_num_batched_tokens - len(decoding):
+            proposals = self._drafts_that_pay(proposals, self.step_cost)
+        kv = self.kv_cache_manager
+        for request, drafts in proposals:
             if request.status is not _RUNNING:
                 continue  # preempted earlier in this loop
-            drafts = self._propose(proposer, request, spare) if spare > 0 else ()
             if drafts:
                 new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
                 if new_blocks is not None:
                     plan.add(request, 1 + len(drafts), tuple([b.block_id for b in new_blocks]))
                     plan.spec_tokens[request.request_id] = drafts
-                    spare -= len(drafts)
                     continue
             self._schedule_running(plan, request, 1)
+
+    @staticmethod
+    def _drafts_that_pay(proposals: list[tuple[Request, tuple[int, ...]]],
+                         step_cost: StepCost) -> list[tuple[Request, tuple[int, ...]]]:
+        """The proposals whose drafts raise the step's expected tokens per second, the others without drafts.
+
+        A request's drafts are expected to add sum(a^j, j = 1..n) tokens, a its recent acceptance. Requests
+        are taken best first (expected tokens per draft row), each kept while tokens / step_cost(rows) grows:
+        in a small batch the rows are almost free (the step reads the weights once whatever its rows), in a
+        large one each row costs what it computes and only drafts that are likely right pay for theirs."""
+        def expected(request: Request, num_drafts: int) -> float:
+            a = request.draft_acceptance
+            return sum(a ** j for j in range(1, num_drafts + 1))
+
+        rows, tokens = len(proposals), float(len(proposals))
+        kept: set[int] = set()
+        gains = {i: expected(request, len(drafts)) for i, (request, drafts) in enumerate(proposals) if drafts}
+        for i in sorted(gains, key=lambda i: -gains[i] / len(proposals[i][1])):
+            drafts, gain = proposals[i][1], gains[i]
+            if (tokens + gain) / step_cost(rows + len(drafts)) <= tokens / step_cost(rows):
+                break  # the rest are expected to pay even less per row
+            kept.add(i)
+            rows += len(drafts)
+            tokens += gain
+        return [(request, drafts if i in kept else ()) for i, (request, drafts) in enumerate(proposals)]
 
     def _propose(self, proposer: DraftProposer, request: Request, spare: int) -> tuple[int, ...]:
         """The request's drafts: at most its own k, the budget's spare tokens, and one fewer than the tokens

@@ -31,6 +31,10 @@ class SpeculativeConfig(BaseModel):
     adaptive: bool = Field(True, description="each request's k follows the share of its recent drafts accepted")
     disable_by_batch_size: Optional[int] = Field(None, ge=1, description="no drafts in a step with more decoding "
                                                  "requests than this (vLLM's name); None: drafts at any batch size")
+    step_cost_model: bool = Field(True, description="time decode steps of 1 to 64 rows at start-up and keep only "
+                                  "the drafts expected to raise a step's tokens per second (from each request's "
+                                  "recent acceptance): speculation pauses itself in batches where rows cost more "
+                                  "than they save")
 
     @field_validator("method")
     @classmethod

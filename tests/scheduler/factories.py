@@ -14,6 +14,7 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    StepCost,
 )
 
 EOS = 2
@@ -31,6 +32,7 @@ def make_scheduler(
     proposer: Optional[DraftProposer] = None,
     adaptive_drafts: bool = False,
     max_drafting_batch: Optional[int] = None,
+    step_cost: Optional[StepCost] = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -47,6 +49,7 @@ def make_scheduler(
         proposer,
         adaptive_drafts=adaptive_drafts,
         max_drafting_batch=max_drafting_batch,
+        step_cost=step_cost,
     )
 
 

@@ -10,7 +10,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import RequestRejectedError
+from scheduler import RequestRejectedError, StepCost
 
 from tests.scheduler.factories import check_invariants, check_step_output, make_request, make_scheduler
 from tests.scheduler.recording_runner import RecordingRunner
@@ -310,3 +310,25 @@ def test_no_drafts_in_a_batch_larger_than_max_drafting_batch():
     assert not one_step(s, runner).scheduled_spec_decode_tokens  # three decode: speculation paused
     s.abort(["r2"])
     assert one_step(s, runner).scheduled_spec_decode_tokens  # two: drafts again
+
+
+def test_the_step_cost_model_keeps_only_drafts_that_raise_tokens_per_second():
+    """Rows nearly free up to 8, then dearer: one stream drafts; 16 streams whose drafts
+    were rejected lately do not; 16 that copy well still do, as far as their rows pay."""
+    cost = StepCost((1, 2, 4, 8, 16, 32, 64), (10.0, 10.1, 10.2, 10.5, 12.0, 18.0, 60.0))
+
+    def drafted(num_requests, acceptance):
+        s = make_scheduler(proposer=FixedProposer(4), step_cost=cost, num_blocks=256, max_num_seqs=16,
+                           max_num_batched_tokens=256, max_model_len=256)
+        runner = RecordingRunner(4)
+        for i in range(num_requests):
+            s.add_request(make_request(4, max_tokens=50, ignore_eos=True, first_token=100 + 10 * i))
+        one_step(s, runner)
+        for request in s.running:
+            request.draft_acceptance = acceptance
+        return one_step(s, runner).scheduled_spec_decode_tokens
+
+    assert [len(d) for d in drafted(1, 0.2).values()] == [4]
+    assert drafted(16, 0.2) == {}
+    some = drafted(16, 0.9)
+    assert 0 < len(some) < 16 and all(len(d) == 4 for d in some.values())
