@@ -16,6 +16,8 @@ from scheduler.request_queue import make_request_queue
 from scheduler.step_cost import StepCost
 
 _RUNNING = RequestStatus.RUNNING
+DRAFT_RETRY_DRIFT = 0.125
+"""Share of the way back to 1 a request's acceptance estimate moves in a step whose drafts did not pay."""
 
 
 @dataclass(slots=True)
@@ -310,7 +312,13 @@ class Scheduler:
             spare -= len(drafts)
             proposals.append((request, drafts))
         if self.step_cost is not None and spare < self.scheduler_config.max_num_batched_tokens - len(decoding):
-            proposals = self._drafts_that_pay(proposals, self.step_cost)
+            paying = self._drafts_that_pay(proposals, self.step_cost)
+            for (request, drafts), (_, kept) in zip(proposals, paying):
+                if drafts and not kept:
+                    # Unverified drafts teach nothing: the estimate drifts back up, so that a request whose
+                    # text turns copyable is tried again within a few steps.
+                    request.draft_acceptance += (1.0 - request.draft_acceptance) * DRAFT_RETRY_DRIFT
+            proposals = paying
         kv = self.kv_cache_manager
         for request, drafts in proposals:
             if request.status is not _RUNNING:

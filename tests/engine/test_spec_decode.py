@@ -164,6 +164,8 @@ def test_a_request_opts_out_or_asks_for_fewer_drafts(tiny_llama_dir):
         assert (off.num_speculative_tokens, fewer.num_speculative_tokens) == (0, 1)
         run(spec, [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculative=False))
         assert engine.stats().speculation.num_drafts == 0
+        cost = engine.scheduler.step_cost  # measured at start-up: 1, 2, 4, ... rows, never cheaper with more
+        assert cost.rows[:3] == (1, 2, 4) and list(cost.seconds) == sorted(cost.seconds) and cost.seconds[0] > 0
         run(spec, [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=1))
         stats = engine.stats().speculation
         assert stats.num_drafts > 0 and stats.num_draft_tokens == stats.num_drafts  # one draft per step
