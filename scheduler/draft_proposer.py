@@ -22,6 +22,10 @@ class DraftProposer(Protocol):
         empty."""
         ...
 
+    def on_request_finished(self, output_token_ids: Sequence[int]) -> None:
+        """A request ended with this output (a proposer that learns from recent outputs keeps it)."""
+        ...
+
 
 @dataclass(slots=True)
 class SpecDecodeStats:

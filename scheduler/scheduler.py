@@ -474,6 +474,8 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.on_request_finished(request.output_token_ids)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)

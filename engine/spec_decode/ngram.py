@@ -43,6 +43,9 @@ class NgramProposer:
                 return [token_ids[follow + i % period] for i in range(max_num_tokens)]
         return []
 
+    def on_request_finished(self, output_token_ids: Sequence[int]) -> None:
+        """Nothing: the n-gram lookup reads the request's own tokens only."""
+
     @staticmethod
     def _latest_earlier(packed: bytes, num_tokens: int, n: int) -> Optional[int]:
         """The start of the latest occurrence of the last n tokens that ends before the sequence does."""

@@ -31,6 +31,9 @@ class ListProposer:
         self.calls.append((len(token_ids), max_num_tokens))
         return [self.rng.choice(self.tokens) for _ in range(self.rng.randint(0, max_num_tokens))]
 
+    def on_request_finished(self, output_token_ids):
+        self.finished = getattr(self, "finished", 0) + 1
+
 
 class FixedProposer:
     def __init__(self, k: int, token: int = 10):
@@ -39,6 +42,9 @@ class FixedProposer:
 
     def propose(self, token_ids, max_num_tokens):
         return [self.token] * max_num_tokens
+
+    def on_request_finished(self, output_token_ids):
+        pass
 
 
 def make_spec_scheduler(proposer, **kwargs):

@@ -11,7 +11,8 @@ from server.config.server_config import ServerConfig
 from server.config.settings import SettingsError, load_settings
 from tests.server.conftest import start_server
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+         "step_cost_model": False}  # no start-up timing: on a loaded machine it could price every draft out
 LOOPING_PROMPT = [5, 6, 7, 8, 9] * 4 + [40, 41]  # the tiny model's greedy continuation loops on it
 
 
@@ -82,7 +83,8 @@ def test_the_flag_the_environment_and_yaml_set_it(tmp_path):
 
 
 @pytest.mark.parametrize("value, message", [
-    ('{"method": "suffix", "num_speculative_tokens": 3}', "'suffix' is not implemented yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', "'draft_model' is not implemented yet"),
+    ('{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 2}', "less than or equal to 1"),
     ('{"method": "medusa2", "num_speculative_tokens": 3}', "unknown speculative method"),
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"num_speculative_tokens": 0}', "greater than or equal to 1"),
