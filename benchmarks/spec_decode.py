@@ -1,8 +1,8 @@
-"""What n-gram speculation buys on the embedded model: `python -m benchmarks.spec_decode`.
+"""What n-gram (or suffix) speculation buys on the embedded model: `python -m benchmarks.spec_decode`.
 
     workloads  copy: the model asked to repeat a passage of its prompt (drafts copied from the prompt are
                right most of the time); free: a story from a short instruction (little to copy)
-    modes      one engine with `--speculative-config` ngram; each request runs with `"speculative": false` and
+    modes      one engine with `--speculative-config` ngram (`--method suffix`: suffix decoding); each request runs with `"speculative": false` and
                with speculation on, alternating, `--repeats` times, so both share the weights, the threads and
                the machine's state of the moment
     figures    TPOT (time per output token after the first, the median over the repeats) of a single stream and,
@@ -97,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--method", choices=("ngram", "suffix"), default="ngram")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -109,8 +110,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": 2,
-              "prompt_lookup_max": 5, "disable_by_batch_size": args.disable_by_batch_size}
+    config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
+              "disable_by_batch_size": args.disable_by_batch_size}
+    if args.method == "ngram":
+        config.update(prompt_lookup_min=2, prompt_lookup_max=5)
     with LLM(args.model, dtype=args.dtype, speculative_config=config) as llm:
         run_once(llm, WORKLOADS["free"], SamplingParams(max_tokens=8, temperature=0), 1)  # warm-up
         rows = [measure(llm, name, args.max_tokens, args.repeats, c) for c in args.concurrency for name in WORKLOADS]
