@@ -23,6 +23,7 @@ from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
+from engine.runner.step_timing import measure_step_cost
 from engine.models import build_model
 from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
@@ -38,6 +39,9 @@ from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+STEP_COST_MAX_ROWS = 64
+"""Decode rows timed at start-up for speculation's step-cost model at most (beyond, its cost is extrapolated)."""
 
 
 def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = None) -> EngineCore:
@@ -96,7 +100,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     _log_weights(model)
     spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
                        model.arch.head_dim, kv_dtype, latent_rank=latent_rank)  # MLA: the latent layout
-    limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len)
+    speculative = config.speculative_config
+    limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len,
+                          0 if speculative is None else speculative.num_speculative_tokens)
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
@@ -105,10 +111,22 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
                          profile=_step_profile(device) if config.profile else None)
     if buckets:
         _capture(runner, buckets)
+    step_cost = None
+    if speculative is not None and speculative.step_cost_model:
+        step_cost = measure_step_cost(model, backend, spec, device, min(limits.max_query_rows, STEP_COST_MAX_ROWS))
+        logger.info("decode step by rows (ms), for weighing draft tokens: %s",
+                    ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)))
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
+        proposer=None if speculative is None else speculative.make_proposer(),
+        adaptive_drafts=speculative is not None and speculative.adaptive,
+        max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
+        step_cost=step_cost,
     )
+    if speculative is not None:
+        logger.info("speculative decoding: %s, up to %d draft tokens per request and step", speculative.method,
+                    speculative.num_speculative_tokens)
     logger.info(
         "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s), "
         "max_model_len %d, attention backend %s, CUDA graphs %s",
@@ -207,13 +225,14 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
-        step_tokens, max_num_seqs, max_model_len = limits.max_num_batched_tokens, limits.max_num_seqs, \
+        # Verification rows (a request and its drafts) sample like decodes: the decode step profiled is that wide.
+        step_tokens, max_rows, max_model_len = limits.max_num_batched_tokens, limits.max_query_rows, \
             limits.max_model_len
-        peak = profile_peak_bytes(model, backend, spec, step_tokens, max_num_seqs, max_model_len, device)
+        peak = profile_peak_bytes(model, backend, spec, step_tokens, max_rows, max_model_len, device)
         graphs = _cuda_graph_bytes(model, backend, spec, limits, buckets, device) if buckets else 0
         budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device) - graphs
         logger.info("profiled a %d-token prefill and a %d-request decode at %d tokens: %.0f MiB of activations "
-                    "at peak; CUDA graphs take %.0f MiB", step_tokens, max_num_seqs, max_model_len, peak / 2**20,
+                    "at peak; CUDA graphs take %.0f MiB", step_tokens, max_rows, max_model_len, peak / 2**20,
                     graphs / 2**20)
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY

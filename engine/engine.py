@@ -157,8 +157,14 @@ class EngineCore:
             priority=priority,
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling_params=params,
+            num_speculative_tokens=self._num_speculative_tokens(params),
             **kwargs,
         )
+
+    @staticmethod
+    def _num_speculative_tokens(params: SamplingParams) -> Optional[int]:
+        """The request's own cap on draft tokens: 0 when it opts out, None for the engine's."""
+        return 0 if not params.speculative else params.num_speculative_tokens
 
     def abort(self, request_ids: Iterable[str], reason: str = "aborted") -> list[RequestOutput]:
         """End requests in any state; returns their final outputs (finish_reason "abort", `reason` as their
@@ -253,7 +259,7 @@ class EngineCore:
         state = self._states.pop(request_id)
         return self._output(state, [], "", "error", now, error=message)
 
-    def _process(self, step_output: RequestStepOutput, logprobs: Optional[TokenLogprobs],
+    def _process(self, step_output: RequestStepOutput, logprobs: Optional[list[TokenLogprobs]],
                  now: float) -> RequestOutput:
         """Text, stop strings and timestamps for one request's new tokens."""
         request_id = step_output.request_id
@@ -276,8 +282,9 @@ class EngineCore:
         state.previous_token_time, state.last_token_time = state.last_token_time, now
         if finish_reason is not None:
             del self._states[request_id]
-        return self._output(state, step_output.new_token_ids, delta, finish_reason, now, stop_reason,
-                            None if logprobs is None else [logprobs])
+        new_token_ids = step_output.new_token_ids
+        return self._output(state, new_token_ids, delta, finish_reason, now, stop_reason,
+                            None if logprobs is None else logprobs[: len(new_token_ids)])
 
     @staticmethod
     def _text_token_ids(state: RequestState, step_output: RequestStepOutput) -> Sequence[int]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.cache_config import EngineCacheConfig
 from engine.loading.model_config import ModelConfig
+from engine.spec_decode.speculative_config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
 
@@ -29,6 +30,11 @@ class EngineConfig(BaseModel):
         False,
         description="time every step's phases (schedule, prepare, forward, sample, update, detokenize, between) "
         "and log the breakdown every 1000 steps (engine/profiling/step_profile.py)",
+    )
+    speculative_config: Optional[SpeculativeConfig] = Field(
+        None,
+        description="speculative decoding: a proposer's draft tokens verified in the same forward pass "
+        "(engine/spec_decode/); None: off",
     )
     batch_invariant: bool = Field(
         False,

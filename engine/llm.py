@@ -34,7 +34,7 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
     sections["model"]["model"] = model
     top: dict[str, Any] = {}
     for key, value in kwargs.items():
-        if key in ("attention_backend", "batch_invariant", "enforce_eager", "profile"):
+        if key in ("attention_backend", "batch_invariant", "enforce_eager", "profile", "speculative_config"):
             top[key] = value
             continue
         if key == "scheduling_policy":

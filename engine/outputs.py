@@ -10,10 +10,11 @@ from engine.sampling.sampler import TokenLogprobs
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """One step's sampled tokens, keyed by request id (only requests that sampled)."""
+    """One step's sampled tokens, keyed by request id (only requests that sampled): one token, or with draft
+    tokens the accepted drafts and one more; their logprobs, one per token."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # requests that asked
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's prompt chunk
 
 

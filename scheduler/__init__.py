@@ -3,6 +3,7 @@
 from scheduler.block_hash import BlockHash, hash_block
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
 from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
                               InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
                               RequestRejectedError)
@@ -10,12 +11,14 @@ from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from scheduler.step_cost import StepCost
 
 __all__ = [
     "BlockHash",
     "BlockPool",
     "CacheConfig",
     "ContextLengthExceededError",
+    "DraftProposer",
     "DuplicateRequestIdError",
     "EmptyPromptError",
     "InvalidMaxTokensError",
@@ -33,5 +36,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SpecDecodeStats",
+    "StepCost",
     "hash_block",
 ]

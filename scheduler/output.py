@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Union
 
+from scheduler.draft_proposer import SpecDecodeStats
 from scheduler.request import RequestStatus
 
 
@@ -51,6 +52,18 @@ class SchedulerOutput:
     of its sequence, writing their K/V to the request's blocks, and samples a
     token when that range reaches the end of the sequence.
 
+    A decoding request may also verify draft tokens (speculative decoding): then
+    `scheduled_spec_decode_tokens[id]` holds its k drafts, and `num_scheduled_tokens[id]`
+    is 1 + k, the sequence's last token followed by the drafts:
+
+        sequence  t0 ... t(n-1) | d1 ... dk          (n = num_computed_tokens + 1)
+        computed  ----------------------------       positions n-1 .. n-1+k, one query row each
+
+    The runner samples at all k + 1 positions and returns the accepted drafts and one
+    token more (the target's own at the first rejection, else a bonus token): 1 to k + 1
+    tokens. The scheduler rolls `num_computed_tokens` back past the rejected drafts,
+    whose slots the next step overwrites; no block holding a draft is ever indexed.
+
     Prefix-cache hits only name blocks written by earlier, completed steps, so
     within a step no request reads K/V that another request of the step writes.
     """
@@ -62,6 +75,7 @@ class SchedulerOutput:
     new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     preempted_request_ids: frozenset[str] = frozenset()
     finished_request_ids: frozenset[str] = frozenset()
+    scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -95,3 +109,4 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    speculation: Optional[SpecDecodeStats] = None  # None without speculative decoding

@@ -60,6 +60,10 @@ class Request:
     # What the runner samples with (the engine's SamplingParams); opaque to the scheduler, which
     # hands it over in the step that first schedules the request (NewRequestData).
     sampling_params: object = None
+    # Draft tokens this request may verify per step (speculative decoding): None, the engine's number; 0, none.
+    num_speculative_tokens: Optional[int] = None
+    # Recent share of its drafts accepted: a moving average, from an optimistic 1 (every draft accepted).
+    draft_acceptance: float = 1.0
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

@@ -6,14 +6,18 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
 from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
                               KVCacheTooSmallError)
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_request_queue
+from scheduler.step_cost import StepCost
 
 _RUNNING = RequestStatus.RUNNING
+DRAFT_RETRY_DRIFT = 0.125
+"""Share of the way back to 1 a request's acceptance estimate moves in a step whose drafts did not pay."""
 
 
 @dataclass(slots=True)
@@ -26,6 +30,7 @@ class _StepPlan:
     new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    spec_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafts to verify, by request
 
     def add(self, request: Request, num_tokens: int, new_block_ids: tuple[int, ...]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -39,6 +44,7 @@ class _StepPlan:
         num_tokens = self.num_scheduled.pop(request_id, 0)
         self.num_computed.pop(request_id, None)
         self.new_block_ids.pop(request_id, None)
+        self.spec_tokens.pop(request_id, None)
         self.budget += num_tokens
 
 
@@ -58,9 +64,22 @@ class Scheduler:
     in which order requests are scheduled (no invariant about partially prefilled
     requests is needed under either policy). Admission allocates a prompt's whole
     remainder, so a running prefill never needs blocks, and only decodes preempt.
+
+    With a `proposer` (speculative decoding) a decoding request also verifies the
+    proposer's draft tokens: they take slots beyond the sequence (allocated, never
+    hashed), count against the token budget (what is left after one token per
+    decode), and never preempt anyone (a request whose drafts do not fit decodes
+    without them). `update_from_output` rolls `num_computed_tokens` back past the
+    rejected ones.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 proposer: Optional[DraftProposer] = None, *, adaptive_drafts: bool = False,
+                 max_drafting_batch: Optional[int] = None, step_cost: Optional[StepCost] = None):
+        """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
+        the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
+        `step_cost`: a step's measured time by its rows, against which each request's drafts must pay
+        (`_drafts_that_pay`)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -78,6 +97,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps scheduled
         self._finished_since_last_step: set[str] = set()
+        self.proposer = proposer
+        self.adaptive_drafts = adaptive_drafts
+        self.max_drafting_batch = max_drafting_batch
+        self.step_cost = step_cost
+        self.spec_decode_stats: Optional[SpecDecodeStats] = None if proposer is None else SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests
 
@@ -138,6 +162,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            speculation=None if self.spec_decode_stats is None else self.spec_decode_stats.snapshot(),
         )
 
     # ------------------------------------------------------------------ the step
@@ -148,9 +173,12 @@ class Scheduler:
         self.kv_cache_manager.discard_step()  # a step scheduled before that never completed
         self.num_steps += 1
         plan = _StepPlan(budget=max_num_batched_tokens)
-        self._schedule_decodes(plan)
-        # Decodes take one token each and max_num_batched_tokens >= max_num_seqs.
-        plan.budget = max_num_batched_tokens - len(plan.num_scheduled)
+        if self.proposer is None:
+            self._schedule_decodes(plan)
+        else:
+            self._schedule_decodes_with_drafts(plan, self.proposer)
+        # Decodes take one token each (and their drafts) and max_num_batched_tokens >= max_num_seqs.
+        plan.budget = max_num_batched_tokens - sum(plan.num_scheduled.values())
         prefilling = [
             r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1
         ]
@@ -173,6 +201,7 @@ class Scheduler:
             new_block_ids=plan.new_block_ids,
             preempted_request_ids=frozenset(plan.preempted),
             finished_request_ids=finished,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
 
     def update_from_output(
@@ -196,11 +225,14 @@ class Scheduler:
         any_finished = False
         get_request = self.requests.get
         get_sampled = sampled_token_ids.get
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # ended between schedule() and now
             num_computed = request.num_computed_tokens + num_tokens
+            if spec_tokens and request_id in spec_tokens:
+                num_computed -= self._num_rejected(request, spec_tokens[request_id], get_sampled(request_id))
             request.num_computed_tokens = num_computed
             all_token_ids = request.all_token_ids
             if num_computed < len(all_token_ids):
@@ -264,6 +296,90 @@ class Scheduler:
             num_computed[request_id] = computed
             if new_blocks:
                 new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
+
+    def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: DraftProposer) -> None:
+        """`_schedule_decodes`, each decode with up to k draft tokens while the budget lasts.
+
+        The budget left after one token per decode goes to drafts in the running order. A draft's
+        slots are lookahead slots: allocated, but not counted when the step's full blocks are hashed."""
+        decoding = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens <= 1]
+        spare = self.scheduler_config.max_num_batched_tokens - len(decoding)
+        if self.max_drafting_batch is not None and len(decoding) > self.max_drafting_batch:
+            spare = 0  # a batch this large is compute-bound: verification rows would cost more than they save
+        proposals = []
+        for request in decoding:
+            drafts = self._propose(proposer, request, spare) if spare > 0 else ()
+            spare -= len(drafts)
+            proposals.append((request, drafts))
+        if self.step_cost is not None and spare < self.scheduler_config.max_num_batched_tokens - len(decoding):
+            paying = self._drafts_that_pay(proposals, self.step_cost)
+            for (request, drafts), (_, kept) in zip(proposals, paying):
+                if drafts and not kept:
+                    # Unverified drafts teach nothing: the estimate drifts back up, so that a request whose
+                    # text turns copyable is tried again within a few steps.
+                    request.draft_acceptance += (1.0 - request.draft_acceptance) * DRAFT_RETRY_DRIFT
+            proposals = paying
+        kv = self.kv_cache_manager
+        for request, drafts in proposals:
+            if request.status is not _RUNNING:
+                continue  # preempted earlier in this loop
+            if drafts:
+                new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
+                if new_blocks is not None:
+                    plan.add(request, 1 + len(drafts), tuple([b.block_id for b in new_blocks]))
+                    plan.spec_tokens[request.request_id] = drafts
+                    continue
+            self._schedule_running(plan, request, 1)
+
+    @staticmethod
+    def _drafts_that_pay(proposals: list[tuple[Request, tuple[int, ...]]],
+                         step_cost: StepCost) -> list[tuple[Request, tuple[int, ...]]]:
+        """The proposals whose drafts raise the step's expected tokens per second, the others without drafts.
+
+        A request's drafts are expected to add sum(a^j, j = 1..n) tokens, a its recent acceptance. Requests
+        are taken best first (expected tokens per draft row), each kept while tokens / step_cost(rows) grows:
+        in a small batch the rows are almost free (the step reads the weights once whatever its rows), in a
+        large one each row costs what it computes and only drafts that are likely right pay for theirs."""
+        def expected(request: Request, num_drafts: int) -> float:
+            a = request.draft_acceptance
+            return sum(a ** j for j in range(1, num_drafts + 1))
+
+        rows, tokens = len(proposals), float(len(proposals))
+        kept: set[int] = set()
+        gains = {i: expected(request, len(drafts)) for i, (request, drafts) in enumerate(proposals) if drafts}
+        for i in sorted(gains, key=lambda i: -gains[i] / len(proposals[i][1])):
+            drafts, gain = proposals[i][1], gains[i]
+            if (tokens + gain) / step_cost(rows + len(drafts)) <= tokens / step_cost(rows):
+                break  # the rest are expected to pay even less per row
+            kept.add(i)
+            rows += len(drafts)
+            tokens += gain
+        return [(request, drafts if i in kept else ()) for i, (request, drafts) in enumerate(proposals)]
+
+    def _propose(self, proposer: DraftProposer, request: Request, spare: int) -> tuple[int, ...]:
+        """The request's drafts: at most its own k, the budget's spare tokens, and one fewer than the tokens
+        it may still produce (the step adds one token beyond the accepted drafts)."""
+        k = proposer.num_speculative_tokens
+        if self.adaptive_drafts:
+            k = 1 + int((k - 1) * request.draft_acceptance + 0.5)
+        if request.num_speculative_tokens is not None:
+            k = min(k, request.num_speculative_tokens)
+        k = min(k, spare, request.max_num_tokens - request.num_tokens - 1)
+        if k <= 0:
+            return ()
+        return tuple(proposer.propose(request.all_token_ids, k)[:k])
+
+    def _num_rejected(self, request: Request, drafts: tuple[int, ...], token_ids: Optional[Sequence[int]]) -> int:
+        """Drafts of a verified request that were not accepted, counted into the statistics and the request's
+        acceptance; the runner returns the accepted drafts and one token more."""
+        num_accepted = max(len(token_ids) - 1, 0) if token_ids else 0
+        if num_accepted > len(drafts):
+            raise ValueError(f"{num_accepted + 1} tokens back for {len(drafts)} drafts")
+        if self.spec_decode_stats is not None:
+            self.spec_decode_stats.record(len(drafts), num_accepted)
+        # Half weight to the latest verification: a request that starts or stops copying adapts in a few steps.
+        request.draft_acceptance = (request.draft_acceptance + num_accepted / len(drafts)) / 2
+        return len(drafts) - num_accepted
 
     def _schedule_running(self, plan: _StepPlan, request: Request, num_tokens: int) -> bool:
         """Allocate for a running request, preempting others until it fits (or is itself preempted)."""
@@ -358,6 +474,8 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.on_request_finished(request.output_token_ids)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)

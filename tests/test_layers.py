@@ -7,6 +7,7 @@ server -> engine -> scheduler; and inside the engine each room keeps to its floo
     models     the families, built from layers                  -> layers, attention, quantization, loading
     layers     linears, norms, rotary, the fused decode step    -> attention, kernels, quantization
     attention  backends, the paged KV cache and its spec        -> kernels
+    spec_decode  the proposers of draft tokens                -> models, loading (a draft model's, to come)
     loading    checkpoints and GGUF files                       -> quantization, kernels
     profiling  step timings and bandwidth floors                -> quantization
     quantization, kernels (the floor: kernels import nothing of the engine but its cache folder)
@@ -34,6 +35,7 @@ ENGINE_FORBIDDEN = {  # engine room -> rooms it must not import
     "models": {"runner", "platform", "builder", "llm", "async_engine", "engine"},
     "profiling": {"runner", "models", "layers", "platform", "builder", "llm", "async_engine", "engine"},
     "runner": {"platform", "builder", "llm", "async_engine"},
+    "spec_decode": {"runner", "platform", "builder", "llm", "async_engine", "engine"},
 }
 
 

@@ -19,6 +19,7 @@ from engine.runner.step_buffers import StepBuffers
 from engine.profiling.step_profile import StepProfile
 from engine.outputs import ModelRunnerOutput
 from engine.sampling.device_io import to_device
+from engine.sampling.rejection_sampler import num_accepted
 from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from engine.sampling.state import SamplingState
 from engine.sampling.params import SamplingParams
@@ -56,7 +57,8 @@ def _request_id_lookup(requests: dict[str, CachedRequestState]) -> Callable[[Sam
     """sampling state -> its request's id, over the runner's live requests (a closure over the dict, not a
     bound method: the sampler is the runner's, and a sampler -> runner reference would make a cycle)."""
     def request_id_of(sampling: SamplingState) -> str:
-        return next(rid for rid, state in requests.items() if state.sampling is sampling)
+        own = sampling.origin or sampling  # a row after draft tokens samples with a copy of the state
+        return next(rid for rid, state in requests.items() if state.sampling is own)
 
     return request_id_of
 
@@ -68,6 +70,12 @@ class RunnerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    num_speculative_tokens: int = 0  # draft tokens a request may verify per step
+
+    @property
+    def max_query_rows(self) -> int:
+        """Attention queries of one step at most: a request verifying k drafts is k + 1 of them."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
 
 @dataclass(slots=True)
@@ -78,6 +86,7 @@ class _Batch:
     sample_rows: list[int] = field(default_factory=list)
     sample_states: list[CachedRequestState] = field(default_factory=list)
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, row, count, pos0
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # first of a request's sample rows -> its drafts
 
 
 class ModelRunner:
@@ -98,7 +107,7 @@ class ModelRunner:
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)
         self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
-        self.buffers: Optional[StepBuffers] = StepBuffers(limits.max_num_batched_tokens, limits.max_num_seqs,
+        self.buffers: Optional[StepBuffers] = StepBuffers(limits.max_num_batched_tokens, limits.max_query_rows,
                                                           max_blocks, device)
         self._forward: Optional[ForwardFn] = model_forward(model, backend, kv_cache)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
@@ -209,13 +218,23 @@ class ModelRunner:
         the third value is the decode graph's bucket when the step replays one (then the buffers hold
         that many rows, padding included, all uploaded, and no StepMetadata is built).
 
-        A "decode" here is any request with one scheduled token (and no prompt logprobs left to score)."""
-        decodes, chunks = [], []
+        A "decode" here is any request with one scheduled token (and no prompt logprobs left to score); a
+        request verifying k draft tokens is k + 1 decodes over its block table row, each query at its own
+        position with the sequence length up to it: causal attention over the cache, which holds every
+        row's K/V before any layer attends (so each backend, and the fused CPU decode step, serve it as they
+        serve decodes)."""
+        decodes: list[tuple[CachedRequestState, int, int]] = []  # state, position, token id
+        chunks = []
+        spec = so.scheduled_spec_decode_tokens
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = so.num_computed_tokens[request_id]
-            if num_tokens == 1 and (not state.wants_prompt_logprobs or start >= state.num_prompt_tokens - 1):
-                decodes.append((state, start))
+            drafts = spec.get(request_id) if spec else None
+            if drafts:
+                tokens = (state.token_ids[start], *drafts)
+                decodes += [(state, start + i, token_id) for i, token_id in enumerate(tokens)]
+            elif num_tokens == 1 and (not state.wants_prompt_logprobs or start >= state.num_prompt_tokens - 1):
+                decodes.append((state, start, state.token_ids[start]))
             else:
                 chunks.append((state, start, num_tokens))
         num_decodes, num_reqs = len(decodes), len(decodes) + len(chunks)
@@ -227,15 +246,17 @@ class ModelRunner:
         rows = np.empty(num_reqs, dtype=np.int64)
         batch = _Batch()
         if num_decodes:
-            decode_pos = np.fromiter((start for _, start in decodes), dtype=np.int64, count=num_decodes)
-            rows[:num_decodes] = [state.row for state, _ in decodes]
-            ids[:num_decodes] = [state.token_ids[start] for state, start in decodes]
+            decode_pos = np.fromiter((pos for _, pos, _ in decodes), dtype=np.int64, count=num_decodes)
+            rows[:num_decodes] = [state.row for state, _, _ in decodes]
+            ids[:num_decodes] = [token_id for _, _, token_id in decodes]
             positions[:num_decodes] = decode_pos
             slots[:num_decodes] = self.block_table.slots_at(rows[:num_decodes], decode_pos)
             starts[: num_decodes + 1] = np.arange(num_decodes + 1)
             seq_lens[:num_decodes] = decode_pos + 1
-            for i, (state, start) in enumerate(decodes):
-                if start + 1 == len(state.token_ids):
+            for i, (state, pos, _) in enumerate(decodes):
+                if pos + 1 >= len(state.token_ids):  # the sequence's last token, or a draft after it
+                    if pos + 1 == len(state.token_ids) and spec and state.request_id in spec:
+                        batch.drafts[len(batch.sample_rows)] = spec[state.request_id]
                     batch.sample_rows.append(i)
                     batch.sample_states.append(state)
         else:
@@ -293,7 +314,7 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, batch: _Batch) -> ModelRunnerOutput:
         sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         model, buffers = self.model, self.buffers
         assert model is not None and buffers is not None  # not shut down
@@ -302,23 +323,35 @@ class ModelRunner:
             sample_rows.array[: len(batch.sample_rows)] = batch.sample_rows
             rows = sample_rows.upload(len(batch.sample_rows))
             logits = model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
-            states = [s.sampling for s in batch.sample_states]
-            matchers = [(i, s.matcher) for i, s in enumerate(batch.sample_states) if s.matcher is not None]
+            states = self._sampling_states(batch)
+            # One matcher per request, at its first row (a request's rows after drafts follow it: fill_bitmask).
+            matchers = [(i, s.matcher) for i, s in enumerate(batch.sample_states)
+                        if s.matcher is not None and (i == 0 or batch.sample_states[i - 1] is not s)]
             if matchers:
                 assert self.grammar is not None  # a request has a matcher only from it (_new_state)
-                result = self.sampler(logits, states, self.grammar.fill_bitmask(matchers, len(states)))
+                result = self.sampler(logits, states, self.grammar.fill_bitmask(matchers, len(states), batch.drafts))
             else:
                 result = self.sampler(logits, states)
-            for i, (state, token_id) in enumerate(zip(batch.sample_states, result.sampled_token_ids)):
-                if state.matcher is not None and not accept(state.matcher, token_id):
-                    logger.warning("request %s: sampled token %d is outside its grammar", state.request_id,
-                                   token_id)
-                state.token_ids.append(token_id)
-                state.sampling.output_token_ids.append(token_id)
-                sampled[state.request_id] = [token_id]
-                entry = None if result.logprobs is None else result.logprobs[i]
-                if entry is not None:
-                    logprobs[state.request_id] = entry
+            i = 0
+            while i < len(batch.sample_states):
+                state = batch.sample_states[i]
+                drafts = batch.drafts.get(i, ())
+                num_rows = 1 + len(drafts)
+                token_ids = result.sampled_token_ids[i : i + num_rows]
+                token_ids = token_ids[: num_accepted(token_ids, drafts) + 1]  # accepted drafts, one more
+                matcher = state.matcher
+                if matcher is not None:
+                    for token_id in token_ids:
+                        if not accept(matcher, token_id):
+                            logger.warning("request %s: sampled token %d is outside its grammar", state.request_id,
+                                           token_id)
+                state.token_ids += token_ids
+                state.sampling.output_token_ids += token_ids
+                sampled[state.request_id] = token_ids
+                entries = None if result.logprobs is None else result.logprobs[i : i + len(token_ids)]
+                if entries is not None and all(entry is not None for entry in entries):
+                    logprobs[state.request_id] = [entry for entry in entries if entry is not None]
+                i += num_rows
         for state, first_row, count, pos0 in batch.prompt_rows:
             num_top = state.sampling.params.prompt_logprobs
             assert num_top is not None  # a prompt row is scored only when it is asked for (wants_prompt_logprobs)
@@ -326,3 +359,14 @@ class ModelRunner:
             targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    @staticmethod
+    def _sampling_states(batch: _Batch) -> list[SamplingState]:
+        """The sampling state of every sample row: a request's own, and for its rows after j draft tokens
+        the state it will have once they are accepted."""
+        states = [s.sampling for s in batch.sample_states]
+        for first, drafts in batch.drafts.items():
+            own = states[first]
+            for j in range(1, len(drafts) + 1):
+                states[first + j] = own.after(drafts[:j])
+        return states

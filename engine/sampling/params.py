@@ -44,6 +44,9 @@ class SamplingParams:
     object); a dict in vLLM's spelling is parsed into a StructuredOutputs. The grammar ends the output with
     an eos token, so it cannot be combined with `ignore_eos`.
 
+    `speculative` False keeps the request out of speculative decoding (when the engine runs it);
+    `num_speculative_tokens` caps its draft tokens per step below the engine's (0: none).
+
     `seed` may be any int (its draws are a function of seed mod 2**64 and the output position). With `n` > 1
     the engine runs `n` children made by `for_child(i)`; when `seed` is set, child i
     samples with seed `seed + i`, so the children differ from one another yet the
@@ -71,9 +74,15 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[StructuredOutputs] = None
+    speculative: bool = True
+    num_speculative_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._check_counts()
+        if self.num_speculative_tokens is not None:
+            self.num_speculative_tokens = _as_int(self.num_speculative_tokens, "num_speculative_tokens")
+            if self.num_speculative_tokens < 0:
+                _reject("num_speculative_tokens", f"must be non-negative, got {self.num_speculative_tokens}")
         self._check_sampling()
         self._check_penalties()
         self._check_stops()

@@ -42,6 +42,8 @@ class SamplingState:
     _prompt_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
     _output_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)  # capacity >= filled
     _num_output_ids: int = field(default=0, init=False, repr=False)  # entries of _output_ids filled
+    # The request's own state when this one is what it will be after some draft tokens (`after`).
+    origin: Optional["SamplingState"] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         params = self.params
@@ -62,6 +64,16 @@ class SamplingState:
         """A state for a request with these tokens so far (`device`: where its tensors go)."""
         seed = None if params.seed is None else params.seed % _SEED_MODULUS
         return cls(params, prompt_token_ids, output_token_ids, frozenset(eos_token_ids), seed)
+
+    def after(self, draft_token_ids: Sequence[int]) -> "SamplingState":
+        """The state this request will be in once `draft_token_ids` are accepted (speculative decoding):
+        penalties count them, min_tokens has seen them, and a seeded draw is that of the position after them.
+        `origin` is this state; the copy is for one step's sampling."""
+        state = SamplingState(self.params, self.prompt_token_ids, [*self.output_token_ids, *draft_token_ids],
+                              self.eos_token_ids, self.seed)
+        state._prompt_ids = self._prompt_ids
+        state.origin = self
+        return state
 
     def seeded_uniform(self) -> float:
         """The U[0, 1) draw of a seeded request for its next output token.

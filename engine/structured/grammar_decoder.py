@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -44,18 +44,35 @@ class GrammarDecoder:
                 break
         return matcher
 
-    def fill_bitmask(self, matchers: Sequence[tuple[int, "xgrammar.GrammarMatcher"]], num_rows: int) -> TokenBitmask:
-        """The bitmask of a step whose sampled rows `row` have matchers (others unconstrained)."""
+    def fill_bitmask(self, matchers: Sequence[tuple[int, "xgrammar.GrammarMatcher"]], num_rows: int,
+                     drafts: Optional[Mapping[int, Sequence[int]]] = None) -> TokenBitmask:
+        """The bitmask of a step whose sampled rows `row` have matchers (others unconstrained).
+
+        `drafts[row]`: the draft tokens a request verifies in rows row + 1 .. row + k (speculative decoding).
+        Row row + j gets the mask of the state after its first j drafts, checked by the matcher (then rolled
+        back): the draft the grammar refuses, and all after it, are never accepted, since the masked sample of
+        its row cannot equal it (the rows after it are left unconstrained: nothing of theirs is kept)."""
         started = time.perf_counter()
         host = self._buffer(num_rows)
+        rows = []
         for row, matcher in matchers:
             matcher.fill_next_token_bitmask(host, row)
+            rows.append(row)
+            num_checked = 0
+            for token_id in (drafts or {}).get(row, ()):
+                if matcher.is_terminated() or not matcher.accept_token(token_id):
+                    break
+                num_checked += 1
+                matcher.fill_next_token_bitmask(host, row + num_checked)
+                rows.append(row + num_checked)
+            if num_checked:
+                matcher.rollback(num_checked)
         bitmask = host[:num_rows]
         if self.device.type != "cpu":
             bitmask = bitmask.to(self.device, non_blocking=True)  # from pinned memory: no wait
         if self.on_fill is not None:
             self.on_fill(time.perf_counter() - started)
-        return TokenBitmask(bitmask, [row for row, _ in matchers])
+        return TokenBitmask(bitmask, rows)
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._host is None or self._host.shape[0] < num_rows:

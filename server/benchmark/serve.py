@@ -32,6 +32,7 @@ import httpx
 from server.benchmark.client import Clock, RequestResult, Target, send
 from server.benchmark.datasets import (BenchRequest, jsonl_requests, prefix_shared_requests, random_requests,
                                        sharegpt_requests)
+from server.benchmark.acceptance import acceptance, spec_decode_counts
 from server.benchmark.metrics import BenchmarkMetrics, compute, format_table, parse_slos
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,10 @@ def benchmark(args: argparse.Namespace) -> tuple[BenchmarkMetrics, dict]:
     probe, _ = asyncio.run(run_load(target, requests[:1], LoadShape(), progress=False))
     if not probe[0].success:
         raise RuntimeError(f"the first request failed, nothing measured: {probe[0].error}")
+    counts_before = spec_decode_counts(args.base_url, args.api_key)
     results, duration = asyncio.run(run_load(target, requests, shape, progress=not args.disable_tqdm))
     metrics = compute(results, duration, slos)
+    speculation = acceptance(counts_before, spec_decode_counts(args.base_url, args.api_key))
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "label": args.label,
@@ -191,6 +194,7 @@ def benchmark(args: argparse.Namespace) -> tuple[BenchmarkMetrics, dict]:
         "goodput_slos_ms": slos or None,
         "client_host": {"machine": platform.machine(), "python": platform.python_version()},
         **metrics.to_dict(),
+        "speculative_decoding": speculation,
         "input_lens": [r.prompt_len for r in results],
         "max_tokens": [r.output_len for r in requests],
         "output_lens": [r.output_tokens for r in results],
@@ -212,6 +216,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pagedserve bench serve: {exc}", file=sys.stderr)
         return 1
     print(format_table(metrics))
+    if record["speculative_decoding"] is not None:
+        spec = record["speculative_decoding"]
+        print(f"Speculative decoding: mean acceptance length {spec['mean_acceptance_length']:.2f} tokens per drafted "
+              f"step, {100 * spec['acceptance_rate']:.0f}% of draft tokens accepted")
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(record, indent=1))

@@ -1,7 +1,8 @@
 """The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
 
     defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
-                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant, enforce_eager, profile)
+                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant, enforce_eager, profile,
+                 speculative_config)
 
 Every value remembers where it came from, so an error names the flag, the
 environment variable or the YAML key that set it.
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence, get_args, get_origin
+from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -58,6 +60,7 @@ _YAML_SCALARS: dict[str, FieldPath] = {
     "batch_invariant": ("engine", "batch_invariant"),
     "enforce_eager": ("engine", "enforce_eager"),
     "profile": ("engine", "profile"),
+    "speculative_config": ("engine", "speculative_config"),
 }
 _YAML_IGNORED = frozenset({"tiny_model"})
 _SECRET_FIELDS = frozenset({("server", "api_keys")})
@@ -79,7 +82,7 @@ class Settings(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
 
 
-Kind = Literal["str", "int", "float", "bool", "size", "keys", "list"]
+Kind = Literal["str", "int", "float", "bool", "size", "keys", "list", "json"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--profile", ("engine", "profile"), "bool",
            "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
            "between steps), every 1000 steps"),
+    Option("--speculative-config", ("engine", "speculative_config"), "json",
+           "speculative decoding as vLLM spells it, a JSON object: {\"method\": \"ngram\", "
+           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}; a request opts "
+           "out with \"speculative\": false", "JSON", "none, off", nullable=True),
     Option("--quantization", (*MODEL, "quantization"), "str", "weight storage: gguf keeps a .gguf file's "
            "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
            "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
@@ -302,6 +309,9 @@ def _describe(error: ValidationError, origins: Mapping[FieldPath, str]) -> str:
             message = f"unknown key (expected one of: {', '.join(sorted(_model_at(loc[:-1]).model_fields))})"
         elif not any(loc[: len(secret)] == secret for secret in _SECRET_FIELDS) and _is_scalar(item.get("input")):
             message += f" (got {item['input']!r})"
+        inside = next((loc[end:] for end in range(len(loc), 0, -1) if loc[:end] in origins), ())
+        if inside and item["type"] == "missing":  # a key missing from a value given whole (a JSON object)
+            message = f"{'.'.join(inside)}: {message}"
         lines.append(f"{source}: {message}")
     return "\n".join(lines)
 
@@ -324,6 +334,8 @@ def _model_at(path: Sequence[str]) -> Any:
     model: Any = Settings
     for key in path:
         model = model.model_fields[key].annotation
+        if get_origin(model) is Union:  # an optional section (speculative_config): the model inside
+            model = next(arg for arg in get_args(model) if arg is not type(None))
     return model
 
 
@@ -449,6 +461,14 @@ def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
             raise ValueError(f"expected a number, got {raw!r}") from None
     if option.kind == "size":
         return parse_size(text)
+    if option.kind == "json":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not valid JSON ({error.msg} at character {error.pos}): {raw!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, got {raw!r}")
+        return value
     choices = _choices(option)
     if choices is not None and text not in choices:
         raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")

@@ -2,7 +2,8 @@
 
 Per-request counters and histograms are updated from the engine's outputs on the
 event loop; queue lengths, KV usage, preemptions and prefix-cache counters are
-read from the scheduler at scrape time, so they are exact and never drift. GPU
+read from the scheduler at scrape time, so they are exact and never drift (the speculative-decoding
+counters among them: the scheduler tallies each verification as it rolls the rejected drafts back). GPU
 readings come from the `GpuMonitor`'s latest round (its thread calls NVML, a scrape
 never does), and exist only while a monitor runs: none on CPU.
 """
@@ -17,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
-from scheduler import SchedulerStats
+from scheduler import SchedulerStats, SpecDecodeStats
 from server.observability.gpu_monitor import GpuMonitor, GpuSample
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -53,6 +54,26 @@ class _SchedulerCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if stats.speculation is not None:
+            yield from self._speculation(stats.speculation)
+
+    def _speculation(self, spec: SpecDecodeStats) -> Iterable:
+        """vLLM's speculative-decoding counters, with our prefix (only when the engine speculates)."""
+        labels = [self._model_name]
+        for name, doc, value in (
+            ("pagedserve_spec_decode_num_drafts", "Steps in which a request verified draft tokens.", spec.num_drafts),
+            ("pagedserve_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+        per_pos = CounterMetricFamily("pagedserve_spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position in the draft (0 first).",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([self._model_name, str(position)], value)
+        yield per_pos
 
 
 class _GpuCollector(Collector):

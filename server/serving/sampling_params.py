@@ -38,6 +38,8 @@ def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], 
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "structured_outputs": structured_outputs,
+        "speculative": request.speculative,
+        "num_speculative_tokens": request.num_speculative_tokens,
     }
     # An unset (null) field takes SamplingParams' default; for the others None is the default.
     kwargs = {k: v for k, v in values.items() if v is not None or k not in _DEFAULTED_WHEN_NULL}

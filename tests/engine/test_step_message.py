@@ -2,15 +2,22 @@
 
 import pickle
 
+import pytest
+
 from engine import SamplingParams
 from engine.attention.kv_cache import KVCache
 from engine.runner.model_runner import ModelRunner
 from tests.engine.references import assert_idle, make_llm
 
 
-def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(tiny_llama_dir):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "step_cost_model": False}  # no timing: drafts verified
+
+
+@pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "with draft tokens"])
+def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(tiny_llama_dir, speculative_config):
+    """With speculation the drafts travel in the message too: the fresh runner verifies them alike."""
     llm = make_llm(tiny_llama_dir, num_blocks=20, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-                   scheduling_policy="priority")
+                   scheduling_policy="priority", speculative_config=speculative_config)
     engine = llm.engine
     runner = engine.runner
     recorded: list[tuple[bytes, dict, dict]] = []
@@ -33,12 +40,16 @@ def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(
         # eos (id 2) forced by logit_bias but held back by min_tokens: needs the message's eos ids
         SamplingParams(max_tokens=30, temperature=0, min_tokens=3, logit_bias={2: 100.0}),
     ]
+    prompts.append([5, 6, 7, 8, 9] * 4 + [40, 41])  # the tiny model loops on it: drafts are accepted
+    params.append(SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                           priority=[1, -1, 0, 2, -2, 0])
+                           priority=[1, -1, 0, 2, -2, 0, 1])
     assert_idle(llm)
     forced = results[5].outputs[0]
     assert len(forced.token_ids) == 4 and forced.token_ids[-1] == 2 and forced.finish_reason == "stop"
     assert engine.stats().num_preemptions > 0  # resumed requests travel in the message too
+    if speculative_config is not None:
+        assert engine.stats().speculation.num_accepted_tokens > 0
 
     fresh = ModelRunner(runner.model, KVCache(runner.kv_cache.spec, runner.kv_cache.num_blocks, runner.device),
                         runner.backend, runner.device, runner.limits)

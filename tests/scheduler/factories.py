@@ -8,11 +8,13 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from scheduler import (
     CacheConfig,
+    DraftProposer,
     Request,
     RequestStepOutput,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    StepCost,
 )
 
 EOS = 2
@@ -27,6 +29,10 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
     policy: str = "fcfs",
+    proposer: Optional[DraftProposer] = None,
+    adaptive_drafts: bool = False,
+    max_drafting_batch: Optional[int] = None,
+    step_cost: Optional[StepCost] = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -40,6 +46,10 @@ def make_scheduler(
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
         ),
+        proposer,
+        adaptive_drafts=adaptive_drafts,
+        max_drafting_batch=max_drafting_batch,
+        step_cost=step_cost,
     )
 
 
@@ -121,11 +131,16 @@ def check_step_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert len(output.num_scheduled_tokens) <= config.max_num_seqs
     assert all(n >= 1 for n in output.num_scheduled_tokens.values())
     assert set(output.num_computed_tokens) == set(output.num_scheduled_tokens)
+    for request_id, drafts in output.scheduled_spec_decode_tokens.items():
+        request = scheduler.requests[request_id]
+        assert drafts and output.num_scheduled_tokens[request_id] == 1 + len(drafts)
+        assert output.num_computed_tokens[request_id] + 1 == request.num_tokens  # drafts follow a decode only
+        assert request.num_tokens + len(drafts) < request.max_num_tokens  # and never past max_tokens
     for request_id, num_tokens in output.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
         start = output.num_computed_tokens[request_id]
         assert start == request.num_computed_tokens
-        assert start + num_tokens <= request.num_tokens
+        assert start + num_tokens <= request.num_tokens + len(output.scheduled_spec_decode_tokens.get(request_id, ()))
         blocks = scheduler.kv_cache_manager.get_blocks(request_id)
         assert len(blocks) * scheduler.block_size >= start + num_tokens
     for new in output.new_requests:

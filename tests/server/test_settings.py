@@ -21,6 +21,8 @@ FLAG_CASES = [
     ("--dtype", "bfloat16", ("engine", "model", "dtype"), "bfloat16"),
     ("--device", "cpu", ("engine", "model", "device"), "cpu"),
     ("--quantization", "gguf", ("engine", "model", "quantization"), "gguf"),
+    ("--speculative-config", '{"num_speculative_tokens": 3}', ("engine", "speculative_config", "num_speculative_tokens"),
+     3),
     ("--max-model-len", "512", ("engine", "model", "max_model_len"), 512),
     ("--block-size", "32", ("engine", "cache", "block_size"), 32),
     ("--num-kv-blocks", "100", ("engine", "cache", "num_blocks"), 100),
@@ -257,7 +259,8 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
 
 @pytest.mark.parametrize("preset,expected", [
     ({"schedular": {}}, "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
-                        "batch_invariant, cache, enforce_eager, model, profile, scheduler, server)"),
+                        "batch_invariant, cache, enforce_eager, model, profile, scheduler, server, "
+                        "speculative_config)"),
     ({"scheduler": {"max_num_seq": 3}}, "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
                                         "max_model_len, max_num_batched_tokens, max_num_seqs, policy)"),
     ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),

@@ -72,3 +72,27 @@ def test_a_bf16_cache_under_an_fp32_model_matches_the_torch_backend(tiny_llama_d
         assert got.outputs[0].token_ids == reference.outputs[0].token_ids
         assert [lp.logprob for lp in got.outputs[0].logprobs] == pytest.approx(
             [lp.logprob for lp in reference.outputs[0].logprobs], abs=6e-2)
+
+
+def test_draft_rows_through_the_triton_kernels_and_the_decode_graphs(tiny_llama_dir):
+    """Speculative decoding's verification rows (a request's k + 1 decodes over one block table row) through
+    the Triton kernels, eagerly and replayed from decode graphs: the torch backend's greedy tokens without
+    drafts."""
+    from engine.runner.cuda_graphs import EagerReplay
+
+    prompts = [[5, 6, 7, 8, 9] * 4 + [40, 41], list(range(30, 40))]  # the tiny model loops on the first
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    reference = make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=4).generate(
+        requests, params, use_tqdm=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "step_cost_model": False}  # no timing: interpreted
+    for graphs in (False, True):
+        llm = make_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4, speculative_config=ngram)
+        if graphs:
+            llm.engine.runner.capture_decode_graphs((1, 2, 4, 8, 16), EagerReplay)
+        got = llm.generate(requests, params, use_tqdm=False)
+        assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
+        assert llm.engine.stats().speculation.num_accepted_tokens > 0
+        if graphs:
+            assert sum(g.replays for size, g in llm.engine.runner.graphs._graphs.items() if size > 4) > 0
+        assert_idle(llm)

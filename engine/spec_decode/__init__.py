@@ -1,0 +1,1 @@
+"""Speculative decoding: the proposers that guess draft tokens (the scheduler asks them; the runner verifies)."""

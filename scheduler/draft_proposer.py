@@ -1,0 +1,57 @@
+"""What the scheduler asks for draft tokens (speculative decoding), and what it counts of their fate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+class DraftProposer(Protocol):
+    """Guesses the next tokens of a sequence, for the target model to verify in one forward pass.
+
+    The scheduler calls `propose` for each running request that decodes in the coming step and puts
+    the result in the step message (`SchedulerOutput.scheduled_spec_decode_tokens`), so a runner, in
+    this process or a worker rebuilt from the message, needs nothing else to verify them. A proposer
+    that needs no torch (n-gram lookup) keeps the scheduler pure Python; the engine builds it.
+    """
+
+    num_speculative_tokens: int  # the most draft tokens a request gets per step
+
+    def propose(self, token_ids: Sequence[int], max_num_tokens: int) -> Sequence[int]:
+        """At most `max_num_tokens` guesses of what follows `token_ids` (prompt + accepted output); may be
+        empty."""
+        ...
+
+    def on_request_finished(self, output_token_ids: Sequence[int]) -> None:
+        """A request ended with this output (a proposer that learns from recent outputs keeps it)."""
+        ...
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Cumulative counts of speculation, vLLM's names: steps with a draft, draft tokens proposed and
+    accepted, and accepted tokens by their position in the draft (0 first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
+
+    def snapshot(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafted step produced on average (accepted ones plus the one the target always gives)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
