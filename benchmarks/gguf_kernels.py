@@ -42,8 +42,10 @@ def measure(weights: Sequence[GgufWeight], rows: int, dtype: torch.dtype, repeat
         def run() -> None:
             for w in weights:
                 p = w.packed
-                kernels.linear(inputs[w.in_features], p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code,
-                               p.layout, tile_min_rows)
+                kernels.linear(
+                    inputs[w.in_features], p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout, tile_min_rows
+                )
+
         return run
 
     def torch_products() -> None:
@@ -65,8 +67,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     kernels = load_quant_kernels()
-    weights = [w.interleaved() for _, w in iter_gguf_weights(embedded_gguf_path(), kernels, 9, 3)
-               if isinstance(w, GgufWeight)]  # in the layout the model multiplies (X16 where rows allow)
+    weights = [
+        w.interleaved() for _, w in iter_gguf_weights(embedded_gguf_path(), kernels, 9, 3) if isinstance(w, GgufWeight)
+    ]  # in the layout the model multiplies (X16 where rows allow)
     nbytes = sum(w.nbytes for w in weights)
     macs = sum(w.in_features * w.out_features for w in weights)
     dtype = getattr(torch, args.dtype)
@@ -74,8 +77,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         bandwidth = read_bandwidth(torch.device("cpu"))
         results = measure(weights, rows, dtype, args.repeats)
-        cells = "; ".join(f"{name} {ms:.2f} ms ({nbytes / ms / 1e6:.1f} GB/s, {macs * rows / ms / 1e6:.1f} GMAC/s)"
-                          for name, ms in results.items())
+        cells = "; ".join(
+            f"{name} {ms:.2f} ms ({nbytes / ms / 1e6:.1f} GB/s, {macs * rows / ms / 1e6:.1f} GMAC/s)"
+            for name, ms in results.items()
+        )
         print(f"rows {rows:3d} (read bandwidth {bandwidth / 1e9:.1f} GB/s): {cells}", flush=True)
 
 

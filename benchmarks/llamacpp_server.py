@@ -19,8 +19,12 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=1, help="slots: requests decoded together")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx-per-slot", type=int, default=1024, help="context tokens per slot")
-    parser.add_argument("--poll", type=int, default=None,
-                        help="how hard its threads spin waiting for work, 0-100 (llama.cpp's default: 50)")
+    parser.add_argument(
+        "--poll",
+        type=int,
+        default=None,
+        help="how hard its threads spin waiting for work, 0-100 (llama.cpp's default: 50)",
+    )
     parser.add_argument("--alias", default=None, help="the model name clients send and responses carry")
     args = parser.parse_args()
 
@@ -44,8 +48,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = xllamacpp.Server(params)  # serves HTTP on its own threads while this process lives
-    print(f"llama.cpp server (xllamacpp {getattr(xllamacpp, '__version__', '?')}) on 127.0.0.1:{args.port}, "
-          f"{args.parallel} slots", flush=True)
+    print(
+        f"llama.cpp server (xllamacpp {getattr(xllamacpp, '__version__', '?')}) on 127.0.0.1:{args.port}, "
+        f"{args.parallel} slots",
+        flush=True,
+    )
     stop.wait()
     del server
     return 0

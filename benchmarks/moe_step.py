@@ -34,14 +34,29 @@ def write_checkpoint(path: Path, moe: bool, args: argparse.Namespace) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                  num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
-                  max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                  initializer_range=0.05)
+    fields = dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.05,
+    )
     if moe:
-        config = AutoConfig.for_model("qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                                      moe_intermediate_size=args.expert_intermediate, norm_topk_prob=True,
-                                      intermediate_size=TOP_K * args.expert_intermediate, **fields)
+        config = AutoConfig.for_model(
+            "qwen3_moe",
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=args.expert_intermediate,
+            norm_topk_prob=True,
+            intermediate_size=TOP_K * args.expert_intermediate,
+            **fields,
+        )
     else:
         config = AutoConfig.for_model("qwen3", intermediate_size=TOP_K * args.expert_intermediate, **fields)
     torch.manual_seed(0)
@@ -69,8 +84,14 @@ class DecodeSteps:
     def __init__(self, model_dir: Path, dtype: str, batch: int, max_steps: int, prompt_len: int):
         from engine import LLM, SamplingParams
 
-        self.llm = LLM(str(model_dir), dtype=dtype, device="cpu", max_model_len=prompt_len + max_steps + 16,
-                       max_num_seqs=batch, max_num_batched_tokens=max(256, prompt_len * batch))
+        self.llm = LLM(
+            str(model_dir),
+            dtype=dtype,
+            device="cpu",
+            max_model_len=prompt_len + max_steps + 16,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(256, prompt_len * batch),
+        )
         engine = self.llm.engine
         params = SamplingParams(max_tokens=max_steps, temperature=0, ignore_eos=True)
         for i in range(batch):
@@ -96,15 +117,27 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = {"machine": cpu_info(), "torch_threads": torch.get_num_threads(), "dtype": args.dtype,
-              "shape": {"layers": args.layers, "hidden": args.hidden, "experts": EXPERTS, "top_k": TOP_K,
-                        "expert_intermediate": args.expert_intermediate,
-                        "dense_intermediate": TOP_K * args.expert_intermediate}, "batches": {}}
+    report = {
+        "machine": cpu_info(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "shape": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "experts": EXPERTS,
+            "top_k": TOP_K,
+            "expert_intermediate": args.expert_intermediate,
+            "dense_intermediate": TOP_K * args.expert_intermediate,
+        },
+        "batches": {},
+    }
     with tempfile.TemporaryDirectory(prefix="moe-step-") as tmp:
         dirs = {name: write_checkpoint(Path(tmp) / name, name == "moe", args) for name in ("moe", "dense")}
         for batch in args.batches:
-            engines = {name: DecodeSteps(path, args.dtype, batch, args.rounds * args.steps + 8, args.prompt_len)
-                       for name, path in dirs.items()}
+            engines = {
+                name: DecodeSteps(path, args.dtype, batch, args.rounds * args.steps + 8, args.prompt_len)
+                for name, path in dirs.items()
+            }
             best = {name: float("inf") for name in engines}
             for _ in range(args.rounds):
                 for name, engine in engines.items():
@@ -119,8 +152,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_report(report: dict) -> None:
     machine = report["machine"]
-    print(f"CPU: {machine['model']} ({machine['cores']} cores usable; {', '.join(machine['flags'])}); "
-          f"torch threads {report['torch_threads']}; {report['dtype']}")
+    print(
+        f"CPU: {machine['model']} ({machine['cores']} cores usable; {', '.join(machine['flags'])}); "
+        f"torch threads {report['torch_threads']}; {report['dtype']}"
+    )
     print(f"shape: {json.dumps(report['shape'])}")
     print(f"{'batch':>5}  {'moe ms':>8}  {'dense ms':>8}  {'moe/dense':>9}")
     for batch, row in report["batches"].items():

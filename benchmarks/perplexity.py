@@ -52,11 +52,12 @@ ROWS: dict[str, dict[str, Any]] = {
     "q4_1-native": {"dtype": "float32", "quantization": "gguf"},  # fp32 prompts: the dense product
     "q4_1-native-bf16": {"dtype": "bfloat16", "quantization": "gguf"},  # prompt windows through the bf16 tiles
     # prompts in chunks of 4 tokens: every product is the decode kernel's (int8 activations)
-    "q4_1-native-int8": {"dtype": "float32", "quantization": "gguf", "max_num_batched_tokens": 4,
-                         "max_num_seqs": 4},
+    "q4_1-native-int8": {"dtype": "float32", "quantization": "gguf", "max_num_batched_tokens": 4, "max_num_seqs": 4},
 }
-DEFAULT_ROWS = ("fp32,bf16,fp32-chunked,kv-bf16,int8,int4,int4-g64,int4-g128,int8-head,int4-head,"
-                "q8_0,q8_0-native,q4_1-native,q4_1-native-bf16,q4_1-native-int8")
+DEFAULT_ROWS = (
+    "fp32,bf16,fp32-chunked,kv-bf16,int8,int4,int4-g64,int4-g128,int8-head,int4-head,"
+    "q8_0,q8_0-native,q4_1-native,q4_1-native-bf16,q4_1-native-int8"
+)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def agreement(llm, prompts: list[list[int]], continuations: list[list[int]]) -> 
     results = llm.generate(inputs, params, use_tqdm=False)
     hits = total = 0
     for prompt, result in zip(prompts, results):
-        for entry in result.prompt_logprobs[len(prompt):]:
+        for entry in result.prompt_logprobs[len(prompt) :]:
             hits += entry.rank == 1
             total += 1
     return hits / total
@@ -201,8 +202,11 @@ def table(results: list[RowResult], baseline: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.perplexity", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.perplexity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated, from: {', '.join(ROWS)}")
     parser.add_argument("--window", type=int, default=512, help="tokens per scored window")

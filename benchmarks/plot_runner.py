@@ -20,8 +20,13 @@ def make_plots(out_dir: Path) -> list[str]:
     if importlib.util.find_spec("matplotlib") is None:
         (WORK_DIR / "venvs").mkdir(parents=True, exist_ok=True)  # a fresh clone has no .bench-peers/ yet
         python = ensure_venv(WORK_DIR / "venvs", PLOTS_VENV, WORK_DIR / "pip-plots.log")
-    result = subprocess.run([str(python), "-m", "benchmarks.plots", str(out_dir)], cwd=REPO, capture_output=True,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [str(python), "-m", "benchmarks.plots", str(out_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     if result.returncode != 0:
         print(f"plots failed:\n{result.stderr[-2000:]}", flush=True)
         return []

@@ -31,8 +31,11 @@ def _subtitle(meta: dict) -> str:
 
 def throughput_plot(results: dict, out_dir: Path) -> str:
     table = summarize(results["runs"])
-    concurrency = {w["name"]: w["max_concurrency"] for w in results["meta"]["workloads"]
-                   if w["max_concurrency"] and not w["prefix_len"] and w["request_rate"] is None}
+    concurrency = {
+        w["name"]: w["max_concurrency"]
+        for w in results["meta"]["workloads"]
+        if w["max_concurrency"] and not w["prefix_len"] and w["request_rate"] is None
+    }
     fig, ax = plt.subplots(figsize=(7, 4.5))
     servers = _ordered({s for w in concurrency for s in table.get(w, {})})
     for server in servers:
@@ -41,8 +44,12 @@ def throughput_plot(results: dict, out_dir: Path) -> str:
             continue
         xs = [c for c, _ in points]
         ys = [s.output_tps for _, s in points]
-        errors = np.array([[s.output_tps - s.output_tps_low for _, s in points],
-                           [s.output_tps_high - s.output_tps for _, s in points]]).clip(min=0)
+        errors = np.array(
+            [
+                [s.output_tps - s.output_tps_low for _, s in points],
+                [s.output_tps_high - s.output_tps for _, s in points],
+            ]
+        ).clip(min=0)
         ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=4, label=server, color=COLORS.get(server))
     ax.set_xscale("log", base=2)
     ax.set_xticks([c for c in sorted(set(concurrency.values()))])
@@ -72,8 +79,13 @@ def latency_plot(results: dict, out_dir: Path) -> str:
             ax = axes[row][col]
             for i, server in enumerate(servers):
                 values = [getattr(table[workload["name"]][server], metric)[s] for s in stats]
-                ax.bar(np.arange(len(stats)) + (i - (len(servers) - 1) / 2) * width, values, width,
-                       label=server, color=COLORS.get(server))
+                ax.bar(
+                    np.arange(len(stats)) + (i - (len(servers) - 1) / 2) * width,
+                    values,
+                    width,
+                    label=server,
+                    color=COLORS.get(server),
+                )
             ax.set_xticks(np.arange(len(stats)), stats)
             ax.set_ylabel(label)
             ax.set_title(workload["title"], fontsize=9)

@@ -39,8 +39,9 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return best * 1e3
 
 
-def layer_products(dtype: torch.dtype, rows_list: list[int], repeats: int,
-                   group_sizes: list[int]) -> dict[str, list[float]]:
+def layer_products(
+    dtype: torch.dtype, rows_list: list[int], repeats: int, group_sizes: list[int]
+) -> dict[str, list[float]]:
     """ms for the four products of one layer, per variant and batch size."""
     from engine.layers.linear import select_linear
     from engine.quantization.int4_groups import Int4Groups
@@ -95,17 +96,23 @@ def engine_decode(settings: dict, tokens: int) -> tuple[float, float]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quantized_speed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.quantized_speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--engine-rows", default="bf16,int8,int4", help=f"from: {', '.join(ENGINE_ROWS)}")
-    parser.add_argument("--group-sizes", default=str(DEFAULT_INT4_GROUP_SIZE),
-                        help="int4 group sizes to measure, comma-separated, from 32, 64, 128 (default: the "
-                        f"server's, {DEFAULT_INT4_GROUP_SIZE})")
+    parser.add_argument(
+        "--group-sizes",
+        default=str(DEFAULT_INT4_GROUP_SIZE),
+        help="int4 group sizes to measure, comma-separated, from 32, 64, 128 (default: the "
+        f"server's, {DEFAULT_INT4_GROUP_SIZE})",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.threads:

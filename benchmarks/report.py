@@ -45,8 +45,9 @@ def _stats(values_ms: list[float]) -> dict:
 def _per_request(run: dict) -> tuple[list[float], list[float], list[int]]:
     """TTFTs and TPOTs (ms) and output lengths of the run's successful requests."""
     ttfts, tpots, lengths = [], [], []
-    for ttft, latency, tokens, error in zip(run["ttfts_s"], run["latencies_s"], run["output_lens"],
-                                            run["errors_per_request"]):
+    for ttft, latency, tokens, error in zip(
+        run["ttfts_s"], run["latencies_s"], run["output_lens"], run["errors_per_request"]
+    ):
         if error:
             continue
         ttfts.append(ttft * 1000.0)
@@ -78,10 +79,15 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, Summary]]:
         table.setdefault(workload, {})[server] = Summary(
             runs=len(group),
             output_tps=sum(run["total_output_tokens"] for run in group) / sum(run["duration_s"] for run in group),
-            output_tps_low=min(per_round), output_tps_high=max(per_round),
-            ttft_ms=_stats(ttfts), tpot_ms=_stats(tpots),
+            output_tps_low=min(per_round),
+            output_tps_high=max(per_round),
+            ttft_ms=_stats(ttfts),
+            tpot_ms=_stats(tpots),
             tokens_per_request=float(np.mean(lengths)) if lengths else 0.0,
-            asked=group[0]["output_len"], failed=sum(run["failed"] for run in group), goodput_fraction=good)
+            asked=group[0]["output_len"],
+            failed=sum(run["failed"] for run in group),
+            goodput_fraction=good,
+        )
     return table
 
 
@@ -96,9 +102,11 @@ def _ratio(a: float, b: float) -> str:
 def figures_table(results: dict) -> str:
     table = summarize(results["runs"])
     titles = {w["name"]: w["title"] for w in results["meta"]["workloads"]}
-    lines = ["| workload | server | output tok/s (range over rounds) | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) "
-             "| tokens / request (asked) | goodput |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | server | output tok/s (range over rounds) | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) "
+        "| tokens / request (asked) | goodput |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for workload in titles:
         for server in _ordered(table.get(workload, {})):
             s = table[workload][server]
@@ -108,7 +116,8 @@ def figures_table(results: dict) -> str:
             lines.append(
                 f"| {titles[workload]} | {server} | {s.output_tps:.1f}{spread} "
                 f"| {s.ttft_ms['mean']:.0f} / {s.ttft_ms['p99']:.0f} | {s.tpot_ms['mean']:.1f} / {s.tpot_ms['p99']:.1f} "
-                f"| {s.tokens_per_request:.1f} ({s.asked}{failed}) | {good} |")
+                f"| {s.tokens_per_request:.1f} ({s.asked}{failed}) | {good} |"
+            )
     return "\n".join(lines)
 
 
@@ -117,8 +126,10 @@ def ratios_table(results: dict) -> str:
     latencies."""
     table = summarize(results["runs"])
     titles = {w["name"]: w["title"] for w in results["meta"]["workloads"]}
-    lines = ["| workload | ours / peer | output tok/s | TTFT mean | TTFT p99 | TPOT mean | TPOT p99 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | ours / peer | output tok/s | TTFT mean | TTFT p99 | TPOT mean | TPOT p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for workload in titles:
         row = table.get(workload, {})
         for name in _ordered(s for s in row if s.startswith("pagedserve")):
@@ -135,14 +146,16 @@ def _ratio_rows(title: str, name: str, row: dict) -> list[str]:
             f"| {_ratio(ours.ttft_ms['mean'], theirs.ttft_ms['mean'])} "
             f"| {_ratio(ours.ttft_ms['p99'], theirs.ttft_ms['p99'])} "
             f"| {_ratio(ours.tpot_ms['mean'], theirs.tpot_ms['mean'])} "
-            f"| {_ratio(ours.tpot_ms['p99'], theirs.tpot_ms['p99'])} |")
+            f"| {_ratio(ours.tpot_ms['p99'], theirs.tpot_ms['p99'])} |"
+        )
     return lines
 
 
 def machine_lines(meta: dict) -> list[str]:
     cpu = meta["cpu"]
-    servers = "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-                        for name, versions in meta["servers"].items())
+    servers = "; ".join(
+        f"{name}: " + ", ".join(f"{k} {v}" for k, v in versions.items()) for name, versions in meta["servers"].items()
+    )
     loads = meta.get("load_average_range")
     lines = [
         f"- CPU: {cpu['model']}, {cpu['cores']} cores usable ({cpu['logical_cpus']} logical CPUs), "
@@ -155,38 +168,69 @@ def machine_lines(meta: dict) -> list[str]:
         "for pagedserve and transformers; temperature 0",
     ]
     if meta.get("poisson_rate"):
-        lines.append(f"- Poisson workload: {meta['poisson_rate']:.2f} requests/s ({meta.get('poisson_rate_rule', '')}); "
-                     f"goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in (meta.get('slos_ms') or {}).items()))
+        lines.append(
+            f"- Poisson workload: {meta['poisson_rate']:.2f} requests/s ({meta.get('poisson_rate_rule', '')}); "
+            f"goodput SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in (meta.get("slos_ms") or {}).items())
+        )
     if loads:
-        lines.append(f"- Load average (1 min) before the runs: {loads[0]:.1f}–{loads[1]:.1f} on {cpu['cores']} cores "
-                     f"(near 0 on a quiet machine)")
+        lines.append(
+            f"- Load average (1 min) before the runs: {loads[0]:.1f}–{loads[1]:.1f} on {cpu['cores']} cores "
+            f"(near 0 on a quiet machine)"
+        )
     lines.append(f"- Wall time: {meta.get('wall_s', 0) / 60:.1f} min")
     return lines + [f"- {note}" for note in meta.get("notes", [])]
 
 
 def failures(results: dict) -> list[str]:
-    return [f"- failed: {run['workload']} against {run['server']}, round {run['round']}: {run['error'][:300]}"
-            for run in results["runs"] if run.get("status") != "ok"]
+    return [
+        f"- failed: {run['workload']} against {run['server']}, round {run['round']}: {run['error'][:300]}"
+        for run in results["runs"]
+        if run.get("status") != "ok"
+    ]
 
 
 def readme(results: dict, plots: list[str]) -> str:
     meta = results["meta"]
-    parts = [f"# pagedserve and its peers, {meta['date']}, {meta['cpu']['model']} ({meta['cpu']['isa']})", "",
-             *machine_lines(meta), *failures(results), "", "## Figures (all rounds pooled)", "", figures_table(results), "",
-             "## Ratios, pagedserve / peer", "",
-             "Throughput: above 1 means pagedserve is faster. Latencies: below 1 means pagedserve is quicker.", "",
-             ratios_table(results), "",
-             "How each server was asked: `ignore_eos` for pagedserve and llama.cpp (llama.cpp also with a -100 "
-             "logit bias on the end-of-sequence tokens); `transformers serve` refuses `ignore_eos`, so every prompt "
-             "ends in a counting task that keeps the model generating; the tokens column shows what each produced.",
-             "", "Reproduce: `python -m benchmarks.peers` (see the top-level README).", ""]
+    parts = [
+        f"# pagedserve and its peers, {meta['date']}, {meta['cpu']['model']} ({meta['cpu']['isa']})",
+        "",
+        *machine_lines(meta),
+        *failures(results),
+        "",
+        "## Figures (all rounds pooled)",
+        "",
+        figures_table(results),
+        "",
+        "## Ratios, pagedserve / peer",
+        "",
+        "Throughput: above 1 means pagedserve is faster. Latencies: below 1 means pagedserve is quicker.",
+        "",
+        ratios_table(results),
+        "",
+        "How each server was asked: `ignore_eos` for pagedserve and llama.cpp (llama.cpp also with a -100 "
+        "logit bias on the end-of-sequence tokens); `transformers serve` refuses `ignore_eos`, so every prompt "
+        "ends in a counting task that keeps the model generating; the tokens column shows what each produced.",
+        "",
+        "Reproduce: `python -m benchmarks.peers` (see the top-level README).",
+        "",
+    ]
     if plots:
         parts += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     return "\n".join(parts)
 
 
-BENCH_SERVE_KEYS = ("model", "dataset", "duration_s", "output_throughput", "total_output_tokens", "failed",
-                    "ttfts_s", "latencies_s", "output_lens", "errors_per_request")
+BENCH_SERVE_KEYS = (
+    "model",
+    "dataset",
+    "duration_s",
+    "output_throughput",
+    "total_output_tokens",
+    "failed",
+    "ttfts_s",
+    "latencies_s",
+    "output_lens",
+    "errors_per_request",
+)
 """What a `pagedserve bench serve --result-json` record holds that the figures need."""
 
 
@@ -201,12 +245,20 @@ def bench_serve_runs(paths: list[Path]) -> list[dict]:
             raise ValueError(f"cannot read {path}: {error}") from None
         missing = [key for key in BENCH_SERVE_KEYS if not isinstance(record, dict) or key not in record]
         if missing:
-            raise ValueError(f"{path} is not a `pagedserve bench serve --result-json` file (no "
-                             f"{', '.join(missing)}); a directory of `python -m benchmarks.peers` holds results.json")
+            raise ValueError(
+                f"{path} is not a `pagedserve bench serve --result-json` file (no "
+                f"{', '.join(missing)}); a directory of `python -m benchmarks.peers` holds results.json"
+            )
         asked = record.get("max_tokens") or record["output_lens"]  # files written before max_tokens: what came
-        runs.append({**record, "status": "ok", "workload": _bench_serve_workload(record),
-                     "server": record.get("label") or record["model"],
-                     "output_len": round(float(np.mean(asked))) if asked else 0})
+        runs.append(
+            {
+                **record,
+                "status": "ok",
+                "workload": _bench_serve_workload(record),
+                "server": record.get("label") or record["model"],
+                "output_len": round(float(np.mean(asked))) if asked else 0,
+            }
+        )
     return runs
 
 

@@ -58,8 +58,11 @@ def ensure_venv(root: Path, spec: VenvSpec, log: Path) -> Path:
     with open(log, "w") as out:
         subprocess.run(["rm", "-rf", str(venv)], check=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=out, stderr=subprocess.STDOUT)
-        result = subprocess.run([str(venv_python(root, spec)), "-m", "pip", "install", "--quiet",
-                                 *spec.requirements], stdout=out, stderr=subprocess.STDOUT)
+        result = subprocess.run(
+            [str(venv_python(root, spec)), "-m", "pip", "install", "--quiet", *spec.requirements],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     if result.returncode != 0:
         raise RuntimeError(f"pip install {' '.join(spec.requirements)} failed (see {log})")
     stamp.write_text(wanted)
@@ -102,8 +105,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with status {self.process.returncode} while starting:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.process.returncode} while starting:\n{self.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
                     return
@@ -147,9 +151,16 @@ class Peer:
         log = log_dir / f"{self.name}-{port}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.env}
         with open(log, "w") as out:
-            process = subprocess.Popen(self.command(port, slots), cwd=self.cwd, env=env, stdout=out,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
+            process = subprocess.Popen(
+                self.command(port, slots),
+                cwd=self.cwd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         server = ServerProcess(self.name, process, port, log, self.config_key(slots))
         try:
             server.wait_ready(self.ready_timeout_s)
@@ -178,9 +189,11 @@ class ServerPool:
         started = time.perf_counter()
         server = peer.start(slots, self.log_dir)
         self.running[peer.name] = server
-        self.on_event(f"  started {peer.name} on port {server.port}"
-                      + (f" with {slots} slots" if peer.slots_matter else "")
-                      + f" ({time.perf_counter() - started:.1f} s)")
+        self.on_event(
+            f"  started {peer.name} on port {server.port}"
+            + (f" with {slots} slots" if peer.slots_matter else "")
+            + f" ({time.perf_counter() - started:.1f} s)"
+        )
         return server
 
     def stop(self, name: str) -> None:
@@ -205,8 +218,21 @@ PAGEDSERVE_VARIANTS = {"pagedserve": (), "pagedserve-gguf": ("--quantization", "
 
 def pagedserve_peer(name: str = "pagedserve") -> Peer:
     def command(port: int, slots: int) -> list[str]:
-        return [sys.executable, "-m", "server.cli", "serve", "--config", "configs/default.yaml", "--port", str(port),
-                "--served-model-name", MODEL_NAME, "--log-level", "warning", *PAGEDSERVE_VARIANTS[name]]
+        return [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--config",
+            "configs/default.yaml",
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL_NAME,
+            "--log-level",
+            "warning",
+            *PAGEDSERVE_VARIANTS[name],
+        ]
 
     return Peer(name, command, ignore_eos=True)
 
@@ -215,12 +241,25 @@ def llamacpp_peer(python: Path, gguf: Path, threads: int, eos_ids: list[int]) ->
     script = Path(__file__).resolve().parent / "llamacpp_server.py"
 
     def command(port: int, slots: int) -> list[str]:
-        return [str(python), str(script), "--model", str(gguf), "--port", str(port), "--parallel", str(slots),
-                "--threads", str(threads), "--alias", MODEL_NAME]
+        return [
+            str(python),
+            str(script),
+            "--model",
+            str(gguf),
+            "--port",
+            str(port),
+            "--parallel",
+            str(slots),
+            "--threads",
+            str(threads),
+            "--alias",
+            MODEL_NAME,
+        ]
 
     bias = [[token, -100] for token in eos_ids]  # with ignore_eos: every request runs its max_tokens
-    return Peer("llama.cpp", command, ignore_eos=True, extra_body={"logit_bias": bias}, slots_matter=True,
-                ready_timeout_s=180.0)
+    return Peer(
+        "llama.cpp", command, ignore_eos=True, extra_body={"logit_bias": bias}, slots_matter=True, ready_timeout_s=180.0
+    )
 
 
 def transformers_peer(python: Path, checkpoint: Path, work_dir: Path, dtype: str) -> Peer:
@@ -237,9 +276,26 @@ def transformers_peer(python: Path, checkpoint: Path, work_dir: Path, dtype: str
     def command(port: int, slots: int) -> list[str]:
         # 32-token blocks x 2048: room for 64 requests of 1024 tokens, ~0.75 GB in bf16 (its default takes
         # a share of all free memory)
-        return [str(cli), "serve", MODEL_NAME, "--continuous-batching", "--device", "cpu", "--dtype", dtype,
-                "--host", "127.0.0.1", "--port", str(port), "--cb-block-size", "32", "--cb-num-blocks", "2048",
-                "--log-level", "warning"]
+        return [
+            str(cli),
+            "serve",
+            MODEL_NAME,
+            "--continuous-batching",
+            "--device",
+            "cpu",
+            "--dtype",
+            dtype,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--cb-block-size",
+            "32",
+            "--cb-num-blocks",
+            "2048",
+            "--log-level",
+            "warning",
+        ]
 
     return Peer("transformers", command, ignore_eos=False, cwd=models, ready_timeout_s=300.0)
 
@@ -253,11 +309,14 @@ def probe_versions(python: Path, code: str) -> dict:
         return {}
 
 
-LLAMACPP_VERSIONS = ("import json, importlib.metadata as m, xllamacpp as x; b = x.BUILD_INFO; "
-                     "print(json.dumps({'xllamacpp': m.version('xllamacpp'), **({'llama.cpp build': "
-                     "f\"{b.get('build_number')} {b.get('commit')}\"} if b.get('build_number') else {})}))")
-TRANSFORMERS_VERSIONS = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
-                         "('transformers', 'torch')}))")
+LLAMACPP_VERSIONS = (
+    "import json, importlib.metadata as m, xllamacpp as x; b = x.BUILD_INFO; "
+    "print(json.dumps({'xllamacpp': m.version('xllamacpp'), **({'llama.cpp build': "
+    "f\"{b.get('build_number')} {b.get('commit')}\"} if b.get('build_number') else {})}))"
+)
+TRANSFORMERS_VERSIONS = (
+    "import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in ('transformers', 'torch')}))"
+)
 
 
 def pagedserve_versions() -> dict:
@@ -266,9 +325,11 @@ def pagedserve_versions() -> dict:
     import torch
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True)
-    return {"pagedserve": metadata.version("pagedserve"),
-            "commit": (commit.stdout.strip() or "?") + ("+dirty" if dirty.stdout.strip() else ""),
-            "torch": torch.__version__}
-
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+    )
+    return {
+        "pagedserve": metadata.version("pagedserve"),
+        "commit": (commit.stdout.strip() or "?") + ("+dirty" if dirty.stdout.strip() else ""),
+        "torch": torch.__version__,
+    }

@@ -33,8 +33,12 @@ from engine.sampling.params import SamplingParams
 PASSAGE = (Path(__file__).resolve().parent / "data" / "genesis_37-41_kjv.txt").read_text()[:900]
 WORKLOADS = {
     "copy": [{"role": "user", "content": f"Repeat the following passage exactly, word for word.\n\n{PASSAGE}"}],
-    "free": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a strange "
-                                         "message in a bottle."}],
+    "free": [
+        {
+            "role": "user",
+            "content": "Write a short story about a lighthouse keeper who finds a strange message in a bottle.",
+        }
+    ],
 }
 
 
@@ -82,13 +86,19 @@ def measure(llm: LLM, name: str, max_tokens: int, repeats: int, concurrency: int
     accepted = stats.num_accepted_tokens - stats_before.num_accepted_tokens
     off_ms, on_ms = (statistics.median(run[0] for run in runs) * 1e3 for runs in (off, on))
     off_cpu, on_cpu = (statistics.median(run[1] for run in runs) * 1e3 for runs in (off, on))
-    row = {"workload": name, "concurrency": concurrency, "tpot_off_ms": round(off_ms, 2),
-           "tpot_on_ms": round(on_ms, 2), "speedup": round(off_ms / on_ms, 2),
-           "cpu_ms_per_token_off": round(off_cpu, 2), "cpu_ms_per_token_on": round(on_cpu, 2),
-           "cpu_speedup": round(off_cpu / on_cpu, 2),
-           "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else None,
-           "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
-           "drafted_steps_per_request": round(drafts / (repeats * concurrency), 1)}
+    row = {
+        "workload": name,
+        "concurrency": concurrency,
+        "tpot_off_ms": round(off_ms, 2),
+        "tpot_on_ms": round(on_ms, 2),
+        "speedup": round(off_ms / on_ms, 2),
+        "cpu_ms_per_token_off": round(off_cpu, 2),
+        "cpu_ms_per_token_on": round(on_cpu, 2),
+        "cpu_speedup": round(off_cpu / on_cpu, 2),
+        "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else None,
+        "acceptance_rate": round(accepted / drafted, 2) if drafted else None,
+        "drafted_steps_per_request": round(drafts / (repeats * concurrency), 1),
+    }
     print(json.dumps(row), file=sys.stderr)  # progress: a row as soon as it is measured
     return row
 
@@ -102,23 +112,46 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1])
-    parser.add_argument("--disable-by-batch-size", type=int, default=None, help="the speculative config's pause: "
-                        "no drafts in a step with more decoding requests than this")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's); 1 keeps the "
-                        "figures steady on a machine shared with other work, where a thread of a team that waits "
-                        "for a descheduled one stalls every parallel region")
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the speculative config's pause: no drafts in a step with more decoding requests than this",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 keeps the "
+        "figures steady on a machine shared with other work, where a thread of a team that waits "
+        "for a descheduled one stalls every parallel region",
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
-              "disable_by_batch_size": args.disable_by_batch_size}
+    config = {
+        "method": args.method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "disable_by_batch_size": args.disable_by_batch_size,
+    }
     if args.method == "ngram":
         config.update(prompt_lookup_min=2, prompt_lookup_max=5)
     with LLM(args.model, dtype=args.dtype, speculative_config=config) as llm:
         run_once(llm, WORKLOADS["free"], SamplingParams(max_tokens=8, temperature=0), 1)  # warm-up
         rows = [measure(llm, name, args.max_tokens, args.repeats, c) for c in args.concurrency for name in WORKLOADS]
-        print(json.dumps({"machine": cpu_info(), "dtype": str(llm.engine.model_dtype), "threads": torch.get_num_threads(),
-                          "speculative_config": config, "max_tokens": args.max_tokens, "results": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "machine": cpu_info(),
+                    "dtype": str(llm.engine.model_dtype),
+                    "threads": torch.get_num_threads(),
+                    "speculative_config": config,
+                    "max_tokens": args.max_tokens,
+                    "results": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

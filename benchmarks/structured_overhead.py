@@ -34,15 +34,25 @@ SCHEMA = {  # an order: a list of line items, the kind of schema an extraction t
     "properties": {
         "customer": {"type": "string", "maxLength": 24},
         "priority": {"enum": ["low", "normal", "high"]},
-        "items": {"type": "array", "minItems": 6, "maxItems": 12, "items": {
-            "type": "object",
-            "properties": {"name": {"type": "string", "maxLength": 16},
-                           "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
-                           "unit_price": {"type": "number", "minimum": 0, "maximum": 1000},
-                           "tags": {"type": "array", "items": {"enum": ["new", "sale", "gift"]}, "maxItems": 2}},
-            "required": ["name", "quantity", "unit_price"], "additionalProperties": False}},
+        "items": {
+            "type": "array",
+            "minItems": 6,
+            "maxItems": 12,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "unit_price": {"type": "number", "minimum": 0, "maximum": 1000},
+                    "tags": {"type": "array", "items": {"enum": ["new", "sale", "gift"]}, "maxItems": 2},
+                },
+                "required": ["name", "quantity", "unit_price"],
+                "additionalProperties": False,
+            },
+        },
     },
-    "required": ["customer", "priority", "items"], "additionalProperties": False,
+    "required": ["customer", "priority", "items"],
+    "additionalProperties": False,
 }
 
 
@@ -54,8 +64,12 @@ class StepTimes:
 
     def summary(self) -> tuple[float, float, float, float]:
         """(cpu min, cpu median, wall min, wall median), milliseconds."""
-        return (min(self.cpu) * 1e3, statistics.median(self.cpu) * 1e3, min(self.wall) * 1e3,
-                statistics.median(self.wall) * 1e3)
+        return (
+            min(self.cpu) * 1e3,
+            statistics.median(self.cpu) * 1e3,
+            min(self.wall) * 1e3,
+            statistics.median(self.wall) * 1e3,
+        )
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -75,12 +89,17 @@ def compile_times(llm: LLM, repeats: int) -> dict[str, float]:
     constraint = StructuredOutputs.of_kind("json", SCHEMA, "schema")
     compiler.compile(constraint)
     cached = min(timed(lambda: compiler.compile(constraint))[1] for _ in range(100))
-    return {"token table (first use)": table, "cold compile (min)": min(cold),
-            "cold compile (median)": statistics.median(cold), "cached": cached}
+    return {
+        "token table (first use)": table,
+        "cold compile (min)": min(cold),
+        "cold compile (median)": statistics.median(cold),
+        "cached": cached,
+    }
 
 
-def decode_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int,
-                 times: StepTimes, tag: str) -> None:
+def decode_steps(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int, times: StepTimes, tag: str
+) -> None:
     """Queue one request per prompt, then time up to `num_steps` steps in which every request decodes."""
     engine = llm.engine
     runner = engine.runner
@@ -124,14 +143,18 @@ def mask_parts(llm: LLM, batch: int, repeats: int) -> dict[str, float]:
     constraint = StructuredOutputs.of_kind("json", SCHEMA, "schema")
     mask = grammar.fill_bitmask([(row, grammar.new_matcher(constraint, [])) for row in range(batch)], batch)
     logits = torch.randn(batch, llm.engine.vocab_size)  # [B, vocab] float32, as compute_logits returns
-    apply = min(timed(lambda: apply_token_bitmask(logits, TokenBitmask(mask.bitmask, mask.rows)))[1]
-                for _ in range(repeats))
+    apply = min(
+        timed(lambda: apply_token_bitmask(logits, TokenBitmask(mask.bitmask, mask.rows)))[1] for _ in range(repeats)
+    )
     copy = min(timed(lambda: logits.to(torch.float32, copy=True))[1] for _ in range(repeats))
     params = SamplingParams(max_tokens=200, temperature=0, structured_outputs={"json": SCHEMA})
     tokens = llm.generate(["Orders:"], params, use_tqdm=False)[0].outputs[0].token_ids
     per_token = min(timed(lambda: grammar.new_matcher(constraint, tokens))[1] for _ in range(5)) / len(tokens)
-    return {"bitmask apply (min)": apply, "logits float32 copy (min)": copy,
-            f"accept, {batch} matchers (min)": per_token * batch}
+    return {
+        "bitmask apply (min)": apply,
+        "logits float32 copy (min)": copy,
+        f"accept, {batch} matchers (min)": per_token * batch,
+    }
 
 
 def main(argv=None) -> None:
@@ -146,8 +169,10 @@ def main(argv=None) -> None:
     llm = LLM(None, device="cpu", max_model_len=1024, max_num_seqs=max(args.batch, 16), **kwargs)
     compile_ = compile_times(llm, repeats=5)
     prompts = make_prompts(llm, args.batch, args.prompt_len, seed=0)
-    modes = {"unconstrained": SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
-             "constrained": SamplingParams(max_tokens=400, temperature=0, structured_outputs={"json": SCHEMA})}
+    modes = {
+        "unconstrained": SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+        "constrained": SamplingParams(max_tokens=400, temperature=0, structured_outputs={"json": SCHEMA}),
+    }
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
     times = {mode: StepTimes() for mode in modes}
     fills: list[float] = []
@@ -157,14 +182,19 @@ def main(argv=None) -> None:
             grammar.on_fill = fills.append if mode == "constrained" else None
             decode_steps(llm, prompts, params, args.steps, times[mode], f"{mode}-{run}")
     grammar.on_fill = None
-    parts = {"bitmask fill (min)": min(fills), "bitmask fill (median)": statistics.median(fills),
-             **mask_parts(llm, args.batch, repeats=50)}
+    parts = {
+        "bitmask fill (min)": min(fills),
+        "bitmask fill (median)": statistics.median(fills),
+        **mask_parts(llm, args.batch, repeats=50),
+    }
     _report(args, llm, compile_, times, parts)
 
 
 def _report(args, llm: LLM, compile_: dict, times: dict[str, StepTimes], parts: dict) -> None:
-    print(f"embedded model, {llm.engine.runner.model.dtype}, {torch.get_num_threads()} torch threads, "
-          f"batch {args.batch}, prompt {args.prompt_len} tokens")
+    print(
+        f"embedded model, {llm.engine.runner.model.dtype}, {torch.get_num_threads()} torch threads, "
+        f"batch {args.batch}, prompt {args.prompt_len} tokens"
+    )
     print("\ngrammar compile (typical schema)        ms")
     for name, seconds in compile_.items():
         print(f"  {name:<36} {seconds * 1e3:9.3f}")
@@ -172,15 +202,19 @@ def _report(args, llm: LLM, compile_: dict, times: dict[str, StepTimes], parts: 
     for mode, t in times.items():
         print(f"  {mode:<24} {len(t.cpu):5d}  " + "  ".join(f"{v:7.1f}" for v in t.summary()))
     plain, constrained = times["unconstrained"].summary(), times["constrained"].summary()
-    print("  overhead                        " + "  ".join(f"{(c - p) / p * 100:+6.1f}%"
-                                                         for p, c in zip(plain, constrained)))
+    print(
+        "  overhead                        "
+        + "  ".join(f"{(c - p) / p * 100:+6.1f}%" for p, c in zip(plain, constrained))
+    )
     samples = {mode: (min(t.sample) * 1e3, statistics.median(t.sample) * 1e3) for mode, t in times.items()}
     print("\nsample phase (the only one that differs)   min     med   (ms)")
     for mode, (low, mid) in samples.items():
         print(f"  {mode:<36} {low:7.2f} {mid:7.2f}")
     extra = samples["constrained"][0] - samples["unconstrained"][0]
-    print(f"  constrained extra (min - min)        {extra:7.2f}   = {extra / plain[2] * 100:.1f}% of the "
-          f"unconstrained step (wall min), {extra / plain[0] * 100:.1f}% of its cpu min")
+    print(
+        f"  constrained extra (min - min)        {extra:7.2f}   = {extra / plain[2] * 100:.1f}% of the "
+        f"unconstrained step (wall min), {extra / plain[0] * 100:.1f}% of its cpu min"
+    )
     print("\nparts of a constrained step                ms   share of the unconstrained step (wall min)")
     for name, seconds in parts.items():
         print(f"  {name:<36} {seconds * 1e3:7.3f}   {seconds * 1e3 / plain[2] * 100:5.1f}%")

@@ -43,16 +43,30 @@ def workloads(quick: bool = False) -> list[Workload]:
             Workload("c1", "concurrency 1, 128 in / 16 out", 2, 128, 16, max_concurrency=1),
             Workload("c16", "concurrency 16, 128 in / 16 out", 16, 128, 16, max_concurrency=16),
             Workload("c64", "concurrency 64, 128 in / 8 out", 64, 128, 8, max_concurrency=64),
-            Workload("prefix", "prefix-shared 512 in (448 shared) / 8 out, concurrency 16", 16, 512, 8,
-                     max_concurrency=16, prefix_len=448),
+            Workload(
+                "prefix",
+                "prefix-shared 512 in (448 shared) / 8 out, concurrency 16",
+                16,
+                512,
+                8,
+                max_concurrency=16,
+                prefix_len=448,
+            ),
             Workload("poisson", "Poisson arrivals, 128 in / 16 out", 16, 128, 16, goodput=True),
         ]
     return [
         Workload("c1", "concurrency 1, 128 in / 128 out", 4, 128, 128, max_concurrency=1),
         Workload("c16", "concurrency 16, 128 in / 128 out", 32, 128, 128, max_concurrency=16),
         Workload("c64", "concurrency 64, 128 in / 128 out", 64, 128, 128, max_concurrency=64),
-        Workload("prefix", "prefix-shared 512 in (448 shared) / 64 out, concurrency 16", 32, 512, 64,
-                 max_concurrency=16, prefix_len=448),
+        Workload(
+            "prefix",
+            "prefix-shared 512 in (448 shared) / 64 out, concurrency 16",
+            32,
+            512,
+            64,
+            max_concurrency=16,
+            prefix_len=448,
+        ),
         Workload("poisson", "Poisson arrivals, 128 in / 128 out", 32, 128, 128, goodput=True),
     ]
 
@@ -66,14 +80,16 @@ def counting_tail(rng: random.Random) -> str:
     return f"\nNow count upward from {start}: " + ", ".join(str(start + i) for i in range(6)) + ","
 
 
-def _exact(tokenizer: Tokenizer, head: str, body_len: int, tail: str, length: int, pool: list[int],
-           rng: random.Random) -> tuple[str, int]:
+def _exact(
+    tokenizer: Tokenizer, head: str, body_len: int, tail: str, length: int, pool: list[int], rng: random.Random
+) -> tuple[str, int]:
     """head + random body + tail, the body's length adjusted until the whole encodes to `length` tokens
     (tokens can merge across the joins); the text and its length (the closest found if never exact)."""
     best = None
     for _ in range(12):
-        body, _ = text_of_length(tokenizer, [rng.choice(pool) for _ in range(max(1, body_len))], max(1, body_len),
-                                 pool, rng)
+        body, _ = text_of_length(
+            tokenizer, [rng.choice(pool) for _ in range(max(1, body_len))], max(1, body_len), pool, rng
+        )
         text = head + body + tail
         actual = len(tokenizer.encode(text, add_special_tokens=False))
         if actual == length:
@@ -90,8 +106,9 @@ def build_requests(tokenizer: Tokenizer, workload: Workload, seed: int = 0) -> l
     pool = _ordinary_ids(tokenizer)
     prefix = ""
     if workload.prefix_len:
-        prefix, _ = text_of_length(tokenizer, [rng.choice(pool) for _ in range(workload.prefix_len)],
-                                   workload.prefix_len, pool, rng)
+        prefix, _ = text_of_length(
+            tokenizer, [rng.choice(pool) for _ in range(workload.prefix_len)], workload.prefix_len, pool, rng
+        )
         prefix += "\n"
     prefix_tokens = len(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else 0
     requests = []

@@ -1,6 +1,6 @@
 """Tensors: model runner, models, attention backends, paged KV cache, sampler, loader, the step loop.
 
-    from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams
 """
 
 from engine.sampling.params import SamplingParams

@@ -225,8 +225,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    async def add_requests(self, inputs: Sequence[RequestInput], *, priority: int = 0,
-                           arrival_time: Optional[float] = None) -> list[RequestStream]:
+    async def add_requests(
+        self, inputs: Sequence[RequestInput], *, priority: int = 0, arrival_time: Optional[float] = None
+    ) -> list[RequestStream]:
         """Queue sequences together and return their output streams once the engine admitted all of them.
 
         Raises (queuing none of them) a RequestRejectedError for the first one that can never be
@@ -242,8 +243,9 @@ class AsyncEngine:
                 raise DuplicateRequestIdError(item.request_id)
             seen.add(item.request_id)
         await self._compile_grammars(inputs)
-        streams = [RequestStream(item.request_id, f"{item.request_id}#{next(self._serial)}", self._close)
-                   for item in inputs]
+        streams = [
+            RequestStream(item.request_id, f"{item.request_id}#{next(self._serial)}", self._close) for item in inputs
+        ]
         for stream in streams:
             self._streams[stream.engine_id] = stream
             self._live[stream.request_id] = stream.engine_id
@@ -270,8 +272,11 @@ class AsyncEngine:
         """Compile the inputs' output grammars on a worker thread before they are queued: a slow schema never
         stalls the engine's batch, where the request's validation then finds it in the compiler's cache.
         An uncompilable one is an InvalidParameterError (a RequestRejectedError) naming structured_outputs."""
-        constraints = {item.params.structured_outputs.key: item.params.structured_outputs for item in inputs
-                       if item.params.structured_outputs is not None}
+        constraints = {
+            item.params.structured_outputs.key: item.params.structured_outputs
+            for item in inputs
+            if item.params.structured_outputs is not None
+        }
         for constraint in constraints.values():
             await asyncio.to_thread(self.engine.grammar_compiler.compile, constraint)
 
@@ -286,8 +291,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (one `add_requests` stream). Closing the
         iterator (a client that went away) aborts the request in the engine at once."""
-        (stream,) = await self.add_requests([RequestInput(request_id, prompt_token_ids, params)],
-                                            priority=priority, arrival_time=arrival_time)
+        (stream,) = await self.add_requests(
+            [RequestInput(request_id, prompt_token_ids, params)], priority=priority, arrival_time=arrival_time
+        )
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
@@ -346,8 +352,13 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for engine_id, item in zip(command.engine_ids, command.inputs):
-                self.engine.add_request(engine_id, item.prompt_token_ids, item.params,
-                                        arrival_time=command.arrival_time, priority=command.priority)
+                self.engine.add_request(
+                    engine_id,
+                    item.prompt_token_ids,
+                    item.params,
+                    arrival_time=command.arrival_time,
+                    priority=command.priority,
+                )
                 added.append(engine_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop
             if not isinstance(exc, RequestRejectedError):

@@ -68,8 +68,11 @@ def bench_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> f
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=[], pad_token_id=pad_id)
     with torch.inference_mode():
-        model.generate(ids[:2, :8], attention_mask=mask[:2, :8], generation_config=config.__class__(
-            max_new_tokens=4, do_sample=False, eos_token_id=[], pad_token_id=pad_id))
+        model.generate(
+            ids[:2, :8],
+            attention_mask=mask[:2, :8],
+            generation_config=config.__class__(max_new_tokens=4, do_sample=False, eos_token_id=[], pad_token_id=pad_id),
+        )
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, generation_config=config)
         elapsed = time.perf_counter() - start
@@ -91,8 +94,9 @@ def single_stream_step_ms(llm: LLM, prompt: list[int], steps: int) -> float:
     return statistics.median(timings) * 1e3
 
 
-def weight_floor_ms(weights: Sequence[torch.Tensor], repeats: int, linear, dtype: torch.dtype,
-                    device: torch.device) -> float:
+def weight_floor_ms(
+    weights: Sequence[torch.Tensor], repeats: int, linear, dtype: torch.dtype, device: torch.device
+) -> float:
     """One matrix-vector product per weight matrix, batch 1 (the faster of `F.linear` on plain copies and the
     model's own product): a reference, not a floor (see memory_bandwidth.py). With quantized weights only the
     model's own product runs (float copies of every matrix would take 4-8x their memory and read more bytes)."""
@@ -132,9 +136,15 @@ def _plain(weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-              max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant,
-              quantization=args.quantization, profile=args.profile)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(args.num_prompts, 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        batch_invariant=args.batch_invariant,
+        quantization=args.quantization,
+        profile=args.profile,
+    )
     engine = llm.engine
     model = engine.runner.model
     assert model is not None  # a running engine's
@@ -149,18 +159,21 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     arch = model.arch
     weight_bytes = tensor_bytes(model.weight_tensors())
     step_bytes = weight_bytes + kv_read_bytes(
-        arch.num_layers, args.input_len + args.single_steps // 2, arch.num_kv_heads, arch.head_dim, dtype)
+        arch.num_layers, args.input_len + args.single_steps // 2, arch.num_kv_heads, arch.head_dim, dtype
+    )
     bandwidth = read_bandwidth(model.device)
     report["read_gb_s"] = bandwidth / 1e9
     report["step_mb"] = step_bytes / 1e6
     report["floor_ms"] = step_bytes / bandwidth * 1e3
-    report["matvec_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear, dtype,
-                                          model.device)
+    report["matvec_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear, dtype, model.device)
     report["matvec_gb_s"] = weight_bytes / report["matvec_ms"] / 1e6
-    print(f"single-stream decode step: {report['step_ms']:.2f} ms; floor {report['floor_ms']:.2f} ms "
-          f"({report['step_mb']:.0f} MB of {model.quantization} weights and K/V at {report['read_gb_s']:.1f} GB/s "
-          f"streaming read); ratio {report['step_ms'] / report['floor_ms']:.2f}x (batch-1 products alone: "
-          f"{report['matvec_ms']:.2f} ms = {report['matvec_gb_s']:.1f} GB/s)", flush=True)
+    print(
+        f"single-stream decode step: {report['step_ms']:.2f} ms; floor {report['floor_ms']:.2f} ms "
+        f"({report['step_mb']:.0f} MB of {model.quantization} weights and K/V at {report['read_gb_s']:.1f} GB/s "
+        f"streaming read); ratio {report['step_ms'] / report['floor_ms']:.2f}x (batch-1 products alone: "
+        f"{report['matvec_ms']:.2f} ms = {report['matvec_gb_s']:.1f} GB/s)",
+        flush=True,
+    )
     report["pagedserve_tok_s"] = bench_pagedserve(llm, prompts, args.output_len)
     print(f"pagedserve: {report['pagedserve_tok_s']:.1f} output tok/s", flush=True)
     if profile is not None:
@@ -194,36 +207,48 @@ def _pad_id(model) -> int:
 def _print_table(args, report: dict[str, float], dtype: torch.dtype) -> None:
     print()
     mode = ", batch-invariant" if args.batch_invariant else ""
-    print(f"| {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
-          f"{str(dtype).removeprefix('torch.')}{mode}, {torch.get_num_threads()} threads | output tok/s |")
+    print(
+        f"| {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+        f"{str(dtype).removeprefix('torch.')}{mode}, {torch.get_num_threads()} threads | output tok/s |"
+    )
     print("|---|---|")
     print(f"| pagedserve | {report['pagedserve_tok_s']:.1f} |")
     if "hf_tok_s" in report:
         print(f"| HF transformers generate | {report['hf_tok_s']:.1f} |")
         print(f"| ratio | {report['ratio']:.2f}x |")
-    print(f"| single-stream step / floor (bytes read / {report['read_gb_s']:.1f} GB/s) | {report['step_ms']:.2f} ms "
-          f"/ {report['floor_ms']:.2f} ms = {report['step_ms'] / report['floor_ms']:.2f}x |")
+    print(
+        f"| single-stream step / floor (bytes read / {report['read_gb_s']:.1f} GB/s) | {report['step_ms']:.2f} ms "
+        f"/ {report['floor_ms']:.2f} ms = {report['step_ms'] / report['floor_ms']:.2f}x |"
+    )
     print(f"| batch-1 products over the weights | {report['matvec_ms']:.2f} ms = {report['matvec_gb_s']:.1f} GB/s |")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve bench offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pagedserve bench offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="of the weights and activations, for both (auto: the engine's choice for the model and "
-                        "device)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="of the weights and activations, for both (auto: the engine's choice for the model and device)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts generated at once")
     parser.add_argument("--input-len", type=int, default=128, help="tokens of each (random) prompt")
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated for each prompt")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="pagedserve's token budget per step")
-    parser.add_argument("--single-steps", type=int, default=32,
-                        help="decode steps timed for the single-stream step time")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="pagedserve's token budget per step")
+    parser.add_argument(
+        "--single-steps", type=int, default=32, help="decode steps timed for the single-stream step time"
+    )
     parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
     parser.add_argument("--batch-invariant", action="store_true", help="run pagedserve in batch-invariant mode")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4", "awq"],
-                        help="weight storage (gguf: a .gguf file's quantized blocks; its floor counts their bytes)")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "gguf", "int8", "int4", "awq"],
+        help="weight storage (gguf: a .gguf file's quantized blocks; its floor counts their bytes)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--profile", action="store_true", help="print where the steps' time goes, by phase")
     return parser

@@ -51,44 +51,58 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     if model_config.max_model_len is None and config.scheduler.max_model_len is not None:
         model_config = model_config.model_copy(update={"max_model_len": config.scheduler.max_model_len})
     torch.manual_seed(model_config.seed)
-    checkpoint = prepare_checkpoint(model_config.model, revision=model_config.revision,
-                                    download_dir=model_config.download_dir)
+    checkpoint = prepare_checkpoint(
+        model_config.model, revision=model_config.revision, download_dir=model_config.download_dir
+    )
     hf_config = load_hf_config(checkpoint.path, trust_remote_code=model_config.trust_remote_code)
     tokenizer_path = checkpoint.path
     if model_config.tokenizer is not None:
         tokenizer_path = prepare_checkpoint(model_config.tokenizer, download_dir=model_config.download_dir).path
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=model_config.trust_remote_code,
-                               chat_template=model_config.chat_template)
+    tokenizer = load_tokenizer(
+        tokenizer_path, trust_remote_code=model_config.trust_remote_code, chat_template=model_config.chat_template
+    )
     device = model_config.resolve_device()
     dtype = model_config.resolve_dtype(device)
     max_model_len = model_config.resolve_max_model_len(hf_config)
 
     latent_rank = latent_rank_of(hf_config)  # multi-head latent attention: the cache holds the latent
-    backend, ops, linear = choose_numerics(config.attention_backend, device, dtype, block_size=config.cache.block_size,
-                                           shape=AttentionShape.from_hf_config(hf_config),
-                                           latent=latent_rank is not None,
-                                           batch_invariant=config.batch_invariant)
+    backend, ops, linear = choose_numerics(
+        config.attention_backend,
+        device,
+        dtype,
+        block_size=config.cache.block_size,
+        shape=AttentionShape.from_hf_config(hf_config),
+        latent=latent_rank is not None,
+        batch_invariant=config.batch_invariant,
+    )
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
-    quantizer = _quantizer(requested, model_config.quantization_group_size, hf_config, device, dtype,
-                           config.batch_invariant)
+    quantizer = _quantizer(
+        requested, model_config.quantization_group_size, hf_config, device, dtype, config.batch_invariant
+    )
     family = family_of(hf_config)
     if checkpoint.gguf is not None and "gguf" not in family.formats:
-        raise ValueError(f"{family.architecture} is served from HF checkpoints ({', '.join(family.formats)}), "
-                         "not from GGUF files; GGUF is supported for "
-                         f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}")
+        raise ValueError(
+            f"{family.architecture} is served from HF checkpoints ({', '.join(family.formats)}), "
+            "not from GGUF files; GGUF is supported for "
+            f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
+        )
     model = build_model(hf_config, dtype, device, ops, linear, quantizer)
     check_backend_serves(backend, model.attention_layers, family.architecture)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
         max_model_len = model.arch.sliding_window
-    storage = quantizer.method if quantizer is not None else resolve_gguf_storage(
-        model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
+    storage = (
+        quantizer.method
+        if quantizer is not None
+        else resolve_gguf_storage(model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
+    )
     model.quantization = storage
     weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]
     if quantizer is None:
-        weights = model_weights(storage, checkpoint.path, checkpoint.gguf, model.arch.num_heads,
-                                model.arch.num_kv_heads)
+        weights = model_weights(
+            storage, checkpoint.path, checkpoint.gguf, model.arch.num_heads, model.arch.num_kv_heads
+        )
     else:  # the quantizer takes the checkpoint's tensors as stored (an AWQ one's triples grouped first)
         tensors = iter_weights(checkpoint.path)
         if quantizer.method == "awq":
@@ -98,24 +112,42 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             weights = tensors
     model.load_weights(weights)
     _log_weights(model)
-    spec = KVCacheSpec(model.arch.num_layers, config.cache.block_size, model.arch.num_kv_heads,
-                       model.arch.head_dim, kv_dtype, latent_rank=latent_rank)  # MLA: the latent layout
+    spec = KVCacheSpec(
+        model.arch.num_layers,
+        config.cache.block_size,
+        model.arch.num_kv_heads,
+        model.arch.head_dim,
+        kv_dtype,
+        latent_rank=latent_rank,
+    )  # MLA: the latent layout
     speculative = config.speculative_config
-    limits = RunnerLimits(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len,
-                          0 if speculative is None else speculative.num_speculative_tokens)
+    limits = RunnerLimits(
+        config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens,
+        max_model_len,
+        0 if speculative is None else speculative.num_speculative_tokens,
+    )
     buckets = _graph_buckets(config, device, backend)
     num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
-    runner = ModelRunner(model, KVCache(spec, num_blocks, device), backend, device, limits,
-                         grammar=GrammarDecoder(grammar_compiler, limits.max_num_seqs, device),
-                         profile=_step_profile(device) if config.profile else None)
+    runner = ModelRunner(
+        model,
+        KVCache(spec, num_blocks, device),
+        backend,
+        device,
+        limits,
+        grammar=GrammarDecoder(grammar_compiler, limits.max_num_seqs, device),
+        profile=_step_profile(device) if config.profile else None,
+    )
     if buckets:
         _capture(runner, buckets)
     step_cost = None
     if speculative is not None and speculative.step_cost_model:
         step_cost = measure_step_cost(model, backend, spec, device, min(limits.max_query_rows, STEP_COST_MAX_ROWS))
-        logger.info("decode step by rows (ms), for weighing draft tokens: %s",
-                    ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)))
+        logger.info(
+            "decode step by rows (ms), for weighing draft tokens: %s",
+            ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)),
+        )
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
@@ -125,15 +157,27 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         step_cost=step_cost,
     )
     if speculative is not None:
-        logger.info("speculative decoding: %s, up to %d draft tokens per request and step", speculative.method,
-                    speculative.num_speculative_tokens)
+        logger.info(
+            "speculative decoding: %s, up to %d draft tokens per request and step",
+            speculative.method,
+            speculative.num_speculative_tokens,
+        )
     logger.info(
         "loaded %s (%s, %s on %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s), "
         "max_model_len %d, attention backend %s, CUDA graphs %s",
-        checkpoint.source, hf_config.model_type, str(dtype).removeprefix("torch."), device,
-        time.monotonic() - started, num_blocks, spec.block_size, num_blocks * spec.block_size,
-        num_blocks * spec.bytes_per_block / 2**20, str(kv_dtype).removeprefix("torch."), max_model_len,
-        backend.name, runner.cuda_graphs,
+        checkpoint.source,
+        hf_config.model_type,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.monotonic() - started,
+        num_blocks,
+        spec.block_size,
+        num_blocks * spec.block_size,
+        num_blocks * spec.bytes_per_block / 2**20,
+        str(kv_dtype).removeprefix("torch."),
+        max_model_len,
+        backend.name,
+        runner.cuda_graphs,
     )
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler)
 
@@ -143,8 +187,14 @@ def _step_profile(device: torch.device) -> StepProfile:
     return StepProfile((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
 
 
-def _quantizer(requested: Optional[str], group_size: Optional[int], hf_config, device: torch.device,
-               dtype: torch.dtype, batch_invariant: bool = False) -> Optional[WeightQuantizer]:
+def _quantizer(
+    requested: Optional[str],
+    group_size: Optional[int],
+    hf_config,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_invariant: bool = False,
+) -> Optional[WeightQuantizer]:
     """The load-time weight quantizer for --quantization (None: auto) and --quantization-group-size (None:
     unset) on the checkpoint (None: weights as stored); ValueError for a group size that would not apply."""
     method, awq_group_size = resolve_quantization(requested, hf_config)
@@ -152,19 +202,28 @@ def _quantizer(requested: Optional[str], group_size: Optional[int], hf_config, d
     if method is None:
         return None
     if batch_invariant:
-        raise SettingsConflictError(f"--quantization {method} cannot be combined with --batch-invariant (its products are "
-                         "float ones whose rows do not depend on the batch)")
+        raise SettingsConflictError(
+            f"--quantization {method} cannot be combined with --batch-invariant (its products are "
+            "float ones whose rows do not depend on the batch)"
+        )
     if method != "int8" and device.type == "cpu" and dtype == torch.float32:
-        logger.warning("int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
-                       "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16")
+        logger.warning(
+            "int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
+            "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16"
+        )
     return WeightQuantizer(method, group_size, device)
 
 
 def _log_weights(model: LlamaForCausalLM) -> None:
     matrices = model.weight_tensors()
     formats = sorted({w.format if isinstance(w, QuantizedWeight) else _dtype_name(w) for w in matrices})
-    logger.info("model weights: %.1f MB (quantization %s; %.1f MB of matrices read per decode step: %s)",
-                model.weight_bytes() / 1e6, model.quantization, tensor_bytes(matrices) / 1e6, ", ".join(formats))
+    logger.info(
+        "model weights: %.1f MB (quantization %s; %.1f MB of matrices read per decode step: %s)",
+        model.weight_bytes() / 1e6,
+        model.quantization,
+        tensor_bytes(matrices) / 1e6,
+        ", ".join(formats),
+    )
 
 
 def _dtype_name(weight) -> str:
@@ -173,8 +232,14 @@ def _dtype_name(weight) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _cuda_graph_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, limits: RunnerLimits,
-                      buckets: tuple[int, ...], device: torch.device) -> int:
+def _cuda_graph_bytes(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    spec: KVCacheSpec,
+    limits: RunnerLimits,
+    buckets: tuple[int, ...],
+    device: torch.device,
+) -> int:
     """Device memory the decode graphs take (their shared pool and the graphs themselves), measured by
     capturing them over a throwaway cache of one request's blocks and releasing them, before the KV cache
     is sized (the real graphs capture over the real cache afterwards)."""
@@ -199,8 +264,10 @@ def _capture(runner: ModelRunner, buckets: tuple[int, ...]) -> None:
     try:
         runner.capture_decode_graphs(buckets)
     except Exception as exc:
-        raise RuntimeError(f"capturing the decode CUDA graphs failed with attention backend {runner.backend.name} "
-                           f"({type(exc).__name__}: {exc}); start with --enforce-eager to run without them") from exc
+        raise RuntimeError(
+            f"capturing the decode CUDA graphs failed with attention backend {runner.backend.name} "
+            f"({type(exc).__name__}: {exc}); start with --enforce-eager to run without them"
+        ) from exc
 
 
 def _graph_buckets(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> tuple[int, ...]:
@@ -217,8 +284,15 @@ def _graph_buckets(config: EngineConfig, device: torch.device, backend: Attentio
     return decode_buckets(config.scheduler.max_num_seqs)
 
 
-def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, model: LlamaForCausalLM,
-                   backend: AttentionBackend, limits: RunnerLimits, buckets: tuple[int, ...]) -> int:
+def _num_kv_blocks(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    limits: RunnerLimits,
+    buckets: tuple[int, ...],
+) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -226,14 +300,23 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
         # Verification rows (a request and its drafts) sample like decodes: the decode step profiled is that wide.
-        step_tokens, max_rows, max_model_len = limits.max_num_batched_tokens, limits.max_query_rows, \
-            limits.max_model_len
+        step_tokens, max_rows, max_model_len = (
+            limits.max_num_batched_tokens,
+            limits.max_query_rows,
+            limits.max_model_len,
+        )
         peak = profile_peak_bytes(model, backend, spec, step_tokens, max_rows, max_model_len, device)
         graphs = _cuda_graph_bytes(model, backend, spec, limits, buckets, device) if buckets else 0
         budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device) - graphs
-        logger.info("profiled a %d-token prefill and a %d-request decode at %d tokens: %.0f MiB of activations "
-                    "at peak; CUDA graphs take %.0f MiB", step_tokens, max_rows, max_model_len, peak / 2**20,
-                    graphs / 2**20)
+        logger.info(
+            "profiled a %d-token prefill and a %d-request decode at %d tokens: %.0f MiB of activations "
+            "at peak; CUDA graphs take %.0f MiB",
+            step_tokens,
+            max_rows,
+            max_model_len,
+            peak / 2**20,
+            graphs / 2**20,
+        )
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
     num_blocks = spec.num_blocks_for(budget) - 1  # KVCache adds its padding block

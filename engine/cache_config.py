@@ -19,9 +19,20 @@ from scheduler import CacheConfig
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither num_blocks nor kv_cache_memory is set
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "t": 10**12,
+    "tb": 10**12,
 }
 
 
@@ -42,15 +53,15 @@ class EngineCacheConfig(CacheConfig):
     it from `kv_cache_memory` (CPU) or `gpu_memory_utilization` (CUDA).
     """
 
-    kv_cache_memory: Optional[Union[int, str]] = Field(
-        None, description='KV cache budget on CPU, e.g. "1GiB"'
-    )
+    kv_cache_memory: Optional[Union[int, str]] = Field(None, description='KV cache budget on CPU, e.g. "1GiB"')
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + activations + KV"
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
-        "auto", description="dtype the KV cache stores: auto = the model's; fp8 = float8 e4m3 with a per-layer "
-        "scale (CUDA, torch attention backend); engine/attention/kv_cache.py")
+        "auto",
+        description="dtype the KV cache stores: auto = the model's; fp8 = float8 e4m3 with a per-layer "
+        "scale (CUDA, torch attention backend); engine/attention/kv_cache.py",
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -64,5 +75,6 @@ class EngineCacheConfig(CacheConfig):
 
     def for_scheduler(self, num_blocks: int) -> CacheConfig:
         """The scheduler's section with the pool size the engine resolved."""
-        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+        return CacheConfig(
+            block_size=self.block_size, num_blocks=num_blocks, enable_prefix_caching=self.enable_prefix_caching
+        )

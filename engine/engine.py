@@ -1,12 +1,12 @@
 """EngineCore: the step loop that ties the scheduler, the model runner and the text together.
 
-    add_request / abort
-          |
-          v
-    1. scheduler.schedule()              -> SchedulerOutput
-    2. runner.execute(scheduler_output)  -> ModelRunnerOutput (one forward pass)
-    3. scheduler.update_from_output(...) -> token-level stops, frees finished requests
-    4. detokenize, stop strings          -> RequestOutput per request that progressed
+add_request / abort
+      |
+      v
+1. scheduler.schedule()              -> SchedulerOutput
+2. runner.execute(scheduler_output)  -> ModelRunnerOutput (one forward pass)
+3. scheduler.update_from_output(...) -> token-level stops, frees finished requests
+4. detokenize, stop strings          -> RequestOutput per request that progressed
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer, check_token_ids
-from scheduler import (MinTokensOutOfRangeError, Request, RequestStatus, RequestStepOutput, Scheduler,
-                       SchedulerStats)
+from scheduler import MinTokensOutOfRangeError, Request, RequestStatus, RequestStepOutput, Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,15 @@ class EngineCore:
     Build it with `engine.builder.build_engine(config)`.
     """
 
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner,
-                 tokenizer: Tokenizer, model_name: str, grammar_compiler: GrammarCompiler):
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        model_name: str,
+        grammar_compiler: GrammarCompiler,
+    ):
         self.config = config
         self.scheduler = scheduler
         self.runner = runner
@@ -113,8 +119,9 @@ class EngineCore:
         """
         self._check_running()
         if params.n != 1:
-            raise InvalidParameterError("n", "must be 1 for one engine request (fan n > 1 out with "
-                                             "engine.sampling.parallel.fan_out)")
+            raise InvalidParameterError(
+                "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
+            )
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer.hf,
@@ -130,8 +137,14 @@ class EngineCore:
         # learns of the request from the step message that first schedules it
         self._states[request_id] = state
 
-    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     arrival_time: Optional[float] = None, priority: int = 0) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> Request:
         """The scheduler request for these inputs, validated against the model (not queued)."""
         prompt = list(prompt_token_ids)
         check_token_ids(prompt, self.vocab_size, "prompt")
@@ -259,8 +272,9 @@ class EngineCore:
         state = self._states.pop(request_id)
         return self._output(state, [], "", "error", now, error=message)
 
-    def _process(self, step_output: RequestStepOutput, logprobs: Optional[list[TokenLogprobs]],
-                 now: float) -> RequestOutput:
+    def _process(
+        self, step_output: RequestStepOutput, logprobs: Optional[list[TokenLogprobs]], now: float
+    ) -> RequestOutput:
         """Text, stop strings and timestamps for one request's new tokens."""
         request_id = step_output.request_id
         state = self._states[request_id]
@@ -283,22 +297,41 @@ class EngineCore:
         if finish_reason is not None:
             del self._states[request_id]
         new_token_ids = step_output.new_token_ids
-        return self._output(state, new_token_ids, delta, finish_reason, now, stop_reason,
-                            None if logprobs is None else logprobs[: len(new_token_ids)])
+        return self._output(
+            state,
+            new_token_ids,
+            delta,
+            finish_reason,
+            now,
+            stop_reason,
+            None if logprobs is None else logprobs[: len(new_token_ids)],
+        )
 
     @staticmethod
     def _text_token_ids(state: RequestState, step_output: RequestStepOutput) -> Sequence[int]:
         """The tokens whose text the output shows: a stop token's (eos or stop_token_ids) is left
         out unless include_stop_str_in_output, as vLLM does."""
         token_ids = step_output.new_token_ids
-        if (step_output.status is RequestStatus.FINISHED_STOPPED and token_ids
-                and not state.params.include_stop_str_in_output):
+        if (
+            step_output.status is RequestStatus.FINISHED_STOPPED
+            and token_ids
+            and not state.params.include_stop_str_in_output
+        ):
             return token_ids[:-1]
         return token_ids
 
-    def _output(self, state: RequestState, new_token_ids: list[int], delta: str, finish_reason: Optional[str],
-                now: float, stop_reason=None, logprobs=None, error: Optional[str] = None,
-                abort_reason: Optional[str] = None) -> RequestOutput:
+    def _output(
+        self,
+        state: RequestState,
+        new_token_ids: list[int],
+        delta: str,
+        finish_reason: Optional[str],
+        now: float,
+        stop_reason=None,
+        logprobs=None,
+        error: Optional[str] = None,
+        abort_reason: Optional[str] = None,
+    ) -> RequestOutput:
         request = state.request
         prompt_logprobs = None
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:

@@ -25,8 +25,7 @@ class TokenIdOutOfVocabularyError(RequestRejectedError):
     """A token id (in the prompt, in logit_bias, ...) that the model does not have."""
 
     def __init__(self, field: str, token_id: int, vocab_size: int):
-        super().__init__(f"{field}: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
-                         field=field)
+        super().__init__(f"{field}: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})", field=field)
         self.token_id = token_id
         self.vocab_size = vocab_size
 

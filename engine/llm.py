@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 PromptType = Union[str, Sequence[int], dict]
 _SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelConfig, "cache": EngineCacheConfig, "scheduler": SchedulerConfig,
+    "model": ModelConfig,
+    "cache": EngineCacheConfig,
+    "scheduler": SchedulerConfig,
 }
 
 
@@ -117,8 +119,13 @@ class LLM:
             return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
         return None, list(prompt)
 
-    def _run(self, encoded: Sequence[tuple[Optional[str], list[int]]], params_list: list[SamplingParams],
-             use_tqdm: bool, priority: Optional[Sequence[int]] = None) -> list[GenerationResult]:
+    def _run(
+        self,
+        encoded: Sequence[tuple[Optional[str], list[int]]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[GenerationResult]:
         engine = self.engine
         parents: list[tuple[str, list[str]]] = []
         try:
@@ -127,8 +134,9 @@ class LLM:
                 children = fan_out(parent, params)
                 parents.append((parent, [child_id for child_id, _ in children]))
                 for child_id, child_params in children:
-                    engine.add_request(child_id, token_ids, child_params,
-                                       priority=0 if priority is None else priority[index])
+                    engine.add_request(
+                        child_id, token_ids, child_params, priority=0 if priority is None else priority[index]
+                    )
         except BaseException:
             engine.abort([c for _, children in parents for c in children])
             raise
@@ -145,16 +153,28 @@ class LLM:
         ]
 
 
-def _result(parent: str, prompt: Optional[str], token_ids: list[int],
-            children: list[OutputAccumulator]) -> GenerationResult:
+def _result(
+    parent: str, prompt: Optional[str], token_ids: list[int], children: list[OutputAccumulator]
+) -> GenerationResult:
     outputs = [
-        CompletionOutput(index=index, text=child.text, token_ids=child.token_ids, finish_reason=child.finish_reason,
-                         stop_reason=child.stop_reason, logprobs=child.logprobs)
+        CompletionOutput(
+            index=index,
+            text=child.text,
+            token_ids=child.token_ids,
+            finish_reason=child.finish_reason,
+            stop_reason=child.stop_reason,
+            logprobs=child.logprobs,
+        )
         for index, child in enumerate(children)
     ]
-    return GenerationResult(request_id=parent, prompt=prompt, prompt_token_ids=token_ids,
-                            prompt_logprobs=children[0].prompt_logprobs, outputs=outputs,
-                            num_cached_tokens=children[0].num_cached_tokens)
+    return GenerationResult(
+        request_id=parent,
+        prompt=prompt,
+        prompt_token_ids=token_ids,
+        prompt_logprobs=children[0].prompt_logprobs,
+        outputs=outputs,
+        num_cached_tokens=children[0].num_cached_tokens,
+    )
 
 
 def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:

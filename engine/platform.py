@@ -60,8 +60,16 @@ class Numerics(NamedTuple):
     linear: Optional[Linear]
 
 
-def choose_numerics(attention_backend: str, device: torch.device, dtype: torch.dtype, *, block_size: int,
-                    shape: AttentionShape, batch_invariant: bool = False, latent: bool = False) -> Numerics:
+def choose_numerics(
+    attention_backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    block_size: int,
+    shape: AttentionShape,
+    batch_invariant: bool = False,
+    latent: bool = False,
+) -> Numerics:
     """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
     the model's attention is multi-head latent attention over a latent cache (auto then means torch)."""
     if batch_invariant:
@@ -108,18 +116,26 @@ def batch_invariant_numerics(attention_backend: str, device: torch.device, dtype
     from engine.layers.invariant_linear import BatchInvariantLinear
 
     if device.type != "cpu":
-        raise SettingsConflictError(f"batch_invariant runs on CPU only for now (its kernels are native CPU ones), "
-                         f"not on {device.type}")
+        raise SettingsConflictError(
+            f"batch_invariant runs on CPU only for now (its kernels are native CPU ones), not on {device.type}"
+        )
     if dtype not in KERNEL_DTYPES:
-        raise SettingsConflictError(f"batch_invariant runs float32 or bfloat16, not {str(dtype).removeprefix('torch.')}")
+        raise SettingsConflictError(
+            f"batch_invariant runs float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+        )
     if attention_backend not in INVARIANT_ATTENTION_BACKENDS:
-        raise SettingsConflictError(f"batch_invariant brings its own attention (the cpu backend's paged kernel for every "
-                         f"query); attention_backend must be auto or cpu, not {attention_backend!r}")
+        raise SettingsConflictError(
+            f"batch_invariant brings its own attention (the cpu backend's paged kernel for every "
+            f"query); attention_backend must be auto or cpu, not {attention_backend!r}"
+        )
     kernels = load_cpu_kernels()
     if kernels is None:
-        raise SettingsConflictError("batch_invariant needs the native CPU kernels, which did not build here "
-                         "(see the warning above)")
+        raise SettingsConflictError(
+            "batch_invariant needs the native CPU kernels, which did not build here (see the warning above)"
+        )
     if not kernels.invariant_product_ok:
-        raise SettingsConflictError("batch_invariant needs the native batch-invariant product, which failed its "
-                         "self-check here (see the warning above)")
+        raise SettingsConflictError(
+            "batch_invariant needs the native batch-invariant product, which failed its "
+            "self-check here (see the warning above)"
+        )
     return Numerics(BatchInvariantCpuBackend(kernels), NativeLayerOps(kernels), BatchInvariantLinear(kernels))

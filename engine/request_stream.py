@@ -16,8 +16,7 @@ class RequestStream:
     aborts the request in the engine; after the end it only lets go.
     """
 
-    def __init__(self, request_id: str, engine_id: str,
-                 on_close: Callable[["RequestStream", Optional[str]], None]):
+    def __init__(self, request_id: str, engine_id: str, on_close: Callable[["RequestStream", Optional[str]], None]):
         self.request_id = request_id  # the caller's id
         self.engine_id = engine_id  # unique per admission: a reused id never sees its predecessor's outputs
         self._on_close = on_close  # (stream, abort reason or None: nothing to abort) -> None, from the AsyncEngine

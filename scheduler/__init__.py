@@ -4,9 +4,15 @@ from scheduler.block_hash import BlockHash, hash_block
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
-from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
-                              InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
-                              RequestRejectedError)
+from scheduler.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestIdError,
+    EmptyPromptError,
+    InvalidMaxTokensError,
+    KVCacheTooSmallError,
+    MinTokensOutOfRangeError,
+    RequestRejectedError,
+)
 from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus

@@ -84,12 +84,17 @@ def run(args: argparse.Namespace) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve bench scheduler", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pagedserve bench scheduler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-running", type=int, default=256, help="requests kept decoding")
     parser.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt (half of them shared)")
-    parser.add_argument("--output-len", type=int, default=256,
-                        help="most tokens a request generates (each draws from half of it up to it)")
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=256,
+        help="most tokens a request generates (each draws from half of it up to it)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--steps", type=int, default=2000, help="steps timed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the made-up tokens and lengths")

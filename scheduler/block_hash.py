@@ -23,9 +23,7 @@ def hash_block(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHa
     return BlockHash(digest.digest(), tokens)
 
 
-def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
-) -> None:
+def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> None:
     """Append the hashes of the full blocks of `token_ids` not yet in `block_hashes`.
 
     block i covers token_ids[i * block_size : (i + 1) * block_size]

@@ -48,8 +48,9 @@ class SpecDecodeStats:
             per_pos[position] += 1
 
     def snapshot(self) -> "SpecDecodeStats":
-        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.num_accepted_tokens_per_pos))
+        return SpecDecodeStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos)
+        )
 
     @property
     def mean_acceptance_length(self) -> float:

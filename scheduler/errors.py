@@ -74,7 +74,7 @@ class ContextLengthExceededError(RequestRejectedError):
 
     @property
     def field(self) -> str:  # type: ignore[override]
-        """"prompt" when the prompt alone fills the context, else "max_tokens"."""
+        """ "prompt" when the prompt alone fills the context, else "max_tokens"."""
         return "prompt" if self.num_prompt_tokens >= self.max_model_len else "max_tokens"
 
 
@@ -83,8 +83,9 @@ class KVCacheTooSmallError(RequestRejectedError):
 
     field = "max_tokens"
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int, num_blocks_needed: int, num_blocks: int,
-                 block_size: int):
+    def __init__(
+        self, num_prompt_tokens: int, max_tokens: int, num_blocks_needed: int, num_blocks: int, block_size: int
+    ):
         super().__init__(
             f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens need {num_blocks_needed} KV blocks "
             f"of {block_size} tokens; the pool holds {num_blocks}"

@@ -128,8 +128,7 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self._req_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = 0
-        num_needed = (self.num_blocks_for(num_total + num_lookahead_tokens)
-                      - len(req_blocks) - len(new_computed_blocks))
+        num_needed = self.num_blocks_for(num_total + num_lookahead_tokens) - len(req_blocks) - len(new_computed_blocks)
         num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.block_pool.num_free_blocks - num_reclaimed:
             if not req_blocks:

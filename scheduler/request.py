@@ -80,8 +80,10 @@ class Request:
         # Validated where the request was made (SamplingParams, the engine's resolution of max_tokens): here an
         # invariant, whose breach is a bug rather than a bad request.
         if self.max_tokens < 1 or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"a request needs 0 <= min_tokens ({self.min_tokens}) <= max_tokens ({self.max_tokens}) "
-                             f"and max_tokens >= 1")
+            raise ValueError(
+                f"a request needs 0 <= min_tokens ({self.min_tokens}) <= max_tokens ({self.max_tokens}) "
+                f"and max_tokens >= 1"
+            )
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
 

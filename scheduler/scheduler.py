@@ -7,8 +7,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
-from scheduler.errors import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
-                              KVCacheTooSmallError)
+from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
@@ -73,9 +72,16 @@ class Scheduler:
     rejected ones.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 proposer: Optional[DraftProposer] = None, *, adaptive_drafts: bool = False,
-                 max_drafting_batch: Optional[int] = None, step_cost: Optional[StepCost] = None):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        proposer: Optional[DraftProposer] = None,
+        *,
+        adaptive_drafts: bool = False,
+        max_drafting_batch: Optional[int] = None,
+        step_cost: Optional[StepCost] = None,
+    ):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
         the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
         `step_cost`: a step's measured time by its rows, against which each request's drafts must pay
@@ -179,9 +185,7 @@ class Scheduler:
             self._schedule_decodes_with_drafts(plan, self.proposer)
         # Decodes take one token each (and their drafts) and max_num_batched_tokens >= max_num_seqs.
         plan.budget = max_num_batched_tokens - sum(plan.num_scheduled.values())
-        prefilling = [
-            r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1
-        ]
+        prefilling = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
         for request in prefilling:  # then chunks of running prompts
             if plan.budget <= 0:
                 break
@@ -216,8 +220,9 @@ class Scheduler:
         """
         if scheduler_output.step_id != self.num_steps:
             # The pending blocks belong to the latest step; one step is in flight at a time.
-            raise ValueError(f"update for step {scheduler_output.step_id}, but step {self.num_steps} "
-                             "was scheduled since")
+            raise ValueError(
+                f"update for step {scheduler_output.step_id}, but step {self.num_steps} was scheduled since"
+            )
         self.kv_cache_manager.commit_step()
         outputs: list[RequestStepOutput] = []
         append_output = outputs.append
@@ -332,17 +337,19 @@ class Scheduler:
             self._schedule_running(plan, request, 1)
 
     @staticmethod
-    def _drafts_that_pay(proposals: list[tuple[Request, tuple[int, ...]]],
-                         step_cost: StepCost) -> list[tuple[Request, tuple[int, ...]]]:
+    def _drafts_that_pay(
+        proposals: list[tuple[Request, tuple[int, ...]]], step_cost: StepCost
+    ) -> list[tuple[Request, tuple[int, ...]]]:
         """The proposals whose drafts raise the step's expected tokens per second, the others without drafts.
 
         A request's drafts are expected to add sum(a^j, j = 1..n) tokens, a its recent acceptance. Requests
         are taken best first (expected tokens per draft row), each kept while tokens / step_cost(rows) grows:
         in a small batch the rows are almost free (the step reads the weights once whatever its rows), in a
         large one each row costs what it computes and only drafts that are likely right pay for theirs."""
+
         def expected(request: Request, num_drafts: int) -> float:
             a = request.draft_acceptance
-            return sum(a ** j for j in range(1, num_drafts + 1))
+            return sum(a**j for j in range(1, num_drafts + 1))
 
         rows, tokens = len(proposals), float(len(proposals))
         kept: set[int] = set()

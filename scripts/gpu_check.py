@@ -53,8 +53,13 @@ logger = logging.getLogger("gpu_check")
 GRACE_S = 15  # a part past its deadline by this much is killed
 STOP_WAIT_S = 5  # after SIGTERM, how long a part may take to save and exit before SIGKILL
 RESULTS = "results.json"
-CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONUNBUFFERED": "1"}
+CHILD_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 @dataclass(frozen=True)
@@ -85,14 +90,22 @@ PLAN = (
     Part("greedy", "greedy", cap=60, least=20),
     Part("single_stream", "single_stream", cap=40, least=25, options={"models": ["qwen3-0.6b"]}),
     Part("throughput", "throughput", cap=90, least=45),
-    Part("single_stream_8b", "single_stream", cap=90, least=60, optional=True, merge_key="llama-3.1-8b",
-         options={"models": ["llama-3.1-8b"], "merge": True}),
+    Part(
+        "single_stream_8b",
+        "single_stream",
+        cap=90,
+        least=60,
+        optional=True,
+        merge_key="llama-3.1-8b",
+        options={"models": ["llama-3.1-8b"], "merge": True},
+    ),
 )
 PART_FILES = tuple(dict.fromkeys(p.file for p in PLAN))
 FAILED = ("error", "failed", "crashed", "timeout", "interrupted")
 
 
 # ---------------------------------------------------------------------- the parent: runs the parts
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
@@ -107,8 +120,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_logging(out / "gpu_check.log")
     budget = args.budget_s or (400.0 if args.device == "cuda" else 150.0)
     check = Check(args, out, budget)
-    logger.info("GPU check (pid %d): device %s%s, budget %.0f s, results in %s", os.getpid(), args.device,
-                " (quick)" if args.quick else "", budget, out / RESULTS)
+    logger.info(
+        "GPU check (pid %d): device %s%s, budget %.0f s, results in %s",
+        os.getpid(),
+        args.device,
+        " (quick)" if args.quick else "",
+        budget,
+        out / RESULTS,
+    )
     with check.stopping_children():
         check.run()
     failed = [name for name, s in check.statuses.items() if s["status"] in FAILED]
@@ -138,7 +157,7 @@ class Check:
                 if self.interrupted:
                     self.statuses[part.name] = record_skip(self.parts_dir, part, f"not run: {self.interrupted}")
                     continue
-                reserve = sum(p.least for p in self.plan[index + 1:] if not p.optional)
+                reserve = sum(p.least for p in self.plan[index + 1 :] if not p.optional)
                 soft = min(time.time() + part.cap, self.deadline - reserve)
                 blocked = blocker(self.parts_dir, self.args) if index else None
                 if blocked or soft - time.time() < part.least:
@@ -157,13 +176,23 @@ class Check:
         """RESULTS: the check's settings, the summary, the environment and every part's results so far."""
         results = collect_results(self.parts_dir)
         summary = summarize(results, self.statuses, time.time() - self.started, self.args)
-        write_json(self.out / RESULTS, {
-            "check": {"device": self.args.device, "quick": self.args.quick, "budget_s": self.budget,
-                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
-                      "elapsed_s": round(time.time() - self.started, 1), "finished": final and not self.interrupted,
-                      "interrupted": self.interrupted},
-            "summary": summary, "environment": results.get("environment", {}),
-            "parts": {name: data for name, data in results.items() if name != "environment"}})
+        write_json(
+            self.out / RESULTS,
+            {
+                "check": {
+                    "device": self.args.device,
+                    "quick": self.args.quick,
+                    "budget_s": self.budget,
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+                    "elapsed_s": round(time.time() - self.started, 1),
+                    "finished": final and not self.interrupted,
+                    "interrupted": self.interrupted,
+                },
+                "summary": summary,
+                "environment": results.get("environment", {}),
+                "parts": {name: data for name, data in results.items() if name != "environment"},
+            },
+        )
         if final:
             logger.info("summary: %s", json.dumps(summary["headline"], default=str))
 
@@ -193,13 +222,19 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("out_dir", help="folder for the JSON results and the log (created)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and workloads (CPU testing)")
-    parser.add_argument("--budget-s", type=float, default=None, help="the whole check's time (default 400 on CUDA, "
-                        "150 on CPU)")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="the whole check's time (default 400 on CUDA, 150 on CPU)"
+    )
     parser.add_argument("--keep-parts", action="store_true", help="keep each part's own JSON in OUT_DIR/parts")
     parser.add_argument("--parts", default=None, help="comma-separated subset of: " + ", ".join(p.name for p in PLAN))
-    parser.add_argument("--backends", default=None, help="attention backends to compare (default: triton,flash; "
-                        "greedy adds torch; on CPU cpu too)")
-    parser.add_argument("--throughput-backend", default=None, help="attention backend of the speed parts (default auto)")
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="attention backends to compare (default: triton,flash; greedy adds torch; on CPU cpu too)",
+    )
+    parser.add_argument(
+        "--throughput-backend", default=None, help="attention backend of the speed parts (default auto)"
+    )
     parser.add_argument("--append-log", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child: run this part only
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
@@ -220,8 +255,13 @@ def setup_logging(log_path: Optional[Path], timestamps: bool = True) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
     if log_path is not None:
         handlers.append(logging.FileHandler(log_path, mode="a"))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s" if timestamps else "%(message)s",
-                        datefmt="%H:%M:%S", handlers=handlers, force=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(message)s" if timestamps else "%(message)s",
+        datefmt="%H:%M:%S",
+        handlers=handlers,
+        force=True,
+    )
 
 
 def run_part(check: Check, part: Part, soft: float, hard: float) -> dict:
@@ -233,9 +273,22 @@ def run_part(check: Check, part: Part, soft: float, hard: float) -> dict:
         options["backends"] = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.throughput_backend:
         options["throughput_backend"] = args.throughput_backend
-    command = [sys.executable, "-u", str(Path(__file__).resolve()), str(check.parts_dir), "--part", part.part,
-               "--device", args.device, "--deadline", repr(soft), "--work-dir", str(check.work_dir),
-               "--options", json.dumps(options)]
+    command = [
+        sys.executable,
+        "-u",
+        str(Path(__file__).resolve()),
+        str(check.parts_dir),
+        "--part",
+        part.part,
+        "--device",
+        args.device,
+        "--deadline",
+        repr(soft),
+        "--work-dir",
+        str(check.work_dir),
+        "--options",
+        json.dumps(options),
+    ]
     if args.quick:
         command.append("--quick")
     env = {**os.environ, **CHILD_ENV}
@@ -244,8 +297,16 @@ def run_part(check: Check, part: Part, soft: float, hard: float) -> dict:
     started = time.time()
     # Its own process group, so that it and anything it starts are killed together; the same session,
     # so that whatever ends this check's session ends it too.
-    child = check.child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, text=True, errors="replace", **own_group())
+    child = check.child = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        **own_group(),
+    )
     note_child(child.pid)
     logger.info("=== %s (deadline in %.0f s, process group %d)", part.name, soft - time.time(), child.pid)
     tail: list[str] = []
@@ -347,7 +408,8 @@ def blocker(out: Path, args) -> Optional[str]:
     tail = environment.get("output_tail", "")
     if environment.get("status") == "crashed" and "ModuleNotFoundError" in tail:
         return "the check's Python lacks a module: " + next(
-            line for line in tail.splitlines()[::-1] if "ModuleNotFoundError" in line)
+            line for line in tail.splitlines()[::-1] if "ModuleNotFoundError" in line
+        )
     return None
 
 
@@ -363,22 +425,31 @@ def record_skip(out: Path, part: Part, reason: str) -> dict:
 
 # ---------------------------------------------------------------------- the results
 
+
 def collect_results(parts_dir: Path) -> dict[str, dict]:
     """Each part's results by name (single_stream holds the 8B run's too)."""
-    return {file.removesuffix(".json"): read_json(parts_dir / file) or {} for file in PART_FILES
-            if (parts_dir / file).exists()}
+    return {
+        file.removesuffix(".json"): read_json(parts_dir / file) or {}
+        for file in PART_FILES
+        if (parts_dir / file).exists()
+    }
 
 
 def summarize(results: dict[str, dict], statuses: dict, total_s: float, args) -> dict:
     from gpucheck.summary import headline
 
-    parts = {name: results.get(name, {}) for name in ("tests_gpu", "numerics", "greedy", "throughput",
-                                                      "single_stream")}
-    return {"device": args.device, "quick": args.quick, "total_s": round(total_s, 1), "parts": statuses,
-            "headline": headline(parts, on_gpu=args.device == "cuda" and not args.quick)}
+    parts = {name: results.get(name, {}) for name in ("tests_gpu", "numerics", "greedy", "throughput", "single_stream")}
+    return {
+        "device": args.device,
+        "quick": args.quick,
+        "total_s": round(total_s, 1),
+        "parts": statuses,
+        "headline": headline(parts, on_gpu=args.device == "cuda" and not args.quick),
+    }
 
 
 # ---------------------------------------------------------------------- a child: one part
+
 
 def run_child(args: argparse.Namespace, out: Path) -> int:
     for key, value in CHILD_ENV.items():
@@ -393,9 +464,15 @@ def run_child(args: argparse.Namespace, out: Path) -> int:
 
     from gpucheck.common import PartContext, error_record
 
-    ctx = PartContext(name=args.part, out_dir=out, work_dir=Path(args.work_dir or tempfile.mkdtemp()),
-                      device=torch.device(args.device), quick=args.quick,
-                      deadline=args.deadline or time.time() + 600, options=json.loads(args.options))
+    ctx = PartContext(
+        name=args.part,
+        out_dir=out,
+        work_dir=Path(args.work_dir or tempfile.mkdtemp()),
+        device=torch.device(args.device),
+        quick=args.quick,
+        deadline=args.deadline or time.time() + 600,
+        options=json.loads(args.options),
+    )
     started = time.perf_counter()
     try:
         module = __import__(f"gpucheck.{args.part}", fromlist=["run"])

@@ -29,8 +29,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_SERVE_ARGS = ("--config configs/default.yaml --kv-cache-memory 256MiB --max-num-seqs 8 "
-                      "--max-queued-requests 16")
+DEFAULT_SERVE_ARGS = "--config configs/default.yaml --kv-cache-memory 256MiB --max-num-seqs 8 --max-queued-requests 16"
 WORDS = "the of and to in is was it for on with as his that by at from this be not are or which an".split()
 
 
@@ -72,15 +71,20 @@ class Tally:
 
 def random_body(rng: random.Random, model: str, stream: bool) -> tuple[str, dict]:
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 200)))
-    common = {"model": model, "max_tokens": rng.randint(1, 48), "stream": stream,
-              "temperature": rng.choice([0, 0.7, 1.0])}
+    common = {
+        "model": model,
+        "max_tokens": rng.randint(1, 48),
+        "stream": stream,
+        "temperature": rng.choice([0, 0.7, 1.0]),
+    }
     if rng.random() < 0.5:
         return "/v1/completions", {**common, "prompt": words}
     return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": words}]}
 
 
-async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str, tally: Tally,
-                      disconnect: bool) -> None:
+async def one_request(
+    client: httpx.AsyncClient, rng: random.Random, model: str, tally: Tally, disconnect: bool
+) -> None:
     route, body = random_body(rng, model, stream=rng.random() < 0.5)
     started = time.monotonic()
 
@@ -110,12 +114,14 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
         tally.add(f"transport error ({type(exc).__name__})")
 
 
-async def traffic(url: str, model: str, minutes: float, workers: int, burst: int, tally: Tally,
-                  on_warm, on_sample) -> None:
+async def traffic(
+    url: str, model: str, minutes: float, workers: int, burst: int, tally: Tally, on_warm, on_sample
+) -> None:
     end = time.monotonic() + minutes * 60
     warm_at = time.monotonic() + min(60.0, minutes * 6)  # RSS "at start": after a minute of traffic
     limits = httpx.Limits(max_connections=workers + burst + 4)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+
         async def worker(seed: int) -> None:
             rng = random.Random(seed)
             while time.monotonic() < end:
@@ -156,8 +162,13 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=12, help="clients sending back to back")
     parser.add_argument("--burst", type=int, default=48, help="requests in each burst (past the queue bound)")
     parser.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS)
-    parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="an environment variable for the server (repeatable), e.g. MALLOC_ARENA_MAX=2")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the server (repeatable), e.g. MALLOC_ARENA_MAX=2",
+    )
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="pagedserve-soak-"))
     process, url = start_server(args.serve_args, logs, dict(item.split("=", 1) for item in args.server_env))
@@ -167,14 +178,27 @@ def main(argv=None) -> int:
     tally = Tally()
     started = time.monotonic()
     try:
-        asyncio.run(traffic(url, model, args.minutes, args.workers, args.burst, tally,
-                            lambda: rss.__setitem__("warm", rss_bytes(process.pid)),
-                            lambda: timeline.append((time.monotonic() - started, rss_bytes(process.pid)))))
+        asyncio.run(
+            traffic(
+                url,
+                model,
+                args.minutes,
+                args.workers,
+                args.burst,
+                tally,
+                lambda: rss.__setitem__("warm", rss_bytes(process.pid)),
+                lambda: timeline.append((time.monotonic() - started, rss_bytes(process.pid))),
+            )
+        )
         elapsed = time.monotonic() - started
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             metrics = scrape(url)
-            if metrics.get("pagedserve_num_requests_running", 1) == metrics.get("pagedserve_num_requests_waiting", 1) == 0:
+            if (
+                metrics.get("pagedserve_num_requests_running", 1)
+                == metrics.get("pagedserve_num_requests_waiting", 1)
+                == 0
+            ):
                 break
             time.sleep(0.5)
         rss["end"] = rss_bytes(process.pid)
@@ -194,13 +218,17 @@ def main(argv=None) -> int:
     if latencies:
         p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
         print(f"latency of served requests: p50 {statistics.median(latencies):.2f} s, p99 {p99:.2f} s")
-    print(f"server RSS: {rss['ready'] / 2**20:.0f} MiB when ready, {warm / 2**20:.0f} MiB after warm-up, "
-          f"{rss['end'] / 2**20:.0f} MiB at the end ({(rss['end'] - warm) / warm * 100:+.1f}% since warm-up)")
+    print(
+        f"server RSS: {rss['ready'] / 2**20:.0f} MiB when ready, {warm / 2**20:.0f} MiB after warm-up, "
+        f"{rss['end'] / 2**20:.0f} MiB at the end ({(rss['end'] - warm) / warm * 100:+.1f}% since warm-up)"
+    )
     print("server RSS over time: " + ", ".join(f"{t / 60:.1f} min {b / 2**20:.0f} MiB" for t, b in timeline))
-    print(f"at the end: KV usage {metrics.get('pagedserve_kv_cache_usage_ratio')}, running "
-          f"{metrics.get('pagedserve_num_requests_running')}, waiting {metrics.get('pagedserve_num_requests_waiting')}, "
-          f"preemptions {metrics.get('pagedserve_num_preemptions_total')}, "
-          f"rejected (queue_full) {metrics.get('pagedserve_request_rejected_total,reason=queue_full', 0)}")
+    print(
+        f"at the end: KV usage {metrics.get('pagedserve_kv_cache_usage_ratio')}, running "
+        f"{metrics.get('pagedserve_num_requests_running')}, waiting {metrics.get('pagedserve_num_requests_waiting')}, "
+        f"preemptions {metrics.get('pagedserve_num_preemptions_total')}, "
+        f"rejected (queue_full) {metrics.get('pagedserve_request_rejected_total,reason=queue_full', 0)}"
+    )
     print(f"5xx: {five_xx}; exit status after SIGTERM: {status}; server logs in {logs}")
     return 0 if five_xx == 0 and metrics.get("pagedserve_kv_cache_usage_ratio") == 0 and status == 0 else 1
 

@@ -35,9 +35,13 @@ _AUTH_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _WATCH_INTERVAL_S = 0.1
 
 
-def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
-               on_ready: Optional[Callable[[], None]] = None,
-               on_engine_death: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+def create_app(
+    engine: AsyncEngine,
+    server_config: ServerConfig,
+    *,
+    on_ready: Optional[Callable[[], None]] = None,
+    on_engine_death: Optional[Callable[[BaseException], None]] = None,
+) -> FastAPI:
     """The app serving `engine`. Its lifespan starts the engine thread, warms the model up
     (one short generation) before /health reports ready, starts the GPU monitor where the
     engine runs on CUDA, watches the engine loop (`on_engine_death` is called on the event loop
@@ -67,8 +71,12 @@ def create_app(engine: AsyncEngine, server_config: ServerConfig, *,
     for module in (completions, chat, responses, models, tokenize, ops):
         app.include_router(module.router)
     _install_error_handlers(app, state)
-    json_paths = [route.path for module in (completions, chat, responses, models, tokenize, ops)
-                  for route in module.router.routes if getattr(route, "body_field", None) is not None]
+    json_paths = [
+        route.path
+        for module in (completions, chat, responses, models, tokenize, ops)
+        for route in module.router.routes
+        if getattr(route, "body_field", None) is not None
+    ]
     app.add_middleware(BodyGuard, max_bytes=server_config.max_request_body, json_paths=json_paths)  # after auth
     _install_middleware(app, state)
     _drop_default_422(app)
@@ -97,15 +105,30 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     name = config.served_model_name or engine.model_name
     cache = engine.kv_cache_config
     assert cache.num_blocks is not None  # sized when the engine was built
-    metrics = ServerMetrics(name, engine.stats, cache_info(
-        num_blocks=cache.num_blocks, block_size=cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
-        dtype=engine.kv_cache_dtype, attention_backend=engine.attention_backend, max_model_len=engine.max_model_len,
-        cuda_graphs=engine.cuda_graphs))
+    metrics = ServerMetrics(
+        name,
+        engine.stats,
+        cache_info(
+            num_blocks=cache.num_blocks,
+            block_size=cache.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            dtype=engine.kv_cache_dtype,
+            attention_backend=engine.attention_backend,
+            max_model_len=engine.max_model_len,
+            cuda_graphs=engine.cuda_graphs,
+        ),
+    )
     metrics.model_weight_bytes.labels(name, engine.quantization).set(engine.weight_bytes)
     engine.observe(metrics)
     admission = Admission(*queue_limits(config, engine), on_reject=metrics.observe_rejected)
-    return ServerState(engine=engine, config=config, served_model_names=[name], metrics=metrics,
-                       formatter=LogprobFormatter(engine.tokenizer), admission=admission)
+    return ServerState(
+        engine=engine,
+        config=config,
+        served_model_names=[name],
+        metrics=metrics,
+        formatter=LogprobFormatter(engine.tokenizer),
+        admission=admission,
+    )
 
 
 def queue_limits(config: ServerConfig, engine: AsyncEngine) -> tuple[int, int]:
@@ -150,8 +173,9 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         state.metrics.observe_failure("rejected")
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(400, f"the request body is not valid JSON: {first.get('msg')}"),
-                                status_code=400)
+            return JSONResponse(
+                error_body(400, f"the request body is not valid JSON: {first.get('msg')}"), status_code=400
+            )
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None  # the request field, as OpenAI names it
         message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
@@ -159,14 +183,21 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
 
 def _install_middleware(app: FastAPI, state: ServerState) -> None:
     keys = [key.encode() for key in state.config.api_keys]
     prefixes = _AUTH_PREFIXES + (("/metrics",) if state.config.metrics_require_auth else ())
     app.add_middleware(AuthAndMetrics, keys=keys, prefixes=prefixes, metrics=state.metrics)
-    app.add_middleware(CORSMiddleware, allow_origins=state.config.allowed_origins, allow_methods=["*"],
-                       allow_headers=["*"], allow_credentials=False)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=state.config.allowed_origins,
+        allow_methods=["*"],
+        allow_headers=["*"],
+        allow_credentials=False,
+    )

@@ -32,12 +32,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "scheduler", help="scheduler overhead per step (flags: pagedserve bench scheduler --help)", add_help=False
     )
     bench_kinds.add_parser(
-        "offline", help="offline throughput vs HF transformers (flags: pagedserve bench offline --help)",
-        add_help=False
+        "offline", help="offline throughput vs HF transformers (flags: pagedserve bench offline --help)", add_help=False
     )
     bench_kinds.add_parser(
-        "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput "
-        "(flags: pagedserve bench serve --help)", add_help=False
+        "serve",
+        help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput "
+        "(flags: pagedserve bench serve --help)",
+        add_help=False,
     )
     return parser
 
@@ -88,8 +89,11 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as error:
-        print(f"pagedserve serve: error: cannot listen on {server_config.host}:{server_config.port} "
-              f"(--host/--port): {error.strerror or error}", file=sys.stderr)
+        print(
+            f"pagedserve serve: error: cannot listen on {server_config.host}:{server_config.port} "
+            f"(--host/--port): {error.strerror or error}",
+            file=sys.stderr,
+        )
         return 1
     try:
         return _run(settings, sock)
@@ -115,11 +119,14 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     server_config = settings.server
     try:  # off the main thread, so the engine thread's OpenMP pool is the only one (see scratch_thread.py)
         engine = run_on_scratch_thread(
-            lambda: build_engine(settings.engine, served_model_name=server_config.served_model_name))
+            lambda: build_engine(settings.engine, served_model_name=server_config.served_model_name)
+        )
     except ContextLengthError as error:  # a setting, not the model: exit 2 as for any bad setting
-        print(f"pagedserve serve: error: --max-model-len {error.requested} is larger than the model's context "
-              f"length, {error.limit} (its {error.key}): give {error.limit} or less, or none for the model's own",
-              file=sys.stderr)
+        print(
+            f"pagedserve serve: error: --max-model-len {error.requested} is larger than the model's context "
+            f"length, {error.limit} (its {error.key}): give {error.limit} or less, or none for the model's own",
+            file=sys.stderr,
+        )
         return 2
     except SettingsConflictError as error:  # settings that cannot run here or together: as a bad flag
         print(f"pagedserve serve: error: {error}", file=sys.stderr)
@@ -132,12 +139,22 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     # freeze them, since a frozen reference cycle is never collected.)
     gc.collect()
     gc.freeze()
-    logger.info("authentication: %s", f"{len(server_config.api_keys)} API key(s)" if server_config.api_keys
-                else "none (set --api-key or PAGEDSERVE_API_KEY to require one)")
+    logger.info(
+        "authentication: %s",
+        f"{len(server_config.api_keys)} API key(s)"
+        if server_config.api_keys
+        else "none (set --api-key or PAGEDSERVE_API_KEY to require one)",
+    )
     port = sock.getsockname()[1]
     keys = server_config.api_keys
-    message = ready_message(server_config.host, port, engine.model_name, bool(keys), scheme=server_config.scheme,
-                            key=keys[0] if keys and _is_terminal(sys.stdout) else None)
+    message = ready_message(
+        server_config.host,
+        port,
+        engine.model_name,
+        bool(keys),
+        scheme=server_config.scheme,
+        key=keys[0] if keys and _is_terminal(sys.stdout) else None,
+    )
 
     from server.app import create_app
     from server.http.drain import GracefulShutdown
@@ -160,11 +177,18 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, server_config, on_ready=on_ready, on_engine_death=on_engine_death)
     shutdown = GracefulShutdown(app.state.server, server_config.shutdown_timeout, request_exit)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=server_config.host, port=port, log_level=server_config.log_level,
-        timeout_graceful_shutdown=_RESPONSE_TAIL_S, root_path=server_config.root_path,
-        ssl_keyfile=server_config.ssl_keyfile, ssl_certfile=server_config.ssl_certfile,
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=port,
+            log_level=server_config.log_level,
+            timeout_graceful_shutdown=_RESPONSE_TAIL_S,
+            root_path=server_config.root_path,
+            ssl_keyfile=server_config.ssl_keyfile,
+            ssl_certfile=server_config.ssl_certfile,
+        )
+    )
     server.handle_exit = shutdown.handle_signal  # type: ignore[method-assign]  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
     if not async_engine.is_alive and async_engine.error is None:  # stopped cleanly (not stuck, not failed)
@@ -195,8 +219,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def ready_message(host: str, port: int, model_name: str, needs_key: bool, *, key: Optional[str] = None,
-                  scheme: str = "http") -> str:
+def ready_message(
+    host: str, port: int, model_name: str, needs_key: bool, *, key: Optional[str] = None, scheme: str = "http"
+) -> str:
     """The URL and a ready-to-paste curl line.
 
     With API keys, the line carries `key` itself when given (the CLI gives it only when stdout is a
@@ -234,8 +259,10 @@ def check_tls_files(certfile: Optional[str], keyfile: Optional[str]) -> Optional
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as error:
-        return (f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}: cannot load them: "
-                f"{getattr(error, 'strerror', None) or error}")
+        return (
+            f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}: cannot load them: "
+            f"{getattr(error, 'strerror', None) or error}"
+        )
     return None
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-INSTALL_HINT = ("promtool not found: `make test` (or `make promtool`) installs it at .venv/bin/promtool "
-                "from Debian's `prometheus` package")
+INSTALL_HINT = (
+    "promtool not found: `make test` (or `make promtool`) installs it at .venv/bin/promtool "
+    "from Debian's `prometheus` package"
+)
 
 
 def find_promtool() -> str | None:
@@ -32,5 +34,11 @@ def require_promtool() -> str:
 
 def check_metrics(exposition: str, timeout: float = 30) -> subprocess.CompletedProcess:
     """`promtool check metrics` over the exposition text on stdin."""
-    return subprocess.run([require_promtool(), "check", "metrics"], input=exposition, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [require_promtool(), "check", "metrics"],
+        input=exposition,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

@@ -11,15 +11,14 @@ def test_bench_scheduler_runs(capsys):
 
 
 def test_console_script_is_installed():
-    result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, check=True
-    )
+    result = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, check=True)
     assert "serve" in result.stdout and "bench" in result.stdout
 
 
 def test_version_flag_prints_the_package_version():
-    result = subprocess.run([sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True, check=True
+    )
     from server.version import package_version
 
     assert result.stdout.strip() == f"pagedserve {package_version()}" and package_version() != ""
@@ -35,10 +34,19 @@ def test_make_serve_passes_args_through():
         pytest.skip("no make here")
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # not as a sub-make
-    result = subprocess.run(["make", "--no-print-directory", "-n", "serve", "ARGS=--port 8011 --max-num-seqs 4"],
-                            capture_output=True, text=True, check=True, cwd=repo, env=env)
-    assert result.stdout.strip().splitlines()[-1].endswith(
-        "pagedserve serve --config configs/default.yaml --port 8011 --max-num-seqs 4")
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-n", "serve", "ARGS=--port 8011 --max-num-seqs 4"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=repo,
+        env=env,
+    )
+    assert (
+        result.stdout.strip()
+        .splitlines()[-1]
+        .endswith("pagedserve serve --config configs/default.yaml --port 8011 --max-num-seqs 4")
+    )
 
 
 def test_child_servers_share_the_tests_cache_dir(monkeypatch):
@@ -62,8 +70,14 @@ def _make_dry_run(target: str, venv) -> list[str]:
         pytest.skip("no make here")
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
-    result = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}"],
-                            capture_output=True, text=True, check=True, cwd=repo, env=env)
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-n", target, f"VENV={venv}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=repo,
+        env=env,
+    )
     return [line for line in result.stdout.splitlines() if "pip install" in line]
 
 

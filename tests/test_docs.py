@@ -11,8 +11,19 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 250
-EXPECTED_DOCS = {"api", "configuration", "operations", "deploying", "architecture", "models", "quantization",
-                 "batch-invariance", "performance", "gpu", "testing"}
+EXPECTED_DOCS = {
+    "api",
+    "configuration",
+    "operations",
+    "deploying",
+    "architecture",
+    "models",
+    "quantization",
+    "batch-invariance",
+    "performance",
+    "gpu",
+    "testing",
+}
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"`[^`]*`")
@@ -96,6 +107,8 @@ def test_relative_links_resolve(page):
 
 
 def test_slug_matches_githubs():
-    assert slug("GGUF weights kept quantized (`--quantization gguf`)") == "gguf-weights-kept-quantized---quantization-gguf"
+    assert (
+        slug("GGUF weights kept quantized (`--quantization gguf`)") == "gguf-weights-kept-quantized---quantization-gguf"
+    )
     assert slug("Where a step's time goes") == "where-a-steps-time-goes"
     assert slug("int8, int4 and AWQ weights") == "int8-int4-and-awq-weights"

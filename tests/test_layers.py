@@ -26,8 +26,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server", "scheduler", "benchmarks", "scripts")
 HTTP_LIBRARIES = ("fastapi", "starlette", "uvicorn", "httpx")
 ENGINE_FORBIDDEN = {  # engine room -> rooms it must not import
-    "kernels": {"attention", "layers", "models", "runner", "loading", "quantization", "sampling", "structured",
-                "text", "profiling", "platform", "builder", "engine", "llm", "async_engine"},
+    "kernels": {
+        "attention",
+        "layers",
+        "models",
+        "runner",
+        "loading",
+        "quantization",
+        "sampling",
+        "structured",
+        "text",
+        "profiling",
+        "platform",
+        "builder",
+        "engine",
+        "llm",
+        "async_engine",
+    },
     "quantization": {"loading", "attention", "layers", "models", "runner", "platform", "builder"},
     "loading": {"attention", "layers", "models", "runner", "platform", "builder"},
     "attention": {"layers", "models", "runner", "loading", "quantization", "sampling", "platform", "builder"},
@@ -133,26 +148,42 @@ def test_the_engine_rooms_form_no_circle(graph):
 
 
 def test_each_engine_room_keeps_to_its_floor(graph):
-    broken = sorted(f"{module} -> {other}" for module, imported in graph.items() if module.startswith("engine.")
-                    for other in imported if other.startswith("engine.")
-                    and engine_room(other) in ENGINE_FORBIDDEN.get(engine_room(module), ()))
+    broken = sorted(
+        f"{module} -> {other}"
+        for module, imported in graph.items()
+        if module.startswith("engine.")
+        for other in imported
+        if other.startswith("engine.") and engine_room(other) in ENGINE_FORBIDDEN.get(engine_room(module), ())
+    )
     assert broken == []
 
 
 def test_packages_point_one_way(graph):
     """server -> engine -> scheduler; benchmarks and scripts above them all, never imported by them."""
-    above = {"scheduler": ("engine", "server", "benchmarks", "gpucheck", "scripts"),
-             "engine": ("server", "benchmarks", "gpucheck", "scripts"), "server": ("benchmarks", "gpucheck", "scripts")}
-    broken = sorted(f"{module} -> {other}" for module, imported in graph.items() for other in imported
-                    if other.split(".")[0] in above.get(module.split(".")[0], ()))
+    above = {
+        "scheduler": ("engine", "server", "benchmarks", "gpucheck", "scripts"),
+        "engine": ("server", "benchmarks", "gpucheck", "scripts"),
+        "server": ("benchmarks", "gpucheck", "scripts"),
+    }
+    broken = sorted(
+        f"{module} -> {other}"
+        for module, imported in graph.items()
+        for other in imported
+        if other.split(".")[0] in above.get(module.split(".")[0], ())
+    )
     assert broken == []
 
 
-@pytest.mark.parametrize("package, libraries", [("scheduler", ("torch", "numpy", *HTTP_LIBRARIES)),
-                                                ("engine", HTTP_LIBRARIES)])
+@pytest.mark.parametrize(
+    "package, libraries", [("scheduler", ("torch", "numpy", *HTTP_LIBRARIES)), ("engine", HTTP_LIBRARIES)]
+)
 def test_lower_packages_import_no_library_of_the_rooms_above(package, libraries):
-    broken = sorted(f"{module_name(path)} imports {name}" for path in (ROOT / package).rglob("*.py")
-                    for name in imports_of(path, module_name(path)) if name.split(".")[0] in libraries)
+    broken = sorted(
+        f"{module_name(path)} imports {name}"
+        for path in (ROOT / package).rglob("*.py")
+        for name in imports_of(path, module_name(path))
+        if name.split(".")[0] in libraries
+    )
     assert broken == []
 
 
@@ -171,8 +202,17 @@ def test_generation_routes_only_translate_into_the_one_pipeline(graph, route):
     checking, admitting, queueing in the engine and reading its streams are the pipeline's alone."""
     imported = graph[route]
     assert "server.serving.pipeline" in imported
-    pipeline_parts = ("server.serving.admission", "server.serving.request_guard", "server.serving.streams",
-                      "server.serving.checks", "server.serving.sampling_params", "engine.async_engine",
-                      "engine.request_stream", "engine.sampling.params", "engine.sampling.parallel", "scheduler")
+    pipeline_parts = (
+        "server.serving.admission",
+        "server.serving.request_guard",
+        "server.serving.streams",
+        "server.serving.checks",
+        "server.serving.sampling_params",
+        "engine.async_engine",
+        "engine.request_stream",
+        "engine.sampling.params",
+        "engine.sampling.parallel",
+        "scheduler",
+    )
     broken = sorted(name for name in imported if name.startswith(pipeline_parts))
     assert broken == []

@@ -24,8 +24,20 @@ def python_floor() -> str:
 def test_the_source_needs_nothing_newer_than_the_floor():
     floor = python_floor()
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from vermin import main; sys.exit(main())",
-         f"--target={floor}-", "--eval-annotations", "--no-tips", "--violations", "-q", *PACKAGES],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from vermin import main; sys.exit(main())",
+            f"--target={floor}-",
+            "--eval-annotations",
+            "--no-tips",
+            "--violations",
+            "-q",
+            *PACKAGES,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
     )
     assert result.returncode == 0, f"features newer than Python {floor}:\n{result.stdout}{result.stderr}"

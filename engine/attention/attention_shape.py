@@ -21,9 +21,11 @@ class AttentionShape(NamedTuple):
         latent_rank = latent_rank_of(config)
         if latent_rank is not None:
             return cls(num_heads=num_heads, num_kv_heads=1, head_dim=latent_rank + config.qk_rope_head_dim)
-        return cls(num_heads=num_heads,
-                   num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+        return cls(
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        )
 
 
 def latent_rank_of(config: Any) -> Optional[int]:

@@ -62,8 +62,14 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, *,
-                          block_size: Optional[int] = None, shape: Optional[AttentionShape] = None) -> AttentionBackend:
+def get_attention_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    block_size: Optional[int] = None,
+    shape: Optional[AttentionShape] = None,
+) -> AttentionBackend:
     """The backend `name` names, for this device, dtype and KV block size (None: not known, which rules
     flash-attn 2 out). With the model's attention `shape` (and the block size), flash-attn is chosen only
     once one tiny paged call of exactly that configuration has run on the device (engine/attention/probe.py).
@@ -115,8 +121,9 @@ def _triton_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and triton_unavailable_reason(device) is None
 
 
-def _cuda_auto(device: torch.device, dtype: torch.dtype, block_size: Optional[int],
-               shape: Optional[AttentionShape]) -> AttentionBackend:
+def _cuda_auto(
+    device: torch.device, dtype: torch.dtype, block_size: Optional[int], shape: Optional[AttentionShape]
+) -> AttentionBackend:
     from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 
     search = find_flash_kernel(device, dtype, block_size, shape)
@@ -127,14 +134,16 @@ def _cuda_auto(device: torch.device, dtype: torch.dtype, block_size: Optional[in
     return get_attention_backend(choice, device, dtype, block_size=block_size)
 
 
-def _flash_backend(device: torch.device, dtype: torch.dtype, block_size: Optional[int],
-                   shape: Optional[AttentionShape]) -> AttentionBackend:
+def _flash_backend(
+    device: torch.device, dtype: torch.dtype, block_size: Optional[int], shape: Optional[AttentionShape]
+) -> AttentionBackend:
     from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 
     search = find_flash_kernel(device, dtype, block_size, shape)
     if search.kernel is None:
-        raise SettingsConflictError(f"attention backend 'flash' cannot run here: {search.summary}. "
-                         f"{_flash_remedy(device, dtype)}")
+        raise SettingsConflictError(
+            f"attention backend 'flash' cannot run here: {search.summary}. {_flash_remedy(device, dtype)}"
+        )
     logger.info("attention backend flash: %s", search.summary)
     return FlashAttentionBackend(search.kernel)
 
@@ -146,9 +155,11 @@ def _flash_remedy(device: torch.device, dtype: torch.dtype) -> str:
         return "Use auto, cpu or torch off CUDA."
     if dtype not in FLASH_DTYPES:
         return "Set --dtype bfloat16 (or float16), or use auto / torch."
-    return (f"Install flash-attn-4 (Hopper or newer, any block size), or run flash-attn 2 with "
-            f"--block-size {FLASH_ATTN_2_BLOCK_MULTIPLE} (or another multiple of {FLASH_ATTN_2_BLOCK_MULTIPLE}), "
-            "or use auto / torch.")
+    return (
+        f"Install flash-attn-4 (Hopper or newer, any block size), or run flash-attn 2 with "
+        f"--block-size {FLASH_ATTN_2_BLOCK_MULTIPLE} (or another multiple of {FLASH_ATTN_2_BLOCK_MULTIPLE}), "
+        "or use auto / torch."
+    )
 
 
 def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):
@@ -157,12 +168,16 @@ def _cpu_backend(device: torch.device, dtype: torch.dtype, required: bool):
 
     if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         if required:
-            raise SettingsConflictError(f"attention backend 'cpu' runs float32/bfloat16 on CPU, not {dtype} on {device.type}")
+            raise SettingsConflictError(
+                f"attention backend 'cpu' runs float32/bfloat16 on CPU, not {dtype} on {device.type}"
+            )
         return None
     kernels = load_cpu_kernels()
     if kernels is None:
         if required:
-            raise SettingsConflictError("attention backend 'cpu' needs its native kernels, which did not build here "
-                             "(see the warning above); use 'torch'")
+            raise SettingsConflictError(
+                "attention backend 'cpu' needs its native kernels, which did not build here "
+                "(see the warning above); use 'torch'"
+            )
         return None
     return CpuAttentionBackend(kernels)

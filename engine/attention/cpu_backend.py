@@ -11,6 +11,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
 from engine.attention.kv_cache import KVCacheSpec
 
+
 class CpuAttentionBackend(TorchAttentionBackend):
     """Decode queries read K/V in place from the paged cache (csrc/paged_decode.cpp): no gather into a
     padded copy, no mask, no wasted (head, kv head) pairs: a fraction of the torch backend's gather +
@@ -32,13 +33,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask
 
     # An instance method where the torch backend's is a classmethod: the kernels are this instance's.
-    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor,  # type: ignore[override]
-                value_cache: torch.Tensor, metadata: AttentionMetadata, layer: LayerAttention) -> torch.Tensor:
+    def _decode(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
         # a cache in another dtype than the model's (--kv-cache-dtype): the kernel runs in the cache's dtype,
         # so the query is rounded to it (the kernel accumulates in float32 either way)
         tables, lens = metadata.decodes()
-        out = self.kernels.paged_decode(query.to(key_cache.dtype).contiguous(), key_cache, value_cache,
-                                        tables, lens, layer.scale,
-                                        self.split_sequences, window=layer.sliding_window, softcap=layer.softcap,
-                                        sinks=layer.sinks)
+        out = self.kernels.paged_decode(
+            query.to(key_cache.dtype).contiguous(),
+            key_cache,
+            value_cache,
+            tables,
+            lens,
+            layer.scale,
+            self.split_sequences,
+            window=layer.sliding_window,
+            softcap=layer.softcap,
+            sinks=layer.sinks,
+        )
         return out.to(query.dtype)

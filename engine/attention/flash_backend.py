@@ -73,8 +73,14 @@ class FlashSearch(NamedTuple):
         return "; ".join(self.reasons)
 
 
-def find_flash_kernel(device: torch.device, dtype: torch.dtype, block_size: Optional[int],
-                      shape: Optional[AttentionShape] = None, *, generations: tuple[int, ...] = (4, 2)) -> FlashSearch:
+def find_flash_kernel(
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: Optional[int],
+    shape: Optional[AttentionShape] = None,
+    *,
+    generations: tuple[int, ...] = (4, 2),
+) -> FlashSearch:
     """The flash-attn implementation that can serve this device, dtype and KV block size: flash-attn 4
     when it imports on a Hopper or newer GPU, else flash-attn 2 when it imports and the block size is
     a multiple of 256 (`block_size` None: not known, which rules flash-attn 2 out). Imports them.
@@ -91,25 +97,36 @@ def find_flash_kernel(device: torch.device, dtype: torch.dtype, block_size: Opti
     if 4 in generations:
         kernel = _flash_attn_4(device, reasons)
         if kernel is not None and _passes_probe(kernel, device, dtype, block_size, shape, reasons):
-            return FlashSearch(kernel, (*reasons, f"flash-attn 4 {kernel.version}: paged varlen kernels, any block "
-                                                  f"size{_probed(shape, block_size)}"))
+            return FlashSearch(
+                kernel,
+                (
+                    *reasons,
+                    f"flash-attn 4 {kernel.version}: paged varlen kernels, any block size{_probed(shape, block_size)}",
+                ),
+            )
     if 2 in generations:
         kernel = _import_flash_attn_2(reasons)
         if kernel is None:
             return FlashSearch(None, tuple(reasons))
         if block_size is None or block_size % FLASH_ATTN_2_BLOCK_MULTIPLE:
             given = "the block size is not known" if block_size is None else f"not {block_size}"
-            reasons.append(f"flash-attn 2 {kernel.version}: its paged kernels need a KV block size that is a multiple "
-                           f"of {FLASH_ATTN_2_BLOCK_MULTIPLE}, {given}")
+            reasons.append(
+                f"flash-attn 2 {kernel.version}: its paged kernels need a KV block size that is a multiple "
+                f"of {FLASH_ATTN_2_BLOCK_MULTIPLE}, {given}"
+            )
             return FlashSearch(None, tuple(reasons))
         if shape is not None and shape.head_dim % FLASH_ATTN_2_HEAD_DIM_MULTIPLE:
-            reasons.append(f"flash-attn 2 {kernel.version}: head dim {shape.head_dim} is not a multiple of "
-                           f"{FLASH_ATTN_2_HEAD_DIM_MULTIPLE} (its wrapper would pad, so copy, every layer's whole "
-                           "paged cache at every call)")
+            reasons.append(
+                f"flash-attn 2 {kernel.version}: head dim {shape.head_dim} is not a multiple of "
+                f"{FLASH_ATTN_2_HEAD_DIM_MULTIPLE} (its wrapper would pad, so copy, every layer's whole "
+                "paged cache at every call)"
+            )
             return FlashSearch(None, tuple(reasons))
         if _passes_probe(kernel, device, dtype, block_size, shape, reasons):
-            return FlashSearch(kernel, (*reasons, f"flash-attn 2 {kernel.version}: block size {block_size} "
-                                                  f"fits{_probed(shape, block_size)}"))
+            return FlashSearch(
+                kernel,
+                (*reasons, f"flash-attn 2 {kernel.version}: block size {block_size} fits{_probed(shape, block_size)}"),
+            )
     return FlashSearch(None, tuple(reasons))
 
 
@@ -128,28 +145,40 @@ def flash_versions() -> dict[str, Optional[str]]:
 def _flash_attn_4(device: torch.device, reasons: list[str]) -> Optional[FlashKernel]:
     capability = tuple(torch.cuda.get_device_capability(device))
     if capability < FLASH_ATTN_4_MIN_CAPABILITY:
-        reasons.append(f"flash-attn 4: needs compute capability 9.0 or newer (Hopper+), this GPU has "
-                       f"{capability[0]}.{capability[1]}")
+        reasons.append(
+            f"flash-attn 4: needs compute capability 9.0 or newer (Hopper+), this GPU has "
+            f"{capability[0]}.{capability[1]}"
+        )
         return None
     return _import_flash_attn_4(reasons)
 
 
-def _passes_probe(kernel: FlashKernel, device: torch.device, dtype: torch.dtype, block_size: Optional[int],
-                  shape: Optional[AttentionShape], reasons: list[str]) -> bool:
+def _passes_probe(
+    kernel: FlashKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: Optional[int],
+    shape: Optional[AttentionShape],
+    reasons: list[str],
+) -> bool:
     if shape is None or block_size is None:
         return True  # nothing to probe with: callers that serve a model pass both
     failure = probe_backend(FlashAttentionBackend(kernel), shape, block_size, dtype, device)
     if failure is not None:
-        reasons.append(f"{kernel.label} {kernel.version}: {failure} with {_dtype_name(dtype)}, "
-                       f"{shape.num_heads}/{shape.num_kv_heads} heads of dim {shape.head_dim}, block size {block_size}")
+        reasons.append(
+            f"{kernel.label} {kernel.version}: {failure} with {_dtype_name(dtype)}, "
+            f"{shape.num_heads}/{shape.num_kv_heads} heads of dim {shape.head_dim}, block size {block_size}"
+        )
     return failure is None
 
 
 def _probed(shape: Optional[AttentionShape], block_size: Optional[int]) -> str:
     if shape is None or block_size is None:
         return ""
-    return (f"; its probe of {shape.num_heads}/{shape.num_kv_heads} heads of dim {shape.head_dim}, "
-            f"block size {block_size} passed")
+    return (
+        f"; its probe of {shape.num_heads}/{shape.num_kv_heads} heads of dim {shape.head_dim}, "
+        f"block size {block_size} passed"
+    )
 
 
 def _import_flash_attn_4(reasons: list[str]) -> Optional[FlashKernel]:
@@ -159,11 +188,17 @@ def _import_flash_attn_4(reasons: list[str]) -> Optional[FlashKernel]:
     params = _parameters(varlen)
     missing = [name for name in ("cu_seqlens_q", "seqused_k", "page_table") if name not in (params or {name})]
     if missing:
-        reasons.append(f"flash-attn 4: this release's flash_attn_varlen_func has no {', '.join(missing)}; upgrade "
-                       "flash-attn-4")
+        reasons.append(
+            f"flash-attn 4: this release's flash_attn_varlen_func has no {', '.join(missing)}; upgrade flash-attn-4"
+        )
         return None
-    return FlashKernel(4, _version(("flash-attn-4", "fa4"), "flash_attn.cute"), varlen,
-                       takes_max_seqlen_q=params is None or "max_seqlen_q" in params, **_layer_options(params))
+    return FlashKernel(
+        4,
+        _version(("flash-attn-4", "fa4"), "flash_attn.cute"),
+        varlen,
+        takes_max_seqlen_q=params is None or "max_seqlen_q" in params,
+        **_layer_options(params),
+    )
 
 
 def _import_flash_attn_2(reasons: list[str]) -> Optional[FlashKernel]:
@@ -172,8 +207,10 @@ def _import_flash_attn_2(reasons: list[str]) -> Optional[FlashKernel]:
         return None
     params = _parameters(varlen)
     if params is not None and "block_table" not in params:
-        reasons.append("flash-attn 2: this release's flash_attn_varlen_func has no block_table (paged KV came "
-                       "in 2.5); upgrade flash-attn")
+        reasons.append(
+            "flash-attn 2: this release's flash_attn_varlen_func has no block_table (paged KV came "
+            "in 2.5); upgrade flash-attn"
+        )
         return None
     return FlashKernel(2, _version(("flash-attn",), "flash_attn"), varlen, **_layer_options(params))
 
@@ -181,9 +218,11 @@ def _import_flash_attn_2(reasons: list[str]) -> Optional[FlashKernel]:
 def _layer_options(params: Optional[frozenset[str]]) -> dict[str, bool]:
     """Whether the varlen function takes a sliding window and a soft-cap (no signature: trusted), and attention
     sinks (only when its signature names `learnable_sink`: no release is assumed to)."""
-    return {"takes_window": params is None or "window_size" in params,
-            "takes_softcap": params is None or "softcap" in params,
-            "takes_sinks": params is not None and "learnable_sink" in params}
+    return {
+        "takes_window": params is None or "window_size" in params,
+        "takes_softcap": params is None or "softcap" in params,
+        "takes_sinks": params is not None and "learnable_sink" in params,
+    }
 
 
 def _import_function(module_name: str, attribute: str, label: str, reasons: list[str]) -> Optional[Callable]:
@@ -257,9 +296,15 @@ class FlashAttentionBackend:
     def __init__(self, kernel: FlashKernel):
         self.kernel = kernel
         self.name = f"flash ({kernel.label})"
-        self.attention_features = tuple(feature for feature, taken in ((SLIDING_WINDOW, kernel.takes_window),
-                                                                       (SOFTCAP, kernel.takes_softcap),
-                                                                       (SINKS, kernel.takes_sinks)) if taken)
+        self.attention_features = tuple(
+            feature
+            for feature, taken in (
+                (SLIDING_WINDOW, kernel.takes_window),
+                (SOFTCAP, kernel.takes_softcap),
+                (SINKS, kernel.takes_sinks),
+            )
+            if taken
+        )
         self._cu_seqlens_k: Optional[torch.Tensor] = None  # flash-attn 2: [capacity + 1] int32, grown on demand
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -286,8 +331,7 @@ class FlashAttentionBackend:
         num_reqs = seq_lens.shape[0]
         buffer = self._cu_seqlens_k
         if buffer is None or buffer.shape[0] < num_reqs + 1 or buffer.device != seq_lens.device:
-            buffer = self._cu_seqlens_k = torch.zeros(max(num_reqs + 1, 64), dtype=torch.int32,
-                                                      device=seq_lens.device)
+            buffer = self._cu_seqlens_k = torch.zeros(max(num_reqs + 1, 64), dtype=torch.int32, device=seq_lens.device)
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=buffer[1 : num_reqs + 1])
         return buffer[: num_reqs + 1]
 
@@ -299,17 +343,30 @@ class FlashAttentionBackend:
         extra = _layer_arguments(layer)  # only what the layer uses: releases without them still serve the rest
         if self.kernel.major == 2:
             return self.kernel.varlen(
-                query, key_cache, value_cache,
-                cu_seqlens_q=metadata.cu_seqlens_q, cu_seqlens_k=metadata.cu_seqlens_k,
-                max_seqlen_q=metadata.max_seqlen_q, max_seqlen_k=metadata.max_seqlen_k,
-                softmax_scale=layer.scale, causal=True, block_table=metadata.page_table, **extra,
+                query,
+                key_cache,
+                value_cache,
+                cu_seqlens_q=metadata.cu_seqlens_q,
+                cu_seqlens_k=metadata.cu_seqlens_k,
+                max_seqlen_q=metadata.max_seqlen_q,
+                max_seqlen_k=metadata.max_seqlen_k,
+                softmax_scale=layer.scale,
+                causal=True,
+                block_table=metadata.page_table,
+                **extra,
             )
         if self.kernel.takes_max_seqlen_q:
             extra["max_seqlen_q"] = metadata.max_seqlen_q
         out = self.kernel.varlen(
-            query, key_cache, value_cache,
-            cu_seqlens_q=metadata.cu_seqlens_q, seqused_k=metadata.seqused_k, page_table=metadata.page_table,
-            softmax_scale=layer.scale, causal=True, **extra,
+            query,
+            key_cache,
+            value_cache,
+            cu_seqlens_q=metadata.cu_seqlens_q,
+            seqused_k=metadata.seqused_k,
+            page_table=metadata.page_table,
+            softmax_scale=layer.scale,
+            causal=True,
+            **extra,
         )
         return out[0] if isinstance(out, tuple) else out  # (out, lse); lse is None unless return_lse
 

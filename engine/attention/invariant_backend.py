@@ -44,7 +44,8 @@ class BatchInvariantCpuBackend(CpuAttentionBackend):
         tables = step.block_table[:, :width].repeat_interleave(query_lens, dim=0).contiguous()  # [num_tokens, width]
         request_of_token = torch.repeat_interleave(torch.arange(step.num_reqs, device=device), query_lens)
         first_position = (step.seq_lens.to(torch.int64) - query_lens)[request_of_token]  # [num_tokens]
-        offset_in_request = torch.arange(num_tokens, device=device) - starts[:-1].to(device=device,
-                                                                                      dtype=torch.int64)[request_of_token]
+        offset_in_request = (
+            torch.arange(num_tokens, device=device) - starts[:-1].to(device=device, dtype=torch.int64)[request_of_token]
+        )
         lens = (first_position + offset_in_request + 1).to(torch.int32)  # [num_tokens]
         return AttentionMetadata(step.slot_mapping, num_tokens, tables, lens, ())

@@ -16,8 +16,12 @@ from engine.errors import SettingsConflictError
 
 import torch
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+}
 FP8_KV_SCALE = 1.0
 """K/V = stored value x scale. Without scales calibrated for the checkpoint every layer uses 1.0 (vLLM's
 default too): e4m3 spans +-448, well beyond the K/V activations of Llama-family models."""
@@ -31,8 +35,9 @@ class ReadsKVCache(Protocol):
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]: ...
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
-                           backend: ReadsKVCache) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    name: str, model_dtype: torch.dtype, device: torch.device, backend: ReadsKVCache
+) -> torch.dtype:
     """The cache's torch dtype for `--kv-cache-dtype` (auto: the model's), one that `backend` reads;
     ValueError naming the flag otherwise."""
     if name != "auto" and name not in KV_CACHE_DTYPES:
@@ -43,9 +48,11 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     accepted = backend.kv_cache_dtypes(model_dtype)
     if dtype not in accepted:
         names = ", ".join(_dtype_flag(d) for d in accepted)
-        raise SettingsConflictError(f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
-                         f"{names} for a {_dtype_flag(model_dtype)} model; use one of those (auto: the model's "
-                         f"dtype) or --attention-backend torch, which reads every cache dtype")
+        raise SettingsConflictError(
+            f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
+            f"{names} for a {_dtype_flag(model_dtype)} model; use one of those (auto: the model's "
+            f"dtype) or --attention-backend torch, which reads every cache dtype"
+        )
     return dtype
 
 
@@ -111,12 +118,15 @@ class KVCacheSpec:
 
     def __post_init__(self):
         if self.latent_rank is not None and (self.num_kv_heads != 1 or not 0 < self.latent_rank <= self.head_dim):
-            raise ValueError(f"a latent KV cache has one entry per token (num_kv_heads 1, not {self.num_kv_heads}) "
-                             f"whose first latent_rank {self.latent_rank} of {self.head_dim} features are the values")
+            raise ValueError(
+                f"a latent KV cache has one entry per token (num_kv_heads 1, not {self.num_kv_heads}) "
+                f"whose first latent_rank {self.latent_rank} of {self.head_dim} features are the values"
+            )
 
     @classmethod
-    def latent(cls, num_layers: int, block_size: int, kv_lora_rank: int, rope_dim: int,
-               dtype: torch.dtype) -> "KVCacheSpec":
+    def latent(
+        cls, num_layers: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
+    ) -> "KVCacheSpec":
         """Multi-head latent attention's layout: `kv_lora_rank + rope_dim` values per token and layer."""
         return cls(num_layers, block_size, 1, kv_lora_rank + rope_dim, dtype, latent_rank=kv_lora_rank)
 

@@ -72,6 +72,8 @@ def check_backend_serves(backend, layers: Iterable[LayerAttention], architecture
     needed = frozenset().union(*(layer.features for layer in layers))
     missing = sorted(needed - supported)
     if missing:
-        raise ValueError(f"attention backend {backend.name!r} cannot serve {architecture}: it does not implement "
-                         f"{' or '.join(missing)} (it implements: {', '.join(sorted(supported)) or 'none'}); "
-                         "choose another --attention-backend")
+        raise ValueError(
+            f"attention backend {backend.name!r} cannot serve {architecture}: it does not implement "
+            f"{' or '.join(missing)} (it implements: {', '.join(sorted(supported)) or 'none'}); "
+            "choose another --attention-backend"
+        )

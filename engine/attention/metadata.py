@@ -67,8 +67,12 @@ def decode_and_chunks(step: StepMetadata, block_size: int) -> AttentionMetadata:
         lens = step.seq_lens[:num_decodes]
     starts = step.query_start_loc_cpu.tolist()
     prefills = tuple(
-        PrefillChunk(query_start=starts[i], query_len=starts[i + 1] - starts[i], context_len=seq_lens[i],
-                     block_table=step.block_table[i])
+        PrefillChunk(
+            query_start=starts[i],
+            query_len=starts[i + 1] - starts[i],
+            context_len=seq_lens[i],
+            block_table=step.block_table[i],
+        )
         for i in range(num_decodes, step.num_reqs)
     )
     return AttentionMetadata(step.slot_mapping, num_decodes, tables, lens, prefills)

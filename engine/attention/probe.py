@@ -46,8 +46,14 @@ class ProbeStep(NamedTuple):
     blocks: list[list[int]]  # each request's block ids, in order
 
 
-def probe_step(requests: list[tuple[int, int]], num_decodes: int, shape: AttentionShape, block_size: int,
-               dtype: torch.dtype, device: torch.device) -> ProbeStep:
+def probe_step(
+    requests: list[tuple[int, int]],
+    num_decodes: int,
+    shape: AttentionShape,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ProbeStep:
     """The inputs of one probe step on `device` (drawn on the CPU from a fixed seed)."""
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim = shape
@@ -58,17 +64,27 @@ def probe_step(requests: list[tuple[int, int]], num_decodes: int, shape: Attenti
     counts = [-(-seq_len // block_size) for seq_len, _ in requests]
     ids = list(range(sum(counts) + 1))  # one block more than needed: a block nobody reads
     random.Random(0).shuffle(ids)
-    blocks = [ids[sum(counts[:r]): sum(counts[: r + 1])] for r in range(len(requests))]
-    slots = [blocks[r][p // block_size] * block_size + p % block_size
-             for r, (seq_len, query_len) in enumerate(requests) for p in range(seq_len - query_len, seq_len)]
+    blocks = [ids[sum(counts[:r]) : sum(counts[: r + 1])] for r in range(len(requests))]
+    slots = [
+        blocks[r][p // block_size] * block_size + p % block_size
+        for r, (seq_len, query_len) in enumerate(requests)
+        for p in range(seq_len - query_len, seq_len)
+    ]
     num_tokens = len(slots)
     cache_shape = (len(ids), block_size, kv_heads, head_dim)
-    metadata = step_metadata_for([(s, q, b) for (s, q), b in zip(requests, blocks)], torch.tensor(slots),
-                                 num_decodes, device)
-    return ProbeStep(query=randn(num_tokens, heads, head_dim), key=randn(num_tokens, kv_heads, head_dim),
-                     value=randn(num_tokens, kv_heads, head_dim), key_cache=randn(*cache_shape),
-                     value_cache=randn(*cache_shape), metadata=metadata,
-                     spec=KVCacheSpec(1, block_size, kv_heads, head_dim, dtype), blocks=blocks)
+    metadata = step_metadata_for(
+        [(s, q, b) for (s, q), b in zip(requests, blocks)], torch.tensor(slots), num_decodes, device
+    )
+    return ProbeStep(
+        query=randn(num_tokens, heads, head_dim),
+        key=randn(num_tokens, kv_heads, head_dim),
+        value=randn(num_tokens, kv_heads, head_dim),
+        key_cache=randn(*cache_shape),
+        value_cache=randn(*cache_shape),
+        metadata=metadata,
+        spec=KVCacheSpec(1, block_size, kv_heads, head_dim, dtype),
+        blocks=blocks,
+    )
 
 
 def reference_output(step: ProbeStep, scale: float) -> torch.Tensor:
@@ -90,15 +106,17 @@ def reference_output(step: ProbeStep, scale: float) -> torch.Tensor:
     return out
 
 
-def probe_backend(backend: Any, shape: AttentionShape, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> Optional[str]:
+def probe_backend(
+    backend: Any, shape: AttentionShape, block_size: int, dtype: torch.dtype, device: torch.device
+) -> Optional[str]:
     """None when `backend` runs every probe step here and agrees with the reference; else why not.
 
     RuntimeError when a step faulted the device: a CUDA context that took an illegal access stays
     broken, so no other backend could run in this process either."""
     for name, (requests, num_decodes) in PROBE_STEPS.items():
-        failure = _probe_one(backend, probe_step(requests, num_decodes, shape, block_size, dtype, device),
-                             shape.head_dim ** -0.5)
+        failure = _probe_one(
+            backend, probe_step(requests, num_decodes, shape, block_size, dtype, device), shape.head_dim**-0.5
+        )
         if failure is not None:
             return f"its probe {name} {failure}"
     return None
@@ -108,7 +126,9 @@ def _probe_one(backend: Any, step: ProbeStep, scale: float) -> Optional[str]:
     try:
         metadata = backend.build_metadata(step.metadata, step.spec)
         backend.write_kv(step.key, step.value, step.key_cache, step.value_cache, metadata)
-        out = backend.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata, LayerAttention(scale))
+        out = backend.attend(
+            step.query, step.key, step.value, step.key_cache, step.value_cache, metadata, LayerAttention(scale)
+        )
         if out.is_cuda:
             torch.cuda.synchronize(out.device)  # a launch failure surfaces here, not at the first step
     except Exception as exc:  # noqa: BLE001 - any failure means the kernel cannot serve this configuration
@@ -129,6 +149,8 @@ def _check_device(device: torch.device, failure: Exception) -> None:
     try:
         torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - the device itself is gone
-        raise RuntimeError(f"the attention backend's start-up probe faulted the GPU ({type(failure).__name__}: "
-                           f"{failure}); the CUDA context cannot be used after that. Start again with "
-                           f"--attention-backend triton (or torch)") from exc
+        raise RuntimeError(
+            f"the attention backend's start-up probe faulted the GPU ({type(failure).__name__}: "
+            f"{failure}); the CUDA context cannot be used after that. Start again with "
+            f"--attention-backend triton (or torch)"
+        ) from exc

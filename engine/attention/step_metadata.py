@@ -47,8 +47,12 @@ class StepMetadata:
         return self.slot_mapping.shape[0]
 
 
-def step_metadata_for(requests: Sequence[tuple[int, int, Sequence[int]]], slot_mapping: torch.Tensor,
-                      num_decodes: int, device: torch.device) -> StepMetadata:
+def step_metadata_for(
+    requests: Sequence[tuple[int, int, Sequence[int]]],
+    slot_mapping: torch.Tensor,
+    num_decodes: int,
+    device: torch.device,
+) -> StepMetadata:
     """StepMetadata of a step given as (seq_len, query_len, block ids) per request, decodes first (tests and
     profiling steps; the runner writes its own into persistent buffers)."""
     query_lens = [query_len for _, query_len, _ in requests]
@@ -77,8 +81,7 @@ def single_prefill_metadata(num_tokens: int, block_size: int, device: torch.devi
     return step_metadata_for([(num_tokens, num_tokens, blocks)], torch.arange(num_tokens), 0, device)
 
 
-def shared_context_decode_metadata(num_reqs: int, seq_len: int, block_size: int,
-                                   device: torch.device) -> StepMetadata:
+def shared_context_decode_metadata(num_reqs: int, seq_len: int, block_size: int, device: torch.device) -> StepMetadata:
     """`num_reqs` decodes, each at context `seq_len`, all reading blocks 0, 1, ... (a profiling step:
     the attention's working memory is that of distinct requests, the cache only one request's). Every
     request writes its new token at position seq_len - 1."""

@@ -39,8 +39,9 @@ class TorchAttentionBackend:
         _, max_blocks = tables.shape
         key_pos = torch.arange(max_blocks * spec.block_size, device=lens.device)
         bias_dtype = torch.float32 if spec.dtype.itemsize == 1 else spec.dtype  # fp8 has no -inf
-        bias = torch.zeros((metadata.num_decodes, 1, 1, max_blocks * spec.block_size), dtype=bias_dtype,
-                           device=lens.device)
+        bias = torch.zeros(
+            (metadata.num_decodes, 1, 1, max_blocks * spec.block_size), dtype=bias_dtype, device=lens.device
+        )
         bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(metadata.num_decodes, 1, 1, -1), float("-inf"))
         return dataclasses.replace(metadata, decode_bias=bias)
 
@@ -74,8 +75,9 @@ class TorchAttentionBackend:
         tables, lens = metadata.decodes()
         flat = tables.reshape(-1)  # [B * max_blocks]
         max_len = tables.shape[1] * block_size
-        keys = from_cache(select_blocks(key_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim),
-                          query.dtype)  # --kv-cache-dtype
+        keys = from_cache(
+            select_blocks(key_cache, flat).view(num_decodes, max_len, num_kv_heads, head_dim), query.dtype
+        )  # --kv-cache-dtype
         if layer.latent_rank is not None:  # the entries' first features: no second gather
             values = keys[..., : layer.latent_rank]
         else:
@@ -153,8 +155,9 @@ class TorchAttentionBackend:
             _, block_size, num_kv_heads, head_dim = key_cache.shape
             num_blocks = -(-chunk.context_len // block_size)
             table = chunk.block_table[:num_blocks]
-            k = from_cache(select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len],
-                           query.dtype)
+            k = from_cache(
+                select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[: chunk.context_len], query.dtype
+            )
             if layer.latent_rank is not None:  # the entries' first features
                 v = k[..., : layer.latent_rank]
             else:

@@ -40,10 +40,19 @@ class TritonAttentionBackend:
 
     def attend(self, query, key, value, key_cache, value_cache, metadata: StepMetadata, layer: LayerAttention):
         # the kernels take one dtype: a query in another than the cache's (--kv-cache-dtype) is converted
-        out = self._kernels.paged_attention(query.to(key_cache.dtype), key_cache, value_cache,
-                                            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-                                            layer.scale, metadata.max_query_len, window=layer.sliding_window,
-                                            softcap=layer.softcap, sinks=layer.sinks)
+        out = self._kernels.paged_attention(
+            query.to(key_cache.dtype),
+            key_cache,
+            value_cache,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_table,
+            layer.scale,
+            metadata.max_query_len,
+            window=layer.sliding_window,
+            softcap=layer.softcap,
+            sinks=layer.sinks,
+        )
         return out.to(query.dtype)
 
 
@@ -57,5 +66,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         return None
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         return None  # the interpreter: tests only
-    return (f"Triton kernels run on CUDA (on {device.type} only under TRITON_INTERPRET=1, for testing); "
-            "use 'cpu' or 'torch'")
+    return (
+        f"Triton kernels run on CUDA (on {device.type} only under TRITON_INTERPRET=1, for testing); "
+        "use 'cpu' or 'torch'"
+    )

@@ -44,8 +44,8 @@ class PackedWeight:
 def pack_invariant_weight(weight: torch.Tensor) -> PackedWeight:
     """weight [N, K] -> blocks of 64 columns, N padded with zero columns:
 
-        float32   [N/64, K, 64]          packed[b, k, j]     = weight[64 b + j, k]
-        bfloat16  [N/64, K/2, 64, 2]     packed[b, p, j, i]  = weight[64 b + j, 2 p + i]   (K padded to even)
+    float32   [N/64, K, 64]          packed[b, k, j]     = weight[64 b + j, k]
+    bfloat16  [N/64, K/2, 64, 2]     packed[b, p, j, i]  = weight[64 b + j, 2 p + i]   (K padded to even)
     """
     out_features, in_features = weight.shape
     pad_n = -out_features % BLOCK_N

@@ -35,8 +35,15 @@ from engine.cache_dir import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layer_ops.cpp", "invariant_linear.cpp", "gemv.cpp", "decode_layer.cpp",
-           "quant_gemm.cpp", "quant_dense_bf16.cpp")
+SOURCES = (
+    "paged_decode.cpp",
+    "layer_ops.cpp",
+    "invariant_linear.cpp",
+    "gemv.cpp",
+    "decode_layer.cpp",
+    "quant_gemm.cpp",
+    "quant_dense_bf16.cpp",
+)
 HEADERS = ("common.h", "column_blocks.h", "gemv.h", "row_ops.h", "quant_blocks.h", "quant_product.h")
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"
@@ -92,15 +99,21 @@ def _build_key(compiler_path: str, flags: tuple[str, ...], sources: tuple[str, .
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
     texts = [name.encode() + (CSRC / name).read_bytes() for name in (*sources, *HEADERS)]
-    for part in (*texts, " ".join(flags).encode(), version.encode(), _cpu_flags().encode(),
-                 platform.machine().encode()):
+    for part in (
+        *texts,
+        " ".join(flags).encode(),
+        version.encode(),
+        _cpu_flags().encode(),
+        platform.machine().encode(),
+    ):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:32]
 
 
-def build_library(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH, *,
-                  sources: tuple[str, ...] = SOURCES) -> Path:
+def build_library(
+    cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH, *, sources: tuple[str, ...] = SOURCES
+) -> Path:
     """Compile the kernels (or find the cached build) for `-march=<arch>` (this CPU by default; another,
     older one such as "haswell" to test the AVX2 code paths here), of `sources` (all by default, a subset
     in tests); each combination is cached under its own key. Raises RuntimeError with the reason."""
@@ -196,26 +209,35 @@ class CpuKernels:
             if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
                 raise ValueError(f"sinks must be [{num_heads}] on the CPU, got {tuple(sinks.shape)}")
             sinks = sinks.to(torch.float32).contiguous()
-        return self._ops.cpu_paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                                          int(split), window or 0, softcap or 0.0, sinks,
-                                          self._function("paged_decode", query.dtype))
+        return self._ops.cpu_paged_decode(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            scale,
+            int(split),
+            window or 0,
+            softcap or 0.0,
+            sinks,
+            self._function("paged_decode", query.dtype),
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, hidden] contiguous -> a new normalized tensor."""
         return self._ops.cpu_rms_norm(x, weight, eps, self._function("rms_norm", x.dtype))
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual). Both [rows, hidden] contiguous."""
-        return self._ops.cpu_add_rms_norm(x, residual, weight, eps,
-                                                     self._function("add_rms_norm", x.dtype))
+        return self._ops.cpu_add_rms_norm(x, residual, weight, eps, self._function("add_rms_norm", x.dtype))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 * width] contiguous -> silu(gate) * up [rows, width]."""
         return self._ops.cpu_silu_and_mul(gate_up, self._function("silu_and_mul", gate_up.dtype))
 
-    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin_signed: torch.Tensor) -> torch.Tensor:
+    def rotary_(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> torch.Tensor:
         """Rotate x [rows, heads, head_dim] in place (rows may be strided, heads and dims contiguous)."""
         rows, heads, head_dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
@@ -223,8 +245,9 @@ class CpuKernels:
         self._ops.cpu_rotary_(x, positions, cos, sin_signed, self._function("rotary", x.dtype))
         return x
 
-    def invariant_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
-                         out_features: int, amx: bool = False) -> torch.Tensor:
+    def invariant_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out_features: int, amx: bool = False
+    ) -> torch.Tensor:
         """x [rows, in] contiguous, `packed` from `pack_invariant_weight` -> [rows, out_features]; each element
         summed in one fixed order whatever the number of rows (csrc/column_blocks.h). `amx`: bf16 products whose K
         is a multiple of 32 may run on AMX tiles where `amx_tiles` (faster there; their sums grouped by 32 k, so
@@ -235,15 +258,19 @@ class CpuKernels:
         if packed.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
             raise ValueError("x, the packed weight and the bias must share one dtype")
         num_blocks = -(-out_features // 64)
-        expected = ((num_blocks, -(-in_features // 2), 64, 2) if x.dtype == torch.bfloat16
-                    else (num_blocks, in_features, 64))
+        expected = (
+            (num_blocks, -(-in_features // 2), 64, 2) if x.dtype == torch.bfloat16 else (num_blocks, in_features, 64)
+        )
         if tuple(packed.shape) != expected or not packed.is_contiguous():
-            raise ValueError(f"packed weight of shape {tuple(packed.shape)}, expected {expected} (contiguous) "
-                             f"for {out_features} x {in_features}")
+            raise ValueError(
+                f"packed weight of shape {tuple(packed.shape)}, expected {expected} (contiguous) "
+                f"for {out_features} x {in_features}"
+            )
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({out_features},)")
-        return self._ops.cpu_invariant_linear(x, packed, bias, out_features, int(amx),
-                                                         self._function("invariant_linear", x.dtype))
+        return self._ops.cpu_invariant_linear(
+            x, packed, bias, out_features, int(amx), self._function("invariant_linear", x.dtype)
+        )
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [rows, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out], all contiguous CPU tensors of one
@@ -257,10 +284,23 @@ class CpuKernels:
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
         return self._ops.cpu_gemv(x, weight, bias, self._function("gemv", x.dtype))
 
-    def decode_layers(self, residual: torch.Tensor, weights: torch.Tensor, key_caches: list[torch.Tensor],
-                      value_caches: list[torch.Tensor], positions: torch.Tensor, cos: torch.Tensor,
-                      sin_signed: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, heads: int, inter: int, eps: float, scale: float) -> torch.Tensor:
+    def decode_layers(
+        self,
+        residual: torch.Tensor,
+        weights: torch.Tensor,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        heads: int,
+        inter: int,
+        eps: float,
+        scale: float,
+    ) -> torch.Tensor:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
         updated in place, K/V written at `slots` [rows] int64 of each layer's cache; returns the last layer's
@@ -276,15 +316,35 @@ class CpuKernels:
         for tensor in (residual, positions, slots, block_tables, context_lens):
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError("decode_layers takes contiguous CPU tensors")
-        if weights.dtype != torch.int64 or weights.dim() != 2 or weights.shape[1] != DECODE_WEIGHT_COLUMNS \
-                or not weights.is_contiguous():
-            raise ValueError(f"decode_layers takes a contiguous int64 weight table of {DECODE_WEIGHT_COLUMNS} "
-                             f"columns per layer, got {weights.dtype} {tuple(weights.shape)}")
+        if (
+            weights.dtype != torch.int64
+            or weights.dim() != 2
+            or weights.shape[1] != DECODE_WEIGHT_COLUMNS
+            or not weights.is_contiguous()
+        ):
+            raise ValueError(
+                f"decode_layers takes a contiguous int64 weight table of {DECODE_WEIGHT_COLUMNS} "
+                f"columns per layer, got {weights.dtype} {tuple(weights.shape)}"
+            )
         if len(key_caches) != weights.shape[0] or len(value_caches) != weights.shape[0]:
             raise ValueError(f"{weights.shape[0]} layers of weights for {len(key_caches)} caches")
-        return self._ops.cpu_decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed,
-                                           slots, block_tables, context_lens, heads, inter, eps, scale,
-                                           self._function("decode_layers", residual.dtype))
+        return self._ops.cpu_decode_layers(
+            residual,
+            weights,
+            key_caches,
+            value_caches,
+            positions,
+            cos,
+            sin_signed,
+            slots,
+            block_tables,
+            context_lens,
+            heads,
+            inter,
+            eps,
+            scale,
+            self._function("decode_layers", residual.dtype),
+        )
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))
@@ -317,12 +377,19 @@ def _self_check(kernels: CpuKernels) -> None:
     sinks = torch.randn(heads, generator=generator)
     # plain; a sliding window with soft-capped scores; and with attention sinks
     for window, softcap, sink in ((None, None, None), (5, 1.5, None), (5, 1.5, sinks)):
-        got = kernels.paged_decode(query, keys, values, tables, lens, 0.5, window=window, softcap=softcap,
-                                   sinks=sink)
+        got = kernels.paged_decode(query, keys, values, tables, lens, 0.5, window=window, softcap=softcap, sinks=sink)
         for seq in range(2):
             first = 0 if window is None else max(0, int(lens[seq]) - window)
-            k = keys[tables[seq]].reshape(-1, kv_heads, head_dim)[first: lens[seq]].repeat_interleave(heads // kv_heads, 1)
-            v = values[tables[seq]].reshape(-1, kv_heads, head_dim)[first: lens[seq]].repeat_interleave(heads // kv_heads, 1)
+            k = (
+                keys[tables[seq]]
+                .reshape(-1, kv_heads, head_dim)[first : lens[seq]]
+                .repeat_interleave(heads // kv_heads, 1)
+            )
+            v = (
+                values[tables[seq]]
+                .reshape(-1, kv_heads, head_dim)[first : lens[seq]]
+                .repeat_interleave(heads // kv_heads, 1)
+            )
             scores = torch.einsum("hd,thd->ht", query[seq], k) * 0.5
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
@@ -352,8 +419,10 @@ def _amx_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
             got = kernels.invariant_linear(x, packed, bias, columns, amx=True).double()
             reference = x.double() @ weight.double().t() + bias.double()
             if not torch.allclose(got, reference, atol=5e-2, rtol=5e-2):
-                logger.warning("%s: the column-block product on AMX tiles failed its self-check; products stay "
-                               "off the tiles", kernels.path)
+                logger.warning(
+                    "%s: the column-block product on AMX tiles failed its self-check; products stay off the tiles",
+                    kernels.path,
+                )
                 return False
     return True
 
@@ -373,8 +442,11 @@ def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bo
             reference = xs.double() @ w.double().t()
             got = kernels.invariant_linear(xs, pack_invariant_weight(w).data, None, columns).double()
             if not torch.allclose(got, reference, atol=tolerance, rtol=tolerance):
-                logger.warning("%s: the column-block %s product failed its self-check; --batch-invariant is "
-                               "unavailable and bf16 products stay off it", kernels.path,
-                               str(dtype).removeprefix("torch."))
+                logger.warning(
+                    "%s: the column-block %s product failed its self-check; --batch-invariant is "
+                    "unavailable and bf16 products stay off it",
+                    kernels.path,
+                    str(dtype).removeprefix("torch."),
+                )
                 return False
     return True

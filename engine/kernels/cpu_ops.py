@@ -27,8 +27,9 @@ from typing import Any, Optional
 import torch
 
 SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
-    "paged_decode": [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
-                                                                    ctypes.c_float, ctypes.c_void_p],
+    "paged_decode": [ctypes.c_void_p] * 6
+    + [ctypes.c_int64] * 6
+    + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p],
     "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
@@ -72,15 +73,43 @@ def _define(name: str, schema: str, kernel, fake) -> None:
     torch.library.register_fake(qualname, fake)
 
 
-def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, split, window, softcap,
-                  sinks: Optional[torch.Tensor], fn):
+def _paged_decode(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    split,
+    window,
+    softcap,
+    sinks: Optional[torch.Tensor],
+    fn,
+):
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
-    _call("paged_decode", fn, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-          block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-          head_dim, block_size, block_tables.shape[1], scale, split, window, softcap,
-          None if sinks is None else sinks.data_ptr())
+    _call(
+        "paged_decode",
+        fn,
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        split,
+        window,
+        softcap,
+        None if sinks is None else sinks.data_ptr(),
+    )
     return out
 
 
@@ -92,8 +121,17 @@ def _rms_norm(x, weight, eps, fn):
 
 def _add_rms_norm(x, residual, weight, eps, fn):
     out = torch.empty_like(x)
-    _call("add_rms_norm", fn, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
-          x.shape[1], eps)
+    _call(
+        "add_rms_norm",
+        fn,
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+    )
     return out
 
 
@@ -106,23 +144,52 @@ def _silu_and_mul(gate_up, fn):
 
 def _rotary_(x, positions, cos, sin_signed, fn):
     rows, heads, head_dim = x.shape
-    _call("rotary", fn, x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), rows,
-          x.stride(0), heads, head_dim)
+    _call(
+        "rotary",
+        fn,
+        x.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin_signed.data_ptr(),
+        rows,
+        x.stride(0),
+        heads,
+        head_dim,
+    )
 
 
 def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, amx, fn):
     rows, in_features = x.shape
     out = x.new_empty((rows, out_features))
-    _call("invariant_linear", fn, x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-          out.data_ptr(), rows, out_features, in_features, amx)
+    _call(
+        "invariant_linear",
+        fn,
+        x.data_ptr(),
+        packed.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        out_features,
+        in_features,
+        amx,
+    )
     return out
 
 
 def _gemv(x, weight, bias: Optional[torch.Tensor], fn):
     rows, in_features = x.shape
     out = x.new_empty((rows, weight.shape[0]))
-    _call("gemv", fn, x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-          rows, weight.shape[0], in_features)
+    _call(
+        "gemv",
+        fn,
+        x.data_ptr(),
+        weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        in_features,
+    )
     return out
 
 
@@ -130,16 +197,53 @@ def _addresses(tensors) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
-def _decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots, block_tables,
-                   context_lens, heads, inter, eps, scale, fn):
+def _decode_layers(
+    residual,
+    weights,
+    key_caches,
+    value_caches,
+    positions,
+    cos,
+    sin_signed,
+    slots,
+    block_tables,
+    context_lens,
+    heads,
+    inter,
+    eps,
+    scale,
+    fn,
+):
     rows, hidden = residual.shape
     _, block_size, kv_heads, head_dim = key_caches[0].shape
     out = torch.empty_like(residual)
     keys, values = _addresses(key_caches), _addresses(value_caches)  # [num_layers] int64
-    _call("decode_layers", fn, residual.data_ptr(), weights.data_ptr(), keys.data_ptr(), values.data_ptr(),
-          positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-          context_lens.data_ptr(), out.data_ptr(), weights.shape[0], rows, hidden, heads, kv_heads, head_dim, inter,
-          block_size, block_tables.shape[1], eps, scale)
+    _call(
+        "decode_layers",
+        fn,
+        residual.data_ptr(),
+        weights.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin_signed.data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        weights.shape[0],
+        rows,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        inter,
+        block_size,
+        block_tables.shape[1],
+        eps,
+        scale,
+    )
     return out
 
 
@@ -147,24 +251,50 @@ def _like_first(x, *args):
     return torch.empty_like(x)
 
 
-_define("cpu_paged_decode", "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int split, int window, float softcap, Tensor? sinks, int fn) -> Tensor",
-        _paged_decode,
-        _like_first)
+_define(
+    "cpu_paged_decode",
+    "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+    "Tensor context_lens, float scale, int split, int window, float softcap, Tensor? sinks, int fn) -> Tensor",
+    _paged_decode,
+    _like_first,
+)
 _define("cpu_rms_norm", "(Tensor x, Tensor weight, float eps, int fn) -> Tensor", _rms_norm, _like_first)
-_define("cpu_add_rms_norm", "(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int fn) -> Tensor",
-        _add_rms_norm, _like_first)
-_define("cpu_silu_and_mul", "(Tensor gate_up, int fn) -> Tensor", _silu_and_mul,
-        lambda gate_up, fn: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)))
-_define("cpu_rotary_", "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_signed, int fn) -> ()", _rotary_,
-        lambda x, positions, cos, sin_signed, fn: None)
-_define("cpu_invariant_linear",
-        "(Tensor x, Tensor packed, Tensor? bias, int out_features, int amx, int fn) -> Tensor", _invariant_linear,
-        lambda x, packed, bias, out_features, amx, fn: x.new_empty((x.shape[0], out_features)))
-_define("cpu_gemv", "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor", _gemv,
-        lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])))
-_define("cpu_decode_layers", "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, "
-        "Tensor(c!)[] value_caches, "
-        "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
-        "int heads, int inter, float eps, float scale, int fn) -> Tensor", _decode_layers,
-        lambda residual, *rest: torch.empty_like(residual))
+_define(
+    "cpu_add_rms_norm",
+    "(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int fn) -> Tensor",
+    _add_rms_norm,
+    _like_first,
+)
+_define(
+    "cpu_silu_and_mul",
+    "(Tensor gate_up, int fn) -> Tensor",
+    _silu_and_mul,
+    lambda gate_up, fn: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)),
+)
+_define(
+    "cpu_rotary_",
+    "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_signed, int fn) -> ()",
+    _rotary_,
+    lambda x, positions, cos, sin_signed, fn: None,
+)
+_define(
+    "cpu_invariant_linear",
+    "(Tensor x, Tensor packed, Tensor? bias, int out_features, int amx, int fn) -> Tensor",
+    _invariant_linear,
+    lambda x, packed, bias, out_features, amx, fn: x.new_empty((x.shape[0], out_features)),
+)
+_define(
+    "cpu_gemv",
+    "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor",
+    _gemv,
+    lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])),
+)
+_define(
+    "cpu_decode_layers",
+    "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, "
+    "Tensor(c!)[] value_caches, "
+    "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
+    "int heads, int inter, float eps, float scale, int fn) -> Tensor",
+    _decode_layers,
+    lambda residual, *rest: torch.empty_like(residual),
+)

@@ -45,8 +45,20 @@ def _quant_linear(x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, l
     if layout and out_features % 16:
         raise ValueError(f"an X16 weight has a multiple of 16 rows, got {out_features}")
     out = x.new_empty((rows, out_features))  # [rows, out_features]
-    _function("quant_linear", fn)(x.data_ptr(), qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), rows,
-                                  in_features, out_features, nbp, fmt, layout, tile_min_rows)
+    _function("quant_linear", fn)(
+        x.data_ptr(),
+        qs.data_ptr(),
+        d.data_ptr(),
+        _address(m),
+        out.data_ptr(),
+        rows,
+        in_features,
+        out_features,
+        nbp,
+        fmt,
+        layout,
+        tile_min_rows,
+    )
     return out
 
 
@@ -61,8 +73,9 @@ def _quant_dequantize(qs, d, m: Optional[torch.Tensor], out_features, in_feature
     if layout and out_features % 16:
         raise ValueError(f"an X16 weight has a multiple of 16 rows, got {out_features}")
     out = torch.empty((out_features, in_features), dtype=dtype)  # [out_features, in_features]
-    _function("quant_dequantize", fn)(qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), out_features,
-                                        in_features, nbp, fmt, layout)
+    _function("quant_dequantize", fn)(
+        qs.data_ptr(), d.data_ptr(), _address(m), out.data_ptr(), out_features, in_features, nbp, fmt, layout
+    )
     return out
 
 
@@ -73,13 +86,22 @@ def _define(name: str, schema: str, kernel, fake) -> None:
     torch.library.register_fake(qualname, fake)
 
 
-_define("cpu_quant_linear", "(Tensor x, Tensor qs, Tensor d, Tensor? m, int out_features, int nbp, int fmt, "
-        "int layout, int tile_min_rows, int fn) -> Tensor", _quant_linear,
-        lambda x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn: x.new_empty((x.shape[0], out_features)))
-_define("cpu_quant_dequantize", "(Tensor qs, Tensor d, Tensor? m, int out_features, int in_features, int nbp, "
-        "int fmt, int layout, ScalarType dtype, int fn) -> Tensor", _quant_dequantize,
-        lambda qs, d, m, out_features, in_features, nbp, fmt, layout, dtype, fn:
-        qs.new_empty((out_features, in_features), dtype=dtype))
+_define(
+    "cpu_quant_linear",
+    "(Tensor x, Tensor qs, Tensor d, Tensor? m, int out_features, int nbp, int fmt, "
+    "int layout, int tile_min_rows, int fn) -> Tensor",
+    _quant_linear,
+    lambda x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn: x.new_empty((x.shape[0], out_features)),
+)
+_define(
+    "cpu_quant_dequantize",
+    "(Tensor qs, Tensor d, Tensor? m, int out_features, int in_features, int nbp, "
+    "int fmt, int layout, ScalarType dtype, int fn) -> Tensor",
+    _quant_dequantize,
+    lambda qs, d, m, out_features, in_features, nbp, fmt, layout, dtype, fn: qs.new_empty(
+        (out_features, in_features), dtype=dtype
+    ),
+)
 
 
 class QuantKernels:
@@ -102,8 +124,18 @@ class QuantKernels:
         self._linear = torch.ops.pagedserve.cpu_quant_linear.default
         self._dequantize = torch.ops.pagedserve.cpu_quant_dequantize.default
 
-    def linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor],
-               out_features: int, nbp: int, fmt: int, layout: int = 0, tile_min_rows: int = 1 << 62) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: Optional[torch.Tensor],
+        out_features: int,
+        nbp: int,
+        fmt: int,
+        layout: int = 0,
+        tile_min_rows: int = 1 << 62,
+    ) -> torch.Tensor:
         """x [rows, in] contiguous f32/bf16 -> x @ W.T [rows, out_features] in x's dtype: integer dot products
         with int8 activations, or, for bf16 x of at least `tile_min_rows` rows on AVX512-BF16 builds, bf16
         products with tiles of W dequantized once (csrc/quant_dense_bf16.cpp)."""
@@ -114,11 +146,22 @@ class QuantKernels:
         # is a share of the step worth saving (docs/performance.md)
         return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
 
-    def dequantize(self, qs: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor], out_features: int,
-                   in_features: int, nbp: int, fmt: int, layout: int, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(
+        self,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: Optional[torch.Tensor],
+        out_features: int,
+        in_features: int,
+        nbp: int,
+        fmt: int,
+        layout: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """The float matrix [out_features, in_features] in `dtype` (f32/bf16)."""
-        return self._dequantize(qs, d, m, out_features, in_features, nbp, fmt, layout, dtype,
-                                self._function("quant_dequantize", dtype))
+        return self._dequantize(
+            qs, d, m, out_features, in_features, nbp, fmt, layout, dtype, self._function("quant_dequantize", dtype)
+        )
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))
@@ -127,8 +170,9 @@ class QuantKernels:
         return function
 
 
-def load_quant_kernels(cache_dir: Optional[Path] = None, *, march: str = "native",
-                       sources: Optional[tuple[str, ...]] = None) -> QuantKernels:
+def load_quant_kernels(
+    cache_dir: Optional[Path] = None, *, march: str = "native", sources: Optional[tuple[str, ...]] = None
+) -> QuantKernels:
     """Build (once per machine, target and source) and load the quantized products; raises RuntimeError
     with the reason when no library can be built (there is no torch fallback for quantized weights)."""
     from engine.kernels.cpu import SOURCES, build_library  # (cpu.py imports this module's neighbours)

@@ -52,8 +52,14 @@ class FusedDecode:
         self._caches: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
         self._caches_of: Optional[Sequence] = None  # the kv_caches sequence they were split from
 
-    def takes(self, model, num_tokens: int, metadata: AttentionMetadata,
-              kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
+    def takes(
+        self,
+        model,
+        num_tokens: int,
+        metadata: AttentionMetadata,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+    ) -> bool:
         """Whether this step can run fused (cheap after the first call)."""
         if num_tokens == 0 or backend.name != "cpu" or metadata.num_decodes != num_tokens:
             return False
@@ -63,9 +69,14 @@ class FusedDecode:
                 self._max_rows = _integer_rows(model, self.max_rows)
         return self._model_ok and num_tokens <= self._max_rows
 
-    def forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+    def forward(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         arch, rotary = model.arch, model.rotary
         if self._weights is None:
             self._weights = _weight_table(model)
@@ -76,9 +87,21 @@ class FusedDecode:
         tables, lens = metadata.decodes()
         residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
         h = self.kernels.decode_layers(
-            residual, self._weights, key_caches, value_caches, positions, rotary.cos, rotary.sin_signed,
-            metadata.slot_mapping, tables, lens, arch.num_heads, arch.intermediate_size,
-            arch.rms_norm_eps, model.scale)
+            residual,
+            self._weights,
+            key_caches,
+            value_caches,
+            positions,
+            rotary.cos,
+            rotary.sin_signed,
+            metadata.slot_mapping,
+            tables,
+            lens,
+            arch.num_heads,
+            arch.intermediate_size,
+            arch.rms_norm_eps,
+            model.scale,
+        )
         return residual + h
 
 
@@ -103,8 +126,7 @@ def _matrix_entry(weight, tiles: bool = False) -> list[int]:
         return [weight.data.data_ptr(), 0, 0, COLUMN_BLOCKS_TILES_FORMAT if tiles else COLUMN_BLOCKS_FORMAT, 0, 0]
     if isinstance(weight, GgufWeight):
         p = weight.packed
-        return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp,
-                p.layout]
+        return [p.qs.data_ptr(), p.d.data_ptr(), 0 if p.m is None else p.m.data_ptr(), weight.fmt.code, p.nbp, p.layout]
     return [weight.data_ptr(), 0, 0, DENSE_FORMAT, 0, 0]
 
 
@@ -115,8 +137,12 @@ def _has_blocks(model) -> bool:
 def _integer_rows(model, limit: int) -> int:
     """The most rows, up to `limit`, that the unfused path multiplies with every GGUF matrix's integer
     product (beyond, bf16 tiles or a dense product: the fused path stops there too)."""
-    blocks = [getattr(layer, name) for layer in model.layers for name in MATRIX_COLUMNS
-              if isinstance(getattr(layer, name), GgufWeight)]
+    blocks = [
+        getattr(layer, name)
+        for layer in model.layers
+        for name in MATRIX_COLUMNS
+        if isinstance(getattr(layer, name), GgufWeight)
+    ]
     rows = 0
     while rows < limit and all(w.product(rows + 1, model.dtype) == "integer" for w in blocks):
         rows += 1

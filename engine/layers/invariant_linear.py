@@ -26,6 +26,7 @@ from engine.kernels.cpu import CpuKernels
 from engine.layers.linear import Linear, Weight, quantized_product
 from engine.quantization.quantized_weight import QuantizedWeight
 
+
 class BatchInvariantLinear(Linear):
     """`F.linear` whose every output row is bitwise the same whatever the other rows (CPU, fp32 / bf16)."""
 
@@ -36,8 +37,10 @@ class BatchInvariantLinear(Linear):
 
     def prepare(self, weight: Weight) -> Any:
         if isinstance(weight, QuantizedWeight):
-            raise ValueError("the batch-invariant product multiplies float weights (quantization is refused with "
-                             "batch invariance at build)")
+            raise ValueError(
+                "the batch-invariant product multiplies float weights (quantization is refused with "
+                "batch invariance at build)"
+            )
         return pack_invariant_weight(weight.contiguous())
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:

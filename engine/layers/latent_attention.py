@@ -54,10 +54,19 @@ def split_kv_b(kv_b: torch.Tensor, num_heads: int, nope: int) -> tuple[torch.Ten
     return per_head[:, :nope].contiguous(), per_head[:, nope:].transpose(1, 2).contiguous()
 
 
-def latent_attention(weights: LatentAttentionWeights, x: torch.Tensor, angles, rotary: RotaryEmbedding,
-                     key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-                     backend: AttentionBackend, layer: LayerAttention, linear: Linear,
-                     ops: TorchLayerOps) -> torch.Tensor:
+def latent_attention(
+    weights: LatentAttentionWeights,
+    x: torch.Tensor,
+    angles,
+    rotary: RotaryEmbedding,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    backend: AttentionBackend,
+    layer: LayerAttention,
+    linear: Linear,
+    ops: TorchLayerOps,
+) -> torch.Tensor:
     """x [T, hidden] (normed) -> [T, hidden]; writes the step's latent entries into the cache first."""
     num_tokens = x.shape[0]
     num_heads, nope, rank = weights.w_uk.shape

@@ -65,11 +65,22 @@ class SharedExpert:
 class SparseMoeBlock:
     """One layer's experts, router and optional shared expert; `forward` replaces the dense MLP."""
 
-    def __init__(self, router: torch.Tensor, experts: ExpertWeights, top_k: int, renormalize: bool,
-                 linear: Linear, shared: Optional[SharedExpert] = None, weights_in_model_dtype: bool = False,
-                 *, router_bias: Optional[torch.Tensor] = None, softmax_after_top_k: bool = False,
-                 activation: Optional[ClampedSwiGLU] = None,
-                 select: Optional[Callable[[torch.Tensor], Routing]] = None, router_in_float32: bool = False):
+    def __init__(
+        self,
+        router: torch.Tensor,
+        experts: ExpertWeights,
+        top_k: int,
+        renormalize: bool,
+        linear: Linear,
+        shared: Optional[SharedExpert] = None,
+        weights_in_model_dtype: bool = False,
+        *,
+        router_bias: Optional[torch.Tensor] = None,
+        softmax_after_top_k: bool = False,
+        activation: Optional[ClampedSwiGLU] = None,
+        select: Optional[Callable[[torch.Tensor], Routing]] = None,
+        router_in_float32: bool = False,
+    ):
         if not 0 < top_k <= experts.num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
         self.router_in_float32 = router_in_float32
@@ -80,17 +91,23 @@ class SparseMoeBlock:
         self.softmax_after_top_k = softmax_after_top_k  # GPT-OSS: top-k of the logits, softmax over those
         self.select = select  # a family's own routing of the logits (DeepSeek's grouped routing)
         self.activation = activation  # None: SwiGLU (the layer ops' silu_and_mul)
-        self.biases = [(None if experts.gate_up_bias is None else experts.gate_up_bias[e],
-                        None if experts.down_bias is None else experts.down_bias[e])
-                       for e in range(experts.num_experts)]  # [(gate_up [2I], down [H]) or Nones] per expert
+        self.biases = [
+            (
+                None if experts.gate_up_bias is None else experts.gate_up_bias[e],
+                None if experts.down_bias is None else experts.down_bias[e],
+            )
+            for e in range(experts.num_experts)
+        ]  # [(gate_up [2I], down [H]) or Nones] per expert
         self.top_k = top_k
         self.renormalize = renormalize
         self.weights_in_model_dtype = weights_in_model_dtype  # Qwen MoE rounds the top-k weights to it, Mixtral not
         self.shared = shared
         self.num_experts = experts.num_experts
         per_expert = [(linear.prepare(g), linear.prepare(d)) for g, d in zip(experts.gate_up, experts.down)]
-        views = all(_is_view(g, gate_up) and _is_view(d, down)
-                    for (g, d), gate_up, down in zip(per_expert, experts.gate_up, experts.down))
+        views = all(
+            _is_view(g, gate_up) and _is_view(d, down)
+            for (g, d), gate_up, down in zip(per_expert, experts.gate_up, experts.down)
+        )
         # the stacked tensors stay only when the per-expert forms are their views (no second copy)
         self.stacked: Optional[ExpertWeights] = experts if views else None
         self.per_expert = per_expert  # [(gate_up [2I, H], down [H, I]) in `linear`'s form] per expert
@@ -129,8 +146,16 @@ class SparseMoeBlock:
         if fused_moe is not None:
             stacked = self.stacked
             assert stacked is not None  # _fused_kernel gives a kernel only where the stacked tensors are kept
-            out = fused_moe(x, stacked.gate_up, stacked.down, routing.weights, routing.expert_ids,
-                            gate_up_bias=stacked.gate_up_bias, down_bias=stacked.down_bias, activation=self.activation)
+            out = fused_moe(
+                x,
+                stacked.gate_up,
+                stacked.down,
+                routing.weights,
+                routing.expert_ids,
+                gate_up_bias=stacked.gate_up_bias,
+                down_bias=stacked.down_bias,
+                activation=self.activation,
+            )
         else:
             out = self._grouped(x, routing, linear, ops)
         if self.shared is None:

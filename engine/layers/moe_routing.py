@@ -1,21 +1,21 @@
 """Which experts each token goes to, and the token rows grouped by expert.
 
-    select_experts(router_logits [T, E], top_k, renormalize) -> Routing
-        softmax over all E experts in float32, the top_k largest, divided by their sum when
-        `renormalize` (Mixtral always; Qwen MoE when the config's `norm_topk_prob`): HF's routers.
+select_experts(router_logits [T, E], top_k, renormalize) -> Routing
+    softmax over all E experts in float32, the top_k largest, divided by their sum when
+    `renormalize` (Mixtral always; Qwen MoE when the config's `norm_topk_prob`): HF's routers.
 
-    select_top_logits(router_logits [T, E], top_k) -> Routing
-        the top_k largest logits, then a softmax over those k only (GPT-OSS's router).
+select_top_logits(router_logits [T, E], top_k) -> Routing
+    the top_k largest logits, then a softmax over those k only (GPT-OSS's router).
 
-    group_by_expert(routing) -> ExpertGroups
-        the T * top_k (token, expert) pairs sorted by expert id (stable: tokens ascending within an
-        expert), so each expert's rows are one contiguous segment:
+group_by_expert(routing) -> ExpertGroups
+    the T * top_k (token, expert) pairs sorted by expert id (stable: tokens ascending within an
+    expert), so each expert's rows are one contiguous segment:
 
-            flat pair j = t * top_k + slot          expert_ids.view(-1)[j]
-            order       = argsort(expert of each pair)        [T * top_k]
-            token_index = order // top_k            the token of each sorted row
-            experts, counts                         the experts with rows and their row counts, ascending:
-                                                    expert experts[i] has the i-th segment, counts[i] rows
+        flat pair j = t * top_k + slot          expert_ids.view(-1)[j]
+        order       = argsort(expert of each pair)        [T * top_k]
+        token_index = order // top_k            the token of each sorted row
+        experts, counts                         the experts with rows and their row counts, ascending:
+                                                expert experts[i] has the i-th segment, counts[i] rows
 """
 
 from __future__ import annotations

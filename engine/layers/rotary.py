@@ -21,8 +21,9 @@ def check_rope_scaling(scaling: Optional[dict]) -> None:
         raise ValueError(f"RoPE scaling {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict],
-                        max_position_embeddings: Optional[int] = None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: Optional[int] = None
+) -> torch.Tensor:
     """[head_dim // 2] float32 rotation speeds, after the model's frequency scaling (LongRoPE: its short
     factors, those of positions before `original_max_position_embeddings`)."""
     check_rope_scaling(scaling)
@@ -112,12 +113,19 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables; rotates the two halves of each head (HF's layout).
 
-        rotate_half(x) = [-x2, x1] = roll(x, half) * [-1 .. -1, 1 .. 1]
-        x' = x * cos + rotate_half(x) * sin = x * cos + roll(x, half) * sin_signed
+    rotate_half(x) = [-x2, x1] = roll(x, half) * [-1 .. -1, 1 .. 1]
+    x' = x * cos + rotate_half(x) * sin = x * cos + roll(x, half) * sin_signed
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict],
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: Optional[dict],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         inv_freq = inverse_frequencies(head_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]

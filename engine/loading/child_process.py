@@ -47,8 +47,9 @@ def call_in_child_process(function: Callable[..., T], *args: Any) -> T:
             else:
                 outcome = (kind, value)
     if outcome is None:
-        raise ChildProcessError(f"the child process running {function.__name__} exited with status "
-                                f"{child.returncode} and no result")
+        raise ChildProcessError(
+            f"the child process running {function.__name__} exited with status {child.returncode} and no result"
+        )
     kind, value = outcome
     if kind == "error":
         raise value

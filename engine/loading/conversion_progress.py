@@ -34,8 +34,9 @@ class ConversionProgress:
         if stream is not None and stream.isatty():
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=None, desc=f"pagedserve: converting {self._name}", bar_format=_BAR_FORMAT,
-                             file=stream)
+            self._bar = tqdm(
+                total=None, desc=f"pagedserve: converting {self._name}", bar_format=_BAR_FORMAT, file=stream
+            )
         self.stage("reading the GGUF metadata")
         return self
 

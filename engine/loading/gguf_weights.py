@@ -82,8 +82,9 @@ def _heads_for(gguf_name: str, architecture: str, num_heads: int, num_kv_heads: 
     return 0
 
 
-def iter_gguf_weights(path: Union[str, Path], kernels: QuantKernels, num_heads: int,
-                      num_kv_heads: int) -> Iterator[tuple[str, Union[torch.Tensor, GgufWeight]]]:
+def iter_gguf_weights(
+    path: Union[str, Path], kernels: QuantKernels, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, Union[torch.Tensor, GgufWeight]]]:
     """(HF name, tensor or GgufWeight) for every tensor of the GGUF at `path`."""
     from gguf import GGUFReader
 

@@ -117,8 +117,9 @@ def check_checkpoint_dir(path: Path) -> None:
         raise CheckpointError(f"model directory {str(path)!r} has no *.safetensors or pytorch_model*.bin weights")
 
 
-def download_from_hub(repo_id: str, *, revision: Optional[str] = None,
-                      download_dir: Optional[Union[str, Path]] = None) -> Path:
+def download_from_hub(
+    repo_id: str, *, revision: Optional[str] = None, download_dir: Optional[Union[str, Path]] = None
+) -> Path:
     """A snapshot of `repo_id` with config, tokenizer and weights, in `download_dir` (an HF cache layout;
     None: the default HF cache); offline, only from there."""
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in _OFFLINE_VALUES
@@ -130,14 +131,18 @@ def download_from_hub(repo_id: str, *, revision: Optional[str] = None,
     return path
 
 
-def _snapshot(repo_id: str, revision: Optional[str], patterns: tuple[str, ...], offline: bool,
-              cache_dir: Optional[str] = None) -> Path:
+def _snapshot(
+    repo_id: str, revision: Optional[str], patterns: tuple[str, ...], offline: bool, cache_dir: Optional[str] = None
+) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         return Path(
             snapshot_download(
-                repo_id, revision=revision, allow_patterns=list(patterns), local_files_only=offline,
+                repo_id,
+                revision=revision,
+                allow_patterns=list(patterns),
+                local_files_only=offline,
                 cache_dir=cache_dir,
             )
         )

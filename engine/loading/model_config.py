@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+
 def cpu_has_fast_bf16() -> bool:
     """True when this CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
     import torch
@@ -59,23 +60,31 @@ class ModelConfig(BaseModel):
     seed: int = 0
     revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit) of a hub id")
     download_dir: Optional[str] = Field(
-        None, description="where hub downloads go and are looked up; None = the Hugging Face cache")
+        None, description="where hub downloads go and are looked up; None = the Hugging Face cache"
+    )
     trust_remote_code: bool = Field(
-        False, description="let the checkpoint's own Python code build its config and tokenizer (transformers' "
-        "trust_remote_code); the model itself always runs pagedserve's implementation")
+        False,
+        description="let the checkpoint's own Python code build its config and tokenizer (transformers' "
+        "trust_remote_code); the model itself always runs pagedserve's implementation",
+    )
     quantization: Literal["auto", "none", "gguf", "int8", "int4", "awq"] = Field(
-        "auto", description="weight storage: gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized (native CPU "
+        "auto",
+        description="weight storage: gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized (native CPU "
         "kernels, engine/quantization/model_weights.py); int8 (per output channel) or int4 (group-wise) quantize "
         "a float checkpoint's projections at load time, awq loads an AWQ checkpoint "
         "(engine/quantization/weight_quantizer.py); none loads float weights; auto = awq for an AWQ checkpoint, "
-        "else none")
+        "else none",
+    )
     chat_template: Optional[str] = Field(
-        None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+        None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's"
+    )
     quantization_group_size: Optional[Literal[32, 64, 128]] = Field(
-        None, description="input columns per int4 scale and zero; None = 32 with --quantization int4 (llama.cpp's "
+        None,
+        description="input columns per int4 scale and zero; None = 32 with --quantization int4 (llama.cpp's "
         "Q4 block: measured on the embedded model, groups of 64 and 128 lose 39% and 66% of perplexity), the "
         "checkpoint's own with awq. A value is refused where no groups apply (none, gguf, int8, a float checkpoint "
-        "under auto) and with awq when it is not the checkpoint's (engine/builder.py)")
+        "under auto) and with awq when it is not the checkpoint's (engine/builder.py)",
+    )
 
     @field_validator("quantization", mode="before")
     @classmethod
@@ -89,8 +98,11 @@ class ModelConfig(BaseModel):
         """Inline Jinja, or the path of a file that exists (read when the tokenizer loads)."""
         from pathlib import Path
 
-        if value is not None and not any(m in value for m in ("{{", "{%", "{#")) \
-                and not Path(value).expanduser().is_file():
+        if (
+            value is not None
+            and not any(m in value for m in ("{{", "{%", "{#"))
+            and not Path(value).expanduser().is_file()
+        ):
             raise ValueError(f"neither a file nor a Jinja template: no file {value!r}, and no {{{{ or {{%")
         return value
 

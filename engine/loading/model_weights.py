@@ -34,8 +34,9 @@ default server pins; the lead decides after measuring on a quiet machine."""
 WeightItem = tuple[str, Union[torch.Tensor, QuantizedWeight]]
 
 
-def resolve_gguf_storage(requested: str, gguf_file: Optional[Path], device: torch.device, dtype: torch.dtype,
-                         batch_invariant: bool = False) -> str:
+def resolve_gguf_storage(
+    requested: str, gguf_file: Optional[Path], device: torch.device, dtype: torch.dtype, batch_invariant: bool = False
+) -> str:
     """The storage to load with: `none` or `gguf` (ValueError, naming the reason, when `gguf` cannot be)."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {requested!r}; expected one of {', '.join(QUANTIZATIONS)}")
@@ -49,8 +50,9 @@ def resolve_gguf_storage(requested: str, gguf_file: Optional[Path], device: torc
     return "gguf" if GGUF_BY_DEFAULT and problem is None and dtype == torch.bfloat16 else "none"
 
 
-def _gguf_problem(gguf_file: Optional[Path], device: torch.device, dtype: torch.dtype,
-                  batch_invariant: bool) -> Optional[str]:
+def _gguf_problem(
+    gguf_file: Optional[Path], device: torch.device, dtype: torch.dtype, batch_invariant: bool
+) -> Optional[str]:
     if gguf_file is None:
         return "the model is not a .gguf file"
     if device.type != "cpu":
@@ -62,8 +64,9 @@ def _gguf_problem(gguf_file: Optional[Path], device: torch.device, dtype: torch.
     return None
 
 
-def model_weights(quantization: str, checkpoint_dir: Path, gguf_file: Optional[Path],
-                  num_heads: int, num_kv_heads: int) -> Iterator[WeightItem]:
+def model_weights(
+    quantization: str, checkpoint_dir: Path, gguf_file: Optional[Path], num_heads: int, num_kv_heads: int
+) -> Iterator[WeightItem]:
     """(HF name, tensor or quantized weight) for every weight, in the storage `quantization` names."""
     from engine.loading.loader import iter_weights
 
@@ -86,7 +89,11 @@ def fuse_rows(weights, dtype: torch.dtype) -> Union[torch.Tensor, QuantizedWeigh
             reason = str(error)
     else:
         reason = "quantized and float matrices"
-    logger.info("fusing %s as %s floats: %s", " | ".join(getattr(w, "format", "float") for w in weights),
-                str(dtype).removeprefix("torch."), reason)
+    logger.info(
+        "fusing %s as %s floats: %s",
+        " | ".join(getattr(w, "format", "float") for w in weights),
+        str(dtype).removeprefix("torch."),
+        reason,
+    )
     rows = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype) for w in weights]
     return torch.cat(rows).contiguous()

@@ -50,13 +50,21 @@ class DecoderForCausalLM(LlamaForCausalLM):
     arch: DecoderArch
     layers: list[DecoderLayerWeights]  # type: ignore[assignment]  # its own layers: norms by role
 
-    def __init__(self, arch: DecoderArch, dtype: torch.dtype, device: torch.device,
-                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
-                 quantizer: Optional[WeightQuantizer] = None):
+    def __init__(
+        self,
+        arch: DecoderArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+    ):
         super().__init__(arch, dtype, device, ops, linear, quantizer)
         self.fused = None  # the fused decode step computes Llama's layer only
-        self.rotaries = [self.rotary] + [RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, theta, scaling,
-                                                         dtype, device) for theta, scaling in arch.ropes[1:]]
+        self.rotaries = [self.rotary] + [
+            RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, theta, scaling, dtype, device)
+            for theta, scaling in arch.ropes[1:]
+        ]
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
@@ -74,8 +82,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
         """The checkpoint's tensors, refusing pre-quantized storage (AWQ groups, GGUF blocks): the Llama family's."""
         for name, tensor in weights:
             if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
-                raise ValueError(f"{self.arch.architecture}: {name} is stored as {type(tensor).__name__}; "
-                                 "pre-quantized checkpoints are served for the Llama family only")
+                raise ValueError(
+                    f"{self.arch.architecture}: {name} is stored as {type(tensor).__name__}; "
+                    "pre-quantized checkpoints are served for the Llama family only"
+                )
             yield name, tensor
 
     def _folded(self, weights: Iterable[tuple[str, torch.Tensor]]):
@@ -128,8 +138,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         )
 
     def weight_bytes(self) -> int:
-        fields = [getattr(layer, name) for layer in self.layers for name in DecoderLayerWeights.__slots__
-                  if name != "norms"]
+        fields = [
+            getattr(layer, name) for layer in self.layers for name in DecoderLayerWeights.__slots__ if name != "norms"
+        ]
         norms = [norm for layer in self.layers for norm in layer.norms.values()]
         return tensor_bytes([self.embed, self.final_norm, self.lm_head, *fields, *norms])
 
@@ -152,8 +163,17 @@ class DecoderForCausalLM(LlamaForCausalLM):
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             rope = arch.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
-            x = self._layer_attention(layer, x, self.rotaries[rope], angles[rope], key_cache, value_cache, metadata,
-                                      backend, arch.layer_attention[index])
+            x = self._layer_attention(
+                layer,
+                x,
+                self.rotaries[rope],
+                angles[rope],
+                key_cache,
+                value_cache,
+                metadata,
+                backend,
+                arch.layer_attention[index],
+            )
             h = self._add(h, self._norm(x, layer, "attn_post"))
             x = linear(self._norm(h, layer, "mlp_pre"), layer.gate_up, layer.gate_up_bias)
             x = linear(self._activate(x), layer.down, layer.down_bias)
@@ -174,9 +194,18 @@ class DecoderForCausalLM(LlamaForCausalLM):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
-    def _layer_attention(self, layer: DecoderLayerWeights, x, rotary: RotaryEmbedding, angles, key_cache,
-                         value_cache, metadata: AttentionMetadata, backend: AttentionBackend,
-                         attention: LayerAttention) -> torch.Tensor:
+    def _layer_attention(
+        self,
+        layer: DecoderLayerWeights,
+        x,
+        rotary: RotaryEmbedding,
+        angles,
+        key_cache,
+        value_cache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        attention: LayerAttention,
+    ) -> torch.Tensor:
         arch, ops = self.arch, self.ops
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -207,4 +236,3 @@ class DecoderForCausalLM(LlamaForCausalLM):
             logits = logits / self.arch.logits_divisor
         cap = self.arch.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
-

@@ -17,8 +17,12 @@ from engine.models.llama_arch import LlamaArch
 NORM_ROLES = ("attn_pre", "attn_post", "mlp_pre", "mlp_post")
 """Where a layer may have an RMSNorm: on the attention branch's input or output, on the MLP's input or output."""
 LLAMA_NORMS = (("attn_pre", "input_layernorm"), ("mlp_pre", "post_attention_layernorm"))
-SANDWICH_NORMS = (("attn_pre", "input_layernorm"), ("attn_post", "post_attention_layernorm"),
-                  ("mlp_pre", "pre_feedforward_layernorm"), ("mlp_post", "post_feedforward_layernorm"))
+SANDWICH_NORMS = (
+    ("attn_pre", "input_layernorm"),
+    ("attn_post", "post_attention_layernorm"),
+    ("mlp_pre", "pre_feedforward_layernorm"),
+    ("mlp_post", "post_feedforward_layernorm"),
+)
 POST_NORMS = (("attn_post", "post_attention_layernorm"), ("mlp_post", "post_feedforward_layernorm"))
 ACTIVATIONS = ("silu", "gelu_tanh")
 

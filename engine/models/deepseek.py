@@ -50,16 +50,24 @@ class DeepseekForCausalLM(MoeForCausalLM):
 
     layers: list[DeepseekLayerWeights]  # type: ignore[assignment]  # its own layers' fields (LlamaLayerWeights' norms)
 
-    def __init__(self, arch: LlamaArch, deepseek: DeepseekArch, dtype: torch.dtype, device: torch.device,
-                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
-                 quantizer: Optional[WeightQuantizer] = None):
+    def __init__(
+        self,
+        arch: LlamaArch,
+        deepseek: DeepseekArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+    ):
         super().__init__(arch, deepseek.moe, dtype, device, ops, linear, quantizer)
         mla = deepseek.mla
         self.mla = mla
         self.routing = deepseek.routing
         # the rope part of each head only (arch.head_dim is the cache entry's width, kv_lora_rank + rope)
-        self.rotary = RotaryEmbedding(mla.qk_rope_head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                      arch.rope_scaling, dtype, device)
+        self.rotary = RotaryEmbedding(
+            mla.qk_rope_head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
+        )
         self.scale = mla.softmax_scale
         self.attention = LayerAttention(mla.softmax_scale, latent_rank=mla.kv_lora_rank)
 
@@ -120,8 +128,12 @@ class DeepseekForCausalLM(MoeForCausalLM):
         q_bias, kv_bias = maybe(q_name + ".bias"), maybe(a + "kv_a_proj_with_mqa.bias")
         bias = None
         if q_bias is not None or kv_bias is not None:  # attention_bias: q_proj has none, q_a_proj and kv_a_proj have
-            bias = torch.cat([q.new_zeros(q.shape[0]) if q_bias is None else q_bias,
-                              kv_a.new_zeros(kv_a.shape[0]) if kv_bias is None else kv_bias])
+            bias = torch.cat(
+                [
+                    q.new_zeros(q.shape[0]) if q_bias is None else q_bias,
+                    kv_a.new_zeros(kv_a.shape[0]) if kv_bias is None else kv_bias,
+                ]
+            )
         w_uk, w_uv = split_kv_b(_float(take(a + "kv_b_proj.weight")), mla.num_heads, mla.qk_nope_head_dim)
         low_rank = mla.q_lora_rank is not None
         return LatentAttentionWeights(
@@ -142,31 +154,61 @@ class DeepseekForCausalLM(MoeForCausalLM):
         if moe.shared_intermediate_size is not None:
             s = p + "shared_experts."
             shared = SharedExpert(
-                gate_up=self._prepare(_cat_rows(_float(take(s + "gate_proj.weight")), _float(take(s + "up_proj.weight")))),
+                gate_up=self._prepare(
+                    _cat_rows(_float(take(s + "gate_proj.weight")), _float(take(s + "up_proj.weight")))
+                ),
                 down=self._prepare(_float(take(s + "down_proj.weight"))),
                 gate=None,
             )
         bias = maybe(p + "gate.e_score_correction_bias")
         routing = dataclasses.replace(self.routing, correction_bias=None if bias is None else bias.float())
-        return SparseMoeBlock(_float(take(p + "gate.weight")), self._take_experts(take, maybe), moe.top_k,
-                              moe.renormalize, self.linear, shared, select=routing, router_in_float32=True)
+        return SparseMoeBlock(
+            _float(take(p + "gate.weight")),
+            self._take_experts(take, maybe),
+            moe.top_k,
+            moe.renormalize,
+            self.linear,
+            shared,
+            select=routing,
+            router_in_float32=True,
+        )
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        dense = [w for layer in self.layers for w in (*layer.attention.matrices(), layer.gate_up, layer.down)
-                 if w is not None]
+        dense = [
+            w
+            for layer in self.layers
+            for w in (*layer.attention.matrices(), layer.gate_up, layer.down)
+            if w is not None
+        ]
         experts = [m for block in self.moe_blocks.values() for m in block.matrices()]
         return dense + experts + [self.lm_head]
 
     def weight_bytes(self) -> int:
-        attention = [getattr(layer.attention, name) for layer in self.layers
-                     for name in LatentAttentionWeights.__slots__]
-        fields = [getattr(layer, name) for layer in self.layers for name in DeepseekLayerWeights.__slots__
-                  if name != "attention"]
+        attention = [
+            getattr(layer.attention, name) for layer in self.layers for name in LatentAttentionWeights.__slots__
+        ]
+        fields = [
+            getattr(layer, name)
+            for layer in self.layers
+            for name in DeepseekLayerWeights.__slots__
+            if name != "attention"
+        ]
         blocks = [t for block in self.moe_blocks.values() for t in block.tensors()]
         return tensor_bytes([self.embed, self.final_norm, self.lm_head, *attention, *fields, *blocks])
 
     # ------------------------------------------------------------------ forward
 
     def _attention(self, layer, x, angles, key_cache, value_cache, metadata, backend) -> torch.Tensor:
-        return latent_attention(layer.attention, x, angles, self.rotary, key_cache, value_cache, metadata, backend,
-                                self.attention, self.linear, self.ops)
+        return latent_attention(
+            layer.attention,
+            x,
+            angles,
+            self.rotary,
+            key_cache,
+            value_cache,
+            metadata,
+            backend,
+            self.attention,
+            self.linear,
+            self.ops,
+        )

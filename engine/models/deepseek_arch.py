@@ -45,7 +45,9 @@ def read_deepseek(config: Any, rope_scaling: Optional[dict]) -> DeepseekArch:
     for field in ("mlp_bias",):
         if getattr(config, field, False):
             raise ValueError(f"config field {field}=True is not supported for {config.model_type}")
-    return DeepseekArch(mla=_read_mla(config, rope_scaling, v3), moe=_read_moe(config), routing=_read_routing(config, v3))
+    return DeepseekArch(
+        mla=_read_mla(config, rope_scaling, v3), moe=_read_moe(config), routing=_read_routing(config, v3)
+    )
 
 
 def _read_mla(config: Any, rope_scaling: Optional[dict], v3: bool) -> MlaArch:
@@ -81,10 +83,17 @@ def _read_moe(config: Any) -> MoeArch:
     top_k = config.num_experts_per_tok
     if experts and not 0 < top_k <= experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts} experts")
-    return MoeArch(num_experts=experts, top_k=top_k, expert_intermediate_size=config.moe_intermediate_size,
-                   renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=False,
-                   shared_intermediate_size=shared, sparse_layers=sparse, prefix="mlp.",
-                   expert_names=("gate_proj", "up_proj", "down_proj"))
+    return MoeArch(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        weights_in_model_dtype=False,
+        shared_intermediate_size=shared,
+        sparse_layers=sparse,
+        prefix="mlp.",
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+    )
 
 
 def _read_routing(config: Any, v3: bool) -> GroupedTopK:
@@ -95,15 +104,25 @@ def _read_routing(config: Any, v3: bool) -> GroupedTopK:
     method = getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
     served = ("sigmoid", ("noaux_tc",)) if v3 else ("softmax", ("greedy", "group_limited_greedy"))
     if scoring != served[0] or method not in served[1]:
-        raise ValueError(f"{config.model_type} routing scoring_func={scoring!r} topk_method={method!r} is not "
-                         f"supported (supported: scoring_func {served[0]!r} with topk_method "
-                         f"{' or '.join(map(repr, served[1]))}, as HF transformers computes it)")
+        raise ValueError(
+            f"{config.model_type} routing scoring_func={scoring!r} topk_method={method!r} is not "
+            f"supported (supported: scoring_func {served[0]!r} with topk_method "
+            f"{' or '.join(map(repr, served[1]))}, as HF transformers computes it)"
+        )
     if not v3 and config.norm_topk_prob:
-        raise ValueError("norm_topk_prob=True is not supported for deepseek_v2: HF transformers ignores it while "
-                         "DeepSeek's own code renormalises the top-k weights instead of scaling them")
+        raise ValueError(
+            "norm_topk_prob=True is not supported for deepseek_v2: HF transformers ignores it while "
+            "DeepSeek's own code renormalises the top-k weights instead of scaling them"
+        )
     groups = int(config.n_group or 1)
     if config.n_routed_experts % groups:
         raise ValueError(f"n_routed_experts {config.n_routed_experts} is not a multiple of n_group {groups}")
-    return GroupedTopK(top_k=config.num_experts_per_tok, scoring=scoring, method=method, num_groups=groups,
-                       topk_groups=int(config.topk_group or groups), renormalize=v3 and bool(config.norm_topk_prob),
-                       scaling_factor=float(config.routed_scaling_factor))
+    return GroupedTopK(
+        top_k=config.num_experts_per_tok,
+        scoring=scoring,
+        method=method,
+        num_groups=groups,
+        topk_groups=int(config.topk_group or groups),
+        renormalize=v3 and bool(config.norm_topk_prob),
+        scaling_factor=float(config.routed_scaling_factor),
+    )

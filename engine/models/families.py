@@ -24,10 +24,18 @@ def gemma2_arch(config: Any) -> DecoderArch:
     soft-capped attention scores and logits, sliding-window layers by `layer_types` (every other one)."""
     _refuse_bidirectional(config)
     rope = rope_settings(config)
-    attention = _layer_attention(config, config.query_pre_attn_scalar ** -0.5, config.attn_logit_softcapping)
-    return _arch(config, rope, norms=SANDWICH_NORMS, norm_offset=True, activation=_gelu_tanh(config),
-                 embedding_scale=config.hidden_size ** 0.5, embedding_scale_in_dtype=True,
-                 final_softcap=config.final_logit_softcapping, layer_attention=attention)
+    attention = _layer_attention(config, config.query_pre_attn_scalar**-0.5, config.attn_logit_softcapping)
+    return _arch(
+        config,
+        rope,
+        norms=SANDWICH_NORMS,
+        norm_offset=True,
+        activation=_gelu_tanh(config),
+        embedding_scale=config.hidden_size**0.5,
+        embedding_scale_in_dtype=True,
+        final_softcap=config.final_logit_softcapping,
+        layer_attention=attention,
+    )
 
 
 def gemma3_arch(config: Any) -> DecoderArch:
@@ -37,11 +45,21 @@ def gemma3_arch(config: Any) -> DecoderArch:
     layer_types = _layer_types(config)
     ropes = (rope_settings(config, "full_attention"), rope_settings(config, "sliding_attention"))
     layer_rope = tuple(1 if kind == "sliding_attention" else 0 for kind in layer_types)
-    attention = _layer_attention(config, config.query_pre_attn_scalar ** -0.5, config.attn_logit_softcapping)
-    return _arch(config, ropes[0], norms=SANDWICH_NORMS, norm_offset=True, activation=_gelu_tanh(config),
-                 qk_norm="head", embedding_scale=config.hidden_size ** 0.5, embedding_scale_in_dtype=True,
-                 final_softcap=config.final_logit_softcapping, layer_attention=attention, ropes=ropes,
-                 layer_rope=layer_rope)
+    attention = _layer_attention(config, config.query_pre_attn_scalar**-0.5, config.attn_logit_softcapping)
+    return _arch(
+        config,
+        ropes[0],
+        norms=SANDWICH_NORMS,
+        norm_offset=True,
+        activation=_gelu_tanh(config),
+        qk_norm="head",
+        embedding_scale=config.hidden_size**0.5,
+        embedding_scale_in_dtype=True,
+        final_softcap=config.final_logit_softcapping,
+        layer_attention=attention,
+        ropes=ropes,
+        layer_rope=layer_rope,
+    )
 
 
 def phi3_arch(config: Any) -> DecoderArch:
@@ -49,32 +67,45 @@ def phi3_arch(config: Any) -> DecoderArch:
     anyway), LongRoPE, a sliding window on every layer when the config sets one."""
     partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
     if partial != 1.0:
-        raise ValueError(f"{_name(config)}: partial_rotary_factor {partial} is not supported (RoPE over whole "
-                         "heads only)")
+        raise ValueError(
+            f"{_name(config)}: partial_rotary_factor {partial} is not supported (RoPE over whole heads only)"
+        )
     theta, scaling = rope_settings(config)
     if scaling is not None and scaling["rope_type"] == "longrope":
         original = getattr(config, "original_max_position_embeddings", None)
         scaling.setdefault("original_max_position_embeddings", original)
     window = getattr(config, "sliding_window", None)
-    attention = tuple(LayerAttention(_head_scale(config), sliding_window=window)
-                      for _ in range(config.num_hidden_layers))
+    attention = tuple(
+        LayerAttention(_head_scale(config), sliding_window=window) for _ in range(config.num_hidden_layers)
+    )
     return _arch(config, (theta, scaling), activation=_silu(config), layer_attention=attention)
 
 
 def olmo2_arch(config: Any) -> DecoderArch:
     """OLMo 2: no norms before the branches, norms on their outputs, q and k normalised over the whole
     projection before RoPE."""
-    return _arch(config, rope_settings(config), norms=POST_NORMS, activation=_silu(config), qk_norm="projection",
-                 layer_attention=_uniform_attention(config, _head_scale(config)))
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=POST_NORMS,
+        activation=_silu(config),
+        qk_norm="projection",
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+    )
 
 
 def granite_arch(config: Any) -> DecoderArch:
     """Granite: Llama's layer with embedding_multiplier, residual_multiplier, attention_multiplier as the
     attention scale and the logits divided by logits_scaling."""
-    return _arch(config, rope_settings(config), activation=_silu(config),
-                 embedding_scale=float(config.embedding_multiplier), residual_scale=float(config.residual_multiplier),
-                 logits_divisor=float(config.logits_scaling),
-                 layer_attention=_uniform_attention(config, float(config.attention_multiplier)))
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_silu(config),
+        embedding_scale=float(config.embedding_multiplier),
+        residual_scale=float(config.residual_multiplier),
+        logits_divisor=float(config.logits_scaling),
+        layer_attention=_uniform_attention(config, float(config.attention_multiplier)),
+    )
 
 
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
@@ -86,9 +117,16 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
 }
 
 
-def _arch(config: Any, rope: tuple[float, Optional[dict]], *, layer_attention: tuple[LayerAttention, ...],
-          norms=LLAMA_NORMS, ropes: Optional[tuple] = None, layer_rope: Optional[tuple[int, ...]] = None,
-          **recipe) -> DecoderArch:
+def _arch(
+    config: Any,
+    rope: tuple[float, Optional[dict]],
+    *,
+    layer_attention: tuple[LayerAttention, ...],
+    norms=LLAMA_NORMS,
+    ropes: Optional[tuple] = None,
+    layer_rope: Optional[tuple[int, ...]] = None,
+    **recipe,
+) -> DecoderArch:
     shape = AttentionShape.from_hf_config(config)
     ropes = ropes or (rope,)
     for _, scaling in ropes:
@@ -137,15 +175,19 @@ def _layer_types(config: Any) -> list[str]:
         raise ValueError(f"{_name(config)}: layer_types must name each of the {config.num_hidden_layers} layers")
     unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
     if unknown:
-        raise ValueError(f"{_name(config)}: layer types {unknown} are not supported "
-                         "(supported: sliding_attention, full_attention)")
+        raise ValueError(
+            f"{_name(config)}: layer types {unknown} are not supported (supported: sliding_attention, full_attention)"
+        )
     return layer_types
 
 
 def _layer_attention(config: Any, scale: float, softcap: Optional[float]) -> tuple[LayerAttention, ...]:
-    return tuple(LayerAttention(scale, sliding_window=config.sliding_window if kind == "sliding_attention" else None,
-                                softcap=softcap)
-                 for kind in _layer_types(config))
+    return tuple(
+        LayerAttention(
+            scale, sliding_window=config.sliding_window if kind == "sliding_attention" else None, softcap=softcap
+        )
+        for kind in _layer_types(config)
+    )
 
 
 def _refuse_bidirectional(config: Any) -> None:
@@ -160,8 +202,9 @@ def _activation(config: Any) -> str:
 def _gelu_tanh(config: Any) -> str:
     act = _activation(config)
     if act not in GELU_TANH:
-        raise ValueError(f"{_name(config)}: hidden_activation {act!r} is not supported (supported: "
-                         f"{', '.join(GELU_TANH)})")
+        raise ValueError(
+            f"{_name(config)}: hidden_activation {act!r} is not supported (supported: {', '.join(GELU_TANH)})"
+        )
     return "gelu_tanh"
 
 
@@ -170,4 +213,3 @@ def _silu(config: Any) -> str:
     if act not in ("silu", "swish"):
         raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: silu)")
     return "silu"
-

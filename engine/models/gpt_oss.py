@@ -36,9 +36,15 @@ MXFP4_SUFFIXES = ("_blocks", "_scales")
 class GptOssForCausalLM(MoeForCausalLM):
     """`MoeForCausalLM` with GPT-OSS's experts and router, and each layer's own attention (window, sinks)."""
 
-    def __init__(self, arch: GptOssArch, dtype: torch.dtype, device: torch.device,
-                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
-                 quantizer: Optional[WeightQuantizer] = None):
+    def __init__(
+        self,
+        arch: GptOssArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+    ):
         super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer)
         self.layer_attention = arch.layer_attention  # the sinks join them at load
         self.sinks: dict[int, torch.Tensor] = {}  # layer -> [heads], float32
@@ -51,15 +57,19 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._refuse_mxfp4(weights))
-        self.layer_attention = tuple(dataclasses.replace(attention, sinks=self.sinks[index])
-                                     for index, attention in enumerate(self.layer_attention))
+        self.layer_attention = tuple(
+            dataclasses.replace(attention, sinks=self.sinks[index])
+            for index, attention in enumerate(self.layer_attention)
+        )
 
     @staticmethod
     def _refuse_mxfp4(weights: Iterable[tuple[str, torch.Tensor]]):
         for name, tensor in weights:
             if name.endswith(MXFP4_SUFFIXES):
-                raise ValueError(f"GptOssForCausalLM: {name} is an MXFP4 tensor; MXFP4 checkpoints are not supported "
-                                 "(serve a bfloat16 copy)")
+                raise ValueError(
+                    f"GptOssForCausalLM: {name} is an MXFP4 tensor; MXFP4 checkpoints are not supported "
+                    "(serve a bfloat16 copy)"
+                )
             yield name, tensor
 
     def _take_layer(self, state: dict, index: int) -> LlamaLayerWeights:
@@ -78,8 +88,10 @@ class GptOssForCausalLM(MoeForCausalLM):
         down = _float(take(p + "experts.down_proj"))  # [E, I, H]
         expected = (moe.num_experts, hidden, 2 * moe.expert_intermediate_size)
         if tuple(gate_up.shape) != expected or tuple(down.shape) != (expected[0], expected[2] // 2, hidden):
-            raise ValueError(f"experts of shapes {tuple(gate_up.shape)} and {tuple(down.shape)}, expected "
-                             f"{expected} and {(expected[0], expected[2] // 2, hidden)} from the config")
+            raise ValueError(
+                f"experts of shapes {tuple(gate_up.shape)} and {tuple(down.shape)}, expected "
+                f"{expected} and {(expected[0], expected[2] // 2, hidden)} from the config"
+            )
         rows = gate_up.transpose(1, 2)  # [E, 2I, H]
         experts = ExpertWeights(
             gate_up=_halves(rows, dim=1),  # [E, 2I, H]: gate rows, then up rows
@@ -88,11 +100,17 @@ class GptOssForCausalLM(MoeForCausalLM):
             down_bias=_float(take(p + "experts.down_proj_bias")).contiguous(),  # [E, H]
         )
         assert moe.swiglu_limit is not None  # gpt_oss_arch sets it
-        return SparseMoeBlock(_float(take(p + "router.weight")), experts, moe.top_k, moe.renormalize, self.linear,
-                              weights_in_model_dtype=moe.weights_in_model_dtype,
-                              router_bias=_float(take(p + "router.bias")),
-                              softmax_after_top_k=moe.softmax_after_top_k,
-                              activation=ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit))
+        return SparseMoeBlock(
+            _float(take(p + "router.weight")),
+            experts,
+            moe.top_k,
+            moe.renormalize,
+            self.linear,
+            weights_in_model_dtype=moe.weights_in_model_dtype,
+            router_bias=_float(take(p + "router.bias")),
+            softmax_after_top_k=moe.softmax_after_top_k,
+            activation=ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit),
+        )
 
     def weight_bytes(self) -> int:
         return super().weight_bytes() + sum(s.numel() * s.element_size() for s in self.sinks.values())
@@ -119,15 +137,24 @@ class GptOssForCausalLM(MoeForCausalLM):
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             if index:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
-            h = self._layer_attention(layer, x, angles, key_cache, value_cache, metadata, backend,
-                                      self.layer_attention[index])
+            h = self._layer_attention(
+                layer, x, angles, key_cache, value_cache, metadata, backend, self.layer_attention[index]
+            )
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
             h = self._mlp(index, layer, x)
         return residual + h
 
-    def _layer_attention(self, layer: LlamaLayerWeights, x: torch.Tensor, angles, key_cache: torch.Tensor,
-                         value_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend,
-                         attention: LayerAttention) -> torch.Tensor:
+    def _layer_attention(
+        self,
+        layer: LlamaLayerWeights,
+        x: torch.Tensor,
+        angles,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        attention: LayerAttention,
+    ) -> torch.Tensor:
         arch = self.arch
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim

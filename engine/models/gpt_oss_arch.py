@@ -44,29 +44,43 @@ def gpt_oss_arch(config: Any) -> GptOssArch:
         swiglu_alpha=float(config.swiglu_alpha),
         swiglu_limit=float(config.swiglu_limit),
     )
-    scale = llama.head_dim ** -0.5
+    scale = llama.head_dim**-0.5
     # every layer has sinks: zeros until the checkpoint's replace them at load, so the backend's check at
     # start-up (before the weights) already sees the feature
-    attention = tuple(LayerAttention(scale, sliding_window=config.sliding_window if kind == "sliding_attention"
-                                     else None, sinks=torch.zeros(llama.num_heads)) for kind in config.layer_types)
+    attention = tuple(
+        LayerAttention(
+            scale,
+            sliding_window=config.sliding_window if kind == "sliding_attention" else None,
+            sinks=torch.zeros(llama.num_heads),
+        )
+        for kind in config.layer_types
+    )
     return GptOssArch(llama, moe, attention)
 
 
 def _refuse_unsupported(config: Any) -> None:
     quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
-        quantization, "quant_method", None)
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
     if method is not None:
-        raise ValueError(f"GptOssForCausalLM: {str(method).upper()} checkpoints (quantization_config quant_method "
-                         f"{method!r}) are not supported; serve a bfloat16 copy (transformers dequantizes MXFP4 with "
-                         "Mxfp4Config(dequantize=True), then save_pretrained)")
+        raise ValueError(
+            f"GptOssForCausalLM: {str(method).upper()} checkpoints (quantization_config quant_method "
+            f"{method!r}) are not supported; serve a bfloat16 copy (transformers dequantizes MXFP4 with "
+            "Mxfp4Config(dequantize=True), then save_pretrained)"
+        )
     layer_types = list(getattr(config, "layer_types", None) or [])
     if len(layer_types) != config.num_hidden_layers:
         raise ValueError(f"GptOssForCausalLM: layer_types must name each of the {config.num_hidden_layers} layers")
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
     if unknown:
-        raise ValueError(f"GptOssForCausalLM: layer types {unknown} are not supported "
-                         f"(supported: {', '.join(LAYER_TYPES)})")
+        raise ValueError(
+            f"GptOssForCausalLM: layer types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})"
+        )
     if not 0 < config.num_experts_per_tok <= config.num_local_experts:
-        raise ValueError(f"num_experts_per_tok {config.num_experts_per_tok} must be between 1 and the "
-                         f"{config.num_local_experts} experts")
+        raise ValueError(
+            f"num_experts_per_tok {config.num_experts_per_tok} must be between 1 and the "
+            f"{config.num_local_experts} experts"
+        )

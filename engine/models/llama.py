@@ -50,9 +50,15 @@ class LlamaLayerWeights:
 class LlamaForCausalLM:
     """Forward pass over paged KV caches; `compute_logits` only for the rows that need them."""
 
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype, device: torch.device,
-                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
-                 quantizer: Optional[WeightQuantizer] = None):
+    def __init__(
+        self,
+        arch: LlamaArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+    ):
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -64,7 +70,9 @@ class LlamaForCausalLM:
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
-        self.fused: Optional[FusedDecode] = None  # small decode steps in one native call (cpu backend, bf16, plain or gguf)
+        self.fused: Optional[FusedDecode] = (
+            None  # small decode steps in one native call (cpu backend, bf16, plain or gguf)
+        )
         if isinstance(self.linear, (GemvLinear, ColumnBlockLinear)) and isinstance(self.ops, NativeLayerOps):
             self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
         # Set by load_weights (an empty model until then). embed and lm_head: a tensor, or the quantized or packed
@@ -88,12 +96,13 @@ class LlamaForCausalLM:
         state: dict[str, Any] = {}
         for name, tensor in weights:
             if name.startswith("model."):
-                name = name[len("model."):]
+                name = name[len("model.") :]
             if "rotary_emb" in name:
                 continue
             # quantized matrices keep their own storage: GGUF blocks (on CPU), AWQ groups until `_prepare`
-            state[name] = tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype,
-                                                                                         device=self.device)
+            state[name] = (
+                tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype, device=self.device)
+            )
         take = state.pop
         self.embed = take("embed_tokens.weight")
         self.final_norm = take("norm.weight")
@@ -102,7 +111,9 @@ class LlamaForCausalLM:
             raise ValueError("checkpoint has no lm_head.weight and the config does not tie embeddings")
         lm_head = self.embed if arch.tie_word_embeddings or lm_head is None else lm_head
         self.lm_head = self.linear.prepare(lm_head if self.quantizer is None else self.quantizer.lm_head(lm_head))
-        if lm_head is self.embed and (isinstance(self.embed, QuantizedWeight) or isinstance(self.lm_head, PackedWeight)):
+        if lm_head is self.embed and (
+            isinstance(self.embed, QuantizedWeight) or isinstance(self.lm_head, PackedWeight)
+        ):
             # tied and stored quantized (GGUF), or packed in column blocks: one matrix, in the form its product
             # takes (it also looks rows up); a float embedding stays float where the LM head is quantized from it
             self.embed = self.lm_head
@@ -163,8 +174,9 @@ class LlamaForCausalLM:
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every matrix the forward pass reads once per step (for the bandwidth floor), as `self.linear` takes them."""
-        mats = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-                if w is not None]  # a mixture-of-experts layer has no dense MLP
+        mats = [
+            w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down) if w is not None
+        ]  # a mixture-of-experts layer has no dense MLP
         return mats + [self.lm_head]
 
     def weight_bytes(self) -> int:
@@ -211,8 +223,16 @@ class LlamaForCausalLM:
             return self.embed.rows(input_ids)
         return F.embedding(input_ids, self.embed)
 
-    def _attention(self, layer: LlamaLayerWeights, x, angles, key_cache, value_cache,
-                   metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def _attention(
+        self,
+        layer: LlamaLayerWeights,
+        x,
+        angles,
+        key_cache,
+        value_cache,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         arch = self.arch
         ops = self.ops
         num_tokens = x.shape[0]

@@ -29,12 +29,21 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 class MoeForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with a `SparseMoeBlock` in place of the dense MLP of each sparse layer."""
 
-    def __init__(self, arch: LlamaArch, moe: MoeArch, dtype: torch.dtype, device: torch.device,
-                 ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
-                 quantizer: Optional[WeightQuantizer] = None):
+    def __init__(
+        self,
+        arch: LlamaArch,
+        moe: MoeArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+    ):
         if quantizer is not None:
-            raise ValueError(f"--quantization {quantizer.method} is not supported for mixture-of-experts models "
-                             f"({arch.model_type}): their experts are kept in {str(dtype).removeprefix('torch.')}")
+            raise ValueError(
+                f"--quantization {quantizer.method} is not supported for mixture-of-experts models "
+                f"({arch.model_type}): their experts are kept in {str(dtype).removeprefix('torch.')}"
+            )
         super().__init__(arch, dtype, device, ops, linear, quantizer)
         self.moe = moe
         self.fused = None  # the fused decode step (layers/fused_decode.py) runs dense MLPs only
@@ -42,9 +51,11 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights) -> None:
         if self.quantization == "gguf":  # set by the builder before loading
-            raise ValueError(f"--quantization gguf is not supported for mixture-of-experts models "
-                             f"({self.arch.model_type}): llama.cpp's stacked expert tensors have no quantized "
-                             f"product here yet; use --quantization none (the GGUF is dequantized on load)")
+            raise ValueError(
+                f"--quantization gguf is not supported for mixture-of-experts models "
+                f"({self.arch.model_type}): llama.cpp's stacked expert tensors have no quantized "
+                f"product here yet; use --quantization none (the GGUF is dequantized on load)"
+            )
         super().load_weights(weights)
 
     def _take_mlp(self, index: int, take, maybe, cat) -> dict:
@@ -65,8 +76,15 @@ class MoeForCausalLM(LlamaForCausalLM):
                 down=self._prepare(take(s + "down_proj.weight")),
                 gate=self.linear.prepare(_float(take(p + "shared_expert_gate.weight"))),
             )
-        return SparseMoeBlock(_float(take(p + "gate.weight")), experts, moe.top_k, moe.renormalize, self.linear,
-                              shared, moe.weights_in_model_dtype)
+        return SparseMoeBlock(
+            _float(take(p + "gate.weight")),
+            experts,
+            moe.top_k,
+            moe.renormalize,
+            self.linear,
+            shared,
+            moe.weights_in_model_dtype,
+        )
 
     def _take_experts(self, take, maybe) -> ExpertWeights:
         moe = self.moe
@@ -85,8 +103,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         intermediate, hidden = moe.expert_intermediate_size, self.arch.hidden_size
         expected = ((moe.num_experts, 2 * intermediate, hidden), (moe.num_experts, hidden, intermediate))
         if (tuple(experts.gate_up.shape), tuple(experts.down.shape)) != expected:
-            raise ValueError(f"experts of shapes {tuple(experts.gate_up.shape)} and {tuple(experts.down.shape)}, "
-                             f"expected {expected[0]} and {expected[1]} from the config")
+            raise ValueError(
+                f"experts of shapes {tuple(experts.gate_up.shape)} and {tuple(experts.down.shape)}, "
+                f"expected {expected[0]} and {expected[1]} from the config"
+            )
         return experts
 
     def _mlp(self, index: int, layer: LlamaLayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +131,8 @@ def _cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
 def _float(tensor) -> torch.Tensor:
     """A checkpoint tensor the experts take: float (they have no quantized product yet)."""
     if isinstance(tensor, (QuantizedWeight, Int4Groups)):
-        raise ValueError(f"mixture-of-experts weights stored quantized ({type(tensor).__name__}) are not "
-                         "supported; load the checkpoint without --quantization gguf (dequantized on load)")
+        raise ValueError(
+            f"mixture-of-experts weights stored quantized ({type(tensor).__name__}) are not "
+            "supported; load the checkpoint without --quantization gguf (dequantized on load)"
+        )
     return tensor

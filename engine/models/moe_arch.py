@@ -63,8 +63,9 @@ class MoeArch:
         if config.model_type in ("qwen2_moe", "qwen3_moe"):
             step = int(getattr(config, "decoder_sparse_step", 1) or 1)
             dense = set(getattr(config, "mlp_only_layers", None) or [])
-            sparse = tuple(i for i in range(layers)
-                           if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
+            sparse = tuple(
+                i for i in range(layers) if i not in dense and config.num_experts > 0 and (i + 1) % step == 0
+            )
             shared = config.shared_expert_intermediate_size if config.model_type == "qwen2_moe" else None
             return cls(
                 num_experts=config.num_experts,
@@ -77,16 +78,20 @@ class MoeArch:
                 prefix="mlp.",
                 expert_names=("gate_proj", "up_proj", "down_proj"),
             )
-        raise ValueError(f"model_type {config.model_type!r} is not a supported mixture of experts; "
-                         f"supported: {', '.join(sorted(MOE_ARCHITECTURES))}")
+        raise ValueError(
+            f"model_type {config.model_type!r} is not a supported mixture of experts; "
+            f"supported: {', '.join(sorted(MOE_ARCHITECTURES))}"
+        )
 
 
 def _refuse_unsupported(config: Any) -> None:
     for field, accepted in _ROUTING_FIELDS.items():
         value = getattr(config, field, None)
         if value is not None and value not in accepted:
-            raise ValueError(f"config field {field}={value!r} is not supported for {config.model_type} "
-                             f"(supported: {', '.join(map(repr, accepted))})")
+            raise ValueError(
+                f"config field {field}={value!r} is not supported for {config.model_type} "
+                f"(supported: {', '.join(map(repr, accepted))})"
+            )
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     top_k = getattr(config, "num_experts_per_tok", 0)
     if experts and not 0 < top_k <= experts:

@@ -33,41 +33,129 @@ class ModelFamily:
 
 
 FAMILIES = (
-    ModelFamily("LlamaForCausalLM", ("llama",), "llama", LLAMA_FORMATS,
-                ("RoPE default/linear/llama3/YaRN/LongRoPE", "GQA", "tied or untied LM head", "fused CPU decode step")),
-    ModelFamily("MistralForCausalLM", ("mistral",), "llama", LLAMA_FORMATS,
-                ("as Llama", "max_model_len capped to sliding_window")),
+    ModelFamily(
+        "LlamaForCausalLM",
+        ("llama",),
+        "llama",
+        LLAMA_FORMATS,
+        ("RoPE default/linear/llama3/YaRN/LongRoPE", "GQA", "tied or untied LM head", "fused CPU decode step"),
+    ),
+    ModelFamily(
+        "MistralForCausalLM",
+        ("mistral",),
+        "llama",
+        LLAMA_FORMATS,
+        ("as Llama", "max_model_len capped to sliding_window"),
+    ),
     ModelFamily("Qwen2ForCausalLM", ("qwen2",), "llama", LLAMA_FORMATS, ("as Llama", "q/k/v bias")),
     ModelFamily("Qwen3ForCausalLM", ("qwen3",), "llama", LLAMA_FORMATS, ("as Llama", "per-head q/k RMSNorm")),
-    ModelFamily("Gemma2ForCausalLM", ("gemma2",), "decoder", HF_FORMATS,
-                ("sliding-window layers", "attention and final-logit soft-capping", "query_pre_attn_scalar",
-                 "pre/post norms (1 + w)", "GeGLU (tanh)", "embeddings x sqrt(hidden)")),
-    ModelFamily("Gemma3ForCausalLM", ("gemma3_text",), "decoder", HF_FORMATS,
-                ("as Gemma 2", "layer_types", "local/global RoPE bases", "per-head q/k norms")),
-    ModelFamily("Phi3ForCausalLM", ("phi3",), "decoder", HF_FORMATS,
-                ("fused qkv_proj/gate_up_proj", "LongRoPE (per position)", "sliding window")),
-    ModelFamily("Olmo2ForCausalLM", ("olmo2",), "decoder", HF_FORMATS,
-                ("post-norms only", "q/k RMSNorm over the whole projection")),
-    ModelFamily("GraniteForCausalLM", ("granite",), "decoder", HF_FORMATS,
-                ("embedding/residual/attention multipliers", "logits_scaling")),
-    ModelFamily("MixtralForCausalLM", ("mixtral",), "moe", HF_FORMATS,
-                ("as Mistral", "top-k softmax routing, renormalised", "experts grouped, one product each")),
-    ModelFamily("Qwen2MoeForCausalLM", ("qwen2_moe",), "moe", HF_FORMATS,
-                ("as Qwen2", "shared expert with its sigmoid gate", "decoder_sparse_step / mlp_only_layers")),
-    ModelFamily("Qwen3MoeForCausalLM", ("qwen3_moe",), "moe", HF_FORMATS,
-                ("as Qwen3", "norm_topk_prob", "decoder_sparse_step / mlp_only_layers")),
-    ModelFamily("GptOssForCausalLM", ("gpt_oss",), "gpt_oss", HF_FORMATS,
-                ("attention sinks", "layer_types (sliding / full)", "q/k/v/o biases", "YaRN",
-                 "router with bias, softmax over the top-k logits", "experts with biases and clamped SwiGLU",
-                 "MXFP4 checkpoints refused")),
-    ModelFamily("DeepseekV2ForCausalLM", ("deepseek_v2",), "deepseek", HF_FORMATS,
-                ("multi-head latent attention, absorbed, over a latent KV cache (kv_lora_rank + qk_rope_head_dim "
-                 "per token and layer; attention backend torch)", "q_lora_rank or q_proj (V2-Lite)",
-                 "softmax routing, greedy or group_limited_greedy", "routed_scaling_factor", "shared experts",
-                 "first_k_dense_replace / moe_layer_freq", "YaRN with mscale")),
-    ModelFamily("DeepseekV3ForCausalLM", ("deepseek_v3",), "deepseek", HF_FORMATS,
-                ("as DeepSeek-V2", "sigmoid routing with e_score_correction_bias (noaux_tc)", "norm_topk_prob",
-                 "rope_interleave", "the multi-token-prediction layer not read")),
+    ModelFamily(
+        "Gemma2ForCausalLM",
+        ("gemma2",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "sliding-window layers",
+            "attention and final-logit soft-capping",
+            "query_pre_attn_scalar",
+            "pre/post norms (1 + w)",
+            "GeGLU (tanh)",
+            "embeddings x sqrt(hidden)",
+        ),
+    ),
+    ModelFamily(
+        "Gemma3ForCausalLM",
+        ("gemma3_text",),
+        "decoder",
+        HF_FORMATS,
+        ("as Gemma 2", "layer_types", "local/global RoPE bases", "per-head q/k norms"),
+    ),
+    ModelFamily(
+        "Phi3ForCausalLM",
+        ("phi3",),
+        "decoder",
+        HF_FORMATS,
+        ("fused qkv_proj/gate_up_proj", "LongRoPE (per position)", "sliding window"),
+    ),
+    ModelFamily(
+        "Olmo2ForCausalLM",
+        ("olmo2",),
+        "decoder",
+        HF_FORMATS,
+        ("post-norms only", "q/k RMSNorm over the whole projection"),
+    ),
+    ModelFamily(
+        "GraniteForCausalLM",
+        ("granite",),
+        "decoder",
+        HF_FORMATS,
+        ("embedding/residual/attention multipliers", "logits_scaling"),
+    ),
+    ModelFamily(
+        "MixtralForCausalLM",
+        ("mixtral",),
+        "moe",
+        HF_FORMATS,
+        ("as Mistral", "top-k softmax routing, renormalised", "experts grouped, one product each"),
+    ),
+    ModelFamily(
+        "Qwen2MoeForCausalLM",
+        ("qwen2_moe",),
+        "moe",
+        HF_FORMATS,
+        ("as Qwen2", "shared expert with its sigmoid gate", "decoder_sparse_step / mlp_only_layers"),
+    ),
+    ModelFamily(
+        "Qwen3MoeForCausalLM",
+        ("qwen3_moe",),
+        "moe",
+        HF_FORMATS,
+        ("as Qwen3", "norm_topk_prob", "decoder_sparse_step / mlp_only_layers"),
+    ),
+    ModelFamily(
+        "GptOssForCausalLM",
+        ("gpt_oss",),
+        "gpt_oss",
+        HF_FORMATS,
+        (
+            "attention sinks",
+            "layer_types (sliding / full)",
+            "q/k/v/o biases",
+            "YaRN",
+            "router with bias, softmax over the top-k logits",
+            "experts with biases and clamped SwiGLU",
+            "MXFP4 checkpoints refused",
+        ),
+    ),
+    ModelFamily(
+        "DeepseekV2ForCausalLM",
+        ("deepseek_v2",),
+        "deepseek",
+        HF_FORMATS,
+        (
+            "multi-head latent attention, absorbed, over a latent KV cache (kv_lora_rank + qk_rope_head_dim "
+            "per token and layer; attention backend torch)",
+            "q_lora_rank or q_proj (V2-Lite)",
+            "softmax routing, greedy or group_limited_greedy",
+            "routed_scaling_factor",
+            "shared experts",
+            "first_k_dense_replace / moe_layer_freq",
+            "YaRN with mscale",
+        ),
+    ),
+    ModelFamily(
+        "DeepseekV3ForCausalLM",
+        ("deepseek_v3",),
+        "deepseek",
+        HF_FORMATS,
+        (
+            "as DeepSeek-V2",
+            "sigmoid routing with e_score_correction_bias (noaux_tc)",
+            "norm_topk_prob",
+            "rope_interleave",
+            "the multi-token-prediction layer not read",
+        ),
+    ),
 )
 
 
@@ -84,13 +172,20 @@ def family_of(hf_config: Any) -> ModelFamily:
     for family in FAMILIES:
         if hf_config.model_type in family.model_types:
             return family
-    raise ValueError(f"architecture {architectures or hf_config.model_type} is not supported; "
-                     f"supported: {', '.join(supported_architectures())}")
+    raise ValueError(
+        f"architecture {architectures or hf_config.model_type} is not supported; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
-                ops: Optional[TorchLayerOps] = None, linear: Optional[Linear] = None,
-                quantizer: Optional[WeightQuantizer] = None) -> LlamaForCausalLM:
+def build_model(
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: Optional[TorchLayerOps] = None,
+    linear: Optional[Linear] = None,
+    quantizer: Optional[WeightQuantizer] = None,
+) -> LlamaForCausalLM:
     """An empty model for the config's architecture (load weights with `load_weights`)."""
     from engine.loading.loader import rope_settings
 
@@ -105,8 +200,15 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
         from engine.models.deepseek_arch import read_deepseek
 
         rope = rope_settings(hf_config)
-        return DeepseekForCausalLM(LlamaArch.from_hf_config(hf_config, rope), read_deepseek(hf_config, rope[1]),
-                                   dtype, device, ops, linear, quantizer)
+        return DeepseekForCausalLM(
+            LlamaArch.from_hf_config(hf_config, rope),
+            read_deepseek(hf_config, rope[1]),
+            dtype,
+            device,
+            ops,
+            linear,
+            quantizer,
+        )
     if family.implementation in ("llama", "moe"):
         arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
         if family.implementation == "moe":

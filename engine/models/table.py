@@ -48,8 +48,10 @@ def render() -> str:
     rows = ["| architecture | model_type | implementation | formats | features |", "|---|---|---|---|---|"]
     for family in FAMILIES:
         formats = ", ".join(FORMAT_NAMES[name] for name in family.formats)
-        rows.append(f"| `{family.architecture}` | {', '.join(f'`{t}`' for t in family.model_types)} | "
-                    f"{IMPLEMENTATIONS[family.implementation]} | {formats} | {'; '.join(family.features)} |")
+        rows.append(
+            f"| `{family.architecture}` | {', '.join(f'`{t}`' for t in family.model_types)} | "
+            f"{IMPLEMENTATIONS[family.implementation]} | {formats} | {'; '.join(family.features)} |"
+        )
     return HEADER + "\n" + "\n".join(rows) + "\n"
 
 

@@ -55,8 +55,7 @@ def tensor_bytes(weights: Sequence) -> int:
     return total
 
 
-def kv_read_bytes(num_layers: int, context_tokens: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype) -> int:
+def kv_read_bytes(num_layers: int, context_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V of `context_tokens` tokens in every layer: what one decode's attention reads."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * context_tokens * num_kv_heads * head_dim * element

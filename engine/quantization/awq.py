@@ -58,21 +58,22 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return codes.view(rows, packs * 8).to(torch.uint8)
 
 
-
-
 def awq_to_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Groups:
     """One AWQ linear layer as [out, in] `Int4Groups`."""
     codes = unpack_awq(qweight)  # [in, out]
     zero_codes = unpack_awq(qzeros)  # [in / G, out]
     in_features, out_features = codes.shape
     if scales.shape != zero_codes.shape or in_features != scales.shape[0] * group_size:
-        raise ValueError(f"AWQ tensors do not agree with group size {group_size}: qweight {tuple(qweight.shape)}, "
-                         f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}")
+        raise ValueError(
+            f"AWQ tensors do not agree with group size {group_size}: qweight {tuple(qweight.shape)}, "
+            f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}"
+        )
     return Int4Groups.from_zero_codes(codes.t(), scales.t().float(), zero_codes.t(), group_size)
 
 
-def awq_weights(weights: Iterable[tuple[str, torch.Tensor]],
-                group_size: int) -> Iterator[tuple[str, Union[torch.Tensor, Int4Groups]]]:
+def awq_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], group_size: int
+) -> Iterator[tuple[str, Union[torch.Tensor, Int4Groups]]]:
     """A checkpoint's tensors with every AWQ triple turned into `<prefix>.weight` -> `Int4Groups`."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:

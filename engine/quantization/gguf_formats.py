@@ -99,7 +99,7 @@ def repack(fmt: BlockFormat, raw: np.ndarray, in_features: int) -> PackedBlocks:
     if fmt.has_min:
         m = np.zeros((rows, nbp), dtype=np.float16)
         m[:, :nb] = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
-    payload = blocks[:, :, 4 if fmt.has_min else 2:]
+    payload = blocks[:, :, 4 if fmt.has_min else 2 :]
     if fmt.bits == 8:
         qs: np.ndarray = np.zeros((rows, nbp, BLOCK), dtype=np.uint8)
         qs[:, :nb] = payload ^ np.uint8(0x80)  # int8 q -> q + 128

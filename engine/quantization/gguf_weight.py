@@ -83,15 +83,25 @@ class GgufWeight(QuantizedWeight):
         if product == "dense":
             return F.linear(x, self.dequantize(x.dtype))
         p = self.packed
-        return self.kernels.linear(x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code,
-                                   p.layout, 0 if product == "tiles" else NO_TILES)
+        return self.kernels.linear(
+            x.contiguous(),
+            p.qs,
+            p.d,
+            p.m,
+            self.out_features,
+            p.nbp,
+            self.fmt.code,
+            p.layout,
+            0 if product == "tiles" else NO_TILES,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [out_features, in_features] (float32/bfloat16 by the kernel, others cast)."""
         p = self.packed
         kernel_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-        out = self.kernels.dequantize(p.qs, p.d, p.m, self.out_features, self._in_features, p.nbp, self.fmt.code,
-                                      p.layout, kernel_dtype)
+        out = self.kernels.dequantize(
+            p.qs, p.d, p.m, self.out_features, self._in_features, p.nbp, self.fmt.code, p.layout, kernel_dtype
+        )
         return out.to(dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,10 +112,15 @@ class GgufWeight(QuantizedWeight):
         """The weight made of rows `index` [n], in that order (whole rows of blocks: exact), row layout."""
         p = self.packed
         if p.layout == X16:
-            return GgufWeight(self.fmt, rows_of_x16(self.fmt, p, index, self._in_features), self._in_features,
-                              self.kernels)
-        picked = PackedBlocks(p.qs.index_select(0, index), p.d.index_select(0, index),
-                              None if p.m is None else p.m.index_select(0, index), p.nbp)
+            return GgufWeight(
+                self.fmt, rows_of_x16(self.fmt, p, index, self._in_features), self._in_features, self.kernels
+            )
+        picked = PackedBlocks(
+            p.qs.index_select(0, index),
+            p.d.index_select(0, index),
+            None if p.m is None else p.m.index_select(0, index),
+            p.nbp,
+        )
         return GgufWeight(self.fmt, picked, self._in_features, self.kernels)
 
     @classmethod
@@ -122,8 +137,9 @@ class GgufWeight(QuantizedWeight):
             mins = [w.packed.m for w in weights if w.packed.m is not None]
             assert len(mins) == len(weights)  # one format (checked above): all of them have mins
             m = torch.cat(mins)
-        packed = PackedBlocks(torch.cat([w.packed.qs for w in weights]), torch.cat([w.packed.d for w in weights]),
-                              m, first.packed.nbp)
+        packed = PackedBlocks(
+            torch.cat([w.packed.qs for w in weights]), torch.cat([w.packed.d for w in weights]), m, first.packed.nbp
+        )
         return GgufWeight(first.fmt, packed, first.in_features, first.kernels)
 
     def for_products(self) -> "GgufWeight":
@@ -134,8 +150,9 @@ class GgufWeight(QuantizedWeight):
         times faster; itself where it has a row count that is not a multiple of 16 or is X16 already."""
         if self.packed.layout != ROWS or self.out_features % GROUP:
             return self
-        return GgufWeight(self.fmt, interleave16(self.fmt, self.packed, self._in_features), self._in_features,
-                          self.kernels)
+        return GgufWeight(
+            self.fmt, interleave16(self.fmt, self.packed, self._in_features), self._in_features, self.kernels
+        )
 
     def __repr__(self) -> str:
         return f"GgufWeight({self.format}, [{self.out_features}, {self.in_features}], {self.nbytes} bytes)"

@@ -54,13 +54,15 @@ class Int4Groups:
         return cls(codes.view(out_features, padded), scales, low + CODE_OFFSET * scales, group_size, in_features)
 
     @classmethod
-    def from_zero_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zero_codes: torch.Tensor,
-                        group_size: int) -> "Int4Groups":
+    def from_zero_codes(
+        cls, codes: torch.Tensor, scales: torch.Tensor, zero_codes: torch.Tensor, group_size: int
+    ) -> "Int4Groups":
         """From integer zero points (AWQ, GPTQ): W = (codes - zero_codes) * scales, per group."""
         scales = scales.float()
         zeros = (CODE_OFFSET - zero_codes.float()) * scales
-        return cls(codes.to(torch.uint8).contiguous(), scales.contiguous(), zeros.contiguous(), group_size,
-                   codes.shape[1])
+        return cls(
+            codes.to(torch.uint8).contiguous(), scales.contiguous(), zeros.contiguous(), group_size, codes.shape[1]
+        )
 
     @staticmethod
     def concat(parts: list["Int4Groups"]) -> "Int4Groups":
@@ -68,8 +70,13 @@ class Int4Groups:
         first = parts[0]
         if any(p.group_size != first.group_size or p.in_features != first.in_features for p in parts):
             raise ValueError("int4 matrices fused into one projection must share group size and in_features")
-        return Int4Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                          torch.cat([p.zeros for p in parts]), first.group_size, first.in_features)
+        return Int4Groups(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.zeros for p in parts]),
+            first.group_size,
+            first.in_features,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[out, in_features] float."""

@@ -60,10 +60,12 @@ class Int4Weight(QuantizedWeight):
         if self._padded_in != self._in:
             x = F.pad(x, (0, self._padded_in - self._in))
         if self.kernel == "cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
-                                                              self._scales_and_zeros(x.dtype))
-        out = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), self.packed, self.group_size,
-                                                 self._sz[torch.bfloat16])
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.contiguous(), self.packed, self.group_size, self._scales_and_zeros(x.dtype)
+            )
+        out = torch.ops.aten._weight_int4pack_mm(
+            x.to(torch.bfloat16).contiguous(), self.packed, self.group_size, self._sz[torch.bfloat16]
+        )
         return out.to(x.dtype)
 
     def matmul_dequantized(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,15 +96,22 @@ class Int4Weight(QuantizedWeight):
 
 
 def _kernel_for(groups: Int4Groups, device: torch.device) -> str:
-    """"cpu", "cuda" or "dequantize": which product this matrix can take on `device`."""
+    """ "cpu", "cuda" or "dequantize": which product this matrix can take on `device`."""
     out_features, padded_in = groups.codes.shape
     if device.type == "cpu":
-        ok = (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and out_features % 16 == 0
-              and groups.group_size in CPU_KERNEL_GROUP_SIZES)
+        ok = (
+            hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and out_features % 16 == 0
+            and groups.group_size in CPU_KERNEL_GROUP_SIZES
+        )
         return "cpu" if ok else "dequantize"
     if device.type == "cuda":
-        ok = (hasattr(torch.ops.aten, "_weight_int4pack_mm") and out_features % 8 == 0 and padded_in % 32 == 0
-              and _cuda_int4_supported(device))
+        ok = (
+            hasattr(torch.ops.aten, "_weight_int4pack_mm")
+            and out_features % 8 == 0
+            and padded_in % 32 == 0
+            and _cuda_int4_supported(device)
+        )
         return "cuda" if ok else "dequantize"
     return "dequantize"
 

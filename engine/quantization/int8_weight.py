@@ -48,11 +48,12 @@ class Int8Weight(QuantizedWeight):
 
     format = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
-                 kernel_check: Optional[Int8KernelCheck] = None):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, kernel_check: Optional[Int8KernelCheck] = None):
         if qweight.dtype != torch.int8 or qweight.dim() != 2 or scales.shape != (qweight.shape[0],):
-            raise ValueError(f"int8 weight wants int8 [out, in] and scales [out], got {qweight.dtype} "
-                             f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
+            raise ValueError(
+                f"int8 weight wants int8 [out, in] and scales [out], got {qweight.dtype} "
+                f"{tuple(qweight.shape)} and {tuple(scales.shape)}"
+            )
         self.qweight = qweight.contiguous()
         self.scales = scales.float().contiguous()
         self._scales_as: dict[torch.dtype, torch.Tensor] = {}
@@ -129,4 +130,3 @@ def _probe(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     tolerance = 1e-3 if dtype == torch.float32 else 3e-2
     return bool(torch.allclose(out.double().cpu(), reference, rtol=tolerance, atol=tolerance))
-

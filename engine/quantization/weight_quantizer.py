@@ -68,29 +68,37 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
     config = quantization_config(hf_config)
     method = None if config is None else str(config.get("quant_method", "unknown")).lower()
     if method is not None and method != "awq":
-        raise ValueError(f"the checkpoint is quantized with {method!r} (config.json quantization_config), "
-                         "which is not supported; supported pre-quantized format: awq")
+        raise ValueError(
+            f"the checkpoint is quantized with {method!r} (config.json quantization_config), "
+            "which is not supported; supported pre-quantized format: awq"
+        )
     if requested == "awq" or (requested is None and method == "awq"):
         if method != "awq":
-            raise SettingsConflictError("--quantization awq needs an AWQ checkpoint (config.json quantization_config with "
-                             "quant_method 'awq'); for a float checkpoint use --quantization int8 or int4")
+            raise SettingsConflictError(
+                "--quantization awq needs an AWQ checkpoint (config.json quantization_config with "
+                "quant_method 'awq'); for a float checkpoint use --quantization int8 or int4"
+            )
         assert config is not None  # method "awq" was read from it
         return "awq", awq_group_size(config)
     if method == "awq":
-        raise SettingsConflictError(f"--quantization {requested}: the checkpoint is already AWQ int4; "
-                         "leave --quantization unset (or awq)")
+        raise SettingsConflictError(
+            f"--quantization {requested}: the checkpoint is already AWQ int4; leave --quantization unset (or awq)"
+        )
     return (requested, None) if requested in LOAD_TIME_METHODS else (None, None)
 
 
-_NO_GROUPS = MappingProxyType({
-    "none": "it loads float weights",
-    "gguf": "a .gguf file's blocks keep their own size",
-    "int8": "int8 has one scale per output row",
-})
+_NO_GROUPS = MappingProxyType(
+    {
+        "none": "it loads float weights",
+        "gguf": "a .gguf file's blocks keep their own size",
+        "int8": "int8 has one scale per output row",
+    }
+)
 
 
-def resolve_group_size(requested: Optional[str], method: Optional[str], group_size: Optional[int],
-                       checkpoint_group_size: Optional[int]) -> Optional[int]:
+def resolve_group_size(
+    requested: Optional[str], method: Optional[str], group_size: Optional[int], checkpoint_group_size: Optional[int]
+) -> Optional[int]:
     """The int4 group size for `--quantization-group-size` (None: unset) under the resolved method.
 
     int4: the flag's value, else DEFAULT_INT4_GROUP_SIZE. awq: the checkpoint's own; a flag that differs is
@@ -99,14 +107,18 @@ def resolve_group_size(requested: Optional[str], method: Optional[str], group_si
     flag = f"--quantization {requested or 'auto'}"
     if method == "awq":
         if group_size is not None and group_size != checkpoint_group_size:
-            raise SettingsConflictError(f"--quantization-group-size {group_size} differs from the AWQ checkpoint's group size "
-                             f"{checkpoint_group_size} (config.json quantization_config), which {flag} serves as "
-                             f"stored; leave --quantization-group-size unset or give {checkpoint_group_size}")
+            raise SettingsConflictError(
+                f"--quantization-group-size {group_size} differs from the AWQ checkpoint's group size "
+                f"{checkpoint_group_size} (config.json quantization_config), which {flag} serves as "
+                f"stored; leave --quantization-group-size unset or give {checkpoint_group_size}"
+            )
         return checkpoint_group_size
     if method == "int4":
         return DEFAULT_INT4_GROUP_SIZE if group_size is None else group_size
     if group_size is not None:
         reason = _NO_GROUPS.get(requested or "", "no weights are quantized to int4 at load for this checkpoint")
-        raise SettingsConflictError(f"--quantization-group-size {group_size} does not apply to {flag} ({reason}); it sets "
-                         "--quantization int4's groups: leave it unset, or add --quantization int4")
+        raise SettingsConflictError(
+            f"--quantization-group-size {group_size} does not apply to {flag} ({reason}); it sets "
+            "--quantization int4's groups: leave it unset, or add --quantization int4"
+        )
     return None

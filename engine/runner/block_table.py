@@ -60,13 +60,17 @@ class BlockTable:
     def slots(self, row: int, start: int, end: int) -> np.ndarray:
         """Where the tokens at positions start .. end - 1 of the row's request live in the cache."""
         positions = np.arange(start, end)
-        return self._array[row, positions // self.block_size].astype(np.int64) * self.block_size + \
-            positions % self.block_size
+        return (
+            self._array[row, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
 
     def slots_at(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """`slot` of one position per row (decodes): rows and positions int64 arrays of one length."""
-        return self._array[rows, positions // self.block_size].astype(np.int64) * self.block_size + \
-            positions % self.block_size
+        return (
+            self._array[rows, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
 
     def blocks(self, row: int, num_tokens: int) -> torch.Tensor:
         """The block ids holding the row's first `num_tokens` tokens (a view: valid until the table changes)."""

@@ -124,6 +124,7 @@ def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> Forwar
     """The model's forward pass over `kv_cache` through `backend`: what a step runs and a decode graph
     captures. A closure over the three parts, not a method of the runner: the graphs keep it, and a
     runner <-> graphs cycle would outlive the last reference to the engine."""
+
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         metadata = backend.build_metadata(step, kv_cache.spec)
         return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
@@ -135,8 +136,16 @@ class DecodeGraphs:
     """The decode graphs of one runner: `pad(num_decodes)` before the step's inputs are uploaded
     (it fills the padding rows and says how many rows to upload), then `replay(bucket)`."""
 
-    def __init__(self, forward: ForwardFn, backend: AttentionBackend, kv_cache: KVCache, buffers: StepBuffers,
-                 buckets: tuple[int, ...], max_model_len: int, graph_type: type = CudaGraph):
+    def __init__(
+        self,
+        forward: ForwardFn,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        buffers: StepBuffers,
+        buckets: tuple[int, ...],
+        max_model_len: int,
+        graph_type: type = CudaGraph,
+    ):
         if buckets[-1] > buffers.max_num_reqs:
             raise ValueError(f"bucket {buckets[-1]} exceeds the step buffers' {buffers.max_num_reqs} requests")
         self.forward: Optional[ForwardFn] = forward  # None once released
@@ -179,7 +188,7 @@ class DecodeGraphs:
         on_cuda = self.graph_type is CudaGraph
         pool = torch.cuda.graph_pool_handle() if on_cuda else None
         stream = torch.cuda.Stream() if on_cuda else None  # warm-ups and captures: library workspaces
-        gc.collect()                                       # are per stream, so made outside the graphs
+        gc.collect()  # are per stream, so made outside the graphs
         for size in sorted(self.buckets, reverse=True):
             forward = self._step_fn(size)
             self._write_padding(0, size)
@@ -196,8 +205,13 @@ class DecodeGraphs:
             self._graphs[size] = self.graph_type(forward, pool, stream)
         if on_cuda:
             torch.cuda.synchronize()
-        logger.info("captured %d decode graphs (batch sizes %d-%d) in %.1f s", len(self._graphs),
-                    min(self.buckets), max(self.buckets), time.monotonic() - started)
+        logger.info(
+            "captured %d decode graphs (batch sizes %d-%d) in %.1f s",
+            len(self._graphs),
+            min(self.buckets),
+            max(self.buckets),
+            time.monotonic() - started,
+        )
 
     def _step_fn(self, size: int) -> Callable[[], torch.Tensor]:
         """The step of `size` decode rows over the persistent buffers (views fixed now, values read at run)."""
@@ -245,4 +259,3 @@ class DecodeGraphs:
         buffers.query_start_loc.array[start : end + 1] = np.arange(start, end + 1)
         table = buffers.block_table.array[: end * self.width].reshape(end, self.width)
         table[start:end] = self.kv_cache.pad_block
-

@@ -36,15 +36,15 @@ class FaultInjector(Protocol):
 class SampleFn(Protocol):
     """What GuardedSampler wraps: a `Sampler`'s call."""
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
-                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput: ...
+    def __call__(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], token_bitmask: Optional[TokenBitmask] = None
+    ) -> SamplerOutput: ...
 
 
 class GuardedSampler:
     """Wraps the runner's sampler: a row that cannot be sampled fails its request alone."""
 
-    def __init__(self, sampler: SampleFn,
-                 request_id_of: Callable[[SamplingState], str]):
+    def __init__(self, sampler: SampleFn, request_id_of: Callable[[SamplingState], str]):
         self.sampler = sampler
         self.request_id_of = request_id_of
         self.injector: Optional[FaultInjector] = None
@@ -54,8 +54,9 @@ class GuardedSampler:
         failures, self.failures = self.failures, {}
         return failures
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
-                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], token_bitmask: Optional[TokenBitmask] = None
+    ) -> SamplerOutput:
         try:
             return self._sample(logits, states, token_bitmask)
         except Exception:  # noqa: BLE001 - find the rows at fault: sample each alone
@@ -74,8 +75,9 @@ class GuardedSampler:
             logprobs.append(None if out.logprobs is None else out.logprobs[0])
         return SamplerOutput(tokens, logprobs if any(lp is not None for lp in logprobs) else None)
 
-    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
-                token_bitmask: Optional[TokenBitmask]) -> SamplerOutput:
+    def _sample(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], token_bitmask: Optional[TokenBitmask]
+    ) -> SamplerOutput:
         if self.injector is not None:
             logits = logits.clone()
             self.injector.on_logits(logits, [self.request_id_of(state) for state in states])

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionBackend
-from engine.attention.step_metadata import (StepMetadata, shared_context_decode_metadata,
-                                            single_prefill_metadata)
+from engine.attention.step_metadata import StepMetadata, shared_context_decode_metadata, single_prefill_metadata
 from engine.models.llama import LlamaForCausalLM
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.sampling.params import SamplingParams
@@ -29,18 +28,33 @@ from engine.sampling.sampler import Sampler
 from engine.sampling.state import SamplingState
 
 
-def profile_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, max_num_tokens: int,
-                       max_num_seqs: int, max_model_len: int, device: torch.device) -> int:
+def profile_peak_bytes(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    spec: KVCacheSpec,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
     """The larger activation peak of the largest prefill step and the largest decode step."""
     prefill = single_prefill_metadata(max_num_tokens, spec.block_size, device)
     decode = shared_context_decode_metadata(max_num_seqs, max_model_len, spec.block_size, device)
-    return max(profile_step_peak_bytes(model, backend, spec, prefill, max_num_seqs, max_model_len, device),
-               profile_step_peak_bytes(model, backend, spec, decode, max_num_seqs, max_model_len, device))
+    return max(
+        profile_step_peak_bytes(model, backend, spec, prefill, max_num_seqs, max_model_len, device),
+        profile_step_peak_bytes(model, backend, spec, decode, max_num_seqs, max_model_len, device),
+    )
 
 
-def profile_step_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
-                            step: StepMetadata, num_logit_rows: int, max_model_len: int,
-                            device: torch.device) -> int:
+def profile_step_peak_bytes(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    spec: KVCacheSpec,
+    step: StepMetadata,
+    num_logit_rows: int,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
     """Peak memory allocated above the current allocation while `step` runs over a throwaway cache.
 
     Positions wrap at max_model_len (a step may hold more tokens than one sequence can)."""
@@ -67,10 +81,12 @@ def profile_step_peak_bytes(model: LlamaForCausalLM, backend: AttentionBackend, 
 def worst_case_sampling_states(num_rows: int, device: torch.device) -> list[SamplingState]:
     """Rows that take the sampler's most memory-hungry way on a GPU: top-p without top-k (a sort of the
     whole vocabulary), every penalty (dense occurrence tables), logprobs (ranks over whole rows)."""
-    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.1,
-                            frequency_penalty=0.1, logprobs=20)
-    return [SamplingState.create(params, list(range(64)), list(range(64)), frozenset(), device)
-            for _ in range(num_rows)]
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1, logprobs=20
+    )
+    return [
+        SamplingState.create(params, list(range(64)), list(range(64)), frozenset(), device) for _ in range(num_rows)
+    ]
 
 
 def cuda_kv_budget(utilization: float, step_peak_bytes: int, device: torch.device) -> int:

@@ -56,6 +56,7 @@ class CachedRequestState:
 def _request_id_lookup(requests: dict[str, CachedRequestState]) -> Callable[[SamplingState], str]:
     """sampling state -> its request's id, over the runner's live requests (a closure over the dict, not a
     bound method: the sampler is the runner's, and a sampler -> runner reference would make a cycle)."""
+
     def request_id_of(sampling: SamplingState) -> str:
         own = sampling.origin or sampling  # a row after draft tokens samples with a copy of the state
         return next(rid for rid, state in requests.items() if state.sampling is own)
@@ -92,9 +93,17 @@ class _Batch:
 class ModelRunner:
     """Owns the model, the physical KV cache and per-request sampling state."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 device: torch.device, limits: RunnerLimits, *, grammar: Optional[GrammarDecoder] = None,
-                 profile: Optional[StepProfile] = None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        limits: RunnerLimits,
+        *,
+        grammar: Optional[GrammarDecoder] = None,
+        profile: Optional[StepProfile] = None,
+    ):
         """`grammar` decodes structured-output constraints (None: a runner that is never given one);
         `profile` times each step's phases (`--profile`)."""
         self.model: Optional[LlamaForCausalLM] = model  # None once shut down (as are _forward and buffers)
@@ -107,8 +116,9 @@ class ModelRunner:
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)
         self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
-        self.buffers: Optional[StepBuffers] = StepBuffers(limits.max_num_batched_tokens, limits.max_query_rows,
-                                                          max_blocks, device)
+        self.buffers: Optional[StepBuffers] = StepBuffers(
+            limits.max_num_batched_tokens, limits.max_query_rows, max_blocks, device
+        )
         self._forward: Optional[ForwardFn] = model_forward(model, backend, kv_cache)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile = profile
@@ -163,8 +173,9 @@ class ModelRunner:
         if graph_type is CudaGraph and not self.backend.cuda_graphs:
             raise ValueError(f"attention backend {self.backend.name!r} does not run in CUDA graphs")
         assert self._forward is not None and self.buffers is not None  # not shut down
-        graphs = DecodeGraphs(self._forward, self.backend, self.kv_cache, self.buffers, buckets,
-                              self.limits.max_model_len, graph_type)
+        graphs = DecodeGraphs(
+            self._forward, self.backend, self.kv_cache, self.buffers, buckets, self.limits.max_model_len, graph_type
+        )
         graphs.capture()
         self.graphs = graphs
 
@@ -210,8 +221,9 @@ class ModelRunner:
             if self.grammar is None:
                 raise RuntimeError("a constrained request reached a runner without a grammar decoder")
             matcher = self.grammar.new_matcher(params.structured_outputs, new.output_token_ids)
-        return CachedRequestState(new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(),
-                                  list(new.token_ids), matcher)
+        return CachedRequestState(
+            new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(), list(new.token_ids), matcher
+        )
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[_Batch, Optional[StepMetadata], Optional[int]]:
         """Write the step into the persistent buffers, decodes first, and describe it (StepMetadata);
@@ -265,9 +277,9 @@ class ModelRunner:
         max_query_len = 1 if num_decodes else 0
         for i, (state, start, num_tokens) in enumerate(chunks, num_decodes):
             end = start + num_tokens
-            ids[token:token + num_tokens] = state.token_ids[start:end]
-            positions[token:token + num_tokens] = np.arange(start, end)
-            slots[token:token + num_tokens] = self.block_table.slots(state.row, start, end)
+            ids[token : token + num_tokens] = state.token_ids[start:end]
+            positions[token : token + num_tokens] = np.arange(start, end)
+            slots[token : token + num_tokens] = self.block_table.slots(state.row, start, end)
             rows[i], starts[i + 1], seq_lens[i] = state.row, token + num_tokens, end
             self._add_chunk_outputs(batch, state, token, start, num_tokens)
             token += num_tokens
@@ -298,8 +310,9 @@ class ModelRunner:
         return batch, step, None
 
     @staticmethod
-    def _add_chunk_outputs(batch: _Batch, state: CachedRequestState, first_row: int, start: int,
-                           num_tokens: int) -> None:
+    def _add_chunk_outputs(
+        batch: _Batch, state: CachedRequestState, first_row: int, start: int, num_tokens: int
+    ) -> None:
         """What a chunk samples (its last row, at the end of the sequence) and scores (prompt logprobs)."""
         end = start + num_tokens
         if state.wants_prompt_logprobs:
@@ -325,8 +338,11 @@ class ModelRunner:
             logits = model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
             states = self._sampling_states(batch)
             # One matcher per request, at its first row (a request's rows after drafts follow it: fill_bitmask).
-            matchers = [(i, s.matcher) for i, s in enumerate(batch.sample_states)
-                        if s.matcher is not None and (i == 0 or batch.sample_states[i - 1] is not s)]
+            matchers = [
+                (i, s.matcher)
+                for i, s in enumerate(batch.sample_states)
+                if s.matcher is not None and (i == 0 or batch.sample_states[i - 1] is not s)
+            ]
             if matchers:
                 assert self.grammar is not None  # a request has a matcher only from it (_new_state)
                 result = self.sampler(logits, states, self.grammar.fill_bitmask(matchers, len(states), batch.drafts))
@@ -343,8 +359,9 @@ class ModelRunner:
                 if matcher is not None:
                     for token_id in token_ids:
                         if not accept(matcher, token_id):
-                            logger.warning("request %s: sampled token %d is outside its grammar", state.request_id,
-                                           token_id)
+                            logger.warning(
+                                "request %s: sampled token %d is outside its grammar", state.request_id, token_id
+                            )
                 state.token_ids += token_ids
                 state.sampling.output_token_ids += token_ids
                 sampled[state.request_id] = token_ids

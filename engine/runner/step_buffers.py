@@ -74,7 +74,8 @@ class StepBuffers:
         if num_tokens > self.max_num_tokens or num_reqs > self.max_num_reqs or width > self.max_blocks_per_req:
             raise ValueError(
                 f"a step of {num_tokens} tokens, {num_reqs} requests and {width} blocks per request exceeds the "
-                f"runner's buffers ({self.max_num_tokens}, {self.max_num_reqs}, {self.max_blocks_per_req})")
+                f"runner's buffers ({self.max_num_tokens}, {self.max_num_reqs}, {self.max_blocks_per_req})"
+            )
 
     def block_table_view(self, num_reqs: int, width: int) -> torch.Tensor:
         """The host `[num_reqs, width]` block table of this step (contiguous)."""

@@ -1,8 +1,8 @@
 """Timing decode-shaped steps at start-up: the step-cost model that speculation's drafts are weighed against.
 
-    rows      1, 2, 4, ... up to `max_rows`: decode queries at a short shared context (a throwaway cache)
-    time      the model's forward and the logits of every row (each verification row samples), the fastest
-              of several runs after a warm-up (CUDA: synchronized)
+rows      1, 2, 4, ... up to `max_rows`: decode queries at a short shared context (a throwaway cache)
+time      the model's forward and the logits of every row (each verification row samples), the fastest
+          of several runs after a warm-up (CUDA: synchronized)
 """
 
 from __future__ import annotations
@@ -26,8 +26,14 @@ MAX_RUNS_PER_SIZE = 50
 
 
 @torch.inference_mode()
-def measure_step_cost(model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec, device: torch.device,
-                      max_rows: int, repeats: int = 2) -> StepCost:
+def measure_step_cost(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    spec: KVCacheSpec,
+    device: torch.device,
+    max_rows: int,
+    repeats: int = 2,
+) -> StepCost:
     """Seconds of a decode step of 1, 2, 4, ... `max_rows` rows (at least 1 and 2) on this machine."""
     sizes = [1]
     while sizes[-1] * 2 <= max(max_rows, 2):

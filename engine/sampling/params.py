@@ -101,11 +101,7 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         """Any of presence, frequency or repetition penalty is active."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def needs_top_k_top_p(self) -> bool:
@@ -203,8 +199,10 @@ class SamplingParams:
             if not isinstance(text, str) or not text:
                 _reject("stop", f"must hold non-empty strings, got {text!r}")
         if len(stop) > MAX_STOP_STRINGS or any(len(text) > MAX_STOP_STRING_CHARS for text in stop):
-            _reject("stop", f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
-                            "characters each")
+            _reject(
+                "stop",
+                f"must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each",
+            )
         self.stop = list(stop)
         token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(token_ids, (list, tuple, set, frozenset)):

@@ -34,9 +34,12 @@ def num_accepted(sampled: Sequence[int], draft_token_ids: Sequence[int]) -> int:
     return accepted
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
-                     draft_probs: Optional[torch.Tensor] = None,
-                     generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan et al.'s speculative sampling, batched over requests that each verify k drafts.
 
     target_probs: [n, k + 1, vocab], row j the target's distribution after j drafts; draft_token_ids: [n, k];

@@ -1,15 +1,15 @@
 """Batched token sampling, each row under its own request's parameters.
 
-    raw logits ──► logprobs: the raw log-softmax, reported as is
-        │
-        ├─ min_tokens: eos (unless ignore_eos) and stop_token_ids -> -inf
-        ├─ logit_bias, added
-        ├─ repetition penalty over prompt + output tokens
-        ├─ presence / frequency penalties over output tokens
-        ├─ structured output: tokens outside the grammar -> -inf (a TokenBitmask, on the device)
-        ▼
-    greedy rows: argmax
-    sampled rows: temperature, min_p, top_k, top_p, then a draw
+raw logits ──► logprobs: the raw log-softmax, reported as is
+    │
+    ├─ min_tokens: eos (unless ignore_eos) and stop_token_ids -> -inf
+    ├─ logit_bias, added
+    ├─ repetition penalty over prompt + output tokens
+    ├─ presence / frequency penalties over output tokens
+    ├─ structured output: tokens outside the grammar -> -inf (a TokenBitmask, on the device)
+    ▼
+greedy rows: argmax
+sampled rows: temperature, min_p, top_k, top_p, then a draw
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ class Sampler:
     def __init__(self, sync_free: Optional[bool] = None):
         self.sync_free = sync_free  # None: decided by the logits' device
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
-                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], token_bitmask: Optional[TokenBitmask] = None
+    ) -> SamplerOutput:
         """logits: [num_rows, vocab] (any float dtype, not modified); row i belongs to states[i].
         `token_bitmask`: the tokens each constrained row may take (its grammar's), applied last."""
         num_rows, vocab = logits.shape
@@ -100,8 +101,7 @@ class Sampler:
         rows_logits = logits if index is None else logits.index_select(0, index)
         raw = torch.log_softmax(rows_logits.float(), dim=-1)  # [rows, vocab]
         num_top = plan.logprob_tops
-        found = _logprob_tensors(raw, chosen if index is None else chosen.index_select(0, index), num_top,
-                                 sync_free)
+        found = _logprob_tensors(raw, chosen if index is None else chosen.index_select(0, index), num_top, sync_free)
         # the step's one wait for the device
         sampled, ids, id_logprobs, ranks, top_values, top_ids = to_host(chosen, *found)
         logprobs: list[Optional[TokenLogprobs]] = [None] * num_rows
@@ -110,9 +110,7 @@ class Sampler:
         return SamplerOutput(sampled.tolist(), logprobs)
 
 
-def prompt_logprobs(
-    logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int
-) -> list[TokenLogprobs]:
+def prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
     """The raw logprob, rank and `num_top` best alternatives of each target token.
 
     logits: [n, vocab] at prompt positions; target_token_ids: [n], the prompt token
@@ -126,10 +124,11 @@ def prompt_logprobs(
     sync_free = logits.device.type != "cpu"
     result: list[TokenLogprobs] = []
     for start in range(0, num_rows, chunk):
-        raw = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)  # [chunk, vocab]
+        raw = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)  # [chunk, vocab]
         tops = [num_top] * raw.shape[0]
         ids, id_logprobs, ranks, top_values, top_ids = to_host(
-            *_logprob_tensors(raw, targets[start:start + chunk], tops, sync_free))
+            *_logprob_tensors(raw, targets[start : start + chunk], tops, sync_free)
+        )
         result += _logprob_entries(ids, id_logprobs, ranks, top_values, top_ids, tops)
     return result
 
@@ -201,8 +200,12 @@ class _RowParams(NamedTuple):
             return to_device(values, dtype, device).unsqueeze(1)
 
         top_ks = [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params]
-        use = [any(p.temperature != 1.0 for p in params), any(p.min_p > 0.0 for p in params),
-               any(k < vocab for k in top_ks), any(p.top_p < 1.0 for p in params)]
+        use = [
+            any(p.temperature != 1.0 for p in params),
+            any(p.min_p > 0.0 for p in params),
+            any(k < vocab for k in top_ks),
+            any(p.top_p < 1.0 for p in params),
+        ]
         return cls(
             column([p.temperature for p in params]) if use[0] else None,
             column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]) if use[1] else None,
@@ -250,8 +253,7 @@ def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: lis
     if count_rows:
         ids = [states[r].output_ids_tensor(device) for r in count_rows]
         index, counts = torch.unique(_flat_index(ids, count_rows, vocab), return_counts=True)  # [entries]
-        columns = [[params[r].presence_penalty for r in count_rows],
-                   [params[r].frequency_penalty for r in count_rows]]
+        columns = [[params[r].presence_penalty for r in count_rows], [params[r].frequency_penalty for r in count_rows]]
         by_row = _by_row(x, count_rows, columns, 0.0)  # [2, num_rows]
         presence, frequency = by_row[:, torch.div(index, vocab, rounding_mode="floor")]  # [entries] each
         flat_x.index_add_(0, index, -(frequency * counts + presence))
@@ -277,8 +279,7 @@ def _apply_penalties_dense(x: torch.Tensor, states: Sequence[SamplingState], row
         counts = torch.zeros(x.numel(), dtype=torch.float32, device=device)
         counts.index_put_((index,), torch.ones(index.shape, dtype=torch.float32, device=device), accumulate=True)
         counts = counts.view_as(x)
-        columns = [[params[r].presence_penalty for r in count_rows],
-                   [params[r].frequency_penalty for r in count_rows]]
+        columns = [[params[r].presence_penalty for r in count_rows], [params[r].frequency_penalty for r in count_rows]]
         presence, frequency = _by_row(x, count_rows, columns, 0.0).unsqueeze(2)  # [num_rows, 1] each
         x.sub_(torch.where(counts > 0, frequency * counts + presence, 0.0))
 
@@ -345,8 +346,9 @@ def _uniforms(states: Sequence[SamplingState], rows: list[int], device: torch.de
     seeded = [(i, states[r]) for i, r in enumerate(rows) if states[r].seed is not None]
     u = torch.rand(len(rows), device=device)
     if seeded:
-        u[_index([i for i, _ in seeded], device)] = to_device([state.seeded_uniform() for _, state in seeded],
-                                                              u.dtype, device)
+        u[_index([i for i, _ in seeded], device)] = to_device(
+            [state.seeded_uniform() for _, state in seeded], u.dtype, device
+        )
     return u
 
 
@@ -365,7 +367,10 @@ def _sample_full(x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Ten
 
 
 def _sample_candidates(
-    x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor, sync_free: bool,
+    x: torch.Tensor,
+    params: Sequence[SamplingParams],
+    u: torch.Tensor,
+    sync_free: bool,
     num_candidates: Optional[int] = None,
 ) -> torch.Tensor:
     """Rows with top-k and/or top-p: min_p, top-k, top-p and the draw among each row's best tokens.
@@ -408,8 +413,7 @@ def _sample_candidates(
     short = open_index[~reached[open_index]]  # open rows whose nucleus runs past the candidates
     if short.numel():
         more = num_candidates * 16 if num_candidates * 64 < vocab else vocab
-        token_ids[short] = _sample_candidates(x[short], [params[i] for i in short.tolist()], u[short], sync_free,
-                                              more)
+        token_ids[short] = _sample_candidates(x[short], [params[i] for i in short.tolist()], u[short], sync_free, more)
     return token_ids
 
 
@@ -445,8 +449,9 @@ def _draw(weights: torch.Tensor, u: torch.Tensor, sync_free: bool) -> torch.Tens
 # ---------------------------------------------------------------------- logprobs
 
 
-def _logprob_tensors(raw: torch.Tensor, token_ids: torch.Tensor, num_top: list[int],
-                     sync_free: bool) -> tuple[torch.Tensor, ...]:
+def _logprob_tensors(
+    raw: torch.Tensor, token_ids: torch.Tensor, num_top: list[int], sync_free: bool
+) -> tuple[torch.Tensor, ...]:
     """raw: [n, vocab] log-softmax; token_ids: [n]; num_top: the alternatives wanted per row.
     Returns (token_ids [n], their logprobs [n], ranks [n], top logprobs [n, k], top ids [n, k]).
 
@@ -467,8 +472,14 @@ def _logprob_tensors(raw: torch.Tensor, token_ids: torch.Tensor, num_top: list[i
     return token_ids, chosen.squeeze(1), ranks, top_values, top_ids
 
 
-def _logprob_entries(token_ids: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor, top_values: torch.Tensor,
-                     top_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+def _logprob_entries(
+    token_ids: torch.Tensor,
+    chosen: torch.Tensor,
+    ranks: torch.Tensor,
+    top_values: torch.Tensor,
+    top_ids: torch.Tensor,
+    num_top: list[int],
+) -> list[TokenLogprobs]:
     """`_logprob_tensors`' results (on the host) as one TokenLogprobs per row."""
     rows = zip(token_ids.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), num_top)
     return [TokenLogprobs(t, lp, rank, list(zip(ids[:n], vals[:n]))) for t, lp, rank, ids, vals, n in rows]

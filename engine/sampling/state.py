@@ -69,8 +69,13 @@ class SamplingState:
         """The state this request will be in once `draft_token_ids` are accepted (speculative decoding):
         penalties count them, min_tokens has seen them, and a seeded draw is that of the position after them.
         `origin` is this state; the copy is for one step's sampling."""
-        state = SamplingState(self.params, self.prompt_token_ids, [*self.output_token_ids, *draft_token_ids],
-                              self.eos_token_ids, self.seed)
+        state = SamplingState(
+            self.params,
+            self.prompt_token_ids,
+            [*self.output_token_ids, *draft_token_ids],
+            self.eos_token_ids,
+            self.seed,
+        )
         state._prompt_ids = self._prompt_ids
         state.origin = self
         return state

@@ -25,27 +25,42 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str = Field("ngram", description="the proposer: ngram (prompt lookup over the request's own tokens) "
-                        "or suffix (a suffix trie over recent requests' outputs, and the request's own tokens)")
+    method: str = Field(
+        "ngram",
+        description="the proposer: ngram (prompt lookup over the request's own tokens) "
+        "or suffix (a suffix trie over recent requests' outputs, and the request's own tokens)",
+    )
     num_speculative_tokens: int = Field(ge=1, le=32, description="draft tokens a request verifies per step at most")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram looked up (ngram)")
-    prompt_lookup_max: Optional[int] = Field(None, ge=1, description="longest n-gram looked up (ngram; default: "
-                                             "prompt_lookup_min + 3)")
-    suffix_decoding_max_tree_depth: int = Field(24, ge=2, le=256, description="longest substring the suffix "
-                                                "trie holds (suffix)")
-    suffix_decoding_max_cached_requests: int = Field(1000, ge=0, description="finished requests whose outputs "
-                                                     "the trie holds (suffix)")
-    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0, description="draft tokens per matched token at "
-                                                   "most (suffix)")
-    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1, description="lowest probability of a draft's "
-                                                  "path in the trie (suffix)")
+    prompt_lookup_max: Optional[int] = Field(
+        None, ge=1, description="longest n-gram looked up (ngram; default: prompt_lookup_min + 3)"
+    )
+    suffix_decoding_max_tree_depth: int = Field(
+        24, ge=2, le=256, description="longest substring the suffix trie holds (suffix)"
+    )
+    suffix_decoding_max_cached_requests: int = Field(
+        1000, ge=0, description="finished requests whose outputs the trie holds (suffix)"
+    )
+    suffix_decoding_max_spec_factor: float = Field(
+        1.0, gt=0, description="draft tokens per matched token at most (suffix)"
+    )
+    suffix_decoding_min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="lowest probability of a draft's path in the trie (suffix)"
+    )
     adaptive: bool = Field(True, description="each request's k follows the share of its recent drafts accepted")
-    disable_by_batch_size: Optional[int] = Field(None, ge=1, description="no drafts in a step with more decoding "
-                                                 "requests than this (vLLM's name); None: drafts at any batch size")
-    step_cost_model: bool = Field(True, description="time decode steps of 1 to 64 rows at start-up and keep only "
-                                  "the drafts expected to raise a step's tokens per second (from each request's "
-                                  "recent acceptance): speculation pauses itself in batches where rows cost more "
-                                  "than they save")
+    disable_by_batch_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="no drafts in a step with more decoding "
+        "requests than this (vLLM's name); None: drafts at any batch size",
+    )
+    step_cost_model: bool = Field(
+        True,
+        description="time decode steps of 1 to 64 rows at start-up and keep only "
+        "the drafts expected to raise a step's tokens per second (from each request's "
+        "recent acceptance): speculation pauses itself in batches where rows cost more "
+        "than they save",
+    )
 
     @field_validator("method")
     @classmethod
@@ -53,8 +68,9 @@ class SpeculativeConfig(BaseModel):
         if method in METHODS:
             return method
         if method in PLANNED_METHODS:
-            raise ValueError(f"speculative method {method!r} is not implemented yet (implemented: "
-                             f"{', '.join(METHODS)})")
+            raise ValueError(
+                f"speculative method {method!r} is not implemented yet (implemented: {', '.join(METHODS)})"
+            )
         raise ValueError(f"unknown speculative method {method!r} (expected one of: {', '.join(METHODS)})")
 
     @model_validator(mode="after")
@@ -62,14 +78,19 @@ class SpeculativeConfig(BaseModel):
         if self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min + 3
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         return self
 
     def make_proposer(self) -> Union[NgramProposer, SuffixProposer]:
         if self.method == "suffix":
-            return SuffixProposer(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth,
-                                  self.suffix_decoding_max_cached_requests, self.suffix_decoding_max_spec_factor,
-                                  self.suffix_decoding_min_token_prob)
+            return SuffixProposer(
+                self.num_speculative_tokens,
+                self.suffix_decoding_max_tree_depth,
+                self.suffix_decoding_max_cached_requests,
+                self.suffix_decoding_max_spec_factor,
+                self.suffix_decoding_min_token_prob,
+            )
         assert self.prompt_lookup_max is not None  # set by the validator
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)

@@ -31,8 +31,14 @@ class _Node:
 class SuffixProposer:
     """The `DraftProposer` of `{"method": "suffix"}`."""
 
-    def __init__(self, num_speculative_tokens: int, max_depth: int = 24, max_cached_requests: int = 1000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        max_depth: int = 24,
+        max_cached_requests: int = 1000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ):
         self.num_speculative_tokens = num_speculative_tokens
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests

@@ -80,8 +80,7 @@ class StructuredOutputs:
 
     @classmethod
     def _choice(cls, choices: Any, field: str) -> "StructuredOutputs":
-        if not isinstance(choices, (list, tuple)) or not choices or not all(
-                isinstance(c, str) and c for c in choices):
+        if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
             _reject(field, "must be a non-empty list of non-empty strings")
         return cls(choice=tuple(choices))
 

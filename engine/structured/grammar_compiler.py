@@ -28,8 +28,13 @@ class GrammarCompiler:
     The vocabulary's token table is built on first use. `on_compile(seconds)` observes each cache miss.
     """
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int, stop_token_ids: frozenset[int],
-                 cache_size: int = CACHE_SIZE):
+    def __init__(
+        self,
+        tokenizer: "PreTrainedTokenizerBase",
+        vocab_size: int,
+        stop_token_ids: frozenset[int],
+        cache_size: int = CACHE_SIZE,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -48,8 +53,9 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 

@@ -1,8 +1,8 @@
 """The runner's side of structured output: a matcher per constrained request, a bitmask per step.
 
-    step:   fill_bitmask(rows)  ->  TokenBitmask (host fill, one upload)  ->  sampler masks its logits
-    after:  accept(state, token) per constrained request
-    resume: a matcher rebuilt from the output tokens (a preempted request comes back with them)
+step:   fill_bitmask(rows)  ->  TokenBitmask (host fill, one upload)  ->  sampler masks its logits
+after:  accept(state, token) per constrained request
+resume: a matcher rebuilt from the output tokens (a preempted request comes back with them)
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ class GrammarDecoder:
                 break
         return matcher
 
-    def fill_bitmask(self, matchers: Sequence[tuple[int, "xgrammar.GrammarMatcher"]], num_rows: int,
-                     drafts: Optional[Mapping[int, Sequence[int]]] = None) -> TokenBitmask:
+    def fill_bitmask(
+        self,
+        matchers: Sequence[tuple[int, "xgrammar.GrammarMatcher"]],
+        num_rows: int,
+        drafts: Optional[Mapping[int, Sequence[int]]] = None,
+    ) -> TokenBitmask:
         """The bitmask of a step whose sampled rows `row` have matchers (others unconstrained).
 
         `drafts[row]`: the draft tokens a request verifies in rows row + 1 .. row + k (speculative decoding).

@@ -24,11 +24,11 @@ import json
 import re
 from typing import Any
 
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_SIGNIFICANT_DIGITS = 17
 MAX_EXPONENT_DIGITS = 3
 MAX_INTEGER_DIGITS = 19  # an untyped value's integer (basic_integer): int64's width
-NUMBER_SPAN = 10 ** 17  # a number with one bound may go this far beyond it
+NUMBER_SPAN = 10**17  # a number with one bound may go this far beyond it
 SEPARATORS = (",", ":")
 
 _PLACEHOLDER = "pagedserve:bounded-number"
@@ -48,8 +48,9 @@ def json_schema_grammar(schema_text: str, strict: bool = True) -> str:
     while placeholder in schema_text:
         placeholder += "~"
     schema = bounded_schema(json.loads(schema_text), placeholder)
-    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS,
-                                           strict_mode=strict, any_order=False)
+    grammar = xgr.Grammar.from_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=SEPARATORS, strict_mode=strict, any_order=False
+    )
     return bound_numbers(str(grammar), placeholder)
 
 
@@ -84,14 +85,14 @@ def bound_numbers(ebnf: str, placeholder: str) -> str:
 def number_ebnf() -> str:
     """A JSON number of at most 17 significant digits and an exponent of at most 3 digits, as one EBNF group.
 
-        rest(n): what may follow once n more digits are allowed
-                 ""  |  "." [0-9]{1,n}  |  [0-9] rest(n - 1)        rest(0) = ""
+    rest(n): what may follow once n more digits are allowed
+             ""  |  "." [0-9]{1,n}  |  [0-9] rest(n - 1)        rest(0) = ""
     """
     rest = '""'
     for n in range(1, MAX_SIGNIFICANT_DIGITS):
         rest = f'("" | "." [0-9]{{1,{n}}} | [0-9] {rest})'
     mantissa = f'("0" ("." [0-9]{{1,{MAX_SIGNIFICANT_DIGITS}}})? | [1-9] {rest})'
-    exponent = f'([eE] [+\\-]? [0-9]{{1,{MAX_EXPONENT_DIGITS}}})?'
+    exponent = f"([eE] [+\\-]? [0-9]{{1,{MAX_EXPONENT_DIGITS}}})?"
     return f'("-"? {mantissa} {exponent})'
 
 

@@ -7,12 +7,51 @@ from typing import Any
 
 from engine.errors import InvalidParameterError
 
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
-                          "deprecated", "readOnly", "writeOnly", "strict"})
-_STRUCTURE = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-                        "properties", "required", "additionalProperties", "items", "prefixItems",
-                        "minItems", "maxItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                        "minLength", "maxLength", "pattern", "format", "minProperties", "maxProperties"})
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "strict",
+    }
+)
+_STRUCTURE = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minProperties",
+        "maxProperties",
+    }
+)
 SUPPORTED_KEYWORDS = _ANNOTATIONS | _STRUCTURE
 _TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
@@ -33,8 +72,9 @@ def _check(schema: Any, field: str, path: str) -> None:
         raise InvalidParameterError(field, f"has a schema that is not an object at {path}")
     for keyword in schema:
         if keyword not in SUPPORTED_KEYWORDS:
-            raise InvalidParameterError(field, f"uses the JSON Schema keyword {keyword!r} at {path}, which this "
-                                               "server cannot enforce")
+            raise InvalidParameterError(
+                field, f"uses the JSON Schema keyword {keyword!r} at {path}, which this server cannot enforce"
+            )
     types = schema.get("type")
     for name in types if isinstance(types, list) else [] if types is None else [types]:
         if name not in _TYPES:

@@ -84,7 +84,14 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = (
-        "_decode", "_backend", "_stream", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_parts",
+        "_decode",
+        "_backend",
+        "_stream",
+        "_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "_prefix_text",
+        "_parts",
         "_text",
     )
 

@@ -54,9 +54,7 @@ class StopStringMatcher:
         self._stops = tuple(dict.fromkeys(stop))
         prefixes = sorted({s[:n] for s in self._stops for n in range(1, len(s))}, key=len, reverse=True)
         # leftmost match = longest suffix of the text that is a proper prefix of a stop string
-        self._prefix_at_end = (
-            re.compile("(?:%s)\\Z" % "|".join(map(re.escape, prefixes))) if prefixes else None
-        )
+        self._prefix_at_end = re.compile("(?:%s)\\Z" % "|".join(map(re.escape, prefixes))) if prefixes else None
         self._max_held = max((len(s) - 1 for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
         self._held = ""

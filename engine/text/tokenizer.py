@@ -51,34 +51,37 @@ class Tokenizer:
         # transformers annotates decode as str | list[str] (no overloads); a flat id list decodes to one str
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)  # type: ignore[return-value]
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: Optional[list[dict]] = None) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list[dict]] = None
+    ) -> str:
         """The prompt text the model's chat template makes of `messages` (and of `tools`, for templates that
         show them)."""
         from jinja2.exceptions import TemplateError
 
         if not self.has_chat_template:
-            raise ValueError(
-                "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
-            )
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
         try:
             # transformers types the result for every flag (no overloads): tokenize=False gives the text; its
             # `tools` is a list of dicts or callables, which a list of dicts is not (list is invariant)
             return self.hf.apply_chat_template(  # type: ignore[return-value]
-                messages, tools=tools,  # type: ignore[arg-type]
-                tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages,
+                tools=tools,  # type: ignore[arg-type]
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict]] = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list[dict]] = None
+    ) -> list[int]:
         """Token ids of the chat prompt (the template writes any special tokens itself)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
-def load_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = False,
-                   chat_template: Optional[str] = None) -> Tokenizer:
+def load_tokenizer(
+    path: Union[str, Path], *, trust_remote_code: bool = False, chat_template: Optional[str] = None
+) -> Tokenizer:
     """The tokenizer saved in a checkpoint directory (tokenizer.json et al., generation_config.json).
 
     `trust_remote_code` lets the checkpoint's own tokenizer code run; `chat_template` (Jinja text or a

@@ -16,9 +16,22 @@ import torch
 
 from gpucheck.results import write_json
 
-DISTRIBUTIONS = ("torch", "triton", "transformers", "tokenizers", "pydantic", "flash-attn", "flash-attn-4",
-                 "nvidia-cutlass-dsl", "quack-kernels", "apache-tvm-ffi", "cuda-bindings", "nvidia-ml-py", "pytest",
-                 "pytest-timeout")
+DISTRIBUTIONS = (
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "pydantic",
+    "flash-attn",
+    "flash-attn-4",
+    "nvidia-cutlass-dsl",
+    "quack-kernels",
+    "apache-tvm-ffi",
+    "cuda-bindings",
+    "nvidia-ml-py",
+    "pytest",
+    "pytest-timeout",
+)
 HBM_BYTES_PER_S = 4.8e12  # the H200's memory bandwidth by its datasheet: the floors' denominator
 BF16_TARGET_MAX_ABS_ERR = 2e-2
 
@@ -67,27 +80,62 @@ def error_record(exc: BaseException) -> dict:
 # ---------------------------------------------------------------------- model shapes
 
 QWEN3_0_6B = {  # Qwen/Qwen3-0.6B's config.json, the architecture fields
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
-    "bos_token_id": 151643, "eos_token_id": 151645,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
 }
 LLAMA_3_1_8B = {  # meta-llama/Llama-3.1-8B's config.json, the architecture fields
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-    "bos_token_id": 128000, "eos_token_id": 128001,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
 }
 _QUICK = {  # --quick: the same architectures, tiny
-    "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "bos_token_id": 1, "eos_token_id": 2,
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.1-8b": LLAMA_3_1_8B}
 
@@ -150,6 +198,7 @@ def write_wordlevel_tokenizer(path: Path, vocab_size: int, eos_id: int) -> None:
 
 # ---------------------------------------------------------------------- engines and devices
 
+
 def build_llm(model_dir: Path, **kwargs):
     from engine.llm import LLM
 
@@ -193,8 +242,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def backend_available(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                      block_size: Optional[int] = None) -> tuple[bool, str]:
+def backend_available(
+    name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, block_size: Optional[int] = None
+) -> tuple[bool, str]:
     """Whether `get_attention_backend` gives backend `name` here for blocks of `block_size` (and why not;
     without a block size flash-attn 2 is ruled out)."""
     from engine.attention import get_attention_backend
@@ -284,8 +334,11 @@ def kv_bytes_per_token(spec) -> int:
 def environment(device: torch.device) -> dict:
     """Versions and the device, for the summary."""
     info: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "device": str(device),
-        "cuda_available": torch.cuda.is_available(), "hostname": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": str(device),
+        "cuda_available": torch.cuda.is_available(),
+        "hostname": platform.node(),
     }
     for module in ("transformers", "tokenizers", "triton", "pydantic"):
         try:
@@ -297,8 +350,12 @@ def environment(device: torch.device) -> dict:
     info["carried_wheels"] = os.environ.get("GPU_CHECK_CARRIED", "").split()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    sm_count=props.multi_processor_count, cuda=torch.version.cuda,
-                    capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+        info.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            sm_count=props.multi_processor_count,
+            cuda=torch.version.cuda,
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+        )
     info["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "")
     return info

@@ -12,8 +12,16 @@ import importlib
 
 import torch
 
-from gpucheck.common import (FLASH_GENERATIONS, PartContext, backend_available, cuda_graph_modes, environment,
-                             find_flash, flash_label, logger)
+from gpucheck.common import (
+    FLASH_GENERATIONS,
+    PartContext,
+    backend_available,
+    cuda_graph_modes,
+    environment,
+    find_flash,
+    flash_label,
+    logger,
+)
 
 MODULES = ("pydantic", "yaml", "safetensors", "numpy", "tqdm", "jinja2", "transformers", "tokenizers", "triton")
 

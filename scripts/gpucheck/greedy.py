@@ -28,16 +28,25 @@ from gpucheck.common import PartContext, backend_available, build_llm, error_rec
 
 CANDIDATES = ("torch", "triton", "flash")
 DTYPES = ("bfloat16", "float32")
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory="64MiB",
-              enable_prefix_caching=True)
+ENGINE = dict(
+    max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, kv_cache_memory="64MiB", enable_prefix_caching=True
+)
 
 
 def tiny_models(quick: bool) -> dict[str, tuple[str, dict]]:
     """name -> (architecture, overrides of tests/engine/factories.py's tiny config)."""
     models = {"tiny-llama": ("llama", {})}  # head_dim 16
     if not quick:
-        models["tiny-qwen3-hd64"] = ("qwen3", {"hidden_size": 256, "intermediate_size": 512,
-                                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
+        models["tiny-qwen3-hd64"] = (
+            "qwen3",
+            {
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+            },
+        )
     return models
 
 
@@ -79,8 +88,12 @@ def hf_agreement(model_dir: Path, prompts: list[list[int]], max_tokens: int, ref
     finally:
         hf_model.cache_clear()
     matches = [matching_prefix(t, r) for t, r in zip(reference, hf)]
-    logger.info("greedy reference vs HF transformers (fp32, CPU) %s: matching prefix per prompt %s of %d",
-                model_dir.name, matches, max_tokens)
+    logger.info(
+        "greedy reference vs HF transformers (fp32, CPU) %s: matching prefix per prompt %s of %d",
+        model_dir.name,
+        matches,
+        max_tokens,
+    )
     return {"status": "ok", "matching_prefix": matches, "all_match": all(m == max_tokens for m in matches)}
 
 
@@ -120,8 +133,14 @@ def run(ctx: PartContext) -> None:
     max_tokens = 12 if ctx.quick else 48
     prompts = make_prompts(ctx.quick)
     result = ctx.result
-    result.update(reference={"device": "cpu", "dtype": "float32", "backend": "torch"}, device=str(device),
-                  max_tokens=max_tokens, engine=ENGINE, prompt_lens=[len(p) for p in prompts], models={})
+    result.update(
+        reference={"device": "cpu", "dtype": "float32", "backend": "torch"},
+        device=str(device),
+        max_tokens=max_tokens,
+        engine=ENGINE,
+        prompt_lens=[len(p) for p in prompts],
+        models={},
+    )
     result["backends"], runs = planned_runs(candidates, device)
     all_match_fp32 = True
     with tempfile.TemporaryDirectory(prefix="tiny-", dir=ctx.work_dir) as tmp:  # the check removes it if killed
@@ -141,7 +160,8 @@ def run(ctx: PartContext) -> None:
                     torch_tokens[dtype] = tokens
                 elif tokens is not None and dtype in torch_tokens:
                     record["matching_prefix_vs_device_torch"] = [
-                        matching_prefix(t, r) for t, r in zip(tokens, torch_tokens[dtype])]
+                        matching_prefix(t, r) for t, r in zip(tokens, torch_tokens[dtype])
+                    ]
                 replayed = tokens is not None and record.get("cuda_graphs", "off") != "off"
                 if replayed and dtype == "bfloat16" and ctx.has_time(5):  # serving's dtype: one rerun each
                     compare_with_eager(record, tokens, model_dir, prompts, max_tokens, name, dtype, device)
@@ -151,29 +171,53 @@ def run(ctx: PartContext) -> None:
                 ctx.save()
     result["all_match_float32"] = all_match_fp32
     result["reference_matches_hf"] = all(m["reference_vs_hf"].get("all_match") for m in result["models"].values())
-    graphs = [r["graphs_match_eager"] for m in result["models"].values() for r in m["runs"]
-              if "graphs_match_eager" in r]
+    graphs = [
+        r["graphs_match_eager"] for m in result["models"].values() for r in m["runs"] if "graphs_match_eager" in r
+    ]
     result["graphs_match_eager"] = all(graphs) if graphs else None  # None: no run replayed graphs here
     statuses = [r.get("status") for m in result["models"].values() for r in m["runs"]]
     result["status"] = "ok" if all(s in ("ok", "unsupported") for s in statuses) else "partial"
 
 
-def compare_with_eager(record: dict, tokens: list[list[int]], model_dir: Path, prompts, max_tokens: int, name: str,
-                       dtype: str, device: torch.device) -> None:
+def compare_with_eager(
+    record: dict,
+    tokens: list[list[int]],
+    model_dir: Path,
+    prompts,
+    max_tokens: int,
+    name: str,
+    dtype: str,
+    device: torch.device,
+) -> None:
     """The same run with enforce_eager: its tokens against the graph run's."""
-    eager, eager_tokens = run_one(model_dir, prompts, max_tokens, tokens, name, dtype, device,
-                                  (record["block_size"],), enforce_eager=True)
+    eager, eager_tokens = run_one(
+        model_dir, prompts, max_tokens, tokens, name, dtype, device, (record["block_size"],), enforce_eager=True
+    )
     if eager_tokens is None:
         record["eager_run"] = eager
         return
     record["matching_prefix_vs_eager"] = eager["matching_prefix"]
     record["graphs_match_eager"] = eager["all_match"]
-    logger.info("greedy %s %-8s %s: graphs vs eager, matching prefix per prompt %s", name, dtype, model_dir.name,
-                eager["matching_prefix"])
+    logger.info(
+        "greedy %s %-8s %s: graphs vs eager, matching prefix per prompt %s",
+        name,
+        dtype,
+        model_dir.name,
+        eager["matching_prefix"],
+    )
 
 
-def run_one(model_dir: Path, prompts, max_tokens: int, reference: list[list[int]], name: str, dtype: str,
-            device: torch.device, block_sizes: tuple[int, ...], **settings) -> tuple[dict, Optional[list[list[int]]]]:
+def run_one(
+    model_dir: Path,
+    prompts,
+    max_tokens: int,
+    reference: list[list[int]],
+    name: str,
+    dtype: str,
+    device: torch.device,
+    block_sizes: tuple[int, ...],
+    **settings,
+) -> tuple[dict, Optional[list[list[int]]]]:
     """One backend and dtype: build with the first block size it takes, and compare. A backend that refuses
     to build in this dtype is "unsupported"; one that fails to generate, "error"."""
     record: dict = {"backend": name, "dtype": dtype, "device": str(device), **settings}
@@ -181,8 +225,15 @@ def run_one(model_dir: Path, prompts, max_tokens: int, reference: list[list[int]
     refusals = []
     for block_size in block_sizes:
         try:
-            llm = build_llm(model_dir, **ENGINE, device=device.type, dtype=dtype, attention_backend=name,
-                            block_size=block_size, **settings)
+            llm = build_llm(
+                model_dir,
+                **ENGINE,
+                device=device.type,
+                dtype=dtype,
+                attention_backend=name,
+                block_size=block_size,
+                **settings,
+            )
         except Exception as exc:  # noqa: BLE001 - recorded; the next block size goes on
             refusals.append(f"block_size {block_size}: {type(exc).__name__}: {exc}"[:500])
             logger.info("greedy %s %s: no engine with block_size %d: %s", name, dtype, block_size, exc)
@@ -199,13 +250,25 @@ def run_one(model_dir: Path, prompts, max_tokens: int, reference: list[list[int]
             del llm
             free_memory()
         matches = [matching_prefix(t, r) for t, r in zip(tokens, reference)]
-        record.update(status="ok", block_size=block_size, matching_prefix=matches, num_tokens=max_tokens,
-                      all_match=all(m == max_tokens for m in matches),
-                      seconds=round(time.perf_counter() - started, 2))
+        record.update(
+            status="ok",
+            block_size=block_size,
+            matching_prefix=matches,
+            num_tokens=max_tokens,
+            all_match=all(m == max_tokens for m in matches),
+            seconds=round(time.perf_counter() - started, 2),
+        )
         if refusals:
             record["refused"] = refusals
-        logger.info("greedy %s %-8s %s block %d: matching prefix per prompt %s of %d", record["kernel"], dtype,
-                    model_dir.name, block_size, matches, max_tokens)
+        logger.info(
+            "greedy %s %-8s %s block %d: matching prefix per prompt %s of %d",
+            record["kernel"],
+            dtype,
+            model_dir.name,
+            block_size,
+            matches,
+            max_tokens,
+        )
         return record, tokens
     record.update(status="unsupported", refused=refusals)
     return record, None

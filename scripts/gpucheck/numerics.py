@@ -20,8 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from gpucheck.common import (BF16_TARGET_MAX_ABS_ERR, FLASH_GENERATIONS, PartContext, distribution_versions,
-                             error_record, find_flash, flash_label, logger, synchronize)
+from gpucheck.common import (
+    BF16_TARGET_MAX_ABS_ERR,
+    FLASH_GENERATIONS,
+    PartContext,
+    distribution_versions,
+    error_record,
+    find_flash,
+    flash_label,
+    logger,
+    synchronize,
+)
 
 CANDIDATES = ("triton", "flash")
 Shape = tuple[int, int, bool]  # (context_len, query_len, is_decode)
@@ -39,8 +48,15 @@ class StepInputs:
 
     def to(self, dtype: torch.dtype) -> "StepInputs":
         cast = lambda t: t.to(dtype)  # noqa: E731
-        return StepInputs(cast(self.key_cache), cast(self.value_cache), cast(self.query), cast(self.key),
-                          cast(self.value), self.step, self.block_size)
+        return StepInputs(
+            cast(self.key_cache),
+            cast(self.value_cache),
+            cast(self.query),
+            cast(self.key),
+            cast(self.value),
+            self.step,
+            self.block_size,
+        )
 
 
 def case_shapes(kind: str, block_size: int, quick: bool, rng: random.Random) -> tuple[list[Shape], dict]:
@@ -49,8 +65,11 @@ def case_shapes(kind: str, block_size: int, quick: bool, rng: random.Random) -> 
         lens = (1, 5, 16, 40) if quick else (1, 7, 16, 100, 256, 1000, 2048)
         return [(n, n, False) for n in lens], {}
     if kind == "chunked_prefill":  # chunks continuing a cached prefix; the last two share their prefix
-        pairs = ((20, 7), (33, 1), (50, 20), (50, 30)) if quick else (
-            (48, 16), (300, 45), (1000, 256), (640, 1), (2100, 512), (2100, 300))
+        pairs = (
+            ((20, 7), (33, 1), (50, 20), (50, 30))
+            if quick
+            else ((48, 16), (300, 45), (1000, 256), (640, 1), (2100, 512), (2100, 300))
+        )
         return [(c, q, False) for c, q in pairs], {len(pairs) - 1: len(pairs) - 2}
     longest = 64 if quick else 4096
     edges = [1, block_size, block_size + 1, 3 * block_size, longest]
@@ -59,14 +78,25 @@ def case_shapes(kind: str, block_size: int, quick: bool, rng: random.Random) -> 
         return [(n, 1, True) for n in [rng.randint(1, longest) for _ in range(count)] + edges], {}
     if kind == "mixed":
         decodes = [(rng.randint(1, longest // 2), 1, True) for _ in range(3 if quick else 16)]
-        chunks = ((30, 10, False), (9, 9, False), (1, 1, False)) if quick else (
-            (700, 200, False), (64, 1, False), (300, 300, False), (1, 1, False))
+        chunks = (
+            ((30, 10, False), (9, 9, False), (1, 1, False))
+            if quick
+            else ((700, 200, False), (64, 1, False), (300, 300, False), (1, 1, False))
+        )
         return decodes + list(chunks), {}
     raise ValueError(kind)
 
 
-def build_inputs(shapes: list[Shape], shared: dict, block_size: int, heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device, seed: int) -> StepInputs:
+def build_inputs(
+    shapes: list[Shape],
+    shared: dict,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    seed: int,
+) -> StepInputs:
     """Random float32 inputs of one step (cast per backend run)."""
     from engine.attention.step_metadata import step_metadata_for
 
@@ -94,15 +124,23 @@ def build_inputs(shapes: list[Shape], shared: dict, block_size: int, heads: int,
     value_cache = torch.randn(cache_shape, generator=gen, device=device) * 10
     cached = torch.cat([slots(i, 0, c - q) for i, (c, q, _) in enumerate(shapes)]).unique().to(device)
     for cache in (key_cache, value_cache):
-        cache.view(-1, kv_heads, head_dim)[cached] = torch.randn(cached.numel(), kv_heads, head_dim, generator=gen,
-                                                                 device=device)
+        cache.view(-1, kv_heads, head_dim)[cached] = torch.randn(
+            cached.numel(), kv_heads, head_dim, generator=gen, device=device
+        )
     new = torch.cat([slots(i, c - q, c) for i, (c, q, _) in enumerate(shapes)])
     num_tokens = new.numel()
     num_decodes = sum(1 for _, _, is_decode in shapes if is_decode)
     step = step_metadata_for([(c, q, tables[i]) for i, (c, q, _) in enumerate(shapes)], new, num_decodes, device)
     randn = lambda *shape: torch.randn(shape, generator=gen, device=device)  # noqa: E731
-    return StepInputs(key_cache, value_cache, randn(num_tokens, heads, head_dim), randn(num_tokens, kv_heads, head_dim),
-                      randn(num_tokens, kv_heads, head_dim), step, block_size)
+    return StepInputs(
+        key_cache,
+        value_cache,
+        randn(num_tokens, heads, head_dim),
+        randn(num_tokens, kv_heads, head_dim),
+        randn(num_tokens, kv_heads, head_dim),
+        step,
+        block_size,
+    )
 
 
 def build_metadata(backend, inputs: StepInputs):
@@ -113,8 +151,9 @@ def build_metadata(backend, inputs: StepInputs):
     return backend.build_metadata(inputs.step, KVCacheSpec(1, block_size, kv_heads, head_dim, inputs.key_cache.dtype))
 
 
-def run_backend(backend, inputs: StepInputs, device: torch.device,
-                metadata=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_backend(
+    backend, inputs: StepInputs, device: torch.device, metadata=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output, key cache, value cache) after the backend wrote the step's K/V and attended."""
     key_cache, value_cache = inputs.key_cache.clone(), inputs.value_cache.clone()
     from engine.attention.layer_attention import LayerAttention
@@ -211,8 +250,12 @@ def run(ctx: PartContext) -> None:
     if device.type == "cpu" and "cpu" not in names:
         names.append("cpu")  # the native CPU kernels stand in for a GPU backend on CPU (--device cpu)
     result = ctx.result
-    result.update(dtype="bfloat16", target_max_abs_err=BF16_TARGET_MAX_ABS_ERR, cases=[],
-                  flash_versions=distribution_versions(("flash-attn", "flash-attn-4")))
+    result.update(
+        dtype="bfloat16",
+        target_max_abs_err=BF16_TARGET_MAX_ABS_ERR,
+        cases=[],
+        flash_versions=distribution_versions(("flash-attn", "flash-attn-4")),
+    )
     candidates = Candidates(names, device, dtype)
     result["backends"] = candidates.availability
     ctx.save()
@@ -239,9 +282,16 @@ def run(ctx: PartContext) -> None:
                 bf16 = inputs.to(dtype)
                 ref_out, ref_k, ref_v = run_backend(reference, bf16, device)
                 fp32_out, _, _ = run_backend(reference, bf16.to(torch.float32), device)
-                base = dict(block_size=block_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, case=kind,
-                            num_reqs=len(shapes), num_tokens=int(inputs.query.shape[0]),
-                            torch_max_abs_err_vs_fp32=finite(max_abs(ref_out, fp32_out)))
+                base = dict(
+                    block_size=block_size,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    case=kind,
+                    num_reqs=len(shapes),
+                    num_tokens=int(inputs.query.shape[0]),
+                    torch_max_abs_err_vs_fp32=finite(max_abs(ref_out, fp32_out)),
+                )
                 for label in labels:
                     backend, notes = candidates.get(label, block_size, heads, kv_heads, head_dim)
                     if backend is None:
@@ -268,12 +318,25 @@ def compare(name, backend, inputs: StepInputs, device, base: dict, ref_out, ref_
         return record
     err = max_abs(out, ref_out)
     record.update(
-        status="ok", max_abs_err=finite(err), max_abs_err_vs_fp32=finite(max_abs(out, fp32_out)),
+        status="ok",
+        max_abs_err=finite(err),
+        max_abs_err_vs_fp32=finite(max_abs(out, fp32_out)),
         kv_write_max_abs_err=finite(max(max_abs(key_cache, ref_k), max_abs(value_cache, ref_v))),
-        passed=err < BF16_TARGET_MAX_ABS_ERR, seconds=round(time.perf_counter() - started, 3))
-    logger.info("numerics %-6s %-15s bs=%-3d heads=%d/%d hd=%-3d tokens=%-5d max abs err %.2e (torch bf16 vs fp32: "
-                "%s)", name, base["case"], base["block_size"], base["heads"], base["kv_heads"], base["head_dim"],
-                base["num_tokens"], err, base["torch_max_abs_err_vs_fp32"])
+        passed=err < BF16_TARGET_MAX_ABS_ERR,
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    logger.info(
+        "numerics %-6s %-15s bs=%-3d heads=%d/%d hd=%-3d tokens=%-5d max abs err %.2e (torch bf16 vs fp32: %s)",
+        name,
+        base["case"],
+        base["block_size"],
+        base["heads"],
+        base["kv_heads"],
+        base["head_dim"],
+        base["num_tokens"],
+        err,
+        base["torch_max_abs_err_vs_fp32"],
+    )
     return record
 
 
@@ -282,8 +345,9 @@ def summarize(result: dict, skipped: int) -> None:
     (None when a backend refused every case: nothing was measured)."""
     per_backend: dict[str, dict] = {}
     for case in result["cases"]:
-        entry = per_backend.setdefault(case["backend"], {"cases": 0, "errors": 0, "unsupported": 0,
-                                                         "probe_failed": 0, "_errs": []})
+        entry = per_backend.setdefault(
+            case["backend"], {"cases": 0, "errors": 0, "unsupported": 0, "probe_failed": 0, "_errs": []}
+        )
         entry["cases"] += 1
         if case.get("probe", "passed") != "passed":  # the engine would not pick this kernel here
             entry["probe_failed"] += 1
@@ -301,15 +365,22 @@ def summarize(result: dict, skipped: int) -> None:
             entry.update(max_abs_err=None, passed=None)
             continue
         worst = float("nan") if any(math.isnan(e) for e in errs) else max(errs, default=float("nan"))
-        entry.update(max_abs_err=finite(worst) if errs else None,
-                     passed=not entry["errors"] and worst < BF16_TARGET_MAX_ABS_ERR)
+        entry.update(
+            max_abs_err=finite(worst) if errs else None, passed=not entry["errors"] and worst < BF16_TARGET_MAX_ABS_ERR
+        )
     result["summary"] = per_backend
     result["cases_skipped_for_time"] = skipped
     measured = [e["passed"] for e in per_backend.values() if e["passed"] is not None]
     result["passed"] = all(measured) if measured else None
     result["status"] = "ok" if not skipped else "partial"
     for name, entry in per_backend.items():
-        logger.info("numerics %s: max abs err %s over %d cases (%d errors, %d unsupported, %d failed the "
-                    "engine's probe) -> %s", name, entry["max_abs_err"], entry["cases"], entry["errors"],
-                    entry["unsupported"], entry["probe_failed"],
-                    {True: "PASS", False: "FAIL", None: "not measured"}[entry["passed"]])
+        logger.info(
+            "numerics %s: max abs err %s over %d cases (%d errors, %d unsupported, %d failed the engine's probe) -> %s",
+            name,
+            entry["max_abs_err"],
+            entry["cases"],
+            entry["errors"],
+            entry["unsupported"],
+            entry["probe_failed"],
+            {True: "PASS", False: "FAIL", None: "not measured"}[entry["passed"]],
+        )

@@ -20,9 +20,22 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpucheck.common import (HBM_BYTES_PER_S, PartContext, build_llm, cuda_graph_modes, ensure_checkpoint,
-                             error_record, free_memory, kv_bytes_per_token, logger, shutdown, speed_block_size,
-                             synchronize, weight_read_bytes, with_torch_fallback)
+from gpucheck.common import (
+    HBM_BYTES_PER_S,
+    PartContext,
+    build_llm,
+    cuda_graph_modes,
+    ensure_checkpoint,
+    error_record,
+    free_memory,
+    kv_bytes_per_token,
+    logger,
+    shutdown,
+    speed_block_size,
+    synchronize,
+    weight_read_bytes,
+    with_torch_fallback,
+)
 from gpucheck.results import read_json
 
 TARGET_STEP_MS = {"qwen3-0.6b": 1.5, "llama-3.1-8b": 4.2}  # the targets on an H200
@@ -37,8 +50,9 @@ def run(ctx: PartContext) -> None:
     result.setdefault("models", {})
     result.update(hbm_bytes_per_s=HBM_BYTES_PER_S, prompt_len=PROMPT_LEN)
     modes = cuda_graph_modes()
-    result["cuda_graphs"] = "absent (the engine takes no enforce_eager yet): eager only" if len(modes) == 1 \
-        else "measured"
+    result["cuda_graphs"] = (
+        "absent (the engine takes no enforce_eager yet): eager only" if len(modes) == 1 else "measured"
+    )
     if ctx.on_cuda and "copy_bandwidth_tb_s" not in result:
         result["copy_bandwidth_tb_s"] = copy_bandwidth_tb_s(ctx.device)
     for name in ctx.options.get("models", ["qwen3-0.6b"]):
@@ -55,16 +69,28 @@ def measure_model(ctx: PartContext, name: str, modes: list[tuple[str, dict]]) ->
     steps = 8 if ctx.quick else 64
     started = time.perf_counter()
     model_dir = ensure_checkpoint(ctx.work_dir, name, ctx.quick, ctx.device)
-    record: dict = {"checkpoint_s": round(time.perf_counter() - started, 1), "steps_timed": steps,
-                    "target_step_ms": None if ctx.quick else TARGET_STEP_MS.get(name), "modes": {}}
+    record: dict = {
+        "checkpoint_s": round(time.perf_counter() - started, 1),
+        "steps_timed": steps,
+        "target_step_ms": None if ctx.quick else TARGET_STEP_MS.get(name),
+        "modes": {},
+    }
     backend = ctx.options.get("throughput_backend") or "auto"
-    base = dict(dtype="bfloat16", device=ctx.device.type, max_num_seqs=4, max_num_batched_tokens=1024,
-                max_model_len=1024, kv_cache_memory="16MiB" if ctx.quick else "1GiB", attention_backend=backend,
-                block_size=speed_block_size(backend, ctx.device))
+    base = dict(
+        dtype="bfloat16",
+        device=ctx.device.type,
+        max_num_seqs=4,
+        max_num_batched_tokens=1024,
+        max_model_len=1024,
+        kv_cache_memory="16MiB" if ctx.quick else "1GiB",
+        attention_backend=backend,
+        block_size=speed_block_size(backend, ctx.device),
+    )
     try:
         for label, extra in modes:
-            mode = with_torch_fallback(lambda s: measure_settings(model_dir, s, ctx.device, steps),
-                                       {**base, **extra}, ctx, min_left_s=20)
+            mode = with_torch_fallback(
+                lambda s: measure_settings(model_dir, s, ctx.device, steps), {**base, **extra}, ctx, min_left_s=20
+            )
             for key in MODEL_KEYS:  # the same in every mode: kept once, on the model
                 if key in mode:
                     record[key] = mode.pop(key)
@@ -79,13 +105,22 @@ def measure_model(ctx: PartContext, name: str, modes: list[tuple[str, dict]]) ->
     if "eager" in timed and "cuda_graphs" in timed:
         record["graphs_speedup"] = round(timed["eager"]["median_step_ms"] / timed["cuda_graphs"]["median_step_ms"], 2)
     best = min(m["median_step_ms"] for m in timed.values())
-    record.update(status="ok", best_step_ms=best, ratio_to_floor=round(best / record["floor_ms"], 2),
-                  weight_bandwidth_fraction=round(record["floor_ms"] / best, 3))
+    record.update(
+        status="ok",
+        best_step_ms=best,
+        ratio_to_floor=round(best / record["floor_ms"], 2),
+        weight_bandwidth_fraction=round(record["floor_ms"] / best, 3),
+    )
     if record["target_step_ms"] is not None:
         record["meets_target"] = best <= record["target_step_ms"]
-    logger.info("single stream %s: step %.3f ms (%s), floor %.4g ms, matvec pass %s ms", name, best,
-                ", ".join(f"{k} {v['median_step_ms']}" for k, v in timed.items()), record["floor_ms"],
-                record.get("matvec_pass_ms"))
+    logger.info(
+        "single stream %s: step %.3f ms (%s), floor %.4g ms, matvec pass %s ms",
+        name,
+        best,
+        ", ".join(f"{k} {v['median_step_ms']}" for k, v in timed.items()),
+        record["floor_ms"],
+        record.get("matvec_pass_ms"),
+    )
     return record
 
 
@@ -106,8 +141,7 @@ def measure_engine(llm, device: torch.device, steps: int) -> dict:
     rng = random.Random(0)
     prompt = [rng.randrange(0, min(10000, engine.vocab_size)) for _ in range(PROMPT_LEN)]
     warmup = 8
-    engine.add_request("single", prompt, SamplingParams(max_tokens=steps + warmup + 4, temperature=0,
-                                                        ignore_eos=True))
+    engine.add_request("single", prompt, SamplingParams(max_tokens=steps + warmup + 4, temperature=0, ignore_eos=True))
     engine.step()  # the prefill
     for _ in range(warmup):
         engine.step()
@@ -119,18 +153,23 @@ def measure_engine(llm, device: torch.device, steps: int) -> dict:
     engine.abort(["single"])
     while engine.has_work:
         engine.step()
-    record = {"median_step_ms": round(statistics.median(timings), 4),
-              "mean_step_ms": round(statistics.fmean(timings), 4),
-              "p90_step_ms": round(sorted(timings)[int(0.9 * (len(timings) - 1))], 4),
-              "backend": engine.runner.backend.name}
+    record = {
+        "median_step_ms": round(statistics.median(timings), 4),
+        "mean_step_ms": round(statistics.fmean(timings), 4),
+        "p90_step_ms": round(sorted(timings)[int(0.9 * (len(timings) - 1))], 4),
+        "backend": engine.runner.backend.name,
+    }
     model = engine.runner.model
     weights = weight_read_bytes(model)
     kv = (PROMPT_LEN + warmup + steps // 2) * kv_bytes_per_token(engine.runner.kv_cache.spec)
     untied_embedding = 0 if model.arch.tie_word_embeddings else model.embed.numel() * model.embed.element_size()
-    record.update(weight_read_bytes=weights, floor_ms=round((weights + kv) / HBM_BYTES_PER_S * 1e3, 6),
-                  all_weight_bytes=weights + untied_embedding,
-                  floor_ms_all_weights=round((weights + untied_embedding) / HBM_BYTES_PER_S * 1e3, 6),
-                  matvec_pass_ms=matvec_pass_ms(model.weight_tensors(), device, model.dtype))
+    record.update(
+        weight_read_bytes=weights,
+        floor_ms=round((weights + kv) / HBM_BYTES_PER_S * 1e3, 6),
+        all_weight_bytes=weights + untied_embedding,
+        floor_ms_all_weights=round((weights + untied_embedding) / HBM_BYTES_PER_S * 1e3, 6),
+        matvec_pass_ms=matvec_pass_ms(model.weight_tensors(), device, model.dtype),
+    )
     return record
 
 

@@ -48,16 +48,23 @@ def run(ctx: PartContext) -> None:
         result.update(read_json(ctx.path) or {})  # what the pytest process saved
         stop = result.pop("stopped_by_cuda_error", None)
         running = result.pop("running", None)  # the test the process died in, or was killed in
-        result["runs"].append({"returncode": returncode, **({"stopped_after": stop} if stop else {}),
-                               **({"ended_in": running} if running else {})})
+        result["runs"].append(
+            {
+                "returncode": returncode,
+                **({"stopped_after": stop} if stop else {}),
+                **({"ended_in": running} if running else {}),
+            }
+        )
         if running:
             outcome = "crashed" if returncode is not None else "timeout"
             result["tests"][running] = {"outcome": outcome, "returncode": returncode, "failure": crash_text(tail)}
         ctx.save()
         if not (stop or running and returncode is not None):
             break
-        logger.info("tests/gpu: %s; the tests not yet run go on in a fresh process",
-                    f"CUDA error in {stop}" if stop else f"crashed in {running}")
+        logger.info(
+            "tests/gpu: %s; the tests not yet run go on in a fresh process",
+            f"CUDA error in {stop}" if stop else f"crashed in {running}",
+        )
     counts: dict[str, int] = {}
     for entry in result["tests"].values():
         counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
@@ -71,16 +78,29 @@ def run(ctx: PartContext) -> None:
 def run_pytest(ctx: PartContext, deselect: list[str]) -> tuple[int | None, list[str]]:
     """One pytest process over tests/gpu less `deselect`, saving into the part's file: (its exit status,
     None if it was killed at the deadline; the last lines it printed)."""
-    args = [ctx.options.get("tests", TESTS), "-v", "-p", "no:cacheprovider",
-            *(f"--deselect={node}" for node in deselect)]
+    args = [
+        ctx.options.get("tests", TESTS),
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        *(f"--deselect={node}" for node in deselect),
+    ]
     if importlib.util.find_spec("pytest_timeout") is not None:
         args.append(f"--timeout={PER_TEST_TIMEOUT_S}")
     scripts = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-u", "-c", f"import sys; sys.path.insert(0, {str(scripts)!r}); "
-               "from gpucheck.tests_gpu import pytest_main; sys.exit(pytest_main())",
-               str(ctx.path), repr(ctx.deadline), *args]
-    child = subprocess.Popen(command, cwd=scripts.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             errors="replace")
+    command = [
+        sys.executable,
+        "-u",
+        "-c",
+        f"import sys; sys.path.insert(0, {str(scripts)!r}); "
+        "from gpucheck.tests_gpu import pytest_main; sys.exit(pytest_main())",
+        str(ctx.path),
+        repr(ctx.deadline),
+        *args,
+    ]
+    child = subprocess.Popen(
+        command, cwd=scripts.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
     tail: deque[str] = deque(maxlen=300)
     for line in child.stdout:  # the part's stdout is the check's log
         sys.stdout.write(line)
@@ -100,10 +120,11 @@ def crash_text(tail: list[str]) -> str:
     stacks follow), else the last lines."""
     text = "".join(tail)
     start = text.rfind("Fatal Python error")  # pytest -v may have printed the test's id on the same line
-    return text[start:start + 3000] if start >= 0 else text[-3000:]
+    return text[start : start + 3000] if start >= 0 else text[-3000:]
 
 
 # ---------------------------------------------------------------------- the pytest process
+
 
 def pytest_main() -> int:
     """In the pytest process: argv is (the part's file, the deadline, pytest's arguments)."""
@@ -184,4 +205,3 @@ def skip_reason(report) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
     return reason.removeprefix("Skipped: ")
-

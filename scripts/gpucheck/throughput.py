@@ -20,9 +20,21 @@ import random
 import statistics
 import time
 
-from gpucheck.common import (HBM_BYTES_PER_S, PartContext, build_llm, cuda_graph_modes, ensure_checkpoint,
-                             error_record, free_memory, kv_bytes_per_token, logger, shutdown, speed_block_size,
-                             weight_read_bytes, with_torch_fallback)
+from gpucheck.common import (
+    HBM_BYTES_PER_S,
+    PartContext,
+    build_llm,
+    cuda_graph_modes,
+    ensure_checkpoint,
+    error_record,
+    free_memory,
+    kv_bytes_per_token,
+    logger,
+    shutdown,
+    speed_block_size,
+    weight_read_bytes,
+    with_torch_fallback,
+)
 
 TEARDOWN_S = 8  # left at the deadline to abort, release the engine and save
 
@@ -45,13 +57,29 @@ def make_requests(spec: dict) -> tuple[list[list[int]], list[int]]:
 def engine_settings(ctx: PartContext) -> dict:
     backend = ctx.options.get("throughput_backend") or "auto"
     if ctx.quick:
-        return dict(dtype="bfloat16", device=ctx.device.type, attention_backend=backend, max_num_seqs=8,
-                    max_num_batched_tokens=256, max_model_len=128, block_size=16, kv_cache_memory="32MiB",
-                    enable_prefix_caching=True)
+        return dict(
+            dtype="bfloat16",
+            device=ctx.device.type,
+            attention_backend=backend,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            max_model_len=128,
+            block_size=16,
+            kv_cache_memory="32MiB",
+            enable_prefix_caching=True,
+        )
     # nano-vllm's defaults: max_num_seqs 512, max_num_batched_tokens 16384, max_model_len 4096, 0.9 of memory
-    return dict(dtype="bfloat16", device=ctx.device.type, attention_backend=backend, max_num_seqs=256,
-                max_num_batched_tokens=16384, max_model_len=4096, block_size=speed_block_size(backend, ctx.device),
-                gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    return dict(
+        dtype="bfloat16",
+        device=ctx.device.type,
+        attention_backend=backend,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        max_model_len=4096,
+        block_size=speed_block_size(backend, ctx.device),
+        gpu_memory_utilization=0.9,
+        enable_prefix_caching=True,
+    )
 
 
 class StepRecorder:
@@ -73,13 +101,22 @@ def run(ctx: PartContext) -> None:
     prompts, output_lens = make_requests(spec)
     settings = engine_settings(ctx)
     result = ctx.result
-    result.update(workload={**spec, "source": "nano-vllm bench.py (random.Random(0): prompts, then output lengths)",
-                            "total_prompt_tokens": sum(map(len, prompts)), "total_output_tokens": sum(output_lens),
-                            "ignore_eos": True},
-                  model="qwen3-0.6b" + ("-quick" if ctx.quick else ""), engine=settings, runs={})
+    result.update(
+        workload={
+            **spec,
+            "source": "nano-vllm bench.py (random.Random(0): prompts, then output lengths)",
+            "total_prompt_tokens": sum(map(len, prompts)),
+            "total_output_tokens": sum(output_lens),
+            "ignore_eos": True,
+        },
+        model="qwen3-0.6b" + ("-quick" if ctx.quick else ""),
+        engine=settings,
+        runs={},
+    )
     modes = cuda_graph_modes()
-    result["cuda_graphs"] = "absent (the engine takes no enforce_eager yet): eager only" if len(modes) == 1 \
-        else "measured"
+    result["cuda_graphs"] = (
+        "absent (the engine takes no enforce_eager yet): eager only" if len(modes) == 1 else "measured"
+    )
     ctx.save()
     model_dir = ensure_checkpoint(ctx.work_dir, "qwen3-0.6b", ctx.quick, ctx.device)
     for index, (label, extra) in enumerate(modes):
@@ -88,7 +125,10 @@ def run(ctx: PartContext) -> None:
         try:
             result["runs"][label] = with_torch_fallback(
                 lambda s: run_mode(model_dir, s, prompts, output_lens, spec["temperature"], deadline),
-                {**settings, **extra}, ctx, min_left_s=60)
+                {**settings, **extra},
+                ctx,
+                min_left_s=60,
+            )
         except Exception as exc:  # noqa: BLE001 - recorded, the next mode goes on
             result["runs"][label] = error_record(exc)
         ctx.save()
@@ -103,24 +143,38 @@ def run_mode(model_dir, settings: dict, prompts, output_lens, temperature: float
     llm = build_llm(model_dir, **settings)
     try:
         engine = llm.engine
-        record = {"build_s": round(time.perf_counter() - started, 1), "backend": engine.runner.backend.name,
-                  "kv_cache_tokens": engine.runner.kv_cache.num_tokens}
+        record = {
+            "build_s": round(time.perf_counter() - started, 1),
+            "backend": engine.runner.backend.name,
+            "kv_cache_tokens": engine.runner.kv_cache.num_tokens,
+        }
         warm = SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p[:32]} for p in prompts[:2]], warm, use_tqdm=False)
         recorder = StepRecorder(engine.runner)
         for i, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
-            engine.add_request(f"tp-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                                 ignore_eos=True))
+            engine.add_request(
+                f"tp-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+            )
         record.update(drive(engine, recorder, {f"tp-{i}": len(p) for i, p in enumerate(prompts)}, deadline))
         model = engine.runner.model
         weights, per_token = weight_read_bytes(model), kv_bytes_per_token(engine.runner.kv_cache.spec)
-        record.update(weight_read_bytes=weights, kv_bytes_per_token=per_token, hbm_bytes_per_s=HBM_BYTES_PER_S,
-                      num_preemptions=engine.stats().num_preemptions)
+        record.update(
+            weight_read_bytes=weights,
+            kv_bytes_per_token=per_token,
+            hbm_bytes_per_s=HBM_BYTES_PER_S,
+            num_preemptions=engine.stats().num_preemptions,
+        )
         full_batch = min(len(prompts), settings["max_num_seqs"])
         record["full_batch_decode"] = full_batch_stats(record.pop("_steps"), full_batch, weights, per_token)
-        logger.info("throughput (%s): %.1f output tok/s over %d tokens in %.1f s (%s); full-batch decode step %s",
-                    record["backend"], record["output_tok_s"], record["output_tokens"], record["elapsed_s"],
-                    "completed" if record["completed"] else "stopped at the deadline", record["full_batch_decode"])
+        logger.info(
+            "throughput (%s): %.1f output tok/s over %d tokens in %.1f s (%s); full-batch decode step %s",
+            record["backend"],
+            record["output_tok_s"],
+            record["output_tokens"],
+            record["elapsed_s"],
+            "completed" if record["completed"] else "stopped at the deadline",
+            record["full_batch_decode"],
+        )
         return record
     finally:
         shutdown(llm)
@@ -145,8 +199,9 @@ def drive(engine, recorder: StepRecorder, prompt_lens: dict[str, int], deadline:
         so = recorder.last
         if so is None or so.is_empty:
             continue
-        decode_only = all(n == 1 and so.num_computed_tokens[r] >= prompt_lens.get(r, 0)
-                          for r, n in so.num_scheduled_tokens.items())
+        decode_only = all(
+            n == 1 and so.num_computed_tokens[r] >= prompt_lens.get(r, 0) for r, n in so.num_scheduled_tokens.items()
+        )
         kv_tokens = sum(so.num_computed_tokens[r] + n for r, n in so.num_scheduled_tokens.items())
         steps.append((seconds, len(so.num_scheduled_tokens), decode_only, kv_tokens))
     elapsed = time.perf_counter() - start
@@ -155,10 +210,17 @@ def drive(engine, recorder: StepRecorder, prompt_lens: dict[str, int], deadline:
         while engine.has_work:
             engine.step()
     decode_s = sum(s[0] for s in steps if s[2])
-    return {"completed": completed, "output_tokens": output_tokens, "elapsed_s": round(elapsed, 2),
-            "output_tok_s": round(output_tokens / elapsed, 1) if elapsed else 0.0, "steps": len(steps),
-            "decode_only_steps": sum(1 for s in steps if s[2]), "decode_only_s": round(decode_s, 2),
-            "steps_with_prefill_s": round(sum(s[0] for s in steps) - decode_s, 2), "_steps": steps}
+    return {
+        "completed": completed,
+        "output_tokens": output_tokens,
+        "elapsed_s": round(elapsed, 2),
+        "output_tok_s": round(output_tokens / elapsed, 1) if elapsed else 0.0,
+        "steps": len(steps),
+        "decode_only_steps": sum(1 for s in steps if s[2]),
+        "decode_only_s": round(decode_s, 2),
+        "steps_with_prefill_s": round(sum(s[0] for s in steps) - decode_s, 2),
+        "_steps": steps,
+    }
 
 
 def full_batch_stats(steps: list, batch: int, weight_bytes: int, kv_per_token: int) -> dict:
@@ -168,7 +230,12 @@ def full_batch_stats(steps: list, batch: int, weight_bytes: int, kv_per_token: i
         return {"batch": batch, "steps": 0}
     mean_ms = statistics.fmean(sec for sec, _ in full) * 1e3
     floor_ms = statistics.fmean((weight_bytes + kv * kv_per_token) / HBM_BYTES_PER_S for _, kv in full) * 1e3
-    return {"batch": batch, "steps": len(full), "mean_step_ms": round(mean_ms, 3),
-            "median_step_ms": round(statistics.median(sec for sec, _ in full) * 1e3, 3),
-            "mean_floor_ms": round(floor_ms, 6), "ratio_to_floor": round(mean_ms / floor_ms, 2),
-            "mean_context_tokens": round(statistics.fmean(kv for _, kv in full) / batch, 1)}
+    return {
+        "batch": batch,
+        "steps": len(full),
+        "mean_step_ms": round(mean_ms, 3),
+        "median_step_ms": round(statistics.median(sec for sec, _ in full) * 1e3, 3),
+        "mean_floor_ms": round(floor_ms, 6),
+        "ratio_to_floor": round(mean_ms / floor_ms, 2),
+        "mean_context_tokens": round(statistics.fmean(kv for _, kv in full) / batch, 1),
+    }

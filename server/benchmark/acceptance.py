@@ -26,7 +26,7 @@ def spec_decode_counts(base_url: str, api_key: Optional[str]) -> Optional[dict[s
     for line in response.text.splitlines():
         for prefix in PREFIXES:
             if line.startswith(prefix):
-                name = line[len(prefix):].split("{")[0].split(" ")[0]
+                name = line[len(prefix) :].split("{")[0].split(" ")[0]
                 if name in COUNTERS:
                     counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts if len(counts) == len(COUNTERS) else None
@@ -41,5 +41,8 @@ def acceptance(before: Optional[dict[str, float]], after: Optional[dict[str, flo
     accepted = after["num_accepted_tokens_total"] - before["num_accepted_tokens_total"]
     if drafts <= 0:
         return None
-    return {"mean_acceptance_length": 1 + accepted / drafts, "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "num_drafts": drafts}
+    return {
+        "mean_acceptance_length": 1 + accepted / drafts,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "num_drafts": drafts,
+    }

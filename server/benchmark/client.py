@@ -1,10 +1,10 @@
 """One benchmark request: streamed, with the time of every content chunk.
 
-    TTFT      send -> first chunk carrying content (text, or a chat delta's content)
-    ITL       the gaps between consecutive content chunks
-    latency   send -> end of the stream
-    output    completion tokens from the final usage chunk (`stream_options.include_usage`); without
-              one, the number of content chunks
+TTFT      send -> first chunk carrying content (text, or a chat delta's content)
+ITL       the gaps between consecutive content chunks
+latency   send -> end of the stream
+output    completion tokens from the final usage chunk (`stream_options.include_usage`); without
+          one, the number of content chunks
 """
 
 from __future__ import annotations
@@ -49,8 +49,13 @@ class Target:
         return self.base_url.rstrip("/") + path
 
     def body(self, request: BenchRequest) -> dict:
-        body: dict = {"model": self.model, "max_tokens": request.output_len, "temperature": self.temperature,
-                      "stream": True, "stream_options": {"include_usage": True}}
+        body: dict = {
+            "model": self.model,
+            "max_tokens": request.output_len,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": request.prompt}]
         else:
@@ -76,8 +81,9 @@ def _content(chunk: dict, endpoint: str) -> str:
 Clock = Callable[[], float]
 
 
-async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest,
-               clock: Clock = time.perf_counter) -> RequestResult:
+async def send(
+    client: httpx.AsyncClient, target: Target, request: BenchRequest, clock: Clock = time.perf_counter
+) -> RequestResult:
     """Send one request and time its stream with `clock` (read at send, at every chunk, at the end);
     failures are recorded, never raised."""
     result = RequestResult(prompt_len=request.prompt_len)

@@ -28,12 +28,21 @@ def _ordinary_ids(tokenizer: Tokenizer) -> list[int]:
     """Ids of ordinary tokens that decode to whole characters on their own (no special or added tokens, no
     byte pieces of a multi-byte character), from which random prompts are drawn."""
     special = set(tokenizer.hf.all_special_ids) | set(tokenizer.hf.get_added_vocab().values())
-    return [i for i in range(tokenizer.vocab_size)
-            if i not in special and "\ufffd" not in tokenizer.decode([i], skip_special_tokens=False)]
+    return [
+        i
+        for i in range(tokenizer.vocab_size)
+        if i not in special and "\ufffd" not in tokenizer.decode([i], skip_special_tokens=False)
+    ]
 
 
-def text_of_length(tokenizer: Tokenizer, ids: Sequence[int], length: int, pool: Sequence[int],
-                   rng: random.Random, max_rounds: int = 200) -> tuple[str, int]:
+def text_of_length(
+    tokenizer: Tokenizer,
+    ids: Sequence[int],
+    length: int,
+    pool: Sequence[int],
+    rng: random.Random,
+    max_rounds: int = 200,
+) -> tuple[str, int]:
     """Text that encodes (without special tokens) to `length` tokens, from the ids of `pool` given: while
     the decoded text encodes longer, the last id is dropped; while shorter, a random one is added. The
     text and its length (== length unless no text of that exact length was found in `max_rounds`)."""
@@ -60,8 +69,9 @@ def _lengths(rng: random.Random, mean: int, range_ratio: float) -> int:
     return max(1, rng.randint(low, max(low, high)))
 
 
-def random_requests(tokenizer: Tokenizer, num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    tokenizer: Tokenizer, num: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[BenchRequest]:
     """`num` prompts of random tokens, lengths uniform around input_len / output_len (range_ratio 0: exact)."""
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
@@ -75,14 +85,16 @@ def random_requests(tokenizer: Tokenizer, num: int, input_len: int, output_len: 
     return requests
 
 
-def prefix_shared_requests(tokenizer: Tokenizer, num: int, prefix_len: int, suffix_len: int, output_len: int,
-                           seed: int = 0) -> list[BenchRequest]:
+def prefix_shared_requests(
+    tokenizer: Tokenizer, num: int, prefix_len: int, suffix_len: int, output_len: int, seed: int = 0
+) -> list[BenchRequest]:
     """`num` prompts sharing one random `prefix_len`-token prefix, each with its own random suffix (what a
     prefix cache serves: a long system prompt, few-shot examples, a shared document)."""
     rng = random.Random(seed)
     pool = _ordinary_ids(tokenizer)
-    prefix, prefix_actual = text_of_length(tokenizer, [rng.choice(pool) for _ in range(prefix_len)], prefix_len,
-                                           pool, rng)
+    prefix, prefix_actual = text_of_length(
+        tokenizer, [rng.choice(pool) for _ in range(prefix_len)], prefix_len, pool, rng
+    )
     requests = []
     for _ in range(num):
         suffix, _ = text_of_length(tokenizer, [rng.choice(pool) for _ in range(suffix_len)], suffix_len, pool, rng)
@@ -91,8 +103,9 @@ def prefix_shared_requests(tokenizer: Tokenizer, num: int, prefix_len: int, suff
     return requests
 
 
-def sharegpt_requests(path: Path, tokenizer: Tokenizer, num: int, output_len: Optional[int] = None,
-                      seed: int = 0) -> list[BenchRequest]:
+def sharegpt_requests(
+    path: Path, tokenizer: Tokenizer, num: int, output_len: Optional[int] = None, seed: int = 0
+) -> list[BenchRequest]:
     """From a ShareGPT JSON file (a list of {"conversations": [{"from": "human", "value": ...}, {"from": "gpt",
     ...}]}): each conversation's first turn is the prompt, the reply's token length the output length
     (unless `output_len` is given), as vLLM samples it; conversations shuffled by `seed`."""
@@ -122,7 +135,7 @@ def jsonl_requests(path: Path, tokenizer: Tokenizer, num: int, output_len: Optio
             record = json.loads(line)
             prompt = record["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: expected {{\"prompt\": ..., \"output_len\": ...}} ({exc})") from None
+            raise ValueError(f'{path}:{number}: expected {{"prompt": ..., "output_len": ...}} ({exc})') from None
         length = output_len or int(record.get("output_len", 128))
         requests.append(BenchRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), length))
         if len(requests) == num:

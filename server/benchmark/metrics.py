@@ -74,8 +74,9 @@ def meets(result: RequestResult, slos_ms: Mapping[str, float]) -> bool:
     return all(values[name] * 1000.0 <= limit for name, limit in slos_ms.items())
 
 
-def compute(results: Sequence[RequestResult], duration_s: float,
-            slos_ms: Optional[Mapping[str, float]] = None) -> BenchmarkMetrics:
+def compute(
+    results: Sequence[RequestResult], duration_s: float, slos_ms: Optional[Mapping[str, float]] = None
+) -> BenchmarkMetrics:
     ok = [r for r in results if r.success]
     errors: dict[str, int] = {}
     for r in results:
@@ -139,12 +140,16 @@ def format_table(metrics: BenchmarkMetrics, title: str = "Serving Benchmark Resu
     lines = [f"{'=' * 22} {title} {'=' * 22}"]
     width = len(lines[0])
     lines += [f"{name:<40}{value:>{width - 40}}" for name, value in rows]
-    for label, dist in (("Time to First Token", metrics.ttft_ms), ("Time per Output Token (excl. 1st token)",
-                        metrics.tpot_ms), ("Inter-token Latency", metrics.itl_ms), ("End-to-end Latency",
-                        metrics.e2el_ms)):
+    for label, dist in (
+        ("Time to First Token", metrics.ttft_ms),
+        ("Time per Output Token (excl. 1st token)", metrics.tpot_ms),
+        ("Inter-token Latency", metrics.itl_ms),
+        ("End-to-end Latency", metrics.e2el_ms),
+    ):
         lines.append(f"{label:-^{width}}")
         short = {"Time to First Token": "TTFT", "Inter-token Latency": "ITL", "End-to-end Latency": "E2EL"}.get(
-            label, "TPOT")
+            label, "TPOT"
+        )
         for stat in ("mean", "median", "p90", "p99"):
             name = f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {short} (ms)"
             lines.append(f"{name:<40}{getattr(dist, stat):>{width - 40}.2f}")

@@ -30,8 +30,13 @@ from typing import Optional, Sequence
 import httpx
 
 from server.benchmark.client import Clock, RequestResult, Target, send
-from server.benchmark.datasets import (BenchRequest, jsonl_requests, prefix_shared_requests, random_requests,
-                                       sharegpt_requests)
+from server.benchmark.datasets import (
+    BenchRequest,
+    jsonl_requests,
+    prefix_shared_requests,
+    random_requests,
+    sharegpt_requests,
+)
 from server.benchmark.acceptance import acceptance, spec_decode_counts
 from server.benchmark.metrics import BenchmarkMetrics, compute, format_table, parse_slos
 
@@ -58,8 +63,13 @@ def arrival_gaps(count: int, shape: LoadShape) -> list[float]:
     return [rng.gammavariate(shape.burstiness, theta) for _ in range(count)]
 
 
-async def run_load(target: Target, requests: Sequence[BenchRequest], shape: LoadShape,
-                   progress: bool = True, clock: Clock = time.perf_counter) -> tuple[list[RequestResult], float]:
+async def run_load(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    shape: LoadShape,
+    progress: bool = True,
+    clock: Clock = time.perf_counter,
+) -> tuple[list[RequestResult], float]:
     """Send every request by the load shape; the results (in request order) and the duration in seconds
     (both timed with `clock`)."""
     from tqdm.auto import tqdm
@@ -68,8 +78,10 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], shape: Load
     semaphore = asyncio.Semaphore(limit)
     bar = tqdm(total=len(requests), disable=not progress, unit="req", file=sys.stderr)
     timeout = httpx.Timeout(6 * 3600.0, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=limit,
-                                                                       max_keepalive_connections=limit)) as client:
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    ) as client:
+
         async def one(request: BenchRequest) -> RequestResult:
             async with semaphore:
                 result = await send(client, target, request, clock)
@@ -110,11 +122,13 @@ def load_bench_tokenizer(tokenizer: Optional[str], model: Optional[str]):
 
 def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     if args.dataset == "random":
-        return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                               args.seed)
+        return random_requests(
+            tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed
+        )
     if args.dataset == "prefix-shared":
-        return prefix_shared_requests(tokenizer, args.num_prompts, args.prefix_len, args.suffix_len,
-                                      args.output_len, args.seed)
+        return prefix_shared_requests(
+            tokenizer, args.num_prompts, args.prefix_len, args.suffix_len, args.output_len, args.seed
+        )
     if args.dataset_path is None:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path FILE")
     if args.dataset == "sharegpt":
@@ -123,22 +137,35 @@ def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve bench serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pagedserve bench serve",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (any OpenAI-compatible one)")
     p.add_argument("--model", default=None, help="model name to send (default: the first at /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="the API to load: /v1/completions, or /v1/chat/completions with each prompt as one user "
-                   "message")
-    p.add_argument("--dataset", choices=("random", "prefix-shared", "sharegpt", "jsonl"), default="random",
-                   help="where the prompts come from: random tokens (--input-len, --output-len), one shared prefix "
-                   "with a suffix of its own each (--prefix-len, --suffix-len), or a file (--dataset-path: a "
-                   "ShareGPT JSON, or JSON lines with a prompt each)")
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="the API to load: /v1/completions, or /v1/chat/completions with each prompt as one user message",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=("random", "prefix-shared", "sharegpt", "jsonl"),
+        default="random",
+        help="where the prompts come from: random tokens (--input-len, --output-len), one shared prefix "
+        "with a suffix of its own each (--prefix-len, --suffix-len), or a file (--dataset-path: a "
+        "ShareGPT JSON, or JSON lines with a prompt each)",
+    )
     p.add_argument("--dataset-path", type=Path, default=None, help="file for --dataset sharegpt / jsonl")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer of the served model, to make prompts of exact token lengths: a checkpoint "
-                   "directory, a .gguf file or a hub id in the local cache (default: --model when it is a local "
-                   "path, else the embedded model's)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer of the served model, to make prompts of exact token lengths: a checkpoint "
+        "directory, a .gguf file or a hub id in the local cache (default: --model when it is a local "
+        "path, else the embedded model's)",
+    )
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (the run's size)")
     p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="random, prefix-shared: max_tokens")
@@ -147,18 +174,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=int, default=64, help="prefix-shared: tokens of each own suffix")
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt, jsonl: override output lengths")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier, above more "
-                   "regular")
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps between requests: 1 is Poisson, below 1 burstier, above more regular",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--ignore-eos", action="store_true", help="ask every request to run its max_tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
-    p.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=None,
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="NAME:MS",
+        default=None,
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000",
+    )
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (or $OPENAI_API_KEY)")
-    p.add_argument("--result-json", type=Path, default=None,
-                   help="write the figures and per-request data here (python -m benchmarks.report reads it)")
+    p.add_argument(
+        "--result-json",
+        type=Path,
+        default=None,
+        help="write the figures and per-request data here (python -m benchmarks.report reads it)",
+    )
     p.add_argument("--label", default=None, help="a name for this run in the JSON")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
@@ -218,8 +257,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(metrics))
     if record["speculative_decoding"] is not None:
         spec = record["speculative_decoding"]
-        print(f"Speculative decoding: mean acceptance length {spec['mean_acceptance_length']:.2f} tokens per drafted "
-              f"step, {100 * spec['acceptance_rate']:.0f}% of draft tokens accepted")
+        print(
+            f"Speculative decoding: mean acceptance length {spec['mean_acceptance_length']:.2f} tokens per drafted "
+            f"step, {100 * spec['acceptance_rate']:.0f}% of draft tokens accepted"
+        )
     if args.result_json is not None:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(record, indent=1))

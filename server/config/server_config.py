@@ -28,30 +28,39 @@ class ServerConfig(BaseModel):
     served_model_name: Optional[str] = Field(
         None, min_length=1, description="the model id clients send and see; None = the model's source"
     )
-    strict_params: bool = Field(
-        False, description="also reject request fields the OpenAI API does not define"
-    )
+    strict_params: bool = Field(False, description="also reject request fields the OpenAI API does not define")
     log_level: LogLevel = "info"
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
-        "hermes", description="how tool calls are found in the text under tool_choice auto")
+        "hermes", description="how tool calls are found in the text under tool_choice auto"
+    )
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
     metrics_require_auth: bool = Field(False, description="/metrics also needs an API key (when keys are set)")
     # limits (see README, "Running in production")
     max_queued_requests: Optional[int] = Field(
-        None, ge=1, description="sequences admitted but not yet generating, at most; None = 4 x max_num_seqs")
+        None, ge=1, description="sequences admitted but not yet generating, at most; None = 4 x max_num_seqs"
+    )
     max_queued_tokens: Optional[int] = Field(
-        None, ge=1, description="prompt tokens of those sequences, at most; None = the KV cache's capacity")
+        None, ge=1, description="prompt tokens of those sequences, at most; None = the KV cache's capacity"
+    )
     request_timeout: Optional[float] = Field(
-        None, gt=0, description="seconds a request may wait and run before it is aborted; None = no deadline")
+        None, gt=0, description="seconds a request may wait and run before it is aborted; None = no deadline"
+    )
     shutdown_timeout: float = Field(
-        30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+        30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM/SIGINT"
+    )
     max_request_body: int = Field(4 * 2**20, ge=1024, description="request body bytes at most (413 beyond)")
     max_logprobs: int = Field(
-        MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS, description="alternatives per token a request may ask for, at most "
-        "(completions' logprobs, chat's top_logprobs)")
+        MAX_LOGPROBS,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="alternatives per token a request may ask for, at most "
+        "(completions' logprobs, chat's top_logprobs)",
+    )
     enable_log_requests: bool = Field(
-        False, description="log each generation request at info: id, route, token counts and sampling "
-        "settings, never its text")
+        False,
+        description="log each generation request at info: id, route, token counts and sampling "
+        "settings, never its text",
+    )
     root_path: str = Field("", description="path prefix of a proxy in front (FastAPI's root_path)")
     ssl_keyfile: Optional[str] = Field(None, description="TLS private key (PEM); with ssl_certfile, serve HTTPS")
     ssl_certfile: Optional[str] = Field(None, description="TLS certificate chain (PEM)")

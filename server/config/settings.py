@@ -38,13 +38,21 @@ from server.config.server_config import ServerConfig
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "PAGEDSERVE_"
-NOT_SETTINGS = frozenset({
-    "PAGEDSERVE_CACHE_DIR",  # read by the engine: where converted models and built kernels are kept
-    # read by docker-compose (docker-compose*.yml, deploy/compose/)
-    "PAGEDSERVE_IMAGE", "PAGEDSERVE_HOST_PORT", "PAGEDSERVE_MODELS_DIR", "PAGEDSERVE_GPU", "PAGEDSERVE_2_GPU",
-    # read by scripts/container_test.sh
-    "PAGEDSERVE_TEST_IMAGE", "PAGEDSERVE_CTR_DIR", "PAGEDSERVE_CTR_PORT",
-})
+NOT_SETTINGS = frozenset(
+    {
+        "PAGEDSERVE_CACHE_DIR",  # read by the engine: where converted models and built kernels are kept
+        # read by docker-compose (docker-compose*.yml, deploy/compose/)
+        "PAGEDSERVE_IMAGE",
+        "PAGEDSERVE_HOST_PORT",
+        "PAGEDSERVE_MODELS_DIR",
+        "PAGEDSERVE_GPU",
+        "PAGEDSERVE_2_GPU",
+        # read by scripts/container_test.sh
+        "PAGEDSERVE_TEST_IMAGE",
+        "PAGEDSERVE_CTR_DIR",
+        "PAGEDSERVE_CTR_PORT",
+    }
+)
 """PAGEDSERVE_* variables that are not settings but are read elsewhere: no warning for them."""
 FieldPath = tuple[str, ...]  # a field's place in Settings, e.g. ("engine", "scheduler", "max_num_seqs")
 
@@ -111,103 +119,312 @@ class Option:
 MODEL, CACHE, SCHEDULER, SERVER = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--config", None, "str", "YAML preset with sections model/cache/scheduler/server "
-           "(e.g. configs/default.yaml)", "FILE", "none"),
-    Option("--model", (*MODEL, "model"), "str", "checkpoint directory, .gguf file or hub id", "MODEL",
-           "the embedded SmolLM2-135M-Instruct"),
+    Option(
+        "--config",
+        None,
+        "str",
+        "YAML preset with sections model/cache/scheduler/server (e.g. configs/default.yaml)",
+        "FILE",
+        "none",
+    ),
+    Option(
+        "--model",
+        (*MODEL, "model"),
+        "str",
+        "checkpoint directory, .gguf file or hub id",
+        "MODEL",
+        "the embedded SmolLM2-135M-Instruct",
+    ),
     Option("--tokenizer", (*MODEL, "tokenizer"), "str", "tokenizer source", "TOKENIZER", "the model's"),
-    Option("--served-model-name", (*SERVER, "served_model_name"), "str",
-           "model id that clients send and that responses report", "NAME", "the --model value"),
+    Option(
+        "--served-model-name",
+        (*SERVER, "served_model_name"),
+        "str",
+        "model id that clients send and that responses report",
+        "NAME",
+        "the --model value",
+    ),
     Option("--host", (*SERVER, "host"), "str", "address to bind", "HOST"),
     Option("--port", (*SERVER, "port"), "int", "TCP port; 0 = any free port", "PORT"),
-    Option("--api-key", (*SERVER, "api_keys"), "keys", "accepted bearer token; repeat the flag for several "
-           "(the environment variable takes a comma-separated list)", "KEY", "none, no authentication"),
-    Option("--dtype", (*MODEL, "dtype"), "str", "weight and activation dtype; auto = bfloat16 on CUDA and "
-           "on CPUs with native bf16, else float32"),
+    Option(
+        "--api-key",
+        (*SERVER, "api_keys"),
+        "keys",
+        "accepted bearer token; repeat the flag for several (the environment variable takes a comma-separated list)",
+        "KEY",
+        "none, no authentication",
+    ),
+    Option(
+        "--dtype",
+        (*MODEL, "dtype"),
+        "str",
+        "weight and activation dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32",
+    ),
     Option("--device", (*MODEL, "device"), "str", "where the model runs"),
-    Option("--max-model-len", (*MODEL, "max_model_len"), "int", "prompt + output tokens at most", "N",
-           "the model's context length", nullable=True),
+    Option(
+        "--max-model-len",
+        (*MODEL, "max_model_len"),
+        "int",
+        "prompt + output tokens at most",
+        "N",
+        "the model's context length",
+        nullable=True,
+    ),
     Option("--block-size", (*CACHE, "block_size"), "int", "tokens per KV cache block", "N"),
-    Option("--num-kv-blocks", (*CACHE, "num_blocks"), "int", "KV cache blocks (overrides --kv-cache-memory "
-           "and --gpu-memory-utilization)", "N", "derived from the memory budget", nullable=True),
-    Option("--kv-cache-memory", (*CACHE, "kv_cache_memory"), "size", "KV cache budget on CPU, "
-           "e.g. 1GiB, 512MiB, 2000000000", "SIZE", "1GiB on CPU", nullable=True),
-    Option("--gpu-memory-utilization", (*CACHE, "gpu_memory_utilization"), "float",
-           "fraction of GPU memory for weights, activations and KV cache", "F"),
+    Option(
+        "--num-kv-blocks",
+        (*CACHE, "num_blocks"),
+        "int",
+        "KV cache blocks (overrides --kv-cache-memory and --gpu-memory-utilization)",
+        "N",
+        "derived from the memory budget",
+        nullable=True,
+    ),
+    Option(
+        "--kv-cache-memory",
+        (*CACHE, "kv_cache_memory"),
+        "size",
+        "KV cache budget on CPU, e.g. 1GiB, 512MiB, 2000000000",
+        "SIZE",
+        "1GiB on CPU",
+        nullable=True,
+    ),
+    Option(
+        "--gpu-memory-utilization",
+        (*CACHE, "gpu_memory_utilization"),
+        "float",
+        "fraction of GPU memory for weights, activations and KV cache",
+        "F",
+    ),
     Option("--max-num-seqs", (*SCHEDULER, "max_num_seqs"), "int", "requests in the running batch at most", "N"),
-    Option("--max-num-batched-tokens", (*SCHEDULER, "max_num_batched_tokens"), "int",
-           "tokens computed per engine step at most", "N"),
-    Option("--enable-prefix-caching", (*CACHE, "enable_prefix_caching"), "bool",
-           "reuse the KV blocks of shared prompt prefixes"),
+    Option(
+        "--max-num-batched-tokens",
+        (*SCHEDULER, "max_num_batched_tokens"),
+        "int",
+        "tokens computed per engine step at most",
+        "N",
+    ),
+    Option(
+        "--enable-prefix-caching",
+        (*CACHE, "enable_prefix_caching"),
+        "bool",
+        "reuse the KV blocks of shared prompt prefixes",
+    ),
     Option("--scheduling-policy", (*SCHEDULER, "policy"), "str", "order of admission to the running batch"),
-    Option("--attention-backend", ("engine", "attention_backend"), "str",
-           "attention kernels; auto picks from the device and what imports"),
-    Option("--batch-invariant", ("engine", "batch_invariant"), "bool",
-           "kernels whose per-request arithmetic does not depend on the batch: a request gives the same "
-           "tokens and logprobs whatever runs beside it, in float32 and bfloat16 (CPU)"),
-    Option("--enforce-eager", ("engine", "enforce_eager"), "bool",
-           "never use CUDA graphs (by default decode steps on CUDA replay graphs captured at start-up)"),
-    Option("--profile", ("engine", "profile"), "bool",
-           "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
-           "between steps), every 1000 steps"),
-    Option("--speculative-config", ("engine", "speculative_config"), "json",
-           "speculative decoding as vLLM spells it, a JSON object: {\"method\": \"ngram\", "
-           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}; a request opts "
-           "out with \"speculative\": false", "JSON", "none, off", nullable=True),
-    Option("--quantization", (*MODEL, "quantization"), "str", "weight storage: gguf keeps a .gguf file's "
-           "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
-           "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
-           "else none"),
-    Option("--quantization-group-size", (*MODEL, "quantization_group_size"), "int",
-           "input columns per int4 scale and zero: 32, 64 or 128, with --quantization int4 (or, unchanged, an "
-           "AWQ checkpoint's own); refused with --quantization none, gguf or int8, where no groups apply", "N",
-           "32 with int4, the checkpoint's with awq", nullable=True),
-    Option("--kv-cache-dtype", (*CACHE, "kv_cache_dtype"), "str", "dtype the KV cache stores: auto = the model's "
-           "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) on CUDA only"),
+    Option(
+        "--attention-backend",
+        ("engine", "attention_backend"),
+        "str",
+        "attention kernels; auto picks from the device and what imports",
+    ),
+    Option(
+        "--batch-invariant",
+        ("engine", "batch_invariant"),
+        "bool",
+        "kernels whose per-request arithmetic does not depend on the batch: a request gives the same "
+        "tokens and logprobs whatever runs beside it, in float32 and bfloat16 (CPU)",
+    ),
+    Option(
+        "--enforce-eager",
+        ("engine", "enforce_eager"),
+        "bool",
+        "never use CUDA graphs (by default decode steps on CUDA replay graphs captured at start-up)",
+    ),
+    Option(
+        "--profile",
+        ("engine", "profile"),
+        "bool",
+        "log where each engine step's time goes (schedule, prepare, forward, sample, update, detokenize, "
+        "between steps), every 1000 steps",
+    ),
+    Option(
+        "--speculative-config",
+        ("engine", "speculative_config"),
+        "json",
+        'speculative decoding as vLLM spells it, a JSON object: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; a request opts '
+        'out with "speculative": false',
+        "JSON",
+        "none, off",
+        nullable=True,
+    ),
+    Option(
+        "--quantization",
+        (*MODEL, "quantization"),
+        "str",
+        "weight storage: gguf keeps a .gguf file's "
+        "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
+        "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
+        "else none",
+    ),
+    Option(
+        "--quantization-group-size",
+        (*MODEL, "quantization_group_size"),
+        "int",
+        "input columns per int4 scale and zero: 32, 64 or 128, with --quantization int4 (or, unchanged, an "
+        "AWQ checkpoint's own); refused with --quantization none, gguf or int8, where no groups apply",
+        "N",
+        "32 with int4, the checkpoint's with awq",
+        nullable=True,
+    ),
+    Option(
+        "--kv-cache-dtype",
+        (*CACHE, "kv_cache_dtype"),
+        "str",
+        "dtype the KV cache stores: auto = the model's "
+        "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) on CUDA only",
+    ),
     Option("--seed", (*MODEL, "seed"), "int", "random seed of the engine", "N"),
-    Option("--strict-params", (*SERVER, "strict_params"), "bool",
-           "also reject request fields that the OpenAI API does not define (by default they are ignored)"),
-    Option("--allowed-origins", (*SERVER, "allowed_origins"), "list", "CORS allowed origins, comma-separated "
-           "(or repeat the flag)", "ORIGINS"),
+    Option(
+        "--strict-params",
+        (*SERVER, "strict_params"),
+        "bool",
+        "also reject request fields that the OpenAI API does not define (by default they are ignored)",
+    ),
+    Option(
+        "--allowed-origins",
+        (*SERVER, "allowed_origins"),
+        "list",
+        "CORS allowed origins, comma-separated (or repeat the flag)",
+        "ORIGINS",
+    ),
     Option("--log-level", (*SERVER, "log_level"), "str", "log level of pagedserve and uvicorn"),
-    Option("--tool-call-parser", (*SERVER, "tool_call_parser"), "str",
-           "the tool-call format parsed from the text under tool_choice auto: hermes "
-           "(<tool_call>{...}</tool_call>, Qwen and SmolLM templates) or llama3_json", "PARSER"),
-    Option("--metrics-require-auth", (*SERVER, "metrics_require_auth"), "bool",
-           "with --api-key, /metrics needs a key too"),
-    Option("--max-queued-requests", (*SERVER, "max_queued_requests"), "int", "sequences waiting for their first "
-           "token at most (n > 1 counts n); beyond it a request gets 429 with Retry-After", "N",
-           "4 x --max-num-seqs", nullable=True),
-    Option("--max-queued-tokens", (*SERVER, "max_queued_tokens"), "int", "prompt tokens of the waiting sequences "
-           "at most (a request is always admitted into an empty queue)", "N", "the KV cache's capacity in tokens",
-           nullable=True),
-    Option("--request-timeout", (*SERVER, "request_timeout"), "float", "seconds a request may wait and run; "
-           "past it, it is aborted and its client gets a 504", "SECONDS", "none, no deadline", nullable=True),
-    Option("--shutdown-timeout", (*SERVER, "shutdown_timeout"), "float", "seconds in-flight requests get to finish "
-           "after SIGTERM or SIGINT before they are aborted", "SECONDS"),
-    Option("--max-request-body", (*SERVER, "max_request_body"), "size", "request body size at most, e.g. 4MiB "
-           "(413 beyond, checked before the body is parsed)", "SIZE"),
+    Option(
+        "--tool-call-parser",
+        (*SERVER, "tool_call_parser"),
+        "str",
+        "the tool-call format parsed from the text under tool_choice auto: hermes "
+        "(<tool_call>{...}</tool_call>, Qwen and SmolLM templates) or llama3_json",
+        "PARSER",
+    ),
+    Option(
+        "--metrics-require-auth", (*SERVER, "metrics_require_auth"), "bool", "with --api-key, /metrics needs a key too"
+    ),
+    Option(
+        "--max-queued-requests",
+        (*SERVER, "max_queued_requests"),
+        "int",
+        "sequences waiting for their first "
+        "token at most (n > 1 counts n); beyond it a request gets 429 with Retry-After",
+        "N",
+        "4 x --max-num-seqs",
+        nullable=True,
+    ),
+    Option(
+        "--max-queued-tokens",
+        (*SERVER, "max_queued_tokens"),
+        "int",
+        "prompt tokens of the waiting sequences at most (a request is always admitted into an empty queue)",
+        "N",
+        "the KV cache's capacity in tokens",
+        nullable=True,
+    ),
+    Option(
+        "--request-timeout",
+        (*SERVER, "request_timeout"),
+        "float",
+        "seconds a request may wait and run; past it, it is aborted and its client gets a 504",
+        "SECONDS",
+        "none, no deadline",
+        nullable=True,
+    ),
+    Option(
+        "--shutdown-timeout",
+        (*SERVER, "shutdown_timeout"),
+        "float",
+        "seconds in-flight requests get to finish after SIGTERM or SIGINT before they are aborted",
+        "SECONDS",
+    ),
+    Option(
+        "--max-request-body",
+        (*SERVER, "max_request_body"),
+        "size",
+        "request body size at most, e.g. 4MiB (413 beyond, checked before the body is parsed)",
+        "SIZE",
+    ),
     # vLLM's flags where users reach for them
-    Option("--revision", (*MODEL, "revision"), "str", "branch, tag or commit of a hub --model", "REV", "main",
-           nullable=True),
-    Option("--download-dir", (*MODEL, "download_dir"), "str", "where hub models are downloaded and looked up "
-           "(a Hugging Face cache layout)", "DIR", "the Hugging Face cache", nullable=True),
-    Option("--trust-remote-code", (*MODEL, "trust_remote_code"), "bool", "let a checkpoint's own Python code build "
-           "its config and tokenizer (the model always runs pagedserve's own implementation)"),
-    Option("--chat-template", (*MODEL, "chat_template"), "str", "chat template replacing the tokenizer's: a file, "
-           "or the Jinja text itself", "TEMPLATE", "the tokenizer's", nullable=True),
-    Option("--max-logprobs", (*SERVER, "max_logprobs"), "int", "alternatives per token a request may ask for "
-           "(logprobs, top_logprobs), 0-20; a request asking for more gets a 400", "N"),
-    Option("--enable-log-requests", (*SERVER, "enable_log_requests"), "bool", "log each generation request at info "
-           "(id, route, token counts, sampling settings; never its text)"),
-    Option("--disable-log-requests", (*SERVER, "enable_log_requests"), "bool", "vLLM's older spelling of "
-           "--no-enable-log-requests", default_text="not set", negates=True),
-    Option("--root-path", (*SERVER, "root_path"), "str", "path prefix under which a proxy serves the API, "
-           "e.g. /llm (FastAPI's root_path)", "PATH", "none"),
-    Option("--ssl-keyfile", (*SERVER, "ssl_keyfile"), "str", "TLS private key file (PEM); with --ssl-certfile the "
-           "server speaks HTTPS", "FILE", "none", nullable=True),
-    Option("--ssl-certfile", (*SERVER, "ssl_certfile"), "str", "TLS certificate chain file (PEM)", "FILE", "none",
-           nullable=True),
+    Option(
+        "--revision",
+        (*MODEL, "revision"),
+        "str",
+        "branch, tag or commit of a hub --model",
+        "REV",
+        "main",
+        nullable=True,
+    ),
+    Option(
+        "--download-dir",
+        (*MODEL, "download_dir"),
+        "str",
+        "where hub models are downloaded and looked up (a Hugging Face cache layout)",
+        "DIR",
+        "the Hugging Face cache",
+        nullable=True,
+    ),
+    Option(
+        "--trust-remote-code",
+        (*MODEL, "trust_remote_code"),
+        "bool",
+        "let a checkpoint's own Python code build "
+        "its config and tokenizer (the model always runs pagedserve's own implementation)",
+    ),
+    Option(
+        "--chat-template",
+        (*MODEL, "chat_template"),
+        "str",
+        "chat template replacing the tokenizer's: a file, or the Jinja text itself",
+        "TEMPLATE",
+        "the tokenizer's",
+        nullable=True,
+    ),
+    Option(
+        "--max-logprobs",
+        (*SERVER, "max_logprobs"),
+        "int",
+        "alternatives per token a request may ask for "
+        "(logprobs, top_logprobs), 0-20; a request asking for more gets a 400",
+        "N",
+    ),
+    Option(
+        "--enable-log-requests",
+        (*SERVER, "enable_log_requests"),
+        "bool",
+        "log each generation request at info (id, route, token counts, sampling settings; never its text)",
+    ),
+    Option(
+        "--disable-log-requests",
+        (*SERVER, "enable_log_requests"),
+        "bool",
+        "vLLM's older spelling of --no-enable-log-requests",
+        default_text="not set",
+        negates=True,
+    ),
+    Option(
+        "--root-path",
+        (*SERVER, "root_path"),
+        "str",
+        "path prefix under which a proxy serves the API, e.g. /llm (FastAPI's root_path)",
+        "PATH",
+        "none",
+    ),
+    Option(
+        "--ssl-keyfile",
+        (*SERVER, "ssl_keyfile"),
+        "str",
+        "TLS private key file (PEM); with --ssl-certfile the server speaks HTTPS",
+        "FILE",
+        "none",
+        nullable=True,
+    ),
+    Option(
+        "--ssl-certfile",
+        (*SERVER, "ssl_certfile"),
+        "str",
+        "TLS certificate chain file (PEM)",
+        "FILE",
+        "none",
+        nullable=True,
+    ),
 )
 
 
@@ -252,8 +469,11 @@ def warn_unknown_variables(environ: Mapping[str, str]) -> None:
         # compared without the prefix, which every name shares and which would make any two look alike
         known = sorted(known_name.removeprefix(ENV_PREFIX) for known_name in settings | NOT_SETTINGS)
         close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1)
-        hint = (f"did you mean {ENV_PREFIX}{close[0]}?" if close
-                else "each flag --x-y is PAGEDSERVE_X_Y: pagedserve serve --help")
+        hint = (
+            f"did you mean {ENV_PREFIX}{close[0]}?"
+            if close
+            else "each flag --x-y is PAGEDSERVE_X_Y: pagedserve serve --help"
+        )
         logger.warning("%s is not a pagedserve setting, ignored (%s)", name, hint)
 
 
@@ -346,8 +566,7 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
     """The `serve` flags; every flag is also `PAGEDSERVE_<FLAG>`. Only flags given appear in the result."""
     parser = _Parser(
         prog=prog,
-        description="Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses, "
-                    "/metrics).",
+        description="Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses, /metrics).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,

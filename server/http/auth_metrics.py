@@ -32,10 +32,17 @@ class AuthAndMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if (self.keys and scope["method"] != "OPTIONS" and route_path(scope).startswith(self.prefixes)
-                and not authorized(Headers(scope=scope), self.keys)):
-            response = JSONResponse(error_body(401, "Invalid or missing API key (send Authorization: Bearer <key>)."),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if (
+            self.keys
+            and scope["method"] != "OPTIONS"
+            and route_path(scope).startswith(self.prefixes)
+            and not authorized(Headers(scope=scope), self.keys)
+        ):
+            response = JSONResponse(
+                error_body(401, "Invalid or missing API key (send Authorization: Bearer <key>)."),
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await response(scope, receive, send)
             self.metrics.observe_http("unmatched", 401)
             return
@@ -70,5 +77,5 @@ def route_path(scope: Scope) -> str:
     (as Starlette's router strips it), so a prefix never takes a route out of authentication."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path

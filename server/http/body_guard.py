@@ -37,8 +37,13 @@ class BodyRefused(Exception):
 class BodyGuard:
     """Refuse bodies over `max_bytes` and bodies that are not one JSON object; `on_refusal(status)` counts them."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, json_paths: Collection[str] = (),
-                 on_refusal: Optional[Callable[[int], None]] = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        json_paths: Collection[str] = (),
+        on_refusal: Optional[Callable[[int], None]] = None,
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.json_paths = frozenset(json_paths)  # routes whose body must be one JSON object
@@ -91,8 +96,11 @@ class BodyGuard:
 def _too_large(size: Optional[int], limit: int) -> BodyRefused:
     """`size`: the declared Content-Length; None for a chunked upload, whose size is known only past the limit."""
     what = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-    return BodyRefused(413, f"the request body is {what}; this server accepts at most {limit} bytes "
-                            f"(--max-request-body).", code="request_too_large")
+    return BodyRefused(
+        413,
+        f"the request body is {what}; this server accepts at most {limit} bytes (--max-request-body).",
+        code="request_too_large",
+    )
 
 
 async def _drop_body(receive: Receive, budget: int) -> None:
@@ -109,8 +117,9 @@ async def _drop_body(receive: Receive, budget: int) -> None:
 async def _check_json_object(body: bytes, headers: Headers) -> None:
     media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type and media_type != "application/json" and not media_type.endswith("+json"):
-        raise BodyRefused(415, f"the Content-Type header is {media_type!r}; send application/json.",
-                          code="unsupported_media_type")
+        raise BodyRefused(
+            415, f"the Content-Type header is {media_type!r}; send application/json.", code="unsupported_media_type"
+        )
     if len(body) > _PARSE_OFF_LOOP:
         await asyncio.to_thread(_parse_object, body)
     else:
@@ -125,8 +134,9 @@ def _parse_object(body: bytes) -> None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BodyRefused(400, f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, "
-                               f"column {exc.colno}).") from None
+        raise BodyRefused(
+            400, f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
+        ) from None
     except RecursionError:
         raise BodyRefused(400, "the request body's JSON is nested too deeply.") from None
     if not isinstance(value, dict):
@@ -162,6 +172,11 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 async def _send_error(send: Send, refusal: BodyRefused) -> None:
     payload = json.dumps(error_body(refusal.status, refusal.message, param=refusal.param, code=refusal.code))
     data = payload.encode()
-    await send({"type": "http.response.start", "status": refusal.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": refusal.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": data})

@@ -1,11 +1,11 @@
 """Graceful drain: stop taking work, let in-flight requests finish, then stop the engine.
 
-    SIGTERM / SIGINT --> state.draining: /health 503, new generation requests 503 (the listener stays open,
-                         so a load balancer reads the 503 and stops sending)
-                     --> in-flight requests run on, up to `timeout` seconds
-                     --> the engine stops: what is left ends with an error event (503), then [DONE]
-                     --> the HTTP server exits (status 0)
-    a second signal  --> the process exits at once (128 + the signal)
+SIGTERM / SIGINT --> state.draining: /health 503, new generation requests 503 (the listener stays open,
+                     so a load balancer reads the 503 and stops sending)
+                 --> in-flight requests run on, up to `timeout` seconds
+                 --> the engine stops: what is left ends with an error event (503), then [DONE]
+                 --> the HTTP server exits (status 0)
+a second signal  --> the process exits at once (128 + the signal)
 """
 
 from __future__ import annotations

@@ -48,8 +48,15 @@ _TYPES = {
 class APIError(Exception):
     """An error answered with an OpenAI envelope and an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message

@@ -141,9 +141,12 @@ def nvml_uuid(uuid: object) -> Optional[str]:
     return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
 
-def start_gpu_monitor(devices: Sequence[CudaDevice], nvml: Optional[ModuleType] = None,
-                      period: float = SAMPLE_PERIOD_S, environ: Mapping[str, str] = os.environ,
-                      ) -> Optional[GpuMonitor]:
+def start_gpu_monitor(
+    devices: Sequence[CudaDevice],
+    nvml: Optional[ModuleType] = None,
+    period: float = SAMPLE_PERIOD_S,
+    environ: Mapping[str, str] = os.environ,
+) -> Optional[GpuMonitor]:
     """A running monitor of `devices`, one round already read; None (and a log line) when there is no
     device, no `pynvml`, or NVML does not work. Blocking (NVML calls): call it off the event loop."""
     if not devices:
@@ -182,8 +185,11 @@ def _nvml_handle(nvml: ModuleType, device: CudaDevice, environ: Mapping[str, str
             logger.info("GPU metrics: NVML does not know UUID %s (%s); trying CUDA_VISIBLE_DEVICES", device.uuid, error)
     index = visible_nvml_index(device.ordinal, environ.get("CUDA_VISIBLE_DEVICES"))
     if index is None:
-        logger.warning("GPU metrics: cuda:%d has no NVML index in CUDA_VISIBLE_DEVICES=%s; it is left out",
-                       device.ordinal, environ.get("CUDA_VISIBLE_DEVICES"))
+        logger.warning(
+            "GPU metrics: cuda:%d has no NVML index in CUDA_VISIBLE_DEVICES=%s; it is left out",
+            device.ordinal,
+            environ.get("CUDA_VISIBLE_DEVICES"),
+        )
         return None
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)

@@ -21,8 +21,28 @@ from engine.outputs import RequestOutput
 from scheduler import SchedulerStats, SpecDecodeStats
 from server.observability.gpu_monitor import GpuMonitor, GpuSample
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
@@ -38,10 +58,12 @@ class _SchedulerCollector(Collector):
         labels = [self._model_name]
         for name, doc, value in (
             ("pagedserve_num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("pagedserve_num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
-             stats.num_waiting),
-            ("pagedserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).",
-             stats.kv_cache_usage),
+            (
+                "pagedserve_num_requests_waiting",
+                "Requests waiting to be scheduled (incl. preempted).",
+                stats.num_waiting,
+            ),
+            ("pagedserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0 to 1).", stats.kv_cache_usage),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
@@ -68,9 +90,11 @@ class _SchedulerCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
-        per_pos = CounterMetricFamily("pagedserve_spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted, by their position in the draft (0 first).",
-                                      labels=["model_name", "position"])
+        per_pos = CounterMetricFamily(
+            "pagedserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft (0 first).",
+            labels=["model_name", "position"],
+        )
         for position, value in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric([self._model_name, str(position)], value)
         yield per_pos
@@ -86,10 +110,16 @@ class _GpuCollector(Collector):
     def collect(self) -> Iterable:
         samples = self._samples()
         for name, doc, read in (
-            ("pagedserve_gpu_utilization_ratio", "Fraction of the last NVML sample period a kernel ran on the GPU.",
-             lambda sample: sample.utilization),
-            ("pagedserve_gpu_memory_used_bytes", "GPU memory in use, by every process (NVML).",
-             lambda sample: sample.memory_used),
+            (
+                "pagedserve_gpu_utilization_ratio",
+                "Fraction of the last NVML sample period a kernel ran on the GPU.",
+                lambda sample: sample.utilization,
+            ),
+            (
+                "pagedserve_gpu_memory_used_bytes",
+                "GPU memory in use, by every process (NVML).",
+                lambda sample: sample.memory_used,
+            ),
             ("pagedserve_gpu_memory_total_bytes", "GPU memory in all (NVML).", lambda sample: sample.memory_total),
         ):
             values = [(sample.gpu, read(sample)) for sample in samples if read(sample) is not None]
@@ -100,8 +130,7 @@ class _GpuCollector(Collector):
                 yield gauge
 
 
-_GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                    5.0)
+_GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class ServerMetrics(EngineObserver):
@@ -112,19 +141,31 @@ class ServerMetrics(EngineObserver):
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
-        self.generation_tokens = Counter("pagedserve_generation_tokens", "Generated tokens of finished requests.",
-                                         m, registry=r)
-        self.request_success = Counter("pagedserve_request_success", "Requests that finished, by finish reason.",
-                                       m + ["finished_reason"], registry=r)
-        self.request_failure = Counter("pagedserve_request_failure",
-                                       "Requests that failed: aborted (client gone), rejected (400), timeout "
-                                       "(--request-timeout), error.", m + ["reason"], registry=r)
-        self.request_rejected = Counter("pagedserve_request_rejected",
-                                        "Requests refused before any work: queue_full (429).",
-                                        m + ["reason"], registry=r)
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Generated tokens of finished requests.", m, registry=r
+        )
+        self.request_success = Counter(
+            "pagedserve_request_success",
+            "Requests that finished, by finish reason.",
+            m + ["finished_reason"],
+            registry=r,
+        )
+        self.request_failure = Counter(
+            "pagedserve_request_failure",
+            "Requests that failed: aborted (client gone), rejected (400), timeout (--request-timeout), error.",
+            m + ["reason"],
+            registry=r,
+        )
+        self.request_rejected = Counter(
+            "pagedserve_request_rejected",
+            "Requests refused before any work: queue_full (429).",
+            m + ["reason"],
+            registry=r,
+        )
         self.counting_requests = False  # outputs count from the end of the warm-up (not a client's request)
-        self.http_requests = Counter("pagedserve_http_requests", "HTTP responses by route and status.",
-                                     m + ["route", "status"], registry=r)
+        self.http_requests = Counter(
+            "pagedserve_http_requests", "HTTP responses by route and status.", m + ["route", "status"], registry=r
+        )
 
         def latency(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, m, buckets=_LATENCY_BUCKETS, registry=r)
@@ -139,20 +180,31 @@ class ServerMetrics(EngineObserver):
         self.e2e = latency("pagedserve_e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = latency("pagedserve_request_queue_time_seconds", "Arrival to first scheduled.")
         self.request_prompt_tokens = tokens("pagedserve_request_prompt_tokens", "Prompt tokens per request.")
-        self.request_generation_tokens = tokens("pagedserve_request_generation_tokens",
-                                                "Generated tokens per request.")
+        self.request_generation_tokens = tokens("pagedserve_request_generation_tokens", "Generated tokens per request.")
         self.iteration_tokens = tokens("pagedserve_iteration_tokens", "Tokens computed per engine step.")
-        self.grammar_compile = Histogram("pagedserve_grammar_compile_seconds",
-                                         "Compiling a structured-output grammar (cache misses only).", m,
-                                         buckets=_GRAMMAR_BUCKETS, registry=r)
-        self.grammar_mask_fill = Histogram("pagedserve_grammar_mask_fill_seconds",
-                                           "Filling a step's token bitmask of its constrained requests.", m,
-                                           buckets=_GRAMMAR_BUCKETS, registry=r)
-        self.model_weight_bytes = Gauge("pagedserve_model_weight_bytes",
-                                        "Memory the model's weights take (quantized ones by their blocks and scales).",
-                                        m + ["quantization"], registry=r)
+        self.grammar_compile = Histogram(
+            "pagedserve_grammar_compile_seconds",
+            "Compiling a structured-output grammar (cache misses only).",
+            m,
+            buckets=_GRAMMAR_BUCKETS,
+            registry=r,
+        )
+        self.grammar_mask_fill = Histogram(
+            "pagedserve_grammar_mask_fill_seconds",
+            "Filling a step's token bitmask of its constrained requests.",
+            m,
+            buckets=_GRAMMAR_BUCKETS,
+            registry=r,
+        )
+        self.model_weight_bytes = Gauge(
+            "pagedserve_model_weight_bytes",
+            "Memory the model's weights take (quantized ones by their blocks and scales).",
+            m + ["quantization"],
+            registry=r,
+        )
         Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(
-            {"model_name": model_name, **cache_info})
+            {"model_name": model_name, **cache_info}
+        )
         self.registry.register(_SchedulerCollector(model_name, stats))
         self.gpu_monitor: Optional[GpuMonitor] = None  # set by the app's lifespan where the engine is on CUDA
         self.registry.register(_GpuCollector(model_name, self._gpu_samples))
@@ -194,8 +246,11 @@ class ServerMetrics(EngineObserver):
             self.queue_time.labels(name).observe(metrics.queue_time)
         if metrics.e2e_latency is not None:
             self.e2e.labels(name).observe(metrics.e2e_latency)
-        if (output.num_output_tokens > 1 and metrics.first_token_time is not None
-                and metrics.last_token_time is not None):
+        if (
+            output.num_output_tokens > 1
+            and metrics.first_token_time is not None
+            and metrics.last_token_time is not None
+        ):
             span = metrics.last_token_time - metrics.first_token_time
             self.tpot.labels(name).observe(span / (output.num_output_tokens - 1))
 
@@ -220,8 +275,15 @@ class ServerMetrics(EngineObserver):
         self.http_requests.labels(self.model_name, route, str(status)).inc()
 
 
-def cache_info(num_blocks: int, block_size: int, enable_prefix_caching: bool, dtype: str,
-               attention_backend: str, max_model_len: int, cuda_graphs: str = "off") -> dict:
+def cache_info(
+    num_blocks: int,
+    block_size: int,
+    enable_prefix_caching: bool,
+    dtype: str,
+    attention_backend: str,
+    max_model_len: int,
+    cuda_graphs: str = "off",
+) -> dict:
     return {
         "num_blocks": str(num_blocks),
         "block_size": str(block_size),

@@ -9,8 +9,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from server.http.errors import ERROR_RESPONSES, bad_request
-from server.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                    ChatCompletionRequest, ChatCompletionResponse, DeltaMessage, new_id, now)
+from server.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    DeltaMessage,
+    new_id,
+    now,
+)
 from server.openai.tools.calls import ToolPlan, plan_tools, tool_call_dicts
 from server.openai.tools.stream import ToolCallStream
 from server.serving import unsupported
@@ -34,17 +43,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     names = dict(CHAT_FIELD_NAMES)
     if body.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
-    generation = await start_generation(state, GenerationRequest(
-        body=body,
-        request_id=body.request_id or new_id("chatcmpl"),
-        prompt=ChatPrompt(body.messages, body.add_generation_prompt, tools.tools),
-        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        logprobs=num_top,
-        unsupported=unsupported.CHAT,
-        constraints=[("response_format", constraint_from_response_format(body.response_format)),
-                     ("tool_choice required or named", tools.constraint(body.parallel_tool_calls))],
-        field_names=names,
-    ), arrival_time)
+    generation = await start_generation(
+        state,
+        GenerationRequest(
+            body=body,
+            request_id=body.request_id or new_id("chatcmpl"),
+            prompt=ChatPrompt(body.messages, body.add_generation_prompt, tools.tools),
+            max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+            logprobs=num_top,
+            unsupported=unsupported.CHAT,
+            constraints=[
+                ("response_format", constraint_from_response_format(body.response_format)),
+                ("tool_choice required or named", tools.constraint(body.parallel_tool_calls)),
+            ],
+            field_names=names,
+        ),
+        arrival_time,
+    )
     if body.stream:
         return generation.stream(_stream(generation, body, num_top, tools))
     results = await generation.collect(request)
@@ -55,11 +70,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         content, calls = tools.calls_of(result.text, state.config.tool_call_parser)
         finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
         message = AssistantMessage(content=content, tool_calls=tool_call_dicts(calls) if calls else None)
-        out.append(ChatChoice(index=choice.index, message=message, logprobs=logprobs,
-                              finish_reason=finish_reason, stop_reason=result.stop_reason))
+        out.append(
+            ChatChoice(
+                index=choice.index,
+                message=message,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                stop_reason=result.stop_reason,
+            )
+        )
         counter.add(choice, len(result.token_ids), result.num_cached_tokens)
-    response = ChatCompletionResponse(id=generation.request_id, created=now(), model=generation.model, choices=out,
-                                      usage=counter.usage())
+    response = ChatCompletionResponse(
+        id=generation.request_id, created=now(), model=generation.model, choices=out, usage=counter.usage()
+    )
     return JSONResponse(response.model_dump())
 
 
@@ -71,8 +94,9 @@ def _num_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
     return body.top_logprobs or 0
 
 
-async def _stream(generation: Generation, body: ChatCompletionRequest, num_top: Optional[int],
-                  tools: ToolPlan) -> AsyncIterator[bytes]:
+async def _stream(
+    generation: Generation, body: ChatCompletionRequest, num_top: Optional[int], tools: ToolPlan
+) -> AsyncIterator[bytes]:
     state, choices = generation.state, generation.choices
     created = now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -80,14 +104,20 @@ async def _stream(generation: Generation, body: ChatCompletionRequest, num_top: 
     counter = UsageCounter.of(generation.prompts, body.n)
 
     def chunk(choices_, usage=None) -> bytes:
-        return sse_event(ChatCompletionChunk(id=generation.request_id, created=created, model=generation.model,
-                                             choices=choices_, usage=usage))
+        return sse_event(
+            ChatCompletionChunk(
+                id=generation.request_id, created=created, model=generation.model, choices=choices_, usage=usage
+            )
+        )
 
     for choice in choices:  # closed here, the response still closes the streams
-        yield chunk([ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))],
-                    counter.choice_usage(choice) if every_chunk else None)
-    tool_streams = {c.index: ToolCallStream(tools, state.config.tool_call_parser) for c in choices} \
-        if tools.mode != "none" else {}
+        yield chunk(
+            [ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))],
+            counter.choice_usage(choice) if every_chunk else None,
+        )
+    tool_streams = (
+        {c.index: ToolCallStream(tools, state.config.tool_call_parser) for c in choices} if tools.mode != "none" else {}
+    )
     async for choice, output in generation.outputs():
         counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not output.text_delta and not output.finished and num_top is None:
@@ -100,13 +130,24 @@ async def _stream(generation: Generation, body: ChatCompletionRequest, num_top: 
             deltas = tool_stream.feed(output.text_delta, output.finished)
             finish_reason = tool_stream.finish_reason(finish_reason)
             for delta in deltas[:-1]:
-                yield chunk([ChatChunkChoice(index=choice.index, delta=delta)],
-                            counter.choice_usage(choice) if every_chunk else None)
+                yield chunk(
+                    [ChatChunkChoice(index=choice.index, delta=delta)],
+                    counter.choice_usage(choice) if every_chunk else None,
+                )
             deltas = deltas[-1:] or [DeltaMessage()]
             if deltas[0] == DeltaMessage() and not output.finished and num_top is None:
                 continue
-        yield chunk([ChatChunkChoice(index=choice.index, delta=deltas[0], logprobs=logprobs,
-                                     finish_reason=finish_reason, stop_reason=output.stop_reason)],
-                    counter.choice_usage(choice) if every_chunk else None)
+        yield chunk(
+            [
+                ChatChunkChoice(
+                    index=choice.index,
+                    delta=deltas[0],
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            ],
+            counter.choice_usage(choice) if every_chunk else None,
+        )
     if include_usage:
         yield chunk([], counter.usage())

@@ -10,12 +10,18 @@ from server.http.errors import bad_request
 from server.openai.protocol import ChatMessage
 
 
-def render_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                  tools: Optional[list[dict]] = None, param: str = "messages") -> list[int]:
+def render_prompt(
+    tokenizer: Tokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    tools: Optional[list[dict]] = None,
+    param: str = "messages",
+) -> list[int]:
     """The prompt token ids of a conversation (a template error is a 400 on `param`)."""
     try:
-        return tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=add_generation_prompt,
-                                             tools=tools)
+        return tokenizer.apply_chat_template(
+            template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools
+        )
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
 
@@ -40,15 +46,21 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
 def _template_message(message: ChatMessage, index: int) -> dict:
     param = f"messages[{index}]"
     if message.role == "function":
-        raise bad_request("function messages (deprecated) are not supported; use role 'tool'.",
-                          param=f"{param}.role", code="unsupported_parameter")
+        raise bad_request(
+            "function messages (deprecated) are not supported; use role 'tool'.",
+            param=f"{param}.role",
+            code="unsupported_parameter",
+        )
     content = message.content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"content part of type {part.get('type')!r} is not supported; only 'text'.",
-                                  param=f"{param}.content[{j}]", code="unsupported_parameter")
+                raise bad_request(
+                    f"content part of type {part.get('type')!r} is not supported; only 'text'.",
+                    param=f"{param}.content[{j}]",
+                    code="unsupported_parameter",
+                )
             texts.append(part["text"])
         content = "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
@@ -76,8 +88,10 @@ def _template_tool_calls(calls, param: str) -> list[dict]:
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except ValueError:
-            raise bad_request("function.arguments must be a JSON object's text.",
-                              param=f"{param}[{i}].function.arguments") from None
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})
+            raise bad_request(
+                "function.arguments must be a JSON object's text.", param=f"{param}[{i}].function.arguments"
+            ) from None
+        out.append(
+            {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        )
     return out

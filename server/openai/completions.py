@@ -27,17 +27,24 @@ async def create_completion(body: CompletionRequest, request: Request):
     arrival_time = time.monotonic()  # queue time and TTFT include tokenization
     state: ServerState = request.app.state.server
     if body.best_of is not None and body.best_of != body.n:
-        raise bad_request("best_of must equal n (best-of-n selection is not supported).", param="best_of",
-                          code="unsupported_parameter")
-    generation = await start_generation(state, GenerationRequest(
-        body=body,
-        request_id=body.request_id or new_id("cmpl"),
-        prompt=TextPrompts(body.prompt),
-        max_tokens=body.max_tokens,
-        logprobs=body.logprobs,
-        prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-        unsupported=unsupported.COMPLETIONS,
-    ), arrival_time)
+        raise bad_request(
+            "best_of must equal n (best-of-n selection is not supported).",
+            param="best_of",
+            code="unsupported_parameter",
+        )
+    generation = await start_generation(
+        state,
+        GenerationRequest(
+            body=body,
+            request_id=body.request_id or new_id("cmpl"),
+            prompt=TextPrompts(body.prompt),
+            max_tokens=body.max_tokens,
+            logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            unsupported=unsupported.COMPLETIONS,
+        ),
+        arrival_time,
+    )
     if body.stream:
         return generation.stream(_stream(generation, body))
     results = await generation.collect(request)
@@ -53,8 +60,7 @@ def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> s
     return state.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
 
 
-def _response(generation: Generation, body: CompletionRequest,
-              results: list[OutputAccumulator]) -> CompletionResponse:
+def _response(generation: Generation, body: CompletionRequest, results: list[OutputAccumulator]) -> CompletionResponse:
     state, choices = generation.state, generation.choices
     out_choices = []
     for choice, result in zip(choices, results):
@@ -66,18 +72,27 @@ def _response(generation: Generation, body: CompletionRequest,
             if body.echo:
                 prompt_entries = list(result.prompt_logprobs or [])
                 if len(prompt_entries) != len(choice.prompt_token_ids):
-                    raise RuntimeError(f"{len(prompt_entries)} prompt logprobs for "
-                                       f"{len(choice.prompt_token_ids)} prompt tokens")
+                    raise RuntimeError(
+                        f"{len(prompt_entries)} prompt logprobs for {len(choice.prompt_token_ids)} prompt tokens"
+                    )
                 entries = prompt_entries + entries
                 tokens = choice.prompt_token_ids + tokens
             logprobs = state.formatter.completion(entries, tokens, body.logprobs)
-        out_choices.append(CompletionChoice(index=choice.index, text=prefix + result.text, logprobs=logprobs,
-                                            finish_reason=result.finish_reason, stop_reason=result.stop_reason))
+        out_choices.append(
+            CompletionChoice(
+                index=choice.index,
+                text=prefix + result.text,
+                logprobs=logprobs,
+                finish_reason=result.finish_reason,
+                stop_reason=result.stop_reason,
+            )
+        )
     counter = UsageCounter.of(generation.prompts, body.n)
     for choice, result in zip(choices, results):
         counter.add(choice, len(result.token_ids), result.num_cached_tokens)
-    return CompletionResponse(id=generation.request_id, created=now(), model=generation.model, choices=out_choices,
-                              usage=counter.usage())
+    return CompletionResponse(
+        id=generation.request_id, created=now(), model=generation.model, choices=out_choices, usage=counter.usage()
+    )
 
 
 async def _stream(generation: Generation, body: CompletionRequest) -> AsyncIterator[bytes]:
@@ -106,12 +121,22 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
             logprobs = state.formatter.completion(entries, tokens, body.logprobs, offsets[choice.index])
             offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
         chunk = CompletionResponse(
-            id=request_id, created=created, model=model,
-            choices=[CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
-                                      finish_reason=output.finish_reason, stop_reason=output.stop_reason)],
+            id=request_id,
+            created=created,
+            model=model,
+            choices=[
+                CompletionChoice(
+                    index=choice.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            ],
             usage=counter.choice_usage(choice) if every_chunk else None,
         )
         yield sse_event(chunk)
     if include_usage:
-        yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                           usage=counter.usage()))
+        yield sse_event(
+            CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=counter.usage())
+        )

@@ -27,8 +27,9 @@ class LogprobFormatter:
             entry = self._cache[token_id] = (text, list(text.encode("utf-8")))
         return entry
 
-    def completion(self, entries: Sequence[Optional[TokenLogprobs]], token_ids: Sequence[int],
-                   num_top: int, text_offset: int = 0) -> CompletionLogprobs:
+    def completion(
+        self, entries: Sequence[Optional[TokenLogprobs]], token_ids: Sequence[int], num_top: int, text_offset: int = 0
+    ) -> CompletionLogprobs:
         """`entries[i]` scores `token_ids[i]`; None (the first prompt token) scores nothing."""
         out = CompletionLogprobs()
         offset = text_offset
@@ -54,10 +55,12 @@ class LogprobFormatter:
         for entry in entries:
             token, token_bytes = self._token(entry.token_id)
             top = [(self._token(t), lp) for t, lp in entry.top[:num_top]]
-            content.append(ChatTokenLogprob(
-                token=token,
-                logprob=entry.logprob,
-                bytes=token_bytes,
-                top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=data) for (text, data), lp in top],
-            ))
+            content.append(
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=entry.logprob,
+                    bytes=token_bytes,
+                    top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=data) for (text, data), lp in top],
+                )
+            )
         return ChatLogprobs(content=content)

@@ -22,9 +22,12 @@ async def retrieve_model(model: str, request: Request) -> ModelCard:
     """One served model (ids may hold a slash, as hub ids do); 404 in OpenAI's envelope for any other id."""
     state: ServerState = request.app.state.server
     if model not in state.served_model_names:
-        raise APIError(404, f"The model {model!r} does not exist; this server serves "
-                            f"{', '.join(map(repr, state.served_model_names))}.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {', '.join(map(repr, state.served_model_names))}.",
+            param="model",
+            code="model_not_found",
+        )
     return _card(state, model)
 
 

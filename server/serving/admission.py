@@ -28,8 +28,13 @@ RETRY_AFTER_UNKNOWN_S = 2  # when nothing has left the queue recently
 class Admission:
     """Counts the sequences admitted that have not produced a token yet, and their prompt tokens."""
 
-    def __init__(self, max_requests: int, max_tokens: int, clock: Callable[[], float] = time.monotonic,
-                 on_reject: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        max_requests: int,
+        max_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_reject: Optional[Callable[[], None]] = None,
+    ):
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.num_requests = 0
@@ -41,8 +46,11 @@ class Admission:
     def check_size(self, num_sequences: int, param: str) -> None:
         """A request with more sequences than the queue can ever hold is a 400 (naming `param`), not a 429."""
         if num_sequences > self.max_requests:
-            raise bad_request(f"this request asks for {num_sequences} sequences (prompts x n); at most "
-                              f"{self.max_requests} can be queued (--max-queued-requests).", param=param)
+            raise bad_request(
+                f"this request asks for {num_sequences} sequences (prompts x n); at most "
+                f"{self.max_requests} can be queued (--max-queued-requests).",
+                param=param,
+            )
 
     def precheck(self, count: int) -> None:
         """The 429 that `admit` would give `count` sequences now, before the request is tokenized."""
@@ -64,13 +72,18 @@ class Admission:
     def _refuse(self, count: int, over_requests: bool) -> None:
         if self._on_reject is not None:
             self._on_reject()
-        what = (f"--max-queued-requests {self.max_requests}" if over_requests
-                else f"--max-queued-tokens {self.max_tokens}")
+        what = (
+            f"--max-queued-requests {self.max_requests}" if over_requests else f"--max-queued-tokens {self.max_tokens}"
+        )
         excess = self.num_requests + count - self.max_requests if over_requests else count
         retry = self.retry_after(max(excess, 1))
-        raise APIError(429, f"the server is busy: {self.num_requests} sequences ({self.num_tokens} prompt "
-                            f"tokens) are waiting, the limit is {what}. Retry after {retry} s.",
-                       code="queue_full", headers={"Retry-After": str(retry)})
+        raise APIError(
+            429,
+            f"the server is busy: {self.num_requests} sequences ({self.num_tokens} prompt "
+            f"tokens) are waiting, the limit is {what}. Retry after {retry} s.",
+            code="queue_full",
+            headers={"Retry-After": str(retry)},
+        )
 
     def retry_after(self, excess: int) -> int:
         """Whole seconds until `excess` more sequences should have left the queue, at the recent drain rate."""

@@ -23,8 +23,12 @@ PROMPT_CHARS_MARGIN = 4  # normalizers may fold characters: refuse only far beyo
 def check_server_and_model(state: "ServerState", requested: Optional[str]) -> str:
     """503 while draining or with the engine down; the served model name for the request (404 if unknown)."""
     if state.draining or not state.engine.is_alive:
-        raise APIError(503, "the server is shutting down" if state.draining
-                       else f"the engine is not running: {state.engine.error or 'stopped'}")
+        raise APIError(
+            503,
+            "the server is shutting down"
+            if state.draining
+            else f"the engine is not running: {state.engine.error or 'stopped'}",
+        )
     return check_model(requested, state.served_model_names)
 
 
@@ -32,8 +36,12 @@ def check_model(requested: Optional[str], served: Sequence[str]) -> str:
     """The served model name for the request; 404 for an unknown one."""
     if requested is None or requested in served:
         return served[0]
-    raise APIError(404, f"The model {requested!r} does not exist; this server serves {', '.join(map(repr, served))}.",
-                   param="model", code="model_not_found")
+    raise APIError(
+        404,
+        f"The model {requested!r} does not exist; this server serves {', '.join(map(repr, served))}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def check_fields(request: SamplingFields, state: "ServerState") -> None:
@@ -52,8 +60,9 @@ def check_extra_fields(request: SamplingFields, strict: bool) -> None:
     if not extra:
         return
     if strict:
-        raise bad_request(f"Unrecognized request argument(s): {', '.join(extra)}.", param=extra[0],
-                          code="unknown_parameter")
+        raise bad_request(
+            f"Unrecognized request argument(s): {', '.join(extra)}.", param=extra[0], code="unknown_parameter"
+        )
     shown = ", ".join(repr(name[:40]) for name in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
     logger.warning("ignoring unrecognized request field(s): %s", shown)  # names only, cut short: never values
 
@@ -64,8 +73,7 @@ def check_max_logprobs(request: SamplingFields, limit: int) -> None:
     for name in ("logprobs", "top_logprobs"):
         value = getattr(request, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
-            raise bad_request(f"{name} {value} is more than this server allows (--max-logprobs {limit}).",
-                              param=name)
+            raise bad_request(f"{name} {value} is more than this server allows (--max-logprobs {limit}).", param=name)
 
 
 def check_prompt_chars(state: "ServerState", num_chars: int, param: str) -> None:
@@ -76,9 +84,14 @@ def check_prompt_chars(state: "ServerState", num_chars: int, param: str) -> None
         return
     limit = state.max_model_len * per_token * PROMPT_CHARS_MARGIN
     if num_chars > limit:
-        raise APIError(400, f"The prompt has {num_chars} characters; this model's maximum context length is "
-                            f"{state.max_model_len} tokens, which never hold more than {limit} characters. "
-                            f"Shorten the prompt.", param=param, code=CONTEXT_LENGTH_EXCEEDED)
+        raise APIError(
+            400,
+            f"The prompt has {num_chars} characters; this model's maximum context length is "
+            f"{state.max_model_len} tokens, which never hold more than {limit} characters. "
+            f"Shorten the prompt.",
+            param=param,
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
 
 
 def check_queue_room(state: "ServerState", num_sequences: int, param: str) -> None:

@@ -10,8 +10,7 @@ from server.http.errors import bad_request
 from server.openai.protocol import ResponseFormat, SamplingFields
 
 # vLLM's older spellings: field -> the `structured_outputs` key it means
-GUIDED_EXTRAS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_EXTRAS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_EXTRAS = frozenset({"structured_outputs", *GUIDED_EXTRAS})
 
 
@@ -23,14 +22,15 @@ def constraint_from_extras(body: SamplingFields) -> Optional[tuple[StructuredOut
     if len(extra) > 1:
         names = sorted(extra)
         raise bad_request(f"set only one of {', '.join(names)}.", param=names[1])
-    (name, value), = extra.items()
+    ((name, value),) = extra.items()
     if name == "structured_outputs":
         return StructuredOutputs.parse(value, name), name
     return StructuredOutputs.of_kind(GUIDED_EXTRAS[name], value, name), name
 
 
-def constraint_from_response_format(response_format: Optional[ResponseFormat]) -> Optional[tuple[StructuredOutputs,
-                                                                                                 str]]:
+def constraint_from_response_format(
+    response_format: Optional[ResponseFormat],
+) -> Optional[tuple[StructuredOutputs, str]]:
     """`{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`."""
     if response_format is None or response_format.type == "text":
         return None
@@ -38,12 +38,16 @@ def constraint_from_response_format(response_format: Optional[ResponseFormat]) -
     if response_format.type == "json_object":
         return StructuredOutputs(json_object=True), "response_format"
     if response_format.type != "json_schema":
-        raise bad_request(f"response_format type {response_format.type!r} is not supported; use text, json_object "
-                          "or json_schema.", param="response_format.type")
+        raise bad_request(
+            f"response_format type {response_format.type!r} is not supported; use text, json_object or json_schema.",
+            param="response_format.type",
+        )
     spec = extra.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise bad_request("response_format.json_schema must be an object with a name and a schema.",
-                          param="response_format.json_schema")
+        raise bad_request(
+            "response_format.json_schema must be an object with a name and a schema.",
+            param="response_format.json_schema",
+        )
     schema = spec.get("schema", {})
     field = "response_format.json_schema.schema"
     if schema == {}:

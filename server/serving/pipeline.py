@@ -89,8 +89,9 @@ class Generation:
 
     def stream(self, events: AsyncIterator[bytes], framing: Framing = DATA_FRAMING) -> ChoicesStreamingResponse:
         """The SSE response sending `events`; an error after it began is one error frame."""
-        return ChoicesStreamingResponse(with_error_events(events, framing, self.state.metrics), self.streams,
-                                        self.guard)
+        return ChoicesStreamingResponse(
+            with_error_events(events, framing, self.state.metrics), self.streams, self.guard
+        )
 
 
 async def start_generation(state: "ServerState", request: GenerationRequest, arrival_time: float) -> Generation:
@@ -102,16 +103,21 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
     check_fields(body, state)
     extras = ("structured_outputs / guided_*", constraint_from_extras(body))
     constraint = _one_constraint([*request.constraints[:1], extras, *request.constraints[1:]])
-    check_queue_room(state, request.prompt.count * max(body.n, 1), request.prompt.param
-                     if request.prompt.count > 1 else "n")
+    check_queue_room(
+        state, request.prompt.count * max(body.n, 1), request.prompt.param if request.prompt.count > 1 else "n"
+    )
     prompts = await request.prompt.token_ids(state)
     names = dict(request.field_names)
     if constraint is not None:
         names["structured_outputs"] = constraint[1]
     try:
-        params = make_sampling_params(body, max_tokens=request.max_tokens, logprobs=request.logprobs,
-                                      prompt_logprobs=request.prompt_logprobs,
-                                      structured_outputs=None if constraint is None else constraint[0])
+        params = make_sampling_params(
+            body,
+            max_tokens=request.max_tokens,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            structured_outputs=None if constraint is None else constraint[0],
+        )
         choices = plan_choices(request.request_id, prompts, params)
         streams, guard = await _admit(state, choices, body.priority, arrival_time)
     except RequestRejectedError as exc:  # named as the route spells its fields
@@ -123,13 +129,15 @@ def _one_constraint(found: Sequence[tuple[str, Optional[Constraint]]]) -> Option
     present = [(source, constraint) for source, constraint in found if constraint is not None]
     if len(present) > 1:
         sources = [source for source, _ in found]
-        raise bad_request(f"{', '.join(sources[:-1])} and {sources[-1]} each constrain the output; use one.",
-                          param=present[1][1][1])
+        raise bad_request(
+            f"{', '.join(sources[:-1])} and {sources[-1]} each constrain the output; use one.", param=present[1][1][1]
+        )
     return present[0][1] if present else None
 
 
-async def _admit(state: "ServerState", choices: Sequence[Choice], priority: int,
-                 arrival_time: float) -> tuple[list[RequestStream], RequestGuard]:
+async def _admit(
+    state: "ServerState", choices: Sequence[Choice], priority: int, arrival_time: float
+) -> tuple[list[RequestStream], RequestGuard]:
     """Take the choices' places in the queue (429 when full), then queue them in the engine, all or none.
     The guard returned holds the places and the deadline."""
     ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
@@ -151,7 +159,17 @@ def _log_request(choices: Sequence[Choice]) -> None:
     text: no prompt, no stop strings, no logit_bias keys."""
     params = choices[0].params
     prompts = {choice.prompt_index: len(choice.prompt_token_ids) for choice in choices}
-    logger.info("request %s: %d choice(s), prompt tokens %s, max_tokens %s, temperature %g, top_p %g, top_k %s, "
-                "seed %s, logprobs %s, %d stop string(s)", choices[0].request_id, len(choices),
-                ",".join(map(str, prompts.values())), params.max_tokens, params.temperature, params.top_p,
-                params.top_k, params.seed, params.logprobs, len(params.stop))
+    logger.info(
+        "request %s: %d choice(s), prompt tokens %s, max_tokens %s, temperature %g, top_p %g, top_k %s, "
+        "seed %s, logprobs %s, %d stop string(s)",
+        choices[0].request_id,
+        len(choices),
+        ",".join(map(str, prompts.values())),
+        params.max_tokens,
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.seed,
+        params.logprobs,
+        len(params.stop),
+    )

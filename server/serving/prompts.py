@@ -47,8 +47,11 @@ class ChatPrompt:
         if not self.messages:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
         check_prompt_chars(state, message_chars(self.messages), self.param)
-        return [await asyncio.to_thread(render_prompt, state.tokenizer, self.messages, self.add_generation_prompt,
-                                        self.tools, self.param)]
+        return [
+            await asyncio.to_thread(
+                render_prompt, state.tokenizer, self.messages, self.add_generation_prompt, self.tools, self.param
+            )
+        ]
 
 
 TextOrTokens = Union[str, list[str], list[int], list[list[int]]]

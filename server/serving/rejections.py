@@ -10,9 +10,15 @@ from __future__ import annotations
 from typing import Mapping, NamedTuple, Optional
 
 from engine.errors import InvalidParameterError, TokenIdOutOfVocabularyError
-from scheduler import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
-                       InvalidMaxTokensError, KVCacheTooSmallError, MinTokensOutOfRangeError,
-                       RequestRejectedError)
+from scheduler import (
+    ContextLengthExceededError,
+    DuplicateRequestIdError,
+    EmptyPromptError,
+    InvalidMaxTokensError,
+    KVCacheTooSmallError,
+    MinTokensOutOfRangeError,
+    RequestRejectedError,
+)
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -42,27 +48,32 @@ def describe_rejection(exc: RequestRejectedError, names: Mapping[str, str]) -> R
             f"This model's maximum context length is {exc.max_model_len} tokens, but {exc.num_tokens} were "
             f"requested ({exc.num_prompt_tokens} in the prompt, {exc.max_tokens} for the completion). "
             f"Shorten the prompt or lower {name('max_tokens')}.",
-            name(exc.field), CONTEXT_LENGTH_EXCEEDED)
+            name(exc.field),
+            CONTEXT_LENGTH_EXCEEDED,
+        )
     if isinstance(exc, KVCacheTooSmallError):
         return Refusal(
             f"{exc.num_prompt_tokens} prompt tokens plus {name('max_tokens')} {exc.max_tokens} need "
             f"{exc.num_blocks_needed} KV blocks of {exc.block_size} tokens, but the whole cache holds "
             f"{exc.num_blocks} blocks ({exc.num_blocks * exc.block_size} tokens). "
             f"Shorten the prompt or lower {name('max_tokens')}.",
-            name(exc.field), CONTEXT_LENGTH_EXCEEDED)
+            name(exc.field),
+            CONTEXT_LENGTH_EXCEEDED,
+        )
     if isinstance(exc, EmptyPromptError):
         return Refusal("The prompt is empty.", name(exc.field))
     if isinstance(exc, InvalidMaxTokensError):
         return Refusal(f"{name('max_tokens')} must be at least 1, got {exc.max_tokens}.", name(exc.field))
     if isinstance(exc, MinTokensOutOfRangeError):
-        bounds = ("non-negative" if exc.max_tokens is None
-                  else f"between 0 and {name('max_tokens')} ({exc.max_tokens})")
+        bounds = "non-negative" if exc.max_tokens is None else f"between 0 and {name('max_tokens')} ({exc.max_tokens})"
         return Refusal(f"{name('min_tokens')} must be {bounds}, got {exc.min_tokens}.", name(exc.field))
     if isinstance(exc, DuplicateRequestIdError):
         return Refusal(f"request id {exc.request_id!r} is already in use.", name(exc.field))
     if isinstance(exc, InvalidParameterError):
         return Refusal(f"{name(exc.field)} {exc.problem}.", name(exc.field))
     if isinstance(exc, TokenIdOutOfVocabularyError):
-        return Refusal(f"{name(exc.field)}: token id {exc.token_id} is outside the vocabulary "
-                           f"(0..{exc.vocab_size - 1}).", name(exc.field))
+        return Refusal(
+            f"{name(exc.field)}: token id {exc.token_id} is outside the vocabulary (0..{exc.vocab_size - 1}).",
+            name(exc.field),
+        )
     return Refusal(exc.message, param(exc.field))

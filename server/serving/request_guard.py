@@ -15,8 +15,11 @@ class RequestTimeoutError(APIError):
     """A request still waiting or running at --request-timeout: aborted, its client told with a 504."""
 
     def __init__(self, timeout: float):
-        super().__init__(504, f"the request did not finish within {timeout:g} s (--request-timeout); it was "
-                              f"aborted.", code="request_timeout")
+        super().__init__(
+            504,
+            f"the request did not finish within {timeout:g} s (--request-timeout); it was aborted.",
+            code="request_timeout",
+        )
 
 
 @dataclass(slots=True)

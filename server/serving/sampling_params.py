@@ -8,13 +8,19 @@ from engine.sampling.params import SamplingParams
 from engine.structured import StructuredOutputs
 from server.openai.protocol import SamplingFields
 
-_DEFAULTED_WHEN_NULL = frozenset({"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                  "repetition_penalty"})
+_DEFAULTED_WHEN_NULL = frozenset(
+    {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+)
 
 
-def make_sampling_params(request: SamplingFields, *, max_tokens: Optional[int], logprobs: Optional[int] = None,
-                         prompt_logprobs: Optional[int] = None,
-                         structured_outputs: Optional[StructuredOutputs] = None) -> SamplingParams:
+def make_sampling_params(
+    request: SamplingFields,
+    *,
+    max_tokens: Optional[int],
+    logprobs: Optional[int] = None,
+    prompt_logprobs: Optional[int] = None,
+    structured_outputs: Optional[StructuredOutputs] = None,
+) -> SamplingParams:
     """SamplingParams from the request's fields; a bad value is a RequestRejectedError naming its field."""
     values: dict[str, Any] = {  # SamplingParams checks each value: its field is named in a refusal
         "n": request.n,

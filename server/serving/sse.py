@@ -1,8 +1,8 @@
 """Server-sent events, the two framings OpenAI uses, and the one place an error inside a stream is framed.
 
-    data       `data: {json}\n\n` chunks ending with `data: [DONE]` (completions, chat); an error after the
-               stream began is one data chunk with the error envelope, then [DONE]
-    typed      `event: <type>\ndata: {json}\n\n` events, no [DONE] (responses); an error is one `error` event
+data       `data: {json}\n\n` chunks ending with `data: [DONE]` (completions, chat); an error after the
+           stream began is one data chunk with the error envelope, then [DONE]
+typed      `event: <type>\ndata: {json}\n\n` events, no [DONE] (responses); an error is one `error` event
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class Framing(NamedTuple):
 DATA_FRAMING = Framing(sse_event, DONE)
 
 
-async def with_error_events(events: AsyncIterator[bytes], framing: Framing,
-                            metrics: ServerMetrics) -> AsyncIterator[bytes]:
+async def with_error_events(
+    events: AsyncIterator[bytes], framing: Framing, metrics: ServerMetrics
+) -> AsyncIterator[bytes]:
     """Pass events through; an error after the stream started becomes one error frame (the same envelope and
     failure count as the app's error handlers), then the stream's end."""
     try:

@@ -19,8 +19,9 @@ from server.serving.disconnect import cancel_on_disconnect
 from server.serving.request_guard import RequestGuard, RequestTimeoutError
 
 
-async def stream_choices(choices: Sequence[Choice], streams: Sequence[RequestStream], *,
-                         guard: Optional[RequestGuard] = None) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+async def stream_choices(
+    choices: Sequence[Choice], streams: Sequence[RequestStream], *, guard: Optional[RequestGuard] = None
+) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Interleave the outputs of every choice as they come. Ending or closing this iterator closes every
     stream, which aborts the choices still running. With a `guard`, each choice's first output frees its
     place in the queue, and passing the deadline raises RequestTimeoutError (504)."""
@@ -93,8 +94,9 @@ async def close_streams(streams: Sequence[RequestStream]) -> None:
         await stream.aclose()
 
 
-async def _interleave(choices: Sequence[Choice],
-                      streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
+async def _interleave(
+    choices: Sequence[Choice], streams: Sequence[RequestStream]
+) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -124,16 +126,18 @@ async def _interleave(choices: Sequence[Choice],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect_choices(choices: Sequence[Choice], streams: Sequence[RequestStream],
-                          guard: Optional[RequestGuard] = None) -> list[OutputAccumulator]:
+async def collect_choices(
+    choices: Sequence[Choice], streams: Sequence[RequestStream], guard: Optional[RequestGuard] = None
+) -> list[OutputAccumulator]:
     results = {choice.request_id: OutputAccumulator() for choice in choices}
     async for choice, output in stream_choices(choices, streams, guard=guard):
         results[choice.request_id].add(output)
     return list(results.values())
 
 
-async def collect_or_cancel(request: Request, choices: Sequence[Choice], streams: Sequence[RequestStream],
-                            guard: RequestGuard) -> list[OutputAccumulator]:
+async def collect_or_cancel(
+    request: Request, choices: Sequence[Choice], streams: Sequence[RequestStream], guard: RequestGuard
+) -> list[OutputAccumulator]:
     """A non-streamed response's results: every choice collected (all aborted if the client leaves first),
     then the streams closed and the guard released, whatever happened."""
     try:

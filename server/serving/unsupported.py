@@ -23,12 +23,28 @@ class Unsupported(NamedTuple):
 
 
 # vLLM request extras this server does not implement: refused on every route whenever present.
-VLLM_EXTRAS = frozenset({
-    "guided_decoding_backend", "guided_whitespace_pattern", "chat_template", "chat_template_kwargs",
-    "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "use_beam_search", "length_penalty",
-    "prompt_logprobs", "return_tokens_as_token_ids", "documents", "mm_processor_kwargs", "lora_request",
-    "kv_transfer_params", "vllm_xargs", "cache_salt", "response_format",
-})
+VLLM_EXTRAS = frozenset(
+    {
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "chat_template",
+        "chat_template_kwargs",
+        "truncate_prompt_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "use_beam_search",
+        "length_penalty",
+        "prompt_logprobs",
+        "return_tokens_as_token_ids",
+        "documents",
+        "mm_processor_kwargs",
+        "lora_request",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "cache_salt",
+        "response_format",
+    }
+)
 
 COMPLETIONS: Mapping[str, Unsupported] = {
     "suffix": Unsupported((None,), "insertion (fill-in-the-middle) is not implemented"),
@@ -53,8 +69,9 @@ CHAT: Mapping[str, Unsupported] = {
 RESPONSES: Mapping[str, Unsupported] = {
     "previous_response_id": Unsupported((None,), STATELESS),
     "conversation": Unsupported((None,), STATELESS),
-    "background": Unsupported((None, False), "background responses need a response store, which this stateless "
-                                             "server has not"),
+    "background": Unsupported(
+        (None, False), "background responses need a response store, which this stateless server has not"
+    ),
     "background_options": Unsupported((None,)),
     "reasoning": Unsupported((None,)),
     "include": Unsupported((None, [])),
@@ -83,5 +100,6 @@ def refuse_unsupported(body: Any, fields: Mapping[str, Unsupported]) -> None:
             raise bad_request(f"{name} is not supported: {field.reason}.", param=name, code="unsupported_parameter")
     extras = sorted(VLLM_EXTRAS & set(getattr(body, "model_extra", None) or {}))
     if extras:
-        raise bad_request(f"{', '.join(extras)} is not supported by this server.", param=extras[0],
-                          code="unsupported_parameter")
+        raise bad_request(
+            f"{', '.join(extras)} is not supported by this server.", param=extras[0], code="unsupported_parameter"
+        )

@@ -57,13 +57,15 @@ def gateway(replicas, tmp_path_factory):
     work = tmp_path_factory.mktemp("nginx")
     port = free_port()
     config = render_config(work, port, [replica.port for replica in replicas])
-    check = subprocess.run([binary, "-t", "-p", str(work), "-c", str(config)], capture_output=True, text=True,
-                           timeout=30, check=False)
+    check = subprocess.run(
+        [binary, "-t", "-p", str(work), "-c", str(config)], capture_output=True, text=True, timeout=30, check=False
+    )
     assert check.returncode == 0, check.stderr
     access, errors = work / "access.log", work / "error.log"
     with access.open("w") as out, errors.open("w") as err:
-        process = subprocess.Popen([binary, "-p", str(work), "-c", str(config), "-g", "daemon off;"],
-                                   stdout=out, stderr=err)
+        process = subprocess.Popen(
+            [binary, "-p", str(work), "-c", str(config), "-g", "daemon off;"], stdout=out, stderr=err
+        )
     try:
         wait_for_port(port, process, 30, errors)
         yield f"http://127.0.0.1:{port}", access
@@ -86,8 +88,11 @@ def new_entries(path: Path, before: int, count: int, timeout: float = 10) -> lis
 
 
 def completion(client: httpx.Client, key: str, **extra) -> httpx.Response:
-    return client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0, **extra})
+    return client.post(
+        "/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0, **extra},
+    )
 
 
 def test_requests_are_spread_over_both_replicas(gateway, replicas):
@@ -112,7 +117,10 @@ def test_least_connections_and_streaming_through_the_proxy(gateway, replicas):
     while the replica is still generating (nginx does not buffer the stream)."""
     url, _ = gateway
     body = {"model": "tiny", "prompt": "once upon a time", "stream": True, **LONG}
-    with httpx.Client(base_url=url, timeout=120) as first_client, httpx.Client(base_url=url, timeout=120) as second_client:
+    with (
+        httpx.Client(base_url=url, timeout=120) as first_client,
+        httpx.Client(base_url=url, timeout=120) as second_client,
+    ):
         with first_client.stream("POST", "/v1/completions", json=body) as first:
             assert first.status_code == 200 and first.headers["content-type"].startswith("text/event-stream")
             first_events = _events(first)
@@ -137,6 +145,7 @@ def test_least_connections_and_streaming_through_the_proxy(gateway, replicas):
 def test_rate_limit_answers_429_in_the_openai_envelope(gateway):
     url, log = gateway
     with httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=60)) as client:
+
         def models(_):
             return client.get("/v1/models", headers={"Authorization": "Bearer burst-key"})
 

@@ -51,15 +51,25 @@ def prometheus(replicas, tmp_path_factory):
         else:
             job["static_configs"] = [{"targets": [f"127.0.0.1:{port}"]}]
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    check = subprocess.run([require_promtool(), "check", "config", str(work / "prometheus.yml")],
-                           capture_output=True, text=True, timeout=60, check=False)
+    check = subprocess.run(
+        [require_promtool(), "check", "config", str(work / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     log = work / "prometheus.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                binary,
+                f"--config.file={work / 'prometheus.yml'}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         wait_for_port(port, process, 60, log)
@@ -85,8 +95,10 @@ def wait_until(prometheus_url: str, expr: str, check, timeout: float = 60) -> li
 
 
 def _request(client: httpx.Client, prompt: str) -> None:
-    reply = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
-                                                 "temperature": 0, "ignore_eos": True})
+    reply = client.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    )
     assert reply.status_code == 200, reply.text
 
 
@@ -96,7 +108,9 @@ def _first_requests(url: str) -> int:
     so the workload proper comes after Prometheus has scraped these.)"""
     with httpx.Client(base_url=url, timeout=120) as client:
         _request(client, "first")
-        assert client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": -1}).status_code == 400
+        assert (
+            client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": -1}).status_code == 400
+        )
     return 1
 
 
@@ -107,11 +121,21 @@ def _workload(url: str) -> int:
     with httpx.Client(base_url=url, timeout=120) as client:
         for index in range(3):
             _request(client, prefix + str(index))
-        with client.stream("POST", "/v1/chat/completions", json={
-                "model": "tiny", "stream": True, "max_tokens": 12, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hello there"}]}) as stream:
+        with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "stream": True,
+                "max_tokens": 12,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hello there"}],
+            },
+        ) as stream:
             assert stream.status_code == 200 and "data: [DONE]" in stream.read().decode()
-        assert client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": -1}).status_code == 400
+        assert (
+            client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": -1}).status_code == 400
+        )
     return 4
 
 
@@ -121,8 +145,11 @@ def _run_on_each(replicas, work) -> int:
 
 
 def _wait_for_successes(url: str, count: int) -> None:
-    done = wait_until(url, "sum(pagedserve_request_success_total)",
-                      lambda result: bool(result) and float(result[0]["value"][1]) >= count)
+    done = wait_until(
+        url,
+        "sum(pagedserve_request_success_total)",
+        lambda result: bool(result) and float(result[0]["value"][1]) >= count,
+    )
     assert done and float(done[0]["value"][1]) >= count, done
     time.sleep(2)  # a few more scrapes, and the rules evaluated (every second) on them
 
@@ -142,8 +169,11 @@ def scraped(prometheus, replicas):
 
 def _dashboard_exprs() -> list[tuple[str, str]]:
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pagedserve.json").read_text())
-    exprs = [(f"{panel['title']} [{target['refId']}]", target["expr"])
-             for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    exprs = [
+        (f"{panel['title']} [{target['refId']}]", target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
     for variable in dashboard["templating"]["list"]:
         match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["definition"])
         assert match, variable["definition"]
@@ -152,8 +182,9 @@ def _dashboard_exprs() -> list[tuple[str, str]]:
 
 
 def _grafana_to_promql(expr: str) -> str:
-    text = expr.replace("$__rate_interval", RATE_INTERVAL).replace('"$model_name"', '".*"').replace(
-        '"$instance"', '".*"')
+    text = (
+        expr.replace("$__rate_interval", RATE_INTERVAL).replace('"$model_name"', '".*"').replace('"$instance"', '".*"')
+    )
     assert "$" not in text, f"a Grafana variable the test does not know: {expr}"
     return text
 

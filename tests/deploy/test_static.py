@@ -24,8 +24,9 @@ K8S_FILES = sorted(K8S.rglob("*.yaml"))
 def _compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDSERVE_", "COMPOSE_"))}
     environ.update(env or {})
-    return subprocess.run([require_compose(), *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env=environ, check=False)
+    return subprocess.run(
+        [require_compose(), *args], cwd=REPO, capture_output=True, text=True, timeout=60, env=environ, check=False
+    )
 
 
 def _config(file: str, *profiles: str) -> dict:
@@ -60,7 +61,9 @@ def test_compose_config_rejects_a_misspelled_key(tmp_path):
     misspelled = tmp_path / "pagedserve.yml"
     misspelled.write_text(base.read_text().replace("stop_grace_period", "stop_grace_perod"))
     stack = tmp_path / "docker-compose.yml"
-    stack.write_text((REPO / "docker-compose.yml").read_text().replace("deploy/compose/pagedserve.yml", str(misspelled)))
+    stack.write_text(
+        (REPO / "docker-compose.yml").read_text().replace("deploy/compose/pagedserve.yml", str(misspelled))
+    )
     result = _compose("-f", str(stack), "config", "-q")
     assert result.returncode != 0 and "stop_grace_perod" in result.stderr
 
@@ -79,8 +82,11 @@ def test_compose_files_interpolate_the_way_podman_compose_does():
 
 def test_gpu_and_cpu_stacks_differ_only_in_image_and_gpu():
     gpu, cpu = _config("docker-compose.yml", "gateway"), _config("docker-compose.cpu.yml", "gateway")
-    assert set(gpu["services"]) == set(cpu["services"]) == {"pagedserve", "pagedserve-2", "gateway", "prometheus",
-                                                            "grafana"}
+    assert (
+        set(gpu["services"])
+        == set(cpu["services"])
+        == {"pagedserve", "pagedserve-2", "gateway", "prometheus", "grafana"}
+    )
     for name in ("pagedserve", "pagedserve-2"):
         g, c = dict(gpu["services"][name]), dict(cpu["services"][name])
         devices = g.pop("deploy")["resources"]["reservations"]["devices"]
@@ -92,8 +98,10 @@ def test_gpu_and_cpu_stacks_differ_only_in_image_and_gpu():
         assert g == c, name
     for name in ("gateway", "prometheus", "grafana"):
         assert gpu["services"][name] == cpu["services"][name], name
-    devices = [gpu["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
-               for n in ("pagedserve", "pagedserve-2")]
+    devices = [
+        gpu["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for n in ("pagedserve", "pagedserve-2")
+    ]
     assert devices == [["0"], ["1"]], "the two replicas must not share a GPU by default"
 
 
@@ -109,13 +117,20 @@ def test_pagedserve_service_contract():
         assert "PAGEDSERVE_API_KEY" in environment
     published = config["services"]["pagedserve"]["ports"][0]
     assert published["target"] == 8000 and published["host_ip"] == "127.0.0.1"
-    assert all(port["host_ip"] == "127.0.0.1" for service in config["services"].values()
-               for port in service.get("ports", [])), "published ports default to loopback"
+    assert all(
+        port["host_ip"] == "127.0.0.1" for service in config["services"].values() for port in service.get("ports", [])
+    ), "published ports default to loopback"
 
 
 def test_api_key_and_model_come_from_the_environment():
-    config = _compose("-f", "docker-compose.yml", "config", "--format", "json",
-                      env={"PAGEDSERVE_API_KEY": "k1,k2", "PAGEDSERVE_MODEL": "/models/llama", "BIND_ADDRESS": "0.0.0.0"})
+    config = _compose(
+        "-f",
+        "docker-compose.yml",
+        "config",
+        "--format",
+        "json",
+        env={"PAGEDSERVE_API_KEY": "k1,k2", "PAGEDSERVE_MODEL": "/models/llama", "BIND_ADDRESS": "0.0.0.0"},
+    )
     assert config.returncode == 0, config.stderr
     service = json.loads(config.stdout)["services"]["pagedserve"]
     assert service["environment"]["PAGEDSERVE_API_KEY"] == "k1,k2"
@@ -133,8 +148,9 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_replicas():
                 assert Path(volume["source"]).exists(), volume["source"]
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     job = next(job for job in scrape["scrape_configs"] if job["job_name"] == "pagedserve")
-    targets = job["static_configs"][0]["targets"] + [f"{name}:{sd['port']}" for sd in job["dns_sd_configs"]
-                                                    for name in sd["names"]]
+    targets = job["static_configs"][0]["targets"] + [
+        f"{name}:{sd['port']}" for sd in job["dns_sd_configs"] for name in sd["names"]
+    ]
     assert targets == ["pagedserve:8000", "pagedserve-2:8000"]
     nginx = (DEPLOY / "nginx" / "nginx.conf").read_text()
     assert re.findall(r"server (\S+) ", nginx) == targets
@@ -151,7 +167,7 @@ def test_dockerfile_contract():
     assert stages[-1][0] == "runtime-${VARIANT}" and "ARG VARIANT=gpu" in text
     assert re.search(r"^ARG GPU_BASE=nvidia/cuda:\S+-runtime-", text, flags=re.MULTILINE)
     assert re.search(r"^ARG CPU_BASE=debian:\S+-slim$", text, flags=re.MULTILINE)
-    final = text[text.rindex("FROM runtime-${VARIANT}"):]
+    final = text[text.rindex("FROM runtime-${VARIANT}") :]
     assert "COPY --from=build /opt/venv /opt/venv" in final
     assert re.search(r"^USER 10001", final, flags=re.MULTILINE)
     assert "HEALTHCHECK" in final and "/health" in final
@@ -184,8 +200,9 @@ def _manifests() -> dict[str, dict]:
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
 def test_k8s_manifests_validate_against_the_kubernetes_schemas(version):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate",
-                                              reason="the `dev` extra installs kubernetes-validate")
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="the `dev` extra installs kubernetes-validate"
+    )
     checked = 0
     for path in K8S_FILES:
         for document in yaml.safe_load_all(path.read_text()):
@@ -198,8 +215,9 @@ def test_k8s_manifests_validate_against_the_kubernetes_schemas(version):
 
 def test_k8s_rejects_a_wrong_field():
     """The schemas are strict: an unknown field in the Deployment fails."""
-    kubernetes_validate = pytest.importorskip("kubernetes_validate",
-                                              reason="the `dev` extra installs kubernetes-validate")
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="the `dev` extra installs kubernetes-validate"
+    )
 
     deployment = _manifests()["Deployment"]
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 40
@@ -236,8 +254,11 @@ def test_k8s_manifests_fit_together():
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
 
     hpa = manifests["HorizontalPodAutoscaler"]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
     metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert metric == "pagedserve_num_requests_waiting"
     rules = yaml.safe_load(manifests["ConfigMap"]["data"]["config.yaml"])["rules"]
@@ -249,8 +270,10 @@ def test_k8s_manifests_fit_together():
 
 def test_promtool_check_config_and_rules():
     promtool = require_promtool()
-    for args in (["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-                 ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")]):
+    for args in (
+        ["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
+    ):
         result = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
 
@@ -271,13 +294,21 @@ def test_dashboard_parses_and_covers_the_issue():
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pagedserve.json").read_text())
     assert dashboard["uid"] == "pagedserve"
     exprs = " ".join(target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", []))
-    for metric in ("pagedserve_http_requests_total", "pagedserve_request_failure_total",
-                   "pagedserve_time_to_first_token_seconds_bucket", "pagedserve_inter_token_latency_seconds_bucket",
-                   "pagedserve_e2e_request_latency_seconds_bucket", "pagedserve_generation_tokens_total",
-                   "pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
-                   "pagedserve_kv_cache_usage_ratio", "pagedserve_num_preemptions_total",
-                   "pagedserve_prefix_cache_hits_total", "pagedserve_gpu_utilization_ratio",
-                   "pagedserve_gpu_memory_used_bytes"):
+    for metric in (
+        "pagedserve_http_requests_total",
+        "pagedserve_request_failure_total",
+        "pagedserve_time_to_first_token_seconds_bucket",
+        "pagedserve_inter_token_latency_seconds_bucket",
+        "pagedserve_e2e_request_latency_seconds_bucket",
+        "pagedserve_generation_tokens_total",
+        "pagedserve_num_requests_running",
+        "pagedserve_num_requests_waiting",
+        "pagedserve_kv_cache_usage_ratio",
+        "pagedserve_num_preemptions_total",
+        "pagedserve_prefix_cache_hits_total",
+        "pagedserve_gpu_utilization_ratio",
+        "pagedserve_gpu_memory_used_bytes",
+    ):
         assert metric in exprs, metric
     datasource = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     uid = datasource["datasources"][0]["uid"]

@@ -113,9 +113,25 @@ def start_replicas(model_dir: Path, logs: Path, *flags: str, count: int = 2, tim
         stdout, stderr = logs / f"replica{index}.out", logs / f"replica{index}.err"
         with stdout.open("w") as out, stderr.open("w") as err:
             process = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", "serve", "--config", str(TINY_PRESET), "--model", str(model_dir),
-                 "--served-model-name", "tiny", "--port", "0", *flags],
-                stdout=out, stderr=err, env=environ, cwd=REPO,
+                [
+                    sys.executable,
+                    "-m",
+                    "server.cli",
+                    "serve",
+                    "--config",
+                    str(TINY_PRESET),
+                    "--model",
+                    str(model_dir),
+                    "--served-model-name",
+                    "tiny",
+                    "--port",
+                    "0",
+                    *flags,
+                ],
+                stdout=out,
+                stderr=err,
+                env=environ,
+                cwd=REPO,
             )
         started.append((process, stdout, stderr))
     replicas = []

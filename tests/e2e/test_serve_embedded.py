@@ -38,9 +38,24 @@ def embedded_server(tmp_path_factory, embedded_checkpoint):
     env = server_environment()
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--config", "configs/default.yaml", "--port", "0",
-             "--kv-cache-memory", "256MiB", "--max-num-seqs", "8"],
-            stdout=out, stderr=err, env=env, cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--config",
+                "configs/default.yaml",
+                "--port",
+                "0",
+                "--kv-cache-memory",
+                "256MiB",
+                "--max-num-seqs",
+                "8",
+            ],
+            stdout=out,
+            stderr=err,
+            env=env,
+            cwd=REPO,
         )
     try:
         printed = _wait_for_line(stdout, "curl ", process, timeout=300)
@@ -67,8 +82,10 @@ def test_openai_sdk_chat_and_completion(embedded_server):
     # "What is the capital of France?" alone opens with a near tie (0.08 nats in fp32 between "The" and "L",
     # below bf16's logit resolution): this wording leads every token by 0.86+ nats in fp32 and bf16
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-        max_tokens=16, temperature=0,
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        max_tokens=16,
+        temperature=0,
     )
     assert "Paris" in chat.choices[0].message.content
     assert chat.usage.completion_tokens <= 16 and chat.usage.prompt_tokens > 10
@@ -82,7 +99,8 @@ def test_metrics_after_traffic(embedded_server):
     text = httpx.get(f"{url}/metrics", timeout=10).text
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
     }
     labels = (("finished_reason", "length"), ("model_name", "SmolLM2-135M-Instruct"))
     successes = sum(v for (name, lbl), v in samples.items() if name == "pagedserve_request_success_total")

@@ -24,9 +24,26 @@ def gguf_server(tmp_path_factory, embedded_checkpoint):
     stdout, stderr = logs / "stdout.txt", logs / "stderr.txt"
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--quantization", "gguf", "--port", "0",
-             "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--max-num-seqs", "4"],
-            stdout=out, stderr=err, env=server_environment(), cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--quantization",
+                "gguf",
+                "--port",
+                "0",
+                "--kv-cache-memory",
+                "32MiB",
+                "--max-model-len",
+                "256",
+                "--max-num-seqs",
+                "4",
+            ],
+            stdout=out,
+            stderr=err,
+            env=server_environment(),
+            cwd=REPO,
         )
     try:
         printed = _wait_for_line(stdout, "curl ", process, timeout=300)
@@ -42,8 +59,7 @@ def test_serves_with_quantized_weights(gguf_server):
     metrics = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)}
     (sample,) = metrics["pagedserve_model_weight_bytes"].samples
     assert sample.labels["quantization"] == "gguf" and 90e6 < sample.value < 100e6
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4,
-            "temperature": 0}
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4

@@ -17,20 +17,43 @@ from engine import LLM, SamplingParams
 from tests.engine.json_schemas import bounded_schemas, check_output
 from tests.engine.references import assert_idle
 
-COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
-                                           "count": {"type": "integer", "minimum": 0, "maximum": 9}},
-          "required": ["colour", "count"], "additionalProperties": False}
+COLOUR = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
 FRUITS = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 2}
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                                 "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
-                "required": ["city", "zip"], "additionalProperties": False}},
-    "required": ["name", "address"], "additionalProperties": False}
-REVIEW = {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1},
-                                           "ok": {"type": "boolean"},
-                                           "note": {"type": "string", "maxLength": 6}},
-          "required": ["score", "ok"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "address"],
+    "additionalProperties": False,
+}
+REVIEW = {
+    "type": "object",
+    "properties": {
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "ok": {"type": "boolean"},
+        "note": {"type": "string", "maxLength": 6},
+    },
+    "required": ["score", "ok"],
+    "additionalProperties": False,
+}
 CONSTRAINED = [  # (question, schema, temperature)
     ("Pick a colour and a count, as JSON.", COLOUR, 0.0),
     ("List two fruits as a JSON array.", FRUITS, 0.0),
@@ -41,17 +64,39 @@ CONSTRAINED = [  # (question, schema, temperature)
 PLAIN = ["What is the capital of France?"]
 MAX_TOKENS = 64  # the longest bounded output here is under 50 tokens
 
-CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
-                                         "population_millions": {"type": "number"}},
-        "required": ["name", "country", "population_millions"]}
-FILM = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
-                                         "rating": {"type": "number"}, "seen": {"type": "boolean"}},
-        "required": ["title", "year", "rating", "seen"]}
-PRODUCT = {"type": "object", "properties": {
-    "product": {"type": "string"}, "price": {"type": "number", "minimum": 0}, "in_stock": {"type": "boolean"},
-    "size": {"type": "object", "properties": {"width_cm": {"type": "number"}, "height_cm": {"type": "number"}},
-             "required": ["width_cm", "height_cm"]}},
-    "required": ["product", "price", "in_stock", "size"]}
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "country": {"type": "string"},
+        "population_millions": {"type": "number"},
+    },
+    "required": ["name", "country", "population_millions"],
+}
+FILM = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "year": {"type": "integer"},
+        "rating": {"type": "number"},
+        "seen": {"type": "boolean"},
+    },
+    "required": ["title", "year", "rating", "seen"],
+}
+PRODUCT = {
+    "type": "object",
+    "properties": {
+        "product": {"type": "string"},
+        "price": {"type": "number", "minimum": 0},
+        "in_stock": {"type": "boolean"},
+        "size": {
+            "type": "object",
+            "properties": {"width_cm": {"type": "number"}, "height_cm": {"type": "number"}},
+            "required": ["width_cm", "height_cm"],
+        },
+    },
+    "required": ["product", "price", "in_stock", "size"],
+}
 UNBOUNDED = [  # schemas without maxLength / maximum: the grammar's own bounds end the numbers (issue 23)
     ("Give me the city of Paris as JSON with its population.", CITY),
     ("Return JSON about Lagos.", CITY),
@@ -74,14 +119,16 @@ def test_bounded_schemas_validate_beside_unchanged_plain_requests(embedded_llm):
     plain = SamplingParams(max_tokens=12, temperature=0)
     alone = [out.outputs[0] for out in embedded_llm.chat([conversation(q) for q in PLAIN], plain, use_tqdm=False)]
     conversations = [conversation(q) for q, _, _ in CONSTRAINED] + [conversation(q) for q in PLAIN]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=i, structured_outputs={"json": schema})
-              for i, (_, schema, t) in enumerate(CONSTRAINED)] + [plain] * len(PLAIN)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=i, structured_outputs={"json": schema})
+        for i, (_, schema, t) in enumerate(CONSTRAINED)
+    ] + [plain] * len(PLAIN)
     results = embedded_llm.chat(conversations, params, use_tqdm=False)
     for (question, schema, _), result in zip(CONSTRAINED, results):
         out = result.outputs[0]
         assert out.finish_reason == "stop", (question, out.text)
         jsonschema.validate(json.loads(out.text, strict=False), schema)
-    for solo, result in zip(alone, results[len(CONSTRAINED):]):
+    for solo, result in zip(alone, results[len(CONSTRAINED) :]):
         assert result.outputs[0].token_ids == solo.token_ids
         assert result.outputs[0].text == solo.text
     assert_idle(embedded_llm)
@@ -93,10 +140,10 @@ def test_generated_schemas_validate_beside_an_unchanged_plain_request(embedded_l
     plain = SamplingParams(max_tokens=8, temperature=0)
     alone = embedded_llm.chat([conversation(PLAIN[0])], plain, use_tqdm=False)[0].outputs[0]
     question = f"Answer with JSON matching this schema: {json.dumps(schema)}"
-    constrained = SamplingParams(max_tokens=160, temperature=temperature, seed=seed,
-                                 structured_outputs={"json": schema})
-    results = embedded_llm.chat([conversation(question), conversation(PLAIN[0])], [constrained, plain],
-                                use_tqdm=False)
+    constrained = SamplingParams(
+        max_tokens=160, temperature=temperature, seed=seed, structured_outputs={"json": schema}
+    )
+    results = embedded_llm.chat([conversation(question), conversation(PLAIN[0])], [constrained, plain], use_tqdm=False)
     out = results[0].outputs[0]
     assert out.finish_reason == "stop", out.text
     check_output(schema, out.text)
@@ -104,13 +151,13 @@ def test_generated_schemas_validate_beside_an_unchanged_plain_request(embedded_l
     assert_idle(embedded_llm)
 
 
-
 @pytest.mark.slow
 def test_greedy_json_with_unbounded_numbers_ends(embedded_llm):
     """At temperature 0 the model wrote `"population_millions": 1111111...` until max_tokens; bounded numbers
     (17 significant digits) and no whitespace between tokens end every output well before it."""
-    params = [SamplingParams(max_tokens=200, temperature=0, structured_outputs={"json": schema})
-              for _, schema in UNBOUNDED]
+    params = [
+        SamplingParams(max_tokens=200, temperature=0, structured_outputs={"json": schema}) for _, schema in UNBOUNDED
+    ]
     results = embedded_llm.chat([conversation(q) for q, _ in UNBOUNDED], params, use_tqdm=False)
     for (question, schema), result in zip(UNBOUNDED, results):
         out = result.outputs[0]

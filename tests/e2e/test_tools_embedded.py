@@ -13,18 +13,35 @@ import pytest
 from server.config.server_config import ServerConfig
 from tests.server.conftest import start_server
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ASK = dict(model="smol", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
-           tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ASK = dict(
+    model="smol",
+    messages=[{"role": "user", "content": "Weather in Oslo?"}],
+    tools=[WEATHER],
+    tool_choice="required",
+    parallel_tool_calls=False,
+    temperature=0,
+    max_tokens=60,
+)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def client(embedded_checkpoint):
-    uv, thread, running = start_server(embedded_checkpoint.path, ServerConfig(served_model_name="smol"),
-                                       block_size=16, num_blocks=64, max_model_len=1024)
+    uv, thread, running = start_server(
+        embedded_checkpoint.path,
+        ServerConfig(served_model_name="smol"),
+        block_size=16,
+        num_blocks=64,
+        max_model_len=1024,
+    )
     yield openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     uv.should_exit = True
     thread.join(30)

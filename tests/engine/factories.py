@@ -33,8 +33,7 @@ TRAINING_TEXT = (
     "tokenizers, attention, and the meaning of life.\n",
     "Café crème, naïve façade, résumé, jalapeño, Ångström, Straße, smörgåsbord, déjà vu, "
     "Zürich, São Paulo, Kraków, Œuvre complète.\n",
-    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다。"
-    "今日は良い天気ですね。我喜欢学习语言模型。\n",
+    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다。今日は良い天気ですね。我喜欢学习语言模型。\n",
     "Emoji too: 🙂 😀 🚀 🎉 👍🏽 ❤️ 🌍 — and symbols: €, £, ¥, ©, ™, ±, ≤, ≥, ∞, →.\n",
     "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i, add(i, i))\n",
 )
@@ -54,30 +53,56 @@ _HEAD_SHORT_FACTORS = [1.0, 1.05, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5]  # per rotary pa
 DENSE_FAMILIES = {
     # every window shorter than the tests' prompts; every scale and cap set off its default so it is exercised
     "gemma2": {
-        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 4, "head_dim": 16,
-        "sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
-        "final_logit_softcapping": 4.0, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 4.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
         "pad_token_id": 0,
     },
     "gemma3": {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 4, "head_dim": 16,
-        "sliding_window": 8, "query_pre_attn_scalar": 24, "layer_types": [
-            "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
-        "tie_word_embeddings": True, "pad_token_id": 0,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        },
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
     },
     "phi3": {
-        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 12, "pad_token_id": 0,
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "sliding_window": 12,
+        "pad_token_id": 0,
         "original_max_position_embeddings": 128,  # the tests' sequences stay below: the short factors
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _HEAD_SHORT_FACTORS,
-                            "long_factor": [f * 2 for f in _HEAD_SHORT_FACTORS],
-                            "original_max_position_embeddings": 128},
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": _HEAD_SHORT_FACTORS,
+            "long_factor": [f * 2 for f in _HEAD_SHORT_FACTORS],
+            "original_max_position_embeddings": 128,
+        },
     },
     "olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "pad_token_id": 0},
     "granite": {
-        "architectures": ["GraniteForCausalLM"], "model_type": "granite", "embedding_multiplier": 3.0,
-        "residual_multiplier": 0.5, "attention_multiplier": 0.3, "logits_scaling": 2.0, "pad_token_id": 0,
+        "architectures": ["GraniteForCausalLM"],
+        "model_type": "granite",
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.3,
+        "logits_scaling": 2.0,
+        "pad_token_id": 0,
     },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
@@ -175,11 +200,7 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path) -> Path:
 def _llama_cpp_permute(weights, n_head: int):
     """llama.cpp's q/k row order: each head's rotary halves interleaved."""
     rows = weights.shape[0]
-    return (
-        weights.reshape(n_head, 2, rows // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
+    return weights.reshape(n_head, 2, rows // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
 def _write_gguf_hparams(writer, config: dict) -> None:
@@ -207,9 +228,7 @@ def _write_gguf_tokenizer(writer, model_dir: Path) -> None:
     model = json.loads((model_dir / "tokenizer.json").read_text())["model"]
     tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    types = [
-        gguf.TokenType.CONTROL if token in SPECIAL_TOKENS else gguf.TokenType.NORMAL for token in tokens
-    ]
+    types = [gguf.TokenType.CONTROL if token in SPECIAL_TOKENS else gguf.TokenType.NORMAL for token in tokens]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)

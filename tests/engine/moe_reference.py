@@ -17,9 +17,16 @@ def random_experts(num_experts: int, hidden: int, intermediate: int, seed: int =
     return router, gate_up, down
 
 
-def reference_moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                  renormalize: bool, expert_ids: Optional[torch.Tensor] = None,
-                  shared: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+def reference_moe(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_ids: Optional[torch.Tensor] = None,
+    shared: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
     """Each token through its top_k experts in float64 (`expert_ids` [T, k]: the experts to use, so a
     near-tie that float32 and float64 order differently does not count as an error)."""
     x64, router64 = x.double(), router.double()

@@ -69,10 +69,14 @@ def random_paged_step(
     requests = []
     for seq_len, query_len in shapes:
         blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
-        request = PagedRequest(seq_len, query_len, blocks,
-                               torch.randn(seq_len, num_kv_heads, head_dim, generator=gen),
-                               torch.randn(seq_len, num_kv_heads, head_dim, generator=gen) * value_std,
-                               torch.randn(query_len, num_heads, head_dim, generator=gen))
+        request = PagedRequest(
+            seq_len,
+            query_len,
+            blocks,
+            torch.randn(seq_len, num_kv_heads, head_dim, generator=gen),
+            torch.randn(seq_len, num_kv_heads, head_dim, generator=gen) * value_std,
+            torch.randn(query_len, num_heads, head_dim, generator=gen),
+        )
         for pos in range(seq_len - query_len):  # the cached prefix
             slot = slot_of(blocks, pos, block_size)
             key_cache.view(-1, num_kv_heads, head_dim)[slot] = request.keys[pos]
@@ -80,8 +84,12 @@ def random_paged_step(
         requests.append(request)
     assert all(r.query_len == 1 for r in requests[:num_decodes])
     slots = [slot_of(r.blocks, p, block_size) for r in requests for p in range(r.seq_len - r.query_len, r.seq_len)]
-    metadata = step_metadata_for([(r.seq_len, r.query_len, r.blocks) for r in requests],
-                                 torch.tensor(slots, dtype=torch.int64), num_decodes, device)
+    metadata = step_metadata_for(
+        [(r.seq_len, r.query_len, r.blocks) for r in requests],
+        torch.tensor(slots, dtype=torch.int64),
+        num_decodes,
+        device,
+    )
 
     def batch(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(tensors).to(device=device, dtype=dtype)
@@ -98,8 +106,13 @@ def random_paged_step(
     )
 
 
-def reference_attention(step: PagedStep, scale: float, window: Optional[int] = None,
-                        softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def reference_attention(
+    step: PagedStep,
+    scale: float,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Causal softmax attention in float64 over each request's own K/V (not the cache): [num_tokens, heads,
     head_dim], on the CPU. Query i of a request sits at position seq_len - query_len + i; with a `window` it
     sees the keys after its position - window; `softcap` caps the scaled scores (softcap * tanh(s / softcap));

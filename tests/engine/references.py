@@ -48,11 +48,17 @@ def hf_greedy(model_dir: Path, prompt_ids: Sequence[int], max_new_tokens: int) -
     ids = torch.tensor([list(prompt_ids)])
     with torch.inference_mode():
         # No eos at all: [] (None falls back to the model's; min_new_tokens would mask eos out).
-        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[],
-                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=[],
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     assert out.sequences.shape[1] == ids.shape[1] + max_new_tokens
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
 

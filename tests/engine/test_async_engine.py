@@ -104,8 +104,9 @@ def test_streamed_deltas_hold_back_a_stop_string(llm, include):
     prompt_ids = prompt(30 + include, 8)
     (offline,) = llm.generate([prompt_ids], greedy(24), use_tqdm=False)
     full = offline.outputs[0].text
-    stop = next(full[i : i + 2] for i in range(3, len(full) - 1)
-                if full[i : i + 2].isascii() and full[i : i + 2].isalnum())
+    stop = next(
+        full[i : i + 2] for i in range(3, len(full) - 1) if full[i : i + 2].isascii() and full[i : i + 2].isalnum()
+    )
     at = full.find(stop)
     expected = full[: at + len(stop)] if include else full[:at]
 
@@ -125,10 +126,7 @@ def test_many_concurrent_requests_finish_with_their_token_counts(llm):
     max_tokens = [1 + (i * 7) % 23 for i in range(24)]  # more requests than max_num_seqs (16)
 
     async def body(engine):
-        tasks = [
-            collect(engine, f"many-{i}", prompt(100 + i, 3 + i % 9), greedy(n))
-            for i, n in enumerate(max_tokens)
-        ]
+        tasks = [collect(engine, f"many-{i}", prompt(100 + i, 3 + i % 9), greedy(n)) for i, n in enumerate(max_tokens)]
         return await asyncio.gather(*tasks)
 
     results = run_with_engine(llm, body)
@@ -266,7 +264,10 @@ def test_a_batch_is_admitted_all_or_none(llm):
     async def body(engine):
         engine.observe(Recorder(published))
         steps = llm.engine.num_steps
-        batch = [RequestInput("batch-ok", prompt(22), greedy(4)), RequestInput("batch-long", prompt(23, 250), greedy(10))]
+        batch = [
+            RequestInput("batch-ok", prompt(22), greedy(4)),
+            RequestInput("batch-long", prompt(23, 250), greedy(10)),
+        ]
         with pytest.raises(ContextLengthExceededError):
             await engine.add_requests(batch)
         assert llm.engine.num_steps == steps and not llm.engine.has_unfinished_requests
@@ -344,8 +345,9 @@ def test_event_loop_keeps_ticking_during_a_long_generation(llm):
                 last = now
 
         tick = asyncio.create_task(ticker())
-        results = await asyncio.gather(*(collect(engine, f"long-{i}", prompt(12 + i, 40), greedy(200))
-                                         for i in range(4)))
+        results = await asyncio.gather(
+            *(collect(engine, f"long-{i}", prompt(12 + i, 40), greedy(200)) for i in range(4))
+        )
         done.set()
         await tick
         return results, gaps

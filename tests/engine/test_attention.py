@@ -102,8 +102,17 @@ def build_step(
             values[: n * block_size] = seqs[owner].values[: n * block_size]
         blocks = shared + [free.pop() for _ in range(num_blocks - len(shared))]
         assert not as_decode or query_len == 1
-        seqs.append(Seq(context_len, query_len, blocks, keys, values,
-                        torch.randn(query_len, num_heads, head_dim, generator=gen), as_decode))
+        seqs.append(
+            Seq(
+                context_len,
+                query_len,
+                blocks,
+                keys,
+                values,
+                torch.randn(query_len, num_heads, head_dim, generator=gen),
+                as_decode,
+            )
+        )
         for pos in range(len(shared) * block_size, context_len - query_len):  # the cached prefix (own blocks)
             slot = slot_of(blocks, pos, block_size)
             key_cache.view(-1, NUM_KV_HEADS, head_dim)[slot] = keys[pos]
@@ -118,10 +127,13 @@ def build_step(
         queries.append(seq.queries)
         new_keys.append(seq.keys[start:])
         new_values.append(seq.values[start:])
-    metadata = step_metadata_for([(s.context_len, s.query_len, s.blocks) for s in seqs],
-                                 torch.tensor(slots, dtype=torch.int64), num_decodes, torch.device("cpu"))
-    return Step(seqs, num_decodes, torch.cat(queries), torch.cat(new_keys), torch.cat(new_values),
-                metadata, block_size)
+    metadata = step_metadata_for(
+        [(s.context_len, s.query_len, s.blocks) for s in seqs],
+        torch.tensor(slots, dtype=torch.int64),
+        num_decodes,
+        torch.device("cpu"),
+    )
+    return Step(seqs, num_decodes, torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), metadata, block_size)
 
 
 def gather(cache: torch.Tensor, blocks: list[int], length: int) -> torch.Tensor:
@@ -147,7 +159,7 @@ def reference_attention(seq: Seq, key_cache, value_cache, scale: float) -> torch
 
 
 def run_and_check(step: Step, key_cache, value_cache, head_dim: int, backend) -> None:
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     spec = KVCacheSpec(1, step.block_size, NUM_KV_HEADS, head_dim, key_cache.dtype)
     metadata = backend.build_metadata(step.metadata, spec)  # what the runner does once per step
     before_k, before_v = key_cache.clone(), value_cache.clone()
@@ -164,9 +176,13 @@ def run_and_check(step: Step, key_cache, value_cache, head_dim: int, backend) ->
         expected = reference_attention(seq, key_cache, value_cache, scale)
         got = out[row : row + seq.query_len].double()
         kind = "decode" if seq.is_decode else "prefill"
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL,
-                                   msg=lambda m: f"request {i} ({kind}, context {seq.context_len}, "
-                                                 f"query {seq.query_len}): {m}")
+        torch.testing.assert_close(
+            got,
+            expected,
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m: f"request {i} ({kind}, context {seq.context_len}, query {seq.query_len}): {m}",
+        )
         row += seq.query_len
 
 
@@ -208,8 +224,7 @@ def test_mixed_step_matches_reference(block_size, group, head_dim, backend):
         rng = random.Random(f"{block_size}-{group}-{head_dim}-{seed}")
         gen = torch.Generator().manual_seed(seed)
         key_cache, value_cache = make_cache(block_size, head_dim, gen)
-        step = build_step(random_shapes(rng, block_size), block_size, group, head_dim,
-                          key_cache, value_cache, rng, gen)
+        step = build_step(random_shapes(rng, block_size), block_size, group, head_dim, key_cache, value_cache, rng, gen)
         run_and_check(step, key_cache, value_cache, head_dim, backend)
 
 

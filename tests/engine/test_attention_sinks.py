@@ -23,14 +23,20 @@ SINKS_VALUES = torch.tensor([3.0, -2.0, 0.5, 8.0])
 
 
 def sink_layers() -> list[LayerAttention]:
-    return [LayerAttention(0.25, sinks=SINKS_VALUES), LayerAttention(0.25, sliding_window=7, sinks=SINKS_VALUES),
-            LayerAttention(0.3, sliding_window=16, softcap=1.5, sinks=-SINKS_VALUES)]
+    return [
+        LayerAttention(0.25, sinks=SINKS_VALUES),
+        LayerAttention(0.25, sliding_window=7, sinks=SINKS_VALUES),
+        LayerAttention(0.3, sliding_window=16, softcap=1.5, sinks=-SINKS_VALUES),
+    ]
 
 
 @pytest.fixture(params=["torch", "cpu", "cpu-batch-invariant"])
 def backend(request, cpu_kernels):
-    return {"torch": TorchAttentionBackend, "cpu": lambda: CpuAttentionBackend(cpu_kernels),
-            "cpu-batch-invariant": lambda: BatchInvariantCpuBackend(cpu_kernels)}[request.param]()
+    return {
+        "torch": TorchAttentionBackend,
+        "cpu": lambda: CpuAttentionBackend(cpu_kernels),
+        "cpu-batch-invariant": lambda: BatchInvariantCpuBackend(cpu_kernels),
+    }[request.param]()
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])  # the native kernel's portable loops, and its AVX-512 path
@@ -38,8 +44,9 @@ def backend(request, cpu_kernels):
 def test_backends_add_the_sinks_to_the_denominator(backend, index, head_dim):
     layer = sink_layers()[index]
     assert SINKS in backend.attention_features
-    step = random_paged_step(MIXED, 3, block_size=4, num_heads=4, num_kv_heads=2, head_dim=head_dim,
-                             num_blocks=64, seed=head_dim)
+    step = random_paged_step(
+        MIXED, 3, block_size=4, num_heads=4, num_kv_heads=2, head_dim=head_dim, num_blocks=64, seed=head_dim
+    )
     got = run_step(backend, step, layer)
     expected = reference_attention(step, layer.scale, layer.sliding_window, layer.softcap, layer.sinks)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
@@ -51,8 +58,9 @@ def test_backends_add_the_sinks_to_the_denominator(backend, index, head_dim):
 @pytest.mark.parametrize("split", [True, False])
 def test_native_decode_merges_split_parts_with_the_sinks(cpu_kernels, head_dim, split):
     """Long sequences split across threads: the merge of the parts counts each sink once."""
-    step = random_paged_step([(900, 1), (520, 1)], 2, block_size=16, num_heads=4, num_kv_heads=2,
-                             head_dim=head_dim, num_blocks=96, seed=3)
+    step = random_paged_step(
+        [(900, 1), (520, 1)], 2, block_size=16, num_heads=4, num_kv_heads=2, head_dim=head_dim, num_blocks=96, seed=3
+    )
     backend = CpuAttentionBackend(cpu_kernels)
     layer = LayerAttention(0.2, sliding_window=700, sinks=SINKS_VALUES)
     threads = torch.get_num_threads()
@@ -67,8 +75,17 @@ def test_native_decode_merges_split_parts_with_the_sinks(cpu_kernels, head_dim, 
 
 
 def test_native_decode_with_sinks_in_bfloat16(cpu_kernels):
-    step = random_paged_step([(70, 1), (33, 1)], 2, block_size=16, num_heads=4, num_kv_heads=2, head_dim=64,
-                             num_blocks=16, dtype=torch.bfloat16, seed=5)
+    step = random_paged_step(
+        [(70, 1), (33, 1)],
+        2,
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        num_blocks=16,
+        dtype=torch.bfloat16,
+        seed=5,
+    )
     layer = LayerAttention(0.125, sliding_window=20, sinks=SINKS_VALUES)
     got = run_step(CpuAttentionBackend(cpu_kernels), step, layer)
     expected = reference_attention(step, layer.scale, layer.sliding_window, None, layer.sinks)
@@ -90,8 +107,9 @@ def test_flash_passes_sinks_to_a_release_that_takes_them():
     varlen = RecordingVarlen()
     backend = FlashAttentionBackend(FlashKernel(4, "test", varlen, takes_sinks=True))
     assert SINKS in backend.attention_features
-    step = random_paged_step([(9, 1), (12, 5)], 1, block_size=4, num_heads=4, num_kv_heads=2, head_dim=16,
-                             num_blocks=16)
+    step = random_paged_step(
+        [(9, 1), (12, 5)], 1, block_size=4, num_heads=4, num_kv_heads=2, head_dim=16, num_blocks=16
+    )
     for layer in (LayerAttention(0.5), LayerAttention(0.5, sliding_window=8, sinks=SINKS_VALUES)):
         run_step(backend, step, layer)
     plain, with_sinks = varlen.calls
@@ -103,8 +121,11 @@ def test_flash_passes_sinks_to_a_release_that_takes_them():
 def test_a_flash_attn_without_sinks_is_refused_at_start_up():
     backend = FlashAttentionBackend(FlashKernel(2, "2.8", RecordingVarlen()))
     assert SINKS not in backend.attention_features
-    with pytest.raises(ValueError, match=r"'flash \(flash-attn 2\)' cannot serve GptOssForCausalLM: it does not "
-                                         r"implement attention sinks"):
+    with pytest.raises(
+        ValueError,
+        match=r"'flash \(flash-attn 2\)' cannot serve GptOssForCausalLM: it does not "
+        r"implement attention sinks",
+    ):
         check_backend_serves(backend, sink_layers(), "GptOssForCausalLM")
 
 

@@ -95,8 +95,12 @@ def test_awq_checkpoint_serves_its_dequantized_weights(awq_pair, quantization):
     want = make_llm(reference_dir).generate(prompts, params, use_tqdm=False)
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        torch.testing.assert_close(torch.tensor([e.logprob for e in a.prompt_logprobs[1:]]),
-                                   torch.tensor([e.logprob for e in b.prompt_logprobs[1:]]), rtol=0, atol=1e-3)
+        torch.testing.assert_close(
+            torch.tensor([e.logprob for e in a.prompt_logprobs[1:]]),
+            torch.tensor([e.logprob for e in b.prompt_logprobs[1:]]),
+            rtol=0,
+            atol=1e-3,
+        )
 
 
 class _Config:
@@ -105,13 +109,16 @@ class _Config:
             self.quantization_config = quantization_config
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"version": "gemv"}, "version 'gemv'"),
-    ({"version": "marlin"}, "version 'marlin'"),
-    ({"bits": 8}, "bits 8"),
-    ({"zero_point": False}, "zero_point false"),
-    ({"group_size": 256}, "group_size 256"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"version": "gemv"}, "version 'gemv'"),
+        ({"version": "marlin"}, "version 'marlin'"),
+        ({"bits": 8}, "bits 8"),
+        ({"zero_point": False}, "zero_point false"),
+        ({"group_size": 256}, "group_size 256"),
+    ],
+)
 def test_unsupported_awq_variants_are_named(change, message):
     with pytest.raises(ValueError, match="--quantization awq") as error:
         awq_group_size({**AWQ_CONFIG, **change})

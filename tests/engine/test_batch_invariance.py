@@ -56,15 +56,16 @@ def others(count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     kinds = ({"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.7, "top_k": 20, "seed": 5})
     return [
-        (token_prompt(seed * 100 + i, rng.randint(3, 70)),
-         SamplingParams(max_tokens=rng.randint(4, 40), ignore_eos=True, **kinds[i % 3]))
+        (
+            token_prompt(seed * 100 + i, rng.randint(3, 70)),
+            SamplingParams(max_tokens=rng.randint(4, 40), ignore_eos=True, **kinds[i % 3]),
+        )
         for i in range(count)
     ]
 
 
 def run(llm, requests: list[tuple[list[int], SamplingParams]]):
-    results = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests],
-                           use_tqdm=False)
+    results = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests], use_tqdm=False)
     assert_idle(llm)
     return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
 
@@ -104,8 +105,7 @@ def test_a_request_gives_the_same_output_in_any_batch(mode, length, seed):
 
 def test_preemption_and_recompute_give_the_same_output(wide_llama_dir):
     """A pool too small for the batch: requests are preempted and recomputed, the target among them."""
-    llm = make_llm(wide_llama_dir, dtype="bfloat16", batch_invariant=True, max_num_batched_tokens=32,
-                   num_blocks=40)
+    llm = make_llm(wide_llama_dir, dtype="bfloat16", batch_invariant=True, max_num_batched_tokens=32, num_blocks=40)
     target = token_prompt(3, 30)
     for params in target_params():
         (solo,) = run(llm, [(target, params)])
@@ -127,11 +127,14 @@ def test_the_option_selects_the_invariant_kernels(mode):
         assert "batch-invariant" not in names
 
 
-@pytest.mark.parametrize("device,dtype,backend,message", [
-    ("cuda", torch.bfloat16, "auto", "CPU only"),
-    ("cpu", torch.float16, "auto", "float32 or bfloat16, not float16"),
-    ("cpu", torch.float32, "torch", "attention_backend must be auto or cpu, not 'torch'"),
-])
+@pytest.mark.parametrize(
+    "device,dtype,backend,message",
+    [
+        ("cuda", torch.bfloat16, "auto", "CPU only"),
+        ("cpu", torch.float16, "auto", "float32 or bfloat16, not float16"),
+        ("cpu", torch.float32, "torch", "attention_backend must be auto or cpu, not 'torch'"),
+    ],
+)
 def test_refuses_what_it_cannot_make_invariant(device, dtype, backend, message):
     with pytest.raises(ValueError, match=message):
         batch_invariant_numerics(backend, torch.device(device), dtype)

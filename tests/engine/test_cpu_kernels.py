@@ -25,8 +25,9 @@ def test_build_is_cached_per_machine_and_source(cpu_kernels, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="engine.kernels.cpu"):
         first = build_library(tmp_path)
     # the first start says why it goes quiet, and how long it took
-    assert [r.getMessage() for r in caplog.records][0] == \
-        f"building the native CPU kernels (first start only, about {BUILD_SECONDS} s) ..."
+    assert [r.getMessage() for r in caplog.records][
+        0
+    ] == f"building the native CPU kernels (first start only, about {BUILD_SECONDS} s) ..."
     assert re.fullmatch(r"built the native CPU kernels in \d+\.\d s \(cached in .+\)", caplog.records[1].getMessage())
     caplog.clear()
     stamp = first.stat().st_mtime_ns
@@ -59,8 +60,9 @@ def test_bfloat16_decode_matches_float32(cpu_kernels):
     tables = torch.randperm(num_blocks, generator=gen)[:30].view(5, 6).int()
     lens = torch.tensor([1, 17, 96, 50, 33], dtype=torch.int32)
     got = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
-    expected = cpu_kernels.paged_decode(query.float(), key_cache.float(), value_cache.float(), tables, lens,
-                                        head_dim**-0.5)
+    expected = cpu_kernels.paged_decode(
+        query.float(), key_cache.float(), value_cache.float(), tables, lens, head_dim**-0.5
+    )
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=1e-2)
 
@@ -76,7 +78,6 @@ def test_rejects_what_it_cannot_read(cpu_kernels):
         cpu_kernels.paged_decode(query.transpose(0, 1), cache, cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_kernels.paged_decode(torch.randn(2, 4, 16), cache, cache, tables, lens, 1.0)
-
 
 
 # ------------------------------------------------------------------ paged decode against float64, per build
@@ -151,7 +152,7 @@ def test_paged_decode_matches_float64(decode_kernels, dtype, head_dim, heads, kv
     query = (torch.randn(len(lens), heads, head_dim, generator=gen) * 3).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).int()
     for seq, n in enumerate(lens):
-        tables[seq, (n + block_size - 1) // block_size:] = 1 << 30  # never read
+        tables[seq, (n + block_size - 1) // block_size :] = 1 << 30  # never read
     lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim**-0.5
     got = decode_kernels.paged_decode(query, key_cache, value_cache, tables, lens, scale)
@@ -196,8 +197,15 @@ def test_unsplit_decode_of_a_long_sequence_depends_on_nothing_else(decode_kernel
 
     def decode(rows: int, num_threads: int, split: bool) -> torch.Tensor:
         torch.set_num_threads(num_threads)
-        return decode_kernels.paged_decode(query[:rows].contiguous(), key_cache, value_cache,
-                                           tables[:rows].contiguous(), lens[:rows].contiguous(), 0.125, split)[0]
+        return decode_kernels.paged_decode(
+            query[:rows].contiguous(),
+            key_cache,
+            value_cache,
+            tables[:rows].contiguous(),
+            lens[:rows].contiguous(),
+            0.125,
+            split,
+        )[0]
 
     try:
         alone = decode(1, 2, False)

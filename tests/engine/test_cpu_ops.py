@@ -40,8 +40,9 @@ def _inputs(kernels, dtype):
 def test_opcheck_passes_for_every_operator(cpu_kernels, dtype):
     for name, args in _inputs(cpu_kernels, dtype).items():
         op = getattr(torch.ops.pagedserve, name).default
-        results = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
-                                                               "test_aot_dispatch_dynamic"))
+        results = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+        )
         assert set(results.values()) == {"SUCCESS"}, (name, results)
 
 
@@ -61,9 +62,15 @@ def test_torch_compile_traces_a_layer_of_native_ops_in_one_graph(cpu_kernels):
 
     def args():
         g = torch.Generator().manual_seed(1)
-        return (torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g), torch.rand(64, generator=g) + 0.5,
-                torch.randn(5, 96, generator=g), torch.randn(5, 6, 16, generator=g),
-                torch.tensor([0, 3, 7, 8, 63]), query.clone())
+        return (
+            torch.randn(5, 64, generator=g),
+            torch.randn(5, 64, generator=g),
+            torch.rand(64, generator=g) + 0.5,
+            torch.randn(5, 96, generator=g),
+            torch.randn(5, 6, 16, generator=g),
+            torch.tensor([0, 3, 7, 8, 63]),
+            query.clone(),
+        )
 
     eager = layer(*args())
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(*args())

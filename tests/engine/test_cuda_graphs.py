@@ -76,8 +76,9 @@ def test_steps_with_prefill_chunks_or_beyond_the_largest_bucket_run_eagerly(tiny
     runner.capture_decode_graphs((1, 2), EagerReplay)  # batches of 3+ decodes run eagerly
     prompts = [list(range(3, 30)), [5, 9, 11], [4, 6], list(range(40, 60))]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    reference = _generate(make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=8,
-                                   max_num_batched_tokens=16), prompts, params)
+    reference = _generate(
+        make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=8, max_num_batched_tokens=16), prompts, params
+    )
     assert [o.token_ids for o in _generate(llm, prompts, params)] == [o.token_ids for o in reference]
     assert runner.graphs._graphs[1].replays + runner.graphs._graphs[2].replays > 0
     assert_idle(llm)

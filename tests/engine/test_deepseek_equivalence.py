@@ -17,20 +17,46 @@ from tests.engine.references import hf_greedy, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
 
 KV_LORA_RANK, ROPE_DIM, LAYERS = 32, 8, 3
-COMMON = dict(num_hidden_layers=LAYERS, first_k_dense_replace=1, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=16,
-              qk_rope_head_dim=ROPE_DIM, v_head_dim=12, moe_intermediate_size=24, n_shared_experts=1,
-              num_experts_per_tok=2, n_routed_experts=8, n_group=4, topk_group=2, num_key_value_heads=4,
-              routed_scaling_factor=1.5)
+COMMON = dict(
+    num_hidden_layers=LAYERS,
+    first_k_dense_replace=1,
+    kv_lora_rank=KV_LORA_RANK,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=ROPE_DIM,
+    v_head_dim=12,
+    moe_intermediate_size=24,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_key_value_heads=4,
+    routed_scaling_factor=1.5,
+)
 FAMILIES = {
     # q_proj straight from the hidden state (V2-Lite), softmax scores, group-limited greedy, interleaved rope
-    "deepseek_v2": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
-                        topk_method="group_limited_greedy"),
+    "deepseek_v2": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+    ),
     # q through its low rank, sigmoid scores with a correction bias (made random below), renormalised top-k,
     # interleaved rope, YaRN whose mscale_all_dim scales the softmax
-    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=24,
-                        norm_topk_prob=True, rope_parameters={
-                            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "deepseek_v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        q_lora_rank=24,
+        norm_topk_prob=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
 }
 
 

@@ -83,13 +83,23 @@ def config_of(family: str, **overrides):
     return AutoConfig.for_model(**tiny_config_dict(family, **overrides))
 
 
-@pytest.mark.parametrize("family, overrides, message", [
-    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
-    ("gemma2", {"hidden_activation": "gelu"}, r"hidden_activation 'gelu' is not supported \(supported: gelu_pytorch"),
-    ("granite", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
-    ("olmo2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
-     r"RoPE scaling 'dynamic' is not supported \(supported: default, linear, llama3, yarn, longrope\)"),
-])
+@pytest.mark.parametrize(
+    "family, overrides, message",
+    [
+        ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
+        (
+            "gemma2",
+            {"hidden_activation": "gelu"},
+            r"hidden_activation 'gelu' is not supported \(supported: gelu_pytorch",
+        ),
+        ("granite", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+        (
+            "olmo2",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            r"RoPE scaling 'dynamic' is not supported \(supported: default, linear, llama3, yarn, longrope\)",
+        ),
+    ],
+)
 def test_unsupported_config_fields_are_refused(family, overrides, message):
     with pytest.raises(ValueError, match=message):
         build_model(config_of(family, **overrides), torch.float32, torch.device("cpu"))

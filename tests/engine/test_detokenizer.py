@@ -101,9 +101,7 @@ def detok_cases(tokenizer, name: str) -> st.SearchStrategy:
         )
         random_prompt = st.lists(ordinary, max_size=8)
     text_prompt = st.sampled_from(training_corpus()).flatmap(
-        lambda line: st.integers(0, len(line)).map(
-            lambda n: tokenizer.encode(line[:n], add_special_tokens=False)
-        )
+        lambda line: st.integers(0, len(line)).map(lambda n: tokenizer.encode(line[:n], add_special_tokens=False))
     )
     sizes = st.lists(st.integers(1, 5), max_size=40)
     return st.tuples(st.one_of(text_prompt, random_prompt), output, sizes)
@@ -222,9 +220,7 @@ def test_sentencepiece_prompt_ending_in_skipped_specials_still_spaces_the_first_
     tok = sentencepiece
     prompt = tok.encode("Hello", add_special_tokens=False) + [tok.eos_token_id] * 7
     output = tok.encode(" world", add_special_tokens=False)
-    assert (
-        "".join(stream(tok, prompt, [output], skip=True)) == " world" == reference(tok, prompt, output, True)
-    )
+    assert "".join(stream(tok, prompt, [output], skip=True)) == " world" == reference(tok, prompt, output, True)
 
 
 def test_context_does_not_start_inside_a_byte_run(sentencepiece):
@@ -251,9 +247,7 @@ def test_special_tokens_skipped_or_shown(byte_level):
     tok = byte_level
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    output = (
-        tok.encode("Hi", add_special_tokens=False) + [im_end] + tok.encode(" there", add_special_tokens=False)
-    )
+    output = tok.encode("Hi", add_special_tokens=False) + [im_end] + tok.encode(" there", add_special_tokens=False)
     prompt = [eos] + tok.encode("Q:", add_special_tokens=False)
     assert "".join(stream(tok, prompt, [[i] for i in output], skip=True)) == "Hi there"
     assert "".join(stream(tok, prompt, [[i] for i in output], skip=False)) == "Hi<|im_end|> there"
@@ -285,6 +279,4 @@ def test_long_output_keeps_a_short_window(tokenizer):
         detok.add_tokens([token_id])
         assert len(detok._ids) < 300  # emitted ids are dropped: the cost per token stays flat
     detok.flush()
-    assert detok.output_text == reference(
-        tokenizer, tokenizer.encode("Go:", add_special_tokens=False), output, True
-    )
+    assert detok.output_text == reference(tokenizer, tokenizer.encode("Go:", add_special_tokens=False), output, True)

@@ -40,13 +40,17 @@ def hf_continuation(model, token_ids):
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[2], pad_token_id=2)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_embedded_model_shape(embedded_llm):
     arch = embedded_llm.engine.runner.model.arch
     assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.vocab_size) == (
-        30, 576, 9, 3, 49152,
+        30,
+        576,
+        9,
+        3,
+        49152,
     )
 
 

@@ -24,7 +24,11 @@ def drain(engine):
 
 def test_streamed_deltas_add_up_to_text(llm):
     engine = llm.engine
-    engine.add_request("a", engine.tokenizer.encode("Hello, world! Café 東京"), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "a",
+        engine.tokenizer.encode("Hello, world! Café 東京"),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    )
     outputs = drain(engine)
     assert "".join(o.text_delta for o in outputs) == outputs[-1].text
     assert sum(len(o.new_token_ids) for o in outputs) == 40
@@ -35,14 +39,22 @@ def test_streamed_deltas_add_up_to_text(llm):
 
 def test_stop_string_ends_request_and_is_excluded(llm):
     prompt = llm.get_tokenizer().encode("The quick brown fox")
-    base = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    base = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     full = base[0].outputs[0].text
     stop = full[5:8]
     assert stop and full.find(stop) == 5
-    (result,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0, stop=[stop]), use_tqdm=False)
+    (result,) = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0, stop=[stop]), use_tqdm=False
+    )
     out = result.outputs[0]
     assert out.text == full[:5] and out.finish_reason == "stop" and out.stop_reason == stop
-    (kept,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=30, temperature=0, stop=stop, include_stop_str_in_output=True), use_tqdm=False)
+    (kept,) = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(max_tokens=30, temperature=0, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
     assert kept.outputs[0].text == full[:8]
 
 
@@ -50,7 +62,9 @@ def test_stop_token_ids_and_eos(llm):
     prompt = [10, 20, 30]
     (base,) = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
     tokens = base.outputs[0].token_ids
-    (stopped,) = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[tokens[3]]), use_tqdm=False)
+    (stopped,) = llm.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[tokens[3]]), use_tqdm=False
+    )
     first = tokens.index(tokens[3])
     assert stopped.outputs[0].token_ids == tokens[: first + 1]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == tokens[3]
@@ -136,7 +150,11 @@ def test_min_tokens_through_the_engine(llm):
     (base,) = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     tokens = base.outputs[0].token_ids
     stop_id = tokens[0]
-    (r,) = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id], min_tokens=4), use_tqdm=False)
+    (r,) = llm.generate(
+        [[3, 4, 5]],
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id], min_tokens=4),
+        use_tqdm=False,
+    )
     assert len(r.outputs[0].token_ids) >= 4
     assert stop_id not in r.outputs[0].token_ids[:4]
 
@@ -156,7 +174,9 @@ def test_request_id_reused_right_after_finishing(llm):
 
 def test_stop_strings_wait_for_min_tokens(llm):
     prompt = llm.get_tokenizer().encode("The quick brown fox")
-    (base,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    (base,) = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     first_token_text = llm.get_tokenizer().decode(base.outputs[0].token_ids[:1])
     stop = first_token_text[:1]
     assert stop
@@ -173,7 +193,9 @@ def test_stop_token_text_is_left_out_unless_asked(llm):
     cut = tokens.index(stop_id)
     tokenizer = llm.get_tokenizer()
     for include in (False, True):
-        params = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        params = SamplingParams(
+            max_tokens=10, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=include
+        )
         (r,) = llm.generate([prompt], params, use_tqdm=False)
         shown = tokens[: cut + 1] if include else tokens[:cut]
         assert r.outputs[0].token_ids == tokens[: cut + 1]

@@ -77,18 +77,57 @@ class FakeFlashAttn4:
     def __init__(self):
         self.calls: list[dict[str, Any]] = []
 
-    def flash_attn_varlen_func(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                               max_seqlen_k=None, min_seqlen_k=None, seqused_q=None, seqused_k=None,
-                               gather_kv_indices=None, page_table=None, softmax_scale=None, causal=False,
-                               window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
-                               pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None,
-                               mask_mod=None, block_sparse_tensors=None, aux_tensors=None, aux_scalars=None,
-                               return_lse=False, scheduler_metadata=None, seqlen_k_per_split=None,
-                               disable_scheduler_metadata=False):
-        self.calls.append(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
-                               page_table=page_table, softmax_scale=softmax_scale, causal=causal,
-                               window_size=window_size, return_lse=return_lse))
+    def flash_attn_varlen_func(
+        self,
+        q,
+        k,
+        v,
+        qv=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        min_seqlen_k=None,
+        seqused_q=None,
+        seqused_k=None,
+        gather_kv_indices=None,
+        page_table=None,
+        softmax_scale=None,
+        causal=False,
+        window_size=(None, None),
+        learnable_sink=None,
+        softcap=0.0,
+        num_splits=1,
+        pack_gqa=None,
+        deterministic=False,
+        score_mod=None,
+        score_mod_bwd=None,
+        mask_mod=None,
+        block_sparse_tensors=None,
+        aux_tensors=None,
+        aux_scalars=None,
+        return_lse=False,
+        scheduler_metadata=None,
+        seqlen_k_per_split=None,
+        disable_scheduler_metadata=False,
+    ):
+        self.calls.append(
+            dict(
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                seqused_k=seqused_k,
+                page_table=page_table,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                return_lse=return_lse,
+            )
+        )
         batch = cu_seqlens_q.shape[0] - 1
         assert cu_seqlens_k is None, "page_table is not supported with cu_seqlens_k"
         check_int32_vector(cu_seqlens_q, batch + 1, "cu_seqlens_q")
@@ -102,10 +141,24 @@ class FakeFlashAttn4WithoutMaxSeqlenQ:
     def __init__(self):
         self.calls: list[dict[str, Any]] = []
 
-    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                               seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                               window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
-                               pack_gqa=None):
+    def flash_attn_varlen_func(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        seqused_q=None,
+        seqused_k=None,
+        page_table=None,
+        softmax_scale=None,
+        causal=False,
+        window_size=(None, None),
+        learnable_sink=None,
+        softcap=0.0,
+        num_splits=1,
+        pack_gqa=None,
+    ):
         self.calls.append(dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, page_table=page_table))
         return paged_varlen(q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale), None
 
@@ -118,12 +171,40 @@ class FakeFlashAttn2:
         if not with_block_table:  # flash-attn < 2.5
             self.flash_attn_varlen_func = self._without_block_table
 
-    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
-        self.calls.append(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-                               softmax_scale=softmax_scale, causal=causal, block_table=block_table))
+    def flash_attn_varlen_func(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        block_table=None,
+    ):
+        self.calls.append(
+            dict(
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                dropout_p=dropout_p,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                block_table=block_table,
+            )
+        )
         if k.shape[1] % 256:
             raise RuntimeError("Paged KV cache block size must be divisible by 256")
         batch = cu_seqlens_q.shape[0] - 1
@@ -132,13 +213,30 @@ class FakeFlashAttn2:
         return paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k.diff(), block_table, softmax_scale)
 
     @staticmethod
-    def _without_block_table(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                             softmax_scale=None, causal=False, return_attn_probs=False):
+    def _without_block_table(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        return_attn_probs=False,
+    ):
         raise AssertionError("never called")
 
 
-def install(monkeypatch, *, fa2: Optional[FakeFlashAttn2] = None, fa4: Optional[object] = None,
-            capability: tuple[int, int] = HOPPER, broken: Optional[Exception] = None) -> None:
+def install(
+    monkeypatch,
+    *,
+    fa2: Optional[FakeFlashAttn2] = None,
+    fa4: Optional[object] = None,
+    capability: tuple[int, int] = HOPPER,
+    broken: Optional[Exception] = None,
+) -> None:
     """Put fake flash-attn modules (or their absence) into sys.modules and fake the GPU's compute capability."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     if broken is not None:  # installed, but its CUDA libraries do not load
@@ -188,14 +286,22 @@ def flash_backend(monkeypatch, block_size: int, **fakes) -> FlashAttentionBacken
 def run_step(backend, block_size: int, shapes=MIXED, num_decodes: int = 2):
     """A mixed step (decodes, a chunk over a cached prefix, a prompt) on CPU in float32: the backend's output
     and the float64 reference."""
-    step = random_paged_step(shapes, num_decodes, block_size=block_size, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                             head_dim=HEAD_DIM, num_blocks=max(40, 2 * -(-sum(s for s, _ in shapes) // block_size)))
+    step = random_paged_step(
+        shapes,
+        num_decodes,
+        block_size=block_size,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_blocks=max(40, 2 * -(-sum(s for s, _ in shapes) // block_size)),
+    )
     spec = KVCacheSpec(1, block_size, KV_HEADS, HEAD_DIM, torch.float32)
     metadata = backend.build_metadata(step.metadata, spec)
     backend.write_kv(step.key, step.value, step.key_cache, step.value_cache, metadata)
-    scale = HEAD_DIM ** -0.5
-    out = backend.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata,
-                         LayerAttention(scale))
+    scale = HEAD_DIM**-0.5
+    out = backend.attend(
+        step.query, step.key, step.value, step.key_cache, step.value_cache, metadata, LayerAttention(scale)
+    )
     return step, out, reference_attention(step, scale)
 
 
@@ -212,7 +318,7 @@ def test_flash_attn_4_gets_the_step_as_its_paged_varlen_call_reads_it(monkeypatc
     for row, request in enumerate(step.requests):
         assert call["page_table"][row, : len(request.blocks)].tolist() == request.blocks
     assert call["max_seqlen_q"] == 20
-    assert call["causal"] is True and call["softmax_scale"] == HEAD_DIM ** -0.5
+    assert call["causal"] is True and call["softmax_scale"] == HEAD_DIM**-0.5
     assert call["cu_seqlens_k"] is None and call["max_seqlen_k"] is None and call["return_lse"] is False
     assert call["window_size"] == (None, None)
     assert out.shape == step.query.shape and out.dtype == step.query.dtype  # out of (out, lse)
@@ -239,7 +345,7 @@ def test_flash_attn_2_gets_cumulative_kv_lengths_and_the_block_table(monkeypatch
     assert call["max_seqlen_q"] == 200 and call["max_seqlen_k"] == 700
     assert call["block_table"].dtype == torch.int32 and call["block_table"].stride(-1) == 1
     assert call["block_table"][2, :3].tolist() == step.requests[2].blocks
-    assert call["causal"] is True and call["softmax_scale"] == HEAD_DIM ** -0.5 and call["dropout_p"] == 0.0
+    assert call["causal"] is True and call["softmax_scale"] == HEAD_DIM**-0.5 and call["dropout_p"] == 0.0
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -249,16 +355,18 @@ def test_flash_attn_2_cumulative_lengths_follow_each_step(monkeypatch):
     backend = flash_backend(monkeypatch, 256, fa2=FakeFlashAttn2())
     spec = KVCacheSpec(1, 256, KV_HEADS, HEAD_DIM, torch.bfloat16)
     for lens in ([7, 300, 12], [4], list(range(1, 100))):
-        step = step_metadata_for([(n, 1, [0, 1]) for n in lens], torch.zeros(len(lens), dtype=torch.int64),
-                                 len(lens), torch.device("cpu"))
+        step = step_metadata_for(
+            [(n, 1, [0, 1]) for n in lens], torch.zeros(len(lens), dtype=torch.int64), len(lens), torch.device("cpu")
+        )
         cumulative = backend.build_metadata(step, spec).cu_seqlens_k
         assert cumulative.tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
 
 
 def test_write_kv_writes_each_new_token_at_its_slot_and_nothing_else(monkeypatch):
     backend = flash_backend(monkeypatch, 16, fa4=FakeFlashAttn4())
-    step = random_paged_step(MIXED, 2, block_size=16, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                             num_blocks=40)
+    step = random_paged_step(
+        MIXED, 2, block_size=16, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=40
+    )
     expected_k, expected_v = step.key_cache.clone(), step.value_cache.clone()  # untouched but for the new slots
     for r in step.requests:
         for pos in range(r.seq_len - r.query_len, r.seq_len):
@@ -275,8 +383,9 @@ def test_flash_writes_what_the_torch_backend_writes(monkeypatch):
     flash = flash_backend(monkeypatch, 16, fa4=FakeFlashAttn4())
     caches = []
     for backend in (flash, TorchAttentionBackend()):
-        step = random_paged_step(MIXED, 2, block_size=16, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                                 head_dim=HEAD_DIM, num_blocks=40)
+        step = random_paged_step(
+            MIXED, 2, block_size=16, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=40
+        )
         metadata = backend.build_metadata(step.metadata, KVCacheSpec(1, 16, KV_HEADS, HEAD_DIM, torch.float32))
         backend.write_kv(step.key, step.value, step.key_cache, step.value_cache, metadata)
         caches.append((step.key_cache, step.value_cache))
@@ -292,31 +401,45 @@ def no_triton(monkeypatch):
     monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: False)
 
 
-@pytest.mark.parametrize("flash, triton, expected", [
-    (True, True, "flash"), (True, False, "flash"), (False, True, "triton"), (False, False, "torch"),
-])
+@pytest.mark.parametrize(
+    "flash, triton, expected",
+    [
+        (True, True, "flash"),
+        (True, False, "flash"),
+        (False, True, "triton"),
+        (False, False, "torch"),
+    ],
+)
 def test_auto_order_on_cuda(flash, triton, expected):
     assert cuda_auto_choice(flash_available=flash, triton_available=triton) == expected
 
 
-@pytest.mark.parametrize("installed, capability, block_size, expected", [
-    ({"fa4"}, HOPPER, 16, "flash (flash-attn 4)"),
-    ({"fa4"}, HOPPER, 1, "flash (flash-attn 4)"),
-    ({"fa4", "fa2"}, HOPPER, 16, "flash (flash-attn 4)"),
-    ({"fa4", "fa2"}, HOPPER, 256, "flash (flash-attn 4)"),  # flash-attn 4 first where it runs
-    ({"fa4", "fa2"}, AMPERE, 256, "flash (flash-attn 2)"),
-    ({"fa4", "fa2"}, AMPERE, 16, "torch"),
-    ({"fa4"}, AMPERE, 256, "torch"),
-    ({"fa2"}, HOPPER, 512, "flash (flash-attn 2)"),
-    ({"fa2"}, HOPPER, 16, "torch"),  # never flash-attn 2 below its block multiple
-    ({"fa2"}, HOPPER, 128, "torch"),
-    ({"fa2"}, AMPERE, None, "torch"),  # block size not known
-    (set(), HOPPER, 256, "torch"),
-])
-def test_auto_on_cuda_picks_flash_when_it_imports_and_fits(monkeypatch, caplog, installed, capability, block_size,
-                                                         expected):
-    install(monkeypatch, fa2=FakeFlashAttn2() if "fa2" in installed else None,
-            fa4=FakeFlashAttn4() if "fa4" in installed else None, capability=capability)
+@pytest.mark.parametrize(
+    "installed, capability, block_size, expected",
+    [
+        ({"fa4"}, HOPPER, 16, "flash (flash-attn 4)"),
+        ({"fa4"}, HOPPER, 1, "flash (flash-attn 4)"),
+        ({"fa4", "fa2"}, HOPPER, 16, "flash (flash-attn 4)"),
+        ({"fa4", "fa2"}, HOPPER, 256, "flash (flash-attn 4)"),  # flash-attn 4 first where it runs
+        ({"fa4", "fa2"}, AMPERE, 256, "flash (flash-attn 2)"),
+        ({"fa4", "fa2"}, AMPERE, 16, "torch"),
+        ({"fa4"}, AMPERE, 256, "torch"),
+        ({"fa2"}, HOPPER, 512, "flash (flash-attn 2)"),
+        ({"fa2"}, HOPPER, 16, "torch"),  # never flash-attn 2 below its block multiple
+        ({"fa2"}, HOPPER, 128, "torch"),
+        ({"fa2"}, AMPERE, None, "torch"),  # block size not known
+        (set(), HOPPER, 256, "torch"),
+    ],
+)
+def test_auto_on_cuda_picks_flash_when_it_imports_and_fits(
+    monkeypatch, caplog, installed, capability, block_size, expected
+):
+    install(
+        monkeypatch,
+        fa2=FakeFlashAttn2() if "fa2" in installed else None,
+        fa4=FakeFlashAttn4() if "fa4" in installed else None,
+        capability=capability,
+    )
     with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
         backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=block_size)
     assert backend.name == expected
@@ -337,35 +460,69 @@ def test_auto_on_cuda_in_full_precision_is_torch_without_triton(monkeypatch, dty
     assert get_attention_backend("auto", CUDA, dtype, block_size=256).name == "torch"
 
 
-@pytest.mark.parametrize("fakes, block_size, message", [
-    ({"fa2": "fa2"}, 16, r"flash-attn 2 2\.8\.3: its paged kernels need a KV block size that is a multiple of 256, "
-                         r"not 16.*--block-size 256"),
-    ({"fa2": "fa2", "capability": AMPERE}, 128, r"compute capability 9\.0 or newer \(Hopper\+\), this GPU has 8\.0.*"
-                                               r"multiple of 256, not 128"),
-    ({"fa4": "fa4", "capability": AMPERE}, 16, r"compute capability 9\.0.*flash-attn 2: flash_attn has no "
-                                              r"flash_attn_varlen_func \(not installed\).*Install flash-attn-4"),
-    ({}, 256, r"flash-attn 4: not installed \(no module flash_attn\.cute\); flash-attn 2: not installed \(no module "
-              r"flash_attn\)\. Install flash-attn-4"),
-    ({"fa2": "old"}, 256, r"has no block_table \(paged KV came in 2\.5\); upgrade flash-attn"),
-    ({"broken": "no-dependency"}, 16, r"flash-attn 4: flash_attn\.cute does not import \(ModuleNotFoundError: "
-                                     r"No module named 'cutlass'\)"),
-    ({"broken": "broken"}, 256, r"flash_attn\.cute does not import \(OSError: libcudart\.so\.13.*flash_attn does "
-                                r"not import \(OSError"),
-])
+@pytest.mark.parametrize(
+    "fakes, block_size, message",
+    [
+        (
+            {"fa2": "fa2"},
+            16,
+            r"flash-attn 2 2\.8\.3: its paged kernels need a KV block size that is a multiple of 256, "
+            r"not 16.*--block-size 256",
+        ),
+        (
+            {"fa2": "fa2", "capability": AMPERE},
+            128,
+            r"compute capability 9\.0 or newer \(Hopper\+\), this GPU has 8\.0.*"
+            r"multiple of 256, not 128",
+        ),
+        (
+            {"fa4": "fa4", "capability": AMPERE},
+            16,
+            r"compute capability 9\.0.*flash-attn 2: flash_attn has no "
+            r"flash_attn_varlen_func \(not installed\).*Install flash-attn-4",
+        ),
+        (
+            {},
+            256,
+            r"flash-attn 4: not installed \(no module flash_attn\.cute\); flash-attn 2: not installed \(no module "
+            r"flash_attn\)\. Install flash-attn-4",
+        ),
+        ({"fa2": "old"}, 256, r"has no block_table \(paged KV came in 2\.5\); upgrade flash-attn"),
+        (
+            {"broken": "no-dependency"},
+            16,
+            r"flash-attn 4: flash_attn\.cute does not import \(ModuleNotFoundError: "
+            r"No module named 'cutlass'\)",
+        ),
+        (
+            {"broken": "broken"},
+            256,
+            r"flash_attn\.cute does not import \(OSError: libcudart\.so\.13.*flash_attn does "
+            r"not import \(OSError",
+        ),
+    ],
+)
 def test_naming_flash_where_it_cannot_run_says_why_and_what_to_do(monkeypatch, fakes, block_size, message):
-    kinds = {"fa2": lambda: FakeFlashAttn2(), "old": lambda: FakeFlashAttn2(with_block_table=False),
-             "fa4": lambda: FakeFlashAttn4(), "broken": lambda: OSError("libcudart.so.13: cannot open shared object"),
-             "no-dependency": lambda: ModuleNotFoundError("No module named 'cutlass'", name="cutlass")}
+    kinds = {
+        "fa2": lambda: FakeFlashAttn2(),
+        "old": lambda: FakeFlashAttn2(with_block_table=False),
+        "fa4": lambda: FakeFlashAttn4(),
+        "broken": lambda: OSError("libcudart.so.13: cannot open shared object"),
+        "no-dependency": lambda: ModuleNotFoundError("No module named 'cutlass'", name="cutlass"),
+    }
     arguments = {key: kinds[value]() if isinstance(value, str) else value for key, value in fakes.items()}
     install(monkeypatch, **arguments)
     with pytest.raises(ValueError, match=r"^attention backend 'flash' cannot run here: .*" + message):
         get_attention_backend("flash", CUDA, torch.bfloat16, block_size=block_size)
 
 
-@pytest.mark.parametrize("device, dtype, message", [
-    (torch.device("cpu"), torch.bfloat16, r"flash-attn runs on CUDA, not cpu\. Use auto, cpu or torch off CUDA"),
-    (CUDA, torch.float32, r"flash-attn runs float16/bfloat16, not float32\. Set --dtype bfloat16"),
-])
+@pytest.mark.parametrize(
+    "device, dtype, message",
+    [
+        (torch.device("cpu"), torch.bfloat16, r"flash-attn runs on CUDA, not cpu\. Use auto, cpu or torch off CUDA"),
+        (CUDA, torch.float32, r"flash-attn runs float16/bfloat16, not float32\. Set --dtype bfloat16"),
+    ],
+)
 def test_naming_flash_off_its_device_or_dtype_says_so(monkeypatch, device, dtype, message):
     install(monkeypatch, fa4=FakeFlashAttn4(), fa2=FakeFlashAttn2())
     with pytest.raises(ValueError, match=message):
@@ -443,12 +600,21 @@ def test_auto_probes_the_exact_configuration_before_choosing_flash(monkeypatch, 
 
 
 @pytest.mark.usefixtures("probe_on_cpu")
-@pytest.mark.parametrize("fake, reason", [
-    (FakeFlashAttn4PagingRefused, r"its probe mixed step failed \(AssertionError: paged KV not supported on SM "
-                                  r"9\.0\)"),
-    (FakeFlashAttn4Wrong, r"its probe mixed step gave wrong results \(max abs error .* against a float32 "
-                          r"reference\)"),
-])
+@pytest.mark.parametrize(
+    "fake, reason",
+    [
+        (
+            FakeFlashAttn4PagingRefused,
+            r"its probe mixed step failed \(AssertionError: paged KV not supported on SM "
+            r"9\.0\)",
+        ),
+        (
+            FakeFlashAttn4Wrong,
+            r"its probe mixed step gave wrong results \(max abs error .* against a float32 "
+            r"reference\)",
+        ),
+    ],
+)
 def test_auto_falls_back_to_triton_when_the_flash_probe_fails(monkeypatch, caplog, fake, reason):
     pytest.importorskip("triton")
     monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: True)
@@ -472,8 +638,11 @@ def test_a_failed_flash_attn_4_probe_leaves_flash_attn_2_its_turn(monkeypatch):
 @pytest.mark.usefixtures("probe_on_cpu")
 def test_naming_flash_whose_probe_fails_says_why(monkeypatch):
     install(monkeypatch, fa4=FakeFlashAttn4PagingRefused())
-    with pytest.raises(ValueError, match=r"attention backend 'flash' cannot run here: flash-attn 4 4\.0\.0: its probe "
-                                         r"mixed step failed \(AssertionError: paged KV not supported on SM 9\.0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"attention backend 'flash' cannot run here: flash-attn 4 4\.0\.0: its probe "
+        r"mixed step failed \(AssertionError: paged KV not supported on SM 9\.0\)",
+    ):
         get_attention_backend("flash", CUDA, torch.bfloat16, block_size=16, shape=SHAPE)
 
 

@@ -49,8 +49,11 @@ def _counting_fused(model, monkeypatch) -> list[int]:
     """Records the row count of every step the fused path runs."""
     rows: list[int] = []
     forward = model.fused.forward
-    monkeypatch.setattr(model.fused, "forward",
-                        lambda m, input_ids, *args: rows.append(input_ids.shape[0]) or forward(m, input_ids, *args))
+    monkeypatch.setattr(
+        model.fused,
+        "forward",
+        lambda m, input_ids, *args: rows.append(input_ids.shape[0]) or forward(m, input_ids, *args),
+    )
     return rows
 
 
@@ -70,7 +73,9 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
         tiles = product == "column-blocks-tiles"
         if tiles and not cpu_kernels.amx_tiles:
             pytest.skip("no AMX tiles here")
-        monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: ColumnBlockLinear(backend.kernels, amx=tiles))
+        monkeypatch.setattr(
+            engine_platform, "cpu_linear", lambda backend, dtype: ColumnBlockLinear(backend.kernels, amx=tiles)
+        )
         return ColumnBlockLinear
     monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: GemvLinear(backend.kernels))
     return GemvLinear
@@ -81,8 +86,13 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
 @pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
     linear_class = _with_product(product, cpu_kernels, monkeypatch)
-    llm = make_llm(request.getfixturevalue(model_dir_fixture), dtype="bfloat16", attention_backend="cpu",
-                   enable_prefix_caching=False, max_num_seqs=16)  # both runs compute every prompt token the same way
+    llm = make_llm(
+        request.getfixturevalue(model_dir_fixture),
+        dtype="bfloat16",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+        max_num_seqs=16,
+    )  # both runs compute every prompt token the same way
     model = llm.engine.runner.model
     assert type(model.linear) is linear_class and model.fused is not None
     if product.startswith("column-blocks"):
@@ -96,8 +106,9 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, r
     rows = _counting_fused(model, monkeypatch)
     prompts = PROMPTS if not product.startswith("column-blocks") else PROMPTS + [p + " and" for p in PROMPTS]
     # staggered lengths: decode steps of every size from all the prompts' down to 1
-    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(len(prompts))
+    ]
     fused = _generate_each(llm, prompts, params)
     limit = GEMV_MAX_ROWS if product == "gemv" else 16  # 16: every prompt
     assert set(rows) == set(range(1, limit + 1))
@@ -121,10 +132,20 @@ def _generate_each(llm: LLM, prompts, params):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
-def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(embedded_checkpoint, arch, bias, cpu_kernels,
-                                                              monkeypatch):
-    llm = LLM(None, quantization="gguf", dtype="bfloat16", device="cpu", max_model_len=256,
-              kv_cache_memory="32MiB", attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=8)
+def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
+    embedded_checkpoint, arch, bias, cpu_kernels, monkeypatch
+):
+    llm = LLM(
+        None,
+        quantization="gguf",
+        dtype="bfloat16",
+        device="cpu",
+        max_model_len=256,
+        kv_cache_memory="32MiB",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+    )
     model = llm.engine.runner.model
     layers = model.layers
     assert model.fused is not None and all(isinstance(getattr(layers[0], name), GgufWeight) for name in MATRIX_COLUMNS)
@@ -137,8 +158,11 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(embedded_checkpoin
         for weight in [model.embed, *(getattr(layer, name) for layer in layers for name in MATRIX_COLUMNS)]:
             weight.kernels = quant_kernels
     # the unfused path's integer product up to here (beyond, tiles or a dense product): the fused path too
-    integer_rows = next(rows for rows in range(1, GEMV_MAX_ROWS + 2)
-                        if layers[0].qkv.product(rows, torch.bfloat16) != "integer" or rows > GEMV_MAX_ROWS)
+    integer_rows = next(
+        rows
+        for rows in range(1, GEMV_MAX_ROWS + 2)
+        if layers[0].qkv.product(rows, torch.bfloat16) != "integer" or rows > GEMV_MAX_ROWS
+    )
     if bias:  # the projections' biases of a qwen2 GGUF, on the blocks
         generator = torch.Generator().manual_seed(1)
         for layer in layers:
@@ -171,8 +195,15 @@ were not enough: against oneDNN's bf16 products on a Xeon with AMX, a 0.25-nat l
 
 def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, cpu_kernels, monkeypatch):
     def embedded_llm() -> LLM:
-        return LLM(None, dtype="bfloat16", device="cpu", max_model_len=512, kv_cache_memory="64MiB",
-                   attention_backend="cpu", enable_prefix_caching=False)
+        return LLM(
+            None,
+            dtype="bfloat16",
+            device="cpu",
+            max_model_len=512,
+            kv_cache_memory="64MiB",
+            attention_backend="cpu",
+            enable_prefix_caching=False,
+        )
 
     llm = embedded_llm()
     model = llm.engine.runner.model
@@ -202,18 +233,50 @@ def test_decode_layers_rejects_wrong_index_types(cpu_kernels):
     cos = torch.zeros(16, 8, dtype=torch.bfloat16)
     args = dict(cos=cos, sin_signed=cos, heads=1, inter=8, eps=1e-5, scale=1.0)
     with pytest.raises(ValueError, match="int64 positions"):
-        cpu_kernels.decode_layers(residual, weights, caches, caches, torch.zeros(2, dtype=torch.int32),
-                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables, context_lens=lens,
-                                  **args)
+        cpu_kernels.decode_layers(
+            residual,
+            weights,
+            caches,
+            caches,
+            torch.zeros(2, dtype=torch.int32),
+            slots=torch.zeros(2, dtype=torch.int64),
+            block_tables=tables,
+            context_lens=lens,
+            **args,
+        )
     with pytest.raises(ValueError, match="int32 block tables"):
-        cpu_kernels.decode_layers(residual, weights, caches, caches, torch.zeros(2, dtype=torch.int64),
-                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables.long(),
-                                  context_lens=lens, **args)
+        cpu_kernels.decode_layers(
+            residual,
+            weights,
+            caches,
+            caches,
+            torch.zeros(2, dtype=torch.int64),
+            slots=torch.zeros(2, dtype=torch.int64),
+            block_tables=tables.long(),
+            context_lens=lens,
+            **args,
+        )
     with pytest.raises(ValueError, match="1 layers of weights for 2 caches"):
-        cpu_kernels.decode_layers(residual, weights, caches * 2, caches * 2, torch.zeros(2, dtype=torch.int64),
-                                  slots=torch.zeros(2, dtype=torch.int64), block_tables=tables, context_lens=lens,
-                                  **args)
+        cpu_kernels.decode_layers(
+            residual,
+            weights,
+            caches * 2,
+            caches * 2,
+            torch.zeros(2, dtype=torch.int64),
+            slots=torch.zeros(2, dtype=torch.int64),
+            block_tables=tables,
+            context_lens=lens,
+            **args,
+        )
     with pytest.raises(ValueError, match="weight table of 30 columns"):  # a table of the old 10-column form
-        cpu_kernels.decode_layers(residual, torch.zeros(1, 10, dtype=torch.int64), caches, caches,
-                                  torch.zeros(2, dtype=torch.int64), slots=torch.zeros(2, dtype=torch.int64),
-                                  block_tables=tables, context_lens=lens, **args)
+        cpu_kernels.decode_layers(
+            residual,
+            torch.zeros(1, 10, dtype=torch.int64),
+            caches,
+            caches,
+            torch.zeros(2, dtype=torch.int64),
+            slots=torch.zeros(2, dtype=torch.int64),
+            block_tables=tables,
+            context_lens=lens,
+            **args,
+        )

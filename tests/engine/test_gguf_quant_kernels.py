@@ -74,7 +74,8 @@ def quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q = np.rint(blocks * inverse)
     dx = (amax / np.float32(127.0)).astype(np.float32)
     return (q.astype(np.float64) * dx.astype(np.float64)).reshape(rows, k), np.broadcast_to(dx, blocks.shape).reshape(
-        rows, k).astype(np.float64)
+        rows, k
+    ).astype(np.float64)
 
 
 def make_x(rows: int, in_features: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -135,8 +136,11 @@ def each_product(kernels, weights, name: str, dtype: torch.dtype, layout: str, *
         p = w.packed
         for rows in ROWS:
             x = make_x(rows, shape[1], dtype, seed=rows)
-            yield (kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout, **options), x,
-                   reference)
+            yield (
+                kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout, **options),
+                x,
+                reference,
+            )
 
 
 def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray, relative: float) -> None:
@@ -206,8 +210,9 @@ def test_rows_concat_and_take_are_exact(kernels, weights):
     for name, shape in (("q8_0", (80, 1536)), ("q4_1", (64, 576)), ("q4_0", (48, 96))):  # X16: rows taken back
         interleaved = make_weight(kernels, weights, name, shape, "x16")
         index = torch.tensor([shape[0] - 1, 0, 17, 17, 5])
-        np.testing.assert_array_equal(interleaved.rows(index, torch.float32).double().numpy(),
-                                      weights[name, shape][1][index.numpy()])
+        np.testing.assert_array_equal(
+            interleaved.rows(index, torch.float32).double().numpy(), weights[name, shape][1][index.numpy()]
+        )
         with pytest.raises(ValueError, match="before they are interleaved"):
             GgufWeight.concat_rows([interleaved, interleaved])
 
@@ -230,6 +235,8 @@ def test_the_operator_passes_torch_library_checks(weights):
     p = w.packed
     x = make_x(3, 160, torch.float32, seed=0)
     function = kernels._function("quant_linear", torch.float32)
-    torch.library.opcheck(torch.ops.pagedserve.cpu_quant_linear.default,
-                          (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, p.layout, 1 << 40, function),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.pagedserve.cpu_quant_linear.default,
+        (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, p.layout, 1 << 40, function),
+        test_utils=("test_schema", "test_faketensor"),
+    )

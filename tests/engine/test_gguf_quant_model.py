@@ -67,8 +67,10 @@ def test_the_flag_resolves_or_says_why_not(tmp_path):
 def llms(embedded_checkpoint):
     options = dict(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="32MiB")
     # prefill chunks of 5 tokens: every product of the quantized path runs the integer (decode) kernel
-    with LLM(None, quantization="gguf", max_num_batched_tokens=5, max_num_seqs=4, **options) as quantized, \
-            LLM(None, quantization="none", **options) as plain:
+    with (
+        LLM(None, quantization="gguf", max_num_batched_tokens=5, max_num_seqs=4, **options) as quantized,
+        LLM(None, quantization="none", **options) as plain,
+    ):
         yield quantized, plain  # shut down after the module, not kept for the rest of the run
 
 
@@ -76,8 +78,9 @@ def test_weights_stay_quantized(llms):
     model = llms[0].engine.runner.model
     assert model.quantization == "gguf"
     layer = model.layers[0]
-    assert all(isinstance(w, GgufWeight) and w.format == "q4_1" for w in (layer.qkv, layer.o_proj, layer.gate_up,
-                                                                          layer.down))
+    assert all(
+        isinstance(w, GgufWeight) and w.format == "q4_1" for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    )
     assert (layer.qkv.out_features, layer.gate_up.out_features) == (576 + 2 * 192, 2 * 1536)
     assert model.lm_head is model.embed and model.embed.format == "q8_0"  # tied: one Q8_0 matrix
     assert model.weight_bytes() < 100e6 < llms[1].engine.runner.model.weight_bytes()
@@ -92,8 +95,9 @@ def test_greedy_tokens_and_logprobs_follow_the_float_weights(llms):
     scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     agree = total = 0
     gaps = []
-    for q_result, f_result in zip(quantized.generate(sequences, scoring, use_tqdm=False),
-                                  float_path.generate(sequences, scoring, use_tqdm=False)):
+    for q_result, f_result in zip(
+        quantized.generate(sequences, scoring, use_tqdm=False), float_path.generate(sequences, scoring, use_tqdm=False)
+    ):
         for q_lp, f_lp in zip(q_result.prompt_logprobs[1:], f_result.prompt_logprobs[1:]):
             agree += q_lp.top[0][0] == f_lp.top[0][0]
             total += 1
@@ -153,8 +157,9 @@ def test_a_gguf_file_reads_into_hf_names_kept_quantized(tmp_path, architecture):
     for name, (array, qtype) in tensors.items():
         value = got[hf_name(name)]
         if qtype in (T.F32, T.F16):
-            np.testing.assert_array_equal(value.float().numpy(), array.astype(np.float16 if qtype == T.F16 else
-                                                                              np.float32).astype(np.float32))
+            np.testing.assert_array_equal(
+                value.float().numpy(), array.astype(np.float16 if qtype == T.F16 else np.float32).astype(np.float32)
+            )
             continue
         assert isinstance(value, GgufWeight) and value.format == qtype.name.lower()
         expected = dequantize(quantize(array, qtype), qtype)
@@ -163,7 +168,6 @@ def test_a_gguf_file_reads_into_hf_names_kept_quantized(tmp_path, architecture):
         if heads:
             expected = hf_reverse_permute(expected, heads)
         np.testing.assert_array_equal(value.dequantize().numpy(), expected)
-
 
 
 def test_mixed_formats_fuse_as_floats(tmp_path):

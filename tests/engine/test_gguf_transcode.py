@@ -119,7 +119,8 @@ def test_a_gguf_file_with_k_quants_reads_into_kept_blocks(tmp_path, kernels):
     assert isinstance(up, GgufWeight) and up.format == "q4_1" and (up.out_features, up.in_features) == (8, 256)
     assert isinstance(down, GgufWeight) and down.format == "q8_0" and (down.out_features, down.in_features) == (4, 256)
     expected = _reference(q4k, "Q4_K", 256)  # within fp16 rounding of the larger terms (step x 15, offset)
-    np.testing.assert_allclose(up.dequantize().double().numpy(), expected, rtol=0,
-                               atol=4 * FP16_HALF_ULP * np.abs(expected).max())
+    np.testing.assert_allclose(
+        up.dequantize().double().numpy(), expected, rtol=0, atol=4 * FP16_HALF_ULP * np.abs(expected).max()
+    )
     x = torch.randn(3, 256)
     np.testing.assert_allclose(down.matmul(x).numpy(), x.numpy() @ down.dequantize().numpy().T, rtol=0.05, atol=0.05)

@@ -20,11 +20,28 @@ from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_g
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 GPT_OSS = dict(
-    architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_hidden_layers=3, head_dim=16,
-    intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=LAYER_TYPES,
-    swiglu_limit=0.6, swiglu_alpha=1.702, attention_bias=True, pad_token_id=0,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    architectures=["GptOssForCausalLM"],
+    model_type="gpt_oss",
+    num_hidden_layers=3,
+    head_dim=16,
+    intermediate_size=48,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    layer_types=LAYER_TYPES,
+    swiglu_limit=0.6,
+    swiglu_alpha=1.702,
+    attention_bias=True,
+    pad_token_id=0,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
 )
 
 
@@ -46,8 +63,9 @@ def make_gpt_oss_dir(path: Path, **overrides) -> Path:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=0).save_pretrained(path)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=0
+    ).save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
 
@@ -78,7 +96,10 @@ def test_the_checkpoint_is_what_transformers_writes(model_dir):
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if name.startswith("model.layers.0.")}
     p = "model.layers.0."
     assert shapes[p + "self_attn.sinks"] == (4,)
-    assert shapes[p + "mlp.experts.gate_up_proj"] == (4, 64, 96) and shapes[p + "mlp.experts.gate_up_proj_bias"] == (4, 96)
+    assert shapes[p + "mlp.experts.gate_up_proj"] == (4, 64, 96) and shapes[p + "mlp.experts.gate_up_proj_bias"] == (
+        4,
+        96,
+    )
     assert shapes[p + "mlp.experts.down_proj"] == (4, 48, 64) and shapes[p + "mlp.experts.down_proj_bias"] == (4, 64)
     assert shapes[p + "mlp.router.weight"] == (4, 64) and shapes[p + "mlp.router.bias"] == (4,)
     assert shapes[p + "self_attn.o_proj.bias"] == (64,)

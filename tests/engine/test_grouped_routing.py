@@ -22,9 +22,11 @@ def reference(logits: torch.Tensor, router: GroupedTopK, bias) -> list[dict[int,
         allowed = list(range(EXPERTS))
         if router.method != "greedy":
             size = EXPERTS // GROUPS
-            groups = [choice[g * size:(g + 1) * size] for g in range(GROUPS)]
-            rank = [g.max().item() if router.method == "group_limited_greedy" else g.topk(2).values.sum().item()
-                    for g in groups]
+            groups = [choice[g * size : (g + 1) * size] for g in range(GROUPS)]
+            rank = [
+                g.max().item() if router.method == "group_limited_greedy" else g.topk(2).values.sum().item()
+                for g in groups
+            ]
             best = sorted(range(GROUPS), key=lambda g: -rank[g])[: router.topk_groups]
             allowed = [e for e in allowed if e // size in best]
         experts = sorted(allowed, key=lambda e: -choice[e].item())[: router.top_k]
@@ -35,18 +37,29 @@ def reference(logits: torch.Tensor, router: GroupedTopK, bias) -> list[dict[int,
     return chosen
 
 
-@pytest.mark.parametrize("scoring, method, renormalize, with_bias", [
-    ("softmax", "greedy", False, False),  # DeepSeek-V2 (and V2-Lite)
-    ("softmax", "group_limited_greedy", False, False),  # DeepSeek-V2's group-limited routing
-    ("sigmoid", "noaux_tc", True, True),  # DeepSeek-V3: the bias steers the choice, not the weights
-    ("sigmoid", "noaux_tc", False, True),
-])
+@pytest.mark.parametrize(
+    "scoring, method, renormalize, with_bias",
+    [
+        ("softmax", "greedy", False, False),  # DeepSeek-V2 (and V2-Lite)
+        ("softmax", "group_limited_greedy", False, False),  # DeepSeek-V2's group-limited routing
+        ("sigmoid", "noaux_tc", True, True),  # DeepSeek-V3: the bias steers the choice, not the weights
+        ("sigmoid", "noaux_tc", False, True),
+    ],
+)
 def test_routing_matches_the_float64_reference(scoring, method, renormalize, with_bias):
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(TOKENS, EXPERTS, generator=generator) * 2
     bias = torch.randn(EXPERTS, generator=generator) * 0.3 if with_bias else None
-    router = GroupedTopK(top_k=3, scoring=scoring, method=method, num_groups=GROUPS, topk_groups=2,
-                         renormalize=renormalize, scaling_factor=2.5, correction_bias=bias)
+    router = GroupedTopK(
+        top_k=3,
+        scoring=scoring,
+        method=method,
+        num_groups=GROUPS,
+        topk_groups=2,
+        renormalize=renormalize,
+        scaling_factor=2.5,
+        correction_bias=bias,
+    )
     routing = router(logits)
     for t, expected in enumerate(reference(logits, router, bias)):
         got = dict(zip(routing.expert_ids[t].tolist(), routing.weights[t].tolist()))
@@ -58,15 +71,37 @@ def test_routing_matches_the_float64_reference(scoring, method, renormalize, wit
 
 def test_unknown_routing_is_refused():
     with pytest.raises(ValueError, match="topk_method 'sparse'"):
-        GroupedTopK(top_k=2, scoring="softmax", method="sparse", num_groups=1, topk_groups=1, renormalize=False,
-                    scaling_factor=1.0)
+        GroupedTopK(
+            top_k=2,
+            scoring="softmax",
+            method="sparse",
+            num_groups=1,
+            topk_groups=1,
+            renormalize=False,
+            scaling_factor=1.0,
+        )
 
 
 def _config(**fields):
-    base = dict(model_type="deepseek_v3", num_hidden_layers=6, first_k_dense_replace=1, n_routed_experts=8,
-                moe_intermediate_size=8, n_shared_experts=1, num_experts_per_tok=2, norm_topk_prob=True, n_group=2,
-                topk_group=1, routed_scaling_factor=1.0, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=4,
-                qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+    base = dict(
+        model_type="deepseek_v3",
+        num_hidden_layers=6,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        moe_intermediate_size=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=4,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=2,
+        v_head_dim=4,
+    )
     return SimpleNamespace(**{**base, **fields})
 
 
@@ -81,19 +116,27 @@ def test_sparse_layers_follow_first_k_dense_replace_and_moe_layer_freq():
 def test_yarn_mscale_scales_the_softmax_as_hf():
     from engine.models.deepseek_arch import read_deepseek
 
-    yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096}
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    }
     mscale = 0.1 * torch.log(torch.tensor(40.0)).item() + 1.0
     assert read_deepseek(_config(), yarn).mla.softmax_scale == pytest.approx(6**-0.5 * mscale**2)
     assert read_deepseek(_config(), None).mla.softmax_scale == pytest.approx(6**-0.5)
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(model_type="deepseek_v2", norm_topk_prob=True, topk_method="greedy"), "norm_topk_prob"),
-    (dict(scoring_func="softmax"), "scoring_func='softmax'"),
-    (dict(model_type="deepseek_v2", topk_method="noaux_tc", norm_topk_prob=False), "topk_method='noaux_tc'"),
-    (dict(n_group=3), "not a multiple of n_group"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(model_type="deepseek_v2", norm_topk_prob=True, topk_method="greedy"), "norm_topk_prob"),
+        (dict(scoring_func="softmax"), "scoring_func='softmax'"),
+        (dict(model_type="deepseek_v2", topk_method="noaux_tc", norm_topk_prob=False), "topk_method='noaux_tc'"),
+        (dict(n_group=3), "not a multiple of n_group"),
+    ],
+)
 def test_unserved_routing_fields_are_refused(fields, message):
     from engine.models.deepseek_arch import read_deepseek
 

@@ -163,8 +163,9 @@ def test_a_product_failing_its_self_check_is_refused(cpu_kernels, monkeypatch, c
     from engine.kernels.cpu import _invariant_product_ok
 
     assert _invariant_product_ok(cpu_kernels, torch.Generator().manual_seed(0))
-    monkeypatch.setattr(cpu_kernels, "invariant_linear",
-                        lambda x, weight, bias, n: torch.zeros(x.shape[0], n, dtype=x.dtype))
+    monkeypatch.setattr(
+        cpu_kernels, "invariant_linear", lambda x, weight, bias, n: torch.zeros(x.shape[0], n, dtype=x.dtype)
+    )
     assert not _invariant_product_ok(cpu_kernels, torch.Generator().manual_seed(0))
     assert "failed its self-check" in caplog.text
 

@@ -14,9 +14,11 @@ from engine.structured.json_bounds import json_schema_grammar
 from tests.engine.tokenizers_for_tests import make_byte_level_tokenizer
 
 NUMBER = {"type": "number"}
-CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
-                                         "population_millions": NUMBER},
-        "required": ["name", "country", "population_millions"]}
+CITY = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "country": {"type": "string"}, "population_millions": NUMBER},
+    "required": ["name", "country", "population_millions"],
+}
 # schema, how a number sits in one of its values ("%s": the number's text)
 PLACES = [
     (NUMBER, "%s"),
@@ -29,10 +31,25 @@ PLACES = [
     ({"type": "object", "properties": {"a": {}}}, '{"a":%s}'),
     ({"type": "object", "additionalProperties": True}, '{"x":[%s]}'),
 ]
-FITS = ["0", "-0.5", "12345678901234567", "-1234567890.1234567", "0.30000000000000004", "1.7976931348623157e308",
-        "5e-324", "1E+300", "2.5e-7"]
-TOO_LONG = ["123456789012345678", "1234567890.12345678", "0.123456789012345678", "1e1000", "1.5e-0001",
-            "111111111111111111111111"]
+FITS = [
+    "0",
+    "-0.5",
+    "12345678901234567",
+    "-1234567890.1234567",
+    "0.30000000000000004",
+    "1.7976931348623157e308",
+    "5e-324",
+    "1E+300",
+    "2.5e-7",
+]
+TOO_LONG = [
+    "123456789012345678",
+    "1234567890.12345678",
+    "0.123456789012345678",
+    "1e1000",
+    "1.5e-0001",
+    "111111111111111111111111",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +77,15 @@ def test_json_object_numbers_are_bounded_too(compiler):
     assert not accepts(compiler, {"type": "object"}, '{"a":123456789012345678}', strict=False)
 
 
-@pytest.mark.parametrize("schema", [{"type": "integer"}, {"type": "integer", "minimum": -5},
-                                    {"type": ["integer", "string"]}, {"type": "array", "items": {"type": "integer"}}])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer"},
+        {"type": "integer", "minimum": -5},
+        {"type": ["integer", "string"]},
+        {"type": "array", "items": {"type": "integer"}},
+    ],
+)
 def test_integers_are_what_int64_holds(compiler, schema):
     wrap = "[%s]" if schema.get("type") == "array" else "%s"
     assert accepts(compiler, schema, wrap % "9223372036854775807")
@@ -80,12 +104,14 @@ def test_a_number_with_one_bound_gets_the_other(compiler):
 
 def test_no_whitespace_between_tokens(compiler):
     assert accepts(compiler, CITY, '{"name":"Oslo","country":"Norway","population_millions":0.7}')
-    for text in ('{"name": "Oslo","country":"Norway","population_millions":0.7}',
-                 '{"name":"Oslo", "country":"Norway","population_millions":0.7}',
-                 '{ "name":"Oslo","country":"Norway","population_millions":0.7}',
-                 ' {"name":"Oslo","country":"Norway","population_millions":0.7}',
-                 '{"name":"Oslo","country":"Norway","population_millions":0.7 }',
-                 '{"name":"Oslo","country":"Norway","population_millions":0.7}\n'):
+    for text in (
+        '{"name": "Oslo","country":"Norway","population_millions":0.7}',
+        '{"name":"Oslo", "country":"Norway","population_millions":0.7}',
+        '{ "name":"Oslo","country":"Norway","population_millions":0.7}',
+        ' {"name":"Oslo","country":"Norway","population_millions":0.7}',
+        '{"name":"Oslo","country":"Norway","population_millions":0.7 }',
+        '{"name":"Oslo","country":"Norway","population_millions":0.7}\n',
+    ):
         assert not accepts(compiler, CITY, text), text
     assert not accepts(compiler, {"type": "array", "items": NUMBER}, "[1, 2]")
     assert not accepts(compiler, {"type": "object"}, '{"a": 1}', strict=False)
@@ -99,8 +125,11 @@ def test_keys_in_the_schemas_order(compiler):
 
 
 def test_a_string_that_looks_like_the_placeholder_stays_a_string(compiler):
-    schema = {"type": "object", "properties": {"s": {"const": "pagedserve:bounded-number"}, "n": NUMBER},
-              "required": ["s", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {"s": {"const": "pagedserve:bounded-number"}, "n": NUMBER},
+        "required": ["s", "n"],
+    }
     assert accepts(compiler, schema, '{"s":"pagedserve:bounded-number","n":1.5}')
     assert not accepts(compiler, schema, '{"s":1.5,"n":1.5}')
 

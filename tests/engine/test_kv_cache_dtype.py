@@ -20,8 +20,11 @@ from engine.sampling.params import SamplingParams
 from tests.engine.references import make_llm
 
 # prompts longer than a prefill chunk, so later chunks read the earlier ones' K/V from the cache
-PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 4, "Once upon a time, in a small town by the sea, "
-           "there lived an old engineer who repaired clocks. Every morning she opened the shop."]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Once upon a time, in a small town by the sea, "
+    "there lived an old engineer who repaired clocks. Every morning she opened the shop.",
+]
 PARAMS = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, logprobs=0)
 CPU = torch.device("cpu")
 
@@ -60,6 +63,7 @@ def test_a_bf16_cache_holds_twice_the_tokens(tiny_llama_dir):
 
 def fake_flash_backend() -> FlashAttentionBackend:
     """The flash backend as start-up would choose it (its kernel never runs here)."""
+
     def varlen(*args, **kwargs):
         raise AssertionError("flash-attn is never called by these tests")
 
@@ -76,23 +80,32 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
         resolve_kv_cache_dtype("int4", torch.float32, CPU, torch_backend)
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on CUDA only"):
         resolve_kv_cache_dtype("fp8", torch.float32, CPU, torch_backend)
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype float16: the cpu attention backend reads a KV cache of "
-                                         r"float32, bfloat16 for a float32 model"):
+    with pytest.raises(
+        ValueError,
+        match=r"--kv-cache-dtype float16: the cpu attention backend reads a KV cache of "
+        r"float32, bfloat16 for a float32 model",
+    ):
         resolve_kv_cache_dtype("float16", torch.float32, CPU, cpu)
     with pytest.raises(ValueError, match="the cpu-batch-invariant attention backend"):
         resolve_kv_cache_dtype("float16", torch.float32, CPU, invariant)
     cuda = torch.device("cuda")
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, torch_backend) == torch.float8_e4m3fn
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8: the triton attention backend reads a KV cache of "
-                                         r"float32, float16, bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"--kv-cache-dtype fp8: the triton attention backend reads a KV cache of "
+        r"float32, float16, bfloat16",
+    ):
         resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, TritonAttentionBackend.__new__(TritonAttentionBackend))
     flash = fake_flash_backend()
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda, flash) == torch.bfloat16
     assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, cuda, flash) == torch.bfloat16
     for name in ("float16", "float32", "fp8"):
-        with pytest.raises(ValueError, match=rf"--kv-cache-dtype {name}: the flash \(flash-attn 4\) attention backend "
-                                             r"reads a KV cache of bfloat16 for a bfloat16 model.*--attention-backend "
-                                             r"torch"):
+        with pytest.raises(
+            ValueError,
+            match=rf"--kv-cache-dtype {name}: the flash \(flash-attn 4\) attention backend "
+            r"reads a KV cache of bfloat16 for a bfloat16 model.*--attention-backend "
+            r"torch",
+        ):
             resolve_kv_cache_dtype(name, torch.bfloat16, cuda, flash)
 
 
@@ -108,8 +121,11 @@ def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir
         return fake_flash_backend()
 
     monkeypatch.setattr(numerics_module, "get_attention_backend", choose_flash)
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype float16: the flash \(flash-attn 4\) attention backend "
-                                         r"reads a KV cache of bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"--kv-cache-dtype float16: the flash \(flash-attn 4\) attention backend "
+        r"reads a KV cache of bfloat16",
+    ):
         make_llm(tiny_llama_dir, dtype="bfloat16", attention_backend="flash", kv_cache_dtype="float16")
     ((name, dtype, kwargs),) = chosen
     assert name == "flash" and dtype == torch.bfloat16 and kwargs["shape"] == (4, 2, 16)
@@ -141,4 +157,3 @@ def test_fp8_cache_round_trip_and_decode_in_the_torch_backend():
         metadata = backend.build_metadata(step, spec)
         outputs[dtype] = backend.attend(query, None, None, caches[0], caches[1], metadata, LayerAttention(0.25))
     torch.testing.assert_close(outputs[torch.float8_e4m3fn], outputs[torch.float32], rtol=0, atol=0.1)
-

@@ -171,8 +171,9 @@ def reference_text(llm, prompt: str, max_tokens: int = 20) -> str:
 
 def pick_stop(text: str) -> str:
     """A two-character alphanumeric ASCII piece past the start of the text."""
-    return next(text[i : i + 2] for i in range(3, len(text) - 1)
-                if text[i : i + 2].isascii() and text[i : i + 2].isalnum())
+    return next(
+        text[i : i + 2] for i in range(3, len(text) - 1) if text[i : i + 2].isascii() and text[i : i + 2].isalnum()
+    )
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -244,8 +245,7 @@ def test_chat_one_conversation(llm):
     (result,) = llm.chat(conversation, greedy(5), use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     assert result.prompt == chatml(conversation)
-    assert result.prompt == tokenizer.hf.apply_chat_template(conversation, tokenize=False,
-                                                             add_generation_prompt=True)
+    assert result.prompt == tokenizer.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert result.prompt_token_ids == tokenizer.apply_chat_template(conversation)
     assert result.prompt_token_ids.count(1) == 3  # <|im_start|> is one special token
     assert result.prompt_token_ids.count(2) == 2  # and so is <|im_end|>
@@ -256,8 +256,12 @@ def test_chat_one_conversation(llm):
 def test_chat_list_of_conversations(llm):
     conversations = [
         [{"role": "user", "content": "Once upon a time"}],
-        [SYSTEM, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-         {"role": "user", "content": "How are you?"}],
+        [
+            SYSTEM,
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "How are you?"},
+        ],
     ]
     results = llm.chat(conversations, [greedy(3), greedy(4)], use_tqdm=False)
     tokenizer = llm.get_tokenizer()

@@ -38,8 +38,12 @@ def no_cyclic_gc():
 def held(llm) -> dict[str, weakref.ref]:
     """Weak references to what an engine must release: a KV tensor, the model, a weight, the runner."""
     runner = llm.engine.runner
-    return {"kv": weakref.ref(runner.kv_cache.layers[0][0]), "model": weakref.ref(runner.model),
-            "embed": weakref.ref(runner.model.embed), "runner": weakref.ref(runner)}
+    return {
+        "kv": weakref.ref(runner.kv_cache.layers[0][0]),
+        "model": weakref.ref(runner.model),
+        "embed": weakref.ref(runner.model.embed),
+        "runner": weakref.ref(runner),
+    }
 
 
 def alive(refs: dict[str, weakref.ref]) -> list[str]:

@@ -89,8 +89,13 @@ def test_rope_settings_new_and_legacy_configs(tiny_llama_dir):
     from transformers import LlamaConfig, PretrainedConfig
 
     assert rope_settings(load_hf_config(tiny_llama_dir)) == (10000.0, None)
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     theta, scaling = rope_settings(LlamaConfig(rope_parameters={"rope_theta": 500000.0, **llama3}))
     assert theta == 500000.0 and scaling == llama3
     legacy = PretrainedConfig(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0})
@@ -225,7 +230,10 @@ def test_a_conversion_off_a_terminal_logs_its_progress_as_lines(tiny_gguf, tmp_p
     tensors = int(next(m for m in progress if "dequantizing" in m).split("dequantizing ")[1].split()[0])
     assert progress[0] == f"converting {name}: reading the GGUF metadata" and tensors > 0
     assert f"converting {name}: {tensors}/{tensors} tensors dequantized" in progress
-    assert progress[-3:-1] == [f"converting {name}: writing the weights", f"converting {name}: converting the tokenizer"]
+    assert progress[-3:-1] == [
+        f"converting {name}: writing the weights",
+        f"converting {name}: converting the tokenizer",
+    ]
     assert progress[-1].startswith(f"converted {name} in ")
     err = capfd.readouterr().err
     assert "\r" not in err and "%|" not in err  # no bar: a log file gets whole lines
@@ -237,8 +245,7 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_a_conversion_on_a_terminal_shows_one_bar_of_tensors_without_an_eta(tiny_gguf, tmp_path, monkeypatch,
-                                                                            caplog):
+def test_a_conversion_on_a_terminal_shows_one_bar_of_tensors_without_an_eta(tiny_gguf, tmp_path, monkeypatch, caplog):
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     with caplog.at_level(logging.INFO):
@@ -278,8 +285,13 @@ def test_a_cpu_start_that_converts_its_model_never_imports_triton(tiny_gguf, tmp
         pytest.skip("Triton is not installed here: nothing could import it")
     from tests.conftest import server_environment
 
-    result = subprocess.run([sys.executable, "-c", _CPU_START, str(tiny_gguf), str(tmp_path / "cache")],
-                            capture_output=True, text=True, timeout=300, env=server_environment())
+    result = subprocess.run(
+        [sys.executable, "-c", _CPU_START, str(tiny_gguf), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=server_environment(),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"backend": "cpu", "triton": []}

@@ -12,13 +12,13 @@ from engine.loading.loader import CheckpointError, load_hf_config, prepare_check
 from engine.text.tokenizer import load_tokenizer, read_chat_template
 from tests.engine.factories import make_tiny_model_dir
 
-CUSTOM_CONFIG = '''
+CUSTOM_CONFIG = """
 from transformers import LlamaConfig
 
 
 class TinyCustomConfig(LlamaConfig):
     model_type = "tiny_custom"
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,12 @@ def _hub_cache(root: Path, repo_id: str, snapshots: dict[str, Path], refs: dict[
 def test_download_dir_and_revision_pick_the_snapshot(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     main_commit, tagged_commit = "a" * 40, "b" * 40
-    cache = _hub_cache(tmp_path / "downloads", "org/tiny", {main_commit: tiny_dir, tagged_commit: tiny_dir},
-                       {"main": main_commit, "v1": tagged_commit})
+    cache = _hub_cache(
+        tmp_path / "downloads",
+        "org/tiny",
+        {main_commit: tiny_dir, tagged_commit: tiny_dir},
+        {"main": main_commit, "v1": tagged_commit},
+    )
     checkpoint = prepare_checkpoint("org/tiny", download_dir=cache)
     assert checkpoint.path.name == main_commit and checkpoint.source == "org/tiny"
     assert prepare_checkpoint("org/tiny", download_dir=cache, revision="v1").path.name == tagged_commit

@@ -107,8 +107,15 @@ def test_prompt_logprobs_survive_preemption(tiny_llama_dir):
 
 def test_priority_policy_with_a_tiny_pool(tiny_llama_dir):
     """Priority scheduling, preemption, chunked prefill and prefix hits at once: still HF's tokens."""
-    llm = make_llm(tiny_llama_dir, num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-                   scheduling_policy="priority", enable_prefix_caching=True)
+    llm = make_llm(
+        tiny_llama_dir,
+        num_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        scheduling_policy="priority",
+        enable_prefix_caching=True,
+    )
     prompts = mixed_prompts(6, shared_prefix=9) + mixed_prompts(7)[3:]
     priorities = [(i * 7) % 5 - 2 for i in range(len(prompts))]
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)

@@ -24,8 +24,7 @@ def test_inverse_frequencies_match_hf(scaling):
     params = {"rope_theta": 500000.0, "rope_type": "default"}
     if scaling is not None:
         params.update(scaling)
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
-                         rope_parameters=params)
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=params)
     theta, parsed = rope_settings(config)
     ours = inverse_frequencies(64, theta, parsed)
     rope_type = params["rope_type"]
@@ -36,15 +35,30 @@ def test_inverse_frequencies_match_hf(scaling):
     torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
 
 
-YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                "beta_slow": 1.0}
+YARN_SCALING = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 
 
-@pytest.mark.parametrize("scaling", [YARN_SCALING, {**YARN_SCALING, "mscale": 1.0, "mscale_all_dim": 0.5},
-                                     {**YARN_SCALING, "attention_factor": 1.3, "truncate": False}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        YARN_SCALING,
+        {**YARN_SCALING, "mscale": 1.0, "mscale_all_dim": 0.5},
+        {**YARN_SCALING, "attention_factor": 1.3, "truncate": False},
+    ],
+)
 def test_yarn_matches_hf(scaling):
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=16384,
-                         rope_parameters={"rope_theta": 10000.0, **scaling})
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=16384,
+        rope_parameters={"rope_theta": 10000.0, **scaling},
+    )
     theta, parsed = rope_settings(config)
     expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
     torch.testing.assert_close(inverse_frequencies(64, theta, parsed, 16384), expected.float(), rtol=1e-6, atol=0)
@@ -57,10 +71,19 @@ def test_longrope_tables_match_hf_short_and_long():
     from transformers import Phi3Config
 
     short = [1.0 + i / 16 for i in range(8)]
-    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512, pad_token_id=0,
-                        original_max_position_embeddings=128,
-                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
-                                         "long_factor": [2 * f for f in short]})
+    config = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        original_max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": short,
+            "long_factor": [2 * f for f in short],
+        },
+    )
     theta, parsed = rope_settings(config)
     parsed.setdefault("original_max_position_embeddings", 128)
     short_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](config)

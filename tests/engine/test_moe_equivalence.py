@@ -17,14 +17,28 @@ from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_g
 FAMILIES = {
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8),
     # a dense layer between sparse ones (mlp_only_layers), q/k norms, renormalised top-k
-    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
-                      moe_intermediate_size=48, head_dim=16, num_hidden_layers=3, mlp_only_layers=[1],
-                      norm_topk_prob=True),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_experts=8,
+        moe_intermediate_size=48,
+        head_dim=16,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+    ),
     # the shared expert and its sigmoid gate, qkv biases, top-k weights as they come (norm_topk_prob false),
     # every second layer sparse (decoder_sparse_step 2: layers 1 and 3)
-    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=6,
-                      moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False,
-                      num_hidden_layers=4, decoder_sparse_step=2),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        num_experts=6,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        num_hidden_layers=4,
+        decoder_sparse_step=2,
+    ),
 }
 
 
@@ -109,7 +123,7 @@ def test_experts_stored_stacked_load_as_well(moe_dir, tmp_path):
         prefix, index, part = pattern.fullmatch(name).groups()
         stacked.setdefault(prefix, {}).setdefault(part, [None] * experts)[int(index)] = state.pop(name)
     for prefix, parts in stacked.items():
-        gate, up, down = (("w1", "w3", "w2") if "w1" in parts else ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = ("w1", "w3", "w2") if "w1" in parts else ("gate_proj", "up_proj", "down_proj")
         state[prefix + ".gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(parts[gate], parts[up])])
         state[prefix + ".down_proj"] = torch.stack(parts[down])
     for item in moe_dir.iterdir():
@@ -131,8 +145,9 @@ def test_bfloat16_through_the_native_products(moe_dir, cpu_kernels):
     with make_llm(moe_dir, dtype="bfloat16", max_num_batched_tokens=16) as llm:
         model = llm.engine.runner.model
         block = next(iter(model.moe_blocks.values()))
-        assert all(not isinstance(w, torch.Tensor) or w.dtype == torch.bfloat16 for pair in block.per_expert
-                   for w in pair)
+        assert all(
+            not isinstance(w, torch.Tensor) or w.dtype == torch.bfloat16 for pair in block.per_expert for w in pair
+        )
         sp = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1)
         (result,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     got = torch.tensor([lp.logprob for lp in result.prompt_logprobs[1:]])

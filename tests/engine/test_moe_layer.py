@@ -25,13 +25,21 @@ def make_block(linear, top_k=2, renormalize=True, dtype=torch.float32, shared=Fa
     shared_weights = None
     if shared:
         gen = torch.Generator().manual_seed(seed + 1)
-        shared_weights = (torch.randn(2 * 80, HIDDEN, generator=gen) * HIDDEN**-0.5,
-                          torch.randn(HIDDEN, 80, generator=gen) * 80**-0.5,
-                          torch.randn(1, HIDDEN, generator=gen) * HIDDEN**-0.5)
+        shared_weights = (
+            torch.randn(2 * 80, HIDDEN, generator=gen) * HIDDEN**-0.5,
+            torch.randn(HIDDEN, 80, generator=gen) * 80**-0.5,
+            torch.randn(1, HIDDEN, generator=gen) * HIDDEN**-0.5,
+        )
     experts = ExpertWeights(gate_up.to(dtype).clone(), down.to(dtype).clone())
-    shared_expert = None if shared_weights is None else SharedExpert(
-        linear.prepare(shared_weights[0].to(dtype)), linear.prepare(shared_weights[1].to(dtype)),
-        linear.prepare(shared_weights[2].to(dtype)))
+    shared_expert = (
+        None
+        if shared_weights is None
+        else SharedExpert(
+            linear.prepare(shared_weights[0].to(dtype)),
+            linear.prepare(shared_weights[1].to(dtype)),
+            linear.prepare(shared_weights[2].to(dtype)),
+        )
+    )
     block = SparseMoeBlock(router.to(dtype), experts, top_k, renormalize, linear, shared_expert)
     return block, (router, gate_up, down, shared_weights)
 
@@ -41,9 +49,16 @@ def check_block(block, weights, ops, linear, dtype, rows, top_k, renormalize, to
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = block.forward(x, linear, ops)
     routing = block.route(x, linear)
-    expected = reference_moe(x, router.to(dtype), gate_up.to(dtype), down.to(dtype), top_k, renormalize,
-                             expert_ids=routing.expert_ids,
-                             shared=None if shared is None else tuple(m.to(dtype) for m in shared))
+    expected = reference_moe(
+        x,
+        router.to(dtype),
+        gate_up.to(dtype),
+        down.to(dtype),
+        top_k,
+        renormalize,
+        expert_ids=routing.expert_ids,
+        shared=None if shared is None else tuple(m.to(dtype) for m in shared),
+    )
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
@@ -113,8 +128,15 @@ def test_grouping_makes_one_contiguous_segment_per_expert():
 
 
 def moe_config(model_type: str, **overrides):
-    fields = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2)
+    fields = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+    )
     if model_type == "mixtral":
         fields["num_local_experts"] = 4
     else:
@@ -130,13 +152,16 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     assert build_model(moe_config("mixtral"), torch.float32, torch.device("cpu")).moe.sparse_layers == (0, 1)
 
 
-@pytest.mark.parametrize("model_type, field, value", [
-    ("mixtral", "num_experts_per_tok", 5),
-    ("qwen3_moe", "decoder_sparse_step", 0),
-    ("qwen2_moe", "scoring_func", "sigmoid"),
-    ("qwen3_moe", "routed_scaling_factor", 2.5),
-    ("mixtral", "hidden_act", "gelu"),
-])
+@pytest.mark.parametrize(
+    "model_type, field, value",
+    [
+        ("mixtral", "num_experts_per_tok", 5),
+        ("qwen3_moe", "decoder_sparse_step", 0),
+        ("qwen2_moe", "scoring_func", "sigmoid"),
+        ("qwen3_moe", "routed_scaling_factor", 2.5),
+        ("mixtral", "hidden_act", "gelu"),
+    ],
+)
 def test_unsupported_moe_configs_are_refused_by_name(model_type, field, value):
     config = moe_config(model_type)
     setattr(config, field, value)
@@ -148,8 +173,12 @@ def test_quantized_experts_are_refused_at_start_up():
     from engine.quantization.weight_quantizer import WeightQuantizer
 
     with pytest.raises(ValueError, match="--quantization int8 is not supported for mixture-of-experts"):
-        build_model(moe_config("qwen3_moe"), torch.float32, torch.device("cpu"),
-                    quantizer=WeightQuantizer("int8", None, torch.device("cpu")))
+        build_model(
+            moe_config("qwen3_moe"),
+            torch.float32,
+            torch.device("cpu"),
+            quantizer=WeightQuantizer("int8", None, torch.device("cpu")),
+        )
 
 
 def test_gguf_blocks_are_refused_for_moe_models():

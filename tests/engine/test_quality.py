@@ -13,8 +13,16 @@ from engine.llm import LLM
 
 def _embedded(checkpoint, **settings) -> LLM:
     # a KV cache for a few windows, not the default GiB: two of these live at once
-    return LLM(str(checkpoint.path), dtype="float32", device="cpu", max_model_len=256, max_num_batched_tokens=256,
-               kv_cache_memory="64MiB", enable_prefix_caching=False, **settings)
+    return LLM(
+        str(checkpoint.path),
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        kv_cache_memory="64MiB",
+        enable_prefix_caching=False,
+        **settings,
+    )
 
 
 @pytest.fixture(scope="module")

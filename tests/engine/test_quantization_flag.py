@@ -24,8 +24,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 PARAMS = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
 CPU = torch.device("cpu")
 FLOAT_CHECKPOINT = SimpleNamespace()  # an HF config without quantization_config
-AWQ_CHECKPOINT = SimpleNamespace(quantization_config={"quant_method": "awq", "version": "gemm", "bits": 4,
-                                                      "group_size": 128, "zero_point": True})
+AWQ_CHECKPOINT = SimpleNamespace(
+    quantization_config={"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 128, "zero_point": True}
+)
 
 
 def _dequantized_copy(model_dir, target, round_trip):
@@ -42,22 +43,31 @@ def _prompt_logprobs(result) -> torch.Tensor:
     return torch.tensor([entry.logprob for entry in result.prompt_logprobs[1:]])
 
 
-@pytest.mark.parametrize("settings,round_trip,weight_type", [
-    ({"quantization": "int8"}, lambda w: Int8Weight.quantize(w).dequantize(), Int8Weight),
-    ({"quantization": "int4"},  # the default group, 32
-     lambda w: Int4Groups.quantize(w, 32).dequantize(), Int4Weight),
-    ({"quantization": "int4", "quantization_group_size": 128},  # over the tiny model's 64 columns: padded groups
-     lambda w: Int4Groups.quantize(w, 128).dequantize(), Int4Weight),
-])
-def test_quantized_engine_serves_the_dequantized_model(tiny_llama_dir, tmp_path, settings, round_trip,
-                                                       weight_type):
+@pytest.mark.parametrize(
+    "settings,round_trip,weight_type",
+    [
+        ({"quantization": "int8"}, lambda w: Int8Weight.quantize(w).dequantize(), Int8Weight),
+        (
+            {"quantization": "int4"},  # the default group, 32
+            lambda w: Int4Groups.quantize(w, 32).dequantize(),
+            Int4Weight,
+        ),
+        (
+            {"quantization": "int4", "quantization_group_size": 128},  # over the tiny model's 64 columns: padded groups
+            lambda w: Int4Groups.quantize(w, 128).dequantize(),
+            Int4Weight,
+        ),
+    ],
+)
+def test_quantized_engine_serves_the_dequantized_model(tiny_llama_dir, tmp_path, settings, round_trip, weight_type):
     llm = make_llm(tiny_llama_dir, **settings)
     model = llm.engine.runner.model
     assert all(isinstance(w, weight_type) for w in model.weight_tensors()[:-1])
     assert isinstance(model.lm_head, torch.Tensor) and isinstance(model.embed, torch.Tensor)
     reference = make_llm(_dequantized_copy(tiny_llama_dir, tmp_path / "deq", round_trip))
-    for got, want in zip(llm.generate(PROMPTS, PARAMS, use_tqdm=False),
-                         reference.generate(PROMPTS, PARAMS, use_tqdm=False)):
+    for got, want in zip(
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference.generate(PROMPTS, PARAMS, use_tqdm=False)
+    ):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         torch.testing.assert_close(_prompt_logprobs(got), _prompt_logprobs(want), rtol=0, atol=1e-3)
 
@@ -99,20 +109,24 @@ def test_int4_groups_default_to_32_and_take_the_flag():
     assert _quantizer_for(None, None) is None
 
 
-@pytest.mark.parametrize("quantization,reason", [
-    ("none", "it loads float weights"),
-    ("gguf", "a .gguf file's blocks keep their own size"),
-    ("int8", "int8 has one scale per output row"),
-    (None, "no weights are quantized to int4 at load for this checkpoint"),  # auto, on a float checkpoint
-])
+@pytest.mark.parametrize(
+    "quantization,reason",
+    [
+        ("none", "it loads float weights"),
+        ("gguf", "a .gguf file's blocks keep their own size"),
+        ("int8", "int8 has one scale per output row"),
+        (None, "no weights are quantized to int4 at load for this checkpoint"),  # auto, on a float checkpoint
+    ],
+)
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_a_group_size_where_no_groups_apply_is_refused(quantization, reason, group_size):
     """Even the int4 default (32) is refused when given explicitly: the flag would be ignored."""
     with pytest.raises(ValueError) as error:
         _quantizer_for(quantization, group_size)
     message = str(error.value)
-    assert message.startswith(f"--quantization-group-size {group_size} does not apply to "
-                              f"--quantization {quantization or 'auto'} ({reason})")
+    assert message.startswith(
+        f"--quantization-group-size {group_size} does not apply to --quantization {quantization or 'auto'} ({reason})"
+    )
     assert "--quantization int4" in message
 
 
@@ -121,7 +135,10 @@ def test_awq_takes_the_checkpoints_group_size_and_refuses_another(quantization):
     assert _quantizer_for(quantization, None, AWQ_CHECKPOINT).group_size == 128
     assert _quantizer_for(quantization, 128, AWQ_CHECKPOINT).group_size == 128  # the same value: accepted
     for group_size in (32, 64):
-        with pytest.raises(ValueError, match=rf"--quantization-group-size {group_size} differs from the AWQ "
-                           rf"checkpoint's group size 128 .* which --quantization {quantization or 'auto'} "
-                           "serves as stored"):
+        with pytest.raises(
+            ValueError,
+            match=rf"--quantization-group-size {group_size} differs from the AWQ "
+            rf"checkpoint's group size 128 .* which --quantization {quantization or 'auto'} "
+            "serves as stored",
+        ):
             _quantizer_for(quantization, group_size, AWQ_CHECKPOINT)

@@ -40,8 +40,9 @@ def test_int8_product_matches_its_dequantized_matrix(dtype, shape):
     assert weight.uses_kernel(1, dtype, CPU) == (dtype == torch.bfloat16 and shape[1] % 16 == 0)
     assert not weight.uses_kernel(40, dtype, CPU)
     x = torch.randn(5, shape[1]).to(dtype)
-    torch.testing.assert_close(weight.matmul(x), weight.matmul_dequantized(x), rtol=TOLERANCE[dtype],
-                               atol=TOLERANCE[dtype] * 10)
+    torch.testing.assert_close(
+        weight.matmul(x), weight.matmul_dequantized(x), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * 10
+    )
 
 
 def test_one_quantizer_probes_the_int8_kernel_once_for_all_its_matrices(monkeypatch):
@@ -72,12 +73,15 @@ def test_int8_rounding_is_within_half_a_step_per_row():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,group_size,kernel", [
-    ((96, 128), 32, "cpu"),
-    ((64, 576), 128, "cpu"),  # SmolLM's hidden size: 576 is not a multiple of 128, padded to 640
-    ((48, 100), 64, "cpu"),
-    ((40, 64), 32, "dequantize"),  # out_features not a multiple of 16: no CPU kernel
-])
+@pytest.mark.parametrize(
+    "shape,group_size,kernel",
+    [
+        ((96, 128), 32, "cpu"),
+        ((64, 576), 128, "cpu"),  # SmolLM's hidden size: 576 is not a multiple of 128, padded to 640
+        ((48, 100), 64, "cpu"),
+        ((40, 64), 32, "dequantize"),  # out_features not a multiple of 16: no CPU kernel
+    ],
+)
 def test_int4_product_matches_its_dequantized_matrix(dtype, shape, group_size, kernel):
     groups = Int4Groups.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(2)), group_size)
     weight = Int4Weight(groups, CPU)
@@ -88,8 +92,7 @@ def test_int4_product_matches_its_dequantized_matrix(dtype, shape, group_size, k
     torch.testing.assert_close(weight.dequantize(), dequantized, rtol=0, atol=1e-5)
     fallback = Int4Weight(groups, CPU, use_kernel=False)
     x = torch.randn(3, shape[1]).to(dtype)
-    torch.testing.assert_close(weight.matmul(x), fallback.matmul(x), rtol=TOLERANCE[dtype],
-                               atol=TOLERANCE[dtype] * 10)
+    torch.testing.assert_close(weight.matmul(x), fallback.matmul(x), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * 10)
 
 
 def test_int4_rounding_keeps_each_group_range():

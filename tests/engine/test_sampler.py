@@ -163,13 +163,12 @@ def test_filters_keep_exactly_their_support_in_proportion(changes, support):
 def test_each_row_keeps_its_own_filters_in_a_mixed_batch():
     torch.manual_seed(13)
     logits = torch.randn(1, 300) * 2
-    kinds = [{"top_k": 2}, {"top_k": 60}, {"top_p": 0.3}, {"min_p": 0.3}, {"temperature": 0.0},
-             {"top_k": 1000}]
+    kinds = [{"top_k": 2}, {"top_k": 60}, {"top_p": 0.3}, {"min_p": 0.3}, {"temperature": 0.0}, {"top_k": 1000}]
     states = [make_state(**{"temperature": 1.0, **kind}) for kind in kinds] * 50
     tokens = sample(logits.expand(len(states), -1), states)
     for token, state in zip(tokens, states):
         assert token in reference_support(logits[0], state)
-    assert len(set(tokens[1::len(kinds)])) > 10  # the top-60 row is not held to the top-2 row's candidates
+    assert len(set(tokens[1 :: len(kinds)])) > 10  # the top-60 row is not held to the top-2 row's candidates
 
 
 def test_temperature_shapes_the_distribution():
@@ -254,8 +253,9 @@ def test_processing_matches_a_plain_reference_over_steps():
     states = [
         make_state(temperature=0, prompt=[1, 2, 3, 3], presence_penalty=0.7, frequency_penalty=0.4),
         make_state(temperature=0, prompt=[5, 6], repetition_penalty=1.8, logit_bias={9: 1.5, 11: -2.0}),
-        make_state(temperature=0, prompt=[1], repetition_penalty=0.6, presence_penalty=-0.5, min_tokens=3,
-                   stop_token_ids=[4]),
+        make_state(
+            temperature=0, prompt=[1], repetition_penalty=0.6, presence_penalty=-0.5, min_tokens=3, stop_token_ids=[4]
+        ),
         make_state(temperature=0),
     ]
     for _ in range(12):
@@ -357,8 +357,7 @@ def test_logprobs_are_the_raw_log_softmax(dtype):
     logits = (torch.randn(5, 50) * 3).to(dtype)
     states = [
         make_state(temperature=0.0, logprobs=5),
-        make_state(temperature=1.0, top_k=10, logprobs=3, repetition_penalty=1.5, prompt=[1, 2],
-                   logit_bias={3: 5}),
+        make_state(temperature=1.0, top_k=10, logprobs=3, repetition_penalty=1.5, prompt=[1, 2], logit_bias={3: 5}),
         make_state(temperature=1.0),
         make_state(temperature=0.7, top_p=0.8, logprobs=0),
         make_state(temperature=5.0, logprobs=20, presence_penalty=1.0, output=[4, 4]),
@@ -463,10 +462,11 @@ def test_sync_free_sampling_gives_the_same_tokens_and_logprobs(seed):
     against the support of the reference instead (exact ties may break differently)."""
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(SYNC_FREE_KINDS), 3000, generator=generator) * 3
-    outputs = [[int(t) for t in torch.randint(0, 3000, (5,), generator=generator)] + [5, 5]
-               for _ in SYNC_FREE_KINDS]
-    states = [make_state(prompt=[3, 4, 3, 11], output=out, eos=(2,), **{"temperature": 1.0, **kind})
-              for kind, out in zip(SYNC_FREE_KINDS, outputs)]
+    outputs = [[int(t) for t in torch.randint(0, 3000, (5,), generator=generator)] + [5, 5] for _ in SYNC_FREE_KINDS]
+    states = [
+        make_state(prompt=[3, 4, 3, 11], output=out, eos=(2,), **{"temperature": 1.0, **kind})
+        for kind, out in zip(SYNC_FREE_KINDS, outputs)
+    ]
     results = {}
     for sync_free in (False, True):
         torch.manual_seed(100 + seed)  # the unseeded rows' shared draw
@@ -483,16 +483,23 @@ def test_sync_free_sampling_gives_the_same_tokens_and_logprobs(seed):
     assert dense.logprobs[2] is None and sparse.logprobs[2] is None
 
 
-@pytest.mark.parametrize("penalties", [
-    {"repetition_penalty": 1.4}, {"repetition_penalty": 0.7, "presence_penalty": 0.2},
-    {"frequency_penalty": 0.6}, {"presence_penalty": -1.0, "frequency_penalty": -0.2},
-])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repetition_penalty": 1.4},
+        {"repetition_penalty": 0.7, "presence_penalty": 0.2},
+        {"frequency_penalty": 0.6},
+        {"presence_penalty": -1.0, "frequency_penalty": -0.2},
+    ],
+)
 def test_dense_penalties_match_the_sparse_ones_exactly(penalties):
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 4
     logits[0, 7] = -math.inf
-    states = [make_state(prompt=[1, 7, 7, 9], output=[7, 3, 3, 3, 60], **penalties),
-              make_state(temperature=0.0),
-              make_state(prompt=[2], output=[2, 2, 63], **penalties)]
+    states = [
+        make_state(prompt=[1, 7, 7, 9], output=[7, 3, 3, 3, 60], **penalties),
+        make_state(temperature=0.0),
+        make_state(prompt=[2], output=[2, 2, 63], **penalties),
+    ]
     rows = [0, 2]
     sparse, dense = logits.clone(), logits.clone()
     sampler_module._apply_penalties(sparse, states, rows)
@@ -526,10 +533,14 @@ def test_cuda_keeps_the_same_contract(monkeypatch):
     logits = torch.randn(6, 3000, device=cuda) * 3
 
     def states(seeded_row: int) -> list[SamplingState]:
-        kinds = [{"temperature": 0.0, "logprobs": 3}, {"top_k": 20}, {"top_p": 0.8, "presence_penalty": 0.5},
-                 {"min_p": 0.05, "repetition_penalty": 1.3, "logit_bias": {5: 2.0}}, {"top_p": 0.99}]
-        made = [make_state(output=[1, 2, 2], prompt=[3, 4], device=cuda, **{"temperature": 1.0, **k})
-                for k in kinds]
+        kinds = [
+            {"temperature": 0.0, "logprobs": 3},
+            {"top_k": 20},
+            {"top_p": 0.8, "presence_penalty": 0.5},
+            {"min_p": 0.05, "repetition_penalty": 1.3, "logit_bias": {5: 2.0}},
+            {"top_p": 0.99},
+        ]
+        made = [make_state(output=[1, 2, 2], prompt=[3, 4], device=cuda, **{"temperature": 1.0, **k}) for k in kinds]
         target = make_state(seed=99, temperature=1.0, top_p=0.95, device=cuda)
         return made[:seeded_row] + [target] + made[seeded_row:]
 
@@ -569,7 +580,9 @@ def test_cuda_keeps_the_same_contract(monkeypatch):
 def test_output_ids_tensor_follows_the_live_list():
     """Grown in place step by step (past its first capacity), rebuilt when the list shrinks (preemption)."""
     output: list[int] = []
-    state = SamplingState.create(SamplingParams(frequency_penalty=0.5), [1, 2], output, frozenset(), torch.device("cpu"))
+    state = SamplingState.create(
+        SamplingParams(frequency_penalty=0.5), [1, 2], output, frozenset(), torch.device("cpu")
+    )
     for token in range(40):
         output.append(token * 7 % 11)
         if token % 3:  # some steps are skipped: several new tokens at once

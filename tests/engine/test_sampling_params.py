@@ -99,9 +99,18 @@ def test_min_tokens_may_not_exceed_max_tokens():
 
 def test_boundary_values_are_accepted():
     SamplingParams(
-        temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0,
-        repetition_penalty=1e-3, logit_bias={0: -100, 5: 100}, logprobs=0, prompt_logprobs=MAX_LOGPROBS,
-        max_tokens=1, seed=-(2**63),
+        temperature=0.0,
+        top_p=1.0,
+        top_k=1,
+        min_p=1.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=1e-3,
+        logit_bias={0: -100, 5: 100},
+        logprobs=0,
+        prompt_logprobs=MAX_LOGPROBS,
+        max_tokens=1,
+        seed=-(2**63),
     )
     SamplingParams(logprobs=MAX_LOGPROBS, prompt_logprobs=0, max_tokens=None)
 
@@ -148,11 +157,14 @@ def test_verify_vocab_refuses_bias_outside_the_vocabulary():
     assert info.value.field == "logit_bias"
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"n": 129}, "n"),
-    ({"stop": ["x"] * 17}, "stop"),
-    ({"stop": ["x" * 257]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"n": 129}, "n"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
+    ],
+)
 def test_request_size_limits(kwargs, param):
     with pytest.raises(RequestRejectedError) as info:
         SamplingParams(**kwargs)

@@ -30,8 +30,10 @@ def test_raises_what_the_work_raised():
         run_on_scratch_thread(fail)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
-                    reason="needs Linux /proc and an OpenMP pool of at least 2 threads")
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+    reason="needs Linux /proc and an OpenMP pool of at least 2 threads",
+)
 def test_its_openmp_workers_leave_with_it():
     before = _threads()
 

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # The step-cost model (timed at start-up) is off: on a loaded machine a timing could price every draft out, and
 # these tests need drafts verified. One test below keeps it on.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-         "step_cost_model": False}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+    "step_cost_model": False,
+}
 PROMPTS = [
     list(range(20, 30)) * 3,  # a loop to copy
     [5, 6, 7, 8, 9] * 4 + [40, 41],
@@ -92,8 +97,12 @@ def test_prefix_cache_hits_and_n_children_give_the_same_tokens(tiny_llama_dir):
 SEEDED = {
     "plain": {},
     "top-k, top-p, min-p": {"top_k": 20, "top_p": 0.9, "min_p": 0.02},
-    "penalties and bias": {"presence_penalty": 0.05, "frequency_penalty": 0.02, "repetition_penalty": 1.02,
-                           "logit_bias": {25: 1.0, 26: -2.0}},  # mild: the tiny model's logits are small
+    "penalties and bias": {
+        "presence_penalty": 0.05,
+        "frequency_penalty": 0.02,
+        "repetition_penalty": 1.02,
+        "logit_bias": {25: 1.0, 26: -2.0},
+    },  # mild: the tiny model's logits are small
     "min_tokens and stops": {"min_tokens": 20, "stop_token_ids": [27, 28], "ignore_eos": False},
 }
 
@@ -121,12 +130,16 @@ def test_stop_tokens_and_max_tokens_cut_the_accepted_run(tiny_llama_dir):
     stop = free[10]  # inside a run of accepted drafts
     cut = free[: free.index(stop) + 1]
     with make_llm(tiny_llama_dir, speculative_config=NGRAM) as spec:
-        stopped = spec.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                         stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+        stopped = spec.generate(
+            [prompt],
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert stopped.token_ids == cut and stopped.finish_reason == "stop"
         for max_tokens in (1, 2, 3, 7, 13, 23):
-            out = spec.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                                use_tqdm=False)[0].outputs[0]
+            out = spec.generate(
+                [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False
+            )[0].outputs[0]
             assert out.token_ids == free[:max_tokens] and out.finish_reason == "length"
         assert accepted(spec) > 0
         assert_idle(spec)
@@ -191,16 +204,19 @@ def test_n_children_fan_out_with_drafts(tiny_llama_dir):
     assert outputs[True] == outputs[False]
 
 
-COPY_PROMPT = ("Copy the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, "
-               "lemon, mango.\nCopy: apple, banana, cherry,")
+COPY_PROMPT = (
+    "Copy the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, "
+    "lemon, mango.\nCopy: apple, banana, cherry,"
+)
 
 
 def test_the_embedded_model_gives_the_same_greedy_text_with_drafts_accepted(embedded_checkpoint):
     """SmolLM2 in fp32 copying a list from its prompt: the drafts (copied from the prompt) are accepted, and the
     tokens and logprobs are those of the same engine with speculation off for the request."""
     params = SamplingParams(max_tokens=32, temperature=0, logprobs=1)
-    with LLM(None, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="64MiB",
-             speculative_config=NGRAM) as llm:
+    with LLM(
+        None, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="64MiB", speculative_config=NGRAM
+    ) as llm:
         off = run(llm, [COPY_PROMPT], params.replace(speculative=False))
         assert accepted(llm) == 0
         on = run(llm, [COPY_PROMPT], params)
@@ -211,11 +227,12 @@ def test_the_embedded_model_gives_the_same_greedy_text_with_drafts_accepted(embe
 def test_structured_output_checks_drafts_and_keeps_its_tokens(tiny_llama_dir):
     """The grammar checks each draft before verification (a draft it refuses cannot be accepted, nor any
     after it): constrained output with drafts is the output without them, greedy and seeded, and valid."""
-    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 12,
-              "maxItems": 12}
-    params = [SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": schema}),
-              SamplingParams(max_tokens=80, temperature=0.1, seed=4, structured_outputs={"json": schema}),
-              SamplingParams(max_tokens=80, temperature=0, structured_outputs={"regex": "(ab|ba){10}c"})]
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 12, "maxItems": 12}
+    params = [
+        SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": schema}),
+        SamplingParams(max_tokens=80, temperature=0.1, seed=4, structured_outputs={"json": schema}),
+        SamplingParams(max_tokens=80, temperature=0, structured_outputs={"regex": "(ab|ba){10}c"}),
+    ]
     prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[0]]
     with make_llm(tiny_llama_dir) as base:
         expected = [base.generate([p], sp, use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]

@@ -23,8 +23,11 @@ def test_step_metadata_describes_the_scheduled_step_from_persistent_buffers(tiny
 
     backend.build_metadata = recording_build
     prompts = [list(range(3, 30)), list(range(3, 30)) + [9, 9], [5, 6, 7]]
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=5, temperature=0,
-                                                                          ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert_idle(llm)
     kinds = {checked for _, checked in seen}
     assert {"decodes only", "mixed"} <= kinds  # both shapes of step were seen
@@ -47,8 +50,11 @@ def check_step(step, runner, scheduler) -> str:
     for i in range(step.num_reqs):
         seq_len = int(step.seq_lens_cpu[i])
         table = step.block_table[i].tolist()
-        matches = [rid for rid in by_row.values()
-                   if kv.get_block_ids(rid)[: -(-seq_len // block_size)] == table[: -(-seq_len // block_size)]]
+        matches = [
+            rid
+            for rid in by_row.values()
+            if kv.get_block_ids(rid)[: -(-seq_len // block_size)] == table[: -(-seq_len // block_size)]
+        ]
         assert matches, f"row {i}: no request holds blocks {table}"
         for token, position in zip(range(starts[i], starts[i + 1]), range(seq_len - query_lens[i], seq_len)):
             assert slots[token] == table[position // block_size] * block_size + position % block_size

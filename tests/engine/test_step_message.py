@@ -16,8 +16,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "step_cost_model": Fals
 @pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "with draft tokens"])
 def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(tiny_llama_dir, speculative_config):
     """With speculation the drafts travel in the message too: the fresh runner verifies them alike."""
-    llm = make_llm(tiny_llama_dir, num_blocks=20, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-                   scheduling_policy="priority", speculative_config=speculative_config)
+    llm = make_llm(
+        tiny_llama_dir,
+        num_blocks=20,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        scheduling_policy="priority",
+        speculative_config=speculative_config,
+    )
     engine = llm.engine
     runner = engine.runner
     recorded: list[tuple[bytes, dict, dict]] = []
@@ -33,8 +40,9 @@ def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(
     params = [
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=30, temperature=1.0, seed=11, ignore_eos=True, top_k=20),
-        SamplingParams(max_tokens=28, temperature=0.8, seed=5, presence_penalty=0.5, repetition_penalty=1.2,
-                       ignore_eos=True),
+        SamplingParams(
+            max_tokens=28, temperature=0.8, seed=5, presence_penalty=0.5, repetition_penalty=1.2, ignore_eos=True
+        ),
         SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=1, ignore_eos=True, min_tokens=4),
         SamplingParams(max_tokens=30, temperature=1.0, seed=3, logit_bias={7: 5.0}, ignore_eos=True),
         # eos (id 2) forced by logit_bias but held back by min_tokens: needs the message's eos ids
@@ -42,8 +50,9 @@ def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(
     ]
     prompts.append([5, 6, 7, 8, 9] * 4 + [40, 41])  # the tiny model loops on it: drafts are accepted
     params.append(SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                           priority=[1, -1, 0, 2, -2, 0, 1])
+    results = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, priority=[1, -1, 0, 2, -2, 0, 1]
+    )
     assert_idle(llm)
     forced = results[5].outputs[0]
     assert len(forced.token_ids) == 4 and forced.token_ids[-1] == 2 and forced.finish_reason == "stop"
@@ -51,8 +60,13 @@ def test_a_fresh_runner_replaying_pickled_step_messages_samples_the_same_tokens(
     if speculative_config is not None:
         assert engine.stats().speculation.num_accepted_tokens > 0
 
-    fresh = ModelRunner(runner.model, KVCache(runner.kv_cache.spec, runner.kv_cache.num_blocks, runner.device),
-                        runner.backend, runner.device, runner.limits)
+    fresh = ModelRunner(
+        runner.model,
+        KVCache(runner.kv_cache.spec, runner.kv_cache.num_blocks, runner.device),
+        runner.backend,
+        runner.device,
+        runner.limits,
+    )
     for step, (message, sampled, prompt_logprobs) in enumerate(recorded):
         out = fresh.execute(pickle.loads(message))
         assert out.sampled_token_ids == sampled, f"step {step}"

@@ -29,18 +29,40 @@ def test_profile_is_off_by_default(tiny_llama_dir):
 
 
 def test_floor_arithmetic_and_a_measured_bandwidth():
-    assert kv_read_bytes(num_layers=30, context_tokens=100, num_kv_heads=3, head_dim=64,
-                         dtype=torch.bfloat16) == 2 * 30 * 100 * 3 * 64 * 2
+    assert (
+        kv_read_bytes(num_layers=30, context_tokens=100, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+        == 2 * 30 * 100 * 3 * 64 * 2
+    )
     assert tensor_bytes([torch.zeros(10, 4), torch.zeros(3, dtype=torch.bfloat16)]) == 160 + 6
     assert read_bandwidth(torch.device("cpu"), nbytes=1 << 24, repeats=2) > 1e8  # > 0.1 GB/s anywhere
 
 
-@pytest.mark.parametrize("extra", [[], ["--batch-invariant"], ["--quantization", "int8", "--dtype", "bfloat16"]],
-                         ids=["plain", "batch-invariant", "int8"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--batch-invariant"], ["--quantization", "int8", "--dtype", "bfloat16"]],
+    ids=["plain", "batch-invariant", "int8"],
+)
 def test_offline_bench_reports_the_step_next_to_its_floor(tiny_llama_dir, capsys, extra):
     from engine.bench import main
 
-    main(["--model", str(tiny_llama_dir), "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
-          "--single-steps", "4", "--skip-hf", "--profile", "--dtype", "float32", *extra])
+    main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--single-steps",
+            "4",
+            "--skip-hf",
+            "--profile",
+            "--dtype",
+            "float32",
+            *extra,
+        ]
+    )
     out = capsys.readouterr().out
     assert "floor" in out and "GB/s streaming read" in out and "step profile over" in out

@@ -28,8 +28,9 @@ def invariant_llm(tiny_llama_dir):
 @given(schema=bounded_schemas(), temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 1000))
 def test_generated_schemas_validate_in_mixed_batches(invariant_llm, schema, temperature, seed):
     plain = SamplingParams(max_tokens=8, temperature=0.0)
-    constrained = SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
-                                 structured_outputs={"json": schema})
+    constrained = SamplingParams(
+        max_tokens=200, temperature=temperature, seed=seed, structured_outputs={"json": schema}
+    )
     alone = invariant_llm.generate(PROMPTS[:1], plain)[0].outputs[0]
     outputs = invariant_llm.generate(PROMPTS, [plain, constrained, constrained.replace(seed=seed + 1), plain])
     for out in outputs[1:3]:
@@ -40,10 +41,12 @@ def test_generated_schemas_validate_in_mixed_batches(invariant_llm, schema, temp
 
 
 def test_every_kind_of_constraint(llm):
-    kinds = [({"regex": "[a-c]{2,4}-[0-9]{3}"}, lambda t: __import__("re").fullmatch("[a-c]{2,4}-[0-9]{3}", t)),
-             ({"choice": ["alpha", "beta gamma"]}, lambda t: t in ("alpha", "beta gamma")),
-             ({"grammar": 'root ::= "yes" | "no" | "maybe"'}, lambda t: t in ("yes", "no", "maybe")),
-             ({"json_object": True}, lambda t: isinstance(json.loads(t, strict=False), dict))]
+    kinds = [
+        ({"regex": "[a-c]{2,4}-[0-9]{3}"}, lambda t: __import__("re").fullmatch("[a-c]{2,4}-[0-9]{3}", t)),
+        ({"choice": ["alpha", "beta gamma"]}, lambda t: t in ("alpha", "beta gamma")),
+        ({"grammar": 'root ::= "yes" | "no" | "maybe"'}, lambda t: t in ("yes", "no", "maybe")),
+        ({"json_object": True}, lambda t: isinstance(json.loads(t, strict=False), dict)),
+    ]
     params = [SamplingParams(max_tokens=200, temperature=1.0, seed=3, structured_outputs=k) for k, _ in kinds]
     outputs = llm.generate(PROMPTS, params)
     for (_, ok), out in zip(kinds, outputs):
@@ -52,11 +55,24 @@ def test_every_kind_of_constraint(llm):
 
 
 def test_penalties_logprobs_and_top_k_keep_working(llm):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["n"], "additionalProperties": False}
-    params = SamplingParams(max_tokens=60, temperature=0.8, top_k=5, top_p=0.9, seed=1, logprobs=2,
-                            repetition_penalty=1.2, presence_penalty=0.5, logit_bias={5: 3.0},
-                            structured_outputs={"json": schema})
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=60,
+        temperature=0.8,
+        top_k=5,
+        top_p=0.9,
+        seed=1,
+        logprobs=2,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        logit_bias={5: 3.0},
+        structured_outputs={"json": schema},
+    )
     out = llm.generate(PROMPTS[:1], params)[0].outputs[0]
     check_output(schema, out.text)
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
@@ -64,8 +80,7 @@ def test_penalties_logprobs_and_top_k_keep_working(llm):
 
 def test_preemption_rebuilds_the_matcher(tiny_llama_dir):
     """Few KV blocks: requests are preempted and recomputed; their matchers are rebuilt from the outputs."""
-    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 12,
-              "maxItems": 12}
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 12, "maxItems": 12}
     params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs={"json": schema})
     roomy = make_llm(tiny_llama_dir, enable_prefix_caching=True)
     expected = [o.outputs[0].text for o in roomy.generate(PROMPTS, params)]
@@ -86,20 +101,27 @@ def test_compiled_grammars_are_cached(llm):
     compiler.on_compile = seen.append
     constraint = StructuredOutputs.parse({"json": {"type": "object", "properties": {"zz": {"type": "boolean"}}}})
     first = compiler.compile(constraint)
-    assert compiler.compile(StructuredOutputs.parse({"json": {"properties": {"zz": {"type": "boolean"}},
-                                                              "type": "object"}})) is first
+    assert (
+        compiler.compile(
+            StructuredOutputs.parse({"json": {"properties": {"zz": {"type": "boolean"}}, "type": "object"}})
+        )
+        is first
+    )
     assert len(seen) == 1
     compiler.on_compile = None
 
 
-@pytest.mark.parametrize("value, field", [
-    ({"json": {"type": "object", "uniqueItems": True}}, "structured_outputs.json"),
-    ({"json": {"type": "strange"}}, "structured_outputs.json"),
-    ({"json": "{not json"}, "structured_outputs.json"),
-    ({"regex": ""}, "structured_outputs.regex"),
-    ({"json": {}, "regex": "a"}, "structured_outputs"),
-    ({"nonsense": 1}, "structured_outputs.nonsense"),
-])
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"json": {"type": "object", "uniqueItems": True}}, "structured_outputs.json"),
+        ({"json": {"type": "strange"}}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"regex": ""}, "structured_outputs.regex"),
+        ({"json": {}, "regex": "a"}, "structured_outputs"),
+        ({"nonsense": 1}, "structured_outputs.nonsense"),
+    ],
+)
 def test_refusals_name_the_field(value, field):
     with pytest.raises(InvalidParameterError) as caught:
         SamplingParams(structured_outputs=value)

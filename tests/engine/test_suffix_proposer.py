@@ -38,8 +38,12 @@ def test_a_repeated_request_is_drafted_from_the_first_ones_output_and_gives_its_
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with make_llm(tiny_llama_dir) as base:
         expected = base.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    config = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_spec_factor": 4.0,
-              "step_cost_model": False}
+    config = {
+        "method": "suffix",
+        "num_speculative_tokens": 4,
+        "suffix_decoding_max_spec_factor": 4.0,
+        "step_cost_model": False,
+    }
     with make_llm(tiny_llama_dir, speculative_config=config) as spec:
         first = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         accepted_first = spec.engine.stats().speculation.num_accepted_tokens

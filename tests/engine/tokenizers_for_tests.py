@@ -74,9 +74,7 @@ def make_sentencepiece_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFa
     for piece in pieces["vocab"]:
         vocab.setdefault(piece, len(vocab))
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in pieces["merges"]]
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
-    )
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]

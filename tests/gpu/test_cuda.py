@@ -42,8 +42,14 @@ def test_decode_graphs_give_the_tokens_of_eager_steps(tmp_path, backend):
     tokens = {}
     for eager in (True, False):
         try:
-            llm = make_llm(model_dir, device="cuda", dtype="bfloat16", attention_backend=backend, max_num_seqs=8,
-                           enforce_eager=eager)
+            llm = make_llm(
+                model_dir,
+                device="cuda",
+                dtype="bfloat16",
+                attention_backend=backend,
+                max_num_seqs=8,
+                enforce_eager=eager,
+            )
         except ValueError as exc:  # flash-attn not installed, or not for this GPU / block size
             pytest.skip(str(exc))
         assert (llm.engine.runner.cuda_graphs == "off") == eager
@@ -61,9 +67,18 @@ def test_decode_graphs_over_long_contexts_with_a_profiled_cache(tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     tokens = {}
     for eager in (True, False):
-        llm = make_llm(model_dir, device="cuda", dtype="bfloat16", attention_backend="triton", block_size=16,
-                       max_model_len=4096, max_num_batched_tokens=2048, num_blocks=None, kv_cache_memory="64MiB",
-                       enforce_eager=eager)
+        llm = make_llm(
+            model_dir,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="triton",
+            block_size=16,
+            max_model_len=4096,
+            max_num_batched_tokens=2048,
+            num_blocks=None,
+            kv_cache_memory="64MiB",
+            enforce_eager=eager,
+        )
         tokens[eager] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
     assert tokens[False] == tokens[True]

@@ -76,10 +76,19 @@ def test_flash_refuses_a_kv_cache_dtype_it_cannot_read_at_build_time(model_dir):
         get_attention_backend("flash", CUDA, torch.bfloat16, block_size=256, shape=AttentionShape(4, 2, 16))
     except ValueError as exc:
         pytest.skip(f"no flash-attn here: {exc}")
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype float16: the flash \(flash-attn \d\) attention backend "
-                                         r"reads a KV cache of bfloat16"):
-        make_llm(model_dir, device="cuda", dtype="bfloat16", attention_backend="flash", block_size=256,
-                 kv_cache_dtype="float16")
+    with pytest.raises(
+        ValueError,
+        match=r"--kv-cache-dtype float16: the flash \(flash-attn \d\) attention backend "
+        r"reads a KV cache of bfloat16",
+    ):
+        make_llm(
+            model_dir,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="flash",
+            block_size=256,
+            kv_cache_dtype="float16",
+        )
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])

@@ -40,20 +40,40 @@ def test_flash_matches_torch_in_bf16(flash, name, heads, kv_heads, head_dim):
     shapes, num_decodes = STEPS[name]
     outputs, caches = [], []
     for each in (backend, TorchAttentionBackend()):
-        step = random_paged_step(shapes, num_decodes, block_size=block_size, num_heads=heads, num_kv_heads=kv_heads,
-                                 head_dim=head_dim, num_blocks=2 * sum(-(-s // block_size) for s, _ in shapes) + 8,
-                                 dtype=torch.bfloat16, device=torch.device("cuda"), value_std=0.5)  # same step twice
+        step = random_paged_step(
+            shapes,
+            num_decodes,
+            block_size=block_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            num_blocks=2 * sum(-(-s // block_size) for s, _ in shapes) + 8,
+            dtype=torch.bfloat16,
+            device=torch.device("cuda"),
+            value_std=0.5,
+        )  # same step twice
         metadata = each.build_metadata(step.metadata, KVCacheSpec(1, block_size, kv_heads, head_dim, torch.bfloat16))
         each.write_kv(step.key, step.value, step.key_cache, step.value_cache, metadata)
-        outputs.append(each.attend(step.query, step.key, step.value, step.key_cache, step.value_cache, metadata,
-                                   LayerAttention(head_dim ** -0.5)))
+        outputs.append(
+            each.attend(
+                step.query,
+                step.key,
+                step.value,
+                step.key_cache,
+                step.value_cache,
+                metadata,
+                LayerAttention(head_dim**-0.5),
+            )
+        )
         caches.append((step.key_cache, step.value_cache))
     torch.cuda.synchronize()
     flash_out, torch_out = outputs
     assert flash_out.shape == torch_out.shape and flash_out.dtype == torch.bfloat16
     error = (flash_out.float() - torch_out.float()).abs().max().item()
-    reference_error = (flash_out.double().cpu() - reference_attention(step, head_dim ** -0.5)).abs().max().item()
-    print(f"{backend.name}, block {block_size}, {name}, heads {heads}/{kv_heads}, head_dim {head_dim}: "
-          f"max abs error {error:.2e} vs torch, {reference_error:.2e} vs float64")
+    reference_error = (flash_out.double().cpu() - reference_attention(step, head_dim**-0.5)).abs().max().item()
+    print(
+        f"{backend.name}, block {block_size}, {name}, heads {heads}/{kv_heads}, head_dim {head_dim}: "
+        f"max abs error {error:.2e} vs torch, {reference_error:.2e} vs float64"
+    )
     assert error < MAX_ABS_ERROR and reference_error < MAX_ABS_ERROR
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

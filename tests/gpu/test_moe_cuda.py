@@ -10,8 +10,17 @@ from tests.engine.references import make_llm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=48, head_dim=16, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    head_dim=16,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],
+    norm_topk_prob=True,
+)
 
 
 @pytest.mark.parametrize("eager", [True, False])

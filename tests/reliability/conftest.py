@@ -28,8 +28,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(model_dir, config: Optional[ServerConfig] = None, *, on_engine_death=None,
-            **engine_overrides) -> Iterator[RunningServer]:
+def serving(
+    model_dir, config: Optional[ServerConfig] = None, *, on_engine_death=None, **engine_overrides
+) -> Iterator[RunningServer]:
     """A server of its own for one test; stopped (and checked idle, unless the engine died) afterwards."""
     config = (config or ServerConfig()).model_copy(update={"served_model_name": "tiny"})
     uv, thread, running = start_server(model_dir, config, on_engine_death=on_engine_death, **engine_overrides)
@@ -54,8 +55,11 @@ def metric(base_url: str, name: str, **labels) -> float:
 
 def assert_gauges_zero(server: RunningServer) -> None:
     server.wait_idle()
-    for name in ("pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
-                 "pagedserve_kv_cache_usage_ratio"):
+    for name in (
+        "pagedserve_num_requests_running",
+        "pagedserve_num_requests_waiting",
+        "pagedserve_kv_cache_usage_ratio",
+    ):
         assert metric(server.base_url, name) == 0, name
     admission = server.state.admission
     assert (admission.num_requests, admission.num_tokens) == (0, 0)
@@ -76,7 +80,7 @@ def sse_payloads(lines) -> list:
     out = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -86,8 +90,19 @@ def serve_process(tmp_path, *args: str, hooks: tuple[str, ...] = ()) -> tuple[su
     when `hooks` are given); returns the process, its URL and its stderr file, once it is ready."""
     env = server_environment()
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    command = [sys.executable, "-m", "tests.reliability.serve_with_hooks", *hooks, "--", "serve",
-               "--config", str(TINY_PRESET), "--served-model-name", "tiny", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.reliability.serve_with_hooks",
+        *hooks,
+        "--",
+        "serve",
+        "--config",
+        str(TINY_PRESET),
+        "--served-model-name",
+        "tiny",
+        *args,
+    ]
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=REPO)
     deadline = time.monotonic() + 120

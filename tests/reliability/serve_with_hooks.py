@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     EngineCore.step = hooked_step
     from server.cli import main as cli_main
 
-    return cli_main(argv[split + 1:])
+    return cli_main(argv[split + 1 :])
 
 
 if __name__ == "__main__":

@@ -24,9 +24,15 @@ async def _storm(base_url: str) -> int:
     rng = random.Random(0)
     limits = httpx.Limits(max_connections=NUM_CLIENTS)
     async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
+
         async def impatient(i: int) -> bool:
-            body = {"model": "tiny", "prompt": [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))],
-                    "max_tokens": 200, "ignore_eos": True, "stream": i % 2 == 0}
+            body = {
+                "model": "tiny",
+                "prompt": [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))],
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": i % 2 == 0,
+            }
             patience = rng.uniform(0.05, 0.5)  # the whole request's, streamed or not (httpx's read timeout
             # would only bound the gaps between a stream's chunks)
 
@@ -50,7 +56,8 @@ def test_a_cancellation_storm_leaves_nothing_behind(server, monkeypatch):
     timed_out = asyncio.run(_storm(server.base_url))
     assert timed_out > NUM_CLIENTS // 2
     started = time.monotonic()
-    fresh = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2},
-                       timeout=5)
+    fresh = httpx.post(
+        f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2}, timeout=5
+    )
     assert fresh.status_code == 200 and time.monotonic() - started < 5
     assert_gauges_zero(server)  # running, waiting, KV usage and the admission counts: 0 within 10 s

@@ -27,6 +27,7 @@ def test_running_and_waiting_requests_time_out(server, monkeypatch):
 
     async def both():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+
             async def stream():
                 async with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
                     return response.status_code, [line async for line in response.aiter_lines()]

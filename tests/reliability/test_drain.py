@@ -43,8 +43,9 @@ def test_a_stream_in_flight_completes_and_the_process_exits_0(tmp_path, stop):
     def during_drain():
         time.sleep(0.3)  # the signal is handled between two bytecodes of the server's main thread
         refused["health"] = httpx.get(f"{url}/health", timeout=10)
-        refused["new"] = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 1},
-                                    timeout=10)
+        refused["new"] = httpx.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 1}, timeout=10
+        )
 
     try:
         events = _stream_then_signal(url, process, stop, 60, during_drain)
@@ -56,8 +57,7 @@ def test_a_stream_in_flight_completes_and_the_process_exits_0(tmp_path, stop):
     assert assert_envelope(refused["new"].json())["type"] == "service_unavailable_error"
     chunks = [e for e in events if isinstance(e, dict)]
     assert not any("error" in c for c in chunks), chunks[-1]
-    assert sum(len(c["choices"][0]["text"]) > 0 or c["choices"][0]["finish_reason"] is not None
-               for c in chunks) >= 1
+    assert sum(len(c["choices"][0]["text"]) > 0 or c["choices"][0]["finish_reason"] is not None for c in chunks) >= 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1] == "[DONE]"
 

@@ -27,9 +27,9 @@ def test_waiting_clients_get_errors_and_new_requests_503(tiny_model_dir, monkeyp
 
         async def clients():
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+
                 async def stream():
-                    body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True,
-                            "stream": True}
+                    body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True, "stream": True}
                     async with client.stream("POST", "/v1/completions", json=body) as response:
                         return response.status_code, [line async for line in response.aiter_lines()]
 
@@ -53,16 +53,18 @@ def test_waiting_clients_get_errors_and_new_requests_503(tiny_model_dir, monkeyp
             time.sleep(0.05)
         assert len(deaths) == 1 and "injected" in str(deaths[0])
         assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 503
-        again = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 1},
-                           timeout=10)
+        again = httpx.post(
+            f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 1}, timeout=10
+        )
         assert again.status_code == 503
 
 
 def test_serve_exits_non_zero_when_the_engine_loop_dies(tmp_path):
     process, url, stderr = serve_process(tmp_path, hooks=("--die-on-token", str(DEATH_TOKEN)))
     try:
-        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [DEATH_TOKEN], "max_tokens": 4},
-                              timeout=30)
+        response = httpx.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": [DEATH_TOKEN], "max_tokens": 4}, timeout=30
+        )
         assert response.status_code == 503
         assert process.wait(timeout=15) == 1, stderr.read_text()[-3000:]
     finally:

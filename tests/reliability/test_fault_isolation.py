@@ -41,12 +41,12 @@ def server(tiny_model_dir):
 
 
 def _body(prompt, **extra):
-    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
-            **extra}
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, **extra}
 
 
 async def _run_all(base_url: str, stream_poison: bool, temperature: float):
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+
         async def healthy(prompt):
             return (await client.post("/v1/completions", json=_body(prompt))).json()
 
@@ -60,8 +60,10 @@ async def _run_all(base_url: str, stream_poison: bool, temperature: float):
         return await asyncio.gather(poisoned(), *(healthy(p) for p in PROMPTS))
 
 
-@pytest.mark.parametrize("kind,stream,temperature", [("nan", False, 0.0), ("nan", True, 1.0), ("sampling", True, 0.0),
-                                                     ("detokenize", False, 0.0)])
+@pytest.mark.parametrize(
+    "kind,stream,temperature",
+    [("nan", False, 0.0), ("nan", True, 1.0), ("sampling", True, 0.0), ("detokenize", False, 0.0)],
+)
 def test_a_fault_in_one_request_fails_it_alone(server, kind, stream, temperature):
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         alone = [client.post("/v1/completions", json=_body(p)).json()["choices"][0]["text"] for p in PROMPTS]

@@ -15,11 +15,19 @@ from tests.reliability.conftest import assert_envelope, assert_gauges_zero, serv
 
 EXAMPLES = 200  # per route
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 300),
-                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                      max_leaves=12)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.integers(-3, 300),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
 token_ids = st.lists(st.integers(-5, 600), max_size=12)
 SAMPLING = {
     "model": st.sampled_from(["tiny", "other", ""]) | values,
@@ -31,7 +39,7 @@ SAMPLING = {
     "stop": st.lists(st.text(max_size=4), max_size=5) | st.text(max_size=4) | values,
     "stream": st.booleans() | values,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}) | values,
-    "seed": st.integers(-2**65, 2**65) | values,
+    "seed": st.integers(-(2**65), 2**65) | values,
     "logit_bias": st.dictionaries(st.integers(-3, 600).map(str), st.floats(-200, 200), max_size=3) | values,
     "stop_token_ids": token_ids | values,
     "presence_penalty": st.floats(-3, 3) | values,
@@ -39,15 +47,29 @@ SAMPLING = {
     "ignore_eos": st.booleans() | values,
     "priority": st.integers(-2, 2) | values,
 }
-PROMPTS = st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), max_size=3), token_ids,
-                    st.lists(token_ids, max_size=3), values)
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | values,
-                                 "content": st.text(max_size=30) | values})
-COMPLETION = st.fixed_dictionaries({}, optional={"prompt": PROMPTS, "echo": st.booleans() | values,
-                                                 "logprobs": st.integers(-1, 6) | values, **SAMPLING})
-CHAT = st.fixed_dictionaries({}, optional={"messages": st.lists(MESSAGE, max_size=3) | values,
-                                           "logprobs": st.booleans() | values, "top_logprobs": st.integers(-1, 6),
-                                           "max_completion_tokens": st.integers(-1, 6) | values, **SAMPLING})
+PROMPTS = st.one_of(
+    st.text(max_size=40), st.lists(st.text(max_size=10), max_size=3), token_ids, st.lists(token_ids, max_size=3), values
+)
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | values,
+        "content": st.text(max_size=30) | values,
+    }
+)
+COMPLETION = st.fixed_dictionaries(
+    {},
+    optional={"prompt": PROMPTS, "echo": st.booleans() | values, "logprobs": st.integers(-1, 6) | values, **SAMPLING},
+)
+CHAT = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": st.lists(MESSAGE, max_size=3) | values,
+        "logprobs": st.booleans() | values,
+        "top_logprobs": st.integers(-1, 6),
+        "max_completion_tokens": st.integers(-1, 6) | values,
+        **SAMPLING,
+    },
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +106,14 @@ def _check(client: httpx.Client, route: str, body: dict) -> None:
 @pytest.mark.parametrize("route,bodies", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 def test_generated_bodies_never_cause_a_5xx(server, route, bodies):
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(body=bodies)
         def run(body):
             _check(client, route, body)

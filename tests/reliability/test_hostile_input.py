@@ -27,31 +27,79 @@ CASES = [
     # name, route, raw body, headers, status, param, words in the message
     ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', JSON, 400, None, "UTF-8"),
     ("not json", "/v1/chat/completions", b'{"messages": [', JSON, 400, None, "not valid JSON"),
-    ("an array", "/v1/completions", b'[1, 2, 3]', JSON, 400, None, "JSON object, not an array"),
-    ("null", "/v1/chat/completions", b'null', JSON, 400, None, "JSON object, not null"),
-    ("deep nesting", "/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", JSON, 400, None,
-     "nested too deeply"),
+    ("an array", "/v1/completions", b"[1, 2, 3]", JSON, 400, None, "JSON object, not an array"),
+    ("null", "/v1/chat/completions", b"null", JSON, 400, None, "JSON object, not null"),
+    (
+        "deep nesting",
+        "/v1/completions",
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        JSON,
+        400,
+        None,
+        "nested too deeply",
+    ),
     ("text/plain", "/v1/completions", b'{"prompt": "hi"}', {"content-type": "text/plain"}, 415, None, "Content-Type"),
-    ("form", "/v1/chat/completions", b"a=b", {"content-type": "application/x-www-form-urlencoded"}, 415, None,
-     "application/json"),
-    ("many prompts", "/v1/completions", json.dumps({"prompt": ["a"] * 5000}).encode(), JSON, 400, "prompt",
-     "--max-queued-requests"),
-    ("many stop strings", "/v1/completions", json.dumps({"prompt": "a", "stop": [f"s{i}" for i in range(3000)]}).encode(),
-     JSON, 400, "stop", "at most"),
+    (
+        "form",
+        "/v1/chat/completions",
+        b"a=b",
+        {"content-type": "application/x-www-form-urlencoded"},
+        415,
+        None,
+        "application/json",
+    ),
+    (
+        "many prompts",
+        "/v1/completions",
+        json.dumps({"prompt": ["a"] * 5000}).encode(),
+        JSON,
+        400,
+        "prompt",
+        "--max-queued-requests",
+    ),
+    (
+        "many stop strings",
+        "/v1/completions",
+        json.dumps({"prompt": "a", "stop": [f"s{i}" for i in range(3000)]}).encode(),
+        JSON,
+        400,
+        "stop",
+        "at most",
+    ),
     ("out of vocabulary", "/v1/completions", b'{"prompt": [1, 2, 100000]}', JSON, 400, "prompt", "vocabulary"),
     ("negative token id", "/v1/completions", b'{"prompt": [[1, -3]]}', JSON, 400, "prompt", "vocabulary"),
     ("NaN", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', JSON, 400, "temperature", "finite"),
-    ("Infinity", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "top_p": Infinity}',
-     JSON, 400, "top_p", "finite"),
-    ("overflowing float", "/v1/completions", b'{"prompt": "a", "presence_penalty": 1e999}', JSON, 400,
-     "presence_penalty", "finite"),
-    ("NaN logit bias", "/v1/completions", b'{"prompt": "a", "logit_bias": {"5": NaN}}', JSON, 400, "logit_bias",
-     "finite"),
+    (
+        "Infinity",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "a"}], "top_p": Infinity}',
+        JSON,
+        400,
+        "top_p",
+        "finite",
+    ),
+    (
+        "overflowing float",
+        "/v1/completions",
+        b'{"prompt": "a", "presence_penalty": 1e999}',
+        JSON,
+        400,
+        "presence_penalty",
+        "finite",
+    ),
+    (
+        "NaN logit bias",
+        "/v1/completions",
+        b'{"prompt": "a", "logit_bias": {"5": NaN}}',
+        JSON,
+        400,
+        "logit_bias",
+        "finite",
+    ),
     ("empty prompt", "/v1/completions", b'{"prompt": ""}', JSON, 400, "prompt", "empty"),
     ("empty prompt list", "/v1/completions", b'{"prompt": []}', JSON, 400, "prompt", "empty"),
     ("empty messages", "/v1/chat/completions", b'{"messages": []}', JSON, 400, "messages", "empty"),
-    ("oov logit bias", "/v1/completions", b'{"prompt": "a", "logit_bias": {"999999": 1}}', JSON, 400,
-     "logit_bias", ""),
+    ("oov logit bias", "/v1/completions", b'{"prompt": "a", "logit_bias": {"999999": 1}}', JSON, 400, "logit_bias", ""),
     ("bad detokenize", "/detokenize", b'{"tokens": [99999999]}', JSON, 400, "tokens", "vocabulary"),
 ]
 
@@ -71,8 +119,9 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(server):
     assert response.status_code == 413
     error = assert_envelope(response.json())
     assert error["code"] == "request_too_large"
-    assert error["message"] == (f"the request body is {len(body)} bytes; this server accepts at most {LIMIT} bytes "
-                                "(--max-request-body).")
+    assert error["message"] == (
+        f"the request body is {len(body)} bytes; this server accepts at most {LIMIT} bytes (--max-request-body)."
+    )
 
 
 def test_a_chunked_upload_over_the_limit_is_413(server):
@@ -86,8 +135,9 @@ def test_a_chunked_upload_over_the_limit_is_413(server):
     assert response.status_code == 413
     error = assert_envelope(response.json())
     assert error["code"] == "request_too_large"
-    assert error["message"] == (f"the request body is more than {LIMIT} bytes; this server accepts at most {LIMIT} "
-                                "bytes (--max-request-body).")
+    assert error["message"] == (
+        f"the request body is more than {LIMIT} bytes; this server accepts at most {LIMIT} bytes (--max-request-body)."
+    )
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):
@@ -97,8 +147,9 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):
     error = assert_envelope(response.json())
     assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
     assert "characters" in error["message"]  # the pre-check's refusal, not the tokenized prompt's
-    chat = httpx.post(f"{server.base_url}/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": text}]}, timeout=30)
+    chat = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]}, timeout=30
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     assert "characters" in chat.json()["error"]["message"]
 

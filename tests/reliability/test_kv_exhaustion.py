@@ -16,8 +16,13 @@ NUM_BLOCKS = 48  # x 4 tokens: about three of the 16 requests fit at once
 
 
 def _body(i: int) -> dict:
-    return {"model": "tiny", "prompt": [20 + i, 30 + i, 40 + i, 50 + i, 60 + i], "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0}
+    return {
+        "model": "tiny",
+        "prompt": [20 + i, 30 + i, 40 + i, 50 + i, 60 + i],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +38,9 @@ def test_preempted_requests_complete_with_their_solo_outputs(server):
     preemptions_before = metric(server.base_url, "pagedserve_num_preemptions_total")
 
     async def together():
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
-                                     limits=httpx.Limits(max_connections=NUM)) as client:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=120, limits=httpx.Limits(max_connections=NUM)
+        ) as client:
             return await asyncio.gather(*(client.post("/v1/completions", json=_body(i)) for i in range(NUM)))
 
     responses = asyncio.run(together())

@@ -24,6 +24,7 @@ def server(tiny_model_dir):
 async def _burst_and_probe(base_url: str):
     limits = httpx.Limits(max_connections=BURST + 2)
     async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+
         async def one(i: int):
             body = {"model": "tiny", "prompt": [10 + i, 11, 12], "max_tokens": 8, "ignore_eos": True}
             if i % 2:

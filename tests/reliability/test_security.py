@@ -32,16 +32,30 @@ def test_no_key_and_no_text_in_the_logs_at_the_default_level(server, caplog):
     auth = {"Authorization": f"Bearer {KEY}"}
     with caplog.at_level(logging.INFO):
         with httpx.Client(base_url=server.base_url, timeout=30, headers=auth) as client:
-            done = client.post("/v1/completions", json={"model": "tiny", "prompt": SECRET_TEXT, "max_tokens": 8,
-                                                        "temperature": 0, "unknown_field_x": SECRET_TEXT})
+            done = client.post(
+                "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": SECRET_TEXT,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "unknown_field_x": SECRET_TEXT,
+                },
+            )
             completion = done.json()["choices"][0]["text"]
-            client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": SECRET_TEXT}],
-                                                      "max_tokens": 4, "stream": True})
+            client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": SECRET_TEXT}], "max_tokens": 4, "stream": True},
+            )
             client.post("/v1/completions", json={"prompt": SECRET_TEXT, "max_tokens": 100000})  # a 400
             client.post("/v1/completions", json={"prompt": SECRET_TEXT, "n": 0})  # a 400 on n
             client.post("/tokenize", json={"prompt": SECRET_TEXT})
-        httpx.post(f"{server.base_url}/v1/completions", json={"prompt": SECRET_TEXT},
-                   headers={"Authorization": "Bearer wrong-" + KEY}, timeout=10)
+        httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"prompt": SECRET_TEXT},
+            headers={"Authorization": "Bearer wrong-" + KEY},
+            timeout=10,
+        )
     server.wait_idle()
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert KEY not in logged

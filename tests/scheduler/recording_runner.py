@@ -42,8 +42,12 @@ AcceptFn = Callable[[str, tuple[int, ...]], int]  # drafts -> how many leading o
 class RecordingRunner:
     """Replays step messages against a ledger of written slots (see the module docstring)."""
 
-    def __init__(self, block_size: int, token_fn: TokenFn = lambda request_id, token_ids: 7,
-                 accept_fn: AcceptFn = lambda request_id, drafts: len(drafts)):
+    def __init__(
+        self,
+        block_size: int,
+        token_fn: TokenFn = lambda request_id, token_ids: 7,
+        accept_fn: AcceptFn = lambda request_id, drafts: len(drafts),
+    ):
         self.block_size = block_size
         self.token_fn = token_fn
         self.accept_fn = accept_fn

@@ -120,8 +120,10 @@ def test_a_pool_of_millions_of_blocks_costs_no_object_per_block_at_start_up():
     num_blocks = 5_000_000
     tracemalloc.start()
     try:
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
-                              CacheConfig(num_blocks=num_blocks, block_size=16))
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+            CacheConfig(num_blocks=num_blocks, block_size=16),
+        )
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

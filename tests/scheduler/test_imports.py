@@ -15,8 +15,18 @@ def test_scheduler_imports_no_torch_engine_or_server():
 
 
 # What only the HTTP front end may say: OpenAI's error fields and codes, HTTP itself.
-HTTP_WORDING = ("param=", "code=", "context_length_exceeded", "HTTP", "http", "status_code", "OpenAI", "openai",
-                "invalid_request_error", "Shorten the prompt")
+HTTP_WORDING = (
+    "param=",
+    "code=",
+    "context_length_exceeded",
+    "HTTP",
+    "http",
+    "status_code",
+    "OpenAI",
+    "openai",
+    "invalid_request_error",
+    "Shorten the prompt",
+)
 
 
 def test_scheduler_holds_no_http_wording():
@@ -24,8 +34,11 @@ def test_scheduler_holds_no_http_wording():
     root = Path(__file__).resolve().parents[2] / "scheduler"
     sources = sorted(root.rglob("*.py"))
     assert sources
-    found = [f"{path.relative_to(root.parent)}:{number}: {word}"
-             for path in sources
-             for number, line in enumerate(path.read_text().splitlines(), 1)
-             for word in HTTP_WORDING if word in line]
+    found = [
+        f"{path.relative_to(root.parent)}:{number}: {word}"
+        for path in sources
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for word in HTTP_WORDING
+        if word in line
+    ]
     assert not found, found

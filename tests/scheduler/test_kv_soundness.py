@@ -43,17 +43,32 @@ def test_a_block_filled_in_a_step_that_preempts_its_owner_is_never_a_hit():
     Before the fix the block entered the prefix-cache index when it was scheduled, stayed
     there after r1 was freed, and a request extending r1's tokens read its unwritten slot.
     """
-    s = make_scheduler(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=15,
-                       max_model_len=64, policy="priority")
+    s = make_scheduler(
+        num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=15, max_model_len=64, policy="priority"
+    )
     sampled = iter([10, 10, 10, 11])
     runner = RecordingRunner(4, lambda request_id, token_ids: next(sampled, 12))
     r1 = make_request([11, 12, 10, 12, 11, 11], request_id="r1", max_tokens=8, priority=0, ignore_eos=True)
     s.add_request(r1)
     one_step(s, runner)  # r1's prompt
-    s.add_request(make_request([12, 10, 12, 11, 11, 10, 12, 12, 12, 12, 10, 10], request_id="r0",
-                               max_tokens=3, priority=-2, ignore_eos=True))
-    s.add_request(make_request([11, 10, 12, 11, 11, 12, 12, 12, 12, 12, 12, 11, 12, 10, 12, 12, 12, 10, 10],
-                               request_id="r2", max_tokens=7, priority=-1, ignore_eos=True))
+    s.add_request(
+        make_request(
+            [12, 10, 12, 11, 11, 10, 12, 12, 12, 12, 10, 10],
+            request_id="r0",
+            max_tokens=3,
+            priority=-2,
+            ignore_eos=True,
+        )
+    )
+    s.add_request(
+        make_request(
+            [11, 10, 12, 11, 11, 12, 12, 12, 12, 12, 12, 11, 12, 10, 12, 12, 12, 10, 10],
+            request_id="r2",
+            max_tokens=7,
+            priority=-1,
+            ignore_eos=True,
+        )
+    )
     one_step(s, runner)  # r1 decodes, r0 prefills, r2 gets a 2-token first chunk
     # Before the admission fix, r2 got a 2-token first chunk here and in the next step, as
     # r1 decoded into the end of block 1, r2's next chunk preempted r1 and then r2 itself.
@@ -68,8 +83,9 @@ def test_a_decode_that_preempts_a_request_which_filled_a_block_earlier_in_the_st
     """The same bug through today's admission: v's decode fills its block 1, then h's decode,
     later in the same step, needs a block and preempts v (the lower priority). Block 1 was
     never written and must not be a hit for a request extending v's tokens."""
-    s = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                       max_model_len=64, policy="priority")
+    s = make_scheduler(
+        num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, policy="priority"
+    )
     runner = RecordingRunner(4, lambda request_id, token_ids: 50 if request_id == "v" else 60)
     v = make_request(list(range(10, 16)), request_id="v", max_tokens=6, priority=5, ignore_eos=True)
     h = make_request(list(range(20, 28)), request_id="h", max_tokens=2, priority=0, ignore_eos=True)
@@ -79,8 +95,7 @@ def test_a_decode_that_preempts_a_request_which_filled_a_block_earlier_in_the_st
     one_step(s, runner)  # v decodes; h's prompt (8 tokens)
     output = one_step(s, runner)  # v fills its block 1, then h's decode preempts v
     assert output.preempted_request_ids == {"v"}
-    s.add_request(make_request(v.all_token_ids + [1], request_id="probe", max_tokens=1, priority=-3,
-                               ignore_eos=True))
+    s.add_request(make_request(v.all_token_ids + [1], request_id="probe", max_tokens=1, priority=-3, ignore_eos=True))
     drive(s, runner)
     assert s.kv_cache_manager.usage == 0
 
@@ -93,9 +108,14 @@ def test_tight_pools_with_aborts_between_schedule_and_update():
     for seed in range(250):
         rng = random.Random(seed)
         block_size = rng.choice([2, 4])
-        s = make_scheduler(num_blocks=rng.randint(3, 10), block_size=block_size, max_num_seqs=rng.randint(2, 4),
-                           max_num_batched_tokens=rng.randint(4, 16), max_model_len=64,
-                           policy=rng.choice(["fcfs", "priority"]))
+        s = make_scheduler(
+            num_blocks=rng.randint(3, 10),
+            block_size=block_size,
+            max_num_seqs=rng.randint(2, 4),
+            max_num_batched_tokens=rng.randint(4, 16),
+            max_model_len=64,
+            policy=rng.choice(["fcfs", "priority"]),
+        )
         kv = s.kv_cache_manager
         free = kv.free
 
@@ -110,10 +130,18 @@ def test_tight_pools_with_aborts_between_schedule_and_update():
         for _ in range(40):
             if rng.random() < 0.4:
                 live = list(s.requests.values())
-                prompt = ([rng.choice([10, 11]) for _ in range(rng.randint(1, 12))] if not live or rng.random() < 0.5
-                          else rng.choice(live).all_token_ids + [10])
-                request = make_request(prompt, request_id=f"r{rng.randint(0, 5)}", max_tokens=rng.randint(1, 30),
-                                       priority=rng.randint(-2, 2), ignore_eos=True)
+                prompt = (
+                    [rng.choice([10, 11]) for _ in range(rng.randint(1, 12))]
+                    if not live or rng.random() < 0.5
+                    else rng.choice(live).all_token_ids + [10]
+                )
+                request = make_request(
+                    prompt,
+                    request_id=f"r{rng.randint(0, 5)}",
+                    max_tokens=rng.randint(1, 30),
+                    priority=rng.randint(-2, 2),
+                    ignore_eos=True,
+                )
                 if request.request_id not in s.requests:
                     try:
                         s.add_request(request)
@@ -147,8 +175,12 @@ def setups(draw):
 operations = st.lists(
     st.one_of(
         # a new prompt of few distinct tokens (shared prefixes by chance)
-        st.tuples(st.just("add"), st.lists(st.sampled_from([10, 11]), min_size=1, max_size=20),
-                  st.integers(1, 30), st.integers(-2, 2)),
+        st.tuples(
+            st.just("add"),
+            st.lists(st.sampled_from([10, 11]), min_size=1, max_size=20),
+            st.integers(1, 30),
+            st.integers(-2, 2),
+        ),
         # a prompt extending a live request's tokens so far (a prefix hit on its blocks, if written)
         st.tuples(st.just("extend"), st.integers(0, 50), st.integers(0, 3), st.integers(1, 6), st.integers(-3, 2)),
         st.tuples(st.just("step"), st.integers(1, 3)),
@@ -226,11 +258,19 @@ def test_long_prompts_in_a_pool_just_larger_than_one_are_admitted_whole_and_neve
     (before the fix, without prefix caching: 24 preemptions and 1,184 tokens computed
     for 824).
     """
-    s = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
-                       max_model_len=128, policy=policy, enable_prefix_caching=caching)
+    s = make_scheduler(
+        num_blocks=32,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        policy=policy,
+        enable_prefix_caching=caching,
+    )
     runner = RecordingRunner(4)
-    requests = [make_request(96, first_token=100 + 200 * i, max_tokens=8, ignore_eos=True, priority=i % 3)
-                for i in range(8)]
+    requests = [
+        make_request(96, first_token=100 + 200 * i, max_tokens=8, ignore_eos=True, priority=i % 3) for i in range(8)
+    ]
     for request in requests:
         s.add_request(request)
     drive(s, runner)

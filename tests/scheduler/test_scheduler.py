@@ -1,7 +1,13 @@
 import pytest
 
-from scheduler import (ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError,
-                       KVCacheTooSmallError, RequestRejectedError, RequestStatus)
+from scheduler import (
+    ContextLengthExceededError,
+    DuplicateRequestIdError,
+    EmptyPromptError,
+    KVCacheTooSmallError,
+    RequestRejectedError,
+    RequestStatus,
+)
 
 from tests.scheduler.factories import (
     EOS,
@@ -273,8 +279,14 @@ def test_impossible_requests_are_refused(kwargs, error, field):
     assert not s.has_unfinished_requests
 
 
-@pytest.mark.parametrize("kwargs", [dict(prompt=4, max_tokens=0), dict(prompt=4, max_tokens=3, min_tokens=4),
-                                    dict(prompt=4, max_tokens=3, min_tokens=-1)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prompt=4, max_tokens=0),
+        dict(prompt=4, max_tokens=3, min_tokens=4),
+        dict(prompt=4, max_tokens=3, min_tokens=-1),
+    ],
+)
 def test_token_bounds_are_an_invariant_of_a_request(kwargs):
     """max_tokens and min_tokens are validated where a request is made (SamplingParams, and the engine where
     it resolves an unset max_tokens); a Request that breaks them is a bug, refused as one."""

@@ -61,8 +61,9 @@ def check_no_hashed_block_holds_a_rejected_token(scheduler, runner):
         for offset, token_id in enumerate(block.block_hash.token_ids):
             written = runner.slots.get(block.block_id * kv.block_size + offset)
             assert written is not None, f"indexed block {block.block_id} holds an unwritten slot"
-            assert written[0][-(offset + 1):] == block.block_hash.token_ids[: offset + 1], (
-                f"indexed block {block.block_id} slot {offset} holds K/V of other tokens")
+            assert written[0][-(offset + 1) :] == block.block_hash.token_ids[: offset + 1], (
+                f"indexed block {block.block_id} slot {offset} holds K/V of other tokens"
+            )
 
 
 def one_step(scheduler, runner):
@@ -98,8 +99,13 @@ def setups(draw):
 
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.lists(st.sampled_from([10, 11]), min_size=1, max_size=20),
-                  st.integers(1, 30), st.integers(-2, 2), st.sampled_from([None, None, 0, 1, 2])),
+        st.tuples(
+            st.just("add"),
+            st.lists(st.sampled_from([10, 11]), min_size=1, max_size=20),
+            st.integers(1, 30),
+            st.integers(-2, 2),
+            st.sampled_from([None, None, 0, 1, 2]),
+        ),
         # a prompt extending a live request's tokens so far (a prefix hit on its blocks, if written)
         st.tuples(st.just("extend"), st.integers(0, 50), st.integers(0, 3), st.integers(1, 6), st.integers(-3, 2)),
         st.tuples(st.just("step"), st.integers(1, 3)),
@@ -117,8 +123,11 @@ def test_random_workloads_with_random_acceptance_keep_every_invariant(setup, ops
     rng = random.Random(seed)
     s = make_spec_scheduler(ListProposer(k, rng), **setup)
     vocab = [10] * 7 + [11] * 8 + [STOP_ID]
-    runner = RecordingRunner(setup["block_size"], lambda request_id, token_ids: rng.choice(vocab),
-                             lambda request_id, drafts: rng.randint(0, len(drafts)))
+    runner = RecordingRunner(
+        setup["block_size"],
+        lambda request_id, token_ids: rng.choice(vocab),
+        lambda request_id, drafts: rng.randint(0, len(drafts)),
+    )
     added = []
     for op in ops:
         kind = op[0]
@@ -249,11 +258,17 @@ def test_tight_pools_with_drafts_preemption_and_aborts_between_schedule_and_upda
     for seed in range(150):
         rng = random.Random(seed)
         block_size = rng.choice([1, 2, 4])
-        s = make_spec_scheduler(ListProposer(rng.randint(1, 5), rng), num_blocks=rng.randint(4, 12),
-                                block_size=block_size, max_num_seqs=rng.randint(2, 4),
-                                max_num_batched_tokens=rng.randint(4, 16), max_model_len=64,
-                                policy=rng.choice(["fcfs", "priority"]), adaptive_drafts=rng.random() < 0.5,
-                                max_drafting_batch=rng.choice([None, None, 1, 2]))
+        s = make_spec_scheduler(
+            ListProposer(rng.randint(1, 5), rng),
+            num_blocks=rng.randint(4, 12),
+            block_size=block_size,
+            max_num_seqs=rng.randint(2, 4),
+            max_num_batched_tokens=rng.randint(4, 16),
+            max_model_len=64,
+            policy=rng.choice(["fcfs", "priority"]),
+            adaptive_drafts=rng.random() < 0.5,
+            max_drafting_batch=rng.choice([None, None, 1, 2]),
+        )
 
         def accept(request_id, drafts):
             accepted = rng.randint(0, len(drafts))
@@ -264,10 +279,18 @@ def test_tight_pools_with_drafts_preemption_and_aborts_between_schedule_and_upda
         for _ in range(40):
             if rng.random() < 0.4:
                 live = list(s.requests.values())
-                prompt = ([rng.choice([10, 11]) for _ in range(rng.randint(1, 12))] if not live or rng.random() < 0.5
-                          else rng.choice(live).all_token_ids + [10])
-                request = make_request(prompt, request_id=f"r{rng.randint(0, 5)}", max_tokens=rng.randint(1, 30),
-                                       priority=rng.randint(-2, 2), ignore_eos=True)
+                prompt = (
+                    [rng.choice([10, 11]) for _ in range(rng.randint(1, 12))]
+                    if not live or rng.random() < 0.5
+                    else rng.choice(live).all_token_ids + [10]
+                )
+                request = make_request(
+                    prompt,
+                    request_id=f"r{rng.randint(0, 5)}",
+                    max_tokens=rng.randint(1, 30),
+                    priority=rng.randint(-2, 2),
+                    ignore_eos=True,
+                )
                 if request.request_id not in s.requests:
                     try:
                         s.add_request(request)
@@ -276,8 +299,9 @@ def test_tight_pools_with_drafts_preemption_and_aborts_between_schedule_and_upda
             drafting = {r.request_id for r in s.running if r.num_tokens - r.num_computed_tokens == 1}
             output = s.schedule()
             check_step_output(s, output)
-            seen["preempted_with_drafts"] += bool(output.scheduled_spec_decode_tokens and output.preempted_request_ids
-                                                  and drafting)
+            seen["preempted_with_drafts"] += bool(
+                output.scheduled_spec_decode_tokens and output.preempted_request_ids and drafting
+            )
             if s.requests and rng.random() < 0.1:
                 s.abort([rng.choice(list(s.requests))])
             s.update_from_output(output, runner.execute(output))
@@ -324,8 +348,14 @@ def test_the_step_cost_model_keeps_only_drafts_that_raise_tokens_per_second():
     cost = StepCost((1, 2, 4, 8, 16, 32, 64), (10.0, 10.1, 10.2, 10.5, 12.0, 18.0, 60.0))
 
     def drafted(num_requests, acceptance):
-        s = make_scheduler(proposer=FixedProposer(4), step_cost=cost, num_blocks=256, max_num_seqs=16,
-                           max_num_batched_tokens=256, max_model_len=256)
+        s = make_scheduler(
+            proposer=FixedProposer(4),
+            step_cost=cost,
+            num_blocks=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+        )
         runner = RecordingRunner(4)
         for i in range(num_requests):
             s.add_request(make_request(4, max_tokens=50, ignore_eos=True, first_token=100 + 10 * i))

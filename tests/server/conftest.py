@@ -75,8 +75,14 @@ def start_server(model_dir, server_config: ServerConfig, *, on_engine_death=None
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     keys = server_config.api_keys
-    running = RunningServer(f"http://127.0.0.1:{port}", engine, app.state.server.served_model_names[0],
-                            keys[0] if keys else None, app.state.server, app)
+    running = RunningServer(
+        f"http://127.0.0.1:{port}",
+        engine,
+        app.state.server.served_model_names[0],
+        keys[0] if keys else None,
+        app.state.server,
+        app,
+    )
     return server, thread, running
 
 

@@ -18,7 +18,7 @@ def parse_sse(response) -> list[dict]:
     payloads = []
     for frame in frames[:-1]:
         assert frame.startswith("data: ") and "\n" not in frame, frame
-        payloads.append(json.loads(frame[len("data: "):]))
+        payloads.append(json.loads(frame[len("data: ") :]))
     return payloads
 
 

@@ -35,8 +35,9 @@ def test_arrival_precedes_prompt_processing(server, monkeypatch, path, body, ste
     monkeypatch.setattr(server.engine.observer, "on_output", lambda output: (outputs.append(output), observe(output)))
 
     with server.client() as c:
-        response = c.post(path, json={"model": "tiny", "temperature": 0,
-                                      **({"max_tokens": 2} if "input" not in body else {}), **body})
+        response = c.post(
+            path, json={"model": "tiny", "temperature": 0, **({"max_tokens": 2} if "input" not in body else {}), **body}
+        )
     assert response.status_code == 200, response.text
     (final,) = [output for output in outputs if output.finished]
     metrics = final.metrics

@@ -20,8 +20,11 @@ WRONG = "k3-not-a-key-Jd5"
 PROTECTED = [
     ("GET", "/v1/models", None),
     ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}),
-    ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
-                                      "max_tokens": 2, "temperature": 0}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0},
+    ),
     ("POST", "/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 2, "temperature": 0}),
     ("POST", "/tokenize", {"prompt": "Hello"}),
     ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
@@ -49,8 +52,14 @@ def send(c: httpx.Client, method: str, path: str, body) -> httpx.Response:
 
 def assert_401(response: httpx.Response) -> None:
     assert response.status_code == 401, response.text
-    assert response.json() == {"error": {"message": response.json()["error"]["message"],
-                                         "type": "authentication_error", "param": None, "code": None}}
+    assert response.json() == {
+        "error": {
+            "message": response.json()["error"]["message"],
+            "type": "authentication_error",
+            "param": None,
+            "code": None,
+        }
+    }
     assert response.headers["www-authenticate"] == "Bearer"
 
 
@@ -68,10 +77,20 @@ def test_both_keys_work(auth_server, method, path, body):
         assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("authorization", [
-    f"Bearer {WRONG}", f"Basic {KEY1}", f"Token {KEY1}", KEY1, "Bearer", f"Bearer {KEY1}x",
-    f"Bearer {KEY1[:-1]}", f"Bearer {KEY1} {KEY2}",
-], ids=["wrong-key", "basic", "token", "bare", "no-key", "longer", "prefix", "two-keys"])
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        f"Bearer {WRONG}",
+        f"Basic {KEY1}",
+        f"Token {KEY1}",
+        KEY1,
+        "Bearer",
+        f"Bearer {KEY1}x",
+        f"Bearer {KEY1[:-1]}",
+        f"Bearer {KEY1} {KEY2}",
+    ],
+    ids=["wrong-key", "basic", "token", "bare", "no-key", "longer", "prefix", "two-keys"],
+)
 def test_wrong_key_or_scheme_is_401(auth_server, authorization):
     with client(auth_server, authorization) as c:
         for method, path, body in PROTECTED:
@@ -97,11 +116,14 @@ def test_health_and_metrics_stay_open(auth_server):
 def test_cors_preflight_passes_without_a_key(auth_server):
     origin = "http://localhost:3000"
     with client(auth_server) as c:
-        response = c.options("/v1/chat/completions", headers={
-            "Origin": origin,
-            "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type",
-        })
+        response = c.options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert response.status_code == 200, response.text
         assert response.headers["access-control-allow-origin"] in ("*", origin)
         assert "POST" in response.headers["access-control-allow-methods"]
@@ -120,8 +142,11 @@ def test_openai_sdk(auth_server):
     assert [m.id for m in good.models.list()] == ["tiny"]
     out = good.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
-    chunks = list(good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=3, temperature=0, stream=True))
+    chunks = list(
+        good.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, stream=True
+        )
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
 
     bad = openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key=WRONG, max_retries=0, timeout=60)
@@ -159,15 +184,22 @@ def test_keys_never_logged(auth_server, caplog):
     with capture_all_logs(caplog):
         with client(auth_server, f"Bearer {KEY1}") as c:
             assert c.get("/v1/models").status_code == 200
-            ok = c.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2,
-                                                 "unknown_field": True})  # logs a warning
+            ok = c.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2, "unknown_field": True}
+            )  # logs a warning
             assert ok.status_code == 200
-            assert c.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "temperature": -1}
-                          ).status_code == 400
+            assert (
+                c.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "temperature": -1}).status_code
+                == 400
+            )
         with client(auth_server, f"Bearer {KEY2}") as c:
             assert c.post("/v1/completions", json={"model": "nope", "prompt": "Hello"}).status_code == 404
-            assert c.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "stream": True,
-                                                   "max_tokens": 2}).status_code == 200
+            assert (
+                c.post(
+                    "/v1/completions", json={"model": "tiny", "prompt": "Hello", "stream": True, "max_tokens": 2}
+                ).status_code
+                == 200
+            )
         with client(auth_server, f"Bearer {WRONG}") as c:
             assert c.post("/v1/completions", json={"model": "tiny", "prompt": "Hello"}).status_code == 401
         with client(auth_server, f"Basic {KEY1}") as c:

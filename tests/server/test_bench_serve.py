@@ -19,8 +19,13 @@ from starlette.routing import Route
 
 from engine.text.tokenizer import load_tokenizer
 from server.benchmark.client import RequestResult, Target
-from server.benchmark.datasets import (BenchRequest, jsonl_requests, prefix_shared_requests, random_requests,
-                                       sharegpt_requests)
+from server.benchmark.datasets import (
+    BenchRequest,
+    jsonl_requests,
+    prefix_shared_requests,
+    random_requests,
+    sharegpt_requests,
+)
 from server.benchmark.metrics import compute, format_table, meets, parse_slos, tpot
 from server.benchmark.serve import LoadShape, arrival_gaps, main, run_load
 from tests.server.conftest import free_port
@@ -105,8 +110,15 @@ def test_prefix_shared_prompts_share_their_prefix(tokenizer):
 
 
 def test_sharegpt_and_jsonl_files(tokenizer, tmp_path):
-    conversations = [{"conversations": [{"from": "human", "value": f"Tell me about number {i} in detail."},
-                                        {"from": "gpt", "value": "It is a number. " * (i + 2)}]} for i in range(5)]
+    conversations = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Tell me about number {i} in detail."},
+                {"from": "gpt", "value": "It is a number. " * (i + 2)},
+            ]
+        }
+        for i in range(5)
+    ]
     conversations.append({"conversations": [{"from": "human", "value": "hi"}]})  # no reply: skipped
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(conversations))
@@ -142,7 +154,7 @@ def _fake_app(in_flight: dict) -> Starlette:
                     await asyncio.sleep(0.01)  # let the other requests in flight
                     yield f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'
                 usage = {"prompt_tokens": 11, "completion_tokens": CHUNKS + 2, "total_tokens": CHUNKS + 13}
-                yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 in_flight["now"] -= 1
@@ -179,8 +191,9 @@ def test_client_times_content_chunks(fake_server):
     the latency 8; output tokens come from usage."""
     url, _ = fake_server
     requests = [BenchRequest("p", 3, 8)] * 3
-    results, duration = asyncio.run(run_load(Target(url, "m"), requests, LoadShape(max_concurrency=1),
-                                             progress=False, clock=_ticks()))
+    results, duration = asyncio.run(
+        run_load(Target(url, "m"), requests, LoadShape(max_concurrency=1), progress=False, clock=_ticks())
+    )
     for r in results:
         assert r.success, r.error
         assert (r.ttft, r.itl, r.latency) == (2.0, [1.0] * (CHUNKS - 1), 8.0)
@@ -191,8 +204,9 @@ def test_client_times_content_chunks(fake_server):
 def test_client_keeps_to_the_concurrency_cap_and_records_failures(fake_server):
     url, in_flight = fake_server
     in_flight["max"] = 0
-    results, _ = asyncio.run(run_load(Target(url, "m"), [BenchRequest("p", 3, 8)] * 6, LoadShape(max_concurrency=2),
-                                      progress=False))
+    results, _ = asyncio.run(
+        run_load(Target(url, "m"), [BenchRequest("p", 3, 8)] * 6, LoadShape(max_concurrency=2), progress=False)
+    )
     assert all(r.success for r in results) and in_flight["max"] == 2
     broken = asyncio.run(run_load(Target(url, "broken"), [BenchRequest("p", 3, 8)], LoadShape(), progress=False))[0][0]
     assert not broken.success and broken.error.startswith("HTTP 404") and "no such model" in broken.error
@@ -205,9 +219,30 @@ def test_client_keeps_to_the_concurrency_cap_and_records_failures(fake_server):
 def test_bench_serve_against_the_tiny_model(server, tiny_model_dir, tmp_path, capsys, caplog, endpoint):
     out = tmp_path / "result.json"
     with caplog.at_level(logging.INFO):
-        code = main(["--base-url", server.base_url, "--tokenizer", str(tiny_model_dir), "--endpoint", endpoint,
-                     "--num-prompts", "6", "--input-len", "24", "--output-len", "5", "--max-concurrency", "3",
-                     "--ignore-eos", "--goodput", "e2el:600000", "--result-json", str(out), "--disable-tqdm"])
+        code = main(
+            [
+                "--base-url",
+                server.base_url,
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--endpoint",
+                endpoint,
+                "--num-prompts",
+                "6",
+                "--input-len",
+                "24",
+                "--output-len",
+                "5",
+                "--max-concurrency",
+                "3",
+                "--ignore-eos",
+                "--goodput",
+                "e2el:600000",
+                "--result-json",
+                str(out),
+                "--disable-tqdm",
+            ]
+        )
     assert code == 0
     assert not [r for r in caplog.records if r.name.startswith("httpx")]  # no line per request over the bar
     record = json.loads(out.read_text())
@@ -271,6 +306,17 @@ def test_pagedserve_bench_help_points_to_its_own_commands(capsys):
 
 
 def test_bench_serve_reports_an_unreachable_server(capsys):
-    code = main(["--base-url", f"http://127.0.0.1:{free_port()}", "--model", "x", "--num-prompts", "1",
-                 "--disable-tqdm", "--input-len", "4"])
+    code = main(
+        [
+            "--base-url",
+            f"http://127.0.0.1:{free_port()}",
+            "--model",
+            "x",
+            "--num-prompts",
+            "1",
+            "--disable-tqdm",
+            "--input-len",
+            "4",
+        ]
+    )
     assert code == 1 and "first request failed" in capsys.readouterr().err

@@ -53,8 +53,7 @@ def test_sdk_sync(server):
     (choice,) = out.choices
     assert choice.index == 0 and choice.finish_reason == "length" and choice.logprobs is None
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str) and choice.message.content
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
-        n_prompt, 8, n_prompt + 8)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (n_prompt, 8, n_prompt + 8)
     assert choice.message.content == greedy_content(server, USER, 8)
 
 
@@ -63,13 +62,18 @@ def test_sdk_async(server):
     expected = [greedy_content(server, m, 6) for m in conversations]
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
-                                      timeout=60) as client:
-            outs = await asyncio.gather(*(
-                client.chat.completions.create(model="tiny", messages=m, max_tokens=6, temperature=0)
-                for m in conversations))
-            stream = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=0,
-                                                          stream=True)
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+        ) as client:
+            outs = await asyncio.gather(
+                *(
+                    client.chat.completions.create(model="tiny", messages=m, max_tokens=6, temperature=0)
+                    for m in conversations
+                )
+            )
+            stream = await client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=6, temperature=0, stream=True
+            )
             pieces = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
         return [o.choices[0].message.content for o in outs], "".join(pieces)
 
@@ -80,8 +84,9 @@ def test_sdk_async(server):
 
 def test_sdk_streaming(server):
     expected = greedy_content(server, USER, 10)
-    chunks = list(sdk(server).chat.completions.create(model="tiny", messages=USER, max_tokens=10, temperature=0,
-                                                      stream=True))
+    chunks = list(
+        sdk(server).chat.completions.create(model="tiny", messages=USER, max_tokens=10, temperature=0, stream=True)
+    )
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -125,15 +130,17 @@ def test_roles(server):
     # the ChatML template puts every role's text in the prompt
     with server.client() as c:
         text = c.post("/detokenize", json={"tokens": prompt_tokens(server, conversation)}).json()["prompt"]
-    assert text == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
-                    "<|im_start|>assistant\nHi.<|im_end|>\n<|im_start|>user\nHow is the weather?<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
+        "<|im_start|>assistant\nHi.<|im_end|>\n<|im_start|>user\nHow is the weather?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_tokenize_messages_matches_usage(server):
     with_prompt = prompt_tokens(server, USER)
     without = prompt_tokens(server, USER, add_generation_prompt=False)
-    assert with_prompt[:len(without)] == without and len(with_prompt) > len(without)
+    assert with_prompt[: len(without)] == without and len(with_prompt) > len(without)
     out = chat(server, messages=USER, max_tokens=1, temperature=0)
     assert out["usage"]["prompt_tokens"] == len(with_prompt)
 
@@ -147,8 +154,7 @@ def test_max_tokens_and_max_completion_tokens(server):
         assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["finish_reason"] == "length", field
     out = chat(server, messages=USER, temperature=0, ignore_eos=True, max_tokens=7, max_completion_tokens=2)
     assert out["usage"]["completion_tokens"] == 2  # max_completion_tokens wins, as OpenAI documents
-    via_sdk = sdk(server).chat.completions.create(model="tiny", messages=USER, temperature=0,
-                                                  max_completion_tokens=4)
+    via_sdk = sdk(server).chat.completions.create(model="tiny", messages=USER, temperature=0, max_completion_tokens=4)
     assert via_sdk.usage.completion_tokens == 4
 
 
@@ -156,8 +162,9 @@ def test_max_tokens_and_max_completion_tokens(server):
 
 
 def test_logprobs_and_top_logprobs(server):
-    out = sdk(server).chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=0,
-                                              logprobs=True, top_logprobs=3)
+    out = sdk(server).chat.completions.create(
+        model="tiny", messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     choice = out.choices[0]
     content = choice.logprobs.content
     assert len(content) == out.usage.completion_tokens == 6
@@ -216,8 +223,11 @@ def test_n_streams_interleave_by_index(server):
     assert finish == {0: "length", 1: "length"}
     # interleaved, not one choice after the other
     last_zero = max(i for i, index in enumerate(order) if index == 0)
-    first_one_content = next(i for i, c in enumerate(chunks)
-                             if c["choices"][0]["index"] == 1 and c["choices"][0]["delta"].get("role") is None)
+    first_one_content = next(
+        i
+        for i, c in enumerate(chunks)
+        if c["choices"][0]["index"] == 1 and c["choices"][0]["delta"].get("role") is None
+    )
     assert first_one_content < last_zero
 
 
@@ -236,9 +246,17 @@ def test_n_with_seed(server):
 
 def test_stop(server):
     full = greedy_content(server, USER, 20)
-    k, stop = next(((k, full[k:k + 2]) for k in range(1, len(full) - 1)
-                    if full[:k + 2].isascii() and full[:k + 2].isprintable() and not full[k:k + 2].isspace()
-                    and full.find(full[k:k + 2]) == k), (None, None))
+    k, stop = next(
+        (
+            (k, full[k : k + 2])
+            for k in range(1, len(full) - 1)
+            if full[: k + 2].isascii()
+            and full[: k + 2].isprintable()
+            and not full[k : k + 2].isspace()
+            and full.find(full[k : k + 2]) == k
+        ),
+        (None, None),
+    )
     assert stop is not None, f"no usable stop string in {full!r}"
     for value in (stop, ["\u2603 never", stop]):
         choice = chat(server, messages=USER, max_tokens=20, temperature=0, stop=value)["choices"][0]
@@ -252,8 +270,13 @@ def test_seed(server):
     client = sdk(server)
 
     def sample(seed):
-        return client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=1.0, seed=seed,
-                                              extra_body={"ignore_eos": True}).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=8, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .message.content
+        )
 
     first = sample(5)
     assert sample(5) == first
@@ -262,21 +285,32 @@ def test_seed(server):
 
 def test_include_usage(server):
     n_prompt = len(prompt_tokens(server, USER))
-    chunks = list(sdk(server).chat.completions.create(model="tiny", messages=USER, max_tokens=4, temperature=0,
-                                                      stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        sdk(server).chat.completions.create(
+            model="tiny",
+            messages=USER,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     *content, last = chunks
     assert last.choices == []
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
-        n_prompt, 4, n_prompt + 4)
+        n_prompt,
+        4,
+        n_prompt + 4,
+    )
     assert all(c.usage is None for c in content)
 
-    chunks = stream_raw(server, messages=USER, n=2, max_tokens=3, temperature=0,
-                        stream_options={"include_usage": True})
+    chunks = stream_raw(server, messages=USER, n=2, max_tokens=3, temperature=0, stream_options={"include_usage": True})
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
 def test_response_format_text_accepted(server):
-    out = sdk(server).chat.completions.create(model="tiny", messages=USER, max_tokens=3, temperature=0,
-                                              response_format={"type": "text"})
+    out = sdk(server).chat.completions.create(
+        model="tiny", messages=USER, max_tokens=3, temperature=0, response_format={"type": "text"}
+    )
     assert out.choices[0].message.content == greedy_content(server, USER, 3)

@@ -23,8 +23,9 @@ TINY_PRESET = REPO / "configs" / "tiny.yaml"
 
 def run_serve(*args: str, env=None) -> subprocess.CompletedProcess:
     environ = server_environment()
-    return subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=60, cwd=REPO,
-                          env={**environ, **(env or {})})
+    return subprocess.run(
+        [*SERVE, *args], capture_output=True, text=True, timeout=60, cwd=REPO, env={**environ, **(env or {})}
+    )
 
 
 def test_help_documents_every_flag_with_its_default_and_variable():
@@ -34,22 +35,33 @@ def test_help_documents_every_flag_with_its_default_and_variable():
     for option in OPTIONS:
         assert option.flag in help_text
         assert option.env in help_text
-    for flag in ("--no-enable-prefix-caching", "--no-strict-params", "PAGEDSERVE_API_KEY", "(default: 8000;",
-                 "(default: 256;", "(default: fcfs;", "Precedence: defaults < --config"):
+    for flag in (
+        "--no-enable-prefix-caching",
+        "--no-strict-params",
+        "PAGEDSERVE_API_KEY",
+        "(default: 8000;",
+        "(default: 256;",
+        "(default: fcfs;",
+        "Precedence: defaults < --config",
+    ):
         assert flag in help_text
 
 
 def test_top_level_help_still_lists_serve_and_bench():
-    result = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, timeout=60,
-                            cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert result.returncode == 0 and "serve" in result.stdout and "bench" in result.stdout
 
 
-@pytest.mark.parametrize("args,env,expected", [
-    (["--max-num-seqs", "many"], {}, "--max-num-seqs: expected an integer, got 'many'"),
-    ([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "2"}, "PAGEDSERVE_GPU_MEMORY_UTILIZATION: Input should be less"),
-    (["--scheduling-policy", "lifo"], {}, "--scheduling-policy: expected one of fcfs, priority"),
-])
+@pytest.mark.parametrize(
+    "args,env,expected",
+    [
+        (["--max-num-seqs", "many"], {}, "--max-num-seqs: expected an integer, got 'many'"),
+        ([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "2"}, "PAGEDSERVE_GPU_MEMORY_UTILIZATION: Input should be less"),
+        (["--scheduling-policy", "lifo"], {}, "--scheduling-policy: expected one of fcfs, priority"),
+    ],
+)
 def test_a_bad_value_exits_2_with_a_clear_message_and_no_traceback(args, env, expected):
     result = run_serve(*args, env=env)
     assert result.returncode == 2
@@ -79,14 +91,18 @@ def test_a_max_model_len_over_the_models_context_exits_2_naming_the_flag_and_the
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "pagedserve serve: error: --max-model-len 99999 is larger than the model's context length, 256 (its "
-        "max_position_embeddings): give 256 or less, or none for the model's own")
+        "max_position_embeddings): give 256 or less, or none for the model's own"
+    )
     assert "Traceback" not in result.stderr and "cannot load the model" not in result.stderr
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--attention-backend", "flash"], "attention backend 'flash' cannot run here"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 runs on CUDA only"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--attention-backend", "flash"], "attention backend 'flash' cannot run here"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 runs on CUDA only"),
+    ],
+)
 def test_settings_that_cannot_run_here_exit_2_as_a_bad_flag(tiny_model_dir, args, expected):
     result = run_serve("--model", str(tiny_model_dir), "--port", "0", *args)
     assert result.returncode == 2, result.stderr
@@ -100,14 +116,19 @@ def test_a_misspelled_variable_gets_a_warning_naming_the_setting_it_resembles():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_serve("--port", str(port), "--model", "/nonexistent",
-                           env={"PAGEDSERVE_PROT": "8011", "PAGEDSERVE_CACHE_DIR": "/somewhere",
-                                "PAGEDSERVE_IMAGE": "pagedserve:cpu"})
+        result = run_serve(
+            "--port",
+            str(port),
+            "--model",
+            "/nonexistent",
+            env={"PAGEDSERVE_PROT": "8011", "PAGEDSERVE_CACHE_DIR": "/somewhere", "PAGEDSERVE_IMAGE": "pagedserve:cpu"},
+        )
     assert result.returncode == 1, result.stderr
     warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
     assert len(warnings) == 1, result.stderr  # the allowed variables pass silently
-    assert warnings[0].endswith("server.config.settings: PAGEDSERVE_PROT is not a pagedserve setting, ignored "
-                                "(did you mean PAGEDSERVE_PORT?)")
+    assert warnings[0].endswith(
+        "server.config.settings: PAGEDSERVE_PROT is not a pagedserve setting, ignored (did you mean PAGEDSERVE_PORT?)"
+    )
 
 
 def test_ready_message_has_a_working_curl_line_and_never_a_key():
@@ -144,9 +165,21 @@ def test_serve_starts_on_a_free_port_and_prints_it_once_ready(tmp_path, tiny_mod
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(
-            [*SERVE, "--config", str(TINY_PRESET), "--model", str(tiny_model_dir), "--served-model-name", "tiny",
-             "--log-level", "debug"],
-            stdout=out, stderr=err, env=environ, cwd=REPO,
+            [
+                *SERVE,
+                "--config",
+                str(TINY_PRESET),
+                "--model",
+                str(tiny_model_dir),
+                "--served-model-name",
+                "tiny",
+                "--log-level",
+                "debug",
+            ],
+            stdout=out,
+            stderr=err,
+            env=environ,
+            cwd=REPO,
         )
     try:
         printed = _wait_for(stdout, "curl ", process, timeout=120)

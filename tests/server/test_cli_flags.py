@@ -42,25 +42,57 @@ def make_self_signed(directory: Path) -> tuple[Path, Path]:
     except ImportError:
         if shutil.which("openssl") is None:
             pytest.skip("neither the cryptography package nor openssl: no certificate to test HTTPS with")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
-                        "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+                "-days",
+                "2",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         return cert, key
     import ipaddress
 
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
-                   .not_valid_after(now + datetime.timedelta(days=2))
-                   .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                               x509.DNSName("localhost")]), critical=False)
-                   .sign(private, hashes.SHA256()))
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
+        .sign(private, hashes.SHA256())
+    )
     cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return cert, key
 
 
@@ -92,19 +124,47 @@ def flagged(tmp_path_factory, tiny_model_dir):
     master, slave = pty.openpty()
     with stderr.open("w") as err:
         process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--config", str(REPO / "configs" / "tiny.yaml"),
-             "--model", str(tiny_model_dir), "--served-model-name", "org/tiny", "--port", "0",
-             "--api-key", KEY, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--root-path", "/llm",
-             "--chat-template", str(template), "--max-logprobs", "3", "--enable-log-requests"],
-            stdout=slave, stderr=err, env=env, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--config",
+                str(REPO / "configs" / "tiny.yaml"),
+                "--model",
+                str(tiny_model_dir),
+                "--served-model-name",
+                "org/tiny",
+                "--port",
+                "0",
+                "--api-key",
+                KEY,
+                "--ssl-certfile",
+                str(cert),
+                "--ssl-keyfile",
+                str(key),
+                "--root-path",
+                "/llm",
+                "--chat-template",
+                str(template),
+                "--max-logprobs",
+                "3",
+                "--enable-log-requests",
+            ],
+            stdout=slave,
+            stderr=err,
+            env=env,
+            cwd=REPO,
+        )
     os.close(slave)
     try:
         printed = _read_terminal(master, process, "curl ", timeout=120)
         assert "curl " in printed, stderr.read_text()
         curl = next(line.strip() for line in printed.splitlines() if line.strip().startswith("curl "))
         url = printed.split(" at ", 1)[1].split("/v1", 1)[0]
-        client = httpx.Client(base_url=url, verify=trusting(cert), headers={"Authorization": f"Bearer {KEY}"},
-                              timeout=60)
+        client = httpx.Client(
+            base_url=url, verify=trusting(cert), headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        )
         yield {"url": url, "curl": curl, "printed": printed, "cert": cert, "stderr": stderr, "client": client}
         client.close()
     finally:
@@ -142,8 +202,12 @@ def test_root_path_keeps_authentication_and_serves_the_prefixed_schema(flagged):
 
 
 def test_sdk_retrieves_a_model_whose_id_has_a_slash(flagged):
-    sdk = openai.OpenAI(base_url=f"{flagged['url']}/v1", api_key=KEY, max_retries=0,
-                        http_client=httpx.Client(verify=trusting(flagged["cert"])))
+    sdk = openai.OpenAI(
+        base_url=f"{flagged['url']}/v1",
+        api_key=KEY,
+        max_retries=0,
+        http_client=httpx.Client(verify=trusting(flagged["cert"])),
+    )
     assert sdk.models.retrieve("org/tiny").id == "org/tiny"
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("org/other")
@@ -153,8 +217,9 @@ def test_max_logprobs_refuses_more_naming_the_field(flagged):
     client = flagged["client"]
     ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 3})
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 3
-    error = assert_error(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 4}),
-                         400, "logprobs")
+    error = assert_error(
+        client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 4}), 400, "logprobs"
+    )
     assert "--max-logprobs 3" in error["message"]
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 4}
     assert_error(client.post("/v1/chat/completions", json=chat), 400, "top_logprobs")

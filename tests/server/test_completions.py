@@ -102,11 +102,15 @@ def test_async_sdk_concurrent_requests(server):
 
     async def main():
         async with async_sdk(server) as client:
-            outs = await asyncio.gather(*(
-                client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
-                for p in (PROMPT, OTHER_PROMPT, "Once upon a time")))
-            stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
-                                                     stream=True)
+            outs = await asyncio.gather(
+                *(
+                    client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
+                    for p in (PROMPT, OTHER_PROMPT, "Once upon a time")
+                )
+            )
+            stream = await client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True
+            )
             streamed = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
         return [o.choices[0].text for o in outs], streamed
 
@@ -117,8 +121,16 @@ def test_async_sdk_concurrent_requests(server):
 
 def test_sdk_streaming_matches_non_streaming(server):
     expected = greedy_text(server, PROMPT, 10)
-    chunks = list(sdk(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        sdk(server).completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     content = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in content) == expected
     assert content[-1].choices[0].finish_reason == "length"
@@ -191,8 +203,7 @@ def test_logprobs_alternatives(server, k):
 
 def test_logprobs_token_strings_and_offsets(server):
     (underscore,) = token_ids(server, "_")
-    out = complete(server, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
-                   logit_bias={str(underscore): 100})
+    out = complete(server, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, logit_bias={str(underscore): 100})
     choice = out["choices"][0]
     assert choice["text"] == "____"
     assert choice["logprobs"]["tokens"] == ["_"] * 4
@@ -265,7 +276,7 @@ def test_echo_prompt_logprobs_are_the_models(server):
     prefix = token_ids(server, "Café")
     generated = complete(server, prompt=prefix, max_tokens=1, temperature=0, logprobs=0)["choices"][0]
     ids = token_ids(server, "Café" + generated["text"])
-    assert ids[:len(prefix)] == prefix and len(ids) == len(prefix) + 1, "precondition: re-tokenizes alike"
+    assert ids[: len(prefix)] == prefix and len(ids) == len(prefix) + 1, "precondition: re-tokenizes alike"
     back = complete(server, prompt=ids, max_tokens=1, temperature=0, logprobs=0, echo=True)["choices"][0]
     scored = back["logprobs"]["token_logprobs"][len(prefix)]
     assert scored == pytest.approx(generated["logprobs"]["token_logprobs"][0], abs=1e-4)
@@ -303,8 +314,8 @@ def test_echo_logprobs_of_a_cached_prompt(server):
 def _stop_candidate(text: str) -> tuple[int, str]:
     """A 2-character stop string first found at k >= 1, with only printable ASCII up to it."""
     for k in range(1, len(text) - 1):
-        candidate = text[k:k + 2]
-        prefix = text[:k + 2]
+        candidate = text[k : k + 2]
+        prefix = text[: k + 2]
         if prefix.isascii() and prefix.isprintable() and not candidate.isspace() and text.find(candidate) == k:
             return k, candidate
     pytest.fail(f"no usable stop string in {text!r}")
@@ -325,7 +336,7 @@ def test_stop_strings(server):
     assert (choice["text"], choice["finish_reason"]) == (full[:k], "stop")
 
     choice = complete(server, stop=[stop], include_stop_str_in_output=True, **base)["choices"][0]
-    assert (choice["text"], choice["finish_reason"]) == (full[:k + 2], "stop")
+    assert (choice["text"], choice["finish_reason"]) == (full[: k + 2], "stop")
 
     chunks = stream_raw(server, stop=stop, **base)
     assert "".join(c["choices"][0]["text"] for c in chunks) == full[:k]
@@ -342,8 +353,9 @@ def test_seed_reproducibility(server):
     body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
     one = complete(server, seed=1234, **body)["choices"][0]["text"]
     assert complete(server, seed=1234, **body)["choices"][0]["text"] == one
-    via_sdk = sdk(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1234,
-                                             extra_body={"ignore_eos": True})
+    via_sdk = sdk(server).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1234, extra_body={"ignore_eos": True}
+    )
     assert via_sdk.choices[0].text == one
     other = complete(server, seed=4321, **body)["choices"][0]["text"]
     assert other != one
@@ -365,8 +377,9 @@ def test_include_usage_final_chunk(server):
     without = stream_raw(server, prompt=PROMPT, max_tokens=5, temperature=0)
     assert all(c["choices"] and c["usage"] is None for c in without)
 
-    chunks = stream_raw(server, prompt=[PROMPT, OTHER_PROMPT], n=2, max_tokens=3, temperature=0,
-                        stream_options={"include_usage": True})
+    chunks = stream_raw(
+        server, prompt=[PROMPT, OTHER_PROMPT], n=2, max_tokens=3, temperature=0, stream_options={"include_usage": True}
+    )
     assert chunks[-1]["usage"]["completion_tokens"] == 12
 
 
@@ -392,14 +405,31 @@ def test_sse_framing_and_stream_equals_non_stream(server):
 
 
 def test_vllm_extras_accepted(server):
-    out = complete(server, prompt=PROMPT, max_tokens=4, temperature=0.8, seed=3, top_k=20, min_p=0.05,
-                   repetition_penalty=1.1, min_tokens=2, ignore_eos=False, stop_token_ids=[7],
-                   skip_special_tokens=True, include_stop_str_in_output=False, spaces_between_special_tokens=True,
-                   priority=0, presence_penalty=0.5, frequency_penalty=0.5, user="someone")
+    out = complete(
+        server,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0.8,
+        seed=3,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        min_tokens=2,
+        ignore_eos=False,
+        stop_token_ids=[7],
+        skip_special_tokens=True,
+        include_stop_str_in_output=False,
+        spaces_between_special_tokens=True,
+        priority=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        user="someone",
+    )
     assert out["choices"][0]["finish_reason"] in ("length", "stop")
     client = sdk(server)
-    via_sdk = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
-                                        extra_body={"top_k": 5, "min_tokens": 1})
+    via_sdk = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"top_k": 5, "min_tokens": 1}
+    )
     assert via_sdk.choices[0].text == greedy_text(server, PROMPT, 3)
     with pytest.raises(openai.BadRequestError) as info:  # fcfs server: a priority would be ignored
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"priority": 1})
@@ -423,8 +453,15 @@ def test_eos_handling_ignore_eos_min_tokens_skip_special_tokens(server):
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 5
     assert out["choices"][0]["text"] == ""  # special tokens skipped by default
 
-    out = complete(server, prompt=PROMPT, max_tokens=5, temperature=0, logit_bias=force_eos, ignore_eos=True,
-                   skip_special_tokens=False)
+    out = complete(
+        server,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logit_bias=force_eos,
+        ignore_eos=True,
+        skip_special_tokens=False,
+    )
     assert out["choices"][0]["text"] == "<|im_end|>" * 5
 
     out = complete(server, prompt=PROMPT, max_tokens=8, temperature=0, logit_bias=force_eos, min_tokens=3)
@@ -509,10 +546,12 @@ def test_openapi_does_not_declare_422(server):
 def test_streamed_usage_reports_cached_prompt_tokens_like_the_response(server):
     prompt = "A prompt long enough to fill a few KV blocks of the prefix cache, said twice."
     stream_raw(server, prompt=prompt, max_tokens=2, temperature=0)  # its blocks are now cached
-    streamed = stream_raw(server, prompt=prompt, max_tokens=2, temperature=0,
-                          stream_options={"include_usage": True})[-1]["usage"]
+    streamed = stream_raw(server, prompt=prompt, max_tokens=2, temperature=0, stream_options={"include_usage": True})[
+        -1
+    ]["usage"]
     with server.client() as c:
-        whole = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
-                                                "temperature": 0}).json()["usage"]
+        whole = c.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        ).json()["usage"]
     assert streamed["prompt_tokens_details"]["cached_tokens"] > 0
     assert streamed == whole

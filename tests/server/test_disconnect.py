@@ -58,8 +58,9 @@ def assert_gauges_reach_zero(server, timeout: float = 5.0) -> None:
 
 def assert_still_serves(server) -> None:
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=30) as client:
-        response = client.completions.create(model=MODEL, prompt=prompt_ids(5, 60), max_tokens=3,
-                                             extra_body={"ignore_eos": True})
+        response = client.completions.create(
+            model=MODEL, prompt=prompt_ids(5, 60), max_tokens=3, extra_body={"ignore_eos": True}
+        )
     assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 3
 
 
@@ -77,10 +78,18 @@ def test_streams_closed_after_first_chunk_are_aborted(server):
 
     async def scenario() -> tuple[int, float]:
         async with async_client(server) as client:
-            streams = await asyncio.gather(*(
-                client.completions.create(model=MODEL, prompt=prompt_ids(8, 20 + 10 * i), max_tokens=LONG,
-                                          stream=True, extra_body={"ignore_eos": True})
-                for i in range(NUM_STREAMS)))
+            streams = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=MODEL,
+                        prompt=prompt_ids(8, 20 + 10 * i),
+                        max_tokens=LONG,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(NUM_STREAMS)
+                )
+            )
             for stream in streams:
                 first = await anext(aiter(stream))
                 assert first.choices[0].finish_reason is None
@@ -135,8 +144,13 @@ def test_chat_stream_with_three_choices_closed_early_is_aborted(server):
     async def scenario() -> tuple[int, float]:
         async with async_client(server) as client:
             stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Tell me a long story"}], n=3, max_tokens=LONG,
-                stream=True, extra_body={"ignore_eos": True})
+                model=MODEL,
+                messages=[{"role": "user", "content": "Tell me a long story"}],
+                n=3,
+                max_tokens=LONG,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             async for chunk in stream:  # the role chunks come first; wait for generated text
                 if chunk.choices and chunk.choices[0].delta.content:
                     break
@@ -158,8 +172,10 @@ def test_client_gone_before_first_token_leaves_nothing(server, stream):
     before = successes(server)
     body = {"model": MODEL, "prompt": prompt_ids(40, 300), "max_tokens": LONG, "ignore_eos": True, "stream": stream}
     try:
-        with (httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.05)) as http,
-              http.stream("POST", "/v1/completions", json=body) as response):
+        with (
+            httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.05)) as http,
+            http.stream("POST", "/v1/completions", json=body) as response,
+        ):
             response.close()
     except httpx.ReadTimeout:
         pass
@@ -172,8 +188,12 @@ def http_requests(server, route: str) -> float:
     """pagedserve_http_requests_total for `route`, summed over status codes."""
     with server.client() as http:
         text = http.get("/metrics").text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "pagedserve_http_requests_total" and sample.labels.get("route") == route)
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pagedserve_http_requests_total" and sample.labels.get("route") == route
+    )
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
@@ -193,13 +213,22 @@ def test_a_stream_whose_client_left_before_the_headers_is_aborted(server, monkey
     body = {"model": MODEL, "max_tokens": 30, "stream": True, "ignore_eos": True, "n": 3, "request_id": "left-early"}
     body.update({"messages": [{"role": "user", "content": "Hi"}]} if "chat" in route else {"prompt": "Hi"})
     if route == "/v1/responses":  # one output, its own names
-        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 30, "stream": True, "ignore_eos": True,
-                "request_id": "left-early"}
+        body = {
+            "model": MODEL,
+            "input": "Hi",
+            "max_output_tokens": 30,
+            "stream": True,
+            "ignore_eos": True,
+            "request_id": "left-early",
+        }
     payload = json.dumps(body).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        sock.sendall(
+            f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
     deadline = time.monotonic() + 10
     while http_requests(server, route) == before_requests:  # the server has handled (and logged) it
         assert time.monotonic() < deadline, "the server never logged the request"

@@ -16,8 +16,13 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 503: "service_unavailable_error"}
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    503: "service_unavailable_error",
+}
 ANY = object()
 
 
@@ -89,8 +94,9 @@ COMPLETION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fields, param", COMPLETION_CASES, ids=[f"{p}-{i}" for i, (_, p) in
-                                                                  enumerate(COMPLETION_CASES)])
+@pytest.mark.parametrize(
+    "fields, param", COMPLETION_CASES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(COMPLETION_CASES)]
+)
 def test_completion_bad_parameter(server, fields, param):
     error = assert_error(post(server, COMPLETIONS, {"model": "tiny", "prompt": "Hello", **fields}), 400, param)
     assert param in error["message"]
@@ -168,44 +174,65 @@ UNSUPPORTED_CASES = [
 
 @pytest.mark.parametrize("fields, param", UNSUPPORTED_CASES, ids=[p for _, p in UNSUPPORTED_CASES])
 def test_chat_unsupported_feature(server, fields, param):
-    error = assert_error(post(server, CHAT, {"model": "tiny", "messages": MESSAGES, **fields}), 400, param,
-                         "unsupported_parameter")
+    error = assert_error(
+        post(server, CHAT, {"model": "tiny", "messages": MESSAGES, **fields}), 400, param, "unsupported_parameter"
+    )
     assert param in error["message"]
 
 
-@pytest.mark.parametrize("part", [
-    {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}},
-    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
-], ids=["image", "audio"])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/cat.png"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    ],
+    ids=["image", "audio"],
+)
 def test_chat_non_text_content_part(server, part):
     messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
-    error = assert_error(post(server, CHAT, {"model": "tiny", "messages": messages}), 400, "messages[0].content[1]",
-                         "unsupported_parameter")
+    error = assert_error(
+        post(server, CHAT, {"model": "tiny", "messages": messages}),
+        400,
+        "messages[0].content[1]",
+        "unsupported_parameter",
+    )
     assert part["type"] in error["message"]
 
 
 # ------------------------------------------------------------------ model, context length
 
 
-@pytest.mark.parametrize("path, body", [
-    (COMPLETIONS, {"prompt": "Hello"}),
-    (CHAT, {"messages": MESSAGES}),
-    (COMPLETIONS, {"prompt": "Hello", "stream": True}),
-    ("/tokenize", {"prompt": "Hello"}),
-    ("/detokenize", {"tokens": [1, 2]}),
-], ids=["completions", "chat", "stream", "tokenize", "detokenize"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (COMPLETIONS, {"prompt": "Hello"}),
+        (CHAT, {"messages": MESSAGES}),
+        (COMPLETIONS, {"prompt": "Hello", "stream": True}),
+        ("/tokenize", {"prompt": "Hello"}),
+        ("/detokenize", {"tokens": [1, 2]}),
+    ],
+    ids=["completions", "chat", "stream", "tokenize", "detokenize"],
+)
 def test_unknown_model_is_404(server, path, body):
     error = assert_error(post(server, path, {"model": "gpt-nonexistent", **body}), 404, "model", "model_not_found")
     assert "gpt-nonexistent" in error["message"]
 
 
 def test_context_length_exceeded(server):
-    error = assert_error(post(server, COMPLETIONS, {"model": "tiny", "prompt": [5] * 200, "max_tokens": 100}),
-                         400, "max_tokens", "context_length_exceeded")
+    error = assert_error(
+        post(server, COMPLETIONS, {"model": "tiny", "prompt": [5] * 200, "max_tokens": 100}),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    )
     assert all(number in error["message"] for number in ("256", "200", "100"))
 
-    error = assert_error(post(server, COMPLETIONS, {"model": "tiny", "prompt": [5] * 300, "max_tokens": 1}),
-                         400, "prompt", "context_length_exceeded")
+    error = assert_error(
+        post(server, COMPLETIONS, {"model": "tiny", "prompt": [5] * 300, "max_tokens": 1}),
+        400,
+        "prompt",
+        "context_length_exceeded",
+    )
     assert "256" in error["message"] and "300" in error["message"]
 
     # refused before a stream starts: a plain JSON 400, not an event stream
@@ -214,8 +241,12 @@ def test_context_length_exceeded(server):
 
     with server.client() as c:
         n_prompt = c.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
-    error = assert_error(post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "max_tokens": 250}),
-                         400, "max_tokens", "context_length_exceeded")
+    error = assert_error(
+        post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "max_tokens": 250}),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    )
     assert str(n_prompt) in error["message"] and "250" in error["message"] and "256" in error["message"]
 
     # exactly at the limit is fine
@@ -226,22 +257,33 @@ def test_context_length_exceeded(server):
 # ------------------------------------------------------------------ unknown fields
 
 
-@pytest.mark.parametrize("path, body", [
-    (COMPLETIONS, {"prompt": "Hello"}),
-    (CHAT, {"messages": MESSAGES}),
-], ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (COMPLETIONS, {"prompt": "Hello"}),
+        (CHAT, {"messages": MESSAGES}),
+    ],
+    ids=["completions", "chat"],
+)
 def test_unknown_fields_accepted_by_default(server, path, body):
     response = post(server, path, {"model": "tiny", "max_tokens": 2, "not_a_real_field": 1, **body})
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("path, body", [
-    (COMPLETIONS, {"prompt": "Hello"}),
-    (CHAT, {"messages": MESSAGES}),
-], ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (COMPLETIONS, {"prompt": "Hello"}),
+        (CHAT, {"messages": MESSAGES}),
+    ],
+    ids=["completions", "chat"],
+)
 def test_unknown_fields_refused_when_strict(strict_server, path, body):
-    error = assert_error(post(strict_server, path, {"model": "tiny", "max_tokens": 2, "not_a_real_field": 1, **body}),
-                         400, "not_a_real_field")
+    error = assert_error(
+        post(strict_server, path, {"model": "tiny", "max_tokens": 2, "not_a_real_field": 1, **body}),
+        400,
+        "not_a_real_field",
+    )
     assert "not_a_real_field" in error["message"]
     # known fields, vLLM's extras included, still pass
     response = post(strict_server, path, {"model": "tiny", "max_tokens": 2, "top_k": 3, "ignore_eos": True, **body})
@@ -251,8 +293,11 @@ def test_unknown_fields_refused_when_strict(strict_server, path, body):
 # ------------------------------------------------------------------ HTTP-level errors
 
 
-@pytest.mark.parametrize("content", [b'{"model": "tiny", "prompt": "x",', b"not json", b"[1, 2]", b""],
-                         ids=["truncated", "garbage", "array", "empty"])
+@pytest.mark.parametrize(
+    "content",
+    [b'{"model": "tiny", "prompt": "x",', b"not json", b"[1, 2]", b""],
+    ids=["truncated", "garbage", "array", "empty"],
+)
 def test_malformed_body(server, content):
     with server.client() as c:
         response = c.post(COMPLETIONS, content=content, headers={"content-type": "application/json"})
@@ -296,13 +341,21 @@ def test_sdk_raises_typed_errors(server):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="nope", messages=MESSAGES)
     assert info.value.status_code == 404
-    assert info.value.body == {"message": info.value.body["message"], "type": "not_found_error", "param": "model",
-                               "code": "model_not_found"}
+    assert info.value.body == {
+        "message": info.value.body["message"],
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True,
-                                       tools=[{"type": "function", "function": {"name": "f"}}],
-                                       tool_choice={"type": "function", "function": {"name": "g"}})
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            stream=True,
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        )
     assert info.value.body["param"] == "tool_choice"
 
 
@@ -321,15 +374,27 @@ def test_chat_max_completion_tokens_names_itself(server):
 
 def test_chat_refusals_name_chat_fields(server):
     """Refusals found after the sampling parameters (context length) name the fields chat has."""
-    error = assert_error(post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": 250}),
-                         400, "max_completion_tokens", "context_length_exceeded")
+    error = assert_error(
+        post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": 250}),
+        400,
+        "max_completion_tokens",
+        "context_length_exceeded",
+    )
     assert "max_completion_tokens" in error["message"] and "max_tokens" not in error["message"].replace(
-        "max_completion_tokens", "")
+        "max_completion_tokens", ""
+    )
     long_messages = [{"role": "user", "content": "hello " * 400}]
-    assert_error(post(server, CHAT, {"model": "tiny", "messages": long_messages, "max_tokens": 1}),
-                 400, "messages", "context_length_exceeded")
-    error = assert_error(post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "logprobs": True,
-                                             "top_logprobs": 21}), 400, "top_logprobs")
+    assert_error(
+        post(server, CHAT, {"model": "tiny", "messages": long_messages, "max_tokens": 1}),
+        400,
+        "messages",
+        "context_length_exceeded",
+    )
+    error = assert_error(
+        post(server, CHAT, {"model": "tiny", "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}),
+        400,
+        "top_logprobs",
+    )
     assert "top_logprobs" in error["message"]
 
 
@@ -340,8 +405,13 @@ def test_wrongly_typed_value_is_not_coerced(server, field, value):
 
 
 def test_continuous_usage_stats_puts_usage_on_every_chunk(server):
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": "tiny",
+        "prompt": "Hello",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     with server.client() as c:
         response = c.post(COMPLETIONS, json=body)
     frames = [f for f in response.text.split("\n\n") if f.startswith("data: {")]

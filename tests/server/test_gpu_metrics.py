@@ -19,8 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler import SchedulerStats
 from server.config.server_config import ServerConfig
-from server.observability.gpu_monitor import (CudaDevice, GpuMonitor, cuda_devices, nvml_uuid, start_gpu_monitor,
-                                visible_nvml_index)
+from server.observability.gpu_monitor import (
+    CudaDevice,
+    GpuMonitor,
+    cuda_devices,
+    nvml_uuid,
+    start_gpu_monitor,
+    visible_nvml_index,
+)
 from server.observability.metrics import ServerMetrics, cache_info
 from tests.promtool import check_metrics
 from tests.server.conftest import start_server
@@ -59,8 +65,15 @@ class FakeNvml:
     def module(self) -> ModuleType:
         module = ModuleType("pynvml")
         module.NVMLError = NVMLError
-        for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByIndex",
-                     "nvmlDeviceGetIndex", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo"):
+        for name in (
+            "nvmlInit",
+            "nvmlShutdown",
+            "nvmlDeviceGetHandleByUUID",
+            "nvmlDeviceGetHandleByIndex",
+            "nvmlDeviceGetIndex",
+            "nvmlDeviceGetUtilizationRates",
+            "nvmlDeviceGetMemoryInfo",
+        ):
             setattr(module, name, self._recorded(name, getattr(self, name)))
         return module
 
@@ -68,6 +81,7 @@ class FakeNvml:
         def call(*args):
             self.calls.append((name, threading.current_thread().name))
             return function(*args)
+
         return call
 
     def nvmlInit(self):
@@ -111,11 +125,21 @@ def four_gpus() -> FakeNvml:
 
 
 def make_metrics(model_name: str = "tiny") -> ServerMetrics:
-    stats = SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_preemptions=0,
-                           prefix_cache_queries=0, prefix_cache_hits=0)
-    return ServerMetrics(model_name, lambda: stats, cache_info(
-        num_blocks=8, block_size=16, enable_prefix_caching=True, dtype="bfloat16", attention_backend="flash",
-        max_model_len=128))
+    stats = SchedulerStats(
+        num_running=0, num_waiting=0, kv_cache_usage=0.0, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0
+    )
+    return ServerMetrics(
+        model_name,
+        lambda: stats,
+        cache_info(
+            num_blocks=8,
+            block_size=16,
+            enable_prefix_caching=True,
+            dtype="bfloat16",
+            attention_backend="flash",
+            max_model_len=128,
+        ),
+    )
 
 
 def gpu_samples(text: str) -> dict[str, dict[str, float]]:
@@ -148,6 +172,7 @@ def monitor_of():
 
 # ---------------------------------------------------------------------------------------------- exposition
 
+
 def test_families_names_types_labels_values_and_promtool(monitor_of):
     fake = four_gpus()
     metrics = make_metrics()
@@ -158,10 +183,11 @@ def test_families_names_types_labels_values_and_promtool(monitor_of):
         "pagedserve_gpu_memory_used_bytes": {"2": 2 * GIB, "3": 3 * GIB},
         "pagedserve_gpu_memory_total_bytes": {"2": 141 * GIB, "3": 141 * GIB},
     }
-    assert '# TYPE pagedserve_gpu_memory_total_bytes gauge' in text
+    assert "# TYPE pagedserve_gpu_memory_total_bytes gauge" in text
     result = check_metrics(text)
-    assert result.returncode == 0 and result.stdout.strip() == result.stderr.strip() == "", \
+    assert result.returncode == 0 and result.stdout.strip() == result.stderr.strip() == "", (
         f"promtool check metrics:\n{result.stdout}{result.stderr}"
+    )
 
 
 def test_no_monitor_no_families():
@@ -185,11 +211,14 @@ def test_only_utilization_unsupported_everywhere_drops_that_family(monitor_of):
     fake = FakeNvml([FakeGpu("GPU-a", utilization_supported=False)])
     metrics = make_metrics()
     metrics.gpu_monitor = monitor_of(fake, [CudaDevice(0, "GPU-a")])
-    assert set(gpu_samples(metrics.render().decode())) == {"pagedserve_gpu_memory_used_bytes",
-                                                          "pagedserve_gpu_memory_total_bytes"}
+    assert set(gpu_samples(metrics.render().decode())) == {
+        "pagedserve_gpu_memory_used_bytes",
+        "pagedserve_gpu_memory_total_bytes",
+    }
 
 
 # ---------------------------------------------------------------------------------------------- sampling
+
 
 def test_a_scrape_calls_no_nvml(monitor_of):
     fake = four_gpus()
@@ -211,7 +240,7 @@ def test_the_sampler_thread_reads_every_period_and_scrapes_see_it(monitor_of):
     while gpu_samples(metrics.render().decode())["pagedserve_gpu_memory_used_bytes"]["1"] != 7 * GIB:
         assert time.monotonic() < deadline, "the sampler thread did not take a new reading"
         time.sleep(0.01)
-    later = [thread for name, thread in fake.calls[fake.calls.index(("nvmlDeviceGetMemoryInfo", "MainThread")) + 1:]]
+    later = [thread for name, thread in fake.calls[fake.calls.index(("nvmlDeviceGetMemoryInfo", "MainThread")) + 1 :]]
     assert later and set(later) == {"gpu-metrics"}
 
 
@@ -245,6 +274,7 @@ def test_a_sampler_failure_outside_nvml_drops_the_families_instead_of_freezing_t
 
 
 # ---------------------------------------------------------------------------------------------- off, and why
+
 
 def test_nvml_init_failure_means_no_families_and_one_log_line(caplog):
     fake = FakeNvml([FakeGpu("GPU-a")], init_error=True)
@@ -294,6 +324,7 @@ def test_no_known_device_means_no_monitor_and_nvml_shut_down(caplog):
 
 # ---------------------------------------------------------------------------------------------- which GPU
 
+
 def test_the_uuid_names_the_nvml_device_whatever_the_ordinal(monitor_of):
     fake = four_gpus()
     monitor = monitor_of(fake, [CudaDevice(0, "GPU-3000-aaaa")], environ={"CUDA_VISIBLE_DEVICES": "3"})
@@ -312,10 +343,19 @@ def test_an_unknown_uuid_falls_back_to_cuda_visible_devices(monitor_of):
     assert monitor.gpus == ("2",)
 
 
-@pytest.mark.parametrize("ordinal, visible, expected", [
-    (0, None, 0), (3, None, 3), (0, "2,3", 2), (1, " 2, 3 ", 3), (2, "2,3", None),
-    (0, "GPU-8f2e,1", None), (1, "1,foo,2", None), (0, "1,foo,2", 1),
-])
+@pytest.mark.parametrize(
+    "ordinal, visible, expected",
+    [
+        (0, None, 0),
+        (3, None, 3),
+        (0, "2,3", 2),
+        (1, " 2, 3 ", 3),
+        (2, "2,3", None),
+        (0, "GPU-8f2e,1", None),
+        (1, "1,foo,2", None),
+        (0, "1,foo,2", 1),
+    ],
+)
 def test_visible_nvml_index(ordinal, visible, expected):
     assert visible_nvml_index(ordinal, visible) == expected
 
@@ -327,6 +367,7 @@ def test_nvml_uuid_spelling():
 
 
 # ---------------------------------------------------------------------------------------------- the app
+
 
 def test_cpu_server_exports_no_gpu_family(server):
     with server.client() as http:

@@ -64,8 +64,13 @@ class StreamingLoad:
 
     async def _consume(self, client: httpx.AsyncClient, i: int) -> None:
         start = 20 + PROMPT_LEN * i
-        body = {"model": MODEL, "prompt": list(range(start, start + PROMPT_LEN)), "max_tokens": LONG,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": list(range(start, start + PROMPT_LEN)),
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
@@ -100,8 +105,10 @@ def probe_health_under_load(server, min_steps: int, budget: float, window: float
     assert not load.errors, load.errors
     assert statuses == [200] * len(statuses)
     slow = [round(t * 1000, 1) for t in latencies if t >= budget]
-    assert not slow, (f"/health over {budget * 1000:.0f} ms under load: {slow} ms "
-                      f"({len(slow)} of {len(latencies)} probes, {steps_during} engine steps)")
+    assert not slow, (
+        f"/health over {budget * 1000:.0f} ms under load: {slow} ms "
+        f"({len(slow)} of {len(latencies)} probes, {steps_during} engine steps)"
+    )
     # the probes overlapped the compute: nothing had finished and the engine kept stepping
     assert len(latencies) >= MIN_PROBES, f"only {len(latencies)} probes before a request finished"
     assert steps_during >= min_steps, steps_during

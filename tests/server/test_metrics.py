@@ -79,8 +79,9 @@ class Scrape:
     def get(self, name: str, default: float | None = None, **labels: str) -> float:
         """The value of the one sample `name` whose labels include model_name="tiny" and `labels`."""
         wanted = {"model_name": MODEL, **labels}
-        found = [s.value for s in self.samples
-                 if s.name == name and all(s.labels.get(k) == v for k, v in wanted.items())]
+        found = [
+            s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in wanted.items())
+        ]
         if not found:
             if default is not None:
                 return default
@@ -128,19 +129,30 @@ def workload(fresh) -> Workload:
                 assert response.usage.prompt_tokens == len(prompt)
                 assert response.usage.completion_tokens == GEN_TOKENS
                 assert response.choices[0].finish_reason == "length"
-        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                              max_tokens=CHAT_MAX_TOKENS, extra_body={"ignore_eos": True})
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hello there"}],
+            max_tokens=CHAT_MAX_TOKENS,
+            extra_body={"ignore_eos": True},
+        )
         assert chat.choices[0].finish_reason == "length"
         assert chat.usage.completion_tokens == CHAT_MAX_TOKENS
-        counted = http.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}]})
+        counted = http.post(
+            "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}]}
+        )
         assert counted.json()["count"] == chat.usage.prompt_tokens
         with pytest.raises(openai.BadRequestError):  # prompt + max_tokens over the 256-token context
             client.completions.create(model=MODEL, prompt=prompt_ids(10), max_tokens=1000)
         fresh.wait_idle()
         after = scrape(http)
 
-        body = {"model": MODEL, "prompt": prompt_ids(ABORTED_PROMPT_LENGTH, start=400),
-                "max_tokens": ABORTED_MAX_TOKENS, "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": prompt_ids(ABORTED_PROMPT_LENGTH, start=400),
+            "max_tokens": ABORTED_MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             next(line for line in response.iter_lines() if line.startswith("data: {"))
@@ -154,9 +166,14 @@ def test_warm_up_generation_is_not_counted_as_a_request(workload):
     """The lifespan's warm-up runs through the engine (steps are counted) but is no request."""
     before = workload.before
     assert before.get("pagedserve_iteration_tokens_count") > 0  # the warm-up's steps
-    for name in ("pagedserve_prompt_tokens_total", "pagedserve_generation_tokens_total",
-                 "pagedserve_request_success_total", "pagedserve_request_prompt_tokens_count",
-                 "pagedserve_e2e_request_latency_seconds_count", "pagedserve_time_to_first_token_seconds_count"):
+    for name in (
+        "pagedserve_prompt_tokens_total",
+        "pagedserve_generation_tokens_total",
+        "pagedserve_request_success_total",
+        "pagedserve_request_prompt_tokens_count",
+        "pagedserve_e2e_request_latency_seconds_count",
+        "pagedserve_time_to_first_token_seconds_count",
+    ):
         assert before.get(name, default=0.0) == 0, name
     assert not [s for s in before.samples if s.name == "pagedserve_http_requests_total"]
 
@@ -168,8 +185,9 @@ def test_token_and_request_counters_are_exact(workload):
     assert after.get("pagedserve_prompt_tokens_total") == prompt_total
     assert after.get("pagedserve_generation_tokens_total") == generation_total
     assert after.get("pagedserve_request_success_total", finished_reason="length") == NUM_FINISHED
-    assert {s.labels["finished_reason"] for s in after.samples if s.name == "pagedserve_request_success_total"} \
-        == {"length"}
+    assert {s.labels["finished_reason"] for s in after.samples if s.name == "pagedserve_request_success_total"} == {
+        "length"
+    }
     assert after.get("pagedserve_request_failure_total", reason="rejected") == 1
     assert after.get("pagedserve_request_failure_total", default=0.0, reason="aborted") == 0
     assert after.get("pagedserve_request_prompt_tokens_sum") == prompt_total
@@ -178,9 +196,14 @@ def test_token_and_request_counters_are_exact(workload):
 
 def test_histogram_counts_are_exact(workload):
     after = workload.after
-    for name in ("pagedserve_request_prompt_tokens", "pagedserve_request_generation_tokens",
-                 "pagedserve_e2e_request_latency_seconds", "pagedserve_time_to_first_token_seconds",
-                 "pagedserve_request_queue_time_seconds", "pagedserve_time_per_output_token_seconds"):
+    for name in (
+        "pagedserve_request_prompt_tokens",
+        "pagedserve_request_generation_tokens",
+        "pagedserve_e2e_request_latency_seconds",
+        "pagedserve_time_to_first_token_seconds",
+        "pagedserve_request_queue_time_seconds",
+        "pagedserve_time_per_output_token_seconds",
+    ):
         assert after.get(f"{name}_count") == NUM_FINISHED, name
         assert after.get(f"{name}_bucket", le="+Inf") == NUM_FINISHED, name
     # every finished request produced (max_tokens - 1) inter-token gaps
@@ -242,8 +265,9 @@ def test_cache_config_info_is_labelled_with_the_model_name(workload):
 
 def test_documented_metrics_are_exposed(workload):
     families = workload.after_abort.families
-    exposed = {name: f.type for name, f in families.items()
-               if not (name.endswith("_created") and f.type == "gauge")}  # prometheus_client's _created series
+    exposed = {
+        name: f.type for name, f in families.items() if not (name.endswith("_created") and f.type == "gauge")
+    }  # prometheus_client's _created series
     assert exposed == DOCUMENTED_METRICS
 
 
@@ -257,8 +281,9 @@ def test_promtool_check_metrics(workload):
 def test_abandoned_stream_changes_no_success_counter(workload):
     after, later = workload.after, workload.after_abort
     assert later.get("pagedserve_request_success_total", finished_reason="length") == NUM_FINISHED
-    assert later.get("pagedserve_http_requests_total", route="/v1/completions", status="200") \
-        == len(PROMPT_LENGTHS) + 1  # the stream's 200 went out before the client left
+    assert (
+        later.get("pagedserve_http_requests_total", route="/v1/completions", status="200") == len(PROMPT_LENGTHS) + 1
+    )  # the stream's 200 went out before the client left
     generated = later.get("pagedserve_generation_tokens_total") - after.get("pagedserve_generation_tokens_total")
     assert 0 <= generated < ABORTED_MAX_TOKENS
 
@@ -267,15 +292,19 @@ def test_abandoned_stream_is_counted_as_aborted(fresh, workload):
     later = workload.after_abort
     deadline = time.monotonic() + 3
     with fresh.client() as http:  # the abort output reaches the event loop just after the engine is idle
-        while later.get("pagedserve_request_failure_total", default=0.0, reason="aborted") == 0 \
-                and time.monotonic() < deadline:
+        while (
+            later.get("pagedserve_request_failure_total", default=0.0, reason="aborted") == 0
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
             later = scrape(http)
     after = workload.after
     assert later.get("pagedserve_request_failure_total", reason="aborted") == 1
     assert later.get("pagedserve_request_prompt_tokens_count") == NUM_FINISHED + 1
-    assert later.get("pagedserve_prompt_tokens_total") - after.get("pagedserve_prompt_tokens_total") \
+    assert (
+        later.get("pagedserve_prompt_tokens_total") - after.get("pagedserve_prompt_tokens_total")
         == ABORTED_PROMPT_LENGTH
+    )
     generated = later.get("pagedserve_generation_tokens_total") - after.get("pagedserve_generation_tokens_total")
     assert 1 <= generated < ABORTED_MAX_TOKENS
     assert later.get("pagedserve_e2e_request_latency_seconds_count") == NUM_FINISHED + 1

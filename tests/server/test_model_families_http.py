@@ -17,9 +17,20 @@ MAX_TOKENS = 12
 PROMPTS = ([5, 17, 42, 8, 99, 3, 61, 7, 23, 11, 4, 88, 15, 9], [31, 2, 77, 45, 6, 12, 19, 53, 28, 70, 33])
 FAMILIES = {
     "gemma2": ("gemma2", {}),
-    "qwen3_moe": ("llama", dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
-                                num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16, num_hidden_layers=3,
-                                mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen3_moe": (
+        "llama",
+        dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            head_dim=16,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        ),
+    ),
 }
 
 
@@ -37,9 +48,17 @@ def family_server(request, tmp_path_factory):
 def test_greedy_completion_matches_hf(family_server):
     model_dir, server = family_server
     with server.client() as client:
-        reply = client.post("/v1/completions", json={
-            "model": server.model_name, "prompt": list(PROMPTS), "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0})
+        reply = client.post(
+            "/v1/completions",
+            json={
+                "model": server.model_name,
+                "prompt": list(PROMPTS),
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 0,
+            },
+        )
     assert reply.status_code == 200, reply.text
     choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
     tokenizer = server.engine.tokenizer
@@ -52,8 +71,13 @@ def test_greedy_completion_matches_hf(family_server):
 
 def test_streamed_chat_equals_the_whole_answer(family_server):
     _, server = family_server
-    body = {"model": server.model_name, "messages": [{"role": "user", "content": "count: one two three"}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": server.model_name,
+        "messages": [{"role": "user", "content": "count: one two three"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with server.client() as client:
         whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
         pieces = []

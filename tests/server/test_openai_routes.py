@@ -21,8 +21,9 @@ def test_sdk_retrieves_the_served_model(server):
     assert model.id == "tiny" and model.object == "model"
     assert model.model_dump()["max_model_len"] == server.state.max_model_len
     listed = client.models.list().data[0].model_dump()
-    assert {k: v for k, v in model.model_dump().items() if k != "created"} == \
-           {k: v for k, v in listed.items() if k != "created"}
+    assert {k: v for k, v in model.model_dump().items() if k != "created"} == {
+        k: v for k, v in listed.items() if k != "created"
+    }
 
 
 @pytest.mark.parametrize("name", ["gpt-4o", "org/tiny", "tiny/extra"])
@@ -55,8 +56,16 @@ CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_completions_continuous_usage_counts_each_choice_on_every_chunk(server, n):
-    payloads = stream_raw(server, COMPLETIONS, prompt="Hello there", max_tokens=5, ignore_eos=True, n=n,
-                          temperature=0, stream_options=CONTINUOUS)
+    payloads = stream_raw(
+        server,
+        COMPLETIONS,
+        prompt="Hello there",
+        max_tokens=5,
+        ignore_eos=True,
+        n=n,
+        temperature=0,
+        stream_options=CONTINUOUS,
+    )
     *chunks, final = payloads
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5 * n
     prompt_tokens = final["usage"]["prompt_tokens"]
@@ -72,8 +81,15 @@ def test_completions_continuous_usage_counts_each_choice_on_every_chunk(server, 
 
 
 def test_chat_continuous_usage_starts_at_zero_and_ends_at_the_total(server):
-    payloads = stream_raw(server, CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                          ignore_eos=True, temperature=0, stream_options=CONTINUOUS)
+    payloads = stream_raw(
+        server,
+        CHAT,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        ignore_eos=True,
+        temperature=0,
+        stream_options=CONTINUOUS,
+    )
     first, *chunks, final = payloads
     assert first["choices"][0]["delta"]["role"] == "assistant"
     assert first["usage"]["completion_tokens"] == 0
@@ -82,15 +98,22 @@ def test_chat_continuous_usage_starts_at_zero_and_ends_at_the_total(server):
 
 
 def test_continuous_usage_without_include_usage_has_no_final_usage_chunk(server):
-    payloads = stream_raw(server, COMPLETIONS, prompt="Hello", max_tokens=3, ignore_eos=True,
-                          stream_options={"continuous_usage_stats": True})
+    payloads = stream_raw(
+        server,
+        COMPLETIONS,
+        prompt="Hello",
+        max_tokens=3,
+        ignore_eos=True,
+        stream_options={"continuous_usage_stats": True},
+    )
     assert all(p["choices"] for p in payloads)  # no usage-only chunk
     assert payloads[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_without_continuous_usage_chunks_carry_no_usage(server):
-    payloads = stream_raw(server, COMPLETIONS, prompt="Hello", max_tokens=3, ignore_eos=True,
-                          stream_options={"include_usage": True})
+    payloads = stream_raw(
+        server, COMPLETIONS, prompt="Hello", max_tokens=3, ignore_eos=True, stream_options={"include_usage": True}
+    )
     assert all(p["usage"] is None for p in payloads[:-1]) and payloads[-1]["usage"] is not None
 
 

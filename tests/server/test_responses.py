@@ -12,18 +12,41 @@ import openai
 import pytest
 
 MODEL = "tiny"
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                          "required": ["city", "days"], "additionalProperties": False}}
-TIME = {"type": "function", "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                       "required": ["zone"], "additionalProperties": False}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
 PARAMS = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-                                           "score": {"type": "number", "minimum": 0, "maximum": 1}},
-          "required": ["name", "tags", "score"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["name", "tags", "score"],
+    "additionalProperties": False,
+}
 
 
 def sdk(server) -> openai.OpenAI:
@@ -53,10 +76,12 @@ def test_string_input_gives_a_message_item(server):
 
 def test_instructions_are_the_system_message(server):
     client = sdk(server)
-    response = client.responses.create(model=MODEL, instructions="Answer in French.", input="Hi",
-                                       max_output_tokens=10, temperature=0)
-    twin = chat_twin(server, [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}],
-                     max_tokens=10)
+    response = client.responses.create(
+        model=MODEL, instructions="Answer in French.", input="Hi", max_output_tokens=10, temperature=0
+    )
+    twin = chat_twin(
+        server, [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}], max_tokens=10
+    )
     assert response.instructions == "Answer in French."
     assert response.usage.input_tokens == twin.usage.prompt_tokens
     assert response.output_text == twin.choices[0].message.content
@@ -65,22 +90,31 @@ def test_instructions_are_the_system_message(server):
 
 
 def test_message_list_with_input_text_parts(server):
-    items = [{"role": "developer", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]},
-             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
-             {"role": "user", "content": "Another?"}]
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
+        {"role": "user", "content": "Another?"},
+    ]
     response = sdk(server).responses.create(model=MODEL, input=items, max_output_tokens=10, temperature=0)
-    twin = chat_twin(server, [{"role": "system", "content": "Be brief."},
-                              {"role": "user", "content": "Name a colour."},
-                              {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}],
-                     max_tokens=10)
+    twin = chat_twin(
+        server,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+        ],
+        max_tokens=10,
+    )
     assert response.usage.input_tokens == twin.usage.prompt_tokens
     assert response.output_text == twin.choices[0].message.content
 
 
 def test_max_output_tokens_gives_incomplete(server):
-    response = sdk(server).responses.create(model=MODEL, input="Count.", max_output_tokens=5,
-                                            extra_body={"ignore_eos": True})
+    response = sdk(server).responses.create(
+        model=MODEL, input="Count.", max_output_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 5 and response.max_output_tokens == 5
@@ -90,24 +124,40 @@ def test_max_output_tokens_gives_incomplete(server):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_text_format_json_schema_validates(server, temperature):
     response = sdk(server).responses.create(
-        model=MODEL, input="Describe it.", max_output_tokens=200, temperature=temperature, extra_body={"seed": 3},
-        text={"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}})
+        model=MODEL,
+        input="Describe it.",
+        max_output_tokens=200,
+        temperature=temperature,
+        extra_body={"seed": 3},
+        text={"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}},
+    )
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text, strict=False), SCHEMA)
     assert response.text.format.type == "json_schema"
 
 
 def test_text_format_json_object(server):
-    response = sdk(server).responses.create(model=MODEL, input="JSON please.", max_output_tokens=150,
-                                            temperature=0, text={"format": {"type": "json_object"}})
+    response = sdk(server).responses.create(
+        model=MODEL,
+        input="JSON please.",
+        max_output_tokens=150,
+        temperature=0,
+        text={"format": {"type": "json_object"}},
+    )
     assert isinstance(json.loads(response.output_text, strict=False), dict)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_time"}])
 def test_tool_choice_gives_function_call_items(server, tool_choice):
-    response = sdk(server).responses.create(model=MODEL, input="What's the weather?", tools=[WEATHER, TIME],
-                                            tool_choice=tool_choice, max_output_tokens=200, temperature=1.0,
-                                            extra_body={"seed": 2})
+    response = sdk(server).responses.create(
+        model=MODEL,
+        input="What's the weather?",
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        max_output_tokens=200,
+        temperature=1.0,
+        extra_body={"seed": 2},
+    )
     assert response.status == "completed" and response.output
     for item in response.output:
         assert item.type == "function_call"
@@ -119,25 +169,50 @@ def test_tool_choice_gives_function_call_items(server, tool_choice):
 
 
 def test_function_call_output_follow_up_turn(server):
-    call = {"type": "function_call", "call_id": "call_7", "name": "get_weather",
-            "arguments": '{"city": "Oslo", "days": 2}'}
+    call = {
+        "type": "function_call",
+        "call_id": "call_7",
+        "name": "get_weather",
+        "arguments": '{"city": "Oslo", "days": 2}',
+    }
     result = {"type": "function_call_output", "call_id": "call_7", "output": '{"temp": 3}'}
     items = [{"role": "user", "content": "Weather in Oslo?"}, call, result]
-    response = sdk(server).responses.create(model=MODEL, input=items, tools=[WEATHER], max_output_tokens=8,
-                                            temperature=0)
+    response = sdk(server).responses.create(
+        model=MODEL, input=items, tools=[WEATHER], max_output_tokens=8, temperature=0
+    )
     assert response.status in ("completed", "incomplete") and response.output
     chat_tools = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
-    twin = chat_twin(server, [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": call["arguments"]}}]},
-        {"role": "tool", "tool_call_id": "call_7", "content": '{"temp": 3}'}], tools=chat_tools, max_tokens=8)
+    twin = chat_twin(
+        server,
+        [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_7",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": call["arguments"]},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_7", "content": '{"temp": 3}'},
+        ],
+        tools=chat_tools,
+        max_tokens=8,
+    )
     assert response.usage.input_tokens == twin.usage.prompt_tokens
 
 
 def test_vllm_extras_constrain_as_on_chat(server):
-    response = sdk(server).responses.create(model=MODEL, input="A code:", max_output_tokens=20, temperature=1.0,
-                                            extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}", "seed": 1})
+    response = sdk(server).responses.create(
+        model=MODEL,
+        input="A code:",
+        max_output_tokens=20,
+        temperature=1.0,
+        extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}", "seed": 1},
+    )
     assert re.fullmatch("[A-Z]{3}[0-9]{2}", response.output_text) and response.status == "completed"
 
 
@@ -147,24 +222,30 @@ def test_an_unknown_model_is_a_404(server):
 
 
 def test_store_is_answered_false(server):
-    response = sdk(server).responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=True,
-                                            metadata={"k": "v"})
+    response = sdk(server).responses.create(
+        model=MODEL, input="Hi", max_output_tokens=1, store=True, metadata={"k": "v"}
+    )
     assert response.model_extra["store"] is False and response.metadata == {"k": "v"}
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
-    ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"truncation": "auto"}, "truncation"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "input[0].content[0]"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"truncation": "auto"}, "truncation"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ],
+)
 def test_unsupported_parameters_are_refused_by_name(server, body, param):
     with server.client() as http:
         r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 5, **body})
@@ -174,18 +255,20 @@ def test_unsupported_parameters_are_refused_by_name(server, body, param):
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format.schema"),
-    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"not": {}}}]}, "tools[0].parameters"),
-    ({"tools": [WEATHER], "tool_choice": "required",
-      "text": {"format": {"type": "json_object"}}}, "tools"),
-    ({"guided_regex": "[0-9]+", "text": {"format": {"type": "json_object"}}}, "guided_regex"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": []}, "input"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"not": {}}}]}, "tools[0].parameters"),
+        ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tools"),
+        ({"guided_regex": "[0-9]+", "text": {"format": {"type": "json_object"}}}, "guided_regex"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ],
+)
 def test_bad_values_are_400s_naming_the_field(server, body, param):
     with server.client() as http:
         r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 5, **body})

@@ -17,10 +17,14 @@ from tests.server.conftest import pace_engine
 from tests.server.test_disconnect import assert_gauges_reach_zero, assert_still_serves, engine_load, successes
 from tests.server.test_responses import MODEL, SCHEMA, TIME, WEATHER, sdk
 
-TEXT_ORDER = re.compile(r"created in_progress output_item\.added content_part\.added (output_text\.delta )+"
-                        r"output_text\.done content_part\.done output_item\.done (completed|incomplete)")
-CALL_ORDER = re.compile(r"created in_progress (output_item\.added (function_call_arguments\.delta )+"
-                        r"function_call_arguments\.done output_item\.done )+completed")
+TEXT_ORDER = re.compile(
+    r"created in_progress output_item\.added content_part\.added (output_text\.delta )+"
+    r"output_text\.done content_part\.done output_item\.done (completed|incomplete)"
+)
+CALL_ORDER = re.compile(
+    r"created in_progress (output_item\.added (function_call_arguments\.delta )+"
+    r"function_call_arguments\.done output_item\.done )+completed"
+)
 JSON_FORMAT = {"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}}
 
 
@@ -30,11 +34,15 @@ def order(events) -> str:
     return " ".join(e.type.removeprefix("response.") for e in events)
 
 
-@pytest.mark.parametrize("body", [
-    {"max_output_tokens": 5},
-    {"max_output_tokens": 100, "tools": [WEATHER], "tool_choice": "required"},
-    {"max_output_tokens": 200, "text": JSON_FORMAT},
-], ids=["text", "function_call", "json_schema"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_output_tokens": 5},
+        {"max_output_tokens": 100, "tools": [WEATHER], "tool_choice": "required"},
+        {"max_output_tokens": 200, "text": JSON_FORMAT},
+    ],
+    ids=["text", "function_call", "json_schema"],
+)
 def test_shapes_validate_against_the_sdk_models(server, body):
     """Validated, not just constructed (the SDK builds its objects without checking): every required field."""
     adapter = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -42,8 +50,9 @@ def test_shapes_validate_against_the_sdk_models(server, body):
     with server.client() as http:
         Response.model_validate(http.post("/v1/responses", json=body).json())
         with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
-            events = [adapter.validate_python(json.loads(line[6:])) for line in r.iter_lines()
-                      if line.startswith("data: ")]
+            events = [
+                adapter.validate_python(json.loads(line[6:])) for line in r.iter_lines() if line.startswith("data: ")
+            ]
     assert events[-1].type in ("response.completed", "response.incomplete")
 
 
@@ -84,8 +93,14 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete(server):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_streamed_function_call_reassembles(server, tool_choice):
     client = sdk(server)
-    kwargs = dict(model=MODEL, input="Weather?", tools=[WEATHER, TIME], tool_choice=tool_choice,
-                  max_output_tokens=200, temperature=0)
+    kwargs = dict(
+        model=MODEL,
+        input="Weather?",
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        max_output_tokens=200,
+        temperature=0,
+    )
     whole = client.responses.create(**kwargs)
     with client.responses.stream(**kwargs) as stream:
         events = list(stream)
@@ -110,8 +125,9 @@ def test_an_error_mid_stream_is_an_error_event(server, monkeypatch):
     monkeypatch.setattr(server.state, "config", server.state.config.model_copy(update={"request_timeout": 0.5}))
     seen = []
     with pytest.raises(openai.APIError) as raised:
-        for event in sdk(server).responses.create(model=MODEL, input="Go", max_output_tokens=200, stream=True,
-                                                  extra_body={"ignore_eos": True}):
+        for event in sdk(server).responses.create(
+            model=MODEL, input="Go", max_output_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        ):
             seen.append(event.type)
     assert "response.output_text.delta" in seen and "response.completed" not in seen
     assert raised.value.body["code"] == "request_timeout"
@@ -134,8 +150,10 @@ def test_client_leaving_mid_stream_aborts(server, monkeypatch):
     pace_engine(server, monkeypatch, 0.03)  # 200 tokens: seconds, far longer than the test needs
     before = successes(server)
     body = {"model": MODEL, "input": "Go on", "max_output_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.Client(base_url=server.base_url, timeout=30) as http, \
-            http.stream("POST", "/v1/responses", json=body) as r:
+    with (
+        httpx.Client(base_url=server.base_url, timeout=30) as http,
+        http.stream("POST", "/v1/responses", json=body) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.output_text.delta":

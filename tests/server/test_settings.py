@@ -21,8 +21,12 @@ FLAG_CASES = [
     ("--dtype", "bfloat16", ("engine", "model", "dtype"), "bfloat16"),
     ("--device", "cpu", ("engine", "model", "device"), "cpu"),
     ("--quantization", "gguf", ("engine", "model", "quantization"), "gguf"),
-    ("--speculative-config", '{"num_speculative_tokens": 3}', ("engine", "speculative_config", "num_speculative_tokens"),
-     3),
+    (
+        "--speculative-config",
+        '{"num_speculative_tokens": 3}',
+        ("engine", "speculative_config", "num_speculative_tokens"),
+        3,
+    ),
     ("--max-model-len", "512", ("engine", "model", "max_model_len"), 512),
     ("--block-size", "32", ("engine", "cache", "block_size"), 32),
     ("--num-kv-blocks", "100", ("engine", "cache", "num_blocks"), 100),
@@ -33,8 +37,12 @@ FLAG_CASES = [
     ("--scheduling-policy", "priority", ("engine", "scheduler", "policy"), "priority"),
     ("--attention-backend", "torch", ("engine", "attention_backend"), "torch"),
     ("--seed", "7", ("engine", "model", "seed"), 7),
-    ("--allowed-origins", "http://a.test,http://b.test", ("server", "allowed_origins"),
-     ["http://a.test", "http://b.test"]),
+    (
+        "--allowed-origins",
+        "http://a.test,http://b.test",
+        ("server", "allowed_origins"),
+        ["http://a.test", "http://b.test"],
+    ),
     ("--log-level", "debug", ("server", "log_level"), "debug"),
     ("--tool-call-parser", "llama3_json", ("server", "tool_call_parser"), "llama3_json"),
     ("--max-queued-requests", "12", ("server", "max_queued_requests"), 12),
@@ -44,8 +52,7 @@ FLAG_CASES = [
     ("--max-request-body", "1MiB", ("server", "max_request_body"), 2**20),
     ("--revision", "v1.0", ("engine", "model", "revision"), "v1.0"),
     ("--download-dir", "/models/hf", ("engine", "model", "download_dir"), "/models/hf"),
-    ("--chat-template", "{{ messages[0].content }}", ("engine", "model", "chat_template"),
-     "{{ messages[0].content }}"),
+    ("--chat-template", "{{ messages[0].content }}", ("engine", "model", "chat_template"), "{{ messages[0].content }}"),
     ("--max-logprobs", "5", ("server", "max_logprobs"), 5),
     ("--root-path", "/llm", ("server", "root_path"), "/llm"),
     ("--ssl-keyfile", "key.pem", ("server", "ssl_keyfile"), "key.pem"),  # needs its pair: see below
@@ -112,14 +119,17 @@ def test_disable_log_requests_is_vllms_spelling_of_no_enable():
         load_settings(["--no-disable-log-requests"], {})
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--max-logprobs", "21"], "--max-logprobs: Input should be less than or equal to 20"),
-    (["--root-path", "llm/"], "--root-path: must start with /"),
-    (["--ssl-certfile", "cert.pem"], "ssl_keyfile and ssl_certfile go together"),
-    (["--quantization", "int3"], "--quantization: expected one of auto, none, gguf, int8, int4, awq, got 'int3'"),
-    (["--quantization-group-size", "48"], "--quantization-group-size: Input should be 32, 64 or 128"),
-    (["--kv-cache-dtype", "int8"], "kv-cache-dtype: expected one of auto, float32, bfloat16, float16, fp8"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--max-logprobs", "21"], "--max-logprobs: Input should be less than or equal to 20"),
+        (["--root-path", "llm/"], "--root-path: must start with /"),
+        (["--ssl-certfile", "cert.pem"], "ssl_keyfile and ssl_certfile go together"),
+        (["--quantization", "int3"], "--quantization: expected one of auto, none, gguf, int8, int4, awq, got 'int3'"),
+        (["--quantization-group-size", "48"], "--quantization-group-size: Input should be 32, 64 or 128"),
+        (["--kv-cache-dtype", "int8"], "kv-cache-dtype: expected one of auto, float32, bfloat16, float16, fp8"),
+    ],
+)
 def test_new_flags_refuse_bad_values_naming_the_flag(argv, expected):
     with pytest.raises(SettingsError, match=expected):
         load_settings(argv, {})
@@ -136,25 +146,61 @@ def test_boolean_flags_both_ways(flag):
 # YAML section, YAML key, flag, YAML value, env value, flag value, place, expected for YAML / env / flag
 PRECEDENCE_CASES = [
     ("model", "seed", "--seed", 1, "2", "3", ("engine", "model", "seed"), (1, 2, 3)),
-    ("model", "dtype", "--dtype", "float32", "bfloat16", "float16", ("engine", "model", "dtype"),
-     ("float32", "bfloat16", "float16")),
+    (
+        "model",
+        "dtype",
+        "--dtype",
+        "float32",
+        "bfloat16",
+        "float16",
+        ("engine", "model", "dtype"),
+        ("float32", "bfloat16", "float16"),
+    ),
     ("cache", "block_size", "--block-size", 8, "32", "64", ("engine", "cache", "block_size"), (8, 32, 64)),
-    ("cache", "enable_prefix_caching", "--no-enable-prefix-caching", True, "true", None,
-     ("engine", "cache", "enable_prefix_caching"), (True, True, False)),
-    ("scheduler", "max_num_seqs", "--max-num-seqs", 4, "8", "16", ("engine", "scheduler", "max_num_seqs"),
-     (4, 8, 16)),
-    ("scheduler", "policy", "--scheduling-policy", "priority", "fcfs", "priority",
-     ("engine", "scheduler", "policy"), ("priority", "fcfs", "priority")),
+    (
+        "cache",
+        "enable_prefix_caching",
+        "--no-enable-prefix-caching",
+        True,
+        "true",
+        None,
+        ("engine", "cache", "enable_prefix_caching"),
+        (True, True, False),
+    ),
+    ("scheduler", "max_num_seqs", "--max-num-seqs", 4, "8", "16", ("engine", "scheduler", "max_num_seqs"), (4, 8, 16)),
+    (
+        "scheduler",
+        "policy",
+        "--scheduling-policy",
+        "priority",
+        "fcfs",
+        "priority",
+        ("engine", "scheduler", "policy"),
+        ("priority", "fcfs", "priority"),
+    ),
     ("server", "port", "--port", 1111, "2222", "3333", ("server", "port"), (1111, 2222, 3333)),
-    ("server", "strict_params", "--strict-params", False, "0", None, ("server", "strict_params"),
-     (False, False, True)),
-    ("server", "allowed_origins", "--allowed-origins", ["http://y.test"], "http://e1.test,http://e2.test",
-     "http://f.test", ("server", "allowed_origins"),
-     (["http://y.test"], ["http://e1.test", "http://e2.test"], ["http://f.test"])),
-    (None, "attention_backend", "--attention-backend", "torch", "auto", "torch",
-     ("engine", "attention_backend"), ("torch", "auto", "torch")),
-    (None, "batch_invariant", "--batch-invariant", True, "0", None, ("engine", "batch_invariant"),
-     (True, False, True)),
+    ("server", "strict_params", "--strict-params", False, "0", None, ("server", "strict_params"), (False, False, True)),
+    (
+        "server",
+        "allowed_origins",
+        "--allowed-origins",
+        ["http://y.test"],
+        "http://e1.test,http://e2.test",
+        "http://f.test",
+        ("server", "allowed_origins"),
+        (["http://y.test"], ["http://e1.test", "http://e2.test"], ["http://f.test"]),
+    ),
+    (
+        None,
+        "attention_backend",
+        "--attention-backend",
+        "torch",
+        "auto",
+        "torch",
+        ("engine", "attention_backend"),
+        ("torch", "auto", "torch"),
+    ),
+    (None, "batch_invariant", "--batch-invariant", True, "0", None, ("engine", "batch_invariant"), (True, False, True)),
 ]
 
 
@@ -187,22 +233,34 @@ def test_config_file_from_the_environment_and_the_flag_overrides_it(tmp_path):
     assert load_settings(["--config", str(flag_preset)], {"PAGEDSERVE_CONFIG": str(env_preset)}).server.port == 2
 
 
-@pytest.mark.parametrize("raw,expected", [
-    ("true", True), ("false", False), ("1", True), ("0", False), ("TRUE", True), ("yes", True), ("off", False),
-])
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ("true", True),
+        ("false", False),
+        ("1", True),
+        ("0", False),
+        ("TRUE", True),
+        ("yes", True),
+        ("off", False),
+    ],
+)
 def test_environment_booleans(raw, expected):
     assert load_settings([], {"PAGEDSERVE_STRICT_PARAMS": raw}).server.strict_params is expected
     assert load_settings([], {"PAGEDSERVE_ENABLE_PREFIX_CACHING": raw}).engine.cache.enable_prefix_caching is expected
 
 
 def test_environment_numbers_lists_and_nulls(tmp_path):
-    settings = load_settings([], {
-        "PAGEDSERVE_PORT": " 8080 ",
-        "PAGEDSERVE_GPU_MEMORY_UTILIZATION": "0.75",
-        "PAGEDSERVE_KV_CACHE_MEMORY": "2GiB",
-        "PAGEDSERVE_API_KEY": "k1, k2,,k3",
-        "PAGEDSERVE_ALLOWED_ORIGINS": "http://a.test, http://b.test",
-    })
+    settings = load_settings(
+        [],
+        {
+            "PAGEDSERVE_PORT": " 8080 ",
+            "PAGEDSERVE_GPU_MEMORY_UTILIZATION": "0.75",
+            "PAGEDSERVE_KV_CACHE_MEMORY": "2GiB",
+            "PAGEDSERVE_API_KEY": "k1, k2,,k3",
+            "PAGEDSERVE_ALLOWED_ORIGINS": "http://a.test, http://b.test",
+        },
+    )
     assert settings.server.port == 8080
     assert settings.engine.cache.gpu_memory_utilization == 0.75
     assert settings.engine.cache.kv_cache_memory == 2 * 2**30
@@ -228,51 +286,75 @@ def test_empty_variables_and_foreign_variables_count_as_unset():
 
 def test_repeated_list_flags_accumulate_and_replace_lower_layers():
     settings = load_settings(
-        ["--api-key", "a", "--api-key", "b", "--allowed-origins", "http://1.test,http://2.test",
-         "--allowed-origins", "http://3.test"],
+        [
+            "--api-key",
+            "a",
+            "--api-key",
+            "b",
+            "--allowed-origins",
+            "http://1.test,http://2.test",
+            "--allowed-origins",
+            "http://3.test",
+        ],
         {"PAGEDSERVE_API_KEY": "from-env"},
     )
     assert settings.server.api_keys == ["a", "b"]
     assert settings.server.allowed_origins == ["http://1.test", "http://2.test", "http://3.test"]
 
 
-@pytest.mark.parametrize("argv,env,expected", [
-    (["--port", "abc"], {}, "--port: expected an integer, got 'abc'"),
-    (["--max-num-seqs", "0"], {}, "--max-num-seqs: Input should be greater than or equal to 1"),
-    (["--dtype", "fp8"], {}, "--dtype: expected one of auto, float32, bfloat16, float16, got 'fp8'"),
-    (["--kv-cache-memory", "lots"], {}, "--kv-cache-memory: not a size"),
-    (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: Input should be less than or equal to 1"),
-    (["--bogus"], {}, "unrecognized arguments: --bogus"),
-    ([], {"PAGEDSERVE_PORT": "x"}, "PAGEDSERVE_PORT: expected an integer, got 'x'"),
-    ([], {"PAGEDSERVE_PORT": "70000"}, "PAGEDSERVE_PORT: Input should be less than or equal to 65535"),
-    ([], {"PAGEDSERVE_STRICT_PARAMS": "maybe"}, "PAGEDSERVE_STRICT_PARAMS: expected a boolean"),
-    ([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "half"}, "PAGEDSERVE_GPU_MEMORY_UTILIZATION: expected a number"),
-    ([], {"PAGEDSERVE_SCHEDULING_POLICY": "lifo"}, "PAGEDSERVE_SCHEDULING_POLICY: expected one of fcfs, priority"),
-    (["--config", "missing.yaml"], {}, "--config: cannot read 'missing.yaml'"),
-    ([], {"PAGEDSERVE_CONFIG": "missing.yaml"}, "PAGEDSERVE_CONFIG: cannot read 'missing.yaml'"),
-])
+@pytest.mark.parametrize(
+    "argv,env,expected",
+    [
+        (["--port", "abc"], {}, "--port: expected an integer, got 'abc'"),
+        (["--max-num-seqs", "0"], {}, "--max-num-seqs: Input should be greater than or equal to 1"),
+        (["--dtype", "fp8"], {}, "--dtype: expected one of auto, float32, bfloat16, float16, got 'fp8'"),
+        (["--kv-cache-memory", "lots"], {}, "--kv-cache-memory: not a size"),
+        (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: Input should be less than or equal to 1"),
+        (["--bogus"], {}, "unrecognized arguments: --bogus"),
+        ([], {"PAGEDSERVE_PORT": "x"}, "PAGEDSERVE_PORT: expected an integer, got 'x'"),
+        ([], {"PAGEDSERVE_PORT": "70000"}, "PAGEDSERVE_PORT: Input should be less than or equal to 65535"),
+        ([], {"PAGEDSERVE_STRICT_PARAMS": "maybe"}, "PAGEDSERVE_STRICT_PARAMS: expected a boolean"),
+        ([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "half"}, "PAGEDSERVE_GPU_MEMORY_UTILIZATION: expected a number"),
+        ([], {"PAGEDSERVE_SCHEDULING_POLICY": "lifo"}, "PAGEDSERVE_SCHEDULING_POLICY: expected one of fcfs, priority"),
+        (["--config", "missing.yaml"], {}, "--config: cannot read 'missing.yaml'"),
+        ([], {"PAGEDSERVE_CONFIG": "missing.yaml"}, "PAGEDSERVE_CONFIG: cannot read 'missing.yaml'"),
+    ],
+)
 def test_errors_name_the_flag_or_variable(argv, env, expected):
     with pytest.raises(SettingsError) as raised:
         load_settings(argv, env)
     assert expected in str(raised.value)
 
 
-@pytest.mark.parametrize("preset,expected", [
-    ({"schedular": {}}, "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
-                        "batch_invariant, cache, enforce_eager, model, profile, scheduler, server, "
-                        "speculative_config)"),
-    ({"scheduler": {"max_num_seq": 3}}, "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
-                                        "max_model_len, max_num_batched_tokens, max_num_seqs, policy)"),
-    ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),
-    ({"cache": {"block_size": 0}}, "preset.yaml: cache.block_size: Input should be greater than or equal to 1"),
-    ({"model": {"chat_template": "no-such-file"}}, "preset.yaml: model.chat_template: neither a file nor a "
-                                                   "Jinja template"),
-    ({"server": {"ssl_keyfile": "key.pem"}}, "preset.yaml: server.ssl_keyfile): ssl_keyfile and "
-                                             "ssl_certfile go together"),
-    ({"attention_backend": "cudnn"}, "preset.yaml: attention_backend: Input should be"),
-    ({"cache": [1, 2]}, "preset.yaml: cache: must be a mapping"),
-    ([1, 2], "preset.yaml: the top level must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "preset,expected",
+    [
+        (
+            {"schedular": {}},
+            "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
+            "batch_invariant, cache, enforce_eager, model, profile, scheduler, server, "
+            "speculative_config)",
+        ),
+        (
+            {"scheduler": {"max_num_seq": 3}},
+            "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
+            "max_model_len, max_num_batched_tokens, max_num_seqs, policy)",
+        ),
+        ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),
+        ({"cache": {"block_size": 0}}, "preset.yaml: cache.block_size: Input should be greater than or equal to 1"),
+        (
+            {"model": {"chat_template": "no-such-file"}},
+            "preset.yaml: model.chat_template: neither a file nor a Jinja template",
+        ),
+        (
+            {"server": {"ssl_keyfile": "key.pem"}},
+            "preset.yaml: server.ssl_keyfile): ssl_keyfile and ssl_certfile go together",
+        ),
+        ({"attention_backend": "cudnn"}, "preset.yaml: attention_backend: Input should be"),
+        ({"cache": [1, 2]}, "preset.yaml: cache: must be a mapping"),
+        ([1, 2], "preset.yaml: the top level must be a mapping"),
+    ],
+)
 def test_errors_name_the_yaml_key(tmp_path, preset, expected):
     with pytest.raises(SettingsError) as raised:
         load_settings(["--config", write_yaml(tmp_path, preset)], {})
@@ -330,8 +412,11 @@ def test_api_keys_never_show(tmp_path):
 
 
 def test_a_bad_api_key_error_does_not_echo_the_key(tmp_path):
-    for argv, env in [([], {"PAGEDSERVE_API_KEY": "ok, bad secret "}), (["--api-key", " bad-secret"], {}),
-                      (["--config", write_yaml(tmp_path, {"server": {"api_keys": [" bad-secret", 5]}})], {})]:
+    for argv, env in [
+        ([], {"PAGEDSERVE_API_KEY": "ok, bad secret "}),
+        (["--api-key", " bad-secret"], {}),
+        (["--config", write_yaml(tmp_path, {"server": {"api_keys": [" bad-secret", 5]}})], {}),
+    ]:
         with pytest.raises(SettingsError) as raised:
             load_settings(argv, env)
         assert "api" in str(raised.value).lower() and "secret" not in str(raised.value)
@@ -347,9 +432,15 @@ def test_help_exits_zero(capsys):
 def test_unknown_pagedserve_variables_are_named_with_the_closest_setting(caplog):
     from server.config.settings import NOT_SETTINGS, warn_unknown_variables
 
-    environ = {"PAGEDSERVE_PROT": "8011", "PAGEDSERVE_MAX_NUM_SEQ": "4", "PAGEDSERVE_WHATEVER_ELSE": "1",
-               "PAGEDSERVE_PORT": "8011", "PAGEDSERVE_CONFIG": "x.yaml", "HOME": "/home/u",
-               **{name: "1" for name in NOT_SETTINGS}}
+    environ = {
+        "PAGEDSERVE_PROT": "8011",
+        "PAGEDSERVE_MAX_NUM_SEQ": "4",
+        "PAGEDSERVE_WHATEVER_ELSE": "1",
+        "PAGEDSERVE_PORT": "8011",
+        "PAGEDSERVE_CONFIG": "x.yaml",
+        "HOME": "/home/u",
+        **{name: "1" for name in NOT_SETTINGS},
+    }
     with caplog.at_level(logging.WARNING, logger="server.config.settings"):
         warn_unknown_variables(environ)
     assert [r.levelno for r in caplog.records] == [logging.WARNING] * 3
@@ -369,8 +460,12 @@ def test_every_variable_read_elsewhere_is_allowed():
     from server.config.settings import NOT_SETTINGS
 
     repo = Path(__file__).resolve().parents[2]
-    files = [*repo.glob("docker-compose*.yml"), *repo.glob("deploy/**/*.yml"), *repo.glob("scripts/*.sh"),
-             *(path for folder in ("engine", "server", "scheduler") for path in (repo / folder).rglob("*.py"))]
+    files = [
+        *repo.glob("docker-compose*.yml"),
+        *repo.glob("deploy/**/*.yml"),
+        *repo.glob("scripts/*.sh"),
+        *(path for folder in ("engine", "server", "scheduler") for path in (repo / folder).rglob("*.py")),
+    ]
     read = set()
     for path in files:
         text = path.read_text()

@@ -11,23 +11,34 @@ from server.config.server_config import ServerConfig
 from server.config.settings import SettingsError, load_settings
 from tests.server.conftest import start_server
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-         "step_cost_model": False}  # no start-up timing: on a loaded machine it could price every draft out
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+    "step_cost_model": False,
+}  # no start-up timing: on a loaded machine it could price every draft out
 LOOPING_PROMPT = [5, 6, 7, 8, 9] * 4 + [40, 41]  # the tiny model's greedy continuation loops on it
 
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model_dir):
-    uv, thread, running = start_server(tiny_model_dir, ServerConfig(served_model_name="tiny"),
-                                       speculative_config=NGRAM)
+    uv, thread, running = start_server(tiny_model_dir, ServerConfig(served_model_name="tiny"), speculative_config=NGRAM)
     yield running
     uv.should_exit = True
     thread.join(30)
 
 
 def complete(client, **fields):
-    body = {"model": "tiny", "prompt": LOOPING_PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
-            "logprobs": 1, **fields}
+    body = {
+        "model": "tiny",
+        "prompt": LOOPING_PROMPT,
+        "max_tokens": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        **fields,
+    }
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]
@@ -41,14 +52,24 @@ def test_speculation_on_and_off_give_the_same_greedy_text_and_the_metrics_count_
         assert on["text"] == off["text"] == fewer["text"]
         assert on["logprobs"]["tokens"] == off["logprobs"]["tokens"]
         assert on["logprobs"]["token_logprobs"] == pytest.approx(off["logprobs"]["token_logprobs"], abs=1e-5)
-        chat = client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "a b a b a b a b"}], "max_tokens": 8,
-            "temperature": 0, "speculative": False})
+        chat = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "a b a b a b a b"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "speculative": False,
+            },
+        )
         assert chat.status_code == 200
         metrics = client.get("/metrics").text
     spec_server.wait_idle()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-              if line.startswith("pagedserve_spec_decode")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line.startswith("pagedserve_spec_decode")
+    }
     accepted = values['pagedserve_spec_decode_num_accepted_tokens_total{model_name="tiny"}']
     assert 0 < accepted <= values['pagedserve_spec_decode_num_draft_tokens_total{model_name="tiny"}']
     assert values['pagedserve_spec_decode_num_drafts_total{model_name="tiny"}'] > 0
@@ -57,8 +78,9 @@ def test_speculation_on_and_off_give_the_same_greedy_text_and_the_metrics_count_
 
 def test_a_bad_per_request_value_is_a_400_naming_it(spec_server):
     with spec_server.client() as client:
-        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
-                                                        "num_speculative_tokens": -1})
+        response = client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "num_speculative_tokens": -1}
+        )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "num_speculative_tokens"
 
@@ -73,26 +95,38 @@ def test_the_flag_the_environment_and_yaml_set_it(tmp_path):
     assert flag.engine.speculative_config.num_speculative_tokens == 3
     assert flag.engine.speculative_config.prompt_lookup_max == 5
     env = load_settings([], {"PAGEDSERVE_SPECULATIVE_CONFIG": '{"num_speculative_tokens": 2, "prompt_lookup_max": 6}'})
-    assert (env.engine.speculative_config.num_speculative_tokens, env.engine.speculative_config.prompt_lookup_max) \
-        == (2, 6)
+    assert (env.engine.speculative_config.num_speculative_tokens, env.engine.speculative_config.prompt_lookup_max) == (
+        2,
+        6,
+    )
     preset = tmp_path / "spec.yaml"
     preset.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 5\n")
     assert load_settings(["--config", str(preset)], {}).engine.speculative_config.num_speculative_tokens == 5
-    assert load_settings(["--config", str(preset), "--speculative-config", "none"], {}).engine.speculative_config \
-        is None
+    assert (
+        load_settings(["--config", str(preset), "--speculative-config", "none"], {}).engine.speculative_config is None
+    )
 
 
-@pytest.mark.parametrize("value, message", [
-    ('{"method": "draft_model", "num_speculative_tokens": 3}', "'draft_model' is not implemented yet"),
-    ('{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 2}', "less than or equal to 1"),
-    ('{"method": "medusa2", "num_speculative_tokens": 3}', "unknown speculative method"),
-    ('{"method": "ngram"}', "num_speculative_tokens"),
-    ('{"num_speculative_tokens": 0}', "greater than or equal to 1"),
-    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "must be <= prompt_lookup_max"),
-    ('{"num_speculative_tokens": 2, "lookahead": 1}', "unknown key"),
-    ("{not json", "not valid JSON"),
-    ("[4]", "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "'draft_model' is not implemented yet"),
+        (
+            '{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 2}',
+            "less than or equal to 1",
+        ),
+        ('{"method": "medusa2", "num_speculative_tokens": 3}', "unknown speculative method"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"num_speculative_tokens": 0}', "greater than or equal to 1"),
+        (
+            '{"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
+            "must be <= prompt_lookup_max",
+        ),
+        ('{"num_speculative_tokens": 2, "lookahead": 1}', "unknown key"),
+        ("{not json", "not valid JSON"),
+        ("[4]", "expected a JSON object"),
+    ],
+)
 def test_a_bad_config_is_refused_at_start_up_naming_the_flag(value, message):
     with pytest.raises(SettingsError, match="--speculative-config") as caught:
         load_settings(["--speculative-config", value], {})
@@ -103,9 +137,28 @@ def test_bench_serve_reports_the_acceptance(spec_server, tiny_model_dir, tmp_pat
     from server.benchmark.serve import main
 
     out = tmp_path / "result.json"
-    code = main(["--base-url", spec_server.base_url, "--tokenizer", str(tiny_model_dir), "--num-prompts", "4",
-                 "--input-len", "16", "--output-len", "48", "--max-concurrency", "4", "--ignore-eos",
-                 "--temperature", "0", "--result-json", str(out), "--disable-tqdm"])
+    code = main(
+        [
+            "--base-url",
+            spec_server.base_url,
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "48",
+            "--max-concurrency",
+            "4",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--result-json",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert code == 0
     spec = json.loads(out.read_text())["speculative_decoding"]
     assert spec["num_drafts"] > 0 and spec["mean_acceptance_length"] >= 1

@@ -12,14 +12,34 @@ from pydantic import BaseModel, Field
 from server.openai.tools.parsers import parse_tool_calls
 
 USER = [{"role": "user", "content": "Give me the data."}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
@@ -40,26 +60,37 @@ def _valid_calls(calls) -> None:
 
 
 def test_parse_with_a_pydantic_model(server):
-    completion = sdk(server).chat.completions.parse(model="tiny", messages=USER, response_format=Point,
-                                                    max_tokens=100, temperature=1.0, seed=4)
+    completion = sdk(server).chat.completions.parse(
+        model="tiny", messages=USER, response_format=Point, max_tokens=100, temperature=1.0, seed=4
+    )
     assert isinstance(completion.choices[0].message.parsed, Point)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_object_and_guided_json(server, stream):
     client = sdk(server)
-    schema = {"type": "object", "properties": {"v": {"type": "array", "items": {"type": "boolean"},
-                                                      "minItems": 1, "maxItems": 3}},
-              "required": ["v"], "additionalProperties": False}
-    for extra in ({"response_format": {"type": "json_object"}}, {"extra_body": {"guided_json": schema}},
-                  {"extra_body": {"structured_outputs": {"json": schema}}}):
+    schema = {
+        "type": "object",
+        "properties": {"v": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}},
+        "required": ["v"],
+        "additionalProperties": False,
+    }
+    for extra in (
+        {"response_format": {"type": "json_object"}},
+        {"extra_body": {"guided_json": schema}},
+        {"extra_body": {"structured_outputs": {"json": schema}}},
+    ):
         if stream:
-            chunks = client.chat.completions.create(model="tiny", messages=USER, max_tokens=150, temperature=0,
-                                                    stream=True, **extra)
+            chunks = client.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=150, temperature=0, stream=True, **extra
+            )
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         else:
-            text = client.chat.completions.create(model="tiny", messages=USER, max_tokens=150, temperature=0,
-                                                  **extra).choices[0].message.content
+            text = (
+                client.chat.completions.create(model="tiny", messages=USER, max_tokens=150, temperature=0, **extra)
+                .choices[0]
+                .message.content
+            )
         value = json.loads(text, strict=False)
         assert isinstance(value, dict)
         if "extra_body" in extra:
@@ -68,19 +99,27 @@ def test_json_object_and_guided_json(server, stream):
 
 def test_completions_take_guided_choice_and_regex(server):
     client = sdk(server)
-    out = client.completions.create(model="tiny", prompt="Pick:", max_tokens=20,
-                                    extra_body={"guided_choice": ["left", "right"]})
+    out = client.completions.create(
+        model="tiny", prompt="Pick:", max_tokens=20, extra_body={"guided_choice": ["left", "right"]}
+    )
     assert out.choices[0].text in ("left", "right") and out.choices[0].finish_reason == "stop"
-    out = client.completions.create(model="tiny", prompt="Code:", max_tokens=20, temperature=1.0,
-                                    extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}"})
+    out = client.completions.create(
+        model="tiny", prompt="Code:", max_tokens=20, temperature=1.0, extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}"}
+    )
     assert len(out.choices[0].text) == 5
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_tool_choice_constrains_to_valid_calls(server, tool_choice):
-    response = sdk(server).chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME],
-                                                   tool_choice=tool_choice, max_tokens=200, temperature=1.0,
-                                                   seed=2)
+    response = sdk(server).chat.completions.create(
+        model="tiny",
+        messages=USER,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        max_tokens=200,
+        temperature=1.0,
+        seed=2,
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     _valid_calls(choice.message.tool_calls)
@@ -91,8 +130,9 @@ def test_tool_choice_constrains_to_valid_calls(server, tool_choice):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_streamed_tool_call_reassembles(server, tool_choice):
     client = sdk(server)
-    kwargs = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=200,
-                  temperature=0)
+    kwargs = dict(
+        model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=200, temperature=0
+    )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     finish = None
@@ -105,8 +145,9 @@ def test_streamed_tool_call_reassembles(server, tool_choice):
             call["arguments"] += delta.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"], strict=False)) for c in calls.values()] == \
-        [(c.function.name, json.loads(c.function.arguments, strict=False)) for c in whole]
+    assert [(c["name"], json.loads(c["arguments"], strict=False)) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments, strict=False)) for c in whole
+    ]
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
@@ -114,8 +155,15 @@ def test_streamed_required_call_arguments_arrive_in_pieces(server):
     """As OpenAI streams them: a header with id, type and name (arguments ""), then the arguments' text in
     pieces as it is generated, adding up to the non-streamed call's arguments exactly."""
     client = sdk(server)
-    kwargs = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
-                  parallel_tool_calls=False, max_tokens=100, temperature=0)
+    kwargs = dict(
+        model="tiny",
+        messages=USER,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=100,
+        temperature=0,
+    )
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     headers, pieces = [], []
     for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -136,12 +184,25 @@ def test_streamed_required_call_arguments_arrive_in_pieces(server):
 def test_required_without_parallel_calls_is_one_call(server, stream):
     client = sdk(server)
     for seed in range(3):
-        kwargs = dict(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice="required",
-                      parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=seed)
+        kwargs = dict(
+            model="tiny",
+            messages=USER,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
         if stream:
             chunks = list(client.chat.completions.create(stream=True, **kwargs))
-            names = [d.function.name for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []
-                     if d.id is not None]
+            names = [
+                d.function.name
+                for c in chunks
+                if c.choices
+                for d in c.choices[0].delta.tool_calls or []
+                if d.id is not None
+            ]
             finish = chunks[-1].choices[0].finish_reason
         else:
             choice = client.chat.completions.create(**kwargs).choices[0]
@@ -149,30 +210,54 @@ def test_required_without_parallel_calls_is_one_call(server, stream):
             _valid_calls(choice.message.tool_calls)
         assert len(names) == 1 and finish == "tool_calls", (seed, names, finish)
 
+
 def test_tool_follow_up_turn(server):
     messages = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                               "arguments": '{"city": "Oslo", "days": 2}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
     ]
-    response = sdk(server).chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
-                                                   max_tokens=8, temperature=0)
+    response = sdk(server).chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], max_tokens=8, temperature=0
+    )
     assert response.choices[0].message.content is not None or response.choices[0].message.tool_calls
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
-     "tools[0].function.parameters"),
-    ({"guided_grammar": "root ::= ( broken"}, "guided_grammar"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"guided_grammar": "root ::= ( broken"}, "guided_grammar"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ],
+)
 def test_rejections_name_the_field(server, body, param):
     with server.client() as c:
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 5, **body})
@@ -181,23 +266,34 @@ def test_rejections_name_the_field(server, body, param):
 
 
 def test_metrics_show_grammar_histograms(server):
-    sdk(server).chat.completions.create(model="tiny", messages=USER, max_tokens=30,
-                                        extra_body={"guided_regex": "[0-9]{4}"})
+    sdk(server).chat.completions.create(
+        model="tiny", messages=USER, max_tokens=30, extra_body={"guided_regex": "[0-9]{4}"}
+    )
     with server.client() as c:
         text = c.get("/metrics").text
     assert "pagedserve_grammar_compile_seconds_count" in text
     assert "pagedserve_grammar_mask_fill_seconds_count" in text
 
 
-@pytest.mark.parametrize("text, parser, calls", [
-    ('Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', "hermes", [("f", '{"a": 1}')]),
-    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {"b": "x"}}'
-     '</tool_call>', "hermes", [("f", "{}"), ("g", '{"b": "x"}')]),
-    ('{"name": "f", "parameters": {"a": 2}}; {"name": "g", "parameters": {}}', "llama3_json",
-     [("f", '{"a": 2}'), ("g", "{}")]),
-    ("just text", "hermes", []),
-    ('<tool_call>{broken</tool_call>', "hermes", []),
-])
+@pytest.mark.parametrize(
+    "text, parser, calls",
+    [
+        ('Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', "hermes", [("f", '{"a": 1}')]),
+        (
+            '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {"b": "x"}}'
+            "</tool_call>",
+            "hermes",
+            [("f", "{}"), ("g", '{"b": "x"}')],
+        ),
+        (
+            '{"name": "f", "parameters": {"a": 2}}; {"name": "g", "parameters": {}}',
+            "llama3_json",
+            [("f", '{"a": 2}'), ("g", "{}")],
+        ),
+        ("just text", "hermes", []),
+        ("<tool_call>{broken</tool_call>", "hermes", []),
+    ],
+)
 def test_tool_call_parsers(text, parser, calls):
     parsed = parse_tool_calls(text, parser)
     assert [(c.name, c.arguments) for c in parsed.calls] == calls

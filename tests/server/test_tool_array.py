@@ -13,19 +13,28 @@ from server.openai.tools.calls import plan_tools
 from server.openai.tools.parsers import ParsedCall
 from server.openai.tools.stream import ToolCallStream
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "number"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "number"}},
+            "required": ["city"],
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 CALL = '{"name":"get_weather","arguments":{"city":"Oslo","days":2}}'
-OUTPUT = ('[{"name":"get_weather","arguments":{"city":"O\\"s}l[o","days":[1,{"a":"]"}]}},'
-          '{"name":"get_time","arguments":{}}]')
+OUTPUT = (
+    '[{"name":"get_weather","arguments":{"city":"O\\"s}l[o","days":[1,{"a":"]"}]}},{"name":"get_time","arguments":{}}]'
+)
 EXPECTED = [ParsedCall("get_weather", '{"city":"O\\"s}l[o","days":[1,{"a":"]"}]}'), ParsedCall("get_time", "{}")]
 
 
 @pytest.fixture(scope="module")
 def compiler() -> xgr.GrammarCompiler:
-    return xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)]), max_threads=1,
-                               cache_enabled=False)
+    return xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)]), max_threads=1, cache_enabled=False)
 
 
 def accepts(compiler, parallel, text: str) -> bool:
@@ -63,7 +72,7 @@ def test_streamed_pieces_add_up_to_the_arguments(step):
     stream = ToolCallStream(plan_tools([WEATHER, TIME], "required"), "hermes")
     deltas = []
     for start in range(0, len(OUTPUT), step):
-        deltas += stream.feed(OUTPUT[start:start + step], start + step >= len(OUTPUT))
+        deltas += stream.feed(OUTPUT[start : start + step], start + step >= len(OUTPUT))
     headers = [c for d in deltas for c in d.tool_calls or [] if "id" in c]
     pieces: dict[int, list[str]] = {}
     for delta in deltas:
@@ -73,7 +82,8 @@ def test_streamed_pieces_add_up_to_the_arguments(step):
                 pieces.setdefault(call["index"], []).append(call["function"]["arguments"])
     assert [(h["index"], h["type"], h["function"]) for h in headers] == [
         (0, "function", {"name": "get_weather", "arguments": ""}),
-        (1, "function", {"name": "get_time", "arguments": ""})]
+        (1, "function", {"name": "get_time", "arguments": ""}),
+    ]
     assert ["".join(pieces.get(i, [])) for i in (0, 1)] == [c.arguments for c in EXPECTED]
     if step == 1:
         assert len(pieces[0]) == len(EXPECTED[0].arguments)  # one piece per character written
@@ -86,4 +96,3 @@ def test_a_stream_cut_before_any_name_ends_as_content():
     deltas = stream.feed("wea", True)
     assert [d.content for d in deltas] == ['[{"name":"get_wea']
     assert stream.finish_reason("length") == "length"
-

@@ -35,11 +35,33 @@ from engine.kernels.triton.paged_kv import dot_precision, needs_upcast
 
 @triton.jit
 def _grouped_product_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, bias_ptr, sorted_pairs_ptr, tile_expert_ptr, num_padded_ptr,
-    N, K, num_pairs, a_row_divisor,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_bias_e,
-    SCALE_ROWS: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    bias_ptr,
+    sorted_pairs_ptr,
+    tile_expert_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    a_row_divisor,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    stride_bias_e,
+    SCALE_ROWS: tl.constexpr,
+    BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -56,10 +78,16 @@ def _grouped_product_kernel(
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                    mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk,
-                    mask=col_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+            mask=valid[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        b = tl.load(
+            b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk,
+            mask=col_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -79,7 +107,8 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     order = torch.argsort(flat, stable=True)
     # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # [E]
+        0, flat, torch.ones_like(flat)
+    )  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     sorted_experts = flat[order]
@@ -94,33 +123,65 @@ def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, tile_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-def _grouped_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aligned, a_row_divisor: int,
-                     weights, block_m: int, bias: Optional[torch.Tensor] = None) -> None:
+def _grouped_product(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    aligned,
+    a_row_divisor: int,
+    weights,
+    block_m: int,
+    bias: Optional[torch.Tensor] = None,
+) -> None:
     sorted_pairs, tile_expert, num_padded = aligned
     n, k = b.shape[1], b.shape[2]
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (tile_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_product_kernel[grid](
-        a, b, out, weights if weights is not None else out, bias if bias is not None else out,
-        sorted_pairs, tile_expert, num_padded,
-        n, k, out.shape[0], a_row_divisor,
-        *a.stride(), *b.stride(), *out.stride(), bias.stride(0) if bias is not None else 0,
-        SCALE_ROWS=weights is not None, BIAS=bias is not None, UPCAST=needs_upcast(_grouped_product_kernel, a.dtype),
-        DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a,
+        b,
+        out,
+        weights if weights is not None else out,
+        bias if bias is not None else out,
+        sorted_pairs,
+        tile_expert,
+        num_padded,
+        n,
+        k,
+        out.shape[0],
+        a_row_divisor,
+        *a.stride(),
+        *b.stride(),
+        *out.stride(),
+        bias.stride(0) if bias is not None else 0,
+        SCALE_ROWS=weights is not None,
+        BIAS=bias is not None,
+        UPCAST=needs_upcast(_grouped_product_kernel, a.dtype),
+        DOT_PRECISION=dot_precision(a.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              expert_ids: torch.Tensor, *, block_m: int = 16, gate_up_bias: Optional[torch.Tensor] = None,
-              down_bias: Optional[torch.Tensor] = None,
-              activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    block_m: int = 16,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """The experts' weighted sum for each token of x (see the module docstring)."""
     num_tokens, top_k = expert_ids.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     if gate_up.shape[1:] != (2 * intermediate, x.shape[1]) or down.shape[:2] != (num_experts, x.shape[1]):
-        raise ValueError(f"expert weights {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit x "
-                         f"{tuple(x.shape)}")
+        raise ValueError(f"expert weights {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit x {tuple(x.shape)}")
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
@@ -133,8 +194,9 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     else:
         h2 = activation(h1).contiguous()
     h3 = x.new_empty((num_pairs, x.shape[1]))
-    _grouped_product(h2, down, h3, aligned, 1, weights.reshape(-1).float().contiguous(), block_m,
-                     _contiguous(down_bias))
+    _grouped_product(
+        h2, down, h3, aligned, 1, weights.reshape(-1).float().contiguous(), block_m, _contiguous(down_bias)
+    )
     return h3.view(num_tokens, top_k, -1).sum(dim=1)
 
 

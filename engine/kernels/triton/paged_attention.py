@@ -34,9 +34,32 @@ def paged_attention(
     """
     if max_query_len == 1:
         if q.shape[0] != seq_lens.shape[0]:
-            raise ValueError(f"max_query_len 1 needs one query per request: {q.shape[0]} queries, "
-                             f"{seq_lens.shape[0]} requests")
-        return paged_decode(q, key_cache, value_cache, block_table, seq_lens, scale, out=out, window=window,
-                            softcap=softcap, sinks=sinks)
-    return paged_prefill(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len,
-                         out=out, window=window, softcap=softcap, sinks=sinks)
+            raise ValueError(
+                f"max_query_len 1 needs one query per request: {q.shape[0]} queries, {seq_lens.shape[0]} requests"
+            )
+        return paged_decode(
+            q,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            scale,
+            out=out,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+    return paged_prefill(
+        q,
+        key_cache,
+        value_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        scale,
+        max_query_len,
+        out=out,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+    )

@@ -21,8 +21,16 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.paged_kv import (
-    LOG2_E, TORCH_TO_TL, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast, sink_normalizer,
-    sinks_log2, softcap_factors,
+    LOG2_E,
+    TORCH_TO_TL,
+    attend_tiles,
+    check_cache,
+    dot_precision,
+    load_for_dot,
+    needs_upcast,
+    sink_normalizer,
+    sinks_log2,
+    softcap_factors,
 )
 
 DEFAULT_PARTITION_SIZE = 512
@@ -36,26 +44,48 @@ grid for max_model_len: at 128k tokens, 64 partitions of 2048, not 256 of 512 wi
 @triton.jit
 def _decode_partition_kernel(
     q_ptr,  # [B, H, D]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, KVH, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, KVH, D]
     block_table_ptr,  # [B, max_blocks]
     seq_lens_ptr,  # [B]
     out_ptr,  # [B, H, D]: written when not SPLIT
     part_acc_ptr,  # [B, H, P, D] float32: unnormalized partial outputs, when SPLIT
-    part_max_ptr, part_sum_ptr,  # [B, H, P] float32: running max (log2 domain) and sum of exp2
+    part_max_ptr,
+    part_sum_ptr,  # [B, H, P] float32: running max (log2 domain) and sum of exp2
     sinks_ptr,  # [H] float32, log2 units: read when SINKS
     scale_log2,
-    window, cap_in, cap_out,
+    window,
+    cap_in,
+    cap_out,
     block_size,
-    stride_q_seq, stride_q_head, stride_q_dim,
-    stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-    stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
+    stride_q_seq,
+    stride_q_head,
+    stride_q_dim,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
     stride_bt_seq,
-    stride_o_seq, stride_o_head, stride_o_dim,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_dim,
     num_partitions,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,10 +110,36 @@ def _decode_partition_kernel(
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kc_head
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vc_head
     # every tile holds >= 1 valid token, so m turns finite at once
-    acc, l_i, m_i = attend_tiles(q, rows, table, k_head, v_head, start, end, lanes, lane_mask, block_size,
-                                 stride_kc_block, stride_kc_slot, stride_kc_dim,
-                                 stride_vc_block, stride_vc_slot, stride_vc_dim, scale_log2, window, cap_in, cap_out,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM_PAD, False, UPCAST, DOT_PRECISION, False, SOFTCAP)
+    acc, l_i, m_i = attend_tiles(
+        q,
+        rows,
+        table,
+        k_head,
+        v_head,
+        start,
+        end,
+        lanes,
+        lane_mask,
+        block_size,
+        stride_kc_block,
+        stride_kc_slot,
+        stride_kc_dim,
+        stride_vc_block,
+        stride_vc_slot,
+        stride_vc_dim,
+        scale_log2,
+        window,
+        cap_in,
+        cap_out,
+        BLOCK_M,
+        BLOCK_N,
+        HEAD_DIM_PAD,
+        False,
+        UPCAST,
+        DOT_PRECISION,
+        False,
+        SOFTCAP,
+    )
 
     out_mask = row_mask[:, None] & lane_mask[None, :]
     if SPLIT:
@@ -105,15 +161,22 @@ def _decode_partition_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     part_acc_ptr,  # [B, H, P, D] float32
-    part_max_ptr, part_sum_ptr,  # [B, H, P] float32
+    part_max_ptr,
+    part_sum_ptr,  # [B, H, P] float32
     seq_lens_ptr,  # [B]
     sinks_ptr,  # [H] float32, log2 units: read when SINKS
     out_ptr,  # [B, H, D]
-    stride_o_seq, stride_o_head, stride_o_dim,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_dim,
     num_partitions,
     window,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITIONS_PAD: tl.constexpr, PARTITION: tl.constexpr,
-    WINDOW: tl.constexpr, SINKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PARTITIONS_PAD: tl.constexpr,
+    PARTITION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One program per (request, query head): combine the partitions that hold its context (its window's); a
     sink joins the denominator as a partition of no value."""
@@ -135,8 +198,11 @@ def _decode_reduce_kernel(
     weight = tl.exp2(m - top)  # 0 for unused partitions
     lanes = tl.arange(0, HEAD_DIM_PAD)
     lane_mask = lanes < HEAD_DIM
-    acc = tl.load(part_acc_ptr + stat[:, None] * HEAD_DIM + lanes[None, :],
-                  mask=part_mask[:, None] & lane_mask[None, :], other=0.0)  # [PARTITIONS_PAD, HEAD_DIM_PAD]
+    acc = tl.load(
+        part_acc_ptr + stat[:, None] * HEAD_DIM + lanes[None, :],
+        mask=part_mask[:, None] & lane_mask[None, :],
+        other=0.0,
+    )  # [PARTITIONS_PAD, HEAD_DIM_PAD]
     denominator = tl.sum(l * weight, 0)
     if SINKS:
         denominator += tl.exp2(sink - top)
@@ -189,21 +255,56 @@ def paged_decode(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
-        q, key_cache, value_cache, block_table, seq_lens, out, part_acc, part_max, part_sum, sinks_log2(sinks, q),
-        scale * LOG2_E, window or 0, *softcap_factors(scale, softcap), block_size,
-        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        sinks_log2(sinks, q),
+        scale * LOG2_E,
+        window or 0,
+        *softcap_factors(scale, softcap),
+        block_size,
+        *q.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        block_table.stride(0),
+        *out.stride(),
         num_partitions,
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=min(64, partition_size), PARTITION=partition_size,
-        SPLIT=split, UPCAST=needs_upcast(_decode_partition_kernel, q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=min(64, partition_size),
+        PARTITION=partition_size,
+        SPLIT=split,
+        UPCAST=needs_upcast(_decode_partition_kernel, q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_acc, part_max, part_sum, seq_lens, sinks_log2(sinks, q), out, *out.stride(), num_partitions,
+            part_acc,
+            part_max,
+            part_sum,
+            seq_lens,
+            sinks_log2(sinks, q),
+            out,
+            *out.stride(),
+            num_partitions,
             window or 0,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
-            PARTITION=partition_size, WINDOW=window is not None, SINKS=sinks is not None,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
+            PARTITION=partition_size,
+            WINDOW=window is not None,
+            SINKS=sinks is not None,
         )
     return out
 
@@ -223,5 +324,7 @@ def _check_decode_inputs(q, key_cache, block_table, seq_lens, num_heads, num_kv_
     if q_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"query [B, {num_heads}, {q_dim}] does not fit {num_kv_heads} KV heads of dim {head_dim}")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
-        raise ValueError(f"block_table must be [{q.shape[0]}, max_blocks] and seq_lens [{q.shape[0]}], "
-                         f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+        raise ValueError(
+            f"block_table must be [{q.shape[0]}, max_blocks] and seq_lens [{q.shape[0]}], "
+            f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
+        )

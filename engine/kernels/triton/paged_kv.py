@@ -50,12 +50,36 @@ def probs_for_dot(p, V_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def attend_tiles(q, query_pos, table, k_head, v_head, n_start, n_end, lanes, lane_mask, block_size,
-                 stride_kc_block, stride_kc_slot, stride_kc_dim, stride_vc_block, stride_vc_slot, stride_vc_dim,
-                 scale_log2, window, cap_in, cap_out,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                 CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+def attend_tiles(
+    q,
+    query_pos,
+    table,
+    k_head,
+    v_head,
+    n_start,
+    n_end,
+    lanes,
+    lane_mask,
+    block_size,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_dim,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_dim,
+    scale_log2,
+    window,
+    cap_in,
+    cap_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """Online softmax of query rows `q` [BLOCK_M, HEAD_DIM_PAD] over keys n_start .. n_end - 1 of one
     request and KV head, tile by tile; when CAUSAL, row r sees keys up to `query_pos[r]` only, and with
     a WINDOW (causal only) keys after `query_pos[r] - window` only. SOFTCAP: each score s (q . k) becomes
@@ -151,10 +175,13 @@ SUPPORTED_DTYPES = frozenset(TORCH_TO_TL)
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """The caches' common shape `(num_blocks, block_size, num_kv_heads, head_dim)`, checked."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"K/V caches must share one [num_blocks, block_size, num_kv_heads, head_dim] shape, "
-                         f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        raise ValueError(
+            f"K/V caches must share one [num_blocks, block_size, num_kv_heads, head_dim] shape, "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
     if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"K/V caches must share a float32/float16/bfloat16 dtype, "
-                         f"got {key_cache.dtype} and {value_cache.dtype}")
+        raise ValueError(
+            f"K/V caches must share a float32/float16/bfloat16 dtype, got {key_cache.dtype} and {value_cache.dtype}"
+        )
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     return num_blocks, block_size, num_kv_heads, head_dim

@@ -26,7 +26,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.paged_kv import (
-    LOG2_E, attend_tiles, check_cache, dot_precision, load_for_dot, needs_upcast, sink_normalizer, sinks_log2,
+    LOG2_E,
+    attend_tiles,
+    check_cache,
+    dot_precision,
+    load_for_dot,
+    needs_upcast,
+    sink_normalizer,
+    sinks_log2,
     softcap_factors,
 )
 
@@ -34,23 +41,43 @@ from engine.kernels.triton.paged_kv import (
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, KVH, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, KVH, D]
     block_table_ptr,  # [B, max_blocks]
     cu_seqlens_q_ptr,  # [B + 1]
     seq_lens_ptr,  # [B]
     out_ptr,  # [T, H, D]
     sinks_ptr,  # [H] float32, log2 units: read when SINKS
     scale_log2,
-    window, cap_in, cap_out,
+    window,
+    cap_in,
+    cap_out,
     block_size,
-    stride_q_tok, stride_q_head, stride_q_dim,
-    stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-    stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
     stride_bt_seq,
-    stride_o_tok, stride_o_head, stride_o_dim,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -83,10 +110,36 @@ def _prefill_kernel(
     kv_start = 0  # without a window key 0 is visible to every row: m turns finite after the first tile
     if WINDOW:  # keys before the tile's first query's window are never seen
         kv_start = tl.maximum(prefix + first - window + 1, 0)
-    acc, l_i, m_i = attend_tiles(q, query_pos, table, k_head, v_head, kv_start, kv_end, lanes, lane_mask, block_size,
-                               stride_kc_block, stride_kc_slot, stride_kc_dim,
-                               stride_vc_block, stride_vc_slot, stride_vc_dim, scale_log2, window, cap_in, cap_out,
-                               BLOCK_M, BLOCK_N, HEAD_DIM_PAD, True, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP)
+    acc, l_i, m_i = attend_tiles(
+        q,
+        query_pos,
+        table,
+        k_head,
+        v_head,
+        kv_start,
+        kv_end,
+        lanes,
+        lane_mask,
+        block_size,
+        stride_kc_block,
+        stride_kc_slot,
+        stride_kc_dim,
+        stride_vc_block,
+        stride_vc_slot,
+        stride_vc_dim,
+        scale_log2,
+        window,
+        cap_in,
+        cap_out,
+        BLOCK_M,
+        BLOCK_N,
+        HEAD_DIM_PAD,
+        True,
+        UPCAST,
+        DOT_PRECISION,
+        WINDOW,
+        SOFTCAP,
+    )
 
     if WINDOW:  # a padding row (past the chunk) may see no key in its window: 0 / 0 where it is never stored
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -137,11 +190,15 @@ def paged_prefill(
     num_tokens, num_heads, q_dim = q.shape
     batch = seq_lens.shape[0]
     if q.dtype != key_cache.dtype or q_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"query [T, {num_heads}, {q_dim}] {q.dtype} does not fit the cache's {num_kv_heads} "
-                         f"KV heads of dim {head_dim} ({key_cache.dtype})")
+        raise ValueError(
+            f"query [T, {num_heads}, {q_dim}] {q.dtype} does not fit the cache's {num_kv_heads} "
+            f"KV heads of dim {head_dim} ({key_cache.dtype})"
+        )
     if cu_seqlens_q.shape != (batch + 1,) or block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"cu_seqlens_q must be [{batch + 1}] and block_table [{batch}, max_blocks], "
-                         f"got {tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}")
+        raise ValueError(
+            f"cu_seqlens_q must be [{batch + 1}] and block_table [{batch}, max_blocks], "
+            f"got {tuple(cu_seqlens_q.shape)} and {tuple(block_table.shape)}"
+        )
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape:
         raise ValueError(f"out must be shaped like q {tuple(q.shape)}, got {tuple(out.shape)}")
@@ -151,17 +208,39 @@ def paged_prefill(
     default_m, default_n = prefill_tiles(group, head_dim, max_query_len)
     block_m, block_n = block_m or default_m, block_n or default_n
     if block_m < max(16, group) or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
-        raise ValueError(f"block_m ({block_m}) and block_n ({block_n}) must be powers of two >= 16, "
-                         f"block_m >= the group ({group})")
+        raise ValueError(
+            f"block_m ({block_m}) and block_n ({block_n}) must be powers of two >= 16, block_m >= the group ({group})"
+        )
     block_q = block_m // group
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
-        q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, out, sinks_log2(sinks, q),
-        scale * LOG2_E, window or 0, *softcap_factors(scale, softcap), block_size,
-        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        UPCAST=needs_upcast(_prefill_kernel, q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        sinks_log2(sinks, q),
+        scale * LOG2_E,
+        window or 0,
+        *softcap_factors(scale, softcap),
+        block_size,
+        *q.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        block_table.stride(0),
+        *out.stride(),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        UPCAST=needs_upcast(_prefill_kernel, q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
     )
     return out

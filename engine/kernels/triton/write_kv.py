@@ -11,16 +11,30 @@ from engine.kernels.triton.paged_kv import check_cache
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_ptr,
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens]
     block_size,
-    stride_k_tok, stride_k_head, stride_k_dim,
-    stride_v_tok, stride_v_head, stride_v_dim,
-    stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-    stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    stride_k_tok,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_tok,
+    stride_v_head,
+    stride_v_dim,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
 ):
     """One program per token: its [num_kv_heads, head_dim] K and V tiles to slot s,
     i.e. block s // block_size, offset s % block_size. A negative slot writes nothing."""
@@ -34,10 +48,12 @@ def _write_kv_kernel(
     lanes = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads < NUM_KV_HEADS)[:, None] & (lanes < HEAD_DIM)[None, :]  # [HEADS_PAD, HEAD_DIM_PAD]
 
-    k = tl.load(key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + lanes[None, :] * stride_k_dim,
-                mask=mask)
-    v = tl.load(value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + lanes[None, :] * stride_v_dim,
-                mask=mask)
+    k = tl.load(
+        key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + lanes[None, :] * stride_k_dim, mask=mask
+    )
+    v = tl.load(
+        value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + lanes[None, :] * stride_v_dim, mask=mask
+    )
     kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
     vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
     tl.store(kc + heads[:, None] * stride_kc_head + lanes[None, :] * stride_kc_dim, k, mask=mask)
@@ -65,9 +81,18 @@ def write_kv(
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
         block_size,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
     )

@@ -53,8 +53,16 @@ class ResponseEvents:
         events = [] if self._is_open("message") else self.close("completed") + self._open_message()
         item = self._current()
         item["content"][0]["text"] += delta
-        events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self._index,
-                                 content_index=0, delta=delta, logprobs=[]))
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=self._index,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        )
         return events
 
     def call(self, call_id: str, name: str) -> list[dict]:
@@ -66,8 +74,11 @@ class ResponseEvents:
     def arguments(self, delta: str) -> list[dict]:
         item = self._current()
         item["arguments"] += delta
-        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self._index,
-                           delta=delta)]
+        return [
+            self.event(
+                "response.function_call_arguments.delta", item_id=item["id"], output_index=self._index, delta=delta
+            )
+        ]
 
     def finish(self, status: str) -> list[dict]:
         """Close the last item; a response that wrote nothing still has its (empty) message."""
@@ -82,21 +93,37 @@ class ResponseEvents:
         index = self.output.index(item)
         item["status"] = status
         if item["type"] == "function_call":
-            return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               arguments=item["arguments"]),
-                    self.event("response.output_item.done", output_index=index, item=item)]
+            return [
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                ),
+                self.event("response.output_item.done", output_index=index, item=item),
+            ]
         part = item["content"][0]
-        return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                           text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                           part=part),
-                self.event("response.output_item.done", output_index=index, item=item)]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            ),
+            self.event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def error(self, body: dict) -> dict:
         """OpenAI's `error` event for `body` (an error envelope), which it also carries."""
         error = body["error"]
-        return self.event("error", code=error.get("code"), message=error["message"], param=error.get("param"),
-                          error=error)
+        return self.event(
+            "error", code=error.get("code"), message=error["message"], param=error.get("param"), error=error
+        )
 
     def _current(self) -> dict:
         """The item receiving deltas (a call's arguments follow its header, text opens a message first)."""
@@ -116,5 +143,13 @@ class ResponseEvents:
         self.output.append(self._open)
         added = self.event("response.output_item.added", output_index=self._index, item=self._open)
         self._open["content"].append(output_text_part(""))
-        return [added, self.event("response.content_part.added", item_id=self._open["id"],
-                                  output_index=self._index, content_index=0, part=self._open["content"][0])]
+        return [
+            added,
+            self.event(
+                "response.content_part.added",
+                item_id=self._open["id"],
+                output_index=self._index,
+                content_index=0,
+                part=self._open["content"][0],
+            ),
+        ]

@@ -37,8 +37,12 @@ def chat_messages(instructions: Optional[str], items: Any) -> list[ChatMessage]:
         elif kind == "function_call_output":
             messages.append(_call_output(item, param))
         else:
-            raise bad_request(f"input items of type {kind!r} are not supported; use messages, function_call and "
-                              "function_call_output.", param=f"{param}.type", code="unsupported_parameter")
+            raise bad_request(
+                f"input items of type {kind!r} are not supported; use messages, function_call and "
+                "function_call_output.",
+                param=f"{param}.type",
+                code="unsupported_parameter",
+            )
     return messages
 
 
@@ -59,8 +63,11 @@ def _text(content: Any, param: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(f"content part of type {kind!r} is not supported; only input_text.",
-                              param=f"{param}[{j}]", code="unsupported_parameter")
+            raise bad_request(
+                f"content part of type {kind!r} is not supported; only input_text.",
+                param=f"{param}[{j}]",
+                code="unsupported_parameter",
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -70,8 +77,11 @@ def _add_call(messages: list[ChatMessage], item: dict, param: str) -> None:
     for field in ("call_id", "name", "arguments"):
         if not isinstance(item.get(field), str):
             raise bad_request(f"a function_call item needs {field} as a string.", param=f"{param}.{field}")
-    call = {"id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    call = {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
     last = messages[-1] if messages else None
     if last is not None and last.role == "assistant":
         extra = last.model_extra
@@ -84,8 +94,7 @@ def _add_call(messages: list[ChatMessage], item: dict, param: str) -> None:
 def _call_output(item: dict, param: str) -> ChatMessage:
     if not isinstance(item.get("call_id"), str):
         raise bad_request("a function_call_output item needs call_id.", param=f"{param}.call_id")
-    return ChatMessage(role="tool", content=_text(item.get("output"), f"{param}.output"),
-                       tool_call_id=item["call_id"])
+    return ChatMessage(role="tool", content=_text(item.get("output"), f"{param}.output"), tool_call_id=item["call_id"])
 
 
 def chat_tools(tools: Optional[list]) -> Optional[list[dict]]:
@@ -97,8 +106,11 @@ def chat_tools(tools: Optional[list]) -> Optional[list[dict]]:
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
-            raise bad_request(f"tools of type {kind!r} are not supported; only function tools.",
-                              param=f"tools[{i}].type", code="unsupported_parameter")
+            raise bad_request(
+                f"tools of type {kind!r} are not supported; only function tools.",
+                param=f"tools[{i}].type",
+                code="unsupported_parameter",
+            )
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request("a function tool needs a name.", param=f"tools[{i}].name")
         parameters = tool.get("parameters") or {"type": "object"}
@@ -117,8 +129,12 @@ def chat_tool_choice(tool_choice: Any) -> Any:
         return tool_choice
     kind = tool_choice.get("type")
     if kind != "function":
-        raise bad_request(f"tool_choice of type {kind!r} is not supported; use none, auto, required or "
-                          "{\"type\": \"function\", \"name\": ...}.", param="tool_choice", code="unsupported_parameter")
+        raise bad_request(
+            f"tool_choice of type {kind!r} is not supported; use none, auto, required or "
+            '{"type": "function", "name": ...}.',
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
     return {"type": "function", "function": {"name": tool_choice.get("name")}}
 
 
@@ -137,8 +153,10 @@ def text_constraint(text: Optional[dict]) -> Optional[tuple[StructuredOutputs, s
     if kind == "json_object":
         return StructuredOutputs(json_object=True), "text.format"
     if kind != "json_schema":
-        raise bad_request(f"text.format type {kind!r} is not supported; use text, json_object or json_schema.",
-                          param="text.format.type")
+        raise bad_request(
+            f"text.format type {kind!r} is not supported; use text, json_object or json_schema.",
+            param="text.format.type",
+        )
     if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema", {}), dict):
         raise bad_request("text.format json_schema needs a name and a schema object.", param="text.format")
     schema = fmt.get("schema", {})

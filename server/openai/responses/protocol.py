@@ -68,30 +68,62 @@ def message_item(item_id: str, text: Optional[str], status: str) -> dict:
 
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
-    return {"input_tokens": input_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": input_tokens + output_tokens}
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
 
 
-def response_object(body: ResponsesRequest, *, response_id: str, created_at: int, model: str,
-                    output: list[dict], status: str, usage_: Optional[dict] = None) -> dict:
+def response_object(
+    body: ResponsesRequest,
+    *,
+    response_id: str,
+    created_at: int,
+    model: str,
+    output: list[dict],
+    status: str,
+    usage_: Optional[dict] = None,
+) -> dict:
     """The `response` object; `status` in_progress (a stream's first events), completed or incomplete."""
     text = body.text if body.text is not None else {"format": {"type": "text"}}
     return {
-        "id": response_id, "object": "response", "created_at": created_at, "model": model, "status": status,
-        "output": output, "error": None,
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "model": model,
+        "status": status,
+        "output": output,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-        "tools": body.tools or [], "text": text, "metadata": body.metadata or {}, "user": body.user,
-        "store": False, "previous_response_id": None, "background": False, "truncation": "disabled",
-        "reasoning": None, "service_tier": "default", "usage": usage_,
+        "tools": body.tools or [],
+        "text": text,
+        "metadata": body.metadata or {},
+        "user": body.user,
+        "store": False,
+        "previous_response_id": None,
+        "background": False,
+        "truncation": "disabled",
+        "reasoning": None,
+        "service_tier": "default",
+        "usage": usage_,
     }

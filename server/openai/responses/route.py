@@ -17,8 +17,14 @@ from server.http.errors import ERROR_RESPONSES
 from server.openai.protocol import DeltaMessage, now
 from server.openai.responses.events import ResponseEvents
 from server.openai.responses.input import chat_messages, chat_tool_choice, chat_tools, text_constraint
-from server.openai.responses.protocol import (ResponsesRequest, function_call_item, message_item, new_item_id,
-                                              response_object, usage)
+from server.openai.responses.protocol import (
+    ResponsesRequest,
+    function_call_item,
+    message_item,
+    new_item_id,
+    response_object,
+    usage,
+)
 from server.openai.tools.calls import ToolPlan, new_call_id, plan_tools
 from server.openai.tools.stream import ToolCallStream
 from server.serving import unsupported
@@ -38,16 +44,22 @@ async def create_response(body: ResponsesRequest, request: Request):
     arrival_time = time.monotonic()  # queue time and TTFT include template rendering and tokenization
     state: ServerState = request.app.state.server
     tools = plan_tools(chat_tools(body.tools), chat_tool_choice(body.tool_choice))
-    generation = await start_generation(state, GenerationRequest(
-        body=body,
-        request_id=body.request_id or new_item_id("resp"),
-        prompt=ChatPrompt(chat_messages(body.instructions, body.input), True, tools.tools, "input"),
-        max_tokens=body.max_output_tokens,
-        unsupported=unsupported.RESPONSES,
-        constraints=[("text.format", text_constraint(body.text)),
-                     ("tool_choice required or named", tools.constraint(body.parallel_tool_calls))],
-        field_names=FIELD_NAMES,
-    ), arrival_time)
+    generation = await start_generation(
+        state,
+        GenerationRequest(
+            body=body,
+            request_id=body.request_id or new_item_id("resp"),
+            prompt=ChatPrompt(chat_messages(body.instructions, body.input), True, tools.tools, "input"),
+            max_tokens=body.max_output_tokens,
+            unsupported=unsupported.RESPONSES,
+            constraints=[
+                ("text.format", text_constraint(body.text)),
+                ("tool_choice required or named", tools.constraint(body.parallel_tool_calls)),
+            ],
+            field_names=FIELD_NAMES,
+        ),
+        arrival_time,
+    )
     if body.stream:
         writer = ResponseEvents()
         framing = Framing(lambda error: sse_typed(writer.error(error)), b"")
@@ -55,10 +67,15 @@ async def create_response(body: ResponsesRequest, request: Request):
     (result,) = await generation.collect(request)
     status = "incomplete" if result.finish_reason == "length" else "completed"
     output = _output(tools, result.text, state.config.tool_call_parser, status)
-    response = response_object(body, response_id=generation.request_id, created_at=now(), model=generation.model,
-                               output=output, status=status,
-                               usage_=usage(len(generation.prompts[0]), len(result.token_ids),
-                                            result.num_cached_tokens))
+    response = response_object(
+        body,
+        response_id=generation.request_id,
+        created_at=now(),
+        model=generation.model,
+        output=output,
+        status=status,
+        usage_=usage(len(generation.prompts[0]), len(result.token_ids), result.num_cached_tokens),
+    )
     return JSONResponse(response)
 
 
@@ -66,21 +83,34 @@ def _output(tools: ToolPlan, text: str, parser: str, status: str) -> list[dict]:
     """The output items of a finished generation: its text as a message, its tool calls as function_call items."""
     content, calls = tools.calls_of(text, parser)
     items = [message_item(new_item_id("msg"), content, status)] if content or not calls else []
-    return items + [function_call_item(new_item_id("fc"), new_call_id(), call.name, call.arguments, status)
-                    for call in calls]
+    return items + [
+        function_call_item(new_item_id("fc"), new_call_id(), call.name, call.arguments, status) for call in calls
+    ]
 
 
-async def _stream(generation: Generation, body: ResponsesRequest, tools: ToolPlan,
-                  writer: ResponseEvents) -> AsyncIterator[bytes]:
+async def _stream(
+    generation: Generation, body: ResponsesRequest, tools: ToolPlan, writer: ResponseEvents
+) -> AsyncIterator[bytes]:
     state, (choice,) = generation.state, generation.choices
     created = now()
 
     def response(status: str, usage_: Optional[dict] = None) -> dict:
-        return response_object(body, response_id=generation.request_id, created_at=created, model=generation.model,
-                               output=writer.output, status=status, usage_=usage_)
+        return response_object(
+            body,
+            response_id=generation.request_id,
+            created_at=created,
+            model=generation.model,
+            output=writer.output,
+            status=status,
+            usage_=usage_,
+        )
 
-    yield _frames([writer.event("response.created", response=response("in_progress")),
-                   writer.event("response.in_progress", response=response("in_progress"))])
+    yield _frames(
+        [
+            writer.event("response.created", response=response("in_progress")),
+            writer.event("response.in_progress", response=response("in_progress")),
+        ]
+    )
     tool_stream = ToolCallStream(tools, state.config.tool_call_parser) if tools.mode != "none" else None
     output_tokens = cached_tokens = 0
     finish_reason = None

@@ -52,7 +52,7 @@ class ToolArrayReader:
         if call.arguments_start is None:
             return ""
         end = call.arguments_end if call.arguments_end is not None else len(self.text)
-        return self.text[call.arguments_start + skip:end]
+        return self.text[call.arguments_start + skip : end]
 
     def _read(self, i: int, char: str) -> None:
         if self._in_string:
@@ -62,7 +62,7 @@ class ToolArrayReader:
                 self._escaped = True
             elif char == '"':
                 self._in_string = False
-                self._string_ended(self.text[self._string_start:i + 1])
+                self._string_ended(self.text[self._string_start : i + 1])
             return
         if char == '"':
             self._in_string, self._string_start = True, i
@@ -71,13 +71,22 @@ class ToolArrayReader:
             if char == "{" and self._depth == _CALL_DEPTH:
                 self.calls.append(CallSpan())
                 self._key, self._in_value = None, False
-            elif self._depth == _CALL_DEPTH + 1 and self._in_value and self._key == "arguments" and self.calls \
-                    and self.calls[-1].arguments_start is None:
+            elif (
+                self._depth == _CALL_DEPTH + 1
+                and self._in_value
+                and self._key == "arguments"
+                and self.calls
+                and self.calls[-1].arguments_start is None
+            ):
                 self.calls[-1].arguments_start = i
         elif char in "}]":
             self._depth -= 1
-            if self._depth == _CALL_DEPTH and self._key == "arguments" and self.calls \
-                    and self.calls[-1].arguments_end is None:
+            if (
+                self._depth == _CALL_DEPTH
+                and self._key == "arguments"
+                and self.calls
+                and self.calls[-1].arguments_end is None
+            ):
                 self.calls[-1].arguments_end = i + 1
         elif self._depth == _CALL_DEPTH and char == ":":
             self._in_value = True

@@ -40,9 +40,15 @@ class ToolPlan:
             return StructuredOutputs.of_kind("json", _parameters(self.functions[self.named]), "tools"), "tools"
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(function)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, function in self.functions.items()]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": _parameters(function)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, function in self.functions.items()
+        ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
@@ -77,17 +83,21 @@ def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in functions:
-            raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools.",
-                              param="tool_choice")
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not among the tools.", param="tool_choice"
+            )
         return ToolPlan("named", functions, list(tools or []), name)
-    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                      "\"function\": {\"name\": ...}}.", param="tool_choice")
+    raise bad_request(
+        'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}.',
+        param="tool_choice",
+    )
 
 
 def tool_call_dicts(calls: list[ParsedCall]) -> list[dict]:
     """OpenAI's `message.tool_calls`: ids, type function, name, arguments as a JSON string."""
-    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+    return [
+        {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]
 
 
 def new_call_id() -> str:
@@ -98,16 +108,19 @@ def _functions(tools: list) -> dict[str, dict]:
     functions: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f"tools[{i}].type must be 'function' (only function tools are supported).",
-                              param=f"tools[{i}].type",
-                              code="unsupported_parameter")
+            raise bad_request(
+                f"tools[{i}].type must be 'function' (only function tools are supported).",
+                param=f"tools[{i}].type",
+                code="unsupported_parameter",
+            )
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise bad_request("a function tool needs function.name.", param=f"tools[{i}].function")
         parameters = function.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
-            raise bad_request("function.parameters must be a JSON Schema object.",
-                              param=f"tools[{i}].function.parameters")
+            raise bad_request(
+                "function.parameters must be a JSON Schema object.", param=f"tools[{i}].function.parameters"
+            )
         StructuredOutputs.of_kind("json", parameters, f"tools[{i}].function.parameters")  # checked, by name
         functions[function["name"]] = function
     return functions

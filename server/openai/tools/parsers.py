@@ -1,7 +1,7 @@
 """Tool calls written in the text by the model (tool_choice auto), found by the `--tool-call-parser` format.
 
-    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen, SmolLM, Hermes templates)
-    llama3_json  {"name": ..., "parameters": {...}} (Llama 3.x; several separated by ";")
+hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen, SmolLM, Hermes templates)
+llama3_json  {"name": ..., "parameters": {...}} (Llama 3.x; several separated by ";")
 """
 
 from __future__ import annotations

@@ -84,10 +84,15 @@ class ToolCallStream:
     def _call(self, call: ParsedCall) -> list[DeltaMessage]:
         index = self.num_calls
         self.num_calls += 1
-        return [self._header(index, call.name),
-                DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": call.arguments}}])]
+        return [
+            self._header(index, call.name),
+            DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": call.arguments}}]),
+        ]
 
     @staticmethod
     def _header(index: int, name: str) -> DeltaMessage:
-        return DeltaMessage(tool_calls=[{"index": index, "id": new_call_id(), "type": "function",
-                                         "function": {"name": name, "arguments": ""}}])
+        return DeltaMessage(
+            tool_calls=[
+                {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+            ]
+        )

@@ -37,10 +37,16 @@ def test_fused_moe_matches_the_float64_reference(dtype, tokens, top_k, renormali
     router, gate_up, down = random_experts(experts, hidden, intermediate, seed=tokens)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     routing = select_experts(x.float() @ router.T, top_k, renormalize)
-    got = fused_moe(x.to(DEVICE), gate_up.to(dtype).to(DEVICE), down.to(dtype).to(DEVICE),
-                    routing.weights.to(DEVICE), routing.expert_ids.to(DEVICE))
-    expected = reference_moe(x, router, gate_up.to(dtype), down.to(dtype), top_k, renormalize,
-                             expert_ids=routing.expert_ids)
+    got = fused_moe(
+        x.to(DEVICE),
+        gate_up.to(dtype).to(DEVICE),
+        down.to(dtype).to(DEVICE),
+        routing.weights.to(DEVICE),
+        routing.expert_ids.to(DEVICE),
+    )
+    expected = reference_moe(
+        x, router, gate_up.to(dtype), down.to(dtype), top_k, renormalize, expert_ids=routing.expert_ids
+    )
     assert got.dtype == dtype and got.shape == x.shape
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got.cpu().double(), expected, atol=tolerance, rtol=tolerance)
@@ -59,10 +65,16 @@ def test_fused_moe_with_biases_and_the_clamped_swiglu(dtype):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     activation = ClampedSwiGLU(alpha=1.702, limit=0.8)
     routing = select_experts(x.float() @ router.T, top_k, True)
-    got = fused_moe(x.to(DEVICE), gate_up.to(dtype).to(DEVICE), down.to(dtype).to(DEVICE),
-                    routing.weights.to(DEVICE), routing.expert_ids.to(DEVICE),
-                    gate_up_bias=gate_up_bias.to(dtype).to(DEVICE), down_bias=down_bias.to(dtype).to(DEVICE),
-                    activation=activation)
+    got = fused_moe(
+        x.to(DEVICE),
+        gate_up.to(dtype).to(DEVICE),
+        down.to(dtype).to(DEVICE),
+        routing.weights.to(DEVICE),
+        routing.expert_ids.to(DEVICE),
+        gate_up_bias=gate_up_bias.to(dtype).to(DEVICE),
+        down_bias=down_bias.to(dtype).to(DEVICE),
+        activation=activation,
+    )
     expected = torch.zeros(tokens, hidden, dtype=torch.float64)
     for t in range(tokens):
         for e, w in zip(routing.expert_ids[t].tolist(), routing.weights[t].double()):
@@ -85,11 +97,23 @@ def test_a_gpt_oss_block_runs_the_same_through_the_kernel(monkeypatch):
     experts, hidden, intermediate = 4, 40, 24
     router, gate_up, down = random_experts(experts, hidden, intermediate, seed=9)
     gen = torch.Generator().manual_seed(10)
-    weights = ExpertWeights(gate_up, down, torch.randn(experts, 2 * intermediate, generator=gen) * 0.5,
-                            torch.randn(experts, hidden, generator=gen) * 0.5)
+    weights = ExpertWeights(
+        gate_up,
+        down,
+        torch.randn(experts, 2 * intermediate, generator=gen) * 0.5,
+        torch.randn(experts, hidden, generator=gen) * 0.5,
+    )
     linear = Linear()  # plain weights: the per-expert matrices are views of the stacked ones, as on CUDA
-    block = SparseMoeBlock(router, weights, 2, False, linear, router_bias=torch.randn(experts, generator=gen),
-                           softmax_after_top_k=True, activation=ClampedSwiGLU(1.702, 0.8))
+    block = SparseMoeBlock(
+        router,
+        weights,
+        2,
+        False,
+        linear,
+        router_bias=torch.randn(experts, generator=gen),
+        softmax_after_top_k=True,
+        activation=ClampedSwiGLU(1.702, 0.8),
+    )
     assert block.stacked is not None
     x = torch.randn(13, hidden, generator=gen)
     grouped = block.forward(x, linear, TorchLayerOps())

@@ -27,7 +27,8 @@ def test_greedy_tokens_match_the_torch_backend(tiny_llama_dir):
     for reference, got in zip(results["torch"], results["triton"]):
         assert got.outputs[0].token_ids == reference.outputs[0].token_ids
         assert [lp.logprob for lp in got.outputs[0].logprobs] == pytest.approx(
-            [lp.logprob for lp in reference.outputs[0].logprobs], abs=1e-4)
+            [lp.logprob for lp in reference.outputs[0].logprobs], abs=1e-4
+        )
 
 
 def test_the_backend_is_refused_on_cpu_without_the_interpreter(monkeypatch):
@@ -46,7 +47,8 @@ def test_decode_graph_steps_match_the_torch_backend(tiny_llama_dir):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     reference = make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=4).generate(
-        requests, params, use_tqdm=False)
+        requests, params, use_tqdm=False
+    )
     llm = make_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4)
     llm.engine.runner.capture_decode_graphs((1, 2, 4), EagerReplay)
     got = llm.generate(requests, params, use_tqdm=False)
@@ -64,14 +66,20 @@ def test_a_bf16_cache_under_an_fp32_model_matches_the_torch_backend(tiny_llama_d
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
     results = {}
     for backend in ("torch", "triton"):
-        llm = make_llm(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="bfloat16",
-                       max_num_batched_tokens=16, max_num_seqs=4)
+        llm = make_llm(
+            tiny_llama_dir,
+            attention_backend=backend,
+            kv_cache_dtype="bfloat16",
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+        )
         assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.bfloat16
         results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for reference, got in zip(results["torch"], results["triton"]):
         assert got.outputs[0].token_ids == reference.outputs[0].token_ids
         assert [lp.logprob for lp in got.outputs[0].logprobs] == pytest.approx(
-            [lp.logprob for lp in reference.outputs[0].logprobs], abs=6e-2)
+            [lp.logprob for lp in reference.outputs[0].logprobs], abs=6e-2
+        )
 
 
 def test_draft_rows_through_the_triton_kernels_and_the_decode_graphs(tiny_llama_dir):
@@ -84,7 +92,8 @@ def test_draft_rows_through_the_triton_kernels_and_the_decode_graphs(tiny_llama_
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     reference = make_llm(tiny_llama_dir, attention_backend="torch", max_num_seqs=4).generate(
-        requests, params, use_tqdm=False)
+        requests, params, use_tqdm=False
+    )
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "step_cost_model": False}  # no timing: interpreted
     for graphs in (False, True):
         llm = make_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4, speculative_config=ngram)

@@ -19,7 +19,13 @@ pytest.importorskip("triton")
 
 from engine.kernels.triton import paged_attention, paged_decode, paged_prefill, write_kv  # noqa: E402
 from tests.engine.test_attention import (  # noqa: E402
-    NUM_KV_HEADS, Step, build_step, gather, make_cache, random_shapes, reference_attention,
+    NUM_KV_HEADS,
+    Step,
+    build_step,
+    gather,
+    make_cache,
+    random_shapes,
+    reference_attention,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,8 +48,9 @@ class Batch:
     max_query_len: int
 
 
-def to_batch(step: Step, key_cache, value_cache, dtype: torch.dtype, extra_blocks: int = 2,
-             strided_query: bool = False) -> Batch:
+def to_batch(
+    step: Step, key_cache, value_cache, dtype: torch.dtype, extra_blocks: int = 2, strided_query: bool = False
+) -> Batch:
     """The step's tensors for the kernels; `strided_query` reads Q out of a wider fused projection."""
     seqs = step.seqs
     cu = [0]
@@ -58,8 +65,11 @@ def to_batch(step: Step, key_cache, value_cache, dtype: torch.dtype, extra_block
         fused[:, :num_heads] = query
         query = fused.to(DEVICE)[:, :num_heads]
     return Batch(
-        query=query.to(DEVICE), key=step.key.to(dtype).to(DEVICE), value=step.value.to(dtype).to(DEVICE),
-        key_cache=key_cache.to(dtype).to(DEVICE), value_cache=value_cache.to(dtype).to(DEVICE),
+        query=query.to(DEVICE),
+        key=step.key.to(dtype).to(DEVICE),
+        value=step.value.to(dtype).to(DEVICE),
+        key_cache=key_cache.to(dtype).to(DEVICE),
+        value_cache=value_cache.to(dtype).to(DEVICE),
         slot_mapping=step.metadata.slot_mapping.to(DEVICE),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=DEVICE),
@@ -85,11 +95,15 @@ def check_output(step: Step, batch: Batch, out: torch.Tensor, scale: float) -> N
     for i, seq in enumerate(step.seqs):
         seq = dataclasses.replace(seq, queries=seq.queries.to(out.dtype))
         expected = reference_attention(seq, key_cache, value_cache, scale)
-        got = out[row: row + seq.query_len].cpu().double()
+        got = out[row : row + seq.query_len].cpu().double()
         kind = "decode" if seq.is_decode else "prefill"
-        torch.testing.assert_close(got, expected, atol=tol, rtol=tol,
-                                   msg=lambda m: f"request {i} ({kind}, context {seq.context_len}, "
-                                                 f"query {seq.query_len}): {m}")
+        torch.testing.assert_close(
+            got,
+            expected,
+            atol=tol,
+            rtol=tol,
+            msg=lambda m: f"request {i} ({kind}, context {seq.context_len}, query {seq.query_len}): {m}",
+        )
         row += seq.query_len
 
 
@@ -97,8 +111,9 @@ def make_step(shapes, block_size: int, group: int, head_dim: int, seed: int, sha
     rng = random.Random(f"{shapes}-{block_size}-{group}-{head_dim}-{seed}")
     gen = torch.Generator().manual_seed(seed)
     key_cache, value_cache = make_cache(block_size, head_dim, gen)
-    step = build_step(shapes, block_size, group, head_dim, key_cache, value_cache, rng, gen,
-                      shared_prefix=shared_prefix)
+    step = build_step(
+        shapes, block_size, group, head_dim, key_cache, value_cache, rng, gen, shared_prefix=shared_prefix
+    )
     return step, key_cache, value_cache
 
 
@@ -106,16 +121,34 @@ def run_attention(step, key_cache, value_cache, head_dim: int, dtype=torch.float
     """write_kv, then `kernel` (paged_attention by default) over the whole batch, against the reference."""
     batch = to_batch(step, key_cache, value_cache, dtype, strided_query=kwargs.pop("strided_query", False))
     write_and_check(step, batch)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     if kernel is paged_decode:
-        out = paged_decode(batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens,
-                           scale, **kwargs)
+        out = paged_decode(
+            batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.seq_lens, scale, **kwargs
+        )
     elif kernel is paged_prefill:
-        out = paged_prefill(batch.query, batch.key_cache, batch.value_cache, batch.cu_seqlens_q, batch.seq_lens,
-                            batch.block_table, scale, batch.max_query_len, **kwargs)
+        out = paged_prefill(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.cu_seqlens_q,
+            batch.seq_lens,
+            batch.block_table,
+            scale,
+            batch.max_query_len,
+            **kwargs,
+        )
     else:
-        out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.cu_seqlens_q, batch.seq_lens,
-                              batch.block_table, scale, batch.max_query_len)
+        out = paged_attention(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.cu_seqlens_q,
+            batch.seq_lens,
+            batch.block_table,
+            scale,
+            batch.max_query_len,
+        )
     check_output(step, batch, out, scale)
 
 
@@ -134,7 +167,7 @@ def test_write_kv_matches_index_copy(block_size, slot_dtype, dtype):
     key_cache = torch.randn(shape, generator=gen).to(dtype)
     value_cache = torch.randn(shape, generator=gen).to(dtype)
     qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    key, value = qkv[:, 4: 4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]  # strided views
+    key, value = qkv[:, 4 : 4 + num_kv_heads], qkv[:, 4 + num_kv_heads :]  # strided views
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[3] = -1
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
@@ -196,8 +229,8 @@ def test_decode_over_a_graph_wide_block_table():
     write_and_check(step, batch)
     wide = torch.zeros((batch.block_table.shape[0], 2060), dtype=torch.int32)
     wide[:, : batch.block_table.shape[1]] = batch.block_table
-    out = paged_decode(batch.query, batch.key_cache, batch.value_cache, wide, batch.seq_lens, 16 ** -0.5)
-    check_output(step, batch, out, 16 ** -0.5)
+    out = paged_decode(batch.query, batch.key_cache, batch.value_cache, wide, batch.seq_lens, 16**-0.5)
+    check_output(step, batch, out, 16**-0.5)
 
 
 def test_paged_attention_dispatch(monkeypatch):
@@ -206,8 +239,9 @@ def test_paged_attention_dispatch(monkeypatch):
     calls = []
     for name in ("paged_decode", "paged_prefill"):
         real = getattr(paged_attention_module, name)
-        monkeypatch.setattr(paged_attention_module, name,
-                            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(
+            paged_attention_module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
     step, key_cache, value_cache = make_step([(9, 1, True), (4, 1, True)], 4, 2, 16, seed=4)
     run_attention(step, key_cache, value_cache, 16)
     step, key_cache, value_cache = make_step([(9, 1, True), (6, 3, False)], 4, 2, 16, seed=4)
@@ -224,8 +258,9 @@ def test_paged_attention_dispatch(monkeypatch):
 def test_mixed_step(block_size, group, head_dim):
     """Decodes, chunks continuing a cached prefix, fresh prefills, one-token chunks: one prefill launch."""
     rng = random.Random(f"mixed-{block_size}-{group}-{head_dim}")
-    step, key_cache, value_cache = make_step(random_shapes(rng, block_size), block_size, group, head_dim,
-                                             seed=block_size + group)
+    step, key_cache, value_cache = make_step(
+        random_shapes(rng, block_size), block_size, group, head_dim, seed=block_size + group
+    )
     run_attention(step, key_cache, value_cache, head_dim, strided_query=group == 3)
 
 
@@ -250,8 +285,9 @@ def test_prefill_small_tiles(group):
 def test_reads_blocks_filled_in_the_same_step(block_size):
     """A prefix-cache hit admitted with its owner reads blocks the owner's write_kv fills this step."""
     shapes = [(5, 1, True), (12 + 3, 15, False), (12 + 6, 6, False), (12 + 1, 1, False)]
-    step, key_cache, value_cache = make_step(shapes, block_size, 3, 16, seed=7,
-                                             shared_prefix={2: (1, 12 // block_size), 3: (1, 12 // block_size)})
+    step, key_cache, value_cache = make_step(
+        shapes, block_size, 3, 16, seed=7, shared_prefix={2: (1, 12 // block_size), 3: (1, 12 // block_size)}
+    )
     run_attention(step, key_cache, value_cache, 16)
 
 
@@ -260,8 +296,11 @@ def test_never_reads_outside_the_contexts(kernel):
     """A real cache starts as torch.empty: NaN in every slot outside the requests' contexts (and in the blocks
     the table's padding points at) must not reach the output. Head dim 80: the padded lanes of the last
     head would read into the next slot."""
-    shapes = [(23, 1, True), (9, 1, True), (40, 1, True)] if kernel is paged_decode else \
-        [(23, 1, True), (30, 12, False), (17, 17, False)]
+    shapes = (
+        [(23, 1, True), (9, 1, True), (40, 1, True)]
+        if kernel is paged_decode
+        else [(23, 1, True), (30, 12, False), (17, 17, False)]
+    )
     step, key_cache, value_cache = make_step(shapes, 4, 2, 80, seed=13)
     used = torch.zeros(key_cache.shape[0] * key_cache.shape[1], dtype=torch.bool)
     for seq in step.seqs:

@@ -19,14 +19,27 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SINK_VALUES = torch.tensor([3.0, -2.0, 0.5, 8.0])
 
 
-@pytest.mark.parametrize("layer", [LayerAttention(0.25, sinks=SINK_VALUES),
-                                   LayerAttention(0.25, sliding_window=6, sinks=SINK_VALUES),
-                                   LayerAttention(0.3, sliding_window=3, softcap=2.0, sinks=-SINK_VALUES)],
-                         ids=["sinks", "window", "window-cap"])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        LayerAttention(0.25, sinks=SINK_VALUES),
+        LayerAttention(0.25, sliding_window=6, sinks=SINK_VALUES),
+        LayerAttention(0.3, sliding_window=3, softcap=2.0, sinks=-SINK_VALUES),
+    ],
+    ids=["sinks", "window", "window-cap"],
+)
 def test_backend_mixed_step(layer):
     """Decodes, a chunk continuing a prefix, a fresh prompt: one varlen prefill-kernel call."""
-    step = random_paged_step([(37, 1), (5, 1), (30, 12), (9, 9)], 2, block_size=4, num_heads=4, num_kv_heads=2,
-                             head_dim=16, num_blocks=40, device=DEVICE)
+    step = random_paged_step(
+        [(37, 1), (5, 1), (30, 12), (9, 9)],
+        2,
+        block_size=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_blocks=40,
+        device=DEVICE,
+    )
     backend = TritonAttentionBackend()
     assert SINKS in backend.attention_features
     metadata = backend.build_metadata(step.metadata, KVCacheSpec(1, 4, 2, 16, torch.float32))
@@ -39,13 +52,23 @@ def test_backend_mixed_step(layer):
 @pytest.mark.parametrize("partition_size", [16, 512], ids=["split", "one-partition"])
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_kernel_adds_each_sink_once(partition_size, window):
-    step = random_paged_step([(70, 1), (12, 1)], 2, block_size=8, num_heads=4, num_kv_heads=2, head_dim=16,
-                             num_blocks=16, device=DEVICE)
+    step = random_paged_step(
+        [(70, 1), (12, 1)], 2, block_size=8, num_heads=4, num_kv_heads=2, head_dim=16, num_blocks=16, device=DEVICE
+    )
     caches = step.key_cache.view(-1, 2, 16), step.value_cache.view(-1, 2, 16)
     caches[0][step.metadata.slot_mapping] = step.key
     caches[1][step.metadata.slot_mapping] = step.value
-    got = paged_decode(step.query, step.key_cache, step.value_cache, step.metadata.block_table, step.metadata.seq_lens,
-                       0.25, partition_size=partition_size, window=window, sinks=SINK_VALUES.to(DEVICE))
+    got = paged_decode(
+        step.query,
+        step.key_cache,
+        step.value_cache,
+        step.metadata.block_table,
+        step.metadata.seq_lens,
+        0.25,
+        partition_size=partition_size,
+        window=window,
+        sinks=SINK_VALUES.to(DEVICE),
+    )
     expected = reference_attention(step, 0.25, window, None, SINK_VALUES)
     torch.testing.assert_close(got.double().cpu(), expected, atol=1e-4, rtol=1e-4)
 
