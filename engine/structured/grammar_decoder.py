@@ -67,6 +67,8 @@ class GrammarDecoder:
                 if matcher.is_terminated() or not matcher.accept_token(token_id):
                     break
                 num_checked += 1
+                if matcher.is_terminated():  # the draft was a stop token: the request ends there, and a
+                    break  # terminated matcher has no next mask (xgrammar raises)
                 matcher.fill_next_token_bitmask(host, row + num_checked)
                 rows.append(row + num_checked)
             if num_checked:

@@ -139,3 +139,18 @@ def test_ignore_eos_cannot_combine():
     with pytest.raises(InvalidParameterError) as caught:
         SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
     assert caught.value.field == "ignore_eos"
+
+
+def test_a_draft_that_ends_the_grammar_with_a_stop_token_is_checked_without_error(llm):
+    """Speculative decoding: drafts that complete the grammar, then its stop token, then more. The check stops at
+    the stop token (a terminated matcher has no next mask: xgrammar raises, which on the engine thread failed every
+    request) and leaves the matcher where it was."""
+    decoder = llm.engine.runner.grammar
+    tokenizer = llm.engine.tokenizer
+    text = tokenizer.encode("ab")
+    eos = min(tokenizer.eos_token_ids)
+    matcher = decoder.new_matcher(StructuredOutputs.parse({"regex": "ab"}), [])
+    drafts = [*text, eos, text[0]]
+    mask = decoder.fill_bitmask([(0, matcher)], 1 + len(drafts), {0: drafts})
+    assert mask.rows == list(range(1 + len(text)))  # the state before each draft, up to the stop token
+    assert not matcher.is_terminated() and matcher.accept_token(text[0])  # rolled back to the start
