@@ -282,13 +282,15 @@ class EngineCore:
             self.runner.sampler.injector.on_detokenize(request_id)
         finish_reason = step_output.status.finish_reason
         stop_reason = step_output.stop_reason
-        delta, stop = state.take_text(
-            state.detokenizer.add_tokens(self._text_token_ids(state, step_output)),
-            finishing=finish_reason is not None,
-            check_stops=state.request.num_output_tokens >= state.params.min_tokens,
-        )
+        new_token_ids = step_output.new_token_ids
+        delta, stop, num_kept = self._text_of(state, step_output, finishing=finish_reason is not None)
         if stop is not None:
-            if finish_reason is None:
+            if num_kept < len(new_token_ids):  # a stop string inside an accepted run of drafts: what follows
+                new_token_ids = new_token_ids[:num_kept]  # it was never generated, as without drafts
+                request = state.request
+                del request.output_token_ids[request.num_output_tokens - len(step_output.new_token_ids) + num_kept :]
+                del request.all_token_ids[request.num_prompt_tokens + request.num_output_tokens :]
+            if finish_reason is None or num_kept < len(step_output.new_token_ids):
                 self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED, stop)
             finish_reason, stop_reason = "stop", stop
         if state.first_token_time is None:
@@ -296,7 +298,6 @@ class EngineCore:
         state.previous_token_time, state.last_token_time = state.last_token_time, now
         if finish_reason is not None:
             del self._states[request_id]
-        new_token_ids = step_output.new_token_ids
         return self._output(
             state,
             new_token_ids,
@@ -306,6 +307,33 @@ class EngineCore:
             stop_reason,
             None if logprobs is None else logprobs[: len(new_token_ids)],
         )
+
+    def _text_of(
+        self, state: RequestState, step_output: RequestStepOutput, finishing: bool
+    ) -> tuple[str, Optional[str], int]:
+        """The new tokens' text through the stop strings: (text to emit, stop string hit, how many of the new
+        tokens stay). An accepted run of drafts goes token by token, as decoding without drafts sees it: a stop
+        string counts only from min_tokens output tokens on, and ends the output at the token completing it."""
+        text_ids = self._text_token_ids(state, step_output)
+        num_new = len(step_output.new_token_ids)
+        before = state.request.num_output_tokens - num_new  # output tokens before this step's
+        min_tokens = state.params.min_tokens
+        if state.stop_matcher is None or len(text_ids) <= 1:
+            text = state.detokenizer.add_tokens(text_ids)
+            delta, stop = state.take_text(text, finishing=finishing, check_stops=before + num_new >= min_tokens)
+            return delta, stop, num_new
+        pieces = []
+        for index, token_id in enumerate(text_ids):
+            last = index == len(text_ids) - 1
+            piece, stop = state.take_text(
+                state.detokenizer.add_tokens([token_id]),
+                finishing=finishing and last,
+                check_stops=before + index + 1 >= min_tokens,
+            )
+            pieces.append(piece)
+            if stop is not None:
+                return "".join(pieces), stop, index + 1
+        return "".join(pieces), None, num_new
 
     @staticmethod
     def _text_token_ids(state: RequestState, step_output: RequestStepOutput) -> Sequence[int]:

@@ -245,3 +245,34 @@ def test_structured_output_checks_drafts_and_keeps_its_tokens(tiny_llama_dir):
         assert out.token_ids == want.token_ids and out.finish_reason == want.finish_reason == "stop"
     assert [len(json.loads(out.text)) for out in got[:2]] == [12, 12]
     assert re.fullmatch("(ab|ba){10}c", got[2].text)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 3, 9])
+def test_stop_strings_inside_an_accepted_run_end_it_there(tiny_llama_dir, min_tokens):
+    """A stop string completed by a token inside an accepted run ends the output at that token (token ids,
+    logprobs, usage and text as without drafts), and counts only from min_tokens output tokens on."""
+    prompt = [260, 261, 262, 263, 264] * 4  # the tiny model loops on two text tokens: a run of 5 from output 7
+    with make_llm(tiny_llama_dir) as base:
+        free = base.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+        tokenizer = base.engine.tokenizer
+        pieces = [tokenizer.decode([t]) for t in free[0].outputs[0].token_ids]
+        # longer than the loop's period, so first completed by a token inside the first run (outputs 7..11)
+        stops = ["".join(pieces[3:end]) for end in (9, 10, 11)]
+        params = [
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[s], min_tokens=min_tokens, logprobs=0)
+            for s in stops
+        ]
+        expected = [base.generate([prompt], p, use_tqdm=False)[0].outputs[0] for p in params]
+    assert stops
+    with make_llm(tiny_llama_dir, speculative_config=NGRAM) as spec:
+        got = [spec.generate([prompt], p, use_tqdm=False)[0].outputs[0] for p in params]
+        assert accepted(spec) > 0
+        assert_idle(spec)
+    for want, out in zip(expected, got):
+        assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_reason,
+        )
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
