@@ -235,14 +235,9 @@ class AsyncEngine:
         request, so queue time and time to first token include what it did before; default now.
         Close every stream returned (`aclose`), which aborts a request still running.
         """
-        if not self.is_alive or self._stopping:
-            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
-        seen: set[str] = set()
-        for item in inputs:
-            if item.request_id in self._live or item.request_id in seen:
-                raise DuplicateRequestIdError(item.request_id)
-            seen.add(item.request_id)
+        self._check_can_add(inputs)
         await self._compile_grammars(inputs)
+        self._check_can_add(inputs)  # again: the engine may have stopped, or the ids been taken, meanwhile
         streams = [
             RequestStream(item.request_id, f"{item.request_id}#{next(self._serial)}", self._close) for item in inputs
         ]
@@ -267,6 +262,15 @@ class AsyncEngine:
         finally:
             self._admissions.discard(admitted)
         return streams
+
+    def _check_can_add(self, inputs: Sequence[RequestInput]) -> None:
+        if not self.is_alive or self._stopping:
+            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+        seen: set[str] = set()
+        for item in inputs:
+            if item.request_id in self._live or item.request_id in seen:
+                raise DuplicateRequestIdError(item.request_id)
+            seen.add(item.request_id)
 
     async def _compile_grammars(self, inputs: Sequence[RequestInput]) -> None:
         """Compile the inputs' output grammars on a worker thread before they are queued: a slow schema never

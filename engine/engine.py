@@ -156,14 +156,16 @@ class EngineCore:
             kv = self.scheduler.kv_cache_manager
             limit = min(self.max_model_len, kv.num_blocks * kv.block_size + 1)
             max_tokens = max(limit - len(prompt), 1)
-            if params.min_tokens > max_tokens:  # only here is the bound that min_tokens must respect known
+            # only here is the bound min_tokens must respect known; a prompt that leaves no room at all is the
+            # scheduler's context-length refusal instead (add_request)
+            if len(prompt) < limit and params.min_tokens > max_tokens:
                 raise MinTokensOutOfRangeError(params.min_tokens, max_tokens)
         kwargs: dict[str, Any] = {} if arrival_time is None else {"arrival_time": arrival_time}
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=max_tokens,
-            min_tokens=params.min_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),  # (clamped only where the prompt leaves no room)
             eos_token_ids=self.tokenizer.eos_token_ids,
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,

@@ -128,7 +128,7 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
 def _one_constraint(found: Sequence[tuple[str, Optional[Constraint]]]) -> Optional[Constraint]:
     present = [(source, constraint) for source, constraint in found if constraint is not None]
     if len(present) > 1:
-        sources = [source for source, _ in found]
+        sources = [source for source, _ in present]  # the ones this request set
         raise bad_request(
             f"{', '.join(sources[:-1])} and {sources[-1]} each constrain the output; use one.", param=present[1][1][1]
         )

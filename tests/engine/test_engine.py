@@ -130,6 +130,7 @@ def test_abort_returns_final_outputs(llm):
         ([1, 2], SamplingParams(max_tokens=1, logit_bias={70000: 1.0}), "logit_bias"),
         ([], SamplingParams(max_tokens=1), "prompt"),
         ([1] * 250, SamplingParams(max_tokens=None, min_tokens=100), "min_tokens"),  # past the context's rest
+        ([1] * 300, SamplingParams(max_tokens=None, min_tokens=5), "prompt"),  # no room at all: the prompt's fault
     ],
 )
 def test_refusals_name_the_parameter(llm, prompt, params, param):

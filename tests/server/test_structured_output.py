@@ -299,3 +299,21 @@ def test_tool_call_parsers(text, parser, calls):
     assert [(c.name, c.arguments) for c in parsed.calls] == calls
     if not calls:
         assert parsed.content == text
+
+
+def test_two_sources_of_a_grammar_are_refused_naming_the_ones_set(server):
+    body = {
+        "model": "tiny",
+        "messages": USER,
+        "max_tokens": 5,
+        "response_format": {"type": "json_object"},
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": WEATHER["function"]["name"]}},
+    }
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and error["message"] == (
+        "response_format and tool_choice required or named each constrain the output; use one."
+    )
