@@ -38,6 +38,15 @@ class _StepPlan:
             self.new_block_ids[request.request_id] = new_block_ids
         self.budget -= num_tokens
 
+    def extend(self, request: Request, drafts: tuple[int, ...], new_block_ids: tuple[int, ...]) -> None:
+        """A scheduled decode also verifies `drafts` (their lookahead blocks: `new_block_ids`)."""
+        request_id = request.request_id
+        self.num_scheduled[request_id] += len(drafts)
+        if new_block_ids:
+            self.new_block_ids[request_id] = self.new_block_ids.get(request_id, ()) + new_block_ids
+        self.spec_tokens[request_id] = drafts
+        self.budget -= len(drafts)
+
     def drop(self, request_id: str) -> None:
         """Undo `add` for a request preempted later in the same step."""
         num_tokens = self.num_scheduled.pop(request_id, 0)
@@ -324,17 +333,18 @@ class Scheduler:
                     # text turns copyable is tried again within a few steps.
                     request.draft_acceptance += (1.0 - request.draft_acceptance) * DRAFT_RETRY_DRIFT
             proposals = paying
+        # Every decode's own token first (these may preempt, as without drafts); then the drafts, in the running
+        # order, from the blocks still free: a draft never costs another request its place.
+        for request, _ in proposals:
+            if request.status is _RUNNING:  # (not preempted earlier in this loop)
+                self._schedule_running(plan, request, 1)
         kv = self.kv_cache_manager
         for request, drafts in proposals:
-            if request.status is not _RUNNING:
-                continue  # preempted earlier in this loop
-            if drafts:
-                new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
-                if new_blocks is not None:
-                    plan.add(request, 1 + len(drafts), tuple([b.block_id for b in new_blocks]))
-                    plan.spec_tokens[request.request_id] = drafts
-                    continue
-            self._schedule_running(plan, request, 1)
+            if not drafts or request.status is not _RUNNING:
+                continue
+            new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
+            if new_blocks is not None:  # None: not enough free blocks now, it decodes without drafts
+                plan.extend(request, drafts, tuple([b.block_id for b in new_blocks]))
 
     @staticmethod
     def _drafts_that_pay(

@@ -251,6 +251,24 @@ def test_a_draft_never_preempts_another_request():
     assert s.kv_cache_manager.usage == 0 and s.num_preemptions >= 0
 
 
+def test_drafts_take_only_blocks_no_decode_needs():
+    """Every decode's own token is placed before any draft: a's drafts would need the pool's last block, which
+    b's next token needs; b decodes, a decodes without drafts, nobody is preempted."""
+    s = make_spec_scheduler(FixedProposer(4), num_blocks=4, block_size=4, max_model_len=64)
+    runner = RecordingRunner(4, accept_fn=lambda request_id, drafts: 0)
+    a = make_request(3, request_id="a", max_tokens=12, ignore_eos=True)  # decodes at position 3: its own block
+    b = make_request(4, request_id="b", max_tokens=12, ignore_eos=True, first_token=200)  # needs a new block
+    c = make_request(3, request_id="c", max_tokens=12, ignore_eos=True, first_token=300)
+    for request in (a, b, c):
+        s.add_request(request)
+    one_step(s, runner)  # the prompts: one block each, one left
+    output = one_step(s, runner)
+    assert not output.preempted_request_ids
+    assert output.num_scheduled_tokens["b"] == 1 and "a" not in output.scheduled_spec_decode_tokens
+    drive(s, runner)
+    assert s.kv_cache_manager.usage == 0
+
+
 def test_tight_pools_with_drafts_preemption_and_aborts_between_schedule_and_update():
     """Seeded fuzzing where decodes with drafts run pools dry (counted: the test fails unless requests
     verifying drafts are preempted, drafts are partly accepted and prefix hits happen)."""
