@@ -198,16 +198,16 @@ class ModelRunner:
         """What runs as CUDA graphs ("off", or the decode batch sizes)."""
         return "off" if self.graphs is None else self.graphs.describe()
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the message's request changes: ended, preempted, new or resumed, new blocks."""
-        for request_id in so.finished_request_ids | so.preempted_request_ids:
+        for request_id in scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids:
             self.remove_request(request_id)
         table = self.block_table
-        for new in so.new_requests:  # admitted, or resumed after preemption
+        for new in scheduler_output.new_requests:  # admitted, or resumed after preemption
             self.remove_request(new.request_id)
             state = self.requests[new.request_id] = self._new_state(new)
             table.set(state.row, new.block_ids)
-        for request_id, block_ids in so.new_block_ids.items():
+        for request_id, block_ids in scheduler_output.new_block_ids.items():
             table.append(self.requests[request_id].row, block_ids)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
@@ -225,7 +225,9 @@ class ModelRunner:
             new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(), list(new.token_ids), matcher
         )
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[_Batch, Optional[StepMetadata], Optional[int]]:
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[_Batch, Optional[StepMetadata], Optional[int]]:
         """Write the step into the persistent buffers, decodes first, and describe it (StepMetadata);
         the third value is the decode graph's bucket when the step replays one (then the buffers hold
         that many rows, padding included, all uploaded, and no StepMetadata is built).
@@ -237,10 +239,10 @@ class ModelRunner:
         serve decodes)."""
         decodes: list[tuple[CachedRequestState, int, int]] = []  # state, position, token id
         chunks = []
-        spec = so.scheduled_spec_decode_tokens
-        for request_id, num_tokens in so.num_scheduled_tokens.items():
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[request_id]
-            start = so.num_computed_tokens[request_id]
+            start = scheduler_output.num_computed_tokens[request_id]
             drafts = spec.get(request_id) if spec else None
             if drafts:
                 tokens = (state.token_ids[start], *drafts)
@@ -252,7 +254,7 @@ class ModelRunner:
         num_decodes, num_reqs = len(decodes), len(decodes) + len(chunks)
         buffers = self.buffers
         assert buffers is not None  # not shut down
-        buffers.check_fits(so.total_num_scheduled_tokens, num_reqs, 0)
+        buffers.check_fits(scheduler_output.total_num_scheduled_tokens, num_reqs, 0)
         ids, positions, slots = buffers.input_ids.array, buffers.positions.array, buffers.slot_mapping.array
         starts, seq_lens = buffers.query_start_loc.array, buffers.seq_lens.array
         rows = np.empty(num_reqs, dtype=np.int64)
