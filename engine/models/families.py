@@ -14,6 +14,7 @@ from engine.attention.layer_attention import LayerAttention
 from engine.layers.rotary import check_rope_scaling
 from engine.loading.loader import rope_settings
 from engine.models.decoder_arch import LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
+from engine.models.llama_arch import shared_fields
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 """HF activations that are GELU's tanh approximation (GeGLU as Gemma computes it)."""
@@ -127,24 +128,11 @@ def _arch(
     layer_rope: Optional[tuple[int, ...]] = None,
     **recipe,
 ) -> DecoderArch:
-    shape = AttentionShape.from_hf_config(config)
     ropes = ropes or (rope,)
     for _, scaling in ropes:
         check_rope_scaling(scaling)
     return DecoderArch(
-        model_type=config.model_type,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=rope[0],
-        rope_scaling=rope[1],
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        **shared_fields(config, rope),
         sliding_window=None,
         architecture=_name(config),
         norms=norms,

@@ -38,7 +38,6 @@ class LlamaArch:
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
-        shape = AttentionShape.from_hf_config(config)  # what the attention backend was chosen for
         sliding_window = getattr(config, "sliding_window", None)
         if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
             sliding_window = None
@@ -46,19 +45,24 @@ class LlamaArch:
             sliding_window = None
         if config.model_type in ("qwen2_moe", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
             sliding_window = None  # qwen2_moe writes 0 there when off
-        return cls(
-            model_type=config.model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            rope_theta=rope[0],
-            rope_scaling=rope[1],
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_window=sliding_window,
-        )
+        return cls(**shared_fields(config, rope), sliding_window=sliding_window)
+
+
+def shared_fields(config: Any, rope: tuple[float, Optional[dict]]) -> dict[str, Any]:
+    """The fields every decoder family reads the same way from its HF config (all but its sliding window)."""
+    shape = AttentionShape.from_hf_config(config)  # what the attention backend was chosen for
+    return dict(
+        model_type=config.model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=rope[0],
+        rope_scaling=rope[1],
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
