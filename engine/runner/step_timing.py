@@ -61,5 +61,10 @@ def measure_step_cost(
             attempt += 1
         seconds.append(best)
     scratch.release()
-    # A larger step never costs less: timing noise that says so would make rows look free.
+    return step_cost_of(sizes, seconds)
+
+
+def step_cost_of(sizes: list[int], seconds: list[float]) -> StepCost:
+    """The model of timed sizes: a larger step never costs less (timing noise that says so would make rows
+    look free)."""
     return StepCost(tuple(sizes), tuple(itertools.accumulate(seconds, max)))

@@ -180,11 +180,19 @@ def test_a_request_opts_out_or_asks_for_fewer_drafts(tiny_llama_dir):
         assert (off.num_speculative_tokens, fewer.num_speculative_tokens) == (0, 1)
         run(spec, [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculative=False))
         assert engine.stats().speculation.num_drafts == 0
-        cost = engine.scheduler.step_cost  # measured at start-up: 1, 2, 4, ... rows, never cheaper with more
-        assert cost.rows[:3] == (1, 2, 4) and list(cost.seconds) == sorted(cost.seconds) and cost.seconds[0] > 0
+        cost = engine.scheduler.step_cost  # measured at start-up: 1, 2, 4, ... rows (their timings: below)
+        assert cost.rows[:3] == (1, 2, 4) and len(cost.seconds) == len(cost.rows)
         run(spec, [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=1))
         stats = engine.stats().speculation
         assert stats.num_draft_tokens == stats.num_drafts  # one draft per step (if the cost model kept any)
+
+
+def test_a_larger_step_is_never_modelled_cheaper_whatever_the_timings_say():
+    from engine.runner.step_timing import step_cost_of
+
+    cost = step_cost_of([1, 2, 4, 8], [0.010, 0.009, 0.012, 0.011])  # noise: 2 rows "faster" than 1
+    assert cost.seconds == (0.010, 0.010, 0.012, 0.012)
+    assert cost(3) >= cost(2) >= cost(1)
 
 
 def test_n_children_fan_out_with_drafts(tiny_llama_dir):
