@@ -1,4 +1,4 @@
-"""Per-request block tables over the block pool, with prefix caching."""
+"""Per-request block tables over the block pool, with prefix caching and sliding-window groups."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Optional, Sequence
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.request import Request
+
+BlockIds = tuple[tuple[int, ...], ...]
+"""Block ids per KV-cache group (one tuple per group, in the groups' order)."""
 
 
 @dataclass(slots=True)
@@ -33,24 +36,55 @@ class KVCacheManager:
 
     Token i lives in slot `table[i // block_size] * block_size + i % block_size`.
 
+    Layer groups (`group_windows`, one entry per group: its sliding window, None for full attention). A model
+    whose layers attend differently (Gemma 2/3 and GPT-OSS mix sliding-window and full layers) keeps one
+    block table per group over the one shared pool; a block holds the K/V of one group's layers (the KV cache
+    lays its memory out so: engine/attention/kv_cache.py). A sliding group's blocks that lie wholly before
+    its window (no query from now on reads them) go back to the pool, and their entries become the null
+    block (id `num_blocks`, the cache's padding block, never handed out or read):
+
+        full group       [ 7 ] [ 2 ] [ 5 ] [ 9 ]
+        sliding group    [nul] [nul] [ 4 ] [ 8 ]    window 6, 14 tokens computed: keys >= 9 are read
+
+    So a long chat holds, in its sliding layers, only its window's blocks (vLLM's hybrid allocator).
+    A prompt's unscheduled remainder is reserved in the full groups only (a sliding group would free most of
+    it before reading it).
+
     A full block enters the prefix-cache index only when the step that writes its
     K/V has completed (`commit_step`): while a step is being scheduled its newly
     filled blocks are *pending*, and a request preempted in that same step takes
     its pending blocks with it, unindexed. So a hit never points at unwritten K/V,
-    whatever order requests are scheduled and preempted in.
+    whatever order requests are scheduled and preempted in. Each group indexes its own blocks (their
+    hashes tagged with the group); a hit in a sliding group needs only the blocks inside the window.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        group_windows: Sequence[Optional[int]] = (None,),
+    ):
+        if not group_windows:
+            raise ValueError("a KV cache has at least one layer group")
+        if any(window is not None and window < 1 for window in group_windows):
+            raise ValueError(f"sliding windows must be >= 1, got {tuple(group_windows)}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.null_block = KVBlock(num_blocks, ref_cnt=1)  # the cache's padding block: never freed, never read
         self.prefix_cache_stats = PrefixCacheStats()
-        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._sliding = [(g, window) for g, window in enumerate(self.group_windows) if window is not None]
+        self._no_blocks: BlockIds = ((),) * self.num_groups
+        self._req_blocks: dict[str, list[list[KVBlock]]] = {}  # per request, per group
+        self._first_live: dict[str, list[int]] = {}  # per request, per group: entries before it are null
         self._num_cached_blocks: dict[str, int] = {}  # leading full blocks indexed or pending
         # Full blocks the current step fills, indexed once it completes: block id -> (block, hash).
         self._pending: dict[int, tuple[KVBlock, BlockHash]] = {}
         self._pending_hashes: dict[bytes, int] = {}  # hash value -> pending block id
-        self.num_slots: dict[str, int] = {}  # token slots allocated per request (read-only outside)
+        self.num_slots: dict[str, int] = {}  # token slots allocated per request in every group (read-only outside)
 
     @property
     def num_blocks(self) -> int:
@@ -63,30 +97,80 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_blocks(self, request_id: str) -> Sequence[KVBlock]:
+    def num_blocks_needed(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Blocks a request of `num_tokens` tokens holds at once at most, over all groups, computing at most
+        `max_step_tokens` per step (a sliding group: its window and a step's tokens)."""
+        whole = self.num_blocks_for(num_tokens)
+        return sum(
+            whole if window is None else min(whole, self.num_blocks_for(window + max_step_tokens) + 1)
+            for window in self.group_windows
+        )
+
+    def get_blocks(self, request_id: str) -> Sequence[Sequence[KVBlock]]:
+        """The request's blocks, per group (null entries included)."""
         return self._req_blocks.get(request_id, ())
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        groups = self._req_blocks.get(request_id)
+        if groups is None:
+            return self._no_blocks
+        return tuple(tuple([b.block_id for b in blocks]) for blocks in groups)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of leading full blocks already in the cache, and its length in tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVBlock]], int]:
+        """The longest run of leading full blocks already in the cache (per group), and its length in tokens.
 
         The hit stops one token short of the whole sequence, so that the step
-        that admits the request computes at least one token (and samples).
+        that admits the request computes at least one token (and samples). A sliding group needs only
+        the blocks that the next token's window reaches (the others are null in its hit).
         """
         if not self.enable_caching or request.skip_prefix_cache:
-            return [], 0
+            return [[] for _ in self.group_windows], 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:max_blocks]
         get_cached = self.block_pool.get_cached_block
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = get_cached(block_hash)
-            if block is None:
+        if self.num_groups == 1 and not self._sliding:
+            hits: list[KVBlock] = []
+            for block_hash in hashes:
+                block = get_cached(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+            return [hits], len(hits) * self.block_size
+        lookups: list[dict[int, Optional[KVBlock]]] = [{} for _ in self.group_windows]
+
+        def cached(g: int, i: int) -> Optional[KVBlock]:
+            if i not in lookups[g]:
+                lookups[g][i] = get_cached(self._group_hash(hashes[i], g))
+            return lookups[g][i]
+
+        n = max_blocks
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                run = 0
+                while run < n and cached(g, run) is not None:
+                    run += 1
+                n = run
+        while self._sliding:  # the largest n every sliding group's window serves (n = 0 always does)
+            start = n
+            for g, window in self._sliding:
+                i = n - 1
+                while i >= self._first_read(n, window):
+                    if cached(g, i) is None:
+                        n = i  # no hit reaching past block i: try one ending just before it
+                    i -= 1
+            if n == start:
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        groups: list[list[KVBlock]] = []
+        for g, window in enumerate(self.group_windows):
+            first = 0 if window is None else self._first_read(n, window)
+            blocks = [self.null_block] * first
+            for i in range(first, n):
+                block = cached(g, i)
+                assert block is not None  # checked above
+                blocks.append(block)
+            groups.append(blocks)
+        return groups, n * self.block_size
 
     def next_block_pending(self, request: Request, num_hit_blocks: int) -> bool:
         """Whether the block after a request's `num_hit_blocks` hits is being filled in this step.
@@ -104,46 +188,63 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed_blocks: Optional[Sequence[Sequence[KVBlock]]] = None,
         num_lookahead_tokens: int = 0,
-    ) -> Optional[Sequence[KVBlock]]:
+        num_reserved_tokens: int = 0,
+    ) -> Optional[BlockIds]:
         """Make room for `num_new_tokens` more tokens after the computed ones, scheduled now.
 
-        `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) to
-        adopt first, at admission. `num_lookahead_tokens` more slots are allocated but
-        not scheduled (the rest of a prompt admitted chunk by chunk). Returns the newly
-        allocated blocks, or None (changing nothing) when the pool cannot serve the
-        request now.
+        `new_computed_blocks` are prefix-cache hits per group (from `get_computed_blocks`) to
+        adopt first, at admission. `num_lookahead_tokens` more slots are allocated in every group and
+        computed now but never hashed (draft tokens); `num_reserved_tokens` more in the full-attention groups
+        only, not scheduled (the rest of a prompt admitted chunk by chunk). Returns the ids of the newly
+        allocated blocks per group, or None (changing nothing but freeing blocks the windows left behind)
+        when the pool cannot serve the request now.
         """
-        req_blocks = self._req_blocks.get(request.request_id)
+        request_id = request.request_id
+        groups = self._req_blocks.get(request_id)
         block_size = self.block_size
-        if req_blocks is not None and not new_computed_blocks:
+        hits = new_computed_blocks if new_computed_blocks and new_computed_blocks[0] else None
+        if groups is not None and self._sliding:
+            self._free_outside_windows(request_id, groups, request.num_computed_tokens)
+        if groups is not None and hits is None:
             num_total = request.num_computed_tokens + num_new_tokens
-            if num_total + num_lookahead_tokens <= len(req_blocks) * block_size:
+            if num_total + num_lookahead_tokens + num_reserved_tokens <= self.num_slots[request_id]:
                 # Fast path (a decode within its last block, a chunk of an allocated prompt).
-                self._cache_full_blocks(request, req_blocks, num_total)
-                return ()
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * block_size
+                self._cache_full_blocks(request, groups, num_total)
+                return self._no_blocks
+        num_hit_blocks = len(hits[0]) if hits is not None else 0
+        num_computed = request.num_computed_tokens + num_hit_blocks * block_size
         num_total = num_computed + num_new_tokens
-        if req_blocks is None:
-            req_blocks = self._req_blocks[request.request_id] = []
-            self._num_cached_blocks[request.request_id] = 0
-        num_needed = self.num_blocks_for(num_total + num_lookahead_tokens) - len(req_blocks) - len(new_computed_blocks)
-        num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.block_pool.num_free_blocks - num_reclaimed:
-            if not req_blocks:
-                del self._req_blocks[request.request_id]
-                del self._num_cached_blocks[request.request_id]
+        current = groups if groups is not None else [[] for _ in self.group_windows]
+        needs = []
+        for g, window in enumerate(self.group_windows):
+            end = num_total + num_lookahead_tokens + (num_reserved_tokens if window is None else 0)
+            num_held = len(current[g]) + (len(hits[g]) if hits is not None else 0)
+            needs.append(max(self.num_blocks_for(end) - num_held, 0))
+        num_reclaimed = 0 if hits is None else sum(1 for blocks in hits for b in blocks if b.ref_cnt == 0)
+        if sum(needs) > self.block_pool.num_free_blocks - num_reclaimed:
             return None
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-            self._num_cached_blocks[request.request_id] = len(req_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
-        req_blocks.extend(new_blocks)
-        self.num_slots[request.request_id] = len(req_blocks) * block_size
-        self._cache_full_blocks(request, req_blocks, num_total)
-        return new_blocks
+        if groups is None:
+            groups = self._req_blocks[request_id] = current
+            self._first_live[request_id] = [0] * self.num_groups
+            self._num_cached_blocks[request_id] = 0
+        if hits is not None:
+            null = self.null_block
+            first_live = self._first_live[request_id]
+            for g, blocks in enumerate(hits):
+                self.block_pool.touch([b for b in blocks if b is not null])
+                groups[g].extend(blocks)
+                first_live[g] = sum(1 for b in blocks if b is null)
+            self._num_cached_blocks[request_id] = num_hit_blocks
+        new_ids = []
+        for g, num_needed in enumerate(needs):
+            new_blocks = self.block_pool.get_new_blocks(num_needed)
+            groups[g].extend(new_blocks)
+            new_ids.append(tuple([b.block_id for b in new_blocks]))
+        self.num_slots[request_id] = min(len(blocks) for blocks in groups) * block_size
+        self._cache_full_blocks(request, groups, num_total)
+        return tuple(new_ids)
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Count a prefix-cache lookup for an admitted request."""
@@ -153,17 +254,15 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so its tail is evicted first)."""
-        blocks = self._req_blocks.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
-        self.num_slots.pop(request.request_id, None)
-        if not blocks:
+        request_id = request.request_id
+        groups = self._req_blocks.pop(request_id, None)
+        self._first_live.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        self.num_slots.pop(request_id, None)
+        if not groups:
             return
-        if self._pending:  # preempted in the step that was to fill them: never indexed
-            for block in blocks:
-                entry = self._pending.pop(block.block_id, None)
-                if entry is not None:
-                    del self._pending_hashes[entry[1].value]
-        self.block_pool.free_blocks(reversed(blocks))
+        for blocks in groups:
+            self._release([b for b in reversed(blocks) if b is not self.null_block])
 
     def commit_step(self) -> None:
         """The scheduled step has run: index the blocks it filled (see the class docstring)."""
@@ -181,7 +280,40 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
-    def _cache_full_blocks(self, request: Request, req_blocks: list[KVBlock], num_tokens: int) -> None:
+    def _release(self, blocks: list[KVBlock]) -> None:
+        if self._pending:  # preempted in the step that was to fill them: never indexed
+            for block in blocks:
+                entry = self._pending.pop(block.block_id, None)
+                if entry is not None:
+                    del self._pending_hashes[entry[1].value]
+        self.block_pool.free_blocks(blocks)
+
+    def _first_read(self, num_computed_blocks: int, window: int) -> int:
+        """The first block a sliding window reaches from the token after `num_computed_blocks` full blocks."""
+        return max(num_computed_blocks * self.block_size - window + 1, 0) // self.block_size
+
+    def _free_outside_windows(self, request_id: str, groups: list[list[KVBlock]], num_computed: int) -> None:
+        """Free each sliding group's blocks that no query from position `num_computed` on reads (keys k are
+        read by query q only if k > q - window)."""
+        first_live = self._first_live[request_id]
+        null = self.null_block
+        for g, window in self._sliding:
+            blocks = groups[g]
+            first_read = min(max(num_computed - window + 1, 0) // self.block_size, len(blocks))
+            if first_read <= first_live[g]:
+                continue
+            self._release([b for b in blocks[first_live[g] : first_read] if b is not null])
+            blocks[first_live[g] : first_read] = [null] * (first_read - first_live[g])
+            first_live[g] = first_read
+
+    @staticmethod
+    def _group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+        """The block's key in the index for `group`'s copy of it (group 0: the hash itself)."""
+        if group == 0:
+            return block_hash
+        return BlockHash(block_hash.value + group.to_bytes(2, "little"), block_hash.token_ids)
+
+    def _cache_full_blocks(self, request: Request, groups: list[list[KVBlock]], num_tokens: int) -> None:
         """Mark pending the blocks that `num_tokens` (scheduled, so known) tokens fill."""
         if not self.enable_caching:
             return
@@ -193,9 +325,14 @@ class KVCacheManager:
         hashes = request.block_hashes
         pending = self._pending
         pending_hashes = self._pending_hashes
-        for i in range(num_cached, num_full):
-            block, block_hash = req_blocks[i], hashes[i]
-            if block.block_hash is None and block_hash.value not in pending_hashes:
-                pending[block.block_id] = (block, block_hash)
-                pending_hashes[block_hash.value] = block.block_id
+        null = self.null_block
+        for g, blocks in enumerate(groups):
+            for i in range(num_cached, num_full):
+                block = blocks[i]
+                if block is null:
+                    continue
+                block_hash = self._group_hash(hashes[i], g)
+                if block.block_hash is None and block_hash.value not in pending_hashes:
+                    pending[block.block_id] = (block, block_hash)
+                    pending_hashes[block_hash.value] = block.block_id
         self._num_cached_blocks[request.request_id] = num_full

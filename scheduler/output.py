@@ -15,7 +15,7 @@ class NewRequestData:
 
     `token_ids` is the whole sequence so far (the first `num_prompt_tokens` are the
     prompt, then any output kept across a preemption); `block_ids` is its whole block
-    table; `sampling_params` (the engine's, opaque here) and `eos_token_ids` are what
+    table, one per KV-cache layer group (scheduler/kv_cache_manager.py); `sampling_params` (the engine's, opaque here) and `eos_token_ids` are what
     it samples with. A resumed request comes with all of it again: the runner keeps
     nothing of a preempted request, and any worker can rebuild it from this alone.
     """
@@ -23,7 +23,7 @@ class NewRequestData:
     request_id: str
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache layer group
     num_computed_tokens: int
     sampling_params: object = None
     eos_token_ids: frozenset[int] = frozenset()
@@ -72,7 +72,7 @@ class SchedulerOutput:
     num_computed_tokens: dict[str, int]
     step_id: int = 0  # the scheduler's count of scheduled steps: update_from_output takes the latest only
     new_requests: tuple[NewRequestData, ...] = ()
-    new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)  # per layer group
     preempted_request_ids: frozenset[str] = frozenset()
     finished_request_ids: frozenset[str] = frozenset()
     scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)

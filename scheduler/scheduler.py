@@ -8,7 +8,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
 from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import BlockIds, KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_request_queue
@@ -26,24 +26,27 @@ class _StepPlan:
     budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    new_block_ids: dict[str, BlockIds] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     spec_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafts to verify, by request
 
-    def add(self, request: Request, num_tokens: int, new_block_ids: tuple[int, ...]) -> None:
+    def add(self, request: Request, num_tokens: int, new_block_ids: Optional[BlockIds] = None) -> None:
         self.num_scheduled[request.request_id] = num_tokens
         self.num_computed[request.request_id] = request.num_computed_tokens
-        if new_block_ids:
+        if new_block_ids is not None and any(new_block_ids):
             self.new_block_ids[request.request_id] = new_block_ids
         self.budget -= num_tokens
 
-    def extend(self, request: Request, drafts: tuple[int, ...], new_block_ids: tuple[int, ...]) -> None:
+    def extend(self, request: Request, drafts: tuple[int, ...], new_block_ids: BlockIds) -> None:
         """A scheduled decode also verifies `drafts` (their lookahead blocks: `new_block_ids`)."""
         request_id = request.request_id
         self.num_scheduled[request_id] += len(drafts)
-        if new_block_ids:
-            self.new_block_ids[request_id] = self.new_block_ids.get(request_id, ()) + new_block_ids
+        if any(new_block_ids):
+            earlier = self.new_block_ids.get(request_id)
+            if earlier is not None:
+                new_block_ids = tuple(a + b for a, b in zip(earlier, new_block_ids))
+            self.new_block_ids[request_id] = new_block_ids
         self.spec_tokens[request_id] = drafts
         self.budget -= len(drafts)
 
@@ -90,11 +93,13 @@ class Scheduler:
         adaptive_drafts: bool = False,
         max_drafting_batch: Optional[int] = None,
         step_cost: Optional[StepCost] = None,
+        kv_group_windows: Sequence[Optional[int]] = (None,),
     ):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
         the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
         `step_cost`: a step's measured time by its rows, against which each request's drafts must pay
-        (`_drafts_that_pay`)."""
+        (`_drafts_that_pay`); `kv_group_windows`: the sliding window of each of the KV cache's layer groups
+        (None: full attention; see KVCacheManager)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -104,7 +109,7 @@ class Scheduler:
         self.max_model_len: int = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_group_windows
         )
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -308,8 +313,8 @@ class Scheduler:
                 continue
             num_scheduled[request_id] = 1
             num_computed[request_id] = computed
-            if new_blocks:
-                new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
+            if any(new_blocks):
+                new_block_ids[request_id] = new_blocks
 
     def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: DraftProposer) -> None:
         """`_schedule_decodes`, each decode with up to k draft tokens while the budget lasts.
@@ -344,7 +349,7 @@ class Scheduler:
                 continue
             new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
             if new_blocks is not None:  # None: not enough free blocks now, it decodes without drafts
-                plan.extend(request, drafts, tuple([b.block_id for b in new_blocks]))
+                plan.extend(request, drafts, new_blocks)
 
     @staticmethod
     def _drafts_that_pay(
@@ -403,7 +408,7 @@ class Scheduler:
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_tokens)
             if new_blocks is not None:
-                plan.add(request, num_tokens, tuple([b.block_id for b in new_blocks]))
+                plan.add(request, num_tokens, new_blocks)
                 return True
             victim = self._pick_victim()
             self._preempt(victim)
@@ -418,13 +423,15 @@ class Scheduler:
         while len(self.waiting) and plan.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_hit = kv.get_computed_blocks(request)
-            if kv.next_block_pending(request, len(computed_blocks)):
+            if kv.next_block_pending(request, num_hit // self.block_size):
                 break  # its next block is being computed now: hit it next step, don't compute it twice
             num_left = request.num_tokens - num_hit
             num_tokens = min(num_left, plan.budget)
             # Blocks for the whole rest of the prompt, not just this chunk: a request admitted
             # without them would be preempted by its own next chunk and lose its work, repeatedly.
-            new_blocks = kv.allocate_slots(request, num_tokens, computed_blocks, num_left - num_tokens)
+            new_blocks = kv.allocate_slots(
+                request, num_tokens, computed_blocks, num_reserved_tokens=num_left - num_tokens
+            )
             if new_blocks is None:
                 break  # head of the queue waits for blocks; later ones wait behind it
             self.waiting.pop()
@@ -433,13 +440,13 @@ class Scheduler:
             request.num_cached_tokens = num_hit
             kv.record_admission(request, num_hit)
             self.running.append(request)
-            plan.add(request, num_tokens, ())
+            plan.add(request, num_tokens)
             plan.new_requests.append(
                 NewRequestData(
                     request.request_id,
                     tuple(request.all_token_ids),
                     request.num_prompt_tokens,
-                    tuple(kv.get_block_ids(request.request_id)),
+                    kv.get_block_ids(request.request_id),
                     num_hit,
                     request.sampling_params,
                     request.eos_token_ids,
@@ -509,6 +516,6 @@ class Scheduler:
             raise ContextLengthExceededError(num_prompt, request.max_tokens, self.max_model_len)
         kv = self.kv_cache_manager
         # The last sampled token is never fed back, so it needs no slot.
-        num_blocks = kv.num_blocks_for(total - 1)
+        num_blocks = kv.num_blocks_needed(total - 1, self.scheduler_config.max_num_batched_tokens)
         if num_blocks > kv.num_blocks:
             raise KVCacheTooSmallError(num_prompt, request.max_tokens, num_blocks, kv.num_blocks, self.block_size)

@@ -33,6 +33,7 @@ def make_scheduler(
     adaptive_drafts: bool = False,
     max_drafting_batch: Optional[int] = None,
     step_cost: Optional[StepCost] = None,
+    kv_group_windows: Sequence[Optional[int]] = (None,),
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -50,6 +51,7 @@ def make_scheduler(
         adaptive_drafts=adaptive_drafts,
         max_drafting_batch=max_drafting_batch,
         step_cost=step_cost,
+        kv_group_windows=kv_group_windows,
     )
 
 
@@ -141,10 +143,10 @@ def check_step_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
         start = output.num_computed_tokens[request_id]
         assert start == request.num_computed_tokens
         assert start + num_tokens <= request.num_tokens + len(output.scheduled_spec_decode_tokens.get(request_id, ()))
-        blocks = scheduler.kv_cache_manager.get_blocks(request_id)
-        assert len(blocks) * scheduler.block_size >= start + num_tokens
+        groups = scheduler.kv_cache_manager.get_blocks(request_id)
+        assert all(len(blocks) * scheduler.block_size >= start + num_tokens for blocks in groups)
     for new in output.new_requests:
-        assert new.block_ids == tuple(scheduler.kv_cache_manager.get_block_ids(new.request_id))
+        assert new.block_ids == scheduler.kv_cache_manager.get_block_ids(new.request_id)
         assert list(new.token_ids) == scheduler.requests[new.request_id].all_token_ids
 
 
@@ -157,17 +159,21 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert len(free_ids) == len(set(free_ids))
     owners: Counter[int] = Counter()
     for request_id in scheduler.requests:
-        blocks = kv.get_blocks(request_id)
-        ids = [b.block_id for b in blocks]
+        groups = kv.get_blocks(request_id)
+        ids = [b.block_id for blocks in groups for b in blocks if b is not kv.null_block]
         assert len(ids) == len(set(ids)), "a request holds the same block twice"
         owners.update(ids)
         request = scheduler.requests[request_id]
-        for index, block in enumerate(blocks):
-            if block.block_hash is not None:
-                tokens = request.all_token_ids[index * kv.block_size : (index + 1) * kv.block_size]
-                assert list(block.block_hash.token_ids) == tokens
+        for group, (blocks, window) in enumerate(zip(groups, kv.group_windows)):
+            for index, block in enumerate(blocks):
+                if block is kv.null_block:  # a sliding group's, behind its window
+                    assert window is not None and (index + 1) * kv.block_size <= request.num_computed_tokens
+                    continue
+                if block.block_hash is not None:
+                    tokens = request.all_token_ids[index * kv.block_size : (index + 1) * kv.block_size]
+                    assert list(block.block_hash.token_ids) == tokens
         if request.is_finished or request.status.name in ("WAITING", "PREEMPTED"):
-            assert not blocks, f"{request.status.name} request holds blocks"
+            assert not groups, f"{request.status.name} request holds blocks"
     all_blocks = pool.all_blocks()
     assert [b.block_id for b in all_blocks] == list(range(pool.num_blocks))
     free = set(free_ids)

@@ -6,7 +6,8 @@ exactly as a real or out-of-process runner must. Each step it
 
   1. writes K/V for every scheduled token: slot <- (the token ids up to and
      including that position, the step that wrote it);
-  2. checks every position the request attends to: positions before
+  2. checks every position the request attends to (in a sliding-window group, those inside the
+     window of the step's first query; the others may already be freed): positions before
      `num_computed_tokens` must have been written by an *earlier* step, for exactly
      the request's own token ids up to there (a prefix-cache hit is only sound if
      the block holds that prefix's K/V); positions of this step were just written;
@@ -20,7 +21,7 @@ A violation raises `UnwrittenKVError` naming the request, position and slot.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from scheduler import SchedulerOutput
 
@@ -32,7 +33,7 @@ class UnwrittenKVError(AssertionError):
 @dataclass(slots=True)
 class _Seq:
     token_ids: list[int]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache layer group
 
 
 TokenFn = Callable[[str, list[int]], int]
@@ -47,8 +48,14 @@ class RecordingRunner:
         block_size: int,
         token_fn: TokenFn = lambda request_id, token_ids: 7,
         accept_fn: AcceptFn = lambda request_id, drafts: len(drafts),
+        group_windows: Sequence[Optional[int]] = (None,),
+        null_block: Optional[int] = None,
     ):
+        """`group_windows`: the scheduler's KV groups' sliding windows; `null_block`: the id a freed sliding
+        block's entry becomes (never written, never read inside a window)."""
         self.block_size = block_size
+        self.group_windows = tuple(group_windows)
+        self.null_block = null_block
         self.token_fn = token_fn
         self.accept_fn = accept_fn
         self.seqs: dict[str, _Seq] = {}
@@ -62,9 +69,12 @@ class RecordingRunner:
         for request_id in so.finished_request_ids | so.preempted_request_ids:
             self.seqs.pop(request_id, None)
         for new in so.new_requests:
-            self.seqs[new.request_id] = _Seq(list(new.token_ids), list(new.block_ids))
+            assert len(new.block_ids) == len(self.group_windows)
+            self.seqs[new.request_id] = _Seq(list(new.token_ids), [list(ids) for ids in new.block_ids])
         for request_id, block_ids in so.new_block_ids.items():
-            self.seqs[request_id].block_ids.extend(block_ids)
+            assert len(block_ids) == len(self.group_windows)
+            for group, ids in zip(self.seqs[request_id].block_ids, block_ids):
+                group.extend(ids)
         spec = so.scheduled_spec_decode_tokens
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             seq = self.seqs[request_id]
@@ -73,7 +83,8 @@ class RecordingRunner:
             if start + num_tokens > len(tokens):
                 raise UnwrittenKVError(f"{request_id} scheduled past its sequence and drafts")
             for pos in range(start, start + num_tokens):
-                self.slots[self._slot(seq, pos)] = (tuple(tokens[: pos + 1]), self.num_steps)
+                for group in range(len(self.group_windows)):
+                    self.slots[self._slot(seq, pos, group)] = (tuple(tokens[: pos + 1]), self.num_steps)
             self.num_tokens_written += num_tokens
         sampled = {}
         for request_id, num_tokens in so.num_scheduled_tokens.items():
@@ -91,23 +102,31 @@ class RecordingRunner:
 
     def _check_reads(self, request_id: str, seq: _Seq, start: int, end: int, drafts: tuple[int, ...] = ()) -> None:
         tokens = seq.token_ids + list(drafts)
-        for pos in range(end):
-            slot = self._slot(seq, pos)
-            entry: Optional[tuple[tuple[int, ...], int]] = self.slots.get(slot)
-            expected = tuple(tokens[: pos + 1])
-            if entry is None or entry[0] != expected:
-                what = "never written" if entry is None else "written for other tokens"
-                raise UnwrittenKVError(
-                    f"step {self.num_steps}: {request_id} reads position {pos} from slot {slot}, {what}"
-                )
-            if pos < start and entry[1] >= self.num_steps:
-                raise UnwrittenKVError(
-                    f"step {self.num_steps}: {request_id} counts position {pos} as computed, "
-                    f"but slot {slot} is only written in this step"
-                )
+        for group, window in enumerate(self.group_windows):
+            first = 0 if window is None else max(start - window + 1, 0)
+            for pos in range(first, end):
+                self._check_read(request_id, seq, pos, group, start, tokens)
 
-    def _slot(self, seq: _Seq, pos: int) -> int:
+    def _check_read(self, request_id: str, seq: _Seq, pos: int, group: int, start: int, tokens: list[int]) -> None:
+        slot = self._slot(seq, pos, group)
+        entry: Optional[tuple[tuple[int, ...], int]] = self.slots.get(slot)
+        expected = tuple(tokens[: pos + 1])
+        if entry is None or entry[0] != expected:
+            what = "never written" if entry is None else "written for other tokens"
+            raise UnwrittenKVError(
+                f"step {self.num_steps}: {request_id} reads position {pos} from slot {slot}, {what}"
+            )
+        if pos < start and entry[1] >= self.num_steps:
+            raise UnwrittenKVError(
+                f"step {self.num_steps}: {request_id} counts position {pos} as computed, "
+                f"but slot {slot} is only written in this step"
+            )
+
+    def _slot(self, seq: _Seq, pos: int, group: int) -> int:
         block_index = pos // self.block_size
-        if block_index >= len(seq.block_ids):
-            raise UnwrittenKVError(f"position {pos} is past the request's {len(seq.block_ids)} blocks")
-        return seq.block_ids[block_index] * self.block_size + pos % self.block_size
+        blocks = seq.block_ids[group]
+        if block_index >= len(blocks):
+            raise UnwrittenKVError(f"position {pos} is past the request's {len(blocks)} blocks in group {group}")
+        if blocks[block_index] == self.null_block:
+            raise UnwrittenKVError(f"position {pos} of group {group} is in a freed (null) block")
+        return blocks[block_index] * self.block_size + pos % self.block_size

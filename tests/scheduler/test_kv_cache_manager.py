@@ -18,8 +18,8 @@ def test_prefix_hit_on_shared_full_blocks():
     assert admit(kv, a) == 0
     b = make_request(list(range(8)) + [50, 51, 52])
     assert admit(kv, b) == 8
-    assert kv.get_block_ids(b.request_id)[:2] == kv.get_block_ids(a.request_id)[:2]
-    assert kv.get_block_ids(b.request_id)[2] != kv.get_block_ids(a.request_id)[2]
+    (b_ids,), (a_ids,) = kv.get_block_ids(b.request_id), kv.get_block_ids(a.request_id)
+    assert b_ids[:2] == a_ids[:2] and b_ids[2] != a_ids[2]
     assert kv.prefix_cache_stats.queries == 21 and kv.prefix_cache_stats.hits == 8
 
 
@@ -41,7 +41,7 @@ def test_hit_is_capped_to_leave_one_token():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     admit(kv, make_request(list(range(8))))
     blocks, num_hit = kv.get_computed_blocks(make_request(list(range(8))))
-    assert num_hit == 4 and len(blocks) == 1
+    assert num_hit == 4 and len(blocks[0]) == 1
 
 
 def test_allocation_failure_changes_nothing():
@@ -53,7 +53,7 @@ def test_allocation_failure_changes_nothing():
     assert num_hit == 8
     assert kv.allocate_slots(b, b.num_tokens - num_hit, blocks) is None
     assert kv.block_pool.num_free_blocks == 1
-    assert all(block.ref_cnt == 1 for block in kv.get_blocks(a.request_id))
+    assert all(block.ref_cnt == 1 for block in kv.get_blocks(a.request_id)[0])
     assert kv.get_blocks(b.request_id) == ()
 
 
@@ -78,7 +78,7 @@ def test_blocks_are_cached_as_they_fill_during_decode():
         kv.commit_step()
         a.num_computed_tokens += 1
     blocks, num_hit = kv.get_computed_blocks(make_request([1, 2, 3, 4, 5, 6]))
-    assert num_hit == 4 and blocks[0] is kv.get_blocks(a.request_id)[0]
+    assert num_hit == 4 and blocks[0][0] is kv.get_blocks(a.request_id)[0][0]
 
 
 def test_disabled_caching_never_hits():
@@ -92,9 +92,9 @@ def test_free_returns_blocks_tail_first():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     a = make_request([1, 2, 3, 4, 5])
     admit(kv, a)
-    ids = kv.get_block_ids(a.request_id)
+    (ids,) = kv.get_block_ids(a.request_id)
     kv.free(a)
-    assert kv.block_pool.free_block_ids()[-3:] == ids[::-1]
+    assert kv.block_pool.free_block_ids()[-3:] == list(ids[::-1])
 
 
 def test_filled_blocks_are_hits_only_once_their_step_completes():
@@ -132,10 +132,76 @@ def test_lookahead_allocates_without_scheduling():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request(list(range(14)))
     new_blocks = kv.allocate_slots(a, 4, num_lookahead_tokens=10)
-    assert len(new_blocks) == 4 and kv.num_slots[a.request_id] == 16
+    assert len(new_blocks[0]) == 4 and kv.num_slots[a.request_id] == 16
     kv.commit_step()
     assert kv.block_pool.num_cached_blocks == 1  # only the scheduled 4 tokens' block
     a.num_computed_tokens = 4
-    assert kv.allocate_slots(a, 9) == ()  # a later chunk within the allocation: blocks 1 and 2 fill
+    assert kv.allocate_slots(a, 9) == ((),)  # a later chunk within the allocation: blocks 1 and 2 fill
     kv.commit_step()
     assert kv.block_pool.num_cached_blocks == 3
+
+
+# ---------------------------------------------------------------- sliding-window layer groups
+
+
+def test_a_sliding_group_frees_the_blocks_behind_its_window_as_a_request_decodes():
+    kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, 6))
+    a = make_request(list(range(8)))
+    admit(kv, a)
+    held = []
+    for token in range(100, 140):
+        a.append_output_token(token)
+        assert kv.allocate_slots(a, 1) is not None
+        kv.commit_step()
+        a.num_computed_tokens += 1
+        held.append(sum(1 for b in kv.get_blocks(a.request_id)[1] if b is not kv.null_block))
+    full, sliding = kv.get_blocks(a.request_id)
+    assert len(full) == len(sliding) == 12  # 48 tokens' entries in both tables
+    assert all(b is not kv.null_block for b in full)
+    # The window (6 keys) and the next block: never more than 3 live blocks of 4 tokens, freed as it slides.
+    assert max(held[8:]) <= 3 and sliding[0] is kv.null_block
+    assert kv.block_pool.num_free_blocks == 64 - 12 - held[-1]
+    kv.free(a)
+    assert kv.usage == 0
+
+
+def test_a_sliding_group_hit_needs_only_the_blocks_in_its_window():
+    kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, 5))
+    a = make_request(list(range(24)))
+    assert kv.allocate_slots(a, 24) is not None  # one step computes the whole prompt
+    a.num_computed_tokens = 24
+    kv.commit_step()
+    for token in (100, 101):  # a decode frees the sliding blocks behind the window
+        a.append_output_token(token)
+        assert kv.allocate_slots(a, 1) is not None
+        kv.commit_step()
+        a.num_computed_tokens += 1
+    assert kv.get_blocks(a.request_id)[1][0] is kv.null_block
+    kv.free(a)  # freed blocks keep their hashes until evicted
+    b = make_request(list(range(24)) + [7])
+    (full, sliding), num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 24 and len(full) == len(sliding) == 6
+    # The next token (position 24) reads keys 20..24: block 5 only; blocks 0..4 of the sliding group are null.
+    assert sliding[:5] == [kv.null_block] * 5 and sliding[5] is not kv.null_block
+
+
+def test_an_evicted_block_inside_the_window_shortens_the_hit_to_where_the_window_is_whole():
+    kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, 5))
+    a = make_request(list(range(24)))
+    assert kv.allocate_slots(a, 24) is not None
+    a.num_computed_tokens = 24
+    kv.commit_step()
+    kv.free(a)
+    block_5 = kv.get_computed_blocks(make_request(list(range(25))))[0][1][5]
+    kv.block_pool._evict(block_5)  # the sliding group's copy of block 5 is gone, the full group's is not
+    (full, sliding), num_hit = kv.get_computed_blocks(make_request(list(range(25))))
+    # A hit of 20 tokens reads keys 16..20 (block 4, then 5 computed anew); 24 would need block 5.
+    assert num_hit == 20 and len(full) == len(sliding) == 5 and sliding[4] is not kv.null_block
+
+
+def test_a_prompt_remainder_is_reserved_in_full_groups_only():
+    kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, 4))
+    a = make_request(list(range(40)))
+    new_ids = kv.allocate_slots(a, 8, num_reserved_tokens=32)  # the first chunk of a 40-token prompt
+    assert new_ids is not None and [len(ids) for ids in new_ids] == [10, 2]
+    assert kv.num_slots[a.request_id] == 8

@@ -108,6 +108,7 @@ def test_tight_pools_with_aborts_between_schedule_and_update():
     for seed in range(250):
         rng = random.Random(seed)
         block_size = rng.choice([2, 4])
+        windows = rng.choice([(None,), (None,), (None, rng.randint(1, 9)), (rng.randint(1, 9),)])
         s = make_scheduler(
             num_blocks=rng.randint(3, 10),
             block_size=block_size,
@@ -115,18 +116,24 @@ def test_tight_pools_with_aborts_between_schedule_and_update():
             max_num_batched_tokens=rng.randint(4, 16),
             max_model_len=64,
             policy=rng.choice(["fcfs", "priority"]),
+            kv_group_windows=windows,
         )
         kv = s.kv_cache_manager
         free = kv.free
 
         def counting_free(request, free=free, kv=kv):
             nonlocal dropped_pending
-            held = {b.block_id for b in kv.get_blocks(request.request_id)}
+            held = {b.block_id for blocks in kv.get_blocks(request.request_id) for b in blocks}
             dropped_pending += bool(held & set(kv._pending))
             free(request)
 
         kv.free = counting_free
-        runner = RecordingRunner(block_size, lambda request_id, token_ids: rng.choice([10, 11]))
+        runner = RecordingRunner(
+            block_size,
+            lambda request_id, token_ids: rng.choice([10, 11]),
+            group_windows=windows,
+            null_block=kv.null_block.block_id,
+        )
         for _ in range(40):
             if rng.random() < 0.4:
                 live = list(s.requests.values())
@@ -169,7 +176,23 @@ def setups(draw):
         max_model_len=64,
         enable_prefix_caching=draw(st.booleans() | st.just(True)),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        # layer groups: full attention only, or with sliding-window groups (whose blocks behind the window
+        # are freed, and whose hits need only the window's blocks)
+        kv_group_windows=draw(st.sampled_from([(None,), (None, "w"), ("w",), ("w", None, "w")])),  # "w": `window`
+        window=draw(st.integers(1, 12)),
     )
+
+
+def _scheduler_and_runner(setup, token_fn):
+    """The scheduler of a drawn setup and a RecordingRunner that knows its groups."""
+    setup = dict(setup)
+    window = setup.pop("window")
+    windows = tuple(window if w == "w" else w for w in setup.pop("kv_group_windows"))
+    s = make_scheduler(**setup, kv_group_windows=windows)
+    runner = RecordingRunner(
+        setup["block_size"], token_fn, group_windows=windows, null_block=s.kv_cache_manager.null_block.block_id
+    )
+    return s, runner
 
 
 operations = st.lists(
@@ -194,11 +217,11 @@ operations = st.lists(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), ops=operations, seed=st.integers(0, 2**16))
 def test_computed_tokens_were_written_for_exactly_those_tokens(setup, ops, seed):
-    """Both policies, preemption, chunked prefill, prefix hits, aborts and stop-string finishes."""
+    """Both policies, preemption, chunked prefill, prefix hits, aborts and stop-string finishes, with and
+    without sliding-window layer groups."""
     rng = random.Random(seed)
-    s = make_scheduler(**setup)
     vocab = [10] * 7 + [11] * 8 + [STOP_ID]  # a stop token now and then: most requests grow long
-    runner = RecordingRunner(setup["block_size"], lambda request_id, token_ids: rng.choice(vocab))
+    s, runner = _scheduler_and_runner(setup, lambda request_id, token_ids: rng.choice(vocab))
     added = []
     for op in ops:
         kind = op[0]

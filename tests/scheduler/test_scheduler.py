@@ -337,12 +337,12 @@ def test_parallel_samples_share_prompt_blocks():
     # Their next block is being computed by the first child: admitting them now would compute it twice.
     assert dict(out.num_scheduled_tokens) == {children[0].request_id: 14}
     out, _ = step(s)
-    tables = [s.kv_cache_manager.get_block_ids(c.request_id) for c in children]
+    tables = [s.kv_cache_manager.get_block_ids(c.request_id)[0] for c in children]
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]
     assert len({t[3] for t in tables}) == 3  # the partial last block is private
     assert [out.num_scheduled_tokens[c.request_id] for c in children] == [1, 2, 2]
     assert [out.num_computed_tokens[c.request_id] for c in children] == [14, 12, 12]
-    shared = s.kv_cache_manager.get_blocks(children[0].request_id)[0]
+    shared = s.kv_cache_manager.get_blocks(children[0].request_id)[0][0]
     assert shared.ref_cnt == 3
     assert s.stats().prefix_cache_hits == 24
     run_until_done(s)
