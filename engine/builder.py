@@ -16,6 +16,7 @@ from engine.attention.layer_attention import check_backend_serves
 from engine.engine import EngineCore
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
+from engine.attention.kv_groups import KVGroups
 from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
 from engine.loading.loader import iter_weights, load_hf_config, prepare_checkpoint
 from engine.profiling.memory_bandwidth import tensor_bytes
@@ -89,9 +90,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         )
     model = build_model(hf_config, dtype, device, ops, linear, quantizer)
     check_backend_serves(backend, model.attention_layers, family.architecture)
-    if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
-        logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)
-        max_model_len = model.arch.sliding_window
+    # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window.
+    kv_groups = KVGroups.of([attention.sliding_window for attention in model.attention_layers], max_model_len)
     storage = (
         quantizer.method
         if quantizer is not None
@@ -118,8 +118,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         model.arch.num_kv_heads,
         model.arch.head_dim,
         kv_dtype,
-        latent_rank=latent_rank,
-    )  # MLA: the latent layout
+        latent_rank=latent_rank,  # MLA: the latent layout
+        layer_groups=kv_groups.layers if kv_groups.num_groups > 1 else (),
+    )
     speculative = config.speculative_config
     limits = RunnerLimits(
         config.scheduler.max_num_seqs,
@@ -155,7 +156,15 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         adaptive_drafts=speculative is not None and speculative.adaptive,
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
         step_cost=step_cost,
+        kv_group_windows=kv_groups.windows,
     )
+    if kv_groups.num_groups > 1 or kv_groups.windows[0] is not None:
+        logger.info(
+            "KV cache layer groups (window: layers): %s; a sliding group frees the blocks behind its window",
+            "; ".join(
+                f"{window or 'full'}: {len(layers)}" for window, layers in zip(kv_groups.windows, kv_groups.layers)
+            ),
+        )
     if speculative is not None:
         logger.info(
             "speculative decoding: %s, up to %d draft tokens per request and step",

@@ -154,7 +154,8 @@ class EngineCore:
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole KV cache holds it
             kv = self.scheduler.kv_cache_manager
-            limit = min(self.max_model_len, kv.num_blocks * kv.block_size + 1)
+            held = kv.max_tokens_held(self.scheduler.scheduler_config.max_num_batched_tokens)
+            limit = min(self.max_model_len, held + 1)
             max_tokens = max(limit - len(prompt), 1)
             # only here is the bound min_tokens must respect known; a prompt that leaves no room at all is the
             # scheduler's context-length refusal instead (add_request)

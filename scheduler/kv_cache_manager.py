@@ -106,6 +106,17 @@ class KVCacheManager:
             for window in self.group_windows
         )
 
+    def max_tokens_held(self, max_step_tokens: int) -> int:
+        """The most tokens one request's cache can hold in the whole pool (`num_blocks_needed`'s inverse)."""
+        low, high = 0, self.num_blocks * self.block_size
+        while low < high:  # the largest n with num_blocks_needed(n) <= num_blocks
+            middle = (low + high + 1) // 2
+            if self.num_blocks_needed(middle, max_step_tokens) <= self.num_blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
     def get_blocks(self, request_id: str) -> Sequence[Sequence[KVBlock]]:
         """The request's blocks, per group (null entries included)."""
         return self._req_blocks.get(request_id, ())

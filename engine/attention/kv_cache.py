@@ -115,8 +115,13 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     latent_rank: Optional[int] = None
+    layer_groups: tuple[tuple[int, ...], ...] = ()  # the layers of each block-table group (KVGroups); () one
 
     def __post_init__(self):
+        if self.layer_groups and sorted(i for layers in self.layer_groups for i in layers) != list(
+            range(self.num_layers)
+        ):
+            raise ValueError(f"layer groups {self.layer_groups} do not cover layers 0 .. {self.num_layers - 1} once")
         if self.latent_rank is not None and (self.num_kv_heads != 1 or not 0 < self.latent_rank <= self.head_dim):
             raise ValueError(
                 f"a latent KV cache has one entry per token (num_kv_heads 1, not {self.num_kv_heads}) "
@@ -131,20 +136,37 @@ class KVCacheSpec:
         return cls(num_layers, block_size, 1, kv_lora_rank + rope_dim, dtype, latent_rank=kv_lora_rank)
 
     @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The layers of each group (one group of every layer unless the spec says otherwise)."""
+        return self.layer_groups or (tuple(range(self.num_layers)),)
+
+    @property
+    def group_of_layer(self) -> tuple[int, ...]:
+        """Each layer's group (whose block table and slot mapping it reads and writes through)."""
+        group_of = {layer: group for group, layers in enumerate(self.groups) for layer in layers}
+        return tuple(group_of[layer] for layer in range(self.num_layers))
+
+    @property
+    def slots_per_block(self) -> int:
+        """Layers whose K/V one block holds: a group's (the largest)."""
+        return max(len(layers) for layers in self.groups)
+
+    @property
     def tensors_per_layer(self) -> int:
         """K and V apart (2), or the latent entries alone (1)."""
         return 1 if self.latent_rank is not None else 2
 
     @property
     def bytes_per_token(self) -> int:
-        """What one token's cache takes over every layer."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return self.tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        """What one token's cache takes over every layer (its slot in every group's block)."""
+        return len(self.groups) * self.bytes_per_block // self.block_size
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V (or the latent entries) of one block in every layer."""
-        return self.block_size * self.bytes_per_token
+        """K and V (or the latent entries) of one block: `block_size` tokens in each of a group's layers."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        layer_bytes = self.tensors_per_layer * self.num_kv_heads * self.head_dim * element_size
+        return self.block_size * self.slots_per_block * layer_bytes
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
@@ -155,17 +177,26 @@ class KVCache:
     (the layout flash-attn's paged kernels read). The scheduler's KVCacheManager
     decides which of blocks 0 .. num_blocks - 1 belong to whom; this class only holds
     the memory. The last block, `pad_block`, is never handed out: the padding rows of a
-    CUDA-graph step write and read it (engine/runner/cuda_graphs.py). A latent spec's layer is its one
+    CUDA-graph step write and read it (engine/runner/cuda_graphs.py), and a sliding-window group's freed
+    entries name it (never read: they lie behind the window). A latent spec's layer is its one
     tensor of entries `[num_blocks + 1, block_size, 1, kv_lora_rank + rope_dim]` and, as V, the view of their
-    first kv_lora_rank features."""
+    first kv_lora_rank features.
+
+    With several layer groups (KVGroups) the memory is `slots_per_block` tensors (K and V each), and the i-th
+    layer of every group reads and writes the i-th: a block id, which the scheduler gives to one group at a
+    time, names that block's rows in every slot tensor, holding K/V of that group's layers only. So groups
+    share one pool of equal blocks, and `layers[l]` is the slot tensor of layer l (shared with other groups'
+    layers, through other block ids)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
         shape = (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.spec = spec
         self.num_blocks = num_blocks
         self.pad_block = num_blocks
+        slots = [self._layer(spec, shape, device) for _ in range(spec.slots_per_block)]
+        slot_of_layer = {layer: slot for layers in spec.groups for slot, layer in enumerate(layers)}
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            self._layer(spec, shape, device) for _ in range(spec.num_layers)
+            slots[slot_of_layer[layer]] for layer in range(spec.num_layers)
         ]
 
     @staticmethod

@@ -56,13 +56,15 @@ class FusedDecode:
         self,
         model,
         num_tokens: int,
-        metadata: AttentionMetadata,
+        metadata: Sequence[AttentionMetadata],
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
     ) -> bool:
         """Whether this step can run fused (cheap after the first call)."""
-        if num_tokens == 0 or backend.name != "cpu" or metadata.num_decodes != num_tokens:
+        if num_tokens == 0 or backend.name != "cpu" or metadata[0].num_decodes != num_tokens:
             return False
+        if any(each is not metadata[0] for each in metadata):
+            return False  # layer groups (sliding-window layers): one block table serves every layer here
         if self._model_ok is None:
             self._model_ok = _model_fits(model, kv_caches)
             if self._model_ok and _has_blocks(model):
@@ -75,16 +77,17 @@ class FusedDecode:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
+        metadata: Sequence[AttentionMetadata],  # each layer's: one object (`takes`)
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         arch, rotary = model.arch, model.rotary
+        step = metadata[0]
         if self._weights is None:
             self._weights = _weight_table(model)
         if self._caches is None or self._caches_of is not kv_caches:
             self._caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             self._caches_of = kv_caches
         key_caches, value_caches = self._caches
-        tables, lens = metadata.decodes()
+        tables, lens = step.decodes()
         residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
         h = self.kernels.decode_layers(
             residual,
@@ -94,7 +97,7 @@ class FusedDecode:
             positions,
             rotary.cos,
             rotary.sin_signed,
-            metadata.slot_mapping,
+            step.slot_mapping,
             tables,
             lens,
             arch.num_heads,
@@ -151,8 +154,10 @@ def _integer_rows(model, limit: int) -> int:
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype, no q/k norm, RoPE tables
-    in that dtype."""
+    in that dtype, and plain causal attention in every layer (the native step has no window, cap or sinks)."""
     dtype = model.dtype
+    if any(attention.features or attention.scale != model.scale for attention in model.attention_layers):
+        return False
     tensors = [model.rotary.cos, model.rotary.sin_signed]  # in the model's dtype
     blocks: list[torch.Tensor] = []  # GGUF blocks and scales
     if not isinstance(model.embed, (GgufWeight, PackedWeight)):

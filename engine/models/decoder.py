@@ -152,7 +152,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
+        metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's)
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         arch, ops, linear = self.arch, self.ops, self.linear
@@ -160,7 +160,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.embedding_scale is not None:
             h = h * self.embedding_scale
-        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             rope = arch.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
             x = self._layer_attention(
@@ -170,7 +170,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
                 angles[rope],
                 key_cache,
                 value_cache,
-                metadata,
+                step,
                 backend,
                 arch.layer_attention[index],
             )

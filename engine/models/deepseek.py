@@ -69,7 +69,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
             mla.qk_rope_head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
         )
         self.scale = mla.softmax_scale
-        self.attention = LayerAttention(mla.softmax_scale, latent_rank=mla.kv_lora_rank)
+        self.layer_attention = (LayerAttention(mla.softmax_scale, latent_rank=mla.kv_lora_rank),) * arch.num_layers
 
     # ------------------------------------------------------------------ weights
 
@@ -198,7 +198,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
 
     # ------------------------------------------------------------------ forward
 
-    def _attention(self, layer, x, angles, key_cache, value_cache, metadata, backend) -> torch.Tensor:
+    def _attention(self, layer, x, angles, key_cache, value_cache, metadata, backend, attention) -> torch.Tensor:
         return latent_attention(
             layer.attention,
             x,
@@ -208,7 +208,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
             value_cache,
             metadata,
             backend,
-            self.attention,
+            attention,
             self.linear,
             self.ops,
         )

@@ -14,12 +14,10 @@ gate and up interleaved (gate in the even columns), `experts.down_proj` [E, I, H
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.attention.layer_attention import LayerAttention
 from engine.layers.clamped_swiglu import ClampedSwiGLU
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
@@ -48,10 +46,6 @@ class GptOssForCausalLM(MoeForCausalLM):
         super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer)
         self.layer_attention = arch.layer_attention  # the sinks join them at load
         self.sinks: dict[int, torch.Tensor] = {}  # layer -> [heads], float32
-
-    @property
-    def attention_layers(self) -> tuple[LayerAttention, ...]:
-        return self.layer_attention
 
     # ------------------------------------------------------------------ weights
 
@@ -114,57 +108,6 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     def weight_bytes(self) -> int:
         return super().weight_bytes() + sum(s.numel() * s.element_size() for s in self.sinks.values())
-
-    # ------------------------------------------------------------------ forward
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
-        """The Llama layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its
-        own LayerAttention."""
-        eps = self.arch.rms_norm_eps
-        ops = self.ops
-        angles = ops.rotary_angles(positions, self.rotary)
-        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        residual = h
-        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
-        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            if index:
-                x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
-            h = self._layer_attention(
-                layer, x, angles, key_cache, value_cache, metadata, backend, self.layer_attention[index]
-            )
-            x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
-            h = self._mlp(index, layer, x)
-        return residual + h
-
-    def _layer_attention(
-        self,
-        layer: LlamaLayerWeights,
-        x: torch.Tensor,
-        angles,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-        attention: LayerAttention,
-    ) -> torch.Tensor:
-        arch = self.arch
-        num_tokens = x.shape[0]
-        heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        qkv = self.linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, heads + 2 * kv_heads, head_dim)
-        qk = self.ops.rotary(qkv[:, : heads + kv_heads], angles, self.rotary)  # [T, heads + kv_heads, head_dim]
-        query, key = qk[:, :heads], qk[:, heads:]
-        value = qkv[:, heads + kv_heads :]
-        backend.write_kv(key, value, key_cache, value_cache, metadata)
-        out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
-        return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
 
 
 def _halves(interleaved: torch.Tensor, dim: int) -> torch.Tensor:

@@ -66,7 +66,10 @@ class LlamaForCausalLM:
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
         )
         self.scale = arch.head_dim**-0.5
-        self.attention = LayerAttention(self.scale)  # every layer's: no window (max_model_len is capped to it), no cap
+        # Each layer's attention: Mistral's sliding window (Qwen's, when on, from max_window_layers), no soft-cap.
+        self.layer_attention: tuple[LayerAttention, ...] = tuple(
+            LayerAttention(self.scale, sliding_window=window) for window in arch.layer_windows
+        )
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
@@ -86,7 +89,7 @@ class LlamaForCausalLM:
     @property
     def attention_layers(self) -> tuple[LayerAttention, ...]:
         """Each layer's attention, as the backend computes it (checked against the backend at start-up)."""
-        return (self.attention,) * self.arch.num_layers
+        return self.layer_attention
 
     # ------------------------------------------------------------------ weights
 
@@ -192,9 +195,11 @@ class LlamaForCausalLM:
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
+        metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's)
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        """The layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its own
+        LayerAttention over its own KV group's metadata."""
         if self.fused is not None and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend):
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         eps = self.arch.rms_norm_eps
@@ -203,10 +208,11 @@ class LlamaForCausalLM:
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
-        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+        attention = self.layer_attention
+        for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             if index:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
-            h = self._attention(layer, x, angles, key_cache, value_cache, metadata, backend)
+            h = self._attention(layer, x, angles, key_cache, value_cache, step, backend, attention[index])
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
             h = self._mlp(index, layer, x)
         return residual + h
@@ -232,6 +238,7 @@ class LlamaForCausalLM:
         value_cache,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        attention: LayerAttention,
     ) -> torch.Tensor:
         arch = self.arch
         ops = self.ops
@@ -250,7 +257,7 @@ class LlamaForCausalLM:
         query, key = qk[:, :heads], qk[:, heads:]
         value = qkv[:, heads + kv_heads :]
         backend.write_kv(key, value, key_cache, value_cache, metadata)
-        out = backend.attend(query, key, value, key_cache, value_cache, metadata, self.attention)
+        out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
         return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
 
     @torch.inference_mode()

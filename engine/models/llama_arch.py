@@ -24,6 +24,15 @@ class LlamaArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     sliding_window: Optional[int]
+    # Which layers slide when `sliding_window` is set (HF's `layer_types`: Qwen2/3 slide only from
+    # max_window_layers on); () = every layer.
+    sliding_layers: tuple[bool, ...] = ()
+
+    @property
+    def layer_windows(self) -> tuple[Optional[int], ...]:
+        """Each layer's sliding window (None: full attention)."""
+        slides = self.sliding_layers or (True,) * self.num_layers
+        return tuple(self.sliding_window if slide else None for slide in slides)
 
     @property
     def q_size(self) -> int:
@@ -45,7 +54,9 @@ class LlamaArch:
             sliding_window = None
         if config.model_type in ("qwen2_moe", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
             sliding_window = None  # qwen2_moe writes 0 there when off
-        return cls(**shared_fields(config, rope), sliding_window=sliding_window)
+        layer_types = getattr(config, "layer_types", None) if sliding_window is not None else None
+        sliding_layers = () if layer_types is None else tuple(kind == "sliding_attention" for kind in layer_types)
+        return cls(**shared_fields(config, rope), sliding_window=sliding_window, sliding_layers=sliding_layers)
 
 
 def shared_fields(config: Any, rope: tuple[float, Optional[dict]]) -> dict[str, Any]:

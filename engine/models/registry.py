@@ -45,7 +45,7 @@ FAMILIES = (
         ("mistral",),
         "llama",
         LLAMA_FORMATS,
-        ("as Llama", "max_model_len capped to sliding_window"),
+        ("as Llama", "sliding window (blocks behind it freed)"),
     ),
     ModelFamily("Qwen2ForCausalLM", ("qwen2",), "llama", LLAMA_FORMATS, ("as Llama", "q/k/v bias")),
     ModelFamily("Qwen3ForCausalLM", ("qwen3",), "llama", LLAMA_FORMATS, ("as Llama", "per-head q/k RMSNorm")),
@@ -55,7 +55,7 @@ FAMILIES = (
         "decoder",
         HF_FORMATS,
         (
-            "sliding-window layers",
+            "sliding-window layers (their blocks behind the window freed)",
             "attention and final-logit soft-capping",
             "query_pre_attn_scalar",
             "pre/post norms (1 + w)",

@@ -31,7 +31,7 @@ import bisect
 import gc
 import logging
 import time
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -116,17 +116,21 @@ class EagerReplay:
         self.forward = None
 
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, StepMetadata], torch.Tensor]
-"""(input_ids, positions, step) -> hidden states: the model's forward pass over the KV cache."""
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, Sequence[StepMetadata]], torch.Tensor]
+"""(input_ids, positions, the step per KV layer group) -> hidden states: the model's forward pass over the KV
+cache."""
 
 
 def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> ForwardFn:
     """The model's forward pass over `kv_cache` through `backend`: what a step runs and a decode graph
     captures. A closure over the three parts, not a method of the runner: the graphs keep it, and a
-    runner <-> graphs cycle would outlive the last reference to the engine."""
+    runner <-> graphs cycle would outlive the last reference to the engine. The step comes as one
+    StepMetadata per KV layer group; each layer attends with its group's metadata."""
+    group_of_layer = kv_cache.spec.group_of_layer
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
-        metadata = backend.build_metadata(step, kv_cache.spec)
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, steps: Sequence[StepMetadata]) -> torch.Tensor:
+        per_group = [backend.build_metadata(step, kv_cache.spec) for step in steps]
+        metadata = [per_group[group] for group in group_of_layer]
         return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
 
     return forward
@@ -157,6 +161,7 @@ class DecodeGraphs:
         self.graph_type = graph_type
         self.width = buffers.max_blocks_per_req
         self.pad_slot = kv_cache.pad_block * kv_cache.spec.block_size
+        self.num_groups = len(kv_cache.spec.groups)
         self._graphs: dict[int, Graph] = {}
 
     @property
@@ -216,24 +221,27 @@ class DecodeGraphs:
     def _step_fn(self, size: int) -> Callable[[], torch.Tensor]:
         """The step of `size` decode rows over the persistent buffers (views fixed now, values read at run)."""
         buffers = self.buffers
-        step = StepMetadata(
-            slot_mapping=buffers.slot_mapping.device[:size],
-            query_start_loc=buffers.query_start_loc.device[: size + 1],
-            seq_lens=buffers.seq_lens.device[:size],
-            block_table=buffers.block_table.device[: size * self.width].view(size, self.width),
-            query_start_loc_cpu=buffers.query_start_loc.host[: size + 1],
-            seq_lens_cpu=buffers.seq_lens.host[:size],
-            num_decodes=size,
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-        )
+        steps = [
+            StepMetadata(
+                slot_mapping=buffers.slot_mappings[group].device[:size],
+                query_start_loc=buffers.query_start_loc.device[: size + 1],
+                seq_lens=buffers.seq_lens.device[:size],
+                block_table=buffers.block_tables[group].device[: size * self.width].view(size, self.width),
+                query_start_loc_cpu=buffers.query_start_loc.host[: size + 1],
+                seq_lens_cpu=buffers.seq_lens.host[:size],
+                num_decodes=size,
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+            )
+            for group in range(self.num_groups)
+        ]
         input_ids = buffers.input_ids.device[:size]
         positions = buffers.positions.device[:size]
         forward = self.forward
         assert forward is not None  # not released (capture comes before release)
 
         def run() -> torch.Tensor:
-            return forward(input_ids, positions, step)
+            return forward(input_ids, positions, steps)
 
         return run
 
@@ -254,8 +262,8 @@ class DecodeGraphs:
         buffers = self.buffers
         buffers.input_ids.array[start:end] = 0
         buffers.positions.array[start:end] = 0
-        buffers.slot_mapping.array[start:end] = self.pad_slot
         buffers.seq_lens.array[start:end] = 1
         buffers.query_start_loc.array[start : end + 1] = np.arange(start, end + 1)
-        table = buffers.block_table.array[: end * self.width].reshape(end, self.width)
-        table[start:end] = self.kv_cache.pad_block
+        for slots, table in zip(buffers.slot_mappings, buffers.block_tables):
+            slots.array[start:end] = self.pad_slot
+            table.array[: end * self.width].reshape(end, self.width)[start:end] = self.kv_cache.pad_block

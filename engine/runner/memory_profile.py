@@ -67,7 +67,7 @@ def profile_step_peak_bytes(
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     metadata = backend.build_metadata(step, spec)  # counted: real steps build theirs every step
-    hidden = model.forward(input_ids, positions, scratch.layers, metadata, backend)
+    hidden = model.forward(input_ids, positions, scratch.layers, [metadata] * spec.num_layers, backend)
     logits = model.compute_logits(hidden[: min(num_logit_rows, num_tokens)])
     del hidden
     Sampler()(logits, worst_case_sampling_states(logits.shape[0], device))

@@ -115,9 +115,12 @@ class ModelRunner:
         self.sampler = GuardedSampler(Sampler(), _request_id_lookup(self.requests))  # a bad row fails alone
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)
-        self.block_table = BlockTable(block_size, rows=limits.max_num_seqs, width=max_blocks)
+        self.num_groups = len(kv_cache.spec.groups)  # KV layer groups: a block table and slot mapping each
+        self.block_table = BlockTable(
+            block_size, rows=limits.max_num_seqs, width=max_blocks, num_groups=self.num_groups
+        )
         self.buffers: Optional[StepBuffers] = StepBuffers(
-            limits.max_num_batched_tokens, limits.max_query_rows, max_blocks, device
+            limits.max_num_batched_tokens, limits.max_query_rows, max_blocks, device, self.num_groups
         )
         self._forward: Optional[ForwardFn] = model_forward(model, backend, kv_cache)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
@@ -145,19 +148,19 @@ class ModelRunner:
         assert buffers is not None and forward is not None  # not shut down (no step runs after)
         buffers.begin_step()
         profile = self.profile
-        batch, step, bucket = self._prepare_inputs(scheduler_output)
+        batch, steps, bucket = self._prepare_inputs(scheduler_output)
         if bucket is not None:
             assert self.graphs is not None  # the bucket is one of theirs
             if profile is not None:
                 profile.lap("prepare")
             hidden = self.graphs.replay(bucket)  # its inputs are uploaded
         else:
-            assert step is not None  # built whenever no graph replays
+            assert steps is not None  # built whenever no graph replays
             input_ids = buffers.input_ids.upload(batch.num_tokens)
             positions = buffers.positions.upload(batch.num_tokens)
             if profile is not None:
                 profile.lap("prepare")
-            hidden = forward(input_ids, positions, step)
+            hidden = forward(input_ids, positions, steps)
         if profile is not None:
             profile.lap("forward")
         try:
@@ -227,8 +230,9 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[_Batch, Optional[StepMetadata], Optional[int]]:
-        """Write the step into the persistent buffers, decodes first, and describe it (StepMetadata);
+    ) -> tuple[_Batch, Optional[list[StepMetadata]], Optional[int]]:
+        """Write the step into the persistent buffers, decodes first, and describe it (a StepMetadata per KV
+        layer group: the groups' block tables and slot mappings differ, the rest is shared);
         the third value is the decode graph's bucket when the step replays one (then the buffers hold
         that many rows, padding included, all uploaded, and no StepMetadata is built).
 
@@ -255,7 +259,8 @@ class ModelRunner:
         buffers = self.buffers
         assert buffers is not None  # not shut down
         buffers.check_fits(scheduler_output.total_num_scheduled_tokens, num_reqs, 0)
-        ids, positions, slots = buffers.input_ids.array, buffers.positions.array, buffers.slot_mapping.array
+        ids, positions = buffers.input_ids.array, buffers.positions.array
+        slots = [buffer.array for buffer in buffers.slot_mappings]
         starts, seq_lens = buffers.query_start_loc.array, buffers.seq_lens.array
         rows = np.empty(num_reqs, dtype=np.int64)
         batch = _Batch()
@@ -264,7 +269,8 @@ class ModelRunner:
             rows[:num_decodes] = [state.row for state, _, _ in decodes]
             ids[:num_decodes] = [token_id for _, _, token_id in decodes]
             positions[:num_decodes] = decode_pos
-            slots[:num_decodes] = self.block_table.slots_at(rows[:num_decodes], decode_pos)
+            for group, group_slots in enumerate(self.block_table.slots_at(rows[:num_decodes], decode_pos)):
+                slots[group][:num_decodes] = group_slots
             starts[: num_decodes + 1] = np.arange(num_decodes + 1)
             seq_lens[:num_decodes] = decode_pos + 1
             for i, (state, pos, _) in enumerate(decodes):
@@ -281,7 +287,8 @@ class ModelRunner:
             end = start + num_tokens
             ids[token : token + num_tokens] = state.token_ids[start:end]
             positions[token : token + num_tokens] = np.arange(start, end)
-            slots[token : token + num_tokens] = self.block_table.slots(state.row, start, end)
+            for group, group_slots in enumerate(self.block_table.slots(state.row, start, end)):
+                slots[group][token : token + num_tokens] = group_slots
             rows[i], starts[i + 1], seq_lens[i] = state.row, token + num_tokens, end
             self._add_chunk_outputs(batch, state, token, start, num_tokens)
             token += num_tokens
@@ -292,24 +299,33 @@ class ModelRunner:
         buffers.check_fits(token, num_reqs, width)
         graphs = self.graphs
         bucket = graphs.bucket_for(num_decodes) if graphs is not None and not chunks else None
+        batch_rows = torch.from_numpy(rows)
         if graphs is not None and bucket is not None:
-            self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, graphs.width))
+            for group in range(self.num_groups):
+                view = buffers.block_table_view(num_reqs, graphs.width, group)
+                self.block_table.gather_into(batch_rows, view, group)
             graphs.pad(num_reqs, bucket)
             buffers.upload_all(bucket, graphs.width)
             return batch, None, bucket
-        self.block_table.gather_into(torch.from_numpy(rows), buffers.block_table_view(num_reqs, width))
-        step = StepMetadata(
-            slot_mapping=buffers.slot_mapping.upload(token),
-            query_start_loc=buffers.query_start_loc.upload(num_reqs + 1),
-            seq_lens=buffers.seq_lens.upload(num_reqs),
-            block_table=buffers.upload_block_table(num_reqs, width),
-            query_start_loc_cpu=buffers.query_start_loc.host[: num_reqs + 1],
-            seq_lens_cpu=buffers.seq_lens.host[:num_reqs],
-            num_decodes=num_decodes,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-        )
-        return batch, step, None
+        for group in range(self.num_groups):
+            self.block_table.gather_into(batch_rows, buffers.block_table_view(num_reqs, width, group), group)
+        query_start_loc = buffers.query_start_loc.upload(num_reqs + 1)
+        seq_lens_device = buffers.seq_lens.upload(num_reqs)
+        steps = [
+            StepMetadata(
+                slot_mapping=buffers.slot_mappings[group].upload(token),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_device,
+                block_table=buffers.upload_block_table(num_reqs, width, group),
+                query_start_loc_cpu=buffers.query_start_loc.host[: num_reqs + 1],
+                seq_lens_cpu=buffers.seq_lens.host[:num_reqs],
+                num_decodes=num_decodes,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+            )
+            for group in range(self.num_groups)
+        ]
+        return batch, steps, None
 
     @staticmethod
     def _add_chunk_outputs(

@@ -31,17 +31,25 @@ class StepBuffer:
 class StepBuffers:
     """Every per-step input the runner hands the model and the attention backend.
 
-        input_ids, positions, slot_mapping   [max_num_tokens]                int64
+        input_ids, positions                 [max_num_tokens]                int64
+        slot_mappings[g]                     [max_num_tokens]                int64, one per KV layer group
         query_start_loc                      [max_num_reqs + 1]               int32
         seq_lens                             [max_num_reqs]                   int32
-        block_table                          [max_num_reqs * max_blocks]      int32, viewed [num_reqs, width]
+        block_tables[g]                      [max_num_reqs * max_blocks]      int32, viewed [num_reqs, width]
         sample_rows                          [max_num_reqs]                   int64
 
     Sized from the scheduler's limits (`max_num_batched_tokens`, `max_num_seqs`,
     `max_model_len`), so no step allocates, and a CUDA graph can read them in place.
     """
 
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        num_groups: int = 1,
+    ):
         # The host side of a non-blocking copy is read when the copy runs on the stream, not when it is
         # queued: a step must not rewrite the host buffers before the last step's copies have run (a step
         # that samples nothing never waits on the device).
@@ -52,10 +60,12 @@ class StepBuffers:
         self.max_blocks_per_req = max_blocks_per_req
         self.input_ids = StepBuffer(max_num_tokens, torch.int64, device)
         self.positions = StepBuffer(max_num_tokens, torch.int64, device)
-        self.slot_mapping = StepBuffer(max_num_tokens, torch.int64, device)
+        self.slot_mappings = [StepBuffer(max_num_tokens, torch.int64, device) for _ in range(num_groups)]
         self.query_start_loc = StepBuffer(max_num_reqs + 1, torch.int32, device)
         self.seq_lens = StepBuffer(max_num_reqs, torch.int32, device)
-        self.block_table = StepBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device)
+        self.block_tables = [
+            StepBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device) for _ in range(num_groups)
+        ]
         self.sample_rows = StepBuffer(max_num_reqs, torch.int64, device)
 
     def begin_step(self) -> None:
@@ -77,17 +87,18 @@ class StepBuffers:
                 f"runner's buffers ({self.max_num_tokens}, {self.max_num_reqs}, {self.max_blocks_per_req})"
             )
 
-    def block_table_view(self, num_reqs: int, width: int) -> torch.Tensor:
-        """The host `[num_reqs, width]` block table of this step (contiguous)."""
-        return self.block_table.host[: num_reqs * width].view(num_reqs, width)
+    def block_table_view(self, num_reqs: int, width: int, group: int = 0) -> torch.Tensor:
+        """The host `[num_reqs, width]` block table of a group in this step (contiguous)."""
+        return self.block_tables[group].host[: num_reqs * width].view(num_reqs, width)
 
     def upload_all(self, num_reqs: int, width: int) -> None:
         """Copy up the first `num_reqs` rows of every input of a decode step (one token per request)
         whose block table is `width` wide (a CUDA-graph step, which reads the device buffers in place)."""
-        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
+        for buffer in (self.input_ids, self.positions, *self.slot_mappings, self.seq_lens):
             buffer.upload(num_reqs)
         self.query_start_loc.upload(num_reqs + 1)
-        self.block_table.upload(num_reqs * width)
+        for table in self.block_tables:
+            table.upload(num_reqs * width)
 
-    def upload_block_table(self, num_reqs: int, width: int) -> torch.Tensor:
-        return self.block_table.upload(num_reqs * width).view(num_reqs, width)
+    def upload_block_table(self, num_reqs: int, width: int, group: int = 0) -> torch.Tensor:
+        return self.block_tables[group].upload(num_reqs * width).view(num_reqs, width)

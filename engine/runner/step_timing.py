@@ -50,7 +50,7 @@ def measure_step_cost(
         while attempt <= repeats or (spent < MIN_SECONDS_PER_SIZE and attempt <= MAX_RUNS_PER_SIZE):
             started = time.perf_counter()
             metadata = backend.build_metadata(step, spec)
-            hidden = model.forward(input_ids, positions, scratch.layers, metadata, backend)
+            hidden = model.forward(input_ids, positions, scratch.layers, [metadata] * spec.num_layers, backend)
             model.compute_logits(hidden).argmax(dim=-1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -49,6 +49,8 @@ _ARCHITECTURES = {
     },
 }
 
+_ARCHITECTURES["mistral"] = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8}
+
 _HEAD_SHORT_FACTORS = [1.0, 1.05, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5]  # per rotary pair of a 16-wide head
 DENSE_FAMILIES = {
     # every window shorter than the tests' prompts; every scale and cap set off its default so it is exercised

@@ -53,12 +53,49 @@ def test_batch_invariant_mode(model_dir):
         check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
 
 
+def _layer_windows(model_dir) -> list:
+    return [attention.sliding_window for attention in _built(model_dir).attention_layers]
+
+
+@lru_cache(maxsize=None)
+def _built(model_dir):
+    return build_model(AutoConfig.from_pretrained(model_dir), torch.float32, torch.device("cpu"))
+
+
 def test_chunked_prefill_with_preemption(model_dir):
-    with make_llm(model_dir, num_blocks=30, block_size=4, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+    # A model whose every layer slides (Phi-3 here) holds only its windows' blocks: a smaller pool preempts.
+    num_blocks = 12 if all(_layer_windows(model_dir)) else 30
+    with make_llm(model_dir, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, max_num_seqs=4) as llm:
         prompts = mixed_prompts(3)
         results = run_greedy(llm, prompts)
         assert llm.engine.stats().num_preemptions > 0
         check_against_hf(model_dir, prompts, results)
+
+
+def test_sliding_layers_hold_only_their_windows_blocks(model_dir):
+    """A sliding-window layer group frees the blocks behind its window as a request goes on (the full layers keep
+    theirs), and the tokens stay HF's: the pool's peak over a long request is that of its full layers plus a
+    window's worth, not every layer's whole sequence."""
+    windows = _layer_windows(model_dir)
+    if not any(windows):
+        pytest.skip("no sliding-window layers")
+    prompt = mixed_prompts(6)[6]  # 60 tokens, past every window
+    with make_llm(model_dir, block_size=4, max_num_batched_tokens=16, num_blocks=256) as llm:
+        kv = llm.engine.scheduler.kv_cache_manager
+        assert len(kv.group_windows) == (1 if all(windows) else 2)  # all sliding, or sliding and full halves
+        peak, allocate = [0], kv.allocate_slots
+
+        def recording_allocate(*args, **kwargs):
+            new = allocate(*args, **kwargs)
+            peak[0] = max(peak[0], kv.block_pool.num_blocks - kv.block_pool.num_free_blocks)
+            return new
+
+        kv.allocate_slots = recording_allocate
+        check_against_hf(model_dir, [prompt], run_greedy(llm, [prompt]))
+    num_blocks = -(-(len(prompt) + NEW_TOKENS) // 4)  # the sequence's blocks in one group
+    window_blocks = -(-(max(w for w in windows if w) + 16) // 4) + 1  # a window and a chunk
+    full_groups = len(kv.group_windows) - 1
+    assert peak[0] <= full_groups * num_blocks + window_blocks < len(kv.group_windows) * num_blocks
 
 
 def test_prefix_cache_hits(model_dir):

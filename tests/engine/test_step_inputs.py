@@ -53,7 +53,7 @@ def check_step(step, runner, scheduler) -> str:
         matches = [
             rid
             for rid in by_row.values()
-            if kv.get_block_ids(rid)[: -(-seq_len // block_size)] == table[: -(-seq_len // block_size)]
+            if list(kv.get_block_ids(rid)[0][: -(-seq_len // block_size)]) == table[: -(-seq_len // block_size)]
         ]
         assert matches, f"row {i}: no request holds blocks {table}"
         for token, position in zip(range(starts[i], starts[i + 1]), range(seq_len - query_lens[i], seq_len)):

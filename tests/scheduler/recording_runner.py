@@ -113,9 +113,7 @@ class RecordingRunner:
         expected = tuple(tokens[: pos + 1])
         if entry is None or entry[0] != expected:
             what = "never written" if entry is None else "written for other tokens"
-            raise UnwrittenKVError(
-                f"step {self.num_steps}: {request_id} reads position {pos} from slot {slot}, {what}"
-            )
+            raise UnwrittenKVError(f"step {self.num_steps}: {request_id} reads position {pos} from slot {slot}, {what}")
         if pos < start and entry[1] >= self.num_steps:
             raise UnwrittenKVError(
                 f"step {self.num_steps}: {request_id} counts position {pos} as computed, "

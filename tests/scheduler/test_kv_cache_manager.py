@@ -205,3 +205,11 @@ def test_a_prompt_remainder_is_reserved_in_full_groups_only():
     new_ids = kv.allocate_slots(a, 8, num_reserved_tokens=32)  # the first chunk of a 40-token prompt
     assert new_ids is not None and [len(ids) for ids in new_ids] == [10, 2]
     assert kv.num_slots[a.request_id] == 8
+
+
+def test_the_most_tokens_one_request_holds():
+    assert KVCacheManager(num_blocks=10, block_size=4).max_tokens_held(8) == 40
+    # Two full groups: each token takes a slot in both.
+    assert KVCacheManager(num_blocks=10, block_size=4, group_windows=(None, None)).max_tokens_held(8) == 20
+    # A full and a sliding group (window 4, steps of 8 tokens: at most 4 blocks): 6 blocks left for the full one.
+    assert KVCacheManager(num_blocks=10, block_size=4, group_windows=(None, 4)).max_tokens_held(8) == 24
