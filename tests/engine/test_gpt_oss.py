@@ -141,7 +141,9 @@ def test_batch_invariant_mode(model_dir):
 
 
 def test_chunked_prefill_with_preemption(model_dir):
-    with make_llm(model_dir, num_blocks=30, block_size=4, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+    # Three layer groups (full, and the two sliding layers as two groups) of one layer each: a block is one layer's.
+    with make_llm(model_dir, num_blocks=40, block_size=4, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        assert llm.engine.scheduler.kv_cache_manager.group_windows == (None, 8, 8)
         prompts = mixed_prompts(3)
         results = run_greedy(llm, prompts)
         assert llm.engine.stats().num_preemptions > 0
