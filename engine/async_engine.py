@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -36,6 +36,9 @@ from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.text.tokenizer import Tokenizer
 from scheduler import CacheConfig, DuplicateRequestIdError, RequestRejectedError, SchedulerStats
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class _Add:
     priority: int
     arrival_time: float
     admitted: asyncio.Future
+    grammars: dict[tuple, "xgrammar.CompiledGrammar"]  # by constraint key: compiled before queuing
 
 
 @dataclass(slots=True)
@@ -236,7 +240,7 @@ class AsyncEngine:
         Close every stream returned (`aclose`), which aborts a request still running.
         """
         self._check_can_add(inputs)
-        await self._compile_grammars(inputs)
+        grammars = await self._compile_grammars(inputs)
         self._check_can_add(inputs)  # again: the engine may have stopped, or the ids been taken, meanwhile
         streams = [
             RequestStream(item.request_id, f"{item.request_id}#{next(self._serial)}", self._close) for item in inputs
@@ -247,7 +251,7 @@ class AsyncEngine:
         admitted = self._started_loop.create_future()
         self._admissions.add(admitted)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(_Add([s.engine_id for s in streams], list(inputs), priority, arrival, admitted))
+        self._commands.put(_Add([s.engine_id for s in streams], list(inputs), priority, arrival, admitted, grammars))
         try:
             await admitted
         except asyncio.CancelledError:  # the caller went away: the requests may be in by now
@@ -272,17 +276,18 @@ class AsyncEngine:
                 raise DuplicateRequestIdError(item.request_id)
             seen.add(item.request_id)
 
-    async def _compile_grammars(self, inputs: Sequence[RequestInput]) -> None:
-        """Compile the inputs' output grammars on a worker thread before they are queued: a slow schema never
-        stalls the engine's batch, where the request's validation then finds it in the compiler's cache.
+    async def _compile_grammars(self, inputs: Sequence[RequestInput]) -> dict[tuple, "xgrammar.CompiledGrammar"]:
+        """Compile the inputs' output grammars on a worker thread before they are queued, by constraint key: a
+        slow schema never stalls the engine's batch. They travel with the requests (the compiler's cache may
+        drop them before the engine thread makes the requests, with many distinct grammars in flight).
         An uncompilable one is an InvalidParameterError (a RequestRejectedError) naming structured_outputs."""
         constraints = {
             item.params.structured_outputs.key: item.params.structured_outputs
             for item in inputs
             if item.params.structured_outputs is not None
         }
-        for constraint in constraints.values():
-            await asyncio.to_thread(self.engine.grammar_compiler.compile, constraint)
+        compile_ = self.engine.grammar_compiler.compile
+        return {key: await asyncio.to_thread(compile_, constraint) for key, constraint in constraints.items()}
 
     async def generate(
         self,
@@ -356,12 +361,14 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for engine_id, item in zip(command.engine_ids, command.inputs):
+                constraint = item.params.structured_outputs
                 self.engine.add_request(
                     engine_id,
                     item.prompt_token_ids,
                     item.params,
                     arrival_time=command.arrival_time,
                     priority=command.priority,
+                    grammar=None if constraint is None else command.grammars[constraint.key],
                 )
                 added.append(engine_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop

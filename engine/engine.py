@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -28,9 +28,13 @@ from engine.request_state import RequestState
 from engine.sampling.sampler import TokenLogprobs
 from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
+from engine.structured.grammar_ref import GrammarRef
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer, check_token_ids
 from scheduler import MinTokensOutOfRangeError, Request, RequestStatus, RequestStepOutput, Scheduler, SchedulerStats
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +116,20 @@ class EngineCore:
         *,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        grammar: Optional["xgrammar.CompiledGrammar"] = None,
     ) -> None:
         """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`).
 
-        Raises a RequestRejectedError for a request that can never be served.
+        `grammar`: the compiled `params.structured_outputs`, compiled beforehand off this thread (AsyncEngine);
+        without it the constraint is compiled here, synchronously (the offline `LLM`, which adds its requests
+        before it steps). Raises a RequestRejectedError for a request that can never be served.
         """
         self._check_running()
         if params.n != 1:
             raise InvalidParameterError(
                 "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
             )
-        request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority)
+        request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority, grammar)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer.hf,
             request.prompt_token_ids,
@@ -144,13 +151,18 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        grammar: Optional["xgrammar.CompiledGrammar"] = None,
     ) -> Request:
-        """The scheduler request for these inputs, validated against the model (not queued)."""
+        """The scheduler request for these inputs, validated against the model (not queued); a constrained one
+        holds its compiled grammar (`grammar`, or compiled now) until it ends."""
         prompt = list(prompt_token_ids)
         check_token_ids(prompt, self.vocab_size, "prompt")
         params.verify_vocab(self.vocab_size)
-        if params.structured_outputs is not None:  # a cache hit when the caller compiled it beforehand
-            self.grammar_compiler.compile(params.structured_outputs)
+        grammar_ref = None
+        if params.structured_outputs is not None:
+            if grammar is None:
+                grammar = self.grammar_compiler.compile(params.structured_outputs)
+            grammar_ref = GrammarRef(grammar)
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole KV cache holds it
             kv = self.scheduler.kv_cache_manager
@@ -173,6 +185,7 @@ class EngineCore:
             priority=priority,
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling_params=params,
+            grammar=grammar_ref,
             num_speculative_tokens=self._num_speculative_tokens(params),
             **kwargs,
         )

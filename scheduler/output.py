@@ -15,9 +15,10 @@ class NewRequestData:
 
     `token_ids` is the whole sequence so far (the first `num_prompt_tokens` are the
     prompt, then any output kept across a preemption); `block_ids` is its whole block
-    table, one per KV-cache layer group (scheduler/kv_cache_manager.py); `sampling_params` (the engine's, opaque here) and `eos_token_ids` are what
-    it samples with. A resumed request comes with all of it again: the runner keeps
-    nothing of a preempted request, and any worker can rebuild it from this alone.
+    table, one per KV-cache layer group (scheduler/kv_cache_manager.py); `sampling_params` (the engine's,
+    opaque here) and `eos_token_ids` are what it samples with, `grammar` (the engine's compiled grammar of a
+    constrained request, opaque here) what it constrains with. A resumed request comes with all of it again:
+    the runner keeps nothing of a preempted request, and any worker can rebuild it from this alone.
     """
 
     request_id: str
@@ -27,6 +28,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: object = None
     eos_token_ids: frozenset[int] = frozenset()
+    grammar: object = None
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:

@@ -60,6 +60,9 @@ class Request:
     # What the runner samples with (the engine's SamplingParams); opaque to the scheduler, which
     # hands it over in the step that first schedules the request (NewRequestData).
     sampling_params: object = None
+    # The engine's compiled output grammar (an engine GrammarRef; opaque here), handed over alongside
+    # sampling_params: held by the request, so no cache eviction can make the engine thread compile it again.
+    grammar: object = None
     # Draft tokens this request may verify per step (speculative decoding): None, the engine's number; 0, none.
     num_speculative_tokens: Optional[int] = None
     # Recent share of its drafts accepted: a moving average, from an optimistic 1 (every draft accepted).

@@ -450,6 +450,7 @@ class Scheduler:
                     num_hit,
                     request.sampling_params,
                     request.eos_token_ids,
+                    request.grammar,
                 )
             )
 

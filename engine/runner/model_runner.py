@@ -24,6 +24,7 @@ from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from engine.sampling.state import SamplingState
 from engine.sampling.params import SamplingParams
 from engine.structured.grammar_decoder import GrammarDecoder, accept
+from engine.structured.grammar_ref import GrammarRef
 from scheduler import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -223,7 +224,8 @@ class ModelRunner:
         if params.structured_outputs is not None:  # rebuilt from the outputs so far after a preemption
             if self.grammar is None:
                 raise RuntimeError("a constrained request reached a runner without a grammar decoder")
-            matcher = self.grammar.new_matcher(params.structured_outputs, new.output_token_ids)
+            held = new.grammar.compiled if isinstance(new.grammar, GrammarRef) else None
+            matcher = self.grammar.new_matcher(params.structured_outputs, new.output_token_ids, held)
         return CachedRequestState(
             new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(), list(new.token_ids), matcher
         )

@@ -41,6 +41,12 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_cached_requests: int = Field(
         1000, ge=0, description="finished requests whose outputs the trie holds (suffix)"
     )
+    suffix_decoding_max_tree_nodes: Optional[int] = Field(
+        1_000_000,
+        ge=1,
+        description="nodes the suffix trie holds at most, ~0.3 KB each (suffix): past it the oldest outputs leave "
+        "first, whole; an output alone over it keeps its first max_tree_nodes / max_tree_depth tokens; None: no cap",
+    )
     suffix_decoding_max_spec_factor: float = Field(
         1.0, gt=0, description="draft tokens per matched token at most (suffix)"
     )
@@ -91,6 +97,7 @@ class SpeculativeConfig(BaseModel):
                 self.suffix_decoding_max_cached_requests,
                 self.suffix_decoding_max_spec_factor,
                 self.suffix_decoding_min_token_prob,
+                self.suffix_decoding_max_tree_nodes,
             )
         assert self.prompt_lookup_max is not None  # set by the validator
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)

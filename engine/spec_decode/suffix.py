@@ -3,6 +3,8 @@ own prompt and output.
 
     trie     every substring of up to `max_depth` tokens of the last `max_cached_requests` outputs, each node
              counting how often its path occurred (a request's output joins when it finishes, the oldest leaves)
+    memory   at most `max_tree_nodes` nodes: past it the oldest outputs leave, whole (as Arctic evicts), and an
+             output that alone could exceed it joins with only its first max_tree_nodes // max_depth tokens
     match    the longest suffix of the sequence (up to max_depth - 1 tokens) that is a path of the trie
     draft    from there the most frequent child, while the path's probability (the product of each child's
              share of its parent's count) stays >= `min_token_prob`, for at most max_spec_factor x the match
@@ -38,12 +40,15 @@ class SuffixProposer:
         max_cached_requests: int = 1000,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
+        max_tree_nodes: Optional[int] = 1_000_000,
     ):
         self.num_speculative_tokens = num_speculative_tokens
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.max_tree_nodes = max_tree_nodes
+        self.num_nodes = 0  # in the trie, its root not counted
         self._root = _Node()
         self._cached: deque[tuple[int, ...]] = deque()
         self._own = NgramProposer(num_speculative_tokens, 1, max(max_depth - 1, 1))
@@ -58,26 +63,46 @@ class SuffixProposer:
         return draft if len(draft) >= len(own) else own
 
     def on_request_finished(self, output_token_ids: Sequence[int]) -> None:
-        """Cache a finished request's output (evicting the oldest beyond `max_cached_requests`)."""
-        if self.max_cached_requests <= 0 or not output_token_ids:
+        """Cache a finished request's output, evicting the oldest beyond `max_cached_requests` or
+        `max_tree_nodes` (never this one: it is cut to fit on its own)."""
+        output = tuple(output_token_ids[: self._max_tokens_per_output])
+        if self.max_cached_requests <= 0 or not output:
             return
-        output = tuple(output_token_ids)
         self._cached.append(output)
-        self._update(output, +1)
-        while len(self._cached) > self.max_cached_requests:
-            self._update(self._cached.popleft(), -1)
+        self._add(output)
+        while len(self._cached) > self.max_cached_requests or (
+            self.max_tree_nodes is not None and self.num_nodes > self.max_tree_nodes and len(self._cached) > 1
+        ):
+            self._remove(self._cached.popleft())
 
-    def _update(self, tokens: tuple[int, ...], delta: int) -> None:
-        """Add (+1) or remove (-1) every substring of up to max_depth tokens of `tokens`."""
+    @property
+    def _max_tokens_per_output(self) -> Optional[int]:
+        # n tokens add at most n x max_depth nodes (a path per start): this many fit in an empty trie
+        return None if self.max_tree_nodes is None else self.max_tree_nodes // self.max_depth
+
+    def _add(self, tokens: tuple[int, ...]) -> None:
+        """Count every substring of up to max_depth tokens of `tokens`."""
         for start in range(len(tokens)):
             node = self._root
             for token_id in tokens[start : start + self.max_depth]:
                 child = node.children.get(token_id)
                 if child is None:
                     child = node.children[token_id] = _Node()
-                child.count += delta
-                if child.count <= 0:
-                    del node.children[token_id]  # its subtree counted only occurrences removed now
+                    self.num_nodes += 1
+                child.count += 1
+                node = child
+
+    def _remove(self, tokens: tuple[int, ...]) -> None:
+        """Uncount what `_add(tokens)` counted: the trie is then the one that never held `tokens`."""
+        for start in range(len(tokens)):
+            node = self._root
+            for token_id in tokens[start : start + self.max_depth]:
+                child = node.children[token_id]
+                child.count -= 1
+                if child.count == 0:
+                    # a path's extensions occur only where it does: none of the subtree is counted any more
+                    del node.children[token_id]
+                    self.num_nodes -= _subtree_size(child)
                     break
                 node = child
 
@@ -105,3 +130,13 @@ class SuffixProposer:
             draft.append(token_id)
             node = child
         return draft
+
+
+def _subtree_size(node: _Node) -> int:
+    size = 0
+    stack = [node]
+    while stack:
+        top = stack.pop()
+        size += 1
+        stack.extend(top.children.values())
+    return size

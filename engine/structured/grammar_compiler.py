@@ -23,8 +23,9 @@ CACHE_SIZE = 256
 class GrammarCompiler:
     """Turns a StructuredOutputs into an xgrammar CompiledGrammar, thread-safe, with an LRU cache.
 
-    The server calls `compile` off the event loop and off the engine thread before it queues a request;
-    the runner's own call is then a cache hit (a worker rebuilt from the step message compiles it itself).
+    The server calls `compile` off the event loop and off the engine thread before it queues a request, which
+    then holds the result (`GrammarRef`) until it ends: the engine thread never compiles a grammar the LRU
+    dropped meanwhile (a worker rebuilt from a pickled step message compiles it itself).
     The vocabulary's token table is built on first use. `on_compile(seconds)` observes each cache miss.
     """
 

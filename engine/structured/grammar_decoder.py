@@ -33,11 +33,17 @@ class GrammarDecoder:
         self.on_fill: Optional[Callable[[float], None]] = None  # observes each step's fill time, seconds
         self._host: Optional[torch.Tensor] = None  # [max_rows, words] int32, pinned on CUDA
 
-    def new_matcher(self, constraint: StructuredOutputs, output_token_ids: Sequence[int]) -> "xgrammar.GrammarMatcher":
-        """A matcher at the state after `output_token_ids` (the request's outputs so far)."""
+    def new_matcher(
+        self,
+        constraint: StructuredOutputs,
+        output_token_ids: Sequence[int],
+        compiled: Optional["xgrammar.CompiledGrammar"] = None,
+    ) -> "xgrammar.GrammarMatcher":
+        """A matcher at the state after `output_token_ids` (the request's outputs so far); `compiled` is the
+        constraint's grammar as the request holds it (compiled here only without it: a worker's message)."""
         import xgrammar as xgr
 
-        matcher = xgr.GrammarMatcher(self.compiler.compile(constraint))
+        matcher = xgr.GrammarMatcher(compiled if compiled is not None else self.compiler.compile(constraint))
         for token_id in output_token_ids:
             if not matcher.accept_token(token_id):
                 logger.warning("a resumed request's output token %d does not fit its grammar", token_id)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 RATE_INTERVAL = "30s"  # what Grafana's $__rate_interval becomes (scrapes every second here)
 GPU_ONLY = "pagedserve_gpu_"  # those series exist only where the engine runs on CUDA with NVML
+SPEC_ONLY = "pagedserve_spec_decode_"  # and those where it speculates (--speculative-config): not these replicas
 SIGNAL = re.compile(r"^(?P<signal>.+?)\s*(?:>|<|>=|<=|==|!=)\s*(?:bool\s+)?[0-9.e+-]+\s*$", re.DOTALL)
 
 
@@ -192,20 +193,20 @@ def _grafana_to_promql(expr: str) -> str:
 def test_every_dashboard_query_returns_data(scraped):
     exprs = _dashboard_exprs()
     assert len(exprs) >= 20
-    empty, gpu_checked = [], 0
+    empty, absent_checked = [], 0
     for name, expr in exprs:
         result = query(scraped, _grafana_to_promql(expr))
-        if GPU_ONLY in expr:
-            # No GPU here: the GPU families are absent (not zero) on CPU, by design; the query still
-            # had to parse and run.
+        if GPU_ONLY in expr or SPEC_ONLY in expr:
+            # No GPU and no speculation here: those families are absent (not zero), by design; the query still
+            # had to parse and run (test_static checks their names against what /metrics serves).
             assert result == [], (name, result)
-            gpu_checked += 1
+            absent_checked += 1
             continue
         values = [float(sample["value"][1]) for sample in result]
         if not values or not any(math.isfinite(value) for value in values):
             empty.append((name, expr, result))
     assert not empty, "dashboard queries without data:\n" + "\n".join(f"{n}: {e} -> {r}" for n, e, r in empty)
-    assert gpu_checked == 3
+    assert absent_checked == 3 + 3  # GPU, speculative decoding
 
 
 def test_variables_list_the_model_and_both_replicas(scraped):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from engine.observer import EngineObserver
 from engine.errors import InvalidParameterError, TokenIdOutOfVocabularyError
 from engine.sampling.parallel import fan_out
 from scheduler import ContextLengthExceededError, DuplicateRequestIdError, RequestRejectedError
+from tests.engine.json_schemas import check_output
 from tests.engine.references import assert_idle, make_llm
 
 TIMEOUT_S = 30.0
@@ -293,6 +295,56 @@ def test_arrival_time_is_the_callers(llm):
     metrics = run_with_engine(llm, body)[-1].metrics
     assert metrics.arrival_time == arrival
     assert metrics.queue_time >= 1000.0 and metrics.time_to_first_token >= 1000.0
+
+
+def test_more_grammars_in_flight_than_the_cache_holds_are_never_compiled_on_the_engine_thread(tiny_llama_dir):
+    """Six distinct schemas in flight, a compiler cache of two, few KV blocks (preempted requests come back to
+    the runner): each request holds its grammar from add_requests on; a compile on the engine thread fails."""
+    llm = make_llm(tiny_llama_dir, num_blocks=30)
+    compiler = llm.engine.grammar_compiler
+    compiler.cache_size = 2
+    compile_ = compiler.compile
+    threads: list[str] = []
+
+    def compile_off_the_engine_thread(constraint, field="structured_outputs"):
+        threads.append(threading.current_thread().name)
+        assert threading.current_thread().name != "pagedserve-engine", "a grammar compiled on the engine thread"
+        return compile_(constraint, field)
+
+    compiler.compile = compile_off_the_engine_thread
+    schemas = [
+        {
+            "type": "object",
+            "properties": {f"key{i}": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}},
+            "required": [f"key{i}"],
+            "additionalProperties": False,
+        }
+        for i in range(6)
+    ]
+    inputs = [
+        RequestInput(
+            f"schema-{i}",
+            prompt(60 + i, 24),
+            SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": s}),
+        )
+        for i, s in enumerate(schemas)
+    ]
+
+    async def body(engine):
+        streams = await engine.add_requests(inputs)
+
+        async def drain(stream):
+            async with contextlib.aclosing(stream):
+                return [out async for out in stream][-1]
+
+        return await asyncio.gather(*(drain(stream) for stream in streams))
+
+    finals = run_with_engine(llm, body)
+    assert len(threads) == len(schemas) and compiler.num_cached == 2
+    assert llm.engine.stats().num_preemptions > 0
+    for schema, final in zip(schemas, finals):
+        assert final.finish_reason == "stop", final.text
+        check_output(schema, final.text)
 
 
 def test_engine_facts_without_reaching_into_the_core(llm):

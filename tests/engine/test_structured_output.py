@@ -4,6 +4,7 @@ mixed with unconstrained requests (unchanged by their neighbours), across preemp
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engine.errors import InvalidParameterError
 from engine.sampling.params import SamplingParams
 from engine.structured import StructuredOutputs
+from engine.structured.grammar_ref import GrammarRef
 from tests.engine.json_schemas import bounded_schemas, check_output
 from tests.engine.references import assert_idle, make_llm
 
@@ -109,6 +111,20 @@ def test_compiled_grammars_are_cached(llm):
     )
     assert len(seen) == 1
     compiler.on_compile = None
+
+
+def test_a_request_holds_its_grammar_and_a_pickled_one_travels_empty(llm):
+    """The scheduler request keeps the compiled grammar (the cache may drop it); a step message pickled for a
+    worker carries the reference empty, and the worker compiles the constraint itself."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, structured_outputs={"regex": "[xyz]{3}"})
+    compiled = engine.grammar_compiler.compile(params.structured_outputs)
+    request = engine.make_request("held", [5, 6, 7], params, grammar=compiled)
+    assert isinstance(request.grammar, GrammarRef) and request.grammar.compiled is compiled
+    offline = engine.make_request("offline", [5, 6, 7], params)  # compiled (here: found) synchronously
+    assert isinstance(offline.grammar, GrammarRef) and offline.grammar.compiled is compiled
+    assert engine.make_request("plain", [5, 6, 7], SamplingParams(max_tokens=8)).grammar is None
+    assert pickle.loads(pickle.dumps(request.grammar)).compiled is None
 
 
 @pytest.mark.parametrize(
