@@ -72,16 +72,13 @@ def test_f32_experts_give_hfs_tokens(moe_dir, tmp_path):
             check_against_hf(moe_dir, prompts, run_greedy(llm, prompts))
 
 
-TIE = 0.05
-"""Reference top-2 logprob margins below this are ties the int8 activations may break either way (seen: up to
-0.03 on these models; every other position agrees)."""
-
-
 @pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_0"])
 def test_quantized_experts_follow_the_dequantized_file(moe_dir, tmp_path, expert_type):
     """Experts (and the shared expert) kept in their blocks, one product per expert over its rows, against the
-    same file dequantized to float32 at conversion, scored teacher-forced: the same greedy choice at every
-    position but near-ties, logprobs close (the integer kernels round the activations to int8 per block)."""
+    same file dequantized to float32 at conversion, scored teacher-forced: the same greedy choice at nearly every
+    position, logprobs close. Not at every one: the integer kernels round the activations to int8 per block, which
+    breaks near-ties of the logits and of the router (a token then reaches another expert: seen once or twice in
+    134 positions, up to 1.9 nats of margin after such a switch). The block itself is exact: below."""
     gguf = make_tiny_moe_gguf(moe_dir, tmp_path / f"moe.{expert_type}.gguf", expert_type, expert_type)
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(1)]
     scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
@@ -95,15 +92,51 @@ def test_quantized_experts_follow_the_dequantized_file(moe_dir, tmp_path, expert
     with make_llm(gguf, quantization="none") as llm:
         reference = llm.generate(prompts, scoring, use_tqdm=False)
         assert quantized_bytes < llm.engine.runner.model.weight_bytes()
-    gaps, positions = [], 0
+    gaps, agree = [], 0
     for got, want in zip(quantized, reference):
         for q, f in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
-            positions += 1
+            agree += q.top[0][0] == f.top[0][0]
             gaps.append(abs(q.logprob - f.logprob))
-            if f.top[0][1] - f.top[1][1] > TIE:
-                assert q.top[0][0] == f.top[0][0]
-    assert positions > 100
-    assert float(np.mean(gaps)) < 0.03, float(np.mean(gaps))
+    assert len(gaps) > 100 and agree / len(gaps) >= 0.95, f"{agree} of {len(gaps)} positions agree"
+    assert float(np.mean(gaps)) < 0.04, float(np.mean(gaps))  # measured 0.006-0.022
+
+
+@pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_the_block_multiplies_each_experts_blocks(expert_type, rows):
+    """A block of GGUF experts against the float64 reference on their dequantized weights (the same experts for
+    each token): within the int8 activations' rounding at decode sizes, float32-exact where an expert's rows reach
+    the dense product (float32, from 64 rows)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from engine.kernels.quant import load_quant_kernels
+    from engine.layers.layer_ops import TorchLayerOps
+    from engine.layers.linear import Linear
+    from engine.layers.moe import ExpertWeights, SparseMoeBlock
+    from engine.quantization.gguf_formats import FORMATS, repack
+    from tests.engine.moe_reference import random_experts, reference_moe
+
+    kernels, fmt, qtype = load_quant_kernels(), FORMATS[expert_type.lower()], GGMLQuantizationType[expert_type]
+    router, gate_up, down = random_experts(4, 64, 64)
+
+    def blocks(matrix: torch.Tensor) -> GgufWeight:
+        raw = quantize(matrix.numpy(), qtype)
+        return GgufWeight(fmt, repack(fmt, raw, matrix.shape[1]), matrix.shape[1], kernels)
+
+    experts = ExpertWeights([blocks(m) for m in gate_up], [blocks(m) for m in down])
+    linear = Linear()
+    block = SparseMoeBlock(router, experts, 2, True, linear)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    routing = block.route(x, linear)
+    got = block.forward(x, linear, TorchLayerOps())
+    dequantized_gate_up = torch.stack([w.dequantize() for w in experts.gate_up])
+    dequantized_down = torch.stack([w.dequantize() for w in experts.down])
+    expected = reference_moe(x, router, dequantized_gate_up, dequantized_down, 2, True, expert_ids=routing.expert_ids)
+    counts = torch.bincount(routing.expert_ids.flatten(), minlength=4)
+    exact = bool((counts[counts > 0] >= 64).all())
+    tolerance = 1e-4 if exact else 3e-2
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=tolerance * float(expected.abs().max()))
 
 
 def test_each_expert_is_cut_from_its_stack_exactly(moe_dir, tmp_path):
