@@ -13,7 +13,9 @@ A family may bring its own routing of the logits (`select`: DeepSeek's grouped t
 computed from float32 logits where HF keeps the router in float32 (`router_in_float32`).
 
 Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E, 2I, H] and [E, H, I]
-(and, where the family has them, their biases [E, 2I] and [E, H]).
+(and, where the family has them, their biases [E, 2I] and [E, H]), or, where the experts are quantized (a GGUF's
+blocks, --quantization int8/int4), E matrices [2I, H] and E matrices [H, I], each multiplied by its own product
+(the native GGUF kernels, torch's int8/int4 ones) over the rows routed to it.
 On CPU each expert's rows go through the model's own product (`Linear`: oneDNN's packed fp32, the native
 bf16 kernels, the batch-invariant one), so the experts run on what the dense layers run on; where that
 product reads plain weights the per-expert matrices are views of the stacked tensors, elsewhere the
@@ -25,31 +27,37 @@ included).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from engine.layers.clamped_swiglu import ClampedSwiGLU
 from engine.layers.layer_ops import TorchLayerOps
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, Weight
 from engine.layers.moe_routing import Routing, group_by_expert, select_experts, select_top_logits
 
 
 @dataclass(slots=True)
 class ExpertWeights:
-    gate_up: torch.Tensor  # [E, 2 * I, H]: each expert's gate rows, then its up rows
-    down: torch.Tensor  # [E, H, I]
+    # [E, 2 * I, H]: each expert's gate rows, then its up rows; or E matrices [2 * I, H] (quantized experts)
+    gate_up: Union[torch.Tensor, Sequence[Weight]]
+    down: Union[torch.Tensor, Sequence[Weight]]  # [E, H, I]; or E matrices [H, I]
     gate_up_bias: Optional[torch.Tensor] = None  # [E, 2 * I] (GPT-OSS), in gate_up's row order
     down_bias: Optional[torch.Tensor] = None  # [E, H]
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+        return len(self.gate_up)
 
     @property
     def intermediate_size(self) -> int:
-        return self.down.shape[2]
+        first = self.down[0]
+        return first.shape[1] if isinstance(first, torch.Tensor) else first.in_features
+
+    @property
+    def is_stacked(self) -> bool:
+        return isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)
 
 
 @dataclass(slots=True)
@@ -104,7 +112,7 @@ class SparseMoeBlock:
         self.shared = shared
         self.num_experts = experts.num_experts
         per_expert = [(linear.prepare(g), linear.prepare(d)) for g, d in zip(experts.gate_up, experts.down)]
-        views = all(
+        views = experts.is_stacked and all(
             _is_view(g, gate_up) and _is_view(d, down)
             for (g, d), gate_up, down in zip(per_expert, experts.gate_up, experts.down)
         )

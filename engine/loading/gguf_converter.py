@@ -30,7 +30,9 @@ from engine.loading.child_process import call_in_child_process
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "pagedserve-checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Conversions recorded under another version are redone (2: mixture-of-experts GGUFs, which version 1 handed to
+transformers, which reads a Mixtral GGUF as a dense Llama, are converted by gguf_moe_checkpoint.py)."""
 _HASH_CHUNK = 1 << 20
 
 
@@ -107,12 +109,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors (fp32), generation_config.json and the tokenizer to `out_dir`.
 
     Its progress is shown by `ConversionProgress` (transformers' own bars and warnings are held back
-    meanwhile).
+    meanwhile). Mixtures of experts are converted by gguf_moe_checkpoint.py.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.loading.conversion_progress import ConversionProgress
+    from engine.loading.gguf_moe_checkpoint import convert_moe_gguf, moe_architecture
+
+    architecture = moe_architecture(gguf_path)
+    if architecture is not None:
+        convert_moe_gguf(gguf_path, architecture, out_dir)
+        return
 
     source: dict[str, Any] = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
     with ConversionProgress(gguf_path.name) as progress, _quiet_transformers(progress):

@@ -8,6 +8,9 @@ the weights are read here, straight from the GGUF with `gguf.GGUFReader` (memory
     F32, F16, BF16           -> float tensors, as the converted checkpoint has them
     other quantized 1-D      -> dequantized to float32 by `gguf.quants.dequantize` (and 2-D ones whose
                                 scales do not fit in fp16)
+    stacked experts 3-D      -> one matrix per expert, each read as above (gguf_experts.py)
+
+Without kernels (`kernels=None`: the conversion into a float checkpoint) every tensor is read as floats.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k of `llama` models for its RoPE layout; they
 are permuted back as HF's GGUF loader does (whole rows, so whole rows of blocks: exact on quantized data):
@@ -20,12 +23,13 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
 
 from engine.kernels.quant import QuantKernels
+from engine.loading.gguf_experts import STACKS, expert_name, moe_layer_name, split_stack
 from engine.quantization.gguf_formats import FORMATS, repack
 from engine.quantization.gguf_transcode import transcode
 from engine.quantization.gguf_weight import GgufWeight
@@ -54,15 +58,18 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def hf_name(gguf_name: str) -> str:
-    """GGUF tensor name -> HF state-dict name (KeyError for tensors the Llama family does not have)."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """GGUF tensor name -> HF state-dict name (KeyError for tensors the Llama family and its mixtures of experts
+    do not have; the stacked experts, which become several, go through `expert_name`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    layer_name = (
+        None if match is None else _LAYER_NAMES.get(match.group(2)) or moe_layer_name(match.group(2), architecture)
+    )
+    if match is None or layer_name is None:
         raise KeyError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
-    index, part, kind = match.groups()
-    return f"model.layers.{index}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{match.group(1)}.{layer_name}.{match.group(3)}"
 
 
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -83,38 +90,53 @@ def _heads_for(gguf_name: str, architecture: str, num_heads: int, num_kv_heads: 
 
 
 def iter_gguf_weights(
-    path: Union[str, Path], kernels: QuantKernels, num_heads: int, num_kv_heads: int
+    path: Union[str, Path], kernels: Optional[QuantKernels], num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, Union[torch.Tensor, GgufWeight]]]:
-    """(HF name, tensor or GgufWeight) for every tensor of the GGUF at `path`."""
+    """(HF name, tensor or GgufWeight) for every tensor of the GGUF at `path` (all floats without kernels)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     field = reader.fields.get("general.architecture")
     architecture = field.contents() if field is not None else "llama"
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        match = _LAYER.fullmatch(tensor.name)
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        if match is not None and match.group(2) in STACKS:
+            index, part, kind = match.groups()
+            for expert, data in enumerate(split_stack(np.asarray(tensor.data), shape)):
+                name = f"model.layers.{index}.{expert_name(part, architecture, expert)}.{kind}"
+                yield name, _read_array(f"{tensor.name}[{expert}]", tensor.tensor_type, data, shape[1:], kernels)
+            continue
+        name = hf_name(tensor.name, architecture)
         heads = _heads_for(tensor.name, architecture, num_heads, num_kv_heads)
-        value = _read_tensor(tensor, kernels)
+        value = _read_array(tensor.name, tensor.tensor_type, np.asarray(tensor.data), shape, kernels)
         if heads:
             order = unpermute_rows(value.out_features if isinstance(value, GgufWeight) else value.shape[0], heads)
             value = value.take_rows(order) if isinstance(value, GgufWeight) else value[order].contiguous()
+        if name.endswith("shared_expert_gate.weight") and isinstance(value, torch.Tensor):
+            value = value.reshape(1, -1)  # llama.cpp's [H], HF's [1, H]
         yield name, value
 
 
-def _read_tensor(tensor, kernels: QuantKernels) -> Union[torch.Tensor, GgufWeight]:
+def _read_array(
+    name: str, tensor_type, data: np.ndarray, shape: tuple[int, ...], kernels: Optional[QuantKernels]
+) -> Union[torch.Tensor, GgufWeight]:
+    """One tensor's data (float elements or rows of blocks) of logical `shape`, in the form the table above says."""
     from gguf.quants import dequantize
 
-    type_name = tensor.tensor_type.name
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+    type_name = tensor_type.name
     fmt = FORMATS.get(type_name.lower())
-    if fmt is not None and len(shape) == 2:
-        return GgufWeight(fmt, repack(fmt, np.asarray(tensor.data), shape[1]), shape[1], kernels)
     if type_name in _FLOAT_TYPES:
-        return torch.from_numpy(np.array(tensor.data)).view(_FLOAT_TYPES[type_name]).reshape(shape)
-    carried = transcode(type_name, np.asarray(tensor.data).reshape(shape[0], -1), shape[1]) if len(shape) == 2 else None
+        return torch.from_numpy(np.array(data)).view(_FLOAT_TYPES[type_name]).reshape(shape)
+    if fmt is not None and len(shape) == 2 and kernels is not None:
+        return GgufWeight(fmt, repack(fmt, data.reshape(shape[0], -1), shape[1]), shape[1], kernels)
+    keep = len(shape) == 2 and kernels is not None
+    carried = transcode(type_name, data.reshape(shape[0], -1), shape[1]) if keep else None
     if carried is not None:
+        assert kernels is not None  # `keep` above
         fmt, packed = carried
-        logger.info("GGUF tensor %s (%s) is kept as %s blocks", tensor.name, type_name, fmt.name.upper())
+        logger.info("GGUF tensor %s (%s) is kept as %s blocks", name, type_name, fmt.name.upper())
         return GgufWeight(fmt, packed, shape[1], kernels)
-    logger.info("GGUF tensor %s (%s) is dequantized to float32", tensor.name, type_name)
-    return torch.from_numpy(dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)).reshape(shape)
+    if kernels is not None:
+        logger.info("GGUF tensor %s (%s) is dequantized to float32", name, type_name)
+    return torch.from_numpy(dequantize(data, tensor_type).astype(np.float32)).reshape(shape)

@@ -48,6 +48,8 @@ class DeepseekLayerWeights:
 class DeepseekForCausalLM(MoeForCausalLM):
     """The Llama-family forward pass (norms, residuals, the MoE blocks of `MoeForCausalLM`) with latent attention."""
 
+    quantized_experts = False  # its experts and latent attention load as floats only
+
     layers: list[DeepseekLayerWeights]  # type: ignore[assignment]  # its own layers' fields (LlamaLayerWeights' norms)
 
     def __init__(
@@ -148,7 +150,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
             o_bias=maybe(a + "o_proj.bias"),
         )
 
-    def _take_block(self, take, maybe) -> SparseMoeBlock:
+    def _take_block(self, take, maybe, cat) -> SparseMoeBlock:
         moe, p = self.moe, self.moe.prefix
         shared = None
         if moe.shared_intermediate_size is not None:
@@ -164,7 +166,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
         routing = dataclasses.replace(self.routing, correction_bias=None if bias is None else bias.float())
         return SparseMoeBlock(
             _float(take(p + "gate.weight")),
-            self._take_experts(take, maybe),
+            self._take_experts(take, maybe, cat),
             moe.top_k,
             moe.renormalize,
             self.linear,

@@ -34,6 +34,8 @@ MXFP4_SUFFIXES = ("_blocks", "_scales")
 class GptOssForCausalLM(MoeForCausalLM):
     """`MoeForCausalLM` with GPT-OSS's experts and router, and each layer's own attention (window, sinks)."""
 
+    quantized_experts = False  # its experts (interleaved gate|up, biases) load as floats only
+
     def __init__(
         self,
         arch: GptOssArch,
@@ -74,7 +76,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         self.sinks[index] = sinks.to(torch.float32).contiguous()
         return super()._take_layer(state, index)
 
-    def _take_block(self, take, maybe) -> SparseMoeBlock:
+    def _take_block(self, take, maybe, cat) -> SparseMoeBlock:
         moe, hidden = self.moe, self.arch.hidden_size
         p = moe.prefix
         gate_up = _float(take(p + "experts.gate_up_proj"))  # [E, H, 2I], gate and up interleaved

@@ -6,6 +6,12 @@ Checkpoints name each expert's matrices apart (`block_sparse_moe.experts.N.w1|w3
 they are stacked at load into [E, 2I, H] (gate|up) and [E, H, I] (down). Checkpoints that already store
 them stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I], transformers' in-memory
 layout) are taken as they are.
+
+Quantized experts stay one matrix per expert (gate|up fused in their own storage): a GGUF's blocks as read
+(engine/loading/gguf_experts.py cuts llama.cpp's stacks per expert), or each expert quantized by
+--quantization int8/int4 like the dense projections. The router and Qwen2-MoE's shared-expert gate stay in
+full precision (a GGUF's are F32 already): they are a few rows, and a rounding there changes which experts a
+token reaches, not only by how much.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 class MoeForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with a `SparseMoeBlock` in place of the dense MLP of each sparse layer."""
 
+    quantized_experts = True  # whether --quantization int8/int4 serves this family (its subclasses say)
+
     def __init__(
         self,
         arch: LlamaArch,
@@ -39,45 +47,36 @@ class MoeForCausalLM(LlamaForCausalLM):
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
     ):
-        if quantizer is not None:
+        if quantizer is not None and not self.quantized_experts:
             raise ValueError(
-                f"--quantization {quantizer.method} is not supported for mixture-of-experts models "
-                f"({arch.model_type}): their experts are kept in {str(dtype).removeprefix('torch.')}"
+                f"--quantization {quantizer.method} is not supported for {arch.model_type}: its experts are "
+                f"kept in {str(dtype).removeprefix('torch.')} (supported for Mixtral, Qwen2-MoE and Qwen3-MoE)"
             )
         super().__init__(arch, dtype, device, ops, linear, quantizer)
         self.moe = moe
         self.fused = None  # the fused decode step (layers/fused_decode.py) runs dense MLPs only
         self.moe_blocks: dict[int, SparseMoeBlock] = {}
 
-    def load_weights(self, weights) -> None:
-        if self.quantization == "gguf":  # set by the builder before loading
-            raise ValueError(
-                f"--quantization gguf is not supported for mixture-of-experts models "
-                f"({self.arch.model_type}): llama.cpp's stacked expert tensors have no quantized "
-                f"product here yet; use --quantization none (the GGUF is dequantized on load)"
-            )
-        super().load_weights(weights)
-
     def _take_mlp(self, index: int, take, maybe, cat) -> dict:
         if not self.moe.is_sparse(index):
             return super()._take_mlp(index, take, maybe, cat)
-        self.moe_blocks[index] = self._take_block(take, maybe)
+        self.moe_blocks[index] = self._take_block(take, maybe, cat)
         return dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None)
 
-    def _take_block(self, take, maybe) -> SparseMoeBlock:
+    def _take_block(self, take, maybe, cat) -> SparseMoeBlock:
         moe = self.moe
         p = moe.prefix
-        experts = self._take_experts(take, maybe)
+        experts = self._take_experts(take, maybe, cat)
         shared = None
         if moe.shared_intermediate_size is not None:
             s = p + "shared_expert."
             shared = SharedExpert(
-                gate_up=self._prepare(_cat_rows(take(s + "gate_proj.weight"), take(s + "up_proj.weight"))),
+                gate_up=self._prepare(cat(take(s + "gate_proj.weight"), take(s + "up_proj.weight"))),
                 down=self._prepare(take(s + "down_proj.weight")),
-                gate=self.linear.prepare(_float(take(p + "shared_expert_gate.weight"))),
+                gate=self.linear.prepare(self._full_precision(take(p + "shared_expert_gate.weight"))),
             )
         return SparseMoeBlock(
-            _float(take(p + "gate.weight")),
+            self._full_precision(take(p + "gate.weight")),
             experts,
             moe.top_k,
             moe.renormalize,
@@ -86,28 +85,48 @@ class MoeForCausalLM(LlamaForCausalLM):
             moe.weights_in_model_dtype,
         )
 
-    def _take_experts(self, take, maybe) -> ExpertWeights:
+    def _take_experts(self, take, maybe, cat) -> ExpertWeights:
         moe = self.moe
         p = moe.prefix + "experts."
         stacked_gate_up = maybe(p + "gate_up_proj")
-        if stacked_gate_up is not None:  # already stacked: [E, 2I, H] and [E, H, I]
-            experts = ExpertWeights(_float(stacked_gate_up), _float(take(p + "down_proj")))
+        stacked: Optional[ExpertWeights] = None
+        if stacked_gate_up is not None:  # already stacked: [E, 2I, H] and [E, H, I], kept so where they stay float
+            stacked = ExpertWeights(_float(stacked_gate_up), _float(take(p + "down_proj")))
+            gate_up, down = list(stacked.gate_up), list(stacked.down)
         else:
-            gate, up, down = moe.expert_names
-            gate_up, downs = [], []
+            gate, up, down_name = moe.expert_names
+            gate_up, down = [], []
             for e in range(moe.num_experts):
                 q = f"{p}{e}."
-                gate_up.append(_cat_rows(_float(take(q + gate + ".weight")), _float(take(q + up + ".weight"))))
-                downs.append(_float(take(q + down + ".weight")))
-            experts = ExpertWeights(torch.stack(gate_up), torch.stack(downs))
+                gate_up.append(cat(take(q + gate + ".weight"), take(q + up + ".weight")))
+                down.append(take(q + down_name + ".weight"))
+        experts = stacked if stacked is not None and self.quantizer is None else self._expert_weights(gate_up, down)
         intermediate, hidden = moe.expert_intermediate_size, self.arch.hidden_size
-        expected = ((moe.num_experts, 2 * intermediate, hidden), (moe.num_experts, hidden, intermediate))
-        if (tuple(experts.gate_up.shape), tuple(experts.down.shape)) != expected:
+        expected = ((2 * intermediate, hidden), (hidden, intermediate))
+        shapes = {(_shape(g), _shape(d)) for g, d in zip(gate_up, down)}
+        if len(gate_up) != moe.num_experts or shapes != {expected}:
             raise ValueError(
-                f"experts of shapes {tuple(experts.gate_up.shape)} and {tuple(experts.down.shape)}, "
-                f"expected {expected[0]} and {expected[1]} from the config"
+                f"{len(gate_up)} experts of shapes {sorted(shapes)}, expected {moe.num_experts} of "
+                f"{expected[0]} and {expected[1]} from the config"
             )
         return experts
+
+    def _expert_weights(self, gate_up: list, down: list) -> ExpertWeights:
+        """Float experts stacked ([E, 2I, H], [E, H, I]: what the grouped CUDA kernel reads); quantized ones (stored
+        so, or by --quantization) one matrix per expert."""
+        if self.quantizer is not None:
+            return ExpertWeights([self.quantizer(g) for g in gate_up], [self.quantizer(d) for d in down])
+        if all(isinstance(w, torch.Tensor) for w in gate_up + down):
+            return ExpertWeights(torch.stack(gate_up), torch.stack(down))
+        if any(isinstance(w, Int4Groups) for w in gate_up + down):
+            raise ValueError("the checkpoint holds int4 (AWQ) experts but the model was built without a quantizer")
+        return ExpertWeights(gate_up, down)
+
+    def _full_precision(self, weight) -> torch.Tensor:
+        """A router or gate in the model's dtype (dequantized where a GGUF stores it in blocks)."""
+        if isinstance(weight, QuantizedWeight):
+            return weight.dequantize(self.dtype)
+        return _float(weight)
 
     def _mlp(self, index: int, layer: LlamaLayerWeights, x: torch.Tensor) -> torch.Tensor:
         block = self.moe_blocks.get(index)
@@ -129,10 +148,14 @@ def _cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 def _float(tensor) -> torch.Tensor:
-    """A checkpoint tensor the experts take: float (they have no quantized product yet)."""
+    """A checkpoint tensor taken as floats (GPT-OSS's and DeepSeek's experts and attention, stacked experts)."""
     if isinstance(tensor, (QuantizedWeight, Int4Groups)):
         raise ValueError(
-            f"mixture-of-experts weights stored quantized ({type(tensor).__name__}) are not "
+            f"these mixture-of-experts weights stored quantized ({type(tensor).__name__}) are not "
             "supported; load the checkpoint without --quantization gguf (dequantized on load)"
         )
     return tensor
+
+
+def _shape(weight) -> tuple[int, ...]:
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else (weight.out_features, weight.in_features)

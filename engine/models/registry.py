@@ -28,7 +28,9 @@ class ModelFamily:
     # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs), "gpt_oss" (GptOssForCausalLM) or
     # "deepseek" (DeepseekForCausalLM: multi-head latent attention and DeepSeek's mixture of experts)
     implementation: str
-    formats: tuple[str, ...]  # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load)
+    # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load, or kept in its blocks with
+    # --quantization gguf; the mixtures of experts from llama.cpp's stacked expert tensors)
+    formats: tuple[str, ...]
     features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
 
 
@@ -95,21 +97,21 @@ FAMILIES = (
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",
-        HF_FORMATS,
+        LLAMA_FORMATS,
         ("as Mistral", "top-k softmax routing, renormalised", "experts grouped, one product each"),
     ),
     ModelFamily(
         "Qwen2MoeForCausalLM",
         ("qwen2_moe",),
         "moe",
-        HF_FORMATS,
+        LLAMA_FORMATS,
         ("as Qwen2", "shared expert with its sigmoid gate", "decoder_sparse_step / mlp_only_layers"),
     ),
     ModelFamily(
         "Qwen3MoeForCausalLM",
         ("qwen3_moe",),
         "moe",
-        HF_FORMATS,
+        LLAMA_FORMATS,
         ("as Qwen3", "norm_topk_prob", "decoder_sparse_step / mlp_only_layers"),
     ),
     ModelFamily(

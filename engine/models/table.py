@@ -17,7 +17,11 @@ IMPLEMENTATIONS = {
     "gpt_oss": "`GptOssForCausalLM` (engine/models/gpt_oss.py; experts grouped, one product each, unfused)",
     "deepseek": "`DeepseekForCausalLM` (engine/models/deepseek.py; latent attention, experts grouped, unfused)",
 }
-FORMAT_NAMES = {"safetensors": "safetensors", "bin": "PyTorch .bin", "gguf": "GGUF (dequantized on load)"}
+FORMAT_NAMES = {
+    "safetensors": "safetensors",
+    "bin": "PyTorch .bin",
+    "gguf": "GGUF (dequantized on load, or its blocks kept with --quantization gguf)",
+}
 
 HEADER = """# Supported models
 
