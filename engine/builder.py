@@ -87,7 +87,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             "not from GGUF files; GGUF is supported for "
             f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
         )
-    model = build_model(hf_config, dtype, device, ops, linear, quantizer)
+    model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len)
     check_backend_serves(backend, model.attention_layers, family.architecture)
     if model.arch.sliding_window is not None and max_model_len > model.arch.sliding_window:
         logger.warning("capping max_model_len %d to the sliding window %d", max_model_len, model.arch.sliding_window)

@@ -58,13 +58,14 @@ class LlamaForCausalLM:
         ops: Optional[TorchLayerOps] = None,
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
     ):
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.rotary = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
-        )
+        self.max_model_len = max_model_len  # the longest sequence served (None: the config's context); LongRoPE's
+        # factor set is chosen from it (engine/layers/rotary.py)
+        self.rotary = self._rotary(arch.rope_theta, arch.rope_scaling)
         self.scale = arch.head_dim**-0.5
         self.attention = LayerAttention(self.scale)  # every layer's: no window (max_model_len is capped to it), no cap
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
@@ -82,6 +83,18 @@ class LlamaForCausalLM:
         self.lm_head: Any = None  # [vocab, hidden]
         self.layers: list[LlamaLayerWeights] = []
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
+
+    def _rotary(self, theta: float, scaling: Optional[dict]) -> RotaryEmbedding:
+        arch = self.arch
+        return RotaryEmbedding(
+            arch.head_dim,
+            arch.max_position_embeddings,
+            theta,
+            scaling,
+            self.dtype,
+            self.device,
+            max_model_len=self.max_model_len,
+        )
 
     @property
     def attention_layers(self) -> tuple[LayerAttention, ...]:

@@ -1,0 +1,85 @@
+"""Phi-4-mini's shape (tests/engine/factories.py's "phi4mini": RoPE over the first 0.75 of each head, LongRoPE
+past an original context of 32 tokens) against HF transformers in float32: greedy tokens identical and logprobs
+within 1e-4, batched and alone, on the cpu and torch backends, under chunked prefill with preemption.
+
+LongRoPE's factor set is chosen once, from max_model_len (engine/layers/rotary.py): under the default 256
+the long factors serve every position, which is HF's choice for sequences past 32 tokens; with max_model_len 32 the
+short ones, HF's for every sequence that fits."""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+
+import pytest
+
+from tests.engine.factories import make_tiny_model_dir
+from tests.engine.references import hf_greedy, make_llm
+from tests.engine.test_model_equivalence import NEW_TOKENS, run_greedy
+
+ORIGINAL_CONTEXT = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("phi4mini"), "phi4mini")
+
+
+@lru_cache(maxsize=None)
+def hf_reference(model_dir, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    return hf_greedy(model_dir, prompt, NEW_TOKENS)
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+LONG_PROMPTS = prompts_of([33, 40, 47, 60, 34])  # past the original context from the first token computed
+SHORT_PROMPTS = prompts_of([1, 3, 7, 16, 17, 20], seed=1)  # with 12 new tokens, at most 32 in all
+
+
+def check_against_hf(model_dir, prompts, results) -> None:
+    for prompt, result in zip(prompts, results):
+        expected, expected_lps = hf_reference(model_dir, tuple(prompt))
+        out = result.outputs[0]
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_long_factors_batched_and_alone(model_dir, backend):
+    with make_llm(model_dir, attention_backend=backend) as llm:
+        rotary = llm.engine.runner.model.rotary
+        assert (rotary.rotary_dim, rotary.head_dim, rotary.long_context) == (12, 16, True)
+        check_against_hf(model_dir, LONG_PROMPTS, run_greedy(llm, LONG_PROMPTS))
+        check_against_hf(model_dir, LONG_PROMPTS[3:4], run_greedy(llm, LONG_PROMPTS[3:4]))  # 60 tokens, alone
+
+
+def test_long_factors_under_chunked_prefill_with_preemption(model_dir):
+    with make_llm(model_dir, num_blocks=30, block_size=4, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        results = run_greedy(llm, LONG_PROMPTS)
+        assert llm.engine.stats().num_preemptions > 0
+        check_against_hf(model_dir, LONG_PROMPTS, results)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_short_factors_within_the_original_context(model_dir, backend):
+    """max_model_len 32: the short factors, batched and under chunked prefill."""
+    with make_llm(
+        model_dir, attention_backend=backend, max_model_len=ORIGINAL_CONTEXT, max_num_batched_tokens=16
+    ) as llm:
+        assert not llm.engine.runner.model.rotary.long_context
+        check_against_hf(model_dir, SHORT_PROMPTS, run_greedy(llm, SHORT_PROMPTS))
+        check_against_hf(model_dir, SHORT_PROMPTS[5:], run_greedy(llm, SHORT_PROMPTS[5:]))
+
+
+def test_a_short_sequence_on_a_long_context_server_takes_the_long_factors(model_dir):
+    """The documented difference from HF: under max_model_len 256 a 20-token prompt rotates with the long factors
+    (HF: the short ones until it passes 32 tokens), so its logprobs are those of the long-factor model, not HF's."""
+    prompt = SHORT_PROMPTS[5]
+    with make_llm(model_dir) as llm:
+        (result,) = run_greedy(llm, [prompt])
+    _, expected_lps = hf_reference(model_dir, tuple(prompt))
+    got = [lp.logprob for lp in result.outputs[0].logprobs]
+    assert got != pytest.approx(expected_lps, abs=1e-4)
