@@ -1,6 +1,7 @@
 """Phi-4-mini's shape (tests/engine/factories.py's "phi4mini": RoPE over the first 0.75 of each head, LongRoPE
 past an original context of 32 tokens) against HF transformers in float32: greedy tokens identical and logprobs
-within 1e-4, batched and alone, on the cpu and torch backends, under chunked prefill with preemption.
+within 1e-4, batched and alone, on the cpu, torch and batch-invariant backends, under chunked prefill with
+preemption, with prefix-cache hits, and prompt logprobs.
 
 LongRoPE's factor set is chosen once, from max_model_len (engine/layers/rotary.py): under the default 256
 the long factors serve every position, which is HF's choice for sequences past 32 tokens; with max_model_len 32 the
@@ -14,7 +15,8 @@ from functools import lru_cache
 import pytest
 
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.references import hf_greedy, make_llm
+from engine import SamplingParams
+from tests.engine.references import assert_idle, hf_greedy, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import NEW_TOKENS, run_greedy
 
 ORIGINAL_CONTEXT = 32
@@ -61,6 +63,27 @@ def test_long_factors_under_chunked_prefill_with_preemption(model_dir):
         results = run_greedy(llm, LONG_PROMPTS)
         assert llm.engine.stats().num_preemptions > 0
         check_against_hf(model_dir, LONG_PROMPTS, results)
+
+
+def test_long_factors_batch_invariant_mode(model_dir):
+    """The batch-invariant kernels (every query through the native decode kernel) rotate the same dimensions."""
+    with make_llm(model_dir, batch_invariant=True, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        assert llm.engine.runner.backend.name == "cpu-batch-invariant"
+        check_against_hf(model_dir, LONG_PROMPTS, run_greedy(llm, LONG_PROMPTS))
+
+
+def test_long_factors_prompt_logprobs_and_prefix_cache_hits(model_dir):
+    prompt = LONG_PROMPTS[3]  # 60 tokens: several chunks
+    with make_llm(model_dir, enable_prefix_caching=True, max_num_batched_tokens=16) as llm:
+        sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+        for _ in range(2):  # the second time from the cached blocks
+            (result,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+            got = [lp.logprob for lp in result.prompt_logprobs[1:]]
+            assert got == pytest.approx(hf_prompt_logprobs(model_dir, prompt), abs=1e-4)
+        (extended,) = run_greedy(llm, [prompt + LONG_PROMPTS[0][:5]])
+        assert extended.num_cached_tokens >= 56
+        check_against_hf(model_dir, [prompt + LONG_PROMPTS[0][:5]], [extended])
+        assert_idle(llm)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
