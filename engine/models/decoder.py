@@ -67,18 +67,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
 
-    def _rotary(self, theta: float, scaling: Optional[dict]) -> RotaryEmbedding:
-        arch = self.arch
-        return RotaryEmbedding(
-            arch.head_dim,
-            arch.max_position_embeddings,
-            theta,
-            scaling,
-            self.dtype,
-            self.device,
-            arch.rotary_dim,
-            self.max_model_len,
-        )
+    def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:
+        return super()._rotary(theta, scaling, self.arch.rotary_dim)  # Phi-4-mini: the first dimensions only
 
     @property
     def attention_layers(self) -> tuple[LayerAttention, ...]:

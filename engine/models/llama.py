@@ -84,7 +84,7 @@ class LlamaForCausalLM:
         self.layers: list[LlamaLayerWeights] = []
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
 
-    def _rotary(self, theta: float, scaling: Optional[dict]) -> RotaryEmbedding:
+    def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:
         arch = self.arch
         return RotaryEmbedding(
             arch.head_dim,
@@ -93,7 +93,8 @@ class LlamaForCausalLM:
             scaling,
             self.dtype,
             self.device,
-            max_model_len=self.max_model_len,
+            rotary_dim,
+            self.max_model_len,
         )
 
     @property

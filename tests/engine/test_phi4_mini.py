@@ -10,14 +10,14 @@ short ones, HF's for every sequence that fits."""
 from __future__ import annotations
 
 import random
-from functools import lru_cache
 
 import pytest
 
 from tests.engine.factories import make_tiny_model_dir
 from engine import SamplingParams
-from tests.engine.references import assert_idle, hf_greedy, hf_prompt_logprobs, make_llm
-from tests.engine.test_model_equivalence import NEW_TOKENS, run_greedy
+from tests.engine.references import assert_idle, hf_prompt_logprobs, make_llm
+from tests.engine.test_dense_families import check_against_hf, hf_reference
+from tests.engine.test_model_equivalence import run_greedy
 
 ORIGINAL_CONTEXT = 32
 
@@ -27,11 +27,6 @@ def model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("phi4mini"), "phi4mini")
 
 
-@lru_cache(maxsize=None)
-def hf_reference(model_dir, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
-    return hf_greedy(model_dir, prompt, NEW_TOKENS)
-
-
 def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
@@ -39,14 +34,6 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 LONG_PROMPTS = prompts_of([33, 40, 47, 60, 34])  # past the original context from the first token computed
 SHORT_PROMPTS = prompts_of([1, 3, 7, 16, 17, 20], seed=1)  # with 12 new tokens, at most 32 in all
-
-
-def check_against_hf(model_dir, prompts, results) -> None:
-    for prompt, result in zip(prompts, results):
-        expected, expected_lps = hf_reference(model_dir, tuple(prompt))
-        out = result.outputs[0]
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
