@@ -13,7 +13,8 @@ with every intermediate rounded where the unfused ops round it: the result is th
 bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
-dtype, and models without q/k norms and with RoPE over whole heads; anything else (int8/int4/AWQ weights among them) takes the general path.
+dtype, and models without q/k norms and with RoPE over whole heads; anything else (int8/int4/AWQ weights among
+them) takes the general path.
 """
 
 from __future__ import annotations

@@ -25,10 +25,13 @@ HEADER = """# Supported models
 
 `--model` names an HF checkpoint whose config's `architectures` (else `model_type`) is one of these; any
 other is refused at start-up with this list. A config field that changes the output and is not implemented
-(an unknown RoPE scaling type, bidirectional attention, an activation) is refused at start-up naming it. Every family is checked against HF transformers on a tiny random checkpoint
+(an unknown RoPE scaling type, bidirectional attention, an activation) is refused at start-up naming it.
+Every family is checked against HF transformers on a tiny random checkpoint
 (tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py, tests/engine/test_moe_equivalence.py,
-tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py): greedy tokens identical and
-logprobs within 1e-4 in float32.
+tests/engine/test_phi4_mini.py, tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py): greedy
+tokens identical and logprobs within 1e-4 in float32. `--quantization int8|int4` on the dense families is checked
+against the model whose matrices are the quantized ones dequantized (tests/engine/test_quantization_flag.py,
+tests/engine/test_dense_quantization.py).
 
 Sliding windows and attention soft-caps are computed by every attention backend (`torch`, `cpu`,
 `cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`),
