@@ -5,6 +5,7 @@ Everything is built in memory in a second or two; nothing touches the network.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 import yaml
@@ -131,7 +132,7 @@ _ARCHITECTURES["phi4mini"] = {
 def tiny_config_dict(arch: str = "llama", **overrides) -> dict:
     """The HF config of the tiny test model: configs/tiny.yaml's `tiny_model`, the arch, overrides."""
     config = dict(yaml.safe_load(TINY_PRESET.read_text())["tiny_model"])
-    config.update(_ARCHITECTURES[arch])
+    config.update(copy.deepcopy(_ARCHITECTURES[arch]))  # a test may change a config's nested dicts in place
     if "rope_parameters" in config:
         config.pop("rope_theta")
     config["initializer_range"] = 0.15  # large enough that greedy logits are not near-ties
