@@ -88,7 +88,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             "not from GGUF files; GGUF is supported for "
             f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
         )
-    model = build_model(hf_config, dtype, device, ops, linear, quantizer)
+    model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len)
     check_backend_serves(backend, model.attention_layers, family.architecture)
     # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window.
     kv_groups = KVGroups.of([attention.sliding_window for attention in model.attention_layers], max_model_len)

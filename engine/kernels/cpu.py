@@ -238,10 +238,14 @@ class CpuKernels:
     def rotary_(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> torch.Tensor:
-        """Rotate x [rows, heads, head_dim] in place (rows may be strided, heads and dims contiguous)."""
+        """Rotate x [rows, heads, head_dim] in place (rows may be strided, heads and dims contiguous): each head's
+        first rotary_dim dimensions, the width of the cos / sin tables [positions, rotary_dim]."""
         rows, heads, head_dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
             raise ValueError("rotary_ takes [rows, heads, head_dim] with contiguous heads and int64 positions")
+        rotary_dim = cos.shape[-1]
+        if rotary_dim % 2 or rotary_dim > head_dim or sin_signed.shape != cos.shape or not cos.is_contiguous():
+            raise ValueError(f"cos / sin tables of width {rotary_dim} do not rotate heads of {head_dim}")
         self._ops.cpu_rotary_(x, positions, cos, sin_signed, self._function("rotary", x.dtype))
         return x
 

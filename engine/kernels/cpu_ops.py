@@ -33,7 +33,7 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
-    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
+    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
     "decode_layers": [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2,
@@ -155,6 +155,7 @@ def _rotary_(x, positions, cos, sin_signed, fn):
         x.stride(0),
         heads,
         head_dim,
+        cos.shape[-1],  # rotary_dim: the tables' width
     )
 
 

@@ -13,7 +13,8 @@ with every intermediate rounded where the unfused ops round it: the result is th
 bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
-dtype, and models without q/k norms; anything else (int8/int4/AWQ weights among them) takes the general path.
+dtype, and models without q/k norms and with RoPE over whole heads; anything else (int8/int4/AWQ weights among
+them) takes the general path.
 """
 
 from __future__ import annotations
@@ -154,8 +155,11 @@ def _integer_rows(model, limit: int) -> int:
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype, no q/k norm, RoPE tables
-    in that dtype, and plain causal attention in every layer (the native step has no window, cap or sinks)."""
+    in that dtype over whole heads (the kernel's tables are head_dim wide), and plain causal attention in every
+    layer (the native step has no window, cap or sinks)."""
     dtype = model.dtype
+    if model.rotary.partial:
+        return False
     if any(attention.features or attention.scale != model.scale for attention in model.attention_layers):
         return False
     tensors = [model.rotary.cos, model.rotary.sin_signed]  # in the model's dtype

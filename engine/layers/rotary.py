@@ -1,4 +1,14 @@
-"""Rotary position embeddings: default, linear, llama3, YaRN and LongRoPE frequency scaling."""
+"""Rotary position embeddings: default, linear, llama3, YaRN and LongRoPE frequency scaling, over whole heads or
+their first `rotary_dim` dimensions (partial rotary: Phi-4-mini).
+
+LongRoPE has two factor sets, short and long. HF switches a whole forward pass to the long ones once the sequence
+passes `original_max_position_embeddings` (and Phi-3's `generate` drops its KV cache to recompute the prefix with
+them). A paged server cannot re-rotate cached keys, and rotating a query and its keys with different factors
+breaks the relative encoding; so, as vLLM does, one set serves every position: the long one when the server's
+`max_model_len` passes the original context, else the short one. That is HF exactly for every sequence when
+`max_model_len` stays within the original context, and for every sequence longer than it otherwise; shorter
+sequences on a long-context server rotate with the long factors where HF would use the short ones.
+"""
 
 from __future__ import annotations
 
@@ -22,10 +32,14 @@ def check_rope_scaling(scaling: Optional[dict]) -> None:
 
 
 def inverse_frequencies(
-    head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: Optional[int] = None
+    head_dim: int,
+    theta: float,
+    scaling: Optional[dict],
+    max_position_embeddings: Optional[int] = None,
+    long_context: bool = False,
 ) -> torch.Tensor:
-    """[head_dim // 2] float32 rotation speeds, after the model's frequency scaling (LongRoPE: its short
-    factors, those of positions before `original_max_position_embeddings`)."""
+    """[head_dim // 2] float32 rotation speeds, after the model's frequency scaling (LongRoPE: its long factors
+    with `long_context`, else its short ones). `head_dim`: the rotated dimensions of a head."""
     check_rope_scaling(scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = rope_type_of(scaling)
@@ -37,7 +51,29 @@ def inverse_frequencies(
         return _llama3_scaling(inv_freq, scaling)
     if rope_type == "yarn":
         return _yarn_frequencies(head_dim, theta, scaling, max_position_embeddings)
-    return _longrope_frequencies(head_dim, theta, scaling["short_factor"])
+    return _longrope_frequencies(head_dim, theta, scaling["long_factor" if long_context else "short_factor"])
+
+
+def uses_long_factors(scaling: Optional[dict], max_model_len: int) -> bool:
+    """Whether LongRoPE serves every position with its long factors: when sequences of `max_model_len` tokens
+    pass the original context (see the module's docstring)."""
+    if rope_type_of(scaling) != "longrope":
+        return False
+    assert scaling is not None  # its type is longrope
+    return max_model_len > scaling["original_max_position_embeddings"]
+
+
+def check_longrope_factors(scaling: Optional[dict], rotary_dim: int) -> None:
+    """ValueError unless LongRoPE's short and long factors give one per rotated pair (`rotary_dim // 2`)."""
+    if rope_type_of(scaling) != "longrope":
+        return
+    assert scaling is not None  # its type is longrope
+    for key in ("short_factor", "long_factor"):
+        if len(scaling[key]) != rotary_dim // 2:
+            raise ValueError(
+                f"LongRoPE {key} has {len(scaling[key])} entries; the {rotary_dim} rotated dimensions of a head "
+                f"need {rotary_dim // 2}"
+            )
 
 
 def attention_factor(scaling: Optional[dict], max_position_embeddings: Optional[int] = None) -> float:
@@ -111,10 +147,14 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; rotates the two halves of each head (HF's layout).
+    """Precomputed cos/sin tables; rotates the two halves of each head's first `rotary_dim` dimensions (HF's
+    layout), the rest pass unrotated.
 
     rotate_half(x) = [-x2, x1] = roll(x, half) * [-1 .. -1, 1 .. 1]
     x' = x * cos + rotate_half(x) * sin = x * cos + roll(x, half) * sin_signed
+
+        head:  | x1 (half) | x2 (half) | passed through (head_dim - rotary_dim) |
+               |<------- rotary_dim -------->|
     """
 
     def __init__(
@@ -125,30 +165,40 @@ class RotaryEmbedding:
         scaling: Optional[dict],
         dtype: torch.dtype,
         device: torch.device,
+        rotary_dim: Optional[int] = None,
+        max_model_len: Optional[int] = None,
     ):
-        inv_freq = inverse_frequencies(head_dim, theta, scaling, max_positions)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and within the head ({head_dim})")
+        check_longrope_factors(scaling, rotary_dim)
+        long_context = uses_long_factors(scaling, max_positions if max_model_len is None else max_model_len)
+        inv_freq = inverse_frequencies(rotary_dim, theta, scaling, max_positions, long_context)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        if scaling is not None and rope_type_of(scaling) == "longrope":
-            # positions past the original context turn at the long factors' speeds. HF switches a whole forward
-            # pass to them once any position passes it (so a prompt's early tokens change with its length); per
-            # position, a token's rotation never depends on the tokens after it or on the batch.
-            original = scaling["original_max_position_embeddings"]
-            long_freq = _longrope_frequencies(head_dim, theta, scaling["long_factor"])
-            freqs[original:] = positions[original:, None] * long_freq[None, :]
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        half = head_dim // 2
+        half = rotary_dim // 2
         factor = attention_factor(scaling, max_positions)
         cos, sin = emb.cos() * factor, emb.sin() * factor
         sin[:, :half] = -sin[:, :half]
         self.half = half
-        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, head_dim]
-        self.sin_signed = sin.to(dtype=dtype, device=device)  # [max_positions, head_dim]
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.long_context = long_context  # LongRoPE: its long factors serve every position
+        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, rotary_dim]
+        self.sin_signed = sin.to(dtype=dtype, device=device)  # [max_positions, rotary_dim]
+
+    @property
+    def partial(self) -> bool:
+        return self.rotary_dim != self.head_dim
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin_signed for the step's positions: [num_tokens, 1, head_dim] each."""
+        """cos, sin_signed for the step's positions: [num_tokens, 1, rotary_dim] each."""
         return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim] -> rotated copy."""
-        return x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
+        if not self.partial:
+            return x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
+        rot = x[..., : self.rotary_dim]
+        return torch.cat([rot * cos + torch.roll(rot, self.half, dims=-1) * sin_signed, x[..., self.rotary_dim :]], -1)

@@ -58,16 +58,17 @@ class DecoderForCausalLM(LlamaForCausalLM):
         ops: Optional[TorchLayerOps] = None,
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
     ):
-        super().__init__(arch, dtype, device, ops, linear, quantizer)
+        super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len)
         self.fused = None  # the fused decode step computes Llama's layer only
-        self.rotaries = [self.rotary] + [
-            RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, theta, scaling, dtype, device)
-            for theta, scaling in arch.ropes[1:]
-        ]
+        self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
+
+    def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:
+        return super()._rotary(theta, scaling, self.arch.rotary_dim)  # Phi-4-mini: the first dimensions only
 
     @property
     def attention_layers(self) -> tuple[LayerAttention, ...]:

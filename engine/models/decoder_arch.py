@@ -3,7 +3,8 @@
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch), the MLP's
 activation, q/k norms per head or over the whole projection, scalars on the embeddings, the residual
-branches and the logits, a final soft-cap, and per layer its attention (window, soft-cap, scale) and RoPE.
+branches and the logits, a final soft-cap, per layer its attention (window, soft-cap, scale) and RoPE, and how
+much of each head RoPE rotates.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class DecoderArch(LlamaArch):
     layer_attention: tuple[LayerAttention, ...] = ()  # one per layer
     ropes: tuple[tuple[float, Optional[dict]], ...] = ()  # (theta, scaling) of each distinct RoPE
     layer_rope: tuple[int, ...] = ()  # per layer, its index in `ropes` (Gemma 3: local and global layers)
+    rotary_dim: Optional[int] = None  # RoPE rotates each head's first rotary_dim dimensions (None: all; Phi-4-mini)
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]

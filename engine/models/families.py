@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.layer_attention import LayerAttention
-from engine.layers.rotary import check_rope_scaling
+from engine.layers.rotary import check_longrope_factors, check_rope_scaling
 from engine.loading.loader import rope_settings
 from engine.models.decoder_arch import LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
 from engine.models.llama_arch import shared_fields
@@ -65,12 +65,8 @@ def gemma3_arch(config: Any) -> DecoderArch:
 
 def phi3_arch(config: Any) -> DecoderArch:
     """Phi-3 / Phi-4: Llama's layer from fused qkv_proj and gate_up_proj (taken as they are: the model fuses them
-    anyway), LongRoPE, a sliding window on every layer when the config sets one."""
-    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ValueError(
-            f"{_name(config)}: partial_rotary_factor {partial} is not supported (RoPE over whole heads only)"
-        )
+    anyway), LongRoPE, RoPE over the first `partial_rotary_factor` of each head (Phi-4-mini), a sliding window on
+    every layer when the config sets one."""
     theta, scaling = rope_settings(config)
     if scaling is not None and scaling["rope_type"] == "longrope":
         original = getattr(config, "original_max_position_embeddings", None)
@@ -79,7 +75,9 @@ def phi3_arch(config: Any) -> DecoderArch:
     attention = tuple(
         LayerAttention(_head_scale(config), sliding_window=window) for _ in range(config.num_hidden_layers)
     )
-    return _arch(config, (theta, scaling), activation=_silu(config), layer_attention=attention)
+    return _arch(
+        config, (theta, scaling), activation=_silu(config), layer_attention=attention, rotary_dim=_rotary_dim(config)
+    )
 
 
 def olmo2_arch(config: Any) -> DecoderArch:
@@ -129,8 +127,10 @@ def _arch(
     **recipe,
 ) -> DecoderArch:
     ropes = ropes or (rope,)
+    rotary_dim = recipe.get("rotary_dim") or AttentionShape.from_hf_config(config).head_dim
     for _, scaling in ropes:
         check_rope_scaling(scaling)
+        check_longrope_factors(scaling, rotary_dim)
     return DecoderArch(
         **shared_fields(config, rope),
         sliding_window=None,
@@ -149,6 +149,23 @@ def _name(config: Any) -> str:
 
 def _head_scale(config: Any) -> float:
     return AttentionShape.from_hf_config(config).head_dim ** -0.5
+
+
+def _rotary_dim(config: Any) -> Optional[int]:
+    """The dimensions RoPE rotates of each head, `int(head_dim * partial_rotary_factor)` as HF computes them
+    (None: the whole head); the factor from rope_parameters (transformers 5) or the config (older)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if factor is None or factor == 1.0:
+        return None
+    head_dim = AttentionShape.from_hf_config(config).head_dim
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(
+            f"{_name(config)}: partial_rotary_factor {factor} rotates {rotary_dim} of {head_dim} dimensions "
+            "per head; RoPE needs an even number of them, at least 2"
+        )
+    return rotary_dim
 
 
 def _uniform_attention(config: Any, scale: float) -> tuple[LayerAttention, ...]:

@@ -58,13 +58,14 @@ class LlamaForCausalLM:
         ops: Optional[TorchLayerOps] = None,
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
     ):
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.rotary = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
-        )
+        self.max_model_len = max_model_len  # the longest sequence served (None: the config's context); LongRoPE's
+        # factor set is chosen from it (engine/layers/rotary.py)
+        self.rotary = self._rotary(arch.rope_theta, arch.rope_scaling)
         self.scale = arch.head_dim**-0.5
         # Each layer's attention: Mistral's sliding window (Qwen's, when on, from max_window_layers), no soft-cap.
         self.layer_attention: tuple[LayerAttention, ...] = tuple(
@@ -85,6 +86,19 @@ class LlamaForCausalLM:
         self.lm_head: Any = None  # [vocab, hidden]
         self.layers: list[LlamaLayerWeights] = []
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
+
+    def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:
+        arch = self.arch
+        return RotaryEmbedding(
+            arch.head_dim,
+            arch.max_position_embeddings,
+            theta,
+            scaling,
+            self.dtype,
+            self.device,
+            rotary_dim,
+            self.max_model_len,
+        )
 
     @property
     def attention_layers(self) -> tuple[LayerAttention, ...]:

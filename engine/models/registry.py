@@ -77,7 +77,12 @@ FAMILIES = (
         ("phi3",),
         "decoder",
         HF_FORMATS,
-        ("fused qkv_proj/gate_up_proj", "LongRoPE (per position)", "sliding window"),
+        (
+            "fused qkv_proj/gate_up_proj",
+            "LongRoPE (one factor set, by max_model_len)",
+            "partial rotary (Phi-4-mini)",
+            "sliding window",
+        ),
     ),
     ModelFamily(
         "Olmo2ForCausalLM",
@@ -187,8 +192,10 @@ def build_model(
     ops: Optional[TorchLayerOps] = None,
     linear: Optional[Linear] = None,
     quantizer: Optional[WeightQuantizer] = None,
+    max_model_len: Optional[int] = None,
 ) -> LlamaForCausalLM:
-    """An empty model for the config's architecture (load weights with `load_weights`)."""
+    """An empty model for the config's architecture (load weights with `load_weights`); `max_model_len`: the
+    longest sequence it will serve (None: the config's context), which picks LongRoPE's factor set."""
     from engine.loading.loader import rope_settings
 
     family = family_of(hf_config)
@@ -215,8 +222,9 @@ def build_model(
         arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
         if family.implementation == "moe":
             return MoeForCausalLM(arch, MoeArch.from_hf_config(hf_config), dtype, device, ops, linear, quantizer)
-        return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer)
+        return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)
     from engine.models.decoder import DecoderForCausalLM
     from engine.models.families import ARCH_READERS
 
-    return DecoderForCausalLM(ARCH_READERS[family.architecture](hf_config), dtype, device, ops, linear, quantizer)
+    arch = ARCH_READERS[family.architecture](hf_config)
+    return DecoderForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)

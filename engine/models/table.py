@@ -29,16 +29,28 @@ HEADER = """# Supported models
 
 `--model` names an HF checkpoint whose config's `architectures` (else `model_type`) is one of these; any
 other is refused at start-up with this list. A config field that changes the output and is not implemented
-(an unknown RoPE scaling type, bidirectional attention, partial rotary dimensions, an activation) is refused
-at start-up naming it. Every family is checked against HF transformers on a tiny random checkpoint
+(an unknown RoPE scaling type, bidirectional attention, an activation) is refused at start-up naming it.
+Every family is checked against HF transformers on a tiny random checkpoint
 (tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py, tests/engine/test_moe_equivalence.py,
-tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py): greedy tokens identical and
-logprobs within 1e-4 in float32.
+tests/engine/test_phi4_mini.py, tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py): greedy
+tokens identical and logprobs within 1e-4 in float32. `--quantization int8|int4` on the dense families is checked
+against the model whose matrices are the quantized ones dequantized (tests/engine/test_quantization_flag.py,
+tests/engine/test_dense_quantization.py).
 
 Sliding windows and attention soft-caps are computed by every attention backend (`torch`, `cpu`,
 `cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`),
 and so are attention sinks (GPT-OSS; `flash` only where flash-attn 4's varlen function takes `learnable_sink`);
 a backend that cannot is refused at start-up, naming the model and the feature.
+
+LongRoPE (Phi-3, Phi-4, Llama configs that name it) rotates every position with one factor set, chosen at
+start-up as vLLM does: the long factors when `max_model_len` passes `original_max_position_embeddings`, else the
+short ones. HF switches a whole sequence to the long factors once it passes the original context (recomputing its
+cache); a paged server cannot re-rotate cached keys. Outputs equal HF's whenever `max_model_len` stays within the
+original context, and for sequences longer than it; shorter sequences served with a longer `max_model_len` rotate
+with the long factors where HF would take the short ones.
+
+`--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3/4, OLMo 2, Granite); mixture-of-experts models refuse them at start-up.
 
 DeepSeek's multi-head latent attention caches per token and layer only its latent (`kv_lora_rank +
 qk_rope_head_dim` values: the normalised c_kv and the rotated shared key), and attends in the absorbed form

@@ -5,6 +5,7 @@ Everything is built in memory in a second or two; nothing touches the network.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 import yaml
@@ -87,13 +88,16 @@ DENSE_FAMILIES = {
         "model_type": "phi3",
         "sliding_window": 12,
         "pad_token_id": 0,
-        "original_max_position_embeddings": 128,  # the tests' sequences stay below: the short factors
+        # max_model_len (the config's 256) within the original context: the short factors, as HF takes them for
+        # the tests' sequences; `factor` sets LongRoPE's attention factor
+        "original_max_position_embeddings": 256,
         "rope_parameters": {
             "rope_type": "longrope",
             "rope_theta": 10000.0,
+            "factor": 2.0,
             "short_factor": _HEAD_SHORT_FACTORS,
             "long_factor": [f * 2 for f in _HEAD_SHORT_FACTORS],
-            "original_max_position_embeddings": 128,
+            "original_max_position_embeddings": 256,
         },
     },
     "olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "pad_token_id": 0},
@@ -108,12 +112,29 @@ DENSE_FAMILIES = {
     },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
+_ROTARY_SHORT_FACTORS = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]  # per rotary pair of 12 rotated dimensions
+_ARCHITECTURES["phi4mini"] = {
+    # Phi-4-mini's shape: RoPE over the first 0.75 of each 16-wide head (12 dimensions), LongRoPE past an original
+    # context of 32 tokens, under max_model_len 256 (the config's context): the long factors serve every position
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "pad_token_id": 0,
+    "original_max_position_embeddings": 32,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": _ROTARY_SHORT_FACTORS,
+        "long_factor": [f * 3 for f in _ROTARY_SHORT_FACTORS],
+        "original_max_position_embeddings": 32,
+    },
+}
 
 
 def tiny_config_dict(arch: str = "llama", **overrides) -> dict:
     """The HF config of the tiny test model: configs/tiny.yaml's `tiny_model`, the arch, overrides."""
     config = dict(yaml.safe_load(TINY_PRESET.read_text())["tiny_model"])
-    config.update(_ARCHITECTURES[arch])
+    config.update(copy.deepcopy(_ARCHITECTURES[arch]))  # a test may change a config's nested dicts in place
     if "rope_parameters" in config:
         config.pop("rope_theta")
     config["initializer_range"] = 0.15  # large enough that greedy logits are not near-ties

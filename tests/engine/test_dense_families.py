@@ -142,10 +142,13 @@ def test_unsupported_config_fields_are_refused(family, overrides, message):
         build_model(config_of(family, **overrides), torch.float32, torch.device("cpu"))
 
 
-def test_partial_rotary_and_multimodal_gemma_are_refused():
+def test_unservable_partial_rotary_longrope_factors_and_multimodal_gemma_are_refused():
     phi3 = config_of("phi3")
-    phi3.rope_parameters["partial_rotary_factor"] = 0.75
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+    phi3.rope_parameters["partial_rotary_factor"] = 0.3  # 4.8 -> 4 of 16 dimensions: 2 factors, not 8
+    with pytest.raises(ValueError, match="LongRoPE short_factor has 8 entries; the 4 rotated dimensions of a head"):
+        build_model(phi3, torch.float32, torch.device("cpu"))
+    phi3.rope_parameters["partial_rotary_factor"] = 0.35  # 5.6 -> 5 dimensions: no pairs
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.35 rotates 5 of 16 dimensions"):
         build_model(phi3, torch.float32, torch.device("cpu"))
     gemma3 = config_of("gemma3")
     gemma3.architectures, gemma3.model_type = ["Gemma3ForConditionalGeneration"], "gemma3"

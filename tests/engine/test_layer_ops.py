@@ -45,17 +45,22 @@ def test_silu_saturates_cleanly(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place_on_strided_rows(ops, dtype):
+@pytest.mark.parametrize("rotary_dim", [64, 48])  # 48: partial rotary, the last 16 dimensions of a head pass
+def test_rotary_in_place_on_strided_rows(ops, dtype, rotary_dim):
     """q and k heads rotated inside the fused qkv buffer; v heads untouched."""
     native, reference = ops
     heads, kv_heads, head_dim = 6, 2, 64
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, torch.device("cpu"))
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, torch.device("cpu"), rotary_dim)
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(9, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     positions = torch.tensor([0, 1, 5, 17, 100, 1000, 4095, 3, 3])
     expected = reference.rotary(qkv[:, : heads + kv_heads], reference.rotary_angles(positions, rope), rope)
     values = qkv[:, heads + kv_heads :].clone()
+    qkv_before = qkv[:, : heads + kv_heads].clone()
     got = native.rotary(qkv[:, : heads + kv_heads], native.rotary_angles(positions, rope), rope)
     assert got.data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(got, expected, **TOL[dtype])
+    if rotary_dim < head_dim:
+        assert not torch.equal(got[..., :rotary_dim], qkv_before[: len(got), ..., :rotary_dim])
+        assert torch.equal(got[..., rotary_dim:], qkv_before[..., rotary_dim:])
     assert torch.equal(qkv[:, heads + kv_heads :], values)

@@ -65,12 +65,17 @@ def test_yarn_matches_hf(scaling):
     assert attention_factor(parsed, 16384) == pytest.approx(factor)
 
 
-def test_longrope_tables_match_hf_short_and_long():
-    """Positions before original_max_position_embeddings rotate with the short factors, later ones with the long
-    factors (HF's frequencies at a sequence length past it); cos and sin carry the attention factor."""
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+@pytest.mark.parametrize("max_model_len, long", [(128, False), (129, True), (None, True)])
+def test_longrope_tables_match_hf_by_max_model_len(partial, max_model_len, long):
+    """Every position rotates with one factor set (engine/layers/rotary.py): HF's short frequencies where
+    max_model_len stays within original_max_position_embeddings, its long ones (those of a sequence past it)
+    otherwise (None: the config's 512); over the first int(16 * partial) dimensions of a head; cos and sin
+    carry the attention factor."""
     from transformers import Phi3Config
 
-    short = [1.0 + i / 16 for i in range(8)]
+    pairs = int(16 * partial) // 2
+    short = [1.0 + i / 16 for i in range(pairs)]
     config = Phi3Config(
         hidden_size=64,
         num_attention_heads=4,
@@ -82,17 +87,35 @@ def test_longrope_tables_match_hf_short_and_long():
             "rope_theta": 10000.0,
             "short_factor": short,
             "long_factor": [2 * f for f in short],
+            "partial_rotary_factor": partial,
         },
     )
     theta, parsed = rope_settings(config)
     parsed.setdefault("original_max_position_embeddings", 128)
-    short_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](config)
-    long_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=129)
-    rope = RotaryEmbedding(16, 512, theta, parsed, torch.float32, torch.device("cpu"))
-    for position, freq in ((5, short_freq), (127, short_freq), (128, long_freq), (400, long_freq)):
-        angles = position * torch.cat([freq, freq]).float()
+    expected, factor = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=129 if long else None)
+    cpu = torch.device("cpu")
+    rope = RotaryEmbedding(16, 512, theta, parsed, torch.float32, cpu, 2 * pairs, max_model_len)
+    assert rope.long_context == long and rope.cos.shape == (512, 2 * pairs)
+    for position in (5, 127, 128, 400):
+        angles = position * torch.cat([expected, expected]).float()
         torch.testing.assert_close(rope.cos[position], angles.cos() * factor, rtol=1e-5, atol=1e-6)
     assert factor != 1.0
+
+
+def test_partial_rotary_rotates_the_first_dimensions_as_hf():
+    """HF Phi-3's apply_rotary_pos_emb: the first rotary_dim dimensions of each head rotated, the rest passed."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    cpu = torch.device("cpu")
+    rope = RotaryEmbedding(16, 64, 10000.0, None, torch.float32, cpu, rotary_dim=12)
+    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0))  # [tokens, heads, head_dim]
+    positions = torch.tensor([0, 3, 9, 31, 63])
+    cos, sin_signed = rope.tables(positions)
+    sin = torch.cat([-sin_signed[..., :6], sin_signed[..., 6:]], dim=-1)  # HF's sin: not negated
+    want, _ = apply_rotary_pos_emb(x.transpose(0, 1), x.transpose(0, 1), cos[:, 0], sin[:, 0], unsqueeze_dim=0)
+    torch.testing.assert_close(rope.apply(x, cos, sin_signed), want.transpose(0, 1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="rotary_dim 7 must be even"):
+        RotaryEmbedding(16, 64, 10000.0, None, torch.float32, cpu, rotary_dim=7)
 
 
 def test_unsupported_rope_and_architecture_are_refused():

@@ -96,8 +96,9 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = qkv.data() + r * width;  // [q heads | k heads | v heads] x head_dim
+            // whole heads: fused_decode.py leaves models with partial rotary to the unfused path
             rotary_row(row, cos + positions[r] * head_dim, sin_signed + positions[r] * head_dim, heads + kv_heads,
-                       head_dim);
+                       head_dim, head_dim);
             std::memcpy(query + r * q_size, row, q_size * sizeof(T));
             std::memcpy(key_cache + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
             std::memcpy(value_cache + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));

@@ -2,7 +2,8 @@
 //   rms_norm        out = x / sqrt(mean(x^2) + eps) * weight
 //   add_rms_norm    residual += x; out = rms_norm(residual)           (residual updated in place)
 //   silu_and_mul    out = silu(gate) * up, with gate_up = [gate | up] per row
-//   rotary          q and k heads rotated in place (HF's half-split layout), per-token positions
+//   rotary          q and k heads rotated in place (HF's half-split layout, over each head's first rotary_dim
+//                   dimensions), per-token positions
 // Rows may be strided (row_stride in elements); within a row elements are contiguous.
 
 #include <cstdint>
@@ -38,14 +39,14 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
     for (int64_t r = 0; r < rows; ++r) silu_and_mul_row(gate_up + r * 2 * width, out + r * width, width);
 }
 
-// x [rows (strided), heads, head_dim]; cos/sin tables [positions, head_dim] (see rotary_row)
+// x [rows (strided), heads, head_dim]; cos/sin tables [positions, rotary_dim] (see rotary_row)
 template <typename T>
 void rotary(T* x, const int64_t* positions, const T* cos, const T* sin_signed, int64_t rows, int64_t row_stride,
-            int64_t num_heads, int64_t head_dim) {
-#pragma omp parallel for if (rows * num_heads * head_dim >= kParallelMinElements)
+            int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
+#pragma omp parallel for if (rows * num_heads * rotary_dim >= kParallelMinElements)
     for (int64_t r = 0; r < rows; ++r)
-        rotary_row(x + r * row_stride, cos + positions[r] * head_dim, sin_signed + positions[r] * head_dim,
-                   num_heads, head_dim);
+        rotary_row(x + r * row_stride, cos + positions[r] * rotary_dim, sin_signed + positions[r] * rotary_dim,
+                   num_heads, head_dim, rotary_dim);
 }
 
 }  // namespace
@@ -63,8 +64,9 @@ void rotary(T* x, const int64_t* positions, const T* cos, const T* sin_signed, i
         silu_and_mul(gate_up, out, rows, width);                                                                 \
     }                                                                                                            \
     void pagedserve_rotary_##SUFFIX(T* x, const int64_t* positions, const T* cos, const T* sin_signed,           \
-                                    int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim) {     \
-        rotary(x, positions, cos, sin_signed, rows, row_stride, num_heads, head_dim);                            \
+                                    int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,       \
+                                    int64_t rotary_dim) {                                                        \
+        rotary(x, positions, cos, sin_signed, rows, row_stride, num_heads, head_dim, rotary_dim);                \
     }
 
 extern "C" {

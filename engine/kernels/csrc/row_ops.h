@@ -42,12 +42,12 @@ void silu_and_mul_row(const T* gate_up, T* out, int64_t width) {
     }
 }
 
-// num_heads heads of head_dim rotated in place: x' = x * cos + rotate_half(x) * sin, rotate_half(x) =
-// [-x2, x1]; c, s: the position's rows of the cos / sin tables (each frequency twice, HF's layout; s with
-// its first half negated).
+// num_heads heads of head_dim, their first rotary_dim dimensions rotated in place (the rest pass): x' = x * cos +
+// rotate_half(x) * sin, rotate_half(x) = [-x2, x1] over those dimensions; c, s: the position's rows of the cos /
+// sin tables (rotary_dim wide: each frequency twice, HF's layout; s with its first half negated).
 template <typename T>
-void rotary_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t head_dim) {
-    const int64_t half = head_dim / 2;
+void rotary_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t head_dim, int64_t rotary_dim) {
+    const int64_t half = rotary_dim / 2;
     for (int64_t h = 0; h < num_heads; ++h) {
         T* v = x + h * head_dim;
 #pragma omp simd
