@@ -24,6 +24,7 @@ from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.runner.step_timing import measure_step_cost
+from engine.spec_decode.draft_loading import load_draft_model, make_draft_proposer
 from engine.models import build_model
 from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
@@ -37,6 +38,7 @@ from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.tokenizer import load_tokenizer
 from scheduler import Scheduler
+from scheduler.scheduler import AnyDraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         latent_rank=latent_rank,
     )  # MLA: the latent layout
     speculative = config.speculative_config
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = load_draft_model(speculative, config, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
     limits = RunnerLimits(
         config.scheduler.max_num_seqs,
         config.scheduler.max_num_batched_tokens,
@@ -128,7 +133,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         0 if speculative is None else speculative.num_speculative_tokens,
     )
     buckets = _graph_buckets(config, device, backend)
-    num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
+    # A draft's cache holds as many blocks as the target's, from the same budget.
+    draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
+    num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets, draft_bytes)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
     runner = ModelRunner(
         model,
@@ -148,10 +155,22 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             "decode step by rows (ms), for weighing draft tokens: %s",
             ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)),
         )
+    proposer: Optional[AnyDraftProposer] = None
+    if draft is not None and speculative is not None:
+        proposer = make_draft_proposer(
+            draft, num_blocks, device, speculative.num_speculative_tokens, limits.max_num_batched_tokens
+        )
+        logger.info(
+            "draft model KV cache: %d blocks (%.0f MiB) beside the target's",
+            num_blocks,
+            num_blocks * draft_bytes / 2**20,
+        )
+    elif speculative is not None:
+        proposer = speculative.make_proposer()
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
-        proposer=None if speculative is None else speculative.make_proposer(),
+        proposer=proposer,
         adaptive_drafts=speculative is not None and speculative.adaptive,
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
         step_cost=step_cost,
@@ -292,7 +311,10 @@ def _num_kv_blocks(
     backend: AttentionBackend,
     limits: RunnerLimits,
     buckets: tuple[int, ...],
+    draft_bytes_per_block: int = 0,
 ) -> int:
+    """KV blocks from the budget; with a draft model, each block of the target's comes with one of the draft's
+    (`draft_bytes_per_block`) from the same budget."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -319,7 +341,7 @@ def _num_kv_blocks(
         )
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
-    num_blocks = spec.num_blocks_for(budget) - 1  # KVCache adds its padding block
+    num_blocks = budget // (spec.bytes_per_block + draft_bytes_per_block) - 1  # KVCache adds its padding block
     if num_blocks < 1:
         raise SettingsConflictError(
             f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "

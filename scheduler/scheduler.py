@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
+from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
 from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
@@ -15,6 +15,7 @@ from scheduler.request_queue import make_request_queue
 from scheduler.step_cost import StepCost
 
 _RUNNING = RequestStatus.RUNNING
+AnyDraftProposer = Union[DraftProposer, BatchDraftProposer]
 DRAFT_RETRY_DRIFT = 0.125
 """Share of the way back to 1 a request's acceptance estimate moves in a step whose drafts did not pay."""
 
@@ -85,7 +86,7 @@ class Scheduler:
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
-        proposer: Optional[DraftProposer] = None,
+        proposer: Optional[AnyDraftProposer] = None,
         *,
         adaptive_drafts: bool = False,
         max_drafting_batch: Optional[int] = None,
@@ -311,7 +312,7 @@ class Scheduler:
             if new_blocks:
                 new_block_ids[request_id] = tuple([b.block_id for b in new_blocks])
 
-    def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: DraftProposer) -> None:
+    def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: AnyDraftProposer) -> None:
         """`_schedule_decodes`, each decode with up to k draft tokens while the budget lasts.
 
         The budget left after one token per decode goes to drafts in the running order. A draft's
@@ -320,11 +321,8 @@ class Scheduler:
         spare = self.scheduler_config.max_num_batched_tokens - len(decoding)
         if self.max_drafting_batch is not None and len(decoding) > self.max_drafting_batch:
             spare = 0  # a batch this large is compute-bound: verification rows would cost more than they save
-        proposals = []
-        for request in decoding:
-            drafts = self._propose(proposer, request, spare) if spare > 0 else ()
-            spare -= len(drafts)
-            proposals.append((request, drafts))
+        proposals = self._proposals(proposer, decoding, spare)
+        spare -= sum(len(drafts) for _, drafts in proposals)
         if self.step_cost is not None and spare < self.scheduler_config.max_num_batched_tokens - len(decoding):
             paying = self._drafts_that_pay(proposals, self.step_cost)
             for (request, drafts), (_, kept) in zip(proposals, paying):
@@ -373,18 +371,42 @@ class Scheduler:
             tokens += gain
         return [(request, drafts if i in kept else ()) for i, (request, drafts) in enumerate(proposals)]
 
-    def _propose(self, proposer: DraftProposer, request: Request, spare: int) -> tuple[int, ...]:
-        """The request's drafts: at most its own k, the budget's spare tokens, and one fewer than the tokens
-        it may still produce (the step adds one token beyond the accepted drafts)."""
+    def _proposals(
+        self, proposer: AnyDraftProposer, decoding: list[Request], spare: int
+    ) -> list[tuple[Request, tuple[int, ...]]]:
+        """Each decoding request's drafts, in the running order while the spare budget lasts. A per-request
+        proposer is asked one request at a time (what one gets short leaves budget to the next); a batched one
+        once, each request reserving its whole limit."""
         k = proposer.num_speculative_tokens
+        if not isinstance(proposer, BatchDraftProposer):
+            proposals = []
+            for request in decoding:
+                limit = self._draft_limit(request, k, spare)
+                drafts = tuple(proposer.propose(request.all_token_ids, limit)[:limit]) if limit > 0 else ()
+                spare -= len(drafts)
+                proposals.append((request, drafts))
+            return proposals
+        queries = []
+        for request in decoding:
+            limit = self._draft_limit(request, k, spare)
+            if limit > 0:
+                spare -= limit
+                queries.append(DraftQuery(request.request_id, request.all_token_ids, limit))
+        drafted = proposer.propose_batch(queries) if queries else []
+        by_id = {query.request_id: tuple(drafts[: query.max_num_tokens]) for query, drafts in zip(queries, drafted)}
+        return [(request, by_id.get(request.request_id, ())) for request in decoding]
+
+    def _draft_limit(self, request: Request, k: int, spare: int) -> int:
+        """The most drafts a request gets: its own k (adaptive, capped by the request), the budget's spare
+        tokens, and one fewer than the tokens it may still produce (the step adds one beyond the accepted
+        drafts)."""
+        if spare <= 0:
+            return 0
         if self.adaptive_drafts:
             k = 1 + int((k - 1) * request.draft_acceptance + 0.5)
         if request.num_speculative_tokens is not None:
             k = min(k, request.num_speculative_tokens)
-        k = min(k, spare, request.max_num_tokens - request.num_tokens - 1)
-        if k <= 0:
-            return ()
-        return tuple(proposer.propose(request.all_token_ids, k)[:k])
+        return min(k, spare, request.max_num_tokens - request.num_tokens - 1)
 
     def _num_rejected(self, request: Request, drafts: tuple[int, ...], token_ids: Optional[Sequence[int]]) -> int:
         """Drafts of a verified request that were not accepted, counted into the statistics and the request's
@@ -454,6 +476,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if isinstance(self.proposer, BatchDraftProposer):
+            self.proposer.release(request.request_id)  # its draft state is memory too; rebuilt on resuming
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -493,6 +517,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         if self.proposer is not None:
             self.proposer.on_request_finished(request.output_token_ids)
+            if isinstance(self.proposer, BatchDraftProposer):
+                self.proposer.release(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)

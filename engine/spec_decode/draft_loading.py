@@ -1,0 +1,166 @@
+"""Loading the draft model of `{"method": "draft_model"}` and checking that it can draft for the target.
+
+A draft must share the target's vocabulary: a draft token is a target token id, so the two tokenizers must map
+the same strings to the same ids and agree on the special tokens. The models' embedding sizes may differ (padded
+rows past the tokenizer's ids): drafts are taken among the ids both models have. A `.gguf` draft keeps its
+quantized blocks on the native CPU kernels where they run (`quantization` auto), which makes the target's own
+GGUF, dequantized for the target, a cheap draft of it (a quantized self-draft).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.attention.attention_shape import AttentionShape, latent_rank_of
+from engine.attention.kv_cache import KVCache, KVCacheSpec
+from engine.attention.layer_attention import check_backend_serves
+from engine.engine_config import EngineConfig
+from engine.errors import SettingsConflictError
+from engine.loading.loader import CheckpointError, load_hf_config, prepare_checkpoint
+from engine.loading.model_weights import model_weights, resolve_gguf_storage
+from engine.models import build_model
+from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import family_of
+from engine.platform import choose_numerics
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.speculative_config import SpeculativeConfig
+from engine.text.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """A loaded draft, before its KV cache is sized."""
+
+    model: LlamaForCausalLM
+    backend: AttentionBackend
+    spec: KVCacheSpec  # its cache's block layout (the target's block size and KV dtype)
+    vocab_limit: int  # drafts are taken among ids below this
+    source: str
+
+
+def load_draft_model(
+    speculative: SpeculativeConfig,
+    config: EngineConfig,
+    target_tokenizer: Tokenizer,
+    target_vocab_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> DraftModel:
+    """The draft, on the target's device and dtype; SettingsConflictError when it cannot draft for the target
+    (another vocabulary, an architecture not served, a quantization that cannot run)."""
+    assert speculative.model is not None  # the config's validator requires it for draft_model
+    trust = config.model.trust_remote_code
+    checkpoint = prepare_checkpoint(speculative.model, download_dir=config.model.download_dir)
+    hf_config = load_hf_config(checkpoint.path, trust_remote_code=trust)
+    try:
+        family = family_of(hf_config)
+    except ValueError as error:
+        raise SettingsConflictError(f"the draft model {speculative.model!r} cannot be served: {error}") from error
+    if checkpoint.gguf is not None and "gguf" not in family.formats:
+        raise SettingsConflictError(f"the draft model's architecture {family.architecture} is not served from GGUF")
+    try:
+        draft_tokenizer: Optional[Tokenizer] = load_tokenizer(checkpoint.path, trust_remote_code=trust)
+    except CheckpointError:
+        draft_tokenizer = None  # a bare checkpoint: the vocabulary sizes and special ids are compared instead
+    vocab_limit = check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size, hf_config)
+    latent_rank = latent_rank_of(hf_config)
+    backend, ops, linear = choose_numerics(
+        config.attention_backend,
+        device,
+        dtype,
+        block_size=config.cache.block_size,
+        shape=AttentionShape.from_hf_config(hf_config),
+        latent=latent_rank is not None,
+        batch_invariant=config.batch_invariant,
+    )
+    model = build_model(hf_config, dtype, device, ops, linear)
+    check_backend_serves(backend, model.attention_layers, family.architecture)
+    storage = _storage(speculative.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
+    model.quantization = storage
+    arch = model.arch
+    model.load_weights(model_weights(storage, checkpoint.path, checkpoint.gguf, arch.num_heads, arch.num_kv_heads))
+    spec = KVCacheSpec(
+        arch.num_layers, config.cache.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, latent_rank=latent_rank
+    )
+    logger.info(
+        "draft model %s (%s, quantization %s): %.1f MB of weights, %d layers",
+        checkpoint.source,
+        family.architecture,
+        storage,
+        model.weight_bytes() / 1e6,
+        arch.num_layers,
+    )
+    return DraftModel(model, backend, spec, vocab_limit, checkpoint.source)
+
+
+def make_draft_proposer(
+    draft: DraftModel, num_blocks: int, device: torch.device, num_speculative_tokens: int, max_catch_up_tokens: int
+) -> DraftModelProposer:
+    """The proposer over a draft KV cache of `num_blocks` blocks."""
+    cache = KVCache(draft.spec, num_blocks, device)
+    return DraftModelProposer(
+        draft.model, draft.backend, cache, num_speculative_tokens, draft.vocab_limit, max_catch_up_tokens
+    )
+
+
+def check_same_vocabulary(
+    target: Tokenizer, draft: Optional[Tokenizer], target_vocab_size: int, draft_hf_config
+) -> int:
+    """The ids below which both models draft and verify the same tokens; SettingsConflictError saying what
+    differs otherwise. Without a draft tokenizer, its config's vocabulary size and special ids must match."""
+    draft_vocab_size = int(draft_hf_config.vocab_size)
+    if draft is None:
+        if draft_vocab_size != target_vocab_size:
+            raise SettingsConflictError(
+                f"the draft model's vocabulary ({draft_vocab_size} tokens, no tokenizer to compare) differs from "
+                f"the target's ({target_vocab_size})"
+            )
+        eos = getattr(draft_hf_config, "eos_token_id", None)
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if eos_ids and not eos_ids <= target.eos_token_ids:
+            raise SettingsConflictError(
+                f"the draft model's eos ids {sorted(eos_ids)} are not the target's {sorted(target.eos_token_ids)}"
+            )
+        return draft_vocab_size
+    target_vocab, draft_vocab = target.hf.get_vocab(), draft.hf.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t))
+        raise SettingsConflictError(
+            f"the draft model's tokenizer differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
+            f"tokens, {len(differing)} mapped differently, e.g. {differing[:3]}): a draft must share the "
+            "target's vocabulary"
+        )
+    specials = {
+        "bos": (target.hf.bos_token_id, draft.hf.bos_token_id),
+        "eos": (sorted(target.eos_token_ids), sorted(draft.eos_token_ids)),
+        "pad": (target.hf.pad_token_id, draft.hf.pad_token_id),
+    }
+    for name, (want, got) in specials.items():
+        if want != got:
+            raise SettingsConflictError(f"the draft model's {name} token ids {got} are not the target's {want}")
+    if draft_vocab_size < len(target.hf):
+        raise SettingsConflictError(
+            f"the draft model's embedding has {draft_vocab_size} rows, fewer than its tokenizer's {len(target.hf)} "
+            "tokens"
+        )
+    return min(target_vocab_size, draft_vocab_size)
+
+
+def _storage(
+    requested: str, gguf_file, device: torch.device, dtype: torch.dtype, batch_invariant: bool
+) -> str:
+    """The draft's weight storage: auto keeps a .gguf draft quantized where its kernels run."""
+    try:
+        return resolve_gguf_storage("gguf" if requested == "auto" else requested, gguf_file, device, dtype, batch_invariant)
+    except ValueError as error:
+        if requested == "auto":
+            return "none"
+        raise SettingsConflictError(f"the draft model's quantization: {error}") from error
