@@ -132,7 +132,9 @@ def check_same_vocabulary(
         return draft_vocab_size
     target_vocab, draft_vocab = target.hf.get_vocab(), draft.hf.get_vocab()
     if target_vocab != draft_vocab:
-        differing = sorted(t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t))
+        differing = sorted(
+            t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t)
+        )
         raise SettingsConflictError(
             f"the draft model's tokenizer differs from the target's ({len(draft_vocab)} vs {len(target_vocab)} "
             f"tokens, {len(differing)} mapped differently, e.g. {differing[:3]}): a draft must share the "
@@ -154,12 +156,12 @@ def check_same_vocabulary(
     return min(target_vocab_size, draft_vocab_size)
 
 
-def _storage(
-    requested: str, gguf_file, device: torch.device, dtype: torch.dtype, batch_invariant: bool
-) -> str:
+def _storage(requested: str, gguf_file, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> str:
     """The draft's weight storage: auto keeps a .gguf draft quantized where its kernels run."""
     try:
-        return resolve_gguf_storage("gguf" if requested == "auto" else requested, gguf_file, device, dtype, batch_invariant)
+        return resolve_gguf_storage(
+            "gguf" if requested == "auto" else requested, gguf_file, device, dtype, batch_invariant
+        )
     except ValueError as error:
         if requested == "auto":
             return "none"

@@ -29,7 +29,7 @@ from scheduler import DraftQuery
 class _Row(NamedTuple):
     """One request's query tokens in a draft forward."""
 
-    index: int  # of its query in the proposal
+    query: int  # its index in the proposal
     sequence: DraftSequence
     token_ids: list[int]  # fed at positions start .. start + len - 1
     start: int
@@ -76,21 +76,21 @@ class DraftModelProposer:
         if not rows:
             return list(drafts)
         # Only a row that reached the request's last token drafts (a prompt caught up in part waits).
-        last = [row for row in rows if row.start + len(row.token_ids) == len(queries[row.index].token_ids)]
+        last = [row for row in rows if row.start + len(row.token_ids) == len(queries[row.query].token_ids)]
         tokens = self._forward(rows, last)
         active = []
         for row, token_id in zip(last, tokens):
-            drafts[row.index].append(token_id)
-            if queries[row.index].max_num_tokens > 1:
+            drafts[row.query].append(token_id)
+            if queries[row.query].max_num_tokens > 1:
                 active.append(row)
         while active:  # one decode row per request still short of its limit
-            rows = [_Row(r.index, r.sequence, [drafts[r.index][-1]], r.sequence.num_tokens) for r in active]
+            rows = [_Row(r.query, r.sequence, [drafts[r.query][-1]], r.sequence.num_tokens) for r in active]
             for row in rows:
                 row.sequence.token_ids.append(row.token_ids[0])  # a draft fed: unconfirmed (rolled back by sync)
             active = []
             for row, token_id in zip(rows, self._forward(rows, rows)):
-                drafts[row.index].append(token_id)
-                if len(drafts[row.index]) < queries[row.index].max_num_tokens:
+                drafts[row.query].append(token_id)
+                if len(drafts[row.query]) < queries[row.query].max_num_tokens:
                     active.append(row)
         return list(drafts)
 
@@ -127,7 +127,7 @@ class DraftModelProposer:
             input_ids += row.token_ids
             positions += range(row.start, end)
             slots += self.cache.slots(row.sequence, row.start, end)
-            last_row[row.index] = len(input_ids) - 1
+            last_row[row.query] = len(input_ids) - 1
         device = self.kv_cache.layers[0][0].device
         step = step_metadata_for(
             [(row.start + len(row.token_ids), len(row.token_ids), row.sequence.block_ids) for row in order],
@@ -143,6 +143,6 @@ class DraftModelProposer:
             metadata,
             self.backend,
         )  # [num_tokens, hidden]
-        picked = torch.tensor([last_row[row.index] for row in sampled], dtype=torch.int64, device=device)
+        picked = torch.tensor([last_row[row.query] for row in sampled], dtype=torch.int64, device=device)
         logits = self.model.compute_logits(hidden.index_select(0, picked))  # [len(sampled), vocab]
         return logits[:, : self.vocab_limit].argmax(dim=-1).tolist()

@@ -177,13 +177,17 @@ def test_the_embedded_model_drafts_for_itself_from_its_quantized_gguf(embedded_c
     config = draft_config(gguf)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
     prompt = "Once upon a time, in a small town by the sea,"
-    with LLM(None, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="64MiB", speculative_config=config) as llm:
+    with LLM(
+        None, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory="64MiB", speculative_config=config
+    ) as llm:
         assert llm.engine.scheduler.proposer.model.quantization == "gguf"
         off = run(llm, [prompt], params.replace(speculative=False))
         on = run(llm, [prompt], params)
         stats = llm.engine.stats().speculation
-        print(f"quantized self-draft: {stats.num_accepted_tokens} of {stats.num_draft_tokens} drafts accepted, "
-              f"mean acceptance length {stats.mean_acceptance_length:.2f}")
+        print(
+            f"quantized self-draft: {stats.num_accepted_tokens} of {stats.num_draft_tokens} drafts accepted, "
+            f"mean acceptance length {stats.mean_acceptance_length:.2f}"
+        )
         assert stats.num_accepted_tokens >= 0.5 * stats.num_draft_tokens > 0
         assert_draft_idle(llm)
     (off_ids, off_lps), (on_ids, on_lps) = off[0][0], on[0][0]
