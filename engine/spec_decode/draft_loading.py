@@ -42,6 +42,7 @@ class DraftModel:
     backend: AttentionBackend
     spec: KVCacheSpec  # its cache's block layout (the target's block size and KV dtype)
     vocab_limit: int  # drafts are taken among ids below this
+    max_positions: int  # the draft's context
     source: str
 
 
@@ -98,7 +99,8 @@ def load_draft_model(
         model.weight_bytes() / 1e6,
         arch.num_layers,
     )
-    return DraftModel(model, backend, spec, vocab_limit, checkpoint.source)
+    # its rotary tables end there
+    return DraftModel(model, backend, spec, vocab_limit, arch.max_position_embeddings, checkpoint.source)
 
 
 def make_draft_proposer(
@@ -107,7 +109,13 @@ def make_draft_proposer(
     """The proposer over a draft KV cache of `num_blocks` blocks."""
     cache = KVCache(draft.spec, num_blocks, device)
     return DraftModelProposer(
-        draft.model, draft.backend, cache, num_speculative_tokens, draft.vocab_limit, max_catch_up_tokens
+        draft.model,
+        draft.backend,
+        cache,
+        num_speculative_tokens,
+        draft.vocab_limit,
+        max_catch_up_tokens,
+        draft.max_positions,
     )
 
 

@@ -46,16 +46,19 @@ class DraftModelProposer:
         num_speculative_tokens: int,
         vocab_limit: int,
         max_catch_up_tokens: int,
+        max_positions: int,
     ):
         """`vocab_limit`: drafts are taken among token ids below it (the vocabulary both models have: a draft's
         padded rows past it are never proposed); `max_catch_up_tokens`: tokens one proposal feeds at most
-        (a long new prompt is caught up over several steps, drafting once it is in)."""
+        (a long new prompt is caught up over several steps, drafting once it is in); `max_positions`: the
+        draft's context (a sequence past it gets no drafts)."""
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_limit = vocab_limit
         self.max_catch_up_tokens = max_catch_up_tokens
+        self.max_positions = max_positions
         self.cache = DraftCache(kv_cache.num_blocks, kv_cache.spec.block_size)
 
     @property
@@ -69,10 +72,18 @@ class DraftModelProposer:
     def on_request_finished(self, output_token_ids: Sequence[int]) -> None:
         """Nothing: the draft model learns nothing from outputs (its state goes in `release`)."""
 
+    def shutdown(self) -> None:
+        """Drop the draft's KV cache and every request's state (the engine is shutting down)."""
+        for request_id in list(self.cache.sequences):
+            self.cache.release(request_id)
+        self.kv_cache.release()
+
     @torch.inference_mode()
     def propose_batch(self, queries: Sequence[DraftQuery]) -> list[Sequence[int]]:
         drafts: list[list[int]] = [[] for _ in queries]
-        rows = self._catch_up_rows(queries)
+        # Drafts sit at positions len .. len + limit - 1: within the draft's context.
+        limits = [min(q.max_num_tokens, self.max_positions - len(q.token_ids)) for q in queries]
+        rows = self._catch_up_rows(queries, limits)
         if not rows:
             return list(drafts)
         # Only a row that reached the request's last token drafts (a prompt caught up in part waits).
@@ -81,7 +92,7 @@ class DraftModelProposer:
         active = []
         for row, token_id in zip(last, tokens):
             drafts[row.query].append(token_id)
-            if queries[row.query].max_num_tokens > 1:
+            if limits[row.query] > 1:
                 active.append(row)
         while active:  # one decode row per request still short of its limit
             rows = [_Row(r.query, r.sequence, [drafts[r.query][-1]], r.sequence.num_tokens) for r in active]
@@ -90,23 +101,25 @@ class DraftModelProposer:
             active = []
             for row, token_id in zip(rows, self._forward(rows, rows)):
                 drafts[row.query].append(token_id)
-                if len(drafts[row.query]) < queries[row.query].max_num_tokens:
+                if len(drafts[row.query]) < limits[row.query]:
                     active.append(row)
         return list(drafts)
 
-    def _catch_up_rows(self, queries: Sequence[DraftQuery]) -> list[_Row]:
+    def _catch_up_rows(self, queries: Sequence[DraftQuery], limits: list[int]) -> list[_Row]:
         """Each query's tokens the draft has not computed (within the catch-up budget), with blocks reserved for
         them and for the drafts to feed after; a request the cache has no room for gets no drafts this step."""
         cache, budget = self.cache, self.max_catch_up_tokens
         rows = []
-        for index, query in enumerate(queries):
+        for index, (query, limit) in enumerate(zip(queries, limits)):
             if budget <= 0:
                 break
+            if limit <= 0:
+                continue
             sequence = cache.sync(query.request_id, query.token_ids)
             start = sequence.num_tokens
             feed = list(query.token_ids[start : start + budget])
             complete = start + len(feed) == len(query.token_ids)
-            if not cache.reserve(sequence, start + len(feed) + (query.max_num_tokens - 1 if complete else 0)):
+            if not cache.reserve(sequence, start + len(feed) + (limit - 1 if complete else 0)):
                 continue
             budget -= len(feed)
             sequence.token_ids += feed

@@ -20,6 +20,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import SettingsConflictError
 from engine.loading.loader import EMBEDDED_GGUF_NAME, EMBEDDED_PACKAGE
+from engine.spec_decode.draft_cache import DraftCache
+from scheduler import DraftQuery
 from tests.engine.factories import SMALL_DRAFT, make_noisy_copy, make_tiny_model_dir, swap_token_ids
 from tests.engine.references import assert_idle, make_llm
 from tests.engine.test_spec_decode import PROMPTS, assert_same, run
@@ -34,7 +36,8 @@ NOISE = 0.01
 def drafts(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("drafts")
     return {
-        "smaller": make_tiny_model_dir(root / "smaller", "llama", seed=1, **SMALL_DRAFT),
+        # a shorter context than the target's: sequences past it go on without drafts
+        "smaller": make_tiny_model_dir(root / "smaller", "llama", seed=1, **SMALL_DRAFT, max_position_embeddings=48),
         "noisy": make_noisy_copy(tiny_llama_dir, root / "noisy", NOISE),
         "target": tiny_llama_dir,
     }
@@ -83,6 +86,7 @@ def test_greedy_output_and_logprobs_equal_those_without_speculation(tiny_llama_d
 
 
 def test_a_smaller_draft_gives_the_same_tokens(tiny_llama_dir, drafts):
+    """Also past the draft's context (48 positions): prompts of up to 31 tokens and 30 more."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
     with make_llm(tiny_llama_dir) as base:
         expected = run(base, PROMPTS, params)
@@ -194,3 +198,55 @@ def test_the_embedded_model_drafts_for_itself_from_its_quantized_gguf(embedded_c
     assert on_ids == off_ids
     # verification rows and single decodes run different kernels on 30 layers: float sums in another order
     assert on_lps == pytest.approx(off_lps, abs=1e-4)
+
+
+def test_proposals_after_rollbacks_equal_those_of_a_fresh_draft(tiny_llama_dir, drafts):
+    """A sequence grows by some of the drafts (none, some, all) and a token of the target's; after each, the
+    proposal from the draft's incremental state equals that of a request it sees for the first time: K/V of
+    rejected drafts never leak into later proposals."""
+    import random
+
+    rng = random.Random(0)
+    with make_llm(tiny_llama_dir, speculative_config=draft_config(drafts["noisy"])) as llm:
+        proposer = llm.engine.scheduler.proposer
+        tokens = list(PROMPTS[2])
+        for step in range(12):
+            (got,) = proposer.propose_batch([DraftQuery("r", tokens, 4)])
+            (fresh,) = proposer.propose_batch([DraftQuery(f"fresh-{step}", tokens, 4)])
+            proposer.release(f"fresh-{step}")
+            assert list(got) == list(fresh) and len(got) == 4
+            accepted = rng.choice([0, 1, 3, 4])
+            tokens += list(got[:accepted]) + [rng.randrange(3, 500)]
+        proposer.release("r")
+        assert proposer.num_requests == 0 and proposer.cache.num_free_blocks == proposer.cache.num_blocks
+
+
+def test_the_draft_cache_rolls_back_to_the_common_prefix_and_frees_every_block():
+    cache = DraftCache(num_blocks=4, block_size=4)
+    sequence = cache.sync("a", [1, 2, 3])
+    assert sequence.num_tokens == 0 and cache.reserve(sequence, 8) and cache.num_free_blocks == 2
+    sequence.token_ids += [1, 2]  # computed: the request's own
+    sequence.num_confirmed = 2
+    sequence.token_ids += [7, 8, 9]  # drafts fed
+    assert cache.sync("a", [1, 2, 7, 8, 5, 6]).token_ids == [1, 2, 7, 8]  # two drafts accepted, then 5
+    assert cache.sync("a", [1, 2, 7, 8]).token_ids == [1, 2, 7]  # at least the last token is fed again
+    assert cache.slots(sequence, 3, 5) == [cache.sequences["a"].block_ids[0] * 4 + 3, sequence.block_ids[1] * 4]
+    assert not cache.reserve(cache.sync("b", [1]), 20) and cache.num_free_blocks == 2  # too few: nothing taken
+    cache.release("a")
+    cache.release("b")
+    cache.release("c")  # never held anything
+    assert cache.num_free_blocks == 4 and not cache.sequences
+
+
+def test_drafts_stop_at_the_drafts_context(tiny_llama_dir, drafts):
+    with make_llm(tiny_llama_dir, speculative_config=draft_config(drafts["smaller"])) as llm:
+        proposer = llm.engine.scheduler.proposer
+        assert proposer.max_positions == 48
+        tokens = list(range(10, 56))  # 46: drafts at positions 46 and 47 only
+        assert [
+            len(d) for d in proposer.propose_batch([DraftQuery("a", tokens, 4), DraftQuery("b", tokens[:40], 4)])
+        ] == [2, 4]
+        assert [len(d) for d in proposer.propose_batch([DraftQuery("a", tokens + [3, 4], 4)])] == [0]
+        proposer.release("a")
+        proposer.release("b")
+        assert proposer.cache.num_free_blocks == proposer.cache.num_blocks
