@@ -79,7 +79,8 @@ class Scheduler:
     hashed), count against the token budget (what is left after one token per
     decode), and never preempt anyone (a request whose drafts do not fit decodes
     without them). `update_from_output` rolls `num_computed_tokens` back past the
-    rejected ones.
+    rejected ones. A `BatchDraftProposer` (a draft model) is asked once per step for
+    all decoding requests, and told when a request's state may go (ended, preempted).
     """
 
     def __init__(

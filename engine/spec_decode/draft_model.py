@@ -156,6 +156,8 @@ class DraftModelProposer:
             metadata,
             self.backend,
         )  # [num_tokens, hidden]
+        if not sampled:  # prompts caught up in part only: their K/V is all this forward is for
+            return []
         picked = torch.tensor([last_row[row.query] for row in sampled], dtype=torch.int64, device=device)
         logits = self.model.compute_logits(hidden.index_select(0, picked))  # [len(sampled), vocab]
         return logits[:, : self.vocab_limit].argmax(dim=-1).tolist()

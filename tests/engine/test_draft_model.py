@@ -250,3 +250,14 @@ def test_drafts_stop_at_the_drafts_context(tiny_llama_dir, drafts):
         proposer.release("a")
         proposer.release("b")
         assert proposer.cache.num_free_blocks == proposer.cache.num_blocks
+
+
+def test_a_long_prompt_is_caught_up_over_several_proposals(tiny_llama_dir, drafts):
+    """max_num_batched_tokens 16: a proposal feeds 16 tokens at most, so a 40-token prompt drafts on the third."""
+    config = draft_config(drafts["noisy"])
+    with make_llm(tiny_llama_dir, speculative_config=config, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        proposer = llm.engine.scheduler.proposer
+        prompt = list(range(50, 90))
+        assert [len(proposer.propose_batch([DraftQuery("a", prompt, 4)])[0]) for _ in range(3)] == [0, 0, 4]
+        assert proposer.cache.sequences["a"].num_confirmed == 40
+        proposer.release("a")
