@@ -24,7 +24,8 @@ from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.runner.step_timing import measure_step_cost
-from engine.spec_decode.draft_loading import load_draft_model, make_draft_proposer
+from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
+from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.models import build_model
 from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
@@ -36,7 +37,7 @@ from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_
 from engine.profiling.step_profile import StepProfile
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
-from engine.text.tokenizer import load_tokenizer
+from engine.text.tokenizer import Tokenizer, load_tokenizer
 from scheduler import Scheduler
 from scheduler.scheduler import AnyDraftProposer
 
@@ -125,7 +126,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     speculative = config.speculative_config
     draft = None
     if speculative is not None and speculative.method == "draft_model":
-        draft = load_draft_model(speculative, config, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
+        draft = _draft_model(config, speculative, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
     limits = RunnerLimits(
         config.scheduler.max_num_seqs,
         config.scheduler.max_num_batched_tokens,
@@ -199,6 +200,44 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         runner.cuda_graphs,
     )
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler)
+
+
+def _draft_model(
+    config: EngineConfig,
+    speculative: SpeculativeConfig,
+    tokenizer: Tokenizer,
+    target_vocab_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> DraftModel:
+    """`draft_model`'s draft, checked against the target, with numerics chosen for its own shape."""
+    checkpoint = read_draft_checkpoint(
+        speculative,
+        tokenizer,
+        target_vocab_size,
+        trust_remote_code=config.model.trust_remote_code,
+        download_dir=config.model.download_dir,
+    )
+    numerics = choose_numerics(
+        config.attention_backend,
+        device,
+        dtype,
+        block_size=config.cache.block_size,
+        shape=AttentionShape.from_hf_config(checkpoint.hf_config),
+        latent=latent_rank_of(checkpoint.hf_config) is not None,
+        batch_invariant=config.batch_invariant,
+    )
+    return load_draft_model(
+        checkpoint,
+        speculative.quantization,
+        numerics,
+        device,
+        dtype,
+        config.cache.block_size,
+        kv_dtype,
+        config.batch_invariant,
+    )
 
 
 def _step_profile(device: torch.device) -> StepProfile:

@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from engine.attention import AttentionBackend
-from engine.attention.attention_shape import AttentionShape, latent_rank_of
+from engine.attention.attention_shape import latent_rank_of
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.attention.layer_attention import check_backend_serves
-from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
-from engine.loading.loader import CheckpointError, load_hf_config, prepare_checkpoint
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
+from engine.loading.loader import Checkpoint, CheckpointError, load_hf_config, prepare_checkpoint
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import family_of
-from engine.platform import choose_numerics
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.text.tokenizer import Tokenizer, load_tokenizer
@@ -46,21 +46,29 @@ class DraftModel:
     source: str
 
 
-def load_draft_model(
+@dataclass(frozen=True)
+class DraftCheckpoint:
+    """A draft's checkpoint, checked against the target's vocabulary, before its numerics are chosen."""
+
+    checkpoint: Checkpoint
+    hf_config: Any
+    architecture: str
+    vocab_limit: int  # drafts are taken among ids below this
+
+
+def read_draft_checkpoint(
     speculative: SpeculativeConfig,
-    config: EngineConfig,
     target_tokenizer: Tokenizer,
     target_vocab_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-) -> DraftModel:
-    """The draft, on the target's device and dtype; SettingsConflictError when it cannot draft for the target
-    (another vocabulary, an architecture not served, a quantization that cannot run)."""
+    *,
+    trust_remote_code: bool = False,
+    download_dir: Optional[str] = None,
+) -> DraftCheckpoint:
+    """The draft's checkpoint and config; SettingsConflictError when it cannot draft for the target (another
+    vocabulary, an architecture not served)."""
     assert speculative.model is not None  # the config's validator requires it for draft_model
-    trust = config.model.trust_remote_code
-    checkpoint = prepare_checkpoint(speculative.model, download_dir=config.model.download_dir)
-    hf_config = load_hf_config(checkpoint.path, trust_remote_code=trust)
+    checkpoint = prepare_checkpoint(speculative.model, download_dir=download_dir)
+    hf_config = load_hf_config(checkpoint.path, trust_remote_code=trust_remote_code)
     try:
         family = family_of(hf_config)
     except ValueError as error:
@@ -68,39 +76,45 @@ def load_draft_model(
     if checkpoint.gguf is not None and "gguf" not in family.formats:
         raise SettingsConflictError(f"the draft model's architecture {family.architecture} is not served from GGUF")
     try:
-        draft_tokenizer: Optional[Tokenizer] = load_tokenizer(checkpoint.path, trust_remote_code=trust)
+        draft_tokenizer: Optional[Tokenizer] = load_tokenizer(checkpoint.path, trust_remote_code=trust_remote_code)
     except CheckpointError:
         draft_tokenizer = None  # a bare checkpoint: the vocabulary sizes and special ids are compared instead
     vocab_limit = check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size, hf_config)
-    latent_rank = latent_rank_of(hf_config)
-    backend, ops, linear = choose_numerics(
-        config.attention_backend,
-        device,
-        dtype,
-        block_size=config.cache.block_size,
-        shape=AttentionShape.from_hf_config(hf_config),
-        latent=latent_rank is not None,
-        batch_invariant=config.batch_invariant,
-    )
+    return DraftCheckpoint(checkpoint, hf_config, family.architecture, vocab_limit)
+
+
+def load_draft_model(
+    draft: DraftCheckpoint,
+    quantization: str,
+    numerics: tuple[AttentionBackend, Optional[TorchLayerOps], Optional[Linear]],
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    batch_invariant: bool = False,
+) -> DraftModel:
+    """The draft's weights on the target's device and dtype, through `numerics` (the backend, layer ops and
+    product chosen for the draft's shape); SettingsConflictError for a `quantization` that cannot run."""
+    backend, ops, linear = numerics
+    checkpoint, hf_config = draft.checkpoint, draft.hf_config
     model = build_model(hf_config, dtype, device, ops, linear)
-    check_backend_serves(backend, model.attention_layers, family.architecture)
-    storage = _storage(speculative.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
+    check_backend_serves(backend, model.attention_layers, draft.architecture)
+    storage = _storage(quantization, checkpoint.gguf, device, dtype, batch_invariant)
     model.quantization = storage
     arch = model.arch
     model.load_weights(model_weights(storage, checkpoint.path, checkpoint.gguf, arch.num_heads, arch.num_kv_heads))
-    spec = KVCacheSpec(
-        arch.num_layers, config.cache.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, latent_rank=latent_rank
-    )
+    latent_rank = latent_rank_of(hf_config)
+    spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, latent_rank=latent_rank)
     logger.info(
         "draft model %s (%s, quantization %s): %.1f MB of weights, %d layers",
         checkpoint.source,
-        family.architecture,
+        draft.architecture,
         storage,
         model.weight_bytes() / 1e6,
         arch.num_layers,
     )
-    # its rotary tables end there
-    return DraftModel(model, backend, spec, vocab_limit, arch.max_position_embeddings, checkpoint.source)
+    # its rotary tables end at max_position_embeddings
+    return DraftModel(model, backend, spec, draft.vocab_limit, arch.max_position_embeddings, checkpoint.source)
 
 
 def make_draft_proposer(
