@@ -149,13 +149,20 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     )
     if buckets:
         _capture(runner, buckets)
-    step_cost = None
+    step_cost = draft_cost = None
     if speculative is not None and speculative.step_cost_model:
         step_cost = measure_step_cost(model, backend, spec, device, min(limits.max_query_rows, STEP_COST_MAX_ROWS))
         logger.info(
             "decode step by rows (ms), for weighing draft tokens: %s",
             ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)),
         )
+        if draft is not None:  # the draft's forwards, one row per request drafted for
+            rows = min(limits.max_num_seqs, STEP_COST_MAX_ROWS)
+            draft_cost = measure_step_cost(draft.model, draft.backend, draft.spec, device, rows)
+            logger.info(
+                "draft model forward by rows (ms): %s",
+                ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(draft_cost.rows, draft_cost.seconds)),
+            )
     proposer: Optional[AnyDraftProposer] = None
     if draft is not None and speculative is not None:
         proposer = make_draft_proposer(
@@ -175,6 +182,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         adaptive_drafts=speculative is not None and speculative.adaptive,
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
         step_cost=step_cost,
+        draft_cost=draft_cost,
     )
     if speculative is not None:
         logger.info(

@@ -92,11 +92,13 @@ class Scheduler:
         adaptive_drafts: bool = False,
         max_drafting_batch: Optional[int] = None,
         step_cost: Optional[StepCost] = None,
+        draft_cost: Optional[StepCost] = None,
     ):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
         the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
         `step_cost`: a step's measured time by its rows, against which each request's drafts must pay
-        (`_drafts_that_pay`)."""
+        (`_drafts_that_pay`); `draft_cost`: one forward of a batched proposer's draft model by its rows, k of
+        which a step with drafts adds (the requests to draft for are then chosen before proposing)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -118,6 +120,7 @@ class Scheduler:
         self.adaptive_drafts = adaptive_drafts
         self.max_drafting_batch = max_drafting_batch
         self.step_cost = step_cost
+        self.draft_cost = draft_cost
         self.spec_decode_stats: Optional[SpecDecodeStats] = None if proposer is None else SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests
@@ -324,14 +327,9 @@ class Scheduler:
             spare = 0  # a batch this large is compute-bound: verification rows would cost more than they save
         proposals = self._proposals(proposer, decoding, spare)
         spare -= sum(len(drafts) for _, drafts in proposals)
-        if self.step_cost is not None and spare < self.scheduler_config.max_num_batched_tokens - len(decoding):
-            paying = self._drafts_that_pay(proposals, self.step_cost)
-            for (request, drafts), (_, kept) in zip(proposals, paying):
-                if drafts and not kept:
-                    # Unverified drafts teach nothing: the estimate drifts back up, so that a request whose
-                    # text turns copyable is tried again within a few steps.
-                    request.draft_acceptance += (1.0 - request.draft_acceptance) * DRAFT_RETRY_DRIFT
-            proposals = paying
+        unweighed = spare < self.scheduler_config.max_num_batched_tokens - len(decoding)
+        if self.step_cost is not None and unweighed and not isinstance(proposer, BatchDraftProposer):
+            proposals = self._paying(proposals, self.step_cost)
         # Every decode's own token first (these may preempt, as without drafts); then the drafts, in the running
         # order, from the blocks still free: a draft never costs another request its place.
         for request, _ in proposals:
@@ -345,31 +343,57 @@ class Scheduler:
             if new_blocks is not None:  # None: not enough free blocks now, it decodes without drafts
                 plan.extend(request, drafts, tuple([b.block_id for b in new_blocks]))
 
+    def _paying(
+        self,
+        proposals: list[tuple[Request, tuple[int, ...]]],
+        step_cost: StepCost,
+        draft_cost: Optional[StepCost] = None,
+    ) -> list[tuple[Request, tuple[int, ...]]]:
+        """`_drafts_that_pay`, the requests whose drafts it drops drifting back towards trying again."""
+        paying = self._drafts_that_pay(proposals, step_cost, draft_cost)
+        for (request, drafts), (_, kept) in zip(proposals, paying):
+            if drafts and not kept:
+                # Unverified drafts teach nothing: the estimate drifts back up, so that a request whose
+                # text turns copyable is tried again within a few steps.
+                request.draft_acceptance += (1.0 - request.draft_acceptance) * DRAFT_RETRY_DRIFT
+        return paying
+
     @staticmethod
     def _drafts_that_pay(
-        proposals: list[tuple[Request, tuple[int, ...]]], step_cost: StepCost
+        proposals: list[tuple[Request, tuple[int, ...]]],
+        step_cost: StepCost,
+        draft_cost: Optional[StepCost] = None,
     ) -> list[tuple[Request, tuple[int, ...]]]:
         """The proposals whose drafts raise the step's expected tokens per second, the others without drafts.
 
         A request's drafts are expected to add sum(a^j, j = 1..n) tokens, a its recent acceptance. Requests
-        are taken best first (expected tokens per draft row), each kept while tokens / step_cost(rows) grows:
-        in a small batch the rows are almost free (the step reads the weights once whatever its rows), in a
-        large one each row costs what it computes and only drafts that are likely right pay for theirs."""
+        are taken best first (expected tokens per draft row), and the leading run of them with the most
+        expected tokens per second is kept: in a small batch the rows are almost free (the step reads the
+        weights once whatever its rows), in a large one each row costs what it computes and only drafts that
+        are likely right pay for theirs. With `draft_cost`, a draft model's forwards (as many as the longest
+        draft, over the requests drafted for) count too: nearly a fixed cost, which several requests' drafts
+        may pay together where one's alone would not."""
 
         def expected(request: Request, num_drafts: int) -> float:
             a = request.draft_acceptance
             return sum(a**j for j in range(1, num_drafts + 1))
 
-        rows, tokens = len(proposals), float(len(proposals))
-        kept: set[int] = set()
+        def cost(rows: int, drafting: int, longest: int) -> float:
+            extra = draft_cost(drafting) * longest if draft_cost is not None and drafting else 0.0
+            return step_cost(rows) + extra
+
+        rows, tokens, longest = len(proposals), float(len(proposals)), 0
         gains = {i: expected(request, len(drafts)) for i, (request, drafts) in enumerate(proposals) if drafts}
-        for i in sorted(gains, key=lambda i: -gains[i] / len(proposals[i][1])):
-            drafts, gain = proposals[i][1], gains[i]
-            if (tokens + gain) / step_cost(rows + len(drafts)) <= tokens / step_cost(rows):
-                break  # the rest are expected to pay even less per row
-            kept.add(i)
-            rows += len(drafts)
-            tokens += gain
+        order = sorted(gains, key=lambda i: -gains[i] / len(proposals[i][1]))
+        best, best_rate = 0, tokens / step_cost(rows)
+        for drafting, i in enumerate(order, 1):
+            rows += len(proposals[i][1])
+            tokens += gains[i]
+            longest = max(longest, len(proposals[i][1]))
+            rate = tokens / cost(rows, drafting, longest)
+            if rate > best_rate:
+                best, best_rate = drafting, rate
+        kept = set(order[:best])
         return [(request, drafts if i in kept else ()) for i, (request, drafts) in enumerate(proposals)]
 
     def _proposals(
@@ -387,12 +411,15 @@ class Scheduler:
                 spare -= len(drafts)
                 proposals.append((request, drafts))
             return proposals
-        queries = []
+        planned = []
         for request in decoding:
             limit = self._draft_limit(request, k, spare)
-            if limit > 0:
-                spare -= limit
-                queries.append(DraftQuery(request.request_id, request.all_token_ids, limit))
+            spare -= limit
+            planned.append((request, (0,) * limit))  # placeholders: what each request would verify
+        if self.step_cost is not None and any(limit for _, limit in planned):
+            # Weighed before proposing: a draft model's forwards are the cost of drafting itself.
+            planned = self._paying(planned, self.step_cost, self.draft_cost)
+        queries = [DraftQuery(r.request_id, r.all_token_ids, len(slots)) for r, slots in planned if slots]
         drafted = proposer.propose_batch(queries) if queries else []
         by_id = {query.request_id: tuple(drafts[: query.max_num_tokens]) for query, drafts in zip(queries, drafted)}
         return [(request, by_id.get(request.request_id, ())) for request in decoding]

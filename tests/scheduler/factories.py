@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from scheduler import (
     CacheConfig,
+    BatchDraftProposer,
     DraftProposer,
     Request,
     RequestStepOutput,
@@ -29,10 +30,11 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
     policy: str = "fcfs",
-    proposer: Optional[DraftProposer] = None,
+    proposer: Optional[Union[DraftProposer, BatchDraftProposer]] = None,
     adaptive_drafts: bool = False,
     max_drafting_batch: Optional[int] = None,
     step_cost: Optional[StepCost] = None,
+    draft_cost: Optional[StepCost] = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -50,6 +52,7 @@ def make_scheduler(
         adaptive_drafts=adaptive_drafts,
         max_drafting_batch=max_drafting_batch,
         step_cost=step_cost,
+        draft_cost=draft_cost,
     )
 
 

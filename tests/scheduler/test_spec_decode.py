@@ -454,3 +454,48 @@ def test_a_batched_proposer_is_asked_once_per_step_and_told_of_every_end_and_pre
         batches += proposer.batches
         assert s.kv_cache_manager.usage == 0
     assert released_running > 0 and batches > 0  # preemptions happened, drafts were asked for
+
+
+class FixedBatchProposer(FixedProposer):
+    def __init__(self, k):
+        super().__init__(k)
+        self.asked = []
+
+    def propose_batch(self, queries):
+        self.asked.append(len(queries))
+        return [[self.token] * q.max_num_tokens for q in queries]
+
+    def release(self, request_id):
+        pass
+
+
+def test_a_draft_models_forwards_are_weighed_before_it_is_asked():
+    """The target's rows as in the test above; a draft forward costs 3 (nearly flat in its rows). One stream
+    that copies well drafts; 16 do not (80 verification rows would cost more than their tokens, before the
+    draft's 4 forwards), and the draft model is not even asked."""
+    cost = StepCost((1, 2, 4, 8, 16, 32, 64), (10.0, 10.1, 10.2, 10.5, 12.0, 18.0, 60.0))
+    draft_cost = StepCost((1, 16), (3.0, 3.5))
+
+    def drafted(num_requests, acceptance):
+        proposer = FixedBatchProposer(4)
+        s = make_scheduler(
+            proposer=proposer,
+            step_cost=cost,
+            draft_cost=draft_cost,
+            num_blocks=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+        )
+        runner = RecordingRunner(4)
+        for i in range(num_requests):
+            s.add_request(make_request(4, max_tokens=50, ignore_eos=True, first_token=100 + 10 * i))
+        one_step(s, runner)
+        for request in s.running:
+            request.draft_acceptance = acceptance
+        return one_step(s, runner).scheduled_spec_decode_tokens, proposer.asked
+
+    tokens, asked = drafted(1, 0.95)  # 4.5 tokens expected for 22 ms, against 1 for 10
+    assert [len(d) for d in tokens.values()] == [4] and asked == [1]
+    assert drafted(1, 0.2)[0] == {}  # 0.25 tokens expected from 4 rows and 12 ms of draft forwards
+    assert drafted(16, 0.95) == ({}, [])
