@@ -1,8 +1,10 @@
-"""What n-gram (or suffix) speculation buys on the embedded model: `python -m benchmarks.spec_decode`.
+"""What n-gram, suffix or draft-model speculation buys on the embedded model: `python -m benchmarks.spec_decode`.
 
     workloads  copy: the model asked to repeat a passage of its prompt (drafts copied from the prompt are
                right most of the time); free: a story from a short instruction (little to copy)
-    modes      one engine with `--speculative-config` ngram (`--method suffix`: suffix decoding); each request runs with `"speculative": false` and
+    modes      one engine with `--speculative-config` ngram (`--method suffix`: suffix decoding; `--method draft_model`:
+               a draft model, by default the embedded GGUF on its quantized kernels drafting for itself
+               dequantized); each request runs with `"speculative": false` and
                with speculation on, alternating, `--repeats` times, so both share the weights, the threads and
                the machine's state of the moment
     figures    TPOT (time per output token after the first, the median over the repeats) of a single stream and,
@@ -28,6 +30,7 @@ import torch
 
 from benchmarks.machine import cpu_info
 from engine.llm import LLM
+from engine.loading.loader import embedded_gguf_path
 from engine.sampling.params import SamplingParams
 
 PASSAGE = (Path(__file__).resolve().parent / "data" / "genesis_37-41_kjv.txt").read_text()[:900]
@@ -107,7 +110,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--method", choices=("ngram", "suffix"), default="ngram")
+    parser.add_argument("--method", choices=("ngram", "suffix", "draft_model"), default="ngram")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft_model: the draft's checkpoint or .gguf (default: the embedded GGUF, a quantized self-draft)",
+    )
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -136,6 +144,8 @@ def main() -> None:
     }
     if args.method == "ngram":
         config.update(prompt_lookup_min=2, prompt_lookup_max=5)
+    if args.method == "draft_model":
+        config["model"] = args.draft_model or str(embedded_gguf_path())
     with LLM(args.model, dtype=args.dtype, speculative_config=config) as llm:
         run_once(llm, WORKLOADS["free"], SamplingParams(max_tokens=8, temperature=0), 1)  # warm-up
         rows = [measure(llm, name, args.max_tokens, args.repeats, c) for c in args.concurrency for name in WORKLOADS]

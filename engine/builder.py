@@ -25,6 +25,8 @@ from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.runner.step_timing import measure_step_cost
+from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
+from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.models import build_model
 from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
@@ -36,8 +38,9 @@ from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_
 from engine.profiling.step_profile import StepProfile
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
-from engine.text.tokenizer import load_tokenizer
+from engine.text.tokenizer import Tokenizer, load_tokenizer
 from scheduler import Scheduler
+from scheduler.scheduler import AnyDraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         layer_groups=kv_groups.layers if kv_groups.num_groups > 1 else (),
     )
     speculative = config.speculative_config
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = _draft_model(config, speculative, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
     limits = RunnerLimits(
         config.scheduler.max_num_seqs,
         config.scheduler.max_num_batched_tokens,
@@ -129,7 +135,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         0 if speculative is None else speculative.num_speculative_tokens,
     )
     buckets = _graph_buckets(config, device, backend)
-    num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets)
+    # A draft's cache holds as many blocks as the target's, from the same budget.
+    draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
+    num_blocks = _num_kv_blocks(config, spec, device, model, backend, limits, buckets, draft_bytes)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
     runner = ModelRunner(
         model,
@@ -142,21 +150,41 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     )
     if buckets:
         _capture(runner, buckets)
-    step_cost = None
+    step_cost = draft_cost = None
     if speculative is not None and speculative.step_cost_model:
         step_cost = measure_step_cost(model, backend, spec, device, min(limits.max_query_rows, STEP_COST_MAX_ROWS))
         logger.info(
             "decode step by rows (ms), for weighing draft tokens: %s",
             ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)),
         )
+        if draft is not None:  # the draft's forwards, one row per request drafted for
+            rows = min(limits.max_num_seqs, STEP_COST_MAX_ROWS)
+            draft_cost = measure_step_cost(draft.model, draft.backend, draft.spec, device, rows)
+            logger.info(
+                "draft model forward by rows (ms): %s",
+                ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(draft_cost.rows, draft_cost.seconds)),
+            )
+    proposer: Optional[AnyDraftProposer] = None
+    if draft is not None and speculative is not None:
+        proposer = make_draft_proposer(
+            draft, num_blocks, device, speculative.num_speculative_tokens, limits.max_num_batched_tokens
+        )
+        logger.info(
+            "draft model KV cache: %d blocks (%.0f MiB) beside the target's",
+            num_blocks,
+            num_blocks * draft_bytes / 2**20,
+        )
+    elif speculative is not None:
+        proposer = speculative.make_proposer()
     scheduler = Scheduler(
         config.scheduler.model_copy(update={"max_model_len": max_model_len}),
         config.cache.for_scheduler(num_blocks),
-        proposer=None if speculative is None else speculative.make_proposer(),
+        proposer=proposer,
         adaptive_drafts=speculative is not None and speculative.adaptive,
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
         step_cost=step_cost,
         kv_group_windows=kv_groups.windows,
+        draft_cost=draft_cost,
     )
     if kv_groups.num_groups > 1 or kv_groups.windows[0] is not None:
         logger.info(
@@ -189,6 +217,44 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         runner.cuda_graphs,
     )
     return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler)
+
+
+def _draft_model(
+    config: EngineConfig,
+    speculative: SpeculativeConfig,
+    tokenizer: Tokenizer,
+    target_vocab_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> DraftModel:
+    """`draft_model`'s draft, checked against the target, with numerics chosen for its own shape."""
+    checkpoint = read_draft_checkpoint(
+        speculative,
+        tokenizer,
+        target_vocab_size,
+        trust_remote_code=config.model.trust_remote_code,
+        download_dir=config.model.download_dir,
+    )
+    numerics = choose_numerics(
+        config.attention_backend,
+        device,
+        dtype,
+        block_size=config.cache.block_size,
+        shape=AttentionShape.from_hf_config(checkpoint.hf_config),
+        latent=latent_rank_of(checkpoint.hf_config) is not None,
+        batch_invariant=config.batch_invariant,
+    )
+    return load_draft_model(
+        checkpoint,
+        speculative.quantization,
+        numerics,
+        device,
+        dtype,
+        config.cache.block_size,
+        kv_dtype,
+        config.batch_invariant,
+    )
 
 
 def _step_profile(device: torch.device) -> StepProfile:
@@ -301,7 +367,10 @@ def _num_kv_blocks(
     backend: AttentionBackend,
     limits: RunnerLimits,
     buckets: tuple[int, ...],
+    draft_bytes_per_block: int = 0,
 ) -> int:
+    """KV blocks from the budget; with a draft model, each block of the target's comes with one of the draft's
+    (`draft_bytes_per_block`) from the same budget."""
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -328,7 +397,7 @@ def _num_kv_blocks(
         )
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
-    num_blocks = spec.num_blocks_for(budget) - 1  # KVCache adds its padding block
+    num_blocks = budget // (spec.bytes_per_block + draft_bytes_per_block) - 1  # KVCache adds its padding block
     if num_blocks < 1:
         raise SettingsConflictError(
             f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "

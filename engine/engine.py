@@ -21,6 +21,7 @@ from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.runner.fault_isolation import FaultInjector
 from engine.runner.model_runner import ModelRunner
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.errors import InvalidParameterError
 from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
@@ -99,6 +100,8 @@ class EngineCore:
         try:
             self.abort(list(self._states))
             self.runner.shutdown()
+            if isinstance(self.scheduler.proposer, DraftModelProposer):
+                self.scheduler.proposer.shutdown()  # the draft's KV cache (its weights go with the engine)
         finally:  # half released is no state to step in
             self.is_shut_down = True
 

@@ -3,7 +3,7 @@
 from scheduler.block_hash import BlockHash, hash_block
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
+from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
 from scheduler.errors import (
     ContextLengthExceededError,
     DuplicateRequestIdError,
@@ -20,11 +20,13 @@ from scheduler.scheduler import Scheduler
 from scheduler.step_cost import StepCost
 
 __all__ = [
+    "BatchDraftProposer",
     "BlockHash",
     "BlockPool",
     "CacheConfig",
     "ContextLengthExceededError",
     "DraftProposer",
+    "DraftQuery",
     "DuplicateRequestIdError",
     "EmptyPromptError",
     "InvalidMaxTokensError",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 
 class DraftProposer(Protocol):
@@ -25,6 +25,38 @@ class DraftProposer(Protocol):
     def on_request_finished(self, output_token_ids: Sequence[int]) -> None:
         """A request ended with this output (a proposer that learns from recent outputs keeps it)."""
         ...
+
+
+class DraftQuery(NamedTuple):
+    """One request's entry in a batched proposal: its tokens (prompt + accepted output) and how many
+    drafts it may get at most."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    max_num_tokens: int
+
+
+@runtime_checkable
+class BatchDraftProposer(Protocol):
+    """A proposer that drafts for all of a step's decoding requests at once and keeps state per request (a
+    draft model: one forward per draft position for the whole batch, over its own KV cache).
+
+    The scheduler asks it instead of `DraftProposer.propose` when it has `propose_batch`; its drafts travel
+    in the step message as any proposer's do. `release` says that a request's state may go: the request
+    ended (finished, aborted) or was preempted (it is recomputed from its tokens when it resumes).
+    """
+
+    num_speculative_tokens: int
+
+    def propose_batch(self, queries: Sequence[DraftQuery]) -> list[Sequence[int]]:
+        """Drafts for each query, in order: at most its `max_num_tokens` (may be empty)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's state (nothing happens for a request it holds none of)."""
+        ...
+
+    def on_request_finished(self, output_token_ids: Sequence[int]) -> None: ...
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.draft_proposer import DraftProposer, SpecDecodeStats
+from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
 from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
 from scheduler.kv_cache_manager import BlockIds, KVCacheManager
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
@@ -15,6 +15,7 @@ from scheduler.request_queue import make_request_queue
 from scheduler.step_cost import StepCost
 
 _RUNNING = RequestStatus.RUNNING
+AnyDraftProposer = Union[DraftProposer, BatchDraftProposer]
 DRAFT_RETRY_DRIFT = 0.125
 """Share of the way back to 1 a request's acceptance estimate moves in a step whose drafts did not pay."""
 
@@ -81,25 +82,29 @@ class Scheduler:
     hashed), count against the token budget (what is left after one token per
     decode), and never preempt anyone (a request whose drafts do not fit decodes
     without them). `update_from_output` rolls `num_computed_tokens` back past the
-    rejected ones.
+    rejected ones. A `BatchDraftProposer` (a draft model) is asked once per step for
+    all decoding requests, and told when a request's state may go (ended, preempted).
     """
 
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
-        proposer: Optional[DraftProposer] = None,
+        proposer: Optional[AnyDraftProposer] = None,
         *,
         adaptive_drafts: bool = False,
         max_drafting_batch: Optional[int] = None,
         step_cost: Optional[StepCost] = None,
         kv_group_windows: Sequence[Optional[int]] = (None,),
+        draft_cost: Optional[StepCost] = None,
     ):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
         the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
         `step_cost`: a step's measured time by its rows, against which each request's drafts must pay
-        (`_drafts_that_pay`); `kv_group_windows`: the sliding window of each of the KV cache's layer groups
-        (None: full attention; see KVCacheManager)."""
+        (`_drafts_that_pay`); `draft_cost`: one forward of a batched proposer's draft model by its rows, k of
+        which a step with drafts adds (the requests to draft for are then chosen before proposing);
+        `kv_group_windows`: the sliding window of each of the KV cache's layer groups (None: full attention; see
+        KVCacheManager)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -121,6 +126,7 @@ class Scheduler:
         self.adaptive_drafts = adaptive_drafts
         self.max_drafting_batch = max_drafting_batch
         self.step_cost = step_cost
+        self.draft_cost = draft_cost
         self.spec_decode_stats: Optional[SpecDecodeStats] = None if proposer is None else SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests
@@ -316,7 +322,7 @@ class Scheduler:
             if any(new_blocks):
                 new_block_ids[request_id] = new_blocks
 
-    def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: DraftProposer) -> None:
+    def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: AnyDraftProposer) -> None:
         """`_schedule_decodes`, each decode with up to k draft tokens while the budget lasts.
 
         The budget left after one token per decode goes to drafts in the running order. A draft's
@@ -325,19 +331,11 @@ class Scheduler:
         spare = self.scheduler_config.max_num_batched_tokens - len(decoding)
         if self.max_drafting_batch is not None and len(decoding) > self.max_drafting_batch:
             spare = 0  # a batch this large is compute-bound: verification rows would cost more than they save
-        proposals = []
-        for request in decoding:
-            drafts = self._propose(proposer, request, spare) if spare > 0 else ()
-            spare -= len(drafts)
-            proposals.append((request, drafts))
-        if self.step_cost is not None and spare < self.scheduler_config.max_num_batched_tokens - len(decoding):
-            paying = self._drafts_that_pay(proposals, self.step_cost)
-            for (request, drafts), (_, kept) in zip(proposals, paying):
-                if drafts and not kept:
-                    # Unverified drafts teach nothing: the estimate drifts back up, so that a request whose
-                    # text turns copyable is tried again within a few steps.
-                    request.draft_acceptance += (1.0 - request.draft_acceptance) * DRAFT_RETRY_DRIFT
-            proposals = paying
+        proposals = self._proposals(proposer, decoding, spare)
+        spare -= sum(len(drafts) for _, drafts in proposals)
+        unweighed = spare < self.scheduler_config.max_num_batched_tokens - len(decoding)
+        if self.step_cost is not None and unweighed and not isinstance(proposer, BatchDraftProposer):
+            proposals = self._paying(proposals, self.step_cost)
         # Every decode's own token first (these may preempt, as without drafts); then the drafts, in the running
         # order, from the blocks still free: a draft never costs another request its place.
         for request, _ in proposals:
@@ -351,45 +349,98 @@ class Scheduler:
             if new_blocks is not None:  # None: not enough free blocks now, it decodes without drafts
                 plan.extend(request, drafts, new_blocks)
 
+    def _paying(
+        self,
+        proposals: list[tuple[Request, tuple[int, ...]]],
+        step_cost: StepCost,
+        draft_cost: Optional[StepCost] = None,
+    ) -> list[tuple[Request, tuple[int, ...]]]:
+        """`_drafts_that_pay`, the requests whose drafts it drops drifting back towards trying again."""
+        paying = self._drafts_that_pay(proposals, step_cost, draft_cost)
+        for (request, drafts), (_, kept) in zip(proposals, paying):
+            if drafts and not kept:
+                # Unverified drafts teach nothing: the estimate drifts back up, so that a request whose
+                # text turns copyable is tried again within a few steps.
+                request.draft_acceptance += (1.0 - request.draft_acceptance) * DRAFT_RETRY_DRIFT
+        return paying
+
     @staticmethod
     def _drafts_that_pay(
-        proposals: list[tuple[Request, tuple[int, ...]]], step_cost: StepCost
+        proposals: list[tuple[Request, tuple[int, ...]]],
+        step_cost: StepCost,
+        draft_cost: Optional[StepCost] = None,
     ) -> list[tuple[Request, tuple[int, ...]]]:
         """The proposals whose drafts raise the step's expected tokens per second, the others without drafts.
 
         A request's drafts are expected to add sum(a^j, j = 1..n) tokens, a its recent acceptance. Requests
-        are taken best first (expected tokens per draft row), each kept while tokens / step_cost(rows) grows:
-        in a small batch the rows are almost free (the step reads the weights once whatever its rows), in a
-        large one each row costs what it computes and only drafts that are likely right pay for theirs."""
+        are taken best first (expected tokens per draft row), and the leading run of them with the most
+        expected tokens per second is kept: in a small batch the rows are almost free (the step reads the
+        weights once whatever its rows), in a large one each row costs what it computes and only drafts that
+        are likely right pay for theirs. With `draft_cost`, a draft model's forwards (as many as the longest
+        draft, over the requests drafted for) count too: nearly a fixed cost, which several requests' drafts
+        may pay together where one's alone would not."""
 
         def expected(request: Request, num_drafts: int) -> float:
             a = request.draft_acceptance
             return sum(a**j for j in range(1, num_drafts + 1))
 
-        rows, tokens = len(proposals), float(len(proposals))
-        kept: set[int] = set()
+        def cost(rows: int, drafting: int, longest: int) -> float:
+            extra = draft_cost(drafting) * longest if draft_cost is not None and drafting else 0.0
+            return step_cost(rows) + extra
+
+        rows, tokens, longest = len(proposals), float(len(proposals)), 0
         gains = {i: expected(request, len(drafts)) for i, (request, drafts) in enumerate(proposals) if drafts}
-        for i in sorted(gains, key=lambda i: -gains[i] / len(proposals[i][1])):
-            drafts, gain = proposals[i][1], gains[i]
-            if (tokens + gain) / step_cost(rows + len(drafts)) <= tokens / step_cost(rows):
-                break  # the rest are expected to pay even less per row
-            kept.add(i)
-            rows += len(drafts)
-            tokens += gain
+        order = sorted(gains, key=lambda i: -gains[i] / len(proposals[i][1]))
+        best, best_rate = 0, tokens / step_cost(rows)
+        for drafting, i in enumerate(order, 1):
+            rows += len(proposals[i][1])
+            tokens += gains[i]
+            longest = max(longest, len(proposals[i][1]))
+            rate = tokens / cost(rows, drafting, longest)
+            if rate > best_rate:
+                best, best_rate = drafting, rate
+        kept = set(order[:best])
         return [(request, drafts if i in kept else ()) for i, (request, drafts) in enumerate(proposals)]
 
-    def _propose(self, proposer: DraftProposer, request: Request, spare: int) -> tuple[int, ...]:
-        """The request's drafts: at most its own k, the budget's spare tokens, and one fewer than the tokens
-        it may still produce (the step adds one token beyond the accepted drafts)."""
+    def _proposals(
+        self, proposer: AnyDraftProposer, decoding: list[Request], spare: int
+    ) -> list[tuple[Request, tuple[int, ...]]]:
+        """Each decoding request's drafts, in the running order while the spare budget lasts. A per-request
+        proposer is asked one request at a time (what one gets short leaves budget to the next); a batched one
+        once, each request reserving its whole limit."""
         k = proposer.num_speculative_tokens
+        if not isinstance(proposer, BatchDraftProposer):
+            proposals = []
+            for request in decoding:
+                limit = self._draft_limit(request, k, spare)
+                drafts = tuple(proposer.propose(request.all_token_ids, limit)[:limit]) if limit > 0 else ()
+                spare -= len(drafts)
+                proposals.append((request, drafts))
+            return proposals
+        planned = []
+        for request in decoding:
+            limit = self._draft_limit(request, k, spare)
+            spare -= limit
+            planned.append((request, (0,) * limit))  # placeholders: what each request would verify
+        if self.step_cost is not None and any(limit for _, limit in planned):
+            # Weighed before proposing: a draft model's forwards are the cost of drafting itself.
+            planned = self._paying(planned, self.step_cost, self.draft_cost)
+        queries = [DraftQuery(r.request_id, r.all_token_ids, len(slots)) for r, slots in planned if slots]
+        drafted = proposer.propose_batch(queries) if queries else []
+        by_id = {query.request_id: tuple(drafts[: query.max_num_tokens]) for query, drafts in zip(queries, drafted)}
+        return [(request, by_id.get(request.request_id, ())) for request in decoding]
+
+    def _draft_limit(self, request: Request, k: int, spare: int) -> int:
+        """The most drafts a request gets: its own k (adaptive, capped by the request), the budget's spare
+        tokens, and one fewer than the tokens it may still produce (the step adds one beyond the accepted
+        drafts)."""
+        if spare <= 0:
+            return 0
         if self.adaptive_drafts:
             k = 1 + int((k - 1) * request.draft_acceptance + 0.5)
         if request.num_speculative_tokens is not None:
             k = min(k, request.num_speculative_tokens)
-        k = min(k, spare, request.max_num_tokens - request.num_tokens - 1)
-        if k <= 0:
-            return ()
-        return tuple(proposer.propose(request.all_token_ids, k)[:k])
+        return min(k, spare, request.max_num_tokens - request.num_tokens - 1)
 
     def _num_rejected(self, request: Request, drafts: tuple[int, ...], token_ids: Optional[Sequence[int]]) -> int:
         """Drafts of a verified request that were not accepted, counted into the statistics and the request's
@@ -462,6 +513,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if isinstance(self.proposer, BatchDraftProposer):
+            self.proposer.release(request.request_id)  # its draft state is memory too; rebuilt on resuming
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -501,6 +554,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         if self.proposer is not None:
             self.proposer.on_request_finished(request.output_token_ids)
+            if isinstance(self.proposer, BatchDraftProposer):
+                self.proposer.release(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.add(request.request_id)

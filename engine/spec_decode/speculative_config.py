@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix")
-PLANNED_METHODS = ("draft_model", "eagle", "medusa", "mtp")
+METHODS = ("ngram", "suffix", "draft_model")
+PLANNED_METHODS = ("eagle", "medusa", "mtp")
 """Methods vLLM spells that this engine does not run (yet): refused by name at start-up."""
 
 
 class SpeculativeConfig(BaseModel):
     """`{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`, or
-    `{"method": "suffix", "num_speculative_tokens": k, ...}` with the `suffix_decoding_*` keys.
+    `{"method": "suffix", "num_speculative_tokens": k, ...}` with the `suffix_decoding_*` keys, or
+    `{"method": "draft_model", "model": PATH_OR_GGUF, "num_speculative_tokens": k}`: a smaller model of the same
+    vocabulary proposes k tokens greedily (engine/spec_decode/draft_model.py).
 
     Each decoding request verifies up to k draft tokens per step; a request opts out with `speculative: false`
     or asks for fewer with its own `num_speculative_tokens`. A constrained request's drafts are checked by its
@@ -27,8 +29,17 @@ class SpeculativeConfig(BaseModel):
 
     method: str = Field(
         "ngram",
-        description="the proposer: ngram (prompt lookup over the request's own tokens) "
-        "or suffix (a suffix trie over recent requests' outputs, and the request's own tokens)",
+        description="the proposer: ngram (prompt lookup over the request's own tokens), "
+        "suffix (a suffix trie over recent requests' outputs, and the request's own tokens) "
+        "or draft_model (a smaller model of the same vocabulary, greedy)",
+    )
+    model: Optional[str] = Field(
+        None, description="the draft model (draft_model): a checkpoint directory or a .gguf file, same vocabulary"
+    )
+    quantization: Literal["auto", "none", "gguf"] = Field(
+        "auto",
+        description="the draft's weights (draft_model): gguf keeps a .gguf draft's blocks on the native "
+        "quantized kernels (CPU), none dequantizes it; auto: gguf where it can run, else none",
     )
     num_speculative_tokens: int = Field(ge=1, le=32, description="draft tokens a request verifies per step at most")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram looked up (ngram)")
@@ -80,6 +91,14 @@ class SpeculativeConfig(BaseModel):
         raise ValueError(f"unknown speculative method {method!r} (expected one of: {', '.join(METHODS)})")
 
     @model_validator(mode="after")
+    def _draft_model(self) -> "SpeculativeConfig":
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError('method "draft_model" needs "model": the draft\'s checkpoint directory or .gguf file')
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f'"model" names a draft model: it goes with method "draft_model", not {self.method!r}')
+        return self
+
+    @model_validator(mode="after")
     def _lookup_range(self) -> "SpeculativeConfig":
         if self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min + 3
@@ -90,6 +109,10 @@ class SpeculativeConfig(BaseModel):
         return self
 
     def make_proposer(self) -> Union[NgramProposer, SuffixProposer]:
+        """The proposer of a method that needs no model (draft_model's is built with its weights:
+        engine/spec_decode/draft_loading.py)."""
+        if self.method == "draft_model":
+            raise ValueError("a draft model's proposer is built by build_draft_proposer, with its weights")
         if self.method == "suffix":
             return SuffixProposer(
                 self.num_speculative_tokens,

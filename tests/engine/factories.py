@@ -220,6 +220,41 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path) -> Path:
     return gguf_path
 
 
+SMALL_DRAFT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+"""Overrides of the tiny model's config that make a smaller model of its vocabulary (a draft model)."""
+
+
+def make_noisy_copy(model_dir: Path, path: Path, sigma: float, seed: int = 0) -> Path:
+    """A copy of a checkpoint with Gaussian noise of std `sigma` added to every weight: a draft model that
+    agrees with the original often, not always."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, path)
+    generator = torch.Generator().manual_seed(seed)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    noisy = {name: w + sigma * torch.randn(w.shape, generator=generator) for name, w in weights.items()}
+    save_file(noisy, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def swap_token_ids(model_dir: Path, first: str, second: str) -> None:
+    """Swap two tokens' ids in the checkpoint's tokenizer.json: a vocabulary that differs from the original."""
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    path.write_text(json.dumps(tokenizer))
+
+
 def _llama_cpp_permute(weights, n_head: int):
     """llama.cpp's q/k row order: each head's rotary halves interleaved."""
     rows = weights.shape[0]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from scheduler import (
     CacheConfig,
+    BatchDraftProposer,
     DraftProposer,
     Request,
     RequestStepOutput,
@@ -29,11 +30,12 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
     policy: str = "fcfs",
-    proposer: Optional[DraftProposer] = None,
+    proposer: Optional[Union[DraftProposer, BatchDraftProposer]] = None,
     adaptive_drafts: bool = False,
     max_drafting_batch: Optional[int] = None,
     step_cost: Optional[StepCost] = None,
     kv_group_windows: Sequence[Optional[int]] = (None,),
+    draft_cost: Optional[StepCost] = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -52,6 +54,7 @@ def make_scheduler(
         max_drafting_batch=max_drafting_batch,
         step_cost=step_cost,
         kv_group_windows=kv_group_windows,
+        draft_cost=draft_cost,
     )
 
 

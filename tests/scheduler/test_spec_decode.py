@@ -386,3 +386,116 @@ def test_the_step_cost_model_keeps_only_drafts_that_raise_tokens_per_second():
     assert drafted(16, 0.2) == {}
     some = drafted(16, 0.9)
     assert 0 < len(some) < 16 and all(len(d) == 4 for d in some.values())
+
+
+class BatchListProposer(ListProposer):
+    """A `BatchDraftProposer` (as a draft model is): asked once per step for every decoding request; keeps a
+    state per request it drafted for until told to release it."""
+
+    def __init__(self, k, rng, scheduler_ref):
+        super().__init__(k, rng)
+        self.live: set[str] = set()
+        self.scheduler_ref = scheduler_ref
+        self.batches = 0
+
+    def propose_batch(self, queries):
+        scheduler = self.scheduler_ref[0]
+        budget = scheduler.scheduler_config.max_num_batched_tokens
+        decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens <= 1]
+        assert sum(q.max_num_tokens for q in queries) <= budget - len(decoding)
+        for query in queries:
+            request = scheduler.requests[query.request_id]
+            assert request in decoding and list(query.token_ids) == request.all_token_ids
+            assert 0 < query.max_num_tokens <= self.num_speculative_tokens
+        self.batches += 1
+        self.live |= {q.request_id for q in queries}
+        return [self.propose(q.token_ids, q.max_num_tokens) for q in queries]
+
+    def release(self, request_id):
+        self.live.discard(request_id)
+
+
+def test_a_batched_proposer_is_asked_once_per_step_and_told_of_every_end_and_preemption():
+    released_running = batches = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        ref = []
+        proposer = BatchListProposer(rng.randint(1, 4), rng, ref)
+        s = make_spec_scheduler(
+            proposer,
+            num_blocks=rng.randint(4, 10),
+            block_size=rng.choice([1, 2, 4]),
+            max_num_seqs=rng.randint(2, 4),
+            max_num_batched_tokens=rng.randint(4, 12),
+            max_model_len=64,
+        )
+        ref.append(s)
+        runner = RecordingRunner(s.block_size, lambda request_id, token_ids: rng.choice([10, 11]))
+        for i in range(8):
+            request = make_request(
+                rng.randint(1, 10), request_id=f"r{i}", max_tokens=rng.randint(1, 20), ignore_eos=True
+            )
+            try:
+                s.add_request(request)
+            except RequestRejectedError:
+                pass  # larger than the whole pool
+        steps = 0
+        while s.has_unfinished_requests:
+            output = s.schedule()
+            steps += 1
+            if s.requests and rng.random() < 0.05:
+                s.abort([rng.choice(list(s.requests))])
+            s.update_from_output(output, runner.execute(output))
+            check_invariants(s)
+            # every state it holds is a running request's (preempted, finished and aborted ones were released)
+            assert proposer.live <= {r.request_id for r in s.running}
+            released_running += s.num_preemptions
+        assert proposer.batches <= steps and proposer.live == set()
+        batches += proposer.batches
+        assert s.kv_cache_manager.usage == 0
+    assert released_running > 0 and batches > 0  # preemptions happened, drafts were asked for
+
+
+class FixedBatchProposer(FixedProposer):
+    def __init__(self, k):
+        super().__init__(k)
+        self.asked = []
+
+    def propose_batch(self, queries):
+        self.asked.append(len(queries))
+        return [[self.token] * q.max_num_tokens for q in queries]
+
+    def release(self, request_id):
+        pass
+
+
+def test_a_draft_models_forwards_are_weighed_before_it_is_asked():
+    """The target's rows as in the test above; a draft forward costs 3 (nearly flat in its rows). One stream
+    that copies well drafts; 16 do not (80 verification rows would cost more than their tokens, before the
+    draft's 4 forwards), and the draft model is not even asked."""
+    cost = StepCost((1, 2, 4, 8, 16, 32, 64), (10.0, 10.1, 10.2, 10.5, 12.0, 18.0, 60.0))
+    draft_cost = StepCost((1, 16), (3.0, 3.5))
+
+    def drafted(num_requests, acceptance):
+        proposer = FixedBatchProposer(4)
+        s = make_scheduler(
+            proposer=proposer,
+            step_cost=cost,
+            draft_cost=draft_cost,
+            num_blocks=256,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+        )
+        runner = RecordingRunner(4)
+        for i in range(num_requests):
+            s.add_request(make_request(4, max_tokens=50, ignore_eos=True, first_token=100 + 10 * i))
+        one_step(s, runner)
+        for request in s.running:
+            request.draft_acceptance = acceptance
+        return one_step(s, runner).scheduled_spec_decode_tokens, proposer.asked
+
+    tokens, asked = drafted(1, 0.95)  # 4.5 tokens expected for 22 ms, against 1 for 10
+    assert [len(d) for d in tokens.values()] == [4] and asked == [1]
+    assert drafted(1, 0.2)[0] == {}  # 0.25 tokens expected from 4 rows and 12 ms of draft forwards
+    assert drafted(16, 0.95) == ({}, [])

@@ -2,6 +2,7 @@
 
 import json
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from server.cli import main, ready_message
 from tests.conftest import server_environment
+from tests.engine.factories import swap_token_ids
 from server.config.settings import OPTIONS
 
 SERVE = [sys.executable, "-m", "server.cli", "serve"]
@@ -94,6 +96,16 @@ def test_a_max_model_len_over_the_models_context_exits_2_naming_the_flag_and_the
         "max_position_embeddings): give 256 or less, or none for the model's own"
     )
     assert "Traceback" not in result.stderr and "cannot load the model" not in result.stderr
+
+
+def test_a_draft_model_of_another_vocabulary_exits_2(tiny_model_dir, tmp_path):
+    draft = shutil.copytree(tiny_model_dir, tmp_path / "draft")
+    swap_token_ids(draft, "a", "b")
+    config = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+    result = run_serve("--model", str(tiny_model_dir), "--port", "0", "--speculative-config", config)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedserve serve: error: the draft model's tokenizer differs from the target's"), last
 
 
 @pytest.mark.parametrize(

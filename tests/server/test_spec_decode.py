@@ -110,7 +110,9 @@ def test_the_flag_the_environment_and_yaml_set_it(tmp_path):
 @pytest.mark.parametrize(
     "value, message",
     [
-        ('{"method": "draft_model", "num_speculative_tokens": 3}', "'draft_model' is not implemented yet"),
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "'eagle' is not implemented yet"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', 'method "draft_model" needs "model"'),
+        ('{"model": "/some/draft", "num_speculative_tokens": 3}', 'it goes with method "draft_model"'),
         (
             '{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 2}',
             "less than or equal to 1",
