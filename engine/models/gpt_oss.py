@@ -8,7 +8,9 @@ with attention sinks, and a mixture of experts with biases and a clamped SwiGLU.
 The checkpoint stores the experts stacked as transformers keeps them: `experts.gate_up_proj` [E, H, 2I] with
 gate and up interleaved (gate in the even columns), `experts.down_proj` [E, I, H], their biases, and
 `self_attn.sinks` [heads]. At load the experts become the house's [E, 2I, H] (gate rows, then up rows) and
-[E, H, I]; the sinks join each layer's LayerAttention.
+[E, H, I]; the sinks join each layer's LayerAttention. OpenAI's released checkpoints store the two expert matrices
+as MXFP4 (`gate_up_proj_blocks`/`_scales`, ...; quantization/mxfp4.py): dequantized to the model's dtype as they
+are read, into transformers' layout.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from engine.layers.moe import ExpertWeights, SparseMoeBlock
 from engine.models.gpt_oss_arch import GptOssArch
 from engine.models.llama import LlamaLayerWeights
 from engine.models.moe import MoeForCausalLM, _float
+from engine.quantization.mxfp4 import SUFFIXES as MXFP4_SUFFIXES
+from engine.quantization.mxfp4 import mxfp4_weights
 from engine.quantization.weight_quantizer import WeightQuantizer
 
-MXFP4_SUFFIXES = ("_blocks", "_scales")
-"""How MXFP4 checkpoints name their expert tensors (`gate_up_proj_blocks`, ...)."""
+MXFP4_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""The tensors an MXFP4 checkpoint stores quantized (its biases, attention, router and embeddings stay float)."""
 
 
 class GptOssForCausalLM(MoeForCausalLM):
@@ -46,13 +50,18 @@ class GptOssForCausalLM(MoeForCausalLM):
         quantizer: Optional[WeightQuantizer] = None,
     ):
         super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer)
+        self.mxfp4 = arch.mxfp4
         self.layer_attention = arch.layer_attention  # the sinks join them at load
         self.sinks: dict[int, torch.Tensor] = {}  # layer -> [heads], float32
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(self._refuse_mxfp4(weights))
+        if self.mxfp4:
+            weights = mxfp4_weights(weights, MXFP4_TENSORS, self.dtype, self.device)
+        else:
+            weights = self._refuse_mxfp4(weights)
+        super().load_weights(weights)
         self.layer_attention = tuple(
             dataclasses.replace(attention, sinks=self.sinks[index])
             for index, attention in enumerate(self.layer_attention)
@@ -63,8 +72,8 @@ class GptOssForCausalLM(MoeForCausalLM):
         for name, tensor in weights:
             if name.endswith(MXFP4_SUFFIXES):
                 raise ValueError(
-                    f"GptOssForCausalLM: {name} is an MXFP4 tensor; MXFP4 checkpoints are not supported "
-                    "(serve a bfloat16 copy)"
+                    f"GptOssForCausalLM: {name} is an MXFP4 tensor but config.json's quantization_config does not "
+                    "name quant_method 'mxfp4'"
                 )
             yield name, tensor
 

@@ -13,6 +13,8 @@ from engine.layers.rotary import check_rope_scaling
 from engine.loading.loader import rope_settings
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
+from engine.quantization.awq import quantization_config
+from engine.quantization.mxfp4 import is_mxfp4_checkpoint
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -21,10 +23,11 @@ class GptOssArch(NamedTuple):
     llama: LlamaArch  # its `sliding_window` None: windows are per layer, in `layer_attention`
     moe: MoeArch
     layer_attention: tuple[LayerAttention, ...]  # one per layer; its sinks zeros until the weights load
+    mxfp4: bool = False  # config.json's quantization_config says MXFP4: the experts' blocks are dequantized at load
 
 
 def gpt_oss_arch(config: Any) -> GptOssArch:
-    """The three parts of GPT-OSS's shape; ValueError naming an unsupported field (MXFP4 weights included)."""
+    """GPT-OSS's shape and whether its experts are MXFP4; ValueError naming an unsupported field."""
     _refuse_unsupported(config)
     theta, scaling = rope_settings(config)
     check_rope_scaling(scaling)
@@ -55,21 +58,16 @@ def gpt_oss_arch(config: Any) -> GptOssArch:
         )
         for kind in config.layer_types
     )
-    return GptOssArch(llama, moe, attention)
+    return GptOssArch(llama, moe, attention, is_mxfp4_checkpoint(config))
 
 
 def _refuse_unsupported(config: Any) -> None:
-    quantization = getattr(config, "quantization_config", None) or {}
-    method = (
-        quantization.get("quant_method")
-        if isinstance(quantization, dict)
-        else getattr(quantization, "quant_method", None)
-    )
-    if method is not None:
+    quantization = quantization_config(config)
+    method = None if quantization is None else quantization.get("quant_method")
+    if method is not None and not is_mxfp4_checkpoint(config):
         raise ValueError(
             f"GptOssForCausalLM: {str(method).upper()} checkpoints (quantization_config quant_method "
-            f"{method!r}) are not supported; serve a bfloat16 copy (transformers dequantizes MXFP4 with "
-            "Mxfp4Config(dequantize=True), then save_pretrained)"
+            f"{method!r}) are not supported; supported: float checkpoints and MXFP4 (dequantized at load)"
         )
     layer_types = list(getattr(config, "layer_types", None) or [])
     if len(layer_types) != config.num_hidden_layers:

@@ -14,6 +14,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
+from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
 HF_FORMATS = ("safetensors", "bin")
@@ -29,7 +30,8 @@ class ModelFamily:
     # "deepseek" (DeepseekForCausalLM: multi-head latent attention and DeepSeek's mixture of experts)
     implementation: str
     # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load, or kept in its blocks with
-    # --quantization gguf; the mixtures of experts from llama.cpp's stacked expert tensors)
+    # --quantization gguf; the mixtures of experts from llama.cpp's stacked expert tensors), mxfp4 (safetensors
+    # whose quantization_config says MXFP4, dequantized on load)
     formats: tuple[str, ...]
     features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
 
@@ -123,7 +125,7 @@ FAMILIES = (
         "GptOssForCausalLM",
         ("gpt_oss",),
         "gpt_oss",
-        HF_FORMATS,
+        (*HF_FORMATS, MXFP4),
         (
             "attention sinks",
             "layer_types (sliding / full)",
@@ -131,7 +133,7 @@ FAMILIES = (
             "YaRN",
             "router with bias, softmax over the top-k logits",
             "experts with biases and clamped SwiGLU",
-            "MXFP4 checkpoints refused",
+            "MXFP4 experts (OpenAI's released checkpoints) dequantized to the model's dtype at load",
         ),
     ),
     ModelFamily(
@@ -199,6 +201,11 @@ def build_model(
     from engine.loading.loader import rope_settings
 
     family = family_of(hf_config)
+    if is_mxfp4_checkpoint(hf_config) and MXFP4 not in family.formats:
+        raise ValueError(
+            f"{family.architecture}: MXFP4 checkpoints (config.json quantization_config) are served for "
+            f"{', '.join(f.architecture for f in FAMILIES if MXFP4 in f.formats)} only"
+        )
     if family.implementation == "gpt_oss":
         from engine.models.gpt_oss import GptOssForCausalLM
         from engine.models.gpt_oss_arch import gpt_oss_arch

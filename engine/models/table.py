@@ -21,6 +21,7 @@ FORMAT_NAMES = {
     "safetensors": "safetensors",
     "bin": "PyTorch .bin",
     "gguf": "GGUF (dequantized on load, or its blocks kept with --quantization gguf)",
+    "mxfp4": "MXFP4 (dequantized on load)",
 }
 
 HEADER = """# Supported models
@@ -51,6 +52,12 @@ with the long factors where HF would take the short ones.
 
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
 Qwen2/3, Gemma 2/3, Phi-3/4, OLMo 2, Granite); mixture-of-experts models refuse them at start-up.
+
+GPT-OSS's MXFP4 checkpoints (OpenAI's releases: config.json `quantization_config: {quant_method: mxfp4}`, the
+experts' `gate_up_proj` and `down_proj` stored as `*_blocks`/`*_scales`) are dequantized to the model's dtype as
+they load, exactly as transformers does (engine/quantization/mxfp4.py; tests/engine/test_gpt_oss_mxfp4.py checks
+the serving against transformers on the dequantized weights). The experts then take about 4x the memory of their blocks
+in bfloat16 (the 20B model ~42 GB, 120B ~240 GB); no MXFP4 kernel serves them in their blocks yet.
 
 DeepSeek's multi-head latent attention caches per token and layer only its latent (`kv_lora_rank +
 qk_rope_head_dim` values: the normalised c_kv and the rotated shared key), and attends in the absorbed form

@@ -4,6 +4,9 @@
     int4   float checkpoint, each projection to group-wise int4 (`Int4Weight`)
     awq    AWQ int4 checkpoint (auto-detected from config.json), read into the int4 path as stored
 
+An MXFP4 checkpoint (GPT-OSS's experts, auto-detected) has no load-time quantizer: its blocks are dequantized to
+the model's dtype as they are read (mxfp4.py), and int8/int4/awq are refused on it.
+
 Quantized: the matrices of every decoder layer (q|k|v, o, gate|up, down), which are nearly all of a
 step's weight reads in a model of some size. Kept in the model's dtype: the norms (a few KiB), the
 embedding table (a lookup reads one row per token, not the table) and the LM head (by default:
@@ -14,6 +17,7 @@ perplexity script measures both).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Optional, Union
@@ -25,9 +29,13 @@ from engine.quantization.awq import awq_group_size, quantization_config
 from engine.quantization.int4_groups import DEFAULT_INT4_GROUP_SIZE, Int4Groups
 from engine.quantization.int4_weight import Int4Weight, int4_weight
 from engine.quantization.int8_weight import Int8KernelCheck, Int8Weight
+from engine.quantization.mxfp4 import MXFP4
 from engine.quantization.quantized_weight import QuantizedWeight
 
+logger = logging.getLogger(__name__)
+
 Weight = Union[torch.Tensor, QuantizedWeight]
+PRE_QUANTIZED = ("awq", MXFP4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +72,23 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
     """(method, AWQ group size or None) for `--quantization` and a checkpoint's config.json.
 
     None (auto) with an AWQ checkpoint is AWQ; `awq` needs one; int8/int4 need a float checkpoint; any other
-    value (none, gguf: not applied at load) is (None, None) on a float checkpoint and refused on an AWQ one."""
+    value (none, gguf: not applied at load) is (None, None) on a float checkpoint and refused on an AWQ one.
+    An MXFP4 checkpoint is (None, None) under auto or none: the model dequantizes it as it loads."""
     config = quantization_config(hf_config)
     method = None if config is None else str(config.get("quant_method", "unknown")).lower()
-    if method is not None and method != "awq":
+    if method is not None and method not in PRE_QUANTIZED:
         raise ValueError(
             f"the checkpoint is quantized with {method!r} (config.json quantization_config), "
-            "which is not supported; supported pre-quantized format: awq"
+            f"which is not supported; supported pre-quantized formats: {', '.join(PRE_QUANTIZED)}"
         )
+    if method == MXFP4:
+        if requested in LOAD_TIME_METHODS:
+            raise SettingsConflictError(
+                f"--quantization {requested}: the checkpoint is MXFP4, whose experts are dequantized to the "
+                "model's dtype at load; leave --quantization unset (or none)"
+            )
+        logger.info("MXFP4 checkpoint (config.json quantization_config): its experts are dequantized at load")
+        return None, None
     if requested == "awq" or (requested is None and method == "awq"):
         if method != "awq":
             raise SettingsConflictError(
