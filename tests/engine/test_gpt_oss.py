@@ -2,11 +2,11 @@
 shorter than the prompts, 4 experts top-2, YaRN, attention sinks, q/k/v/o, router and expert biases set away from
 zero, a clamp low enough to bite), in float32: greedy tokens identical and logprobs within 1e-4, batched and alone
 on the cpu and torch backends, in batch-invariant mode, under chunked prefill with preemption, with prefix-cache
-hits, and prompt logprobs; the checkpoint's names as transformers writes them; MXFP4 refused at start-up."""
+hits, and prompt logprobs; the checkpoint's names as transformers writes them (MXFP4 checkpoints:
+test_gpt_oss_mxfp4.py)."""
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -166,22 +166,6 @@ def test_prompt_logprobs(model_dir):
         got = [lp.logprob for lp in result.prompt_logprobs[1:]]
         assert got == pytest.approx(hf_prompt_logprobs(model_dir, prompt), abs=1e-4)
         assert_idle(llm)
-
-
-def test_mxfp4_checkpoints_are_refused_at_start_up(model_dir, tmp_path):
-    from transformers import AutoConfig
-
-    from engine.models import build_model
-
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    hf_config = AutoConfig.from_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="GptOssForCausalLM: MXFP4 checkpoints"):
-        build_model(hf_config, torch.float32, torch.device("cpu"))
-    model = build_model(AutoConfig.from_pretrained(model_dir), torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="MXFP4 tensor"):
-        model.load_weights([("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(1))])
 
 
 def test_a_backend_without_sinks_is_refused(model_dir):
