@@ -1,0 +1,1 @@
+"""What runs a model over several processes: the step broadcast, the process group, ..."""
