@@ -197,17 +197,23 @@ class ShmBroadcastQueue:
             semaphore.release()
         self._unlink_read_overflow()
 
-    def close(self) -> None:
-        """Tell the readers (each gets BroadcastClosed once it has read what came before, if still there) and
-        unlink the shared memory. Idempotent."""
-        ring, self._ring = self._ring, None
+    def close(self, timeout: float = 1.0) -> None:
+        """Tell the readers and unlink the shared memory; idempotent. A reader gets every message enqueued
+        before, then BroadcastClosed: those in the ring always (its mapping outlives the unlink), a message
+        in an overflow segment if read within `timeout`, which close waits for (polling: rare, and at the end)."""
+        ring = self._ring
         if ring is None:
             return
         try:
             ring.closed[0] = 1
             for semaphore in self.handle.data:
                 semaphore.release()
+            deadline = time.monotonic() + timeout
+            while self._overflow and time.monotonic() < deadline:
+                time.sleep(0.001)
+                self._unlink_read_overflow()
         finally:
+            self._ring = None
             for index in list(self._overflow):
                 self._unlink_overflow(index)
             ring.release()
@@ -221,7 +227,7 @@ class ShmBroadcastQueue:
 
     def __del__(self) -> None:
         if getattr(self, "_ring", None) is not None:
-            self.close()
+            self.close(timeout=0)  # dropped without close(): unlink, wait for no one
 
     @property
     def closed(self) -> bool:
@@ -267,9 +273,9 @@ class ShmBroadcastQueue:
 
     def _unlink_read_overflow(self) -> None:
         """Unlink the overflow segments every reader is done with, without waiting for their slots' reuse."""
-        if not self._overflow:
+        ring = self._ring
+        if ring is None or not self._overflow:
             return
-        ring = self._open_ring()
         everyone = b"\x01" * self._layout.num_readers
         for index in [i for i in self._overflow if ring.read_flags(i) == everyone]:
             self._unlink_overflow(index)
