@@ -334,6 +334,10 @@ class ShmBroadcastReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        if getattr(self, "_ring", None) is not None:
+            self.close()  # the views first: the segment refuses to close under them
+
     def _poll(self, ring: _Ring, index: int, seq: int) -> None:
         """Watch `written` for up to spin_s: a message this close is cheaper to catch awake than to be woken for."""
         deadline = time.perf_counter() + self.spin_s
