@@ -100,7 +100,7 @@ class _Ring:
     def __init__(self, segment: shared_memory.SharedMemory, layout: _Layout):
         self.segment = segment
         self.layout = layout
-        buf = segment.buf
+        buf = _buffer(segment)
         self.closed = buf[0:1]
         self.written = buf[layout.written_offset : layout.read_offset].cast("Q")
         self.read = buf[layout.read_offset : layout.read_offset + layout.num_slots * layout.num_readers]
@@ -156,7 +156,7 @@ class ShmBroadcastQueue:
         layout = _Layout(num_readers, num_slots, slot_bytes)
         segment = _create_segment(layout.size)
         try:
-            segment.buf[: layout.slots_offset] = bytes(layout.slots_offset)  # no flag set, not closed
+            _buffer(segment)[: layout.slots_offset] = bytes(layout.slots_offset)  # no flag set, not closed
             context = multiprocessing.get_context("spawn")
             handle = BroadcastHandle(
                 name=segment.name,
@@ -262,7 +262,7 @@ class ShmBroadcastQueue:
     def _write_overflow(self, index: int, payload: bytes) -> bytes:
         segment = _create_segment(len(payload))
         self._overflow[index] = segment
-        segment.buf[: len(payload)] = payload
+        _buffer(segment)[: len(payload)] = payload
         return segment.name.encode()
 
     def _unlink_overflow(self, index: int) -> None:
@@ -358,7 +358,7 @@ class ShmBroadcastReader:
                 raise BroadcastClosed("the broadcast queue is closed") from None
             raise
         try:
-            with segment.buf[:length] as payload:
+            with _buffer(segment)[:length] as payload:
                 return pickle.loads(payload)
         finally:
             segment.close()
@@ -367,6 +367,12 @@ class ShmBroadcastReader:
 def _create_segment(size: int) -> shared_memory.SharedMemory:
     name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
     return shared_memory.SharedMemory(name=name, create=True, size=size)
+
+
+def _buffer(segment: shared_memory.SharedMemory) -> memoryview:
+    buf = segment.buf
+    assert buf is not None, "the segment is closed"
+    return buf
 
 
 def _no_register(name: str, rtype: str) -> None:
