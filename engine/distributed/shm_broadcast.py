@@ -181,6 +181,21 @@ class ShmBroadcastQueue:
         index = (seq - 1) % self._layout.num_slots
         self._take_credits(seq, self.enqueue_timeout_s if timeout is None else timeout)
         self._unlink_overflow(index)  # every reader has read the message it held: we hold their credits
+        try:
+            self._write_slot(ring, index, payload)
+        except BaseException:  # e.g. no room in /dev/shm for an overflow segment: the slot stays free
+            for semaphore in self.handle.credits:
+                semaphore.release()
+            raise
+        start = index * self._layout.num_readers
+        ring.read[start : start + self._layout.num_readers] = bytes(self._layout.num_readers)
+        ring.written[index] = seq
+        self._next_seq = seq + 1
+        for semaphore in self.handle.data:  # after every store above: the post publishes them (see top)
+            semaphore.release()
+        self._unlink_read_overflow()
+
+    def _write_slot(self, ring: _Ring, index: int, payload: bytes) -> None:
         with ring.slot(index) as slot:  # released at once: no view may outlive the segment's close
             if len(payload) <= self._layout.capacity:
                 _HEADER.pack_into(slot, 0, _INLINE, 0, len(payload))
@@ -189,13 +204,6 @@ class ShmBroadcastQueue:
                 name = self._write_overflow(index, payload)
                 _HEADER.pack_into(slot, 0, _OVERFLOW, len(name), len(payload))
                 slot[_HEADER.size : _HEADER.size + len(name)] = name
-        start = index * self._layout.num_readers
-        ring.read[start : start + self._layout.num_readers] = bytes(self._layout.num_readers)
-        ring.written[index] = seq
-        self._next_seq = seq + 1
-        for semaphore in self.handle.data:  # after every store above: the post publishes them (see top)
-            semaphore.release()
-        self._unlink_read_overflow()
 
     def close(self, timeout: float = 1.0) -> None:
         """Tell the readers and unlink the shared memory; idempotent. A reader gets every message enqueued
