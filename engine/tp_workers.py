@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine.distributed.parallel_group import ParallelGroup
-from engine.distributed.shm_broadcast import ShmBroadcastQueue
+from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
 from engine.loading.loader import Checkpoint, rope_settings
@@ -85,7 +85,7 @@ class TensorParallelWorkers:
         threads = max((len(os.sched_getaffinity(0)) // world), 1)
         torch.set_num_threads(threads)  # the ranks share the machine's cores
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        queue = ShmBroadcastQueue.create(world - 1)
+        queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=config.parallel.distributed_timeout)
         context = mp.get_context("spawn")
         processes = []
         try:
@@ -194,20 +194,21 @@ def _worker_main(
     )
     if shard.buckets:
         capture_graphs(runner, shard.buckets)
-    queue = ShmBroadcastQueue.open(queue_handle, rank - 1)
+    reader = queue_handle.open(rank - 1)
     try:
         while True:
             try:
-                step = queue.dequeue(timeout=PARENT_CHECK_S)
+                step = reader.dequeue(timeout=PARENT_CHECK_S)
             except TimeoutError:
                 if os.getppid() != parent_pid:
                     logger.error("rank 0 (pid %d) is gone: leaving", parent_pid)
                     return
                 continue
-            if step is None:  # rank 0 closed the broadcast
+            except BroadcastClosed:  # rank 0 shuts the engine down
                 return
             runner.take_sampled(step.sampled_token_ids)
             runner.execute(step.scheduler_output)
     finally:
+        reader.close()
         runner.shutdown()
         group.leave()
