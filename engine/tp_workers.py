@@ -66,8 +66,9 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
 class TensorParallelWorkers:
     """Rank 0's handle on ranks 1 .. N-1: the processes, the broadcast that feeds them, the group it joined."""
 
-    def __init__(self, processes: list[Any], queue: ShmBroadcastQueue, group: ParallelGroup):
+    def __init__(self, processes: list[Any], queue: ShmBroadcastQueue, group: ParallelGroup, threads_before: int):
         self.processes = processes
+        self._threads_before = threads_before
         self.queue = queue
         self.group = group
         self._stopping = threading.Event()
@@ -83,7 +84,8 @@ class TensorParallelWorkers:
         check_tensor_parallel(config, hf_config)
         world = config.parallel.tensor_parallel_size
         threads = max((len(os.sched_getaffinity(0)) // world), 1)
-        torch.set_num_threads(threads)  # the ranks share the machine's cores
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # the ranks share the machine's cores (given back by `stop`)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=config.parallel.distributed_timeout)
         context = mp.get_context("spawn")
@@ -103,6 +105,7 @@ class TensorParallelWorkers:
         except BaseException:
             _end(processes)
             queue.close()
+            torch.set_num_threads(threads_before)
             raise
         logger.info(
             "tensor parallelism: %d ranks (rank 0 here, pids %s), %d threads each",
@@ -110,7 +113,7 @@ class TensorParallelWorkers:
             ", ".join(str(p.pid) for p in processes),
             threads,
         )
-        return cls(processes, queue, group)
+        return cls(processes, queue, group, threads_before)
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` (from the watcher's thread) when a worker exits while the engine runs."""
@@ -133,6 +136,7 @@ class TensorParallelWorkers:
         finally:
             _end(self.processes, STOP_WAIT_S)
             self.group.leave()
+            torch.set_num_threads(self._threads_before)
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: process for process in self.processes}

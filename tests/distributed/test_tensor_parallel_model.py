@@ -40,7 +40,9 @@ def run_model(model_dir: Path, tp: ParallelGroup) -> tuple[torch.Tensor, torch.T
         weights = shard_weights(weights, full, tp)
     model.load_weights(weights)
     arch = model.arch
-    cache = KVCache(KVCacheSpec(arch.num_layers, BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32), 8, torch.device("cpu"))
+    cache = KVCache(
+        KVCacheSpec(arch.num_layers, BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32), 8, torch.device("cpu")
+    )
     backend = TorchAttentionBackend()
     prompt = torch.arange(3, 13)
     prefill = step_metadata_for([(10, 10, [0, 1, 2])], torch.arange(10), 0, torch.device("cpu"))
