@@ -73,7 +73,14 @@ class _Abort:
     reason: str = "aborted"
 
 
-_Command = Union[_Add, _Abort, None]  # None stops the loop
+@dataclass(slots=True)
+class _Fail:
+    """A part of the engine outside this process failed (a tensor-parallel worker): the loop fails with it."""
+
+    error: BaseException
+
+
+_Command = Union[_Add, _Abort, _Fail, None]  # None stops the loop
 
 
 class AsyncEngine:
@@ -105,6 +112,7 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self.engine.on_failure(lambda error: self._commands.put(_Fail(error)))  # wakes an idle loop
         self._thread.start()
 
     def observe(self, observer: EngineObserver) -> None:
@@ -351,6 +359,8 @@ class AsyncEngine:
                 self.engine.abort(self.engine.unfinished_request_ids())
                 self._fail_all(EngineDeadError("the engine is shutting down"))
                 return False
+            if isinstance(command, _Fail):
+                raise command.error
             if isinstance(command, _Abort):
                 self._publish(self.engine.abort(command.request_ids, command.reason))
                 continue

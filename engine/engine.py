@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -90,6 +90,12 @@ class EngineCore:
     @fault_injector.setter
     def fault_injector(self, injector: Optional[FaultInjector]) -> None:
         self.runner.sampler.injector = injector
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback` (from another thread) when a part of the engine in another process fails while the
+        engine is idle: a tensor-parallel worker's exit (a failure within a step raises from `step` instead)."""
+        if self.runner.peers is not None:
+            self.runner.peers.on_failure(callback)
 
     def shutdown(self) -> None:
         """End every request (finish_reason "abort") and release the KV cache, the CUDA graphs and the

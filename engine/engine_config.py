@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.cache_config import EngineCacheConfig
+from engine.distributed.parallel_config import ParallelConfig
 from engine.loading.model_config import ModelConfig
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from scheduler import SchedulerConfig
@@ -20,6 +21,7 @@ class EngineConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: EngineCacheConfig = Field(default_factory=EngineCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     attention_backend: Literal["auto", "cpu", "torch", "flash", "triton"] = "auto"
     enforce_eager: bool = Field(
         False,

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from engine.builder import build_engine
 from engine.cache_config import EngineCacheConfig
+from engine.distributed.parallel_config import ParallelConfig
 from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
@@ -27,6 +28,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
     "cache": EngineCacheConfig,
     "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
 }
 
 

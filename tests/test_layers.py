@@ -11,6 +11,7 @@ server -> engine -> scheduler; and inside the engine each room keeps to its floo
     loading    checkpoints and GGUF files                       -> quantization, kernels
     profiling  step timings and bandwidth floors                -> quantization
     quantization, kernels (the floor: kernels import nothing of the engine but its cache folder)
+    distributed  the step broadcast to worker processes        (a floor of its own: imports nothing of the engine)
 
 A new import that breaks one of these fails here, with the edge that broke it."""
 
@@ -51,6 +52,10 @@ ENGINE_FORBIDDEN = {  # engine room -> rooms it must not import
     "profiling": {"runner", "models", "layers", "platform", "builder", "llm", "async_engine", "engine"},
     "runner": {"platform", "builder", "llm", "async_engine"},
     "spec_decode": {"runner", "platform", "builder", "llm", "async_engine", "engine"},
+    "distributed": {  # a floor: workers receive the step message through it, whatever rooms they run
+        p.stem for p in (ROOT / "engine").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()
+    }
+    - {"distributed", "__init__"},
 }
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
+from engine.distributed.parallel_group import ParallelGroup
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.layers.fused_decode import FusedDecode
 from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
@@ -59,8 +60,11 @@ class LlamaForCausalLM:
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
+        """`arch`: this rank's shape (engine/models/tensor_parallel.py) when `tp` has several ranks."""
         self.arch = arch
+        self.tp = tp  # the attention output and the MLP output are partial sums across its ranks
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len  # the longest sequence served (None: the config's context); LongRoPE's
@@ -77,7 +81,12 @@ class LlamaForCausalLM:
         self.fused: Optional[FusedDecode] = (
             None  # small decode steps in one native call (cpu backend, bf16, plain or gguf)
         )
-        if isinstance(self.linear, (GemvLinear, ColumnBlockLinear)) and isinstance(self.ops, NativeLayerOps):
+        # (the native step runs every layer in one call: no all-reduce between them)
+        if (
+            isinstance(self.linear, (GemvLinear, ColumnBlockLinear))
+            and isinstance(self.ops, NativeLayerOps)
+            and not tp.is_parallel
+        ):
             self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
         # Set by load_weights (an empty model until then). embed and lm_head: a tensor, or the quantized or packed
         # matrix the products take.
@@ -222,13 +231,15 @@ class LlamaForCausalLM:
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
-        attention = self.layer_attention
+        attention, tp = self.layer_attention, self.tp
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             if index:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
-            h = self._attention(layer, x, angles, key_cache, value_cache, step, backend, attention[index])
+            h = tp.all_reduce(
+                self._attention(layer, x, angles, key_cache, value_cache, step, backend, attention[index])
+            )
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
-            h = self._mlp(index, layer, x)
+            h = tp.all_reduce(self._mlp(index, layer, x))
         return residual + h
 
     def _mlp(self, index: int, layer: LlamaLayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,15 @@ from typing import Any, Optional
 
 import torch
 
+from engine.distributed.parallel_group import ParallelGroup
+from engine.errors import SettingsConflictError
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
+from engine.models.tensor_parallel import shard_arch
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -195,9 +198,11 @@ def build_model(
     linear: Optional[Linear] = None,
     quantizer: Optional[WeightQuantizer] = None,
     max_model_len: Optional[int] = None,
+    tp: ParallelGroup = ParallelGroup.single(),
 ) -> LlamaForCausalLM:
     """An empty model for the config's architecture (load weights with `load_weights`); `max_model_len`: the
-    longest sequence it will serve (None: the config's context), which picks LongRoPE's factor set."""
+    longest sequence it will serve (None: the config's context), which picks LongRoPE's factor set; `tp`: the
+    tensor-parallel group whose rank's shard it holds (its weights cut by tensor_parallel.shard_weights)."""
     from engine.loading.loader import rope_settings
 
     family = family_of(hf_config)
@@ -205,6 +210,17 @@ def build_model(
         raise ValueError(
             f"{family.architecture}: MXFP4 checkpoints (config.json quantization_config) are served for "
             f"{', '.join(f.architecture for f in FAMILIES if MXFP4 in f.formats)} only"
+        )
+    if tp.is_parallel:
+        if family.implementation != "llama":
+            served = ", ".join(f.architecture for f in FAMILIES if f.implementation == "llama")
+            raise SettingsConflictError(
+                f"--tensor-parallel-size {tp.world_size}: {family.architecture} is not served with tensor "
+                f"parallelism yet (served: {served})"
+            )
+        full = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        return LlamaForCausalLM(
+            shard_arch(full, tp.world_size), dtype, device, ops, linear, quantizer, max_model_len, tp
         )
     if family.implementation == "gpt_oss":
         from engine.models.gpt_oss import GptOssForCausalLM

@@ -14,6 +14,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
 from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, ForwardFn, model_forward
 from engine.runner.fault_isolation import GuardedSampler
+from engine.runner.peer_step import PeerStep, StepPeers
 from engine.attention.kv_cache import KVCache
 from engine.runner.step_buffers import StepBuffers
 from engine.profiling.step_profile import StepProfile
@@ -104,9 +105,14 @@ class ModelRunner:
         *,
         grammar: Optional[GrammarDecoder] = None,
         profile: Optional[StepProfile] = None,
+        peers: Optional[StepPeers] = None,
+        samples: bool = True,
     ):
         """`grammar` decodes structured-output constraints (None: a runner that is never given one);
-        `profile` times each step's phases (`--profile`)."""
+        `profile` times each step's phases (`--profile`). Tensor parallelism: rank 0's runner hands every step
+        message to its `peers` (the other ranks' runners, in worker processes) before running it, with the
+        tokens it sampled in the step before; a peer's runner (`samples` False) runs the same forward passes
+        over its shard, takes those tokens (`take_sampled`) and samples nothing."""
         self.model: Optional[LlamaForCausalLM] = model  # None once shut down (as are _forward and buffers)
         self.kv_cache = kv_cache
         self.backend = backend
@@ -127,6 +133,18 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile = profile
         self.grammar = grammar
+        self.peers = peers
+        self.samples = samples
+        self._sampled: dict[str, list[int]] = {}  # the last step's tokens, for the peers' next message
+
+    def take_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """A peer's runner: the tokens rank 0 sampled in the last step (accepted drafts included), appended as
+        rank 0's runner appended them."""
+        for request_id, token_ids in sampled.items():
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.token_ids += token_ids
+                state.sampling.output_token_ids += token_ids
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""
@@ -142,6 +160,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.peers is not None:  # every rank runs every step, in the same order (its collectives pair up)
+            self.peers.send(PeerStep(scheduler_output, self._sampled))
+            self._sampled = {}
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
@@ -164,8 +185,14 @@ class ModelRunner:
             hidden = forward(input_ids, positions, steps)
         if profile is not None:
             profile.lap("forward")
+        if not self.samples:
+            buffers.end_step()
+            return ModelRunnerOutput()
         try:
-            return self._sample(hidden, batch)
+            output = self._sample(hidden, batch)
+            if self.peers is not None:
+                self._sampled = output.sampled_token_ids
+            return output
         finally:
             buffers.end_step()
             if profile is not None:
@@ -188,6 +215,8 @@ class ModelRunner:
         allocator's free pool and then to the device), so that another engine in this process gets the
         memory. The runner runs no step after this."""
         self.requests.clear()
+        if self.peers is not None:
+            self.peers.stop()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -221,7 +250,7 @@ class ModelRunner:
         prompt = list(new.prompt_token_ids)
         sampling = SamplingState.create(params, prompt, list(new.output_token_ids), new.eos_token_ids, self.device)
         matcher = None
-        if params.structured_outputs is not None:  # rebuilt from the outputs so far after a preemption
+        if params.structured_outputs is not None and self.samples:  # rebuilt from the outputs so far after a preemption
             if self.grammar is None:
                 raise RuntimeError("a constrained request reached a runner without a grammar decoder")
             held = new.grammar.compiled if isinstance(new.grammar, GrammarRef) else None

@@ -1,7 +1,7 @@
 """The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
 
     defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
-                 (model/cache/scheduler/server sections, top-level attention_backend, batch_invariant, enforce_eager, profile,
+                 (model/cache/scheduler/parallel/server sections, top-level attention_backend, batch_invariant, enforce_eager, profile,
                  speculative_config)
 
 Every value remembers where it came from, so an error names the flag, the
@@ -61,6 +61,7 @@ _YAML_SECTIONS: dict[str, FieldPath] = {
     "model": ("engine", "model"),
     "cache": ("engine", "cache"),
     "scheduler": ("engine", "scheduler"),
+    "parallel": ("engine", "parallel"),
     "server": ("server",),
 }
 _YAML_SCALARS: dict[str, FieldPath] = {
@@ -117,6 +118,7 @@ class Option:
 
 # Where each section's fields live in Settings (an option's path is its section's plus the field name).
 MODEL, CACHE, SCHEDULER, SERVER = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
+PARALLEL = ("engine", "parallel")
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -211,6 +213,20 @@ OPTIONS: tuple[Option, ...] = (
         "reuse the KV blocks of shared prompt prefixes",
     ),
     Option("--scheduling-policy", (*SCHEDULER, "policy"), "str", "order of admission to the running batch"),
+    Option(
+        "--tensor-parallel-size",
+        (*PARALLEL, "tensor_parallel_size"),
+        "int",
+        "processes that each hold 1/N of every layer (the Llama family; gloo on CPU, NCCL on CUDA)",
+        "N",
+    ),
+    Option(
+        "--distributed-timeout",
+        (*PARALLEL, "distributed_timeout"),
+        "float",
+        "seconds a tensor-parallel rank waits for another before the engine fails instead of hanging",
+        "SECONDS",
+    ),
     Option(
         "--attention-backend",
         ("engine", "attention_backend"),

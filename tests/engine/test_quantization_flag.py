@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.builder import _quantizer
+from engine.shard_builder import _quantizer
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int4_weight import Int4Weight
 from engine.quantization.int8_weight import Int8Weight

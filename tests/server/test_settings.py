@@ -35,6 +35,8 @@ FLAG_CASES = [
     ("--max-num-seqs", "8", ("engine", "scheduler", "max_num_seqs"), 8),
     ("--max-num-batched-tokens", "4096", ("engine", "scheduler", "max_num_batched_tokens"), 4096),
     ("--scheduling-policy", "priority", ("engine", "scheduler", "policy"), "priority"),
+    ("--tensor-parallel-size", "2", ("engine", "parallel", "tensor_parallel_size"), 2),
+    ("--distributed-timeout", "7.5", ("engine", "parallel", "distributed_timeout"), 7.5),
     ("--attention-backend", "torch", ("engine", "attention_backend"), "torch"),
     ("--seed", "7", ("engine", "model", "seed"), 7),
     (
@@ -332,7 +334,7 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
         (
             {"schedular": {}},
             "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
-            "batch_invariant, cache, enforce_eager, model, profile, scheduler, server, "
+            "batch_invariant, cache, enforce_eager, model, parallel, profile, scheduler, server, "
             "speculative_config)",
         ),
         (

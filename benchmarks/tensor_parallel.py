@@ -1,0 +1,157 @@
+"""Decode step time with tensor parallelism on this machine: N ranks of one thread each against one process
+with N threads, at batch 1 and batch 16.
+
+    python -m benchmarks.tensor_parallel [--tp 2] [--dtype bfloat16] [--batches 1,16] [--layers 12] [--hidden 2048]
+
+A random-weight Llama checkpoint written by transformers to a temporary folder (Llama-3-like proportions:
+head_dim 64, 4 query heads per KV head, MLP 3.5x), served by two engines in this process: one with
+`--tensor-parallel-size 1` and torch threads = N, one with N ranks (rank 0 here, the others in worker
+processes), one thread each. Each keeps `batch` requests in decode; rounds alternate between them and each keeps
+its best round's median step, after the CPU model and flags. Both engines give the same tokens (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def write_checkpoint(path: Path, args: argparse.Namespace) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.moe_step import _tokenizer
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 7 // 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.05,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    _tokenizer(args.vocab).save_pretrained(path)
+    return path
+
+
+class DecodeSteps:
+    """An engine with `batch` requests kept in decode; `median_ms` times a run of its steps."""
+
+    def __init__(self, model_dir: Path, args: argparse.Namespace, batch: int, tp: int, threads: int):
+        import torch
+
+        from engine import LLM, SamplingParams
+
+        self.threads = threads
+        torch.set_num_threads(threads)
+        max_steps = args.rounds * args.steps + 8
+        self.llm = LLM(
+            str(model_dir),
+            dtype=args.dtype,
+            device="cpu",
+            max_model_len=args.prompt_len + max_steps + 16,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(256, args.prompt_len * batch),
+            tensor_parallel_size=tp,
+        )
+        engine = self.llm.engine
+        params = SamplingParams(max_tokens=max_steps, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"bench-{i}", [(7 * i + 13 * j) % 1000 + 3 for j in range(args.prompt_len)], params)
+        engine.step()  # the prefills
+        engine.step()
+
+    def median_ms(self, steps: int) -> float:
+        import torch
+
+        torch.set_num_threads(self.threads)  # (process-wide: the two engines share this process)
+        timings = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.llm.engine.step()
+            timings.append(time.perf_counter() - start)
+        return statistics.median(timings) * 1e3
+
+
+def run(args: argparse.Namespace) -> dict:
+    from benchmarks.machine import cpu_info
+
+    report = {
+        "machine": cpu_info(),
+        "dtype": args.dtype,
+        "tp": args.tp,
+        "shape": {"layers": args.layers, "hidden": args.hidden, "heads": args.hidden // 64},
+        "batches": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:
+        model_dir = write_checkpoint(Path(tmp) / "llama", args)
+        for batch in args.batches:
+            engines = {
+                f"tp1 x {args.tp} threads": DecodeSteps(model_dir, args, batch, 1, args.tp),
+                f"tp{args.tp} x 1 thread": DecodeSteps(model_dir, args, batch, args.tp, 1),
+            }
+            best = {name: float("inf") for name in engines}
+            for _ in range(args.rounds):
+                for name, engine in engines.items():
+                    best[name] = min(best[name], engine.median_ms(args.steps))
+            for engine in engines.values():
+                engine.llm.shutdown()
+            del engines
+            gc.collect()
+            names = list(best)
+            report["batches"][batch] = {**best, "tp1 / tpN": best[names[0]] / best[names[1]]}
+    return report
+
+
+def print_report(report: dict) -> None:
+    machine = report["machine"]
+    print(
+        f"CPU: {machine['model']} ({machine['cores']} cores usable; {', '.join(machine['flags'])}); "
+        f"{report['dtype']}; shape {json.dumps(report['shape'])}"
+    )
+    for batch, row in report["batches"].items():
+        print(f"batch {batch}: " + ", ".join(f"{name} {value:.2f}" for name, value in row.items()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--batches", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=20, help="steps timed per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON as well")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    report = run(args)
+    print_report(report)
+    if args.json:
+        print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

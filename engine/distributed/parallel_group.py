@@ -1,0 +1,65 @@
+"""A tensor-parallel group: this process's rank among the processes that hold one model's shards, and the
+collectives its forward pass needs (torch.distributed: gloo on CPU, NCCL on CUDA)."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelGroup:
+    """Rank `rank` of `world_size` processes, each holding a 1/world_size shard of every layer.
+
+    The one process group of a process is torch.distributed's default group (a process serves one engine's
+    shard); `single()` is the group of a process that holds the whole model, whose collectives do nothing.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def single(cls) -> "ParallelGroup":
+        return cls(0, 1)
+
+    @classmethod
+    def join(
+        cls, rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float
+    ) -> "ParallelGroup":
+        """Join the group (blocks until all `world_size` ranks have): gloo on CPU, NCCL on CUDA. A collective
+        that waits longer than `timeout_s` for a peer raises instead of hanging (a dead or stuck rank)."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        return cls(rank, world_size)
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `tensor` (each rank's partial product), in place; `tensor` itself back."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (a size all ranks must agree on, e.g. KV blocks)."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def leave(self) -> None:
+        """Tear the process group down (at shutdown; a process joins at most one group in its life here)."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

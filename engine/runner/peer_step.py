@@ -1,0 +1,27 @@
+"""What rank 0's runner hands the other tensor-parallel ranks each step: the step message, and the tokens it
+sampled in the step before (a peer samples nothing, yet feeds those tokens back as rank 0 does)."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Protocol
+
+from scheduler import SchedulerOutput
+
+
+class PeerStep(NamedTuple):
+    scheduler_output: SchedulerOutput
+    sampled_token_ids: dict[str, list[int]]  # by request: the last step's tokens (accepted drafts, then one)
+
+
+class StepPeers(Protocol):
+    """The other ranks, reached by a broadcast (engine/tp_workers.py)."""
+
+    def send(self, step: PeerStep) -> None: ...
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback` when another rank fails outside a step."""
+        ...
+
+    def stop(self) -> None:
+        """The engine shuts down: the other ranks leave."""
+        ...

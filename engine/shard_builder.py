@@ -1,0 +1,307 @@
+"""One rank's part of an engine: its model (the whole model, or its tensor-parallel shard) with weights loaded,
+its attention numerics, its KV cache's layout and size: what the engine's process and every worker build alike."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+import logging
+from typing import Iterable, Optional, Union
+
+import torch
+
+from engine.errors import SettingsConflictError
+from engine.attention import AttentionBackend
+from engine.attention.attention_shape import AttentionShape, latent_rank_of
+from engine.attention.layer_attention import check_backend_serves
+from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
+from engine.engine_config import EngineConfig
+from engine.attention.kv_groups import KVGroups
+from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
+from engine.loading.loader import Checkpoint, iter_weights, rope_settings
+from engine.profiling.memory_bandwidth import tensor_bytes
+from engine.loading.model_weights import model_weights, resolve_gguf_storage
+from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
+from engine.runner.cuda_graphs import decode_buckets
+from engine.runner.model_runner import ModelRunner, RunnerLimits
+from engine.models import build_model
+from engine.models.registry import FAMILIES, family_of
+from engine.models.llama import LlamaForCausalLM
+from engine.models.llama_arch import LlamaArch
+from engine.models.tensor_parallel import shard_weights
+from engine.distributed.parallel_group import ParallelGroup
+from engine.platform import choose_numerics
+from engine.quantization.awq import awq_weights
+from engine.quantization.int4_groups import Int4Groups
+from engine.quantization.quantized_weight import QuantizedWeight
+from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Shard:
+    """One rank's model (the whole model without tensor parallelism) and what its runner is built from."""
+
+    model: LlamaForCausalLM
+    backend: AttentionBackend
+    spec: KVCacheSpec
+    kv_groups: KVGroups
+    limits: RunnerLimits
+    buckets: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolved_model_config(config: EngineConfig):
+    """The model section, its max_model_len taken from the scheduler's when only that is set."""
+    model_config = config.model
+    if model_config.max_model_len is None and config.scheduler.max_model_len is not None:
+        model_config = model_config.model_copy(update={"max_model_len": config.scheduler.max_model_len})
+    return model_config
+
+
+def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: ParallelGroup) -> Shard:
+    """This rank's model with its weights loaded (all of them without tensor parallelism), its attention
+    numerics, its KV cache's layout and the runner's limits: what rank 0 and every worker build alike."""
+    model_config = resolved_model_config(config)
+    device = model_config.resolve_device()
+    dtype = model_config.resolve_dtype(device)
+    max_model_len = model_config.resolve_max_model_len(hf_config)
+    latent_rank = latent_rank_of(hf_config)  # multi-head latent attention: the cache holds the latent
+    shape = AttentionShape.from_hf_config(hf_config)
+    if tp.is_parallel:  # this rank's heads (check_shardable refuses a model whose heads do not divide)
+        shape = shape._replace(
+            num_heads=shape.num_heads // tp.world_size,
+            num_kv_heads=max(shape.num_kv_heads // tp.world_size, 1),
+        )
+    backend, ops, linear = choose_numerics(
+        config.attention_backend,
+        device,
+        dtype,
+        block_size=config.cache.block_size,
+        shape=shape,
+        latent=latent_rank is not None,
+        batch_invariant=config.batch_invariant,
+    )
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
+    requested = None if model_config.quantization == "auto" else model_config.quantization
+    quantizer = _quantizer(
+        requested, model_config.quantization_group_size, hf_config, device, dtype, config.batch_invariant
+    )
+    family = family_of(hf_config)
+    if checkpoint.gguf is not None and "gguf" not in family.formats:
+        raise ValueError(
+            f"{family.architecture} is served from HF checkpoints ({', '.join(family.formats)}), "
+            "not from GGUF files; GGUF is supported for "
+            f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
+        )
+    model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp)
+    check_backend_serves(backend, model.attention_layers, family.architecture)
+    # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window.
+    kv_groups = KVGroups.of([attention.sliding_window for attention in model.attention_layers], max_model_len)
+    storage = (
+        quantizer.method
+        if quantizer is not None
+        else resolve_gguf_storage(model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
+    )
+    if tp.is_parallel and (quantizer is not None or storage not in ("none",)):
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {tp.world_size} shards float weights; the weights here would be stored as "
+            f"{storage} (use --quantization none, or --tensor-parallel-size 1)"
+        )
+    model.quantization = storage
+    weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]
+    if quantizer is None:
+        full = AttentionShape.from_hf_config(hf_config)  # GGUF's q/k rows are un-permuted by the whole model's
+        weights = model_weights(storage, checkpoint.path, checkpoint.gguf, full.num_heads, full.num_kv_heads)
+    else:  # the quantizer takes the checkpoint's tensors as stored (an AWQ one's triples grouped first)
+        tensors = iter_weights(checkpoint.path)
+        if quantizer.method == "awq":
+            assert quantizer.group_size is not None  # the AWQ checkpoint's own (resolve_group_size)
+            weights = awq_weights(tensors, quantizer.group_size)
+        else:
+            weights = tensors
+    if tp.is_parallel:
+        weights = shard_weights(weights, LlamaArch.from_hf_config(hf_config, rope_settings(hf_config)), tp)
+    model.load_weights(weights)
+    _log_weights(model)
+    spec = KVCacheSpec(
+        model.arch.num_layers,
+        config.cache.block_size,
+        model.arch.num_kv_heads,
+        model.arch.head_dim,
+        kv_dtype,
+        latent_rank=latent_rank,  # MLA: the latent layout
+        layer_groups=kv_groups.layers if kv_groups.num_groups > 1 else (),
+    )
+    speculative = config.speculative_config
+    limits = RunnerLimits(
+        config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens,
+        max_model_len,
+        0 if speculative is None else speculative.num_speculative_tokens,
+    )
+    buckets = _graph_buckets(config, device, backend)
+    return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
+
+
+def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft_bytes_per_block: int = 0) -> int:
+    """The KV blocks of this rank's cache: the fewest any rank's budget holds (every rank's cache indexes the
+    same block ids)."""
+    num_blocks = _num_kv_blocks(
+        config,
+        shard.spec,
+        shard.device,
+        shard.model,
+        shard.backend,
+        shard.limits,
+        shard.buckets,
+        draft_bytes_per_block,
+    )
+    return tp.min_over_ranks(num_blocks)
+
+
+def _quantizer(
+    requested: Optional[str],
+    group_size: Optional[int],
+    hf_config,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_invariant: bool = False,
+) -> Optional[WeightQuantizer]:
+    """The load-time weight quantizer for --quantization (None: auto) and --quantization-group-size (None:
+    unset) on the checkpoint (None: weights as stored); ValueError for a group size that would not apply."""
+    method, awq_group_size = resolve_quantization(requested, hf_config)
+    group_size = resolve_group_size(requested, method, group_size, awq_group_size)
+    if method is None:
+        return None
+    if batch_invariant:
+        raise SettingsConflictError(
+            f"--quantization {method} cannot be combined with --batch-invariant (its products are "
+            "float ones whose rows do not depend on the batch)"
+        )
+    if method != "int8" and device.type == "cpu" and dtype == torch.float32:
+        logger.warning(
+            "int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
+            "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16"
+        )
+    return WeightQuantizer(method, group_size, device)
+
+
+def _log_weights(model: LlamaForCausalLM) -> None:
+    matrices = model.weight_tensors()
+    formats = sorted({w.format if isinstance(w, QuantizedWeight) else _dtype_name(w) for w in matrices})
+    logger.info(
+        "model weights: %.1f MB (quantization %s; %.1f MB of matrices read per decode step: %s)",
+        model.weight_bytes() / 1e6,
+        model.quantization,
+        tensor_bytes(matrices) / 1e6,
+        ", ".join(formats),
+    )
+
+
+def _dtype_name(weight) -> str:
+    """A float matrix's dtype (packed batch-invariant weights keep theirs in `data`)."""
+    tensor = weight if isinstance(weight, torch.Tensor) else weight.data
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _cuda_graph_bytes(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    spec: KVCacheSpec,
+    limits: RunnerLimits,
+    buckets: tuple[int, ...],
+    device: torch.device,
+) -> int:
+    """Device memory the decode graphs take (their shared pool and the graphs themselves), measured by
+    capturing them over a throwaway cache of one request's blocks and releasing them, before the KV cache
+    is sized (the real graphs capture over the real cache afterwards)."""
+    scratch = ModelRunner(model, KVCache(spec, 1, device), backend, device, limits)  # padding rows read only
+    # the padding block
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    capture_graphs(scratch, buckets)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # warm-up activations are not graph memory; the graphs' pool stays
+    free_after, _ = torch.cuda.mem_get_info(device)
+    del scratch
+    gc.collect()
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()  # a workspace made for the capture stream pins its pool
+    torch.cuda.empty_cache()
+    return max(free_before - free_after, 0)
+
+
+def _graph_buckets(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> tuple[int, ...]:
+    """The decode batch sizes to capture as CUDA graphs (none off CUDA, with --enforce-eager, or when the
+    backend cannot run in a graph)."""
+    if device.type != "cuda":
+        return ()
+    if config.enforce_eager:
+        logger.info("CUDA graphs off (enforce_eager): every step runs eagerly")
+        return ()
+    if not backend.cuda_graphs:
+        logger.info("CUDA graphs off: attention backend %s runs eagerly only", backend.name)
+        return ()
+    return decode_buckets(config.scheduler.max_num_seqs)
+
+
+def _num_kv_blocks(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    limits: RunnerLimits,
+    buckets: tuple[int, ...],
+    draft_bytes_per_block: int = 0,
+) -> int:
+    """KV blocks from the budget; with a draft model, each block of the target's comes with one of the draft's
+    (`draft_bytes_per_block`) from the same budget."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if cache.kv_cache_memory is not None:
+        budget = int(cache.kv_cache_memory)
+    elif device.type == "cuda":
+        # Verification rows (a request and its drafts) sample like decodes: the decode step profiled is that wide.
+        step_tokens, max_rows, max_model_len = (
+            limits.max_num_batched_tokens,
+            limits.max_query_rows,
+            limits.max_model_len,
+        )
+        peak = profile_peak_bytes(model, backend, spec, step_tokens, max_rows, max_model_len, device)
+        graphs = _cuda_graph_bytes(model, backend, spec, limits, buckets, device) if buckets else 0
+        budget = cuda_kv_budget(cache.gpu_memory_utilization, peak, device) - graphs
+        logger.info(
+            "profiled a %d-token prefill and a %d-request decode at %d tokens: %.0f MiB of activations "
+            "at peak; CUDA graphs take %.0f MiB",
+            step_tokens,
+            max_rows,
+            max_model_len,
+            peak / 2**20,
+            graphs / 2**20,
+        )
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_MEMORY
+    num_blocks = budget // (spec.bytes_per_block + draft_bytes_per_block) - 1  # KVCache adds its padding block
+    if num_blocks < 1:
+        raise SettingsConflictError(
+            f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "
+            "raise kv_cache_memory / gpu_memory_utilization or set num_blocks"
+        )
+    return num_blocks
+
+
+def capture_graphs(runner: ModelRunner, buckets: tuple[int, ...]) -> None:
+    try:
+        runner.capture_decode_graphs(buckets)
+    except Exception as exc:
+        raise RuntimeError(
+            f"capturing the decode CUDA graphs failed with attention backend {runner.backend.name} "
+            f"({type(exc).__name__}: {exc}); start with --enforce-eager to run without them"
+        ) from exc

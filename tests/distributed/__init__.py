@@ -1,0 +1,1 @@
+"""Tests of what runs a model over several processes."""
