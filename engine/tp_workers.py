@@ -15,17 +15,20 @@ broadcast, and on its own when its parent process is gone (SIGKILL of the server
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import signal
 import multiprocessing as mp
 import os
 import socket
 import threading
 from multiprocessing.connection import wait
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
@@ -44,6 +47,10 @@ PARENT_CHECK_S = 1.0
 """How often an idle worker checks that its parent (rank 0) is still alive."""
 STOP_WAIT_S = 10.0
 """How long `stop` waits for the workers to leave before killing them."""
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+StepChannel = Union[ShmBroadcastQueue, GlooBroadcast]
+"""How rank 0's step messages reach the other ranks: the shared-memory ring on one host, a gloo broadcast across
+hosts."""
 
 
 def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
@@ -66,7 +73,7 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
 class TensorParallelWorkers:
     """Rank 0's handle on ranks 1 .. N-1: the processes, the broadcast that feeds them, the group it joined."""
 
-    def __init__(self, processes: list[Any], queue: ShmBroadcastQueue, group: ParallelGroup, threads_before: int):
+    def __init__(self, processes: list[Any], queue: "StepChannel", group: ParallelGroup, threads_before: int):
         self.processes = processes
         self._threads_before = threads_before
         self.queue = queue
@@ -79,41 +86,40 @@ class TensorParallelWorkers:
 
     @classmethod
     def start(cls, config: EngineConfig, checkpoint: Checkpoint, hf_config: Any) -> "TensorParallelWorkers":
-        """Start ranks 1 .. N-1 (spawned: a fresh interpreter, no forked threads) and join their group as rank 0;
-        they load their shards while this process loads its own."""
+        """Start this host's ranks 1 .. N/nnodes - 1 (spawned: a fresh interpreter, no forked threads) and join
+        the group of all ranks as rank 0; they load their shards while this process loads its own. With several
+        hosts the others' ranks come from their `pagedserve serve --headless` (`run_headless_node`)."""
         check_tensor_parallel(config, hf_config)
-        world = config.parallel.tensor_parallel_size
-        threads = max((len(os.sched_getaffinity(0)) // world), 1)
+        parallel = config.parallel
+        world, local = parallel.tensor_parallel_size, parallel.ranks_per_node
+        threads = max((len(os.sched_getaffinity(0)) // local), 1)
         threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)  # the ranks share the machine's cores (given back by `stop`)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=config.parallel.distributed_timeout)
-        context = mp.get_context("spawn")
-        processes = []
+        init_method = f"tcp://{parallel.master_addr}:{parallel.master_port or _free_port()}"
+        queue = None
+        if parallel.nnodes == 1:
+            queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=parallel.distributed_timeout)
+        processes: list[Any] = []
         try:
-            for rank in range(1, world):
-                process = context.Process(
-                    target=_worker_main,
-                    args=(config, checkpoint, hf_config, rank, world, init_method, queue.handle, os.getpid(), threads),
-                    name=f"pagedserve-tp{rank}",
-                    daemon=True,  # (also ended by the interpreter's exit)
-                )
-                process.start()
-                processes.append(process)
+            handle = None if queue is None else queue.handle
+            processes = _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, threads)
             device = config.model.resolve_device()
-            group = ParallelGroup.join(0, world, init_method, device, config.parallel.distributed_timeout)
+            group = ParallelGroup.join(0, world, init_method, device, parallel.distributed_timeout)
+            channel: StepChannel = queue if queue is not None else GlooBroadcast()
         except BaseException:
             _end(processes)
-            queue.close()
+            if queue is not None:
+                queue.close()
             torch.set_num_threads(threads_before)
             raise
         logger.info(
-            "tensor parallelism: %d ranks (rank 0 here, pids %s), %d threads each",
+            "tensor parallelism: %d ranks over %d node(s) (rank 0 here, pids %s), %d threads each",
             world,
-            ", ".join(str(p.pid) for p in processes),
+            parallel.nnodes,
+            ", ".join(str(p.pid) for p in processes) or "none",
             threads,
         )
-        return cls(processes, queue, group, threads_before)
+        return cls(processes, channel, group, threads_before)
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` (from the watcher's thread) when a worker exits while the engine runs."""
@@ -133,6 +139,8 @@ class TensorParallelWorkers:
         self._stopping.set()
         try:
             self.queue.close()
+        except Exception as error:  # noqa: BLE001 - a rank already gone cannot be told; the rest still leave
+            logger.warning("closing the step broadcast: %s", error)
         finally:
             _end(self.processes, STOP_WAIT_S)
             self.group.leave()
@@ -174,22 +182,106 @@ def _end(processes: list[Any], wait_s: float = 0.0) -> None:
             process.join(5)
 
 
+def _spawn(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    hf_config: Any,
+    ranks: range,
+    init_method: str,
+    queue_handle: Any,
+    threads: int,
+    die_with_parent: bool = False,
+) -> list[Any]:
+    """Start a worker process for each of `ranks` (their broadcast: the shared-memory ring's handle, or None for
+    the gloo one)."""
+    context = mp.get_context("spawn")
+    processes = []
+    for rank in ranks:
+        process = context.Process(
+            target=_worker_main,
+            args=(
+                config,
+                checkpoint,
+                hf_config,
+                rank,
+                init_method,
+                queue_handle,
+                os.getpid(),
+                threads,
+                die_with_parent,
+            ),
+            name=f"pagedserve-tp{rank}",
+            daemon=True,  # (also ended by the interpreter's exit)
+        )
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def run_headless_node(config: EngineConfig) -> int:
+    """`pagedserve serve --headless --node-rank R`: start this host's share of the ranks and wait for them. 0 when
+    rank 0 closed the broadcast (node 0 shut down); 1 when a rank failed (the others are ended)."""
+    from engine.loading.loader import load_hf_config, prepare_checkpoint
+
+    parallel = config.parallel
+    model = config.model
+    checkpoint = prepare_checkpoint(model.model, revision=model.revision, download_dir=model.download_dir)
+    hf_config = load_hf_config(checkpoint.path, trust_remote_code=model.trust_remote_code)
+    check_tensor_parallel(config, hf_config)
+    local = parallel.ranks_per_node
+    first = parallel.node_rank * local
+    threads = max((len(os.sched_getaffinity(0)) // local), 1)
+    init_method = f"tcp://{parallel.master_addr}:{parallel.master_port}"
+    processes = _spawn(
+        config, checkpoint, hf_config, range(first, first + local), init_method, None, threads, die_with_parent=True
+    )
+    logger.info(
+        "node %d of %d: ranks %d .. %d (pids %s), rendezvous at %s",
+        parallel.node_rank,
+        parallel.nnodes,
+        first,
+        first + local - 1,
+        ", ".join(str(p.pid) for p in processes),
+        init_method,
+    )
+    sentinels = {process.sentinel: process for process in processes}
+    status = 0
+    try:
+        while sentinels:
+            for sentinel in wait(list(sentinels)):
+                process = sentinels.pop(sentinel)
+                process.join()
+                if process.exitcode != 0 and status == 0:
+                    status = 1
+                    logger.error("%s", WorkerDiedError(process.name, process.exitcode))
+                    _end([p for p in processes if p.is_alive()])
+    finally:
+        _end(processes, STOP_WAIT_S)
+    return status
+
+
 def _worker_main(
     config: EngineConfig,
     checkpoint: Checkpoint,
     hf_config: Any,
     rank: int,
-    world: int,
     init_method: str,
     queue_handle: Any,
     parent_pid: int,
     threads: int,
+    die_with_parent: bool,
 ) -> None:
     """Rank `rank`: load its shard, then run every step rank 0 sends until it closes the broadcast."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
+    if die_with_parent:  # (a headless node's ranks wait in a collective, where they cannot look for their parent)
+        _die_with_parent()
+        if os.getppid() != parent_pid:
+            return
     torch.set_num_threads(threads)
     device = config.model.resolve_device()
-    group = ParallelGroup.join(rank, world, init_method, device, config.parallel.distributed_timeout)
+    parallel = config.parallel
+    group = ParallelGroup.join(rank, parallel.tensor_parallel_size, init_method, device, parallel.distributed_timeout)
+    gloo = GlooBroadcast() if queue_handle is None else None  # (made by every rank in the same order)
     torch.manual_seed(config.model.seed)
     shard = build_shard(config, checkpoint, hf_config, group)
     num_blocks = shard_kv_blocks(config, shard, group)
@@ -198,21 +290,36 @@ def _worker_main(
     )
     if shard.buckets:
         capture_graphs(runner, shard.buckets)
-    reader = queue_handle.open(rank - 1)
+    reader = None if queue_handle is None else queue_handle.open(rank - 1)
     try:
         while True:
             try:
-                step = reader.dequeue(timeout=PARENT_CHECK_S)
+                if gloo is not None:
+                    step = gloo.dequeue()
+                else:
+                    assert reader is not None  # (one broadcast or the other)
+                    step = reader.dequeue(timeout=PARENT_CHECK_S)
             except TimeoutError:
                 if os.getppid() != parent_pid:
                     logger.error("rank 0 (pid %d) is gone: leaving", parent_pid)
                     return
                 continue
-            except BroadcastClosed:  # rank 0 shuts the engine down
+            except (BroadcastClosed, BroadcastClosedByRankZero):  # rank 0 shuts the engine down
                 return
             runner.take_sampled(step.sampled_token_ids)
             runner.execute(step.scheduler_output)
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
         runner.shutdown()
         group.leave()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the thread that started it ends (a headless node's main thread, which
+    lives as long as its process)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        logger.warning("cannot ask to die with the parent process (not Linux?)")

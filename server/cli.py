@@ -86,6 +86,8 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     _configure_logging(server_config.log_level)
     warn_unknown_variables(environ)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
+    if settings.engine.parallel.headless:
+        return _run_headless(settings)
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as error:
@@ -101,6 +103,20 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         return 130
     finally:
         sock.close()
+
+
+def _run_headless(settings: "Settings") -> int:
+    """`--headless`: this node's tensor-parallel ranks, no API server (they follow node 0's)."""
+    from engine.errors import SettingsConflictError
+    from engine.tp_workers import run_headless_node
+
+    try:
+        return run_headless_node(settings.engine)
+    except SettingsConflictError as error:
+        print(f"pagedserve serve: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def _run(settings: "Settings", sock: socket.socket) -> int:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ParallelConfig(BaseModel):
-    """Tensor parallelism on one host: `tensor_parallel_size` processes, each holding a shard of every layer
-    (rank 0 in the engine's process, the others in worker processes it starts; engine/tp_workers.py)."""
+    """Tensor parallelism: `tensor_parallel_size` processes, each holding a shard of every layer (rank 0 in the
+    engine's process, the others in worker processes; engine/tp_workers.py), on one host or spread evenly over
+    `nnodes` hosts: node 0 serves, the others run `pagedserve serve --headless --node-rank R` and start their
+    share of the ranks, all meeting at `master_addr:master_port` (torch.distributed's TCP rendezvous)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -18,9 +22,34 @@ class ParallelConfig(BaseModel):
         description="processes that each hold 1/N of every layer's heads and MLP width (gloo on CPU, NCCL on "
         "CUDA); 1: the whole model in the engine's process",
     )
+    nnodes: int = Field(1, ge=1, description="hosts the ranks are spread over (tensor_parallel_size / nnodes each)")
+    node_rank: int = Field(0, ge=0, description="this host's place among them (0: the one that serves)")
+    master_addr: str = Field("127.0.0.1", description="where node 0's rank 0 listens for the rendezvous")
+    master_port: Optional[int] = Field(
+        None, ge=1, le=65535, description="its port (required with nnodes > 1; one host: a free port is taken)"
+    )
+    headless: bool = Field(False, description="run this node's ranks without an API server (every node but node 0)")
     distributed_timeout: float = Field(
         60.0,
         gt=0,
         description="seconds a rank waits for another (a collective, the start-up, a step message) before the "
         "engine fails instead of hanging",
     )
+
+    @model_validator(mode="after")
+    def _nodes(self) -> "ParallelConfig":
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} does not spread evenly over nnodes {self.nnodes}"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address)")
+        if self.headless != (self.node_rank > 0):
+            raise ValueError("node 0 serves the API and the other nodes run --headless: give both or neither")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes

@@ -220,6 +220,16 @@ OPTIONS: tuple[Option, ...] = (
         "processes that each hold 1/N of every layer (the Llama family; gloo on CPU, NCCL on CUDA)",
         "N",
     ),
+    Option("--nnodes", (*PARALLEL, "nnodes"), "int", "hosts the tensor-parallel ranks are spread over", "N"),
+    Option("--node-rank", (*PARALLEL, "node_rank"), "int", "this host's place among them (0 serves the API)", "R"),
+    Option("--master-addr", (*PARALLEL, "master_addr"), "str", "node 0's address for the ranks' rendezvous", "ADDR"),
+    Option("--master-port", (*PARALLEL, "master_port"), "int", "node 0's port for the ranks' rendezvous", "PORT"),
+    Option(
+        "--headless",
+        (*PARALLEL, "headless"),
+        "bool",
+        "run this node's tensor-parallel ranks without an API server (every node but node 0)",
+    ),
     Option(
         "--distributed-timeout",
         (*PARALLEL, "distributed_timeout"),

@@ -43,7 +43,7 @@ def alive(pid: int) -> bool:
 
 
 def worker_pids(stderr: Path) -> list[int]:
-    match = re.search(r"tensor parallelism: \d+ ranks \(rank 0 here, pids ([\d, ]+)\)", stderr.read_text())
+    match = re.search(r"tensor parallelism: \d+ ranks .*\(rank 0 here, pids ([\d, ]+)\)", stderr.read_text())
     assert match, stderr.read_text()[-2000:]
     return [int(pid) for pid in match.group(1).split(", ")]
 

@@ -37,6 +37,10 @@ FLAG_CASES = [
     ("--scheduling-policy", "priority", ("engine", "scheduler", "policy"), "priority"),
     ("--tensor-parallel-size", "2", ("engine", "parallel", "tensor_parallel_size"), 2),
     ("--distributed-timeout", "7.5", ("engine", "parallel", "distributed_timeout"), 7.5),
+    ("--nnodes", "1", ("engine", "parallel", "nnodes"), 1),
+    ("--node-rank", "0", ("engine", "parallel", "node_rank"), 0),
+    ("--master-addr", "10.0.0.2", ("engine", "parallel", "master_addr"), "10.0.0.2"),
+    ("--master-port", "29511", ("engine", "parallel", "master_port"), 29511),
     ("--attention-backend", "torch", ("engine", "attention_backend"), "torch"),
     ("--seed", "7", ("engine", "model", "seed"), 7),
     (
@@ -75,7 +79,7 @@ BOOL_FLAGS = {
     "--trust-remote-code": (("engine", "model", "trust_remote_code"), False),
     "--enable-log-requests": (("server", "enable_log_requests"), False),
 }
-ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config", "--disable-log-requests"}
+ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config", "--disable-log-requests", "--headless"}
 
 
 def get(settings: Settings, path):
@@ -475,3 +479,15 @@ def test_every_variable_read_elsewhere_is_allowed():
         read |= set(re.findall(r"environ(?:\.get\(|\[)\"(PAGEDSERVE_[A-Z0-9_]+)", text))  # Python
     assert "PAGEDSERVE_CACHE_DIR" in read and "PAGEDSERVE_IMAGE" in read
     assert read - {option.env for option in OPTIONS} <= NOT_SETTINGS
+
+
+def test_a_headless_node_names_its_place_among_the_nodes():
+    argv = ["--headless", "--nnodes", "2", "--node-rank", "1", "--master-port", "29511", "--tensor-parallel-size", "2"]
+    parallel = load_settings(argv, {}).engine.parallel
+    assert parallel.headless and parallel.ranks_per_node == 1
+    with pytest.raises(SettingsError, match="give both or neither"):
+        load_settings(["--headless"], {})
+    with pytest.raises(SettingsError, match="needs master_port"):
+        load_settings(["--nnodes", "2", "--tensor-parallel-size", "2"], {})
+    with pytest.raises(SettingsError, match="does not spread evenly"):
+        load_settings(["--nnodes", "2", "--tensor-parallel-size", "3", "--master-port", "29511"], {})
