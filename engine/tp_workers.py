@@ -280,6 +280,8 @@ def _worker_main(
     torch.set_num_threads(threads)
     device = config.model.resolve_device()
     parallel = config.parallel
+    if device.type == "cuda":  # one device per rank of this host (tensors made on "cuda" land on it)
+        torch.cuda.set_device(rank % parallel.ranks_per_node)
     group = ParallelGroup.join(rank, parallel.tensor_parallel_size, init_method, device, parallel.distributed_timeout)
     gloo = GlooBroadcast() if queue_handle is None else None  # (made by every rank in the same order)
     torch.manual_seed(config.model.seed)

@@ -209,6 +209,12 @@ def test_k8s_manifests_validate_against_the_kubernetes_schemas(version):
         for document in yaml.safe_load_all(path.read_text()):
             if document["kind"] == "ServiceMonitor":
                 continue  # a CRD: no schema in Kubernetes; checked against the Service below
+            if document["kind"] == "LeaderWorkerSet":  # a CRD: its pod templates are Kubernetes pods
+                for role in ("leaderTemplate", "workerTemplate"):
+                    template = document["spec"]["leaderWorkerTemplate"][role]
+                    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role.lower()}, **template}
+                    kubernetes_validate.validate(pod, version, strict=True)
+                continue
             kubernetes_validate.validate(document, version, strict=True)
             checked += 1
     assert checked == 5
@@ -363,3 +369,30 @@ def test_every_metric_the_dashboard_and_alerts_query_is_served():
     served = _served_sample_names()
     assert {"pagedserve_gpu_utilization_ratio", "pagedserve_spec_decode_num_drafts_total"} <= served
     assert len(queried) >= 20 and queried <= served, sorted(queried - served)
+
+
+def test_the_multi_host_group_passes_flags_pagedserve_accepts():
+    """The LeaderWorkerSet's leader and workers: the same tensor-parallel size, node 0 serving, the others headless,
+    all at the leader's rendezvous port; their flags load (the LWS variables given example values)."""
+    from server.config.settings import load_settings
+
+    (group,) = [d for path in K8S_FILES for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "LeaderWorkerSet"]
+    template = group["spec"]["leaderWorkerTemplate"]
+    size = template["size"]
+    values = {"$(LWS_GROUP_SIZE)": str(size), "$(LWS_LEADER_ADDRESS)": "10.0.0.1", "$(LWS_WORKER_INDEX)": "1"}
+
+    def settings(role: str):
+        (container,) = template[role]["spec"]["containers"]
+        args = list(container["args"])
+        for name, value in values.items():
+            args = [arg.replace(name, value) for arg in args]
+        return load_settings(args, {}).engine.parallel, container
+
+    leader, leader_container = settings("leaderTemplate")
+    worker, _ = settings("workerTemplate")
+    assert (leader.node_rank, leader.headless, worker.node_rank, worker.headless) == (0, False, 1, True)
+    assert leader.nnodes == worker.nnodes == size and leader.tensor_parallel_size == worker.tensor_parallel_size
+    assert leader.master_port == worker.master_port
+    assert leader.master_port in {port["containerPort"] for port in leader_container["ports"]}
+    gpus = int(leader_container["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus == leader.ranks_per_node, "one GPU per rank of a pod"
