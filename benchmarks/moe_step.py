@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from benchmarks.decode_steps import DecodeSteps
 
 EXPERTS, TOP_K = 8, 2
 
@@ -78,36 +78,6 @@ def _tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="w1", eos_token="w2", pad_token="w0")
 
 
-class DecodeSteps:
-    """An engine with `batch` requests kept in decode; `median_ms` times a run of its steps."""
-
-    def __init__(self, model_dir: Path, dtype: str, batch: int, max_steps: int, prompt_len: int):
-        from engine import LLM, SamplingParams
-
-        self.llm = LLM(
-            str(model_dir),
-            dtype=dtype,
-            device="cpu",
-            max_model_len=prompt_len + max_steps + 16,
-            max_num_seqs=batch,
-            max_num_batched_tokens=max(256, prompt_len * batch),
-        )
-        engine = self.llm.engine
-        params = SamplingParams(max_tokens=max_steps, temperature=0, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"bench-{i}", [(7 * i + 13 * j) % 1000 + 3 for j in range(prompt_len)], params)
-        engine.step()  # the prefills
-        engine.step()
-
-    def median_ms(self, steps: int) -> float:
-        timings = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            self.llm.engine.step()
-            timings.append(time.perf_counter() - start)
-        return statistics.median(timings) * 1e3
-
-
 def run(args: argparse.Namespace) -> dict:
     """Rounds alternate between the two models and each keeps its best round's median: on a shared machine a
     burst of someone else's work then slows both alike or neither."""
@@ -135,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         dirs = {name: write_checkpoint(Path(tmp) / name, name == "moe", args) for name in ("moe", "dense")}
         for batch in args.batches:
             engines = {
-                name: DecodeSteps(path, args.dtype, batch, args.rounds * args.steps + 8, args.prompt_len)
+                name: DecodeSteps(path, batch, args.rounds * args.steps + 8, args.prompt_len, dtype=args.dtype)
                 for name, path in dirs.items()
             }
             best = {name: float("inf") for name in engines}

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from benchmarks.decode_steps import DecodeSteps
 
 
 def write_checkpoint(path: Path, args: argparse.Namespace) -> Path:
@@ -51,43 +51,9 @@ def write_checkpoint(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-class DecodeSteps:
-    """An engine with `batch` requests kept in decode; `median_ms` times a run of its steps."""
-
-    def __init__(self, model_dir: Path, args: argparse.Namespace, batch: int, tp: int, threads: int):
-        import torch
-
-        from engine import LLM, SamplingParams
-
-        self.threads = threads
-        torch.set_num_threads(threads)
-        max_steps = args.rounds * args.steps + 8
-        self.llm = LLM(
-            str(model_dir),
-            dtype=args.dtype,
-            device="cpu",
-            max_model_len=args.prompt_len + max_steps + 16,
-            max_num_seqs=batch,
-            max_num_batched_tokens=max(256, args.prompt_len * batch),
-            tensor_parallel_size=tp,
-        )
-        engine = self.llm.engine
-        params = SamplingParams(max_tokens=max_steps, temperature=0, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"bench-{i}", [(7 * i + 13 * j) % 1000 + 3 for j in range(args.prompt_len)], params)
-        engine.step()  # the prefills
-        engine.step()
-
-    def median_ms(self, steps: int) -> float:
-        import torch
-
-        torch.set_num_threads(self.threads)  # (process-wide: the two engines share this process)
-        timings = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            self.llm.engine.step()
-            timings.append(time.perf_counter() - start)
-        return statistics.median(timings) * 1e3
+def steps(model_dir: Path, args: argparse.Namespace, batch: int, tp: int, threads: int) -> DecodeSteps:
+    max_steps = args.rounds * args.steps + 8
+    return DecodeSteps(model_dir, batch, max_steps, args.prompt_len, threads, dtype=args.dtype, tensor_parallel_size=tp)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -104,8 +70,8 @@ def run(args: argparse.Namespace) -> dict:
         model_dir = write_checkpoint(Path(tmp) / "llama", args)
         for batch in args.batches:
             engines = {
-                f"tp1 x {args.tp} threads": DecodeSteps(model_dir, args, batch, 1, args.tp),
-                f"tp{args.tp} x 1 thread": DecodeSteps(model_dir, args, batch, args.tp, 1),
+                f"tp1 x {args.tp} threads": steps(model_dir, args, batch, 1, args.tp),
+                f"tp{args.tp} x 1 thread": steps(model_dir, args, batch, args.tp, 1),
             }
             best = {name: float("inf") for name in engines}
             for _ in range(args.rounds):

@@ -6,6 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
+import pytest
 import torch
 import yaml
 
@@ -71,3 +72,21 @@ def hf_prompt_logprobs(model_dir: Path, prompt_ids: Sequence[int]) -> list[float
         logits = model(ids).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], -1)
     return logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist()
+
+
+NEW_TOKENS = 12
+"""Greedy tokens the equivalence tests compare with HF `generate`."""
+
+
+@lru_cache(maxsize=None)
+def _hf_greedy_once(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    return hf_greedy(Path(model_dir), prompt, max_new_tokens)
+
+
+def check_against_hf(model_dir, prompts, results, max_new_tokens: int = NEW_TOKENS) -> None:
+    """Each result's greedy tokens are HF's and its logprobs within 1e-4 (HF's run once per prompt)."""
+    for prompt, result in zip(prompts, results):
+        expected, expected_lps = _hf_greedy_once(str(model_dir), tuple(prompt), max_new_tokens)
+        out = result.outputs[0]
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)

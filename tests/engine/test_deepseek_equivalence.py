@@ -5,7 +5,6 @@ refused at start-up."""
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,8 @@ import torch
 
 from engine import SamplingParams
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.references import hf_greedy, hf_prompt_logprobs, make_llm
-from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
+from tests.engine.references import check_against_hf, hf_prompt_logprobs, make_llm
+from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 
 KV_LORA_RANK, ROPE_DIM, LAYERS = 32, 8, 3
 COMMON = dict(
@@ -78,19 +77,6 @@ def make_deepseek_dir(path: Path, family: str, **overrides) -> Path:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def deepseek_dir(request, tmp_path_factory):
     return make_deepseek_dir(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@lru_cache(maxsize=None)
-def _hf_greedy(model_dir: Path, prompt: tuple[int, ...]):
-    return hf_greedy(model_dir, prompt, NEW_TOKENS)
-
-
-def check_against_hf(model_dir, prompts, results):
-    for prompt, result in zip(prompts, results):
-        expected, expected_lps = _hf_greedy(model_dir, tuple(prompt))
-        out = result.outputs[0]
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
 
 
 def test_batch_and_alone(deepseek_dir):

@@ -14,26 +14,13 @@ from transformers import AutoConfig
 from engine import SamplingParams
 from engine.models import build_model
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
-from tests.engine.references import assert_idle, hf_greedy, hf_prompt_logprobs, make_llm
+from tests.engine.references import assert_idle, check_against_hf, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
 
 
 @pytest.fixture(scope="module", params=sorted(DENSE_FAMILIES))
 def model_dir(request, tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@lru_cache(maxsize=None)
-def hf_reference(model_dir, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
-    return hf_greedy(model_dir, prompt, NEW_TOKENS)
-
-
-def check_against_hf(model_dir, prompts, results) -> None:
-    for prompt, result in zip(prompts, results):
-        expected, expected_lps = hf_reference(model_dir, tuple(prompt))
-        out = result.outputs[0]
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

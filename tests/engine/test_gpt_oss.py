@@ -7,7 +7,6 @@ test_gpt_oss_mxfp4.py)."""
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ import torch
 
 from engine import SamplingParams
 from tests.engine.factories import make_tiny_tokenizer, tiny_config_dict
-from tests.engine.references import assert_idle, hf_greedy, hf_model, hf_prompt_logprobs, make_llm
-from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
+from tests.engine.references import assert_idle, check_against_hf, hf_model, hf_prompt_logprobs, make_llm
+from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 GPT_OSS = dict(
@@ -73,19 +72,6 @@ def make_gpt_oss_dir(path: Path, **overrides) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_gpt_oss_dir(tmp_path_factory.mktemp("gpt_oss"))
-
-
-@lru_cache(maxsize=None)
-def hf_reference(model_dir: Path, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
-    return hf_greedy(model_dir, prompt, NEW_TOKENS)
-
-
-def check_against_hf(model_dir, prompts, results) -> None:
-    for prompt, result in zip(prompts, results):
-        expected, expected_lps = hf_reference(model_dir, tuple(prompt))
-        out = result.outputs[0]
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
 
 
 def test_the_checkpoint_is_what_transformers_writes(model_dir):

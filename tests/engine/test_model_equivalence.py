@@ -5,9 +5,7 @@ import random
 import pytest
 
 from engine import SamplingParams
-from tests.engine.references import assert_idle, hf_greedy, hf_prompt_logprobs, make_llm
-
-NEW_TOKENS = 12
+from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf, hf_prompt_logprobs, make_llm
 
 
 def mixed_prompts(seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
@@ -22,15 +20,6 @@ def run_greedy(llm, prompts, **params):
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert_idle(llm)
     return results
-
-
-def check_against_hf(model_dir, prompts, results):
-    for prompt, result in zip(prompts, results):
-        expected, expected_lps = hf_greedy(model_dir, prompt, NEW_TOKENS)
-        out = result.outputs[0]
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        got_lps = [lp.logprob for lp in out.logprobs]
-        assert got_lps == pytest.approx(expected_lps, abs=1e-4)
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])

@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import SamplingParams
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.references import hf_greedy, hf_prompt_logprobs, make_llm
-from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
+from tests.engine.references import check_against_hf, hf_prompt_logprobs, make_llm
+from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 
 FAMILIES = {
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8),
@@ -46,19 +44,6 @@ FAMILIES = {
 def moe_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return make_tiny_model_dir(path, "llama", num_experts_per_tok=2, **FAMILIES[request.param])
-
-
-@lru_cache(maxsize=None)
-def _hf_greedy(model_dir: Path, prompt: tuple[int, ...]):
-    return hf_greedy(model_dir, prompt, NEW_TOKENS)
-
-
-def check_against_hf(model_dir, prompts, results):
-    for prompt, result in zip(prompts, results):
-        expected, expected_lps = _hf_greedy(model_dir, tuple(prompt))
-        out = result.outputs[0]
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

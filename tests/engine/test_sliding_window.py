@@ -5,13 +5,12 @@ the sliding blocks behind the window are freed (the scheduler's side: tests/sche
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import pytest
 
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.references import hf_greedy, make_llm
-from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
+from tests.engine.references import check_against_hf, make_llm
+from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 
 CASES = {
     "mistral": {},  # sliding_window 8 on every layer
@@ -22,19 +21,6 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def model_dir(request, tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param, **CASES[request.param])
-
-
-@lru_cache(maxsize=None)
-def hf_reference(model_dir, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
-    return hf_greedy(model_dir, prompt, NEW_TOKENS)
-
-
-def check_against_hf(model_dir, prompts, results) -> None:
-    for prompt, result in zip(prompts, results):
-        expected, expected_lps = hf_reference(model_dir, tuple(prompt))
-        out = result.outputs[0]
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx(expected_lps, abs=1e-4)
 
 
 def test_windows_past_the_window_with_chunks_and_preemption(model_dir):

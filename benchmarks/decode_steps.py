@@ -1,0 +1,50 @@
+"""An engine kept in decode: the step timer the step benchmarks (moe_step, tensor_parallel) share."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+
+class DecodeSteps:
+    """An engine with `batch` requests kept in decode; `median_ms` times a run of its steps. `threads`: torch's
+    threads while this engine steps (process-wide: engines compared in one process each set their own)."""
+
+    def __init__(
+        self, model_dir: Path, batch: int, max_steps: int, prompt_len: int, threads: Optional[int] = None, **llm: Any
+    ):
+        import torch
+
+        from engine import LLM, SamplingParams
+
+        self.threads = threads
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.llm = LLM(
+            str(model_dir),
+            device="cpu",
+            max_model_len=prompt_len + max_steps + 16,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(256, prompt_len * batch),
+            **llm,
+        )
+        engine = self.llm.engine
+        params = SamplingParams(max_tokens=max_steps, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"bench-{i}", [(7 * i + 13 * j) % 1000 + 3 for j in range(prompt_len)], params)
+        engine.step()  # the prefills
+        engine.step()
+
+    def median_ms(self, steps: int) -> float:
+        import torch
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        timings = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.llm.engine.step()
+            timings.append(time.perf_counter() - start)
+        return statistics.median(timings) * 1e3
