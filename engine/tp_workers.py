@@ -25,7 +25,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from engine.distributed.cpu_binding import RankCpus, cgroup_cpu_quota, pin_process, plan_rank_cpus, process_cpus
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
@@ -66,11 +68,19 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
 class TensorParallelWorkers:
     """Rank 0's handle on ranks 1 .. N-1: the processes, the broadcast that feeds them, the group it joined."""
 
-    def __init__(self, processes: list[Any], queue: ShmBroadcastQueue, group: ParallelGroup, threads_before: int):
+    def __init__(
+        self,
+        processes: list[Any],
+        queue: ShmBroadcastQueue,
+        group: ParallelGroup,
+        all_reduce: Optional[ShmAllReduceOwner],
+        restore: "_Restore",
+    ):
         self.processes = processes
-        self._threads_before = threads_before
+        self._restore = restore
         self.queue = queue
         self.group = group
+        self._all_reduce = all_reduce
         self._stopping = threading.Event()
         self._on_failure: list[Callable[[BaseException], None]] = []
         self.failure: Optional[BaseException] = None
@@ -83,37 +93,44 @@ class TensorParallelWorkers:
         they load their shards while this process loads its own."""
         check_tensor_parallel(config, hf_config)
         world = config.parallel.tensor_parallel_size
-        threads = max((len(os.sched_getaffinity(0)) // world), 1)
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(threads)  # the ranks share the machine's cores (given back by `stop`)
+        timeout = config.parallel.distributed_timeout
+        plan = plan_rank_cpus(process_cpus(), world, cgroup_cpu_quota())
+        restore = _Restore(torch.get_num_threads(), process_cpus())
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=config.parallel.distributed_timeout)
+        device = config.model.resolve_device()
+        queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=timeout)
+        # On CPU the ranks' all-reduce goes through shared memory (gloo's loopback TCP costs ~10x more per call).
+        all_reduce = ShmAllReduce.create(world, timeout_s=timeout) if device.type == "cpu" else None
+        shm_handle = all_reduce.handle if all_reduce is not None else None
         context = mp.get_context("spawn")
         processes = []
         try:
             for rank in range(1, world):
                 process = context.Process(
                     target=_worker_main,
-                    args=(config, checkpoint, hf_config, rank, world, init_method, queue.handle, os.getpid(), threads),
+                    args=(config, checkpoint, hf_config, rank, world, init_method)
+                    + (queue.handle, shm_handle, os.getpid(), plan[rank]),
                     name=f"pagedserve-tp{rank}",
                     daemon=True,  # (also ended by the interpreter's exit)
                 )
                 process.start()
                 processes.append(process)
-            device = config.model.resolve_device()
-            group = ParallelGroup.join(0, world, init_method, device, config.parallel.distributed_timeout)
+            _bind(plan[0], 0)  # after spawning: the workers start from this process's mask, not rank 0's share
+            group = ParallelGroup.join(0, world, init_method, device, timeout, shm_handle)
         except BaseException:
             _end(processes)
             queue.close()
-            torch.set_num_threads(threads_before)
+            if all_reduce is not None:
+                all_reduce.close()
+            restore()
             raise
         logger.info(
-            "tensor parallelism: %d ranks (rank 0 here, pids %s), %d threads each",
+            "tensor parallelism: %d ranks (rank 0 here, pids %s), all-reduce over %s",
             world,
             ", ".join(str(p.pid) for p in processes),
-            threads,
+            "shared memory" if all_reduce is not None else "NCCL",
         )
-        return cls(processes, queue, group, threads_before)
+        return cls(processes, queue, group, all_reduce, restore)
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` (from the watcher's thread) when a worker exits while the engine runs."""
@@ -136,7 +153,9 @@ class TensorParallelWorkers:
         finally:
             _end(self.processes, STOP_WAIT_S)
             self.group.leave()
-            torch.set_num_threads(self._threads_before)
+            if self._all_reduce is not None:
+                self._all_reduce.close()
+            self._restore()
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: process for process in self.processes}
@@ -147,10 +166,33 @@ class TensorParallelWorkers:
                     return
                 process.join(0)
                 self.failure = WorkerDiedError(process.name, process.exitcode)
+                if self._all_reduce is not None:
+                    self._all_reduce.abort()  # rank 0 may be waiting in an all-reduce for the dead worker
                 logger.error("%s", self.failure)
                 for callback in self._on_failure:
                     callback(self.failure)
                 return
+
+
+class _Restore:
+    """What rank 0 changed in its process (threads, CPU affinity), given back by `stop` (a process may build
+    another engine afterwards)."""
+
+    def __init__(self, threads: int, cpus: set[int]):
+        self.threads = threads
+        self.cpus = cpus
+
+    def __call__(self) -> None:
+        torch.set_num_threads(self.threads)
+        pin_process(self.cpus)
+
+
+def _bind(share: RankCpus, rank: int) -> None:
+    """Pin this process to the rank's CPUs and set its threads; logged, with the reason when not pinned."""
+    if share.cpus is not None:
+        pin_process(share.cpus)
+    torch.set_num_threads(share.threads)
+    logger.info("%s", share.describe(rank))
 
 
 class WorkerDiedError(RuntimeError):
@@ -182,14 +224,15 @@ def _worker_main(
     world: int,
     init_method: str,
     queue_handle: Any,
+    all_reduce_handle: Any,
     parent_pid: int,
-    threads: int,
+    share: RankCpus,
 ) -> None:
     """Rank `rank`: load its shard, then run every step rank 0 sends until it closes the broadcast."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
-    torch.set_num_threads(threads)
+    _bind(share, rank)
     device = config.model.resolve_device()
-    group = ParallelGroup.join(rank, world, init_method, device, config.parallel.distributed_timeout)
+    group = ParallelGroup.join(rank, world, init_method, device, config.parallel.distributed_timeout, all_reduce_handle)
     torch.manual_seed(config.model.seed)
     shard = build_shard(config, checkpoint, hf_config, group)
     num_blocks = shard_kv_blocks(config, shard, group)
