@@ -8,8 +8,10 @@
       samples (its LM head is whole)               samples nothing
 
 A worker that dies or hangs fails the engine within seconds instead of hanging it: a step's collectives
-raise (a dead peer closes its connections; a stuck one passes --distributed-timeout), and a watcher thread
-reports a worker's exit while the engine is idle (`on_failure`). A worker leaves when rank 0 closes the
+raise (the shared-memory all-reduce sees a dead peer's pid gone, gloo its connections closed; a stuck one
+passes --distributed-timeout), and a watcher thread reports a worker's exit while the engine is idle
+(`on_failure`) and aborts an all-reduce in progress. Each rank runs pinned to its share of the CPUs
+(engine/distributed/cpu_binding.py). A worker leaves when rank 0 closes the
 broadcast, and on its own when its parent process is gone (SIGKILL of the server included).
 """
 

@@ -15,8 +15,8 @@ class ParallelConfig(BaseModel):
         1,
         ge=1,
         le=64,
-        description="processes that each hold 1/N of every layer's heads and MLP width (gloo on CPU, NCCL on "
-        "CUDA); 1: the whole model in the engine's process",
+        description="processes that each hold 1/N of every layer's heads and MLP width (all-reduce through shared "
+        "memory on CPU, NCCL on CUDA); 1: the whole model in the engine's process",
     )
     distributed_timeout: float = Field(
         60.0,

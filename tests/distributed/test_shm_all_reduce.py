@@ -4,8 +4,10 @@ fails the others in well under a second, a stuck one after the timeout; nothing 
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import re
 import socket
 import threading
 import time
@@ -198,3 +200,19 @@ def test_cgroup_quota_reads_cpu_max(tmp_path):
     cpu_max.write_text("max 100000\n")
     assert cgroup_cpu_quota(cpu_max) is None
     assert cgroup_cpu_quota(tmp_path / "absent") is None
+
+
+def test_an_engine_with_two_ranks_reduces_through_shared_memory_and_gives_its_cpus_back(tiny_model_dir, caplog):
+    from engine import LLM, SamplingParams
+
+    before = os.sched_getaffinity(0)
+    caplog.set_level(logging.INFO)
+    with LLM(str(tiny_model_dir), dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        assert (
+            len(llm.generate([{"prompt_token_ids": [5, 9, 27]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+        )
+    messages = "\n".join(record.getMessage() for record in caplog.records)
+    assert "all-reduce over shared memory" in messages
+    assert re.search(r"tp rank 0: (CPUs [\d,-]+|not pinned), \d+ thread\(s\)", messages), messages
+    assert os.sched_getaffinity(0) == before
