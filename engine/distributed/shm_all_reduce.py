@@ -114,19 +114,22 @@ class ShmAllReduceOwner:
     def __init__(self, segment: shared_memory.SharedMemory, handle: AllReduceHandle):
         self.handle = handle
         self._segment: Optional[shared_memory.SharedMemory] = segment
+        self._lock = threading.Lock()  # abort comes from rank 0's watcher thread, close from the engine's
 
     def abort(self) -> None:
         """Make every rank's current and next collective raise (a worker died: fail fast, not after timeout)."""
-        if self._segment is not None:
-            _buffer(self._segment)[0] = 1
+        with self._lock:
+            if self._segment is not None:
+                _buffer(self._segment)[0] = 1
 
     def close(self) -> None:
         """Abort and unlink; idempotent. Ranks still attached keep their mapping until they close."""
-        segment, self._segment = self._segment, None
-        if segment is not None:
-            _buffer(segment)[0] = 1
-            segment.close()
-            segment.unlink()
+        with self._lock:
+            segment, self._segment = self._segment, None
+            if segment is not None:
+                _buffer(segment)[0] = 1
+                segment.close()
+                segment.unlink()
 
     def __enter__(self) -> ShmAllReduceOwner:
         return self
@@ -135,7 +138,7 @@ class ShmAllReduceOwner:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_segment", None) is not None:
+        if getattr(self, "_segment", None) is not None and hasattr(self, "_lock"):
             self.close()
 
 

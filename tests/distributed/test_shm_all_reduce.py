@@ -9,6 +9,8 @@ import multiprocessing
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -216,3 +218,34 @@ def test_an_engine_with_two_ranks_reduces_through_shared_memory_and_gives_its_cp
     assert "all-reduce over shared memory" in messages
     assert re.search(r"tp rank 0: (CPUs [\d,-]+|not pinned), \d+ thread\(s\)", messages), messages
     assert os.sched_getaffinity(0) == before
+
+
+LEAK_CHECK = """
+import multiprocessing
+from engine.distributed.shm_all_reduce import ShmAllReduce
+from tests.distributed.reducers import reduce_until
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    owner = ShmAllReduce.create(2, slot_bytes=4096)
+    procs = [context.Process(target=reduce_until, args=(k, owner.handle, results, None, 20)) for k in range(2)]
+    for proc in procs:
+        proc.start()
+    reports = sorted(results.get(timeout=20) for _ in procs)
+    for proc in procs:
+        proc.join(10)
+    owner.close()
+    assert [kind for _, kind, *_ in reports] == ["done", "done"], reports
+    print("ok")
+"""
+
+
+def test_no_leak_reported_by_the_resource_tracker(tmp_path):
+    """The tracker reports leaks (segments, semaphores) when its last user exits: so in a process of its own."""
+    script = tmp_path / "leak_check.py"
+    script.write_text(LEAK_CHECK)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert "leaked" not in done.stderr and "Traceback" not in done.stderr, done.stderr
