@@ -44,17 +44,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import secrets
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from multiprocessing.synchronize import Semaphore
 from pathlib import Path
 from typing import Optional
-from unittest import mock
 
 import torch
+
+from engine.distributed.shm_segment import attach_segment, create_segment, segment_buffer
 
 SEGMENT_PREFIX = "psar"  # + the owner's pid: what a test looks for in /dev/shm
 _LINE = 64  # cache line
@@ -120,14 +120,14 @@ class ShmAllReduceOwner:
         """Make every rank's current and next collective raise (a worker died: fail fast, not after timeout)."""
         with self._lock:
             if self._segment is not None:
-                _buffer(self._segment)[0] = 1
+                segment_buffer(self._segment)[0] = 1
 
     def close(self) -> None:
         """Abort and unlink; idempotent. Ranks still attached keep their mapping until they close."""
         with self._lock:
             segment, self._segment = self._segment, None
             if segment is not None:
-                _buffer(segment)[0] = 1
+                segment_buffer(segment)[0] = 1
                 segment.close()
                 segment.unlink()
 
@@ -152,10 +152,9 @@ class ShmAllReduce:
             raise ValueError(f"need world_size >= 2 and slot_bytes >= {_LINE}")
         slot_bytes = -(-slot_bytes // _LINE) * _LINE
         layout = _Layout(world_size, slot_bytes)
-        name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        segment = shared_memory.SharedMemory(name=name, create=True, size=layout.size)
+        segment = create_segment(SEGMENT_PREFIX, layout.size)
         try:
-            _buffer(segment)[: layout.buffers_offset] = bytes(layout.buffers_offset)  # not aborted, no arrival
+            segment_buffer(segment)[: layout.buffers_offset] = bytes(layout.buffers_offset)  # not aborted, no arrival
             context = multiprocessing.get_context("spawn")
             wake = tuple(context.Semaphore(0) for _ in range(world_size))
             return ShmAllReduceOwner(segment, AllReduceHandle(segment.name, world_size, slot_bytes, timeout_s, wake))
@@ -173,8 +172,8 @@ class ShmAllReduce:
         self.spin_s = spin_s
         self._layout = _Layout(handle.world_size, handle.slot_bytes)
         self._wake = handle.wake
-        self._segment: Optional[shared_memory.SharedMemory] = _attach(handle.name)
-        buf = _buffer(self._segment)
+        self._segment: Optional[shared_memory.SharedMemory] = attach_segment(handle.name)
+        buf = segment_buffer(self._segment)
         self._aborted = buf[0:1]
         self._pids = buf[self._layout.pids_offset : self._layout.arrived_offset].cast("Q")
         self._arrived = buf[self._layout.arrived_offset : self._layout.buffers_offset].cast("Q")
@@ -306,20 +305,3 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True  # no /proc: os.kill said it exists
     return state not in ("Z", "X")
-
-
-def _buffer(segment: shared_memory.SharedMemory) -> memoryview:
-    buf = segment.buf
-    assert buf is not None, "the segment is closed"
-    return buf
-
-
-def _no_register(name: str, rtype: str) -> None:
-    pass
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Open the owner's segment without enrolling it in this process's resource tracker (it would unlink the
-    segment at this process's exit and report it leaked; the owner unlinks it)."""
-    with mock.patch.object(resource_tracker, "register", _no_register):
-        return shared_memory.SharedMemory(name=name)

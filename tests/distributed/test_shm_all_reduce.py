@@ -43,15 +43,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(target, world: int, args_of, timeout: float = 60) -> list[tuple]:
-    """`target` in `world` spawned processes (args_of(rank, results) -> args); their reports, one each."""
+def run_ranks(target, world: int, args_of, reports: int | None = None, timeout: float = 60) -> list[tuple]:
+    """`target` in `world` spawned processes (args_of(rank, results) -> args); the first `reports` reports
+    (default: one from each)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     procs = [context.Process(target=target, args=args_of(rank, results), daemon=True) for rank in range(world)]
     for proc in procs:
         proc.start()
     try:
-        return [results.get(timeout=timeout) for _ in procs]
+        return [results.get(timeout=timeout) for _ in range(world if reports is None else reports)]
     finally:
         for proc in procs:
             proc.join(10)
@@ -90,31 +91,14 @@ def test_sums_match_float64_and_gloo_and_every_rank_holds_the_same_bits(world):
 @pytest.mark.parametrize("world, dead", [(2, 1), (3, 2), (3, 0)])
 def test_a_peer_that_dies_makes_the_others_raise_fast(world, dead):
     with ShmAllReduce.create(world, slot_bytes=64 << 10, timeout_s=60) as owner:
-        reports = _with_a_dying_rank(owner.handle, world, dead)
+        # Rank `dead` exits before its 6th call; the others report how theirs ended.
+        reports = run_ranks(
+            reduce_until, world, lambda rank, q: (rank, owner.handle, q, 5 if rank == dead else None), world - 1
+        )
     for rank, kind, message, waited, call in reports:
         assert kind == "PeerGoneError", (rank, kind, message)
         assert f"rank {dead}" in message or "aborted" in message
         assert waited < 2.0 and call == 5
-
-
-def _with_a_dying_rank(handle, world: int, dead: int) -> list[tuple]:
-    """The survivors' reports: rank `dead` exits before its 6th call."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    procs = [
-        context.Process(target=reduce_until, args=(rank, handle, results, 5 if rank == dead else None), daemon=True)
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        return [results.get(timeout=30) for _ in range(world - 1)]
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
 
 
 def test_a_stuck_peer_times_out_naming_it_and_the_group_stays_failed():
