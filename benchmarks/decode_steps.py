@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -36,12 +37,18 @@ class DecodeSteps:
             engine.add_request(f"bench-{i}", [(7 * i + 13 * j) % 1000 + 3 for j in range(prompt_len)], params)
         engine.step()  # the prefills
         engine.step()
+        # With tensor parallelism rank 0 (this process) is pinned to its share of the CPUs until its engine stops:
+        # each engine steps on the CPUs it had when it started.
+        self.cpus = os.sched_getaffinity(0)
 
     def median_ms(self, steps: int) -> float:
         import torch
 
+        from engine.distributed.cpu_binding import pin_process
+
         if self.threads is not None:
             torch.set_num_threads(self.threads)
+        pin_process(self.cpus)
         timings = []
         for _ in range(steps):
             start = time.perf_counter()

@@ -6,7 +6,8 @@ with N threads, at batch 1 and batch 16.
 A random-weight Llama checkpoint written by transformers to a temporary folder (Llama-3-like proportions:
 head_dim 64, 4 query heads per KV head, MLP 3.5x), served by two engines in this process: one with
 `--tensor-parallel-size 1` and torch threads = N, one with N ranks (rank 0 here, the others in worker
-processes), one thread each. Each keeps `batch` requests in decode; rounds alternate between them and each keeps
+processes), one thread each, each rank pinned to its share of the CPUs (this process's threads and CPUs are
+set to each engine's before its rounds). Each keeps `batch` requests in decode; rounds alternate between them and each keeps
 its best round's median step, after the CPU model and flags. Both engines give the same tokens (greedy).
 """
 

@@ -27,7 +27,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from engine.distributed.cpu_binding import RankCpus, cgroup_cpu_quota, pin_process, plan_rank_cpus, process_cpus
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
@@ -73,11 +75,19 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
 class TensorParallelWorkers:
     """Rank 0's handle on ranks 1 .. N-1: the processes, the broadcast that feeds them, the group it joined."""
 
-    def __init__(self, processes: list[Any], queue: "StepChannel", group: ParallelGroup, threads_before: int):
+    def __init__(
+        self,
+        processes: list[Any],
+        queue: "StepChannel",
+        group: ParallelGroup,
+        all_reduce: Optional[ShmAllReduceOwner],
+        restore: "_Restore",
+    ):
         self.processes = processes
-        self._threads_before = threads_before
+        self._restore = restore
         self.queue = queue
         self.group = group
+        self._all_reduce = all_reduce
         self._stopping = threading.Event()
         self._on_failure: list[Callable[[BaseException], None]] = []
         self.failure: Optional[BaseException] = None
@@ -92,34 +102,40 @@ class TensorParallelWorkers:
         check_tensor_parallel(config, hf_config)
         parallel = config.parallel
         world, local = parallel.tensor_parallel_size, parallel.ranks_per_node
-        threads = max((len(os.sched_getaffinity(0)) // local), 1)
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(threads)  # the ranks share the machine's cores (given back by `stop`)
+        timeout = parallel.distributed_timeout
+        plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
+        restore = _Restore(torch.get_num_threads(), process_cpus())
         init_method = f"tcp://{parallel.master_addr}:{parallel.master_port or _free_port()}"
-        queue = None
-        if parallel.nnodes == 1:
-            queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=parallel.distributed_timeout)
+        device = config.model.resolve_device()
+        one_host = parallel.nnodes == 1
+        queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=timeout) if one_host else None
+        # On one host's CPUs the ranks' all-reduce goes through shared memory (gloo's loopback TCP costs ~10x more
+        # per call); across hosts, gloo; on CUDA, NCCL.
+        all_reduce = ShmAllReduce.create(world, timeout_s=timeout) if device.type == "cpu" and one_host else None
+        shm_handle = all_reduce.handle if all_reduce is not None else None
         processes: list[Any] = []
         try:
             handle = None if queue is None else queue.handle
-            processes = _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, threads)
-            device = config.model.resolve_device()
-            group = ParallelGroup.join(0, world, init_method, device, parallel.distributed_timeout)
+            processes = _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, shm_handle, plan)
+            _bind(plan[0], 0)  # after spawning: the workers start from this process's mask, not rank 0's share
+            group = ParallelGroup.join(0, world, init_method, device, timeout, shm_handle)
             channel: StepChannel = queue if queue is not None else GlooBroadcast()
         except BaseException:
             _end(processes)
             if queue is not None:
                 queue.close()
-            torch.set_num_threads(threads_before)
+            if all_reduce is not None:
+                all_reduce.close()
+            restore()
             raise
         logger.info(
-            "tensor parallelism: %d ranks over %d node(s) (rank 0 here, pids %s), %d threads each",
+            "tensor parallelism: %d ranks over %d node(s) (rank 0 here, pids %s), all-reduce over %s",
             world,
             parallel.nnodes,
             ", ".join(str(p.pid) for p in processes) or "none",
-            threads,
+            "shared memory" if all_reduce is not None else "gloo" if device.type == "cpu" else "NCCL",
         )
-        return cls(processes, channel, group, threads_before)
+        return cls(processes, channel, group, all_reduce, restore)
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` (from the watcher's thread) when a worker exits while the engine runs."""
@@ -144,7 +160,9 @@ class TensorParallelWorkers:
         finally:
             _end(self.processes, STOP_WAIT_S)
             self.group.leave()
-            torch.set_num_threads(self._threads_before)
+            if self._all_reduce is not None:
+                self._all_reduce.close()
+            self._restore()
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: process for process in self.processes}
@@ -155,10 +173,33 @@ class TensorParallelWorkers:
                     return
                 process.join(0)
                 self.failure = WorkerDiedError(process.name, process.exitcode)
+                if self._all_reduce is not None:
+                    self._all_reduce.abort()  # rank 0 may be waiting in an all-reduce for the dead worker
                 logger.error("%s", self.failure)
                 for callback in self._on_failure:
                     callback(self.failure)
                 return
+
+
+class _Restore:
+    """What rank 0 changed in its process (threads, CPU affinity), given back by `stop` (a process may build
+    another engine afterwards)."""
+
+    def __init__(self, threads: int, cpus: set[int]):
+        self.threads = threads
+        self.cpus = cpus
+
+    def __call__(self) -> None:
+        torch.set_num_threads(self.threads)
+        pin_process(self.cpus)
+
+
+def _bind(share: RankCpus, rank: int) -> None:
+    """Pin this process to the rank's CPUs and set its threads; logged, with the reason when not pinned."""
+    if share.cpus is not None:
+        pin_process(share.cpus)
+    torch.set_num_threads(share.threads)
+    logger.info("%s", share.describe(rank))
 
 
 class WorkerDiedError(RuntimeError):
@@ -189,27 +230,21 @@ def _spawn(
     ranks: range,
     init_method: str,
     queue_handle: Any,
-    threads: int,
+    all_reduce_handle: Any,
+    plan: list[RankCpus],
     die_with_parent: bool = False,
 ) -> list[Any]:
-    """Start a worker process for each of `ranks` (their broadcast: the shared-memory ring's handle, or None for
-    the gloo one)."""
+    """Start a worker process for each of `ranks`: their step broadcast (the shared-memory ring's handle, or None
+    for the gloo one), their all-reduce's shared memory (None: gloo or NCCL), each one's CPUs (`plan`, by the rank's
+    place on this host)."""
     context = mp.get_context("spawn")
     processes = []
+    per_node = config.parallel.ranks_per_node
     for rank in ranks:
         process = context.Process(
             target=_worker_main,
-            args=(
-                config,
-                checkpoint,
-                hf_config,
-                rank,
-                init_method,
-                queue_handle,
-                os.getpid(),
-                threads,
-                die_with_parent,
-            ),
+            args=(config, checkpoint, hf_config, rank, init_method, queue_handle, all_reduce_handle)
+            + (os.getpid(), plan[rank % per_node], die_with_parent),
             name=f"pagedserve-tp{rank}",
             daemon=True,  # (also ended by the interpreter's exit)
         )
@@ -230,11 +265,10 @@ def run_headless_node(config: EngineConfig) -> int:
     check_tensor_parallel(config, hf_config)
     local = parallel.ranks_per_node
     first = parallel.node_rank * local
-    threads = max((len(os.sched_getaffinity(0)) // local), 1)
+    plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
     init_method = f"tcp://{parallel.master_addr}:{parallel.master_port}"
-    processes = _spawn(
-        config, checkpoint, hf_config, range(first, first + local), init_method, None, threads, die_with_parent=True
-    )
+    ranks = range(first, first + local)
+    processes = _spawn(config, checkpoint, hf_config, ranks, init_method, None, None, plan, die_with_parent=True)
     logger.info(
         "node %d of %d: ranks %d .. %d (pids %s), rendezvous at %s",
         parallel.node_rank,
@@ -267,8 +301,9 @@ def _worker_main(
     rank: int,
     init_method: str,
     queue_handle: Any,
+    all_reduce_handle: Any,
     parent_pid: int,
-    threads: int,
+    share: RankCpus,
     die_with_parent: bool,
 ) -> None:
     """Rank `rank`: load its shard, then run every step rank 0 sends until it closes the broadcast."""
@@ -277,12 +312,14 @@ def _worker_main(
         _die_with_parent()
         if os.getppid() != parent_pid:
             return
-    torch.set_num_threads(threads)
+    _bind(share, rank)
     device = config.model.resolve_device()
     parallel = config.parallel
     if device.type == "cuda":  # one device per rank of this host (tensors made on "cuda" land on it)
         torch.cuda.set_device(rank % parallel.ranks_per_node)
-    group = ParallelGroup.join(rank, parallel.tensor_parallel_size, init_method, device, parallel.distributed_timeout)
+    group = ParallelGroup.join(
+        rank, parallel.tensor_parallel_size, init_method, device, parallel.distributed_timeout, all_reduce_handle
+    )
     gloo = GlooBroadcast() if queue_handle is None else None  # (made by every rank in the same order)
     torch.manual_seed(config.model.seed)
     shard = build_shard(config, checkpoint, hf_config, group)

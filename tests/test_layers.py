@@ -11,7 +11,7 @@ server -> engine -> scheduler; and inside the engine each room keeps to its floo
     loading    checkpoints and GGUF files                       -> quantization, kernels
     profiling  step timings and bandwidth floors                -> quantization
     quantization, kernels (the floor: kernels import nothing of the engine but its cache folder)
-    distributed  the step broadcast to worker processes        (a floor of its own: imports nothing of the engine)
+    distributed  the step broadcast and all-reduce of ranks    (a floor of its own: imports nothing of the engine)
 
 A new import that breaks one of these fails here, with the edge that broke it."""
 

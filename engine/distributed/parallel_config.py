@@ -19,8 +19,8 @@ class ParallelConfig(BaseModel):
         1,
         ge=1,
         le=64,
-        description="processes that each hold 1/N of every layer's heads and MLP width (gloo on CPU, NCCL on "
-        "CUDA); 1: the whole model in the engine's process",
+        description="processes that each hold 1/N of every layer's heads and MLP width (all-reduce through shared "
+        "memory on CPU, NCCL on CUDA); 1: the whole model in the engine's process",
     )
     nnodes: int = Field(1, ge=1, description="hosts the ranks are spread over (tensor_parallel_size / nnodes each)")
     node_rank: int = Field(0, ge=0, description="this host's place among them (0: the one that serves)")

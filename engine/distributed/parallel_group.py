@@ -1,13 +1,17 @@
 """A tensor-parallel group: this process's rank among the processes that hold one model's shards, and the
-collectives its forward pass needs (torch.distributed: gloo on CPU, NCCL on CUDA)."""
+collectives its forward pass needs: on CPU a shared-memory all-reduce between the ranks of the host
+(`shm_all_reduce.py`) when rank 0 made one, else torch.distributed's gloo; NCCL on CUDA."""
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from engine.distributed.shm_all_reduce import AllReduceHandle, ShmAllReduce
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +24,7 @@ class ParallelGroup:
 
     rank: int = 0
     world_size: int = 1
+    shm: Optional[ShmAllReduce] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def single(cls) -> "ParallelGroup":
@@ -27,9 +32,16 @@ class ParallelGroup:
 
     @classmethod
     def join(
-        cls, rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float
+        cls,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        device: torch.device,
+        timeout_s: float,
+        shm: Optional[AllReduceHandle] = None,
     ) -> "ParallelGroup":
-        """Join the group (blocks until all `world_size` ranks have): gloo on CPU, NCCL on CUDA. A collective
+        """Join the group (blocks until all `world_size` ranks have): gloo on CPU, NCCL on CUDA; on CPU, `shm`
+        (the ranks' shared-memory all-reduce, made by rank 0) carries `all_reduce` instead of gloo. A collective
         that waits longer than `timeout_s` for a peer raises instead of hanging (a dead or stuck rank)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -39,7 +51,7 @@ class ParallelGroup:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        return cls(rank, world_size)
+        return cls(rank, world_size, shm.open(rank) if shm is not None and device.type == "cpu" else None)
 
     @property
     def is_parallel(self) -> bool:
@@ -47,6 +59,8 @@ class ParallelGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `tensor` (each rank's partial product), in place; `tensor` itself back."""
+        if self.shm is not None:
+            return self.shm.all_reduce(tensor)
         if self.world_size > 1:
             dist.all_reduce(tensor)
         return tensor
@@ -61,5 +75,7 @@ class ParallelGroup:
 
     def leave(self) -> None:
         """Tear the process group down (at shutdown; a process joins at most one group in its life here)."""
+        if self.shm is not None:
+            self.shm.close()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

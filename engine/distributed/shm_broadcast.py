@@ -42,16 +42,15 @@ lock acquire/release as a fence; the semaphores here give the ordering and the s
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
-import secrets
 import struct
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from multiprocessing.synchronize import Semaphore
 from typing import Optional
-from unittest import mock
+
+from engine.distributed.shm_segment import attach_segment, create_segment, segment_buffer
 
 SEGMENT_PREFIX = "psb"  # + the writer's pid: what a test looks for in /dev/shm
 _HEADER = struct.Struct("<B3xIQ")  # kind, overflow name length, pickle length
@@ -100,7 +99,7 @@ class _Ring:
     def __init__(self, segment: shared_memory.SharedMemory, layout: _Layout):
         self.segment = segment
         self.layout = layout
-        buf = _buffer(segment)
+        buf = segment_buffer(segment)
         self.closed = buf[0:1]
         self.written = buf[layout.written_offset : layout.read_offset].cast("Q")
         self.read = buf[layout.read_offset : layout.read_offset + layout.num_slots * layout.num_readers]
@@ -154,9 +153,9 @@ class ShmBroadcastQueue:
         if num_readers < 1 or num_slots < 1 or slot_bytes <= _HEADER.size:
             raise ValueError(f"need num_readers >= 1, num_slots >= 1, slot_bytes > {_HEADER.size}")
         layout = _Layout(num_readers, num_slots, slot_bytes)
-        segment = _create_segment(layout.size)
+        segment = create_segment(SEGMENT_PREFIX, layout.size)
         try:
-            _buffer(segment)[: layout.slots_offset] = bytes(layout.slots_offset)  # no flag set, not closed
+            segment_buffer(segment)[: layout.slots_offset] = bytes(layout.slots_offset)  # no flag set, not closed
             context = multiprocessing.get_context("spawn")
             handle = BroadcastHandle(
                 name=segment.name,
@@ -268,9 +267,9 @@ class ShmBroadcastQueue:
         )
 
     def _write_overflow(self, index: int, payload: bytes) -> bytes:
-        segment = _create_segment(len(payload))
+        segment = create_segment(SEGMENT_PREFIX, len(payload))
         self._overflow[index] = segment
-        _buffer(segment)[: len(payload)] = payload
+        segment_buffer(segment)[: len(payload)] = payload
         return segment.name.encode()
 
     def _unlink_overflow(self, index: int) -> None:
@@ -299,7 +298,7 @@ class ShmBroadcastReader:
         self.spin_s = spin_s
         self._handle = handle
         self._layout = _Layout(handle.num_readers, handle.num_slots, handle.slot_bytes)
-        self._ring: Optional[_Ring] = _Ring(_attach(handle.name), self._layout)
+        self._ring: Optional[_Ring] = _Ring(attach_segment(handle.name), self._layout)
         self._data = handle.data[reader_index]
         self._credit = handle.credits[reader_index]
         self._next_seq = 1
@@ -359,37 +358,14 @@ class ShmBroadcastReader:
                 return pickle.loads(payload)
         name = bytes(slot[_HEADER.size : _HEADER.size + name_length]).decode()
         try:
-            segment = _attach(name)
+            segment = attach_segment(name)
         except FileNotFoundError:
             if self._ring is not None and self._ring.closed[0]:  # close() unlinked what was left unread
                 self._closed = True
                 raise BroadcastClosed("the broadcast queue is closed") from None
             raise
         try:
-            with _buffer(segment)[:length] as payload:
+            with segment_buffer(segment)[:length] as payload:
                 return pickle.loads(payload)
         finally:
             segment.close()
-
-
-def _create_segment(size: int) -> shared_memory.SharedMemory:
-    name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-    return shared_memory.SharedMemory(name=name, create=True, size=size)
-
-
-def _buffer(segment: shared_memory.SharedMemory) -> memoryview:
-    buf = segment.buf
-    assert buf is not None, "the segment is closed"
-    return buf
-
-
-def _no_register(name: str, rtype: str) -> None:
-    pass
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Open the writer's segment without enrolling it in this process's resource tracker. The tracker would
-    unlink it when this process exits and report it leaked (Python 3.13 has `track=False` for this); and a
-    spawned reader shares the writer's tracker, so unregistering after the fact would drop the writer's entry."""
-    with mock.patch.object(resource_tracker, "register", _no_register):
-        return shared_memory.SharedMemory(name=name)
