@@ -17,7 +17,8 @@ import torch
 from engine.errors import SettingsConflictError
 from engine.quantization.mxfp4 import dequantize_mxfp4
 from tests.engine.references import make_llm
-from tests.engine.test_gpt_oss import check_against_hf, make_gpt_oss_dir
+from tests.engine.references import check_against_hf
+from tests.engine.test_gpt_oss import make_gpt_oss_dir
 from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

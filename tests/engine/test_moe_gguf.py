@@ -17,7 +17,8 @@ from tests.engine.factories import make_tiny_model_dir
 from tests.engine.moe_gguf_factory import dequantized, make_tiny_moe_gguf
 from tests.engine.references import make_llm
 from tests.engine.test_moe_equivalence import FAMILIES
-from tests.engine.test_model_equivalence import check_against_hf, mixed_prompts, run_greedy
+from tests.engine.references import check_against_hf
+from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 
 # test_moe_equivalence's families with every layer sparse (llama.cpp's graphs for these have no dense layers) and
 # expert widths a multiple of 32 (GGUF blocks)

@@ -15,8 +15,7 @@ import pytest
 
 from tests.engine.factories import make_tiny_model_dir
 from engine import SamplingParams
-from tests.engine.references import assert_idle, hf_prompt_logprobs, make_llm
-from tests.engine.test_dense_families import check_against_hf, hf_reference
+from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf, hf_greedy, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import run_greedy
 
 ORIGINAL_CONTEXT = 32
@@ -90,6 +89,6 @@ def test_a_short_sequence_on_a_long_context_server_takes_the_long_factors(model_
     prompt = SHORT_PROMPTS[5]
     with make_llm(model_dir) as llm:
         (result,) = run_greedy(llm, [prompt])
-    _, expected_lps = hf_reference(model_dir, tuple(prompt))
+    _, expected_lps = hf_greedy(model_dir, prompt, NEW_TOKENS)
     got = [lp.logprob for lp in result.outputs[0].logprobs]
     assert got != pytest.approx(expected_lps, abs=1e-4)
