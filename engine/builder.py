@@ -14,7 +14,7 @@ from engine.engine_config import EngineConfig
 from engine.attention.kv_cache import KVCache
 from engine.loading.loader import Checkpoint, load_hf_config, prepare_checkpoint
 from engine.runner.model_runner import ModelRunner
-from engine.runner.step_timing import measure_step_cost
+from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
@@ -29,9 +29,6 @@ from scheduler import Scheduler
 from scheduler.scheduler import AnyDraftProposer
 
 logger = logging.getLogger(__name__)
-
-STEP_COST_MAX_ROWS = 64
-"""Decode rows timed at start-up for speculation's step-cost model at most (beyond, its cost is extrapolated)."""
 
 
 def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = None) -> EngineCore:
@@ -106,7 +103,8 @@ def _build_rank0(
         capture_graphs(runner, buckets)
     step_cost = draft_cost = None
     if speculative is not None and speculative.step_cost_model:
-        step_cost = measure_step_cost(model, backend, spec, device, min(limits.max_query_rows, STEP_COST_MAX_ROWS))
+        rows = min(limits.max_query_rows, STEP_COST_MAX_ROWS)
+        step_cost = measure_step_cost(model, backend, spec, device, rows, lockstep=tp.is_parallel)
         logger.info(
             "decode step by rows (ms), for weighing draft tokens: %s",
             ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(step_cost.rows, step_cost.seconds)),

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+import time
 from multiprocessing.connection import wait
 from typing import Any, Callable, Optional, Union
 
@@ -40,6 +41,7 @@ from engine.models.registry import family_of
 from engine.models.tensor_parallel import check_shardable
 from engine.runner.model_runner import ModelRunner
 from engine.runner.peer_step import PeerStep
+from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.attention.kv_cache import KVCache
 from engine.shard_builder import build_shard, capture_graphs, shard_kv_blocks
 
@@ -65,11 +67,6 @@ def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
             "(the Llama family is: Llama, Mistral, Qwen2, Qwen3)"
         )
     check_shardable(LlamaArch.from_hf_config(hf_config, rope_settings(hf_config)), size)
-    if config.speculative_config is not None:
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {size} with --speculative-config: not served yet (the step-cost model times "
-            "forward passes on rank 0 alone); use one or the other"
-        )
 
 
 class TensorParallelWorkers:
@@ -307,6 +304,7 @@ def _worker_main(
     die_with_parent: bool,
 ) -> None:
     """Rank `rank`: load its shard, then run every step rank 0 sends until it closes the broadcast."""
+    started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
     if die_with_parent:  # (a headless node's ranks wait in a collective, where they cannot look for their parent)
         _die_with_parent()
@@ -321,14 +319,30 @@ def _worker_main(
         rank, parallel.tensor_parallel_size, init_method, device, parallel.distributed_timeout, all_reduce_handle
     )
     gloo = GlooBroadcast() if queue_handle is None else None  # (made by every rank in the same order)
+    joined = time.monotonic()
     torch.manual_seed(config.model.seed)
     shard = build_shard(config, checkpoint, hf_config, group)
+    loaded = time.monotonic()
     num_blocks = shard_kv_blocks(config, shard, group)
     runner = ModelRunner(
         shard.model, KVCache(shard.spec, num_blocks, device), shard.backend, device, shard.limits, samples=False
     )
+    cached = time.monotonic()
     if shard.buckets:
         capture_graphs(runner, shard.buckets)
+    speculative = config.speculative_config
+    if speculative is not None and speculative.step_cost_model:  # rank 0 times the same steps: run them alongside
+        rows = min(shard.limits.max_query_rows, STEP_COST_MAX_ROWS)
+        measure_step_cost(shard.model, shard.backend, shard.spec, device, rows, lockstep=True)
+    logger.info(
+        "rank %d ready in %.1f s: rendezvous %.1f s, weights %.1f s, KV cache %.1f s, graphs and timings %.1f s",
+        rank,
+        time.monotonic() - started,
+        joined - started,
+        loaded - joined,
+        cached - loaded,
+        time.monotonic() - cached,
+    )
     reader = None if queue_handle is None else queue_handle.open(rank - 1)
     try:
         while True:

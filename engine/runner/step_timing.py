@@ -18,6 +18,8 @@ from engine.attention.step_metadata import shared_context_decode_metadata
 from engine.models.llama import LlamaForCausalLM
 from scheduler import StepCost
 
+STEP_COST_MAX_ROWS = 64
+"""Decode rows timed at start-up for speculation's step-cost model at most (beyond, its cost is extrapolated)."""
 CONTEXT = 128
 """Tokens of context each timed query reads: decode steps at a typical length, where the products dominate."""
 MIN_SECONDS_PER_SIZE = 0.05
@@ -33,8 +35,11 @@ def measure_step_cost(
     device: torch.device,
     max_rows: int,
     repeats: int = 2,
+    lockstep: bool = False,
 ) -> StepCost:
-    """Seconds of a decode step of 1, 2, 4, ... `max_rows` rows (at least 1 and 2) on this machine."""
+    """Seconds of a decode step of 1, 2, 4, ... `max_rows` rows (at least 1 and 2) on this machine. `lockstep`:
+    exactly `repeats` + 1 runs of each size, whatever they take (tensor parallelism: every rank runs the same
+    forward passes, whose all-reduces pair up; rank 0 keeps its timings)."""
     sizes = [1]
     while sizes[-1] * 2 <= max(max_rows, 2):
         sizes.append(sizes[-1] * 2)
@@ -47,7 +52,7 @@ def measure_step_cost(
         best, spent, attempt = float("inf"), 0.0, 0
         # The first run warms the products' caches up (not counted); then the fastest of at least `repeats`,
         # and of more while they are quick: a shared machine's stray pause must not price a size.
-        while attempt <= repeats or (spent < MIN_SECONDS_PER_SIZE and attempt <= MAX_RUNS_PER_SIZE):
+        while attempt <= repeats or (not lockstep and spent < MIN_SECONDS_PER_SIZE and attempt <= MAX_RUNS_PER_SIZE):
             started = time.perf_counter()
             metadata = backend.build_metadata(step, spec)
             hidden = model.forward(input_ids, positions, scratch.layers, [metadata] * spec.num_layers, backend)

@@ -1,7 +1,7 @@
 """--tensor-parallel-size over gloo on CPU: real worker processes (spawned), each holding a shard, fed every step
 through the shared-memory broadcast. Greedy tokens identical to one process and logprobs within 1e-5 in float32,
 on tiny Llama-family models (GQA, and fewer KV heads than ranks) and on the embedded model, under chunked prefill,
-prefix caching, preemption and aborts; refusals of what it does not serve."""
+prefix caching, preemption, aborts and speculative decoding; refusals of what it does not serve."""
 
 from __future__ import annotations
 
@@ -80,6 +80,17 @@ def test_aborts_between_steps(model_dir):
     assert len(outputs[2]["r1"]) < 12 and outputs[2] == outputs[1]
 
 
+def test_speculative_decoding(model_dir):
+    """n-gram drafts verified on every rank (the drafts travel in the step message; the start-up's step-cost timing
+    runs on every rank in lockstep): the tokens of one process without speculation."""
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8]
+    expected, _ = generate(model_dir, prompts, 1)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    got, stats = generate(model_dir, prompts, 2, speculative_config=ngram)
+    assert stats.speculation is not None and stats.speculation.num_drafts > 0
+    assert_same(got, expected)
+
+
 def test_embedded_model_on_three_ranks(embedded_checkpoint):
     """SmolLM2-135M: 9 query heads and 3 KV heads split over three ranks (the GGUF dequantized to float32)."""
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 19842, 28, 940, 359, 346]]
@@ -103,7 +114,6 @@ def test_embedded_model_on_three_ranks(embedded_checkpoint):
             {},
             "3 attention heads",
         ),
-        ("llama", {}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
     ],
 )
 def test_refusals_name_the_combination(tmp_path, arch, overrides, flags, message):
