@@ -8,7 +8,6 @@ import logging
 import multiprocessing
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -19,28 +18,11 @@ import pytest
 import torch
 
 from engine.distributed.cpu_binding import RankCpus, cgroup_cpu_quota, plan_rank_cpus
-from engine.distributed.shm_all_reduce import SEGMENT_PREFIX, PeerGoneError, ShmAllReduce
+from engine.distributed.shm_all_reduce import SEGMENT_PREFIX, PeerGoneError, ShmAllReduce  # noqa: F401 (conftest)
 from tests.distributed.reducers import DTYPES, SIZES, partial, reduce_all, reduce_until
+from tests.distributed.conftest import free_port
 
-SHM = Path("/dev/shm")
 pytestmark = pytest.mark.timeout(120)  # a broken barrier hangs rather than fails: bound every test
-
-
-def our_segments() -> set[str]:
-    return {p.name for p in SHM.glob(f"{SEGMENT_PREFIX}{os.getpid()}_*")} if SHM.is_dir() else set()
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments():
-    before = our_segments()
-    yield
-    assert our_segments() - before == set()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(target, world: int, args_of, reports: int | None = None, timeout: float = 60) -> list[tuple]:

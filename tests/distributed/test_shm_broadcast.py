@@ -18,21 +18,10 @@ import pytest
 from benchmarks.shm_broadcast import make_step
 from engine.distributed.shm_broadcast import SEGMENT_PREFIX, BroadcastClosed, ShmBroadcastQueue
 from tests.distributed.readers import collect
+from tests.distributed.conftest import our_segments
 
 ROOT = Path(__file__).resolve().parents[2]
-SHM = Path("/dev/shm")
 pytestmark = pytest.mark.timeout(60)  # a broken queue hangs rather than fails: bound every test
-
-
-def our_segments() -> set[str]:
-    return {p.name for p in SHM.glob(f"{SEGMENT_PREFIX}{os.getpid()}_*")} if SHM.is_dir() else set()
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments():
-    before = our_segments()
-    yield
-    assert our_segments() - before == set()
 
 
 @contextmanager
@@ -100,15 +89,15 @@ def test_a_message_larger_than_a_slot_reaches_spawned_readers():
 def test_an_overflow_segment_is_unlinked_once_every_reader_has_read_it():
     with ShmBroadcastQueue.create(2, slot_bytes=256, num_slots=4) as queue:
         readers = [queue.handle.open(k) for k in range(2)]
-        ring = our_segments()
+        ring = our_segments(SEGMENT_PREFIX)
         queue.enqueue(b"y" * 10_000)
-        assert len(our_segments() - ring) == 1
+        assert len(our_segments(SEGMENT_PREFIX) - ring) == 1
         assert readers[0].dequeue(timeout=1) == b"y" * 10_000
         queue.enqueue("small")
-        assert len(our_segments() - ring) == 1  # reader 1 has not read it yet
+        assert len(our_segments(SEGMENT_PREFIX) - ring) == 1  # reader 1 has not read it yet
         assert readers[1].dequeue(timeout=1) == b"y" * 10_000
         queue.enqueue("small")
-        assert our_segments() == ring  # long before its slot comes round again
+        assert our_segments(SEGMENT_PREFIX) == ring  # long before its slot comes round again
         for reader in readers:
             reader.close()
 

@@ -4,7 +4,6 @@ sums all-reduced. Two real processes (spawn), float32, a prefill and a decode st
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,9 @@ from engine.loading.loader import iter_weights, load_hf_config
 from engine.models import build_model
 from engine.models.tensor_parallel import shard_weights
 from tests.engine.factories import make_tiny_model_dir
+from tests.distributed.conftest import free_port
 
 BLOCK = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_model(model_dir: Path, tp: ParallelGroup) -> tuple[torch.Tensor, torch.Tensor]:

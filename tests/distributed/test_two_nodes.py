@@ -4,7 +4,6 @@ Same greedy tokens and logprobs as one process; node 1 leaves with status 0 when
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from engine import LLM, SamplingParams
 from tests.conftest import server_environment
 from tests.engine.references import assert_idle
 from tests.engine.test_model_equivalence import mixed_prompts
+from tests.distributed.conftest import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,12 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 SETTINGS = dict(
     dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def generate(llm: LLM, prompts):
