@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,6 +22,14 @@ class ParallelConfig(BaseModel):
         description="processes that each hold 1/N of every layer's heads and MLP width (all-reduce through shared "
         "memory on CPU, NCCL on CUDA); 1: the whole model in the engine's process",
     )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="stages the layers are split into (only 1 is served yet: larger values are refused)"
+    )
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp",
+        description="how the ranks' processes are started: mp (spawned here and by --headless nodes); ray "
+        "is refused (not served yet)",
+    )
     nnodes: int = Field(1, ge=1, description="hosts the ranks are spread over (tensor_parallel_size / nnodes each)")
     node_rank: int = Field(0, ge=0, description="this host's place among them (0: the one that serves)")
     master_addr: str = Field("127.0.0.1", description="where node 0's rank 0 listens for the rendezvous")
@@ -38,6 +46,16 @@ class ParallelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _nodes(self) -> "ParallelConfig":
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallelism is not served yet; "
+                "split the model with tensor_parallel_size (over several hosts with nnodes)"
+            )
+        if self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "distributed_executor_backend ray is not served yet: ranks start as processes (mp), on other hosts "
+                "through `pagedserve serve --headless`"
+            )
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} does not spread evenly over nnodes {self.nnodes}"

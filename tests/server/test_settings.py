@@ -38,6 +38,8 @@ FLAG_CASES = [
     ("--tensor-parallel-size", "2", ("engine", "parallel", "tensor_parallel_size"), 2),
     ("--distributed-timeout", "7.5", ("engine", "parallel", "distributed_timeout"), 7.5),
     ("--nnodes", "1", ("engine", "parallel", "nnodes"), 1),
+    ("--pipeline-parallel-size", "1", ("engine", "parallel", "pipeline_parallel_size"), 1),
+    ("--distributed-executor-backend", "mp", ("engine", "parallel", "distributed_executor_backend"), "mp"),
     ("--node-rank", "0", ("engine", "parallel", "node_rank"), 0),
     ("--master-addr", "10.0.0.2", ("engine", "parallel", "master_addr"), "10.0.0.2"),
     ("--master-port", "29511", ("engine", "parallel", "master_port"), 29511),
@@ -491,3 +493,10 @@ def test_a_headless_node_names_its_place_among_the_nodes():
         load_settings(["--nnodes", "2", "--tensor-parallel-size", "2"], {})
     with pytest.raises(SettingsError, match="does not spread evenly"):
         load_settings(["--nnodes", "2", "--tensor-parallel-size", "3", "--master-port", "29511"], {})
+
+
+def test_what_is_not_served_yet_is_refused_by_name():
+    with pytest.raises(SettingsError, match="pipeline parallelism is not served yet"):
+        load_settings(["--pipeline-parallel-size", "2"], {})
+    with pytest.raises(SettingsError, match="ray is not served yet"):
+        load_settings(["--distributed-executor-backend", "ray"], {})
