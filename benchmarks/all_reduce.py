@@ -2,12 +2,14 @@
 the shared-memory all-reduce (`engine/distributed/shm_all_reduce.py`): `python -m benchmarks.all_reduce`.
 
     python -m benchmarks.all_reduce [--ranks 2] [--rows 1,16] [--hidden 2048] [--dtype bfloat16] [--calls 2000]
+    python -m benchmarks.all_reduce --collective all_gather --hidden 4096    # vocab-parallel logits' gather
 
 Each rank is a spawned process with one torch thread, pinned to its share of the CPUs as the engine pins its
 ranks (`engine/distributed/cpu_binding.py`); all ranks call the all-reduce back to back, `--calls` times per
 round, rounds alternating between the transports; rank 0 times each call (`time.perf_counter`) and each
 transport keeps its best round's median (and that round's p99). A [rows, hidden] tensor is what a decode step
-of `rows` requests all-reduces twice per layer.
+of `rows` requests all-reduces twice per layer; with `--collective all_gather`, a [rows, vocab / ranks] one is
+each rank's slice of the step's logits (vocab 8192 on two ranks: --hidden 4096).
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ def _rank(rank: int, args: argparse.Namespace, port: int, handle: AllReduceHandl
             best: dict[str, tuple[float, float]] = {}
             for _ in range(args.rounds):
                 for name, group in transports.items():
+                    collective = getattr(group, args.collective)
                     for _ in range(50):  # warm-up
-                        group.all_reduce(tensor)
+                        collective(tensor)
                     timings = []
                     for _ in range(args.calls):
                         start = time.perf_counter()
-                        group.all_reduce(tensor)
+                        collective(tensor)
                         timings.append(time.perf_counter() - start)
                     timings.sort()
                     median, p99 = statistics.median(timings), timings[int(len(timings) * 0.99)]
@@ -84,14 +87,21 @@ def run(args: argparse.Namespace) -> dict:
                 proc.join(30)
                 if proc.is_alive():
                     proc.kill()
-    return {"machine": cpu_info(), "ranks": args.ranks, "dtype": args.dtype, "calls": args.calls, "timings": timings}
+    return {
+        "machine": cpu_info(),
+        "collective": args.collective,
+        "ranks": args.ranks,
+        "dtype": args.dtype,
+        "calls": args.calls,
+        "timings": timings,
+    }
 
 
 def print_report(report: dict) -> None:
     machine = report["machine"]
     print(
         f"CPU: {machine['model']} ({machine['cores']} cores usable; {', '.join(machine['flags'])}); "
-        f"{report['ranks']} ranks, {report['dtype']}, {report['calls']} calls per round"
+        f"{report['collective']}, {report['ranks']} ranks, {report['dtype']}, {report['calls']} calls per round"
     )
     for name, row in report["timings"].items():
         print(f"{name}: median {row['median_us']:.1f} us, p99 {row['p99_us']:.1f} us")
@@ -100,6 +110,7 @@ def print_report(report: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--collective", default="all_reduce", choices=("all_reduce", "all_gather"))
     parser.add_argument("--rows", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

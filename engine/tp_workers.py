@@ -5,7 +5,8 @@
       scheduler -> step message                    waits for the next PeerStep
       runner.execute: send PeerStep ------------>  takes the last step's tokens, runs the same step
       forward over its shard  <-- all-reduce -->   forward over its shard
-      samples (its LM head is whole)               samples nothing
+      its vocabulary's logits <-- all-gather -->   its vocabulary's logits, for the same rows
+      samples from the whole rows                  samples nothing
 
 A worker that dies or hangs fails the engine within seconds instead of hanging it: a step's collectives
 raise (a dead peer closes its connections; a stuck one passes --distributed-timeout), and a watcher thread

@@ -1,6 +1,7 @@
 """A tensor-parallel group: this process's rank among the processes that hold one model's shards, and the
-collectives its forward pass needs: on CPU a shared-memory all-reduce between the ranks of the host
-(`shm_all_reduce.py`) when rank 0 made one, else torch.distributed's gloo; NCCL on CUDA."""
+collectives its forward pass needs (the layers' all-reduce, the vocab-parallel logits' all-gather): on CPU through
+shared memory between the ranks of the host (`shm_all_reduce.py`) when rank 0 made one, else torch.distributed's
+gloo; NCCL on CUDA."""
 
 from __future__ import annotations
 
@@ -64,6 +65,20 @@ class ParallelGroup:
         if self.world_size > 1:
             dist.all_reduce(tensor)
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (the same shape on every rank) stacked in rank order: [world_size, *shape]."""
+        if self.shm is not None:
+            return self.shm.all_gather(tensor)
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        tensor = tensor.contiguous()
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        if tensor.is_cuda:
+            dist.all_gather_into_tensor(out, tensor)
+        else:  # gloo has no all_gather_into_tensor: the list form, into the rows of `out`
+            dist.all_gather(list(out.unbind(0)), tensor)
+        return out
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (a size all ranks must agree on, e.g. KV blocks)."""

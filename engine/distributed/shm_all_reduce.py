@@ -36,6 +36,9 @@ lock's acquire and release are full barriers on every platform (as vLLM's shm_br
 passes one after copying its slot and after seeing the flags. Each flag is one aligned 8-byte word, stored and
 loaded by one C call.
 
+The all-gather (vocab-parallel logits: each rank's slice of the vocabulary) takes the same steps and copies the
+slots out in rank order instead of summing them.
+
 Sums: float16 and bfloat16 are summed in float32 and rounded once (as vLLM's CPU kernel does): N partials added
 in bf16 would round N - 1 times. Other dtypes are summed in their own.
 """
@@ -50,7 +53,7 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.synchronize import Semaphore
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -187,24 +190,46 @@ class ShmAllReduce:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `tensor`, in place (a contiguous CPU tensor; others go through a copy)."""
-        if self._broken is not None:
-            raise PeerGoneError(f"shared-memory all-reduce: unusable after {self._broken}")
-        if self._segment is None:
-            raise PeerGoneError("shared-memory all-reduce: closed")
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        step = self._layout.slot_bytes // flat.element_size()
-        try:
-            for start in range(0, flat.numel(), step):
-                self._reduce_chunk(flat[start : start + step])
-        except BaseException as error:
-            self._broken = error
-            self._aborted[0] = 1  # the peers fail now instead of after their timeout
-            raise
+        self._exchange(flat, lambda chunk, slots, start: self._sum_into(chunk, slots))
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
         return tensor
 
-    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (same shape and dtype on every rank), stacked in rank order: a new
+        [world_size, *tensor.shape] tensor, the same on every rank."""
+        flat = tensor.reshape(-1)
+        out = torch.empty((self.world_size, flat.numel()), dtype=tensor.dtype)
+
+        def take(chunk: torch.Tensor, slots: list[torch.Tensor], start: int) -> None:
+            for rank, slot in enumerate(slots):
+                out[rank, start : start + chunk.numel()].copy_(slot)
+
+        self._exchange(flat, take)
+        return out.view(self.world_size, *tensor.shape)
+
+    def _exchange(self, flat: torch.Tensor, combine: Callable[[torch.Tensor, list[torch.Tensor], int], None]) -> None:
+        """Pass `flat` through the slots in chunks; `combine(chunk, every rank's slot, offset)` reads each chunk's
+        slots before the next chunk is exchanged (what lets two buffers take one barrier per chunk)."""
+        if self._broken is not None:
+            raise PeerGoneError(f"shared-memory all-reduce: unusable after {self._broken}")
+        if self._segment is None:
+            raise PeerGoneError("shared-memory all-reduce: closed")
+        step = self._layout.slot_bytes // flat.element_size()
+        try:
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step]
+                combine(chunk, self._arrive(chunk), start)
+                while self._wake[self.rank].acquire(block=False):  # posts that found this rank awake
+                    pass
+        except BaseException as error:
+            self._broken = error
+            self._aborted[0] = 1  # the peers fail now instead of after their timeout
+            raise
+
+    def _arrive(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        """Copy `chunk` into this rank's slot, wait for every peer's; their slots, in rank order."""
         generation = self._generation + 1
         buffer = generation % 2
         self._slot(buffer, self.rank, chunk).copy_(chunk)
@@ -216,9 +241,7 @@ class ShmAllReduce:
                 wake.release()
         self._wait_for_peers(generation)
         self._fence()  # the peers' slots are loaded only after their flags
-        self._sum_into(chunk, [self._slot(buffer, rank, chunk) for rank in range(self.world_size)])
-        while self._wake[self.rank].acquire(block=False):  # posts that found this rank awake
-            pass
+        return [self._slot(buffer, rank, chunk) for rank in range(self.world_size)]
 
     def _slot(self, buffer: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         start = self._layout.slot_offset(buffer, rank)

@@ -22,6 +22,7 @@ from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
 from engine.kernels.column_block_weight import PackedWeight
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.linear import GemvLinear, Linear, select_linear
+from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
 from engine.layers.rotary import RotaryEmbedding
 from engine.quantization.int4_groups import Int4Groups
@@ -65,6 +66,8 @@ class LlamaForCausalLM:
         """`arch`: this rank's shape (engine/models/tensor_parallel.py) when `tp` has several ranks."""
         self.arch = arch
         self.tp = tp  # the attention output and the MLP output are partial sums across its ranks
+        # Several ranks: each holds a slice of the vocabulary's rows (embedding and LM head); None: the whole.
+        self.vocab_parallel = VocabParallel(arch.vocab_size, tp) if tp.is_parallel else None
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len  # the longest sequence served (None: the config's context); LongRoPE's
@@ -89,7 +92,7 @@ class LlamaForCausalLM:
         ):
             self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
         # Set by load_weights (an empty model until then). embed and lm_head: a tensor, or the quantized or packed
-        # matrix the products take.
+        # matrix the products take; with several ranks, this rank's rows (vocab_parallel.rows of them).
         self.embed: Any = None  # [vocab, hidden]
         self.final_norm: Any = None  # [hidden]
         self.lm_head: Any = None  # [vocab, hidden]
@@ -248,6 +251,12 @@ class LlamaForCausalLM:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden] in the model's dtype (quantized embeddings dequantized by row)."""
+        if self.vocab_parallel is not None:
+            return self.vocab_parallel.embed(input_ids, self._embed_rows)
+        return self._embed_rows(input_ids)
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of `self.embed` (this rank's rows, with several)."""
         if isinstance(self.embed, QuantizedWeight):
             return self.embed.rows(input_ids, self.dtype)
         if isinstance(self.embed, PackedWeight):
@@ -287,6 +296,10 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32."""
+        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32. With several ranks every rank
+        must call it for the same rows in the same order (its slices are gathered): all ranks get the whole."""
         x = self.ops.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
-        return self.linear(x, self.lm_head, None).float()
+        logits = self.linear(x, self.lm_head, None)  # [n, vocab] or [n, this rank's rows]
+        if self.vocab_parallel is not None:
+            logits = self.vocab_parallel.gather_logits(logits)  # gathered before widening: half the bytes in bf16
+        return logits.float()

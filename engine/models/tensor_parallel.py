@@ -5,7 +5,9 @@ of every checkpoint tensor (Megatron's column- and row-parallel layers).
                      and its share of the intermediate rows; no communication
     o_proj, down     row-parallel: rank r keeps the matching input columns; its product is a partial sum,
                      all-reduced after the layer (the model's `tp.all_reduce`); the bias joins on rank 0 only
-    embeddings, norms, LM head   replicated (every rank embeds; rank 0 alone computes logits)
+    embed, lm_head   vocab-parallel: rank r keeps its slice of the vocabulary's rows, zero-padded to
+                     ceil(vocab / ranks) rows (engine/layers/vocab_parallel.py); tied, one slice serves both
+    norms            replicated
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -21,6 +23,7 @@ import torch
 
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
+from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
 
 _LAYER = re.compile(r"(?:model\.)?layers\.\d+\.(.+)")
@@ -28,6 +31,7 @@ _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")  # rows split 
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
 _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # input columns split
 _ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")  # added once (rank 0)
+_VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight")  # rows split by vocab_parallel
 
 
 def check_shardable(arch: LlamaArch, world_size: int) -> None:
@@ -65,16 +69,20 @@ def shard_weights(
     head_dim = arch.head_dim
     kv_rank_heads = max(arch.num_kv_heads // ranks, 1)
     first_kv_head = rank * arch.num_kv_heads // ranks  # (replicated heads: the one this rank's queries read)
+    vocab = VocabParallel(arch.vocab_size, tp)
     for name, tensor in weights:
         match = _LAYER.fullmatch(name)
-        if match is None:
-            yield name, tensor  # embeddings, the final norm, the LM head
+        if match is None and _VOCAB.fullmatch(name) is None:
+            yield name, tensor  # the final norm
             continue
         if not isinstance(tensor, torch.Tensor):
             raise SettingsConflictError(
                 f"tensor parallelism takes float checkpoint tensors; {name} is stored as {type(tensor).__name__} "
                 "(serve quantized weights with --tensor-parallel-size 1)"
             )
+        if match is None:
+            yield name, vocab.shard(tensor)
+            continue
         part = match.group(1)
         if part.startswith(_COLUMN):
             yield name, tensor.chunk(ranks, dim=0)[rank].contiguous()

@@ -112,7 +112,8 @@ class ModelRunner:
         `profile` times each step's phases (`--profile`). Tensor parallelism: rank 0's runner hands every step
         message to its `peers` (the other ranks' runners, in worker processes) before running it, with the
         tokens it sampled in the step before; a peer's runner (`samples` False) runs the same forward passes
-        over its shard, takes those tokens (`take_sampled`) and samples nothing."""
+        over its shard, takes those tokens (`take_sampled`), computes its slice of the same logits (the LM head
+        is vocab-parallel: rank 0 gathers the slices) and samples nothing."""
         self.model: Optional[LlamaForCausalLM] = model  # None once shut down (as are _forward and buffers)
         self.kv_cache = kv_cache
         self.backend = backend
@@ -186,7 +187,10 @@ class ModelRunner:
         if profile is not None:
             profile.lap("forward")
         if not self.samples:
-            buffers.end_step()
+            try:
+                self._contribute_logits(hidden, batch)
+            finally:
+                buffers.end_step()
             return ModelRunnerOutput()
         try:
             output = self._sample(hidden, batch)
@@ -381,10 +385,7 @@ class ModelRunner:
         model, buffers = self.model, self.buffers
         assert model is not None and buffers is not None  # not shut down
         if batch.sample_rows:
-            sample_rows = buffers.sample_rows
-            sample_rows.array[: len(batch.sample_rows)] = batch.sample_rows
-            rows = sample_rows.upload(len(batch.sample_rows))
-            logits = model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+            logits = model.compute_logits(self._sample_hidden(hidden, batch))  # [num_samples, vocab]
             states = self._sampling_states(batch)
             # One matcher per request, at its first row (a request's rows after drafts follow it: fill_bitmask).
             matchers = [
@@ -425,6 +426,24 @@ class ModelRunner:
             targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    def _sample_hidden(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """hidden [num_tokens, hidden] -> the sample rows' [num_samples, hidden]."""
+        buffers = self.buffers
+        assert buffers is not None  # not shut down
+        sample_rows = buffers.sample_rows
+        sample_rows.array[: len(batch.sample_rows)] = batch.sample_rows
+        return hidden.index_select(0, sample_rows.upload(len(batch.sample_rows)))
+
+    def _contribute_logits(self, hidden: torch.Tensor, batch: _Batch) -> None:
+        """A peer's runner: the logits `_sample` computes, row for row and call for call (each call gathers every
+        rank's vocabulary slice), thrown away: rank 0 samples and scores."""
+        model = self.model
+        assert model is not None  # not shut down
+        if batch.sample_rows:
+            model.compute_logits(self._sample_hidden(hidden, batch))
+        for _, first_row, count, _ in batch.prompt_rows:
+            model.compute_logits(hidden[first_row : first_row + count])
 
     @staticmethod
     def _sampling_states(batch: _Batch) -> list[SamplingState]:

@@ -23,7 +23,7 @@ def partial(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 
 def reduce_all(rank: int, world: int, port: int, handle: AllReduceHandle, results: Queue) -> None:
-    """Every (size, dtype) through the shared-memory all-reduce and through gloo; report both."""
+    """Every (size, dtype) through the shared-memory all-reduce and all-gather and through gloo's; report all."""
     device = torch.device("cpu")
     group = ParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", device, 30, handle)
     gloo = ParallelGroup(rank, world)  # the same process group, without the shared memory
@@ -36,6 +36,8 @@ def reduce_all(rank: int, world: int, port: int, handle: AllReduceHandle, result
                 report[(shape, str(dtype), "strided")] = group.all_reduce(strided).clone()
                 report[(shape, str(dtype), "shm")] = shm
                 report[(shape, str(dtype), "gloo")] = gloo.all_reduce(partial(rank, shape, dtype))
+                report[(shape, str(dtype), "shm gather")] = group.all_gather(partial(rank, shape, dtype))
+                report[(shape, str(dtype), "gloo gather")] = gloo.all_gather(partial(rank, shape, dtype))
     finally:
         group.leave()
     # As float32 arrays (bf16 widens exactly): a tensor in a queue is shared by a file descriptor that dies

@@ -1,6 +1,7 @@
 """The shared-memory all-reduce between real (spawned) processes: sums within rounding of a float64 reference
-and no worse than gloo's, bit-identical on every rank, through buffers smaller than the tensor; a dead peer
-fails the others in well under a second, a stuck one after the timeout; nothing left in /dev/shm."""
+and no worse than gloo's, bit-identical on every rank, through buffers smaller than the tensor; all-gathers
+exact through shared memory and gloo; a dead peer fails the others in well under a second, a stuck one after the
+timeout; nothing left in /dev/shm."""
 
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ def test_sums_match_float64_and_gloo_and_every_rank_holds_the_same_bits(world):
                 torch.testing.assert_close(shm, gloo, rtol=1e-6, atol=1e-6)
             strided = sum(partial(rank, shape[::-1], dtype).double() for rank in range(world)).t()
             torch.testing.assert_close(by_rank[0][(*key, "strided")].double(), strided, rtol=1e-2, atol=1e-5)
+            stacked = torch.stack([partial(rank, shape, dtype) for rank in range(world)]).float()
+            for rank in range(world):  # a gather moves bits: exact, on every rank, through either path
+                assert torch.equal(by_rank[rank][(*key, "shm gather")], stacked), (key, rank)
+                assert torch.equal(by_rank[rank][(*key, "gloo gather")], stacked), (key, rank)
 
 
 @pytest.mark.parametrize("world, dead", [(2, 1), (3, 2), (3, 0)])

@@ -1,6 +1,8 @@
 """A Llama-family model split over two gloo ranks computes what the whole model computes: each rank's shard of
 q|k|v, o_proj, gate|up and down (engine/models/tensor_parallel.py), its own KV heads in its own cache, partial
-sums all-reduced. Two real processes (spawn), float32, a prefill and a decode step over a paged cache."""
+sums all-reduced, its slice of the vocabulary's rows (embedding and LM head, tied or not; a vocabulary of 511
+padded to 2 x 256), logits gathered. Two real processes (spawn), float32, a prefill and a decode step over a
+paged cache."""
 
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from tests.distributed.conftest import free_port
 BLOCK = 4
 
 
-def run_model(model_dir: Path, tp: ParallelGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of a 10-token prefill and of a decode after it, over a fresh paged cache."""
+def run_model(model_dir: Path, tp: ParallelGroup, shapes=None, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a 10-token prefill and of a decode after it, over a fresh paged cache; the shapes of the
+    vocabulary's matrices into `shapes[("vocab", rank)]` when given."""
     torch.manual_seed(0)
     hf_config = load_hf_config(model_dir)
     model = build_model(hf_config, torch.float32, torch.device("cpu"), tp=tp)
@@ -33,6 +36,8 @@ def run_model(model_dir: Path, tp: ParallelGroup) -> tuple[torch.Tensor, torch.T
         full = build_model(hf_config, torch.float32, torch.device("cpu")).arch
         weights = shard_weights(weights, full, tp)
     model.load_weights(weights)
+    if shapes is not None:
+        shapes[("vocab", rank)] = (tuple(model.embed.shape), tuple(model.lm_head.shape))
     arch = model.arch
     cache = KVCache(
         KVCacheSpec(arch.num_layers, BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32), 8, torch.device("cpu")
@@ -52,13 +57,23 @@ def run_model(model_dir: Path, tp: ParallelGroup) -> tuple[torch.Tensor, torch.T
 def _rank(rank: int, world: int, port: int, model_dir: str, results) -> None:
     tp = ParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 30)
     try:
-        results[rank] = run_model(Path(model_dir), tp)
+        results[rank] = run_model(Path(model_dir), tp, results, rank)
     finally:
         tp.leave()
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen2", {"num_key_value_heads": 1}), ("qwen3", {})])
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("llama", {}),
+        ("qwen2", {"num_key_value_heads": 1}),
+        ("qwen3", {}),
+        ("llama", {"vocab_size": 511}),
+        ("llama", {"vocab_size": 511, "tie_word_embeddings": True}),
+    ],
+    ids=["llama", "qwen2-kv1", "qwen3", "vocab511", "vocab511-tied"],
+)
 def test_two_ranks_compute_the_whole_models_logits(tmp_path, arch, overrides):
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
     expected = run_model(model_dir, ParallelGroup.single())
@@ -72,6 +87,9 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path, arch, overrides):
         for p in procs:
             p.join(100)
         assert [p.exitcode for p in procs] == [0, 0]
+        vocab, hidden = expected[0].shape[1], load_hf_config(model_dir).hidden_size
         for rank in range(2):
             for got, want in zip(results[rank], expected):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            rows = -(-vocab // 2)  # each rank holds its half of the vocabulary's rows, the last one padded
+            assert results[("vocab", rank)] == ((rows, hidden), (rows, hidden))
