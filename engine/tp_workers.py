@@ -146,6 +146,14 @@ class TensorParallelWorkers:
             raise self.failure
         self.queue.enqueue(step)
 
+    def fail(self, error: BaseException) -> None:
+        """A step failed on rank 0 after the workers took it (they may wait in a collective rank 0 never joins):
+        no later step runs, and a worker waiting in the shared-memory all-reduce is woken to fail."""
+        if self.failure is None:
+            self.failure = RanksOutOfStepError(f"a tensor-parallel step failed on rank 0: {error!r}")
+            if self._all_reduce is not None:
+                self._all_reduce.abort()
+
     def stop(self) -> None:
         """Close the broadcast (the workers leave), wait for them, kill any left; leave the group."""
         if self._stopping.is_set():
@@ -198,6 +206,10 @@ def _bind(share: RankCpus, rank: int) -> None:
         pin_process(share.cpus)
     torch.set_num_threads(share.threads)
     logger.info("%s", share.describe(rank))
+
+
+class RanksOutOfStepError(RuntimeError):
+    """The ranks no longer run the same collectives: the engine must be rebuilt."""
 
 
 class WorkerDiedError(RuntimeError):

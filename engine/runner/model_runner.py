@@ -161,9 +161,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.peers is not None:  # every rank runs every step, in the same order (its collectives pair up)
-            self.peers.send(PeerStep(scheduler_output, self._sampled))
-            self._sampled = {}
+        if self.peers is None:
+            return self._execute(scheduler_output)
+        # Every rank runs every step, in the same order, so that their collectives pair up. A step that fails here
+        # after the peers took it leaves them at another collective than this rank: no later step may run.
+        self.peers.send(PeerStep(scheduler_output, self._sampled))
+        self._sampled = {}
+        try:
+            return self._execute(scheduler_output)
+        except BaseException as error:
+            self.peers.fail(error)
+            raise
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()

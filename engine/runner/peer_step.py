@@ -22,6 +22,11 @@ class StepPeers(Protocol):
         """Call `callback` when another rank fails outside a step."""
         ...
 
+    def fail(self, error: BaseException) -> None:
+        """A step failed on this rank after the others took it: the ranks are out of step, every later `send`
+        raises (the engine cannot run another step)."""
+        ...
+
     def stop(self) -> None:
         """The engine shuts down: the other ranks leave."""
         ...

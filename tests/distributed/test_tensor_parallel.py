@@ -120,3 +120,22 @@ def test_refusals_name_the_combination(tmp_path, arch, overrides, flags, message
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
     with pytest.raises(SettingsConflictError, match=message):
         LLM(str(model_dir), **TINY, tensor_parallel_size=2, **flags)
+
+
+def test_a_step_that_fails_on_rank_0_stops_every_later_step(model_dir):
+    """After a step fails on rank 0 once the workers took it, the ranks may wait at different collectives: the
+    engine refuses to run another step rather than pair them wrongly (silently wrong outputs)."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    with LLM(str(model_dir), **TINY, tensor_parallel_size=2) as llm:
+        runner = llm.engine.runner
+        sample = runner._sample
+
+        def failing(hidden, batch):
+            runner._sample = sample
+            raise RuntimeError("injected failure in rank 0's sampling")
+
+        runner._sample = failing
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="rank 0|worker rank"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7, 9]}], params, use_tqdm=False)
