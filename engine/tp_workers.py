@@ -35,11 +35,8 @@ from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
-from engine.errors import SettingsConflictError
-from engine.loading.loader import Checkpoint, rope_settings
-from engine.models.llama_arch import LlamaArch
-from engine.models.registry import family_of
-from engine.models.tensor_parallel import check_shardable
+from engine.loading.loader import Checkpoint
+from engine.models.registry import check_tensor_parallel_model
 from engine.runner.model_runner import ModelRunner
 from engine.runner.peer_step import PeerStep
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
@@ -56,18 +53,6 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 StepChannel = Union[ShmBroadcastQueue, GlooBroadcast]
 """How rank 0's step messages reach the other ranks: the shared-memory ring on one host, a gloo broadcast across
 hosts."""
-
-
-def check_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
-    """SettingsConflictError for what tensor parallelism does not serve (yet), before any process starts."""
-    size = config.parallel.tensor_parallel_size
-    family = family_of(hf_config)
-    if family.implementation != "llama":
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {size}: {family.architecture} is not served with tensor parallelism yet "
-            "(the Llama family is: Llama, Mistral, Qwen2, Qwen3)"
-        )
-    check_shardable(LlamaArch.from_hf_config(hf_config, rope_settings(hf_config)), size)
 
 
 class TensorParallelWorkers:
@@ -97,7 +82,7 @@ class TensorParallelWorkers:
         """Start this host's ranks 1 .. N/nnodes - 1 (spawned: a fresh interpreter, no forked threads) and join
         the group of all ranks as rank 0; they load their shards while this process loads its own. With several
         hosts the others' ranks come from their `pagedserve serve --headless` (`run_headless_node`)."""
-        check_tensor_parallel(config, hf_config)
+        check_tensor_parallel_model(hf_config, config.parallel.tensor_parallel_size)
         parallel = config.parallel
         world, local = parallel.tensor_parallel_size, parallel.ranks_per_node
         timeout = parallel.distributed_timeout
@@ -272,7 +257,7 @@ def run_headless_node(config: EngineConfig) -> int:
     model = config.model
     checkpoint = prepare_checkpoint(model.model, revision=model.revision, download_dir=model.download_dir)
     hf_config = load_hf_config(checkpoint.path, trust_remote_code=model.trust_remote_code)
-    check_tensor_parallel(config, hf_config)
+    check_tensor_parallel_model(hf_config, config.parallel.tensor_parallel_size)
     local = parallel.ranks_per_node
     first = parallel.node_rank * local
     plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())

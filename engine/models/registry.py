@@ -16,7 +16,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
-from engine.models.tensor_parallel import shard_arch
+from engine.models.tensor_parallel import check_shardable, shard_arch
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -190,6 +190,23 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
+def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
+    """The whole model's shape when `world_size` ranks can share it; SettingsConflictError naming the family or
+    the sizes otherwise (before any process starts, and again where each rank builds its shard)."""
+    from engine.loading.loader import rope_settings
+
+    family = family_of(hf_config)
+    if family.implementation != "llama":
+        served = ", ".join(f.architecture for f in FAMILIES if f.implementation == "llama")
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size}: {family.architecture} is not served with tensor "
+            f"parallelism yet (served: {served})"
+        )
+    arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+    check_shardable(arch, world_size)
+    return arch
+
+
 def build_model(
     hf_config: Any,
     dtype: torch.dtype,
@@ -212,13 +229,7 @@ def build_model(
             f"{', '.join(f.architecture for f in FAMILIES if MXFP4 in f.formats)} only"
         )
     if tp.is_parallel:
-        if family.implementation != "llama":
-            served = ", ".join(f.architecture for f in FAMILIES if f.implementation == "llama")
-            raise SettingsConflictError(
-                f"--tensor-parallel-size {tp.world_size}: {family.architecture} is not served with tensor "
-                f"parallelism yet (served: {served})"
-            )
-        full = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        full = check_tensor_parallel_model(hf_config, tp.world_size)
         return LlamaForCausalLM(
             shard_arch(full, tp.world_size), dtype, device, ops, linear, quantizer, max_model_len, tp
         )
