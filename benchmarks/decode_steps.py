@@ -42,6 +42,24 @@ class DecodeSteps:
         self.cpus = os.sched_getaffinity(0)
 
     def median_ms(self, steps: int) -> float:
+        self._take_cpus()
+        timings = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.llm.engine.step()
+            timings.append(time.perf_counter() - start)
+        return statistics.median(timings) * 1e3
+
+    def tokens_per_s(self, steps: int) -> float:
+        """Output tokens per second over `steps` steps (with pipeline parallelism a step returns one of the batches
+        in flight, so a step's time alone would not compare)."""
+        self._take_cpus()
+        engine = self.llm.engine
+        start = time.perf_counter()
+        tokens = sum(len(out.new_token_ids) for _ in range(steps) for out in engine.step())
+        return tokens / (time.perf_counter() - start)
+
+    def _take_cpus(self) -> None:
         import torch
 
         from engine.distributed.cpu_binding import pin_process
@@ -49,9 +67,3 @@ class DecodeSteps:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         pin_process(self.cpus)
-        timings = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            self.llm.engine.step()
-            timings.append(time.perf_counter() - start)
-        return statistics.median(timings) * 1e3

@@ -1,14 +1,16 @@
-"""Decode step time with tensor parallelism on this machine: N ranks of one thread each against one process
-with N threads, at batch 1 and batch 16.
+"""Decode speed with tensor (and pipeline) parallelism on this machine: N ranks of one thread each against one
+process with N threads, at batch 1 and batch 16, in output tokens per second.
 
-    python -m benchmarks.tensor_parallel [--tp 2] [--dtype bfloat16] [--batches 1,16] [--layers 12] [--hidden 2048]
+    python -m benchmarks.tensor_parallel [--tp 2] [--pipeline] [--dtype bfloat16] [--batches 1,16] [--layers 12]
 
 A random-weight Llama checkpoint written by transformers to a temporary folder (Llama-3-like proportions:
 head_dim 64, 4 query heads per KV head, MLP 3.5x), served by two engines in this process: one with
 `--tensor-parallel-size 1` and torch threads = N, one with N ranks (rank 0 here, the others in worker
 processes), one thread each, each rank pinned to its share of the CPUs (this process's threads and CPUs are
-set to each engine's before its rounds). Each keeps `batch` requests in decode; rounds alternate between them and each keeps
-its best round's median step, after the CPU model and flags. Both engines give the same tokens (greedy).
+set to each engine's before its rounds). `--pipeline` adds N pipeline stages of one thread each (as many steps in
+flight as stages). Each keeps `batch` requests in decode; rounds alternate between them and each keeps its best
+round's tokens per second, printed after the CPU model and flags with each one's ratio to the one process. Every
+engine gives the same tokens (greedy).
 """
 
 from __future__ import annotations
@@ -52,9 +54,18 @@ def write_checkpoint(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-def steps(model_dir: Path, args: argparse.Namespace, batch: int, tp: int, threads: int) -> DecodeSteps:
+def steps(model_dir: Path, args: argparse.Namespace, batch: int, tp: int, threads: int, pp: int = 1) -> DecodeSteps:
     max_steps = args.rounds * args.steps + 8
-    return DecodeSteps(model_dir, batch, max_steps, args.prompt_len, threads, dtype=args.dtype, tensor_parallel_size=tp)
+    return DecodeSteps(
+        model_dir,
+        batch,
+        max_steps,
+        args.prompt_len,
+        threads,
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -70,20 +81,24 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:
         model_dir = write_checkpoint(Path(tmp) / "llama", args)
         for batch in args.batches:
+            one = f"1 process x {args.tp} threads"
             engines = {
-                f"tp1 x {args.tp} threads": steps(model_dir, args, batch, 1, args.tp),
+                one: steps(model_dir, args, batch, 1, args.tp),
                 f"tp{args.tp} x 1 thread": steps(model_dir, args, batch, args.tp, 1),
             }
-            best = {name: float("inf") for name in engines}
+            if args.pipeline:
+                engines[f"pp{args.tp} x 1 thread"] = steps(model_dir, args, batch, 1, 1, pp=args.tp)
+            best = {name: 0.0 for name in engines}
             for _ in range(args.rounds):
                 for name, engine in engines.items():
-                    best[name] = min(best[name], engine.median_ms(args.steps))
+                    best[name] = max(best[name], engine.tokens_per_s(args.steps))
             for engine in engines.values():
                 engine.llm.shutdown()
             del engines
             gc.collect()
-            names = list(best)
-            report["batches"][batch] = {**best, "tp1 / tpN": best[names[0]] / best[names[1]]}
+            report["batches"][batch] = {
+                name: {"tok/s": rate, "vs one process": rate / best[one]} for name, rate in best.items()
+            }
     return report
 
 
@@ -94,12 +109,16 @@ def print_report(report: dict) -> None:
         f"{report['dtype']}; shape {json.dumps(report['shape'])}"
     )
     for batch, row in report["batches"].items():
-        print(f"batch {batch}: " + ", ".join(f"{name} {value:.2f}" for name, value in row.items()))
+        print(
+            f"batch {batch}: "
+            + ", ".join(f"{name} {v['tok/s']:.1f} tok/s ({v['vs one process']:.2f}x)" for name, v in row.items())
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2, help="ranks (and the one process's threads)")
+    parser.add_argument("--pipeline", action="store_true", help="also as many pipeline stages, one thread each")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--batches", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--layers", type=int, default=12)

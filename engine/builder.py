@@ -13,12 +13,13 @@ from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
 from engine.attention.kv_cache import KVCache
 from engine.loading.loader import Checkpoint, load_hf_config, prepare_checkpoint
-from engine.runner.model_runner import ModelRunner
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
-from engine.tp_workers import TensorParallelWorkers
+from engine.distributed.pipeline_stage import PipelineStage
+from engine.errors import SettingsConflictError
+from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
 from engine.profiling.step_profile import StepProfile
@@ -49,7 +50,13 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     )
     workers: Optional[TensorParallelWorkers] = None
     tp = ParallelGroup.single()
-    if config.parallel.tensor_parallel_size > 1:
+    parallel = config.parallel
+    if parallel.pipeline_parallel_size > 1 and config.speculative_config is not None:
+        raise SettingsConflictError(
+            f"--pipeline-parallel-size {parallel.pipeline_parallel_size} cannot be combined with speculative "
+            "decoding (a step's drafts would wait for the step before it through every stage)"
+        )
+    if parallel.world_size > 1:
         workers = TensorParallelWorkers.start(config, checkpoint, hf_config)
         tp = workers.group
     try:
@@ -70,7 +77,11 @@ def _build_rank0(
     served_model_name: Optional[str],
     started: float,
 ) -> EngineCore:
-    shard = build_shard(config, checkpoint, hf_config, tp)
+    parallel = config.parallel
+    stage = PipelineStage.of_rank(
+        0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, hf_config.num_hidden_layers
+    )
+    shard = build_shard(config, checkpoint, hf_config, tp, stage)
     model, backend, spec, limits, device, dtype = (
         shard.model,
         shard.backend,
@@ -89,12 +100,10 @@ def _build_rank0(
     draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
     num_blocks = shard_kv_blocks(config, shard, tp, draft_bytes)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
-    runner = ModelRunner(
-        model,
+    runner = make_runner(
+        shard,
         KVCache(spec, num_blocks, device),
-        backend,
-        device,
-        limits,
+        stage,
         grammar=GrammarDecoder(grammar_compiler, limits.max_num_seqs, device),
         profile=_step_profile(device) if config.profile else None,
         peers=workers,
@@ -129,7 +138,10 @@ def _build_rank0(
     elif speculative is not None:
         proposer = speculative.make_proposer()
     scheduler = Scheduler(
-        config.scheduler.model_copy(update={"max_model_len": max_model_len}),
+        # as many steps in flight as there are pipeline stages, so that every stage has one to run
+        config.scheduler.model_copy(
+            update={"max_model_len": max_model_len, "max_concurrent_batches": parallel.pipeline_parallel_size}
+        ),
         config.cache.for_scheduler(num_blocks),
         proposer=proposer,
         adaptive_drafts=speculative is not None and speculative.adaptive,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -21,10 +22,11 @@ from engine.text.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.runner.fault_isolation import FaultInjector
 from engine.runner.model_runner import ModelRunner
+from engine.runner.pipeline_runner import LaunchedStep, PipelineRunner
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.errors import InvalidParameterError
 from engine.observer import EngineObserver
-from engine.outputs import RequestOutput
+from engine.outputs import ModelRunnerOutput, RequestOutput
 from engine.request_state import RequestState
 from engine.sampling.sampler import TokenLogprobs
 from engine.sampling.params import SamplingParams
@@ -32,7 +34,15 @@ from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_ref import GrammarRef
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer, check_token_ids
-from scheduler import MinTokensOutOfRangeError, Request, RequestStatus, RequestStepOutput, Scheduler, SchedulerStats
+from scheduler import (
+    MinTokensOutOfRangeError,
+    Request,
+    RequestStatus,
+    RequestStepOutput,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 if TYPE_CHECKING:
     import xgrammar
@@ -81,6 +91,9 @@ class EngineCore:
         self.is_shut_down = False
         self.grammar_compiler = grammar_compiler
         self.profile = runner.profile
+        # Pipeline parallelism: up to one step per stage in flight, oldest first (engine/runner/pipeline_runner.py).
+        self._pipeline = runner if isinstance(runner, PipelineRunner) else None
+        self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
 
     @property
     def fault_injector(self) -> Optional[FaultInjector]:
@@ -105,11 +118,19 @@ class EngineCore:
             return
         try:
             self.abort(list(self._states))
+            self._drain_pipeline()
             self.runner.shutdown()
             if isinstance(self.scheduler.proposer, DraftModelProposer):
                 self.scheduler.proposer.shutdown()  # the draft's KV cache (its weights go with the engine)
         finally:  # half released is no state to step in
             self.is_shut_down = True
+
+    def _drain_pipeline(self) -> None:
+        """Take the outputs of the steps still in flight (the stages finish what they were given), unused."""
+        pipeline = self._pipeline
+        while pipeline is not None and self._in_flight:
+            _, launched = self._in_flight.popleft()
+            pipeline.finish(launched)
 
     def _check_running(self) -> None:
         if self.is_shut_down:
@@ -229,8 +250,13 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        """Requests to step, or ended ones the runner has not been told of (a step tells it)."""
-        return self.scheduler.has_unfinished_requests or self.scheduler.has_finished_notices
+        """Requests to step, ended ones the runner has not been told of (a step tells it), or steps in flight."""
+        return self.scheduler.has_unfinished_requests or self.scheduler.has_finished_notices or bool(self._in_flight)
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps launched and not yet finished (pipeline parallelism; 0 between steps otherwise)."""
+        return len(self._in_flight)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -246,18 +272,46 @@ class EngineCore:
         profile = self.profile
         if profile is not None:
             profile.begin_step()
-        scheduler_output = self.scheduler.schedule()
-        if profile is not None:
-            profile.lap("schedule")
+        if self._pipeline is not None:
+            return self._pipelined_step(self._pipeline)
+        scheduler_output = self._schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        runner_output = self.runner.execute(scheduler_output)
+        if scheduler_output.is_empty:
+            return []
+        return self._complete(scheduler_output, runner_output)
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if self.profile is not None:
+            self.profile.lap("schedule")
         scheduled_at = time.monotonic()
         for new in scheduler_output.new_requests:
             state = self._states[new.request_id]
             if state.first_scheduled_time is None:
                 state.first_scheduled_time = scheduled_at
-        runner_output = self.runner.execute(scheduler_output)
-        if scheduler_output.is_empty:
+        return scheduler_output
+
+    def _pipelined_step(self, pipeline: PipelineRunner) -> list[RequestOutput]:
+        """Launch steps until every stage has one (or nothing more can be scheduled: a request waits for its
+        step's tokens before its next), then finish the oldest: its outputs."""
+        in_flight = self._in_flight
+        while len(in_flight) < self.scheduler.scheduler_config.max_concurrent_batches:
+            scheduler_output = self._schedule()
+            if scheduler_output.is_empty:
+                if scheduler_output.finished_request_ids or scheduler_output.preempted_request_ids:
+                    pipeline.launch(scheduler_output)  # the ranks forget those requests too
+                break
+            in_flight.append((scheduler_output, pipeline.launch(scheduler_output)))
+        if not in_flight:
             return []
+        scheduler_output, launched = in_flight.popleft()
+        self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
+        return self._complete(scheduler_output, pipeline.finish(launched))
+
+    def _complete(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """The scheduler and the requests' texts advanced by a step's output."""
+        profile = self.profile
         failures = self.runner.sampler.take_failures()
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         if profile is not None:
@@ -267,7 +321,10 @@ class EngineCore:
         for request_id, chunk in runner_output.prompt_logprobs.items():
             # The chunk scores prompt tokens start + 1 onwards; a recompute after a preemption
             # repeats positions already held, which are kept as first scored.
-            held = self._states[request_id].prompt_logprobs
+            state = self._states.get(request_id)
+            if state is None:
+                continue  # aborted while its step was in flight (pipeline parallelism)
+            held = state.prompt_logprobs
             assert held is not None, "prompt logprobs for a request that did not ask for them"
             num_repeated = len(held) - scheduler_output.num_computed_tokens[request_id] - 1
             assert num_repeated >= 0, "prompt logprobs arrived out of order"

@@ -30,6 +30,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.tensor_parallel import shard_weights
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.pipeline_stage import PipelineStage
 from engine.platform import choose_numerics
 from engine.quantization.awq import awq_weights
 from engine.quantization.int4_groups import Int4Groups
@@ -62,9 +63,16 @@ def resolved_model_config(config: EngineConfig):
     return model_config
 
 
-def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: ParallelGroup) -> Shard:
-    """This rank's model with its weights loaded (all of them without tensor parallelism), its attention
-    numerics, its KV cache's layout and the runner's limits: what rank 0 and every worker build alike."""
+def build_shard(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    hf_config,
+    tp: ParallelGroup,
+    stage: Optional[PipelineStage] = None,
+) -> Shard:
+    """This rank's model with its weights loaded (all of them without tensor parallelism; its stage's layers
+    only with pipeline parallelism), its attention numerics, its KV cache's layout and the runner's limits:
+    what rank 0 and every worker build alike."""
     model_config = resolved_model_config(config)
     device = model_config.resolve_device()
     dtype = model_config.resolve_dtype(device)
@@ -98,9 +106,17 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
             f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
         )
     model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp)
+    if stage is not None and stage.is_split:
+        model.hold_stage(stage)
+        logger.info("pipeline %s", stage.describe())
     check_backend_serves(backend, model.attention_layers, family.architecture)
     # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window.
     kv_groups = KVGroups.of([attention.sliding_window for attention in model.attention_layers], max_model_len)
+    if model.stage.is_split and kv_groups.num_groups > 1:
+        raise SettingsConflictError(
+            f"--pipeline-parallel-size {model.stage.num_stages}: the model's layers attend in {kv_groups.num_groups} "
+            "ways (sliding-window and full layers); pipeline stages serve models whose layers attend alike"
+        )
     storage = (
         quantizer.method
         if quantizer is not None
@@ -128,7 +144,7 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
     model.load_weights(weights)
     _log_weights(model)
     spec = KVCacheSpec(
-        model.arch.num_layers,
+        len(model.stage.layers),
         config.cache.block_size,
         model.arch.num_kv_heads,
         model.arch.head_dim,
@@ -143,7 +159,7 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
         max_model_len,
         0 if speculative is None else speculative.num_speculative_tokens,
     )
-    buckets = _graph_buckets(config, device, backend)
+    buckets = () if model.stage.is_split else _graph_buckets(config, device, backend)
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
 
 
@@ -237,8 +253,8 @@ def _cuda_graph_bytes(
 
 
 def _graph_buckets(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> tuple[int, ...]:
-    """The decode batch sizes to capture as CUDA graphs (none off CUDA, with --enforce-eager, or when the
-    backend cannot run in a graph)."""
+    """The decode batch sizes to capture as CUDA graphs (none off CUDA, with --enforce-eager, when the
+    backend cannot run in a graph, or in a pipeline stage, whose input arrives from another process)."""
     if device.type != "cuda":
         return ()
     if config.enforce_eager:

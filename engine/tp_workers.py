@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import wait
 from typing import Any, Callable, Optional, Union
 
@@ -36,12 +37,15 @@ from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBro
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
 from engine.loading.loader import Checkpoint
-from engine.models.registry import check_tensor_parallel_model
+from engine.distributed.pipeline_link import PipelineLink
+from engine.distributed.pipeline_stage import PipelineStage
+from engine.models.registry import check_pipeline_model, check_tensor_parallel_model
 from engine.runner.model_runner import ModelRunner
-from engine.runner.peer_step import PeerStep
+from engine.runner.peer_step import FinishStep, PeerStep
+from engine.runner.pipeline_runner import LaunchedStep, PipelineRunner
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.attention.kv_cache import KVCache
-from engine.shard_builder import build_shard, capture_graphs, shard_kv_blocks
+from engine.shard_builder import Shard, build_shard, capture_graphs, shard_kv_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +67,14 @@ class TensorParallelWorkers:
         processes: list[Any],
         queue: "StepChannel",
         group: ParallelGroup,
-        all_reduce: Optional[ShmAllReduceOwner],
+        all_reduces: list[ShmAllReduceOwner],
         restore: "_Restore",
     ):
         self.processes = processes
         self._restore = restore
         self.queue = queue
-        self.group = group
-        self._all_reduce = all_reduce
+        self.group = group  # rank 0's stage's tensor-parallel group
+        self._all_reduces = all_reduces  # each stage's, on one host's CPUs
         self._stopping = threading.Event()
         self._on_failure: list[Callable[[BaseException], None]] = []
         self.failure: Optional[BaseException] = None
@@ -82,9 +86,10 @@ class TensorParallelWorkers:
         """Start this host's ranks 1 .. N/nnodes - 1 (spawned: a fresh interpreter, no forked threads) and join
         the group of all ranks as rank 0; they load their shards while this process loads its own. With several
         hosts the others' ranks come from their `pagedserve serve --headless` (`run_headless_node`)."""
-        check_tensor_parallel_model(hf_config, config.parallel.tensor_parallel_size)
+        _check_model(config, hf_config)
         parallel = config.parallel
-        world, local = parallel.tensor_parallel_size, parallel.ranks_per_node
+        world, local = parallel.world_size, parallel.ranks_per_node
+        tp_size, num_stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         timeout = parallel.distributed_timeout
         plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
         restore = _Restore(torch.get_num_threads(), process_cpus())
@@ -92,33 +97,40 @@ class TensorParallelWorkers:
         device = config.model.resolve_device()
         one_host = parallel.nnodes == 1
         queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=timeout) if one_host else None
-        # On one host's CPUs the ranks' all-reduce goes through shared memory (gloo's loopback TCP costs ~10x more
-        # per call); across hosts, gloo; on CUDA, NCCL.
-        all_reduce = ShmAllReduce.create(world, timeout_s=timeout) if device.type == "cpu" and one_host else None
-        shm_handle = all_reduce.handle if all_reduce is not None else None
+        # On one host's CPUs each stage's all-reduce goes through shared memory (gloo's loopback TCP costs ~10x
+        # more per call); across hosts, gloo; on CUDA, NCCL.
+        all_reduces = (
+            [ShmAllReduce.create(tp_size, timeout_s=timeout) for _ in range(num_stages)]
+            if device.type == "cpu" and one_host and tp_size > 1
+            else []
+        )
+        shm_handles = [owner.handle for owner in all_reduces]
         processes: list[Any] = []
         try:
             handle = None if queue is None else queue.handle
-            processes = _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, shm_handle, plan)
+            processes = _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, shm_handles, plan)
             _bind(plan[0], 0)  # after spawning: the workers start from this process's mask, not rank 0's share
-            group = ParallelGroup.join(0, world, init_method, device, timeout, shm_handle)
+            group = ParallelGroup.join_stage(0, tp_size, num_stages, init_method, device, timeout, shm_handles)
             channel: StepChannel = queue if queue is not None else GlooBroadcast()
         except BaseException:
             _end(processes)
             if queue is not None:
                 queue.close()
-            if all_reduce is not None:
-                all_reduce.close()
+            for owner in all_reduces:
+                owner.close()
             restore()
             raise
         logger.info(
-            "tensor parallelism: %d ranks over %d node(s) (rank 0 here, pids %s), all-reduce over %s",
+            "%d ranks (tensor parallel %d x pipeline stages %d) over %d node(s) (rank 0 here, pids %s), "
+            "all-reduce over %s",
             world,
+            tp_size,
+            num_stages,
             parallel.nnodes,
             ", ".join(str(p.pid) for p in processes) or "none",
-            "shared memory" if all_reduce is not None else "gloo" if device.type == "cpu" else "NCCL",
+            "shared memory" if all_reduces else "gloo" if device.type == "cpu" else "NCCL",
         )
-        return cls(processes, channel, group, all_reduce, restore)
+        return cls(processes, channel, group, all_reduces, restore)
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` (from the watcher's thread) when a worker exits while the engine runs."""
@@ -126,7 +138,7 @@ class TensorParallelWorkers:
         if self.failure is not None:
             callback(self.failure)
 
-    def send(self, step: PeerStep) -> None:
+    def send(self, step: "PeerStep | FinishStep") -> None:
         if self.failure is not None:
             raise self.failure
         self.queue.enqueue(step)
@@ -135,9 +147,8 @@ class TensorParallelWorkers:
         """A step failed on rank 0 after the workers took it (they may wait in a collective rank 0 never joins):
         no later step runs, and a worker waiting in the shared-memory all-reduce is woken to fail."""
         if self.failure is None:
-            self.failure = RanksOutOfStepError(f"a tensor-parallel step failed on rank 0: {error!r}")
-            if self._all_reduce is not None:
-                self._all_reduce.abort()
+            self.failure = RanksOutOfStepError(f"a parallel step failed on rank 0: {error!r}")
+            self._abort_all_reduces()
 
     def stop(self) -> None:
         """Close the broadcast (the workers leave), wait for them, kill any left; leave the group."""
@@ -151,9 +162,13 @@ class TensorParallelWorkers:
         finally:
             _end(self.processes, STOP_WAIT_S)
             self.group.leave()
-            if self._all_reduce is not None:
-                self._all_reduce.close()
+            for owner in self._all_reduces:
+                owner.close()
             self._restore()
+
+    def _abort_all_reduces(self) -> None:
+        for owner in self._all_reduces:
+            owner.abort()
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: process for process in self.processes}
@@ -164,8 +179,7 @@ class TensorParallelWorkers:
                     return
                 process.join(0)
                 self.failure = WorkerDiedError(process.name, process.exitcode)
-                if self._all_reduce is not None:
-                    self._all_reduce.abort()  # rank 0 may be waiting in an all-reduce for the dead worker
+                self._abort_all_reduces()  # rank 0 may be waiting in an all-reduce for the dead worker
                 logger.error("%s", self.failure)
                 for callback in self._on_failure:
                     callback(self.failure)
@@ -225,20 +239,20 @@ def _spawn(
     ranks: range,
     init_method: str,
     queue_handle: Any,
-    all_reduce_handle: Any,
+    all_reduce_handles: list[Any],
     plan: list[RankCpus],
     die_with_parent: bool = False,
 ) -> list[Any]:
     """Start a worker process for each of `ranks`: their step broadcast (the shared-memory ring's handle, or None
-    for the gloo one), their all-reduce's shared memory (None: gloo or NCCL), each one's CPUs (`plan`, by the rank's
-    place on this host)."""
+    for the gloo one), each stage's all-reduce's shared memory (none: gloo or NCCL), each one's CPUs (`plan`, by
+    the rank's place on this host)."""
     context = mp.get_context("spawn")
     processes = []
     per_node = config.parallel.ranks_per_node
     for rank in ranks:
         process = context.Process(
             target=_worker_main,
-            args=(config, checkpoint, hf_config, rank, init_method, queue_handle, all_reduce_handle)
+            args=(config, checkpoint, hf_config, rank, init_method, queue_handle, all_reduce_handles)
             + (os.getpid(), plan[rank % per_node], die_with_parent),
             name=f"pagedserve-tp{rank}",
             daemon=True,  # (also ended by the interpreter's exit)
@@ -257,13 +271,13 @@ def run_headless_node(config: EngineConfig) -> int:
     model = config.model
     checkpoint = prepare_checkpoint(model.model, revision=model.revision, download_dir=model.download_dir)
     hf_config = load_hf_config(checkpoint.path, trust_remote_code=model.trust_remote_code)
-    check_tensor_parallel_model(hf_config, config.parallel.tensor_parallel_size)
+    _check_model(config, hf_config)
     local = parallel.ranks_per_node
     first = parallel.node_rank * local
     plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
     init_method = f"tcp://{parallel.master_addr}:{parallel.master_port}"
     ranks = range(first, first + local)
-    processes = _spawn(config, checkpoint, hf_config, ranks, init_method, None, None, plan, die_with_parent=True)
+    processes = _spawn(config, checkpoint, hf_config, ranks, init_method, None, [], plan, die_with_parent=True)
     logger.info(
         "node %d of %d: ranks %d .. %d (pids %s), rendezvous at %s",
         parallel.node_rank,
@@ -296,7 +310,7 @@ def _worker_main(
     rank: int,
     init_method: str,
     queue_handle: Any,
-    all_reduce_handle: Any,
+    all_reduce_handles: list[Any],
     parent_pid: int,
     share: RankCpus,
     die_with_parent: bool,
@@ -313,18 +327,18 @@ def _worker_main(
     parallel = config.parallel
     if device.type == "cuda":  # one device per rank of this host (tensors made on "cuda" land on it)
         torch.cuda.set_device(rank % parallel.ranks_per_node)
-    group = ParallelGroup.join(
-        rank, parallel.tensor_parallel_size, init_method, device, parallel.distributed_timeout, all_reduce_handle
+    tp_size, num_stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    group = ParallelGroup.join_stage(
+        rank, tp_size, num_stages, init_method, device, parallel.distributed_timeout, all_reduce_handles
     )
     gloo = GlooBroadcast() if queue_handle is None else None  # (made by every rank in the same order)
     joined = time.monotonic()
     torch.manual_seed(config.model.seed)
-    shard = build_shard(config, checkpoint, hf_config, group)
+    stage = PipelineStage.of_rank(rank, tp_size, num_stages, hf_config.num_hidden_layers)
+    shard = build_shard(config, checkpoint, hf_config, group, stage)
     loaded = time.monotonic()
     num_blocks = shard_kv_blocks(config, shard, group)
-    runner = ModelRunner(
-        shard.model, KVCache(shard.spec, num_blocks, device), shard.backend, device, shard.limits, samples=False
-    )
+    runner = make_runner(shard, KVCache(shard.spec, num_blocks, device), stage, samples=False)
     cached = time.monotonic()
     if shard.buckets:
         capture_graphs(runner, shard.buckets)
@@ -342,6 +356,7 @@ def _worker_main(
         time.monotonic() - cached,
     )
     reader = None if queue_handle is None else queue_handle.open(rank - 1)
+    launched: deque[LaunchedStep] = deque()  # stage 0's steps whose logits are still to gather
     try:
         while True:
             try:
@@ -357,13 +372,37 @@ def _worker_main(
                 continue
             except (BroadcastClosed, BroadcastClosedByRankZero):  # rank 0 shuts the engine down
                 return
+            if isinstance(step, FinishStep):  # (sent only when stage 0 has tensor-parallel peers)
+                if isinstance(runner, PipelineRunner) and stage.is_first:
+                    runner.finish(launched.popleft())
+                continue
             runner.take_sampled(step.sampled_token_ids)
-            runner.execute(step.scheduler_output)
+            if isinstance(runner, PipelineRunner) and stage.is_first:
+                launched.append(runner.launch(step.scheduler_output))
+            else:
+                runner.execute(step.scheduler_output)
     finally:
         if reader is not None:
             reader.close()
         runner.shutdown()
         group.leave()
+
+
+def _check_model(config: EngineConfig, hf_config: Any) -> None:
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        check_tensor_parallel_model(hf_config, parallel.tensor_parallel_size)
+    if parallel.pipeline_parallel_size > 1:
+        check_pipeline_model(hf_config, parallel.pipeline_parallel_size)
+
+
+def make_runner(shard: Shard, kv_cache: KVCache, stage: PipelineStage, **kwargs: Any) -> ModelRunner:
+    """A rank's runner over its shard: a pipeline stage's when the model is split into stages."""
+    args = (shard.model, kv_cache, shard.backend, shard.device, shard.limits)
+    if not stage.is_split:
+        return ModelRunner(*args, **kwargs)
+    link = PipelineLink(stage, shard.model.arch.hidden_size, shard.dtype, shard.device)
+    return PipelineRunner(*args, pipeline=link, **kwargs)
 
 
 def _die_with_parent() -> None:

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class ParallelConfig(BaseModel):
     """Tensor parallelism: `tensor_parallel_size` processes, each holding a shard of every layer (rank 0 in the
-    engine's process, the others in worker processes; engine/tp_workers.py), on one host or spread evenly over
+    engine's process, the others in worker processes; engine/tp_workers.py); pipeline parallelism:
+    `pipeline_parallel_size` stages of consecutive layers, each that many ranks. On one host or spread evenly over
     `nnodes` hosts: node 0 serves, the others run `pagedserve serve --headless --node-rank R` and start their
     share of the ranks, all meeting at `master_addr:master_port` (torch.distributed's TCP rendezvous)."""
 
@@ -23,14 +24,18 @@ class ParallelConfig(BaseModel):
         "memory on CPU, NCCL on CUDA); 1: the whole model in the engine's process",
     )
     pipeline_parallel_size: int = Field(
-        1, ge=1, description="stages the layers are split into (only 1 is served yet: larger values are refused)"
+        1,
+        ge=1,
+        le=64,
+        description="stages the layers are split into, each in its own process(es) (times tensor_parallel_size "
+        "ranks in all); as many steps are in flight as there are stages, so the stages overlap",
     )
     distributed_executor_backend: Literal["mp", "ray"] = Field(
         "mp",
         description="how the ranks' processes are started: mp (spawned here and by --headless nodes); ray "
         "is refused (not served yet)",
     )
-    nnodes: int = Field(1, ge=1, description="hosts the ranks are spread over (tensor_parallel_size / nnodes each)")
+    nnodes: int = Field(1, ge=1, description="hosts the ranks are spread over (world size / nnodes each)")
     node_rank: int = Field(0, ge=0, description="this host's place among them (0: the one that serves)")
     master_addr: str = Field("127.0.0.1", description="where node 0's rank 0 listens for the rendezvous")
     master_port: Optional[int] = Field(
@@ -46,19 +51,15 @@ class ParallelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _nodes(self) -> "ParallelConfig":
-        if self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallelism is not served yet; "
-                "split the model with tensor_parallel_size (over several hosts with nnodes)"
-            )
         if self.distributed_executor_backend == "ray":
             raise ValueError(
                 "distributed_executor_backend ray is not served yet: ranks start as processes (mp), on other hosts "
                 "through `pagedserve serve --headless`"
             )
-        if self.tensor_parallel_size % self.nnodes:
+        if self.world_size % self.nnodes:
             raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} does not spread evenly over nnodes {self.nnodes}"
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not spread evenly over "
+                f"nnodes {self.nnodes}"
             )
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes}")
@@ -69,5 +70,10 @@ class ParallelConfig(BaseModel):
         return self
 
     @property
+    def world_size(self) -> int:
+        """Every rank: each pipeline stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ class ParallelGroup:
     rank: int = 0
     world_size: int = 1
     shm: Optional[ShmAllReduce] = field(default=None, compare=False, repr=False)
+    # With pipeline parallelism a stage's ranks are a subgroup of all the ranks (None: the default group, all).
+    group: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def single(cls) -> "ParallelGroup":
@@ -44,15 +46,37 @@ class ParallelGroup:
         """Join the group (blocks until all `world_size` ranks have): gloo on CPU, NCCL on CUDA; on CPU, `shm`
         (the ranks' shared-memory all-reduce, made by rank 0) carries `all_reduce` instead of gloo. A collective
         that waits longer than `timeout_s` for a peer raises instead of hanging (a dead or stuck rank)."""
+        return cls.join_stage(rank, world_size, 1, init_method, device, timeout_s, [shm])
+
+    @classmethod
+    def join_stage(
+        cls,
+        rank: int,
+        tp_size: int,
+        num_stages: int,
+        init_method: str,
+        device: torch.device,
+        timeout_s: float,
+        shm: Sequence[Optional[AllReduceHandle]] = (),
+    ) -> "ParallelGroup":
+        """Join all `tp_size * num_stages` ranks (stage-major: engine/distributed/pipeline_stage.py) and return
+        this rank's stage's tensor-parallel group; `shm[s]` is stage s's shared-memory all-reduce (or None)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
             init_method=init_method,
             rank=rank,
-            world_size=world_size,
+            world_size=tp_size * num_stages,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        return cls(rank, world_size, shm.open(rank) if shm is not None and device.type == "cpu" else None)
+        stage, tp_rank = divmod(rank, tp_size)
+        group = None
+        if num_stages > 1 and tp_size > 1:  # every rank makes every stage's subgroup, in the same order
+            groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(num_stages)]
+            group = groups[stage]
+        handle = shm[stage] if stage < len(shm) else None
+        opened = handle.open(tp_rank) if handle is not None and device.type == "cpu" else None
+        return cls(tp_rank, tp_size, opened, group)
 
     @property
     def is_parallel(self) -> bool:
@@ -63,7 +87,7 @@ class ParallelGroup:
         if self.shm is not None:
             return self.shm.all_reduce(tensor)
         if self.world_size > 1:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -75,14 +99,15 @@ class ParallelGroup:
         tensor = tensor.contiguous()
         out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
         if tensor.is_cuda:
-            dist.all_gather_into_tensor(out, tensor)
+            dist.all_gather_into_tensor(out, tensor, group=self.group)
         else:  # gloo has no all_gather_into_tensor: the list form, into the rows of `out`
-            dist.all_gather(list(out.unbind(0)), tensor)
+            dist.all_gather(list(out.unbind(0)), tensor, group=self.group)
         return out
 
     def min_over_ranks(self, value: int) -> int:
-        """The smallest of every rank's `value` (a size all ranks must agree on, e.g. KV blocks)."""
-        if self.world_size == 1:
+        """The smallest of every rank's `value` over all ranks of every stage (a size all must agree on: KV
+        blocks, whose ids every rank's cache shares)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
@@ -92,5 +117,5 @@ class ParallelGroup:
         """Tear the process group down (at shutdown; a process joins at most one group in its life here)."""
         if self.shm is not None:
             self.shm.close()
-        if self.world_size > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()

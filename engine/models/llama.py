@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.pipeline_stage import PipelineStage
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.layers.fused_decode import FusedDecode
 from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
@@ -103,6 +104,7 @@ class LlamaForCausalLM:
         self.final_norm: Any = None  # [hidden]
         self.lm_head: Any = None  # [vocab, hidden]
         self.layers: list[LlamaLayerWeights] = []
+        self.stage = PipelineStage.whole(arch.num_layers)  # the layers this process holds (`hold_stage`)
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
 
     def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:
@@ -118,6 +120,23 @@ class LlamaForCausalLM:
             self.max_model_len,
         )
 
+    def hold_stage(self, stage: PipelineStage) -> None:
+        """Hold only `stage`'s layers (pipeline parallelism; before load_weights): stage 0 also the embedding,
+        the final norm and the LM head (it samples); the others none of them."""
+        self.stage = stage
+        self.layer_attention = self.layer_attention[stage.layers.start : stage.layers.stop]
+        if stage.is_split:
+            self.fused = None  # (the native step runs the embedding and every layer in one call)
+
+    def _held(self, name: str) -> bool:
+        """Whether this stage holds the checkpoint tensor `name` (HF's name, "model." removed)."""
+        stage = self.stage
+        if not stage.is_split:
+            return True
+        if name.startswith("layers."):
+            return int(name.split(".", 2)[1]) in stage.layers
+        return stage.is_first
+
     @property
     def attention_layers(self) -> tuple[LayerAttention, ...]:
         """Each layer's attention, as the backend computes it (checked against the backend at start-up)."""
@@ -126,18 +145,27 @@ class LlamaForCausalLM:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]) -> None:
-        """Take HF state-dict names and tensors; fuse q|k|v and gate|up."""
-        arch = self.arch
+        """Take HF state-dict names and tensors (this stage's: `hold_stage`); fuse q|k|v and gate|up."""
         state: dict[str, Any] = {}
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or not self._held(name):
                 continue
             # quantized matrices keep their own storage: GGUF blocks (on CPU), AWQ groups until `_prepare`
             state[name] = (
                 tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype, device=self.device)
             )
+        self.layers = [self._take_layer(state, i) for i in self.stage.layers]
+        if self.stage.is_first:
+            self._take_ends(state)
+        if state:
+            unused = ", ".join(sorted(state)[:8])
+            raise ValueError(f"{len(state)} checkpoint tensors were not used by the model: {unused}")
+
+    def _take_ends(self, state: dict[str, Any]) -> None:
+        """The embedding, the final norm and the LM head (tied to the embedding or its own)."""
+        arch = self.arch
         take = state.pop
         self.embed = take("embed_tokens.weight")
         self.final_norm = take("norm.weight")
@@ -152,10 +180,6 @@ class LlamaForCausalLM:
             # tied and stored quantized (GGUF), or packed in column blocks: one matrix, in the form its product
             # takes (it also looks rows up); a float embedding stays float where the LM head is quantized from it
             self.embed = self.lm_head
-        self.layers = [self._take_layer(state, i) for i in range(arch.num_layers)]
-        if state:
-            unused = ", ".join(sorted(state)[:8])
-            raise ValueError(f"{len(state)} checkpoint tensors were not used by the model: {unused}")
 
     def _take_layer(self, state: dict, index: int) -> LlamaLayerWeights:
         p = f"layers.{index}."
@@ -212,12 +236,13 @@ class LlamaForCausalLM:
         mats = [
             w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down) if w is not None
         ]  # a mixture-of-experts layer has no dense MLP
-        return mats + [self.lm_head]
+        return mats + ([self.lm_head] if self.lm_head is not None else [])
 
     def weight_bytes(self) -> int:
         """The memory its weights take (tied matrices once; quantized ones by their blocks and scales)."""
         fields = [getattr(layer, name) for layer in self.layers for name in LlamaLayerWeights.__slots__]
-        return tensor_bytes([self.embed, self.final_norm, self.lm_head, *fields])
+        ends = [t for t in (self.embed, self.final_norm, self.lm_head) if t is not None]
+        return tensor_bytes([*ends, *fields])
 
     # ------------------------------------------------------------------ forward
 
@@ -229,15 +254,17 @@ class LlamaForCausalLM:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's)
         backend: AttentionBackend,
+        hidden_states: Optional[torch.Tensor] = None,  # [num_tokens, hidden]: the stage before's output
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         """The layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its own
-        LayerAttention over its own KV group's metadata."""
+        LayerAttention over its own KV group's metadata. A pipeline stage after the first starts from the
+        hidden states the stage before returned (its residual stream, before the next layer's norm)."""
         if self.fused is not None and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend):
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         eps = self.arch.rms_norm_eps
         ops = self.ops
         angles = ops.rotary_angles(positions, self.rotary)
-        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         attention, tp = self.layer_attention, self.tp

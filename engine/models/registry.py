@@ -207,6 +207,23 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
     return arch
 
 
+def check_pipeline_model(hf_config: Any, num_stages: int) -> None:
+    """SettingsConflictError unless the model's layers can be split into `num_stages` pipeline stages (the Llama
+    family's layer loop takes a stage's input from the stage before)."""
+    family = family_of(hf_config)
+    if family.implementation != "llama":
+        served = ", ".join(f.architecture for f in FAMILIES if f.implementation == "llama")
+        raise SettingsConflictError(
+            f"--pipeline-parallel-size {num_stages}: {family.architecture} is not served with pipeline "
+            f"parallelism yet (served: {served})"
+        )
+    num_layers = hf_config.num_hidden_layers
+    if num_stages > num_layers:
+        raise SettingsConflictError(
+            f"--pipeline-parallel-size {num_stages}: the model has {num_layers} layers, fewer than the stages"
+        )
+
+
 def build_model(
     hf_config: Any,
     dtype: torch.dtype,

@@ -116,7 +116,8 @@ class EagerReplay:
         self.forward = None
 
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, Sequence[StepMetadata]], torch.Tensor]
+ForwardFn = Callable[..., torch.Tensor]
+"""(input_ids, positions, steps[, hidden_states]) -> hidden states: `model_forward`'s."""
 """(input_ids, positions, the step per KV layer group) -> hidden states: the model's forward pass over the KV
 cache."""
 
@@ -128,10 +129,17 @@ def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> Forwar
     StepMetadata per KV layer group; each layer attends with its group's metadata."""
     group_of_layer = kv_cache.spec.group_of_layer
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, steps: Sequence[StepMetadata]) -> torch.Tensor:
+    def forward(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        steps: Sequence[StepMetadata],
+        hidden_states: Optional[torch.Tensor] = None,  # a pipeline stage's input, after the first stage
+    ) -> torch.Tensor:
         per_group = [backend.build_metadata(step, kv_cache.spec) for step in steps]
         metadata = [per_group[group] for group in group_of_layer]
-        return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
+        if hidden_states is None:
+            return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
+        return model.forward(input_ids, positions, kv_cache.layers, metadata, backend, hidden_states)
 
     return forward
 

@@ -67,13 +67,23 @@ def profile_step_peak_bytes(
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     metadata = backend.build_metadata(step, spec)  # counted: real steps build theirs every step
-    hidden = model.forward(input_ids, positions, scratch.layers, [metadata] * spec.num_layers, backend)
-    logits = model.compute_logits(hidden[: min(num_logit_rows, num_tokens)])
-    del hidden
-    Sampler()(logits, worst_case_sampling_states(logits.shape[0], device))
+    stage = model.stage  # a pipeline stage after the first starts from hidden states and computes no logits
+    arrived = None
+    if not stage.is_first:
+        arrived = torch.zeros(num_tokens, model.arch.hidden_size, dtype=model.dtype, device=device)
+    layers_metadata = [metadata] * spec.num_layers
+    if arrived is None:
+        hidden = model.forward(input_ids, positions, scratch.layers, layers_metadata, backend)
+    else:
+        hidden = model.forward(input_ids, positions, scratch.layers, layers_metadata, backend, arrived)
+    if stage.is_first:
+        logits = model.compute_logits(hidden[: min(num_logit_rows, num_tokens)])
+        Sampler()(logits, worst_case_sampling_states(logits.shape[0], device))
+        del logits
+    del hidden, arrived
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del scratch, logits
+    del scratch
     torch.cuda.empty_cache()
     return peak  # activations only: the scratch cache was allocated before `before`
 

@@ -388,14 +388,17 @@ class ModelRunner:
             batch.sample_rows.append(first_row + num_tokens - 1)
             batch.sample_states.append(state)
 
-    def _sample(self, hidden: torch.Tensor, batch: _Batch) -> ModelRunnerOutput:
+    def _sample(self, hidden: torch.Tensor, batch: _Batch, selected: bool = False) -> ModelRunnerOutput:
+        """Sample the batch's sample rows of `hidden` [num_tokens, hidden] (`selected`: `hidden` holds only those
+        rows, in order, and the batch scores no prompt rows) and score its prompt rows."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         model, buffers = self.model, self.buffers
         assert model is not None and buffers is not None  # not shut down
         if batch.sample_rows:
-            logits = model.compute_logits(self._sample_hidden(hidden, batch))  # [num_samples, vocab]
+            rows = hidden if selected else self._sample_hidden(hidden, batch)
+            logits = model.compute_logits(rows)  # [num_samples, vocab]
             states = self._sampling_states(batch)
             # One matcher per request, at its first row (a request's rows after drafts follow it: fill_bitmask).
             matchers = [
@@ -445,13 +448,13 @@ class ModelRunner:
         sample_rows.array[: len(batch.sample_rows)] = batch.sample_rows
         return hidden.index_select(0, sample_rows.upload(len(batch.sample_rows)))
 
-    def _contribute_logits(self, hidden: torch.Tensor, batch: _Batch) -> None:
+    def _contribute_logits(self, hidden: torch.Tensor, batch: _Batch, selected: bool = False) -> None:
         """A peer's runner: the logits `_sample` computes, row for row and call for call (each call gathers every
         rank's vocabulary slice), thrown away: rank 0 samples and scores."""
         model = self.model
         assert model is not None  # not shut down
         if batch.sample_rows:
-            model.compute_logits(self._sample_hidden(hidden, batch))
+            model.compute_logits(hidden if selected else self._sample_hidden(hidden, batch))
         for _, first_row, count, _ in batch.prompt_rows:
             model.compute_logits(hidden[first_row : first_row + count])
 

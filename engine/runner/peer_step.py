@@ -13,10 +13,17 @@ class PeerStep(NamedTuple):
     sampled_token_ids: dict[str, list[int]]  # by request: the last step's tokens (accepted drafts, then one)
 
 
+class FinishStep(NamedTuple):
+    """Pipeline parallelism: stage 0 samples the oldest step it launched (its tensor-parallel peers gather their
+    slices of the same logits; the other stages ignore it)."""
+
+    step_id: int
+
+
 class StepPeers(Protocol):
     """The other ranks, reached by a broadcast (engine/tp_workers.py)."""
 
-    def send(self, step: PeerStep) -> None: ...
+    def send(self, step: "PeerStep | FinishStep") -> None: ...
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` when another rank fails outside a step."""

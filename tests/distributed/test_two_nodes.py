@@ -1,5 +1,6 @@
 """Two "hosts" on one machine: node 0 (an LLM here, rank 0) and node 1 (`pagedserve serve --headless`, rank 1)
-meet at a TCP rendezvous on 127.0.0.1 and split the model; the step messages reach node 1 over a gloo broadcast.
+meet at a TCP rendezvous on 127.0.0.1 and split the model (each rank half of every layer, or half of the layers);
+the step messages reach node 1 over a gloo broadcast, a pipeline's hidden states over gloo sends.
 Same greedy tokens and logprobs as one process; node 1 leaves with status 0 when node 0 shuts down."""
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def generate(llm: LLM, prompts):
     return [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results]
 
 
-def test_two_nodes_give_one_process_tokens(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tensor", "pipeline"])
+def test_two_nodes_give_one_process_tokens(tmp_path, tiny_model_dir, tp, pp):
+    """Either a tensor-parallel pair or two pipeline stages, one rank on each "host"."""
     prompts = mixed_prompts(14)
     with LLM(str(tiny_model_dir), **SETTINGS) as llm:
         expected = generate(llm, prompts)
@@ -41,13 +44,20 @@ def test_two_nodes_give_one_process_tokens(tmp_path, tiny_model_dir):
     with log.open("w") as out:
         node1 = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), *flags,
-             "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
+             "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+             "--nnodes", "2", "--node-rank", "1", "--headless",
              "--master-port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, env=server_environment(), cwd=REPO,
         )  # fmt: skip
     try:
         with LLM(
-            str(tiny_model_dir), **SETTINGS, tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port
+            str(tiny_model_dir),
+            **SETTINGS,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            nnodes=2,
+            node_rank=0,
+            master_port=port,
         ) as llm:
             got = generate(llm, prompts)
         assert node1.wait(timeout=30) == 0, log.read_text()[-3000:]

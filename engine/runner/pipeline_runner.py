@@ -1,0 +1,140 @@
+"""A pipeline stage's runner: the model runner over this stage's layers, its input and output passed along the
+pipeline (engine/distributed/pipeline_link.py).
+
+Stage 0 (the engine's process) splits a step in two, so that several steps are in flight at once:
+
+    launch(step A): the step message to the other ranks, the embedding and stage 0's layers, hidden states on
+    launch(step B): ...                       while stage 1 runs step A's layers
+    finish(A):      the last stage's hidden states for A's rows back, the LM head, sampling -> A's tokens
+
+The scheduler never puts a request in two steps in flight, so A's requests are untouched by B's launch. A later
+stage runs each step whole (`execute`): its hidden states in, its layers, its hidden states out (the last stage
+sends only the rows stage 0 samples, or every row when the step scores prompt tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from engine.distributed.pipeline_link import PipelineLink
+from engine.outputs import ModelRunnerOutput
+from engine.runner.model_runner import ModelRunner
+from engine.runner.peer_step import FinishStep, PeerStep
+from scheduler import SchedulerOutput
+
+
+class LaunchedStep(NamedTuple):
+    """A step stage 0 launched: what it samples once the last stage's hidden states are back."""
+
+    step_id: int
+    batch: Any  # the runner's _Batch; None for a step that ran no forward pass
+
+
+def returned_rows(batch: Any) -> int:
+    """The rows the last stage sends back for a step: the sample rows, or every row when prompt rows are scored."""
+    return batch.num_tokens if batch.prompt_rows else len(batch.sample_rows)
+
+
+class PipelineRunner(ModelRunner):
+    """The runner of one pipeline stage (and tensor-parallel rank): `pipeline` links it to the stages around."""
+
+    def __init__(self, *args: Any, pipeline: PipelineLink, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pipeline = pipeline
+
+    @property
+    def stage(self):
+        return self.pipeline.stage
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Stage 0: the step launched and finished at once (one step in flight). A later stage: the step's layers."""
+        if self.stage.is_first:
+            return self.finish(self.launch(scheduler_output))
+        self._run_stage(scheduler_output)
+        return ModelRunnerOutput()
+
+    # ------------------------------------------------------------------ stage 0
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        peers = self.peers
+        if peers is not None:
+            peers.send(PeerStep(scheduler_output, self._sampled))
+            self._sampled = {}
+        try:
+            return LaunchedStep(scheduler_output.step_id, self._launch(scheduler_output))
+        except BaseException as error:
+            if peers is not None:
+                peers.fail(error)
+            raise
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> Optional[Any]:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return None
+        buffers, forward = self.buffers, self._forward
+        assert buffers is not None and forward is not None  # not shut down
+        buffers.begin_step()
+        try:
+            batch, steps, _ = self._prepare_inputs(scheduler_output)  # (no decode graphs in a pipeline)
+            hidden = forward(
+                buffers.input_ids.upload(batch.num_tokens), buffers.positions.upload(batch.num_tokens), steps
+            )
+            self.pipeline.send_forward(hidden)
+        finally:
+            buffers.end_step()
+        return batch
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Sample the launched step from the last stage's hidden states (steps finish in the order launched)."""
+        peers = self.peers
+        if peers is not None and self.model is not None and self.model.tp.is_parallel:
+            peers.send(FinishStep(launched.step_id))  # stage 0's peers gather their logits slices alongside
+        try:
+            return self._finish(launched.batch)
+        except BaseException as error:
+            if peers is not None:
+                peers.fail(error)
+            raise
+
+    def _finish(self, batch: Optional[Any]) -> ModelRunnerOutput:
+        if batch is None or returned_rows(batch) == 0:
+            return ModelRunnerOutput()  # (prompt chunks short of their end: nothing to sample or score)
+        hidden = self.pipeline.receive(returned_rows(batch))
+        selected = not batch.prompt_rows
+        if not self.samples:
+            self._contribute_logits(hidden, batch, selected)
+            return ModelRunnerOutput()
+        output = self._sample(hidden, batch, selected)
+        if self.peers is not None:
+            self._sampled.update(output.sampled_token_ids)  # (several steps may finish between two launches)
+        return output
+
+    # ------------------------------------------------------------------ later stages
+
+    def _run_stage(self, scheduler_output: SchedulerOutput) -> None:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return
+        buffers, forward = self.buffers, self._forward
+        assert buffers is not None and forward is not None  # not shut down
+        buffers.begin_step()
+        try:
+            batch, steps, _ = self._prepare_inputs(scheduler_output)
+            arrived = self.pipeline.receive(batch.num_tokens)
+            hidden = forward(
+                buffers.input_ids.upload(batch.num_tokens),
+                buffers.positions.upload(batch.num_tokens),
+                steps,
+                arrived,
+            )
+            if not self.stage.is_last:
+                self.pipeline.send_forward(hidden)
+            elif returned_rows(batch):
+                self.pipeline.send_forward(hidden if batch.prompt_rows else self._sample_hidden(hidden, batch))
+        finally:
+            buffers.end_step()
