@@ -30,6 +30,12 @@ class SchedulerConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per step at most")
     max_model_len: Optional[int] = Field(None, ge=1, description="prompt + output tokens at most")
     policy: Literal["fcfs", "priority"] = "fcfs"
+    max_concurrent_batches: int = Field(
+        1,
+        ge=1,
+        description="steps scheduled and not yet updated at most (pipeline parallelism keeps one per stage in "
+        "flight); a request is in one of them at a time",
+    )
 
     @model_validator(mode="after")
     def _check_budget(self) -> "SchedulerConfig":

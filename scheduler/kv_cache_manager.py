@@ -51,10 +51,12 @@ class KVCacheManager:
     it before reading it).
 
     A full block enters the prefix-cache index only when the step that writes its
-    K/V has completed (`commit_step`): while a step is being scheduled its newly
-    filled blocks are *pending*, and a request preempted in that same step takes
-    its pending blocks with it, unindexed. So a hit never points at unwritten K/V,
-    whatever order requests are scheduled and preempted in. Each group indexes its own blocks (their
+    K/V has completed (`commit_step`): from the step that schedules it until then it is
+    *pending* under that step's id, and a request freed meanwhile (preempted in that same
+    step, or ended while the step is in flight) takes its pending blocks with it, unindexed.
+    So a hit never points at unwritten K/V, whatever order requests are scheduled and
+    preempted in. Several steps may be pending at once (pipeline parallelism keeps more
+    than one in flight); each commits only its own blocks. Each group indexes its own blocks (their
     hashes tagged with the group); a hit in a sliding group needs only the blocks inside the window.
     """
 
@@ -81,9 +83,13 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[list[KVBlock]]] = {}  # per request, per group
         self._first_live: dict[str, list[int]] = {}  # per request, per group: entries before it are null
         self._num_cached_blocks: dict[str, int] = {}  # leading full blocks indexed or pending
-        # Full blocks the current step fills, indexed once it completes: block id -> (block, hash).
-        self._pending: dict[int, tuple[KVBlock, BlockHash]] = {}
-        self._pending_hashes: dict[bytes, int] = {}  # hash value -> pending block id
+        # Full blocks that steps not yet completed fill, indexed when their step completes:
+        # step id -> {block id -> (block, hash)}; `_filling` is the entry of the step being scheduled.
+        self._pending: dict[int, dict[int, tuple[KVBlock, BlockHash]]] = {}
+        self._filling_step = 0
+        self._filling: dict[int, tuple[KVBlock, BlockHash]] = self._pending.setdefault(0, {})
+        self._pending_step: dict[int, int] = {}  # pending block id -> its step id (every pending step's)
+        self._pending_hashes: dict[bytes, int] = {}  # hash value -> pending block id (every pending step's)
         self.num_slots: dict[str, int] = {}  # token slots allocated per request in every group (read-only outside)
 
     @property
@@ -184,9 +190,10 @@ class KVCacheManager:
         return groups, n * self.block_size
 
     def next_block_pending(self, request: Request, num_hit_blocks: int) -> bool:
-        """Whether the block after a request's `num_hit_blocks` hits is being filled in this step.
+        """Whether the block after a request's `num_hit_blocks` hits is being filled by a step not yet completed
+        (the one being scheduled, or one in flight).
 
-        The request would hit it once the step completes: admitting it now would compute
+        The request would hit it once that step completes: admitting it now would compute
         the same K/V twice (n > 1 siblings, identical prompts arriving together).
         """
         if not self._pending_hashes or request.skip_prefix_cache:
@@ -275,28 +282,57 @@ class KVCacheManager:
         for blocks in groups:
             self._release([b for b in reversed(blocks) if b is not self.null_block])
 
-    def commit_step(self) -> None:
-        """The scheduled step has run: index the blocks it filled (see the class docstring)."""
-        cache_block = self.block_pool.cache_block
-        for block, block_hash in self._pending.values():
-            cache_block(block, block_hash)
-        self.discard_step()
+    @property
+    def num_pending_blocks(self) -> int:
+        """Full blocks filled by steps that have not completed, over all of them."""
+        return len(self._pending_step)
 
-    def discard_step(self) -> None:
-        """Forget the pending blocks of a step that will not complete (or before scheduling anew)."""
-        if self._pending:
-            self._pending.clear()
+    def begin_step(self, step_id: int) -> None:
+        """Blocks filled from now on are pending under `step_id` (a new step is being scheduled)."""
+        if step_id in self._pending and step_id != self._filling_step:
+            raise ValueError(f"step {step_id} was begun already")
+        if not self._filling:  # the previous step filled no block (or its blocks were freed): nothing to keep
+            self._pending.pop(self._filling_step, None)
+        self._filling_step = step_id
+        self._filling = self._pending.setdefault(step_id, {})
+
+    def commit_step(self, step_id: int) -> None:
+        """Step `step_id` has run: index the blocks it filled, and only those (see the class docstring)."""
+        entries = self._pending.get(step_id)
+        if not entries:
+            return
+        cache_block = self.block_pool.cache_block
+        pending_step = self._pending_step
+        pending_hashes = self._pending_hashes
+        for block_id, (block, block_hash) in entries.items():
+            cache_block(block, block_hash)
+            del pending_step[block_id]
+            del pending_hashes[block_hash.value]
+        entries.clear()
+        if step_id != self._filling_step:
+            del self._pending[step_id]
+
+    def discard_steps(self) -> None:
+        """Forget the pending blocks of every step: none of them will complete (a failed step, or an older
+        step superseded by a newer one)."""
+        if self._pending_step:
+            for entries in self._pending.values():
+                entries.clear()
+            self._pending_step.clear()
             self._pending_hashes.clear()
+        self._pending = {self._filling_step: self._filling}
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
     def _release(self, blocks: list[KVBlock]) -> None:
-        if self._pending:  # preempted in the step that was to fill them: never indexed
+        if self._pending_step:  # freed before the step that was to fill them completed: never indexed
+            pending_step = self._pending_step
             for block in blocks:
-                entry = self._pending.pop(block.block_id, None)
-                if entry is not None:
-                    del self._pending_hashes[entry[1].value]
+                step_id = pending_step.pop(block.block_id, None)
+                if step_id is not None:
+                    _, block_hash = self._pending[step_id].pop(block.block_id)
+                    del self._pending_hashes[block_hash.value]
         self.block_pool.free_blocks(blocks)
 
     def _first_read(self, num_computed_blocks: int, window: int) -> int:
@@ -334,7 +370,9 @@ class KVCacheManager:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         hashes = request.block_hashes
-        pending = self._pending
+        pending = self._filling
+        pending_step = self._pending_step
+        step_id = self._filling_step
         pending_hashes = self._pending_hashes
         null = self.null_block
         for g, blocks in enumerate(groups):
@@ -345,5 +383,6 @@ class KVCacheManager:
                 block_hash = self._group_hash(hashes[i], g)
                 if block.block_hash is None and block_hash.value not in pending_hashes:
                     pending[block.block_id] = (block, block_hash)
+                    pending_step[block.block_id] = step_id
                     pending_hashes[block_hash.value] = block.block_id
         self._num_cached_blocks[request.request_id] = num_full

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
@@ -31,6 +32,7 @@ class _StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     spec_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafts to verify, by request
+    waits_for_blocks: bool = False  # a running request found no blocks and no victim outside the steps in flight
 
     def add(self, request: Request, num_tokens: int, new_block_ids: Optional[BlockIds] = None) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -84,6 +86,17 @@ class Scheduler:
     without them). `update_from_output` rolls `num_computed_tokens` back past the
     rejected ones. A `BatchDraftProposer` (a draft model) is asked once per step for
     all decoding requests, and told when a request's state may go (ended, preempted).
+
+    Several steps in flight (`max_concurrent_batches` N > 1, pipeline parallelism): `schedule` may be
+    called again while up to N - 1 earlier non-empty steps await `update_from_output`, which takes
+    them oldest first. A request of a step in flight is in no other step until that one is updated
+    (its next token or chunk depends on it), and is never preempted: a request that needs blocks
+    preempts only requests outside the steps in flight, and when the policy's choice among those is
+    itself, it waits instead (keeping its blocks; those steps may end requests, and the policy decides
+    again once they are updated). With nothing in flight a step is scheduled exactly as with N = 1, so
+    the engine always makes progress by updating its oldest step. A request ended while its step is in
+    flight frees its blocks at once: the stages run steps in order, so a later step writing a reused
+    block writes after the earlier one is done with it.
     """
 
     def __init__(
@@ -122,6 +135,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps scheduled
         self._finished_since_last_step: set[str] = set()
+        self.max_concurrent_batches = scheduler_config.max_concurrent_batches
+        self._outstanding: deque[SchedulerOutput] = deque()  # non-empty steps awaiting their update, oldest first
+        self._in_flight: set[str] = set()  # ids of the requests they schedule (kept only when N > 1)
         self.proposer = proposer
         self.adaptive_drafts = adaptive_drafts
         self.max_drafting_batch = max_drafting_batch
@@ -179,6 +195,18 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_outstanding_steps(self) -> int:
+        """Non-empty steps scheduled and not yet updated (an empty step never is: nothing awaits its update)."""
+        return len(self._outstanding)
+
+    def abandon_steps(self) -> None:
+        """Forget every step awaiting its update (the engine could not run them): the blocks they fill are never
+        indexed, and their requests are scheduled again from where their last updated step left them."""
+        self._outstanding.clear()
+        self._in_flight.clear()
+        self.kv_cache_manager.discard_steps()
+
     def stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
@@ -194,30 +222,48 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> SchedulerOutput:
-        """The next step. Its filled blocks become prefix-cache hits when `update_from_output` reports it done."""
+        """The next step. Its filled blocks become prefix-cache hits when `update_from_output` reports it done.
+
+        With `max_concurrent_batches` N, up to N - 1 earlier non-empty steps may still await their update
+        (RuntimeError beyond that); with N = 1, a step left without its update is abandoned, as the engine
+        does after a failed step."""
         max_num_batched_tokens = self.scheduler_config.max_num_batched_tokens
-        self.kv_cache_manager.discard_step()  # a step scheduled before that never completed
+        if len(self._outstanding) >= self.max_concurrent_batches:
+            if self.max_concurrent_batches > 1:
+                raise RuntimeError(
+                    f"{len(self._outstanding)} steps await update_from_output, "
+                    f"at most {self.max_concurrent_batches} may be in flight"
+                )
+            self.abandon_steps()  # a step scheduled before that never completed
         self.num_steps += 1
+        self.kv_cache_manager.begin_step(self.num_steps)
         plan = _StepPlan(budget=max_num_batched_tokens)
+        in_flight = self._in_flight
+        # With steps in flight their requests sit this step out (chosen once: the loops below stay as with N = 1).
+        running = [r for r in self.running if r.request_id not in in_flight] if in_flight else list(self.running)
+        max_requests = self.scheduler_config.max_num_seqs
+        if self.max_concurrent_batches > 1:
+            max_requests = self._fair_share()
+            del running[max_requests:]
         if self.proposer is None:
-            self._schedule_decodes(plan)
+            self._schedule_decodes(plan, running)
         else:
-            self._schedule_decodes_with_drafts(plan, self.proposer)
+            self._schedule_decodes_with_drafts(plan, self.proposer, running)
         # Decodes take one token each (and their drafts) and max_num_batched_tokens >= max_num_seqs.
         plan.budget = max_num_batched_tokens - sum(plan.num_scheduled.values())
-        prefilling = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+        prefilling = [r for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1]
         for request in prefilling:  # then chunks of running prompts
             if plan.budget <= 0:
                 break
             if request.status is _RUNNING:
                 num_left = request.num_tokens - request.num_computed_tokens
                 self._schedule_running(plan, request, min(num_left, plan.budget))
-        if not plan.preempted:
-            self._admit_waiting(plan)
+        if not plan.preempted and not plan.waits_for_blocks:
+            self._admit_waiting(plan, max_requests)
 
         finished = frozenset(self._finished_since_last_step)
         self._finished_since_last_step.clear()
-        return SchedulerOutput(
+        output = SchedulerOutput(
             num_scheduled_tokens=plan.num_scheduled,
             num_computed_tokens=plan.num_computed,
             step_id=self.num_steps,
@@ -227,6 +273,11 @@ class Scheduler:
             finished_request_ids=finished,
             scheduled_spec_decode_tokens=plan.spec_tokens,
         )
+        if plan.num_scheduled:
+            self._outstanding.append(output)
+            if self.max_concurrent_batches > 1:
+                in_flight.update(plan.num_scheduled)
+        return output
 
     def update_from_output(
         self,
@@ -237,13 +288,23 @@ class Scheduler:
 
         Requests that finish are freed here; the outputs list every request that
         got tokens or finished. The blocks the step filled join the prefix-cache index.
+        Steps in flight are updated oldest first (ValueError otherwise); an empty step needs no update
+        (it returns no outputs).
         """
-        if scheduler_output.step_id != self.num_steps:
-            # The pending blocks belong to the latest step; one step is in flight at a time.
+        outstanding = self._outstanding
+        step_id = scheduler_output.step_id
+        if not outstanding or outstanding[0].step_id != step_id:
+            if scheduler_output.is_empty:
+                return []
             raise ValueError(
-                f"update for step {scheduler_output.step_id}, but step {self.num_steps} was scheduled since"
+                f"update for step {step_id}, which is not the oldest in flight "
+                f"(in flight: {[o.step_id for o in outstanding]}; steps are updated in the order scheduled, "
+                "and with max_concurrent_batches 1 a new step abandons one left without its update)"
             )
-        self.kv_cache_manager.commit_step()
+        outstanding.popleft()
+        self.kv_cache_manager.commit_step(step_id)
+        if self._in_flight:
+            self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         outputs: list[RequestStepOutput] = []
         append_output = outputs.append
         new_output = tuple.__new__  # RequestStepOutput without its Python-level __new__
@@ -290,8 +351,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _schedule_decodes(self, plan: _StepPlan) -> None:
-        """One token for every running request at the end of its sequence.
+    def _schedule_decodes(self, plan: _StepPlan, running: list[Request]) -> None:
+        """One token for every request of `running` (a copy of the running ones not in flight) at the end of its
+        sequence.
 
         The hot loop: it records into `plan` directly (what `_StepPlan.add` does, without
         the budget, which `schedule` settles once afterwards)."""
@@ -301,7 +363,7 @@ class Scheduler:
         num_scheduled = plan.num_scheduled
         num_computed = plan.num_computed
         new_block_ids = plan.new_block_ids
-        for request in list(self.running):
+        for request in running:
             if request.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             computed = request.num_computed_tokens
@@ -322,12 +384,14 @@ class Scheduler:
             if any(new_blocks):
                 new_block_ids[request_id] = new_blocks
 
-    def _schedule_decodes_with_drafts(self, plan: _StepPlan, proposer: AnyDraftProposer) -> None:
+    def _schedule_decodes_with_drafts(
+        self, plan: _StepPlan, proposer: AnyDraftProposer, running: list[Request]
+    ) -> None:
         """`_schedule_decodes`, each decode with up to k draft tokens while the budget lasts.
 
         The budget left after one token per decode goes to drafts in the running order. A draft's
         slots are lookahead slots: allocated, but not counted when the step's full blocks are hashed."""
-        decoding = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens <= 1]
+        decoding = [r for r in running if len(r.all_token_ids) - r.num_computed_tokens <= 1]
         spare = self.scheduler_config.max_num_batched_tokens - len(decoding)
         if self.max_drafting_batch is not None and len(decoding) > self.max_drafting_batch:
             spare = 0  # a batch this large is compute-bound: verification rows would cost more than they save
@@ -343,8 +407,8 @@ class Scheduler:
                 self._schedule_running(plan, request, 1)
         kv = self.kv_cache_manager
         for request, drafts in proposals:
-            if not drafts or request.status is not _RUNNING:
-                continue
+            if not drafts or request.status is not _RUNNING or request.request_id not in plan.num_scheduled:
+                continue  # (no drafts, preempted, or waiting for blocks behind the steps in flight)
             new_blocks = kv.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
             if new_blocks is not None:  # None: not enough free blocks now, it decodes without drafts
                 plan.extend(request, drafts, new_blocks)
@@ -455,24 +519,46 @@ class Scheduler:
         return len(drafts) - num_accepted
 
     def _schedule_running(self, plan: _StepPlan, request: Request, num_tokens: int) -> bool:
-        """Allocate for a running request, preempting others until it fits (or is itself preempted)."""
+        """Allocate for a running request, preempting others until it fits (or is itself preempted, or waits
+        for steps in flight: see the class docstring)."""
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_tokens)
             if new_blocks is not None:
                 plan.add(request, num_tokens, new_blocks)
                 return True
-            victim = self._pick_victim()
+            victim = self._pick_victim(request)
+            if victim is None:
+                plan.waits_for_blocks = True
+                return False
             self._preempt(victim)
             plan.drop(victim.request_id)
             plan.preempted.append(victim.request_id)
             if victim is request:
                 return False
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
+    def _fair_share(self) -> int:
+        """The most requests one of N steps in flight schedules: an N-th of those running and admissible.
+
+        Without it every running request would be in one step and the next N - 1 steps empty (all in flight),
+        so pipeline stages would never overlap. Shared, the running requests settle into N groups that take
+        turns (each step's candidates are those not in flight: the group just updated, and any left over)."""
+        num_running = len(self.running)
+        num_admissible = min(len(self.waiting), self.scheduler_config.max_num_seqs - num_running)
+        return max(-(-(num_running + num_admissible) // self.max_concurrent_batches), 1)
+
+    def _admit_waiting(self, plan: _StepPlan, max_requests: int) -> None:
+        """Admit from the queue's head while the budget, max_num_seqs and `max_requests` (this step's) allow."""
         max_num_seqs = self.scheduler_config.max_num_seqs
         kv = self.kv_cache_manager
-        while len(self.waiting) and plan.budget > 0 and len(self.running) < max_num_seqs:
+        while (
+            len(self.waiting)
+            and plan.budget > 0
+            and len(self.running) < max_num_seqs
+            and len(plan.num_scheduled) < max_requests
+        ):
             request = self.waiting.peek()
+            if request.request_id in self._in_flight:
+                break  # an ended request of the same id is in a step in flight: its update must not reach this one
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             if kv.next_block_pending(request, num_hit // self.block_size):
                 break  # its next block is being computed now: hit it next step, don't compute it twice
@@ -505,10 +591,17 @@ class Scheduler:
                 )
             )
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, requester: Request) -> Optional[Request]:
+        """The policy's victim among the running requests not in flight; None: `requester` waits instead."""
+        in_flight = self._in_flight
+        candidates = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
         if self.scheduler_config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            victim = max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            victim = candidates[-1]
+        if victim is requester and in_flight:
+            return None
+        return victim
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

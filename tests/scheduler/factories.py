@@ -36,6 +36,7 @@ def make_scheduler(
     step_cost: Optional[StepCost] = None,
     kv_group_windows: Sequence[Optional[int]] = (None,),
     draft_cost: Optional[StepCost] = None,
+    max_concurrent_batches: int = 1,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -43,6 +44,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             policy=policy,
+            max_concurrent_batches=max_concurrent_batches,
         ),
         CacheConfig(
             block_size=block_size,
@@ -189,3 +191,32 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert not running & waiting
     assert running | waiting == set(scheduler.requests)
     assert len(scheduler.running) <= scheduler.scheduler_config.max_num_seqs
+    check_steps_in_flight(scheduler)
+
+
+def check_steps_in_flight(scheduler: Scheduler) -> None:
+    """Steps awaiting their update: at most N, each request in one of them at most, none of those preempted
+    or behind what its step computes; every pending block held by a live request, unindexed, and filled by
+    a step in flight or the latest one."""
+    outstanding = list(scheduler._outstanding)
+    assert len(outstanding) == scheduler.num_outstanding_steps <= scheduler.max_concurrent_batches
+    assert [o.step_id for o in outstanding] == sorted({o.step_id for o in outstanding})
+    scheduled = [request_id for o in outstanding for request_id in o.num_scheduled_tokens]
+    assert len(scheduled) == len(set(scheduled)), "a request is in two steps in flight"
+    if scheduler.max_concurrent_batches > 1:
+        assert scheduler._in_flight == set(scheduled)
+    for o in outstanding:
+        for request_id, start in o.num_computed_tokens.items():
+            request = scheduler.requests.get(request_id)
+            if request is not None and request.status.name == "RUNNING":
+                assert request.num_computed_tokens == start, f"{request_id} advanced before its step's update"
+            elif request is not None:  # a new request reusing the id of one that ended in flight
+                assert request.status.name == "WAITING" and not request.num_preemptions
+    kv = scheduler.kv_cache_manager
+    steps = {o.step_id for o in outstanding} | {scheduler.num_steps}
+    for block_id, step_id in kv._pending_step.items():
+        assert step_id in steps, f"block {block_id} pending for step {step_id}, which is not in flight"
+        block, block_hash = kv._pending[step_id][block_id]
+        assert block.block_id == block_id and block.ref_cnt > 0 and block.block_hash is None
+        assert kv._pending_hashes[block_hash.value] == block_id
+    assert len(kv._pending_hashes) == kv.num_pending_blocks

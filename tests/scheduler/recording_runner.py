@@ -10,7 +10,10 @@ exactly as a real or out-of-process runner must. Each step it
      window of the step's first query; the others may already be freed): positions before
      `num_computed_tokens` must have been written by an *earlier* step, for exactly
      the request's own token ids up to there (a prefix-cache hit is only sound if
-     the block holds that prefix's K/V); positions of this step were just written;
+     the block holds that prefix's K/V); positions of this step were just written; with
+     `track_completion`, the earlier step must also have been updated already (`complete`): what
+     the scheduler promises with several steps in flight, where a step still in flight may
+     be abandoned;
   3. samples a token for every request whose scheduled range reaches its end; a request
      verifying draft tokens (written as positions past its end) gets the drafts
      `accept_fn` accepts and one token more.
@@ -50,19 +53,27 @@ class RecordingRunner:
         accept_fn: AcceptFn = lambda request_id, drafts: len(drafts),
         group_windows: Sequence[Optional[int]] = (None,),
         null_block: Optional[int] = None,
+        track_completion: bool = False,
     ):
         """`group_windows`: the scheduler's KV groups' sliding windows; `null_block`: the id a freed sliding
-        block's entry becomes (never written, never read inside a window)."""
+        block's entry becomes (never written, never read inside a window); `track_completion`: reads of computed
+        positions must find writes of steps reported by `complete`."""
         self.block_size = block_size
         self.group_windows = tuple(group_windows)
         self.null_block = null_block
         self.token_fn = token_fn
         self.accept_fn = accept_fn
         self.seqs: dict[str, _Seq] = {}
-        # slot -> (prefix of token ids whose last token's K/V the slot holds, step that wrote it)
-        self.slots: dict[int, tuple[tuple[int, ...], int]] = {}
+        # slot -> (prefix of token ids whose last token's K/V the slot holds, step that wrote it, its step_id)
+        self.slots: dict[int, tuple[tuple[int, ...], int, int]] = {}
+        self.completed: Optional[set[int]] = set() if track_completion else None  # step ids updated
         self.num_steps = 0
         self.num_tokens_written = 0
+
+    def complete(self, step_id: int) -> None:
+        """The scheduler has taken step `step_id`'s update: later steps may count its writes as computed."""
+        assert self.completed is not None, "built without track_completion"
+        self.completed.add(step_id)
 
     def execute(self, so: SchedulerOutput) -> dict[str, list[int]]:
         self.num_steps += 1
@@ -84,7 +95,7 @@ class RecordingRunner:
                 raise UnwrittenKVError(f"{request_id} scheduled past its sequence and drafts")
             for pos in range(start, start + num_tokens):
                 for group in range(len(self.group_windows)):
-                    self.slots[self._slot(seq, pos, group)] = (tuple(tokens[: pos + 1]), self.num_steps)
+                    self.slots[self._slot(seq, pos, group)] = (tuple(tokens[: pos + 1]), self.num_steps, so.step_id)
             self.num_tokens_written += num_tokens
         sampled = {}
         for request_id, num_tokens in so.num_scheduled_tokens.items():
@@ -109,7 +120,7 @@ class RecordingRunner:
 
     def _check_read(self, request_id: str, seq: _Seq, pos: int, group: int, start: int, tokens: list[int]) -> None:
         slot = self._slot(seq, pos, group)
-        entry: Optional[tuple[tuple[int, ...], int]] = self.slots.get(slot)
+        entry: Optional[tuple[tuple[int, ...], int, int]] = self.slots.get(slot)
         expected = tuple(tokens[: pos + 1])
         if entry is None or entry[0] != expected:
             what = "never written" if entry is None else "written for other tokens"
@@ -118,6 +129,11 @@ class RecordingRunner:
             raise UnwrittenKVError(
                 f"step {self.num_steps}: {request_id} counts position {pos} as computed, "
                 f"but slot {slot} is only written in this step"
+            )
+        if pos < start and self.completed is not None and entry[2] not in self.completed:
+            raise UnwrittenKVError(
+                f"step {self.num_steps}: {request_id} counts position {pos} as computed, "
+                f"but slot {slot} was written by step id {entry[2]}, still in flight"
             )
 
     def _slot(self, seq: _Seq, pos: int, group: int) -> int:

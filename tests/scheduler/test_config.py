@@ -16,7 +16,9 @@ def test_defaults():
     cache = CacheConfig()
     assert cache.block_size == 16 and cache.enable_prefix_caching and cache.num_blocks is None
     sched = SchedulerConfig()
-    assert sched.policy == "fcfs" and sched.max_num_seqs == 256
+    assert sched.policy == "fcfs" and sched.max_num_seqs == 256 and sched.max_concurrent_batches == 1
+    with pytest.raises(ValidationError, match="max_concurrent_batches"):
+        SchedulerConfig(max_concurrent_batches=0)
 
 
 @pytest.mark.parametrize("model", [CacheConfig, SchedulerConfig])

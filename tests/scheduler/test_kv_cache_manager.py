@@ -8,7 +8,7 @@ def admit(kv: KVCacheManager, request):
     assert kv.allocate_slots(request, request.num_tokens - num_hit, blocks) is not None
     request.num_computed_tokens = request.num_tokens
     kv.record_admission(request, num_hit)
-    kv.commit_step()  # the step that computes it completes
+    kv.commit_step(0)  # the step that computes it completes
     return num_hit
 
 
@@ -75,7 +75,7 @@ def test_blocks_are_cached_as_they_fill_during_decode():
     for token in (4, 5):
         a.append_output_token(token)
         assert kv.allocate_slots(a, 1) is not None
-        kv.commit_step()
+        kv.commit_step(0)
         a.num_computed_tokens += 1
     blocks, num_hit = kv.get_computed_blocks(make_request([1, 2, 3, 4, 5, 6]))
     assert num_hit == 4 and blocks[0][0] is kv.get_blocks(a.request_id)[0][0]
@@ -104,7 +104,7 @@ def test_filled_blocks_are_hits_only_once_their_step_completes():
     probe = make_request(list(range(9)))
     assert kv.get_computed_blocks(probe)[1] == 0
     assert kv.next_block_pending(probe, 0)
-    kv.commit_step()
+    kv.commit_step(0)
     assert kv.get_computed_blocks(probe)[1] == 8
     assert not kv.next_block_pending(probe, 2)
 
@@ -114,7 +114,7 @@ def test_blocks_of_a_request_freed_in_their_own_step_are_never_indexed():
     a = make_request(list(range(9)))
     assert kv.allocate_slots(a, 9) is not None
     kv.free(a)  # preempted in the step that was to write them
-    kv.commit_step()
+    kv.commit_step(0)
     assert kv.get_computed_blocks(make_request(list(range(9))))[1] == 0
     assert kv.block_pool.num_cached_blocks == 0
 
@@ -123,8 +123,8 @@ def test_a_step_that_never_completes_indexes_nothing():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request(list(range(9)))
     assert kv.allocate_slots(a, 9) is not None
-    kv.discard_step()
-    kv.commit_step()
+    kv.discard_steps()
+    kv.commit_step(0)
     assert kv.block_pool.num_cached_blocks == 0
 
 
@@ -133,11 +133,11 @@ def test_lookahead_allocates_without_scheduling():
     a = make_request(list(range(14)))
     new_blocks = kv.allocate_slots(a, 4, num_lookahead_tokens=10)
     assert len(new_blocks[0]) == 4 and kv.num_slots[a.request_id] == 16
-    kv.commit_step()
+    kv.commit_step(0)
     assert kv.block_pool.num_cached_blocks == 1  # only the scheduled 4 tokens' block
     a.num_computed_tokens = 4
     assert kv.allocate_slots(a, 9) == ((),)  # a later chunk within the allocation: blocks 1 and 2 fill
-    kv.commit_step()
+    kv.commit_step(0)
     assert kv.block_pool.num_cached_blocks == 3
 
 
@@ -152,7 +152,7 @@ def test_a_sliding_group_frees_the_blocks_behind_its_window_as_a_request_decodes
     for token in range(100, 140):
         a.append_output_token(token)
         assert kv.allocate_slots(a, 1) is not None
-        kv.commit_step()
+        kv.commit_step(0)
         a.num_computed_tokens += 1
         held.append(sum(1 for b in kv.get_blocks(a.request_id)[1] if b is not kv.null_block))
     full, sliding = kv.get_blocks(a.request_id)
@@ -170,11 +170,11 @@ def test_a_sliding_group_hit_needs_only_the_blocks_in_its_window():
     a = make_request(list(range(24)))
     assert kv.allocate_slots(a, 24) is not None  # one step computes the whole prompt
     a.num_computed_tokens = 24
-    kv.commit_step()
+    kv.commit_step(0)
     for token in (100, 101):  # a decode frees the sliding blocks behind the window
         a.append_output_token(token)
         assert kv.allocate_slots(a, 1) is not None
-        kv.commit_step()
+        kv.commit_step(0)
         a.num_computed_tokens += 1
     assert kv.get_blocks(a.request_id)[1][0] is kv.null_block
     kv.free(a)  # freed blocks keep their hashes until evicted
@@ -190,7 +190,7 @@ def test_an_evicted_block_inside_the_window_shortens_the_hit_to_where_the_window
     a = make_request(list(range(24)))
     assert kv.allocate_slots(a, 24) is not None
     a.num_computed_tokens = 24
-    kv.commit_step()
+    kv.commit_step(0)
     kv.free(a)
     block_5 = kv.get_computed_blocks(make_request(list(range(25))))[0][1][5]
     kv.block_pool._evict(block_5)  # the sliding group's copy of block 5 is gone, the full group's is not

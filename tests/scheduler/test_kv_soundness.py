@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from scheduler import RequestRejectedError
 
 from tests.scheduler.factories import check_invariants, check_step_output, make_request, make_scheduler
+from tests.scheduler.pipeline_driver import PipelineDriver
 from tests.scheduler.recording_runner import RecordingRunner, UnwrittenKVError
 
 STOP_ID = 3
@@ -100,11 +101,16 @@ def test_a_decode_that_preempts_a_request_which_filled_a_block_earlier_in_the_st
     assert s.kv_cache_manager.usage == 0
 
 
-def test_tight_pools_with_aborts_between_schedule_and_update():
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_tight_pools_with_aborts_between_schedule_and_update(depth):
     """Seeded fuzzing where decodes run pools dry, so requests are preempted in the very step
     that fills their blocks (counted: the test fails if that never happens), with aborts
-    arriving between `schedule` and `update_from_output` and request ids reused at once."""
-    dropped_pending = 0
+    arriving between `schedule` and `update_from_output` and request ids reused at once.
+
+    With `depth` (max_concurrent_batches) > 1, up to that many steps are in flight: requests are
+    also aborted while their step is in flight, and a request that needs blocks waits when the only
+    victims are in flight (both counted)."""
+    dropped_pending = dropped_in_flight = waited = 0
     for seed in range(250):
         rng = random.Random(seed)
         block_size = rng.choice([2, 4])
@@ -117,23 +123,34 @@ def test_tight_pools_with_aborts_between_schedule_and_update():
             max_model_len=64,
             policy=rng.choice(["fcfs", "priority"]),
             kv_group_windows=windows,
+            max_concurrent_batches=depth,
         )
         kv = s.kv_cache_manager
-        free = kv.free
+        free, pick_victim = kv.free, s._pick_victim
 
-        def counting_free(request, free=free, kv=kv):
-            nonlocal dropped_pending
+        def counting_free(request, free=free, kv=kv, s=s):
+            nonlocal dropped_pending, dropped_in_flight
             held = {b.block_id for blocks in kv.get_blocks(request.request_id) for b in blocks}
-            dropped_pending += bool(held & set(kv._pending))
+            dropped_pending += bool(held & set(kv._pending_step))
+            dropped_in_flight += request.request_id in s._in_flight
             free(request)
 
+        def counting_pick_victim(requester, pick_victim=pick_victim):
+            nonlocal waited
+            victim = pick_victim(requester)
+            waited += victim is None
+            return victim
+
         kv.free = counting_free
+        s._pick_victim = counting_pick_victim
         runner = RecordingRunner(
             block_size,
             lambda request_id, token_ids: rng.choice([10, 11]),
             group_windows=windows,
             null_block=kv.null_block.block_id,
+            track_completion=True,
         )
+        driver = PipelineDriver(s, runner.execute, complete=runner.complete)
         for _ in range(40):
             if rng.random() < 0.4:
                 live = list(s.requests.values())
@@ -154,15 +171,17 @@ def test_tight_pools_with_aborts_between_schedule_and_update():
                         s.add_request(request)
                     except RequestRejectedError:
                         pass
-            output = s.schedule()
-            check_step_output(s, output)
+            if len(driver.in_flight) < depth:
+                driver.schedule()
             if s.requests and rng.random() < 0.1:
                 s.abort([rng.choice(list(s.requests))])
-            s.update_from_output(output, runner.execute(output))
-            check_invariants(s)
-        drive(s, runner)
-        assert kv.usage == 0
+            if driver.in_flight and (len(driver.in_flight) >= depth or rng.random() < 0.3):
+                driver.update_oldest()
+        driver.drive()
+        assert kv.usage == 0 and s.num_outstanding_steps == 0
     assert dropped_pending > 0
+    if depth > 1:
+        assert dropped_in_flight > 0 and waited > 0
 
 
 @st.composite
@@ -183,14 +202,18 @@ def setups(draw):
     )
 
 
-def _scheduler_and_runner(setup, token_fn):
+def _scheduler_and_runner(setup, token_fn, depth=1):
     """The scheduler of a drawn setup and a RecordingRunner that knows its groups."""
     setup = dict(setup)
     window = setup.pop("window")
     windows = tuple(window if w == "w" else w for w in setup.pop("kv_group_windows"))
-    s = make_scheduler(**setup, kv_group_windows=windows)
+    s = make_scheduler(**setup, kv_group_windows=windows, max_concurrent_batches=depth)
     runner = RecordingRunner(
-        setup["block_size"], token_fn, group_windows=windows, null_block=s.kv_cache_manager.null_block.block_id
+        setup["block_size"],
+        token_fn,
+        group_windows=windows,
+        null_block=s.kv_cache_manager.null_block.block_id,
+        track_completion=True,
     )
     return s, runner
 
@@ -214,14 +237,14 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(setup=setups(), ops=operations, seed=st.integers(0, 2**16))
-def test_computed_tokens_were_written_for_exactly_those_tokens(setup, ops, seed):
+def check_computed_tokens_were_written(setup, ops, seed, depth):
     """Both policies, preemption, chunked prefill, prefix hits, aborts and stop-string finishes, with and
-    without sliding-window layer groups."""
+    without sliding-window layer groups, with up to `depth` steps in flight (aborts and finishes land
+    between steps, while the newer ones are in flight)."""
     rng = random.Random(seed)
     vocab = [10] * 7 + [11] * 8 + [STOP_ID]  # a stop token now and then: most requests grow long
-    s, runner = _scheduler_and_runner(setup, lambda request_id, token_ids: rng.choice(vocab))
+    s, runner = _scheduler_and_runner(setup, lambda request_id, token_ids: rng.choice(vocab), depth)
+    driver = PipelineDriver(s, runner.execute, complete=runner.complete)
     added = []
     for op in ops:
         kind = op[0]
@@ -242,17 +265,32 @@ def test_computed_tokens_were_written_for_exactly_those_tokens(setup, ops, seed)
             added.append(request)
         elif kind == "step":
             for _ in range(op[1]):
-                one_step(s, runner)
+                driver.step()
         elif added:
             ended_id = added[op[1] % len(added)].request_id
             if kind == "abort":
                 s.abort([ended_id])
             else:
                 s.finish(ended_id, stop_reason="stop-string")
-    drive(s, runner)
+    driver.drive()
     assert all(r.is_finished for r in added)
-    assert s.kv_cache_manager.usage == 0
+    assert s.kv_cache_manager.usage == 0 and s.kv_cache_manager.num_pending_blocks == 0
     target(float(s.num_preemptions), label="preemptions")  # steer the search to pools that run dry
+
+
+_property = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=400, **_property)
+@given(setup=setups(), ops=operations, seed=st.integers(0, 2**16))
+def test_computed_tokens_were_written_for_exactly_those_tokens(setup, ops, seed):
+    check_computed_tokens_were_written(setup, ops, seed, depth=1)
+
+
+@settings(max_examples=200, **_property)
+@given(setup=setups(), ops=operations, seed=st.integers(0, 2**16), depth=st.sampled_from([2, 3]))
+def test_computed_tokens_were_written_with_steps_in_flight(setup, ops, seed, depth):
+    check_computed_tokens_were_written(setup, ops, seed, depth)
 
 
 def test_the_recording_runner_catches_a_read_of_unwritten_kv():
@@ -309,5 +347,5 @@ def test_an_update_for_a_step_that_is_not_the_latest_is_refused():
     s.add_request(make_request(9))
     stale = s.schedule()
     s.schedule()  # scheduled again before the first completed
-    with pytest.raises(ValueError, match="was scheduled since"):
+    with pytest.raises(ValueError, match="not the oldest in flight"):
         s.update_from_output(stale, {})
