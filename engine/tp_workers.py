@@ -374,11 +374,15 @@ def _worker_main(
                 return
             if isinstance(step, FinishStep):  # (sent only when stage 0 has tensor-parallel peers)
                 if isinstance(runner, PipelineRunner) and stage.is_first:
-                    runner.finish(launched.popleft())
+                    oldest = launched.popleft()
+                    assert oldest.step_id == step.step_id, f"finishing step {step.step_id}, launched {oldest}"
+                    runner.finish(oldest)
                 continue
             runner.take_sampled(step.sampled_token_ids)
             if isinstance(runner, PipelineRunner) and stage.is_first:
-                launched.append(runner.launch(step.scheduler_output))
+                started = runner.launch(step.scheduler_output)
+                if started.batch is not None:  # (a step without a forward pass is never finished)
+                    launched.append(started)
             else:
                 runner.execute(step.scheduler_output)
     finally:

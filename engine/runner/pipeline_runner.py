@@ -92,7 +92,7 @@ class PipelineRunner(ModelRunner):
     def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Sample the launched step from the last stage's hidden states (steps finish in the order launched)."""
         peers = self.peers
-        if peers is not None and self.model is not None and self.model.tp.is_parallel:
+        if peers is not None and launched.batch is not None and self.model is not None and self.model.tp.is_parallel:
             peers.send(FinishStep(launched.step_id))  # stage 0's peers gather their logits slices alongside
         try:
             return self._finish(launched.batch)
