@@ -1,4 +1,5 @@
-"""`pagedserve serve --tensor-parallel-size 2` in a child process: the OpenAI SDK gets the tokens one process
+"""`pagedserve serve --tensor-parallel-size 2` (or `--pipeline-parallel-size 2`) in a child process: the OpenAI
+SDK gets the tokens one process
 gives, and a worker killed mid-stream fails the server fast: the stream ends with an error event, /health
 says 503 (or the process is gone), the process exits non-zero within 10 s, and no process is left behind."""
 
@@ -43,17 +44,23 @@ def alive(pid: int) -> bool:
 
 
 def worker_pids(stderr: Path) -> list[int]:
-    match = re.search(r"tensor parallelism: \d+ ranks .*\(rank 0 here, pids ([\d, ]+)\)", stderr.read_text())
+    match = re.search(r"\d+ ranks .*\(rank 0 here, pids ([\d, ]+)\)", stderr.read_text())
     assert match, stderr.read_text()[-2000:]
     return [int(pid) for pid in match.group(1).split(", ")]
 
 
-def test_completions_through_the_sdk_match_one_process(tmp_path, tiny_model_dir):
+SPLITS = pytest.mark.parametrize(
+    "split", [("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")], ids=["tensor", "pipeline"]
+)
+
+
+@SPLITS
+def test_completions_through_the_sdk_match_one_process(tmp_path, tiny_model_dir, split):
     prompt = [5, 9, 27, 3, 81, 44, 12, 7]
     with LLM(str(tiny_model_dir), dtype="float32", device="cpu") as llm:
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
         expected = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    process, url, stderr = serve_process(tmp_path, "--model", str(tiny_model_dir), "--tensor-parallel-size", "2")
+    process, url, stderr = serve_process(tmp_path, "--model", str(tiny_model_dir), *split)
     try:
         assert len(worker_pids(stderr)) == 1
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -74,13 +81,13 @@ def test_completions_through_the_sdk_match_one_process(tmp_path, tiny_model_dir)
     assert not children(process.pid)
 
 
-def test_a_worker_killed_mid_stream_fails_the_server_fast(tmp_path, tiny_model_dir):
+@SPLITS
+def test_a_worker_killed_mid_stream_fails_the_server_fast(tmp_path, tiny_model_dir, split):
     process, url, stderr = serve_process(
         tmp_path,
         "--model",
         str(tiny_model_dir),
-        "--tensor-parallel-size",
-        "2",
+        *split,
         "--distributed-timeout",
         "5",
         hooks=("--pace", "0.05"),
