@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 import logging
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -28,7 +28,7 @@ from engine.models import build_model
 from engine.models.registry import FAMILIES, family_of
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
-from engine.models.tensor_parallel import shard_weights
+from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
 from engine.platform import choose_numerics
 from engine.quantization.awq import awq_weights
@@ -106,11 +106,8 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
         if quantizer is not None
         else resolve_gguf_storage(model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
     )
-    if tp.is_parallel and (quantizer is not None or storage not in ("none",)):
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {tp.world_size} shards float weights; the weights here would be stored as "
-            f"{storage} (use --quantization none, or --tensor-parallel-size 1)"
-        )
+    if tp.is_parallel:
+        _check_parallel_storage(storage, quantizer, hf_config, tp)
     model.quantization = storage
     weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]
     if quantizer is None:
@@ -124,7 +121,8 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
         else:
             weights = tensors
     if tp.is_parallel:
-        weights = shard_weights(weights, LlamaArch.from_hf_config(hf_config, rope_settings(hf_config)), tp)
+        full_arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))
     model.load_weights(weights)
     _log_weights(model)
     spec = KVCacheSpec(
@@ -145,6 +143,36 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
     )
     buckets = _graph_buckets(config, device, backend)
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
+
+
+def _check_parallel_storage(storage: str, quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:
+    """SettingsConflictError for a weight storage tensor parallelism cannot cut exactly: AWQ checkpoints, and
+    int4 groups that a rank's input columns would cut (GGUF blocks are checked per tensor as they are cut)."""
+    if storage == "awq":
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {tp.world_size}: AWQ checkpoints are served with --tensor-parallel-size 1 "
+            "(float checkpoints shard with --quantization int8, int4 or none; GGUF files with gguf or none)"
+        )
+    if quantizer is not None and quantizer.method == "int4":
+        assert quantizer.group_size is not None  # resolve_group_size gives int4 one
+        arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        storage_name = f"--quantization int4 (group size {quantizer.group_size})"
+        check_group_split(arch, tp.world_size, quantizer.group_size, storage_name)
+
+
+def _whole_rows_quantizer(
+    quantizer: Optional[WeightQuantizer], dtype: torch.dtype, device: torch.device
+) -> Optional[Callable[[torch.Tensor], QuantizedWeight]]:
+    """int8's: a row-parallel matrix quantized whole (its rows' scales), in the model's dtype as the model would."""
+    if quantizer is None or quantizer.method != "int8":
+        return None
+
+    def quantize(weight: torch.Tensor) -> QuantizedWeight:
+        quantized = quantizer(weight.to(dtype=dtype, device=device))
+        assert isinstance(quantized, QuantizedWeight)  # int8 quantizes every float matrix
+        return quantized
+
+    return quantize
 
 
 def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft_bytes_per_block: int = 0) -> int:

@@ -11,13 +11,23 @@ of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
+
+Quantized weights are cut so that every rank holds exactly the whole model's quantized values (TP=N serves the
+weights TP=1 serves; only the all-reduce's summation order differs):
+
+    GGUF blocks   a block is 32 consecutive inputs of one row with its scale: output rows cut anywhere (whole
+                  rows of blocks), input columns only at block boundaries (refused, naming the tensor, else)
+    int8          one scale per output row: column-parallel shards quantize alike whole or cut; row-parallel
+                  matrices are quantized whole, then cut (a shard's own maximum would give other scales)
+    int4          groups of G inputs per row: each rank quantizes its shard, whose groups are the whole
+                  model's when each rank's inputs are whole groups (check_group_split refuses otherwise)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -25,6 +35,8 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
+from engine.quantization.gguf_weight import GgufWeight
+from engine.quantization.quantized_weight import QuantizedWeight
 
 _LAYER = re.compile(r"(?:model\.)?layers\.\d+\.(.+)")
 _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")  # rows split evenly
@@ -61,10 +73,28 @@ def shard_arch(arch: LlamaArch, world_size: int) -> LlamaArch:
     )
 
 
+def check_group_split(arch: LlamaArch, world_size: int, group: int, storage: str) -> None:
+    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, down) are a
+    whole number of `group`-input groups: a group's one scale cannot be cut between ranks."""
+    for name, inputs in (("o_proj", arch.num_heads * arch.head_dim), ("down_proj", arch.intermediate_size)):
+        share = inputs // world_size
+        if share % group:
+            raise SettingsConflictError(
+                f"--tensor-parallel-size {world_size} with {storage}: {name}'s {inputs} inputs split into "
+                f"{share} per rank, not a whole number of its {group}-input groups"
+            )
+
+
 def shard_weights(
-    weights: Iterable[tuple[str, Any]], arch: LlamaArch, tp: ParallelGroup
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice."""
+    weights: Iterable[tuple[str, Any]],
+    arch: LlamaArch,
+    tp: ParallelGroup,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]] = None,
+) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice: float
+    tensors, or GGUF blocks (rows freely, input columns at block boundaries). `quantize_whole` (int8): the
+    row-parallel matrices are quantized whole before their columns are cut, so each rank's columns keep the
+    whole rows' scales (column-parallel rows quantize alike whole or cut: the model quantizes its shard)."""
     rank, ranks = tp.rank, tp.world_size
     head_dim = arch.head_dim
     kv_rank_heads = max(arch.num_kv_heads // ranks, 1)
@@ -75,23 +105,60 @@ def shard_weights(
         if match is None and _VOCAB.fullmatch(name) is None:
             yield name, tensor  # the final norm
             continue
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, (torch.Tensor, GgufWeight)):
             raise SettingsConflictError(
-                f"tensor parallelism takes float checkpoint tensors; {name} is stored as {type(tensor).__name__} "
-                "(serve quantized weights with --tensor-parallel-size 1)"
+                f"tensor parallelism takes float or GGUF checkpoint tensors; {name} is stored as "
+                f"{type(tensor).__name__} (serve it with --tensor-parallel-size 1)"
             )
         if match is None:
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
         if part.startswith(_COLUMN):
-            yield name, tensor.chunk(ranks, dim=0)[rank].contiguous()
+            yield name, _rows(tensor, rank, ranks)
         elif part.startswith(_KV):
-            rows = slice(first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
-            yield name, tensor[rows].contiguous()
+            yield name, _take_rows(tensor, first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
         elif part in _ROW:
-            yield name, tensor.chunk(ranks, dim=1)[rank].contiguous()
+            yield name, _columns(name, tensor, rank, ranks, quantize_whole)
         elif part in _ROW_BIAS:
+            assert isinstance(tensor, torch.Tensor)  # biases are floats in every format
             yield name, tensor if rank == 0 else torch.zeros_like(tensor)
         else:
             yield name, tensor  # norms (Qwen3's per-head q/k norms are one head wide: the same on every rank)
+
+
+def _rows(tensor: Union[torch.Tensor, GgufWeight], rank: int, ranks: int) -> Union[torch.Tensor, GgufWeight]:
+    """Rank `rank`'s equal share of the output rows (a column-parallel shard)."""
+    total = tensor.out_features if isinstance(tensor, GgufWeight) else tensor.shape[0]
+    share = total // ranks
+    return _take_rows(tensor, rank * share, (rank + 1) * share)
+
+
+def _take_rows(tensor: Union[torch.Tensor, GgufWeight], start: int, stop: int) -> Union[torch.Tensor, GgufWeight]:
+    if isinstance(tensor, GgufWeight):
+        return tensor.take_rows(torch.arange(start, stop))  # whole rows of blocks: exact
+    return tensor[start:stop].contiguous()
+
+
+def _columns(
+    name: str,
+    tensor: Union[torch.Tensor, GgufWeight],
+    rank: int,
+    ranks: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Union[torch.Tensor, QuantizedWeight]:
+    """Rank `rank`'s equal share of the input columns (a row-parallel shard)."""
+    total = tensor.in_features if isinstance(tensor, GgufWeight) else tensor.shape[1]
+    share = total // ranks
+    start, stop = rank * share, (rank + 1) * share
+    if isinstance(tensor, GgufWeight):
+        try:
+            return tensor.take_columns(start, stop)
+        except ValueError as error:
+            raise SettingsConflictError(
+                f"--tensor-parallel-size {ranks}: {name} ({tensor.format}, {total} inputs) splits into {share} "
+                f"inputs per rank: {error}; serve it with a size that splits whole blocks"
+            ) from None
+    if quantize_whole is not None:
+        return quantize_whole(tensor).take_columns(start, stop)
+    return tensor[:, start:stop].contiguous()
