@@ -18,16 +18,15 @@ from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.attention.kv_groups import KVGroups
 from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
-from engine.loading.loader import Checkpoint, iter_weights, rope_settings
+from engine.loading.loader import Checkpoint, iter_weights
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
-from engine.models.registry import FAMILIES, family_of
+from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of
 from engine.models.llama import LlamaForCausalLM
-from engine.models.llama_arch import LlamaArch
 from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
 from engine.platform import choose_numerics
@@ -121,7 +120,7 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
         else:
             weights = tensors
     if tp.is_parallel:
-        full_arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
         weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))
     model.load_weights(weights)
     _log_weights(model)
@@ -155,7 +154,7 @@ def _check_parallel_storage(storage: str, quantizer: Optional[WeightQuantizer], 
         )
     if quantizer is not None and quantizer.method == "int4":
         assert quantizer.group_size is not None  # resolve_group_size gives int4 one
-        arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        arch = check_tensor_parallel_model(hf_config, tp.world_size)
         storage_name = f"--quantization int4 (group size {quantizer.group_size})"
         check_group_split(arch, tp.world_size, quantizer.group_size, storage_name)
 

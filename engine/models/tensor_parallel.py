@@ -1,5 +1,6 @@
-"""Tensor parallelism for the Llama family: each rank's share of the heads and of the MLP's width, and its slice
-of every checkpoint tensor (Megatron's column- and row-parallel layers).
+"""Tensor parallelism for the Llama family and the generic decoder (Gemma 2/3, Phi-3, OLMo 2, Granite): each rank's
+share of the heads and of the MLP's width, and its slice of every checkpoint tensor (Megatron's column- and
+row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -7,7 +8,9 @@ of every checkpoint tensor (Megatron's column- and row-parallel layers).
                      all-reduced after the layer (the model's `tp.all_reduce`); the bias joins on rank 0 only
     embed, lm_head   vocab-parallel: rank r keeps its slice of the vocabulary's rows, zero-padded to
                      ceil(vocab / ranks) rows (engine/layers/vocab_parallel.py); tied, one slice serves both
-    norms            replicated
+    norms            replicated (Gemma's post-norms act on all-reduced outputs); OLMo 2's q/k norms over the whole
+                     projection are cut like q and k, their mean square all-reduced (models/decoder.py)
+    qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -41,6 +44,9 @@ from engine.quantization.quantized_weight import QuantizedWeight
 _LAYER = re.compile(r"(?:model\.)?layers\.\d+\.(.+)")
 _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")  # rows split evenly
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
+_FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
+_FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
+_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
 _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # input columns split
 _ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")  # added once (rank 0)
 _VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight")  # rows split by vocab_parallel
@@ -114,7 +120,19 @@ def shard_weights(
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
-        if part.startswith(_COLUMN):
+        if part.startswith(_FUSED_QKV):  # Phi-3's [q; k; v]: each part's rows of this rank
+            q, k, v = _split_rows(tensor, (arch.q_size, arch.kv_size, arch.kv_size))
+            kv_rows = (first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
+            yield name, _cat_rows([_rows(q, rank, ranks), _take_rows(k, *kv_rows), _take_rows(v, *kv_rows)])
+        elif part.startswith(_FUSED_GATE_UP):  # Phi-3's [gate; up]
+            gate, up = _split_rows(tensor, (arch.intermediate_size, arch.intermediate_size))
+            yield name, _cat_rows([_rows(gate, rank, ranks), _rows(up, rank, ranks)])
+        elif part in _QK_NORMS and _rows_of(tensor) != head_dim:  # OLMo 2: over the whole projection
+            if part.startswith("self_attn.q"):
+                yield name, _rows(tensor, rank, ranks)
+            else:
+                yield name, _take_rows(tensor, first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
+        elif part.startswith(_COLUMN):
             yield name, _rows(tensor, rank, ranks)
         elif part.startswith(_KV):
             yield name, _take_rows(tensor, first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
@@ -127,10 +145,27 @@ def shard_weights(
             yield name, tensor  # norms (Qwen3's per-head q/k norms are one head wide: the same on every rank)
 
 
+def _rows_of(tensor: Union[torch.Tensor, GgufWeight]) -> int:
+    return tensor.out_features if isinstance(tensor, GgufWeight) else tensor.shape[0]
+
+
+def _split_rows(tensor: Union[torch.Tensor, GgufWeight], sizes: tuple[int, ...]) -> list[Any]:
+    """A fused projection's parts, `sizes` rows each."""
+    if _rows_of(tensor) != sum(sizes):
+        raise ValueError(f"a fused projection of {_rows_of(tensor)} rows, expected {' + '.join(map(str, sizes))}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [_take_rows(tensor, start, start + size) for start, size in zip(starts, sizes)]
+
+
+def _cat_rows(parts: list[Any]) -> Union[torch.Tensor, GgufWeight]:
+    if isinstance(parts[0], GgufWeight):
+        return GgufWeight.concat_rows(parts)
+    return torch.cat(parts).contiguous()
+
+
 def _rows(tensor: Union[torch.Tensor, GgufWeight], rank: int, ranks: int) -> Union[torch.Tensor, GgufWeight]:
     """Rank `rank`'s equal share of the output rows (a column-parallel shard)."""
-    total = tensor.out_features if isinstance(tensor, GgufWeight) else tensor.shape[0]
-    share = total // ranks
+    share = _rows_of(tensor) // ranks
     return _take_rows(tensor, rank * share, (rank + 1) * share)
 
 

@@ -107,7 +107,12 @@ def test_embedded_model_on_three_ranks(embedded_checkpoint):
 @pytest.mark.parametrize(
     "arch, overrides, flags, message",
     [
-        ("gemma2", {}, {}, "not served with tensor parallelism"),
+        (
+            "llama",
+            {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4},
+            {},
+            "MixtralForCausalLM is not served with tensor parallelism",
+        ),
         (
             "llama",
             {"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 16, "hidden_size": 48},

@@ -1,0 +1,72 @@
+"""The generic decoder's families split over two gloo ranks compute what the whole model computes: Gemma 2 and 3
+(sandwich norms on all-reduced outputs, soft-caps, per-head q/k norms, sliding windows), Phi-3 (fused qkv_proj and
+gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
+all-reduced; with one KV head replicated on both ranks too), Granite (multipliers). Every family's logits of a
+prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then one family
+served end to end: greedy float32 tokens identical to one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.distributed.parallel_group import ParallelGroup
+from tests.distributed.conftest import free_port
+from tests.distributed.test_tensor_parallel import assert_same, generate
+from tests.distributed.test_tensor_parallel_model import run_model
+from tests.engine.factories import make_tiny_model_dir
+
+pytestmark = pytest.mark.timeout(300)
+
+FAMILIES = {
+    "gemma2": {},
+    "gemma3": {},
+    "phi3": {},
+    "olmo2": {},
+    "olmo2-kv1": {"num_key_value_heads": 1},
+    "granite": {},
+}
+
+
+def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
+    tp = ParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 30)
+    try:
+        for name, model_dir in model_dirs.items():
+            results[(name, rank)] = run_model(model_dir, tp)
+    finally:
+        tp.leave()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_tiny_model_dir(root / name, name.split("-")[0], **o) for name, o in FAMILIES.items()}
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_compute_every_familys_logits(model_dirs):
+    expected = {name: run_model(model_dir, ParallelGroup.single()) for name, model_dir in model_dirs.items()}
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, model_dirs, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0, 0]
+        for name, want in expected.items():
+            for rank in range(2):
+                for got, logits in zip(results[(name, rank)], want):
+                    torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
+
+
+def test_olmo2_served_on_two_ranks(model_dirs):
+    """Through the engine (each rank builds its shard from the checkpoint, its KV heads in its cache): the tokens
+    and logprobs of one process."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 17], [40] * 18]
+    expected, _ = generate(model_dirs["olmo2-kv1"], prompts, 1)
+    got, _ = generate(model_dirs["olmo2-kv1"], prompts, 2)
+    assert_same(got, expected)
