@@ -17,7 +17,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
-from engine.models.tensor_parallel import check_shardable, shard_arch
+from engine.models.tensor_parallel import check_experts_shardable, check_shardable, shard_arch, shard_moe
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -191,9 +191,9 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder")
-"""The implementations whose layers take a tensor-parallel group: Llama's, and the generic decoder's (Gemma 2/3,
-Phi-3, OLMo 2, Granite)."""
+TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe")
+"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's (Gemma 2/3,
+Phi-3, OLMo 2, Granite) and the mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
@@ -209,6 +209,8 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
         )
     arch = _dense_arch(hf_config, family)
     check_shardable(arch, world_size)
+    if family.implementation == "moe":
+        check_experts_shardable(MoeArch.from_hf_config(hf_config), world_size)
     return arch
 
 
@@ -246,6 +248,9 @@ def build_model(
         )
     if tp.is_parallel:
         shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size)
+        if family.implementation == "moe":
+            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
+            return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp=tp)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM
 

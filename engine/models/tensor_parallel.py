@@ -1,6 +1,6 @@
-"""Tensor parallelism for the Llama family and the generic decoder (Gemma 2/3, Phi-3, OLMo 2, Granite): each rank's
-share of the heads and of the MLP's width, and its slice of every checkpoint tensor (Megatron's column- and
-row-parallel layers).
+"""Tensor parallelism for the Llama family, the generic decoder (Gemma 2/3, Phi-3, OLMo 2, Granite) and the
+mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE): each rank's share of the heads and of the
+MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -11,6 +11,9 @@ row-parallel layers).
     norms            replicated (Gemma's post-norms act on all-reduced outputs); OLMo 2's q/k norms over the whole
                      projection are cut like q and k, their mean square all-reduced (models/decoder.py)
     qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
+    experts          each expert (and Qwen2-MoE's shared expert) cut like an MLP: its share of the expert's
+                     intermediate width; the router and the shared expert's gate replicated (every rank routes
+                     every token alike), the weighted sum of partial outputs all-reduced with the layer's
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -38,6 +41,7 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
+from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 
@@ -46,6 +50,14 @@ _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")  # rows split 
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
+_EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's) gate and up: cut like an MLP's
+    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w1|w3|gate_proj|up_proj)|shared_expert\.(?:gate_proj|up_proj))\..+"
+)
+_EXPERT_ROW = re.compile(
+    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_expert\.down_proj)\.weight"
+)
+_STACKED_GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H] (transformers' in-memory layout)
+_STACKED_DOWN = "mlp.experts.down_proj"  # [E, H, I]
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
 _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # input columns split
 _ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")  # added once (rank 0)
@@ -65,6 +77,29 @@ def check_shardable(arch: LlamaArch, world_size: int) -> None:
         raise SettingsConflictError(
             f"--tensor-parallel-size {world_size} does not divide the model's {', '.join(problems)}"
         )
+
+
+def check_experts_shardable(moe: MoeArch, world_size: int) -> None:
+    """SettingsConflictError unless every expert's (and the shared expert's) width divides among the ranks."""
+    widths = [("expert intermediate size", moe.expert_intermediate_size)]
+    if moe.shared_intermediate_size is not None:
+        widths.append(("shared expert intermediate size", moe.shared_intermediate_size))
+    problems = [f"{what} {width}" for what, width in widths if width % world_size]
+    if problems:
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size} does not divide the model's {', '.join(problems)}"
+        )
+
+
+def shard_moe(moe: MoeArch, world_size: int) -> MoeArch:
+    """One rank's experts: every expert, each its share of the intermediate width."""
+    check_experts_shardable(moe, world_size)
+    shared = moe.shared_intermediate_size
+    return dataclasses.replace(
+        moe,
+        expert_intermediate_size=moe.expert_intermediate_size // world_size,
+        shared_intermediate_size=None if shared is None else shared // world_size,
+    )
 
 
 def shard_arch(arch: LlamaArch, world_size: int) -> LlamaArch:
@@ -120,7 +155,13 @@ def shard_weights(
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
-        if part.startswith(_FUSED_QKV):  # Phi-3's [q; k; v]: each part's rows of this rank
+        if _EXPERT_COLUMN.fullmatch(part):
+            yield name, _rows(tensor, rank, ranks)
+        elif _EXPERT_ROW.fullmatch(part):
+            yield name, _columns(name, tensor, rank, ranks, quantize_whole)
+        elif part in (_STACKED_GATE_UP, _STACKED_DOWN):
+            yield name, _stacked_experts(name, tensor, rank, ranks)
+        elif part.startswith(_FUSED_QKV):  # Phi-3's [q; k; v]: each part's rows of this rank
             q, k, v = _split_rows(tensor, (arch.q_size, arch.kv_size, arch.kv_size))
             kv_rows = (first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
             yield name, _cat_rows([_rows(q, rank, ranks), _take_rows(k, *kv_rows), _take_rows(v, *kv_rows)])
@@ -143,6 +184,17 @@ def shard_weights(
             yield name, tensor if rank == 0 else torch.zeros_like(tensor)
         else:
             yield name, tensor  # norms (Qwen3's per-head q/k norms are one head wide: the same on every rank)
+
+
+def _stacked_experts(name: str, tensor: Any, rank: int, ranks: int) -> torch.Tensor:
+    """Stacked experts' share: gate_up [E, 2I, H] -> [E, 2I / ranks, H] (this rank's gate rows, then its up
+    rows), down [E, H, I] -> [E, H, I / ranks]."""
+    if not isinstance(tensor, torch.Tensor):
+        raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
+    if name.endswith(_STACKED_DOWN):
+        return tensor.chunk(ranks, dim=2)[rank].contiguous()
+    gate, up = tensor.chunk(2, dim=1)
+    return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()
 
 
 def _rows_of(tensor: Union[torch.Tensor, GgufWeight]) -> int:

@@ -1,7 +1,8 @@
 """The generic decoder's families split over two gloo ranks compute what the whole model computes: Gemma 2 and 3
 (sandwich norms on all-reduced outputs, soft-caps, per-head q/k norms, sliding windows), Phi-3 (fused qkv_proj and
 gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
-all-reduced; with one KV head replicated on both ranks too), Granite (multipliers). Every family's logits of a
+all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), and the mixtures of experts
+Mixtral, Qwen2-MoE (a shared expert, dense layers between) and Qwen3-MoE (each expert cut like an MLP). Every family's logits of a
 prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then one family
 served end to end: greedy float32 tokens identical to one process."""
 
@@ -16,16 +17,18 @@ from tests.distributed.conftest import free_port
 from tests.distributed.test_tensor_parallel import assert_same, generate
 from tests.distributed.test_tensor_parallel_model import run_model
 from tests.engine.factories import make_tiny_model_dir
+from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 
 pytestmark = pytest.mark.timeout(300)
 
-FAMILIES = {
-    "gemma2": {},
-    "gemma3": {},
-    "phi3": {},
-    "olmo2": {},
-    "olmo2-kv1": {"num_key_value_heads": 1},
-    "granite": {},
+FAMILIES = {  # name: (factory arch, config overrides)
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo2-kv1": ("olmo2", {"num_key_value_heads": 1}),
+    "granite": ("granite", {}),
+    **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
 }
 
 
@@ -41,7 +44,7 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {name: make_tiny_model_dir(root / name, name.split("-")[0], **o) for name, o in FAMILIES.items()}
+    return {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in FAMILIES.items()}
 
 
 @pytest.mark.timeout(180)
