@@ -56,8 +56,7 @@ _EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's) 
 _EXPERT_ROW = re.compile(
     r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_expert\.down_proj)\.weight"
 )
-_STACKED_GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H] (transformers' in-memory layout)
-_STACKED_DOWN = "mlp.experts.down_proj"  # [E, H, I]
+_STACKED = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")  # [E, 2I, H], [E, H, I]
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
 _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # input columns split
 _ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")  # added once (rank 0)
@@ -159,7 +158,7 @@ def shard_weights(
             yield name, _rows(tensor, rank, ranks)
         elif _EXPERT_ROW.fullmatch(part):
             yield name, _columns(name, tensor, rank, ranks, quantize_whole)
-        elif part in (_STACKED_GATE_UP, _STACKED_DOWN):
+        elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
             yield name, _stacked_experts(name, tensor, rank, ranks)
         elif part.startswith(_FUSED_QKV):  # Phi-3's [q; k; v]: each part's rows of this rank
             q, k, v = _split_rows(tensor, (arch.q_size, arch.kv_size, arch.kv_size))
@@ -191,7 +190,7 @@ def _stacked_experts(name: str, tensor: Any, rank: int, ranks: int) -> torch.Ten
     rows), down [E, H, I] -> [E, H, I / ranks]."""
     if not isinstance(tensor, torch.Tensor):
         raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
-    if name.endswith(_STACKED_DOWN):
+    if name.endswith("down_proj"):
         return tensor.chunk(ranks, dim=2)[rank].contiguous()
     gate, up = tensor.chunk(2, dim=1)
     return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()

@@ -2,15 +2,21 @@
 (sandwich norms on all-reduced outputs, soft-caps, per-head q/k norms, sliding windows), Phi-3 (fused qkv_proj and
 gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
 all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), and the mixtures of experts
-Mixtral, Qwen2-MoE (a shared expert, dense layers between) and Qwen3-MoE (each expert cut like an MLP). Every family's logits of a
+Mixtral (its experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between) and
+Qwen3-MoE (each expert cut like an MLP). Every family's logits of a
 prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then one family
 served end to end: greedy float32 tokens identical to one process."""
 
 from __future__ import annotations
 
+import re
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from engine.distributed.parallel_group import ParallelGroup
 from tests.distributed.conftest import free_port
@@ -44,7 +50,31 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in FAMILIES.items()}
+    dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in FAMILIES.items()}
+    dirs["mixtral-stacked"] = stacked_copy(dirs["mixtral"], root / "mixtral-stacked")
+    return dirs
+
+
+def stacked_copy(model_dir: Path, path: Path) -> Path:
+    """The checkpoint with each layer's experts stacked as transformers holds them in memory: experts.gate_up_proj
+    [E, 2I, H] (every expert's w1 rows, then its w3 rows) and experts.down_proj [E, H, I]."""
+    shutil.copytree(model_dir, path)
+    state = load_file(str(model_dir / "model.safetensors"))
+    expert = re.compile(r"(.+\.experts\.)(\d+)\.(w1|w2|w3)\.weight")
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    stacked = {}
+    for name, tensor in state.items():
+        match = expert.fullmatch(name)
+        if match is None:
+            stacked[name] = tensor
+        else:
+            parts.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = tensor
+    for prefix in {prefix for prefix, _ in parts}:
+        w1, w2, w3 = (parts[(prefix, w)] for w in ("w1", "w2", "w3"))
+        stacked[prefix + "gate_up_proj"] = torch.stack([torch.cat([w1[e], w3[e]]) for e in sorted(w1)])
+        stacked[prefix + "down_proj"] = torch.stack([w2[e] for e in sorted(w2)])
+    save_file(stacked, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 @pytest.mark.timeout(180)
