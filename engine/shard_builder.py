@@ -106,7 +106,7 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
         else resolve_gguf_storage(model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
     )
     if tp.is_parallel:
-        _check_parallel_storage(storage, quantizer, hf_config, tp)
+        _check_parallel_storage(quantizer, hf_config, tp)
     model.quantization = storage
     weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]
     if quantizer is None:
@@ -144,14 +144,9 @@ def build_shard(config: EngineConfig, checkpoint: Checkpoint, hf_config, tp: Par
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
 
 
-def _check_parallel_storage(storage: str, quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:
-    """SettingsConflictError for a weight storage tensor parallelism cannot cut exactly: AWQ checkpoints, and
-    int4 groups that a rank's input columns would cut (GGUF blocks are checked per tensor as they are cut)."""
-    if storage == "awq":
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {tp.world_size}: AWQ checkpoints are served with --tensor-parallel-size 1 "
-            "(float checkpoints shard with --quantization int8, int4 or none; GGUF files with gguf or none)"
-        )
+def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:
+    """SettingsConflictError for int4 groups that a rank's input columns would cut (AWQ checkpoints are refused
+    with the model, check_tensor_parallel_model; GGUF blocks per tensor as they are cut, shard_weights)."""
     if quantizer is not None and quantizer.method == "int4":
         assert quantizer.group_size is not None  # resolve_group_size gives int4 one
         arch = check_tensor_parallel_model(hf_config, tp.world_size)

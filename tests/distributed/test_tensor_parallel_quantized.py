@@ -71,7 +71,7 @@ def test_int8_row_shards_keep_the_whole_rows_scales():
     torch.testing.assert_close(partial, whole.matmul(x), rtol=1e-5, atol=1e-5)
 
 
-def test_splits_that_cut_a_block_or_a_group_are_refused(tmp_path, embedded_checkpoint):
+def test_what_cannot_be_cut_exactly_is_refused_by_name(tiny_dir, embedded_checkpoint):
     from engine.loading.loader import load_hf_config
 
     embedded = check_tensor_parallel_model(load_hf_config(embedded_checkpoint.path), 3)  # 9 heads, 3 KV heads
@@ -80,9 +80,12 @@ def test_splits_that_cut_a_block_or_a_group_are_refused(tmp_path, embedded_check
         check_group_split(embedded, 3, 128, "--quantization int4 (group size 128)")
     with pytest.raises(SettingsConflictError, match="9 attention heads"):
         check_tensor_parallel_model(load_hf_config(embedded_checkpoint.path), 2)
+    awq = load_hf_config(tiny_dir)
+    awq.quantization_config = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32}
+    with pytest.raises(SettingsConflictError, match="AWQ checkpoints are served with --tensor-parallel-size 1"):
+        check_tensor_parallel_model(awq, 2)
     # four ranks of the tiny model's 64-input o_proj: 16 inputs each, half a Q8_0 block (rank 1's own cut)
-    config = load_hf_config(make_tiny_model_dir(tmp_path / "llama", "llama"))
-    arch = check_tensor_parallel_model(config, 4)
+    arch = check_tensor_parallel_model(load_hf_config(tiny_dir), 4)
     o_proj = ("model.layers.0.self_attn.o_proj.weight", gguf_weight("q8_0", 64, 64))
     with pytest.raises(SettingsConflictError, match=r"o_proj.weight \(q8_0, 64 inputs\) splits into 16 inputs"):
         list(shard_weights([o_proj], arch, ParallelGroup(1, 4)))
