@@ -221,17 +221,6 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
     return arch
 
 
-def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
-    """The shape and recipe of a Llama-family or generic-decoder model (DecoderArch for the latter)."""
-    from engine.loading.loader import rope_settings
-
-    if family.implementation == "decoder":
-        from engine.models.families import ARCH_READERS
-
-        return ARCH_READERS[family.architecture](hf_config)
-    return LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
-
-
 def build_model(
     hf_config: Any,
     dtype: torch.dtype,
@@ -292,3 +281,14 @@ def build_model(
 
     arch = ARCH_READERS[family.architecture](hf_config)
     return DecoderForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)
+
+
+def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
+    """The shape and recipe of a Llama-family or generic-decoder model (DecoderArch for the latter)."""
+    from engine.loading.loader import rope_settings
+
+    if family.implementation == "decoder":
+        from engine.models.families import ARCH_READERS
+
+        return ARCH_READERS[family.architecture](hf_config)
+    return LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
