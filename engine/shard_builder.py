@@ -27,6 +27,7 @@ from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
 from engine.platform import choose_numerics
@@ -150,8 +151,9 @@ def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp:
     if quantizer is not None and quantizer.method == "int4":
         assert quantizer.group_size is not None  # resolve_group_size gives int4 one
         arch = check_tensor_parallel_model(hf_config, tp.world_size)
+        moe = MoeArch.from_hf_config(hf_config) if family_of(hf_config).implementation == "moe" else None
         storage_name = f"--quantization int4 (group size {quantizer.group_size})"
-        check_group_split(arch, tp.world_size, quantizer.group_size, storage_name)
+        check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe)
 
 
 def _whole_rows_quantizer(

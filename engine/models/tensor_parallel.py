@@ -113,10 +113,17 @@ def shard_arch(arch: LlamaArch, world_size: int) -> LlamaArch:
     )
 
 
-def check_group_split(arch: LlamaArch, world_size: int, group: int, storage: str) -> None:
-    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, down) are a
-    whole number of `group`-input groups: a group's one scale cannot be cut between ranks."""
-    for name, inputs in (("o_proj", arch.num_heads * arch.head_dim), ("down_proj", arch.intermediate_size)):
+def check_group_split(
+    arch: LlamaArch, world_size: int, group: int, storage: str, moe: Optional[MoeArch] = None
+) -> None:
+    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, down, the
+    experts' down) are a whole number of `group`-input groups: a group's one scale cannot be cut between ranks."""
+    widths = [("o_proj", arch.num_heads * arch.head_dim), ("down_proj", arch.intermediate_size)]
+    if moe is not None:
+        widths.append(("the experts' down_proj", moe.expert_intermediate_size))
+        if moe.shared_intermediate_size is not None:
+            widths.append(("the shared expert's down_proj", moe.shared_intermediate_size))
+    for name, inputs in widths:
         share = inputs // world_size
         if share % group:
             raise SettingsConflictError(

@@ -13,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
+from engine.models.moe_arch import MoeArch
 from engine.models.registry import check_tensor_parallel_model
 from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.quantization.gguf_formats import FORMATS, repack
@@ -20,7 +21,8 @@ from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.int8_weight import Int8Weight
 from tests.distributed.test_tensor_parallel import TINY, assert_same
 from tests.engine.references import assert_idle
-from tests.engine.factories import make_tiny_gguf, make_tiny_model_dir
+from tests.engine.factories import make_tiny_gguf, make_tiny_model_dir, tiny_config_dict
+from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,6 +74,8 @@ def test_int8_row_shards_keep_the_whole_rows_scales():
 
 
 def test_what_cannot_be_cut_exactly_is_refused_by_name(tiny_dir, embedded_checkpoint):
+    from transformers import AutoConfig
+
     from engine.loading.loader import load_hf_config
 
     embedded = check_tensor_parallel_model(load_hf_config(embedded_checkpoint.path), 3)  # 9 heads, 3 KV heads
@@ -80,6 +84,10 @@ def test_what_cannot_be_cut_exactly_is_refused_by_name(tiny_dir, embedded_checkp
         check_group_split(embedded, 3, 128, "--quantization int4 (group size 128)")
     with pytest.raises(SettingsConflictError, match="9 attention heads"):
         check_tensor_parallel_model(load_hf_config(embedded_checkpoint.path), 2)
+    qwen3_moe = AutoConfig.for_model(**tiny_config_dict("llama", num_experts_per_tok=2, **MOE_FAMILIES["qwen3_moe"]))
+    with pytest.raises(SettingsConflictError, match="the experts' down_proj's 48 inputs split into 24 per rank"):
+        moe_arch = MoeArch.from_hf_config(qwen3_moe)
+        check_group_split(check_tensor_parallel_model(qwen3_moe, 2), 2, 32, "--quantization int4", moe_arch)
     awq = load_hf_config(tiny_dir)
     awq.quantization_config = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32}
     with pytest.raises(SettingsConflictError, match="AWQ checkpoints are served with --tensor-parallel-size 1"):
