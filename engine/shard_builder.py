@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 import logging
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -18,17 +18,17 @@ from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.engine_config import EngineConfig
 from engine.attention.kv_groups import KVGroups
 from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
-from engine.loading.loader import Checkpoint, iter_weights, rope_settings
+from engine.loading.loader import Checkpoint, iter_weights
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
-from engine.models.registry import FAMILIES, family_of
+from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of
 from engine.models.llama import LlamaForCausalLM
-from engine.models.llama_arch import LlamaArch
-from engine.models.tensor_parallel import shard_weights
+from engine.models.moe_arch import MoeArch
+from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.platform import choose_numerics
@@ -122,11 +122,8 @@ def build_shard(
         if quantizer is not None
         else resolve_gguf_storage(model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
     )
-    if tp.is_parallel and (quantizer is not None or storage not in ("none",)):
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {tp.world_size} shards float weights; the weights here would be stored as "
-            f"{storage} (use --quantization none, or --tensor-parallel-size 1)"
-        )
+    if tp.is_parallel:
+        _check_parallel_storage(quantizer, hf_config, tp)
     model.quantization = storage
     weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]
     if quantizer is None:
@@ -140,7 +137,8 @@ def build_shard(
         else:
             weights = tensors
     if tp.is_parallel:
-        weights = shard_weights(weights, LlamaArch.from_hf_config(hf_config, rope_settings(hf_config)), tp)
+        full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
+        weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))
     model.load_weights(weights)
     _log_weights(model)
     spec = KVCacheSpec(
@@ -161,6 +159,32 @@ def build_shard(
     )
     buckets = () if model.stage.is_split else _graph_buckets(config, device, backend)
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
+
+
+def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:
+    """SettingsConflictError for int4 groups that a rank's input columns would cut (AWQ checkpoints are refused
+    with the model, check_tensor_parallel_model; GGUF blocks per tensor as they are cut, shard_weights)."""
+    if quantizer is not None and quantizer.method == "int4":
+        assert quantizer.group_size is not None  # resolve_group_size gives int4 one
+        arch = check_tensor_parallel_model(hf_config, tp.world_size)
+        moe = MoeArch.from_hf_config(hf_config) if family_of(hf_config).implementation == "moe" else None
+        storage_name = f"--quantization int4 (group size {quantizer.group_size})"
+        check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe)
+
+
+def _whole_rows_quantizer(
+    quantizer: Optional[WeightQuantizer], dtype: torch.dtype, device: torch.device
+) -> Optional[Callable[[torch.Tensor], QuantizedWeight]]:
+    """int8's: a row-parallel matrix quantized whole (its rows' scales), in the model's dtype as the model would."""
+    if quantizer is None or quantizer.method != "int8":
+        return None
+
+    def quantize(weight: torch.Tensor) -> QuantizedWeight:
+        quantized = quantizer(weight.to(dtype=dtype, device=device))
+        assert isinstance(quantized, QuantizedWeight)  # int8 quantizes every float matrix
+        return quantized
+
+    return quantize
 
 
 def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft_bytes_per_block: int = 0) -> int:

@@ -380,9 +380,9 @@ def _worker_main(
                 continue
             runner.take_sampled(step.sampled_token_ids)
             if isinstance(runner, PipelineRunner) and stage.is_first:
-                started = runner.launch(step.scheduler_output)
-                if started.batch is not None:  # (a step without a forward pass is never finished)
-                    launched.append(started)
+                launch = runner.launch(step.scheduler_output)
+                if launch.batch is not None:  # (a step without a forward pass is never finished)
+                    launched.append(launch)
             else:
                 runner.execute(step.scheduler_output)
     finally:

@@ -16,11 +16,12 @@ Every rank must embed and compute logits for the same rows in the same order: th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
 from engine.distributed.parallel_group import ParallelGroup
+from engine.quantization.gguf_weight import GgufWeight
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +40,17 @@ class VocabParallel:
     def start(self) -> int:
         return self.tp.rank * self.rows
 
-    def shard(self, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a whole [vocab, hidden] embedding or LM head, zero rows past the vocabulary."""
-        if weight.shape[0] != self.vocab_size:
-            raise ValueError(f"a vocabulary matrix of {weight.shape[0]} rows for a vocabulary of {self.vocab_size}")
+    def shard(self, weight: Union[torch.Tensor, GgufWeight]) -> Union[torch.Tensor, GgufWeight]:
+        """This rank's rows of a whole [vocab, hidden] embedding or LM head, zero rows past the vocabulary (a GGUF
+        one keeps its blocks: whole rows of them are exact)."""
+        total = weight.out_features if isinstance(weight, GgufWeight) else weight.shape[0]
+        if total != self.vocab_size:
+            raise ValueError(f"a vocabulary matrix of {total} rows for a vocabulary of {self.vocab_size}")
+        if isinstance(weight, GgufWeight):
+            mine = weight.take_rows(torch.arange(self.start, min(self.start + self.rows, self.vocab_size)))
+            if mine.out_features == self.rows:
+                return mine
+            return GgufWeight.concat_rows([mine, mine.zero_rows(self.rows - mine.out_features)])
         own = weight[self.start : self.start + self.rows]
         if own.shape[0] == self.rows:
             return own.contiguous()

@@ -20,12 +20,14 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
+from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.decoder_arch import DecoderArch
 from engine.models.llama import LlamaForCausalLM
 from engine.profiling.memory_bandwidth import tensor_bytes
+from engine.quantization.int8_weight import Int8Weight
 from engine.quantization.weight_quantizer import WeightQuantizer
 
 
@@ -59,8 +61,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
-        super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len)
+        super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
         self.fused = None  # the fused decode step computes Llama's layer only
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
         self.embedding_scale = arch.embedding_scale
@@ -80,8 +83,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
         super().load_weights(self._folded(weights) if self.arch.norm_offset else self._plain(weights))
 
     def _plain(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """The checkpoint's tensors, refusing pre-quantized storage (AWQ groups, GGUF blocks): the Llama family's."""
+        """The checkpoint's tensors, refusing pre-quantized storage (AWQ groups, GGUF blocks): the Llama family's.
+        (int8 matrices pass: a tensor-parallel rank's row-parallel shards, quantized whole by the loader.)"""
         for name, tensor in weights:
+            if isinstance(tensor, Int8Weight):
+                yield name, tensor
+                continue
             if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
                 raise ValueError(
                     f"{self.arch.architecture}: {name} is stored as {type(tensor).__name__}; "
@@ -155,7 +162,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's)
         backend: AttentionBackend,
+        hidden_states: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        if hidden_states is not None:  # (registry.check_pipeline_model refuses these families with stages)
+            raise ValueError(f"{type(self).__name__} runs whole: it is not split into pipeline stages")
         arch, ops, linear = self.arch, self.ops, self.linear
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -177,7 +187,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
             )
             h = self._add(h, self._norm(x, layer, "attn_post"))
             x = linear(self._norm(h, layer, "mlp_pre"), layer.gate_up, layer.gate_up_bias)
-            x = linear(self._activate(x), layer.down, layer.down_bias)
+            x = self.tp.all_reduce(linear(self._activate(x), layer.down, layer.down_bias))  # (partial sums)
             h = self._add(h, self._norm(x, layer, "mlp_post"))
         return h
 
@@ -217,7 +227,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
             q_norm, k_norm = layer.q_norm, layer.k_norm
             assert q_norm is not None and k_norm is not None  # an arch with q/k norms: the loader took both
             if arch.qk_norm == "projection":  # over all heads at once, before they are split
-                q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+                q, k = self._projection_norm(q, q_norm), self._projection_norm(k, k_norm)
             else:  # "head": each head's
                 q = ops.rms_norm(q.reshape(-1, head_dim), q_norm, eps)
                 k = ops.rms_norm(k.reshape(-1, head_dim), k_norm, eps)
@@ -227,7 +237,20 @@ class DecoderForCausalLM(LlamaForCausalLM):
         value = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, kv_heads, head_dim)
         backend.write_kv(key, value, key_cache, value_cache, metadata)
         out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
-        return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+        # (with several ranks: partial sums, all-reduced before the post-norm that Gemma and OLMo 2 apply to them)
+        return self.tp.all_reduce(self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias))
+
+    def _projection_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over a whole q or k projection (OLMo 2) [T, width]. With several ranks each holds its heads'
+        columns: the mean square is the all-reduced sum of squares over every rank's width. Replicated KV heads
+        (fewer than ranks) count as often in both, so the mean is the whole projection's still."""
+        tp = self.tp
+        if not tp.is_parallel:
+            return self.ops.rms_norm(x, weight, self.arch.rms_norm_eps)
+        x32 = x.float()
+        squares = tp.all_reduce(x32.pow(2).sum(dim=-1, keepdim=True))  # [T, 1]
+        mean = squares / (x.shape[-1] * tp.world_size)
+        return (weight * (x32 * torch.rsqrt(mean + self.arch.rms_norm_eps))).to(x.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

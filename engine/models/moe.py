@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.moe import ExpertWeights, SharedExpert, SparseMoeBlock
@@ -46,13 +47,16 @@ class MoeForCausalLM(LlamaForCausalLM):
         ops: Optional[TorchLayerOps] = None,
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
         if quantizer is not None and not self.quantized_experts:
             raise ValueError(
                 f"--quantization {quantizer.method} is not supported for {arch.model_type}: its experts are "
                 f"kept in {str(dtype).removeprefix('torch.')} (supported for Mixtral, Qwen2-MoE and Qwen3-MoE)"
             )
-        super().__init__(arch, dtype, device, ops, linear, quantizer)
+        # with several ranks `arch` and `moe` are this rank's share (its heads, each expert's share of the width):
+        # the block's partial output is all-reduced with the layer's, as a dense MLP's
+        super().__init__(arch, dtype, device, ops, linear, quantizer, tp=tp)
         self.moe = moe
         self.fused = None  # the fused decode step (layers/fused_decode.py) runs dense MLPs only
         self.moe_blocks: dict[int, SparseMoeBlock] = {}

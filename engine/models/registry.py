@@ -12,11 +12,13 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
+from engine.models.decoder_arch import DecoderArch
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
-from engine.models.tensor_parallel import check_shardable, shard_arch
+from engine.models.tensor_parallel import check_experts_shardable, check_shardable, shard_arch, shard_moe
+from engine.quantization.awq import quantization_config
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -190,20 +192,32 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
-    """The whole model's shape when `world_size` ranks can share it; SettingsConflictError naming the family or
-    the sizes otherwise (before any process starts, and again where each rank builds its shard)."""
-    from engine.loading.loader import rope_settings
+TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe")
+"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's (Gemma 2/3,
+Phi-3, OLMo 2, Granite) and the mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
+
+def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
+    """The whole model's shape (as its family reads it) when `world_size` ranks can share it; SettingsConflictError
+    naming the family or the sizes otherwise (before any process starts, and again where each rank builds its
+    shard)."""
     family = family_of(hf_config)
-    if family.implementation != "llama":
-        served = ", ".join(f.architecture for f in FAMILIES if f.implementation == "llama")
+    if family.implementation not in TENSOR_PARALLEL_IMPLEMENTATIONS:
+        served = ", ".join(f.architecture for f in FAMILIES if f.implementation in TENSOR_PARALLEL_IMPLEMENTATIONS)
         raise SettingsConflictError(
             f"--tensor-parallel-size {world_size}: {family.architecture} is not served with tensor "
             f"parallelism yet (served: {served})"
         )
-    arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+    stored = quantization_config(hf_config)
+    if stored is not None and str(stored.get("quant_method", "")).lower() == "awq":
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size}: AWQ checkpoints are served with --tensor-parallel-size 1 "
+            "(float checkpoints shard with --quantization int8, int4 or none; GGUF files with gguf or none)"
+        )
+    arch = _dense_arch(hf_config, family)
     check_shardable(arch, world_size)
+    if family.implementation == "moe":
+        check_experts_shardable(MoeArch.from_hf_config(hf_config), world_size)
     return arch
 
 
@@ -246,10 +260,15 @@ def build_model(
             f"{', '.join(f.architecture for f in FAMILIES if MXFP4 in f.formats)} only"
         )
     if tp.is_parallel:
-        full = check_tensor_parallel_model(hf_config, tp.world_size)
-        return LlamaForCausalLM(
-            shard_arch(full, tp.world_size), dtype, device, ops, linear, quantizer, max_model_len, tp
-        )
+        shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size)
+        if family.implementation == "moe":
+            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
+            return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp=tp)
+        if isinstance(shard, DecoderArch):
+            from engine.models.decoder import DecoderForCausalLM
+
+            return DecoderForCausalLM(shard, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        return LlamaForCausalLM(shard, dtype, device, ops, linear, quantizer, max_model_len, tp)
     if family.implementation == "gpt_oss":
         from engine.models.gpt_oss import GptOssForCausalLM
         from engine.models.gpt_oss_arch import gpt_oss_arch
@@ -279,3 +298,14 @@ def build_model(
 
     arch = ARCH_READERS[family.architecture](hf_config)
     return DecoderForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)
+
+
+def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
+    """The shape and recipe of a Llama-family or generic-decoder model (DecoderArch for the latter)."""
+    from engine.loading.loader import rope_settings
+
+    if family.implementation == "decoder":
+        from engine.models.families import ARCH_READERS
+
+        return ARCH_READERS[family.architecture](hf_config)
+    return LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))

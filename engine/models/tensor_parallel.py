@@ -1,5 +1,6 @@
-"""Tensor parallelism for the Llama family: each rank's share of the heads and of the MLP's width, and its slice
-of every checkpoint tensor (Megatron's column- and row-parallel layers).
+"""Tensor parallelism for the Llama family, the generic decoder (Gemma 2/3, Phi-3, OLMo 2, Granite) and the
+mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE): each rank's share of the heads and of the
+MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -7,17 +8,32 @@ of every checkpoint tensor (Megatron's column- and row-parallel layers).
                      all-reduced after the layer (the model's `tp.all_reduce`); the bias joins on rank 0 only
     embed, lm_head   vocab-parallel: rank r keeps its slice of the vocabulary's rows, zero-padded to
                      ceil(vocab / ranks) rows (engine/layers/vocab_parallel.py); tied, one slice serves both
-    norms            replicated
+    norms            replicated (Gemma's post-norms act on all-reduced outputs); OLMo 2's q/k norms over the whole
+                     projection are cut like q and k, their mean square all-reduced (models/decoder.py)
+    qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
+    experts          each expert (and Qwen2-MoE's shared expert) cut like an MLP: its share of the expert's
+                     intermediate width; the router and the shared expert's gate replicated (every rank routes
+                     every token alike), the weighted sum of partial outputs all-reduced with the layer's
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
+
+Quantized weights are cut so that every rank holds exactly the whole model's quantized values (TP=N serves the
+weights TP=1 serves; only the all-reduce's summation order differs):
+
+    GGUF blocks   a block is 32 consecutive inputs of one row with its scale: output rows cut anywhere (whole
+                  rows of blocks), input columns only at block boundaries (refused, naming the tensor, else)
+    int8          one scale per output row: column-parallel shards quantize alike whole or cut; row-parallel
+                  matrices are quantized whole, then cut (a shard's own maximum would give other scales)
+    int4          groups of G inputs per row: each rank quantizes its shard, whose groups are the whole
+                  model's when each rank's inputs are whole groups (check_group_split refuses otherwise)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -25,10 +41,23 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
+from engine.models.moe_arch import MoeArch
+from engine.quantization.gguf_weight import GgufWeight
+from engine.quantization.quantized_weight import QuantizedWeight
 
 _LAYER = re.compile(r"(?:model\.)?layers\.\d+\.(.+)")
 _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")  # rows split evenly
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
+_FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
+_FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
+_EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's) gate and up: cut like an MLP's
+    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w1|w3|gate_proj|up_proj)|shared_expert\.(?:gate_proj|up_proj))\..+"
+)
+_EXPERT_ROW = re.compile(
+    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_expert\.down_proj)\.weight"
+)
+_STACKED = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")  # [E, 2I, H], [E, H, I]
+_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
 _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # input columns split
 _ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")  # added once (rank 0)
 _VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight")  # rows split by vocab_parallel
@@ -49,6 +78,29 @@ def check_shardable(arch: LlamaArch, world_size: int) -> None:
         )
 
 
+def check_experts_shardable(moe: MoeArch, world_size: int) -> None:
+    """SettingsConflictError unless every expert's (and the shared expert's) width divides among the ranks."""
+    widths = [("expert intermediate size", moe.expert_intermediate_size)]
+    if moe.shared_intermediate_size is not None:
+        widths.append(("shared expert intermediate size", moe.shared_intermediate_size))
+    problems = [f"{what} {width}" for what, width in widths if width % world_size]
+    if problems:
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size} does not divide the model's {', '.join(problems)}"
+        )
+
+
+def shard_moe(moe: MoeArch, world_size: int) -> MoeArch:
+    """One rank's experts: every expert, each its share of the intermediate width."""
+    check_experts_shardable(moe, world_size)
+    shared = moe.shared_intermediate_size
+    return dataclasses.replace(
+        moe,
+        expert_intermediate_size=moe.expert_intermediate_size // world_size,
+        shared_intermediate_size=None if shared is None else shared // world_size,
+    )
+
+
 def shard_arch(arch: LlamaArch, world_size: int) -> LlamaArch:
     """One rank's shape: its query heads, its KV heads (one, replicated, when there are fewer than ranks), its
     share of the MLP width."""
@@ -61,10 +113,35 @@ def shard_arch(arch: LlamaArch, world_size: int) -> LlamaArch:
     )
 
 
+def check_group_split(
+    arch: LlamaArch, world_size: int, group: int, storage: str, moe: Optional[MoeArch] = None
+) -> None:
+    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, down, the
+    experts' down) are a whole number of `group`-input groups: a group's one scale cannot be cut between ranks."""
+    widths = [("o_proj", arch.num_heads * arch.head_dim), ("down_proj", arch.intermediate_size)]
+    if moe is not None:
+        widths.append(("the experts' down_proj", moe.expert_intermediate_size))
+        if moe.shared_intermediate_size is not None:
+            widths.append(("the shared expert's down_proj", moe.shared_intermediate_size))
+    for name, inputs in widths:
+        share = inputs // world_size
+        if share % group:
+            raise SettingsConflictError(
+                f"--tensor-parallel-size {world_size} with {storage}: {name}'s {inputs} inputs split into "
+                f"{share} per rank, not a whole number of its {group}-input groups"
+            )
+
+
 def shard_weights(
-    weights: Iterable[tuple[str, Any]], arch: LlamaArch, tp: ParallelGroup
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice."""
+    weights: Iterable[tuple[str, Any]],
+    arch: LlamaArch,
+    tp: ParallelGroup,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]] = None,
+) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice: float
+    tensors, or GGUF blocks (rows freely, input columns at block boundaries). `quantize_whole` (int8): the
+    row-parallel matrices are quantized whole before their columns are cut, so each rank's columns keep the
+    whole rows' scales (column-parallel rows quantize alike whole or cut: the model quantizes its shard)."""
     rank, ranks = tp.rank, tp.world_size
     head_dim = arch.head_dim
     kv_rank_heads = max(arch.num_kv_heads // ranks, 1)
@@ -75,23 +152,106 @@ def shard_weights(
         if match is None and _VOCAB.fullmatch(name) is None:
             yield name, tensor  # the final norm
             continue
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, (torch.Tensor, GgufWeight)):
             raise SettingsConflictError(
-                f"tensor parallelism takes float checkpoint tensors; {name} is stored as {type(tensor).__name__} "
-                "(serve quantized weights with --tensor-parallel-size 1)"
+                f"tensor parallelism takes float or GGUF checkpoint tensors; {name} is stored as "
+                f"{type(tensor).__name__} (serve it with --tensor-parallel-size 1)"
             )
         if match is None:
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
-        if part.startswith(_COLUMN):
-            yield name, tensor.chunk(ranks, dim=0)[rank].contiguous()
+        if _EXPERT_COLUMN.fullmatch(part):
+            yield name, _rows(tensor, rank, ranks)
+        elif _EXPERT_ROW.fullmatch(part):
+            yield name, _columns(name, tensor, rank, ranks, quantize_whole)
+        elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
+            yield name, _stacked_experts(name, tensor, rank, ranks)
+        elif part.startswith(_FUSED_QKV):  # Phi-3's [q; k; v]: each part's rows of this rank
+            q, k, v = _split_rows(tensor, (arch.q_size, arch.kv_size, arch.kv_size))
+            kv_rows = (first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
+            yield name, _cat_rows([_rows(q, rank, ranks), _take_rows(k, *kv_rows), _take_rows(v, *kv_rows)])
+        elif part.startswith(_FUSED_GATE_UP):  # Phi-3's [gate; up]
+            gate, up = _split_rows(tensor, (arch.intermediate_size, arch.intermediate_size))
+            yield name, _cat_rows([_rows(gate, rank, ranks), _rows(up, rank, ranks)])
+        elif part in _QK_NORMS and _rows_of(tensor) != head_dim:  # OLMo 2: over the whole projection
+            if part.startswith("self_attn.q"):
+                yield name, _rows(tensor, rank, ranks)
+            else:
+                yield name, _take_rows(tensor, first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
+        elif part.startswith(_COLUMN):
+            yield name, _rows(tensor, rank, ranks)
         elif part.startswith(_KV):
-            rows = slice(first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
-            yield name, tensor[rows].contiguous()
+            yield name, _take_rows(tensor, first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
         elif part in _ROW:
-            yield name, tensor.chunk(ranks, dim=1)[rank].contiguous()
+            yield name, _columns(name, tensor, rank, ranks, quantize_whole)
         elif part in _ROW_BIAS:
+            assert isinstance(tensor, torch.Tensor)  # biases are floats in every format
             yield name, tensor if rank == 0 else torch.zeros_like(tensor)
         else:
             yield name, tensor  # norms (Qwen3's per-head q/k norms are one head wide: the same on every rank)
+
+
+def _stacked_experts(name: str, tensor: Any, rank: int, ranks: int) -> torch.Tensor:
+    """Stacked experts' share: gate_up [E, 2I, H] -> [E, 2I / ranks, H] (this rank's gate rows, then its up
+    rows), down [E, H, I] -> [E, H, I / ranks]."""
+    if not isinstance(tensor, torch.Tensor):
+        raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
+    if name.endswith("down_proj"):
+        return tensor.chunk(ranks, dim=2)[rank].contiguous()
+    gate, up = tensor.chunk(2, dim=1)
+    return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()
+
+
+def _rows_of(tensor: Union[torch.Tensor, GgufWeight]) -> int:
+    return tensor.out_features if isinstance(tensor, GgufWeight) else tensor.shape[0]
+
+
+def _split_rows(tensor: Union[torch.Tensor, GgufWeight], sizes: tuple[int, ...]) -> list[Any]:
+    """A fused projection's parts, `sizes` rows each."""
+    if _rows_of(tensor) != sum(sizes):
+        raise ValueError(f"a fused projection of {_rows_of(tensor)} rows, expected {' + '.join(map(str, sizes))}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [_take_rows(tensor, start, start + size) for start, size in zip(starts, sizes)]
+
+
+def _cat_rows(parts: list[Any]) -> Union[torch.Tensor, GgufWeight]:
+    if isinstance(parts[0], GgufWeight):
+        return GgufWeight.concat_rows(parts)
+    return torch.cat(parts).contiguous()
+
+
+def _rows(tensor: Union[torch.Tensor, GgufWeight], rank: int, ranks: int) -> Union[torch.Tensor, GgufWeight]:
+    """Rank `rank`'s equal share of the output rows (a column-parallel shard)."""
+    share = _rows_of(tensor) // ranks
+    return _take_rows(tensor, rank * share, (rank + 1) * share)
+
+
+def _take_rows(tensor: Union[torch.Tensor, GgufWeight], start: int, stop: int) -> Union[torch.Tensor, GgufWeight]:
+    if isinstance(tensor, GgufWeight):
+        return tensor.take_rows(torch.arange(start, stop))  # whole rows of blocks: exact
+    return tensor[start:stop].contiguous()
+
+
+def _columns(
+    name: str,
+    tensor: Union[torch.Tensor, GgufWeight],
+    rank: int,
+    ranks: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Union[torch.Tensor, QuantizedWeight]:
+    """Rank `rank`'s equal share of the input columns (a row-parallel shard)."""
+    total = tensor.in_features if isinstance(tensor, GgufWeight) else tensor.shape[1]
+    share = total // ranks
+    start, stop = rank * share, (rank + 1) * share
+    if isinstance(tensor, GgufWeight):
+        try:
+            return tensor.take_columns(start, stop)
+        except ValueError as error:
+            raise SettingsConflictError(
+                f"--tensor-parallel-size {ranks}: {name} ({tensor.format}, {total} inputs) splits into {share} "
+                f"inputs per rank: {error}; serve it with a size that splits whole blocks"
+            ) from None
+    if quantize_whole is not None:
+        return quantize_whole(tensor).take_columns(start, stop)
+    return tensor[:, start:stop].contiguous()

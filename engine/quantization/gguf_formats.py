@@ -126,6 +126,40 @@ def _quants(fmt: BlockFormat, packed: PackedBlocks, nb: int) -> torch.Tensor:
     return quants.reshape(rows, packed.nbp, BLOCK)[:, :nb]
 
 
+def block_columns(fmt: BlockFormat, packed: PackedBlocks, in_features: int, first: int, count: int) -> PackedBlocks:
+    """Blocks `first` .. `first + count - 1` of every row of a ROWS weight (inputs 32 * first onwards), in the
+    ROWS layout: exact, the same quants and scales (a row-parallel shard's input columns).
+
+        4-bit pairs re-formed:  source blocks (2p, 2p + 1) share bytes; from an odd `first` each new pair
+                                takes its nibbles from two source pairs, so the quants are unpacked and repacked
+    """
+    nb = in_features // BLOCK
+    if packed.layout != ROWS or first < 0 or count < 1 or first + count > nb:
+        raise ValueError(f"block columns {first} .. {first + count - 1} of a row-layout weight of {nb} blocks")
+    u = _quants(fmt, packed, nb)[:, first : first + count]  # [N, count, 32]
+    return _pack_rows(fmt, u, packed.d[:, first : first + count], _slice(packed.m, first, count))
+
+
+def _slice(t: Optional[torch.Tensor], first: int, count: int) -> Optional[torch.Tensor]:
+    return None if t is None else t[:, first : first + count]
+
+
+def _pack_rows(fmt: BlockFormat, u: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor]) -> PackedBlocks:
+    """Unsigned quants u [N, nb, 32] in element order and scales [N, nb] -> the ROWS layout (padded to even)."""
+    rows, nb = u.shape[0], u.shape[1]
+    nbp = nb + nb % 2
+    quants = torch.zeros(rows, nbp, BLOCK, dtype=torch.uint8)
+    quants[:, :nb] = u
+    qs = quants if fmt.bits == 8 else quants[:, 0::2] | (quants[:, 1::2] << 4)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rows, nbp, dtype=t.dtype)
+        out[:, :nb] = t
+        return out
+
+    return PackedBlocks(qs.reshape(rows, -1).contiguous(), padded(d), None if m is None else padded(m), nbp, ROWS)
+
+
 def interleave16(fmt: BlockFormat, packed: PackedBlocks, in_features: int) -> PackedBlocks:
     """A ROWS weight of N rows (a multiple of 16) in the X16 layout (exact: the same quants and scales)."""
     rows, nb = packed.qs.shape[0], in_features // BLOCK

@@ -15,7 +15,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.quant import QuantKernels
-from engine.quantization.gguf_formats import GROUP, ROWS, X16, BlockFormat, PackedBlocks, interleave16, rows_of_x16
+from engine.quantization.gguf_formats import (
+    BLOCK,
+    GROUP,
+    ROWS,
+    X16,
+    BlockFormat,
+    PackedBlocks,
+    block_columns,
+    interleave16,
+    rows_of_x16,
+)
 from engine.quantization.quantized_weight import QuantizedWeight
 
 TILE_MIN_ROWS = 6
@@ -122,6 +132,26 @@ class GgufWeight(QuantizedWeight):
             p.nbp,
         )
         return GgufWeight(self.fmt, picked, self._in_features, self.kernels)
+
+    def take_columns(self, start: int, stop: int) -> "GgufWeight":
+        """Input columns `start` .. `stop - 1` of a row-layout weight (a row-parallel shard): whole blocks only,
+        since each block's scale covers 32 inputs (ValueError naming the split otherwise); exact."""
+        if start % BLOCK or stop % BLOCK:
+            raise ValueError(
+                f"{self.format} columns {start} .. {stop - 1} do not fall on its {BLOCK}-input block boundaries"
+            )
+        packed = block_columns(self.fmt, self.packed, self._in_features, start // BLOCK, (stop - start) // BLOCK)
+        return GgufWeight(self.fmt, packed, stop - start, self.kernels)
+
+    def zero_rows(self, count: int) -> "GgufWeight":
+        """`count` rows of zeros in this weight's format and width, row layout (a vocabulary's padding rows):
+        every scale (and Q4_1 minimum) zero."""
+        p = self.packed
+        if p.layout != ROWS:
+            raise ValueError("zero rows are made beside a row-layout weight")
+        m = None if p.m is None else p.m.new_zeros(count, p.m.shape[1])
+        packed = PackedBlocks(p.qs.new_zeros(count, p.qs.shape[1]), p.d.new_zeros(count, p.d.shape[1]), m, p.nbp)
+        return GgufWeight(self.fmt, packed, self._in_features, self.kernels)
 
     @classmethod
     def concat_rows(cls, weights: Sequence["GgufWeight"]) -> "GgufWeight":

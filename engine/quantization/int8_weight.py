@@ -111,6 +111,12 @@ class Int8Weight(QuantizedWeight):
             scales = self._scales_as[dtype] = self.scales.to(dtype)
         return scales
 
+    def take_columns(self, start: int, stop: int) -> "Int8Weight":
+        """Input columns `start` .. `stop - 1` with the whole rows' scales: a row-parallel shard whose partial
+        products, summed over the ranks, are the whole matrix's (each rank quantizing its own columns would pick
+        other scales: the maximum over its slice of a row, not over the row)."""
+        return Int8Weight(self.qweight[:, start:stop], self.scales, self.kernel_check)
+
     def to(self, device: torch.device) -> "Int8Weight":
         return Int8Weight(self.qweight.to(device), self.scales.to(device), self.kernel_check)
 

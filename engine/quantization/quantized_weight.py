@@ -47,6 +47,10 @@ class QuantizedWeight:
         format may re-lay its data for its product (GGUF blocks: 16 rows interleaved)."""
         return self
 
+    def take_columns(self, start: int, stop: int) -> "QuantizedWeight":
+        """Input columns `start` .. `stop - 1` (a row-parallel shard's), when the format can cut there exactly."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be cut by input columns")
+
     @classmethod
     def concat_rows(cls, weights) -> "QuantizedWeight":
         """The weights stacked along the output rows (fused q|k|v, gate|up), when the format allows."""

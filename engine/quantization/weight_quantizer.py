@@ -49,7 +49,9 @@ class WeightQuantizer:
     int8_kernel: Int8KernelCheck = field(default_factory=Int8KernelCheck, compare=False, repr=False)
     """Whether torch's int8 kernel serves this model's products: probed once, shared by its int8 matrices."""
 
-    def __call__(self, weight: Union[torch.Tensor, Int4Groups]) -> Weight:
+    def __call__(self, weight: Union[torch.Tensor, Int4Groups, QuantizedWeight]) -> Weight:
+        if isinstance(weight, QuantizedWeight):  # quantized already (a tensor-parallel shard cut from a whole one)
+            return weight
         if isinstance(weight, Int4Groups):  # pre-quantized (AWQ)
             return Int4Weight(weight, self.device)
         if self.method == "int8":

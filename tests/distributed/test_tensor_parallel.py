@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.errors import SettingsConflictError
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle
+from tests.engine.test_gpt_oss import GPT_OSS
 from tests.engine.test_model_equivalence import mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,7 +108,7 @@ def test_embedded_model_on_three_ranks(embedded_checkpoint):
 @pytest.mark.parametrize(
     "arch, overrides, flags, message",
     [
-        ("gemma2", {}, {}, "not served with tensor parallelism"),
+        ("llama", GPT_OSS, {}, "GptOssForCausalLM is not served with tensor parallelism"),
         (
             "llama",
             {"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 16, "hidden_size": 48},

@@ -192,9 +192,12 @@ def make_tiny_tokenizer():
     return hf
 
 
-def make_tiny_gguf(model_dir: Path, gguf_path: Path) -> Path:
-    """Write a tiny Llama checkpoint directory as an F32 GGUF, the way llama.cpp's converter lays it out."""
+def make_tiny_gguf(model_dir: Path, gguf_path: Path, matrix_type: str = "F32", embedding_type: str = "F32") -> Path:
+    """Write a tiny Llama checkpoint directory as a GGUF, the way llama.cpp's converter lays it out: the layers'
+    matrices in `matrix_type`, the embedding and LM head in `embedding_type` (GGML type names: F32, Q4_0, Q4_1,
+    Q8_0, ...), norms in F32."""
     import gguf
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -212,7 +215,12 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path) -> Path:
             array = _llama_cpp_permute(array, heads)
         elif base.endswith("k_proj"):
             array = _llama_cpp_permute(array, kv_heads)
-        writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", array)
+        qtype = gguf.GGMLQuantizationType[embedding_type if "embed" in base or "lm_head" in base else matrix_type]
+        gguf_name = f"{name_map.get_name(base)}.{suffix}"
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

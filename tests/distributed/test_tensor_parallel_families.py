@@ -1,0 +1,105 @@
+"""The generic decoder's families split over two gloo ranks compute what the whole model computes: Gemma 2 and 3
+(sandwich norms on all-reduced outputs, soft-caps, per-head q/k norms, sliding windows), Phi-3 (fused qkv_proj and
+gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
+all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), and the mixtures of experts
+Mixtral (its experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between) and
+Qwen3-MoE (each expert cut like an MLP). Every family's logits of a
+prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then one family
+served end to end: greedy float32 tokens identical to one process."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from engine.distributed.parallel_group import ParallelGroup
+from tests.distributed.conftest import free_port
+from tests.distributed.test_tensor_parallel import assert_same, generate
+from tests.distributed.test_tensor_parallel_model import run_model
+from tests.engine.factories import make_tiny_model_dir
+from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
+
+pytestmark = pytest.mark.timeout(300)
+
+FAMILIES = {  # name: (factory arch, config overrides)
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "olmo2-kv1": ("olmo2", {"num_key_value_heads": 1}),
+    "granite": ("granite", {}),
+    **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
+}
+
+
+def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
+    tp = ParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 30)
+    try:
+        for name, model_dir in model_dirs.items():
+            results[(name, rank)] = run_model(model_dir, tp)
+    finally:
+        tp.leave()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in FAMILIES.items()}
+    dirs["mixtral-stacked"] = stacked_copy(dirs["mixtral"], root / "mixtral-stacked")
+    return dirs
+
+
+def stacked_copy(model_dir: Path, path: Path) -> Path:
+    """The checkpoint with each layer's experts stacked as transformers holds them in memory: experts.gate_up_proj
+    [E, 2I, H] (every expert's w1 rows, then its w3 rows) and experts.down_proj [E, H, I]."""
+    shutil.copytree(model_dir, path)
+    state = load_file(str(model_dir / "model.safetensors"))
+    expert = re.compile(r"(.+\.experts\.)(\d+)\.(w1|w2|w3)\.weight")
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    stacked = {}
+    for name, tensor in state.items():
+        match = expert.fullmatch(name)
+        if match is None:
+            stacked[name] = tensor
+        else:
+            parts.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = tensor
+    for prefix in {prefix for prefix, _ in parts}:
+        w1, w2, w3 = (parts[(prefix, w)] for w in ("w1", "w2", "w3"))
+        stacked[prefix + "gate_up_proj"] = torch.stack([torch.cat([w1[e], w3[e]]) for e in sorted(w1)])
+        stacked[prefix + "down_proj"] = torch.stack([w2[e] for e in sorted(w2)])
+    save_file(stacked, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_compute_every_familys_logits(model_dirs):
+    expected = {name: run_model(model_dir, ParallelGroup.single()) for name, model_dir in model_dirs.items()}
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, model_dirs, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0, 0]
+        for name, want in expected.items():
+            for rank in range(2):
+                for got, logits in zip(results[(name, rank)], want):
+                    torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
+
+
+def test_olmo2_served_on_two_ranks(model_dirs):
+    """Through the engine (each rank builds its shard from the checkpoint, its KV heads in its cache): the tokens
+    and logprobs of one process."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 17], [40] * 18]
+    expected, _ = generate(model_dirs["olmo2-kv1"], prompts, 1)
+    got, _ = generate(model_dirs["olmo2-kv1"], prompts, 2)
+    assert_same(got, expected)

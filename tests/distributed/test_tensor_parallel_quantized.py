@@ -1,0 +1,150 @@
+"""--tensor-parallel-size with quantized weights: GGUF blocks kept for the native kernels (`--quantization gguf`),
+and float checkpoints quantized at load (`int8`, `int4`). Every rank holds exactly the whole model's quantized
+values (output rows cut freely, input columns at block or group boundaries, int8's row-parallel matrices quantized
+whole first), so greedy tokens equal one process's on the same quantized weights; the cuts themselves are
+checked exact without processes, and the splits that would cut a block or a group are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.distributed.parallel_group import ParallelGroup
+from engine.errors import SettingsConflictError
+from engine.models.moe_arch import MoeArch
+from engine.models.registry import check_tensor_parallel_model
+from engine.models.tensor_parallel import check_group_split, shard_weights
+from engine.quantization.gguf_formats import FORMATS, repack
+from engine.quantization.gguf_weight import GgufWeight
+from engine.quantization.int8_weight import Int8Weight
+from tests.distributed.test_tensor_parallel import TINY, assert_same
+from tests.engine.references import assert_idle
+from tests.engine.factories import make_tiny_gguf, make_tiny_model_dir, tiny_config_dict
+from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 301, 17], [40] * 18, [7, 99, 123, 4, 250]]
+
+# Between one process and two, only the order of the all-reduced float32 partial sums differs (the integer GGUF
+# product quantizes its activations per 32-input block, and every rank's blocks are the whole row's): measured
+# up to 2.2e-6 on these models (int4; 1e-6 GGUF), against logprob gaps of 1e-2 and more between the top two tokens. 2e-5 leaves
+# room for other CPUs' summation orders and stays far below any token flip.
+LOGPROB_TOLERANCE = 2e-5
+
+
+def gguf_weight(fmt: str, rows: int, inputs: int, seed: int = 0) -> GgufWeight:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from engine.kernels.quant import load_quant_kernels
+
+    array = np.random.default_rng(seed).standard_normal((rows, inputs)).astype(np.float32)
+    raw = quantize(array, GGMLQuantizationType[fmt.upper()])
+    return GgufWeight(FORMATS[fmt], repack(FORMATS[fmt], raw, inputs), inputs, load_quant_kernels())
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_gguf_cuts_are_exact(fmt):
+    """Input columns at any block boundary (odd ones re-pair 4-bit blocks), output rows anywhere, zero rows."""
+    weight = gguf_weight(fmt, 16, 7 * 32)
+    whole = weight.dequantize()
+    for start, stop in [(0, 64), (32, 96), (96, 224), (32, 64), (0, 224)]:
+        cut = weight.take_columns(start, stop)
+        assert cut.in_features == stop - start
+        torch.testing.assert_close(cut.dequantize(), whole[:, start:stop], rtol=0, atol=0)
+        x = torch.zeros(3, whole.shape[1])
+        x[:, start:stop] = torch.randn(3, stop - start)  # the integer product's int8 activations: the same blocks
+        torch.testing.assert_close(cut.matmul(x[:, start:stop]), weight.matmul(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="32-input block boundaries"):
+        weight.take_columns(16, 80)
+    assert torch.count_nonzero(weight.zero_rows(3).dequantize()) == 0
+
+
+def test_int8_row_shards_keep_the_whole_rows_scales():
+    weight = torch.randn(8, 64)
+    whole = Int8Weight.quantize(weight)
+    halves = [whole.take_columns(0, 32), whole.take_columns(32, 64)]
+    assert all(torch.equal(half.scales, whole.scales) for half in halves)
+    x = torch.randn(2, 64)
+    partial = halves[0].matmul(x[:, :32]) + halves[1].matmul(x[:, 32:])
+    torch.testing.assert_close(partial, whole.matmul(x), rtol=1e-5, atol=1e-5)
+
+
+def test_what_cannot_be_cut_exactly_is_refused_by_name(tiny_dir, embedded_checkpoint):
+    from transformers import AutoConfig
+
+    from engine.loading.loader import load_hf_config
+
+    embedded = check_tensor_parallel_model(load_hf_config(embedded_checkpoint.path), 3)  # 9 heads, 3 KV heads
+    check_group_split(embedded, 3, 32, "--quantization int4 (group size 32)")  # 192 and 512 inputs per rank
+    with pytest.raises(SettingsConflictError, match="o_proj's 576 inputs split into 192 per rank, not a whole"):
+        check_group_split(embedded, 3, 128, "--quantization int4 (group size 128)")
+    with pytest.raises(SettingsConflictError, match="9 attention heads"):
+        check_tensor_parallel_model(load_hf_config(embedded_checkpoint.path), 2)
+    qwen3_moe = AutoConfig.for_model(**tiny_config_dict("llama", num_experts_per_tok=2, **MOE_FAMILIES["qwen3_moe"]))
+    with pytest.raises(SettingsConflictError, match="the experts' down_proj's 48 inputs split into 24 per rank"):
+        moe_arch = MoeArch.from_hf_config(qwen3_moe)
+        check_group_split(check_tensor_parallel_model(qwen3_moe, 2), 2, 32, "--quantization int4", moe_arch)
+    awq = load_hf_config(tiny_dir)
+    awq.quantization_config = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32}
+    with pytest.raises(SettingsConflictError, match="AWQ checkpoints are served with --tensor-parallel-size 1"):
+        check_tensor_parallel_model(awq, 2)
+    # four ranks of the tiny model's 64-input o_proj: 16 inputs each, half a Q8_0 block (rank 1's own cut)
+    arch = check_tensor_parallel_model(load_hf_config(tiny_dir), 4)
+    o_proj = ("model.layers.0.self_attn.o_proj.weight", gguf_weight("q8_0", 64, 64))
+    with pytest.raises(SettingsConflictError, match=r"o_proj.weight \(q8_0, 64 inputs\) splits into 16 inputs"):
+        list(shard_weights([o_proj], arch, ParallelGroup(1, 4)))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.mark.parametrize(
+    "storage",
+    ["gguf-q4_1", "int8", "int4"],
+)
+def test_two_ranks_serve_one_process_quantized_weights(tiny_dir, tmp_path, storage):
+    """The tiny Llama (4 heads, 2 KV heads, hidden 64, MLP 128): o_proj's 32 and down's 64 inputs per rank are
+    whole Q blocks and int4 groups of 32."""
+    if storage.startswith("gguf"):
+        fmt = storage.split("-")[1].upper()
+        model = str(make_tiny_gguf(tiny_dir, tmp_path / f"tiny.{fmt}.gguf", matrix_type=fmt, embedding_type="Q8_0"))
+        settings = dict(quantization="gguf")
+    else:
+        model, settings = str(tiny_dir), dict(quantization=storage)
+    expected, whole = generate_quantized(model, PROMPTS, 1, **settings)
+    got, shard = generate_quantized(model, PROMPTS, 2, **settings)
+    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
+    assert whole[0] == shard[0] and whole[0] != "float32"  # rank 0's o_proj: quantized, half its inputs
+    assert (whole[1], shard[1]) == (64, 32)
+
+
+def test_embedded_gguf_on_three_ranks(embedded_checkpoint):
+    """SmolLM2-135M's Q4_1 projections and Q8_0 embedding kept in their blocks on three ranks: o_proj's 192 and
+    down's 512 inputs per rank are whole blocks."""
+    prompts = [[1, 504, 3458, 282, 4649, 314]]
+    model, settings = str(embedded_checkpoint.gguf), dict(quantization="gguf", max_num_batched_tokens=64)
+    expected, whole = generate_quantized(model, prompts, 1, max_tokens=5, **settings)
+    got, shard = generate_quantized(model, prompts, 3, max_tokens=5, **settings)
+    # The integer product rounds its activations to int8 steps: the all-reduce's float32 reordering (1e-7) flips
+    # a few roundings, each moving a product by a step, and 30 layers carry them on (one process moves as much
+    # between a prefix-cache hit and a recompute: 0.025 on the first token). Measured up to 0.04 here; these five
+    # tokens lead their runners-up by 0.42 or more, so the tokens are what must agree.
+    assert_same(got, expected, abs=0.15)
+    assert (whole, shard) == (("q4_1", 576), ("q4_1", 192))
+
+
+def generate_quantized(model, prompts, tp: int, max_tokens: int = 10, **settings):
+    """`generate`'s outputs, and the format and input width of rank 0's first o_proj."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(model, **{**TINY, **settings}, tensor_parallel_size=tp) as llm:
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        o_proj = llm.engine.runner.model.layers[0].o_proj
+        assert_idle(llm)
+    outputs = [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results]
+    return outputs, (getattr(o_proj, "format", "float32"), o_proj.in_features)
