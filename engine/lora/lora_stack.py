@@ -102,7 +102,7 @@ class LoRAStack:
                 raise ValueError(
                     f"adapter {weights.name!r}: {field} is {tuple(matrix.shape)}, the model's is ({vocab}, {hidden})"
                 )
-            getattr(self, field)[slot] = None if matrix is None else matrix.to(self.dtype, self.device)
+            getattr(self, field)[slot] = None if matrix is None else matrix.to(device=self.device, dtype=self.dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
