@@ -309,19 +309,25 @@ class EngineCore:
         profile = self.profile
         if profile is not None:
             profile.begin_step()
-        failed = self._admit_loaded_loras() if self.lora_manager is not None else []
+        if self.lora_manager is None:
+            return self._step()
+        outputs = self._admit_loaded_loras() + self._step()
+        self._record_lora_activity(self.lora_manager)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self._pipeline is not None:
-            return failed + self._pipelined_step(self._pipeline)
+            return self._pipelined_step(self._pipeline)
         scheduler_output = self._schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         runner_output = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty:
-            return failed
-        return failed + self._complete(scheduler_output, runner_output)
+            return []
+        return self._complete(scheduler_output, runner_output)
 
     def _admit_loaded_loras(self) -> list[RequestOutput]:
-        """Queue the requests whose adapters finished loading (failing those whose load failed), and report the
-        adapters in use to the manager; an engine with nothing else to do waits a moment for a load."""
+        """Queue the requests whose adapters finished loading (failing those whose load failed); an engine with
+        nothing else to do waits a moment for a load."""
         manager = self.lora_manager
         assert manager is not None
         failed: list[RequestOutput] = []
@@ -335,12 +341,15 @@ class EngineCore:
                 failed.append(self._output(state, [], "", "error", time.monotonic(), error=message))
 
             self._lora_waiting.admit_ready(manager, self.scheduler.add_request, fail)
+        return failed
+
+    def _record_lora_activity(self, manager: LoRAManager) -> None:
+        """Tell the manager the adapters of running and waiting requests (its gauge; idle ones are evictable)."""
         scheduler = self.scheduler
         manager.record_activity(
             sorted({n for r in scheduler.running for n in adapter_names(r)}),
             sorted({n for r in scheduler.waiting for n in adapter_names(r)} | set(self._lora_waiting.names())),
         )
-        return failed
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()

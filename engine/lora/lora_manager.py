@@ -138,6 +138,11 @@ class LoRAManager:
         with self._lock:
             return list(self._registered.values())
 
+    def loaded_names(self) -> list[str]:
+        """The adapters whose weights are in memory, least recently used first."""
+        with self._lock:
+            return list(self._loaded)
+
     def stats(self) -> LoRAStats:
         with self._lock:
             return LoRAStats(

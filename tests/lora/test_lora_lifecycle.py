@@ -1,0 +1,135 @@
+"""Adapters come and go: refusals, unloading with requests in flight, LRU eviction and background loads,
+and at most max_loras adapters in a step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LoRAMix, LoRARequest, SamplingParams
+from engine.errors import LoRAAdapterError, LoRANotFoundError, LoRARankError
+from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf, make_llm
+from tests.lora.adapters import make_adapter, merged_model_dir
+
+PROMPT = random.Random(7).choices(range(3, 512), k=21)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def _run(engine) -> dict:
+    """Step until idle; request id -> its output token ids."""
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def adapter_c(lora_base_dir, tmp_path_factory):
+    return make_adapter(lora_base_dir, tmp_path_factory.mktemp("adapter-c"), seed=4, r=2, targets=("up_proj",))
+
+
+@pytest.fixture(scope="module")
+def merged(lora_base_dir, adapter_a, adapter_b, adapter_c, tmp_path_factory):
+    return {
+        name: merged_model_dir(lora_base_dir, [(path, 1.0)], tmp_path_factory.mktemp(f"merged-{name}"))
+        for name, path in (("a", adapter_a), ("b", adapter_b), ("c", adapter_c))
+    }
+
+
+def test_refusals(lora_base_dir, adapter_a, tmp_path):
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=2) as llm:
+        manager = llm.engine.lora_manager
+        with pytest.raises(LoRARankError, match="rank 4, above max_lora_rank 2"):
+            manager.add_lora(LoRARequest("a", str(adapter_a)))
+        dora = make_adapter(lora_base_dir, tmp_path / "dora", seed=5, r=2, use_dora=True)
+        with pytest.raises(LoRAAdapterError, match="DoRA"):
+            manager.add_lora(LoRARequest("dora", str(dora)))
+        with pytest.raises(LoRAAdapterError, match="no adapter_config.json"):
+            manager.add_lora(LoRARequest("gguf", str(tmp_path / "adapter.gguf")))
+        with pytest.raises(LoRANotFoundError, match="'nope'"):
+            llm.engine.add_request("r", PROMPT, GREEDY, lora=LoRAMix.single("nope"))
+        assert manager.list_loras() == []
+        assert_idle(llm)
+    with make_llm(lora_base_dir) as llm:  # without --enable-lora
+        with pytest.raises(ValueError, match="enable-lora"):
+            llm.engine.add_request("r", PROMPT, GREEDY, lora=LoRAMix.single("a"))
+
+
+def test_unload_refuses_later_requests_and_finishes_running_ones(lora_base_dir, adapter_a, merged):
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        engine = llm.engine
+        engine.lora_manager.add_lora(LoRARequest("a", str(adapter_a)))
+        engine.add_request("running", PROMPT, GREEDY, lora=LoRAMix.single("a"))
+        first = engine.step()  # its prompt computed, a token sampled
+        assert engine.lora_manager.remove_lora("a") is True
+        assert engine.lora_manager.remove_lora("a") is False
+        with pytest.raises(LoRANotFoundError):
+            engine.add_request("later", PROMPT, GREEDY, lora=LoRAMix.single("a"))
+        tokens = _run(engine)
+        assert first[0].new_token_ids + tokens["running"] == _reference(merged["a"])
+        assert_idle(llm)
+
+
+def test_lru_eviction_and_background_reload(lora_base_dir, adapter_a, adapter_b, adapter_c, merged):
+    """max_cpu_loras 2: a third adapter evicts the least recently used idle one; a request for it waits while it
+    loads in the background (the step loop runs the others meanwhile) and then gets its own output."""
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8) as llm:
+        engine, manager = llm.engine, llm.engine.lora_manager
+        for name, path in (("a", adapter_a), ("b", adapter_b)):
+            manager.add_lora(LoRARequest(name, str(path)))
+        engine.add_request("b-warm", PROMPT, GREEDY, lora=LoRAMix.single("b"))  # b used after a: a is the LRU
+        _run(engine)
+        manager.add_lora(LoRARequest("c", str(adapter_c)))
+        assert manager.loaded_names() == ["b", "c"]
+        assert [r.name for r in manager.list_loras()] == ["a", "b", "c"]
+        engine.add_request("base", PROMPT, GREEDY)
+        engine.add_request("a-cold", PROMPT, GREEDY, lora=LoRAMix.single("a"))
+        assert manager.is_loading and "a-cold" not in engine.scheduler.requests
+        tokens = _run(engine)
+        assert tokens["a-cold"] == _reference(merged["a"])
+        assert tokens["base"] == _reference(lora_base_dir)
+        assert "a" in manager.loaded_names() and len(manager.loaded_names()) == 2
+        assert manager.stats().requests == {"a": 1, "b": 1}
+        assert_idle(llm)
+
+
+def test_at_most_max_loras_adapters_run_together(lora_base_dir, adapter_a, adapter_b, adapter_c, merged):
+    """Three adapters loaded, two slots: a request of the third waits (a base request passes it) until a slot
+    frees."""
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=8) as llm:
+        engine, manager = llm.engine, llm.engine.lora_manager
+        for name, path in (("a", adapter_a), ("b", adapter_b), ("c", adapter_c)):
+            manager.add_lora(LoRARequest(name, str(path)))
+        for name in ("a", "b", "c"):
+            engine.add_request(name, PROMPT, GREEDY, lora=LoRAMix.single(name))
+        engine.add_request("base", PROMPT, GREEDY)
+        tokens: dict[str, list[int]] = {}
+        first_step = True
+        while engine.has_work:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert len(engine.scheduler.running_adapters()) <= 2
+            assert engine.runner.lora_slots.num_in_use <= 2
+            if first_step:
+                assert {r.request_id for r in engine.scheduler.running} == {"a", "b", "base"}
+                assert manager.stats().running == ["a", "b"] and manager.stats().waiting == ["c"]
+                first_step = False
+        for name in ("a", "b", "c"):
+            assert tokens[name] == _reference(merged[name]), name
+        assert tokens["base"] == _reference(lora_base_dir)
+        assert_idle(llm)
+
+
+def _reference(model_dir) -> list[int]:
+    from tests.engine.references import _hf_greedy_once
+
+    return _hf_greedy_once(str(model_dir), tuple(PROMPT), NEW_TOKENS)[0]
+
+
+def test_offline_lora_request_registers_on_first_use(lora_base_dir, adapter_a, merged):
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        results = llm.generate([PROMPT], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", str(adapter_a)))
+        check_against_hf(merged["a"], [PROMPT], results)
+        assert_idle(llm)
