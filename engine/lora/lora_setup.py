@@ -8,6 +8,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
 from engine.lora.lora_manager import LoRAManager
 from engine.lora.lora_stack import LoRAStack
+from engine.layers.linear import Linear
 from engine.lora.request import LoRARequest
 from engine.models.llama import LlamaForCausalLM
 
@@ -42,7 +43,10 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:
     max_cpu_loras loaded now, so a bad directory fails the start; the rest on first use)."""
     lora = config.lora
     check_lora_settings(config, model)
-    stack = LoRAStack(model.arch, lora.max_loras, lora.max_lora_rank, model.dtype, model.device)
+    packs = model.device.type == "cpu" and type(model.linear) is not Linear  # (a plain Linear's prepare is a no-op)
+    stack = LoRAStack(
+        model.arch, lora.max_loras, lora.max_lora_rank, model.dtype, model.device, model.linear if packs else None
+    )
     model.lora = stack
     manager = LoRAManager(lora, model.arch.num_layers)
     for index, module in enumerate(lora.lora_modules):

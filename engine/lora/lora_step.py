@@ -50,6 +50,11 @@ class LoRAStep:
         self.lo, self.hi = lo, hi
         self.embeds = embeds
         self._mixing: dict[int, torch.Tensor] = {}  # parts -> M [T, S * parts * max_rank]
+        # per projection: (first row, end row) of the slot range in the stack's row views, and its M
+        self._ranges = {
+            proj: (lo * rows, hi * rows, self.mixing(rows // stack.max_rank))
+            for proj, rows in stack.rows_per_slot.items()
+        }
 
     @classmethod
     def build(cls, stack: LoRAStack, num_tokens: int, segments: Sequence[LoRASegment]) -> Optional["LoRAStep"]:
@@ -57,7 +62,7 @@ class LoRAStep:
         used = [slot for segment in segments for slot, _ in segment.slots]
         if not used:
             return None
-        lo, hi = min(used), max(used) + 1
+        lo, hi = (0, stack.max_loras) if stack.packed else (min(used), max(used) + 1)
         scales = np.zeros((num_tokens, hi - lo), dtype=np.float32)
         embed_rows: dict[int, list[int]] = {}
         for start, count, slots in segments:
@@ -83,11 +88,15 @@ class LoRAStep:
     def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, out] += the deltas of projection `proj` of `layer` for x [T, in], in place."""
         stack = self.stack
-        a = stack.a[layer][proj][self.lo : self.hi]  # [S, P, in]
-        b = stack.b[layer][proj][self.lo : self.hi]  # [S, P, out]
-        shrunk = torch.mm(x, a.reshape(-1, a.shape[-1]).t())  # [T, S * P]
-        shrunk.mul_(self.mixing(stack.parts(proj)))
-        out.addmm_(shrunk, b.reshape(-1, b.shape[-1]))
+        first, end, mixing = self._ranges[proj]
+        if stack.linear is not None:  # every slot, through the packed matrices
+            shrunk = stack.linear(x, stack.a_packed[layer][proj], None)  # [T, max_loras * P]
+            shrunk.mul_(mixing)
+            out.add_(stack.linear(shrunk, stack.bt_packed[layer][proj], None))
+            return
+        shrunk = torch.mm(x, stack.a_rows[layer][proj][first:end].t())  # [T, S * P]
+        shrunk.mul_(mixing)
+        out.addmm_(shrunk, stack.b_rows[layer][proj][first:end])  # B rows [S * P, out]
 
     def embed(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] with the rows of adapters that replace the embedding looked up in theirs."""

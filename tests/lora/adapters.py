@@ -29,9 +29,11 @@ def make_adapter(
     use_dora: bool = False,
     modules_to_save: Optional[list[str]] = None,
     weight_scale: float = 1.0,
-) -> Path:
+    merge: bool = False,
+):
     """A PEFT LoRA adapter with random A and B (so its deltas change the outputs), saved to `out_dir`.
-    `weight_scale` multiplies B (the embedded model's wide layers need smaller deltas to stay sensible)."""
+    `weight_scale` multiplies B (the embedded model's wide layers need smaller deltas to stay sensible).
+    Returns the directory, or with `merge` (directory, the PEFT model merged: merge_and_unload)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -52,11 +54,12 @@ def make_adapter(
             elif "modules_to_save" in name:  # a replacement that differs from the base's matrix
                 param.add_(torch.randn_like(param) * param.std())
     model.save_pretrained(str(out_dir))
-    return out_dir
+    return (out_dir, model.merge_and_unload().eval()) if merge else out_dir
 
 
-def merged_model_dir(base_dir: Path, adapters: Sequence[tuple[Path, float]], out_dir: Path) -> Path:
-    """The base with each adapter merged by PEFT (merge_and_unload), its change scaled: W + sum(s_i * dW_i)."""
+def merged_model(base_dir: Path, adapters: Sequence[tuple[Path, float]]):
+    """The base (an HF model in float32) with each adapter merged by PEFT (merge_and_unload), its change scaled:
+    W + sum(s_i * dW_i)."""
     from peft import PeftModel
 
     base = _base(base_dir)
@@ -67,5 +70,29 @@ def merged_model_dir(base_dir: Path, adapters: Sequence[tuple[Path, float]], out
         for key, value in merged.state_dict().items():
             total[key] += scale * (value - base_state[key])
     base.load_state_dict(total)
-    base.save_pretrained(str(out_dir))
+    return base.eval()
+
+
+def merged_model_dir(base_dir: Path, adapters: Sequence[tuple[Path, float]], out_dir: Path) -> Path:
+    """`merged_model` saved to `out_dir` (for references.check_against_hf)."""
+    merged_model(base_dir, adapters).save_pretrained(str(out_dir))
     return out_dir
+
+
+def greedy(model, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF greedy tokens of an in-memory model (eos ignored) and each chosen token's log-softmax."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([list(prompt)])
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]

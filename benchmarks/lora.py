@@ -1,0 +1,168 @@
+"""What serving LoRA adapters costs on the embedded model: `python -m benchmarks.lora`.
+
+    python -m benchmarks.lora [--concurrency 16] [--adapters 8] [--rank 16] [--tokens 64] [--repeats 2]
+
+One engine with `--enable-lora` (max_loras = --adapters, the GGUF dequantized: --quantization none) runs rounds of
+`--concurrency` greedy requests of the same prompts: all on the base model, and spread over `--adapters`
+random rank-`--rank` adapters (every projection targeted), alternating `--repeats` times; a second engine
+without LoRA runs the base round too (the plain model's own speed, fused CPU decode step included). Figures:
+output tokens per second of each round (the best repeat), and the ratios adapters / plain base and adapters /
+base in the LoRA engine. `--micro` also times one projection's deltas for a decode batch three ways (the
+engine's slot-range products, per-adapter index_select/index_add segments, per-token gathered bmm).
+
+The adapters are written as PEFT directories (adapter_config.json + adapter_model.safetensors) with random
+A and B scaled so the outputs stay text-like; their content does not change the cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.machine import cpu_info
+from engine.llm import LLM
+from engine.lora.request import LoRAMix, LoRARequest
+from engine.sampling.params import SamplingParams
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a paged key-value cache works in an inference server.",
+    "List ten animals that live in the ocean and describe each in one sentence.",
+    "What are the main causes of the French Revolution?",
+]
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(path: Path, arch, rank: int, seed: int) -> Path:
+    """A random PEFT LoRA directory for `arch` (every projection, alpha = 2 * rank)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shapes = {
+        "self_attn.q_proj": (arch.hidden_size, q),
+        "self_attn.k_proj": (arch.hidden_size, kv),
+        "self_attn.v_proj": (arch.hidden_size, kv),
+        "self_attn.o_proj": (q, arch.hidden_size),
+        "mlp.gate_proj": (arch.hidden_size, arch.intermediate_size),
+        "mlp.up_proj": (arch.hidden_size, arch.intermediate_size),
+        "mlp.down_proj": (arch.intermediate_size, arch.hidden_size),
+    }
+    tensors = {}
+    for layer in range(arch.num_layers):
+        for module, (width, out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, width, generator=generator) / width**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.002
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def run_round(llm: LLM, concurrency: int, tokens: int, loras) -> float:
+    """Output tokens per second of one round of `concurrency` requests."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    elapsed = time.perf_counter() - start
+    return sum(len(r.outputs[0].token_ids) for r in results) / elapsed
+
+
+def micro(arch, adapters: int, rank: int, rows: int, dtype: torch.dtype, calls: int = 200) -> dict[str, float]:
+    """Microseconds for the gate|up deltas of a `rows`-token decode batch over `adapters` adapters, three ways."""
+    width, out = arch.hidden_size, 2 * arch.intermediate_size
+    parts_rank = 2 * rank
+    a = torch.randn(adapters, parts_rank, width, dtype=dtype) * 0.01  # [S, P, in]
+    b = torch.randn(adapters, parts_rank, out, dtype=dtype) * 0.01  # [S, P, out]
+    x = torch.randn(rows, width, dtype=dtype)
+    base = torch.randn(rows, out, dtype=dtype)
+    slot = torch.arange(rows) % adapters
+    mixing = torch.zeros(rows, adapters, dtype=dtype)
+    mixing[torch.arange(rows), slot] = 1
+    mixing = mixing.repeat_interleave(parts_rank, dim=1)
+    segments = [(s, torch.nonzero(slot == s)[:, 0]) for s in range(adapters)]
+
+    def slot_range() -> None:
+        shrunk = torch.mm(x, a.reshape(-1, width).t())
+        shrunk.mul_(mixing)
+        base.addmm_(shrunk, b.reshape(-1, out))
+
+    def per_adapter() -> None:
+        for s, index in segments:
+            rows_x = x.index_select(0, index)
+            base.index_add_(0, index, (rows_x @ a[s].t()) @ b[s])
+
+    def gathered_bmm() -> None:
+        shrunk = torch.bmm(a[slot], x[:, :, None])  # [T, P, 1]
+        base.add_(torch.bmm(shrunk.transpose(1, 2), b[slot])[:, 0])
+
+    timings = {}
+    for name, fn in (("slot_range", slot_range), ("per_adapter_segments", per_adapter), ("gathered_bmm", gathered_bmm)):
+        for _ in range(20):
+            fn()
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - start) / calls * 1e6)
+        timings[name] = round(min(samples), 1)
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--micro", action="store_true")
+    args = parser.parse_args()
+    info = cpu_info()
+    print(f"CPU: {info['model']} ({info['isa']}, {info['cores']} cores); load average {os.getloadavg()}")
+    common = dict(dtype=args.dtype, quantization="none", max_model_len=512, max_num_seqs=args.concurrency)
+    report: dict = {"cpu": info["model"], "isa": info["isa"], "load_average": os.getloadavg(), "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp, LLM(
+        None, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common
+    ) as llm:
+        arch = llm.engine.runner.model.arch
+        manager = llm.engine.lora_manager
+        for i in range(args.adapters):
+            manager.add_lora(LoRARequest(f"a{i}", str(write_adapter(Path(tmp) / f"a{i}", arch, args.rank, i))))
+        mixes = [LoRAMix.single(f"a{i % args.adapters}") for i in range(args.concurrency)]
+        run_round(llm, args.concurrency, 4, mixes)  # warm-up
+        base, lora = [], []
+        for _ in range(args.repeats):
+            base.append(run_round(llm, args.concurrency, args.tokens, None))
+            lora.append(run_round(llm, args.concurrency, args.tokens, mixes))
+        report["dtype"] = str(llm.engine.model_dtype).removeprefix("torch.")
+        if args.micro:
+            report["micro_us"] = micro(arch, args.adapters, args.rank, args.concurrency, llm.engine.model_dtype)
+    with LLM(None, **common) as plain:
+        run_round(plain, args.concurrency, 4, None)
+        plain_base = [run_round(plain, args.concurrency, args.tokens, None) for _ in range(args.repeats)]
+    report["tok_s"] = {
+        "plain_base": round(max(plain_base), 1),
+        "lora_engine_base": round(max(base), 1),
+        "lora_engine_adapters": round(max(lora), 1),
+    }
+    report["ratio_adapters_vs_plain_base"] = round(max(lora) / max(plain_base), 3)
+    report["ratio_adapters_vs_lora_engine_base"] = round(max(lora) / max(base), 3)
+    report["median_tok_s_adapters"] = round(statistics.median(lora), 1)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
