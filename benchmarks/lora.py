@@ -134,9 +134,10 @@ def main() -> None:
     print(f"CPU: {info['model']} ({info['isa']}, {info['cores']} cores); load average {os.getloadavg()}")
     common = dict(dtype=args.dtype, quantization="none", max_model_len=512, max_num_seqs=args.concurrency)
     report: dict = {"cpu": info["model"], "isa": info["isa"], "load_average": os.getloadavg(), "args": vars(args)}
-    with tempfile.TemporaryDirectory() as tmp, LLM(
-        None, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common
-    ) as llm:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LLM(None, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common) as llm,
+    ):
         arch = llm.engine.runner.model.arch
         manager = llm.engine.lora_manager
         for i in range(args.adapters):

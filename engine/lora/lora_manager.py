@@ -110,8 +110,9 @@ class LoRAManager:
             self._registered[request.name] = request
             self._failed.pop(request.name, None)
             self._store(weights)
-        logger.info("loaded LoRA adapter %r (rank %d) from %s in %.3f s", request.name, weights.rank, request.path,
-                    seconds)
+        logger.info(
+            "loaded LoRA adapter %r (rank %d) from %s in %.3f s", request.name, weights.rank, request.path, seconds
+        )
         return LoadedLoRA(request, weights.rank, seconds)
 
     def register(self, request: LoRARequest) -> None:
@@ -231,23 +232,28 @@ class LoRAManager:
         return load_peft_adapter(request.name, request.path, self.config.max_lora_rank, self.num_layers)
 
     def _start_load(self, request: LoRARequest) -> Future:
+        """Read `request`'s adapter on the loading thread (called under the lock: the future's work, storing
+        included, always runs on that thread, never inline here)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
-        future = self._executor.submit(self._read, request)
-        future.add_done_callback(lambda done: self._finish_load(request, done))
-        return future
+        return self._executor.submit(self._load_in_background, request)
 
-    def _finish_load(self, request: LoRARequest, done: Future) -> None:
+    def _load_in_background(self, request: LoRARequest) -> None:
+        try:
+            weights: Optional[LoRAWeights] = self._read(request)
+            error: Optional[BaseException] = None
+        except Exception as exc:  # noqa: BLE001 - kept for the requests waiting on it
+            weights, error = None, exc
         with self._lock:
             self._loading.pop(request.name, None)
             if self._registered.get(request.name) != request:
                 return  # unloaded (or replaced) while it loaded
-            error = done.exception()
             if error is not None:
                 logger.error("loading LoRA adapter %r failed: %s", request.name, error)
                 self._failed[request.name] = error
                 return
-            self._store(done.result())
+            assert weights is not None
+            self._store(weights)
         logger.info("loaded LoRA adapter %r in the background", request.name)
 
     def _store(self, weights: LoRAWeights) -> None:

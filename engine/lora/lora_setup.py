@@ -34,8 +34,9 @@ def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
             "(use --quantization none; a GGUF file is then dequantized)"
         )
     if config.batch_invariant:
-        raise SettingsConflictError("--enable-lora cannot be combined with --batch-invariant (the deltas' products "
-                                    "depend on the batch)")
+        raise SettingsConflictError(
+            "--enable-lora cannot be combined with --batch-invariant (the deltas' products depend on the batch)"
+        )
 
 
 def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:

@@ -43,8 +43,12 @@ def projection_shapes(arch: "LlamaArch") -> dict[str, tuple[int, tuple[int, ...]
     """Each fused projection's input width and its parts' output widths."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     hidden, inter = arch.hidden_size, arch.intermediate_size
-    return {"qkv": (hidden, (q, kv, kv)), "o_proj": (q, (hidden,)), "gate_up": (hidden, (inter, inter)),
-            "down": (inter, (hidden,))}
+    return {
+        "qkv": (hidden, (q, kv, kv)),
+        "o_proj": (q, (hidden,)),
+        "gate_up": (hidden, (inter, inter)),
+        "down": (inter, (hidden,)),
+    }
 
 
 class LoRAStack:
@@ -89,7 +93,9 @@ class LoRAStack:
         self.bt_packed: list[dict[str, Any]] = []
         if linear is not None:
             self.a_packed = [{p: linear.prepare(t) for p, t in layer.items()} for layer in self.a_rows]
-            self.bt_packed = [{p: linear.prepare(t.t().contiguous()) for p, t in layer.items()} for layer in self.b_rows]
+            self.bt_packed = [
+                {p: linear.prepare(t.t().contiguous()) for p, t in layer.items()} for layer in self.b_rows
+            ]
         self.embed: list[Optional[torch.Tensor]] = [None] * max_loras  # [vocab, hidden] per slot
         self.lm_head: list[Optional[torch.Tensor]] = [None] * max_loras
 

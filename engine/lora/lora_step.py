@@ -27,10 +27,10 @@ from engine.lora.lora_stack import LoRAStack
 
 
 class LoRASegment(NamedTuple):
-    """Tokens [start, start + count) of the step run with `slots` ((slot, scale) pairs; empty: the base)."""
+    """Tokens [start, start + length) of the step run with `slots` ((slot, scale) pairs; empty: the base)."""
 
     start: int
-    count: int
+    length: int
     slots: tuple[tuple[int, float], ...]
 
 
@@ -65,11 +65,11 @@ class LoRAStep:
         lo, hi = (0, stack.max_loras) if stack.packed else (min(used), max(used) + 1)
         scales = np.zeros((num_tokens, hi - lo), dtype=np.float32)
         embed_rows: dict[int, list[int]] = {}
-        for start, count, slots in segments:
+        for start, length, slots in segments:
             for slot, scale in slots:
-                scales[start : start + count, slot - lo] = scale
+                scales[start : start + length, slot - lo] = scale
             if len(slots) == 1 and stack.embed[slots[0][0]] is not None:
-                embed_rows.setdefault(slots[0][0], []).extend(range(start, start + count))
+                embed_rows.setdefault(slots[0][0], []).extend(range(start, start + length))
         device = stack.device
         embeds = [
             (torch.tensor(rows, dtype=torch.int64, device=device), matrix)

@@ -253,8 +253,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
         return (weight * (x32 * torch.rsqrt(mean + self.arch.rms_norm_eps))).to(x.dtype)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32."""
+    def compute_logits(
+        self, hidden: torch.Tensor, lm_heads: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    ) -> torch.Tensor:
+        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32 (`lm_heads`: LoRA's, which these
+        families are not served with: always empty)."""
+        assert not lm_heads, "LoRA is refused for this family at start-up"
         logits = super().compute_logits(hidden)
         if self.arch.logits_divisor != 1.0:
             logits = logits / self.arch.logits_divisor

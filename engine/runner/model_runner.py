@@ -188,7 +188,6 @@ class ModelRunner:
         buffers, forward = self.buffers, self._forward
         assert buffers is not None and forward is not None  # not shut down (no step runs after)
         buffers.begin_step()
-        profile = self.profile
         batch, steps, bucket = self._prepare_inputs(scheduler_output)
         model = self.model
         assert model is not None
@@ -442,8 +441,8 @@ class ModelRunner:
         assert model is not None and buffers is not None  # not shut down
         if batch.sample_rows:
             rows = hidden if selected else self._sample_hidden(hidden, batch)
-            lm_heads = self._lm_heads([s.lora_slots for s in batch.sample_states]) if batch.lora is not None else ()
-            logits = model.compute_logits(rows, lm_heads)  # [num_samples, vocab]
+            lm_heads = self._lm_heads([s.lora_slots for s in batch.sample_states]) if batch.lora is not None else []
+            logits = model.compute_logits(rows, lm_heads) if lm_heads else model.compute_logits(rows)
             states = self._sampling_states(batch)
             # One matcher per request, at its first row (a request's rows after drafts follow it: fill_bitmask).
             matchers = [
@@ -480,7 +479,7 @@ class ModelRunner:
         for state, first_row, count, pos0 in batch.prompt_rows:
             num_top = state.sampling.params.prompt_logprobs
             assert num_top is not None  # a prompt row is scored only when it is asked for (wants_prompt_logprobs)
-            lm_heads = self._lm_heads([state.lora_slots] * count) if batch.lora is not None else ()
+            lm_heads = self._lm_heads([state.lora_slots] * count) if batch.lora is not None else []
             logits = model.compute_logits(hidden[first_row : first_row + count], lm_heads)
             targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top)

@@ -31,7 +31,9 @@ def test_embedded_model_with_an_adapter_matches_peft(embedded_checkpoint, tmp_pa
         llm.engine.lora_manager.add_lora(LoRARequest("smol", str(adapter)))
         prompt = llm.get_tokenizer().encode("The capital of France is")
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-        served, base = llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[LoRAMix.single("smol"), None])
+        served, base = llm.generate(
+            [prompt, prompt], params, use_tqdm=False, lora_request=[LoRAMix.single("smol"), None]
+        )
         assert_idle(llm)
     expected, expected_logprobs = greedy(reference, prompt, NEW_TOKENS)
     assert served.outputs[0].token_ids == expected
