@@ -30,10 +30,13 @@ def make_adapter(
     modules_to_save: Optional[list[str]] = None,
     weight_scale: float = 1.0,
     merge: bool = False,
+    keep: bool = False,
 ):
     """A PEFT LoRA adapter with random A and B (so its deltas change the outputs), saved to `out_dir`.
     `weight_scale` multiplies B (the embedded model's wide layers need smaller deltas to stay sensible).
-    Returns the directory, or with `merge` (directory, the PEFT model merged: merge_and_unload)."""
+    Returns the directory, or with `merge` (directory, the PEFT model merged: merge_and_unload), or with `keep`
+    (directory, the PEFT model itself, which adds the deltas in its own forward: no merge, seconds faster on
+    the embedded model)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -54,7 +57,9 @@ def make_adapter(
             elif "modules_to_save" in name:  # a replacement that differs from the base's matrix
                 param.add_(torch.randn_like(param) * param.std())
     model.save_pretrained(str(out_dir))
-    return (out_dir, model.merge_and_unload().eval()) if merge else out_dir
+    if merge:
+        return out_dir, model.merge_and_unload().eval()
+    return (out_dir, model.eval()) if keep else out_dir
 
 
 def merged_model(base_dir: Path, adapters: Sequence[tuple[Path, float]]):
