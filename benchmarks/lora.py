@@ -1,11 +1,11 @@
 """What serving LoRA adapters costs on the embedded model: `python -m benchmarks.lora`.
 
-    python -m benchmarks.lora [--concurrency 16] [--adapters 8] [--rank 16] [--tokens 64] [--repeats 2]
+    python -m benchmarks.lora [--concurrency 16] [--adapters 8] [--rank 16] [--tokens 64] [--repeats 3]
 
 One engine with `--enable-lora` (max_loras = --adapters, the GGUF dequantized: --quantization none) runs rounds of
 `--concurrency` greedy requests of the same prompts: all on the base model, and spread over `--adapters`
-random rank-`--rank` adapters (every projection targeted), alternating `--repeats` times; a second engine
-without LoRA runs the base round too (the plain model's own speed, fused CPU decode step included). Figures:
+random rank-`--rank` adapters (every projection targeted); a second engine without LoRA runs the base round
+too (the plain model's own speed); the three rounds interleaved `--repeats` times. Figures:
 output tokens per second of each round (the best repeat), and the ratios adapters / plain base and adapters /
 base in the LoRA engine. `--micro` also times one projection's deltas for a decode batch three ways (the
 engine's slot-range products, per-adapter index_select/index_add segments, per-token gathered bmm).
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--micro", action="store_true")
     args = parser.parse_args()
@@ -137,6 +137,7 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory() as tmp,
         LLM(None, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common) as llm,
+        LLM(None, **common) as plain,
     ):
         arch = llm.engine.runner.model.arch
         manager = llm.engine.lora_manager
@@ -144,16 +145,15 @@ def main() -> None:
             manager.add_lora(LoRARequest(f"a{i}", str(write_adapter(Path(tmp) / f"a{i}", arch, args.rank, i))))
         mixes = [LoRAMix.single(f"a{i % args.adapters}") for i in range(args.concurrency)]
         run_round(llm, args.concurrency, 4, mixes)  # warm-up
-        base, lora = [], []
-        for _ in range(args.repeats):
+        run_round(plain, args.concurrency, 4, None)
+        plain_base, base, lora = [], [], []
+        for _ in range(args.repeats):  # interleaved, so a change in the machine's load touches all three
+            plain_base.append(run_round(plain, args.concurrency, args.tokens, None))
             base.append(run_round(llm, args.concurrency, args.tokens, None))
             lora.append(run_round(llm, args.concurrency, args.tokens, mixes))
         report["dtype"] = str(llm.engine.model_dtype).removeprefix("torch.")
         if args.micro:
             report["micro_us"] = micro(arch, args.adapters, args.rank, args.concurrency, llm.engine.model_dtype)
-    with LLM(None, **common) as plain:
-        run_round(plain, args.concurrency, 4, None)
-        plain_base = [run_round(plain, args.concurrency, args.tokens, None) for _ in range(args.repeats)]
     report["tok_s"] = {
         "plain_base": round(max(plain_base), 1),
         "lora_engine_base": round(max(base), 1),
