@@ -133,3 +133,41 @@ def test_offline_lora_request_registers_on_first_use(lora_base_dir, adapter_a, m
         results = llm.generate([PROMPT], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", str(adapter_a)))
         check_against_hf(merged["a"], [PROMPT], results)
         assert_idle(llm)
+
+
+def test_async_engine_loads_serves_and_unloads(lora_base_dir, adapter_a, adapter_b, merged):
+    """Through the server's AsyncEngine: an adapter loaded off the engine thread, a cold one (evicted) reloaded
+    in the background while a base request streams, an unknown name refused, an unload."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    async def body(engine: AsyncEngine) -> dict:
+        await engine.add_lora(LoRARequest("a", str(adapter_a)))
+        await engine.add_lora(LoRARequest("b", str(adapter_b)))  # max_cpu_loras 1: a is evicted
+        outputs: dict[str, list[int]] = {}
+
+        async def collect(request_id: str, lora) -> None:
+            async for out in engine.generate(request_id, PROMPT, GREEDY, lora=lora):
+                outputs.setdefault(request_id, []).extend(out.new_token_ids)
+
+        await asyncio.gather(collect("a", LoRAMix.single("a")), collect("base", None))
+        with pytest.raises(LoRANotFoundError):
+            await collect("x", LoRAMix.single("x"))
+        assert engine.remove_lora("a") and [r.name for r in engine.list_loras()] == ["b"]
+        return outputs
+
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8) as llm:
+
+        async def main() -> dict:
+            engine = AsyncEngine(llm.engine)
+            engine.start()
+            try:
+                return await asyncio.wait_for(body(engine), 60)
+            finally:
+                await engine.shutdown()
+
+        outputs = asyncio.run(main())
+        assert outputs["a"] == _reference(merged["a"])
+        assert outputs["base"] == _reference(lora_base_dir)
+        assert_idle(llm)
