@@ -167,6 +167,8 @@ class EngineCore:
         (LoRANotFoundError for an unknown adapter).
         """
         self._check_running()
+        if request_id in self._lora_waiting:  # (not yet in the scheduler, which checks the others)
+            raise DuplicateRequestIdError(request_id)
         ref = None
         if lora is not None:
             if self.lora_manager is None:

@@ -19,11 +19,12 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 from engine.errors import InvalidParameterError, LoRAAdapterError, LoRANotFoundError
 from engine.lora.lora_config import LoRAConfig
-from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter
+from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter, read_adapter_config
 from engine.lora.request import LoRAMix, LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,6 @@ class LoRAManager:
 
     def register(self, request: LoRARequest) -> None:
         """Register without loading (validated by its config only): loaded by the first request naming it."""
-        from pathlib import Path
-
-        from engine.lora.peft_adapter import read_adapter_config
-
         read_adapter_config(request.name, Path(request.path), self.config.max_lora_rank)
         with self._lock:
             self._registered[request.name] = request

@@ -171,3 +171,14 @@ def test_async_engine_loads_serves_and_unloads(lora_base_dir, adapter_a, adapter
         assert outputs["a"] == _reference(merged["a"])
         assert outputs["base"] == _reference(lora_base_dir)
         assert_idle(llm)
+
+
+def test_lora_modules_registered_at_start_up(lora_base_dir, adapter_a, adapter_b, merged):
+    """--lora-modules: the first max_cpu_loras loaded at start, the rest registered and loaded on first use."""
+    modules = [{"name": "a", "path": str(adapter_a)}, {"name": "b", "path": str(adapter_b)}]
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=8, lora_modules=modules) as llm:
+        manager = llm.engine.lora_manager
+        assert manager.loaded_names() == ["a"] and [r.name for r in manager.list_loras()] == ["a", "b"]
+        results = llm.generate([PROMPT], GREEDY, use_tqdm=False, lora_request=LoRAMix.single("b"))
+        check_against_hf(merged["b"], [PROMPT], results)
+        assert_idle(llm)
