@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -36,18 +36,21 @@ class ParallelGroup:
         cls,
         rank: int,
         world_size: int,
-        init_method: str,
+        rendezvous: Union[str, dist.Store],
         device: torch.device,
         timeout_s: float,
         shm: Optional[AllReduceHandle] = None,
     ) -> "ParallelGroup":
-        """Join the group (blocks until all `world_size` ranks have): gloo on CPU, NCCL on CUDA; on CPU, `shm`
+        """Join the group (blocks until all `world_size` ranks have) at `rendezvous`, an init method
+        ("tcp://host:port") or the store the ranks checked in at (`rendezvous.py`): gloo on CPU, NCCL on CUDA; `shm`
         (the ranks' shared-memory all-reduce, made by rank 0) carries `all_reduce` instead of gloo. A collective
         that waits longer than `timeout_s` for a peer raises instead of hanging (a dead or stuck rank)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        init_method, store = (rendezvous, None) if isinstance(rendezvous, str) else (None, rendezvous)
         dist.init_process_group(
             backend,
             init_method=init_method,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
