@@ -18,6 +18,7 @@ from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
+from engine.ray_workers import start_ray_workers
 from engine.tp_workers import TensorParallelWorkers
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
@@ -50,7 +51,10 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     workers: Optional[TensorParallelWorkers] = None
     tp = ParallelGroup.single()
     if config.parallel.tensor_parallel_size > 1:
-        workers = TensorParallelWorkers.start(config, checkpoint, hf_config)
+        if config.parallel.distributed_executor_backend == "ray":
+            workers = start_ray_workers(config, hf_config)
+        else:
+            workers = TensorParallelWorkers.start(config, checkpoint, hf_config)
         tp = workers.group
     try:
         return _build_rank0(config, checkpoint, hf_config, tokenizer, tp, workers, served_model_name, started)

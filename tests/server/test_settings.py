@@ -498,5 +498,8 @@ def test_a_headless_node_names_its_place_among_the_nodes():
 def test_what_is_not_served_yet_is_refused_by_name():
     with pytest.raises(SettingsError, match="pipeline parallelism is not served yet"):
         load_settings(["--pipeline-parallel-size", "2"], {})
-    with pytest.raises(SettingsError, match="ray is not served yet"):
-        load_settings(["--distributed-executor-backend", "ray"], {})
+    with pytest.raises(SettingsError, match="ray places every rank on the Ray cluster itself"):
+        load_settings(["--distributed-executor-backend", "ray", "--headless", "--nnodes", "2", "--node-rank", "1",
+                       "--master-port", "29511", "--tensor-parallel-size", "2"], {})  # fmt: skip
+    parallel = load_settings(["--distributed-executor-backend", "ray", "--ray-cpus-per-rank", "4"], {}).engine.parallel
+    assert parallel.distributed_executor_backend == "ray" and parallel.ray_cpus_per_rank == 4
