@@ -63,7 +63,9 @@ class RankActor:
         hf_config = load_hf_config(checkpoint.path, trust_remote_code=model.trust_remote_code)
         share = RankCpus(None, threads, "its Ray bundle's CPUs; Ray assigns no cores to pin")
         cuda_index = 0 if model.resolve_device().type == "cuda" else None  # (Ray shows it only its own GPU)
-        _worker_main(config, checkpoint, hf_config, rank, init_method, None, None, os.getppid(), share, False, cuda_index)
+        _worker_main(
+            config, checkpoint, hf_config, rank, init_method, None, None, os.getppid(), share, False, cuda_index
+        )
 
 
 class RayRanks:
@@ -82,10 +84,10 @@ class RayRanks:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor_class = ray.remote(RankActor)
+        actor_class: Any = ray.remote(RankActor)  # (its methods gain `.remote`, which mypy cannot see)
         threads = max(1, int(bundle.get("CPU", 1)))
         for rank in range(1, config.parallel.tensor_parallel_size):
-            actor = actor_class.options(  # type: ignore[attr-defined]
+            actor = actor_class.options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 max_restarts=0,  # a rank that comes back has lost its shard and its place in the group
@@ -111,7 +113,8 @@ class RayRanks:
         ready, _ = ray.wait(list(self._running), num_returns=1, timeout=timeout_s)
         for run in ready:
             rank = self._running.pop(run)
-            return WorkerDiedError(f"pagedserve-tp{rank}", None, f"(a Ray actor) {self._why(run, rank)}")
+            node = self.nodes.get(rank, ("unknown", 0))[0][:8]
+            return WorkerDiedError(f"pagedserve-tp{rank}", None, f"(a Ray actor on node {node}) {self._why(run)}")
         return None
 
     def end(self, wait_s: float) -> None:
@@ -130,18 +133,19 @@ class RayRanks:
             if self._disconnect:
                 ray.shutdown()
 
-    def _why(self, run: Any, rank: int) -> str:
+    @staticmethod
+    def _why(run: Any) -> str:
+        """How an actor's `run` ended, in a line."""
         import ray
 
-        node = self.nodes.get(rank, ("unknown node", 0))[0][:8]
         try:
             ray.get(run, timeout=0)
         except ray.exceptions.RayActorError as error:  # killed, its process or node gone
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            return f"on node {node} died: {first[:300]}"
+            return f"died: {first[:300]}"
         except ray.exceptions.RayTaskError as error:  # its code raised (e.g. a checkpoint missing on that node)
-            return f"on node {node} failed: {error.cause!r}"[:500]
-        return f"on node {node} returned before rank 0 closed the broadcast"
+            return f"failed: {error.cause!r}"[:500]
+        return "returned before rank 0 closed the broadcast"
 
 
 def start_ray_workers(config: EngineConfig, hf_config: Any) -> TensorParallelWorkers:
@@ -233,7 +237,7 @@ def _missing(world: int, bundle: dict[str, float], here: str, timeout_s: float) 
         for name, amount in bundle.items()
         if amount * world > totals.get(name, 0)
     ]
-    local = next((node["Resources"] for node in nodes if node["NodeID"] == here), {})
+    local: dict[str, float] = next((node["Resources"] for node in nodes if node["NodeID"] == here), {})
     short_here = [f"{name} {amount:g} (it has {local.get(name, 0):g})" for name, amount in bundle.items()
                   if amount > local.get(name, 0)]  # fmt: skip
     reasons = []
@@ -245,6 +249,7 @@ def _missing(world: int, bundle: dict[str, float], here: str, timeout_s: float) 
         reasons.append(f"the resources exist but are taken (available now: {ray.available_resources()})")
     return (
         f"the Ray cluster cannot place {world} tensor-parallel ranks of {bundle} each within {timeout_s:g} s "
-        f"(--distributed-timeout) over its {len(nodes)} node(s): " + "; ".join(reasons)
+        f"(--distributed-timeout) over its {len(nodes)} node(s): "
+        + "; ".join(reasons)
         + " (--ray-cpus-per-rank sets a CPU rank's share)"
     )

@@ -101,7 +101,7 @@ def test_a_killed_actor_fails_the_engine_naming_its_rank(cluster, tiny_model_dir
         while workers.failure is None and time.monotonic() - killed < 10:
             time.sleep(0.05)
         assert time.monotonic() - killed < 5
-        message = r"worker rank 1 \(pagedserve-tp1\) \(a Ray actor\) on node \w+ died"
+        message = r"worker rank 1 \(pagedserve-tp1\) \(a Ray actor on node \w+\) died"
         assert re.search(message, str(workers.failure)), workers.failure
         with pytest.raises(RuntimeError, match=message):
             generate(llm, [[5, 6, 7, 9]])
