@@ -86,7 +86,8 @@ class RayRanks:
 
         actor_class: Any = ray.remote(RankActor)  # (its methods gain `.remote`, which mypy cannot see)
         threads = max(1, int(bundle.get("CPU", 1)))
-        for rank in range(1, config.parallel.tensor_parallel_size):
+        wheres = {}
+        for rank in range(1, config.parallel.tensor_parallel_size):  # all start at once; `where` answers when up
             actor = actor_class.options(
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
@@ -94,10 +95,15 @@ class RayRanks:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
             ).remote()
             self.actors[rank] = actor
-            where = actor.where.remote()
+            wheres[rank] = actor.where.remote()
             run = actor.run.remote(config, rank, init_method, threads)
             self._runs[run] = self._running[run] = rank
-            self.nodes[rank] = ray.get(where, timeout=config.parallel.distributed_timeout)
+        for rank, where in wheres.items():
+            try:
+                self.nodes[rank] = ray.get(where, timeout=config.parallel.distributed_timeout)
+            except (ray.exceptions.RayError, TimeoutError) as error:  # (GetTimeoutError is a TimeoutError)
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise WorkerDiedError(f"pagedserve-tp{rank}", None, f"(a Ray actor) did not start: {first[:300]}")
 
     def describe(self) -> str:
         return "Ray actors " + ", ".join(

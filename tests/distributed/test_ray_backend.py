@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ SETTINGS = dict(
     dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128
 )
 NODE = dict(num_cpus=1, object_store_memory=80 * 2**20)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +120,10 @@ def test_a_cluster_too_small_is_reported_with_what_it_lacks(cluster, tiny_model_
     assert ray.util.placement_group_table() and all(
         group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()
     )
+
+
+def test_the_server_imports_no_ray():
+    """Only the ray backend imports ray: the server's import time does not grow with it."""
+    code = "import sys, server.app, server.cli, engine.builder; print('ray' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr[-2000:]
