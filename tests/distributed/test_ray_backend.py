@@ -1,7 +1,8 @@
 """--distributed-executor-backend ray on a real local Ray cluster of two nodes (one CPU each, so rank 0's bundle
 takes the driver's node and rank 1's actor the other): greedy tokens and logprobs of one process; stop() leaves
 no actor process, no placement group and no reserved resource behind; an actor killed with ray.kill fails the
-engine within seconds with an error naming its rank; a cluster too small is reported with what it lacks.
+engine within seconds with an error naming its rank, and so does losing its node; a cluster too small is
+reported with what it lacks.
 
 One cluster for the module (Ray's start-up costs seconds): no dashboard, small object stores. `ray` is a dev
 dependency: without it this module fails to import (it is never skipped)."""
@@ -127,3 +128,19 @@ def test_the_server_imports_no_ray():
     code = "import sys, server.app, server.cli, engine.builder; print('ray' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.stdout.strip() == "False", result.stderr[-2000:]
+
+
+def test_losing_the_actors_node_fails_the_engine(cluster, tiny_model_dir):
+    """The module's last use of the cluster: it takes the second node away as a crashed host goes (its raylet and
+    processes SIGKILLed)."""
+    with LLM(str(tiny_model_dir), **SETTINGS, tensor_parallel_size=2, distributed_executor_backend="ray") as llm:
+        generate(llm, [[5, 6, 7, 8]])
+        workers = llm.engine.runner.peers
+        assert workers is not None
+        (node,) = [node for node in cluster.worker_nodes if node.node_id == ray_ranks(llm).nodes[1][0]]
+        cluster.remove_node(node, allow_graceful=False)
+        lost = time.monotonic()
+        while workers.failure is None and time.monotonic() - lost < 30:
+            time.sleep(0.05)
+        assert time.monotonic() - lost < 10  # measured: 2.5 s (the driver's connection to the actor breaks)
+        assert re.search(r"worker rank 1 \(pagedserve-tp1\) \(a Ray actor on node \w+\) died", str(workers.failure))
