@@ -142,7 +142,7 @@ def test_a_dead_stage_fails_the_engine_within_seconds(model_dir):
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     with LLM(str(model_dir), **TINY, max_model_len=256, pipeline_parallel_size=2) as llm:
         engine = llm.engine
-        worker = engine.runner.peers.processes[0]
+        worker = engine.runner.peers.ranks.processes[0]
         engine.add_request("r0", [5, 6, 7, 8], params)
         engine.step()
         os.kill(worker.pid, signal.SIGKILL)

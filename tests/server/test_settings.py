@@ -40,6 +40,7 @@ FLAG_CASES = [
     ("--nnodes", "1", ("engine", "parallel", "nnodes"), 1),
     ("--pipeline-parallel-size", "1", ("engine", "parallel", "pipeline_parallel_size"), 1),
     ("--distributed-executor-backend", "mp", ("engine", "parallel", "distributed_executor_backend"), "mp"),
+    ("--ray-cpus-per-rank", "4", ("engine", "parallel", "ray_cpus_per_rank"), 4),
     ("--node-rank", "0", ("engine", "parallel", "node_rank"), 0),
     ("--master-addr", "10.0.0.2", ("engine", "parallel", "master_addr"), "10.0.0.2"),
     ("--master-port", "29511", ("engine", "parallel", "master_port"), 29511),
@@ -498,5 +499,10 @@ def test_a_headless_node_names_its_place_among_the_nodes():
 def test_what_is_not_served_yet_is_refused_by_name():
     with pytest.raises(SettingsError, match="pipeline parallelism is not served yet"):
         load_settings(["--pipeline-parallel-size", "2"], {})
-    with pytest.raises(SettingsError, match="ray is not served yet"):
-        load_settings(["--distributed-executor-backend", "ray"], {})
+    with pytest.raises(SettingsError, match="ray places every rank on the Ray cluster itself"):
+        load_settings(["--distributed-executor-backend", "ray", "--headless", "--nnodes", "2", "--node-rank", "1",
+                       "--master-port", "29511", "--tensor-parallel-size", "2"], {})  # fmt: skip
+    assert (
+        load_settings(["--distributed-executor-backend", "ray"], {}).engine.parallel.distributed_executor_backend
+        == "ray"
+    )
