@@ -10,7 +10,7 @@ from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
 from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
 from scheduler.kv_cache_manager import BlockIds, KVCacheManager
-from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
+from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats, token_array
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_request_queue
 from scheduler.step_cost import StepCost
@@ -581,7 +581,7 @@ class Scheduler:
             plan.new_requests.append(
                 NewRequestData(
                     request.request_id,
-                    tuple(request.all_token_ids),
+                    token_array(request.all_token_ids),
                     request.num_prompt_tokens,
                     kv.get_block_ids(request.request_id),
                     num_hit,
