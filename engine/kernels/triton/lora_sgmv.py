@@ -38,7 +38,7 @@ to the weights' dtype, take one float `scaling`, and write fused outputs through
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -46,8 +46,9 @@ import triton.language as tl
 
 from engine.kernels.triton.paged_kv import SUPPORTED_DTYPES, dot_precision, load_for_dot, needs_upcast
 
-_NO_SLOT = 2147483647
-"""Above every slot: the rows already served are out of the running for `tl.min`."""
+_NO_SLOT = tl.constexpr(2147483647)
+"""Above every slot: the rows already served are out of the running for `tl.min` (a constexpr: compiled
+kernels read no other module globals)."""
 
 _TARGET_PROGRAMS = 256
 """About two programs per SM of an H100/H200 (132 SMs): below that, the shrink splits its reduction."""
@@ -237,9 +238,7 @@ def lora_shrink(
     if num_tokens == 0 or num_slots == 0:
         out.zero_()
         return
-    block_m = _block_m(num_tokens)
-    block_n = max(16, triton.next_power_of_2(rank))
-    block_k = 64 if in_dim >= 64 else max(16, triton.next_power_of_2(in_dim))
+    block_m, block_n, block_k = shrink_blocks(num_tokens, rank, in_dim)
     tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(rank, block_n) * parts
     splits = _num_splits(split_k, tiles, triton.cdiv(in_dim, block_k))
     k_per_split = triton.cdiv(triton.cdiv(in_dim, block_k), splits) * block_k
@@ -301,9 +300,7 @@ def lora_expand(
         if not add:
             out[:, offset : offset + out_dim].zero_()
         return
-    block_m = _block_m(num_tokens)
-    block_n = 64 if num_tokens <= 256 else 128
-    block_k = max(16, min(64, triton.next_power_of_2(rank)))
+    block_m, block_n, block_k = expand_blocks(num_tokens, rank)
     _expand_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(out_dim, block_n))](
         y3,
         b_stack,
@@ -352,9 +349,28 @@ def _check_order(token_order: Optional[torch.Tensor], num_tokens: int) -> None:
         raise ValueError(f"token_order must be a [{num_tokens}] int32 permutation, got {tuple(token_order.shape)}")
 
 
+class Blocks(NamedTuple):
+    """A launch's tile: BLOCK_M tokens x BLOCK_N output columns, BLOCK_K of the reduction per step."""
+
+    m: int
+    n: int
+    k: int
+
+
 def _block_m(num_tokens: int) -> int:
     """16-token tiles for decode batches (fewer adapters meet in a tile), 64 for prefill (weights reused)."""
     return 16 if num_tokens <= 256 else 64
+
+
+def shrink_blocks(num_tokens: int, rank: int, in_dim: int) -> Blocks:
+    """The whole rank in one tile (r <= 64); 64-wide steps over `in`."""
+    k = 64 if in_dim >= 64 else max(16, triton.next_power_of_2(in_dim))
+    return Blocks(_block_m(num_tokens), max(16, triton.next_power_of_2(rank)), k)
+
+
+def expand_blocks(num_tokens: int, rank: int) -> Blocks:
+    """The whole rank in one step (r <= 64); wider column tiles for prefill."""
+    return Blocks(_block_m(num_tokens), 64 if num_tokens <= 256 else 128, max(16, min(64, triton.next_power_of_2(rank))))
 
 
 def _num_splits(split_k: Optional[int], tiles: int, k_chunks: int) -> int:
