@@ -123,7 +123,9 @@ def _shrink_kernel(
                 x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xk, chosen[:, None] & k_mask[None, :], UPCAST
             )  # [BLOCK_M, BLOCK_K], zero rows outside `chosen`
             a = load_for_dot(
-                a_slot + cols[None, :] * stride_an + ks[:, None] * stride_ak, col_mask[None, :] & k_mask[:, None], UPCAST
+                a_slot + cols[None, :] * stride_an + ks[:, None] * stride_ak,
+                col_mask[None, :] & k_mask[:, None],
+                UPCAST,
             )  # [BLOCK_K, BLOCK_N]
             acc += tl.dot(x, a, input_precision=DOT_PRECISION)
         remaining = remaining & (slots != slot)
@@ -370,7 +372,9 @@ def shrink_blocks(num_tokens: int, rank: int, in_dim: int) -> Blocks:
 
 def expand_blocks(num_tokens: int, rank: int) -> Blocks:
     """The whole rank in one step (r <= 64); wider column tiles for prefill."""
-    return Blocks(_block_m(num_tokens), 64 if num_tokens <= 256 else 128, max(16, min(64, triton.next_power_of_2(rank))))
+    return Blocks(
+        _block_m(num_tokens), 64 if num_tokens <= 256 else 128, max(16, min(64, triton.next_power_of_2(rank)))
+    )
 
 
 def _num_splits(split_k: Optional[int], tiles: int, k_chunks: int) -> int:

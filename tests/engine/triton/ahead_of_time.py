@@ -25,9 +25,7 @@ SHAPES = [(1, 8, 4096), (256, 16, 4096), (8192, 64, 4096)]  # (tokens, rank, in)
 
 def compile_kernel(kernel: Any, pointers: dict[str, str], constants: dict[str, Any], arch: int) -> dict[str, Any]:
     """One configuration to a cubin; the other (integer) arguments as int32. Returns what it compiled to."""
-    signature = {
-        name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names
-    }
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
     return {"cubin_bytes": len(compiled.asm["cubin"]), "shared_bytes": compiled.metadata.shared}

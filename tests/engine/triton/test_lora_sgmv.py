@@ -124,7 +124,9 @@ def test_an_even_mix_equals_the_averaged_adapter():
     slots = torch.tensor([[1, 2]] * tokens, dtype=torch.int32)
     x = torch.randn(tokens, IN_DIM, generator=torch.Generator().manual_seed(22))
     _, out = run_lora(x, adapters, slots, torch.full((tokens, 2), 0.5), torch.zeros(tokens, sum(SLICES)))
-    merged = torch.cat([0.5 * (b[1].double() @ adapters.a[1].double() + b[2].double() @ adapters.a[2].double()) for b in adapters.bs])
+    merged = torch.cat(
+        [0.5 * (b[1].double() @ adapters.a[1].double() + b[2].double() @ adapters.a[2].double()) for b in adapters.bs]
+    )
     torch.testing.assert_close(out.double(), x.double() @ merged.T, atol=1e-5, rtol=1e-5)
 
 
@@ -178,7 +180,9 @@ def test_shapes_and_dtypes_are_checked():
     with pytest.raises(ValueError, match="does not fit"):
         lora_shrink(x.bfloat16(), a, torch.zeros(3, dtype=torch.int32), torch.ones(3), torch.empty(3, 8))
     with pytest.raises(ValueError, match="columns"):
-        lora_expand(torch.zeros(3, 8), torch.zeros(2, 24, 8), torch.zeros(3, dtype=torch.int32), torch.zeros(3, 40), 20, True)
+        lora_expand(
+            torch.zeros(3, 8), torch.zeros(2, 24, 8), torch.zeros(3, dtype=torch.int32), torch.zeros(3, 40), 20, True
+        )
 
 
 def test_the_kernels_compile_for_hopper_without_a_gpu(tmp_path):
