@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 from engine.kernels.triton import lora_sgmv
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # float16 takes bfloat16's path
-SHAPES = [(1, 8, 4096), (256, 16, 4096), (8192, 64, 4096)]  # (tokens, rank, in): decode to prefill blocks
+SHAPES = [(1, 16, 4096), (8192, 64, 4096)]  # (tokens, rank, in): the decode and the prefill blocks
 
 
 def compile_kernel(kernel: Any, pointers: dict[str, str], constants: dict[str, Any], arch: int) -> dict[str, Any]:
