@@ -7,8 +7,8 @@ A random-weight Llama checkpoint written by transformers to a temporary folder (
 head_dim 64, 4 query heads per KV head, MLP 3.5x), served by two engines in this process: one with
 `--tensor-parallel-size 1` and torch threads = N, one with N ranks (rank 0 here, the others in worker
 processes), one thread each, each rank pinned to its share of the CPUs (this process's threads and CPUs are
-set to each engine's before its rounds). `--pipeline` adds N pipeline stages of one thread each (as many steps in
-flight as stages). Each keeps `batch` requests in decode; rounds alternate between them and each keeps its best
+set to each engine's before its rounds). `--pipeline` compares N pipeline stages of one thread each (as many steps in
+flight as stages) in place of the tensor-parallel ranks. Each keeps `batch` requests in decode; rounds alternate between them and each keeps its best
 round's tokens per second, printed after the CPU model and flags with each one's ratio to the one process. Every
 engine gives the same tokens (greedy).
 """
@@ -82,12 +82,14 @@ def run(args: argparse.Namespace) -> dict:
         model_dir = write_checkpoint(Path(tmp) / "llama", args)
         for batch in args.batches:
             one = f"1 process x {args.tp} threads"
+            # (one distributed engine at a time: a process joins one torch.distributed group)
+            split = (
+                (f"pp{args.tp} x 1 thread", 1, args.tp) if args.pipeline else (f"tp{args.tp} x 1 thread", args.tp, 1)
+            )
             engines = {
                 one: steps(model_dir, args, batch, 1, args.tp),
-                f"tp{args.tp} x 1 thread": steps(model_dir, args, batch, args.tp, 1),
+                split[0]: steps(model_dir, args, batch, split[1], 1, pp=split[2]),
             }
-            if args.pipeline:
-                engines[f"pp{args.tp} x 1 thread"] = steps(model_dir, args, batch, 1, 1, pp=args.tp)
             best = {name: 0.0 for name in engines}
             for _ in range(args.rounds):
                 for name, engine in engines.items():
@@ -118,7 +120,11 @@ def print_report(report: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2, help="ranks (and the one process's threads)")
-    parser.add_argument("--pipeline", action="store_true", help="also as many pipeline stages, one thread each")
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="as many pipeline stages (one thread each) instead of tensor-parallel ranks",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--batches", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--layers", type=int, default=12)

@@ -20,6 +20,7 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.errors import SettingsConflictError
 from engine.lora.lora_setup import build_lora
+from engine.ray_workers import start_ray_workers
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
@@ -58,7 +59,10 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             "decoding (a step's drafts would wait for the step before it through every stage)"
         )
     if parallel.world_size > 1:
-        workers = TensorParallelWorkers.start(config, checkpoint, hf_config)
+        if parallel.distributed_executor_backend == "ray":
+            workers = start_ray_workers(config, hf_config)
+        else:
+            workers = TensorParallelWorkers.start(config, checkpoint, hf_config)
         tp = workers.group
     try:
         return _build_rank0(config, checkpoint, hf_config, tokenizer, tp, workers, served_model_name, started)

@@ -10,8 +10,13 @@
 
 A worker that dies or hangs fails the engine within seconds instead of hanging it: a step's collectives
 raise (a dead peer closes its connections; a stuck one passes --distributed-timeout), and a watcher thread
-reports a worker's exit while the engine is idle (`on_failure`). A worker leaves when rank 0 closes the
-broadcast, and on its own when its parent process is gone (SIGKILL of the server included).
+reports a worker's exit while the engine is idle (`on_failure`); one that dies before the group is made fails the
+start at once (rank 0 watches the launched ranks while it waits for their check-ins: distributed/rendezvous.py).
+A worker leaves when rank 0 closes the broadcast, and on its own when its parent process is gone (SIGKILL of the
+server included).
+
+How ranks start is a seam (distributed/launched_ranks.py): spawned processes here (`SpawnedRanks`), Ray actors in
+engine/ray_workers.py (--distributed-executor-backend ray); both run `_worker_main`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import logging
 import signal
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from collections import deque
@@ -31,7 +35,9 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from engine.distributed.cpu_binding import RankCpus, cgroup_cpu_quota, pin_process, plan_rank_cpus, process_cpus
+from engine.distributed.launched_ranks import LaunchedRanks, WorkerDiedError, join_as_rank_zero
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.rendezvous import check_in, host
 from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
@@ -59,18 +65,43 @@ StepChannel = Union[ShmBroadcastQueue, GlooBroadcast]
 hosts."""
 
 
+class SpawnedRanks:
+    """Worker processes of this host, watched through their sentinels."""
+
+    def __init__(self, processes: list[Any]):
+        self.processes = processes
+        self._running = {process.sentinel: process for process in processes}
+
+    def describe(self) -> str:
+        return "pids " + (", ".join(str(p.pid) for p in self.processes) or "none")
+
+    def wait_ended(self, timeout_s: float) -> Optional[WorkerDiedError]:
+        if not self._running:  # (another host's ranks only: nothing here to watch)
+            time.sleep(timeout_s)
+            return None
+        for sentinel in wait(list(self._running), timeout=timeout_s):
+            process = self._running.pop(sentinel)
+            process.join(1.0)  # (its sentinel fires as it exits, a moment before it can be reaped with its code)
+            return WorkerDiedError(process.name, process.exitcode)
+        return None
+
+    def end(self, wait_s: float) -> None:
+        _end(self.processes, wait_s)
+
+
 class TensorParallelWorkers:
-    """Rank 0's handle on ranks 1 .. N-1: the processes, the broadcast that feeds them, the group it joined."""
+    """Rank 0's handle on ranks 1 .. N-1: the ranks it launched, the broadcast that feeds them, the group it
+    joined."""
 
     def __init__(
         self,
-        processes: list[Any],
+        ranks: LaunchedRanks,
         queue: "StepChannel",
         group: ParallelGroup,
         all_reduces: list[ShmAllReduceOwner],
         restore: "_Restore",
     ):
-        self.processes = processes
+        self.ranks = ranks
         self._restore = restore
         self.queue = queue
         self.group = group  # rank 0's stage's tensor-parallel group
@@ -86,14 +117,15 @@ class TensorParallelWorkers:
         """Start this host's ranks 1 .. N/nnodes - 1 (spawned: a fresh interpreter, no forked threads) and join
         the group of all ranks as rank 0; they load their shards while this process loads its own. With several
         hosts the others' ranks come from their `pagedserve serve --headless` (`run_headless_node`)."""
-        _check_model(config, hf_config)
+        check_parallel_model(config, hf_config)
         parallel = config.parallel
         world, local = parallel.world_size, parallel.ranks_per_node
         tp_size, num_stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         timeout = parallel.distributed_timeout
         plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
         restore = _Restore(torch.get_num_threads(), process_cpus())
-        init_method = f"tcp://{parallel.master_addr}:{parallel.master_port or _free_port()}"
+        store = host(parallel.master_addr, parallel.master_port or 0, world, timeout)
+        init_method = f"tcp://{parallel.master_addr}:{store.port}"
         device = config.model.resolve_device()
         one_host = parallel.nnodes == 1
         queue = ShmBroadcastQueue.create(world - 1, enqueue_timeout_s=timeout) if one_host else None
@@ -105,15 +137,17 @@ class TensorParallelWorkers:
             else []
         )
         shm_handles = [owner.handle for owner in all_reduces]
-        processes: list[Any] = []
+        ranks = SpawnedRanks([])
         try:
             handle = None if queue is None else queue.handle
-            processes = _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, shm_handles, plan)
+            ranks = SpawnedRanks(
+                _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, shm_handles, plan)
+            )
             _bind(plan[0], 0)  # after spawning: the workers start from this process's mask, not rank 0's share
-            group = ParallelGroup.join_stage(0, tp_size, num_stages, init_method, device, timeout, shm_handles)
+            group = join_as_rank_zero(store, tp_size, num_stages, ranks, device, timeout, shm_handles)
             channel: StepChannel = queue if queue is not None else GlooBroadcast()
         except BaseException:
-            _end(processes)
+            ranks.end(0)
             if queue is not None:
                 queue.close()
             for owner in all_reduces:
@@ -121,16 +155,15 @@ class TensorParallelWorkers:
             restore()
             raise
         logger.info(
-            "%d ranks (tensor parallel %d x pipeline stages %d) over %d node(s) (rank 0 here, pids %s), "
-            "all-reduce over %s",
+            "%d ranks (tensor parallel %d x pipeline stages %d) over %d node(s) (rank 0 here, %s), all-reduce over %s",
             world,
             tp_size,
             num_stages,
             parallel.nnodes,
-            ", ".join(str(p.pid) for p in processes) or "none",
+            ranks.describe(),
             "shared memory" if all_reduces else "gloo" if device.type == "cpu" else "NCCL",
         )
-        return cls(processes, channel, group, all_reduces, restore)
+        return cls(ranks, channel, group, all_reduces, restore)
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback` (from the watcher's thread) when a worker exits while the engine runs."""
@@ -160,7 +193,7 @@ class TensorParallelWorkers:
         except Exception as error:  # noqa: BLE001 - a rank already gone cannot be told; the rest still leave
             logger.warning("closing the step broadcast: %s", error)
         finally:
-            _end(self.processes, STOP_WAIT_S)
+            self.ranks.end(STOP_WAIT_S)
             self.group.leave()
             for owner in self._all_reduces:
                 owner.close()
@@ -171,19 +204,18 @@ class TensorParallelWorkers:
             owner.abort()
 
     def _watch(self) -> None:
-        sentinels = {process.sentinel: process for process in self.processes}
-        while sentinels and not self._stopping.is_set():
-            for sentinel in wait(list(sentinels), timeout=PARENT_CHECK_S):
-                process = sentinels.pop(sentinel)
-                if self._stopping.is_set():
-                    return
-                process.join(0)
-                self.failure = WorkerDiedError(process.name, process.exitcode)
-                self._abort_all_reduces()  # rank 0 may be waiting in an all-reduce for the dead worker
-                logger.error("%s", self.failure)
-                for callback in self._on_failure:
-                    callback(self.failure)
+        while not self._stopping.is_set():
+            died = self.ranks.wait_ended(PARENT_CHECK_S)
+            if died is None:
+                continue
+            if self._stopping.is_set():
                 return
+            self.failure = died
+            self._abort_all_reduces()  # rank 0 may be waiting in an all-reduce for the dead worker
+            logger.error("%s", self.failure)
+            for callback in self._on_failure:
+                callback(self.failure)
+            return
 
 
 class _Restore:
@@ -209,18 +241,6 @@ def _bind(share: RankCpus, rank: int) -> None:
 
 class RanksOutOfStepError(RuntimeError):
     """The ranks no longer run the same collectives: the engine must be rebuilt."""
-
-
-class WorkerDiedError(RuntimeError):
-    def __init__(self, name: str, exitcode: Optional[int]):
-        rank = name.removeprefix("pagedserve-tp")
-        super().__init__(f"tensor-parallel worker rank {rank} ({name}) exited with code {exitcode}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _end(processes: list[Any], wait_s: float = 0.0) -> None:
@@ -271,7 +291,7 @@ def run_headless_node(config: EngineConfig) -> int:
     model = config.model
     checkpoint = prepare_checkpoint(model.model, revision=model.revision, download_dir=model.download_dir)
     hf_config = load_hf_config(checkpoint.path, trust_remote_code=model.trust_remote_code)
-    _check_model(config, hf_config)
+    check_parallel_model(config, hf_config)
     local = parallel.ranks_per_node
     first = parallel.node_rank * local
     plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
@@ -314,8 +334,10 @@ def _worker_main(
     parent_pid: int,
     share: RankCpus,
     die_with_parent: bool,
+    cuda_index: Optional[int] = None,
 ) -> None:
-    """Rank `rank`: load its shard, then run every step rank 0 sends until it closes the broadcast."""
+    """Rank `rank`: load its shard, then run every step rank 0 sends until it closes the broadcast. `cuda_index`:
+    its device among those visible (None: its place on this host; a Ray actor sees only its own GPU)."""
     started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
     if die_with_parent:  # (a headless node's ranks wait in a collective, where they cannot look for their parent)
@@ -326,11 +348,11 @@ def _worker_main(
     device = config.model.resolve_device()
     parallel = config.parallel
     if device.type == "cuda":  # one device per rank of this host (tensors made on "cuda" land on it)
-        torch.cuda.set_device(rank % parallel.ranks_per_node)
+        torch.cuda.set_device(rank % parallel.ranks_per_node if cuda_index is None else cuda_index)
     tp_size, num_stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    group = ParallelGroup.join_stage(
-        rank, tp_size, num_stages, init_method, device, parallel.distributed_timeout, all_reduce_handles
-    )
+    timeout = parallel.distributed_timeout
+    store = check_in(init_method, rank, parallel.world_size, timeout)
+    group = ParallelGroup.join_stage(rank, tp_size, num_stages, store, device, timeout, all_reduce_handles)
     gloo = GlooBroadcast() if queue_handle is None else None  # (made by every rank in the same order)
     joined = time.monotonic()
     torch.manual_seed(config.model.seed)
@@ -392,7 +414,8 @@ def _worker_main(
         group.leave()
 
 
-def _check_model(config: EngineConfig, hf_config: Any) -> None:
+def check_parallel_model(config: EngineConfig, hf_config: Any) -> None:
+    """SettingsConflictError unless the model splits as the tensor and pipeline sizes ask."""
     parallel = config.parallel
     if parallel.tensor_parallel_size > 1:
         check_tensor_parallel_model(hf_config, parallel.tensor_parallel_size)

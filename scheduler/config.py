@@ -34,7 +34,8 @@ class SchedulerConfig(BaseModel):
         1,
         ge=1,
         description="steps scheduled and not yet updated at most (pipeline parallelism keeps one per stage in "
-        "flight); a request is in one of them at a time",
+        "flight); a request is in one of them at a time. The engine sets it to its pipeline_parallel_size, "
+        "replacing a value given here",
     )
 
     @model_validator(mode="after")

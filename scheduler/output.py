@@ -1,12 +1,25 @@
-"""What the scheduler hands the model runner each step, and what it reports back."""
+"""What the scheduler hands the model runner each step, and what it reports back.
+
+The step message travels pickled to every worker process each step (engine/distributed/shm_broadcast.py),
+so its pickled form is compact: a new request's token ids are one int32 array (its bytes on the wire,
+where a tuple of ints would cost an int object per token on both ends). Unpickled, every field compares
+equal to the original.
+"""
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from typing import Any, Iterable, NamedTuple, Optional, Union
 
 from scheduler.draft_proposer import SpecDecodeStats
 from scheduler.request import RequestStatus
+
+
+def token_array(token_ids: Iterable[int]) -> array[int]:
+    """Token ids as a step message holds them: an `array("i")` (int32: every vocabulary's ids fit)."""
+    return array("i", token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,7 +27,8 @@ class NewRequestData:
     """Everything the runner needs of a request it holds no KV for: newly admitted, or resumed.
 
     `token_ids` is the whole sequence so far (the first `num_prompt_tokens` are the
-    prompt, then any output kept across a preemption); `block_ids` is its whole block
+    prompt, then any output kept across a preemption), an `array("i")` (any sequence of ints
+    given is converted); `block_ids` is its whole block
     table, one per KV-cache layer group (scheduler/kv_cache_manager.py); `sampling_params` (the engine's,
     opaque here) and `eos_token_ids` are what it samples with, `grammar` (the engine's compiled grammar of a
     constrained request, opaque here) what it constrains with. A resumed request comes with all of it again:
@@ -22,7 +36,7 @@ class NewRequestData:
     """
 
     request_id: str
-    token_ids: tuple[int, ...]
+    token_ids: array[int]
     num_prompt_tokens: int
     block_ids: tuple[tuple[int, ...], ...]  # per KV-cache layer group
     num_computed_tokens: int
@@ -31,13 +45,48 @@ class NewRequestData:
     grammar: object = None
     lora: object = None  # the engine's LoRARef of a request run with adapters (opaque here), like `grammar`
 
+    def __post_init__(self) -> None:
+        token_ids: Any = self.token_ids
+        if type(token_ids) is not array or token_ids.typecode != "i":
+            object.__setattr__(self, "token_ids", token_array(token_ids))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """The token ids as little-endian int32 bytes, the other fields as they are."""
+        token_ids = self.token_ids
+        if _BIG_ENDIAN:
+            token_ids = array("i", token_ids)
+            token_ids.byteswap()
+        return _new_request_data, (
+            self.request_id,
+            token_ids.tobytes(),
+            self.num_prompt_tokens,
+            self.block_ids,
+            self.num_computed_tokens,
+            self.sampling_params,
+            self.eos_token_ids,
+            self.grammar,
+            self.lora,
+        )
+
     @property
-    def prompt_token_ids(self) -> tuple[int, ...]:
+    def prompt_token_ids(self) -> array[int]:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
-    def output_token_ids(self) -> tuple[int, ...]:
+    def output_token_ids(self) -> array[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _new_request_data(request_id: str, token_bytes: bytes, *fields: Any) -> NewRequestData:
+    """`NewRequestData.__reduce__`'s inverse."""
+    token_ids = array("i")
+    token_ids.frombytes(token_bytes)
+    if _BIG_ENDIAN:
+        token_ids.byteswap()
+    return NewRequestData(request_id, token_ids, *fields)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
 from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
 from scheduler.kv_cache_manager import BlockIds, KVCacheManager
-from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
+from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats, token_array
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_request_queue
 from scheduler.step_cost import StepCost
@@ -93,10 +93,11 @@ class Scheduler:
     (its next token or chunk depends on it), and is never preempted: a request that needs blocks
     preempts only requests outside the steps in flight, and when the policy's choice among those is
     itself, it waits instead (keeping its blocks; those steps may end requests, and the policy decides
-    again once they are updated). With nothing in flight a step is scheduled exactly as with N = 1, so
-    the engine always makes progress by updating its oldest step. A request ended while its step is in
-    flight frees its blocks at once: the stages run steps in order, so a later step writing a reused
-    block writes after the earlier one is done with it.
+    again once they are updated). With nothing in flight nobody waits and preemption is as with N = 1, so
+    the engine always makes progress by updating its oldest step. Each step takes at most an N-th of the
+    running and admissible requests (`_fair_share`), so that the N steps in flight share the work. A
+    request ended while its step is in flight frees its blocks at once: the stages run steps in order, so
+    a later step writing a reused block writes after the earlier one is done with it.
     """
 
     def __init__(
@@ -605,7 +606,7 @@ class Scheduler:
             plan.new_requests.append(
                 NewRequestData(
                     request.request_id,
-                    tuple(request.all_token_ids),
+                    token_array(request.all_token_ids),
                     request.num_prompt_tokens,
                     kv.get_block_ids(request.request_id),
                     num_hit,

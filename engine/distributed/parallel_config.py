@@ -12,7 +12,8 @@ class ParallelConfig(BaseModel):
     engine's process, the others in worker processes; engine/tp_workers.py); pipeline parallelism:
     `pipeline_parallel_size` stages of consecutive layers, each that many ranks. On one host or spread evenly over
     `nnodes` hosts: node 0 serves, the others run `pagedserve serve --headless --node-rank R` and start their
-    share of the ranks, all meeting at `master_addr:master_port` (torch.distributed's TCP rendezvous)."""
+    share of the ranks, all meeting at `master_addr:master_port` (rank 0's TCP store). With the ray backend the
+    ranks are Ray actors placed by the cluster (engine/ray_workers.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -32,8 +33,14 @@ class ParallelConfig(BaseModel):
     )
     distributed_executor_backend: Literal["mp", "ray"] = Field(
         "mp",
-        description="how the ranks' processes are started: mp (spawned here and by --headless nodes); ray "
-        "is refused (not served yet)",
+        description="how ranks 1 .. N-1 start: mp (processes spawned here and by --headless nodes); ray (actors "
+        "on the Ray cluster at RAY_ADDRESS, else the one `ray start` runs on this host; engine/ray_workers.py)",
+    )
+    ray_cpus_per_rank: int = Field(
+        1,
+        ge=1,
+        description="with the ray backend: CPUs each rank's placement-group bundle reserves, and its threads "
+        "(on CUDA a bundle also reserves one GPU)",
     )
     nnodes: int = Field(1, ge=1, description="hosts the ranks are spread over (world size / nnodes each)")
     node_rank: int = Field(0, ge=0, description="this host's place among them (0: the one that serves)")
@@ -51,10 +58,10 @@ class ParallelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _nodes(self) -> "ParallelConfig":
-        if self.distributed_executor_backend == "ray":
+        if self.distributed_executor_backend == "ray" and (self.nnodes > 1 or self.headless):
             raise ValueError(
-                "distributed_executor_backend ray is not served yet: ranks start as processes (mp), on other hosts "
-                "through `pagedserve serve --headless`"
+                "distributed_executor_backend ray places every rank on the Ray cluster itself: give no nnodes, "
+                "node_rank or headless (those are the mp backend's hosts)"
             )
         if self.world_size % self.nnodes:
             raise ValueError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -38,15 +38,16 @@ class ParallelGroup:
         cls,
         rank: int,
         world_size: int,
-        init_method: str,
+        rendezvous: Union[str, dist.Store],
         device: torch.device,
         timeout_s: float,
         shm: Optional[AllReduceHandle] = None,
     ) -> "ParallelGroup":
-        """Join the group (blocks until all `world_size` ranks have): gloo on CPU, NCCL on CUDA; on CPU, `shm`
+        """Join the group (blocks until all `world_size` ranks have) at `rendezvous`, an init method
+        ("tcp://host:port") or the store the ranks checked in at (`rendezvous.py`): gloo on CPU, NCCL on CUDA; `shm`
         (the ranks' shared-memory all-reduce, made by rank 0) carries `all_reduce` instead of gloo. A collective
         that waits longer than `timeout_s` for a peer raises instead of hanging (a dead or stuck rank)."""
-        return cls.join_stage(rank, world_size, 1, init_method, device, timeout_s, [shm])
+        return cls.join_stage(rank, world_size, 1, rendezvous, device, timeout_s, [shm])
 
     @classmethod
     def join_stage(
@@ -54,7 +55,7 @@ class ParallelGroup:
         rank: int,
         tp_size: int,
         num_stages: int,
-        init_method: str,
+        rendezvous: Union[str, dist.Store],
         device: torch.device,
         timeout_s: float,
         shm: Sequence[Optional[AllReduceHandle]] = (),
@@ -62,9 +63,11 @@ class ParallelGroup:
         """Join all `tp_size * num_stages` ranks (stage-major: engine/distributed/pipeline_stage.py) and return
         this rank's stage's tensor-parallel group; `shm[s]` is stage s's shared-memory all-reduce (or None)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        init_method, store = (rendezvous, None) if isinstance(rendezvous, str) else (None, rendezvous)
         dist.init_process_group(
             backend,
             init_method=init_method,
+            store=store,
             rank=rank,
             world_size=tp_size * num_stages,
             timeout=datetime.timedelta(seconds=timeout_s),

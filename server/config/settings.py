@@ -231,7 +231,15 @@ OPTIONS: tuple[Option, ...] = (
         "--distributed-executor-backend",
         (*PARALLEL, "distributed_executor_backend"),
         "str",
-        "how ranks start: mp (ray is refused: not served yet)",
+        "how tensor-parallel ranks 1..N-1 start: mp (processes here and on --headless nodes) or ray (actors on "
+        "the Ray cluster at RAY_ADDRESS or the local `ray start`; pip install 'pagedserve[ray]')",
+    ),
+    Option(
+        "--ray-cpus-per-rank",
+        (*PARALLEL, "ray_cpus_per_rank"),
+        "int",
+        "with the ray backend: CPUs each rank's placement-group bundle reserves (its threads)",
+        "N",
     ),
     Option("--nnodes", (*PARALLEL, "nnodes"), "int", "hosts the tensor-parallel ranks are spread over", "N"),
     Option("--node-rank", (*PARALLEL, "node_rank"), "int", "this host's place among them (0 serves the API)", "R"),

@@ -17,6 +17,7 @@ from engine.errors import SettingsConflictError
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle
 from tests.engine.test_model_equivalence import mixed_prompts
+from tests.distributed.stepping import tokens_with_an_abort
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,19 +104,7 @@ def test_aborts_while_steps_are_in_flight(model_dir):
     outputs = {}
     for pp in (1, 2):
         with LLM(str(model_dir), **TINY, pipeline_parallel_size=pp) as llm:
-            engine = llm.engine
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"r{i}", prompt, params)
-            tokens: dict[str, list[int]] = {}
-            for step in range(300):
-                if step == 6:
-                    engine.abort(["r1"])
-                for out in engine.step():
-                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if not engine.has_work:
-                    break
-            assert_idle(llm)
-        outputs[pp] = tokens
+            outputs[pp] = tokens_with_an_abort(llm, prompts, params, abort_at=6)
     aborted = outputs[2].pop("r1", [])
     assert len(aborted) < 12 and aborted == outputs[1]["r1"][: len(aborted)]
     outputs[1].pop("r1")
@@ -142,7 +131,7 @@ def test_a_dead_stage_fails_the_engine_within_seconds(model_dir):
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     with LLM(str(model_dir), **TINY, max_model_len=256, pipeline_parallel_size=2) as llm:
         engine = llm.engine
-        worker = engine.runner.peers.processes[0]
+        worker = engine.runner.peers.ranks.processes[0]
         engine.add_request("r0", [5, 6, 7, 8], params)
         engine.step()
         os.kill(worker.pid, signal.SIGKILL)

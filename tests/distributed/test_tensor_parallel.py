@@ -13,6 +13,7 @@ from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle
 from tests.engine.test_gpt_oss import GPT_OSS
 from tests.engine.test_model_equivalence import mixed_prompts
+from tests.distributed.stepping import tokens_with_an_abort
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,19 +66,7 @@ def test_aborts_between_steps(model_dir):
     outputs = {}
     for tp in (1, 2):
         with LLM(str(model_dir), **TINY, tensor_parallel_size=tp) as llm:
-            engine = llm.engine
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"r{i}", prompt, params)
-            tokens: dict[str, list[int]] = {}
-            for step in range(200):
-                if step == 3:
-                    engine.abort(["r1"])
-                for out in engine.step():
-                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if not engine.has_work:
-                    break
-            assert_idle(llm)
-        outputs[tp] = tokens
+            outputs[tp] = tokens_with_an_abort(llm, prompts, params, abort_at=3)
     assert len(outputs[2]["r1"]) < 12 and outputs[2] == outputs[1]
 
 

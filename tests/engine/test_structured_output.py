@@ -3,6 +3,7 @@ mixed with unconstrained requests (unchanged by their neighbours), across preemp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 
@@ -12,7 +13,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engine.errors import InvalidParameterError
 from engine.sampling.params import SamplingParams
 from engine.structured import StructuredOutputs
+from engine.runner.peer_step import PeerStep
 from engine.structured.grammar_ref import GrammarRef
+from scheduler import NewRequestData, SchedulerOutput
 from tests.engine.json_schemas import bounded_schemas, check_output
 from tests.engine.references import assert_idle, make_llm
 
@@ -125,6 +128,41 @@ def test_a_request_holds_its_grammar_and_a_pickled_one_travels_empty(llm):
     assert isinstance(offline.grammar, GrammarRef) and offline.grammar.compiled is compiled
     assert engine.make_request("plain", [5, 6, 7], SamplingParams(max_tokens=8)).grammar is None
     assert pickle.loads(pickle.dumps(request.grammar)).compiled is None
+
+
+def test_a_step_message_round_trip_keeps_every_field_and_sends_the_grammar_empty(llm):
+    """What a worker gets (a PeerStep, pickled by the shared-memory broadcast): the sampling parameters equal,
+    the token ids equal (int32 bytes on the wire), the grammar reference empty (the worker compiles its own)."""
+    engine = llm.engine
+    params = SamplingParams(
+        max_tokens=8,
+        temperature=0.7,
+        seed=5,
+        stop=["\n"],
+        logit_bias={3: 1.5},
+        structured_outputs={"regex": "[xyz]{3}"},
+    )
+    request = engine.make_request("held", [i % 500 for i in range(300)], params)
+    new = NewRequestData(
+        request.request_id,
+        request.all_token_ids,
+        request.num_prompt_tokens,
+        ((1, 2),),
+        0,
+        request.sampling_params,
+        request.eos_token_ids,
+        request.grammar,
+    )
+    output = SchedulerOutput({"held": 300}, {"held": 0}, step_id=3, new_requests=(new,), new_block_ids={})
+    back = pickle.loads(pickle.dumps(PeerStep(output, {"other": [4]}), protocol=5))
+    assert back.sampled_token_ids == {"other": [4]}
+    got = back.scheduler_output.new_requests[0]
+    assert isinstance(got.grammar, GrammarRef) and got.grammar.compiled is None
+    assert isinstance(new.grammar, GrammarRef) and new.grammar.compiled is not None
+    assert got.sampling_params == params and got.sampling_params.structured_outputs == params.structured_outputs
+    assert got.token_ids.tolist() == request.all_token_ids and got.eos_token_ids == request.eos_token_ids
+    assert dataclasses.replace(got, grammar=new.grammar) == new
+    assert dataclasses.replace(back.scheduler_output, new_requests=output.new_requests) == output
 
 
 @pytest.mark.parametrize(

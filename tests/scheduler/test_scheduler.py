@@ -25,7 +25,7 @@ def test_single_request_runs_to_max_tokens():
     s.add_request(r)
     out, results = step(s)
     assert out.num_scheduled_tokens == {r.request_id: 10}
-    assert out.new_requests[0].token_ids == tuple(r.prompt_token_ids)
+    assert out.new_requests[0].token_ids.tolist() == r.prompt_token_ids
     assert results[0].new_token_ids == [7]
     run_until_done(s)
     assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED

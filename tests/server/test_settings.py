@@ -40,6 +40,7 @@ FLAG_CASES = [
     ("--nnodes", "1", ("engine", "parallel", "nnodes"), 1),
     ("--pipeline-parallel-size", "1", ("engine", "parallel", "pipeline_parallel_size"), 1),
     ("--distributed-executor-backend", "mp", ("engine", "parallel", "distributed_executor_backend"), "mp"),
+    ("--ray-cpus-per-rank", "4", ("engine", "parallel", "ray_cpus_per_rank"), 4),
     ("--node-rank", "0", ("engine", "parallel", "node_rank"), 0),
     ("--master-addr", "10.0.0.2", ("engine", "parallel", "master_addr"), "10.0.0.2"),
     ("--master-port", "29511", ("engine", "parallel", "master_port"), 29511),
@@ -346,7 +347,7 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
         (
             {"scheduler": {"max_num_seq": 3}},
             "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
-            "max_model_len, max_num_batched_tokens, max_num_seqs, policy)",
+            "max_concurrent_batches, max_model_len, max_num_batched_tokens, max_num_seqs, policy)",
         ),
         ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),
         ({"cache": {"block_size": 0}}, "preset.yaml: cache.block_size: Input should be greater than or equal to 1"),
@@ -491,12 +492,17 @@ def test_a_headless_node_names_its_place_among_the_nodes():
         load_settings(["--headless"], {})
     with pytest.raises(SettingsError, match="needs master_port"):
         load_settings(["--nnodes", "2", "--tensor-parallel-size", "2"], {})
-    with pytest.raises(SettingsError, match="does not spread evenly"):
+    with pytest.raises(SettingsError, match="do not spread evenly"):
         load_settings(["--nnodes", "2", "--tensor-parallel-size", "3", "--master-port", "29511"], {})
 
 
-def test_what_is_not_served_yet_is_refused_by_name():
-    with pytest.raises(SettingsError, match="pipeline parallelism is not served yet"):
-        load_settings(["--pipeline-parallel-size", "2"], {})
-    with pytest.raises(SettingsError, match="ray is not served yet"):
-        load_settings(["--distributed-executor-backend", "ray"], {})
+def test_parallel_layouts_and_the_ray_backend_s_refusal():
+    parallel = load_settings(["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"], {}).engine.parallel
+    assert (parallel.pipeline_parallel_size, parallel.world_size) == (2, 4)
+    with pytest.raises(SettingsError, match="ray places every rank on the Ray cluster itself"):
+        load_settings(["--distributed-executor-backend", "ray", "--headless", "--nnodes", "2", "--node-rank", "1",
+                       "--master-port", "29511", "--tensor-parallel-size", "2"], {})  # fmt: skip
+    assert (
+        load_settings(["--distributed-executor-backend", "ray"], {}).engine.parallel.distributed_executor_backend
+        == "ray"
+    )

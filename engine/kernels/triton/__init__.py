@@ -27,6 +27,11 @@
         A mixture-of-experts MLP: the (token, expert) pairs sorted by expert into tiles of one expert
         each, two grouped products (gate|up, then down scaled by the routing weights), summed per token.
 
+    lora_shrink(x [T, in], a_stack [S, r, in], token_slots [T] int32, scales [T], out [T, r])
+    lora_expand(y [T, r], b_stack [S, out_dim, r], token_slots [T], out [T, out_total], offset, add)
+        Multi-LoRA's segmented products (Punica's SGMV): each token reads its adapter's slot (-1: none);
+        [T, M] slots and scales give a weighted mix of M adapters per token (lora_sgmv.py).
+
 Head dims need not be powers of two (80: padded lanes are masked), nor block sizes (tiles gather
 token by token through the block table). Group sizes (H / KVH) are any integer.
 
@@ -36,9 +41,19 @@ testing only: it is orders of magnitude slower than the native CPU kernels.
 """
 
 from engine.kernels.triton.fused_moe import fused_moe
+from engine.kernels.triton.lora_sgmv import group_by_slot, lora_expand, lora_shrink
 from engine.kernels.triton.paged_attention import paged_attention
 from engine.kernels.triton.paged_decode import paged_decode
 from engine.kernels.triton.paged_prefill import paged_prefill
 from engine.kernels.triton.write_kv import write_kv
 
-__all__ = ["fused_moe", "paged_attention", "paged_decode", "paged_prefill", "write_kv"]
+__all__ = [
+    "fused_moe",
+    "group_by_slot",
+    "lora_expand",
+    "lora_shrink",
+    "paged_attention",
+    "paged_decode",
+    "paged_prefill",
+    "write_kv",
+]
