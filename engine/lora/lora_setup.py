@@ -7,7 +7,7 @@ import logging
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
 from engine.lora.lora_manager import LoRAManager
-from engine.lora.lora_stack import LoRAStack
+from engine.lora.lora_stack import LoRAKernels, LoRAStack
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.lora.request import LoRARequest
 from engine.models.llama import LlamaForCausalLM
@@ -47,8 +47,17 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:
     # Packed for the native column-block product (CPU bf16), where measured twice as fast at decode sizes as
     # torch.mm on the raw matrices; oneDNN's packed fp32 product builds a primitive per new shape, slower here.
     packs = isinstance(model.linear, ColumnBlockLinear)
+    kernels = LoRAKernels.load() if model.device.type == "cuda" else None  # (else the torch products)
+    if model.device.type == "cuda" and kernels is None:
+        logger.warning("LoRA: the Triton SGMV kernels cannot be imported; the deltas run as torch products")
     stack = LoRAStack(
-        model.arch, lora.max_loras, lora.max_lora_rank, model.dtype, model.device, model.linear if packs else None
+        model.arch,
+        lora.max_loras,
+        lora.max_lora_rank,
+        model.dtype,
+        model.device,
+        model.linear if packs else None,
+        kernels,
     )
     model.lora = stack
     manager = LoRAManager(lora, model.arch.num_layers)

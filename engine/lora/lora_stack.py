@@ -20,7 +20,7 @@ at once (engine/lora/lora_step.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -37,6 +37,23 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 """The model's projections and the HF projections fused into each, in their order along the output."""
+
+
+class LoRAKernels(NamedTuple):
+    """The segmented (SGMV) products of engine/kernels/triton/lora_sgmv.py: per token its slots, no slot range."""
+
+    shrink: Callable[..., None]
+    expand: Callable[..., None]
+    group_by_slot: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def load(cls) -> Optional["LoRAKernels"]:
+        """The Triton kernels, or None where they cannot be imported (no triton): the torch products run."""
+        try:
+            from engine.kernels.triton.lora_sgmv import group_by_slot, lora_expand, lora_shrink
+        except ImportError:
+            return None
+        return cls(lora_shrink, lora_expand, group_by_slot)
 
 
 def projection_shapes(arch: "LlamaArch") -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -63,10 +80,12 @@ class LoRAStack:
         dtype: torch.dtype,
         device: torch.device,
         linear: Optional["Linear"] = None,
+        kernels: Optional[LoRAKernels] = None,
     ):
         """`linear`: a product that packs its weights (the model's, on CPU): every slot's A and B^T are then also
         kept packed for it, re-packed when a slot loads, and a step multiplies all slots through it (packed
-        products of these small matrices run about twice as fast as torch.mm's on the raw ones)."""
+        products of these small matrices run about twice as fast as torch.mm's on the raw ones).
+        `kernels`: the Triton SGMV products (CUDA), which read each token's slots from the raw stacks."""
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -88,6 +107,7 @@ class LoRAStack:
         self.b_rows = [{proj: t.view(-1, t.shape[-1]) for proj, t in layer.items()} for layer in self.b]
         self.rows_per_slot = {proj: len(outs) * max_rank for proj, (_, outs) in self.shapes.items()}
         self.linear = linear
+        self.kernels = kernels
         # packed A [max_loras * P, in] and B^T [out, max_loras * P] per layer and projection (with `linear`)
         self.a_packed: list[dict[str, Any]] = []
         self.bt_packed: list[dict[str, Any]] = []

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.lora.lora_stack import LoRAStack
+from engine.lora.lora_stack import LoRAKernels, LoRAStack
 
 
 class LoRASegment(NamedTuple):
@@ -44,11 +44,15 @@ class LoRAStep:
         lo: int,
         hi: int,
         embeds: list[tuple[torch.Tensor, torch.Tensor]],  # (token rows, [vocab, hidden]) per replaced embedding
+        token_slots: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ):
+        """`token_slots` (with the stack's Triton kernels): each token's slots [T, M] int32 (-1: none), their
+        scales [T, M] float32 and the tokens grouped by slot [T] int32."""
         self.stack = stack
         self.scales = scales
         self.lo, self.hi = lo, hi
         self.embeds = embeds
+        self.token_slots = token_slots
         self._mixing: dict[int, torch.Tensor] = {}  # parts -> M [T, S * parts * max_rank]
         # per projection: (first row, end row) of the slot range in the stack's row views, and its M
         self._ranges = {
@@ -76,7 +80,23 @@ class LoRAStep:
             for slot, rows in embed_rows.items()
             if (matrix := stack.embed[slot]) is not None
         ]
-        return cls(stack, torch.from_numpy(scales).to(device=device, dtype=stack.dtype), lo, hi, embeds)
+        token_slots = None
+        if stack.kernels is not None:
+            width = max(len(segment.slots) for segment in segments)
+            slot_ids = np.full((num_tokens, width), -1, dtype=np.int32)
+            slot_scales = np.zeros((num_tokens, width), dtype=np.float32)
+            for start, length, pairs in segments:
+                for m, (slot, scale) in enumerate(pairs):
+                    slot_ids[start : start + length, m] = slot
+                    slot_scales[start : start + length, m] = scale
+            slots_device = torch.from_numpy(slot_ids).to(device)
+            token_slots = (
+                slots_device,
+                torch.from_numpy(slot_scales).to(device),
+                stack.kernels.group_by_slot(slots_device),
+            )
+        scales_device = torch.from_numpy(scales).to(device=device, dtype=stack.dtype)
+        return cls(stack, scales_device, lo, hi, embeds, token_slots)
 
     def mixing(self, parts: int) -> torch.Tensor:
         """M for a projection of `parts` fused parts: each slot's scale over its parts * max_rank columns."""
@@ -88,6 +108,9 @@ class LoRAStep:
     def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, out] += the deltas of projection `proj` of `layer` for x [T, in], in place."""
         stack = self.stack
+        if stack.kernels is not None and self.token_slots is not None:
+            self._add_segmented(stack.kernels, layer, proj, x, out)
+            return
         first, end, mixing = self._ranges[proj]
         if stack.linear is not None:  # every slot, through the packed matrices
             shrunk = stack.linear(x, stack.a_packed[layer][proj], None)  # [T, max_loras * P]
@@ -97,6 +120,21 @@ class LoRAStep:
         shrunk = torch.mm(x, stack.a_rows[layer][proj][first:end].t())  # [T, S * P]
         shrunk.mul_(mixing)
         out.addmm_(shrunk, stack.b_rows[layer][proj][first:end])  # B rows [S * P, out]
+
+    def _add_segmented(self, kernels: LoRAKernels, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The Triton SGMV products: per part of the fused projection, each token's shrink over its own slots
+        (the stack's rank block of that part, a strided view) and its expand into the part's output columns."""
+        assert self.token_slots is not None
+        slots, scales, order = self.token_slots
+        stack, r = self.stack, self.stack.max_rank
+        a, b = stack.a[layer][proj], stack.b[layer][proj]  # [L, parts * r, in], [L, parts * r, out]
+        column = 0
+        for part, width in enumerate(stack.shapes[proj][1]):
+            shrunk = torch.empty(x.shape[0], slots.shape[1], r, dtype=torch.float32, device=x.device)  # [T, M, r]
+            kernels.shrink(x, a[:, part * r : (part + 1) * r], slots, scales, shrunk, token_order=order)
+            b_part = b[:, part * r : (part + 1) * r, column : column + width].transpose(1, 2)  # [L, width, r]
+            kernels.expand(shrunk, b_part, slots, out, column, True, token_order=order)
+            column += width
 
     def embed(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] with the rows of adapters that replace the embedding looked up in theirs."""

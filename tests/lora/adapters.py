@@ -8,6 +8,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.lora.peft_adapter import LoRAWeights
+from engine.models.llama_arch import LlamaArch
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -101,3 +104,43 @@ def greedy(model, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int]
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     tokens = out.sequences[0, ids.shape[1] :].tolist()
     return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+
+
+# A small Llama shape for the step-level tests (no checkpoint).
+ARCH = LlamaArch(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    rope_scaling=None,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    sliding_window=None,
+)
+
+
+def random_weights(name: str, rank: int, seed: int, skip: str) -> LoRAWeights:
+    """Random LoRAWeights over ARCH's projections (all but `skip`), as the loader would hold them."""
+    generator = torch.Generator().manual_seed(seed)
+    widths = {
+        "q_proj": (32, 32),
+        "k_proj": (32, 16),
+        "v_proj": (32, 16),
+        "o_proj": (32, 32),
+        "gate_proj": (32, 48),
+        "up_proj": (32, 48),
+        "down_proj": (48, 32),
+    }
+    adapter = LoRAWeights(name, "", rank)
+    for layer in range(ARCH.num_layers):
+        for proj, (width, out) in widths.items():
+            if proj != skip:
+                adapter.a[(layer, proj)] = torch.randn(rank, width, generator=generator)
+                adapter.b[(layer, proj)] = torch.randn(out, rank, generator=generator)
+    return adapter

@@ -9,45 +9,7 @@ import torch
 from engine.layers.linear import Linear, select_linear
 from engine.lora.lora_stack import FUSED_PROJECTIONS, LoRAStack
 from engine.lora.lora_step import LoRASegment, LoRAStep
-from engine.lora.peft_adapter import LoRAWeights
-from engine.models.llama_arch import LlamaArch
-
-ARCH = LlamaArch(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=1e4,
-    rope_scaling=None,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    sliding_window=None,
-)
-
-
-def _adapter(name: str, rank: int, seed: int, skip: str) -> LoRAWeights:
-    generator = torch.Generator().manual_seed(seed)
-    widths = {
-        "q_proj": (32, 32),
-        "k_proj": (32, 16),
-        "v_proj": (32, 16),
-        "o_proj": (32, 32),
-        "gate_proj": (32, 48),
-        "up_proj": (32, 48),
-        "down_proj": (48, 32),
-    }
-    adapter = LoRAWeights(name, "", rank)
-    for layer in range(ARCH.num_layers):
-        for proj, (width, out) in widths.items():
-            if proj != skip:
-                adapter.a[(layer, proj)] = torch.randn(rank, width, generator=generator)
-                adapter.b[(layer, proj)] = torch.randn(out, rank, generator=generator)
-    return adapter
+from tests.lora.adapters import ARCH, random_weights
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -56,7 +18,7 @@ def test_deltas_match_their_definition(packed):
     if packed and type(linear) is Linear:
         pytest.skip("no packing product on this CPU build")  # (then the engine runs the raw path too)
     stack = LoRAStack(ARCH, max_loras=3, max_rank=4, dtype=torch.float32, device=torch.device("cpu"), linear=linear)
-    adapters = {1: _adapter("x", 4, 0, skip="k_proj"), 2: _adapter("y", 2, 1, skip="up_proj")}
+    adapters = {1: random_weights("x", 4, 0, skip="k_proj"), 2: random_weights("y", 2, 1, skip="up_proj")}
     for slot, adapter in adapters.items():
         stack.load(slot, adapter)
     # tokens 0-1 base, 2-4 slot 1, 5 a mix of both, 6-7 slot 2
