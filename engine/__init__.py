@@ -3,6 +3,7 @@
 from engine import LLM, SamplingParams
 """
 
+from engine.lora.request import LoRAMix, LoRARequest
 from engine.sampling.params import SamplingParams
 
 
@@ -15,4 +16,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRAMix", "LoRARequest", "SamplingParams"]

@@ -29,6 +29,9 @@ import torch
 
 from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
+from engine.errors import InvalidParameterError
+from engine.lora.lora_manager import LoadedLoRA, LoRAManager, LoRAStats
+from engine.lora.request import LoRAMix, LoRARequest
 from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
@@ -53,6 +56,7 @@ class RequestInput(NamedTuple):
     request_id: str
     prompt_token_ids: Sequence[int]
     params: SamplingParams
+    lora: Optional[LoRAMix] = None  # the LoRA adapters it runs with (None: the base model)
 
 
 @dataclass(slots=True)
@@ -305,15 +309,46 @@ class AsyncEngine:
         *,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        lora: Optional[LoRAMix] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (one `add_requests` stream). Closing the
         iterator (a client that went away) aborts the request in the engine at once."""
         (stream,) = await self.add_requests(
-            [RequestInput(request_id, prompt_token_ids, params)], priority=priority, arrival_time=arrival_time
+            [RequestInput(request_id, prompt_token_ids, params, lora)], priority=priority, arrival_time=arrival_time
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    @property
+    def lora_manager(self) -> Optional[LoRAManager]:
+        """The engine's adapters (None unless LoRA is enabled); its methods are thread-safe."""
+        return self.engine.lora_manager
+
+    def _lora(self) -> LoRAManager:
+        if self.engine.lora_manager is None:
+            raise InvalidParameterError("lora", "needs an engine started with LoRA enabled (--enable-lora)")
+        return self.engine.lora_manager
+
+    async def add_lora(self, request: LoRARequest) -> LoadedLoRA:
+        """Load and register an adapter, reading it on a worker thread (the step loop goes on meanwhile).
+        Raises LoRAAdapterError / LoRARankError (400) for a directory that cannot be served."""
+        return await asyncio.to_thread(self._lora().add_lora, request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter (later requests naming it are refused; running ones finish); False if unknown."""
+        return self._lora().remove_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.engine.lora_manager is None else self.engine.lora_manager.list_loras()
+
+    def lora_stats(self) -> Optional[LoRAStats]:
+        """The adapters of running and waiting requests (the lora_requests_info gauge); None without LoRA."""
+        return None if self.engine.lora_manager is None else self.engine.lora_manager.stats()
+
+    # ------------------------------------------------------------------ aborts
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by the ids given to `add_requests`."""
@@ -379,6 +414,7 @@ class AsyncEngine:
                     arrival_time=command.arrival_time,
                     priority=command.priority,
                     grammar=None if constraint is None else command.grammars[constraint.key],
+                    lora=item.lora,
                 )
                 added.append(engine_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop

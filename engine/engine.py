@@ -25,6 +25,9 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.pipeline_runner import LaunchedStep, PipelineRunner
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.errors import InvalidParameterError
+from engine.lora.lora_manager import LoRAManager
+from engine.lora.lora_waiting import WAIT_FOR_LOAD_SECONDS, LoRAWaitingRequests, adapter_names, attach
+from engine.lora.request import LoRAMix
 from engine.observer import EngineObserver
 from engine.outputs import ModelRunnerOutput, RequestOutput
 from engine.request_state import RequestState
@@ -35,6 +38,7 @@ from engine.structured.grammar_ref import GrammarRef
 from engine.text.stop_strings import StopStringMatcher
 from engine.text.tokenizer import Tokenizer, check_token_ids
 from scheduler import (
+    DuplicateRequestIdError,
     MinTokensOutOfRangeError,
     Request,
     RequestStatus,
@@ -72,8 +76,11 @@ class EngineCore:
         tokenizer: Tokenizer,
         model_name: str,
         grammar_compiler: GrammarCompiler,
+        lora_manager: Optional[LoRAManager] = None,
     ):
         self.config = config
+        self.lora_manager = lora_manager  # None unless enable_lora
+        self._lora_waiting = LoRAWaitingRequests()  # requests whose adapters load in the background
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -122,6 +129,8 @@ class EngineCore:
             self.runner.shutdown()
             if isinstance(self.scheduler.proposer, DraftModelProposer):
                 self.scheduler.proposer.shutdown()  # the draft's KV cache (its weights go with the engine)
+            if self.lora_manager is not None:
+                self.lora_manager.shutdown()
         finally:  # half released is no state to step in
             self.is_shut_down = True
 
@@ -147,14 +156,25 @@ class EngineCore:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         grammar: Optional["xgrammar.CompiledGrammar"] = None,
+        lora: Optional[LoRAMix] = None,
     ) -> None:
         """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`).
 
         `grammar`: the compiled `params.structured_outputs`, compiled beforehand off this thread (AsyncEngine);
         without it the constraint is compiled here, synchronously (the offline `LLM`, which adds its requests
-        before it steps). Raises a RequestRejectedError for a request that can never be served.
+        before it steps). `lora`: the adapters to run with (None: the base model); one still loading makes the
+        request wait beside the queue. Raises a RequestRejectedError for a request that can never be served
+        (LoRANotFoundError for an unknown adapter).
         """
         self._check_running()
+        ref = None
+        if lora is not None:
+            if self.lora_manager is None:
+                raise InvalidParameterError("lora", "needs an engine started with LoRA enabled (--enable-lora)")
+            if request_id in self._states:
+                raise DuplicateRequestIdError(request_id)
+            self.lora_manager.check(lora)
+            ref = self.lora_manager.resolve(lora)
         if params.n != 1:
             raise InvalidParameterError(
                 "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
@@ -170,8 +190,16 @@ class EngineCore:
         state = RequestState(request, params, detokenizer, matcher)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        self.scheduler.add_request(request)  # the last step that can refuse it; the runner
-        # learns of the request from the step message that first schedules it
+        if lora is not None and ref is None:  # its adapter loads in the background
+            self.scheduler.check_request(request)
+            self._lora_waiting.add(request, lora)
+        else:
+            if ref is not None:
+                attach(request, ref)
+            self.scheduler.add_request(request)  # the last step that can refuse it; the runner
+            # learns of the request from the step message that first schedules it
+        if lora is not None and self.lora_manager is not None:
+            self.lora_manager.count_request(lora)
         self._states[request_id] = state
 
     def make_request(
@@ -230,6 +258,10 @@ class EngineCore:
         abort_reason)."""
         outputs = []
         now = time.monotonic()
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            if self._lora_waiting.remove(request_id) is not None:  # never reached the scheduler
+                outputs.append(self._output(self._states.pop(request_id), [], "", "abort", now, abort_reason=reason))
         for request in self.scheduler.abort(request_ids):  # the next step message tells the runner
             state = self._states.pop(request.request_id)
             outputs.append(self._output(state, [], "", "abort", now, abort_reason=reason))
@@ -246,12 +278,17 @@ class EngineCore:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or bool(self._lora_waiting)
 
     @property
     def has_work(self) -> bool:
         """Requests to step, ended ones the runner has not been told of (a step tells it), or steps in flight."""
-        return self.scheduler.has_unfinished_requests or self.scheduler.has_finished_notices or bool(self._in_flight)
+        return (
+            self.scheduler.has_unfinished_requests
+            or self.scheduler.has_finished_notices
+            or bool(self._in_flight)
+            or bool(self._lora_waiting)
+        )
 
     @property
     def steps_in_flight(self) -> int:
@@ -260,7 +297,7 @@ class EngineCore:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished_requests
+        return self.scheduler.num_unfinished_requests + len(self._lora_waiting)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -272,14 +309,38 @@ class EngineCore:
         profile = self.profile
         if profile is not None:
             profile.begin_step()
+        failed = self._admit_loaded_loras() if self.lora_manager is not None else []
         if self._pipeline is not None:
-            return self._pipelined_step(self._pipeline)
+            return failed + self._pipelined_step(self._pipeline)
         scheduler_output = self._schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
         runner_output = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty:
-            return []
-        return self._complete(scheduler_output, runner_output)
+            return failed
+        return failed + self._complete(scheduler_output, runner_output)
+
+    def _admit_loaded_loras(self) -> list[RequestOutput]:
+        """Queue the requests whose adapters finished loading (failing those whose load failed), and report the
+        adapters in use to the manager; an engine with nothing else to do waits a moment for a load."""
+        manager = self.lora_manager
+        assert manager is not None
+        failed: list[RequestOutput] = []
+        if self._lora_waiting:
+            if not self.scheduler.has_unfinished_requests:
+                manager.wait_for_loads(WAIT_FOR_LOAD_SECONDS)
+
+            def fail(request_id: str, error: BaseException) -> None:
+                state = self._states.pop(request_id)
+                message = f"loading its LoRA adapter failed: {type(error).__name__}: {error}"
+                failed.append(self._output(state, [], "", "error", time.monotonic(), error=message))
+
+            self._lora_waiting.admit_ready(manager, self.scheduler.add_request, fail)
+        scheduler = self.scheduler
+        manager.record_activity(
+            sorted({n for r in scheduler.running for n in adapter_names(r)}),
+            sorted({n for r in scheduler.waiting for n in adapter_names(r)} | set(self._lora_waiting.names())),
+        )
+        return failed
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()

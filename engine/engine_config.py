@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.cache_config import EngineCacheConfig
 from engine.distributed.parallel_config import ParallelConfig
 from engine.loading.model_config import ModelConfig
+from engine.lora.lora_config import LoRAConfig
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from scheduler import SchedulerConfig
 
@@ -22,6 +23,7 @@ class EngineConfig(BaseModel):
     cache: EngineCacheConfig = Field(default_factory=EngineCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     attention_backend: Literal["auto", "cpu", "torch", "flash", "triton"] = "auto"
     enforce_eager: bool = Field(
         False,

@@ -34,3 +34,29 @@ class SettingsConflictError(ValueError):
     """Settings that cannot run together, or not on this machine (an attention backend, a KV-cache dtype, a
     quantization, batch invariance): a fault of the settings, not of the model, so `pagedserve serve` exits
     with status 2 as for any bad flag."""
+
+
+class LoRANotFoundError(RequestRejectedError):
+    """A request (or an unload) named an adapter that is not registered: an unknown model, 404."""
+
+    def __init__(self, name: str):
+        super().__init__(f"LoRA adapter {name!r} is not loaded", field="model")
+        self.name = name
+
+
+class LoRARankError(InvalidParameterError):
+    """An adapter whose rank exceeds max_lora_rank (400)."""
+
+    def __init__(self, name: str, rank: int, max_rank: int):
+        super().__init__("lora", f"adapter {name!r} has rank {rank}, above max_lora_rank {max_rank}")
+        self.name = name
+        self.rank = rank
+        self.max_rank = max_rank
+
+
+class LoRAAdapterError(InvalidParameterError):
+    """An adapter directory the engine cannot serve (DoRA, an unsupported target, a missing file): 400."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__("lora", f"adapter {name!r}: {problem}")
+        self.name = name

@@ -12,6 +12,8 @@ from engine.builder import build_engine
 from engine.cache_config import EngineCacheConfig
 from engine.distributed.parallel_config import ParallelConfig
 from engine.loading.model_config import ModelConfig
+from engine.lora.lora_config import LoRAConfig
+from engine.lora.request import LoRAMix, LoRARequest
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
 from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator
@@ -24,11 +26,13 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 PromptType = Union[str, Sequence[int], dict]
+LoRAChoice = Union[LoRARequest, LoRAMix, None]
 _SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
     "cache": EngineCacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -86,16 +90,38 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
+        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
     ) -> list[GenerationResult]:
         """Complete each prompt (a string, a list of token ids or {"prompt_token_ids": [...]});
         results come back in input order. `priority` (one per prompt, lower first) needs the
-        priority scheduling policy, as in vLLM."""
+        priority scheduling policy, as in vLLM. `lora_request`: the adapter for every prompt or one per
+        prompt (a LoRARequest, registered on first use; a LoRAMix of registered adapters; None: the base)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        loras = self._as_lora_list(lora_request, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
-        return self._run(encoded, params_list, use_tqdm, priority)
+        return self._run(encoded, params_list, use_tqdm, priority, loras)
+
+    def _as_lora_list(self, choice: Union[LoRAChoice, Sequence[LoRAChoice]], count: int) -> list[Optional[LoRAMix]]:
+        """One LoRAMix (or None) per prompt; LoRARequests are loaded first (idempotent by name)."""
+        if choice is None or isinstance(choice, (LoRARequest, LoRAMix)):
+            choices: list[LoRAChoice] = [choice] * count
+        else:
+            choices = list(choice)
+            if len(choices) != count:
+                raise ValueError(f"got {len(choices)} LoRA requests for {count} prompts")
+        mixes: list[Optional[LoRAMix]] = []
+        for item in choices:
+            if isinstance(item, LoRARequest):
+                manager = self.engine.lora_manager
+                if manager is None:
+                    raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+                manager.add_lora(item)
+                item = LoRAMix.single(item.name)
+            mixes.append(item)
+        return mixes
 
     def chat(
         self,
@@ -127,6 +153,7 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         priority: Optional[Sequence[int]] = None,
+        loras: Optional[Sequence[Optional[LoRAMix]]] = None,
     ) -> list[GenerationResult]:
         engine = self.engine
         parents: list[tuple[str, list[str]]] = []
@@ -137,7 +164,11 @@ class LLM:
                 parents.append((parent, [child_id for child_id, _ in children]))
                 for child_id, child_params in children:
                     engine.add_request(
-                        child_id, token_ids, child_params, priority=0 if priority is None else priority[index]
+                        child_id,
+                        token_ids,
+                        child_params,
+                        priority=0 if priority is None else priority[index],
+                        lora=None if loras is None else loras[index],
                     )
         except BaseException:
             engine.abort([c for _, children in parents for c in children])

@@ -23,13 +23,17 @@ def hash_block(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHa
     return BlockHash(digest.digest(), tokens)
 
 
-def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, seed: Optional[bytes] = None
+) -> None:
     """Append the hashes of the full blocks of `token_ids` not yet in `block_hashes`.
 
-    block i covers token_ids[i * block_size : (i + 1) * block_size]
+    block i covers token_ids[i * block_size : (i + 1) * block_size]; `seed` (a LoRA mix's key) stands as the
+    first block's parent, so the same tokens under another seed hash apart.
     """
     num_full = len(token_ids) // block_size
-    parent = block_hashes[-1] if block_hashes else None
+    root = None if seed is None else BlockHash(seed, ())
+    parent = block_hashes[-1] if block_hashes else root
     for i in range(len(block_hashes), num_full):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         block_hashes.append(parent)

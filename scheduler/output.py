@@ -29,6 +29,7 @@ class NewRequestData:
     sampling_params: object = None
     eos_token_ids: frozenset[int] = frozenset()
     grammar: object = None
+    lora: object = None  # the engine's LoRARef of a request run with adapters (opaque here), like `grammar`
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:

@@ -63,6 +63,13 @@ class Request:
     # The engine's compiled output grammar (an engine GrammarRef; opaque here), handed over alongside
     # sampling_params: held by the request, so no cache eviction can make the engine thread compile it again.
     grammar: object = None
+    # The engine's resolved LoRA adapters (an engine LoRARef; opaque here), handed over like `grammar`.
+    lora: object = None
+    # The adapters' identities, counted against the scheduler's max_loras (distinct ones across running requests).
+    lora_adapters: tuple[str, ...] = ()
+    # A stable key of the adapter mix (names, scales, contents), mixed into the first block's hash: requests under
+    # different adapters (or an adapter and the base) never share KV blocks. None: the base model.
+    lora_key: Optional[bytes] = None
     # Draft tokens this request may verify per step (speculative decoding): None, the engine's number; 0, none.
     num_speculative_tokens: Optional[int] = None
     # Recent share of its drafts accepted: a moving average, from an optimistic 1 (every draft accepted).

@@ -110,6 +110,7 @@ class Scheduler:
         step_cost: Optional[StepCost] = None,
         kv_group_windows: Sequence[Optional[int]] = (None,),
         draft_cost: Optional[StepCost] = None,
+        max_loras: Optional[int] = None,
     ):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
         the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
@@ -117,7 +118,8 @@ class Scheduler:
         (`_drafts_that_pay`); `draft_cost`: one forward of a batched proposer's draft model by its rows, k of
         which a step with drafts adds (the requests to draft for are then chosen before proposing);
         `kv_group_windows`: the sliding window of each of the KV cache's layer groups (None: full attention; see
-        KVCacheManager)."""
+        KVCacheManager); `max_loras`: distinct LoRA adapters across running requests at most (a request
+        whose adapters would exceed it waits, and those behind it that fit go first; base requests never count)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -144,6 +146,7 @@ class Scheduler:
         self.step_cost = step_cost
         self.draft_cost = draft_cost
         self.spec_decode_stats: Optional[SpecDecodeStats] = None if proposer is None else SpecDecodeStats()
+        self.max_loras = max_loras
 
     # ------------------------------------------------------------------ requests
 
@@ -547,9 +550,25 @@ class Scheduler:
         return max(-(-(num_running + num_admissible) // self.max_concurrent_batches), 1)
 
     def _admit_waiting(self, plan: _StepPlan, max_requests: int) -> None:
-        """Admit from the queue's head while the budget, max_num_seqs and `max_requests` (this step's) allow."""
+        """Admit from the queue's head while the budget, max_num_seqs and `max_requests` (this step's) allow.
+
+        A request whose LoRA adapters would take more than max_loras slots is set aside for this step (vLLM's
+        rule), so base requests and those of adapters already running are not held up behind it."""
+        set_aside: list[Request] = []
+        try:
+            self._admit_from_head(plan, max_requests, set_aside)
+        finally:
+            for request in reversed(set_aside):
+                self.waiting.add_front(request)
+
+    def running_adapters(self) -> set[str]:
+        """The distinct LoRA adapters of the running requests."""
+        return {key for r in self.running for key in r.lora_adapters}
+
+    def _admit_from_head(self, plan: _StepPlan, max_requests: int, set_aside: list[Request]) -> None:
         max_num_seqs = self.scheduler_config.max_num_seqs
         kv = self.kv_cache_manager
+        adapters = self.running_adapters() if self.max_loras is not None else set()
         while (
             len(self.waiting)
             and plan.budget > 0
@@ -558,7 +577,11 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             if request.request_id in self._in_flight:
-                break  # an ended request of the same id is in a step in flight: its update must not reach this one
+                break
+            if self.max_loras is not None and request.lora_adapters:
+                if len(adapters.union(request.lora_adapters)) > self.max_loras:
+                    set_aside.append(self.waiting.pop())
+                    continue  # an ended request of the same id is in a step in flight: its update must not reach this one
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             if kv.next_block_pending(request, num_hit // self.block_size):
                 break  # its next block is being computed now: hit it next step, don't compute it twice
@@ -572,6 +595,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # head of the queue waits for blocks; later ones wait behind it
             self.waiting.pop()
+            adapters.update(request.lora_adapters)
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = num_hit
@@ -588,6 +612,7 @@ class Scheduler:
                     request.sampling_params,
                     request.eos_token_ids,
                     request.grammar,
+                    request.lora,
                 )
             )
 

@@ -1,0 +1,151 @@
+"""Reading a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) into per-layer matrices.
+
+What is served: LoRA (`peft_type` "LORA") on the Llama family's q/k/v/o/gate/up/down projections, any rank,
+`lora_alpha / r` scaling or rsLoRA's `lora_alpha / sqrt(r)` (per-module `rank_pattern` / `alpha_pattern`
+honoured), and `modules_to_save` holding `embed_tokens` and `lm_head` (whole replacement matrices). Anything
+else (DoRA, bias training, other targets or adapter kinds) is refused by name: serving it as plain LoRA would
+give other outputs than the adapter was trained to give.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from engine.errors import LoRAAdapterError, LoRARankError
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections an adapter may target (HF's names, as PEFT's keys carry them)."""
+
+SAVED_MODULES = ("embed_tokens", "lm_head")
+"""The modules_to_save served: whole matrices that replace the base's for the adapter's requests."""
+
+_LORA_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+@dataclass(slots=True)
+class LoRAWeights:
+    """One adapter's matrices, scale folded into B: delta(x) = (x A^T) B^T for each (layer, projection).
+
+    `a[(layer, proj)]`: [rank, in]; `b[(layer, proj)]`: [out, rank], already multiplied by the module's
+    scale. `embed` [vocab, hidden] and `lm_head` [vocab, hidden]: modules_to_save, or None.
+    """
+
+    name: str
+    path: str
+    rank: int  # the largest module rank
+    a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    embed: Optional[torch.Tensor] = None
+    lm_head: Optional[torch.Tensor] = None
+    content_hash: bytes = b""  # of the adapter file: part of the prefix-cache key (a reloaded changed file differs)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.a.values(), *self.b.values(), self.embed, self.lm_head]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def read_adapter_config(name: str, path: Path, max_rank: int) -> dict:
+    """The adapter's config, refused when it is not something the engine serves exactly."""
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise LoRAAdapterError(name, f"no adapter_config.json in {str(path)!r}")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise LoRAAdapterError(name, f"adapter_config.json is not JSON: {exc}") from None
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise LoRAAdapterError(name, f"peft_type {kind!r} is not served (LoRA only)")
+    if config.get("use_dora"):
+        raise LoRAAdapterError(name, "DoRA (use_dora) is not served: its magnitude vectors change the base product")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise LoRAAdapterError(name, f"trained biases (bias {config.get('bias')!r}, lora_bias) are not served")
+    if config.get("fan_in_fan_out"):
+        raise LoRAAdapterError(name, "fan_in_fan_out (Conv1D-style weights) is not served on the Llama family")
+    for key in ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters"):
+        if config.get(key):
+            raise LoRAAdapterError(name, f"{key} is not served")
+    saved = [m for m in config.get("modules_to_save") or [] if m not in SAVED_MODULES]
+    if saved:
+        raise LoRAAdapterError(name, f"modules_to_save {saved} are not served (only {list(SAVED_MODULES)})")
+    rank = int(config.get("r", 8))
+    ranks = [rank, *(int(r) for r in (config.get("rank_pattern") or {}).values())]
+    if max(ranks) > max_rank:
+        raise LoRARankError(name, max(ranks), max_rank)
+    return config
+
+
+def load_peft_adapter(name: str, path: str, max_rank: int, num_layers: int) -> LoRAWeights:
+    """Read and validate `path`'s adapter (float32 on CPU; the manager copies it into its slot's dtype)."""
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    config = read_adapter_config(name, directory, max_rank)
+    weights_file = directory / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise LoRAAdapterError(name, f"no adapter_model.safetensors in {path!r} (.bin adapters are not read)")
+    digest = hashlib.sha256((directory / "adapter_config.json").read_bytes())
+    digest.update(weights_file.read_bytes())
+    content_hash = digest.digest()
+    tensors = load_file(str(weights_file))
+    adapter = LoRAWeights(name, path, rank=0, content_hash=content_hash)
+    for key, tensor in tensors.items():
+        _take_tensor(adapter, config, key, tensor.float(), num_layers)
+    missing = sorted(set(adapter.a).symmetric_difference(adapter.b))
+    if missing:
+        raise LoRAAdapterError(name, f"lora_A and lora_B do not pair up at {missing[:4]}")
+    for module, a in adapter.a.items():
+        b = adapter.b[module]
+        if a.shape[0] != b.shape[1]:
+            raise LoRAAdapterError(name, f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {module} differ")
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise LoRARankError(name, rank, max_rank)
+        adapter.b[module] = (b * _scale(config, module, rank)).contiguous()
+        adapter.rank = max(adapter.rank, rank)
+    if not adapter.a and adapter.embed is None and adapter.lm_head is None:
+        raise LoRAAdapterError(name, "the adapter file holds no LoRA matrices")
+    return adapter
+
+
+def _take_tensor(adapter: LoRAWeights, config: dict, key: str, tensor: torch.Tensor, num_layers: int) -> None:
+    name = adapter.name
+    for saved in SAVED_MODULES:
+        if key.endswith(f"{saved}.weight") and "lora_" not in key:
+            setattr(adapter, "embed" if saved == "embed_tokens" else "lm_head", tensor.contiguous())
+            return
+    match = _LORA_KEY.match(key)
+    if match is None:
+        raise LoRAAdapterError(name, f"tensor {key!r} is not a LoRA matrix of {list(PROJECTIONS)}")
+    layer, projection, which = int(match.group(1)), match.group(2), match.group(3)
+    if projection not in PROJECTIONS:
+        raise LoRAAdapterError(name, f"target {projection!r} is not served (only {list(PROJECTIONS)})")
+    if layer >= num_layers:
+        raise LoRAAdapterError(name, f"tensor {key!r} names layer {layer}; the model has {num_layers}")
+    (adapter.a if which == "A" else adapter.b)[(layer, projection)] = tensor.contiguous()
+
+
+def _scale(config: dict, module: tuple[int, str], rank: int) -> float:
+    """PEFT's scaling of one module: alpha / r, or alpha / sqrt(r) with rsLoRA (alpha_pattern may set alpha)."""
+    alpha = float(config.get("lora_alpha", 8))
+    layer, projection = module
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if _pattern_matches(pattern, layer, projection):
+            alpha = float(value)
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _pattern_matches(pattern: str, layer: int, projection: str) -> bool:
+    """PEFT's rank/alpha pattern match: the key as a regex against the module's full name's tail."""
+    parent = "self_attn" if projection in PROJECTIONS[:4] else "mlp"
+    full = f"model.layers.{layer}.{parent}.{projection}"
+    return re.match(rf"(.*\.)?({pattern})$", full) is not None
