@@ -73,8 +73,7 @@ def create_app(
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
     app.state.server = state
     routers = [completions, chat, responses, models, tokenize, ops]
-    lora_config = engine.lora_config
-    if lora_config.enable_lora and lora_config.allow_runtime_lora_updating:
+    if state.adapters is not None and state.adapters.config.allow_runtime_lora_updating:
         routers.append(lora_admin)  # else the paths are a 404, as in vLLM
     for module in routers:
         app.include_router(module.router)
@@ -130,8 +129,8 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     engine.observe(metrics)
     admission = Admission(*queue_limits(config, engine), on_reject=metrics.observe_rejected)
     adapters = None
-    if engine.lora_config.enable_lora:
-        adapters = LoRAAdapters(engine, name, engine.lora_config)
+    if engine.lora_manager is not None:  # --enable-lora
+        adapters = LoRAAdapters(engine, name, engine.lora_manager.config)
         metrics.registry.register(LoRACollector(name, engine.lora_stats))
     return ServerState(
         engine=engine,

@@ -11,7 +11,7 @@ The counter counts the requests the engine took with each adapter (every adapter
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 
 
 class LoRACollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], "LoRAStats"]):
+    def __init__(self, model_name: str, stats: Callable[[], Optional["LoRAStats"]]):
         self._model_name = model_name
         self._stats = stats
 
     def collect(self) -> Iterable:
         stats = self._stats()
+        if stats is None:  # an engine without LoRA
+            return
         info = GaugeMetricFamily(
             "pagedserve_lora_requests_info",
             "Running stats on LoRA requests: adapters of running and waiting requests, and --max-loras.",
@@ -40,6 +42,6 @@ class LoRACollector(Collector):
             "Requests taken per LoRA adapter (each adapter of a mix counts once).",
             labels=["model_name", "lora_name"],
         )
-        for name, count in sorted(stats.request_counts.items()):
+        for name, count in sorted(stats.requests.items()):
             requests.add_metric([self._model_name, name], count)
         yield requests

@@ -6,7 +6,7 @@ without them the paths are a 404, as in vLLM. Under /v1/, so behind the API key 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -33,12 +33,12 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: Optional[int] = None  # vLLM's internal id: adapters are named here, so only None is taken
 
 
-_SUCCESS = {200: {"description": "Success (a line of text, as vLLM answers)", "content": {"text/plain": {}}}}
+_SUCCESS: dict[Union[int, str], dict[str, Any]] = {
+    200: {"description": "Success (a line of text, as vLLM answers)", "content": {"text/plain": {}}}
+}
 
 
-@router.post(
-    "/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**_SUCCESS, **ERROR_RESPONSES}
-)
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**_SUCCESS, **ERROR_RESPONSES})
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     """Load a PEFT adapter directory under a name that requests may then send as their `model`."""
     adapters = _adapters(request)
@@ -52,9 +52,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post(
-    "/v1/unload_lora_adapter", response_class=PlainTextResponse, responses={**_SUCCESS, **ERROR_RESPONSES}
-)
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses={**_SUCCESS, **ERROR_RESPONSES})
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     """Stop serving an adapter: later requests naming it get a 404; those already running finish."""
     adapters = _adapters(request)
@@ -64,7 +62,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
             param="lora_int_id",
             code="unsupported_parameter",
         )
-    await adapters.unload(body.lora_name)
+    adapters.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

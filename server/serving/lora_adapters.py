@@ -96,14 +96,14 @@ class LoRAAdapters:
         self._cards[name] = AdapterCard(name, path, base_model_name or self.base_name)
         return time.perf_counter() - started  # the engine's manager logs the load itself, with its time
 
-    async def unload(self, name: str) -> None:
+    def unload(self, name: str) -> None:
         """Stop serving `name`: later requests for it get a 404; those already admitted finish. 404 if unknown."""
         if name not in self._cards:
             raise APIError(
                 404, f"The lora adapter {name!r} cannot be found.", param="lora_name", code="model_not_found"
             )
         del self._cards[name]  # first: a request arriving during the engine's removal is a 404 already
-        await self._engine.remove_lora(name)
+        self._engine.remove_lora(name)
         logger.info("unloaded LoRA adapter %r", name)
 
     def resolve(self, requested: Optional[str], mix: Optional[Sequence[LoRAPart]]) -> tuple[str, Optional[LoRAMix]]:

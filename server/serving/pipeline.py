@@ -151,9 +151,9 @@ async def _admit(
         _log_request(choices)
     timeout = state.config.request_timeout
     guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
-    inputs = [RequestInput(choice.request_id, choice.prompt_token_ids, choice.params) for choice in choices]
+    inputs = [RequestInput(choice.request_id, choice.prompt_token_ids, choice.params, lora) for choice in choices]
     try:
-        streams = await state.engine.add_requests(inputs, priority=priority, arrival_time=arrival_time, lora=lora)
+        streams = await state.engine.add_requests(inputs, priority=priority, arrival_time=arrival_time)
     except BaseException:
         ticket.release()
         raise

@@ -86,12 +86,16 @@ BOOL_FLAGS = {
     "--enable-lora": (("engine", "lora", "enable_lora"), False),
     "--allow-runtime-lora-updating": (("engine", "lora", "allow_runtime_lora_updating"), False),
 }
-ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {
-    "--config",
-    "--disable-log-requests",
-    "--headless",
-    "--lora-modules",
-}
+ALL_FLAGS = (
+    {case[0] for case in FLAG_CASES}
+    | set(BOOL_FLAGS)
+    | {
+        "--config",
+        "--disable-log-requests",
+        "--headless",
+        "--lora-modules",
+    }
+)
 
 
 def get(settings: Settings, path):
@@ -516,7 +520,10 @@ def test_lora_modules_take_vllms_two_forms_after_one_flag_and_from_the_environme
     argv = ["--enable-lora", "--lora-modules", "a=/ad/a", '{"name": "b", "path": "/ad/b", "base_model_name": "m"}']
     lora = load_settings(argv, {}).engine.lora
     assert lora.enable_lora
-    assert [(m.name, m.path, m.base_model_name) for m in lora.lora_modules] == [("a", "/ad/a", None), ("b", "/ad/b", "m")]
+    assert [(m.name, m.path, m.base_model_name) for m in lora.lora_modules] == [
+        ("a", "/ad/a", None),
+        ("b", "/ad/b", "m"),
+    ]
     env = {"PAGEDSERVE_LORA_MODULES": 'c=/ad/c \'{"name": "d", "path": "/ad/d"}\''}
     assert [m.name for m in load_settings([], env).engine.lora.lora_modules] == ["c", "d"]
     assert [m.name for m in load_settings(["--lora-modules", "e=/ad/e"], env).engine.lora.lora_modules] == ["e"]
