@@ -19,6 +19,7 @@ from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.errors import SettingsConflictError
+from engine.lora.lora_setup import build_lora
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
@@ -91,6 +92,7 @@ def _build_rank0(
         shard.dtype,
     )
     kv_groups, max_model_len, buckets = shard.kv_groups, shard.max_model_len, shard.buckets
+    lora_manager = build_lora(config, model) if config.lora.enable_lora else None  # before the runner: its slots
     kv_dtype = spec.dtype
     speculative = config.speculative_config
     draft = None
@@ -149,6 +151,7 @@ def _build_rank0(
         step_cost=step_cost,
         kv_group_windows=kv_groups.windows,
         draft_cost=draft_cost,
+        max_loras=None if lora_manager is None else config.lora.max_loras,
     )
     if kv_groups.num_groups > 1 or kv_groups.windows[0] is not None:
         logger.info(
@@ -180,7 +183,9 @@ def _build_rank0(
         backend.name,
         runner.cuda_graphs,
     )
-    return EngineCore(config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler)
+    return EngineCore(
+        config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler, lora_manager
+    )
 
 
 def _draft_model(

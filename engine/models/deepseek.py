@@ -200,7 +200,9 @@ class DeepseekForCausalLM(MoeForCausalLM):
 
     # ------------------------------------------------------------------ forward
 
-    def _attention(self, layer, x, angles, key_cache, value_cache, metadata, backend, attention) -> torch.Tensor:
+    def _attention(
+        self, layer, x, angles, key_cache, value_cache, metadata, backend, attention, index: int = 0
+    ) -> torch.Tensor:
         return latent_attention(
             layer.attention,
             x,

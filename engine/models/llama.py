@@ -8,7 +8,7 @@ layer costs few operator calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,10 @@ from engine.quantization.int4_groups import Int4Groups
 from engine.loading.model_weights import fuse_rows
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer
+
+if TYPE_CHECKING:
+    from engine.lora.lora_stack import LoRAStack
+    from engine.lora.lora_step import LoRAStep
 
 
 @dataclass(slots=True)
@@ -106,6 +110,10 @@ class LlamaForCausalLM:
         self.layers: list[LlamaLayerWeights] = []
         self.stage = PipelineStage.whole(arch.num_layers)  # the layers this process holds (`hold_stage`)
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
+        # LoRA (engine/lora/): the adapters' stacked slot weights (set at build with enable_lora), and the
+        # current step's deltas, which the runner sets around a forward pass and its logits (None: base only).
+        self.lora: Optional["LoRAStack"] = None
+        self.lora_step: Optional["LoRAStep"] = None
 
     def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:
         arch = self.arch
@@ -259,12 +267,19 @@ class LlamaForCausalLM:
         """The layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its own
         LayerAttention over its own KV group's metadata. A pipeline stage after the first starts from the
         hidden states the stage before returned (its residual stream, before the next layer's norm)."""
-        if self.fused is not None and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend):
+        lora = self.lora_step
+        if (
+            self.fused is not None
+            and lora is None
+            and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend)
+        ):
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         eps = self.arch.rms_norm_eps
         ops = self.ops
         angles = ops.rotary_angles(positions, self.rotary)
         h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
+        if lora is not None and lora.embeds and hidden_states is None:
+            h = lora.embed(input_ids, h)
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         attention, tp = self.layer_attention, self.tp
@@ -272,7 +287,7 @@ class LlamaForCausalLM:
             if index:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
             h = tp.all_reduce(
-                self._attention(layer, x, angles, key_cache, value_cache, step, backend, attention[index])
+                self._attention(layer, x, angles, key_cache, value_cache, step, backend, attention[index], index)
             )
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
             h = tp.all_reduce(self._mlp(index, layer, x))
@@ -280,7 +295,17 @@ class LlamaForCausalLM:
 
     def _mlp(self, index: int, layer: LlamaLayerWeights, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear
-        return linear(self.ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        lora = self.lora_step
+        if lora is None:
+            return linear(
+                self.ops.silu_and_mul(linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias
+            )
+        gate_up = linear(x, layer.gate_up, layer.gate_up_bias)  # [T, 2 * intermediate]
+        lora.add(index, "gate_up", x, gate_up)
+        act = self.ops.silu_and_mul(gate_up)  # [T, intermediate]
+        out = linear(act, layer.down, layer.down_bias)
+        lora.add(index, "down", act, out)
+        return out
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden] in the model's dtype (quantized embeddings dequantized by row)."""
@@ -306,12 +331,17 @@ class LlamaForCausalLM:
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         attention: LayerAttention,
+        index: int = 0,
     ) -> torch.Tensor:
+        """Layer `index`'s attention block (the index selects its LoRA deltas)."""
         arch = self.arch
         ops = self.ops
+        lora = self.lora_step
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
+        if lora is not None:
+            lora.add(index, "qkv", x, qkv)
         qkv = qkv.view(num_tokens, heads + 2 * kv_heads, head_dim)
         if layer.q_norm is None or layer.k_norm is None:  # (a family has both or neither)
             qk = qkv[:, : heads + kv_heads]  # [T, heads + kv_heads, head_dim]
@@ -325,14 +355,25 @@ class LlamaForCausalLM:
         value = qkv[:, heads + kv_heads :]
         backend.write_kv(key, value, key_cache, value_cache, metadata)
         out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
-        return self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias)
+        out = out.reshape(num_tokens, heads * head_dim)
+        projected = self.linear(out, layer.o_proj, layer.o_bias)  # [T, hidden]
+        if lora is not None:
+            lora.add(index, "o_proj", out, projected)
+        return projected
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, lm_heads: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    ) -> torch.Tensor:
         """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32. With several ranks every rank
-        must call it for the same rows in the same order (its slices are gathered): all ranks get the whole."""
+        must call it for the same rows in the same order (its slices are gathered): all ranks get the whole.
+        `lm_heads`: (rows, [vocab, hidden]) whose rows take their logits from that LM head instead (a LoRA
+        adapter's modules_to_save)."""
         x = self.ops.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
         logits = self.linear(x, self.lm_head, None)  # [n, vocab] or [n, this rank's rows]
         if self.vocab_parallel is not None:
             logits = self.vocab_parallel.gather_logits(logits)  # gathered before widening: half the bytes in bf16
-        return logits.float()
+        logits = logits.float()
+        for rows, lm_head in lm_heads:
+            logits[rows] = F.linear(x[rows], lm_head).float()
+        return logits

@@ -10,6 +10,9 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, StepMetadata
+from engine.lora.lora_manager import LoRARef
+from engine.lora.lora_slots import LoRASlots
+from engine.lora.lora_step import LoRASegment, LoRAStep, lm_head_rows
 from engine.models.llama import LlamaForCausalLM
 from engine.runner.block_table import BlockTable
 from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, ForwardFn, model_forward
@@ -49,6 +52,7 @@ class CachedRequestState:
     row: int  # in the runner's BlockTable, which holds the request's block ids
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     matcher: Optional["xgrammar.GrammarMatcher"] = None  # when the request is constrained
+    lora_slots: tuple[tuple[int, float], ...] = ()  # its adapters' (slot, scale) pairs; empty: the base model
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -90,6 +94,7 @@ class _Batch:
     sample_states: list[CachedRequestState] = field(default_factory=list)
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, row, count, pos0
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # first of a request's sample rows -> its drafts
+    lora: Optional[LoRAStep] = None  # the step's adapter deltas (None: no token runs with an adapter)
 
 
 class ModelRunner:
@@ -137,6 +142,7 @@ class ModelRunner:
         self.peers = peers
         self.samples = samples
         self._sampled: dict[str, list[int]] = {}  # the last step's tokens, for the peers' next message
+        self.lora_slots = None if model.lora is None else LoRASlots(model.lora)  # which slot holds which adapter
 
     def take_sampled(self, sampled: dict[str, list[int]]) -> None:
         """A peer's runner: the tokens rank 0 sampled in the last step (accepted drafts included), appended as
@@ -152,6 +158,8 @@ class ModelRunner:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self.block_table.release(state.row)
+            if state.lora_slots and self.lora_slots is not None:
+                self.lora_slots.release(state.lora_slots)
 
     @property
     def num_requests(self) -> int:
@@ -182,6 +190,17 @@ class ModelRunner:
         buffers.begin_step()
         profile = self.profile
         batch, steps, bucket = self._prepare_inputs(scheduler_output)
+        model = self.model
+        assert model is not None
+        model.lora_step = batch.lora  # read by the forward pass and the logits; cleared when the step ends
+        try:
+            return self._run_step(batch, steps, bucket)
+        finally:
+            model.lora_step = None
+
+    def _run_step(self, batch: _Batch, steps: Optional[list[StepMetadata]], bucket: Optional[int]) -> ModelRunnerOutput:
+        buffers, forward, profile = self.buffers, self._forward, self.profile
+        assert buffers is not None and forward is not None
         if bucket is not None:
             assert self.graphs is not None  # the bucket is one of theirs
             if profile is not None:
@@ -269,8 +288,19 @@ class ModelRunner:
                 raise RuntimeError("a constrained request reached a runner without a grammar decoder")
             held = new.grammar.compiled if isinstance(new.grammar, GrammarRef) else None
             matcher = self.grammar.new_matcher(params.structured_outputs, new.output_token_ids, held)
+        lora_slots: tuple[tuple[int, float], ...] = ()
+        if isinstance(new.lora, LoRARef):
+            if self.lora_slots is None:
+                raise RuntimeError("a request with LoRA adapters reached a runner built without LoRA")
+            lora_slots = self.lora_slots.acquire(new.lora)
         return CachedRequestState(
-            new.request_id, new.num_prompt_tokens, sampling, self.block_table.acquire(), list(new.token_ids), matcher
+            new.request_id,
+            new.num_prompt_tokens,
+            sampling,
+            self.block_table.acquire(),
+            list(new.token_ids),
+            matcher,
+            lora_slots,
         )
 
     def _prepare_inputs(
@@ -339,11 +369,14 @@ class ModelRunner:
             token += num_tokens
             max_query_len = max(max_query_len, num_tokens)
         batch.num_tokens = token
+        if self.lora_slots is not None:
+            batch.lora = self._lora_step(token, decodes, chunks)
         max_seq_len = int(seq_lens[:num_reqs].max())
         width = -(-max_seq_len // self.block_table.block_size)
         buffers.check_fits(token, num_reqs, width)
         graphs = self.graphs
-        bucket = graphs.bucket_for(num_decodes) if graphs is not None and not chunks else None
+        # (a step with adapters runs eagerly: the graphs hold no LoRA deltas)
+        bucket = graphs.bucket_for(num_decodes) if graphs is not None and not chunks and batch.lora is None else None
         batch_rows = torch.from_numpy(rows)
         if graphs is not None and bucket is not None:
             for group in range(self.num_groups):
@@ -372,6 +405,17 @@ class ModelRunner:
         ]
         return batch, steps, None
 
+    def _lora_step(self, num_tokens: int, decodes: list, chunks: list) -> Optional[LoRAStep]:
+        """The step's LoRA deltas from its requests' slots: decode rows first, then the chunks, as laid out."""
+        model = self.model
+        assert model is not None and model.lora is not None
+        segments = [LoRASegment(i, 1, state.lora_slots) for i, (state, _, _) in enumerate(decodes)]
+        token = len(decodes)
+        for state, _, count in chunks:
+            segments.append(LoRASegment(token, count, state.lora_slots))
+            token += count
+        return LoRAStep.build(model.lora, num_tokens, segments)
+
     @staticmethod
     def _add_chunk_outputs(
         batch: _Batch, state: CachedRequestState, first_row: int, start: int, num_tokens: int
@@ -398,7 +442,8 @@ class ModelRunner:
         assert model is not None and buffers is not None  # not shut down
         if batch.sample_rows:
             rows = hidden if selected else self._sample_hidden(hidden, batch)
-            logits = model.compute_logits(rows)  # [num_samples, vocab]
+            lm_heads = self._lm_heads([s.lora_slots for s in batch.sample_states]) if batch.lora is not None else ()
+            logits = model.compute_logits(rows, lm_heads)  # [num_samples, vocab]
             states = self._sampling_states(batch)
             # One matcher per request, at its first row (a request's rows after drafts follow it: fill_bitmask).
             matchers = [
@@ -435,10 +480,17 @@ class ModelRunner:
         for state, first_row, count, pos0 in batch.prompt_rows:
             num_top = state.sampling.params.prompt_logprobs
             assert num_top is not None  # a prompt row is scored only when it is asked for (wants_prompt_logprobs)
-            logits = model.compute_logits(hidden[first_row : first_row + count])
+            lm_heads = self._lm_heads([state.lora_slots] * count) if batch.lora is not None else ()
+            logits = model.compute_logits(hidden[first_row : first_row + count], lm_heads)
             targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    def _lm_heads(self, row_slots: list[tuple[tuple[int, float], ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The logits rows whose adapter replaces the LM head (modules_to_save), with its matrix."""
+        model = self.model
+        assert model is not None and model.lora is not None
+        return lm_head_rows(model.lora, row_slots, self.device)
 
     def _sample_hidden(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """hidden [num_tokens, hidden] -> the sample rows' [num_samples, hidden]."""

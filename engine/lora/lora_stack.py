@@ -1,0 +1,108 @@
+"""Every adapter slot's weights, stacked per layer and projection, padded to the largest rank.
+
+A slot holds one adapter while requests using it run (LoRASlots assigns them). For each layer and each of
+the model's (fused) projections:
+
+    a[proj]  [max_loras, parts * max_rank, in]    lora_A of each part, one rank block per part
+    b[proj]  [max_loras, parts * max_rank, out]   lora_B^T (scale folded in), block-diagonal over the parts
+
+`parts` is how many HF projections the model fuses into it: qkv = q|k|v (3), gate_up = gate|up (2), o and
+down (1). For qkv of one slot, with r = max_rank:
+
+    a rows   [0, r) q's A    [r, 2r) k's A    [2r, 3r) v's A
+    b rows   [0, r) -> q's output columns only, [r, 2r) -> k's, [2r, 3r) -> v's (zeros elsewhere)
+
+so (x a^T) b is the three deltas side by side, the fused output's layout. An adapter's smaller rank, or a
+projection it does not target, is zeros. Kept beside the base weights, never merged into them; slots in
+[lo, hi) read as one [(hi - lo) * parts * r, ...] matrix (a view), which is how a step multiplies them all
+at once (engine/lora/lora_step.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from engine.lora.peft_adapter import LoRAWeights
+
+if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
+    from engine.models.llama_arch import LlamaArch
+
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+"""The model's projections and the HF projections fused into each, in their order along the output."""
+
+
+def projection_shapes(arch: "LlamaArch") -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each fused projection's input width and its parts' output widths."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    return {"qkv": (hidden, (q, kv, kv)), "o_proj": (q, (hidden,)), "gate_up": (hidden, (inter, inter)),
+            "down": (inter, (hidden,))}
+
+
+class LoRAStack:
+    """The stacked slot weights of every layer (see the module docstring), and each slot's replacement
+    embedding and LM head (modules_to_save)."""
+
+    def __init__(self, arch: "LlamaArch", max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.arch = arch
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self.shapes = projection_shapes(arch)
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(arch.num_layers):
+            a, b = {}, {}
+            for proj, (width, outs) in self.shapes.items():
+                rows = len(outs) * max_rank
+                a[proj] = torch.zeros(max_loras, rows, width, dtype=dtype, device=device)
+                b[proj] = torch.zeros(max_loras, rows, sum(outs), dtype=dtype, device=device)
+            self.a.append(a)
+            self.b.append(b)
+        self.embed: list[Optional[torch.Tensor]] = [None] * max_loras  # [vocab, hidden] per slot
+        self.lm_head: list[Optional[torch.Tensor]] = [None] * max_loras
+
+    def parts(self, proj: str) -> int:
+        return len(self.shapes[proj][1])
+
+    def load(self, slot: int, weights: LoRAWeights) -> None:
+        """Copy an adapter into `slot` (whatever it held before is overwritten)."""
+        r = self.max_rank
+        for layer, (a_layer, b_layer) in enumerate(zip(self.a, self.b)):
+            for proj, parts in FUSED_PROJECTIONS.items():
+                a, b = a_layer[proj][slot], b_layer[proj][slot]  # [parts * r, in], [parts * r, out]
+                a.zero_()
+                b.zero_()
+                column = 0
+                for part, (name, width) in enumerate(zip(parts, self.shapes[proj][1])):
+                    lora_a = weights.a.get((layer, name))
+                    if lora_a is not None:
+                        rank = lora_a.shape[0]
+                        lora_b = weights.b[(layer, name)]  # [width, rank]
+                        if lora_a.shape[1] != a.shape[1] or lora_b.shape[0] != width:
+                            raise ValueError(
+                                f"adapter {weights.name!r}: layer {layer} {name} is {tuple(lora_b.shape[:1])} x "
+                                f"{tuple(lora_a.shape[1:])}, the model's is ({width},) x ({a.shape[1]},)"
+                            )
+                        a[part * r : part * r + rank].copy_(lora_a)
+                        b[part * r : part * r + rank, column : column + width].copy_(lora_b.t())
+                    column += width
+        vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+        for field in ("embed", "lm_head"):
+            matrix = getattr(weights, field)
+            if matrix is not None and tuple(matrix.shape) != (vocab, hidden):
+                raise ValueError(
+                    f"adapter {weights.name!r}: {field} is {tuple(matrix.shape)}, the model's is ({vocab}, {hidden})"
+                )
+            getattr(self, field)[slot] = None if matrix is None else matrix.to(device=self.device, dtype=self.dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
