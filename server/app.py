@@ -53,8 +53,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        if state.adapters is not None:
-            await state.adapters.load_startup_modules()
         await _warm_up(state)
         state.metrics.counting_requests = True  # the warm-up is not a request to count
         monitor = await asyncio.to_thread(start_gpu_monitor, cuda_devices(engine.device))

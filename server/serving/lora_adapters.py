@@ -55,7 +55,8 @@ class LoRAAdapters:
         self._engine = engine
         self.base_name = base_name
         self.config = config
-        self._cards: dict[str, AdapterCard] = {}
+        # the --lora-modules adapters: registered by the engine as it was built (the first --max-cpu-loras loaded)
+        self._cards = {m.name: AdapterCard(m.name, m.path, m.base_model_name or base_name) for m in config.lora_modules}
         self._loading: set[str] = set()  # names whose load is under way: a second load of one is refused
 
     @property
@@ -68,11 +69,6 @@ class LoRAAdapters:
 
     def card(self, name: str) -> Optional[AdapterCard]:
         return self._cards.get(name)
-
-    async def load_startup_modules(self) -> None:
-        """The --lora-modules adapters, loaded before the server reports ready (a bad one stops start-up)."""
-        for module in self.config.lora_modules:
-            await self.load(module.name, module.path, module.base_model_name)
 
     async def load(self, name: str, path: str, base_model_name: Optional[str] = None) -> float:
         """Load the PEFT directory `path` as adapter `name`; the seconds it took. 400 for a name already

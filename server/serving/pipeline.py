@@ -125,7 +125,7 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
         choices = plan_choices(request.request_id, prompts, params)
         streams, guard = await _admit(state, choices, body.priority, arrival_time, lora)
     except LoRANotFoundError as exc:  # unloaded since the check above
-        raise adapter_not_found(exc) from None
+        raise adapter_not_found(exc, "model" if body.lora is None else "lora") from None
     except RequestRejectedError as exc:  # named as the route spells its fields
         raise rejection_error(exc, names) from None
     return Generation(state, model, request.request_id, prompts, choices, streams, guard)

@@ -107,6 +107,10 @@ def test_the_lora_extension_mixes_adapters_over_the_base(lora_server, sdk, expec
     with pytest.raises(openai.BadRequestError) as refused:
         complete(sdk, "a", extra_body={"lora": mix})
     assert refused.value.body["param"] == "lora"
+    for bad in ([], [{"name": "a", "scale": 1.0}] * 2, [{"name": "a", "scale": "x"}]):
+        with pytest.raises(openai.BadRequestError) as refused:
+            complete(sdk, "tiny", extra_body={"lora": bad})
+        assert refused.value.body["param"] == "lora"
     with pytest.raises(openai.NotFoundError) as unknown:
         complete(sdk, "tiny", extra_body={"lora": [{"name": "nope", "scale": 1.0}]})
     assert (unknown.value.body["code"], unknown.value.body["param"]) == ("model_not_found", "lora")
@@ -169,9 +173,21 @@ def test_without_the_flag_the_endpoints_and_adapters_are_404(server):
         assert (mix.status_code, mix.json()["error"]["param"]) == (400, "lora")
 
 
-def test_metrics_show_the_lora_gauge_and_the_requests_per_adapter(lora_server, sdk):
+def lora_info(client: httpx.Client) -> str:
+    (line,) = [
+        line for line in client.get("/metrics").text.splitlines() if line.startswith("pagedserve_lora_requests_info{")
+    ]
+    return line
+
+
+def test_metrics_show_the_lora_gauge_and_the_requests_per_adapter(lora_server, sdk, monkeypatch):
     complete(sdk, "a")
+    pace_engine(lora_server, monkeypatch, 0.02)
     with lora_server.client() as client:
+        with sdk.completions.create(model="b", prompt=PROMPT, max_tokens=50, temperature=0, stream=True) as stream:
+            next(iter(stream))
+            assert 'running_lora_adapters="b"' in lora_info(client)
+        lora_server.wait_idle()
         text = client.get("/metrics").text
     info = [line for line in text.splitlines() if line.startswith("pagedserve_lora_requests_info{")]
     assert len(info) == 1
