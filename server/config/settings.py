@@ -472,7 +472,8 @@ OPTIONS: tuple[Option, ...] = (
         "--lora-modules",
         (*LORA, "lora_modules"),
         "lora_modules",
-        "adapters loaded at start, each NAME=PATH (a PEFT directory) or a JSON object "
+        "adapters served from start (the first --max-cpu-loras loaded then), each NAME=PATH (a PEFT "
+        "directory) or a JSON object "
         '{"name": ..., "path": ..., "base_model_name": ...}; a request picks one by its model field '
         "(the environment variable takes them space-separated)",
         "NAME=PATH",
