@@ -44,9 +44,7 @@ def expected(tiny_model_dir, adapters):
     with make_llm(tiny_model_dir, enable_lora=True, max_lora_rank=16) as llm:
         tokenizer = llm.engine.tokenizer
         chat_prompt = {"prompt_token_ids": tokenizer.encode(tokenizer.render_chat(MESSAGES, True), False)}
-        requests = {name: LoRARequest(name, str(adapters[name])) for name in ("a", "b", "c")}
-        for request in requests.values():
-            llm.engine.lora_manager.add_lora(request)
+        requests = {name: LoRARequest(name, str(adapters[name])) for name in ("a", "b", "c")}  # loaded on first use
         texts = {}
         for key, lora in [(None, None), *requests.items(), ("mix", LoRAMix(MIX))]:
             (plain,) = llm.generate(PROMPT, params, lora_request=lora, use_tqdm=False)
