@@ -17,15 +17,17 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling.params import SamplingParams
 from scheduler import RequestRejectedError
 from server.serving.admission import Admission
+from server.serving.lora_adapters import LoRAAdapters
 from server.http.auth_metrics import AuthAndMetrics
 from server.http.body_guard import BodyGuard
 from server.config.server_config import ServerConfig
 from server.http.errors import APIError, error_body, handle_error
 from server.observability.gpu_monitor import cuda_devices, start_gpu_monitor
 from server.openai.logprob_format import LogprobFormatter
+from server.observability.lora_metrics import LoRACollector
 from server.observability.metrics import ServerMetrics, cache_info
 from server.http import ops
-from server.openai import chat, completions, models, tokenize
+from server.openai import chat, completions, lora_admin, models, tokenize
 from server.openai.responses import route as responses
 from server.state import ServerState
 
@@ -68,12 +70,15 @@ def create_app(
 
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
     app.state.server = state
-    for module in (completions, chat, responses, models, tokenize, ops):
+    routers = [completions, chat, responses, models, tokenize, ops]
+    if state.adapters is not None and state.adapters.config.allow_runtime_lora_updating:
+        routers.append(lora_admin)  # else the paths are a 404, as in vLLM
+    for module in routers:
         app.include_router(module.router)
     _install_error_handlers(app, state)
     json_paths = [
         route.path
-        for module in (completions, chat, responses, models, tokenize, ops)
+        for module in routers
         for route in module.router.routes
         if getattr(route, "body_field", None) is not None
     ]
@@ -121,6 +126,10 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     metrics.model_weight_bytes.labels(name, engine.quantization).set(engine.weight_bytes)
     engine.observe(metrics)
     admission = Admission(*queue_limits(config, engine), on_reject=metrics.observe_rejected)
+    adapters = None
+    if engine.lora_manager is not None:  # --enable-lora
+        adapters = LoRAAdapters(engine, name, engine.lora_manager.config)
+        metrics.registry.register(LoRACollector(name, engine.lora_stats))
     return ServerState(
         engine=engine,
         config=config,
@@ -128,6 +137,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         metrics=metrics,
         formatter=LogprobFormatter(engine.tokenizer),
         admission=admission,
+        adapters=adapters,
     )
 
 
@@ -156,7 +166,7 @@ async def _warm_up(state: ServerState) -> None:
     async for _ in state.engine.generate("warmup", prompt, params):
         pass
     state.ready = True
-    logger.info("warm-up done; ready to serve %s", ", ".join(state.served_model_names))
+    logger.info("warm-up done; ready to serve %s", ", ".join(state.model_ids))
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from engine.async_engine import AsyncEngine
 from server.serving.admission import Admission
+from server.serving.lora_adapters import LoRAAdapters
 from engine.text.tokenizer import Tokenizer
 from server.config.server_config import ServerConfig
 from server.openai.logprob_format import LogprobFormatter
@@ -22,6 +24,12 @@ class ServerState:
     admission: Admission
     ready: bool = False
     draining: bool = False  # shutting down: new generation requests get a 503
+    adapters: Optional[LoRAAdapters] = None  # with --enable-lora: the adapters a request's model may name
+
+    @property
+    def model_ids(self) -> list[str]:
+        """Every id a request's `model` may name: the served model's, then the LoRA adapters'."""
+        return [*self.served_model_names, *(self.adapters.names if self.adapters is not None else ())]
 
     @property
     def tokenizer(self) -> Tokenizer:

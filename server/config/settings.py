@@ -1,7 +1,7 @@
 """The server's settings, composed from defaults, a YAML preset, `PAGEDSERVE_*` variables and flags.
 
     defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
-                 (model/cache/scheduler/parallel/server sections, top-level attention_backend, batch_invariant, enforce_eager, profile,
+                 (model/cache/scheduler/parallel/server/lora sections, top-level attention_backend, batch_invariant, enforce_eager, profile,
                  speculative_config)
 
 Every value remembers where it came from, so an error names the flag, the
@@ -24,6 +24,7 @@ import argparse
 import difflib
 import json
 import logging
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
@@ -63,6 +64,7 @@ _YAML_SECTIONS: dict[str, FieldPath] = {
     "scheduler": ("engine", "scheduler"),
     "parallel": ("engine", "parallel"),
     "server": ("server",),
+    "lora": ("engine", "lora"),
 }
 _YAML_SCALARS: dict[str, FieldPath] = {
     "attention_backend": ("engine", "attention_backend"),
@@ -91,7 +93,7 @@ class Settings(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
 
 
-Kind = Literal["str", "int", "float", "bool", "size", "keys", "list", "json"]
+Kind = Literal["str", "int", "float", "bool", "size", "keys", "list", "json", "lora_modules"]
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ class Option:
 
 # Where each section's fields live in Settings (an option's path is its section's plus the field name).
 MODEL, CACHE, SCHEDULER, SERVER = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
-PARALLEL = ("engine", "parallel")
+PARALLEL, LORA = ("engine", "parallel"), ("engine", "lora")
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch of the load/unload endpoints, taken too
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -472,6 +475,36 @@ OPTIONS: tuple[Option, ...] = (
         "none",
         nullable=True,
     ),
+    Option("--enable-lora", (*LORA, "enable_lora"), "bool", "serve LoRA adapters over the base model"),
+    Option(
+        "--lora-modules",
+        (*LORA, "lora_modules"),
+        "lora_modules",
+        "adapters served from start (the first --max-cpu-loras loaded then), each NAME=PATH (a PEFT "
+        "directory) or a JSON object "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request picks one by its model field '
+        "(the environment variable takes them space-separated)",
+        "NAME=PATH",
+        "none",
+    ),
+    Option("--max-loras", (*LORA, "max_loras"), "int", "distinct adapters in one step's batch at most", "N"),
+    Option("--max-lora-rank", (*LORA, "max_lora_rank"), "int", "largest adapter rank accepted", "N"),
+    Option(
+        "--max-cpu-loras",
+        (*LORA, "max_cpu_loras"),
+        "int",
+        "adapters kept loaded at most (least recently used evicted, reloaded when asked for again)",
+        "N",
+        "--max-loras",
+        nullable=True,
+    ),
+    Option(
+        "--allow-runtime-lora-updating",
+        (*LORA, "allow_runtime_lora_updating"),
+        "bool",
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key); "
+        f"{RUNTIME_LORA_ENV}=true does too",
+    ),
 )
 
 
@@ -492,6 +525,10 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     config_path = args.get("config") or environ.get(config_env) or None
     if config_path:
         _apply_preset(data, origins, config_path, config_source)
+    if environ.get(RUNTIME_LORA_ENV):  # below PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING and the flag
+        runtime_lora = next(option for option in OPTIONS if option.dest == "allow_runtime_lora_updating")
+        value = _convert_env(runtime_lora, environ[RUNTIME_LORA_ENV], RUNTIME_LORA_ENV)
+        _set(data, origins, (*LORA, runtime_lora.dest), value, RUNTIME_LORA_ENV)
     for option in OPTIONS:
         raw = environ.get(option.env)
         if option.path is not None and raw:  # an empty variable counts as unset
@@ -629,6 +666,8 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif option.kind in ("keys", "list"):
             kwargs.update(action="extend", type=_flag_type(option), metavar=option.metavar)
+        elif option.kind == "lora_modules":  # vLLM's: several after one flag, or the flag repeated
+            kwargs.update(action="extend", nargs="+", type=_flag_type(option), metavar=option.metavar)
         else:
             metavar = option.metavar or ("{" + ",".join(choices) + "}" if choices else None)
             kwargs.update(type=_flag_type(option), metavar=metavar)
@@ -642,7 +681,8 @@ An empty environment variable counts as unset. Booleans in the environment: true
 Another PAGEDSERVE_* variable gets a warning, unless read elsewhere (PAGEDSERVE_CACHE_DIR: the cache of
 converted models and built kernels; the compose files' and scripts' own).
 --max-model-len, --num-kv-blocks, --kv-cache-memory, --max-queued-requests, --max-queued-tokens,
---request-timeout, --revision, --download-dir, --chat-template and --ssl-* accept "none" (back to the default).
+--request-timeout, --revision, --download-dir, --chat-template, --max-cpu-loras and --ssl-* accept "none" (back to
+the default). VLLM_ALLOW_RUNTIME_LORA_UPDATING counts as PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING (which wins).
 Examples:
   pagedserve serve --config configs/default.yaml
   PAGEDSERVE_API_KEY=secret pagedserve serve --model ./my-model --port 8080"""
@@ -691,11 +731,11 @@ def _flag_type(option: Option):
     return convert
 
 
-def _convert_env(option: Option, raw: str) -> Any:
+def _convert_env(option: Option, raw: str, variable: Optional[str] = None) -> Any:
     try:
         return convert_value(option, raw, from_env=True)
     except ValueError as error:
-        raise SettingsError(f"{option.env}: {error}") from None
+        raise SettingsError(f"{variable or option.env}: {error}") from None
 
 
 def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
@@ -711,6 +751,8 @@ def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
         return [key.strip() for key in raw.split(",") if key.strip()] if from_env else [raw]
     if option.kind == "list":
         return [item.strip() for item in raw.split(",") if item.strip()]
+    if option.kind == "lora_modules":  # a flag value is one module; a variable's value all of them
+        return [_lora_module(item) for item in shlex.split(raw)] if from_env else _lora_module(text)
     if option.kind == "bool":
         if text.lower() in _TRUE | _FALSE:
             return text.lower() in _TRUE
@@ -739,3 +781,19 @@ def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
     if choices is not None and text not in choices:
         raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")
     return text
+
+
+def _lora_module(text: str) -> dict[str, Any]:
+    """One --lora-modules item, NAME=PATH or vLLM's JSON object, as the LoRAModule fields."""
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not valid JSON ({error.msg} at character {error.pos}): {text!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, got {text!r}")
+        return value
+    name, equals, path = text.partition("=")
+    if not equals or not name.strip() or not path.strip():
+        raise ValueError(f"expected NAME=PATH or a JSON object, got {text!r}")
+    return {"name": name.strip(), "path": path.strip()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from pydantic import BaseModel
 
@@ -75,6 +75,16 @@ def error_body(status: int, message: str, *, param: Optional[str] = None, code: 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(requested: str, served: Sequence[str], param: str = "model") -> APIError:
+    """OpenAI's (and vLLM's) 404 for a model id, or a LoRA adapter's name, that this server does not serve."""
+    return APIError(
+        404,
+        f"The model {requested!r} does not exist; this server serves {', '.join(map(repr, served))}.",
+        param=param,
+        code="model_not_found",
+    )
 
 
 def handle_error(exc: BaseException, metrics: ServerMetrics, where: str) -> APIError:

@@ -23,6 +23,15 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class LoRAPart(BaseModel):
+    """One adapter of a request's `lora` mix (pagedserve's extension): its name and the scale its delta gets."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1)
+    scale: float = 1.0
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat (OpenAI's and vLLM's extras at top level).
 
@@ -58,6 +67,8 @@ class SamplingFields(BaseModel):
     # speculative decoding, per request (pagedserve's own)
     speculative: bool = True
     num_speculative_tokens: Optional[int] = None
+    # a weighted mix of LoRA adapters over the base model (pagedserve's own; one adapter: set `model` to it)
+    lora: Optional[list[LoRAPart]] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -243,7 +254,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagedserve"
-    root: Optional[str] = None
+    root: Optional[str] = None  # the base model's source; a LoRA adapter's directory
+    parent: Optional[str] = None  # a LoRA adapter's base model id (None for the base itself)
     max_model_len: int
 
 

@@ -20,7 +20,7 @@ router = APIRouter()
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state: ServerState = request.app.state.server
-    check_model(body.model, state.served_model_names)
+    check_model(body.model, state.model_ids)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages.", param="prompt")
     tokenizer = state.tokenizer  # large texts: tokenized off the event loop
@@ -35,7 +35,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state: ServerState = request.app.state.server
-    check_model(body.model, state.served_model_names)
+    check_model(body.model, state.model_ids)
     check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
     text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)
     return DetokenizeResponse(prompt=text)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from server.http.errors import APIError, bad_request
-from server.openai.protocol import SamplingFields
+from server.http.errors import APIError, bad_request, model_not_found
+from server.openai.protocol import LoRAPart, SamplingFields
 from server.serving.constraints import STRUCTURED_EXTRAS
 from server.serving.rejections import CONTEXT_LENGTH_EXCEEDED
 from server.serving.unsupported import VLLM_EXTRAS
 
 if TYPE_CHECKING:
+    from engine.lora.request import LoRAMix
     from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -20,8 +21,11 @@ logger = logging.getLogger(__name__)
 PROMPT_CHARS_MARGIN = 4  # normalizers may fold characters: refuse only far beyond what could fit
 
 
-def check_server_and_model(state: "ServerState", requested: Optional[str]) -> str:
-    """503 while draining or with the engine down; the served model name for the request (404 if unknown)."""
+def check_server_and_model(
+    state: "ServerState", requested: Optional[str], lora: Optional[Sequence[LoRAPart]] = None
+) -> tuple[str, Optional["LoRAMix"]]:
+    """503 while draining or with the engine down; the model id the response reports and the LoRA adapters
+    the request runs with (None: the base model alone). 404 for an unknown model or adapter."""
     if state.draining or not state.engine.is_alive:
         raise APIError(
             503,
@@ -29,19 +33,18 @@ def check_server_and_model(state: "ServerState", requested: Optional[str]) -> st
             if state.draining
             else f"the engine is not running: {state.engine.error or 'stopped'}",
         )
-    return check_model(requested, state.served_model_names)
+    if state.adapters is not None:
+        return state.adapters.resolve(requested, lora)
+    if lora is not None:
+        raise bad_request("lora needs a server started with --enable-lora.", param="lora")
+    return check_model(requested, state.served_model_names), None
 
 
 def check_model(requested: Optional[str], served: Sequence[str]) -> str:
-    """The served model name for the request; 404 for an unknown one."""
+    """The served model name for the request (the first when it names none); 404 for an unknown one."""
     if requested is None or requested in served:
-        return served[0]
-    raise APIError(
-        404,
-        f"The model {requested!r} does not exist; this server serves {', '.join(map(repr, served))}.",
-        param="model",
-        code="model_not_found",
-    )
+        return served[0] if requested is None else requested
+    raise model_not_found(requested, served)
 
 
 def check_fields(request: SamplingFields, state: "ServerState") -> None:

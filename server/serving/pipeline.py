@@ -4,7 +4,8 @@ A route translates its protocol into a GenerationRequest, hands it to `start_gen
 Generation it gets back in its protocol: collected into one response, or as a stream of events. Between the
 two, in this order and only here:
 
-    check       the server takes requests, the model is served, no refused or unknown field
+    check       the server takes requests, the model (or LoRA adapter, or mix of adapters: serving/lora_adapters.py)
+                is served, no refused or unknown field
                 (serving/checks.py, the refused fields' table in serving/unsupported.py)
     constrain   at most one source of an output grammar (response_format, structured_outputs, tools)
     room        the request fits the queue (400 if never, 429 if not now), before any tokenizing
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional, Sequence
 from fastapi import Request
 
 from engine.async_engine import RequestInput
+from engine.errors import LoRANotFoundError
+from engine.lora.request import LoRAMix
 from engine.outputs import OutputAccumulator, RequestOutput
 from engine.request_stream import RequestStream
 from engine.structured import StructuredOutputs
@@ -34,6 +37,7 @@ from server.openai.protocol import SamplingFields
 from server.serving.checks import check_fields, check_queue_room, check_server_and_model
 from server.serving.choices import Choice, plan_choices
 from server.serving.constraints import constraint_from_extras
+from server.serving.lora_adapters import adapter_not_found
 from server.serving.prompts import Prompt
 from server.serving.request_guard import RequestGuard
 from server.serving.sampling_params import make_sampling_params
@@ -98,7 +102,7 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
     """Check, constrain, render and admit `request`; `arrival_time` (time.monotonic) is when the route received it,
     so queue time and time to first token include rendering and tokenizing."""
     body = request.body
-    model = check_server_and_model(state, body.model)
+    model, lora = check_server_and_model(state, body.model, body.lora)
     refuse_unsupported(body, request.unsupported)
     check_fields(body, state)
     extras = ("structured_outputs / guided_*", constraint_from_extras(body))
@@ -119,7 +123,9 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
             structured_outputs=None if constraint is None else constraint[0],
         )
         choices = plan_choices(request.request_id, prompts, params)
-        streams, guard = await _admit(state, choices, body.priority, arrival_time)
+        streams, guard = await _admit(state, choices, body.priority, arrival_time, lora)
+    except LoRANotFoundError as exc:  # unloaded since the check above
+        raise adapter_not_found(exc, "model" if body.lora is None else "lora") from None
     except RequestRejectedError as exc:  # named as the route spells its fields
         raise rejection_error(exc, names) from None
     return Generation(state, model, request.request_id, prompts, choices, streams, guard)
@@ -136,16 +142,16 @@ def _one_constraint(found: Sequence[tuple[str, Optional[Constraint]]]) -> Option
 
 
 async def _admit(
-    state: "ServerState", choices: Sequence[Choice], priority: int, arrival_time: float
+    state: "ServerState", choices: Sequence[Choice], priority: int, arrival_time: float, lora: Optional[LoRAMix]
 ) -> tuple[list[RequestStream], RequestGuard]:
-    """Take the choices' places in the queue (429 when full), then queue them in the engine, all or none.
-    The guard returned holds the places and the deadline."""
+    """Take the choices' places in the queue (429 when full), then queue them in the engine, all or none,
+    with their LoRA adapters (None: the base model). The guard returned holds the places and the deadline."""
     ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
     if state.config.enable_log_requests:
         _log_request(choices)
     timeout = state.config.request_timeout
     guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
-    inputs = [RequestInput(choice.request_id, choice.prompt_token_ids, choice.params) for choice in choices]
+    inputs = [RequestInput(choice.request_id, choice.prompt_token_ids, choice.params, lora) for choice in choices]
     try:
         streams = await state.engine.add_requests(inputs, priority=priority, arrival_time=arrival_time)
     except BaseException:

@@ -64,6 +64,11 @@ def free_port() -> int:
 
 def start_server(model_dir, server_config: ServerConfig, *, on_engine_death=None, **engine_overrides):
     engine = AsyncEngine(make_llm(model_dir, **engine_overrides).engine)
+    return serve_engine(engine, server_config, on_engine_death=on_engine_death)
+
+
+def serve_engine(engine: AsyncEngine, server_config: ServerConfig, *, on_engine_death=None):
+    """uvicorn serving `engine` on a free loopback port, in a thread: (uvicorn server, thread, RunningServer)."""
     port = free_port()
     app = create_app(engine, server_config.model_copy(update={"port": port}), on_engine_death=on_engine_death)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -69,6 +69,9 @@ FLAG_CASES = [
     ("--quantization", "int4", ("engine", "model", "quantization"), "int4"),
     ("--quantization-group-size", "64", ("engine", "model", "quantization_group_size"), 64),
     ("--kv-cache-dtype", "bfloat16", ("engine", "cache", "kv_cache_dtype"), "bfloat16"),
+    ("--max-loras", "2", ("engine", "lora", "max_loras"), 2),
+    ("--max-lora-rank", "64", ("engine", "lora", "max_lora_rank"), 64),
+    ("--max-cpu-loras", "8", ("engine", "lora", "max_cpu_loras"), 8),
 ]
 _PAIRS = {"--ssl-keyfile": ("--ssl-certfile", "cert.pem"), "--ssl-certfile": ("--ssl-keyfile", "key.pem")}
 # boolean flags: place in Settings, default
@@ -81,8 +84,19 @@ BOOL_FLAGS = {
     "--profile": (("engine", "profile"), False),
     "--trust-remote-code": (("engine", "model", "trust_remote_code"), False),
     "--enable-log-requests": (("server", "enable_log_requests"), False),
+    "--enable-lora": (("engine", "lora", "enable_lora"), False),
+    "--allow-runtime-lora-updating": (("engine", "lora", "allow_runtime_lora_updating"), False),
 }
-ALL_FLAGS = {case[0] for case in FLAG_CASES} | set(BOOL_FLAGS) | {"--config", "--disable-log-requests", "--headless"}
+ALL_FLAGS = (
+    {case[0] for case in FLAG_CASES}
+    | set(BOOL_FLAGS)
+    | {
+        "--config",
+        "--disable-log-requests",
+        "--headless",
+        "--lora-modules",
+    }
+)
 
 
 def get(settings: Settings, path):
@@ -341,7 +355,7 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
         (
             {"schedular": {}},
             "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
-            "batch_invariant, cache, enforce_eager, model, parallel, profile, scheduler, server, "
+            "batch_invariant, cache, enforce_eager, lora, model, parallel, profile, scheduler, server, "
             "speculative_config)",
         ),
         (
@@ -506,3 +520,32 @@ def test_parallel_layouts_and_the_ray_backend_s_refusal():
         load_settings(["--distributed-executor-backend", "ray"], {}).engine.parallel.distributed_executor_backend
         == "ray"
     )
+
+
+def test_lora_modules_take_vllms_two_forms_after_one_flag_and_from_the_environment(tmp_path):
+    argv = ["--enable-lora", "--lora-modules", "a=/ad/a", '{"name": "b", "path": "/ad/b", "base_model_name": "m"}']
+    lora = load_settings(argv, {}).engine.lora
+    assert lora.enable_lora
+    assert [(m.name, m.path, m.base_model_name) for m in lora.lora_modules] == [
+        ("a", "/ad/a", None),
+        ("b", "/ad/b", "m"),
+    ]
+    env = {"PAGEDSERVE_LORA_MODULES": 'c=/ad/c \'{"name": "d", "path": "/ad/d"}\''}
+    assert [m.name for m in load_settings([], env).engine.lora.lora_modules] == ["c", "d"]
+    assert [m.name for m in load_settings(["--lora-modules", "e=/ad/e"], env).engine.lora.lora_modules] == ["e"]
+    preset = write_yaml(tmp_path, {"lora": {"enable_lora": True, "lora_modules": [{"name": "f", "path": "/ad/f"}]}})
+    assert load_settings(["--config", preset], {}).engine.lora.lora_modules[0].name == "f"
+    with pytest.raises(SettingsError, match="--lora-modules: expected NAME=PATH or a JSON object, got 'a'"):
+        load_settings(["--lora-modules", "a"], {})
+    with pytest.raises(SettingsError, match="--lora-modules: not valid JSON"):
+        load_settings(["--lora-modules", "{name"], {})
+
+
+def test_vllms_runtime_lora_variable_allows_the_endpoints_below_ours():
+    vllm = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert load_settings([], vllm).engine.lora.allow_runtime_lora_updating
+    ours = {**vllm, "PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING": "false"}
+    assert not load_settings([], ours).engine.lora.allow_runtime_lora_updating
+    assert load_settings(["--allow-runtime-lora-updating"], ours).engine.lora.allow_runtime_lora_updating
+    with pytest.raises(SettingsError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING: expected a boolean"):
+        load_settings([], {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "maybe"})
