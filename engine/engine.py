@@ -271,6 +271,8 @@ class EngineCore:
         for request in self.scheduler.abort(request_ids):  # the next step message tells the runner
             state = self._states.pop(request.request_id)
             outputs.append(self._output(state, [], "", "abort", now, abort_reason=reason))
+        if outputs and self.lora_manager is not None:  # (no step may follow: the gauge must not keep them)
+            self._record_lora_activity(self.lora_manager)
         return outputs
 
     def observe(self, observer: EngineObserver) -> None:
