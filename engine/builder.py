@@ -19,7 +19,7 @@ from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.errors import SettingsConflictError
-from engine.lora.lora_setup import build_lora
+from engine.lora_setup import build_lora
 from engine.ray_workers import start_ray_workers
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks

@@ -20,7 +20,7 @@ at once (engine/lora/lora_step.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -28,7 +28,27 @@ from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
     from engine.layers.linear import Linear
-    from engine.models.llama_arch import LlamaArch
+
+
+class ModelShape(Protocol):
+    """What the stacks need of the model's shape (engine.models' LlamaArch has it; engine.models imports this
+    room, not the other way round)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
 
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -56,7 +76,7 @@ class LoRAKernels(NamedTuple):
         return cls(lora_shrink, lora_expand, group_by_slot)
 
 
-def projection_shapes(arch: "LlamaArch") -> dict[str, tuple[int, tuple[int, ...]]]:
+def projection_shapes(arch: ModelShape) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Each fused projection's input width and its parts' output widths."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     hidden, inter = arch.hidden_size, arch.intermediate_size
@@ -74,7 +94,7 @@ class LoRAStack:
 
     def __init__(
         self,
-        arch: "LlamaArch",
+        arch: ModelShape,
         max_loras: int,
         max_rank: int,
         dtype: torch.dtype,

@@ -43,9 +43,13 @@ def hf_model(model_dir: str):
 
 def hf_greedy(model_dir: Path, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """HF `generate` greedy tokens (eos ignored) and the raw log-softmax of each chosen token."""
+    return hf_greedy_of(hf_model(str(model_dir)), prompt_ids, max_new_tokens)
+
+
+def hf_greedy_of(model, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """`hf_greedy` of an in-memory HF model (a PEFT model included)."""
     from transformers import GenerationConfig
 
-    model = hf_model(str(model_dir))
     ids = torch.tensor([list(prompt_ids)])
     with torch.inference_mode():
         # No eos at all: [] (None falls back to the model's; min_new_tokens would mask eos out).

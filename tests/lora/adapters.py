@@ -87,25 +87,6 @@ def merged_model_dir(base_dir: Path, adapters: Sequence[tuple[Path, float]], out
     return out_dir
 
 
-def greedy(model, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """HF greedy tokens of an in-memory model (eos ignored) and each chosen token's log-softmax."""
-    from transformers import GenerationConfig
-
-    ids = torch.tensor([list(prompt)])
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=[],
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
-    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-
-
 # A small Llama shape for the step-level tests (no checkpoint).
 ARCH = LlamaArch(
     model_type="llama",

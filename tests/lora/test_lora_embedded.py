@@ -6,7 +6,8 @@ import pytest
 
 from engine import LLM, LoRAMix, LoRARequest, SamplingParams
 from tests.engine.references import assert_idle
-from tests.lora.adapters import greedy, make_adapter
+from tests.engine.references import hf_greedy_of
+from tests.lora.adapters import make_adapter
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 8
@@ -41,7 +42,7 @@ def test_embedded_model_with_an_adapter_matches_peft(embedded_checkpoint, tmp_pa
             [prompt, prompt], params, use_tqdm=False, lora_request=[LoRAMix.single("smol"), None]
         )
         assert_idle(llm)
-    expected, expected_logprobs = greedy(reference, prompt, NEW_TOKENS)
+    expected, expected_logprobs = hf_greedy_of(reference, prompt, NEW_TOKENS)
     assert served.outputs[0].token_ids == expected
     assert [lp.logprob for lp in served.outputs[0].logprobs] == pytest.approx(expected_logprobs, abs=1e-4)
     assert base.outputs[0].token_ids != expected  # the adapter changes the output
