@@ -54,42 +54,45 @@ def run_model(model_dir: Path, tp: ParallelGroup, shapes=None, rank: int = 0) ->
     return first, model.compute_logits(hidden)
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, results) -> None:
+def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
     tp = ParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 30)
     try:
-        results[rank] = run_model(Path(model_dir), tp, results, rank)
+        for name, model_dir in model_dirs.items():
+            shapes: dict = {}
+            results[(name, rank)] = run_model(Path(model_dir), tp, shapes, rank)
+            results[(name, "vocab", rank)] = shapes[("vocab", rank)]
     finally:
         tp.leave()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "arch, overrides",
-    [
-        ("llama", {}),
-        ("qwen2", {"num_key_value_heads": 1}),
-        ("qwen3", {}),
-        ("llama", {"vocab_size": 511}),
-        ("llama", {"vocab_size": 511, "tie_word_embeddings": True}),
-    ],
-    ids=["llama", "qwen2-kv1", "qwen3", "vocab511", "vocab511-tied"],
-)
-def test_two_ranks_compute_the_whole_models_logits(tmp_path, arch, overrides):
-    model_dir = make_tiny_model_dir(tmp_path / arch, arch, **overrides)
-    expected = run_model(model_dir, ParallelGroup.single())
+CHECKPOINTS = {
+    "llama": ("llama", {}),
+    "qwen2-kv1": ("qwen2", {"num_key_value_heads": 1}),
+    "qwen3": ("qwen3", {}),
+    "vocab511": ("llama", {"vocab_size": 511}),
+    "vocab511-tied": ("llama", {"vocab_size": 511, "tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_compute_the_whole_models_logits(tmp_path):
+    """Every checkpoint in one pair of spawned processes (spawning costs seconds)."""
+    model_dirs = {name: str(make_tiny_model_dir(tmp_path / name, arch, **o)) for name, (arch, o) in CHECKPOINTS.items()}
+    expected = {name: run_model(Path(d), ParallelGroup.single()) for name, d in model_dirs.items()}
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, str(model_dir), results)) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, model_dirs, results)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(100)
+            p.join(150)
         assert [p.exitcode for p in procs] == [0, 0]
-        vocab, hidden = expected[0].shape[1], load_hf_config(model_dir).hidden_size
-        for rank in range(2):
-            for got, want in zip(results[rank], expected):
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            rows = -(-vocab // 2)  # each rank holds its half of the vocabulary's rows, the last one padded
-            assert results[("vocab", rank)] == ((rows, hidden), (rows, hidden))
+        for name, want in expected.items():
+            vocab, hidden = want[0].shape[1], load_hf_config(Path(model_dirs[name])).hidden_size
+            for rank in range(2):
+                for got, logits in zip(results[(name, rank)], want):
+                    torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
+                rows = -(-vocab // 2)  # each rank holds its half of the vocabulary's rows, the last one padded
+                assert results[(name, "vocab", rank)] == ((rows, hidden), (rows, hidden))
