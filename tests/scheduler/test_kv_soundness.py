@@ -287,7 +287,7 @@ def test_computed_tokens_were_written_for_exactly_those_tokens(setup, ops, seed)
     check_computed_tokens_were_written(setup, ops, seed, depth=1)
 
 
-@settings(max_examples=200, **_property)
+@settings(max_examples=120, **_property)
 @given(setup=setups(), ops=operations, seed=st.integers(0, 2**16), depth=st.sampled_from([2, 3]))
 def test_computed_tokens_were_written_with_steps_in_flight(setup, ops, seed, depth):
     check_computed_tokens_were_written(setup, ops, seed, depth)
