@@ -34,7 +34,7 @@ def invariant_llm(tiny_llama_dir):
 def test_generated_schemas_validate_in_mixed_batches(invariant_llm, schema, temperature, seed):
     plain = SamplingParams(max_tokens=8, temperature=0.0)
     constrained = SamplingParams(
-        max_tokens=400, temperature=temperature, seed=seed, structured_outputs={"json": schema}
+        max_tokens=240, temperature=temperature, seed=seed, structured_outputs={"json": schema}
     )
     alone = invariant_llm.generate(PROMPTS[:1], plain)[0].outputs[0]
     outputs = invariant_llm.generate(PROMPTS, [plain, constrained, constrained.replace(seed=seed + 1), plain])
