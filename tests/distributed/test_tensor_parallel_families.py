@@ -15,13 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from engine.distributed.parallel_group import ParallelGroup
-from tests.distributed.conftest import free_port
 from tests.distributed.test_tensor_parallel import assert_same, generate
-from tests.distributed.test_tensor_parallel_model import run_model
+from tests.distributed.test_tensor_parallel_model import run_model, two_rank_results
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 
@@ -36,15 +34,6 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "granite": ("granite", {}),
     **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
 }
-
-
-def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
-    tp = ParallelGroup.join(rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 30)
-    try:
-        for name, model_dir in model_dirs.items():
-            results[(name, rank)] = run_model(model_dir, tp)
-    finally:
-        tp.leave()
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +69,11 @@ def stacked_copy(model_dir: Path, path: Path) -> Path:
 @pytest.mark.timeout(180)
 def test_two_ranks_compute_every_familys_logits(model_dirs):
     expected = {name: run_model(model_dir, ParallelGroup.single()) for name, model_dir in model_dirs.items()}
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, model_dirs, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(150)
-        assert [p.exitcode for p in procs] == [0, 0]
-        for name, want in expected.items():
-            for rank in range(2):
-                for got, logits in zip(results[(name, rank)], want):
-                    torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
+    results = two_rank_results({name: str(d) for name, d in model_dirs.items()})
+    for name, want in expected.items():
+        for rank in range(2):
+            for got, logits in zip(results[(name, rank)], want):
+                torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
 
 
 def test_olmo2_served_on_two_ranks(model_dirs):

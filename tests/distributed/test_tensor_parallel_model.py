@@ -65,6 +65,22 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
         tp.leave()
 
 
+def two_rank_results(model_dirs: dict) -> dict:
+    """Each checkpoint's `run_model` on both ranks of one spawned pair (spawning costs seconds): by (name, rank),
+    and its vocabulary's shapes by (name, "vocab", rank)."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        shared = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, model_dirs, shared)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0, 0]
+        return dict(shared)
+
+
 CHECKPOINTS = {
     "llama": ("llama", {}),
     "qwen2-kv1": ("qwen2", {"num_key_value_heads": 1}),
@@ -79,20 +95,11 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
     """Every checkpoint in one pair of spawned processes (spawning costs seconds)."""
     model_dirs = {name: str(make_tiny_model_dir(tmp_path / name, arch, **o)) for name, (arch, o) in CHECKPOINTS.items()}
     expected = {name: run_model(Path(d), ParallelGroup.single()) for name, d in model_dirs.items()}
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, model_dirs, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(150)
-        assert [p.exitcode for p in procs] == [0, 0]
-        for name, want in expected.items():
-            vocab, hidden = want[0].shape[1], load_hf_config(Path(model_dirs[name])).hidden_size
-            for rank in range(2):
-                for got, logits in zip(results[(name, rank)], want):
-                    torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
-                rows = -(-vocab // 2)  # each rank holds its half of the vocabulary's rows, the last one padded
-                assert results[(name, "vocab", rank)] == ((rows, hidden), (rows, hidden))
+    results = two_rank_results(model_dirs)
+    for name, want in expected.items():
+        vocab, hidden = want[0].shape[1], load_hf_config(Path(model_dirs[name])).hidden_size
+        for rank in range(2):
+            for got, logits in zip(results[(name, rank)], want):
+                torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
+            rows = -(-vocab // 2)  # each rank holds its half of the vocabulary's rows, the last one padded
+            assert results[(name, "vocab", rank)] == ((rows, hidden), (rows, hidden))
