@@ -122,7 +122,9 @@ def iter_gguf_weights(
 def read_float(tensor) -> torch.Tensor:
     """A GGUFReader tensor as a float32 tensor of its logical shape (any type dequantized)."""
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-    return _read_array(tensor.name, tensor.tensor_type, np.asarray(tensor.data), shape, None).float()
+    value = _read_array(tensor.name, tensor.tensor_type, np.asarray(tensor.data), shape, None)
+    assert isinstance(value, torch.Tensor)  # (no kernels: floats)
+    return value.float()
 
 
 def _read_array(

@@ -161,4 +161,3 @@ def _pair_rank(name: str, module: tuple[int, str], a: tuple[int, ...], b: tuple[
     if a[0] > max_rank:
         raise LoRARankError(name, a[0], max_rank)
     return a[0]
-

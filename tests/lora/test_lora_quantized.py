@@ -52,12 +52,21 @@ def test_a_gguf_adapter_reads_back_the_peft_deltas(adapter_a, gguf_adapter, lora
         assert torch.equal(gguf.a[module], peft.a[module]) and torch.equal(gguf.b[module], peft.b[module]), module
     refusals = [
         (lambda: load_gguf_adapter("a", str(gguf_adapter), 2, LAYERS, TARGET), LoRARankError, "above max_lora_rank"),
-        (lambda: load_gguf_adapter("a", str(gguf_adapter), 8, LAYERS, TARGET._replace(model_type="qwen2")),
-         LoRAAdapterError, "converted for a 'llama' model; the base is 'qwen2'"),
-        (lambda: load_gguf_adapter("a", str(make_tiny_gguf(lora_base_dir, tmp_path / "m.gguf")), 8, LAYERS, TARGET),
-         LoRAAdapterError, "general.type None, not an adapter"),
-        (lambda: load_gguf_adapter("a", str(_embedding_adapter(tmp_path / "e.gguf")), 8, LAYERS, TARGET),
-         LoRAAdapterError, "LoRA on 'token_embd.weight' is not served"),
+        (
+            lambda: load_gguf_adapter("a", str(gguf_adapter), 8, LAYERS, TARGET._replace(model_type="qwen2")),
+            LoRAAdapterError,
+            "converted for a 'llama' model; the base is 'qwen2'",
+        ),
+        (
+            lambda: load_gguf_adapter("a", str(make_tiny_gguf(lora_base_dir, tmp_path / "m.gguf")), 8, LAYERS, TARGET),
+            LoRAAdapterError,
+            "general.type None, not an adapter",
+        ),
+        (
+            lambda: load_gguf_adapter("a", str(_embedding_adapter(tmp_path / "e.gguf")), 8, LAYERS, TARGET),
+            LoRAAdapterError,
+            "LoRA on 'token_embd.weight' is not served",
+        ),
     ]
     for load, error, message in refusals:
         with pytest.raises(error, match=message):
