@@ -19,6 +19,8 @@ import torch
 from engine import LoRAMix, LoRARequest, SamplingParams
 from engine.errors import LoRAAdapterError, LoRARankError
 from engine.lora.gguf_adapter import GgufTarget, load_gguf_adapter
+from engine.lora.lora_config import LoRAConfig
+from engine.lora.lora_manager import LoRAManager
 from engine.lora.peft_adapter import load_peft_adapter
 from engine.quantization.quantized_weight import QuantizedWeight
 from tests.engine.factories import make_tiny_gguf, tiny_config_dict
@@ -71,6 +73,13 @@ def test_a_gguf_adapter_reads_back_the_peft_deltas(adapter_a, gguf_adapter, lora
     for load, error, message in refusals:
         with pytest.raises(error, match=message):
             load()
+    # registered without loading (a --lora-modules entry past --max-cpu-loras): its header and shapes checked
+    manager = LoRAManager(LoRAConfig(enable_lora=True, max_lora_rank=2), LAYERS, TARGET)
+    with pytest.raises(LoRARankError, match="rank 4, above max_lora_rank 2"):
+        manager.register(LoRARequest("a", str(gguf_adapter)))
+    manager = LoRAManager(LoRAConfig(enable_lora=True, max_lora_rank=8), LAYERS, TARGET)
+    manager.register(LoRARequest("a", str(gguf_adapter)))
+    assert [request.name for request in manager.list_loras()] == ["a"]
 
 
 def _embedding_adapter(path: Path) -> Path:
