@@ -6,6 +6,7 @@ import logging
 
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
+from engine.lora.gguf_adapter import GgufTarget
 from engine.lora.lora_manager import LoRAManager
 from engine.lora.lora_stack import LoRAKernels, LoRAStack
 from engine.layers.invariant_linear import ColumnBlockLinear
@@ -14,10 +15,15 @@ from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
+LORA_BASE_STORAGES = ("none", "gguf", "int8", "int4", "awq")
+"""The base weights' storages LoRA serves: the deltas are float products of the adapter's own matrices added to
+whatever the base projection returned (llama.py), so a quantized product is covered as a float one is; nothing
+is merged into the quantized weights."""
+
 
 def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
-    """Refuse what LoRA does not run with yet: the deltas are added beside plain float products of one
-    process's Llama-family model."""
+    """Refuse what LoRA does not run with yet: the deltas are added beside the base products (float or
+    quantized, LORA_BASE_STORAGES) of one process's Llama-family model."""
     parallel = config.parallel
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         raise SettingsConflictError(
@@ -28,10 +34,10 @@ def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
         raise SettingsConflictError(
             f"--enable-lora serves the Llama family (llama, mistral, qwen2, qwen3), not {model.arch.model_type!r}"
         )
-    if model.quantization != "none":
+    if model.quantization not in LORA_BASE_STORAGES:
         raise SettingsConflictError(
-            f"--enable-lora needs float base weights, not --quantization {model.quantization} "
-            "(use --quantization none; a GGUF file is then dequantized)"
+            f"--enable-lora serves bases stored as {', '.join(LORA_BASE_STORAGES)}, not --quantization "
+            f"{model.quantization}"
         )
     if config.batch_invariant:
         raise SettingsConflictError(
@@ -60,7 +66,8 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:
         kernels,
     )
     model.lora = stack
-    manager = LoRAManager(lora, model.arch.num_layers)
+    arch = model.arch
+    manager = LoRAManager(lora, arch.num_layers, GgufTarget(arch.model_type, arch.num_heads, arch.num_kv_heads))
     for index, module in enumerate(lora.lora_modules):
         request = LoRARequest(module.name, module.path)
         if index < lora.cpu_capacity:

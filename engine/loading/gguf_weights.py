@@ -78,8 +78,9 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def _heads_for(gguf_name: str, architecture: str, num_heads: int, num_kv_heads: int) -> int:
-    """Heads to un-permute by (0: leave the rows as stored)."""
+def permuted_heads(gguf_name: str, architecture: str, num_heads: int, num_kv_heads: int) -> int:
+    """Heads to un-permute `gguf_name`'s rows by (0: leave the rows as stored); a LoRA adapter's lora_b rows
+    are permuted as its base tensor's are (engine/lora/gguf_adapter.py)."""
     if architecture != "llama" or not gguf_name.endswith(".weight"):
         return 0
     if ".attn_q." in gguf_name:
@@ -108,7 +109,7 @@ def iter_gguf_weights(
                 yield name, _read_array(f"{tensor.name}[{expert}]", tensor.tensor_type, data, shape[1:], kernels)
             continue
         name = hf_name(tensor.name, architecture)
-        heads = _heads_for(tensor.name, architecture, num_heads, num_kv_heads)
+        heads = permuted_heads(tensor.name, architecture, num_heads, num_kv_heads)
         value = _read_array(tensor.name, tensor.tensor_type, np.asarray(tensor.data), shape, kernels)
         if heads:
             order = unpermute_rows(value.out_features if isinstance(value, GgufWeight) else value.shape[0], heads)
@@ -116,6 +117,14 @@ def iter_gguf_weights(
         if name.endswith("shared_expert_gate.weight") and isinstance(value, torch.Tensor):
             value = value.reshape(1, -1)  # llama.cpp's [H], HF's [1, H]
         yield name, value
+
+
+def read_float(tensor) -> torch.Tensor:
+    """A GGUFReader tensor as a float32 tensor of its logical shape (any type dequantized)."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+    value = _read_array(tensor.name, tensor.tensor_type, np.asarray(tensor.data), shape, None)
+    assert isinstance(value, torch.Tensor)  # (no kernels: floats)
+    return value.float()
 
 
 def _read_array(

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class LoRAModule(BaseModel):
     """An adapter served from start-up: `name` is the `model` clients ask for, `path` a PEFT directory
-    (adapter_config.json + adapter_model.safetensors)."""
+    (adapter_config.json + adapter_model.safetensors) or a llama.cpp LoRA adapter file (`.gguf`)."""
 
     model_config = ConfigDict(extra="forbid")
 

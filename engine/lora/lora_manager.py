@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 
 from engine.errors import InvalidParameterError, LoRAAdapterError, LoRANotFoundError
 from engine.lora.lora_config import LoRAConfig
+from engine.lora.gguf_adapter import GgufTarget, check_gguf_adapter, is_gguf_adapter, load_gguf_adapter
 from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter, read_adapter_config
 from engine.lora.request import LoRAMix, LoRARequest
 
@@ -77,9 +78,12 @@ def adapter_key(adapter: LoRAWeights) -> str:
 class LoRAManager:
     """Registered and loaded adapters of one engine (EngineCore.lora_manager)."""
 
-    def __init__(self, config: LoRAConfig, num_layers: int):
+    def __init__(self, config: LoRAConfig, num_layers: int, gguf_target: Optional[GgufTarget] = None):
+        """`gguf_target`: the base's type and heads, which llama.cpp's adapter files are read against (None:
+        they are refused)."""
         self.config = config
         self.num_layers = num_layers
+        self.gguf_target = gguf_target
         self.max_loras = config.max_loras
         self.capacity = config.cpu_capacity
         self._lock = threading.Lock()
@@ -95,8 +99,9 @@ class LoRAManager:
     # ------------------------------------------------------------------ registration (any thread)
 
     def add_lora(self, request: LoRARequest) -> LoadedLoRA:
-        """Register and load a PEFT directory (validated: rank, targets, DoRA); idempotent by name (the same
-        path again returns the loaded adapter; another path under a taken name is refused)."""
+        """Register and load a PEFT directory or a llama.cpp GGUF file (validated: rank, targets, DoRA);
+        idempotent by name (the same path again returns the loaded adapter; another path under a taken name is
+        refused)."""
         with self._lock:
             known = self._registered.get(request.name)
             if known is not None and known.path != request.path:
@@ -118,7 +123,10 @@ class LoRAManager:
 
     def register(self, request: LoRARequest) -> None:
         """Register without loading (validated by its config only): loaded by the first request naming it."""
-        read_adapter_config(request.name, Path(request.path), self.config.max_lora_rank)
+        if is_gguf_adapter(request.path):
+            check_gguf_adapter(request.name, request.path, *self._gguf_args(request.name))
+        else:
+            read_adapter_config(request.name, Path(request.path), self.config.max_lora_rank)
         with self._lock:
             self._registered[request.name] = request
 
@@ -226,7 +234,15 @@ class LoRAManager:
     # ------------------------------------------------------------------ internals
 
     def _read(self, request: LoRARequest) -> LoRAWeights:
+        """A PEFT directory's adapter, or a llama.cpp GGUF file's."""
+        if is_gguf_adapter(request.path):
+            return load_gguf_adapter(request.name, request.path, *self._gguf_args(request.name))
         return load_peft_adapter(request.name, request.path, self.config.max_lora_rank, self.num_layers)
+
+    def _gguf_args(self, name: str) -> tuple[int, int, GgufTarget]:
+        if self.gguf_target is None:
+            raise LoRAAdapterError(name, "GGUF adapters are not read by this engine (no base shape given)")
+        return self.config.max_lora_rank, self.num_layers, self.gguf_target
 
     def _start_load(self, request: LoRARequest) -> Future:
         """Read `request`'s adapter on the loading thread (called under the lock: the future's work, storing

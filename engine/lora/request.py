@@ -6,7 +6,8 @@ from typing import NamedTuple
 
 
 class LoRARequest(NamedTuple):
-    """An adapter to register: `name` (what clients ask for) and `path` (a PEFT directory).
+    """An adapter to register: `name` (what clients ask for) and `path` (a PEFT directory or a llama.cpp
+    `.gguf` adapter).
 
     vLLM's `lora_name` / `lora_path`; the manager assigns its internal id."""
 

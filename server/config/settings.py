@@ -481,7 +481,7 @@ OPTIONS: tuple[Option, ...] = (
         (*LORA, "lora_modules"),
         "lora_modules",
         "adapters served from start (the first --max-cpu-loras loaded then), each NAME=PATH (a PEFT "
-        "directory) or a JSON object "
+        "directory or a llama.cpp LoRA .gguf file) or a JSON object "
         '{"name": ..., "path": ..., "base_model_name": ...}; a request picks one by its model field '
         "(the environment variable takes them space-separated)",
         "NAME=PATH",

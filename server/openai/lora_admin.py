@@ -40,7 +40,8 @@ _SUCCESS: dict[Union[int, str], dict[str, Any]] = {
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**_SUCCESS, **ERROR_RESPONSES})
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-    """Load a PEFT adapter directory under a name that requests may then send as their `model`."""
+    """Load a PEFT adapter directory or a llama.cpp `.gguf` adapter under a name that requests may then send
+    as their `model`."""
     adapters = _adapters(request)
     if body.load_inplace:
         raise bad_request(

@@ -71,9 +71,9 @@ class LoRAAdapters:
         return self._cards.get(name)
 
     async def load(self, name: str, path: str, base_model_name: Optional[str] = None) -> float:
-        """Load the PEFT directory `path` as adapter `name`; the seconds it took. 400 for a name already
-        served (or being loaded), a rank over --max-lora-rank or an adapter the engine refuses; 404 when
-        `path` holds no adapter."""
+        """Load the PEFT directory (or llama.cpp `.gguf` adapter) `path` as adapter `name`; the seconds it took.
+        400 for a name already served (or being loaded), a rank over --max-lora-rank or an adapter the engine
+        refuses; 404 when `path` holds no adapter."""
         if name == self.base_name:
             raise bad_request(f"{name!r} is the base model's name; give the adapter another.", param="lora_name")
         if name in self._cards or name in self._loading:
