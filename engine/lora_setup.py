@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import logging
+from typing import Any, Optional
 
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
 from engine.lora.lora_manager import LoRAManager
+from engine.lora.lora_shard import AdapterShard
 from engine.lora.lora_stack import LoRAKernels, LoRAStack
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.lora.request import LoRARequest
 from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import check_tensor_parallel_model
 
 logger = logging.getLogger(__name__)
 
 
 def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
-    """Refuse what LoRA does not run with yet: the deltas are added beside plain float products of one
-    process's Llama-family model."""
-    parallel = config.parallel
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise SettingsConflictError(
-            "--enable-lora cannot be combined with --tensor-parallel-size / --pipeline-parallel-size > 1 yet "
-            "(the adapters' matrices are not sharded)"
-        )
+    """Refuse what LoRA does not run with yet: the deltas are added beside plain float products of the
+    Llama-family model (each rank's shard with tensor or pipeline parallelism: engine/lora/lora_shard.py)."""
     if type(model) is not LlamaForCausalLM:
         raise SettingsConflictError(
             f"--enable-lora serves the Llama family (llama, mistral, qwen2, qwen3), not {model.arch.model_type!r}"
@@ -39,27 +36,11 @@ def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
         )
 
 
-def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:
+def build_lora(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) -> LoRAManager:
     """Give the model its stacked slots and return the manager, with --lora-modules registered (the first
     max_cpu_loras loaded now, so a bad directory fails the start; the rest on first use)."""
     lora = config.lora
-    check_lora_settings(config, model)
-    # Packed for the native column-block product (CPU bf16), where measured twice as fast at decode sizes as
-    # torch.mm on the raw matrices; oneDNN's packed fp32 product builds a primitive per new shape, slower here.
-    packs = isinstance(model.linear, ColumnBlockLinear)
-    kernels = LoRAKernels.load() if model.device.type == "cuda" else None  # (else the torch products)
-    if model.device.type == "cuda" and kernels is None:
-        logger.warning("LoRA: the Triton SGMV kernels cannot be imported; the deltas run as torch products")
-    stack = LoRAStack(
-        model.arch,
-        lora.max_loras,
-        lora.max_lora_rank,
-        model.dtype,
-        model.device,
-        model.linear if packs else None,
-        kernels,
-    )
-    model.lora = stack
+    stack = attach_lora_stack(config, model, hf_config)
     manager = LoRAManager(lora, model.arch.num_layers)
     for index, module in enumerate(lora.lora_modules):
         request = LoRARequest(module.name, module.path)
@@ -76,3 +57,36 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:
         len(lora.lora_modules),
     )
     return manager
+
+
+def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) -> LoRAStack:
+    """Give the model (this rank's shard: every rank does, worker ranks included) its stacked adapter slots."""
+    lora = config.lora
+    check_lora_settings(config, model)
+    # Packed for the native column-block product (CPU bf16), where measured twice as fast at decode sizes as
+    # torch.mm on the raw matrices; oneDNN's packed fp32 product builds a primitive per new shape, slower here.
+    packs = isinstance(model.linear, ColumnBlockLinear)
+    kernels = LoRAKernels.load() if model.device.type == "cuda" else None  # (else the torch products)
+    if model.device.type == "cuda" and kernels is None:
+        logger.warning("LoRA: the Triton SGMV kernels cannot be imported; the deltas run as torch products")
+    stack = LoRAStack(
+        model.arch,
+        lora.max_loras,
+        lora.max_lora_rank,
+        model.dtype,
+        model.device,
+        model.linear if packs else None,
+        kernels,
+        _adapter_shard(model, hf_config),
+    )
+    model.lora = stack
+    return stack
+
+
+def _adapter_shard(model: LlamaForCausalLM, hf_config: Any) -> Optional[AdapterShard]:
+    """This rank's part of the adapters (None: one process holds the whole model)."""
+    tp, stage = model.tp, model.stage
+    if not tp.is_parallel and not stage.is_split:
+        return None
+    whole = check_tensor_parallel_model(hf_config, tp.world_size) if tp.is_parallel else model.arch
+    return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first)

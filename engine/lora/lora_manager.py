@@ -20,9 +20,10 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 from engine.errors import InvalidParameterError, LoRAAdapterError, LoRANotFoundError
+from engine.lora.adapter_source import AdapterSource
 from engine.lora.lora_config import LoRAConfig
 from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter, read_adapter_config
 from engine.lora.request import LoRAMix, LoRARequest
@@ -54,12 +55,19 @@ class LoRARef(NamedTuple):
     held until it ends even if the adapter is unloaded meanwhile, each with its scale.
 
     `keys`: each adapter's identity (name and content hash): what the scheduler counts against max_loras and
-    the runner gives a slot. `cache_key`: the mix's prefix-cache key (names, scales, contents)."""
+    the runner gives a slot. `cache_key`: the mix's prefix-cache key (names, scales, contents).
+
+    Pickled (a step message sent to worker ranks) each adapter travels as its AdapterSource: a worker reads its
+    own part of the weights from the same files (engine/lora/adapter_source.py)."""
 
     mix: LoRAMix
-    adapters: tuple[LoRAWeights, ...]
+    adapters: tuple[Union[LoRAWeights, AdapterSource], ...]
     keys: tuple[str, ...]
     cache_key: bytes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        sources = tuple(a if isinstance(a, AdapterSource) else AdapterSource.of(a) for a in self.adapters)
+        return LoRARef, (self.mix, sources, self.keys, self.cache_key)
 
     @property
     def scales(self) -> tuple[float, ...]:
@@ -67,7 +75,9 @@ class LoRARef(NamedTuple):
 
     @property
     def replaces_embeddings(self) -> bool:
-        return any(a.embed is not None or a.lm_head is not None for a in self.adapters)
+        return any(
+            isinstance(a, LoRAWeights) and (a.embed is not None or a.lm_head is not None) for a in self.adapters
+        )
 
 
 def adapter_key(adapter: LoRAWeights) -> str:

@@ -28,6 +28,7 @@ from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
     from engine.layers.linear import Linear
+    from engine.lora.lora_shard import AdapterShard
 
 
 class ModelShape(Protocol):
@@ -101,20 +102,25 @@ class LoRAStack:
         device: torch.device,
         linear: Optional["Linear"] = None,
         kernels: Optional[LoRAKernels] = None,
+        shard: Optional["AdapterShard"] = None,
     ):
         """`linear`: a product that packs its weights (the model's, on CPU): every slot's A and B^T are then also
         kept packed for it, re-packed when a slot loads, and a step multiplies all slots through it (packed
         products of these small matrices run about twice as fast as torch.mm's on the raw ones).
-        `kernels`: the Triton SGMV products (CUDA), which read each token's slots from the raw stacks."""
+        `kernels`: the Triton SGMV products (CUDA), which read each token's slots from the raw stacks.
+        `shard`: a tensor-parallel rank's or pipeline stage's part of every adapter (`arch` is then the rank's
+        shape), cut from the whole adapter as it loads (engine/lora/lora_shard.py)."""
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
         self.shapes = projection_shapes(arch)
+        self.shard = shard
+        num_layers = arch.num_layers if shard is None else len(shard.layers)
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
-        for _ in range(arch.num_layers):
+        for _ in range(num_layers):
             a, b = {}, {}
             for proj, (width, outs) in self.shapes.items():
                 rows = len(outs) * max_rank
@@ -143,7 +149,9 @@ class LoRAStack:
         return len(self.shapes[proj][1])
 
     def load(self, slot: int, weights: LoRAWeights) -> None:
-        """Copy an adapter into `slot` (whatever it held before is overwritten)."""
+        """Copy an adapter (the whole one, as read) into `slot` (whatever it held before is overwritten)."""
+        if self.shard is not None:
+            weights = self.shard.cut(weights)
         r = self.max_rank
         for layer, (a_layer, b_layer) in enumerate(zip(self.a, self.b)):
             for proj, parts in FUSED_PROJECTIONS.items():
