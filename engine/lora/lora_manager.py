@@ -211,7 +211,14 @@ class LoRAManager:
         if missing:
             return None
         if len(adapters) > 1 and any(a.embed is not None or a.lm_head is not None for a in adapters):
-            raise InvalidParameterError("lora", "an adapter with modules_to_save (embed_tokens, lm_head) runs alone")
+            # A weighted mix of whole replacement matrices has no reference to match: PEFT's add_weighted_adapter
+            # refuses two adapters that replace the same module and, with one, serves the base's matrix (its
+            # replacement dropped), which is not what that adapter was trained to give.
+            raise InvalidParameterError(
+                "lora",
+                "an adapter with modules_to_save (embed_tokens, lm_head) runs alone: a weighted mix of replacement "
+                "matrices is not defined (PEFT's add_weighted_adapter refuses it or drops the replacement)",
+            )
         return LoRARef(mix, tuple(adapters), tuple(adapter_key(a) for a in adapters), _cache_key(mix, adapters))
 
     def wait_for_loads(self, timeout: float) -> None:

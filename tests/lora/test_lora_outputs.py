@@ -7,6 +7,7 @@ import random
 import pytest
 
 from engine import LoRAMix, LoRARequest, SamplingParams
+from engine.errors import InvalidParameterError
 from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf, make_llm
 from tests.lora.adapters import make_adapter, merged_model_dir
 
@@ -74,6 +75,9 @@ def test_modules_to_save_replace_embedding_and_lm_head(lora_llm, lora_base_dir, 
         )
         check_against_hf(reference, [PROMPTS[1]], results[:1])
         check_against_hf(lora_base_dir, [PROMPTS[1]], results[1:])
+        # in a weighted mix its replacement matrices have no defined meaning (PEFT refuses or drops them)
+        with pytest.raises(InvalidParameterError, match="modules_to_save .* runs alone"):
+            lora_llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRAMix((("saved", 0.5), ("a", 0.5))))
     finally:
         lora_llm.engine.lora_manager.remove_lora("saved")
     assert_idle(lora_llm)
