@@ -75,9 +75,7 @@ class LoRARef(NamedTuple):
 
     @property
     def replaces_embeddings(self) -> bool:
-        return any(
-            isinstance(a, LoRAWeights) and (a.embed is not None or a.lm_head is not None) for a in self.adapters
-        )
+        return any(isinstance(a, LoRAWeights) and (a.embed is not None or a.lm_head is not None) for a in self.adapters)
 
 
 def adapter_key(adapter: LoRAWeights) -> str:

@@ -150,9 +150,7 @@ def host_scales(segments: Sequence[LoRASegment], num_tokens: int, lo: int, hi: i
     return scales
 
 
-def host_token_slots(
-    segments: Sequence[LoRASegment], num_tokens: int, width: int
-) -> tuple[np.ndarray, np.ndarray]:
+def host_token_slots(segments: Sequence[LoRASegment], num_tokens: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """The SGMV kernels' inputs: each token's slots [num_tokens, width] int32 (-1: none) and their scales."""
     slot_ids = np.full((num_tokens, width), -1, dtype=np.int32)
     slot_scales = np.zeros((num_tokens, width), dtype=np.float32)

@@ -66,7 +66,9 @@ def test_tensor_parallel_parts_add_up_to_the_whole_delta():
             torch.testing.assert_close(delta(stack, layer, "qkv", x), want[:, head_columns(rank)])
         want = delta(whole, layer, "gate_up", x)
         for rank, stack in enumerate(ranks):
-            columns = torch.cat([torch.arange(rank * 24, rank * 24 + 24), inter + torch.arange(rank * 24, rank * 24 + 24)])
+            columns = torch.cat(
+                [torch.arange(rank * 24, rank * 24 + 24), inter + torch.arange(rank * 24, rank * 24 + 24)]
+            )
             torch.testing.assert_close(delta(stack, layer, "gate_up", x), want[:, columns])
         for proj, width in (("o_proj", ARCH.num_heads * ARCH.head_dim), ("down", inter)):  # row-parallel: sums
             x = torch.randn(T, width, generator=generator)
@@ -108,4 +110,3 @@ def test_a_worker_reads_the_adapter_the_step_message_names(lora_base_dir, adapte
     moved = pickle.loads(pickle.dumps(ref._replace(adapters=(AdapterSource("a", str(changed), weights.content_hash),))))
     with pytest.raises(LoRAAdapterError, match="changed after the engine loaded them"):
         LoRASlots(LoRAStack(arch, 1, 8, torch.float32, CPU)).acquire(moved)
-
