@@ -8,7 +8,7 @@ from typing import Any, Optional
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
 from engine.lora.lora_manager import LoRAManager
-from engine.lora.lora_shard import AdapterShard
+from engine.lora_shard import AdapterShard
 from engine.lora.lora_stack import LoRAKernels, LoRAStack
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.lora.request import LoRARequest
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
     """Refuse what LoRA does not run with yet: the deltas are added beside plain float products of the
-    Llama-family model (each rank's shard with tensor or pipeline parallelism: engine/lora/lora_shard.py)."""
+    Llama-family model (each rank's shard with tensor or pipeline parallelism: engine/lora_shard.py)."""
     if type(model) is not LlamaForCausalLM:
         raise SettingsConflictError(
             f"--enable-lora serves the Llama family (llama, mistral, qwen2, qwen3), not {model.arch.model_type!r}"

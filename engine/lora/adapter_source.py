@@ -3,7 +3,7 @@
 Rank 0's manager reads and checks every adapter before any request names it (a bad directory is refused there,
 as with one process). The step message then carries each adapter's source, not its weights: a worker rank reads
 the same directory (the same filesystem, like the model's weights) when one of its slots first takes the adapter,
-and keeps only its part (engine/lora/lora_shard.py). The content hash rank 0 read is checked, so a file changed
+and keeps only its part (engine/lora_shard.py). The content hash rank 0 read is checked, so a file changed
 since can never give a rank other weights than rank 0's.
 """
 

@@ -50,7 +50,7 @@ class LoRASlots:
 
     def _read(self, source: AdapterSource) -> LoRAWeights:
         stack = self.stack
-        num_layers = stack.arch.num_layers if stack.shard is None else stack.shard.whole.num_layers
+        num_layers = stack.arch.num_layers if stack.shard is None else stack.shard.num_layers
         return read_source(source, stack.max_rank, num_layers)
 
     def _slot_of(self, key: str) -> Optional[int]:

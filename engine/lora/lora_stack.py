@@ -28,7 +28,6 @@ from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
     from engine.layers.linear import Linear
-    from engine.lora.lora_shard import AdapterShard
 
 
 class ModelShape(Protocol):
@@ -49,6 +48,25 @@ class ModelShape(Protocol):
     def num_layers(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
+
+
+class AdapterCut(Protocol):
+    """A rank's part of every adapter under tensor or pipeline parallelism (engine/lora_shard.py's AdapterShard;
+    defined there, beside the model's own cut, which this room does not import)."""
+
+    @property
+    def layers(self) -> range:
+        """The whole model's layers this rank holds (its pipeline stage's)."""
+        ...
+
+    @property
+    def num_layers(self) -> int:
+        """The whole model's layers."""
+        ...
+
+    def cut(self, weights: LoRAWeights) -> LoRAWeights:
+        """This rank's part of a whole adapter, its layers renumbered from this rank's first."""
+        ...
 
 
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -102,14 +120,14 @@ class LoRAStack:
         device: torch.device,
         linear: Optional["Linear"] = None,
         kernels: Optional[LoRAKernels] = None,
-        shard: Optional["AdapterShard"] = None,
+        shard: Optional[AdapterCut] = None,
     ):
         """`linear`: a product that packs its weights (the model's, on CPU): every slot's A and B^T are then also
         kept packed for it, re-packed when a slot loads, and a step multiplies all slots through it (packed
         products of these small matrices run about twice as fast as torch.mm's on the raw ones).
         `kernels`: the Triton SGMV products (CUDA), which read each token's slots from the raw stacks.
         `shard`: a tensor-parallel rank's or pipeline stage's part of every adapter (`arch` is then the rank's
-        shape), cut from the whole adapter as it loads (engine/lora/lora_shard.py)."""
+        shape), cut from the whole adapter as it loads (engine/lora_shard.py)."""
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank

@@ -1,4 +1,4 @@
-"""A rank's part of an adapter (engine/lora/lora_shard.py) against the whole adapter's deltas: column-parallel
+"""A rank's part of an adapter (engine/lora_shard.py) against the whole adapter's deltas: column-parallel
 ranks' deltas are the whole delta's columns of their heads, row-parallel ranks' partial deltas sum to the whole
 one, a pipeline stage holds its own layers; a worker rank reads an adapter from the step message's sources."""
 
@@ -15,7 +15,7 @@ from engine.errors import LoRAAdapterError
 from engine.loading.loader import load_hf_config, rope_settings
 from engine.lora.adapter_source import AdapterSource
 from engine.lora.lora_manager import LoRARef, adapter_key
-from engine.lora.lora_shard import AdapterShard
+from engine.lora_shard import AdapterShard
 from engine.lora.lora_slots import LoRASlots
 from engine.lora.lora_stack import LoRAStack
 from engine.lora.lora_step import LoRASegment, LoRAStep

@@ -27,12 +27,18 @@ _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # B's
 
 @dataclass(frozen=True, slots=True)
 class AdapterShard:
-    """Where a rank sits: the whole model's shape, its tensor-parallel group, its stage's layers."""
+    """Where a rank sits: the whole model's shape, its tensor-parallel group, its stage's layers (a LoRAStack's
+    `AdapterCut`)."""
 
     whole: LlamaArch  # the unsharded model's shape (the cut's reference, as for the base weights)
     tp: ParallelGroup
     layers: range  # this stage's layers (all of them without pipeline parallelism)
     holds_vocab: bool  # the first stage: the embedding and the LM head
+
+    @property
+    def num_layers(self) -> int:
+        """The whole model's layers (what an adapter file names)."""
+        return self.whole.num_layers
 
     @property
     def is_whole(self) -> bool:
