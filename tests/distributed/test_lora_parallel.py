@@ -27,7 +27,8 @@ SETTINGS = dict(
     max_lora_rank=8,
 )
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-PROMPTS = [random.Random(seed).choices(range(3, 512), k=n) for seed, n in enumerate((5, 19, 3, 9, 6))]  # 42 tokens: a chunk
+# 42 prompt tokens: a step of 32 ends inside a prompt (a chunk with an adapter)
+PROMPTS = [random.Random(seed).choices(range(3, 512), k=n) for seed, n in enumerate((5, 19, 3, 9, 6))]
 
 
 @pytest.fixture(scope="module")

@@ -74,3 +74,6 @@ def test_a_decode_graphs_static_lora_inputs_refill_in_place():
             step.add(0, proj, x, got)
             torch.testing.assert_close(got[:5], expected, rtol=1e-4, atol=1e-4)
             assert torch.equal(got[5:], base[5:]) and torch.equal(got[1], base[1])  # padding and base rows
+        assert LoRAGraphInputs.takes(stack, segments)
+        stack.embed[2] = torch.zeros(ARCH.vocab_size, ARCH.hidden_size, device=DEVICE)  # modules_to_save: eager
+        assert not LoRAGraphInputs.takes(stack, segments)
