@@ -96,7 +96,8 @@ def _build_rank0(
         shard.dtype,
     )
     kv_groups, max_model_len, buckets = shard.kv_groups, shard.max_model_len, shard.buckets
-    lora_manager = build_lora(config, model) if config.lora.enable_lora else None  # before the runner: its slots
+    # (before the runner: its slots)
+    lora_manager = build_lora(config, model, hf_config) if config.lora.enable_lora else None
     kv_dtype = spec.dtype
     speculative = config.speculative_config
     draft = None

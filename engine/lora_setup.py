@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+from typing import Any, Optional
 
 from engine.engine_config import EngineConfig
 from engine.errors import SettingsConflictError
 from engine.lora.gguf_adapter import GgufTarget
 from engine.lora.lora_manager import LoRAManager
+from engine.lora_shard import AdapterShard
 from engine.lora.lora_stack import LoRAKernels, LoRAStack
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.lora.request import LoRARequest
 from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import check_tensor_parallel_model
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +25,9 @@ is merged into the quantized weights."""
 
 
 def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
-    """Refuse what LoRA does not run with yet: the deltas are added beside the base products (float or
-    quantized, LORA_BASE_STORAGES) of one process's Llama-family model."""
-    parallel = config.parallel
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise SettingsConflictError(
-            "--enable-lora cannot be combined with --tensor-parallel-size / --pipeline-parallel-size > 1 yet "
-            "(the adapters' matrices are not sharded)"
-        )
+    """Refuse what LoRA does not run with yet: the deltas are added beside the base products (float or quantized,
+    LORA_BASE_STORAGES) of the Llama-family model (each rank's shard with tensor or pipeline parallelism:
+    engine/lora_shard.py)."""
     if type(model) is not LlamaForCausalLM:
         raise SettingsConflictError(
             f"--enable-lora serves the Llama family (llama, mistral, qwen2, qwen3), not {model.arch.model_type!r}"
@@ -45,9 +43,32 @@ def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
         )
 
 
-def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:
+def build_lora(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) -> LoRAManager:
     """Give the model its stacked slots and return the manager, with --lora-modules registered (the first
     max_cpu_loras loaded now, so a bad directory fails the start; the rest on first use)."""
+    lora = config.lora
+    stack = attach_lora_stack(config, model, hf_config)
+    whole = model.arch if stack.shard is None else stack.shard.whole  # a GGUF adapter's heads are the whole model's
+    manager = LoRAManager(lora, whole.num_layers, GgufTarget.of(whole))
+    for index, module in enumerate(lora.lora_modules):
+        request = LoRARequest(module.name, module.path)
+        if index < lora.cpu_capacity:
+            manager.add_lora(request)
+        else:
+            manager.register(request)
+    logger.info(
+        "LoRA: %d slots of rank up to %d (%.0f MiB), %d adapters kept loaded, %d registered",
+        lora.max_loras,
+        lora.max_lora_rank,
+        stack.nbytes() / 2**20,
+        lora.cpu_capacity,
+        len(lora.lora_modules),
+    )
+    return manager
+
+
+def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) -> LoRAStack:
+    """Give the model (this rank's shard: every rank does, worker ranks included) its stacked adapter slots."""
     lora = config.lora
     check_lora_settings(config, model)
     # Packed for the native column-block product (CPU bf16), where measured twice as fast at decode sizes as
@@ -64,22 +85,16 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM) -> LoRAManager:
         model.device,
         model.linear if packs else None,
         kernels,
+        _adapter_shard(model, hf_config),
     )
     model.lora = stack
-    arch = model.arch
-    manager = LoRAManager(lora, arch.num_layers, GgufTarget(arch.model_type, arch.num_heads, arch.num_kv_heads))
-    for index, module in enumerate(lora.lora_modules):
-        request = LoRARequest(module.name, module.path)
-        if index < lora.cpu_capacity:
-            manager.add_lora(request)
-        else:
-            manager.register(request)
-    logger.info(
-        "LoRA: %d slots of rank up to %d (%.0f MiB), %d adapters kept loaded, %d registered",
-        lora.max_loras,
-        lora.max_lora_rank,
-        stack.nbytes() / 2**20,
-        lora.cpu_capacity,
-        len(lora.lora_modules),
-    )
-    return manager
+    return stack
+
+
+def _adapter_shard(model: LlamaForCausalLM, hf_config: Any) -> Optional[AdapterShard]:
+    """This rank's part of the adapters (None: one process holds the whole model)."""
+    tp, stage = model.tp, model.stage
+    if not tp.is_parallel and not stage.is_split:
+        return None
+    whole = check_tensor_parallel_model(hf_config, tp.world_size) if tp.is_parallel else model.arch
+    return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first)

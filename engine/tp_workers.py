@@ -43,6 +43,7 @@ from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBro
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
 from engine.loading.loader import Checkpoint
+from engine.lora_setup import attach_lora_stack
 from engine.distributed.pipeline_link import PipelineLink
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.models.registry import check_pipeline_model, check_tensor_parallel_model
@@ -358,6 +359,8 @@ def _worker_main(
     torch.manual_seed(config.model.seed)
     stage = PipelineStage.of_rank(rank, tp_size, num_stages, hf_config.num_hidden_layers)
     shard = build_shard(config, checkpoint, hf_config, group, stage)
+    if config.lora.enable_lora:  # (its slots: the step messages name the adapters each rank reads its part of)
+        attach_lora_stack(config, shard.model, hf_config)
     loaded = time.monotonic()
     num_blocks = shard_kv_blocks(config, shard, group)
     runner = make_runner(shard, KVCache(shard.spec, num_blocks, device), stage, samples=False)

@@ -28,10 +28,13 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.errors import LoRAAdapterError, LoRARankError
 from engine.lora.peft_adapter import PROJECTIONS, LoRAWeights
+
+if TYPE_CHECKING:
+    from engine.lora.lora_stack import ModelShape
 
 SUFFIXES = (".lora_a", ".lora_b")
 
@@ -47,6 +50,11 @@ class GgufTarget(NamedTuple):
     model_type: str
     num_heads: int
     num_kv_heads: int
+
+    @classmethod
+    def of(cls, arch: "ModelShape") -> "GgufTarget":
+        """The target of a model shape (a LlamaArch: the whole model's, not a tensor-parallel rank's share)."""
+        return cls(arch.model_type, arch.num_heads, arch.num_kv_heads)
 
 
 def is_gguf_adapter(path: str) -> bool:

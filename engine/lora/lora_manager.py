@@ -20,9 +20,10 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 from engine.errors import InvalidParameterError, LoRAAdapterError, LoRANotFoundError
+from engine.lora.adapter_source import AdapterSource
 from engine.lora.lora_config import LoRAConfig
 from engine.lora.gguf_adapter import GgufTarget, check_gguf_adapter, is_gguf_adapter, load_gguf_adapter
 from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter, read_adapter_config
@@ -55,12 +56,19 @@ class LoRARef(NamedTuple):
     held until it ends even if the adapter is unloaded meanwhile, each with its scale.
 
     `keys`: each adapter's identity (name and content hash): what the scheduler counts against max_loras and
-    the runner gives a slot. `cache_key`: the mix's prefix-cache key (names, scales, contents)."""
+    the runner gives a slot. `cache_key`: the mix's prefix-cache key (names, scales, contents).
+
+    Pickled (a step message sent to worker ranks) each adapter travels as its AdapterSource: a worker reads its
+    own part of the weights from the same files (engine/lora/adapter_source.py)."""
 
     mix: LoRAMix
-    adapters: tuple[LoRAWeights, ...]
+    adapters: tuple[Union[LoRAWeights, AdapterSource], ...]
     keys: tuple[str, ...]
     cache_key: bytes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        sources = tuple(a if isinstance(a, AdapterSource) else AdapterSource.of(a) for a in self.adapters)
+        return LoRARef, (self.mix, sources, self.keys, self.cache_key)
 
     @property
     def scales(self) -> tuple[float, ...]:
@@ -68,7 +76,7 @@ class LoRARef(NamedTuple):
 
     @property
     def replaces_embeddings(self) -> bool:
-        return any(a.embed is not None or a.lm_head is not None for a in self.adapters)
+        return any(isinstance(a, LoRAWeights) and (a.embed is not None or a.lm_head is not None) for a in self.adapters)
 
 
 def adapter_key(adapter: LoRAWeights) -> str:
@@ -209,7 +217,14 @@ class LoRAManager:
         if missing:
             return None
         if len(adapters) > 1 and any(a.embed is not None or a.lm_head is not None for a in adapters):
-            raise InvalidParameterError("lora", "an adapter with modules_to_save (embed_tokens, lm_head) runs alone")
+            # A weighted mix of whole replacement matrices has no reference to match: PEFT's add_weighted_adapter
+            # refuses two adapters that replace the same module and, with one, serves the base's matrix (its
+            # replacement dropped), which is not what that adapter was trained to give.
+            raise InvalidParameterError(
+                "lora",
+                "an adapter with modules_to_save (embed_tokens, lm_head) runs alone: a weighted mix of replacement "
+                "matrices is not defined (PEFT's add_weighted_adapter refuses it or drops the replacement)",
+            )
         return LoRARef(mix, tuple(adapters), tuple(adapter_key(a) for a in adapters), _cache_key(mix, adapters))
 
     def wait_for_loads(self, timeout: float) -> None:

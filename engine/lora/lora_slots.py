@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from engine.lora.adapter_source import AdapterSource, read_source
+from engine.lora.gguf_adapter import GgufTarget
 from engine.lora.lora_manager import LoRARef
 from engine.lora.lora_stack import LoRAStack
+from engine.lora.peft_adapter import LoRAWeights
 
 
 class LoRASlots:
@@ -23,13 +26,15 @@ class LoRASlots:
         self._users = [0] * stack.max_loras  # requests using it now
 
     def acquire(self, ref: LoRARef) -> tuple[tuple[int, float], ...]:
-        """Slots for a request's adapters (loading those not in one), each with its scale."""
+        """Slots for a request's adapters (loading those not in one), each with its scale. A worker rank's
+        request names its adapters' sources: read here, when a slot first takes one (LoRAAdapterError when the
+        files are gone or changed since rank 0 read them)."""
         slots = []
         for key, adapter, scale in zip(ref.keys, ref.adapters, ref.scales):
             slot = self._slot_of(key)
             if slot is None:
                 slot = self._free_slot()
-                self.stack.load(slot, adapter)
+                self.stack.load(slot, adapter if isinstance(adapter, LoRAWeights) else self._read(adapter))
                 self._keys[slot] = key
             self._users[slot] += 1
             slots.append((slot, float(scale)))
@@ -43,6 +48,11 @@ class LoRASlots:
     @property
     def num_in_use(self) -> int:
         return sum(1 for users in self._users if users)
+
+    def _read(self, source: AdapterSource) -> LoRAWeights:
+        stack = self.stack
+        whole = stack.arch if stack.shard is None else stack.shard.whole
+        return read_source(source, stack.max_rank, whole.num_layers, GgufTarget.of(whole))
 
     def _slot_of(self, key: str) -> Optional[int]:
         try:

@@ -48,6 +48,32 @@ class ModelShape(Protocol):
     def num_layers(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
+    @property
+    def model_type(self) -> str: ...
+
+
+class AdapterCut(Protocol):
+    """A rank's part of every adapter under tensor or pipeline parallelism (engine/lora_shard.py's AdapterShard;
+    defined there, beside the model's own cut, which this room does not import)."""
+
+    @property
+    def layers(self) -> range:
+        """The whole model's layers this rank holds (its pipeline stage's)."""
+        ...
+
+    @property
+    def num_layers(self) -> int:
+        """The whole model's layers."""
+        ...
+
+    @property
+    def whole(self) -> ModelShape:
+        """The whole model's shape (what an adapter file is written against)."""
+        ...
+
+    def cut(self, weights: LoRAWeights) -> LoRAWeights:
+        """This rank's part of a whole adapter, its layers renumbered from this rank's first."""
+        ...
 
 
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -101,20 +127,25 @@ class LoRAStack:
         device: torch.device,
         linear: Optional["Linear"] = None,
         kernels: Optional[LoRAKernels] = None,
+        shard: Optional[AdapterCut] = None,
     ):
         """`linear`: a product that packs its weights (the model's, on CPU): every slot's A and B^T are then also
         kept packed for it, re-packed when a slot loads, and a step multiplies all slots through it (packed
         products of these small matrices run about twice as fast as torch.mm's on the raw ones).
-        `kernels`: the Triton SGMV products (CUDA), which read each token's slots from the raw stacks."""
+        `kernels`: the Triton SGMV products (CUDA), which read each token's slots from the raw stacks.
+        `shard`: a tensor-parallel rank's or pipeline stage's part of every adapter (`arch` is then the rank's
+        shape), cut from the whole adapter as it loads (engine/lora_shard.py)."""
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
         self.shapes = projection_shapes(arch)
+        self.shard = shard
+        num_layers = arch.num_layers if shard is None else len(shard.layers)
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
-        for _ in range(arch.num_layers):
+        for _ in range(num_layers):
             a, b = {}, {}
             for proj, (width, outs) in self.shapes.items():
                 rows = len(outs) * max_rank
@@ -143,7 +174,9 @@ class LoRAStack:
         return len(self.shapes[proj][1])
 
     def load(self, slot: int, weights: LoRAWeights) -> None:
-        """Copy an adapter into `slot` (whatever it held before is overwritten)."""
+        """Copy an adapter (the whole one, as read) into `slot` (whatever it held before is overwritten)."""
+        if self.shard is not None:
+            weights = self.shard.cut(weights)
         r = self.max_rank
         for layer, (a_layer, b_layer) in enumerate(zip(self.a, self.b)):
             for proj, parts in FUSED_PROJECTIONS.items():

@@ -67,12 +67,10 @@ class LoRAStep:
         if not used:
             return None
         lo, hi = (0, stack.max_loras) if stack.packed else (min(used), max(used) + 1)
-        scales = np.zeros((num_tokens, hi - lo), dtype=np.float32)
+        scales = host_scales(segments, num_tokens, lo, hi)
         embed_rows: dict[int, list[int]] = {}
         for start, length, slots in segments:
-            for slot, scale in slots:
-                scales[start : start + length, slot - lo] = scale
-            if len(slots) == 1 and stack.embed[slots[0][0]] is not None:
+            if replaces_embedding(stack, slots):
                 embed_rows.setdefault(slots[0][0], []).extend(range(start, start + length))
         device = stack.device
         embeds = [
@@ -83,12 +81,7 @@ class LoRAStep:
         token_slots = None
         if stack.kernels is not None:
             width = max(len(segment.slots) for segment in segments)
-            slot_ids = np.full((num_tokens, width), -1, dtype=np.int32)
-            slot_scales = np.zeros((num_tokens, width), dtype=np.float32)
-            for start, length, pairs in segments:
-                for m, (slot, scale) in enumerate(pairs):
-                    slot_ids[start : start + length, m] = slot
-                    slot_scales[start : start + length, m] = scale
+            slot_ids, slot_scales = host_token_slots(segments, num_tokens, width)
             slots_device = torch.from_numpy(slot_ids).to(device)
             token_slots = (
                 slots_device,
@@ -141,6 +134,31 @@ class LoRAStep:
         for rows, matrix in self.embeds:
             hidden[rows] = F.embedding(input_ids[rows], matrix)
         return hidden
+
+
+def replaces_embedding(stack: LoRAStack, slots: tuple[tuple[int, float], ...]) -> bool:
+    """Whether tokens run with `slots` look their embedding up in an adapter's (modules_to_save; alone only)."""
+    return len(slots) == 1 and stack.embed[slots[0][0]] is not None
+
+
+def host_scales(segments: Sequence[LoRASegment], num_tokens: int, lo: int, hi: int) -> np.ndarray:
+    """[num_tokens, hi - lo] float32: each token's scale for each slot of [lo, hi) (0: not one of its slots)."""
+    scales = np.zeros((num_tokens, hi - lo), dtype=np.float32)
+    for start, length, slots in segments:
+        for slot, scale in slots:
+            scales[start : start + length, slot - lo] = scale
+    return scales
+
+
+def host_token_slots(segments: Sequence[LoRASegment], num_tokens: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The SGMV kernels' inputs: each token's slots [num_tokens, width] int32 (-1: none) and their scales."""
+    slot_ids = np.full((num_tokens, width), -1, dtype=np.int32)
+    slot_scales = np.zeros((num_tokens, width), dtype=np.float32)
+    for start, length, pairs in segments:
+        for m, (slot, scale) in enumerate(pairs):
+            slot_ids[start : start + length, m] = slot
+            slot_scales[start : start + length, m] = scale
+    return slot_ids, slot_scales
 
 
 def lm_head_rows(

@@ -21,6 +21,10 @@ Prefill and mixed steps, and decode batches larger than the largest bucket, run 
 The graphs share one memory pool, captured largest first so smaller ones reuse its blocks;
 their memory is measured before the KV cache is sized (engine/builder.py).
 
+With LoRA each graph is captured with its own static per-token LoRA inputs (engine/lora/lora_graph_inputs.py),
+filled before each replay: steps with adapters replay too, and base-only steps replay the same graph with no
+slot for any row (a zero delta).
+
 Off CUDA there is nothing to capture; `EagerReplay` runs the same padded step through the
 same buffers each time, which is how the padding and bucketing are tested on CPU.
 """
@@ -39,6 +43,9 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCache
+from engine.lora.lora_graph_inputs import LoRAGraphInputs
+from engine.lora.lora_stack import LoRAStack
+from engine.lora.lora_step import LoRASegment, LoRAStep
 from engine.runner.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -117,7 +124,7 @@ class EagerReplay:
 
 
 ForwardFn = Callable[..., torch.Tensor]
-"""(input_ids, positions, steps[, hidden_states]) -> hidden states: `model_forward`'s."""
+"""(input_ids, positions, steps[, hidden_states][, lora_step=]) -> hidden states: `model_forward`'s."""
 """(input_ids, positions, the step per KV layer group) -> hidden states: the model's forward pass over the KV
 cache."""
 
@@ -134,12 +141,19 @@ def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> Forwar
         positions: torch.Tensor,
         steps: Sequence[StepMetadata],
         hidden_states: Optional[torch.Tensor] = None,  # a pipeline stage's input, after the first stage
+        lora_step: Optional[LoRAStep] = None,  # a decode graph's own LoRA inputs (else the runner's, if any)
     ) -> torch.Tensor:
         per_group = [backend.build_metadata(step, kv_cache.spec) for step in steps]
         metadata = [per_group[group] for group in group_of_layer]
-        if hidden_states is None:
-            return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
-        return model.forward(input_ids, positions, kv_cache.layers, metadata, backend, hidden_states)
+        before = model.lora_step
+        if lora_step is not None:
+            model.lora_step = lora_step
+        try:
+            if hidden_states is None:
+                return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
+            return model.forward(input_ids, positions, kv_cache.layers, metadata, backend, hidden_states)
+        finally:
+            model.lora_step = before
 
     return forward
 
@@ -157,7 +171,9 @@ class DecodeGraphs:
         buckets: tuple[int, ...],
         max_model_len: int,
         graph_type: type = CudaGraph,
+        lora: Optional[LoRAStack] = None,
     ):
+        """`lora`: the model's adapter slots (LoRA enabled): each graph is captured with static LoRA inputs."""
         if buckets[-1] > buffers.max_num_reqs:
             raise ValueError(f"bucket {buckets[-1]} exceeds the step buffers' {buffers.max_num_reqs} requests")
         self.forward: Optional[ForwardFn] = forward  # None once released
@@ -171,6 +187,8 @@ class DecodeGraphs:
         self.pad_slot = kv_cache.pad_block * kv_cache.spec.block_size
         self.num_groups = len(kv_cache.spec.groups)
         self._graphs: dict[int, Graph] = {}
+        self.lora = lora
+        self._lora_inputs = {} if lora is None else {size: LoRAGraphInputs(lora, size) for size in buckets}
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -185,11 +203,21 @@ class DecodeGraphs:
     def bucket_for(self, num_decodes: int) -> Optional[int]:
         return bucket_for(self.sizes, num_decodes)
 
+    def takes_lora(self, segments: Sequence[LoRASegment]) -> bool:
+        """Whether a decode step of these LoRA segments can replay (graphs captured with LoRA, no adapter of it
+        replacing the embedding)."""
+        return self.lora is not None and LoRAGraphInputs.takes(self.lora, segments)
+
+    def fill_lora(self, bucket: int, segments: Sequence[LoRASegment]) -> LoRAStep:
+        """Write a step's LoRA segments into the bucket's static inputs: the LoRAStep its graph replays."""
+        return self._lora_inputs[bucket].fill(segments)
+
     def release(self) -> None:
         """Free every graph (their memory pool goes with the last one)."""
         for graph in self._graphs.values():
             graph.release()
         self._graphs.clear()
+        self._lora_inputs.clear()
         self.forward = None
 
     # ------------------------------------------------------------------ capture
@@ -247,9 +275,13 @@ class DecodeGraphs:
         positions = buffers.positions.device[:size]
         forward = self.forward
         assert forward is not None  # not released (capture comes before release)
+        lora = self._lora_inputs.get(size)
+        if lora is not None:
+            lora.fill(())  # (captured with no slot for any row: a zero delta)
+        lora_step = None if lora is None else lora.step
 
         def run() -> torch.Tensor:
-            return forward(input_ids, positions, steps)
+            return forward(input_ids, positions, steps, lora_step=lora_step)
 
         return run
 

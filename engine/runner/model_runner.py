@@ -236,8 +236,16 @@ class ModelRunner:
         if graph_type is CudaGraph and not self.backend.cuda_graphs:
             raise ValueError(f"attention backend {self.backend.name!r} does not run in CUDA graphs")
         assert self._forward is not None and self.buffers is not None  # not shut down
+        assert self.model is not None
         graphs = DecodeGraphs(
-            self._forward, self.backend, self.kv_cache, self.buffers, buckets, self.limits.max_model_len, graph_type
+            self._forward,
+            self.backend,
+            self.kv_cache,
+            self.buffers,
+            buckets,
+            self.limits.max_model_len,
+            graph_type,
+            self.model.lora,  # (with LoRA: captured with static LoRA inputs, so steps with adapters replay)
         )
         graphs.capture()
         self.graphs = graphs
@@ -368,14 +376,14 @@ class ModelRunner:
             token += num_tokens
             max_query_len = max(max_query_len, num_tokens)
         batch.num_tokens = token
-        if self.lora_slots is not None:
-            batch.lora = self._lora_step(token, decodes, chunks)
+        segments = None if self.lora_slots is None else self._lora_segments(decodes, chunks)
         max_seq_len = int(seq_lens[:num_reqs].max())
         width = -(-max_seq_len // self.block_table.block_size)
         buffers.check_fits(token, num_reqs, width)
         graphs = self.graphs
-        # (a step with adapters runs eagerly: the graphs hold no LoRA deltas)
-        bucket = graphs.bucket_for(num_decodes) if graphs is not None and not chunks and batch.lora is None else None
+        bucket = None
+        if graphs is not None and not chunks and (segments is None or graphs.takes_lora(segments)):
+            bucket = graphs.bucket_for(num_decodes)
         batch_rows = torch.from_numpy(rows)
         if graphs is not None and bucket is not None:
             for group in range(self.num_groups):
@@ -383,7 +391,13 @@ class ModelRunner:
                 self.block_table.gather_into(batch_rows, view, group)
             graphs.pad(num_reqs, bucket)
             buffers.upload_all(bucket, graphs.width)
+            if segments is not None:  # the graph's own static LoRA inputs, filled (its padding rows: none)
+                batch.lora = graphs.fill_lora(bucket, segments)
             return batch, None, bucket
+        if segments is not None:
+            model = self.model
+            assert model is not None and model.lora is not None
+            batch.lora = LoRAStep.build(model.lora, token, segments)
         for group in range(self.num_groups):
             self.block_table.gather_into(batch_rows, buffers.block_table_view(num_reqs, width, group), group)
         query_start_loc = buffers.query_start_loc.upload(num_reqs + 1)
@@ -404,16 +418,15 @@ class ModelRunner:
         ]
         return batch, steps, None
 
-    def _lora_step(self, num_tokens: int, decodes: list, chunks: list) -> Optional[LoRAStep]:
-        """The step's LoRA deltas from its requests' slots: decode rows first, then the chunks, as laid out."""
-        model = self.model
-        assert model is not None and model.lora is not None
+    @staticmethod
+    def _lora_segments(decodes: list, chunks: list) -> list[LoRASegment]:
+        """The step's rows' LoRA slots, by request: decode rows first, then the chunks, as laid out."""
         segments = [LoRASegment(i, 1, state.lora_slots) for i, (state, _, _) in enumerate(decodes)]
         token = len(decodes)
         for state, _, count in chunks:
             segments.append(LoRASegment(token, count, state.lora_slots))
             token += count
-        return LoRAStep.build(model.lora, num_tokens, segments)
+        return segments
 
     @staticmethod
     def _add_chunk_outputs(

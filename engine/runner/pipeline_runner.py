@@ -75,16 +75,18 @@ class PipelineRunner(ModelRunner):
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return None
-        buffers, forward = self.buffers, self._forward
-        assert buffers is not None and forward is not None  # not shut down
+        buffers, forward, model = self.buffers, self._forward, self.model
+        assert buffers is not None and forward is not None and model is not None  # not shut down
         buffers.begin_step()
         try:
             batch, steps, _ = self._prepare_inputs(scheduler_output)  # (no decode graphs in a pipeline)
+            model.lora_step = batch.lora
             hidden = forward(
                 buffers.input_ids.upload(batch.num_tokens), buffers.positions.upload(batch.num_tokens), steps
             )
             self.pipeline.send_forward(hidden)
         finally:
+            model.lora_step = None
             buffers.end_step()
         return batch
 
@@ -120,11 +122,12 @@ class PipelineRunner(ModelRunner):
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return
-        buffers, forward = self.buffers, self._forward
-        assert buffers is not None and forward is not None  # not shut down
+        buffers, forward, model = self.buffers, self._forward, self.model
+        assert buffers is not None and forward is not None and model is not None  # not shut down
         buffers.begin_step()
         try:
             batch, steps, _ = self._prepare_inputs(scheduler_output)
+            model.lora_step = batch.lora
             arrived = self.pipeline.receive(batch.num_tokens)
             hidden = forward(
                 buffers.input_ids.upload(batch.num_tokens),
@@ -137,4 +140,5 @@ class PipelineRunner(ModelRunner):
             elif returned_rows(batch):
                 self.pipeline.send_forward(hidden if batch.prompt_rows else self._sample_hidden(hidden, batch))
         finally:
+            model.lora_step = None
             buffers.end_step()

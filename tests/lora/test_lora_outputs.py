@@ -7,6 +7,8 @@ import random
 import pytest
 
 from engine import LoRAMix, LoRARequest, SamplingParams
+from engine.errors import InvalidParameterError
+from engine.runner.cuda_graphs import EagerReplay, decode_buckets
 from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf, make_llm
 from tests.lora.adapters import make_adapter, merged_model_dir
 
@@ -74,6 +76,9 @@ def test_modules_to_save_replace_embedding_and_lm_head(lora_llm, lora_base_dir, 
         )
         check_against_hf(reference, [PROMPTS[1]], results[:1])
         check_against_hf(lora_base_dir, [PROMPTS[1]], results[1:])
+        # in a weighted mix its replacement matrices have no defined meaning (PEFT refuses or drops them)
+        with pytest.raises(InvalidParameterError, match="modules_to_save .* runs alone"):
+            lora_llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRAMix((("saved", 0.5), ("a", 0.5))))
     finally:
         lora_llm.engine.lora_manager.remove_lora("saved")
     assert_idle(lora_llm)
@@ -91,4 +96,22 @@ def test_prefix_cache_is_keyed_by_the_adapter(lora_llm):
         cached.append(result.num_cached_tokens)
     block_size = lora_llm.engine.scheduler.block_size
     assert cached == [0, 0, 0, 0, len(prompt) // block_size * block_size]
+    assert_idle(lora_llm)
+
+
+def test_decode_graphs_replay_steps_with_adapters(lora_llm, lora_base_dir, merged):
+    """Decode graphs captured with their static LoRA inputs (EagerReplay: the padded step a CUDA graph runs, on
+    CPU): base, a, b and a mix decoding together replay them, each request still matching its merged reference."""
+    runner = lora_llm.engine.runner
+    runner.capture_decode_graphs(decode_buckets(runner.limits.max_num_seqs), EagerReplay)
+    try:
+        choices = [None, LoRAMix.single("a"), LoRAMix.single("b"), LoRAMix((("a", 0.5), ("b", 0.5)))]
+        references = [lora_base_dir, merged["a"], merged["b"], merged["half"]]
+        results = lora_llm.generate([PROMPTS[0]] * 4, GREEDY, use_tqdm=False, lora_request=choices)
+        assert sum(graph.replays for graph in runner.graphs._graphs.values()) >= NEW_TOKENS - 1
+        for reference, result in zip(references, results):
+            check_against_hf(reference, [PROMPTS[0]], [result])
+    finally:
+        runner.graphs.release()
+        runner.graphs = None
     assert_idle(lora_llm)

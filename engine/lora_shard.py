@@ -1,0 +1,70 @@
+"""One rank's part of an adapter under tensor and pipeline parallelism: cut as the base weights are cut.
+
+Each rank reads the whole adapter (a few MiB beside gigabytes of base weights) and keeps its part, cut by the
+same rules as the checkpoint's tensors (engine/models/tensor_parallel.py: shard_weights), so that every
+rank's delta lines up with its slice of the base product:
+
+    q|k|v, gate|up   column-parallel: A whole, B's output rows this rank's (its heads, its KV heads, its share
+                     of the intermediate rows), part by part like the fused base weight
+    o_proj, down     row-parallel: A's input columns this rank's, B whole; the rank's delta (x_r A_r^T) B^T is a
+                     partial sum added before the layer's all-reduce, and sum_r x_r A_r^T = x A^T
+    layers           a pipeline stage keeps its own layers, renumbered from 0 (the model's layer index)
+    embed, lm_head   (modules_to_save) whole, on the first stage only (it embeds and samples)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.distributed.parallel_group import ParallelGroup
+from engine.lora.peft_adapter import LoRAWeights
+from engine.models.llama_arch import LlamaArch
+from engine.models.tensor_parallel import shard_weights
+
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # B's rows cut; o, down: A's columns
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterShard:
+    """Where a rank sits: the whole model's shape, its tensor-parallel group, its stage's layers (a LoRAStack's
+    `AdapterCut`)."""
+
+    whole: LlamaArch  # the unsharded model's shape (the cut's reference, as for the base weights)
+    tp: ParallelGroup
+    layers: range  # this stage's layers (all of them without pipeline parallelism)
+    holds_vocab: bool  # the first stage: the embedding and the LM head
+
+    @property
+    def num_layers(self) -> int:
+        """The whole model's layers (what an adapter file names)."""
+        return self.whole.num_layers
+
+    @property
+    def is_whole(self) -> bool:
+        return not self.tp.is_parallel and len(self.layers) == self.whole.num_layers
+
+    def cut(self, weights: LoRAWeights) -> LoRAWeights:
+        """This rank's part of `weights` (the whole adapter, as read), layers renumbered from this stage's first."""
+        if self.is_whole:
+            return weights
+        # Each kept module's cut matrix under its base weight's checkpoint name (that name picks the cut).
+        kept = [(layer, proj) for layer, proj in weights.a if layer in self.layers]
+        names = {module: f"layers.{module[0]}.{_PARENT.get(module[1], 'mlp')}.{module[1]}.weight" for module in kept}
+        to_cut = [
+            (names[module], weights.b[module] if module[1] in _COLUMN_PARALLEL else weights.a[module])
+            for module in kept
+        ]
+        cut = dict(shard_weights(to_cut, self.whole, self.tp))
+        part = LoRAWeights(weights.name, weights.path, weights.rank, content_hash=weights.content_hash)
+        for layer, proj in kept:
+            a, b = weights.a[(layer, proj)], weights.b[(layer, proj)]
+            if proj in _COLUMN_PARALLEL:
+                b = cut[names[(layer, proj)]]  # [this rank's outputs, rank]
+            else:
+                a = cut[names[(layer, proj)]]  # [rank, this rank's inputs]
+            local = (layer - self.layers.start, proj)
+            part.a[local], part.b[local] = a, b
+        if self.holds_vocab:
+            part.embed, part.lm_head = weights.embed, weights.lm_head
+        return part

@@ -1,0 +1,95 @@
+"""LoRA with tensor and pipeline parallelism over gloo on CPU: four ranks (two stages of two tensor-parallel ranks
+each), every rank holding its part of every adapter, read from the adapter's files when a step message first
+gives it a slot. Base, two adapters, a mix, an adapter with modules_to_save and a llama.cpp GGUF adapter in the
+same steps: greedy float32 tokens identical to the one-process LoRA engine; an adapter loaded at run time reaches
+the workers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, LoRAMix, LoRARequest, SamplingParams
+from tests.engine.factories import make_tiny_model_dir
+from tests.engine.references import assert_idle
+from tests.lora.adapters import make_adapter
+from tests.lora.gguf_adapters import write_gguf_adapter
+
+pytestmark = pytest.mark.timeout(300)
+
+SETTINGS = dict(
+    dtype="float32",
+    device="cpu",
+    block_size=4,
+    max_num_batched_tokens=32,
+    max_num_seqs=8,
+    enable_lora=True,
+    max_loras=4,
+    max_lora_rank=8,
+)
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+# 42 prompt tokens: a step of 32 ends inside a prompt (a chunk with an adapter)
+PROMPTS = [random.Random(seed).choices(range(3, 512), k=n) for seed, n in enumerate((5, 19, 3, 9, 6))]
+PROMPTS.append(PROMPTS[1])  # through the GGUF form of adapter a
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """A four-layer Llama (two layers per stage; four query heads over two KV heads, split by two ranks) and three
+    adapters over it: every projection; some projections with rsLoRA; v only with a new embedding and LM head."""
+    base = make_tiny_model_dir(tmp_path_factory.mktemp("lora-pp-base"), "llama", num_hidden_layers=4)
+    made = {
+        "a": make_adapter(base, tmp_path_factory.mktemp("a"), seed=1, r=4, alpha=8),
+        "b": make_adapter(
+            base,
+            tmp_path_factory.mktemp("b"),
+            seed=2,
+            r=8,
+            alpha=4,
+            targets=("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"),
+            use_rslora=True,
+        ),
+        "saved": make_adapter(
+            base,
+            tmp_path_factory.mktemp("saved"),
+            seed=3,
+            r=2,
+            targets=("v_proj",),
+            modules_to_save=["embed_tokens", "lm_head"],
+        ),
+    }
+    # a as llama.cpp writes it (its q/k rows permuted by the whole model's heads, which each rank must undo)
+    made["a-gguf"] = write_gguf_adapter(
+        made["a"], tmp_path_factory.mktemp("a-gguf") / "a.gguf", num_heads=4, num_kv_heads=2, num_layers=4
+    )
+    return base, made
+
+
+CHOICES = [
+    None,
+    LoRAMix.single("a"),
+    LoRAMix.single("b"),
+    LoRAMix((("a", 0.5), ("b", 0.5))),
+    LoRAMix.single("saved"),
+    LoRAMix.single("a-gguf"),
+]
+
+
+def generate(base, made, **parallel) -> list[list[int]]:
+    """Each prompt's greedy tokens under CHOICES[i], all in one batch: a and `saved` registered at start-up
+    (--lora-modules), b loaded once the engine (and its workers) runs."""
+    modules = [{"name": name, "path": str(made[name])} for name in ("a", "saved", "a-gguf")]
+    with LLM(str(base), **SETTINGS, lora_modules=modules, **parallel) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("b", str(made["b"])))
+        results = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=CHOICES)
+        assert_idle(llm)
+    return [list(result.outputs[0].token_ids) for result in results]
+
+
+def test_two_stages_of_two_ranks_match_one_process(adapters):
+    base, made = adapters
+    expected = generate(base, made)
+    assert len({tuple(tokens) for tokens in expected}) == len(CHOICES) - 1  # every adapter changes the output
+    assert expected[5] == expected[1]  # a's two forms
+    assert generate(base, made, tensor_parallel_size=2, pipeline_parallel_size=2) == expected
