@@ -87,7 +87,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     warn_unknown_variables(environ)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
     if settings.engine.parallel.headless:
-        return _run_headless(settings)
+        return _run_headless(_with_cpu_runtime(settings))
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as error:
@@ -98,11 +98,21 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         )
         return 1
     try:
-        return _run(settings, sock)
+        return _run(_with_cpu_runtime(settings), sock)
     except KeyboardInterrupt:
         return 130
     finally:
         sock.close()
+
+
+def _with_cpu_runtime(settings: "Settings") -> "Settings":
+    """The settings with the engine's CPU thread count resolved, the OpenMP variables set in this process's
+    environment first: torch is not imported yet (server/cpu_runtime.py)."""
+    from server.cpu_runtime import prepare_cpu_runtime
+
+    threads = prepare_cpu_runtime(settings.engine.cpu_threads, os.environ)
+    engine = settings.engine.model_copy(update={"cpu_threads": threads.count})
+    return settings.model_copy(update={"engine": engine})
 
 
 def _run_headless(settings: "Settings") -> int:

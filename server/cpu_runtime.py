@@ -1,0 +1,51 @@
+"""The OpenMP runtime of a `pagedserve serve` process, set up before torch loads.
+
+torch's CPU build and the native kernels run on GNU libgomp (`torch.__config__.parallel_info()`), which reads
+its settings from the environment once, when the library loads, i.e. at `import torch`:
+
+    OMP_NUM_THREADS   the default team size: the engine's thread count (engine/cpu_threads.py), so that a
+                      native kernel's parallel region on a fresh thread sizes its team like torch's pool does
+    GOMP_SPINCOUNT    how long an idle worker spins before it sleeps on a futex. libgomp's default, ~300,000
+                      spins (~3 ms), suits a machine of one's own; on a shared one a worker spinning while the
+                      partner it waits for is descheduled burns the CPU its neighbours (and its partner) need.
+                      WAIT_SPIN_COUNT below is the measured choice (docs/performance.md).
+
+The variables the user set are left alone (OMP_WAIT_POLICY or GOMP_SPINCOUNT: their own policy); spawned ranks
+inherit the environment. The CLI imports nothing that imports torch before `prepare_cpu_runtime` (a test checks).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import MutableMapping, Optional
+
+from engine.cpu_threads import OMP_NUM_THREADS, CpuThreads, machine_cpu_threads
+
+logger = logging.getLogger(__name__)
+
+WAIT_SPIN_COUNT = "10000"
+"""GOMP_SPINCOUNT pagedserve sets: ~0.1 ms of spinning, enough to bridge the gap between two parallel regions of
+a decode step, short enough that a worker whose partner lost its CPU yields it (measured: docs/performance.md)."""
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def openmp_environment(threads: CpuThreads, environ: MutableMapping[str, str]) -> dict[str, str]:
+    """The variables to set for `threads`: the team size, and the spin count unless the user chose a wait
+    policy."""
+    wanted = {OMP_NUM_THREADS: str(threads.count)}
+    if not any(environ.get(name) for name in WAIT_VARIABLES):
+        wanted["GOMP_SPINCOUNT"] = WAIT_SPIN_COUNT
+    return wanted
+
+
+def prepare_cpu_runtime(requested: Optional[int], environ: MutableMapping[str, str]) -> CpuThreads:
+    """Size the engine's threads from the machine (or `requested`), set the OpenMP variables in `environ` (the
+    process's own) and log both; the thread count."""
+    threads = machine_cpu_threads(requested, environ)
+    environ.update(openmp_environment(threads, environ))
+    wait = ", ".join(f"{name}={environ[name]}" for name in WAIT_VARIABLES if environ.get(name))
+    logger.info("CPU threads: %s; OpenMP wait: %s", threads.describe(), wait)
+    if "torch" in sys.modules:  # (a caller that imported torch first: libgomp has read its settings already)
+        logger.warning("torch was imported before the OpenMP settings were made: they apply to child processes only")
+    return threads
