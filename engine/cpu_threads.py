@@ -45,6 +45,7 @@ class CpuThreads:
 
     count: int
     source: str
+    chosen: bool = False  # set by the user (flag, variable): kept as it is, never adapted
 
     def describe(self) -> str:
         return f"{self.count} thread{'s' if self.count != 1 else ''}: {self.source}"
@@ -61,10 +62,10 @@ def choose_cpu_threads(
     """The thread count: the flag, else a valid OMP_NUM_THREADS (the user's explicit choice for OpenMP), else
     min(affinity mask, quota rounded down), at least 1."""
     if requested is not None:
-        return CpuThreads(requested, "--cpu-threads / PAGEDSERVE_CPU_THREADS")
+        return CpuThreads(requested, "--cpu-threads / PAGEDSERVE_CPU_THREADS", chosen=True)
     omp = _positive_int(environ.get(OMP_NUM_THREADS, ""))
     if omp is not None:
-        return CpuThreads(omp, f"{OMP_NUM_THREADS}={omp}")
+        return CpuThreads(omp, f"{OMP_NUM_THREADS}={omp}", chosen=True)
     mask = max(affinity_cpus, 1)
     if quota is not None and int(quota.cpus) < mask:
         return CpuThreads(max(int(quota.cpus), 1), quota.describe())

@@ -57,5 +57,7 @@ def test_serve_sets_openmp_before_torch_loads_and_logs_where_the_threads_came_fr
     assert result.returncode == 0, result.stderr  # (it reached the torch import)
     at_torch_import = json.loads(result.stdout.strip().splitlines()[-1])
     assert at_torch_import == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": WAIT_SPIN_COUNT, "OMP_WAIT_POLICY": None}
-    expected = f"CPU threads: 1 thread: --cpu-threads / PAGEDSERVE_CPU_THREADS; OpenMP wait: GOMP_SPINCOUNT={WAIT_SPIN_COUNT}"
+    expected = (
+        f"CPU threads: 1 thread: --cpu-threads / PAGEDSERVE_CPU_THREADS; OpenMP wait: GOMP_SPINCOUNT={WAIT_SPIN_COUNT}"
+    )
     assert expected in result.stderr
