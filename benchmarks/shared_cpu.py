@@ -213,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def peers(args: argparse.Namespace, log_dir: Path) -> list[Peer]:
-    base = pagedserve_peer("pagedserve-gguf")
+    gguf_peer = pagedserve_peer("pagedserve-gguf")
+    # its log says how many threads it started with and when it changed them
+    base = dataclasses.replace(
+        gguf_peer, command=lambda port, slots: [*gguf_peer.command(port, slots), "--log-level", "info"]
+    )
     chosen = [dataclasses.replace(base, name=f"pagedserve {v}", env=variant_env(v)) for v in args.variants.split(",")]
     if not args.no_llamacpp:
         python = ensure_venv(WORK_DIR / "venvs", LLAMACPP_VENV, log_dir / "pip-llamacpp.log")

@@ -3,15 +3,19 @@
 An OpenMP team splits each operator evenly over its threads and waits for the slowest at the end; when another
 process holds one of the team's CPUs, the thread there gets a fraction of it and every parallel region waits for
 it. Measured on 2 cores with one busy neighbour process (docs/performance.md): a decode step on 2 threads took
-4-6x its quiet time whatever the spin-wait, on 1 thread 1.7x. So between steps, about once a second, the engine
-reads how much CPU time the rest of the machine took on its CPUs and runs on the CPUs left:
+3-6x its quiet time whatever the spin-wait, on 1 thread 1.7x. So between steps, about once a second, the engine
+looks at the last second:
 
-    others = (busy time of the mask's CPUs - this process's CPU time) / interval       (/proc/stat, /proc/self/stat)
-    team   = CPUs in the mask - ceil(others - SPARE), within 1 .. the thread budget
+    waited  CPUs' worth of time this process's threads were runnable but not running   (/proc/self/task/*/schedstat)
+    idle    CPUs' worth of time the affinity mask's CPUs were idle                      (/proc/stat)
 
-Only when the thread count came from the machine (not `--cpu-threads` or OMP_NUM_THREADS, which fix it), with
-one process (tensor-parallel ranks keep their shares) and outside batch-invariant mode (whose kernels keep one
-order per thread count). Reading the two files costs ~0.1 ms a second.
+    waited > SPARE                 the team gives up ceil(waited - SPARE) threads (at least 1 left)
+    idle > 1 - SPARE               it takes back floor(idle + SPARE) threads (at most the budget)
+
+Waiting, not other processes' CPU time, says the team is held up: a process that only runs on CPUs the team leaves
+idle costs it nothing. Only when the thread count came from the machine (not `--cpu-threads` or OMP_NUM_THREADS,
+which fix it), with one process (tensor-parallel ranks keep their shares) and outside batch-invariant mode. The
+reads cost ~0.1 ms a second.
 """
 
 from __future__ import annotations
@@ -26,51 +30,49 @@ from typing import Callable, NamedTuple, Optional
 logger = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
+IDLE_GAP_S = 3.0
 SPARE = 0.35
-"""CPUs of other processes' time tolerated before the team gives up a CPU: background noise (a few percent) keeps
-the full team; a neighbour that takes half a CPU from a full team (its fair share) costs it one thread."""
+"""CPUs' worth of waiting tolerated before the team gives up a thread (a few percent: the server's own threads
+taking turns; a neighbour taking its fair half of one of the team's CPUs: ~0.5), and of idling kept before it
+takes one back."""
 
 
-class CpuTicks(NamedTuple):
-    busy: int  # ticks the mask's CPUs were not idle (any process, steal included)
+class CpuSample(NamedTuple):
+    idle: int  # ticks the mask's CPUs were idle (idle + iowait)
     total: int  # ticks of the mask's CPUs
-    own: int  # ticks this process ran (user + system)
+    waited_ns: int  # this process's threads' time runnable but not running
 
 
-def parse_cpu_ticks(proc_stat: str, self_stat: str, cpus: frozenset[int]) -> CpuTicks:
-    """Tick counts from /proc/stat's "cpuN user nice system idle iowait irq softirq steal ..." lines of the CPUs
-    in `cpus` and /proc/self/stat's utime and stime (fields 14 and 15, after the parenthesised command name)."""
-    busy = total = 0
+def parse_idle_ticks(proc_stat: str, cpus: frozenset[int]) -> tuple[int, int]:
+    """(idle, total) ticks of the CPUs in `cpus`, from /proc/stat's "cpuN user nice system idle iowait ..." lines."""
+    idle = total = 0
     for line in proc_stat.splitlines():
         name, _, rest = line.partition(" ")
         if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
             continue
         ticks = [int(value) for value in rest.split()[:8]]
         total += sum(ticks)
-        busy += sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # minus idle and iowait
-    fields = self_stat.rpartition(")")[2].split()
-    own = int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0  # utime, stime (fields 14, 15)
-    return CpuTicks(busy, total, own)
+        idle += ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return idle, total
 
 
-def others_cpus(before: CpuTicks, after: CpuTicks, num_cpus: int) -> Optional[float]:
-    """CPUs' worth of time other processes took on the mask's CPUs between the two readings; None when no time
-    passed."""
-    total = after.total - before.total
-    if total <= 0 or num_cpus <= 0:
-        return None
-    interval = total / num_cpus  # ticks per CPU
-    return max(0, (after.busy - before.busy) - (after.own - before.own)) / interval
+def parse_wait_ns(schedstats: list[str]) -> int:
+    """The summed second fields ("run_ns wait_ns timeslices") of the threads' /proc/self/task/*/schedstat."""
+    return sum(int(fields[1]) for fields in (text.split() for text in schedstats) if len(fields) > 1)
 
 
-def team_size(others: float, num_cpus: int, budget: int) -> int:
-    """The team that runs on the CPUs other processes leave (within 1 .. budget)."""
-    return max(1, min(budget, num_cpus - math.ceil(others - SPARE)))
+def next_team(threads: int, budget: int, waited_cpus: float, idle_cpus: float) -> int:
+    """The team after a second in which the threads waited `waited_cpus` and the CPUs idled `idle_cpus`."""
+    if waited_cpus > SPARE:
+        return max(1, threads - math.ceil(waited_cpus - SPARE))
+    if idle_cpus > 1 - SPARE:
+        return min(budget, threads + math.floor(idle_cpus + SPARE))
+    return threads
 
 
 class ThreadGovernor:
     """Called by the engine thread after each step; changes that thread's team size (`set_threads`, e.g.
-    torch.set_num_threads) when the CPUs left to it change. Logs each change."""
+    torch.set_num_threads) when its threads wait for CPUs or CPUs idle (see above). Logs each change."""
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class ThreadGovernor:
         cpus: Optional[frozenset[int]] = None,
         read: Callable[[Path], str] = lambda path: path.read_text(),
         clock: Callable[[], float] = time.monotonic,
+        list_dir: Callable[[Path], list[Path]] = lambda path: list(path.iterdir()),
     ):
         self.budget = budget
         self.threads = budget
@@ -86,30 +89,43 @@ class ThreadGovernor:
         self._cpus = cpus if cpus is not None else frozenset(os.sched_getaffinity(0))
         self._read = read
         self._clock = clock
-        self._last: Optional[tuple[float, CpuTicks]] = None
+        self._list = list_dir
+        self._last: Optional[tuple[float, CpuSample]] = None
 
     def after_step(self) -> None:
         now = self._clock()
         if self._last is not None and now - self._last[0] < CHECK_INTERVAL_S:
             return
         try:
-            ticks = parse_cpu_ticks(self._read(Path("/proc/stat")), self._read(Path("/proc/self/stat")), self._cpus)
+            sample = self._sample()
         except (OSError, ValueError):  # (no procfs: the team stays as it is)
             return
-        last, self._last = self._last, (now, ticks)
-        if last is None:
-            return
-        others = others_cpus(last[1], ticks, len(self._cpus))
-        if others is None:
-            return
-        wanted = team_size(others, len(self._cpus), self.budget)
+        last, self._last = self._last, (now, sample)
+        seconds = now - last[0] if last is not None else 0.0
+        if last is None or sample.total <= last[1].total or seconds > IDLE_GAP_S:
+            return  # (after a pause without steps, the CPUs' idling says nothing of the team: a fresh start)
+        waited = (sample.waited_ns - last[1].waited_ns) / 1e9 / seconds
+        idle = len(self._cpus) * (sample.idle - last[1].idle) / (sample.total - last[1].total)
+        wanted = next_team(self.threads, self.budget, waited, idle)
         if wanted != self.threads:
             logger.info(
-                "CPU threads: %d -> %d (other processes took %.2f of the %d CPUs)",
+                "CPU threads: %d -> %d (threads waited %.2f CPUs, CPUs idle %.2f, over the last %.1f s)",
                 self.threads,
                 wanted,
-                others,
-                len(self._cpus),
+                waited,
+                idle,
+                seconds,
             )
             self.threads = wanted
             self._set_threads(wanted)
+
+    def _sample(self) -> CpuSample:
+        idle, total = parse_idle_ticks(self._read(Path("/proc/stat")), self._cpus)
+        tasks = Path("/proc/self/task")
+        stats = []
+        for task in self._list(tasks):
+            try:
+                stats.append(self._read(task / "schedstat"))
+            except OSError:  # a thread that ended meanwhile
+                pass
+        return CpuSample(idle, total, parse_wait_ns(stats))

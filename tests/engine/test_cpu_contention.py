@@ -1,75 +1,84 @@
-"""The engine thread's team size from the CPU time other processes take on its CPUs: /proc/stat and /proc/self/stat
-as text, a fake clock, and the team changes the governor makes."""
+"""The engine thread's team size from how long its threads waited for a CPU and how long its CPUs idled:
+/proc/stat and the threads' schedstat as text, a fake clock, and the team changes the governor makes."""
 
 from pathlib import Path
 
 import pytest
 
-from engine.cpu_contention import CpuTicks, ThreadGovernor, others_cpus, parse_cpu_ticks, team_size
-
-SELF_STAT = "4242 (python -m x) S 1 4242 4242 0 -1 4194560 100 0 0 0 {utime} {stime} 0 0 20 0 9 0 100 0 0\n"
+from engine.cpu_contention import ThreadGovernor, next_team, parse_idle_ticks, parse_wait_ns
 
 
 def proc_stat(*cpus: tuple[int, int]) -> str:
-    """/proc/stat with each CPU's (busy, idle) ticks (busy as user time; iowait 5 counted idle)."""
+    """/proc/stat with each CPU's (busy, idle) ticks (busy as user time; 5 ticks of iowait counted idle)."""
     lines = ["cpu  1 2 3 4 5 6 7 8 0 0"]
     lines += [f"cpu{n} {busy} 0 0 {idle} 5 0 0 0 0 0" for n, (busy, idle) in enumerate(cpus)]
     return "\n".join(lines + ["intr 1 2 3", "ctxt 99"]) + "\n"
 
 
-def test_ticks_count_the_masks_cpus_and_this_process():
-    ticks = parse_cpu_ticks(
-        proc_stat((100, 50), (30, 120), (999, 0)), SELF_STAT.format(utime=70, stime=10), frozenset({0, 1})
-    )
-    assert ticks == CpuTicks(busy=130, total=310, own=80)
+def test_idle_ticks_of_the_masks_cpus():
+    assert parse_idle_ticks(proc_stat((100, 50), (30, 120), (999, 0)), frozenset({0, 1})) == (180, 310)
+
+
+def test_wait_is_the_second_schedstat_field_summed():
+    assert parse_wait_ns(["1000 250 3\n", "5 750 1\n", ""]) == 1000
 
 
 @pytest.mark.parametrize(
-    "others, expected",
-    [(0.0, 2), (0.3, 2), (0.5, 1), (1.0, 1), (2.0, 1)],  # a neighbour's fair half of a CPU already costs a thread
+    "threads, budget, waited, idle, expected",
+    [
+        (2, 2, 0.05, 0.1, 2),  # quiet: the server's own threads taking turns
+        (2, 2, 0.5, 0.0, 1),  # a neighbour takes its fair half of one of the team's CPUs
+        (1, 2, 0.1, 0.2, 1),  # one thread beside the neighbour: it waits little, no CPU idles
+        (1, 2, 0.0, 1.0, 2),  # the neighbour left
+        (4, 4, 2.0, 0.0, 2),  # two CPUs' worth of waiting: two threads fewer
+        (1, 2, 0.0, 3.0, 2),  # the budget caps it
+    ],
 )
-def test_the_team_gives_up_a_cpu_when_others_take_more_than_the_spare(others, expected):
-    assert team_size(others, 2, 2) == expected
+def test_the_team_shrinks_while_its_threads_wait_and_grows_while_cpus_idle(threads, budget, waited, idle, expected):
+    assert next_team(threads, budget, waited, idle) == expected
 
 
-def test_a_budget_below_the_mask_caps_the_team():
-    assert team_size(0.0, 8, 3) == 3
-    assert team_size(6.0, 8, 3) == 2
-
-
-def test_others_is_the_busy_time_that_was_not_this_process():
-    before = CpuTicks(busy=0, total=0, own=0)
-    after = CpuTicks(busy=150, total=200, own=100)  # 100 ticks per CPU passed; this process ran 100 of 150 busy
-    assert others_cpus(before, after, 2) == pytest.approx(0.5)
-    assert others_cpus(after, after, 2) is None
-
-
-def test_the_governor_shrinks_the_team_under_a_neighbour_and_grows_it_back():
-    # (busy, idle) ticks per CPU and this process's ticks, one reading per second
-    readings = iter(
+def test_the_governor_follows_a_neighbour_coming_and_going():
+    # per second: (CPU 0, CPU 1) (busy, idle) ticks, the threads' wait in ns
+    seconds = iter(
         [
-            ((0, 0), (0, 0), 0),
-            ((100, 0), (100, 0), 190),  # quiet: this process used both CPUs
-            ((200, 0), (200, 0), 340),  # a neighbour took half of CPU 1 from the 2-thread team
-            ((300, 0), (300, 0), 440),  # 1 thread now; the neighbour holds CPU 1
-            ((400, 0), (400, 0), 630),  # the neighbour left
+            (((0, 0), (0, 0)), 0),
+            (((100, 0), (95, 5)), 5e7),  # quiet
+            (((200, 0), (195, 5)), 6e8),  # a neighbour: the thread on its CPU waited 0.55 s
+            (((300, 0), (295, 5)), 7e8),  # 1 thread beside it
+            (((395, 5), (300, 100)), 7.5e8),  # the neighbour left: CPU 1 idled
         ]
     )
     clock = [0.0]
-    files: dict[str, str] = {}
+    wait = ["0 0 0"]
 
     def read(path: Path) -> str:
-        if path.name == "stat" and path.parent.name == "proc":
-            cpu0, cpu1, own = next(readings)
-            files["self"] = SELF_STAT.format(utime=own, stime=0)
-            return proc_stat(cpu0, cpu1)
-        return files["self"]
+        if path == Path("/proc/stat"):
+            cpus, waited = next(seconds)
+            wait[0] = f"123 {int(waited)} 9"
+            return proc_stat(*cpus)
+        return wait[0]
 
     teams: list[int] = []
-    governor = ThreadGovernor(2, teams.append, frozenset({0, 1}), read=read, clock=lambda: clock[0])
+    governor = ThreadGovernor(
+        2, teams.append, frozenset({0, 1}), read=read, clock=lambda: clock[0], list_dir=lambda _: [Path("/t/1")]
+    )
     for _ in range(5):
         governor.after_step()
-        governor.after_step()  # within the second: no reading
+        governor.after_step()  # within the second: nothing read
         clock[0] += 1.0
     assert teams == [1, 2]
     assert governor.threads == 2
+
+
+def test_a_pause_without_steps_starts_afresh():
+    reads = iter([proc_stat((0, 0), (0, 0)), proc_stat((100, 900), (100, 900))])  # 10 s, idle: no step ran
+    clock = [0.0]
+    teams: list[int] = []
+    governor = ThreadGovernor(2, teams.append, frozenset({0, 1}), clock=lambda: clock[0], list_dir=lambda _: [])
+    governor.threads = 1
+    governor._read = lambda path: next(reads)  # noqa: SLF001 - the two readings of this test
+    governor.after_step()
+    clock[0] = 10.0
+    governor.after_step()
+    assert teams == [] and governor.threads == 1
