@@ -199,7 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants", default="default", help="pagedserve variants: default, passive, active, spinN, threadsN"
     )
     p.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's server out")
-    p.add_argument("--cases", default="quiet,neighbour,quota", help="subset of quiet, neighbour, quota")
+    p.add_argument(
+        "--cases",
+        default="quiet,neighbour,after,quota",
+        help="subset of quiet, neighbour, after (quiet again, on the same server, once the neighbour has gone), quota",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=3, help="sequential requests per figure (median TPOT)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request")
@@ -235,10 +239,10 @@ def run_round(
 ) -> dict[str, tuple]:
     """{case: (TPOT ms, load average)} for one peer in one round."""
     figures: dict[str, tuple] = {}
-    if "quiet" in cases or "neighbour" in cases:
+    if {"quiet", "neighbour", "after"} & set(cases):
         server = start(peer, log_dir, None)
         try:
-            for case in [c for c in ("quiet", "neighbour") if c in cases]:
+            for case in [c for c in ("quiet", "neighbour", "after") if c in cases]:
                 if case == "neighbour":
                     with busy_neighbour(max(os.sched_getaffinity(0))):
                         figures[case] = (tpot_ms(server, peer, args.requests, args.tokens), load())

@@ -5,10 +5,8 @@ its settings from the environment once, when the library loads, i.e. at `import 
 
     OMP_NUM_THREADS   the default team size: the engine's thread count (engine/cpu_threads.py), so that a
                       native kernel's parallel region on a fresh thread sizes its team like torch's pool does
-    GOMP_SPINCOUNT    how long an idle worker spins before it sleeps on a futex. libgomp's default, ~300,000
-                      spins (~3 ms), suits a machine of one's own; on a shared one a worker spinning while the
-                      partner it waits for is descheduled burns the CPU its neighbours (and its partner) need.
-                      WAIT_SPIN_COUNT below is the measured choice (docs/performance.md).
+    GOMP_SPINCOUNT    how long an idle worker spins before it sleeps on a futex (libgomp's default: 300,000
+                      spins, milliseconds); WAIT_SPIN_COUNT below is the measured choice (docs/performance.md).
 
 The variables the user set are left alone (OMP_WAIT_POLICY or GOMP_SPINCOUNT: their own policy); spawned ranks
 inherit the environment. The CLI imports nothing that imports torch before `prepare_cpu_runtime` (a test checks).
@@ -26,11 +24,12 @@ from engine.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-WAIT_SPIN_COUNT = "30000"
-"""GOMP_SPINCOUNT pagedserve sets: a tenth of libgomp's default. Measured on 2 cores (docs/performance.md): as fast
-as the default on a quiet machine (shorter spins were not: 10,000 cost ~25%, passive 3x, since each sleep costs a
-wake-up between two parallel regions), and with a busy neighbour on a 2-thread team 1.8x faster than the default
-(a waiting worker yields its CPU sooner); the team itself shrinks under contention (engine/cpu_contention.py)."""
+WAIT_SPIN_COUNT = "100000"
+"""GOMP_SPINCOUNT pagedserve sets: a third of libgomp's default. Measured on 2 cores (docs/performance.md): as fast
+as the default on a quiet machine, where shorter spins were not (30,000 cost ~10%, 10,000 ~25%, passive 3x: each
+sleep costs a wake-up at the next parallel region); a third of the CPU time burnt spinning between steps. Beside
+a busy neighbour no spin count saved a 2-thread team (4-6x slower); the team shrinks instead
+(engine/cpu_contention.py)."""
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
