@@ -11,6 +11,8 @@ looks at the last second:
 
     waited > SPARE                 the team gives up ceil(waited - SPARE) threads (at least 1 left)
     idle > 1 - SPARE               it takes back floor(idle + SPARE) threads (at most the budget)
+    PROBE_S after giving up        it tries one more; kept unless its threads wait (then the next try waits twice
+                                   as long)
 
 Waiting, not other processes' CPU time, says the team is held up: a process that only runs on CPUs the team leaves
 idle costs it nothing. Only when the thread count came from the machine (not `--cpu-threads` or OMP_NUM_THREADS,
@@ -31,6 +33,11 @@ logger = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
 IDLE_GAP_S = 3.0
+PROBE_S = 10.0
+"""After giving up threads, the team tries one more this long after (other processes may fill the CPUs it left
+idle with work that yields to it, so idling alone cannot tell that they are free again); each failed try doubles
+the wait, up to PROBE_MAX_S: on a machine that stays busy, a second of the larger team every few minutes."""
+PROBE_MAX_S = 160.0
 SPARE = 0.35
 """CPUs' worth of waiting tolerated before the team gives up a thread (a few percent: the server's own threads
 taking turns; a neighbour taking its fair half of one of the team's CPUs: ~0.5), and of idling kept before it
@@ -91,6 +98,9 @@ class ThreadGovernor:
         self._clock = clock
         self._list = list_dir
         self._last: Optional[tuple[float, CpuSample]] = None
+        self._backoff_s = PROBE_S
+        self._next_probe = 0.0
+        self._probing = False
 
     def after_step(self) -> None:
         now = self._clock()
@@ -107,11 +117,23 @@ class ThreadGovernor:
         waited = (sample.waited_ns - last[1].waited_ns) / 1e9 / seconds
         idle = len(self._cpus) * (sample.idle - last[1].idle) / (sample.total - last[1].total)
         wanted = next_team(self.threads, self.budget, waited, idle)
+        probing = False
+        if wanted < self.threads:
+            if self._probing:  # the try failed: wait longer before the next
+                self._backoff_s = min(2 * self._backoff_s, PROBE_MAX_S)
+            self._next_probe = now + self._backoff_s
+        elif wanted == self.threads < self.budget and now >= self._next_probe:
+            wanted, probing = self.threads + 1, True
+        elif self._probing:  # the try held
+            self._backoff_s = PROBE_S
+            self._next_probe = now + PROBE_S
+        self._probing = probing
         if wanted != self.threads:
             logger.info(
-                "CPU threads: %d -> %d (threads waited %.2f CPUs, CPUs idle %.2f, over the last %.1f s)",
+                "CPU threads: %d -> %d (%s; threads waited %.2f CPUs, CPUs idle %.2f, over the last %.1f s)",
                 self.threads,
                 wanted,
+                "trying one more" if probing else "adapted",
                 waited,
                 idle,
                 seconds,

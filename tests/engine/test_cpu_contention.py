@@ -82,3 +82,44 @@ def test_a_pause_without_steps_starts_afresh():
     clock[0] = 10.0
     governor.after_step()
     assert teams == [] and governor.threads == 1
+
+
+def drive(governor_budget: int, per_second: list[tuple[float, int]]) -> list[tuple[int, int]]:
+    """Run a governor over seconds of (threads' wait in s, CPU 1's idle ticks of 100); the (second, team) changes."""
+    clock, state = [0.0], {"busy": 0, "idle": 0, "wait": 0.0}
+    readings = iter(per_second)
+
+    def read(path: Path) -> str:
+        if path == Path("/proc/stat"):
+            waited, idle = next(readings)
+            state["busy"] += 200 - idle
+            state["idle"] += idle
+            state["wait"] += waited
+            return proc_stat((state["busy"], 0), (0, state["idle"]))
+        return f"1 {int(state['wait'] * 1e9)} 1"
+
+    changes: list[tuple[int, int]] = []
+    governor = ThreadGovernor(
+        governor_budget,
+        lambda team: changes.append((int(clock[0]), team)),
+        frozenset({0, 1}),
+        read=read,
+        clock=lambda: clock[0],
+        list_dir=lambda _: [Path("/t/1")],
+    )
+    for _ in per_second:
+        governor.after_step()
+        clock[0] += 1.0
+    return changes
+
+
+def test_a_lasting_neighbour_is_retried_less_and_less_often():
+    # CPUs never idle (other processes fill them); the neighbour stays
+    changes = drive(2, [(0.0, 0)] + [(0.6, 0)] * 40)
+    # 1 s: shrinks; 11 s: tries 2, whose threads wait: back to 1 at 12 s; the next try 20 s later
+    assert changes == [(1, 1), (11, 2), (12, 1), (32, 2), (33, 1)]
+
+
+def test_a_try_that_holds_keeps_the_team():
+    seconds = [(0.0, 0)] + [(0.6, 0)] * 5 + [(0.05, 0)] * 20
+    assert drive(2, seconds) == [(1, 1), (11, 2)]  # the neighbour left at 6 s: the try at 11 s holds

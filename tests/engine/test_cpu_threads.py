@@ -88,7 +88,13 @@ def test_escaped_mount_points_are_found(tmp_path):
     [
         (None, {}, 4, None, CpuThreads(4, "affinity mask")),
         (None, {}, 2, CpuQuota(400000, 100000, "q"), CpuThreads(2, "affinity mask")),  # quota above the mask
-        (None, {"OMP_NUM_THREADS": "3"}, 8, CpuQuota(100000, 100000, "q"), CpuThreads(3, "OMP_NUM_THREADS=3", chosen=True)),
+        (
+            None,
+            {"OMP_NUM_THREADS": "3"},
+            8,
+            CpuQuota(100000, 100000, "q"),
+            CpuThreads(3, "OMP_NUM_THREADS=3", chosen=True),
+        ),
         (None, {"OMP_NUM_THREADS": "two"}, 2, None, CpuThreads(2, "affinity mask")),  # invalid: ignored
         (5, {"OMP_NUM_THREADS": "3"}, 2, None, CpuThreads(5, "--cpu-threads / PAGEDSERVE_CPU_THREADS", chosen=True)),
         (None, {}, 0, None, CpuThreads(1, "affinity mask")),
