@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=3, help="sequential requests per figure (median TPOT)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request")
     p.add_argument(
+        "--settle-s", type=float, default=15.0, help="the 'after' case: seconds of decoding before it is measured"
+    )
+    p.add_argument(
         "--priority",
         action="store_true",
         help="run (servers, neighbour, client) in a cgroup weighted far above the rest of the machine (root): on a "
@@ -246,6 +249,11 @@ def run_round(
                 if case == "neighbour":
                     with busy_neighbour(max(os.sched_getaffinity(0))):
                         figures[case] = (tpot_ms(server, peer, args.requests, args.tokens), load())
+                elif case == "after":  # decoding for a while first: an adaptive server notices in that time
+                    settle = time.monotonic() + args.settle_s
+                    while time.monotonic() < settle:
+                        tpot_ms(server, peer, 1, args.tokens)
+                    figures[case] = (tpot_ms(server, peer, args.requests, args.tokens), load())
                 else:
                     figures[case] = (tpot_ms(server, peer, args.requests, args.tokens), load())
         finally:

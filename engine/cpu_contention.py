@@ -9,7 +9,7 @@ looks at the last second:
     waited  CPUs' worth of time this process's threads were runnable but not running   (/proc/self/task/*/schedstat)
     idle    CPUs' worth of time the affinity mask's CPUs were idle                      (/proc/stat)
 
-    waited > SPARE                 the team gives up ceil(waited - SPARE) threads (at least 1 left)
+    waited > SPARE, 2 s in a row   the team gives up ceil(waited - SPARE) threads (at least 1 left)
     idle > 1 - SPARE               it takes back floor(idle + SPARE) threads (at most the budget)
     PROBE_S after giving up        it tries one more; kept unless its threads wait (then the next try waits twice
                                    as long)
@@ -38,10 +38,13 @@ PROBE_S = 10.0
 idle with work that yields to it, so idling alone cannot tell that they are free again); each failed try doubles
 the wait, up to PROBE_MAX_S: on a machine that stays busy, a second of the larger team every few minutes."""
 PROBE_MAX_S = 160.0
-SPARE = 0.35
+SPARE = 0.4
 """CPUs' worth of waiting tolerated before the team gives up a thread (a few percent: the server's own threads
-taking turns; a neighbour taking its fair half of one of the team's CPUs: ~0.5), and of idling kept before it
-takes one back."""
+taking turns; a neighbour taking its fair half of one of the team's CPUs: 0.55-0.8 measured), and of idling kept
+before it takes one back."""
+STRAINED_CHECKS = 2
+"""Consecutive seconds of waiting before the team gives up threads: a burst (start-up, another process's short
+job) is not a neighbour."""
 
 
 class CpuSample(NamedTuple):
@@ -101,6 +104,7 @@ class ThreadGovernor:
         self._backoff_s = PROBE_S
         self._next_probe = 0.0
         self._probing = False
+        self._strained = 0
 
     def after_step(self) -> None:
         now = self._clock()
@@ -117,6 +121,9 @@ class ThreadGovernor:
         waited = (sample.waited_ns - last[1].waited_ns) / 1e9 / seconds
         idle = len(self._cpus) * (sample.idle - last[1].idle) / (sample.total - last[1].total)
         wanted = next_team(self.threads, self.budget, waited, idle)
+        self._strained = self._strained + 1 if wanted < self.threads else 0
+        if wanted < self.threads and self._strained < STRAINED_CHECKS and not self._probing:
+            wanted = self.threads  # (a try that fails gives its thread back at once)
         probing = False
         if wanted < self.threads:
             if self._probing:  # the try failed: wait longer before the next

@@ -45,8 +45,9 @@ def test_the_governor_follows_a_neighbour_coming_and_going():
             (((0, 0), (0, 0)), 0),
             (((100, 0), (95, 5)), 5e7),  # quiet
             (((200, 0), (195, 5)), 6e8),  # a neighbour: the thread on its CPU waited 0.55 s
-            (((300, 0), (295, 5)), 7e8),  # 1 thread beside it
-            (((395, 5), (300, 100)), 7.5e8),  # the neighbour left: CPU 1 idled
+            (((300, 0), (295, 5)), 1.2e9),  # ... a second second: the team gives up a thread
+            (((400, 0), (395, 5)), 1.3e9),  # 1 thread beside it
+            (((495, 5), (400, 100)), 1.35e9),  # the neighbour left: CPU 1 idled
         ]
     )
     clock = [0.0]
@@ -63,7 +64,7 @@ def test_the_governor_follows_a_neighbour_coming_and_going():
     governor = ThreadGovernor(
         2, teams.append, frozenset({0, 1}), read=read, clock=lambda: clock[0], list_dir=lambda _: [Path("/t/1")]
     )
-    for _ in range(5):
+    for _ in range(6):
         governor.after_step()
         governor.after_step()  # within the second: nothing read
         clock[0] += 1.0
@@ -116,10 +117,15 @@ def drive(governor_budget: int, per_second: list[tuple[float, int]]) -> list[tup
 def test_a_lasting_neighbour_is_retried_less_and_less_often():
     # CPUs never idle (other processes fill them); the neighbour stays
     changes = drive(2, [(0.0, 0)] + [(0.6, 0)] * 40)
-    # 1 s: shrinks; 11 s: tries 2, whose threads wait: back to 1 at 12 s; the next try 20 s later
-    assert changes == [(1, 1), (11, 2), (12, 1), (32, 2), (33, 1)]
+    # 2 s (two seconds of waiting): shrinks; 12 s: tries 2, whose threads wait: back to 1 at once (13 s); the next
+    # try 20 s later
+    assert changes == [(2, 1), (12, 2), (13, 1), (33, 2), (34, 1)]
 
 
 def test_a_try_that_holds_keeps_the_team():
     seconds = [(0.0, 0)] + [(0.6, 0)] * 5 + [(0.05, 0)] * 20
-    assert drive(2, seconds) == [(1, 1), (11, 2)]  # the neighbour left at 6 s: the try at 11 s holds
+    assert drive(2, seconds) == [(2, 1), (12, 2)]  # the neighbour left at 6 s: the try at 12 s holds
+
+
+def test_one_second_of_waiting_is_not_a_neighbour():
+    assert drive(2, [(0.0, 0), (0.9, 0)] + [(0.05, 0)] * 5) == []
