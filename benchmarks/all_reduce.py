@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import time
@@ -26,13 +27,14 @@ from typing import Optional, Sequence
 import torch
 
 from benchmarks.machine import cpu_info
-from engine.distributed.cpu_binding import cgroup_cpu_quota, pin_process, plan_rank_cpus, process_cpus
+from engine.cpu_threads import machine_cpu_threads
+from engine.distributed.cpu_binding import pin_process, plan_rank_cpus, process_cpus
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.shm_all_reduce import AllReduceHandle, ShmAllReduce
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, handle: AllReduceHandle, results: Queue) -> None:
-    share = plan_rank_cpus(process_cpus(), args.ranks, cgroup_cpu_quota())[rank]
+    share = plan_rank_cpus(process_cpus(), args.ranks, machine_cpu_threads(None, os.environ).count)[rank]
     if share.cpus is not None:
         pin_process(share.cpus)
     torch.set_num_threads(1)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Optional, Sequence,
 
 import torch
 
+from engine.cpu_contention import ThreadGovernor
 from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
 from engine.errors import InvalidParameterError
@@ -95,8 +96,9 @@ class AsyncEngine:
     through read-only properties, so callers never reach into the core.
     """
 
-    def __init__(self, engine: EngineCore):
+    def __init__(self, engine: EngineCore, governor: Optional[ThreadGovernor] = None):
         self.engine = engine
+        self._governor = governor  # adapts the engine thread's CPU team between steps (None: fixed)
         self.observer = EngineObserver()  # tells nobody until `observe`
         self._commands: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # by engine request id
@@ -377,6 +379,8 @@ class AsyncEngine:
                     self._publish(engine.step())
                     if engine.last_step_num_tokens:
                         self.observer.on_step(engine.last_step_num_tokens)
+                    if self._governor is not None:
+                        self._governor.after_step()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting clients
             logger.exception("engine loop failed")
             self._error = exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Optional
@@ -38,6 +39,8 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     """Load the model and size the KV cache; logs the resulting token capacity. With tensor parallelism the
     other ranks' worker processes start first and load their shards beside this one (engine/tp_workers.py)."""
     started = time.monotonic()
+    if config.cpu_threads is not None:
+        set_cpu_threads(config.cpu_threads)
     model_config = resolved_model_config(config)
     torch.manual_seed(model_config.seed)
     checkpoint = prepare_checkpoint(
@@ -70,6 +73,15 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         if workers is not None:
             workers.stop()
         raise
+
+
+def set_cpu_threads(threads: int) -> None:
+    """torch's intra-op pool (and so the native kernels' OpenMP teams, which torch sizes per thread) and its
+    inter-op pool at `threads`. The engine and loading threads start later and take this size."""
+    torch.set_num_threads(threads)
+    if torch.get_num_interop_threads() != threads:
+        with contextlib.suppress(RuntimeError):  # settable once per process, before any inter-op work
+            torch.set_num_interop_threads(threads)
 
 
 def _build_rank0(

@@ -40,6 +40,12 @@ class EngineConfig(BaseModel):
         description="speculative decoding: a proposer's draft tokens verified in the same forward pass "
         "(engine/spec_decode/); None: off",
     )
+    cpu_threads: Optional[int] = Field(
+        None,
+        ge=1,
+        description="CPU threads of the engine's operator pools (split among tensor-parallel ranks); None: the "
+        "process's share of the machine, min(affinity mask, cgroup CPU quota) (engine/cpu_threads.py)",
+    )
     batch_invariant: bool = Field(
         False,
         description="products, norms and attention whose per-row arithmetic does not depend on the batch: "

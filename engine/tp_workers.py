@@ -34,7 +34,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from engine.distributed.cpu_binding import RankCpus, cgroup_cpu_quota, pin_process, plan_rank_cpus, process_cpus
+from engine.cpu_threads import machine_cpu_threads
+from engine.distributed.cpu_binding import RankCpus, pin_process, plan_rank_cpus, process_cpus
 from engine.distributed.launched_ranks import LaunchedRanks, WorkerDiedError, join_as_rank_zero
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.rendezvous import check_in, host
@@ -123,7 +124,7 @@ class TensorParallelWorkers:
         world, local = parallel.world_size, parallel.ranks_per_node
         tp_size, num_stages = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         timeout = parallel.distributed_timeout
-        plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
+        plan = plan_rank_cpus(process_cpus(), local, engine_threads(config))
         restore = _Restore(torch.get_num_threads(), process_cpus())
         store = host(parallel.master_addr, parallel.master_port or 0, world, timeout)
         init_method = f"tcp://{parallel.master_addr}:{store.port}"
@@ -232,6 +233,11 @@ class _Restore:
         pin_process(self.cpus)
 
 
+def engine_threads(config: EngineConfig) -> int:
+    """The threads this host's ranks share: the setting (the CLI resolves it at start-up), else the machine's."""
+    return config.cpu_threads or machine_cpu_threads(None, os.environ).count
+
+
 def _bind(share: RankCpus, rank: int) -> None:
     """Pin this process to the rank's CPUs and set its threads; logged, with the reason when not pinned."""
     if share.cpus is not None:
@@ -295,7 +301,7 @@ def run_headless_node(config: EngineConfig) -> int:
     check_parallel_model(config, hf_config)
     local = parallel.ranks_per_node
     first = parallel.node_rank * local
-    plan = plan_rank_cpus(process_cpus(), local, cgroup_cpu_quota())
+    plan = plan_rank_cpus(process_cpus(), local, engine_threads(config))
     init_method = f"tcp://{parallel.master_addr}:{parallel.master_port}"
     ranks = range(first, first + local)
     processes = _spawn(config, checkpoint, hf_config, ranks, init_method, None, [], plan, die_with_parent=True)

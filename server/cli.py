@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 from server.version import package_version
 
 if TYPE_CHECKING:
+    from engine.cpu_threads import CpuThreads
     from server.config.settings import Settings
 
 logger = logging.getLogger("server.cli")
@@ -87,7 +88,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     warn_unknown_variables(environ)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
     if settings.engine.parallel.headless:
-        return _run_headless(settings)
+        return _run_headless(_with_cpu_runtime(settings)[0])
     try:
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as error:
@@ -98,11 +99,21 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         )
         return 1
     try:
-        return _run(settings, sock)
+        return _run(*_with_cpu_runtime(settings), sock)
     except KeyboardInterrupt:
         return 130
     finally:
         sock.close()
+
+
+def _with_cpu_runtime(settings: "Settings") -> tuple["Settings", "CpuThreads"]:
+    """The settings with the engine's CPU thread count resolved, and that count; the OpenMP variables are set in
+    this process's environment first: torch is not imported yet (server/cpu_runtime.py)."""
+    from server.cpu_runtime import prepare_cpu_runtime
+
+    threads = prepare_cpu_runtime(settings.engine.cpu_threads, os.environ)
+    engine = settings.engine.model_copy(update={"cpu_threads": threads.count})
+    return settings.model_copy(update={"engine": engine}), threads
 
 
 def _run_headless(settings: "Settings") -> int:
@@ -119,7 +130,7 @@ def _run_headless(settings: "Settings") -> int:
         return 130
 
 
-def _run(settings: "Settings", sock: socket.socket) -> int:
+def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> int:
     import asyncio
     import gc
 
@@ -190,7 +201,10 @@ def _run(settings: "Settings", sock: socket.socket) -> int:
         shutdown.bind(asyncio.get_running_loop())
         print(message, flush=True)
 
-    async_engine = AsyncEngine(engine)
+    from server.cpu_runtime import thread_governor
+
+    governor = thread_governor(threads, settings.engine, engine.runner.device.type)
+    async_engine = AsyncEngine(engine, governor=governor)
     app = create_app(async_engine, server_config, on_ready=on_ready, on_engine_death=on_engine_death)
     shutdown = GracefulShutdown(app.state.server, server_config.shutdown_timeout, request_exit)
     server = uvicorn.Server(

@@ -1,10 +1,11 @@
 """Which CPUs each tensor-parallel rank runs on, and how many threads it uses: the CPUs this process may use (its
 affinity mask) split into contiguous chunks, one per rank, so ranks do not take each other's cores (and, on a
-multi-socket host, a rank's chunk tends to stay on one socket), with threads capped by the cgroup's CPU quota.
+multi-socket host, a rank's chunk tends to stay on one socket), with threads capped by the engine's thread count
+(`--cpu-threads`, by default min(affinity mask, cgroup CPU quota): engine/cpu_threads.py) split among the ranks.
 
     mask {0..7}, 2 ranks         rank 0: CPUs 0-3, 4 threads    rank 1: CPUs 4-7, 4 threads
     mask {0..6}, 2 ranks         rank 0: CPUs 0-3 (the spare CPU: rank 0 also schedules and samples)
-    mask {0..7}, cpu.max 2 CPUs  pinned as above, 1 thread each (more threads than the quota only queue)
+    mask {0..7}, 2 threads       pinned as above, 1 thread each (a quota of 2 CPUs: more threads only queue)
     mask {0}, 2 ranks            not pinned (fewer CPUs than ranks: pinning would stack ranks on one CPU)
 """
 
@@ -14,8 +15,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-
-CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,21 +30,10 @@ class RankCpus:
         return f"tp rank {rank}: {where}, {self.threads} thread(s) ({self.reason})"
 
 
-def cgroup_cpu_quota(path: Path = CPU_MAX) -> Optional[float]:
-    """CPUs the cgroup's quota allows (cgroup v2 `cpu.max`: "quota period", or "max"); None when unlimited."""
-    try:
-        quota, period = path.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    return int(quota) / int(period)
-
-
-def plan_rank_cpus(mask: set[int], world_size: int, quota: Optional[float]) -> list[RankCpus]:
-    """Each rank's CPUs and threads, from the affinity mask and the quota (CPUs, None: unlimited)."""
+def plan_rank_cpus(mask: set[int], world_size: int, threads: Optional[int]) -> list[RankCpus]:
+    """Each rank's CPUs and threads, from the affinity mask and the engine's thread count (None: the mask's)."""
     cpus = sorted(mask)
-    budget = None if quota is None else max(int(quota) // world_size, 1)
+    budget = None if threads is None else max(threads // world_size, 1)
     if len(cpus) < world_size:
         threads = 1
         reason = f"{len(cpus)} CPU(s) in the affinity mask for {world_size} ranks"
@@ -59,7 +47,7 @@ def plan_rank_cpus(mask: set[int], world_size: int, quota: Optional[float]) -> l
         chunk = tuple(cpus[start : start + size])
         start += size
         threads = len(chunk) if budget is None else min(len(chunk), budget)
-        reason = "affinity mask split" if budget is None or budget >= len(chunk) else f"cgroup quota {quota:g} CPUs"
+        reason = "affinity mask split" if budget is None or budget >= len(chunk) else f"{threads} CPU threads"
         plan.append(RankCpus(chunk, threads, reason))
     return plan
 

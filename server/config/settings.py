@@ -2,7 +2,7 @@
 
     defaults  <  --config FILE.yaml  <  PAGEDSERVE_<FLAG>  <  --flag
                  (model/cache/scheduler/parallel/server/lora sections, top-level attention_backend, batch_invariant, enforce_eager, profile,
-                 speculative_config)
+                 cpu_threads, speculative_config)
 
 Every value remembers where it came from, so an error names the flag, the
 environment variable or the YAML key that set it.
@@ -71,6 +71,7 @@ _YAML_SCALARS: dict[str, FieldPath] = {
     "batch_invariant": ("engine", "batch_invariant"),
     "enforce_eager": ("engine", "enforce_eager"),
     "profile": ("engine", "profile"),
+    "cpu_threads": ("engine", "cpu_threads"),
     "speculative_config": ("engine", "speculative_config"),
 }
 _YAML_IGNORED = frozenset({"tiny_model"})
@@ -273,6 +274,16 @@ OPTIONS: tuple[Option, ...] = (
         "bool",
         "kernels whose per-request arithmetic does not depend on the batch: a request gives the same "
         "tokens and logprobs whatever runs beside it, in float32 and bfloat16 (CPU)",
+    ),
+    Option(
+        "--cpu-threads",
+        ("engine", "cpu_threads"),
+        "int",
+        "threads of the CPU operator pools (OpenMP), split among tensor-parallel ranks; logged at start-up with "
+        "where the number came from",
+        "N",
+        "OMP_NUM_THREADS if set, else min(CPUs in the affinity mask, the cgroup CPU quota), at least 1",
+        nullable=True,
     ),
     Option(
         "--enforce-eager",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.distributed.cpu_binding import RankCpus, cgroup_cpu_quota, plan_rank_cpus
+from engine.distributed.cpu_binding import RankCpus, plan_rank_cpus
 from engine.distributed.shm_all_reduce import SEGMENT_PREFIX, PeerGoneError, ShmAllReduce  # noqa: F401 (conftest)
 from tests.distributed.reducers import DTYPES, SIZES, partial, reduce_all, reduce_until
 from tests.distributed.conftest import free_port
@@ -149,30 +149,21 @@ def test_bad_sizes_are_refused():
 
 
 @pytest.mark.parametrize(
-    "mask, world, quota, expected",
+    "mask, world, threads, expected",
     [
         (set(range(8)), 2, None, [((0, 1, 2, 3), 4), ((4, 5, 6, 7), 4)]),
         (set(range(7)), 2, None, [((0, 1, 2, 3), 4), ((4, 5, 6), 3)]),
-        (set(range(8)), 2, 2.0, [((0, 1, 2, 3), 1), ((4, 5, 6, 7), 1)]),
+        (set(range(8)), 2, 2, [((0, 1, 2, 3), 1), ((4, 5, 6, 7), 1)]),
         ({2, 3}, 2, None, [((2,), 1), ((3,), 1)]),
         ({0}, 2, None, [(None, 1), (None, 1)]),
     ],
 )
-def test_each_rank_gets_a_contiguous_chunk_of_the_mask_and_no_more_threads_than_the_quota(mask, world, quota, expected):
-    plan = plan_rank_cpus(mask, world, quota)
+def test_each_rank_gets_a_contiguous_chunk_of_the_mask_and_its_share_of_the_threads(mask, world, threads, expected):
+    plan = plan_rank_cpus(mask, world, threads)
     assert [(share.cpus, share.threads) for share in plan] == expected
     if expected[0][0] is None:
         assert "1 CPU(s) in the affinity mask for 2 ranks" in plan[0].describe(0)
     assert isinstance(plan[0], RankCpus)
-
-
-def test_cgroup_quota_reads_cpu_max(tmp_path):
-    cpu_max = tmp_path / "cpu.max"
-    cpu_max.write_text("150000 100000\n")
-    assert cgroup_cpu_quota(cpu_max) == 1.5
-    cpu_max.write_text("max 100000\n")
-    assert cgroup_cpu_quota(cpu_max) is None
-    assert cgroup_cpu_quota(tmp_path / "absent") is None
 
 
 def test_an_engine_with_two_ranks_reduces_through_shared_memory_and_gives_its_cpus_back(tiny_model_dir, caplog):

@@ -46,6 +46,7 @@ FLAG_CASES = [
     ("--master-port", "29511", ("engine", "parallel", "master_port"), 29511),
     ("--attention-backend", "torch", ("engine", "attention_backend"), "torch"),
     ("--seed", "7", ("engine", "model", "seed"), 7),
+    ("--cpu-threads", "3", ("engine", "cpu_threads"), 3),
     (
         "--allowed-origins",
         "http://a.test,http://b.test",
@@ -355,7 +356,7 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
         (
             {"schedular": {}},
             "preset.yaml: unknown key 'schedular' (expected one of: attention_backend, "
-            "batch_invariant, cache, enforce_eager, lora, model, parallel, profile, scheduler, server, "
+            "batch_invariant, cache, cpu_threads, enforce_eager, lora, model, parallel, profile, scheduler, server, "
             "speculative_config)",
         ),
         (
