@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from engine.cpu_threads import machine_cpu_threads
 from engine.loading.loader import EMBEDDED_PACKAGE, Checkpoint, prepare_checkpoint
 
 
@@ -18,6 +19,10 @@ def server_environment(**extra: str) -> dict[str, str]:
     use (the converted embedded model, the built CPU kernels) instead of filling another; offline."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_") or k == CACHE_DIR_VARIABLE}
     env["HF_HUB_OFFLINE"] = "1"
+    # The machine's thread count, fixed: a server left to adapt its team to other processes' load (a test's
+    # own reference computation beside it on 2 cores) could change a product's summation order mid-run, and with
+    # it a float32 logprob a test compares (engine/cpu_contention.py is tested on its own).
+    env["PAGEDSERVE_CPU_THREADS"] = str(machine_cpu_threads(None, {}).count)
     env.update(extra)
     return env
 
