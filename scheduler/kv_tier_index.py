@@ -67,9 +67,7 @@ class KVTierIndex:
         self._total_bytes = 0
 
     @classmethod
-    def open(
-        cls, directory: Path, identity: bytes, num_ranks: int, max_bytes: int, file_bytes: int
-    ) -> "KVTierIndex":
+    def open(cls, directory: Path, identity: bytes, num_ranks: int, max_bytes: int, file_bytes: int) -> "KVTierIndex":
         """The index over what `directory` holds (made if missing); evicts down to `max_bytes` at once."""
         index = cls(directory, identity, num_ranks, max_bytes, file_bytes)
         directory.mkdir(parents=True, exist_ok=True)

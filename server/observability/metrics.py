@@ -86,7 +86,11 @@ class _SchedulerCollector(Collector):
         labels = [self._model_name, tier.tier]
         for name, doc, value in (
             ("pagedserve_kv_tier_hit_blocks", "KV blocks restored from the tier instead of computed.", tier.hit_blocks),
-            ("pagedserve_kv_tier_hit_tokens", "Prompt tokens restored from the tier instead of computed.", tier.hit_tokens),
+            (
+                "pagedserve_kv_tier_hit_tokens",
+                "Prompt tokens restored from the tier instead of computed.",
+                tier.hit_tokens,
+            ),
             ("pagedserve_kv_tier_read_bytes", "Bytes of block files read back from the tier.", tier.read_bytes),
             ("pagedserve_kv_tier_written_bytes", "Bytes of block files written to the tier.", tier.written_bytes),
             (

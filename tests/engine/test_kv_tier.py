@@ -143,7 +143,12 @@ def test_tier_counters_are_exposed():
     tier = KVTierStats("disk", hit_blocks=3, hit_tokens=48, read_bytes=4096, written_bytes=8192, corrupt_files=1)
     stats = SchedulerStats(0, 0, 0.0, 0, 100, 60, kv_tier=tier)
     info = cache_info(
-        num_blocks=8, block_size=16, enable_prefix_caching=True, dtype="float32", attention_backend="cpu", max_model_len=64
+        num_blocks=8,
+        block_size=16,
+        enable_prefix_caching=True,
+        dtype="float32",
+        attention_backend="cpu",
+        max_model_len=64,
     )
     text = ServerMetrics("tiny", lambda: stats, info).render().decode()
     values = {
