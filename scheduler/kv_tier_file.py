@@ -47,29 +47,31 @@ def pack_header(key: BlockFileKey, payload: memoryview) -> bytes:
     return HEADER.pack(MAGIC, key.identity, key.rank, key.block_hash, payload.nbytes, zlib.crc32(payload))
 
 
-def read_block_file(path: Path, key: BlockFileKey, expected_length: Optional[int] = None) -> bytearray:
-    """The payload of the file at `path`, checked against `key`, its length and its checksum (BlockFileError
-    otherwise: the caller deletes the file and computes the block instead)."""
+def read_block_file(path: Path, key: BlockFileKey, out: Optional[memoryview] = None) -> int:
+    """Read the file at `path` (into `out`, which must be as long as the payload, when given), checked against
+    `key`, its length and its checksum; returns the payload's length. BlockFileError otherwise: the caller
+    deletes the file and computes the block instead."""
     try:
         with open(path, "rb") as file:
-            data = bytearray(file.read())
+            header = file.read(HEADER.size)
+            if len(header) < HEADER.size:
+                raise BlockFileError(f"{path.name}: truncated header ({len(header)} bytes)")
+            magic, identity, rank, block_hash, length, crc = HEADER.unpack(header)
+            if magic != MAGIC or (identity, rank, block_hash) != tuple(key):
+                raise BlockFileError(f"{path.name}: holds another key (or is not a block file)")
+            if out is not None and out.nbytes != length:
+                raise BlockFileError(f"{path.name}: {length} payload bytes, {out.nbytes} expected")
+            payload = out if out is not None else memoryview(bytearray(length))
+            num_read = file.readinto(payload)
+            if num_read != length or file.read(1):
+                raise BlockFileError(f"{path.name}: payload of {num_read}+ bytes, header says {length}")
     except FileNotFoundError:
         raise BlockFileError(f"{path.name}: missing") from None
     except OSError as error:
         raise BlockFileError(f"{path.name}: {error}") from None
-    if len(data) < HEADER.size:
-        raise BlockFileError(f"{path.name}: truncated header ({len(data)} bytes)")
-    magic, identity, rank, block_hash, length, crc = HEADER.unpack_from(data)
-    if magic != MAGIC or (identity, rank, block_hash) != tuple(key):
-        raise BlockFileError(f"{path.name}: holds another key (or is not a block file)")
-    if length != len(data) - HEADER.size or (expected_length is not None and length != expected_length):
-        raise BlockFileError(f"{path.name}: {len(data) - HEADER.size} payload bytes, header says {length}")
-    payload = memoryview(data)[HEADER.size :]
     if zlib.crc32(payload) != crc:
         raise BlockFileError(f"{path.name}: checksum mismatch")
-    del payload  # (a live view would pin the buffer's size)
-    del data[: HEADER.size]
-    return data
+    return length
 
 
 def write_block_file(directory: Path, key: BlockFileKey, payload: memoryview) -> int:

@@ -64,6 +64,7 @@ class KVTierIndex:
         # (identity hex, block hash) -> bytes of its files, least recently used first
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._held: set[bytes] = set()  # block hashes of our identity with every rank's file
+        self._unconfirmed: set[bytes] = set()  # planned saves not yet read back (the writer may still be at them)
         self._total_bytes = 0
 
     @classmethod
@@ -104,14 +105,17 @@ class KVTierIndex:
             try:
                 for rank in range(self.num_ranks):
                     key = BlockFileKey(self.identity, rank, block_hash)
-                    payload = read_block_file(block_file_path(self.directory, key), key)
-                    num_bytes += len(payload)
+                    path = block_file_path(self.directory, key)
+                    if block_hash in self._unconfirmed and not path.exists():
+                        return n  # not written yet (or the write failed): a miss, nothing wrong with the tier
+                    num_bytes += read_block_file(path, key)
             except BlockFileError as error:
                 logger.warning("KV disk tier: %s; the block is computed instead", error)
                 self.stats.corrupt_files += 1
                 self._drop((identity_hex, block_hash))
                 return n
             self.stats.read_bytes += num_bytes
+            self._unconfirmed.discard(block_hash)
             self._touch((identity_hex, block_hash))
         return len(block_hashes)
 
@@ -122,6 +126,7 @@ class KVTierIndex:
             return []
         identity_hex = self.identity.hex()
         planned = [h for h in dict.fromkeys(block_hashes) if h not in self._held]
+        self._unconfirmed.update(planned)
         for block_hash in planned:
             self._held.add(block_hash)
             self._lru[(identity_hex, block_hash)] = self.file_bytes
@@ -176,6 +181,7 @@ class KVTierIndex:
         self._total_bytes -= self._lru.pop(key, 0)
         if key[0] == self.identity.hex():
             self._held.discard(key[1])
+            self._unconfirmed.discard(key[1])
         folder = self.directory / key[0]
         for entry in _rank_files(folder, key[1]):
             _unlink(entry)

@@ -8,43 +8,66 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine.attention.kv_cache import KVCache, values_in_keys
 
 
 def cache_tensors(kv_cache: KVCache) -> list[torch.Tensor]:
-    """Every tensor a block's payload covers, in payload order, viewed as bytes (`[num_blocks + 1, block_size,
-    num_kv_heads, head_dim * element_size]`: one view covers every dtype, fp8 and bfloat16 included)."""
+    """Every tensor a block's payload covers, in payload order, viewed as raw words (`[num_blocks + 1,
+    block_size, num_kv_heads, head_dim * element_size / word]`: one view covers every dtype, fp8 and bfloat16
+    included; the widest word that divides a row, since index_copy_ and index_select move a word per element)."""
     tensors = []
     for keys, values in kv_cache.layers:
-        tensors.append(keys.view(torch.uint8))
+        tensors.append(_as_words(keys))
         if not values_in_keys(keys, values):
-            tensors.append(values.view(torch.uint8))
+            tensors.append(_as_words(values))
     return tensors
+
+
+def _as_words(tensor: torch.Tensor) -> torch.Tensor:
+    raw = tensor.view(torch.uint8)
+    for word in (torch.int64, torch.int32, torch.int16):
+        if raw.shape[-1] % word.itemsize == 0:
+            return raw.view(word)
+    return raw
 
 
 def payload_bytes(kv_cache: KVCache) -> int:
     """One block's payload size on this rank."""
-    return sum(t[0].numel() for t in cache_tensors(kv_cache))
+    return sum(t[0].numel() * t.element_size() for t in cache_tensors(kv_cache))
 
 
 def gather_blocks(kv_cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
-    """The blocks' payloads, `[len(block_ids), payload_bytes]` uint8 on the cache's device (a copy: later
-    steps may overwrite the blocks)."""
+    """The blocks' payloads, `[len(block_ids), payload_bytes]` uint8 (a copy: later steps may overwrite the
+    blocks), on the cache's device. All of a cache's tensors share one shape and dtype."""
     tensors = cache_tensors(kv_cache)
-    index = torch.tensor(block_ids, dtype=torch.int64, device=tensors[0].device)
-    # [n, num_tensors, block_size, num_kv_heads, head_dim * element_size]
-    stacked = torch.stack([t.index_select(0, index) for t in tensors], dim=1)
-    return stacked.view(len(block_ids), -1)
+    if tensors[0].device.type == "cpu":  # numpy's fancy indexing: a memcpy per block row, no per-element loop
+        index = np.asarray(block_ids, dtype=np.int64)
+        out = np.empty((len(block_ids), len(tensors), *tensors[0].shape[1:]), dtype=tensors[0].numpy().dtype)
+        for j, tensor in enumerate(tensors):
+            out[:, j] = tensor.numpy()[index]
+        return torch.from_numpy(out).view(len(block_ids), -1).view(torch.uint8)
+    index_tensor = torch.tensor(block_ids, dtype=torch.int64, device=tensors[0].device)
+    # [n, num_tensors, block_size, num_kv_heads, head_dim * element_size / word]
+    stacked = torch.stack([t.index_select(0, index_tensor) for t in tensors], dim=1)
+    return stacked.view(len(block_ids), -1).view(torch.uint8)
 
 
-def scatter_blocks(kv_cache: KVCache, block_ids: Sequence[int], payloads: Sequence[bytearray]) -> None:
-    """Write the payloads (each `payload_bytes` long) into the blocks."""
+def scatter_blocks(kv_cache: KVCache, block_ids: Sequence[int], payloads: np.ndarray) -> None:
+    """Write the payloads, `[len(block_ids), payload_bytes]` uint8 on the host, into the blocks."""
     tensors = cache_tensors(kv_cache)
+    shape = (len(block_ids), len(tensors), *tensors[0].shape[1:])
+    if tensors[0].device.type == "cpu":
+        index = np.asarray(block_ids, dtype=np.int64)
+        data = payloads.view(tensors[0].numpy().dtype).reshape(shape)
+        for j, tensor in enumerate(tensors):
+            tensor.numpy()[index] = data[:, j]
+        return
     device = tensors[0].device
-    index = torch.tensor(block_ids, dtype=torch.int64, device=device)
-    host = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for p in payloads])
-    data = host.to(device).view(len(block_ids), len(tensors), *tensors[0].shape[1:])
+    index_tensor = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    host = torch.from_numpy(payloads).view(tensors[0].dtype).view(shape)
+    data = host.to(device)
     for j, tensor in enumerate(tensors):
-        tensor.index_copy_(0, index, data[:, j])
+        tensor.index_copy_(0, index_tensor, data[:, j])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine.attention.kv_cache import KVCache
@@ -30,12 +31,11 @@ class DiskTier:
 
     def restore(self, kv_cache: KVCache, restores: Sequence[tuple[bytes, int]]) -> None:
         """Read the blocks `(hash, block id)` into the cache (before the step's forward reads them)."""
-        expected = payload_bytes(kv_cache)
-        payloads = []
-        for block_hash, _ in restores:
+        payloads = np.empty((len(restores), payload_bytes(kv_cache)), dtype=np.uint8)
+        for row, (block_hash, _) in zip(payloads, restores):
             key = BlockFileKey(self.identity, self.rank, block_hash)
             try:
-                payloads.append(read_block_file(block_file_path(self.directory, key), key, expected))
+                read_block_file(block_file_path(self.directory, key), key, memoryview(row))
             except BlockFileError as error:
                 raise KVTierReadError(f"KV disk tier: {error}") from None
         scatter_blocks(kv_cache, [block_id for _, block_id in restores], payloads)
