@@ -234,7 +234,7 @@ class KVCacheManager:
             return (), ()
         restores, self._restores = tuple(self._restores), []
         filling = {block_hash.value: block_id for block_id, (_, block_hash) in self._filling.items()}
-        saves = tuple((filling[h], h) for h in tier.plan_saves(list(filling)))
+        saves = tuple((filling[h], h) for h in tier.plan_saves(list(filling), keep=[h for h, _ in restores]))
         return saves, restores
 
     def allocate_slots(

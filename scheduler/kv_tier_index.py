@@ -119,9 +119,13 @@ class KVTierIndex:
             self._touch((identity_hex, block_hash))
         return len(block_hashes)
 
-    def plan_saves(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+    def plan_saves(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[bytes]:
         """The blocks among `block_hashes` to write (those not held), now counted as held; evicts the least
-        recently used others to stay within `max_bytes`. A block larger than the bound is never saved."""
+        recently used others, but never `keep` (the step's restores, which the runner has yet to read), to stay
+        within `max_bytes`. A block larger than the bound is never saved.
+
+        (A block evicted while the writer thread is still at its file gets written after all: a file outside
+        the index, which the next start-up's scan counts and evicts in its turn.)"""
         if self.file_bytes > self.max_bytes:
             return []
         identity_hex = self.identity.hex()
@@ -133,7 +137,7 @@ class KVTierIndex:
             self._total_bytes += self.file_bytes
             self.stats.written_bytes += self.file_bytes
         if self._total_bytes > self.max_bytes:
-            self._evict(protect={(identity_hex, h) for h in planned})
+            self._evict(protect={(identity_hex, h) for h in (*planned, *keep)})
         return planned
 
     def _scan(self) -> None:

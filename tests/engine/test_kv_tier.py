@@ -133,6 +133,9 @@ def test_size_bound_evicts_least_recently_used(tmp_path):
     assert [b in index for b in blocks] == [True, False, False, True, True]
     assert not block_file_path(tmp_path, BlockFileKey(identity, 0, blocks[1])).exists()
     assert index.total_bytes == 3 * file_bytes and index.stats.written_bytes == 2 * file_bytes
+    # a step's restores are never evicted by its own saves (the runner reads them after the scheduling)
+    assert index.plan_saves([bytes([9]) * 32], keep=[blocks[0]]) == [bytes([9]) * 32]  # block 0: the oldest
+    assert [b in index for b in blocks] == [True, False, False, False, True]
     # a restart scans the same order: block 0 (touched) outlives block 3 and 4 only by its mtime
     (tmp_path / identity.hex() / "stray.r0.1.tmp").write_bytes(b"cut short")
     again = KVTierIndex.open(tmp_path, identity, 1, file_bytes, file_bytes)
