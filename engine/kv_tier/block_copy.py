@@ -61,9 +61,9 @@ def scatter_blocks(kv_cache: KVCache, block_ids: Sequence[int], payloads: np.nda
     shape = (len(block_ids), len(tensors), *tensors[0].shape[1:])
     if tensors[0].device.type == "cpu":
         index = np.asarray(block_ids, dtype=np.int64)
-        data = payloads.view(tensors[0].numpy().dtype).reshape(shape)
+        rows = payloads.view(tensors[0].numpy().dtype).reshape(shape)
         for j, tensor in enumerate(tensors):
-            tensor.numpy()[index] = data[:, j]
+            tensor.numpy()[index] = rows[:, j]
         return
     device = tensors[0].device
     index_tensor = torch.tensor(block_ids, dtype=torch.int64, device=device)

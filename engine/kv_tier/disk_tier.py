@@ -35,7 +35,7 @@ class DiskTier:
         for row, (block_hash, _) in zip(payloads, restores):
             key = BlockFileKey(self.identity, self.rank, block_hash)
             try:
-                read_block_file(block_file_path(self.directory, key), key, memoryview(row))
+                read_block_file(block_file_path(self.directory, key), key, memoryview(row.data))
             except BlockFileError as error:
                 raise KVTierReadError(f"KV disk tier: {error}") from None
         scatter_blocks(kv_cache, [block_id for _, block_id in restores], payloads)
