@@ -43,6 +43,11 @@ def check_kv_tiers(config: EngineConfig, shard: Shard) -> None:
         raise SettingsConflictError(
             "--kv-cache-dir: models with sliding-window layer groups are not supported by the disk tier yet"
         )
+    speculative = config.speculative_config
+    if speculative is not None and speculative.method == "draft_model":
+        raise SettingsConflictError(
+            "--kv-cache-dir with a draft model: the draft's own KV cache of a restored block is not on disk"
+        )
     if config.parallel.nnodes > 1:
         raise SettingsConflictError(
             "--kv-cache-dir with --nnodes > 1: node 0 verifies every rank's block files, which other hosts keep"
