@@ -1,7 +1,7 @@
 """--tensor-parallel-size over gloo on CPU: real worker processes (spawned), each holding a shard, fed every step
 through the shared-memory broadcast. Greedy tokens identical to one process and logprobs within 1e-5 in float32,
 on tiny Llama-family models (GQA, and fewer KV heads than ranks) and on the embedded model, under chunked prefill,
-prefix caching (and the disk KV tier), preemption, aborts and speculative decoding; refusals of what it does not serve."""
+prefix caching, preemption, aborts and speculative decoding; refusals of what it does not serve."""
 
 from __future__ import annotations
 
