@@ -22,6 +22,7 @@ from engine.distributed.pipeline_stage import PipelineStage
 from engine.errors import SettingsConflictError
 from engine.lora_setup import build_lora
 from engine.ray_workers import start_ray_workers
+from engine.kv_tier.tier_setup import check_kv_tiers, open_disk_tier, open_tier_index
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
@@ -119,13 +120,17 @@ def _build_rank0(
     draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
     num_blocks = shard_kv_blocks(config, shard, tp, draft_bytes)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
+    check_kv_tiers(config, shard)
+    kv_tier = open_disk_tier(config, checkpoint, hf_config, shard, rank=0)
+    kv_cache = KVCache(spec, num_blocks, device)
     runner = make_runner(
         shard,
-        KVCache(spec, num_blocks, device),
+        kv_cache,
         stage,
         grammar=GrammarDecoder(grammar_compiler, limits.max_num_seqs, device),
         profile=_step_profile(device) if config.profile else None,
         peers=workers,
+        kv_tier=kv_tier,
     )
     if buckets:
         capture_graphs(runner, buckets)
@@ -169,6 +174,7 @@ def _build_rank0(
         kv_group_windows=kv_groups.windows,
         draft_cost=draft_cost,
         max_loras=None if lora_manager is None else config.lora.max_loras,
+        kv_tier=open_tier_index(config, kv_tier, kv_cache),
     )
     if kv_groups.num_groups > 1 or kv_groups.windows[0] is not None:
         logger.info(

@@ -63,6 +63,19 @@ class EngineCacheConfig(CacheConfig):
         "scale (CUDA, torch attention backend); engine/attention/kv_cache.py",
     )
 
+    kv_cache_dir: Optional[str] = Field(
+        None,
+        description="directory of the disk KV tier: blocks written through, restored instead of computed, kept "
+        "across restarts (engine/kv_tier/); None = no disk tier",
+    )
+    kv_cache_dir_size: float = Field(16.0, gt=0, description="GiB the disk tier may take (least recently used out)")
+    swap_space: float = Field(
+        0.0,
+        ge=0,
+        description="GiB of host memory for a KV tier on GPUs (vLLM's --swap-space, --kv-offloading-size); on "
+        "CPU the cache already is in host memory and it is ignored with a warning",
+    )
+
     @field_validator("kv_cache_memory")
     @classmethod
     def _check_size(cls, value: Optional[Union[int, str]]) -> Optional[int]:

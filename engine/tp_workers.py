@@ -43,6 +43,7 @@ from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
+from engine.kv_tier.tier_setup import open_disk_tier
 from engine.loading.loader import Checkpoint
 from engine.lora_setup import attach_lora_stack
 from engine.distributed.pipeline_link import PipelineLink
@@ -369,7 +370,8 @@ def _worker_main(
         attach_lora_stack(config, shard.model, hf_config)
     loaded = time.monotonic()
     num_blocks = shard_kv_blocks(config, shard, group)
-    runner = make_runner(shard, KVCache(shard.spec, num_blocks, device), stage, samples=False)
+    kv_tier = open_disk_tier(config, checkpoint, hf_config, shard, rank)
+    runner = make_runner(shard, KVCache(shard.spec, num_blocks, device), stage, samples=False, kv_tier=kv_tier)
     cached = time.monotonic()
     if shard.buckets:
         capture_graphs(runner, shard.buckets)

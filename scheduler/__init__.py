@@ -14,6 +14,7 @@ from scheduler.errors import (
     RequestRejectedError,
 )
 from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from scheduler.kv_tier_index import KVTierIndex, KVTierStats
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
@@ -33,6 +34,8 @@ __all__ = [
     "KVCacheTooSmallError",
     "KVBlock",
     "KVCacheManager",
+    "KVTierIndex",
+    "KVTierStats",
     "MinTokensOutOfRangeError",
     "NewRequestData",
     "PrefixCacheStats",

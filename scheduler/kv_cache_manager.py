@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.kv_tier_index import KVTierIndex
 from scheduler.request import Request
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -58,6 +59,11 @@ class KVCacheManager:
     preempted in. Several steps may be pending at once (pipeline parallelism keeps more
     than one in flight); each commits only its own blocks. Each group indexes its own blocks (their
     hashes tagged with the group); a hit in a sliding group needs only the blocks inside the window.
+
+    A second tier (`kv_tier`, one full-attention group only) holds blocks beyond the pool: every block a step
+    fills is written to it too (`take_tier_ops`' saves, which the runner copies out after the step's forward),
+    and a miss looks there for the blocks that follow the pool's hits (`tier_hits`); those get new blocks,
+    which the runner reads in before the forward (the restores) and which then count as computed.
     """
 
     def __init__(
@@ -66,6 +72,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         group_windows: Sequence[Optional[int]] = (None,),
+        kv_tier: Optional[KVTierIndex] = None,
     ):
         if not group_windows:
             raise ValueError("a KV cache has at least one layer group")
@@ -91,6 +98,10 @@ class KVCacheManager:
         self._pending_step: dict[int, int] = {}  # pending block id -> its step id (every pending step's)
         self._pending_hashes: dict[bytes, int] = {}  # hash value -> pending block id (every pending step's)
         self.num_slots: dict[str, int] = {}  # token slots allocated per request in every group (read-only outside)
+        if kv_tier is not None and (len(self.group_windows) > 1 or self._sliding or not enable_caching):
+            raise ValueError("a KV tier needs prefix caching and one full-attention layer group")
+        self.kv_tier = kv_tier
+        self._restores: list[tuple[bytes, int]] = []  # (block hash, block id) the step being scheduled reads in
 
     @property
     def num_blocks(self) -> int:
@@ -202,6 +213,30 @@ class KVCacheManager:
             return False  # the hit is capped there anyway
         return request.block_hashes[num_hit_blocks].value in self._pending_hashes
 
+    def tier_hits(self, request: Request, num_hit_blocks: int) -> int:
+        """How many blocks after the request's `num_hit_blocks` pool hits the second tier holds (capped as a
+        pool hit is: one token is always computed); 0 without a tier."""
+        tier = self.kv_tier
+        if tier is None or request.skip_prefix_cache:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[num_hit_blocks:max_blocks]
+        if not hashes or hashes[0].value not in tier:
+            return 0
+        return tier.verified_run([h.value for h in hashes])
+
+    def take_tier_ops(self) -> tuple[tuple[tuple[int, bytes], ...], tuple[tuple[bytes, int], ...]]:
+        """The step's second-tier work, once its scheduling is done: (block id, hash) of the blocks it fills
+        that the tier lacks (copied out after the forward), and (hash, block id) of the blocks it restores
+        (read in before the forward)."""
+        tier = self.kv_tier
+        if tier is None:
+            return (), ()
+        restores, self._restores = tuple(self._restores), []
+        filling = {block_hash.value: block_id for block_id, (_, block_hash) in self._filling.items()}
+        saves = tuple((filling[h], h) for h in tier.plan_saves(list(filling), keep=[h for h, _ in restores]))
+        return saves, restores
+
     def allocate_slots(
         self,
         request: Request,
@@ -209,6 +244,7 @@ class KVCacheManager:
         new_computed_blocks: Optional[Sequence[Sequence[KVBlock]]] = None,
         num_lookahead_tokens: int = 0,
         num_reserved_tokens: int = 0,
+        num_restored_blocks: int = 0,
     ) -> Optional[BlockIds]:
         """Make room for `num_new_tokens` more tokens after the computed ones, scheduled now.
 
@@ -232,7 +268,7 @@ class KVCacheManager:
                 self._cache_full_blocks(request, groups, num_total)
                 return self._no_blocks
         num_hit_blocks = len(hits[0]) if hits is not None else 0
-        num_computed = request.num_computed_tokens + num_hit_blocks * block_size
+        num_computed = request.num_computed_tokens + (num_hit_blocks + num_restored_blocks) * block_size
         num_total = num_computed + num_new_tokens
         current = groups if groups is not None else [[] for _ in self.group_windows]
         needs = []
@@ -261,14 +297,22 @@ class KVCacheManager:
             groups[g].extend(new_blocks)
             new_ids.append(tuple([b.block_id for b in new_blocks]))
         self.num_slots[request_id] = min(len(blocks) for blocks in groups) * block_size
+        if num_restored_blocks:
+            restored = groups[0][num_hit_blocks : num_hit_blocks + num_restored_blocks]
+            hashes = request.block_hashes[num_hit_blocks : num_hit_blocks + num_restored_blocks]
+            self._restores += [(h.value, block.block_id) for h, block in zip(hashes, restored)]
         self._cache_full_blocks(request, groups, num_total)
         return tuple(new_ids)
 
-    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
-        """Count a prefix-cache lookup for an admitted request."""
+    def record_admission(self, request: Request, num_hit_tokens: int, num_tier_tokens: int = 0) -> None:
+        """Count a prefix-cache lookup for an admitted request (`num_tier_tokens` of its hits restored from the
+        second tier)."""
         if self.enable_caching:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_hit_tokens
+        if num_tier_tokens and self.kv_tier is not None:
+            self.kv_tier.stats.hit_tokens += num_tier_tokens
+            self.kv_tier.stats.hit_blocks += num_tier_tokens // self.block_size
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so its tail is evicted first)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional, Union
 
 from scheduler.draft_proposer import SpecDecodeStats
+from scheduler.kv_tier_index import KVTierStats
 from scheduler.request import RequestStatus
 
 
@@ -118,6 +119,11 @@ class SchedulerOutput:
 
     Prefix-cache hits only name blocks written by earlier, completed steps, so
     within a step no request reads K/V that another request of the step writes.
+
+    The second KV tier (disk): `kv_tier_restores` (block hash, block id) are read into the cache before the
+    forward (their tokens count as computed); `kv_tier_saves` (block id, block hash) are blocks the step's
+    forward fills, copied out after it and written in the background. Each rank reads and writes its own
+    file of a block (its shard, its stage's layers): the message is all any worker needs.
     """
 
     num_scheduled_tokens: dict[str, int]
@@ -128,6 +134,8 @@ class SchedulerOutput:
     preempted_request_ids: frozenset[str] = frozenset()
     finished_request_ids: frozenset[str] = frozenset()
     scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kv_tier_saves: tuple[tuple[int, bytes], ...] = ()
+    kv_tier_restores: tuple[tuple[bytes, int], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -162,3 +170,4 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     speculation: Optional[SpecDecodeStats] = None  # None without speculative decoding
+    kv_tier: Optional[KVTierStats] = None  # None without a second KV tier

@@ -196,6 +196,38 @@ OPTIONS: tuple[Option, ...] = (
         nullable=True,
     ),
     Option(
+        "--kv-cache-dir",
+        (*CACHE, "kv_cache_dir"),
+        "str",
+        "directory of the disk KV tier: full KV blocks are written through to it and restored instead of "
+        "recomputed on a prefix-cache miss, also after a restart (files keyed by the model's identity)",
+        "PATH",
+        "none, no disk tier",
+        nullable=True,
+    ),
+    Option(
+        "--kv-cache-dir-size",
+        (*CACHE, "kv_cache_dir_size"),
+        "float",
+        "GiB the --kv-cache-dir files may take; the least recently used blocks are deleted beyond it",
+        "GIB",
+    ),
+    Option(
+        "--swap-space",
+        (*CACHE, "swap_space"),
+        "float",
+        "GiB of host memory for a KV tier on GPUs; on CPU the KV cache is already in host memory: ignored "
+        "with a warning (not built on CUDA yet: refused there)",
+        "GIB",
+    ),
+    Option(
+        "--kv-offloading-size",
+        (*CACHE, "swap_space"),
+        "float",
+        "the same as --swap-space (vLLM's newer name)",
+        "GIB",
+    ),
+    Option(
         "--gpu-memory-utilization",
         (*CACHE, "gpu_memory_utilization"),
         "float",

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
-from scheduler import SchedulerStats, SpecDecodeStats
+from scheduler import KVTierStats, SchedulerStats, SpecDecodeStats
 from server.observability.gpu_monitor import GpuMonitor, GpuSample
 
 _LATENCY_BUCKETS = (
@@ -78,6 +78,30 @@ class _SchedulerCollector(Collector):
             yield counter
         if stats.speculation is not None:
             yield from self._speculation(stats.speculation)
+        if stats.kv_tier is not None:
+            yield from self._kv_tier(stats.kv_tier)
+
+    def _kv_tier(self, tier: KVTierStats) -> Iterable:
+        """The second KV tier's counters (label `tier`: disk), beside the prefix cache's (only with a tier)."""
+        labels = [self._model_name, tier.tier]
+        for name, doc, value in (
+            ("pagedserve_kv_tier_hit_blocks", "KV blocks restored from the tier instead of computed.", tier.hit_blocks),
+            (
+                "pagedserve_kv_tier_hit_tokens",
+                "Prompt tokens restored from the tier instead of computed.",
+                tier.hit_tokens,
+            ),
+            ("pagedserve_kv_tier_read_bytes", "Bytes of block files read back from the tier.", tier.read_bytes),
+            ("pagedserve_kv_tier_written_bytes", "Bytes of block files written to the tier.", tier.written_bytes),
+            (
+                "pagedserve_kv_tier_corrupt_files",
+                "Block files found corrupt, truncated or of another key: deleted, the block computed.",
+                tier.corrupt_files,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+            counter.add_metric(labels, value)
+            yield counter
 
     def _speculation(self, spec: SpecDecodeStats) -> Iterable:
         """vLLM's speculative-decoding counters, with our prefix (only when the engine speculates)."""

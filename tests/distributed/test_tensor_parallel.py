@@ -56,12 +56,27 @@ def test_chunked_prefill_and_preemption(which, request):
     assert_same(got, expected)
 
 
-def test_prefix_cache_hits(model_dir):
+def test_prefix_cache_hits_and_the_disk_tier(model_dir, tmp_path):
+    """Prefix-cache hits on two ranks; with --kv-cache-dir each rank writes its own file of every block, and
+    after the pool is emptied the same prompts are restored from both ranks' files, with the same tokens."""
     prompts = mixed_prompts(12, shared_prefix=20)
     expected, _ = generate(model_dir, prompts, 1, enable_prefix_caching=True)
-    got, stats = generate(model_dir, prompts, 2, enable_prefix_caching=True)
-    assert stats.prefix_cache_hits >= 16
-    assert_same(got, expected)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(str(model_dir), **TINY, tensor_parallel_size=2, kv_cache_dir=str(tmp_path)) as llm:
+        runs = []
+        for _ in range(2):
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runs.append([(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results])
+            if not runs[1:]:
+                first = llm.engine.stats()
+                assert llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        stats = llm.engine.stats()
+        assert_idle(llm)
+    assert first.prefix_cache_hits >= 16 and first.kv_tier is not None and first.kv_tier.hit_blocks == 0
+    assert stats.kv_tier is not None and stats.kv_tier.hit_blocks >= 30 and stats.kv_tier.corrupt_files == 0
+    assert len(list(tmp_path.rglob("*.r0"))) == len(list(tmp_path.rglob("*.r1"))) > 0
+    for got in runs:
+        assert_same(got, expected)
 
 
 def test_aborts_between_steps(model_dir):

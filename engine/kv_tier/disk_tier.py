@@ -1,0 +1,59 @@
+"""The runner's side of the disk KV tier: copy a step's filled blocks out after its forward, read restored ones
+in before it. Which blocks, the step message says (scheduler/output.py); this rank's files are its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.attention.kv_cache import KVCache
+from engine.kv_tier.block_copy import gather_blocks, payload_bytes, scatter_blocks
+from engine.kv_tier.block_writer import BlockWriter
+from scheduler.kv_tier_file import BlockFileError, BlockFileKey, block_file_path, read_block_file
+
+
+class KVTierReadError(RuntimeError):
+    """A block file the scheduler had verified no longer reads back (deleted or altered since, by another
+    process sharing the directory): the step fails rather than serve wrong K/V."""
+
+
+class DiskTier:
+    """Block files of `identity` in `directory`, for rank `rank`."""
+
+    def __init__(self, directory: Path, identity: bytes, rank: int):
+        self.directory = directory
+        self.identity = identity
+        self.rank = rank
+        self.writer = BlockWriter(directory)
+
+    def restore(self, kv_cache: KVCache, restores: Sequence[tuple[bytes, int]]) -> None:
+        """Read the blocks `(hash, block id)` into the cache (before the step's forward reads them)."""
+        payloads = np.empty((len(restores), payload_bytes(kv_cache)), dtype=np.uint8)
+        for row, (block_hash, _) in zip(payloads, restores):
+            key = BlockFileKey(self.identity, self.rank, block_hash)
+            try:
+                read_block_file(block_file_path(self.directory, key), key, memoryview(row.data))
+            except BlockFileError as error:
+                raise KVTierReadError(f"KV disk tier: {error}") from None
+        scatter_blocks(kv_cache, [block_id for _, block_id in restores], payloads)
+
+    def save(self, kv_cache: KVCache, saves: Sequence[tuple[int, bytes]]) -> None:
+        """Copy the blocks `(block id, hash)` out of the cache now (the step's forward has filled them; a later
+        step may overwrite them) and queue their files."""
+        payloads = gather_blocks(kv_cache, [block_id for block_id, _ in saves])
+        ready = None
+        if payloads.device.type == "cuda":
+            host = torch.empty(payloads.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(payloads, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            payloads = host
+        keys = [BlockFileKey(self.identity, self.rank, block_hash) for _, block_hash in saves]
+        self.writer.put(keys, payloads, ready)
+
+    def close(self) -> None:
+        """Write every queued block (the engine is shutting down: the next one starts from these files)."""
+        self.writer.close()

@@ -1,0 +1,203 @@
+"""Which blocks the disk KV tier holds: a set of block hashes over a directory, bounded in bytes (LRU).
+
+The scheduler asks it, on a prefix-cache miss, for the longest run of a request's next blocks that the tier
+holds (`verified_run`: each file read and checked, a bad one deleted and the run cut there), and tells it
+which blocks a step fills (`plan_saves`: those it does not hold yet, which the runner then writes). It is the
+only one that deletes files: the size bound evicts the least recently used blocks (their files' mtimes
+carry the order across restarts). Every rank of a tensor-parallel or pipeline-parallel engine writes its
+own file of a block; a block counts as held when every rank's file is there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from scheduler.kv_tier_file import (
+    TMP_SUFFIX,
+    BlockFileError,
+    BlockFileKey,
+    block_file_path,
+    parse_file_name,
+    read_block_file,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVTierStats:
+    """Cumulative counts of one tier (metrics)."""
+
+    tier: str
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    read_bytes: int = 0
+    written_bytes: int = 0
+    corrupt_files: int = 0  # detected (checksum, length, key) and deleted
+
+    def snapshot(self) -> "KVTierStats":
+        return KVTierStats(
+            self.tier, self.hit_blocks, self.hit_tokens, self.read_bytes, self.written_bytes, self.corrupt_files
+        )
+
+
+class KVTierIndex:
+    """The blocks of one model identity in `directory`, and the LRU order of every block file there (other
+    identities' files count towards `max_bytes` and are evicted like ours, never read).
+
+    `file_bytes` is what one block's files take over all ranks (headers included): the size a planned save
+    is accounted at before the runner has written it. Build it with `open`, which scans the directory.
+    """
+
+    def __init__(self, directory: Path, identity: bytes, num_ranks: int, max_bytes: int, file_bytes: int):
+        self.directory = directory
+        self.identity = identity
+        self.num_ranks = num_ranks
+        self.max_bytes = max_bytes
+        self.file_bytes = file_bytes
+        self.stats = KVTierStats("disk")
+        # (identity hex, block hash) -> bytes of its files, least recently used first
+        self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        self._held: set[bytes] = set()  # block hashes of our identity with every rank's file
+        self._unconfirmed: set[bytes] = set()  # planned saves not yet read back (the writer may still be at them)
+        self._total_bytes = 0
+
+    @classmethod
+    def open(cls, directory: Path, identity: bytes, num_ranks: int, max_bytes: int, file_bytes: int) -> "KVTierIndex":
+        """The index over what `directory` holds (made if missing); evicts down to `max_bytes` at once."""
+        index = cls(directory, identity, num_ranks, max_bytes, file_bytes)
+        directory.mkdir(parents=True, exist_ok=True)
+        index._scan()
+        index._evict(protect=())
+        logger.info(
+            "KV disk tier %s: %d blocks of this model, %.1f of %.1f MiB used",
+            directory,
+            len(index._held),
+            index._total_bytes / 2**20,
+            max_bytes / 2**20,
+        )
+        return index
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._held)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total_bytes
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._held
+
+    def verified_run(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of `block_hashes`, from the first, the tier holds in files that read back whole and
+        unaltered. A bad file ends the run: its block's files are deleted (the block is computed instead)."""
+        identity_hex = self.identity.hex()
+        for n, block_hash in enumerate(block_hashes):
+            if block_hash not in self._held:
+                return n
+            num_bytes = 0
+            try:
+                for rank in range(self.num_ranks):
+                    key = BlockFileKey(self.identity, rank, block_hash)
+                    path = block_file_path(self.directory, key)
+                    if block_hash in self._unconfirmed and not path.exists():
+                        return n  # not written yet (or the write failed): a miss, nothing wrong with the tier
+                    num_bytes += read_block_file(path, key)
+            except BlockFileError as error:
+                logger.warning("KV disk tier: %s; the block is computed instead", error)
+                self.stats.corrupt_files += 1
+                self._drop((identity_hex, block_hash))
+                return n
+            self.stats.read_bytes += num_bytes
+            self._unconfirmed.discard(block_hash)
+            self._touch((identity_hex, block_hash))
+        return len(block_hashes)
+
+    def plan_saves(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[bytes]:
+        """The blocks among `block_hashes` to write (those not held), now counted as held; evicts the least
+        recently used others, but never `keep` (the step's restores, which the runner has yet to read), to stay
+        within `max_bytes`. A block larger than the bound is never saved.
+
+        (A block evicted while the writer thread is still at its file gets written after all: a file outside
+        the index, which the next start-up's scan counts and evicts in its turn.)"""
+        if self.file_bytes > self.max_bytes:
+            return []
+        identity_hex = self.identity.hex()
+        planned = [h for h in dict.fromkeys(block_hashes) if h not in self._held]
+        self._unconfirmed.update(planned)
+        for block_hash in planned:
+            self._held.add(block_hash)
+            self._lru[(identity_hex, block_hash)] = self.file_bytes
+            self._total_bytes += self.file_bytes
+            self.stats.written_bytes += self.file_bytes
+        if self._total_bytes > self.max_bytes:
+            self._evict(protect={(identity_hex, h) for h in (*planned, *keep)})
+        return planned
+
+    def _scan(self) -> None:
+        """Every block file below the directory, oldest use first; leftover temporary files are deleted."""
+        found: dict[tuple[str, bytes], list[tuple[int, float]]] = {}  # -> (rank, mtime) per file
+        sizes: dict[tuple[str, bytes], int] = {}
+        for folder in self.directory.iterdir():
+            if not folder.is_dir():
+                continue
+            for entry in os.scandir(folder):
+                if entry.name.endswith(TMP_SUFFIX):
+                    _unlink(Path(entry.path))  # a write cut short (a crash): never renamed into place
+                    continue
+                parsed = parse_file_name(entry.name)
+                if parsed is None or not entry.is_file():
+                    continue
+                info = entry.stat()
+                key = (folder.name, parsed[0])
+                found.setdefault(key, []).append((parsed[1], info.st_mtime))
+                sizes[key] = sizes.get(key, 0) + info.st_size
+        own = self.identity.hex()
+        for key in sorted(found, key=lambda k: max(mtime for _, mtime in found[k])):
+            self._lru[key] = sizes[key]
+            self._total_bytes += sizes[key]
+            if key[0] == own and {rank for rank, _ in found[key]} >= set(range(self.num_ranks)):
+                self._held.add(key[1])
+
+    def _touch(self, key: tuple[str, bytes]) -> None:
+        """Mark a block used now, here and in its files' mtimes (the order a restart scans)."""
+        self._lru.move_to_end(key)
+        for rank in range(self.num_ranks):
+            try:
+                os.utime(block_file_path(self.directory, BlockFileKey(self.identity, rank, key[1])))
+            except OSError:
+                pass  # (gone meanwhile: the next read finds out)
+
+    def _evict(self, protect: set[tuple[str, bytes]] | tuple[()]) -> None:
+        for key in list(self._lru):
+            if self._total_bytes <= self.max_bytes:
+                return
+            if key not in protect:
+                self._drop(key)
+
+    def _drop(self, key: tuple[str, bytes]) -> None:
+        self._total_bytes -= self._lru.pop(key, 0)
+        if key[0] == self.identity.hex():
+            self._held.discard(key[1])
+            self._unconfirmed.discard(key[1])
+        folder = self.directory / key[0]
+        for entry in _rank_files(folder, key[1]):
+            _unlink(entry)
+
+
+def _rank_files(folder: Path, block_hash: bytes) -> list[Path]:
+    """Every rank's file of a block in an identity's folder (whatever the ranks of the engine that wrote it)."""
+    return list(folder.glob(f"{block_hash.hex()}.r*"))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,171 @@
+"""The disk KV tier (--kv-cache-dir): blocks written through, restored after a restart with the same tokens,
+bad files recomputed, other models' files never read, the size bound, and no KV left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.kv_tier.identity import model_identity
+from engine.sampling.params import SamplingParams
+from scheduler import SchedulerStats
+from scheduler.block_hash import BlockHash, extend_block_hashes
+from scheduler.kv_tier_file import HEADER, BlockFileKey, block_file_path, write_block_file
+from scheduler.kv_tier_index import KVTierIndex, KVTierStats
+from server.observability.metrics import ServerMetrics, cache_info
+from tests.engine.references import assert_idle, make_llm
+
+PROMPT = [random.Random(28).randrange(3, 500) for _ in range(150)]  # 37 full blocks of 4, and 2 tokens
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def generate(llm, prompt=PROMPT):
+    return llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+
+
+def block_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*.r0"))
+
+
+def prompt_files(directory: Path) -> list[Path]:
+    """The files of the prompt's full blocks, in prompt order."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, PROMPT, 4)
+    folder = block_files(directory)[0].parent
+    return [folder / f"{h.value.hex()}.r0" for h in hashes]
+
+
+@pytest.fixture(scope="module")
+def cold(llm):
+    """Greedy tokens of the prompt without any tier (the reference)."""
+    return generate(llm).outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def tier_dir(tiny_llama_dir, tmp_path_factory, cold):
+    """A tier directory that one engine filled with the prompt's blocks and was then shut down."""
+    directory = tmp_path_factory.mktemp("kv-tier")
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(directory)) as llm:
+        assert generate(llm).outputs[0].token_ids == cold
+        stats = llm.engine.stats().kv_tier
+        assert stats is not None and stats.hit_blocks == 0 and stats.written_bytes > 0
+    return directory
+
+
+def test_restart_restores_the_prompt_with_identical_tokens(tiny_llama_dir, tier_dir, cold):
+    assert len(block_files(tier_dir)) == (len(PROMPT) + GREEDY.max_tokens - 1) // 4  # every full block, written
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(tier_dir)) as llm:
+        result = generate(llm)
+        assert result.outputs[0].token_ids == cold
+        stats = llm.engine.stats()
+        assert stats.kv_tier is not None
+        assert stats.kv_tier.hit_blocks == (len(PROMPT) - 1) // 4  # all but the token the step must compute
+        assert stats.kv_tier.hit_tokens == result.num_cached_tokens == stats.prefix_cache_hits == 148
+        assert stats.kv_tier.read_bytes > 0 and stats.kv_tier.corrupt_files == 0
+        assert_idle(llm)
+        # Aborted while its blocks are being restored and prefilled: every block goes back to the pool.
+        engine = llm.engine
+        engine.add_request("a", PROMPT + [7, 8, 9, 10, 11], GREEDY)
+        engine.add_request("b", PROMPT[:60] + [5] * 70, GREEDY)
+        engine.step()
+        engine.abort(["a", "b"])
+        engine.step()
+        assert_idle(llm)
+
+
+def test_corrupt_and_truncated_files_are_recomputed_not_served(tiny_llama_dir, tier_dir, cold, tmp_path):
+    files = prompt_files(tier_dir)
+    num_files = len(block_files(tier_dir))
+    data = bytearray(files[5].read_bytes())
+    data[HEADER.size + 100] ^= 0xFF  # a bit flip in the payload of the prompt's 6th block
+    files[5].write_bytes(data)
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(tier_dir)) as llm:
+        result = generate(llm)
+        assert result.outputs[0].token_ids == cold
+        stats = llm.engine.stats().kv_tier
+        assert stats is not None and stats.corrupt_files == 1 and stats.hit_blocks == 5
+    # the bad block was deleted and computed, then written again (whole)
+    assert len(block_files(tier_dir)) == num_files and files[5].read_bytes() != data
+    # Truncated, and renamed under another block's name: detected by the index, and deleted.
+    index = KVTierIndex.open(tier_dir, bytes.fromhex(files[0].parent.name), 1, 1 << 30, 0)
+    files[2].write_bytes(files[2].read_bytes()[:-10])
+    os.replace(files[4], files[3])
+    blocks = [bytes.fromhex(f.name.split(".")[0]) for f in files]
+    assert index.verified_run(blocks[:2] + blocks[3:]) == 2  # the renamed file fails its header's key
+    assert index.verified_run(blocks[2:]) == 0  # the truncated one its length
+    assert index.stats.corrupt_files == 2 and not files[2].exists() and not files[3].exists()
+
+
+def test_another_block_size_or_weights_never_reads_the_files(tiny_llama_dir, tier_dir, llm, tmp_path, caplog):
+    # (--swap-space on CPU: the cache already is host memory; a warning, and the engine serves)
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(tier_dir), block_size=8, swap_space=4) as other:
+        generate(other)
+        stats = other.engine.stats().kv_tier
+        assert stats is not None and stats.hit_blocks == 0 and stats.corrupt_files == 0
+    assert "--swap-space / --kv-offloading-size 4 GiB ignored" in caplog.text
+    assert len({p.parent for p in block_files(tier_dir)}) == 2  # one folder per identity
+    # the weights' identity: any change to a weight file (size, mtime) names another folder
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x" * 10)
+    spec = llm.engine.runner.kv_cache.spec
+    kwargs = dict(num_layers=2, dtype="float32", quantization="none", tensor_parallel_size=1, pipeline_parallel_size=1)
+    before = model_identity(tmp_path, None, spec, **kwargs)
+    os.utime(weights, ns=(1, 1))
+    assert model_identity(tmp_path, None, spec, **kwargs) != before
+    assert model_identity(tmp_path, None, spec, **{**kwargs, "dtype": "bfloat16"}) != model_identity(
+        tmp_path, None, spec, **kwargs
+    )
+
+
+def test_size_bound_evicts_least_recently_used(tmp_path):
+    identity, payload = b"i" * 32, memoryview(bytes(1000))
+    file_bytes = HEADER.size + len(payload)
+    blocks = [bytes([n]) * 32 for n in range(5)]
+    for n, block in enumerate(blocks[:3]):
+        write_block_file(tmp_path, BlockFileKey(identity, 0, block), payload)
+        os.utime(block_file_path(tmp_path, BlockFileKey(identity, 0, block)), ns=(n * 10**9, n * 10**9))
+    index = KVTierIndex.open(tmp_path, identity, 1, 3 * file_bytes, file_bytes)
+    assert index.num_blocks == 3 and index.total_bytes == 3 * file_bytes
+    assert index.verified_run(blocks[:1]) == 1  # block 0 used: now the most recent
+    assert index.plan_saves(blocks[3:5] + blocks[:1]) == blocks[3:5]  # two new blocks evict blocks 1 and 2
+    assert [b in index for b in blocks] == [True, False, False, True, True]
+    assert not block_file_path(tmp_path, BlockFileKey(identity, 0, blocks[1])).exists()
+    assert index.total_bytes == 3 * file_bytes and index.stats.written_bytes == 2 * file_bytes
+    # a step's restores are never evicted by its own saves (the runner reads them after the scheduling)
+    assert index.plan_saves([bytes([9]) * 32], keep=[blocks[0]]) == [bytes([9]) * 32]  # block 0: the oldest
+    assert [b in index for b in blocks] == [True, False, False, False, True]
+    # a restart scans the same order: block 0 (touched) outlives block 3 and 4 only by its mtime
+    (tmp_path / identity.hex() / "stray.r0.1.tmp").write_bytes(b"cut short")
+    again = KVTierIndex.open(tmp_path, identity, 1, file_bytes, file_bytes)
+    assert again.num_blocks == 1 and not (tmp_path / identity.hex() / "stray.r0.1.tmp").exists()
+
+
+def test_tier_counters_are_exposed():
+    tier = KVTierStats("disk", hit_blocks=3, hit_tokens=48, read_bytes=4096, written_bytes=8192, corrupt_files=1)
+    stats = SchedulerStats(0, 0, 0.0, 0, 100, 60, kv_tier=tier)
+    info = cache_info(
+        num_blocks=8,
+        block_size=16,
+        enable_prefix_caching=True,
+        dtype="float32",
+        attention_backend="cpu",
+        max_model_len=64,
+    )
+    text = ServerMetrics("tiny", lambda: stats, info).render().decode()
+    values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("pagedserve_kv_tier") and s.labels.get("tier") == "disk"
+    }
+    assert values == {
+        "pagedserve_kv_tier_hit_blocks_total": 3,
+        "pagedserve_kv_tier_hit_tokens_total": 48,
+        "pagedserve_kv_tier_read_bytes_total": 4096,
+        "pagedserve_kv_tier_written_bytes_total": 8192,
+        "pagedserve_kv_tier_corrupt_files_total": 1,
+    }
