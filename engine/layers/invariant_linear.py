@@ -48,11 +48,12 @@ class BatchInvariantLinear(Linear):
         return self.kernels.invariant_linear(x.contiguous(), weight.data, bias, weight.out_features)
 
 
-ONEDNN_MIN_ROWS = 1024
+ONEDNN_MIN_ROWS = 1536
 """On AMX, `ColumnBlockLinear` hands products of at least this many rows (prefill chunks) to oneDNN on the weight
-unpacked for the call: oneDNN's large bf16 products on the tiles outrun our tile path by ~2x, which pays
-for the unpack (a copy of the weight) from about this many rows on (the embedded model's four products of a
-layer, one thread, CPU time: 256 rows 2.7 vs 6.2 ms; 2048 rows ~24 vs ~17 ms; docs/performance.md)."""
+unpacked for the call: oneDNN's large bf16 products on the tiles outrun our tile path, which pays for the
+unpack (a transposing copy of the weight) from about this many rows on (the embedded model's four products of
+a layer, one thread, CPU time, load ~10: 1024 rows 15.4 vs 17.4 ms; 2048 rows 30.8 vs ~25 ms; docs/performance.md,
+"Long prompts")."""
 
 FUSED_MAX_ROWS = 256
 """The decode batches `ColumnBlockLinear`'s model runs through the fused decode (engine/layers/fused_decode.py):
