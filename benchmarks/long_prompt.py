@@ -159,8 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     peak = matmul_peak(torch.bfloat16)
     fp32 = matmul_peak(torch.float32)
-    print(f"bf16 matrix peak (2048^3 torch/oneDNN): {peak[0] / 1e9:.0f} GFLOP/s by wall, {peak[1] / 1e9:.0f} by CPU "
-          f"time; float32: {fp32[0] / 1e9:.0f} / {fp32[1] / 1e9:.0f}")
+    print(
+        f"bf16 matrix peak (2048^3 torch/oneDNN): {peak[0] / 1e9:.0f} GFLOP/s by wall, {peak[1] / 1e9:.0f} by CPU "
+        f"time; float32: {fp32[0] / 1e9:.0f} / {fp32[1] / 1e9:.0f}"
+    )
     print(f"streaming read: {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
     for path in args.paths.split(","):
         result = run_path(path, args.prompt_tokens, args.decode_steps, args.max_num_batched_tokens, args.profile)
