@@ -45,7 +45,7 @@ class Clock:
         return time.perf_counter() - self.wall, cpu
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> tuple[float, float]:
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> tuple[float, float]:
     """FLOP/s of torch's product of two [size, size] matrices in `dtype`, (by wall, by CPU time), best of `repeats`."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
