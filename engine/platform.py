@@ -38,6 +38,7 @@ from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
 from engine.layers.linear import GemvLinear, Linear
@@ -98,15 +99,6 @@ def cpu_linear(backend: CpuAttentionBackend, dtype: torch.dtype) -> Optional[Lin
     if kernels.bf16_column_blocks and kernels.invariant_product_ok and (kernels.amx_tiles or not amx_cpu):
         return ColumnBlockLinear(kernels)
     return GemvLinear(kernels, AMX_GEMV_MAX_ROWS) if amx_cpu else GemvLinear(kernels)
-
-
-def torch_bf16_products_use_amx() -> bool:
-    """Whether this CPU has AMX tiles, which oneDNN's bf16 products run on (Sapphire Rapids and newer)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch 2.x
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
 
 
 def batch_invariant_numerics(attention_backend: str, device: torch.device, dtype: torch.dtype) -> Numerics:

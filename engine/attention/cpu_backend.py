@@ -1,15 +1,17 @@
-"""The CPU backend: decodes through the native paged kernel, prefill chunks as the torch backend does."""
+"""The CPU backend: decodes through the native paged kernel; a prefill chunk that continues a cached prefix as
+two mask-free flash calls (prefix_attention.py), other chunks as the torch backend does."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
-from engine.attention.metadata import AttentionMetadata, decode_and_chunks
+from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
+from engine.attention.prefix_attention import prefix_and_chunk_attention
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu import CpuKernels
-from engine.attention.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec, from_cache, select_blocks
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -57,3 +59,37 @@ class CpuAttentionBackend(TorchAttentionBackend):
             sinks=layer.sinks,
         )
         return out.to(query.dtype)
+
+    def _prefill(  # type: ignore[override]
+        self,
+        query: torch.Tensor,  # [query_len, num_heads, head_dim]
+        key: torch.Tensor,  # [query_len, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        prefix = chunk.context_len - chunk.query_len
+        plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
+        if prefix == 0 or not plain or layer.latent_rank is not None:
+            return super()._prefill(query, key, value, key_cache, value_cache, chunk, layer)
+        # only the prefix comes from the cache: the chunk's own K/V are the step's
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        table = chunk.block_table[: -(-prefix // block_size)]
+        prefix_k = from_cache(select_blocks(key_cache, table).view(-1, num_kv_heads, head_dim)[:prefix], query.dtype)
+        prefix_v = select_blocks(value_cache, table).view(-1, num_kv_heads, value_cache.shape[-1])[:prefix]
+        prefix_v = from_cache(prefix_v, query.dtype)
+
+        def heads_first(t: torch.Tensor) -> torch.Tensor:  # [len, heads, dim] -> [1, heads, len, dim]
+            return t.transpose(0, 1).unsqueeze(0)
+
+        out = prefix_and_chunk_attention(
+            heads_first(query),
+            heads_first(from_cache(key.to(key_cache.dtype), query.dtype)),  # rounded as the cache holds them
+            heads_first(from_cache(value.to(value_cache.dtype), query.dtype)),
+            heads_first(prefix_k),
+            heads_first(prefix_v),
+            layer.scale,
+        )
+        return out[0].transpose(0, 1)  # [query_len, num_heads, head_dim]

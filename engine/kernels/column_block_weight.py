@@ -33,8 +33,11 @@ class PackedWeight:
     def unpack(self) -> torch.Tensor:
         """The plain [out_features, in_features] weight (for references and the bandwidth floor)."""
         if self.data.dtype == torch.bfloat16:
+            # each k pair as one int32: a transpose of 4-byte elements copies ~1.4x faster than of 2-byte pairs
+            # (it runs per prefill chunk on AMX: ColumnBlockLinear)
             blocks, pairs = self.data.shape[:2]
-            plain = self.data.permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, pairs * 2)
+            as_pairs = self.data.view(torch.int32).view(blocks, pairs, BLOCK_N)
+            plain = as_pairs.transpose(1, 2).contiguous().view(torch.bfloat16).view(blocks * BLOCK_N, pairs * 2)
         else:
             blocks = self.data.shape[0]
             plain = self.data.permute(0, 2, 1).reshape(blocks * BLOCK_N, self.in_features)

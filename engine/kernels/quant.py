@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from engine.kernels.amx import torch_bf16_products_use_amx
+
 logger = logging.getLogger(__name__)
 
 QUANT_SOURCES = ("quant_gemm.cpp", "quant_dense_bf16.cpp")
@@ -121,6 +123,9 @@ class QuantKernels:
         assert tiles is not None  # as above
         self.bf16_tiles = bool(ctypes.CFUNCTYPE(ctypes.c_int64)(tiles)())
         """Whether bf16 activations can take the bf16 tile product (an AVX512-BF16 build)."""
+        self.amx_dense = torch_bf16_products_use_amx()
+        """Whether torch's bf16 product runs on AMX tiles here: prefill-sized bf16 products then take the weight
+        dequantized to bf16 and oneDNN (engine/quantization/gguf_weight.py, AMX_DENSE_MIN_ROWS)."""
         self._linear = torch.ops.pagedserve.cpu_quant_linear.default
         self._dequantize = torch.ops.pagedserve.cpu_quant_dequantize.default
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
 from engine.kernels.cpu import CpuKernels
@@ -47,6 +48,13 @@ class BatchInvariantLinear(Linear):
         return self.kernels.invariant_linear(x.contiguous(), weight.data, bias, weight.out_features)
 
 
+ONEDNN_MIN_ROWS = 1536
+"""On AMX, `ColumnBlockLinear` hands products of at least this many rows (prefill chunks) to oneDNN on the weight
+unpacked for the call: oneDNN's large bf16 products on the tiles outrun our tile path, which pays for the
+unpack (a transposing copy of the weight) from about this many rows on (the embedded model's four products of
+a layer, one thread, CPU time, load ~10: 1024 rows 15.4 vs 17.4 ms; 2048 rows 30.8 vs ~25 ms; docs/performance.md,
+"Long prompts")."""
+
 FUSED_MAX_ROWS = 256
 """The decode batches `ColumnBlockLinear`'s model runs through the fused decode (engine/layers/fused_decode.py):
 its product is the same kernel at every row count, so the fused path takes any decode-only step up to this."""
@@ -73,4 +81,6 @@ class ColumnBlockLinear(BatchInvariantLinear):
             return quantized_product(x, weight, bias)
         if x.dtype != weight.data.dtype:
             raise ValueError(f"the column-block product of {x.dtype} rows by a {weight.data.dtype} weight")
+        if self.amx and x.shape[0] >= ONEDNN_MIN_ROWS:
+            return F.linear(x, weight.unpack(), bias)
         return self.kernels.invariant_linear(x.contiguous(), weight.data, bias, weight.out_features, amx=self.amx)

@@ -13,7 +13,7 @@ from engine import platform
 from engine.platform import cpu_linear
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
-from engine.layers.invariant_linear import BatchInvariantLinear, ColumnBlockLinear
+from engine.layers.invariant_linear import ONEDNN_MIN_ROWS, BatchInvariantLinear, ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
 
@@ -185,3 +185,17 @@ def test_the_product_on_amx_tiles_follows_the_float64_reference(cpu_kernels, sha
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
     if shape[1] % 32:
         assert torch.equal(got, cpu_kernels.invariant_linear(x, packed, bias, shape[0], amx=False))
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_column_blocks_hand_prefill_chunks_to_onednn_on_amx(cpu_kernels, amx):
+    """From ONEDNN_MIN_ROWS rows on AMX, torch's product on the unpacked weight (a column tail included); the same
+    rows without AMX stay on the column-block kernel: both follow the float64 reference."""
+    weight, bias = weights(130, 96, torch.bfloat16)
+    packed = pack_invariant_weight(weight)
+    x = torch.randn(ONEDNN_MIN_ROWS, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got = ColumnBlockLinear(cpu_kernels, amx=amx)(x, packed, bias)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
+    if amx:
+        assert torch.equal(got, F.linear(x, weight, bias))

@@ -1,0 +1,191 @@
+"""A long prompt against the machine: prefill FLOP/s as a share of the matrix unit's measured peak, and the
+decode step at that context against its physical floor, on the embedded model's bf16 and GGUF paths.
+
+    python -m benchmarks.long_prompt [--prompt-tokens 4149] [--paths none,gguf] [--profile]
+
+Everything compared is measured in the same run: the CPU model and flags, the bf16 matrix peak (torch's
+bf16 product of two large square matrices: oneDNN, which runs on the AMX tiles where the CPU has them),
+the float32 one for scale, the streaming-read bandwidth, then per path the TTFT of one prompt, its FLOPs,
+FLOP/s, % of the bf16 peak, and the single-stream decode TPOT at that context against the floor.
+
+Prefill FLOPs (one multiply-add = 2 FLOPs; T prompt tokens, L layers, H query heads of head_dim d):
+
+    products   2 * P * T             P: the parameters of the layers' products (embeddings excluded)
+    LM head    2 * V * hidden        once: only the last prompt token's logits are computed
+    attention  4 * L * H * d * T(T+1)/2    q.k and p.v, 2 * d FLOPs each, over the causal half
+
+Decode floor (one token): (weight bytes as stored + K/V bytes of the context) / read bandwidth.
+`--profile`: torch's profiler over one prefill per path, the top operators by CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.machine import cpu_info
+
+
+class Clock:
+    """Wall time and this process's CPU time per thread: on a shared machine the wall clock counts the time other
+    processes held the cores; CPU time / threads counts only this process's (spinning OpenMP waits included)."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+    def seconds(self) -> tuple[float, float]:
+        """(wall, CPU / threads) since the clock started."""
+        cpu = (time.process_time() - self.cpu) / torch.get_num_threads()
+        return time.perf_counter() - self.wall, cpu
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> tuple[float, float]:
+    """FLOP/s of torch's product of two [size, size] matrices in `dtype`, (by wall, by CPU time), best of `repeats`."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # oneDNN's kernel choice and the thread pool warm up
+    wall = cpu = float("inf")
+    for _ in range(repeats):
+        clock = Clock()
+        a @ b
+        w, c = clock.seconds()
+        wall, cpu = min(wall, w), min(cpu, c)
+    return 2 * size**3 / wall, 2 * size**3 / cpu
+
+
+def prefill_flops(model: Any, tokens: int) -> dict[str, float]:
+    """The formula of the module docstring, by parts."""
+    arch = model.arch
+    params = sum(_elements(w) for w in model.weight_tensors()[:-1])  # the last one is the LM head
+    attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * tokens * (tokens + 1) / 2
+    head = 2 * arch.vocab_size * arch.hidden_size
+    return {"products": 2 * params * tokens, "attention": attention, "head": head}
+
+
+def _elements(weight: Any) -> int:
+    """A weight's logical element count: a tensor's, a quantized or packed weight's [out, in]."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel()
+    if hasattr(weight, "out_features"):
+        return weight.out_features * weight.in_features
+    return weight.data.numel()
+
+
+def run_path(quantization: str, prompt_tokens: int, decode_steps: int, chunk: int, profile: bool) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.profiling.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
+
+    llm = LLM(
+        None,
+        dtype="bfloat16",
+        quantization=quantization,
+        max_model_len=prompt_tokens + decode_steps + 16,
+        max_num_seqs=1,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    model = engine.runner.model
+    assert model is not None
+    params = SamplingParams(max_tokens=decode_steps + 2, temperature=0, ignore_eos=True)
+    prompt = [(7 * j) % 20000 + 100 for j in range(prompt_tokens)]
+    # a shorter prompt first warms the kernels (oneDNN's choices, the libraries' pages): a first chunk and one
+    # that continues it, as the measured prompt has
+    engine.add_request("warm", prompt[: min(prompt_tokens, chunk + 256)], SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests:
+        engine.step()
+    engine.add_request("measured", prompt, params)
+    clock = Clock()
+    while not any(out.new_token_ids for out in engine.step()):
+        pass
+    ttft = clock.seconds()
+    timings = []
+    for _ in range(decode_steps):
+        clock = Clock()
+        engine.step()
+        timings.append(clock.seconds())
+    tpot = (statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings))
+    while engine.has_unfinished_requests:
+        engine.step()
+    if profile:
+        _profile_prefill(engine, prompt)
+    arch = model.arch
+    floor_bytes = tensor_bytes(model.weight_tensors()) + kv_read_bytes(
+        arch.num_layers, prompt_tokens, arch.num_kv_heads, arch.head_dim, torch.bfloat16
+    )
+    flops = prefill_flops(model, prompt_tokens)
+    llm.shutdown()
+    return {
+        "ttft_s": ttft,
+        "flops": flops,
+        "tpot": tpot,
+        "floor_ms": floor_bytes / read_bandwidth(torch.device("cpu")) * 1e3,
+    }
+
+
+def _profile_prefill(engine: Any, prompt: list[int]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    engine.add_request("profiled", prompt, SamplingParams(max_tokens=1, temperature=0))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests:
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=4149)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--paths", default="none,gguf", help="--quantization values to run, comma-separated")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill chunk")
+    parser.add_argument("--profile", action="store_true", help="torch profiler over one more prefill per path")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from engine.profiling.memory_bandwidth import read_bandwidth
+
+    info = cpu_info()
+    print(f"cpu: {info['model']} ({info['cores']} cores; {' '.join(info['flags'])}); load {os.getloadavg()[0]:.2f}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    peak = matmul_peak(torch.bfloat16)
+    fp32 = matmul_peak(torch.float32)
+    print(
+        f"bf16 matrix peak (2048^3 torch/oneDNN): {peak[0] / 1e9:.0f} GFLOP/s by wall, {peak[1] / 1e9:.0f} by CPU "
+        f"time; float32: {fp32[0] / 1e9:.0f} / {fp32[1] / 1e9:.0f}"
+    )
+    print(f"streaming read: {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
+    for path in args.paths.split(","):
+        result = run_path(path, args.prompt_tokens, args.decode_steps, args.max_num_batched_tokens, args.profile)
+        flops = result["flops"]
+        total = sum(flops.values())
+        rates = [total / seconds for seconds in result["ttft_s"]]
+        print(
+            f"[{path}] {args.prompt_tokens}-token prompt: {total / 1e12:.3f} TFLOP (products "
+            f"{flops['products'] / 1e12:.3f}, attention {flops['attention'] / 1e12:.3f}, head "
+            f"{flops['head'] / 1e12:.4f}); TTFT {result['ttft_s'][0]:.2f} s = {rates[0] / 1e9:.0f} GFLOP/s = "
+            f"{100 * rates[0] / peak[0]:.1f}% of the peak (wall); by CPU time {result['ttft_s'][1]:.2f} s = "
+            f"{100 * rates[1] / peak[1]:.1f}%",
+            flush=True,
+        )
+        tpot = result["tpot"]
+        print(
+            f"[{path}] decode TPOT at {args.prompt_tokens} tokens: {tpot[0] * 1e3:.2f} ms (CPU time "
+            f"{tpot[1] * 1e3:.2f} ms); floor {result['floor_ms']:.2f} ms; ratio {tpot[0] * 1e3 / result['floor_ms']:.2f}x "
+            f"({tpot[1] * 1e3 / result['floor_ms']:.2f}x by CPU time)",
+            flush=True,
+        )
+    print(f"load at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
