@@ -1,14 +1,24 @@
 """What serving LoRA adapters costs on the embedded model: `python -m benchmarks.lora`.
 
     python -m benchmarks.lora [--concurrency 16] [--adapters 8] [--rank 16] [--tokens 64] [--repeats 3]
+    python -m benchmarks.lora --load-stall [--concurrency 16] [--adapters 8] [--rank 16]
 
 One engine with `--enable-lora` (max_loras = --adapters, the GGUF dequantized: --quantization none) runs rounds of
 `--concurrency` greedy requests of the same prompts: all on the base model, and spread over `--adapters`
 random rank-`--rank` adapters (every projection targeted); a second engine without LoRA runs the base round
 too (the plain model's own speed); the three rounds interleaved `--repeats` times. Figures:
 output tokens per second of each round (the best repeat), and the ratios adapters / plain base and adapters /
-base in the LoRA engine. `--micro` also times one projection's deltas for a decode batch three ways (the
-engine's slot-range products, per-adapter index_select/index_add segments, per-token gathered bmm).
+base in the LoRA engine. `--micro` also times one projection's (gate|up) deltas for a decode batch five ways:
+torch's slot-range products (the engine's before the native kernels), per-adapter index_select/index_add
+segments, per-token gathered bmm, and the native kernels (csrc/lora_delta.h) with A rows grouped by slot (the
+engine's) or read per token.
+
+`--load-stall` measures instead what loading an adapter at run time costs the other streams: `--concurrency`
+greedy streams on the base model and `--adapters` - 1 loaded adapters decode while a request names an adapter
+registered but not loaded (the engine reads it on its loading thread, then copies it into a free slot in
+the step that admits the request). Figures: each stream's inter-token gaps before the load (median) and
+from the request's arrival to its first token (max, and the ratio max / median; the issue's bound is 2x),
+and the adapter's load time (arrival to loaded).
 
 The adapters are written as PEFT directories (adapter_config.json + adapter_model.safetensors) with random
 A and B scaled so the outputs stay text-like; their content does not change the cost.
@@ -78,8 +88,9 @@ def run_round(llm: LLM, concurrency: int, tokens: int, loras) -> float:
     return sum(len(r.outputs[0].token_ids) for r in results) / elapsed
 
 
-def micro(arch, adapters: int, rank: int, rows: int, dtype: torch.dtype, calls: int = 200) -> dict[str, float]:
-    """Microseconds for the gate|up deltas of a `rows`-token decode batch over `adapters` adapters, three ways."""
+def micro(arch, adapters: int, rank: int, rows: int, dtype: torch.dtype, kernels, calls: int = 200) -> dict[str, float]:
+    """Microseconds for the gate|up deltas of a `rows`-token decode batch over `adapters` adapters, five ways
+    (`kernels`: the native CPU kernels, None: those two left out)."""
     width, out = arch.hidden_size, 2 * arch.intermediate_size
     parts_rank = 2 * rank
     a = torch.randn(adapters, parts_rank, width, dtype=dtype) * 0.01  # [S, P, in]
@@ -91,6 +102,10 @@ def micro(arch, adapters: int, rank: int, rows: int, dtype: torch.dtype, calls: 
     mixing[torch.arange(rows), slot] = 1
     mixing = mixing.repeat_interleave(parts_rank, dim=1)
     segments = [(s, torch.nonzero(slot == s)[:, 0]) for s in range(adapters)]
+    token_slots = slot.to(torch.int32)[:, None].contiguous()  # [T, 1]
+    token_scales = torch.ones(rows, 1)
+    ranks = torch.full((adapters,), rank, dtype=torch.int32)
+    widths = (arch.intermediate_size, arch.intermediate_size)
 
     def slot_range() -> None:
         shrunk = torch.mm(x, a.reshape(-1, width).t())
@@ -106,8 +121,14 @@ def micro(arch, adapters: int, rank: int, rows: int, dtype: torch.dtype, calls: 
         shrunk = torch.bmm(a[slot], x[:, :, None])  # [T, P, 1]
         base.add_(torch.bmm(shrunk.transpose(1, 2), b[slot])[:, 0])
 
+    def native(grouped: bool):
+        return lambda: kernels.lora_add_(x, base, a, b, token_slots, token_scales, ranks, widths, grouped=grouped)
+
+    ways = [("slot_range", slot_range), ("per_adapter_segments", per_adapter), ("gathered_bmm", gathered_bmm)]
+    if kernels is not None:
+        ways += [("native_grouped_by_slot", native(True)), ("native_per_token", native(False))]
     timings = {}
-    for name, fn in (("slot_range", slot_range), ("per_adapter_segments", per_adapter), ("gathered_bmm", gathered_bmm)):
+    for name, fn in ways:
         for _ in range(20):
             fn()
         samples = []
@@ -120,6 +141,52 @@ def micro(arch, adapters: int, rank: int, rows: int, dtype: torch.dtype, calls: 
     return timings
 
 
+def load_stall(llm: LLM, adapter: Path, streams: int, loaded: int, warm_steps: int = 24) -> dict:
+    """Inter-token gaps of `streams` decoding streams (the base and `loaded` adapters a0..) before and while
+    the adapter at `adapter` loads for a new request (see the module docstring)."""
+    engine, manager = llm.engine, llm.engine.lora_manager
+    manager.register(LoRARequest("cold", str(adapter)))
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    mixes = [None if i % (loaded + 1) == 0 else LoRAMix.single(f"a{i % (loaded + 1) - 1}") for i in range(streams)]
+    prompt = llm.get_tokenizer().encode(PROMPTS[0])
+    for i, mix in enumerate(mixes):
+        engine.add_request(f"s{i}", prompt, params, lora=mix)
+    last: dict[str, float] = {}
+    before: list[float] = []
+    during: list[float] = []
+    added = loaded_at = first_token = None
+    step = 0
+    while first_token is None:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id == "cold":
+                first_token = now
+            elif out.new_token_ids:
+                if out.request_id in last and step > 2:  # (past the prompts' prefill)
+                    (during if added is not None else before).append(now - last[out.request_id])
+                last[out.request_id] = now
+        if added is not None and loaded_at is None and "cold" in manager.loaded_names():
+            loaded_at = now
+        step += 1
+        if step == warm_steps:
+            added = time.perf_counter()
+            engine.add_request("cold", prompt, SamplingParams(max_tokens=1, temperature=0), lora=LoRAMix.single("cold"))
+    engine.abort([f"s{i}" for i in range(streams)])
+    while engine.has_work:
+        engine.step()
+    assert added is not None and loaded_at is not None
+    median, worst = statistics.median(before), max(during)
+    return {
+        "median_gap_ms_before": round(median * 1e3, 2),
+        "max_gap_ms_during_load": round(worst * 1e3, 2),
+        "ratio_max_during_vs_median": round(worst / median, 2),
+        "gaps_during_load": len(during),
+        "load_ms_arrival_to_loaded": round((loaded_at - added) * 1e3, 1),
+        "arrival_to_first_token_ms": round((first_token - added) * 1e3, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -129,11 +196,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--micro", action="store_true")
+    parser.add_argument("--load-stall", action="store_true")
     args = parser.parse_args()
     info = cpu_info()
     print(f"CPU: {info['model']} ({info['isa']}, {info['cores']} cores); load average {os.getloadavg()}")
     common = dict(dtype=args.dtype, quantization="none", max_model_len=512, max_num_seqs=args.concurrency)
     report: dict = {"cpu": info["model"], "isa": info["isa"], "load_average": os.getloadavg(), "args": vars(args)}
+    if args.load_stall:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            LLM(
+                None,
+                enable_lora=True,
+                max_loras=args.adapters,
+                max_lora_rank=args.rank,
+                **{**common, "max_num_seqs": args.concurrency + 1},  # a seat for the new request
+            ) as llm,
+        ):
+            arch = llm.engine.runner.model.arch
+            for i in range(args.adapters - 1):  # one slot left for the adapter loaded at run time
+                manager = llm.engine.lora_manager
+                manager.add_lora(LoRARequest(f"a{i}", str(write_adapter(Path(tmp) / f"a{i}", arch, args.rank, i))))
+            cold = write_adapter(Path(tmp) / "cold", arch, args.rank, 1000)
+            report["load_stall"] = load_stall(llm, cold, args.concurrency, args.adapters - 1)
+        report["load_average_after"] = os.getloadavg()
+        print(json.dumps(report, indent=2))
+        return
     with (
         tempfile.TemporaryDirectory() as tmp,
         LLM(None, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common) as llm,
@@ -153,7 +241,10 @@ def main() -> None:
             lora.append(run_round(llm, args.concurrency, args.tokens, mixes))
         report["dtype"] = str(llm.engine.model_dtype).removeprefix("torch.")
         if args.micro:
-            report["micro_us"] = micro(arch, args.adapters, args.rank, args.concurrency, llm.engine.model_dtype)
+            kernels = llm.engine.runner.model.lora.native
+            report["micro_us"] = micro(
+                arch, args.adapters, args.rank, args.concurrency, llm.engine.model_dtype, kernels
+            )
     report["tok_s"] = {
         "plain_base": round(max(plain_base), 1),
         "lora_engine_base": round(max(base), 1),

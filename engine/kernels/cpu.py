@@ -406,7 +406,17 @@ class CpuKernels:
         if slots.dtype != torch.int32 or ranks.dtype != torch.int32 or scales.dtype != torch.float32:
             raise ValueError("lora_add_ takes int32 slots and ranks and float32 scales")
         self._ops.cpu_lora_add_(
-            x, out, a, b, slots, scales, ranks, list(widths), max_rank, int(grouped), self._function("lora_add", x.dtype)
+            x,
+            out,
+            a,
+            b,
+            slots,
+            scales,
+            ranks,
+            list(widths),
+            max_rank,
+            int(grouped),
+            self._function("lora_add", x.dtype),
         )
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
