@@ -4,9 +4,12 @@ the native kernels' (csrc/lora_delta.h) in float32 and bfloat16, their A rows gr
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
+from engine.kernels.cpu import load_cpu_kernels
 from engine.layers.linear import Linear, select_linear
 from engine.lora.lora_stack import FUSED_PROJECTIONS, LoRAStack
 from engine.lora.lora_step import LoRASegment, LoRAStep
@@ -15,7 +18,13 @@ from tests.lora.adapters import ARCH, random_weights
 
 @pytest.mark.parametrize(
     "kind, dtype",
-    [("raw", torch.float32), ("packed", torch.float32), ("native", torch.float32), ("native", torch.bfloat16)],
+    [
+        ("raw", torch.float32),
+        ("packed", torch.float32),
+        ("native", torch.float32),
+        ("native", torch.bfloat16),
+        ("native-haswell", torch.bfloat16),  # the AVX2 code paths (built for tests/engine/test_fused_decode.py too)
+    ],
 )
 def test_deltas_match_their_definition(kind, dtype, request):
     packed = kind == "packed"
@@ -23,6 +32,11 @@ def test_deltas_match_their_definition(kind, dtype, request):
     if packed and type(linear) is Linear:
         pytest.skip("no packing product on this CPU build")  # (then the engine runs the raw path too)
     native = request.getfixturevalue("cpu_kernels") if kind == "native" else None
+    if kind == "native-haswell":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("-march=haswell is an x86 target")
+        request.getfixturevalue("cpu_kernels")  # (skips without a compiler)
+        native = load_cpu_kernels(arch="haswell")
     stack = LoRAStack(
         ARCH, max_loras=3, max_rank=4, dtype=dtype, device=torch.device("cpu"), linear=linear, native=native
     )
@@ -37,7 +51,7 @@ def test_deltas_match_their_definition(kind, dtype, request):
         LoRASegment(6, 2, ((2, 2.0),)),
     ]
     step = LoRAStep.build(stack, 8, segments)
-    assert step is not None and step.fusable == (kind == "native")
+    assert step is not None and step.fusable == (native is not None)
     for proj, parts in FUSED_PROJECTIONS.items():
         width, outs = stack.shapes[proj]
         x = torch.randn(8, width).to(dtype)

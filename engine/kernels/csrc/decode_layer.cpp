@@ -71,9 +71,19 @@ struct LayerLoRA {
     float* shrunk;  // the shrink's scratch, large enough for any projection
 };
 
+// A projection's deltas around its base product: the shrink (of its input) before it, without waiting, and the
+// expand into its output after the product's barrier (the expand's own barrier, and a row loop's, come before
+// the next projection's shrink: one scratch serves them all).
 template <typename T>
-void add_lora_for(const T* x, T* out, const LayerLoRA<T>& lora, const pagedserve::lora::Projection<T>& proj) {
-    if (lora.plan != nullptr) pagedserve::lora::add_for(x, out, proj, *lora.plan, lora.shrunk);
+void shrink_lora_for(const T* x, const LayerLoRA<T>& lora, const pagedserve::lora::Projection<T>& proj,
+                     float* shrunk) {
+    if (lora.plan != nullptr) pagedserve::lora::shrink_for(x, proj, *lora.plan, shrunk, true);
+}
+
+template <typename T>
+void expand_lora_for(T* out, const LayerLoRA<T>& lora, const pagedserve::lora::Projection<T>& proj,
+                     const float* shrunk) {
+    if (lora.plan != nullptr) pagedserve::lora::expand_for(out, proj, *lora.plan, shrunk);
 }
 
 // out [rows, N] = x [rows, K] @ W.T (+ bias), work-shared over the calling team; `scratch` holds the int8
@@ -113,8 +123,9 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
             if (h != nullptr) add_rms_norm_row(h + r * hidden, res, norm, x.data() + r * hidden, hidden, eps);
             else rms_norm_row(res, norm, x.data() + r * hidden, hidden, eps);
         }
+        shrink_lora_for(x.data(), lora, lora.qkv, lora.shrunk);
         product_for(x.data(), w_qkv, b_qkv, qkv.data(), rows, width, hidden, scratch);
-        add_lora_for(x.data(), qkv.data(), lora, lora.qkv);
+        expand_lora_for(qkv.data(), lora, lora.qkv, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = qkv.data() + r * width;  // [q heads | k heads | v heads] x head_dim
@@ -135,18 +146,21 @@ void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, c
     std::vector<T> o(rows * hidden), x(rows * hidden), gate_up(rows * 2 * inter), act(rows * inter);
 #pragma omp parallel
     {
+        shrink_lora_for(attn, lora, lora.o, lora.shrunk);
         product_for(attn, w_o, b_o, o.data(), rows, hidden, attn_width, scratch);
-        add_lora_for(attn, o.data(), lora, lora.o);
+        expand_lora_for(o.data(), lora, lora.o, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
             add_rms_norm_row(o.data() + r * hidden, residual + r * hidden, norm, x.data() + r * hidden, hidden, eps);
+        shrink_lora_for(x.data(), lora, lora.gate_up, lora.shrunk);
         product_for(x.data(), w_gu, b_gu, gate_up.data(), rows, 2 * inter, hidden, scratch);
-        add_lora_for(x.data(), gate_up.data(), lora, lora.gate_up);
+        expand_lora_for(gate_up.data(), lora, lora.gate_up, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
             silu_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+        shrink_lora_for(act.data(), lora, lora.down, lora.shrunk);
         product_for(act.data(), w_down, b_down, out, rows, hidden, inter, scratch);
-        add_lora_for(act.data(), out, lora, lora.down);
+        expand_lora_for(out, lora, lora.down, lora.shrunk);
     }
 }
 

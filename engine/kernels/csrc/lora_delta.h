@@ -133,30 +133,46 @@ void shrink_rows(const T* x, const T* a_rows, int64_t K, const Plan& plan, const
 
 }  // namespace detail
 
-// out [rows, N] += the deltas of x [rows, K] (see the file comment); `shrunk` holds rows * width *
-// parts * max_rank floats. Work-shared over the calling team.
+// The shrink: t for every entry (see the file comment); `shrunk` holds rows * width * parts * max_rank floats.
+// Work-shared over the calling team; with `nowait` its threads go on without waiting for the others (the
+// fused step runs the projection's base product next, whose barrier then orders the expand after it).
 template <typename T>
-void add_for(const T* x, T* out, const Projection<T>& proj, const Plan& plan, float* shrunk) {
-    const int64_t R = plan.max_rank, parts = proj.parts, stride = parts * R, K = proj.K, N = proj.N;
+void shrink_for(const T* x, const Projection<T>& proj, const Plan& plan, float* shrunk, bool nowait) {
+    const int64_t R = plan.max_rank, parts = proj.parts, stride = parts * R, K = proj.K;
     constexpr int64_t kRows = 4;  // A rows per shrink item
     const int64_t blocks = (R + kRows - 1) / kRows, groups = plan.groups();
+    auto item = [&](int64_t g, int64_t p, int64_t block) {
+        const int32_t* entries = plan.order.data() + plan.starts[g];
+        const int64_t count = plan.starts[g + 1] - plan.starts[g];
+        const int32_t slot = plan.slots[entries[0]];
+        const int64_t j0 = block * kRows, rank = plan.ranks[slot];
+        if (j0 >= rank) return;
+        const T* a_rows = proj.a + (slot * stride + p * R + j0) * K;
+        if (j0 + kRows <= R)  // rows past the rank are zeros: a whole block of 4 costs the same
+            detail::shrink_rows<T, kRows>(x, a_rows, K, plan, entries, count, p * R + j0, stride, shrunk);
+        else
+            for (int64_t j = j0; j < rank; ++j)
+                detail::shrink_rows<T, 1>(x, a_rows + (j - j0) * K, K, plan, entries, count, p * R + j, stride,
+                                          shrunk);
+    };
+    if (nowait) {
+#pragma omp for collapse(3) schedule(dynamic, 1) nowait
+        for (int64_t g = 0; g < groups; ++g)
+            for (int64_t p = 0; p < parts; ++p)
+                for (int64_t block = 0; block < blocks; ++block) item(g, p, block);
+    } else {
 #pragma omp for collapse(3) schedule(dynamic, 1)
-    for (int64_t g = 0; g < groups; ++g)
-        for (int64_t p = 0; p < parts; ++p)
-            for (int64_t block = 0; block < blocks; ++block) {
-                const int32_t* entries = plan.order.data() + plan.starts[g];
-                const int64_t count = plan.starts[g + 1] - plan.starts[g];
-                const int32_t slot = plan.slots[entries[0]];
-                const int64_t j0 = block * kRows, rank = plan.ranks[slot];
-                if (j0 >= rank) continue;
-                const T* a_rows = proj.a + (slot * stride + p * R + j0) * K;
-                if (j0 + kRows <= R)  // rows past the rank are zeros: a whole block of 4 costs the same
-                    detail::shrink_rows<T, kRows>(x, a_rows, K, plan, entries, count, p * R + j0, stride, shrunk);
-                else
-                    for (int64_t j = j0; j < rank; ++j)
-                        detail::shrink_rows<T, 1>(x, a_rows + (j - j0) * K, K, plan, entries, count, p * R + j,
-                                                  stride, shrunk);
-            }
+        for (int64_t g = 0; g < groups; ++g)
+            for (int64_t p = 0; p < parts; ++p)
+                for (int64_t block = 0; block < blocks; ++block) item(g, p, block);
+    }
+}
+
+// The expand: out [rows, N] += each token's deltas from `shrunk` (after shrink_for, a barrier between).
+// Work-shared over the calling team.
+template <typename T>
+void expand_for(T* out, const Projection<T>& proj, const Plan& plan, const float* shrunk) {
+    const int64_t R = plan.max_rank, parts = proj.parts, stride = parts * R, N = proj.N;
     int64_t chunks_before[kMaxParts + 1] = {0};  // expand items: each part's columns in chunks
     for (int64_t p = 0; p < parts; ++p)
         chunks_before[p + 1] = chunks_before[p] + (proj.widths[p] + kExpandColumns - 1) / kExpandColumns;
@@ -190,6 +206,13 @@ void add_for(const T* x, T* out, const Projection<T>& proj, const Plan& plan, fl
             for (int64_t c = 0; c < cols; ++c) store(o + c, to_float(o[c]) + acc[c]);
         }
     }
+}
+
+// out [rows, N] += the deltas of x [rows, K]: shrink, then expand. Work-shared over the calling team.
+template <typename T>
+void add_for(const T* x, T* out, const Projection<T>& proj, const Plan& plan, float* shrunk) {
+    shrink_for(x, proj, plan, shrunk, false);
+    expand_for(out, proj, plan, shrunk);
 }
 
 }  // namespace lora
