@@ -8,7 +8,8 @@ One engine with `--enable-lora` (max_loras = --adapters, the GGUF dequantized: -
 random rank-`--rank` adapters (every projection targeted); a second engine without LoRA runs the base round
 too (the plain model's own speed); the three rounds interleaved `--repeats` times. Figures:
 output tokens per second of each round (the best repeat), and the ratios adapters / plain base and adapters /
-base in the LoRA engine. `--micro` also times one projection's (gate|up) deltas for a decode batch five ways:
+base in the LoRA engine; the same per second of the process's CPU time (`tok_per_cpu_s`: on a loaded machine
+run with OMP_NUM_THREADS=1, where it measures the cost whatever the preemption). `--micro` also times one projection's (gate|up) deltas for a decode batch five ways:
 torch's slot-range products (the engine's before the native kernels), per-adapter index_select/index_add
 segments, per-token gathered bmm, and the native kernels (csrc/lora_delta.h) with A rows grouped by slot (the
 engine's) or read per token.
@@ -79,14 +80,16 @@ def write_adapter(path: Path, arch, rank: int, seed: int) -> Path:
     return path
 
 
-def run_round(llm: LLM, concurrency: int, tokens: int, loras) -> float:
-    """Output tokens per second of one round of `concurrency` requests."""
+def run_round(llm: LLM, concurrency: int, tokens: int, loras) -> tuple[float, float]:
+    """Output tokens per second of one round of `concurrency` requests, and per second of the process's CPU
+    time (with OMP_NUM_THREADS=1, a cost measure that a loaded machine's preemption leaves alone)."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    elapsed = time.perf_counter() - start
-    return sum(len(r.outputs[0].token_ids) for r in results) / elapsed
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    generated = sum(len(r.outputs[0].token_ids) for r in results)
+    return generated / elapsed, generated / cpu
 
 
 def micro(arch, adapters: int, rank: int, rows: int, dtype: torch.dtype, kernels, calls: int = 200) -> dict[str, float]:
@@ -249,14 +252,17 @@ def main() -> None:
             report["micro_us"] = micro(
                 arch, args.adapters, args.rank, args.concurrency, llm.engine.model_dtype, kernels
             )
-    report["tok_s"] = {
-        "plain_base": round(max(plain_base), 1),
-        "lora_engine_base": round(max(base), 1),
-        "lora_engine_adapters": round(max(lora), 1),
-    }
-    report["ratio_adapters_vs_plain_base"] = round(max(lora) / max(plain_base), 3)
-    report["ratio_adapters_vs_lora_engine_base"] = round(max(lora) / max(base), 3)
-    report["median_tok_s_adapters"] = round(statistics.median(lora), 1)
+    for unit, index in (("tok_s", 0), ("tok_per_cpu_s", 1)):
+        best = {
+            name: max(r[index] for r in rounds)
+            for name, rounds in (("plain_base", plain_base), ("lora_engine_base", base), ("lora_engine_adapters", lora))
+        }
+        report[unit] = {name: round(value, 1) for name, value in best.items()}
+        report[f"{unit}_ratio_adapters_vs_plain_base"] = round(best["lora_engine_adapters"] / best["plain_base"], 3)
+        report[f"{unit}_ratio_adapters_vs_lora_engine_base"] = round(
+            best["lora_engine_adapters"] / best["lora_engine_base"], 3
+        )
+    report["median_tok_s_adapters"] = round(statistics.median(r[0] for r in lora), 1)
     print(json.dumps(report, indent=2))
 
 
