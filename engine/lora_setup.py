@@ -11,7 +11,9 @@ from engine.lora.gguf_adapter import GgufTarget
 from engine.lora.lora_manager import LoRAManager
 from engine.lora_shard import AdapterShard
 from engine.lora.lora_stack import LoRAKernels, LoRAStack
+from engine.kernels.cpu import KERNEL_DTYPES
 from engine.layers.invariant_linear import ColumnBlockLinear
+from engine.layers.layer_ops import NativeLayerOps
 from engine.lora.request import LoRARequest
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import check_tensor_parallel_model
@@ -71,9 +73,12 @@ def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: 
     """Give the model (this rank's shard: every rank does, worker ranks included) its stacked adapter slots."""
     lora = config.lora
     check_lora_settings(config, model)
-    # Packed for the native column-block product (CPU bf16), where measured twice as fast at decode sizes as
-    # torch.mm on the raw matrices; oneDNN's packed fp32 product builds a primitive per new shape, slower here.
-    packs = isinstance(model.linear, ColumnBlockLinear)
+    # On CPU with the native kernels, each token's own slots (csrc/lora_delta.h), also inside the fused decode
+    # step (benchmarks/lora.py --micro). Else packed for the native column-block product (CPU bf16), where
+    # measured twice as fast at decode sizes as torch.mm on the raw matrices; oneDNN's packed fp32 product
+    # builds a primitive per new shape, slower here.
+    native = model.ops.kernels if isinstance(model.ops, NativeLayerOps) and model.dtype in KERNEL_DTYPES else None
+    packs = native is None and isinstance(model.linear, ColumnBlockLinear)
     kernels = LoRAKernels.load() if model.device.type == "cuda" else None  # (else the torch products)
     if model.device.type == "cuda" and kernels is None:
         logger.warning("LoRA: the Triton SGMV kernels cannot be imported; the deltas run as torch products")
@@ -85,7 +90,8 @@ def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: 
         model.device,
         model.linear if packs else None,
         kernels,
-        _adapter_shard(model, hf_config),
+        shard=_adapter_shard(model, hf_config),
+        native=native,
     )
     model.lora = stack
     return stack

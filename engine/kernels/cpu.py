@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -43,8 +43,17 @@ SOURCES = (
     "decode_layer.cpp",
     "quant_gemm.cpp",
     "quant_dense_bf16.cpp",
+    "lora_add.cpp",
 )
-HEADERS = ("common.h", "column_blocks.h", "gemv.h", "row_ops.h", "quant_blocks.h", "quant_product.h")
+HEADERS = (
+    "common.h",
+    "column_blocks.h",
+    "gemv.h",
+    "row_ops.h",
+    "quant_blocks.h",
+    "quant_product.h",
+    "lora_delta.h",
+)
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -54,6 +63,20 @@ BUILD_SECONDS = 30
 shorten it); the first start says so before it goes quiet for that long."""
 DECODE_WEIGHT_COLUMNS = 6 + 6 * 4
 """Values per layer in decode_layers' weight table (csrc/decode_layer.cpp's WeightColumn)."""
+DECODE_LORA_COLUMNS = 8
+"""Addresses per layer in decode_layers' LoRA table: the stacked A and B of qkv, o, gate_up, down."""
+
+
+class DecodeLoRA(NamedTuple):
+    """A decode step's LoRA adapters for `decode_layers` (csrc/lora_delta.h): per layer the stacks' addresses
+    [num_layers, DECODE_LORA_COLUMNS] int64, each token's slots [rows, width] int32 (-1: none) and scales
+    [rows, width] float32, each slot's rank [max_loras] int32, and the stacks' padded rank."""
+
+    table: torch.Tensor
+    slots: torch.Tensor
+    scales: torch.Tensor
+    ranks: torch.Tensor
+    max_rank: int
 
 
 def compiler() -> Optional[str]:
@@ -304,6 +327,7 @@ class CpuKernels:
         inter: int,
         eps: float,
         scale: float,
+        lora: Optional[DecodeLoRA] = None,
     ) -> torch.Tensor:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
@@ -311,7 +335,8 @@ class CpuKernels:
         MLP output [rows, hidden]. `weights` [num_layers, DECODE_WEIGHT_COLUMNS] int64 holds each layer's norm and bias addresses
         and its four matrices (plain or GGUF blocks) as csrc/decode_layer.cpp reads them (`FusedDecode` builds
         it, from weights it checked and the model keeps alive); positions [rows] int64;
-        block_tables [rows, width] and context_lens [rows] int32."""
+        block_tables [rows, width] and context_lens [rows] int32; `lora`: the adapters' deltas added to every
+        projection."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
             raise ValueError("decode_layers takes int64 positions and slots, one per row")
@@ -332,6 +357,10 @@ class CpuKernels:
             )
         if len(key_caches) != weights.shape[0] or len(value_caches) != weights.shape[0]:
             raise ValueError(f"{weights.shape[0]} layers of weights for {len(key_caches)} caches")
+        if lora is not None and (
+            tuple(lora.table.shape) != (weights.shape[0], DECODE_LORA_COLUMNS) or lora.slots.shape[0] != rows
+        ):
+            raise ValueError("decode_layers takes a LoRA table of 8 addresses per layer and slots for every row")
         return self._ops.cpu_decode_layers(
             residual,
             weights,
@@ -343,11 +372,51 @@ class CpuKernels:
             slots,
             block_tables,
             context_lens,
+            *((None,) * 4 if lora is None else (lora.table, lora.slots, lora.scales, lora.ranks)),
+            0 if lora is None else lora.max_rank,
             heads,
             inter,
             eps,
             scale,
             self._function("decode_layers", residual.dtype),
+        )
+
+    def lora_add_(
+        self,
+        x: torch.Tensor,  # [rows, in]
+        out: torch.Tensor,  # [rows, sum(widths)]
+        a: torch.Tensor,  # [max_loras, parts * max_rank, in]
+        b: torch.Tensor,  # [max_loras, parts * max_rank, out]
+        slots: torch.Tensor,  # [rows, width] int32, -1: none
+        scales: torch.Tensor,  # [rows, width] float32
+        ranks: torch.Tensor,  # [max_loras] int32
+        widths: Sequence[int],  # each part's output columns
+        grouped: bool = True,
+    ) -> None:
+        """out += each token's LoRA deltas, in place (csrc/lora_delta.h). `grouped` False: each token reads its
+        own A rows (benchmarks/lora.py --micro compares)."""
+        parts, max_rank = len(widths), a.shape[1] // max(len(widths), 1)
+        if not 1 <= parts <= 3 or sum(widths) != out.shape[1] or a.shape[1] != parts * max_rank:
+            raise ValueError(f"LoRA stacks {tuple(a.shape)} do not fit parts of widths {tuple(widths)}")
+        for tensor in (x, out, a, b, slots, scales, ranks):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError("lora_add_ takes contiguous CPU tensors")
+        if a.dtype != x.dtype or b.dtype != x.dtype or out.dtype != x.dtype:
+            raise ValueError("x, out and the stacks must share one dtype")
+        if slots.dtype != torch.int32 or ranks.dtype != torch.int32 or scales.dtype != torch.float32:
+            raise ValueError("lora_add_ takes int32 slots and ranks and float32 scales")
+        self._ops.cpu_lora_add_(
+            x,
+            out,
+            a,
+            b,
+            slots,
+            scales,
+            ranks,
+            list(widths),
+            max_rank,
+            int(grouped),
+            self._function("lora_add", x.dtype),
         )
 
     def _function(self, name: str, dtype: torch.dtype) -> int:

@@ -11,8 +11,11 @@ arguments each one writes.
     cpu_invariant_linear(x, packed, bias?, out_features, amx, fn) -> out
     cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
     cpu_decode_layers(residual!, weights, key_caches!, value_caches!, positions, cos, sin_signed, slots,
-                      block_tables, context_lens, heads, inter, eps, scale, fn) -> out
+                      block_tables, context_lens, lora_table?, lora_slots?, lora_scales?, lora_ranks?,
+                      lora_max_rank, heads, inter, eps, scale, fn) -> out
                                                                     every layer of a small decode step
+    cpu_lora_add_(x, out!, a, b, slots, scales, ranks, widths, max_rank, grouped, fn) -> ()
+                                                                    out += a projection's LoRA deltas
 
 `fn` is the address of the compiled function for the arguments' dtype (CpuKernels resolves it): the
 operators hold no reference to a loaded library, so they are defined once, here, whatever loads it.
@@ -36,7 +39,8 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-    "decode_layers": [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2,
+    "decode_layers": [ctypes.c_void_p] * 15 + [ctypes.c_int64] * 12 + [ctypes.c_float] * 2,
+    "lora_add": [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
 
@@ -57,6 +61,7 @@ class Overloads:
         self.cpu_invariant_linear = ops.cpu_invariant_linear.default
         self.cpu_gemv = ops.cpu_gemv.default
         self.cpu_decode_layers = ops.cpu_decode_layers.default
+        self.cpu_lora_add_ = ops.cpu_lora_add_.default
 
 
 def _call(name: str, fn: int, *args) -> None:
@@ -198,6 +203,10 @@ def _addresses(tensors) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
+def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def _decode_layers(
     residual,
     weights,
@@ -209,6 +218,11 @@ def _decode_layers(
     slots,
     block_tables,
     context_lens,
+    lora_table: Optional[torch.Tensor],
+    lora_slots: Optional[torch.Tensor],
+    lora_scales: Optional[torch.Tensor],
+    lora_ranks: Optional[torch.Tensor],
+    lora_max_rank,
     heads,
     inter,
     eps,
@@ -233,6 +247,10 @@ def _decode_layers(
         block_tables.data_ptr(),
         context_lens.data_ptr(),
         out.data_ptr(),
+        _address(lora_table),
+        _address(lora_slots),
+        _address(lora_scales),
+        _address(lora_ranks),
         weights.shape[0],
         rows,
         hidden,
@@ -242,10 +260,39 @@ def _decode_layers(
         inter,
         block_size,
         block_tables.shape[1],
+        0 if lora_slots is None else lora_slots.shape[1],
+        lora_max_rank,
+        0 if lora_ranks is None else lora_ranks.shape[0],
         eps,
         scale,
     )
     return out
+
+
+def _lora_add_(x, out, a, b, slots, scales, ranks, widths, max_rank, grouped, fn):
+    rows, in_features = x.shape
+    max_loras, rows_per_slot, _ = a.shape
+    widths_table = torch.tensor(widths, dtype=torch.int64)
+    _call(
+        "lora_add",
+        fn,
+        x.data_ptr(),
+        out.data_ptr(),
+        a.data_ptr(),
+        b.data_ptr(),
+        slots.data_ptr(),
+        scales.data_ptr(),
+        ranks.data_ptr(),
+        widths_table.data_ptr(),
+        rows,
+        in_features,
+        out.shape[1],
+        rows_per_slot // max_rank,
+        max_rank,
+        max_loras,
+        slots.shape[1],
+        grouped,
+    )
 
 
 def _like_first(x, *args):
@@ -295,7 +342,15 @@ _define(
     "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, "
     "Tensor(c!)[] value_caches, "
     "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
+    "Tensor? lora_table, Tensor? lora_slots, Tensor? lora_scales, Tensor? lora_ranks, int lora_max_rank, "
     "int heads, int inter, float eps, float scale, int fn) -> Tensor",
     _decode_layers,
     lambda residual, *rest: torch.empty_like(residual),
+)
+_define(
+    "cpu_lora_add_",
+    "(Tensor x, Tensor(a!) out, Tensor a, Tensor b, Tensor slots, Tensor scales, Tensor ranks, int[] widths, "
+    "int max_rank, int grouped, int fn) -> ()",
+    _lora_add_,
+    lambda *args: None,
 )

@@ -15,6 +15,10 @@ sequences (with GGUF blocks, fewer than the rows from which the unfused path lea
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
 dtype, and models without q/k norms and with RoPE over whole heads; anything else (int8/int4/AWQ weights among
 them) takes the general path.
+
+A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
+each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,
+and an adapter's replacement embedding is looked up before the call (its LM head: `compute_logits`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels.cpu import CpuKernels
+from engine.kernels.cpu import CpuKernels, DecodeLoRA
 from engine.kernels.column_block_weight import PackedWeight
 from engine.quantization.gguf_weight import GgufWeight
+from engine.lora.lora_stack import LoRAStack
+from engine.lora.lora_step import LoRAStep
 
 
 VECTOR_COLUMNS = ("input_norm", "post_norm", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")
@@ -52,6 +58,7 @@ class FusedDecode:
         self._weights: Optional[torch.Tensor] = None  # the weight table (`_weight_table`)
         self._caches: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
         self._caches_of: Optional[Sequence] = None  # the kv_caches sequence they were split from
+        self._lora_table: Optional[torch.Tensor] = None  # the LoRA stacks' addresses (`_lora_table`)
 
     def takes(
         self,
@@ -90,6 +97,9 @@ class FusedDecode:
         key_caches, value_caches = self._caches
         tables, lens = step.decodes()
         residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
+        lora = self._lora(model.lora, model.lora_step)
+        if lora is not None and model.lora_step.embeds:
+            residual = model.lora_step.embed(input_ids, residual)
         h = self.kernels.decode_layers(
             residual,
             self._weights,
@@ -105,8 +115,18 @@ class FusedDecode:
             arch.intermediate_size,
             arch.rms_norm_eps,
             model.scale,
+            lora,
         )
         return residual + h
+
+    def _lora(self, stack: Optional[LoRAStack], step: Optional[LoRAStep]) -> Optional[DecodeLoRA]:
+        """The step's adapters for the native call (None: base only)."""
+        if stack is None or step is None or step.native_slots is None:
+            return None
+        if self._lora_table is None:
+            self._lora_table = _lora_table(stack)
+        slots, scales = step.native_slots
+        return DecodeLoRA(self._lora_table, slots, scales, stack.ranks, stack.max_rank)
 
 
 def _weight_table(model) -> torch.Tensor:
@@ -120,6 +140,15 @@ def _weight_table(model) -> torch.Tensor:
             row += _matrix_entry(getattr(layer, name), tiles)
         rows.append(row)
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def _lora_table(stack: LoRAStack) -> torch.Tensor:
+    """[num_layers, 8] int64: per layer the addresses of the stacked A and B of each matrix (MATRIX_COLUMNS'
+    order); the stack keeps them and loads adapters into them in place."""
+    return torch.tensor(
+        [[t.data_ptr() for name in MATRIX_COLUMNS for t in (a[name], b[name])] for a, b in zip(stack.a, stack.b)],
+        dtype=torch.int64,
+    )
 
 
 def _matrix_entry(weight, tiles: bool = False) -> list[int]:

@@ -27,6 +27,7 @@ import torch
 from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
+    from engine.kernels.cpu import CpuKernels
     from engine.layers.linear import Linear
 
 
@@ -128,13 +129,16 @@ class LoRAStack:
         linear: Optional["Linear"] = None,
         kernels: Optional[LoRAKernels] = None,
         shard: Optional[AdapterCut] = None,
+        native: Optional["CpuKernels"] = None,
     ):
         """`linear`: a product that packs its weights (the model's, on CPU): every slot's A and B^T are then also
         kept packed for it, re-packed when a slot loads, and a step multiplies all slots through it (packed
         products of these small matrices run about twice as fast as torch.mm's on the raw ones).
         `kernels`: the Triton SGMV products (CUDA), which read each token's slots from the raw stacks.
         `shard`: a tensor-parallel rank's or pipeline stage's part of every adapter (`arch` is then the rank's
-        shape), cut from the whole adapter as it loads (engine/lora_shard.py)."""
+        shape), cut from the whole adapter as it loads (engine/lora_shard.py).
+        `native`: the CPU kernels, whose deltas (csrc/lora_delta.h) read each token's slots from the raw stacks,
+        up to each slot's rank (`ranks`); the fused decode step adds the same deltas."""
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -159,6 +163,8 @@ class LoRAStack:
         self.rows_per_slot = {proj: len(outs) * max_rank for proj, (_, outs) in self.shapes.items()}
         self.linear = linear
         self.kernels = kernels
+        self.native = native
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32)  # each slot's adapter's rank (0: empty)
         # packed A [max_loras * P, in] and B^T [out, max_loras * P] per layer and projection (with `linear`)
         self.a_packed: list[dict[str, Any]] = []
         self.bt_packed: list[dict[str, Any]] = []
@@ -200,6 +206,7 @@ class LoRAStack:
                 if self.linear is not None:
                     self.a_packed[layer][proj] = self.linear.prepare(self.a_rows[layer][proj])
                     self.bt_packed[layer][proj] = self.linear.prepare(self.b_rows[layer][proj].t().contiguous())
+        self.ranks[slot] = min(weights.rank, r)
         vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
         for field in ("embed", "lm_head"):
             matrix = getattr(weights, field)

@@ -13,6 +13,11 @@ A token of the base model has zeros in M; a mix of adapters has several non-zero
 step's adapters are kept low and together (LoRASlots), so [lo, hi) is one view of the stacked weights:
 no weights are gathered or copied per step. Measured against per-adapter index_select/index_add segments
 and per-token gathered bmm in benchmarks/lora.py.
+
+With the native CPU kernels (the stack's `native`) every step instead reads each token's own slots only
+(csrc/lora_delta.h: A rows grouped by slot, B on its diagonal blocks, up to each slot's rank), the same
+code the fused decode step (engine/layers/fused_decode.py) runs inside its layers: at 8 adapters a fraction
+of the slot range's products, measured in benchmarks/lora.py --micro.
 """
 
 from __future__ import annotations
@@ -45,20 +50,27 @@ class LoRAStep:
         hi: int,
         embeds: list[tuple[torch.Tensor, torch.Tensor]],  # (token rows, [vocab, hidden]) per replaced embedding
         token_slots: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+        native_slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ):
         """`token_slots` (with the stack's Triton kernels): each token's slots [T, M] int32 (-1: none), their
-        scales [T, M] float32 and the tokens grouped by slot [T] int32."""
+        scales [T, M] float32 and the tokens grouped by slot [T] int32. `native_slots` (with the stack's native
+        kernels): the first two of those on the CPU; `scales` is then unused."""
         self.stack = stack
         self.scales = scales
         self.lo, self.hi = lo, hi
         self.embeds = embeds
         self.token_slots = token_slots
+        self.native_slots = native_slots
         self._mixing: dict[int, torch.Tensor] = {}  # parts -> M [T, S * parts * max_rank]
         # per projection: (first row, end row) of the slot range in the stack's row views, and its M
-        self._ranges = {
-            proj: (lo * rows, hi * rows, self.mixing(rows // stack.max_rank))
-            for proj, rows in stack.rows_per_slot.items()
-        }
+        self._ranges = (
+            {}
+            if native_slots is not None
+            else {
+                proj: (lo * rows, hi * rows, self.mixing(rows // stack.max_rank))
+                for proj, rows in stack.rows_per_slot.items()
+            }
+        )
 
     @classmethod
     def build(cls, stack: LoRAStack, num_tokens: int, segments: Sequence[LoRASegment]) -> Optional["LoRAStep"]:
@@ -66,6 +78,8 @@ class LoRAStep:
         used = [slot for segment in segments for slot, _ in segment.slots]
         if not used:
             return None
+        if stack.native is not None:
+            return cls._native(stack, num_tokens, segments)
         lo, hi = (0, stack.max_loras) if stack.packed else (min(used), max(used) + 1)
         scales = host_scales(segments, num_tokens, lo, hi)
         embed_rows: dict[int, list[int]] = {}
@@ -91,6 +105,27 @@ class LoRAStep:
         scales_device = torch.from_numpy(scales).to(device=device, dtype=stack.dtype)
         return cls(stack, scales_device, lo, hi, embeds, token_slots)
 
+    @classmethod
+    def _native(cls, stack: LoRAStack, num_tokens: int, segments: Sequence[LoRASegment]) -> "LoRAStep":
+        """The step for the native kernels: each token's slots and scales (no slot range, no mixing matrices)."""
+        slot_ids, slot_scales = host_token_slots(segments, num_tokens, max(len(s.slots) for s in segments))
+        embed_rows: dict[int, list[int]] = {}
+        for start, length, slots in segments:
+            if replaces_embedding(stack, slots):
+                embed_rows.setdefault(slots[0][0], []).extend(range(start, start + length))
+        embeds = [
+            (torch.tensor(rows, dtype=torch.int64), matrix)
+            for slot, rows in embed_rows.items()
+            if (matrix := stack.embed[slot]) is not None
+        ]
+        native = (torch.from_numpy(slot_ids), torch.from_numpy(slot_scales))
+        return cls(stack, native[1], 0, 0, embeds, native_slots=native)
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused CPU decode step can add these deltas (csrc/decode_layer.cpp)."""
+        return self.native_slots is not None
+
     def mixing(self, parts: int) -> torch.Tensor:
         """M for a projection of `parts` fused parts: each slot's scale over its parts * max_rank columns."""
         mixing = self._mixing.get(parts)
@@ -101,6 +136,12 @@ class LoRAStep:
     def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, out] += the deltas of projection `proj` of `layer` for x [T, in], in place."""
         stack = self.stack
+        if stack.native is not None and self.native_slots is not None:
+            slots, scales = self.native_slots
+            widths = stack.shapes[proj][1]
+            a, b = stack.a[layer][proj], stack.b[layer][proj]
+            stack.native.lora_add_(x.contiguous(), out, a, b, slots, scales, stack.ranks, widths)
+            return
         if stack.kernels is not None and self.token_slots is not None:
             self._add_segmented(stack.kernels, layer, proj, x, out)
             return

@@ -270,7 +270,7 @@ class LlamaForCausalLM:
         lora = self.lora_step
         if (
             self.fused is not None
-            and lora is None
+            and (lora is None or lora.fusable)
             and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend)
         ):
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)

@@ -115,3 +115,44 @@ def test_decode_graphs_replay_steps_with_adapters(lora_llm, lora_base_dir, merge
         runner.graphs.release()
         runner.graphs = None
     assert_idle(lora_llm)
+
+
+def test_fused_decode_with_adapters_equals_the_unfused_path(lora_base_dir, adapter_a, adapter_b, cpu_kernels):
+    """bf16 on the cpu backend: decode steps holding base, a, b and a mix run fused (the deltas inside the native
+    step, csrc/decode_layer.cpp) and give the unfused path's tokens and logprobs, bit for bit."""
+    with make_llm(
+        lora_base_dir,
+        dtype="bfloat16",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+    ) as llm:
+        manager = llm.engine.lora_manager
+        manager.add_lora(LoRARequest("a", str(adapter_a)))
+        manager.add_lora(LoRARequest("b", str(adapter_b)))
+        model = llm.engine.runner.model
+        assert model.fused is not None and model.lora is not None and model.lora.native is not None
+        fused_rows: list[int] = []
+        forward = model.fused.forward
+
+        def counting(m, input_ids, *args):
+            if m.lora_step is not None:
+                fused_rows.append(input_ids.shape[0])
+            return forward(m, input_ids, *args)
+
+        model.fused.forward = counting
+        choices = [None, LoRAMix.single("a"), LoRAMix.single("b"), LoRAMix((("a", 0.5), ("b", 0.5)))]
+        prompts = [p for p in PROMPTS[:2] for _ in choices]
+        loras = [c for _ in PROMPTS[:2] for c in choices]
+
+        def run():
+            results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+            assert_idle(llm)
+            return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+        fused = run()
+        assert max(fused_rows) == len(prompts)  # every request's decodes in one fused step
+        model.fused = None
+        assert run() == fused

@@ -17,13 +17,21 @@
 // block_tables [rows, table_width] int32, context_lens [rows] int32 (the new token included); per layer
 // one row of the weight table (WeightColumn: addresses of the norms and biases, then per matrix
 // kMatrixColumns values, see Matrix) and one address in key_caches / value_caches.
+//
+// With LoRA adapters (a null lora_table: none), each projection's deltas (lora_delta.h) are added to its
+// output inside the same team, before anything reads it: the unfused path adds them with the same code.
+// lora_table [num_layers, 8] holds per layer the stacked A and B of qkv, o, gate_up and down
+// (engine/lora/lora_stack.py's a / b); lora_slots / lora_scales [rows, lora_width] each token's slots
+// (-1: none) and scales; lora_ranks [max_loras] each slot's rank.
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "column_blocks.h"
 #include "gemv.h"
+#include "lora_delta.h"
 #include "quant_product.h"
 #include "row_ops.h"
 
@@ -55,6 +63,29 @@ struct Matrix {
 constexpr int kMatrixColumns = 6;  // its values in a row of the weight table, in the order above
 constexpr int64_t kPlain = -1, kColumnBlocks = -2, kColumnBlocksTiles = -3;  // fused_decode.py's format codes
 
+// One layer's adapters (lora_delta.h) for the step, or none (`plan` null).
+template <typename T>
+struct LayerLoRA {
+    pagedserve::lora::Projection<T> qkv, o, gate_up, down;
+    const pagedserve::lora::Plan* plan;
+    float* shrunk;  // the shrink's scratch, large enough for any projection
+};
+
+// A projection's deltas around its base product: the shrink (of its input) before it, without waiting, and the
+// expand into its output after the product's barrier (the expand's own barrier, and a row loop's, come before
+// the next projection's shrink: one scratch serves them all).
+template <typename T>
+void shrink_lora_for(const T* x, const LayerLoRA<T>& lora, const pagedserve::lora::Projection<T>& proj,
+                     float* shrunk) {
+    if (lora.plan != nullptr) pagedserve::lora::shrink_for(x, proj, *lora.plan, shrunk, true);
+}
+
+template <typename T>
+void expand_lora_for(T* out, const LayerLoRA<T>& lora, const pagedserve::lora::Projection<T>& proj,
+                     const float* shrunk) {
+    if (lora.plan != nullptr) pagedserve::lora::expand_for(out, proj, *lora.plan, shrunk);
+}
+
 // out [rows, N] = x [rows, K] @ W.T (+ bias), work-shared over the calling team; `scratch` holds the int8
 // activations of a block-quantized W (reserved for rows x nbp before the team started).
 template <typename T>
@@ -81,7 +112,7 @@ template <typename T>
 void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, const T* b_qkv, const int64_t* positions,
                 const T* cos, const T* sin_signed, T* key_cache, T* value_cache, const int64_t* slots, T* query,
                 int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
-                Scratch& scratch) {
+                Scratch& scratch, const LayerLoRA<T>& lora) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     std::vector<T> x(rows * hidden), qkv(rows * width);
 #pragma omp parallel
@@ -92,7 +123,9 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
             if (h != nullptr) add_rms_norm_row(h + r * hidden, res, norm, x.data() + r * hidden, hidden, eps);
             else rms_norm_row(res, norm, x.data() + r * hidden, hidden, eps);
         }
+        shrink_lora_for(x.data(), lora, lora.qkv, lora.shrunk);
         product_for(x.data(), w_qkv, b_qkv, qkv.data(), rows, width, hidden, scratch);
+        expand_lora_for(qkv.data(), lora, lora.qkv, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = qkv.data() + r * width;  // [q heads | k heads | v heads] x head_dim
@@ -109,19 +142,25 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
 template <typename T>
 void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, const T* norm, const Matrix& w_gu,
                   const T* b_gu, const Matrix& w_down, const T* b_down, T* out, int64_t rows, int64_t hidden,
-                  int64_t attn_width, int64_t inter, float eps, Scratch& scratch) {
+                  int64_t attn_width, int64_t inter, float eps, Scratch& scratch, const LayerLoRA<T>& lora) {
     std::vector<T> o(rows * hidden), x(rows * hidden), gate_up(rows * 2 * inter), act(rows * inter);
 #pragma omp parallel
     {
+        shrink_lora_for(attn, lora, lora.o, lora.shrunk);
         product_for(attn, w_o, b_o, o.data(), rows, hidden, attn_width, scratch);
+        expand_lora_for(o.data(), lora, lora.o, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
             add_rms_norm_row(o.data() + r * hidden, residual + r * hidden, norm, x.data() + r * hidden, hidden, eps);
+        shrink_lora_for(x.data(), lora, lora.gate_up, lora.shrunk);
         product_for(x.data(), w_gu, b_gu, gate_up.data(), rows, 2 * inter, hidden, scratch);
+        expand_lora_for(gate_up.data(), lora, lora.gate_up, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
             silu_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+        shrink_lora_for(act.data(), lora, lora.down, lora.shrunk);
         product_for(act.data(), w_down, b_down, out, rows, hidden, inter, scratch);
+        expand_lora_for(out, lora, lora.down, lora.shrunk);
     }
 }
 
@@ -168,14 +207,48 @@ struct DecodeShape {
     float eps, scale;
 };
 
+// The step's adapters as the exported function receives them (see the file comment).
+struct StepLoRA {
+    const int64_t* table;
+    const int32_t* slots;
+    const float* scales;
+    const int32_t* ranks;
+    int64_t width, max_rank, max_loras;
+};
+constexpr int kLoRAColumns = 8;  // a row of lora_table: (A, B) of qkv, o, gate_up, down
+
+template <typename T>
+LayerLoRA<T> layer_lora(const StepLoRA& step, const pagedserve::lora::Plan* plan, float* shrunk, int64_t layer,
+                        const DecodeShape& s) {
+    using pagedserve::lora::Projection;
+    LayerLoRA<T> lora{};
+    if (plan == nullptr) return lora;
+    const int64_t* row = step.table + layer * kLoRAColumns;
+    auto at = [row](int column) { return reinterpret_cast<const T*>(row[column]); };
+    const int64_t q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim;
+    lora.qkv = Projection<T>{at(0), at(1), s.hidden, q + 2 * kv, 3, {q, kv, kv}};
+    lora.o = Projection<T>{at(2), at(3), q, s.hidden, 1, {s.hidden, 0, 0}};
+    lora.gate_up = Projection<T>{at(4), at(5), s.hidden, 2 * s.inter, 2, {s.inter, s.inter, 0}};
+    lora.down = Projection<T>{at(6), at(7), s.inter, s.hidden, 1, {s.hidden, 0, 0}};
+    lora.plan = plan;
+    lora.shrunk = shrunk;
+    return lora;
+}
+
 // Every layer of a decode step: decode_qkv, paged attention, decode_o_mlp. `out` ends as the last
 // layer's MLP output (the caller adds it to the residual).
 template <typename T>
 void decode_layers(T* residual, const int64_t* weights, const int64_t* key_caches, const int64_t* value_caches,
                    const int64_t* positions, const T* cos, const T* sin_signed, const int64_t* slots,
                    const int32_t* block_tables, const int32_t* context_lens, T* out, int64_t num_layers,
-                   const DecodeShape& s) {
+                   const DecodeShape& s, const StepLoRA& step_lora) {
     std::vector<T> query(s.rows * s.heads * s.head_dim), attn(query.size());
+    std::unique_ptr<pagedserve::lora::Plan> plan;  // built once for every layer of the step
+    if (step_lora.table != nullptr)
+        plan = std::make_unique<pagedserve::lora::Plan>(step_lora.slots, step_lora.scales, step_lora.ranks, s.rows,
+                                                         step_lora.width, step_lora.max_rank, step_lora.max_loras);
+    if (plan != nullptr && plan->empty()) plan.reset();
+    std::vector<float> shrunk(plan == nullptr ? 0 : s.rows * step_lora.width * pagedserve::lora::kMaxParts * step_lora.max_rank);
     Scratch scratch;  // int8 activations of block-quantized matrices, shared by each kernel's team
     for (int64_t layer = 0; layer < num_layers; ++layer)
         for (int column : {kQkv, kOProj, kGateUp, kDown}) {
@@ -189,14 +262,15 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
         auto matrix = [row](WeightColumn column) { return matrix_at(row, column); };
         T* key_cache = reinterpret_cast<T*>(key_caches[layer]);
         T* value_cache = reinterpret_cast<T*>(value_caches[layer]);
+        const LayerLoRA<T> lora = layer_lora<T>(step_lora, plan.get(), shrunk.data(), layer, s);
         decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), positions, cos, sin_signed, key_cache,
                    value_cache, slots, query.data(), s.rows, s.hidden, s.heads, s.kv_heads, s.head_dim, s.eps,
-                   scratch);
+                   scratch, lora);
         paged_decode(query.data(), key_cache, value_cache, block_tables, context_lens, attn.data(), s.rows, s.heads,
                      s.kv_heads, s.head_dim, s.block_size, s.table_width, s.scale);
         decode_o_mlp(attn.data(), residual, matrix(kOProj), w(kOBias), w(kPostNorm), matrix(kGateUp), w(kGateUpBias),
                      matrix(kDown), w(kDownBias), out, s.rows, s.hidden, s.heads * s.head_dim, s.inter, s.eps,
-                     scratch);
+                     scratch, lora);
         h = out;
     }
 }
@@ -207,13 +281,17 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
     void pagedserve_decode_layers_##SUFFIX(T* residual, const int64_t* weights, const int64_t* key_caches,       \
                                            const int64_t* value_caches, const int64_t* positions, const T* cos,  \
                                            const T* sin_signed, const int64_t* slots, const int32_t* block_tables,\
-                                           const int32_t* context_lens, T* out, int64_t num_layers, int64_t rows,\
+                                           const int32_t* context_lens, T* out, const int64_t* lora_table,      \
+                                           const int32_t* lora_slots, const float* lora_scales,                  \
+                                           const int32_t* lora_ranks, int64_t num_layers, int64_t rows,          \
                                            int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,    \
-                                           int64_t inter, int64_t block_size, int64_t table_width, float eps,    \
-                                           float scale) {                                                        \
+                                           int64_t inter, int64_t block_size, int64_t table_width,               \
+                                           int64_t lora_width, int64_t lora_max_rank, int64_t max_loras,         \
+                                           float eps, float scale) {                                             \
         const DecodeShape shape{rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, eps, scale}; \
+        const StepLoRA lora{lora_table, lora_slots, lora_scales, lora_ranks, lora_width, lora_max_rank, max_loras}; \
         decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots, block_tables, \
-                      context_lens, out, num_layers, shape);                                                     \
+                      context_lens, out, num_layers, shape, lora);                                               \
     }
 
 extern "C" {
