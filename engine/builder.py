@@ -22,7 +22,7 @@ from engine.distributed.pipeline_stage import PipelineStage
 from engine.errors import SettingsConflictError
 from engine.lora_setup import build_lora
 from engine.ray_workers import start_ray_workers
-from engine.kv_tier.tier_setup import check_kv_tiers, open_disk_tier, open_tier_index
+from engine.kv_tier_setup import check_kv_tiers, open_disk_tier, open_tier_index
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics

@@ -43,7 +43,7 @@ from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
-from engine.kv_tier.tier_setup import open_disk_tier
+from engine.kv_tier_setup import open_disk_tier
 from engine.loading.loader import Checkpoint
 from engine.lora_setup import attach_lora_stack
 from engine.distributed.pipeline_link import PipelineLink

@@ -28,7 +28,14 @@ from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
     from engine.kernels.cpu import CpuKernels
-    from engine.layers.linear import Linear
+
+
+class PackedProduct(Protocol):
+    """A product that packs its weights (engine.layers' Linear on CPU; engine.layers imports this room for the
+    fused decode step, so it is named by what the stack calls, not imported)."""
+
+    def prepare(self, weight: torch.Tensor) -> Any: ...
+    def __call__(self, x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
 
 
 class ModelShape(Protocol):
@@ -126,7 +133,7 @@ class LoRAStack:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
-        linear: Optional["Linear"] = None,
+        linear: Optional[PackedProduct] = None,
         kernels: Optional[LoRAKernels] = None,
         shard: Optional[AdapterCut] = None,
         native: Optional["CpuKernels"] = None,

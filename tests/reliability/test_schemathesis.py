@@ -21,7 +21,7 @@ from schemathesis.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-EXAMPLES = 60  # per operation and generation mode
+EXAMPLES = 30  # per operation and generation mode
 BUDGET_S = 60.0
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
