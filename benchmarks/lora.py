@@ -2,6 +2,13 @@
 
     python -m benchmarks.lora [--concurrency 16] [--adapters 8] [--rank 16] [--tokens 64] [--repeats 3]
     python -m benchmarks.lora --load-stall [--concurrency 16] [--adapters 8] [--rank 16]
+    python -m benchmarks.lora --base 1b [--tokens 32]
+
+`--base`: `embedded` (default, SmolLM2-135M) or `1b`, a random-weight Llama of TinyLlama-1.1B's shape (hidden
+2048, 22 layers, 32 query and 4 KV heads, intermediate 5632) with the embedded model's tokenizer, written to a
+temporary directory first (~2.3 GB in bf16; no download). What adapters cost is a matter of bytes: each rank-16
+adapter over every projection is r * (in + out) per matrix against the base's in * out, so eight of them add ~29%
+to a 135M model's weight bytes per decode step (a ceiling near 0.78x) but ~9% to a 1.1B one's.
 
 One engine with `--enable-lora` (max_loras = --adapters, the GGUF dequantized: --quantization none) runs rounds of
 `--concurrency` greedy requests of the same prompts: all on the base model, and spread over `--adapters`
@@ -77,6 +84,40 @@ def write_adapter(path: Path, arch, rank: int, seed: int) -> Path:
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
     (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+ONE_B = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+"""TinyLlama-1.1B's shape."""
+
+
+def random_base(path: Path) -> Path:
+    """A random-weight Llama of ONE_B's shape in bf16 at `path`, with the embedded model's tokenizer (its prompts
+    tokenize as they do for the embedded model; the weights' values do not change what a step costs)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.loading.loader import prepare_checkpoint
+
+    embedded = prepare_checkpoint(None).path
+    vocab = json.loads((embedded / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **ONE_B)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (embedded / name).exists():
+            shutil.copy(embedded / name, path / name)
     return path
 
 
@@ -204,16 +245,23 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--micro", action="store_true")
     parser.add_argument("--load-stall", action="store_true")
+    parser.add_argument("--base", choices=("embedded", "1b"), default="embedded")
     args = parser.parse_args()
     info = cpu_info()
     print(f"CPU: {info['model']} ({info['isa']}, {info['cores']} cores); load average {os.getloadavg()}")
     common = dict(dtype=args.dtype, quantization="none", max_model_len=512, max_num_seqs=args.concurrency)
     report: dict = {"cpu": info["model"], "isa": info["isa"], "load_average": os.getloadavg(), "args": vars(args)}
+    with tempfile.TemporaryDirectory() as base_dir:
+        model = None if args.base == "embedded" else str(random_base(Path(base_dir)))
+        measure(args, model, common, report)
+
+
+def measure(args: argparse.Namespace, model: str | None, common: dict, report: dict) -> None:
     if args.load_stall:
         with (
             tempfile.TemporaryDirectory() as tmp,
             LLM(
-                None,
+                model,
                 enable_lora=True,
                 max_loras=args.adapters,
                 max_lora_rank=args.rank,
@@ -231,8 +279,8 @@ def main() -> None:
         return
     with (
         tempfile.TemporaryDirectory() as tmp,
-        LLM(None, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common) as llm,
-        LLM(None, **common) as plain,
+        LLM(model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **common) as llm,
+        LLM(model, **common) as plain,
     ):
         arch = llm.engine.runner.model.arch
         manager = llm.engine.lora_manager
