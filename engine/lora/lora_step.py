@@ -82,16 +82,8 @@ class LoRAStep:
             return cls._native(stack, num_tokens, segments)
         lo, hi = (0, stack.max_loras) if stack.packed else (min(used), max(used) + 1)
         scales = host_scales(segments, num_tokens, lo, hi)
-        embed_rows: dict[int, list[int]] = {}
-        for start, length, slots in segments:
-            if replaces_embedding(stack, slots):
-                embed_rows.setdefault(slots[0][0], []).extend(range(start, start + length))
         device = stack.device
-        embeds = [
-            (torch.tensor(rows, dtype=torch.int64, device=device), matrix)
-            for slot, rows in embed_rows.items()
-            if (matrix := stack.embed[slot]) is not None
-        ]
+        embeds = embedding_rows(stack, segments)
         token_slots = None
         if stack.kernels is not None:
             width = max(len(segment.slots) for segment in segments)
@@ -109,17 +101,8 @@ class LoRAStep:
     def _native(cls, stack: LoRAStack, num_tokens: int, segments: Sequence[LoRASegment]) -> "LoRAStep":
         """The step for the native kernels: each token's slots and scales (no slot range, no mixing matrices)."""
         slot_ids, slot_scales = host_token_slots(segments, num_tokens, max(len(s.slots) for s in segments))
-        embed_rows: dict[int, list[int]] = {}
-        for start, length, slots in segments:
-            if replaces_embedding(stack, slots):
-                embed_rows.setdefault(slots[0][0], []).extend(range(start, start + length))
-        embeds = [
-            (torch.tensor(rows, dtype=torch.int64), matrix)
-            for slot, rows in embed_rows.items()
-            if (matrix := stack.embed[slot]) is not None
-        ]
         native = (torch.from_numpy(slot_ids), torch.from_numpy(slot_scales))
-        return cls(stack, native[1], 0, 0, embeds, native_slots=native)
+        return cls(stack, native[1], 0, 0, embedding_rows(stack, segments), native_slots=native)
 
     @property
     def fusable(self) -> bool:
@@ -175,6 +158,19 @@ class LoRAStep:
         for rows, matrix in self.embeds:
             hidden[rows] = F.embedding(input_ids[rows], matrix)
         return hidden
+
+
+def embedding_rows(stack: LoRAStack, segments: Sequence[LoRASegment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(token rows, [vocab, hidden]) per adapter of the step that replaces the embedding (modules_to_save)."""
+    rows: dict[int, list[int]] = {}
+    for start, length, slots in segments:
+        if replaces_embedding(stack, slots):
+            rows.setdefault(slots[0][0], []).extend(range(start, start + length))
+    return [
+        (torch.tensor(indices, dtype=torch.int64, device=stack.device), matrix)
+        for slot, indices in rows.items()
+        if (matrix := stack.embed[slot]) is not None
+    ]
 
 
 def replaces_embedding(stack: LoRAStack, slots: tuple[tuple[int, float], ...]) -> bool:
