@@ -23,7 +23,7 @@ engine's) or read per token.
 
 `--load-stall` measures instead what loading an adapter at run time costs the other streams: `--concurrency`
 greedy streams on the base model and `--adapters` - 1 loaded adapters decode while a request names an adapter
-registered but not loaded (the engine reads it on its loading thread, then copies it into a free slot in
+registered but not loaded (the engine reads it in slices between steps, then copies it into a free slot in
 the step that admits the request). Figures: the streams' inter-token gaps before the load (median) and from
 the request's arrival to its first token (max, and the ratio max / median; the issue's bound is 2x), the gap
 of the step admitting it beside that of a step admitting the same prompt for an adapter already loaded (its

@@ -26,7 +26,13 @@ from engine.runner.pipeline_runner import LaunchedStep, PipelineRunner
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.errors import InvalidParameterError
 from engine.lora.lora_manager import LoRAManager
-from engine.lora.lora_waiting import WAIT_FOR_LOAD_SECONDS, LoRAWaitingRequests, adapter_names, attach
+from engine.lora.lora_waiting import (
+    LOAD_SLICE_SECONDS,
+    IDLE_LOAD_SLICE_SECONDS,
+    LoRAWaitingRequests,
+    adapter_names,
+    attach,
+)
 from engine.lora.request import LoRAMix
 from engine.observer import EngineObserver
 from engine.outputs import ModelRunnerOutput, RequestOutput
@@ -129,8 +135,6 @@ class EngineCore:
             self.runner.shutdown()
             if isinstance(self.scheduler.proposer, DraftModelProposer):
                 self.scheduler.proposer.shutdown()  # the draft's KV cache (its weights go with the engine)
-            if self.lora_manager is not None:
-                self.lora_manager.shutdown()
         finally:  # half released is no state to step in
             self.is_shut_down = True
 
@@ -334,14 +338,14 @@ class EngineCore:
         return self._complete(scheduler_output, runner_output)
 
     def _admit_loaded_loras(self) -> list[RequestOutput]:
-        """Queue the requests whose adapters finished loading (failing those whose load failed); an engine with
-        nothing else to do waits a moment for a load."""
+        """Advance the adapter loads in progress, then queue the requests whose adapters finished loading
+        (failing those whose load failed)."""
         manager = self.lora_manager
         assert manager is not None
         failed: list[RequestOutput] = []
         if self._lora_waiting:
-            if not self.scheduler.has_unfinished_requests:
-                manager.wait_for_loads(WAIT_FOR_LOAD_SECONDS)
+            busy = self.scheduler.has_unfinished_requests
+            manager.advance_loads(LOAD_SLICE_SECONDS if busy else IDLE_LOAD_SLICE_SECONDS)
 
             def fail(request_id: str, error: BaseException) -> None:
                 state = self._states.pop(request_id)

@@ -2,8 +2,9 @@
 
     add_lora (caller's thread) ---> registered + loaded          remove_lora: unregistered at once
     request's LoRAMix (engine thread) --resolve--> LoRARef       (requests already holding a LoRARef
-         an adapter not loaded: a background load, the           keep its weights until they end)
-         request waits beside the queue, resolve again later
+         an adapter not loaded: a load in slices between         keep its weights until they end)
+         steps (advance_loads); the request waits beside
+         the queue, resolve again later
 
 Thread-safety: every public method takes the manager's lock; weights are read from disk outside it.
 """
@@ -17,16 +18,15 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, Generator, NamedTuple, Optional, Union
 
 from engine.errors import InvalidParameterError, LoRAAdapterError, LoRANotFoundError
 from engine.lora.adapter_source import AdapterSource
 from engine.lora.lora_config import LoRAConfig
 from engine.lora.gguf_adapter import GgufTarget, check_gguf_adapter, is_gguf_adapter, load_gguf_adapter
-from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter, read_adapter_config
+from engine.lora.peft_adapter import LoRAWeights, drain, load_peft_steps, read_adapter_config
 from engine.lora.request import LoRAMix, LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -97,9 +97,9 @@ class LoRAManager:
         self._lock = threading.Lock()
         self._registered: dict[str, LoRARequest] = {}
         self._loaded: OrderedDict[str, LoRAWeights] = OrderedDict()  # least recently used first
-        self._loading: dict[str, Future] = {}
+        self._loading: dict[str, tuple[LoRARequest, LoadSteps]] = {}  # loads in progress, slice by slice
+        self._fresh: frozenset[str] = frozenset()  # finished by the latest advance_loads: admitted a step later
         self._failed: dict[str, BaseException] = {}  # a background load's error, until the name is re-added
-        self._executor: Optional[ThreadPoolExecutor] = None  # started on the first cold load
         self._active: frozenset[str] = frozenset()  # names of unfinished requests' adapters (record_activity)
         self._activity = LoRAStats([], [], config.max_loras)
         self._request_counts: dict[str, int] = {}
@@ -118,7 +118,7 @@ class LoRAManager:
             if loaded is not None:
                 return LoadedLoRA(request, loaded.rank, 0.0)
         started = time.monotonic()
-        weights = self._read(request)
+        weights = drain(self._load_steps(request))
         seconds = time.monotonic() - started
         with self._lock:
             self._registered[request.name] = request
@@ -163,11 +163,6 @@ class LoRAManager:
                 list(self._activity.running), list(self._activity.waiting), self.max_loras, dict(self._request_counts)
             )
 
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-
     # ------------------------------------------------------------------ the engine thread
 
     def check(self, mix: LoRAMix) -> None:
@@ -206,14 +201,16 @@ class LoRAManager:
                 if name in self._failed:
                     raise self._failed[name]
                 weights = self._loaded.get(name)
-                if weights is None:
+                if weights is None or name in self._fresh:
+                    # (one finished in this step waits a step: its last slice and its slot copy in different steps)
                     missing.append(name)
                     continue
                 self._loaded.move_to_end(name)
                 adapters.append(weights)
             for name in missing:
-                if name not in self._loading:
-                    self._loading[name] = self._start_load(self._registered[name])
+                if name not in self._loading and name not in self._loaded:
+                    request = self._registered[name]
+                    self._loading[name] = (request, self._load_steps(request))
         if missing:
             return None
         if len(adapters) > 1 and any(a.embed is not None or a.lm_head is not None for a in adapters):
@@ -227,12 +224,43 @@ class LoRAManager:
             )
         return LoRARef(mix, tuple(adapters), tuple(adapter_key(a) for a in adapters), _cache_key(mix, adapters))
 
-    def wait_for_loads(self, timeout: float) -> None:
-        """Block up to `timeout` seconds for a background load to end (an engine with nothing else to do)."""
+    def advance_loads(self, budget_seconds: float) -> None:
+        """Advance the loads in progress on the calling (engine) thread for about `budget_seconds` (slice by
+        slice: peft_adapter.load_peft_steps) and keep the finished ones. Why here, between steps, and not on a
+        loading thread: on a CPU the step's OpenMP team holds every core, and a team thread that loses its core
+        stalls the whole step (every parallel region waits for its slowest thread): reading a 10 MB adapter
+        (~8 ms of one core) beside a step stretched that step 3-4x, a parse beside the steps at equal priority
+        more, and at idle priority the load starved for seconds. A slice between steps costs the running
+        streams only its own milliseconds."""
+        deadline = time.monotonic() + budget_seconds
         with self._lock:
-            pending = list(self._loading.values())
-        if pending:
-            wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+            self._fresh = frozenset()
+            jobs = list(self._loading.items())
+        fresh = []
+        for name, (request, steps) in jobs:
+            try:
+                while time.monotonic() < deadline:
+                    next(steps)
+                continue  # the budget is spent: the rest in later steps
+            except StopIteration as done:
+                weights: Optional[LoRAWeights] = done.value
+                error: Optional[BaseException] = None
+            except Exception as exc:  # noqa: BLE001 - kept for the requests waiting on it
+                weights, error = None, exc
+            with self._lock:
+                self._loading.pop(name, None)
+                if self._registered.get(name) != request:
+                    continue  # unloaded (or replaced) while it loaded
+                if error is not None:
+                    logger.error("loading LoRA adapter %r failed: %s", name, error)
+                    self._failed[name] = error
+                    continue
+                assert weights is not None
+                self._store(weights)
+            fresh.append(name)
+            logger.info("loaded LoRA adapter %r (rank %d) between steps", name, weights.rank)
+        with self._lock:
+            self._fresh = frozenset(fresh)
 
     @property
     def is_loading(self) -> bool:
@@ -248,41 +276,15 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _read(self, request: LoRARequest) -> LoRAWeights:
-        """A PEFT directory's adapter, or a llama.cpp GGUF file's."""
-        if is_gguf_adapter(request.path):
-            return load_gguf_adapter(request.name, request.path, *self._gguf_args(request.name))
-        return load_peft_adapter(request.name, request.path, self.config.max_lora_rank, self.num_layers)
-
     def _gguf_args(self, name: str) -> tuple[int, int, GgufTarget]:
         if self.gguf_target is None:
             raise LoRAAdapterError(name, "GGUF adapters are not read by this engine (no base shape given)")
         return self.config.max_lora_rank, self.num_layers, self.gguf_target
 
-    def _start_load(self, request: LoRARequest) -> Future:
-        """Read `request`'s adapter on the loading thread (called under the lock: the future's work, storing
-        included, always runs on that thread, never inline here)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
-        return self._executor.submit(self._load_in_background, request)
-
-    def _load_in_background(self, request: LoRARequest) -> None:
-        try:
-            weights: Optional[LoRAWeights] = self._read(request)
-            error: Optional[BaseException] = None
-        except Exception as exc:  # noqa: BLE001 - kept for the requests waiting on it
-            weights, error = None, exc
-        with self._lock:
-            self._loading.pop(request.name, None)
-            if self._registered.get(request.name) != request:
-                return  # unloaded (or replaced) while it loaded
-            if error is not None:
-                logger.error("loading LoRA adapter %r failed: %s", request.name, error)
-                self._failed[request.name] = error
-                return
-            assert weights is not None
-            self._store(weights)
-        logger.info("loaded LoRA adapter %r in the background", request.name)
+    def _load_steps(self, request: LoRARequest) -> LoadSteps:
+        if is_gguf_adapter(request.path):
+            return _whole(lambda: load_gguf_adapter(request.name, request.path, *self._gguf_args(request.name)))
+        return load_peft_steps(request.name, request.path, self.config.max_lora_rank, self.num_layers)
 
     def _store(self, weights: LoRAWeights) -> None:
         """Keep `weights` loaded (under the lock), evicting least recently used idle adapters over capacity."""
@@ -294,6 +296,17 @@ class LoRAManager:
             if name != weights.name and name not in self._active:
                 del self._loaded[name]
                 logger.info("evicted LoRA adapter %r (least recently used; max_cpu_loras %d)", name, self.capacity)
+
+
+LoadSteps = Generator[None, None, LoRAWeights]
+"""A load in slices: yields between them, returns the adapter."""
+
+
+def _whole(read: Callable[[], LoRAWeights]) -> LoadSteps:
+    """A read that has no slices, as one (a GGUF adapter's: its reader maps the file and converts tensor by
+    tensor)."""
+    yield
+    return read()
 
 
 def _cache_key(mix: LoRAMix, adapters: list[LoRAWeights]) -> bytes:

@@ -154,16 +154,20 @@ class LoRAStack:
         self.shapes = projection_shapes(arch)
         self.shard = shard
         num_layers = arch.num_layers if shard is None else len(shard.layers)
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, torch.Tensor]] = []
-        for _ in range(num_layers):
-            a, b = {}, {}
-            for proj, (width, outs) in self.shapes.items():
-                rows = len(outs) * max_rank
-                a[proj] = torch.zeros(max_loras, rows, width, dtype=dtype, device=device)
-                b[proj] = torch.zeros(max_loras, rows, sum(outs), dtype=dtype, device=device)
-            self.a.append(a)
-            self.b.append(b)
+        # One tensor per projection over every layer ([layers, max_loras, rows, width]), each layer's a view: a
+        # slot loads with a few products over all layers at once instead of a few per layer and projection.
+        self.a_all: dict[str, torch.Tensor] = {}
+        self.b_all: dict[str, torch.Tensor] = {}
+        for proj, (width, outs) in self.shapes.items():
+            rows = len(outs) * max_rank
+            self.a_all[proj] = torch.zeros(num_layers, max_loras, rows, width, dtype=dtype, device=device)
+            self.b_all[proj] = torch.zeros(num_layers, max_loras, rows, sum(outs), dtype=dtype, device=device)
+        self.a: list[dict[str, torch.Tensor]] = [
+            {proj: t[layer] for proj, t in self.a_all.items()} for layer in range(num_layers)
+        ]
+        self.b: list[dict[str, torch.Tensor]] = [
+            {proj: t[layer] for proj, t in self.b_all.items()} for layer in range(num_layers)
+        ]
         # The same tensors as [max_loras * parts * max_rank, width] (views): a step's slot range is one row slice.
         self.a_rows = [{proj: t.view(-1, t.shape[-1]) for proj, t in layer.items()} for layer in self.a]
         self.b_rows = [{proj: t.view(-1, t.shape[-1]) for proj, t in layer.items()} for layer in self.b]
@@ -191,26 +195,39 @@ class LoRAStack:
         if self.shard is not None:
             weights = self.shard.cut(weights)
         r = self.max_rank
-        for layer, (a_layer, b_layer) in enumerate(zip(self.a, self.b)):
-            for proj, parts in FUSED_PROJECTIONS.items():
-                a, b = a_layer[proj][slot], b_layer[proj][slot]  # [parts * r, in], [parts * r, out]
-                a.zero_()
-                b.zero_()
-                column = 0
-                for part, (name, width) in enumerate(zip(parts, self.shapes[proj][1])):
-                    lora_a = weights.a.get((layer, name))
-                    if lora_a is not None:
-                        rank = lora_a.shape[0]
-                        lora_b = weights.b[(layer, name)]  # [width, rank]
-                        if lora_a.shape[1] != a.shape[1] or lora_b.shape[0] != width:
-                            raise ValueError(
-                                f"adapter {weights.name!r}: layer {layer} {name} is {tuple(lora_b.shape[:1])} x "
-                                f"{tuple(lora_a.shape[1:])}, the model's is ({width},) x ({a.shape[1]},)"
-                            )
-                        a[part * r : part * r + rank].copy_(lora_a)
-                        b[part * r : part * r + rank, column : column + width].copy_(lora_b.t())
-                    column += width
-                if self.linear is not None:
+        num_layers = len(self.a)
+        for proj, parts in FUSED_PROJECTIONS.items():
+            a_all, b_all = self.a_all[proj][:, slot], self.b_all[proj][:, slot]  # [L, parts * r, in], [L, ., out]
+            a_all.zero_()
+            b_all.zero_()
+            column = 0
+            for part, (name, width) in enumerate(zip(parts, self.shapes[proj][1])):
+                pairs = [(weights.a.get((layer, name)), weights.b.get((layer, name))) for layer in range(num_layers)]
+                for layer, (lora_a, lora_b) in enumerate(pairs):
+                    if (
+                        lora_a is not None
+                        and lora_b is not None
+                        and (lora_a.shape[1] != a_all.shape[2] or lora_b.shape[0] != width)
+                    ):
+                        raise ValueError(
+                            f"adapter {weights.name!r}: layer {layer} {name} is {tuple(lora_b.shape[:1])} x "
+                            f"{tuple(lora_a.shape[1:])}, the model's is ({width},) x ({a_all.shape[2]},)"
+                        )
+                whole = [(a, b) for a, b in pairs if a is not None and b is not None]
+                if len(whole) == num_layers and len({a.shape[0] for a, _ in whole}) == 1:  # one rank: at once
+                    rank = whole[0][0].shape[0]
+                    a_all[:, part * r : part * r + rank].copy_(torch.stack([a for a, _ in whole]))
+                    b_rows = b_all[:, part * r : part * r + rank, column : column + width]
+                    b_rows.copy_(torch.stack([b for _, b in whole]).transpose(1, 2))
+                else:
+                    for layer, (lora_a, lora_b) in enumerate(pairs):
+                        if lora_a is not None and lora_b is not None:
+                            rank = lora_a.shape[0]
+                            a_all[layer, part * r : part * r + rank].copy_(lora_a)
+                            b_all[layer, part * r : part * r + rank, column : column + width].copy_(lora_b.t())
+                column += width
+            if self.linear is not None:
+                for layer in range(num_layers):
                     self.a_packed[layer][proj] = self.linear.prepare(self.a_rows[layer][proj])
                     self.bt_packed[layer][proj] = self.linear.prepare(self.b_rows[layer][proj].t().contiguous())
         self.ranks[slot] = min(weights.rank, r)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Generator, Optional
 
 import torch
 
@@ -55,11 +57,20 @@ class LoRAWeights:
 
 def read_adapter_config(name: str, path: Path, max_rank: int) -> dict:
     """The adapter's config, refused when it is not something the engine serves exactly."""
+    return parse_adapter_config(name, _read_config(name, path), max_rank)
+
+
+def _read_config(name: str, path: Path) -> bytes:
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise LoRAAdapterError(name, f"no adapter_config.json in {str(path)!r}")
+    return config_file.read_bytes()
+
+
+def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
+    """`adapter_config.json`'s content, checked (see `read_adapter_config`)."""
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(text)
     except json.JSONDecodeError as exc:
         raise LoRAAdapterError(name, f"adapter_config.json is not JSON: {exc}") from None
     kind = config.get("peft_type", "LORA")
@@ -84,26 +95,64 @@ def read_adapter_config(name: str, path: Path, max_rank: int) -> dict:
     return config
 
 
+READ_SLICE_BYTES = 4 << 20
+"""Bytes hashed between two yields of `load_peft_steps` (a few milliseconds on one core)."""
+
+TENSORS_PER_SLICE = 96
+"""Tensors taken between two yields of `load_peft_steps`."""
+
+
 def load_peft_adapter(name: str, path: str, max_rank: int, num_layers: int) -> LoRAWeights:
     """Read and validate `path`'s adapter (float32 on CPU; the manager copies it into its slot's dtype)."""
-    from safetensors.torch import load_file
+    return drain(load_peft_steps(name, path, max_rank, num_layers))
+
+
+def drain(steps: Generator[None, None, LoRAWeights]) -> LoRAWeights:
+    """Run a sliced load (`load_peft_steps`) to its end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def load_peft_steps(name: str, path: str, max_rank: int, num_layers: int) -> Generator[None, None, LoRAWeights]:
+    """`path`'s adapter, validated (rank, targets, pairs), each module's scale folded into B, with the files'
+    content hash, made in slices: the generator yields between slices of a few milliseconds, so that a serving
+    engine can interleave a load with its steps (LoRAManager.advance_loads)."""
+    from safetensors import safe_open
 
     directory = Path(path)
-    config = read_adapter_config(name, directory, max_rank)
+    config_text = _read_config(name, directory)
+    config = parse_adapter_config(name, config_text, max_rank)
     weights_file = directory / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise LoRAAdapterError(name, f"no adapter_model.safetensors in {path!r} (.bin adapters are not read)")
-    digest = hashlib.sha256((directory / "adapter_config.json").read_bytes())
-    digest.update(weights_file.read_bytes())
-    content_hash = digest.digest()
-    tensors = load_file(str(weights_file))
-    adapter = LoRAWeights(name, path, rank=0, content_hash=content_hash)
-    for key, tensor in tensors.items():
-        _take_tensor(adapter, config, key, tensor.float(), num_layers)
+    digest = hashlib.sha256(config_text)
+    # Mapped, not read into a buffer: a fresh 10 MB buffer is fresh pages to fault in and zero, which cost a
+    # serving process several times the copy itself.
+    with open(weights_file, "rb") as file:
+        if os.fstat(file.fileno()).st_size:
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                for start in range(0, len(view), READ_SLICE_BYTES):
+                    digest.update(view[start : start + READ_SLICE_BYTES])
+                    yield
+                view.release()
+    try:
+        tensors = safe_open(str(weights_file), framework="pt")
+        keys = list(tensors.keys())
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise LoRAAdapterError(name, f"adapter_model.safetensors cannot be read: {exc}") from None
+    adapter = LoRAWeights(name, path, rank=0, content_hash=digest.digest())
+    for i, key in enumerate(keys, start=1):
+        _take_tensor(adapter, config, key, tensors.get_tensor(key).float(), num_layers)
+        if i % TENSORS_PER_SLICE == 0:
+            yield
     missing = sorted(set(adapter.a).symmetric_difference(adapter.b))
     if missing:
         raise LoRAAdapterError(name, f"lora_A and lora_B do not pair up at {missing[:4]}")
-    for module, a in adapter.a.items():
+    for i, (module, a) in enumerate(adapter.a.items(), start=1):
         b = adapter.b[module]
         if a.shape[0] != b.shape[1]:
             raise LoRAAdapterError(name, f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {module} differ")
@@ -112,6 +161,8 @@ def load_peft_adapter(name: str, path: str, max_rank: int, num_layers: int) -> L
             raise LoRARankError(name, rank, max_rank)
         adapter.b[module] = (b * _scale(config, module, rank)).contiguous()
         adapter.rank = max(adapter.rank, rank)
+        if i % TENSORS_PER_SLICE == 0:
+            yield
     if not adapter.a and adapter.embed is None and adapter.lm_head is None:
         raise LoRAAdapterError(name, "the adapter file holds no LoRA matrices")
     return adapter

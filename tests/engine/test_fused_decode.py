@@ -46,7 +46,9 @@ def _generate(llm: LLM, prompts: list[str], max_tokens: int, logprobs=None):
 
 
 def _counting_fused(model, monkeypatch) -> list[int]:
-    """Records the row count of every step the fused path runs."""
+    """Records the row count of every step the fused path runs; decode steps only (a step admitting prompts
+    beside decodes, fused too, sums their attention in another order: `test_mixed_steps_...`)."""
+    monkeypatch.setattr(model.fused, "mixed_prefill_tokens", 0)
     rows: list[int] = []
     forward = model.fused.forward
     monkeypatch.setattr(
@@ -185,6 +187,54 @@ def test_models_with_qk_norm_take_the_general_path(tiny_qwen3_dir, cpu_kernels, 
     assert rows == []
     model.fused = None
     assert _generate(llm, PROMPTS[:3], 6) == fused
+
+
+def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tuple[list[int], list[float]]]:
+    """Each prompt admitted `every` steps after the one before, beside its decodes: tokens and logprobs."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    results: dict[str, tuple[list[int], list[float]]] = {}
+    step = 0
+    while step == 0 or engine.has_work:
+        if step % every == 0 and step // every < len(prompts):
+            engine.add_request(f"r{step // every}", prompts[step // every], params)
+        for out in engine.step():
+            tokens, logprobs = results.setdefault(out.request_id, ([], []))
+            tokens += out.new_token_ids
+            logprobs += [entry.logprob for entry in out.logprobs or []]
+        step += 1
+    assert_idle(llm)
+    return results
+
+
+def test_mixed_steps_run_fused_with_the_same_tokens(tiny_llama_dir, cpu_kernels, monkeypatch):
+    """Prompts admitted beside running decodes: their tokens become rows of the fused step (each query over the
+    cache up to itself), float32 greedy tokens identical to the unfused path, logprobs within 1e-5; a chunk above
+    the limit keeps the step unfused."""
+    _with_product("gemv", cpu_kernels, monkeypatch)  # float32 products the fused step takes (up to 8 rows)
+    llm = make_llm(tiny_llama_dir, attention_backend="cpu", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.fused is not None
+    mixed: list[int] = []
+    forward = model.fused.forward
+
+    def counting(m, input_ids, positions, kv_caches, metadata):
+        if metadata[0].prefills:
+            mixed.append(input_ids.shape[0])
+        return forward(m, input_ids, positions, kv_caches, metadata)
+
+    monkeypatch.setattr(model.fused, "forward", counting)
+    prompts = [[5, 17, 42, 9], [7, 8, 9, 10, 11], [300, 12, 13]]  # short: running decodes + a prompt in 8 rows
+    fused = _staggered(llm, prompts, every=2)
+    assert len(mixed) == len(prompts) - 1  # every prompt after the first joined running decodes, fused
+    monkeypatch.setattr(model.fused, "mixed_prefill_tokens", 2)  # below every prompt's length: unfused
+    mixed.clear()
+    assert _staggered(llm, prompts, every=2).keys() == fused.keys() and mixed == []
+    model.fused = None
+    unfused = _staggered(llm, prompts, every=2)
+    for request_id, (tokens, logprobs) in unfused.items():
+        assert fused[request_id][0] == tokens
+        assert fused[request_id][1] == pytest.approx(logprobs, abs=1e-5)
 
 
 NEAR_TIE = 0.5
