@@ -85,7 +85,12 @@ class _Fail:
     error: BaseException
 
 
-_Command = Union[_Add, _Abort, _Fail, None]  # None stops the loop
+@dataclass(slots=True)
+class _Wake:
+    """Something for the loop to do that is not a request (an adapter load begun): wakes an idle loop."""
+
+
+_Command = Union[_Add, _Abort, _Fail, _Wake, None]  # None stops the loop
 
 
 class AsyncEngine:
@@ -335,9 +340,15 @@ class AsyncEngine:
         return self.engine.lora_manager
 
     async def add_lora(self, request: LoRARequest) -> LoadedLoRA:
-        """Load and register an adapter, reading it on a worker thread (the step loop goes on meanwhile).
-        Raises LoRAAdapterError / LoRARankError (400) for a directory that cannot be served."""
-        return await asyncio.to_thread(self._lora().add_lora, request)
+        """Load and register an adapter: the engine thread reads it in slices between its steps (the step loop
+        goes on meanwhile; see LoRAManager.advance_loads), or this call's worker thread when the loop does not
+        run. Raises LoRAAdapterError / LoRARankError (400) for a directory that cannot be served."""
+        manager = self._lora()
+        if not self.is_alive:
+            return await asyncio.to_thread(manager.add_lora, request)
+        future = manager.begin_load(request)
+        self._commands.put(_Wake())
+        return await asyncio.wrap_future(future)
 
     def remove_lora(self, name: str) -> bool:
         """Unregister an adapter (later requests naming it are refused; running ones finish); False if unknown."""
@@ -400,6 +411,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Fail):
                 raise command.error
+            if isinstance(command, _Wake):
+                continue
             if isinstance(command, _Abort):
                 self._publish(self.engine.abort(command.request_ids, command.reason))
                 continue

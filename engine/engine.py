@@ -300,6 +300,7 @@ class EngineCore:
             or self.scheduler.has_finished_notices
             or bool(self._in_flight)
             or bool(self._lora_waiting)
+            or (self.lora_manager is not None and self.lora_manager.is_loading)
         )
 
     @property
@@ -343,9 +344,9 @@ class EngineCore:
         manager = self.lora_manager
         assert manager is not None
         failed: list[RequestOutput] = []
+        busy = self.scheduler.has_unfinished_requests
+        manager.advance_loads(LOAD_SLICE_SECONDS if busy else IDLE_LOAD_SLICE_SECONDS)  # (also ends the last's news)
         if self._lora_waiting:
-            busy = self.scheduler.has_unfinished_requests
-            manager.advance_loads(LOAD_SLICE_SECONDS if busy else IDLE_LOAD_SLICE_SECONDS)
 
             def fail(request_id: str, error: BaseException) -> None:
                 state = self._states.pop(request_id)

@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generator, NamedTuple, Optional, Union
@@ -97,7 +98,7 @@ class LoRAManager:
         self._lock = threading.Lock()
         self._registered: dict[str, LoRARequest] = {}
         self._loaded: OrderedDict[str, LoRAWeights] = OrderedDict()  # least recently used first
-        self._loading: dict[str, tuple[LoRARequest, LoadSteps]] = {}  # loads in progress, slice by slice
+        self._loading: dict[str, _Load] = {}  # loads in progress, slice by slice (advance_loads)
         self._fresh: frozenset[str] = frozenset()  # finished by the latest advance_loads: admitted a step later
         self._failed: dict[str, BaseException] = {}  # a background load's error, until the name is re-added
         self._active: frozenset[str] = frozenset()  # names of unfinished requests' adapters (record_activity)
@@ -128,6 +129,25 @@ class LoRAManager:
             "loaded LoRA adapter %r (rank %d) from %s in %.3f s", request.name, weights.rank, request.path, seconds
         )
         return LoadedLoRA(request, weights.rank, seconds)
+
+    def begin_load(self, request: LoRARequest) -> "Future[LoadedLoRA]":
+        """`add_lora` done by the engine thread between its steps (advance_loads), for a caller beside a running
+        engine (POST /v1/load_lora_adapter): the future ends with the adapter registered and loaded, or with its
+        error (nothing registered). A name taken by another path is refused at once."""
+        future: Future[LoadedLoRA] = Future()
+        with self._lock:
+            known = self._registered.get(request.name)
+            if known is not None and known.path != request.path:
+                raise LoRAAdapterError(request.name, f"the name is taken by {known.path!r}; unload it first")
+            loaded = self._loaded.get(request.name) if known is not None else None
+            if loaded is not None:
+                future.set_result(LoadedLoRA(request, loaded.rank, 0.0))
+                return future
+            load = self._loading.get(request.name)
+            if load is None or load.request != request:
+                load = self._loading[request.name] = _Load(request, self._load_steps(request), registers=True)
+            load.callers.append(future)
+        return future
 
     def register(self, request: LoRARequest) -> None:
         """Register without loading (validated by its config only): loaded by the first request naming it."""
@@ -210,7 +230,7 @@ class LoRAManager:
             for name in missing:
                 if name not in self._loading and name not in self._loaded:
                     request = self._registered[name]
-                    self._loading[name] = (request, self._load_steps(request))
+                    self._loading[name] = _Load(request, self._load_steps(request))
         if missing:
             return None
         if len(adapters) > 1 and any(a.embed is not None or a.lm_head is not None for a in adapters):
@@ -237,28 +257,50 @@ class LoRAManager:
             self._fresh = frozenset()
             jobs = list(self._loading.items())
         fresh = []
-        for name, (request, steps) in jobs:
+        for name, load in jobs:
             try:
+                next(load.steps)  # at least a slice per call: every load moves
                 while time.monotonic() < deadline:
-                    next(steps)
+                    next(load.steps)
                 continue  # the budget is spent: the rest in later steps
             except StopIteration as done:
                 weights: Optional[LoRAWeights] = done.value
                 error: Optional[BaseException] = None
             except Exception as exc:  # noqa: BLE001 - kept for the requests waiting on it
                 weights, error = None, exc
+            seconds = time.monotonic() - load.started
             with self._lock:
-                self._loading.pop(name, None)
-                if self._registered.get(name) != request:
-                    continue  # unloaded (or replaced) while it loaded
+                if self._loading.get(name) is load:
+                    del self._loading[name]
+                known = self._registered.get(name)
                 if error is not None:
                     logger.error("loading LoRA adapter %r failed: %s", name, error)
-                    self._failed[name] = error
-                    continue
+                    if known == load.request:
+                        self._failed[name] = error
+                elif load.registers and (known is None or known == load.request):
+                    self._registered[name] = load.request
+                    self._failed.pop(name, None)
+                elif known != load.request:
+                    error = LoRANotFoundError(name)  # unloaded (or replaced) while it loaded
+                if error is None:
+                    assert weights is not None
+                    self._store(weights)
+                    fresh.append(name)
+            for caller in load.callers:
+                if error is None:
+                    assert weights is not None
+                    caller.set_result(LoadedLoRA(load.request, weights.rank, seconds))
+                else:
+                    caller.set_exception(error)
+            if error is None:
                 assert weights is not None
-                self._store(weights)
-            fresh.append(name)
-            logger.info("loaded LoRA adapter %r (rank %d) between steps", name, weights.rank)
+                logger.info(
+                    "loaded LoRA adapter %r (rank %d) from %s in %.3f s, between steps",
+                    name,
+                    weights.rank,
+                    load.request.path,
+                    seconds,
+                )
         with self._lock:
             self._fresh = frozenset(fresh)
 
@@ -300,6 +342,18 @@ class LoRAManager:
 
 LoadSteps = Generator[None, None, LoRAWeights]
 """A load in slices: yields between them, returns the adapter."""
+
+
+@dataclass(slots=True)
+class _Load:
+    """A load in progress: for a registered adapter (a request named it), or, with `registers`, for a caller of
+    `begin_load` (registered when it succeeds); `callers` get its result."""
+
+    request: LoRARequest
+    steps: LoadSteps
+    registers: bool = False
+    callers: list["Future[LoadedLoRA]"] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
 
 def _whole(read: Callable[[], LoRAWeights]) -> LoadSteps:

@@ -182,3 +182,37 @@ def test_lora_modules_registered_at_start_up(lora_base_dir, adapter_a, adapter_b
         results = llm.generate([PROMPT], GREEDY, use_tqdm=False, lora_request=LoRAMix.single("b"))
         check_against_hf(merged["b"], [PROMPT], results)
         assert_idle(llm)
+
+
+def test_a_cold_load_runs_in_slices_between_steps(lora_base_dir, adapter_a, merged, monkeypatch):
+    """A request for an adapter not loaded: the engine reads it a slice per step while the base request decodes
+    (never the whole load in one step), admits it the step after the last slice, and both get their own output;
+    `begin_load` (the HTTP load route's path) is finished by the same steps and registers the adapter."""
+    import engine.engine as engine_core
+    from engine.lora import peft_adapter
+
+    monkeypatch.setattr(peft_adapter, "READ_SLICE_BYTES", 1024)
+    monkeypatch.setattr(peft_adapter, "TENSORS_PER_SLICE", 1)
+    monkeypatch.setattr(engine_core, "LOAD_SLICE_SECONDS", 0.0)  # one slice per step
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        engine, manager = llm.engine, llm.engine.lora_manager
+        manager.register(LoRARequest("a", str(adapter_a)))
+        long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        engine.add_request("base", PROMPT, long)
+        engine.step()
+        engine.add_request("a-cold", PROMPT, GREEDY, lora=LoRAMix.single("a"))
+        loading_steps, base_tokens = 0, 0
+        while "a" not in manager.loaded_names():
+            outputs = engine.step()
+            assert {out.request_id for out in outputs} <= {"base"}
+            base_tokens += sum(len(out.new_token_ids) for out in outputs)  # the base request decodes meanwhile
+            loading_steps += 1
+        assert loading_steps > 10 and base_tokens >= loading_steps - 1 and "a-cold" not in engine.scheduler.requests
+        first = [out.new_token_ids for out in engine.step() if out.request_id == "a-cold"]
+        assert first and "a-cold" in engine.scheduler.requests  # admitted the step after its last slice
+        future = manager.begin_load(LoRARequest("b", str(adapter_a)))
+        tokens = _run(engine)
+        assert first[0] + tokens["a-cold"] == _reference(merged["a"])
+        assert future.done() and future.result().request.name == "b" and "b" in manager.loaded_names()
+        assert [r.name for r in manager.list_loras()] == ["a", "b"]
+        assert_idle(llm)
