@@ -65,9 +65,15 @@ def scatter_blocks(kv_cache: KVCache, block_ids: Sequence[int], payloads: np.nda
         for j, tensor in enumerate(tensors):
             tensor.numpy()[index] = rows[:, j]
         return
-    device = tensors[0].device
-    index_tensor = torch.tensor(block_ids, dtype=torch.int64, device=device)
-    host = torch.from_numpy(payloads).view(tensors[0].dtype).view(shape)
-    data = host.to(device)
+    scatter_device_blocks(kv_cache, block_ids, torch.from_numpy(payloads).to(tensors[0].device))
+
+
+def scatter_device_blocks(kv_cache: KVCache, block_ids: Sequence[int], payloads: torch.Tensor) -> None:
+    """Write the payloads, `[len(block_ids), payload_bytes]` uint8 on the cache's device, into the blocks (on
+    the current stream)."""
+    tensors = cache_tensors(kv_cache)
+    shape = (len(block_ids), len(tensors), *tensors[0].shape[1:])
+    index_tensor = torch.tensor(block_ids, dtype=torch.int64).to(tensors[0].device, non_blocking=True)
+    data = payloads.view(tensors[0].dtype).view(shape)
     for j, tensor in enumerate(tensors):
         tensor.index_copy_(0, index_tensor, data[:, j])

@@ -72,8 +72,8 @@ def test_prefix_cache_hits_and_the_disk_tier(model_dir, tmp_path):
                 assert llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
         stats = llm.engine.stats()
         assert_idle(llm)
-    assert first.prefix_cache_hits >= 16 and first.kv_tier is not None and first.kv_tier.hit_blocks == 0
-    assert stats.kv_tier is not None and stats.kv_tier.hit_blocks >= 30 and stats.kv_tier.corrupt_files == 0
+    assert first.prefix_cache_hits >= 16 and first.kv_tier("disk") is not None and first.kv_tier("disk").hit_blocks == 0
+    assert stats.kv_tier("disk") is not None and stats.kv_tier("disk").hit_blocks >= 30 and stats.kv_tier("disk").corrupt_files == 0
     assert len(list(tmp_path.rglob("*.r0"))) == len(list(tmp_path.rglob("*.r1"))) > 0
     for got in runs:
         assert_same(got, expected)
