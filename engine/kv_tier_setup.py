@@ -28,7 +28,10 @@ def check_kv_tiers(config: EngineConfig, shard: Shard) -> None:
     cache = config.cache
     flags = [
         flag
-        for flag, wanted in (("--swap-space", bool(cache.swap_space)), ("--kv-cache-dir", cache.kv_cache_dir is not None))
+        for flag, wanted in (
+            ("--swap-space", bool(cache.swap_space)),
+            ("--kv-cache-dir", cache.kv_cache_dir is not None),
+        )
         if wanted
     ]
     if not flags:

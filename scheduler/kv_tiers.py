@@ -72,9 +72,7 @@ class KVTiers:
         it fills or restores, saved to each tier that lacks them."""
         memory_restores, self._memory_restores = self._memory_restores, []
         disk_restores, self._disk_restores = tuple(self._disk_restores), []
-        ops = TierOps(
-            disk_restores=disk_restores, memory_restores=tuple((slot, b) for _, slot, b in memory_restores)
-        )
+        ops = TierOps(disk_restores=disk_restores, memory_restores=tuple((slot, b) for _, slot, b in memory_restores))
         if self.memory is not None:
             keep = [h for h, _, _ in memory_restores]
             saves = self.memory.plan_saves(list(filling), keep=keep)

@@ -85,7 +85,11 @@ class _SchedulerCollector(Collector):
         """The KV tiers' counters (label `tier`: memory, disk), beside the prefix cache's (only with a tier)."""
         for name, doc, field in (
             ("pagedserve_kv_tier_hit_blocks", "KV blocks restored from the tier instead of computed.", "hit_blocks"),
-            ("pagedserve_kv_tier_hit_tokens", "Prompt tokens restored from the tier instead of computed.", "hit_tokens"),
+            (
+                "pagedserve_kv_tier_hit_tokens",
+                "Prompt tokens restored from the tier instead of computed.",
+                "hit_tokens",
+            ),
             ("pagedserve_kv_tier_read_bytes", "Bytes of KV blocks read back from the tier.", "read_bytes"),
             ("pagedserve_kv_tier_written_bytes", "Bytes of KV blocks written to the tier.", "written_bytes"),
             (

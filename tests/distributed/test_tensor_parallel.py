@@ -66,9 +66,7 @@ def test_prefix_cache_hits_and_the_kv_tiers(model_dir, tmp_path):
     expected, _ = generate(model_dir, prompts, 1, enable_prefix_caching=True)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
     swap_space = 24 * 2048 / 2**30  # 24 blocks of the tiny model (2 layers, K and V, 4 tokens, 2 KV heads of 16)
-    with LLM(
-        str(model_dir), **TINY, tensor_parallel_size=2, kv_cache_dir=str(tmp_path), swap_space=swap_space
-    ) as llm:
+    with LLM(str(model_dir), **TINY, tensor_parallel_size=2, kv_cache_dir=str(tmp_path), swap_space=swap_space) as llm:
         runs, stats = [], []
         for batch in (prompts, prompts, prompts[6:7]):
             results = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
