@@ -67,7 +67,6 @@ class MemoryTier:
                 staged[row].copy_(self.rows[slot], non_blocking=True)
             scatter_device_blocks(kv_cache, block_ids, staged)
             done = stream.record_event()
-        staged.record_stream(compute)  # (allocated on the side stream, last read there: keep it for both)
         compute.wait_event(done)  # the forward waits for these copies only
         self._mark(done, slots)
 
