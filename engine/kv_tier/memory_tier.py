@@ -13,7 +13,14 @@ from typing import Optional, Sequence
 import torch
 
 from engine.attention.kv_cache import KVCache
-from engine.kv_tier.block_copy import cache_tensors, gather_blocks, payload_bytes, scatter_device_blocks
+from engine.kv_tier.block_copy import (
+    cache_tensors,
+    copy_blocks_to_rows,
+    copy_rows_to_blocks,
+    gather_blocks,
+    payload_bytes,
+    scatter_device_blocks,
+)
 
 
 class MemoryTier:
@@ -37,10 +44,10 @@ class MemoryTier:
         them; the gather is on the compute stream, before any later step may overwrite them)."""
         block_ids = [block_id for block_id, _ in saves]
         slots = [slot for _, slot in saves]
-        payloads = gather_blocks(kv_cache, block_ids)  # [n, payload_bytes]
         if self._save_stream is None:
-            self.rows.index_copy_(0, torch.tensor(slots, dtype=torch.int64), payloads)
+            copy_blocks_to_rows(kv_cache, block_ids, self.rows.numpy(), slots)
             return
+        payloads = gather_blocks(kv_cache, block_ids)  # [n, payload_bytes]
         gathered = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self._save_stream):
             self._save_stream.wait_event(gathered)
@@ -56,7 +63,7 @@ class MemoryTier:
         block_ids = [block_id for _, block_id in restores]
         stream = self._restore_stream
         if stream is None:
-            scatter_device_blocks(kv_cache, block_ids, self.rows[torch.tensor(slots, dtype=torch.int64)])
+            copy_rows_to_blocks(kv_cache, self.rows.numpy(), slots, block_ids)
             return
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):
