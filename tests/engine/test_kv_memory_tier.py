@@ -10,6 +10,7 @@ import pytest
 
 from engine.sampling.params import SamplingParams
 from scheduler.kv_tier_memory import MemoryTierIndex
+from scheduler.kv_tiers import KVTiers
 from tests.engine.references import assert_idle, make_llm
 
 PROMPT = [random.Random(28).randrange(3, 500) for _ in range(150)]  # 37 full blocks of 4, and 2 tokens
@@ -94,3 +95,14 @@ def test_slots_are_least_recently_used():
     index.forget(blocks[4:5])  # a failed step's save: its slot is free again
     assert blocks[4] not in index and index.plan_saves([bytes([9]) * 32]) == [(bytes([9]) * 32, 0)]
     assert index.stats.written_bytes == 7 * 100 and index.stats.read_bytes == 100
+
+
+def test_a_failed_steps_saves_are_forgotten():
+    """A step that never ran wrote no row: its planned saves leave the tier (a completed step's stay)."""
+    tiers = KVTiers(MemoryTierIndex(4, block_bytes=100), None)
+    first, second = bytes([1]) * 32, bytes([2]) * 32
+    assert tiers.take_ops(1, {first: 7}).memory_saves == ((7, 0),)
+    tiers.commit(1)
+    assert tiers.take_ops(2, {second: 8}).memory_saves == ((8, 1),)
+    tiers.discard()  # step 2 failed
+    assert tiers.run([first, second]) == 1 and tiers.memory is not None and tiers.memory.num_blocks == 1
