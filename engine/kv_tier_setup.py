@@ -77,11 +77,16 @@ def open_disk_tier(
     return DiskTier(Path(config.cache.kv_cache_dir), tier_identity(config, checkpoint, hf_config, shard), rank)
 
 
+def block_bytes_all_ranks(config: EngineConfig, hf_config: Any, kv_cache: KVCache) -> int:
+    """A block's payload over every rank and stage (from any rank's cache: a layer's share is the same on all)."""
+    per_layer = payload_bytes(kv_cache) // len(kv_cache.layers)
+    return config.parallel.tensor_parallel_size * hf_config.num_hidden_layers * per_layer
+
+
 def memory_tier_slots(config: EngineConfig, hf_config: Any, kv_cache: KVCache) -> int:
     """How many blocks `--swap-space` GiB hold over all ranks (vLLM's --kv-offloading-size is the total of every
     rank's buffer): the same number on every rank, each of which keeps its own share of every block."""
-    per_layer = payload_bytes(kv_cache) // len(kv_cache.layers)  # (the same on every rank and stage)
-    block_bytes = config.parallel.tensor_parallel_size * hf_config.num_hidden_layers * per_layer
+    block_bytes = block_bytes_all_ranks(config, hf_config, kv_cache)
     num_slots = int(config.cache.swap_space * 2**30) // block_bytes
     if num_slots < 1:
         raise SettingsConflictError(
@@ -120,7 +125,7 @@ def open_kv_tiers(
     world_size = config.parallel.world_size
     memory_index = None
     if memory is not None:
-        memory_index = MemoryTierIndex(memory.rows.shape[0], world_size * payload_bytes(kv_cache))
+        memory_index = MemoryTierIndex(memory.rows.shape[0], block_bytes_all_ranks(config, hf_config, kv_cache))
     disk_index = None
     if disk is not None:
         disk_index = KVTierIndex.open(
