@@ -22,7 +22,7 @@ from engine.distributed.pipeline_stage import PipelineStage
 from engine.errors import SettingsConflictError
 from engine.lora_setup import build_lora
 from engine.ray_workers import start_ray_workers
-from engine.kv_tier_setup import check_kv_tiers, open_disk_tier, open_tier_index
+from engine.kv_tier_setup import check_kv_tiers, open_disk_tier, open_kv_tiers, open_memory_tier
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
@@ -123,6 +123,7 @@ def _build_rank0(
     check_kv_tiers(config, shard)
     kv_tier = open_disk_tier(config, checkpoint, hf_config, shard, rank=0)
     kv_cache = KVCache(spec, num_blocks, device)
+    memory_tier = open_memory_tier(config, hf_config, kv_cache, rank=0)
     runner = make_runner(
         shard,
         kv_cache,
@@ -131,6 +132,7 @@ def _build_rank0(
         profile=_step_profile(device) if config.profile else None,
         peers=workers,
         kv_tier=kv_tier,
+        memory_tier=memory_tier,
     )
     if buckets:
         capture_graphs(runner, buckets)
@@ -174,7 +176,7 @@ def _build_rank0(
         kv_group_windows=kv_groups.windows,
         draft_cost=draft_cost,
         max_loras=None if lora_manager is None else config.lora.max_loras,
-        kv_tier=open_tier_index(config, kv_tier, kv_cache),
+        kv_tiers=open_kv_tiers(config, hf_config, kv_tier, memory_tier, kv_cache),
     )
     if kv_groups.num_groups > 1 or kv_groups.windows[0] is not None:
         logger.info(

@@ -72,8 +72,9 @@ class EngineCacheConfig(CacheConfig):
     swap_space: float = Field(
         0.0,
         ge=0,
-        description="GiB of host memory for a KV tier on GPUs (vLLM's --swap-space, --kv-offloading-size); on "
-        "CPU the cache already is in host memory and it is ignored with a warning",
+        description="GiB of host memory (over all ranks) for the memory KV tier: blocks written through, "
+        "restored before the disk tier is asked (vLLM's --swap-space, --kv-offloading-size; pinned on CUDA; on CPU "
+        "a second bounded pool beside the cache); 0 = none",
     )
 
     @field_validator("kv_cache_memory")

@@ -1,4 +1,4 @@
-"""The second KV tier from the engine's settings: the scheduler's index (rank 0) and each rank's DiskTier."""
+"""The KV tiers from the engine's settings: the scheduler's indexes (rank 0), each rank's DiskTier and MemoryTier."""
 
 from __future__ import annotations
 
@@ -12,43 +12,43 @@ from engine.errors import SettingsConflictError
 from engine.kv_tier.block_copy import payload_bytes
 from engine.kv_tier.disk_tier import DiskTier
 from engine.kv_tier.identity import model_identity
+from engine.kv_tier.memory_tier import MemoryTier
 from engine.loading.loader import Checkpoint
 from engine.shard_builder import Shard
 from scheduler.kv_tier_file import HEADER
 from scheduler.kv_tier_index import KVTierIndex
+from scheduler.kv_tier_memory import MemoryTierIndex
+from scheduler.kv_tiers import KVTiers
 
 logger = logging.getLogger(__name__)
 
 
 def check_kv_tiers(config: EngineConfig, shard: Shard) -> None:
-    """SettingsConflictError for a tier this engine cannot keep; a warning for `--swap-space` on CPU."""
+    """SettingsConflictError for a tier this engine cannot keep."""
     cache = config.cache
-    if cache.swap_space:
-        if shard.device.type != "cuda":
-            logger.warning(
-                "--swap-space / --kv-offloading-size %g GiB ignored: on CPU the KV cache already lives in host "
-                "memory (give it that memory with --kv-cache-memory; --kv-cache-dir keeps blocks on disk)",
-                cache.swap_space,
-            )
-        else:
-            raise SettingsConflictError(
-                "--swap-space / --kv-offloading-size: the host-memory KV tier is not built yet on CUDA; "
-                "use --kv-cache-dir (the disk tier, which the page cache keeps in host memory too)"
-            )
-    if cache.kv_cache_dir is None:
+    flags = [
+        flag
+        for flag, wanted in (
+            ("--swap-space", bool(cache.swap_space)),
+            ("--kv-cache-dir", cache.kv_cache_dir is not None),
+        )
+        if wanted
+    ]
+    if not flags:
         return
+    named = " / ".join(flags)
     if not cache.enable_prefix_caching:
-        raise SettingsConflictError("--kv-cache-dir needs prefix caching (the tier holds the prefix cache's blocks)")
+        raise SettingsConflictError(f"{named} needs prefix caching (the tiers hold the prefix cache's blocks)")
     if shard.kv_groups.num_groups > 1 or shard.kv_groups.windows[0] is not None:
         raise SettingsConflictError(
-            "--kv-cache-dir: models with sliding-window layer groups are not supported by the disk tier yet"
+            f"{named}: models with sliding-window layer groups are not supported by the KV tiers yet"
         )
     speculative = config.speculative_config
     if speculative is not None and speculative.method == "draft_model":
         raise SettingsConflictError(
-            "--kv-cache-dir with a draft model: the draft's own KV cache of a restored block is not on disk"
+            f"{named} with a draft model: the draft's own KV cache of a restored block is not in the tiers"
         )
-    if config.parallel.nnodes > 1:
+    if cache.kv_cache_dir is not None and config.parallel.nnodes > 1:
         raise SettingsConflictError(
             "--kv-cache-dir with --nnodes > 1: node 0 verifies every rank's block files, which other hosts keep"
         )
@@ -77,15 +77,64 @@ def open_disk_tier(
     return DiskTier(Path(config.cache.kv_cache_dir), tier_identity(config, checkpoint, hf_config, shard), rank)
 
 
-def open_tier_index(config: EngineConfig, tier: Optional[DiskTier], kv_cache: KVCache) -> Optional[KVTierIndex]:
-    """The scheduler's index of rank 0's tier (every rank's files are accounted at rank 0's size)."""
-    if tier is None:
+def block_bytes_all_ranks(config: EngineConfig, hf_config: Any, kv_cache: KVCache) -> int:
+    """A block's payload over every rank and stage (from any rank's cache: a layer's share is the same on all)."""
+    per_layer = payload_bytes(kv_cache) // len(kv_cache.layers)
+    return config.parallel.tensor_parallel_size * hf_config.num_hidden_layers * per_layer
+
+
+def memory_tier_slots(config: EngineConfig, hf_config: Any, kv_cache: KVCache) -> int:
+    """How many blocks `--swap-space` GiB hold over all ranks (vLLM's --kv-offloading-size is the total of every
+    rank's buffer): the same number on every rank, each of which keeps its own share of every block."""
+    block_bytes = block_bytes_all_ranks(config, hf_config, kv_cache)
+    num_slots = int(config.cache.swap_space * 2**30) // block_bytes
+    if num_slots < 1:
+        raise SettingsConflictError(
+            f"--swap-space / --kv-offloading-size {config.cache.swap_space:g} GiB holds no KV block "
+            f"({block_bytes} bytes each over all ranks)"
+        )
+    return num_slots
+
+
+def open_memory_tier(config: EngineConfig, hf_config: Any, kv_cache: KVCache, rank: int) -> Optional[MemoryTier]:
+    """Rank `rank`'s rows of the host-memory tier (None without --swap-space)."""
+    if not config.cache.swap_space:
         return None
+    tier = MemoryTier(kv_cache, memory_tier_slots(config, hf_config, kv_cache))
+    if rank == 0:
+        pinned = "pinned host memory" if tier.device.type == "cuda" else "host memory"
+        logger.info(
+            "KV memory tier: %d blocks in %.1f MiB of %s on this rank%s",
+            tier.rows.shape[0],
+            tier.nbytes / 2**20,
+            pinned,
+            (
+                ""
+                if tier.device.type == "cuda"
+                else " (on CPU the KV cache is host memory too: this is a second bounded pool that keeps the blocks "
+                "the cache evicts; --kv-cache-memory makes the cache itself larger instead)"
+            ),
+        )
+    return tier
+
+
+def open_kv_tiers(
+    config: EngineConfig, hf_config: Any, disk: Optional[DiskTier], memory: Optional[MemoryTier], kv_cache: KVCache
+) -> Optional[KVTiers]:
+    """The scheduler's view of the tiers (every rank's share of a block is accounted at rank 0's size)."""
     world_size = config.parallel.world_size
-    return KVTierIndex.open(
-        tier.directory,
-        tier.identity,
-        world_size,
-        int(config.cache.kv_cache_dir_size * 2**30),
-        world_size * (HEADER.size + payload_bytes(kv_cache)),
-    )
+    memory_index = None
+    if memory is not None:
+        memory_index = MemoryTierIndex(memory.rows.shape[0], block_bytes_all_ranks(config, hf_config, kv_cache))
+    disk_index = None
+    if disk is not None:
+        disk_index = KVTierIndex.open(
+            disk.directory,
+            disk.identity,
+            world_size,
+            int(config.cache.kv_cache_dir_size * 2**30),
+            world_size * (HEADER.size + payload_bytes(kv_cache)),
+        )
+    if memory_index is None and disk_index is None:
+        return None
+    return KVTiers(memory_index, disk_index)

@@ -43,7 +43,7 @@ from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
 from engine.engine_config import EngineConfig
-from engine.kv_tier_setup import open_disk_tier
+from engine.kv_tier_setup import open_disk_tier, open_memory_tier
 from engine.loading.loader import Checkpoint
 from engine.lora_setup import attach_lora_stack
 from engine.distributed.pipeline_link import PipelineLink
@@ -371,7 +371,9 @@ def _worker_main(
     loaded = time.monotonic()
     num_blocks = shard_kv_blocks(config, shard, group)
     kv_tier = open_disk_tier(config, checkpoint, hf_config, shard, rank)
-    runner = make_runner(shard, KVCache(shard.spec, num_blocks, device), stage, samples=False, kv_tier=kv_tier)
+    kv_cache = KVCache(shard.spec, num_blocks, device)
+    memory_tier = open_memory_tier(config, hf_config, kv_cache, rank)
+    runner = make_runner(shard, kv_cache, stage, samples=False, kv_tier=kv_tier, memory_tier=memory_tier)
     cached = time.monotonic()
     if shard.buckets:
         capture_graphs(runner, shard.buckets)

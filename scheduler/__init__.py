@@ -15,6 +15,8 @@ from scheduler.errors import (
 )
 from scheduler.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from scheduler.kv_tier_index import KVTierIndex, KVTierStats
+from scheduler.kv_tier_memory import MemoryTierIndex
+from scheduler.kv_tiers import KVTiers, TierOps
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
@@ -36,6 +38,8 @@ __all__ = [
     "KVCacheManager",
     "KVTierIndex",
     "KVTierStats",
+    "KVTiers",
+    "MemoryTierIndex",
     "MinTokensOutOfRangeError",
     "NewRequestData",
     "PrefixCacheStats",
@@ -47,6 +51,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "TierOps",
     "SpecDecodeStats",
     "StepCost",
     "hash_block",

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.block_pool import BlockPool, KVBlock
-from scheduler.kv_tier_index import KVTierIndex
+from scheduler.kv_tiers import KVTiers, TierOps
 from scheduler.request import Request
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -60,10 +60,11 @@ class KVCacheManager:
     than one in flight); each commits only its own blocks. Each group indexes its own blocks (their
     hashes tagged with the group); a hit in a sliding group needs only the blocks inside the window.
 
-    A second tier (`kv_tier`, one full-attention group only) holds blocks beyond the pool: every block a step
-    fills is written to it too (`take_tier_ops`' saves, which the runner copies out after the step's forward),
-    and a miss looks there for the blocks that follow the pool's hits (`tier_hits`); those get new blocks,
-    which the runner reads in before the forward (the restores) and which then count as computed.
+    Tiers below the pool (`kv_tiers`: host memory, disk or both; one full-attention group only) hold blocks
+    beyond it: every block a step fills is written to them too (`take_tier_ops`' saves, which the runner copies
+    out after the step's forward), and a miss looks there for the blocks that follow the pool's hits
+    (`tier_hits`); those get new blocks, which the runner reads in before the forward (the restores) and which
+    then count as computed.
     """
 
     def __init__(
@@ -72,7 +73,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         group_windows: Sequence[Optional[int]] = (None,),
-        kv_tier: Optional[KVTierIndex] = None,
+        kv_tiers: Optional[KVTiers] = None,
     ):
         if not group_windows:
             raise ValueError("a KV cache has at least one layer group")
@@ -98,10 +99,9 @@ class KVCacheManager:
         self._pending_step: dict[int, int] = {}  # pending block id -> its step id (every pending step's)
         self._pending_hashes: dict[bytes, int] = {}  # hash value -> pending block id (every pending step's)
         self.num_slots: dict[str, int] = {}  # token slots allocated per request in every group (read-only outside)
-        if kv_tier is not None and (len(self.group_windows) > 1 or self._sliding or not enable_caching):
+        if kv_tiers is not None and (len(self.group_windows) > 1 or self._sliding or not enable_caching):
             raise ValueError("a KV tier needs prefix caching and one full-attention layer group")
-        self.kv_tier = kv_tier
-        self._restores: list[tuple[bytes, int]] = []  # (block hash, block id) the step being scheduled reads in
+        self.kv_tiers = kv_tiers
 
     @property
     def num_blocks(self) -> int:
@@ -214,28 +214,21 @@ class KVCacheManager:
         return request.block_hashes[num_hit_blocks].value in self._pending_hashes
 
     def tier_hits(self, request: Request, num_hit_blocks: int) -> int:
-        """How many blocks after the request's `num_hit_blocks` pool hits the second tier holds (capped as a
-        pool hit is: one token is always computed); 0 without a tier."""
-        tier = self.kv_tier
+        """How many blocks after the request's `num_hit_blocks` pool hits the tiers hold (capped as a pool hit
+        is: one token is always computed); 0 without a tier."""
+        tier = self.kv_tiers
         if tier is None or request.skip_prefix_cache:
             return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[num_hit_blocks:max_blocks]
-        if not hashes or hashes[0].value not in tier:
-            return 0
-        return tier.verified_run([h.value for h in hashes])
+        return tier.run([h.value for h in hashes])
 
-    def take_tier_ops(self) -> tuple[tuple[tuple[int, bytes], ...], tuple[tuple[bytes, int], ...]]:
-        """The step's second-tier work, once its scheduling is done: (block id, hash) of the blocks it fills
-        that the tier lacks (copied out after the forward), and (hash, block id) of the blocks it restores
-        (read in before the forward)."""
-        tier = self.kv_tier
-        if tier is None:
-            return (), ()
-        restores, self._restores = tuple(self._restores), []
-        filling = {block_hash.value: block_id for block_id, (_, block_hash) in self._filling.items()}
-        saves = tuple((filling[h], h) for h in tier.plan_saves(list(filling), keep=[h for h, _ in restores]))
-        return saves, restores
+    def take_tier_ops(self) -> TierOps:
+        """The step's copies to and from the tiers, once its scheduling is done (KVTiers.take_ops)."""
+        if self.kv_tiers is None:
+            return TierOps()
+        filling = {h.value: block_id for block_id, (_, h) in self._filling.items()}
+        return self.kv_tiers.take_ops(self._filling_step, filling)
 
     def allocate_slots(
         self,
@@ -297,22 +290,19 @@ class KVCacheManager:
             groups[g].extend(new_blocks)
             new_ids.append(tuple([b.block_id for b in new_blocks]))
         self.num_slots[request_id] = min(len(blocks) for blocks in groups) * block_size
-        if num_restored_blocks:
+        if num_restored_blocks and self.kv_tiers is not None:
             restored = groups[0][num_hit_blocks : num_hit_blocks + num_restored_blocks]
             hashes = request.block_hashes[num_hit_blocks : num_hit_blocks + num_restored_blocks]
-            self._restores += [(h.value, block.block_id) for h, block in zip(hashes, restored)]
+            self.kv_tiers.restore([h.value for h in hashes], [b.block_id for b in restored], block_size)
         self._cache_full_blocks(request, groups, num_total)
         return tuple(new_ids)
 
-    def record_admission(self, request: Request, num_hit_tokens: int, num_tier_tokens: int = 0) -> None:
-        """Count a prefix-cache lookup for an admitted request (`num_tier_tokens` of its hits restored from the
-        second tier)."""
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a prefix-cache lookup for an admitted request (its hits from the tiers included; each tier
+        counts its own when the restore is planned)."""
         if self.enable_caching:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_hit_tokens
-        if num_tier_tokens and self.kv_tier is not None:
-            self.kv_tier.stats.hit_tokens += num_tier_tokens
-            self.kv_tier.stats.hit_blocks += num_tier_tokens // self.block_size
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so its tail is evicted first)."""
@@ -342,6 +332,8 @@ class KVCacheManager:
 
     def commit_step(self, step_id: int) -> None:
         """Step `step_id` has run: index the blocks it filled, and only those (see the class docstring)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.commit(step_id)
         entries = self._pending.get(step_id)
         if not entries:
             return
@@ -359,6 +351,8 @@ class KVCacheManager:
     def discard_steps(self) -> None:
         """Forget the pending blocks of every step: none of them will complete (a failed step, or an older
         step superseded by a newer one)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.discard()
         if self._pending_step:
             for entries in self._pending.values():
                 entries.clear()

@@ -120,10 +120,12 @@ class SchedulerOutput:
     Prefix-cache hits only name blocks written by earlier, completed steps, so
     within a step no request reads K/V that another request of the step writes.
 
-    The second KV tier (disk): `kv_tier_restores` (block hash, block id) are read into the cache before the
-    forward (their tokens count as computed); `kv_tier_saves` (block id, block hash) are blocks the step's
-    forward fills, copied out after it and written in the background. Each rank reads and writes its own
-    file of a block (its shard, its stage's layers): the message is all any worker needs.
+    The KV tiers below the pool (scheduler/kv_tiers.py). Disk: `kv_tier_restores` (block hash, block id) are
+    read into the cache before the forward (their tokens count as computed); `kv_tier_saves` (block id, block
+    hash) are blocks the step's forward fills, copied out after it and written in the background. Host memory:
+    `kv_memory_restores` (slot, block id) are copied in before the forward, `kv_memory_saves` (block id, slot)
+    out after it. Each rank reads and writes its own file or row of a block (its shard, its stage's layers):
+    the message is all any worker needs.
     """
 
     num_scheduled_tokens: dict[str, int]
@@ -136,6 +138,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
     kv_tier_saves: tuple[tuple[int, bytes], ...] = ()
     kv_tier_restores: tuple[tuple[bytes, int], ...] = ()
+    kv_memory_saves: tuple[tuple[int, int], ...] = ()
+    kv_memory_restores: tuple[tuple[int, int], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -170,4 +174,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     speculation: Optional[SpecDecodeStats] = None  # None without speculative decoding
-    kv_tier: Optional[KVTierStats] = None  # None without a second KV tier
+    kv_tiers: tuple[KVTierStats, ...] = ()  # one per KV tier below the pool (memory, disk), none without
+
+    def kv_tier(self, name: str) -> Optional[KVTierStats]:
+        """The counters of the tier `name` ("memory" or "disk"); None when the engine has no such tier."""
+        return next((tier for tier in self.kv_tiers if tier.tier == name), None)

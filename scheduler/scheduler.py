@@ -10,7 +10,7 @@ from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
 from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
 from scheduler.kv_cache_manager import BlockIds, KVCacheManager
-from scheduler.kv_tier_index import KVTierIndex
+from scheduler.kv_tiers import KVTiers
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats, token_array
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_request_queue
@@ -113,7 +113,7 @@ class Scheduler:
         kv_group_windows: Sequence[Optional[int]] = (None,),
         draft_cost: Optional[StepCost] = None,
         max_loras: Optional[int] = None,
-        kv_tier: Optional[KVTierIndex] = None,
+        kv_tiers: Optional[KVTiers] = None,
     ):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
         the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
@@ -123,7 +123,7 @@ class Scheduler:
         `kv_group_windows`: the sliding window of each of the KV cache's layer groups (None: full attention; see
         KVCacheManager); `max_loras`: distinct LoRA adapters across running requests at most (a request
         whose adapters would exceed it waits, and those behind it that fit go first; base requests never count);
-        `kv_tier`: the disk tier's index (KVCacheManager: blocks beyond the pool, restored instead of computed)."""
+        `kv_tiers`: host-memory and disk tiers (KVCacheManager: blocks beyond the pool, restored, not computed)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -137,7 +137,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             kv_group_windows,
-            kv_tier,
+            kv_tiers,
         )
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -228,7 +228,7 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             speculation=None if self.spec_decode_stats is None else self.spec_decode_stats.snapshot(),
-            kv_tier=None if self.kv_cache_manager.kv_tier is None else self.kv_cache_manager.kv_tier.stats.snapshot(),
+            kv_tiers=() if self.kv_cache_manager.kv_tiers is None else self.kv_cache_manager.kv_tiers.stats,
         )
 
     # ------------------------------------------------------------------ the step
@@ -275,7 +275,7 @@ class Scheduler:
 
         finished = frozenset(self._finished_since_last_step)
         self._finished_since_last_step.clear()
-        tier_saves, tier_restores = self.kv_cache_manager.take_tier_ops()
+        tier_ops = self.kv_cache_manager.take_tier_ops()
         output = SchedulerOutput(
             num_scheduled_tokens=plan.num_scheduled,
             num_computed_tokens=plan.num_computed,
@@ -285,8 +285,10 @@ class Scheduler:
             preempted_request_ids=frozenset(plan.preempted),
             finished_request_ids=finished,
             scheduled_spec_decode_tokens=plan.spec_tokens,
-            kv_tier_saves=tier_saves,
-            kv_tier_restores=tier_restores,
+            kv_tier_saves=tier_ops.disk_saves,
+            kv_tier_restores=tier_ops.disk_restores,
+            kv_memory_saves=tier_ops.memory_saves,
+            kv_memory_restores=tier_ops.memory_restores,
         )
         if plan.num_scheduled:
             self._outstanding.append(output)
@@ -600,7 +602,6 @@ class Scheduler:
             num_restored = kv.tier_hits(request, num_hit // self.block_size)  # read in, not computed
             if num_restored and kv.next_block_pending(request, num_hit // self.block_size + num_restored):
                 break
-            num_pool_hit = num_hit
             num_hit += num_restored * self.block_size
             num_left = request.num_tokens - num_hit
             num_tokens = min(num_left, plan.budget)
@@ -620,7 +621,7 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = num_hit
-            kv.record_admission(request, num_hit, num_hit - num_pool_hit)
+            kv.record_admission(request, num_hit)
             self.running.append(request)
             plan.add(request, num_tokens)
             plan.new_requests.append(

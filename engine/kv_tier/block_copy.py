@@ -65,9 +65,39 @@ def scatter_blocks(kv_cache: KVCache, block_ids: Sequence[int], payloads: np.nda
         for j, tensor in enumerate(tensors):
             tensor.numpy()[index] = rows[:, j]
         return
-    device = tensors[0].device
-    index_tensor = torch.tensor(block_ids, dtype=torch.int64, device=device)
-    host = torch.from_numpy(payloads).view(tensors[0].dtype).view(shape)
-    data = host.to(device)
+    scatter_device_blocks(kv_cache, block_ids, torch.from_numpy(payloads).to(tensors[0].device))
+
+
+def scatter_device_blocks(kv_cache: KVCache, block_ids: Sequence[int], payloads: torch.Tensor) -> None:
+    """Write the payloads, `[len(block_ids), payload_bytes]` uint8 on the cache's device, into the blocks (on
+    the current stream)."""
+    tensors = cache_tensors(kv_cache)
+    shape = (len(block_ids), len(tensors), *tensors[0].shape[1:])
+    index_tensor = torch.tensor(block_ids, dtype=torch.int64).to(tensors[0].device, non_blocking=True)
+    data = payloads.view(tensors[0].dtype).view(shape)
     for j, tensor in enumerate(tensors):
         tensor.index_copy_(0, index_tensor, data[:, j])
+
+
+def _row_view(kv_cache: KVCache, rows: np.ndarray) -> tuple[list[torch.Tensor], np.ndarray]:
+    """The cache's tensors, and `rows` ([num_rows, payload_bytes] uint8) as `[num_rows, num_tensors,
+    block_size, num_kv_heads, words]` in their word type."""
+    tensors = cache_tensors(kv_cache)
+    view = rows.view(tensors[0].numpy().dtype).reshape(rows.shape[0], len(tensors), *tensors[0].shape[1:])
+    return tensors, view
+
+
+def copy_blocks_to_rows(kv_cache: KVCache, block_ids: Sequence[int], rows: np.ndarray, row_ids: Sequence[int]) -> None:
+    """A CPU cache's blocks into rows of `rows` ([num_rows, payload_bytes] uint8), with no staging copy."""
+    tensors, view = _row_view(kv_cache, rows)
+    blocks, targets = np.asarray(block_ids, dtype=np.int64), np.asarray(row_ids, dtype=np.int64)
+    for j, tensor in enumerate(tensors):
+        view[targets, j] = tensor.numpy()[blocks]
+
+
+def copy_rows_to_blocks(kv_cache: KVCache, rows: np.ndarray, row_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+    """`copy_blocks_to_rows`' inverse."""
+    tensors, view = _row_view(kv_cache, rows)
+    blocks, sources = np.asarray(block_ids, dtype=np.int64), np.asarray(row_ids, dtype=np.int64)
+    for j, tensor in enumerate(tensors):
+        tensor.numpy()[blocks] = view[sources, j]

@@ -20,6 +20,7 @@ from engine.runner.fault_isolation import GuardedSampler
 from engine.runner.peer_step import PeerStep, StepPeers
 from engine.attention.kv_cache import KVCache
 from engine.kv_tier.disk_tier import DiskTier
+from engine.kv_tier.memory_tier import MemoryTier
 from engine.runner.step_buffers import StepBuffers
 from engine.profiling.step_profile import StepProfile
 from engine.outputs import ModelRunnerOutput
@@ -114,14 +115,16 @@ class ModelRunner:
         peers: Optional[StepPeers] = None,
         samples: bool = True,
         kv_tier: Optional[DiskTier] = None,
+        memory_tier: Optional[MemoryTier] = None,
     ):
         """`grammar` decodes structured-output constraints (None: a runner that is never given one);
         `profile` times each step's phases (`--profile`). Tensor parallelism: rank 0's runner hands every step
         message to its `peers` (the other ranks' runners, in worker processes) before running it, with the
         tokens it sampled in the step before; a peer's runner (`samples` False) runs the same forward passes
         over its shard, takes those tokens (`take_sampled`), computes its slice of the same logits (the LM head
-        is vocab-parallel: rank 0 gathers the slices) and samples nothing. `kv_tier`: this rank's side of the disk
-        KV tier, which the step message's restores are read from and its saves written to."""
+        is vocab-parallel: rank 0 gathers the slices) and samples nothing. `kv_tier`, `memory_tier`: this rank's
+        side of the disk and host-memory KV tiers, which the step message's restores are read from and its saves
+        written to."""
         self.model: Optional[LlamaForCausalLM] = model  # None once shut down (as are _forward and buffers)
         self.kv_cache = kv_cache
         self.backend = backend
@@ -147,6 +150,7 @@ class ModelRunner:
         self._sampled: dict[str, list[int]] = {}  # the last step's tokens, for the peers' next message
         self.lora_slots = None if model.lora is None else LoRASlots(model.lora)  # which slot holds which adapter
         self.kv_tier = kv_tier
+        self.memory_tier = memory_tier
 
     def take_sampled(self, sampled: dict[str, list[int]]) -> None:
         """A peer's runner: the tokens rank 0 sampled in the last step (accepted drafts included), appended as
@@ -204,7 +208,9 @@ class ModelRunner:
         return output
 
     def _save_to_tier(self, scheduler_output: SchedulerOutput) -> None:
-        """Copy the blocks the step's forward filled out to the KV tier (before a later step may reuse them)."""
+        """Copy the blocks the step's forward filled out to the KV tiers (before a later step may reuse them)."""
+        if self.memory_tier is not None and scheduler_output.kv_memory_saves:
+            self.memory_tier.save(self.kv_cache, scheduler_output.kv_memory_saves)
         if self.kv_tier is not None and scheduler_output.kv_tier_saves:
             self.kv_tier.save(self.kv_cache, scheduler_output.kv_tier_saves)
 
@@ -270,6 +276,9 @@ class ModelRunner:
             self.peers.stop()
         if self.kv_tier is not None:
             self.kv_tier.close()  # the blocks copied out are written before the engine is gone
+        if self.memory_tier is not None:
+            self.memory_tier.synchronize()  # (no copy may still read the cache released below)
+            self.memory_tier = None
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -295,7 +304,9 @@ class ModelRunner:
             table.set(state.row, new.block_ids)
         for request_id, block_ids in scheduler_output.new_block_ids.items():
             table.append(self.requests[request_id].row, block_ids)
-        if self.kv_tier is not None and scheduler_output.kv_tier_restores:  # read before the forward attends
+        if self.memory_tier is not None and scheduler_output.kv_memory_restores:  # in before the forward attends
+            self.memory_tier.restore(self.kv_cache, scheduler_output.kv_memory_restores)
+        if self.kv_tier is not None and scheduler_output.kv_tier_restores:
             self.kv_tier.restore(self.kv_cache, scheduler_output.kv_tier_restores)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:

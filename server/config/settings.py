@@ -216,8 +216,9 @@ OPTIONS: tuple[Option, ...] = (
         "--swap-space",
         (*CACHE, "swap_space"),
         "float",
-        "GiB of host memory for a KV tier on GPUs; on CPU the KV cache is already in host memory: ignored "
-        "with a warning (not built on CUDA yet: refused there)",
+        "GiB of host memory (over all ranks) for the memory KV tier: blocks the prefix cache evicts are "
+        "restored from it instead of computed, before the disk tier is asked (pinned on CUDA; on CPU a second "
+        "bounded pool beside the cache)",
         "GIB",
     ),
     Option(

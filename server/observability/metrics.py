@@ -78,29 +78,29 @@ class _SchedulerCollector(Collector):
             yield counter
         if stats.speculation is not None:
             yield from self._speculation(stats.speculation)
-        if stats.kv_tier is not None:
-            yield from self._kv_tier(stats.kv_tier)
+        if stats.kv_tiers:
+            yield from self._kv_tiers(stats.kv_tiers)
 
-    def _kv_tier(self, tier: KVTierStats) -> Iterable:
-        """The second KV tier's counters (label `tier`: disk), beside the prefix cache's (only with a tier)."""
-        labels = [self._model_name, tier.tier]
-        for name, doc, value in (
-            ("pagedserve_kv_tier_hit_blocks", "KV blocks restored from the tier instead of computed.", tier.hit_blocks),
+    def _kv_tiers(self, tiers: tuple[KVTierStats, ...]) -> Iterable:
+        """The KV tiers' counters (label `tier`: memory, disk), beside the prefix cache's (only with a tier)."""
+        for name, doc, field in (
+            ("pagedserve_kv_tier_hit_blocks", "KV blocks restored from the tier instead of computed.", "hit_blocks"),
             (
                 "pagedserve_kv_tier_hit_tokens",
                 "Prompt tokens restored from the tier instead of computed.",
-                tier.hit_tokens,
+                "hit_tokens",
             ),
-            ("pagedserve_kv_tier_read_bytes", "Bytes of block files read back from the tier.", tier.read_bytes),
-            ("pagedserve_kv_tier_written_bytes", "Bytes of block files written to the tier.", tier.written_bytes),
+            ("pagedserve_kv_tier_read_bytes", "Bytes of KV blocks read back from the tier.", "read_bytes"),
+            ("pagedserve_kv_tier_written_bytes", "Bytes of KV blocks written to the tier.", "written_bytes"),
             (
                 "pagedserve_kv_tier_corrupt_files",
                 "Block files found corrupt, truncated or of another key: deleted, the block computed.",
-                tier.corrupt_files,
+                "corrupt_files",
             ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
-            counter.add_metric(labels, value)
+            for tier in tiers:
+                counter.add_metric([self._model_name, tier.tier], getattr(tier, field))
             yield counter
 
     def _speculation(self, spec: SpecDecodeStats) -> Iterable:

@@ -56,27 +56,35 @@ def test_chunked_prefill_and_preemption(which, request):
     assert_same(got, expected)
 
 
-def test_prefix_cache_hits_and_the_disk_tier(model_dir, tmp_path):
-    """Prefix-cache hits on two ranks; with --kv-cache-dir each rank writes its own file of every block, and
-    after the pool is emptied the same prompts are restored from both ranks' files, with the same tokens."""
+def test_prefix_cache_hits_and_the_kv_tiers(model_dir, tmp_path):
+    """Prefix-cache hits on two ranks; with --kv-cache-dir each rank writes its own file of every block, with
+    --swap-space its own rows of a block's slot. The memory tier holds 24 blocks: after the pool is emptied the
+    prompts come back from both ranks' files (memory kept only the last blocks written, decodes), and those
+    restores are written through to memory, from which most of the longest prompt comes back once the pool is
+    emptied again (disk then memory in one run). Same tokens every time."""
     prompts = mixed_prompts(12, shared_prefix=20)
     expected, _ = generate(model_dir, prompts, 1, enable_prefix_caching=True)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
-    with LLM(str(model_dir), **TINY, tensor_parallel_size=2, kv_cache_dir=str(tmp_path)) as llm:
-        runs = []
-        for _ in range(2):
-            results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    swap_space = 24 * 2048 / 2**30  # 24 blocks of the tiny model (2 layers, K and V, 4 tokens, 2 KV heads of 16)
+    with LLM(str(model_dir), **TINY, tensor_parallel_size=2, kv_cache_dir=str(tmp_path), swap_space=swap_space) as llm:
+        runs, stats = [], []
+        for batch in (prompts, prompts, prompts[6:7]):
+            results = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
             runs.append([(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results])
-            if not runs[1:]:
-                first = llm.engine.stats()
-                assert llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
-        stats = llm.engine.stats()
+            stats.append(llm.engine.stats())
+            assert llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        assert llm.engine.scheduler.kv_cache_manager.kv_tiers.memory.num_slots == 24
         assert_idle(llm)
-    assert first.prefix_cache_hits >= 16 and first.kv_tier is not None and first.kv_tier.hit_blocks == 0
-    assert stats.kv_tier is not None and stats.kv_tier.hit_blocks >= 30 and stats.kv_tier.corrupt_files == 0
+    assert stats[0].prefix_cache_hits >= 16
+    disk = [s.kv_tier("disk").hit_blocks for s in stats]
+    memory = [s.kv_tier("memory").hit_blocks for s in stats]
+    assert disk[0] == memory[0] == 0 and disk[1] >= 30 and memory[1] == 0
+    # (its 5 shared-prefix blocks, restored first in the second run, have left memory since: from disk again)
+    assert memory[2] > 0 and disk[2] > disk[1] and memory[2] + disk[2] - disk[1] == (len(prompts[6]) - 1) // 4
+    assert stats[-1].kv_tier("disk").corrupt_files == 0
     assert len(list(tmp_path.rglob("*.r0"))) == len(list(tmp_path.rglob("*.r1"))) > 0
-    for got in runs:
-        assert_same(got, expected)
+    for got, want in zip(runs, (expected, expected, expected[6:7])):
+        assert_same(got, want)
 
 
 def test_aborts_between_steps(model_dir):

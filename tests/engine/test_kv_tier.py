@@ -51,7 +51,7 @@ def tier_dir(tiny_llama_dir, tmp_path_factory, cold):
     directory = tmp_path_factory.mktemp("kv-tier")
     with make_llm(tiny_llama_dir, kv_cache_dir=str(directory)) as llm:
         assert generate(llm).outputs[0].token_ids == cold
-        stats = llm.engine.stats().kv_tier
+        stats = llm.engine.stats().kv_tier("disk")
         assert stats is not None and stats.hit_blocks == 0 and stats.written_bytes > 0
     return directory
 
@@ -62,10 +62,11 @@ def test_restart_restores_the_prompt_with_identical_tokens(tiny_llama_dir, tier_
         result = generate(llm)
         assert result.outputs[0].token_ids == cold
         stats = llm.engine.stats()
-        assert stats.kv_tier is not None
-        assert stats.kv_tier.hit_blocks == (len(PROMPT) - 1) // 4  # all but the token the step must compute
-        assert stats.kv_tier.hit_tokens == result.num_cached_tokens == stats.prefix_cache_hits == 148
-        assert stats.kv_tier.read_bytes > 0 and stats.kv_tier.corrupt_files == 0
+        disk = stats.kv_tier("disk")
+        assert disk is not None and stats.kv_tier("memory") is None
+        assert disk.hit_blocks == (len(PROMPT) - 1) // 4  # all but the token the step must compute
+        assert disk.hit_tokens == result.num_cached_tokens == stats.prefix_cache_hits == 148
+        assert disk.read_bytes > 0 and disk.corrupt_files == 0
         assert_idle(llm)
         # Aborted while its blocks are being restored and prefilled: every block goes back to the pool.
         engine = llm.engine
@@ -86,7 +87,7 @@ def test_corrupt_and_truncated_files_are_recomputed_not_served(tiny_llama_dir, t
     with make_llm(tiny_llama_dir, kv_cache_dir=str(tier_dir)) as llm:
         result = generate(llm)
         assert result.outputs[0].token_ids == cold
-        stats = llm.engine.stats().kv_tier
+        stats = llm.engine.stats().kv_tier("disk")
         assert stats is not None and stats.corrupt_files == 1 and stats.hit_blocks == 5
     # the bad block was deleted and computed, then written again (whole)
     assert len(block_files(tier_dir)) == num_files and files[5].read_bytes() != data
@@ -101,12 +102,13 @@ def test_corrupt_and_truncated_files_are_recomputed_not_served(tiny_llama_dir, t
 
 
 def test_another_block_size_or_weights_never_reads_the_files(tiny_llama_dir, tier_dir, llm, tmp_path, caplog):
-    # (--swap-space on CPU: the cache already is host memory; a warning, and the engine serves)
-    with make_llm(tiny_llama_dir, kv_cache_dir=str(tier_dir), block_size=8, swap_space=4) as other:
+    caplog.set_level("INFO", logger="engine.kv_tier_setup")
+    # (--swap-space on CPU: a second bounded pool in host memory, and the log says so)
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(tier_dir), block_size=8, swap_space=0.01) as other:
         generate(other)
-        stats = other.engine.stats().kv_tier
+        stats = other.engine.stats().kv_tier("disk")
         assert stats is not None and stats.hit_blocks == 0 and stats.corrupt_files == 0
-    assert "--swap-space / --kv-offloading-size 4 GiB ignored" in caplog.text
+    assert "KV memory tier" in caplog.text and "second bounded pool" in caplog.text
     assert len({p.parent for p in block_files(tier_dir)}) == 2  # one folder per identity
     # the weights' identity: any change to a weight file (size, mtime) names another folder
     weights = tmp_path / "model.safetensors"
@@ -146,7 +148,8 @@ def test_size_bound_evicts_least_recently_used(tmp_path):
 
 def test_tier_counters_are_exposed():
     tier = KVTierStats("disk", hit_blocks=3, hit_tokens=48, read_bytes=4096, written_bytes=8192, corrupt_files=1)
-    stats = SchedulerStats(0, 0, 0.0, 0, 100, 60, kv_tier=tier)
+    memory = KVTierStats("memory", hit_blocks=5, hit_tokens=80, read_bytes=512, written_bytes=1024)
+    stats = SchedulerStats(0, 0, 0.0, 0, 100, 60, kv_tiers=(memory, tier))
     info = cache_info(
         num_blocks=8,
         block_size=16,
@@ -169,3 +172,11 @@ def test_tier_counters_are_exposed():
         "pagedserve_kv_tier_written_bytes_total": 8192,
         "pagedserve_kv_tier_corrupt_files_total": 1,
     }
+    memory_values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("pagedserve_kv_tier") and s.labels.get("tier") == "memory"
+    }
+    assert memory_values["pagedserve_kv_tier_hit_blocks_total"] == 5
+    assert memory_values["pagedserve_kv_tier_read_bytes_total"] == 512
