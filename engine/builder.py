@@ -47,7 +47,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     checkpoint = prepare_checkpoint(
         model_config.model, revision=model_config.revision, download_dir=model_config.download_dir
     )
-    hf_config = load_hf_config(checkpoint.path, trust_remote_code=model_config.trust_remote_code)
+    hf_config = load_hf_config(
+        checkpoint.path, trust_remote_code=model_config.trust_remote_code, overrides=model_config.hf_overrides
+    )
     tokenizer_path = checkpoint.path
     if model_config.tokenizer is not None:
         tokenizer_path = prepare_checkpoint(model_config.tokenizer, download_dir=model_config.download_dir).path

@@ -59,7 +59,9 @@ class RankActor:
 
         model = config.model
         checkpoint = prepare_checkpoint(model.model, revision=model.revision, download_dir=model.download_dir)
-        hf_config = load_hf_config(checkpoint.path, trust_remote_code=model.trust_remote_code)
+        hf_config = load_hf_config(
+            checkpoint.path, trust_remote_code=model.trust_remote_code, overrides=model.hf_overrides
+        )
         share = RankCpus(None, threads, "its Ray bundle's CPUs; Ray assigns no cores to pin")
         cuda_index = 0 if model.resolve_device().type == "cuda" else None  # (Ray shows it only its own GPU)
         _worker_main(config, checkpoint, hf_config, rank, init_method, None, [], os.getppid(), share, False, cuda_index)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import importlib.util
 import json
 import os
@@ -166,14 +168,33 @@ def _looks_like_path(model: str) -> bool:
     )
 
 
-def load_hf_config(path: Union[str, Path], *, trust_remote_code: bool = False) -> "PretrainedConfig":
-    """The HF config of a checkpoint directory (its own config code only with `trust_remote_code`)."""
+def load_hf_config(
+    path: Union[str, Path], *, trust_remote_code: bool = False, overrides: Optional[dict] = None
+) -> "PretrainedConfig":
+    """The HF config of a checkpoint directory (its own config code only with `trust_remote_code`), with
+    `overrides` applied (`apply_hf_overrides`)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"cannot read the model config in {str(path)!r}: {exc}") from exc
+    if overrides:
+        apply_hf_overrides(config, overrides)
+    return config
+
+
+def apply_hf_overrides(config: "PretrainedConfig", overrides: dict) -> None:
+    """Set `overrides`' keys on `config` (vLLM's --hf-overrides: top-level keys replaced whole). transformers 5
+    keeps RoPE's settings in `rope_parameters` (theta included): a `rope_scaling` given alone becomes them,
+    keeping the config's theta, so that every reader (rope_settings, HF's own model) sees the same scaling."""
+    params = getattr(config, "rope_parameters", None)
+    theta = params.get("rope_theta") if isinstance(params, dict) else None  # (None: per layer type, or older)
+    for key, value in overrides.items():
+        setattr(config, key, copy.deepcopy(value))  # (transformers fills in a rope dict it is given, in place)
+    scaling = overrides.get("rope_scaling")
+    if isinstance(scaling, dict) and "rope_parameters" not in overrides and theta is not None:
+        config.rope_parameters = {**scaling, "rope_theta": theta}
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -78,6 +78,12 @@ class ModelConfig(BaseModel):
     chat_template: Optional[str] = Field(
         None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's"
     )
+    hf_overrides: Optional[dict[str, Any]] = Field(
+        None,
+        description="keys set on the model's HF config after it is read (vLLM's --hf-overrides), e.g. a "
+        "rope_scaling with a larger max_position_embeddings to serve past the trained context "
+        "(engine/loading/loader.py's apply_hf_overrides)",
+    )
     quantization_group_size: Optional[Literal[32, 64, 128]] = Field(
         None,
         description="input columns per int4 scale and zero; None = 32 with --quantization int4 (llama.cpp's "

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import random
 import shutil
 import sys
 import threading
@@ -32,7 +33,9 @@ from engine.loading.loader import (
     weight_files,
 )
 from engine.text.tokenizer import load_tokenizer
+from engine.sampling.params import SamplingParams
 from tests.engine.factories import make_tiny_gguf
+from tests.engine.references import NEW_TOKENS, check_against_hf, make_llm
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -398,3 +401,27 @@ def test_max_model_len_checked_against_the_model(tiny_llama_dir):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_preset_model_sections_validate(path):
     ModelConfig(**yaml.safe_load(path.read_text()).get("model", {}))
+
+
+LONG_CONTEXT = {
+    "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+    "max_position_embeddings": 512,
+}
+
+
+def test_hf_overrides_serve_past_the_trained_context_as_hf_does(tiny_llama_dir, tmp_path):
+    """--hf-overrides (vLLM's): a YaRN rope_scaling and twice the positions let max_model_len pass the config's
+    256; a 300-token prompt gives HF's greedy tokens and logprobs on the same config (transformers 5 reads the
+    scaling from rope_parameters: the override lands there too)."""
+    config = load_hf_config(tiny_llama_dir, overrides=LONG_CONTEXT)
+    assert ModelConfig(max_model_len=512).resolve_max_model_len(config) == 512
+    assert config.rope_parameters == {"rope_theta": 10000.0, **LONG_CONTEXT["rope_scaling"]}
+    reference = tmp_path / "long"  # the same weights, the overrides written into the config HF reads
+    shutil.copytree(tiny_llama_dir, reference)
+    written = json.loads((reference / "config.json").read_text())
+    written.update(max_position_embeddings=512, rope_parameters=config.rope_parameters)
+    (reference / "config.json").write_text(json.dumps(written))
+    prompt = [random.Random(3).randrange(3, 512) for _ in range(300)]
+    llm = make_llm(tiny_llama_dir, max_model_len=512, hf_overrides=LONG_CONTEXT)
+    results = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0))
+    check_against_hf(reference, [prompt], results)
