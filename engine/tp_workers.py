@@ -298,9 +298,7 @@ def run_headless_node(config: EngineConfig) -> int:
     parallel = config.parallel
     model = config.model
     checkpoint = prepare_checkpoint(model.model, revision=model.revision, download_dir=model.download_dir)
-    hf_config = load_hf_config(
-        checkpoint.path, trust_remote_code=model.trust_remote_code, overrides=model.hf_overrides
-    )
+    hf_config = load_hf_config(checkpoint.path, trust_remote_code=model.trust_remote_code, overrides=model.hf_overrides)
     check_parallel_model(config, hf_config)
     local = parallel.ranks_per_node
     first = parallel.node_rank * local

@@ -28,6 +28,12 @@ FLAG_CASES = [
         3,
     ),
     ("--max-model-len", "512", ("engine", "model", "max_model_len"), 512),
+    (
+        "--hf-overrides",
+        '{"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}',
+        ("engine", "model", "hf_overrides"),
+        {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+    ),
     ("--block-size", "32", ("engine", "cache", "block_size"), 32),
     ("--num-kv-blocks", "100", ("engine", "cache", "num_blocks"), 100),
     ("--kv-cache-memory", "512MiB", ("engine", "cache", "kv_cache_memory"), 512 * 2**20),
@@ -156,6 +162,8 @@ def test_disable_log_requests_is_vllms_spelling_of_no_enable():
         (["--quantization", "int3"], "--quantization: expected one of auto, none, gguf, int8, int4, awq, got 'int3'"),
         (["--quantization-group-size", "48"], "--quantization-group-size: Input should be 32, 64 or 128"),
         (["--kv-cache-dtype", "int8"], "kv-cache-dtype: expected one of auto, float32, bfloat16, float16, fp8"),
+        (["--hf-overrides", "[1]"], "--hf-overrides: expected a JSON object"),
+        (["--hf-overrides", "{bad"], "--hf-overrides: not valid JSON"),
     ],
 )
 def test_new_flags_refuse_bad_values_naming_the_flag(argv, expected):
