@@ -87,6 +87,52 @@ def measure(peer: Peer, log_dir: Path, prompt, tokens: int, timeout_s: float) ->
     }
 
 
+def run_lengths(
+    lengths: Sequence[int], tokens: int, rounds: int, servers: Sequence[str], timeout_s: float
+) -> list[dict]:
+    """A row per prompt length: each server's median TTFT (s) and TPOT (ms) over `rounds`, and their ratios."""
+    from engine.loading.loader import prepare_checkpoint
+    from engine.text.tokenizer import load_tokenizer
+    from server.benchmark.datasets import random_requests
+
+    log_dir = WORK_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(prepare_checkpoint(None).path)
+    report: list[dict] = []
+    for length in lengths:
+        # the prompt, its output, and a margin: random tokens re-tokenized from their text come out a few % longer
+        room = int(length * 1.1) + tokens + 64
+        peers = {
+            "pagedserve": pagedserve_at(room),
+            "llama.cpp": llamacpp_at(room, log_dir) if "llama.cpp" in servers else None,
+        }
+        figures: dict[str, list[dict]] = {name: [] for name in servers}
+        for round_index in range(rounds):
+            prompt = random_requests(tokenizer, 1, length, tokens, seed=round_index)[0]
+            for name in servers:
+                peer = peers[name]
+                assert peer is not None
+                load = os.getloadavg()[0]
+                figure = measure(peer, log_dir, prompt, tokens, timeout_s)
+                figure["load_before"] = round(load, 2)
+                figures[name].append(figure)
+                print(f"  {length} tokens, round {round_index + 1}, {name}: {figure}", flush=True)
+        row: dict = {"prompt_tokens": length}
+        for name, runs in figures.items():
+            row[name] = {
+                "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+                "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
+                "load_before": max(r["load_before"] for r in runs),
+            }
+        if {"pagedserve", "llama.cpp"} <= row.keys():
+            ours, theirs = row["pagedserve"], row["llama.cpp"]
+            row["ttft_ratio"] = round(ours["ttft_s"] / theirs["ttft_s"], 3)
+            row["tpot_ratio"] = round(ours["tpot_ms"] / theirs["tpot_ms"], 3)
+        report.append(row)
+        print(json.dumps(row), flush=True)
+    return report
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", default="4149,16000", help="prompt lengths, comma-separated")
@@ -95,47 +141,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--servers", default="pagedserve,llama.cpp")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per request")
     args = parser.parse_args(argv)
-    from engine.loading.loader import prepare_checkpoint
-    from engine.text.tokenizer import load_tokenizer
-    from server.benchmark.datasets import random_requests
-
     info = cpu_info()
     print(f"CPU: {info['model']} ({info['isa']}, {info['cores']} cores)", flush=True)
-    log_dir = WORK_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(prepare_checkpoint(None).path)
-    servers = args.servers.split(",")
-    report: list[dict] = []
-    for length in (int(n) for n in args.prompt_tokens.split(",")):
-        # the prompt, its output, and a margin: random tokens re-tokenized from their text come out a few % longer
-        room = int(length * 1.1) + args.tokens + 64
-        peers = {
-            "pagedserve": pagedserve_at(room),
-            "llama.cpp": llamacpp_at(room, log_dir) if "llama.cpp" in servers else None,
-        }
-        figures: dict[str, list[dict]] = {name: [] for name in servers}
-        for round_index in range(args.rounds):
-            prompt = random_requests(tokenizer, 1, length, args.tokens, seed=round_index)[0]
-            for name in servers:
-                peer = peers[name]
-                assert peer is not None
-                load = os.getloadavg()[0]
-                figure = measure(peer, log_dir, prompt, args.tokens, args.timeout_s)
-                figure["load_before"] = round(load, 2)
-                figures[name].append(figure)
-                print(f"  {length} tokens, round {round_index + 1}, {name}: {figure}", flush=True)
-        row = {"prompt_tokens": length}
-        for name, runs in figures.items():
-            row[name] = {
-                "ttft_s": statistics.median(r["ttft_s"] for r in runs),
-                "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
-            }
-        if {"pagedserve", "llama.cpp"} <= row.keys():
-            ours, theirs = row["pagedserve"], row["llama.cpp"]
-            row["ttft_ratio"] = round(ours["ttft_s"] / theirs["ttft_s"], 3)
-            row["tpot_ratio"] = round(ours["tpot_ms"] / theirs["tpot_ms"], 3)
-        report.append(row)
-        print(json.dumps(row), flush=True)
+    lengths = [int(n) for n in args.prompt_tokens.split(",")]
+    report = run_lengths(lengths, args.tokens, args.rounds, args.servers.split(","), args.timeout_s)
     print(json.dumps({"cpu": info["model"], "isa": info["isa"], "rows": report}, indent=2))
     return 0
 

@@ -14,14 +14,15 @@ from benchmarks.servers import PLOTS_VENV, REPO, ensure_venv
 WORK_DIR = REPO / ".bench-peers"
 
 
-def make_plots(out_dir: Path) -> list[str]:
-    """The plots' file names, drawn from out_dir/results.json (none, with the reason printed, on failure)."""
+def make_plots(out_dir: Path, module: str = "benchmarks.plots") -> list[str]:
+    """The plots' file names, drawn by `module` from out_dir/results.json (none, with the reason printed, on
+    failure)."""
     python = Path(sys.executable)
     if importlib.util.find_spec("matplotlib") is None:
         (WORK_DIR / "venvs").mkdir(parents=True, exist_ok=True)  # a fresh clone has no .bench-peers/ yet
         python = ensure_venv(WORK_DIR / "venvs", PLOTS_VENV, WORK_DIR / "pip-plots.log")
     result = subprocess.run(
-        [str(python), "-m", "benchmarks.plots", str(out_dir)],
+        [str(python), "-m", module, str(out_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -272,18 +272,17 @@ def run_round(
     return figures
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    cases = args.cases.split(",")
-    log_dir = WORK_DIR / "logs" / time.strftime("shared-cpu-%Y%m%d-%H%M%S")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    info = cpu_info()
-    print(f"CPU: {info['model']} ({info['isa']}; {' '.join(info['flags'])}), {info['cores']} usable CPUs")
+def run_rounds(
+    args: argparse.Namespace, cases: Sequence[str], log_dir: Path
+) -> tuple[dict[str, list[dict[str, tuple]]], str]:
+    """{peer name: a {case: (TPOT ms, load average)} per round}, peers alternating in order round by round, and
+    how the 1-CPU case was confined."""
     cgroups = BenchCgroups(args.priority)
     if args.priority:
         print(f"priority: {'a cgroup weighted over the rest of the machine' if cgroups.top else 'none (no cgroup)'}")
+    confinement = "cgroup quota 1 CPU" if cgroups.one_cpu else "affinity mask of one CPU (no cgroup)"
     if "quota" in cases:
-        print(f"1-CPU case: {'cgroup quota 1 CPU' if cgroups.one_cpu else 'affinity mask of one CPU (no cgroup)'}")
+        print(f"1-CPU case: {confinement}")
     runs: dict[str, list[dict[str, tuple]]] = {}
     try:
         chosen = peers(args, log_dir)
@@ -295,6 +294,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"round {round_no + 1} {peer.name}: {shown}", flush=True)
     finally:
         cgroups.close()
+    return runs, confinement
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    cases = args.cases.split(",")
+    log_dir = WORK_DIR / "logs" / time.strftime("shared-cpu-%Y%m%d-%H%M%S")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    info = cpu_info()
+    print(f"CPU: {info['model']} ({info['isa']}; {' '.join(info['flags'])}), {info['cores']} usable CPUs")
+    runs, _ = run_rounds(args, cases, log_dir)
     print(f"\nmedian TPOT over {args.rounds} round(s), {args.requests} x {args.tokens} tokens each; slowdown vs quiet")
     for name, rounds in runs.items():
         medians = {case: statistics.median(r[case][0] for r in rounds) for case in cases}
