@@ -229,6 +229,7 @@ def load_stall(llm: LLM, adapter: Path, streams: int, loaded: int, warm_steps: i
         "max_gap_ms_during_load": round(max(during) * 1e3, 2),
         "ratio_max_during_load_vs_median": round(max(during) / median, 2),
         "steps_during_load": len(during),
+        "gaps_ms_during_load": [round(g * 1e3, 1) for g in during],
         "gap_ms_step_admitting_cold": round(gaps[first_token["cold"] - 1] * 1e3, 2),
         "gap_ms_step_admitting_warm": round(gaps[first_token["warm"] - 1] * 1e3, 2),
         "load_ms_arrival_to_loaded": round((loaded_at - (arrival or 0.0)) * 1e3, 1),

@@ -27,8 +27,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.errors import InvalidParameterError
 from engine.lora.lora_manager import LoRAManager
 from engine.lora.lora_waiting import (
-    LOAD_SLICE_SECONDS,
-    IDLE_LOAD_SLICE_SECONDS,
+    load_budget,
     LoRAWaitingRequests,
     adapter_names,
     attach,
@@ -101,6 +100,7 @@ class EngineCore:
         self._states: dict[str, RequestState] = {}
         self.num_steps = 0
         self.last_step_num_tokens = 0
+        self._last_step_seconds = 0.0
         self.is_shut_down = False
         self.grammar_compiler = grammar_compiler
         self.profile = runner.profile
@@ -324,7 +324,10 @@ class EngineCore:
             profile.begin_step()
         if self.lora_manager is None:
             return self._step()
-        outputs = self._admit_loaded_loras() + self._step()
+        outputs = self._admit_loaded_loras()
+        started = time.monotonic()
+        outputs += self._step()
+        self._last_step_seconds = time.monotonic() - started  # what a load may take a share of next time
         self._record_lora_activity(self.lora_manager)
         return outputs
 
@@ -345,7 +348,7 @@ class EngineCore:
         assert manager is not None
         failed: list[RequestOutput] = []
         busy = self.scheduler.has_unfinished_requests
-        manager.advance_loads(LOAD_SLICE_SECONDS if busy else IDLE_LOAD_SLICE_SECONDS)  # (also ends the last's news)
+        manager.advance_loads(load_budget(busy, self._last_step_seconds))  # (also ends the last's news)
         if self._lora_waiting:
 
             def fail(request_id: str, error: BaseException) -> None:

@@ -188,12 +188,12 @@ def test_a_cold_load_runs_in_slices_between_steps(lora_base_dir, adapter_a, merg
     """A request for an adapter not loaded: the engine reads it a slice per step while the base request decodes
     (never the whole load in one step), admits it the step after the last slice, and both get their own output;
     `begin_load` (the HTTP load route's path) is finished by the same steps and registers the adapter."""
-    import engine.engine as engine_core
-    from engine.lora import peft_adapter
+    from engine.lora import lora_waiting, peft_adapter
 
     monkeypatch.setattr(peft_adapter, "READ_SLICE_BYTES", 1024)
     monkeypatch.setattr(peft_adapter, "TENSORS_PER_SLICE", 1)
-    monkeypatch.setattr(engine_core, "LOAD_SLICE_SECONDS", 0.0)  # one slice per step
+    monkeypatch.setattr(lora_waiting, "LOAD_SLICE_SECONDS", 0.0)  # one slice per step
+    monkeypatch.setattr(lora_waiting, "LOAD_STEP_SHARE", 0.0)
     with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
         engine, manager = llm.engine, llm.engine.lora_manager
         manager.register(LoRARequest("a", str(adapter_a)))
