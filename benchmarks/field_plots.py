@@ -66,6 +66,8 @@ def shared_cpu_plot(results: dict, out_dir: Path) -> str:
         for x, (case, _), value in zip(xs, cases, values):
             text = f"{value:.1f}" if case == "quiet" else f"{value:.1f}\n{value / figures['quiet']:.2f}x"
             ax.annotate(text, (x, value), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    top = max(f[case] for f in part["servers"].values() for case, _ in cases)
+    ax.set_ylim(0, top * 1.18)  # room for the labels over the tallest bar
     ax.set_xticks(np.arange(len(cases)), [label for _, label in cases])
     ax.set_ylabel("single-stream TPOT (ms), lower is better")
     ax.grid(True, axis="y", alpha=0.3)

@@ -144,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "cpu": cpu,
             "rounds": args.rounds,
             "load_before": round(os.getloadavg()[0], 2),
-            "command": "python -m benchmarks.peers_field " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": " ".join(["python -m benchmarks.peers_field", *(argv if argv is not None else sys.argv[1:])]),
         }
     }
     lengths = [int(n) for n in args.prompt_tokens.split(",") if n.strip()]
