@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.plots import COLORS  # noqa: E402
+from benchmarks.plots import COLORS, save_figure  # noqa: E402
 
 COLORS_HERE = {**COLORS, "pagedserve": COLORS["pagedserve-gguf"]}  # pagedserve runs the GGUF's blocks here
 
@@ -45,11 +45,7 @@ def long_context_plot(results: dict, out_dir: Path) -> str:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
     fig.suptitle("Long prompts, one request at a time\n" + _subtitle(results["meta"]), fontsize=10)
-    fig.tight_layout()
-    name = "long_context.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir, "long_context.png", 110)
 
 
 def shared_cpu_plot(results: dict, out_dir: Path) -> str:
@@ -76,22 +72,19 @@ def shared_cpu_plot(results: dict, out_dir: Path) -> str:
         f"A shared or CPU-limited machine (1-CPU case: {part['confinement']})\n" + _subtitle(results["meta"]),
         fontsize=9,
     )
-    fig.tight_layout()
-    name = "shared_cpu.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir, "shared_cpu.png", 110)
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    out_dir = Path(args[0])
+    out_dir = Path((sys.argv[1:] if argv is None else argv)[0])
     results = json.loads((out_dir / "results.json").read_text())
-    if results.get("long_context"):
-        print(long_context_plot(results, out_dir))
-    if results.get("cpu_cases"):
-        print(shared_cpu_plot(results, out_dir))
+    drawn = [draw(results, out_dir) for key, draw in PLOTS if results.get(key)]
+    print("\n".join(drawn))
     return 0
+
+
+PLOTS = (("long_context", long_context_plot), ("cpu_cases", shared_cpu_plot))
+"""What results.json holds and the plot drawn from it."""
 
 
 if __name__ == "__main__":

@@ -24,6 +24,14 @@ from benchmarks.report import _ordered, summarize  # noqa: E402
 COLORS = {"pagedserve": "#1f77b4", "pagedserve-gguf": "#17becf", "llama.cpp": "#ff7f0e", "transformers": "#2ca02c"}
 
 
+def save_figure(fig, out_dir: Path, name: str, dpi: int) -> str:
+    """`fig` laid out, written to out_dir/name and closed; its file name."""
+    fig.tight_layout()
+    fig.savefig(out_dir / name, dpi=dpi)
+    plt.close(fig)
+    return name
+
+
 def _subtitle(meta: dict) -> str:
     cpu = meta["cpu"]
     return f"{cpu['model']} ({cpu['isa']}), {cpu['cores']} cores, {meta['date']}, {meta['rounds_done']} round(s)"
@@ -60,11 +68,7 @@ def throughput_plot(results: dict, out_dir: Path) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend()
     ax.set_title("Throughput vs concurrency (random 128-token prompts)\n" + _subtitle(results["meta"]), fontsize=10)
-    fig.tight_layout()
-    name = "throughput_vs_concurrency.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir, "throughput_vs_concurrency.png", 110)
 
 
 def latency_plot(results: dict, out_dir: Path) -> str:
@@ -92,11 +96,7 @@ def latency_plot(results: dict, out_dir: Path) -> str:
             ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Latency percentiles per workload (all rounds pooled)\n" + _subtitle(results["meta"]), fontsize=10)
-    fig.tight_layout()
-    name = "latency_percentiles.png"
-    fig.savefig(out_dir / name, dpi=100)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir, "latency_percentiles.png", 100)
 
 
 def main(argv=None) -> int:
