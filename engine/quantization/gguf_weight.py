@@ -48,6 +48,21 @@ layer, one thread, CPU time: 128 rows 10.8 -> 7.4 ms, 256 rows 21.2 -> 7.9 ms, 2
 (docs/performance.md, "Long prompts"). The dequantized weight is bf16 as the tiles' is, the sums float32:
 the same accuracy."""
 
+BF16_DENSE_MIN_ROWS = 256
+"""On AVX512-BF16 CPUs without AMX (AMD Zen 4 and newer), bf16 activations of at least this many rows go dense
+as on AMX CPUs: oneDNN's bf16 product runs on the same vdpbf16ps instructions as our tiles but faster, ~94 against
+~71 GMAC/s on one thread over the embedded model's matrices at 2,048 rows, ~88 against ~69 at 128 before the
+dequantization each call adds (`python -m benchmarks.gguf_kernels`, docs/performance.md "Long prompts")."""
+
+
+def bf16_dense_min_rows(kernels: QuantKernels) -> Optional[int]:
+    """From how many bf16 activation rows a GGUF product dequantizes its weight for torch's (None: never, where
+    the build has no bf16 tiles DENSE_MIN_ROWS decides)."""
+    if not kernels.bf16_tiles:
+        return None
+    return AMX_DENSE_MIN_ROWS if kernels.amx_dense else BF16_DENSE_MIN_ROWS
+
+
 NO_TILES = 1 << 62
 
 DENSE_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
@@ -83,9 +98,10 @@ class GgufWeight(QuantizedWeight):
         """Which product `matmul` runs for `rows` activation rows of `dtype`: "integer" (int8 activations),
         "tiles" (bf16 tiles, AVX512-BF16 builds) or "dense" (dequantized, torch's product). On the X16 layout
         with bf16 activations the integer product is used up to X16_TILE_MIN_ROWS - 1 rows (decode batches),
-        the tiles beyond (prefill chunks); on AMX CPUs bf16 prefill chunks go dense (AMX_DENSE_MIN_ROWS)."""
+        the tiles beyond (prefill chunks); bf16 prefill chunks go dense (bf16_dense_min_rows)."""
         tiles = self.kernels.bf16_tiles
-        if dtype == torch.bfloat16 and self.kernels.amx_dense and rows >= AMX_DENSE_MIN_ROWS:
+        dense_rows = bf16_dense_min_rows(self.kernels)
+        if dtype == torch.bfloat16 and dense_rows is not None and rows >= dense_rows:
             return "dense"
         if dtype == torch.bfloat16 and tiles:
             threshold = X16_TILE_MIN_ROWS if self.packed.layout == X16 else TILE_MIN_ROWS

@@ -23,10 +23,12 @@ from engine.kernels.quant import QUANT_SOURCES, load_quant_kernels
 from engine.quantization.gguf_formats import FORMATS, X16, padded_blocks, repack
 from engine.quantization.gguf_weight import (
     AMX_DENSE_MIN_ROWS,
+    BF16_DENSE_MIN_ROWS,
     DENSE_MIN_ROWS,
     TILE_MIN_ROWS,
     X16_TILE_MIN_ROWS,
     GgufWeight,
+    bf16_dense_min_rows,
 )
 
 TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
@@ -185,8 +187,9 @@ def test_matmul_picks_its_product_by_rows(kernels, weights, dtype, layout):
     else:
         tiles = TILE_MIN_ROWS
     dense = DENSE_MIN_ROWS[dtype] if dtype == torch.float32 or not kernels.bf16_tiles else None
-    if dtype == torch.bfloat16 and kernels.amx_dense and kernels.bf16_tiles:  # AMX: bf16 prefill on oneDNN
-        dense = AMX_DENSE_MIN_ROWS
+    if dtype == torch.bfloat16 and kernels.bf16_tiles:  # bf16 prefill on oneDNN
+        dense = bf16_dense_min_rows(kernels)
+        assert dense == (AMX_DENSE_MIN_ROWS if kernels.amx_dense else BF16_DENSE_MIN_ROWS)
     for rows in sorted({1, tiles - 1, tiles, tiles + 5, *((dense - 1, dense, dense + 3) if dense else ())}):
         x = make_x(rows, 576, dtype, seed=rows)
         assert w.product(rows, dtype) in ("integer", "tiles", "dense")
