@@ -51,7 +51,7 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) ->
     lora = config.lora
     stack = attach_lora_stack(config, model, hf_config)
     whole = model.arch if stack.shard is None else stack.shard.whole  # a GGUF adapter's heads are the whole model's
-    manager = LoRAManager(lora, whole.num_layers, GgufTarget.of(whole))
+    manager = LoRAManager(lora, whole.num_layers, GgufTarget.of(whole), stack.dtype)
     for index, module in enumerate(lora.lora_modules):
         request = LoRARequest(module.name, module.path)
         if index < lora.cpu_capacity:

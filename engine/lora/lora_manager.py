@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generator, NamedTuple, Optional, Union
 
+import torch
+
 from engine.errors import InvalidParameterError, LoRAAdapterError, LoRANotFoundError
 from engine.lora.adapter_source import AdapterSource
 from engine.lora.lora_config import LoRAConfig
@@ -87,10 +89,17 @@ def adapter_key(adapter: LoRAWeights) -> str:
 class LoRAManager:
     """Registered and loaded adapters of one engine (EngineCore.lora_manager)."""
 
-    def __init__(self, config: LoRAConfig, num_layers: int, gguf_target: Optional[GgufTarget] = None):
+    def __init__(
+        self,
+        config: LoRAConfig,
+        num_layers: int,
+        gguf_target: Optional[GgufTarget] = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         """`gguf_target`: the base's type and heads, which llama.cpp's adapter files are read against (None:
-        they are refused)."""
+        they are refused). `dtype`: the slot stacks', which PEFT adapters are converted to as they load."""
         self.config = config
+        self.dtype = dtype
         self.num_layers = num_layers
         self.gguf_target = gguf_target
         self.max_loras = config.max_loras
@@ -326,7 +335,7 @@ class LoRAManager:
     def _load_steps(self, request: LoRARequest) -> LoadSteps:
         if is_gguf_adapter(request.path):
             return _whole(lambda: load_gguf_adapter(request.name, request.path, *self._gguf_args(request.name)))
-        return load_peft_steps(request.name, request.path, self.config.max_lora_rank, self.num_layers)
+        return load_peft_steps(request.name, request.path, self.config.max_lora_rank, self.num_layers, self.dtype)
 
     def _store(self, weights: LoRAWeights) -> None:
         """Keep `weights` loaded (under the lock), evicting least recently used idle adapters over capacity."""

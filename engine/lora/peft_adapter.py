@@ -116,10 +116,14 @@ def drain(steps: Generator[None, None, LoRAWeights]) -> LoRAWeights:
             return done.value
 
 
-def load_peft_steps(name: str, path: str, max_rank: int, num_layers: int) -> Generator[None, None, LoRAWeights]:
+def load_peft_steps(
+    name: str, path: str, max_rank: int, num_layers: int, dtype: torch.dtype = torch.float32
+) -> Generator[None, None, LoRAWeights]:
     """`path`'s adapter, validated (rank, targets, pairs), each module's scale folded into B, with the files'
     content hash, made in slices: the generator yields between slices of a few milliseconds, so that a serving
-    engine can interleave a load with its steps (LoRAManager.advance_loads)."""
+    engine can interleave a load with its steps (LoRAManager.advance_loads). A and the scaled B end in `dtype`,
+    the slot stacks' (the scale applied in float32 first, so the bits are those a copy into the stack gives): the
+    conversion runs in the slices, not in the step that copies the adapter into a slot."""
     from safetensors import safe_open
 
     directory = Path(path)
@@ -159,7 +163,8 @@ def load_peft_steps(name: str, path: str, max_rank: int, num_layers: int) -> Gen
         rank = a.shape[0]
         if rank > max_rank:
             raise LoRARankError(name, rank, max_rank)
-        adapter.b[module] = (b * _scale(config, module, rank)).contiguous()
+        adapter.a[module] = a.to(dtype)
+        adapter.b[module] = (b * _scale(config, module, rank)).to(dtype).contiguous()
         adapter.rank = max(adapter.rank, rank)
         if i % TENSORS_PER_SLICE == 0:
             yield
