@@ -21,8 +21,8 @@ LOAD_SLICE_SECONDS = 0.004
 
 LOAD_STEP_SHARE = 1 / 3
 """...and the share of the step before it it may take: a load then stretches the running streams' gaps by about a
-third and finishes in a few steps whatever the model's step time (a fixed few milliseconds spread a 30 ms load
-over ~8 steps of the embedded model, ~300 ms to load, and barely moved on a larger model's long steps)."""
+third and finishes in a few steps whatever the model's step time (a fixed slice spread a small model's load over
+many short steps, and barely moved on a larger model's long ones; figures in docs/performance.md)."""
 
 
 def load_budget(busy: bool, last_step_seconds: float) -> float:

@@ -50,9 +50,9 @@ the same accuracy."""
 
 BF16_DENSE_MIN_ROWS = 256
 """On AVX512-BF16 CPUs without AMX (AMD Zen 4 and newer), bf16 activations of at least this many rows go dense
-as on AMX CPUs: oneDNN's bf16 product runs on the same vdpbf16ps instructions as our tiles but faster, ~94 against
-~71 GMAC/s on one thread over the embedded model's matrices at 2,048 rows, ~88 against ~69 at 128 before the
-dequantization each call adds (`python -m benchmarks.gguf_kernels`, docs/performance.md "Long prompts")."""
+as on AMX CPUs: oneDNN's bf16 product runs on the same vdpbf16ps instructions as our tiles but faster at these
+sizes, the dequantization each call adds included (`python -m benchmarks.gguf_kernels`; docs/performance.md,
+"Long prompts", on the AMD EPYC)."""
 
 
 def bf16_dense_min_rows(kernels: QuantKernels) -> Optional[int]:
