@@ -75,16 +75,16 @@ def shared_cpu_plot(results: dict, out_dir: Path) -> str:
     return save_figure(fig, out_dir, "shared_cpu.png", 110)
 
 
+PLOTS = (("long_context", long_context_plot), ("cpu_cases", shared_cpu_plot))
+"""What results.json holds and the plot drawn from it."""
+
+
 def main(argv=None) -> int:
     out_dir = Path((sys.argv[1:] if argv is None else argv)[0])
     results = json.loads((out_dir / "results.json").read_text())
     drawn = [draw(results, out_dir) for key, draw in PLOTS if results.get(key)]
     print("\n".join(drawn))
     return 0
-
-
-PLOTS = (("long_context", long_context_plot), ("cpu_cases", shared_cpu_plot))
-"""What results.json holds and the plot drawn from it."""
 
 
 if __name__ == "__main__":

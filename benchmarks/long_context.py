@@ -7,9 +7,10 @@ The embedded SmolLM2-135M was trained to 8,192 positions. Past that, pagedserve 
 `--hf-overrides` with a YaRN rope_scaling (factor = the length asked for / 8,192) and `--max-model-len`;
 llama.cpp the same YaRN scaling and a copy of the GGUF whose context_length says that length (its server caps a
 slot at the file's context otherwise). The text past 8k is not what either server was made for, but the work is:
-the same products and the same attention over every earlier token, which is what these figures time. Each length runs both servers in turn (pagedserve `--quantization gguf`, the file's
-own blocks; llama.cpp on all the cores), each started for that length and stopped after it, a fresh random
-prompt per round (no prefix cache carries over). Prints the CPU, the load before each run, and the ratios
+the same products and the same attention over every earlier token, which is what these figures time. Each length
+runs both servers in turn (pagedserve `--quantization gguf`, the file's own blocks; llama.cpp on all the cores),
+each started for that length and stopped after it, a fresh random prompt per round (no prefix cache carries
+over). Prints the CPU, the load before each run, and the ratios
 pagedserve / llama.cpp of TTFT and TPOT from the same run.
 """
 

@@ -114,8 +114,12 @@ class Scrubber:
 def out_dir_for(args: argparse.Namespace, cpu: dict) -> Path:
     if args.out is not None:
         return args.out
-    base = WORK_DIR / "quick" if args.quick else REPO / "benchmarks" / "results"
-    name = f"{date.today().isoformat()}-{short_name(cpu)}"
+    return fresh_results_dir(WORK_DIR / "quick" if args.quick else REPO / "benchmarks" / "results", cpu)
+
+
+def fresh_results_dir(base: Path, cpu: dict, suffix: str = "") -> Path:
+    """base/<date>-<cpu><suffix>, or with -2, -3, ... where a run's results.json is already there."""
+    name = f"{date.today().isoformat()}-{short_name(cpu)}{suffix}"
     path, n = base / name, 2
     while (path / "results.json").exists():
         path, n = base / f"{name}-{n}", n + 1

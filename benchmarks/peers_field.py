@@ -7,7 +7,8 @@
 Two parts, each the command that measures it alone (its docstring says how):
 - long prompts (`benchmarks.long_context`): one streamed request per length on a server started for that
   length: time to first token (the prefill) and the TPOT of the decode at that context. Past the trained 8,192
-  positions pagedserve serves YaRN through `--hf-overrides`, llama.cpp a context that size.
+  positions both serve YaRN: pagedserve through `--hf-overrides`, llama.cpp through its rope flags on a copy of
+  the GGUF whose context_length says the length.
 - a shared or CPU-limited machine (`benchmarks.shared_cpu`): single-stream TPOT quiet, with one busy neighbour
   process pinned to one of the CPUs, and inside a 1-CPU cgroup quota (an affinity mask where no cgroup can be
   made: said so); slowdowns against each server's own quiet figure.
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import long_context, shared_cpu
-from benchmarks.machine import cpu_info, short_name
+from benchmarks.machine import cpu_info
+from benchmarks.peers import fresh_results_dir
 from benchmarks.plot_runner import WORK_DIR, make_plots
 from benchmarks.servers import REPO
 
@@ -50,17 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per long-prompt request")
     p.add_argument("--out", type=Path, default=None)
     return p
-
-
-def out_dir_for(out: Optional[Path], cpu: dict) -> Path:
-    if out is not None:
-        return out
-    base = REPO / "benchmarks" / "results"
-    name = f"{date.today().isoformat()}-{short_name(cpu)}-field"
-    path, n = base / name, 2
-    while (path / "results.json").exists():
-        path, n = base / f"{name}-{n}", n + 1
-    return path
 
 
 def cpu_cases(args: argparse.Namespace) -> dict:
@@ -135,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     started = time.monotonic()
     cpu = cpu_info()
-    out_dir = out_dir_for(args.out, cpu)
+    out_dir = args.out or fresh_results_dir(REPO / "benchmarks" / "results", cpu, "-field")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu['model']} ({cpu['isa']}), {cpu['cores']} cores; results to {out_dir}", flush=True)
     results: dict = {
@@ -152,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results["long_context"] = long_context.run_lengths(
             lengths, args.tokens, args.rounds, ["pagedserve", "llama.cpp"], args.timeout_s
         )
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2))  # kept if the CPU cases fail
     if not args.no_cpu_cases:
         results["cpu_cases"] = cpu_cases(args)
     results["meta"]["wall_min"] = round((time.monotonic() - started) / 60, 1)
