@@ -1,5 +1,6 @@
-"""The CPU backend: decodes through the native paged kernel; a prefill chunk that continues a cached prefix as
-two mask-free flash calls (prefix_attention.py), other chunks as the torch backend does."""
+"""The CPU backend: decodes through the native paged kernel; bf16 prompt chunks through the native prefill kernel
+(csrc/prefill_attention.cpp, AVX512-BF16 builds); other chunks that continue a cached prefix as two mask-free
+flash calls (prefix_attention.py), the rest as the torch backend does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_an
 from engine.attention.prefix_attention import prefix_and_chunk_attention
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kernels.cpu import CpuKernels
+from engine.kernels.cpu import PREFILL_HEAD_DIMS, CpuKernels
 from engine.attention.kv_cache import KVCacheSpec, from_cache, select_blocks
 
 
@@ -72,6 +73,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         prefix = chunk.context_len - chunk.query_len
         plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
+        if plain and layer.latent_rank is None and self._native_prefill(query, key_cache, value_cache):
+            # the chunk's own K/V are in the cache already (written before attention), as bf16 as the step's
+            return self.kernels.prefill_attention(
+                query.contiguous(), key_cache, value_cache, chunk.block_table, chunk.context_len, layer.scale
+            )
         if prefix == 0 or not plain or layer.latent_rank is not None:
             return super()._prefill(query, key, value, key_cache, value_cache, chunk, layer)
         # only the prefix comes from the cache: the chunk's own K/V are the step's
@@ -93,3 +99,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
             layer.scale,
         )
         return out[0].transpose(0, 1)  # [query_len, num_heads, head_dim]
+
+    def _native_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+        """Whether csrc/prefill_attention.cpp serves this chunk: an AVX512-BF16 build, bf16 queries and caches (a
+        cache in another dtype keeps the torch path, which rounds the chunk's keys as its own), a head size it is
+        built for."""
+        return (
+            self.kernels.prefill_attention_native
+            and query.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
+            and query.shape[-1] in PREFILL_HEAD_DIMS
+            and value_cache.shape == key_cache.shape
+        )

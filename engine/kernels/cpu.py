@@ -44,6 +44,7 @@ SOURCES = (
     "quant_gemm.cpp",
     "quant_dense_bf16.cpp",
     "lora_add.cpp",
+    "prefill_attention.cpp",
 )
 HEADERS = (
     "common.h",
@@ -58,6 +59,8 @@ FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", 
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
+PREFILL_HEAD_DIMS = (64, 128)
+"""The head sizes csrc/prefill_attention.cpp is built for (others keep torch's attention)."""
 BUILD_SECONDS = 30
 """What the build of all SOURCES takes on a development machine (one compiler process: more cores do not
 shorten it); the first start says so before it goes quiet for that long."""
@@ -195,6 +198,12 @@ class CpuKernels:
                 address = ctypes.cast(function, ctypes.c_void_p).value
                 assert address is not None  # a symbol the library exports (getattr raised otherwise)
                 self._functions[name, dtype] = address
+        # bf16 prompt chunks' attention on vdpbf16ps (csrc/prefill_attention.cpp): AVX512-BF16 builds only
+        native = self._library.pagedserve_prefill_attention_native
+        native.restype = ctypes.c_int64
+        self.prefill_attention_native = bool(native())
+        function = self._library.pagedserve_prefill_attention_bf16
+        self._prefill_attention_fn = ctypes.cast(function, ctypes.c_void_p).value
 
     def paged_decode(
         self,
@@ -417,6 +426,36 @@ class CpuKernels:
             max_rank,
             int(grouped),
             self._function("lora_add", x.dtype),
+        )
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,  # [query_len, heads, head_dim] bf16: the chunk's queries
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16, the chunk's K/V written
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,  # [>= blocks of context_len] int32: the sequence's
+        context_len: int,  # the cached prefix and the chunk
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of a prompt chunk at positions [context_len - query_len, context_len) over every key
+        of its sequence up to its own, read in place from the paged cache (csrc/prefill_attention.cpp). Needs
+        `prefill_attention_native` and a head_dim in PREFILL_HEAD_DIMS."""
+        query_len, heads, head_dim = query.shape
+        _, block_size, kv_heads, cache_head_dim = key_cache.shape
+        if not self.prefill_attention_native or head_dim not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"no prefill attention kernel for head_dim {head_dim} in this build")
+        if cache_head_dim != head_dim or value_cache.shape != key_cache.shape or heads % kv_heads:
+            raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {tuple(key_cache.shape)}")
+        if not query_len <= context_len <= block_table.numel() * block_size:
+            raise ValueError(f"{query_len} queries at context {context_len} do not fit the block table")
+        if {query.dtype, key_cache.dtype, value_cache.dtype} != {torch.bfloat16} or block_table.dtype != torch.int32:
+            raise ValueError("prefill_attention takes bf16 queries and caches and an int32 block table")
+        for tensor in (query, key_cache, value_cache, block_table):
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError("prefill_attention takes contiguous CPU tensors")
+        assert self._prefill_attention_fn is not None
+        return self._ops.cpu_prefill_attention(
+            query, key_cache, value_cache, block_table, context_len, scale, self._prefill_attention_fn
         )
 
     def _function(self, name: str, dtype: torch.dtype) -> int:

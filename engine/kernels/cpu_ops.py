@@ -16,6 +16,8 @@ arguments each one writes.
                                                                     every layer of a small decode step
     cpu_lora_add_(x, out!, a, b, slots, scales, ranks, widths, max_rank, grouped, fn) -> ()
                                                                     out += a projection's LoRA deltas
+    cpu_prefill_attention(query, key_cache, value_cache, block_table, context_len, scale, fn) -> out
+                                                                    a bf16 prompt chunk over its paged cache
 
 `fn` is the address of the compiled function for the arguments' dtype (CpuKernels resolves it): the
 operators hold no reference to a loaded library, so they are defined once, here, whatever loads it.
@@ -46,6 +48,11 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
 
 PROTOTYPES = {name: ctypes.CFUNCTYPE(None, *argtypes) for name, argtypes in SIGNATURES.items()}
 
+PREFILL_ATTENTION = ctypes.CFUNCTYPE(
+    ctypes.c_int64, *([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float])
+)
+"""`pagedserve_prefill_attention_bf16` (bf16 only, so outside SIGNATURES' per-dtype pairs): 1 when it ran."""
+
 
 class Overloads:
     """The operators' default overloads, looked up once (a call through `torch.ops.pagedserve.x` resolves
@@ -62,6 +69,7 @@ class Overloads:
         self.cpu_gemv = ops.cpu_gemv.default
         self.cpu_decode_layers = ops.cpu_decode_layers.default
         self.cpu_lora_add_ = ops.cpu_lora_add_.default
+        self.cpu_prefill_attention = ops.cpu_prefill_attention.default
 
 
 def _call(name: str, fn: int, *args) -> None:
@@ -196,6 +204,29 @@ def _gemv(x, weight, bias: Optional[torch.Tensor], fn):
         weight.shape[0],
         in_features,
     )
+    return out
+
+
+def _prefill_attention(query, key_cache, value_cache, block_table, context_len, scale, fn):
+    query_len, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query)
+    served = PREFILL_ATTENTION(fn)(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_table.data_ptr(),
+        out.data_ptr(),
+        query_len,
+        context_len,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+    )
+    if not served:
+        raise ValueError(f"the prefill attention kernel is not built for head_dim {head_dim}")
     return out
 
 
@@ -353,4 +384,11 @@ _define(
     "int max_rank, int grouped, int fn) -> ()",
     _lora_add_,
     lambda *args: None,
+)
+_define(
+    "cpu_prefill_attention",
+    "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, int context_len, float scale, "
+    "int fn) -> Tensor",
+    _prefill_attention,
+    lambda query, *rest: torch.empty_like(query),
 )

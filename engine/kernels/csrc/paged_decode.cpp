@@ -441,8 +441,9 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 // finer than sequences, so a single sequence (the latency-critical case) still uses every thread. When
 // there are fewer than 4 items per thread, long sequences are split into parts of at least
 // kMinSplitTokens (whole chunks), each part's running max, sum and unnormalized sums kept, and merged
-// once all are done (1 x 2000 tokens, 2 threads: ~78 -> ~70 us); the merge sums in another order than one
-// pass does, so `split` is off in batch-invariant mode.
+// once all are done (1 x 2000 tokens, 2 threads: ~78 -> ~70 us), as many parts as make the items a multiple of
+// the threads (empty parts of a short sequence are skipped at the merge); the merge sums in another order
+// than one pass does, so `split` is off in batch-invariant mode.
 template <typename T, int HD>
 void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
@@ -465,6 +466,10 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
     const int64_t threads = omp_get_max_threads();
     if (split && threads > 1 && items < 4 * threads)
         parts = std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, longest / kMinSplitTokens));
+    // a whole number of items per thread: 3 kv heads in 3 parts on 2 threads left one thread idle through the
+    // last of 9 equal items (docs/performance.md)
+    if (parts > 1)
+        while (items * parts % threads != 0) ++parts;
 #endif
     std::vector<float> partials(parts > 1 ? items * parts * kMaxPass * kPartialSize : 0);
 

@@ -1,0 +1,138 @@
+"""The native prefill attention (csrc/prefill_attention.cpp) against float64 softmax attention: prompt chunks
+that start a sequence or continue a cached prefix, read from a paged cache with scattered blocks; GQA groups of
+1 to 7; head_dim 64 and 128; chunks across its 32-position tiles and 32-key tiles; and the CPU backend routing
+bf16 chunks to it (other dtypes and builds without AVX512-BF16 keep torch's attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.layer_attention import LayerAttention
+from engine.attention.metadata import PrefillChunk
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.cpu import load_cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels(cpu_kernels):
+    if not cpu_kernels.prefill_attention_native:
+        pytest.skip("this build has no AVX512-BF16: torch's attention serves prompt chunks")
+    return cpu_kernels
+
+
+def _paged(gen, context: int, block_size: int, kv_heads: int, head_dim: int):
+    """A bf16 cache of scattered blocks holding `context` tokens, and its block table (a spare block unused)."""
+    blocks = -(-context // block_size)
+    num_blocks = blocks + 3
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    table = torch.randperm(num_blocks, generator=gen)[:blocks].int()
+    return key_cache, value_cache, table
+
+
+def _reference(query, key_cache, value_cache, table, context: int, scale: float) -> torch.Tensor:
+    """float64 causal attention: query i (position context - Q + i) over the keys [0, that position]."""
+    query_len, heads, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    keys = key_cache[table.long()].reshape(-1, kv_heads, head_dim)[:context].double()
+    values = value_cache[table.long()].reshape(-1, kv_heads, head_dim)[:context].double()
+    keys = keys.repeat_interleave(heads // kv_heads, 1)
+    values = values.repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", query.double(), keys) * scale
+    positions = torch.arange(context - query_len, context)
+    scores = scores.masked_fill(torch.arange(context)[None, :] > positions[:, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+# query_len, prefix, heads, kv_heads, head_dim, block_size
+SHAPES = [
+    (1, 0, 9, 3, 64, 16),  # a one-token prompt
+    (5, 0, 9, 3, 64, 16),  # SmolLM2's heads, a short first chunk
+    (33, 0, 9, 3, 64, 16),  # two position tiles, the second of one position
+    (100, 37, 9, 3, 64, 16),  # a chunk over a prefix that ends mid-block
+    (64, 200, 8, 2, 128, 16),  # groups of 4, head_dim 128
+    (17, 50, 4, 4, 128, 5),  # groups of 1, blocks of 5: key tiles span blocks
+    (70, 1000, 14, 2, 64, 32),  # groups of 7, a long prefix
+    (1, 77, 2, 1, 64, 16),  # one query over a prefix (a chunk of one token)
+]
+
+
+@pytest.mark.parametrize("query_len, prefix, heads, kv_heads, head_dim, block_size", SHAPES)
+def test_matches_float64_reference(kernels, query_len, prefix, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(query_len * 1000 + prefix + head_dim)
+    context = prefix + query_len
+    key_cache, value_cache, table = _paged(gen, context, block_size, kv_heads, head_dim)
+    # a spread of score magnitudes: the running maximum grows along the keys and rescales the sums
+    query = (torch.randn(query_len, heads, head_dim, generator=gen) * 2).bfloat16()
+    scale = head_dim**-0.5
+    got = kernels.prefill_attention(query, key_cache, value_cache, table, context, scale)
+    assert got.shape == query.shape and got.dtype == torch.bfloat16
+    expected = _reference(query, key_cache, value_cache, table, context, scale)
+    # bf16: the output's rounding (2^-9) and the probabilities rounded to bf16 for P.V
+    torch.testing.assert_close(got.double(), expected, atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_one_thread_and_the_team_agree(kernels):
+    """Work items (kv head, position tile) are independent: the thread count does not change a bit."""
+    gen = torch.Generator().manual_seed(3)
+    key_cache, value_cache, table = _paged(gen, 300, 16, 3, 64)
+    query = torch.randn(100, 9, 64, generator=gen).bfloat16()
+    team = kernels.prefill_attention(query, key_cache, value_cache, table, 300, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = kernels.prefill_attention(query, key_cache, value_cache, table, 300, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(team, alone)
+
+
+def test_rejects_what_it_cannot_serve(kernels):
+    gen = torch.Generator().manual_seed(4)
+    key_cache, value_cache, table = _paged(gen, 40, 16, 2, 80)
+    with pytest.raises(ValueError, match="head_dim 80"):
+        kernels.prefill_attention(torch.randn(8, 4, 80).bfloat16(), key_cache, value_cache, table, 40, 0.1)
+    key_cache, value_cache, table = _paged(gen, 40, 16, 2, 64)
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.prefill_attention(torch.randn(8, 4, 64), key_cache.float(), value_cache.float(), table, 40, 0.1)
+    with pytest.raises(ValueError, match="block table"):
+        kernels.prefill_attention(torch.randn(8, 4, 64).bfloat16(), key_cache, value_cache, table, 400, 0.1)
+
+
+def _layer(head_dim: int) -> LayerAttention:
+    return LayerAttention(scale=head_dim**-0.5)
+
+
+@pytest.mark.parametrize("prefix", [0, 45])
+def test_the_cpu_backend_takes_bf16_chunks_to_it(kernels, prefix):
+    """The backend's bf16 chunk (its K/V written to the cache first, as the models do) comes out as the torch
+    backend's within bf16 tolerance, through the kernel."""
+    gen = torch.Generator().manual_seed(prefix + 11)
+    query_len, heads, kv_heads, head_dim = 40, 9, 3, 64
+    context = prefix + query_len
+    key_cache, value_cache, table = _paged(gen, context, 16, kv_heads, head_dim)
+    query = torch.randn(query_len, heads, head_dim, generator=gen).bfloat16()
+    positions = torch.arange(prefix, context)
+    slots = table.long()[positions // 16] * 16 + positions % 16
+    key = key_cache.view(-1, kv_heads, head_dim)[slots]
+    value = value_cache.view(-1, kv_heads, head_dim)[slots]
+    chunk = PrefillChunk(query_start=0, query_len=query_len, context_len=context, block_table=table)
+    backend = CpuAttentionBackend(kernels)
+    assert backend._native_prefill(query, key_cache, value_cache)
+    got = backend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(head_dim))
+    expected = TorchAttentionBackend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(head_dim))
+    torch.testing.assert_close(got.double(), expected.double(), atol=1.5e-2, rtol=1.5e-2)
+    assert not backend._native_prefill(query.float(), key_cache.float(), value_cache.float())  # float32: torch's
+
+
+def test_builds_without_avx512_bf16_leave_chunks_to_torch(cpu_kernels):
+    """The -march=haswell build compiles the kernel's stand-in: the backend never calls it there."""
+    haswell = load_cpu_kernels(arch="haswell")
+    if haswell is None:
+        pytest.skip("no haswell build here")
+    assert not haswell.prefill_attention_native
+    query = torch.randn(4, 2, 64).bfloat16()
+    cache = torch.randn(2, 16, 1, 64).bfloat16()
+    assert not CpuAttentionBackend(haswell)._native_prefill(query, cache, cache)
