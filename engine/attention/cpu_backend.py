@@ -1,5 +1,5 @@
 """The CPU backend: decodes through the native paged kernel; bf16 prompt chunks through the native prefill kernel
-(csrc/prefill_attention.cpp, AVX512-BF16 builds); other chunks that continue a cached prefix as two mask-free
+(csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX); other chunks that continue a cached prefix as two mask-free
 flash calls (prefix_attention.py), the rest as the torch backend does."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_an
 from engine.attention.prefix_attention import prefix_and_chunk_attention
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import PREFILL_HEAD_DIMS, CpuKernels
 from engine.attention.kv_cache import KVCacheSpec, from_cache, select_blocks
 
@@ -28,6 +29,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
+        # prompt chunks on the native kernel where torch's flash attention runs its products in float32; on AMX
+        # CPUs oneDNN takes them to the tiles, measured there at 200-260 GFLOP/s per thread (docs/performance.md)
+        self.native_prefill = kernels.prefill_attention_native and not torch_bf16_products_use_amx()
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16)  # the paged decode kernel is built for these (KERNEL_DTYPES)
@@ -101,11 +105,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out[0].transpose(0, 1)  # [query_len, num_heads, head_dim]
 
     def _native_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-        """Whether csrc/prefill_attention.cpp serves this chunk: an AVX512-BF16 build, bf16 queries and caches (a
-        cache in another dtype keeps the torch path, which rounds the chunk's keys as its own), a head size it is
-        built for."""
+        """Whether csrc/prefill_attention.cpp serves this chunk: an AVX512-BF16 build on a CPU without AMX, bf16
+        queries and caches (a cache in another dtype keeps the torch path, which rounds the chunk's keys as its
+        own), a head size it is built for."""
         return (
-            self.kernels.prefill_attention_native
+            self.native_prefill
             and query.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
             and query.shape[-1] in PREFILL_HEAD_DIMS
             and value_cache.shape == key_cache.shape

@@ -1,7 +1,7 @@
 """The native prefill attention (csrc/prefill_attention.cpp) against float64 softmax attention: prompt chunks
 that start a sequence or continue a cached prefix, read from a paged cache with scattered blocks; GQA groups of
 1 to 7; head_dim 64 and 128; chunks across its 32-position tiles and 32-key tiles; and the CPU backend routing
-bf16 chunks to it (other dtypes and builds without AVX512-BF16 keep torch's attention)."""
+bf16 chunks to it (other dtypes, builds without AVX512-BF16 and AMX CPUs keep torch's attention)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.layer_attention import LayerAttention
 from engine.attention.metadata import PrefillChunk
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import load_cpu_kernels
 
 
@@ -108,7 +109,8 @@ def _layer(head_dim: int) -> LayerAttention:
 @pytest.mark.parametrize("prefix", [0, 45])
 def test_the_cpu_backend_takes_bf16_chunks_to_it(kernels, prefix):
     """The backend's bf16 chunk (its K/V written to the cache first, as the models do) comes out as the torch
-    backend's within bf16 tolerance, through the kernel."""
+    backend's within bf16 tolerance, through the kernel (on AMX CPUs through torch's flash attention, which
+    runs on the tiles there)."""
     gen = torch.Generator().manual_seed(prefix + 11)
     query_len, heads, kv_heads, head_dim = 40, 9, 3, 64
     context = prefix + query_len
@@ -120,7 +122,7 @@ def test_the_cpu_backend_takes_bf16_chunks_to_it(kernels, prefix):
     value = value_cache.view(-1, kv_heads, head_dim)[slots]
     chunk = PrefillChunk(query_start=0, query_len=query_len, context_len=context, block_table=table)
     backend = CpuAttentionBackend(kernels)
-    assert backend._native_prefill(query, key_cache, value_cache)
+    assert backend._native_prefill(query, key_cache, value_cache) == (not torch_bf16_products_use_amx())
     got = backend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(head_dim))
     expected = TorchAttentionBackend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(head_dim))
     torch.testing.assert_close(got.double(), expected.double(), atol=1.5e-2, rtol=1.5e-2)
