@@ -105,12 +105,16 @@ void scores_and_softmax(const uint16_t* const* q, const int64_t* limit, int64_t 
         // key t0 + 16 h + lane is visible when <= limit[r] and inside the tile
         const int64_t last = std::min<int64_t>(limit[r], t0 + n - 1) - t0;  // >= 0: callers skip rows with none
         __m512 scores[2];
-        __mmask16 visible[2];
-        for (int h = 0; h < 2; ++h) {
-            visible[h] = _mm512_cmple_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(16 * h)),
-                                                 _mm512_set1_epi32(static_cast<int32_t>(last)));
-            scores[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible[h],
-                                           _mm512_mul_ps(acc[r][h], _mm512_set1_ps(scale)));
+        __mmask16 visible[2] = {0xffff, 0xffff};
+        if (last == kKTile - 1) {  // every key of the tile: no mask
+            for (int h = 0; h < 2; ++h) scores[h] = _mm512_mul_ps(acc[r][h], _mm512_set1_ps(scale));
+        } else {
+            for (int h = 0; h < 2; ++h) {
+                visible[h] = _mm512_cmple_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(16 * h)),
+                                                     _mm512_set1_epi32(static_cast<int32_t>(last)));
+                scores[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible[h],
+                                               _mm512_mul_ps(acc[r][h], _mm512_set1_ps(scale)));
+            }
         }
         // the maximum (and the sums with it) moves only when a score exceeds it: the first tiles, mostly
         const __m512 both = _mm512_max_ps(scores[0], scores[1]);
