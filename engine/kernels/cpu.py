@@ -54,6 +54,7 @@ HEADERS = (
     "quant_blocks.h",
     "quant_product.h",
     "lora_delta.h",
+    "exp16.h",
 )
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common.h"
+#include "exp16.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -46,24 +47,7 @@ constexpr int64_t kQTile = 32;  // query positions per work item
 constexpr int kKTile = 32;      // keys per step: two vectors of 16 scores per row
 constexpr int kRows = 4;        // rows whose scores (and P.V accumulators) are held in registers together
 
-// fast_exp (common.h) on 16 lanes, same clamp, reduction and polynomial (as paged_decode.cpp's).
-inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512i ki = _mm512_cvttps_epi32(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                           _mm512_set1_ps(128.5f)));
-    const __m512 k = _mm512_sub_ps(_mm512_cvtepi32_ps(ki), _mm512_set1_ps(128.0f));
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i two_k = _mm512_slli_epi32(_mm512_sub_epi32(ki, _mm512_set1_epi32(1)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(two_k));
-}
+using pagedserve::exp16;
 
 inline __m512 bf16_pairs(__m512i x) { return _mm512_castsi512_ps(x); }
 
