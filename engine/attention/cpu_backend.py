@@ -31,7 +31,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernels = kernels
         # prompt chunks on the native kernel where torch's flash attention runs its products in float32; on AMX
         # CPUs oneDNN takes them to the tiles, measured there at 200-260 GFLOP/s per thread (docs/performance.md)
-        self.native_prefill = kernels.prefill_attention_native and not torch_bf16_products_use_amx()
+        self.amx = torch_bf16_products_use_amx()
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16)  # the paged decode kernel is built for these (KERNEL_DTYPES)
@@ -109,7 +109,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         queries and caches (a cache in another dtype keeps the torch path, which rounds the chunk's keys as its
         own), a head size it is built for."""
         return (
-            self.native_prefill
+            not self.amx
+            and self.kernels.prefill_attention_native
             and query.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
             and query.shape[-1] in PREFILL_HEAD_DIMS
             and value_cache.shape == key_cache.shape
