@@ -1,6 +1,6 @@
-"""The CPU backend: decodes through the native paged kernel; bf16 prompt chunks through the native prefill kernel
-(csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX); other chunks that continue a cached prefix as two mask-free
-flash calls (prefix_attention.py), the rest as the torch backend does."""
+"""The CPU backend: decodes through the native paged kernel; bf16 prompt chunks through the native prefill
+kernel (csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX); other chunks that continue a cached
+prefix as two mask-free flash calls (prefix_attention.py), the rest as the torch backend does."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernels = kernels
         # prompt chunks on the native kernel where torch's flash attention runs its products in float32; on AMX
         # CPUs oneDNN takes them to the tiles, measured there at 200-260 GFLOP/s per thread (docs/performance.md)
-        self.amx = torch_bf16_products_use_amx()
+        self.torch_uses_amx = torch_bf16_products_use_amx()
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16)  # the paged decode kernel is built for these (KERNEL_DTYPES)
@@ -109,7 +109,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         queries and caches (a cache in another dtype keeps the torch path, which rounds the chunk's keys as its
         own), a head size it is built for."""
         return (
-            not self.amx
+            not self.torch_uses_amx
             and self.kernels.prefill_attention_native
             and query.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
             and query.shape[-1] in PREFILL_HEAD_DIMS
