@@ -27,9 +27,12 @@
 //                 AVX512_BF16 both widened to float32; float32: FMA) summed by a transpose-and-add tree
 //                 into one vector of 16 scores; the online softmax on that vector (a 16-lane fast_exp;
 //                 the running max and sums rescaled only when a score exceeds the max, the sums kept
-//                 per lane); then P.V with each V row widened once (bf16: even / odd elements by shift /
-//                 mask, the accumulators kept in that order until the output is stored) and FMA'd into
-//                 the float32 accumulators of the pass's heads, held in registers.
+//                 per lane); then P.V into the float32 accumulators of the pass's heads, held in
+//                 registers: with AVX512_BF16, two keys' V rows interleaved and multiplied by their pair
+//                 of probabilities (rounded to bf16, as the prefill kernel and torch's flash kernel round
+//                 P) in one vdpbf16ps (VPairs); otherwise each V row widened once (bf16: even / odd
+//                 elements by shift / mask) and FMA'd. The accumulators keep that order until the output
+//                 is stored.
 //   prefetch      the next chunk's K and V rows into L2: the blocks are scattered, and demand misses one
 //                 chunk at a time left the kernel waiting on DRAM (16 sequences x 150 tokens, the caches
 //                 of 30 layers in turn: 160 -> 90 us).
@@ -305,6 +308,46 @@ struct VRow<uint16_t> {
     }
 };
 
+#if defined(__AVX512BF16__)
+// bf16 V rows taken two keys at a time for P.V on vdpbf16ps: the rows of keys j and j + 1 interleaved
+// word by word (unpacklo / unpackhi within each 128-bit quarter), so one dword holds a dim's two values
+// and the pair (p_j, p_j+1), rounded to bf16, multiplies both in one instruction: half the instructions
+// of widening each row to float32. Per 32 dims, the first accumulator holds dims 8q + 0..3 of quarter q,
+// the second dims 8q + 4..7; `store` packs them back in order.
+struct VPairs {
+    static constexpr int kDims = 32, kVecs = 2;
+    static void load(const uint16_t* a, const uint16_t* b, __m512i* out) {
+        const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+        out[0] = _mm512_unpacklo_epi16(x, y);
+        out[1] = _mm512_unpackhi_epi16(x, y);
+    }
+    static void store(uint16_t* dst, const float* acc, __m512 inv) {
+        const __m512i low = VRow<uint16_t>::round_bf16(_mm512_mul_ps(_mm512_load_ps(acc), inv));
+        const __m512i high = VRow<uint16_t>::round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + 16), inv));
+        // per quarter: the four rounded words of `low`, then those of `high` (no value saturates: each is
+        // a 16-bit pattern shifted down)
+        _mm512_storeu_si512(dst, _mm512_packus_epi32(_mm512_srli_epi32(low, 16), _mm512_srli_epi32(high, 16)));
+    }
+};
+template <typename T>
+constexpr bool kPairedV = std::is_same<T, uint16_t>::value;
+#else
+template <typename T>
+constexpr bool kPairedV = false;
+#endif
+
+// The accumulators' layout of a V row's dims: widened rows (VRow) or key pairs (VPairs).
+template <typename T, bool Paired = kPairedV<T>>
+struct Accumulated {
+    using type = VRow<T>;
+};
+#if defined(__AVX512BF16__)
+template <>
+struct Accumulated<uint16_t, true> {
+    using type = VPairs;
+};
+#endif
+
 // One pass: G query heads (contiguous at q, out) over one kv head's tokens, chunk by chunk: the 16
 // keys' scores for each head (K rows read from L1 once per head after the first), the online softmax
 // on those vectors, then P.V with each V row widened once for the G heads.
@@ -312,7 +355,7 @@ template <typename T, int HD, int G>
 void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t begin,
                  int64_t len, int64_t head_offset, int64_t token_size, int64_t block_size, float scale,
                  float softcap, const float* sinks, T* out, float* partial, int64_t prefetch_bytes) {
-    using V = VRow<T>;
+    using V = typename Accumulated<T>::type;
     static_assert(HD % 32 == 0, "whole bf16 vectors");
     // dims per P.V step: G x (dims / 16) accumulators stay in registers
     constexpr int kStepDims = std::min(HD, (kMaxAccs * 16 / G) / 32 * 32);
@@ -321,6 +364,7 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 
     alignas(64) float acc[G][HD];
     alignas(64) float probs[G][kChunk];
+    alignas(32) int32_t pairs[G][kChunk / 2];  // VPairs: (p_2i, p_2i+1) rounded to bf16, one dword per key pair
     float running_max[G], correction[G];
     __m512 running_sum[G];
     for (int h = 0; h < G; ++h) {
@@ -379,6 +423,9 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
             running_sum[h] = _mm512_fmadd_ps(running_sum[h], _mm512_set1_ps(correction[h]), p);
             running_max[h] = new_max;
             _mm512_store_ps(probs[h], p);
+#if defined(__AVX512BF16__)
+            if constexpr (kPairedV<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(p));
+#endif
         }
 
         for (int d0 = 0; d0 < HD; d0 += kStepDims) {
@@ -390,13 +437,33 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
                     if (rescale) a[h][i] = _mm512_mul_ps(a[h][i], c);
                 }
             }
-            for (int j = 0; j < n; ++j) {
-                const T* v = value_cache + rows[j] + d0;
-                __m512 row[kStepVecs * V::kVecs];
-                for (int i = 0; i < kStepVecs; ++i) V::load(v + i * V::kDims, row + i * V::kVecs);
-                for (int h = 0; h < G; ++h) {
-                    const __m512 p = _mm512_set1_ps(probs[h][j]);
-                    for (int i = 0; i < kStepVecs * V::kVecs; ++i) a[h][i] = _mm512_fmadd_ps(p, row[i], a[h][i]);
+#if defined(__AVX512BF16__)
+            if constexpr (kPairedV<T>) {
+                // an odd count's last pair takes rows[n] (rows[0]: read, weighted 0)
+                for (int j = 0; j < n; j += 2) {
+                    const T* v0 = value_cache + rows[j] + d0;
+                    const T* v1 = value_cache + rows[j + 1] + d0;
+                    __m512i row[kStepVecs * V::kVecs];
+                    for (int i = 0; i < kStepVecs; ++i)
+                        V::load(v0 + i * V::kDims, v1 + i * V::kDims, row + i * V::kVecs);
+                    for (int h = 0; h < G; ++h) {
+                        const __m512bh p = (__m512bh)_mm512_set1_epi32(pairs[h][j / 2]);
+                        for (int i = 0; i < kStepVecs * V::kVecs; ++i)
+                            a[h][i] = _mm512_dpbf16_ps(a[h][i], (__m512bh)row[i], p);
+                    }
+                }
+            } else
+#endif
+            {
+                for (int j = 0; j < n; ++j) {
+                    const T* v = value_cache + rows[j] + d0;
+                    __m512 row[kStepVecs * V::kVecs];
+                    for (int i = 0; i < kStepVecs; ++i) VRow<T>::load(v + i * V::kDims, row + i * V::kVecs);
+                    for (int h = 0; h < G; ++h) {
+                        const __m512 p = _mm512_set1_ps(probs[h][j]);
+                        for (int i = 0; i < kStepVecs * V::kVecs; ++i)
+                            a[h][i] = _mm512_fmadd_ps(p, row[i], a[h][i]);
+                    }
                 }
             }
             for (int h = 0; h < G; ++h)
@@ -513,7 +580,8 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
                     }
                     if (sinks != nullptr) sum += std::exp(sinks[first + h] - max);
                     const __m512 inv = _mm512_set1_ps(1.0f / sum);
-                    for (int d = 0; d < HD; d += VRow<T>::kDims) VRow<T>::store(dst + h * HD + d, acc + d, inv);
+                    using V = typename Accumulated<T>::type;
+                    for (int d = 0; d < HD; d += V::kDims) V::store(dst + h * HD + d, acc + d, inv);
                 }
             }
         }
