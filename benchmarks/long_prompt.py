@@ -14,7 +14,8 @@ Prefill FLOPs (one multiply-add = 2 FLOPs; T prompt tokens, L layers, H query he
     LM head    2 * V * hidden        once: only the last prompt token's logits are computed
     attention  4 * L * H * d * T(T+1)/2    q.k and p.v, 2 * d FLOPs each, over the causal half
 
-Decode floor (one token): (weight bytes as stored + K/V bytes of the context) / read bandwidth.
+Decode floor (one token): (weight bytes as stored + K/V bytes of the context) / read bandwidth, the bandwidth
+read again before each round of decode steps; the ratio is the median of the rounds'.
 `--profile`: torch's profiler over one prefill per path, the top operators by CPU time.
 """
 
@@ -77,15 +78,17 @@ def _elements(weight: Any) -> int:
     return weight.data.numel()
 
 
-def run_path(quantization: str, prompt_tokens: int, decode_steps: int, chunk: int, profile: bool) -> dict:
+def run_path(
+    quantization: str, prompt_tokens: int, decode_steps: int, decode_rounds: int, chunk: int, profile: bool
+) -> dict:
     from engine import LLM, SamplingParams
-    from engine.profiling.memory_bandwidth import kv_read_bytes, read_bandwidth, tensor_bytes
+    from engine.profiling.memory_bandwidth import kv_read_bytes, read_bandwidth, read_buffer, tensor_bytes
 
     llm = LLM(
         None,
         dtype="bfloat16",
         quantization=quantization,
-        max_model_len=prompt_tokens + decode_steps + 16,
+        max_model_len=prompt_tokens + decode_rounds * decode_steps + 16,
         max_num_seqs=1,
         max_num_batched_tokens=chunk,
         enable_prefix_caching=False,
@@ -93,24 +96,29 @@ def run_path(quantization: str, prompt_tokens: int, decode_steps: int, chunk: in
     engine = llm.engine
     model = engine.runner.model
     assert model is not None
-    params = SamplingParams(max_tokens=decode_steps + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_rounds * decode_steps + 2, temperature=0, ignore_eos=True)
     prompt = [(7 * j) % 20000 + 100 for j in range(prompt_tokens)]
     # a shorter prompt first warms the kernels (oneDNN's choices, the libraries' pages): a first chunk and one
     # that continues it, as the measured prompt has
     engine.add_request("warm", prompt[: min(prompt_tokens, chunk + 256)], SamplingParams(max_tokens=1))
     while engine.has_unfinished_requests:
         engine.step()
+    buffer = read_buffer(torch.device("cpu"))
     engine.add_request("measured", prompt, params)
     clock = Clock()
     while not any(out.new_token_ids for out in engine.step()):
         pass
     ttft = clock.seconds()
-    timings = []
-    for _ in range(decode_steps):
-        clock = Clock()
-        engine.step()
-        timings.append(clock.seconds())
-    tpot = (statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings))
+    rounds = []  # per round: the read bandwidth right before, the median step by wall and by CPU time
+    for _ in range(decode_rounds):
+        bandwidth = read_bandwidth(torch.device("cpu"), repeats=3, buffer=buffer)
+        timings = []
+        for _ in range(decode_steps):
+            clock = Clock()
+            engine.step()
+            timings.append(clock.seconds())
+        rounds.append((bandwidth, statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings)))
+    del buffer
     while engine.has_unfinished_requests:
         engine.step()
     if profile:
@@ -121,12 +129,29 @@ def run_path(quantization: str, prompt_tokens: int, decode_steps: int, chunk: in
     )
     flops = prefill_flops(model, prompt_tokens)
     llm.shutdown()
-    return {
-        "ttft_s": ttft,
-        "flops": flops,
-        "tpot": tpot,
-        "floor_ms": floor_bytes / read_bandwidth(torch.device("cpu")) * 1e3,
-    }
+    return {"ttft_s": ttft, "flops": flops, "rounds": rounds, "floor_bytes": floor_bytes}
+
+
+def print_decode(path: str, tokens: int, rounds: list[tuple[float, float, float]], floor_bytes: int) -> None:
+    """Each round's TPOT against the floor at the bandwidth read right before it (the VM's bandwidth swings from
+    one second to the next: a floor read once, minutes away from the steps, moved the ratio by up to 1.8x),
+    then the median ratio."""
+    ratios = []
+    for bandwidth, wall, cpu in rounds:
+        floor = floor_bytes / bandwidth
+        ratios.append((wall / floor, cpu / floor))
+        print(
+            f"[{path}]   read {bandwidth / 1e9:.1f} GB/s, floor {floor * 1e3:.2f} ms; TPOT {wall * 1e3:.2f} ms "
+            f"(CPU time {cpu * 1e3:.2f}) = {wall / floor:.2f}x",
+            flush=True,
+        )
+    print(
+        f"[{path}] decode TPOT at {tokens} tokens: {statistics.median(r[1] for r in rounds) * 1e3:.2f} ms "
+        f"(CPU time {statistics.median(r[2] for r in rounds) * 1e3:.2f} ms); floor {floor_bytes / 1e6:.1f} MB at "
+        f"{min(r[0] for r in rounds) / 1e9:.1f}-{max(r[0] for r in rounds) / 1e9:.1f} GB/s; median ratio "
+        f"{statistics.median(r[0] for r in ratios):.2f}x ({statistics.median(r[1] for r in ratios):.2f}x by CPU time)",
+        flush=True,
+    )
 
 
 def _profile_prefill(engine: Any, prompt: list[int]) -> None:
@@ -144,7 +169,10 @@ def _profile_prefill(engine: Any, prompt: list[int]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=4149)
-    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--decode-steps", type=int, default=16, help="decode steps per round")
+    parser.add_argument(
+        "--decode-rounds", type=int, default=5, help="rounds of decode steps, each after a read-bandwidth test"
+    )
     parser.add_argument("--paths", default="none,gguf", help="--quantization values to run, comma-separated")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill chunk")
     parser.add_argument("--profile", action="store_true", help="torch profiler over one more prefill per path")
@@ -165,7 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"streaming read: {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
     for path in args.paths.split(","):
-        result = run_path(path, args.prompt_tokens, args.decode_steps, args.max_num_batched_tokens, args.profile)
+        result = run_path(
+            path, args.prompt_tokens, args.decode_steps, args.decode_rounds, args.max_num_batched_tokens, args.profile
+        )
         flops = result["flops"]
         total = sum(flops.values())
         rates = [total / seconds for seconds in result["ttft_s"]]
@@ -177,13 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{100 * rates[1] / peak[1]:.1f}%",
             flush=True,
         )
-        tpot = result["tpot"]
-        print(
-            f"[{path}] decode TPOT at {args.prompt_tokens} tokens: {tpot[0] * 1e3:.2f} ms (CPU time "
-            f"{tpot[1] * 1e3:.2f} ms); floor {result['floor_ms']:.2f} ms; ratio {tpot[0] * 1e3 / result['floor_ms']:.2f}x "
-            f"({tpot[1] * 1e3 / result['floor_ms']:.2f}x by CPU time)",
-            flush=True,
-        )
+        print_decode(path, args.prompt_tokens, result["rounds"], result["floor_bytes"])
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -13,7 +13,7 @@ it); this is.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,11 +23,18 @@ DEFAULT_BUFFER_BYTES = 1 << 30
 """Large against any CPU's last-level cache (tens to hundreds of MiB) and quick to sum."""
 
 
-def read_bandwidth(device: torch.device, nbytes: int = DEFAULT_BUFFER_BYTES, repeats: int = 5) -> float:
-    """Bytes per second a reduction streams from memory on `device` (the best of `repeats` runs)."""
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+def read_bandwidth(
+    device: torch.device,
+    nbytes: int = DEFAULT_BUFFER_BYTES,
+    repeats: int = 5,
+    buffer: Optional[torch.Tensor] = None,
+) -> float:
+    """Bytes per second a reduction streams from memory on `device` (the best of `repeats` runs). `buffer`: a
+    float32 tensor to read instead of a new one of `nbytes` (a caller measuring again and again allocates it
+    once: `read_buffer`)."""
+    if buffer is None:
+        buffer = read_buffer(device, nbytes)
     best = float("inf")
-    buffer.sum()  # first touch, thread pool warm-up
     for _ in range(repeats):
         _synchronize(device)
         start = time.perf_counter()
@@ -35,6 +42,13 @@ def read_bandwidth(device: torch.device, nbytes: int = DEFAULT_BUFFER_BYTES, rep
         _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return buffer.numel() * 4 / best
+
+
+def read_buffer(device: torch.device, nbytes: int = DEFAULT_BUFFER_BYTES) -> torch.Tensor:
+    """A buffer for `read_bandwidth`, touched once (its pages mapped, the thread pool awake)."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    buffer.sum()
+    return buffer
 
 
 def tensor_bytes(weights: Sequence) -> int:
