@@ -2,6 +2,8 @@
 
     cpu_quant_linear(x, qs, d, m?, out_features, nbp, format, layout, tile_min_rows, fn) -> x @ W.T  [rows, out]
     cpu_quant_dequantize(qs, d, m?, out_features, in_features, nbp, format, layout, dtype, fn) -> W  [out, in]
+    cpu_quant_dequantize_rows(qs, d, m?, index, out_features, in_features, nbp, format, layout, dtype, fn)
+                                                                             -> W[index]  [n, in]
 
 `qs`, `d`, `m` are a weight repacked by engine/quantization/gguf_formats.py (in its ROWS or X16 layout);
 `fn` the address of the
@@ -31,10 +33,14 @@ QUANT_SOURCES = ("quant_gemm.cpp", "quant_dense_bf16.cpp")
 SIGNATURES = {
     "quant_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7,
     "quant_dequantize": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
+    "quant_dequantize_rows": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
 
-_PROTOTYPES = {name: ctypes.CFUNCTYPE(None, *argtypes) for name, argtypes in SIGNATURES.items()}
+_RESULTS = {"quant_dequantize_rows": ctypes.c_int64}
+"""Result types of the entry points that return one (the others return nothing)."""
+
+_PROTOTYPES = {name: ctypes.CFUNCTYPE(_RESULTS.get(name), *argtypes) for name, argtypes in SIGNATURES.items()}
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -81,6 +87,30 @@ def _quant_dequantize(qs, d, m: Optional[torch.Tensor], out_features, in_feature
     return out
 
 
+def _quant_dequantize_rows(
+    qs, d, m: Optional[torch.Tensor], index, out_features, in_features, nbp, fmt, layout, dtype, fn
+):
+    if index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous():
+        raise ValueError(f"row indices are a contiguous 1-D int64 tensor, got {index.dtype} {tuple(index.shape)}")
+    out = torch.empty((index.shape[0], in_features), dtype=dtype)  # [rows, in_features]
+    bad = _function("quant_dequantize_rows", fn)(
+        qs.data_ptr(),
+        d.data_ptr(),
+        _address(m),
+        index.data_ptr(),
+        index.shape[0],
+        out.data_ptr(),
+        out_features,
+        in_features,
+        nbp,
+        fmt,
+        layout,
+    )
+    if bad:
+        raise IndexError(f"{bad} row indices outside [0, {out_features})")
+    return out
+
+
 def _define(name: str, schema: str, kernel, fake) -> None:
     qualname = f"pagedserve::{name}"
     torch.library.define(qualname, schema)
@@ -102,6 +132,17 @@ _define(
     _quant_dequantize,
     lambda qs, d, m, out_features, in_features, nbp, fmt, layout, dtype, fn: qs.new_empty(
         (out_features, in_features), dtype=dtype
+    ),
+)
+
+
+_define(
+    "cpu_quant_dequantize_rows",
+    "(Tensor qs, Tensor d, Tensor? m, Tensor index, int out_features, int in_features, int nbp, "
+    "int fmt, int layout, ScalarType dtype, int fn) -> Tensor",
+    _quant_dequantize_rows,
+    lambda qs, d, m, index, out_features, in_features, nbp, fmt, layout, dtype, fn: qs.new_empty(
+        (index.shape[0], in_features), dtype=dtype
     ),
 )
 
@@ -128,6 +169,7 @@ class QuantKernels:
         dequantized to bf16 and oneDNN (engine/quantization/gguf_weight.py, AMX_DENSE_MIN_ROWS)."""
         self._linear = torch.ops.pagedserve.cpu_quant_linear.default
         self._dequantize = torch.ops.pagedserve.cpu_quant_dequantize.default
+        self._dequantize_rows = torch.ops.pagedserve.cpu_quant_dequantize_rows.default
 
     def linear(
         self,
@@ -167,6 +209,26 @@ class QuantKernels:
         return self._dequantize(
             qs, d, m, out_features, in_features, nbp, fmt, layout, dtype, self._function("quant_dequantize", dtype)
         )
+
+    def dequantize_rows(
+        self,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: Optional[torch.Tensor],
+        index: torch.Tensor,
+        out_features: int,
+        in_features: int,
+        nbp: int,
+        fmt: int,
+        layout: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Rows `index` [n] int64 of the float matrix, [n, in_features] in `dtype` (f32/bf16): an embedding lookup
+        without unpacking the layout in torch. IndexError for an index outside [0, out_features)."""
+        fn = self._function("quant_dequantize_rows", dtype)
+        if torch.compiler.is_compiling():
+            return self._dequantize_rows(qs, d, m, index, out_features, in_features, nbp, fmt, layout, dtype, fn)
+        return _quant_dequantize_rows(qs, d, m, index, out_features, in_features, nbp, fmt, layout, dtype, fn)
 
     def _function(self, name: str, dtype: torch.dtype) -> int:
         function = self._functions.get((name, dtype))

@@ -141,7 +141,21 @@ class GgufWeight(QuantizedWeight):
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized rows `index` [n] -> [n, in_features] (an embedding lookup)."""
-        return self.take_rows(index).dequantize(dtype)
+        p = self.packed
+        kernel_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = self.kernels.dequantize_rows(
+            p.qs,
+            p.d,
+            p.m,
+            index.to(torch.int64).contiguous(),
+            self.out_features,
+            self._in_features,
+            p.nbp,
+            self.fmt.code,
+            p.layout,
+            kernel_dtype,
+        )
+        return out.to(dtype)
 
     def take_rows(self, index: torch.Tensor) -> "GgufWeight":
         """The weight made of rows `index` [n], in that order (whole rows of blocks: exact), row layout."""

@@ -228,6 +228,25 @@ def test_rows_concat_and_take_are_exact(kernels, weights):
             GgufWeight.concat_rows([interleaved, interleaved])
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_rows_are_the_dequantized_matrix_rows(kernels, weights, name, dtype, layout):
+    """The embedding lookup's native row gather: bit for bit the rows of the whole dequantized matrix, in either
+    layout, repeats and any order; an index outside the matrix is an IndexError, never a read past it."""
+    for shape in LAYOUT_SHAPES[layout]:
+        w = make_weight(kernels, weights, name, shape, layout)
+        whole = w.dequantize(dtype)
+        index = torch.tensor([shape[0] - 1, 0, shape[0] // 2, shape[0] // 2, min(1, shape[0] - 1)])
+        got = w.rows(index, dtype)
+        assert got.dtype == dtype and got.shape == (5, shape[1])
+        assert torch.equal(got, whole[index])
+        assert w.rows(index[:0], dtype).shape == (0, shape[1])
+        for bad in (shape[0], -1):
+            with pytest.raises(IndexError, match="outside"):
+                w.rows(torch.tensor([0, bad]), dtype)
+
+
 def test_bytes_read_are_the_blocks_and_scales(kernels, weights):
     raw, _ = weights["q4_1", (33, 576)]
     w = GgufWeight(FORMATS["q4_1"], repack(FORMATS["q4_1"], raw, 576), 576, kernels)
@@ -249,5 +268,11 @@ def test_the_operator_passes_torch_library_checks(weights):
     torch.library.opcheck(
         torch.ops.pagedserve.cpu_quant_linear.default,
         (x, p.qs, p.d, p.m, 17, p.nbp, w.fmt.code, p.layout, 1 << 40, function),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    rows = kernels._function("quant_dequantize_rows", torch.float32)
+    torch.library.opcheck(
+        torch.ops.pagedserve.cpu_quant_dequantize_rows.default,
+        (p.qs, p.d, p.m, torch.tensor([3, 0, 16]), 17, 160, p.nbp, w.fmt.code, p.layout, torch.float32, rows),
         test_utils=("test_schema", "test_faketensor"),
     )

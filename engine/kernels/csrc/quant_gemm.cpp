@@ -3,6 +3,7 @@
 // From `tile_min_rows` rows, quant_dense_bf16.cpp's bf16 tile product is used instead (AVX512-BF16 builds).
 // Built and loaded by engine/kernels/cpu.py and engine/kernels/quant.py.
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -61,34 +62,53 @@ void dequantize_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* 
     }
 }
 
-// The 16 rows of kX16 group g into out (rows 16 g .. 16 g + 15 of [N, K]).
+// Column c (weight row 16 g + c) of the kX16 block at p (block b of its group: scales at dg, mg) into dst [32].
+template <typename T>
+inline void x16_block_column(const uint8_t* p, const uint16_t* dg, const uint16_t* mg, int64_t b, int64_t c,
+                             int64_t format, T* dst) {
+    const float step = half_to_float(dg[b * kGroupColumns + c]);
+    const float offset = format == kQ4_1 ? half_to_float(mg[b * kGroupColumns + c])
+                                         : step * (format == kQ4_0 ? -8.0f : -128.0f);
+    if (format == kQ8_0) {
+        for (int64_t q = 0; q < 8; ++q)
+            for (int64_t j = 0; j < 4; ++j) store(dst + 4 * q + j, step * p[64 * q + 4 * c + j] + offset);
+        return;
+    }
+    for (int64_t q = 0; q < 4; ++q)
+        for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t byte = p[64 * q + 4 * c + j];
+            store(dst + 4 * q + j, step * static_cast<float>(byte & 0x0f) + offset);
+            store(dst + 16 + 4 * q + j, step * static_cast<float>(byte >> 4) + offset);
+        }
+}
+
+// The 16 rows of kX16 group g into out (rows 16 g .. 16 g + 15 of [N, K]), block by block (the group's
+// bytes read once, in order).
 template <typename T>
 void dequantize_x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t g, int64_t nb,
                           int64_t format) {
     const int64_t bytes = x16_block_bytes(format), in_features = nb * kBlock;
-    const uint8_t* group = qs + g * nb * bytes;
     const uint16_t* dg = d + g * nb * kGroupColumns;
     const uint16_t* mg = m ? m + g * nb * kGroupColumns : nullptr;
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = group + b * bytes;
-        for (int64_t c = 0; c < kGroupColumns; ++c) {
-            const float step = half_to_float(dg[b * kGroupColumns + c]);
-            const float offset = format == kQ4_1 ? half_to_float(mg[b * kGroupColumns + c])
-                                                 : step * (format == kQ4_0 ? -8.0f : -128.0f);
-            T* dst = out + (g * kGroupColumns + c) * in_features + b * kBlock;
-            if (format == kQ8_0) {
-                for (int64_t q = 0; q < 8; ++q)
-                    for (int64_t j = 0; j < 4; ++j) store(dst + 4 * q + j, step * p[64 * q + 4 * c + j] + offset);
-            } else {
-                for (int64_t q = 0; q < 4; ++q)
-                    for (int64_t j = 0; j < 4; ++j) {
-                        const uint8_t byte = p[64 * q + 4 * c + j];
-                        store(dst + 4 * q + j, step * static_cast<float>(byte & 0x0f) + offset);
-                        store(dst + 16 + 4 * q + j, step * static_cast<float>(byte >> 4) + offset);
-                    }
-            }
-        }
+    for (int64_t b = 0; b < nb; ++b)
+        for (int64_t c = 0; c < kGroupColumns; ++c)
+            x16_block_column(qs + (g * nb + b) * bytes, dg, mg, b, c, format,
+                             out + (g * kGroupColumns + c) * in_features + b * kBlock);
+}
+
+// Weight row n of either layout into out [in_features].
+template <typename T>
+void dequantize_one(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t n, int64_t in_features,
+                    int64_t nbp, int64_t format, int64_t layout) {
+    if (layout == kX16) {
+        const int64_t g = n / kGroupColumns, nb = in_features / kBlock, bytes = x16_block_bytes(format);
+        for (int64_t b = 0; b < nb; ++b)
+            x16_block_column(qs + (g * nb + b) * bytes, d + g * nb * kGroupColumns,
+                             m ? m + g * nb * kGroupColumns : nullptr, b, n % kGroupColumns, format, out + b * kBlock);
+        return;
     }
+    const int64_t row_bytes = format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2;
+    dequantize_row(qs + n * row_bytes, d + n * nbp, m ? m + n * nbp : nullptr, out, in_features / kBlock, format);
 }
 
 template <typename T>
@@ -100,11 +120,27 @@ void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out,
             dequantize_x16_group(qs, d, m, out, g, in_features / kBlock, format);
         return;
     }
-    const int64_t row_bytes = format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2;
 #pragma omp parallel for if (columns * in_features >= kParallelMinWork)
     for (int64_t n = 0; n < columns; ++n)
-        dequantize_row(qs + n * row_bytes, d + n * nbp, m ? m + n * nbp : nullptr, out + n * in_features,
-                       in_features / kBlock, format);
+        dequantize_one(qs, d, m, out + n * in_features, n, in_features, nbp, format, layout);
+}
+
+// Weight rows index[0 .. count) into out [count, in_features] (an embedding lookup: a few rows, one thread).
+// Returns how many indices fall outside [0, columns) (their rows are zeros).
+template <typename T>
+int64_t dequantize_rows(const uint8_t* qs, const uint16_t* d, const uint16_t* m, const int64_t* index, int64_t count,
+                        T* out, int64_t columns, int64_t in_features, int64_t nbp, int64_t format, int64_t layout) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < count; ++i) {
+        T* dst = out + i * in_features;
+        if (index[i] < 0 || index[i] >= columns) {
+            std::fill(dst, dst + in_features, T{});
+            ++bad;
+            continue;
+        }
+        dequantize_one(qs, d, m, dst, index[i], in_features, nbp, format, layout);
+    }
+    return bad;
 }
 
 }  // namespace
@@ -124,6 +160,14 @@ void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out,
         dequantize(static_cast<const uint8_t*>(qs), static_cast<const uint16_t*>(d),                         \
                    static_cast<const uint16_t*>(m), static_cast<T*>(out), columns, in_features, nbp, format, \
                    layout);                                                                                  \
+    }                                                                                                        \
+    int64_t pagedserve_quant_dequantize_rows_##SUFFIX(const void* qs, const void* d, const void* m,          \
+                                                      const int64_t* index, int64_t count, void* out,        \
+                                                      int64_t columns, int64_t in_features, int64_t nbp,     \
+                                                      int64_t format, int64_t layout) {                      \
+        return dequantize_rows(static_cast<const uint8_t*>(qs), static_cast<const uint16_t*>(d),             \
+                               static_cast<const uint16_t*>(m), index, count, static_cast<T*>(out), columns, \
+                               in_features, nbp, format, layout);                                            \
     }
 
 extern "C" {
