@@ -311,6 +311,17 @@ def _flat_index(token_ids: list[torch.Tensor], rows: list[int], vocab: int) -> t
 # ---------------------------------------------------------------------- choosing
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima; a row with a NaN: its first NaN).  # [num_rows]
+
+    On CPU numpy's: torch's CPU argmax over a vocabulary runs several times slower (docs/performance.md).
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+        if not torch.compiler.is_compiling():
+            return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def _choose(
     x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan, x_is_private: bool, sync_free: bool
 ) -> torch.Tensor:
@@ -319,12 +330,12 @@ def _choose(
     x: [num_rows, vocab], the caller's logits unless `x_is_private` (then it may be overwritten).
     """
     if not (plan.full_rows or plan.candidate_rows):
-        return x.argmax(dim=-1)
+        return _argmax(x)
     num_rows, device = x.shape[0], x.device
     token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
     if plan.greedy_rows:
         index = _index(plan.greedy_rows, device)
-        token_ids[index] = x.index_select(0, index).argmax(dim=-1)
+        token_ids[index] = _argmax(x.index_select(0, index))
     groups = ((plan.full_rows, _sample_full, True), (plan.candidate_rows, _sample_candidates, False))
     for rows, sample, overwrites in groups:
         if not rows:

@@ -589,3 +589,23 @@ def test_output_ids_tensor_follows_the_live_list():
             assert state.output_ids_tensor(torch.device("cpu")).tolist() == output
     del output[5:]
     assert state.output_ids_tensor(torch.device("cpu")).tolist() == output
+
+
+def test_greedy_argmax_matches_torch_on_ties_nans_and_infinities():
+    """The CPU greedy choice (numpy's argmax) is torch's: the first of equal maxima, a row's first NaN, +inf over
+    any finite value, an all -inf row's first column; non-contiguous or other-dtype rows take torch's own."""
+    _argmax = sampler_module._argmax
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 49152, generator=generator)
+    x[1, [7, 900, 40000]] = 50.0  # ties
+    x[2, [11, 300]] = float("nan")
+    x[3, 123] = float("inf")
+    x[4] = float("-inf")
+    x[5, [5, 6]] = float("inf")
+    got = _argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert got[1:].tolist() == [7, 11, 123, 0, 5]
+    columns = x[:, ::2]  # not contiguous
+    assert _argmax(columns).tolist() == columns.argmax(dim=-1).tolist()
+    assert _argmax(x.to(torch.bfloat16)).tolist() == x.to(torch.bfloat16).argmax(dim=-1).tolist()
