@@ -19,7 +19,7 @@ import functools
 import logging
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 QUANT_SOURCES = ("quant_gemm.cpp", "quant_dense_bf16.cpp")
 """The sources of the quantized products alone (a build for another target, in tests)."""
 
-SIGNATURES = {
+SIGNATURES: dict[str, list[Any]] = {
     "quant_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7,
     "quant_dequantize": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
     "quant_dequantize_rows": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5,
