@@ -274,7 +274,14 @@ class ShmAllReduce:
         give_up = time.monotonic() + self.timeout_s
         wake = self._wake[self.rank]
         while not self._all_arrived(generation):
-            self._check_peers()
+            try:
+                self._check_peers()
+            except PeerGoneError:
+                # a peer may have arrived, finished the chunk and exited between the check above and this one
+                # (this rank descheduled in between): its part is here, so this chunk completes; the next fails
+                if self._all_arrived(generation):
+                    return
+                raise
             left = give_up - time.monotonic()
             if left <= 0:
                 late = [p for p in range(self.world_size) if self._arrived[p * self._stride] < generation]
