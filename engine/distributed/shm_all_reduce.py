@@ -273,15 +273,15 @@ class ShmAllReduce:
                 return
         give_up = time.monotonic() + self.timeout_s
         wake = self._wake[self.rank]
-        while not self._all_arrived(generation):
-            try:
-                self._check_peers()
-            except PeerGoneError:
-                # a peer may have arrived, finished the chunk and exited between the check above and this one
-                # (this rank descheduled in between): its part is here, so this chunk completes; the next fails
-                if self._all_arrived(generation):
-                    return
-                raise
+        while True:
+            # liveness before arrival: a peer may arrive, finish this chunk and exit while this rank is
+            # descheduled; its part is here, so the chunk completes (the next one fails). A peer seen gone
+            # before the arrivals are read cannot arrive after them.
+            gone = self._gone_peer()
+            if self._all_arrived(generation):
+                return
+            if gone is not None:
+                raise PeerGoneError(gone)
             left = give_up - time.monotonic()
             if left <= 0:
                 late = [p for p in range(self.world_size) if self._arrived[p * self._stride] < generation]
@@ -295,13 +295,15 @@ class ShmAllReduce:
         arrived, stride = self._arrived, self._stride
         return all(arrived[p * stride] >= generation for p in range(self.world_size))
 
-    def _check_peers(self) -> None:
+    def _gone_peer(self) -> Optional[str]:
+        """Why the group cannot complete another chunk (aborted, or a peer's process is gone), or None."""
         if self._aborted[0]:
-            raise PeerGoneError("shared-memory all-reduce: the group was aborted (a rank failed or is stopping)")
+            return "shared-memory all-reduce: the group was aborted (a rank failed or is stopping)"
         for peer in range(self.world_size):
             pid = self._pids[peer * self._stride]
             if peer != self.rank and pid and not _alive(pid):
-                raise PeerGoneError(f"shared-memory all-reduce: rank {peer} (pid {pid}) is gone")
+                return f"shared-memory all-reduce: rank {peer} (pid {pid}) is gone"
+        return None
 
     def _fence(self) -> None:
         with self._fence_lock:
