@@ -24,10 +24,10 @@
 //                 as batch-invariant mode needs, not on its neighbours or the thread count).
 //   chunks of 16  keys of the sequence (they may span blocks or end part-way, the rest masked out): per
 //                 query head, 16 dot products (bf16: vdpbf16ps, exact products and float32 sums; without
-//                 AVX512_BF16 both widened to float32; float32: FMA) summed by a transpose-and-add tree
-//                 into one vector of 16 scores; the online softmax on that vector (a 16-lane fast_exp;
-//                 the running max and sums rescaled only when a score exceeds the max, the sums kept
-//                 per lane); then P.V into the float32 accumulators of the pass's heads, held in
+//                 AVX512_BF16 both widened to float32; float32: FMA; each K row read once for the pass's
+//                 heads) summed by a transpose-and-add tree into one vector of 16 scores; the online
+//                 softmax on that vector (a 16-lane fast_exp; the running max and sums rescaled only
+//                 when a score exceeds the max, the sums kept per lane); then P.V into the float32 accumulators of the pass's heads, held in
 //                 registers: with AVX512_BF16, two keys' V rows interleaved and multiplied by their pair
 //                 of probabilities (rounded to bf16, as the prefill kernel and torch's flash kernel round
 //                 P) in one vdpbf16ps (VPairs); otherwise each V row widened once (bf16: even / odd
@@ -217,30 +217,8 @@ inline __m512 softcap16(__m512 x, float softcap) {
     return _mm512_mul_ps(tanh, _mm512_set1_ps(softcap));
 }
 
-// Slot s of a chunk's 16 dot products holds key kSlotKey[s], so that sum16 returns key l's sum in lane l.
+// Slot s of a chunk's 16 dot products holds key kSlotKey[s], so that score16 returns key l's score in lane l.
 constexpr int kSlotKey[kChunk] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-// 16 vectors of partial sums -> one vector of their 16 sums (a transpose-and-add tree: 15 steps of two
-// shuffles and an add, instead of 16 horizontal reductions).
-inline __m512 sum16(const __m512* a) {
-    auto halves = [](__m512 x, __m512 y) {  // [x0+x2, x1+x3, y0+y2, y1+y3] (128-bit quarters)
-        return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-    };
-    auto quarters = [](__m512 x, __m512 y) {  // one quarter per input of the two pairs
-        return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-    };
-    auto pairs = [](__m512 x, __m512 y) {  // within each quarter: two partials of x's key, two of y's
-        return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-    };
-    auto singles = [](__m512 x, __m512 y) {
-        return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
-    };
-    const __m512 s0 = quarters(halves(a[0], a[1]), halves(a[2], a[3]));
-    const __m512 s1 = quarters(halves(a[4], a[5]), halves(a[6], a[7]));
-    const __m512 s2 = quarters(halves(a[8], a[9]), halves(a[10], a[11]));
-    const __m512 s3 = quarters(halves(a[12], a[13]), halves(a[14], a[15]));
-    return singles(pairs(s0, s1), pairs(s2, s3));  // lane 4c + i: slot 4i + c
-}
 
 // Partial sums (16 lanes) of q . k over HD elements, float32 accumulation.
 template <int HD>
@@ -266,6 +244,38 @@ inline __m512 dot(const uint16_t* k, const uint16_t* q) {
 #endif
     }
     return acc;
+}
+
+// The 16 scores of a chunk (keys[s]: slot s's K row) for each of G query heads (contiguous at q): per slot, a
+// vector of partial sums (dot), reduced to one vector of 16 scores by a transpose-and-add tree (15 steps of
+// two shuffles and an add per head, instead of 16 horizontal reductions). Slots are taken four at a time, all
+// G heads' dots of a K row together: each row is read once per chunk, the G x 4 partial sums stay in
+// registers (scoring the whole chunk per head kept 16 sums live, spilled the K rows to the stack and read
+// them back once per head), and each four is reduced by the tree's first two levels as soon as it is done.
+template <typename T, int HD, int G>
+inline void score16(const T* const* keys, const T* q, __m512* scores) {
+    auto halves = [](__m512 x, __m512 y) {  // [x0+x2, x1+x3, y0+y2, y1+y3] (128-bit quarters)
+        return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    };
+    auto quarters = [](__m512 x, __m512 y) {  // one quarter per input of the two pairs
+        return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    };
+    auto pairs = [](__m512 x, __m512 y) {  // within each quarter: two partials of x's key, two of y's
+        return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+    };
+    auto singles = [](__m512 x, __m512 y) {
+        return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+    };
+    __m512 fours[G][4];  // per head, slots 4f..4f+3 reduced to one vector
+    for (int f = 0; f < 4; ++f) {
+        __m512 part[G][4];
+        for (int i = 0; i < 4; ++i)
+            for (int h = 0; h < G; ++h) part[h][i] = dot<HD>(keys[4 * f + i], q + h * HD);
+        for (int h = 0; h < G; ++h)
+            fours[h][f] = quarters(halves(part[h][0], part[h][1]), halves(part[h][2], part[h][3]));
+    }
+    for (int h = 0; h < G; ++h)  // lane 4c + i: slot 4i + c
+        scores[h] = singles(pairs(fours[h][0], fours[h][1]), pairs(fours[h][2], fours[h][3]));
 }
 
 // V rows: 16 float32 lanes per step. A float row is read as is; 32 bf16 become two vectors, their even
@@ -374,10 +384,24 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
     }
     const int64_t block_stride = block_size * token_size;
     const __m512 scale_v = _mm512_set1_ps(scale);
-    int64_t block = begin / block_size, offset = begin - block * block_size;  // the chunk's first token
+    // Element offsets of the kv head's rows of tokens [t0, t0 + n) in the caches: a base and a stride when the
+    // tokens lie in one block (every chunk, when blocks are whole chunks), else token by token.
+    auto chunk_rows = [&](int64_t t0, int n, int64_t* rows) {
+        int64_t block = t0 / block_size, offset = t0 - block * block_size;
+        if (offset + n <= block_size) {
+            const int64_t base = table[block] * block_stride + offset * token_size + head_offset;
+            for (int j = 0; j < n; ++j) rows[j] = base + j * token_size;
+            return;
+        }
+        for (int j = 0; j < n; ++j) {
+            rows[j] = table[block] * block_stride + offset * token_size + head_offset;
+            if (++offset == block_size) offset = 0, ++block;
+        }
+    };
     // K and V rows are prefetched into L2 kPrefetchChunks chunks ahead of their use (demand misses on the
-    // scattered blocks, a chunk at a time, left the kernel waiting on DRAM); the cursor runs ahead.
-    int64_t ahead = begin, ahead_block = block, ahead_offset = offset;
+    // scattered blocks, a chunk at a time, left the kernel waiting on DRAM); the cursor runs ahead. (A
+    // function whose only effects are prefetches is dropped by GCC: this one moves its cursor.)
+    int64_t ahead = begin, ahead_block = begin / block_size, ahead_offset = begin - ahead_block * block_size;
     auto prefetch_to = [&](int64_t end) {
         for (end = std::min(end, len); ahead < end; ++ahead) {
             const int64_t r = table[ahead_block] * block_stride + ahead_offset * token_size + head_offset;
@@ -394,20 +418,17 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
         const int n = static_cast<int>(std::min<int64_t>(kChunk, len - t0));
         const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
         int64_t rows[kChunk];  // element offset of each token's kv head row in the caches
-        for (int j = 0; j < n; ++j) {
-            rows[j] = table[block] * block_stride + offset * token_size + head_offset;
-            if (++offset == block_size) offset = 0, ++block;
-        }
+        chunk_rows(t0, n, rows);
         for (int j = n; j < kChunk; ++j) rows[j] = rows[0];  // scored, then masked out
         prefetch_to(t0 + (kPrefetchChunks + 1) * kChunk);
         const T* keys[kChunk];
         for (int s = 0; s < kChunk; ++s) keys[s] = key_cache + rows[kSlotKey[s]];
 
         bool rescale = false;
+        __m512 sums[G];
+        score16<T, HD, G>(keys, q, sums);
         for (int h = 0; h < G; ++h) {
-            __m512 partial[kChunk];
-            for (int s = 0; s < kChunk; ++s) partial[s] = dot<HD>(keys[s], q + h * HD);
-            __m512 scaled = _mm512_mul_ps(sum16(partial), scale_v);
+            __m512 scaled = _mm512_mul_ps(sums[h], scale_v);
             if (softcap > 0.0f) scaled = softcap16(scaled, softcap);
             const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, scaled);
             // the maximum and the sums are rescaled only when a score exceeds the running maximum (the
