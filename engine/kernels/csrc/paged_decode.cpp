@@ -27,12 +27,12 @@
 //                 AVX512_BF16 both widened to float32; float32: FMA; each K row read once for the pass's
 //                 heads) summed by a transpose-and-add tree into one vector of 16 scores; the online
 //                 softmax on that vector (a 16-lane fast_exp; the running max and sums rescaled only
-//                 when a score exceeds the max, the sums kept per lane); then P.V into the float32 accumulators of the pass's heads, held in
-//                 registers: with AVX512_BF16, two keys' V rows interleaved and multiplied by their pair
-//                 of probabilities (rounded to bf16, as the prefill kernel and torch's flash kernel round
-//                 P) in one vdpbf16ps (VPairs); otherwise each V row widened once (bf16: even / odd
-//                 elements by shift / mask) and FMA'd. The accumulators keep that order until the output
-//                 is stored.
+//                 when a score exceeds the max, the sums kept per lane); then P.V into the float32
+//                 accumulators of the pass's heads, held in registers: with AVX512_BF16, two keys' V rows
+//                 interleaved and multiplied by their pair of probabilities (rounded to bf16, as the prefill
+//                 kernel and torch's flash kernel round P) in one vdpbf16ps (VPairs); otherwise each V row
+//                 widened once (bf16: even / odd elements by shift / mask) and FMA'd. The accumulators
+//                 keep that order until the output is stored.
 //   prefetch      the next chunk's K and V rows into L2: the blocks are scattered, and demand misses one
 //                 chunk at a time left the kernel waiting on DRAM (16 sequences x 150 tokens, the caches
 //                 of 30 layers in turn: 160 -> 90 us).
