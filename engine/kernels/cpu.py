@@ -258,7 +258,10 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, hidden] contiguous -> a new normalized tensor."""
-        return self._ops.cpu_rms_norm(x, weight, eps, self._function("rms_norm", x.dtype))
+        fn = self._function("rms_norm", x.dtype)
+        if torch.compiler.is_compiling():
+            return self._ops.cpu_rms_norm(x, weight, eps, fn)
+        return cpu_ops.rms_norm(x, weight, eps, fn)  # eagerly the kernel itself, as decode_layers
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual). Both [rows, hidden] contiguous."""
@@ -338,6 +341,7 @@ class CpuKernels:
         eps: float,
         scale: float,
         lora: Optional[DecodeLoRA] = None,
+        addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
@@ -346,7 +350,8 @@ class CpuKernels:
         and its four matrices (plain or GGUF blocks) as csrc/decode_layer.cpp reads them (`FusedDecode` builds
         it, from weights it checked and the model keeps alive); positions [rows] int64;
         block_tables [rows, width] and context_lens [rows] int32; `lora`: the adapters' deltas added to every
-        projection."""
+        projection. `addresses`: `cache_addresses(key_caches, value_caches)`, kept by a caller whose caches stay
+        (read again on every call otherwise)."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
             raise ValueError("decode_layers takes int64 positions and slots, one per row")
@@ -371,11 +376,7 @@ class CpuKernels:
             tuple(lora.table.shape) != (weights.shape[0], DECODE_LORA_COLUMNS) or lora.slots.shape[0] != rows
         ):
             raise ValueError("decode_layers takes a LoRA table of 8 addresses per layer and slots for every row")
-        return self._ops.cpu_decode_layers(
-            residual,
-            weights,
-            key_caches,
-            value_caches,
+        arguments = (
             positions,
             cos,
             sin_signed,
@@ -390,6 +391,14 @@ class CpuKernels:
             scale,
             self._function("decode_layers", residual.dtype),
         )
+        if torch.compiler.is_compiling():
+            return self._ops.cpu_decode_layers(residual, weights, key_caches, value_caches, *arguments)
+        # eagerly, the operator's kernel itself: the dispatcher's cost is a share of a decode step worth saving
+        if addresses is None:
+            addresses = cpu_ops.cache_addresses(key_caches, value_caches)
+        elif any(len(each) != weights.shape[0] for each in addresses):
+            raise ValueError(f"{weights.shape[0]} layers of weights for {len(addresses[0])} cache addresses")
+        return cpu_ops.decode_layers_at(residual, weights, addresses, tuple(key_caches[0].shape), *arguments)
 
     def lora_add_(
         self,

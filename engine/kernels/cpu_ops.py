@@ -27,6 +27,7 @@ The shape and dtype checks stay in CpuKernels, in front of the operators.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any, Optional
 
 import torch
@@ -71,7 +72,14 @@ class Overloads:
 
 
 def _call(name: str, fn: int, *args) -> None:
-    PROTOTYPES[name](fn)(*args)
+    _callable(name, fn)(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _callable(name: str, fn: int):
+    """The callable for the entry point at address `fn`, made once (building one costs more than the call it
+    makes: docs/performance.md)."""
+    return PROTOTYPES[name](fn)
 
 
 def _define(name: str, schema: str, kernel, fake) -> None:
@@ -124,7 +132,8 @@ def _paged_decode(
     return out
 
 
-def _rms_norm(x, weight, eps, fn):
+def rms_norm(x, weight, eps, fn):
+    """cpu_rms_norm's kernel."""
     out = torch.empty_like(x)
     _call("rms_norm", fn, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
@@ -258,10 +267,63 @@ def _decode_layers(
     scale,
     fn,
 ):
+    return decode_layers_at(
+        residual,
+        weights,
+        cache_addresses(key_caches, value_caches),
+        tuple(key_caches[0].shape),
+        positions,
+        cos,
+        sin_signed,
+        slots,
+        block_tables,
+        context_lens,
+        lora_table,
+        lora_slots,
+        lora_scales,
+        lora_ranks,
+        lora_max_rank,
+        heads,
+        inter,
+        eps,
+        scale,
+        fn,
+    )
+
+
+def cache_addresses(key_caches, value_caches) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each layer's key and value cache address, [num_layers] int64 each (what decode_layers reads)."""
+    return _addresses(key_caches), _addresses(value_caches)
+
+
+def decode_layers_at(
+    residual,
+    weights,
+    addresses: tuple[torch.Tensor, torch.Tensor],  # cache_addresses(key_caches, value_caches)
+    cache_shape: tuple[int, ...],  # [num_blocks, block_size, kv_heads, head_dim], every layer's
+    positions,
+    cos,
+    sin_signed,
+    slots,
+    block_tables,
+    context_lens,
+    lora_table: Optional[torch.Tensor],
+    lora_slots: Optional[torch.Tensor],
+    lora_scales: Optional[torch.Tensor],
+    lora_ranks: Optional[torch.Tensor],
+    lora_max_rank,
+    heads,
+    inter,
+    eps,
+    scale,
+    fn,
+):
+    """cpu_decode_layers' kernel over caches given by their addresses: eagerly, a caller whose caches stay
+    reads them once (a step's share worth saving: docs/performance.md)."""
     rows, hidden = residual.shape
-    _, block_size, kv_heads, head_dim = key_caches[0].shape
+    _, block_size, kv_heads, head_dim = cache_shape
     out = torch.empty_like(residual)
-    keys, values = _addresses(key_caches), _addresses(value_caches)  # [num_layers] int64
+    keys, values = addresses
     _call(
         "decode_layers",
         fn,
@@ -335,7 +397,7 @@ _define(
     _paged_decode,
     _like_first,
 )
-_define("cpu_rms_norm", "(Tensor x, Tensor weight, float eps, int fn) -> Tensor", _rms_norm, _like_first)
+_define("cpu_rms_norm", "(Tensor x, Tensor weight, float eps, int fn) -> Tensor", rms_norm, _like_first)
 _define(
     "cpu_add_rms_norm",
     "(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int fn) -> Tensor",

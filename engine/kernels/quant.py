@@ -48,11 +48,13 @@ def _address(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _quant_linear(x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, layout, tile_min_rows, fn):
+def _quant_linear(
+    x, qs, d, m: Optional[torch.Tensor], out_features, nbp, fmt, layout, tile_min_rows, fn, out_dtype=None
+):
     rows, in_features = x.shape
     if layout and out_features % 16:
         raise ValueError(f"an X16 weight has a multiple of 16 rows, got {out_features}")
-    out = x.new_empty((rows, out_features))  # [rows, out_features]
+    out = x.new_empty((rows, out_features), dtype=out_dtype)  # [rows, out_features]
     _function("quant_linear", fn)(
         x.data_ptr(),
         qs.data_ptr(),
@@ -160,6 +162,9 @@ class QuantKernels:
                 address = ctypes.cast(function, ctypes.c_void_p).value
                 assert address is not None  # a symbol the library exports (getattr raised otherwise)
                 self._functions[name, dtype] = address
+        widening = ctypes.cast(self._library.pagedserve_quant_linear_bf16_f32, ctypes.c_void_p).value
+        assert widening is not None  # as above
+        self._widening_linear = widening
         tiles = ctypes.cast(self._library.pagedserve_quant_bf16_tiles, ctypes.c_void_p).value
         assert tiles is not None  # as above
         self.bf16_tiles = bool(ctypes.CFUNCTYPE(ctypes.c_int64)(tiles)())
@@ -192,6 +197,27 @@ class QuantKernels:
         # eagerly, the operator's kernel itself: the dispatcher's cost, on each of a step's quantized products,
         # is a share of the step worth saving (docs/performance.md)
         return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
+
+    def linear_float32(
+        self,
+        x: torch.Tensor,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: Optional[torch.Tensor],
+        out_features: int,
+        nbp: int,
+        fmt: int,
+        layout: int = 0,
+    ) -> torch.Tensor:
+        """`linear` by the integer product, written in float32 whatever x's dtype (f32/bf16): logits, without a
+        pass that widens them afterwards (docs/performance.md)."""
+        if x.dtype == torch.float32:
+            return self.linear(x, qs, d, m, out_features, nbp, fmt, layout)
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the quantized products take float32 or bfloat16 activations, not {x.dtype}")
+        if torch.compiler.is_compiling():
+            return self.linear(x, qs, d, m, out_features, nbp, fmt, layout).float()
+        return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, 1 << 62, self._widening_linear, torch.float32)
 
     def dequantize(
         self,

@@ -30,6 +30,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels, DecodeLoRA
+from engine.kernels.cpu_ops import cache_addresses
 from engine.kernels.column_block_weight import PackedWeight
 from engine.quantization.gguf_weight import GgufWeight
 from engine.lora.lora_stack import LoRAStack
@@ -58,6 +59,7 @@ class FusedDecode:
         self._weights: Optional[torch.Tensor] = None  # the weight table (`_weight_table`)
         self._caches: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
         self._caches_of: Optional[Sequence] = None  # the kv_caches sequence they were split from
+        self._addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the caches' (cache_addresses)
         self._lora_table: Optional[torch.Tensor] = None  # the LoRA stacks' addresses (`_lora_table`)
         self.mixed_prefill_tokens = MIXED_PREFILL_MAX_TOKENS  # 0: steps with prompt tokens stay unfused
 
@@ -99,6 +101,7 @@ class FusedDecode:
         if self._caches is None or self._caches_of is not kv_caches:
             self._caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             self._caches_of = kv_caches
+            self._addresses = cache_addresses(*self._caches)
         key_caches, value_caches = self._caches
         tables, lens = _row_tables(step) if step.prefills else step.decodes()
         residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
@@ -121,6 +124,7 @@ class FusedDecode:
             arch.rms_norm_eps,
             model.scale,
             lora,
+            self._addresses,
         )
         return residual + h
 

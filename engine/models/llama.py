@@ -370,10 +370,13 @@ class LlamaForCausalLM:
         `lm_heads`: (rows, [vocab, hidden]) whose rows take their logits from that LM head instead (a LoRA
         adapter's modules_to_save)."""
         x = self.ops.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
-        logits = self.linear(x, self.lm_head, None)  # [n, vocab] or [n, this rank's rows]
-        if self.vocab_parallel is not None:
-            logits = self.vocab_parallel.gather_logits(logits)  # gathered before widening: half the bytes in bf16
-        logits = logits.float()
+        if self.vocab_parallel is None and isinstance(self.lm_head, QuantizedWeight):
+            logits = self.lm_head.matmul_float32(x)  # [n, vocab], by a kernel that writes float32 where it can
+        else:
+            logits = self.linear(x, self.lm_head, None)  # [n, vocab] or [n, this rank's rows]
+            if self.vocab_parallel is not None:
+                logits = self.vocab_parallel.gather_logits(logits)  # gathered before widening: half the bytes
+            logits = logits.float()
         for rows, lm_head in lm_heads:
             logits[rows] = F.linear(x[rows], lm_head).float()
         return logits

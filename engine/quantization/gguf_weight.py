@@ -130,6 +130,17 @@ class GgufWeight(QuantizedWeight):
             0 if product == "tiles" else NO_TILES,
         )
 
+    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """`matmul` in float32: the integer product writes it outright (a decode step's logits)."""
+        if x.shape[-1] != self._in_features:
+            raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self._in_features}")
+        if self.product(x.shape[0], x.dtype) != "integer":
+            return self.matmul(x).float()
+        p = self.packed
+        return self.kernels.linear_float32(
+            x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code, p.layout
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [out_features, in_features] (float32/bfloat16 by the kernel, others cast)."""
         p = self.packed

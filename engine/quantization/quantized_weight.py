@@ -33,6 +33,10 @@ class QuantizedWeight:
         """x [rows, in_features] -> x @ W.T [rows, out_features], in x's dtype."""
         raise NotImplementedError
 
+    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """`matmul` in float32 (logits): formats whose kernel can write float32 outright override it."""
+        return self.matmul(x).float()
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix it stands for, [out_features, in_features] (references, tests, fallbacks)."""
         raise NotImplementedError

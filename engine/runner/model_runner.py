@@ -532,6 +532,9 @@ class ModelRunner:
 
     def _sample_hidden(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor:
         """hidden [num_tokens, hidden] -> the sample rows' [num_samples, hidden]."""
+        rows = batch.sample_rows
+        if rows and len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
+            return hidden  # every row, in order (rows only increase): a decode step's; no gather to pay
         buffers = self.buffers
         assert buffers is not None  # not shut down
         sample_rows = buffers.sample_rows

@@ -136,6 +136,29 @@ def test_integer_product_every_shape_and_row_count(kernels, weights, name, dtype
         check_integer_product(got, x, reference)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
+@pytest.mark.parametrize("name", list(TYPES))
+def test_float32_out_of_bf16_activations_is_the_unrounded_integer_product(kernels, weights, name, layout):
+    """Logits: bf16 rows, float32 out with no bf16 rounding between (the float32-activation product of the
+    same values, bit for bit), and the bf16 product is that result rounded."""
+    for shape in LAYOUT_SHAPES[layout]:
+        _, reference = weights[name, shape]
+        w = make_weight(kernels, weights, name, shape, layout)
+        p = w.packed
+        for rows in ROWS:
+            x = make_x(rows, shape[1], torch.bfloat16, seed=rows)
+            got = kernels.linear_float32(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout)
+            assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+            check_integer_product(got, x, reference)
+            widened = kernels.linear(x.float(), p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout)
+            assert torch.equal(got, widened)
+            rounded = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout)
+            assert torch.equal(got.bfloat16(), rounded)
+            assert torch.equal(
+                w.matmul_float32(x), got if w.product(rows, x.dtype) == "integer" else w.matmul(x).float()
+            )
+
+
 def each_product(kernels, weights, name: str, dtype: torch.dtype, layout: str, **options):
     """(product, activations, float64 reference weight) for every shape and row count of format `name`."""
     for shape in LAYOUT_SHAPES[layout]:

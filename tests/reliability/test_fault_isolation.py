@@ -88,13 +88,15 @@ def test_a_fault_in_one_request_fails_it_alone(server, kind, stream, temperature
     assert_gauges_zero(server)
 
 
-def test_finite_rows_are_exact_including_overflowing_sums():
+def test_nonfinite_rows_are_exact_including_overflowing_sums():
     import torch
 
-    from engine.runner.fault_isolation import _finite_rows
+    from engine.runner.fault_isolation import _nonfinite_rows
 
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([[1.0, nan, 2.0], [-inf, 0.0, 1.0], [1.0, 2.0, 3.0], [3e38, 3e38, -1.0], [inf, -inf, 0.0]])
-    expected = [False, False, True, True, False]  # row 3 sums to inf, yet every entry is finite
+    expected = [True, True, False, False, True]  # row 3 sums to inf, yet every entry is finite
     for dtype in (torch.float32, torch.bfloat16):
-        assert _finite_rows(logits.to(dtype)).tolist() == expected
+        found = _nonfinite_rows(logits.to(dtype))
+        assert found is not None and found.tolist() == expected
+        assert _nonfinite_rows(logits[2:4].to(dtype)) is None  # all finite: nothing made

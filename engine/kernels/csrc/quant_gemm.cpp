@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -17,13 +18,15 @@ using namespace pagedserve::quant;
 
 using pagedserve::store;
 
-template <typename T>
-void quant_linear(const T* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t rows,
+template <typename TX, typename TO>
+void quant_linear(const TX* x, const uint8_t* qs, const uint16_t* d, const uint16_t* m, TO* out, int64_t rows,
                   int64_t in_features, int64_t columns, int64_t nbp, int64_t format, int64_t layout,
                   int64_t tile_min_rows) {
-    if (rows >= tile_min_rows &&
-        dense_bf16_product(x, qs, d, m, out, rows, in_features, columns, nbp, format, layout))
-        return;  // the bf16 tile product (quant_dense_bf16.cpp)
+    if constexpr (std::is_same_v<TX, TO>) {  // (float32 out of bf16 x: the integer product only)
+        if (rows >= tile_min_rows &&
+            dense_bf16_product(x, qs, d, m, out, rows, in_features, columns, nbp, format, layout))
+            return;  // the bf16 tile product (quant_dense_bf16.cpp)
+    }
     static thread_local Scratch calling_thread_scratch;  // reused across calls by the calling thread
     Scratch& scratch = calling_thread_scratch;  // (by name in the team, each thread would see its own)
     scratch.reserve(rows, nbp);
@@ -173,4 +176,14 @@ int64_t dequantize_rows(const uint8_t* qs, const uint16_t* d, const uint16_t* m,
 extern "C" {
 PAGEDSERVE_QUANT(f32, float)
 PAGEDSERVE_QUANT(bf16, uint16_t)
+
+// bf16 activations, float32 out, by the integer product (tile_min_rows is not read): logits written unrounded,
+// without a separate widening pass over them.
+void pagedserve_quant_linear_bf16_f32(const void* x, const void* qs, const void* d, const void* m, void* out,
+                                      int64_t rows, int64_t in_features, int64_t columns, int64_t nbp,
+                                      int64_t format, int64_t layout, int64_t) {
+    quant_linear(static_cast<const uint16_t*>(x), static_cast<const uint8_t*>(qs), static_cast<const uint16_t*>(d),
+                 static_cast<const uint16_t*>(m), static_cast<float*>(out), rows, in_features, columns, nbp, format,
+                 layout, INT64_MAX);
+}
 }

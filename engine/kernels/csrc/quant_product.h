@@ -403,9 +403,10 @@ struct BlockMatrix {
 
 // out [rows, N] = x [rows, K] @ W.T with integer dot products, work-shared over the calling team: the
 // rows are quantized into `scratch` (reserved for rows x nbp by the caller, before the team starts),
-// then the team splits the columns. Call it from every thread of a team, or from outside one.
-template <typename T>
-void integer_product_for(const T* x, const BlockMatrix& w, T* out, int64_t rows, int64_t K, int64_t N,
+// then the team splits the columns. Call it from every thread of a team, or from outside one. `out` may be
+// float32 for bf16 x (logits, written unrounded).
+template <typename TX, typename TO>
+void integer_product_for(const TX* x, const BlockMatrix& w, TO* out, int64_t rows, int64_t K, int64_t N,
                          Scratch& scratch) {
     const int64_t nbp = w.nbp, nb = K / kBlock;
     int8_t* xq = scratch.xq.data();
