@@ -344,7 +344,7 @@ class CpuKernels:
         addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
-        residual [rows, hidden] (the embeddings in, the residual stream before the last layer's MLP out) is
+        residual [rows, hidden] (the embeddings in, the residual stream after the last layer out) is
         updated in place, K/V written at `slots` [rows] int64 of each layer's cache; returns the last layer's
         MLP output [rows, hidden]. `weights` [num_layers, DECODE_WEIGHT_COLUMNS] int64 holds each layer's norm and bias addresses
         and its four matrices (plain or GGUF blocks) as csrc/decode_layer.cpp reads them (`FusedDecode` builds

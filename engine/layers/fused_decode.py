@@ -108,7 +108,7 @@ class FusedDecode:
         lora = self._lora(model.lora, model.lora_step)
         if lora is not None and model.lora_step.embeds:
             residual = model.lora_step.embed(input_ids, residual)
-        h = self.kernels.decode_layers(
+        self.kernels.decode_layers(
             residual,
             self._weights,
             key_caches,
@@ -126,7 +126,7 @@ class FusedDecode:
             lora,
             self._addresses,
         )
-        return residual + h
+        return residual  # the stream after the last layer (its MLP output added in the kernel)
 
     def _lora(self, stack: Optional[LoRAStack], step: Optional[LoRAStep]) -> Optional[DecodeLoRA]:
         """The step's adapters for the native call (None: base only)."""

@@ -89,10 +89,10 @@ class BlockTable:
         changes)."""
         return self._tensor[group, row, : -(-num_tokens // self.block_size)]
 
-    def gather_into(self, rows: torch.Tensor, out: torch.Tensor, group: int = 0) -> None:
+    def gather_into(self, rows: np.ndarray, out: np.ndarray, group: int = 0) -> None:
         """out[i] = the first out.shape[1] block ids of row rows[i] in `group` (entries past a row's blocks are
-        stale but valid block ids)."""
-        torch.index_select(self._tensor[group, :, : out.shape[1]], 0, rows, out=out)
+        stale but valid block ids). Numpy's take: torch's index_select costs several times more per step."""
+        np.take(self._array[group, :, : out.shape[1]], rows, axis=0, out=out)
 
     def _resize(self, rows: int, width: int) -> None:
         groups, old_rows, old_width = self._tensor.shape

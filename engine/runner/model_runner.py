@@ -410,11 +410,10 @@ class ModelRunner:
         bucket = None
         if graphs is not None and not chunks and (segments is None or graphs.takes_lora(segments)):
             bucket = graphs.bucket_for(num_decodes)
-        batch_rows = torch.from_numpy(rows)
         if graphs is not None and bucket is not None:
             for group in range(self.num_groups):
                 view = buffers.block_table_view(num_reqs, graphs.width, group)
-                self.block_table.gather_into(batch_rows, view, group)
+                self.block_table.gather_into(rows, view, group)
             graphs.pad(num_reqs, bucket)
             buffers.upload_all(bucket, graphs.width)
             if segments is not None:  # the graph's own static LoRA inputs, filled (its padding rows: none)
@@ -425,7 +424,7 @@ class ModelRunner:
             assert model is not None and model.lora is not None
             batch.lora = LoRAStep.build(model.lora, token, segments)
         for group in range(self.num_groups):
-            self.block_table.gather_into(batch_rows, buffers.block_table_view(num_reqs, width, group), group)
+            self.block_table.gather_into(rows, buffers.block_table_view(num_reqs, width, group), group)
         query_start_loc = buffers.query_start_loc.upload(num_reqs + 1)
         seq_lens_device = buffers.seq_lens.upload(num_reqs)
         steps = [

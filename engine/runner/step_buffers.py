@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -87,9 +88,9 @@ class StepBuffers:
                 f"runner's buffers ({self.max_num_tokens}, {self.max_num_reqs}, {self.max_blocks_per_req})"
             )
 
-    def block_table_view(self, num_reqs: int, width: int, group: int = 0) -> torch.Tensor:
-        """The host `[num_reqs, width]` block table of a group in this step (contiguous)."""
-        return self.block_tables[group].host[: num_reqs * width].view(num_reqs, width)
+    def block_table_view(self, num_reqs: int, width: int, group: int = 0) -> np.ndarray:
+        """The host `[num_reqs, width]` block table of a group in this step (contiguous), as numpy's view."""
+        return self.block_tables[group].array[: num_reqs * width].reshape(num_reqs, width)
 
     def upload_all(self, num_reqs: int, width: int) -> None:
         """Copy up the first `num_reqs` rows of every input of a decode step (one token per request)

@@ -1,7 +1,6 @@
 """The runner's persistent block table."""
 
 import numpy as np
-import torch
 
 from engine.runner.block_table import BlockTable
 
@@ -17,8 +16,8 @@ def test_rows_hold_their_blocks_through_growth():
     assert table.blocks(a, 3).tolist() == [7, 3, 2]
     assert table.blocks(b, 1).tolist() == [1]
     assert table.blocks(c, 5).tolist() == [9, 8, 6, 5, 4]
-    out = torch.empty((2, 2), dtype=torch.int32)
-    table.gather_into(torch.tensor([c, a]), out)
+    out = np.empty((2, 2), dtype=np.int32)
+    table.gather_into(np.array([c, a]), out)
     assert out.tolist() == [[9, 8], [7, 3]]
     assert len({a, b, c}) == 3
 
@@ -50,8 +49,8 @@ def test_slots_and_tables_in_tokens():
     assert table.slots_at(np.array([row] * 3), np.array([0, 5, 11])).tolist() == [[40, 13, 31]]
     assert table.slots(row, 2, 10).tolist() == [[42, 43, 12, 13, 14, 15, 28, 29]]
     assert table.blocks(row, 5).tolist() == [10, 3]  # 5 tokens span 2 blocks
-    out = torch.empty((1, 3), dtype=torch.int32)
-    table.gather_into(torch.tensor([row]), out)
+    out = np.empty((1, 3), dtype=np.int32)
+    table.gather_into(np.array([row]), out)
     assert out.tolist() == [[10, 3, 7]]
 
 
@@ -65,6 +64,6 @@ def test_groups_hold_their_own_blocks_for_the_same_positions():
     assert table.blocks(row, 6, group=1).tolist() == [9, 6, 8]
     assert table.slots(row, 1, 4).tolist() == [[9, 10, 11], [19, 12, 13]]
     assert table.slots_at(np.array([row]), np.array([5])).tolist() == [[15], [17]]
-    out = torch.empty((1, 3), dtype=torch.int32)
-    table.gather_into(torch.tensor([row]), out, group=1)
+    out = np.empty((1, 3), dtype=np.int32)
+    table.gather_into(np.array([row]), out, group=1)
     assert out.tolist() == [[9, 6, 8]]

@@ -236,7 +236,7 @@ LayerLoRA<T> layer_lora(const StepLoRA& step, const pagedserve::lora::Plan* plan
 }
 
 // Every layer of a decode step: decode_qkv, paged attention, decode_o_mlp. `out` ends as the last
-// layer's MLP output (the caller adds it to the residual).
+// layer's MLP output and `residual` as the stream after it (that output added, rounded as torch's add).
 template <typename T>
 void decode_layers(T* residual, const int64_t* weights, const int64_t* key_caches, const int64_t* value_caches,
                    const int64_t* positions, const T* cos, const T* sin_signed, const int64_t* slots,
@@ -273,6 +273,7 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                      scratch, lora);
         h = out;
     }
+    for (int64_t i = 0; i < s.rows * s.hidden; ++i) store(residual + i, to_float(residual[i]) + to_float(out[i]));
 }
 
 }  // namespace
