@@ -245,50 +245,10 @@ def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _decode_layers(
-    residual,
-    weights,
-    key_caches,
-    value_caches,
-    positions,
-    cos,
-    sin_signed,
-    slots,
-    block_tables,
-    context_lens,
-    lora_table: Optional[torch.Tensor],
-    lora_slots: Optional[torch.Tensor],
-    lora_scales: Optional[torch.Tensor],
-    lora_ranks: Optional[torch.Tensor],
-    lora_max_rank,
-    heads,
-    inter,
-    eps,
-    scale,
-    fn,
-):
-    return decode_layers_at(
-        residual,
-        weights,
-        cache_addresses(key_caches, value_caches),
-        tuple(key_caches[0].shape),
-        positions,
-        cos,
-        sin_signed,
-        slots,
-        block_tables,
-        context_lens,
-        lora_table,
-        lora_slots,
-        lora_scales,
-        lora_ranks,
-        lora_max_rank,
-        heads,
-        inter,
-        eps,
-        scale,
-        fn,
-    )
+def _decode_layers(residual, weights, key_caches, value_caches, *arguments):
+    """cpu_decode_layers' kernel (its schema names the arguments): `decode_layers_at` on these caches."""
+    addresses = cache_addresses(key_caches, value_caches)
+    return decode_layers_at(residual, weights, addresses, tuple(key_caches[0].shape), *arguments)
 
 
 def cache_addresses(key_caches, value_caches) -> tuple[torch.Tensor, torch.Tensor]:

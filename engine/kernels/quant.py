@@ -187,37 +187,23 @@ class QuantKernels:
         fmt: int,
         layout: int = 0,
         tile_min_rows: int = 1 << 62,
+        float32_out: bool = False,
     ) -> torch.Tensor:
         """x [rows, in] contiguous f32/bf16 -> x @ W.T [rows, out_features] in x's dtype: integer dot products
         with int8 activations, or, for bf16 x of at least `tile_min_rows` rows on AVX512-BF16 builds, bf16
-        products with tiles of W dequantized once (csrc/quant_dense_bf16.cpp)."""
+        products with tiles of W dequantized once (csrc/quant_dense_bf16.cpp). `float32_out`: in float32 whatever
+        x's dtype, by the integer product (logits, without a pass that widens them afterwards: docs/performance.md).
+        """
         fn = self._function("quant_linear", x.dtype)
+        widen = float32_out and x.dtype != torch.float32
         if torch.compiler.is_compiling():
-            return self._linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
+            out = self._linear(x, qs, d, m, out_features, nbp, fmt, layout, 1 << 62 if widen else tile_min_rows, fn)
+            return out.float() if widen else out
         # eagerly, the operator's kernel itself: the dispatcher's cost, on each of a step's quantized products,
         # is a share of the step worth saving (docs/performance.md)
+        if widen:
+            return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, 0, self._widening_linear, torch.float32)
         return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, tile_min_rows, fn)
-
-    def linear_float32(
-        self,
-        x: torch.Tensor,
-        qs: torch.Tensor,
-        d: torch.Tensor,
-        m: Optional[torch.Tensor],
-        out_features: int,
-        nbp: int,
-        fmt: int,
-        layout: int = 0,
-    ) -> torch.Tensor:
-        """`linear` by the integer product, written in float32 whatever x's dtype (f32/bf16): logits, without a
-        pass that widens them afterwards (docs/performance.md)."""
-        if x.dtype == torch.float32:
-            return self.linear(x, qs, d, m, out_features, nbp, fmt, layout)
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"the quantized products take float32 or bfloat16 activations, not {x.dtype}")
-        if torch.compiler.is_compiling():
-            return self.linear(x, qs, d, m, out_features, nbp, fmt, layout).float()
-        return _quant_linear(x, qs, d, m, out_features, nbp, fmt, layout, 1 << 62, self._widening_linear, torch.float32)
 
     def dequantize(
         self,

@@ -112,13 +112,21 @@ class GgufWeight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] f32/bf16 -> [rows, out_features] in x's dtype."""
+        return self._matmul(x, float32_out=False)
+
+    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """`matmul` in float32: the integer product writes it outright (a decode step's logits)."""
+        return self._matmul(x, float32_out=True)
+
+    def _matmul(self, x: torch.Tensor, float32_out: bool) -> torch.Tensor:
         if x.shape[-1] != self._in_features:
             raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self._in_features}")
         product = self.product(x.shape[0], x.dtype)
         if product == "dense":
-            return F.linear(x, self.dequantize(x.dtype))
+            out = F.linear(x, self.dequantize(x.dtype))
+            return out.float() if float32_out else out
         p = self.packed
-        return self.kernels.linear(
+        out = self.kernels.linear(
             x.contiguous(),
             p.qs,
             p.d,
@@ -128,18 +136,9 @@ class GgufWeight(QuantizedWeight):
             self.fmt.code,
             p.layout,
             0 if product == "tiles" else NO_TILES,
+            float32_out=float32_out and product == "integer",
         )
-
-    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
-        """`matmul` in float32: the integer product writes it outright (a decode step's logits)."""
-        if x.shape[-1] != self._in_features:
-            raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self._in_features}")
-        if self.product(x.shape[0], x.dtype) != "integer":
-            return self.matmul(x).float()
-        p = self.packed
-        return self.kernels.linear_float32(
-            x.contiguous(), p.qs, p.d, p.m, self.out_features, p.nbp, self.fmt.code, p.layout
-        )
+        return out.float() if float32_out else out
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [out_features, in_features] (float32/bfloat16 by the kernel, others cast)."""

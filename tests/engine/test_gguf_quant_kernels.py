@@ -147,7 +147,7 @@ def test_float32_out_of_bf16_activations_is_the_unrounded_integer_product(kernel
         p = w.packed
         for rows in ROWS:
             x = make_x(rows, shape[1], torch.bfloat16, seed=rows)
-            got = kernels.linear_float32(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout)
+            got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout, float32_out=True)
             assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
             check_integer_product(got, x, reference)
             widened = kernels.linear(x.float(), p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout)
