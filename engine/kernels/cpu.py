@@ -175,7 +175,8 @@ def build_library(
 
 class CpuKernels:
     """The loaded library's entry points (their addresses, per kernel and dtype), called through the
-    `torch.ops.pagedserve.cpu_*` operators of cpu_ops.py after checking their arguments."""
+    `torch.ops.pagedserve.cpu_*` operators of cpu_ops.py after checking their arguments (the decode step's
+    `decode_layers` and `rms_norm` call the operators' kernels directly outside torch.compile)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -261,7 +262,10 @@ class CpuKernels:
         fn = self._function("rms_norm", x.dtype)
         if torch.compiler.is_compiling():
             return self._ops.cpu_rms_norm(x, weight, eps, fn)
-        return cpu_ops.rms_norm(x, weight, eps, fn)  # eagerly the kernel itself, as decode_layers
+        if x.device.type != "cpu":  # (the operator has a CPU kernel only: the dispatcher refused these)
+            raise ValueError(f"rms_norm takes CPU tensors, got {x.device}")
+        # eagerly the operator's kernel itself: the dispatcher's cost is a share of a decode step worth saving
+        return cpu_ops.rms_norm(x, weight, eps, fn)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual). Both [rows, hidden] contiguous."""
@@ -350,8 +354,8 @@ class CpuKernels:
         and its four matrices (plain or GGUF blocks) as csrc/decode_layer.cpp reads them (`FusedDecode` builds
         it, from weights it checked and the model keeps alive); positions [rows] int64;
         block_tables [rows, width] and context_lens [rows] int32; `lora`: the adapters' deltas added to every
-        projection. `addresses`: `cache_addresses(key_caches, value_caches)`, kept by a caller whose caches stay
-        (read again on every call otherwise)."""
+        projection. `addresses`: `cache_addresses(key_caches, value_caches)` of these very caches, kept by a
+        caller whose caches stay (read again on every call otherwise)."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
             raise ValueError("decode_layers takes int64 positions and slots, one per row")
@@ -397,7 +401,10 @@ class CpuKernels:
         if addresses is None:
             addresses = cpu_ops.cache_addresses(key_caches, value_caches)
         elif any(len(each) != weights.shape[0] for each in addresses):
-            raise ValueError(f"{weights.shape[0]} layers of weights for {len(addresses[0])} cache addresses")
+            raise ValueError(
+                f"{weights.shape[0]} layers of weights for {len(addresses[0])} key and {len(addresses[1])} value "
+                "cache addresses"
+            )
         return cpu_ops.decode_layers_at(residual, weights, addresses, tuple(key_caches[0].shape), *arguments)
 
     def lora_add_(

@@ -192,7 +192,8 @@ class QuantKernels:
         """x [rows, in] contiguous f32/bf16 -> x @ W.T [rows, out_features] in x's dtype: integer dot products
         with int8 activations, or, for bf16 x of at least `tile_min_rows` rows on AVX512-BF16 builds, bf16
         products with tiles of W dequantized once (csrc/quant_dense_bf16.cpp). `float32_out`: in float32 whatever
-        x's dtype, by the integer product (logits, without a pass that widens them afterwards: docs/performance.md).
+        x's dtype, by the integer product (logits, without a pass that widens them afterwards: docs/performance.md;
+        under torch.compile the product in x's dtype, widened).
         """
         fn = self._function("quant_linear", x.dtype)
         widen = float32_out and x.dtype != torch.float32

@@ -4,7 +4,7 @@
     per layer   decode_qkv      [residual += h;] norm; qkv product; RoPE; K/V into the cache; -> queries
                 paged_decode    attention of each query over its sequence's cache
                 decode_o_mlp    o product; residual += ; norm; gate|up product; SiLU * up; down product
-    then        residual + h (before the final norm), as `LlamaForCausalLM.forward` returns
+    then        residual += h, in the kernel (before the final norm), as `LlamaForCausalLM.forward` returns
 
 The two fused kernels are one OpenMP team each, running the products through the column-block kernel of
 csrc/column_blocks.h (bf16 weights packed for it, AVX512-BF16), the small-batch kernel of csrc/gemv.h (plain

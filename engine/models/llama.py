@@ -368,7 +368,9 @@ class LlamaForCausalLM:
         """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32. With several ranks every rank
         must call it for the same rows in the same order (its slices are gathered): all ranks get the whole.
         `lm_heads`: (rows, [vocab, hidden]) whose rows take their logits from that LM head instead (a LoRA
-        adapter's modules_to_save)."""
+        adapter's modules_to_save). A quantized LM head's kernel may write float32 outright (GGUF's integer
+        product, eagerly, on one rank: logits not rounded to the model's dtype first); other products, and the
+        vocabulary slices gathered across ranks, are rounded to it, then widened."""
         x = self.ops.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
         if self.vocab_parallel is None and isinstance(self.lm_head, QuantizedWeight):
             logits = self.lm_head.matmul_float32(x)  # [n, vocab], by a kernel that writes float32 where it can

@@ -14,8 +14,8 @@ class BlockTable:
 
     A request takes a row (the same in every group) when it is added and gives it back when it ends; the
     scheduler's new block ids are appended to the row, group by group, as they arrive, so a step
-    never rebuilds tables from Python lists: a group's table for the step is one `index_select`
-    of the rows in the batch (`gather_into`), and slots (block_id * block_size +
+    never rebuilds tables from Python lists: a group's table for the step is one gather of the rows
+    in the batch (`gather_into`), and slots (block_id * block_size +
     offset) are read from the rows. A model with one kind of attention has one group; one that mixes
     sliding-window and full layers has a group per kind (scheduler/kv_cache_manager.py), whose rows hold
     different blocks for the same positions.
@@ -91,8 +91,9 @@ class BlockTable:
 
     def gather_into(self, rows: np.ndarray, out: np.ndarray, group: int = 0) -> None:
         """out[i] = the first out.shape[1] block ids of row rows[i] in `group` (entries past a row's blocks are
-        stale but valid block ids). Numpy's take: torch's index_select costs several times more per step."""
-        np.take(self._array[group, :, : out.shape[1]], rows, axis=0, out=out)
+        stale but valid block ids). Numpy's indexing, which reads the chosen rows alone (`np.take` copies a
+        non-contiguous source whole first); torch's index_select costs several times more per step."""
+        out[...] = self._array[group][rows, : out.shape[1]]
 
     def _resize(self, rows: int, width: int) -> None:
         groups, old_rows, old_width = self._tensor.shape

@@ -530,7 +530,8 @@ class ModelRunner:
         return lm_head_rows(model.lora, row_slots, self.device)
 
     def _sample_hidden(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor:
-        """hidden [num_tokens, hidden] -> the sample rows' [num_samples, hidden]."""
+        """hidden [num_tokens, hidden] -> the sample rows' [num_samples, hidden]: `hidden` itself when those are
+        all its rows (on a CUDA graph its static output, read before the next replay)."""
         rows = batch.sample_rows
         if rows and len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
             return hidden  # every row, in order (rows only increase): a decode step's; no gather to pay

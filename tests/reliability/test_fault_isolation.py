@@ -89,6 +89,8 @@ def test_a_fault_in_one_request_fails_it_alone(server, kind, stream, temperature
 
 
 def test_nonfinite_rows_are_exact_including_overflowing_sums():
+    import warnings
+
     import torch
 
     from engine.runner.fault_isolation import _nonfinite_rows
@@ -97,6 +99,8 @@ def test_nonfinite_rows_are_exact_including_overflowing_sums():
     logits = torch.tensor([[1.0, nan, 2.0], [-inf, 0.0, 1.0], [1.0, 2.0, 3.0], [3e38, 3e38, -1.0], [inf, -inf, 0.0]])
     expected = [True, True, False, False, True]  # row 3 sums to inf, yet every entry is finite
     for dtype in (torch.float32, torch.bfloat16):
-        found = _nonfinite_rows(logits.to(dtype))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an overflowing or non-finite sum is what the check looks for
+            found = _nonfinite_rows(logits.to(dtype))
         assert found is not None and found.tolist() == expected
         assert _nonfinite_rows(logits[2:4].to(dtype)) is None  # all finite: nothing made
