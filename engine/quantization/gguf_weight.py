@@ -124,21 +124,21 @@ class GgufWeight(QuantizedWeight):
         product = self.product(x.shape[0], x.dtype)
         if product == "dense":
             out = F.linear(x, self.dequantize(x.dtype))
-            return out.float() if float32_out else out
-        p = self.packed
-        out = self.kernels.linear(
-            x.contiguous(),
-            p.qs,
-            p.d,
-            p.m,
-            self.out_features,
-            p.nbp,
-            self.fmt.code,
-            p.layout,
-            0 if product == "tiles" else NO_TILES,
-            float32_out=float32_out and product == "integer",
-        )
-        return out.float() if float32_out else out
+        else:
+            p = self.packed
+            out = self.kernels.linear(
+                x.contiguous(),
+                p.qs,
+                p.d,
+                p.m,
+                self.out_features,
+                p.nbp,
+                self.fmt.code,
+                p.layout,
+                0 if product == "tiles" else NO_TILES,
+                float32_out=float32_out and product == "integer",
+            )
+        return out.float() if float32_out else out  # (a no-op where the kernel wrote float32)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [out_features, in_features] (float32/bfloat16 by the kernel, others cast)."""
