@@ -18,7 +18,7 @@
 // AVX-512 builds (head_dim 64, 128 or 256; float32 or bfloat16), paged_decode_simd:
 //   work items    (sequence, kv head, pass): a pass takes up to 4 query heads of the kv head's GQA group
 //                 (larger groups take several passes), spread over the threads dynamically, so a single
-//                 sequence (the latency-critical case) still uses every thread. With fewer than 4 items
+//                 sequence (the latency-critical case) still uses every thread. With fewer than 2 items
 //                 per thread, long sequences are split into parts of 256+ tokens, merged at the end
 //                 (`split` = 0 turns this off: how a row's sums are grouped then depends on the row alone,
 //                 as batch-invariant mode needs, not on its neighbours or the thread count).
@@ -204,6 +204,8 @@ constexpr int kMaxPass = 4;   // query heads of a GQA group per pass over their 
 constexpr int kPrefetchChunks = 1;  // K/V prefetched this many chunks ahead (2 measured no better)
 constexpr int kMaxAccs = 16;  // float32 accumulator vectors held in registers by the P.V loop
 constexpr int64_t kMinSplitTokens = 256;  // tokens per part when few items split their sequences
+constexpr int64_t kSplitItemsPerThread = 2;  // fewer items per thread split long sequences; each item costs a
+                                             // stream start (4 per thread: 1 x 4,149 tokens 2% slower)
 constexpr int64_t kPartialHeader = 16;     // floats before a part's sums: running max, running sum
 constexpr int64_t kPartialSize = kPartialHeader + 256;  // floats per head of a part (head_dim <= 256)
 
@@ -510,7 +512,7 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 
 // Work items: (sequence, kv head, pass of up to kMaxPass of its query heads), spread over the threads:
 // finer than sequences, so a single sequence (the latency-critical case) still uses every thread. When
-// there are fewer than 4 items per thread, long sequences are split into parts of at least
+// there are fewer than kSplitItemsPerThread items per thread, long sequences are split into parts of at least
 // kMinSplitTokens (whole chunks), each part's running max, sum and unnormalized sums kept, and merged
 // once all are done (1 x 2000 tokens, 2 threads: ~78 -> ~70 us), as many parts as make the items a multiple of
 // the threads (empty parts of a short sequence are skipped at the merge); the merge sums in another order
@@ -535,8 +537,9 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
     int64_t parts = 1;
 #if defined(_OPENMP)
     const int64_t threads = omp_get_max_threads();
-    if (split && threads > 1 && items < 4 * threads)
-        parts = std::max<int64_t>(1, std::min((4 * threads + items - 1) / items, longest / kMinSplitTokens));
+    if (split && threads > 1 && items < kSplitItemsPerThread * threads)
+        parts = std::max<int64_t>(
+            1, std::min((kSplitItemsPerThread * threads + items - 1) / items, longest / kMinSplitTokens));
     // a whole number of items per thread: 3 kv heads in 3 parts on 2 threads left one thread idle through the
     // last of 9 equal items (docs/performance.md)
     if (parts > 1)
