@@ -15,6 +15,7 @@ from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape, latent_rank_of
 from engine.attention.layer_attention import check_backend_serves
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
+from engine.huge_pages import back_weights_with_huge_pages
 from engine.engine_config import EngineConfig
 from engine.attention.kv_groups import KVGroups
 from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
@@ -141,6 +142,8 @@ def build_shard(
         weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))
     model.load_weights(weights)
     _log_weights(model)
+    if device.type == "cpu":
+        back_weights_with_huge_pages(model)
     spec = KVCacheSpec(
         len(model.stage.layers),
         config.cache.block_size,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from engine.errors import SettingsConflictError
+from engine.huge_pages import advise_huge_pages
 
 import torch
 
@@ -201,11 +202,18 @@ class KVCache:
 
     @staticmethod
     def _layer(spec: KVCacheSpec, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V); for a latent spec (entries, their first latent_rank features): a view, no second tensor."""
-        keys = torch.zeros(shape, dtype=spec.dtype, device=device)
+        """(K, V); for a latent spec (entries, their first latent_rank features): a view, no second tensor.
+        On a CPU each is advised to 2 MB pages before it is first written (engine/huge_pages.py)."""
+
+        def zeros() -> torch.Tensor:
+            tensor = torch.empty(shape, dtype=spec.dtype, device=device)
+            advise_huge_pages([tensor], collapse=False)
+            return tensor.zero_()
+
+        keys = zeros()
         if spec.latent_rank is not None:
             return keys, keys[..., : spec.latent_rank]
-        return keys, torch.zeros(shape, dtype=spec.dtype, device=device)
+        return keys, zeros()
 
     def release(self) -> None:
         """Drop the tensors (the engine is shutting down); the spec stays for what describes the cache."""

@@ -1,0 +1,94 @@
+"""2 MB pages for the KV cache and the weights (engine/huge_pages.py): what is advised, read back from the
+kernel's own account of this process's mappings (/proc/self/smaps: `hg` among a mapping's VmFlags once
+MADV_HUGEPAGE applies to it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention.kv_cache import KVCache, KVCacheSpec
+from engine.huge_pages import HUGE_PAGE, advise_huge_pages, huge_pages_available, large_tensors
+
+needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="this kernel gives no transparent huge pages")
+
+
+def _flags_at(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _first_whole_page(tensor: torch.Tensor) -> int:
+    return -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+
+
+@needs_thp
+def test_a_large_tensor_is_advised_in_whole_pages_and_keeps_its_values():
+    tensor = torch.arange(3 * HUGE_PAGE // 4, dtype=torch.float32)  # 6 MB, written before the advice
+    expected = tensor.clone()
+    advised = advise_huge_pages([tensor, tensor[10:]], collapse=True)  # one storage: advised once
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    assert advised == (end // HUGE_PAGE * HUGE_PAGE - _first_whole_page(tensor))
+    assert advised >= 2 * HUGE_PAGE
+    assert "hg" in _flags_at(_first_whole_page(tensor))
+    assert start <= _first_whole_page(tensor)
+    assert torch.equal(tensor, expected)
+
+
+def test_small_tensors_and_other_kernels_get_nothing(tmp_path):
+    assert advise_huge_pages([torch.zeros(1000)], collapse=True) == 0
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    assert not huge_pages_available(setting)
+    assert advise_huge_pages([torch.zeros(4 * HUGE_PAGE // 4)], collapse=False, setting=setting) == 0
+    setting.write_text("always [madvise] never\n")
+    assert huge_pages_available(setting)
+    setting.write_text("[always] madvise never\n")
+    assert huge_pages_available(setting)
+    assert not huge_pages_available(tmp_path / "absent")
+
+
+@needs_thp
+def test_the_cpu_kv_cache_is_advised_before_it_is_written():
+    spec = KVCacheSpec(2, 16, 4, 64, torch.bfloat16)
+    cache = KVCache(spec, 512, torch.device("cpu"))  # 512 x 16 x 4 x 64 x 2 bytes = 4 MiB per tensor
+    for keys, values in cache.layers:
+        for tensor in (keys, values):
+            assert not tensor.any()
+            assert "hg" in _flags_at(_first_whole_page(tensor))
+
+
+class _Slotted:
+    __slots__ = ("matrix", "scales")
+
+    def __init__(self, matrix, scales):
+        self.matrix = matrix
+        self.scales = scales
+
+
+class _Model:
+    def __init__(self):
+        big = torch.zeros(HUGE_PAGE // 2)  # 4 MB
+        self.layers = [_Slotted(big, torch.zeros(8)), _Slotted(torch.zeros(HUGE_PAGE // 4), None)]
+        self.tied = {"lm_head": big[1:]}  # the same storage as a layer's: found once
+        self.embed = torch.zeros(HUGE_PAGE // 4, dtype=torch.float16)  # 1 MB: under the minimum
+        self.name = "model"
+
+
+def test_large_tensors_finds_each_storage_once_whatever_holds_it():
+    model = _Model()
+    found = large_tensors(model)
+    assert sorted(t.untyped_storage().data_ptr() for t in found) == sorted(
+        [model.layers[0].matrix.data_ptr(), model.layers[1].matrix.data_ptr()]
+    )
+    assert len(large_tensors(model, min_bytes=HUGE_PAGE // 2)) == 3  # the 1 MB embedding too
