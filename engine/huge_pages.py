@@ -15,8 +15,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
+import types
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -56,10 +57,10 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor], *, collapse: bool, settin
     for tensor in tensors:
         if tensor.device.type != "cpu":
             continue
-        storage = tensor.untyped_storage()
-        start, size = storage.data_ptr(), storage.nbytes()
-        if start in seen:
+        span = _storage_span(tensor)
+        if span is None or span[0] in seen:
             continue
+        start, size = span
         seen.add(start)
         first = -(-start // HUGE_PAGE) * HUGE_PAGE
         length = (start + size) // HUGE_PAGE * HUGE_PAGE - first
@@ -69,6 +70,16 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor], *, collapse: bool, settin
             madvise(first, length, MADV_COLLAPSE)  # refused on kernels before 6.1: khugepaged backs it later
         advised += length
     return advised
+
+
+def _storage_span(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(address, bytes) of the memory under `tensor`; None for a tensor without storage of its own (an opaque
+    layout such as oneDNN's packed weights, or a meta tensor)."""
+    try:
+        storage = tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return (storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else None
 
 
 def large_tensors(root: object, min_bytes: int = HUGE_PAGE) -> list[torch.Tensor]:
@@ -82,12 +93,14 @@ def large_tensors(root: object, min_bytes: int = HUGE_PAGE) -> list[torch.Tensor
             return
         visited.add(id(node))
         if isinstance(node, torch.Tensor):
-            storage = node.untyped_storage()
-            if storage.nbytes() >= min_bytes:
-                found.setdefault(storage.data_ptr(), node)
+            span = _storage_span(node)
+            if span is not None and span[1] >= min_bytes:
+                found.setdefault(span[0], node)
             return
-        if isinstance(node, (str, bytes, int, float, bool, type, torch.dtype, torch.device)) or node is None:
-            return
+        if node is None or isinstance(
+            node, (str, bytes, int, float, type, types.ModuleType, torch.dtype, torch.device)
+        ):
+            return  # leaves, and modules (a module's globals are not the model's)
         if isinstance(node, (list, tuple, set, frozenset)):
             children: Iterable[object] = node
         elif isinstance(node, dict):

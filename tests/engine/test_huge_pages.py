@@ -85,6 +85,12 @@ class _Model:
         self.name = "model"
 
 
+def test_tensors_without_storage_of_their_own_are_passed_over():
+    opaque = torch.randn(64, 64).to_mkldnn()  # oneDNN's layout: no storage to reach
+    assert large_tensors({"packed": opaque, "meta": torch.empty(1 << 22, device="meta")}, min_bytes=1) == []
+    assert advise_huge_pages([opaque], collapse=True) == 0
+
+
 def test_large_tensors_finds_each_storage_once_whatever_holds_it():
     model = _Model()
     found = large_tensors(model)
