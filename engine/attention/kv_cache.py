@@ -203,17 +203,14 @@ class KVCache:
     @staticmethod
     def _layer(spec: KVCacheSpec, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V); for a latent spec (entries, their first latent_rank features): a view, no second tensor.
-        On a CPU each is advised to 2 MB pages before it is first written (engine/huge_pages.py)."""
-
-        def zeros() -> torch.Tensor:
-            tensor = torch.empty(shape, dtype=spec.dtype, device=device)
-            advise_huge_pages([tensor], collapse=False)
-            return tensor.zero_()
-
-        keys = zeros()
+        On a CPU both are advised to 2 MB pages before they are first written (engine/huge_pages.py)."""
+        count = 1 if spec.latent_rank is not None else 2
+        tensors = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(count)]
+        advise_huge_pages(tensors, collapse=False)
+        keys = tensors[0].zero_()
         if spec.latent_rank is not None:
             return keys, keys[..., : spec.latent_rank]
-        return keys, zeros()
+        return keys, tensors[1].zero_()
 
     def release(self) -> None:
         """Drop the tensors (the engine is shutting down); the spec stays for what describes the cache."""
