@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from engine.kernels import cpu_ops
 from engine.cache_dir import default_cache_dir
 from engine.cpu_threads import machine_cpu_threads
+from engine.file_lock import exclusive_lock
 
 logger = logging.getLogger(__name__)
 
@@ -158,18 +160,38 @@ def build_library(
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=target_dir, prefix=".build-"))  # this builder's objects and partial library
-    estimate = f", about {BUILD_SECONDS} s" if set(sources) == set(SOURCES) else ""
-    logger.info("building the native CPU kernels (first start only%s) ...", estimate)
-    started = time.monotonic()
-    try:
-        partial = work / "kernels.so"
-        _compile_and_link(compiler_path, flags, sources, work, partial)
-        os.replace(partial, target)  # atomic: concurrent builders each publish a complete file
-        logger.info("built the native CPU kernels in %.1f s (cached in %s)", time.monotonic() - started, target_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    # one builder per library: the others (a background build, tensor-parallel ranks) wait, then find it
+    with exclusive_lock(target.with_suffix(".lock")):
+        if target.exists():
+            return target
+        work = Path(tempfile.mkdtemp(dir=target_dir, prefix=".build-"))  # this builder's objects and library
+        estimate = f", about {BUILD_SECONDS} s" if set(sources) == set(SOURCES) else ""
+        logger.info("building the native CPU kernels (first start only%s) ...", estimate)
+        started = time.monotonic()
+        try:
+            partial = work / "kernels.so"
+            _compile_and_link(compiler_path, flags, sources, work, partial)
+            os.replace(partial, target)  # atomic: a reader without the lock sees a complete file or none
+            logger.info("built the native CPU kernels in %.1f s (cached in %s)", time.monotonic() - started, target_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def start_build(cache_dir: Optional[Path] = None) -> threading.Thread:
+    """`build_library` for this CPU on a thread of its own, for a start with other work to do before it loads
+    the kernels (a GGUF to convert, weights to read): the compilers run meanwhile, and `load_cpu_kernels` waits
+    for them through the build's lock. A failure is left to that load to report (it tries once more)."""
+
+    def build() -> None:
+        try:
+            build_library(cache_dir)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            logger.debug("the background build of the native CPU kernels failed: %s", error)
+
+    thread = threading.Thread(target=build, name="kernel-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def _compile_and_link(

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from engine.file_lock import exclusive_lock
 from engine.loading.child_process import call_in_child_process
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
     if is_complete_checkpoint(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(final.parent / f"{digest}.lock"):
+    with exclusive_lock(final.parent / f"{digest}.lock"):
         if is_complete_checkpoint(final):  # another process finished while we waited
             return final
         _remove_leftovers(final)
@@ -233,19 +234,3 @@ def _remove_leftovers(final: Path) -> None:
         doomed = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-stale-", dir=final.parent))
         os.rename(final, doomed / "old")
         shutil.rmtree(doomed, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    """An advisory inter-process lock (flock); without fcntl the atomic rename alone keeps it safe."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
