@@ -22,7 +22,7 @@ from engine.distributed.pipeline_stage import PipelineStage
 from engine.errors import SettingsConflictError
 from engine.lora_setup import build_lora
 from engine.ray_workers import start_ray_workers
-from engine.kernels.cpu import start_build
+from engine.kernels.cpu import KERNEL_DTYPES, start_build
 from engine.kv_tier_setup import check_kv_tiers, open_disk_tier, open_kv_tiers, open_memory_tier
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
@@ -44,8 +44,10 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     if config.cpu_threads is not None:
         set_cpu_threads(config.cpu_threads)
     model_config = resolved_model_config(config)
-    if config.attention_backend in ("auto", "cpu") and model_config.resolve_device().type == "cpu":
-        start_build()  # a first start compiles the native kernels while it converts and reads the model
+    if config.attention_backend in ("auto", "cpu") and model_config.device != "cuda":  # (cuda: checked later)
+        device = model_config.resolve_device()
+        if device.type == "cpu" and model_config.resolve_dtype(device) in KERNEL_DTYPES:
+            start_build()  # a first start compiles the native kernels while it converts and reads the model
     torch.manual_seed(model_config.seed)
     checkpoint = prepare_checkpoint(
         model_config.model, revision=model_config.revision, download_dir=model_config.download_dir

@@ -25,7 +25,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
@@ -67,9 +66,11 @@ KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
 PREFILL_HEAD_DIMS = (64, 128)
 """The head sizes csrc/prefill_attention.cpp is built for (others keep torch's attention)."""
 BUILD_SECONDS = 15
-"""What the build of all SOURCES takes on a 2-core development machine (one compiler process per source, as
-many at once as the process has CPUs: paged_decode.cpp alone takes half of it); the first start says so before
-it goes quiet for that long."""
+"""What a first start's build of all SOURCES takes on a 2-core development machine, beside the model's
+conversion (one compiler process per source, as many at once as the process has CPUs; paged_decode.cpp alone
+takes most of a core's share); the first start says so before it goes quiet for that long."""
+COMPILE_TIMEOUT_S = 300
+"""Longest a compiler process may take on one source (or the link) before the build is given up."""
 DECODE_WEIGHT_COLUMNS = 6 + 6 * 4
 """Values per layer in decode_layers' weight table (csrc/decode_layer.cpp's WeightColumn)."""
 DECODE_LORA_COLUMNS = 8
@@ -164,7 +165,9 @@ def build_library(
     with exclusive_lock(target.with_suffix(".lock")):
         if target.exists():
             return target
-        work = Path(tempfile.mkdtemp(dir=target_dir, prefix=".build-"))  # this builder's objects and library
+        prefix = f".build-{target.stem}-"
+        _remove_stale_builds(target_dir, prefix)
+        work = Path(tempfile.mkdtemp(dir=target_dir, prefix=prefix))  # this builder's objects and library
         estimate = f", about {BUILD_SECONDS} s" if set(sources) == set(SOURCES) else ""
         logger.info("building the native CPU kernels (first start only%s) ...", estimate)
         started = time.monotonic()
@@ -198,22 +201,47 @@ def _compile_and_link(
     compiler_path: str, flags: tuple[str, ...], sources: Sequence[str], work: Path, out: Path
 ) -> None:
     """Each source compiled to an object in `work` by a compiler process of its own, as many at once as this
-    process may use CPUs (one process compiles its sources one after another), then linked into `out`."""
+    process may use CPUs (one compiler process takes its sources one after another), then linked into `out`.
+    The processes are this thread's own (no pool whose workers the interpreter would wait for at exit); the
+    first failure stops the others."""
+    jobs = machine_cpu_threads(None, {}).count  # the affinity mask and quota, not the engine's OpenMP setting
+    waiting = list(sources)  # SOURCES starts with the longest compile
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                name = waiting.pop(0)
+                stem = Path(name).stem
+                with open(work / f"{stem}.log", "w") as log:
+                    command = [compiler_path, *flags, "-c", str(CSRC / name), "-o", str(work / f"{stem}.o")]
+                    running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), time.monotonic())
+            time.sleep(0.02)
+            for name, (process, started) in list(running.items()):
+                if process.poll() is None:
+                    if time.monotonic() - started > COMPILE_TIMEOUT_S:
+                        raise RuntimeError(f"{compiler_path} took over {COMPILE_TIMEOUT_S} s on {name}")
+                    continue
+                del running[name]
+                if process.returncode != 0:
+                    output = (work / f"{Path(name).stem}.log").read_text(errors="replace").strip()
+                    raise RuntimeError(f"{compiler_path} failed to build the CPU kernels: {output[-2000:]}")
+    finally:
+        for process, _ in running.values():
+            process.kill()
+            process.wait()
+    objects = [str(work / f"{Path(name).stem}.o") for name in sources]
+    result = subprocess.run(
+        [compiler_path, *flags, "-o", str(out), *objects], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler_path} failed to link the CPU kernels: {result.stderr.strip()[-2000:]}")
 
-    def run(command: list[str]) -> None:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler_path} failed to build the CPU kernels: {result.stderr.strip()[-2000:]}")
 
-    def compile_one(name: str) -> Path:
-        obj = work / f"{Path(name).stem}.o"
-        run([compiler_path, *flags, "-c", str(CSRC / name), "-o", str(obj)])
-        return obj
-
-    jobs = max(1, min(len(sources), machine_cpu_threads(None, os.environ).count))
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kernel-build") as pool:
-        objects = list(pool.map(compile_one, sources))  # in SOURCES' order, which starts with the longest compile
-    run([compiler_path, *flags, "-o", str(out), *(str(obj) for obj in objects)])
+def _remove_stale_builds(target_dir: Path, prefix: str) -> None:
+    """Work folders of builds of this library that a killed process left (called under the build's lock: no
+    builder of it is running)."""
+    for stale in target_dir.glob(f"{prefix}*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 class CpuKernels:
