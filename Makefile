@@ -35,8 +35,13 @@ ARGS ?=
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --config configs/default.yaml $(ARGS)
 
+# Two pytest workers, each given whole files (a module's fixtures are built once): most tests run one thread
+# at a time (an import, a server's start, tiny tensors), so on 2 cores a second worker uses the core the first
+# leaves idle. TEST_WORKERS=0 runs them all in pytest's own process.
+TEST_WORKERS ?= 2
+
 test: $(DEV_STAMP) $(PROMTOOL) $(PROMETHEUS) $(NGINX)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Prometheus' promtool (the metrics tests lint /metrics with it), taken from Debian's
 # `prometheus` package extracted locally: no daemon, no root install.

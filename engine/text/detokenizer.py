@@ -199,8 +199,7 @@ def make_decode_fn(
     if backend is not None:
         backend_decode = backend.decode
         return lambda ids: backend_decode(ids, skip_special_tokens=skip_special_tokens)
-    # transformers annotates decode as str | list[str] (no overloads); a flat id list decodes to one str
-    return lambda ids: tokenizer.decode(  # type: ignore[return-value]
+    return lambda ids: tokenizer.decode(
         ids,
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=spaces_between_special_tokens,

@@ -48,8 +48,7 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        # transformers annotates decode as str | list[str] (no overloads); a flat id list decodes to one str
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)  # type: ignore[return-value]
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list[dict]] = None
@@ -61,11 +60,9 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
         try:
-            # transformers types the result for every flag (no overloads): tokenize=False gives the text; its
-            # `tools` is a list of dicts or callables, which a list of dicts is not (list is invariant)
-            return self.hf.apply_chat_template(  # type: ignore[return-value]
+            return self.hf.apply_chat_template(
                 messages,
-                tools=tools,  # type: ignore[arg-type]
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )

@@ -88,7 +88,7 @@ def test_a_worker_killed_mid_stream_fails_the_server_fast(tmp_path, tiny_model_d
         str(tiny_model_dir),
         *split,
         "--distributed-timeout",
-        "5",
+        "30",  # the worker's start may take longer on a busy machine; its death is noticed without waiting on it
         hooks=("--pace", "0.05"),
     )
     (worker,) = worker_pids(stderr)
