@@ -112,16 +112,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     Its progress is shown by `ConversionProgress` (transformers' own bars and warnings are held back
     meanwhile). Mixtures of experts are converted by gguf_moe_checkpoint.py.
     """
+    from engine.loading.gguf_moe_checkpoint import convert_moe_gguf, moe_architecture
+    from engine.loading.gguf_reader import shared_readers
+
+    with shared_readers():  # transformers parses the file for the config, the weights and the tokenizer: once
+        architecture = moe_architecture(gguf_path)
+        if architecture is not None:
+            convert_moe_gguf(gguf_path, architecture, out_dir)
+            return
+        _convert_dense(gguf_path, out_dir)
+
+
+def _convert_dense(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.loading.conversion_progress import ConversionProgress
-    from engine.loading.gguf_moe_checkpoint import convert_moe_gguf, moe_architecture
-
-    architecture = moe_architecture(gguf_path)
-    if architecture is not None:
-        convert_moe_gguf(gguf_path, architecture, out_dir)
-        return
 
     source: dict[str, Any] = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
     with ConversionProgress(gguf_path.name) as progress, _quiet_transformers(progress):

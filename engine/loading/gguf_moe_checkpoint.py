@@ -34,9 +34,9 @@ _RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}  # llama.cpp
 
 def moe_architecture(gguf_path: Path) -> Optional[str]:
     """The GGUF's `general.architecture` when it is a mixture of experts converted here, else None."""
-    from gguf import GGUFReader
+    from engine.loading.gguf_reader import read_gguf
 
-    reader = GGUFReader(str(gguf_path))
+    reader = read_gguf(gguf_path)
     architecture = _field(reader, "general.architecture")
     if architecture not in MOE_MODEL_TYPES or not _field(reader, f"{architecture}.expert_count"):
         return None
@@ -45,12 +45,13 @@ def moe_architecture(gguf_path: Path) -> Optional[str]:
 
 def moe_config(gguf_path: Path, architecture: str) -> dict[str, Any]:
     """The HF config (as a dict for `AutoConfig.for_model`) of the mixture-of-experts GGUF at `gguf_path`."""
-    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from engine.loading.gguf_reader import read_gguf
 
     config = dict(load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"])
     config.pop("_model_name_or_path", None)
-    reader = GGUFReader(str(gguf_path))
+    reader = read_gguf(gguf_path)
 
     def key(name: str) -> Any:
         return _field(reader, f"{architecture}.{name}")

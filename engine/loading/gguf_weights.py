@@ -1,7 +1,7 @@
 """Reading a `.gguf` file's tensors under HF state-dict names, Q4_0/Q4_1/Q8_0 matrices kept quantized.
 
 The config and tokenizer still come from the converted checkpoint directory (gguf_converter.py); only
-the weights are read here, straight from the GGUF with `gguf.GGUFReader` (memory-mapped):
+the weights are read here, straight from the GGUF (gguf_reader.py, memory-mapped):
 
     Q4_0, Q4_1, Q8_0 2-D     -> GgufWeight (repacked blocks, gguf_formats.py)
     other quantized 2-D      -> GgufWeight, carried into Q4_1 (Q4_K) or Q8_0 blocks (gguf_transcode.py, logged)
@@ -94,9 +94,9 @@ def iter_gguf_weights(
     path: Union[str, Path], kernels: Optional[QuantKernels], num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, Union[torch.Tensor, GgufWeight]]]:
     """(HF name, tensor or GgufWeight) for every tensor of the GGUF at `path` (all floats without kernels)."""
-    from gguf import GGUFReader
+    from engine.loading.gguf_reader import read_gguf
 
-    reader = GGUFReader(str(path))
+    reader = read_gguf(path)
     field = reader.fields.get("general.architecture")
     architecture = field.contents() if field is not None else "llama"
     for tensor in reader.tensors:

@@ -98,10 +98,10 @@ def load_gguf_adapter(name: str, path: str, max_rank: int, num_layers: int, targ
 
 def _open(name: str, path: str, target: GgufTarget) -> Any:
     """The file's reader, its header checked: a LoRA adapter for the base's architecture."""
-    from gguf import GGUFReader
+    from engine.loading.gguf_reader import read_gguf
 
     try:
-        reader = GGUFReader(path)
+        reader = read_gguf(path)
     except (OSError, ValueError) as exc:
         raise LoRAAdapterError(name, f"{path!r} is not a readable GGUF file: {exc}") from None
     kind = _field(reader, "general.type", None)

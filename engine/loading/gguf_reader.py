@@ -1,0 +1,70 @@
+"""Reading a GGUF file's header: gguf-py's reader, made quicker, and shared while a conversion reads one file.
+
+gguf-py's `GGUFReader` parses every metadata value into numpy views of the memory-mapped file. A tokenizer's
+vocabulary and merges are about 100,000 strings of two views each, and each view of an `np.memmap` runs memmap's
+Python-level `__getitem__` and `__array_finalize__`: most of a parse. `read_gguf` takes the same views from a
+plain ndarray over the same map (same fields, parts and tensors, still mapped, not copied).
+
+A conversion through transformers (gguf_converter.py) opens the file once for its config, once for the weights
+and once for the tokenizer, and looks up gguf-py's tensor-name table once per module of the model, a few
+milliseconds each time. `shared_readers()` makes each of those happen once while it is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import gguf
+import numpy as np
+
+
+class PlainViewReader(gguf.GGUFReader):
+    """`gguf.GGUFReader` whose field parts and tensor data are views of a plain ndarray over the map."""
+
+    _plain: Optional[np.ndarray] = None
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Optional[str] = None) -> np.ndarray:
+        # the base class's own `_get`, but slicing a plain view of `self.data` (set first thing in its __init__)
+        plain = self._plain
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        dtype = np.dtype(dtype)
+        count = int(count)
+        array = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+        return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def read_gguf(path: Union[str, os.PathLike]) -> gguf.GGUFReader:
+    """The GGUF at `path`, its header parsed (tensors memory-mapped, read only); inside `shared_readers()`, the
+    reader transformers gets too."""
+    factory: Any = gguf.GGUFReader
+    if getattr(factory, "shares_readers", False):
+        return factory(path)
+    return PlainViewReader(os.fspath(path))
+
+
+@contextlib.contextmanager
+def shared_readers() -> Iterator[None]:
+    """While active, `gguf.GGUFReader(path)` (as transformers calls it) gives one reader per file, and
+    `gguf.get_tensor_name_map` one table per architecture and layer count. Both are only read by their users."""
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+
+    def shared(path: Union[str, os.PathLike], mode: str = "r") -> gguf.GGUFReader:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = PlainViewReader(os.fspath(path), mode)  # type: ignore[arg-type]  # gguf's Literal modes
+        return readers[key]
+
+    shared.shares_readers = True  # type: ignore[attr-defined]
+    gguf.GGUFReader = shared  # type: ignore[assignment,misc]  # a factory in the class's place, for its callers
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original_reader  # type: ignore[misc]  # the class back in its place
+        gguf.get_tensor_name_map = original_name_map
