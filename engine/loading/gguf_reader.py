@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import struct
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -38,13 +40,49 @@ class PlainViewReader(gguf.GGUFReader):
         return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
-def read_gguf(path: Union[str, os.PathLike]) -> gguf.GGUFReader:
-    """The GGUF at `path`, its header parsed (tensors memory-mapped, read only); inside `shared_readers()`, the
-    reader transformers gets too."""
+class ArraysLeftOutReader(PlainViewReader):
+    """`PlainViewReader` without the fields whose value is an array (a tokenizer's vocabulary, merges, scores and
+    token types): they are stepped over, not parsed, for a reader that wants the tensors and a few scalars."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        if raw_type != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        return self._value_end(orig_offs, raw_type) - orig_offs, [], [], [gguf.GGUFValueType.ARRAY]
+
+    def _push_field(self, field: gguf.ReaderField, skip_sum: bool = False) -> int:
+        if field.types[:1] == [gguf.GGUFValueType.ARRAY]:
+            return 0  # left out (its size was counted by _value_end)
+        return super()._push_field(field, skip_sum)
+
+    def _value_end(self, offset: int, raw_type: int) -> int:
+        """Where the value of type `raw_type` at `offset` ends."""
+        order = "<" if (sys.byteorder == "little") == (self.byte_order != "S") else ">"
+        if raw_type == gguf.GGUFValueType.STRING:
+            (length,) = struct.unpack_from(order + "Q", self.data, offset)
+            return offset + 8 + length
+        scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(raw_type))
+        if scalar is not None:
+            return offset + np.dtype(scalar).itemsize
+        if raw_type != gguf.GGUFValueType.ARRAY:
+            raise ValueError(f"Unknown/unhandled field type {raw_type}")
+        item_type, count = struct.unpack_from(order + "IQ", self.data, offset)
+        offset += 12
+        scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item_type))
+        if scalar is not None:
+            return offset + count * np.dtype(scalar).itemsize
+        for _ in range(count):
+            offset = self._value_end(offset, item_type)
+        return offset
+
+
+def read_gguf(path: Union[str, os.PathLike], *, arrays: bool = True) -> gguf.GGUFReader:
+    """The GGUF at `path`, its header parsed (tensors memory-mapped, read only); `arrays=False`: without the
+    fields whose value is an array (`ArraysLeftOutReader`). Inside `shared_readers()`, the reader transformers
+    gets, with every field."""
     factory: Any = gguf.GGUFReader
     if getattr(factory, "shares_readers", False):
         return factory(path)
-    return PlainViewReader(os.fspath(path))
+    return (PlainViewReader if arrays else ArraysLeftOutReader)(os.fspath(path))
 
 
 @contextlib.contextmanager

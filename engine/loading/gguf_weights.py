@@ -96,7 +96,7 @@ def iter_gguf_weights(
     """(HF name, tensor or GgufWeight) for every tensor of the GGUF at `path` (all floats without kernels)."""
     from engine.loading.gguf_reader import read_gguf
 
-    reader = read_gguf(path)
+    reader = read_gguf(path, arrays=False)
     field = reader.fields.get("general.architecture")
     architecture = field.contents() if field is not None else "llama"
     for tensor in reader.tensors:

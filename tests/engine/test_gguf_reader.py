@@ -86,3 +86,32 @@ def test_a_conversion_reads_the_file_once(tiny_gguf, tmp_path, monkeypatch):
     convert_gguf(tiny_gguf, tmp_path)
     assert parses == [str(tiny_gguf)]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("endianness", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_arrays_left_out_step_over_every_kind_of_array(tmp_path, endianness):
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endianness)
+    writer.add_string("before", "a string")
+    writer.add_array("strings", ["", "x", "héllo" * 40])
+    writer.add_array("numbers", [1.5, -2.0, 3.25])
+    writer.add_array("nested", [[1, 2, 3], ["a", "bc"]])
+    writer.add_uint32("after", 7)
+    writer.add_bool("flag", True)
+    writer.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    full, scalars = gguf.GGUFReader(str(path)), read_gguf(path, arrays=False)
+    arrays = {"strings", "numbers", "nested"}
+    assert arrays <= set(full.fields) and not arrays & set(scalars.fields)
+    assert list(scalars.fields) == [name for name in full.fields if name not in arrays]
+    for name, field in scalars.fields.items():
+        assert field.contents() == full.fields[name].contents(), name
+    assert scalars.fields["after"].contents() == 7 and scalars.fields["before"].contents() == "a string"
+    assert scalars.data_offset == full.data_offset
+    (tensor,) = scalars.tensors
+    assert tensor.name == "t" and np.array_equal(tensor.data, full.tensors[0].data)
+    assert read_gguf(path).fields["nested"].contents() == full.fields["nested"].contents()
