@@ -58,14 +58,14 @@ class ArraysLeftOutReader(PlainViewReader):
         """Where the value of type `raw_type` at `offset` ends."""
         order = "<" if (sys.byteorder == "little") == (self.byte_order != "S") else ">"
         if raw_type == gguf.GGUFValueType.STRING:
-            (length,) = struct.unpack_from(order + "Q", self.data, offset)
+            (length,) = struct.unpack_from(order + "Q", self.data.data, offset)
             return offset + 8 + length
         scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(raw_type))
         if scalar is not None:
             return offset + np.dtype(scalar).itemsize
         if raw_type != gguf.GGUFValueType.ARRAY:
             raise ValueError(f"Unknown/unhandled field type {raw_type}")
-        item_type, count = struct.unpack_from(order + "IQ", self.data, offset)
+        item_type, count = struct.unpack_from(order + "IQ", self.data.data, offset)
         offset += 12
         scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item_type))
         if scalar is not None:
