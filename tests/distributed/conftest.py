@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,6 @@ import pytest
 from tests.reliability.conftest import tiny_model_dir  # noqa: F401 - the session's tiny Llama (4 heads, 2 KV)
 
 SHM = Path("/dev/shm")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def our_segments(prefix: str) -> set[str]:

@@ -21,7 +21,7 @@ import torch
 from engine.distributed.cpu_binding import RankCpus, plan_rank_cpus
 from engine.distributed.shm_all_reduce import SEGMENT_PREFIX, PeerGoneError, ShmAllReduce  # noqa: F401 (conftest)
 from tests.distributed.reducers import DTYPES, SIZES, partial, reduce_all, reduce_until
-from tests.distributed.conftest import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)  # a broken barrier hangs rather than fails: bound every test
 

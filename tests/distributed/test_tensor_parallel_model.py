@@ -20,7 +20,7 @@ from engine.loading.loader import iter_weights, load_hf_config
 from engine.models import build_model
 from engine.models.tensor_parallel import shard_weights
 from tests.engine.factories import make_tiny_model_dir
-from tests.distributed.conftest import free_port
+from tests.ports import free_port
 
 BLOCK = 4
 

@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from tests.conftest import server_environment
 from tests.engine.references import assert_idle
 from tests.engine.test_model_equivalence import mixed_prompts
-from tests.distributed.conftest import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

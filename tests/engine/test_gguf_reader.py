@@ -30,6 +30,7 @@ def test_reads_what_gguf_py_reads(tiny_gguf):
         assert len(mine.parts) == len(field.parts), name
         for part, expected in zip(mine.parts, field.parts):
             assert part.dtype == expected.dtype and np.array_equal(part, expected), name
+            assert type(part) is np.ndarray and type(expected) is np.memmap  # what makes ours quicker
         assert mine.contents() == field.contents(), name
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     assert {t.tensor_type.name for t in ours.tensors} == {"F32", "Q8_0"}
@@ -65,24 +66,38 @@ def test_shared_readers_give_one_reader_per_file_and_then_put_gguf_back(tiny_ggu
 
 
 def test_shared_readers_put_gguf_back_after_an_error(tmp_path):
-    reader_class = gguf.GGUFReader
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     with pytest.raises(FileNotFoundError), shared_readers():
         gguf.GGUFReader(str(tmp_path / "missing.gguf"))
-    assert gguf.GGUFReader is reader_class
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+
+
+def test_shared_readers_share_read_only_readers_only(tiny_gguf):
+    with shared_readers():
+        assert gguf.GGUFReader(str(tiny_gguf), "c") is not gguf.GGUFReader(str(tiny_gguf), "c")
+        assert gguf.GGUFReader(str(tiny_gguf), "c") is not gguf.GGUFReader(str(tiny_gguf))
+
+
+def test_a_truncated_header_is_refused(tiny_gguf, tmp_path):
+    whole = tiny_gguf.read_bytes()
+    tokens = whole.index(b"tokenizer.ggml.tokens")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: tokens + 200])  # inside the vocabulary's array
+    with pytest.raises(ValueError, match="truncated GGUF header"):
+        read_gguf(cut, arrays=False)
 
 
 def test_a_conversion_reads_the_file_once(tiny_gguf, tmp_path, monkeypatch):
     """transformers reads the file for the config, the weights and the tokenizer; the MoE check reads it too."""
-    from engine.loading import gguf_reader
-
     parses = []
-    original = gguf_reader.PlainViewReader.__init__
+    reader_class = gguf.GGUFReader  # PlainViewReader's __init__ is this one's: every parse, ours or not
+    original = reader_class.__init__
 
     def counted(self, *args, **kwargs):
-        parses.append(args[0])
+        parses.append(str(args[0]))
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(gguf_reader.PlainViewReader, "__init__", counted)
+    monkeypatch.setattr(reader_class, "__init__", counted)
     convert_gguf(tiny_gguf, tmp_path)
     assert parses == [str(tiny_gguf)]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in tmp_path.iterdir()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from server.app import create_app
 from server.config.server_config import ServerConfig
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import make_llm
+from tests.ports import free_port
 
 
 @dataclass
@@ -54,12 +54,6 @@ def pace_engine(server: RunningServer, monkeypatch, seconds_per_step: float) -> 
         return execute(scheduler_output)
 
     monkeypatch.setattr(runner, "execute", slow_execute)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(model_dir, server_config: ServerConfig, *, on_engine_death=None, **engine_overrides):

@@ -28,7 +28,7 @@ from server.benchmark.datasets import (
 )
 from server.benchmark.metrics import compute, format_table, meets, parse_slos, tpot
 from server.benchmark.serve import LoadShape, arrival_gaps, main, run_load
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 
 # ---------------------------------------------------------------------- metrics
