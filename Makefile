@@ -37,8 +37,8 @@ serve: $(STAMP)
 
 # Two pytest workers, each given whole files (a module's fixtures are built once): most tests run one thread
 # at a time (an import, a server's start, tiny tensors), so on 2 cores a second worker uses the core the first
-# leaves idle. TEST_WORKERS=0 runs them all in pytest's own process.
-TEST_WORKERS ?= 2
+# leaves idle. With one CPU (or TEST_WORKERS=0) they all run in pytest's own process.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1; print(2 if cpus > 1 else 0)")
 
 test: $(DEV_STAMP) $(PROMTOOL) $(PROMETHEUS) $(NGINX)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
