@@ -68,8 +68,8 @@ def cpu_kernels():
 def pytest_terminal_summary(terminalreporter):
     """The run's peak resident memory, so what the suite asks of a machine shows at the end of every run: the
     test process's (the engines tests build in it), and its children's (the servers tests start; under `make
-    test`, its pytest workers) where larger. A child's peak counts the test process's size when it started (Linux records the old memory's
-    peak at exec), so only a larger one says something of the children."""
+    test`, its pytest workers) where larger. A child's peak counts the test process's size when it started
+    (Linux records the old memory's peak at exec), so only a larger one says something of the children."""
     import resource
     import sys
 
