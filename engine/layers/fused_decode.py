@@ -32,6 +32,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels, DecodeLoRA
 from engine.kernels.cpu_ops import cache_addresses
 from engine.kernels.column_block_weight import PackedWeight
+from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight
 from engine.lora.lora_stack import LoRAStack
 from engine.lora.lora_step import LoRAStep
@@ -250,7 +251,8 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
         for name in MATRIX_COLUMNS:
             weight = getattr(layer, name)
             if isinstance(weight, GgufWeight):
-                blocks += [t for t in (weight.packed.qs, weight.packed.d, weight.packed.m) if t is not None]
+                p = weight.packed  # X16: the scales are views into qs
+                blocks += [p.qs] if p.layout == X16 else [t for t in (p.qs, p.d, p.m) if t is not None]
             elif isinstance(weight, PackedWeight):
                 tensors.append(weight.data)
             else:

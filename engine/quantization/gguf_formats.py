@@ -15,11 +15,12 @@ Repacked (nb blocks per row, padded to an even nbp with zero blocks):
 Scales stay fp16 (the kernel converts them; fp32 would add 10-20% to the bytes a product reads).
 
 Once the model's matrices are final (rows un-permuted, q|k|v and gate|up fused), those with a multiple of
-16 rows are interleaved by 16 (`interleave16`, csrc/quant_blocks.h's kX16): for group g of 16 rows and
-block b, 4-bit: 4 x 64 bytes P_q, byte 4c + j = u[c][4q + j] | u[c][16 + 4q + j] << 4; 8-bit: 8 x 64
-bytes, byte 4c + j = u[c][4q + j]; d and m [N / 16, nb, 16]; no padding block. The integer kernel then
-keeps 16 output columns in one vector's lanes: no horizontal sums and no per-block scale shuffles (several
-times faster than on the row layout, measured in docs/performance.md).
+16 rows are interleaved by 16 (`interleave16`, csrc/quant_blocks.h's kX16): group g of 16 rows is nb
+block records in a row; record b holds the quants (4-bit: 4 x 64 bytes P_q, byte 4c + j = u[c][4q + j] |
+u[c][16 + 4q + j] << 4; 8-bit: 8 x 64 bytes, byte 4c + j = u[c][4q + j]), then the 16 columns' fp16 scales,
+then (Q4_1) their fp16 minimums; no padding block. The integer kernel then keeps 16 output columns in one
+vector's lanes: no horizontal sums and no per-block scale shuffles (several times faster than on the row
+layout), and reads one stream per group (measured in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ GROUP = 16
 class PackedBlocks:
     """A repacked [N, K] weight: the three tensors the kernel reads, in one of the two layouts."""
 
-    qs: torch.Tensor  # ROWS: uint8 [N, nbp * 32 * bits / 8]; X16: uint8 [N / 16, nb * 16 * 32 * bits / 8]
-    d: torch.Tensor  # float16 ROWS: [N, nbp]; X16: [N / 16, nb * 16]
+    qs: torch.Tensor  # ROWS: uint8 [N, nbp * 32 * bits / 8]; X16: uint8 [N / 16, nb * record bytes]
+    d: torch.Tensor  # float16 ROWS: [N, nbp]; X16: [N / 16, nb, 16], a view of the records in qs
     m: Optional[torch.Tensor]  # float16, as d (Q4_1) or None
     nbp: int  # blocks per row as stored (X16: nb, no padding)
     layout: int = ROWS
@@ -174,11 +175,24 @@ def interleave16(fmt: BlockFormat, packed: PackedBlocks, in_features: int) -> Pa
         high = u[..., 16:].reshape(groups, nb, GROUP, 4, 4)
         qs = (low | (high << 4)).permute(0, 1, 3, 2, 4)  # [G, nb, q, c, j]
 
-    def scales(t: torch.Tensor) -> torch.Tensor:
-        return t[:, :nb].reshape(groups, GROUP, nb).transpose(1, 2).contiguous().reshape(groups, nb * GROUP)
+    def scales(t: torch.Tensor) -> torch.Tensor:  # [G, nb, 32 bytes]: column c's fp16 at bytes 2c, 2c + 1
+        return t[:, :nb].reshape(groups, GROUP, nb).transpose(1, 2).contiguous().view(torch.uint8)
 
-    m = None if packed.m is None else scales(packed.m)
-    return PackedBlocks(qs.contiguous().reshape(groups, -1), scales(packed.d), m, nb, X16)
+    parts = [qs.reshape(groups, nb, -1), scales(packed.d)] + ([] if packed.m is None else [scales(packed.m)])
+    records = torch.cat(parts, dim=2)  # [G, nb, record bytes]
+    quant_bytes = parts[0].shape[2]
+    d, m = _record_scales(records, quant_bytes, packed.m is not None)
+    return PackedBlocks(records.reshape(groups, -1), d, m, nb, X16)
+
+
+def _record_scales(
+    records: torch.Tensor, quant_bytes: int, has_min: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The scales [G, nb, 16] (and Q4_1 minimums) of X16 records [G, nb, record bytes], as views into them."""
+    scale_bytes = 2 * GROUP
+    d = records[:, :, quant_bytes : quant_bytes + scale_bytes].view(torch.float16)
+    m = records[:, :, quant_bytes + scale_bytes :].view(torch.float16) if has_min else None
+    return d, m
 
 
 def rows_of_x16(fmt: BlockFormat, packed: PackedBlocks, index: torch.Tensor, in_features: int) -> PackedBlocks:
@@ -186,11 +200,12 @@ def rows_of_x16(fmt: BlockFormat, packed: PackedBlocks, index: torch.Tensor, in_
     nb, nbp = in_features // BLOCK, padded_blocks(in_features)
     groups = packed.qs.shape[0]
     group, lane = index // GROUP, index % GROUP
+    quants = packed.qs.view(groups, nb, -1)[:, :, : GROUP * BLOCK * fmt.bits // 8]
     if fmt.bits == 8:
-        qs = packed.qs.view(groups, nb, 8, GROUP, 4)[group, :, :, lane]  # [n, nb, 8 (q), 4 (j)]
+        qs = quants.unflatten(2, (8, GROUP, 4))[group, :, :, lane]  # [n, nb, 8 (q), 4 (j)]
         u = qs.reshape(-1, nb, BLOCK)
     else:
-        both = packed.qs.view(groups, nb, 4, GROUP, 4)[group, :, :, lane].reshape(-1, nb, 16)
+        both = quants.unflatten(2, (4, GROUP, 4))[group, :, :, lane].reshape(-1, nb, 16)
         u = torch.cat([both & 0x0F, both >> 4], dim=2)  # [n, nb, 32]
     n = index.shape[0]
     padded = torch.zeros(n, nbp, BLOCK, dtype=torch.uint8)
@@ -202,7 +217,7 @@ def rows_of_x16(fmt: BlockFormat, packed: PackedBlocks, index: torch.Tensor, in_
 
     def scales(t: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(n, nbp, dtype=t.dtype)
-        out[:, :nb] = t.view(groups, nb, GROUP)[group, :, lane]
+        out[:, :nb] = t[group, :, lane]
         return out
 
     m = None if packed.m is None else scales(packed.m)

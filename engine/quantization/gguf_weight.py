@@ -92,7 +92,8 @@ class GgufWeight(QuantizedWeight):
     @property
     def nbytes(self) -> int:
         p = self.packed
-        return sum(t.numel() * t.element_size() for t in (p.qs, p.d, p.m) if t is not None)
+        parts = (p.qs,) if p.layout == X16 else (p.qs, p.d, p.m)  # X16: the scales are views into qs
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def product(self, rows: int, dtype: torch.dtype) -> str:
         """Which product `matmul` runs for `rows` activation rows of `dtype`: "integer" (int8 activations),

@@ -127,6 +127,31 @@ def test_dequantize_is_ggufs(kernels, weights, name, shape):
         assert torch.equal(weight.dequantize(torch.bfloat16), expected_bf16)
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+def test_x16_records_hold_their_blocks_scales(kernels, weights, name):
+    """X16 stores each block's quants, its 16 columns' scales, then (Q4_1) their minimums, one record after
+    another: a group is one stream. d and m are views into those records, so the weight's bytes count once."""
+    shape = (48, 96)
+    rows = make_weight(kernels, weights, name, shape)
+    x16 = rows.interleaved().packed
+    fmt, nb = FORMATS[name], shape[1] // 32
+    quant_bytes = 16 * fmt.qs_bytes_per_block()
+    record = quant_bytes + 32 * (2 if fmt.has_min else 1)
+    assert x16.qs.shape == (shape[0] // 16, nb * record) and x16.qs.is_contiguous()
+    records = x16.qs.view(shape[0] // 16, nb, record)
+    for scales, stored in ((x16.d, rows.packed.d), (x16.m, rows.packed.m)):
+        if stored is None:
+            assert scales is None
+            continue
+        assert scales.shape == (shape[0] // 16, nb, 16) and scales.untyped_storage().data_ptr() == x16.qs.data_ptr()
+        expected = stored[:, :nb].reshape(-1, 16, nb).transpose(1, 2)  # [group, block, column]
+        assert torch.equal(scales, expected)
+        offset = quant_bytes if scales is x16.d else quant_bytes + 32
+        assert torch.equal(records[:, :, offset : offset + 32].view(torch.float16), expected)
+    padding = (rows.packed.nbp - nb) * shape[0] * (fmt.qs_bytes_per_block() + 2 * (2 if fmt.has_min else 1))
+    assert rows.interleaved().nbytes == rows.nbytes - padding
+
+
 @pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(TYPES))

@@ -71,14 +71,28 @@ inline __m512i load_pair(const uint8_t* qs, int64_t b) {
 // Layouts of the quants (engine/quantization/gguf_formats.py):
 //   kRows  row-major: a weight row's blocks one after the other, 4-bit blocks in pairs (see quant_gemm.cpp)
 //   kX16   16 weight rows interleaved, for integer products that keep 16 output columns in one vector's
-//          lanes: for group g of 16 rows and block b, 4-bit: 4 x 64 bytes P_q (q = 0..3), byte 4c + j =
-//          u[c][4q + j] | u[c][16 + 4q + j] << 4; 8-bit: 8 x 64 bytes V_q (q = 0..7), byte 4c + j =
-//          u[c][4q + j]; scales d (and m) [N / 16, nb, 16]; no padding block (nbp = nb)
+//          lanes: group g of 16 rows is nb block records in a row, record b = the quants (4-bit: 4 x 64
+//          bytes P_q (q = 0..3), byte 4c + j = u[c][4q + j] | u[c][16 + 4q + j] << 4; 8-bit: 8 x 64 bytes
+//          V_q (q = 0..7), byte 4c + j = u[c][4q + j]), then the 16 columns' fp16 scales d, then (Q4_1) their
+//          fp16 minimums m; no padding block (nbp = nb). A product reads one stream per group, not three: the
+//          hardware prefetcher carries it to the plain read's rate (docs/performance.md). The d and m
+//          arguments of the entry points are not read for kX16.
 enum Layout : int64_t { kRows = 0, kX16 = 1 };
 
 constexpr int64_t kGroupColumns = 16;
 
-inline int64_t x16_block_bytes(int64_t format) { return format == kQ8_0 ? 512 : 256; }
+inline int64_t x16_quant_bytes(int64_t format) { return format == kQ8_0 ? 512 : 256; }
+
+// Bytes of one kX16 block record (quants, scales, minimums).
+inline int64_t x16_block_bytes(int64_t format) {
+    return x16_quant_bytes(format) + 2 * kGroupColumns * (format == kQ4_1 ? 2 : 1);
+}
+
+// The 16 scales of the kX16 record at p, and its 16 Q4_1 minimums.
+inline const uint16_t* x16_scales(const uint8_t* p, int64_t format) {
+    return reinterpret_cast<const uint16_t*>(p + x16_quant_bytes(format));
+}
+inline const uint16_t* x16_mins(const uint8_t* p, int64_t format) { return x16_scales(p, format) + kGroupColumns; }
 
 // The stored unsigned quant of element k of column c (0..15) in a kX16 block at p.
 inline int x16_quant(int64_t format, const uint8_t* p, int64_t c, int64_t k) {

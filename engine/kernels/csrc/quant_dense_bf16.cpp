@@ -37,15 +37,14 @@ inline void block_to_bf16(__m256i u, float step, float offset, uint16_t* dst) {
 
 // The 16 columns of kX16 group g as bf16 into tile [16, K] (a work item is exactly one group).
 template <int64_t FORMAT>
-void dequantize_x16_tile(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t in_features, int64_t g,
-                         uint16_t* tile) {
+void dequantize_x16_tile(const uint8_t* qs, int64_t in_features, int64_t g, uint16_t* tile) {
     const int64_t nb = in_features / kBlock;
     const uint8_t* group = qs + g * nb * x16_block_bytes(FORMAT);
-    const uint16_t* dg = d + g * nb * kGroupColumns;
-    const uint16_t* mg = m ? m + g * nb * kGroupColumns : nullptr;
     const __m128i low = _mm_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; ++b) {
-        const int32_t* p = reinterpret_cast<const int32_t*>(group + b * x16_block_bytes(FORMAT));
+        const uint8_t* record = group + b * x16_block_bytes(FORMAT);
+        const uint16_t *dg = x16_scales(record, FORMAT), *mg = x16_mins(record, FORMAT);
+        const int32_t* p = reinterpret_cast<const int32_t*>(record);
         for (int64_t c = 0; c < kGroupColumns; ++c) {  // column c's 4-byte pieces sit 16 int32 apart
             __m256i u;
             if constexpr (FORMAT == kQ8_0) {
@@ -56,8 +55,8 @@ void dequantize_x16_tile(const uint8_t* qs, const uint16_t* d, const uint16_t* m
                     _mm_i32gather_epi32(reinterpret_cast<const int*>(p + c), _mm_setr_epi32(0, 16, 32, 48), 4);
                 u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(both, 4), low), _mm_and_si128(both, low));
             }
-            const float step = half_to_float(dg[b * kGroupColumns + c]);
-            const float offset = FORMAT == kQ4_1 ? half_to_float(mg[b * kGroupColumns + c])
+            const float step = half_to_float(dg[c]);
+            const float offset = FORMAT == kQ4_1 ? half_to_float(mg[c])
                                                  : step * (FORMAT == kQ4_0 ? -8.0f : -128.0f);
             block_to_bf16(u, step, offset, tile + c * in_features + b * kBlock);
         }
@@ -123,7 +122,7 @@ void product(const uint16_t* x, const uint8_t* qs, const uint16_t* d, const uint
         static thread_local std::vector<uint16_t> tile;
         tile.resize(kColumnsPerTask * in_features);
         const int64_t n0 = task * kColumnsPerTask, n1 = std::min(columns, n0 + kColumnsPerTask);
-        if (layout == kX16) dequantize_x16_tile<FORMAT>(qs, d, m, in_features, task, tile.data());
+        if (layout == kX16) dequantize_x16_tile<FORMAT>(qs, in_features, task, tile.data());
         else dequantize_tile<FORMAT>(qs, d, m, in_features, nbp, n0, n1, tile.data());
         float sums[4 * kColumnsPerTask];
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {

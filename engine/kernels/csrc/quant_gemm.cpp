@@ -65,12 +65,11 @@ void dequantize_row(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* 
     }
 }
 
-// Column c (weight row 16 g + c) of the kX16 block at p (block b of its group: scales at dg, mg) into dst [32].
+// Column c (weight row 16 g + c) of the kX16 block record at p into dst [32].
 template <typename T>
-inline void x16_block_column(const uint8_t* p, const uint16_t* dg, const uint16_t* mg, int64_t b, int64_t c,
-                             int64_t format, T* dst) {
-    const float step = half_to_float(dg[b * kGroupColumns + c]);
-    const float offset = format == kQ4_1 ? half_to_float(mg[b * kGroupColumns + c])
+inline void x16_block_column(const uint8_t* p, int64_t c, int64_t format, T* dst) {
+    const float step = half_to_float(x16_scales(p, format)[c]);
+    const float offset = format == kQ4_1 ? half_to_float(x16_mins(p, format)[c])
                                          : step * (format == kQ4_0 ? -8.0f : -128.0f);
     if (format == kQ8_0) {
         for (int64_t q = 0; q < 8; ++q)
@@ -88,14 +87,11 @@ inline void x16_block_column(const uint8_t* p, const uint16_t* dg, const uint16_
 // The 16 rows of kX16 group g into out (rows 16 g .. 16 g + 15 of [N, K]), block by block (the group's
 // bytes read once, in order).
 template <typename T>
-void dequantize_x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out, int64_t g, int64_t nb,
-                          int64_t format) {
+void dequantize_x16_group(const uint8_t* qs, T* out, int64_t g, int64_t nb, int64_t format) {
     const int64_t bytes = x16_block_bytes(format), in_features = nb * kBlock;
-    const uint16_t* dg = d + g * nb * kGroupColumns;
-    const uint16_t* mg = m ? m + g * nb * kGroupColumns : nullptr;
     for (int64_t b = 0; b < nb; ++b)
         for (int64_t c = 0; c < kGroupColumns; ++c)
-            x16_block_column(qs + (g * nb + b) * bytes, dg, mg, b, c, format,
+            x16_block_column(qs + (g * nb + b) * bytes, c, format,
                              out + (g * kGroupColumns + c) * in_features + b * kBlock);
 }
 
@@ -106,8 +102,7 @@ void dequantize_one(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* 
     if (layout == kX16) {
         const int64_t g = n / kGroupColumns, nb = in_features / kBlock, bytes = x16_block_bytes(format);
         for (int64_t b = 0; b < nb; ++b)
-            x16_block_column(qs + (g * nb + b) * bytes, d + g * nb * kGroupColumns,
-                             m ? m + g * nb * kGroupColumns : nullptr, b, n % kGroupColumns, format, out + b * kBlock);
+            x16_block_column(qs + (g * nb + b) * bytes, n % kGroupColumns, format, out + b * kBlock);
         return;
     }
     const int64_t row_bytes = format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2;
@@ -120,7 +115,7 @@ void dequantize(const uint8_t* qs, const uint16_t* d, const uint16_t* m, T* out,
     if (layout == kX16) {
 #pragma omp parallel for if (columns * in_features >= kParallelMinWork)
         for (int64_t g = 0; g < columns / kGroupColumns; ++g)
-            dequantize_x16_group(qs, d, m, out, g, in_features / kBlock, format);
+            dequantize_x16_group(qs, out, g, in_features / kBlock, format);
         return;
     }
 #pragma omp parallel for if (columns * in_features >= kParallelMinWork)

@@ -11,6 +11,7 @@
 //   d   fp16 [N, nbp]                  block scale
 //   m   fp16 [N, nbp]                  Q4_1's block minimum (absent for Q4_0 and Q8_0)
 // so a weight is w = d * u + mm, u the stored unsigned quant, mm = m (Q4_1), -8 d (Q4_0), -128 d (Q8_0).
+// That is the row layout (kRows); the kX16 layout (quant_blocks.h) keeps each block's scales beside its quants.
 //
 // Activations are quantized per row and 32-block to int8 (llama.cpp's Q8 activations):
 //   xq int8 [R, nbp * 32], dx float [R, nbp] (= amax / 127), sx float [R, nbp] (= dx * sum(xq))
@@ -243,8 +244,7 @@ void matmul_for(Weights w, Activations a, int64_t rows, T* out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 template <int64_t FORMAT, int NR>
-void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
-               float* result /*[NR][16]*/) {
+void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR][16]*/) {
     __m512 acc[NR], accm[NR];
     for (int r = 0; r < NR; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
@@ -260,10 +260,10 @@ void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t 
                 u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * 16)));
-        const __m512 mw = FORMAT == kQ4_1
-                              ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * 16)))
-                              : _mm512_mul_ps(dw, _mm512_set1_ps(FORMAT == kQ4_0 ? -8.0f : -128.0f));
+        const auto* scales = reinterpret_cast<const __m256i*>(x16_scales(p, FORMAT));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(scales));
+        const __m512 mw = FORMAT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(scales + 1))  // the minimums follow
+                                          : _mm512_mul_ps(dw, _mm512_set1_ps(FORMAT == kQ4_0 ? -8.0f : -128.0f));
         for (int r = 0; r < NR; ++r) {
             const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + r * a.nbp * kBlock + b * kBlock);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -283,13 +283,12 @@ void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t 
 
 // Columns 8h .. 8h + 7 of the group: the second 32 bytes of each 64-byte vector.
 template <int64_t FORMAT, int NR>
-void x16_half(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a, int h,
-              float* result /*[NR][16]*/) {
+void x16_half(const uint8_t* qs, int64_t nb, Activations a, int h, float* result /*[NR][16]*/) {
     __m256 acc[NR], accm[NR];
     for (int r = 0; r < NR; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), bias = _mm256_set1_epi8(static_cast<char>(0x80));
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* p = qs + b * x16_block_bytes(FORMAT) + 32 * h;
+        const uint8_t* record = qs + b * x16_block_bytes(FORMAT), *p = record + 32 * h;
         __m256i u[8];
         if constexpr (FORMAT == kQ8_0) {  // back to signed int8: dot_signed, no -128 d term
             for (int q = 0; q < 8; ++q)
@@ -301,10 +300,11 @@ void x16_half(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t n
                 u[q + 4] = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
             }
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * 16 + 8 * h)));
-        const __m256 mw = FORMAT == kQ4_1
-                              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * 16 + 8 * h)))
-                              : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        const __m256 dw =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x16_scales(record, FORMAT) + 8 * h)));
+        const __m256 mw = FORMAT == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                                reinterpret_cast<const __m128i*>(x16_mins(record, FORMAT) + 8 * h)))
+                                          : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
         for (int r = 0; r < NR; ++r) {
             const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + r * a.nbp * kBlock + b * kBlock);
             __m256i s = _mm256_setzero_si256();
@@ -321,17 +321,15 @@ void x16_half(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t n
 }
 
 template <int64_t FORMAT, int NR>
-void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
-               float* result /*[NR][16]*/) {
-    x16_half<FORMAT, NR>(qs, d, m, nb, a, 0, result);
-    x16_half<FORMAT, NR>(qs, d, m, nb, a, 1, result);
+void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR][16]*/) {
+    x16_half<FORMAT, NR>(qs, nb, a, 0, result);
+    x16_half<FORMAT, NR>(qs, nb, a, 1, result);
 }
 
 #else
 
 template <int64_t FORMAT, int NR>
-void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
-               float* result /*[NR][16]*/) {
+void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR][16]*/) {
     for (int r = 0; r < NR; ++r)
         for (int64_t c = 0; c < kGroupColumns; ++c) {
             float sum = 0.0f;
@@ -340,10 +338,10 @@ void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t 
                 const int8_t* xq = a.xq + r * a.nbp * kBlock + b * kBlock;
                 int32_t dot = 0;
                 for (int64_t k = 0; k < kBlock; ++k) dot += x16_quant(FORMAT, p, c, k) * xq[k];
-                const float mm = FORMAT == kQ4_1 ? half_to_float(m[b * 16 + c])
-                                                 : half_to_float(d[b * 16 + c]) * (FORMAT == kQ4_0 ? -8.0f : -128.0f);
-                sum += half_to_float(d[b * 16 + c]) * a.dx[r * a.nbp + b] * static_cast<float>(dot) +
-                       mm * a.sx[r * a.nbp + b];
+                const float step = half_to_float(x16_scales(p, FORMAT)[c]);
+                const float mm = FORMAT == kQ4_1 ? half_to_float(x16_mins(p, FORMAT)[c])
+                                                 : step * (FORMAT == kQ4_0 ? -8.0f : -128.0f);
+                sum += step * a.dx[r * a.nbp + b] * static_cast<float>(dot) + mm * a.sx[r * a.nbp + b];
             }
             result[r * 16 + c] = sum;
         }
@@ -353,23 +351,20 @@ void x16_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t 
 
 // out [rows, N] for kX16 weights, work-shared over the calling team: a work item is a group of 16 columns.
 template <int64_t FORMAT, typename T>
-void x16_matmul_for(const uint8_t* qs, const uint16_t* d, const uint16_t* m, int64_t nb, Activations a,
-                    int64_t rows, int64_t columns, T* out) {
+void x16_matmul_for(const uint8_t* qs, int64_t nb, Activations a, int64_t rows, int64_t columns, T* out) {
     const int64_t groups = columns / kGroupColumns, group_bytes = nb * x16_block_bytes(FORMAT);
 #pragma omp for schedule(guided, 1)
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* qg = qs + g * group_bytes;
-        const uint16_t* dg = d + g * nb * kGroupColumns;
-        const uint16_t* mg = m ? m + g * nb * kGroupColumns : nullptr;
         float tile[kMaxRows * kGroupColumns];
         for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
             const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
             const Activations chunk{a.xq + r0 * a.nbp * kBlock, a.dx + r0 * a.nbp, a.sx + r0 * a.nbp, a.nbp};
             switch (nr) {
-                case 1: x16_group<FORMAT, 1>(qg, dg, mg, nb, chunk, tile); break;
-                case 2: x16_group<FORMAT, 2>(qg, dg, mg, nb, chunk, tile); break;
-                case 3: x16_group<FORMAT, 3>(qg, dg, mg, nb, chunk, tile); break;
-                default: x16_group<FORMAT, 4>(qg, dg, mg, nb, chunk, tile); break;
+                case 1: x16_group<FORMAT, 1>(qg, nb, chunk, tile); break;
+                case 2: x16_group<FORMAT, 2>(qg, nb, chunk, tile); break;
+                case 3: x16_group<FORMAT, 3>(qg, nb, chunk, tile); break;
+                default: x16_group<FORMAT, 4>(qg, nb, chunk, tile); break;
             }
             for (int r = 0; r < nr; ++r)
                 for (int64_t c = 0; c < kGroupColumns; ++c)
@@ -394,8 +389,8 @@ struct Scratch {
 // A GGUF weight as the kernels take it (see the top of this file).
 struct BlockMatrix {
     const uint8_t* qs;
-    const uint16_t* d;
-    const uint16_t* m;  // Q4_1 only
+    const uint16_t* d;  // kRows only: kX16 blocks hold their scales (quant_blocks.h)
+    const uint16_t* m;  // kRows, Q4_1 only
     int64_t format;
     int64_t nbp;     // blocks per row as stored (kX16: nb)
     int64_t layout;  // kRows or kX16 (quant_blocks.h)
@@ -417,9 +412,9 @@ void integer_product_for(const TX* x, const BlockMatrix& w, TO* out, int64_t row
     const Activations a{xq, dx, sx, nbp};
     if (w.layout == kX16) {
         switch (w.format) {
-            case kQ4_0: x16_matmul_for<kQ4_0>(w.qs, w.d, nullptr, nb, a, rows, N, out); break;
-            case kQ4_1: x16_matmul_for<kQ4_1>(w.qs, w.d, w.m, nb, a, rows, N, out); break;
-            default: x16_matmul_for<kQ8_0>(w.qs, w.d, nullptr, nb, a, rows, N, out); break;
+            case kQ4_0: x16_matmul_for<kQ4_0>(w.qs, nb, a, rows, N, out); break;
+            case kQ4_1: x16_matmul_for<kQ4_1>(w.qs, nb, a, rows, N, out); break;
+            default: x16_matmul_for<kQ8_0>(w.qs, nb, a, rows, N, out); break;
         }
         return;
     }
