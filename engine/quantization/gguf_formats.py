@@ -68,7 +68,8 @@ GROUP = 16
 
 @dataclass(frozen=True, slots=True)
 class PackedBlocks:
-    """A repacked [N, K] weight: the three tensors the kernel reads, in one of the two layouts."""
+    """A repacked [N, K] weight in one of the two layouts: ROWS, three tensors the kernel reads; X16, one (the
+    records in `qs`), with `d` and `m` views of the scales inside them."""
 
     qs: torch.Tensor  # ROWS: uint8 [N, nbp * 32 * bits / 8]; X16: uint8 [N / 16, nb * record bytes]
     d: torch.Tensor  # float16 ROWS: [N, nbp]; X16: [N / 16, nb, 16], a view of the records in qs

@@ -272,6 +272,9 @@ def test_rows_concat_and_take_are_exact(kernels, weights):
         np.testing.assert_array_equal(
             interleaved.rows(index, torch.float32).double().numpy(), weights[name, shape][1][index.numpy()]
         )
+        taken = interleaved.take_rows(index)  # out of the X16 records, back to the row layout (rows_of_x16)
+        assert taken.packed.layout != X16
+        np.testing.assert_array_equal(taken.dequantize().double().numpy(), weights[name, shape][1][index.numpy()])
         with pytest.raises(ValueError, match="before they are interleaved"):
             GgufWeight.concat_rows([interleaved, interleaved])
 

@@ -50,8 +50,8 @@ using pagedserve::silu_and_mul_row;
 
 // A projection's weight: plain T [N, K] at `data` (format kPlain), packed in column blocks (kColumnBlocks,
 // column_blocks.h; kColumnBlocksTiles: its product may run on AMX tiles), or GGUF blocks (qs at `data`,
-// scales d, Q4_1 minimums m, nbp blocks per row; format a pagedserve::quant::Format >= 0, layout a
-// ...::Layout).
+// scales d, Q4_1 minimums m (kRows; kX16 records hold their own), nbp blocks per row; format a
+// pagedserve::quant::Format >= 0, layout a ...::Layout).
 struct Matrix {
     const void* data;
     const uint16_t* d;
