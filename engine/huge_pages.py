@@ -5,9 +5,11 @@ A decode step at a long context reads each layer's K/V and weights once, scatter
 of that memory gets 2 MB pages unless asked. So the KV cache is advised before it is first written (its pages
 fault in whole), and the loaded weights, already written, are collapsed in place (MADV_COLLAPSE, Linux 6.1+; an
 older kernel refuses it and khugepaged backs the advised ranges later, in the background). Only whole 2 MB pages
-inside a tensor's own storage are advised: memory of another allocation is never touched. Nowhere else than
-Linux, with THP set to `never`, or for a tensor under 2 MB: nothing is done. docs/performance.md has the
-measurement.
+inside a tensor's own storage are advised: memory of another allocation is never touched. No 2 MB page fits
+inside a matrix under 2 MB, so those (a small model's are all that small) are first copied, in the order a step
+reads them, into one arena of their own (`pack_small_weights`): a step's matrices become one stream, on 2 MB
+pages. Nowhere else than Linux, or with THP set to `never`, is anything advised (the small matrices are still
+packed). docs/performance.md has the measurements.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import platform
 import types
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -28,7 +30,9 @@ MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 WALK_DEPTH = 6
-"""How deep `large_tensors` follows attributes and containers from the object it starts at."""
+"""How deep `reachable_tensors` follows attributes and containers from the object it starts at."""
+ARENA_ALIGN = 64
+"""Each storage packed by `pack_small_weights` starts on a cache line."""
 
 
 def huge_pages_available(setting: Path = THP_SETTING) -> bool:
@@ -48,10 +52,7 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor], *, collapse: bool, settin
     `collapse`: also back what is already written now. Returns the bytes advised (0 where nothing applies)."""
     if not huge_pages_available(setting):
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
+    madvise = _madvise()
     advised = 0
     seen: set[int] = set()
     for tensor in tensors:
@@ -83,9 +84,19 @@ def _storage_span(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
 
 
 def large_tensors(root: object, min_bytes: int = HUGE_PAGE) -> list[torch.Tensor]:
-    """The tensors of at least `min_bytes` reachable from `root` through attributes, slots, lists, tuples and
-    dicts (a model's weights, whatever classes hold them: plain, packed, quantized), each storage once."""
+    """The tensors of at least `min_bytes` reachable from `root` (`reachable_tensors`), each storage once."""
     found: dict[int, torch.Tensor] = {}
+    for tensor in reachable_tensors(root):
+        span = _storage_span(tensor)
+        if span is not None and span[1] >= min_bytes:
+            found.setdefault(span[0], tensor)
+    return list(found.values())
+
+
+def reachable_tensors(root: object) -> list[torch.Tensor]:
+    """Every tensor object reachable from `root` through attributes, slots, lists, tuples and dicts (a model's
+    weights, whatever classes hold them: plain, packed, quantized), in the order met, each object once."""
+    found: list[torch.Tensor] = []
     visited: set[int] = set()
 
     def walk(node: object, depth: int) -> None:
@@ -93,9 +104,7 @@ def large_tensors(root: object, min_bytes: int = HUGE_PAGE) -> list[torch.Tensor
             return
         visited.add(id(node))
         if isinstance(node, torch.Tensor):
-            span = _storage_span(node)
-            if span is not None and span[1] >= min_bytes:
-                found.setdefault(span[0], node)
+            found.append(node)
             return
         if node is None or isinstance(
             node, (str, bytes, int, float, type, types.ModuleType, torch.dtype, torch.device)
@@ -113,11 +122,87 @@ def large_tensors(root: object, min_bytes: int = HUGE_PAGE) -> list[torch.Tensor
             walk(child, depth + 1)
 
     walk(root, 0)
-    return list(found.values())
+    return found
+
+
+def pack_small_weights(weights: Sequence[object], *, setting: Path = THP_SETTING) -> int:
+    """Copy the storages under 2 MB of `weights` (the matrices a step reads, in the order it reads them), in
+    that order, into one arena (advised to 2 MB pages where the kernel gives them), and point every tensor
+    found on them at its copy (`set_`: the same tensor objects, so whatever holds them sees the move). Returns
+    the bytes packed (0 where nothing applies).
+
+    No 2 MB page fits inside a storage under 2 MB, so a small model's matrices (SmolLM2-135M's are all under
+    2 MB) were read on 4 KB pages from wherever the allocator put them; packed, a step's matrices are one
+    stream on 2 MB pages. Run it once the weights are loaded and before anything keeps their addresses (a
+    fused step's table): a view made elsewhere of a moved storage, one `weights` does not reach, would keep the
+    old copy. Weights are not written after loading, so such a view would still read the same values."""
+    storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    met: set[int] = set()  # tensor objects, each moved once (a tied matrix is met twice)
+    for weight in weights:
+        for tensor in reachable_tensors(weight):
+            if id(tensor) in met or type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
+                continue
+            met.add(id(tensor))
+            if tensor.layout != torch.strided:
+                continue
+            try:
+                storage = tensor.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                continue  # an opaque layout
+            if storage.data_ptr() and 0 < storage.nbytes() < HUGE_PAGE:
+                storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    slots = [-(-storage.nbytes() // ARENA_ALIGN) * ARENA_ALIGN for storage, _ in storages.values()]
+    total = sum(slots)
+    if len(storages) < 2 or total < HUGE_PAGE:
+        return 0
+    pages = -(-total // HUGE_PAGE) * HUGE_PAGE
+    arena = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)  # room to start on a 2 MB boundary
+    start = -(-arena.data_ptr() // HUGE_PAGE) * HUGE_PAGE - arena.data_ptr()
+    if huge_pages_available(setting):  # advised before the copies write it: its pages fault in whole
+        _madvise()(arena.data_ptr() + start, pages, MADV_HUGEPAGE)
+    offset = start
+    with torch.inference_mode():  # weights loaded under inference mode take set_ only inside it
+        for (storage, tensors), slot in zip(storages.values(), slots):
+            source = torch.empty(0, dtype=torch.uint8).set_(storage)
+            arena[offset : offset + storage.nbytes()].copy_(source)
+            for tensor in tensors:
+                size = tensor.element_size()
+                tensor.set_(
+                    arena.untyped_storage(),
+                    (offset + tensor.storage_offset() * size) // size,
+                    tensor.size(),
+                    tensor.stride(),
+                )
+            offset += slot
+    _return_freed_memory()
+    return total
+
+
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps the freed small copies in its heap; give those pages back (elsewhere: nothing)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def back_weights_with_huge_pages(model: object) -> None:
-    """Collapse the loaded weights of `model` into 2 MB pages (see the module docstring), and log how much."""
+    """Pack the small matrices of `model` (`pack_small_weights`, in the order of its `weight_tensors()`), then
+    collapse its loaded weights into 2 MB pages (see the module docstring), and log how much."""
+    weight_tensors = getattr(model, "weight_tensors", None)
+    packed = pack_small_weights(weight_tensors()) if weight_tensors is not None else 0
     advised = advise_huge_pages(large_tensors(model), collapse=True)
     if advised:
-        logger.info("weights: %.0f MiB advised to 2 MB pages", advised / 2**20)
+        logger.info(
+            "weights: %.0f MiB advised to 2 MB pages (%.0f MiB of small matrices packed together first)",
+            advised / 2**20,
+            packed / 2**20,
+        )

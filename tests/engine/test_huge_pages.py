@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from engine.attention.kv_cache import KVCache, KVCacheSpec
-from engine.huge_pages import HUGE_PAGE, advise_huge_pages, huge_pages_available, large_tensors
+from engine.huge_pages import (
+    HUGE_PAGE,
+    advise_huge_pages,
+    huge_pages_available,
+    large_tensors,
+    pack_small_weights,
+    reachable_tensors,
+)
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="this kernel gives no transparent huge pages")
 
@@ -98,3 +105,62 @@ def test_large_tensors_finds_each_storage_once_whatever_holds_it():
         [model.layers[0].matrix.data_ptr(), model.layers[1].matrix.data_ptr()]
     )
     assert len(large_tensors(model, min_bytes=HUGE_PAGE // 2)) == 3  # the 1 MB embedding too
+
+
+class _Blocks:
+    """A quantized weight's shape: a byte buffer and a float16 view into it (an X16 weight's scales)."""
+
+    __slots__ = ("records", "scales")
+
+    def __init__(self, rows: int):
+        self.records = torch.randint(0, 255, (rows, 320), dtype=torch.uint8)
+        self.scales = self.records[:, 256:288].view(torch.float16)
+
+
+def test_small_matrices_are_packed_together_in_the_order_given():
+    small = [torch.randn(256, 512) for _ in range(6)]  # 512 KB each
+    blocks = _Blocks(1024)  # 320 KB, a view into it
+    large = torch.randn(HUGE_PAGE // 2)  # 4 MB: backed on its own, not moved
+    opaque = torch.randn(64, 64).to_mkldnn()
+    with torch.inference_mode():
+        made_in_inference_mode = torch.randn(128, 256)  # as loaded weights may be
+    weights = [small[0], blocks, large, opaque, *small[1:], made_in_inference_mode, small[0]]
+    expected = [t.clone() for t in (*small, blocks.records, blocks.scales, made_in_inference_mode)]
+    large_at = large.data_ptr()
+
+    packed = pack_small_weights(weights)
+
+    moved = [small[0], blocks.records, *small[1:], made_in_inference_mode]  # first-met order, each storage once
+    assert packed == sum(-(-t.nbytes // 64) * 64 for t in moved)
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # one arena
+    addresses = [t.data_ptr() for t in moved]
+    assert addresses == sorted(addresses) and all(a % 64 == 0 for a in addresses)
+    assert addresses[0] % HUGE_PAGE == 0  # the arena starts on a 2 MB page
+    assert blocks.scales.data_ptr() == blocks.records.data_ptr() + 256  # the view moved with its buffer
+    for got, want in zip((*small, blocks.records, blocks.scales, made_in_inference_mode), expected):
+        assert (
+            torch.equal(got.view(torch.int16), want.view(torch.int16))
+            if got.dtype == torch.float16
+            else (torch.equal(got, want))
+        )  # random bytes as float16 hold NaNs: compared bit for bit
+    blocks.records[0, 256:258] = torch.tensor([0, 64], dtype=torch.uint8)  # float16 2.0: still one memory
+    assert blocks.scales[0, 0].item() == 2.0
+    assert large.data_ptr() == large_at
+    if huge_pages_available():
+        assert "hg" in _flags_at(addresses[0])
+
+
+def test_too_little_to_pack_is_left_where_it_is():
+    one = torch.randn(256, 512)
+    at = one.data_ptr()
+    assert pack_small_weights([one, one[1:]]) == 0  # one storage
+    tiny = [torch.randn(16, 16) for _ in range(4)]
+    assert pack_small_weights(tiny) == 0  # under 2 MB in all: nothing a 2 MB page would hold
+    assert one.data_ptr() == at and pack_small_weights([]) == 0
+
+
+def test_reachable_tensors_meets_every_tensor_object_once():
+    model = _Model()
+    found = reachable_tensors(model)
+    assert len(found) == len({id(t) for t in found})
+    assert any(t is model.tied["lm_head"] for t in found) and any(t is model.embed for t in found)
