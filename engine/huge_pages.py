@@ -95,33 +95,33 @@ def large_tensors(root: object, min_bytes: int = HUGE_PAGE) -> list[torch.Tensor
 
 def reachable_tensors(root: object) -> list[torch.Tensor]:
     """Every tensor object reachable from `root` through attributes, slots, lists, tuples and dicts (a model's
-    weights, whatever classes hold them: plain, packed, quantized), in the order met, each object once."""
+    weights, whatever classes hold them: plain, packed, quantized), in the order met, each object once. (A loop
+    over a stack, not a recursive closure: that would be a reference cycle holding what it found until the
+    cyclic GC ran, and an engine's memory must go when its last reference does.)"""
     found: list[torch.Tensor] = []
     visited: set[int] = set()
-
-    def walk(node: object, depth: int) -> None:
+    stack: list[tuple[object, int]] = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
         if id(node) in visited or depth > WALK_DEPTH:
-            return
+            continue
         visited.add(id(node))
         if isinstance(node, torch.Tensor):
             found.append(node)
-            return
+            continue
         if node is None or isinstance(
             node, (str, bytes, int, float, type, types.ModuleType, torch.dtype, torch.device)
         ):
-            return  # leaves, and modules (a module's globals are not the model's)
+            continue  # leaves, and modules (a module's globals are not the model's)
         if isinstance(node, (list, tuple, set, frozenset)):
-            children: Iterable[object] = node
+            children: list[object] = list(node)
         elif isinstance(node, dict):
-            children = node.values()
+            children = list(node.values())
         else:
             fields = getattr(node, "__dict__", {})
             slots = [name for cls in type(node).__mro__ for name in getattr(cls, "__slots__", ())]
             children = [*fields.values(), *(getattr(node, name) for name in slots if hasattr(node, name))]
-        for child in children:
-            walk(child, depth + 1)
-
-    walk(root, 0)
+        stack.extend((child, depth + 1) for child in reversed(children))  # popped in their own order
     return found
 
 

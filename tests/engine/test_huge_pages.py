@@ -4,6 +4,8 @@ MADV_HUGEPAGE applies to it)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -159,8 +161,19 @@ def test_too_little_to_pack_is_left_where_it_is():
     assert one.data_ptr() == at and pack_small_weights([]) == 0
 
 
-def test_reachable_tensors_meets_every_tensor_object_once():
+def test_reachable_tensors_meets_every_tensor_object_once_and_holds_none_after():
     model = _Model()
     found = reachable_tensors(model)
     assert len(found) == len({id(t) for t in found})
     assert any(t is model.tied["lm_head"] for t in found) and any(t is model.embed for t in found)
+    weight = torch.zeros(4)
+    gone = weakref.ref(weight)
+    enabled = gc.isenabled()
+    gc.disable()  # an engine's weights must go with their last reference, cyclic GC or not
+    try:
+        assert reachable_tensors({"layers": [weight]})[0] is weight
+        del weight
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
