@@ -125,36 +125,48 @@ def reachable_tensors(root: object) -> list[torch.Tensor]:
     return found
 
 
-def pack_small_weights(weights: Sequence[object], *, setting: Path = THP_SETTING) -> int:
+def pack_small_weights(weights: Sequence[object], *, also: object = None, setting: Path = THP_SETTING) -> int:
     """Copy the storages under 2 MB of `weights` (the matrices a step reads, in the order it reads them), in
     that order, into one arena (advised to 2 MB pages where the kernel gives them), and point every tensor
-    found on them at its copy (`set_`: the same tensor objects, so whatever holds them sees the move). Returns
-    the bytes packed (0 where nothing applies).
+    on them at its copy (`set_`: the same tensor objects, so whatever holds them sees the move); the tensors
+    reachable from `also` (the whole model: a stacked view of the experts, a tied head's shard) on those
+    storages too. Returns the bytes packed (0 where nothing applies).
 
     No 2 MB page fits inside a storage under 2 MB, so a small model's matrices (SmolLM2-135M's are all under
     2 MB) were read on 4 KB pages from wherever the allocator put them; packed, a step's matrices are one
-    stream on 2 MB pages. Run it once the weights are loaded and before anything keeps their addresses (a
-    fused step's table): a view made elsewhere of a moved storage, one `weights` does not reach, would keep the
-    old copy. Weights are not written after loading, so such a view would still read the same values."""
-    storages: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    stream on 2 MB pages. Only the bytes the tensors use are copied (a shard's rows, not its whole source).
+    Run it once the weights are loaded and before anything keeps their addresses (a fused step's table). A
+    view neither `weights` nor `also` reaches would keep the old copy; weights are not written after loading,
+    so it would still read the same values."""
+    groups: dict[int, _Moved] = {}  # by the storage's own identity: two storages may share an address
     met: set[int] = set()  # tensor objects, each moved once (a tied matrix is met twice)
-    for weight in weights:
-        for tensor in reachable_tensors(weight):
-            if id(tensor) in met or type(tensor) is not torch.Tensor or tensor.device.type != "cpu":
+
+    def gather(root: object, open_new: bool) -> None:
+        for tensor in reachable_tensors(root):
+            if id(tensor) in met or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
                 continue
             met.add(id(tensor))
-            if tensor.layout != torch.strided:
-                continue
+            if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+                continue  # a subclass (a quantized or fake tensor) or an opaque layout
             try:
                 storage = tensor.untyped_storage()
             except (NotImplementedError, RuntimeError):
-                continue  # an opaque layout
-            if storage.data_ptr() and 0 < storage.nbytes() < HUGE_PAGE:
-                storages.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
-    slots = [-(-storage.nbytes() // ARENA_ALIGN) * ARENA_ALIGN for storage, _ in storages.values()]
+                continue
+            key = storage._cdata
+            if key in groups:
+                groups[key].tensors.append(tensor)
+            elif open_new and storage.data_ptr() and 0 < storage.nbytes() < HUGE_PAGE and tensor.numel():
+                groups[key] = _Moved(storage, [tensor])
+
+    for weight in weights:
+        gather(weight, open_new=True)
+    if also is not None:
+        gather(also, open_new=False)
+    spans = [group.span() for group in groups.values()]
+    slots = [-(-(end - begin) // ARENA_ALIGN) * ARENA_ALIGN for begin, end in spans]
     total = sum(slots)
-    if len(storages) < 2 or total < HUGE_PAGE:
-        return 0
+    if total < HUGE_PAGE:
+        return 0  # under one 2 MB page in all: nothing to gain
     pages = -(-total // HUGE_PAGE) * HUGE_PAGE
     arena = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)  # room to start on a 2 MB boundary
     start = -(-arena.data_ptr() // HUGE_PAGE) * HUGE_PAGE - arena.data_ptr()
@@ -162,20 +174,42 @@ def pack_small_weights(weights: Sequence[object], *, setting: Path = THP_SETTING
         _madvise()(arena.data_ptr() + start, pages, MADV_HUGEPAGE)
     offset = start
     with torch.inference_mode():  # weights loaded under inference mode take set_ only inside it
-        for (storage, tensors), slot in zip(storages.values(), slots):
-            source = torch.empty(0, dtype=torch.uint8).set_(storage)
-            arena[offset : offset + storage.nbytes()].copy_(source)
-            for tensor in tensors:
-                size = tensor.element_size()
+        for group, (begin, end), slot in zip(groups.values(), spans, slots):
+            source = torch.empty(0, dtype=torch.uint8).set_(group.storage)
+            arena[offset : offset + end - begin].copy_(source[begin:end])
+            for tensor in group.tensors:
+                size = tensor.element_size()  # divides `begin` (a multiple of ARENA_ALIGN) and `offset`
                 tensor.set_(
                     arena.untyped_storage(),
-                    (offset + tensor.storage_offset() * size) // size,
+                    (offset + tensor.storage_offset() * size - begin) // size,
                     tensor.size(),
                     tensor.stride(),
                 )
             offset += slot
-    _return_freed_memory()
     return total
+
+
+class _Moved:
+    """A storage `pack_small_weights` moves, and the tensors on it."""
+
+    __slots__ = ("storage", "tensors")
+
+    def __init__(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]):
+        self.storage = storage
+        self.tensors = tensors
+
+    def span(self) -> tuple[int, int]:
+        """The bytes [begin, end) of the storage its tensors use, `begin` rounded down to ARENA_ALIGN."""
+        begin, end = self.storage.nbytes(), 0
+        for tensor in self.tensors:
+            if tensor.numel() == 0:
+                continue
+            size, first = tensor.element_size(), int(tensor.storage_offset())
+            extent = 1 + sum((n - 1) * abs(step) for n, step in zip(tensor.shape, tensor.stride()))
+            begin = min(begin, first * size)
+            end = max(end, (first + extent) * size)
+        begin = min(begin, end) // ARENA_ALIGN * ARENA_ALIGN
+        return begin, end
 
 
 def _madvise():
@@ -198,11 +232,10 @@ def back_weights_with_huge_pages(model: object) -> None:
     """Pack the small matrices of `model` (`pack_small_weights`, in the order of its `weight_tensors()`), then
     collapse its loaded weights into 2 MB pages (see the module docstring), and log how much."""
     weight_tensors = getattr(model, "weight_tensors", None)
-    packed = pack_small_weights(weight_tensors()) if weight_tensors is not None else 0
+    packed = pack_small_weights(weight_tensors(), also=model) if weight_tensors is not None else 0
+    if packed:
+        _return_freed_memory()  # the old copies, freed as the packing returned
+        logger.info("weights: %.0f MiB of matrices under 2 MB packed together", packed / 2**20)
     advised = advise_huge_pages(large_tensors(model), collapse=True)
     if advised:
-        logger.info(
-            "weights: %.0f MiB advised to 2 MB pages (%.0f MiB of small matrices packed together first)",
-            advised / 2**20,
-            packed / 2**20,
-        )
+        logger.info("weights: %.0f MiB advised to 2 MB pages", advised / 2**20)

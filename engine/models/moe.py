@@ -141,6 +141,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     def weight_tensors(self) -> list[torch.Tensor]:
         """The dense matrices, then every expert's (a step whose tokens reach every expert reads them all)."""
         experts = [m for block in self.moe_blocks.values() for m in block.matrices()]
+        if self.lm_head is None:  # a pipeline stage without the head
+            return super().weight_tensors() + experts
         return super().weight_tensors()[:-1] + experts + [self.lm_head]
 
     def weight_bytes(self) -> int:

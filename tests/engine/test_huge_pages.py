@@ -8,9 +8,11 @@ import gc
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from engine import SamplingParams, huge_pages
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.huge_pages import (
     HUGE_PAGE,
@@ -20,6 +22,8 @@ from engine.huge_pages import (
     pack_small_weights,
     reachable_tensors,
 )
+from tests.engine.factories import make_tiny_gguf, make_tiny_model_dir
+from tests.engine.references import make_llm
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="this kernel gives no transparent huge pages")
 
@@ -155,10 +159,77 @@ def test_small_matrices_are_packed_together_in_the_order_given():
 def test_too_little_to_pack_is_left_where_it_is():
     one = torch.randn(256, 512)
     at = one.data_ptr()
-    assert pack_small_weights([one, one[1:]]) == 0  # one storage
     tiny = [torch.randn(16, 16) for _ in range(4)]
-    assert pack_small_weights(tiny) == 0  # under 2 MB in all: nothing a 2 MB page would hold
+    assert pack_small_weights([one, one[1:], *tiny]) == 0  # under 2 MB in all: nothing a 2 MB page would hold
     assert one.data_ptr() == at and pack_small_weights([]) == 0
+
+
+def test_views_reached_from_the_whole_model_move_with_their_storage_and_only_used_bytes_are_copied():
+    source = torch.randn(1000, 256)  # 1 MB: a shard's source
+    shard = source[100:300]  # a contiguous row shard: 200 KB of it
+    stacked = torch.randn(4, 256, 256)  # an expert stack, 1 MB
+    experts = list(stacked.unbind(0))  # the per-expert matrices: views of the stack
+    others = [torch.randn(256, 512) for _ in range(4)]
+    elsewhere = torch.randn(256, 256)  # reachable from the model only: not a step's matrix, not moved
+    model = {"stack": stacked, "elsewhere": elsewhere, "weights": [shard, *experts, *others]}
+    expected = [t.clone() for t in (shard, stacked, *others)]
+    at = elsewhere.data_ptr()
+
+    packed = pack_small_weights([shard, *experts, *others], also=model)
+
+    assert packed == shard.nbytes + stacked.nbytes + sum(t.nbytes for t in others)  # not the shard's source
+    assert stacked.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()  # the stack moved too
+    assert [e.data_ptr() for e in experts] == [stacked[i].data_ptr() for i in range(4)]
+    for got, want in zip((shard, stacked, *others), expected):
+        assert torch.equal(got, want)
+    assert elsewhere.data_ptr() == at and shard.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+
+
+def test_parameters_and_storages_sharing_an_address_are_packed_correctly():
+    base = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)  # 1.2 MB
+    whole, head = torch.from_numpy(base), torch.from_numpy(base[:1000])  # two storages, one address
+    parameter = torch.nn.Parameter(torch.randn(512, 512), requires_grad=False)  # 1 MB
+    expected = [whole.clone(), head.clone(), parameter.detach().clone()]
+    assert pack_small_weights([head, whole, parameter]) > 0
+    assert torch.equal(whole, expected[0]) and torch.equal(head, expected[1])
+    assert torch.equal(parameter, expected[2]) and type(parameter) is torch.nn.Parameter
+    assert parameter.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()  # moved with the rest
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory):
+    """A tiny llama whose matrices, each under 2 MB, add up to more than 2 MB in bf16 and in Q8_0."""
+    return make_tiny_model_dir(
+        tmp_path_factory.mktemp("wide-llama"), "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=6
+    )
+
+
+@pytest.mark.parametrize("storage", ["bf16", "gguf"])
+def test_a_model_on_packed_weights_gives_the_same_tokens(wide_llama_dir, storage, monkeypatch, tmp_path):
+    """Loading packs the matrices (column blocks in bf16, X16 records with their scale views in GGUF) into one
+    storage; greedy tokens and logprobs are bit for bit those of the same model left unpacked, fused decode
+    steps included."""
+    path, options = wide_llama_dir, {"dtype": "bfloat16"}
+    if storage == "gguf":
+        path = make_tiny_gguf(wide_llama_dir, tmp_path / "wide.gguf", "Q8_0", "Q8_0")
+        options["quantization"] = "gguf"
+    prompts = [[5, 6, 7], list(range(10, 60))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run() -> tuple[list, set[int]]:
+        with make_llm(path, **options) as llm:
+            model = llm.engine.runner.model
+            layers = model.weight_tensors()[:-1]
+            storages = {t.untyped_storage().data_ptr() for w in layers for t in reachable_tensors(w)}
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs], storages
+
+    packed, storages = run()
+    assert len(storages) == 1
+    monkeypatch.setattr(huge_pages, "pack_small_weights", lambda weights, **options: 0)
+    unpacked, storages = run()
+    assert len(storages) > 1
+    assert packed == unpacked
 
 
 def test_reachable_tensors_meets_every_tensor_object_once_and_holds_none_after():
