@@ -143,7 +143,7 @@ def pack_small_weights(weights: Sequence[object], *, also: object = None, settin
 
     def gather(root: object, open_new: bool) -> None:
         for tensor in reachable_tensors(root):
-            if id(tensor) in met or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            if id(tensor) in met or tensor.device.type != "cpu":
                 continue
             met.add(id(tensor))
             if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
