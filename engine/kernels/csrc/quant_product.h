@@ -260,9 +260,11 @@ void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR
                 u[q + 4] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
             }
         }
-        const auto* scales = reinterpret_cast<const __m256i*>(x16_scales(p, FORMAT));
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(scales));
-        const __m512 mw = FORMAT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(scales + 1))  // the minimums follow
+        auto halves = [](const uint16_t* h) {
+            return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+        };
+        const __m512 dw = halves(x16_scales(p, FORMAT));
+        const __m512 mw = FORMAT == kQ4_1 ? halves(x16_mins(p, FORMAT))
                                           : _mm512_mul_ps(dw, _mm512_set1_ps(FORMAT == kQ4_0 ? -8.0f : -128.0f));
         for (int r = 0; r < NR; ++r) {
             const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + r * a.nbp * kBlock + b * kBlock);
