@@ -48,6 +48,7 @@ SOURCES = (
     "quant_dense_bf16.cpp",
     "lora_add.cpp",
     "prefill_attention.cpp",
+    "team_split.cpp",
 )
 HEADERS = (
     "common.h",
@@ -58,6 +59,7 @@ HEADERS = (
     "quant_product.h",
     "lora_delta.h",
     "exp16.h",
+    "team_split.h",
 )
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"

@@ -18,9 +18,9 @@
 //
 // Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
 // items than 4 per thread (576 output columns at one row are 9 items: fewer than 16 on 4 threads), half
-// blocks of 32 columns, so that the threads split a small matrix evenly; threads take items dynamically
-// (behind a server the other core also runs the event loop, and a static split stalls the team whenever one
-// thread is preempted). The k sum is never split.
+// blocks of 32 columns, so that the threads split a small matrix evenly; threads share the items by
+// team_split.h (a contiguous run each, and a preempted thread's items go to the running one). The k sum is
+// never split.
 //
 // Layouts (row-major): x [M, K] contiguous; out [M, N] contiguous; bias [N] or null.
 #pragma once
@@ -36,6 +36,7 @@
 #endif
 
 #include "common.h"
+#include "team_split.h"
 
 namespace pagedserve {
 namespace column_blocks {
@@ -313,11 +314,11 @@ void run_item(const T* x, const T* packed, const T* bias, T* out, int64_t N, int
     }
 }
 
-// out = x @ W^T (+ bias), work-shared over the calling OpenMP team (an orphaned `omp for`: call it from
+// out = x @ W^T (+ bias), work-shared over the calling OpenMP team by `split` (team_split.h: call it from
 // inside a parallel region, every thread of the team, or from outside one to run it on this thread).
 // `amx`: bf16 products whose K is a multiple of 32 may run on the tile unit where it is built in and permitted.
 template <typename T>
-void product_for(const T* x, const T* packed, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
+void product_for(const T* x, const T* packed, const T* bias, T* out, int64_t M, int64_t N, int64_t K, TeamSplit& split,
                  bool amx = false) {
     const bool tiles = on_amx<T>(amx, M, K);
     const int64_t threads = omp_get_num_threads();
@@ -326,14 +327,17 @@ void product_for(const T* x, const T* packed, const T* bias, T* out, int64_t M, 
     const bool halves = num_blocks * num_chunks < kItemsPerThread * threads;
     const int64_t column_items = halves ? 2 * num_blocks : num_blocks;
     const int64_t items = column_items * num_chunks;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-        const int64_t column_item = item % column_items, chunk = item / column_items;
-        const int64_t m0 = chunk * kRowsPerChunk, m1 = m0 + kRowsPerChunk < M ? m0 + kRowsPerChunk : M;
-        if (halves)
-            run_item(x, packed, bias, out, N, K, column_item / 2, static_cast<int>(column_item % 2), 32, m0, m1, tiles);
-        else run_item(x, packed, bias, out, N, K, column_item, 0, kBlockN, m0, m1, tiles);
-    }
+    auto run = [&](int64_t first, int64_t last) {
+        for (int64_t item = first; item < last; ++item) {
+            const int64_t column_item = item % column_items, chunk = item / column_items;
+            const int64_t m0 = chunk * kRowsPerChunk, m1 = m0 + kRowsPerChunk < M ? m0 + kRowsPerChunk : M;
+            if (halves)
+                run_item(x, packed, bias, out, N, K, column_item / 2, static_cast<int>(column_item % 2), 32, m0, m1,
+                         tiles);
+            else run_item(x, packed, bias, out, N, K, column_item, 0, kBlockN, m0, m1, tiles);
+        }
+    };
+    split.run(items, 1, run);
 }
 
 }  // namespace column_blocks

@@ -92,12 +92,12 @@ template <typename T>
 void product_for(const T* x, const Matrix& w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K,
                  Scratch& scratch) {
     if (w.format == kColumnBlocks || w.format == kColumnBlocksTiles) {
-        pagedserve::column_blocks::product_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K,
+        pagedserve::column_blocks::product_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K, scratch.split,
                                                w.format == kColumnBlocksTiles);
         return;
     }
     if (w.format == kPlain) {
-        gemv_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K);
+        gemv_for(x, static_cast<const T*>(w.data), bias, out, rows, N, K, scratch.split);
         return;
     }
     integer_product_for(x, BlockMatrix{static_cast<const uint8_t*>(w.data), w.d, w.m, w.format, w.nbp, w.layout},
@@ -249,7 +249,8 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                                                          step_lora.width, step_lora.max_rank, step_lora.max_loras);
     if (plan != nullptr && plan->empty()) plan.reset();
     std::vector<float> shrunk(plan == nullptr ? 0 : s.rows * step_lora.width * pagedserve::lora::kMaxParts * step_lora.max_rank);
-    Scratch scratch;  // int8 activations of block-quantized matrices, shared by each kernel's team
+    Scratch scratch;  // int8 activations of block-quantized matrices and the products' split, shared by each team
+    scratch.split.reset();
     for (int64_t layer = 0; layer < num_layers; ++layer)
         for (int column : {kQkv, kOProj, kGateUp, kDown}) {
             const Matrix m = matrix_at(weights + layer * kWeightColumns, column);

@@ -6,9 +6,9 @@
 // walks the weight rows one after the other in memory order (one sequential stream, which the hardware
 // prefetcher follows: walking the 4 rows side by side, or prefetching ahead in software, measured
 // 9-10 GB/s per thread against ~20-28), two independent accumulator chains per (weight row, batch row),
-// then sums each accumulator's lanes. Threads split groups of weight rows statically: each streams its
-// own contiguous slice of the weight. vdpbf16ps and widening to float32 + FMA measured the same
-// (memory-bound); -DPAGEDSERVE_GEMV_WIDEN forces the latter.
+// then sums each accumulator's lanes. Threads split groups of weight rows by team_split.h: each streams its
+// own contiguous slice of the weight, and takes from the others' when it is done. vdpbf16ps and widening to
+// float32 + FMA measured the same (memory-bound); -DPAGEDSERVE_GEMV_WIDEN forces the latter.
 // Measured on a 2-core AVX512-BF16 machine, one thread, bf16 3072x576 (CPU time, a shared machine):
 // 28.6 GB/s at 1 row (the process's streaming read: ~23), 18.9 at 2, 16.0 at 4, 8.2 at 8 (the 8 rows
 // take two passes of 4; past one row the dot products, not the memory, bound it).
@@ -33,11 +33,13 @@
 #endif
 
 #include "common.h"
+#include "team_split.h"
 
 namespace pagedserve {
 namespace gemv_detail {
 
 constexpr int kGroup = 4;  // weight rows per micro-kernel call
+constexpr int64_t kGroupsPerStep = 2;  // groups a thread takes at a time (team_split.h)
 constexpr int64_t kParallelMinMacs = 1 << 16;  // below this, one thread beats waking the pool
 
 // ---------------------------------------------------------------------------------- vector policies
@@ -218,26 +220,31 @@ void rows_of_group(const T* x, const T* w, const T* bias, T* out, int64_t rows, 
 
 }  // namespace gemv_detail
 
-// out = x @ w^T (+ bias), work-shared over the calling OpenMP team (an orphaned `omp for`: call it from
-// inside a parallel region, every thread of the team, or from outside one to run it on this thread).
+// out = x @ w^T (+ bias), work-shared over the calling OpenMP team by `split` (team_split.h: call it from inside a
+// parallel region, every thread of the team, or from outside one to run it on this thread). Items: groups of
+// kGroup weight rows, then one item for the rows past the last whole group.
 template <typename T>
-void gemv_for(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K) {
+void gemv_for(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K, TeamSplit& split) {
     using namespace gemv_detail;
     const int64_t groups = N / kGroup;
-    // Guided, not static: behind a server the other core also runs the event loop and the client, and a
-    // static half stalls the team whenever its thread is preempted (measured, 2 cores, one stream over
-    // HTTP: 20.1 ms per token static, 14.6 ms guided; offline within noise).
-#pragma omp for schedule(guided, 4)
-    for (int64_t i = 0; i < groups; ++i) rows_of_group<T, kGroup>(x, w, bias, out, rows, N, K, i * kGroup);
-#pragma omp single
-    for (int64_t o = groups * kGroup; o < N; ++o) rows_of_group<T, 1>(x, w, bias, out, rows, N, K, o);
+    auto run = [&](int64_t first, int64_t last) {
+        for (int64_t i = first; i < last; ++i) {
+            if (i < groups) rows_of_group<T, kGroup>(x, w, bias, out, rows, N, K, i * kGroup);
+            else
+                for (int64_t o = groups * kGroup; o < N; ++o) rows_of_group<T, 1>(x, w, bias, out, rows, N, K, o);
+        }
+    };
+    const int64_t items = groups + (N % kGroup != 0);
+    split.run(items, kGroupsPerStep, run);
 }
 
 // The same with a team of its own when the product is large enough to pay for one.
 template <typename T>
 void gemv(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t N, int64_t K) {
+    TeamSplit split;
+    split.reset();
 #pragma omp parallel if (N * K * rows >= gemv_detail::kParallelMinMacs)
-    gemv_for(x, w, bias, out, rows, N, K);
+    gemv_for(x, w, bias, out, rows, N, K, split);
 }
 
 }  // namespace pagedserve

@@ -13,8 +13,10 @@ namespace {
 template <typename T>
 void column_block_product(const T* x, const T* packed, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                           bool amx) {
+    pagedserve::TeamSplit split;
+    split.reset();
 #pragma omp parallel if (M * N * K >= pagedserve::column_blocks::kParallelMinMacs)
-    pagedserve::column_blocks::product_for(x, packed, bias, out, M, N, K, amx);
+    pagedserve::column_blocks::product_for(x, packed, bias, out, M, N, K, split, amx);
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 
 #include "common.h"
 #include "quant_blocks.h"
+#include "team_split.h"
 
 namespace pagedserve {
 namespace quant {
@@ -210,29 +211,30 @@ void columns_dot(Weights w, int64_t n0, int64_t n1, Activations a, float* result
     }
 }
 
-// out [rows, N] = activations x W.T, work-shared over the calling OpenMP team (an orphaned `omp for`).
-// Guided: a preempted thread's columns go to the running one (one stream over HTTP on 2 cores, measured:
-// 18.1 ms per token with a static split, 11.5 ms guided).
+// out [rows, N] = activations x W.T, work-shared over the calling team by `split` (team_split.h: a preempted
+// thread's columns go to the running one).
 template <int64_t FORMAT, typename T>
-void matmul_for(Weights w, Activations a, int64_t rows, T* out) {
+void matmul_for(Weights w, Activations a, int64_t rows, T* out, TeamSplit& split) {
     const int64_t tasks = (w.columns + kColumnsPerTask - 1) / kColumnsPerTask;
-#pragma omp for schedule(guided, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t n0 = task * kColumnsPerTask, n1 = std::min(w.columns, n0 + kColumnsPerTask);
-        float tile[kMaxRows * kColumnsPerTask];
-        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-            const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-            const Activations chunk{a.xq + r0 * a.nbp * kBlock, a.dx + r0 * a.nbp, a.sx + r0 * a.nbp, a.nbp};
-            switch (nr) {
-                case 1: columns_dot<FORMAT, 1>(w, n0, n1, chunk, tile); break;
-                case 2: columns_dot<FORMAT, 2>(w, n0, n1, chunk, tile); break;
-                case 3: columns_dot<FORMAT, 3>(w, n0, n1, chunk, tile); break;
-                default: columns_dot<FORMAT, 4>(w, n0, n1, chunk, tile); break;
+    split.run(tasks, 1, [&](int64_t first, int64_t last) {
+        for (int64_t task = first; task < last; ++task) {
+            const int64_t n0 = task * kColumnsPerTask, n1 = std::min(w.columns, n0 + kColumnsPerTask);
+            float tile[kMaxRows * kColumnsPerTask];
+            for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+                const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+                const Activations chunk{a.xq + r0 * a.nbp * kBlock, a.dx + r0 * a.nbp, a.sx + r0 * a.nbp, a.nbp};
+                switch (nr) {
+                    case 1: columns_dot<FORMAT, 1>(w, n0, n1, chunk, tile); break;
+                    case 2: columns_dot<FORMAT, 2>(w, n0, n1, chunk, tile); break;
+                    case 3: columns_dot<FORMAT, 3>(w, n0, n1, chunk, tile); break;
+                    default: columns_dot<FORMAT, 4>(w, n0, n1, chunk, tile); break;
+                }
+                for (int r = 0; r < nr; ++r)
+                    for (int64_t n = n0; n < n1; ++n)
+                        store(out + (r0 + r) * w.columns + n, tile[r * (n1 - n0) + n - n0]);
             }
-            for (int r = 0; r < nr; ++r)
-                for (int64_t n = n0; n < n1; ++n) store(out + (r0 + r) * w.columns + n, tile[r * (n1 - n0) + n - n0]);
         }
-    }
+    });
 }
 
 // ---------------------------------------------------------------- kX16: 16 columns in one vector's lanes
@@ -351,40 +353,86 @@ void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR
 
 #endif
 
-// out [rows, N] for kX16 weights, work-shared over the calling team: a work item is a group of 16 columns.
+// Groups a thread takes at a time (team_split.h): a few KB of weights.
+constexpr int64_t kX16GroupsPerStep = 2;
+
+// out [rows, N] for kX16 weights, work-shared over the calling team by `split`: a work item is a group of 16 columns.
 template <int64_t FORMAT, typename T>
-void x16_matmul_for(const uint8_t* qs, int64_t nb, Activations a, int64_t rows, int64_t columns, T* out) {
+void x16_matmul_for(const uint8_t* qs, int64_t nb, Activations a, int64_t rows, int64_t columns, T* out,
+                    TeamSplit& split) {
     const int64_t groups = columns / kGroupColumns, group_bytes = nb * x16_block_bytes(FORMAT);
-#pragma omp for schedule(guided, 1)
-    for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* qg = qs + g * group_bytes;
-        float tile[kMaxRows * kGroupColumns];
-        for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-            const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-            const Activations chunk{a.xq + r0 * a.nbp * kBlock, a.dx + r0 * a.nbp, a.sx + r0 * a.nbp, a.nbp};
-            switch (nr) {
-                case 1: x16_group<FORMAT, 1>(qg, nb, chunk, tile); break;
-                case 2: x16_group<FORMAT, 2>(qg, nb, chunk, tile); break;
-                case 3: x16_group<FORMAT, 3>(qg, nb, chunk, tile); break;
-                default: x16_group<FORMAT, 4>(qg, nb, chunk, tile); break;
+    auto run = [&](int64_t first, int64_t last) {
+        for (int64_t g = first; g < last; ++g) {
+            const uint8_t* qg = qs + g * group_bytes;
+            float tile[kMaxRows * kGroupColumns];
+            for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+                const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+                const Activations chunk{a.xq + r0 * a.nbp * kBlock, a.dx + r0 * a.nbp, a.sx + r0 * a.nbp, a.nbp};
+                switch (nr) {
+                    case 1: x16_group<FORMAT, 1>(qg, nb, chunk, tile); break;
+                    case 2: x16_group<FORMAT, 2>(qg, nb, chunk, tile); break;
+                    case 3: x16_group<FORMAT, 3>(qg, nb, chunk, tile); break;
+                    default: x16_group<FORMAT, 4>(qg, nb, chunk, tile); break;
+                }
+                for (int r = 0; r < nr; ++r)
+                    for (int64_t c = 0; c < kGroupColumns; ++c)
+                        store(out + (r0 + r) * columns + g * kGroupColumns + c, tile[r * kGroupColumns + c]);
             }
-            for (int r = 0; r < nr; ++r)
-                for (int64_t c = 0; c < kGroupColumns; ++c)
-                    store(out + (r0 + r) * columns + g * kGroupColumns + c, tile[r * kGroupColumns + c]);
         }
-    }
+    };
+    split.run(groups, kX16GroupsPerStep, run);
 }
 
-// Room for the int8 activations of `rows` rows of up to `nbp` blocks, shared by a team.
-struct Scratch {
-    std::vector<int8_t> xq;
-    std::vector<float> dx, sx;
+// Room for the int8 activations of a team's products, and how their columns are shared (team_split.h). Up to
+// kPrivateRows rows, each thread quantizes them into a copy of its own and starts on its columns at once: a shared
+// copy needs a barrier between the quantization and the product (docs/performance.md). More rows are quantized
+// once, split over the team.
+constexpr int64_t kPrivateRows = 8;
 
+struct Scratch {
+    std::vector<int8_t> xq;  // the shared copy
+    std::vector<float> dx, sx;
+    std::vector<int8_t> own_xq;  // a copy per thread, kPrivateRows rows of `own_nbp` blocks each
+    std::vector<float> own_dx, own_sx;
+    int64_t own_nbp = 0;
+    TeamSplit split;
+
+    // Room for `rows` rows of up to `nbp` blocks; from outside the team, before it starts.
     void reserve(int64_t rows, int64_t nbp) {
-        if (static_cast<int64_t>(dx.size()) >= rows * nbp) return;
-        xq.resize(rows * nbp * kBlock);
-        dx.resize(rows * nbp);
-        sx.resize(rows * nbp);
+        int64_t threads = 1;
+#if defined(_OPENMP)
+        threads = omp_get_max_threads();
+#endif
+        split.reset(threads);
+        if (rows > kPrivateRows) {
+            if (static_cast<int64_t>(dx.size()) >= rows * nbp) return;
+            xq.resize(rows * nbp * kBlock);
+            dx.resize(rows * nbp);
+            sx.resize(rows * nbp);
+            return;
+        }
+        own_nbp = std::max(own_nbp, nbp);
+        const int64_t blocks = threads * kPrivateRows * own_nbp;
+        if (static_cast<int64_t>(own_dx.size()) >= blocks) return;
+        own_xq.resize(blocks * kBlock);
+        own_dx.resize(blocks);
+        own_sx.resize(blocks);
+    }
+
+    // Where `rows` rows of activations go: the calling thread's own copy, or the shared one.
+    struct Copy {
+        int8_t* xq;
+        float* dx;
+        float* sx;
+    };
+    Copy copy_for(int64_t rows) {
+        if (rows > kPrivateRows) return Copy{xq.data(), dx.data(), sx.data()};
+        int64_t thread = 0;
+#if defined(_OPENMP)
+        thread = omp_get_thread_num();
+#endif
+        const int64_t first = thread * kPrivateRows * own_nbp;  // in blocks
+        return Copy{own_xq.data() + first * kBlock, own_dx.data() + first, own_sx.data() + first};
     }
 };
 
@@ -400,32 +448,37 @@ struct BlockMatrix {
 
 // out [rows, N] = x [rows, K] @ W.T with integer dot products, work-shared over the calling team: the
 // rows are quantized into `scratch` (reserved for rows x nbp by the caller, before the team starts),
-// then the team splits the columns. Call it from every thread of a team, or from outside one. `out` may be
-// float32 for bf16 x (logits, written unrounded).
+// then the team splits the columns (scratch.split). Call it from every thread of a team, or from outside one.
+// `out` may be float32 for bf16 x (logits, written unrounded).
 template <typename TX, typename TO>
 void integer_product_for(const TX* x, const BlockMatrix& w, TO* out, int64_t rows, int64_t K, int64_t N,
                          Scratch& scratch) {
     const int64_t nbp = w.nbp, nb = K / kBlock;
-    int8_t* xq = scratch.xq.data();
-    float *dx = scratch.dx.data(), *sx = scratch.sx.data();
+    const Scratch::Copy copy = scratch.copy_for(rows);
+    auto quantize = [&](int64_t r) {
+        quantize_row(x + r * K, copy.xq + r * nbp * kBlock, copy.dx + r * nbp, copy.sx + r * nbp, nb, nbp);
+    };
+    if (rows <= kPrivateRows) {
+        for (int64_t r = 0; r < rows; ++r) quantize(r);
+    } else {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r)
-        quantize_row(x + r * K, xq + r * nbp * kBlock, dx + r * nbp, sx + r * nbp, nb, nbp);
-    const Activations a{xq, dx, sx, nbp};
+        for (int64_t r = 0; r < rows; ++r) quantize(r);
+    }
+    const Activations a{copy.xq, copy.dx, copy.sx, nbp};
     if (w.layout == kX16) {
         switch (w.format) {
-            case kQ4_0: x16_matmul_for<kQ4_0>(w.qs, nb, a, rows, N, out); break;
-            case kQ4_1: x16_matmul_for<kQ4_1>(w.qs, nb, a, rows, N, out); break;
-            default: x16_matmul_for<kQ8_0>(w.qs, nb, a, rows, N, out); break;
+            case kQ4_0: x16_matmul_for<kQ4_0>(w.qs, nb, a, rows, N, out, scratch.split); break;
+            case kQ4_1: x16_matmul_for<kQ4_1>(w.qs, nb, a, rows, N, out, scratch.split); break;
+            default: x16_matmul_for<kQ8_0>(w.qs, nb, a, rows, N, out, scratch.split); break;
         }
         return;
     }
     const Weights weights{w.qs, w.d, w.format == kQ4_1 ? w.m : nullptr, N,
                           w.format == kQ8_0 ? nbp * kBlock : nbp * kBlock / 2};
     switch (w.format) {
-        case kQ4_0: matmul_for<kQ4_0>(weights, a, rows, out); break;
-        case kQ4_1: matmul_for<kQ4_1>(weights, a, rows, out); break;
-        default: matmul_for<kQ8_0>(weights, a, rows, out); break;
+        case kQ4_0: matmul_for<kQ4_0>(weights, a, rows, out, scratch.split); break;
+        case kQ4_1: matmul_for<kQ4_1>(weights, a, rows, out, scratch.split); break;
+        default: matmul_for<kQ8_0>(weights, a, rows, out, scratch.split); break;
     }
 }
 
