@@ -57,12 +57,14 @@ class TeamSplit {
         threads = omp_get_num_threads();
         me = omp_get_thread_num();
 #endif
-        const uint64_t epoch = (++slots_[me].calls % kEpochs) + 1;  // 0: a cleared cursor
-        if (threads == 1 || n >= kMaxItems) {
+        // one thread, a team larger than `reset` was told, or more items than a cursor counts: every thread of the
+        // team takes this branch alike (and the epochs stay in step)
+        if (threads == 1 || threads > capacity_ || n >= kMaxItems) {
 #pragma omp for schedule(guided, 1)
             for (int64_t i = 0; i < n; ++i) body(i, i + 1);
             return;
         }
+        const uint64_t epoch = (++slots_[me].calls % kEpochs) + 1;  // 0: a cleared cursor
         auto take = [&](int64_t share, bool front, int64_t* begin, int64_t* end) -> bool {
             std::atomic<uint64_t>& cursor = slots_[share].cursor;
             uint64_t word = cursor.load(std::memory_order_acquire);
