@@ -20,6 +20,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <vector>
 
@@ -425,8 +426,12 @@ struct Scratch {
         float* dx;
         float* sx;
     };
-    Copy copy_for(int64_t rows) {
-        if (rows > kPrivateRows) return Copy{xq.data(), dx.data(), sx.data()};
+    Copy copy_for(int64_t rows, int64_t nbp) {
+        if (rows > kPrivateRows) {
+            assert(static_cast<int64_t>(dx.size()) >= rows * nbp);  // reserve() was told
+            return Copy{xq.data(), dx.data(), sx.data()};
+        }
+        assert(nbp <= own_nbp);
         int64_t thread = 0;
 #if defined(_OPENMP)
         thread = omp_get_thread_num();
@@ -454,7 +459,7 @@ template <typename TX, typename TO>
 void integer_product_for(const TX* x, const BlockMatrix& w, TO* out, int64_t rows, int64_t K, int64_t N,
                          Scratch& scratch) {
     const int64_t nbp = w.nbp, nb = K / kBlock;
-    const Scratch::Copy copy = scratch.copy_for(rows);
+    const Scratch::Copy copy = scratch.copy_for(rows, nbp);
     auto quantize = [&](int64_t r) {
         quantize_row(x + r * K, copy.xq + r * nbp * kBlock, copy.dx + r * nbp, copy.sx + r * nbp, nb, nbp);
     };

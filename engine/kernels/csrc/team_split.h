@@ -11,7 +11,8 @@
 // Each share's cursor is one word: an epoch (which call of `run` it belongs to), the front and the back. A thread
 // that finds a cursor of an earlier call sets it to this call's share first, whether it owns it or not: the first
 // thread there does it, and a thread that has not arrived yet cannot hold the others back. Every thread counts its
-// calls, so the threads agree on the epoch when each of them makes every call, as an orphaned `omp for` requires.
+// calls, so the threads agree on the epoch when each of them makes every call, as an orphaned `omp for` requires;
+// thread 0 brings the counts of the slots its team leaves unused along, so a later, larger team agrees too.
 
 #pragma once
 
@@ -49,9 +50,10 @@ class TeamSplit {
 
     // Calls body(begin, end) on runs of items of [0, n), `step` items at most, until every item is done, then waits
     // for the team (a barrier). Call it from every thread of a team, each making the same calls in the same order,
-    // or from outside one; after `reset` for at least the team's threads.
+    // or from outside one, after `reset` (a team larger than it was told takes a guided loop).
     template <typename Body>
     void run(int64_t n, int64_t step, Body&& body) {
+        step = std::max<int64_t>(step, 1);
         int64_t threads = 1, me = 0;
 #if defined(_OPENMP)
         threads = omp_get_num_threads();
@@ -65,6 +67,11 @@ class TeamSplit {
             return;
         }
         const uint64_t epoch = (++slots_[me].calls % kEpochs) + 1;  // 0: a cleared cursor
+        if (me == 0)  // slots no thread of this team uses: their counts kept with the team's, their cursors cleared
+            for (int64_t t = threads; t < capacity_; ++t) {
+                slots_[t].calls = slots_[0].calls;
+                slots_[t].cursor.store(0, std::memory_order_relaxed);
+            }
         auto take = [&](int64_t share, bool front, int64_t* begin, int64_t* end) -> bool {
             std::atomic<uint64_t>& cursor = slots_[share].cursor;
             uint64_t word = cursor.load(std::memory_order_acquire);
