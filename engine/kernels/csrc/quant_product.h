@@ -431,12 +431,12 @@ struct Scratch {
             assert(static_cast<int64_t>(dx.size()) >= rows * nbp);  // reserve() was told
             return Copy{xq.data(), dx.data(), sx.data()};
         }
-        assert(nbp <= own_nbp);
         int64_t thread = 0;
 #if defined(_OPENMP)
         thread = omp_get_thread_num();
 #endif
         const int64_t first = thread * kPrivateRows * own_nbp;  // in blocks
+        assert(nbp <= own_nbp && first + kPrivateRows * own_nbp <= static_cast<int64_t>(own_dx.size()));
         return Copy{own_xq.data() + first * kBlock, own_dx.data() + first, own_sx.data() + first};
     }
 };
