@@ -250,7 +250,7 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
     if (plan != nullptr && plan->empty()) plan.reset();
     std::vector<float> shrunk(plan == nullptr ? 0 : s.rows * step_lora.width * pagedserve::lora::kMaxParts * step_lora.max_rank);
     Scratch scratch;  // int8 activations of block-quantized matrices and the products' split, shared by each team
-    scratch.split.reset();  // (reserve() below resets it too, but only a block-quantized matrix calls it)
+    scratch.split.reset();
     for (int64_t layer = 0; layer < num_layers; ++layer)
         for (int column : {kQkv, kOProj, kGateUp, kDown}) {
             const Matrix m = matrix_at(weights + layer * kWeightColumns, column);

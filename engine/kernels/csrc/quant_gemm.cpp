@@ -30,6 +30,7 @@ void quant_linear(const TX* x, const uint8_t* qs, const uint16_t* d, const uint1
     static thread_local Scratch calling_thread_scratch;  // reused across calls by the calling thread
     Scratch& scratch = calling_thread_scratch;  // (by name in the team, each thread would see its own)
     scratch.reserve(rows, nbp);
+    scratch.split.reset();
     const BlockMatrix w{qs, d, m, format, nbp, layout};
     const bool parallel = rows * columns * nbp * kBlock >= kParallelMinWork && columns > kColumnsPerTask;
 #pragma omp parallel if (parallel)

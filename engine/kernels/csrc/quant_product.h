@@ -396,15 +396,10 @@ struct Scratch {
     std::vector<int8_t> own_xq;  // a copy per thread, kPrivateRows rows of `own_nbp` blocks each
     std::vector<float> own_dx, own_sx;
     int64_t own_nbp = 0;
-    TeamSplit split;
+    TeamSplit split;  // reset by the owner before each team that uses it
 
     // Room for `rows` rows of up to `nbp` blocks; from outside the team, before it starts.
     void reserve(int64_t rows, int64_t nbp) {
-        int64_t threads = 1;
-#if defined(_OPENMP)
-        threads = omp_get_max_threads();
-#endif
-        split.reset(threads);
         if (rows > kPrivateRows) {
             if (static_cast<int64_t>(dx.size()) >= rows * nbp) return;
             xq.resize(rows * nbp * kBlock);
@@ -413,7 +408,7 @@ struct Scratch {
             return;
         }
         own_nbp = std::max(own_nbp, nbp);
-        const int64_t blocks = threads * kPrivateRows * own_nbp;
+        const int64_t blocks = TeamSplit::team_size() * kPrivateRows * own_nbp;
         if (static_cast<int64_t>(own_dx.size()) >= blocks) return;
         own_xq.resize(blocks * kBlock);
         own_dx.resize(blocks);

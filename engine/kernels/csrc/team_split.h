@@ -29,15 +29,18 @@ namespace pagedserve {
 
 class TeamSplit {
   public:
+    // The threads of a team started here, now.
+    static int64_t team_size() {
+#if defined(_OPENMP)
+        return omp_get_max_threads();
+#else
+        return 1;
+#endif
+    }
+
     // Before a team uses it, from outside the team: room for `threads` threads (by default as many as a team started
     // here would have), every cursor and count cleared.
-    void reset(int64_t threads = 0) {
-        if (threads <= 0) {
-            threads = 1;
-#if defined(_OPENMP)
-            threads = omp_get_max_threads();
-#endif
-        }
+    void reset(int64_t threads = team_size()) {
         if (threads > capacity_) {
             slots_ = std::make_unique<Slot[]>(threads);
             capacity_ = threads;
