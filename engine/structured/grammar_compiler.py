@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from engine.errors import InvalidParameterError
 from engine.structured.constraint import StructuredOutputs
 from engine.structured.json_bounds import json_schema_grammar
+from engine.structured.surrogates import without_surrogates
 
 if TYPE_CHECKING:
     import xgrammar
@@ -85,17 +86,21 @@ class GrammarCompiler:
 
 def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs) -> "xgrammar.CompiledGrammar":
     # its one constraint, looked for in the order of `constraint.kind`
+    # the JSON and regex grammars are edited to admit no UTF-16 surrogate (surrogates.py): a user's own grammar is
+    # compiled as written
     if constraint.json is not None:  # bounded: numbers, whitespace and key order (json_bounds)
-        return compiler.compile_grammar(json_schema_grammar(constraint.json))
+        return compiler.compile_grammar(without_surrogates(json_schema_grammar(constraint.json)))
     if constraint.regex is not None:
-        return compiler.compile_regex(constraint.regex)
+        import xgrammar as xgr
+
+        return compiler.compile_grammar(without_surrogates(str(xgr.Grammar.from_regex(constraint.regex))))
     if constraint.choice is not None:
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
         return compiler.compile_grammar(f"root ::= {literals}")
     if constraint.grammar is not None:
         return compiler.compile_grammar(constraint.grammar)
     # json_object: an object, as OpenAI's json_object promises (the builtin grammar takes any value)
-    return compiler.compile_grammar(json_schema_grammar('{"type": "object"}', strict=False))
+    return compiler.compile_grammar(without_surrogates(json_schema_grammar('{"type": "object"}', strict=False)))
 
 
 def _first_line(exc: BaseException) -> str:

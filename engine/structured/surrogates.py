@@ -1,0 +1,124 @@
+"""Grammars that generate only valid UTF-8: no UTF-16 surrogates (U+D800-U+DFFF) in their character classes.
+
+xgrammar turns a character class into byte sequences over every code point it covers, and a class such as a JSON
+string's `[^"\\\\\\r\\n]` or a regex's `.` (`[\\0-\\U0010ffff]`) covers the surrogates too. Their 3-byte
+encodings (ED A0 80 to ED BF BF) are not UTF-8, so a byte-level model that samples one writes text that decodes to
+three U+FFFD, and a string the grammar bounded to 5 characters comes out 7 long. Every class outside a quoted
+literal is edited here: a negated one also excludes the surrogates, a positive one loses the part of its ranges
+that falls among them. Regex("...") bodies (JSON Schema patterns) are literals to this edit and stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+SURROGATES = (0xD800, 0xDFFF)
+_EXCLUDE = "\\uD800-\\uDFFF"
+_SIMPLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "\\": 0x5C, '"': 0x22, "]": 0x5D, "-": 0x2D, "[": 0x5B, "^": 0x5E}
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+
+
+def without_surrogates(ebnf: str) -> str:
+    """`ebnf` (xgrammar's dialect) with no character class that admits a surrogate."""
+    out: list[str] = []
+    i, n = 0, len(ebnf)
+    while i < n:
+        c = ebnf[i]
+        if c == '"':  # a quoted literal, copied whole
+            j = i + 1
+            while j < n and ebnf[j] != '"':
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i : j + 1])
+            i = j + 1
+        elif c == "[":
+            j = _class_end(ebnf, i)
+            out.append(_edit_class(ebnf[i : j + 1]))
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _class_end(text: str, start: int) -> int:
+    """The index of the `]` that closes the class opened at `start`."""
+    j = start + 1
+    while j < len(text) and text[j] != "]":
+        j += 2 if text[j] == "\\" else 1
+    return j
+
+
+def _edit_class(cls: str) -> str:
+    """One class, `[...]` or `[^...]`, without the surrogates; unchanged when it cannot hold one or is not
+    understood."""
+    if cls.startswith("[^"):
+        return f"{cls[:-1]}{_EXCLUDE}]"
+    ranges = _ranges(cls[1:-1])
+    low, high = SURROGATES
+    if ranges is None or not any(a <= high and b >= low for a, b in ranges):
+        return cls
+    kept: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if b < low or a > high:
+            kept.append((a, b))
+            continue
+        if a < low:
+            kept.append((a, low - 1))
+        if b > high:
+            kept.append((high + 1, b))
+    if not kept:  # only surrogates: a class that matches nothing would not compile; exclude everything else
+        return "[^\\0-\\U0010ffff]"
+    return "[" + "".join(_escape(a) if a == b else f"{_escape(a)}-{_escape(b)}" for a, b in kept) + "]"
+
+
+def _ranges(body: str) -> Optional[list[tuple[int, int]]]:
+    """The code point ranges of a positive class's body, or None for a form this parser does not know."""
+    points: list[int] = []
+    dashes: list[bool] = []  # whether a `-` stood before points[k]
+    i, dash = 0, False
+    while i < len(body):
+        c = body[i]
+        if c == "-" and points and not dash:
+            dash, i = True, i + 1
+            continue
+        if c == "\\":
+            if i + 1 >= len(body):
+                return None
+            e = body[i + 1]
+            if e in _SIMPLE_ESCAPES:
+                point, i = _SIMPLE_ESCAPES[e], i + 2
+            elif e == "0":
+                point, i = 0, i + 2
+            elif e in _HEX_ESCAPES:
+                digits = body[i + 2 : i + 2 + _HEX_ESCAPES[e]]
+                if len(digits) != _HEX_ESCAPES[e]:
+                    return None
+                try:
+                    point = int(digits, 16)
+                except ValueError:
+                    return None
+                i += 2 + len(digits)
+            else:
+                return None
+        else:
+            point, i = ord(c), i + 1
+        points.append(point)
+        dashes.append(dash)
+        dash = False
+    if dash:  # a trailing `-` is itself a member
+        points.append(ord("-"))
+        dashes.append(False)
+    ranges: list[tuple[int, int]] = []
+    for point, after_dash in zip(points, dashes):
+        if after_dash:
+            start = ranges.pop()[0]
+            if point < start:
+                return None
+            ranges.append((start, point))
+        else:
+            ranges.append((point, point))
+    return ranges
+
+
+def _escape(point: int) -> str:
+    return f"\\U{point:08x}"
