@@ -5,7 +5,11 @@ string's `[^"\\\\\\r\\n]` or a regex's `.` (`[\\0-\\U0010ffff]`) covers the surr
 encodings (ED A0 80 to ED BF BF) are not UTF-8, so a byte-level model that samples one writes text that decodes to
 three U+FFFD, and a string the grammar bounded to 5 characters comes out 7 long. Every class outside a quoted
 literal is edited here: a negated one also excludes the surrogates, a positive one loses the part of its ranges
-that falls among them. Regex("...") bodies (JSON Schema patterns) are literals to this edit and stay as they are.
+that falls among them. Regex("...") bodies (JSON Schema patterns) are left as they are.
+
+xgrammar prints a code point up to U+00FF as `\\x` and two hex digits but reads `\\x` with as many hex digits as
+follow, so its printed `[\\xe9a]` (é or a) reads back as U+0E9A: every such escape outside a Regex body is
+widened to `\\U000000e9` here, in classes and in literals alike (`\\u` and `\\U` are read at their fixed widths).
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from typing import Optional
 
 SURROGATES = (0xD800, 0xDFFF)
 _EXCLUDE = "\\uD800-\\uDFFF"
-_SIMPLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "\\": 0x5C, '"': 0x22, "]": 0x5D, "-": 0x2D, "[": 0x5B, "^": 0x5E}
+_SIMPLE_ESCAPES = {
+    "n": 0x0A, "r": 0x0D, "t": 0x09, "a": 0x07, "b": 0x08, "f": 0x0C, "v": 0x0B, "e": 0x1B,
+    "\\": 0x5C, '"': 0x22, "'": 0x27, "?": 0x3F, "]": 0x5D, "-": 0x2D, "[": 0x5B, "^": 0x5E,
+}  # fmt: skip
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 
 
@@ -24,18 +31,38 @@ def without_surrogates(ebnf: str) -> str:
     i, n = 0, len(ebnf)
     while i < n:
         c = ebnf[i]
-        if c == '"':  # a quoted literal, copied whole
+        if c == '"':  # a quoted literal: its \\x escapes widened, a Regex body copied as it is
             j = i + 1
             while j < n and ebnf[j] != '"':
                 j += 2 if ebnf[j] == "\\" else 1
-            out.append(ebnf[i : j + 1])
+            literal = ebnf[i : j + 1]
+            out.append(literal if ebnf.endswith("Regex(", 0, i) else _widen_hex(literal))
             i = j + 1
         elif c == "[":
             j = _class_end(ebnf, i)
-            out.append(_edit_class(ebnf[i : j + 1]))
+            out.append(_edit_class(_widen_hex(ebnf[i : j + 1])))
             i = j + 1
         else:
             out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _widen_hex(text: str) -> str:
+    """`text` (a literal or a class) with each `\\xNN` escape written `\\U000000NN`."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text):
+            digits = text[i + 2 : i + 4]
+            if text[i + 1] == "x" and len(digits) == 2 and all(d in "0123456789abcdefABCDEF" for d in digits):
+                out.append(f"\\U000000{digits}")
+                i += 4
+            else:
+                out.append(text[i : i + 2])
+                i += 2
+        else:
+            out.append(text[i])
             i += 1
     return "".join(out)
 

@@ -19,7 +19,8 @@ EMOJI = "🙂".encode()  # 4 bytes
 def test_negated_classes_also_exclude_the_surrogates():
     edited = without_surrogates('s ::= [^\\0-\\x1f\\"\\\\\\r\\n] s | "x"\nt ::= [^\\"\\\\\\r\\n]{0, 5}')
     assert (
-        edited == 's ::= [^\\0-\\x1f\\"\\\\\\r\\n\\uD800-\\uDFFF] s | "x"\nt ::= [^\\"\\\\\\r\\n\\uD800-\\uDFFF]{0, 5}'
+        edited
+        == 's ::= [^\\0-\\U0000001f\\"\\\\\\r\\n\\uD800-\\uDFFF] s | "x"\nt ::= [^\\"\\\\\\r\\n\\uD800-\\uDFFF]{0, 5}'
     )
 
 
@@ -87,3 +88,28 @@ def test_xgrammar_alone_lets_the_surrogate_through(byte_tokens):
     grammar = compiler.compiler().compile_grammar(str(xgr.Grammar.from_json_schema('{"type":"string","maxLength":5}')))
     matcher = xgr.GrammarMatcher(grammar)
     assert all(matcher.accept_token(single[b]) for b in b'"a' + SURROGATE + b'"') and matcher.is_completed()
+
+
+def test_latin1_escapes_read_back_as_printed():
+    """xgrammar prints `\\xe9` and reads `\\x` greedily (`[\\xe9a]` would be U+0E9A): widened, é and `a` stay two."""
+    assert without_surrogates('r ::= [\\xe9a] "\\xe9a" Regex("\\xe9a")') == (
+        'r ::= [\\U000000e9a] "\\U000000e9a" Regex("\\xe9a")'
+    )
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["é"])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(without_surrogates(grammar)))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts(str(xgr.Grammar.from_regex("[éa]")), "a") and accepts(str(xgr.Grammar.from_regex("[éa]")), "é")
+    assert accepts(str(xgr.Grammar.from_regex("[é0-9]")), "7")
+    assert not accepts(str(xgr.Grammar.from_regex("[^éa]")), "a") and accepts(str(xgr.Grammar.from_regex("[^éa]")), "b")
+    assert accepts(str(xgr.Grammar.from_json_schema('{"enum": ["éa"]}')), '"éa"')
+
+
+def test_every_escape_xgrammar_prints_in_a_class_is_understood(byte_tokens):
+    """`[\\s\\S]` prints as `[\\f\\n\\r\\t\\v ...]`; \\a, \\e, \\' and \\? appear too: none leaves a class unedited."""
+    for regex in ("[\\s\\S]", "[\\x07-\\U0010ffff]", "[\\x1b-\\U0010ffff]", "['-\\U0010ffff]", "[?-\\U0010ffff]"):
+        assert not _accepts(byte_tokens, {"regex": regex}, SURROGATE), regex
+        assert _accepts(byte_tokens, {"regex": regex}, CJK), regex
