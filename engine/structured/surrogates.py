@@ -20,9 +20,10 @@ SURROGATES = (0xD800, 0xDFFF)
 _EXCLUDE = "\\uD800-\\uDFFF"
 _SIMPLE_ESCAPES = {
     "n": 0x0A, "r": 0x0D, "t": 0x09, "a": 0x07, "b": 0x08, "f": 0x0C, "v": 0x0B, "e": 0x1B,
-    "\\": 0x5C, '"': 0x22, "'": 0x27, "?": 0x3F, "]": 0x5D, "-": 0x2D, "[": 0x5B, "^": 0x5E,
+    "\\": 0x5C, '"': 0x22, "'": 0x27, "?": 0x3F, "]": 0x5D, "-": 0x2D, "[": 0x5B, "^": 0x5E, "0": 0x00,
 }  # fmt: skip
-_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_HEX_ESCAPES = {"u": 4, "U": 8}  # fixed widths; `\\xNN` is widened to `\\U` before a class is read
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 def without_surrogates(ebnf: str) -> str:
@@ -55,7 +56,7 @@ def _widen_hex(text: str) -> str:
     while i < len(text):
         if text[i] == "\\" and i + 1 < len(text):
             digits = text[i + 2 : i + 4]
-            if text[i + 1] == "x" and len(digits) == 2 and all(d in "0123456789abcdefABCDEF" for d in digits):
+            if text[i + 1] == "x" and len(digits) == 2 and all(d in _HEX_DIGITS for d in digits):
                 out.append(f"\\U000000{digits}")
                 i += 4
             else:
@@ -100,50 +101,36 @@ def _edit_class(cls: str) -> str:
 
 def _ranges(body: str) -> Optional[list[tuple[int, int]]]:
     """The code point ranges of a positive class's body, or None for a form this parser does not know."""
-    points: list[int] = []
-    dashes: list[bool] = []  # whether a `-` stood before points[k]
-    i, dash = 0, False
+    ranges: list[tuple[int, int]] = []
+    i, dash = 0, False  # dash: a `-` after a member, so the next member ends a range
     while i < len(body):
         c = body[i]
-        if c == "-" and points and not dash:
+        if c == "-" and ranges and not dash:
             dash, i = True, i + 1
             continue
         if c == "\\":
-            if i + 1 >= len(body):
-                return None
-            e = body[i + 1]
+            e = body[i + 1 : i + 2]
             if e in _SIMPLE_ESCAPES:
                 point, i = _SIMPLE_ESCAPES[e], i + 2
-            elif e == "0":
-                point, i = 0, i + 2
             elif e in _HEX_ESCAPES:
                 digits = body[i + 2 : i + 2 + _HEX_ESCAPES[e]]
-                if len(digits) != _HEX_ESCAPES[e]:
+                if len(digits) != _HEX_ESCAPES[e] or any(d not in _HEX_DIGITS for d in digits):
                     return None
-                try:
-                    point = int(digits, 16)
-                except ValueError:
-                    return None
-                i += 2 + len(digits)
+                point, i = int(digits, 16), i + 2 + len(digits)
             else:
                 return None
         else:
             point, i = ord(c), i + 1
-        points.append(point)
-        dashes.append(dash)
-        dash = False
-    if dash:  # a trailing `-` is itself a member
-        points.append(ord("-"))
-        dashes.append(False)
-    ranges: list[tuple[int, int]] = []
-    for point, after_dash in zip(points, dashes):
-        if after_dash:
+        if dash:
             start = ranges.pop()[0]
             if point < start:
                 return None
             ranges.append((start, point))
+            dash = False
         else:
             ranges.append((point, point))
+    if dash:  # a trailing `-` is itself a member
+        ranges.append((ord("-"), ord("-")))
     return ranges
 
 
