@@ -6,6 +6,9 @@ gloo; NCCL on CUDA."""
 from __future__ import annotations
 
 import datetime
+import importlib
+import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -13,6 +16,19 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.shm_all_reduce import AllReduceHandle, ShmAllReduce
+
+logger = logging.getLogger(__name__)
+
+# torch modules whose functions take `group.WORLD` as a default argument, read when the module is imported. One
+# imported after the group exists (transformers and accelerate import them while loading a checkpoint) keeps the
+# group alive past destroy_process_group: its gloo worker threads then run into the interpreter's exit, and one
+# still releasing a finished collective's tensors there aborts the process ("terminate called without an active
+# exception"). Imported before the group is made, they hold None.
+BINDS_THE_DEFAULT_GROUP = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,8 @@ class ParallelGroup:
         """Join all `tp_size * num_stages` ranks (stage-major: engine/distributed/pipeline_stage.py) and return
         this rank's stage's tensor-parallel group; `shm[s]` is stage s's shared-memory all-reduce (or None)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        for module in BINDS_THE_DEFAULT_GROUP:
+            importlib.import_module(module)
         init_method, store = (rendezvous, None) if isinstance(rendezvous, str) else (None, rendezvous)
         dist.init_process_group(
             backend,
@@ -116,9 +134,16 @@ class ParallelGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
 
-    def leave(self) -> None:
-        """Tear the process group down (at shutdown; a process joins at most one group in its life here)."""
+    def leave(self) -> bool:
+        """Tear the process group down (at shutdown; a process joins at most one group in its life here). False
+        when something outside torch.distributed still holds the default group (its threads outlive it)."""
         if self.shm is not None:
             self.shm.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return True
+        world = weakref.ref(dist.group.WORLD)
+        dist.destroy_process_group()
+        if world() is None:
+            return True
+        logger.warning("the default process group outlives destroy_process_group: a module bound it after it was made")
+        return False

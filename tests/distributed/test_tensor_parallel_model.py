@@ -62,7 +62,20 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
             results[(name, rank)] = run_model(Path(model_dir), tp, shapes, rank)
             results[(name, "vocab", rank)] = shapes[("vocab", rank)]
     finally:
-        tp.leave()
+        # The group and its gloo threads end here, not in the interpreter's exit (see BINDS_THE_DEFAULT_GROUP):
+        # loading each checkpoint's config imports modules that would have bound it.
+        results[("left", rank)] = (tp.leave(), [t for t in native_thread_names() if "gloo" in t])
+
+
+def native_thread_names() -> list[str]:
+    """The names of this process's threads, native ones included (Linux)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    return names
 
 
 def two_rank_results(model_dirs: dict) -> dict:
@@ -96,6 +109,7 @@ def test_two_ranks_compute_the_whole_models_logits(tmp_path):
     model_dirs = {name: str(make_tiny_model_dir(tmp_path / name, arch, **o)) for name, (arch, o) in CHECKPOINTS.items()}
     expected = {name: run_model(Path(d), ParallelGroup.single()) for name, d in model_dirs.items()}
     results = two_rank_results(model_dirs)
+    assert results[("left", 0)] == results[("left", 1)] == (True, [])
     for name, want in expected.items():
         vocab, hidden = want[0].shape[1], load_hf_config(Path(model_dirs[name])).hidden_size
         for rank in range(2):
