@@ -155,11 +155,20 @@ def test_client_leaving_mid_stream_aborts(server, monkeypatch):
         http.stream("POST", "/v1/responses", json=body) as r,
     ):
         assert r.status_code == 200
-        for line in r.iter_lines():
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.output_text.delta":
                 break
         in_flight, kv_usage = engine_load(server)
-    assert in_flight == 1 and kv_usage > 0
+        if in_flight != 1 or kv_usage == 0:  # (seen once in CI, not reproduced since): how the response ended
+            stats = server.engine.engine.stats()
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+            last = rest[-1] if rest else {}
+            ended = {k: last.get("response", {}).get(k) for k in ("status", "incomplete_details", "error")}
+            pytest.fail(
+                f"the request left the engine by its first delta: {stats}, successes +{successes(server) - before}, "
+                f"then {len(rest)} events, the last {last.get('type')} {ended}"
+            )
     assert_gauges_reach_zero(server)
     server.wait_idle(timeout=1)
     assert successes(server) == before  # aborted, not run to max_output_tokens
