@@ -7,6 +7,10 @@ three U+FFFD, and a string the grammar bounded to 5 characters comes out 7 long.
 literal is edited here: a negated one also excludes the surrogates, a positive one loses the part of its ranges
 that falls among them. Regex("...") bodies (JSON Schema patterns) are left as they are.
 
+A JSON grammar's strings are also held to JSON's own rule (`json_strings`): a control character U+0000-U+001F
+appears in a string only escaped. xgrammar's unbounded string class excludes them, its bounded one
+(`maxLength`) only CR and LF, so a tab or a U+0001 came out raw and a strict parser refused the output.
+
 xgrammar prints a code point up to U+00FF as `\\x` and two hex digits but reads `\\x` with as many hex digits as
 follow, so its printed `[\\xe9a]` (é or a) reads back as U+0E9A: every such escape outside a Regex body is
 widened to `\\U000000e9` here, in classes and in literals alike (`\\u` and `\\U` are read at their fixed widths).
@@ -18,6 +22,7 @@ from typing import Optional
 
 SURROGATES = (0xD800, 0xDFFF)
 _EXCLUDE = "\\uD800-\\uDFFF"
+_CONTROLS = "\\0-\\U0000001f"
 _SIMPLE_ESCAPES = {
     "n": 0x0A, "r": 0x0D, "t": 0x09, "a": 0x07, "b": 0x08, "f": 0x0C, "v": 0x0B, "e": 0x1B,
     "\\": 0x5C, '"': 0x22, "'": 0x27, "?": 0x3F, "]": 0x5D, "-": 0x2D, "[": 0x5B, "^": 0x5E, "0": 0x00,
@@ -26,8 +31,9 @@ _HEX_ESCAPES = {"u": 4, "U": 8}  # fixed widths; `\\xNN` is widened to `\\U` bef
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
-def without_surrogates(ebnf: str) -> str:
-    """`ebnf` (xgrammar's dialect) with no character class that admits a surrogate."""
+def without_surrogates(ebnf: str, json_strings: bool = False) -> str:
+    """`ebnf` (xgrammar's dialect) with no character class that admits a surrogate; `json_strings` (a JSON
+    grammar): a negated class that excludes `"` (a string's characters) excludes the control characters too."""
     out: list[str] = []
     i, n = 0, len(ebnf)
     while i < n:
@@ -41,7 +47,7 @@ def without_surrogates(ebnf: str) -> str:
             i = j + 1
         elif c == "[":
             j = _class_end(ebnf, i)
-            out.append(_edit_class(_widen_hex(ebnf[i : j + 1])))
+            out.append(_edit_class(_widen_hex(ebnf[i : j + 1]), json_strings))
             i = j + 1
         else:
             out.append(c)
@@ -76,11 +82,12 @@ def _class_end(text: str, start: int) -> int:
     return j
 
 
-def _edit_class(cls: str) -> str:
-    """One class, `[...]` or `[^...]`, without the surrogates; unchanged when it cannot hold one or is not
-    understood."""
+def _edit_class(cls: str, json_strings: bool = False) -> str:
+    """One class, `[...]` or `[^...]`, without the surrogates (and in a JSON string without the controls);
+    unchanged when it cannot hold one or is not understood."""
     if cls.startswith("[^"):
-        return f"{cls[:-1]}{_EXCLUDE}]"
+        controls = _CONTROLS if json_strings and '\\"' in cls and _CONTROLS not in cls else ""
+        return f"{cls[:-1]}{controls}{_EXCLUDE}]"
     ranges = _ranges(cls[1:-1])
     low, high = SURROGATES
     if ranges is None or not any(a <= high and b >= low for a, b in ranges):

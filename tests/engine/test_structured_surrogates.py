@@ -1,6 +1,6 @@
 """Constrained outputs are valid UTF-8: the JSON and regex grammars admit no UTF-16 surrogate (engine/structured/
-surrogates.py). Checked on the class editor's text, then byte by byte with xgrammar's GrammarMatcher over a
-byte-level vocabulary, through the engine's own GrammarCompiler."""
+surrogates.py), and JSON strings no raw control character. Checked on the class editor's text, then byte by byte
+with xgrammar's GrammarMatcher over a byte-level vocabulary, through the engine's own GrammarCompiler."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ def test_negated_classes_also_exclude_the_surrogates():
     assert (
         edited
         == 's ::= [^\\0-\\U0000001f\\"\\\\\\r\\n\\uD800-\\uDFFF] s | "x"\nt ::= [^\\"\\\\\\r\\n\\uD800-\\uDFFF]{0, 5}'
+    )
+
+
+def test_json_string_classes_also_exclude_the_controls():
+    text = 's ::= [^\\0-\\x1f\\"\\\\\\r\\n] s | "x"\nt ::= [^\\"\\\\\\r\\n]{0, 5}\nu ::= [^a] Regex("[^\\"]")'
+    assert without_surrogates(text, json_strings=True) == (
+        's ::= [^\\0-\\U0000001f\\"\\\\\\r\\n\\uD800-\\uDFFF] s | "x"\n'  # (already without them)
+        't ::= [^\\"\\\\\\r\\n\\0-\\U0000001f\\uD800-\\uDFFF]{0, 5}\n'
+        'u ::= [^a\\uD800-\\uDFFF] Regex("[^\\"]")'  # not a string's class; a pattern stays as written
     )
 
 
@@ -80,6 +89,26 @@ def test_no_surrogate_gets_through(byte_tokens, constraint, before, after):
     assert _accepts(byte_tokens, constraint, before + CJK + after)
     assert _accepts(byte_tokens, constraint, before + EMOJI + after)
     assert not _accepts(byte_tokens, constraint, before + SURROGATE + after)
+
+
+@pytest.mark.parametrize(
+    "constraint, before, after",
+    [
+        ({"json": {"type": "string", "maxLength": 5}}, b'"a', b'"'),
+        ({"json": {"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}}, b'{"a":"', b'"}'),
+        ({"json": {"type": "object", "properties": {"a": {"type": "string"}}}}, b'{"a":"', b'"}'),
+        ({"json_object": True}, b'{"', b'":1}'),
+    ],
+    ids=["bounded-string", "bounded-property", "string", "json_object"],
+)
+def test_json_strings_hold_controls_only_escaped(byte_tokens, constraint, before, after):
+    """JSON allows U+0000-U+001F in a string only as an escape: a raw tab or U+0001 is refused, and the text is
+    still taken (with the escape where the grammar has escapes: xgrammar's bounded strings have none)."""
+    for raw in (b"\t", b"\x01", b"\x1f", b"\n"):
+        assert not _accepts(byte_tokens, constraint, before + raw + after), raw
+    assert _accepts(byte_tokens, constraint, before + b"x y~" + after)
+    if "Length" not in str(constraint):  # (a string with a length bound)
+        assert _accepts(byte_tokens, constraint, before + b"\\t" + after)
 
 
 def test_xgrammar_alone_lets_the_surrogate_through(byte_tokens):

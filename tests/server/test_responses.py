@@ -132,7 +132,7 @@ def test_text_format_json_schema_validates(server, temperature):
         text={"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}},
     )
     assert response.status == "completed"
-    jsonschema.validate(json.loads(response.output_text, strict=False), SCHEMA)
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
     assert response.text.format.type == "json_schema"
 
 
@@ -144,7 +144,7 @@ def test_text_format_json_object(server):
         temperature=0,
         text={"format": {"type": "json_object"}},
     )
-    assert isinstance(json.loads(response.output_text, strict=False), dict)
+    assert isinstance(json.loads(response.output_text), dict)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_time"}])
@@ -162,7 +162,7 @@ def test_tool_choice_gives_function_call_items(server, tool_choice):
     for item in response.output:
         assert item.type == "function_call"
         assert item.id.startswith("fc_") and item.call_id.startswith("call_") and item.status == "completed"
-        jsonschema.validate(json.loads(item.arguments, strict=False), PARAMS[item.name])
+        jsonschema.validate(json.loads(item.arguments), PARAMS[item.name])
     if isinstance(tool_choice, dict):
         assert [item.name for item in response.output] == ["get_time"]
     assert response.tools[0].name == "get_weather"

@@ -114,9 +114,9 @@ def test_streamed_function_call_reassembles(server, tool_choice):
             streamed[e.item_id] = streamed.get(e.item_id, "") + e.delta
         if e.type == "response.function_call_arguments.done":
             assert e.arguments == streamed[e.item_id]
-    calls = [(i.name, json.loads(streamed[i.id], strict=False)) for i in added]
-    assert calls == [(i.name, json.loads(i.arguments, strict=False)) for i in whole.output]
-    assert calls == [(i.name, json.loads(i.arguments, strict=False)) for i in final.output]
+    calls = [(i.name, json.loads(streamed[i.id])) for i in added]
+    assert calls == [(i.name, json.loads(i.arguments)) for i in whole.output]
+    assert calls == [(i.name, json.loads(i.arguments)) for i in final.output]
 
 
 def test_an_error_mid_stream_is_an_error_event(server, monkeypatch):

@@ -56,7 +56,7 @@ def _valid_calls(calls) -> None:
     assert calls
     for call in calls:
         assert call.id.startswith("call_") and call.type == "function"
-        jsonschema.validate(json.loads(call.function.arguments, strict=False), PARAMS[call.function.name])
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
 def test_parse_with_a_pydantic_model(server):
@@ -91,7 +91,7 @@ def test_json_object_and_guided_json(server, stream):
                 .choices[0]
                 .message.content
             )
-        value = json.loads(text, strict=False)
+        value = json.loads(text)
         assert isinstance(value, dict)
         if "extra_body" in extra:
             jsonschema.validate(value, schema)
@@ -145,8 +145,8 @@ def test_streamed_tool_call_reassembles(server, tool_choice):
             call["arguments"] += delta.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"], strict=False)) for c in calls.values()] == [
-        (c.function.name, json.loads(c.function.arguments, strict=False)) for c in whole
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole
     ]
     assert all(c["id"].startswith("call_") for c in calls.values())
 
