@@ -19,16 +19,13 @@ from engine.distributed.shm_all_reduce import AllReduceHandle, ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
-# torch modules whose functions take `group.WORLD` as a default argument, read when the module is imported. One
-# imported after the group exists (transformers and accelerate import them while loading a checkpoint) keeps the
-# group alive past destroy_process_group: its gloo worker threads then run into the interpreter's exit, and one
-# still releasing a finished collective's tensors there aborts the process ("terminate called without an active
-# exception"). Imported before the group is made, they hold None.
-BINDS_THE_DEFAULT_GROUP = (
-    "torch.distributed.nn.functional",
-    "torch.distributed.optim.zero_redundancy_optimizer",
-    "torch.distributed.fsdp.sharded_grad_scaler",
-)
+# A torch module whose functions take `group.WORLD` as a default argument, read when the module is imported:
+# imported after the group exists (loading an HF config through transformers does), it keeps the group alive past
+# destroy_process_group. The group's gloo worker threads then run into the interpreter's exit, and one still
+# releasing a finished collective's tensors there aborts the process ("terminate called without an active
+# exception"). Imported before the group is made, it holds None. (torch's ZeRO optimizer and FSDP grad scaler
+# bind it the same way, but only training code imports them, and they cost most of a second each.)
+BINDS_THE_DEFAULT_GROUP = ("torch.distributed.nn.functional",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +77,10 @@ class ParallelGroup:
         this rank's stage's tensor-parallel group; `shm[s]` is stage s's shared-memory all-reduce (or None)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         for module in BINDS_THE_DEFAULT_GROUP:
-            importlib.import_module(module)
+            try:
+                importlib.import_module(module)
+            except ImportError:  # (a torch without it: nothing there to bind the group)
+                pass
         init_method, store = (rendezvous, None) if isinstance(rendezvous, str) else (None, rendezvous)
         dist.init_process_group(
             backend,
@@ -136,7 +136,8 @@ class ParallelGroup:
 
     def leave(self) -> bool:
         """Tear the process group down (at shutdown; a process joins at most one group in its life here). False
-        when something outside torch.distributed still holds the default group (its threads outlive it)."""
+        when something outside torch.distributed still holds the default group, whose threads then outlive it
+        (a stage's subgroup in `group` ends with this object)."""
         if self.shm is not None:
             self.shm.close()
         if not dist.is_initialized():
@@ -145,5 +146,6 @@ class ParallelGroup:
         dist.destroy_process_group()
         if world() is None:
             return True
-        logger.warning("the default process group outlives destroy_process_group: a module bound it after it was made")
+        # (a module that bound group.WORLD after it was made, or the traceback of a failed collective being handled)
+        logger.warning("the default process group is still referenced after destroy_process_group: its threads live on")
         return False

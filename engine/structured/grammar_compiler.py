@@ -86,8 +86,8 @@ class GrammarCompiler:
 
 def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs) -> "xgrammar.CompiledGrammar":
     # its one constraint, looked for in the order of `constraint.kind`
-    # the JSON and regex grammars are edited to admit no UTF-16 surrogate (surrogates.py): a user's own grammar is
-    # compiled as written
+    # the JSON and regex grammars are edited to admit no UTF-16 surrogate, and the JSON ones no raw control character
+    # in a string (surrogates.py): a user's own grammar is compiled as written
     if constraint.json is not None:  # bounded: numbers, whitespace and key order (json_bounds)
         return compiler.compile_grammar(without_surrogates(json_schema_grammar(constraint.json), json_strings=True))
     if constraint.regex is not None:

@@ -9,7 +9,7 @@ that falls among them. Regex("...") bodies (JSON Schema patterns) are left as th
 
 A JSON grammar's strings are also held to JSON's own rule (`json_strings`): a control character U+0000-U+001F
 appears in a string only escaped. xgrammar's unbounded string class excludes them, its bounded one
-(`maxLength`) only CR and LF, so a tab or a U+0001 came out raw and a strict parser refused the output.
+(`maxLength`, `minLength`) only CR and LF, so a tab or a U+0001 came out raw and a strict parser refused the output.
 
 xgrammar prints a code point up to U+00FF as `\\x` and two hex digits but reads `\\x` with as many hex digits as
 follow, so its printed `[\\xe9a]` (é or a) reads back as U+0E9A: every such escape outside a Regex body is
@@ -86,6 +86,7 @@ def _edit_class(cls: str, json_strings: bool = False) -> str:
     """One class, `[...]` or `[^...]`, without the surrogates (and in a JSON string without the controls);
     unchanged when it cannot hold one or is not understood."""
     if cls.startswith("[^"):
+        # (xgrammar's unbounded string class excludes them already: left as it is)
         controls = _CONTROLS if json_strings and '\\"' in cls and _CONTROLS not in cls else ""
         return f"{cls[:-1]}{controls}{_EXCLUDE}]"
     ranges = _ranges(cls[1:-1])

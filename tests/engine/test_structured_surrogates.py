@@ -92,23 +92,35 @@ def test_no_surrogate_gets_through(byte_tokens, constraint, before, after):
 
 
 @pytest.mark.parametrize(
-    "constraint, before, after",
+    "constraint, before, after, escapes",
     [
-        ({"json": {"type": "string", "maxLength": 5}}, b'"a', b'"'),
-        ({"json": {"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}}, b'{"a":"', b'"}'),
-        ({"json": {"type": "object", "properties": {"a": {"type": "string"}}}}, b'{"a":"', b'"}'),
-        ({"json_object": True}, b'{"', b'":1}'),
+        ({"json": {"type": "string", "maxLength": 5}}, b'"a', b'"', False),  # xgrammar's bounded strings: no escapes
+        (
+            {"json": {"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}},
+            b'{"a":"',
+            b'"}',
+            False,
+        ),
+        ({"json": {"type": "object", "properties": {"a": {"type": "string"}}}}, b'{"a":"', b'"}', True),
+        ({"json_object": True}, b'{"', b'":1}', True),
     ],
     ids=["bounded-string", "bounded-property", "string", "json_object"],
 )
-def test_json_strings_hold_controls_only_escaped(byte_tokens, constraint, before, after):
+def test_json_strings_hold_controls_only_escaped(byte_tokens, constraint, before, after, escapes):
     """JSON allows U+0000-U+001F in a string only as an escape: a raw tab or U+0001 is refused, and the text is
-    still taken (with the escape where the grammar has escapes: xgrammar's bounded strings have none)."""
+    still taken (with the escape where the grammar has escapes)."""
     for raw in (b"\t", b"\x01", b"\x1f", b"\n"):
         assert not _accepts(byte_tokens, constraint, before + raw + after), raw
     assert _accepts(byte_tokens, constraint, before + b"x y~" + after)
-    if "Length" not in str(constraint):  # (a string with a length bound)
-        assert _accepts(byte_tokens, constraint, before + b"\\t" + after)
+    assert _accepts(byte_tokens, constraint, before + b"\\t" + after) == escapes
+
+
+def test_xgrammar_alone_lets_a_raw_tab_into_a_bounded_string(byte_tokens):
+    """Why `json_strings` exists: the bounded string as xgrammar writes it takes a raw tab."""
+    compiler, single = byte_tokens
+    grammar = compiler.compiler().compile_grammar(str(xgr.Grammar.from_json_schema('{"type":"string","maxLength":5}')))
+    matcher = xgr.GrammarMatcher(grammar)
+    assert all(matcher.accept_token(single[b]) for b in b'"a\t"') and matcher.is_completed()
 
 
 def test_xgrammar_alone_lets_the_surrogate_through(byte_tokens):
