@@ -89,7 +89,7 @@ def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs
     # the JSON and regex grammars are edited to admit no UTF-16 surrogate, and the JSON ones no raw control character
     # in a string (surrogates.py): a user's own grammar is compiled as written
     if constraint.json is not None:  # bounded: numbers, whitespace and key order (json_bounds)
-        return compiler.compile_grammar(without_surrogates(json_schema_grammar(constraint.json), json_strings=True))
+        return compiler.compile_grammar(_json_grammar(constraint.json))
     if constraint.regex is not None:
         import xgrammar as xgr
 
@@ -100,9 +100,12 @@ def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs
     if constraint.grammar is not None:
         return compiler.compile_grammar(constraint.grammar)
     # json_object: an object, as OpenAI's json_object promises (the builtin grammar takes any value)
-    return compiler.compile_grammar(
-        without_surrogates(json_schema_grammar('{"type": "object"}', strict=False), json_strings=True)
-    )
+    return compiler.compile_grammar(_json_grammar('{"type": "object"}', strict=False))
+
+
+def _json_grammar(schema_text: str, strict: bool = True) -> str:
+    """The bounded JSON grammar of a schema, its strings held to valid UTF-8 and escaped controls."""
+    return without_surrogates(json_schema_grammar(schema_text, strict), json_strings=True)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -82,7 +82,7 @@ def _class_end(text: str, start: int) -> int:
     return j
 
 
-def _edit_class(cls: str, json_strings: bool = False) -> str:
+def _edit_class(cls: str, json_strings: bool) -> str:
     """One class, `[...]` or `[^...]`, without the surrogates (and in a JSON string without the controls);
     unchanged when it cannot hold one or is not understood."""
     if cls.startswith("[^"):
