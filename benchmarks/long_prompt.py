@@ -79,7 +79,13 @@ def _elements(weight: Any) -> int:
 
 
 def run_path(
-    quantization: str, prompt_tokens: int, decode_steps: int, decode_rounds: int, chunk: int, profile: bool
+    quantization: str,
+    prompt_tokens: int,
+    decode_steps: int,
+    decode_rounds: int,
+    chunk: int,
+    profile: bool,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     from engine import LLM, SamplingParams
     from engine.profiling.memory_bandwidth import kv_read_bytes, read_bandwidth, read_buffer, tensor_bytes
@@ -88,6 +94,7 @@ def run_path(
         None,
         dtype="bfloat16",
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=prompt_tokens + decode_rounds * decode_steps + 16,
         max_num_seqs=1,
         max_num_batched_tokens=chunk,
@@ -125,7 +132,7 @@ def run_path(
         _profile_prefill(engine, prompt)
     arch = model.arch
     floor_bytes = tensor_bytes(model.weight_tensors()) + kv_read_bytes(
-        arch.num_layers, prompt_tokens, arch.num_kv_heads, arch.head_dim, torch.bfloat16
+        arch.num_layers, prompt_tokens, arch.num_kv_heads, arch.head_dim, engine.runner.kv_cache.spec.dtype
     )
     flops = prefill_flops(model, prompt_tokens)
     llm.shutdown()
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill chunk")
     parser.add_argument("--profile", action="store_true", help="torch profiler over one more prefill per path")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="what the KV cache stores (auto: bf16; fp8)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,7 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"streaming read: {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
     for path in args.paths.split(","):
         result = run_path(
-            path, args.prompt_tokens, args.decode_steps, args.decode_rounds, args.max_num_batched_tokens, args.profile
+            path,
+            args.prompt_tokens,
+            args.decode_steps,
+            args.decode_rounds,
+            args.max_num_batched_tokens,
+            args.profile,
+            args.kv_cache_dtype,
         )
         flops = result["flops"]
         total = sum(flops.values())

@@ -60,7 +60,7 @@ class EngineCacheConfig(CacheConfig):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
         "auto",
         description="dtype the KV cache stores: auto = the model's; fp8 = float8 e4m3 with a per-layer "
-        "scale (CUDA, torch attention backend); engine/attention/kv_cache.py",
+        "scale (cpu and torch attention backends); engine/attention/kv_cache.py",
     )
 
     kv_cache_dir: Optional[str] = Field(

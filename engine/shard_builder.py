@@ -94,7 +94,7 @@ def build_shard(
         latent=latent_rank is not None,
         batch_invariant=config.batch_invariant,
     )
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, backend)
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(
         requested, model_config.quantization_group_size, hf_config, device, dtype, config.batch_invariant

@@ -13,7 +13,7 @@ from engine.attention.step_metadata import StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import PREFILL_HEAD_DIMS, CpuKernels
-from engine.attention.kv_cache import KVCacheSpec, from_cache, select_blocks
+from engine.attention.kv_cache import KVCacheSpec, from_cache, kv_scale, select_blocks, to_cache
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -34,7 +34,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.torch_uses_amx = torch_bf16_products_use_amx()
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return (torch.float32, torch.bfloat16)  # the paged decode kernel is built for these (KERNEL_DTYPES)
+        # the paged decode kernel is built for these (KERNEL_DTYPES), and for fp8 caches under either
+        return (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         return decode_and_chunks(step, spec.block_size)  # the kernel stops at each context length: no mask
@@ -48,22 +49,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # a cache in another dtype than the model's (--kv-cache-dtype): the kernel runs in the cache's dtype,
-        # so the query is rounded to it (the kernel accumulates in float32 either way)
+        # a cache in another dtype than the model's (--kv-cache-dtype): float32 or bf16, the kernel runs in the
+        # cache's dtype, so the query is rounded to it (the kernel accumulates in float32 either way); fp8, the
+        # kernel widens K/V as it reads them and keeps the query's dtype
+        fp8 = key_cache.dtype == torch.float8_e4m3fn
         tables, lens = metadata.decodes()
+        stored = kv_scale(key_cache.dtype)  # K and V = stored x this: one factor on the scores, one on the output
         out = self.kernels.paged_decode(
-            query.to(key_cache.dtype).contiguous(),
+            (query if fp8 else query.to(key_cache.dtype)).contiguous(),
             key_cache,
             value_cache,
             tables,
             lens,
-            layer.scale,
+            layer.scale * stored,
             self.split_sequences,
             window=layer.sliding_window,
             softcap=layer.softcap,
             sinks=layer.sinks,
         )
-        return out.to(query.dtype)
+        return (out if stored == 1.0 else out * stored).to(query.dtype)
 
     def _prefill(  # type: ignore[override]
         self,
@@ -83,6 +87,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 query.contiguous(), key_cache, value_cache, chunk.block_table, chunk.context_len, layer.scale
             )
         if prefix == 0 or not plain or layer.latent_rank is not None:
+            if key_cache.dtype != key.dtype and layer.latent_rank is None:
+                # the chunk's K/V as the cache holds them, as every later read sees them: a prompt computed
+                # whole, in chunks, or after a prefix hit or a KV tier's restore attends over the same values
+                key = from_cache(to_cache(key, key_cache.dtype), query.dtype)
+                value = from_cache(to_cache(value, value_cache.dtype), query.dtype)
             return super()._prefill(query, key, value, key_cache, value_cache, chunk, layer)
         # only the prefix comes from the cache: the chunk's own K/V are the step's
         _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -96,8 +105,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
         out = prefix_and_chunk_attention(
             heads_first(query),
-            heads_first(from_cache(key.to(key_cache.dtype), query.dtype)),  # rounded as the cache holds them
-            heads_first(from_cache(value.to(value_cache.dtype), query.dtype)),
+            heads_first(from_cache(to_cache(key, key_cache.dtype), query.dtype)),  # rounded as the cache holds them
+            heads_first(from_cache(to_cache(value, value_cache.dtype), query.dtype)),
             heads_first(prefix_k),
             heads_first(prefix_v),
             layer.scale,
@@ -106,12 +115,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _native_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether csrc/prefill_attention.cpp serves this chunk: an AVX512-BF16 build on a CPU without AMX, bf16
-        queries and caches (a cache in another dtype keeps the torch path, which rounds the chunk's keys as its
-        own), a head size it is built for."""
+        queries over bf16 or fp8 caches (the kernel widens fp8 as it reads it; an fp32 cache under a bf16 model
+        keeps the torch path, which rounds the chunk's keys as its own), a head size it is built for, and a
+        cache read as stored (fp8's scale 1)."""
         return (
             not self.torch_uses_amx
             and self.kernels.prefill_attention_native
-            and query.dtype == key_cache.dtype == value_cache.dtype == torch.bfloat16
+            and query.dtype == torch.bfloat16
+            and key_cache.dtype == value_cache.dtype
+            and key_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+            and kv_scale(key_cache.dtype) == 1.0
             and query.shape[-1] in PREFILL_HEAD_DIMS
             and value_cache.shape == key_cache.shape
         )

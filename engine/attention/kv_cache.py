@@ -3,7 +3,7 @@ latent attention, one tensor of latent entries per layer whose values are their 
 
 The cache may store a narrower dtype than the model computes in (`--kv-cache-dtype`): bfloat16 for
 an fp32 model halves the cache's bytes (twice the tokens in the same budget) and what decode
-attention reads; fp8 (e4m3, CUDA) quarters them. The attention backends convert on write (the new
+attention reads; fp8 (e4m3) quarters them (halves a bf16 model's). The attention backends convert on write (the new
 K/V to the cache's dtype, divided by `kv_scale` for fp8) and on read (back to the query's dtype).
 """
 
@@ -36,16 +36,12 @@ class ReadsKVCache(Protocol):
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]: ...
 
 
-def resolve_kv_cache_dtype(
-    name: str, model_dtype: torch.dtype, device: torch.device, backend: ReadsKVCache
-) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: ReadsKVCache) -> torch.dtype:
     """The cache's torch dtype for `--kv-cache-dtype` (auto: the model's), one that `backend` reads;
     ValueError naming the flag otherwise."""
     if name != "auto" and name not in KV_CACHE_DTYPES:
         raise SettingsConflictError(f"--kv-cache-dtype {name!r}: choose auto, {', '.join(KV_CACHE_DTYPES)}")
     dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
-    if dtype == torch.float8_e4m3fn and device.type != "cuda":
-        raise SettingsConflictError("--kv-cache-dtype fp8 runs on CUDA only; on CPU use bfloat16 (or auto)")
     accepted = backend.kv_cache_dtypes(model_dtype)
     if dtype not in accepted:
         names = ", ".join(_dtype_flag(d) for d in accepted)

@@ -65,6 +65,9 @@ FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", 
 NATIVE_ARCH = "native"
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 KERNEL_DTYPES = frozenset(_DTYPE_SUFFIX)
+FP8_CACHE_KERNELS = ("paged_decode", "decode_layers")
+"""The kernels that also read and write a KV cache of float8 e4m3 (`pagedserve_<name>_<f32|bf16>_fp8`:
+queries, activations and outputs in the model's dtype)."""
 PREFILL_HEAD_DIMS = (64, 128)
 """The head sizes csrc/prefill_attention.cpp is built for (others keep torch's attention)."""
 BUILD_SECONDS = 15
@@ -265,20 +268,29 @@ class CpuKernels:
         tiles = self._library.pagedserve_amx_tiles
         tiles.restype = ctypes.c_int64
         self.amx_tiles = bool(tiles())  # cleared by a failed self-check
-        self._functions: dict[tuple[str, torch.dtype], int] = {}
+        # per (kernel, dtype, KV cache dtype): the cache's is the dtype's own except for FP8_CACHE_KERNELS' fp8
+        self._functions: dict[tuple[str, torch.dtype, torch.dtype], int] = {}
         self._ops = cpu_ops.Overloads()
         for name in cpu_ops.SIGNATURES:
             for dtype, suffix in _DTYPE_SUFFIX.items():
-                function = getattr(self._library, f"pagedserve_{name}_{suffix}")
-                address = ctypes.cast(function, ctypes.c_void_p).value
-                assert address is not None  # a symbol the library exports (getattr raised otherwise)
-                self._functions[name, dtype] = address
+                caches = {dtype: suffix}
+                if name in FP8_CACHE_KERNELS:
+                    caches[torch.float8_e4m3fn] = f"{suffix}_fp8"
+                for cache_dtype, symbol in caches.items():
+                    function = getattr(self._library, f"pagedserve_{name}_{symbol}")
+                    address = ctypes.cast(function, ctypes.c_void_p).value
+                    assert address is not None  # a symbol the library exports (getattr raised otherwise)
+                    self._functions[name, dtype, cache_dtype] = address
         # bf16 prompt chunks' attention on vdpbf16ps (csrc/prefill_attention.cpp): AVX512-BF16 builds only
         native = self._library.pagedserve_prefill_attention_native
         native.restype = ctypes.c_int64
         self.prefill_attention_native = bool(native())
-        function = self._library.pagedserve_prefill_attention_bf16
-        self._prefill_attention_fn = ctypes.cast(function, ctypes.c_void_p).value
+        self._prefill_attention_fns = {  # per KV cache dtype (the queries are bf16)
+            cache_dtype: ctypes.cast(
+                getattr(self._library, f"pagedserve_prefill_attention_{suffix}"), ctypes.c_void_p
+            ).value
+            for cache_dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float8_e4m3fn, "bf16_fp8"))
+        }
 
     def paged_decode(
         self,
@@ -308,8 +320,11 @@ class CpuKernels:
         for tensor in (query, key_cache, value_cache, block_tables, context_lens):
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError("paged_decode takes contiguous CPU tensors")
-        if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-            raise ValueError("query and caches must share one dtype")
+        if value_cache.dtype != key_cache.dtype or key_cache.dtype not in (query.dtype, torch.float8_e4m3fn):
+            raise ValueError(
+                f"query and caches must share one dtype, or the caches be float8_e4m3fn; got {query.dtype}, "
+                f"{key_cache.dtype} and {value_cache.dtype}"
+            )
         if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
             raise ValueError(f"window must be >= 1 and softcap > 0, got {window} and {softcap}")
         if sinks is not None:
@@ -327,7 +342,7 @@ class CpuKernels:
             window or 0,
             softcap or 0.0,
             sinks,
-            self._function("paged_decode", query.dtype),
+            self._function("paged_decode", query.dtype, key_cache.dtype),
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -449,6 +464,9 @@ class CpuKernels:
             )
         if len(key_caches) != weights.shape[0] or len(value_caches) != weights.shape[0]:
             raise ValueError(f"{weights.shape[0]} layers of weights for {len(key_caches)} caches")
+        cache_dtype = key_caches[0].dtype
+        if any(cache.dtype != cache_dtype for cache in (*key_caches, *value_caches)):
+            raise ValueError("decode_layers takes caches of one dtype")
         if lora is not None and (
             tuple(lora.table.shape) != (weights.shape[0], DECODE_LORA_COLUMNS) or lora.slots.shape[0] != rows
         ):
@@ -466,7 +484,7 @@ class CpuKernels:
             inter,
             eps,
             scale,
-            self._function("decode_layers", residual.dtype),
+            self._function("decode_layers", residual.dtype, cache_dtype),
         )
         if torch.compiler.is_compiling():
             return self._ops.cpu_decode_layers(residual, weights, key_caches, value_caches, *arguments)
@@ -521,7 +539,7 @@ class CpuKernels:
     def prefill_attention(
         self,
         query: torch.Tensor,  # [query_len, heads, head_dim] bf16: the chunk's queries
-        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16, the chunk's K/V written
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16 or fp8, the chunk's K/V written
         value_cache: torch.Tensor,
         block_table: torch.Tensor,  # [>= blocks of context_len] int32: the sequence's
         context_len: int,  # the cached prefix and the chunk
@@ -538,20 +556,25 @@ class CpuKernels:
             raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {tuple(key_cache.shape)}")
         if not query_len <= context_len <= block_table.numel() * block_size:
             raise ValueError(f"{query_len} queries at context {context_len} do not fit the block table")
-        if {query.dtype, key_cache.dtype, value_cache.dtype} != {torch.bfloat16} or block_table.dtype != torch.int32:
-            raise ValueError("prefill_attention takes bf16 queries and caches and an int32 block table")
+        function = self._prefill_attention_fns.get(key_cache.dtype)
+        if (
+            query.dtype != torch.bfloat16
+            or value_cache.dtype != key_cache.dtype
+            or function is None
+            or block_table.dtype != torch.int32
+        ):
+            raise ValueError("prefill_attention takes bf16 queries, bf16 or fp8 caches and an int32 block table")
         for tensor in (query, key_cache, value_cache, block_table):
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError("prefill_attention takes contiguous CPU tensors")
-        assert self._prefill_attention_fn is not None
-        return self._ops.cpu_prefill_attention(
-            query, key_cache, value_cache, block_table, context_len, scale, self._prefill_attention_fn
-        )
+        return self._ops.cpu_prefill_attention(query, key_cache, value_cache, block_table, context_len, scale, function)
 
-    def _function(self, name: str, dtype: torch.dtype) -> int:
-        function = self._functions.get((name, dtype))
+    def _function(self, name: str, dtype: torch.dtype, cache_dtype: Optional[torch.dtype] = None) -> int:
+        """The entry point of kernel `name` for `dtype` (and a KV cache of `cache_dtype`, by default `dtype`)."""
+        function = self._functions.get((name, dtype, dtype if cache_dtype is None else cache_dtype))
         if function is None:
-            raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}")
+            cache = "" if cache_dtype in (None, dtype) else f" over a {cache_dtype} KV cache"
+            raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}{cache}")
         return function
 
 

@@ -13,7 +13,7 @@ with every intermediate rounded where the unfused ops round it: the result is th
 bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
-dtype, and models without q/k norms and with RoPE over whole heads; anything else (int8/int4/AWQ weights among
+dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and models without q/k norms and with RoPE over whole heads; anything else (int8/int4/AWQ weights among
 them) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.attention import AttentionBackend
+from engine.attention.kv_cache import kv_scale
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import CpuKernels, DecodeLoRA
 from engine.kernels.cpu_ops import cache_addresses
@@ -231,7 +232,7 @@ def _integer_rows(model, limit: int) -> int:
 
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype, no q/k norm, RoPE tables
+    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype (or all fp8), no q/k norm, RoPE tables
     in that dtype over whole heads (the kernel's tables are head_dim wide), and plain causal attention in every
     layer (the native step has no window, cap or sinks)."""
     dtype = model.dtype
@@ -257,9 +258,15 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
                 tensors.append(weight.data)
             else:
                 tensors.append(weight)
-    for key_cache, value_cache in kv_caches:
-        tensors += [key_cache, value_cache]
-    return all(_plain(t) and t.dtype == dtype for t in tensors) and all(_plain(t) for t in blocks)
+    caches = [cache for pair in kv_caches for cache in pair]
+    # an fp8 cache is read and written as stored (the kernel applies no scale: the step falls back if one is set)
+    cache_dtypes = (dtype, torch.float8_e4m3fn) if kv_scale(torch.float8_e4m3fn) == 1.0 else (dtype,)
+    return (
+        all(_plain(t) and t.dtype == dtype for t in tensors)
+        and all(_plain(t) for t in blocks)
+        and all(_plain(t) and t.dtype in cache_dtypes for t in caches)
+        and len({t.dtype for t in caches}) == 1
+    )
 
 
 def _plain(t) -> bool:

@@ -366,7 +366,8 @@ OPTIONS: tuple[Option, ...] = (
         (*CACHE, "kv_cache_dtype"),
         "str",
         "dtype the KV cache stores: auto = the model's "
-        "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) on CUDA only",
+        "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) halves a bf16 model's "
+        "(cpu and torch backends)",
     ),
     Option("--seed", (*MODEL, "seed"), "int", "random seed of the engine", "N"),
     Option(

@@ -144,14 +144,24 @@ def _decode_reference(query, key_cache, value_cache, tables, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+FP8 = torch.float8_e4m3fn
+# the query's (and output's) dtype, the cache's: the model's own, or fp8 (--kv-cache-dtype fp8) under either
+DECODE_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, FP8),
+    (torch.bfloat16, FP8),
+]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", DECODE_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("head_dim, heads, kv_heads, block_size, lens", DECODE_SHAPES)
-def test_paged_decode_matches_float64(decode_kernels, dtype, head_dim, heads, kv_heads, block_size, lens):
+def test_paged_decode_matches_float64(decode_kernels, dtype, cache_dtype, head_dim, heads, kv_heads, block_size, lens):
     gen = torch.Generator().manual_seed(head_dim * 100 + heads * 10 + block_size)
     width = max((n + block_size - 1) // block_size for n in lens) + 1  # a spare column
     num_blocks = width * len(lens) + 3
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     # a spread of score magnitudes: the running maximum grows mid-sequence and rescales the sums
     query = (torch.randn(len(lens), heads, head_dim, generator=gen) * 3).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).int()
@@ -231,3 +241,62 @@ def test_the_weight_stream_is_prefetched_in_software_on_intel_only(monkeypatch):
     assert define in cpu._flags("native") and "-march=native" in cpu._flags("native")
     monkeypatch.setattr(cpu, "_cpu_vendor", lambda: "AuthenticAMD")
     assert define not in cpu._flags("native")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_decode_widens_every_fp8_code_exactly(decode_kernels, dtype):
+    """A one-token context returns its V row as stored: each of the 254 finite e4m3 codes (subnormals, zeros
+    of both signs, +-448) comes back as torch's float8_e4m3fn reads it, bit for bit (every e4m3 value is a
+    bf16 value), through the kernel's conversions of both query dtypes."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    head_dim, block_size = 64, 16
+    value_cache = torch.zeros(4, block_size, 1, head_dim, dtype=torch.uint8)
+    value_cache[:, 0, 0, :] = codes.view(4, head_dim).to(torch.uint8)
+    key_cache = torch.zeros_like(value_cache)
+    query = torch.ones(4, 1, head_dim, dtype=dtype)
+    tables = torch.arange(4, dtype=torch.int32).view(4, 1)
+    lens = torch.ones(4, dtype=torch.int32)
+    got = decode_kernels.paged_decode(query, key_cache.view(FP8), value_cache.view(FP8), tables, lens, 0.125)
+    expected = value_cache[:, 0].view(FP8).to(dtype)
+    assert torch.equal(got, expected)
+
+
+def test_fp8_rounding_is_torchs_for_every_bf16_value(cpu_kernels, tmp_path):
+    """common.h's float -> e4m3 (the fused decode step's cache write, kv_cache.to_cache's in native code) gives
+    torch's float8_e4m3fn bytes for all 65,536 bf16 bit patterns (rounding to nearest even, ties, subnormals,
+    saturation at +-448 for large values and infinities, NaN to NaN), and for float32 values on either side of
+    each rounding boundary."""
+    import ctypes
+    import subprocess
+
+    from engine.kernels import cpu
+
+    compiler = cpu.compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    source = tmp_path / "fp8.cpp"
+    source.write_text(
+        '#include "common.h"\n'
+        'extern "C" void round_all(const float* x, uint8_t* out, int64_t n) {\n'
+        "    for (int64_t i = 0; i < n; ++i) { pagedserve::Fp8E4M3 code; pagedserve::store(&code, x[i]); "
+        "out[i] = code.bits; }\n}\n"
+    )
+    library = tmp_path / "fp8.so"
+    subprocess.run(
+        [compiler, *cpu.FLAGS, f"-I{cpu.CSRC}", str(source), "-o", str(library)], check=True, capture_output=True
+    )
+    bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[codes.isfinite()].unique()
+    midpoints = (finite[1:] + finite[:-1]) / 2  # ties: to the even code
+    around = torch.cat([midpoints, midpoints.nextafter(torch.tensor(float("inf"))), midpoints.nextafter(-midpoints)])
+    values = torch.cat([bf16, around, -around]).contiguous()
+    out = torch.empty(values.shape, dtype=torch.uint8)
+    ctypes.CDLL(str(library)).round_all(
+        ctypes.c_void_p(values.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(values.numel())
+    )
+    expected = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    nan = values.isnan()
+    assert torch.equal(out[~nan], expected[~nan])
+    assert ((out[nan] & 0x7F) == 0x7F).all()  # a NaN code (its sign is not defined)

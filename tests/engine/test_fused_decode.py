@@ -117,6 +117,36 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, r
     assert fused == _unfused(llm, prompts, params)
 
 
+@pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_decode_over_an_fp8_cache_equals_the_unfused_ops(tiny_llama_dir, dtype, arch, cpu_kernels, monkeypatch):
+    """`--kv-cache-dtype fp8`: the fused step writes each new K/V as e4m3 (its own rounding, saturating at
+    +-448) and attends over the cache as the unfused step does (torch's conversion on write, the same paged
+    kernel): identical tokens and logprobs (the rounding itself: test_cpu_kernels' every-bf16 test)."""
+    if dtype == "float32":  # the small-batch product, as an fp32 model takes it on AVX2 machines
+        _with_product("gemv", cpu_kernels, monkeypatch)
+    llm = make_llm(
+        tiny_llama_dir,
+        dtype=dtype,
+        attention_backend="cpu",
+        kv_cache_dtype="fp8",
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+    )
+    model = llm.engine.runner.model
+    assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
+    if arch != NATIVE_ARCH:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip(f"-march={arch} is an x86 target")
+        _use_kernels(llm, load_cpu_kernels(arch=arch))
+    rows: list[int] = []
+    forward = model.fused.forward
+    model.fused.forward = lambda m, input_ids, *args: rows.append(input_ids.shape[0]) or forward(m, input_ids, *args)
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
+    fused = _generate_each(llm, PROMPTS, params)
+    assert rows and fused == _unfused(llm, PROMPTS, params)
+
+
 def _unfused(llm: LLM, prompts, params):
     model = llm.engine.runner.model
     fused_path, model.fused = model.fused, None

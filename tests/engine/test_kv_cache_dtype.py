@@ -1,6 +1,6 @@
 """`--kv-cache-dtype`: a cache narrower than the model (bf16 for an fp32 model) holds twice the tokens in
 the same budget and gives nearly the same logprobs and greedy tokens with the torch and cpu backends;
-fp8 converts with its scale (torch backend) and is refused off CUDA."""
+fp8 converts with its scale and halves a bf16 model's cache on CPU too (both backends)."""
 
 from __future__ import annotations
 
@@ -73,32 +73,30 @@ def fake_flash_backend() -> FlashAttentionBackend:
 def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
     cpu, invariant = CpuAttentionBackend(kernels=None), BatchInvariantCpuBackend(kernels=None)
     torch_backend = TorchAttentionBackend()
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, CPU, cpu) == torch.bfloat16
-    assert resolve_kv_cache_dtype("bfloat16", torch.float32, CPU, cpu) == torch.bfloat16
-    assert resolve_kv_cache_dtype("float16", torch.float32, CPU, torch_backend) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32, torch_backend) == torch.float16
     with pytest.raises(ValueError, match="--kv-cache-dtype 'int4': choose auto, float32, bfloat16"):
-        resolve_kv_cache_dtype("int4", torch.float32, CPU, torch_backend)
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on CUDA only"):
-        resolve_kv_cache_dtype("fp8", torch.float32, CPU, torch_backend)
+        resolve_kv_cache_dtype("int4", torch.float32, torch_backend)
+    assert resolve_kv_cache_dtype("fp8", torch.float32, torch_backend) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cpu) == torch.float8_e4m3fn
     with pytest.raises(
         ValueError,
         match=r"--kv-cache-dtype float16: the cpu attention backend reads a KV cache of "
-        r"float32, bfloat16 for a float32 model",
+        r"float32, bfloat16, fp8 for a float32 model",
     ):
-        resolve_kv_cache_dtype("float16", torch.float32, CPU, cpu)
+        resolve_kv_cache_dtype("float16", torch.float32, cpu)
     with pytest.raises(ValueError, match="the cpu-batch-invariant attention backend"):
-        resolve_kv_cache_dtype("float16", torch.float32, CPU, invariant)
-    cuda = torch.device("cuda")
-    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, torch_backend) == torch.float8_e4m3fn
+        resolve_kv_cache_dtype("float16", torch.float32, invariant)
     with pytest.raises(
         ValueError,
         match=r"--kv-cache-dtype fp8: the triton attention backend reads a KV cache of "
         r"float32, float16, bfloat16",
     ):
-        resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda, TritonAttentionBackend.__new__(TritonAttentionBackend))
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, TritonAttentionBackend.__new__(TritonAttentionBackend))
     flash = fake_flash_backend()
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda, flash) == torch.bfloat16
-    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, cuda, flash) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, flash) == torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, flash) == torch.bfloat16
     for name in ("float16", "float32", "fp8"):
         with pytest.raises(
             ValueError,
@@ -106,7 +104,7 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
             r"reads a KV cache of bfloat16 for a bfloat16 model.*--attention-backend "
             r"torch",
         ):
-            resolve_kv_cache_dtype(name, torch.bfloat16, cuda, flash)
+            resolve_kv_cache_dtype(name, torch.bfloat16, flash)
 
 
 def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir, monkeypatch):
@@ -131,9 +129,35 @@ def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir
     assert name == "flash" and dtype == torch.bfloat16 and kwargs["shape"] == (4, 2, 16)
 
 
-def test_fp8_is_refused_on_cpu_by_the_engine(tiny_llama_dir):
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on CUDA only"):
-        make_llm(tiny_llama_dir, kv_cache_dtype="fp8")
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_an_fp8_cache_holds_twice_a_bf16_models_tokens_and_stays_close(tiny_llama_dir, backend, cpu_kernels):
+    """`--kv-cache-dtype fp8` on CPU: one byte per element (the budget's blocks doubled against a bf16 cache),
+    prompt logprobs within e4m3's rounding of the bf16 cache's (the later chunks read the earlier ones as
+    stored; greedy tokens of a random model's near-flat distributions say little); the cpu backend's native kernels and the torch backend's widened
+    gathers read the same stored values."""
+    if backend == "cpu" and cpu_kernels is None:
+        pytest.skip("the native CPU kernels do not build here")
+    budget = {"num_blocks": None, "kv_cache_memory": "1MiB", "dtype": "bfloat16", "attention_backend": backend}
+    llm, narrow = _run(tiny_llama_dir, kv_cache_dtype="fp8", **budget)
+    fp8_cache = llm.engine.runner.kv_cache
+    assert fp8_cache.layers[0][0].dtype == torch.float8_e4m3fn
+    wide_llm, wide = _run(tiny_llama_dir, **budget)
+    assert fp8_cache.num_blocks + 1 == 2 * (wide_llm.engine.runner.kv_cache.num_blocks + 1)
+    for a, b in zip(narrow, wide):
+        prompt_a = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
+        prompt_b = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
+        # logprobs near -7 (the tiny random model's spread over its vocabulary): within e4m3's 2^-4 of them
+        difference = (prompt_a - prompt_b).abs()
+        assert difference.mean() < 0.1 and difference.max() < 0.5
+        assert not torch.equal(prompt_a, prompt_b)  # the chunks did read the rounded cache
+    if backend == "cpu":  # against the torch backend, fp8 both: bf16 sums apart, then rounded to e4m3 apart
+        _, reference = _run(tiny_llama_dir, kv_cache_dtype="fp8", **{**budget, "attention_backend": "torch"})
+        for a, b in zip(narrow, reference):
+            difference = (
+                torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
+                - torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
+            ).abs()
+            assert difference.mean() < 0.05 and difference.max() < 0.3
 
 
 def test_fp8_cache_round_trip_and_decode_in_the_torch_backend():

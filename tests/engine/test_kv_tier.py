@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.kv_tier.block_copy import payload_bytes
 from engine.kv_tier.identity import model_identity
 from engine.sampling.params import SamplingParams
 from scheduler import SchedulerStats
@@ -180,3 +181,38 @@ def test_tier_counters_are_exposed():
     }
     assert memory_values["pagedserve_kv_tier_hit_blocks_total"] == 5
     assert memory_values["pagedserve_kv_tier_read_bytes_total"] == 512
+
+
+@pytest.mark.parametrize("prompt_attention", ["native", "torch"])
+def test_an_fp8_cache_restores_from_disk_with_identical_tokens(tiny_llama_dir, tmp_path, prompt_attention, monkeypatch):
+    """`--kv-cache-dtype fp8`: the blocks go to disk as their e4m3 bytes (half a bf16 cache's), come back after a
+    restart, and the prompt gives the tokens and logprobs of a cold run (every attention reads K/V as the cache holds them,
+    computed or restored), whether prompt chunks run on the native kernel or, as on AMX CPUs, on torch's."""
+    if prompt_attention == "torch":
+        import engine.attention.cpu_backend as cpu_backend
+
+        monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)
+    settings = {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+    def tokens_and_logprobs(llm):
+        (output,) = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs
+        return output.token_ids, output.logprobs
+
+    with make_llm(tiny_llama_dir, **settings) as llm:
+        cold = tokens_and_logprobs(llm)
+    payloads = {}
+    for kv_cache_dtype in ("fp8", "bfloat16"):
+        with make_llm(tiny_llama_dir, **{**settings, "kv_cache_dtype": kv_cache_dtype}) as llm:
+            payloads[kv_cache_dtype] = payload_bytes(llm.engine.runner.kv_cache)
+    assert 2 * payloads["fp8"] == payloads["bfloat16"]
+    with make_llm(tiny_llama_dir, **settings, kv_cache_dir=str(tmp_path)) as llm:
+        assert tokens_and_logprobs(llm) == cold
+        assert llm.engine.stats().kv_tier("disk").written_bytes > 0
+    with make_llm(tiny_llama_dir, **settings, kv_cache_dir=str(tmp_path)) as llm:
+        # restarted
+        restored = tokens_and_logprobs(llm)
+        disk = llm.engine.stats().kv_tier("disk")
+        assert disk.hit_blocks == (len(PROMPT) - 1) // 4 and disk.corrupt_files == 0
+        assert restored == cold  # the logprobs too, bit for bit
+        assert_idle(llm)

@@ -23,12 +23,12 @@ def kernels(cpu_kernels):
     return cpu_kernels
 
 
-def _paged(gen, context: int, block_size: int, kv_heads: int, head_dim: int):
-    """A bf16 cache of scattered blocks holding `context` tokens, and its block table (a spare block unused)."""
+def _paged(gen, context: int, block_size: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16):
+    """A cache of scattered blocks holding `context` tokens, and its block table (a spare block unused)."""
     blocks = -(-context // block_size)
     num_blocks = blocks + 3
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     table = torch.randperm(num_blocks, generator=gen)[:blocks].int()
     return key_cache, value_cache, table
 
@@ -60,11 +60,16 @@ SHAPES = [
 ]
 
 
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("query_len, prefix, heads, kv_heads, head_dim, block_size", SHAPES)
-def test_matches_float64_reference(kernels, query_len, prefix, heads, kv_heads, head_dim, block_size):
+def test_matches_float64_reference(kernels, query_len, prefix, heads, kv_heads, head_dim, block_size, cache_dtype):
+    """bf16 caches, and fp8 ones (--kv-cache-dtype fp8) against the reference over the values they store."""
     gen = torch.Generator().manual_seed(query_len * 1000 + prefix + head_dim)
     context = prefix + query_len
-    key_cache, value_cache, table = _paged(gen, context, block_size, kv_heads, head_dim)
+    key_cache, value_cache, table = _paged(gen, context, block_size, kv_heads, head_dim, cache_dtype)
     # a spread of score magnitudes: the running maximum grows along the keys and rescales the sums
     query = (torch.randn(query_len, heads, head_dim, generator=gen) * 2).bfloat16()
     scale = head_dim**-0.5
@@ -73,6 +78,26 @@ def test_matches_float64_reference(kernels, query_len, prefix, heads, kv_heads, 
     expected = _reference(query, key_cache, value_cache, table, context, scale)
     # bf16: the output's rounding (2^-9) and the probabilities rounded to bf16 for P.V
     torch.testing.assert_close(got.double(), expected, atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_fp8_caches_without_vbmi_widen_alike(kernels):
+    """A build for an AVX512-BF16 CPU without VBMI (Cooper Lake) widens fp8 by arithmetic, not byte lookups:
+    the same bits as the native build (whose conversions are exact either way)."""
+    import platform
+
+    from tests.engine.test_cpu_kernels import _cpu_has
+
+    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx512_bf16", "avx512bw"):
+        pytest.skip("this CPU cannot run -march=cooperlake code")
+    cooperlake = load_cpu_kernels(arch="cooperlake")
+    assert cooperlake is not None and cooperlake.prefill_attention_native
+    gen = torch.Generator().manual_seed(9)
+    key_cache, value_cache, table = _paged(gen, 300, 16, 3, 64, FP8)
+    query = torch.randn(100, 9, 64, generator=gen).bfloat16()
+    assert torch.equal(
+        cooperlake.prefill_attention(query, key_cache, value_cache, table, 300, 0.125),
+        kernels.prefill_attention(query, key_cache, value_cache, table, 300, 0.125),
+    )
 
 
 def test_one_thread_and_the_team_agree(kernels):

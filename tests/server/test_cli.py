@@ -112,7 +112,10 @@ def test_a_draft_model_of_another_vocabulary_exits_2(tiny_model_dir, tmp_path):
     "args,expected",
     [
         (["--attention-backend", "flash"], "attention backend 'flash' cannot run here"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 runs on CUDA only"),
+        (
+            ["--attention-backend", "cpu", "--kv-cache-dtype", "float16"],
+            "--kv-cache-dtype float16: the cpu attention backend reads a KV cache of float32, bfloat16, fp8",
+        ),
     ],
 )
 def test_settings_that_cannot_run_here_exit_2_as_a_bad_flag(tiny_model_dir, args, expected):

@@ -555,3 +555,25 @@ def test_streamed_usage_reports_cached_prompt_tokens_like_the_response(server):
         ).json()["usage"]
     assert streamed["prompt_tokens_details"]["cached_tokens"] > 0
     assert streamed == whole
+
+
+def test_an_fp8_kv_cache_serves_streams_and_ends_empty(tiny_model_dir):
+    """`--kv-cache-dtype fp8` on CPU, served: a streamed completion over a prompt longer than a block (the
+    decode steps read e4m3 K/V through the native kernels), its text the non-streamed one's, and every KV
+    block free after."""
+    from server.config.server_config import ServerConfig
+    from tests.server.conftest import start_server
+
+    uv, thread, running = start_server(
+        tiny_model_dir, ServerConfig(served_model_name="tiny"), dtype="bfloat16", kv_cache_dtype="fp8"
+    )
+    try:
+        assert running.engine.kv_cache_dtype == "float8_e4m3fn"
+        body = {"model": "tiny", "prompt": OTHER_PROMPT * 8, "max_tokens": 12, "temperature": 0}
+        streamed = "".join(chunk.choices[0].text for chunk in sdk(running).completions.create(**body, stream=True))
+        assert streamed == complete(running, **body)["choices"][0]["text"] and streamed
+        manager = running.engine.engine.scheduler.kv_cache_manager
+        assert manager.usage == 0 and manager.block_pool.num_free_blocks == manager.block_pool.num_blocks
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)

@@ -17,7 +17,48 @@ inline float to_float(uint16_t bf16) {
     return x;
 }
 
+// A KV cache element in float8 e4m3 (OCP "e4m3fn": bias 7, no infinities, 0x7f / 0xff NaN, largest 448), as
+// torch.float8_e4m3fn stores it.
+struct Fp8E4M3 {
+    uint8_t bits;
+};
+
+inline float to_float(Fp8E4M3 x) {
+    const uint32_t magnitude = x.bits & 0x7fu;
+    float value;
+    if (magnitude >= 0x08u) {  // normal: the exponent rebiased (7 -> 127), the 3 mantissa bits moved up
+        const uint32_t bits = (magnitude << 20) + (120u << 23);
+        std::memcpy(&value, &bits, sizeof value);
+    } else {
+        value = static_cast<float>(magnitude) * 0.001953125f;  // subnormal: m x 2^-9
+    }
+    if (magnitude == 0x7fu) value = NAN;
+    return (x.bits & 0x80u) ? -value : value;
+}
+
 inline void store(float* dst, float x) { *dst = x; }
+
+// float -> e4m3, round to nearest even, saturating at +-448 (infinities too), NaN kept: what torch's CPU
+// conversion to float8_e4m3fn gives.
+inline void store(Fp8E4M3* dst, float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+    const float magnitude = std::fabs(x);
+    uint8_t code;
+    if (magnitude != magnitude) {
+        code = 0x7f;
+    } else if (magnitude >= 448.0f) {
+        code = 0x7e;
+    } else if (magnitude < 0.015625f) {  // below 2^-6: steps of 2^-9, 2^-6 itself (code 8) included
+        code = static_cast<uint8_t>(std::nearbyint(magnitude * 512.0f));
+    } else {  // 3 mantissa bits kept, rounded to nearest even (at most 448: code 0x7e)
+        uint32_t m = bits & 0x7fffffffu;
+        m += 0x7ffffu + ((m >> 20) & 1u);
+        code = static_cast<uint8_t>((((m >> 23) - 120u) << 3) | ((m >> 20) & 7u));
+    }
+    dst->bits = static_cast<uint8_t>(sign | code);
+}
 
 inline void store(uint16_t* dst, float x) {  // bfloat16, round to nearest even; NaN stays NaN (branch-free)
     uint32_t bits;

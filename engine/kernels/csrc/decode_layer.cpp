@@ -108,9 +108,18 @@ void product_for(const T* x, const Matrix& w, const T* bias, T* out, int64_t row
         for (int64_t n = 0; n < N; ++n) store(out + r * N + n, to_float(out[r * N + n]) + to_float(bias[n]));
 }
 
+// K/V of a token into its cache slot: copied, or converted to the cache's fp8 (as kv_cache.to_cache does).
 template <typename T>
+inline void to_cache(const T* src, T* dst, int64_t count) { std::memcpy(dst, src, count * sizeof(T)); }
+
+template <typename T>
+inline void to_cache(const T* src, pagedserve::Fp8E4M3* dst, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) store(dst + i, to_float(src[i]));
+}
+
+template <typename T, typename C>
 void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, const T* b_qkv, const int64_t* positions,
-                const T* cos, const T* sin_signed, T* key_cache, T* value_cache, const int64_t* slots, T* query,
+                const T* cos, const T* sin_signed, C* key_cache, C* value_cache, const int64_t* slots, T* query,
                 int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
                 Scratch& scratch, const LayerLoRA<T>& lora) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
@@ -133,8 +142,8 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
             rotary_row(row, cos + positions[r] * head_dim, sin_signed + positions[r] * head_dim, heads + kv_heads,
                        head_dim, head_dim);
             std::memcpy(query + r * q_size, row, q_size * sizeof(T));
-            std::memcpy(key_cache + slots[r] * kv_size, row + q_size, kv_size * sizeof(T));
-            std::memcpy(value_cache + slots[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+            to_cache(row + q_size, key_cache + slots[r] * kv_size, kv_size);
+            to_cache(row + q_size + kv_size, value_cache + slots[r] * kv_size, kv_size);
         }
     }
 }
@@ -172,6 +181,12 @@ void pagedserve_paged_decode_f32(const float*, const float*, const float*, const
 void pagedserve_paged_decode_bf16(const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*,
                                   const int32_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                   float, int64_t, int64_t, float, const float*);
+void pagedserve_paged_decode_f32_fp8(const float*, const pagedserve::Fp8E4M3*, const pagedserve::Fp8E4M3*,
+                                     const int32_t*, const int32_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, float, int64_t, int64_t, float, const float*);
+void pagedserve_paged_decode_bf16_fp8(const uint16_t*, const pagedserve::Fp8E4M3*, const pagedserve::Fp8E4M3*,
+                                      const int32_t*, const int32_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t, float, int64_t, int64_t, float, const float*);
 }
 
 inline void paged_decode(const float* q, const float* k, const float* v, const int32_t* tables, const int32_t* lens,
@@ -186,6 +201,20 @@ inline void paged_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v
                          int64_t head_dim, int64_t block_size, int64_t width, float scale) {
     pagedserve_paged_decode_bf16(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width,
                                  scale, 1, 0, 0.0f, nullptr);
+}
+
+inline void paged_decode(const float* q, const pagedserve::Fp8E4M3* k, const pagedserve::Fp8E4M3* v,
+                         const int32_t* tables, const int32_t* lens, float* out, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale) {
+    pagedserve_paged_decode_f32_fp8(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width,
+                                    scale, 1, 0, 0.0f, nullptr);
+}
+
+inline void paged_decode(const uint16_t* q, const pagedserve::Fp8E4M3* k, const pagedserve::Fp8E4M3* v,
+                         const int32_t* tables, const int32_t* lens, uint16_t* out, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale) {
+    pagedserve_paged_decode_bf16_fp8(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width,
+                                     scale, 1, 0, 0.0f, nullptr);
 }
 
 // Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias),
@@ -237,7 +266,8 @@ LayerLoRA<T> layer_lora(const StepLoRA& step, const pagedserve::lora::Plan* plan
 
 // Every layer of a decode step: decode_qkv, paged attention, decode_o_mlp. `out` ends as the last
 // layer's MLP output and `residual` as the stream after it (that output added, rounded as torch's add).
-template <typename T>
+// C: the caches' element type (T, or fp8 e4m3 with --kv-cache-dtype fp8).
+template <typename T, typename C>
 void decode_layers(T* residual, const int64_t* weights, const int64_t* key_caches, const int64_t* value_caches,
                    const int64_t* positions, const T* cos, const T* sin_signed, const int64_t* slots,
                    const int32_t* block_tables, const int32_t* context_lens, T* out, int64_t num_layers,
@@ -261,8 +291,8 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
         const int64_t* row = weights + layer * kWeightColumns;
         auto w = [row](WeightColumn column) { return reinterpret_cast<const T*>(row[column]); };
         auto matrix = [row](WeightColumn column) { return matrix_at(row, column); };
-        T* key_cache = reinterpret_cast<T*>(key_caches[layer]);
-        T* value_cache = reinterpret_cast<T*>(value_caches[layer]);
+        C* key_cache = reinterpret_cast<C*>(key_caches[layer]);
+        C* value_cache = reinterpret_cast<C*>(value_caches[layer]);
         const LayerLoRA<T> lora = layer_lora<T>(step_lora, plan.get(), shrunk.data(), layer, s);
         decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), positions, cos, sin_signed, key_cache,
                    value_cache, slots, query.data(), s.rows, s.hidden, s.heads, s.kv_heads, s.head_dim, s.eps,
@@ -279,7 +309,7 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
 
 }  // namespace
 
-#define PAGEDSERVE_DECODE_LAYERS(SUFFIX, T)                                                                      \
+#define PAGEDSERVE_DECODE_LAYERS(SUFFIX, T, C)                                                                    \
     void pagedserve_decode_layers_##SUFFIX(T* residual, const int64_t* weights, const int64_t* key_caches,       \
                                            const int64_t* value_caches, const int64_t* positions, const T* cos,  \
                                            const T* sin_signed, const int64_t* slots, const int32_t* block_tables,\
@@ -292,12 +322,14 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                                            float eps, float scale) {                                             \
         const DecodeShape shape{rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, eps, scale}; \
         const StepLoRA lora{lora_table, lora_slots, lora_scales, lora_ranks, lora_width, lora_max_rank, max_loras}; \
-        decode_layers(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots, block_tables, \
+        decode_layers<T, C>(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots, block_tables, \
                       context_lens, out, num_layers, shape, lora);                                               \
     }
 
 extern "C" {
-PAGEDSERVE_DECODE_LAYERS(f32, float)
-PAGEDSERVE_DECODE_LAYERS(bf16, uint16_t)
+PAGEDSERVE_DECODE_LAYERS(f32, float, float)
+PAGEDSERVE_DECODE_LAYERS(bf16, uint16_t, uint16_t)
+PAGEDSERVE_DECODE_LAYERS(f32_fp8, float, pagedserve::Fp8E4M3)  // an fp8 cache (--kv-cache-dtype fp8)
+PAGEDSERVE_DECODE_LAYERS(bf16_fp8, uint16_t, pagedserve::Fp8E4M3)
 }
 

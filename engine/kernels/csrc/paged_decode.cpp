@@ -4,7 +4,10 @@
 //
 // Layouts (row-major, contiguous):
 //   query        [num_seqs, num_heads, head_dim]
-//   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
+//   key_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike): the query's dtype, or
+//                float8 e4m3 (--kv-cache-dtype fp8, the `_fp8` entry points) widened exactly to the query's
+//                dtype as each row is read (AVX512BW builds with VBMI by byte-table lookups, without it by
+//                arithmetic; the portable loops through to_float)
 //   block_tables [num_seqs, table_width] int32
 //   context_lens [num_seqs] int32, each >= 1
 //   out          [num_seqs, num_heads, head_dim]
@@ -57,6 +60,7 @@
 
 #include "common.h"
 #include "exp16.h"
+#include "fp8.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -84,7 +88,7 @@ inline float normalizer(float running_max, float running_sum, const float* sink)
 constexpr int64_t kParallelMinWork = 1024;  // cached tokens x query heads: below, one thread (AVX-512
                                             // path: the team and one thread tie at 1 x 100 x 9 heads)
 
-// Loads `count` bf16/f32 values as floats into `dst`; float rows are used in place instead.
+// Loads `count` bf16/fp8/f32 values as floats into `dst`; float rows are used in place instead.
 template <typename T>
 inline const float* as_floats(const T* src, float* dst, int64_t count) {
     if constexpr (std::is_same_v<T, float>) {
@@ -102,9 +106,10 @@ inline const float* as_floats(const T* src, float* dst, int64_t count) {
 // head): K and V of each block are read once, scores live in a block-sized buffer. (Measured: 1.6x
 // faster than scoring all tokens first, then softmax, then a second pass for V; prefetching the
 // next block explicitly made no measurable difference.)
-// HD > 0: head_dim known at compile time (the inner loops unroll fully); HD == 0: any head_dim.
-template <typename T, int HD>
-void paged_decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+// HD > 0: head_dim known at compile time (the inner loops unroll fully); HD == 0: any head_dim. C: the cache's
+// element type (T's, or Fp8E4M3 under a float or bf16 query).
+template <typename T, typename C, int HD>
+void paged_decode(const T* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
                   const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                   int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale, int64_t window,
                   float softcap, const float* sinks) {
@@ -134,8 +139,8 @@ void paged_decode(const T* query, const T* key_cache, const T* value_cache, cons
             float* s = scores.data();
 
             for (int64_t b = first / block_size; b < num_blocks; ++b) {
-                const T* keys = key_cache + table[b] * block_stride;
-                const T* values = value_cache + table[b] * block_stride;
+                const C* keys = key_cache + table[b] * block_stride;
+                const C* values = value_cache + table[b] * block_stride;
                 const int64_t n = std::min(block_size, len - b * block_size);
                 const int64_t j0 = std::max<int64_t>(0, first - b * block_size);  // tokens of the block in view
 
@@ -224,29 +229,76 @@ constexpr int kSlotKey[kChunk] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 
 
 // Partial sums (16 lanes) of q . k over HD elements, float32 accumulation.
 template <int HD>
-inline __m512 dot(const float* k, const float* q) {
+inline __m512 row_dot(const float* k, const float* q) {
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(k), _mm512_loadu_ps(q));
     for (int u = 16; u < HD; u += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(k + u), _mm512_loadu_ps(q + u), acc);
     return acc;
 }
 
-template <int HD>
-inline __m512 dot(const uint16_t* k, const uint16_t* q) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int u = 0; u < HD; u += 32) {
-        const __m512i kv = _mm512_loadu_si512(k + u), qv = _mm512_loadu_si512(q + u);
+// acc + the products of 32 bf16 pairs (k and q words), float32 sums.
+inline __m512 dot_words(__m512 acc, __m512i kv, __m512i qv) {
 #if defined(__AVX512BF16__)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)kv, (__m512bh)qv);  // exact products, float32 sums
+    return _mm512_dpbf16_ps(acc, (__m512bh)kv, (__m512bh)qv);  // exact products, float32 sums
 #else
-        const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(kv, 16)),
-                              _mm512_castsi512_ps(_mm512_slli_epi32(qv, 16)), acc);
-        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(kv, high)),
-                              _mm512_castsi512_ps(_mm512_and_si512(qv, high)), acc);
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(kv, 16)),
+                          _mm512_castsi512_ps(_mm512_slli_epi32(qv, 16)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(kv, high)),
+                           _mm512_castsi512_ps(_mm512_and_si512(qv, high)), acc);
 #endif
-    }
+}
+
+template <int HD>
+inline __m512 row_dot(const uint16_t* k, const uint16_t* q) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int u = 0; u < HD; u += 32) acc = dot_words(acc, _mm512_loadu_si512(k + u), _mm512_loadu_si512(q + u));
     return acc;
 }
+
+using pagedserve::Fp8E4M3;
+using pagedserve::fp8::kFp8Simd;
+
+// A K row as score16's dot products read it: a float or bf16 row from memory, once per head of the pass (the
+// loads after the first hit L1); an fp8 row widened once, for every head.
+template <typename T, typename C, int HD>
+struct KRow {
+    const C* row;
+    explicit KRow(const C* k) : row(k) {}
+    __m512 dot(const T* q) const { return row_dot<HD>(row, q); }
+};
+
+#if defined(__AVX512BW__)
+template <int HD>
+struct KRow<uint16_t, Fp8E4M3, HD> {
+    __m512i words[HD / 32];
+    explicit KRow(const Fp8E4M3* k) {
+#if defined(__AVX512VBMI__)
+        for (int u = 0; u < HD / 64; ++u)
+            pagedserve::fp8::bf16_from_fp8_codes(_mm512_loadu_si512(k + 64 * u), words[2 * u], words[2 * u + 1]);
+#else
+        for (int u = 0; u < HD / 32; ++u) words[u] = pagedserve::fp8::bf16_from_fp8(k + 32 * u);
+#endif
+    }
+    __m512 dot(const uint16_t* q) const {
+        __m512 acc = _mm512_setzero_ps();
+        for (int u = 0; u < HD / 32; ++u) acc = dot_words(acc, words[u], _mm512_loadu_si512(q + 32 * u));
+        return acc;
+    }
+};
+
+template <int HD>
+struct KRow<float, Fp8E4M3, HD> {
+    __m512 values[HD / 16];
+    explicit KRow(const Fp8E4M3* k) {
+        for (int u = 0; u < HD / 16; ++u) values[u] = pagedserve::fp8::f32_from_fp8(k + 16 * u);
+    }
+    __m512 dot(const float* q) const {
+        __m512 acc = _mm512_mul_ps(values[0], _mm512_loadu_ps(q));
+        for (int u = 1; u < HD / 16; ++u) acc = _mm512_fmadd_ps(values[u], _mm512_loadu_ps(q + 16 * u), acc);
+        return acc;
+    }
+};
+#endif
 
 // The 16 scores of a chunk (keys[s]: slot s's K row) for each of G query heads (contiguous at q): per slot, a
 // vector of partial sums (dot), reduced to one vector of 16 scores by a transpose-and-add tree (15 steps of
@@ -254,8 +306,8 @@ inline __m512 dot(const uint16_t* k, const uint16_t* q) {
 // G heads' dots of a K row together: each row is read once per chunk, the G x 4 partial sums stay in
 // registers (scoring the whole chunk per head kept 16 sums live, spilled the K rows to the stack and read
 // them back once per head), and each four is reduced by the tree's first two levels as soon as it is done.
-template <typename T, int HD, int G>
-inline void score16(const T* const* keys, const T* q, __m512* scores) {
+template <typename T, typename C, int HD, int G>
+inline void score16(const C* const* keys, const T* q, __m512* scores) {
     auto halves = [](__m512 x, __m512 y) {  // [x0+x2, x1+x3, y0+y2, y1+y3] (128-bit quarters)
         return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
     };
@@ -271,8 +323,10 @@ inline void score16(const T* const* keys, const T* q, __m512* scores) {
     __m512 fours[G][4];  // per head, slots 4f..4f+3 reduced to one vector
     for (int f = 0; f < 4; ++f) {
         __m512 part[G][4];
-        for (int i = 0; i < 4; ++i)
-            for (int h = 0; h < G; ++h) part[h][i] = dot<HD>(keys[4 * f + i], q + h * HD);
+        for (int i = 0; i < 4; ++i) {
+            const KRow<T, C, HD> k(keys[4 * f + i]);
+            for (int h = 0; h < G; ++h) part[h][i] = k.dot(q + h * HD);
+        }
         for (int h = 0; h < G; ++h)
             fours[h][f] = quarters(halves(part[h][0], part[h][1]), halves(part[h][2], part[h][3]));
     }
@@ -290,6 +344,9 @@ template <>
 struct VRow<float> {
     static constexpr int kDims = 16, kVecs = 1;
     static void load(const float* v, __m512* out) { out[0] = _mm512_loadu_ps(v); }
+#if defined(__AVX512BW__)
+    static void load(const Fp8E4M3* v, __m512* out) { out[0] = pagedserve::fp8::f32_from_fp8(v); }
+#endif
     static void store(float* dst, const float* acc, __m512 inv) {
         _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_load_ps(acc), inv));
     }
@@ -298,8 +355,11 @@ struct VRow<float> {
 template <>
 struct VRow<uint16_t> {
     static constexpr int kDims = 32, kVecs = 2;
-    static void load(const uint16_t* v, __m512* out) {
-        const __m512i raw = _mm512_loadu_si512(v);
+    static void load(const uint16_t* v, __m512* out) { widen(_mm512_loadu_si512(v), out); }
+#if defined(__AVX512BW__)
+    static void load(const Fp8E4M3* v, __m512* out) { widen(pagedserve::fp8::bf16_words(v), out); }
+#endif
+    static void widen(__m512i raw, __m512* out) {
         out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
         out[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
     }
@@ -333,6 +393,9 @@ struct VPairs {
         out[0] = _mm512_unpacklo_epi16(x, y);
         out[1] = _mm512_unpackhi_epi16(x, y);
     }
+    static void load(const Fp8E4M3* a, const Fp8E4M3* b, __m512i* out) {
+        pagedserve::fp8::bf16_pairs(a, b, out[0], out[1]);
+    }
     static void store(uint16_t* dst, const float* acc, __m512 inv) {
         const __m512i low = VRow<uint16_t>::round_bf16(_mm512_mul_ps(_mm512_load_ps(acc), inv));
         const __m512i high = VRow<uint16_t>::round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + 16), inv));
@@ -363,8 +426,8 @@ struct Accumulated<uint16_t, true> {
 // One pass: G query heads (contiguous at q, out) over one kv head's tokens, chunk by chunk: the 16
 // keys' scores for each head (K rows read from L1 once per head after the first), the online softmax
 // on those vectors, then P.V with each V row widened once for the G heads.
-template <typename T, int HD, int G>
-void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int32_t* table, int64_t begin,
+template <typename T, typename C, int HD, int G>
+void attend_pass(const T* q, const C* key_cache, const C* value_cache, const int32_t* table, int64_t begin,
                  int64_t len, int64_t head_offset, int64_t token_size, int64_t block_size, float scale,
                  float softcap, const float* sinks, T* out, float* partial, int64_t prefetch_bytes) {
     using V = typename Accumulated<T>::type;
@@ -423,12 +486,12 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
         chunk_rows(t0, n, rows);
         for (int j = n; j < kChunk; ++j) rows[j] = rows[0];  // scored, then masked out
         prefetch_to(t0 + (kPrefetchChunks + 1) * kChunk);
-        const T* keys[kChunk];
+        const C* keys[kChunk];
         for (int s = 0; s < kChunk; ++s) keys[s] = key_cache + rows[kSlotKey[s]];
 
         bool rescale = false;
         __m512 sums[G];
-        score16<T, HD, G>(keys, q, sums);
+        score16<T, C, HD, G>(keys, q, sums);
         for (int h = 0; h < G; ++h) {
             __m512 scaled = _mm512_mul_ps(sums[h], scale_v);
             if (softcap > 0.0f) scaled = softcap16(scaled, softcap);
@@ -464,8 +527,8 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
             if constexpr (kPairedV<T>) {
                 // an odd count's last pair takes rows[n] (rows[0]: read, weighted 0)
                 for (int j = 0; j < n; j += 2) {
-                    const T* v0 = value_cache + rows[j] + d0;
-                    const T* v1 = value_cache + rows[j + 1] + d0;
+                    const C* v0 = value_cache + rows[j] + d0;
+                    const C* v1 = value_cache + rows[j + 1] + d0;
                     __m512i row[kStepVecs * V::kVecs];
                     for (int i = 0; i < kStepVecs; ++i)
                         V::load(v0 + i * V::kDims, v1 + i * V::kDims, row + i * V::kVecs);
@@ -479,7 +542,7 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 #endif
             {
                 for (int j = 0; j < n; ++j) {
-                    const T* v = value_cache + rows[j] + d0;
+                    const C* v = value_cache + rows[j] + d0;
                     __m512 row[kStepVecs * V::kVecs];
                     for (int i = 0; i < kStepVecs; ++i) VRow<T>::load(v + i * V::kDims, row + i * V::kVecs);
                     for (int h = 0; h < G; ++h) {
@@ -517,8 +580,8 @@ void attend_pass(const T* q, const T* key_cache, const T* value_cache, const int
 // once all are done (1 x 2000 tokens, 2 threads: ~78 -> ~70 us), as many parts as make the items a multiple of
 // the threads (empty parts of a short sequence are skipped at the merge); the merge sums in another order
 // than one pass does, so `split` is off in batch-invariant mode.
-template <typename T, int HD>
-void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+template <typename T, typename C, int HD>
+void paged_decode_simd(const T* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
                        const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
                        int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale,
                        bool split, int64_t window, float softcap, const float* sinks) {
@@ -526,7 +589,7 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
     const int64_t passes = (group + kMaxPass - 1) / kMaxPass;
     const int64_t token_size = num_kv_heads * HD;
     const int64_t items = num_seqs * num_kv_heads * passes;
-    const int64_t row_bytes = HD * static_cast<int64_t>(sizeof(T));  // prefetched by a kv head's first pass
+    const int64_t row_bytes = HD * static_cast<int64_t>(sizeof(C));  // prefetched by a kv head's first pass
     int64_t work = 0, longest = 0;  // work: cached tokens x query heads
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
         work += context_lens[seq];
@@ -566,7 +629,7 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
             const int64_t end = seen + std::min(span, chunks * (part + 1) / parts * kChunk);
             float* partial = parts > 1 ? partials.data() + index * kMaxPass * kPartialSize : nullptr;
 #define PAGEDSERVE_PASS(G)                                                                                       \
-    attend_pass<T, HD, G>(query + at, key_cache, value_cache, table, begin, end, kv_head * HD, token_size,      \
+    attend_pass<T, C, HD, G>(query + at, key_cache, value_cache, table, begin, end, kv_head * HD, token_size,      \
                           block_size, scale, softcap, sinks ? sinks + first : nullptr, out + at, partial,         \
                           pass == 0 ? row_bytes : 0)
             switch (heads) {
@@ -613,23 +676,25 @@ void paged_decode_simd(const T* query, const T* key_cache, const T* value_cache,
 }
 #endif  // __AVX512F__
 
-template <typename T>
-void dispatch(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+template <typename T, typename C>
+void dispatch(const T* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
               const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
               int64_t head_dim, int64_t block_size, int64_t table_width, float scale, bool split, int64_t window,
               float softcap, const float* sinks) {
 #define PAGEDSERVE_DECODE(HD)                                                                                   \
-    paged_decode<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,   \
+    paged_decode<T, C, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,   \
                         num_kv_heads, head_dim, block_size, table_width, scale, window, softcap, sinks)
 #if defined(__AVX512F__)
 #define PAGEDSERVE_SIMD(HD)                                                                                     \
-    paged_decode_simd<T, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, \
+    paged_decode_simd<T, C, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, \
                              num_kv_heads, block_size, table_width, scale, split, window, softcap, sinks)
-    switch (head_dim) {
-        case 64: PAGEDSERVE_SIMD(64); return;
-        case 128: PAGEDSERVE_SIMD(128); return;
-        case 256: PAGEDSERVE_SIMD(256); return;
-        default: break;
+    if constexpr (kFp8Simd || !std::is_same<C, pagedserve::Fp8E4M3>::value) {
+        switch (head_dim) {
+            case 64: PAGEDSERVE_SIMD(64); return;
+            case 128: PAGEDSERVE_SIMD(128); return;
+            case 256: PAGEDSERVE_SIMD(256); return;
+            default: break;
+        }
     }
 #undef PAGEDSERVE_SIMD
 #endif
@@ -644,8 +709,8 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
 
 }  // namespace
 
-#define PAGEDSERVE_PAGED_DECODE(SUFFIX, T)                                                                     \
-    void pagedserve_paged_decode_##SUFFIX(const T* query, const T* key_cache, const T* value_cache,             \
+#define PAGEDSERVE_PAGED_DECODE(SUFFIX, T, C)                                                                  \
+    void pagedserve_paged_decode_##SUFFIX(const T* query, const C* key_cache, const C* value_cache,             \
                                           const int32_t* block_tables, const int32_t* context_lens, T* out,     \
                                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,            \
                                           int64_t head_dim, int64_t block_size, int64_t table_width,            \
@@ -656,6 +721,8 @@ void dispatch(const T* query, const T* key_cache, const T* value_cache, const in
     }
 
 extern "C" {
-PAGEDSERVE_PAGED_DECODE(f32, float)
-PAGEDSERVE_PAGED_DECODE(bf16, uint16_t)
+PAGEDSERVE_PAGED_DECODE(f32, float, float)
+PAGEDSERVE_PAGED_DECODE(bf16, uint16_t, uint16_t)
+PAGEDSERVE_PAGED_DECODE(f32_fp8, float, pagedserve::Fp8E4M3)  // an fp8 cache (--kv-cache-dtype fp8)
+PAGEDSERVE_PAGED_DECODE(bf16_fp8, uint16_t, pagedserve::Fp8E4M3)
 }

@@ -6,7 +6,8 @@
 //   query        [query_len, heads, head_dim] bf16; query i sits at position offset + i, offset = context_len -
 //                query_len, and sees keys [0, offset + i]
 //   key_cache    [num_blocks, block_size, kv_heads, head_dim] bf16 (value_cache alike), the sequence's tokens
-//                at block_table[t / block_size], row t % block_size
+//                at block_table[t / block_size], row t % block_size; or fp8 e4m3 (--kv-cache-dtype fp8, the
+//                `_fp8` entry point), widened exactly to bf16 as each key tile is packed (fp8.h)
 //   out          [query_len, heads, head_dim] bf16
 //
 // Work items: (kv head, tile of kQTile query positions), larger ones (later tiles: more keys) first, spread
@@ -31,6 +32,7 @@
 
 #include "common.h"
 #include "exp16.h"
+#include "fp8.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -171,12 +173,16 @@ inline void transpose16(const __m512i* rows, __m512i* out) {
     }
 }
 
+// 32 dims of a cached K or V row as bf16 words: read (bf16), or widened (fp8).
+inline __m512i row_words(const uint16_t* row) { return _mm512_loadu_si512(row); }
+inline __m512i row_words(const pagedserve::Fp8E4M3* row) { return pagedserve::fp8::bf16_words(row); }
+
 // Packs keys [t0, t0 + n) of kv head `kv` into s.kt and s.vp (keys past n as zeros).
-template <int D>
-void pack_tile(const uint16_t* key_cache, const uint16_t* value_cache, const int32_t* table, int64_t block_size,
+template <typename C, int D>
+void pack_tile(const C* key_cache, const C* value_cache, const int32_t* table, int64_t block_size,
                int64_t token_size, int64_t kv, int64_t t0, int n, Scratch<D>& s) {
-    const uint16_t* keys[kKTile];
-    const uint16_t* values[kKTile];
+    const C* keys[kKTile];
+    const C* values[kKTile];
     for (int j = 0; j < kKTile; ++j) {
         const int64_t t = t0 + std::min(j, n - 1);  // past n: any row, zeroed below
         const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_size + kv * D;
@@ -187,23 +193,23 @@ void pack_tile(const uint16_t* key_cache, const uint16_t* value_cache, const int
         for (int c = 0; c < D / 32; ++c) {  // dim pairs 16c .. 16c + 15 of keys 16h .. 16h + 15
             __m512i rows[16], columns[16];
             for (int j = 0; j < 16; ++j)
-                rows[j] = 16 * h + j < n ? _mm512_loadu_si512(keys[16 * h + j] + 32 * c) : _mm512_setzero_si512();
+                rows[j] = 16 * h + j < n ? row_words(keys[16 * h + j] + 32 * c) : _mm512_setzero_si512();
             transpose16(rows, columns);
             for (int p = 0; p < 16; ++p) _mm512_store_si512(s.kt[h][16 * c + p], columns[p]);
         }
     for (int kp = 0; kp < kKTile / 2; ++kp) {
         const bool first = 2 * kp < n, second = 2 * kp + 1 < n;
         for (int c = 0; c < D / 32; ++c) {
-            const __m512i a = first ? _mm512_loadu_si512(values[2 * kp] + 32 * c) : _mm512_setzero_si512();
-            const __m512i b = second ? _mm512_loadu_si512(values[2 * kp + 1] + 32 * c) : _mm512_setzero_si512();
+            const __m512i a = first ? row_words(values[2 * kp] + 32 * c) : _mm512_setzero_si512();
+            const __m512i b = second ? row_words(values[2 * kp + 1] + 32 * c) : _mm512_setzero_si512();
             _mm512_store_si512(s.vp[kp][2 * c], _mm512_unpacklo_epi16(a, b));
             _mm512_store_si512(s.vp[kp][2 * c + 1], _mm512_unpackhi_epi16(a, b));
         }
     }
 }
 
-template <int D>
-void attend_item(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache, const int32_t* table,
+template <typename C, int D>
+void attend_item(const uint16_t* query, const C* key_cache, const C* value_cache, const int32_t* table,
                  uint16_t* out, int64_t q0, int64_t q1, int64_t offset, int64_t heads, int64_t kv_heads, int64_t kv,
                  int64_t block_size, float scale, Scratch<D>& s) {
     const int64_t group = heads / kv_heads, rows = (q1 - q0) * group, token_size = kv_heads * D;
@@ -217,7 +223,7 @@ void attend_item(const uint16_t* query, const uint16_t* key_cache, const uint16_
     alignas(64) uint32_t probs[kRows][16];
     for (int64_t t0 = 0; t0 < keys; t0 += kKTile) {
         const int n = static_cast<int>(std::min<int64_t>(kKTile, keys - t0));
-        pack_tile<D>(key_cache, value_cache, table, block_size, token_size, kv, t0, n, s);
+        pack_tile<C, D>(key_cache, value_cache, table, block_size, token_size, kv, t0, n, s);
         // rows whose last visible key is before t0 see none of this tile: they are the first rows (positions
         // ascend with r), so the tile starts at the first row that sees it
         const int64_t first = std::max<int64_t>(0, (t0 - offset - q0) * group);
@@ -256,8 +262,8 @@ void attend_item(const uint16_t* query, const uint16_t* key_cache, const uint16_
     }
 }
 
-template <int D>
-void prefill_attention(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
+template <typename C, int D>
+void prefill_attention(const uint16_t* query, const C* key_cache, const C* value_cache,
                        const int32_t* table, uint16_t* out, int64_t query_len, int64_t context_len, int64_t heads,
                        int64_t kv_heads, int64_t block_size, float scale) {
     const int64_t offset = context_len - query_len, tiles = (query_len + kQTile - 1) / kQTile;
@@ -269,7 +275,7 @@ void prefill_attention(const uint16_t* query, const uint16_t* key_cache, const u
         for (int64_t index = 0; index < items; ++index) {
             const int64_t tile = tiles - 1 - index / kv_heads, kv = index % kv_heads;  // the longest first
             const int64_t q0 = tile * kQTile, q1 = std::min(query_len, q0 + kQTile);
-            attend_item<D>(query, key_cache, value_cache, table, out, q0, q1, offset, heads, kv_heads, kv,
+            attend_item<C, D>(query, key_cache, value_cache, table, out, q0, q1, offset, heads, kv_heads, kv,
                            block_size, scale, s);
         }
     }
@@ -282,23 +288,27 @@ extern "C" {
 int64_t pagedserve_prefill_attention_native() { return 1; }
 
 // Returns 0 when head_dim is not one it is built for (64, 128), else computes `out` and returns 1.
-int64_t pagedserve_prefill_attention_bf16(const uint16_t* query, const uint16_t* key_cache,
-                                          const uint16_t* value_cache, const int32_t* block_table, uint16_t* out,
-                                          int64_t query_len, int64_t context_len, int64_t heads, int64_t kv_heads,
-                                          int64_t head_dim, int64_t block_size, float scale) {
-    switch (head_dim) {
-        case 64:
-            prefill_attention<64>(query, key_cache, value_cache, block_table, out, query_len, context_len, heads,
-                                  kv_heads, block_size, scale);
-            return 1;
-        case 128:
-            prefill_attention<128>(query, key_cache, value_cache, block_table, out, query_len, context_len, heads,
-                                   kv_heads, block_size, scale);
-            return 1;
-        default:
-            return 0;
+#define PAGEDSERVE_PREFILL_ATTENTION(SUFFIX, C)                                                                 \
+    int64_t pagedserve_prefill_attention_##SUFFIX(const uint16_t* query, const C* key_cache, const C* value_cache, \
+                                                  const int32_t* block_table, uint16_t* out, int64_t query_len,   \
+                                                  int64_t context_len, int64_t heads, int64_t kv_heads,           \
+                                                  int64_t head_dim, int64_t block_size, float scale) {            \
+        switch (head_dim) {                                                                                     \
+            case 64:                                                                                            \
+                prefill_attention<C, 64>(query, key_cache, value_cache, block_table, out, query_len, context_len, \
+                                         heads, kv_heads, block_size, scale);                                   \
+                return 1;                                                                                       \
+            case 128:                                                                                           \
+                prefill_attention<C, 128>(query, key_cache, value_cache, block_table, out, query_len,            \
+                                          context_len, heads, kv_heads, block_size, scale);                     \
+                return 1;                                                                                       \
+            default:                                                                                            \
+                return 0;                                                                                       \
+        }                                                                                                       \
     }
-}
+PAGEDSERVE_PREFILL_ATTENTION(bf16, uint16_t)
+PAGEDSERVE_PREFILL_ATTENTION(bf16_fp8, pagedserve::Fp8E4M3)  // an fp8 cache (--kv-cache-dtype fp8)
+#undef PAGEDSERVE_PREFILL_ATTENTION
 }
 
 #else  // no AVX512-BF16: torch's attention serves these chunks
@@ -309,6 +319,12 @@ int64_t pagedserve_prefill_attention_native() { return 0; }
 int64_t pagedserve_prefill_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*,
                                           uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                           float) {
+    return 0;
+}
+
+int64_t pagedserve_prefill_attention_bf16_fp8(const uint16_t*, const uint8_t*, const uint8_t*, const int32_t*,
+                                              uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                              float) {
     return 0;
 }
 }
