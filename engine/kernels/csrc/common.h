@@ -23,17 +23,19 @@ struct Fp8E4M3 {
     uint8_t bits;
 };
 
+// Branch-free (selects), so that loops over a row vectorize.
 inline float to_float(Fp8E4M3 x) {
     const uint32_t magnitude = x.bits & 0x7fu;
+    const uint32_t normal = (magnitude << 20) + (120u << 23);  // the exponent rebiased (7 -> 127), m moved up
+    const float subnormal = static_cast<float>(magnitude) * 0.001953125f;  // exponent 0: m x 2^-9
+    uint32_t bits;
+    std::memcpy(&bits, &subnormal, sizeof bits);
+    bits = magnitude >= 0x08u ? normal : bits;
+    bits = magnitude == 0x7fu ? 0x7fc00000u : bits;  // NaN
+    bits |= static_cast<uint32_t>(x.bits & 0x80u) << 24;
     float value;
-    if (magnitude >= 0x08u) {  // normal: the exponent rebiased (7 -> 127), the 3 mantissa bits moved up
-        const uint32_t bits = (magnitude << 20) + (120u << 23);
-        std::memcpy(&value, &bits, sizeof value);
-    } else {
-        value = static_cast<float>(magnitude) * 0.001953125f;  // subnormal: m x 2^-9
-    }
-    if (magnitude == 0x7fu) value = NAN;
-    return (x.bits & 0x80u) ? -value : value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
 inline void store(float* dst, float x) { *dst = x; }
