@@ -60,6 +60,7 @@ HEADERS = (
     "lora_delta.h",
     "exp16.h",
     "team_split.h",
+    "fp8.h",
 )
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"

@@ -14,6 +14,13 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_head64_dir(tmp_path_factory):
+    """The tiny llama with heads of 64 (16 otherwise): the head sizes the native kernels' AVX-512 decode and the
+    prefill attention kernel are built for."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-head64"), "llama", head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 

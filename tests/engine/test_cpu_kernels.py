@@ -43,6 +43,14 @@ def test_build_is_cached_per_machine_and_source(cpu_kernels, tmp_path, caplog):
     assert sorted(p.name for p in first.parent.iterdir()) == sorted([first.name, first.with_suffix(".lock").name])
 
 
+def test_every_file_of_csrc_keys_the_build():
+    """A source or header missing from SOURCES / HEADERS would not change the build's cache key when edited: the
+    stale library would load."""
+    from engine.kernels.cpu import CSRC, HEADERS, SOURCES
+
+    assert {p.name for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")} == {*SOURCES, *HEADERS}
+
+
 def test_kernels_share_torch_openmp_runtime(cpu_kernels):
     """One OpenMP runtime in the process: the kernels' threads are torch's threads."""
     assert len(_maps_of("libgomp")) == 1
@@ -245,21 +253,41 @@ def test_the_weight_stream_is_prefetched_in_software_on_intel_only(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_paged_decode_widens_every_fp8_code_exactly(decode_kernels, dtype):
-    """A one-token context returns its V row as stored: each of the 254 finite e4m3 codes (subnormals, zeros
-    of both signs, +-448) comes back as torch's float8_e4m3fn reads it, bit for bit (every e4m3 value is a
-    bf16 value), through the kernel's conversions of both query dtypes."""
+    """Each of the 254 finite e4m3 codes (subnormals, zeros of both signs, +-448) read as torch's float8_e4m3fn
+    reads it, through the kernel's conversions for both query dtypes:
+    V: two-token contexts with equal scores (zero keys), one V row holding 64 codes and the other zeros, in
+    either order (the first and second key of a P.V pair): the output is half the row, bit for bit.
+    K: a zero key and a key whose dim 0 holds the code, the query 1 / its value there: the second key's
+    probability is the logistic of ~1 (of 0 for zeros), which one mantissa step of the code moves by ~3%."""
     codes = torch.arange(256, dtype=torch.int32)
-    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # the two NaN codes out: 254
     head_dim, block_size = 64, 16
-    value_cache = torch.zeros(4, block_size, 1, head_dim, dtype=torch.uint8)
-    value_cache[:, 0, 0, :] = codes.view(4, head_dim).to(torch.uint8)
-    key_cache = torch.zeros_like(value_cache)
-    query = torch.ones(4, 1, head_dim, dtype=dtype)
-    tables = torch.arange(4, dtype=torch.int32).view(4, 1)
-    lens = torch.ones(4, dtype=torch.int32)
-    got = decode_kernels.paged_decode(query, key_cache.view(FP8), value_cache.view(FP8), tables, lens, 0.125)
-    expected = value_cache[:, 0].view(FP8).to(dtype)
-    assert torch.equal(got, expected)
+    rows = torch.cat([codes, codes[:2]]).view(4, head_dim)  # every code, two repeated to fill the last row
+    values = torch.zeros(8, block_size, 1, head_dim, dtype=torch.uint8)
+    values[:4, 0, 0], values[4:, 1, 0] = rows, rows
+    keys = torch.zeros_like(values)
+    tables = torch.arange(8, dtype=torch.int32).view(8, 1)
+    lens = torch.full((8,), 2, dtype=torch.int32)
+    query = torch.ones(8, 1, head_dim, dtype=dtype)
+    got = decode_kernels.paged_decode(query, keys.view(FP8), values.view(FP8), tables, lens, 0.125)
+    half = rows.view(FP8).double() / 2
+    assert torch.equal(got.view(8, head_dim).double(), torch.cat([half, half]))
+
+    n = codes.numel()
+    keys = torch.zeros(n, block_size, 1, head_dim, dtype=torch.uint8)
+    keys[:, 1, 0, 0] = codes
+    values = torch.zeros(n, block_size, 1, head_dim, dtype=torch.uint8)
+    values[:, 1, 0, 1] = 0x38  # 1.0: the output's dim 1 is the second key's probability
+    stored = codes.view(FP8).double()
+    q0 = torch.where(stored == 0, torch.ones_like(stored), 1 / stored).to(dtype)
+    query = torch.zeros(n, 1, head_dim, dtype=dtype)
+    query[:, 0, 0] = q0
+    tables = torch.arange(n, dtype=torch.int32).view(n, 1)
+    lens = torch.full((n,), 2, dtype=torch.int32)
+    got = decode_kernels.paged_decode(query, keys.view(FP8), values.view(FP8), tables, lens, 1.0)[:, 0, 1]
+    expected = torch.sigmoid(q0.double() * stored)
+    tolerance = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: the probability rounded for P.V, the output
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0)
 
 
 def test_fp8_rounding_is_torchs_for_every_bf16_value(cpu_kernels, tmp_path):

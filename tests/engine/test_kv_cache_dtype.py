@@ -130,13 +130,19 @@ def test_building_with_flash_refuses_a_cache_dtype_it_cannot_read(tiny_llama_dir
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_an_fp8_cache_holds_twice_a_bf16_models_tokens_and_stays_close(tiny_llama_dir, backend, cpu_kernels):
+@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_llama_head64_dir"])
+def test_an_fp8_cache_holds_twice_a_bf16_models_tokens_and_stays_close(
+    model_dir_fixture, backend, request, cpu_kernels
+):
     """`--kv-cache-dtype fp8` on CPU: one byte per element (the budget's blocks doubled against a bf16 cache),
     prompt logprobs within e4m3's rounding of the bf16 cache's (the later chunks read the earlier ones as
     stored; greedy tokens of a random model's near-flat distributions say little); the cpu backend's native kernels and the torch backend's widened
     gathers read the same stored values."""
     if backend == "cpu" and cpu_kernels is None:
         pytest.skip("the native CPU kernels do not build here")
+    # heads of 16: the portable decode loops and torch's prompt attention; of 64: the AVX-512 decode and the
+    # native prompt attention, where the build has them
+    tiny_llama_dir = request.getfixturevalue(model_dir_fixture)
     budget = {"num_blocks": None, "kv_cache_memory": "1MiB", "dtype": "bfloat16", "attention_backend": backend}
     llm, narrow = _run(tiny_llama_dir, kv_cache_dtype="fp8", **budget)
     fp8_cache = llm.engine.runner.kv_cache

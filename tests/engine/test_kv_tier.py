@@ -184,14 +184,22 @@ def test_tier_counters_are_exposed():
 
 
 @pytest.mark.parametrize("prompt_attention", ["native", "torch"])
-def test_an_fp8_cache_restores_from_disk_with_identical_tokens(tiny_llama_dir, tmp_path, prompt_attention, monkeypatch):
+def test_an_fp8_cache_restores_from_disk_with_identical_tokens(
+    tiny_llama_head64_dir, tmp_path, prompt_attention, monkeypatch, cpu_kernels
+):
     """`--kv-cache-dtype fp8`: the blocks go to disk as their e4m3 bytes (half a bf16 cache's), come back after a
     restart, and the prompt gives the tokens and logprobs of a cold run (every attention reads K/V as the cache holds them,
     computed or restored), whether prompt chunks run on the native kernel or, as on AMX CPUs, on torch's."""
-    if prompt_attention == "torch":
-        import engine.attention.cpu_backend as cpu_backend
+    import engine.attention.cpu_backend as cpu_backend
+    from engine.kernels.cpu import CpuKernels
 
+    if prompt_attention == "torch":
         monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)
+    elif cpu_kernels is None or not cpu_kernels.prefill_attention_native or cpu_backend.torch_bf16_products_use_amx():
+        pytest.skip("prompt chunks run on torch's attention here")
+    native_calls = []
+    native = CpuKernels.prefill_attention
+    monkeypatch.setattr(CpuKernels, "prefill_attention", lambda *a: native_calls.append(1) or native(*a))
     settings = {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 
@@ -199,20 +207,21 @@ def test_an_fp8_cache_restores_from_disk_with_identical_tokens(tiny_llama_dir, t
         (output,) = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs
         return output.token_ids, output.logprobs
 
-    with make_llm(tiny_llama_dir, **settings) as llm:
+    with make_llm(tiny_llama_head64_dir, **settings) as llm:
         cold = tokens_and_logprobs(llm)
     payloads = {}
     for kv_cache_dtype in ("fp8", "bfloat16"):
-        with make_llm(tiny_llama_dir, **{**settings, "kv_cache_dtype": kv_cache_dtype}) as llm:
+        with make_llm(tiny_llama_head64_dir, **{**settings, "kv_cache_dtype": kv_cache_dtype}) as llm:
             payloads[kv_cache_dtype] = payload_bytes(llm.engine.runner.kv_cache)
     assert 2 * payloads["fp8"] == payloads["bfloat16"]
-    with make_llm(tiny_llama_dir, **settings, kv_cache_dir=str(tmp_path)) as llm:
+    with make_llm(tiny_llama_head64_dir, **settings, kv_cache_dir=str(tmp_path)) as llm:
         assert tokens_and_logprobs(llm) == cold
         assert llm.engine.stats().kv_tier("disk").written_bytes > 0
-    with make_llm(tiny_llama_dir, **settings, kv_cache_dir=str(tmp_path)) as llm:
+    with make_llm(tiny_llama_head64_dir, **settings, kv_cache_dir=str(tmp_path)) as llm:
         # restarted
         restored = tokens_and_logprobs(llm)
         disk = llm.engine.stats().kv_tier("disk")
         assert disk.hit_blocks == (len(PROMPT) - 1) // 4 and disk.corrupt_files == 0
         assert restored == cold  # the logprobs too, bit for bit
         assert_idle(llm)
+    assert bool(native_calls) == (prompt_attention == "native")

@@ -35,7 +35,7 @@ inline __m512i bf16_from_fp8(const Fp8E4M3* src) {
 }
 
 // 16 codes -> 16 floats.
-inline __m512 f32_from_fp8(const Fp8E4M3* src) {
+inline __m512 f32_from_fp8_arithmetic(const Fp8E4M3* src) {
     alignas(64) static constexpr uint32_t kSubnormal[16] = {0x00000000, 0x3b000000, 0x3b800000, 0x3bc00000,
                                                             0x3c000000, 0x3c200000, 0x3c400000, 0x3c600000};
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
@@ -126,6 +126,46 @@ constexpr PairIndex pair_index() {
     return t;
 }
 alignas(64) inline constexpr PairIndex kPairIndex = pair_index();
+
+// Byte indices that put 16 codes' (low, high) bytes in the top half of each dword (the bottom half zeroed by
+// the mask kFloatBytes): their floats, whose low 16 bits are zero (every e4m3 value is a bf16 value).
+struct FloatIndex {
+    uint8_t bytes[4][64];  // codes 16v .. 16v + 15
+};
+constexpr FloatIndex float_index() {
+    FloatIndex t{};
+    for (int v = 0; v < 4; ++v)
+        for (int i = 0; i < 16; ++i) {
+            t.bytes[v][4 * i + 2] = static_cast<uint8_t>(16 * v + i);
+            t.bytes[v][4 * i + 3] = static_cast<uint8_t>(64 + 16 * v + i);
+        }
+    return t;
+}
+alignas(64) inline constexpr FloatIndex kFloatIndex = float_index();
+constexpr __mmask64 kFloatBytes = 0xCCCCCCCCCCCCCCCCull;
+
+// 64 codes (in a vector) -> their floats, codes 16v .. 16v + 15 in out[v].
+inline void f32_from_fp8_codes(__m512i codes, __m512* out) {
+    __m512i low, high;
+    bf16_bytes(codes, low, high);
+    for (int v = 0; v < 4; ++v)
+        out[v] = _mm512_castsi512_ps(
+            _mm512_maskz_permutex2var_epi8(kFloatBytes, low, _mm512_load_si512(kFloatIndex.bytes[v]), high));
+}
+#endif
+
+#if defined(__AVX512BW__)
+// 16 codes -> 16 floats: 4 instructions by byte lookups with VBMI (64 at a time: 7), 9 by arithmetic without.
+inline __m512 f32_from_fp8(const Fp8E4M3* src) {
+#if defined(__AVX512VBMI__)
+    __m512i low, high;
+    bf16_bytes(_mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), low, high);
+    return _mm512_castsi512_ps(
+        _mm512_maskz_permutex2var_epi8(kFloatBytes, low, _mm512_load_si512(kFloatIndex.bytes[0]), high));
+#else
+    return f32_from_fp8_arithmetic(src);
+#endif
+}
 #endif
 
 #if defined(__AVX512BW__)
