@@ -3,8 +3,9 @@ latent attention, one tensor of latent entries per layer whose values are their 
 
 The cache may store a narrower dtype than the model computes in (`--kv-cache-dtype`): bfloat16 for
 an fp32 model halves the cache's bytes (twice the tokens in the same budget) and what decode
-attention reads; fp8 (e4m3) quarters them (halves a bf16 model's). The attention backends convert on write (the new
-K/V to the cache's dtype, divided by `kv_scale` for fp8) and on read (back to the query's dtype).
+attention reads; fp8 (e4m3) quarters them (halves a bf16 model's). The attention backends convert on
+write (the new K/V to the cache's dtype, divided by `kv_scale` for fp8) and on read (back to the
+query's dtype).
 """
 
 from __future__ import annotations

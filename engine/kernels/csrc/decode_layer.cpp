@@ -322,8 +322,8 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                                            float eps, float scale) {                                             \
         const DecodeShape shape{rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, eps, scale}; \
         const StepLoRA lora{lora_table, lora_slots, lora_scales, lora_ranks, lora_width, lora_max_rank, max_loras}; \
-        decode_layers<T, C>(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots, block_tables, \
-                      context_lens, out, num_layers, shape, lora);                                               \
+        decode_layers<T, C>(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots,       \
+                            block_tables, context_lens, out, num_layers, shape, lora);                          \
     }
 
 extern "C" {

@@ -291,7 +291,8 @@ struct KRow<float, Fp8E4M3, HD> {
     __m512 values[HD / 16];
     explicit KRow(const Fp8E4M3* k) {
 #if defined(__AVX512VBMI__)
-        for (int u = 0; u < HD / 64; ++u) pagedserve::fp8::f32_from_fp8_codes(_mm512_loadu_si512(k + 64 * u), values + 4 * u);
+        for (int u = 0; u < HD / 64; ++u)
+            pagedserve::fp8::f32_from_fp8_codes(_mm512_loadu_si512(k + 64 * u), values + 4 * u);
 #else
         for (int u = 0; u < HD / 16; ++u) values[u] = pagedserve::fp8::f32_from_fp8(k + 16 * u);
 #endif
