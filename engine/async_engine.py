@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Optional, Sequence,
 
 import torch
 
+from engine.attention.kv_cache import kv_cache_dtype_name
 from engine.cpu_contention import ThreadGovernor
 from engine.loading.model_config import ModelConfig
 from engine.engine import EngineCore
@@ -189,8 +190,9 @@ class AsyncEngine:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The dtype the KV cache stores (--kv-cache-dtype; auto is the model's), e.g. "bfloat16"."""
-        return str(self.engine.runner.kv_cache.spec.dtype).removeprefix("torch.")
+        """The dtype the KV cache stores as `--kv-cache-dtype` names it (auto is the model's), e.g. "bfloat16",
+        "fp8" (vLLM's cache_config_info label says the same)."""
+        return kv_cache_dtype_name(self.engine.runner.kv_cache.spec.dtype)
 
     @property
     def quantization(self) -> str:

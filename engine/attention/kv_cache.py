@@ -45,17 +45,17 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: ReadsKV
     dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
     accepted = backend.kv_cache_dtypes(model_dtype)
     if dtype not in accepted:
-        names = ", ".join(_dtype_flag(d) for d in accepted)
+        names = ", ".join(kv_cache_dtype_name(d) for d in accepted)
         raise SettingsConflictError(
             f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
-            f"{names} for a {_dtype_flag(model_dtype)} model; use one of those (auto: the model's "
+            f"{names} for a {kv_cache_dtype_name(model_dtype)} model; use one of those (auto: the model's "
             f"dtype) or --attention-backend torch, which reads every cache dtype"
         )
     return dtype
 
 
-def _dtype_flag(dtype: torch.dtype) -> str:
-    """A dtype as `--kv-cache-dtype` names it."""
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as `--kv-cache-dtype` names it: "fp8" for float8_e4m3fn."""
     return next((flag for flag, each in KV_CACHE_DTYPES.items() if each == dtype), str(dtype).removeprefix("torch."))
 
 

@@ -312,7 +312,7 @@ def test_abandoned_stream_is_counted_as_aborted(fresh, workload):
     assert not math.isnan(later.get("pagedserve_e2e_request_latency_seconds_sum"))
 
 
-@pytest.mark.parametrize("kv_cache_dtype, label", [("bfloat16", "bfloat16"), ("fp8", "float8_e4m3fn")])
+@pytest.mark.parametrize("kv_cache_dtype, label", [("bfloat16", "bfloat16"), ("fp8", "fp8")])
 def test_cache_config_info_shows_the_kv_cache_dtype(tiny_model_dir, kv_cache_dtype, label):
     """--kv-cache-dtype: the info metric shows what the cache stores, not the model's dtype."""
     from engine.async_engine import AsyncEngine
