@@ -245,6 +245,7 @@ def _draft_model(
         shape=AttentionShape.from_hf_config(checkpoint.hf_config),
         latent=latent_rank_of(checkpoint.hf_config) is not None,
         batch_invariant=config.batch_invariant,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
     return load_draft_model(
         checkpoint,

@@ -37,6 +37,7 @@ import torch
 from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend, get_attention_backend
 from engine.attention.attention_shape import AttentionShape
+from engine.attention.kv_cache import KV_CACHE_DTYPES
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.layers.invariant_linear import ColumnBlockLinear
@@ -70,9 +71,12 @@ def choose_numerics(
     shape: AttentionShape,
     batch_invariant: bool = False,
     latent: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> Numerics:
     """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
-    the model's attention is multi-head latent attention over a latent cache (auto then means torch)."""
+    the model's attention is multi-head latent attention over a latent cache (auto then means torch);
+    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto on CUDA then passes over a backend that cannot
+    read it)."""
     if batch_invariant:
         return batch_invariant_numerics(attention_backend, device, dtype)
     if latent and attention_backend == "auto":
@@ -80,7 +84,14 @@ def choose_numerics(
         # named explicitly is checked against the model's layers at start-up (check_backend_serves)
         logger.info("attention backend auto: torch (multi-head latent attention)")
         attention_backend = "torch"
-    backend = get_attention_backend(attention_backend, device, dtype, block_size=block_size, shape=shape)
+    backend = get_attention_backend(
+        attention_backend,
+        device,
+        dtype,
+        block_size=block_size,
+        shape=shape,
+        kv_cache_dtype=KV_CACHE_DTYPES.get(kv_cache_dtype),  # an unknown name: refused by resolve_kv_cache_dtype
+    )
     if not isinstance(backend, CpuAttentionBackend):
         return Numerics(backend, None, None)
     return Numerics(backend, NativeLayerOps(backend.kernels), cpu_linear(backend, dtype))

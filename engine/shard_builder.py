@@ -93,6 +93,7 @@ def build_shard(
         shape=shape,
         latent=latent_rank is not None,
         batch_invariant=config.batch_invariant,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization

@@ -69,18 +69,20 @@ def get_attention_backend(
     *,
     block_size: Optional[int] = None,
     shape: Optional[AttentionShape] = None,
+    kv_cache_dtype: Optional[torch.dtype] = None,
 ) -> AttentionBackend:
     """The backend `name` names, for this device, dtype and KV block size (None: not known, which rules
     flash-attn 2 out). With the model's attention `shape` (and the block size), flash-attn is chosen only
     once one tiny paged call of exactly that configuration has run on the device (engine/attention/probe.py).
 
     `auto`: on CPU the native kernels when they build here, else the torch backend; on CUDA flash-attn
-    when it imports and fits the block size, else the triton backend when it is available, else torch
-    (`cuda_auto_choice`). The choice and the reason are logged. Naming `cpu` or `flash` insists: a
-    ValueError saying why it cannot serve here and what to do instead."""
+    when it imports, fits the block size and reads the KV cache's dtype (`kv_cache_dtype`, None: the
+    model's), else the triton backend when it is available, else torch (`cuda_auto_choice`). The choice and
+    the reason are logged. Naming `cpu` or `flash` insists: a ValueError saying why it cannot serve here and
+    what to do instead."""
     if name == "auto":
         if device.type == "cuda":
-            return _cuda_auto(device, dtype, block_size, shape)
+            return _cuda_auto(device, dtype, block_size, shape, kv_cache_dtype)
         if device.type == "cpu":
             backend = _cpu_backend(device, dtype, required=False)
             if backend is not None:
@@ -122,10 +124,19 @@ def _triton_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _cuda_auto(
-    device: torch.device, dtype: torch.dtype, block_size: Optional[int], shape: Optional[AttentionShape]
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: Optional[int],
+    shape: Optional[AttentionShape],
+    kv_cache_dtype: Optional[torch.dtype],
 ) -> AttentionBackend:
     from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 
+    if kv_cache_dtype not in (None, dtype):  # flash-attn reads K/V in the query's dtype only
+        cache = str(kv_cache_dtype).removeprefix("torch.")
+        choice = cuda_auto_choice(False, _triton_available(device, dtype))
+        logger.info("attention backend auto on CUDA: %s (flash-attn does not read a %s KV cache)", choice, cache)
+        return get_attention_backend(choice, device, dtype, block_size=block_size)
     search = find_flash_kernel(device, dtype, block_size, shape)
     choice = cuda_auto_choice(search.kernel is not None, _triton_available(device, dtype))
     logger.info("attention backend auto on CUDA: %s (%s)", choice, search.summary)

@@ -86,12 +86,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return self.kernels.prefill_attention(
                 query.contiguous(), key_cache, value_cache, chunk.block_table, chunk.context_len, layer.scale
             )
-        if prefix == 0 or not plain or layer.latent_rank is not None:
-            if key_cache.dtype != key.dtype and layer.latent_rank is None:
-                # the chunk's K/V as the cache holds them, as every later read sees them: a prompt computed
-                # whole, in chunks, or after a prefix hit or a KV tier's restore attends over the same values
-                key = from_cache(to_cache(key, key_cache.dtype), query.dtype)
-                value = from_cache(to_cache(value, value_cache.dtype), query.dtype)
+        if prefix == 0 or not plain or layer.latent_rank is not None:  # K/V rounded as cached there too
             return super()._prefill(query, key, value, key_cache, value_cache, chunk, layer)
         # only the prefix comes from the cache: the chunk's own K/V are the step's
         _, block_size, num_kv_heads, head_dim = key_cache.shape

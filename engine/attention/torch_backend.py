@@ -11,7 +11,14 @@ from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.layer_attention import FEATURES, LATENT, SINKS, LayerAttention
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.step_metadata import StepMetadata
-from engine.attention.kv_cache import KV_CACHE_DTYPES, KVCacheSpec, from_cache, select_blocks, values_in_keys
+from engine.attention.kv_cache import (
+    KV_CACHE_DTYPES,
+    KVCacheSpec,
+    from_cache,
+    select_blocks,
+    to_cache,
+    values_in_keys,
+)
 
 
 class TorchAttentionBackend:
@@ -147,6 +154,11 @@ class TorchAttentionBackend:
         q = query.transpose(0, 1).unsqueeze(0)
         plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
         if chunk.context_len == chunk.query_len:
+            if key_cache.dtype != key.dtype and layer.latent_rank is None:
+                # the chunk's K/V as the cache holds them, as every later read sees them: a prompt computed
+                # whole, in chunks, or after a prefix hit or a KV tier's restore attends over the same values
+                key = from_cache(to_cache(key, key_cache.dtype), query.dtype)
+                value = from_cache(to_cache(value, value_cache.dtype), query.dtype)
             k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
             if plain:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)

@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
 from engine.attention.step_metadata import StepMetadata
-from engine.attention.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec, kv_scale, to_cache
 
 
 class TritonAttentionBackend:
@@ -30,29 +30,37 @@ class TritonAttentionBackend:
         self._kernels = kernels
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return (torch.float32, torch.float16, torch.bfloat16)  # the query is converted to the cache's dtype
+        # the query is converted to the cache's dtype; over fp8 the kernels widen K/V to the query's instead
+        return (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> StepMetadata:
         return step
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: StepMetadata) -> None:
+        if key_cache.dtype == torch.float8_e4m3fn:  # rounded as the other backends round (to_cache: torch's)
+            key, value = to_cache(key, key_cache.dtype), to_cache(value, value_cache.dtype)
         self._kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, metadata: StepMetadata, layer: LayerAttention):
-        # the kernels take one dtype: a query in another than the cache's (--kv-cache-dtype) is converted
+        fp8 = key_cache.dtype == torch.float8_e4m3fn
+        # the kernels take one dtype: a query in another than the cache's (--kv-cache-dtype) is converted,
+        # except over fp8, whose K/V the kernels widen to the query's dtype as they read them
+        stored = kv_scale(key_cache.dtype)  # K and V = stored x this: one factor on the scores, one on the output
         out = self._kernels.paged_attention(
-            query.to(key_cache.dtype),
+            query if fp8 else query.to(key_cache.dtype),
             key_cache,
             value_cache,
             metadata.query_start_loc,
             metadata.seq_lens,
             metadata.block_table,
-            layer.scale,
+            layer.scale * stored,
             metadata.max_query_len,
             window=layer.sliding_window,
             softcap=layer.softcap,
             sinks=layer.sinks,
         )
+        if stored != 1.0:
+            out = out * stored
         return out.to(query.dtype)
 
 

@@ -687,3 +687,23 @@ def test_flash_attn_2_is_passed_over_for_a_head_dim_it_would_pad(monkeypatch):
     install(monkeypatch, fa2=FakeFlashAttn2(), capability=AMPERE)
     search = find_flash_kernel(CUDA, torch.bfloat16, 256, AttentionShape(4, 2, 36))
     assert search.kernel is None and "head dim 36 is not a multiple of 8" in search.summary
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float8_e4m3fn, torch.float16])
+def test_auto_on_cuda_passes_flash_over_for_a_cache_it_cannot_read(monkeypatch, caplog, kv_cache_dtype):
+    """flash-attn reads K/V in the query's dtype only: with another --kv-cache-dtype, auto takes the triton
+    backend (fp8 included) or torch, never a flash backend that start-up would then refuse; a cache in the
+    model's dtype keeps flash."""
+    pytest.importorskip("triton")
+    install(monkeypatch, fa4=FakeFlashAttn4())
+    for same in (None, torch.bfloat16):
+        backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, kv_cache_dtype=same)
+        assert backend.name == "flash (flash-attn 4)"
+    with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
+        backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    assert backend.name == "torch"  # Triton taken out of the order by this file's fixture
+    monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: True)
+    backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    assert backend.name == "triton" and kv_cache_dtype in backend.kv_cache_dtypes(torch.bfloat16)
+    name = str(kv_cache_dtype).removeprefix("torch.")
+    assert f"attention backend auto on CUDA: torch (flash-attn does not read a {name} KV cache)" in caplog.text

@@ -88,12 +88,9 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
         resolve_kv_cache_dtype("float16", torch.float32, cpu)
     with pytest.raises(ValueError, match="the cpu-batch-invariant attention backend"):
         resolve_kv_cache_dtype("float16", torch.float32, invariant)
-    with pytest.raises(
-        ValueError,
-        match=r"--kv-cache-dtype fp8: the triton attention backend reads a KV cache of "
-        r"float32, float16, bfloat16",
-    ):
-        resolve_kv_cache_dtype("fp8", torch.bfloat16, TritonAttentionBackend.__new__(TritonAttentionBackend))
+    triton = TritonAttentionBackend.__new__(TritonAttentionBackend)
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, triton) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("float16", torch.float32, triton) == torch.float16
     flash = fake_flash_backend()
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, flash) == torch.bfloat16
     assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, flash) == torch.bfloat16

@@ -58,6 +58,25 @@ def test_decode_graphs_give_the_tokens_of_eager_steps(tmp_path, backend):
     assert tokens[False] == tokens[True]
 
 
+def test_an_fp8_cache_on_cuda_matches_the_torch_backend(tmp_path):
+    """--kv-cache-dtype fp8 under `auto` on CUDA (flash-attn passed over: it reads no fp8 cache): the triton
+    kernels widen e4m3 on the GPU (the conversion instruction from sm_89, integer arithmetic before), eagerly
+    and from decode graphs, and give the torch backend's greedy tokens over the same fp8 cache."""
+    pytest.importorskip("triton")
+    model_dir = make_tiny_model_dir(tmp_path, "llama")
+    prompts = [list(range(3, 3 + 7 * i)) for i in range(1, 6)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    settings = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_num_seqs=8)
+    reference = make_llm(model_dir, attention_backend="torch", enforce_eager=True, **settings)
+    expected = [r.outputs[0].token_ids for r in reference.generate(prompts, params, use_tqdm=False)]
+    for eager in (True, False):
+        llm = make_llm(model_dir, enforce_eager=eager, **settings)
+        assert llm.engine.runner.backend.name == "triton"
+        assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert llm.engine.scheduler.kv_cache_manager.usage == 0
+
+
 def test_decode_graphs_over_long_contexts_with_a_profiled_cache(tmp_path):
     """A graph's block table spans max_model_len (4096: several decode partitions) and a 1500-token prompt
     decodes through the graphs with the tokens of eager steps. The cache is sized by kv_cache_memory: a

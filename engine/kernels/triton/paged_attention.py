@@ -24,6 +24,7 @@ def paged_attention(
     window: Optional[int] = None,  # a sliding window: each query sees its last `window` keys
     softcap: Optional[float] = None,  # scores s -> softcap * tanh(s / softcap)
     sinks: Optional[torch.Tensor] = None,  # [H]: each head's logit in the softmax's denominator (no value)
+    widening: Optional[int] = None,  # over an fp8 cache: how its bytes widen (paged_kv.fp8_widening)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention of a flat batch of query chunks (K/V already written by `write_kv`).
 
@@ -48,6 +49,7 @@ def paged_attention(
             window=window,
             softcap=softcap,
             sinks=sinks,
+            widening=widening,
         )
     return paged_prefill(
         q,
@@ -62,4 +64,5 @@ def paged_attention(
         window=window,
         softcap=softcap,
         sinks=sinks,
+        widening=widening,
     )

@@ -22,10 +22,12 @@ import triton.language as tl
 
 from engine.kernels.triton.paged_kv import (
     LOG2_E,
-    TORCH_TO_TL,
     attend_tiles,
+    as_bytes,
     check_cache,
+    check_query,
     dot_precision,
+    fp8_widening,
     load_for_dot,
     needs_upcast,
     sink_normalizer,
@@ -86,6 +88,7 @@ def _decode_partition_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -139,6 +142,8 @@ def _decode_partition_kernel(
         DOT_PRECISION,
         False,
         SOFTCAP,
+        q_ptr.dtype.element_ty,
+        KV_FP8,
     )
 
     out_mask = row_mask[:, None] & lane_mask[None, :]
@@ -225,6 +230,7 @@ def paged_decode(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,  # [H]: each head's sink logit
+    widening: Optional[int] = None,  # over an fp8 cache: KV_FP8_CONVERT or KV_FP8_BITS (default: fp8_widening's)
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks (the last
     `window` of them with a sliding window; scores soft-capped by `softcap`; each head's `sinks` logit in the
@@ -256,8 +262,8 @@ def paged_decode(
         part_acc = part_max = part_sum = out  # unused
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
         q,
-        key_cache,
-        value_cache,
+        as_bytes(key_cache),
+        as_bytes(value_cache),
         block_table,
         seq_lens,
         out,
@@ -287,6 +293,7 @@ def paged_decode(
         WINDOW=window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        KV_FP8=fp8_widening(_decode_partition_kernel, key_cache, widening),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -319,8 +326,7 @@ def decode_partitions(max_context: int, partition_size: Optional[int] = None) ->
 
 
 def _check_decode_inputs(q, key_cache, block_table, seq_lens, num_heads, num_kv_heads, head_dim, q_dim) -> None:
-    if q.dtype != key_cache.dtype or q.dtype not in TORCH_TO_TL:
-        raise ValueError(f"query dtype {q.dtype} must match the cache's {key_cache.dtype}")
+    check_query(q, key_cache)
     if q_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"query [B, {num_heads}, {q_dim}] does not fit {num_kv_heads} KV heads of dim {head_dim}")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):

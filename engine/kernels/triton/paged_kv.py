@@ -19,6 +19,13 @@ import triton.language as tl
 LOG2_E = 1.4426950408889634
 """Scores are scaled by `scale * log2(e)` so the softmax runs on exp2."""
 
+KV_AS_STORED = 0
+"""How a cache's elements become the query's dtype (the kernels' KV_FP8): K/V stored in the query's dtype."""
+KV_FP8_CONVERT = 1
+"""e4m3 bytes widened by Triton's fp8e4nv conversion: the GPU's own instruction from sm_89 (Ada, Hopper) on."""
+KV_FP8_BITS = 2
+"""e4m3 bytes widened by integer arithmetic: GPUs before sm_89, where Triton compiles no fp8e4nv conversion."""
+
 
 @triton.jit
 def token_offsets(block_table_row, tokens, token_mask, block_size, stride_block, stride_slot):
@@ -41,8 +48,39 @@ def load_for_dot(ptrs, mask, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def e4m3_to_float32(bits):
+    """float8 e4m3 (fn: no infinities, NaN at 0x7F/0xFF) codes, uint8, to float32, exactly, in integer
+    arithmetic. A normal code's magnitude bits shifted to float32's exponent and mantissa fields, its exponent
+    rebiased from 7 to 127 (+120); exponent field 0 is mantissa x 2^-9; the sign bit put back as a bit (so
+    that 0x80 is -0.0)."""
+    code = bits.to(tl.int32)
+    magnitude = code & 0x7F
+    small = (magnitude.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    widened = tl.where(magnitude < 8, small, (magnitude + (120 << 3)) << 20)
+    widened = tl.where(magnitude == 0x7F, 0x7FC00000, widened)
+    return (widened | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_kv_for_dot(ptrs, mask, COMPUTE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
+    """A K or V tile in the products' dtype: as `load_for_dot` when the cache holds the query's dtype;
+    e4m3 bytes (KV_FP8) widened to the query's dtype COMPUTE, which holds every e4m3 value exactly."""
+    if KV_FP8 == 0:
+        tile = load_for_dot(ptrs, mask, UPCAST)
+    else:
+        bits = tl.load(ptrs, mask=mask, other=0)
+        if KV_FP8 == 1:
+            tile = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            tile = e4m3_to_float32(bits)
+        if not UPCAST:
+            tile = tile.to(COMPUTE)
+    return tile
+
+
+@triton.jit
 def probs_for_dot(p, V_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """The float32 probabilities rounded to V's dtype for the P @ V product (what flash attention does)."""
+    """The float32 probabilities rounded to the query's dtype for the P @ V product (what flash attention does)."""
     p = p.to(V_DTYPE)
     if UPCAST:
         p = p.to(tl.float32)
@@ -79,12 +117,14 @@ def attend_tiles(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of query rows `q` [BLOCK_M, HEAD_DIM_PAD] over keys n_start .. n_end - 1 of one
     request and KV head, tile by tile; when CAUSAL, row r sees keys up to `query_pos[r]` only, and with
     a WINDOW (causal only) keys after `query_pos[r] - window` only. SOFTCAP: each score s (q . k) becomes
     softcap * tanh(s * scale / softcap), given as `cap_in` = scale / softcap and `cap_out` = softcap * log2(e)
-    (`softcap_factors`).
+    (`softcap_factors`). K/V tiles come in the query's dtype COMPUTE (KV_FP8: how, see KV_AS_STORED).
 
     Returns (acc [BLOCK_M, HEAD_DIM_PAD], l [BLOCK_M], m [BLOCK_M]): the unnormalised output, the
     softmax denominator and the running max (log2 units), for the caller to divide or to combine.
@@ -99,7 +139,7 @@ def attend_tiles(
         token_mask = tokens < n_end
         kv_mask = token_mask[:, None] & lane_mask[None, :]
         k_offs = token_offsets(table, tokens, token_mask, block_size, stride_kc_block, stride_kc_slot)
-        k = load_for_dot(k_head + k_offs[:, None] + lanes[None, :] * stride_kc_dim, kv_mask, UPCAST)
+        k = load_kv_for_dot(k_head + k_offs[:, None] + lanes[None, :] * stride_kc_dim, kv_mask, COMPUTE, UPCAST, KV_FP8)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): exp's overflow to inf gives 1
             s = (1.0 - 2.0 / (tl.exp(2.0 * cap_in * s) + 1.0)) * cap_out
@@ -119,8 +159,8 @@ def attend_tiles(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_offs = token_offsets(table, tokens, token_mask, block_size, stride_vc_block, stride_vc_slot)
-        v = load_for_dot(v_head + v_offs[:, None] + lanes[None, :] * stride_vc_dim, kv_mask, UPCAST)
-        p = probs_for_dot(p, v_head.dtype.element_ty, UPCAST)
+        v = load_kv_for_dot(v_head + v_offs[:, None] + lanes[None, :] * stride_vc_dim, kv_mask, COMPUTE, UPCAST, KV_FP8)
+        p = probs_for_dot(p, COMPUTE, UPCAST)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -170,6 +210,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 SUPPORTED_DTYPES = frozenset(TORCH_TO_TL)
+"""Query dtypes, and cache dtypes besides float8 e4m3 (which the kernels read as its bytes)."""
+FP8 = torch.float8_e4m3fn
 
 
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -179,9 +221,40 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int
             f"K/V caches must share one [num_blocks, block_size, num_kv_heads, head_dim] shape, "
             f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES:
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES | {FP8}:
         raise ValueError(
-            f"K/V caches must share a float32/float16/bfloat16 dtype, got {key_cache.dtype} and {value_cache.dtype}"
+            "K/V caches must share a float32/float16/bfloat16/float8_e4m3fn dtype, "
+            f"got {key_cache.dtype} and {value_cache.dtype}"
         )
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_query(q: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """A query the kernels read over this cache: in the cache's dtype, or any of theirs over an fp8 cache."""
+    if q.dtype not in SUPPORTED_DTYPES or (key_cache.dtype != FP8 and q.dtype != key_cache.dtype):
+        raise ValueError(
+            f"query dtype {q.dtype} must match the cache's {key_cache.dtype} "
+            "(over a float8_e4m3fn cache: float32, float16 or bfloat16)"
+        )
+
+
+def fp8_widening(kernel, cache: torch.Tensor, widening: int | None = None) -> int:
+    """KV_FP8 for `cache`: KV_AS_STORED unless it is fp8; then `widening` when given (tests take both ways),
+    else the conversion where Triton compiles it (the interpreter emulates it), integer arithmetic elsewhere."""
+    if cache.dtype != FP8:
+        return KV_AS_STORED
+    if widening is not None:
+        if widening not in (KV_FP8_CONVERT, KV_FP8_BITS):
+            raise ValueError(f"fp8 widening must be KV_FP8_CONVERT or KV_FP8_BITS, got {widening}")
+        return widening
+    if is_interpreted(kernel):
+        return KV_FP8_CONVERT
+    if cache.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(cache.device) >= (8, 9):
+        return KV_FP8_CONVERT
+    return KV_FP8_BITS
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as the uint8 tensor the kernels address (Triton's fp8 pointers need sm_89); others as is."""
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache

@@ -28,8 +28,11 @@ import triton.language as tl
 from engine.kernels.triton.paged_kv import (
     LOG2_E,
     attend_tiles,
+    as_bytes,
     check_cache,
+    check_query,
     dot_precision,
+    fp8_widening,
     load_for_dot,
     needs_upcast,
     sink_normalizer,
@@ -79,6 +82,7 @@ def _prefill_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -139,6 +143,8 @@ def _prefill_kernel(
         DOT_PRECISION,
         WINDOW,
         SOFTCAP,
+        q_ptr.dtype.element_ty,
+        KV_FP8,
     )
 
     if WINDOW:  # a padding row (past the chunk) may see no key in its window: 0 / 0 where it is never stored
@@ -177,6 +183,7 @@ def paged_prefill(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,  # [H]: each head's sink logit
+    widening: Optional[int] = None,  # over an fp8 cache: KV_FP8_CONVERT or KV_FP8_BITS (default: fp8_widening's)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each request's query chunk over its cached context (prefix + chunk); with a
     sliding `window` each query sees its last `window` keys; scores soft-capped by `softcap`; each head's
@@ -189,7 +196,8 @@ def paged_prefill(
     _, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     num_tokens, num_heads, q_dim = q.shape
     batch = seq_lens.shape[0]
-    if q.dtype != key_cache.dtype or q_dim != head_dim or num_heads % num_kv_heads:
+    check_query(q, key_cache)
+    if q_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(
             f"query [T, {num_heads}, {q_dim}] {q.dtype} does not fit the cache's {num_kv_heads} "
             f"KV heads of dim {head_dim} ({key_cache.dtype})"
@@ -215,8 +223,8 @@ def paged_prefill(
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
         q,
-        key_cache,
-        value_cache,
+        as_bytes(key_cache),
+        as_bytes(value_cache),
         block_table,
         cu_seqlens_q,
         seq_lens,
@@ -242,5 +250,6 @@ def paged_prefill(
         WINDOW=window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        KV_FP8=fp8_widening(_prefill_kernel, key_cache, widening),
     )
     return out

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.paged_kv import check_cache
+from engine.kernels.triton.paged_kv import FP8, as_bytes, check_cache
 
 
 @triton.jit
@@ -71,20 +71,23 @@ def write_kv(
 
     Token j goes to slot `slot_mapping[j]`; no other slot is touched. A negative slot is
     skipped (a padding token). Strided inputs (views of a fused QKV projection) are read in place;
-    K/V are stored in the caches' dtype.
+    K/V are stored in the caches' dtype. Into an fp8 cache they come already converted (their scale is the
+    caller's), and their bytes are copied.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_cache(key_cache, value_cache)
     num_tokens = slot_mapping.shape[0]
     for name, t in (("key", key), ("value", value)):
         if t.shape != (num_tokens, num_kv_heads, head_dim):
             raise ValueError(f"{name} must be [{num_tokens}, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
+        if (t.dtype == FP8) != (key_cache.dtype == FP8):
+            raise ValueError(f"{name} is {t.dtype} for a {key_cache.dtype} cache: fp8 K/V go to an fp8 cache only")
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
+        as_bytes(key),
+        as_bytes(value),
+        as_bytes(key_cache),
+        as_bytes(value_cache),
         slot_mapping,
         block_size,
         *key.stride(),

@@ -82,6 +82,40 @@ def test_a_bf16_cache_under_an_fp32_model_matches_the_torch_backend(tiny_llama_d
         )
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype):
+    """--kv-cache-dtype fp8: the triton backend writes the bytes the torch backend writes (torch's rounding)
+    and its kernels widen them to the query's dtype, exactly, as they read them; chunked prefill, a prefix
+    hit and decodes, eagerly and replayed from decode graphs, give the torch backend's greedy tokens over
+    the same fp8 cache (float32: logprobs within float32 sums apart; bfloat16: the same tokens, logprobs
+    within what bf16 activations rounded apart in each of the model's ops move them, ~2% here)."""
+    from engine.runner.cuda_graphs import EagerReplay
+
+    prompts = [list(range(3, 40)), list(range(3, 30)) + [7, 8], [5, 9, 11]]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    settings = dict(dtype=dtype, kv_cache_dtype="fp8", max_num_batched_tokens=16, max_num_seqs=4)
+    reference = make_llm(tiny_llama_dir, attention_backend="torch", **settings).generate(
+        requests, params, use_tqdm=False
+    )
+    tolerance = 1e-4 if dtype == "float32" else 1e-1
+    for graphs in (False, True):
+        llm = make_llm(tiny_llama_dir, attention_backend="triton", **settings)
+        assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
+        if graphs:
+            llm.engine.runner.capture_decode_graphs((1, 2, 4), EagerReplay)
+        got = llm.generate(requests, params, use_tqdm=False)
+        assert llm.engine.stats().prefix_cache_hits > 0
+        for expected, result in zip(reference, got):
+            assert result.outputs[0].token_ids == expected.outputs[0].token_ids
+            assert [lp.logprob for lp in result.outputs[0].logprobs] == pytest.approx(
+                [lp.logprob for lp in expected.outputs[0].logprobs], abs=tolerance
+            )
+        if graphs:
+            assert llm.engine.runner.graphs._graphs[4].replays > 0
+        assert_idle(llm)
+
+
 def test_draft_rows_through_the_triton_kernels_and_the_decode_graphs(tiny_llama_dir):
     """Speculative decoding's verification rows (a request's k + 1 decodes over one block table row) through
     the Triton kernels, eagerly and replayed from decode graphs: the torch backend's greedy tokens without

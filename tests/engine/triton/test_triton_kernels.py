@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from engine.attention.kv_cache import as_stored  # noqa: E402
 from engine.kernels.triton import paged_attention, paged_decode, paged_prefill, write_kv  # noqa: E402
+from engine.kernels.triton.paged_kv import KV_FP8_BITS, KV_FP8_CONVERT, load_kv_for_dot  # noqa: E402
 from tests.engine.test_attention import (  # noqa: E402
     NUM_KV_HEADS,
     Step,
@@ -29,6 +39,8 @@ from tests.engine.test_attention import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # atol and rtol
 
 
@@ -49,9 +61,17 @@ class Batch:
 
 
 def to_batch(
-    step: Step, key_cache, value_cache, dtype: torch.dtype, extra_blocks: int = 2, strided_query: bool = False
+    step: Step,
+    key_cache,
+    value_cache,
+    dtype: torch.dtype,
+    extra_blocks: int = 2,
+    strided_query: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> Batch:
-    """The step's tensors for the kernels; `strided_query` reads Q out of a wider fused projection."""
+    """The step's tensors for the kernels; `strided_query` reads Q out of a wider fused projection; the new
+    K/V and the caches in `cache_dtype` (by default the query's)."""
+    cache_dtype = cache_dtype or dtype
     seqs = step.seqs
     cu = [0]
     for seq in seqs:
@@ -66,10 +86,10 @@ def to_batch(
         query = fused.to(DEVICE)[:, :num_heads]
     return Batch(
         query=query.to(DEVICE),
-        key=step.key.to(dtype).to(DEVICE),
-        value=step.value.to(dtype).to(DEVICE),
-        key_cache=key_cache.to(dtype).to(DEVICE),
-        value_cache=value_cache.to(dtype).to(DEVICE),
+        key=step.key.to(cache_dtype).to(DEVICE),
+        value=step.value.to(cache_dtype).to(DEVICE),
+        key_cache=key_cache.to(cache_dtype).to(DEVICE),
+        value_cache=value_cache.to(cache_dtype).to(DEVICE),
         slot_mapping=step.metadata.slot_mapping.to(DEVICE),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor([s.context_len for s in seqs], dtype=torch.int32, device=DEVICE),
@@ -81,16 +101,18 @@ def to_batch(
 def write_and_check(step: Step, batch: Batch) -> None:
     """After `write_kv` the cache holds exactly each request's context (in the cache's dtype)."""
     write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.slot_mapping)
-    key_cache, value_cache = batch.key_cache.cpu(), batch.value_cache.cpu()
+    key_cache, value_cache = as_stored(batch.key_cache.cpu()), as_stored(batch.value_cache.cpu())
     for seq in step.seqs:
-        assert torch.equal(gather(key_cache, seq.blocks, seq.context_len), seq.keys.to(key_cache.dtype))
-        assert torch.equal(gather(value_cache, seq.blocks, seq.context_len), seq.values.to(value_cache.dtype))
+        keys, values = (as_stored(x.to(batch.key_cache.dtype)) for x in (seq.keys, seq.values))
+        assert torch.equal(gather(key_cache, seq.blocks, seq.context_len), keys)
+        assert torch.equal(gather(value_cache, seq.blocks, seq.context_len), values)
 
 
 def check_output(step: Step, batch: Batch, out: torch.Tensor, scale: float) -> None:
+    """Against float64 attention over the caches as the kernels hold them (an fp8 cache widened exactly)."""
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     tol = TOLERANCE[out.dtype]
-    key_cache, value_cache = batch.key_cache.cpu(), batch.value_cache.cpu()
+    key_cache, value_cache = batch.key_cache.cpu().double(), batch.value_cache.cpu().double()
     row = 0
     for i, seq in enumerate(step.seqs):
         seq = dataclasses.replace(seq, queries=seq.queries.to(out.dtype))
@@ -117,9 +139,12 @@ def make_step(shapes, block_size: int, group: int, head_dim: int, seed: int, sha
     return step, key_cache, value_cache
 
 
-def run_attention(step, key_cache, value_cache, head_dim: int, dtype=torch.float32, kernel=None, **kwargs):
+def run_attention(
+    step, key_cache, value_cache, head_dim: int, dtype=torch.float32, kernel=None, cache_dtype=None, **kwargs
+):
     """write_kv, then `kernel` (paged_attention by default) over the whole batch, against the reference."""
-    batch = to_batch(step, key_cache, value_cache, dtype, strided_query=kwargs.pop("strided_query", False))
+    strided = kwargs.pop("strided_query", False)
+    batch = to_batch(step, key_cache, value_cache, dtype, strided_query=strided, cache_dtype=cache_dtype)
     write_and_check(step, batch)
     scale = head_dim**-0.5
     if kernel is paged_decode:
@@ -148,6 +173,7 @@ def run_attention(step, key_cache, value_cache, head_dim: int, dtype=torch.float
             batch.block_table,
             scale,
             batch.max_query_len,
+            **kwargs,
         )
     check_output(step, batch, out, scale)
 
@@ -179,6 +205,89 @@ def test_write_kv_matches_index_copy(block_size, slot_dtype, dtype):
     write_kv(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(slot_dtype).to(DEVICE))
     assert torch.equal(key_cache.cpu(), expected_k)
     assert torch.equal(value_cache.cpu(), expected_v)
+
+
+def test_write_kv_copies_fp8_bytes():
+    """Into an fp8 cache the kernel copies the bytes of K/V converted by the caller (torch's rounding, the
+    other backends'); K/V in another dtype than the cache's fp8 are refused."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (5, 4, 2, 48)
+    key_cache = (torch.randn(shape, generator=gen) * 8).to(FP8).to(DEVICE)
+    value_cache = (torch.randn(shape, generator=gen) * 8).to(FP8).to(DEVICE)
+    key, value = (torch.randn(6, 2, 48, generator=gen) * 100 for _ in range(2))
+    slots = torch.tensor([0, 7, 19, -1, 4, 12])
+    expected_k, expected_v = as_stored(key_cache.cpu()).clone(), as_stored(value_cache.cpu()).clone()
+    keep = slots >= 0
+    expected_k.view(-1, 2, 48).index_copy_(0, slots[keep], as_stored(key.to(FP8))[keep])
+    expected_v.view(-1, 2, 48).index_copy_(0, slots[keep], as_stored(value.to(FP8))[keep])
+    write_kv(key.to(FP8).to(DEVICE), value.to(FP8).to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
+    assert torch.equal(as_stored(key_cache.cpu()), expected_k)
+    assert torch.equal(as_stored(value_cache.cpu()), expected_v)
+    with pytest.raises(ValueError, match="fp8 K/V go to an fp8 cache only"):
+        write_kv(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
+
+
+# --- fp8 caches -------------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+WIDENINGS = {"convert": KV_FP8_CONVERT, "bits": KV_FP8_BITS}
+
+
+def _widen(codes_ptr, out_ptr, COMPUTE: tl.constexpr, KV_FP8: tl.constexpr):
+    lanes = tl.arange(0, 256)
+    tile = load_kv_for_dot(codes_ptr + lanes, lanes < 256, COMPUTE, False, KV_FP8)
+    tl.store(out_ptr + lanes, tile)
+
+
+@pytest.mark.parametrize("widening", WIDENINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_fp8_code_widens_exactly(dtype, widening):
+    """All 256 e4m3 codes through the kernels' K/V load, both ways, into each query dtype: torch's value,
+    bit for bit (e4m3 values are all bf16 and fp16 values). NaN (0x7F, 0xFF) stays NaN where the GPU
+    converts and in integer arithmetic; the interpreter's emulated conversion reads them as +-480."""
+    if dtype == torch.bfloat16 and INTERPRETED:
+        pytest.skip("the interpreter computes no bfloat16: the kernels widen to float32 there (UPCAST)")
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256, dtype=dtype, device=DEVICE)
+    triton.jit(_widen)[(1,)](codes.to(DEVICE), out, COMPUTE=TL_DTYPES[dtype], KV_FP8=WIDENINGS[widening])
+    expected = codes.view(FP8).to(dtype)
+    nan = torch.isnan(expected)
+    assert int(nan.sum()) == 2
+    got = out.cpu()
+    if widening == "convert" and INTERPRETED:
+        assert got[nan].abs().tolist() == [480.0, 480.0]
+    else:
+        assert torch.isnan(got[nan]).all()
+    assert torch.equal(
+        got[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32),
+        expected[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
+
+
+@pytest.mark.parametrize("widening", WIDENINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_cache_mixed_step(dtype, widening):
+    """Decodes and prefill chunks over cached prefixes, K/V in e4m3 and the query in the model's dtype."""
+    rng = random.Random(21)
+    step, key_cache, value_cache = make_step(random_shapes(rng, 4), 4, 3, 64, seed=21)
+    run_attention(step, key_cache, value_cache, 64, dtype=dtype, cache_dtype=FP8, widening=WIDENINGS[widening])
+
+
+@pytest.mark.parametrize("widening", WIDENINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_split_kv_decode(dtype, widening):
+    step, key_cache, value_cache = make_step([(61, 1, True), (16, 1, True), (3, 1, True)], 16, 3, 80, seed=22)
+    run_attention(
+        step,
+        key_cache,
+        value_cache,
+        80,
+        dtype=dtype,
+        kernel=paged_decode,
+        cache_dtype=FP8,
+        partition_size=16,
+        widening=WIDENINGS[widening],
+    )
 
 
 # --- decode -----------------------------------------------------------------------------------------------
@@ -344,3 +453,32 @@ def test_rejects_mismatched_inputs():
         paged_prefill(q, key_cache, key_cache, torch.arange(3, dtype=torch.int32), lens, table, 1.0, 2)
     with pytest.raises(ValueError, match="powers of two"):
         paged_prefill(q, key_cache, key_cache, torch.arange(4, dtype=torch.int32), lens, table, 1.0, 2, block_m=24)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_the_attention_kernels_compile_for_the_gpus_without_one(tmp_path, arch):
+    """The interpreter runs Python, not the compiler: the attention kernels as the wrappers launch them (caches
+    in the query's dtype and fp8 ones, window/soft-cap/sinks variants, the split-KV reduction, the K/V writes)
+    compiled for sm_90 (H100/H200: fp8 widened by the conversion instruction) and sm_80 (A100: by integer
+    arithmetic; Triton compiles no fp8e4nv conversion there) in a process without TRITON_INTERPRET, down to a
+    cubin by Triton's own ptxas."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled now, not found in a cache
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.engine.triton.ahead_of_time", str(arch), "attention"],
+        cwd=Path(__file__).resolve().parents[3],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    compiled = {line["name"]: line for line in map(json.loads, result.stdout.splitlines())}
+    widening = KV_FP8_CONVERT if arch >= 89 else KV_FP8_BITS
+    assert (
+        f"decode q bf16 cache u8 kv_fp8 {widening}" in compiled
+        and f"prefill q fp16 cache u8 kv_fp8 {widening}" in compiled
+    )
+    assert len(compiled) == 9
+    shared_per_block = (227 if arch == 90 else 163) * 1024
+    assert all(c["cubin_bytes"] > 0 and c["shared_bytes"] <= shared_per_block for c in compiled.values()), compiled
