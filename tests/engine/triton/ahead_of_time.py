@@ -5,8 +5,8 @@ lacks) fails here.
 
 Run in a process where Triton was imported without TRITON_INTERPRET (the interpreter replaces `triton.jit`):
 
-    python -m tests.engine.triton.ahead_of_time [ARCH] [lora|attention]   # one JSON line per configuration
-                                                                          # ARCH 90: Hopper (H100/H200), 80: A100
+    python -m tests.engine.triton.ahead_of_time [ARCH] [lora|attention|moe]   # one JSON line per configuration
+                                                                              # ARCH 90: Hopper, 80: A100
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from engine.kernels.triton import lora_sgmv
+from engine.kernels.triton.fused_moe import _grouped_product_kernel
 from engine.kernels.triton.paged_decode import _decode_partition_kernel, _decode_reduce_kernel, decode_partitions
 from engine.kernels.triton.paged_kv import KV_AS_STORED, KV_FP8_BITS, KV_FP8_CONVERT
 from engine.kernels.triton.paged_prefill import _prefill_kernel, prefill_tiles
@@ -125,7 +126,33 @@ def attention_configurations(arch: int) -> list[tuple[str, Any, dict[str, str], 
     return found
 
 
-FAMILIES = {"lora": lambda arch: configurations(), "attention": attention_configurations}
+def moe_configurations(arch: int) -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The mixture-of-experts grouped product as `fused_moe` launches it (tiles of 16 rows, 64 x 64 weight tiles
+    at an expert's 2,880-wide products): the first product (bias, no routing weights) and the second (both), in
+    bfloat16 and float32."""
+    found = []
+    for dtype, short in DTYPES.items():
+        pointers = {
+            "a_ptr": f"*{short}",
+            "b_ptr": f"*{short}",
+            "c_ptr": f"*{short}",
+            "weights_ptr": "*fp32",
+            "bias_ptr": f"*{short}",
+            "sorted_pairs_ptr": "*i32",
+            "tile_expert_ptr": "*i32",
+            "num_padded_ptr": "*i32",
+        }
+        precision = "ieee" if dtype == "float32" else "tf32"
+        for product, scale_rows in (("gate_up", False), ("down", True)):
+            found.append((
+                f"moe {product} {dtype}", _grouped_product_kernel, pointers,
+                {"SCALE_ROWS": scale_rows, "BIAS": True, "UPCAST": False, "DOT_PRECISION": precision,
+                 "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64},
+            ))  # fmt: skip
+    return found
+
+
+FAMILIES = {"lora": lambda arch: configurations(), "attention": attention_configurations, "moe": moe_configurations}
 
 
 def main(arch: int, family: str = "lora") -> None:
