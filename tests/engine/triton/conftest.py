@@ -9,8 +9,11 @@ this folder: the rest of the suite runs with the environment it had.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +60,33 @@ def triton_interpreter(monkeypatch):
         if NOT_INTERPRETED:
             pytest.fail(f"{NOT_INTERPRETED}: run these tests in a fresh process or import triton after this conftest")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+SHARED_MEMORY_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}
+"""The most shared memory one block may take (opt-in), by CUDA architecture: Hopper, A100."""
+
+
+@pytest.fixture
+def compile_ahead_of_time(tmp_path):
+    """`compile(arch, family)`: `python -m tests.engine.triton.ahead_of_time ARCH FAMILY` in a process without
+    TRITON_INTERPRET and with an empty Triton cache (compiled now, not found); the configurations it compiled,
+    each checked to have made a cubin within the architecture's shared memory."""
+
+    def compile(arch: int, family: str) -> dict[str, dict]:
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(tmp_path)
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.engine.triton.ahead_of_time", str(arch), family],
+            cwd=Path(__file__).resolve().parents[3],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        compiled = {line["name"]: line for line in map(json.loads, result.stdout.splitlines())}
+        limit = SHARED_MEMORY_PER_BLOCK[arch]
+        assert all(c["cubin_bytes"] > 0 and c["shared_bytes"] <= limit for c in compiled.values()), compiled
+        return compiled
+
+    return compile
