@@ -43,6 +43,14 @@ ROWS: dict[str, dict[str, Any]] = {
     "fp32-chunked": {"dtype": "float32", "max_num_batched_tokens": 64, "max_num_seqs": 32},
     # the same with an fp8 (e4m3) cache under a bf16 model: every chunk's attention reads stored e4m3 K/V
     "kv-fp8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "max_num_batched_tokens": 64, "max_num_seqs": 32},
+    # e5m2 (2 mantissa bits): the torch backend, whose widened gathers read it (the cpu kernels read e4m3 only)
+    "kv-fp8-e5m2": {
+        "dtype": "bfloat16",
+        "kv_cache_dtype": "fp8_e5m2",
+        "attention_backend": "torch",
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 32,
+    },
     "bf16-chunked": {"dtype": "bfloat16", "max_num_batched_tokens": 64, "max_num_seqs": 32},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
     "int4": {"dtype": "bfloat16", "quantization": "int4"},  # group 32, the default
@@ -58,7 +66,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "q4_1-native-int8": {"dtype": "float32", "quantization": "gguf", "max_num_batched_tokens": 4, "max_num_seqs": 4},
 }
 DEFAULT_ROWS = (
-    "fp32,bf16,fp32-chunked,kv-bf16,bf16-chunked,kv-fp8,int8,int4,int4-g64,int4-g128,int8-head,int4-head,"
+    "fp32,bf16,fp32-chunked,kv-bf16,bf16-chunked,kv-fp8,kv-fp8-e5m2,int8,int4,int4-g64,int4-g128,int8-head,int4-head,"
     "q8_0,q8_0-native,q4_1-native,q4_1-native-bf16,q4_1-native-int8"
 )
 

@@ -57,10 +57,11 @@ class EngineCacheConfig(CacheConfig):
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="fraction of GPU memory for weights + activations + KV"
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto",
-        description="dtype the KV cache stores: auto = the model's; fp8 = float8 e4m3 with a per-layer "
-        "scale (cpu and torch attention backends); engine/attention/kv_cache.py",
+        description="dtype the KV cache stores: auto = the model's; fp8 = fp8_e4m3 = float8 e4m3 (cpu, torch "
+        "and triton attention backends), fp8_e5m2 = float8 e5m2 (torch and triton), with a per-layer scale; "
+        "engine/attention/kv_cache.py",
     )
 
     kv_cache_dir: Optional[str] = Field(

@@ -3,9 +3,9 @@ latent attention, one tensor of latent entries per layer whose values are their 
 
 The cache may store a narrower dtype than the model computes in (`--kv-cache-dtype`): bfloat16 for
 an fp32 model halves the cache's bytes (twice the tokens in the same budget) and what decode
-attention reads; fp8 (e4m3) quarters them (halves a bf16 model's). The attention backends convert on
-write (the new K/V to the cache's dtype, divided by `kv_scale` for fp8) and on read (back to the
-query's dtype).
+attention reads; fp8 quarters them (halves a bf16 model's): e4m3 (`fp8`, `fp8_e4m3`: 3 mantissa bits, +-448)
+or e5m2 (`fp8_e5m2`: 2 mantissa bits, +-57344), as vLLM names them. The attention backends convert on write
+(the new K/V to the cache's dtype, divided by `kv_scale` for fp8) and on read (back to the query's dtype).
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ KV_CACHE_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_KV_SCALE = 1.0
 """K/V = stored value x scale. Without scales calibrated for the checkpoint every layer uses 1.0 (vLLM's
 default too): e4m3 spans +-448, well beyond the K/V activations of Llama-family models."""
@@ -45,7 +48,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: ReadsKV
     dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
     accepted = backend.kv_cache_dtypes(model_dtype)
     if dtype not in accepted:
-        names = ", ".join(kv_cache_dtype_name(d) for d in accepted)
+        names = ", ".join(dict.fromkeys(kv_cache_dtype_name(d) for d in accepted))
         raise SettingsConflictError(
             f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
             f"{names} for a {kv_cache_dtype_name(model_dtype)} model; use one of those (auto: the model's "
@@ -55,27 +58,32 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: ReadsKV
 
 
 def kv_cache_dtype_name(dtype: torch.dtype) -> str:
-    """A dtype as `--kv-cache-dtype` names it: "fp8" for float8_e4m3fn."""
+    """A dtype as `--kv-cache-dtype` names it: "fp8" for float8_e4m3fn, "fp8_e5m2" for float8_e5m2."""
     return next((flag for flag, each in KV_CACHE_DTYPES.items() if each == dtype), str(dtype).removeprefix("torch."))
 
 
 def kv_scale(dtype: torch.dtype) -> float:
     """What a stored K/V element is multiplied by when read (1 unless the cache is fp8)."""
-    return FP8_KV_SCALE if dtype == torch.float8_e4m3fn else 1.0
+    return FP8_KV_SCALE if is_fp8(dtype) else 1.0
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of `dtype` holds one-byte floats (e4m3 or e5m2)."""
+    return dtype in FP8_DTYPES
 
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """New K or V in the cache's dtype (scaled into fp8's range when the cache is fp8)."""
     if x.dtype == cache_dtype:
         return x
-    if cache_dtype == torch.float8_e4m3fn:
+    if is_fp8(cache_dtype):
         return (x.float() / kv_scale(cache_dtype)).to(cache_dtype)
     return x.to(cache_dtype)
 
 
 def as_stored(x: torch.Tensor) -> torch.Tensor:
     """`x` viewed as its bytes when it is fp8 (index_copy_ / index_select have no float8 kernels), else `x`."""
-    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+    return x.view(torch.uint8) if is_fp8(x.dtype) else x
 
 
 def select_blocks(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -92,7 +100,7 @@ def from_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cached K or V (any shape) in the compute dtype `dtype`."""
     if x.dtype == dtype:
         return x
-    if x.dtype == torch.float8_e4m3fn:
+    if is_fp8(x.dtype):
         return (x.to(torch.float32) * kv_scale(x.dtype)).to(dtype)
     return x.to(dtype)
 

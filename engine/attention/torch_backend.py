@@ -34,7 +34,7 @@ class TorchAttentionBackend:
     attention_features: tuple[str, ...] = (*FEATURES, SINKS, LATENT)
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return tuple(KV_CACHE_DTYPES.values())  # converted on read (from_cache), fp8 with its scale
+        return tuple(dict.fromkeys(KV_CACHE_DTYPES.values()))  # converted on read (from_cache), fp8 with its scale
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
         """Decode tables and lengths (views of the step's), one PrefillChunk per other request, and the

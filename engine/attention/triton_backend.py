@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
 from engine.attention.step_metadata import StepMetadata
-from engine.attention.kv_cache import KVCacheSpec, kv_scale, to_cache
+from engine.attention.kv_cache import FP8_DTYPES, KVCacheSpec, is_fp8, kv_scale, to_cache
 
 
 class TritonAttentionBackend:
@@ -31,18 +31,18 @@ class TritonAttentionBackend:
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         # the query is converted to the cache's dtype; over fp8 the kernels widen K/V to the query's instead
-        return (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+        return (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> StepMetadata:
         return step
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: StepMetadata) -> None:
-        if key_cache.dtype == torch.float8_e4m3fn:  # rounded as the other backends round (to_cache: torch's)
+        if is_fp8(key_cache.dtype):  # rounded as the other backends round (to_cache: torch's)
             key, value = to_cache(key, key_cache.dtype), to_cache(value, value_cache.dtype)
         self._kernels.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def attend(self, query, key, value, key_cache, value_cache, metadata: StepMetadata, layer: LayerAttention):
-        fp8 = key_cache.dtype == torch.float8_e4m3fn
+        fp8 = is_fp8(key_cache.dtype)
         # the kernels take one dtype: a query in another than the cache's (--kv-cache-dtype) is converted,
         # except over fp8, whose K/V the kernels widen to the query's dtype as they read them
         stored = kv_scale(key_cache.dtype)  # K and V = stored x this: one factor on the scores, one on the output

@@ -366,8 +366,8 @@ OPTIONS: tuple[Option, ...] = (
         (*CACHE, "kv_cache_dtype"),
         "str",
         "dtype the KV cache stores: auto = the model's "
-        "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 (e4m3) halves a bf16 model's "
-        "(cpu and torch backends)",
+        "dtype; bfloat16 halves an fp32 model's KV memory and attention reads; fp8 = fp8_e4m3 halves a bf16 "
+        "model's (cpu, torch and triton backends); fp8_e5m2 too, with 2 mantissa bits (torch and triton)",
     ),
     Option("--seed", (*MODEL, "seed"), "int", "random seed of the engine", "N"),
     Option(

@@ -80,6 +80,14 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
         resolve_kv_cache_dtype("int4", torch.float32, torch_backend)
     assert resolve_kv_cache_dtype("fp8", torch.float32, torch_backend) == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cpu) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cpu) == torch.float8_e4m3fn  # vLLM's other name
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, torch_backend) == torch.float8_e5m2
+    with pytest.raises(
+        ValueError,
+        match=r"--kv-cache-dtype fp8_e5m2: the cpu attention backend reads a KV cache of "
+        r"float32, bfloat16, fp8 for a bfloat16 model; .*--attention-backend torch",
+    ):
+        resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, cpu)
     with pytest.raises(
         ValueError,
         match=r"--kv-cache-dtype float16: the cpu attention backend reads a KV cache of "
@@ -90,6 +98,7 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
         resolve_kv_cache_dtype("float16", torch.float32, invariant)
     triton = TritonAttentionBackend.__new__(TritonAttentionBackend)
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, triton) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.float16, triton) == torch.float8_e5m2
     assert resolve_kv_cache_dtype("float16", torch.float32, triton) == torch.float16
     flash = fake_flash_backend()
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, flash) == torch.bfloat16
@@ -163,15 +172,20 @@ def test_an_fp8_cache_holds_twice_a_bf16_models_tokens_and_stays_close(
             assert difference.mean() < 0.05 and difference.max() < 0.3
 
 
-def test_fp8_cache_round_trip_and_decode_in_the_torch_backend():
-    """The torch backend's fp8 path (the CUDA one) runs on CPU tensors too: writes scale into e4m3, reads
-    back to the query's dtype; a decode over an fp8 cache stays within e4m3's rounding of the fp32 one."""
+@pytest.mark.parametrize(
+    "fp8, mantissa_bits, smallest", [(torch.float8_e4m3fn, 3, 2**-9), (torch.float8_e5m2, 2, 2**-16)]
+)
+def test_fp8_cache_round_trip_and_decode_in_the_torch_backend(fp8, mantissa_bits, smallest):
+    """The torch backend's fp8 path (the CUDA one) runs on CPU tensors too: writes scale into e4m3 or e5m2,
+    reads back to the query's dtype; a decode over an fp8 cache stays within the format's rounding of the fp32
+    one."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 2, 16, generator=generator)
-    back = from_cache(to_cache(x, torch.float8_e4m3fn), torch.float32)
-    assert ((back - x).abs() <= x.abs() / 16 + 2**-9).all()  # e4m3: 3 mantissa bits
+    back = from_cache(to_cache(x, fp8), torch.float32)
+    assert back.dtype == torch.float32 and not torch.equal(back, x)
+    assert ((back - x).abs() <= x.abs() / 2 ** (mantissa_bits + 1) + smallest).all()  # half an ulp, nearest
     outputs = {}
-    for dtype in (torch.float32, torch.float8_e4m3fn):
+    for dtype in (torch.float32, fp8):
         spec = KVCacheSpec(1, 4, 2, 16, dtype)
         caches = [torch.zeros(9, 4, 2, 16, dtype=dtype) for _ in range(2)]
         keys, values = torch.randn(2, 12, 2, 16, generator=torch.Generator().manual_seed(1))
@@ -183,4 +197,4 @@ def test_fp8_cache_round_trip_and_decode_in_the_torch_backend():
         step = step_metadata_for([(12, 1, [0, 1, 2]), (7, 1, [0, 1])], torch.tensor([11, 6]), 2, CPU)
         metadata = backend.build_metadata(step, spec)
         outputs[dtype] = backend.attend(query, None, None, caches[0], caches[1], metadata, LayerAttention(0.25))
-    torch.testing.assert_close(outputs[torch.float8_e4m3fn], outputs[torch.float32], rtol=0, atol=0.1)
+    torch.testing.assert_close(outputs[fp8], outputs[torch.float32], rtol=0, atol=0.1 * 2 ** (3 - mantissa_bits))

@@ -312,14 +312,24 @@ def test_abandoned_stream_is_counted_as_aborted(fresh, workload):
     assert not math.isnan(later.get("pagedserve_e2e_request_latency_seconds_sum"))
 
 
-@pytest.mark.parametrize("kv_cache_dtype, label", [("bfloat16", "bfloat16"), ("fp8", "fp8")])
-def test_cache_config_info_shows_the_kv_cache_dtype(tiny_model_dir, kv_cache_dtype, label):
-    """--kv-cache-dtype: the info metric shows what the cache stores, not the model's dtype."""
+@pytest.mark.parametrize(
+    "kv_cache_dtype, label, backend",
+    [
+        ("bfloat16", "bfloat16", "auto"),
+        ("fp8", "fp8", "auto"),
+        ("fp8_e4m3", "fp8", "auto"),
+        ("fp8_e5m2", "fp8_e5m2", "torch"),
+    ],
+)
+def test_cache_config_info_shows_the_kv_cache_dtype(tiny_model_dir, kv_cache_dtype, label, backend):
+    """--kv-cache-dtype: the info metric shows what the cache stores, not the model's dtype (e4m3 as "fp8"
+    whichever of vLLM's two names chose it)."""
     from engine.async_engine import AsyncEngine
     from server.app import create_app
     from tests.engine.references import make_llm
 
-    engine = AsyncEngine(make_llm(tiny_model_dir, kv_cache_dtype=kv_cache_dtype).engine)
+    llm = make_llm(tiny_model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
+    engine = AsyncEngine(llm.engine)
     app = create_app(engine, ServerConfig(served_model_name=f"tiny-{kv_cache_dtype}-kv"))
     families = text_string_to_metric_families(app.state.server.metrics.render().decode())
     info = [s for f in families for s in f.samples if s.name == "pagedserve_cache_config_info"]

@@ -25,6 +25,8 @@ KV_FP8_CONVERT = 1
 """e4m3 bytes widened by Triton's fp8e4nv conversion: the GPU's own instruction from sm_89 (Ada, Hopper) on."""
 KV_FP8_BITS = 2
 """e4m3 bytes widened by integer arithmetic: GPUs before sm_89, where Triton compiles no fp8e4nv conversion."""
+KV_FP8_E5M2 = 3
+"""e5m2 bytes: each is the high byte of the float16 of the same value, widened by a shift on any GPU."""
 
 
 @triton.jit
@@ -64,15 +66,17 @@ def e4m3_to_float32(bits):
 @triton.jit
 def load_kv_for_dot(ptrs, mask, COMPUTE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr):
     """A K or V tile in the products' dtype: as `load_for_dot` when the cache holds the query's dtype;
-    e4m3 bytes (KV_FP8) widened to the query's dtype COMPUTE, which holds every e4m3 value exactly."""
+    fp8 bytes (KV_FP8) widened to the query's dtype COMPUTE, which holds every e4m3 and e5m2 value exactly."""
     if KV_FP8 == 0:
         tile = load_for_dot(ptrs, mask, UPCAST)
     else:
         bits = tl.load(ptrs, mask=mask, other=0)
         if KV_FP8 == 1:
             tile = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
+        elif KV_FP8 == 2:
             tile = e4m3_to_float32(bits)
+        else:
+            tile = (bits.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
         if not UPCAST:
             tile = tile.to(COMPUTE)
     return tile
@@ -212,6 +216,7 @@ TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloa
 SUPPORTED_DTYPES = frozenset(TORCH_TO_TL)
 """Query dtypes, and cache dtypes besides float8 e4m3 (which the kernels read as its bytes)."""
 FP8 = torch.float8_e4m3fn
+FP8_DTYPES = frozenset({FP8, torch.float8_e5m2})
 
 
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -221,9 +226,9 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int
             f"K/V caches must share one [num_blocks, block_size, num_kv_heads, head_dim] shape, "
             f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES | {FP8}:
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES | FP8_DTYPES:
         raise ValueError(
-            "K/V caches must share a float32/float16/bfloat16/float8_e4m3fn dtype, "
+            "K/V caches must share a float32/float16/bfloat16/float8_e4m3fn/float8_e5m2 dtype, "
             f"got {key_cache.dtype} and {value_cache.dtype}"
         )
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -232,18 +237,21 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int
 
 def check_query(q: torch.Tensor, key_cache: torch.Tensor) -> None:
     """A query the kernels read over this cache: in the cache's dtype, or any of theirs over an fp8 cache."""
-    if q.dtype not in SUPPORTED_DTYPES or (key_cache.dtype != FP8 and q.dtype != key_cache.dtype):
+    if q.dtype not in SUPPORTED_DTYPES or (key_cache.dtype not in FP8_DTYPES and q.dtype != key_cache.dtype):
         raise ValueError(
             f"query dtype {q.dtype} must match the cache's {key_cache.dtype} "
-            "(over a float8_e4m3fn cache: float32, float16 or bfloat16)"
+            "(over an fp8 cache: float32, float16 or bfloat16)"
         )
 
 
 def fp8_widening(kernel, cache: torch.Tensor, widening: int | None = None) -> int:
-    """KV_FP8 for `cache`: KV_AS_STORED unless it is fp8; then `widening` when given (tests take both ways),
-    else the conversion where Triton compiles it (the interpreter emulates it), integer arithmetic elsewhere."""
-    if cache.dtype != FP8:
+    """KV_FP8 for `cache`: KV_AS_STORED unless it is fp8; KV_FP8_E5M2 for e5m2; for e4m3 `widening` when given
+    (tests take both ways), else the conversion where Triton compiles it (the interpreter emulates it), integer
+    arithmetic elsewhere."""
+    if cache.dtype not in FP8_DTYPES:
         return KV_AS_STORED
+    if cache.dtype != FP8:
+        return KV_FP8_E5M2
     if widening is not None:
         if widening not in (KV_FP8_CONVERT, KV_FP8_BITS):
             raise ValueError(f"fp8 widening must be KV_FP8_CONVERT or KV_FP8_BITS, got {widening}")
@@ -257,4 +265,4 @@ def fp8_widening(kernel, cache: torch.Tensor, widening: int | None = None) -> in
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """An fp8 cache as the uint8 tensor the kernels address (Triton's fp8 pointers need sm_89); others as is."""
-    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.paged_kv import FP8, as_bytes, check_cache
+from engine.kernels.triton.paged_kv import FP8_DTYPES, as_bytes, check_cache
 
 
 @triton.jit
@@ -79,8 +79,8 @@ def write_kv(
     for name, t in (("key", key), ("value", value)):
         if t.shape != (num_tokens, num_kv_heads, head_dim):
             raise ValueError(f"{name} must be [{num_tokens}, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
-        if (t.dtype == FP8) != (key_cache.dtype == FP8):
-            raise ValueError(f"{name} is {t.dtype} for a {key_cache.dtype} cache: fp8 K/V go to an fp8 cache only")
+        if (t.dtype in FP8_DTYPES or key_cache.dtype in FP8_DTYPES) and t.dtype != key_cache.dtype:
+            raise ValueError(f"{name} is {t.dtype} for a {key_cache.dtype} cache: fp8 K/V go to a cache of their dtype")
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](

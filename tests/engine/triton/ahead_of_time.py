@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 from engine.kernels.triton import lora_sgmv
 from engine.kernels.triton.fused_moe import _grouped_product_kernel
 from engine.kernels.triton.paged_decode import _decode_partition_kernel, _decode_reduce_kernel, decode_partitions
-from engine.kernels.triton.paged_kv import KV_AS_STORED, KV_FP8_BITS, KV_FP8_CONVERT
+from engine.kernels.triton.paged_kv import KV_AS_STORED, KV_FP8_BITS, KV_FP8_CONVERT, KV_FP8_E5M2
 from engine.kernels.triton.paged_prefill import _prefill_kernel, prefill_tiles
 from engine.kernels.triton.write_kv import _write_kv_kernel
 
@@ -70,14 +70,16 @@ def configurations() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
 
 def attention_configurations(arch: int) -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The paged-attention kernels at a Llama-3-8B shape (32 query heads over 8 KV heads of 128) as the wrappers
-    launch them: caches in the query's dtype, and fp8 ones widened the way `fp8_widening` picks for `arch`
-    (the conversion from sm_89 on, integer arithmetic before); the variants (window, soft-cap, sinks) on."""
+    launch them: caches in the query's dtype, e4m3 ones widened the way `fp8_widening` picks for `arch` (the
+    conversion from sm_89 on, integer arithmetic before), e5m2 ones; the variants (window, soft-cap, sinks)
+    on."""
     group, head_dim = 4, 128
     fp8 = KV_FP8_CONVERT if arch >= 89 else KV_FP8_BITS
     partition, _ = decode_partitions(32768)
     prefill_m, prefill_n = prefill_tiles(group, head_dim, 2048)
     found = []
-    for query, cache, widening in (("bf16", "bf16", KV_AS_STORED), ("bf16", "u8", fp8), ("fp16", "u8", fp8)):
+    caches = (("bf16", "bf16", KV_AS_STORED), ("bf16", "u8", fp8), ("fp16", "u8", fp8), ("bf16", "u8", KV_FP8_E5M2))
+    for query, cache, widening in caches:
         cached = {
             "q_ptr": f"*{query}",
             "out_ptr": f"*{query}",

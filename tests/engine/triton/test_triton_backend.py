@@ -82,9 +82,9 @@ def test_a_bf16_cache_under_an_fp32_model_matches_the_torch_backend(tiny_llama_d
         )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype):
-    """--kv-cache-dtype fp8: the triton backend writes the bytes the torch backend writes (torch's rounding)
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "fp8"), ("bfloat16", "fp8"), ("float32", "fp8_e5m2")])
+def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype, kv_cache_dtype):
+    """--kv-cache-dtype fp8 (e4m3) or fp8_e5m2: the triton backend writes the bytes the torch backend writes (torch's rounding)
     and its kernels widen them to the query's dtype, exactly, as they read them; chunked prefill, a prefix
     hit and decodes, eagerly and replayed from decode graphs, give the torch backend's greedy tokens over
     the same fp8 cache (float32: logprobs within float32 sums apart; bfloat16: the same tokens, logprobs
@@ -94,14 +94,15 @@ def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype):
     prompts = [list(range(3, 40)), list(range(3, 30)) + [7, 8], [5, 9, 11]]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
     requests = [{"prompt_token_ids": p} for p in prompts]
-    settings = dict(dtype=dtype, kv_cache_dtype="fp8", max_num_batched_tokens=16, max_num_seqs=4)
+    settings = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16, max_num_seqs=4)
     reference = make_llm(tiny_llama_dir, attention_backend="torch", **settings).generate(
         requests, params, use_tqdm=False
     )
     tolerance = 1e-4 if dtype == "float32" else 1e-1
     for graphs in (False, True):
         llm = make_llm(tiny_llama_dir, attention_backend="triton", **settings)
-        assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
+        expected_cache = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+        assert llm.engine.runner.kv_cache.layers[0][0].dtype == expected_cache
         if graphs:
             llm.engine.runner.capture_decode_graphs((1, 2, 4), EagerReplay)
         got = llm.generate(requests, params, use_tqdm=False)

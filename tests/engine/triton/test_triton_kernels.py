@@ -22,7 +22,7 @@ import triton.language as tl  # noqa: E402
 
 from engine.attention.kv_cache import as_stored  # noqa: E402
 from engine.kernels.triton import paged_attention, paged_decode, paged_prefill, write_kv  # noqa: E402
-from engine.kernels.triton.paged_kv import KV_FP8_BITS, KV_FP8_CONVERT, load_kv_for_dot  # noqa: E402
+from engine.kernels.triton.paged_kv import KV_FP8_BITS, KV_FP8_CONVERT, KV_FP8_E5M2, load_kv_for_dot  # noqa: E402
 from tests.engine.test_attention import (  # noqa: E402
     NUM_KV_HEADS,
     Step,
@@ -202,30 +202,37 @@ def test_write_kv_matches_index_copy(block_size, slot_dtype, dtype):
     assert torch.equal(value_cache.cpu(), expected_v)
 
 
-def test_write_kv_copies_fp8_bytes():
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_write_kv_copies_fp8_bytes(fp8):
     """Into an fp8 cache the kernel copies the bytes of K/V converted by the caller (torch's rounding, the
-    other backends'); K/V in another dtype than the cache's fp8 are refused."""
+    other backends'); K/V in another dtype than the cache's are refused."""
     gen = torch.Generator().manual_seed(3)
     shape = (5, 4, 2, 48)
-    key_cache = (torch.randn(shape, generator=gen) * 8).to(FP8).to(DEVICE)
-    value_cache = (torch.randn(shape, generator=gen) * 8).to(FP8).to(DEVICE)
+    key_cache = (torch.randn(shape, generator=gen) * 8).to(fp8).to(DEVICE)
+    value_cache = (torch.randn(shape, generator=gen) * 8).to(fp8).to(DEVICE)
     key, value = (torch.randn(6, 2, 48, generator=gen) * 100 for _ in range(2))
     slots = torch.tensor([0, 7, 19, -1, 4, 12])
     expected_k, expected_v = as_stored(key_cache.cpu()).clone(), as_stored(value_cache.cpu()).clone()
     keep = slots >= 0
-    expected_k.view(-1, 2, 48).index_copy_(0, slots[keep], as_stored(key.to(FP8))[keep])
-    expected_v.view(-1, 2, 48).index_copy_(0, slots[keep], as_stored(value.to(FP8))[keep])
-    write_kv(key.to(FP8).to(DEVICE), value.to(FP8).to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
+    expected_k.view(-1, 2, 48).index_copy_(0, slots[keep], as_stored(key.to(fp8))[keep])
+    expected_v.view(-1, 2, 48).index_copy_(0, slots[keep], as_stored(value.to(fp8))[keep])
+    write_kv(key.to(fp8).to(DEVICE), value.to(fp8).to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
     assert torch.equal(as_stored(key_cache.cpu()), expected_k)
     assert torch.equal(as_stored(value_cache.cpu()), expected_v)
-    with pytest.raises(ValueError, match="fp8 K/V go to an fp8 cache only"):
-        write_kv(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
+    other = torch.float8_e5m2 if fp8 == torch.float8_e4m3fn else torch.float8_e4m3fn
+    for wrong in (key, key.to(other)):
+        with pytest.raises(ValueError, match="fp8 K/V go to a cache of their dtype"):
+            write_kv(wrong.to(DEVICE), value.to(fp8).to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
 
 
 # --- fp8 caches -------------------------------------------------------------------------------------------
 
-FP8 = torch.float8_e4m3fn
-WIDENINGS = {"convert": KV_FP8_CONVERT, "bits": KV_FP8_BITS}
+FORMATS = {
+    "e4m3-convert": (torch.float8_e4m3fn, KV_FP8_CONVERT),
+    "e4m3-bits": (torch.float8_e4m3fn, KV_FP8_BITS),
+    "e5m2": (torch.float8_e5m2, KV_FP8_E5M2),
+}
+"""A cache's fp8 format and how the kernels widen it (e4m3 both ways fp8_widening may pick)."""
 
 
 def _widen(codes_ptr, out_ptr, COMPUTE: tl.constexpr, KV_FP8: tl.constexpr):
@@ -234,54 +241,51 @@ def _widen(codes_ptr, out_ptr, COMPUTE: tl.constexpr, KV_FP8: tl.constexpr):
     tl.store(out_ptr + lanes, tile)
 
 
-@pytest.mark.parametrize("widening", WIDENINGS)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_every_fp8_code_widens_exactly(dtype, widening):
-    """All 256 e4m3 codes through the kernels' K/V load, both ways, into each query dtype: torch's value,
-    bit for bit (e4m3 values are all bf16 and fp16 values). NaN (0x7F, 0xFF) stays NaN where the GPU
-    converts and in integer arithmetic; the interpreter's emulated conversion reads them as +-480."""
+def test_every_fp8_code_widens_exactly(dtype, fmt):
+    """All 256 codes through the kernels' K/V load, every way, into each query dtype: torch's value, bit for
+    bit (e4m3 and e5m2 values are all bf16 and fp16 values; e5m2's infinities included). NaN stays NaN where
+    the GPU converts, in integer arithmetic and for e5m2; the interpreter's emulated e4m3 conversion reads
+    e4m3's two NaN codes (0x7F, 0xFF) as +-480."""
     if dtype == torch.bfloat16 and INTERPRETED:
         pytest.skip("the interpreter computes no bfloat16: the kernels widen to float32 there (UPCAST)")
+    fp8, widening = FORMATS[fmt]
     codes = torch.arange(256, dtype=torch.uint8)
     out = torch.empty(256, dtype=dtype, device=DEVICE)
-    triton.jit(_widen)[(1,)](codes.to(DEVICE), out, COMPUTE=TL_DTYPES[dtype], KV_FP8=WIDENINGS[widening])
-    expected = codes.view(FP8).to(dtype)
+    triton.jit(_widen)[(1,)](codes.to(DEVICE), out, COMPUTE=TL_DTYPES[dtype], KV_FP8=widening)
+    expected = codes.view(fp8).to(dtype)
     nan = torch.isnan(expected)
-    assert int(nan.sum()) == 2
+    assert int(nan.sum()) == (2 if fp8 == torch.float8_e4m3fn else 6)
     got = out.cpu()
-    if widening == "convert" and INTERPRETED:
+    if widening == KV_FP8_CONVERT and INTERPRETED:
         assert got[nan].abs().tolist() == [480.0, 480.0]
     else:
         assert torch.isnan(got[nan]).all()
-    assert torch.equal(
-        got[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32),
-        expected[~nan].view(torch.int16 if dtype != torch.float32 else torch.int32),
-    )
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(got[~nan].view(bits), expected[~nan].view(bits))
 
 
-@pytest.mark.parametrize("widening", WIDENINGS)
+def _fp8_settings(fmt: str) -> dict:
+    fp8, widening = FORMATS[fmt]
+    return {"cache_dtype": fp8, "widening": widening if fp8 == torch.float8_e4m3fn else None}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_cache_mixed_step(dtype, widening):
-    """Decodes and prefill chunks over cached prefixes, K/V in e4m3 and the query in the model's dtype."""
+def test_fp8_cache_mixed_step(dtype, fmt):
+    """Decodes and prefill chunks over cached prefixes, K/V in fp8 and the query in the model's dtype."""
     rng = random.Random(21)
     step, key_cache, value_cache = make_step(random_shapes(rng, 4), 4, 3, 64, seed=21)
-    run_attention(step, key_cache, value_cache, 64, dtype=dtype, cache_dtype=FP8, widening=WIDENINGS[widening])
+    run_attention(step, key_cache, value_cache, 64, dtype=dtype, **_fp8_settings(fmt))
 
 
-@pytest.mark.parametrize("widening", WIDENINGS)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_cache_split_kv_decode(dtype, widening):
+def test_fp8_cache_split_kv_decode(dtype, fmt):
     step, key_cache, value_cache = make_step([(61, 1, True), (16, 1, True), (3, 1, True)], 16, 3, 80, seed=22)
     run_attention(
-        step,
-        key_cache,
-        value_cache,
-        80,
-        dtype=dtype,
-        kernel=paged_decode,
-        cache_dtype=FP8,
-        partition_size=16,
-        widening=WIDENINGS[widening],
+        step, key_cache, value_cache, 80, dtype=dtype, kernel=paged_decode, partition_size=16, **_fp8_settings(fmt)
     )
 
 
@@ -454,10 +458,11 @@ def test_rejects_mismatched_inputs():
 def test_the_attention_kernels_compile_for_the_gpus_without_one(compile_ahead_of_time, arch):
     """The interpreter runs Python, not the compiler: the attention kernels as the wrappers launch them (caches
     in the query's dtype and fp8 ones, window/soft-cap/sinks variants, the split-KV reduction, the K/V writes)
-    compiled for sm_90 (H100/H200: fp8 widened by the conversion instruction) and sm_80 (A100: by integer
-    arithmetic; Triton compiles no fp8e4nv conversion there) in a process without TRITON_INTERPRET, down to a
+    compiled for sm_90 (H100/H200: e4m3 widened by the conversion instruction) and sm_80 (A100: by integer
+    arithmetic; Triton compiles no fp8e4nv conversion there), e5m2 by a shift on both, in a process without TRITON_INTERPRET, down to a
     cubin by Triton's own ptxas."""
     compiled = compile_ahead_of_time(arch, "attention")
     widening = KV_FP8_CONVERT if arch >= 89 else KV_FP8_BITS
-    assert {f"decode q bf16 cache u8 kv_fp8 {widening}", f"prefill q fp16 cache u8 kv_fp8 {widening}"} <= set(compiled)
-    assert len(compiled) == 9
+    expected = {f"decode q bf16 cache u8 kv_fp8 {widening}", f"prefill q fp16 cache u8 kv_fp8 {widening}"}
+    assert expected | {f"decode q bf16 cache u8 kv_fp8 {KV_FP8_E5M2}"} <= set(compiled)
+    assert len(compiled) == 11
