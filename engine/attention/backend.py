@@ -75,9 +75,9 @@ def get_attention_backend(
     flash-attn 2 out). With the model's attention `shape` (and the block size), flash-attn is chosen only
     once one tiny paged call of exactly that configuration has run on the device (engine/attention/probe.py).
 
-    `auto`: on CPU the native kernels when they build here, else the torch backend; on CUDA flash-attn
-    when it imports, fits the block size and reads the KV cache's dtype (`kv_cache_dtype`, None: the
-    model's), else the triton backend when it is available, else torch (`cuda_auto_choice`). The choice and
+    `auto`: on CPU the native kernels when they build here and read the KV cache's dtype (`kv_cache_dtype`,
+    None: the model's), else the torch backend; on CUDA flash-attn when it imports, fits the block size and
+    reads the KV cache's dtype, else the triton backend when it is available, else torch (`cuda_auto_choice`). The choice and
     the reason are logged. Naming `cpu` or `flash` insists: a ValueError saying why it cannot serve here and
     what to do instead."""
     if name == "auto":
@@ -85,8 +85,13 @@ def get_attention_backend(
             return _cuda_auto(device, dtype, block_size, shape, kv_cache_dtype)
         if device.type == "cpu":
             backend = _cpu_backend(device, dtype, required=False)
-            if backend is not None:
+            if backend is not None and kv_cache_dtype in (None, *backend.kv_cache_dtypes(dtype)):
                 return backend
+            if backend is not None:  # the torch backend reads every cache dtype
+                cache = str(kv_cache_dtype).removeprefix("torch.")
+                logger.info(
+                    "attention backend auto on CPU: torch (the native kernels do not read a %s KV cache)", cache
+                )
         name = "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend

@@ -318,18 +318,20 @@ def test_abandoned_stream_is_counted_as_aborted(fresh, workload):
         ("bfloat16", "bfloat16", "auto"),
         ("fp8", "fp8", "auto"),
         ("fp8_e4m3", "fp8", "auto"),
-        ("fp8_e5m2", "fp8_e5m2", "torch"),
+        ("fp8_e5m2", "fp8_e5m2", "auto"),
     ],
 )
 def test_cache_config_info_shows_the_kv_cache_dtype(tiny_model_dir, kv_cache_dtype, label, backend):
     """--kv-cache-dtype: the info metric shows what the cache stores, not the model's dtype (e4m3 as "fp8"
-    whichever of vLLM's two names chose it)."""
+    whichever of vLLM's two names chose it; e5m2 under auto, which takes the torch backend for it)."""
     from engine.async_engine import AsyncEngine
     from server.app import create_app
     from tests.engine.references import make_llm
 
     llm = make_llm(tiny_model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
     engine = AsyncEngine(llm.engine)
+    if kv_cache_dtype == "fp8_e5m2":
+        assert llm.engine.runner.backend.name == "torch"
     app = create_app(engine, ServerConfig(served_model_name=f"tiny-{kv_cache_dtype}-kv"))
     families = text_string_to_metric_families(app.state.server.metrics.render().decode())
     info = [s for f in families for s in f.samples if s.name == "pagedserve_cache_config_info"]
