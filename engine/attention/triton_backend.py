@@ -28,6 +28,7 @@ class TritonAttentionBackend:
         from engine.kernels import triton as kernels  # imported (and decorated) only when chosen
 
         self._kernels = kernels
+        self._widening: int | None = None  # how the kernels widen an fp8 cache here: found at the first call
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         # the query is converted to the cache's dtype; over fp8 the kernels widen K/V to the query's instead
@@ -58,10 +59,17 @@ class TritonAttentionBackend:
             window=layer.sliding_window,
             softcap=layer.softcap,
             sinks=layer.sinks,
+            widening=self._widening_for(key_cache) if fp8 else None,
         )
         if stored != 1.0:
             out = out * stored
         return out.to(query.dtype)
+
+    def _widening_for(self, cache: torch.Tensor) -> int:
+        """The kernels' KV_FP8 for this backend's fp8 cache, asked of the device once (not per layer and step)."""
+        if self._widening is None:
+            self._widening = self._kernels.kv_widening(cache)
+        return self._widening
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -1,5 +1,6 @@
 """Triton paged-attention kernels over the KV-cache layout `[num_blocks, block_size, num_kv_heads, head_dim]`
-(per layer, one tensor for K and one for V), for float32, float16 and bfloat16 with float32 accumulation.
+(per layer, one tensor for K and one for V), for float32, float16 and bfloat16 queries (caches of theirs or of
+fp8) with float32 accumulation.
 
     write_kv(key, value, key_cache, value_cache, slot_mapping)
         key, value [T, KVH, D]; slot_mapping [T] int64/int32. Token j goes to block
@@ -8,6 +9,9 @@
     paged_attention(q, key_cache, value_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len) -> out
         q, out [T, H, D]; cu_seqlens_q [B + 1] int32; seq_lens [B] int32 (KV length of each request,
         its new tokens included); block_table [B, max_blocks] int32; max_query_len a host int.
+        Caches in q's dtype, or fp8 (e4m3, e5m2) under a q of any of the three: their bytes widened exactly
+        to q's dtype as each tile is read (`kv_widening`: the conversion instruction for e4m3 from sm_89,
+        integer arithmetic before; a shift for e5m2).
         Request b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1, the last positions of
         its context, attending causally to it. The new tokens' K/V must be written first.
         max_query_len == 1: `paged_decode`; otherwise `paged_prefill` for the whole batch.
@@ -42,7 +46,7 @@ testing only: it is orders of magnitude slower than the native CPU kernels.
 
 from engine.kernels.triton.fused_moe import fused_moe
 from engine.kernels.triton.lora_sgmv import group_by_slot, lora_expand, lora_shrink
-from engine.kernels.triton.paged_attention import paged_attention
+from engine.kernels.triton.paged_attention import kv_widening, paged_attention
 from engine.kernels.triton.paged_decode import paged_decode
 from engine.kernels.triton.paged_prefill import paged_prefill
 from engine.kernels.triton.write_kv import write_kv
@@ -50,6 +54,7 @@ from engine.kernels.triton.write_kv import write_kv
 __all__ = [
     "fused_moe",
     "group_by_slot",
+    "kv_widening",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

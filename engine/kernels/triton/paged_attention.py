@@ -6,8 +6,15 @@ from typing import Optional
 
 import torch
 
-from engine.kernels.triton.paged_decode import paged_decode
+from engine.kernels.triton.paged_decode import _decode_partition_kernel, paged_decode
+from engine.kernels.triton.paged_kv import fp8_widening
 from engine.kernels.triton.paged_prefill import paged_prefill
+
+
+def kv_widening(cache: torch.Tensor) -> int:
+    """How the kernels widen `cache` when not told (`fp8_widening`): a caller that attends over one cache again
+    and again asks once and passes it as `widening`, instead of the kernels asking the device at every call."""
+    return fp8_widening(_decode_partition_kernel, cache)
 
 
 def paged_attention(

@@ -114,6 +114,8 @@ def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype, kv_cache_
             )
         if graphs:
             assert llm.engine.runner.graphs._graphs[4].replays > 0
+        # how the kernels widen this cache, asked once: the interpreter's conversion for e4m3, a shift for e5m2
+        assert llm.engine.runner.backend._widening == (3 if kv_cache_dtype == "fp8_e5m2" else 1)
         assert_idle(llm)
 
 

@@ -266,6 +266,31 @@ def test_every_fp8_code_widens_exactly(dtype, fmt):
     assert torch.equal(got[~nan].view(bits), expected[~nan].view(bits))
 
 
+def test_kv_widening_names_how_a_cache_is_read(monkeypatch):
+    """kv_widening: a cache in the query's dtype as stored; e5m2 by its shift anywhere; e4m3 by the conversion
+    under the interpreter and from sm_89 on, by integer arithmetic on older GPUs (and ROCm)."""
+    from engine.kernels.triton import kv_widening
+    from engine.kernels.triton.paged_kv import KV_AS_STORED, fp8_widening
+
+    assert kv_widening(torch.zeros(2, 4, dtype=torch.bfloat16)) == KV_AS_STORED
+    assert kv_widening(torch.zeros(2, 4, dtype=torch.float8_e5m2)) == KV_FP8_E5M2
+    e4m3 = torch.zeros(2, 4, dtype=torch.float8_e4m3fn)
+    if INTERPRETED:
+        assert kv_widening(e4m3) == KV_FP8_CONVERT
+    not_a_kernel = object()  # as a compiled kernel's check would see it: not the interpreter's
+
+    class FakeCuda(torch.Tensor):  # the device question only
+        is_cuda = True
+
+    cuda_e4m3 = e4m3.as_subclass(FakeCuda)
+    for capability, expected in (((8, 0), KV_FP8_BITS), ((8, 9), KV_FP8_CONVERT), ((9, 0), KV_FP8_CONVERT)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8_widening(not_a_kernel, cuda_e4m3) == expected
+    assert fp8_widening(not_a_kernel, e4m3) == KV_FP8_BITS  # not CUDA, not interpreted
+    with pytest.raises(ValueError, match="KV_FP8_CONVERT or KV_FP8_BITS"):
+        fp8_widening(not_a_kernel, e4m3, KV_FP8_E5M2)
+
+
 def _fp8_settings(fmt: str) -> dict:
     fp8, widening = FORMATS[fmt]
     return {"cache_dtype": fp8, "widening": widening if fp8 == torch.float8_e4m3fn else None}
