@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from engine import SamplingParams  # noqa: E402
 from engine.attention import get_attention_backend  # noqa: E402
+from engine.kernels.triton.paged_kv import KV_FP8_CONVERT, KV_FP8_E5M2  # noqa: E402
 from tests.engine.references import assert_idle, make_llm  # noqa: E402
 
 
@@ -115,7 +116,7 @@ def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype, kv_cache_
         if graphs:
             assert llm.engine.runner.graphs._graphs[4].replays > 0
         # how the kernels widen this cache, asked once: the interpreter's conversion for e4m3, a shift for e5m2
-        assert llm.engine.runner.backend._widening == (3 if kv_cache_dtype == "fp8_e5m2" else 1)
+        assert llm.engine.runner.backend._widening == (KV_FP8_E5M2 if kv_cache_dtype == "fp8_e5m2" else KV_FP8_CONVERT)
         assert_idle(llm)
 
 
