@@ -154,9 +154,10 @@ class TorchAttentionBackend:
         q = query.transpose(0, 1).unsqueeze(0)
         plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
         if chunk.context_len == chunk.query_len:
-            if key_cache.dtype != key.dtype and layer.latent_rank is None:
+            if key_cache.dtype != key.dtype:
                 # the chunk's K/V as the cache holds them, as every later read sees them: a prompt computed
                 # whole, in chunks, or after a prefix hit or a KV tier's restore attends over the same values
+                # (a latent cache's values are its entries' first features: rounded alike)
                 key = from_cache(to_cache(key, key_cache.dtype), query.dtype)
                 value = from_cache(to_cache(value, value_cache.dtype), query.dtype)
             k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)

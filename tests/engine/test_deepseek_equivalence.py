@@ -121,6 +121,21 @@ def test_prompt_logprobs(deepseek_dir):
     assert got == pytest.approx(hf_prompt_logprobs(deepseek_dir, prompt), abs=1e-4)
 
 
+def test_an_fp8_latent_cache_reads_the_same_values_whole_or_in_chunks(deepseek_dir):
+    """--kv-cache-dtype fp8 over a latent cache: a prompt's first chunk attends over its entries rounded as the
+    cache holds them, as every later chunk reads them, so the prompt in one chunk and in chunks of 8 gives the
+    same prompt logprobs (unrounded, the first chunk's differed by up to ~0.1)."""
+    prompt = mixed_prompts(4)[5]  # 33 tokens
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    logprobs = []
+    for chunk in (64, 8):
+        with make_llm(deepseek_dir, kv_cache_dtype="fp8", max_num_batched_tokens=chunk, max_num_seqs=1) as llm:
+            assert llm.engine.runner.kv_cache.layers[0][0].dtype == torch.float8_e4m3fn
+            (result,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+        logprobs.append([lp.logprob for lp in result.prompt_logprobs[1:]])
+    assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-4)
+
+
 def test_the_cache_stores_the_latent_per_token(deepseek_dir):
     """(kv_lora_rank + qk_rope_head_dim) x layers x dtype size per token: no expanded heads, no V tensor."""
     with make_llm(deepseek_dir, num_blocks=8) as llm:

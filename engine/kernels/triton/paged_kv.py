@@ -214,7 +214,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 SUPPORTED_DTYPES = frozenset(TORCH_TO_TL)
-"""Query dtypes, and cache dtypes besides float8 e4m3 (which the kernels read as its bytes)."""
+"""Query dtypes, and cache dtypes besides fp8 (e4m3 and e5m2, which the kernels read as bytes)."""
 FP8 = torch.float8_e4m3fn
 FP8_DTYPES = frozenset({FP8, torch.float8_e5m2})
 
@@ -247,20 +247,23 @@ def check_query(q: torch.Tensor, key_cache: torch.Tensor) -> None:
 def fp8_widening(kernel, cache: torch.Tensor, widening: int | None = None) -> int:
     """KV_FP8 for `cache`: KV_AS_STORED unless it is fp8; KV_FP8_E5M2 for e5m2; for e4m3 `widening` when given
     (tests take both ways), else the conversion where Triton compiles it (the interpreter emulates it), integer
-    arithmetic elsewhere."""
+    arithmetic elsewhere. A widening the cache or the GPU cannot take is a ValueError."""
     if cache.dtype not in FP8_DTYPES:
         return KV_AS_STORED
     if cache.dtype != FP8:
+        if widening not in (None, KV_FP8_E5M2):
+            raise ValueError(f"an e5m2 cache widens by KV_FP8_E5M2, not {widening}")
         return KV_FP8_E5M2
-    if widening is not None:
-        if widening not in (KV_FP8_CONVERT, KV_FP8_BITS):
-            raise ValueError(f"fp8 widening must be KV_FP8_CONVERT or KV_FP8_BITS, got {widening}")
-        return widening
-    if is_interpreted(kernel):
-        return KV_FP8_CONVERT
-    if cache.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(cache.device) >= (8, 9):
-        return KV_FP8_CONVERT
-    return KV_FP8_BITS
+    converts = is_interpreted(kernel) or (
+        cache.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(cache.device) >= (8, 9)
+    )
+    if widening is None:
+        return KV_FP8_CONVERT if converts else KV_FP8_BITS
+    if widening not in (KV_FP8_CONVERT, KV_FP8_BITS):
+        raise ValueError(f"an e4m3 cache widens by KV_FP8_CONVERT or KV_FP8_BITS, not {widening}")
+    if widening == KV_FP8_CONVERT and not converts:
+        raise ValueError("KV_FP8_CONVERT needs Triton's fp8e4nv conversion: CUDA sm_89 or newer (or the interpreter)")
+    return widening
 
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:

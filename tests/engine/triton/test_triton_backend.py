@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from engine import SamplingParams  # noqa: E402
 from engine.attention import get_attention_backend  # noqa: E402
-from engine.kernels.triton.paged_kv import KV_FP8_CONVERT, KV_FP8_E5M2  # noqa: E402
+from engine.kernels.triton.paged_kv import KV_FP8_BITS, KV_FP8_CONVERT, KV_FP8_E5M2  # noqa: E402
 from tests.engine.references import assert_idle, make_llm  # noqa: E402
 
 
@@ -83,11 +83,19 @@ def test_a_bf16_cache_under_an_fp32_model_matches_the_torch_backend(tiny_llama_d
         )
 
 
-@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "fp8"), ("bfloat16", "fp8"), ("float32", "fp8_e5m2")])
-def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype, kv_cache_dtype):
-    """--kv-cache-dtype fp8 (e4m3) or fp8_e5m2: the triton backend writes the bytes the torch backend writes (torch's rounding)
-    and its kernels widen them to the query's dtype, exactly, as they read them; chunked prefill, a prefix
-    hit and decodes, eagerly and replayed from decode graphs, give the torch backend's greedy tokens over
+@pytest.mark.parametrize(
+    "dtype, kv_cache_dtype, widening",
+    [
+        ("float32", "fp8", KV_FP8_CONVERT),
+        ("float32", "fp8", KV_FP8_BITS),
+        ("bfloat16", "fp8", KV_FP8_CONVERT),
+        ("float32", "fp8_e5m2", KV_FP8_E5M2),
+    ],
+)
+def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype, kv_cache_dtype, widening):
+    """--kv-cache-dtype fp8 (e4m3) or fp8_e5m2: the triton backend converts K/V as the torch backend does (torch's
+    rounding) and its kernels widen them to the query's dtype, exactly, as they read them (e4m3 both ways);
+    chunked prefill, a prefix hit and decodes, eagerly and replayed from decode graphs, give the torch backend's greedy tokens over
     the same fp8 cache (float32: logprobs within float32 sums apart; bfloat16: the same tokens, logprobs
     within what bf16 activations rounded apart in each of the model's ops move them, ~2% here)."""
     from engine.runner.cuda_graphs import EagerReplay
@@ -104,6 +112,8 @@ def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype, kv_cache_
         llm = make_llm(tiny_llama_dir, attention_backend="triton", **settings)
         expected_cache = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
         assert llm.engine.runner.kv_cache.layers[0][0].dtype == expected_cache
+        if widening == KV_FP8_BITS:  # what an A100 runs: the integer widening (the interpreter converts otherwise)
+            llm.engine.runner.backend._widening = KV_FP8_BITS
         if graphs:
             llm.engine.runner.capture_decode_graphs((1, 2, 4), EagerReplay)
         got = llm.generate(requests, params, use_tqdm=False)
@@ -116,7 +126,7 @@ def test_an_fp8_cache_matches_the_torch_backend(tiny_llama_dir, dtype, kv_cache_
         if graphs:
             assert llm.engine.runner.graphs._graphs[4].replays > 0
         # how the kernels widen this cache, asked once: the interpreter's conversion for e4m3, a shift for e5m2
-        assert llm.engine.runner.backend._widening == (KV_FP8_E5M2 if kv_cache_dtype == "fp8_e5m2" else KV_FP8_CONVERT)
+        assert llm.engine.runner.backend._widening == widening
         assert_idle(llm)
 
 
