@@ -246,24 +246,25 @@ def check_query(q: torch.Tensor, key_cache: torch.Tensor) -> None:
 
 def fp8_widening(kernel, cache: torch.Tensor, widening: int | None = None) -> int:
     """KV_FP8 for `cache`: KV_AS_STORED unless it is fp8; KV_FP8_E5M2 for e5m2; for e4m3 `widening` when given
-    (tests take both ways), else the conversion where Triton compiles it (the interpreter emulates it), integer
-    arithmetic elsewhere. A widening the cache or the GPU cannot take is a ValueError."""
+    (as a caller found it once, `kv_widening`; tests take both ways), else the conversion where Triton compiles
+    it (the interpreter emulates it), integer arithmetic elsewhere. A widening the cache cannot take is a
+    ValueError; one given is not checked against the device (the caller asked it once; Triton's compiler
+    refuses the conversion before sm_89 by name)."""
     if cache.dtype not in FP8_DTYPES:
         return KV_AS_STORED
     if cache.dtype != FP8:
         if widening not in (None, KV_FP8_E5M2):
             raise ValueError(f"an e5m2 cache widens by KV_FP8_E5M2, not {widening}")
         return KV_FP8_E5M2
-    converts = is_interpreted(kernel) or (
-        cache.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(cache.device) >= (8, 9)
-    )
-    if widening is None:
-        return KV_FP8_CONVERT if converts else KV_FP8_BITS
-    if widening not in (KV_FP8_CONVERT, KV_FP8_BITS):
-        raise ValueError(f"an e4m3 cache widens by KV_FP8_CONVERT or KV_FP8_BITS, not {widening}")
-    if widening == KV_FP8_CONVERT and not converts:
-        raise ValueError("KV_FP8_CONVERT needs Triton's fp8e4nv conversion: CUDA sm_89 or newer (or the interpreter)")
-    return widening
+    if widening is not None:
+        if widening not in (KV_FP8_CONVERT, KV_FP8_BITS):
+            raise ValueError(f"an e4m3 cache widens by KV_FP8_CONVERT or KV_FP8_BITS, not {widening}")
+        return widening
+    if is_interpreted(kernel):
+        return KV_FP8_CONVERT
+    if cache.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(cache.device) >= (8, 9):
+        return KV_FP8_CONVERT
+    return KV_FP8_BITS
 
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
