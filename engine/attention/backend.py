@@ -10,7 +10,7 @@ import torch
 from engine.errors import SettingsConflictError
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.step_metadata import StepMetadata
-from engine.attention.kv_cache import KVCacheSpec
+from engine.attention.kv_cache import KVCacheSpec, kv_cache_dtype_name
 from engine.attention.layer_attention import LayerAttention
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,12 @@ def get_attention_backend(
             backend = _cpu_backend(device, dtype, required=False)
             if backend is not None and kv_cache_dtype in (None, *backend.kv_cache_dtypes(dtype)):
                 return backend
-            if backend is not None:  # the torch backend reads every cache dtype
-                cache = str(kv_cache_dtype).removeprefix("torch.")
+            if backend is not None and kv_cache_dtype is not None:  # the torch backend reads every cache dtype
+                cache = kv_cache_dtype_name(kv_cache_dtype)
                 logger.info(
-                    "attention backend auto on CPU: torch (the native kernels do not read a %s KV cache)", cache
+                    "attention backend auto on CPU: torch (the native kernels do not read a %s KV cache; the torch "
+                    "backend's per-token ops and products come with it, slower than the native ones)",
+                    cache,
                 )
         name = "torch"
     if name == "torch":

@@ -49,10 +49,12 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: ReadsKV
     accepted = backend.kv_cache_dtypes(model_dtype)
     if dtype not in accepted:
         names = ", ".join(dict.fromkeys(kv_cache_dtype_name(d) for d in accepted))
+        # batch-invariant mode keeps its own backend: no other to name there
+        remedy = "" if "invariant" in backend.name else " or --attention-backend torch, which reads every cache dtype"
         raise SettingsConflictError(
             f"--kv-cache-dtype {name}: the {backend.name} attention backend reads a KV cache of "
             f"{names} for a {kv_cache_dtype_name(model_dtype)} model; use one of those (auto: the model's "
-            f"dtype) or --attention-backend torch, which reads every cache dtype"
+            f"dtype){remedy}"
         )
     return dtype
 
@@ -76,8 +78,9 @@ def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """New K or V in the cache's dtype (scaled into fp8's range when the cache is fp8)."""
     if x.dtype == cache_dtype:
         return x
-    if is_fp8(cache_dtype):
-        return (x.float() / kv_scale(cache_dtype)).to(cache_dtype)
+    if is_fp8(cache_dtype):  # saturated at the format's largest finite value (torch clamps e4m3, not e5m2)
+        limit = torch.finfo(cache_dtype).max
+        return (x.float() / kv_scale(cache_dtype)).clamp_(-limit, limit).to(cache_dtype)
     return x.to(cache_dtype)
 
 

@@ -288,7 +288,8 @@ def test_auto_backend_on_cpu(cpu_kernels):
 
 def test_auto_on_cpu_passes_the_kernels_over_for_a_cache_they_cannot_read(cpu_kernels, caplog):
     """The native kernels read float32, bf16 and fp8 e4m3 caches: for another --kv-cache-dtype (fp8_e5m2, or
-    float16) auto takes the torch backend, which reads every one, and says why; an engine built that way runs."""
+    float16) auto takes the torch backend, which reads every one, and says why (tests/server/test_metrics.py
+    serves through one)."""
     if cpu_kernels is None:
         pytest.skip("the native CPU kernels do not build here")
     cpu = torch.device("cpu")
@@ -297,8 +298,8 @@ def test_auto_on_cpu_passes_the_kernels_over_for_a_cache_they_cannot_read(cpu_ke
     with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
         assert get_attention_backend("auto", cpu, torch.bfloat16, kv_cache_dtype=torch.float8_e5m2).name == "torch"
         assert get_attention_backend("auto", cpu, torch.float32, kv_cache_dtype=torch.float16).name == "torch"
-    assert "auto on CPU: torch (the native kernels do not read a float8_e5m2 KV cache)" in caplog.text
-    assert "(the native kernels do not read a float16 KV cache)" in caplog.text
+    assert "auto on CPU: torch (the native kernels do not read a fp8_e5m2 KV cache" in caplog.text
+    assert "(the native kernels do not read a float16 KV cache;" in caplog.text
 
 
 def test_unknown_backend_raises():

@@ -94,8 +94,9 @@ def test_kv_cache_dtype_resolution_asks_the_backend_and_names_the_flag():
         r"float32, bfloat16, fp8 for a float32 model",
     ):
         resolve_kv_cache_dtype("float16", torch.float32, cpu)
-    with pytest.raises(ValueError, match="the cpu-batch-invariant attention backend"):
+    with pytest.raises(ValueError, match="the cpu-batch-invariant attention backend") as refused:
         resolve_kv_cache_dtype("float16", torch.float32, invariant)
+    assert "--attention-backend torch" not in str(refused.value)  # batch-invariant mode takes no other backend
     triton = TritonAttentionBackend.__new__(TritonAttentionBackend)
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, triton) == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8_e5m2", torch.float16, triton) == torch.float8_e5m2
@@ -198,3 +199,14 @@ def test_fp8_cache_round_trip_and_decode_in_the_torch_backend(fp8, mantissa_bits
         metadata = backend.build_metadata(step, spec)
         outputs[dtype] = backend.attend(query, None, None, caches[0], caches[1], metadata, LayerAttention(0.25))
     torch.testing.assert_close(outputs[fp8], outputs[torch.float32], rtol=0, atol=0.1 * 2 ** (3 - mantissa_bits))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_writes_saturate_at_the_formats_largest_value(fp8):
+    """K/V beyond the format's range are stored as its largest finite value (as vLLM's SATFINITE conversion
+    does), never as an infinity that would turn the attention into NaN: torch clamps e4m3 itself, not e5m2."""
+    limit = torch.finfo(fp8).max  # 448, 57344
+    x = torch.tensor([1e6, -1e6, 7e4, -7e4, limit, 1.0, float("inf")])
+    stored = to_cache(x, fp8).float()
+    assert torch.isfinite(stored).all()
+    assert stored.tolist() == [limit, -limit, limit, -limit, limit, 1.0, limit]  # 7e4 is past both formats' range

@@ -230,7 +230,7 @@ def paged_decode(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,  # [H]: each head's sink logit
-    widening: Optional[int] = None,  # over an fp8 cache: KV_FP8_CONVERT or KV_FP8_BITS (default: fp8_widening's)
+    widening: Optional[int] = None,  # over an fp8 cache: how its bytes widen (default: fp8_widening's)
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each request's query token over the first `seq_lens[b]` tokens of its blocks (the last
     `window` of them with a sliding window; scores soft-capped by `softcap`; each head's `sinks` logit in the

@@ -183,7 +183,7 @@ def paged_prefill(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,  # [H]: each head's sink logit
-    widening: Optional[int] = None,  # over an fp8 cache: KV_FP8_CONVERT or KV_FP8_BITS (default: fp8_widening's)
+    widening: Optional[int] = None,  # over an fp8 cache: how its bytes widen (default: fp8_widening's)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each request's query chunk over its cached context (prefix + chunk); with a
     sliding `window` each query sees its last `window` keys; scores soft-capped by `softcap`; each head's
