@@ -75,8 +75,7 @@ def choose_numerics(
 ) -> Numerics:
     """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
     the model's attention is multi-head latent attention over a latent cache (auto then means torch);
-    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto on CUDA then passes over a backend that cannot
-    read it)."""
+    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto then passes over a backend that cannot read it)."""
     if batch_invariant:
         return batch_invariant_numerics(attention_backend, device, dtype)
     if latent and attention_backend == "auto":

@@ -140,7 +140,7 @@ def _cuda_auto(
     from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 
     if kv_cache_dtype not in (None, dtype):  # flash-attn reads K/V in the query's dtype only
-        cache = str(kv_cache_dtype).removeprefix("torch.")
+        cache = kv_cache_dtype_name(kv_cache_dtype)
         choice = cuda_auto_choice(False, _triton_available(device, dtype))
         logger.info("attention backend auto on CUDA: %s (flash-attn does not read a %s KV cache)", choice, cache)
         return get_attention_backend(choice, device, dtype, block_size=block_size)

@@ -705,5 +705,5 @@ def test_auto_on_cuda_passes_flash_over_for_a_cache_it_cannot_read(monkeypatch, 
     monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: True)
     backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, kv_cache_dtype=kv_cache_dtype)
     assert backend.name == "triton" and kv_cache_dtype in backend.kv_cache_dtypes(torch.bfloat16)
-    name = str(kv_cache_dtype).removeprefix("torch.")
+    name = "fp8" if kv_cache_dtype == torch.float8_e4m3fn else "float16"  # as the flag names it
     assert f"attention backend auto on CUDA: torch (flash-attn does not read a {name} KV cache)" in caplog.text
