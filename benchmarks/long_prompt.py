@@ -1,12 +1,13 @@
 """A long prompt against the machine: prefill FLOP/s as a share of the matrix unit's measured peak, and the
-decode step at that context against its physical floor, on the embedded model's bf16 and GGUF paths.
+decode step at that context against its physical floor, on the embedded model's unquantized and GGUF paths, in the
+dtype a server takes on this CPU (`--dtype auto`: bf16 where it has native bf16, else float32).
 
     python -m benchmarks.long_prompt [--prompt-tokens 4149] [--paths none,gguf] [--profile]
 
-Everything compared is measured in the same run: the CPU model and flags, the bf16 matrix peak (torch's
-bf16 product of two large square matrices: oneDNN, which runs on the AMX tiles where the CPU has them),
-the float32 one for scale, the streaming-read bandwidth, then per path the TTFT of one prompt, its FLOPs,
-FLOP/s, % of the bf16 peak, and the single-stream decode TPOT at that context against the floor.
+Everything compared is measured in the same run: the CPU model and flags, the model dtype's matrix peak (torch's
+product of two large square matrices in it: oneDNN, which runs bf16 on the AMX tiles where the CPU has them),
+float32's too for scale when that is bf16, the streaming-read bandwidth, then per path the TTFT of one prompt, its FLOPs,
+FLOP/s, % of that peak, and the single-stream decode TPOT at that context against the floor.
 
 Prefill FLOPs (one multiply-add = 2 FLOPs; T prompt tokens, L layers, H query heads of head_dim d):
 
@@ -86,13 +87,14 @@ def run_path(
     chunk: int,
     profile: bool,
     kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
 ) -> dict:
     from engine import LLM, SamplingParams
     from engine.profiling.memory_bandwidth import kv_read_bytes, read_bandwidth, read_buffer, tensor_bytes
 
     llm = LLM(
         None,
-        dtype="bfloat16",
+        dtype=dtype,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         max_model_len=prompt_tokens + decode_rounds * decode_steps + 16,
@@ -184,7 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill chunk")
     parser.add_argument("--profile", action="store_true", help="torch profiler over one more prefill per path")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="what the KV cache stores (auto: bf16; fp8)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="what the KV cache stores (auto: the model's; fp8)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="the model's dtype (auto: as a server takes it, bfloat16 where the CPU has native bf16, else float32)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -193,12 +201,17 @@ def main(argv: list[str] | None = None) -> None:
     info = cpu_info()
     print(f"cpu: {info['model']} ({info['cores']} cores; {' '.join(info['flags'])}); load {os.getloadavg()[0]:.2f}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    peak = matmul_peak(torch.bfloat16)
-    fp32 = matmul_peak(torch.float32)
-    print(
-        f"bf16 matrix peak (2048^3 torch/oneDNN): {peak[0] / 1e9:.0f} GFLOP/s by wall, {peak[1] / 1e9:.0f} by CPU "
-        f"time; float32: {fp32[0] / 1e9:.0f} / {fp32[1] / 1e9:.0f}"
-    )
+    from engine.loading.model_config import cpu_has_fast_bf16
+
+    # the peak of the dtype the model runs in: on a CPU without native bf16, torch's bf16 product is no peak of
+    # the machine (a few GFLOP/s on AVX2) and the model runs in float32 anyway
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_fast_bf16() else "float32")
+    peak = matmul_peak(getattr(torch, dtype))
+    line = f"{dtype} matrix peak (2048^3 torch/oneDNN): {peak[0] / 1e9:.0f} GFLOP/s by wall, {peak[1] / 1e9:.0f} by CPU time"
+    if dtype == "bfloat16":
+        fp32 = matmul_peak(torch.float32)
+        line += f"; float32: {fp32[0] / 1e9:.0f} / {fp32[1] / 1e9:.0f}"
+    print(line)
     print(f"streaming read: {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
     for path in args.paths.split(","):
         result = run_path(
@@ -209,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             args.max_num_batched_tokens,
             args.profile,
             args.kv_cache_dtype,
+            dtype,
         )
         flops = result["flops"]
         total = sum(flops.values())

@@ -116,6 +116,7 @@ DECODE_SHAPES = [
     (128, 8, 2, 16, [700, 3, 300]),  # split too: the 3-token sequence has an empty part
     (48, 6, 2, 16, [23, 50]),  # head_dim outside 64/128/256: the portable loops
     (80, 4, 1, 7, [37]),
+    (80, 6, 2, 7, [1500, 2]),  # the portable loops split a long sequence too, blocks of 7
 ]
 
 

@@ -102,100 +102,167 @@ inline const float* as_floats(const T* src, float* dst, int64_t count) {
     }
 }
 
-// One pass over a sequence's blocks with an online softmax (running max m, running sum l per
-// head): K and V of each block are read once, scores live in a block-sized buffer. (Measured: 1.6x
-// faster than scoring all tokens first, then softmax, then a second pass for V; prefetching the
-// next block explicitly made no measurable difference.)
+constexpr int64_t kPortableSplitTokens = 256;  // the least tokens per part when the portable loops split
+constexpr int64_t kPortablePartsPerThread = 2;  // fewer sequences than this per thread split the long ones
+
+// One pass over tokens [begin, end) of a sequence's blocks with an online softmax (running max m, running
+// sum l per head): K and V of each block are read once, scores live in a block-sized buffer. (Measured: 1.6x
+// faster than scoring all tokens first, then softmax, then a second pass for V; prefetching the next block
+// explicitly made no measurable difference.) Leaves the unnormalized sums in acc.
 // HD > 0: head_dim known at compile time (the inner loops unroll fully); HD == 0: any head_dim. C: the cache's
 // element type (T's, or Fp8E4M3 under a float or bf16 query).
+template <typename C, int HD>
+void attend_range(const float* q, const C* key_cache, const C* value_cache, const int32_t* table, int64_t begin,
+                  int64_t end, int64_t num_heads, int64_t group, int64_t runtime_head_dim, int64_t token_size,
+                  int64_t block_size, float softcap, float* acc, float* running_max, float* running_sum,
+                  float* row, float* s) {
+    const int64_t head_dim = HD > 0 ? HD : runtime_head_dim;
+    const int64_t block_stride = block_size * token_size;
+    std::fill(acc, acc + num_heads * head_dim, 0.0f);
+    std::fill(running_max, running_max + num_heads, -INFINITY);
+    std::fill(running_sum, running_sum + num_heads, 0.0f);
+    for (int64_t b = begin / block_size; b * block_size < end; ++b) {
+        const C* keys = key_cache + table[b] * block_stride;
+        const C* values = value_cache + table[b] * block_stride;
+        const int64_t n = std::min(block_size, end - b * block_size);
+        const int64_t j0 = std::max<int64_t>(0, begin - b * block_size);  // tokens of the block in view
+
+        // s[h][j] = q[h] . K[j][kv_head(h)]
+        for (int64_t j = j0; j < n; ++j) {
+            const float* k = as_floats(keys + j * token_size, row, token_size);
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float* qh = q + h * head_dim;
+                const float* kh = k + (h / group) * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
+                s[h * block_size + j] = softcap > 0.0f ? softcap * std::tanh(dot / softcap) : dot;
+            }
+        }
+
+        // online softmax: rescale what was accumulated when the maximum grows
+        for (int64_t h = 0; h < num_heads; ++h) {
+            float* sh = s + h * block_size;
+            float block_max = sh[j0];
+            for (int64_t j = j0 + 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
+            const float new_max = std::max(running_max[h], block_max);
+            const float correction = fast_exp(running_max[h] - new_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = j0; j < n; ++j) {
+                sh[j] = fast_exp(sh[j] - new_max);
+                sum += sh[j];
+            }
+            running_sum[h] = running_sum[h] * correction + sum;
+            running_max[h] = new_max;
+            if (correction != 1.0f) {
+                float* a = acc + h * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+            }
+        }
+
+        // acc[h] += sum_j p[h][j] V[j][kv_head(h)]
+        for (int64_t j = j0; j < n; ++j) {
+            const float* v = as_floats(values + j * token_size, row, token_size);
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float p = s[h * block_size + j];
+                const float* vh = v + (h / group) * head_dim;
+                float* a = acc + h * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
+            }
+        }
+    }
+}
+
+// The portable loops: a work item is a sequence, or with few sequences for the threads (and `split`) a part of
+// a long one, whole blocks of at least kPortableSplitTokens: before, one long sequence ran on one thread while
+// the others waited (docs/performance.md, "The AVX2 machine"). A part keeps its running max, sum and
+// unnormalized sums; the parts are merged once all are done, in another order than one pass sums, so `split`
+// is off in batch-invariant mode.
 template <typename T, typename C, int HD>
 void paged_decode(const T* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
                   const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale, int64_t window,
-                  float softcap, const float* sinks) {
+                  int64_t runtime_head_dim, int64_t block_size, int64_t table_width, float scale, bool split,
+                  int64_t window, float softcap, const float* sinks) {
     const int64_t head_dim = HD > 0 ? HD : runtime_head_dim;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_size = num_kv_heads * head_dim;  // one token's K (or V) over all kv heads
-    const int64_t block_stride = block_size * token_size;
     const int64_t query_size = num_heads * head_dim;
+    const int64_t partial_size = num_heads * (2 + head_dim);  // per part: the heads' max, sum, then sums
+    int64_t parts = 1;
+#if defined(_OPENMP)
+    const int64_t threads = omp_get_max_threads();
+    if (split && threads > 1 && num_seqs < kPortablePartsPerThread * threads) {
+        int64_t longest = 0;
+        for (int64_t seq = 0; seq < num_seqs; ++seq) longest = std::max<int64_t>(longest, context_lens[seq]);
+        if (window > 0) longest = std::min(longest, window);
+        parts = std::max<int64_t>(1, std::min((kPortablePartsPerThread * threads + num_seqs - 1) / num_seqs,
+                                              longest / std::max(kPortableSplitTokens, block_size)));
+        if (parts > 1)
+            while (num_seqs * parts % threads != 0) ++parts;  // a whole number of items per thread
+    }
+#endif
+    std::vector<float> partials(parts > 1 ? num_seqs * parts * partial_size : 0);
 
-#pragma omp parallel if (num_seqs > 1)  // one sequence: no team to wake
+#pragma omp parallel if (num_seqs > 1 || parts > 1)  // one sequence, unsplit: no team to wake
     {
         std::vector<float> q(query_size), acc(query_size), row(token_size);
         std::vector<float> running_max(num_heads), running_sum(num_heads);
         std::vector<float> scores(num_heads * block_size);
 
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t seq = 0; seq < num_seqs; ++seq) {
+        for (int64_t index = 0; index < num_seqs * parts; ++index) {
+            const int64_t seq = index / parts, part = index % parts;
             const int64_t len = context_lens[seq];
-            const int64_t num_blocks = (len + block_size - 1) / block_size;
             const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the first visible token
-            const int32_t* table = block_tables + seq * table_width;
+            // the part's whole blocks of the visible ones (a short sequence's may be empty)
+            const int64_t first_block = first / block_size, blocks = (len + block_size - 1) / block_size - first_block;
+            const int64_t begin = std::max(first, (first_block + blocks * part / parts) * block_size);
+            const int64_t end = std::min(len, (first_block + blocks * (part + 1) / parts) * block_size);
             const T* q_src = query + seq * query_size;
             for (int64_t i = 0; i < query_size; ++i) q[i] = to_float(q_src[i]) * scale;
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            std::fill(running_max.begin(), running_max.end(), -INFINITY);
-            std::fill(running_sum.begin(), running_sum.end(), 0.0f);
-            float* s = scores.data();
-
-            for (int64_t b = first / block_size; b < num_blocks; ++b) {
-                const C* keys = key_cache + table[b] * block_stride;
-                const C* values = value_cache + table[b] * block_stride;
-                const int64_t n = std::min(block_size, len - b * block_size);
-                const int64_t j0 = std::max<int64_t>(0, first - b * block_size);  // tokens of the block in view
-
-                // s[h][j] = q[h] . K[j][kv_head(h)]
-                for (int64_t j = j0; j < n; ++j) {
-                    const float* k = as_floats(keys + j * token_size, row.data(), token_size);
-                    for (int64_t h = 0; h < num_heads; ++h) {
-                        const float* qh = q.data() + h * head_dim;
-                        const float* kh = k + (h / group) * head_dim;
-                        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                        s[h * block_size + j] = softcap > 0.0f ? softcap * std::tanh(dot / softcap) : dot;
-                    }
-                }
-
-                // online softmax: rescale what was accumulated when the maximum grows
-                for (int64_t h = 0; h < num_heads; ++h) {
-                    float* sh = s + h * block_size;
-                    float block_max = sh[j0];
-                    for (int64_t j = j0 + 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
-                    const float new_max = std::max(running_max[h], block_max);
-                    const float correction = fast_exp(running_max[h] - new_max);
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t j = j0; j < n; ++j) {
-                        sh[j] = fast_exp(sh[j] - new_max);
-                        sum += sh[j];
-                    }
-                    running_sum[h] = running_sum[h] * correction + sum;
-                    running_max[h] = new_max;
-                    if (correction != 1.0f) {
-                        float* a = acc.data() + h * head_dim;
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-                    }
-                }
-
-                // acc[h] += sum_j p[h][j] V[j][kv_head(h)]
-                for (int64_t j = j0; j < n; ++j) {
-                    const float* v = as_floats(values + j * token_size, row.data(), token_size);
-                    for (int64_t h = 0; h < num_heads; ++h) {
-                        const float p = s[h * block_size + j];
-                        const float* vh = v + (h / group) * head_dim;
-                        float* a = acc.data() + h * head_dim;
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
-                    }
-                }
+            attend_range<C, HD>(q.data(), key_cache, value_cache, block_tables + seq * table_width, begin, end,
+                                num_heads, group, head_dim, token_size, block_size, softcap, acc.data(),
+                                running_max.data(), running_sum.data(), row.data(), scores.data());
+            if (parts > 1) {
+                float* dst = partials.data() + index * partial_size;
+                std::copy(running_max.begin(), running_max.end(), dst);
+                std::copy(running_sum.begin(), running_sum.end(), dst + num_heads);
+                std::copy(acc.begin(), acc.end(), dst + 2 * num_heads);
+                continue;
             }
-
             T* dst = out + seq * query_size;
             for (int64_t h = 0; h < num_heads; ++h) {
                 const float inv = normalizer(running_max[h], running_sum[h], sinks ? sinks + h : nullptr);
                 for (int64_t d = 0; d < head_dim; ++d) store(dst + h * head_dim + d, acc[h * head_dim + d] * inv);
+            }
+        }
+        if (parts > 1) {
+#pragma omp for schedule(static)
+            for (int64_t index = 0; index < num_seqs * num_heads; ++index) {
+                const int64_t seq = index / num_heads, h = index % num_heads;
+                auto part_of = [&](int64_t part) { return partials.data() + (seq * parts + part) * partial_size; };
+                float max = -INFINITY;  // an empty part: -inf, sum 0
+                for (int64_t part = 0; part < parts; ++part) max = std::max(max, part_of(part)[h]);
+                if (sinks != nullptr) max = std::max(max, sinks[h]);  // the sink: a part of no value
+                float* a = acc.data();
+                std::fill(a, a + head_dim, 0.0f);
+                float sum = 0.0f;
+                for (int64_t part = 0; part < parts; ++part) {
+                    const float* p = part_of(part);
+                    if (p[num_heads + h] == 0.0f) continue;
+                    const float weight = fast_exp(p[h] - max);
+                    sum += weight * p[num_heads + h];
+                    const float* sums = p + 2 * num_heads + h * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * sums[d];
+                }
+                if (sinks != nullptr) sum += std::exp(sinks[h] - max);
+                T* dst = out + seq * query_size + h * head_dim;
+                const float inv = 1.0f / sum;
+                for (int64_t d = 0; d < head_dim; ++d) store(dst + d, a[d] * inv);
             }
         }
     }
@@ -688,7 +755,7 @@ void dispatch(const T* query, const C* key_cache, const C* value_cache, const in
               float softcap, const float* sinks) {
 #define PAGEDSERVE_DECODE(HD)                                                                                   \
     paged_decode<T, C, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads,   \
-                        num_kv_heads, head_dim, block_size, table_width, scale, window, softcap, sinks)
+                        num_kv_heads, head_dim, block_size, table_width, scale, split, window, softcap, sinks)
 #if defined(__AVX512F__)
 #define PAGEDSERVE_SIMD(HD)                                                                                     \
     paged_decode_simd<T, C, HD>(query, key_cache, value_cache, block_tables, context_lens, out, num_seqs, num_heads, \
