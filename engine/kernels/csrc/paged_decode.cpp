@@ -40,8 +40,10 @@
 //                 chunk at a time left the kernel waiting on DRAM (16 sequences x 150 tokens, the caches
 //                 of 30 layers in turn: 160 -> 90 us).
 // Other head_dims, and builds without AVX-512 (AVX2, plain x86-64), take the portable loops below: each
-// sequence one work item, each token's K/V row (all kv heads) converted to float once and scored
-// against every query head with `omp simd` dot products.
+// sequence one work item (with fewer than 2 sequences per thread, and `split`, long ones cut into parts of
+// whole blocks, merged at the end as above), each token's K/V row (all kv heads) converted to float once and
+// scored against every query head with `omp simd` dot products; AVX2 builds with head_dim 64, 128 or 256 take
+// a block's rows eight tokens at a time instead (attend_block_avx2).
 //
 // Measured (bf16, SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, blocks of 16; 2 threads of an
 // AVX512-BF16 EPYC shared with other work, best of 3 runs; the caches of 30 layers in turn, as in a
@@ -151,7 +153,7 @@ inline float total(__m256 v) {
 // One block's tokens [j0, n) on AVX2, its K and V rows already float ([token][kv head][HD]): each head scores
 // eight tokens at a time (eight vectors of products, then one tree of horizontal adds for the eight, where a
 // token's `omp simd` dot product ended in a serial chain of scalar adds), and P.V keeps 64 of a head's sums in
-// registers through the block's tokens instead of loading and storing them at each token.
+// registers through eight tokens instead of loading and storing them at each token.
 template <int HD>
 void attend_block_avx2(const float* q, const float* k, const float* v, int64_t j0, int64_t n, int64_t num_heads,
                        const int64_t* kv_of, int64_t token_size, int64_t block_size, float softcap, float* acc,
@@ -212,7 +214,8 @@ constexpr bool kAvx2Block = false;
 // One pass over tokens [begin, end) of a sequence's blocks with an online softmax (running max m, running
 // sum l per head): K and V of each block are read once, scores live in a block-sized buffer. (Measured: 1.6x
 // faster than scoring all tokens first, then softmax, then a second pass for V; prefetching the next block
-// explicitly made no measurable difference.) Leaves the unnormalized sums in acc.
+// explicitly made no measurable difference to these loops; the AVX2 path, whose arithmetic is faster, does it.)
+// Leaves the unnormalized sums in acc.
 // HD > 0: head_dim known at compile time (the inner loops unroll fully); HD == 0: any head_dim. C: the cache's
 // element type (T's, or Fp8E4M3 under a float or bf16 query).
 template <typename C, int HD>
@@ -240,9 +243,15 @@ void attend_range(const float* q, const C* key_cache, const C* value_cache, cons
                     __builtin_prefetch(next_values + at, 0, 3);
                 }
             }
-            const int64_t offset = j0 * token_size, count = (n - j0) * token_size;
-            const float* k = as_floats(keys + offset, block_rows + offset, count) - offset;
-            const float* v = as_floats(values + offset, block_rows + block_stride + offset, count) - offset;
+            const float* k = reinterpret_cast<const float*>(keys);
+            const float* v = reinterpret_cast<const float*>(values);
+            if constexpr (!std::is_same_v<C, float>) {
+                const int64_t offset = j0 * token_size, count = (n - j0) * token_size;
+                as_floats(keys + offset, block_rows + offset, count);
+                as_floats(values + offset, block_rows + block_stride + offset, count);
+                k = block_rows;
+                v = block_rows + block_stride;
+            }
             attend_block_avx2<HD>(q, k, v, j0, n, num_heads, kv_of, token_size, block_size, softcap, acc,
                                   running_max, running_sum, s);
             continue;
