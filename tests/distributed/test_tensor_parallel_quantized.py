@@ -133,9 +133,10 @@ def test_embedded_gguf_on_three_ranks(embedded_checkpoint):
     got, shard = generate_quantized(model, prompts, 3, max_tokens=5, **settings)
     # The integer product rounds its activations to int8 steps: the all-reduce's float32 reordering (1e-7) flips
     # a few roundings, each moving a product by a step, and 30 layers carry them on (one process moves as much
-    # between a prefix-cache hit and a recompute: 0.025 on the first token). Measured up to 0.04 here; these five
-    # tokens lead their runners-up by 0.42 or more, so the tokens are what must agree.
-    assert_same(got, expected, abs=0.15)
+    # between a prefix-cache hit and a recompute: 0.025 on the first token). Measured up to 0.04 on an AVX-512 build,
+    # 0.08 and 0.17 on an AVX2 one under two builds of the decode attention whose float32 outputs differ by 4e-8;
+    # these five tokens lead their runners-up by 0.42 or more, so the tokens are what must agree.
+    assert_same(got, expected, abs=0.25)
     assert (whole, shard) == (("q4_1", 576), ("q4_1", 192))
 
 

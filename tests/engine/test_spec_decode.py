@@ -45,11 +45,11 @@ def run(llm, prompts, params):
     return [[(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in r.outputs] for r in results]
 
 
-def assert_same(expected, got):
+def assert_same(expected, got, abs: float = 1e-5):
     for want_prompt, got_prompt in zip(expected, got, strict=True):
         for (want_ids, want_lps), (got_ids, got_lps) in zip(want_prompt, got_prompt, strict=True):
             assert got_ids == want_ids
-            assert got_lps == pytest.approx(want_lps, abs=1e-5)
+            assert got_lps == pytest.approx(want_lps, abs=abs)
 
 
 def accepted(llm) -> int:
@@ -229,7 +229,9 @@ def test_the_embedded_model_gives_the_same_greedy_text_with_drafts_accepted(embe
         assert accepted(llm) == 0
         on = run(llm, [COPY_PROMPT], params)
         assert accepted(llm) > 8
-    assert_same(off, on)
+    # the drafts are verified as a prompt chunk (the prefill attention) where speculation off decodes one token at
+    # a time (the decode kernel): float32 sums in two orders, 30 layers deep; on an AVX2 build 1.1e-5 to 1.4e-5
+    assert_same(off, on, abs=3e-5)
 
 
 def test_structured_output_checks_drafts_and_keeps_its_tokens(tiny_llama_dir):
