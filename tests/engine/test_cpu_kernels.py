@@ -178,11 +178,48 @@ def test_paged_decode_matches_float64(decode_kernels, dtype, cache_dtype, head_d
         tables[seq, (n + block_size - 1) // block_size :] = 1 << 30  # never read
     lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    got = decode_kernels.paged_decode(query, key_cache, value_cache, tables, lens, scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split shapes split on any machine
+    try:
+        got = decode_kernels.paged_decode(query, key_cache, value_cache, tables, lens, scale)
+    finally:
+        torch.set_num_threads(threads)
     expected = _decode_reference(query, key_cache, value_cache, tables, lens, scale)
     assert got.dtype == dtype and got.shape == query.shape
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding (2^-9) and its sums
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, split):
+    """Every build's loops (the AVX2 block path among them) with a window whose first visible token lies inside a
+    block and off a multiple of 8, soft-capped scores and sinks, split across 2 threads or not."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, kv_heads, heads, head_dim, window, softcap, scale = 16, 3, 9, 64, 613, 5.0, 0.125
+    lens = [1000, 37]
+    key_cache = torch.randn(140, block_size, kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(140, block_size, kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(lens), heads, head_dim, generator=gen) * 3
+    sinks = torch.randn(heads, generator=gen)
+    tables = torch.randperm(140, generator=gen)[:128].view(2, 64).int()
+    context = torch.tensor(lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = decode_kernels.paged_decode(
+            query, key_cache, value_cache, tables, context, scale, split, window=window, softcap=softcap, sinks=sinks
+        )
+    finally:
+        torch.set_num_threads(threads)
+    for seq, n in enumerate(lens):
+        blocks = tables[seq, : (n + block_size - 1) // block_size].long()
+        k = key_cache[blocks].double().reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        v = value_cache[blocks].double().reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,thd->ht", query[seq].double(), k) * scale
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(torch.arange(n) <= n - 1 - window, -torch.inf)
+        probs = torch.softmax(torch.cat([scores, sinks.double()[:, None]], dim=1), dim=1)[:, :-1]
+        expected = torch.einsum("ht,thd->hd", probs, v)
+        torch.testing.assert_close(got[seq].double(), expected, atol=2e-5, rtol=2e-5)
 
 
 def test_paged_decode_one_thread_matches_the_team(cpu_kernels):

@@ -305,7 +305,7 @@ void paged_decode(const T* query, const C* key_cache, const C* value_cache, cons
     int64_t parts = 1;
 #if defined(_OPENMP)
     const int64_t threads = omp_get_max_threads();
-    if (split && threads > 1 && num_seqs < kPortablePartsPerThread * threads) {
+    if (split && threads > 1 && num_seqs > 0 && num_seqs < kPortablePartsPerThread * threads) {
         int64_t longest = 0;
         for (int64_t seq = 0; seq < num_seqs; ++seq) longest = std::max<int64_t>(longest, context_lens[seq]);
         if (window > 0) longest = std::min(longest, window);
@@ -787,7 +787,7 @@ void paged_decode_simd(const T* query, const C* key_cache, const C* value_cache,
     int64_t parts = 1;
 #if defined(_OPENMP)
     const int64_t threads = omp_get_max_threads();
-    if (split && threads > 1 && items < kSplitItemsPerThread * threads)
+    if (split && threads > 1 && items > 0 && items < kSplitItemsPerThread * threads)
         parts = std::max<int64_t>(
             1, std::min((kSplitItemsPerThread * threads + items - 1) / items, longest / kMinSplitTokens));
     // a whole number of items per thread: 3 kv heads in 3 parts on 2 threads left one thread idle through the
