@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.loading.model_config import cpu_has_fast_bf16
 
     # the peak of the dtype the model runs in: on a CPU without native bf16, torch's bf16 product is no peak of
-    # the machine (a few GFLOP/s on AVX2) and the model runs in float32 anyway
+    # the machine (under 1 GFLOP/s on an AVX2 EPYC) and the model runs in float32 anyway
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_fast_bf16() else "float32")
     peak = matmul_peak(getattr(torch, dtype))
     line = f"{dtype} matrix peak (2048^3 torch/oneDNN): {peak[0] / 1e9:.0f} GFLOP/s by wall, {peak[1] / 1e9:.0f} by CPU time"
