@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from engine.layers.moe_routing import Routing
+from engine.layers.row_invariant import rowwise_sigmoid
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -48,7 +49,7 @@ class GroupedTopK:
 
     def __call__(self, router_logits: torch.Tensor) -> Routing:
         logits = router_logits.float()
-        scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring == "softmax" else logits.sigmoid()
+        scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring == "softmax" else rowwise_sigmoid(logits)
         choice = scores if self.correction_bias is None else scores + self.correction_bias
         if self.method != "greedy":
             choice = self._in_best_groups(choice)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from engine.layers.clamped_swiglu import ClampedSwiGLU
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear, Weight
+from engine.layers.row_invariant import rowwise_sigmoid
 from engine.layers.moe_routing import Routing, group_by_expert, select_experts, select_top_logits
 
 
@@ -172,7 +173,7 @@ class SparseMoeBlock:
         dense = linear(ops.silu_and_mul(linear(x, shared.gate_up, None)), shared.down, None)
         if shared.gate is None:
             return out + dense
-        return out + _rowwise_sigmoid(linear(x, shared.gate, None)) * dense
+        return out + rowwise_sigmoid(linear(x, shared.gate, None)) * dense
 
     def _fused_kernel(self, device: torch.device):
         """The grouped Triton kernel on CUDA (when Triton is installed), else None: the per-expert products."""
@@ -203,12 +204,3 @@ class SparseMoeBlock:
 def _is_view(form, row: torch.Tensor) -> bool:
     """Whether a prepared expert matrix is the stacked tensor's own row (a plain tensor sharing its memory)."""
     return isinstance(form, torch.Tensor) and not form.is_mkldnn and form.data_ptr() == row.data_ptr()
-
-
-def _rowwise_sigmoid(gate: torch.Tensor) -> torch.Tensor:
-    """sigmoid of a [tokens, 1] gate whose value for a token does not depend on how many tokens share the batch.
-    torch's CPU sigmoid runs its vector loop over whole runs of two vectors only (16 floats on AVX2, 32 on
-    AVX-512) and scalar code, which rounds differently, over the rest: one token alone took the scalar code and
-    24 together the vector loop (a last-bit difference on AVX2). Each row widened to 32 copies always takes the
-    vector loop."""
-    return torch.sigmoid(gate.expand(-1, 32).contiguous())[:, :1]
