@@ -99,13 +99,32 @@ def test_aborts_between_steps(model_dir):
 
 
 def test_speculative_decoding(model_dir):
-    """n-gram drafts verified on every rank (the drafts travel in the step message; the start-up's step-cost timing
-    runs on every rank in lockstep): the tokens of one process without speculation."""
+    """n-gram drafts verified on every rank (the drafts travel in the step message): the tokens of one process
+    without speculation. No step-cost timing here: on a loaded machine it may find that no draft pays, and the run
+    would verify nothing (the next test runs the timing)."""
     prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8]
     expected, _ = generate(model_dir, prompts, 1)
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "step_cost_model": False}
     got, stats = generate(model_dir, prompts, 2, speculative_config=ngram)
     assert stats.speculation is not None and stats.speculation.num_drafts > 0
+    assert_same(got, expected)
+
+
+def test_the_step_cost_timing_runs_on_every_rank_in_lockstep(model_dir):
+    """The start-up's step-cost timing runs the same steps on every rank (a rank that skipped them would leave the
+    others waiting at a collective): the engine starts, holds a measured cost for each row count, and serves the
+    tokens of one process whichever drafts the timing lets through."""
+    prompts = [[5, 6, 7, 8, 9] * 6]
+    expected, _ = generate(model_dir, prompts, 1)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    with LLM(str(model_dir), **TINY, tensor_parallel_size=2, speculative_config=ngram) as llm:
+        step_cost = llm.engine.scheduler.step_cost
+        assert step_cost is not None and len(step_cost.rows) >= 2
+        assert all(seconds > 0 for seconds in step_cost.seconds)
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_idle(llm)
+    got = [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results]
     assert_same(got, expected)
 
 
