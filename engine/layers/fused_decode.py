@@ -84,7 +84,7 @@ class FusedDecode:
             return False  # layer groups (sliding-window layers): one block table serves every layer here
         if self._model_ok is None:
             self._model_ok = _model_fits(model, kv_caches)
-            if self._model_ok and _has_blocks(model):
+            if self._model_ok and has_gguf_blocks(model):
                 self._max_rows = _integer_rows(model, self.max_rows)
         return self._model_ok and num_tokens <= self._max_rows
 
@@ -212,7 +212,8 @@ def _matrix_entry(weight, tiles: bool = False) -> list[int]:
     return [weight.data_ptr(), 0, 0, DENSE_FORMAT, 0, 0]
 
 
-def _has_blocks(model) -> bool:
+def has_gguf_blocks(model) -> bool:
+    """Whether any layer's matrix is GGUF blocks (`--quantization gguf`)."""
     return any(isinstance(getattr(layer, name), GgufWeight) for layer in model.layers for name in MATRIX_COLUMNS)
 
 

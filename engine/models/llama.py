@@ -18,11 +18,11 @@ from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.profiling.memory_bandwidth import tensor_bytes
-from engine.layers.fused_decode import FusedDecode
+from engine.layers.fused_decode import FusedDecode, has_gguf_blocks
 from engine.layers.layer_ops import NativeLayerOps, TorchLayerOps
 from engine.kernels.column_block_weight import PackedWeight
 from engine.layers.invariant_linear import ColumnBlockLinear
-from engine.layers.linear import GemvLinear, Linear, select_linear
+from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear, Linear, PackedOneDnnLinear, select_linear
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
 from engine.layers.rotary import RotaryEmbedding
@@ -92,16 +92,16 @@ class LlamaForCausalLM:
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
-        self.fused: Optional[FusedDecode] = (
-            None  # small decode steps in one native call (cpu backend, bf16, plain or gguf)
-        )
-        # (the native step runs every layer in one call: no all-reduce between them)
-        if (
-            isinstance(self.linear, (GemvLinear, ColumnBlockLinear))
-            and isinstance(self.ops, NativeLayerOps)
-            and not tp.is_parallel
-        ):
-            self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
+        # Small decode steps in one native call (cpu backend): bf16 weights plain or packed, or GGUF blocks in
+        # either dtype (float32 keeps oneDNN's packed weights, which the native step cannot read: load_weights
+        # drops it there unless the layers hold GGUF blocks). The native step runs every layer in one call: no
+        # all-reduce between them, so one rank only.
+        self.fused: Optional[FusedDecode] = None
+        if isinstance(self.ops, NativeLayerOps) and not tp.is_parallel:
+            if isinstance(self.linear, (GemvLinear, ColumnBlockLinear)):
+                self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
+            elif isinstance(self.linear, PackedOneDnnLinear):
+                self.fused = FusedDecode(self.ops.kernels, GEMV_MAX_ROWS)
         # Set by load_weights (an empty model until then). embed and lm_head: a tensor, or the quantized or packed
         # matrix the products take; with several ranks, this rank's rows (vocab_parallel.rows of them).
         self.embed: Any = None  # [vocab, hidden]
@@ -165,6 +165,8 @@ class LlamaForCausalLM:
                 tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype, device=self.device)
             )
         self.layers = [self._take_layer(state, i) for i in self.stage.layers]
+        if isinstance(self.linear, PackedOneDnnLinear) and not has_gguf_blocks(self):
+            self.fused = None
         if self.stage.is_first:
             self._take_ends(state)
         if state:

@@ -112,6 +112,7 @@ DECODE_SHAPES = [
     (64, 10, 2, 32, [70, 3]),  # a group of 5: passes of 4 and 1
     (128, 16, 2, 16, [45]),  # a group of 8 (two passes), one sequence
     (64, 14, 2, 5, [23, 1, 11, 64]),  # a group of 7, blocks of 5
+    (64, 4, 2, 5, [700, 9]),  # a group of 2, blocks of 5: AVX2 chunks of 125 tokens, not whole eights
     (64, 9, 3, 16, [2000]),  # few items for the threads: the sequence split into parts, then merged
     (128, 8, 2, 16, [700, 3, 300]),  # split too: the 3-token sequence has an empty part
     (48, 6, 2, 16, [23, 50]),  # head_dim outside 64/128/256: the portable loops

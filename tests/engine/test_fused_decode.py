@@ -2,7 +2,8 @@
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows (and, with
 the column-block product, 16), with q/k/v biases (qwen2), on weights packed in column blocks (AVX512-BF16
 builds) and plain ones (the small-batch kernel elsewhere), and with the embedded model's GGUF blocks kept
-quantized (`quantization="gguf"`, with and without biases added to its projections); models it does not fit
+quantized (`quantization="gguf"`, in bf16 and float32, with and without biases added to its projections); models
+it does not fit
 (q/k norms, qwen3) take the general path; and on the embedded model in bf16 the same greedy tokens as torch's
 products with the unfused ops (the numerics before it). The comparisons run on the native build and on an
 AVX2 (-march=haswell) one."""
@@ -165,15 +166,17 @@ def _generate_each(llm: LLM, prompts, params):
     return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
-    embedded_checkpoint, arch, bias, cpu_kernels, monkeypatch
+    embedded_checkpoint, arch, bias, dtype, cpu_kernels, monkeypatch
 ):
+    """float32 too (dtype auto on CPUs without native bf16): its products stay oneDNN's, the GGUF blocks fused."""
     llm = LLM(
         None,
         quantization="gguf",
-        dtype="bfloat16",
+        dtype=str(dtype).removeprefix("torch."),
         device="cpu",
         max_model_len=256,
         kv_cache_memory="32MiB",
@@ -196,19 +199,20 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     integer_rows = next(
         rows
         for rows in range(1, GEMV_MAX_ROWS + 2)
-        if layers[0].qkv.product(rows, torch.bfloat16) != "integer" or rows > GEMV_MAX_ROWS
+        if layers[0].qkv.product(rows, dtype) != "integer" or rows > GEMV_MAX_ROWS
     )
     if bias:  # the projections' biases of a qwen2 GGUF, on the blocks
         generator = torch.Generator().manual_seed(1)
         for layer in layers:
             for matrix, name in zip(MATRIX_COLUMNS, ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")):
                 rows = getattr(layer, matrix).out_features
-                setattr(layer, name, (torch.randn(rows, generator=generator) * 0.05).to(torch.bfloat16))
+                setattr(layer, name, (torch.randn(rows, generator=generator) * 0.05).to(dtype))
     rows = _counting_fused(model, monkeypatch)
     # staggered lengths: decode batches of every size from 8 rows down to 1
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
     fused = _generate_each(llm, PROMPTS, params)
-    assert set(rows) == set(range(1, min(integer_rows - 1, model.linear.max_rows, GEMV_MAX_ROWS) + 1))
+    max_rows = getattr(model.linear, "max_rows", GEMV_MAX_ROWS)  # float32's oneDNN product: the fused step's own
+    assert set(rows) == set(range(1, min(integer_rows - 1, max_rows, GEMV_MAX_ROWS) + 1))
     assert fused == _unfused(llm, PROMPTS, params)
 
 

@@ -43,7 +43,7 @@
 // sequence one work item (with fewer than 2 sequences per thread, and `split`, long ones cut into parts of
 // whole blocks, merged at the end as above), each token's K/V row (all kv heads) converted to float once and
 // scored against every query head with `omp simd` dot products; AVX2 builds with head_dim 64, 128 or 256 take
-// a block's rows eight tokens at a time instead (attend_block_avx2).
+// chunks of whole blocks (128+ tokens) instead, token by token in address order (attend_chunk_avx2).
 //
 // Measured (bf16, SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64, blocks of 16; 2 threads of an
 // AVX512-BF16 EPYC shared with other work, best of 3 runs; the caches of 30 layers in turn, as in a
@@ -107,14 +107,30 @@ inline const float* as_floats(const T* src, float* dst, int64_t count) {
 constexpr int64_t kPortableSplitTokens = 256;  // the least tokens per part when the portable loops split
 constexpr int64_t kPortablePartsPerThread = 2;  // fewer sequences than this per thread split the long ones
 
+// The largest of x[0..n), n >= 1 (a serial chain of scalar maxes cost the AVX2 loops a sixth of their time).
+inline float max_of(const float* x, int64_t n) {
+    int64_t i = 0;
+    float top = x[0];
+#if defined(__AVX2__) || defined(__AVX512F__)
+    if (n >= 8) {
+        __m256 tops = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(x + i));
+        const __m128 four = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
+        const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+        top = _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+    }
+#endif
+    for (; i < n; ++i) top = std::max(top, x[i]);
+    return top;
+}
+
 // The online softmax over one block's scores s[h][j0..n) (in place, into probabilities): the running max and sum
 // of each head move on, and what was accumulated is rescaled when the maximum grows.
 inline void online_softmax(float* s, int64_t j0, int64_t n, int64_t num_heads, int64_t head_dim, int64_t block_size,
                            float* acc, float* running_max, float* running_sum) {
     for (int64_t h = 0; h < num_heads; ++h) {
         float* sh = s + h * block_size;
-        float block_max = sh[j0];
-        for (int64_t j = j0 + 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
+        const float block_max = max_of(sh + j0, n - j0);
         const float new_max = std::max(running_max[h], block_max);
         const float correction = fast_exp(running_max[h] - new_max);
         float sum = 0.0f;
@@ -150,71 +166,140 @@ inline float total(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
 }
 
-// One block's tokens [j0, n) on AVX2, its K and V rows already float ([token][kv head][HD]): each head scores
-// eight tokens at a time (eight vectors of products, then one tree of horizontal adds for the eight, where a
-// token's `omp simd` dot product ended in a serial chain of scalar adds), and P.V keeps 64 of a head's sums in
-// registers through eight tokens instead of loading and storing them at each token.
-template <int HD>
-void attend_block_avx2(const float* q, const float* k, const float* v, int64_t j0, int64_t n, int64_t num_heads,
-                       const int64_t* kv_of, int64_t token_size, int64_t block_size, float softcap, float* acc,
-                       float* running_max, float* running_sum, float* s) {
-    static_assert(HD % 64 == 0, "P.V holds 64 sums at a time");
-    // eight tokens at a time, every head over them, then the next eight: the rows are read in address order
-    // (head by head over the block, a kv head's 256 bytes of every token row, ran 1.08x slower from DRAM)
-    int64_t j = j0;
-    for (; j + 8 <= n; j += 8) {
-        for (int64_t h = 0; h < num_heads; ++h) {
-            const float* qh = q + h * HD;
-            const float* kh = k + j * token_size + kv_of[h] * HD;
-            __m256 sums[8];
-            for (int t = 0; t < 8; ++t) sums[t] = _mm256_setzero_ps();
-            for (int d = 0; d < HD; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + d);
-                for (int t = 0; t < 8; ++t)
-                    sums[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + t * token_size + d), sums[t]);
+constexpr int64_t kAvx2ChunkTokens = 128;  // tokens scored before one softmax update and their P.V
+
+// The cache blocks of one chunk: enough whole blocks for kAvx2ChunkTokens (a larger block alone). An fp8 cache's
+// rows are widened into a buffer first: a block at a time, so the buffer stays a block's.
+template <typename C>
+inline int64_t avx2_chunk_blocks(int64_t block_size) {
+    constexpr bool in_place = std::is_same_v<C, float> || std::is_same_v<C, uint16_t>;
+    return in_place ? std::max<int64_t>(1, kAvx2ChunkTokens / block_size) : 1;
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16: the upper halves of float32s
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Token i's products with the NH query heads q[0..NH) (HD apart) of one kv head, whose K row is `k`: a vector of
+// eight partial sums per head into v[h * 8] (the heads' vectors of eight tokens, 8 apart).
+template <int HD, int NH, typename E>
+inline void products_of_token(const float* q, const E* k, __m256* v) {
+    __m256 sums[NH];
+    for (int h = 0; h < NH; ++h) sums[h] = _mm256_setzero_ps();
+    for (int d = 0; d < HD; d += 8) {
+        const __m256 kv = load8(k + d);
+        for (int h = 0; h < NH; ++h) sums[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * HD + d), kv, sums[h]);
+    }
+    for (int h = 0; h < NH; ++h) v[h * 8] = sums[h];
+}
+
+// P.V of a chunk's m tokens for the NH heads of one kv head, from the cache (L2 after the scoring touched it):
+// acc[h] += sum_t p[h * stride + t] * V_t, DV vectors of each head's sums held in registers through every token.
+template <int HD, int NH, int DV, typename E>
+inline void weigh_chunk(const float* p, int64_t stride, const E* const* v_rows, int64_t offset, int64_t m,
+                        float* acc) {
+    static_assert(HD % (8 * DV) == 0, "whole passes over a head");
+    for (int d0 = 0; d0 < HD; d0 += 8 * DV) {
+        __m256 sums[NH][DV];
+        for (int h = 0; h < NH; ++h)
+            for (int j = 0; j < DV; ++j) sums[h][j] = _mm256_loadu_ps(acc + h * HD + d0 + 8 * j);
+        for (int64_t t = 0; t < m; ++t) {
+            const E* row = v_rows[t] + offset + d0;
+            __m256 vals[DV];
+            for (int j = 0; j < DV; ++j) vals[j] = load8(row + 8 * j);
+            for (int h = 0; h < NH; ++h) {
+                const __m256 w = _mm256_set1_ps(p[h * stride + t]);
+                for (int j = 0; j < DV; ++j) sums[h][j] = _mm256_fmadd_ps(w, vals[j], sums[h][j]);
             }
-            _mm256_storeu_ps(s + h * block_size + j, totals8(sums));
+        }
+        for (int h = 0; h < NH; ++h)
+            for (int j = 0; j < DV; ++j) _mm256_storeu_ps(acc + h * HD + d0 + 8 * j, sums[h][j]);
+    }
+}
+
+// A kv head's `group` query heads, in passes of up to four.
+template <typename F4, typename F3, typename F2, typename F1>
+inline void in_passes(int64_t group, F4&& four, F3&& three, F2&& two, F1&& one) {
+    int64_t h = 0;
+    for (; h + 4 <= group; h += 4) four(h);
+    switch (group - h) {
+        case 3: three(h); break;
+        case 2: two(h); break;
+        case 1: one(h); break;
+        default: break;
+    }
+}
+
+// A chunk's tokens [0, m) on AVX2, token i's K and V rows (all kv heads) at k_rows[i] and v_rows[i] (float or
+// bf16, read in place), token by token in address order: the hardware prefetcher then streams the rows from
+// DRAM (a model of this loop reading eight tokens' rows head by head ran 1.6x slower from DRAM, at the same
+// speed from L3). Per token, each head's products make a vector of eight partial sums, reduced eight tokens at
+// a time by one tree of horizontal adds; one online-softmax update for the whole chunk (per block of 16 it cost
+// as much as the products); then per token its V row's values, each loaded once, into the sums of the heads
+// that read them. No software prefetch: prefetching whole blocks ahead slowed that model by 1.3x.
+// s: the heads' scores, `stride` apart; vecs: num_heads * 8 vectors of scratch.
+template <int HD, typename E>
+void attend_chunk_avx2(const float* q, const E* const* k_rows, const E* const* v_rows, int64_t m,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t stride, float softcap, float* acc,
+                       float* running_max, float* running_sum, float* s, __m256* vecs) {
+    static_assert(HD % 64 == 0, "P.V takes 64 values at a time");
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row_bytes = num_kv_heads * HD * static_cast<int64_t>(sizeof(E));
+    __m256 touched = _mm256_setzero_ps();  // V rows read beside K's, in address order, for P.V to find in L2
+    for (int64_t i0 = 0; i0 < m; i0 += 8) {
+        const int64_t count = std::min<int64_t>(8, m - i0);
+        for (int64_t t = 0; t < count; ++t) {
+            const char* v_row = reinterpret_cast<const char*>(v_rows[i0 + t]);
+            for (int64_t at = 0; at < row_bytes; at += 64)
+                touched = _mm256_or_ps(touched, _mm256_loadu_ps(reinterpret_cast<const float*>(v_row + at)));
+            for (int64_t g = 0; g < num_kv_heads; ++g) {
+                const E* k = k_rows[i0 + t] + g * HD;
+                const float* qg = q + g * group * HD;
+                __m256* v = vecs + g * group * 8 + t;
+                in_passes(
+                    group, [&](int64_t h) { products_of_token<HD, 4>(qg + h * HD, k, v + h * 8); },
+                    [&](int64_t h) { products_of_token<HD, 3>(qg + h * HD, k, v + h * 8); },
+                    [&](int64_t h) { products_of_token<HD, 2>(qg + h * HD, k, v + h * 8); },
+                    [&](int64_t h) { products_of_token<HD, 1>(qg + h * HD, k, v + h * 8); });
+            }
+        }
+        for (int64_t h = 0; h < num_heads; ++h) {
+            if (count == 8) {
+                _mm256_storeu_ps(s + h * stride + i0, totals8(vecs + h * 8));
+            } else {
+                for (int64_t t = 0; t < count; ++t) s[h * stride + i0 + t] = total(vecs[h * 8 + t]);
+            }
         }
     }
-    for (; j < n; ++j)
-        for (int64_t h = 0; h < num_heads; ++h) {
-            const float* qh = q + h * HD;
-            const float* kh = k + j * token_size + kv_of[h] * HD;
-            __m256 sum = _mm256_setzero_ps();
-            for (int d = 0; d < HD; d += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), sum);
-            s[h * block_size + j] = total(sum);
-        }
     if (softcap > 0.0f)
         for (int64_t h = 0; h < num_heads; ++h)
-            for (int64_t t = j0; t < n; ++t) s[h * block_size + t] = softcap * std::tanh(s[h * block_size + t] / softcap);
-    online_softmax(s, j0, n, num_heads, HD, block_size, acc, running_max, running_sum);
-    for (int64_t t0 = j0; t0 < n; t0 += 8) {
-        const int64_t t1 = std::min(n, t0 + 8);
-        for (int64_t h = 0; h < num_heads; ++h) {
-            const float* vh = v + kv_of[h] * HD;
-            const float* ph = s + h * block_size;
-            for (int d0 = 0; d0 < HD; d0 += 64) {
-                float* a = acc + h * HD + d0;
-                __m256 sums[8];
-                for (int i = 0; i < 8; ++i) sums[i] = _mm256_loadu_ps(a + 8 * i);
-                for (int64_t t = t0; t < t1; ++t) {
-                    const __m256 p = _mm256_set1_ps(ph[t]);
-                    const float* row = vh + t * token_size + d0;
-                    for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 8 * i), sums[i]);
-                }
-                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(a + 8 * i, sums[i]);
-            }
-        }
+            for (int64_t t = 0; t < m; ++t) s[h * stride + t] = softcap * std::tanh(s[h * stride + t] / softcap);
+    online_softmax(s, 0, m, num_heads, HD, stride, acc, running_max, running_sum);
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const float* p = s + g * group * stride;
+        float* a = acc + g * group * HD;
+        in_passes(
+            group, [&](int64_t h) { weigh_chunk<HD, 4, 2>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
+            [&](int64_t h) { weigh_chunk<HD, 3, 4>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
+            [&](int64_t h) { weigh_chunk<HD, 2, 4>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
+            [&](int64_t h) { weigh_chunk<HD, 1, 8>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); });
     }
+    asm volatile("" : : "x"(touched));  // the touch loads stay
 }
 #else
 constexpr bool kAvx2Block = false;
+template <typename C>
+inline int64_t avx2_chunk_blocks(int64_t) {
+    return 1;
+}
 #endif
 
 // One pass over tokens [begin, end) of a sequence's blocks with an online softmax (running max m, running
-// sum l per head): K and V of each block are read once, scores live in a block-sized buffer. (Measured: 1.6x
-// faster than scoring all tokens first, then softmax, then a second pass for V; prefetching the next block
-// explicitly made no measurable difference to these loops; the AVX2 path, whose arithmetic is faster, does it.)
+// sum l per head): K and V of each block are read once, scores live in a block-sized buffer (AVX2: a chunk's).
+// (Measured: 1.6x faster than scoring all tokens first, then softmax, then a second pass for V; prefetching
+// the next block explicitly made no measurable difference to these loops, and slowed the AVX2 chunks.)
 // Leaves the unnormalized sums in acc.
 // HD > 0: head_dim known at compile time (the inner loops unroll fully); HD == 0: any head_dim. C: the cache's
 // element type (T's, or Fp8E4M3 under a float or bf16 query).
@@ -228,35 +313,47 @@ void attend_range(const float* q, const C* key_cache, const C* value_cache, cons
     std::fill(acc, acc + num_heads * head_dim, 0.0f);
     std::fill(running_max, running_max + num_heads, -INFINITY);
     std::fill(running_sum, running_sum + num_heads, 0.0f);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if constexpr (HD > 0 && HD % 64 == 0) {  // chunks of whole blocks (attend_chunk_avx2)
+        constexpr bool in_place = std::is_same_v<C, float> || std::is_same_v<C, uint16_t>;
+        using E = std::conditional_t<in_place, C, float>;  // the rows as the chunk kernel reads them
+        const int64_t chunk_blocks = avx2_chunk_blocks<C>(block_size);
+        const int64_t stride = chunk_blocks * block_size;  // the most tokens of a chunk: s's row stride
+        std::vector<const E*> k_rows(stride), v_rows(stride);
+        std::vector<__m256> vecs(num_heads * 8);
+        for (int64_t b = begin / block_size; b * block_size < end; b += chunk_blocks) {
+            int64_t m = 0;  // the chunk's tokens so far
+            for (int64_t c = b; c < b + chunk_blocks && c * block_size < end; ++c) {
+                const C* keys = key_cache + table[c] * block_stride;
+                const C* values = value_cache + table[c] * block_stride;
+                const int64_t n = std::min(block_size, end - c * block_size);
+                const int64_t j0 = std::max<int64_t>(0, begin - c * block_size);  // tokens of the block in view
+                if constexpr (in_place) {
+                    for (int64_t j = j0; j < n; ++j, ++m) {
+                        k_rows[m] = keys + j * token_size;
+                        v_rows[m] = values + j * token_size;
+                    }
+                } else {  // a chunk of one block: its rows widened into block_rows
+                    const int64_t count = (n - j0) * token_size;
+                    as_floats(keys + j0 * token_size, block_rows, count);
+                    as_floats(values + j0 * token_size, block_rows + block_stride, count);
+                    for (int64_t j = 0; j < n - j0; ++j, ++m) {
+                        k_rows[m] = block_rows + j * token_size;
+                        v_rows[m] = block_rows + block_stride + j * token_size;
+                    }
+                }
+            }
+            attend_chunk_avx2<HD, E>(q, k_rows.data(), v_rows.data(), m, num_heads, token_size / HD, stride,
+                                     softcap, acc, running_max, running_sum, s, vecs.data());
+        }
+        return;
+    }
+#endif
     for (int64_t b = begin / block_size; b * block_size < end; ++b) {
         const C* keys = key_cache + table[b] * block_stride;
         const C* values = value_cache + table[b] * block_stride;
         const int64_t n = std::min(block_size, end - b * block_size);
         const int64_t j0 = std::max<int64_t>(0, begin - b * block_size);  // tokens of the block in view
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-        if constexpr (HD > 0 && HD % 64 == 0) {  // the block's rows made float once (in place for a float cache)
-            if ((b + 1) * block_size < end) {  // the next block's rows on their way while this one is read
-                const char* next_keys = reinterpret_cast<const char*>(key_cache + table[b + 1] * block_stride);
-                const char* next_values = reinterpret_cast<const char*>(value_cache + table[b + 1] * block_stride);
-                for (int64_t at = 0; at < block_stride * static_cast<int64_t>(sizeof(C)); at += 64) {
-                    __builtin_prefetch(next_keys + at, 0, 3);
-                    __builtin_prefetch(next_values + at, 0, 3);
-                }
-            }
-            const float* k = reinterpret_cast<const float*>(keys);
-            const float* v = reinterpret_cast<const float*>(values);
-            if constexpr (!std::is_same_v<C, float>) {
-                const int64_t offset = j0 * token_size, count = (n - j0) * token_size;
-                as_floats(keys + offset, block_rows + offset, count);
-                as_floats(values + offset, block_rows + block_stride + offset, count);
-                k = block_rows;
-                v = block_rows + block_stride;
-            }
-            attend_block_avx2<HD>(q, k, v, j0, n, num_heads, kv_of, token_size, block_size, softcap, acc,
-                                  running_max, running_sum, s);
-            continue;
-        }
-#endif
 
         // s[h][j] = q[h] . K[j][kv_head(h)]
         for (int64_t j = j0; j < n; ++j) {
@@ -321,9 +418,10 @@ void paged_decode(const T* query, const C* key_cache, const C* value_cache, cons
     {
         std::vector<float> q(query_size), acc(query_size), row(token_size);
         std::vector<float> running_max(num_heads), running_sum(num_heads);
-        std::vector<float> scores(num_heads * block_size);
-        // a block's K and V rows made float (AVX2 path; unused by a float cache, whose rows are read in place)
-        std::vector<float> block_rows(kAvx2Block && !std::is_same_v<C, float> ? 2 * block_size * token_size : 0);
+        std::vector<float> scores(num_heads * avx2_chunk_blocks<C>(block_size) * block_size);
+        // a block's K and V rows made float (AVX2 path, an fp8 cache; float and bf16 rows are read in place)
+        constexpr bool widened = kAvx2Block && !std::is_same_v<C, float> && !std::is_same_v<C, uint16_t>;
+        std::vector<float> block_rows(widened ? 2 * block_size * token_size : 0);
         std::vector<int64_t> kv_of(num_heads);  // each query head's kv head (no division in the loops)
         for (int64_t h = 0; h < num_heads; ++h) kv_of[h] = h / group;
 
