@@ -165,7 +165,7 @@ class LlamaForCausalLM:
                 tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype, device=self.device)
             )
         self.layers = [self._take_layer(state, i) for i in self.stage.layers]
-        if isinstance(self.linear, PackedOneDnnLinear) and not has_gguf_blocks(self):
+        if self.fused is not None and isinstance(self.linear, PackedOneDnnLinear) and not has_gguf_blocks(self):
             self.fused = None
         if self.stage.is_first:
             self._take_ends(state)
