@@ -286,6 +286,10 @@ void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
+// A 4-bit block's integer dot products, summed in 16 bits: each vpmaddubsw pair sum is at most 2 * 15 * 127
+// = 3,810, so eight of them (a block's 32 elements) stay below 2^15, and one vpmaddwd per block, not one per
+// 4 elements, widens them. The sums are the same integers as widening each pair sum at once.
+
 // Columns 8h .. 8h + 7 of the group: the second 32 bytes of each 64-byte vector.
 template <int64_t FORMAT, int NR>
 void x16_half(const uint8_t* qs, int64_t nb, Activations a, int h, float* result /*[NR][16]*/) {
@@ -312,10 +316,15 @@ void x16_half(const uint8_t* qs, int64_t nb, Activations a, int h, float* result
                                           : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
         for (int r = 0; r < NR; ++r) {
             const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + r * a.nbp * kBlock + b * kBlock);
-            __m256i s = _mm256_setzero_si256();
-            for (int q = 0; q < 8; ++q) {
-                const __m256i xv = _mm256_set1_epi32(xb[q]);
-                s = _mm256_add_epi32(s, FORMAT == kQ8_0 ? dot_signed(u[q], xv) : dot_unsigned(u[q], xv));
+            __m256i s;
+            if constexpr (FORMAT == kQ8_0) {
+                s = _mm256_setzero_si256();
+                for (int q = 0; q < 8; ++q) s = _mm256_add_epi32(s, dot_signed(u[q], _mm256_set1_epi32(xb[q])));
+            } else {
+                __m256i pairs = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(xb[0]));
+                for (int q = 1; q < 8; ++q)
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[q], _mm256_set1_epi32(xb[q])));
+                s = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
             }
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.dx[r * a.nbp + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
@@ -325,10 +334,48 @@ void x16_half(const uint8_t* qs, int64_t nb, Activations a, int h, float* result
     for (int r = 0; r < NR; ++r) _mm256_storeu_ps(result + r * 16 + 8 * h, _mm256_add_ps(acc[r], accm[r]));
 }
 
+// One row against a 4-bit group, both halves in one pass over the records: each record read once, each
+// activation broadcast once for the two halves (the halves one after the other read every record twice).
+template <int64_t FORMAT>
+void x16_row4(const uint8_t* qs, int64_t nb, Activations a, float* result /*[16]*/) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = qs + b * x16_block_bytes(FORMAT);
+        const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + b * kBlock);
+        __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int q = 0; q < 4; ++q) {
+            const __m256i x_low = _mm256_set1_epi32(xb[q]), x_high = _mm256_set1_epi32(xb[q + 4]);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * q + 32 * h));
+                const __m256i lows = _mm256_maddubs_epi16(_mm256_and_si256(both, low), x_low);
+                const __m256i highs = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(both, 4), low), x_high);
+                pairs[h] = _mm256_add_epi16(pairs[h], _mm256_add_epi16(lows, highs));
+            }
+        }
+        const __m256 dx = _mm256_set1_ps(a.dx[b]), sx = _mm256_set1_ps(a.sx[b]);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 dw = _mm256_cvtph_ps(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(x16_scales(p, FORMAT) + 8 * h)));
+            const __m256 mw = FORMAT == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                                    reinterpret_cast<const __m128i*>(x16_mins(p, FORMAT) + 8 * h)))
+                                              : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+            const __m256i s = _mm256_madd_epi16(pairs[h], _mm256_set1_epi16(1));
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[h]);
+            accm[h] = _mm256_fmadd_ps(mw, sx, accm[h]);
+        }
+    }
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(result + 8 * h, _mm256_add_ps(acc[h], accm[h]));
+}
+
 template <int64_t FORMAT, int NR>
 void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR][16]*/) {
-    x16_half<FORMAT, NR>(qs, nb, a, 0, result);
-    x16_half<FORMAT, NR>(qs, nb, a, 1, result);
+    if constexpr (NR == 1 && FORMAT != kQ8_0) {
+        x16_row4<FORMAT>(qs, nb, a, result);
+    } else {
+        x16_half<FORMAT, NR>(qs, nb, a, 0, result);
+        x16_half<FORMAT, NR>(qs, nb, a, 1, result);
+    }
 }
 
 #else
