@@ -199,6 +199,26 @@ def each_product(kernels, weights, name: str, dtype: torch.dtype, layout: str, *
             )
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+def test_four_bit_products_at_the_edge_of_their_16_bit_sums(kernels, name, layout):
+    """Every quant 15 (or nearly) against activations quantized to +-127: a block's vpmaddubsw pair sums add up to
+    near 8 x 3,810 in 16 bits on AVX2 before they are widened; the products stay the exact integer ones."""
+    shape = LAYOUT_SHAPES[layout][-1]
+    w = np.ones(shape, dtype=np.float32)
+    w[:, ::32] = 0.0 if name == "q4_1" else -1.0  # each block's extreme: its other quants are 15
+    raw = quantize(w, TYPES[name])
+    reference = dequantize(raw, TYPES[name]).astype(np.float64)
+    weight = GgufWeight(FORMATS[name], repack(FORMATS[name], raw, shape[1]), shape[1], kernels)
+    weight = weight.interleaved() if layout == "x16" else weight
+    p = weight.packed
+    for rows in (1, 2, 4, 5):
+        x = torch.ones(rows, shape[1]) * torch.tensor([1.0, -1.0, 3.0, -0.5, 2.0])[:rows, None]
+        got = kernels.linear(x, p.qs, p.d, p.m, weight.out_features, p.nbp, weight.fmt.code, p.layout)
+        check_integer_product(got, x, reference)
+        assert np.abs(got.double().numpy()).max() > 0.9 * np.abs(x.double().numpy() @ reference.T).max()
+
+
 def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray, relative: float) -> None:
     """Within `relative` of the sum of absolute products (bf16 rounding of weights or of the result)."""
     xs = x.double().numpy()
