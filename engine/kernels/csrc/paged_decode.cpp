@@ -196,7 +196,8 @@ inline void products_of_token(const float* q, const E* k, __m256* v) {
 }
 
 // P.V of a chunk's m tokens for the NH heads of one kv head, from the cache (L2 after the scoring touched it):
-// acc[h] += sum_t p[h * stride + t] * V_t, DV vectors of each head's sums held in registers through every token.
+// acc[h] += sum_t p[h * stride + t] * V_t, DV vectors of each head's sums held in registers through every token
+// (NH * DV <= 8: three heads of four vectors each spilled, and ran a bf16 cache 1.1x slower).
 template <int HD, int NH, int DV, typename E>
 inline void weigh_chunk(const float* p, int64_t stride, const E* const* v_rows, int64_t offset, int64_t m,
                         float* acc) {
@@ -282,7 +283,7 @@ void attend_chunk_avx2(const float* q, const E* const* k_rows, const E* const* v
         float* a = acc + g * group * HD;
         in_passes(
             group, [&](int64_t h) { weigh_chunk<HD, 4, 2>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
-            [&](int64_t h) { weigh_chunk<HD, 3, 4>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
+            [&](int64_t h) { weigh_chunk<HD, 3, 2>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
             [&](int64_t h) { weigh_chunk<HD, 2, 4>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
             [&](int64_t h) { weigh_chunk<HD, 1, 8>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); });
     }
