@@ -368,9 +368,37 @@ void x16_row4(const uint8_t* qs, int64_t nb, Activations a, float* result /*[16]
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(result + 8 * h, _mm256_add_ps(acc[h], accm[h]));
 }
 
+// One row against a Q8_0 group, both halves in one pass (as x16_row4).
+inline void x16_row8(const uint8_t* qs, int64_t nb, Activations a, float* result /*[16]*/) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = qs + b * x16_block_bytes(kQ8_0);
+        const int32_t* xb = reinterpret_cast<const int32_t*>(a.xq + b * kBlock);
+        __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int q = 0; q < 8; ++q) {
+            const __m256i x = _mm256_set1_epi32(xb[q]);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i w =
+                    _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * q + 32 * h)), bias);
+                sums[h] = _mm256_add_epi32(sums[h], dot_signed(w, x));
+            }
+        }
+        const __m256 dx = _mm256_set1_ps(a.dx[b]);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 dw = _mm256_cvtph_ps(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(x16_scales(p, kQ8_0) + 8 * h)));
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h]), _mm256_mul_ps(dw, dx), acc[h]);
+        }
+    }
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(result + 8 * h, _mm256_add_ps(acc[h], _mm256_setzero_ps()));
+}
+
 template <int64_t FORMAT, int NR>
 void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR][16]*/) {
-    if constexpr (NR == 1 && FORMAT != kQ8_0) {
+    if constexpr (NR == 1 && FORMAT == kQ8_0) {
+        x16_row8(qs, nb, a, result);
+    } else if constexpr (NR == 1) {
         x16_row4<FORMAT>(qs, nb, a, result);
     } else {
         x16_half<FORMAT, NR>(qs, nb, a, 0, result);
