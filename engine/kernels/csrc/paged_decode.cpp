@@ -234,12 +234,13 @@ inline void in_passes(int64_t group, F4&& four, F3&& three, F2&& two, F1&& one) 
 }
 
 // A chunk's tokens [0, m) on AVX2, token i's K and V rows (all kv heads) at k_rows[i] and v_rows[i] (float or
-// bf16, read in place), token by token in address order: the hardware prefetcher then streams the rows from
-// DRAM (a model of this loop reading eight tokens' rows head by head ran 1.6x slower from DRAM, at the same
-// speed from L3). Per token, each head's products make a vector of eight partial sums, reduced eight tokens at
-// a time by one tree of horizontal adds; one online-softmax update for the whole chunk (per block of 16 it cost
-// as much as the products); then per token its V row's values, each loaded once, into the sums of the heads
-// that read them. No software prefetch: prefetching whole blocks ahead slowed that model by 1.3x.
+// bf16, read in place). Memory is read token by token in address order, the only order the hardware prefetcher
+// streams from DRAM here: reading eight tokens' rows head by head, or two rows side by side, was 1.2-1.6x slower
+// from DRAM at the same speed from L3 (docs/performance.md, "The AVX2 decode step"). So each token's K row is
+// scored as it comes (per head a vector of eight partial sums, reduced eight tokens at a time by one tree of
+// horizontal adds), and its V row is read beside it (`touched`) for P.V to find in L2 after the chunk's one
+// online-softmax update (per block of 16 that update rivalled the products); P.V then runs kv head by kv head
+// with a few of each head's sums in registers through every token. No software prefetch: it slowed this loop.
 // s: the heads' scores, `stride` apart; vecs: num_heads * 8 vectors of scratch.
 template <int HD, typename E>
 void attend_chunk_avx2(const float* q, const E* const* k_rows, const E* const* v_rows, int64_t m,
