@@ -107,7 +107,7 @@ inline const float* as_floats(const T* src, float* dst, int64_t count) {
 constexpr int64_t kPortableSplitTokens = 256;  // the least tokens per part when the portable loops split
 constexpr int64_t kPortablePartsPerThread = 2;  // fewer sequences than this per thread split the long ones
 
-// The largest of x[0..n), n >= 1 (a serial chain of scalar maxes cost the AVX2 loops a sixth of their time).
+// The largest of x[0..n), n >= 1 (a serial chain of scalar maxes was a third of the softmax's time on AVX2).
 inline float max_of(const float* x, int64_t n) {
     int64_t i = 0;
     float top = x[0];
@@ -239,7 +239,7 @@ inline void in_passes(int64_t group, F4&& four, F3&& three, F2&& two, F1&& one) 
 // from DRAM at the same speed from L3 (docs/performance.md, "The AVX2 decode step"). So each token's K row is
 // scored as it comes (per head a vector of eight partial sums, reduced eight tokens at a time by one tree of
 // horizontal adds), and its V row is read beside it (`touched`) for P.V to find in L2 after the chunk's one
-// online-softmax update (per block of 16 that update rivalled the products); P.V then runs kv head by kv head
+// online-softmax update (not one per block); P.V then runs kv head by kv head
 // with a few of each head's sums in registers through every token. No software prefetch: it slowed this loop.
 // s: the heads' scores, `stride` apart; vecs: num_heads * 8 vectors of scratch.
 template <int HD, typename E>
