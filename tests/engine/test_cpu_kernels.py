@@ -101,7 +101,7 @@ def test_rejects_what_it_cannot_read(cpu_kernels):
 DECODE_ARCHES = {
     "native": (),
     "skylake-avx512": ("avx512f", "avx512bw"),  # AVX-512 without BF16: bf16 widened to float32
-    "haswell": ("avx2", "fma"),  # the portable loops, AVX2-vectorized
+    "haswell": ("avx2", "fma"),  # the AVX2 chunks (head_dim 64/128/256), else the portable loops
     "x86-64": (),  # the portable loops, SSE2
 }
 # head_dim, heads, kv_heads, block_size, context lengths (one per sequence)
@@ -193,7 +193,7 @@ def test_paged_decode_matches_float64(decode_kernels, dtype, cache_dtype, head_d
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
 def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, split):
-    """Every build's loops (the AVX2 block path among them) with a window whose first visible token lies inside a
+    """Every build's loops (the AVX2 chunks among them) with a window whose first visible token lies inside a
     block and off a multiple of 8, soft-capped scores and sinks, split across 2 threads or not."""
     gen = torch.Generator().manual_seed(11)
     block_size, kv_heads, heads, head_dim, window, softcap, scale = 16, 3, 9, 64, 613, 5.0, 0.125
