@@ -195,7 +195,7 @@ inline void products_of_token(const float* q, const E* k, __m256* v) {
     for (int h = 0; h < NH; ++h) v[h * 8] = sums[h];
 }
 
-// P.V of a chunk's m tokens for the NH heads of one kv head, from the cache (L2 after the scoring touched it):
+// P.V of a chunk's m tokens for the NH heads of one kv head, from the cache (L2 after the scoring fetched it):
 // acc[h] += sum_t p[h * stride + t] * V_t, DV vectors of each head's sums held in registers through every token
 // (NH * DV <= 8: three heads of four vectors each spilled, and ran a bf16 cache 1.1x slower).
 template <int HD, int NH, int DV, typename E>
@@ -238,9 +238,9 @@ inline void in_passes(int64_t group, F4&& four, F3&& three, F2&& two, F1&& one) 
 // streams from DRAM here: reading eight tokens' rows head by head, or two rows side by side, was 1.2-1.6x slower
 // from DRAM at the same speed from L3 (docs/performance.md, "The AVX2 decode step"). So each token's K row is
 // scored as it comes (per head a vector of eight partial sums, reduced eight tokens at a time by one tree of
-// horizontal adds), and its V row is read beside it (`touched`) for P.V to find in L2 after the chunk's one
-// online-softmax update (not one per block); P.V then runs kv head by kv head
-// with a few of each head's sums in registers through every token. No software prefetch: it slowed this loop.
+// horizontal adds), and its V row is prefetched beside it for P.V to find in L2 after the chunk's one
+// online-softmax update (not one per block); P.V then runs kv head by kv head with a few of each head's sums in
+// registers through every token. Prefetching rows ahead of the current token (K or V, 1-16 tokens) slowed it.
 // s: the heads' scores, `stride` apart; vecs: num_heads * 8 vectors of scratch.
 template <int HD, typename E>
 void attend_chunk_avx2(const float* q, const E* const* k_rows, const E* const* v_rows, int64_t m,
@@ -249,13 +249,13 @@ void attend_chunk_avx2(const float* q, const E* const* k_rows, const E* const* v
     static_assert(HD % 64 == 0, "P.V takes 64 values at a time");
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_bytes = num_kv_heads * HD * static_cast<int64_t>(sizeof(E));
-    __m256 touched = _mm256_setzero_ps();  // V rows read beside K's, in address order, for P.V to find in L2
     for (int64_t i0 = 0; i0 < m; i0 += 8) {
         const int64_t count = std::min<int64_t>(8, m - i0);
         for (int64_t t = 0; t < count; ++t) {
+            // the V row fetched beside the K row, in address order, for P.V to find in L2: a prefetch, not a
+            // load, so that no instruction waits on it (loads held retirement there, 1.05-1.1x slower)
             const char* v_row = reinterpret_cast<const char*>(v_rows[i0 + t]);
-            for (int64_t at = 0; at < row_bytes; at += 64)
-                touched = _mm256_or_ps(touched, _mm256_loadu_ps(reinterpret_cast<const float*>(v_row + at)));
+            for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(v_row + at, _MM_HINT_T0);
             for (int64_t g = 0; g < num_kv_heads; ++g) {
                 const E* k = k_rows[i0 + t] + g * HD;
                 const float* qg = q + g * group * HD;
@@ -288,7 +288,6 @@ void attend_chunk_avx2(const float* q, const E* const* k_rows, const E* const* v
             [&](int64_t h) { weigh_chunk<HD, 2, 4>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); },
             [&](int64_t h) { weigh_chunk<HD, 1, 8>(p + h * stride, stride, v_rows, g * HD, m, a + h * HD); });
     }
-    asm volatile("" : : "x"(touched));  // the touch loads stay
 }
 #else
 constexpr bool kAvx2Block = false;
