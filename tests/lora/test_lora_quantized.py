@@ -179,3 +179,45 @@ def test_tokens_are_the_dequantized_base_with_the_adapter_merged(
         assert np.max(np.subtract(best, chosen)) <= tolerance  # (0 unless the best two are that close)
         served = [lp.logprob for lp in result.outputs[0].logprobs]
         assert served == pytest.approx(chosen, abs=tolerance)
+
+
+def test_fused_gguf_decode_with_adapters_equals_the_unfused_path(q8_gguf, adapter_a, gguf_adapter):
+    """float32 over GGUF blocks (the fused step a CPU without native bf16 runs): decode steps holding base, PEFT
+    and GGUF adapter requests run fused, the deltas inside the native step, and give the unfused path's tokens
+    and logprobs bit for bit."""
+    with make_llm(
+        q8_gguf,
+        quantization="gguf",
+        dtype="float32",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    ) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("peft", str(adapter_a)))
+        llm.engine.lora_manager.add_lora(LoRARequest("gguf", str(gguf_adapter)))
+        model = llm.engine.runner.model
+        assert model.fused is not None and model.lora is not None and model.lora.native is not None
+        fused_rows: list[int] = []
+        forward = model.fused.forward
+
+        def counting(m, input_ids, *args):
+            if m.lora_step is not None:
+                fused_rows.append(input_ids.shape[0])
+            return forward(m, input_ids, *args)
+
+        model.fused.forward = counting
+        model.fused.mixed_prefill_tokens = 0  # decode steps only, so both paths sum in the same order
+        choices = [None, LoRAMix.single("peft"), LoRAMix.single("gguf")]
+
+        def run():
+            results = llm.generate([PROMPTS[1]] * 3, GREEDY, use_tqdm=False, lora_request=choices)
+            assert_idle(llm)
+            return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
+
+        fused = run()
+        assert fused_rows and max(fused_rows) == len(choices)  # every request's decodes in one fused step
+        assert fused[1] != fused[0] and fused[1][0] == fused[2][0]  # the adapter moves the output; both forms alike
+        model.fused = None
+        assert run() == fused
