@@ -11,6 +11,7 @@ from engine.errors import InvalidParameterError
 from engine.runner.cuda_graphs import EagerReplay, decode_buckets
 from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf, make_llm
 from tests.lora.adapters import make_adapter, merged_model_dir
+from tests.lora.fused_steps import fused_then_unfused
 
 PROMPTS = [
     random.Random(0).choices(range(3, 512), k=9),
@@ -132,28 +133,9 @@ def test_fused_decode_with_adapters_equals_the_unfused_path(lora_base_dir, adapt
         manager = llm.engine.lora_manager
         manager.add_lora(LoRARequest("a", str(adapter_a)))
         manager.add_lora(LoRARequest("b", str(adapter_b)))
-        model = llm.engine.runner.model
-        assert model.fused is not None and model.lora is not None and model.lora.native is not None
-        fused_rows: list[int] = []
-        forward = model.fused.forward
-
-        def counting(m, input_ids, *args):
-            if m.lora_step is not None:
-                fused_rows.append(input_ids.shape[0])
-            return forward(m, input_ids, *args)
-
-        model.fused.forward = counting
-        model.fused.mixed_prefill_tokens = 0  # decode steps, bit for bit (a step admitting prompts sums otherwise)
         choices = [None, LoRAMix.single("a"), LoRAMix.single("b"), LoRAMix((("a", 0.5), ("b", 0.5)))]
         prompts = [p for p in PROMPTS[:2] for _ in choices]
         loras = [c for _ in PROMPTS[:2] for c in choices]
-
-        def run():
-            results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
-            assert_idle(llm)
-            return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
-
-        fused = run()
+        fused, unfused, fused_rows = fused_then_unfused(llm, prompts, loras, GREEDY)
         assert max(fused_rows) == len(prompts)  # every request's decodes in one fused step
-        model.fused = None
-        assert run() == fused
+        assert unfused == fused

@@ -26,6 +26,7 @@ from engine.quantization.quantized_weight import QuantizedWeight
 from tests.engine.factories import make_tiny_gguf, tiny_config_dict
 from tests.engine.references import NEW_TOKENS, assert_idle, hf_model, hf_prompt_logprobs, make_llm
 from tests.lora.adapters import merged_model_dir
+from tests.lora.fused_steps import fused_then_unfused
 from tests.lora.gguf_adapters import write_gguf_adapter
 
 CONFIG = tiny_config_dict()
@@ -197,27 +198,8 @@ def test_fused_gguf_decode_with_adapters_equals_the_unfused_path(q8_gguf, adapte
     ) as llm:
         llm.engine.lora_manager.add_lora(LoRARequest("peft", str(adapter_a)))
         llm.engine.lora_manager.add_lora(LoRARequest("gguf", str(gguf_adapter)))
-        model = llm.engine.runner.model
-        assert model.fused is not None and model.lora is not None and model.lora.native is not None
-        fused_rows: list[int] = []
-        forward = model.fused.forward
-
-        def counting(m, input_ids, *args):
-            if m.lora_step is not None:
-                fused_rows.append(input_ids.shape[0])
-            return forward(m, input_ids, *args)
-
-        model.fused.forward = counting
-        model.fused.mixed_prefill_tokens = 0  # decode steps only, so both paths sum in the same order
         choices = [None, LoRAMix.single("peft"), LoRAMix.single("gguf")]
-
-        def run():
-            results = llm.generate([PROMPTS[1]] * 3, GREEDY, use_tqdm=False, lora_request=choices)
-            assert_idle(llm)
-            return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
-
-        fused = run()
+        fused, unfused, fused_rows = fused_then_unfused(llm, [PROMPTS[1]] * 3, choices, GREEDY)
         assert fused_rows and max(fused_rows) == len(choices)  # every request's decodes in one fused step
         assert fused[1] != fused[0] and fused[1][0] == fused[2][0]  # the adapter moves the output; both forms alike
-        model.fused = None
-        assert run() == fused
+        assert unfused == fused
