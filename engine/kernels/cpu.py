@@ -77,7 +77,7 @@ conversion (one compiler process per source, as many at once as the process has 
 takes most of a core's share); the first start says so before it goes quiet for that long."""
 COMPILE_TIMEOUT_S = 300
 """Longest a compiler process may take on one source (or the link) before the build is given up."""
-DECODE_WEIGHT_COLUMNS = 6 + 6 * 4
+DECODE_WEIGHT_COLUMNS = 8 + 6 * 4
 """Values per layer in decode_layers' weight table (csrc/decode_layer.cpp's WeightColumn)."""
 DECODE_LORA_COLUMNS = 8
 """Addresses per layer in decode_layers' LoRA table: the stacked A and B of qkv, o, gate_up, down."""

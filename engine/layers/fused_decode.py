@@ -13,8 +13,9 @@ with every intermediate rounded where the unfused ops round it: the result is th
 bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
-dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and models without q/k norms and with RoPE over whole heads; anything else (int8/int4/AWQ weights among
-them) takes the general path.
+dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and
+models with RoPE over whole heads and no q/k norms or per-head ones (Qwen3's); anything else (int8/int4/AWQ
+weights, OLMo 2's norms over the whole projection among them) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,
@@ -39,10 +40,10 @@ from engine.lora.lora_stack import LoRAStack
 from engine.lora.lora_step import LoRAStep
 
 
-VECTOR_COLUMNS = ("input_norm", "post_norm", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")
+VECTOR_COLUMNS = ("input_norm", "post_norm", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm")
 MATRIX_COLUMNS = ("qkv", "o_proj", "gate_up", "down")
 """A layer's row of the weight table, in csrc/decode_layer.cpp's WeightColumn order: one address per
-vector (0: no bias), then six values per matrix (`_matrix_entry`)."""
+vector (0: no bias, no q/k norm), then six values per matrix (`_matrix_entry`)."""
 
 DENSE_FORMAT = -1
 COLUMN_BLOCKS_FORMAT = -2
@@ -179,7 +180,7 @@ def _row_tables(step: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _weight_table(model) -> torch.Tensor:
-    """[num_layers, 6 + 6 * 4] int64: per layer the address of each vector (0: no bias), then each matrix's
+    """[num_layers, 8 + 6 * 4] int64: per layer the address of each vector (0: absent), then each matrix's
     entry; the model keeps the tensors alive and never moves them."""
     tiles = getattr(model.linear, "amx", False)  # ColumnBlockLinear on AMX tiles
     rows = []
@@ -233,9 +234,9 @@ def _integer_rows(model, limit: int) -> int:
 
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype (or all fp8), no q/k norm, RoPE tables
-    in that dtype over whole heads (the kernel's tables are head_dim wide), and plain causal attention in every
-    layer (the native step has no window, cap or sinks)."""
+    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype (or all fp8), q/k norms per
+    head or none, RoPE tables in that dtype over whole heads (the kernel's tables are head_dim wide), and plain
+    causal attention in every layer (the native step has no window, cap or sinks)."""
     dtype = model.dtype
     if model.rotary.partial:
         return False
@@ -246,9 +247,10 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
     if not isinstance(model.embed, (GgufWeight, PackedWeight)):
         tensors.append(model.embed)
     for layer in model.layers:
-        if layer.q_norm is not None:
-            return False
-        tensors += [layer.input_norm, layer.post_norm]
+        norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
+        if norms and (len(norms) != 2 or any(n.numel() != model.arch.head_dim for n in norms)):
+            return False  # the kernel normalizes each head of q and k (Qwen3's), with both weights
+        tensors += [layer.input_norm, layer.post_norm, *norms]
         tensors += [b for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias) if b is not None]
         for name in MATRIX_COLUMNS:
             weight = getattr(layer, name)

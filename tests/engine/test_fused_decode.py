@@ -1,10 +1,9 @@
 """The fused small-batch decode (engine/layers/fused_decode.py, csrc/decode_layer.cpp) against the unfused
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows (and, with
-the column-block product, 16), with q/k/v biases (qwen2), on weights packed in column blocks (AVX512-BF16
-builds) and plain ones (the small-batch kernel elsewhere), and with the embedded model's GGUF blocks kept
-quantized (`quantization="gguf"`, in bf16 and float32, with and without biases added to its projections); models
-it does not fit
-(q/k norms, qwen3) take the general path; and on the embedded model in bf16 the same greedy tokens as torch's
+the column-block product, 16), with q/k/v biases (qwen2) and per-head q/k norms (qwen3), on weights packed in
+column blocks (AVX512-BF16 builds) and plain ones (the small-batch kernel elsewhere), and with the embedded
+model's GGUF blocks kept quantized (`quantization="gguf"`, in bf16 and float32, with biases or q/k norms added
+to its layers or neither); and on the embedded model in bf16 the same greedy tokens as torch's
 products with the unfused ops (the numerics before it). The comparisons run on the native build and on an
 AVX2 (-march=haswell) one."""
 
@@ -86,7 +85,7 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
 
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
 @pytest.mark.parametrize("product", ["column-blocks", "column-blocks-tiles", "gemv"])
-@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
     linear_class = _with_product(product, cpu_kernels, monkeypatch)
     llm = make_llm(
@@ -167,12 +166,14 @@ def _generate_each(llm: LLM, prompts, params):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("extra", ["none", "bias", "qk_norm"])
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
-    embedded_checkpoint, arch, bias, dtype, cpu_kernels, monkeypatch
+    embedded_checkpoint, arch, extra, dtype, cpu_kernels, monkeypatch
 ):
-    """float32 too (dtype auto on CPUs without native bf16): its products stay oneDNN's, the GGUF blocks fused."""
+    """float32 too (dtype auto on CPUs without native bf16): its products stay oneDNN's, the GGUF blocks fused.
+    `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
+    embedded model's layers."""
     llm = LLM(
         None,
         quantization="gguf",
@@ -201,12 +202,17 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
         for rows in range(1, GEMV_MAX_ROWS + 2)
         if layers[0].qkv.product(rows, dtype) != "integer" or rows > GEMV_MAX_ROWS
     )
-    if bias:  # the projections' biases of a qwen2 GGUF, on the blocks
-        generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1)
+    if extra == "bias":  # on the blocks
         for layer in layers:
             for matrix, name in zip(MATRIX_COLUMNS, ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")):
                 rows = getattr(layer, matrix).out_features
                 setattr(layer, name, (torch.randn(rows, generator=generator) * 0.05).to(dtype))
+    if extra == "qk_norm":  # before RoPE, each head of q and of k
+        head_dim = model.arch.head_dim
+        for layer in layers:
+            layer.q_norm = (1 + torch.randn(head_dim, generator=generator) * 0.2).to(dtype)
+            layer.k_norm = (1 + torch.randn(head_dim, generator=generator) * 0.2).to(dtype)
     rows = _counting_fused(model, monkeypatch)
     # staggered lengths: decode batches of every size from 8 rows down to 1
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
@@ -214,16 +220,6 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     max_rows = getattr(model.linear, "max_rows", GEMV_MAX_ROWS)  # float32's oneDNN product: the fused step's own
     assert set(rows) == set(range(1, min(integer_rows - 1, max_rows, GEMV_MAX_ROWS) + 1))
     assert fused == _unfused(llm, PROMPTS, params)
-
-
-def test_models_with_qk_norm_take_the_general_path(tiny_qwen3_dir, cpu_kernels, monkeypatch):
-    llm = make_llm(tiny_qwen3_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False)
-    model = llm.engine.runner.model
-    rows = _counting_fused(model, monkeypatch)
-    fused = _generate(llm, PROMPTS[:3], 6)
-    assert rows == []
-    model.fused = None
-    assert _generate(llm, PROMPTS[:3], 6) == fused
 
 
 def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tuple[list[int], list[float]]]:
@@ -355,10 +351,10 @@ def test_decode_layers_rejects_wrong_index_types(cpu_kernels):
             context_lens=lens,
             **args,
         )
-    with pytest.raises(ValueError, match="weight table of 30 columns"):  # a table of the old 10-column form
+    with pytest.raises(ValueError, match=f"weight table of {DECODE_WEIGHT_COLUMNS} columns"):  # 30: before q/k norms
         cpu_kernels.decode_layers(
             residual,
-            torch.zeros(1, 10, dtype=torch.int64),
+            torch.zeros(1, 30, dtype=torch.int64),
             caches,
             caches,
             torch.zeros(2, dtype=torch.int64),

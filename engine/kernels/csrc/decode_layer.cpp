@@ -1,7 +1,8 @@
 // A whole decode step's layers in one call, for small batches (one new token per sequence). Per layer,
 // two fused kernels, each a single OpenMP team whose phases are separated by the work-sharing loops'
 // barriers, around the paged attention kernel (paged_decode.cpp):
-//   decode_qkv     [residual += h;] x = rms_norm(residual); qkv = x @ w_qkv^T (+ b); RoPE on q and k;
+//   decode_qkv     [residual += h;] x = rms_norm(residual); qkv = x @ w_qkv^T (+ b); [each q and k head
+//                  rms_norm'd by q_norm / k_norm (Qwen3);] RoPE on q and k;
 //                  k and v stored at each token's cache slot; q out, contiguous [rows, heads, head_dim]
 //   decode_o_mlp   residual += attn @ w_o^T (+ b); x = rms_norm(residual); [g | u] = x @ w_gu^T (+ b);
 //                  out = (silu(g) * u) @ w_down^T (+ b)
@@ -118,8 +119,9 @@ inline void to_cache(const T* src, pagedserve::Fp8E4M3* dst, int64_t count) {
 }
 
 template <typename T, typename C>
-void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, const T* b_qkv, const int64_t* positions,
-                const T* cos, const T* sin_signed, C* key_cache, C* value_cache, const int64_t* slots, T* query,
+void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, const T* b_qkv, const T* q_norm,
+                const T* k_norm, const int64_t* positions, const T* cos, const T* sin_signed, C* key_cache,
+                C* value_cache, const int64_t* slots, T* query,
                 int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
                 Scratch& scratch, const LayerLoRA<T>& lora) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
@@ -138,6 +140,12 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = qkv.data() + r * width;  // [q heads | k heads | v heads] x head_dim
+            if (q_norm != nullptr) {  // each head normalized in place, as the unfused path's rms_norm over heads
+                for (int64_t head = 0; head < heads; ++head)
+                    rms_norm_row(row + head * head_dim, q_norm, row + head * head_dim, head_dim, eps);
+                for (int64_t head = heads; head < heads + kv_heads; ++head)
+                    rms_norm_row(row + head * head_dim, k_norm, row + head * head_dim, head_dim, eps);
+            }
             // whole heads: fused_decode.py leaves models with partial rotary to the unfused path
             rotary_row(row, cos + positions[r] * head_dim, sin_signed + positions[r] * head_dim, heads + kv_heads,
                        head_dim, head_dim);
@@ -217,10 +225,10 @@ inline void paged_decode(const uint16_t* q, const pagedserve::Fp8E4M3* k, const 
                                      scale, 1, 0, 0.0f, nullptr);
 }
 
-// Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias),
-// then each matrix's kMatrixColumns values.
+// Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias; the
+// per-head q and k norms both or neither), then each matrix's kMatrixColumns values.
 enum WeightColumn {
-    kInputNorm, kPostNorm, kQkvBias, kOBias, kGateUpBias, kDownBias,
+    kInputNorm, kPostNorm, kQkvBias, kOBias, kGateUpBias, kDownBias, kQNorm, kKNorm,
     kQkv, kOProj = kQkv + kMatrixColumns, kGateUp = kOProj + kMatrixColumns, kDown = kGateUp + kMatrixColumns,
     kWeightColumns = kDown + kMatrixColumns
 };
@@ -294,9 +302,9 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
         C* key_cache = reinterpret_cast<C*>(key_caches[layer]);
         C* value_cache = reinterpret_cast<C*>(value_caches[layer]);
         const LayerLoRA<T> lora = layer_lora<T>(step_lora, plan.get(), shrunk.data(), layer, s);
-        decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), positions, cos, sin_signed, key_cache,
-                   value_cache, slots, query.data(), s.rows, s.hidden, s.heads, s.kv_heads, s.head_dim, s.eps,
-                   scratch, lora);
+        decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), w(kQNorm), w(kKNorm), positions, cos,
+                   sin_signed, key_cache, value_cache, slots, query.data(), s.rows, s.hidden, s.heads, s.kv_heads,
+                   s.head_dim, s.eps, scratch, lora);
         paged_decode(query.data(), key_cache, value_cache, block_tables, context_lens, attn.data(), s.rows, s.heads,
                      s.kv_heads, s.head_dim, s.block_size, s.table_width, s.scale);
         decode_o_mlp(attn.data(), residual, matrix(kOProj), w(kOBias), w(kPostNorm), matrix(kGateUp), w(kGateUpBias),
