@@ -1,7 +1,7 @@
 """The decode forward for small batches on the cpu backend: one native call for every layer of the step
 (csrc/decode_layer.cpp) instead of ~11 operator calls per layer.
 
-    per layer   decode_qkv      [residual += h;] norm; qkv product; RoPE; K/V into the cache; -> queries
+    per layer   decode_qkv      [residual += h;] norm; qkv product; [q/k head norms;] RoPE; K/V cached; -> queries
                 paged_decode    attention of each query over its sequence's cache
                 decode_o_mlp    o product; residual += ; norm; gate|up product; SiLU * up; down product
     then        residual += h, in the kernel (before the final norm), as `LlamaForCausalLM.forward` returns
@@ -15,7 +15,7 @@ sequences (with GGUF blocks, fewer than the rows from which the unfused path lea
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
 dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and
 models with RoPE over whole heads and no q/k norms or per-head ones (Qwen3's); anything else (int8/int4/AWQ
-weights, OLMo 2's norms over the whole projection among them) takes the general path.
+weights among them) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,

@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine import platform as engine_platform
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
-from engine.layers.fused_decode import MATRIX_COLUMNS
+from engine.layers.fused_decode import MATRIX_COLUMNS, _model_fits
 from engine.kernels.column_block_weight import PackedWeight
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear, Linear
@@ -97,6 +97,8 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, r
     )  # both runs compute every prompt token the same way
     model = llm.engine.runner.model
     assert type(model.linear) is linear_class and model.fused is not None
+    if model_dir_fixture == "tiny_qwen3_dir":  # its norms are all ones as made: each its own, in place
+        _randomize_qk_norms(model)
     if product.startswith("column-blocks"):
         assert model.linear.amx == (product == "column-blocks-tiles")
     if product != "gemv":
@@ -148,6 +150,29 @@ def test_fused_decode_over_an_fp8_cache_equals_the_unfused_ops(
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
     fused = _generate_each(llm, PROMPTS, params)
     assert rows and fused == _unfused(llm, PROMPTS, params)
+
+
+def _randomize_qk_norms(model) -> None:
+    generator = torch.Generator().manual_seed(2)
+    for layer in model.layers:
+        for norm in (layer.q_norm, layer.k_norm):
+            norm.copy_(1 + torch.randn(norm.shape, generator=generator) * 0.2)
+
+
+def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
+    """Per-head q/k norms, both, or none: one alone, or a norm over the whole projection, keeps the general path."""
+    llm = make_llm(tiny_qwen3_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False)
+    runner = llm.engine.runner
+    model, caches = runner.model, runner.kv_cache.layers
+    layer = model.layers[-1]
+    assert _model_fits(model, caches)
+    k_norm, layer.k_norm = layer.k_norm, None
+    assert not _model_fits(model, caches)
+    layer.k_norm = k_norm
+    q_norm, layer.q_norm = layer.q_norm, layer.q_norm.repeat(model.arch.num_heads)  # [heads * head_dim]
+    assert not _model_fits(model, caches)
+    layer.q_norm = q_norm
+    assert _model_fits(model, caches)
 
 
 def _unfused(llm: LLM, prompts, params):

@@ -140,7 +140,9 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = qkv.data() + r * width;  // [q heads | k heads | v heads] x head_dim
-            if (q_norm != nullptr) {  // each head normalized in place, as the unfused path's rms_norm over heads
+            // each head normalized in place, as the unfused path's rms_norm over heads (_model_fits: both norms or
+            // neither)
+            if (q_norm != nullptr) {
                 for (int64_t head = 0; head < heads; ++head)
                     rms_norm_row(row + head * head_dim, q_norm, row + head * head_dim, head_dim, eps);
                 for (int64_t head = heads; head < heads + kv_heads; ++head)
