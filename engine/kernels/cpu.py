@@ -332,7 +332,7 @@ class CpuKernels:
             if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
                 raise ValueError(f"sinks must be [{num_heads}] on the CPU, got {tuple(sinks.shape)}")
             sinks = sinks.to(torch.float32).contiguous()
-        return self._ops.cpu_paged_decode(
+        arguments = (
             query,
             key_cache,
             value_cache,
@@ -345,6 +345,9 @@ class CpuKernels:
             sinks,
             self._function("paged_decode", query.dtype, key_cache.dtype),
         )
+        if torch.compiler.is_compiling():
+            return self._ops.cpu_paged_decode(*arguments)
+        return cpu_ops.paged_decode(*arguments)  # eagerly the kernel itself, as rms_norm
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, hidden] contiguous -> a new normalized tensor."""
@@ -358,11 +361,19 @@ class CpuKernels:
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual). Both [rows, hidden] contiguous."""
-        return self._ops.cpu_add_rms_norm(x, residual, weight, eps, self._function("add_rms_norm", x.dtype))
+        fn = self._function("add_rms_norm", x.dtype)
+        if torch.compiler.is_compiling():
+            return self._ops.cpu_add_rms_norm(x, residual, weight, eps, fn)
+        _on_cpu("add_rms_norm", x, residual)
+        return cpu_ops.add_rms_norm(x, residual, weight, eps, fn)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 * width] contiguous -> silu(gate) * up [rows, width]."""
-        return self._ops.cpu_silu_and_mul(gate_up, self._function("silu_and_mul", gate_up.dtype))
+        fn = self._function("silu_and_mul", gate_up.dtype)
+        if torch.compiler.is_compiling():
+            return self._ops.cpu_silu_and_mul(gate_up, fn)
+        _on_cpu("silu_and_mul", gate_up)
+        return cpu_ops.silu_and_mul(gate_up, fn)
 
     def rotary_(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
@@ -375,7 +386,12 @@ class CpuKernels:
         rotary_dim = cos.shape[-1]
         if rotary_dim % 2 or rotary_dim > head_dim or sin_signed.shape != cos.shape or not cos.is_contiguous():
             raise ValueError(f"cos / sin tables of width {rotary_dim} do not rotate heads of {head_dim}")
-        self._ops.cpu_rotary_(x, positions, cos, sin_signed, self._function("rotary", x.dtype))
+        fn = self._function("rotary", x.dtype)
+        if torch.compiler.is_compiling():
+            self._ops.cpu_rotary_(x, positions, cos, sin_signed, fn)
+        else:
+            _on_cpu("rotary_", x, positions, cos, sin_signed)
+            cpu_ops.rotary_(x, positions, cos, sin_signed, fn)
         return x
 
     def invariant_linear(
@@ -415,7 +431,10 @@ class CpuKernels:
                 raise ValueError("gemv takes contiguous CPU tensors of one dtype")
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
-        return self._ops.cpu_gemv(x, weight, bias, self._function("gemv", x.dtype))
+        fn = self._function("gemv", x.dtype)
+        if torch.compiler.is_compiling():
+            return self._ops.cpu_gemv(x, weight, bias, fn)
+        return cpu_ops.gemv(x, weight, bias, fn)
 
     def decode_layers(
         self,
@@ -577,6 +596,13 @@ class CpuKernels:
             cache = "" if cache_dtype in (None, dtype) else f" over a {cache_dtype} KV cache"
             raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}{cache}")
         return function
+
+
+def _on_cpu(name: str, *tensors: torch.Tensor) -> None:
+    """What the dispatcher checks before an operator's CPU kernel, for a kernel called eagerly without it (the
+    dispatcher's own cost is a share of a step worth saving on the per-operation path: docs/performance.md)."""
+    if any(tensor.device.type != "cpu" for tensor in tensors):
+        raise ValueError(f"{name} takes CPU tensors, got {', '.join(str(t.device) for t in tensors)}")
 
 
 def load_cpu_kernels(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH) -> Optional[CpuKernels]:

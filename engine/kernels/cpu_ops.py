@@ -92,7 +92,7 @@ def _define(name: str, schema: str, kernel, fake) -> None:
     torch.library.register_fake(qualname, fake)
 
 
-def _paged_decode(
+def paged_decode(
     query,
     key_cache,
     value_cache,
@@ -105,6 +105,7 @@ def _paged_decode(
     sinks: Optional[torch.Tensor],
     fn,
 ):
+    """cpu_paged_decode's kernel."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
@@ -139,7 +140,8 @@ def rms_norm(x, weight, eps, fn):
     return out
 
 
-def _add_rms_norm(x, residual, weight, eps, fn):
+def add_rms_norm(x, residual, weight, eps, fn):
+    """cpu_add_rms_norm's kernel."""
     out = torch.empty_like(x)
     _call(
         "add_rms_norm",
@@ -155,14 +157,16 @@ def _add_rms_norm(x, residual, weight, eps, fn):
     return out
 
 
-def _silu_and_mul(gate_up, fn):
+def silu_and_mul(gate_up, fn):
+    """cpu_silu_and_mul's kernel."""
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty((rows, width))
     _call("silu_and_mul", fn, gate_up.data_ptr(), out.data_ptr(), rows, width)
     return out
 
 
-def _rotary_(x, positions, cos, sin_signed, fn):
+def rotary_(x, positions, cos, sin_signed, fn):
+    """cpu_rotary_'s kernel."""
     rows, heads, head_dim = x.shape
     _call(
         "rotary",
@@ -197,7 +201,8 @@ def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, amx
     return out
 
 
-def _gemv(x, weight, bias: Optional[torch.Tensor], fn):
+def gemv(x, weight, bias: Optional[torch.Tensor], fn):
+    """cpu_gemv's kernel."""
     rows, in_features = x.shape
     out = x.new_empty((rows, weight.shape[0]))
     _call(
@@ -354,26 +359,26 @@ _define(
     "cpu_paged_decode",
     "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor context_lens, float scale, int split, int window, float softcap, Tensor? sinks, int fn) -> Tensor",
-    _paged_decode,
+    paged_decode,
     _like_first,
 )
 _define("cpu_rms_norm", "(Tensor x, Tensor weight, float eps, int fn) -> Tensor", rms_norm, _like_first)
 _define(
     "cpu_add_rms_norm",
     "(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int fn) -> Tensor",
-    _add_rms_norm,
+    add_rms_norm,
     _like_first,
 )
 _define(
     "cpu_silu_and_mul",
     "(Tensor gate_up, int fn) -> Tensor",
-    _silu_and_mul,
+    silu_and_mul,
     lambda gate_up, fn: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)),
 )
 _define(
     "cpu_rotary_",
     "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_signed, int fn) -> ()",
-    _rotary_,
+    rotary_,
     lambda x, positions, cos, sin_signed, fn: None,
 )
 _define(
@@ -385,7 +390,7 @@ _define(
 _define(
     "cpu_gemv",
     "(Tensor x, Tensor weight, Tensor? bias, int fn) -> Tensor",
-    _gemv,
+    gemv,
     lambda x, weight, bias, fn: x.new_empty((x.shape[0], weight.shape[0])),
 )
 _define(

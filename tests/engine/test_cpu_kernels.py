@@ -92,6 +92,20 @@ def test_rejects_what_it_cannot_read(cpu_kernels):
         cpu_kernels.paged_decode(torch.randn(2, 4, 16), cache, cache, tables, lens, 1.0)
 
 
+def test_per_token_ops_refuse_tensors_off_the_cpu(cpu_kernels):
+    """Called eagerly without the dispatcher, the kernels check the device it checked (no pointer of another
+    device reaches native code)."""
+    meta = torch.empty(2, 16, device="meta")
+    positions = torch.zeros(2, dtype=torch.int64)
+    table = torch.zeros(8, 8)
+    with pytest.raises(ValueError, match="add_rms_norm takes CPU tensors"):
+        cpu_kernels.add_rms_norm(meta, torch.zeros(2, 16), torch.ones(16), 1e-5)
+    with pytest.raises(ValueError, match="silu_and_mul takes CPU tensors"):
+        cpu_kernels.silu_and_mul(meta)
+    with pytest.raises(ValueError, match="rotary_ takes CPU tensors"):
+        cpu_kernels.rotary_(meta.view(2, 2, 8), positions, table, table)
+
+
 # ------------------------------------------------------------------ paged decode against float64, per build
 # The kernel's code paths (csrc/paged_decode.cpp): AVX-512 passes of 1-4 query heads of a GQA group
 # (larger groups take several passes) for head_dim 64/128/256, in chunks of 16 keys that may span blocks
