@@ -252,8 +252,9 @@ def _remove_stale_builds(target_dir: Path, prefix: str) -> None:
 
 class CpuKernels:
     """The loaded library's entry points (their addresses, per kernel and dtype), called through the
-    `torch.ops.pagedserve.cpu_*` operators of cpu_ops.py after checking their arguments (the decode step's
-    `decode_layers` and `rms_norm` call the operators' kernels directly outside torch.compile)."""
+    `torch.ops.pagedserve.cpu_*` operators of cpu_ops.py after checking their arguments (a decode step's
+    kernels, `decode_layers`, `paged_decode` and the per-token ops, call the operators' kernels directly
+    outside torch.compile)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -354,8 +355,7 @@ class CpuKernels:
         fn = self._function("rms_norm", x.dtype)
         if torch.compiler.is_compiling():
             return self._ops.cpu_rms_norm(x, weight, eps, fn)
-        if x.device.type != "cpu":  # (the operator has a CPU kernel only: the dispatcher refused these)
-            raise ValueError(f"rms_norm takes CPU tensors, got {x.device}")
+        _on_cpu("rms_norm", x, weight)
         # eagerly the operator's kernel itself: the dispatcher's cost is a share of a decode step worth saving
         return cpu_ops.rms_norm(x, weight, eps, fn)
 
@@ -364,7 +364,7 @@ class CpuKernels:
         fn = self._function("add_rms_norm", x.dtype)
         if torch.compiler.is_compiling():
             return self._ops.cpu_add_rms_norm(x, residual, weight, eps, fn)
-        _on_cpu("add_rms_norm", x, residual)
+        _on_cpu("add_rms_norm", x, residual, weight)
         return cpu_ops.add_rms_norm(x, residual, weight, eps, fn)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -93,13 +93,17 @@ def test_rejects_what_it_cannot_read(cpu_kernels):
 
 
 def test_per_token_ops_refuse_tensors_off_the_cpu(cpu_kernels):
-    """Called eagerly without the dispatcher, the kernels check the device it checked (no pointer of another
-    device reaches native code)."""
+    """Called eagerly without the dispatcher, the kernels refuse tensors of any other device than the CPU, every
+    argument (no pointer of another device reaches native code; meta tensors included)."""
     meta = torch.empty(2, 16, device="meta")
     positions = torch.zeros(2, dtype=torch.int64)
     table = torch.zeros(8, 8)
     with pytest.raises(ValueError, match="add_rms_norm takes CPU tensors"):
         cpu_kernels.add_rms_norm(meta, torch.zeros(2, 16), torch.ones(16), 1e-5)
+    with pytest.raises(ValueError, match="add_rms_norm takes CPU tensors"):
+        cpu_kernels.add_rms_norm(torch.zeros(2, 16), torch.zeros(2, 16), torch.ones(16, device="meta"), 1e-5)
+    with pytest.raises(ValueError, match="rms_norm takes CPU tensors"):
+        cpu_kernels.rms_norm(torch.zeros(2, 16), torch.ones(16, device="meta"), 1e-5)
     with pytest.raises(ValueError, match="silu_and_mul takes CPU tensors"):
         cpu_kernels.silu_and_mul(meta)
     with pytest.raises(ValueError, match="rotary_ takes CPU tensors"):
