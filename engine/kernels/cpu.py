@@ -417,9 +417,11 @@ class CpuKernels:
             )
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({out_features},)")
-        return self._ops.cpu_invariant_linear(
-            x, packed, bias, out_features, int(amx), self._function("invariant_linear", x.dtype)
-        )
+        arguments = (x, packed, bias, out_features, int(amx), self._function("invariant_linear", x.dtype))
+        if torch.compiler.is_compiling():
+            return self._ops.cpu_invariant_linear(*arguments)
+        _on_cpu("invariant_linear", packed, *(() if bias is None else (bias,)))
+        return cpu_ops.invariant_linear(*arguments)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [rows, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out], all contiguous CPU tensors of one
@@ -542,19 +544,12 @@ class CpuKernels:
             raise ValueError("x, out and the stacks must share one dtype")
         if slots.dtype != torch.int32 or ranks.dtype != torch.int32 or scales.dtype != torch.float32:
             raise ValueError("lora_add_ takes int32 slots and ranks and float32 scales")
-        self._ops.cpu_lora_add_(
-            x,
-            out,
-            a,
-            b,
-            slots,
-            scales,
-            ranks,
-            list(widths),
-            max_rank,
-            int(grouped),
-            self._function("lora_add", x.dtype),
-        )
+        fn = self._function("lora_add", x.dtype)
+        arguments = (x, out, a, b, slots, scales, ranks, list(widths), max_rank, int(grouped), fn)
+        if torch.compiler.is_compiling():
+            self._ops.cpu_lora_add_(*arguments)
+        else:
+            cpu_ops.lora_add_(*arguments)
 
     def prefill_attention(
         self,

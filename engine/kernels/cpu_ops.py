@@ -183,7 +183,8 @@ def rotary_(x, positions, cos, sin_signed, fn):
     )
 
 
-def _invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, amx, fn):
+def invariant_linear(x, packed, bias: Optional[torch.Tensor], out_features, amx, fn):
+    """cpu_invariant_linear's kernel."""
     rows, in_features = x.shape
     out = x.new_empty((rows, out_features))
     _call(
@@ -325,7 +326,8 @@ def decode_layers_at(
     return out
 
 
-def _lora_add_(x, out, a, b, slots, scales, ranks, widths, max_rank, grouped, fn):
+def lora_add_(x, out, a, b, slots, scales, ranks, widths, max_rank, grouped, fn):
+    """cpu_lora_add_'s kernel."""
     rows, in_features = x.shape
     max_loras, rows_per_slot, _ = a.shape
     widths_table = torch.tensor(widths, dtype=torch.int64)
@@ -384,7 +386,7 @@ _define(
 _define(
     "cpu_invariant_linear",
     "(Tensor x, Tensor packed, Tensor? bias, int out_features, int amx, int fn) -> Tensor",
-    _invariant_linear,
+    invariant_linear,
     lambda x, packed, bias, out_features, amx, fn: x.new_empty((x.shape[0], out_features)),
 )
 _define(
@@ -407,7 +409,7 @@ _define(
     "cpu_lora_add_",
     "(Tensor x, Tensor(a!) out, Tensor a, Tensor b, Tensor slots, Tensor scales, Tensor ranks, int[] widths, "
     "int max_rank, int grouped, int fn) -> ()",
-    _lora_add_,
+    lora_add_,
     lambda *args: None,
 )
 _define(
