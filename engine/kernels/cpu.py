@@ -252,9 +252,9 @@ def _remove_stale_builds(target_dir: Path, prefix: str) -> None:
 
 class CpuKernels:
     """The loaded library's entry points (their addresses, per kernel and dtype), called through the
-    `torch.ops.pagedserve.cpu_*` operators of cpu_ops.py after checking their arguments (a decode step's
-    kernels, `decode_layers`, `paged_decode` and the per-token ops, call the operators' kernels directly
-    outside torch.compile)."""
+    `torch.ops.pagedserve.cpu_*` operators of cpu_ops.py after checking their arguments: under torch.compile;
+    eagerly the methods of a step's hot path (`decode_layers`, `paged_decode`, the per-token ops, the products,
+    `lora_add_`) call the operators' kernels themselves, the dispatcher's cost being a share of a step."""
 
     def __init__(self, path: Path):
         self.path = path
