@@ -346,34 +346,22 @@ class CpuKernels:
             sinks,
             self._function("paged_decode", query.dtype, key_cache.dtype),
         )
-        if torch.compiler.is_compiling():
-            return self._ops.cpu_paged_decode(*arguments)
-        return cpu_ops.paged_decode(*arguments)  # eagerly the kernel itself, as rms_norm
+        return _dispatch(self._ops.cpu_paged_decode, cpu_ops.paged_decode, *arguments)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [rows, hidden] contiguous -> a new normalized tensor."""
         fn = self._function("rms_norm", x.dtype)
-        if torch.compiler.is_compiling():
-            return self._ops.cpu_rms_norm(x, weight, eps, fn)
-        _on_cpu("rms_norm", x, weight)
-        # eagerly the operator's kernel itself: the dispatcher's cost is a share of a decode step worth saving
-        return cpu_ops.rms_norm(x, weight, eps, fn)
+        return _dispatch(self._ops.cpu_rms_norm, cpu_ops.rms_norm, x, weight, eps, fn)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual). Both [rows, hidden] contiguous."""
         fn = self._function("add_rms_norm", x.dtype)
-        if torch.compiler.is_compiling():
-            return self._ops.cpu_add_rms_norm(x, residual, weight, eps, fn)
-        _on_cpu("add_rms_norm", x, residual, weight)
-        return cpu_ops.add_rms_norm(x, residual, weight, eps, fn)
+        return _dispatch(self._ops.cpu_add_rms_norm, cpu_ops.add_rms_norm, x, residual, weight, eps, fn)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 * width] contiguous -> silu(gate) * up [rows, width]."""
         fn = self._function("silu_and_mul", gate_up.dtype)
-        if torch.compiler.is_compiling():
-            return self._ops.cpu_silu_and_mul(gate_up, fn)
-        _on_cpu("silu_and_mul", gate_up)
-        return cpu_ops.silu_and_mul(gate_up, fn)
+        return _dispatch(self._ops.cpu_silu_and_mul, cpu_ops.silu_and_mul, gate_up, fn)
 
     def rotary_(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
@@ -387,11 +375,7 @@ class CpuKernels:
         if rotary_dim % 2 or rotary_dim > head_dim or sin_signed.shape != cos.shape or not cos.is_contiguous():
             raise ValueError(f"cos / sin tables of width {rotary_dim} do not rotate heads of {head_dim}")
         fn = self._function("rotary", x.dtype)
-        if torch.compiler.is_compiling():
-            self._ops.cpu_rotary_(x, positions, cos, sin_signed, fn)
-        else:
-            _on_cpu("rotary_", x, positions, cos, sin_signed)
-            cpu_ops.rotary_(x, positions, cos, sin_signed, fn)
+        _dispatch(self._ops.cpu_rotary_, cpu_ops.rotary_, x, positions, cos, sin_signed, fn)
         return x
 
     def invariant_linear(
@@ -417,11 +401,10 @@ class CpuKernels:
             )
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({out_features},)")
-        arguments = (x, packed, bias, out_features, int(amx), self._function("invariant_linear", x.dtype))
-        if torch.compiler.is_compiling():
-            return self._ops.cpu_invariant_linear(*arguments)
-        _on_cpu("invariant_linear", packed, *(() if bias is None else (bias,)))
-        return cpu_ops.invariant_linear(*arguments)
+        fn = self._function("invariant_linear", x.dtype)
+        return _dispatch(
+            self._ops.cpu_invariant_linear, cpu_ops.invariant_linear, x, packed, bias, out_features, int(amx), fn
+        )
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [rows, in] @ weight [out, in]^T (+ bias [out]) -> [rows, out], all contiguous CPU tensors of one
@@ -434,9 +417,7 @@ class CpuKernels:
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias of shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
         fn = self._function("gemv", x.dtype)
-        if torch.compiler.is_compiling():
-            return self._ops.cpu_gemv(x, weight, bias, fn)
-        return cpu_ops.gemv(x, weight, bias, fn)
+        return _dispatch(self._ops.cpu_gemv, cpu_ops.gemv, x, weight, bias, fn)
 
     def decode_layers(
         self,
@@ -546,10 +527,7 @@ class CpuKernels:
             raise ValueError("lora_add_ takes int32 slots and ranks and float32 scales")
         fn = self._function("lora_add", x.dtype)
         arguments = (x, out, a, b, slots, scales, ranks, list(widths), max_rank, int(grouped), fn)
-        if torch.compiler.is_compiling():
-            self._ops.cpu_lora_add_(*arguments)
-        else:
-            cpu_ops.lora_add_(*arguments)
+        _dispatch(self._ops.cpu_lora_add_, cpu_ops.lora_add_, *arguments)
 
     def prefill_attention(
         self,
@@ -593,11 +571,16 @@ class CpuKernels:
         return function
 
 
-def _on_cpu(name: str, *tensors: torch.Tensor) -> None:
-    """What the dispatcher checks before an operator's CPU kernel, for a kernel called eagerly without it (the
-    dispatcher's own cost is a share of a step worth saving on the per-operation path: docs/performance.md)."""
-    if any(tensor.device.type != "cpu" for tensor in tensors):
-        raise ValueError(f"{name} takes CPU tensors, got {', '.join(str(t.device) for t in tensors)}")
+def _dispatch(operator, kernel, *arguments):
+    """`operator(*arguments)` under torch.compile (traced through its fake); eagerly its CPU `kernel` itself, after
+    the dispatcher's check that every tensor is on the CPU (the dispatcher's own cost is a share of a step worth
+    saving on the per-operation path: docs/performance.md)."""
+    if torch.compiler.is_compiling():
+        return operator(*arguments)
+    for argument in arguments:
+        if isinstance(argument, torch.Tensor) and argument.device.type != "cpu":
+            raise ValueError(f"{kernel.__name__} takes CPU tensors, got one on {argument.device}")
+    return kernel(*arguments)
 
 
 def load_cpu_kernels(cache_dir: Optional[Path] = None, arch: str = NATIVE_ARCH) -> Optional[CpuKernels]:
