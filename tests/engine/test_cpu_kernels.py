@@ -132,6 +132,8 @@ DECODE_SHAPES = [
     (64, 14, 2, 5, [23, 1, 11, 64]),  # a group of 7, blocks of 5
     (64, 4, 2, 5, [700, 9]),  # a group of 2, blocks of 5: AVX2 chunks of 125 tokens, not whole eights
     (64, 9, 3, 16, [2000]),  # few items for the threads: the sequence split into parts, then merged
+    (64, 9, 3, 16, [150]),  # one sequence for two threads: the portable loops split it from 128 tokens
+    (64, 4, 2, 5, [131]),  # ... at whole blocks of 5: a part starts off a multiple of 8
     (128, 8, 2, 16, [700, 3, 300]),  # split too: the 3-token sequence has an empty part
     (48, 6, 2, 16, [23, 50]),  # head_dim outside 64/128/256: the portable loops
     (80, 4, 1, 7, [37]),
@@ -242,18 +244,19 @@ def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, spl
 
 
 def test_paged_decode_one_thread_matches_the_team(cpu_kernels):
-    """Sequences too short to split: work items are independent, one thread and the team compute the same
-    bits."""
+    """Sequences too short to split (on 2 threads: 3 sequences give each thread one): work items are
+    independent, one thread and the team compute the same bits."""
     gen = torch.Generator().manual_seed(5)
     key_cache = torch.randn(40, 16, 2, 128, generator=gen).bfloat16()
     value_cache = torch.randn(40, 16, 2, 128, generator=gen).bfloat16()
     query = torch.randn(3, 8, 128, generator=gen).bfloat16()
     tables = torch.randperm(40, generator=gen)[:39].view(3, 13).int()
     lens = torch.tensor([200, 7, 150], dtype=torch.int32)
-    team = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.1)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(2)  # more threads than sequences would split the longer ones
     try:
+        team = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.1)
+        torch.set_num_threads(1)
         alone = cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.1)
     finally:
         torch.set_num_threads(threads)

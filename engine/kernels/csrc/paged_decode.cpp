@@ -105,6 +105,9 @@ inline const float* as_floats(const T* src, float* dst, int64_t count) {
 }
 
 constexpr int64_t kPortableSplitTokens = 256;  // the least tokens per part when the portable loops split
+// ... and when fewer sequences than threads leave a thread without one: a short part costs its stream start and
+// merge, an idle thread all of its share (docs/performance.md, "Short contexts on every thread")
+constexpr int64_t kIdleSplitTokens = 64;
 constexpr int64_t kPortablePartsPerThread = 2;  // fewer sequences than this per thread split the long ones
 
 // The largest of x[0..n), n >= 1 (a serial chain of scalar maxes was a third of the softmax's time on AVX2).
@@ -407,8 +410,9 @@ void paged_decode(const T* query, const C* key_cache, const C* value_cache, cons
         int64_t longest = 0;
         for (int64_t seq = 0; seq < num_seqs; ++seq) longest = std::max<int64_t>(longest, context_lens[seq]);
         if (window > 0) longest = std::min(longest, window);
+        const int64_t least = num_seqs < threads ? kIdleSplitTokens : kPortableSplitTokens;
         parts = std::max<int64_t>(1, std::min((kPortablePartsPerThread * threads + num_seqs - 1) / num_seqs,
-                                              longest / std::max(kPortableSplitTokens, block_size)));
+                                              longest / std::max(least, block_size)));
         if (parts > 1)
             while (num_seqs * parts % threads != 0) ++parts;  // a whole number of items per thread
     }
