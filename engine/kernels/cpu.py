@@ -437,6 +437,7 @@ class CpuKernels:
         scale: float,
         lora: Optional[DecodeLoRA] = None,
         addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        residual_scale: float = 1.0,
     ) -> torch.Tensor:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream after the last layer out) is
@@ -446,7 +447,8 @@ class CpuKernels:
         it, from weights it checked and the model keeps alive); positions [rows] int64;
         block_tables [rows, width] and context_lens [rows] int32; `lora`: the adapters' deltas added to every
         projection. `addresses`: `cache_addresses(key_caches, value_caches)` of these very caches, kept by a
-        caller whose caches stay (read again on every call otherwise)."""
+        caller whose caches stay (read again on every call otherwise). `residual_scale`: each branch's output is
+        multiplied by it before it joins the residual stream (Granite's residual_multiplier)."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
             raise ValueError("decode_layers takes int64 positions and slots, one per row")
@@ -487,6 +489,7 @@ class CpuKernels:
             inter,
             eps,
             scale,
+            residual_scale,
             self._function("decode_layers", residual.dtype, cache_dtype),
         )
         if torch.compiler.is_compiling():

@@ -14,8 +14,9 @@ bit. It applies to steps whose every token is a decode (one new token per sequen
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
 dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and
-models with RoPE over whole heads and no q/k norms or per-head ones (Qwen3's); anything else (int8/int4/AWQ
-weights among them) takes the general path.
+models with RoPE over whole heads and no q/k norms or per-head ones (Qwen3's); among the generic decoders
+(engine/models/decoder.py) those whose layer is Llama's, each branch times a residual scale (Granite, Phi-3
+without a window); anything else (int8/int4/AWQ weights among them) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,
@@ -125,9 +126,10 @@ class FusedDecode:
             arch.num_heads,
             arch.intermediate_size,
             arch.rms_norm_eps,
-            model.scale,
+            model.attention_layers[0].scale,  # every layer's (`_model_fits`)
             lora,
             self._addresses,
+            model.residual_scale,
         )
         return residual  # the stream after the last layer (its MLP output added in the kernel)
 
@@ -234,13 +236,15 @@ def _integer_rows(model, limit: int) -> int:
 
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype (or all fp8), q/k norms per
-    head or none, RoPE tables in that dtype over whole heads (the kernel's tables are head_dim wide), and plain
-    causal attention in every layer (the native step has no window, cap or sinks)."""
+    """Llama's layer (`llama_layers`: a generic decoder's recipe may be another), contiguous weights in the
+    model's dtype or GGUF blocks, caches in that dtype (or all fp8), q/k norms per head or none, RoPE tables in
+    that dtype over whole heads (the kernel's tables are head_dim wide), and plain causal attention with one scale
+    in every layer (the native step has no window, cap or sinks)."""
     dtype = model.dtype
-    if model.rotary.partial:
+    if not model.llama_layers or model.rotary.partial:
         return False
-    if any(attention.features or attention.scale != model.scale for attention in model.attention_layers):
+    scale = model.attention_layers[0].scale
+    if any(attention.features or attention.scale != scale for attention in model.attention_layers):
         return False
     tensors = [model.rotary.cos, model.rotary.sin_signed]  # in the model's dtype
     blocks: list[torch.Tensor] = []  # GGUF blocks and scales

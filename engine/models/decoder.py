@@ -6,8 +6,9 @@
                 h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?
     logits      cap(lm_head(final_norm(h)) / logits_divisor)
 
-It runs every step on the unfused per-operation path: the fused CPU decode step (engine/layers/fused_decode.py)
-is written for Llama's layer and stays with LlamaForCausalLM.
+The fused CPU decode step (engine/layers/fused_decode.py) computes Llama's layer, times a residual scale: it
+serves the families whose recipe is that (Granite; Phi-3 without a window and with RoPE over whole heads),
+the others run every step on the unfused per-operation path.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ class DecoderLayerWeights:
     down: Any  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
 
+    @property
+    def input_norm(self) -> Optional[torch.Tensor]:
+        """The norm before attention, by the name Llama's layer (and the fused decode step) gives it."""
+        return self.norms.get("attn_pre")
+
+    @property
+    def post_norm(self) -> Optional[torch.Tensor]:
+        """The norm before the MLP, by Llama's name."""
+        return self.norms.get("mlp_pre")
+
 
 class DecoderForCausalLM(LlamaForCausalLM):
     """Gemma 2/3, Phi-3, OLMo 2, Granite: the forward pass of `DecoderArch`'s recipe."""
@@ -64,7 +75,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         tp: ParallelGroup = ParallelGroup.single(),
     ):
         super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
-        self.fused = None  # the fused decode step computes Llama's layer only
+        self.residual_scale = arch.residual_scale
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
@@ -76,6 +87,16 @@ class DecoderForCausalLM(LlamaForCausalLM):
     @property
     def attention_layers(self) -> tuple[LayerAttention, ...]:
         return self.arch.layer_attention
+
+    @property
+    def llama_layers(self) -> bool:
+        arch = self.arch
+        return (
+            {role for role, _ in arch.norms} == {"attn_pre", "mlp_pre"}
+            and arch.activation == "silu"
+            and arch.qk_norm != "projection"
+            and len(self.rotaries) == 1
+        )
 
     # ------------------------------------------------------------------ weights
 
@@ -166,11 +187,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         if hidden_states is not None:  # (registry.check_pipeline_model refuses these families with stages)
             raise ValueError(f"{type(self).__name__} runs whole: it is not split into pipeline stages")
+        if self._fuses(input_ids, metadata, kv_caches, backend):
+            assert self.fused is not None
+            return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         arch, ops, linear = self.arch, self.ops, self.linear
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        if self.embedding_scale is not None:
-            h = h * self.embedding_scale
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             rope = arch.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
@@ -191,12 +213,17 @@ class DecoderForCausalLM(LlamaForCausalLM):
             h = self._add(h, self._norm(x, layer, "mlp_post"))
         return h
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings as the first layer takes them: times `embedding_scale` (Gemma, Granite)."""
+        h = super().embed_tokens(input_ids)
+        return h if self.embedding_scale is None else h * self.embedding_scale
+
     def _norm(self, x: torch.Tensor, layer: DecoderLayerWeights, role: str) -> torch.Tensor:
         weight = layer.norms.get(role)
         return x if weight is None else self.ops.rms_norm(x, weight, self.arch.rms_norm_eps)
 
     def _add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        scale = self.arch.residual_scale
+        scale = self.residual_scale
         return residual + (branch if scale == 1.0 else branch * scale)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,15 @@ class LlamaForCausalLM:
         """Each layer's attention, as the backend computes it (checked against the backend at start-up)."""
         return self.layer_attention
 
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is Llama's recipe (pre-norms, SwiGLU, one RoPE, each branch added as it is or
+        times `residual_scale`): what the fused decode step computes."""
+        return True
+
+    residual_scale = 1.0
+    """Each branch's output times this before it joins the residual stream (Granite's residual_multiplier)."""
+
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Union[torch.Tensor, QuantizedWeight, Int4Groups]]]) -> None:
@@ -269,13 +278,10 @@ class LlamaForCausalLM:
         """The layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its own
         LayerAttention over its own KV group's metadata. A pipeline stage after the first starts from the
         hidden states the stage before returned (its residual stream, before the next layer's norm)."""
-        lora = self.lora_step
-        if (
-            self.fused is not None
-            and (lora is None or lora.fusable)
-            and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend)
-        ):
+        if self._fuses(input_ids, metadata, kv_caches, backend):
+            assert self.fused is not None
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
+        lora = self.lora_step
         eps = self.arch.rms_norm_eps
         ops = self.ops
         angles = ops.rotary_angles(positions, self.rotary)
@@ -294,6 +300,15 @@ class LlamaForCausalLM:
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
             h = tp.all_reduce(self._mlp(index, layer, x))
         return residual + h
+
+    def _fuses(self, input_ids, metadata, kv_caches, backend) -> bool:
+        """Whether the fused decode step runs this step (engine/layers/fused_decode.py)."""
+        lora = self.lora_step
+        return (
+            self.fused is not None
+            and (lora is None or lora.fusable)
+            and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend)
+        )
 
     def _mlp(self, index: int, layer: LlamaLayerWeights, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear

@@ -89,6 +89,7 @@ FAMILIES = (
             "LongRoPE (one factor set, by max_model_len)",
             "partial rotary (Phi-4-mini)",
             "sliding window",
+            "fused CPU decode step without a window or partial rotary",
         ),
     ),
     ModelFamily(
@@ -103,7 +104,7 @@ FAMILIES = (
         ("granite",),
         "decoder",
         HF_FORMATS,
-        ("embedding/residual/attention multipliers", "logits_scaling"),
+        ("embedding/residual/attention multipliers", "logits_scaling", "fused CPU decode step"),
     ),
     ModelFamily(
         "MixtralForCausalLM",

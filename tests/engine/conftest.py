@@ -30,6 +30,18 @@ def tiny_qwen3_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
 
 
+@pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory):
+    """Granite: Llama's layer with embedding, residual and attention multipliers and a logits divisor."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-granite"), "granite")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory):
+    """Phi-3 (LongRoPE) without a sliding window: Llama's layer from fused projections."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-phi3"), "phi3", sliding_window=None)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     """One LLM per test module over the tiny llama (configs/tiny.yaml settings, fp32 on CPU)."""

@@ -1,6 +1,7 @@
 """The fused small-batch decode (engine/layers/fused_decode.py, csrc/decode_layer.cpp) against the unfused
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows (and, with
-the column-block product, 16), with q/k/v biases (qwen2) and per-head q/k norms (qwen3), on weights packed in
+the column-block product, 16), with q/k/v biases (qwen2), per-head q/k norms (qwen3), and the generic decoder's
+families whose layer is Llama's (granite: its multipliers; phi3 without a window: LongRoPE), on weights packed in
 column blocks (AVX512-BF16 builds) and plain ones (the small-batch kernel elsewhere), and with the embedded
 model's GGUF blocks kept quantized (`quantization="gguf"`, in bf16 and float32, with biases or q/k norms added
 to its layers or neither); and on the embedded model in bf16 the same greedy tokens as torch's
@@ -24,6 +25,7 @@ from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight
+from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, make_llm
 
 PROMPTS = [
@@ -85,7 +87,9 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
 
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
 @pytest.mark.parametrize("product", ["column-blocks", "column-blocks-tiles", "gemv"])
-@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize(
+    "model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_granite_dir", "tiny_phi3_dir"]
+)
 def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
     linear_class = _with_product(product, cpu_kernels, monkeypatch)
     llm = make_llm(
@@ -173,6 +177,32 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
     assert not _model_fits(model, caches)
     layer.q_norm = q_norm
     assert _model_fits(model, caches)
+
+
+@pytest.mark.parametrize(
+    "family, overrides, fused",
+    [
+        ("granite", {}, True),
+        ("phi3", {"sliding_window": None}, True),
+        ("phi3", {}, False),  # a window on every layer
+        ("phi4mini", {}, False),  # RoPE over part of each head
+        ("gemma2", {}, False),  # sandwich norms, GeGLU, soft-caps, windows
+        ("olmo2", {}, False),  # norms after the branches, q/k norms over the whole projection
+    ],
+    ids=["granite", "phi3-whole", "phi3-window", "phi4mini", "gemma2", "olmo2"],
+)
+def test_generic_decoders_fuse_where_their_layer_is_llamas(family, overrides, fused, tmp_path):
+    """The generic decoder (engine/models/decoder.py) takes the fused step exactly where its recipe is Llama's
+    layer; the others keep the per-operation path (their equality with HF: tests/engine/test_dense_families.py)."""
+    llm = make_llm(
+        make_tiny_model_dir(tmp_path / family, family, **overrides),
+        dtype="bfloat16",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+    )
+    runner = llm.engine.runner
+    assert runner.model.fused is not None
+    assert _model_fits(runner.model, runner.kv_cache.layers) == fused
 
 
 def _unfused(llm: LLM, prompts, params):

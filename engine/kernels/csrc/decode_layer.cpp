@@ -6,6 +6,8 @@
 //                  k and v stored at each token's cache slot; q out, contiguous [rows, heads, head_dim]
 //   decode_o_mlp   residual += attn @ w_o^T (+ b); x = rms_norm(residual); [g | u] = x @ w_gu^T (+ b);
 //                  out = (silu(g) * u) @ w_down^T (+ b)
+// (with a residual_scale other than 1, Granite's: each branch's output, attn @ w_o^T and out, times it before
+// it is added)
 // Every intermediate is
 // rounded to T where the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results
 // are theirs. A matrix is plain T [out, in] (the small-batch product of gemv.h), packed in column blocks
@@ -158,10 +160,19 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
     }
 }
 
+// Each branch's output times `residual_scale` before it joins the residual stream (Granite's residual_multiplier;
+// 1: as it is), rounded to T in a pass of its own as torch's `branch * scale` rounds it before the add.
+template <typename T>
+void scale_row(T* x, int64_t n, float scale) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) store(x + i, to_float(x[i]) * scale);
+}
+
 template <typename T>
 void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, const T* norm, const Matrix& w_gu,
                   const T* b_gu, const Matrix& w_down, const T* b_down, T* out, int64_t rows, int64_t hidden,
-                  int64_t attn_width, int64_t inter, float eps, Scratch& scratch, const LayerLoRA<T>& lora) {
+                  int64_t attn_width, int64_t inter, float eps, float residual_scale, Scratch& scratch,
+                  const LayerLoRA<T>& lora) {
     std::vector<T> o(rows * hidden), x(rows * hidden), gate_up(rows * 2 * inter), act(rows * inter);
 #pragma omp parallel
     {
@@ -169,8 +180,10 @@ void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, c
         product_for(attn, w_o, b_o, o.data(), rows, hidden, attn_width, scratch);
         expand_lora_for(o.data(), lora, lora.o, lora.shrunk);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (residual_scale != 1.0f) scale_row(o.data() + r * hidden, hidden, residual_scale);
             add_rms_norm_row(o.data() + r * hidden, residual + r * hidden, norm, x.data() + r * hidden, hidden, eps);
+        }
         shrink_lora_for(x.data(), lora, lora.gate_up, lora.shrunk);
         product_for(x.data(), w_gu, b_gu, gate_up.data(), rows, 2 * inter, hidden, scratch);
         expand_lora_for(gate_up.data(), lora, lora.gate_up, lora.shrunk);
@@ -180,6 +193,10 @@ void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, c
         shrink_lora_for(act.data(), lora, lora.down, lora.shrunk);
         product_for(act.data(), w_down, b_down, out, rows, hidden, inter, scratch);
         expand_lora_for(out, lora, lora.down, lora.shrunk);
+        if (residual_scale != 1.0f) {  // (the next layer's add, or the step's last, takes it scaled)
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) scale_row(out + r * hidden, hidden, residual_scale);
+        }
     }
 }
 
@@ -243,7 +260,7 @@ Matrix matrix_at(const int64_t* row, int column) {
 
 struct DecodeShape {
     int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width;
-    float eps, scale;
+    float eps, scale, residual_scale;
 };
 
 // The step's adapters as the exported function receives them (see the file comment).
@@ -311,7 +328,7 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                      s.kv_heads, s.head_dim, s.block_size, s.table_width, s.scale);
         decode_o_mlp(attn.data(), residual, matrix(kOProj), w(kOBias), w(kPostNorm), matrix(kGateUp), w(kGateUpBias),
                      matrix(kDown), w(kDownBias), out, s.rows, s.hidden, s.heads * s.head_dim, s.inter, s.eps,
-                     scratch, lora);
+                     s.residual_scale, scratch, lora);
         h = out;
     }
     for (int64_t i = 0; i < s.rows * s.hidden; ++i) store(residual + i, to_float(residual[i]) + to_float(out[i]));
@@ -329,8 +346,9 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                                            int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,    \
                                            int64_t inter, int64_t block_size, int64_t table_width,               \
                                            int64_t lora_width, int64_t lora_max_rank, int64_t max_loras,         \
-                                           float eps, float scale) {                                             \
-        const DecodeShape shape{rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, eps, scale}; \
+                                           float eps, float scale, float residual_scale) {                       \
+        const DecodeShape shape{rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, eps, scale, \
+                                residual_scale};                                                                  \
         const StepLoRA lora{lora_table, lora_slots, lora_scales, lora_ranks, lora_width, lora_max_rank, max_loras}; \
         decode_layers<T, C>(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots,       \
                             block_tables, context_lens, out, num_layers, shape, lora);                          \
