@@ -77,7 +77,7 @@ conversion (one compiler process per source, as many at once as the process has 
 takes most of a core's share); the first start says so before it goes quiet for that long."""
 COMPILE_TIMEOUT_S = 300
 """Longest a compiler process may take on one source (or the link) before the build is given up."""
-DECODE_WEIGHT_COLUMNS = 8 + 6 * 4
+DECODE_WEIGHT_COLUMNS = 10 + 6 * 4
 """Values per layer in decode_layers' weight table (csrc/decode_layer.cpp's WeightColumn)."""
 DECODE_LORA_COLUMNS = 8
 """Addresses per layer in decode_layers' LoRA table: the stacked A and B of qkv, o, gate_up, down."""
@@ -438,6 +438,7 @@ class CpuKernels:
         lora: Optional[DecodeLoRA] = None,
         addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         residual_scale: float = 1.0,
+        qk_norm_projection: bool = False,
     ) -> torch.Tensor:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream after the last layer out) is
@@ -448,7 +449,8 @@ class CpuKernels:
         block_tables [rows, width] and context_lens [rows] int32; `lora`: the adapters' deltas added to every
         projection. `addresses`: `cache_addresses(key_caches, value_caches)` of these very caches, kept by a
         caller whose caches stay (read again on every call otherwise). `residual_scale`: each branch's output is
-        multiplied by it before it joins the residual stream (Granite's residual_multiplier)."""
+        multiplied by it before it joins the residual stream (Granite's residual_multiplier).
+        `qk_norm_projection`: the layers' q and k norms normalize all of q and all of k (OLMo 2), not each head."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
             raise ValueError("decode_layers takes int64 positions and slots, one per row")
@@ -487,6 +489,7 @@ class CpuKernels:
             0 if lora is None else lora.max_rank,
             heads,
             inter,
+            qk_norm_projection,
             eps,
             scale,
             residual_scale,

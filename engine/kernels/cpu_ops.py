@@ -12,7 +12,7 @@ arguments each one writes.
     cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
     cpu_decode_layers(residual!, weights, key_caches!, value_caches!, positions, cos, sin_signed, slots,
                       block_tables, context_lens, lora_table?, lora_slots?, lora_scales?, lora_ranks?,
-                      lora_max_rank, heads, inter, eps, scale, residual_scale, fn) -> out
+                      lora_max_rank, heads, inter, qk_norm_projection, eps, scale, residual_scale, fn) -> out
                                                                     every layer of a small decode step
     cpu_lora_add_(x, out!, a, b, slots, scales, ranks, widths, max_rank, grouped, fn) -> ()
                                                                     out += a projection's LoRA deltas
@@ -42,7 +42,7 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-    "decode_layers": [ctypes.c_void_p] * 15 + [ctypes.c_int64] * 12 + [ctypes.c_float] * 3,
+    "decode_layers": [ctypes.c_void_p] * 15 + [ctypes.c_int64] * 13 + [ctypes.c_float] * 3,
     "lora_add": [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
@@ -280,6 +280,7 @@ def decode_layers_at(
     lora_max_rank,
     heads,
     inter,
+    qk_norm_projection,
     eps,
     scale,
     residual_scale,
@@ -321,6 +322,7 @@ def decode_layers_at(
         0 if lora_slots is None else lora_slots.shape[1],
         lora_max_rank,
         0 if lora_ranks is None else lora_ranks.shape[0],
+        int(qk_norm_projection),
         eps,
         scale,
         residual_scale,
@@ -403,7 +405,7 @@ _define(
     "Tensor(c!)[] value_caches, "
     "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
     "Tensor? lora_table, Tensor? lora_slots, Tensor? lora_scales, Tensor? lora_ranks, int lora_max_rank, "
-    "int heads, int inter, float eps, float scale, float residual_scale, int fn) -> Tensor",
+    "int heads, int inter, bool qk_norm_projection, float eps, float scale, float residual_scale, int fn) -> Tensor",
     _decode_layers,
     lambda residual, *rest: torch.empty_like(residual),
 )

@@ -15,8 +15,9 @@ sequences (with GGUF blocks, fewer than the rows from which the unfused path lea
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
 dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and
 models with RoPE over whole heads and no q/k norms or per-head ones (Qwen3's); among the generic decoders
-(engine/models/decoder.py) those whose layer is Llama's, each branch times a residual scale (Granite, Phi-3
-without a window); anything else (int8/int4/AWQ weights among them) takes the general path.
+(engine/models/decoder.py) those whose layer is Llama's up to its norms (each optional, before or after each
+branch: OLMo 2's after), q/k norms over the whole projection (OLMo 2's) and a residual scale (Granite's): Granite,
+OLMo 2, Phi-3 without a window; anything else (int8/int4/AWQ weights among them) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,
@@ -41,10 +42,21 @@ from engine.lora.lora_stack import LoRAStack
 from engine.lora.lora_step import LoRAStep
 
 
-VECTOR_COLUMNS = ("input_norm", "post_norm", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm")
+VECTOR_COLUMNS = (
+    "input_norm",
+    "post_norm",
+    "qkv_bias",
+    "o_bias",
+    "gate_up_bias",
+    "down_bias",
+    "q_norm",
+    "k_norm",
+    "attn_post_norm",
+    "mlp_post_norm",
+)
 MATRIX_COLUMNS = ("qkv", "o_proj", "gate_up", "down")
 """A layer's row of the weight table, in csrc/decode_layer.cpp's WeightColumn order: one address per
-vector (0: no bias, no q/k norm), then six values per matrix (`_matrix_entry`)."""
+vector (0: no such norm or bias), then six values per matrix (`_matrix_entry`)."""
 
 DENSE_FORMAT = -1
 COLUMN_BLOCKS_FORMAT = -2
@@ -130,6 +142,7 @@ class FusedDecode:
             lora,
             self._addresses,
             model.residual_scale,
+            model.qk_norm_projection,
         )
         return residual  # the stream after the last layer (its MLP output added in the kernel)
 
@@ -250,11 +263,15 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
     blocks: list[torch.Tensor] = []  # GGUF blocks and scales
     if not isinstance(model.embed, (GgufWeight, PackedWeight)):
         tensors.append(model.embed)
+    arch = model.arch
+    # the widths the kernel normalizes q and k over: each head (Qwen3's) or all of q and all of k (OLMo 2's)
+    qk_widths = (arch.q_size, arch.kv_size) if model.qk_norm_projection else (arch.head_dim, arch.head_dim)
     for layer in model.layers:
         norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
-        if norms and (len(norms) != 2 or any(n.numel() != model.arch.head_dim for n in norms)):
-            return False  # the kernel normalizes each head of q and k (Qwen3's), with both weights
-        tensors += [layer.input_norm, layer.post_norm, *norms]
+        if norms and (len(norms) != 2 or (norms[0].numel(), norms[1].numel()) != qk_widths):
+            return False  # both weights, of those widths
+        layer_norms = (layer.input_norm, layer.post_norm, layer.attn_post_norm, layer.mlp_post_norm)
+        tensors += [n for n in layer_norms if n is not None] + norms
         tensors += [b for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias) if b is not None]
         for name in MATRIX_COLUMNS:
             weight = getattr(layer, name)

@@ -6,9 +6,9 @@
                 h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?
     logits      cap(lm_head(final_norm(h)) / logits_divisor)
 
-The fused CPU decode step (engine/layers/fused_decode.py) computes Llama's layer, times a residual scale: it
-serves the families whose recipe is that (Granite; Phi-3 without a window and with RoPE over whole heads),
-the others run every step on the unfused per-operation path.
+The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe with SwiGLU and one RoPE over
+whole heads, in layers without windows or soft-caps: Granite, OLMo 2, Phi-3 without a window. Gemma (GeGLU,
+windows, soft-caps) runs every step on the unfused per-operation path.
 """
 
 from __future__ import annotations
@@ -56,6 +56,16 @@ class DecoderLayerWeights:
         """The norm before the MLP, by Llama's name."""
         return self.norms.get("mlp_pre")
 
+    @property
+    def attn_post_norm(self) -> Optional[torch.Tensor]:
+        """The norm of the attention's output before it is added (OLMo 2, Gemma)."""
+        return self.norms.get("attn_post")
+
+    @property
+    def mlp_post_norm(self) -> Optional[torch.Tensor]:
+        """The norm of the MLP's output before it is added."""
+        return self.norms.get("mlp_post")
+
 
 class DecoderForCausalLM(LlamaForCausalLM):
     """Gemma 2/3, Phi-3, OLMo 2, Granite: the forward pass of `DecoderArch`'s recipe."""
@@ -76,6 +86,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
     ):
         super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
         self.residual_scale = arch.residual_scale
+        self.qk_norm_projection = arch.qk_norm == "projection"
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
@@ -90,13 +101,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
     @property
     def llama_layers(self) -> bool:
-        arch = self.arch
-        return (
-            {role for role, _ in arch.norms} == {"attn_pre", "mlp_pre"}
-            and arch.activation == "silu"
-            and arch.qk_norm != "projection"
-            and len(self.rotaries) == 1
-        )
+        return self.arch.activation == "silu" and len(self.rotaries) == 1  # (every norm role is one the step takes)
 
     # ------------------------------------------------------------------ weights
 

@@ -53,6 +53,15 @@ class LlamaLayerWeights:
     down: Any  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
 
+    @property
+    def attn_post_norm(self) -> None:
+        """No norm after a branch in Llama's layer (the generic decoder's layers may have them)."""
+        return None
+
+    @property
+    def mlp_post_norm(self) -> None:
+        return None
+
 
 class LlamaForCausalLM:
     """Forward pass over paged KV caches; `compute_logits` only for the rows that need them."""
@@ -152,12 +161,14 @@ class LlamaForCausalLM:
 
     @property
     def llama_layers(self) -> bool:
-        """Whether every layer is Llama's recipe (pre-norms, SwiGLU, one RoPE, each branch added as it is or
-        times `residual_scale`): what the fused decode step computes."""
+        """Whether every layer is Llama's recipe up to its norms (SwiGLU, one RoPE; RMSNorms before and/or after
+        each branch, each branch added as it is or times `residual_scale`): what the fused decode step computes."""
         return True
 
     residual_scale = 1.0
     """Each branch's output times this before it joins the residual stream (Granite's residual_multiplier)."""
+    qk_norm_projection = False
+    """Whether the q and k norms normalize all of q and all of k (OLMo 2), not each head (Qwen3)."""
 
     # ------------------------------------------------------------------ weights
 

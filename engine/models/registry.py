@@ -97,7 +97,7 @@ FAMILIES = (
         ("olmo2",),
         "decoder",
         HF_FORMATS,
-        ("post-norms only", "q/k RMSNorm over the whole projection"),
+        ("post-norms only", "q/k RMSNorm over the whole projection", "fused CPU decode step"),
     ),
     ModelFamily(
         "GraniteForCausalLM",

@@ -37,6 +37,12 @@ def tiny_granite_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_olmo2_dir(tmp_path_factory):
+    """OLMo 2: norms after the branches only, q/k norms over the whole projection."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-olmo2"), "olmo2")
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tmp_path_factory):
     """Phi-3 (LongRoPE) without a sliding window: Llama's layer from fused projections."""
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-phi3"), "phi3", sliding_window=None)

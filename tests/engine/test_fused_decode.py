@@ -1,7 +1,8 @@
 """The fused small-batch decode (engine/layers/fused_decode.py, csrc/decode_layer.cpp) against the unfused
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows (and, with
 the column-block product, 16), with q/k/v biases (qwen2), per-head q/k norms (qwen3), and the generic decoder's
-families whose layer is Llama's (granite: its multipliers; phi3 without a window: LongRoPE), on weights packed in
+families whose layer is Llama's up to its norms (granite: its multipliers; olmo2: norms after the branches and over
+the whole q and k projections; phi3 without a window: LongRoPE), with every norm made distinct, on weights packed in
 column blocks (AVX512-BF16 builds) and plain ones (the small-batch kernel elsewhere), and with the embedded
 model's GGUF blocks kept quantized (`quantization="gguf"`, in bf16 and float32, with biases or q/k norms added
 to its layers or neither); and on the embedded model in bf16 the same greedy tokens as torch's
@@ -88,7 +89,8 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
 @pytest.mark.parametrize("product", ["column-blocks", "column-blocks-tiles", "gemv"])
 @pytest.mark.parametrize(
-    "model_dir_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_granite_dir", "tiny_phi3_dir"]
+    "model_dir_fixture",
+    ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_granite_dir", "tiny_olmo2_dir", "tiny_phi3_dir"],
 )
 def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
     linear_class = _with_product(product, cpu_kernels, monkeypatch)
@@ -101,8 +103,7 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, r
     )  # both runs compute every prompt token the same way
     model = llm.engine.runner.model
     assert type(model.linear) is linear_class and model.fused is not None
-    if model_dir_fixture == "tiny_qwen3_dir":  # its norms are all ones as made: each its own, in place
-        _randomize_qk_norms(model)
+    _randomize_norms(model)  # all ones as made: each its own, in place
     if product.startswith("column-blocks"):
         assert model.linear.amx == (product == "column-blocks-tiles")
     if product != "gemv":
@@ -156,11 +157,14 @@ def test_fused_decode_over_an_fp8_cache_equals_the_unfused_ops(
     assert rows and fused == _unfused(llm, PROMPTS, params)
 
 
-def _randomize_qk_norms(model) -> None:
+def _randomize_norms(model) -> None:
+    """Every norm of every layer its own weights (a kernel that swaps two of them, or skips one, then differs)."""
     generator = torch.Generator().manual_seed(2)
     for layer in model.layers:
-        for norm in (layer.q_norm, layer.k_norm):
-            norm.copy_(1 + torch.randn(norm.shape, generator=generator) * 0.2)
+        names = ("input_norm", "post_norm", "attn_post_norm", "mlp_post_norm", "q_norm", "k_norm")
+        for norm in (getattr(layer, name) for name in names):
+            if norm is not None:
+                norm.copy_(1 + torch.randn(norm.shape, generator=generator) * 0.2)
 
 
 def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
@@ -186,10 +190,11 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
         ("phi3", {"sliding_window": None}, True),
         ("phi3", {}, False),  # a window on every layer
         ("phi4mini", {}, False),  # RoPE over part of each head
-        ("gemma2", {}, False),  # sandwich norms, GeGLU, soft-caps, windows
-        ("olmo2", {}, False),  # norms after the branches, q/k norms over the whole projection
+        ("olmo2", {}, True),  # norms after the branches, q/k norms over the whole projection
+        ("gemma2", {}, False),  # GeGLU, soft-caps, windows
+        ("gemma3", {}, False),  # GeGLU, windows, two RoPEs
     ],
-    ids=["granite", "phi3-whole", "phi3-window", "phi4mini", "gemma2", "olmo2"],
+    ids=["granite", "phi3-whole", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3"],
 )
 def test_generic_decoders_fuse_where_their_layer_is_llamas(family, overrides, fused, tmp_path):
     """The generic decoder (engine/models/decoder.py) takes the fused step exactly where its recipe is Llama's

@@ -2,12 +2,13 @@
 // two fused kernels, each a single OpenMP team whose phases are separated by the work-sharing loops'
 // barriers, around the paged attention kernel (paged_decode.cpp):
 //   decode_qkv     [residual += h;] x = rms_norm(residual); qkv = x @ w_qkv^T (+ b); [each q and k head
-//                  rms_norm'd by q_norm / k_norm (Qwen3);] RoPE on q and k;
-//                  k and v stored at each token's cache slot; q out, contiguous [rows, heads, head_dim]
+//                  rms_norm'd by q_norm / k_norm (Qwen3), or all of q and all of k (qk_norm_projection,
+//                  OLMo 2);] RoPE on q and k; k and v stored at each token's cache slot; q out, contiguous
+//                  [rows, heads, head_dim]
 //   decode_o_mlp   residual += attn @ w_o^T (+ b); x = rms_norm(residual); [g | u] = x @ w_gu^T (+ b);
 //                  out = (silu(g) * u) @ w_down^T (+ b)
-// (with a residual_scale other than 1, Granite's: each branch's output, attn @ w_o^T and out, times it before
-// it is added)
+// A norm before a branch may be absent (x = residual: OLMo 2), and a branch's output may be normalized before it
+// is added (attn_post / mlp_post norms: OLMo 2), then multiplied by residual_scale (Granite's; 1: as it is).
 // Every intermediate is
 // rounded to T where the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results
 // are theirs. A matrix is plain T [out, in] (the small-batch product of gemv.h), packed in column blocks
@@ -120,10 +121,26 @@ inline void to_cache(const T* src, pagedserve::Fp8E4M3* dst, int64_t count) {
     for (int64_t i = 0; i < count; ++i) store(dst + i, to_float(src[i]));
 }
 
+// [residual += h (rounded to T);] out = rms_norm(residual), or residual itself without a norm (OLMo 2's layers
+// have none before their branches).
+template <typename T>
+void add_norm_row(const T* h, T* residual, const T* norm, T* out, int64_t hidden, float eps) {
+    if (norm != nullptr) {
+        if (h != nullptr) add_rms_norm_row(h, residual, norm, out, hidden, eps);
+        else rms_norm_row(residual, norm, out, hidden, eps);
+        return;
+    }
+    if (h != nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) store(residual + i, to_float(residual[i]) + to_float(h[i]));
+    }
+    std::memcpy(out, residual, hidden * sizeof(T));
+}
+
 template <typename T, typename C>
 void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, const T* b_qkv, const T* q_norm,
-                const T* k_norm, const int64_t* positions, const T* cos, const T* sin_signed, C* key_cache,
-                C* value_cache, const int64_t* slots, T* query,
+                const T* k_norm, bool qk_norm_projection, const int64_t* positions, const T* cos,
+                const T* sin_signed, C* key_cache, C* value_cache, const int64_t* slots, T* query,
                 int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
                 Scratch& scratch, const LayerLoRA<T>& lora) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
@@ -131,20 +148,21 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            T* res = residual + r * hidden;
-            if (h != nullptr) add_rms_norm_row(h + r * hidden, res, norm, x.data() + r * hidden, hidden, eps);
-            else rms_norm_row(res, norm, x.data() + r * hidden, hidden, eps);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+            add_norm_row(h != nullptr ? h + r * hidden : nullptr, residual + r * hidden, norm, x.data() + r * hidden,
+                         hidden, eps);
         shrink_lora_for(x.data(), lora, lora.qkv, lora.shrunk);
         product_for(x.data(), w_qkv, b_qkv, qkv.data(), rows, width, hidden, scratch);
         expand_lora_for(qkv.data(), lora, lora.qkv, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             T* row = qkv.data() + r * width;  // [q heads | k heads | v heads] x head_dim
-            // each head normalized in place, as the unfused path's rms_norm over heads (_model_fits: both norms or
-            // neither)
-            if (q_norm != nullptr) {
+            // each head normalized in place, as the unfused path's rms_norm over heads, or all of q and all of k
+            // (_model_fits: both norms or neither)
+            if (q_norm != nullptr && qk_norm_projection) {
+                rms_norm_row(row, q_norm, row, q_size, eps);
+                rms_norm_row(row + q_size, k_norm, row + q_size, kv_size, eps);
+            } else if (q_norm != nullptr) {
                 for (int64_t head = 0; head < heads; ++head)
                     rms_norm_row(row + head * head_dim, q_norm, row + head * head_dim, head_dim, eps);
                 for (int64_t head = heads; head < heads + kv_heads; ++head)
@@ -168,11 +186,19 @@ void scale_row(T* x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; ++i) store(x + i, to_float(x[i]) * scale);
 }
 
+// A branch's output as it joins the residual stream: normalized by `post_norm` (if any), then times
+// `residual_scale`, each rounded to T as the unfused path's ops round them.
 template <typename T>
-void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, const T* norm, const Matrix& w_gu,
-                  const T* b_gu, const Matrix& w_down, const T* b_down, T* out, int64_t rows, int64_t hidden,
-                  int64_t attn_width, int64_t inter, float eps, float residual_scale, Scratch& scratch,
-                  const LayerLoRA<T>& lora) {
+void finish_branch_row(T* x, const T* post_norm, float residual_scale, int64_t hidden, float eps) {
+    if (post_norm != nullptr) rms_norm_row(x, post_norm, x, hidden, eps);
+    if (residual_scale != 1.0f) scale_row(x, hidden, residual_scale);
+}
+
+template <typename T>
+void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, const T* attn_post_norm,
+                  const T* norm, const Matrix& w_gu, const T* b_gu, const Matrix& w_down, const T* b_down,
+                  const T* mlp_post_norm, T* out, int64_t rows, int64_t hidden, int64_t attn_width, int64_t inter,
+                  float eps, float residual_scale, Scratch& scratch, const LayerLoRA<T>& lora) {
     std::vector<T> o(rows * hidden), x(rows * hidden), gate_up(rows * 2 * inter), act(rows * inter);
 #pragma omp parallel
     {
@@ -181,8 +207,8 @@ void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, c
         expand_lora_for(o.data(), lora, lora.o, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
-            if (residual_scale != 1.0f) scale_row(o.data() + r * hidden, hidden, residual_scale);
-            add_rms_norm_row(o.data() + r * hidden, residual + r * hidden, norm, x.data() + r * hidden, hidden, eps);
+            finish_branch_row(o.data() + r * hidden, attn_post_norm, residual_scale, hidden, eps);
+            add_norm_row(o.data() + r * hidden, residual + r * hidden, norm, x.data() + r * hidden, hidden, eps);
         }
         shrink_lora_for(x.data(), lora, lora.gate_up, lora.shrunk);
         product_for(x.data(), w_gu, b_gu, gate_up.data(), rows, 2 * inter, hidden, scratch);
@@ -193,9 +219,10 @@ void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, c
         shrink_lora_for(act.data(), lora, lora.down, lora.shrunk);
         product_for(act.data(), w_down, b_down, out, rows, hidden, inter, scratch);
         expand_lora_for(out, lora, lora.down, lora.shrunk);
-        if (residual_scale != 1.0f) {  // (the next layer's add, or the step's last, takes it scaled)
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; ++r) scale_row(out + r * hidden, hidden, residual_scale);
+        if (mlp_post_norm != nullptr || residual_scale != 1.0f) {  // (the next layer's add, or the step's last,
+#pragma omp for schedule(static)                                       // takes it finished)
+            for (int64_t r = 0; r < rows; ++r)
+                finish_branch_row(out + r * hidden, mlp_post_norm, residual_scale, hidden, eps);
         }
     }
 }
@@ -244,10 +271,10 @@ inline void paged_decode(const uint16_t* q, const pagedserve::Fp8E4M3* k, const 
                                      scale, 1, 0, 0.0f, nullptr);
 }
 
-// Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias; the
-// per-head q and k norms both or neither), then each matrix's kMatrixColumns values.
+// Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias or norm;
+// the q and k norms both or neither), then each matrix's kMatrixColumns values.
 enum WeightColumn {
-    kInputNorm, kPostNorm, kQkvBias, kOBias, kGateUpBias, kDownBias, kQNorm, kKNorm,
+    kInputNorm, kPostNorm, kQkvBias, kOBias, kGateUpBias, kDownBias, kQNorm, kKNorm, kAttnPostNorm, kMlpPostNorm,
     kQkv, kOProj = kQkv + kMatrixColumns, kGateUp = kOProj + kMatrixColumns, kDown = kGateUp + kMatrixColumns,
     kWeightColumns = kDown + kMatrixColumns
 };
@@ -260,6 +287,7 @@ Matrix matrix_at(const int64_t* row, int column) {
 
 struct DecodeShape {
     int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width;
+    bool qk_norm_projection;
     float eps, scale, residual_scale;
 };
 
@@ -321,14 +349,14 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
         C* key_cache = reinterpret_cast<C*>(key_caches[layer]);
         C* value_cache = reinterpret_cast<C*>(value_caches[layer]);
         const LayerLoRA<T> lora = layer_lora<T>(step_lora, plan.get(), shrunk.data(), layer, s);
-        decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), w(kQNorm), w(kKNorm), positions, cos,
-                   sin_signed, key_cache, value_cache, slots, query.data(), s.rows, s.hidden, s.heads, s.kv_heads,
-                   s.head_dim, s.eps, scratch, lora);
+        decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), w(kQNorm), w(kKNorm), s.qk_norm_projection,
+                   positions, cos, sin_signed, key_cache, value_cache, slots, query.data(), s.rows, s.hidden, s.heads,
+                   s.kv_heads, s.head_dim, s.eps, scratch, lora);
         paged_decode(query.data(), key_cache, value_cache, block_tables, context_lens, attn.data(), s.rows, s.heads,
                      s.kv_heads, s.head_dim, s.block_size, s.table_width, s.scale);
-        decode_o_mlp(attn.data(), residual, matrix(kOProj), w(kOBias), w(kPostNorm), matrix(kGateUp), w(kGateUpBias),
-                     matrix(kDown), w(kDownBias), out, s.rows, s.hidden, s.heads * s.head_dim, s.inter, s.eps,
-                     s.residual_scale, scratch, lora);
+        decode_o_mlp(attn.data(), residual, matrix(kOProj), w(kOBias), w(kAttnPostNorm), w(kPostNorm),
+                     matrix(kGateUp), w(kGateUpBias), matrix(kDown), w(kDownBias), w(kMlpPostNorm), out, s.rows,
+                     s.hidden, s.heads * s.head_dim, s.inter, s.eps, s.residual_scale, scratch, lora);
         h = out;
     }
     for (int64_t i = 0; i < s.rows * s.hidden; ++i) store(residual + i, to_float(residual[i]) + to_float(out[i]));
@@ -346,9 +374,10 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                                            int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,    \
                                            int64_t inter, int64_t block_size, int64_t table_width,               \
                                            int64_t lora_width, int64_t lora_max_rank, int64_t max_loras,         \
-                                           float eps, float scale, float residual_scale) {                       \
-        const DecodeShape shape{rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width, eps, scale, \
-                                residual_scale};                                                                  \
+                                           int64_t qk_norm_projection, float eps, float scale,                   \
+                                           float residual_scale) {                                               \
+        const DecodeShape shape{rows,       hidden,      heads, kv_heads, head_dim, inter, block_size, table_width,  \
+                                qk_norm_projection != 0, eps, scale, residual_scale};                              \
         const StepLoRA lora{lora_table, lora_slots, lora_scales, lora_ranks, lora_width, lora_max_rank, max_loras}; \
         decode_layers<T, C>(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots,       \
                             block_tables, context_lens, out, num_layers, shape, lora);                          \
