@@ -102,14 +102,15 @@ class LlamaForCausalLM:
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
         # Small decode steps in one native call (cpu backend): bf16 weights plain or packed, or GGUF blocks in
-        # either dtype (float32 keeps oneDNN's packed weights, which the native step cannot read: load_weights
-        # drops it there unless the layers hold GGUF blocks). The native step runs every layer in one call: no
-        # all-reduce between them, so one rank only.
+        # either dtype (float32 keeps oneDNN's packed weights, which the native step cannot read, or torch's
+        # product where oneDNN is missing, whose sums the native one would not repeat: load_weights drops it there
+        # unless the layers hold GGUF blocks). The native step runs every layer in one call: no all-reduce
+        # between them, so one rank only.
         self.fused: Optional[FusedDecode] = None
         if isinstance(self.ops, NativeLayerOps) and not tp.is_parallel:
             if isinstance(self.linear, (GemvLinear, ColumnBlockLinear)):
                 self.fused = FusedDecode(self.linear.kernels, self.linear.max_rows)
-            elif isinstance(self.linear, PackedOneDnnLinear):
+            elif isinstance(self.linear, PackedOneDnnLinear) or type(self.linear) is Linear:
                 self.fused = FusedDecode(self.ops.kernels, GEMV_MAX_ROWS)
         # Set by load_weights (an empty model until then). embed and lm_head: a tensor, or the quantized or packed
         # matrix the products take; with several ranks, this rank's rows (vocab_parallel.rows of them).
@@ -185,8 +186,12 @@ class LlamaForCausalLM:
                 tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype, device=self.device)
             )
         self.layers = [self._take_layer(state, i) for i in self.stage.layers]
-        if self.fused is not None and isinstance(self.linear, PackedOneDnnLinear) and not has_gguf_blocks(self):
-            self.fused = None
+        if (
+            self.fused is not None
+            and not isinstance(self.linear, (GemvLinear, ColumnBlockLinear))
+            and not has_gguf_blocks(self)
+        ):
+            self.fused = None  # float32's products (oneDNN's or torch's) on plain weights: the unfused path
         if self.stage.is_first:
             self._take_ends(state)
         if state:

@@ -231,7 +231,8 @@ def _generate_each(llm: LLM, prompts, params):
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     embedded_checkpoint, arch, extra, dtype, cpu_kernels, monkeypatch
 ):
-    """float32 too (dtype auto on CPUs without native bf16): its products stay oneDNN's, the GGUF blocks fused.
+    """float32 too (dtype auto on CPUs without native bf16): its products stay oneDNN's (torch's without oneDNN), the
+    GGUF blocks fused.
     `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
     embedded model's layers."""
     llm = LLM(
@@ -280,6 +281,39 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     max_rows = getattr(model.linear, "max_rows", GEMV_MAX_ROWS)  # float32's oneDNN product: the fused step's own
     assert set(rows) == set(range(1, min(integer_rows - 1, max_rows, GEMV_MAX_ROWS) + 1))
     assert fused == _unfused(llm, PROMPTS, params)
+
+
+def test_fused_gguf_decode_beside_torchs_float32_product(embedded_checkpoint, monkeypatch):
+    """float32 where oneDNN is missing (torch's own product): the GGUF blocks still fused, with the unfused ops'
+    tokens and logprobs; a plain-weight model keeps the unfused path there, as beside oneDNN."""
+    import engine.models.llama as llama_module
+
+    monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
+    llm = LLM(
+        None,
+        quantization="gguf",
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        kv_cache_memory="32MiB",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+    )
+    model = llm.engine.runner.model
+    assert type(model.linear) is Linear and model.fused is not None
+    rows = _counting_fused(model, monkeypatch)
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(4)]
+    fused = _generate_each(llm, PROMPTS[:4], params)
+    assert rows and fused == _unfused(llm, PROMPTS[:4], params)
+
+
+def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_llama_dir, monkeypatch):
+    import engine.models.llama as llama_module
+
+    monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
+    llm = make_llm(tiny_llama_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False)
+    assert type(llm.engine.runner.model.linear) is Linear and llm.engine.runner.model.fused is None
 
 
 def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tuple[list[int], list[float]]]:
