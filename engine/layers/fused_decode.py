@@ -89,7 +89,8 @@ class FusedDecode:
     ) -> bool:
         """Whether this step can run fused (cheap after the first call)."""
         if (
-            num_tokens == 0
+            self._model_ok is False
+            or num_tokens == 0
             or backend.name != "cpu"
             or not _fusable_rows(metadata[0], num_tokens, self.mixed_prefill_tokens)
         ):

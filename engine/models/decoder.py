@@ -13,7 +13,7 @@ windows, soft-caps) runs every step on the unfused per-operation path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -85,9 +85,21 @@ class DecoderForCausalLM(LlamaForCausalLM):
         tp: ParallelGroup = ParallelGroup.single(),
     ):
         super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        # Each layer's attention as the family reads it (its scale: Granite's attention_multiplier, Gemma's
+        # query_pre_attn_scalar), not Llama's; a window as long as the longest sequence served reads every key:
+        # none, as Llama's (and the KV groups, engine/attention/kv_groups.py) take it.
+        self.layer_attention = tuple(
+            replace(attention, sliding_window=None)
+            if attention.sliding_window is not None and max_model_len and attention.sliding_window >= max_model_len
+            else attention
+            for attention in arch.layer_attention
+        )
+        self.scale = self.layer_attention[0].scale
         self.residual_scale = arch.residual_scale
         self.qk_norm_projection = arch.qk_norm == "projection"
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
+        if arch.activation != "silu" or len(self.rotaries) > 1:
+            self.fused = None  # GeGLU, or two RoPEs (Gemma): not the fused decode step's layer
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
@@ -96,12 +108,17 @@ class DecoderForCausalLM(LlamaForCausalLM):
         return super()._rotary(theta, scaling, self.arch.rotary_dim)  # Phi-4-mini: the first dimensions only
 
     @property
-    def attention_layers(self) -> tuple[LayerAttention, ...]:
-        return self.arch.layer_attention
-
-    @property
     def llama_layers(self) -> bool:
-        return self.arch.activation == "silu" and len(self.rotaries) == 1  # (every norm role is one the step takes)
+        # every norm role is one the step takes; q/k norms it applies wherever a layer has them, as this recipe
+        # does only where the arch names them
+        arch = self.arch
+        return (
+            arch.activation == "silu"
+            and len(self.rotaries) == 1
+            and (
+                arch.qk_norm is not None or all(layer.q_norm is None and layer.k_norm is None for layer in self.layers)
+            )
+        )
 
     # ------------------------------------------------------------------ weights
 
@@ -210,7 +227,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
                 value_cache,
                 step,
                 backend,
-                arch.layer_attention[index],
+                self.layer_attention[index],
             )
             h = self._add(h, self._norm(x, layer, "attn_post"))
             x = linear(self._norm(h, layer, "mlp_pre"), layer.gate_up, layer.gate_up_bias)

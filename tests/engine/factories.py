@@ -104,9 +104,11 @@ DENSE_FAMILIES = {
     "granite": {
         "architectures": ["GraniteForCausalLM"],
         "model_type": "granite",
-        "embedding_multiplier": 3.0,
-        "residual_multiplier": 0.5,
-        "attention_multiplier": 0.3,
+        # Granite 3's own values: 0.22 and 1/64 are not powers of two, so a product left unrounded before its
+        # add (an FMA) shows in the logprobs
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625,
         "logits_scaling": 2.0,
         "pad_token_id": 0,
     },

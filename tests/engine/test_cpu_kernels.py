@@ -211,6 +211,29 @@ def test_paged_decode_matches_float64(decode_kernels, dtype, cache_dtype, head_d
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("threads", [3, 16])
+@pytest.mark.parametrize("lens", [[200], [130], [70, 300]], ids=str)
+def test_paged_decode_on_more_threads_than_sequences_matches_float64(decode_kernels, threads, lens):
+    """Fewer sequences than threads: the parts' count rounded to whole items per thread only while each part keeps
+    its least tokens, else fewer parts (uneven counts on 3 threads, far more threads than parts on 16)."""
+    gen = torch.Generator().manual_seed(threads + len(lens))
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
+    width = max((n + block_size - 1) // block_size for n in lens)
+    key_cache = torch.randn(len(lens) * width + 2, block_size, kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(len(lens) * width + 2, block_size, kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(lens), heads, head_dim, generator=gen) * 3
+    tables = torch.randperm(len(lens) * width + 2, generator=gen)[: len(lens) * width].view(len(lens), width).int()
+    context = torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode_kernels.paged_decode(query, key_cache, value_cache, tables, context, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    expected = _decode_reference(query, key_cache, value_cache, tables, context, 0.125)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
 def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, split):
     """Every build's loops (the AVX2 chunks among them) with a window whose first visible token lies inside a
@@ -244,7 +267,7 @@ def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, spl
 
 
 def test_paged_decode_one_thread_matches_the_team(cpu_kernels):
-    """Sequences too short to split (on 2 threads: 3 sequences give each thread one): work items are
+    """Sequences too short to split (on 2 threads, 3 sequences leave no thread without one): work items are
     independent, one thread and the team compute the same bits."""
     gen = torch.Generator().manual_seed(5)
     key_cache = torch.randn(40, 16, 2, 128, generator=gen).bfloat16()

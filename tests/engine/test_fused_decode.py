@@ -188,13 +188,14 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
     [
         ("granite", {}, True),
         ("phi3", {"sliding_window": None}, True),
+        ("phi3", {"sliding_window": 256}, True),  # a window spanning max_model_len (the config's 256): none
         ("phi3", {}, False),  # a window on every layer
         ("phi4mini", {}, False),  # RoPE over part of each head
         ("olmo2", {}, True),  # norms after the branches, q/k norms over the whole projection
         ("gemma2", {}, False),  # GeGLU, soft-caps, windows
         ("gemma3", {}, False),  # GeGLU, windows, two RoPEs
     ],
-    ids=["granite", "phi3-whole", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3"],
+    ids=["granite", "phi3-whole", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3"],
 )
 def test_generic_decoders_fuse_where_their_layer_is_llamas(family, overrides, fused, tmp_path):
     """The generic decoder (engine/models/decoder.py) takes the fused step exactly where its recipe is Llama's
@@ -206,8 +207,8 @@ def test_generic_decoders_fuse_where_their_layer_is_llamas(family, overrides, fu
         enable_prefix_caching=False,
     )
     runner = llm.engine.runner
-    assert runner.model.fused is not None
-    assert _model_fits(runner.model, runner.kv_cache.layers) == fused
+    model = runner.model
+    assert (model.fused is not None and _model_fits(model, runner.kv_cache.layers)) == fused
 
 
 def _unfused(llm: LLM, prompts, params):

@@ -179,7 +179,9 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
 }
 
 // Each branch's output times `residual_scale` before it joins the residual stream (Granite's residual_multiplier;
-// 1: as it is), rounded to T in a pass of its own as torch's `branch * scale` rounds it before the add.
+// 1: as it is), rounded to T in a pass of its own as torch's `branch * scale` rounds it before the add: the build
+// leaves GCC's contraction on (-ffp-contract=fast, even with -std=c++17), and a multiply feeding the add in one
+// loop would become an FMA, unrounded in between.
 template <typename T>
 void scale_row(T* x, int64_t n, float scale) {
 #pragma omp simd

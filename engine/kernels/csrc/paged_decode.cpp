@@ -389,8 +389,9 @@ void attend_range(const float* q, const C* key_cache, const C* value_cache, cons
 }
 
 // The portable loops: a work item is a sequence, or with few sequences for the threads (and `split`) a part of
-// a long one, whole blocks of at least kPortableSplitTokens: before, one long sequence ran on one thread while
-// the others waited (docs/performance.md, "The AVX2 machine"). A part keeps its running max, sum and
+// a long one, whole blocks of at least kPortableSplitTokens (kIdleSplitTokens with fewer sequences than
+// threads): before, one long sequence ran on one thread while the others waited (docs/performance.md, "The AVX2
+// machine"). A part keeps its running max, sum and
 // unnormalized sums; the parts are merged once all are done, in another order than one pass sums, so `split`
 // is off in batch-invariant mode.
 template <typename T, typename C, int HD>
@@ -411,10 +412,14 @@ void paged_decode(const T* query, const C* key_cache, const C* value_cache, cons
         for (int64_t seq = 0; seq < num_seqs; ++seq) longest = std::max<int64_t>(longest, context_lens[seq]);
         if (window > 0) longest = std::min(longest, window);
         const int64_t least = num_seqs < threads ? kIdleSplitTokens : kPortableSplitTokens;
-        parts = std::max<int64_t>(1, std::min((kPortablePartsPerThread * threads + num_seqs - 1) / num_seqs,
-                                              longest / std::max(least, block_size)));
-        if (parts > 1)
-            while (num_seqs * parts % threads != 0) ++parts;  // a whole number of items per thread
+        const int64_t most = longest / std::max(least, block_size);  // parts of the longest, each `least` or more
+        parts = std::max<int64_t>(1, std::min((kPortablePartsPerThread * threads + num_seqs - 1) / num_seqs, most));
+        if (parts > 1 && num_seqs * parts % threads != 0) {  // a whole number of items per thread: more parts
+            int64_t up = parts, down = parts;                   // while they stay long enough, else fewer (if
+            while (num_seqs * up % threads != 0) ++up;          // any fewer split at all)
+            while (down > 1 && num_seqs * down % threads != 0) --down;
+            parts = up <= most ? up : down > 1 ? down : parts;
+        }
     }
 #endif
     std::vector<float> partials(parts > 1 ? num_seqs * parts * partial_size : 0);
