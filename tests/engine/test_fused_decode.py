@@ -226,6 +226,21 @@ def _generate_each(llm: LLM, prompts, params):
     return [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results]
 
 
+def _embedded_gguf(dtype: str, max_num_seqs: int) -> LLM:
+    """The embedded model with its GGUF blocks kept, on the cpu backend, every prompt computed alike."""
+    return LLM(
+        None,
+        quantization="gguf",
+        dtype=dtype,
+        device="cpu",
+        max_model_len=256,
+        kv_cache_memory="32MiB",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+        max_num_seqs=max_num_seqs,
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("extra", ["none", "bias", "qk_norm"])
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
@@ -236,17 +251,7 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     GGUF blocks fused.
     `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
     embedded model's layers."""
-    llm = LLM(
-        None,
-        quantization="gguf",
-        dtype=str(dtype).removeprefix("torch."),
-        device="cpu",
-        max_model_len=256,
-        kv_cache_memory="32MiB",
-        attention_backend="cpu",
-        enable_prefix_caching=False,
-        max_num_seqs=8,
-    )
+    llm = _embedded_gguf(str(dtype).removeprefix("torch."), max_num_seqs=8)
     model = llm.engine.runner.model
     layers = model.layers
     assert model.fused is not None and all(isinstance(getattr(layers[0], name), GgufWeight) for name in MATRIX_COLUMNS)
@@ -290,17 +295,7 @@ def test_fused_gguf_decode_beside_torchs_float32_product(embedded_checkpoint, mo
     import engine.models.llama as llama_module
 
     monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
-    llm = LLM(
-        None,
-        quantization="gguf",
-        dtype="float32",
-        device="cpu",
-        max_model_len=256,
-        kv_cache_memory="32MiB",
-        attention_backend="cpu",
-        enable_prefix_caching=False,
-        max_num_seqs=4,
-    )
+    llm = _embedded_gguf("float32", max_num_seqs=4)
     model = llm.engine.runner.model
     assert type(model.linear) is Linear and model.fused is not None
     rows = _counting_fused(model, monkeypatch)
