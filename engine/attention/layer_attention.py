@@ -7,7 +7,7 @@ that cannot compute one of its features says so at start-up (`check_backend_serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 import torch
@@ -63,6 +63,14 @@ class LayerAttention:
         if self.latent_rank is not None:
             used.add(LATENT)
         return frozenset(used)
+
+    def within(self, max_model_len: Optional[int]) -> "LayerAttention":
+        """This attention over sequences of at most `max_model_len` tokens: a window that long or longer reads
+        every key, and is dropped (the fused decode step and the kernels' unwindowed variants then serve it; the
+        KV groups take it so too, engine/attention/kv_groups.py)."""
+        if self.sliding_window is None or not max_model_len or self.sliding_window < max_model_len:
+            return self
+        return replace(self, sliding_window=None)
 
 
 def check_backend_serves(backend, layers: Iterable[LayerAttention], architecture: str) -> None:

@@ -443,7 +443,8 @@ class CpuKernels:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream after the last layer out) is
         updated in place, K/V written at `slots` [rows] int64 of each layer's cache; returns the last layer's
-        MLP output [rows, hidden] as it joined the stream (after its post norm and `residual_scale`, if any). `weights` [num_layers, DECODE_WEIGHT_COLUMNS] int64 holds each layer's norm and bias addresses
+        MLP output [rows, hidden] as it joined the stream (after its post norm and `residual_scale`, if any).
+        `weights` [num_layers, DECODE_WEIGHT_COLUMNS] int64 holds each layer's norm and bias addresses
         and its four matrices (plain or GGUF blocks) as csrc/decode_layer.cpp reads them (`FusedDecode` builds
         it, from weights it checked and the model keeps alive); positions [rows] int64;
         block_tables [rows, width] and context_lens [rows] int32; `lora`: the adapters' deltas added to every

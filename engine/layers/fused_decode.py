@@ -139,7 +139,7 @@ class FusedDecode:
             arch.num_heads,
             arch.intermediate_size,
             arch.rms_norm_eps,
-            model.attention_layers[0].scale,  # every layer's (`_model_fits`)
+            model.scale,
             lora,
             self._addresses,
             model.residual_scale,
@@ -257,8 +257,7 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
     dtype = model.dtype
     if not model.llama_layers or model.rotary.partial:
         return False
-    scale = model.attention_layers[0].scale
-    if any(attention.features or attention.scale != scale for attention in model.attention_layers):
+    if any(attention.features or attention.scale != model.scale for attention in model.attention_layers):
         return False
     tensors = [model.rotary.cos, model.rotary.sin_signed]  # in the model's dtype
     blocks: list[torch.Tensor] = []  # GGUF blocks and scales

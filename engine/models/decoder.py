@@ -13,7 +13,7 @@ windows, soft-caps) runs every step on the unfused per-operation path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -85,20 +85,14 @@ class DecoderForCausalLM(LlamaForCausalLM):
         tp: ParallelGroup = ParallelGroup.single(),
     ):
         super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
-        # Each layer's attention as the family reads it (its scale: Granite's attention_multiplier, Gemma's
-        # query_pre_attn_scalar), not Llama's; a window as long as the longest sequence served reads every key:
-        # none, as Llama's (and the KV groups, engine/attention/kv_groups.py) take it.
-        self.layer_attention = tuple(
-            replace(attention, sliding_window=None)
-            if attention.sliding_window is not None and max_model_len and attention.sliding_window >= max_model_len
-            else attention
-            for attention in arch.layer_attention
-        )
+        # each layer's attention as the family reads it (its scale: Granite's attention_multiplier, Gemma's
+        # query_pre_attn_scalar), not Llama's
+        self.layer_attention = tuple(attention.within(max_model_len) for attention in arch.layer_attention)
         self.scale = self.layer_attention[0].scale
         self.residual_scale = arch.residual_scale
         self.qk_norm_projection = arch.qk_norm == "projection"
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
-        if arch.activation != "silu" or len(self.rotaries) > 1:
+        if not self.llama_layers:
             self.fused = None  # GeGLU, or two RoPEs (Gemma): not the fused decode step's layer
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:

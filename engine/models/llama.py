@@ -89,14 +89,8 @@ class LlamaForCausalLM:
         self.rotary = self._rotary(arch.rope_theta, arch.rope_scaling)
         self.scale = arch.head_dim**-0.5
         # Each layer's attention: Mistral's sliding window (Qwen's, when on, from max_window_layers), no soft-cap.
-        # A window as long as the longest sequence served reads every key: no window (the fused decode step and
-        # the kernels' unwindowed variants then serve it, as before windows were honoured).
         self.layer_attention: tuple[LayerAttention, ...] = tuple(
-            LayerAttention(
-                self.scale,
-                sliding_window=None if window is None or (max_model_len and window >= max_model_len) else window,
-            )
-            for window in arch.layer_windows
+            LayerAttention(self.scale, sliding_window=window).within(max_model_len) for window in arch.layer_windows
         )
         self.linear = linear or select_linear(device, dtype)  # BatchInvariantLinear in batch-invariant mode
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend

@@ -89,7 +89,7 @@ FAMILIES = (
             "LongRoPE (one factor set, by max_model_len)",
             "partial rotary (Phi-4-mini)",
             "sliding window",
-            "fused CPU decode step without a window or partial rotary",
+            "fused CPU decode step (no window shorter than max_model_len, no partial rotary)",
         ),
     ),
     ModelFamily(

@@ -391,9 +391,8 @@ void attend_range(const float* q, const C* key_cache, const C* value_cache, cons
 // The portable loops: a work item is a sequence, or with few sequences for the threads (and `split`) a part of
 // a long one, whole blocks of at least kPortableSplitTokens (kIdleSplitTokens with fewer sequences than
 // threads): before, one long sequence ran on one thread while the others waited (docs/performance.md, "The AVX2
-// machine"). A part keeps its running max, sum and
-// unnormalized sums; the parts are merged once all are done, in another order than one pass sums, so `split`
-// is off in batch-invariant mode.
+// machine"). A part keeps its running max, sum and unnormalized sums; the parts are merged once all are done, in
+// another order than one pass sums, so `split` is off in batch-invariant mode.
 template <typename T, typename C, int HD>
 void paged_decode(const T* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
                   const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
