@@ -363,6 +363,11 @@ class CpuKernels:
         fn = self._function("silu_and_mul", gate_up.dtype)
         return _dispatch(self._ops.cpu_silu_and_mul, cpu_ops.silu_and_mul, gate_up, fn)
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 * width] contiguous -> gelu(gate, approximate="tanh") * up [rows, width] (GeGLU)."""
+        fn = self._function("gelu_tanh_and_mul", gate_up.dtype)
+        return _dispatch(self._ops.cpu_gelu_tanh_and_mul, cpu_ops.gelu_tanh_and_mul, gate_up, fn)
+
     def rotary_(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> torch.Tensor:

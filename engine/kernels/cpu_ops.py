@@ -7,6 +7,7 @@ arguments each one writes.
     cpu_rms_norm(x, weight, eps, fn) -> out
     cpu_add_rms_norm(x, residual!, weight, eps, fn) -> out         residual += x, in place
     cpu_silu_and_mul(gate_up, fn) -> out
+    cpu_gelu_tanh_and_mul(gate_up, fn) -> out                        GeGLU: gelu(gate, tanh) * up
     cpu_rotary_(x!, positions, cos, sin_signed, fn) -> ()           x rotated in place
     cpu_invariant_linear(x, packed, bias?, out_features, amx, fn) -> out
     cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
@@ -39,6 +40,7 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
+    "gelu_tanh_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
@@ -63,6 +65,7 @@ class Overloads:
         self.cpu_rms_norm = ops.cpu_rms_norm.default
         self.cpu_add_rms_norm = ops.cpu_add_rms_norm.default
         self.cpu_silu_and_mul = ops.cpu_silu_and_mul.default
+        self.cpu_gelu_tanh_and_mul = ops.cpu_gelu_tanh_and_mul.default
         self.cpu_rotary_ = ops.cpu_rotary_.default
         self.cpu_invariant_linear = ops.cpu_invariant_linear.default
         self.cpu_gemv = ops.cpu_gemv.default
@@ -159,9 +162,18 @@ def add_rms_norm(x, residual, weight, eps, fn):
 
 def silu_and_mul(gate_up, fn):
     """cpu_silu_and_mul's kernel."""
+    return _gated("silu_and_mul", gate_up, fn)
+
+
+def gelu_tanh_and_mul(gate_up, fn):
+    """cpu_gelu_tanh_and_mul's kernel."""
+    return _gated("gelu_tanh_and_mul", gate_up, fn)
+
+
+def _gated(name: str, gate_up, fn):
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty((rows, width))
-    _call("silu_and_mul", fn, gate_up.data_ptr(), out.data_ptr(), rows, width)
+    _call(name, fn, gate_up.data_ptr(), out.data_ptr(), rows, width)
     return out
 
 
@@ -379,6 +391,12 @@ _define(
     "cpu_silu_and_mul",
     "(Tensor gate_up, int fn) -> Tensor",
     silu_and_mul,
+    lambda gate_up, fn: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)),
+)
+_define(
+    "cpu_gelu_tanh_and_mul",
+    "(Tensor gate_up, int fn) -> Tensor",
+    gelu_tanh_and_mul,
     lambda gate_up, fn: gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2)),
 )
 _define(

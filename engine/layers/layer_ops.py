@@ -6,6 +6,7 @@ Both implement the same contract (results agree to float32 rounding):
     add_rms_norm(x, residual, w, eps) -> (rms_norm(residual + x), residual + x); the native one
                                          updates `residual` in place
     silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
+    gelu_tanh_and_mul(gate_up)        -> gelu(gate, approximate="tanh") * up (GeGLU)
     rotary(x, angles, rope)           -> x rotated by RoPE; `angles = rotary_angles(positions, rope)`,
                                          once per forward pass; the native one rotates in place
 
@@ -38,6 +39,10 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rotary_angles(self, positions: torch.Tensor, rope: RotaryEmbedding):
         return rope.tables(positions)  # cos, sin_signed rows of the step's positions
 
@@ -64,6 +69,9 @@ class NativeLayerOps(TorchLayerOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(gate_up.contiguous())
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gelu_tanh_and_mul(gate_up.contiguous())
 
     def rotary_angles(self, positions: torch.Tensor, rope: RotaryEmbedding):
         return positions  # the kernel reads the full tables at each row's position

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
@@ -245,8 +244,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.arch.activation == "silu":
             return self.ops.silu_and_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.ops.gelu_tanh_and_mul(gate_up)
 
     def _layer_attention(
         self,

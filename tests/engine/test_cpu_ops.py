@@ -32,6 +32,7 @@ def _inputs(kernels, dtype):
         "cpu_rms_norm": (x, weight, 1e-5, fn("rms_norm", dtype)),
         "cpu_add_rms_norm": (x, x.clone() * 2, weight, 1e-5, fn("add_rms_norm", dtype)),
         "cpu_silu_and_mul": (gate_up, fn("silu_and_mul", dtype)),
+        "cpu_gelu_tanh_and_mul": (gate_up, fn("gelu_tanh_and_mul", dtype)),
         "cpu_rotary_": (qk, positions, rope.cos, rope.sin_signed, fn("rotary", dtype)),
     }
 

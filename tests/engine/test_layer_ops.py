@@ -36,12 +36,25 @@ def test_norms_and_activation(ops, dtype, rows):
     torch.testing.assert_close(out, expected_out, **TOL[dtype])
 
     torch.testing.assert_close(native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), **TOL[dtype])
+    torch.testing.assert_close(native.gelu_tanh_and_mul(gate_up), reference.gelu_tanh_and_mul(gate_up), **TOL[dtype])
 
 
-def test_silu_saturates_cleanly(ops):
+def test_silu_and_gelu_saturate_cleanly(ops):
     native, reference = ops
-    gate_up = torch.tensor([[-200.0, -30.0, 0.0, 30.0, 200.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    gate_up = torch.tensor([[-200.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 200.0] + [1.0] * 7])
     torch.testing.assert_close(native.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    torch.testing.assert_close(native.gelu_tanh_and_mul(gate_up), reference.gelu_tanh_and_mul(gate_up))
+
+
+def test_gelu_tanh_against_float64(cpu_kernels):
+    """The native GeGLU (g * sigmoid(2 y), csrc/row_ops.h) against HF's tanh form in float64."""
+    kernels = cpu_kernels
+    gate = torch.linspace(-12, 12, 4001)
+    up = torch.ones_like(gate)
+    got = kernels.gelu_tanh_and_mul(torch.cat([gate, up])[None]).double()[0]
+    g = gate.double()
+    expected = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

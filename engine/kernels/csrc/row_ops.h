@@ -42,6 +42,19 @@ void silu_and_mul_row(const T* gate_up, T* out, int64_t width) {
     }
 }
 
+// out = gelu_tanh(gate) * up, gate_up = [gate | up] (GeGLU, Gemma): gelu_tanh(g) = g / 2 * (1 + tanh(y)) with
+// y = sqrt(2 / pi) * (g + 0.044715 g^3), computed as g * sigmoid(2 y), the same value without tanh's cancellation
+template <typename T>
+void gelu_tanh_and_mul_row(const T* gate_up, T* out, int64_t width) {
+    const T* up = gate_up + width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate_up[i]);
+        const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        store(out + i, g / (1.0f + fast_exp(-2.0f * y)) * to_float(up[i]));
+    }
+}
+
 // num_heads heads of head_dim, their first rotary_dim dimensions rotated in place (the rest pass): x' = x * cos +
 // rotate_half(x) * sin, rotate_half(x) = [-x2, x1] over those dimensions; c, s: the position's rows of the cos /
 // sin tables (rotary_dim wide: each frequency twice, HF's layout; s with its first half negated).
