@@ -79,6 +79,8 @@ COMPILE_TIMEOUT_S = 300
 """Longest a compiler process may take on one source (or the link) before the build is given up."""
 DECODE_WEIGHT_COLUMNS = 10 + 6 * 4
 """Values per layer in decode_layers' weight table (csrc/decode_layer.cpp's WeightColumn)."""
+DECODE_LAYER_COLUMNS = 7
+"""Values per layer in decode_layers' layer table (csrc/decode_layer.cpp's LayerColumn)."""
 DECODE_LORA_COLUMNS = 8
 """Addresses per layer in decode_layers' LoRA table: the stacked A and B of qkv, o, gate_up, down."""
 
@@ -444,6 +446,9 @@ class CpuKernels:
         addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         residual_scale: float = 1.0,
         qk_norm_projection: bool = False,
+        gelu: bool = False,
+        softcap: float = 0.0,
+        layer_table: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Every layer of a decode step of `rows` sequences, one new token each (csrc/decode_layer.cpp):
         residual [rows, hidden] (the embeddings in, the residual stream after the last layer out) is
@@ -456,7 +461,11 @@ class CpuKernels:
         projection. `addresses`: `cache_addresses(key_caches, value_caches)` of these very caches, kept by a
         caller whose caches stay (read again on every call otherwise). `residual_scale`: each branch's output is
         multiplied by it before it joins the residual stream (Granite's residual_multiplier).
-        `qk_norm_projection`: the layers' q and k norms normalize all of q and all of k (OLMo 2), not each head."""
+        `qk_norm_projection`: the layers' q and k norms normalize all of q and all of k (OLMo 2), not each head.
+        `gelu`: GeGLU MLPs (Gemma), not SwiGLU; `softcap`: the attention scores' (0: none). `layer_table`
+        [num_layers, DECODE_LAYER_COLUMNS] int64 (None: every layer takes the arguments above): per layer its KV
+        group's block tables, context lengths, table width and slots, its window (0: none) and its RoPE tables,
+        as csrc/decode_layer.cpp's LayerColumn."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
             raise ValueError("decode_layers takes int64 positions and slots, one per row")
@@ -480,6 +489,12 @@ class CpuKernels:
         cache_dtype = key_caches[0].dtype
         if any(cache.dtype != cache_dtype for cache in (*key_caches, *value_caches)):
             raise ValueError("decode_layers takes caches of one dtype")
+        if layer_table is not None and (
+            layer_table.dtype != torch.int64
+            or tuple(layer_table.shape) != (weights.shape[0], DECODE_LAYER_COLUMNS)
+            or not layer_table.is_contiguous()
+        ):
+            raise ValueError(f"decode_layers takes a contiguous int64 layer table of {DECODE_LAYER_COLUMNS} columns")
         if lora is not None and (
             tuple(lora.table.shape) != (weights.shape[0], DECODE_LORA_COLUMNS) or lora.slots.shape[0] != rows
         ):
@@ -492,13 +507,16 @@ class CpuKernels:
             block_tables,
             context_lens,
             *((None,) * 4 if lora is None else (lora.table, lora.slots, lora.scales, lora.ranks)),
+            layer_table,
             0 if lora is None else lora.max_rank,
             heads,
             inter,
             qk_norm_projection,
+            gelu,
             eps,
             scale,
             residual_scale,
+            softcap,
             self._function("decode_layers", residual.dtype, cache_dtype),
         )
         if torch.compiler.is_compiling():

@@ -13,7 +13,8 @@ arguments each one writes.
     cpu_gemv(x, weight, bias?, fn) -> out                           x [rows, in] @ weight [out, in]^T + bias
     cpu_decode_layers(residual!, weights, key_caches!, value_caches!, positions, cos, sin_signed, slots,
                       block_tables, context_lens, lora_table?, lora_slots?, lora_scales?, lora_ranks?,
-                      lora_max_rank, heads, inter, qk_norm_projection, eps, scale, residual_scale, fn) -> out
+                      layer_table?, lora_max_rank, heads, inter, qk_norm_projection, gelu, eps, scale,
+                      residual_scale, softcap, fn) -> out
                                                                     every layer of a small decode step
     cpu_lora_add_(x, out!, a, b, slots, scales, ranks, widths, max_rank, grouped, fn) -> ()
                                                                     out += a projection's LoRA deltas
@@ -44,7 +45,7 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-    "decode_layers": [ctypes.c_void_p] * 15 + [ctypes.c_int64] * 13 + [ctypes.c_float] * 3,
+    "decode_layers": [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 14 + [ctypes.c_float] * 4,
     "lora_add": [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
@@ -289,13 +290,16 @@ def decode_layers_at(
     lora_slots: Optional[torch.Tensor],
     lora_scales: Optional[torch.Tensor],
     lora_ranks: Optional[torch.Tensor],
+    layer_table: Optional[torch.Tensor],
     lora_max_rank,
     heads,
     inter,
     qk_norm_projection,
+    gelu,
     eps,
     scale,
     residual_scale,
+    softcap,
     fn,
 ):
     """cpu_decode_layers' kernel over caches given by their addresses: eagerly, a caller whose caches stay
@@ -322,6 +326,7 @@ def decode_layers_at(
         _address(lora_slots),
         _address(lora_scales),
         _address(lora_ranks),
+        _address(layer_table),
         weights.shape[0],
         rows,
         hidden,
@@ -335,9 +340,11 @@ def decode_layers_at(
         lora_max_rank,
         0 if lora_ranks is None else lora_ranks.shape[0],
         int(qk_norm_projection),
+        int(gelu),
         eps,
         scale,
         residual_scale,
+        softcap,
     )
     return out
 
@@ -422,8 +429,9 @@ _define(
     "(Tensor(a!) residual, Tensor weights, Tensor(b!)[] key_caches, "
     "Tensor(c!)[] value_caches, "
     "Tensor positions, Tensor cos, Tensor sin_signed, Tensor slots, Tensor block_tables, Tensor context_lens, "
-    "Tensor? lora_table, Tensor? lora_slots, Tensor? lora_scales, Tensor? lora_ranks, int lora_max_rank, "
-    "int heads, int inter, bool qk_norm_projection, float eps, float scale, float residual_scale, int fn) -> Tensor",
+    "Tensor? lora_table, Tensor? lora_slots, Tensor? lora_scales, Tensor? lora_ranks, Tensor? layer_table, "
+    "int lora_max_rank, int heads, int inter, bool qk_norm_projection, bool gelu, float eps, float scale, "
+    "float residual_scale, float softcap, int fn) -> Tensor",
     _decode_layers,
     lambda residual, *rest: torch.empty_like(residual),
 )

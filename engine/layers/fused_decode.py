@@ -1,9 +1,10 @@
 """The decode forward for small batches on the cpu backend: one native call for every layer of the step
 (csrc/decode_layer.cpp) instead of ~11 operator calls per layer.
 
-    per layer   decode_qkv      [residual += h;] norm; qkv product; [q/k head norms;] RoPE; K/V cached; -> queries
-                paged_decode    attention of each query over its sequence's cache
-                decode_o_mlp    o product; residual += ; norm; gate|up product; SiLU * up; down product
+    per layer   decode_qkv      [residual += h;] [norm;] qkv product; [q/k norms;] RoPE; K/V cached; -> queries
+                paged_decode    attention of each query over its sequence's cache [window; soft-cap]
+                decode_o_mlp    o product; [norm; x scale;] residual += ; [norm;] gate|up product;
+                                SiLU or GELU(tanh) * up; down product; [norm; x scale]
     then        residual += h, in the kernel (before the final norm), as `LlamaForCausalLM.forward` returns
 
 The two fused kernels are one OpenMP team each, running the products through the column-block kernel of
@@ -14,10 +15,12 @@ bit. It applies to steps whose every token is a decode (one new token per sequen
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
 dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and
-models with RoPE over whole heads and no q/k norms or per-head ones (Qwen3's); among the generic decoders
-(engine/models/decoder.py) those whose layer is Llama's up to its norms (each optional, before or after each
-branch: OLMo 2's after), q/k norms over the whole projection (OLMo 2's) and a residual scale (Granite's): Granite,
-OLMo 2, Phi-3 without a window; anything else (int8/int4/AWQ weights among them) takes the general path.
+models with RoPE over whole heads: Llama's family and the generic decoder's (engine/models/decoder.py), with
+their norms before and/or after each branch, q/k norms per head or over the projection (OLMo 2), SwiGLU or
+GeGLU (Gemma), a residual scale (Granite), sliding-window layers in KV groups of their own with their own RoPE
+(Gemma 3) and soft-capped scores (Gemma 2); anything else (partial rotary, attention sinks, latent caches,
+int8/int4/AWQ weights among them) takes the general path. A step of several KV groups runs fused with decodes
+only (prompt rows would need each group's tables row by row).
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,
@@ -77,6 +80,7 @@ class FusedDecode:
         self._caches_of: Optional[Sequence] = None  # the kv_caches sequence they were split from
         self._addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the caches' (cache_addresses)
         self._lora_table: Optional[torch.Tensor] = None  # the LoRA stacks' addresses (`_lora_table`)
+        self._layers: Optional[_LayerTable] = None  # per-layer tables, windows, RoPE (None: one for every layer)
         self.mixed_prefill_tokens = MIXED_PREFILL_MAX_TOKENS  # 0: steps with prompt tokens stay unfused
 
     def takes(
@@ -95,8 +99,8 @@ class FusedDecode:
             or not _fusable_rows(metadata[0], num_tokens, self.mixed_prefill_tokens)
         ):
             return False
-        if any(each is not metadata[0] for each in metadata):
-            return False  # layer groups (sliding-window layers): one block table serves every layer here
+        if metadata[0].prefills and any(each is not metadata[0] for each in metadata):
+            return False  # layer groups (sliding-window layers) take decodes only: their own tables, row per row
         if self._model_ok is None:
             self._model_ok = _model_fits(model, kv_caches)
             if self._model_ok and has_gguf_blocks(model):
@@ -109,12 +113,13 @@ class FusedDecode:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: Sequence[AttentionMetadata],  # each layer's: one object (`takes`)
+        metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's; one object with prompt rows)
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         arch, rotary = model.arch, model.rotary
         step = metadata[0]
         if self._weights is None:
             self._weights = _weight_table(model)
+            self._layers = _LayerTable.of(model, metadata)
         if self._caches is None or self._caches_of is not kv_caches:
             self._caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             self._caches_of = kv_caches
@@ -144,6 +149,9 @@ class FusedDecode:
             self._addresses,
             model.residual_scale,
             model.qk_norm_projection,
+            model.activation == "gelu_tanh",
+            model.attention_layers[0].softcap or 0.0,  # every layer's (`_model_fits`)
+            None if self._layers is None else self._layers.for_step(metadata, (tables, lens)),
         )
         return residual  # the stream after the last layer (its MLP output added in the kernel)
 
@@ -155,6 +163,43 @@ class FusedDecode:
             self._lora_table = _lora_table(stack)
         slots, scales = step.native_slots
         return DecodeLoRA(self._lora_table, slots, scales, stack.ranks, stack.max_rank)
+
+
+class _LayerTable:
+    """What differs between a model's layers beyond their weights (decode_layers' layer table, csrc's LayerColumn):
+    the KV group whose block tables and slots each layer reads (sliding-window layers hold their own blocks), its
+    window, its RoPE tables (Gemma 3's sliding layers rotate with another base)."""
+
+    def __init__(self, first_of_group: list[int], layer_group: torch.Tensor, fixed: torch.Tensor):
+        self.first_of_group = first_of_group  # a layer of each KV group
+        self.layer_group = layer_group  # [num_layers] int64: each layer's group
+        self.fixed = fixed  # [num_layers, 3] int64: window, cos and sin addresses
+
+    @classmethod
+    def of(cls, model, metadata: Sequence[AttentionMetadata]) -> Optional["_LayerTable"]:
+        """None when every layer reads the same tables with no window and one RoPE (the step's own arguments)."""
+        rotaries = [model.rotary_of(layer) for layer in range(len(metadata))]
+        windows = [attention.sliding_window or 0 for attention in model.attention_layers]
+        first: dict[int, int] = {}  # a group's metadata object -> its first layer (the objects change every step,
+        groups = [first.setdefault(id(each), layer) for layer, each in enumerate(metadata)]  # the grouping not)
+        if len(first) == 1 and not any(windows) and all(rotary is model.rotary for rotary in rotaries):
+            return None
+        fixed = [[w, r.cos.data_ptr(), r.sin_signed.data_ptr()] for w, r in zip(windows, rotaries)]
+        order = list(first.values())
+        return cls(order, torch.tensor([order.index(g) for g in groups]), torch.tensor(fixed, dtype=torch.int64))
+
+    def for_step(
+        self, metadata: Sequence[AttentionMetadata], row_tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """[num_layers, 7] int64 for this step: each group's tables, lengths, width and slots, then the layer's
+        fixed columns. `row_tables`: layer 0's group's (the step's own arguments; a step with prompt rows has one
+        group, `FusedDecode.takes`). The step's metadata and `row_tables` keep the tensors alive."""
+        rows = []
+        for layer in self.first_of_group:
+            step = metadata[layer]
+            tables, lens = row_tables if step is metadata[0] else step.decodes()
+            rows.append([tables.data_ptr(), lens.data_ptr(), tables.shape[1], step.slot_mapping.data_ptr()])
+        return torch.cat([torch.tensor(rows, dtype=torch.int64)[self.layer_group], self.fixed], dim=1)
 
 
 MIXED_PREFILL_MAX_TOKENS = 64
@@ -250,16 +295,24 @@ def _integer_rows(model, limit: int) -> int:
 
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Llama's layer (`llama_layers`: a generic decoder's recipe may be another), contiguous weights in the
-    model's dtype or GGUF blocks, caches in that dtype (or all fp8), q/k norms per head or none, RoPE tables in
-    that dtype over whole heads (the kernel's tables are head_dim wide), and plain causal attention with one scale
-    in every layer (the native step has no window, cap or sinks)."""
+    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype (or all fp8), q/k norms per head
+    or over the projection, applied wherever loaded, RoPE tables in that dtype over whole heads (the kernel's tables
+    are head_dim wide), and causal attention with one scale and one soft-cap in every layer, windowed or not (the
+    native step has no sinks, no latent cache)."""
     dtype = model.dtype
-    if not model.llama_layers or model.rotary.partial:
+    rotaries = {id(r): r for r in (model.rotary_of(layer) for layer in range(len(model.layers)))}.values()
+    if not model.qk_norms_as_loaded or any(rotary.partial for rotary in rotaries):
         return False
-    if any(attention.features or attention.scale != model.scale for attention in model.attention_layers):
+    softcap = model.attention_layers[0].softcap
+    if any(
+        attention.sinks is not None
+        or attention.latent_rank is not None
+        or attention.scale != model.scale
+        or attention.softcap != softcap
+        for attention in model.attention_layers
+    ):
         return False
-    tensors = [model.rotary.cos, model.rotary.sin_signed]  # in the model's dtype
+    tensors = [t for rotary in rotaries for t in (rotary.cos, rotary.sin_signed)]  # in the model's dtype
     blocks: list[torch.Tensor] = []  # GGUF blocks and scales
     if not isinstance(model.embed, (GgufWeight, PackedWeight)):
         tensors.append(model.embed)

@@ -6,9 +6,8 @@
                 h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?
     logits      cap(lm_head(final_norm(h)) / logits_divisor)
 
-The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe with SwiGLU and one RoPE over
-whole heads, in layers without windows or soft-caps: Granite, OLMo 2, Phi-3 without a window. Gemma (GeGLU,
-windows, soft-caps) runs every step on the unfused per-operation path.
+The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too (each family, with RoPE over
+whole heads: not Phi-4-mini's partial rotary).
 """
 
 from __future__ import annotations
@@ -91,8 +90,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.residual_scale = arch.residual_scale
         self.qk_norm_projection = arch.qk_norm == "projection"
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
-        if not self.llama_layers:
-            self.fused = None  # GeGLU, or two RoPEs (Gemma): not the fused decode step's layer
+        self.activation = arch.activation
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
@@ -101,17 +99,14 @@ class DecoderForCausalLM(LlamaForCausalLM):
         return super()._rotary(theta, scaling, self.arch.rotary_dim)  # Phi-4-mini: the first dimensions only
 
     @property
-    def llama_layers(self) -> bool:
-        # every norm role is one the step takes; q/k norms it applies wherever a layer has them, as this recipe
-        # does only where the arch names them
-        arch = self.arch
-        return (
-            arch.activation == "silu"
-            and len(self.rotaries) == 1
-            and (
-                arch.qk_norm is not None or all(layer.q_norm is None and layer.k_norm is None for layer in self.layers)
-            )
+    def qk_norms_as_loaded(self) -> bool:
+        # this recipe applies them only where the arch names them
+        return self.arch.qk_norm is not None or all(
+            layer.q_norm is None and layer.k_norm is None for layer in self.layers
         )
+
+    def rotary_of(self, layer: int) -> RotaryEmbedding:
+        return self.rotaries[self.arch.layer_rope[layer]]
 
     # ------------------------------------------------------------------ weights
 

@@ -154,16 +154,24 @@ class LlamaForCausalLM:
         """Each layer's attention, as the backend computes it (checked against the backend at start-up)."""
         return self.layer_attention
 
-    @property
-    def llama_layers(self) -> bool:
-        """Whether every layer is Llama's recipe up to its norms (SwiGLU, one RoPE; RMSNorms before and/or after
-        each branch, each branch added as it is or times `residual_scale`): what the fused decode step computes."""
-        return True
-
+    # What the fused decode step reads of a model's recipe (engine/layers/fused_decode.py); the generic decoder
+    # sets its own.
     residual_scale = 1.0
     """Each branch's output times this before it joins the residual stream (Granite's residual_multiplier)."""
     qk_norm_projection = False
     """Whether the q and k norms normalize all of q and all of k (OLMo 2), not each head (Qwen3)."""
+    activation = "silu"
+    """The gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)."""
+
+    @property
+    def qk_norms_as_loaded(self) -> bool:
+        """Whether the forward pass applies each layer's q/k norms wherever the layer has them (as the fused
+        decode step does)."""
+        return True
+
+    def rotary_of(self, layer: int) -> RotaryEmbedding:
+        """The RoPE of layer `layer` (of this stage's)."""
+        return self.rotary
 
     # ------------------------------------------------------------------ weights
 

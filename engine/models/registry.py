@@ -87,9 +87,8 @@ FAMILIES = (
         (
             "fused qkv_proj/gate_up_proj",
             "LongRoPE (one factor set, by max_model_len)",
-            "partial rotary (Phi-4-mini)",
+            "partial rotary (Phi-4-mini: the unfused path)",
             "sliding window",
-            "fused CPU decode step (no window shorter than max_model_len, no partial rotary)",
         ),
     ),
     ModelFamily(
@@ -97,14 +96,14 @@ FAMILIES = (
         ("olmo2",),
         "decoder",
         HF_FORMATS,
-        ("post-norms only", "q/k RMSNorm over the whole projection", "fused CPU decode step"),
+        ("post-norms only", "q/k RMSNorm over the whole projection"),
     ),
     ModelFamily(
         "GraniteForCausalLM",
         ("granite",),
         "decoder",
         HF_FORMATS,
-        ("embedding/residual/attention multipliers", "logits_scaling", "fused CPU decode step"),
+        ("embedding/residual/attention multipliers", "logits_scaling"),
     ),
     ModelFamily(
         "MixtralForCausalLM",

@@ -12,7 +12,7 @@ from engine.models.registry import FAMILIES
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 IMPLEMENTATIONS = {
     "llama": "`LlamaForCausalLM` (engine/models/llama.py; the fused CPU decode step)",
-    "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; unfused unless its features name the fused CPU decode step)",
+    "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; the fused CPU decode step)",
     "moe": "`MoeForCausalLM` (engine/models/moe.py; experts grouped, one product each, unfused)",
     "gpt_oss": "`GptOssForCausalLM` (engine/models/gpt_oss.py; experts grouped, one product each, unfused)",
     "deepseek": "`DeepseekForCausalLM` (engine/models/deepseek.py; latent attention, experts grouped, unfused)",

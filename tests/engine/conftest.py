@@ -43,6 +43,24 @@ def tiny_olmo2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory):
+    """Mistral: a sliding window of 8 on every layer (one KV group, windowed)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory):
+    """Gemma 2: sandwich norms, GeGLU, soft-caps, every other layer in a window of 8 (two KV groups)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-gemma2"), "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    """Gemma 3: Gemma 2's layer with per-head q/k norms, its sliding layers on a RoPE of their own."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_dir(tmp_path_factory):
     """Phi-3 (LongRoPE) without a sliding window: Llama's layer from fused projections."""
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-phi3"), "phi3", sliding_window=None)

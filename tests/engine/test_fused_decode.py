@@ -1,8 +1,9 @@
 """The fused small-batch decode (engine/layers/fused_decode.py, csrc/decode_layer.cpp) against the unfused
 ops it replaces: the same tokens and bit-identical logprobs, for decode batches of 1 to 8 rows (and, with
 the column-block product, 16), with q/k/v biases (qwen2), per-head q/k norms (qwen3), and the generic decoder's
-families whose layer is Llama's up to its norms (granite: its multipliers; olmo2: norms after the branches and over
-the whole q and k projections; phi3 without a window: LongRoPE), with every norm made distinct, on weights packed in
+families (granite: its multipliers; olmo2: norms after the branches and over the whole q and k projections; phi3
+without a window: LongRoPE; gemma2 and gemma3: GeGLU, soft-caps, sliding layers in a KV group of their own, two
+RoPEs; mistral: one windowed group), with every norm made distinct, on weights packed in
 column blocks (AVX512-BF16 builds) and plain ones (the small-batch kernel elsewhere), and with the embedded
 model's GGUF blocks kept quantized (`quantization="gguf"`, in bf16 and float32, with biases or q/k norms added
 to its layers or neither); and on the embedded model in bf16 the same greedy tokens as torch's
@@ -90,7 +91,17 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
 @pytest.mark.parametrize("product", ["column-blocks", "column-blocks-tiles", "gemv"])
 @pytest.mark.parametrize(
     "model_dir_fixture",
-    ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_granite_dir", "tiny_olmo2_dir", "tiny_phi3_dir"],
+    [
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_qwen3_dir",
+        "tiny_mistral_dir",
+        "tiny_granite_dir",
+        "tiny_olmo2_dir",
+        "tiny_phi3_dir",
+        "tiny_gemma2_dir",
+        "tiny_gemma3_dir",
+    ],
 )
 def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, request, cpu_kernels, monkeypatch):
     linear_class = _with_product(product, cpu_kernels, monkeypatch)
@@ -187,19 +198,18 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
     "family, overrides, fused",
     [
         ("granite", {}, True),
-        ("phi3", {"sliding_window": None}, True),
         ("phi3", {"sliding_window": 256}, True),  # a window spanning max_model_len (the config's 256): none
-        ("phi3", {}, False),  # a window on every layer
+        ("phi3", {}, True),  # a window on every layer
         ("phi4mini", {}, False),  # RoPE over part of each head
         ("olmo2", {}, True),  # norms after the branches, q/k norms over the whole projection
-        ("gemma2", {}, False),  # GeGLU, soft-caps, windows
-        ("gemma3", {}, False),  # GeGLU, windows, two RoPEs
+        ("gemma2", {}, True),  # GeGLU, soft-caps, windowed layers in a KV group of their own
+        ("gemma3", {}, True),  # the same, per-head q/k norms, two RoPEs
     ],
-    ids=["granite", "phi3-whole", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3"],
+    ids=["granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3"],
 )
-def test_generic_decoders_fuse_where_their_layer_is_llamas(family, overrides, fused, tmp_path):
-    """The generic decoder (engine/models/decoder.py) takes the fused step exactly where its recipe is Llama's
-    layer; the others keep the per-operation path (their equality with HF: tests/engine/test_dense_families.py)."""
+def test_generic_decoders_fuse_unless_their_rope_is_partial(family, overrides, fused, tmp_path):
+    """The generic decoder (engine/models/decoder.py) takes the fused step in every family but Phi-4-mini, whose
+    RoPE turns part of each head (its equality with HF: tests/engine/test_dense_families.py)."""
     llm = make_llm(
         make_tiny_model_dir(tmp_path / family, family, **overrides),
         dtype="bfloat16",
@@ -330,12 +340,13 @@ def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tupl
     return results
 
 
-def test_mixed_steps_run_fused_with_the_same_tokens(tiny_llama_dir, cpu_kernels, monkeypatch):
+@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_mistral_dir"])
+def test_mixed_steps_run_fused_with_the_same_tokens(model_dir_fixture, request, cpu_kernels, monkeypatch):
     """Prompts admitted beside running decodes: their tokens become rows of the fused step (each query over the
-    cache up to itself), float32 greedy tokens identical to the unfused path, logprobs within 1e-5; a chunk above
-    the limit keeps the step unfused."""
+    cache up to itself, within its window: mistral), float32 greedy tokens identical to the unfused path, logprobs
+    within 1e-5; a chunk above the limit keeps the step unfused."""
     _with_product("gemv", cpu_kernels, monkeypatch)  # float32 products the fused step takes (up to 8 rows)
-    llm = make_llm(tiny_llama_dir, attention_backend="cpu", enable_prefix_caching=False)
+    llm = make_llm(request.getfixturevalue(model_dir_fixture), attention_backend="cpu", enable_prefix_caching=False)
     model = llm.engine.runner.model
     assert model.fused is not None
     mixed: list[int] = []

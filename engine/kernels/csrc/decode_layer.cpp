@@ -8,7 +8,9 @@
 //   decode_o_mlp   residual += attn @ w_o^T (+ b); x = rms_norm(residual); [g | u] = x @ w_gu^T (+ b);
 //                  out = (silu(g) * u) @ w_down^T (+ b)
 // A norm before a branch may be absent (x = residual: OLMo 2), and a branch's output may be normalized before it
-// is added (attn_post / mlp_post norms: OLMo 2), then multiplied by residual_scale (Granite's; 1: as it is).
+// is added (attn_post / mlp_post norms: OLMo 2, Gemma), then multiplied by residual_scale (Granite's; 1: as it
+// is); the MLP may be GeGLU (Gemma), the attention soft-capped and each layer sliding-windowed over the blocks of
+// its own KV group, with its own RoPE tables (layer_table, LayerColumn).
 // Every intermediate is
 // rounded to T where the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results
 // are theirs. A matrix is plain T [out, in] (the small-batch product of gemv.h), packed in column blocks
@@ -50,6 +52,7 @@ using pagedserve::quant::integer_product_for;
 using pagedserve::quant::Scratch;
 using pagedserve::rms_norm_row;
 using pagedserve::rotary_row;
+using pagedserve::gelu_tanh_and_mul_row;
 using pagedserve::silu_and_mul_row;
 
 // A projection's weight: plain T [N, K] at `data` (format kPlain), packed in column blocks (kColumnBlocks,
@@ -200,7 +203,7 @@ template <typename T>
 void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, const T* attn_post_norm,
                   const T* norm, const Matrix& w_gu, const T* b_gu, const Matrix& w_down, const T* b_down,
                   const T* mlp_post_norm, T* out, int64_t rows, int64_t hidden, int64_t attn_width, int64_t inter,
-                  float eps, float residual_scale, Scratch& scratch, const LayerLoRA<T>& lora) {
+                  bool gelu, float eps, float residual_scale, Scratch& scratch, const LayerLoRA<T>& lora) {
     std::vector<T> o(rows * hidden), x(rows * hidden), gate_up(rows * 2 * inter), act(rows * inter);
 #pragma omp parallel
     {
@@ -217,7 +220,8 @@ void decode_o_mlp(const T* attn, T* residual, const Matrix& w_o, const T* b_o, c
         expand_lora_for(gate_up.data(), lora, lora.gate_up, lora.shrunk);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
-            silu_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+            if (gelu) gelu_tanh_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
+            else silu_and_mul_row(gate_up.data() + r * 2 * inter, act.data() + r * inter, inter);
         shrink_lora_for(act.data(), lora, lora.down, lora.shrunk);
         product_for(act.data(), w_down, b_down, out, rows, hidden, inter, scratch);
         expand_lora_for(out, lora, lora.down, lora.shrunk);
@@ -247,30 +251,33 @@ void pagedserve_paged_decode_bf16_fp8(const uint16_t*, const pagedserve::Fp8E4M3
 
 inline void paged_decode(const float* q, const float* k, const float* v, const int32_t* tables, const int32_t* lens,
                          float* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                         int64_t block_size, int64_t width, float scale) {
+                         int64_t block_size, int64_t width, float scale, int64_t window, float softcap) {
     pagedserve_paged_decode_f32(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width, scale,
-                                1, 0, 0.0f, nullptr);  // the fused step serves models without windows, caps, sinks
+                                1, window, softcap, nullptr);  // (the fused step serves models without sinks)
 }
 
 inline void paged_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
                          const int32_t* lens, uint16_t* out, int64_t rows, int64_t heads, int64_t kv_heads,
-                         int64_t head_dim, int64_t block_size, int64_t width, float scale) {
+                         int64_t head_dim, int64_t block_size, int64_t width, float scale, int64_t window,
+                         float softcap) {
     pagedserve_paged_decode_bf16(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width,
-                                 scale, 1, 0, 0.0f, nullptr);
+                                 scale, 1, window, softcap, nullptr);
 }
 
 inline void paged_decode(const float* q, const pagedserve::Fp8E4M3* k, const pagedserve::Fp8E4M3* v,
                          const int32_t* tables, const int32_t* lens, float* out, int64_t rows, int64_t heads,
-                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale) {
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale,
+                         int64_t window, float softcap) {
     pagedserve_paged_decode_f32_fp8(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width,
-                                    scale, 1, 0, 0.0f, nullptr);
+                                    scale, 1, window, softcap, nullptr);
 }
 
 inline void paged_decode(const uint16_t* q, const pagedserve::Fp8E4M3* k, const pagedserve::Fp8E4M3* v,
                          const int32_t* tables, const int32_t* lens, uint16_t* out, int64_t rows, int64_t heads,
-                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale) {
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t width, float scale,
+                         int64_t window, float softcap) {
     pagedserve_paged_decode_bf16_fp8(q, k, v, tables, lens, out, rows, heads, kv_heads, head_dim, block_size, width,
-                                     scale, 1, 0, 0.0f, nullptr);
+                                     scale, 1, window, softcap, nullptr);
 }
 
 // Columns of a layer's row in the weight table: addresses of the norms and biases (0 for an absent bias or norm;
@@ -289,9 +296,14 @@ Matrix matrix_at(const int64_t* row, int column) {
 
 struct DecodeShape {
     int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width;
-    bool qk_norm_projection;
-    float eps, scale, residual_scale;
+    bool qk_norm_projection, gelu;  // gelu: GeGLU (gelu_tanh(g) * u, Gemma), else SwiGLU
+    float eps, scale, residual_scale, softcap;  // softcap: of the attention scores (0: none)
 };
+
+// A layer's row of the step's layer table (null table: every layer takes the step's own arguments): its KV group's
+// block tables, context lengths, table width and K/V slots, its sliding window (0: none), its RoPE tables (Gemma:
+// sliding and full layers in two groups, each with its blocks; Gemma 3's sliding layers with their own RoPE).
+enum LayerColumn { kTables, kLens, kWidth, kSlots, kWindow, kCos, kSin, kLayerColumns };
 
 // The step's adapters as the exported function receives them (see the file comment).
 struct StepLoRA {
@@ -328,7 +340,7 @@ template <typename T, typename C>
 void decode_layers(T* residual, const int64_t* weights, const int64_t* key_caches, const int64_t* value_caches,
                    const int64_t* positions, const T* cos, const T* sin_signed, const int64_t* slots,
                    const int32_t* block_tables, const int32_t* context_lens, T* out, int64_t num_layers,
-                   const DecodeShape& s, const StepLoRA& step_lora) {
+                   const int64_t* layer_table, const DecodeShape& s, const StepLoRA& step_lora) {
     std::vector<T> query(s.rows * s.heads * s.head_dim), attn(query.size());
     std::unique_ptr<pagedserve::lora::Plan> plan;  // built once for every layer of the step
     if (step_lora.table != nullptr)
@@ -351,14 +363,21 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
         C* key_cache = reinterpret_cast<C*>(key_caches[layer]);
         C* value_cache = reinterpret_cast<C*>(value_caches[layer]);
         const LayerLoRA<T> lora = layer_lora<T>(step_lora, plan.get(), shrunk.data(), layer, s);
+        const int64_t* own = layer_table != nullptr ? layer_table + layer * kLayerColumns : nullptr;
+        const int32_t* tables = own ? reinterpret_cast<const int32_t*>(own[kTables]) : block_tables;
+        const int32_t* lens = own ? reinterpret_cast<const int32_t*>(own[kLens]) : context_lens;
+        const int64_t* layer_slots = own ? reinterpret_cast<const int64_t*>(own[kSlots]) : slots;
+        const T* layer_cos = own ? reinterpret_cast<const T*>(own[kCos]) : cos;
+        const T* layer_sin = own ? reinterpret_cast<const T*>(own[kSin]) : sin_signed;
         decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), w(kQNorm), w(kKNorm), s.qk_norm_projection,
-                   positions, cos, sin_signed, key_cache, value_cache, slots, query.data(), s.rows, s.hidden, s.heads,
-                   s.kv_heads, s.head_dim, s.eps, scratch, lora);
-        paged_decode(query.data(), key_cache, value_cache, block_tables, context_lens, attn.data(), s.rows, s.heads,
-                     s.kv_heads, s.head_dim, s.block_size, s.table_width, s.scale);
+                   positions, layer_cos, layer_sin, key_cache, value_cache, layer_slots, query.data(), s.rows, s.hidden,
+                   s.heads, s.kv_heads, s.head_dim, s.eps, scratch, lora);
+        paged_decode(query.data(), key_cache, value_cache, tables, lens, attn.data(), s.rows, s.heads, s.kv_heads,
+                     s.head_dim, s.block_size, own ? own[kWidth] : s.table_width, s.scale, own ? own[kWindow] : 0,
+                     s.softcap);
         decode_o_mlp(attn.data(), residual, matrix(kOProj), w(kOBias), w(kAttnPostNorm), w(kPostNorm),
                      matrix(kGateUp), w(kGateUpBias), matrix(kDown), w(kDownBias), w(kMlpPostNorm), out, s.rows,
-                     s.hidden, s.heads * s.head_dim, s.inter, s.eps, s.residual_scale, scratch, lora);
+                     s.hidden, s.heads * s.head_dim, s.inter, s.gelu, s.eps, s.residual_scale, scratch, lora);
         h = out;
     }
     for (int64_t i = 0; i < s.rows * s.hidden; ++i) store(residual + i, to_float(residual[i]) + to_float(out[i]));
@@ -372,17 +391,18 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                                            const T* sin_signed, const int64_t* slots, const int32_t* block_tables,\
                                            const int32_t* context_lens, T* out, const int64_t* lora_table,      \
                                            const int32_t* lora_slots, const float* lora_scales,                  \
-                                           const int32_t* lora_ranks, int64_t num_layers, int64_t rows,          \
-                                           int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,    \
-                                           int64_t inter, int64_t block_size, int64_t table_width,               \
-                                           int64_t lora_width, int64_t lora_max_rank, int64_t max_loras,         \
-                                           int64_t qk_norm_projection, float eps, float scale,                   \
-                                           float residual_scale) {                                               \
-        const DecodeShape shape{rows,       hidden,      heads, kv_heads, head_dim, inter, block_size, table_width,  \
-                                qk_norm_projection != 0, eps, scale, residual_scale};                              \
+                                           const int32_t* lora_ranks, const int64_t* layer_table,                \
+                                           int64_t num_layers, int64_t rows, int64_t hidden, int64_t heads,      \
+                                           int64_t kv_heads, int64_t head_dim, int64_t inter, int64_t block_size,\
+                                           int64_t table_width, int64_t lora_width, int64_t lora_max_rank,       \
+                                           int64_t max_loras, int64_t qk_norm_projection, int64_t gelu,          \
+                                           float eps, float scale, float residual_scale, float softcap) {        \
+        const DecodeShape shape{rows,      hidden,   heads,        kv_heads, head_dim,       inter,              \
+                                block_size, table_width, qk_norm_projection != 0, gelu != 0, eps, scale,        \
+                                residual_scale, softcap};                                                        \
         const StepLoRA lora{lora_table, lora_slots, lora_scales, lora_ranks, lora_width, lora_max_rank, max_loras}; \
         decode_layers<T, C>(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots,       \
-                            block_tables, context_lens, out, num_layers, shape, lora);                          \
+                            block_tables, context_lens, out, num_layers, layer_table, shape, lora);             \
     }
 
 extern "C" {
