@@ -463,9 +463,9 @@ class CpuKernels:
         multiplied by it before it joins the residual stream (Granite's residual_multiplier).
         `qk_norm_projection`: the layers' q and k norms normalize all of q and all of k (OLMo 2), not each head.
         `gelu`: GeGLU MLPs (Gemma), not SwiGLU; `softcap`: the attention scores' (0: none). `layer_table`
-        [num_layers, DECODE_LAYER_COLUMNS] int64 (None: every layer takes the arguments above): per layer its KV
-        group's block tables, context lengths, table width and slots, its window (0: none) and its RoPE tables,
-        as csrc/decode_layer.cpp's LayerColumn."""
+        [num_layers, DECODE_LAYER_COLUMNS] int64 (None: every layer takes `slots`, `block_tables`,
+        `context_lens`, `cos` and `sin_signed` above): per layer its KV group's block tables, context lengths,
+        table width and slots, its window (0: none) and its RoPE tables, as csrc/decode_layer.cpp's LayerColumn."""
         rows = residual.shape[0]
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.shape[0] != rows:
             raise ValueError("decode_layers takes int64 positions and slots, one per row")

@@ -80,7 +80,7 @@ class FusedDecode:
         self._caches_of: Optional[Sequence] = None  # the kv_caches sequence they were split from
         self._addresses: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the caches' (cache_addresses)
         self._lora_table: Optional[torch.Tensor] = None  # the LoRA stacks' addresses (`_lora_table`)
-        self._layers: Optional[_LayerTable] = None  # per-layer tables, windows, RoPE (None: one for every layer)
+        self._layers: Optional[_LayerTable] = None  # what differs between the layers (`_LayerTable`)
         self.mixed_prefill_tokens = MIXED_PREFILL_MAX_TOKENS  # 0: steps with prompt tokens stay unfused
 
     def takes(
@@ -119,7 +119,8 @@ class FusedDecode:
         step = metadata[0]
         if self._weights is None:
             self._weights = _weight_table(model)
-            self._layers = _LayerTable.of(model, metadata)
+            self._layers = _LayerTable.of(model)
+        assert self._layers is not None
         if self._caches is None or self._caches_of is not kv_caches:
             self._caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
             self._caches_of = kv_caches
@@ -151,7 +152,7 @@ class FusedDecode:
             model.qk_norm_projection,
             model.activation == "gelu_tanh",
             model.attention_layers[0].softcap or 0.0,  # every layer's (`_model_fits`)
-            None if self._layers is None else self._layers.for_step(metadata, (tables, lens)),
+            self._layers.for_step(metadata, (tables, lens)),
         )
         return residual  # the stream after the last layer (its MLP output added in the kernel)
 
@@ -170,36 +171,36 @@ class _LayerTable:
     the KV group whose block tables and slots each layer reads (sliding-window layers hold their own blocks), its
     window, its RoPE tables (Gemma 3's sliding layers rotate with another base)."""
 
-    def __init__(self, first_of_group: list[int], layer_group: torch.Tensor, fixed: torch.Tensor):
-        self.first_of_group = first_of_group  # a layer of each KV group
-        self.layer_group = layer_group  # [num_layers] int64: each layer's group
+    def __init__(self, fixed: torch.Tensor, uniform: bool):
         self.fixed = fixed  # [num_layers, 3] int64: window, cos and sin addresses
+        self.uniform = uniform  # no window and one RoPE: a step of one KV group needs no table
 
     @classmethod
-    def of(cls, model, metadata: Sequence[AttentionMetadata]) -> Optional["_LayerTable"]:
-        """None when every layer reads the same tables with no window and one RoPE (the step's own arguments)."""
-        rotaries = [model.rotary_of(layer) for layer in range(len(metadata))]
+    def of(cls, model) -> "_LayerTable":
+        rotaries = [model.rotary_of(layer) for layer in range(len(model.layers))]
         windows = [attention.sliding_window or 0 for attention in model.attention_layers]
-        first: dict[int, int] = {}  # a group's metadata object -> its first layer (the objects change every step,
-        groups = [first.setdefault(id(each), layer) for layer, each in enumerate(metadata)]  # the grouping not)
-        if len(first) == 1 and not any(windows) and all(rotary is model.rotary for rotary in rotaries):
-            return None
         fixed = [[w, r.cos.data_ptr(), r.sin_signed.data_ptr()] for w, r in zip(windows, rotaries)]
-        order = list(first.values())
-        return cls(order, torch.tensor([order.index(g) for g in groups]), torch.tensor(fixed, dtype=torch.int64))
+        uniform = not any(windows) and all(rotary is model.rotary for rotary in rotaries)
+        return cls(torch.tensor(fixed, dtype=torch.int64), uniform)
 
     def for_step(
         self, metadata: Sequence[AttentionMetadata], row_tables: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        """[num_layers, 7] int64 for this step: each group's tables, lengths, width and slots, then the layer's
-        fixed columns. `row_tables`: layer 0's group's (the step's own arguments; a step with prompt rows has one
-        group, `FusedDecode.takes`). The step's metadata and `row_tables` keep the tensors alive."""
+    ) -> Optional[torch.Tensor]:
+        """[num_layers, 7] int64 for this step, or None (every layer takes the step's own arguments): each layer's
+        group's tables, lengths, width and slots, then the layer's fixed columns. The groups are read from this
+        step's metadata (one object per KV group from the runner; a timing step may pass one for every layer).
+        `row_tables`: layer 0's group's (the step's own arguments; a step with prompt rows has one group,
+        `FusedDecode.takes`). The step's metadata and `row_tables` keep the tensors alive."""
+        index: dict[int, int] = {}
+        layer_group = [index.setdefault(id(each), len(index)) for each in metadata]
+        if len(index) == 1 and self.uniform:
+            return None
         rows = []
-        for layer in self.first_of_group:
-            step = metadata[layer]
-            tables, lens = row_tables if step is metadata[0] else step.decodes()
-            rows.append([tables.data_ptr(), lens.data_ptr(), tables.shape[1], step.slot_mapping.data_ptr()])
-        return torch.cat([torch.tensor(rows, dtype=torch.int64)[self.layer_group], self.fixed], dim=1)
+        for group in {id(each): each for each in metadata}.values():
+            tables, lens = row_tables if group is metadata[0] else group.decodes()
+            rows.append([tables.data_ptr(), lens.data_ptr(), tables.shape[1], group.slot_mapping.data_ptr()])
+        groups = torch.tensor(rows, dtype=torch.int64)[torch.tensor(layer_group)]
+        return torch.cat([groups, self.fixed], dim=1)
 
 
 MIXED_PREFILL_MAX_TOKENS = 64
@@ -241,7 +242,7 @@ def _row_tables(step: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _weight_table(model) -> torch.Tensor:
-    """[num_layers, 8 + 6 * 4] int64: per layer the address of each vector (0: absent), then each matrix's
+    """[num_layers, 10 + 6 * 4] int64: per layer the address of each vector (0: absent), then each matrix's
     entry; the model keeps the tensors alive and never moves them."""
     tiles = getattr(model.linear, "amx", False)  # ColumnBlockLinear on AMX tiles
     rows = []

@@ -221,6 +221,25 @@ def test_generic_decoders_fuse_unless_their_rope_is_partial(family, overrides, f
     assert (model.fused is not None and _model_fits(model, runner.kv_cache.layers)) == fused
 
 
+def test_each_step_reads_its_own_kv_groups(tiny_gemma2_dir, cpu_kernels, monkeypatch):
+    """A speculative config times a step at start-up with one metadata object for every layer; the runner's steps
+    then pass one per KV group (gemma2: sliding layers in their own): each step's layers read their own group's
+    tables and slots, the same tokens and logprobs as the unfused path."""
+    _with_product("gemv", cpu_kernels, monkeypatch)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm = make_llm(
+        tiny_gemma2_dir,
+        dtype="bfloat16",
+        attention_backend="cpu",
+        enable_prefix_caching=False,
+        speculative_config=ngram,
+    )
+    assert llm.engine.runner.model.fused is not None
+    prompts = [[5, 6, 7, 8] * 4, list(range(30, 50))]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)] * 2
+    assert _generate_each(llm, prompts, params) == _unfused(llm, prompts, params)
+
+
 def _unfused(llm: LLM, prompts, params):
     model = llm.engine.runner.model
     fused_path, model.fused = model.fused, None

@@ -6,14 +6,12 @@
 //                  OLMo 2);] RoPE on q and k; k and v stored at each token's cache slot; q out, contiguous
 //                  [rows, heads, head_dim]
 //   decode_o_mlp   residual += attn @ w_o^T (+ b); x = rms_norm(residual); [g | u] = x @ w_gu^T (+ b);
-//                  out = (silu(g) * u) @ w_down^T (+ b)
-// A norm before a branch may be absent (x = residual: OLMo 2), and a branch's output may be normalized before it
-// is added (attn_post / mlp_post norms: OLMo 2, Gemma), then multiplied by residual_scale (Granite's; 1: as it
-// is); the MLP may be GeGLU (Gemma), the attention soft-capped and each layer sliding-windowed over the blocks of
-// its own KV group, with its own RoPE tables (layer_table, LayerColumn).
-// Every intermediate is
-// rounded to T where the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results
-// are theirs. A matrix is plain T [out, in] (the small-batch product of gemv.h), packed in column blocks
+//                  out = (act(g) * u) @ w_down^T (+ b), act silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+// (Llama's layer.) A norm before a branch may be absent (x = residual: OLMo 2), and a branch's output may be
+// normalized before it is added (attn_post / mlp_post norms: OLMo 2, Gemma), then multiplied by residual_scale
+// (Granite's; 1: as it is); the attention may be soft-capped, and each layer sliding-windowed over the blocks of
+// its own KV group, with its own RoPE tables (layer_table, LayerColumn). Every intermediate is rounded to T where
+// the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results are theirs. A matrix is plain T [out, in] (the small-batch product of gemv.h), packed in column blocks
 // (the product of column_blocks.h), or GGUF blocks (the integer product of quant_product.h, which the unfused
 // path takes below its bf16-tile row count).
 //
@@ -22,7 +20,9 @@
 // cos / sin_signed [max_positions, head_dim]; attn [rows, heads * head_dim]; out [rows, hidden];
 // block_tables [rows, table_width] int32, context_lens [rows] int32 (the new token included); per layer
 // one row of the weight table (WeightColumn: addresses of the norms and biases, then per matrix
-// kMatrixColumns values, see Matrix) and one address in key_caches / value_caches.
+// kMatrixColumns values, see Matrix) and one address in key_caches / value_caches. A layer table (null: none)
+// gives each layer its own block tables, context lengths, table width, slots, window and cos / sin tables instead
+// (LayerColumn).
 //
 // With LoRA adapters (a null lora_table: none), each projection's deltas (lora_delta.h) are added to its
 // output inside the same team, before anything reads it: the unfused path adds them with the same code.
