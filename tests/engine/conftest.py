@@ -49,6 +49,12 @@ def tiny_mistral_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_head64_dir(tmp_path_factory):
+    """Mistral with heads of 64: its window on the AVX2 and AVX-512 attention paths."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-mistral-head64"), "mistral", head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma2_dir(tmp_path_factory):
     """Gemma 2: sandwich norms, GeGLU, soft-caps, every other layer in a window of 8 (two KV groups)."""
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-gemma2"), "gemma2")

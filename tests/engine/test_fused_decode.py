@@ -137,13 +137,16 @@ def test_fused_decode_equals_the_unfused_ops(model_dir_fixture, product, arch, r
 
 @pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_llama_head64_dir"])
+@pytest.mark.parametrize(
+    "model_dir_fixture", ["tiny_llama_dir", "tiny_llama_head64_dir", "tiny_mistral_head64_dir", "tiny_gemma2_dir"]
+)
 def test_fused_decode_over_an_fp8_cache_equals_the_unfused_ops(
     model_dir_fixture, dtype, arch, request, cpu_kernels, monkeypatch
 ):
     """`--kv-cache-dtype fp8`: the fused step writes each new K/V as e4m3 (its own rounding, saturating at
     +-448) and attends over the cache as the unfused step does (torch's conversion on write, the same paged
-    kernel): identical tokens and logprobs (the rounding itself: test_cpu_kernels' every-bf16 test)."""
+    kernel): identical tokens and logprobs (the rounding itself: test_cpu_kernels' every-bf16 test); with
+    windows starting mid-block too (mistral: every layer; gemma2: every other one, in a KV group of its own)."""
     if dtype == "float32":  # the small-batch product, as an fp32 model takes it on AVX2 machines
         _with_product("gemv", cpu_kernels, monkeypatch)
     llm = make_llm(
