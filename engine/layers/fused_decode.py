@@ -19,8 +19,7 @@ models with RoPE over whole heads: Llama's family and the generic decoder's (eng
 their norms before and/or after each branch, q/k norms per head or over the projection (OLMo 2), SwiGLU or
 GeGLU (Gemma), a residual scale (Granite), sliding-window layers in KV groups of their own with their own RoPE
 (Gemma 3) and soft-capped scores (Gemma 2); anything else (partial rotary, attention sinks, latent caches,
-int8/int4/AWQ weights among them) takes the general path. A step of several KV groups runs fused with decodes
-only (prompt rows would need each group's tables row by row).
+int8/int4/AWQ weights among them) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,
@@ -99,8 +98,6 @@ class FusedDecode:
             or not _fusable_rows(metadata[0], num_tokens, self.mixed_prefill_tokens)
         ):
             return False
-        if metadata[0].prefills and any(each is not metadata[0] for each in metadata):
-            return False  # layer groups (sliding-window layers) take decodes only: their own tables, row per row
         if self._model_ok is None:
             self._model_ok = _model_fits(model, kv_caches)
             if self._model_ok and has_gguf_blocks(model):
@@ -126,7 +123,7 @@ class FusedDecode:
             self._caches_of = kv_caches
             self._addresses = cache_addresses(*self._caches)
         key_caches, value_caches = self._caches
-        tables, lens = _row_tables(step) if step.prefills else step.decodes()
+        tables, lens = _step_tables(step)
         residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
         lora = self._lora(model.lora, model.lora_step)
         if lora is not None and model.lora_step.embeds:
@@ -152,7 +149,7 @@ class FusedDecode:
             model.qk_norm_projection,
             model.activation == "gelu_tanh",
             model.attention_layers[0].softcap or 0.0,  # every layer's (`_model_fits`)
-            self._layers.for_step(metadata, (tables, lens)),
+            self._layers.for_step(metadata, step, (tables, lens)),
         )
         return residual  # the stream after the last layer (its MLP output added in the kernel)
 
@@ -174,6 +171,7 @@ class _LayerTable:
     def __init__(self, fixed: torch.Tensor, uniform: bool):
         self.fixed = fixed  # [num_layers, 3] int64: window, cos and sin addresses
         self.uniform = uniform  # no window and one RoPE: a step of one KV group needs no table
+        self.keep: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def of(cls, model) -> "_LayerTable":
@@ -184,20 +182,25 @@ class _LayerTable:
         return cls(torch.tensor(fixed, dtype=torch.int64), uniform)
 
     def for_step(
-        self, metadata: Sequence[AttentionMetadata], row_tables: tuple[torch.Tensor, torch.Tensor]
+        self,
+        metadata: Sequence[AttentionMetadata],
+        first: AttentionMetadata,
+        first_tables: tuple[torch.Tensor, torch.Tensor],
     ) -> Optional[torch.Tensor]:
         """[num_layers, 7] int64 for this step, or None (every layer takes the step's own arguments): each layer's
-        group's tables, lengths, width and slots, then the layer's fixed columns. The groups are read from this
+        group's row tables, lengths, width and slots, then the layer's fixed columns. The groups are read from this
         step's metadata (one object per KV group from the runner; a timing step may pass one for every layer).
-        `row_tables`: layer 0's group's (the step's own arguments; a step with prompt rows has one group,
-        `FusedDecode.takes`). The step's metadata and `row_tables` keep the tensors alive."""
+        `first_tables`: `_step_tables(first)`, already made (the step's own arguments). The tensors live in the
+        step's metadata, or in the table's `keep`, until the next step."""
         index: dict[int, int] = {}
         layer_group = [index.setdefault(id(each), len(index)) for each in metadata]
         if len(index) == 1 and self.uniform:
             return None
         rows = []
+        self.keep = []  # row tables made for this step (a step with prompt rows): alive through the native call
         for group in {id(each): each for each in metadata}.values():
-            tables, lens = row_tables if group is metadata[0] else group.decodes()
+            tables, lens = first_tables if group is first else _step_tables(group)
+            self.keep.append((tables, lens))
             rows.append([tables.data_ptr(), lens.data_ptr(), tables.shape[1], group.slot_mapping.data_ptr()])
         groups = torch.tensor(rows, dtype=torch.int64)[torch.tensor(layer_group)]
         return torch.cat([groups, self.fixed], dim=1)
@@ -220,6 +223,11 @@ def _fusable_rows(step: AttentionMetadata, num_tokens: int, chunk_limit: int) ->
     if step.num_decodes == num_tokens:
         return True
     return step.num_decodes > 0 and all(chunk.query_len <= chunk_limit for chunk in step.prefills)
+
+
+def _step_tables(step: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables and context lengths of the step's rows: its decodes', or with prompt rows `_row_tables`."""
+    return _row_tables(step) if step.prefills else step.decodes()
 
 
 def _row_tables(step: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

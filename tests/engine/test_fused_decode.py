@@ -362,11 +362,12 @@ def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tupl
     return results
 
 
-@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_mistral_dir"])
+@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_mistral_dir", "tiny_gemma2_dir"])
 def test_mixed_steps_run_fused_with_the_same_tokens(model_dir_fixture, request, cpu_kernels, monkeypatch):
     """Prompts admitted beside running decodes: their tokens become rows of the fused step (each query over the
-    cache up to itself, within its window: mistral), float32 greedy tokens identical to the unfused path, logprobs
-    within 1e-5; a chunk above the limit keeps the step unfused."""
+    cache up to itself, within its window: mistral; each KV group's rows over its own blocks: gemma2), float32
+    greedy tokens identical to the unfused path, logprobs within 1e-5; a chunk above the limit keeps the step
+    unfused."""
     _with_product("gemv", cpu_kernels, monkeypatch)  # float32 products the fused step takes (up to 8 rows)
     llm = make_llm(request.getfixturevalue(model_dir_fixture), attention_backend="cpu", enable_prefix_caching=False)
     model = llm.engine.runner.model
