@@ -11,7 +11,8 @@ The two fused kernels are one OpenMP team each, running the products through the
 csrc/column_blocks.h (bf16 weights packed for it, AVX512-BF16), the small-batch kernel of csrc/gemv.h (plain
 weights) or the integer product of csrc/quant_product.h (GGUF blocks kept quantized, `--quantization gguf`),
 with every intermediate rounded where the unfused ops round it: the result is the unfused path's, bit for
-bit. It applies to steps whose every token is a decode (one new token per sequence) of at most `max_rows`
+bit. It applies to steps whose every token is a decode (one new token per sequence; or decodes beside prompt
+chunks of at most MIXED_PREFILL_MAX_TOKENS, their tokens rows of their own, in every KV group) of at most `max_rows`
 sequences (with GGUF blocks, fewer than the rows from which the unfused path leaves the integer product),
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
 dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and
@@ -110,7 +111,7 @@ class FusedDecode:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's; one object with prompt rows)
+        metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's; one shared by timing and draft steps)
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         arch, rotary = model.arch, model.rotary
         step = metadata[0]
@@ -192,12 +193,12 @@ class _LayerTable:
         step's metadata (one object per KV group from the runner; a timing step may pass one for every layer).
         `first_tables`: `_step_tables(first)`, already made (the step's own arguments). The tensors live in the
         step's metadata, or in the table's `keep`, until the next step."""
+        self.keep = []  # row tables made for this step (a step with prompt rows): alive through the native call
         index: dict[int, int] = {}
         layer_group = [index.setdefault(id(each), len(index)) for each in metadata]
         if len(index) == 1 and self.uniform:
             return None
         rows = []
-        self.keep = []  # row tables made for this step (a step with prompt rows): alive through the native call
         for group in {id(each): each for each in metadata}.values():
             tables, lens = first_tables if group is first else _step_tables(group)
             self.keep.append((tables, lens))

@@ -345,9 +345,11 @@ def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_
 
 
 def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tuple[list[int], list[float]]]:
-    """Each prompt admitted `every` steps after the one before, beside its decodes: tokens and logprobs."""
+    """Each prompt admitted `every` steps after the one before, beside its decodes: tokens and logprobs. 16 tokens
+    each: the first sequences' contexts pass the tiny models' windows of 8 while the later prompts join, and
+    their sliding layers' blocks behind the window are freed."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
     results: dict[str, tuple[list[int], list[float]]] = {}
     step = 0
     while step == 0 or engine.has_work:
@@ -362,12 +364,14 @@ def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tupl
     return results
 
 
-@pytest.mark.parametrize("model_dir_fixture", ["tiny_llama_dir", "tiny_mistral_dir", "tiny_gemma2_dir"])
+@pytest.mark.parametrize(
+    "model_dir_fixture", ["tiny_llama_dir", "tiny_mistral_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
+)
 def test_mixed_steps_run_fused_with_the_same_tokens(model_dir_fixture, request, cpu_kernels, monkeypatch):
     """Prompts admitted beside running decodes: their tokens become rows of the fused step (each query over the
-    cache up to itself, within its window: mistral; each KV group's rows over its own blocks: gemma2), float32
-    greedy tokens identical to the unfused path, logprobs within 1e-5; a chunk above the limit keeps the step
-    unfused."""
+    cache up to itself, within its window: mistral; each KV group's rows over its own blocks, some freed behind
+    the window: gemma2, gemma3 with its second RoPE), float32 greedy tokens identical to the unfused path,
+    logprobs within 1e-5; a chunk above the limit keeps the step unfused."""
     _with_product("gemv", cpu_kernels, monkeypatch)  # float32 products the fused step takes (up to 8 rows)
     llm = make_llm(request.getfixturevalue(model_dir_fixture), attention_backend="cpu", enable_prefix_caching=False)
     model = llm.engine.runner.model

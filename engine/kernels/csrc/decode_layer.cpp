@@ -11,9 +11,10 @@
 // normalized before it is added (attn_post / mlp_post norms: OLMo 2, Gemma), then multiplied by residual_scale
 // (Granite's; 1: as it is); the attention may be soft-capped, and each layer sliding-windowed over the blocks of
 // its own KV group, with its own RoPE tables (layer_table, LayerColumn). Every intermediate is rounded to T where
-// the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results are theirs. A matrix is plain T [out, in] (the small-batch product of gemv.h), packed in column blocks
-// (the product of column_blocks.h), or GGUF blocks (the integer product of quant_product.h, which the unfused
-// path takes below its bf16-tile row count).
+// the unfused ops (layer_ops.cpp, gemv.cpp, quant_gemm.cpp) round it, so the results are theirs. A matrix is
+// plain T [out, in] (the small-batch product of gemv.h), packed in column blocks (the product of
+// column_blocks.h), or GGUF blocks (the integer product of quant_product.h, which the unfused path takes below
+// its bf16-tile row count).
 //
 // Layouts (row-major, contiguous): h, residual [rows, hidden]; weights [out, in]; caches
 // [num_blocks * block_size, kv_heads, head_dim] addressed by slot; positions, slots [rows] int64;
