@@ -150,7 +150,7 @@ class FusedDecode:
             model.qk_norm_projection,
             model.activation == "gelu_tanh",
             model.attention_layers[0].softcap or 0.0,  # every layer's (`_model_fits`)
-            self._layers.for_step(metadata, step, (tables, lens)),
+            self._layers.for_step(metadata, (tables, lens)),
         )
         return residual  # the stream after the last layer (its MLP output added in the kernel)
 
@@ -171,7 +171,7 @@ class _LayerTable:
 
     def __init__(self, fixed: torch.Tensor, uniform: bool):
         self.fixed = fixed  # [num_layers, 3] int64: window, cos and sin addresses
-        self.uniform = uniform  # no window and one RoPE: a step of one KV group needs no table
+        self.uniform = uniform  # no window (so one KV group) and one RoPE: no table
         self.keep: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
@@ -183,24 +183,22 @@ class _LayerTable:
         return cls(torch.tensor(fixed, dtype=torch.int64), uniform)
 
     def for_step(
-        self,
-        metadata: Sequence[AttentionMetadata],
-        first: AttentionMetadata,
-        first_tables: tuple[torch.Tensor, torch.Tensor],
+        self, metadata: Sequence[AttentionMetadata], first_tables: tuple[torch.Tensor, torch.Tensor]
     ) -> Optional[torch.Tensor]:
-        """[num_layers, 7] int64 for this step, or None (every layer takes the step's own arguments): each layer's
-        group's row tables, lengths, width and slots, then the layer's fixed columns. The groups are read from this
-        step's metadata (one object per KV group from the runner; a timing step may pass one for every layer).
-        `first_tables`: `_step_tables(first)`, already made (the step's own arguments). The tensors live in the
-        step's metadata, or in the table's `keep`, until the next step."""
+        """[num_layers, 7] int64 for this step, or None (every layer takes the step's own arguments: a model
+        without windows has one KV group): each layer's group's row tables, lengths, width and slots, then the
+        layer's fixed columns. The groups are read from this step's metadata (one object per KV group from the
+        runner; a timing step may pass one for every layer). `first_tables`: `_step_tables(metadata[0])`, already
+        made (the step's own arguments). The tensors live in the step's metadata, or in the table's `keep`, until
+        the next step."""
         self.keep = []  # row tables made for this step (a step with prompt rows): alive through the native call
+        if self.uniform:
+            return None
         index: dict[int, int] = {}
         layer_group = [index.setdefault(id(each), len(index)) for each in metadata]
-        if len(index) == 1 and self.uniform:
-            return None
         rows = []
         for group in {id(each): each for each in metadata}.values():
-            tables, lens = first_tables if group is first else _step_tables(group)
+            tables, lens = first_tables if group is metadata[0] else _step_tables(group)
             self.keep.append((tables, lens))
             rows.append([tables.data_ptr(), lens.data_ptr(), tables.shape[1], group.slot_mapping.data_ptr()])
         groups = torch.tensor(rows, dtype=torch.int64)[torch.tensor(layer_group)]
