@@ -324,14 +324,21 @@ def test_unsplit_decode_of_a_long_sequence_depends_on_nothing_else(decode_kernel
         torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_the_weight_stream_is_prefetched_in_software_on_intel_only(monkeypatch):
+def test_the_weight_stream_is_prefetched_in_software_except_on_amd_with_avx512(monkeypatch):
     from engine.kernels import cpu
 
     define = f"-DPAGEDSERVE_GEMV_PREFETCH={cpu.GEMV_PREFETCH_BYTES}"
-    monkeypatch.setattr(cpu, "_cpu_vendor", lambda: "GenuineIntel")
-    assert define in cpu._flags("native") and "-march=native" in cpu._flags("native")
-    monkeypatch.setattr(cpu, "_cpu_vendor", lambda: "AuthenticAMD")
-    assert define not in cpu._flags("native")
+    avx2, avx512 = "flags\t\t: fpu sse2 avx2 fma f16c", "flags\t\t: fpu sse2 avx2 fma f16c avx512f avx512bw"
+    for vendor, flags, prefetches in (
+        ("GenuineIntel", avx512, True),
+        ("GenuineIntel", avx2, True),
+        ("AuthenticAMD", avx2, True),
+        ("AuthenticAMD", avx512, False),
+    ):
+        monkeypatch.setattr(cpu, "_cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(cpu, "_cpu_flags", lambda flags=flags: flags)
+        assert (define in cpu._flags("native")) is prefetches, (vendor, flags)
+        assert "-march=native" in cpu._flags("native")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

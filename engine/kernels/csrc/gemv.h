@@ -12,9 +12,10 @@
 // Measured on a 2-core AVX512-BF16 machine, one thread, bf16 3072x576 (CPU time, a shared machine):
 // 28.6 GB/s at 1 row (the process's streaming read: ~23), 18.9 at 2, 16.0 at 4, 8.2 at 8 (the 8 rows
 // take two passes of 4; past one row the dot products, not the memory, bound it).
-// -DPAGEDSERVE_GEMV_PREFETCH=<bytes> (set by engine/kernels/cpu.py on Intel CPUs) adds a software prefetch
-// of the stream that far ahead: on a 2-core Xeon with AMX, 2 threads, the embedded model's batch-1 products
-// from memory went from 16-17.6 to 21-22 GB/s with 2048 bytes (on an AMD EPYC, the measurement above).
+// -DPAGEDSERVE_GEMV_PREFETCH=<bytes> (set by engine/kernels/cpu.py, except on AMD CPUs with AVX-512) adds a
+// software prefetch of the stream that far ahead: on a 2-core Xeon with AMX, 2 threads, the embedded model's
+// batch-1 products from memory went from 16-17.6 to 21-22 GB/s with 2048 bytes, and on an AVX2 EPYC (Zen 3) bf16
+// decode steps ran 0.91-0.94x as long (on an AVX-512 EPYC, the measurement above, without it).
 //
 // Inner products by instruction set (chosen at compile time, -march):
 //   AVX512-BF16  bf16: vdpbf16ps on pairs (32 k per step); float32: 16-lane FMA
