@@ -468,7 +468,9 @@ class CpuKernels:
         caller whose caches stay (read again on every call otherwise). `residual_scale`: each branch's output is
         multiplied by it before it joins the residual stream (Granite's residual_multiplier).
         `qk_norm_projection`: the layers' q and k norms normalize all of q and all of k (OLMo 2), not each head.
-        `gelu`: GeGLU MLPs (Gemma), not SwiGLU; `softcap`: the attention scores' (0: none). `layer_table`
+        `gelu`: GeGLU MLPs (Gemma), not SwiGLU; `softcap`: the attention scores' (0: none). `cos` and `sin_signed`
+        [positions, rotary_dim]: each head's first rotary_dim dimensions rotate (Phi-4-mini's partial rotary; every
+        layer's tables that wide). `layer_table`
         [num_layers, DECODE_LAYER_COLUMNS] int64 (None: every layer takes `slots`, `block_tables`,
         `context_lens`, `cos` and `sin_signed` above): per layer its KV group's block tables, context lengths,
         table width and slots, its window (0: none) and its RoPE tables, as csrc/decode_layer.cpp's LayerColumn."""
@@ -505,6 +507,18 @@ class CpuKernels:
             tuple(lora.table.shape) != (weights.shape[0], DECODE_LORA_COLUMNS) or lora.slots.shape[0] != rows
         ):
             raise ValueError("decode_layers takes a LoRA table of 8 addresses per layer and slots for every row")
+        head_dim = key_caches[0].shape[-1]
+        if (
+            cos.dim() != 2
+            or cos.shape != sin_signed.shape
+            or cos.shape[1] % 2
+            or not 0 < cos.shape[1] <= head_dim
+            or not (cos.is_contiguous() and sin_signed.is_contiguous())
+        ):
+            raise ValueError(
+                f"decode_layers takes RoPE tables [positions, rotary_dim], rotary_dim even and at most the heads' "
+                f"{head_dim}, got {tuple(cos.shape)} and {tuple(sin_signed.shape)}"
+            )
         arguments = (
             positions,
             cos,

@@ -45,7 +45,7 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
     "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5,
     "invariant_linear": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4,
     "gemv": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3,
-    "decode_layers": [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 14 + [ctypes.c_float] * 4,
+    "decode_layers": [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 15 + [ctypes.c_float] * 4,
     "lora_add": [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8,
 }
 """Argument types of each C entry point (`pagedserve_<name>_<f32|bf16>`)."""
@@ -333,6 +333,7 @@ def decode_layers_at(
         heads,
         kv_heads,
         head_dim,
+        cos.shape[1],  # the rotated dimensions of each head (all of it but with partial rotary)
         inter,
         block_size,
         block_tables.shape[1],

@@ -6,8 +6,7 @@
                 h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?
     logits      cap(lm_head(final_norm(h)) / logits_divisor)
 
-The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too (each family, with RoPE over
-whole heads: not Phi-4-mini's partial rotary).
+The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too, for each family.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ FAMILIES = (
         (
             "fused qkv_proj/gate_up_proj",
             "LongRoPE (one factor set, by max_model_len)",
-            "partial rotary (Phi-4-mini: the unfused path)",
+            "partial rotary (Phi-4-mini)",
             "sliding window",
         ),
     ),

@@ -72,6 +72,12 @@ def tiny_phi3_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-phi3"), "phi3", sliding_window=None)
 
 
+@pytest.fixture(scope="session")
+def tiny_phi4mini_dir(tmp_path_factory):
+    """Phi-4-mini's shape: RoPE over the first 0.75 of each head, LongRoPE (tests/engine/factories.py)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-phi4mini"), "phi4mini")
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     """One LLM per test module over the tiny llama (configs/tiny.yaml settings, fp32 on CPU)."""

@@ -25,6 +25,7 @@ from engine.layers.fused_decode import MATRIX_COLUMNS, _model_fits
 from engine.kernels.column_block_weight import PackedWeight
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear, Linear
+from engine.layers.rotary import RotaryEmbedding
 from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight
 from tests.engine.factories import make_tiny_model_dir
@@ -99,6 +100,7 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
         "tiny_granite_dir",
         "tiny_olmo2_dir",
         "tiny_phi3_dir",
+        "tiny_phi4mini_dir",  # RoPE over the first 12 of 16 dimensions
         "tiny_gemma2_dir",
         "tiny_gemma3_dir",
     ],
@@ -198,21 +200,21 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize(
-    "family, overrides, fused",
+    "family, overrides",
     [
-        ("granite", {}, True),
-        ("phi3", {"sliding_window": 256}, True),  # a window spanning max_model_len (the config's 256): none
-        ("phi3", {}, True),  # a window on every layer
-        ("phi4mini", {}, False),  # RoPE over part of each head
-        ("olmo2", {}, True),  # norms after the branches, q/k norms over the whole projection
-        ("gemma2", {}, True),  # GeGLU, soft-caps, windowed layers in a KV group of their own
-        ("gemma3", {}, True),  # the same, per-head q/k norms, two RoPEs
+        ("granite", {}),
+        ("phi3", {"sliding_window": 256}),  # a window spanning max_model_len (the config's 256): none
+        ("phi3", {}),  # a window on every layer
+        ("phi4mini", {}),  # RoPE over part of each head
+        ("olmo2", {}),  # norms after the branches, q/k norms over the whole projection
+        ("gemma2", {}),  # GeGLU, soft-caps, windowed layers in a KV group of their own
+        ("gemma3", {}),  # the same, per-head q/k norms, two RoPEs
     ],
     ids=["granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3"],
 )
-def test_generic_decoders_fuse_unless_their_rope_is_partial(family, overrides, fused, tmp_path):
-    """The generic decoder (engine/models/decoder.py) takes the fused step in every family but Phi-4-mini, whose
-    RoPE turns part of each head (its equality with HF: tests/engine/test_dense_families.py)."""
+def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
+    """The generic decoder (engine/models/decoder.py) takes the fused step in every family, Phi-4-mini's RoPE over
+    part of each head included (their equality with HF: tests/engine/test_dense_families.py)."""
     llm = make_llm(
         make_tiny_model_dir(tmp_path / family, family, **overrides),
         dtype="bfloat16",
@@ -221,7 +223,30 @@ def test_generic_decoders_fuse_unless_their_rope_is_partial(family, overrides, f
     )
     runner = llm.engine.runner
     model = runner.model
-    assert (model.fused is not None and _model_fits(model, runner.kv_cache.layers)) == fused
+    assert model.fused is not None and _model_fits(model, runner.kv_cache.layers)
+
+
+def test_fused_decode_refuses_rope_tables_of_two_widths(tiny_gemma3_dir):
+    """The kernel takes one rotary width for every layer's tables: a model whose layers rotate different widths
+    (none is made so; a guard for one that would be) keeps the general path."""
+    llm = make_llm(tiny_gemma3_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False)
+    runner = llm.engine.runner
+    model, caches = runner.model, runner.kv_cache.layers
+    assert _model_fits(model, caches) and len({id(model.rotary_of(i)) for i in range(len(model.layers))}) == 2
+    local = model.rotaries[-1]
+    narrow = RotaryEmbedding(
+        model.arch.head_dim,
+        local.cos.shape[0],
+        10000.0,
+        None,
+        model.dtype,
+        torch.device("cpu"),
+        model.arch.head_dim - 2,
+    )
+    model.rotaries[-1] = narrow
+    assert not _model_fits(model, caches)
+    model.rotaries[-1] = local
+    assert _model_fits(model, caches)
 
 
 def test_each_step_reads_its_own_kv_groups(tiny_gemma2_dir, cpu_kernels, monkeypatch):

@@ -145,7 +145,8 @@ template <typename T, typename C>
 void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, const T* b_qkv, const T* q_norm,
                 const T* k_norm, bool qk_norm_projection, const int64_t* positions, const T* cos,
                 const T* sin_signed, C* key_cache, C* value_cache, const int64_t* slots, T* query,
-                int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
+                int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim,
+                float eps,
                 Scratch& scratch, const LayerLoRA<T>& lora) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     std::vector<T> x(rows * hidden), qkv(rows * width);
@@ -172,9 +173,9 @@ void decode_qkv(const T* h, T* residual, const T* norm, const Matrix& w_qkv, con
                 for (int64_t head = heads; head < heads + kv_heads; ++head)
                     rms_norm_row(row + head * head_dim, k_norm, row + head * head_dim, head_dim, eps);
             }
-            // whole heads: fused_decode.py leaves models with partial rotary to the unfused path
-            rotary_row(row, cos + positions[r] * head_dim, sin_signed + positions[r] * head_dim, heads + kv_heads,
-                       head_dim, head_dim);
+            // each head's first rotary_dim dimensions (the tables' width; Phi-4-mini's partial rotary, else all)
+            rotary_row(row, cos + positions[r] * rotary_dim, sin_signed + positions[r] * rotary_dim, heads + kv_heads,
+                       head_dim, rotary_dim);
             std::memcpy(query + r * q_size, row, q_size * sizeof(T));
             to_cache(row + q_size, key_cache + slots[r] * kv_size, kv_size);
             to_cache(row + q_size + kv_size, value_cache + slots[r] * kv_size, kv_size);
@@ -296,7 +297,7 @@ Matrix matrix_at(const int64_t* row, int column) {
 }
 
 struct DecodeShape {
-    int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, table_width;
+    int64_t rows, hidden, heads, kv_heads, head_dim, rotary_dim, inter, block_size, table_width;
     bool qk_norm_projection, gelu;  // gelu: GeGLU (gelu_tanh(g) * u, Gemma), else SwiGLU
     float eps, scale, residual_scale, softcap;  // softcap: of the attention scores (0: none)
 };
@@ -372,7 +373,7 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
         const T* layer_sin = own ? reinterpret_cast<const T*>(own[kSin]) : sin_signed;
         decode_qkv(h, residual, w(kInputNorm), matrix(kQkv), w(kQkvBias), w(kQNorm), w(kKNorm), s.qk_norm_projection,
                    positions, layer_cos, layer_sin, key_cache, value_cache, layer_slots, query.data(), s.rows, s.hidden,
-                   s.heads, s.kv_heads, s.head_dim, s.eps, scratch, lora);
+                   s.heads, s.kv_heads, s.head_dim, s.rotary_dim, s.eps, scratch, lora);
         paged_decode(query.data(), key_cache, value_cache, tables, lens, attn.data(), s.rows, s.heads, s.kv_heads,
                      s.head_dim, s.block_size, own ? own[kWidth] : s.table_width, s.scale, own ? own[kWindow] : 0,
                      s.softcap);
@@ -394,13 +395,14 @@ void decode_layers(T* residual, const int64_t* weights, const int64_t* key_cache
                                            const int32_t* lora_slots, const float* lora_scales,                  \
                                            const int32_t* lora_ranks, const int64_t* layer_table,                \
                                            int64_t num_layers, int64_t rows, int64_t hidden, int64_t heads,      \
-                                           int64_t kv_heads, int64_t head_dim, int64_t inter, int64_t block_size,\
-                                           int64_t table_width, int64_t lora_width, int64_t lora_max_rank,       \
+                                           int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int64_t inter,\
+                                           int64_t block_size, int64_t table_width, int64_t lora_width,          \
+                                           int64_t lora_max_rank,                                                \
                                            int64_t max_loras, int64_t qk_norm_projection, int64_t gelu,          \
                                            float eps, float scale, float residual_scale, float softcap) {        \
-        const DecodeShape shape{rows,      hidden,   heads,        kv_heads, head_dim,       inter,              \
-                                block_size, table_width, qk_norm_projection != 0, gelu != 0, eps, scale,        \
-                                residual_scale, softcap};                                                        \
+        const DecodeShape shape{rows, hidden, heads, kv_heads, head_dim, rotary_dim, inter, block_size,          \
+                                table_width, qk_norm_projection != 0, gelu != 0, eps, scale, residual_scale,    \
+                                softcap};                                                                        \
         const StepLoRA lora{lora_table, lora_slots, lora_scales, lora_ranks, lora_width, lora_max_rank, max_loras}; \
         decode_layers<T, C>(residual, weights, key_caches, value_caches, positions, cos, sin_signed, slots,       \
                             block_tables, context_lens, out, num_layers, layer_table, shape, lora);             \
