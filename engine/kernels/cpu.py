@@ -115,11 +115,11 @@ def _cpu_flags() -> str:
 
 
 GEMV_PREFETCH_BYTES = 2048
-"""On Intel CPUs and on CPUs without AVX-512 the weight-streaming kernel (csrc/gemv.h) and the column-block
-kernel's vdpbf16ps path (csrc/column_blocks.h) prefetch their weight streams this far ahead: on a Xeon the
-batch-1 products read their weights markedly faster with it (2048 bytes beat 1024 and 4096), and on an AVX2
-EPYC (Zen 3) bf16 decode steps ran faster at 1 and 8 sequences. Off on AMD CPUs with AVX-512, where an
-earlier software prefetch was slower than the hardware prefetcher alone. Measured in docs/performance.md."""
+"""The weight-streaming kernel (csrc/gemv.h) and the column-block kernel's vdpbf16ps path (csrc/column_blocks.h)
+prefetch their weight streams this far ahead on every CPU but AMD's with AVX-512: on a Xeon the batch-1 products
+read their weights markedly faster with it (2048 bytes beat 1024 and 4096), and on an AVX2 EPYC (Zen 3) bf16
+decode steps ran faster at 1 and 8 sequences; on an AMD EPYC with AVX-512 an earlier software prefetch was slower
+than the hardware prefetcher alone. Measured in docs/performance.md."""
 
 
 def _cpu_vendor() -> str:
@@ -133,8 +133,8 @@ def _cpu_vendor() -> str:
 
 
 def _gemv_prefetches() -> bool:
-    """Whether the weight streams prefetch in software here (see GEMV_PREFETCH_BYTES)."""
-    return _cpu_vendor() == "GenuineIntel" or "avx512f" not in _cpu_flags().split()
+    """Whether the weight streams prefetch in software here (see GEMV_PREFETCH_BYTES): all but AMD's AVX-512 CPUs."""
+    return not (_cpu_vendor() == "AuthenticAMD" and "avx512f" in _cpu_flags().split())
 
 
 def _flags(arch: str) -> tuple[str, ...]:

@@ -309,8 +309,9 @@ def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
     every layer, windowed or not (the native step has no sinks, no latent cache)."""
     dtype = model.dtype
     rotaries = {id(r): r for r in (model.rotary_of(layer) for layer in range(len(model.layers)))}.values()
-    if not model.qk_norms_as_loaded or len({rotary.rotary_dim for rotary in rotaries}) != 1:
-        return False  # (the kernel takes one rotary width for every layer's tables)
+    # one rotary width for every layer's tables and for the model's own (decode_layers reads it off `model.rotary`)
+    if not model.qk_norms_as_loaded or len({r.rotary_dim for r in (model.rotary, *rotaries)}) != 1:
+        return False
     softcap = model.attention_layers[0].softcap
     if any(
         attention.sinks is not None

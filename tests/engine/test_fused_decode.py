@@ -516,3 +516,39 @@ def test_decode_layers_rejects_wrong_index_types(cpu_kernels):
             context_lens=lens,
             **args,
         )
+
+
+@pytest.mark.parametrize(
+    "cos, sin",
+    [
+        (torch.zeros(16, 10), None),  # wider than the heads' 8
+        (torch.zeros(16, 7), None),  # an odd width: no halves to rotate
+        (torch.zeros(16, 6), torch.zeros(16, 4)),  # sin not cos's shape
+        (torch.zeros(16), None),  # not [positions, rotary_dim]
+        (torch.zeros(6, 16).t(), None),  # not contiguous
+    ],
+    ids=["wide", "odd", "mismatched", "flat", "strided"],
+)
+def test_decode_layers_rejects_rope_tables_it_cannot_read(cos, sin, cpu_kernels):
+    """The kernel rotates each head's first cos.shape[1] dimensions, reading that many per position: a table wider
+    than a head, of an odd width, or unlike its sin table is refused before the call (a narrower one passes:
+    partial rotary, tests above)."""
+    cos = cos.to(torch.bfloat16)
+    sin = cos if sin is None else sin.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="RoPE tables"):
+        cpu_kernels.decode_layers(
+            torch.zeros(2, 8, dtype=torch.bfloat16),
+            torch.zeros(1, DECODE_WEIGHT_COLUMNS, dtype=torch.int64),
+            [torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16)],
+            [torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16)],
+            torch.zeros(2, dtype=torch.int64),
+            cos,
+            sin,
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32),
+            heads=1,
+            inter=8,
+            eps=1e-5,
+            scale=1.0,
+        )

@@ -74,9 +74,10 @@ inline __m512i load_pair(const uint8_t* qs, int64_t b) {
 //          lanes: group g of 16 rows is nb block records in a row, record b = the quants (4-bit: 4 x 64
 //          bytes P_q (q = 0..3), byte 4c + j = u[c][4q + j] | u[c][16 + 4q + j] << 4; 8-bit: 8 x 64 bytes
 //          V_q (q = 0..7), byte 4c + j = u[c][4q + j]), then the 16 columns' fp16 scales d, then (Q4_1) their
-//          fp16 minimums m; no padding block (nbp = nb). A product reads one stream per group, not three: the
-//          hardware prefetcher carries it to the plain read's rate (docs/performance.md). The d and m
-//          arguments of the entry points are not read for kX16.
+//          fp16 minimums m; no padding block (nbp = nb). A product reads one stream per group, not three,
+//          which a prefetch ahead carries near the plain read's rate (the hardware prefetcher's on AVX-512,
+//          kX16PrefetchBytes in software on AVX2: docs/performance.md). The d and m arguments of the entry
+//          points are not read for kX16.
 enum Layout : int64_t { kRows = 0, kX16 = 1 };
 
 constexpr int64_t kGroupColumns = 16;

@@ -286,9 +286,9 @@ void x16_group(const uint8_t* qs, int64_t nb, Activations a, float* result /*[NR
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
-// The kX16 loops below prefetch their stream this far ahead (T0, every line of a record as the record is read): the
-// hardware prefetcher alone ran a batch-1 product at 0.80-0.85x of a plain read of the same bytes from DRAM, as it
-// stays only a short way ahead while each record's arithmetic runs; 1-2 KB ahead read 1.09-1.14x faster
+// The kX16 loops below prefetch their stream this far ahead (T0, every line of a record as the record is read): with
+// the hardware prefetcher alone a batch-1 product from DRAM took 1.15-1.27x a plain read of the same bytes, as it
+// stays only a short way ahead while each record's arithmetic runs; 1 KB ahead took 0.87-0.92x as long as without
 // (docs/performance.md, "The products' stream prefetched").
 constexpr int64_t kX16PrefetchBytes = 1024;
 
@@ -311,7 +311,7 @@ void x16_half(const uint8_t* qs, int64_t nb, Activations a, int h, float* result
     const __m256i low = _mm256_set1_epi8(0x0f), bias = _mm256_set1_epi8(static_cast<char>(0x80));
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* record = qs + b * x16_block_bytes(FORMAT), *p = record + 32 * h;
-        if (h == 0) prefetch_ahead<FORMAT>(record);  // (the second half reads the group again, from L1)
+        if (h == 0) prefetch_ahead<FORMAT>(record);  // (the second half reads the group again, from L1 or L2)
         __m256i u[8];
         if constexpr (FORMAT == kQ8_0) {  // back to signed int8: dot_signed, no -128 d term
             for (int q = 0; q < 8; ++q)
