@@ -51,6 +51,10 @@ INVARIANT_ATTENTION_BACKENDS = ("auto", "cpu")
 AMX_GEMV_MAX_ROWS = 4
 """On AMX CPUs whose kernels lack the tile path, bf16 products beyond this many rows go to `F.linear` (oneDNN
 on the tiles): measured in docs/performance.md."""
+FLOAT32_GEMV_MAX_ROWS = 16
+"""An engine whose decode steps hold at most this many rows (max_num_seqs times 1 + the draft tokens) runs
+float32 on plain weights with the small-batch product and the fused decode step; at 16 rows a step took as long
+as oneDNN's packed unfused one, at 32 rows 1.33x as long (docs/performance.md)."""
 
 
 class Numerics(NamedTuple):
@@ -72,10 +76,12 @@ def choose_numerics(
     batch_invariant: bool = False,
     latent: bool = False,
     kv_cache_dtype: str = "auto",
+    max_decode_rows: Optional[int] = None,
 ) -> Numerics:
     """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
     the model's attention is multi-head latent attention over a latent cache (auto then means torch);
-    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto then passes over a backend that cannot read it)."""
+    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto then passes over a backend that cannot read it);
+    `max_decode_rows`: the most rows a decode step of this engine holds (None: unknown), see cpu_linear."""
     if batch_invariant:
         return batch_invariant_numerics(attention_backend, device, dtype)
     if latent and attention_backend == "auto":
@@ -93,15 +99,22 @@ def choose_numerics(
     )
     if not isinstance(backend, CpuAttentionBackend):
         return Numerics(backend, None, None)
-    return Numerics(backend, NativeLayerOps(backend.kernels), cpu_linear(backend, dtype))
+    return Numerics(backend, NativeLayerOps(backend.kernels), cpu_linear(backend, dtype, max_decode_rows))
 
 
-def cpu_linear(backend: CpuAttentionBackend, dtype: torch.dtype) -> Optional[Linear]:
+def cpu_linear(
+    backend: CpuAttentionBackend, dtype: torch.dtype, max_decode_rows: Optional[int] = None
+) -> Optional[Linear]:
     """The product beside the cpu backend's kernels. bfloat16: the native column-block product at every row
     count where it runs on AVX512-BF16 and passed its load-time self-check; on AMX CPUs only with its tile
     path built in and granted (on vdpbf16ps alone it is slower than oneDNN on the tiles there). Else the
     native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32 keeps oneDNN's packed
-    weights (None)."""
+    weights (None), unless no decode step of this engine holds more than FLOAT32_GEMV_MAX_ROWS rows: then the
+    small-batch product on plain weights, which the fused decode step reads (1.47-1.63x faster single-stream
+    steps; past 16 rows oneDNN's packed product wins, and keeping both layouts would double the weights:
+    docs/performance.md, "Float32 plain weights on the fused step")."""
+    if dtype == torch.float32 and max_decode_rows is not None and max_decode_rows <= FLOAT32_GEMV_MAX_ROWS:
+        return GemvLinear(backend.kernels, FLOAT32_GEMV_MAX_ROWS)
     if dtype != torch.bfloat16:
         return None
     kernels = backend.kernels

@@ -94,6 +94,7 @@ def build_shard(
         latent=latent_rank is not None,
         batch_invariant=config.batch_invariant,
         kv_cache_dtype=config.cache.kv_cache_dtype,
+        max_decode_rows=max_decode_rows(config),
     )
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
@@ -163,6 +164,12 @@ def build_shard(
     )
     buckets = () if model.stage.is_split else _graph_buckets(config, device, backend)
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
+
+
+def max_decode_rows(config: EngineConfig) -> int:
+    """The most rows a decode step holds: every sequence, each with its draft tokens."""
+    speculative = config.speculative_config
+    return config.scheduler.max_num_seqs * (1 + (0 if speculative is None else speculative.num_speculative_tokens))
 
 
 def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine import platform as engine_platform
+from engine.platform import FLOAT32_GEMV_MAX_ROWS
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.layers.fused_decode import MATRIX_COLUMNS, _model_fits
@@ -81,10 +82,12 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
         if tiles and not cpu_kernels.amx_tiles:
             pytest.skip("no AMX tiles here")
         monkeypatch.setattr(
-            engine_platform, "cpu_linear", lambda backend, dtype: ColumnBlockLinear(backend.kernels, amx=tiles)
+            engine_platform,
+            "cpu_linear",
+            lambda backend, dtype, rows=None: ColumnBlockLinear(backend.kernels, amx=tiles),
         )
         return ColumnBlockLinear
-    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: GemvLinear(backend.kernels))
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: GemvLinear(backend.kernels))
     return GemvLinear
 
 
@@ -351,6 +354,8 @@ def test_fused_gguf_decode_beside_torchs_float32_product(embedded_checkpoint, mo
     tokens and logprobs; a plain-weight model keeps the unfused path there, as beside oneDNN."""
     import engine.models.llama as llama_module
 
+    # (the cpu backend's own float32 product declined, as for decode batches past FLOAT32_GEMV_MAX_ROWS)
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None)
     monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
     llm = _embedded_gguf("float32", max_num_seqs=4)
     model = llm.engine.runner.model
@@ -365,8 +370,33 @@ def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_
     import engine.models.llama as llama_module
 
     monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
-    llm = make_llm(tiny_llama_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False)
+    llm = make_llm(
+        tiny_llama_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=17
+    )  # decode batches past FLOAT32_GEMV_MAX_ROWS: the model's own product
     assert type(llm.engine.runner.model.linear) is Linear and llm.engine.runner.model.fused is None
+
+
+def test_small_float32_engines_fuse_their_decode_on_plain_weights(tiny_llama_dir, tiny_gemma3_dir, monkeypatch):
+    """An engine whose decode steps hold at most FLOAT32_GEMV_MAX_ROWS rows (max_num_seqs times 1 + drafts) runs
+    float32 on plain weights with the small-batch product, its decode steps fused, every batch size bit for bit
+    the unfused ops' (those the same plain weights and product); past that, oneDNN's packed weights, unfused."""
+    for model_dir in (tiny_llama_dir, tiny_gemma3_dir):
+        llm = make_llm(model_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False)  # 16 seqs
+        model = llm.engine.runner.model
+        assert type(model.linear) is GemvLinear and model.linear.max_rows == FLOAT32_GEMV_MAX_ROWS
+        assert model.fused is not None
+        rows = _counting_fused(model, monkeypatch)
+        params = [
+            SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3)
+            for i in range(len(PROMPTS))
+        ]
+        fused = _generate_each(llm, PROMPTS, params)
+        assert set(rows) == set(range(1, len(PROMPTS) + 1))
+        assert fused == _unfused(llm, PROMPTS, params)
+    ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    for overrides in ({"max_num_seqs": FLOAT32_GEMV_MAX_ROWS + 1}, {"max_num_seqs": 9, "speculative_config": ngram}):
+        llm = make_llm(tiny_llama_dir, dtype="float32", attention_backend="cpu", **overrides)
+        assert type(llm.engine.runner.model.linear) is not GemvLinear and llm.engine.runner.model.fused is None
 
 
 def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tuple[list[int], list[float]]]:
@@ -449,7 +479,9 @@ def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, c
     del model
     fused = _generate(llm, PROMPTS[:4], 24)
     del llm
-    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: None)  # torch's products, unfused:
+    monkeypatch.setattr(
+        engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None
+    )  # torch's products, unfused:
     torch_llm = embedded_llm()  # the numerics before the native products
     assert type(torch_llm.engine.runner.model.linear) is Linear and torch_llm.engine.runner.model.fused is None
     reference = _generate(torch_llm, PROMPTS[:4], 24, logprobs=2)

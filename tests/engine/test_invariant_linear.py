@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import platform
-from engine.platform import cpu_linear
+from engine.platform import FLOAT32_GEMV_MAX_ROWS, cpu_linear
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
 from engine.layers.invariant_linear import ONEDNN_MIN_ROWS, BatchInvariantLinear, ColumnBlockLinear
@@ -122,6 +122,9 @@ def test_rows_are_looked_up_in_the_packing(shape, dtype):
 def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_kernels, monkeypatch):
     backend = CpuAttentionBackend(cpu_kernels)
     assert cpu_linear(backend, torch.float32) is None  # oneDNN's packed fp32 product
+    assert cpu_linear(backend, torch.float32, FLOAT32_GEMV_MAX_ROWS + 1) is None  # decode batches past gemv's lead
+    small = cpu_linear(backend, torch.float32, FLOAT32_GEMV_MAX_ROWS)  # plain weights, the fused decode step's
+    assert type(small) is GemvLinear and small.max_rows == FLOAT32_GEMV_MAX_ROWS
     column_blocks = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     # a CPU with AMX: column blocks where their tile path is built in and granted, else gemv up to 4 rows
     monkeypatch.setattr(platform, "torch_bf16_products_use_amx", lambda: True)
