@@ -53,8 +53,8 @@ AMX_GEMV_MAX_ROWS = 4
 on the tiles): measured in docs/performance.md."""
 FLOAT32_GEMV_MAX_ROWS = 16
 """An engine whose decode steps hold at most this many rows (max_num_seqs times 1 + the draft tokens) runs
-float32 on plain weights with the small-batch product and the fused decode step; at 16 rows a step took as long
-as oneDNN's packed unfused one, at 32 rows 1.33x as long (docs/performance.md)."""
+float32 on plain weights with the small-batch product and the fused decode step: up to here its steps are as fast
+as oneDNN's packed unfused ones or faster, beyond slower (measured in docs/performance.md)."""
 
 
 class Numerics(NamedTuple):
@@ -110,9 +110,8 @@ def cpu_linear(
     path built in and granted (on vdpbf16ps alone it is slower than oneDNN on the tiles there). Else the
     native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32 keeps oneDNN's packed
     weights (None), unless no decode step of this engine holds more than FLOAT32_GEMV_MAX_ROWS rows: then the
-    small-batch product on plain weights, which the fused decode step reads (1.47-1.63x faster single-stream
-    steps; past 16 rows oneDNN's packed product wins, and keeping both layouts would double the weights:
-    docs/performance.md, "Float32 plain weights on the fused step")."""
+    small-batch product on plain weights, which the fused decode step reads (keeping both layouts would double
+    the weights: docs/performance.md, "Float32 plain weights on the fused step")."""
     if dtype == torch.float32 and max_decode_rows is not None and max_decode_rows <= FLOAT32_GEMV_MAX_ROWS:
         return GemvLinear(backend.kernels, FLOAT32_GEMV_MAX_ROWS)
     if dtype != torch.bfloat16:
