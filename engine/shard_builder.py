@@ -85,6 +85,15 @@ def build_shard(
             num_heads=shape.num_heads // tp.world_size,
             num_kv_heads=max(shape.num_kv_heads // tp.world_size, 1),
         )
+    family = family_of(hf_config)
+    # the fused decode step serves one process's dense Llama-family and generic-decoder models (not tensor or
+    # pipeline shards, mixtures of experts, latent attention): only those take float32's plain-weight product
+    fuses = (
+        family.implementation in ("llama", "decoder")
+        and not tp.is_parallel
+        and (stage is None or not stage.is_split)
+        and latent_rank is None
+    )
     backend, ops, linear = choose_numerics(
         config.attention_backend,
         device,
@@ -94,14 +103,13 @@ def build_shard(
         latent=latent_rank is not None,
         batch_invariant=config.batch_invariant,
         kv_cache_dtype=config.cache.kv_cache_dtype,
-        max_decode_rows=max_decode_rows(config),
+        max_decode_rows=max_decode_rows(config) if fuses else None,
     )
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(
         requested, model_config.quantization_group_size, hf_config, device, dtype, config.batch_invariant
     )
-    family = family_of(hf_config)
     if checkpoint.gguf is not None and "gguf" not in family.formats:
         raise ValueError(
             f"{family.architecture} is served from HF checkpoints ({', '.join(family.formats)}), "
@@ -167,9 +175,10 @@ def build_shard(
 
 
 def max_decode_rows(config: EngineConfig) -> int:
-    """The most rows a decode step holds: every sequence, each with its draft tokens."""
+    """The most rows a decode step holds: every sequence, each with its draft tokens (at most a step's tokens)."""
     speculative = config.speculative_config
-    return config.scheduler.max_num_seqs * (1 + (0 if speculative is None else speculative.num_speculative_tokens))
+    drafts = 0 if speculative is None else speculative.num_speculative_tokens
+    return min(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * (1 + drafts))
 
 
 def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:

@@ -11,7 +11,9 @@ backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row c
 on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count there, and
 batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise); on other builds
 `GemvLinear` multiplies batches of up to 8 rows (4 on AMX CPUs, where `F.linear` runs on the tiles)
-natively (a weight-streaming kernel), larger ones with `F.linear`. (Neither oneDNN nor
+natively (a weight-streaming kernel), larger ones with `F.linear`; in fp32 it replaces oneDNN's packed weights in
+an engine whose decode steps hold at most 16 rows (engine/platform.py, FLOAT32_GEMV_MAX_ROWS), so that the fused
+decode step can read the weights. (Neither oneDNN nor
 `GemvLinear` keeps a row's result independent of the other rows: batch-invariant mode
 multiplies with `invariant_linear.BatchInvariantLinear` instead.)
 """
@@ -104,13 +106,14 @@ class PackedOneDnnLinear(Linear):
 
 
 GEMV_MAX_ROWS = 8
-"""The largest batch `GemvLinear` multiplies natively (beyond, the weight-reading kernel loses to oneDNN's
-blocked products, which reuse each weight tile across many rows)."""
+"""The largest batch `GemvLinear` multiplies natively by default (beyond, the weight-reading kernel alone loses to
+oneDNN's blocked products, which reuse each weight tile across many rows; float32's small engines take up to 16 rows
+inside the fused decode step, which saves the per-operation path's costs)."""
 
 
 class GemvLinear(Linear):
     """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16) or,
-    on AMX CPUs, no tile path: up
+    on AMX CPUs, no tile path, and float32 in engines of small decode steps (engine/platform.py): up
     to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which streams the plain
     [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
     Quantized weights go to their own product.

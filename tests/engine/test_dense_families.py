@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from engine import SamplingParams
 from engine.models import build_model
+from engine.platform import FLOAT32_GEMV_MAX_ROWS
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
 from tests.engine.references import assert_idle, check_against_hf, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
@@ -33,6 +34,14 @@ def test_batch_and_alone(model_dir, backend):
         )
         check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
         check_against_hf(model_dir, prompts[6:7], run_greedy(llm, prompts[6:7]))  # 60 tokens, alone
+
+
+def test_batch_and_alone_on_packed_float32_weights(model_dir):
+    """Past FLOAT32_GEMV_MAX_ROWS decode rows (engine/platform.py) float32 keeps oneDNN's packed weights, unfused."""
+    prompts = mixed_prompts()
+    with make_llm(model_dir, attention_backend="cpu", max_num_seqs=FLOAT32_GEMV_MAX_ROWS + 1) as llm:
+        assert llm.engine.runner.model.fused is None
+        check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
 
 
 def test_batch_invariant_mode(model_dir):

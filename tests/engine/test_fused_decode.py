@@ -307,8 +307,8 @@ def _embedded_gguf(dtype: str, max_num_seqs: int) -> LLM:
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     embedded_checkpoint, arch, extra, dtype, cpu_kernels, monkeypatch
 ):
-    """float32 too (dtype auto on CPUs without native bf16): its products stay oneDNN's (torch's without oneDNN), the
-    GGUF blocks fused.
+    """float32 too (dtype auto on CPUs without native bf16; 8 sequences: plain weights and the small-batch product,
+    engine/platform.py), the GGUF blocks fused.
     `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
     embedded model's layers."""
     llm = _embedded_gguf(str(dtype).removeprefix("torch."), max_num_seqs=8)
@@ -344,7 +344,7 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     # staggered lengths: decode batches of every size from 8 rows down to 1
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
     fused = _generate_each(llm, PROMPTS, params)
-    max_rows = getattr(model.linear, "max_rows", GEMV_MAX_ROWS)  # float32's oneDNN product: the fused step's own
+    max_rows = getattr(model.linear, "max_rows", GEMV_MAX_ROWS)  # (a product without a row limit: the step's own)
     assert set(rows) == set(range(1, min(integer_rows - 1, max_rows, GEMV_MAX_ROWS) + 1))
     assert fused == _unfused(llm, PROMPTS, params)
 
@@ -378,25 +378,30 @@ def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_
 
 def test_small_float32_engines_fuse_their_decode_on_plain_weights(tiny_llama_dir, tiny_gemma3_dir, monkeypatch):
     """An engine whose decode steps hold at most FLOAT32_GEMV_MAX_ROWS rows (max_num_seqs times 1 + drafts) runs
-    float32 on plain weights with the small-batch product, its decode steps fused, every batch size bit for bit
-    the unfused ops' (those the same plain weights and product); past that, oneDNN's packed weights, unfused."""
+    float32 on plain weights with the small-batch product, its decode steps fused, at every batch size up to 16 bit
+    for bit the unfused ops' (those the same plain weights and product); past that, oneDNN's packed weights."""
+    prompts = PROMPTS + [p + " and" for p in PROMPTS]  # 16: decode batches of every size from 16 down to 1
     for model_dir in (tiny_llama_dir, tiny_gemma3_dir):
-        llm = make_llm(model_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False)  # 16 seqs
+        llm = make_llm(model_dir, attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=16)  # float32
         model = llm.engine.runner.model
         assert type(model.linear) is GemvLinear and model.linear.max_rows == FLOAT32_GEMV_MAX_ROWS
-        assert model.fused is not None
         rows = _counting_fused(model, monkeypatch)
         params = [
             SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3)
-            for i in range(len(PROMPTS))
+            for i in range(len(prompts))
         ]
-        fused = _generate_each(llm, PROMPTS, params)
-        assert set(rows) == set(range(1, len(PROMPTS) + 1))
-        assert fused == _unfused(llm, PROMPTS, params)
+        fused = _generate_each(llm, prompts, params)
+        assert set(rows) == set(range(1, len(prompts) + 1))
+        assert fused == _unfused(llm, prompts, params)
     ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    for overrides in ({"max_num_seqs": FLOAT32_GEMV_MAX_ROWS + 1}, {"max_num_seqs": 9, "speculative_config": ngram}):
-        llm = make_llm(tiny_llama_dir, dtype="float32", attention_backend="cpu", **overrides)
-        assert type(llm.engine.runner.model.linear) is not GemvLinear and llm.engine.runner.model.fused is None
+    for overrides, plain in (
+        ({"max_num_seqs": 8, "speculative_config": ngram}, True),  # 8 x (1 + 1) = 16 rows
+        ({"max_num_seqs": 9, "speculative_config": ngram}, False),
+        ({"max_num_seqs": FLOAT32_GEMV_MAX_ROWS + 1}, False),
+    ):
+        llm = make_llm(tiny_llama_dir, attention_backend="cpu", **overrides)
+        model = llm.engine.runner.model
+        assert (type(model.linear) is GemvLinear) == plain and (model.fused is not None) == plain, overrides
 
 
 def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tuple[list[int], list[float]]]:

@@ -1,6 +1,7 @@
 // Small-batch matrix product for CPUs (csrc/gemv.cpp exports it; csrc/decode_layer.cpp runs it inside
 // its fused kernels), bound by reading the weight once:
-//   out[r, o] = sum_k x[r, k] w[o, k] (+ bias[o])      r < rows (1..8 is the target), o < out_features
+//   out[r, o] = sum_k x[r, k] w[o, k] (+ bias[o])      r < rows (1..8 is the target, 1..16 in float32's small
+//                                                      engines), o < out_features
 // on the weight as the model stores it (row-major [out, in], no repacking: larger batches multiply the
 // same tensor with torch/oneDNN). A micro-kernel takes kGroup = 4 weight rows and up to kMaxR batch rows,
 // walks the weight rows one after the other in memory order (one sequential stream, which the hardware
