@@ -85,6 +85,13 @@ def build_shard(
             num_heads=shape.num_heads // tp.world_size,
             num_kv_heads=max(shape.num_kv_heads // tp.world_size, 1),
         )
+    speculative = config.speculative_config
+    limits = RunnerLimits(
+        config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens,
+        max_model_len,
+        0 if speculative is None else speculative.num_speculative_tokens,
+    )
     family = family_of(hf_config)
     # the fused decode step serves one process's dense Llama-family and generic-decoder models (not tensor or
     # pipeline shards, mixtures of experts, latent attention): only those take float32's plain-weight product
@@ -103,7 +110,7 @@ def build_shard(
         latent=latent_rank is not None,
         batch_invariant=config.batch_invariant,
         kv_cache_dtype=config.cache.kv_cache_dtype,
-        max_decode_rows=max_decode_rows(config) if fuses else None,
+        max_decode_rows=limits.max_query_rows if fuses else None,
     )
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
@@ -163,22 +170,8 @@ def build_shard(
         latent_rank=latent_rank,  # MLA: the latent layout
         layer_groups=kv_groups.layers if kv_groups.num_groups > 1 else (),
     )
-    speculative = config.speculative_config
-    limits = RunnerLimits(
-        config.scheduler.max_num_seqs,
-        config.scheduler.max_num_batched_tokens,
-        max_model_len,
-        0 if speculative is None else speculative.num_speculative_tokens,
-    )
     buckets = () if model.stage.is_split else _graph_buckets(config, device, backend)
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
-
-
-def max_decode_rows(config: EngineConfig) -> int:
-    """The most rows a decode step holds: every sequence, each with its draft tokens (at most a step's tokens)."""
-    speculative = config.speculative_config
-    drafts = 0 if speculative is None else speculative.num_speculative_tokens
-    return min(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * (1 + drafts))
 
 
 def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:
