@@ -109,15 +109,20 @@ def cpu_linear(
     """The product beside the cpu backend's kernels. bfloat16: the native column-block product at every row
     count where it runs on AVX512-BF16 and passed its load-time self-check; on AMX CPUs only with its tile
     path built in and granted (on vdpbf16ps alone it is slower than oneDNN on the tiles there). Else the
-    native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32 keeps oneDNN's packed
-    weights (None), unless no decode step of this engine holds more than FLOAT32_GEMV_MAX_ROWS rows: then the
-    small-batch product on plain weights, which the fused decode step reads (keeping both layouts would double
-    the weights: docs/performance.md, "Float32 plain weights on the fused step")."""
+    native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32: the column-block product at
+    every row count where it has its AVX2 tiles (AVX2 builds without AVX-512; faster there than oneDNN's packed
+    weights from 1 to 2,048 rows: docs/performance.md, "Float32 column blocks on AVX2"). Elsewhere float32
+    keeps oneDNN's packed weights (None), unless no decode step of this engine holds more than
+    FLOAT32_GEMV_MAX_ROWS rows: then the small-batch product on plain weights, which the fused decode step
+    reads (keeping both layouts would double the weights: docs/performance.md, "Float32 plain weights on the
+    fused step")."""
+    kernels = backend.kernels
+    if dtype == torch.float32 and kernels.f32_column_blocks and kernels.invariant_product_ok:
+        return ColumnBlockLinear(kernels, amx=False)
     if dtype == torch.float32 and max_decode_rows is not None and max_decode_rows <= FLOAT32_GEMV_MAX_ROWS:
-        return GemvLinear(backend.kernels, FLOAT32_GEMV_MAX_ROWS)
+        return GemvLinear(kernels, FLOAT32_GEMV_MAX_ROWS)
     if dtype != torch.bfloat16:
         return None
-    kernels = backend.kernels
     amx_cpu = torch_bf16_products_use_amx()
     if kernels.bf16_column_blocks and kernels.invariant_product_ok and (kernels.amx_tiles or not amx_cpu):
         return ColumnBlockLinear(kernels)

@@ -273,6 +273,10 @@ class CpuKernels:
         # the column-block product's bf16 kernel runs on vdpbf16ps (AVX512-BF16): the engine's bf16 product
         # there (on AMX CPUs, with its tile path: attention/cpu_backend.py)
         self.bf16_column_blocks = bool(probe())
+        probe = self._library.pagedserve_column_blocks_f32_native
+        probe.restype = ctypes.c_int64
+        # the float32 kernel has its AVX2 tiles (AVX2 builds without AVX-512): the engine's float32 product there
+        self.f32_column_blocks = bool(probe())
         # built with AMX and granted the tile state by the OS: bf16 column-block products (K a multiple of 32)
         # may run on the tiles
         tiles = self._library.pagedserve_amx_tiles
@@ -715,7 +719,7 @@ def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bo
     from engine.kernels.column_block_weight import pack_invariant_weight
 
     whole_blocks = 4 * torch.get_num_threads() + 2  # csrc/column_blocks.h: half blocks below 4 items per thread
-    for columns, k, rows in ((70, 9, 5), (64 * whole_blocks - 6, 33, 3)):
+    for columns, k, rows in ((70, 9, 5), (64 * whole_blocks - 6, 33, 3), (64 * whole_blocks - 6, 33, 13)):
         weight, x = torch.randn(columns, k, generator=generator), torch.randn(rows, k, generator=generator)
         for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
             w, xs = weight.to(dtype), x.to(dtype)

@@ -8,9 +8,9 @@ with k ascending, threads split columns, never the sum; weights are packed once,
 into its column-block layout.
 
     BatchInvariantLinear   batch-invariant mode's product (float32 and bfloat16)
-    ColumnBlockLinear      the cpu backend's bf16 product where the kernel runs on vdpbf16ps: faster than
-                           oneDNN and than the plain-layout kernel of csrc/gemv.h at every row count there.
-                           On AMX CPUs it runs on the tile unit (`amx`)
+    ColumnBlockLinear      the cpu backend's bf16 product where the kernel runs on vdpbf16ps, and its float32
+                           product on AVX2 builds: faster than oneDNN and than the plain-layout kernel of
+                           csrc/gemv.h at every row count there. On AMX CPUs it runs on the tile unit (`amx`)
 
 Measured in docs/performance.md ("Products on CPU").
 """
@@ -61,8 +61,9 @@ its product is the same kernel at every row count, so the fused path takes any d
 
 
 class ColumnBlockLinear(BatchInvariantLinear):
-    """The cpu backend's bf16 product on builds where the column-block kernel runs on vdpbf16ps: every row count
-    (decode and prefill) through it, on weights packed once at load; quantized weights go to their own product."""
+    """The cpu backend's product where the column-block kernel outruns oneDNN: bf16 on vdpbf16ps (AVX512-BF16),
+    float32 on AVX2 builds (without AVX-512). Every row count (decode and prefill) through it, on weights packed
+    once at load; quantized weights go to their own product."""
 
     name = "cpu-column-blocks"
     max_rows = FUSED_MAX_ROWS

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig
 
 from engine import SamplingParams
+from engine import platform as engine_platform
 from engine.models import build_model
 from engine.platform import FLOAT32_GEMV_MAX_ROWS
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
@@ -36,11 +37,13 @@ def test_batch_and_alone(model_dir, backend):
         check_against_hf(model_dir, prompts[6:7], run_greedy(llm, prompts[6:7]))  # 60 tokens, alone
 
 
-def test_batch_and_alone_on_packed_float32_weights(model_dir):
-    """Past FLOAT32_GEMV_MAX_ROWS decode rows (engine/platform.py) float32 keeps oneDNN's packed weights, unfused."""
+def test_batch_and_alone_on_packed_float32_weights(model_dir, monkeypatch):
+    """oneDNN's packed weights, unfused: float32 past FLOAT32_GEMV_MAX_ROWS decode rows on builds without float32
+    column blocks (engine/platform.py's cpu_linear declines)."""
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None)
     prompts = mixed_prompts()
-    with make_llm(model_dir, attention_backend="cpu", max_num_seqs=FLOAT32_GEMV_MAX_ROWS + 1) as llm:
-        assert llm.engine.runner.model.fused is None
+    with make_llm(model_dir, attention_backend="cpu", dtype="float32", max_num_seqs=FLOAT32_GEMV_MAX_ROWS + 1) as llm:
+        assert llm.engine.runner.model.fused is None and llm.engine.runner.model.linear.name == "onednn-packed"
         check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
 
 

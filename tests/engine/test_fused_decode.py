@@ -369,6 +369,7 @@ def test_fused_gguf_decode_beside_torchs_float32_product(embedded_checkpoint, mo
 def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_llama_dir, monkeypatch):
     import engine.models.llama as llama_module
 
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None)
     monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
     llm = make_llm(
         tiny_llama_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=17
@@ -376,10 +377,57 @@ def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_
     assert type(llm.engine.runner.model.linear) is Linear and llm.engine.runner.model.fused is None
 
 
+@pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
+def test_float32_engines_fuse_their_decode_on_column_blocks(
+    arch, tiny_llama_dir, tiny_gemma3_dir, cpu_kernels, monkeypatch
+):
+    """float32 on AVX2 builds: the column-block product at every row count, so that an engine of any size fuses
+    its decode steps (20 sequences here, past the small-batch product's 16), at every batch size bit for bit the
+    unfused ops' on the same packed weights (the haswell build: the AVX2 tiles on any x86 machine)."""
+    if arch == NATIVE_ARCH and not cpu_kernels.f32_column_blocks:
+        pytest.skip("float32 column blocks are the float32 product of AVX2 builds only")
+    if arch != NATIVE_ARCH:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip(f"-march={arch} is an x86 target")
+        monkeypatch.setattr(
+            engine_platform,
+            "cpu_linear",
+            lambda backend, dtype, rows=None: ColumnBlockLinear(backend.kernels, amx=False),
+        )
+    prompts = PROMPTS + [p + " and" for p in PROMPTS] + [p + " or" for p in PROMPTS[:4]]
+    for model_dir in (tiny_llama_dir, tiny_gemma3_dir):
+        llm = make_llm(
+            model_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=20
+        )
+        model = llm.engine.runner.model
+        assert type(model.linear) is ColumnBlockLinear and model.linear.amx is False and model.fused is not None
+        assert all(isinstance(getattr(layer, name), PackedWeight) for layer in model.layers for name in MATRIX_COLUMNS)
+        if arch != NATIVE_ARCH:
+            kernels = load_cpu_kernels(arch=arch)
+            assert kernels is not None and kernels.f32_column_blocks
+            _use_kernels(llm, kernels)
+        rows = _counting_fused(model, monkeypatch)
+        params = [
+            SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3)
+            for i in range(len(prompts))
+        ]
+        fused = _generate_each(llm, prompts, params)
+        assert set(range(1, FLOAT32_GEMV_MAX_ROWS + 1)) <= set(rows) and max(rows) > FLOAT32_GEMV_MAX_ROWS
+        assert fused == _unfused(llm, prompts, params)
+
+
 def test_small_float32_engines_fuse_their_decode_on_plain_weights(tiny_llama_dir, tiny_gemma3_dir, monkeypatch):
-    """An engine whose decode steps hold at most FLOAT32_GEMV_MAX_ROWS rows (max_num_seqs times 1 + drafts) runs
-    float32 on plain weights with the small-batch product, its decode steps fused, at every batch size up to 16 bit
-    for bit the unfused ops' (those the same plain weights and product); past that, oneDNN's packed weights."""
+    """Builds without float32 column blocks (AVX-512, plain x86-64): an engine whose decode steps hold at most
+    FLOAT32_GEMV_MAX_ROWS rows (max_num_seqs times 1 + drafts) runs float32 on plain weights with the small-batch
+    product, its decode steps fused, at every batch size up to 16 bit for bit the unfused ops' (those the same
+    plain weights and product); past that, oneDNN's packed weights."""
+    choose = engine_platform.cpu_linear
+
+    def without_column_blocks(backend, dtype, rows=None):
+        backend.kernels.f32_column_blocks = False  # as such a build reports
+        return choose(backend, dtype, rows)
+
+    monkeypatch.setattr(engine_platform, "cpu_linear", without_column_blocks)
     prompts = PROMPTS + [p + " and" for p in PROMPTS]  # 16: decode batches of every size from 16 down to 1
     for model_dir in (tiny_llama_dir, tiny_gemma3_dir):
         llm = make_llm(model_dir, attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=16)  # float32

@@ -1,9 +1,11 @@
 """The column-block product (csrc/column_blocks.h): packing, row lookups in the packing, accuracy, rows that do
-not depend on the batch, bit for bit (whole blocks and half blocks as work items), and `ColumnBlockLinear`,
-the cpu backend's bf16 product on AVX512-BF16 builds (its choice, quantized weights, a tied embedding looked
-up in the packed LM head)."""
+not depend on the batch, bit for bit (whole blocks and half blocks as work items; the AVX2 tiles on any x86
+machine), and `ColumnBlockLinear`, the cpu backend's bf16 product on AVX512-BF16 builds and its float32 product on
+AVX2 builds (its choice, quantized weights, a tied embedding looked up in the packed LM head)."""
 
 from __future__ import annotations
+
+import platform as platform_module
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from engine import platform
 from engine.platform import FLOAT32_GEMV_MAX_ROWS, cpu_linear
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
+from engine.kernels.cpu import load_cpu_kernels
 from engine.layers.invariant_linear import ONEDNN_MIN_ROWS, BatchInvariantLinear, ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
@@ -85,6 +88,27 @@ def test_a_row_is_the_same_bits_in_any_batch(linear, dtype, threads):
         torch.set_num_threads(previous)
 
 
+def test_the_avx2_float32_tiles_follow_float64_and_any_batch():
+    """float32 on the AVX2 tiles (the haswell build, on any x86 machine: 6-row tiles, rows split evenly, the next
+    block prefetched through a block's passes): within float32 rounding of float64, and each row alone the same
+    bits as inside batches of every size."""
+    if platform_module.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-march=haswell is an x86 target")
+    kernels = load_cpu_kernels(arch="haswell")
+    assert kernels is not None and kernels.f32_column_blocks and kernels.invariant_product_ok
+    linear = BatchInvariantLinear(kernels)
+    for shape in SHAPES:
+        weight, bias = weights(*shape, torch.float32, seed=5)
+        packed = linear.prepare(weight)
+        x = torch.randn(40, shape[1], generator=torch.Generator().manual_seed(6))
+        alone = torch.cat([linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
+        expected = F.linear(x.double(), weight.double(), bias.double())
+        torch.testing.assert_close(alone.double(), expected, atol=1e-5, rtol=1e-5)
+        for start, rows in ((0, 2), (1, 7), (3, 8), (0, 13), (5, 19), (0, 40)):
+            got = linear(x[start : start + rows], packed, bias)
+            assert torch.equal(got, alone[start : start + rows]), f"{shape}: rows {start}..{start + rows}"
+
+
 def test_takes_strided_input_and_refuses_mixed_dtypes(linear):
     weight, bias = weights(70, 48, torch.float32)
     packed = linear.prepare(weight)
@@ -119,12 +143,22 @@ def test_rows_are_looked_up_in_the_packing(shape, dtype):
     assert torch.equal(got, F.embedding(ids, weight))
 
 
-def test_the_cpu_backend_takes_column_blocks_where_they_run_on_avx512_bf16(cpu_kernels, monkeypatch):
+def test_the_cpu_backend_takes_column_blocks_where_they_outrun_onednn(cpu_kernels, monkeypatch):
     backend = CpuAttentionBackend(cpu_kernels)
+    # float32: column blocks at every row count on AVX2 builds (and never on AMX tiles)
+    for rows in (None, 1, FLOAT32_GEMV_MAX_ROWS, 10_000):
+        linear = cpu_linear(backend, torch.float32, rows)
+        if cpu_kernels.f32_column_blocks:
+            assert type(linear) is ColumnBlockLinear and linear.amx is False
+    monkeypatch.setattr(cpu_kernels, "f32_column_blocks", False)  # an AVX-512 or plain x86-64 build
     assert cpu_linear(backend, torch.float32) is None  # oneDNN's packed fp32 product
     assert cpu_linear(backend, torch.float32, FLOAT32_GEMV_MAX_ROWS + 1) is None  # decode batches past gemv's lead
     small = cpu_linear(backend, torch.float32, FLOAT32_GEMV_MAX_ROWS)  # plain weights, the fused decode step's
     assert type(small) is GemvLinear and small.max_rows == FLOAT32_GEMV_MAX_ROWS
+    monkeypatch.setattr(cpu_kernels, "f32_column_blocks", True)
+    monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check
+    assert cpu_linear(backend, torch.float32) is None
+    monkeypatch.setattr(cpu_kernels, "invariant_product_ok", True)
     column_blocks = ColumnBlockLinear if cpu_kernels.bf16_column_blocks else GemvLinear
     # a CPU with AMX: column blocks where their tile path is built in and granted, else gemv up to 4 rows
     monkeypatch.setattr(platform, "torch_bf16_products_use_amx", lambda: True)

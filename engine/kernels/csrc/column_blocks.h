@@ -16,6 +16,15 @@
 // engine's bf16 product there at every row count (engine/models/invariant_linear.py); on CPUs with AMX,
 // on the tile unit (below).
 //
+// AVX2 builds (no AVX-512) have float32 tiles of their own: 16 vector registers of 8 lanes hold at most 12
+// accumulators, so a tile of MR <= 6 rows walks K once per part of 12 / MR vectors (6 rows: four parts of 16
+// columns; 1 row: the whole block in one pass), and an item's rows are split into tiles as evenly as can be.
+// A block read in several passes would stall its first pass on memory while the others run from L2 with the
+// memory idle, so those items prefetch the next block's lines spread through all their k steps (Spread). On
+// an AVX2 EPYC (Zen 3), 2 threads, the weights of 30 SmolLM2-shaped layers from memory, against oneDNN's
+// packed weights: 0.75x the time at 1 row, 0.86x at 4-16, 0.83-0.98x at 32-256, 0.99-1.01x at 512-2,048
+// (docs/performance.md, "Float32 column blocks on AVX2"): the engine's float32 product there.
+//
 // Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
 // items than 4 per thread (576 output columns at one row are 9 items: fewer than 16 on 4 threads), half
 // blocks of 32 columns, so that the threads split a small matrix evenly; threads share the items by
@@ -31,7 +40,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -42,7 +51,11 @@ namespace pagedserve {
 namespace column_blocks {
 
 constexpr int64_t kBlockN = 64;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr int kRowsPerTile = 6;  // 6 x 16 columns: 12 of the 16 vector registers accumulate
+#else
 constexpr int kRowsPerTile = 4;
+#endif
 constexpr int64_t kRowsPerChunk = 128;          // rows one work item covers (bounds the x read per item)
 constexpr int64_t kParallelMinMacs = 1 << 18;   // below this, one thread beats waking the pool
 constexpr int64_t kItemsPerThread = 4;          // fewer blocks than this per thread: split them in halves
@@ -78,6 +91,85 @@ void tile_f32(const float* x, int64_t K, const float* w, int c0, const float* bi
         store_row(row, bias, out + r * N, n_valid);
     }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// The next block's lines prefetched a few at a time through the k steps of this one (Bresenham: `lines` of them
+// spread evenly over `steps`), so that its read overlaps the arithmetic of this block's passes instead of
+// stalling the first of them.
+struct Spread {
+    const char* at;
+    int64_t lines, steps, credit;
+    void step() {
+        for (credit += lines; credit >= steps; credit -= steps, at += 64) _mm_prefetch(at, _MM_HINT_T0);
+    }
+};
+
+// MR rows by V vectors of 8 columns from the block's column `col` (MR x V accumulators held in registers).
+template <int MR, int V>
+inline void part_f32(const float* x, int64_t K, const float* w, int64_t col, const float* bias, float* out,
+                     int64_t N, int64_t n_valid, Spread* spread) {
+    __m256 acc[MR][V];
+    for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    const float* wk = w + col;
+    auto step = [&](int64_t k) {
+        __m256 wv[V];
+        for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
+        for (int r = 0; r < MR; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+            for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+        }
+        wk += kBlockN;
+    };
+    if (spread != nullptr) {
+        for (int64_t k = 0; k < K; ++k) {
+            spread->step();
+            step(k);
+        }
+    } else {
+        for (int64_t k = 0; k < K; ++k) step(k);
+    }
+    // every accumulator stored by constant indices first: indexed by a loop variable, GCC keeps acc in memory
+    // and stores it on every k
+    alignas(32) float rows[MR][8 * V];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) _mm256_store_ps(rows[r] + 8 * v, acc[r][v]);
+    for (int r = 0; r < MR; ++r) store_row(rows[r], bias, out + r * N, n_valid);
+}
+
+// Vectors per part of an MR-row tile: at most 12 accumulators (and 2 NC, the tile's width).
+template <int MR, int NC>
+constexpr int kVectors = 12 / MR < 2 * NC ? 12 / MR : 2 * NC;
+
+// The columns [col, col + width) of an MR-row tile, V vectors at a time (the last part narrower).
+template <int MR, int V>
+inline void parts_f32(const float* x, int64_t K, const float* w, int64_t col, int64_t width, const float* bias,
+                      float* out, int64_t N, int64_t n_valid, Spread* spread) {
+    for (int64_t j = 0; j < width && j < n_valid; j += 8 * V) {
+        const int64_t valid = n_valid - j < 8 * V ? n_valid - j : 8 * V;
+        if (width - j >= 8 * V)
+            part_f32<MR, V>(x, K, w, col + j, bias ? bias + j : nullptr, out + j, N, valid, spread);
+        else if constexpr (V > 1)
+            parts_f32<MR, V - 1>(x, K, w, col + j, width - j, bias ? bias + j : nullptr, out + j, N, valid, spread);
+    }
+}
+
+// Passes over K that an MR-row tile of NC x 16 columns makes.
+template <int MR, int NC>
+constexpr int64_t passes_f32() {
+    constexpr int V = kVectors<MR, NC>;
+    return (16 * NC + 8 * V - 1) / (8 * V);
+}
+
+template <int MR, int NC>
+void tile_f32(const float* x, int64_t K, const float* w, int c0, const float* bias, float* out, int64_t N,
+              int64_t n_valid, Spread* spread) {
+    parts_f32<MR, kVectors<MR, NC>>(x, K, w, 16 * c0, 16 * NC, bias, out, N, n_valid, spread);
+}
+#define PAGEDSERVE_COLUMN_BLOCKS_SPREAD 1
 
 #else
 
@@ -245,27 +337,43 @@ void amx_rows(const uint16_t* x, int rows, int64_t K, const uint16_t* w, int c0,
 }
 #endif
 
+#if !defined(PAGEDSERVE_COLUMN_BLOCKS_SPREAD)
+struct Spread {};
+#endif
+
 template <int MR, int NC>
 inline void tile_of(const float* x, int64_t K, const float* w, int c0, const float* bias, float* out, int64_t N,
-                    int64_t n_valid) {
+                    int64_t n_valid, Spread* spread) {
+#if defined(PAGEDSERVE_COLUMN_BLOCKS_SPREAD)
+    tile_f32<MR, NC>(x, K, w, c0, bias, out, N, n_valid, spread);
+#else
+    (void)spread;
     tile_f32<MR, NC>(x, K, w, c0, bias, out, N, n_valid);
+#endif
 }
 
 template <int MR, int NC>
 inline void tile_of(const uint16_t* x, int64_t K, const uint16_t* w, int c0, const uint16_t* bias, uint16_t* out,
-                    int64_t N, int64_t n_valid) {
+                    int64_t N, int64_t n_valid, Spread*) {
     tile_bf16<MR, NC>(x, K, w, c0, bias, out, N, n_valid);
 }
 
 template <typename T, int NC>
 inline void tile(const T* x, int rows, int64_t K, const T* w, int c0, const T* bias, T* out, int64_t N,
-                 int64_t n_valid) {
+                 int64_t n_valid, Spread* spread) {
     switch (rows) {
-        case 4: tile_of<4, NC>(x, K, w, c0, bias, out, N, n_valid); break;
-        case 3: tile_of<3, NC>(x, K, w, c0, bias, out, N, n_valid); break;
-        case 2: tile_of<2, NC>(x, K, w, c0, bias, out, N, n_valid); break;
-        default: tile_of<1, NC>(x, K, w, c0, bias, out, N, n_valid); break;
+        case 6: if constexpr (kRowsPerTile >= 6) tile_of<6, NC>(x, K, w, c0, bias, out, N, n_valid, spread); break;
+        case 5: if constexpr (kRowsPerTile >= 5) tile_of<5, NC>(x, K, w, c0, bias, out, N, n_valid, spread); break;
+        case 4: tile_of<4, NC>(x, K, w, c0, bias, out, N, n_valid, spread); break;
+        case 3: tile_of<3, NC>(x, K, w, c0, bias, out, N, n_valid, spread); break;
+        case 2: tile_of<2, NC>(x, K, w, c0, bias, out, N, n_valid, spread); break;
+        default: tile_of<1, NC>(x, K, w, c0, bias, out, N, n_valid, spread); break;
     }
+}
+
+// The rows of a tile: `tiles` of them, as even as can be (rows 8: 4 + 4, not 6 + 2).
+inline int tile_rows(int64_t rows, int64_t tiles, int64_t index) {
+    return static_cast<int>(rows / tiles + (index < rows % tiles));
 }
 
 // Elements of one packed column block: K x 64 (float32) or ceil(K / 2) x 64 x 2 (bfloat16).
@@ -307,10 +415,36 @@ void run_item(const T* x, const T* packed, const T* bias, T* out, int64_t N, int
     }
 #endif
     (void)tiles;
-    for (int64_t m = m0; m < m1; m += kRowsPerTile) {
-        const int rows = static_cast<int>(m1 - m < kRowsPerTile ? m1 - m : kRowsPerTile);
-        if (width == kBlockN) tile<T, 4>(x + m * K, rows, K, w, 0, b, out + m * N + n0, N, n_valid);
-        else tile<T, 2>(x + m * K, rows, K, w, 2 * half, b, out + m * N + n0, N, n_valid);
+    const int64_t count = (m1 - m0 + kRowsPerTile - 1) / kRowsPerTile;
+    Spread* spread = nullptr;
+#if defined(PAGEDSERVE_COLUMN_BLOCKS_SPREAD)
+    // A whole block's item in more than one pass over K prefetches the next block through its passes (one pass
+    // reads in address order, which the hardware prefetcher follows alone).
+    Spread next{};
+    if constexpr (sizeof(T) == 4) {
+        int64_t passes = 0;
+        for (int64_t i = 0; i < count; ++i) {
+            switch (tile_rows(m1 - m0, count, i)) {
+                case 6: passes += passes_f32<6, 4>(); break;
+                case 5: passes += passes_f32<5, 4>(); break;
+                case 4: passes += passes_f32<4, 4>(); break;
+                case 3: passes += passes_f32<3, 4>(); break;
+                case 2: passes += passes_f32<2, 4>(); break;
+                default: passes += passes_f32<1, 4>(); break;
+            }
+        }
+        if (width == kBlockN && passes > 1 && (block + 1) * kBlockN < N) {
+            next = Spread{reinterpret_cast<const char*>(w + block_elements<T>(K)),
+                          block_elements<T>(K) * static_cast<int64_t>(sizeof(T)) / 64, passes * K, 0};
+            spread = &next;
+        }
+    }
+#endif
+    for (int64_t i = 0, m = m0; i < count; ++i) {
+        const int rows = tile_rows(m1 - m0, count, i);
+        if (width == kBlockN) tile<T, 4>(x + m * K, rows, K, w, 0, b, out + m * N + n0, N, n_valid, spread);
+        else tile<T, 2>(x + m * K, rows, K, w, 2 * half, b, out + m * N + n0, N, n_valid, spread);
+        m += rows;
     }
 }
 

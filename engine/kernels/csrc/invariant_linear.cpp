@@ -1,5 +1,6 @@
 // The column-block product of column_blocks.h, exported for float32 and bfloat16 (engine/kernels/cpu.py
-// loads it): the engine's bf16 product on AVX512-BF16 builds, and batch-invariant mode's product everywhere.
+// loads it): the engine's bf16 product on AVX512-BF16 builds, its float32 product on AVX2 builds (without
+// AVX-512), and batch-invariant mode's product everywhere.
 
 #include "column_blocks.h"
 
@@ -39,6 +40,14 @@ int64_t pagedserve_amx_tiles() {
     const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
     pagedserve::column_blocks::amx_permitted().store(granted);
     return granted ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+int64_t pagedserve_column_blocks_f32_native() {  // 1 where the float32 product has its AVX2 tiles (Spread)
+#if defined(PAGEDSERVE_COLUMN_BLOCKS_SPREAD)
+    return 1;
 #else
     return 0;
 #endif
