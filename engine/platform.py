@@ -53,9 +53,10 @@ AMX_GEMV_MAX_ROWS = 4
 """On AMX CPUs whose kernels lack the tile path, bf16 products beyond this many rows go to `F.linear` (oneDNN
 on the tiles): measured in docs/performance.md."""
 FLOAT32_GEMV_MAX_ROWS = 16
-"""An engine whose decode steps hold at most this many rows (max_num_seqs times 1 + the draft tokens) runs
-float32 on plain weights with the small-batch product and the fused decode step: up to here its steps are as fast
-as oneDNN's packed unfused ones or faster, beyond slower (measured in docs/performance.md)."""
+"""On builds without float32 column blocks (AVX-512, plain x86-64), an engine whose decode steps hold at most this
+many rows (max_num_seqs times 1 + the draft tokens) runs float32 on plain weights with the small-batch product and
+the fused decode step: up to here its steps are as fast as oneDNN's packed unfused ones or faster, beyond slower
+(measured on AVX2 in docs/performance.md, before AVX2 builds took column blocks)."""
 
 
 class Numerics(NamedTuple):

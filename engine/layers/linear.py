@@ -11,9 +11,10 @@ backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row c
 on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count there, and
 batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise); on other builds
 `GemvLinear` multiplies batches of up to 8 rows (4 on AMX CPUs, where `F.linear` runs on the tiles)
-natively (a weight-streaming kernel), larger ones with `F.linear`; in fp32 it replaces oneDNN's packed weights in
-an engine whose decode steps hold at most 16 rows (engine/platform.py, FLOAT32_GEMV_MAX_ROWS), so that the fused
-decode step can read the weights. (Neither oneDNN nor
+natively (a weight-streaming kernel), larger ones with `F.linear`. In fp32 on AVX2 builds (no AVX-512)
+`ColumnBlockLinear` multiplies every row count (its AVX2 tiles outrun oneDNN there, and the fused decode step
+reads its packing); on other builds `GemvLinear` replaces oneDNN's packed weights in an engine whose decode steps
+hold at most 16 rows (engine/platform.py, FLOAT32_GEMV_MAX_ROWS), so that the fused decode step can read them. (Neither oneDNN nor
 `GemvLinear` keeps a row's result independent of the other rows: batch-invariant mode
 multiplies with `invariant_linear.BatchInvariantLinear` instead.)
 """

@@ -11,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.vocab_parallel import VocabParallel
+from engine.kernels.column_block_weight import PackedWeight
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle
 from tests.engine.test_model_equivalence import mixed_prompts
@@ -39,13 +40,18 @@ def model_dir(request, tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("vocab"), "llama", **request.param), request.param
 
 
+def _shape(matrix) -> tuple[int, ...]:
+    """A vocabulary matrix's [rows, hidden], a tensor or packed in column blocks (AVX2 float32, AVX512-BF16 bf16)."""
+    return (matrix.out_features, matrix.in_features) if isinstance(matrix, PackedWeight) else tuple(matrix.shape)
+
+
 def generate(model_dir, prompts, tp: int):
     """Greedy tokens with their logprobs, and the prompts' logprobs (their tokens' and the top one's), served by
     `tp` ranks; rank 0's vocabulary matrices' shapes."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     with LLM(str(model_dir), **TINY, tensor_parallel_size=tp) as llm:
         model = llm.engine.runner.model
-        shapes = (tuple(model.embed.shape), tuple(model.lm_head.shape))
+        shapes = (_shape(model.embed), _shape(model.lm_head))
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert_idle(llm)
     outputs = []

@@ -11,6 +11,7 @@ import torch
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int4_weight import Int4Weight
 from engine.quantization.int8_weight import Int8Weight
+from engine.kernels.column_block_weight import PackedWeight
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir
 from tests.engine.references import make_llm
 from tests.engine.test_quantization_flag import PARAMS, PROMPTS, _dequantized_copy, _prompt_logprobs
@@ -33,7 +34,10 @@ def test_quantized_engine_serves_the_dequantized_model(model_dir, tmp_path, meth
     with make_llm(model_dir, quantization=method) as llm:
         model = llm.engine.runner.model
         assert all(isinstance(w, weight_type) for w in model.weight_tensors()[:-1])
-        assert isinstance(model.lm_head, torch.Tensor) and isinstance(model.embed, torch.Tensor)
+        # float (a packed float matrix where the column-block product multiplies: AVX2 float32, AVX512-BF16 bf16)
+        assert isinstance(model.lm_head, (torch.Tensor, PackedWeight)) and isinstance(
+            model.embed, (torch.Tensor, PackedWeight)
+        )
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     with make_llm(_dequantized_copy(model_dir, tmp_path / "deq", round_trip)) as reference:
         want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)

@@ -15,6 +15,7 @@ from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int4_weight import Int4Weight
 from engine.quantization.int8_weight import Int8Weight
 from engine.sampling.params import SamplingParams
+from engine.kernels.column_block_weight import PackedWeight
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import make_llm
 from tests.engine.test_moe_equivalence import FAMILIES
@@ -58,8 +59,8 @@ def test_quantized_experts_serve_the_dequantized_model(moe_dir, tmp_path, method
         for block in model.moe_blocks.values():
             assert len(block.per_expert) == block.num_experts and block.stacked is None
             assert all(isinstance(w, weight_type) for w in block.matrices())
-            assert isinstance(block.router, torch.Tensor)
-            assert block.shared is None or isinstance(block.shared.gate, torch.Tensor)
+            assert isinstance(block.router, (torch.Tensor, PackedWeight))  # float (maybe packed)
+            assert block.shared is None or isinstance(block.shared.gate, (torch.Tensor, PackedWeight))
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     with make_llm(_dequantized_copy(moe_dir, tmp_path / "deq", round_trip)) as reference:
         want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)

@@ -17,6 +17,7 @@ from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int4_weight import Int4Weight
 from engine.quantization.int8_weight import Int8Weight
 from engine.sampling.params import SamplingParams
+from engine.kernels.column_block_weight import PackedWeight
 from tests.engine.references import make_llm
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a small town by the sea"]
@@ -64,7 +65,9 @@ def test_quantized_engine_serves_the_dequantized_model(tiny_llama_dir, tmp_path,
     llm = make_llm(tiny_llama_dir, **settings)
     model = llm.engine.runner.model
     assert all(isinstance(w, weight_type) for w in model.weight_tensors()[:-1])
-    assert isinstance(model.lm_head, torch.Tensor) and isinstance(model.embed, torch.Tensor)
+    assert isinstance(model.lm_head, (torch.Tensor, PackedWeight)) and isinstance(
+        model.embed, (torch.Tensor, PackedWeight)
+    )  # float (maybe packed)
     reference = make_llm(_dequantized_copy(tiny_llama_dir, tmp_path / "deq", round_trip))
     for got, want in zip(
         llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference.generate(PROMPTS, PARAMS, use_tqdm=False)

@@ -20,10 +20,9 @@
 // accumulators, so a tile of MR <= 6 rows walks K once per part of 12 / MR vectors (6 rows: four parts of 16
 // columns; 1 row: the whole block in one pass), and an item's rows are split into tiles as evenly as can be.
 // A block read in several passes would stall its first pass on memory while the others run from L2 with the
-// memory idle, so those items prefetch the next block's lines spread through all their k steps (Spread). On
-// an AVX2 EPYC (Zen 3), 2 threads, the weights of 30 SmolLM2-shaped layers from memory, against oneDNN's
-// packed weights: 0.75x the time at 1 row, 0.86x at 4-16, 0.83-0.98x at 32-256, 0.99-1.01x at 512-2,048
-// (docs/performance.md, "Float32 column blocks on AVX2"): the engine's float32 product there.
+// memory idle, so those items prefetch the next block's lines spread through all their k steps (Spread).
+// Against oneDNN's packed weights from memory it is as fast or faster at every row count measured (1 to
+// 2,048: docs/performance.md, "Float32 column blocks on AVX2"), so it is the engine's float32 product there.
 //
 // Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
 // items than 4 per thread (576 output columns at one row are 9 items: fewer than 16 on 4 threads), half
