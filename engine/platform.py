@@ -3,8 +3,8 @@ dtype and settings. The attention backends and the model's layers are the parts;
 module alone picks them, so neither has to know the other.
 
     default          the attention backend `--attention-backend` names (auto: engine/attention/backend.py);
-                     with the `cpu` backend, the native per-token ops and, in bfloat16 (and in float32 for
-                     engines of small decode steps), the native product
+                     with the `cpu` backend, the native per-token ops and, in bfloat16 and in float32 (on
+                     AVX2 builds; elsewhere for engines of small decode steps), the native product
     batch invariant  every part batch invariant (below)
 
 Batch-invariant mode (`batch_invariant`, `--batch-invariant`): a request's tokens do not depend on its batch.

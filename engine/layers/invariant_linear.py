@@ -9,8 +9,9 @@ into its column-block layout.
 
     BatchInvariantLinear   batch-invariant mode's product (float32 and bfloat16)
     ColumnBlockLinear      the cpu backend's bf16 product where the kernel runs on vdpbf16ps, and its float32
-                           product on AVX2 builds: faster than oneDNN and than the plain-layout kernel of
-                           csrc/gemv.h at every row count there. On AMX CPUs it runs on the tile unit (`amx`)
+                           product on AVX2 builds: faster than oneDNN at every row count there (and than the
+                           plain-layout kernel of csrc/gemv.h, but at 2 float32 rows, about even). On AMX CPUs
+                           it runs on the tile unit (`amx`)
 
 Measured in docs/performance.md ("Products on CPU").
 """

@@ -108,13 +108,15 @@ class PackedOneDnnLinear(Linear):
 
 GEMV_MAX_ROWS = 8
 """The largest batch `GemvLinear` multiplies natively by default (beyond, the weight-reading kernel alone loses to
-oneDNN's blocked products, which reuse each weight tile across many rows; float32's small engines take up to 16 rows
-inside the fused decode step, which saves the per-operation path's costs)."""
+oneDNN's blocked products, which reuse each weight tile across many rows; float32's small engines on builds without
+float32 column blocks take up to 16 rows inside the fused decode step, which saves the per-operation path's
+costs)."""
 
 
 class GemvLinear(Linear):
     """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16) or,
-    on AMX CPUs, no tile path, and float32 in engines of small decode steps (engine/platform.py): up
+    on AMX CPUs, no tile path, and float32 in engines of small decode steps on builds without float32 column
+    blocks (AVX-512, plain x86-64: engine/platform.py): up
     to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which streams the plain
     [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
     Quantized weights go to their own product.

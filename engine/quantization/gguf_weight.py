@@ -65,10 +65,12 @@ def bf16_dense_min_rows(kernels: QuantKernels) -> Optional[int]:
 
 NO_TILES = 1 << 62
 
-DENSE_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
+DENSE_MIN_ROWS = {torch.float32: 65, torch.bfloat16: 16}
 """From this many rows the weight is dequantized whole and multiplied by torch's product: float32 prefill
 (exact float32 products, as the float weights give), and bf16 where the build has no bf16 tiles: where
-the dense product catches up with the integer one (measured in docs/performance.md)."""
+the dense product catches up with the integer one (measured in docs/performance.md). float32 decode batches
+(up to 64 rows, the default server's max_num_seqs) keep the integer product, as bf16's on X16 weights
+(X16_TILE_MIN_ROWS): dequantizing every matrix for each step of 64 rows made those steps 2-3x as long on AVX2."""
 
 
 class GgufWeight(QuantizedWeight):

@@ -152,7 +152,7 @@ def test_fused_decode_over_an_fp8_cache_equals_the_unfused_ops(
     +-448) and attends over the cache as the unfused step does (torch's conversion on write, the same paged
     kernel): identical tokens and logprobs (the rounding itself: test_cpu_kernels' every-bf16 test); with
     windows starting mid-block too (mistral: every layer; gemma2: every other one, in a KV group of its own)."""
-    if dtype == "float32":  # the small-batch product, as an fp32 model takes it on AVX2 machines
+    if dtype == "float32":  # the small-batch product, as a small fp32 engine takes it on AVX-512 builds
         _with_product("gemv", cpu_kernels, monkeypatch)
     llm = make_llm(
         request.getfixturevalue(model_dir_fixture),  # heads of 16: the portable attention loops; 64: AVX-512's
@@ -307,8 +307,8 @@ def _embedded_gguf(dtype: str, max_num_seqs: int) -> LLM:
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     embedded_checkpoint, arch, extra, dtype, cpu_kernels, monkeypatch
 ):
-    """float32 too (dtype auto on CPUs without native bf16; 8 sequences: plain weights and the small-batch product,
-    engine/platform.py), the GGUF blocks fused.
+    """float32 too (dtype auto on CPUs without native bf16; 8 sequences: column blocks on AVX2 builds, elsewhere plain
+    weights and the small-batch product, engine/platform.py), the GGUF blocks fused.
     `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
     embedded model's layers."""
     llm = _embedded_gguf(str(dtype).removeprefix("torch."), max_num_seqs=8)

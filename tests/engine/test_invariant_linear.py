@@ -97,16 +97,22 @@ def test_the_avx2_float32_tiles_follow_float64_and_any_batch():
     kernels = load_cpu_kernels(arch="haswell")
     assert kernels is not None and kernels.f32_column_blocks and kernels.invariant_product_ok
     linear = BatchInvariantLinear(kernels)
-    for shape in SHAPES:
-        weight, bias = weights(*shape, torch.float32, seed=5)
-        packed = linear.prepare(weight)
-        x = torch.randn(40, shape[1], generator=torch.Generator().manual_seed(6))
-        alone = torch.cat([linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
-        expected = F.linear(x.double(), weight.double(), bias.double())
-        torch.testing.assert_close(alone.double(), expected, atol=1e-5, rtol=1e-5)
-        for start, rows in ((0, 2), (1, 7), (3, 8), (0, 13), (5, 19), (0, 40)):
-            got = linear(x[start : start + rows], packed, bias)
-            assert torch.equal(got, alone[start : start + rows]), f"{shape}: rows {start}..{start + rows}"
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # (whole blocks as work items from 4 blocks a thread: below, half blocks)
+            torch.set_num_threads(threads)
+            for shape in (*SHAPES, (64 * 10 - 6, 33)):  # 10 blocks with a column tail: whole items on 2 threads
+                weight, bias = weights(*shape, torch.float32, seed=5)
+                packed = linear.prepare(weight)
+                x = torch.randn(150, shape[1], generator=torch.Generator().manual_seed(6))  # 2 chunks of rows
+                alone = torch.cat([linear(x[i : i + 1], packed, bias) for i in range(x.shape[0])])
+                expected = F.linear(x.double(), weight.double(), bias.double())
+                torch.testing.assert_close(alone.double(), expected, atol=1e-5, rtol=1e-5)
+                for start, rows in ((0, 2), (1, 7), (3, 8), (0, 13), (5, 19), (0, 40), (0, 150)):
+                    got = linear(x[start : start + rows], packed, bias)
+                    assert torch.equal(got, alone[start : start + rows]), f"{shape}: rows {start}..{start + rows}"
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_takes_strided_input_and_refuses_mixed_dtypes(linear):
@@ -150,6 +156,8 @@ def test_the_cpu_backend_takes_column_blocks_where_they_outrun_onednn(cpu_kernel
         linear = cpu_linear(backend, torch.float32, rows)
         if cpu_kernels.f32_column_blocks:
             assert type(linear) is ColumnBlockLinear and linear.amx is False
+        else:
+            assert not isinstance(linear, ColumnBlockLinear)
     monkeypatch.setattr(cpu_kernels, "f32_column_blocks", False)  # an AVX-512 or plain x86-64 build
     assert cpu_linear(backend, torch.float32) is None  # oneDNN's packed fp32 product
     assert cpu_linear(backend, torch.float32, FLOAT32_GEMV_MAX_ROWS + 1) is None  # decode batches past gemv's lead
