@@ -104,6 +104,9 @@ async def _interleave(
         try:
             async for output in stream:
                 queue.put_nowait((choice, output))
+                # let the other choices' pumps take a turn: a stream whose outputs are already waiting (the
+                # engine ahead of this loop) would otherwise be drained whole before the next choice's first
+                await asyncio.sleep(0)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait(exc)
             return
