@@ -90,7 +90,7 @@ def _steps(batches: list[int], steps: int) -> None:
     for batch in batches:
         engines, llms = {}, []
         for name, declined in (("engine's choice", False), ("oneDNN packed", True)):
-            engine_platform.cpu_linear = (lambda backend, dtype, rows=None: None) if declined else choose
+            engine_platform.cpu_linear = (lambda backend, dtype: None) if declined else choose
             try:
                 llm = LLM(
                     None,

@@ -3,8 +3,8 @@ dtype and settings. The attention backends and the model's layers are the parts;
 module alone picks them, so neither has to know the other.
 
     default          the attention backend `--attention-backend` names (auto: engine/attention/backend.py);
-                     with the `cpu` backend, the native per-token ops and, in bfloat16 and in float32 (on
-                     AVX2 builds; elsewhere for engines of small decode steps), the native product
+                     with the `cpu` backend, the native per-token ops and, in bfloat16 (and in float32 on
+                     AVX2 builds), the native product
     batch invariant  every part batch invariant (below)
 
 Batch-invariant mode (`batch_invariant`, `--batch-invariant`): a request's tokens do not depend on its batch.
@@ -52,11 +52,6 @@ INVARIANT_ATTENTION_BACKENDS = ("auto", "cpu")
 AMX_GEMV_MAX_ROWS = 4
 """On AMX CPUs whose kernels lack the tile path, bf16 products beyond this many rows go to `F.linear` (oneDNN
 on the tiles): measured in docs/performance.md."""
-FLOAT32_GEMV_MAX_ROWS = 16
-"""On builds without float32 column blocks (AVX-512, plain x86-64), an engine whose decode steps hold at most this
-many rows (max_num_seqs times 1 + the draft tokens) runs float32 on plain weights with the small-batch product and
-the fused decode step: up to here its steps are as fast as oneDNN's packed unfused ones or faster, beyond slower
-(measured on AVX2 in docs/performance.md, before AVX2 builds took column blocks)."""
 
 
 class Numerics(NamedTuple):
@@ -78,12 +73,10 @@ def choose_numerics(
     batch_invariant: bool = False,
     latent: bool = False,
     kv_cache_dtype: str = "auto",
-    max_decode_rows: Optional[int] = None,
 ) -> Numerics:
     """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
     the model's attention is multi-head latent attention over a latent cache (auto then means torch);
-    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto then passes over a backend that cannot read it);
-    `max_decode_rows`: the most rows a decode step of this engine holds (None: unknown), see cpu_linear."""
+    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto then passes over a backend that cannot read it)."""
     if batch_invariant:
         return batch_invariant_numerics(attention_backend, device, dtype)
     if latent and attention_backend == "auto":
@@ -101,27 +94,20 @@ def choose_numerics(
     )
     if not isinstance(backend, CpuAttentionBackend):
         return Numerics(backend, None, None)
-    return Numerics(backend, NativeLayerOps(backend.kernels), cpu_linear(backend, dtype, max_decode_rows))
+    return Numerics(backend, NativeLayerOps(backend.kernels), cpu_linear(backend, dtype))
 
 
-def cpu_linear(
-    backend: CpuAttentionBackend, dtype: torch.dtype, max_decode_rows: Optional[int] = None
-) -> Optional[Linear]:
+def cpu_linear(backend: CpuAttentionBackend, dtype: torch.dtype) -> Optional[Linear]:
     """The product beside the cpu backend's kernels. bfloat16: the native column-block product at every row
     count where it runs on AVX512-BF16 and passed its load-time self-check; on AMX CPUs only with its tile
     path built in and granted (on vdpbf16ps alone it is slower than oneDNN on the tiles there). Else the
     native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32: the column-block product at
     every row count where it has its AVX2 tiles (AVX2 builds without AVX-512; faster there than oneDNN's packed
     weights from 1 to 2,048 rows: docs/performance.md, "Float32 column blocks on AVX2"). Elsewhere float32
-    keeps oneDNN's packed weights (None), unless no decode step of this engine holds more than
-    FLOAT32_GEMV_MAX_ROWS rows: then the small-batch product on plain weights, which the fused decode step
-    reads (keeping both layouts would double the weights: docs/performance.md, "Float32 plain weights on the
-    fused step")."""
+    keeps oneDNN's packed weights (None)."""
     kernels = backend.kernels
     if dtype == torch.float32 and kernels.f32_column_blocks and kernels.invariant_product_ok:
         return ColumnBlockLinear(kernels, amx=False)
-    if dtype == torch.float32 and max_decode_rows is not None and max_decode_rows <= FLOAT32_GEMV_MAX_ROWS:
-        return GemvLinear(kernels, FLOAT32_GEMV_MAX_ROWS)
     if dtype != torch.bfloat16:
         return None
     amx_cpu = torch_bf16_products_use_amx()

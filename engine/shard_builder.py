@@ -85,22 +85,6 @@ def build_shard(
             num_heads=shape.num_heads // tp.world_size,
             num_kv_heads=max(shape.num_kv_heads // tp.world_size, 1),
         )
-    speculative = config.speculative_config
-    limits = RunnerLimits(
-        config.scheduler.max_num_seqs,
-        config.scheduler.max_num_batched_tokens,
-        max_model_len,
-        0 if speculative is None else speculative.num_speculative_tokens,
-    )
-    family = family_of(hf_config)
-    # the fused decode step serves one process's dense Llama-family and generic-decoder models (not tensor or
-    # pipeline shards, mixtures of experts, latent attention): only those take float32's plain-weight product
-    fuses = (
-        family.implementation in ("llama", "decoder")
-        and not tp.is_parallel
-        and (stage is None or not stage.is_split)
-        and latent_rank is None
-    )
     backend, ops, linear = choose_numerics(
         config.attention_backend,
         device,
@@ -110,13 +94,13 @@ def build_shard(
         latent=latent_rank is not None,
         batch_invariant=config.batch_invariant,
         kv_cache_dtype=config.cache.kv_cache_dtype,
-        max_decode_rows=limits.max_query_rows if fuses else None,
     )
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(
         requested, model_config.quantization_group_size, hf_config, device, dtype, config.batch_invariant
     )
+    family = family_of(hf_config)
     if checkpoint.gguf is not None and "gguf" not in family.formats:
         raise ValueError(
             f"{family.architecture} is served from HF checkpoints ({', '.join(family.formats)}), "
@@ -169,6 +153,13 @@ def build_shard(
         kv_dtype,
         latent_rank=latent_rank,  # MLA: the latent layout
         layer_groups=kv_groups.layers if kv_groups.num_groups > 1 else (),
+    )
+    speculative = config.speculative_config
+    limits = RunnerLimits(
+        config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens,
+        max_model_len,
+        0 if speculative is None else speculative.num_speculative_tokens,
     )
     buckets = () if model.stage.is_split else _graph_buckets(config, device, backend)
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)

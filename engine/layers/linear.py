@@ -13,8 +13,7 @@ batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise)
 `GemvLinear` multiplies batches of up to 8 rows (4 on AMX CPUs, where `F.linear` runs on the tiles)
 natively (a weight-streaming kernel), larger ones with `F.linear`. In fp32 on AVX2 builds (no AVX-512)
 `ColumnBlockLinear` multiplies every row count (its AVX2 tiles outrun oneDNN there, and the fused decode step
-reads its packing); on other builds `GemvLinear` replaces oneDNN's packed weights in an engine whose decode steps
-hold at most 16 rows (engine/platform.py, FLOAT32_GEMV_MAX_ROWS), so that the fused decode step can read them. (Neither oneDNN nor
+reads its packing). (Neither oneDNN nor
 `GemvLinear` keeps a row's result independent of the other rows: batch-invariant mode
 multiplies with `invariant_linear.BatchInvariantLinear` instead.)
 """
@@ -107,16 +106,13 @@ class PackedOneDnnLinear(Linear):
 
 
 GEMV_MAX_ROWS = 8
-"""The largest batch `GemvLinear` multiplies natively by default (beyond, the weight-reading kernel alone loses to
-oneDNN's blocked products, which reuse each weight tile across many rows; float32's small engines on builds without
-float32 column blocks take up to 16 rows inside the fused decode step, which saves the per-operation path's
-costs)."""
+"""The largest batch `GemvLinear` multiplies natively (beyond, the weight-reading kernel loses to oneDNN's
+blocked products, which reuse each weight tile across many rows)."""
 
 
 class GemvLinear(Linear):
     """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16) or,
-    on AMX CPUs, no tile path, and float32 in engines of small decode steps on builds without float32 column
-    blocks (AVX-512, plain x86-64: engine/platform.py): up
+    on AMX CPUs, no tile path: up
     to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which streams the plain
     [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
     Quantized weights go to their own product.

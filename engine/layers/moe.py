@@ -17,7 +17,7 @@ Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E,
 blocks, --quantization int8/int4), E matrices [2I, H] and E matrices [H, I], each multiplied by its own product
 (the native GGUF kernels, torch's int8/int4 ones) over the rows routed to it.
 On CPU each expert's rows go through the model's own product (`Linear`: float32 column blocks on AVX2 builds,
-elsewhere oneDNN's packed fp32 (MoE models never take the plain float32 product of engine/platform.py), the native
+elsewhere oneDNN's packed fp32, the native
 bf16 kernels, the batch-invariant one), so the experts run on what the dense layers run on; where that
 product reads plain weights the per-expert matrices are views of the stacked tensors, elsewhere the
 stacked tensors are dropped once each expert is packed. On CUDA the whole block runs as two grouped

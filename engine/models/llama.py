@@ -96,9 +96,8 @@ class LlamaForCausalLM:
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
         # Small decode steps in one native call (cpu backend): bf16 weights plain or packed, float32 weights packed
-        # (AVX2 builds) or plain (other builds' engines of at most FLOAT32_GEMV_MAX_ROWS decode rows:
-        # engine/platform.py), or GGUF blocks in either
-        # dtype (other float32 engines keep oneDNN's packed weights, which the native step cannot read, or torch's
+        # in column blocks (AVX2 builds), or GGUF blocks in either dtype (float32 elsewhere keeps oneDNN's packed
+        # weights, which the native step cannot read, or torch's
         # product where oneDNN is missing, whose sums the native one would not repeat: load_weights drops it there
         # unless the layers hold GGUF blocks). The native step runs every layer in one call: no all-reduce
         # between them, so one rank only.

@@ -14,7 +14,6 @@ from transformers import AutoConfig
 from engine import SamplingParams
 from engine import platform as engine_platform
 from engine.models import build_model
-from engine.platform import FLOAT32_GEMV_MAX_ROWS
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
 from tests.engine.references import assert_idle, check_against_hf, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
@@ -29,20 +28,21 @@ def model_dir(request, tmp_path_factory):
 def test_batch_and_alone(model_dir, backend):
     prompts = mixed_prompts()
     with make_llm(model_dir, attention_backend=backend) as llm:
-        # the cpu backend: decode steps fused (float32 on plain weights: the tiny preset's 16 sequences at most)
-        assert llm.engine.runner.backend.name == backend and (llm.engine.runner.model.fused is not None) == (
-            backend == "cpu"
+        # the cpu backend: decode steps fused where float32 takes column blocks (AVX2 builds)
+        runner = llm.engine.runner
+        assert runner.backend.name == backend and (runner.model.fused is not None) == (
+            backend == "cpu" and runner.backend.kernels.f32_column_blocks
         )
         check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
         check_against_hf(model_dir, prompts[6:7], run_greedy(llm, prompts[6:7]))  # 60 tokens, alone
 
 
 def test_batch_and_alone_on_packed_float32_weights(model_dir, monkeypatch):
-    """oneDNN's packed weights, unfused: float32 past FLOAT32_GEMV_MAX_ROWS decode rows on builds without float32
-    column blocks (engine/platform.py's cpu_linear declines)."""
-    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None)
+    """oneDNN's packed weights, unfused: float32 on builds without float32 column blocks (engine/platform.py's
+    cpu_linear declines)."""
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: None)
     prompts = mixed_prompts()
-    with make_llm(model_dir, attention_backend="cpu", dtype="float32", max_num_seqs=FLOAT32_GEMV_MAX_ROWS + 1) as llm:
+    with make_llm(model_dir, attention_backend="cpu", dtype="float32") as llm:
         assert llm.engine.runner.model.fused is None and llm.engine.runner.model.linear.name == "onednn-packed"
         check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
 

@@ -19,7 +19,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine import platform as engine_platform
-from engine.platform import FLOAT32_GEMV_MAX_ROWS
 from engine.kernels.cpu import DECODE_WEIGHT_COLUMNS, NATIVE_ARCH, load_cpu_kernels
 from engine.kernels.quant import load_quant_kernels
 from engine.layers.fused_decode import MATRIX_COLUMNS, _model_fits
@@ -82,12 +81,10 @@ def _with_product(product: str, cpu_kernels, monkeypatch) -> type:
         if tiles and not cpu_kernels.amx_tiles:
             pytest.skip("no AMX tiles here")
         monkeypatch.setattr(
-            engine_platform,
-            "cpu_linear",
-            lambda backend, dtype, rows=None: ColumnBlockLinear(backend.kernels, amx=tiles),
+            engine_platform, "cpu_linear", lambda backend, dtype: ColumnBlockLinear(backend.kernels, amx=tiles)
         )
         return ColumnBlockLinear
-    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: GemvLinear(backend.kernels))
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: GemvLinear(backend.kernels))
     return GemvLinear
 
 
@@ -152,7 +149,7 @@ def test_fused_decode_over_an_fp8_cache_equals_the_unfused_ops(
     +-448) and attends over the cache as the unfused step does (torch's conversion on write, the same paged
     kernel): identical tokens and logprobs (the rounding itself: test_cpu_kernels' every-bf16 test); with
     windows starting mid-block too (mistral: every layer; gemma2: every other one, in a KV group of its own)."""
-    if dtype == "float32":  # the small-batch product, as a small fp32 engine takes it on AVX-512 builds
+    if dtype == "float32":  # the small-batch product (the fused step's float32 row functions on plain weights)
         _with_product("gemv", cpu_kernels, monkeypatch)
     llm = make_llm(
         request.getfixturevalue(model_dir_fixture),  # heads of 16: the portable attention loops; 64: AVX-512's
@@ -307,8 +304,8 @@ def _embedded_gguf(dtype: str, max_num_seqs: int) -> LLM:
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     embedded_checkpoint, arch, extra, dtype, cpu_kernels, monkeypatch
 ):
-    """float32 too (dtype auto on CPUs without native bf16; 8 sequences: column blocks on AVX2 builds, elsewhere plain
-    weights and the small-batch product, engine/platform.py), the GGUF blocks fused.
+    """float32 too (dtype auto on CPUs without native bf16; column blocks on AVX2 builds, elsewhere oneDNN beside
+    them, engine/platform.py), the GGUF blocks fused.
     `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
     embedded model's layers."""
     llm = _embedded_gguf(str(dtype).removeprefix("torch."), max_num_seqs=8)
@@ -344,7 +341,7 @@ def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     # staggered lengths: decode batches of every size from 8 rows down to 1
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
     fused = _generate_each(llm, PROMPTS, params)
-    max_rows = getattr(model.linear, "max_rows", GEMV_MAX_ROWS)  # (a product without a row limit: the step's own)
+    max_rows = getattr(model.linear, "max_rows", GEMV_MAX_ROWS)  # float32's oneDNN product: the fused step's own
     assert set(rows) == set(range(1, min(integer_rows - 1, max_rows, GEMV_MAX_ROWS) + 1))
     assert fused == _unfused(llm, PROMPTS, params)
 
@@ -354,8 +351,8 @@ def test_fused_gguf_decode_beside_torchs_float32_product(embedded_checkpoint, mo
     tokens and logprobs; a plain-weight model keeps the unfused path there, as beside oneDNN."""
     import engine.models.llama as llama_module
 
-    # (the cpu backend's own float32 product declined, as for decode batches past FLOAT32_GEMV_MAX_ROWS)
-    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None)
+    # (the cpu backend's own float32 product declined, as on builds without float32 column blocks)
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: None)
     monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
     llm = _embedded_gguf("float32", max_num_seqs=4)
     model = llm.engine.runner.model
@@ -369,11 +366,9 @@ def test_fused_gguf_decode_beside_torchs_float32_product(embedded_checkpoint, mo
 def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_llama_dir, monkeypatch):
     import engine.models.llama as llama_module
 
-    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None)
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: None)
     monkeypatch.setattr(llama_module, "select_linear", lambda device, dtype: Linear())
-    llm = make_llm(
-        tiny_llama_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=17
-    )  # decode batches past FLOAT32_GEMV_MAX_ROWS: the model's own product
+    llm = make_llm(tiny_llama_dir, dtype="float32", attention_backend="cpu", enable_prefix_caching=False)
     assert type(llm.engine.runner.model.linear) is Linear and llm.engine.runner.model.fused is None
 
 
@@ -382,7 +377,7 @@ def test_float32_engines_fuse_their_decode_on_column_blocks(
     arch, tiny_llama_dir, tiny_gemma3_dir, cpu_kernels, monkeypatch
 ):
     """float32 on AVX2 builds: the column-block product at every row count, so that an engine of any size fuses
-    its decode steps (20 sequences here, past the small-batch product's 16), at every batch size bit for bit the
+    its decode steps (20 sequences here: past the small-batch product's rows), at every batch size bit for bit the
     unfused ops' on the same packed weights (the haswell build: the AVX2 tiles on any x86 machine)."""
     if arch == NATIVE_ARCH and not cpu_kernels.f32_column_blocks:
         pytest.skip("float32 column blocks are the float32 product of AVX2 builds only")
@@ -392,7 +387,7 @@ def test_float32_engines_fuse_their_decode_on_column_blocks(
         monkeypatch.setattr(
             engine_platform,
             "cpu_linear",
-            lambda backend, dtype, rows=None: ColumnBlockLinear(backend.kernels, amx=False),
+            lambda backend, dtype: ColumnBlockLinear(backend.kernels, amx=False),
         )
     prompts = PROMPTS + [p + " and" for p in PROMPTS] + [p + " or" for p in PROMPTS[:4]]
     for model_dir in (tiny_llama_dir, tiny_gemma3_dir):
@@ -412,44 +407,8 @@ def test_float32_engines_fuse_their_decode_on_column_blocks(
             for i in range(len(prompts))
         ]
         fused = _generate_each(llm, prompts, params)
-        assert set(range(1, FLOAT32_GEMV_MAX_ROWS + 1)) <= set(rows) and max(rows) > FLOAT32_GEMV_MAX_ROWS
+        assert set(range(1, 17)) <= set(rows) and max(rows) > 16
         assert fused == _unfused(llm, prompts, params)
-
-
-def test_small_float32_engines_fuse_their_decode_on_plain_weights(tiny_llama_dir, tiny_gemma3_dir, monkeypatch):
-    """Builds without float32 column blocks (AVX-512, plain x86-64): an engine whose decode steps hold at most
-    FLOAT32_GEMV_MAX_ROWS rows (max_num_seqs times 1 + drafts) runs float32 on plain weights with the small-batch
-    product, its decode steps fused, at every batch size up to 16 bit for bit the unfused ops' (those the same
-    plain weights and product); past that, oneDNN's packed weights."""
-    choose = engine_platform.cpu_linear
-
-    def without_column_blocks(backend, dtype, rows=None):
-        backend.kernels.f32_column_blocks = False  # as such a build reports
-        return choose(backend, dtype, rows)
-
-    monkeypatch.setattr(engine_platform, "cpu_linear", without_column_blocks)
-    prompts = PROMPTS + [p + " and" for p in PROMPTS]  # 16: decode batches of every size from 16 down to 1
-    for model_dir in (tiny_llama_dir, tiny_gemma3_dir):
-        llm = make_llm(model_dir, attention_backend="cpu", enable_prefix_caching=False, max_num_seqs=16)  # float32
-        model = llm.engine.runner.model
-        assert type(model.linear) is GemvLinear and model.linear.max_rows == FLOAT32_GEMV_MAX_ROWS
-        rows = _counting_fused(model, monkeypatch)
-        params = [
-            SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3)
-            for i in range(len(prompts))
-        ]
-        fused = _generate_each(llm, prompts, params)
-        assert set(rows) == set(range(1, len(prompts) + 1))
-        assert fused == _unfused(llm, prompts, params)
-    ngram = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    for overrides, plain in (
-        ({"max_num_seqs": 8, "speculative_config": ngram}, True),  # 8 x (1 + 1) = 16 rows
-        ({"max_num_seqs": 9, "speculative_config": ngram}, False),
-        ({"max_num_seqs": FLOAT32_GEMV_MAX_ROWS + 1}, False),
-    ):
-        llm = make_llm(tiny_llama_dir, attention_backend="cpu", **overrides)
-        model = llm.engine.runner.model
-        assert (type(model.linear) is GemvLinear) == plain and (model.fused is not None) == plain, overrides
 
 
 def _staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, tuple[list[int], list[float]]]:
@@ -532,9 +491,7 @@ def test_embedded_bf16_greedy_tokens_match_torch_products(embedded_checkpoint, c
     del model
     fused = _generate(llm, PROMPTS[:4], 24)
     del llm
-    monkeypatch.setattr(
-        engine_platform, "cpu_linear", lambda backend, dtype, rows=None: None
-    )  # torch's products, unfused:
+    monkeypatch.setattr(engine_platform, "cpu_linear", lambda backend, dtype: None)  # torch's products, unfused:
     torch_llm = embedded_llm()  # the numerics before the native products
     assert type(torch_llm.engine.runner.model.linear) is Linear and torch_llm.engine.runner.model.fused is None
     reference = _generate(torch_llm, PROMPTS[:4], 24, logprobs=2)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import platform
-from engine.platform import FLOAT32_GEMV_MAX_ROWS, cpu_linear
+from engine.platform import cpu_linear
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
 from engine.kernels.cpu import load_cpu_kernels
@@ -151,18 +151,14 @@ def test_rows_are_looked_up_in_the_packing(shape, dtype):
 
 def test_the_cpu_backend_takes_column_blocks_where_they_outrun_onednn(cpu_kernels, monkeypatch):
     backend = CpuAttentionBackend(cpu_kernels)
-    # float32: column blocks at every row count on AVX2 builds (and never on AMX tiles)
-    for rows in (None, 1, FLOAT32_GEMV_MAX_ROWS, 10_000):
-        linear = cpu_linear(backend, torch.float32, rows)
-        if cpu_kernels.f32_column_blocks:
-            assert type(linear) is ColumnBlockLinear and linear.amx is False
-        else:
-            assert not isinstance(linear, ColumnBlockLinear)
+    # float32: column blocks on AVX2 builds (and never on AMX tiles), else oneDNN's packed product
+    linear = cpu_linear(backend, torch.float32)
+    if cpu_kernels.f32_column_blocks:
+        assert type(linear) is ColumnBlockLinear and linear.amx is False
+    else:
+        assert linear is None
     monkeypatch.setattr(cpu_kernels, "f32_column_blocks", False)  # an AVX-512 or plain x86-64 build
     assert cpu_linear(backend, torch.float32) is None  # oneDNN's packed fp32 product
-    assert cpu_linear(backend, torch.float32, FLOAT32_GEMV_MAX_ROWS + 1) is None  # decode batches past gemv's lead
-    small = cpu_linear(backend, torch.float32, FLOAT32_GEMV_MAX_ROWS)  # plain weights, the fused decode step's
-    assert type(small) is GemvLinear and small.max_rows == FLOAT32_GEMV_MAX_ROWS
     monkeypatch.setattr(cpu_kernels, "f32_column_blocks", True)
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check
     assert cpu_linear(backend, torch.float32) is None
