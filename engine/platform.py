@@ -4,7 +4,7 @@ module alone picks them, so neither has to know the other.
 
     default          the attention backend `--attention-backend` names (auto: engine/attention/backend.py);
                      with the `cpu` backend, the native per-token ops and, in bfloat16 (and in float32 on
-                     AVX2 builds), the native product
+                     AVX2 and AVX-512 builds), the native product
     batch invariant  every part batch invariant (below)
 
 Batch-invariant mode (`batch_invariant`, `--batch-invariant`): a request's tokens do not depend on its batch.
@@ -102,9 +102,9 @@ def cpu_linear(backend: CpuAttentionBackend, dtype: torch.dtype) -> Optional[Lin
     count where it runs on AVX512-BF16 and passed its load-time self-check; on AMX CPUs only with its tile
     path built in and granted (on vdpbf16ps alone it is slower than oneDNN on the tiles there). Else the
     native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32: the column-block product at
-    every row count where it has its AVX2 tiles (AVX2 builds without AVX-512; faster there than oneDNN's packed
-    weights from 1 to 2,048 rows: docs/performance.md, "Float32 column blocks on AVX2"). Elsewhere float32
-    keeps oneDNN's packed weights (None)."""
+    every row count where it has vector tiles (AVX2 and AVX-512 builds; as fast as oneDNN's packed weights or
+    faster from 1 to 2,048 rows, and the decode steps fuse: docs/performance.md, "Float32 column blocks on AVX2"
+    and "... on AVX-512"). Elsewhere float32 keeps oneDNN's packed weights (None)."""
     kernels = backend.kernels
     if dtype == torch.float32 and kernels.f32_column_blocks and kernels.invariant_product_ok:
         return ColumnBlockLinear(kernels, amx=False)

@@ -275,7 +275,7 @@ class CpuKernels:
         self.bf16_column_blocks = bool(probe())
         probe = self._library.pagedserve_column_blocks_f32_native
         probe.restype = ctypes.c_int64
-        # the float32 kernel has its AVX2 tiles (AVX2 builds without AVX-512): the engine's float32 product there
+        # the float32 kernel has vector tiles (AVX2 or AVX-512 builds): the engine's float32 product there
         self.f32_column_blocks = bool(probe())
         # built with AMX and granted the tile state by the OS: bf16 column-block products (K a multiple of 32)
         # may run on the tiles

@@ -9,8 +9,9 @@ into its column-block layout.
 
     BatchInvariantLinear   batch-invariant mode's product (float32 and bfloat16)
     ColumnBlockLinear      the cpu backend's bf16 product where the kernel runs on vdpbf16ps, and its float32
-                           product on AVX2 builds: faster than oneDNN at every row count there (and than the
-                           plain-layout kernel of csrc/gemv.h, but at 2 float32 rows, about even). On AMX CPUs
+                           product on AVX2 and AVX-512 builds: faster than oneDNN or about even at every row
+                           count there (and than the plain-layout kernel of csrc/gemv.h, but at 2 float32 rows
+                           on AVX2, about even). On AMX CPUs
                            it runs on the tile unit (`amx`)
 
 Measured in docs/performance.md ("Products on CPU").
@@ -63,7 +64,7 @@ its product is the same kernel at every row count, so the fused path takes any d
 
 class ColumnBlockLinear(BatchInvariantLinear):
     """The cpu backend's product where the column-block kernel outruns oneDNN: bf16 on vdpbf16ps (AVX512-BF16),
-    float32 on AVX2 builds (without AVX-512). Every row count (decode and prefill) through it, on weights packed
+    float32 on AVX2 and AVX-512 builds. Every row count (decode and prefill) through it, on weights packed
     once at load; quantized weights go to their own product."""
 
     name = "cpu-column-blocks"

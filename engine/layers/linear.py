@@ -11,9 +11,9 @@ backend in bfloat16, `invariant_linear.ColumnBlockLinear` multiplies every row c
 on AVX512-BF16 builds (weights packed in column blocks: faster than oneDNN at every row count there, and
 batch invariant; on AMX CPUs on the tile unit, whose sums are grouped otherwise); on other builds
 `GemvLinear` multiplies batches of up to 8 rows (4 on AMX CPUs, where `F.linear` runs on the tiles)
-natively (a weight-streaming kernel), larger ones with `F.linear`. In fp32 on AVX2 builds (no AVX-512)
-`ColumnBlockLinear` multiplies every row count (its AVX2 tiles outrun oneDNN there, and the fused decode step
-reads its packing). (Neither oneDNN nor
+natively (a weight-streaming kernel), larger ones with `F.linear`. In fp32 on AVX2 and AVX-512 builds
+`ColumnBlockLinear` multiplies every row count (its tiles outrun oneDNN there or run about even, and the fused
+decode step reads its packing). (Neither oneDNN nor
 `GemvLinear` keeps a row's result independent of the other rows: batch-invariant mode
 multiplies with `invariant_linear.BatchInvariantLinear` instead.)
 """

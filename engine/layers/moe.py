@@ -16,8 +16,8 @@ Every expert's weights are stored once, gate|up fused: `ExpertWeights` holds [E,
 (and, where the family has them, their biases [E, 2I] and [E, H]), or, where the experts are quantized (a GGUF's
 blocks, --quantization int8/int4), E matrices [2I, H] and E matrices [H, I], each multiplied by its own product
 (the native GGUF kernels, torch's int8/int4 ones) over the rows routed to it.
-On CPU each expert's rows go through the model's own product (`Linear`: float32 column blocks on AVX2 builds,
-elsewhere oneDNN's packed fp32, the native
+On CPU each expert's rows go through the model's own product (`Linear`: float32 column blocks on AVX2 and AVX-512
+builds, elsewhere oneDNN's packed fp32, the native
 bf16 kernels, the batch-invariant one), so the experts run on what the dense layers run on; where that
 product reads plain weights the per-expert matrices are views of the stacked tensors, elsewhere the
 stacked tensors are dropped once each expert is packed. On CUDA the whole block runs as two grouped

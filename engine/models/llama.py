@@ -96,7 +96,7 @@ class LlamaForCausalLM:
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
         # Small decode steps in one native call (cpu backend): bf16 weights plain or packed, float32 weights packed
-        # in column blocks (AVX2 builds), or GGUF blocks in either dtype (float32 elsewhere keeps oneDNN's packed
+        # in column blocks (AVX2 and AVX-512 builds), or GGUF blocks in either dtype (float32 elsewhere keeps oneDNN's packed
         # weights, which the native step cannot read, or torch's
         # product where oneDNN is missing, whose sums the native one would not repeat: load_weights drops it there
         # unless the layers hold GGUF blocks). The native step runs every layer in one call: no all-reduce

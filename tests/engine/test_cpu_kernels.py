@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.kernels.cpu import BUILD_SECONDS, build_library, load_cpu_kernels, start_build
+from tests.engine.cpu_flags import cpu_has
 
 
 def _maps_of(name: str) -> set[str]:
@@ -141,18 +142,13 @@ DECODE_SHAPES = [
 ]
 
 
-def _cpu_has(*flags: str) -> bool:
-    line = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
-    return all(f" {flag}" in f"{line} " for flag in flags)
-
-
 @pytest.fixture(scope="module", params=list(DECODE_ARCHES))
 def decode_kernels(request, cpu_kernels):
     if request.param == "native":
         return cpu_kernels
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"-march={request.param} is an x86 target")
-    if not _cpu_has(*DECODE_ARCHES[request.param]):
+    if not cpu_has(*DECODE_ARCHES[request.param]):
         pytest.skip(f"this CPU cannot run -march={request.param} code")
     kernels = load_cpu_kernels(arch=request.param)
     assert kernels is not None, f"the -march={request.param} build failed"

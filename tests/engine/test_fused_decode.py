@@ -376,11 +376,11 @@ def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_
 def test_float32_engines_fuse_their_decode_on_column_blocks(
     arch, tiny_llama_dir, tiny_gemma3_dir, cpu_kernels, monkeypatch
 ):
-    """float32 on AVX2 builds: the column-block product at every row count, so that an engine of any size fuses
+    """float32 on AVX2 and AVX-512 builds: the column-block product at every row count, so that an engine of any size fuses
     its decode steps (20 sequences here: past the small-batch product's rows), at every batch size bit for bit the
     unfused ops' on the same packed weights (the haswell build: the AVX2 tiles on any x86 machine)."""
     if arch == NATIVE_ARCH and not cpu_kernels.f32_column_blocks:
-        pytest.skip("float32 column blocks are the float32 product of AVX2 builds only")
+        pytest.skip("float32 column blocks are the float32 product of AVX2 and AVX-512 builds only")
     if arch != NATIVE_ARCH:
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip(f"-march={arch} is an x86 target")

@@ -30,6 +30,7 @@ from engine.quantization.gguf_weight import (
     GgufWeight,
     bf16_dense_min_rows,
 )
+from tests.engine.cpu_flags import cpu_has
 
 TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 SHAPES = [(1, 32), (5, 96), (17, 160), (33, 576), (70, 1536)]  # [out, in]: odd block counts, column tails
@@ -39,20 +40,11 @@ ROWS = (1, 3, 4, 5, 8, 17, 70)
 TARGETS = {"native": "this CPU", "haswell": "AVX2 + FMA + F16C", "x86-64": "scalar"}
 
 
-def _cpu_has(*flags: str) -> bool:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
-    return all(f" {flag}" in line for flag in flags)
-
-
 @pytest.fixture(scope="module", params=list(TARGETS))
 def kernels(request):
     if compiler() is None:
         pytest.skip("no C++ compiler: the native kernels cannot be built here")
-    if request.param == "haswell" and not _cpu_has("avx2", "fma", "f16c"):
+    if request.param == "haswell" and not cpu_has("avx2", "fma", "f16c"):
         pytest.skip("this CPU cannot run AVX2 code")
     return load_quant_kernels(march=request.param, sources=QUANT_SOURCES)
 

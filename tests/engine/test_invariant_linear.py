@@ -1,7 +1,8 @@
 """The column-block product (csrc/column_blocks.h): packing, row lookups in the packing, accuracy, rows that do
-not depend on the batch, bit for bit (whole blocks and half blocks as work items; the AVX2 tiles on any x86
-machine), and `ColumnBlockLinear`, the cpu backend's bf16 product on AVX512-BF16 builds and its float32 product on
-AVX2 builds (its choice, quantized weights, a tied embedding looked up in the packed LM head)."""
+not depend on the batch, bit for bit (whole blocks and half blocks as work items; the AVX2 and AVX-512 float32
+tiles on any x86 machine that runs them), and `ColumnBlockLinear`, the cpu backend's bf16 product on AVX512-BF16
+builds and its float32 product on AVX2 and AVX-512 builds (its choice, quantized weights, a tied embedding looked
+up in the packed LM head)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.kernels.cpu import load_cpu_kernels
 from engine.layers.invariant_linear import ONEDNN_MIN_ROWS, BatchInvariantLinear, ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
+from tests.engine.cpu_flags import cpu_has
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (out_features, in_features): a column tail (N % 64), odd K, the embedded model's down projection (K = 1536,
@@ -88,13 +90,23 @@ def test_a_row_is_the_same_bits_in_any_batch(linear, dtype, threads):
         torch.set_num_threads(previous)
 
 
-def test_the_avx2_float32_tiles_follow_float64_and_any_batch():
-    """float32 on the AVX2 tiles (the haswell build, on any x86 machine: 6-row tiles, rows split evenly, the next
-    block prefetched through a block's passes): within float32 rounding of float64, and each row alone the same
-    bits as inside batches of every size."""
+# builds whose float32 tiles are not this machine's own, with what a CPU must have to run them
+FLOAT32_TILE_ARCHES = {
+    "haswell": ("avx2", "fma"),  # AVX2: 6-row tiles in parts, the next block prefetched through a block's passes
+    "skylake-avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),  # AVX-512 without BF16: 6 x 64 in one pass
+}
+
+
+@pytest.mark.parametrize("arch", list(FLOAT32_TILE_ARCHES))
+def test_the_float32_tiles_follow_float64_and_any_batch(arch):
+    """float32 on the AVX2 and the AVX-512 tiles (builds for those targets, on any x86 machine that runs them; rows
+    split evenly into tiles of up to 6): within float32 rounding of float64, and each row alone the same bits as
+    inside batches of every size."""
     if platform_module.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("-march=haswell is an x86 target")
-    kernels = load_cpu_kernels(arch="haswell")
+        pytest.skip(f"-march={arch} is an x86 target")
+    if not cpu_has(*FLOAT32_TILE_ARCHES[arch]):
+        pytest.skip(f"this CPU cannot run -march={arch} code")
+    kernels = load_cpu_kernels(arch=arch)
     assert kernels is not None and kernels.f32_column_blocks and kernels.invariant_product_ok
     linear = BatchInvariantLinear(kernels)
     previous = torch.get_num_threads()
@@ -151,13 +163,13 @@ def test_rows_are_looked_up_in_the_packing(shape, dtype):
 
 def test_the_cpu_backend_takes_column_blocks_where_they_outrun_onednn(cpu_kernels, monkeypatch):
     backend = CpuAttentionBackend(cpu_kernels)
-    # float32: column blocks on AVX2 builds (and never on AMX tiles), else oneDNN's packed product
+    # float32: column blocks on AVX2 and AVX-512 builds (and never on AMX tiles), else oneDNN's packed product
     linear = cpu_linear(backend, torch.float32)
     if cpu_kernels.f32_column_blocks:
         assert type(linear) is ColumnBlockLinear and linear.amx is False
     else:
         assert linear is None
-    monkeypatch.setattr(cpu_kernels, "f32_column_blocks", False)  # an AVX-512 or plain x86-64 build
+    monkeypatch.setattr(cpu_kernels, "f32_column_blocks", False)  # a plain x86-64 build
     assert cpu_linear(backend, torch.float32) is None  # oneDNN's packed fp32 product
     monkeypatch.setattr(cpu_kernels, "f32_column_blocks", True)
     monkeypatch.setattr(cpu_kernels, "invariant_product_ok", False)  # a build that failed its self-check

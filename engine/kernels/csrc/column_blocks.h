@@ -16,13 +16,14 @@
 // engine's bf16 product there at every row count (engine/models/invariant_linear.py); on CPUs with AMX,
 // on the tile unit (below).
 //
-// AVX2 builds (no AVX-512) have float32 tiles of their own: 16 vector registers of 8 lanes hold at most 12
-// accumulators, so a tile of MR <= 6 rows walks K once per part of 12 / MR vectors (6 rows: four parts of 16
-// columns; 1 row: the whole block in one pass), and an item's rows are split into tiles as evenly as can be.
-// A block read in several passes would stall its first pass on memory while the others run from L2 with the
-// memory idle, so those items prefetch the next block's lines spread through all their k steps (Spread).
-// Against oneDNN's packed weights from memory it is as fast or faster at every row count measured (1 to
-// 2,048: docs/performance.md, "Float32 column blocks on AVX2"), so it is the engine's float32 product there.
+// float32 on AVX-512: tiles of up to 6 rows x 64 columns in one pass over K. AVX2 builds (no AVX-512) have tiles
+// of their own: 16 vector registers of 8 lanes hold at most 12 accumulators, so a tile of MR <= 6 rows walks K
+// once per part of 12 / MR vectors (6 rows: four parts of 16 columns; 1 row: the whole block in one pass). A
+// block read in several passes would stall its first pass on memory while the others run from L2 with the
+// memory idle, so those items prefetch the next block's lines spread through all their k steps (Spread). Either
+// way an item's rows are split into tiles as evenly as can be. Against oneDNN's packed weights from memory the
+// float32 product is about as fast or faster at every row count measured (1 to 2,048: docs/performance.md,
+// "Float32 column blocks on AVX2" and "... on AVX-512"), so it is the engine's float32 product there.
 //
 // Work items are (column block, chunk of up to kRowsPerChunk rows) pairs, or, when a product has fewer
 // items than 4 per thread (576 output columns at one row are 9 items: fewer than 16 on 4 threads), half
@@ -50,8 +51,10 @@ namespace pagedserve {
 namespace column_blocks {
 
 constexpr int64_t kBlockN = 64;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-constexpr int kRowsPerTile = 6;  // 6 x 16 columns: 12 of the 16 vector registers accumulate
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
+// AVX-512: 6 x 4 = 24 of the 32 registers accumulate, the 4 weight vectors and a broadcast beside them; AVX2:
+// 12 of the 16, in parts (below)
+constexpr int kRowsPerTile = 6;
 #else
 constexpr int kRowsPerTile = 4;
 #endif
@@ -78,7 +81,12 @@ void tile_f32(const float* x, int64_t K, const float* w, int c0, const float* bi
     for (int64_t k = 0; k < K; ++k) {
         const float* wk = w + k * kBlockN + 16 * c0;
         __m512 wv[NC];
-        for (int c = 0; c < NC; ++c) wv[c] = _mm512_loadu_ps(wk + 16 * c);
+        for (int c = 0; c < NC; ++c) {
+            wv[c] = _mm512_loadu_ps(wk + 16 * c);
+            // kept in a register: GCC would fold the load into each row's FMA, MR loads of every vector per k,
+            // and the loads, not the FMAs, would then set the pace
+            asm("" : "+v"(wv[c]));
+        }
         for (int r = 0; r < MR; ++r) {
             const __m512 xv = _mm512_set1_ps(x[r * K + k]);
             for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -370,8 +378,8 @@ inline void tile(const T* x, int rows, int64_t K, const T* w, int c0, const T* b
     }
 }
 
-// The rows of tile `index` of `tiles`: AVX2's 6-row tiles split an item's rows as evenly as can be (8 rows: 4 + 4,
-// not 6 + 2, whose 2-row tile runs at half the FMA rate); the AVX-512 tiles keep full ones first, as measured.
+// The rows of tile `index` of `tiles`: 6-row tiles split an item's rows as evenly as can be (8 rows: 4 + 4, not
+// 6 + 2, whose 2-row tile runs at a third of the FMA rate); 4-row ones keep full tiles first.
 inline int tile_rows(int64_t rows, int64_t tiles, int64_t index) {
     if constexpr (kRowsPerTile == 6) return static_cast<int>(rows / tiles + (index < rows % tiles));
     const int64_t left = rows - index * kRowsPerTile;

@@ -1,6 +1,6 @@
 // The column-block product of column_blocks.h, exported for float32 and bfloat16 (engine/kernels/cpu.py
-// loads it): the engine's bf16 product on AVX512-BF16 builds, its float32 product on AVX2 builds (without
-// AVX-512), and batch-invariant mode's product everywhere.
+// loads it): the engine's bf16 product on AVX512-BF16 builds, its float32 product on AVX2 and AVX-512
+// builds, and batch-invariant mode's product everywhere.
 
 #include "column_blocks.h"
 
@@ -45,8 +45,8 @@ int64_t pagedserve_amx_tiles() {
 #endif
 }
 
-int64_t pagedserve_column_blocks_f32_native() {  // 1 where the float32 product has its AVX2 tiles (Spread)
-#if defined(PAGEDSERVE_COLUMN_BLOCKS_SPREAD)
+int64_t pagedserve_column_blocks_f32_native() {  // 1 where the float32 product has vector tiles (AVX2 or AVX-512)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
     return 1;
 #else
     return 0;
