@@ -9,8 +9,8 @@ down 576 x 1536), 30 layers of random weights each (424 MB: read from memory, as
 float32, all the process's threads; rounds of the products alternated, the median per product and the median of
 the per-round ratios. Steps: the embedded model dequantized (`--quantization none`, float32, max_num_seqs 256 as
 a server's default engine), one engine per product in one process, `batch` sequences of 200-token prompts in
-decode, steps alternated between them: the engine's own choice (column blocks on AVX2 builds, its decode steps
-fused) against `cpu_linear` declined (oneDNN's packed weights, unfused). Run it alone: on 2 cores any other busy
+decode, steps alternated between them: the engine's own choice (column blocks on AVX2 and AVX-512 builds, its
+decode steps fused) against `cpu_linear` declined (oneDNN's packed weights, unfused). Run it alone: on 2 cores any other busy
 process changes the figures.
 """
 
@@ -37,7 +37,8 @@ def _products(rows_list: list[int], rounds: int) -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
         raise SystemExit("the native CPU kernels did not build")
-    print(f"column blocks: {'AVX2 tiles' if kernels.f32_column_blocks else 'this build has no AVX2 float32 tiles'}")
+    tiles = "vector tiles (AVX2 or AVX-512)" if kernels.f32_column_blocks else "no vector float32 tiles in this build"
+    print(f"column blocks: {tiles}")
     generator = torch.Generator().manual_seed(0)
     plain = [[torch.randn(n, k, generator=generator) * k**-0.5 for n, k in SHAPES] for _ in range(LAYERS)]
     packed = [[pack_invariant_weight(w) for w in layer] for layer in plain]
