@@ -28,6 +28,7 @@ from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear, Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight
+from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, make_llm
 
@@ -372,18 +373,21 @@ def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_
     assert type(llm.engine.runner.model.linear) is Linear and llm.engine.runner.model.fused is None
 
 
-@pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell"])
+@pytest.mark.parametrize("arch", [NATIVE_ARCH, "haswell", "skylake-avx512"])
 def test_float32_engines_fuse_their_decode_on_column_blocks(
     arch, tiny_llama_dir, tiny_gemma3_dir, cpu_kernels, monkeypatch
 ):
     """float32 on AVX2 and AVX-512 builds: the column-block product at every row count, so that an engine of any size fuses
     its decode steps (20 sequences here: past the small-batch product's rows), at every batch size bit for bit the
-    unfused ops' on the same packed weights (the haswell build: the AVX2 tiles on any x86 machine)."""
+    unfused ops' on the same packed weights (the haswell build: the AVX2 tiles on any x86 machine; skylake-avx512:
+    the AVX-512 ones without BF16, as on Skylake-SP and Cascade Lake, where float32 is what `dtype auto` gives)."""
     if arch == NATIVE_ARCH and not cpu_kernels.f32_column_blocks:
         pytest.skip("float32 column blocks are the float32 product of AVX2 and AVX-512 builds only")
     if arch != NATIVE_ARCH:
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip(f"-march={arch} is an x86 target")
+        if not cpu_has(*FLOAT32_TILE_ARCHES[arch]):
+            pytest.skip(f"this CPU cannot run -march={arch} code")
         monkeypatch.setattr(
             engine_platform,
             "cpu_linear",

@@ -20,7 +20,7 @@ from engine.kernels.cpu import load_cpu_kernels
 from engine.layers.invariant_linear import ONEDNN_MIN_ROWS, BatchInvariantLinear, ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
-from tests.engine.cpu_flags import cpu_has
+from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (out_features, in_features): a column tail (N % 64), odd K, the embedded model's down projection (K = 1536,
@@ -88,13 +88,6 @@ def test_a_row_is_the_same_bits_in_any_batch(linear, dtype, threads):
                 assert torch.equal(got, alone[start : start + rows]), f"{shape}: rows {start}..{start + rows}"
     finally:
         torch.set_num_threads(previous)
-
-
-# builds whose float32 tiles are not this machine's own, with what a CPU must have to run them
-FLOAT32_TILE_ARCHES = {
-    "haswell": ("avx2", "fma"),  # AVX2: 6-row tiles in parts, the next block prefetched through a block's passes
-    "skylake-avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),  # AVX-512 without BF16: 6 x 64 in one pass
-}
 
 
 @pytest.mark.parametrize("arch", list(FLOAT32_TILE_ARCHES))
