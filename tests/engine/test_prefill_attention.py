@@ -14,6 +14,7 @@ from engine.attention.metadata import PrefillChunk
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import load_cpu_kernels
+from tests.engine.cpu_flags import cpu_has
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +86,7 @@ def test_fp8_caches_without_vbmi_widen_alike(kernels):
     the same bits as the native build (whose conversions are exact either way)."""
     import platform
 
-    from tests.engine.test_cpu_kernels import _cpu_has
-
-    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx512_bf16", "avx512bw", "avx512vbmi"):
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx512_bf16", "avx512bw", "avx512vbmi"):
         pytest.skip("this CPU cannot run -march=cooperlake code, or its native build has no VBMI to compare")
     cooperlake = load_cpu_kernels(arch="cooperlake")
     assert cooperlake is not None and cooperlake.prefill_attention_native
