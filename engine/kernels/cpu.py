@@ -714,8 +714,8 @@ def _amx_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
 def _invariant_product_ok(kernels: CpuKernels, generator: torch.Generator) -> bool:
     """The column-block product against a float64 reference, in float32 and in bfloat16 (odd K, a column
     tail; 2 blocks, taken as half blocks, and 4 per thread + 2, taken whole, by 3 and 13 rows). Batch-invariant
-    mode, the bf16 product on AVX512-BF16 and the float32 one on AVX2 depend on it: a failure is logged, refuses
-    that mode and keeps those products off it."""
+    mode, the bf16 product on AVX512-BF16 and the float32 one on AVX2 and AVX-512 depend on it: a failure is
+    logged, refuses that mode and keeps those products off it."""
     from engine.kernels.column_block_weight import pack_invariant_weight
 
     whole_blocks = 4 * torch.get_num_threads() + 2  # csrc/column_blocks.h: half blocks below 4 items per thread

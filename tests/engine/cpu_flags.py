@@ -15,8 +15,10 @@ def cpu_has(*flags: str) -> bool:
     return all(f" {flag} " in f"{line} " for flag in flags)
 
 
-# builds for other targets than this machine's, with what a CPU must have to run their float32 tiles
+# builds for other targets than this machine's, with what a CPU must have to run them (what -march turns on that
+# the kernels may use): AVX2, 6-row tiles in parts, the next block prefetched through a block's passes; AVX-512
+# without BF16 (Skylake-SP, Cascade Lake), 6 x 64 in one pass
 FLOAT32_TILE_ARCHES = {
-    "haswell": ("avx2", "fma"),  # AVX2: 6-row tiles in parts, the next block prefetched through a block's passes
-    "skylake-avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),  # AVX-512 without BF16: 6 x 64 in one pass
+    "haswell": ("avx2", "fma", "f16c", "bmi2", "movbe"),
+    "skylake-avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "bmi2"),
 }

@@ -28,7 +28,7 @@ def model_dir(request, tmp_path_factory):
 def test_batch_and_alone(model_dir, backend):
     prompts = mixed_prompts()
     with make_llm(model_dir, attention_backend=backend) as llm:
-        # the cpu backend: decode steps fused where float32 takes column blocks (AVX2 builds)
+        # the cpu backend: decode steps fused where float32 takes column blocks (AVX2 and AVX-512 builds)
         runner = llm.engine.runner
         assert runner.backend.name == backend and (runner.model.fused is not None) == (
             backend == "cpu" and runner.backend.kernels.f32_column_blocks

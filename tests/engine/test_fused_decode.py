@@ -305,7 +305,7 @@ def _embedded_gguf(dtype: str, max_num_seqs: int) -> LLM:
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     embedded_checkpoint, arch, extra, dtype, cpu_kernels, monkeypatch
 ):
-    """float32 too (dtype auto on CPUs without native bf16; column blocks on AVX2 builds, elsewhere oneDNN beside
+    """float32 too (dtype auto on CPUs without native bf16; column blocks on AVX2 and AVX-512 builds, elsewhere oneDNN beside
     them, engine/platform.py), the GGUF blocks fused.
     `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
     embedded model's layers."""

@@ -65,7 +65,8 @@ def check_block(block, weights, ops, linear, dtype, rows, top_k, renormalize, to
 @pytest.mark.parametrize("rows", [1, 3, 40])
 @pytest.mark.parametrize("top_k, renormalize", [(2, True), (3, False)])
 def test_float32_products_match_the_float64_reference(rows, top_k, renormalize):
-    """Plain `F.linear` and oneDNN's packed product (the fp32 CPU default: experts packed one by one)."""
+    """Plain `F.linear` and the fp32 CPU default (column blocks on AVX2 and AVX-512 builds, else oneDNN's packed
+    product: experts packed one by one)."""
     for linear in (Linear(), select_linear(torch.device("cpu"), torch.float32)):
         block, weights = make_block(linear, top_k, renormalize)
         check_block(block, weights, TorchLayerOps(), linear, torch.float32, rows, top_k, renormalize, 1e-5)
