@@ -102,8 +102,8 @@ def cpu_linear(backend: CpuAttentionBackend, dtype: torch.dtype) -> Optional[Lin
     count where it runs on AVX512-BF16 and passed its load-time self-check; on AMX CPUs only with its tile
     path built in and granted (on vdpbf16ps alone it is slower than oneDNN on the tiles there). Else the
     native small-batch product up to 8 rows (AMX: 4) and torch's beyond. float32: the column-block product at
-    every row count where it has vector tiles (AVX2 and AVX-512 builds; as fast as oneDNN's packed weights or
-    faster from 1 to 2,048 rows, and the decode steps fuse: docs/performance.md, "Float32 column blocks on AVX2"
+    every row count where it has vector tiles (AVX2 and AVX-512 builds; faster than oneDNN's packed weights or
+    within 2% from 1 to 2,048 rows, and the decode steps fuse: docs/performance.md, "Float32 column blocks on AVX2"
     and "... on AVX-512"). Elsewhere float32 keeps oneDNN's packed weights (None)."""
     kernels = backend.kernels
     if dtype == torch.float32 and kernels.f32_column_blocks and kernels.invariant_product_ok:

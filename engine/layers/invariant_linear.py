@@ -11,8 +11,7 @@ into its column-block layout.
     ColumnBlockLinear      the cpu backend's bf16 product where the kernel runs on vdpbf16ps, and its float32
                            product on AVX2 and AVX-512 builds: faster than oneDNN or about even at every row
                            count there (and than the plain-layout kernel of csrc/gemv.h, but at 2 float32 rows
-                           on AVX2, about even). On AMX CPUs
-                           it runs on the tile unit (`amx`)
+                           on AVX2, about even). On AMX CPUs it runs on the tile unit (`amx`)
 
 Measured in docs/performance.md ("Products on CPU").
 """
