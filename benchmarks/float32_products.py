@@ -10,8 +10,8 @@ float32, all the process's threads; rounds of the products alternated, the media
 the per-round ratios. Steps: the embedded model dequantized (`--quantization none`, float32, max_num_seqs 256 as
 a server's default engine), one engine per product in one process, `batch` sequences of 200-token prompts in
 decode, steps alternated between them: the engine's own choice (column blocks on AVX2 and AVX-512 builds, its
-decode steps fused) against `cpu_linear` declined (oneDNN's packed weights, unfused). Run it alone: on 2 cores any other busy
-process changes the figures.
+decode steps fused) against `cpu_linear` declined (oneDNN's packed weights, unfused). Run it alone: on 2 cores any
+other busy process changes the figures.
 """
 
 from __future__ import annotations

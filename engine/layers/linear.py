@@ -112,10 +112,9 @@ blocked products, which reuse each weight tile across many rows)."""
 
 class GemvLinear(Linear):
     """CPU bfloat16 on builds where the column-block product has no vdpbf16ps (AVX2, AVX512F without BF16) or,
-    on AMX CPUs, no tile path: up
-    to `max_rows` rows through the native small-batch product (csrc/gemv.cpp), which streams the plain
-    [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the same tensor.
-    Quantized weights go to their own product.
+    on AMX CPUs, no tile path: up to `max_rows` rows through the native small-batch product (csrc/gemv.cpp),
+    which streams the plain [out, in] weight at memory speed; larger batches through `F.linear` (bucketed) on the
+    same tensor. Quantized weights go to their own product.
 
     At batch 1 it reads the weights near the machine's streaming bandwidth, several times faster than
     torch's product; the lead shrinks by 8 rows (measured in docs/performance.md)."""

@@ -96,10 +96,10 @@ class LlamaForCausalLM:
         self.ops = ops or TorchLayerOps()  # NativeLayerOps with the cpu attention backend
         self.quantizer = quantizer  # --quantization: projections become QuantizedWeights at load
         # Small decode steps in one native call (cpu backend): bf16 weights plain or packed, float32 weights packed
-        # in column blocks (AVX2 and AVX-512 builds), or GGUF blocks in either dtype (float32 elsewhere keeps oneDNN's packed
-        # weights, which the native step cannot read, or torch's
-        # product where oneDNN is missing, whose sums the native one would not repeat: load_weights drops it there
-        # unless the layers hold GGUF blocks). The native step runs every layer in one call: no all-reduce
+        # in column blocks (AVX2 and AVX-512 builds), or GGUF blocks in either dtype (float32 elsewhere keeps
+        # oneDNN's packed weights, which the native step cannot read, or torch's product where oneDNN is missing,
+        # whose sums the native one would not repeat: load_weights drops it there unless the layers hold GGUF
+        # blocks). The native step runs every layer in one call: no all-reduce
         # between them, so one rank only.
         self.fused: Optional[FusedDecode] = None
         if isinstance(self.ops, NativeLayerOps) and not tp.is_parallel:

@@ -41,7 +41,8 @@ def model_dir(request, tmp_path_factory):
 
 
 def _shape(matrix) -> tuple[int, ...]:
-    """A vocabulary matrix's [rows, hidden], a tensor or packed in column blocks (float32 on AVX2 or AVX-512, AVX512-BF16 bf16)."""
+    """A vocabulary matrix's [rows, hidden], a tensor or packed in column blocks (float32 on AVX2 or AVX-512,
+    bf16 on AVX512-BF16)."""
     return (matrix.out_features, matrix.in_features) if isinstance(matrix, PackedWeight) else tuple(matrix.shape)
 
 

@@ -34,7 +34,8 @@ def test_quantized_engine_serves_the_dequantized_model(model_dir, tmp_path, meth
     with make_llm(model_dir, quantization=method) as llm:
         model = llm.engine.runner.model
         assert all(isinstance(w, weight_type) for w in model.weight_tensors()[:-1])
-        # float (a packed float matrix where the column-block product multiplies: AVX2 float32, AVX512-BF16 bf16)
+        # float (a packed float matrix where the column-block product multiplies: float32 on AVX2 or AVX-512, bf16 on
+        # AVX512-BF16)
         assert isinstance(model.lm_head, (torch.Tensor, PackedWeight)) and isinstance(
             model.embed, (torch.Tensor, PackedWeight)
         )

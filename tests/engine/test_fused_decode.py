@@ -305,8 +305,8 @@ def _embedded_gguf(dtype: str, max_num_seqs: int) -> LLM:
 def test_fused_decode_with_gguf_blocks_equals_the_unfused_ops(
     embedded_checkpoint, arch, extra, dtype, cpu_kernels, monkeypatch
 ):
-    """float32 too (dtype auto on CPUs without native bf16; column blocks on AVX2 and AVX-512 builds, elsewhere oneDNN beside
-    them, engine/platform.py), the GGUF blocks fused.
+    """float32 too (dtype auto on CPUs without native bf16; column blocks on AVX2 and AVX-512 builds, elsewhere
+    oneDNN beside them, engine/platform.py), the GGUF blocks fused.
     `extra`: the projections' biases of a qwen2 GGUF, or the per-head q/k norms of a qwen3 one, added to the
     embedded model's layers."""
     llm = _embedded_gguf(str(dtype).removeprefix("torch."), max_num_seqs=8)
@@ -377,10 +377,11 @@ def test_plain_float32_weights_keep_the_unfused_path_beside_torchs_product(tiny_
 def test_float32_engines_fuse_their_decode_on_column_blocks(
     arch, tiny_llama_dir, tiny_gemma3_dir, cpu_kernels, monkeypatch
 ):
-    """float32 on AVX2 and AVX-512 builds: the column-block product at every row count, so that an engine of any size fuses
-    its decode steps (20 sequences here: past the small-batch product's rows), at every batch size bit for bit the
-    unfused ops' on the same packed weights (the haswell build: the AVX2 tiles on any x86 machine; skylake-avx512:
-    the AVX-512 ones without BF16, as on Skylake-SP and Cascade Lake, where float32 is what `dtype auto` gives)."""
+    """float32 on AVX2 and AVX-512 builds: the column-block product at every row count, so that an engine of any
+    size fuses its decode steps (20 sequences here: past the small-batch product's rows), at every batch size bit
+    for bit the unfused ops' on the same packed weights (the haswell build: the AVX2 tiles on any x86 machine;
+    skylake-avx512: the AVX-512 ones without BF16, as on Skylake-SP and Cascade Lake, where float32 is what
+    `dtype auto` gives)."""
     if arch == NATIVE_ARCH and not cpu_kernels.f32_column_blocks:
         pytest.skip("float32 column blocks are the float32 product of AVX2 and AVX-512 builds only")
     if arch != NATIVE_ARCH:

@@ -90,8 +90,8 @@ def test_plain_products_keep_one_copy_of_the_experts():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_products_match_the_reference(cpu_kernels, dtype):
     """The cpu backend's products and per-token ops (bf16: the column-block or small-batch kernel; float32: column
-    blocks on AVX2 builds, else oneDNN's packed weights), and the batch-invariant product, whose rows do not depend
-    on which other tokens share their expert."""
+    blocks on AVX2 and AVX-512 builds, else oneDNN's packed weights), and the batch-invariant product, whose rows do
+    not depend on which other tokens share their expert."""
     ops = NativeLayerOps(cpu_kernels)
     linears = [BatchInvariantLinear(cpu_kernels)]
     chosen = cpu_linear(CpuAttentionBackend(cpu_kernels), dtype)

@@ -52,6 +52,10 @@ namespace column_blocks {
 
 constexpr int64_t kBlockN = 64;
 #if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
+// float32 tiles in vector registers (below): the engine's float32 product where built (invariant_linear.cpp's probe)
+#define PAGEDSERVE_COLUMN_BLOCKS_F32_TILES 1
+#endif
+#if defined(PAGEDSERVE_COLUMN_BLOCKS_F32_TILES)
 // AVX-512: 6 x 4 = 24 of the 32 registers accumulate, the 4 weight vectors and a broadcast beside them; AVX2:
 // 12 of the 16, in parts (below)
 constexpr int kRowsPerTile = 6;

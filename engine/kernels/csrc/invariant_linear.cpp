@@ -46,7 +46,7 @@ int64_t pagedserve_amx_tiles() {
 }
 
 int64_t pagedserve_column_blocks_f32_native() {  // 1 where the float32 product has vector tiles (AVX2 or AVX-512)
-#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
+#if defined(PAGEDSERVE_COLUMN_BLOCKS_F32_TILES)
     return 1;
 #else
     return 0;
