@@ -1,6 +1,7 @@
-"""The CPU backend: decodes through the native paged kernel; bf16 prompt chunks through the native prefill
-kernel (csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX); other chunks that continue a cached
-prefix as two mask-free flash calls (prefix_attention.py), the rest as the torch backend does."""
+"""The CPU backend: decodes through the native paged kernel; prompt chunks through the native prefill kernels
+(bf16: csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX; float32: prefill_attention_f32.cpp,
+AVX-512 or AVX2 builds); other chunks that continue a cached prefix as two mask-free flash calls
+(prefix_attention.py), the rest as the torch backend does."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         prefix = chunk.context_len - chunk.query_len
         plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
         if plain and layer.latent_rank is None and self._native_prefill(query, key_cache, value_cache):
-            # the chunk's own K/V are in the cache already (written before attention), as bf16 as the step's
+            # the chunk's own K/V are in the cache already (written before attention), in the step's dtype
             return self.kernels.prefill_attention(
                 query.contiguous(), key_cache, value_cache, chunk.block_table, chunk.context_len, layer.scale
             )
@@ -109,16 +110,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out[0].transpose(0, 1)  # [query_len, num_heads, head_dim]
 
     def _native_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-        """Whether csrc/prefill_attention.cpp serves this chunk: an AVX512-BF16 build on a CPU without AMX, bf16
-        queries over bf16 or fp8 caches (the kernel widens fp8 as it reads it; an fp32 cache under a bf16 model
-        keeps the torch path, which rounds the chunk's keys as its own), a head size it is built for, and a
-        cache read as stored (fp8's scale 1)."""
+        """Whether a native prefill kernel serves this chunk: bf16 queries over bf16 or fp8 caches on an
+        AVX512-BF16 build of a CPU without AMX (the kernel widens fp8 as it reads it; an fp32 cache under a bf16
+        model keeps the torch path, which rounds the chunk's keys as its own), float32 queries over a float32
+        cache on an AVX-512 or AVX2 build (torch's flash kernel runs float32 on FMAs on AMX CPUs too); a head
+        size they are built for, and a cache read as stored (fp8's scale 1)."""
         return (
-            not self.torch_uses_amx
-            and self.kernels.prefill_attention_native
-            and query.dtype == torch.bfloat16
+            not (query.dtype == torch.bfloat16 and self.torch_uses_amx)
             and key_cache.dtype == value_cache.dtype
-            and key_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+            and self.kernels.prefill_attention_serves(query.dtype, key_cache.dtype)
             and kv_scale(key_cache.dtype) == 1.0
             and query.shape[-1] in PREFILL_HEAD_DIMS
             and value_cache.shape == key_cache.shape

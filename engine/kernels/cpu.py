@@ -48,6 +48,7 @@ SOURCES = (
     "quant_dense_bf16.cpp",
     "lora_add.cpp",
     "prefill_attention.cpp",
+    "prefill_attention_f32.cpp",
     "team_split.cpp",
 )
 HEADERS = (
@@ -70,7 +71,8 @@ FP8_CACHE_KERNELS = ("paged_decode", "decode_layers")
 """The kernels that also read and write a KV cache of float8 e4m3 (`pagedserve_<name>_<f32|bf16>_fp8`:
 queries, activations and outputs in the model's dtype)."""
 PREFILL_HEAD_DIMS = (64, 128)
-"""The head sizes csrc/prefill_attention.cpp is built for (others keep torch's attention)."""
+"""The head sizes csrc/prefill_attention.cpp and prefill_attention_f32.cpp are built for (others keep torch's
+attention)."""
 BUILD_SECONDS = 15
 """What a first start's build of all SOURCES takes on a 2-core development machine, beside the model's
 conversion (one compiler process per source, as many at once as the process has CPUs; paged_decode.cpp alone
@@ -295,16 +297,28 @@ class CpuKernels:
                     address = ctypes.cast(function, ctypes.c_void_p).value
                     assert address is not None  # a symbol the library exports (getattr raised otherwise)
                     self._functions[name, dtype, cache_dtype] = address
-        # bf16 prompt chunks' attention on vdpbf16ps (csrc/prefill_attention.cpp): AVX512-BF16 builds only
-        native = self._library.pagedserve_prefill_attention_native
-        native.restype = ctypes.c_int64
-        self.prefill_attention_native = bool(native())
-        self._prefill_attention_fns = {  # per KV cache dtype (the queries are bf16)
-            cache_dtype: ctypes.cast(
-                getattr(self._library, f"pagedserve_prefill_attention_{suffix}"), ctypes.c_void_p
-            ).value
-            for cache_dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float8_e4m3fn, "bf16_fp8"))
+        # prompt chunks' attention: bf16 on vdpbf16ps (csrc/prefill_attention.cpp, AVX512-BF16 builds), float32
+        # on FMAs (prefill_attention_f32.cpp, AVX-512 or AVX2 builds); per (query dtype, KV cache dtype), the
+        # pairs this build serves
+        self._prefill_attention_fns: dict[tuple[torch.dtype, torch.dtype], int] = {}
+        builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
+            "native": ((torch.bfloat16, torch.bfloat16, "bf16"), (torch.bfloat16, torch.float8_e4m3fn, "bf16_fp8")),
+            "f32_native": ((torch.float32, torch.float32, "f32"),),
         }
+        for name, pairs in builds.items():
+            has = getattr(self._library, f"pagedserve_prefill_attention_{name}")
+            has.restype = ctypes.c_int64
+            if has():
+                for query_dtype, cache_dtype, suffix in pairs:
+                    entry = getattr(self._library, f"pagedserve_prefill_attention_{suffix}")
+                    address = ctypes.cast(entry, ctypes.c_void_p).value
+                    assert address is not None
+                    self._prefill_attention_fns[query_dtype, cache_dtype] = address
+
+    def prefill_attention_serves(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        """Whether this build has a prefill attention kernel for queries of `query_dtype` over a KV cache of
+        `cache_dtype`: bf16 over bf16 or fp8 on AVX512-BF16 builds, float32 over float32 on AVX-512 or AVX2."""
+        return (query_dtype, cache_dtype) in self._prefill_attention_fns
 
     def paged_decode(
         self,
@@ -585,32 +599,32 @@ class CpuKernels:
 
     def prefill_attention(
         self,
-        query: torch.Tensor,  # [query_len, heads, head_dim] bf16: the chunk's queries
-        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16 or fp8, the chunk's K/V written
+        query: torch.Tensor,  # [query_len, heads, head_dim] bf16 or float32: the chunk's queries
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], the chunk's K/V written
         value_cache: torch.Tensor,
         block_table: torch.Tensor,  # [>= blocks of context_len] int32: the sequence's
         context_len: int,  # the cached prefix and the chunk
         scale: float,
     ) -> torch.Tensor:
         """Causal attention of a prompt chunk at positions [context_len - query_len, context_len) over every key
-        of its sequence up to its own, read in place from the paged cache (csrc/prefill_attention.cpp). Needs
-        `prefill_attention_native` and a head_dim in PREFILL_HEAD_DIMS."""
+        of its sequence up to its own, read in place from the paged cache (csrc/prefill_attention.cpp for bf16
+        queries over bf16 or fp8 caches, prefill_attention_f32.cpp for float32 over float32). Needs
+        `prefill_attention_serves(query.dtype, key_cache.dtype)` and a head_dim in PREFILL_HEAD_DIMS."""
         query_len, heads, head_dim = query.shape
         _, block_size, kv_heads, cache_head_dim = key_cache.shape
-        if not self.prefill_attention_native or head_dim not in PREFILL_HEAD_DIMS:
-            raise ValueError(f"no prefill attention kernel for head_dim {head_dim} in this build")
+        function = self._prefill_attention_fns.get((query.dtype, key_cache.dtype))
+        if function is None or value_cache.dtype != key_cache.dtype or block_table.dtype != torch.int32:
+            raise ValueError(
+                f"no prefill attention kernel in this build for {query.dtype} queries over a {key_cache.dtype} "
+                f"cache with a {block_table.dtype} block table (bf16 over bf16 or fp8 on AVX512-BF16, float32 over "
+                "float32 on AVX-512 or AVX2; int32 tables)"
+            )
+        if head_dim not in PREFILL_HEAD_DIMS:
+            raise ValueError(f"no prefill attention kernel for head_dim {head_dim}")
         if cache_head_dim != head_dim or value_cache.shape != key_cache.shape or heads % kv_heads:
             raise ValueError(f"query {tuple(query.shape)} does not fit a cache of {tuple(key_cache.shape)}")
         if not query_len <= context_len <= block_table.numel() * block_size:
             raise ValueError(f"{query_len} queries at context {context_len} do not fit the block table")
-        function = self._prefill_attention_fns.get(key_cache.dtype)
-        if (
-            query.dtype != torch.bfloat16
-            or value_cache.dtype != key_cache.dtype
-            or function is None
-            or block_table.dtype != torch.int32
-        ):
-            raise ValueError("prefill_attention takes bf16 queries, bf16 or fp8 caches and an int32 block table")
         for tensor in (query, key_cache, value_cache, block_table):
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError("prefill_attention takes contiguous CPU tensors")

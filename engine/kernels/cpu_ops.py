@@ -53,7 +53,8 @@ SIGNATURES: dict[str, list[type[ctypes._SimpleCData[Any]]]] = {
 PROTOTYPES = {name: ctypes.CFUNCTYPE(None, *argtypes) for name, argtypes in SIGNATURES.items()}
 
 PREFILL_ATTENTION = ctypes.CFUNCTYPE(ctypes.c_int64, *([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]))
-"""`pagedserve_prefill_attention_bf16` (bf16 only, so outside SIGNATURES' per-dtype pairs): 1 when it ran."""
+"""`pagedserve_prefill_attention_<bf16|bf16_fp8|f32>` (outside SIGNATURES' per-dtype pairs: which of them a build
+serves depends on its instruction set): 1 when it ran."""
 
 
 class Overloads:

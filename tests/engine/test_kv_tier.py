@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.kv_tier.block_copy import payload_bytes
@@ -195,7 +196,11 @@ def test_an_fp8_cache_restores_from_disk_with_identical_tokens(
 
     if prompt_attention == "torch":
         monkeypatch.setattr(cpu_backend, "torch_bf16_products_use_amx", lambda: True)
-    elif cpu_kernels is None or not cpu_kernels.prefill_attention_native or cpu_backend.torch_bf16_products_use_amx():
+    elif (
+        cpu_kernels is None
+        or not cpu_kernels.prefill_attention_serves(torch.bfloat16, torch.float8_e4m3fn)
+        or cpu_backend.torch_bf16_products_use_amx()
+    ):
         pytest.skip("prompt chunks run on torch's attention here")
     native_calls = []
     native = CpuKernels.prefill_attention

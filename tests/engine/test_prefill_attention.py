@@ -1,9 +1,12 @@
-"""The native prefill attention (csrc/prefill_attention.cpp) against float64 softmax attention: prompt chunks
-that start a sequence or continue a cached prefix, read from a paged cache with scattered blocks; GQA groups of
-1 to 7; head_dim 64 and 128; chunks across its 32-position tiles and 32-key tiles; and the CPU backend routing
-bf16 chunks to it (other dtypes, builds without AVX512-BF16 and AMX CPUs keep torch's attention)."""
+"""The native prefill attentions (csrc/prefill_attention.cpp for bf16, prefill_attention_f32.cpp for float32)
+against float64 softmax attention: prompt chunks that start a sequence or continue a cached prefix, read from a
+paged cache with scattered blocks; GQA groups of 1 to 7; head_dim 64 and 128; chunks across their position
+tiles and key tiles; and the CPU backend routing chunks to them (bf16 on AVX512-BF16 builds of CPUs without AMX,
+float32 on AVX-512 or AVX2 builds; other dtypes and builds keep torch's attention)."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
@@ -14,17 +17,36 @@ from engine.attention.metadata import PrefillChunk
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import load_cpu_kernels
-from tests.engine.cpu_flags import cpu_has
+from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
+
+BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture(scope="module")
 def kernels(cpu_kernels):
-    if not cpu_kernels.prefill_attention_native:
-        pytest.skip("this build has no AVX512-BF16: torch's attention serves prompt chunks")
+    if not cpu_kernels.prefill_attention_serves(BF16, BF16):
+        pytest.skip("this build has no AVX512-BF16: torch's attention serves bf16 prompt chunks")
     return cpu_kernels
 
 
-def _paged(gen, context: int, block_size: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16):
+@pytest.fixture(scope="module", params=["native", *FLOAT32_TILE_ARCHES])
+def f32_kernels(request, cpu_kernels):
+    """The float32 kernel of this CPU's build, and of the AVX2 (haswell) and AVX-512 (skylake-avx512) builds
+    where this CPU runs them."""
+    if request.param == "native":
+        kernels = cpu_kernels
+    else:
+        if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*FLOAT32_TILE_ARCHES[request.param]):
+            pytest.skip(f"this CPU cannot run -march={request.param} code")
+        kernels = load_cpu_kernels(arch=request.param)
+        assert kernels is not None, f"the -march={request.param} build failed"
+    if not kernels.prefill_attention_serves(torch.float32, torch.float32):
+        pytest.skip("this build has neither AVX-512 nor AVX2: torch's attention serves float32 prompt chunks")
+    return kernels
+
+
+def _paged(gen, context: int, block_size: int, kv_heads: int, head_dim: int, dtype=BF16):
     """A cache of scattered blocks holding `context` tokens, and its block table (a spare block unused)."""
     blocks = -(-context // block_size)
     num_blocks = blocks + 3
@@ -61,10 +83,7 @@ SHAPES = [
 ]
 
 
-FP8 = torch.float8_e4m3fn
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("cache_dtype", [BF16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("query_len, prefix, heads, kv_heads, head_dim, block_size", SHAPES)
 def test_matches_float64_reference(kernels, query_len, prefix, heads, kv_heads, head_dim, block_size, cache_dtype):
     """bf16 caches, and fp8 ones (--kv-cache-dtype fp8) against the reference over the values they store."""
@@ -81,6 +100,37 @@ def test_matches_float64_reference(kernels, query_len, prefix, heads, kv_heads, 
     torch.testing.assert_close(got.double(), expected, atol=1.5e-2, rtol=1.5e-2)
 
 
+@pytest.mark.parametrize("query_len, prefix, heads, kv_heads, head_dim, block_size", SHAPES)
+def test_float32_matches_float64_reference(f32_kernels, query_len, prefix, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(query_len * 1000 + prefix + head_dim)
+    context = prefix + query_len
+    key_cache, value_cache, table = _paged(gen, context, block_size, kv_heads, head_dim, torch.float32)
+    query = torch.randn(query_len, heads, head_dim, generator=gen) * 2
+    scale = head_dim**-0.5
+    got = f32_kernels.prefill_attention(query, key_cache, value_cache, table, context, scale)
+    assert got.shape == query.shape and got.dtype == torch.float32
+    expected = _reference(query, key_cache, value_cache, table, context, scale)
+    # float32 sums over up to ~1,000 keys (the 2^-24 rounding of each, and the exponential's ~2e-7)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_float32_builds_agree_bit_for_bit_at_head_dim_64():
+    """Each row's sums run in one lane, over the keys in order: the AVX2 and AVX-512 builds give the same bits
+    where their key tiles are the same size (32 keys; AVX-512 takes 16 at head_dim 128)."""
+    arches = [arch for arch, flags in FLOAT32_TILE_ARCHES.items() if cpu_has(*flags)]
+    if platform.machine() not in ("x86_64", "AMD64") or len(arches) < 2:
+        pytest.skip("this CPU cannot run both the haswell and the skylake-avx512 builds")
+    gen = torch.Generator().manual_seed(8)
+    key_cache, value_cache, table = _paged(gen, 500, 16, 3, 64, torch.float32)
+    query = torch.randn(150, 9, 64, generator=gen) * 2
+    outputs = []
+    for arch in arches:
+        kernels = load_cpu_kernels(arch=arch)
+        assert kernels is not None
+        outputs.append(kernels.prefill_attention(query, key_cache, value_cache, table, 500, 0.125))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_fp8_caches_without_vbmi_widen_alike(kernels):
     """A build for an AVX512-BF16 CPU without VBMI (Cooper Lake) widens fp8 by arithmetic, not byte lookups:
     the same bits as the native build (whose conversions are exact either way)."""
@@ -89,7 +139,7 @@ def test_fp8_caches_without_vbmi_widen_alike(kernels):
     if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx512_bf16", "avx512bw", "avx512vbmi"):
         pytest.skip("this CPU cannot run -march=cooperlake code, or its native build has no VBMI to compare")
     cooperlake = load_cpu_kernels(arch="cooperlake")
-    assert cooperlake is not None and cooperlake.prefill_attention_native
+    assert cooperlake is not None and cooperlake.prefill_attention_serves(BF16, FP8)
     gen = torch.Generator().manual_seed(9)
     key_cache, value_cache, table = _paged(gen, 300, 16, 3, 64, FP8)
     query = torch.randn(100, 9, 64, generator=gen).bfloat16()
@@ -99,16 +149,19 @@ def test_fp8_caches_without_vbmi_widen_alike(kernels):
     )
 
 
-def test_one_thread_and_the_team_agree(kernels):
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "float32"])
+def test_one_thread_and_the_team_agree(cpu_kernels, dtype):
     """Work items (kv head, position tile) are independent: the thread count does not change a bit."""
+    if not cpu_kernels.prefill_attention_serves(dtype, dtype):
+        pytest.skip(f"this build has no {dtype} prefill attention")
     gen = torch.Generator().manual_seed(3)
-    key_cache, value_cache, table = _paged(gen, 300, 16, 3, 64)
-    query = torch.randn(100, 9, 64, generator=gen).bfloat16()
-    team = kernels.prefill_attention(query, key_cache, value_cache, table, 300, 0.125)
+    key_cache, value_cache, table = _paged(gen, 300, 16, 3, 64, dtype)
+    query = torch.randn(100, 9, 64, generator=gen).to(dtype)
+    team = cpu_kernels.prefill_attention(query, key_cache, value_cache, table, 300, 0.125)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = kernels.prefill_attention(query, key_cache, value_cache, table, 300, 0.125)
+        alone = cpu_kernels.prefill_attention(query, key_cache, value_cache, table, 300, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(team, alone)
@@ -120,8 +173,8 @@ def test_rejects_what_it_cannot_serve(kernels):
     with pytest.raises(ValueError, match="head_dim 80"):
         kernels.prefill_attention(torch.randn(8, 4, 80).bfloat16(), key_cache, value_cache, table, 40, 0.1)
     key_cache, value_cache, table = _paged(gen, 40, 16, 2, 64)
-    with pytest.raises(ValueError, match="bf16"):
-        kernels.prefill_attention(torch.randn(8, 4, 64), key_cache.float(), value_cache.float(), table, 40, 0.1)
+    with pytest.raises(ValueError, match="no prefill attention kernel in this build for torch.float32 queries"):
+        kernels.prefill_attention(torch.randn(8, 4, 64), key_cache, value_cache, table, 40, 0.1)  # over bf16
     with pytest.raises(ValueError, match="block table"):
         kernels.prefill_attention(torch.randn(8, 4, 64).bfloat16(), key_cache, value_cache, table, 400, 0.1)
 
@@ -130,35 +183,67 @@ def _layer(head_dim: int) -> LayerAttention:
     return LayerAttention(scale=head_dim**-0.5)
 
 
-@pytest.mark.parametrize("prefix", [0, 45])
-def test_the_cpu_backend_takes_bf16_chunks_to_it(kernels, prefix):
-    """The backend's bf16 chunk (its K/V written to the cache first, as the models do) comes out as the torch
-    backend's within bf16 tolerance, through the kernel (on AMX CPUs through torch's flash attention, which
-    runs on the tiles there)."""
-    gen = torch.Generator().manual_seed(prefix + 11)
+def _chunk_of_cache(gen, prefix: int, dtype: torch.dtype):
+    """A 40-token chunk after `prefix` cached tokens (9 heads over 3 kv heads of 64): its queries, its own K/V as
+    the step has them (already written to the cache, as the models do), the caches and its PrefillChunk."""
     query_len, heads, kv_heads, head_dim = 40, 9, 3, 64
     context = prefix + query_len
-    key_cache, value_cache, table = _paged(gen, context, 16, kv_heads, head_dim)
-    query = torch.randn(query_len, heads, head_dim, generator=gen).bfloat16()
+    key_cache, value_cache, table = _paged(gen, context, 16, kv_heads, head_dim, dtype)
+    query = torch.randn(query_len, heads, head_dim, generator=gen).to(dtype)
     positions = torch.arange(prefix, context)
     slots = table.long()[positions // 16] * 16 + positions % 16
     key = key_cache.view(-1, kv_heads, head_dim)[slots]
     value = value_cache.view(-1, kv_heads, head_dim)[slots]
     chunk = PrefillChunk(query_start=0, query_len=query_len, context_len=context, block_table=table)
+    return query, key, value, key_cache, value_cache, chunk
+
+
+@pytest.mark.parametrize("prefix", [0, 45])
+def test_the_cpu_backend_takes_bf16_chunks_to_it(kernels, prefix):
+    """The backend's bf16 chunk comes out as the torch backend's within bf16 tolerance, through the kernel (on
+    AMX CPUs through torch's flash attention, which runs on the tiles there)."""
+    query, key, value, key_cache, value_cache, chunk = _chunk_of_cache(
+        torch.Generator().manual_seed(prefix + 11), prefix, BF16
+    )
     backend = CpuAttentionBackend(kernels)
     assert backend._native_prefill(query, key_cache, value_cache) == (not torch_bf16_products_use_amx())
-    got = backend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(head_dim))
-    expected = TorchAttentionBackend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(head_dim))
+    got = backend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(64))
+    expected = TorchAttentionBackend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(64))
     torch.testing.assert_close(got.double(), expected.double(), atol=1.5e-2, rtol=1.5e-2)
-    assert not backend._native_prefill(query.float(), key_cache.float(), value_cache.float())  # float32: torch's
+    # a float32 query over this bf16 cache (a float32 model with --kv-cache-dtype bfloat16): torch's
+    assert not backend._native_prefill(query.float(), key_cache, value_cache)
 
 
-def test_builds_without_avx512_bf16_leave_chunks_to_torch(cpu_kernels):
-    """The -march=haswell build compiles the kernel's stand-in: the backend never calls it there."""
+@pytest.mark.parametrize("prefix", [0, 45])
+def test_the_cpu_backend_takes_float32_chunks_to_it(f32_kernels, prefix, monkeypatch):
+    """float32 chunks over a float32 cache run on the kernel (AMX CPUs too: torch's flash kernel runs float32 on
+    FMAs there) and come out as the torch backend's within float32 rounding."""
+    calls = []
+    serve = f32_kernels.prefill_attention
+    monkeypatch.setattr(f32_kernels, "prefill_attention", lambda *a: calls.append(1) or serve(*a))
+    gen = torch.Generator().manual_seed(prefix + 12)
+    query, key, value, key_cache, value_cache, chunk = _chunk_of_cache(gen, prefix, torch.float32)
+    backend = CpuAttentionBackend(f32_kernels)
+    got = backend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(64))
+    assert calls == [1]
+    expected = TorchAttentionBackend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(64))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_builds_without_avx512_bf16_leave_bf16_chunks_to_torch(cpu_kernels):
+    """The -march=haswell build compiles the bf16 kernel's stand-in (the backend never calls it there) and the
+    float32 kernel's AVX2 loops; -march=x86-64 (SSE2) has neither."""
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*FLOAT32_TILE_ARCHES["haswell"]):
+        pytest.skip("this CPU cannot run -march=haswell code")
     haswell = load_cpu_kernels(arch="haswell")
-    if haswell is None:
-        pytest.skip("no haswell build here")
-    assert not haswell.prefill_attention_native
-    query = torch.randn(4, 2, 64).bfloat16()
-    cache = torch.randn(2, 16, 1, 64).bfloat16()
-    assert not CpuAttentionBackend(haswell)._native_prefill(query, cache, cache)
+    assert haswell is not None
+    assert not haswell.prefill_attention_serves(BF16, BF16) and not haswell.prefill_attention_serves(BF16, FP8)
+    assert haswell.prefill_attention_serves(torch.float32, torch.float32)
+    query = torch.randn(4, 2, 64)
+    cache = torch.randn(2, 16, 1, 64)
+    backend = CpuAttentionBackend(haswell)
+    assert not backend._native_prefill(query.bfloat16(), cache.bfloat16(), cache.bfloat16())
+    assert backend._native_prefill(query, cache, cache)
+    portable = load_cpu_kernels(arch="x86-64")
+    assert portable is not None
+    assert not any(portable.prefill_attention_serves(q, c) for q, c in ((BF16, BF16), (torch.float32, torch.float32)))
