@@ -104,8 +104,9 @@ def main() -> None:
             flops, medians, difference = result
             native, fallback = medians["native"], medians["torch"]
             print(
-                f"{label}: native {native * 1e3:.1f} ms = {flops / native / 1e9:.0f} GFLOP/s, torch {fallback * 1e3:.1f}"
-                f" ms = {flops / fallback / 1e9:.0f} GFLOP/s, native / torch {native / fallback:.2f}"
+                f"{label}: native {native * 1e3:.1f} ms = {flops / native / 1e9:.0f} GFLOP/s,"
+                f" torch {fallback * 1e3:.1f} ms = {flops / fallback / 1e9:.0f} GFLOP/s,"
+                f" native / torch {native / fallback:.2f}"
                 f" (outputs differ by at most {difference:.1e})"
             )
 

@@ -14,9 +14,9 @@
 // keys) first, spread dynamically over the threads: the threads read one kv head's K/V at a time, which stays in
 // the caches from item to item (taken tile by tile across the kv heads, 8 or 16 heads' K/V of a long context
 // did not fit the L3 and every item read its own from memory). The next key tile's rows are prefetched while a
-// tile runs: the cache's rows of one kv head lie token_size apart, a stride the hardware prefetchers do not follow. An item's rows are its positions x the kv head's GQA group of query heads, and
-// a vector holds W rows (16 on AVX-512, 8 on AVX2), not W keys: the query is transposed once per item (qt[d]
-// holds dim d of every row), so that
+// tile runs: the cache's rows of one kv head lie token_size apart, a stride the hardware prefetchers do not follow.
+// An item's rows are its positions x the kv head's GQA group of query heads, and a vector holds W rows (16 on
+// AVX-512, 8 on AVX2), not W keys: the query is transposed once per item (qt[d] holds dim d of every row), so that
 //   a score vector is D FMAs of qt[d] with key j's dim d broadcast, read in place from the cache;
 //   the online softmax runs lane-wise, one row per lane: the running max, the correction and the sums are
 //   vectors, no horizontal reductions;
@@ -160,7 +160,8 @@ void block_scores(const Scratch<D>& sc, int64_t base, const float* const* keys, 
             }
         }
         for (int k = 0; k < K; ++k)
-            for (int v = 0; v < kRowVecs; ++v) Lanes::store(sc.s + (j0 + k) * kBlockRows + v * W, Lanes::mul(acc[k][v], factor));
+            for (int v = 0; v < kRowVecs; ++v)
+                Lanes::store(sc.s + (j0 + k) * kBlockRows + v * W, Lanes::mul(acc[k][v], factor));
     }
 }
 
