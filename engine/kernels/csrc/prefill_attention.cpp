@@ -22,7 +22,7 @@
 //                vdpbf16ps per row with the row's probability pair kp broadcast
 //   the online softmax per row in float32 (running max m, moved only when a score exceeds it; the sums of the
 //   unrounded probabilities kept per lane); the probabilities are rounded to bf16 for P.V (as flash attention
-//   on GPUs does), the accumulators are float32.
+//   on GPUs does), so their exponential is exp16_bf16's, good to ~4e-5; the accumulators are float32.
 // Rows run in blocks of kRows (their accumulators in registers). Built and loaded by engine/kernels/cpu.py;
 // engine/attention/cpu_backend.py calls it for bf16 chunks without windows, soft-caps or sinks.
 
@@ -51,7 +51,7 @@ constexpr int64_t kQTile = 32;  // query positions per work item
 constexpr int kKTile = 32;      // keys per step: two vectors of 16 scores per row
 constexpr int kRows = 4;        // rows whose scores (and P.V accumulators) are held in registers together
 
-using pagedserve::exp16;
+using pagedserve::exp16_bf16;
 
 inline __m512 bf16_pairs(__m512i x) { return _mm512_castsi512_ps(x); }
 
@@ -113,7 +113,7 @@ void scores_and_softmax(const uint16_t* const* q, const int64_t* limit, int64_t 
         }
         __m512 p[2];
         for (int h = 0; h < 2; ++h)
-            p[h] = _mm512_maskz_mov_ps(visible[h], exp16(_mm512_sub_ps(scores[h], _mm512_set1_ps(new_max))));
+            p[h] = _mm512_maskz_mov_ps(visible[h], exp16_bf16(_mm512_sub_ps(scores[h], _mm512_set1_ps(new_max))));
         // the sums per lane, added up at the end
         const __m512 sums = _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), _mm512_set1_ps(correction),
                                             _mm512_add_ps(p[0], p[1]));
