@@ -504,7 +504,6 @@ constexpr int64_t kPartialHeader = 16;     // floats before a part's sums: runni
 constexpr int64_t kPartialSize = kPartialHeader + 256;  // floats per head of a part (head_dim <= 256)
 
 using pagedserve::exp16;
-using pagedserve::exp16_bf16;
 
 // softcap * tanh(x / softcap) on 16 lanes, tanh(y) = 1 - 2 / (exp(2y) + 1): exp16's clamp keeps it in [-1, 1].
 inline __m512 softcap16(__m512 x, float softcap) {
@@ -800,9 +799,7 @@ void attend_pass(const T* q, const C* key_cache, const C* value_cache, const int
                 correction[h] = fast_exp(running_max[h] - new_max);
                 rescale = true;
             }
-            // probabilities that P.V takes as bf16 pairs need only exp16_bf16's ~4e-5
-            const __m512 shifted = _mm512_sub_ps(scores, _mm512_set1_ps(new_max));
-            const __m512 p = _mm512_maskz_mov_ps(valid, kPairedV<T> ? exp16_bf16(shifted) : exp16(shifted));
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
             running_sum[h] = _mm512_fmadd_ps(running_sum[h], _mm512_set1_ps(correction[h]), p);
             running_max[h] = new_max;
             _mm512_store_ps(probs[h], p);
