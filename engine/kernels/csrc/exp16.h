@@ -1,6 +1,7 @@
-// exp on 16 float32 lanes (AVX-512): common.h's fast_exp vectorized, with its clamp, reduction and polynomial,
-// so a kernel's vector and scalar exponentials agree; and a shorter one for probabilities rounded to bf16. Shared
-// by the attention kernels (paged_decode.cpp, prefill_attention.cpp).
+// exp on 16 float32 lanes (AVX-512) and on 8 (AVX2 with FMA): common.h's fast_exp vectorized, with its clamp,
+// reduction and polynomial, so a kernel's vector and scalar exponentials agree; and a shorter one for
+// probabilities rounded to bf16. Shared by the attention kernels (paged_decode.cpp, prefill_attention.cpp,
+// prefill_attention_f32.cpp).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -40,6 +41,35 @@ inline __m512 exp16_bf16(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace pagedserve
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace pagedserve {
+
+// exp16 on 8 lanes: the same clamp, reduction and polynomial.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256i ki = _mm256_cvttps_epi32(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                           _mm256_set1_ps(128.5f)));
+    const __m256 k = _mm256_sub_ps(_mm256_cvtepi32_ps(ki), _mm256_set1_ps(128.0f));
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // 2^k: (k + 127) << 23 with k = ki - 128
+    const __m256i two_k = _mm256_slli_epi32(_mm256_sub_epi32(ki, _mm256_set1_epi32(1)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
 }
 
 }  // namespace pagedserve

@@ -41,9 +41,7 @@
 #define PAGEDSERVE_PREFILL_F32 1
 #include <immintrin.h>
 
-#if defined(__AVX512F__)
 #include "exp16.h"
-#endif
 
 namespace {
 
@@ -83,23 +81,7 @@ struct Lanes {
     static V add(V a, V b) { return _mm256_add_ps(a, b); }
     static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
     static V max(V a, V b) { return _mm256_max_ps(a, b); }
-    // common.h's fast_exp on 8 lanes (exp16.h's polynomial, same clamp and reduction)
-    static V exp(V x) {
-        x = _mm256_max_ps(_mm256_min_ps(x, set1(88.0f)), set1(-87.0f));
-        const __m256i ki = _mm256_cvttps_epi32(_mm256_fmadd_ps(x, set1(1.44269504088896341f), set1(128.5f)));
-        const V k = _mm256_sub_ps(_mm256_cvtepi32_ps(ki), set1(128.0f));
-        V r = _mm256_fnmadd_ps(k, set1(0.693359375f), x);
-        r = _mm256_fmadd_ps(k, set1(2.12194440e-4f), r);
-        V p = set1(1.9875691500e-4f);
-        p = _mm256_fmadd_ps(p, r, set1(1.3981999507e-3f));
-        p = _mm256_fmadd_ps(p, r, set1(8.3334519073e-3f));
-        p = _mm256_fmadd_ps(p, r, set1(4.1665795894e-2f));
-        p = _mm256_fmadd_ps(p, r, set1(1.6666665459e-1f));
-        p = _mm256_fmadd_ps(p, r, set1(5.0000001201e-1f));
-        p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, set1(1.0f)));
-        const __m256i two_k = _mm256_slli_epi32(_mm256_sub_epi32(ki, _mm256_set1_epi32(1)), 23);
-        return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
-    }
+    static V exp(V x) { return pagedserve::exp8(x); }
     static V visible(V key, V limit, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(key, limit, _CMP_LE_OQ)); }
     static bool any_greater(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
 };
