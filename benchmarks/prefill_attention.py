@@ -31,6 +31,8 @@ CASES = (
     (512, 3500, 12, 3, 128),
     (512, 3500, 32, 16, 64),  # rows 4 KB apart in a float32 cache, as at 32 x 8 x 128
     (256, 0, 9, 3, 64),  # a short prompt
+    (8, 4000, 9, 3, 64),  # a few tokens after a prefix-cache hit
+    (1, 4000, 32, 8, 128),
 )
 
 

@@ -302,7 +302,10 @@ class CpuKernels:
         # pairs this build serves
         self._prefill_attention_fns: dict[tuple[torch.dtype, torch.dtype], int] = {}
         builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
-            "native": ((torch.bfloat16, torch.bfloat16, "bf16"), (torch.bfloat16, torch.float8_e4m3fn, "bf16_fp8")),
+            "bf16_native": (
+                (torch.bfloat16, torch.bfloat16, "bf16"),
+                (torch.bfloat16, torch.float8_e4m3fn, "bf16_fp8"),
+            ),
             "f32_native": ((torch.float32, torch.float32, "f32"),),
         }
         for name, pairs in builds.items():

@@ -19,7 +19,7 @@ arguments each one writes.
     cpu_lora_add_(x, out!, a, b, slots, scales, ranks, widths, max_rank, grouped, fn) -> ()
                                                                     out += a projection's LoRA deltas
     cpu_prefill_attention(query, key_cache, value_cache, block_table, context_len, scale, fn) -> out
-                                                                    a bf16 prompt chunk over its paged cache
+                                                                    a bf16 or float32 prompt chunk over its cache
 
 `fn` is the address of the compiled function for the arguments' dtype (CpuKernels resolves it): the
 operators hold no reference to a loaded library, so they are defined once, here, whatever loads it.

@@ -22,7 +22,7 @@
 //                vdpbf16ps per row with the row's probability pair kp broadcast
 //   the online softmax per row in float32 (running max m, moved only when a score exceeds it; the sums of the
 //   unrounded probabilities kept per lane); the probabilities are rounded to bf16 for P.V (as flash attention
-//   on GPUs does), so their exponential is exp16_bf16's, good to ~4e-5; the accumulators are float32.
+//   on GPUs does), so their exponential is exp16_bf16's, good to ~6e-5; the accumulators are float32.
 // Rows run in blocks of kRows (their accumulators in registers). Built and loaded by engine/kernels/cpu.py;
 // engine/attention/cpu_backend.py calls it for bf16 chunks without windows, soft-caps or sinks.
 
@@ -295,7 +295,7 @@ void prefill_attention(const uint16_t* query, const C* key_cache, const C* value
 
 extern "C" {
 // 1 when this build has the kernel (AVX512-BF16), 0 otherwise (the caller keeps torch's attention).
-int64_t pagedserve_prefill_attention_native() { return 1; }
+int64_t pagedserve_prefill_attention_bf16_native() { return 1; }
 
 // Returns 0 when head_dim is not one it is built for (64, 128), else computes `out` and returns 1.
 #define PAGEDSERVE_PREFILL_ATTENTION(SUFFIX, C)                                                                 \
@@ -324,7 +324,7 @@ PAGEDSERVE_PREFILL_ATTENTION(bf16_fp8, pagedserve::Fp8E4M3)  // an fp8 cache (--
 #else  // no AVX512-BF16: torch's attention serves these chunks
 
 extern "C" {
-int64_t pagedserve_prefill_attention_native() { return 0; }
+int64_t pagedserve_prefill_attention_bf16_native() { return 0; }
 
 int64_t pagedserve_prefill_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*,
                                           uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,

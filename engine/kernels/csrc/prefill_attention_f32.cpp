@@ -217,14 +217,16 @@ void attend_item(const float* query, const float* key_cache, const float* value_
     // row r: position q0 + r / group, head kv * group + r % group; padding rows: zero queries that see what the
     // last row sees (never written out)
     auto query_row = [&](int64_t r) { return query + ((q0 + r / group) * heads + kv * group + r % group) * D; };
-    for (int64_t r = 0; r < sc.stride; ++r) {
+    // only the blocks that hold rows: a chunk's short last tile, or a chunk of a few tokens, leaves the rest idle
+    const int64_t used = (rows + kBlockRows - 1) / kBlockRows * kBlockRows;
+    for (int64_t r = 0; r < used; ++r) {
         const float* q = r < rows ? query_row(r) : nullptr;
         for (int d = 0; d < D; ++d) sc.qt[d * sc.stride + r] = q ? q[d] : 0.0f;
         sc.limit[r] = static_cast<float>(offset + q0 + std::min(r, rows - 1) / group);
         sc.m[r] = -INFINITY;
         sc.l[r] = 0.0f;
     }
-    std::fill(sc.ot, sc.ot + D * sc.stride, 0.0f);
+    for (int d = 0; d < D; ++d) std::fill(sc.ot + d * sc.stride, sc.ot + d * sc.stride + used, 0.0f);
     const int64_t keys = offset + q1;  // the last row sees keys [0, keys)
     constexpr int tile = kKTile<D>;
     const float* key_rows[tile];
@@ -245,7 +247,7 @@ void attend_item(const float* query, const float* key_cache, const float* value_
                 _mm_prefetch(reinterpret_cast<const char*>(value_cache + at + d), _MM_HINT_T0);
             }
         }
-        for (int64_t base = 0; base < sc.stride; base += kBlockRows) {
+        for (int64_t base = 0; base < used; base += kBlockRows) {
             // rows ascend in position: the block's first row sees the fewest keys, its last the most
             const int64_t first = static_cast<int64_t>(sc.limit[base]);
             const int64_t last = static_cast<int64_t>(sc.limit[base + kBlockRows - 1]);
