@@ -121,5 +121,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and self.kernels.prefill_attention_serves(query.dtype, key_cache.dtype)
             and kv_scale(key_cache.dtype) == 1.0
             and query.shape[-1] in PREFILL_HEAD_DIMS
+            and key_cache.shape[-1] == query.shape[-1]
             and value_cache.shape == key_cache.shape
         )
