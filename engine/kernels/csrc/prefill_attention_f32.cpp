@@ -123,8 +123,8 @@ struct Scratch {
     }
 };
 
-// Scores of the block's rows (from row `base`) against keys[0, count) (count a multiple of kKeys; rows past the
-// tile's visible keys are computed and not read), scaled, into s[j][*].
+// Scores of the block's rows (from row `base`) against keys[0, count), scaled, into s[j][*] (count a multiple of
+// kKeys: keys past the block's visible ones are scored and never read).
 template <int D>
 void block_scores(const Scratch<D>& sc, int64_t base, const float* const* keys, int count, float scale) {
     constexpr int K = Lanes::kKeys;
