@@ -17,14 +17,13 @@ other busy process changes the figures.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Callable
 
 import torch
 
-from benchmarks.machine import cpu_info
+from benchmarks.machine import cpu_line
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in): qkv, o, gate|up, down
 LAYERS = 30
@@ -136,8 +135,7 @@ def main() -> None:
     parser.add_argument("--steps-batches", default="1,4,16,64", help="'' skips the decode steps")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    info = cpu_info()
-    print(f"cpu: {info['model']} ({info['cores']} cores; {' '.join(info['flags'])}); load {os.getloadavg()[0]:.2f}")
+    print(cpu_line())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.rows:
         _products([int(r) for r in args.rows.split(",")], args.rounds)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.machine import cpu_info
+from benchmarks.machine import cpu_line
 
 
 class Clock:
@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     from engine.profiling.memory_bandwidth import read_bandwidth
 
-    info = cpu_info()
-    print(f"cpu: {info['model']} ({info['cores']} cores; {' '.join(info['flags'])}); load {os.getloadavg()[0]:.2f}")
+    print(cpu_line())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     from engine.loading.model_config import cpu_has_fast_bf16
 

@@ -60,6 +60,12 @@ def cpu_info() -> dict:
     }
 
 
+def cpu_line() -> str:
+    """The line a benchmark starts with: CPU model, usable cores, the FLAGS it has, and the load average now."""
+    info = cpu_info()
+    return f"cpu: {info['model']} ({info['cores']} cores; {' '.join(info['flags'])}); load {os.getloadavg()[0]:.2f}"
+
+
 def short_name(info: dict) -> str:
     """e.g. 'amd-epyc-avx512-bf16', 'xeon-platinum-8480-amx': for the results folder's name."""
     model = re.sub(r"\((r|tm)\)|\bcpu\b|\bprocessor\b|@.*$|\d+-core|\bintel\b", " ", info["model"], flags=re.I)

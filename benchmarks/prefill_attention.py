@@ -14,13 +14,12 @@ Run it alone: on 2 cores any other busy process changes the figures.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
-from benchmarks.machine import cpu_info
+from benchmarks.machine import cpu_line
 
 # (chunk, prefix, heads, kv heads, head_dim)
 CASES = (
@@ -87,8 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     from engine.kernels.cpu import load_cpu_kernels
 
-    info = cpu_info()
-    print(f"cpu: {info['model']} ({info['cores']} cores; {' '.join(info['flags'])}); load {os.getloadavg()[0]:.2f}")
+    print(cpu_line())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype}")
     dtype = getattr(torch, args.dtype)
     for arch in args.arch.split(","):

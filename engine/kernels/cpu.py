@@ -62,6 +62,7 @@ HEADERS = (
     "exp16.h",
     "team_split.h",
     "fp8.h",
+    "prefill_items.h",
 )
 FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 NATIVE_ARCH = "native"

@@ -10,10 +10,8 @@
 //                `_fp8` entry point), widened exactly to bf16 as each key tile is packed (fp8.h)
 //   out          [query_len, heads, head_dim] bf16
 //
-// Work items: (kv head, tile of kQTile query positions), kv head after kv head and each one's larger tiles (more
-// keys) first, spread dynamically over the threads, so that one kv head's K/V stay in the caches from item to item;
-// the next key tile's rows are prefetched while a tile is packed and scored (a kv head's rows lie token_size apart,
-// a stride the hardware prefetchers do not follow). An item's rows are its positions x the kv head's GQA group of
+// Work items: (kv head, tile of kQTile query positions), taken in prefill_items.h's order; the next key tile's
+// rows are prefetched while a tile is packed and scored. An item's rows are its positions x the kv head's GQA group of
 // query heads; per tile of kKTile keys:
 //   K packed so that a vector holds one dim pair of 16 keys (Kt[p] lane j: key j's dims 2p, 2p+1; a 16 x 16
 //                transpose of 32-bit pairs): a row's 16 scores are D/2 vdpbf16ps of Kt[p] with the row's dim
@@ -36,12 +34,10 @@
 #include "exp16.h"
 #include "fp8.h"
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+
+#include "prefill_items.h"
 
 namespace {
 
@@ -226,14 +222,8 @@ void attend_item(const uint16_t* query, const C* key_cache, const C* value_cache
     for (int64_t t0 = 0; t0 < keys; t0 += kKTile) {
         const int n = static_cast<int>(std::min<int64_t>(kKTile, keys - t0));
         pack_tile<C, D>(key_cache, value_cache, table, block_size, token_size, kv, t0, n, s);
-        for (int j = 0; j < kKTile && t0 + kKTile + j < keys; ++j) {  // the next tile's rows (see the top)
-            const int64_t t = t0 + kKTile + j;
-            const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_size + kv * D;
-            for (int d = 0; d < D * static_cast<int>(sizeof(C)); d += 64) {
-                _mm_prefetch(reinterpret_cast<const char*>(key_cache + at) + d, _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(value_cache + at) + d, _MM_HINT_T0);
-            }
-        }
+        pagedserve::prefill::prefetch_rows(key_cache, value_cache, table, block_size, token_size, kv * D, D,
+                                           t0 + kKTile, std::min<int64_t>(keys, t0 + 2 * kKTile));  // the next tile
         // rows whose last visible key is before t0 see none of this tile: they are the first rows (positions
         // ascend with r), so the tile starts at the first row that sees it
         const int64_t first = std::max<int64_t>(0, (t0 - offset - q0) * group);
@@ -276,19 +266,13 @@ template <typename C, int D>
 void prefill_attention(const uint16_t* query, const C* key_cache, const C* value_cache,
                        const int32_t* table, uint16_t* out, int64_t query_len, int64_t context_len, int64_t heads,
                        int64_t kv_heads, int64_t block_size, float scale) {
-    const int64_t offset = context_len - query_len, tiles = (query_len + kQTile - 1) / kQTile;
-    const int64_t items = tiles * kv_heads;
-#pragma omp parallel if (items > 1)
-    {
-        Scratch<D> s(kQTile * (heads / kv_heads));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t index = 0; index < items; ++index) {
-            const int64_t tile = tiles - 1 - index % tiles, kv = index / tiles;
-            const int64_t q0 = tile * kQTile, q1 = std::min(query_len, q0 + kQTile);
+    const int64_t offset = context_len - query_len;
+    pagedserve::prefill::for_each_item<Scratch<D>>(
+        query_len, kv_heads, kQTile, kQTile * (heads / kv_heads),
+        [&](int64_t q0, int64_t q1, int64_t kv, Scratch<D>& s) {
             attend_item<C, D>(query, key_cache, value_cache, table, out, q0, q1, offset, heads, kv_heads, kv,
-                           block_size, scale, s);
-        }
-    }
+                              block_size, scale, s);
+        });
 }
 
 }  // namespace

@@ -10,13 +10,10 @@
 //                at block_table[t / block_size], row t % block_size
 //   out          [query_len, heads, head_dim] float32
 //
-// Work items: (kv head, tile of kQTile query positions), kv head after kv head and each one's larger tiles (more
-// keys) first, spread dynamically over the threads: the threads read one kv head's K/V at a time, which stays in
-// the caches from item to item (taken tile by tile across the kv heads, 8 or 16 heads' K/V of a long context
-// did not fit the L3 and every item read its own from memory). The next key tile's rows are prefetched while a
-// tile runs: the cache's rows of one kv head lie token_size apart, a stride the hardware prefetchers do not follow.
-// An item's rows are its positions x the kv head's GQA group of query heads, and a vector holds W rows (16 on
-// AVX-512, 8 on AVX2), not W keys: the query is transposed once per item (qt[d] holds dim d of every row), so that
+// Work items: (kv head, tile of kQTile query positions), taken in prefill_items.h's order; the next key tile's
+// rows are prefetched while a tile runs. An item's rows are its positions x the kv head's GQA group of query
+// heads, and a vector holds W rows (16 on AVX-512, 8 on AVX2), not W keys: the query is transposed once per item
+// (qt[d] holds dim d of every row), so that
 //   a score vector is D FMAs of qt[d] with key j's dim d broadcast, read in place from the cache;
 //   the online softmax runs lane-wise, one row per lane: the running max, the correction and the sums are
 //   vectors, no horizontal reductions;
@@ -33,15 +30,12 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PAGEDSERVE_PREFILL_F32 1
 #include <immintrin.h>
 
 #include "exp16.h"
+#include "prefill_items.h"
 
 namespace {
 
@@ -239,14 +233,8 @@ void attend_item(const float* query, const float* key_cache, const float* value_
             key_rows[j] = key_cache + at;
             value_rows[j] = value_cache + at;
         }
-        for (int j = 0; j < tile && t0 + tile + j < keys; ++j) {  // the next tile's rows (see the top)
-            const int64_t t = t0 + tile + j;
-            const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_size + kv * D;
-            for (int d = 0; d < D; d += 16) {
-                _mm_prefetch(reinterpret_cast<const char*>(key_cache + at + d), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(value_cache + at + d), _MM_HINT_T0);
-            }
-        }
+        pagedserve::prefill::prefetch_rows(key_cache, value_cache, table, block_size, token_size, kv * D, D,
+                                           t0 + tile, std::min<int64_t>(keys, t0 + 2 * tile));  // the next tile
         for (int64_t base = 0; base < used; base += kBlockRows) {
             // rows ascend in position: the block's first row sees the fewest keys, its last the most
             const int64_t first = static_cast<int64_t>(sc.limit[base]);
@@ -270,19 +258,13 @@ template <int D>
 void prefill_attention(const float* query, const float* key_cache, const float* value_cache, const int32_t* table,
                        float* out, int64_t query_len, int64_t context_len, int64_t heads, int64_t kv_heads,
                        int64_t block_size, float scale) {
-    const int64_t offset = context_len - query_len, tiles = (query_len + kQTile - 1) / kQTile;
-    const int64_t items = tiles * kv_heads;
-#pragma omp parallel if (items > 1)
-    {
-        Scratch<D> sc(kQTile * (heads / kv_heads));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t index = 0; index < items; ++index) {
-            const int64_t tile = tiles - 1 - index % tiles, kv = index / tiles;
-            const int64_t q0 = tile * kQTile, q1 = std::min(query_len, q0 + kQTile);
+    const int64_t offset = context_len - query_len;
+    pagedserve::prefill::for_each_item<Scratch<D>>(
+        query_len, kv_heads, kQTile, kQTile * (heads / kv_heads),
+        [&](int64_t q0, int64_t q1, int64_t kv, Scratch<D>& sc) {
             attend_item<D>(query, key_cache, value_cache, table, out, q0, q1, offset, heads, kv_heads, kv,
                            block_size, scale, sc);
-        }
-    }
+        });
 }
 
 }  // namespace
