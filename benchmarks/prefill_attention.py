@@ -2,10 +2,12 @@
 prefill_attention.cpp for bf16) against the cpu backend's torch path for the same chunk (SDPA for a chunk that
 starts its sequence; over a cached prefix, two flash calls merged by their log-sum-exps), in GFLOP/s.
 
-    python -m benchmarks.prefill_attention [--dtype float32] [--arch native,haswell] [--rounds 9]
+    python -m benchmarks.prefill_attention [--dtype float32] [--kv-cache-dtype auto] [--arch native,haswell]
+                                           [--rounds 9]
 
 Each case is a chunk of Q queries over P cached tokens (heads over kv heads of head_dim), its K/V in a paged cache
-of scattered blocks of 16; the two paths are called in turn, `--rounds` times, and each reports its median. FLOPs:
+of scattered blocks of 16 (in the queries' dtype, or `--kv-cache-dtype` bfloat16 or fp8, as
+`--kv-cache-dtype` stores it in a server); the two paths are called in turn, `--rounds` times, and each reports its median. FLOPs:
 4 * heads * head_dim * (Q * P + Q(Q+1)/2), q.k and p.v over the causal part. `--arch` builds the kernels for
 other targets too (haswell: the AVX2 loops) on a CPU that runs them; torch's own kernel is this CPU's either way.
 Run it alone: on 2 cores any other busy process changes the figures.
@@ -35,7 +37,17 @@ CASES = (
 )
 
 
-def _case(kernels, dtype: torch.dtype, chunk: int, prefix: int, heads: int, kv_heads: int, head_dim: int, rounds: int):
+def _case(
+    kernels,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    chunk: int,
+    prefix: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rounds: int,
+):
     from engine.attention.cpu_backend import CpuAttentionBackend
     from engine.attention.layer_attention import LayerAttention
     from engine.attention.metadata import PrefillChunk
@@ -43,14 +55,14 @@ def _case(kernels, dtype: torch.dtype, chunk: int, prefix: int, heads: int, kv_h
     generator = torch.Generator().manual_seed(0)
     context, block_size = prefix + chunk, 16
     blocks = -(-context // block_size)
-    key_cache = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=generator).to(dtype)
-    value_cache = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    key_cache = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(blocks + 2, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
     table = torch.randperm(blocks + 2, generator=generator)[:blocks].int()
     query = torch.randn(chunk, heads, head_dim, generator=generator).to(dtype)
     positions = torch.arange(prefix, context)
     slots = table.long()[positions // block_size] * block_size + positions % block_size
-    key = key_cache.view(-1, kv_heads, head_dim)[slots]
-    value = value_cache.view(-1, kv_heads, head_dim)[slots]
+    key = key_cache.view(-1, kv_heads, head_dim)[slots].to(dtype)  # the step's own K/V, as written to the cache
+    value = value_cache.view(-1, kv_heads, head_dim)[slots].to(dtype)
     metadata = PrefillChunk(query_start=0, query_len=chunk, context_len=context, block_table=table)
     layer = LayerAttention(scale=head_dim**-0.5)
 
@@ -81,14 +93,18 @@ def _case(kernels, dtype: torch.dtype, chunk: int, prefix: int, heads: int, kv_h
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8"), help="auto: the queries' dtype"
+    )
     parser.add_argument("--arch", default="native", help="comma-separated -march targets to build the kernels for")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     from engine.kernels.cpu import load_cpu_kernels
 
     print(cpu_line())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype}")
     dtype = getattr(torch, args.dtype)
+    cache_dtype = {"auto": dtype, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[args.kv_cache_dtype]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype} queries, {cache_dtype} cache")
     for arch in args.arch.split(","):
         kernels = load_cpu_kernels(arch=arch)
         if kernels is None:
@@ -97,9 +113,9 @@ def main() -> None:
         for case in CASES:
             chunk, prefix, heads, kv_heads, head_dim = case
             label = f"[{arch}] {chunk} x {prefix}, {heads}/{kv_heads} x {head_dim}"
-            result = _case(kernels, dtype, *case, rounds=args.rounds)
+            result = _case(kernels, dtype, cache_dtype, *case, rounds=args.rounds)
             if result is None:
-                print(f"{label}: no native kernel for {args.dtype} in this build (or on this CPU): torch's")
+                print(f"{label}: no native kernel for {args.dtype} over {cache_dtype} in this build (or on this CPU)")
                 continue
             flops, medians, difference = result
             native, fallback = medians["native"], medians["torch"]

@@ -1,6 +1,6 @@
 """The CPU backend: decodes through the native paged kernel; prompt chunks through the native prefill kernels
-(bf16: csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX; float32: prefill_attention_f32.cpp,
-AVX-512 or AVX2 builds); other chunks that continue a cached prefix as two mask-free flash calls
+(bf16: csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX; float32 over float32, bf16 or fp8
+caches: prefill_attention_f32.cpp, AVX-512 or AVX2 builds); other chunks that continue a cached prefix as two mask-free flash calls
 (prefix_attention.py), the rest as the torch backend does."""
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _native_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
         """Whether a native prefill kernel serves this chunk: bf16 queries over bf16 or fp8 caches on an
         AVX512-BF16 build of a CPU without AMX (the kernel widens fp8 as it reads it; an fp32 cache under a bf16
-        model keeps the torch path, which rounds the chunk's keys as its own), float32 queries over a float32
-        cache on an AVX-512 or AVX2 build (torch's flash kernel runs float32 on FMAs on AMX CPUs too); a head
-        size they are built for, and a cache read as stored (fp8's scale 1)."""
+        model keeps the torch path, which rounds the chunk's keys as its own), float32 queries over a float32,
+        bf16 or fp8 cache on an AVX-512 or AVX2 build (torch's flash kernel runs float32 on FMAs on AMX CPUs
+        too); a head size they are built for, and a cache read as stored (fp8's scale 1)."""
         return (
             not (query.dtype == torch.bfloat16 and self.torch_uses_amx)
             and key_cache.dtype == value_cache.dtype

@@ -299,15 +299,19 @@ class CpuKernels:
                     assert address is not None  # a symbol the library exports (getattr raised otherwise)
                     self._functions[name, dtype, cache_dtype] = address
         # prompt chunks' attention: bf16 on vdpbf16ps (csrc/prefill_attention.cpp, AVX512-BF16 builds), float32
-        # on FMAs (prefill_attention_f32.cpp, AVX-512 or AVX2 builds); per (query dtype, KV cache dtype), the
-        # pairs this build serves
+        # on FMAs over float32, bf16 or fp8 caches (prefill_attention_f32.cpp, AVX-512 or AVX2 builds); per (query
+        # dtype, KV cache dtype), the pairs this build serves
         self._prefill_attention_fns: dict[tuple[torch.dtype, torch.dtype], int] = {}
         builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
             "bf16_native": (
                 (torch.bfloat16, torch.bfloat16, "bf16"),
                 (torch.bfloat16, torch.float8_e4m3fn, "bf16_fp8"),
             ),
-            "f32_native": ((torch.float32, torch.float32, "f32"),),
+            "f32_native": (
+                (torch.float32, torch.float32, "f32"),
+                (torch.float32, torch.bfloat16, "f32_bf16"),
+                (torch.float32, torch.float8_e4m3fn, "f32_fp8"),
+            ),
         }
         for name, pairs in builds.items():
             has = getattr(self._library, f"pagedserve_prefill_attention_{name}")
@@ -321,7 +325,8 @@ class CpuKernels:
 
     def prefill_attention_serves(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         """Whether this build has a prefill attention kernel for queries of `query_dtype` over a KV cache of
-        `cache_dtype`: bf16 over bf16 or fp8 on AVX512-BF16 builds, float32 over float32 on AVX-512 or AVX2."""
+        `cache_dtype`: bf16 over bf16 or fp8 on AVX512-BF16 builds, float32 over float32, bf16 or fp8 on AVX-512
+        or AVX2."""
         return (query_dtype, cache_dtype) in self._prefill_attention_fns
 
     def paged_decode(
@@ -612,7 +617,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Causal attention of a prompt chunk at positions [context_len - query_len, context_len) over every key
         of its sequence up to its own, read in place from the paged cache (csrc/prefill_attention.cpp for bf16
-        queries over bf16 or fp8 caches, prefill_attention_f32.cpp for float32 over float32). Needs
+        queries over bf16 or fp8 caches, prefill_attention_f32.cpp for float32 over float32, bf16 or fp8). Needs
         `prefill_attention_serves(query.dtype, key_cache.dtype)` and a head_dim in PREFILL_HEAD_DIMS."""
         query_len, heads, head_dim = query.shape
         _, block_size, kv_heads, cache_head_dim = key_cache.shape
@@ -621,7 +626,7 @@ class CpuKernels:
             raise ValueError(
                 f"no prefill attention kernel in this build for {query.dtype} queries over a {key_cache.dtype} "
                 f"cache with a {block_table.dtype} block table (bf16 over bf16 or fp8 on AVX512-BF16, float32 over "
-                "float32 on AVX-512 or AVX2; int32 tables)"
+                "float32, bf16 or fp8 on AVX-512 or AVX2; int32 tables)"
             )
         if head_dim not in PREFILL_HEAD_DIMS:
             raise ValueError(f"no prefill attention kernel for head_dim {head_dim}")

@@ -2,11 +2,13 @@
 against float64 softmax attention: prompt chunks that start a sequence or continue a cached prefix, read from a
 paged cache with scattered blocks; GQA groups of 1 to 7; head_dim 64 and 128; chunks across their position
 tiles and key tiles; and the CPU backend routing chunks to them (bf16 on AVX512-BF16 builds of CPUs without AMX,
-float32 on AVX-512 or AVX2 builds; other dtypes and builds keep torch's attention)."""
+float32 over float32, bf16 or fp8 caches on AVX-512 or AVX2 builds; other dtypes and builds keep torch's
+attention)."""
 
 from __future__ import annotations
 
 import platform
+from typing import Optional
 
 import pytest
 import torch
@@ -100,11 +102,16 @@ def test_matches_float64_reference(kernels, query_len, prefix, heads, kv_heads, 
     torch.testing.assert_close(got.double(), expected, atol=1.5e-2, rtol=1.5e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, BF16, FP8], ids=["float32", "bf16", "fp8"])
 @pytest.mark.parametrize("query_len, prefix, heads, kv_heads, head_dim, block_size", SHAPES)
-def test_float32_matches_float64_reference(f32_kernels, query_len, prefix, heads, kv_heads, head_dim, block_size):
+def test_float32_matches_float64_reference(
+    f32_kernels, query_len, prefix, heads, kv_heads, head_dim, block_size, cache_dtype
+):
+    """float32 caches, and bf16 or fp8 ones (--kv-cache-dtype under a float32 model: widened exactly as each key
+    tile is read) against the reference over the values they store."""
     gen = torch.Generator().manual_seed(query_len * 1000 + prefix + head_dim)
     context = prefix + query_len
-    key_cache, value_cache, table = _paged(gen, context, block_size, kv_heads, head_dim, torch.float32)
+    key_cache, value_cache, table = _paged(gen, context, block_size, kv_heads, head_dim, cache_dtype)
     query = torch.randn(query_len, heads, head_dim, generator=gen) * 2
     scale = head_dim**-0.5
     got = f32_kernels.prefill_attention(query, key_cache, value_cache, table, context, scale)
@@ -134,8 +141,6 @@ def test_float32_builds_agree_bit_for_bit_at_head_dim_64():
 def test_fp8_caches_without_vbmi_widen_alike(kernels):
     """A build for an AVX512-BF16 CPU without VBMI (Cooper Lake) widens fp8 by arithmetic, not byte lookups:
     the same bits as the native build (whose conversions are exact either way)."""
-    import platform
-
     if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx512_bf16", "avx512bw", "avx512vbmi"):
         pytest.skip("this CPU cannot run -march=cooperlake code, or its native build has no VBMI to compare")
     cooperlake = load_cpu_kernels(arch="cooperlake")
@@ -173,8 +178,8 @@ def test_rejects_what_it_cannot_serve(kernels):
     with pytest.raises(ValueError, match="head_dim 80"):
         kernels.prefill_attention(torch.randn(8, 4, 80).bfloat16(), key_cache, value_cache, table, 40, 0.1)
     key_cache, value_cache, table = _paged(gen, 40, 16, 2, 64)
-    with pytest.raises(ValueError, match="no prefill attention kernel in this build for torch.float32 queries"):
-        kernels.prefill_attention(torch.randn(8, 4, 64), key_cache, value_cache, table, 40, 0.1)  # over bf16
+    with pytest.raises(ValueError, match="no prefill attention kernel in this build for torch.float16 queries"):
+        kernels.prefill_attention(torch.randn(8, 4, 64).half(), key_cache, value_cache, table, 40, 0.1)
     with pytest.raises(ValueError, match="block table"):
         kernels.prefill_attention(torch.randn(8, 4, 64).bfloat16(), key_cache, value_cache, table, 400, 0.1)
 
@@ -183,17 +188,18 @@ def _layer(head_dim: int) -> LayerAttention:
     return LayerAttention(scale=head_dim**-0.5)
 
 
-def _chunk_of_cache(gen, prefix: int, dtype: torch.dtype):
+def _chunk_of_cache(gen, prefix: int, dtype: torch.dtype, cache_dtype: Optional[torch.dtype] = None):
     """A 40-token chunk after `prefix` cached tokens (9 heads over 3 kv heads of 64): its queries, its own K/V as
-    the step has them (already written to the cache, as the models do), the caches and its PrefillChunk."""
+    the step has them (already written to the cache, as the models do), the caches (in `cache_dtype`, by default
+    the step's) and its PrefillChunk."""
     query_len, heads, kv_heads, head_dim = 40, 9, 3, 64
     context = prefix + query_len
-    key_cache, value_cache, table = _paged(gen, context, 16, kv_heads, head_dim, dtype)
+    key_cache, value_cache, table = _paged(gen, context, 16, kv_heads, head_dim, cache_dtype or dtype)
     query = torch.randn(query_len, heads, head_dim, generator=gen).to(dtype)
     positions = torch.arange(prefix, context)
     slots = table.long()[positions // 16] * 16 + positions % 16
-    key = key_cache.view(-1, kv_heads, head_dim)[slots]
-    value = value_cache.view(-1, kv_heads, head_dim)[slots]
+    key = key_cache.view(-1, kv_heads, head_dim)[slots].to(dtype)
+    value = value_cache.view(-1, kv_heads, head_dim)[slots].to(dtype)
     chunk = PrefillChunk(query_start=0, query_len=query_len, context_len=context, block_table=table)
     return query, key, value, key_cache, value_cache, chunk
 
@@ -210,19 +216,19 @@ def test_the_cpu_backend_takes_bf16_chunks_to_it(kernels, prefix):
     got = backend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(64))
     expected = TorchAttentionBackend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(64))
     torch.testing.assert_close(got.double(), expected.double(), atol=1.5e-2, rtol=1.5e-2)
-    # a float32 query over this bf16 cache (a float32 model with --kv-cache-dtype bfloat16): torch's
-    assert not backend._native_prefill(query.float(), key_cache, value_cache)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, BF16, FP8], ids=["float32", "bf16", "fp8"])
 @pytest.mark.parametrize("prefix", [0, 45])
-def test_the_cpu_backend_takes_float32_chunks_to_it(f32_kernels, prefix, monkeypatch):
-    """float32 chunks over a float32 cache run on the kernel (AMX CPUs too: torch's flash kernel runs float32 on
-    FMAs there) and come out as the torch backend's within float32 rounding."""
+def test_the_cpu_backend_takes_float32_chunks_to_it(f32_kernels, prefix, cache_dtype, monkeypatch):
+    """float32 chunks over a float32 cache, or a bf16 or fp8 one (a float32 model with --kv-cache-dtype bfloat16
+    or fp8), run on the kernel (AMX CPUs too: torch's flash kernel runs float32 on FMAs there) and come out as
+    the torch backend's within float32 rounding."""
     calls = []
     serve = f32_kernels.prefill_attention
     monkeypatch.setattr(f32_kernels, "prefill_attention", lambda *a: calls.append(1) or serve(*a))
     gen = torch.Generator().manual_seed(prefix + 12)
-    query, key, value, key_cache, value_cache, chunk = _chunk_of_cache(gen, prefix, torch.float32)
+    query, key, value, key_cache, value_cache, chunk = _chunk_of_cache(gen, prefix, torch.float32, cache_dtype)
     backend = CpuAttentionBackend(f32_kernels)
     got = backend._prefill(query, key, value, key_cache, value_cache, chunk, _layer(64))
     assert calls == [1]
@@ -238,7 +244,7 @@ def test_builds_without_avx512_bf16_leave_bf16_chunks_to_torch(cpu_kernels):
     haswell = load_cpu_kernels(arch="haswell")
     assert haswell is not None
     assert not haswell.prefill_attention_serves(BF16, BF16) and not haswell.prefill_attention_serves(BF16, FP8)
-    assert haswell.prefill_attention_serves(torch.float32, torch.float32)
+    assert all(haswell.prefill_attention_serves(torch.float32, cache) for cache in (torch.float32, BF16, FP8))
     query = torch.randn(4, 2, 64)
     cache = torch.randn(2, 16, 1, 64)
     backend = CpuAttentionBackend(haswell)
@@ -246,4 +252,5 @@ def test_builds_without_avx512_bf16_leave_bf16_chunks_to_torch(cpu_kernels):
     assert backend._native_prefill(query, cache, cache)
     portable = load_cpu_kernels(arch="x86-64")
     assert portable is not None
-    assert not any(portable.prefill_attention_serves(q, c) for q, c in ((BF16, BF16), (torch.float32, torch.float32)))
+    pairs = ((BF16, BF16), (torch.float32, torch.float32), (torch.float32, BF16), (torch.float32, FP8))
+    assert not any(portable.prefill_attention_serves(q, c) for q, c in pairs)

@@ -1,13 +1,15 @@
-// Causal attention of a float32 prompt chunk over its sequence's float32 paged K/V cache (the cached prefix and
-// the chunk's own keys, written to the cache before the call), on AVX-512 or AVX2 with FMA: the float32 sibling
-// of prefill_attention.cpp, for the CPUs and models that run in float32 (`dtype auto` without native bf16, or
-// `--dtype float32`), where torch's CPU flash kernel spends a third of its time outside its products.
+// Causal attention of a float32 prompt chunk over its sequence's paged K/V cache (the cached prefix and the
+// chunk's own keys, written to the cache before the call), on AVX-512 or AVX2 with FMA: the float32 sibling of
+// prefill_attention.cpp, for the CPUs and models that run in float32 (`dtype auto` without native bf16, or
+// `--dtype float32`), where torch's CPU flash kernel spends a third of its time outside its products. The cache
+// holds float32, or bf16 or fp8 e4m3 (`--kv-cache-dtype bfloat16 / fp8` under a float32 model: the `_bf16` and
+// `_fp8` entry points), which torch's path would gather and widen whole before every chunk.
 //
 // Layouts (row-major, contiguous):
 //   query        [query_len, heads, head_dim] float32; query i sits at position offset + i, offset = context_len -
 //                query_len, and sees keys [0, offset + i]
-//   key_cache    [num_blocks, block_size, kv_heads, head_dim] float32 (value_cache alike), the sequence's tokens
-//                at block_table[t / block_size], row t % block_size
+//   key_cache    [num_blocks, block_size, kv_heads, head_dim] float32, bf16 or fp8 (value_cache alike), the
+//                sequence's tokens at block_table[t / block_size], row t % block_size
 //   out          [query_len, heads, head_dim] float32
 //
 // Work items: (kv head, tile of kQTile query positions), taken in prefill_items.h's order; the next key tile's
@@ -17,8 +19,10 @@
 //   a score vector is D FMAs of qt[d] with key j's dim d broadcast, read in place from the cache;
 //   the online softmax runs lane-wise, one row per lane: the running max, the correction and the sums are
 //   vectors, no horizontal reductions;
-//   P.V accumulates into the transposed output ot[d] (every row's dim d) with value j's dim d broadcast: the
-//   cache's K and V rows are read as they lie, never packed or transposed.
+//   P.V accumulates into the transposed output ot[d] (every row's dim d) with value j's dim d broadcast: a
+//   float32 cache's K and V rows are read as they lie, never packed or transposed; a bf16 or fp8 cache's are
+//   widened exactly to float32 into the thread's scratch once per key tile (a kv head's rows of 64 or 128
+//   values), for every row block of the item to read.
 // Per tile of kKTile keys each block of kRowVecs vectors of rows takes its scores (kKeys keys at a time, their
 // accumulators in registers), its softmax, then P.V (kDims dims at a time). Every sum runs over the keys in
 // ascending order, in float32: the result does not depend on the thread count. Built and loaded by
@@ -28,13 +32,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+#include "common.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define PAGEDSERVE_PREFILL_F32 1
 #include <immintrin.h>
 
 #include "exp16.h"
+#include "fp8.h"
 #include "prefill_items.h"
 
 namespace {
@@ -103,9 +111,11 @@ struct Scratch {
     float* l;                           // [stride] running sum of the probabilities
     float* limit;                       // [stride] each row's last visible key
     float* s;                           // [kKTile<D>][kBlockRows] a block's scores, then probabilities
+    float* keys;                        // [kKTile<D>][D] a bf16 or fp8 cache's key tile, widened
+    float* values;                      // [kKTile<D>][D] its values
     explicit Scratch(int64_t rows)
         : stride((rows + kBlockRows - 1) / kBlockRows * kBlockRows),
-          buffer((2 * D + 3) * stride + kKTile<D> * kBlockRows + 16) {
+          buffer((2 * D + 3) * stride + kKTile<D> * (kBlockRows + 2 * D) + 16) {
         float* base = buffer.data();
         base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64 / sizeof(float);  // 64-byte aligned
         qt = base;
@@ -114,8 +124,36 @@ struct Scratch {
         l = m + stride;
         limit = l + stride;
         s = limit + stride;
+        keys = s + kKTile<D> * kBlockRows;
+        values = keys + kKTile<D> * D;
     }
 };
+
+// One cached K or V row of a kv head (D values) as float32, exactly: bf16's bits moved up, fp8 by fp8.h's
+// conversions (AVX512BW) or common.h's scalar one.
+template <int D>
+void widen_row(const uint16_t* src, float* dst) {
+#if defined(__AVX512F__)
+    for (int i = 0; i < D; i += 16) {
+        const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+        _mm512_store_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
+    }
+#else
+    for (int i = 0; i < D; i += 8) {
+        const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+        _mm256_store_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+    }
+#endif
+}
+
+template <int D>
+void widen_row(const pagedserve::Fp8E4M3* src, float* dst) {
+#if defined(__AVX512BW__)
+    for (int i = 0; i < D; i += 16) _mm512_store_ps(dst + i, pagedserve::fp8::f32_from_fp8(src + i));
+#else
+    for (int i = 0; i < D; ++i) dst[i] = pagedserve::to_float(src[i]);
+#endif
+}
 
 // Scores of the block's rows (from row `base`) against keys[0, count), scaled, into s[j][*] (count a multiple of
 // kKeys: keys past the block's visible ones are scored and never read).
@@ -203,9 +241,8 @@ void block_values(Scratch<D>& sc, int64_t base, const float* const* values, int 
     }
 }
 
-template <int D>
-void attend_item(const float* query, const float* key_cache, const float* value_cache, const int32_t* table,
-                 float* out, int64_t q0, int64_t q1, int64_t offset, int64_t heads, int64_t kv_heads, int64_t kv,
+template <typename C, int D>
+void attend_item(const float* query, const C* key_cache, const C* value_cache, const int32_t* table, float* out, int64_t q0, int64_t q1, int64_t offset, int64_t heads, int64_t kv_heads, int64_t kv,
                  int64_t block_size, float scale, Scratch<D>& sc) {
     const int64_t group = heads / kv_heads, rows = (q1 - q0) * group, token_size = kv_heads * D;
     // row r: position q0 + r / group, head kv * group + r % group; padding rows: zero queries that see what the
@@ -228,10 +265,21 @@ void attend_item(const float* query, const float* key_cache, const float* value_
     for (int64_t t0 = 0; t0 < keys; t0 += tile) {
         const int n = static_cast<int>(std::min<int64_t>(tile, keys - t0));
         for (int j = 0; j < tile; ++j) {  // past n: the tile's last key again (scored, never read)
-            const int64_t t = t0 + std::min(j, n - 1);
-            const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_size + kv * D;
-            key_rows[j] = key_cache + at;
-            value_rows[j] = value_cache + at;
+            if constexpr (std::is_same_v<C, float>) {
+                const int64_t t = t0 + std::min(j, n - 1);
+                const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_size + kv * D;
+                key_rows[j] = key_cache + at;
+                value_rows[j] = value_cache + at;
+            } else {
+                if (j < n) {
+                    const int64_t t = t0 + j;
+                    const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_size + kv * D;
+                    widen_row<D>(key_cache + at, sc.keys + j * D);
+                    widen_row<D>(value_cache + at, sc.values + j * D);
+                }
+                key_rows[j] = sc.keys + std::min(j, n - 1) * D;
+                value_rows[j] = sc.values + std::min(j, n - 1) * D;
+            }
         }
         pagedserve::prefill::prefetch_rows(key_cache, value_cache, table, block_size, token_size, kv * D, D,
                                            t0 + tile, std::min<int64_t>(keys, t0 + 2 * tile));  // the next tile
@@ -254,17 +302,36 @@ void attend_item(const float* query, const float* key_cache, const float* value_
     }
 }
 
-template <int D>
-void prefill_attention(const float* query, const float* key_cache, const float* value_cache, const int32_t* table,
+template <typename C, int D>
+void prefill_attention(const float* query, const C* key_cache, const C* value_cache, const int32_t* table,
                        float* out, int64_t query_len, int64_t context_len, int64_t heads, int64_t kv_heads,
                        int64_t block_size, float scale) {
     const int64_t offset = context_len - query_len;
     pagedserve::prefill::for_each_item<Scratch<D>>(
         query_len, kv_heads, kQTile, kQTile * (heads / kv_heads),
         [&](int64_t q0, int64_t q1, int64_t kv, Scratch<D>& sc) {
-            attend_item<D>(query, key_cache, value_cache, table, out, q0, q1, offset, heads, kv_heads, kv,
-                           block_size, scale, sc);
+            attend_item<C, D>(query, key_cache, value_cache, table, out, q0, q1, offset, heads, kv_heads, kv,
+                              block_size, scale, sc);
         });
+}
+
+// Returns 0 when head_dim is not one it is built for (64, 128), else computes `out` and returns 1.
+template <typename C>
+int64_t prefill_attention_of(const float* query, const C* key_cache, const C* value_cache, const int32_t* table,
+                             float* out, int64_t query_len, int64_t context_len, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale) {
+    switch (head_dim) {
+        case 64:
+            prefill_attention<C, 64>(query, key_cache, value_cache, table, out, query_len, context_len, heads,
+                                     kv_heads, block_size, scale);
+            return 1;
+        case 128:
+            prefill_attention<C, 128>(query, key_cache, value_cache, table, out, query_len, context_len, heads,
+                                      kv_heads, block_size, scale);
+            return 1;
+        default:
+            return 0;
+    }
 }
 
 }  // namespace
@@ -281,28 +348,26 @@ int64_t pagedserve_prefill_attention_f32_native() {
 }
 
 // Returns 0 when this build has no kernel or head_dim is not one it is built for (64, 128), else computes `out`
-// and returns 1. The same arguments as pagedserve_prefill_attention_bf16, in float32.
-int64_t pagedserve_prefill_attention_f32(const float* query, const float* key_cache, const float* value_cache,
-                                         const int32_t* block_table, float* out, int64_t query_len,
-                                         int64_t context_len, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                         int64_t block_size, float scale) {
+// and returns 1. The same arguments as pagedserve_prefill_attention_bf16, in float32; the cache in float32
+// (`_f32`), bf16 (`_f32_bf16`) or fp8 e4m3 (`_f32_fp8`).
 #if defined(PAGEDSERVE_PREFILL_F32)
-    switch (head_dim) {
-        case 64:
-            prefill_attention<64>(query, key_cache, value_cache, block_table, out, query_len, context_len, heads,
-                                  kv_heads, block_size, scale);
-            return 1;
-        case 128:
-            prefill_attention<128>(query, key_cache, value_cache, block_table, out, query_len, context_len, heads,
-                                   kv_heads, block_size, scale);
-            return 1;
-        default:
-            return 0;
+#define PAGEDSERVE_PREFILL_ATTENTION_F32(SUFFIX, C)                                                              \
+    int64_t pagedserve_prefill_attention_##SUFFIX(const float* query, const C* key_cache, const C* value_cache,   \
+                                                  const int32_t* block_table, float* out, int64_t query_len,      \
+                                                  int64_t context_len, int64_t heads, int64_t kv_heads,           \
+                                                  int64_t head_dim, int64_t block_size, float scale) {            \
+        return prefill_attention_of<C>(query, key_cache, value_cache, block_table, out, query_len, context_len,   \
+                                       heads, kv_heads, head_dim, block_size, scale);                             \
     }
 #else
-    (void)query, (void)key_cache, (void)value_cache, (void)block_table, (void)out, (void)query_len;
-    (void)context_len, (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)scale;
-    return 0;
+#define PAGEDSERVE_PREFILL_ATTENTION_F32(SUFFIX, C)                                                              \
+    int64_t pagedserve_prefill_attention_##SUFFIX(const float*, const C*, const C*, const int32_t*, float*,       \
+                                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {  \
+        return 0;                                                                                                 \
+    }
 #endif
-}
+PAGEDSERVE_PREFILL_ATTENTION_F32(f32, float)
+PAGEDSERVE_PREFILL_ATTENTION_F32(f32_bf16, uint16_t)
+PAGEDSERVE_PREFILL_ATTENTION_F32(f32_fp8, pagedserve::Fp8E4M3)  // --kv-cache-dtype fp8 under a float32 model
+#undef PAGEDSERVE_PREFILL_ATTENTION_F32
 }
