@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from engine.kernels import cpu_ops
@@ -49,6 +50,7 @@ SOURCES = (
     "lora_add.cpp",
     "prefill_attention.cpp",
     "prefill_attention_f32.cpp",
+    "sample_rows.cpp",
     "team_split.cpp",
 )
 HEADERS = (
@@ -302,6 +304,9 @@ class CpuKernels:
         # on FMAs over float32, bf16 or fp8 caches (prefill_attention_f32.cpp, AVX-512 or AVX2 builds); per (query
         # dtype, KV cache dtype), the pairs this build serves
         self._prefill_attention_fns: dict[tuple[torch.dtype, torch.dtype], int] = {}
+        self._sample_rows = self._library.pagedserve_sample_rows  # sampled rows' tokens (sample_rows)
+        self._sample_rows.restype = None
+        self._sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
         builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
             "bf16_native": (
                 (torch.bfloat16, torch.bfloat16, "bf16"),
@@ -322,6 +327,39 @@ class CpuKernels:
                     address = ctypes.cast(entry, ctypes.c_void_p).value
                     assert address is not None
                     self._prefill_attention_fns[query_dtype, cache_dtype] = address
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] float32, contiguous, on the CPU
+        temperature: Sequence[float],  # > 0
+        log_min_p: Sequence[float],  # -inf: no min_p
+        top_k: Sequence[int],  # >= vocab: no top-k
+        top_p: Sequence[float],  # 1: no top-p
+        u: torch.Tensor,  # [rows] in [0, 1)
+    ) -> torch.Tensor:
+        """One token per row, drawn as engine/sampling/sampler.py draws a sampled row (csrc/sample_rows.cpp: the
+        whole vocabulary, or the top-k candidates and their top-p, or a top-p nucleus over the whole row),
+        each row under its own parameters and uniform. Returns int64 [rows]."""
+        rows, vocab = logits.shape
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
+            raise ValueError("sample_rows takes contiguous float32 CPU logits")
+        columns = [
+            np.ascontiguousarray(values, dtype=dtype)
+            for values, dtype in (
+                (temperature, np.float32),
+                (log_min_p, np.float32),
+                (top_k, np.int64),
+                (top_p, np.float32),
+            )
+        ]
+        uniforms = np.ascontiguousarray(u.numpy(), dtype=np.float32)
+        if any(column.shape != (rows,) for column in (*columns, uniforms)):
+            raise ValueError(f"sample_rows takes one value of each parameter per row ({rows} rows)")
+        out = np.empty(rows, dtype=np.int64)
+        self._sample_rows(
+            logits.data_ptr(), rows, vocab, *(c.ctypes.data for c in columns), uniforms.ctypes.data, out.ctypes.data
+        )
+        return torch.from_numpy(out)
 
     def prefill_attention_serves(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         """Whether this build has a prefill attention kernel for queries of `query_dtype` over a KV cache of

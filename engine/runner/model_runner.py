@@ -131,7 +131,10 @@ class ModelRunner:
         self.device = device
         self.limits = limits
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = GuardedSampler(Sampler(), _request_id_lookup(self.requests))  # a bad row fails alone
+        kernels = getattr(backend, "kernels", None)  # the cpu backends': sampled rows drawn in one native call
+        native_rows = kernels.sample_rows if kernels is not None and device.type == "cpu" else None
+        sampler = Sampler(native_rows=native_rows)
+        self.sampler = GuardedSampler(sampler, _request_id_lookup(self.requests))  # a bad row fails alone
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)
         self.num_groups = len(kv_cache.spec.groups)  # KV layer groups: a block table and slot mapping each

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -49,6 +49,11 @@ class SamplerOutput:
     logprobs: Optional[list[Optional[TokenLogprobs]]]
 
 
+NativeRows = Callable[..., torch.Tensor]
+"""`CpuKernels.sample_rows`: (float32 logits [rows, vocab], temperatures, log min_ps, top-ks, top-ps, uniforms)
+-> token ids [rows]."""
+
+
 class Sampler:
     """Picks one token per row of a batch, each row under its own request's parameters.
 
@@ -71,10 +76,17 @@ class Sampler:
     are taken. Both give the same tokens and logprobs, except that top-p without
     top-k sums a row's mass in another order, so a token at the nucleus boundary
     may fall the other way (and exact ties may break differently).
+
+    `native_rows` (on CPU, the native kernels' `sample_rows`) draws the sampled rows
+    of a CPU step in one call, with the same arithmetic, the same uniforms and so the
+    same tokens (but for a float rounding at a boundary: its exponential is its own),
+    except that a top-p row without top-k draws among its nucleus in column order, not
+    best first: the same distribution, another token for a given uniform.
     """
 
-    def __init__(self, sync_free: Optional[bool] = None):
+    def __init__(self, sync_free: Optional[bool] = None, native_rows: Optional[NativeRows] = None):
         self.sync_free = sync_free  # None: decided by the logits' device
+        self.native_rows = native_rows
 
     def __call__(
         self, logits: torch.Tensor, states: Sequence[SamplingState], token_bitmask: Optional[TokenBitmask] = None
@@ -93,7 +105,8 @@ class Sampler:
             _apply_processors(x, states, plan, sync_free)
             if token_bitmask is not None:
                 apply_token_bitmask(x, token_bitmask)
-        chosen = _choose(x, states, plan, x_is_private=private, sync_free=sync_free)  # [num_rows]
+        native = self.native_rows if not sync_free and logits.device.type == "cpu" else None
+        chosen = _choose(x, states, plan, x_is_private=private, sync_free=sync_free, native=native)  # [num_rows]
         if not plan.logprob_rows:
             return SamplerOutput(to_host(chosen)[0].tolist(), None)
         rows, device = plan.logprob_rows, logits.device
@@ -323,11 +336,17 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(
-    x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan, x_is_private: bool, sync_free: bool
+    x: torch.Tensor,
+    states: Sequence[SamplingState],
+    plan: _BatchPlan,
+    x_is_private: bool,
+    sync_free: bool,
+    native: Optional[NativeRows] = None,
 ) -> torch.Tensor:
     """The token of every row.  # [num_rows]
 
-    x: [num_rows, vocab], the caller's logits unless `x_is_private` (then it may be overwritten).
+    x: [num_rows, vocab], the caller's logits unless `x_is_private` (then it may be overwritten). `native`:
+    the sampled rows drawn by that call (CPU).
     """
     if not (plan.full_rows or plan.candidate_rows):
         return _argmax(x)
@@ -336,6 +355,8 @@ def _choose(
     if plan.greedy_rows:
         index = _index(plan.greedy_rows, device)
         token_ids[index] = _argmax(x.index_select(0, index))
+    if native is not None:
+        return _choose_native(x, states, plan, native, token_ids)
     groups = ((plan.full_rows, _sample_full, True), (plan.candidate_rows, _sample_candidates, False))
     for rows, sample, overwrites in groups:
         if not rows:
@@ -349,6 +370,33 @@ def _choose(
         if len(rows) == num_rows:
             return chosen
         token_ids[index] = chosen
+    return token_ids
+
+
+def _choose_native(
+    x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan, native: NativeRows, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """The sampled rows' tokens into token_ids (its greedy rows' set) by one native call, each row with the
+    uniform the torch way draws for it (the full rows' draw first, then the candidate rows')."""
+    rows = plan.full_rows + plan.candidate_rows
+    uniforms = [_uniforms(states, group, x.device) for group in (plan.full_rows, plan.candidate_rows) if group]
+    order = sorted(range(len(rows)), key=rows.__getitem__)  # the rows in batch order, as x holds them
+    rows = [rows[i] for i in order]
+    u = torch.cat(uniforms)[order] if len(uniforms) > 1 else uniforms[0]
+    num_rows, vocab = x.shape
+    rows_x = x if len(rows) == num_rows else x.index_select(0, _index(rows, x.device))
+    params = [states[r].params for r in rows]
+    chosen = native(
+        rows_x.to(torch.float32).contiguous(),
+        [p.temperature for p in params],
+        [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
+        [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params],
+        [p.top_p for p in params],
+        u,
+    )
+    if len(rows) == num_rows:
+        return chosen
+    token_ids[_index(rows, x.device)] = chosen
     return token_ids
 
 

@@ -1,0 +1,199 @@
+"""Sampled rows drawn by the native kernel (csrc/sample_rows.cpp, `Sampler(native_rows=...)`, what a CPU
+engine's runner uses): the same tokens as the torch way for full and top-k rows (the same arithmetic and
+uniforms), tokens always inside the reference support, each filter's support in proportion, top-p nuclei past
+the torch way's candidate sets, and seeded rows that repeat whatever shares their batch; on this CPU's build,
+the AVX2 (haswell) build and the portable (x86-64) one."""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+
+from engine.kernels.cpu import load_cpu_kernels
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import TOP_P_CANDIDATES, Sampler
+from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
+from tests.engine.references import make_llm
+from tests.engine.test_sampler import PROBS, chi_square, make_state, reference_support, sampling_cases
+
+ARCHES = ["native", "haswell", "x86-64"]
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def native(request, cpu_kernels):
+    """A sampler drawing its sampled rows with this build's kernel."""
+    if request.param == "native":
+        kernels = cpu_kernels
+    else:
+        flags = FLOAT32_TILE_ARCHES.get(request.param, ())
+        if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*flags):
+            pytest.skip(f"this CPU cannot run -march={request.param} code")
+        kernels = load_cpu_kernels(arch=request.param)
+        assert kernels is not None, f"the -march={request.param} build failed"
+    return Sampler(native_rows=kernels.sample_rows)
+
+
+@pytest.fixture(scope="module")
+def native_here(cpu_kernels):
+    return Sampler(native_rows=cpu_kernels.sample_rows)
+
+
+KINDS = [
+    {"temperature": 0.7},
+    {"temperature": 1.0},
+    {"temperature": 1.3, "min_p": 0.05},
+    {"temperature": 0.8, "top_k": 40},
+    {"temperature": 1.0, "top_k": 20, "top_p": 0.8},
+    {"temperature": 0.9, "top_k": 100, "min_p": 0.02},
+    {"temperature": 1.0, "top_k": 3000, "top_p": 0.95},
+    {"temperature": 0.0},  # greedy rows between them: the argmax, as before
+    {"temperature": 0.5, "top_k": 1},
+]
+
+
+@pytest.mark.parametrize("vocab", [50, 4099, 49152])
+def test_full_and_top_k_rows_draw_the_torch_ways_tokens(native, vocab):
+    """The same weights, running sums, nucleus and uniforms as the torch way: the same token, row by row (its
+    exponential is the kernel's own, so a draw on a boundary could differ by a rounding: none does here). A
+    top-p row without top-k (top-k 3000 over a smaller vocabulary) draws among its nucleus in column order: a
+    token of that nucleus, not the torch way's."""
+    plain = Sampler()
+    different = 0
+    for seed in range(12):
+        logits = torch.randn(len(KINDS), vocab, generator=torch.Generator().manual_seed(seed)) * 3
+        logits[1, :7] = -math.inf  # masked tokens (min_tokens, logit_bias) weigh nothing
+        states = [make_state(**kind) for kind in KINDS]
+        torch.manual_seed(seed)  # the unseeded rows' shared draws
+        got = native(logits, states).sampled_token_ids
+        torch.manual_seed(seed)
+        expected = plain(logits, states).sampled_token_ids
+        for row, (token, state) in enumerate(zip(got, states)):
+            top_k = state.params.top_k
+            if state.params.top_p < 1.0 and (top_k is None or top_k >= vocab):
+                assert token in reference_support(logits[row], state)
+            else:
+                different += token != expected[row]
+    assert different == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sampling_cases())
+def test_sampled_tokens_always_have_nonzero_probability(native_here, case):
+    logits, states = case
+    supports = [reference_support(logits[i], s) for i, s in enumerate(states)]
+    assume(all(supports))
+    out = native_here(logits, states)
+    for token, allowed, state in zip(out.sampled_token_ids, supports, states):
+        assert 0 <= token < logits.shape[1]
+        assert token in allowed, (token, sorted(allowed), state.params)
+
+
+@pytest.mark.parametrize(
+    "changes, support",
+    [
+        ({}, [0, 1, 2, 3]),
+        ({"top_k": 2}, [0, 1]),
+        ({"top_p": 0.7}, [0, 1]),  # exclusive mass before token 2 is 0.8
+        ({"top_p": 0.85}, [0, 1, 2]),
+        ({"min_p": 0.2}, [0, 1, 2]),
+        ({"top_k": 3, "top_p": 0.83}, [0, 1]),
+        ({"min_p": 0.2, "top_p": 0.83}, [0, 1]),
+    ],
+)
+def test_filters_keep_exactly_their_support_in_proportion(native, changes, support):
+    torch.manual_seed(3)
+    logits = PROBS.log().expand(4000, -1).contiguous()
+    state = make_state(temperature=1.0, **changes)
+    counts = torch.bincount(torch.tensor(native(logits, [state] * 4000).sampled_token_ids), minlength=4).float()
+    assert sorted(torch.nonzero(counts).flatten().tolist()) == support
+    kept = PROBS[support] / PROBS[support].sum()
+    assert chi_square(counts[support], kept) < 25.0
+
+
+def test_a_long_nucleus_is_drawn_in_proportion_over_the_whole_row(native):
+    """Top-p without top-k over a nucleus of thousands of tokens (the torch way sorted the whole vocabulary):
+    every token inside the reference nucleus, deep ranks reached, and the draws' mass where the weights put it."""
+    torch.manual_seed(5)
+    vocab = 5000
+    logits = torch.randn(1, vocab) * 0.5
+    for top_p in (0.3, 0.95):
+        state = make_state(temperature=1.0, top_p=top_p)
+        tokens = native(logits.expand(4000, -1).contiguous(), [state] * 4000).sampled_token_ids
+        allowed = reference_support(logits[0], state)
+        assert len(allowed) > TOP_P_CANDIDATES
+        assert set(tokens) <= allowed
+        ranks = logits[0].argsort(descending=True).argsort()
+        assert max(ranks[t] for t in tokens) > TOP_P_CANDIDATES
+        # the nucleus's best half by rank against the rest: their probabilities' share, within sampling error
+        probs = torch.softmax(logits[0].double(), -1)
+        nucleus = torch.tensor(sorted(allowed, key=lambda t: int(ranks[t])))
+        best = set(nucleus[: len(nucleus) // 2].tolist())
+        share = float(probs[nucleus[: len(nucleus) // 2]].sum() / probs[nucleus].sum())
+        observed = sum(t in best for t in tokens) / len(tokens)
+        assert abs(observed - share) < 4 * math.sqrt(share * (1 - share) / len(tokens))
+
+
+def test_edges_fall_where_the_torch_way_puts_them(native):
+    inf = math.inf
+    logits = torch.tensor(
+        [
+            [-inf, -inf, 3.0, -inf],  # one finite logit: that token, whatever the filters
+            [-inf, -inf, 3.0, -inf],
+            [1.0, 1.0, 1.0, 1.0],  # ties: top-k 1 keeps the first
+            [0.0, 50.0, -50.0, 0.0],
+            [2.0, 1.0, 0.0, -1.0],
+        ]
+    )
+    states = [
+        make_state(temperature=2.0),
+        make_state(temperature=1.0, top_p=0.5),
+        make_state(temperature=1.0, top_k=1),
+        make_state(temperature=0.01, top_p=1e-6),
+        make_state(temperature=1.0, min_p=1.0),  # only the best token reaches min_p x p_max
+    ]
+    for _ in range(20):
+        assert native(logits, states).sampled_token_ids == [2, 2, 0, 1, 0]
+
+
+def test_a_non_finite_row_gets_some_token_in_range(native):
+    """A NaN or +inf row's token is garbage (the runner fails its request), but never out of range."""
+    logits = torch.randn(4, 300)
+    logits[0, 5] = math.nan
+    logits[1, 9] = math.inf
+    logits[2] = math.nan
+    logits[3] = -math.inf
+    for kind in ({"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 1.0, "top_k": 5}):
+        tokens = native(logits, [make_state(**kind)] * 4).sampled_token_ids
+        assert all(0 <= t < 300 for t in tokens)
+
+
+def test_a_seeded_request_repeats_whatever_shares_its_batch(native):
+    vocab = 4096
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)) * 0.7
+    for kind in ({"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}, {"temperature": 1.2, "top_k": 20}):
+        results = []
+        for neighbour in (None, SamplingParams(top_k=3000), SamplingParams(temperature=0.0)):
+            target = make_state(seed=77, **kind)
+            states = [target] + ([] if neighbour is None else [make_state(neighbour)])
+            rows = []
+            for _ in range(6):
+                rows.append(native(logits.expand(len(states), -1).contiguous(), states).sampled_token_ids[0])
+                target.output_token_ids.append(rows[-1])
+            results.append(rows)
+        assert results[0] == results[1] == results[2]
+
+
+def test_a_cpu_engine_samples_with_the_kernel(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    try:
+        sampler = llm.engine.runner.sampler.sampler
+        assert sampler.native_rows is not None
+        params = [SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=3)] * 2
+        first, second = llm.generate([[5, 6, 7], [5, 6, 7]], params)
+        assert first.outputs[0].token_ids == second.outputs[0].token_ids and len(first.outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
