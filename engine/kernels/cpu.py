@@ -306,7 +306,7 @@ class CpuKernels:
         self._prefill_attention_fns: dict[tuple[torch.dtype, torch.dtype], int] = {}
         self._sample_rows = self._library.pagedserve_sample_rows  # sampled rows' tokens (sample_rows)
         self._sample_rows.restype = None
-        self._sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
+        self._sample_rows.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 6)
         builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
             "bf16_native": (
                 (torch.bfloat16, torch.bfloat16, "bf16"),
