@@ -80,8 +80,9 @@ class Sampler:
     `native_rows` (on CPU, the native kernels' `sample_rows`) draws the sampled rows
     of a CPU step in one call, with the same arithmetic, the same uniforms and so the
     same tokens (but for a float rounding at a boundary: its exponential is its own),
-    except that a top-p row without top-k draws among its nucleus in column order, not
-    best first: the same distribution, another token for a given uniform.
+    except that a top-p row without top-k whose nucleus outgrows the first
+    TOP_P_CANDIDATES draws among it in column order, not best first: the same
+    distribution, another token for a given uniform.
     """
 
     def __init__(self, sync_free: Optional[bool] = None, native_rows: Optional[NativeRows] = None):

@@ -10,9 +10,10 @@
 //               them: a column is kept while the mass before it is below top_p x their mass; the draw in that
 //               order
 //   top-p rows without top-k: the nucleus over the whole row (columns by weight, largest first, kept while the
-//               mass before them is below top_p x the row's mass), found by a histogram of the weights' bits
-//               instead of a sort; the draw among the kept columns in index order (the same distribution as
-//               sampler.py's sorted order, another column for a given uniform)
+//               mass before them is below top_p x the row's mass). Where it ends among the 128 best columns
+//               (sampler.py's first candidates) the draw runs over them best first, as sampler.py's; a longer one
+//               is found by a histogram of the weights' bits instead of a sort, and drawn among in column order
+//               (the same distribution as sampler.py's sorted order, another column for a given uniform)
 //   the draw    the first column whose running sum (accumulated in double, as torch's CPU cumsum does, rounded
 //               to float) exceeds u x the total; a row without positive weight takes its first largest weight
 // Rows are independent (a row's token depends on its own logits, parameters and uniform alone) and run in
@@ -188,6 +189,8 @@ int64_t sample_top_k(const float* x, int64_t n, float temperature, float log_min
     return s.columns[draw(s.w.data(), m, u, s.sums)];
 }
 
+constexpr int64_t kNucleusCandidates = 128;  // sampler.py's TOP_P_CANDIDATES
+
 // A top-p row without top-k: its nucleus by the weights' bits (positive floats order as their bits do), a
 // histogram of the top 12 bits' masses, only the bucket the nucleus ends in sorted; then the draw among the
 // kept columns in index order.
@@ -198,6 +201,19 @@ int64_t sample_nucleus(const float* x, int64_t n, float temperature, float log_m
     s.w.resize(static_cast<size_t>(n));
     float* w = s.w.data();
     row_weights(x, n, row_max(x, n), temperature, log_min_p, w);
+    // The torch way's first try: the kNucleusCandidates best columns, best first, against the whole row's mass.
+    // Where the nucleus ends among them (the usual case), the draw runs over them in that order: its tokens.
+    const float limit_f = top_p * static_cast<float>(chunk_sum(w, n));
+    top_columns(x, n, std::min<int64_t>(kNucleusCandidates, n), s.columns);
+    const int64_t m = static_cast<int64_t>(s.columns.size());
+    s.values.resize(static_cast<size_t>(m));
+    double running = 0.0;
+    for (int64_t j = 0; j < m; ++j) {  // kept while the mass before the column is below the limit
+        const float weight = w[s.columns[j]];
+        running += weight;
+        s.values[j] = static_cast<float>(running) - weight >= limit_f ? 0.0f : weight;
+    }
+    if (m > 0 && static_cast<float>(running) >= limit_f) return s.columns[draw(s.values.data(), m, u, s.sums)];
     auto bucket_of = [](float v) {
         uint32_t bits;
         std::memcpy(&bits, &v, sizeof bits);
