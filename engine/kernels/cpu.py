@@ -343,15 +343,16 @@ class CpuKernels:
         rows, vocab = logits.shape
         if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
             raise ValueError("sample_rows takes contiguous float32 CPU logits")
-        columns = [
-            np.ascontiguousarray(values, dtype=dtype)
-            for values, dtype in (
-                (temperature, np.float32),
-                (log_min_p, np.float32),
-                (top_k, np.int64),
-                (top_p, np.float32),
-            )
-        ]
+        with np.errstate(over="ignore"):  # a temperature past float32's range: inf, as torch casts it
+            columns = [
+                np.ascontiguousarray(values, dtype=dtype)
+                for values, dtype in (
+                    (temperature, np.float32),
+                    (log_min_p, np.float32),
+                    (top_k, np.int64),
+                    (top_p, np.float32),
+                )
+            ]
         uniforms = np.ascontiguousarray(u.numpy(), dtype=np.float32)
         if any(column.shape != (rows,) for column in (*columns, uniforms)):
             raise ValueError(f"sample_rows takes one value of each parameter per row ({rows} rows)")

@@ -79,7 +79,9 @@ class Sampler:
 
     `native_rows` (on CPU, the native kernels' `sample_rows`) draws the sampled rows
     of a CPU step in one call, with the same arithmetic, the same uniforms and so the
-    same tokens (but for a float rounding at a boundary: its exponential is its own),
+    same tokens (but for a float rounding at a boundary: its exponential is its own;
+    and for exact ties among top-k candidates, which bf16 logits hold often: torch's
+    topk may order them otherwise, so another of the tied tokens, the same distribution),
     except that a top-p row without top-k whose nucleus outgrows the first
     TOP_P_CANDIDATES draws among it in column order, not best first: the same
     distribution, another token for a given uniform.

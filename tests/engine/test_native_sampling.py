@@ -149,6 +149,9 @@ def test_edges_fall_where_the_torch_way_puts_them(native):
             [1.0, 1.0, 1.0, 1.0],  # ties: top-k 1 keeps the first
             [0.0, 50.0, -50.0, 0.0],
             [2.0, 1.0, 0.0, -1.0],
+            [1.0, 3.0, 2.0, 0.0],  # a top-p of 1e-46 is 0 in float32: the best token alone
+            [0.0, inf, 1.0, inf],  # +inf (a penalty's): its first, as torch's fallback takes it
+            [0.0, inf, 1.0, inf],
         ]
     )
     states = [
@@ -157,9 +160,12 @@ def test_edges_fall_where_the_torch_way_puts_them(native):
         make_state(temperature=1.0, top_k=1),
         make_state(temperature=0.01, top_p=1e-6),
         make_state(temperature=1.0, min_p=1.0),  # only the best token reaches min_p x p_max
+        make_state(temperature=1.0, top_p=1e-46),
+        make_state(temperature=1.0),
+        make_state(temperature=1.0, top_k=2, top_p=0.5),
     ]
     for _ in range(20):
-        assert native(logits, states).sampled_token_ids == [2, 2, 0, 1, 0]
+        assert native(logits, states).sampled_token_ids == [2, 2, 0, 1, 0, 1, 1, 1]
 
 
 def test_a_non_finite_row_gets_some_token_in_range(native):

@@ -242,7 +242,8 @@ void block_values(Scratch<D>& sc, int64_t base, const float* const* values, int 
 }
 
 template <typename C, int D>
-void attend_item(const float* query, const C* key_cache, const C* value_cache, const int32_t* table, float* out, int64_t q0, int64_t q1, int64_t offset, int64_t heads, int64_t kv_heads, int64_t kv,
+void attend_item(const float* query, const C* key_cache, const C* value_cache, const int32_t* table, float* out,
+                 int64_t q0, int64_t q1, int64_t offset, int64_t heads, int64_t kv_heads, int64_t kv,
                  int64_t block_size, float scale, Scratch<D>& sc) {
     const int64_t group = heads / kv_heads, rows = (q1 - q0) * group, token_size = kv_heads * D;
     // row r: position q0 + r / group, head kv * group + r % group; padding rows: zero queries that see what the

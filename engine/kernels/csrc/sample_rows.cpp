@@ -4,9 +4,13 @@
 // without top-k sorted the whole vocabulary once their nucleus outgrew 2,048 candidates).
 //
 // Per row, as sampler.py computes it:
-//   weights     w = exp(z), z = (x - max) / temperature; 0 where z < log(min_p) (and where x is -inf)
+//   weights     w = exp(z), z = (x - max) / temperature; 0 where z < log(min_p), where x is -inf, and below
+//               e^-87 (the exponential's clamp: torch's gives a denormal or 0 there)
+//   +inf        a row whose largest logit is +inf (a penalty can make one) takes its first +inf, as torch's
+//               fallback does
 //   full rows   (no top-k, no top-p): the draw over the whole vocabulary in index order
-//   top-k rows  the k largest logits, best first (ties: lower index first), their z from the best; top-p among
+//   top-k rows  the k largest logits, best first (ties: lower index first, where torch's topk may order them
+//               otherwise: another of the tied tokens, the same distribution), their z from the best; top-p among
 //               them: a column is kept while the mass before it is below top_p x their mass; the draw in that
 //               order
 //   top-p rows without top-k: the nucleus over the whole row (columns by weight, largest first, kept while the
@@ -30,8 +34,10 @@
 
 namespace {
 
-// w[i] = exp((x[i] - max) / temperature), 0 where that is -inf, NaN or below log_min_p.
+// w[i] = exp((x[i] - max) / temperature), 0 where that is -inf, NaN, below log_min_p or below -87 (exp16 and
+// fast_exp clamp there: e^-87 would stand for every smaller weight).
 void row_weights(const float* x, int64_t n, float max, float temperature, float log_min_p, float* w) {
+    log_min_p = std::max(log_min_p, -87.0f);
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 top = _mm512_set1_ps(max), t = _mm512_set1_ps(temperature), least = _mm512_set1_ps(log_min_p);
@@ -87,7 +93,8 @@ int64_t first_largest(const float* w, int64_t n) {
 
 constexpr int64_t kChunk = 256;  // weights per partial sum: the draw skips whole chunks to the one it lands in
 
-// Sum of w[0, n) in double, 8 running sums (an order torch's cumsum does not use: the same to float rounding).
+// Sum of w[0, n) in double, 8 running sums (an order torch's cumsum does not use: rounded to float, the same but
+// for a rare last bit).
 double chunk_sum(const float* w, int64_t n) {
     double s[8] = {};
     int64_t i = 0;
@@ -191,16 +198,16 @@ int64_t sample_top_k(const float* x, int64_t n, float temperature, float log_min
 
 constexpr int64_t kNucleusCandidates = 128;  // sampler.py's TOP_P_CANDIDATES
 
-// A top-p row without top-k: its nucleus by the weights' bits (positive floats order as their bits do), a
-// histogram of the top 12 bits' masses, only the bucket the nucleus ends in sorted; then the draw among the
-// kept columns in index order.
-int64_t sample_nucleus(const float* x, int64_t n, float temperature, float log_min_p, float top_p, float u,
-                       Scratch& s) {
+// A top-p row without top-k: the torch way's first candidates, or its nucleus by the weights' bits (positive
+// floats order as their bits do): a histogram of the top 12 bits' masses, the bucket the nucleus ends in by the
+// next 12 bits, only the sub-bucket it ends in sorted; then the draw among the kept columns in index order.
+int64_t sample_nucleus(const float* x, int64_t n, float largest, float temperature, float log_min_p, float top_p,
+                       float u, Scratch& s) {
     // weights are at most 1 (z <= 0): their top 12 bits (sign, exponent, 3 mantissa bits) are at most 1016
     constexpr int kBits = 12, kBuckets = 1024, kCopies = 4;
     s.w.resize(static_cast<size_t>(n));
     float* w = s.w.data();
-    row_weights(x, n, row_max(x, n), temperature, log_min_p, w);
+    row_weights(x, n, largest, temperature, log_min_p, w);
     // The torch way's first try: the kNucleusCandidates best columns, best first, against the whole row's mass.
     // Where the nucleus ends among them (the usual case), the draw runs over them in that order: its tokens.
     const float limit_f = top_p * static_cast<float>(chunk_sum(w, n));
@@ -230,14 +237,29 @@ int64_t sample_nucleus(const float* x, int64_t n, float temperature, float log_m
     }
     if (!(total > 0.0)) return first_largest(w, n);
     const double limit = static_cast<double>(top_p * static_cast<float>(total));
+    if (!(limit > 0.0)) return first_largest(w, n);  // a top_p below float's range: the best column alone
     double before = 0.0;  // the mass of the buckets above
     int bucket = kBuckets - 1;
     while (bucket > 0 && before + mass[bucket] < limit) before += mass[bucket--];
     s.edge.clear();
     for (int64_t i = 0; i < n; ++i)
         if (w[i] > 0.0f && bucket_of(w[i]) == bucket) s.edge.push_back(static_cast<int32_t>(i));
+    // that bucket by the weights' next 12 bits (a flat row puts most of itself in one bucket): the sub-buckets
+    // above the one the nucleus ends in are kept whole, only that one is sorted
+    auto sub_of = [](float v) {
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        return static_cast<int>((bits >> (32 - 2 * kBits)) & ((1u << kBits) - 1));
+    };
+    static_assert(kCopies * kBuckets >= (1 << kBits), "copies holds the sub-buckets");
+    std::fill(copies.begin(), copies.end(), 0.0);  // the sub-buckets' masses, in copies' first 4096
+    for (int32_t column : s.edge) copies[sub_of(w[column])] += w[column];
+    int sub = (1 << kBits) - 1;
+    while (sub > 0 && before + copies[sub] < limit) before += copies[sub--];
+    s.edge.erase(std::remove_if(s.edge.begin(), s.edge.end(), [&](int32_t column) { return sub_of(w[column]) != sub; }),
+                 s.edge.end());
     std::sort(s.edge.begin(), s.edge.end(), [w](int32_t a, int32_t b) { return w[a] != w[b] ? w[a] > w[b] : a < b; });
-    // the last kept column of the edge bucket: kept while the mass before it is below the limit
+    // the last kept column of that sub-bucket: kept while the mass before it is below the limit
     float cut = 0.0f;  // weights above it are kept; equal to it, columns up to cut_column
     int32_t cut_column = -1;
     double kept = before;
@@ -247,7 +269,7 @@ int64_t sample_nucleus(const float* x, int64_t n, float temperature, float log_m
         cut = w[column];
         cut_column = column;
     }
-    if (cut_column < 0) {  // the buckets above hold the nucleus (never: the walk stops at the bucket that ends it)
+    if (cut_column < 0) {  // the limit is the whole mass (rounding): every positive weight
         cut = std::nextafter(0.0f, 1.0f);
         cut_column = static_cast<int32_t>(n);
     }
@@ -270,14 +292,17 @@ void pagedserve_sample_rows(const float* logits, int64_t rows, int64_t vocab, co
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; ++r) {
             const float* x = logits + r * vocab;
-            if (top_k[r] < vocab) {
+            const float largest = row_max(x, vocab);
+            if (largest == INFINITY) {  // z is NaN there, -inf elsewhere: torch's draw falls back to it
+                out[r] = std::find(x, x + vocab, INFINITY) - x;
+            } else if (top_k[r] < vocab) {
                 out[r] = sample_top_k(x, vocab, temperature[r], log_min_p[r], std::max<int64_t>(top_k[r], 1),
                                       top_p[r], u[r], s);
             } else if (top_p[r] < 1.0f) {
-                out[r] = sample_nucleus(x, vocab, temperature[r], log_min_p[r], top_p[r], u[r], s);
+                out[r] = sample_nucleus(x, vocab, largest, temperature[r], log_min_p[r], top_p[r], u[r], s);
             } else {
                 s.w.resize(static_cast<size_t>(vocab));
-                row_weights(x, vocab, row_max(x, vocab), temperature[r], log_min_p[r], s.w.data());
+                row_weights(x, vocab, largest, temperature[r], log_min_p[r], s.w.data());
                 out[r] = draw(s.w.data(), vocab, u[r], s.sums);
             }
         }
