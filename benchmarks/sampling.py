@@ -1,7 +1,8 @@
 """The sampler on CPU: sampled rows drawn by the native kernel (csrc/sample_rows.cpp, what a CPU engine uses)
-against the torch way (engine/sampling/sampler.py's operations), per sampling setting, in microseconds per call.
+against the torch way (engine/sampling/sampler.py's operations), per sampling setting, in microseconds per call;
+then a prompt's logprobs (`prompt_logprobs`, `--prompt-rows` positions, 5 alternatives) both ways.
 
-    python -m benchmarks.sampling [--vocab 49152,151936] [--rows 1,16] [--rounds 200]
+    python -m benchmarks.sampling [--vocab 49152,151936] [--rows 1,16] [--rounds 200] [--prompt-rows 1000]
 
 Each case is a batch of `rows` rows of random logits (scale 3, or 1 for a flat distribution whose top-p nucleus
 holds thousands of tokens) under one setting; the two samplers are called in turn, `--rounds` times, and each
@@ -34,10 +35,11 @@ def main() -> None:
     parser.add_argument("--vocab", default="49152,151936", help="comma-separated vocabulary sizes")
     parser.add_argument("--rows", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--prompt-rows", type=int, default=1000, help="prompt positions scored for logprobs")
     args = parser.parse_args()
     from engine.kernels.cpu import load_cpu_kernels
     from engine.sampling.params import SamplingParams
-    from engine.sampling.sampler import Sampler
+    from engine.sampling.sampler import Sampler, prompt_logprobs
     from engine.sampling.state import SamplingState
 
     kernels = load_cpu_kernels()
@@ -65,6 +67,19 @@ def main() -> None:
                     f"vocab {vocab}, {rows} row(s), {label}: native {native * 1e6:.0f} us, torch {plain * 1e6:.0f} us,"
                     f" native / torch {native / plain:.3f}"
                 )
+        logits = torch.randn(args.prompt_rows, vocab, generator=torch.Generator().manual_seed(1)) * 3
+        targets = torch.randint(0, vocab, (args.prompt_rows,), generator=torch.Generator().manual_seed(2))
+        scored: dict[str, list[float]] = {"native": [], "torch": []}
+        for _ in range(5):
+            for name, native_logprobs in (("native", kernels.row_logprobs), ("torch", None)):
+                start = time.perf_counter()
+                prompt_logprobs(logits, targets, 5, native_logprobs)
+                scored[name].append(time.perf_counter() - start)
+        native, plain = (statistics.median(scored[name]) for name in ("native", "torch"))
+        print(
+            f"vocab {vocab}, prompt logprobs of {args.prompt_rows} positions: native {native * 1e3:.1f} ms,"
+            f" torch {plain * 1e3:.1f} ms, native / torch {native / plain:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -307,6 +307,16 @@ class CpuKernels:
         self._sample_rows = self._library.pagedserve_sample_rows  # sampled rows' tokens (sample_rows)
         self._sample_rows.restype = None
         self._sample_rows.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 6)
+        self._row_logprobs = self._library.pagedserve_row_logprobs  # prompt logprobs (row_logprobs)
+        self._row_logprobs.restype = None
+        self._row_logprobs.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            *[ctypes.c_void_p] * 4,
+        )
         builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
             "bf16_native": (
                 (torch.bfloat16, torch.bfloat16, "bf16"),
@@ -361,6 +371,27 @@ class CpuKernels:
             logits.data_ptr(), rows, vocab, *(c.ctypes.data for c in columns), uniforms.ctypes.data, out.ctypes.data
         )
         return torch.from_numpy(out)
+
+    def row_logprobs(
+        self, logits: torch.Tensor, targets: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's raw log-softmax at its target, that target's rank (1 + the columns more likely) and its k
+        best (logprobs and columns, best first), without the [rows, vocab] log-softmax (csrc/sample_rows.cpp).
+        logits [rows, vocab] float32 contiguous on the CPU, targets [rows] int64. Returns ([rows] float32,
+        [rows] int64, [rows, k] float32, [rows, k] int64)."""
+        rows, vocab = logits.shape
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous():
+            raise ValueError("row_logprobs takes contiguous float32 CPU logits")
+        ids = np.ascontiguousarray(targets.numpy(), dtype=np.int64)
+        if ids.shape != (rows,) or (rows and not 0 <= int(ids.min()) <= int(ids.max()) < vocab):
+            raise ValueError(f"row_logprobs takes one target in [0, {vocab}) per row")
+        logprob, rank = np.empty(rows, dtype=np.float32), np.empty(rows, dtype=np.int64)
+        top_values, top_ids = np.empty((rows, k), dtype=np.float32), np.empty((rows, k), dtype=np.int64)
+        arrays = (ids, logprob, rank, top_values, top_ids)
+        self._row_logprobs(
+            logits.data_ptr(), rows, vocab, arrays[0].ctypes.data, k, *(a.ctypes.data for a in arrays[1:])
+        )
+        return tuple(torch.from_numpy(a) for a in arrays[1:])  # type: ignore[return-value]
 
     def prefill_attention_serves(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         """Whether this build has a prefill attention kernel for queries of `query_dtype` over a KV cache of

@@ -131,9 +131,10 @@ class ModelRunner:
         self.device = device
         self.limits = limits
         self.requests: dict[str, CachedRequestState] = {}
-        kernels = getattr(backend, "kernels", None)  # the cpu backends': sampled rows drawn in one native call
-        native_rows = kernels.sample_rows if kernels is not None and device.type == "cpu" else None
-        sampler = Sampler(native_rows=native_rows)
+        # the cpu backends' kernels: sampled rows drawn in one native call, prompt logprobs row by row
+        kernels = getattr(backend, "kernels", None) if device.type == "cpu" else None
+        sampler = Sampler(native_rows=None if kernels is None else kernels.sample_rows)
+        self._row_logprobs = None if kernels is None else kernels.row_logprobs
         self.sampler = GuardedSampler(sampler, _request_id_lookup(self.requests))  # a bad row fails alone
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)
@@ -523,7 +524,7 @@ class ModelRunner:
             lm_heads = self._lm_heads([state.lora_slots] * count) if batch.lora is not None else []
             logits = model.compute_logits(hidden[first_row : first_row + count], lm_heads)
             targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
-            prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top)
+            prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top, self._row_logprobs)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
 
     def _lm_heads(self, row_slots: list[tuple[tuple[int, float], ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

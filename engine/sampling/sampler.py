@@ -53,6 +53,10 @@ NativeRows = Callable[..., torch.Tensor]
 """`CpuKernels.sample_rows`: (float32 logits [rows, vocab], temperatures, log min_ps, top-ks, top-ps, uniforms)
 -> token ids [rows]."""
 
+NativeLogprobs = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]
+"""`CpuKernels.row_logprobs`: (float32 logits [rows, vocab], targets [rows], k) -> (logprobs, ranks, top
+logprobs [rows, k], top ids [rows, k])."""
+
 
 class Sampler:
     """Picks one token per row of a batch, each row under its own request's parameters.
@@ -126,11 +130,16 @@ class Sampler:
         return SamplerOutput(sampled.tolist(), logprobs)
 
 
-def prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+def prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int, native: Optional[NativeLogprobs] = None
+) -> list[TokenLogprobs]:
     """The raw logprob, rank and `num_top` best alternatives of each target token.
 
     logits: [n, vocab] at prompt positions; target_token_ids: [n], the prompt token
-    that follows each position. Log-softmaxed in chunks to bound memory.
+    that follows each position. Log-softmaxed in chunks to bound memory. `native` (on CPU,
+    the kernels' `row_logprobs`) computes them row by row without the log-softmax tensor:
+    the same entries, but for a rounding (its exponential is its own) and the order of
+    exactly tied alternatives.
     """
     if num_top < 0:
         raise ValueError(f"num_top must be non-negative, got {num_top}")
@@ -139,6 +148,14 @@ def prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor, num_to
     targets = target_token_ids.to(device=logits.device, dtype=torch.long)
     sync_free = logits.device.type != "cpu"
     result: list[TokenLogprobs] = []
+    if native is not None and not sync_free:
+        k = min(num_top, vocab)
+        for start in range(0, num_rows, chunk):
+            rows = logits[start : start + chunk].to(torch.float32).contiguous()
+            lps, ranks, top_values, top_ids = native(rows, targets[start : start + chunk], k)
+            tops = [k] * rows.shape[0]
+            result += _logprob_entries(targets[start : start + chunk], lps, ranks, top_values, top_ids, tops)
+        return result
     for start in range(0, num_rows, chunk):
         raw = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)  # [chunk, vocab]
         tops = [num_top] * raw.shape[0]

@@ -2,7 +2,8 @@
 engine's runner uses): the same tokens as the torch way for full and top-k rows (the same arithmetic and
 uniforms), tokens always inside the reference support, each filter's support in proportion, top-p nuclei past
 the torch way's candidate sets, and seeded rows that repeat whatever shares their batch; on this CPU's build,
-the AVX2 (haswell) build and the portable (x86-64) one."""
+the AVX2 (haswell) build and the portable (x86-64) one. And prompt logprobs row by row (`row_logprobs`)
+against a float64 log-softmax."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from engine.kernels.cpu import load_cpu_kernels
 from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import TOP_P_CANDIDATES, Sampler
+import engine.sampling.sampler as sampler_module
+from engine.sampling.sampler import TOP_P_CANDIDATES, Sampler, prompt_logprobs
 from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
 from tests.engine.references import make_llm
 from tests.engine.test_sampler import PROBS, chi_square, make_state, reference_support, sampling_cases
@@ -204,5 +206,76 @@ def test_a_cpu_engine_samples_with_the_kernel(tiny_llama_dir):
         params = [SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=3)] * 2
         first, second = llm.generate([[5, 6, 7], [5, 6, 7]], params)
         assert first.outputs[0].token_ids == second.outputs[0].token_ids and len(first.outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------------- prompt logprobs (row_logprobs)
+
+
+@pytest.fixture(scope="module", params=ARCHES)
+def row_logprobs(request, cpu_kernels):
+    if request.param == "native":
+        return cpu_kernels.row_logprobs
+    flags = FLOAT32_TILE_ARCHES.get(request.param, ())
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*flags):
+        pytest.skip(f"this CPU cannot run -march={request.param} code")
+    kernels = load_cpu_kernels(arch=request.param)
+    assert kernels is not None
+    return kernels.row_logprobs
+
+
+@pytest.mark.parametrize("vocab, scale", [(12, 2.0), (1000, 1.0), (49152, 3.0), (151936, 5.0)])
+@pytest.mark.parametrize("num_top", [0, 3, 20])
+def test_prompt_logprobs_match_a_float64_log_softmax(row_logprobs, vocab, scale, num_top):
+    """Each row's target logprob, rank and best alternatives against float64 (the sum of exponentials in
+    double: closer to it than torch's float log-softmax, which drifts by ~1e-5 over 150,000 columns)."""
+    generator = torch.Generator().manual_seed(vocab + num_top)
+    logits = torch.randn(40, vocab, generator=generator) * scale
+    targets = torch.randint(0, vocab, (40,), generator=generator)
+    entries = prompt_logprobs(logits, targets, num_top, row_logprobs)
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    for i, entry in enumerate(entries):
+        chosen = raw[i, targets[i]]
+        assert entry.token_id == int(targets[i])
+        assert abs(entry.logprob - float(chosen)) <= 4e-6
+        # the rank counts the columns above the target in float32: those within its rounding may go either way
+        assert 1 + int((raw[i] > chosen + 4e-6).sum()) <= entry.rank <= 1 + int((raw[i] > chosen - 4e-6).sum())
+        values, ids = raw[i].topk(min(num_top, vocab))
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert all(abs(v - float(e)) <= 4e-6 for (_, v), e in zip(entry.top, values))
+    # as torch's float log-softmax computes them, within its own drift
+    for entry, plain in zip(entries, prompt_logprobs(logits, targets, num_top)):
+        assert [t for t, _ in entry.top] == [t for t, _ in plain.top]
+        assert abs(entry.logprob - plain.logprob) <= 3e-5 and abs(entry.rank - plain.rank) <= 2
+
+
+def test_prompt_logprobs_in_chunks_and_from_bf16(row_logprobs, monkeypatch):
+    logits = (torch.randn(9, 300, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
+    targets = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
+    whole = prompt_logprobs(logits, targets, 4, row_logprobs)
+    monkeypatch.setattr(sampler_module, "PROMPT_LOGPROBS_CHUNK", 600)  # 2 rows at a time
+    assert prompt_logprobs(logits, targets, 4, row_logprobs) == whole
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    for i, entry in enumerate(whole):
+        assert abs(entry.logprob - float(raw[i, targets[i]])) <= 4e-6
+        # bf16 logits tie often: the rank counts only the strictly more likely, as torch's does
+        assert entry.rank == 1 + int((raw[i] > raw[i, targets[i]]).sum())
+
+
+def test_a_cpu_engines_prompt_logprobs_come_from_the_kernel(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    try:
+        runner = llm.engine.runner
+        assert runner._row_logprobs is not None
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+        prompt = [5, 6, 7, 8, 9, 10]
+        native = llm.generate([prompt], params)[0].prompt_logprobs
+        runner._row_logprobs = None  # the torch way
+        plain = llm.generate([prompt], params)[0].prompt_logprobs
+        assert native[0] is None and plain[0] is None and len(native) == len(prompt)
+        for a, b in zip(native[1:], plain[1:]):
+            assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+            assert abs(a.logprob - b.logprob) <= 1e-5
     finally:
         llm.shutdown()

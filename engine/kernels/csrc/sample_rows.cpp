@@ -21,7 +21,9 @@
 //   the draw    the first column whose running sum (accumulated in double, as torch's CPU cumsum does, rounded
 //               to float) exceeds u x the total; a row without positive weight takes its first largest weight
 // Rows are independent (a row's token depends on its own logits, parameters and uniform alone) and run in
-// parallel over the calling team. Built and loaded by engine/kernels/cpu.py.
+// parallel over the calling team. Also the rows' raw logprobs (`pagedserve_row_logprobs`: a prompt's logprobs,
+// the log-softmax torch computes, its target's logprob and rank and the best k, without a [rows, vocab] tensor
+// of them). Built and loaded by engine/kernels/cpu.py.
 
 #include <algorithm>
 #include <cmath>
@@ -278,9 +280,80 @@ int64_t sample_nucleus(const float* x, int64_t n, float largest, float temperatu
     return draw(w, n, u, s.sums);
 }
 
+// log sum exp(x - max) over a row, the sum in double lanes (a float sum of 150,000 terms drifts by ~1e-5).
+float log_sum_exp(const float* x, int64_t n, float max) {
+    int64_t i = 0;
+    double sum = 0.0;
+#if defined(__AVX512F__)
+    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+    const __m512 top = _mm512_set1_ps(max);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = pagedserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), top));
+        low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+    }
+    sum = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+    const __m256 top = _mm256_set1_ps(max);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = pagedserve::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), top));
+        low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    alignas(32) double parts[4];
+    _mm256_store_pd(parts, _mm256_add_pd(low, high));
+    for (double part : parts) sum += part;
+#endif
+    for (; i < n; ++i) sum += x[i] - max > -87.0f ? pagedserve::fast_exp(x[i] - max) : 0.0f;
+    return static_cast<float>(std::log(sum));
+}
+
+// Columns whose raw logprob (x - max) - lse is above `than`.
+int64_t count_above(const float* x, int64_t n, float max, float lse, float than) {
+    int64_t i = 0, count = 0;
+#if defined(__AVX512F__)
+    const __m512 top = _mm512_set1_ps(max), shift = _mm512_set1_ps(lse), bound = _mm512_set1_ps(than);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 raw = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), top), shift);
+        count += __builtin_popcount(_mm512_cmp_ps_mask(raw, bound, _CMP_GT_OQ));
+    }
+#endif
+    for (; i < n; ++i) count += (x[i] - max) - lse > than;
+    return count;
+}
+
 }  // namespace
 
 extern "C" {
+// Row r of logits [rows, vocab] (float32, contiguous): logprob[r] = its target's raw logprob (x - max) - lse,
+// rank[r] = 1 + the columns whose logprob is above it, and when k > 0 the k best (top_values[r * k + j],
+// top_ids[r * k + j]) best first (ties: lower column first). Rows in parallel over the calling team.
+void pagedserve_row_logprobs(const float* logits, int64_t rows, int64_t vocab, const int64_t* targets, int64_t k,
+                             float* logprob, int64_t* rank, float* top_values, int64_t* top_ids) {
+#pragma omp parallel if (rows > 1)
+    {
+        std::vector<int32_t> columns;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* x = logits + r * vocab;
+            const float max = row_max(x, vocab), lse = log_sum_exp(x, vocab, max);
+            const float target = (x[targets[r]] - max) - lse;
+            logprob[r] = target;
+            rank[r] = 1 + count_above(x, vocab, max, lse, target);
+            if (k > 0) {
+                top_columns(x, vocab, std::min(k, vocab), columns);
+                for (int64_t j = 0; j < k; ++j) {  // past the finite columns: the worst logprob, column 0
+                    const bool held = j < static_cast<int64_t>(columns.size());
+                    top_ids[r * k + j] = held ? columns[j] : 0;
+                    top_values[r * k + j] = held ? (x[columns[j]] - max) - lse : -INFINITY;
+                }
+            }
+        }
+    }
+}
+
+
 // out[r] = the token of row r of logits [rows, vocab] (float32, contiguous): temperature[r] > 0; log_min_p[r]
 // (-inf: no min_p); top_k[r] (>= vocab: none); top_p[r] (1: none); u[r] in [0, 1).
 void pagedserve_sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
