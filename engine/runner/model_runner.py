@@ -133,8 +133,10 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # the cpu backends' kernels: sampled rows drawn in one native call, prompt logprobs row by row
         kernels = getattr(backend, "kernels", None) if device.type == "cpu" else None
-        sampler = Sampler(native_rows=None if kernels is None else kernels.sample_rows)
         self._row_logprobs = None if kernels is None else kernels.row_logprobs
+        sampler = Sampler(
+            native_rows=None if kernels is None else kernels.sample_rows, native_logprobs=self._row_logprobs
+        )
         self.sampler = GuardedSampler(sampler, _request_id_lookup(self.requests))  # a bad row fails alone
         block_size = kv_cache.spec.block_size
         max_blocks = -(-limits.max_model_len // block_size)

@@ -88,12 +88,19 @@ class Sampler:
     topk may order them otherwise, so another of the tied tokens, the same distribution),
     except that a top-p row without top-k whose nucleus outgrows the first
     TOP_P_CANDIDATES draws among it in column order, not best first: the same
-    distribution, another token for a given uniform.
+    distribution, another token for a given uniform. `native_logprobs` (the kernels'
+    `row_logprobs`) gives the logprob rows' entries as `prompt_logprobs` takes them.
     """
 
-    def __init__(self, sync_free: Optional[bool] = None, native_rows: Optional[NativeRows] = None):
+    def __init__(
+        self,
+        sync_free: Optional[bool] = None,
+        native_rows: Optional[NativeRows] = None,
+        native_logprobs: Optional[NativeLogprobs] = None,
+    ):
         self.sync_free = sync_free  # None: decided by the logits' device
         self.native_rows = native_rows
+        self.native_logprobs = native_logprobs
 
     def __call__(
         self, logits: torch.Tensor, states: Sequence[SamplingState], token_bitmask: Optional[TokenBitmask] = None
@@ -112,16 +119,22 @@ class Sampler:
             _apply_processors(x, states, plan, sync_free)
             if token_bitmask is not None:
                 apply_token_bitmask(x, token_bitmask)
-        native = self.native_rows if not sync_free and logits.device.type == "cpu" else None
+        on_cpu = not sync_free and logits.device.type == "cpu"  # where the native kernels may run
+        native = self.native_rows if on_cpu else None
         chosen = _choose(x, states, plan, x_is_private=private, sync_free=sync_free, native=native)  # [num_rows]
         if not plan.logprob_rows:
             return SamplerOutput(to_host(chosen)[0].tolist(), None)
         rows, device = plan.logprob_rows, logits.device
         index = None if len(rows) == num_rows else _index(rows, device)
         rows_logits = logits if index is None else logits.index_select(0, index)
-        raw = torch.log_softmax(rows_logits.float(), dim=-1)  # [rows, vocab]
         num_top = plan.logprob_tops
-        found = _logprob_tensors(raw, chosen if index is None else chosen.index_select(0, index), num_top, sync_free)
+        rows_chosen = chosen if index is None else chosen.index_select(0, index)
+        if self.native_logprobs is not None and on_cpu:
+            k = min(max(num_top, default=0), vocab)
+            found = (rows_chosen, *self.native_logprobs(rows_logits.to(torch.float32).contiguous(), rows_chosen, k))
+        else:
+            raw = torch.log_softmax(rows_logits.float(), dim=-1)  # [rows, vocab]
+            found = _logprob_tensors(raw, rows_chosen, num_top, sync_free)
         # the step's one wait for the device
         sampled, ids, id_logprobs, ranks, top_values, top_ids = to_host(chosen, *found)
         logprobs: list[Optional[TokenLogprobs]] = [None] * num_rows

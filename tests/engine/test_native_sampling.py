@@ -279,3 +279,28 @@ def test_a_cpu_engines_prompt_logprobs_come_from_the_kernel(tiny_llama_dir):
             assert abs(a.logprob - b.logprob) <= 1e-5
     finally:
         llm.shutdown()
+
+
+def test_sampled_rows_logprobs_come_from_the_kernel_too(cpu_kernels):
+    """Logprob rows (greedy and sampled, 0 to 20 alternatives, beside rows without): the torch way's entries,
+    within its float log-softmax's rounding."""
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(21)) * 3
+    states = [
+        make_state(temperature=0.0, logprobs=5),
+        make_state(temperature=1.0, top_k=10, logprobs=3, repetition_penalty=1.5, prompt=[1, 2], logit_bias={3: 5}),
+        make_state(temperature=1.0),
+        make_state(temperature=0.7, top_p=0.8, logprobs=0),
+        make_state(temperature=5.0, logprobs=20, presence_penalty=1.0, output=[4, 4]),
+    ]
+    native = Sampler(native_rows=cpu_kernels.sample_rows, native_logprobs=cpu_kernels.row_logprobs)
+    torch.manual_seed(5)
+    got = native(logits, states)
+    torch.manual_seed(5)
+    expected = Sampler(native_rows=cpu_kernels.sample_rows)(logits, states)  # the torch way's logprobs
+    assert got.sampled_token_ids == expected.sampled_token_ids
+    assert got.logprobs is not None and expected.logprobs is not None and got.logprobs[2] is None
+    for a, b in zip(got.logprobs, expected.logprobs):
+        if b is None:
+            continue
+        assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+        assert abs(a.logprob - b.logprob) <= 1e-5 and all(abs(x[1] - y[1]) <= 1e-5 for x, y in zip(a.top, b.top))
