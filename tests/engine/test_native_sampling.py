@@ -20,7 +20,14 @@ import engine.sampling.sampler as sampler_module
 from engine.sampling.sampler import TOP_P_CANDIDATES, Sampler, prompt_logprobs
 from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
 from tests.engine.references import make_llm
-from tests.engine.test_sampler import PROBS, chi_square, make_state, reference_support, sampling_cases
+from tests.engine.test_sampler import (
+    PROBS,
+    chi_square,
+    logprob_states,
+    make_state,
+    reference_support,
+    sampling_cases,
+)
 
 ARCHES = ["native", "haswell", "x86-64"]
 
@@ -285,13 +292,7 @@ def test_sampled_rows_logprobs_come_from_the_kernel_too(cpu_kernels):
     """Logprob rows (greedy and sampled, 0 to 20 alternatives, beside rows without): the torch way's entries,
     within its float log-softmax's rounding."""
     logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(21)) * 3
-    states = [
-        make_state(temperature=0.0, logprobs=5),
-        make_state(temperature=1.0, top_k=10, logprobs=3, repetition_penalty=1.5, prompt=[1, 2], logit_bias={3: 5}),
-        make_state(temperature=1.0),
-        make_state(temperature=0.7, top_p=0.8, logprobs=0),
-        make_state(temperature=5.0, logprobs=20, presence_penalty=1.0, output=[4, 4]),
-    ]
+    states = logprob_states()
     native = Sampler(native_rows=cpu_kernels.sample_rows, native_logprobs=cpu_kernels.row_logprobs)
     torch.manual_seed(5)
     got = native(logits, states)

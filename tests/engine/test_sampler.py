@@ -351,17 +351,22 @@ def check_logprobs(logits: torch.Tensor, row_index: int, entry, token_id: int, n
     assert all(a[1] >= b[1] for a, b in zip(entry.top, entry.top[1:]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logprobs_are_the_raw_log_softmax(dtype):
-    torch.manual_seed(10)
-    logits = (torch.randn(5, 50) * 3).to(dtype)
-    states = [
+def logprob_states() -> list[SamplingState]:
+    """Five rows: greedy and sampled ones asking 0 to 20 alternatives, and one asking none (row 2)."""
+    return [
         make_state(temperature=0.0, logprobs=5),
         make_state(temperature=1.0, top_k=10, logprobs=3, repetition_penalty=1.5, prompt=[1, 2], logit_bias={3: 5}),
         make_state(temperature=1.0),
         make_state(temperature=0.7, top_p=0.8, logprobs=0),
         make_state(temperature=5.0, logprobs=20, presence_penalty=1.0, output=[4, 4]),
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_are_the_raw_log_softmax(dtype):
+    torch.manual_seed(10)
+    logits = (torch.randn(5, 50) * 3).to(dtype)
+    states = logprob_states()
     out = Sampler()(logits, states)
     assert isinstance(out, SamplerOutput)
     assert out.logprobs is not None and out.logprobs[2] is None
