@@ -34,6 +34,10 @@
 #include "common.h"
 #include "exp16.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // w[i] = exp((x[i] - max) / temperature), 0 where that is -inf, NaN, below log_min_p or below -87 (exp16 and
