@@ -245,7 +245,7 @@ class _RowParams(NamedTuple):
         def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return to_device(values, dtype, device).unsqueeze(1)
 
-        top_ks = [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params]
+        top_ks = _top_ks(params, vocab)
         use = [
             any(p.temperature != 1.0 for p in params),
             any(p.min_p > 0.0 for p in params),
@@ -254,12 +254,22 @@ class _RowParams(NamedTuple):
         ]
         return cls(
             column([p.temperature for p in params]) if use[0] else None,
-            column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]) if use[1] else None,
+            column(_log_min_ps(params)) if use[1] else None,
             column(top_ks, torch.long) if use[2] else None,
             column([p.top_p for p in params]) if use[3] else None,
             [i for i, k in enumerate(top_ks) if k >= vocab],
             max((k for k in top_ks if k < vocab), default=0),
         )
+
+
+def _top_ks(params: Sequence[SamplingParams], vocab: int) -> list[int]:
+    """Each row's top-k, `vocab` where it has none."""
+    return [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params]
+
+
+def _log_min_ps(params: Sequence[SamplingParams]) -> list[float]:
+    """Each row's log(min_p), -inf where it has none."""
+    return [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]
 
 
 # ---------------------------------------------------------------------- processors
@@ -422,8 +432,8 @@ def _choose_native(
     chosen = native(
         rows_x.to(torch.float32).contiguous(),
         [p.temperature for p in params],
-        [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
-        [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params],
+        _log_min_ps(params),
+        _top_ks(params, vocab),
         [p.top_p for p in params],
         u,
     )

@@ -287,18 +287,10 @@ int64_t pagedserve_prefill_attention_bf16_native() { return 1; }
                                                   const int32_t* block_table, uint16_t* out, int64_t query_len,   \
                                                   int64_t context_len, int64_t heads, int64_t kv_heads,           \
                                                   int64_t head_dim, int64_t block_size, float scale) {            \
-        switch (head_dim) {                                                                                     \
-            case 64:                                                                                            \
-                prefill_attention<C, 64>(query, key_cache, value_cache, block_table, out, query_len, context_len, \
-                                         heads, kv_heads, block_size, scale);                                   \
-                return 1;                                                                                       \
-            case 128:                                                                                           \
-                prefill_attention<C, 128>(query, key_cache, value_cache, block_table, out, query_len,            \
-                                          context_len, heads, kv_heads, block_size, scale);                     \
-                return 1;                                                                                       \
-            default:                                                                                            \
-                return 0;                                                                                       \
-        }                                                                                                       \
+        return pagedserve::prefill::with_head_dim(head_dim, [&](auto d) {                                      \
+            prefill_attention<C, decltype(d)::value>(query, key_cache, value_cache, block_table, out, query_len,  \
+                                                     context_len, heads, kv_heads, block_size, scale);          \
+        });                                                                                                     \
     }
 PAGEDSERVE_PREFILL_ATTENTION(bf16, uint16_t)
 PAGEDSERVE_PREFILL_ATTENTION(bf16_fp8, pagedserve::Fp8E4M3)  // an fp8 cache (--kv-cache-dtype fp8)

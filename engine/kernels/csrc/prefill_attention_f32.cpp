@@ -321,18 +321,10 @@ template <typename C>
 int64_t prefill_attention_of(const float* query, const C* key_cache, const C* value_cache, const int32_t* table,
                              float* out, int64_t query_len, int64_t context_len, int64_t heads, int64_t kv_heads,
                              int64_t head_dim, int64_t block_size, float scale) {
-    switch (head_dim) {
-        case 64:
-            prefill_attention<C, 64>(query, key_cache, value_cache, table, out, query_len, context_len, heads,
-                                     kv_heads, block_size, scale);
-            return 1;
-        case 128:
-            prefill_attention<C, 128>(query, key_cache, value_cache, table, out, query_len, context_len, heads,
-                                      kv_heads, block_size, scale);
-            return 1;
-        default:
-            return 0;
-    }
+    return pagedserve::prefill::with_head_dim(head_dim, [&](auto d) {
+        prefill_attention<C, decltype(d)::value>(query, key_cache, value_cache, table, out, query_len, context_len,
+                                                 heads, kv_heads, block_size, scale);
+    });
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <immintrin.h>
 
@@ -30,6 +31,17 @@ void for_each_item(int64_t query_len, int64_t kv_heads, int64_t q_tile, int64_t 
             const int64_t q0 = tile * q_tile;
             attend(q0, std::min(query_len, q0 + q_tile), kv, scratch);
         }
+    }
+}
+
+// Calls attend(std::integral_constant<int, D>) for a head size the kernels are built for (64, 128); false, having
+// called nothing, for another.
+template <typename Attend>
+bool with_head_dim(int64_t head_dim, const Attend& attend) {
+    switch (head_dim) {
+        case 64: attend(std::integral_constant<int, 64>{}); return true;
+        case 128: attend(std::integral_constant<int, 128>{}); return true;
+        default: return false;
     }
 }
 

@@ -172,9 +172,27 @@ void top_columns(const float* x, int64_t n, int64_t k, std::vector<int32_t>& out
     std::sort(out.begin(), out.end(), better);
 }
 
+// sampler.py's top-p mask over weights best first: kept[j] = w[j] while the mass before column j is below
+// `limit`, else 0 (kept may be w). Returns the running total (in double, rounded to float).
+float keep_nucleus(const float* w, int64_t m, float limit, float* kept) {
+    double running = 0.0;
+    for (int64_t j = 0; j < m; ++j) {
+        const float weight = w[j];
+        running += weight;
+        kept[j] = static_cast<float>(running) - weight >= limit ? 0.0f : weight;
+    }
+    return static_cast<float>(running);
+}
+
+inline uint32_t float_bits(float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return bits;
+}
+
 struct Scratch {
     std::vector<float> w;        // the row's weights, or its candidates'
-    std::vector<float> values;   // the candidates' logits
+    std::vector<float> values;   // the candidates' logits, or their weights
     std::vector<double> sums;    // the draw's chunk sums
     std::vector<int32_t> columns, edge;  // the candidates; the nucleus's last bucket
 };
@@ -189,15 +207,10 @@ int64_t sample_top_k(const float* x, int64_t n, float temperature, float log_min
     s.w.resize(static_cast<size_t>(m));
     for (int64_t j = 0; j < m; ++j) s.values[j] = x[s.columns[j]];
     row_weights(s.values.data(), m, s.values[0], temperature, log_min_p, s.w.data());
-    if (top_p < 1.0f) {
-        double running = 0.0;
-        for (int64_t j = 0; j < m; ++j) running += s.w[j];
-        const float limit = top_p * static_cast<float>(running);
-        running = 0.0;
-        for (int64_t j = 0; j < m; ++j) {  // kept while the mass before the column is below the limit
-            running += s.w[j];
-            if (static_cast<float>(running) - s.w[j] >= limit) s.w[j] = 0.0f;
-        }
+    if (top_p < 1.0f) {  // the nucleus of the candidates' own mass
+        double mass = 0.0;
+        for (int64_t j = 0; j < m; ++j) mass += s.w[j];
+        keep_nucleus(s.w.data(), m, top_p * static_cast<float>(mass), s.w.data());
     }
     return s.columns[draw(s.w.data(), m, u, s.sums)];
 }
@@ -220,18 +233,10 @@ int64_t sample_nucleus(const float* x, int64_t n, float largest, float temperatu
     top_columns(x, n, std::min<int64_t>(kNucleusCandidates, n), s.columns);
     const int64_t m = static_cast<int64_t>(s.columns.size());
     s.values.resize(static_cast<size_t>(m));
-    double running = 0.0;
-    for (int64_t j = 0; j < m; ++j) {  // kept while the mass before the column is below the limit
-        const float weight = w[s.columns[j]];
-        running += weight;
-        s.values[j] = static_cast<float>(running) - weight >= limit_f ? 0.0f : weight;
-    }
-    if (m > 0 && static_cast<float>(running) >= limit_f) return s.columns[draw(s.values.data(), m, u, s.sums)];
-    auto bucket_of = [](float v) {
-        uint32_t bits;
-        std::memcpy(&bits, &v, sizeof bits);
-        return std::min(static_cast<int>(bits >> (32 - kBits)), kBuckets - 1);
-    };
+    for (int64_t j = 0; j < m; ++j) s.values[j] = w[s.columns[j]];
+    if (m > 0 && keep_nucleus(s.values.data(), m, limit_f, s.values.data()) >= limit_f)
+        return s.columns[draw(s.values.data(), m, u, s.sums)];
+    auto bucket_of = [](float v) { return std::min(static_cast<int>(float_bits(v) >> (32 - kBits)), kBuckets - 1); };
     // kCopies histograms, element i into copy i % kCopies: neighbours with one bucket do not wait on each other
     std::vector<double> copies(kCopies * kBuckets, 0.0);
     for (int64_t i = 0; i < n; ++i) copies[(i % kCopies) * kBuckets + bucket_of(w[i])] += w[i];
@@ -252,11 +257,7 @@ int64_t sample_nucleus(const float* x, int64_t n, float largest, float temperatu
         if (w[i] > 0.0f && bucket_of(w[i]) == bucket) s.edge.push_back(static_cast<int32_t>(i));
     // that bucket by the weights' next 12 bits (a flat row puts most of itself in one bucket): the sub-buckets
     // above the one the nucleus ends in are kept whole, only that one is sorted
-    auto sub_of = [](float v) {
-        uint32_t bits;
-        std::memcpy(&bits, &v, sizeof bits);
-        return static_cast<int>((bits >> (32 - 2 * kBits)) & ((1u << kBits) - 1));
-    };
+    auto sub_of = [](float v) { return static_cast<int>((float_bits(v) >> (32 - 2 * kBits)) & ((1u << kBits) - 1)); };
     static_assert(kCopies * kBuckets >= (1 << kBits), "copies holds the sub-buckets");
     std::fill(copies.begin(), copies.end(), 0.0);  // the sub-buckets' masses, in copies' first 4096
     for (int32_t column : s.edge) copies[sub_of(w[column])] += w[column];
