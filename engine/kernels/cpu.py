@@ -15,6 +15,7 @@ the torch backend does the work.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import logging
@@ -51,6 +52,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "prefill_attention_f32.cpp",
     "sample_rows.cpp",
+    "logit_processors.cpp",
     "team_split.cpp",
 )
 HEADERS = (
@@ -317,6 +319,19 @@ class CpuKernels:
             ctypes.c_int64,
             *[ctypes.c_void_p] * 4,
         )
+        self._logit_processors = self._library.pagedserve_logit_processors  # bias, penalties (logit_processors)
+        self._logit_processors.restype = None
+        self._logit_processors.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        )
         builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
             "bf16_native": (
                 (torch.bfloat16, torch.bfloat16, "bf16"),
@@ -392,6 +407,52 @@ class CpuKernels:
             logits.data_ptr(), rows, vocab, arrays[0].ctypes.data, k, *(a.ctypes.data for a in arrays[1:])
         )
         return tuple(torch.from_numpy(a) for a in arrays[1:])  # type: ignore[return-value]
+
+    def logit_processors(
+        self,
+        x: torch.Tensor,  # [rows, vocab] float32, contiguous, on the CPU: changed in place
+        additions: tuple[Sequence[int], Sequence[int], Sequence[float]],  # (rows, ids, values): x[row, id] += value
+        penalized: Sequence[int],  # rows with penalties, each once
+        repetition: Sequence[float],  # per penalized row; 1: none
+        presence: Sequence[float],  # 0: none
+        frequency: Sequence[float],  # 0: none
+        prompt_ids: Sequence[Optional[torch.Tensor]],  # int64 (a row without a repetition penalty: None)
+        output_ids: Sequence[torch.Tensor],  # int64
+    ) -> None:
+        """The sampler's logits processors in one call (csrc/logit_processors.cpp): the additions in order, then
+        each penalized row's repetition penalty over its prompt and output ids, then its presence and frequency
+        penalties over its output ids, with the torch way's float32 arithmetic."""
+        rows, vocab = x.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("logit_processors takes contiguous float32 CPU logits")
+        add_rows, add_ids, add_values = additions
+        count = len(penalized)
+        if not len(add_rows) == len(add_ids) == len(add_values):
+            raise ValueError("logit_processors takes one row, id and value per addition")
+        if not count == len(repetition) == len(presence) == len(frequency) == len(prompt_ids) == len(output_ids):
+            raise ValueError("logit_processors takes every penalty and both id arrays for each penalized row")
+        table = array.array("q")  # per penalized row: row, prompt ids' address and length, output ids' too
+        for row, prompt, output in zip(penalized, prompt_ids, output_ids):
+            for ids in (prompt, output):
+                if ids is not None and (
+                    ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous()
+                ):
+                    raise ValueError("logit_processors takes contiguous int64 CPU id tensors")
+            table.extend((row, *_ids_span(prompt), *_ids_span(output)))
+        cells = array.array("q", [value for cell in zip(add_rows, add_ids) for value in cell])
+        values = array.array("f", add_values)  # float32 as torch casts (past its range: inf)
+        penalties = array.array("f", [value for row in zip(repetition, presence, frequency) for value in row])
+        self._logit_processors(
+            x.data_ptr(),
+            rows,
+            vocab,
+            len(values),
+            cells.buffer_info()[0],
+            values.buffer_info()[0],
+            count,
+            table.buffer_info()[0],
+            penalties.buffer_info()[0],
+        )
 
     def prefill_attention_serves(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         """Whether this build has a prefill attention kernel for queries of `query_dtype` over a KV cache of
@@ -716,6 +777,11 @@ class CpuKernels:
             cache = "" if cache_dtype in (None, dtype) else f" over a {cache_dtype} KV cache"
             raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}{cache}")
         return function
+
+
+def _ids_span(ids: Optional[torch.Tensor]) -> tuple[int, int]:
+    """(address, length) of an id tensor's elements; (0, 0) for None."""
+    return (0, 0) if ids is None else (ids.data_ptr(), ids.numel())
 
 
 def _dispatch(operator, kernel, *arguments):

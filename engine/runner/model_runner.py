@@ -131,11 +131,14 @@ class ModelRunner:
         self.device = device
         self.limits = limits
         self.requests: dict[str, CachedRequestState] = {}
-        # the cpu backends' kernels: sampled rows drawn in one native call, prompt logprobs row by row
+        # the cpu backends' kernels: sampled rows drawn in one native call, prompt logprobs row by row, the
+        # logits processors (logit_bias, min_tokens, penalties) in one call
         kernels = getattr(backend, "kernels", None) if device.type == "cpu" else None
         self._row_logprobs = None if kernels is None else kernels.row_logprobs
         sampler = Sampler(
-            native_rows=None if kernels is None else kernels.sample_rows, native_logprobs=self._row_logprobs
+            native_rows=None if kernels is None else kernels.sample_rows,
+            native_logprobs=self._row_logprobs,
+            native_processors=None if kernels is None else kernels.logit_processors,
         )
         self.sampler = GuardedSampler(sampler, _request_id_lookup(self.requests))  # a bad row fails alone
         block_size = kv_cache.spec.block_size

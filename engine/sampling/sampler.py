@@ -57,6 +57,10 @@ NativeLogprobs = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor,
 """`CpuKernels.row_logprobs`: (float32 logits [rows, vocab], targets [rows], k) -> (logprobs, ranks, top
 logprobs [rows, k], top ids [rows, k])."""
 
+NativeProcessors = Callable[..., None]
+"""`CpuKernels.logit_processors`: (float32 logits [rows, vocab] changed in place, (rows, ids, values) added,
+penalized rows, their repetition, presence and frequency penalties, their prompt ids and output ids)."""
+
 
 class Sampler:
     """Picks one token per row of a batch, each row under its own request's parameters.
@@ -90,6 +94,8 @@ class Sampler:
     TOP_P_CANDIDATES draws among it in column order, not best first: the same
     distribution, another token for a given uniform. `native_logprobs` (the kernels'
     `row_logprobs`) gives the logprob rows' entries as `prompt_logprobs` takes them.
+    `native_processors` (the kernels' `logit_processors`) applies logit_bias, min_tokens
+    and the penalties of a CPU step in one call, with the same float32 arithmetic.
     """
 
     def __init__(
@@ -97,10 +103,12 @@ class Sampler:
         sync_free: Optional[bool] = None,
         native_rows: Optional[NativeRows] = None,
         native_logprobs: Optional[NativeLogprobs] = None,
+        native_processors: Optional[NativeProcessors] = None,
     ):
         self.sync_free = sync_free  # None: decided by the logits' device
         self.native_rows = native_rows
         self.native_logprobs = native_logprobs
+        self.native_processors = native_processors
 
     def __call__(
         self, logits: torch.Tensor, states: Sequence[SamplingState], token_bitmask: Optional[TokenBitmask] = None
@@ -114,12 +122,15 @@ class Sampler:
         plan = _BatchPlan.build(states, vocab)
         x = logits
         private = plan.needs_processing or token_bitmask is not None
+        on_cpu = not sync_free and logits.device.type == "cpu"  # where the native kernels may run
         if private:
             x = logits.to(torch.float32, copy=True)  # [num_rows, vocab]
-            _apply_processors(x, states, plan, sync_free)
+            if on_cpu and self.native_processors is not None:
+                _apply_processors_native(x, states, plan, self.native_processors)
+            else:
+                _apply_processors(x, states, plan, sync_free)
             if token_bitmask is not None:
                 apply_token_bitmask(x, token_bitmask)
-        on_cpu = not sync_free and logits.device.type == "cpu"  # where the native kernels may run
         native = self.native_rows if on_cpu else None
         chosen = _choose(x, states, plan, x_is_private=private, sync_free=sync_free, native=native)  # [num_rows]
         if not plan.logprob_rows:
@@ -284,6 +295,28 @@ def _apply_processors(x: torch.Tensor, states: Sequence[SamplingState], plan: _B
     if plan.penalty_rows:
         penalize = _apply_penalties_dense if sync_free else _apply_penalties
         penalize(x, states, plan.penalty_rows)
+
+
+def _apply_processors_native(
+    x: torch.Tensor, states: Sequence[SamplingState], plan: _BatchPlan, native: NativeProcessors
+) -> None:
+    """`_apply_processors` on CPU in one native call: its additions, and per penalized row its penalties and
+    the ids they look at (the prompt's only under a repetition penalty)."""
+    device = x.device
+    params = [states[r].params for r in plan.penalty_rows]
+    native(
+        x,
+        (plan.add_rows, plan.add_ids, plan.add_values),
+        plan.penalty_rows,
+        [p.repetition_penalty for p in params],
+        [p.presence_penalty for p in params],
+        [p.frequency_penalty for p in params],
+        [
+            states[r].unique_prompt_ids(device) if p.repetition_penalty != 1.0 else None
+            for r, p in zip(plan.penalty_rows, params)
+        ],
+        [states[r].output_ids_tensor(device) for r in plan.penalty_rows],
+    )
 
 
 def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:

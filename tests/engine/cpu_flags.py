@@ -22,3 +22,21 @@ FLOAT32_TILE_ARCHES = {
     "haswell": ("avx2", "fma", "f16c", "bmi2", "movbe"),
     "skylake-avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "bmi2"),
 }
+
+
+def kernels_for(arch: str, cpu_kernels):
+    """This CPU's kernels for "native", else the -march=`arch` build (the test skipped where this CPU cannot run
+    its code: x86-64 runs anywhere on x86, haswell and skylake-avx512 need FLOAT32_TILE_ARCHES' flags)."""
+    import platform
+
+    import pytest
+
+    from engine.kernels.cpu import load_cpu_kernels
+
+    if arch == "native":
+        return cpu_kernels
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*FLOAT32_TILE_ARCHES.get(arch, ())):
+        pytest.skip(f"this CPU cannot run -march={arch} code")
+    kernels = load_cpu_kernels(arch=arch)
+    assert kernels is not None, f"the -march={arch} build failed"
+    return kernels

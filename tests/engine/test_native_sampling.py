@@ -8,17 +8,15 @@ against a float64 log-softmax."""
 from __future__ import annotations
 
 import math
-import platform
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 
-from engine.kernels.cpu import load_cpu_kernels
 from engine.sampling.params import SamplingParams
 import engine.sampling.sampler as sampler_module
 from engine.sampling.sampler import TOP_P_CANDIDATES, Sampler, prompt_logprobs
-from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
+from tests.engine.cpu_flags import kernels_for
 from tests.engine.references import make_llm
 from tests.engine.test_sampler import (
     PROBS,
@@ -35,15 +33,7 @@ ARCHES = ["native", "haswell", "x86-64"]
 @pytest.fixture(scope="module", params=ARCHES)
 def native(request, cpu_kernels):
     """A sampler drawing its sampled rows with this build's kernel."""
-    if request.param == "native":
-        kernels = cpu_kernels
-    else:
-        flags = FLOAT32_TILE_ARCHES.get(request.param, ())
-        if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*flags):
-            pytest.skip(f"this CPU cannot run -march={request.param} code")
-        kernels = load_cpu_kernels(arch=request.param)
-        assert kernels is not None, f"the -march={request.param} build failed"
-    return Sampler(native_rows=kernels.sample_rows)
+    return Sampler(native_rows=kernels_for(request.param, cpu_kernels).sample_rows)
 
 
 @pytest.fixture(scope="module")
@@ -222,14 +212,7 @@ def test_a_cpu_engine_samples_with_the_kernel(tiny_llama_dir):
 
 @pytest.fixture(scope="module", params=ARCHES)
 def row_logprobs(request, cpu_kernels):
-    if request.param == "native":
-        return cpu_kernels.row_logprobs
-    flags = FLOAT32_TILE_ARCHES.get(request.param, ())
-    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*flags):
-        pytest.skip(f"this CPU cannot run -march={request.param} code")
-    kernels = load_cpu_kernels(arch=request.param)
-    assert kernels is not None
-    return kernels.row_logprobs
+    return kernels_for(request.param, cpu_kernels).row_logprobs
 
 
 @pytest.mark.parametrize("vocab, scale", [(12, 2.0), (1000, 1.0), (49152, 3.0), (151936, 5.0)])
