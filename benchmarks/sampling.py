@@ -1,11 +1,12 @@
-"""The sampler on CPU: sampled rows drawn by the native kernel (csrc/sample_rows.cpp, what a CPU engine uses)
-against the torch way (engine/sampling/sampler.py's operations), per sampling setting, in microseconds per call;
-then a prompt's logprobs (`prompt_logprobs`, `--prompt-rows` positions, 5 alternatives) both ways.
+"""The sampler on CPU: sampled rows drawn by the native kernel (csrc/sample_rows.cpp, what a CPU engine uses), and
+logit_bias and the penalties applied by csrc/logit_processors.cpp, against the torch way (engine/sampling/sampler.py's
+operations), per sampling setting, in microseconds per call; then a prompt's logprobs (`prompt_logprobs`,
+`--prompt-rows` positions, 5 alternatives) both ways.
 
     python -m benchmarks.sampling [--vocab 49152,151936] [--rows 1,16] [--rounds 200] [--prompt-rows 1000]
 
 Each case is a batch of `rows` rows of random logits (scale 3, or 1 for a flat distribution whose top-p nucleus
-holds thousands of tokens) under one setting; the two samplers are called in turn, `--rounds` times, and each
+holds thousands of tokens) under one setting (the penalties' rows with a history: HISTORY prompt and output ids); the two samplers are called in turn, `--rounds` times, and each
 reports its median. Run it alone: on 2 cores any other busy process changes the figures.
 """
 
@@ -27,7 +28,17 @@ CASES = (
     ("temperature 0.8, top-k 40", {"temperature": 0.8, "top_k": 40}, 3.0),
     ("temperature 1.0, top-k 50, top-p 0.95", {"temperature": 1.0, "top_k": 50, "top_p": 0.95}, 3.0),
     ("temperature 1.0, min-p 0.05", {"temperature": 1.0, "min_p": 0.05}, 3.0),
+    ("greedy, repetition penalty 1.1", {"temperature": 0.0, "repetition_penalty": 1.1}, 3.0),
+    (
+        "greedy, presence 0.3, frequency 0.5",
+        {"temperature": 0.0, "presence_penalty": 0.3, "frequency_penalty": 0.5},
+        3.0,
+    ),
+    ("temperature 0.7, top-p 0.9, repetition 1.1", {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}, 3.0),
+    ("greedy, logit_bias of 8 tokens", {"temperature": 0.0, "logit_bias": {7 * i + 3: 2.0 for i in range(8)}}, 3.0),
 )
+HISTORY = (200, 300)
+"""Prompt and output ids of each row (random, repeating): what the penalties look at."""
 
 
 def main() -> None:
@@ -47,14 +58,18 @@ def main() -> None:
         raise SystemExit("the native kernels did not build here")
     print(cpu_line())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    samplers = {"native": Sampler(native_rows=kernels.sample_rows), "torch": Sampler()}
+    native_sampler = Sampler(native_rows=kernels.sample_rows, native_processors=kernels.logit_processors)
+    samplers = {"native": native_sampler, "torch": Sampler()}
     for vocab in (int(v) for v in args.vocab.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             for label, params, scale in CASES:
                 logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * scale
+                ids = torch.randint(0, vocab, (rows, sum(HISTORY)), generator=torch.Generator().manual_seed(3)).tolist()
                 states = [
-                    SamplingState.create(SamplingParams(**params), [], [], frozenset(), torch.device("cpu"))
-                    for _ in range(rows)
+                    SamplingState.create(
+                        SamplingParams(**params), row[: HISTORY[0]], row[HISTORY[0] :], frozenset(), torch.device("cpu")
+                    )
+                    for row in ids
                 ]
                 times: dict[str, list[float]] = {name: [] for name in samplers}
                 for _ in range(args.rounds):
