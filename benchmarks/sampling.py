@@ -6,8 +6,9 @@ operations), per sampling setting, in microseconds per call; then a prompt's log
     python -m benchmarks.sampling [--vocab 49152,151936] [--rows 1,16] [--rounds 200] [--prompt-rows 1000]
 
 Each case is a batch of `rows` rows of random logits (scale 3, or 1 for a flat distribution whose top-p nucleus
-holds thousands of tokens) under one setting (the penalties' rows with a history: HISTORY prompt and output ids); the two samplers are called in turn, `--rounds` times, and each
-reports its median. Run it alone: on 2 cores any other busy process changes the figures.
+holds thousands of tokens) under one setting, each row with a history of HISTORY prompt and output ids (what
+the penalties look at); the two samplers are called in turn, `--rounds` times, and each reports its median. Run
+it alone: on 2 cores any other busy process changes the figures.
 """
 
 from __future__ import annotations

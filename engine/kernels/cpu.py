@@ -414,14 +414,15 @@ class CpuKernels:
         additions: tuple[Sequence[int], Sequence[int], Sequence[float]],  # (rows, ids, values): x[row, id] += value
         penalized: Sequence[int],  # rows with penalties, each once
         repetition: Sequence[float],  # per penalized row; 1: none
-        presence: Sequence[float],  # 0: none
-        frequency: Sequence[float],  # 0: none
+        presence: Sequence[float],  # presence and frequency both 0: none
+        frequency: Sequence[float],
         prompt_ids: Sequence[Optional[torch.Tensor]],  # int64 (a row without a repetition penalty: None)
         output_ids: Sequence[torch.Tensor],  # int64
     ) -> None:
         """The sampler's logits processors in one call (csrc/logit_processors.cpp): the additions in order, then
         each penalized row's repetition penalty over its prompt and output ids, then its presence and frequency
-        penalties over its output ids, with the torch way's float32 arithmetic."""
+        penalties over its output ids, with the torch way's float32 arithmetic. Which penalties a row takes is
+        decided here on the values as given (as the torch way decides), not on their float32 roundings."""
         rows, vocab = x.shape
         if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
             raise ValueError("logit_processors takes contiguous float32 CPU logits")
@@ -431,14 +432,17 @@ class CpuKernels:
             raise ValueError("logit_processors takes one row, id and value per addition")
         if not count == len(repetition) == len(presence) == len(frequency) == len(prompt_ids) == len(output_ids):
             raise ValueError("logit_processors takes every penalty and both id arrays for each penalized row")
-        table = array.array("q")  # per penalized row: row, prompt ids' address and length, output ids' too
-        for row, prompt, output in zip(penalized, prompt_ids, output_ids):
+        if len(set(penalized)) != count:
+            raise ValueError("logit_processors takes each penalized row once")
+        table = array.array("q")  # per penalized row: row, prompt ids' address and length, output ids', flags
+        for row, prompt, output, r, p, f in zip(penalized, prompt_ids, output_ids, repetition, presence, frequency):
             for ids in (prompt, output):
                 if ids is not None and (
                     ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous()
                 ):
                     raise ValueError("logit_processors takes contiguous int64 CPU id tensors")
-            table.extend((row, *_ids_span(prompt), *_ids_span(output)))
+            flags = (_REPETITION if r != 1.0 else 0) | (_COUNTS if p != 0.0 or f != 0.0 else 0)
+            table.extend((row, *_ids_span(prompt), *_ids_span(output), flags))
         cells = array.array("q", [value for cell in zip(add_rows, add_ids) for value in cell])
         values = array.array("f", add_values)  # float32 as torch casts (past its range: inf)
         penalties = array.array("f", [value for row in zip(repetition, presence, frequency) for value in row])
@@ -777,6 +781,10 @@ class CpuKernels:
             cache = "" if cache_dtype in (None, dtype) else f" over a {cache_dtype} KV cache"
             raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}{cache}")
         return function
+
+
+_REPETITION, _COUNTS = 1, 2
+"""A penalized row's flags in logit_processors' table (csrc/logit_processors.cpp's kRepetition, kCounts)."""
 
 
 def _ids_span(ids: Optional[torch.Tensor]) -> tuple[int, int]:

@@ -124,7 +124,7 @@ class Sampler:
         private = plan.needs_processing or token_bitmask is not None
         on_cpu = not sync_free and logits.device.type == "cpu"  # where the native kernels may run
         if private:
-            x = logits.to(torch.float32, copy=True)  # [num_rows, vocab]
+            x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [num_rows, vocab]
             if on_cpu and self.native_processors is not None:
                 _apply_processors_native(x, states, plan, self.native_processors)
             else:
@@ -302,6 +302,8 @@ def _apply_processors_native(
 ) -> None:
     """`_apply_processors` on CPU in one native call: its additions, and per penalized row its penalties and
     the ids they look at (the prompt's only under a repetition penalty)."""
+    if not (plan.add_ids or plan.penalty_rows):  # a token bitmask alone made x private
+        return
     device = x.device
     params = [states[r].params for r in plan.penalty_rows]
     native(

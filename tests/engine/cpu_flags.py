@@ -3,6 +3,12 @@ skylake-avx512) and must skip where the code would stop on an illegal instructio
 
 from __future__ import annotations
 
+import platform
+
+import pytest
+
+from engine.kernels.cpu import load_cpu_kernels
+
 
 def cpu_has(*flags: str) -> bool:
     """Whether /proc/cpuinfo lists every one of `flags` (False where it cannot be read)."""
@@ -27,11 +33,6 @@ FLOAT32_TILE_ARCHES = {
 def kernels_for(arch: str, cpu_kernels):
     """This CPU's kernels for "native", else the -march=`arch` build (the test skipped where this CPU cannot run
     its code: x86-64 runs anywhere on x86, haswell and skylake-avx512 need FLOAT32_TILE_ARCHES' flags)."""
-    import platform
-
-    import pytest
-
-    from engine.kernels.cpu import load_cpu_kernels
 
     if arch == "native":
         return cpu_kernels

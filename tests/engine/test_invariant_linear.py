@@ -6,7 +6,6 @@ up in the packed LM head)."""
 
 from __future__ import annotations
 
-import platform as platform_module
 
 import pytest
 import torch
@@ -16,11 +15,10 @@ from engine import platform
 from engine.platform import cpu_linear
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels.column_block_weight import PackedWeight, pack_invariant_weight
-from engine.kernels.cpu import load_cpu_kernels
 from engine.layers.invariant_linear import ONEDNN_MIN_ROWS, BatchInvariantLinear, ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear
 from engine.quantization.int8_weight import Int8Weight
-from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
+from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, kernels_for
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (out_features, in_features): a column tail (N % 64), odd K, the embedded model's down projection (K = 1536,
@@ -95,12 +93,8 @@ def test_the_float32_tiles_follow_float64_and_any_batch(arch):
     """float32 on the AVX2 and the AVX-512 tiles (builds for those targets, on any x86 machine that runs them; rows
     split evenly into tiles of up to 6): within float32 rounding of float64, and each row alone the same bits as
     inside batches of every size."""
-    if platform_module.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"-march={arch} is an x86 target")
-    if not cpu_has(*FLOAT32_TILE_ARCHES[arch]):
-        pytest.skip(f"this CPU cannot run -march={arch} code")
-    kernels = load_cpu_kernels(arch=arch)
-    assert kernels is not None and kernels.f32_column_blocks and kernels.invariant_product_ok
+    kernels = kernels_for(arch, None)
+    assert kernels.f32_column_blocks and kernels.invariant_product_ok
     linear = BatchInvariantLinear(kernels)
     previous = torch.get_num_threads()
     try:

@@ -75,11 +75,12 @@ def test_random_batches_match_the_torch_way_bit_for_bit(processors, vocab):
 
 
 def test_edges_of_the_arithmetic(processors):
-    """Zeros, infinities, NaN, a penalty past float32's range (inf, as torch casts it), a frequency product that
-    a fused multiply-add would round otherwise, ids repeated many times."""
+    """Zeros, infinities, NaN, a penalty past float32's range (inf, as torch casts it) and penalties whose floats
+    are zero though they are not (the torch way applies them: its +0 turns a -0 logit into +0), a frequency
+    product that a fused multiply-add would round otherwise, ids repeated many times."""
     vocab = 12
     logits = torch.tensor(
-        [[0.0, -0.0, math.inf, -math.inf, math.nan, 3.0, -3.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 0.1]] * 4
+        [[0.0, -0.0, math.inf, -math.inf, math.nan, 3.0, -3.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 0.1]] * 6
     )
     everything = list(range(vocab)) * 3
     states = [
@@ -89,6 +90,8 @@ def test_edges_of_the_arithmetic(processors):
         make_state(
             temperature=0, output=everything, repetition_penalty=1.7, presence_penalty=2.0, frequency_penalty=2.0
         ),
+        make_state(temperature=0, output=[1, 6, 1], presence_penalty=-1e-300, frequency_penalty=-0.0),
+        make_state(temperature=0, prompt=[0, 6, 7], output=[1, 6], repetition_penalty=1e-50, frequency_penalty=1e-46),
     ]
     assert_same_bits(processed(states, logits, processors), processed(states, logits))
 
@@ -120,12 +123,24 @@ def test_ids_outside_the_vocabulary_are_skipped(cpu_kernels):
     assert torch.equal(x, expected)
 
 
+def test_logits_laid_out_otherwise_are_processed_alike(processors):
+    """Dense logits that are not row-major (a transpose) are copied row-major before the kernel writes them."""
+    logits = torch.randn(300, 3, generator=torch.Generator().manual_seed(2)).t()
+    states = [make_state(temperature=0, logit_bias={5: 9.0}), make_state(temperature=0), make_state(temperature=0)]
+    native = Sampler(native_processors=processors)
+    assert native(logits, states).sampled_token_ids == Sampler()(logits, states).sampled_token_ids
+    assert native(logits, states).sampled_token_ids[0] == int(torch.argmax(logits[0] + torch.eye(300)[5] * 9.0))
+
+
 def test_bad_arguments_are_refused(cpu_kernels):
     x = torch.zeros(1, 8)
     with pytest.raises(ValueError, match="float32"):
         cpu_kernels.logit_processors(x.double(), ([], [], []), [], [], [], [], [], [])
     with pytest.raises(ValueError, match="every penalty"):
         cpu_kernels.logit_processors(x, ([], [], []), [0], [1.0], [], [], [None], [torch.tensor([1])])
+    with pytest.raises(ValueError, match="once"):
+        ids = torch.tensor([1])
+        cpu_kernels.logit_processors(x, ([], [], []), [0, 0], [1.1] * 2, [0.0] * 2, [0.0] * 2, [None] * 2, [ids] * 2)
     with pytest.raises(ValueError, match="int64"):
         cpu_kernels.logit_processors(x, ([], [], []), [0], [1.0], [1.0], [0.0], [None], [torch.tensor([1.0])])
 

@@ -19,7 +19,7 @@ from engine.attention.metadata import PrefillChunk
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import load_cpu_kernels
-from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
+from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has, kernels_for
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -36,13 +36,7 @@ def kernels(cpu_kernels):
 def f32_kernels(request, cpu_kernels):
     """The float32 kernel of this CPU's build, and of the AVX2 (haswell) and AVX-512 (skylake-avx512) builds
     where this CPU runs them."""
-    if request.param == "native":
-        kernels = cpu_kernels
-    else:
-        if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*FLOAT32_TILE_ARCHES[request.param]):
-            pytest.skip(f"this CPU cannot run -march={request.param} code")
-        kernels = load_cpu_kernels(arch=request.param)
-        assert kernels is not None, f"the -march={request.param} build failed"
+    kernels = kernels_for(request.param, cpu_kernels)
     if not kernels.prefill_attention_serves(torch.float32, torch.float32):
         pytest.skip("this build has neither AVX-512 nor AVX2: torch's attention serves float32 prompt chunks")
     return kernels

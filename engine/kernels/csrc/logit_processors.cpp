@@ -8,6 +8,8 @@
 //   presence, frequency
 //               (OpenAI) each distinct output id, c times in the output: x -= frequency * c + presence (the
 //               product rounded to float before the sum, as torch rounds it: never fused into one rounding)
+// Which penalties a row takes is the caller's flag (sampler.py decides on the parameters as given: a presence
+// penalty of -1e-300 is not 0 there, though its float is -0, and its +0 turns a -0 logit into +0).
 // Ids outside [0, vocab) are skipped (sampler.py's callers never pass any: the vocabulary is checked up front).
 // Penalized rows are independent and run in parallel when they hold enough ids; each thread keeps a mark per
 // column and a count per column across calls, put back to zero as each row finishes.
@@ -19,6 +21,8 @@
 namespace {
 
 constexpr int64_t kParallelMinIds = 16384;  // ids over all penalized rows: below, the calling thread alone
+constexpr int64_t kRepetition = 1;  // a penalized row's flags: its repetition penalty applies
+constexpr int64_t kCounts = 2;      // its presence and frequency penalties apply
 
 // The thread's columns of marks and counts, at least `vocab` of each, all zero between rows.
 struct ColumnScratch {
@@ -74,9 +78,10 @@ void count_penalty(float* x, int64_t vocab, const int64_t* ids, int64_t n, float
 extern "C" {
 
 // x [rows, vocab] float32, in place. Additions: num_adds (row, id) pairs in add_cells [num_adds, 2] and their
-// values. Penalized rows, num_penalized of them: per row in `penalized` [num_penalized, 5] its row, the address
-// and length of its prompt ids (read when its repetition penalty is not 1; int64), the address and length of
-// its output ids (int64); in `penalties` [num_penalized, 3] its repetition, presence and frequency penalties.
+// values. Penalized rows, num_penalized of them, each row once: per row in `penalized` [num_penalized, 6] its row,
+// the address and length of its prompt ids (int64), the address and length of its output ids (int64), and its
+// flags (kRepetition, kCounts: which penalties it takes); in `penalties` [num_penalized, 3] its repetition,
+// presence and frequency penalties.
 void pagedserve_logit_processors(float* x, int64_t rows, int64_t vocab, int64_t num_adds, const int64_t* add_cells,
                                  const float* add_values, int64_t num_penalized, const int64_t* penalized,
                                  const float* penalties) {
@@ -85,10 +90,10 @@ void pagedserve_logit_processors(float* x, int64_t rows, int64_t vocab, int64_t 
         if (row >= 0 && row < rows && in_vocab(id, vocab)) x[row * vocab + id] += add_values[i];
     }
     int64_t total_ids = 0;
-    for (int64_t i = 0; i < num_penalized; ++i) total_ids += penalized[5 * i + 2] + penalized[5 * i + 4];
+    for (int64_t i = 0; i < num_penalized; ++i) total_ids += penalized[6 * i + 2] + penalized[6 * i + 4];
 #pragma omp parallel for schedule(dynamic, 1) if (num_penalized > 1 && total_ids >= kParallelMinIds)
     for (int64_t i = 0; i < num_penalized; ++i) {
-        const int64_t* entry = penalized + 5 * i;
+        const int64_t* entry = penalized + 6 * i;
         const int64_t row = entry[0];
         if (row < 0 || row >= rows) continue;
         const auto* prompt = reinterpret_cast<const int64_t*>(entry[1]);
@@ -97,13 +102,13 @@ void pagedserve_logit_processors(float* x, int64_t rows, int64_t vocab, int64_t 
         const float repetition = penalties[3 * i], presence = penalties[3 * i + 1], frequency = penalties[3 * i + 2];
         float* xr = x + row * vocab;
         ColumnScratch& scratch = thread_scratch(vocab);
-        if (repetition != 1.0f) {
+        if (entry[5] & kRepetition) {
             repeat_penalty(xr, vocab, prompt, prompt_len, repetition, scratch.seen.data());
             repeat_penalty(xr, vocab, output, output_len, repetition, scratch.seen.data());
             unmark(prompt, prompt_len, vocab, scratch.seen.data());
             unmark(output, output_len, vocab, scratch.seen.data());
         }
-        if (presence != 0.0f || frequency != 0.0f)
+        if (entry[5] & kCounts)
             count_penalty(xr, vocab, output, output_len, presence, frequency, scratch.counts.data());
     }
 }
