@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -306,31 +306,19 @@ class CpuKernels:
         # on FMAs over float32, bf16 or fp8 caches (prefill_attention_f32.cpp, AVX-512 or AVX2 builds); per (query
         # dtype, KV cache dtype), the pairs this build serves
         self._prefill_attention_fns: dict[tuple[torch.dtype, torch.dtype], int] = {}
-        self._sample_rows = self._library.pagedserve_sample_rows  # sampled rows' tokens (sample_rows)
-        self._sample_rows.restype = None
-        self._sample_rows.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 6)
-        self._row_logprobs = self._library.pagedserve_row_logprobs  # prompt logprobs (row_logprobs)
-        self._row_logprobs.restype = None
-        self._row_logprobs.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            *[ctypes.c_void_p] * 4,
+        pointer, integer = ctypes.c_void_p, ctypes.c_int64
+        # sampled rows' tokens (sample_rows), prompt logprobs (row_logprobs), bias and penalties (logit_processors)
+        self._sample_rows = _c_function(
+            self._library, "pagedserve_sample_rows", pointer, integer, integer, *[pointer] * 6
         )
-        self._logit_processors = self._library.pagedserve_logit_processors  # bias, penalties (logit_processors)
-        self._logit_processors.restype = None
-        self._logit_processors.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
+        self._row_logprobs = _c_function(
+            self._library, "pagedserve_row_logprobs", pointer, integer, integer, pointer, integer, *[pointer] * 4
+        )
+        self._logit_processors = _c_function(
+            self._library,
+            "pagedserve_logit_processors",
+            *(pointer, integer, integer, integer, pointer, pointer),
+            *(integer, pointer, pointer),
         )
         builds: dict[str, tuple[tuple[torch.dtype, torch.dtype, str], ...]] = {  # per probe, what it has
             "bf16_native": (
@@ -781,6 +769,14 @@ class CpuKernels:
             cache = "" if cache_dtype in (None, dtype) else f" over a {cache_dtype} KV cache"
             raise ValueError(f"the CPU kernels take float32 or bfloat16, not {dtype}{cache}")
         return function
+
+
+def _c_function(library: ctypes.CDLL, name: str, *argtypes) -> Callable[..., None]:
+    """The library's entry point `name`, taking `argtypes` and returning nothing."""
+    function = getattr(library, name)
+    function.restype = None
+    function.argtypes = argtypes
+    return function
 
 
 _REPETITION, _COUNTS = 1, 2
