@@ -1,6 +1,6 @@
 // A CPU step's logits processors in one call, in place on the float32 logits the sampler owns for the step
-// (engine/sampling/sampler.py's `_apply_processors`, whose torch way costs a dozen small operations a step: more
-// than the draw, and a single stream's step grew by a tenth with a repetition penalty).
+// (engine/sampling/sampler.py's `_apply_processors`, whose torch way costs a dozen small operations a step, more
+// than the draw: docs/performance.md).
 //
 // In sampler.py's order, with its float32 arithmetic (the same logits, bit for bit):
 //   additions   x[row, id] += value, in order: logit_bias, and -inf for the stop tokens min_tokens holds back

@@ -43,7 +43,7 @@ constexpr int kMaxRows = 4;  // activation rows per micro-kernel call
 // q = x * (127 / amax) rounded to nearest even (the default rounding mode, as std::nearbyint), kept as its low 8
 // bits, and the scale times the sum of the q. The vector paths compute exactly what the scalar loop does.
 // (GCC vectorized the scalar loop by halves it joined through the stack: a 64-byte load of two 32-byte stores,
-// which the store buffer cannot forward, stalled every block; at 16 rows that was 8% of a decode step.)
+// which the store buffer cannot forward, stalled every block: docs/performance.md.)
 #if defined(__AVX512F__)
 inline void block_halves(const float* src, __m512* lo, __m512* hi) {
     *lo = _mm512_loadu_ps(src);
