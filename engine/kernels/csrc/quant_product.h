@@ -59,10 +59,13 @@ template <typename T>
 inline void quantize_block(const T* src, int8_t* xq, float* dx, float* sx) {
     __m512 lo, hi;
     block_halves(src, &lo, &hi);
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    auto absolute = [&](__m512 v) {  // (AVX512F's integer and: _mm512_and_ps needs AVX512DQ)
+        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
+    };
     // max(|x|, running): the running value where |x| is NaN
-    const __m512 running = _mm512_max_ps(_mm512_and_ps(lo, magnitude), _mm512_setzero_ps());
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(hi, magnitude), running));
+    const __m512 running = _mm512_max_ps(absolute(lo), _mm512_setzero_ps());
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(absolute(hi), running));
     const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
     const __m512 inv = _mm512_set1_ps(inverse);
     const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // MXCSR's rounding: nearest even
