@@ -6,8 +6,8 @@ starts its sequence; over a cached prefix, two flash calls merged by their log-s
                                            [--rounds 9]
 
 Each case is a chunk of Q queries over P cached tokens (heads over kv heads of head_dim), its K/V in a paged cache
-of scattered blocks of 16 (in the queries' dtype, or `--kv-cache-dtype` bfloat16 or fp8, as
-`--kv-cache-dtype` stores it in a server); the two paths are called in turn, `--rounds` times, and each reports its median. FLOPs:
+of scattered blocks of 16 (in the queries' dtype, or bfloat16 or fp8 as `--kv-cache-dtype` stores it in a server);
+the two paths are called in turn, `--rounds` times, and each reports its median. FLOPs:
 4 * heads * head_dim * (Q * P + Q(Q+1)/2), q.k and p.v over the causal part. `--arch` builds the kernels for
 other targets too (haswell: the AVX2 loops) on a CPU that runs them; torch's own kernel is this CPU's either way.
 Run it alone: on 2 cores any other busy process changes the figures.

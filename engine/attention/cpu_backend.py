@@ -1,7 +1,7 @@
 """The CPU backend: decodes through the native paged kernel; prompt chunks through the native prefill kernels
 (bf16: csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX; float32 over float32, bf16 or fp8
-caches: prefill_attention_f32.cpp, AVX-512 or AVX2 builds); other chunks that continue a cached prefix as two mask-free flash calls
-(prefix_attention.py), the rest as the torch backend does."""
+caches: prefill_attention_f32.cpp, AVX-512 or AVX2 builds); other chunks that continue a cached prefix as two
+mask-free flash calls (prefix_attention.py), the rest as the torch backend does."""
 
 from __future__ import annotations
 
