@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import platform
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -260,6 +261,40 @@ def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, spl
         probs = torch.softmax(torch.cat([scores, sinks.double()[:, None]], dim=1), dim=1)[:, :-1]
         expected = torch.einsum("ht,thd->hd", probs, v)
         torch.testing.assert_close(got[seq].double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_split_decode_repeats_its_bits_around_other_splits(decode_kernels):
+    """The split parts' sums live in a buffer each calling thread keeps and grows: a split decode gives the
+    same bits again after a larger split (16 threads' parts: the buffer grown) and a smaller one, and from another
+    Python thread (a buffer of its own), and stays close to the float64 reference."""
+    gen = torch.Generator().manual_seed(23)
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
+    key_cache = torch.randn(200, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    value_cache = torch.randn(200, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    query = (torch.randn(2, heads, head_dim, generator=gen) * 3).bfloat16()
+    tables = torch.randperm(200, generator=gen)[:196].view(2, 98).int()
+
+    def decode(lens: list[int], threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        rows = len(lens)
+        context = torch.tensor(lens, dtype=torch.int32)
+        return decode_kernels.paged_decode(query[:rows], key_cache, value_cache, tables[:rows], context, 0.125)
+
+    before = torch.get_num_threads()
+    try:
+        first = decode([1500], 2)
+        decode([1560, 700], 16)
+        decode([300], 2)
+        again = decode([1500], 2)
+        elsewhere: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: elsewhere.append(decode([1500], 2)))
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(first, again) and torch.equal(first, elsewhere[0])
+    expected = _decode_reference(query[:1], key_cache, value_cache, tables[:1], torch.tensor([1500]), 0.125)
+    torch.testing.assert_close(first.double(), expected, atol=1e-2, rtol=1e-2)
 
 
 def test_paged_decode_one_thread_matches_the_team(cpu_kernels):

@@ -902,7 +902,11 @@ void paged_decode_simd(const T* query, const C* key_cache, const C* value_cache,
     if (parts > 1)
         while (items * parts % threads != 0) ++parts;
 #endif
-    std::vector<float> partials(parts > 1 ? items * parts * kMaxPass * kPartialSize : 0);
+    // kept per calling thread, grown as needed: a vector made per call zeroes memory nothing reads
+    thread_local std::vector<float> partials;
+    if (parts > 1 && partials.size() < static_cast<size_t>(items * parts * kMaxPass * kPartialSize))
+        partials.resize(items * parts * kMaxPass * kPartialSize);
+    float* const partials_data = partials.data();  // (the team's other threads have vectors of their own)
 
 #pragma omp parallel if (parallel || parts > 1)
     {
@@ -921,7 +925,7 @@ void paged_decode_simd(const T* query, const C* key_cache, const C* value_cache,
             const int64_t span = len - seen, chunks = (span + kChunk - 1) / kChunk;
             const int64_t begin = seen + std::min(span, chunks * part / parts * kChunk);
             const int64_t end = seen + std::min(span, chunks * (part + 1) / parts * kChunk);
-            float* partial = parts > 1 ? partials.data() + index * kMaxPass * kPartialSize : nullptr;
+            float* partial = parts > 1 ? partials_data + index * kMaxPass * kPartialSize : nullptr;
 #define PAGEDSERVE_PASS(G)                                                                                       \
     attend_pass<T, C, HD, G>(query + at, key_cache, value_cache, table, begin, end, kv_head * HD, token_size,      \
                           block_size, scale, softcap, sinks ? sinks + first : nullptr, out + at, partial,         \
@@ -945,7 +949,7 @@ void paged_decode_simd(const T* query, const C* key_cache, const C* value_cache,
                 T* dst = out + (seq * num_heads + first) * HD;
                 for (int h = 0; h < heads; ++h) {
                     auto part_of = [&](int64_t part) {
-                        return partials.data() + ((item * parts + part) * kMaxPass + h) * kPartialSize;
+                        return partials_data + ((item * parts + part) * kMaxPass + h) * kPartialSize;
                     };
                     float max = -INFINITY;  // empty parts: -inf, sum 0
                     for (int64_t part = 0; part < parts; ++part) max = std::max(max, part_of(part)[0]);
