@@ -29,8 +29,9 @@
 //                 query head, 16 dot products (bf16: vdpbf16ps, exact products and float32 sums; without
 //                 AVX512_BF16 both widened to float32; float32: FMA; each K row read once for the pass's
 //                 heads) summed by a transpose-and-add tree into one vector of 16 scores; the online
-//                 softmax on that vector (a 16-lane fast_exp; the running max and sums rescaled only
-//                 when a score exceeds the max, the sums kept per lane); then P.V into the float32
+//                 softmax on that vector (a 16-lane exponential: exp16_bf16 where P is rounded to bf16
+//                 below, else exp16; the running max and sums rescaled only when a score exceeds the
+//                 max, the sums kept per lane); then P.V into the float32
 //                 accumulators of the pass's heads, held in registers: with AVX512_BF16, two keys' V rows
 //                 interleaved and multiplied by their pair of probabilities (rounded to bf16, as the prefill
 //                 kernel and torch's flash kernel round P) in one vdpbf16ps (VPairs); otherwise each V row
@@ -504,6 +505,7 @@ constexpr int64_t kPartialHeader = 16;     // floats before a part's sums: runni
 constexpr int64_t kPartialSize = kPartialHeader + 256;  // floats per head of a part (head_dim <= 256)
 
 using pagedserve::exp16;
+using pagedserve::exp16_bf16;
 
 // softcap * tanh(x / softcap) on 16 lanes, tanh(y) = 1 - 2 / (exp(2y) + 1): exp16's clamp keeps it in [-1, 1].
 inline __m512 softcap16(__m512 x, float softcap) {
@@ -799,7 +801,15 @@ void attend_pass(const T* q, const C* key_cache, const C* value_cache, const int
                 correction[h] = fast_exp(running_max[h] - new_max);
                 rescale = true;
             }
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+            const __m512 shifted = _mm512_sub_ps(scores, _mm512_set1_ps(new_max));
+            // P rounded to bf16 for P.V (VPairs) takes the 9-instruction exponential, good to ~6e-5 as the prefill
+            // kernel's is; otherwise the full one
+            __m512 e;
+            if constexpr (kPairedV<T>)
+                e = exp16_bf16(shifted);
+            else
+                e = exp16(shifted);
+            const __m512 p = _mm512_maskz_mov_ps(valid, e);
             running_sum[h] = _mm512_fmadd_ps(running_sum[h], _mm512_set1_ps(correction[h]), p);
             running_max[h] = new_max;
             _mm512_store_ps(probs[h], p);
