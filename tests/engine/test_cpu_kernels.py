@@ -264,37 +264,48 @@ def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, spl
 
 
 def test_split_decode_repeats_its_bits_around_other_splits(decode_kernels):
-    """The split parts' sums live in a buffer each calling thread keeps and grows: a split decode gives the
-    same bits again after a larger split (16 threads' parts: the buffer grown) and a smaller one, and from another
-    Python thread (a buffer of its own), and stays close to the float64 reference."""
+    """The split parts' sums live in a buffer each calling thread keeps and grows: split decodes of different
+    sizes (1 x 1500 and 1 x 600 tokens on 2 threads, 2 sequences on 16), repeated and run from two Python threads
+    at once (the kernel is called without the GIL, so each thread's buffer is its own), give the bits each gives
+    alone, close to the float64 reference."""
     gen = torch.Generator().manual_seed(23)
     block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
     key_cache = torch.randn(200, block_size, kv_heads, head_dim, generator=gen).bfloat16()
     value_cache = torch.randn(200, block_size, kv_heads, head_dim, generator=gen).bfloat16()
     query = (torch.randn(2, heads, head_dim, generator=gen) * 3).bfloat16()
     tables = torch.randperm(200, generator=gen)[:196].view(2, 98).int()
+    cases = [([1500], 2), ([1560, 700], 16), ([600], 2)]
 
     def decode(lens: list[int], threads: int) -> torch.Tensor:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # (OpenMP's setting is per calling thread)
         rows = len(lens)
         context = torch.tensor(lens, dtype=torch.int32)
         return decode_kernels.paged_decode(query[:rows], key_cache, value_cache, tables[:rows], context, 0.125)
 
     before = torch.get_num_threads()
     try:
-        first = decode([1500], 2)
-        decode([1560, 700], 16)
-        decode([300], 2)
-        again = decode([1500], 2)
-        elsewhere: list[torch.Tensor] = []
-        worker = threading.Thread(target=lambda: elsewhere.append(decode([1500], 2)))
-        worker.start()
-        worker.join()
+        alone = [decode(lens, threads) for lens, threads in cases]
+        mismatches: list[tuple[int, int]] = []
+
+        def run(offset: int) -> None:
+            for i in range(60):
+                case = (i + offset) % len(cases)
+                if not torch.equal(decode(*cases[case]), alone[case]):
+                    mismatches.append((offset, i))
+
+        workers = [threading.Thread(target=run, args=(offset,)) for offset in (0, 1)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(first, again) and torch.equal(first, elsewhere[0])
-    expected = _decode_reference(query[:1], key_cache, value_cache, tables[:1], torch.tensor([1500]), 0.125)
-    torch.testing.assert_close(first.double(), expected, atol=1e-2, rtol=1e-2)
+    assert not mismatches
+    for (lens, _), got in zip(cases, alone):
+        rows = len(lens)
+        context = torch.tensor(lens, dtype=torch.int32)
+        expected = _decode_reference(query[:rows], key_cache, value_cache, tables[:rows], context, 0.125)
+        torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1e-2)
 
 
 def test_paged_decode_one_thread_matches_the_team(cpu_kernels):
