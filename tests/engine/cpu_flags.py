@@ -33,7 +33,6 @@ FLOAT32_TILE_ARCHES = {
 def kernels_for(arch: str, cpu_kernels):
     """This CPU's kernels for "native", else the -march=`arch` build (the test skipped where this CPU cannot run
     its code: x86-64 runs anywhere on x86, haswell and skylake-avx512 need FLOAT32_TILE_ARCHES' flags)."""
-
     if arch == "native":
         return cpu_kernels
     if platform.machine() not in ("x86_64", "AMD64") or not cpu_has(*FLOAT32_TILE_ARCHES.get(arch, ())):

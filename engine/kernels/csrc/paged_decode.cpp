@@ -804,12 +804,7 @@ void attend_pass(const T* q, const C* key_cache, const C* value_cache, const int
             const __m512 shifted = _mm512_sub_ps(scores, _mm512_set1_ps(new_max));
             // P rounded to bf16 for P.V (VPairs) takes the 9-instruction exponential, good to ~6e-5 as the prefill
             // kernel's is; otherwise the full one
-            __m512 e;
-            if constexpr (kPairedV<T>)
-                e = exp16_bf16(shifted);
-            else
-                e = exp16(shifted);
-            const __m512 p = _mm512_maskz_mov_ps(valid, e);
+            const __m512 p = _mm512_maskz_mov_ps(valid, kPairedV<T> ? exp16_bf16(shifted) : exp16(shifted));
             running_sum[h] = _mm512_fmadd_ps(running_sum[h], _mm512_set1_ps(correction[h]), p);
             running_max[h] = new_max;
             _mm512_store_ps(probs[h], p);
