@@ -263,6 +263,48 @@ def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, spl
         torch.testing.assert_close(got[seq].double(), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", DECODE_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("lens", [[40], [2000], [40, 300]], ids=str)
+@pytest.mark.parametrize("case", ["query_nan", "key_nan", "key_inf", "value_nan"])
+def test_paged_decode_is_nan_where_float64_is(decode_kernels, dtype, cache_dtype, lens, case):
+    """A model's overflow reaches the attention as a NaN or an infinity: the output is NaN exactly where float64
+    softmax attention's is (a NaN or +inf score makes its head's softmax NaN, a -inf score weighs 0, a NaN value
+    spoils its dim), never a finite number that would hide the fault from the engine's check of the logits; the
+    other heads, dims and sequences keep their values. Unsplit, split across 2 threads, and in a batch."""
+    gen = torch.Generator().manual_seed(len(lens) * 7 + lens[0])
+    block_size, kv_heads, heads, head_dim, scale = 16, 3, 9, 64, 0.125
+    width = max(-(-n // block_size) for n in lens)
+    key_cache = torch.randn(width * len(lens) + 2, block_size, kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(width * len(lens) + 2, block_size, kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(lens), heads, head_dim, generator=gen)
+    tables = torch.randperm(width * len(lens) + 2, generator=gen)[: width * len(lens)].view(len(lens), width).int()
+    block, slot = tables[0, 1], 2  # sequence 0's token 18, kv head 1 (query heads 3-5), dim 5
+    if case == "query_nan":
+        query[0, 4, 3] = torch.nan
+    elif case == "key_nan":
+        key_cache[block, slot, 1, 5] = torch.nan
+    elif case == "key_inf":  # head 3's score +inf, head 4's -inf
+        key_cache[block, slot, 1, 5] = torch.inf
+        query[0, 3, 5], query[0, 4, 5] = 1.0, -1.0
+    else:
+        value_cache[block, slot, 1, 5] = torch.nan
+    query, key_cache, value_cache = query.to(dtype), key_cache.to(cache_dtype), value_cache.to(cache_dtype)
+    context = torch.tensor(lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = decode_kernels.paged_decode(query, key_cache, value_cache, tables, context, scale).double()
+    finally:
+        torch.set_num_threads(threads)
+    expected = _decode_reference(query, key_cache, value_cache, tables, context, scale)
+    nan = expected.isnan()
+    assert nan[0, 3:6].any() or (case == "key_inf" and cache_dtype == FP8)  # e4m3 stores an infinity as 448
+    assert not nan[1:].any() and not nan[0, :3].any()
+    assert torch.equal(got.isnan(), nan)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[~nan], expected[~nan], atol=tolerance, rtol=tolerance)
+
+
 def test_split_decode_repeats_its_bits_around_other_splits(decode_kernels):
     """The split parts' sums live in a buffer each calling thread keeps and grows: split decodes of different
     sizes (1 x 1500 and 1 x 600 tokens on 2 threads, 2 sequences on 16), repeated and run from two Python threads
@@ -385,16 +427,30 @@ def test_the_weight_stream_is_prefetched_in_software_except_on_amd_with_avx512(m
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_paged_decode_widens_every_fp8_code_exactly(decode_kernels, dtype):
-    """Each of the 254 finite e4m3 codes (subnormals, zeros of both signs, +-448) read as torch's float8_e4m3fn
-    reads it, through the kernel's conversions for both query dtypes:
+    _assert_every_fp8_code_widens_exactly(decode_kernels, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_builds_without_vbmi_widen_every_fp8_code_exactly(dtype):
+    """The widening by arithmetic (AVX-512 without VBMI) of an AVX512-BF16 build, whose bf16 queries take it as
+    bf16 (skylake-avx512 above widens to float32)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx512_bf16", "avx512bw"):
+        pytest.skip("this CPU cannot run -march=cooperlake code")
+    kernels = load_cpu_kernels(arch="cooperlake")
+    assert kernels is not None
+    _assert_every_fp8_code_widens_exactly(kernels, dtype)
+
+
+def _assert_every_fp8_code_widens_exactly(decode_kernels, dtype):
+    """Each of the 256 e4m3 codes (subnormals, zeros of both signs, +-448, the two NaNs) read as torch's
+    float8_e4m3fn reads it, through the kernel's conversions for both query dtypes:
     V: two-token contexts with equal scores (zero keys), one V row holding 64 codes and the other zeros, in
     either order (the first and second key of a P.V pair): the output is half the row, bit for bit.
     K: a zero key and a key whose dim 0 holds the code, the query 1 / its value there: the second key's
     probability is the logistic of ~1 (of 0 for zeros), which one mantissa step of the code moves by ~3%."""
-    codes = torch.arange(256, dtype=torch.int32)
-    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # the two NaN codes out: 254
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     head_dim, block_size = 64, 16
-    rows = torch.cat([codes, codes[:2]]).view(4, head_dim)  # every code, two repeated to fill the last row
+    rows = codes.view(4, head_dim)
     values = torch.zeros(8, block_size, 1, head_dim, dtype=torch.uint8)
     values[:4, 0, 0], values[4:, 1, 0] = rows, rows
     keys = torch.zeros_like(values)
@@ -403,7 +459,7 @@ def test_paged_decode_widens_every_fp8_code_exactly(decode_kernels, dtype):
     query = torch.ones(8, 1, head_dim, dtype=dtype)
     got = decode_kernels.paged_decode(query, keys.view(FP8), values.view(FP8), tables, lens, 0.125)
     half = rows.view(FP8).double() / 2
-    assert torch.equal(got.view(8, head_dim).double(), torch.cat([half, half]))
+    torch.testing.assert_close(got.view(8, head_dim).double(), torch.cat([half, half]), atol=0, rtol=0, equal_nan=True)
 
     n = codes.numel()
     keys = torch.zeros(n, block_size, 1, head_dim, dtype=torch.uint8)
@@ -419,7 +475,7 @@ def test_paged_decode_widens_every_fp8_code_exactly(decode_kernels, dtype):
     got = decode_kernels.paged_decode(query, keys.view(FP8), values.view(FP8), tables, lens, 1.0)[:, 0, 1]
     expected = torch.sigmoid(q0.double() * stored)
     tolerance = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: the probability rounded for P.V, the output
-    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0)
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0, equal_nan=True)
 
 
 def test_fp8_rounding_is_torchs_for_every_bf16_value(cpu_kernels, tmp_path):

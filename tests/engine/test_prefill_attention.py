@@ -115,6 +115,59 @@ def test_float32_matches_float64_reference(
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
+def _non_finite(case: str, dtype, cache_dtype):
+    """A chunk of 40 queries after a 60-token prefix (9 heads over 3 kv heads) with one NaN or infinity where a
+    model's overflow would put it: query 10's head 4; key 75 (in the chunk: the rows before it do not see it) or
+    value 50 (in the prefix) of kv head 1, dim 5. (A NaN value inside the chunk reaches the earlier rows of its
+    position tile as 0 x NaN, as it does in flash-attn's tiles.)"""
+    gen = torch.Generator().manual_seed(21)
+    key_cache, value_cache, table = _paged(gen, 100, 16, 3, 64, torch.float32)
+    query = torch.randn(40, 9, 64, generator=gen)
+    position = 50 if case == "value_nan" else 75
+    block, slot = table[position // 16], position % 16
+    if case == "query_nan":
+        query[10, 4, 3] = torch.nan
+    elif case == "key_nan":
+        key_cache[block, slot, 1, 5] = torch.nan
+    elif case == "key_inf":  # head 3's scores +inf, head 4's -inf
+        key_cache[block, slot, 1, 5] = torch.inf
+        query[:, 3, 5], query[:, 4, 5] = 1.0, -1.0
+    else:
+        value_cache[block, slot, 1, 5] = torch.nan
+    return query.to(dtype), key_cache.to(cache_dtype), value_cache.to(cache_dtype), table
+
+
+def _assert_nan_where_float64_is(got, query, key_cache, value_cache, table, tolerance, some_nan=True):
+    expected = _reference(query, key_cache, value_cache, table, 100, 0.125)
+    nan = expected.isnan()
+    assert nan[:, 3:6].any() == some_nan and not nan[:, [0, 1, 2, 6, 7, 8]].any()  # kv head 1's query heads alone
+    assert torch.equal(got.isnan(), nan)
+    torch.testing.assert_close(got.double()[~nan], expected[~nan], atol=tolerance, rtol=tolerance)
+
+
+NON_FINITE = ["query_nan", "key_nan", "key_inf", "value_nan"]
+
+
+@pytest.mark.parametrize("case", NON_FINITE)
+def test_non_finite_inputs_give_nan_where_float64_does(kernels, case):
+    """A model's overflow reaching the bf16 kernel as a NaN or an infinity: NaN exactly where float64 softmax
+    attention is NaN (a NaN or +inf score makes its row's softmax NaN, a -inf score weighs 0, a NaN value spoils
+    its dim), never a finite number that would hide the fault from the engine's check of the logits."""
+    query, key_cache, value_cache, table = _non_finite(case, BF16, BF16)
+    got = kernels.prefill_attention(query, key_cache, value_cache, table, 100, 0.125)
+    _assert_nan_where_float64_is(got, query, key_cache, value_cache, table, 1.5e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=["float32", "fp8"])
+@pytest.mark.parametrize("case", NON_FINITE)
+def test_float32_non_finite_inputs_give_nan_where_float64_does(f32_kernels, case, cache_dtype):
+    """The same for the float32 kernel of each build (an fp8 cache stores an infinity as 448: no NaN there)."""
+    query, key_cache, value_cache, table = _non_finite(case, torch.float32, cache_dtype)
+    got = f32_kernels.prefill_attention(query, key_cache, value_cache, table, 100, 0.125)
+    some_nan = not (case == "key_inf" and cache_dtype == FP8)
+    _assert_nan_where_float64_is(got, query, key_cache, value_cache, table, 2e-5, some_nan)
+
+
 def test_float32_builds_agree_bit_for_bit_at_head_dim_64():
     """Each row's sums run in one lane, over the keys in order: the AVX2 and AVX-512 builds give the same bits
     where their key tiles are the same size (32 keys; AVX-512 takes 16 at head_dim 128)."""

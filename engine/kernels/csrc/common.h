@@ -71,11 +71,13 @@ inline void store(uint16_t* dst, float x) {  // bfloat16, round to nearest even;
 }
 
 // exp(x), x clamped to [-87, 88]: x = k ln2 + r with |r| <= ln2 / 2, exp(x) = 2^k p(r);
-// relative error ~2e-7.
+// relative error ~2e-7. NaN gives NaN, as torch's does (a softmax over a NaN or +inf score is NaN, which the
+// engine's check of the logits then catches).
 inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // NaN stays NaN, and makes r and the result NaN
+    const float finite = x == x ? x : 0.0f;  // a float -> int conversion of NaN is undefined
     // floor(x log2(e) + 0.5) via truncation of a positive number
-    const float k = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f + 128.5f)) - 128.0f;
+    const float k = static_cast<float>(static_cast<int32_t>(finite * 1.44269504088896341f + 128.5f)) - 128.0f;
     const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;

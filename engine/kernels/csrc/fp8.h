@@ -1,8 +1,8 @@
 // fp8 (e4m3) K/V rows widened to bf16 or float32 as the attention kernels read them (--kv-cache-dtype fp8).
-// Exact: every e4m3 value is a bf16 (and a float) value. The scalar conversions (to_float, store) are in
+// Exact: every e4m3 value is a bf16 (and a float) value, and the NaN codes widen to NaN. The scalar conversions (to_float, store) are in
 // common.h; here the AVX-512 ones:
 //   AVX512BW     32 codes at a time by arithmetic: a normal code's exponent rebiased by an add (7 -> 127) and
-//                its 3 mantissa bits moved up; the subnormals (exponent 0: m x 2^-9) from a table of 8
+//                its 3 mantissa bits moved up; the subnormals (exponent 0: m x 2^-9) and NaN from a table of 9
 //   + VBMI       64 codes at a time by byte lookups: each code's bf16 low byte and high byte (sign clear) from
 //                tables of the 128 magnitudes (vpermi2b reads an index's low 7 bits), the sign OR'd into the
 //                high byte, the two bytes interleaved into words: 5 instructions per 64 values where the
@@ -22,27 +22,28 @@ namespace pagedserve::fp8 {
 #if defined(__AVX512BW__)
 constexpr bool kFp8Simd = true;
 
-// 32 codes -> 32 bf16 words.
+// 32 codes -> 32 bf16 words. The magnitude is taken plus one (mod 128), so that one compare finds both the lanes
+// the table gives: the subnormals (exponent 0, m x 2^-9: 1..8) and NaN (0).
 inline __m512i bf16_from_fp8(const Fp8E4M3* src) {
-    alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0,
-                                                            0x3c00, 0x3c20, 0x3c40, 0x3c60};
+    alignas(64) static constexpr uint16_t kSpecial[32] = {0x7fc0, 0x0000, 0x3b00, 0x3b80, 0x3bc0,
+                                                          0x3c00, 0x3c20, 0x3c40, 0x3c60};
     const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-    const __m512i magnitude = _mm512_and_si512(codes, _mm512_set1_epi16(0x7f));
-    __m512i words = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
-    const __mmask32 subnormal = _mm512_testn_epi16_mask(codes, _mm512_set1_epi16(0x78));
-    words = _mm512_mask_permutexvar_epi16(words, subnormal, magnitude, _mm512_load_si512(kSubnormal));
+    const __m512i next = _mm512_and_si512(_mm512_add_epi16(codes, _mm512_set1_epi16(1)), _mm512_set1_epi16(0x7f));
+    __m512i words = _mm512_add_epi16(_mm512_slli_epi16(next, 4), _mm512_set1_epi16((120 << 7) - 16));
+    const __mmask32 special = _mm512_cmple_epu16_mask(next, _mm512_set1_epi16(8));
+    words = _mm512_mask_permutexvar_epi16(words, special, next, _mm512_load_si512(kSpecial));
     return _mm512_or_si512(words, _mm512_slli_epi16(_mm512_and_si512(codes, _mm512_set1_epi16(0x80)), 8));
 }
 
-// 16 codes -> 16 floats.
+// 16 codes -> 16 floats, the same way.
 inline __m512 f32_from_fp8_arithmetic(const Fp8E4M3* src) {
-    alignas(64) static constexpr uint32_t kSubnormal[16] = {0x00000000, 0x3b000000, 0x3b800000, 0x3bc00000,
-                                                            0x3c000000, 0x3c200000, 0x3c400000, 0x3c600000};
+    alignas(64) static constexpr uint32_t kSpecial[16] = {0x7fc00000, 0x00000000, 0x3b000000, 0x3b800000, 0x3bc00000,
+                                                          0x3c000000, 0x3c200000, 0x3c400000, 0x3c600000};
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    const __m512i magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7f));
-    __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
-    const __mmask16 subnormal = _mm512_testn_epi32_mask(codes, _mm512_set1_epi32(0x78));
-    bits = _mm512_mask_permutexvar_epi32(bits, subnormal, magnitude, _mm512_load_si512(kSubnormal));
+    const __m512i next = _mm512_and_si512(_mm512_add_epi32(codes, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7f));
+    __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(next, 20), _mm512_set1_epi32((120 << 23) - (1 << 20)));
+    const __mmask16 special = _mm512_cmple_epu32_mask(next, _mm512_set1_epi32(8));
+    bits = _mm512_mask_permutexvar_epi32(bits, special, next, _mm512_load_si512(kSpecial));
     return _mm512_castsi512_ps(
         _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)), 24)));
 }
@@ -55,7 +56,8 @@ struct ByteTables {
     uint8_t low[128], high[128];
 };
 
-constexpr uint16_t bf16_of_magnitude(int code) {  // e4m3 code 0..126 (127 is NaN: any value) as bf16 bits
+constexpr uint16_t bf16_of_magnitude(int code) {  // e4m3 code 0..127 as bf16 bits (127: NaN)
+    if (code == 0x7f) return 0x7fc0;
     const int e = code >> 3, m = code & 7;
     if (e > 0) return static_cast<uint16_t>(((e + 120) << 7) | (m << 4));
     if (m == 0) return 0;
