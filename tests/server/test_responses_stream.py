@@ -185,3 +185,32 @@ def test_a_non_streamed_client_that_times_out_is_aborted(server, monkeypatch):
     assert_gauges_reach_zero(server)
     server.wait_idle(timeout=1)
     assert successes(server) == before  # aborted, not run to max_output_tokens
+
+
+def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
+    """tool_choice auto, text and then a hermes call (forced by a regex): the streamed output items are the
+    non-streamed ones, a message with the text and the function call."""
+    client = sdk(server)
+    regex = r'Sure\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
+    kwargs = dict(
+        model=MODEL,
+        input="Time?",
+        tools=[WEATHER, TIME],
+        max_output_tokens=150,
+        temperature=0,
+        extra_body={"guided_regex": regex},
+    )
+    whole = client.responses.create(**kwargs)
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+
+    def items(response):
+        return [
+            ("message", i.content[0].text) if i.type == "message" else (i.type, i.name, i.arguments)
+            for i in response.output
+        ]
+
+    assert items(whole) == [("message", "Sure."), ("function_call", "get_time", '{"zone": "UTC"}')]
+    assert items(final) == items(whole)
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["message", "function_call"]

@@ -317,3 +317,34 @@ def test_two_sources_of_a_grammar_are_refused_naming_the_ones_set(server):
     assert error["param"] == "tools" and error["message"] == (
         "response_format and tool_choice required or named each constrain the output; use one."
     )
+
+
+AUTO_CALL_AFTER_TEXT = r'Sure\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
+
+
+def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
+    """tool_choice auto with a model that writes text, then a hermes call (the output forced by a regex): the
+    stream sends the text as content and the call as tool_calls, as the non-streamed choice has them."""
+    client = sdk(server)
+    kwargs = dict(
+        model="tiny",
+        messages=USER,
+        tools=[WEATHER, TIME],
+        max_tokens=150,
+        temperature=0,
+        extra_body={"guided_regex": AUTO_CALL_AFTER_TEXT},
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Sure."
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_time", '{"zone": "UTC"}')
+    ]
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls.setdefault(call.index, [call.function.name, ""])[1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (content, finish) == ("Sure.", "tool_calls")
+    assert list(calls.values()) == [["get_time", '{"zone": "UTC"}']]

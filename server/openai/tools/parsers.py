@@ -29,8 +29,8 @@ def parse_tool_calls(text: str, parser: str) -> ParsedText:
     calls = _hermes(text) if parser == "hermes" else _llama3_json(text)
     if not calls:
         return ParsedText(text, [])
-    if parser == "hermes":
-        content = text[: text.index(HERMES_START)].strip() or None
+    if parser == "hermes":  # the text before the first call (a stream sends it as it comes, so no lstrip)
+        content = text[: text.index(HERMES_START)].rstrip() or None
     else:
         content = None
     return ParsedText(content, calls)

@@ -8,7 +8,7 @@ from typing import Optional
 from server.openai.protocol import DeltaMessage
 from server.openai.tools.array_reader import ToolArrayReader
 from server.openai.tools.calls import ToolPlan, new_call_id
-from server.openai.tools.parsers import ParsedCall, may_start_tool_call
+from server.openai.tools.parsers import HERMES_START, ParsedCall, may_start_tool_call
 
 
 class ToolCallStream:
@@ -16,7 +16,9 @@ class ToolCallStream:
 
     named: the arguments stream as they come. required: each call's header once its name is written, then its
     arguments as they grow (the output is a JSON array of calls, read as it comes: ToolArrayReader). auto: text
-    that may be a tool call is held back until the end, then sent as calls or as content.
+    that may be a tool call is held back until the end, then sent as calls or as content; with hermes, calls may
+    follow text (as the non-streamed parse finds them), so the text before a call's marker streams as content,
+    all but a tail that may begin the marker (or be the whitespace the content's end drops).
     """
 
     def __init__(self, plan: ToolPlan, parser: str):
@@ -27,6 +29,8 @@ class ToolCallStream:
         self.num_calls = 0
         self._array = ToolArrayReader() if plan.mode == "required" else None
         self._arguments_sent: list[int] = []  # required: characters of each call's arguments sent so far
+        self._sent = 0  # auto, hermes: characters of the text sent as content
+        self._marker: Optional[int] = None  # auto, hermes: where the first call's marker begins, once written
 
     def feed(self, delta: str, finished: bool) -> list[DeltaMessage]:
         self.text += delta
@@ -42,6 +46,8 @@ class ToolCallStream:
             if delta:
                 out.append(DeltaMessage(tool_calls=[{"index": 0, "function": {"arguments": delta}}]))
             return out
+        if mode == "auto" and self.parser == "hermes":
+            return self._auto_hermes(finished)
         if not self.holding:
             return [DeltaMessage(content=delta)] if delta else []
         if mode == "auto" and not may_start_tool_call(self.text, self.parser):
@@ -54,6 +60,27 @@ class ToolCallStream:
         for call in calls:
             out += self._call(call)
         return out
+
+    def _auto_hermes(self, finished: bool) -> list[DeltaMessage]:
+        text = self.text
+        if self._marker is None:
+            at = text.find(HERMES_START, self._sent)  # (no sent text ends in a piece of the marker)
+            self._marker = at if at >= 0 else None
+        if finished:
+            content, calls = self.plan.calls_of(text, self.parser)
+            if not calls:  # no marker, or only malformed calls: all of it is content
+                return [DeltaMessage(content=text[self._sent :])] if len(text) > self._sent else []
+            rest = (content or "")[self._sent :]
+            out = [DeltaMessage(content=rest)] if rest else []
+            for call in calls:
+                out += self._call(call)
+            return out
+        end = self._marker if self._marker is not None else len(text) - _marker_prefix(text)
+        end = len(text[:end].rstrip())
+        if end <= self._sent:
+            return []
+        piece, self._sent = text[self._sent : end], end
+        return [DeltaMessage(content=piece)]
 
     def _required(self, delta: str, finished: bool) -> list[DeltaMessage]:
         """Headers of the calls whose names are complete, and the arguments' text written since the last
@@ -96,3 +123,11 @@ class ToolCallStream:
                 {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
             ]
         )
+
+
+def _marker_prefix(text: str) -> int:
+    """The length of the longest end of `text` that begins the hermes marker (a call may be starting there)."""
+    for length in range(min(len(text), len(HERMES_START) - 1), 0, -1):
+        if text.endswith(HERMES_START[:length]):
+            return length
+    return 0
