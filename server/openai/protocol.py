@@ -122,17 +122,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields: logged, or refused under --strict-params
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[dict[str, Any]]] = None  # shown to the chat template, as the chat route does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
     tokens: list[int]
@@ -268,6 +270,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: Optional[list[str]] = None  # the vocabulary's strings of the tokens, with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):

@@ -9,9 +9,11 @@ from fastapi import APIRouter, Request
 from engine.text.tokenizer import check_token_ids
 
 from server.http.errors import ERROR_RESPONSES, bad_request
-from server.serving.checks import check_model
+from server.serving.checks import check_extra_fields, check_model
+from server.serving.unsupported import refuse_unsupported
 from server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.openai.chat_messages import render_prompt
+from server.openai.tools.calls import plan_tools
 from server.state import ServerState
 
 router = APIRouter()
@@ -21,21 +23,34 @@ router = APIRouter()
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state: ServerState = request.app.state.server
     check_model(body.model, state.model_ids)
+    _check_fields(body, state)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages.", param="prompt")
+    if body.tools is not None and body.messages is None:
+        raise bad_request("tools are shown to a chat template: give messages.", param="tools")
     tokenizer = state.tokenizer  # large texts: tokenized off the event loop
     if body.prompt is not None:
         tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
     else:
         messages = body.messages or []  # given: exactly one of the two is
-        tokens = await asyncio.to_thread(render_prompt, tokenizer, messages, body.add_generation_prompt)
-    return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens)
+        tools = plan_tools(body.tools, None).tools if body.tools else None  # validated as the chat route does
+        tokens = await asyncio.to_thread(render_prompt, tokenizer, messages, body.add_generation_prompt, tools)
+    strings = tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens, token_strs=strings)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state: ServerState = request.app.state.server
     check_model(body.model, state.model_ids)
+    _check_fields(body, state)
     check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
     text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)
     return DetokenizeResponse(prompt=text)
+
+
+def _check_fields(body: TokenizeRequest | DetokenizeRequest, state: ServerState) -> None:
+    """As on the generation routes: a vLLM extra this server does not implement (chat_template, ...) is a 400,
+    other unknown fields are logged, or refused under --strict-params."""
+    refuse_unsupported(body, {})
+    check_extra_fields(body, state.config.strict_params)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from pydantic import BaseModel
+
 from server.http.errors import APIError, bad_request, model_not_found
 from server.openai.protocol import LoRAPart, SamplingFields
 from server.serving.constraints import STRUCTURED_EXTRAS
@@ -57,7 +59,7 @@ def check_fields(request: SamplingFields, state: "ServerState") -> None:
         raise bad_request("priority needs a server started with --scheduling-policy priority.", param="priority")
 
 
-def check_extra_fields(request: SamplingFields, strict: bool) -> None:
+def check_extra_fields(request: BaseModel, strict: bool) -> None:
     """Fields nobody defines: logged and accepted, or 400 under --strict-params."""
     extra = sorted(set(request.model_extra or {}) - STRUCTURED_EXTRAS - VLLM_EXTRAS)
     if not extra:

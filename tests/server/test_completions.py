@@ -523,6 +523,29 @@ def test_tokenize_detokenize_round_trip(server):
     assert out["usage"]["prompt_tokens"] == body["count"]
 
 
+def test_tokenize_takes_vllms_fields_and_logs_unknown_ones(server, caplog):
+    """vLLM's `return_token_strs` (the vocabulary's strings) and `tools` (shown to the chat template, as the chat
+    route does: the count is the chat's prompt_tokens, though this template shows none); unknown fields are logged and accepted as on the
+    generation routes; a vLLM extra this server does not implement is a 400 naming it."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Weather?"}]
+    with server.client() as c:
+        body = c.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
+        assert body["token_strs"] == server.state.tokenizer.hf.convert_ids_to_tokens(body["tokens"])
+        assert c.post("/tokenize", json={"prompt": "hello world"}).json()["token_strs"] is None
+        with_tools = c.post("/tokenize", json={"messages": messages, "tools": [weather]}).json()["count"]
+        r = c.post("/tokenize", json={"prompt": "hi", "tools": [weather]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        with caplog.at_level("WARNING"):
+            assert c.post("/tokenize", json={"prompt": "hi", "not_a_field": 1}).status_code == 200
+            assert c.post("/detokenize", json={"tokens": [5], "not_a_field": 1}).status_code == 200
+        assert sum("not_a_field" in record.getMessage() for record in caplog.records) == 2
+        r = c.post("/tokenize", json={"messages": messages, "chat_template": "{{ messages }}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    out = sdk(server).chat.completions.create(model="tiny", messages=messages, tools=[weather], max_tokens=1)
+    assert out.usage.prompt_tokens == with_tools
+
+
 def test_openapi_declares_error_responses(server):
     with server.client() as c:
         schema = c.get("/openapi.json").json()

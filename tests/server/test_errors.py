@@ -290,6 +290,12 @@ def test_unknown_fields_refused_when_strict(strict_server, path, body):
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})])
+def test_tokenize_refuses_unknown_fields_when_strict(strict_server, path, body):
+    assert_error(post(strict_server, path, {"not_a_real_field": 1, **body}), 400, "not_a_real_field")
+    assert post(strict_server, path, body).status_code == 200
+
+
 # ------------------------------------------------------------------ HTTP-level errors
 
 
