@@ -52,6 +52,12 @@ def _template_message(message: ChatMessage, index: int) -> dict:
             code="unsupported_parameter",
         )
     content = message.content
+    extra = message.model_extra or {}
+    if content is None and not (message.role == "assistant" and extra.get("tool_calls")):
+        # as OpenAI: only an assistant's message that calls tools may go without content
+        raise bad_request(f"a {message.role} message needs content.", param=f"{param}.content")
+    if message.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+        raise bad_request("a tool message needs the tool_call_id it answers.", param=f"{param}.tool_call_id")
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -65,8 +71,7 @@ def _template_message(message: ChatMessage, index: int) -> dict:
         content = "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content or ""}
-    extra = message.model_extra or {}
-    if role == "tool" and isinstance(extra.get("tool_call_id"), str):
+    if role == "tool":
         out["tool_call_id"] = extra["tool_call_id"]
     if extra.get("tool_calls"):
         if role != "assistant":

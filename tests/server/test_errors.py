@@ -152,6 +152,11 @@ MESSAGES_CASES = [
     ("unknown role", [{"role": "robot", "content": "x"}], "messages"),
     ("no role", [{"content": "x"}], "messages"),
     ("function message", [*MESSAGES, {"role": "function", "content": "42", "name": "f"}], "messages[1].role"),
+    ("user without content", [{"role": "user"}], "messages[0].content"),
+    ("user with null content", [{"role": "user", "content": None}], "messages[0].content"),
+    ("system without content", [{"role": "system"}, *MESSAGES], "messages[0].content"),
+    ("assistant with neither content nor calls", [*MESSAGES, {"role": "assistant"}], "messages[1].content"),
+    ("tool without tool_call_id", [*MESSAGES, {"role": "tool", "content": "42"}], "messages[1].tool_call_id"),
 ]
 
 
