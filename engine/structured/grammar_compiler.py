@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 256
 """Compiled grammars kept (least recently used dropped first)."""
+_CPP_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # xgrammar's C++ log line
 
 
 class GrammarCompiler:
@@ -109,5 +111,6 @@ def _json_grammar(schema_text: str, strict: bool = True) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The error's first line, without the `[12:34:56] /path/file.cc:123: ` that xgrammar's C++ log prefixes."""
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    return _CPP_LOG_PREFIX.sub("", text.splitlines()[0])[:300]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -263,6 +264,26 @@ def test_rejections_name_the_field(server, body, param):
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/defs/a"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ],
+)
+def test_grammar_errors_read_without_the_libraries_log_prefix(server, body, param):
+    """xgrammar's messages come with its C++ log's time and source line: the 400 keeps the message alone."""
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 5, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param
+    assert "cannot be compiled into a grammar: " in error["message"] and ".cc:" not in error["message"], error
+    assert not re.search(r"\[\d\d:\d\d:\d\d\]", error["message"]), error
 
 
 def test_metrics_show_grammar_histograms(server):
