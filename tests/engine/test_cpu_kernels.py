@@ -265,12 +265,15 @@ def test_paged_decode_window_softcap_and_sinks_match_float64(decode_kernels, spl
 
 @pytest.mark.parametrize("dtype, cache_dtype", DECODE_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("lens", [[40], [2000], [40, 300]], ids=str)
-@pytest.mark.parametrize("case", ["query_nan", "key_nan", "key_inf", "value_nan"])
+@pytest.mark.parametrize(
+    "case", ["query_nan", "key_nan", "key_inf", "value_nan", "minus_inf_first_chunk", "minus_inf_everywhere"]
+)
 def test_paged_decode_is_nan_where_float64_is(decode_kernels, dtype, cache_dtype, lens, case):
     """A model's overflow reaches the attention as a NaN or an infinity: the output is NaN exactly where float64
     softmax attention's is (a NaN or +inf score makes its head's softmax NaN, a -inf score weighs 0, a NaN value
-    spoils its dim), never a finite number that would hide the fault from the engine's check of the logits; the
-    other heads, dims and sequences keep their values. Unsplit, split across 2 threads, and in a batch."""
+    spoils its dim, every score -inf is NaN), never a finite number that would hide the fault from the engine's
+    check of the logits; the other heads, dims and sequences keep their values. Unsplit, split across 2 threads,
+    and in a batch. (-inf scores: the first 16 tokens', or all of them, for kv head 1's query heads.)"""
     gen = torch.Generator().manual_seed(len(lens) * 7 + lens[0])
     block_size, kv_heads, heads, head_dim, scale = 16, 3, 9, 64, 0.125
     width = max(-(-n // block_size) for n in lens)
@@ -286,8 +289,12 @@ def test_paged_decode_is_nan_where_float64_is(decode_kernels, dtype, cache_dtype
     elif case == "key_inf":  # head 3's score +inf, head 4's -inf
         key_cache[block, slot, 1, 5] = torch.inf
         query[0, 3, 5], query[0, 4, 5] = 1.0, -1.0
-    else:
+    elif case == "value_nan":
         value_cache[block, slot, 1, 5] = torch.nan
+    else:
+        blocks = tables[0, : 1 if case == "minus_inf_first_chunk" else None].long()
+        key_cache[blocks, :, 1, 5] = torch.inf
+        query[0, 3:6, 5] = -1.0
     query, key_cache, value_cache = query.to(dtype), key_cache.to(cache_dtype), value_cache.to(cache_dtype)
     context = torch.tensor(lens, dtype=torch.int32)
     threads = torch.get_num_threads()
@@ -298,8 +305,9 @@ def test_paged_decode_is_nan_where_float64_is(decode_kernels, dtype, cache_dtype
         torch.set_num_threads(threads)
     expected = _decode_reference(query, key_cache, value_cache, tables, context, scale)
     nan = expected.isnan()
-    assert nan[0, 3:6].any() or (case == "key_inf" and cache_dtype == FP8)  # e4m3 stores an infinity as 448
-    assert not nan[1:].any() and not nan[0, :3].any()
+    # e4m3 stores an infinity as 448
+    some_nan = case != "minus_inf_first_chunk" and not (cache_dtype == FP8 and "inf" in case)
+    assert nan[0, 3:6].any() == some_nan and not nan[1:].any() and not nan[0, :3].any()
     assert torch.equal(got.isnan(), nan)
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got[~nan], expected[~nan], atol=tolerance, rtol=tolerance)
@@ -432,8 +440,8 @@ def test_paged_decode_widens_every_fp8_code_exactly(decode_kernels, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_builds_without_vbmi_widen_every_fp8_code_exactly(dtype):
-    """The widening by arithmetic (AVX-512 without VBMI) of an AVX512-BF16 build, whose bf16 queries take it as
-    bf16 (skylake-avx512 above widens to float32)."""
+    """The widening by arithmetic (AVX-512 without VBMI) in an AVX512-BF16 build, which also takes it for the V
+    key pairs of vdpbf16ps (bf16_pairs; the skylake-avx512 build above has no BF16)."""
     if platform.machine() not in ("x86_64", "AMD64") or not cpu_has("avx512_bf16", "avx512bw"):
         pytest.skip("this CPU cannot run -march=cooperlake code")
     kernels = load_cpu_kernels(arch="cooperlake")
@@ -467,7 +475,7 @@ def _assert_every_fp8_code_widens_exactly(decode_kernels, dtype):
     values = torch.zeros(n, block_size, 1, head_dim, dtype=torch.uint8)
     values[:, 1, 0, 1] = 0x38  # 1.0: the output's dim 1 is the second key's probability
     stored = codes.view(FP8).double()
-    q0 = torch.where(stored == 0, torch.ones_like(stored), 1 / stored).to(dtype)
+    q0 = torch.where((stored == 0) | stored.isnan(), torch.ones_like(stored), 1 / stored).to(dtype)  # NaN: a NaN key
     query = torch.zeros(n, 1, head_dim, dtype=dtype)
     query[:, 0, 0] = q0
     tables = torch.arange(n, dtype=torch.int32).view(n, 1)

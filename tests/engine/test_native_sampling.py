@@ -240,6 +240,17 @@ def test_prompt_logprobs_match_a_float64_log_softmax(row_logprobs, vocab, scale,
         assert abs(entry.logprob - plain.logprob) <= 3e-5 and abs(entry.rank - plain.rank) <= 2
 
 
+@pytest.mark.parametrize("column", [3, 39])
+def test_a_row_with_nan_gives_a_nan_logprob_as_torch_does(row_logprobs, column):
+    """NaN anywhere in a row, in the vector loops' columns or the scalar tail's (40 = 2 x 16 + 8), makes its
+    logprobs NaN, as torch's log-softmax does; the next row keeps its value."""
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(column))
+    logits[0, column] = torch.nan
+    targets = torch.tensor([0, 0])
+    for entries in (prompt_logprobs(logits, targets, 0, row_logprobs), prompt_logprobs(logits, targets, 0)):
+        assert math.isnan(entries[0].logprob) and math.isfinite(entries[1].logprob)
+
+
 def test_prompt_logprobs_in_chunks_and_from_bf16(row_logprobs, monkeypatch):
     logits = (torch.randn(9, 300, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
     targets = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))

@@ -125,7 +125,10 @@ def _non_finite(case: str, dtype, cache_dtype):
     query = torch.randn(40, 9, 64, generator=gen)
     position = 50 if case == "value_nan" else 75
     block, slot = table[position // 16], position % 16
-    if case == "query_nan":
+    if case.startswith("minus_inf"):  # head 3-5's scores -inf: the first 32 keys' (a key tile), or all
+        key_cache[table[: 2 if case == "minus_inf_first_tile" else None].long(), :, 1, 5] = torch.inf
+        query[:, 3:6, 5] = -1.0
+    elif case == "query_nan":
         query[10, 4, 3] = torch.nan
     elif case == "key_nan":
         key_cache[block, slot, 1, 5] = torch.nan
@@ -145,7 +148,7 @@ def _assert_nan_where_float64_is(got, query, key_cache, value_cache, table, tole
     torch.testing.assert_close(got.double()[~nan], expected[~nan], atol=tolerance, rtol=tolerance)
 
 
-NON_FINITE = ["query_nan", "key_nan", "key_inf", "value_nan"]
+NON_FINITE = ["query_nan", "key_nan", "key_inf", "value_nan", "minus_inf_first_tile", "minus_inf_everywhere"]
 
 
 @pytest.mark.parametrize("case", NON_FINITE)
@@ -155,7 +158,7 @@ def test_non_finite_inputs_give_nan_where_float64_does(kernels, case):
     its dim), never a finite number that would hide the fault from the engine's check of the logits."""
     query, key_cache, value_cache, table = _non_finite(case, BF16, BF16)
     got = kernels.prefill_attention(query, key_cache, value_cache, table, 100, 0.125)
-    _assert_nan_where_float64_is(got, query, key_cache, value_cache, table, 1.5e-2)
+    _assert_nan_where_float64_is(got, query, key_cache, value_cache, table, 1.5e-2, case != "minus_inf_first_tile")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=["float32", "fp8"])
@@ -164,7 +167,7 @@ def test_float32_non_finite_inputs_give_nan_where_float64_does(f32_kernels, case
     """The same for the float32 kernel of each build (an fp8 cache stores an infinity as 448: no NaN there)."""
     query, key_cache, value_cache, table = _non_finite(case, torch.float32, cache_dtype)
     got = f32_kernels.prefill_attention(query, key_cache, value_cache, table, 100, 0.125)
-    some_nan = not (case == "key_inf" and cache_dtype == FP8)
+    some_nan = case != "minus_inf_first_tile" and not ("inf" in case and cache_dtype == FP8)
     _assert_nan_where_float64_is(got, query, key_cache, value_cache, table, 2e-5, some_nan)
 
 

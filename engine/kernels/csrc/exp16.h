@@ -1,8 +1,8 @@
 // exp on 16 float32 lanes (AVX-512) and on 8 (AVX2 with FMA): common.h's fast_exp vectorized, with its clamp,
 // reduction and polynomial, so a kernel's vector and scalar exponentials agree; and a shorter one for
 // probabilities rounded to bf16. A NaN lane stays NaN: the clamps take x as min/max's second operand, the one
-// those instructions return when either is NaN. Shared by the attention kernels (paged_decode.cpp, prefill_attention.cpp,
-// prefill_attention_f32.cpp).
+// those instructions return when either is NaN. Shared by the attention kernels (paged_decode.cpp,
+// prefill_attention.cpp, prefill_attention_f32.cpp).
 #pragma once
 
 #if defined(__AVX512F__)

@@ -1,6 +1,6 @@
 // fp8 (e4m3) K/V rows widened to bf16 or float32 as the attention kernels read them (--kv-cache-dtype fp8).
-// Exact: every e4m3 value is a bf16 (and a float) value, and the NaN codes widen to NaN. The scalar conversions (to_float, store) are in
-// common.h; here the AVX-512 ones:
+// Exact: every e4m3 value is a bf16 (and a float) value, and the NaN codes widen to NaN. The scalar conversions
+// (to_float, store) are in common.h; here the AVX-512 ones:
 //   AVX512BW     32 codes at a time by arithmetic: a normal code's exponent rebiased by an add (7 -> 127) and
 //                its 3 mantissa bits moved up; the subnormals (exponent 0: m x 2^-9) and NaN from a table of 9
 //   + VBMI       64 codes at a time by byte lookups: each code's bf16 low byte and high byte (sign clear) from

@@ -82,7 +82,8 @@ using pagedserve::to_float;
 // The factor that normalizes a head's accumulated sums: 1 / l without a sink, else with its sink in the
 // denominator (see the header).
 inline float normalizer(float running_max, float running_sum, const float* sink) {
-    if (sink == nullptr) return 1.0f / running_sum;
+    // every score -inf: NaN, as torch's softmax gives (the sums hold e^-87 weights, exp16's floor, not 0s)
+    if (sink == nullptr) return running_max == -INFINITY ? NAN : 1.0f / running_sum;
     const float top = std::max(running_max, *sink);
     const float factor = std::exp(running_max - top);
     return factor / (running_sum * factor + std::exp(*sink - top));
@@ -136,11 +137,12 @@ inline void online_softmax(float* s, int64_t j0, int64_t n, int64_t num_heads, i
         float* sh = s + h * block_size;
         const float block_max = max_of(sh + j0, n - j0);
         const float new_max = std::max(running_max[h], block_max);
-        const float correction = fast_exp(running_max[h] - new_max);
+        const float shift = new_max == -INFINITY ? 0.0f : new_max;  // every score so far -inf: not -inf - -inf
+        const float correction = fast_exp(running_max[h] - shift);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = j0; j < n; ++j) {
-            sh[j] = fast_exp(sh[j] - new_max);
+            sh[j] = fast_exp(sh[j] - shift);
             sum += sh[j];
         }
         running_sum[h] = running_sum[h] * correction + sum;
@@ -801,7 +803,8 @@ void attend_pass(const T* q, const C* key_cache, const C* value_cache, const int
                 correction[h] = fast_exp(running_max[h] - new_max);
                 rescale = true;
             }
-            const __m512 shifted = _mm512_sub_ps(scores, _mm512_set1_ps(new_max));
+            // (a maximum still -inf shifts by 0, as flash-attn's Check_inf: -inf - -inf would be NaN)
+            const __m512 shifted = _mm512_sub_ps(scores, _mm512_set1_ps(new_max == -INFINITY ? 0.0f : new_max));
             // P rounded to bf16 for P.V (VPairs) takes the 9-instruction exponential, good to ~6e-5 as the prefill
             // kernel's is; otherwise the full one
             const __m512 p = _mm512_maskz_mov_ps(valid, kPairedV<T> ? exp16_bf16(shifted) : exp16(shifted));
@@ -809,7 +812,8 @@ void attend_pass(const T* q, const C* key_cache, const C* value_cache, const int
             running_max[h] = new_max;
             _mm512_store_ps(probs[h], p);
 #if defined(__AVX512BF16__)
-            if constexpr (kPairedV<T>) _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(p));
+            if constexpr (kPairedV<T>)
+                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(p));
 #endif
         }
 

@@ -108,8 +108,9 @@ void scores_and_softmax(const uint16_t* const* q, const int64_t* limit, int64_t 
             correction = fast_exp(m[r] - new_max);  // m = -inf at the first tile: ~0, nothing to rescale yet
         }
         __m512 p[2];
+        const __m512 shift = _mm512_set1_ps(new_max == -INFINITY ? 0.0f : new_max);  // not -inf - -inf
         for (int h = 0; h < 2; ++h)
-            p[h] = _mm512_maskz_mov_ps(visible[h], exp16_bf16(_mm512_sub_ps(scores[h], _mm512_set1_ps(new_max))));
+            p[h] = _mm512_maskz_mov_ps(visible[h], exp16_bf16(_mm512_sub_ps(scores[h], shift)));
         // the sums per lane, added up at the end
         const __m512 sums = _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), _mm512_set1_ps(correction),
                                             _mm512_add_ps(p[0], p[1]));
@@ -251,7 +252,8 @@ void attend_item(const uint16_t* query, const C* key_cache, const C* value_cache
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        const float inverse = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + 16 * r));
+        const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + 16 * r));
+        const float inverse = s.m[r] == -INFINITY ? NAN : 1.0f / sum;  // every score -inf: NaN, as torch's
         const float* o = s.o.data() + r * D;
         uint16_t* dst = out + ((q0 + r / group) * heads + kv * group + r % group) * D;
         for (int c = 0; c < D / 32; ++c)

@@ -199,8 +199,10 @@ void block_softmax(Scratch<D>& sc, int64_t base, int count, int64_t t0, bool mas
             new_max = Lanes::max(new_max, score);
         }
         V sum = Lanes::load(sc.l + at);
+        // a maximum still -inf (every score so far -inf) shifts by 0: -inf - -inf would be NaN
+        const V shift = Lanes::visible(new_max, minus_infinity, Lanes::zero(), new_max);
         if (Lanes::any_greater(new_max, old_max)) {  // the first tiles, mostly; exp(0) is exactly 1
-            const V correction = Lanes::exp(Lanes::sub(old_max, new_max));  // m = -inf at first: ~0, all is 0
+            const V correction = Lanes::exp(Lanes::sub(old_max, shift));  // m = -inf at first: ~0, all is 0
             sum = Lanes::mul(sum, correction);
             for (int d = 0; d < D; ++d) {
                 float* o = sc.ot + d * sc.stride + at;
@@ -210,7 +212,7 @@ void block_softmax(Scratch<D>& sc, int64_t base, int count, int64_t t0, bool mas
         }
         for (int j = 0; j < count; ++j) {
             float* row = sc.s + j * kBlockRows + v * W;
-            V p = Lanes::exp(Lanes::sub(Lanes::load(row), new_max));
+            V p = Lanes::exp(Lanes::sub(Lanes::load(row), shift));
             if (masked) p = Lanes::visible(Lanes::set1(static_cast<float>(t0 + j)), limit, p, Lanes::zero());
             sum = Lanes::add(sum, p);
             Lanes::store(row, p);
@@ -297,7 +299,7 @@ void attend_item(const float* query, const C* key_cache, const C* value_cache, c
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        const float inverse = 1.0f / sc.l[r];
+        const float inverse = sc.m[r] == -INFINITY ? NAN : 1.0f / sc.l[r];  // every score -inf: NaN, as torch's
         float* dst = out + ((q0 + r / group) * heads + kv * group + r % group) * D;
         for (int d = 0; d < D; ++d) dst[d] = sc.ot[d * sc.stride + r] * inverse;
     }

@@ -310,7 +310,7 @@ float log_sum_exp(const float* x, int64_t n, float max) {
     _mm256_store_pd(parts, _mm256_add_pd(low, high));
     for (double part : parts) sum += part;
 #endif
-    for (; i < n; ++i) sum += x[i] - max > -87.0f ? pagedserve::fast_exp(x[i] - max) : 0.0f;
+    for (; i < n; ++i) sum += x[i] - max <= -87.0f ? 0.0f : pagedserve::fast_exp(x[i] - max);  // NaN: NaN, as above
     return static_cast<float>(std::log(sum));
 }
 
