@@ -55,7 +55,8 @@ def _template_message(message: ChatMessage, index: int) -> dict:
     extra = message.model_extra or {}
     if content is None and not (message.role == "assistant" and extra.get("tool_calls")):
         # as OpenAI: only an assistant's message that calls tools may go without content
-        raise bad_request(f"a {message.role} message needs content.", param=f"{param}.content")
+        article = "an" if message.role == "assistant" else "a"
+        raise bad_request(f"{article} {message.role} message needs content.", param=f"{param}.content")
     if message.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
         raise bad_request("a tool message needs the tool_call_id it answers.", param=f"{param}.tool_call_id")
     if isinstance(content, list):

@@ -130,6 +130,7 @@ class TokenizeRequest(BaseModel):
     tools: Optional[list[dict[str, Any]]] = None  # shown to the chat template, as the chat route does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # refused when set, as on the chat route
     return_token_strs: bool = False
 
 

@@ -10,13 +10,14 @@ from engine.text.tokenizer import check_token_ids
 
 from server.http.errors import ERROR_RESPONSES, bad_request
 from server.serving.checks import check_extra_fields, check_model
-from server.serving.unsupported import refuse_unsupported
+from server.serving.unsupported import CHAT, refuse_unsupported
 from server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.openai.chat_messages import render_prompt
 from server.openai.tools.calls import plan_tools
 from server.state import ServerState
 
 router = APIRouter()
+TOKENIZE = {"continue_final_message": CHAT["continue_final_message"]}  # the chat route's refusal
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
@@ -52,5 +53,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 def _check_fields(body: TokenizeRequest | DetokenizeRequest, state: ServerState) -> None:
     """As on the generation routes: a vLLM extra this server does not implement (chat_template, ...) is a 400,
     other unknown fields are logged, or refused under --strict-params."""
-    refuse_unsupported(body, {})
+    refuse_unsupported(body, TOKENIZE if isinstance(body, TokenizeRequest) else {})
     check_extra_fields(body, state.config.strict_params)

@@ -165,7 +165,9 @@ def test_chat_bad_messages(server, case, messages, param):
     body = {"model": "tiny"}
     if case != "missing":
         body["messages"] = messages
-    assert_error(post(server, CHAT, body), 400, param)
+    error = assert_error(post(server, CHAT, body), 400, param)
+    if case == "assistant with neither content nor calls":
+        assert error["message"] == "an assistant message needs content."
 
 
 UNSUPPORTED_CASES = [

@@ -76,7 +76,7 @@ class ToolCallStream:
                 out += self._call(call)
             return out
         end = self._marker if self._marker is not None else len(text) - _marker_prefix(text)
-        end = len(text[:end].rstrip())
+        end = self._sent + len(text[self._sent : end].rstrip())  # (only the unsent text: no copy of it all)
         if end <= self._sent:
             return []
         piece, self._sent = text[self._sent : end], end
