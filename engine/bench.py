@@ -120,6 +120,11 @@ def weight_floor_ms(
     return best
 
 
+def _weights_kind(quantization: str) -> str:
+    """How a report names the weights: their quantization, or `unquantized` (quantization "none")."""
+    return "unquantized" if quantization == "none" else quantization
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -167,9 +172,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     report["floor_ms"] = step_bytes / bandwidth * 1e3
     report["matvec_ms"] = weight_floor_ms(model.weight_tensors(), args.single_steps, model.linear, dtype, model.device)
     report["matvec_gb_s"] = weight_bytes / report["matvec_ms"] / 1e6
+    kind = _weights_kind(model.quantization)
     print(
         f"single-stream decode step: {report['step_ms']:.2f} ms; floor {report['floor_ms']:.2f} ms "
-        f"({report['step_mb']:.0f} MB of {model.quantization} weights and K/V at {report['read_gb_s']:.1f} GB/s "
+        f"({report['step_mb']:.0f} MB of {kind} weights and K/V at {report['read_gb_s']:.1f} GB/s "
         f"streaming read); ratio {report['step_ms'] / report['floor_ms']:.2f}x (batch-1 products alone: "
         f"{report['matvec_ms']:.2f} ms = {report['matvec_gb_s']:.1f} GB/s)",
         flush=True,

@@ -101,15 +101,16 @@ class ModelConfig(BaseModel):
     @field_validator("chat_template")
     @classmethod
     def _check_chat_template(cls, value: Optional[str]) -> Optional[str]:
-        """Inline Jinja, or the path of a file that exists (read when the tokenizer loads)."""
+        """Inline Jinja that parses, or the path of a file that exists (read when the tokenizer loads)."""
         from pathlib import Path
 
-        if (
-            value is not None
-            and not any(m in value for m in ("{{", "{%", "{#"))
-            and not Path(value).expanduser().is_file()
-        ):
+        from engine.text.tokenizer import read_chat_template
+
+        if value is None or Path(value).expanduser().is_file():
+            return value
+        if not any(m in value for m in ("{{", "{%", "{#")):
             raise ValueError(f"neither a file nor a Jinja template: no file {value!r}, and no {{{{ or {{%")
+        read_chat_template(value)  # a ValueError saying where it does not parse
         return value
 
     @property

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (any OpenAI-compatible one)")
-    p.add_argument("--model", default=None, help="model name to send (default: the first at /v1/models)")
+    p.add_argument("--model", default=None, help="model name to send; none: the first at /v1/models")
     p.add_argument(
         "--endpoint",
         choices=("completions", "chat"),

@@ -261,7 +261,7 @@ OPTIONS: tuple[Option, ...] = (
         "--pipeline-parallel-size",
         (*PARALLEL, "pipeline_parallel_size"),
         "int",
-        "layer stages (only 1 yet: larger values are refused)",
+        "stages of consecutive layers, each in its own process(es), steps overlapped (the Llama family)",
         "N",
     ),
     Option(

@@ -62,6 +62,11 @@ def test_top_level_help_still_lists_serve_and_bench():
         (["--max-num-seqs", "many"], {}, "--max-num-seqs: expected an integer, got 'many'"),
         ([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "2"}, "PAGEDSERVE_GPU_MEMORY_UTILIZATION: Input should be less"),
         (["--scheduling-policy", "lifo"], {}, "--scheduling-policy: expected one of fcfs, priority"),
+        (
+            ["--chat-template", "{{ messages[0].content "],
+            {},
+            "--chat-template: the inline chat template is not valid Jinja",
+        ),
     ],
 )
 def test_a_bad_value_exits_2_with_a_clear_message_and_no_traceback(args, env, expected):
