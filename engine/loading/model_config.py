@@ -104,13 +104,13 @@ class ModelConfig(BaseModel):
         """Inline Jinja that parses, or the path of a file that exists (read when the tokenizer loads)."""
         from pathlib import Path
 
-        from engine.text.tokenizer import read_chat_template
+        from engine.loading.chat_template import check_chat_template
 
         if value is None or Path(value).expanduser().is_file():
             return value
         if not any(m in value for m in ("{{", "{%", "{#")):
             raise ValueError(f"neither a file nor a Jinja template: no file {value!r}, and no {{{{ or {{%")
-        read_chat_template(value)  # a ValueError saying where it does not parse
+        check_chat_template(value, "the inline chat template")
         return value
 
     @property

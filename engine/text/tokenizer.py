@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 from engine.errors import TokenIdOutOfVocabularyError
+from engine.loading.chat_template import check_chat_template
 from engine.loading.loader import CheckpointError
 
 if TYPE_CHECKING:
@@ -108,9 +109,6 @@ def looks_like_jinja(text: str) -> bool:
 def read_chat_template(value: str) -> str:
     """The Jinja text of a chat template given as a file path (read) or inline (as is), checked to parse;
     ValueError says what is wrong (as vLLM's --chat-template, a path that exists wins)."""
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     path = Path(value).expanduser()
     if path.is_file():
         try:
@@ -121,10 +119,7 @@ def read_chat_template(value: str) -> str:
         text, where = value, "the inline chat template"
     else:
         raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
-    try:  # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
-    except TemplateSyntaxError as exc:
-        raise ValueError(f"{where} is not valid Jinja (line {exc.lineno}: {exc.message})") from None
+    check_chat_template(text, where)
     return text
 
 
