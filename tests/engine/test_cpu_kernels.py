@@ -17,6 +17,7 @@ import torch
 
 from engine.kernels.cpu import BUILD_SECONDS, build_library, load_cpu_kernels, start_build
 from tests.engine.cpu_flags import cpu_has
+from tests.engine.non_finite import plant_non_finite
 
 
 def _maps_of(name: str) -> set[str]:
@@ -282,15 +283,8 @@ def test_paged_decode_is_nan_where_float64_is(decode_kernels, dtype, cache_dtype
     query = torch.randn(len(lens), heads, head_dim, generator=gen)
     tables = torch.randperm(width * len(lens) + 2, generator=gen)[: width * len(lens)].view(len(lens), width).int()
     block, slot = tables[0, 1], 2  # sequence 0's token 18, kv head 1 (query heads 3-5), dim 5
-    if case == "query_nan":
-        query[0, 4, 3] = torch.nan
-    elif case == "key_nan":
-        key_cache[block, slot, 1, 5] = torch.nan
-    elif case == "key_inf":  # head 3's score +inf, head 4's -inf
-        key_cache[block, slot, 1, 5] = torch.inf
-        query[0, 3, 5], query[0, 4, 5] = 1.0, -1.0
-    elif case == "value_nan":
-        value_cache[block, slot, 1, 5] = torch.nan
+    if not case.startswith("minus_inf"):
+        plant_non_finite(case, query, key_cache, value_cache, block, slot, nan_row=0, inf_rows=0)
     else:
         blocks = tables[0, : 1 if case == "minus_inf_first_chunk" else None].long()
         key_cache[blocks, :, 1, 5] = torch.inf

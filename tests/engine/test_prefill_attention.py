@@ -20,6 +20,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import load_cpu_kernels
 from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has, kernels_for
+from tests.engine.non_finite import plant_non_finite
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -128,15 +129,8 @@ def _non_finite(case: str, dtype, cache_dtype):
     if case.startswith("minus_inf"):  # head 3-5's scores -inf: the first 32 keys' (a key tile), or all
         key_cache[table[: 2 if case == "minus_inf_first_tile" else None].long(), :, 1, 5] = torch.inf
         query[:, 3:6, 5] = -1.0
-    elif case == "query_nan":
-        query[10, 4, 3] = torch.nan
-    elif case == "key_nan":
-        key_cache[block, slot, 1, 5] = torch.nan
-    elif case == "key_inf":  # head 3's scores +inf, head 4's -inf
-        key_cache[block, slot, 1, 5] = torch.inf
-        query[:, 3, 5], query[:, 4, 5] = 1.0, -1.0
     else:
-        value_cache[block, slot, 1, 5] = torch.nan
+        plant_non_finite(case, query, key_cache, value_cache, block, slot, nan_row=10, inf_rows=slice(None))
     return query.to(dtype), key_cache.to(cache_dtype), value_cache.to(cache_dtype), table
 
 
