@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Mapping
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 
 from engine.text.tokenizer import check_token_ids
 
 from server.http.errors import ERROR_RESPONSES, bad_request
 from server.serving.checks import check_extra_fields, check_model
-from server.serving.unsupported import CHAT, refuse_unsupported
+from server.serving.unsupported import CHAT, Unsupported, refuse_unsupported
 from server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.openai.chat_messages import render_prompt
 from server.openai.tools.calls import plan_tools
@@ -24,7 +26,7 @@ TOKENIZE = {"continue_final_message": CHAT["continue_final_message"]}  # the cha
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state: ServerState = request.app.state.server
     check_model(body.model, state.model_ids)
-    _check_fields(body, state)
+    _check_fields(body, state, TOKENIZE)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages.", param="prompt")
     if body.tools is not None and body.messages is None:
@@ -44,14 +46,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state: ServerState = request.app.state.server
     check_model(body.model, state.model_ids)
-    _check_fields(body, state)
+    _check_fields(body, state, {})
     check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
     text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)
     return DetokenizeResponse(prompt=text)
 
 
-def _check_fields(body: TokenizeRequest | DetokenizeRequest, state: ServerState) -> None:
-    """As on the generation routes: a vLLM extra this server does not implement (chat_template, ...) is a 400,
-    other unknown fields are logged, or refused under --strict-params."""
-    refuse_unsupported(body, TOKENIZE if isinstance(body, TokenizeRequest) else {})
+def _check_fields(body: BaseModel, state: ServerState, unsupported: Mapping[str, Unsupported]) -> None:
+    """As on the generation routes: a field of `unsupported` or a vLLM extra this server does not implement
+    (chat_template, ...) is a 400, other unknown fields are logged, or refused under --strict-params."""
+    refuse_unsupported(body, unsupported)
     check_extra_fields(body, state.config.strict_params)

@@ -29,7 +29,7 @@ class ToolCallStream:
         self.num_calls = 0
         self._array = ToolArrayReader() if plan.mode == "required" else None
         self._arguments_sent: list[int] = []  # required: characters of each call's arguments sent so far
-        self._sent = 0  # auto, hermes: characters of the text sent as content
+        self._sent = 0  # auto: characters of the text sent as content before the end (hermes streams them)
         self._marker: Optional[int] = None  # auto, hermes: where the first call's marker begins, once written
 
     def feed(self, delta: str, finished: bool) -> list[DeltaMessage]:
@@ -53,10 +53,13 @@ class ToolCallStream:
         if mode == "auto" and not may_start_tool_call(self.text, self.parser):
             self.holding = False
             return [DeltaMessage(content=self.text)]
-        if not finished:
-            return []
+        return self._end() if finished else []
+
+    def _end(self) -> list[DeltaMessage]:
+        """The finished output's calls, after its content not yet sent (all of the text when no call parses)."""
         content, calls = self.plan.calls_of(self.text, self.parser)
-        out = [DeltaMessage(content=content)] if content else []
+        rest = (content or "")[self._sent :]
+        out = [DeltaMessage(content=rest)] if rest else []
         for call in calls:
             out += self._call(call)
         return out
@@ -67,14 +70,7 @@ class ToolCallStream:
             at = text.find(HERMES_START, self._sent)  # (no sent text ends in a piece of the marker)
             self._marker = at if at >= 0 else None
         if finished:
-            content, calls = self.plan.calls_of(text, self.parser)
-            if not calls:  # no marker, or only malformed calls: all of it is content
-                return [DeltaMessage(content=text[self._sent :])] if len(text) > self._sent else []
-            rest = (content or "")[self._sent :]
-            out = [DeltaMessage(content=rest)] if rest else []
-            for call in calls:
-                out += self._call(call)
-            return out
+            return self._end()
         end = self._marker if self._marker is not None else len(text) - _marker_prefix(text)
         end = self._sent + len(text[self._sent : end].rstrip())  # (only the unsent text: no copy of it all)
         if end <= self._sent:
