@@ -12,7 +12,7 @@ from engine.text.tokenizer import check_token_ids
 
 from server.http.errors import ERROR_RESPONSES, bad_request
 from server.serving.checks import check_extra_fields, check_model
-from server.serving.unsupported import CHAT, Unsupported, refuse_unsupported
+from server.serving.unsupported import CHAT, VLLM_EXTRAS, Unsupported, refuse_unsupported
 from server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.openai.chat_messages import render_prompt
 from server.openai.tools.calls import plan_tools
@@ -56,4 +56,5 @@ def _check_fields(body: BaseModel, state: ServerState, unsupported: Mapping[str,
     """As on the generation routes: a field of `unsupported` or a vLLM extra this server does not implement
     (chat_template, ...) is a 400, other unknown fields are logged, or refused under --strict-params."""
     refuse_unsupported(body, unsupported)
-    check_extra_fields(body, state.config.strict_params)
+    # the structured-output extras constrain a generation: here they are as unknown as any other field
+    check_extra_fields(body, state.config.strict_params, known=VLLM_EXTRAS)

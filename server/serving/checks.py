@@ -59,9 +59,12 @@ def check_fields(request: SamplingFields, state: "ServerState") -> None:
         raise bad_request("priority needs a server started with --scheduling-policy priority.", param="priority")
 
 
-def check_extra_fields(request: BaseModel, strict: bool) -> None:
-    """Fields nobody defines: logged and accepted, or 400 under --strict-params."""
-    extra = sorted(set(request.model_extra or {}) - STRUCTURED_EXTRAS - VLLM_EXTRAS)
+def check_extra_fields(
+    request: BaseModel, strict: bool, known: frozenset[str] = STRUCTURED_EXTRAS | VLLM_EXTRAS
+) -> None:
+    """Fields nobody defines (none of `known`, the generation routes' extras read or refused elsewhere): logged and
+    accepted, or 400 under --strict-params."""
+    extra = sorted(set(request.model_extra or {}) - known)
     if not extra:
         return
     if strict:

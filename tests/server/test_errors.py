@@ -300,6 +300,8 @@ def test_unknown_fields_refused_when_strict(strict_server, path, body):
 @pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})])
 def test_tokenize_refuses_unknown_fields_when_strict(strict_server, path, body):
     assert_error(post(strict_server, path, {"not_a_real_field": 1, **body}), 400, "not_a_real_field")
+    # a generation's structured-output extras constrain nothing here
+    assert_error(post(strict_server, path, {"guided_json": {"type": "object"}, **body}), 400, "guided_json")
     assert post(strict_server, path, body).status_code == 200
 
 

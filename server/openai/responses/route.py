@@ -80,12 +80,15 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 
 def _output(tools: ToolPlan, text: str, parser: str, status: str) -> list[dict]:
-    """The output items of a finished generation: its text as a message, its tool calls as function_call items."""
+    """The output items of a finished generation: its text as a message, its tool calls as function_call items.
+    Only the last item takes `status`: those before it ended before the output did (as the stream closes them)."""
     content, calls = tools.calls_of(text, parser)
-    items = [message_item(new_item_id("msg"), content, status)] if content or not calls else []
-    return items + [
-        function_call_item(new_item_id("fc"), new_call_id(), call.name, call.arguments, status) for call in calls
+    items = [message_item(new_item_id("msg"), content, "completed")] if content or not calls else []
+    items += [
+        function_call_item(new_item_id("fc"), new_call_id(), call.name, call.arguments, "completed") for call in calls
     ]
+    items[-1]["status"] = status
+    return items
 
 
 async def _stream(
