@@ -4,6 +4,7 @@
                                  chunks add up past the limit? -> 413 (chunked uploads too)
                                  Content-Type not JSON? -> 415
                                  not UTF-8 / not JSON / nested too deep / not an object? -> 400
+                                 a string with a lone UTF-16 surrogate (a "\ud800" escape)? -> 400
                      --the same bytes, replayed--> the app (FastAPI parses them again)
 
 A pure ASGI middleware: it sees the raw byte stream, so a 20 MB body costs a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Callable, Collection, Optional
 
 from starlette.datastructures import Headers
@@ -26,6 +28,8 @@ from server.http.errors import error_body
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _PARSE_OFF_LOOP = 256 * 1024  # bodies above this are decoded and parsed on a worker thread
 _DRAIN_FACTOR = 16  # an over-limit body is read and dropped up to this many limits, then the connection closes
+# valid UTF-8 encodes no surrogate: the body text has one only as such an escape (a pair of them is one character)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class BodyRefused(Exception):
@@ -141,6 +145,44 @@ def _parse_object(body: bytes) -> None:
         raise BodyRefused(400, "the request body's JSON is nested too deeply.") from None
     if not isinstance(value, dict):
         raise BodyRefused(400, f"the request body must be a JSON object, not {_json_kind(value)}.")
+    if _SURROGATE_ESCAPE.search(text):
+        found = _lone_surrogate(value, "")
+        if found is not None:  # no tokenizer, grammar or UTF-8 output can take it (it was a 500 at the tokenizer)
+            path, in_key = found
+            where = f"a key of {path or 'the body'}" if in_key else path
+            raise BodyRefused(
+                400,
+                f"{where} holds a lone UTF-16 surrogate (a \\u escape in D800-DFFF): not Unicode text.",
+                param=path or None,
+            )
+
+
+def _lone_surrogate(value: object, path: str) -> Optional[tuple[str, bool]]:
+    """Where in `value` the first string with a lone surrogate is: its path (`messages[0].content`), and whether
+    it is a key of that object."""
+    if isinstance(value, str):
+        return None if _is_text(value) else (path, False)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not _is_text(key):
+                return path, True
+            found = _lone_surrogate(item, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_kind(value: object) -> str:

@@ -325,6 +325,26 @@ def test_malformed_json_names_no_parameter(server):
     assert_error(response, 400, None)
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (COMPLETIONS, b'{"model": "tiny", "max_tokens": 1, "prompt": "a\\ud800b"}', "prompt"),
+        (CHAT, b'{"max_tokens": 1, "messages": [{"role": "user", "content": "\\udc00"}]}', "messages[0].content"),
+        ("/v1/responses", b'{"max_output_tokens": 1, "input": ["ok", "x\\ud83c"]}', "input[1]"),
+        ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    ],
+)
+def test_lone_surrogate_is_400(server, path, body, param):
+    """A \\u escape of half a surrogate pair decodes to no Unicode character: no tokenizer takes it (it was a 500)."""
+    with server.client() as c:
+        response = c.post(path, content=body, headers={"content-type": "application/json"})
+        assert_error(response, 400, param)
+        assert "surrogate" in response.json()["error"]["message"]
+        # a whole pair is one character (U+1F389), as any JSON encoder may write it
+        pair = b'{"model": "tiny", "max_tokens": 1, "prompt": "\\ud83c\\udf89"}'
+        assert c.post(COMPLETIONS, content=pair, headers={"content-type": "application/json"}).status_code == 200
+
+
 def test_unknown_route_is_404(server):
     with server.client() as c:
         assert_error(c.get("/v1/does-not-exist"), 404, None)
