@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # ------------------------------------------------------------------ requests
 
@@ -69,6 +69,14 @@ class SamplingFields(BaseModel):
     num_speculative_tokens: Optional[int] = None
     # a weighted mix of LoRA adapters over the base model (pagedserve's own; one adapter: set `model` to it)
     lora: Optional[list[LoRAPart]] = None
+
+    @field_validator("n", "stream", "echo", "logprobs", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI declares these nullable (null: the default), and its SDK sends `n=None` as null."""
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].get_default()
+        return value
 
 
 class CompletionRequest(SamplingFields):

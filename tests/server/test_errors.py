@@ -361,6 +361,19 @@ def test_wrong_method_is_405(server):
 # ------------------------------------------------------------------ the SDK's view
 
 
+def test_sdk_nulls_mean_the_defaults(server):
+    """OpenAI declares n, stream, echo and chat's logprobs nullable; the SDK sends `None` as null."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, n=None, stream=None, logprobs=None
+    )
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=None, echo=None, stream=None)
+    assert len(completion.choices) == 1 and completion.usage.completion_tokens <= 2
+    response = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, stream=None)
+    assert response.object == "response"
+
+
 def test_sdk_raises_typed_errors(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError) as info:
