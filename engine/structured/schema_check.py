@@ -53,6 +53,30 @@ _STRUCTURE = frozenset(
     }
 )
 SUPPORTED_KEYWORDS = _ANNOTATIONS | _STRUCTURE
+# The grammar engine (xgrammar) builds a schema object from the first of these it has and reads nothing else of
+# it: a keyword beside one (`{"anyOf": [...], "minimum": 3}`) would be dropped, so it is refused.
+_ALONE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_BESIDE_ANYTHING = _ANNOTATIONS | {"$defs", "definitions"}
+_BESIDE_VALUES = _BESIDE_ANYTHING | {"type", "const", "enum"}  # concrete values: the type only says what they are
+# Keywords of one type: in a schema with no type (nor properties or items, which make it an object or an array)
+# the engine admits any JSON value and drops them, though a value of their type would have to meet them.
+_TYPED = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minItems",
+        "maxItems",
+        "required",
+        "minProperties",
+        "maxProperties",
+    }
+)
 _TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -75,6 +99,7 @@ def _check(schema: Any, field: str, path: str) -> None:
             raise InvalidParameterError(
                 field, f"uses the JSON Schema keyword {keyword!r} at {path}, which this server cannot enforce"
             )
+    _check_combination(schema, field, path)
     types = schema.get("type")
     for name in types if isinstance(types, list) else [] if types is None else [types]:
         if name not in _TYPES:
@@ -97,6 +122,40 @@ def _check(schema: Any, field: str, path: str) -> None:
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         raise InvalidParameterError(field, f"has a 'required' that is not a list of names at {path}")
+    missing = [name for name in required if name not in schema.get("properties", {})]
+    if missing:  # the engine writes only the properties it knows: such a name would never be written
+        raise InvalidParameterError(
+            field,
+            f"requires {missing[0]!r} at {path}, which is not one of its properties: this server cannot enforce it",
+        )
+
+
+def _check_combination(schema: dict, field: str, path: str) -> None:
+    """Refuse keywords the grammar engine would drop: beside a keyword it reads alone, a second schema of allOf,
+    and a type's keyword where no type is given."""
+    alone = next((keyword for keyword in _ALONE if keyword in schema), None)
+    if alone is not None:
+        allowed = _BESIDE_VALUES if alone in ("const", "enum") else _BESIDE_ANYTHING
+        beside = sorted(keyword for keyword in schema if keyword != alone and keyword not in allowed)
+        if beside:
+            raise InvalidParameterError(
+                field,
+                f"combines {alone!r} with {beside[0]!r} at {path}, which this server cannot enforce together "
+                f"(move {beside[0]!r} into the schema {alone!r} names)",
+            )
+        all_of = schema.get("allOf")
+        if alone == "allOf" and isinstance(all_of, list) and len(all_of) > 1:
+            raise InvalidParameterError(
+                field, f"has an 'allOf' of {len(all_of)} schemas at {path}; this server can enforce only one"
+            )
+        return
+    if "type" in schema or any(k in schema for k in ("properties", "additionalProperties", "items", "prefixItems")):
+        return
+    typed = sorted(_TYPED & set(schema))
+    if typed:
+        raise InvalidParameterError(
+            field, f"has {typed[0]!r} but no 'type' at {path}; this server can enforce it only with a 'type'"
+        )
 
 
 def canonical_schema(schema: Any) -> Any:

@@ -208,3 +208,53 @@ def test_a_draft_that_ends_the_grammar_with_a_stop_token_is_checked_without_erro
     mask = decoder.fill_bitmask([(0, matcher)], 1 + len(drafts), {0: drafts})
     assert mask.rows == list(range(1 + len(text)))  # the state before each draft, up to the stop token
     assert not matcher.is_terminated() and matcher.accept_token(text[0])  # rolled back to the start
+
+
+# Schemas whose keywords the grammar engine would drop, each with a value its grammar admits though the schema
+# does not: refused by name, so that a schema is never half enforced.
+DROPPED = [
+    ({"allOf": [{"type": "integer"}, {"minimum": 1000}]}, "2.5", "'allOf' of 2 schemas"),
+    ({"type": "object", "required": ["zz"]}, "{}", "requires 'zz'"),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"], "additionalProperties": False},
+        '{"a":2}',
+        "requires 'b'",
+    ),
+    ({"anyOf": [{"type": "integer", "maximum": 5}], "minimum": 3}, "1", "combines 'anyOf' with 'minimum'"),
+    ({"$ref": "#/$defs/n", "$defs": {"n": {"type": "integer"}}, "maximum": 3}, "7", "combines '$ref' with 'maximum'"),
+    ({"minLength": 3}, '"a"', "'minLength' but no 'type'"),
+]
+
+
+@pytest.mark.parametrize("schema, admitted, message", DROPPED)
+def test_schemas_the_grammar_would_half_enforce_are_refused(schema, admitted, message):
+    import jsonschema
+    import xgrammar as xgr
+
+    from engine.structured.json_bounds import json_schema_grammar
+
+    # the premise: xgrammar's grammar for it admits a value the schema does not (when xgrammar learns the
+    # keyword, this fails and the refusal can go)
+    grammar = xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps(schema)))
+    assert xgr.testing._is_grammar_accept_string(grammar, admitted)
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(admitted))
+    with pytest.raises(InvalidParameterError) as caught:
+        SamplingParams(structured_outputs={"json": schema})
+    assert caught.value.field == "structured_outputs.json" and message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [{"type": "integer"}]},
+        {"type": "string", "enum": ["a", "b"], "title": "x"},
+        {"const": "a", "enum": ["a"], "type": "string"},
+        {"$ref": "#/$defs/A", "$defs": {"A": {"type": "integer"}}, "description": "d"},
+        {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "T"},
+        {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"type": ["string", "null"], "maxLength": 4},
+    ],
+)
+def test_schemas_the_grammar_enforces_whole_are_accepted(schema):
+    """What pydantic and OpenAI's strict schemas write: annotations beside a $ref or anyOf, a type beside enum."""
+    SamplingParams(structured_outputs={"json": schema})

@@ -10,6 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from server.openai.tools.calls import plan_tools
 from server.openai.tools.parsers import parse_tool_calls
 
 USER = [{"role": "user", "content": "Give me the data."}]
@@ -126,6 +127,37 @@ def test_tool_choice_constrains_to_valid_calls(server, tool_choice):
     _valid_calls(choice.message.tool_calls)
     if isinstance(tool_choice, dict):
         assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+
+
+def test_parameters_are_checked_only_where_they_constrain(server):
+    """Under auto a tool's schema is only shown to the model (as vLLM shows it): a keyword the grammar cannot
+    enforce there is no error, and a named tool is constrained by its own schema alone."""
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "not": {}}}}
+    client = sdk(server)
+    for tool_choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
+        response = client.chat.completions.create(
+            model="tiny", messages=USER, tools=[WEATHER, odd], tool_choice=tool_choice, max_tokens=30, temperature=0
+        )
+        assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_function_without_parameters_takes_none(server):
+    """OpenAI: leaving out `parameters` defines a function with an empty parameter list."""
+    ping = {"type": "function", "function": {"name": "ping"}}
+    response = sdk(server).chat.completions.create(
+        model="tiny",
+        messages=USER,
+        tools=[ping],
+        tool_choice={"type": "function", "function": {"name": "ping"}},
+        max_tokens=30,
+        temperature=1.0,
+        seed=3,
+    )
+    (call,) = response.choices[0].message.tool_calls
+    assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
+    named = {"type": "function", "function": {"name": "ping"}}
+    constraint, _ = plan_tools([ping], named).constraint(None)
+    assert json.loads(constraint.json) == {"additionalProperties": False, "properties": {}, "type": "object"}
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
@@ -252,9 +284,13 @@ def test_tool_follow_up_turn(server):
             "response_format.json_schema.schema",
         ),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
-            "tools[0].function.parameters",
+            {
+                "tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
         ),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
         ({"guided_grammar": "root ::= ( broken"}, "guided_grammar"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],

@@ -79,6 +79,8 @@ def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
     if tool_choice in ("auto", "required"):
         if not functions:
             raise bad_request("tool_choice 'required' needs tools.", param="tool_choice")
+        if tool_choice == "required":
+            _check_parameters(tools or [], set(functions))
         return ToolPlan(tool_choice, functions, list(tools or []))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
@@ -86,6 +88,7 @@ def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
             raise bad_request(
                 f"tool_choice names the function {name!r}, which is not among the tools.", param="tool_choice"
             )
+        _check_parameters(tools or [], {name})
         return ToolPlan("named", functions, list(tools or []), name)
     raise bad_request(
         'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}.',
@@ -116,16 +119,28 @@ def _functions(tools: list) -> dict[str, dict]:
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise bad_request("a function tool needs function.name.", param=f"tools[{i}].function")
-        parameters = function.get("parameters", {"type": "object"})
-        if not isinstance(parameters, dict):
+        if function["name"] in functions:  # as OpenAI: which of the two a call meant could not be told
+            raise bad_request(
+                f"tools[{i}] repeats the function name {function['name']!r}.", param=f"tools[{i}].function.name"
+            )
+        if not isinstance(function.get("parameters") or {}, dict):
             raise bad_request(
                 "function.parameters must be a JSON Schema object.", param=f"tools[{i}].function.parameters"
             )
-        StructuredOutputs.of_kind("json", parameters, f"tools[{i}].function.parameters")  # checked, by name
         functions[function["name"]] = function
     return functions
 
 
+def _check_parameters(tools: list[dict], names: set[str]) -> None:
+    """The parameter schemas of `names` a constraint is built from: a keyword the grammar cannot enforce is a 400
+    naming the tool (under `auto` the schemas are only shown to the model, as vLLM shows them, and not checked)."""
+    for i, tool in enumerate(tools):
+        if tool["function"]["name"] in names:
+            StructuredOutputs.of_kind("json", _parameters(tool["function"]), f"tools[{i}].function.parameters")
+
+
 def _parameters(function: dict) -> dict:
-    parameters = function.get("parameters") or {"type": "object"}
-    return parameters
+    """A function's parameter schema; none given is an empty parameter list, as OpenAI reads it."""
+    if "parameters" not in function or function["parameters"] is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return function["parameters"] or {"type": "object"}  # `{}`: an object of any properties
