@@ -133,6 +133,8 @@ class EngineCore:
             self.abort(list(self._states))
             self._drain_pipeline()
             self.runner.shutdown()
+            if self.scheduler.kv_cache_manager.kv_tiers is not None:  # (after the runner has written its blocks)
+                self.scheduler.kv_cache_manager.kv_tiers.close()
             if isinstance(self.scheduler.proposer, DraftModelProposer):
                 self.scheduler.proposer.shutdown()  # the draft's KV cache (its weights go with the engine)
         finally:  # half released is no state to step in

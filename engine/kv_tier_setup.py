@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -52,6 +53,14 @@ def check_kv_tiers(config: EngineConfig, shard: Shard) -> None:
         raise SettingsConflictError(
             "--kv-cache-dir with --nnodes > 1: node 0 verifies every rank's block files, which other hosts keep"
         )
+    if cache.kv_cache_dir is not None:
+        directory = Path(cache.kv_cache_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SettingsConflictError(f"--kv-cache-dir {directory}: cannot make it: {error.strerror}") from None
+        if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+            raise SettingsConflictError(f"--kv-cache-dir {directory}: this user cannot read and write files there")
 
 
 def tier_identity(config: EngineConfig, checkpoint: Checkpoint, hf_config: Any, shard: Shard) -> bytes:

@@ -313,6 +313,8 @@ class KVCacheManager:
         self.num_slots.pop(request_id, None)
         if not groups:
             return
+        if self.kv_tiers is not None and request.block_hashes and not request.skip_prefix_cache:
+            self.kv_tiers.touch([h.value for h in request.block_hashes])  # pool hits are uses of the tiers' blocks
         for blocks in groups:
             self._release([b for b in reversed(blocks) if b is not self.null_block])
 

@@ -1,17 +1,23 @@
 """Which blocks the disk KV tier holds: a set of block hashes over a directory, bounded in bytes (LRU).
 
 The scheduler asks it, on a prefix-cache miss, for the longest run of a request's next blocks that the tier
-holds (`verified_run`: each file read and checked, a bad one deleted and the run cut there), and tells it
-which blocks a step fills (`plan_saves`: those it does not hold yet, which the runner then writes). It is the
-only one that deletes files: the size bound evicts the least recently used blocks (their files' mtimes
-carry the order across restarts). Every rank of a tensor-parallel or pipeline-parallel engine writes its
-own file of a block; a block counts as held when every rank's file is there.
+holds (`verified_run`: each file read and checked once, a bad one deleted and the run cut there; later asks
+compare the files' stat with what was read, so a request waiting for pool blocks does not re-read its files
+every step), and tells it which blocks a step fills (`plan_saves`: those it does not hold yet, which the
+runner then writes). It is the only one that deletes files: the size bound evicts the least recently used
+blocks. A block is used when a step restores it and when a request that holds it ends, prefix-cache hits in
+the pool included (`touch`, tail first, so a prompt's later blocks leave before its first ones, without which
+the rest are of no use: a restore stops at the first block missing). The order is kept in memory and written
+into the files' mtimes at `close` (a restart scans them; after a crash the write times stand in). Every rank
+of a tensor-parallel or pipeline-parallel engine writes its own file of a block; a block counts as held when
+every rank's file is there.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +71,8 @@ class KVTierIndex:
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._held: set[bytes] = set()  # block hashes of our identity with every rank's file
         self._unconfirmed: set[bytes] = set()  # planned saves not yet read back (the writer may still be at them)
+        # blocks read back whole -> each rank file's (inode, size, mtime) then: unchanged, not read again
+        self._verified: dict[bytes, list[tuple[int, int, int]]] = {}
         self._total_bytes = 0
 
     @classmethod
@@ -96,19 +104,27 @@ class KVTierIndex:
 
     def verified_run(self, block_hashes: Sequence[bytes]) -> int:
         """How many of `block_hashes`, from the first, the tier holds in files that read back whole and
-        unaltered. A bad file ends the run: its block's files are deleted (the block is computed instead)."""
+        unaltered (read once; after that, while their stat is unchanged, not read again). A bad file ends the
+        run: its block's files are deleted (the block is computed instead); a missing one ends it too."""
         identity_hex = self.identity.hex()
         for n, block_hash in enumerate(block_hashes):
             if block_hash not in self._held:
                 return n
+            paths = [
+                block_file_path(self.directory, BlockFileKey(self.identity, rank, block_hash))
+                for rank in range(self.num_ranks)
+            ]
+            seen = self._verified.get(block_hash)
+            if seen is not None:
+                if seen == _stats(paths):
+                    continue
+                del self._verified[block_hash]  # changed or gone since it was read: read it again
             num_bytes = 0
             try:
-                for rank in range(self.num_ranks):
-                    key = BlockFileKey(self.identity, rank, block_hash)
-                    path = block_file_path(self.directory, key)
+                for rank, path in enumerate(paths):
                     if block_hash in self._unconfirmed and not path.exists():
                         return n  # not written yet (or the write failed): a miss, nothing wrong with the tier
-                    num_bytes += read_block_file(path, key)
+                    num_bytes += read_block_file(path, BlockFileKey(self.identity, rank, block_hash))
             except BlockFileError as error:
                 logger.warning("KV disk tier: %s; the block is computed instead", error)
                 self.stats.corrupt_files += 1
@@ -116,8 +132,26 @@ class KVTierIndex:
                 return n
             self.stats.read_bytes += num_bytes
             self._unconfirmed.discard(block_hash)
-            self._touch((identity_hex, block_hash))
+            self._verified[block_hash] = _stats(paths)
         return len(block_hashes)
+
+    def touch(self, block_hashes: Sequence[bytes]) -> None:
+        """Mark the held ones of `block_hashes` used now, the last of them most recently."""
+        identity_hex = self.identity.hex()
+        for block_hash in block_hashes:
+            if block_hash in self._held:
+                self._lru.move_to_end((identity_hex, block_hash))
+
+    def close(self) -> None:
+        """Write the use order into the files' mtimes (oldest first, a nanosecond apart), for the next start."""
+        start = time.time_ns() - len(self._lru)
+        for offset, (identity_hex, block_hash) in enumerate(self._lru):
+            stamp = start + offset
+            for path in _rank_files(self.directory / identity_hex, block_hash):
+                try:
+                    os.utime(path, ns=(stamp, stamp))
+                except OSError:
+                    pass  # (gone meanwhile: the next start does not find it)
 
     def plan_saves(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[bytes]:
         """The blocks among `block_hashes` to write (those not held), now counted as held; evicts the least
@@ -131,7 +165,7 @@ class KVTierIndex:
         identity_hex = self.identity.hex()
         planned = [h for h in dict.fromkeys(block_hashes) if h not in self._held]
         self._unconfirmed.update(planned)
-        for block_hash in planned:
+        for block_hash in reversed(planned):  # a prompt's later blocks older: evicted before its first ones
             self._held.add(block_hash)
             self._lru[(identity_hex, block_hash)] = self.file_bytes
             self._total_bytes += self.file_bytes
@@ -142,7 +176,7 @@ class KVTierIndex:
 
     def _scan(self) -> None:
         """Every block file below the directory, oldest use first; leftover temporary files are deleted."""
-        found: dict[tuple[str, bytes], list[tuple[int, float]]] = {}  # -> (rank, mtime) per file
+        found: dict[tuple[str, bytes], list[tuple[int, int]]] = {}  # -> (rank, mtime in ns) per file
         sizes: dict[tuple[str, bytes], int] = {}
         for folder in self.directory.iterdir():
             if not folder.is_dir():
@@ -156,7 +190,7 @@ class KVTierIndex:
                     continue
                 info = entry.stat()
                 key = (folder.name, parsed[0])
-                found.setdefault(key, []).append((parsed[1], info.st_mtime))
+                found.setdefault(key, []).append((parsed[1], info.st_mtime_ns))
                 sizes[key] = sizes.get(key, 0) + info.st_size
         own = self.identity.hex()
         for key in sorted(found, key=lambda k: max(mtime for _, mtime in found[k])):
@@ -164,15 +198,6 @@ class KVTierIndex:
             self._total_bytes += sizes[key]
             if key[0] == own and {rank for rank, _ in found[key]} >= set(range(self.num_ranks)):
                 self._held.add(key[1])
-
-    def _touch(self, key: tuple[str, bytes]) -> None:
-        """Mark a block used now, here and in its files' mtimes (the order a restart scans)."""
-        self._lru.move_to_end(key)
-        for rank in range(self.num_ranks):
-            try:
-                os.utime(block_file_path(self.directory, BlockFileKey(self.identity, rank, key[1])))
-            except OSError:
-                pass  # (gone meanwhile: the next read finds out)
 
     def _evict(self, protect: set[tuple[str, bytes]] | tuple[()]) -> None:
         for key in list(self._lru):
@@ -186,9 +211,23 @@ class KVTierIndex:
         if key[0] == self.identity.hex():
             self._held.discard(key[1])
             self._unconfirmed.discard(key[1])
+            self._verified.pop(key[1], None)
         folder = self.directory / key[0]
         for entry in _rank_files(folder, key[1]):
             _unlink(entry)
+
+
+def _stats(paths: list[Path]) -> list[tuple[int, int, int]]:
+    """Each file's (inode, size, mtime); (0, -1, 0) for one that is gone."""
+    out = []
+    for path in paths:
+        try:
+            info = path.stat()
+        except OSError:
+            out.append((0, -1, 0))
+            continue
+        out.append((info.st_ino, info.st_size, info.st_mtime_ns))
+    return out
 
 
 def _rank_files(folder: Path, block_hash: bytes) -> list[Path]:

@@ -41,6 +41,12 @@ class MemoryTierIndex:
         self.stats.read_bytes += self.block_bytes
         return self._slots[block_hash]
 
+    def touch(self, block_hashes: Sequence[bytes]) -> None:
+        """Mark the held ones of `block_hashes` used now, the last of them most recently."""
+        for block_hash in block_hashes:
+            if block_hash in self._slots:
+                self._slots.move_to_end(block_hash)
+
     def plan_saves(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[tuple[bytes, int]]:
         """(hash, slot) for each of `block_hashes` not held yet, now held; each takes a free slot or the least
         recently used block's, but never one of `keep` (the step's restores: the runner reads them before it
@@ -56,6 +62,8 @@ class MemoryTierIndex:
             self._slots[block_hash] = slot
             protect.add(block_hash)  # (the step's own saves stay too)
             planned.append((block_hash, slot))
+        for block_hash, _ in reversed(planned):  # a prompt's later blocks older: evicted before its first ones
+            self._slots.move_to_end(block_hash)
         self.stats.written_bytes += len(planned) * self.block_bytes
         return planned
 

@@ -63,9 +63,22 @@ class KVTiers:
             else:
                 assert disk is not None  # (`run` found it there)
                 self._disk_restores.append((block_hash, block_id))
+                disk.touch([block_hash])
                 stats = disk.stats
             stats.hit_blocks += 1
             stats.hit_tokens += block_size
+
+    def touch(self, block_hashes: Sequence[bytes]) -> None:
+        """A request that held these blocks (a prompt's, in order) has ended: each tier that holds them marks them
+        used, its first block most recently (a prompt's tail is evicted first)."""
+        for tier in (self.memory, self.disk):
+            if tier is not None:
+                tier.touch(block_hashes[::-1])
+
+    def close(self) -> None:
+        """The engine is shutting down: the disk tier writes its use order for the next start."""
+        if self.disk is not None:
+            self.disk.close()
 
     def take_ops(self, step_id: int, filling: dict[bytes, int]) -> TierOps:
         """Step `step_id`'s copies, once its scheduling is done: `filling` (hash -> block id) are the full blocks

@@ -86,16 +86,29 @@ def test_slots_are_least_recently_used():
     index = MemoryTierIndex(3, block_bytes=100)
     blocks = [bytes([n]) * 32 for n in range(6)]
     assert index.plan_saves(blocks[:3]) == [(blocks[0], 0), (blocks[1], 1), (blocks[2], 2)]
+    # a step's blocks (a prompt's, in order) are older the later they come: its tail leaves first
     assert index.take(blocks[0]) == 0  # block 0 used: now the most recent
-    assert index.plan_saves(blocks[3:4] + blocks[:1]) == [(blocks[3], 1)]  # block 1 out, its slot reused
-    assert [b in index for b in blocks] == [True, False, True, True, False, False]
+    assert index.plan_saves(blocks[3:4] + blocks[:1]) == [(blocks[3], 2)]  # block 2 out, its slot reused
+    assert [b in index for b in blocks] == [True, True, False, True, False, False]
     # a step's restores are never evicted by its own saves, nor its saves by each other
-    assert index.plan_saves(blocks[4:6], keep=[blocks[2]]) == [(blocks[4], 0), (blocks[5], 1)]
-    assert [b in index for b in blocks] == [False, False, True, False, True, True]
+    assert index.plan_saves(blocks[4:6], keep=[blocks[1]]) == [(blocks[4], 0), (blocks[5], 2)]
+    assert [b in index for b in blocks] == [False, True, False, False, True, True]
     assert index.plan_saves([bytes([9]) * 32], keep=blocks) == []  # every slot protected: not saved
     index.forget(blocks[4:5])  # a failed step's save: its slot is free again
     assert blocks[4] not in index and index.plan_saves([bytes([9]) * 32]) == [(bytes([9]) * 32, 0)]
     assert index.stats.written_bytes == 7 * 100 and index.stats.read_bytes == 100
+
+
+def test_touch_orders_a_prompt_tail_first():
+    """A request's end marks its blocks used (pool hits too), its first block most recently."""
+    index = MemoryTierIndex(4, block_bytes=100)
+    first, second = [bytes([n]) * 32 for n in range(2)], [bytes([n]) * 32 for n in range(2, 4)]
+    index.plan_saves(first)
+    index.plan_saves(second)
+    index.touch(first[::-1])  # (KVTiers.touch reverses a prompt's blocks)
+    fresh = [bytes([n]) * 32 for n in range(4, 7)]
+    assert [slot for _, slot in index.plan_saves(fresh)] == [3, 2, 1]  # the other prompt's tail, then its head
+    assert [b in index for b in first + second] == [True, False, False, False]
 
 
 def test_a_failed_steps_saves_are_forgotten():

@@ -125,6 +125,38 @@ def test_another_block_size_or_weights_never_reads_the_files(tiny_llama_dir, tie
     )
 
 
+def test_the_prompt_used_last_survives_a_bound_and_a_restart(tiny_llama_dir, tier_dir, cold, tmp_path):
+    """Prompts A, B, A (a pool hit), C, A under a bound of about 1.5 prompts: A's second run counts as a use of
+    its files, and its tail is evicted before its head, so after a restart A's head restores (it was A's head that
+    went first: the later blocks left behind could never be restored)."""
+    file_bytes = block_files(tier_dir)[0].stat().st_size
+    others = [[random.Random(seed).randrange(3, 500) for _ in range(len(PROMPT))] for seed in (1, 2)]
+    directory = tmp_path / "bounded"
+    bound = 60 * file_bytes / 2**30
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(directory), kv_cache_dir_size=bound) as llm:
+        for prompt in (PROMPT, others[0], PROMPT, others[1], PROMPT):
+            generate(llm, prompt)
+        index = llm.engine.scheduler.kv_cache_manager.kv_tiers.disk
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, PROMPT, 4)
+        held = sum(h.value in index for h in hashes)
+        assert held >= 10 and all(h.value in index for h in hashes[:held])  # a head, whole
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(directory), kv_cache_dir_size=bound) as llm:
+        result = generate(llm)
+        assert result.outputs[0].token_ids == cold
+        assert llm.engine.stats().kv_tier("disk").hit_blocks == held
+        assert_idle(llm)
+
+
+def test_a_directory_that_cannot_be_made_is_a_setting_error(tiny_llama_dir, tmp_path):
+    """A bad setting (the CLI exits 2 naming the flag), not a traceback from the first scan."""
+    from engine.errors import SettingsConflictError
+
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(SettingsConflictError, match="--kv-cache-dir .*cannot make it"):
+        make_llm(tiny_llama_dir, kv_cache_dir=str(tmp_path / "a-file" / "tier"))
+
+
 def test_size_bound_evicts_least_recently_used(tmp_path):
     identity, payload = b"i" * 32, memoryview(bytes(1000))
     file_bytes = HEADER.size + len(payload)
@@ -134,18 +166,54 @@ def test_size_bound_evicts_least_recently_used(tmp_path):
         os.utime(block_file_path(tmp_path, BlockFileKey(identity, 0, block)), ns=(n * 10**9, n * 10**9))
     index = KVTierIndex.open(tmp_path, identity, 1, 3 * file_bytes, file_bytes)
     assert index.num_blocks == 3 and index.total_bytes == 3 * file_bytes
-    assert index.verified_run(blocks[:1]) == 1  # block 0 used: now the most recent
+    assert index.verified_run(blocks[:1]) == 1  # asked for: not a use (a request waiting for pool blocks asks)
+    index.touch(blocks[:1])  # block 0 used: now the most recent
     assert index.plan_saves(blocks[3:5] + blocks[:1]) == blocks[3:5]  # two new blocks evict blocks 1 and 2
     assert [b in index for b in blocks] == [True, False, False, True, True]
     assert not block_file_path(tmp_path, BlockFileKey(identity, 0, blocks[1])).exists()
     assert index.total_bytes == 3 * file_bytes and index.stats.written_bytes == 2 * file_bytes
-    # a step's restores are never evicted by its own saves (the runner reads them after the scheduling)
+    # a step's restores are never evicted by its own saves (the runner reads them after the scheduling); a step's
+    # saves are older the later they come (a prompt's tail leaves before its head): block 4 goes before block 3
     assert index.plan_saves([bytes([9]) * 32], keep=[blocks[0]]) == [bytes([9]) * 32]  # block 0: the oldest
-    assert [b in index for b in blocks] == [True, False, False, False, True]
+    assert [b in index for b in blocks] == [True, False, False, True, False]
     # a restart scans the same order: block 0 (touched) outlives block 3 and 4 only by its mtime
     (tmp_path / identity.hex() / "stray.r0.1.tmp").write_bytes(b"cut short")
     again = KVTierIndex.open(tmp_path, identity, 1, file_bytes, file_bytes)
     assert again.num_blocks == 1 and not (tmp_path / identity.hex() / "stray.r0.1.tmp").exists()
+
+
+def test_use_order_survives_a_restart_and_files_are_read_once(tmp_path):
+    """Two prompts that do not both fit: the one used last (a pool hit's end touches it) survives, whole, and a
+    restart scans the order `close` wrote; a file read back once is not read again while its stat holds."""
+    identity, payload = b"i" * 32, memoryview(bytes(1000))
+    file_bytes = HEADER.size + len(payload)
+    a, b, c = ([bytes([n]) * 32 for n in range(k, k + 2)] for k in (0, 2, 4))
+    index = KVTierIndex.open(tmp_path, identity, 1, 4 * file_bytes, file_bytes)
+
+    def save(prompt: list[bytes]) -> None:
+        for block in index.plan_saves(prompt):  # (what the runner's writer does)
+            write_block_file(tmp_path, BlockFileKey(identity, 0, block), payload)
+
+    save(a)
+    save(b)
+    index.touch(a[::-1])  # prompt A ended again (its blocks pool hits): its head now the most recent
+    save(c)
+    assert [x in index for x in a + b + c] == [True, True, False, False, True, True]  # B went, tail first
+    assert index.verified_run(a) == 2 and index.stats.read_bytes == 2 * len(payload)
+    assert index.verified_run(a) == 2 and index.stats.read_bytes == 2 * len(payload)  # not read again
+    index.touch(a[::-1])
+    index.close()
+    again = KVTierIndex.open(tmp_path, identity, 1, 2 * file_bytes, file_bytes)  # room for two: A's, as last used
+    assert [x in again for x in a + b + c] == [True, True, False, False, False, False]
+    assert again.verified_run(a) == 2
+    path = block_file_path(tmp_path, BlockFileKey(identity, 0, a[1]))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))  # altered since it was read: its stat moved, so it is read and refused
+    assert again.verified_run(a) == 1 and again.stats.corrupt_files == 1 and a[1] not in again
+    path = block_file_path(tmp_path, BlockFileKey(identity, 0, a[0]))
+    path.unlink()  # gone since it was read
+    assert again.verified_run(a) == 0 and a[0] not in again
 
 
 def test_tier_counters_are_exposed():
