@@ -5,17 +5,19 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from engine.sampling.sampler import TokenLogprobs
+from engine.text.token_bytes import token_bytes_reader
 from engine.text.tokenizer import Tokenizer
 from server.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 class LogprobFormatter:
-    """Token strings are each token decoded alone (special tokens shown); text and UTF-8 bytes
-    memoised per id."""
+    """Token strings are each token decoded alone (special tokens shown); their bytes the text's UTF-8, or the
+    token's raw bytes where it holds part of a character (engine/text/token_bytes.py); memoised per id."""
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._raw_bytes = token_bytes_reader(tokenizer.hf)
 
     def token_text(self, token_id: int) -> str:
         return self._token(token_id)[0]
@@ -24,7 +26,10 @@ class LogprobFormatter:
         entry = self._cache.get(token_id)
         if entry is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            entry = self._cache[token_id] = (text, list(text.encode("utf-8")))
+            data = text.encode("utf-8")
+            if "\ufffd" in text and self._raw_bytes is not None:  # part of a character: the token's own bytes
+                data = self._raw_bytes(token_id) or data
+            entry = self._cache[token_id] = (text, list(data))
         return entry
 
     def completion(

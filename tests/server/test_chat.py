@@ -169,16 +169,19 @@ def test_logprobs_and_top_logprobs(server):
     content = choice.logprobs.content
     assert len(content) == out.usage.completion_tokens == 6
     for entry in content:
-        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.logprob <= 0 and (entry.bytes == list(entry.token.encode("utf-8")) or entry.token == "\ufffd")
         assert len(entry.top_logprobs) == 3
         values = [t.logprob for t in entry.top_logprobs]
         assert values == sorted(values, reverse=True)
         # greedy: the chosen token is the most likely one
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
         assert entry.top_logprobs[0].token == entry.token
-        assert all(t.bytes == list(t.token.encode("utf-8")) for t in entry.top_logprobs)
+        # a token's text's UTF-8, or its own bytes where it holds part of a character (its text U+FFFD)
+        assert all(t.bytes == list(t.token.encode("utf-8")) for t in entry.top_logprobs if "\ufffd" not in t.token)
     if "\ufffd" not in choice.message.content:
         assert "".join(e.token for e in content) == choice.message.content
+    # the tokens' bytes join into the text, characters cut between tokens included (OpenAI's `bytes`)
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == choice.message.content
 
     only_chosen = chat(server, messages=USER, max_tokens=3, temperature=0, logprobs=True)
     entries = only_chosen["choices"][0]["logprobs"]["content"]
