@@ -25,6 +25,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.pipeline_runner import LaunchedStep, PipelineRunner
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.errors import InvalidParameterError
+from engine.kv_tier.disk_tier import KVTierReadError
 from engine.lora.lora_manager import LoRAManager
 from engine.lora.lora_waiting import (
     load_budget,
@@ -338,10 +339,34 @@ class EngineCore:
             return self._pipelined_step(self._pipeline)
         scheduler_output = self._schedule()
         self.last_step_num_tokens = scheduler_output.total_num_scheduled_tokens
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except KVTierReadError as error:
+            if self.runner.peers is not None:
+                raise  # (the other ranks went on to the forward: the ranks are out of step)
+            return self._lost_restores(scheduler_output, error)
         if scheduler_output.is_empty:
             return []
         return self._complete(scheduler_output, runner_output)
+
+    def _lost_restores(self, scheduler_output: SchedulerOutput, error: KVTierReadError) -> list[RequestOutput]:
+        """Disk blocks the scheduler had found good did not read back (a file deleted or altered in between): the
+        requests that were to restore them fail, the step is dropped before its forward ran (the runner took the
+        message's other changes), and its other requests are scheduled again as if it had never been."""
+        logger.warning("%s: the requests restoring it fail, the others' step is scheduled again", error)
+        tiers = self.scheduler.kv_cache_manager.kv_tiers
+        bad = set(error.block_hashes)
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.forget(bad)
+        lost = {block_id for block_hash, block_id in scheduler_output.kv_tier_restores if block_hash in bad}
+        failed = [
+            new.request_id
+            for new in scheduler_output.new_requests
+            if any(block_id in lost for group in new.block_ids for block_id in group)
+        ]
+        self.scheduler.abandon_steps()
+        now = time.monotonic()
+        return [self._fail(request_id, str(error), now) for request_id in failed if request_id in self._states]
 
     def _admit_loaded_loras(self) -> list[RequestOutput]:
         """Advance the adapter loads in progress, then queue the requests whose adapters finished loading

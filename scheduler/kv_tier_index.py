@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from scheduler.kv_tier_file import (
     TMP_SUFFIX,
@@ -134,6 +134,13 @@ class KVTierIndex:
             self._unconfirmed.discard(block_hash)
             self._verified[block_hash] = _stats(paths)
         return len(block_hashes)
+
+    def forget(self, block_hashes: Iterable[bytes]) -> None:
+        """Blocks whose files did not read back at a restore: deleted (what is left of them) and no longer held."""
+        identity_hex = self.identity.hex()
+        for block_hash in block_hashes:
+            self.stats.corrupt_files += 1
+            self._drop((identity_hex, block_hash))
 
     def touch(self, block_hashes: Sequence[bytes]) -> None:
         """Mark the held ones of `block_hashes` used now, the last of them most recently."""

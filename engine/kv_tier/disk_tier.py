@@ -16,8 +16,13 @@ from scheduler.kv_tier_file import BlockFileError, BlockFileKey, block_file_path
 
 
 class KVTierReadError(RuntimeError):
-    """A block file the scheduler had verified no longer reads back (deleted or altered since, by another
-    process sharing the directory): the step fails rather than serve wrong K/V."""
+    """Block files the scheduler had verified no longer read back (deleted or altered in the moment since, by
+    another process): the blocks that did read are in the cache; `block_hashes` are those that did not, whose
+    requests fail rather than attend to wrong K/V (Engine: the step is scheduled again without them)."""
+
+    def __init__(self, message: str, block_hashes: Sequence[bytes]):
+        super().__init__(message)
+        self.block_hashes = tuple(block_hashes)
 
 
 class DiskTier:
@@ -32,13 +37,21 @@ class DiskTier:
     def restore(self, kv_cache: KVCache, restores: Sequence[tuple[bytes, int]]) -> None:
         """Read the blocks `(hash, block id)` into the cache (before the step's forward reads them)."""
         payloads = np.empty((len(restores), payload_bytes(kv_cache)), dtype=np.uint8)
+        errors: list[tuple[bytes, str]] = []
         for row, (block_hash, _) in zip(payloads, restores):
             key = BlockFileKey(self.identity, self.rank, block_hash)
             try:
                 read_block_file(block_file_path(self.directory, key), key, memoryview(row.data))
             except BlockFileError as error:
-                raise KVTierReadError(f"KV disk tier: {error}") from None
-        scatter_blocks(kv_cache, [block_id for _, block_id in restores], payloads)
+                errors.append((block_hash, str(error)))
+        if not errors:
+            scatter_blocks(kv_cache, [block_id for _, block_id in restores], payloads)
+            return
+        bad = {block_hash for block_hash, _ in errors}
+        good = [i for i, (block_hash, _) in enumerate(restores) if block_hash not in bad]
+        if good:
+            scatter_blocks(kv_cache, [restores[i][1] for i in good], payloads[good])
+        raise KVTierReadError(f"KV disk tier: {errors[0][1]}", [block_hash for block_hash, _ in errors])
 
     def save(self, kv_cache: KVCache, saves: Sequence[tuple[int, bytes]]) -> None:
         """Copy the blocks `(block id, hash)` out of the cache now (the step's forward has filled them; a later

@@ -148,6 +148,45 @@ def test_the_prompt_used_last_survives_a_bound_and_a_restart(tiny_llama_dir, tie
         assert_idle(llm)
 
 
+def test_a_file_gone_between_the_check_and_the_read_fails_its_request_alone(tiny_llama_dir, cold, tmp_path):
+    """Another process deletes a block file in the moment between the scheduler's check and the runner's read:
+    that request fails (never wrong K/V), the one beside it in the step is scheduled again and finishes with its
+    own tokens, the engine goes on, and the prompt is computed next time."""
+    directory = tmp_path / "tier"
+    other = [random.Random(5).randrange(3, 500) for _ in range(40)]
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(directory)) as first:  # (a directory of its own: others edit theirs)
+        generate(first)
+        other_tokens = generate(first, other).outputs[0].token_ids
+    for path in block_files(directory):
+        if path not in prompt_files(directory):
+            path.unlink()  # only the prompt's blocks on disk
+    with make_llm(tiny_llama_dir, kv_cache_dir=str(directory)) as llm:
+        engine = llm.engine
+        tier = engine.runner.kv_tier
+        read = tier.restore
+
+        def deleted_first(kv_cache, restores):
+            block_file_path(directory, BlockFileKey(tier.identity, 0, restores[3][0])).unlink()
+            tier.restore = read  # once
+            read(kv_cache, restores)
+
+        tier.restore = deleted_first
+        engine.add_request("tiered", list(PROMPT), GREEDY)
+        engine.add_request("other", list(other), GREEDY)
+        outputs = {}
+        while engine.has_work:
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        (failed,) = outputs["tiered"]
+        assert failed.finish_reason == "error" and "KV disk tier" in failed.error
+        assert [t for out in outputs["other"] for t in out.new_token_ids] == other_tokens
+        assert engine.stats().kv_tier("disk").corrupt_files == 1
+        assert_idle(llm)
+        result = generate(llm)  # blocks 0-2 restored, the rest computed
+        assert result.outputs[0].token_ids == cold and result.num_cached_tokens == 3 * 4
+        assert_idle(llm)
+
+
 def test_a_directory_that_cannot_be_made_is_a_setting_error(tiny_llama_dir, tmp_path):
     """A bad setting (the CLI exits 2 naming the flag), not a traceback from the first scan."""
     from engine.errors import SettingsConflictError
