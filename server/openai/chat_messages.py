@@ -60,15 +60,26 @@ def _template_message(message: ChatMessage, index: int) -> dict:
     if message.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
         raise bad_request("a tool message needs the tool_call_id it answers.", param=f"{param}.tool_call_id")
     if isinstance(content, list):
+        if not content:
+            raise bad_request("content must be a string or a non-empty list of parts.", param=f"{param}.content")
         texts = []
+        # an assistant's history may hold its refusal as a part (OpenAI's `refusal` parts): its text is what it said
+        kinds = {"text": "text", "refusal": "refusal"} if message.role == "assistant" else {"text": "text"}
         for j, part in enumerate(content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type")
+            if kind not in kinds:
                 raise bad_request(
-                    f"content part of type {part.get('type')!r} is not supported; only 'text'.",
+                    f"content part of type {kind!r} is not supported; only {' or '.join(map(repr, kinds))}.",
                     param=f"{param}.content[{j}]",
                     code="unsupported_parameter",
                 )
-            texts.append(part["text"])
+            text = part.get(kinds[kind])
+            if not isinstance(text, str):
+                raise bad_request(
+                    f"a {kind!r} content part needs its {kinds[kind]!r} as a string.",
+                    param=f"{param}.content[{j}].{kinds[kind]}",
+                )
+            texts.append(text)
         content = "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content or ""}

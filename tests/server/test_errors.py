@@ -157,6 +157,18 @@ MESSAGES_CASES = [
     ("system without content", [{"role": "system"}, *MESSAGES], "messages[0].content"),
     ("assistant with neither content nor calls", [*MESSAGES, {"role": "assistant"}], "messages[1].content"),
     ("tool without tool_call_id", [*MESSAGES, {"role": "tool", "content": "42"}], "messages[1].tool_call_id"),
+    ("text part without text", [{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    (
+        "text part of a number",
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+        "messages[0].content[0].text",
+    ),
+    ("no parts", [{"role": "user", "content": []}], "messages[0].content"),
+    (
+        "a user's refusal part",
+        [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+        "messages[0].content[0]",
+    ),
 ]
 
 
@@ -168,6 +180,15 @@ def test_chat_bad_messages(server, case, messages, param):
     error = assert_error(post(server, CHAT, body), 400, param)
     if case == "assistant with neither content nor calls":
         assert error["message"] == "an assistant message needs content."
+    if case.startswith("text part"):
+        assert error["code"] is None and "needs its 'text' as a string" in error["message"]
+
+
+def test_an_assistant_refusal_part_is_history(server):
+    """OpenAI's assistant content may hold a refusal part: the model said it, so the template shows its text."""
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    response = post(server, CHAT, {"model": "tiny", "max_tokens": 2, "messages": [*MESSAGES, refused, *MESSAGES]})
+    assert response.status_code == 200, response.text
 
 
 UNSUPPORTED_CASES = [

@@ -261,7 +261,11 @@ def test_unsupported_parameters_are_refused_by_name(server, body, param):
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}}, "text.format.schema"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {"not": {}}}]}, "tools[0].parameters"),
+        (
+            {"tools": [{"type": "function", "name": "f", "parameters": {"not": {}}}], "tool_choice": "required"},
+            "tools[0].parameters",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
         ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tools"),
         ({"guided_regex": "[0-9]+", "text": {"format": {"type": "json_object"}}}, "guided_regex"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

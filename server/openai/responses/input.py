@@ -62,12 +62,14 @@ def _text(content: Any, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in _TEXT_PARTS:
             raise bad_request(
                 f"content part of type {kind!r} is not supported; only input_text.",
                 param=f"{param}[{j}]",
                 code="unsupported_parameter",
             )
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"an {kind} content part needs its 'text' as a string.", param=f"{param}[{j}].text")
         texts.append(part["text"])
     return "\n".join(texts)
 
