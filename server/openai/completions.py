@@ -13,6 +13,7 @@ from engine.sampling.sampler import TokenLogprobs
 from server.http.errors import ERROR_RESPONSES, bad_request
 from server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, new_id, now
 from server.serving import unsupported
+from server.serving.constraints import constraint_from_response_format
 from server.serving.choices import Choice, UsageCounter
 from server.serving.pipeline import Generation, GenerationRequest, start_generation
 from server.serving.prompts import TextPrompts
@@ -42,6 +43,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
             unsupported=unsupported.COMPLETIONS,
+            constraints=[("response_format", constraint_from_response_format(body.response_format))],
         ),
         arrival_time,
     )

@@ -79,6 +79,12 @@ class SamplingFields(BaseModel):
         return value
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
@@ -86,6 +92,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None  # (vLLM's extra on completions: as chat's)
 
 
 class ChatMessage(BaseModel):
@@ -94,12 +101,6 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
 
 
 class ChatCompletionRequest(SamplingFields):

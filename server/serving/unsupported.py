@@ -42,7 +42,6 @@ VLLM_EXTRAS = frozenset(
         "kv_transfer_params",
         "vllm_xargs",
         "cache_salt",
-        "response_format",
     }
 )
 

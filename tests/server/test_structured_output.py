@@ -99,6 +99,29 @@ def test_json_object_and_guided_json(server, stream):
             jsonschema.validate(value, schema)
 
 
+def test_completions_take_response_format_as_chat_does(server):
+    """vLLM's completions take `response_format` too (json_object, json_schema), constrained as chat's."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    out = sdk(server).completions.create(
+        model="tiny",
+        prompt="JSON:",
+        max_tokens=60,
+        temperature=1.0,
+        seed=1,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+    with server.client() as c:
+        bad = {"model": "tiny", "prompt": "x", "response_format": {"type": "yaml"}}
+        assert c.post("/v1/completions", json=bad).json()["error"]["param"] == "response_format.type"
+
+
 def test_completions_take_guided_choice_and_regex(server):
     client = sdk(server)
     out = client.completions.create(
