@@ -62,6 +62,8 @@ def test_string_input_gives_a_message_item(server):
     response = sdk(server).responses.create(model=MODEL, input="Hello there", max_output_tokens=12, temperature=0)
     assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL
     assert response.status in ("completed", "incomplete")
+    assert (response.completed_at is not None) == (response.status == "completed")
+    assert response.temperature == 0 and response.top_p == 1.0  # what it ran with: top_p the default
     (item,) = response.output
     assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
     assert item.content[0].type == "output_text"
@@ -115,7 +117,7 @@ def test_max_output_tokens_gives_incomplete(server):
     response = sdk(server).responses.create(
         model=MODEL, input="Count.", max_output_tokens=5, extra_body={"ignore_eos": True}
     )
-    assert response.status == "incomplete"
+    assert response.status == "incomplete" and response.completed_at is None
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 5 and response.max_output_tokens == 5
     assert response.output[0].status == "incomplete"

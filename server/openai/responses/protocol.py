@@ -7,6 +7,7 @@ this server lacks is refused by name (server/serving/unsupported.py).
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any, Optional, Union
 
@@ -97,13 +98,18 @@ def response_object(
     output: list[dict],
     status: str,
     usage_: Optional[dict] = None,
+    sampling: Optional[tuple[float, float]] = None,
 ) -> dict:
-    """The `response` object; `status` in_progress (a stream's first events), completed or incomplete."""
+    """The `response` object; `status` in_progress (a stream's first events), completed or incomplete;
+    `sampling`: the temperature and top_p the request runs with (the model's defaults where the body gave none,
+    as vLLM reports them)."""
+    temperature, top_p = sampling if sampling is not None else (body.temperature, body.top_p)
     text = body.text if body.text is not None else {"format": {"type": "text"}}
     return {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "model": model,
         "status": status,
         "output": output,
@@ -111,8 +117,8 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        "temperature": temperature,
+        "top_p": top_p,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "tools": body.tools or [],

@@ -75,6 +75,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         output=output,
         status=status,
         usage_=usage(len(generation.prompts[0]), len(result.token_ids), result.num_cached_tokens),
+        sampling=_sampling(generation),
     )
     return JSONResponse(response)
 
@@ -106,6 +107,7 @@ async def _stream(
             output=writer.output,
             status=status,
             usage_=usage_,
+            sampling=_sampling(generation),
         )
 
     yield _frames(
@@ -132,6 +134,11 @@ async def _stream(
     events = writer.finish(status)
     final = response(status, usage(len(choice.prompt_token_ids), output_tokens, cached_tokens))
     yield _frames(events + [writer.event(f"response.{status}", response=final)])
+
+
+def _sampling(generation: Generation) -> tuple[float, float]:
+    params = generation.choices[0].params
+    return params.temperature, params.top_p
 
 
 def _frames(events: list[dict]) -> bytes:
