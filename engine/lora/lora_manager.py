@@ -324,6 +324,8 @@ class LoRAManager:
         with self._lock:
             self._activity = LoRAStats(running, waiting, self.max_loras)
             self._active = frozenset(running) | frozenset(waiting)
+            if len(self._loaded) > self.capacity:  # a burst over busy adapters left more loaded than max_cpu_loras
+                self._evict_idle(keep=None)
 
     # ------------------------------------------------------------------ internals
 
@@ -341,10 +343,15 @@ class LoRAManager:
         """Keep `weights` loaded (under the lock), evicting least recently used idle adapters over capacity."""
         self._loaded[weights.name] = weights
         self._loaded.move_to_end(weights.name)
+        self._evict_idle(keep=weights.name)
+
+    def _evict_idle(self, keep: Optional[str]) -> None:
+        """Down to `capacity` loaded adapters (under the lock), least recently used first, never one that a
+        running or waiting request names nor `keep`: busy ones stay over capacity until they are idle."""
         for name in list(self._loaded):
             if len(self._loaded) <= self.capacity:
                 break
-            if name != weights.name and name not in self._active:
+            if name != keep and name not in self._active:
                 del self._loaded[name]
                 logger.info("evicted LoRA adapter %r (least recently used; max_cpu_loras %d)", name, self.capacity)
 

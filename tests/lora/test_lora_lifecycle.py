@@ -95,6 +95,31 @@ def test_lru_eviction_and_background_reload(lora_base_dir, adapter_a, adapter_b,
         assert_idle(llm)
 
 
+def test_busy_adapters_over_max_cpu_loras_are_evicted_once_idle(lora_base_dir, adapter_a, adapter_b, merged):
+    """max_cpu_loras 1 and a burst naming two adapters: both stay loaded while they run (neither may go), then
+    the loaded set comes back to one once they are idle, without waiting for another load."""
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8) as llm:
+        engine, manager = llm.engine, llm.engine.lora_manager
+        for name, path in (("a", adapter_a), ("b", adapter_b)):
+            manager.add_lora(LoRARequest(name, str(path)))
+        assert manager.loaded_names() == ["b"]
+        long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        engine.add_request("b", PROMPT, long, lora=LoRAMix.single("b"))
+        tokens: dict[str, list[int]] = {}
+        for out in engine.step():  # b running
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.add_request("a", PROMPT, GREEDY, lora=LoRAMix.single("a"))  # loads while b runs, then waits for it
+        both = False
+        while engine.has_work:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            both = both or len(manager.loaded_names()) == 2
+        assert both  # b was running when a's load finished: neither could go
+        assert tokens["a"] == _reference(merged["a"]) and len(tokens["b"]) == 64
+        assert manager.loaded_names() == ["a"]
+        assert_idle(llm)
+
+
 def test_at_most_max_loras_adapters_run_together(lora_base_dir, adapter_a, adapter_b, adapter_c, merged):
     """Three adapters loaded, two slots: a request of the third waits (a base request passes it) until a slot
     frees."""
