@@ -163,7 +163,8 @@ class KVTierIndex:
     def plan_saves(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[bytes]:
         """The blocks among `block_hashes` to write (those not held), now counted as held; evicts the least
         recently used others, but never `keep` (the step's restores, which the runner has yet to read), to stay
-        within `max_bytes`. A block larger than the bound is never saved.
+        within `max_bytes`; where the step's own blocks do not fit even so, its last ones are not saved (a
+        prompt's head is what a restore can use). A block larger than the bound is never saved.
 
         (A block evicted while the writer thread is still at its file gets written after all: a file outside
         the index, which the next start-up's scan counts and evicts in its turn.)"""
@@ -179,6 +180,12 @@ class KVTierIndex:
             self.stats.written_bytes += self.file_bytes
         if self._total_bytes > self.max_bytes:
             self._evict(protect={(identity_hex, h) for h in (*planned, *keep)})
+        while self._total_bytes > self.max_bytes and planned:  # the step's own blocks do not fit: its last unsaved
+            block_hash = planned.pop()
+            self._total_bytes -= self._lru.pop((identity_hex, block_hash))
+            self._held.discard(block_hash)
+            self._unconfirmed.discard(block_hash)
+            self.stats.written_bytes -= self.file_bytes
         return planned
 
     def _scan(self) -> None:

@@ -255,6 +255,17 @@ def test_use_order_survives_a_restart_and_files_are_read_once(tmp_path):
     assert again.verified_run(a) == 0 and a[0] not in again
 
 
+def test_a_step_larger_than_the_bound_saves_its_head(tmp_path):
+    """The directory never holds more than the bound, even for one step's blocks: the first ones are saved."""
+    identity, file_bytes = b"i" * 32, 1000
+    index = KVTierIndex.open(tmp_path, identity, 1, 3 * file_bytes, file_bytes)
+    blocks = [bytes([n]) * 32 for n in range(5)]
+    assert index.plan_saves(blocks) == blocks[:3] and index.total_bytes == 3 * file_bytes
+    assert [b in index for b in blocks] == [True, True, True, False, False]
+    assert index.stats.written_bytes == 3 * file_bytes
+    assert index.plan_saves(blocks[3:], keep=blocks[:3]) == []  # nothing else may go: nothing saved
+
+
 def test_tier_counters_are_exposed():
     tier = KVTierStats("disk", hit_blocks=3, hit_tokens=48, read_bytes=4096, written_bytes=8192, corrupt_files=1)
     memory = KVTierStats("memory", hit_blocks=5, hit_tokens=80, read_bytes=512, written_bytes=1024)
