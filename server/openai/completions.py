@@ -33,13 +33,16 @@ async def create_completion(body: CompletionRequest, request: Request):
             param="best_of",
             code="unsupported_parameter",
         )
+    # echo with max_tokens 0 (vLLM's echo without generation: a prompt scored, its logprobs): one token is
+    # generated, as a step must, and left out of the response
+    echo_only = body.echo and body.max_tokens == 0
     generation = await start_generation(
         state,
         GenerationRequest(
             body=body,
             request_id=body.request_id or new_id("cmpl"),
             prompt=TextPrompts(body.prompt),
-            max_tokens=body.max_tokens,
+            max_tokens=1 if echo_only else body.max_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
             unsupported=unsupported.COMPLETIONS,
@@ -48,9 +51,9 @@ async def create_completion(body: CompletionRequest, request: Request):
         arrival_time,
     )
     if body.stream:
-        return generation.stream(_stream(generation, body))
+        return generation.stream(_stream(generation, body, echo_only))
     results = await generation.collect(request)
-    return JSONResponse(_response(generation, body, results).model_dump())
+    return JSONResponse(_response(generation, body, results, echo_only).model_dump())
 
 
 def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> str:
@@ -62,15 +65,18 @@ def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> s
     return state.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
 
 
-def _response(generation: Generation, body: CompletionRequest, results: list[OutputAccumulator]) -> CompletionResponse:
+def _response(
+    generation: Generation, body: CompletionRequest, results: list[OutputAccumulator], echo_only: bool
+) -> CompletionResponse:
     state, choices = generation.state, generation.choices
     out_choices = []
     for choice, result in zip(choices, results):
         prefix = _echo_text(state, body, choice) if body.echo else ""
+        text, token_ids = ("", []) if echo_only else (result.text, list(result.token_ids))
         logprobs = None
         if body.logprobs is not None:
-            entries: list[Optional[TokenLogprobs]] = list(result.logprobs or [])
-            tokens = list(result.token_ids)
+            entries: list[Optional[TokenLogprobs]] = [] if echo_only else list(result.logprobs or [])
+            tokens = list(token_ids)
             if body.echo:
                 prompt_entries = list(result.prompt_logprobs or [])
                 if len(prompt_entries) != len(choice.prompt_token_ids):
@@ -83,21 +89,21 @@ def _response(generation: Generation, body: CompletionRequest, results: list[Out
         out_choices.append(
             CompletionChoice(
                 index=choice.index,
-                text=prefix + result.text,
+                text=prefix + text,
                 logprobs=logprobs,
-                finish_reason=result.finish_reason,
-                stop_reason=result.stop_reason,
+                finish_reason="length" if echo_only else result.finish_reason,
+                stop_reason=None if echo_only else result.stop_reason,
             )
         )
     counter = UsageCounter.of(generation.prompts, body.n)
     for choice, result in zip(choices, results):
-        counter.add(choice, len(result.token_ids), result.num_cached_tokens)
+        counter.add(choice, 0 if echo_only else len(result.token_ids), result.num_cached_tokens)
     return CompletionResponse(
         id=generation.request_id, created=now(), model=generation.model, choices=out_choices, usage=counter.usage()
     )
 
 
-async def _stream(generation: Generation, body: CompletionRequest) -> AsyncIterator[bytes]:
+async def _stream(generation: Generation, body: CompletionRequest, echo_only: bool) -> AsyncIterator[bytes]:
     state, choices = generation.state, generation.choices
     request_id, model = generation.request_id, generation.model
     created = now()
@@ -109,13 +115,15 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
     async for choice, output in generation.outputs():
         text, tokens = output.text_delta, list(output.new_token_ids)
         entries: list[Optional[TokenLogprobs]] = list(output.logprobs or [])
+        if echo_only:  # (the one token generated is not part of the answer)
+            text, tokens, entries = "", [], []
         if body.echo and choice.index not in started:
             text = _echo_text(state, body, choice) + text
             if body.logprobs is not None:
                 prompt_entries = output.prompt_logprobs or [None] * len(choice.prompt_token_ids)
                 entries, tokens = list(prompt_entries) + entries, choice.prompt_token_ids + tokens
         started.add(choice.index)
-        counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
+        counter.add(choice, 0 if echo_only else len(output.new_token_ids), output.num_cached_tokens)
         if not text and not output.finished and body.logprobs is None:
             continue  # nothing to say yet (text held back for a possible stop string)
         logprobs = None
@@ -131,8 +139,8 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
                     index=choice.index,
                     text=text,
                     logprobs=logprobs,
-                    finish_reason=output.finish_reason,
-                    stop_reason=output.stop_reason,
+                    finish_reason="length" if echo_only and output.finished else output.finish_reason,
+                    stop_reason=None if echo_only else output.stop_reason,
                 )
             ],
             usage=counter.choice_usage(choice) if every_chunk else None,

@@ -308,6 +308,27 @@ def test_echo_logprobs_of_a_cached_prompt(server):
     assert lp["token_logprobs"][n:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server):
+    """vLLM's echo without generation: the prompt and its logprobs, nothing generated (a prompt scored)."""
+    prompt = "Scoring a sentence without a continuation"
+    n = len(token_ids(server, prompt))
+    with_one = complete(server, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)["choices"][0]
+    out = complete(server, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    choice = out["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == n
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == n and lp["tokens"] == with_one["logprobs"]["tokens"][:n]
+    assert lp["token_logprobs"][1:] == pytest.approx(with_one["logprobs"]["token_logprobs"][1:n], abs=1e-5)
+    chunks = stream_raw(server, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == prompt
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == n
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with server.client() as c:  # without echo there is nothing to return
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 # ------------------------------------------------------------------ stop strings
 
 
