@@ -351,22 +351,23 @@ class EngineCore:
 
     def _lost_restores(self, scheduler_output: SchedulerOutput, error: KVTierReadError) -> list[RequestOutput]:
         """Disk blocks the scheduler had found good did not read back (a file deleted or altered in between): the
-        requests that were to restore them fail, the step is dropped before its forward ran (the runner took the
-        message's other changes), and its other requests are scheduled again as if it had never been."""
-        logger.warning("%s: the requests restoring it fail, the others' step is scheduled again", error)
+        step is dropped before its forward ran (the runner took the message's other changes), the tier forgets
+        those blocks, and the requests that were to restore them go back to the queue to compute them, as if
+        preempted; the step's other requests are scheduled again as if it had never been."""
+        logger.warning("%s: the requests restoring it compute it instead", error)
         tiers = self.scheduler.kv_cache_manager.kv_tiers
         bad = set(error.block_hashes)
         if tiers is not None and tiers.disk is not None:
             tiers.disk.forget(bad)
         lost = {block_id for block_hash, block_id in scheduler_output.kv_tier_restores if block_hash in bad}
-        failed = [
+        affected = [
             new.request_id
             for new in scheduler_output.new_requests
             if any(block_id in lost for group in new.block_ids for block_id in group)
         ]
         self.scheduler.abandon_steps()
-        now = time.monotonic()
-        return [self._fail(request_id, str(error), now) for request_id in failed if request_id in self._states]
+        self.scheduler.recompute(affected)
+        return []
 
     def _admit_loaded_loras(self) -> list[RequestOutput]:
         """Advance the adapter loads in progress, then queue the requests whose adapters finished loading

@@ -98,6 +98,8 @@ class KVCacheManager:
         self._filling: dict[int, tuple[KVBlock, BlockHash]] = self._pending.setdefault(0, {})
         self._pending_step: dict[int, int] = {}  # pending block id -> its step id (every pending step's)
         self._pending_hashes: dict[bytes, int] = {}  # hash value -> pending block id (every pending step's)
+        # step id -> {request id -> its _num_cached_blocks before the step}: put back if the step never runs
+        self._advanced: dict[int, dict[str, int]] = {}
         self.num_slots: dict[str, int] = {}  # token slots allocated per request in every group (read-only outside)
         if kv_tiers is not None and (len(self.group_windows) > 1 or self._sliding or not enable_caching):
             raise ValueError("a KV tier needs prefix caching and one full-attention layer group")
@@ -309,12 +311,13 @@ class KVCacheManager:
         request_id = request.request_id
         groups = self._req_blocks.pop(request_id, None)
         self._first_live.pop(request_id, None)
-        self._num_cached_blocks.pop(request_id, None)
+        num_cached = self._num_cached_blocks.pop(request_id, 0)
         self.num_slots.pop(request_id, None)
         if not groups:
             return
-        if self.kv_tiers is not None and request.block_hashes and not request.skip_prefix_cache:
-            self.kv_tiers.touch([h.value for h in request.block_hashes])  # pool hits are uses of the tiers' blocks
+        if self.kv_tiers is not None and num_cached and not request.skip_prefix_cache:
+            # the blocks it held whole (pool hits included: uses of the tiers' copies), not those never computed
+            self.kv_tiers.touch([h.value for h in request.block_hashes[:num_cached]])
         for blocks in groups:
             self._release([b for b in reversed(blocks) if b is not self.null_block])
 
@@ -336,6 +339,7 @@ class KVCacheManager:
         """Step `step_id` has run: index the blocks it filled, and only those (see the class docstring)."""
         if self.kv_tiers is not None:
             self.kv_tiers.commit(step_id)
+        self._advanced.pop(step_id, None)
         entries = self._pending.get(step_id)
         if not entries:
             return
@@ -355,6 +359,12 @@ class KVCacheManager:
         step superseded by a newer one)."""
         if self.kv_tiers is not None:
             self.kv_tiers.discard()
+        num_cached = self._num_cached_blocks
+        for advanced in self._advanced.values():  # their blocks are marked again when a step fills them
+            for request_id, before in advanced.items():
+                if request_id in num_cached:
+                    num_cached[request_id] = min(num_cached[request_id], before)
+        self._advanced.clear()
         if self._pending_step:
             for entries in self._pending.values():
                 entries.clear()
@@ -413,6 +423,7 @@ class KVCacheManager:
         pending = self._filling
         pending_step = self._pending_step
         step_id = self._filling_step
+        self._advanced.setdefault(step_id, {}).setdefault(request.request_id, num_cached)
         pending_hashes = self._pending_hashes
         null = self.null_block
         for g, blocks in enumerate(groups):

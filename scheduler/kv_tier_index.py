@@ -71,8 +71,9 @@ class KVTierIndex:
         self._lru: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._held: set[bytes] = set()  # block hashes of our identity with every rank's file
         self._unconfirmed: set[bytes] = set()  # planned saves not yet read back (the writer may still be at them)
-        # blocks read back whole -> each rank file's (inode, size, mtime) then: unchanged, not read again
-        self._verified: dict[bytes, list[tuple[int, int, int]]] = {}
+        # blocks read back whole -> each rank file's (inode, size, mtime, ctime) then: unchanged, not read again
+        self._verified: dict[bytes, list[tuple[int, int, int, int]]] = {}
+        self._foreign_ranks: dict[tuple[str, bytes], tuple[int, ...]] = {}  # other identities' blocks: their ranks
         self._total_bytes = 0
 
     @classmethod
@@ -150,15 +151,26 @@ class KVTierIndex:
                 self._lru.move_to_end((identity_hex, block_hash))
 
     def close(self) -> None:
-        """Write the use order into the files' mtimes (oldest first, a nanosecond apart), for the next start."""
-        start = time.time_ns() - len(self._lru)
-        for offset, (identity_hex, block_hash) in enumerate(self._lru):
-            stamp = start + offset
-            for path in _rank_files(self.directory / identity_hex, block_hash):
+        """Write the use order into the files' mtimes for the next start: the most recently used first, each
+        older by a microsecond (a close cut short leaves the least used with their older write times)."""
+        now = time.time_ns()
+        for age, key in enumerate(reversed(self._lru)):
+            stamp = now - age * 1000
+            for path in self._files(key):
                 try:
                     os.utime(path, ns=(stamp, stamp))
                 except OSError:
                     pass  # (gone meanwhile: the next start does not find it)
+
+    def unplan(self, block_hashes: Iterable[bytes]) -> None:
+        """Planned saves whose step never ran (it failed): never written, so not held."""
+        identity_hex = self.identity.hex()
+        for block_hash in block_hashes:
+            if block_hash in self._unconfirmed:
+                self._total_bytes -= self._lru.pop((identity_hex, block_hash), 0)
+                self._held.discard(block_hash)
+                self._unconfirmed.discard(block_hash)
+                self.stats.written_bytes -= self.file_bytes
 
     def plan_saves(self, block_hashes: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[bytes]:
         """The blocks among `block_hashes` to write (those not held), now counted as held; evicts the least
@@ -210,7 +222,9 @@ class KVTierIndex:
         for key in sorted(found, key=lambda k: max(mtime for _, mtime in found[k])):
             self._lru[key] = sizes[key]
             self._total_bytes += sizes[key]
-            if key[0] == own and {rank for rank, _ in found[key]} >= set(range(self.num_ranks)):
+            if key[0] != own:
+                self._foreign_ranks[key] = tuple(rank for rank, _ in found[key])
+            elif {rank for rank, _ in found[key]} >= set(range(self.num_ranks)):
                 self._held.add(key[1])
 
     def _evict(self, protect: set[tuple[str, bytes]] | tuple[()]) -> None:
@@ -226,27 +240,30 @@ class KVTierIndex:
             self._held.discard(key[1])
             self._unconfirmed.discard(key[1])
             self._verified.pop(key[1], None)
-        folder = self.directory / key[0]
-        for entry in _rank_files(folder, key[1]):
-            _unlink(entry)
+        for path in self._files(key):
+            _unlink(path)
+        self._foreign_ranks.pop(key, None)
+
+    def _files(self, key: tuple[str, bytes]) -> list[Path]:
+        """Every rank's file of a block: ours by name, another identity's as the start-up scan found them (a
+        glob per block would list the whole folder each time)."""
+        identity = bytes.fromhex(key[0])
+        ranks = range(self.num_ranks) if key[0] == self.identity.hex() else self._foreign_ranks.get(key, ())
+        return [block_file_path(self.directory, BlockFileKey(identity, rank, key[1])) for rank in ranks]
 
 
-def _stats(paths: list[Path]) -> list[tuple[int, int, int]]:
-    """Each file's (inode, size, mtime); (0, -1, 0) for one that is gone."""
+def _stats(paths: list[Path]) -> list[tuple[int, int, int, int]]:
+    """Each file's (inode, size, mtime, ctime: no write leaves all four as they were); (0, -1, 0, 0) for one
+    that is gone."""
     out = []
     for path in paths:
         try:
             info = path.stat()
         except OSError:
-            out.append((0, -1, 0))
+            out.append((0, -1, 0, 0))
             continue
-        out.append((info.st_ino, info.st_size, info.st_mtime_ns))
+        out.append((info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
     return out
-
-
-def _rank_files(folder: Path, block_hash: bytes) -> list[Path]:
-    """Every rank's file of a block in an identity's folder (whatever the ranks of the engine that wrote it)."""
-    return list(folder.glob(f"{block_hash.hex()}.r*"))
 
 
 def _unlink(path: Path) -> None:

@@ -36,6 +36,7 @@ class KVTiers:
         self._disk_restores: list[tuple[bytes, int]] = []
         self._memory_restores: list[tuple[bytes, int, int]] = []  # (hash, slot, block id)
         self._unconfirmed: dict[int, list[bytes]] = {}  # step id -> blocks its memory saves hold, until it has run
+        self._disk_unwritten: dict[int, list[bytes]] = {}  # step id -> its disk saves, until it has run
 
     @property
     def stats(self) -> tuple[KVTierStats, ...]:
@@ -95,16 +96,23 @@ class KVTiers:
         if self.disk is not None:
             saves_ = self.disk.plan_saves(list(filling), keep=[h for h, _ in disk_restores])
             ops = ops._replace(disk_saves=tuple((filling[h], h) for h in saves_))
+            if saves_:
+                self._disk_unwritten[step_id] = saves_
         return ops
 
     def commit(self, step_id: int) -> None:
-        """Step `step_id` has run: its saves are in the memory tier's rows."""
+        """Step `step_id` has run: its saves are in the memory tier's rows, and queued for the disk's files."""
         self._unconfirmed.pop(step_id, None)
+        self._disk_unwritten.pop(step_id, None)
 
     def discard(self) -> None:
-        """No step awaiting its update will run (a failed step): their memory saves never happened. (Their disk
-        saves: the disk index finds the files missing when it next looks.)"""
+        """No step awaiting its update will run (a failed step): their saves never happened, so neither tier
+        holds those blocks (a later step that fills them saves them)."""
         if self.memory is not None:
             for block_hashes in self._unconfirmed.values():
                 self.memory.forget(block_hashes)
+        if self.disk is not None:
+            for block_hashes in self._disk_unwritten.values():
+                self.disk.unplan(block_hashes)
         self._unconfirmed.clear()
+        self._disk_unwritten.clear()

@@ -145,6 +145,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps scheduled
         self._finished_since_last_step: set[str] = set()
+        self._recomputed_since_last_step: set[str] = set()  # `recompute`'s, told the runner as preempted
         self.max_concurrent_batches = scheduler_config.max_concurrent_batches
         self._outstanding: deque[SchedulerOutput] = deque()  # non-empty steps awaiting their update, oldest first
         self._in_flight: set[str] = set()  # ids of the requests they schedule (kept only when N > 1)
@@ -210,6 +211,21 @@ class Scheduler:
     def num_outstanding_steps(self) -> int:
         """Non-empty steps scheduled and not yet updated (an empty step never is: nothing awaits its update)."""
         return len(self._outstanding)
+
+    def recompute(self, request_ids: Iterable[str]) -> None:
+        """Send running requests back to the queue's front to be computed again from their start, as a
+        preemption does (the KV they were to be given is lost: a restore that failed); the next step tells the
+        runner."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.status is _RUNNING:
+                self._preempt(request)
+                self._recomputed_since_last_step.add(request_id)
+
+    def _take_recomputed(self) -> frozenset[str]:
+        recomputed = frozenset(self._recomputed_since_last_step)
+        self._recomputed_since_last_step.clear()
+        return recomputed
 
     def abandon_steps(self) -> None:
         """Forget every step awaiting its update (the engine could not run them): the blocks they fill are never
@@ -282,7 +298,7 @@ class Scheduler:
             step_id=self.num_steps,
             new_requests=tuple(plan.new_requests),
             new_block_ids=plan.new_block_ids,
-            preempted_request_ids=frozenset(plan.preempted),
+            preempted_request_ids=frozenset(plan.preempted) | self._take_recomputed(),
             finished_request_ids=finished,
             scheduled_spec_decode_tokens=plan.spec_tokens,
             kv_tier_saves=tier_ops.disk_saves,
