@@ -20,6 +20,7 @@ _ANNOTATIONS = frozenset(
         "readOnly",
         "writeOnly",
         "strict",
+        "discriminator",  # (OpenAPI's, which pydantic writes beside a tagged union's oneOf: each branch's const)
     }
 )
 _STRUCTURE = frozenset(
@@ -138,10 +139,15 @@ def _check_combination(schema: dict, field: str, path: str) -> None:
         allowed = _BESIDE_VALUES if alone in ("const", "enum") else _BESIDE_ANYTHING
         beside = sorted(keyword for keyword in schema if keyword != alone and keyword not in allowed)
         if beside:
+            hint = {
+                "$ref": f" (put {beside[0]!r} in the schema it refers to)",
+                "anyOf": f" (put {beside[0]!r} in each of its schemas)",
+                "oneOf": f" (put {beside[0]!r} in each of its schemas)",
+                "allOf": f" (put {beside[0]!r} in its schema)",
+            }.get(alone, "")
             raise InvalidParameterError(
                 field,
-                f"combines {alone!r} with {beside[0]!r} at {path}, which this server cannot enforce together "
-                f"(move {beside[0]!r} into the schema {alone!r} names)",
+                f"combines {alone!r} with {beside[0]!r} at {path}, which this server cannot enforce together{hint}",
             )
         all_of = schema.get("allOf")
         if alone == "allOf" and isinstance(all_of, list) and len(all_of) > 1:

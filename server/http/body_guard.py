@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Callable, Collection, Optional
+from typing import Callable, Collection, Optional, Union
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -159,21 +159,30 @@ def _parse_object(body: bytes) -> None:
 
 def _lone_surrogate(value: object, path: str) -> Optional[tuple[str, bool]]:
     """Where in `value` the first string with a lone surrogate is: its path (`messages[0].content`), and whether
-    it is a key of that object."""
-    if isinstance(value, str):
-        return None if _is_text(value) else (path, False)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not _is_text(key):
-                return path, True
-            found = _lone_surrogate(item, f"{path}.{key}" if path else key)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _lone_surrogate(item, f"{path}[{index}]")
-            if found is not None:
-                return found
+    it is a key of that object. (A walk with its own stack, as json.loads may take deeper nesting than Python's
+    recursion limit on some versions; each place is a link to its parent's, spelled out only when found.)"""
+    Place = Optional[tuple[object, Union[str, int]]]  # (the parent's place, this key or index)
+
+    def spelled(place: Place) -> str:
+        parts: list[str] = []
+        while place is not None:
+            place, step = place  # type: ignore[assignment]
+            parts.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+        text = path + "".join(reversed(parts))
+        return text[1:] if text.startswith(".") else text
+
+    stack: list[tuple[object, Place]] = [(value, None)]
+    while stack:
+        item, place = stack.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return spelled(place), False
+        elif isinstance(item, dict):
+            if not all(_is_text(key) for key in item):
+                return spelled(place), True
+            stack.extend((child, (place, key)) for key, child in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((item[i], (place, i)) for i in range(len(item) - 1, -1, -1))
     return None
 
 

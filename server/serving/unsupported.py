@@ -88,6 +88,7 @@ RESPONSES: Mapping[str, Unsupported] = {
     "service_tier": Unsupported((None, "auto", "default")),
     "stream_options": Unsupported((None, {}, {"include_obfuscation": False})),
     "n": Unsupported((1,), "a response has one output"),
+    "response_format": Unsupported((None,), "the Responses API takes text.format"),  # (chat's and completions')
 }
 
 
@@ -95,7 +96,7 @@ def refuse_unsupported(body: Any, fields: Mapping[str, Unsupported]) -> None:
     """A 400 for the first field of `fields` set to a value that means it is used, or for a vLLM extra
     this server does not implement."""
     for name, field in fields.items():
-        if getattr(body, name) not in field.allowed:
+        if getattr(body, name, None) not in field.allowed:  # (None: not declared and not sent)
             raise bad_request(f"{name} is not supported: {field.reason}.", param=name, code="unsupported_parameter")
     extras = sorted(VLLM_EXTRAS & set(getattr(body, "model_extra", None) or {}))
     if extras:

@@ -253,6 +253,22 @@ def test_schemas_the_grammar_would_half_enforce_are_refused(schema, admitted, me
         {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "T"},
         {"properties": {"a": {"type": "string"}}, "required": ["a"]},
         {"type": ["string", "null"], "maxLength": 4},
+        {  # pydantic's tagged union: OpenAPI's discriminator beside the oneOf, each branch's tag a const
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+            "discriminator": {"propertyName": "kind", "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}},
+            "$defs": {
+                "Cat": {
+                    "type": "object",
+                    "properties": {"kind": {"const": "cat", "type": "string"}},
+                    "required": ["kind"],
+                },
+                "Dog": {
+                    "type": "object",
+                    "properties": {"kind": {"const": "dog", "type": "string"}},
+                    "required": ["kind"],
+                },
+            },
+        },
     ],
 )
 def test_schemas_the_grammar_enforces_whole_are_accepted(schema):

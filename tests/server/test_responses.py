@@ -246,6 +246,7 @@ def test_store_is_answered_false(server):
             "input[0].content[0]",
         ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_unsupported_parameters_are_refused_by_name(server, body, param):

@@ -314,6 +314,10 @@ def test_tool_follow_up_turn(server):
             "tools[1].function.parameters",
         ),
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools[0].function.parameters",
+        ),
         ({"guided_grammar": "root ::= ( broken"}, "guided_grammar"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],

@@ -123,7 +123,7 @@ def _functions(tools: list) -> dict[str, dict]:
             raise bad_request(
                 f"tools[{i}] repeats the function name {function['name']!r}.", param=f"tools[{i}].function.name"
             )
-        if not isinstance(function.get("parameters") or {}, dict):
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise bad_request(
                 "function.parameters must be a JSON Schema object.", param=f"tools[{i}].function.parameters"
             )
