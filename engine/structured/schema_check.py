@@ -23,42 +23,6 @@ _ANNOTATIONS = frozenset(
         "discriminator",  # (OpenAPI's, which pydantic writes beside a tagged union's oneOf: each branch's const)
     }
 )
-_STRUCTURE = frozenset(
-    {
-        "type",
-        "enum",
-        "const",
-        "anyOf",
-        "oneOf",
-        "allOf",
-        "$ref",
-        "$defs",
-        "definitions",
-        "properties",
-        "required",
-        "additionalProperties",
-        "items",
-        "prefixItems",
-        "minItems",
-        "maxItems",
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "minLength",
-        "maxLength",
-        "pattern",
-        "format",
-        "minProperties",
-        "maxProperties",
-    }
-)
-SUPPORTED_KEYWORDS = _ANNOTATIONS | _STRUCTURE
-# The grammar engine (xgrammar) builds a schema object from the first of these it has and reads nothing else of
-# it: a keyword beside one (`{"anyOf": [...], "minimum": 3}`) would be dropped, so it is refused.
-_ALONE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
-_BESIDE_ANYTHING = _ANNOTATIONS | {"$defs", "definitions"}
-_BESIDE_VALUES = _BESIDE_ANYTHING | {"type", "const", "enum"}  # concrete values: the type only says what they are
 # Keywords of one type: in a schema with no type (nor properties or items, which make it an object or an array)
 # the engine admits any JSON value and drops them, though a value of their type would have to meet them.
 _TYPED = frozenset(
@@ -78,6 +42,27 @@ _TYPED = frozenset(
         "maxProperties",
     }
 )
+_STRUCTURE = _TYPED | {
+    "type",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "$defs",
+    "definitions",
+    "properties",
+    "additionalProperties",
+    "items",
+    "prefixItems",
+}
+SUPPORTED_KEYWORDS = _ANNOTATIONS | _STRUCTURE
+# The grammar engine (xgrammar) builds a schema object from the first of these it has and reads nothing else of
+# it: a keyword beside one (`{"anyOf": [...], "minimum": 3}`) would be dropped, so it is refused.
+_ALONE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_BESIDE_ANYTHING = _ANNOTATIONS | {"$defs", "definitions"}
+_BESIDE_VALUES = _BESIDE_ANYTHING | {"type", "const", "enum"}  # concrete values: the type only says what they are
 _TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
