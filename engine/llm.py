@@ -100,6 +100,8 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        if priority is not None and any(priority) and self.engine.scheduler.scheduler_config.policy != "priority":
+            raise ValueError("priority needs an LLM made with scheduling_policy='priority' (as in vLLM)")
         loras = self._as_lora_list(lora_request, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
         return self._run(encoded, params_list, use_tqdm, priority, loras)
@@ -130,22 +132,30 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
     ) -> list[GenerationResult]:
-        """Generate replies to one conversation or a list of them, using the model's chat template."""
+        """Generate replies to one conversation or a list of them, using the model's chat template. A message's
+        content is a string or OpenAI's text parts (`[{"type": "text", "text": ...}]`, joined by newlines as the
+        server joins them); `lora_request` as for `generate`."""
+        if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
+            raise TypeError("chat() takes a conversation (a list of message dicts) or a list of conversations")
         conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.engine.tokenizer
-        texts = [tokenizer.render_chat(c, add_generation_prompt) for c in conversations]
+        texts = [tokenizer.render_chat(_plain_messages(c), add_generation_prompt) for c in conversations]
         encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
-        return self._run(encoded, _as_params_list(sampling_params, len(encoded)), use_tqdm)
+        loras = self._as_lora_list(lora_request, len(encoded))
+        return self._run(encoded, _as_params_list(sampling_params, len(encoded)), use_tqdm, loras=loras)
 
     def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError('a prompt dict needs "prompt" (a string) or "prompt_token_ids" (a list of ints)')
             return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
-        return None, list(prompt)
+        return None, _token_ids(prompt)
 
     def _run(
         self,
@@ -174,12 +184,19 @@ class LLM:
             engine.abort([c for _, children in parents for c in children])
             raise
         results = {child: OutputAccumulator() for _, children in parents for child in children}
-        with tqdm(total=len(results), desc="generating", unit="seq", disable=not use_tqdm) as bar:
-            while engine.has_work:  # the last step tells the runner which requests ended
-                for out in engine.step():
-                    results[out.request_id].add(out)
-                    if out.finished:
-                        bar.update(1)
+        try:
+            with tqdm(total=len(results), desc="generating", unit="seq", disable=not use_tqdm) as bar:
+                while engine.has_work:  # the last step tells the runner which requests ended
+                    for out in engine.step():
+                        accumulator = results.get(out.request_id)
+                        if accumulator is None:
+                            continue  # (a request of a call cut short before, ended by its abort)
+                        accumulator.add(out)
+                        if out.finished:
+                            bar.update(1)
+        except BaseException:  # (Ctrl-C in a notebook): this call's requests end here, not in the next call
+            engine.abort([child for child, result in results.items() if result.finish_reason is None])
+            raise
         return [
             _result(parent, prompt, token_ids, [results[child] for child in children])
             for (parent, children), (prompt, token_ids) in zip(parents, encoded)
@@ -197,6 +214,7 @@ def _result(
             finish_reason=child.finish_reason,
             stop_reason=child.stop_reason,
             logprobs=child.logprobs,
+            error=child.error,
         )
         for index, child in enumerate(children)
     ]
@@ -219,6 +237,31 @@ def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[Pr
     return items
 
 
+def _token_ids(prompt: Any) -> list[int]:
+    ids = list(prompt)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise TypeError("a prompt is a string, a list of token ids (ints) or a dict; got a list with a non-int")
+    return ids
+
+
+def _plain_messages(conversation: list[dict]) -> list[dict]:
+    """Messages whose content is OpenAI's text parts, with their texts joined by newlines (as the server does);
+    other parts (images, audio) are refused: this engine reads text."""
+    out = []
+    for i, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"message {i}: a content part of type {kind!r}; only text parts are read")
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        out.append(message)
+    return out
+
+
 def _is_conversation(messages: Union[list[dict], Sequence[list[dict]]]) -> "TypeIs[list[dict]]":
     """One conversation (its messages), not a list of them."""
     return bool(messages) and isinstance(messages[0], dict)
@@ -229,7 +272,12 @@ def _as_params_list(params: Union[SamplingParams, Sequence[SamplingParams], None
         return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, Sequence) or isinstance(params, (str, dict)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, not {type(params).__name__}")
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"sampling_params must be SamplingParams, not {type(bad).__name__}")
     return params

@@ -90,6 +90,7 @@ class OutputAccumulator:
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
+    error: Optional[str] = None  # finish_reason "error": what failed it
 
     def add(self, output: RequestOutput) -> None:
         self.text = output.text
@@ -103,6 +104,7 @@ class OutputAccumulator:
         self.finish_reason = output.finish_reason
         self.stop_reason = output.stop_reason
         self.num_cached_tokens = output.num_cached_tokens
+        self.error = output.error
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +117,7 @@ class CompletionOutput:
     finish_reason: Optional[str]
     stop_reason: Union[int, str, None]
     logprobs: Optional[list[TokenLogprobs]]
+    error: Optional[str] = None  # finish_reason "error": what failed this sequence alone
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,8 @@ class LoRAConfig(BaseModel):
                 "every adapter of a step is loaded"
             )
         names = [module.name for module in self.lora_modules]
+        if names and not self.enable_lora:  # (they would be ignored: a request naming one would get a 404)
+            raise ValueError(f"lora_modules ({', '.join(names)}) need enable_lora (--enable-lora)")
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names must be distinct, got {names}")
         return self

@@ -2,17 +2,55 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 
-class LoRARequest(NamedTuple):
-    """An adapter to register: `name` (what clients ask for) and `path` (a PEFT directory or a llama.cpp
-    `.gguf` adapter).
-
-    vLLM's `lora_name` / `lora_path`; the manager assigns its internal id."""
-
+class _NamedAdapter(NamedTuple):
     name: str
     path: str
+
+
+class LoRARequest(_NamedAdapter):
+    """An adapter to register: `name` (what clients ask for) and `path` (a PEFT directory or a llama.cpp
+    `.gguf` adapter): `LoRARequest(name, path)`.
+
+    vLLM's spelling works as written: `LoRARequest("sql", 1, "/path")` or `LoRARequest(lora_name=...,
+    lora_int_id=..., lora_path=...)`; the id is not kept (the manager assigns its own)."""
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        *args: object,
+        name: Optional[str] = None,
+        path: Optional[str] = None,
+        lora_name: Optional[str] = None,
+        lora_int_id: Optional[int] = None,
+        lora_path: Optional[str] = None,
+        lora_local_path: Optional[str] = None,
+    ) -> "LoRARequest":
+        if len(args) >= 2 and isinstance(args[1], int) and not isinstance(args[1], bool):
+            args = (args[0], *args[2:])  # vLLM's (lora_name, lora_int_id, lora_path)
+        if len(args) > 2:
+            raise TypeError(f"LoRARequest takes a name and a path, got {len(args)} positional arguments")
+        given: dict[str, object] = dict(zip(("name", "path"), args))
+        for key, value in (("name", name if name is not None else lora_name), ("path", path)):
+            if value is not None:
+                given[key] = value
+        if "path" not in given and (lora_path or lora_local_path):
+            given["path"] = lora_path or lora_local_path
+        adapter_name, adapter_path = given.get("name"), given.get("path")
+        if not isinstance(adapter_name, str) or not isinstance(adapter_path, str):
+            raise TypeError("LoRARequest needs a name and a path (strings)")
+        return super().__new__(cls, adapter_name, adapter_path)
+
+    @property
+    def lora_name(self) -> str:
+        return self.name
+
+    @property
+    def lora_path(self) -> str:
+        return self.path
 
 
 class LoRAMix(NamedTuple):

@@ -276,6 +276,78 @@ def test_chat_without_generation_prompt(llm):
     assert result.prompt == "<|im_start|>user\nHi<|im_end|>\n"
 
 
+def test_chat_takes_text_parts(llm):
+    """OpenAI's content parts, joined by newlines as the server joins them."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world!"}]}]
+    (result,) = llm.chat(parts, greedy(2), use_tqdm=False)
+    assert result.prompt == chatml([{"role": "user", "content": "Hello,\nworld!"}])
+    with pytest.raises(ValueError, match="image_url"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    with pytest.raises(TypeError, match="conversation"):
+        llm.chat("hello", use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "prompts, params, error",
+    [
+        ("a", {"max_tokens": 3}, TypeError),
+        ("a", [{"max_tokens": 3}], TypeError),
+        ({"foo": 1}, None, ValueError),
+        ([[1, "a"]], None, TypeError),
+    ],
+)
+def test_bad_arguments_are_clear_errors(llm, prompts, params, error):
+    with pytest.raises(error, match="prompt|SamplingParams|sampling_params"):
+        generate(llm, prompts, params)
+
+
+def test_priority_needs_the_priority_policy(llm):
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        llm.generate(["a"], greedy(2), priority=[5], use_tqdm=False)
+    generate(llm, ["a"], greedy(1))
+
+
+def test_a_call_cut_short_leaves_nothing_behind(llm):
+    """Ctrl-C in a notebook: the interrupted call's requests end, and the next call runs as if it had not been."""
+    engine = llm.engine
+    step, calls = engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, ["Hello there", "Once upon a time"], greedy(30))
+    finally:
+        del engine.step
+    (result,) = generate(llm, ["The capital of France is"], greedy(4))
+    assert len(result.outputs[0].token_ids) == 4
+    assert result.outputs[0].token_ids == alone(llm, result.prompt_token_ids, greedy(4))
+
+
+def test_a_failed_sequence_says_why(llm):
+    """finish_reason "error" offline carries its reason, as the server's error message does."""
+
+    class NaNLogits:
+        def on_logits(self, logits, request_ids):
+            logits[:, 7] = float("nan")
+
+        def on_detokenize(self, request_id):
+            pass
+
+    llm.engine.fault_injector = NaNLogits()
+    try:
+        (result,) = generate(llm, ["Hello"], greedy(3))
+    finally:
+        llm.engine.fault_injector = None
+    (output,) = result.outputs
+    assert output.finish_reason == "error" and output.error is not None and "finite" in output.error
+
+
 # ---------------------------------------------------------------------- construction
 
 

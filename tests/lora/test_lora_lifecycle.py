@@ -160,6 +160,33 @@ def test_offline_lora_request_registers_on_first_use(lora_base_dir, adapter_a, m
         assert_idle(llm)
 
 
+def test_vllm_spellings_of_a_lora_request_and_chat_through_one(lora_base_dir, adapter_a, merged):
+    """vLLM's `LoRARequest(name, int_id, path)` and keyword names work as written; `chat` takes `lora_request`."""
+    as_vllm = LoRARequest("a", 1, str(adapter_a))
+    assert (
+        as_vllm
+        == LoRARequest(lora_name="a", lora_int_id=1, lora_path=str(adapter_a))
+        == LoRARequest("a", str(adapter_a))
+    )
+    assert as_vllm.lora_name == "a" and as_vllm.lora_path == str(adapter_a)
+    with pytest.raises(TypeError, match="name and a path"):
+        LoRARequest("a")
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        check_against_hf(merged["a"], [PROMPT], llm.generate([PROMPT], GREEDY, use_tqdm=False, lora_request=as_vllm))
+        conversation = [{"role": "user", "content": "Hi"}]
+        with_adapter = llm.chat(conversation, GREEDY, use_tqdm=False, lora_request=as_vllm)[0]
+        (alone,) = llm.generate(
+            {"prompt_token_ids": with_adapter.prompt_token_ids}, GREEDY, use_tqdm=False, lora_request=as_vllm
+        )
+        assert with_adapter.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert_idle(llm)
+
+
+def test_lora_modules_need_enable_lora(lora_base_dir, adapter_a):
+    with pytest.raises(ValueError, match="enable_lora"):
+        make_llm(lora_base_dir, lora_modules=[{"name": "a", "path": str(adapter_a)}])
+
+
 def test_async_engine_loads_serves_and_unloads(lora_base_dir, adapter_a, adapter_b, merged):
     """Through the server's AsyncEngine: an adapter loaded off the engine thread, a cold one (evicted) reloaded
     in the background while a base request streams, an unknown name refused, an unload."""

@@ -543,9 +543,11 @@ def test_lora_modules_take_vllms_two_forms_after_one_flag_and_from_the_environme
         ("a", "/ad/a", None),
         ("b", "/ad/b", "m"),
     ]
-    env = {"PAGEDSERVE_LORA_MODULES": 'c=/ad/c \'{"name": "d", "path": "/ad/d"}\''}
+    env = {"PAGEDSERVE_LORA_MODULES": 'c=/ad/c \'{"name": "d", "path": "/ad/d"}\'', "PAGEDSERVE_ENABLE_LORA": "1"}
     assert [m.name for m in load_settings([], env).engine.lora.lora_modules] == ["c", "d"]
     assert [m.name for m in load_settings(["--lora-modules", "e=/ad/e"], env).engine.lora.lora_modules] == ["e"]
+    with pytest.raises(SettingsError, match=r"lora_modules \(e\) need enable_lora"):  # (they would be ignored)
+        load_settings(["--lora-modules", "e=/ad/e"], {})
     preset = write_yaml(tmp_path, {"lora": {"enable_lora": True, "lora_modules": [{"name": "f", "path": "/ad/f"}]}})
     assert load_settings(["--config", preset], {}).engine.lora.lora_modules[0].name == "f"
     with pytest.raises(SettingsError, match="--lora-modules: expected NAME=PATH or a JSON object, got 'a'"):
