@@ -47,6 +47,8 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
             continue
         if key == "scheduling_policy":
             key = "policy"
+        elif key == "kv_offloading_size":  # vLLM's newer name of swap_space (as the server's flag)
+            key = "swap_space"
         owner = next((name for name, cls in _SECTIONS.items() if key in cls.model_fields), None)
         if owner is None:
             raise TypeError(f"LLM() got an unknown argument {key!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Literal, Optional, Sequence, Union, overload
 
 from engine.errors import TokenIdOutOfVocabularyError
 from engine.loading.chat_template import check_chat_template
@@ -70,11 +70,38 @@ class Tokenizer:
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
 
+    @overload
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list[dict]] = None
-    ) -> list[int]:
-        """Token ids of the chat prompt (the template writes any special tokens itself)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: Optional[list[dict]] = None,
+        *,
+        tokenize: Literal[True] = True,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: Optional[list[dict]] = None,
+        *,
+        tokenize: Literal[False],
+    ) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: Optional[list[dict]] = None,
+        *,
+        tokenize: bool = True,
+    ) -> Union[list[int], str]:
+        """Token ids of the chat prompt (the template writes any special tokens itself); `tokenize=False`: its
+        text, as HF's method (what vLLM's `get_tokenizer()` returns) is called for it."""
+        text = self.render_chat(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 def load_tokenizer(

@@ -247,6 +247,8 @@ def test_chat_one_conversation(llm):
     assert result.prompt == chatml(conversation)
     assert result.prompt == tokenizer.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert result.prompt_token_ids == tokenizer.apply_chat_template(conversation)
+    # as HF's method is called through vLLM's get_tokenizer()
+    assert tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == result.prompt
     assert result.prompt_token_ids.count(1) == 3  # <|im_start|> is one special token
     assert result.prompt_token_ids.count(2) == 2  # and so is <|im_end|>
     assert len(result.outputs[0].token_ids) == 5
@@ -349,6 +351,12 @@ def test_a_failed_sequence_says_why(llm):
 
 
 # ---------------------------------------------------------------------- construction
+
+
+def test_vllms_newer_name_of_swap_space():
+    from engine.llm import engine_config_from_kwargs
+
+    assert engine_config_from_kwargs(None, kv_offloading_size=1.5).cache.swap_space == 1.5
 
 
 def test_unknown_keyword_raises_type_error(tiny_llama_dir):
