@@ -278,6 +278,8 @@ class EngineCore:
         for request in self.scheduler.abort(request_ids):  # the next step message tells the runner
             state = self._states.pop(request.request_id)
             outputs.append(self._output(state, [], "", "abort", now, abort_reason=reason))
+        for request_id in request_ids:  # ended in the scheduler by a step whose outputs were never taken (a
+            self._states.pop(request_id, None)  # call cut short inside `_complete`): nothing left to say
         if outputs and self.lora_manager is not None:  # (no step may follow: the gauge must not keep them)
             self._record_lora_activity(self.lora_manager)
         return outputs

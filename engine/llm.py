@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import numbers
+import operator
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from pydantic import BaseModel
@@ -48,6 +50,8 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
         if key == "scheduling_policy":
             key = "policy"
         elif key == "kv_offloading_size":  # vLLM's newer name of swap_space (as the server's flag)
+            if "swap_space" in kwargs:
+                raise TypeError("LLM() got both swap_space and kv_offloading_size (one setting, two names)")
             key = "swap_space"
         owner = next((name for name, cls in _SECTIONS.items() if key in cls.model_fields), None)
         if owner is None:
@@ -234,15 +238,21 @@ def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[Pr
     if isinstance(prompts, (str, dict)):
         return [prompts]
     items: list[Any] = list(prompts)  # one prompt's token ids, or prompts: told apart by the first item
-    if items and isinstance(items[0], int):
-        return [items]  # one prompt given as token ids
+    if items and isinstance(items[0], numbers.Integral):
+        return [items]  # one prompt given as token ids (numpy's integers too)
     return items
 
 
 def _token_ids(prompt: Any) -> list[int]:
-    ids = list(prompt)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise TypeError("a prompt is a string, a list of token ids (ints) or a dict; got a list with a non-int")
+    """Plain ints of a prompt's ids (numpy's integers and arrays included)."""
+    ids = []
+    for token in prompt:
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            ids.append(operator.index(token))
+        except TypeError:
+            raise TypeError(f"a prompt is a string, token ids (ints) or a dict; got a token id {token!r}") from None
     return ids
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 
@@ -28,6 +29,7 @@ class LoRARequest(_NamedAdapter):
         lora_int_id: Optional[int] = None,
         lora_path: Optional[str] = None,
         lora_local_path: Optional[str] = None,
+        **vllm_fields: object,  # (base_model_name, long_lora_max_len, ...: nothing this server reads)
     ) -> "LoRARequest":
         if len(args) >= 2 and isinstance(args[1], int) and not isinstance(args[1], bool):
             args = (args[0], *args[2:])  # vLLM's (lora_name, lora_int_id, lora_path)
@@ -37,11 +39,13 @@ class LoRARequest(_NamedAdapter):
         for key, value in (("name", name if name is not None else lora_name), ("path", path)):
             if value is not None:
                 given[key] = value
-        if "path" not in given and (lora_path or lora_local_path):
-            given["path"] = lora_path or lora_local_path
+        if not given.get("path") and (lora_path or lora_local_path):  # (vLLM reads the local path when the
+            given["path"] = lora_path or lora_local_path  # path is empty)
         adapter_name, adapter_path = given.get("name"), given.get("path")
-        if not isinstance(adapter_name, str) or not isinstance(adapter_path, str):
-            raise TypeError("LoRARequest needs a name and a path (strings)")
+        if isinstance(adapter_path, os.PathLike):
+            adapter_path = os.fspath(adapter_path)
+        if not isinstance(adapter_name, str) or not isinstance(adapter_path, str) or not adapter_path:
+            raise TypeError("LoRARequest needs a name and a path (a string or a path)")
         return super().__new__(cls, adapter_name, adapter_path)
 
     @property

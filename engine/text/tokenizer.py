@@ -74,9 +74,9 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict],
-        add_generation_prompt: bool = True,
-        tools: Optional[list[dict]] = None,
         *,
+        tools: Optional[list[dict]] = None,
+        add_generation_prompt: bool = False,
         tokenize: Literal[True] = True,
     ) -> list[int]: ...
 
@@ -84,22 +84,23 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict],
-        add_generation_prompt: bool = True,
-        tools: Optional[list[dict]] = None,
         *,
+        tools: Optional[list[dict]] = None,
+        add_generation_prompt: bool = False,
         tokenize: Literal[False],
     ) -> str: ...
 
     def apply_chat_template(
         self,
         messages: list[dict],
-        add_generation_prompt: bool = True,
-        tools: Optional[list[dict]] = None,
         *,
+        tools: Optional[list[dict]] = None,
+        add_generation_prompt: bool = False,
         tokenize: bool = True,
     ) -> Union[list[int], str]:
         """Token ids of the chat prompt (the template writes any special tokens itself); `tokenize=False`: its
-        text, as HF's method (what vLLM's `get_tokenizer()` returns) is called for it."""
+        text. HF's method's names and defaults (what vLLM's `get_tokenizer()` returns): no generation prompt
+        unless asked for."""
         text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

@@ -246,7 +246,7 @@ def test_chat_one_conversation(llm):
     tokenizer = llm.get_tokenizer()
     assert result.prompt == chatml(conversation)
     assert result.prompt == tokenizer.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    assert result.prompt_token_ids == tokenizer.apply_chat_template(conversation)
+    assert result.prompt_token_ids == tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     # as HF's method is called through vLLM's get_tokenizer()
     assert tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == result.prompt
     assert result.prompt_token_ids.count(1) == 3  # <|im_start|> is one special token
@@ -268,7 +268,9 @@ def test_chat_list_of_conversations(llm):
     results = llm.chat(conversations, [greedy(3), greedy(4)], use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     assert [r.prompt for r in results] == [chatml(c) for c in conversations]
-    assert [r.prompt_token_ids for r in results] == [tokenizer.apply_chat_template(c) for c in conversations]
+    assert [r.prompt_token_ids for r in results] == [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations
+    ]
     assert [len(r.outputs[0].token_ids) for r in results] == [3, 4]
 
 
@@ -303,6 +305,16 @@ def test_bad_arguments_are_clear_errors(llm, prompts, params, error):
         generate(llm, prompts, params)
 
 
+def test_numpy_token_ids_are_prompts(llm):
+    import numpy as np
+
+    ids = token_prompt(11, 12)
+    expected = alone(llm, ids, greedy(3))
+    for prompt in (np.array(ids), [np.array(ids)], {"prompt_token_ids": np.array(ids, dtype=np.int32)}):
+        (result,) = generate(llm, prompt, greedy(3))
+        assert result.prompt_token_ids == ids and result.outputs[0].token_ids == expected
+
+
 def test_priority_needs_the_priority_policy(llm):
     with pytest.raises(ValueError, match="scheduling_policy"):
         llm.generate(["a"], greedy(2), priority=[5], use_tqdm=False)
@@ -329,6 +341,22 @@ def test_a_call_cut_short_leaves_nothing_behind(llm):
     (result,) = generate(llm, ["The capital of France is"], greedy(4))
     assert len(result.outputs[0].token_ids) == 4
     assert result.outputs[0].token_ids == alone(llm, result.prompt_token_ids, greedy(4))
+
+    # cut inside the step's completion, after the scheduler ended the requests and before their outputs were made
+    process = engine._process
+
+    def finishing_interrupted(step_output, logprobs, now):
+        if step_output.status.finish_reason is not None:
+            raise KeyboardInterrupt
+        return process(step_output, logprobs, now)
+
+    engine._process = finishing_interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, ["Hello there", "Once upon a time"], greedy(3))
+    finally:
+        del engine._process
+    assert engine.unfinished_request_ids() == []  # (their states were left behind)
 
 
 def test_a_failed_sequence_says_why(llm):

@@ -43,7 +43,7 @@ def test_vocab_and_special_tokens(tiny_tokenizer):
 def test_chat_template_is_chatml_with_generation_prompt(tiny_tokenizer):
     assert tiny_tokenizer.render_chat(MESSAGES) == CHATML + "<|im_start|>assistant\n"
     assert tiny_tokenizer.render_chat(MESSAGES, add_generation_prompt=False) == CHATML
-    ids = tiny_tokenizer.apply_chat_template(MESSAGES)
+    ids = tiny_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     assert ids[0] == 1 and ids.count(EOS_ID) == 2
     assert ids == tiny_tokenizer.encode(CHATML + "<|im_start|>assistant\n", add_special_tokens=False)
     assert tiny_tokenizer.decode(ids, skip_special_tokens=False) == CHATML + "<|im_start|>assistant\n"
@@ -78,6 +78,6 @@ def test_embedded_tokenizer(embedded_checkpoint):
     assert tokenizer.decode(tokenizer.encode(MULTI_BYTE)) == MULTI_BYTE
     prompt = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     assert ids == tokenizer.encode(prompt, add_special_tokens=False)
     assert ids[-4:] == [1, *tokenizer.encode("assistant\n", add_special_tokens=False)]

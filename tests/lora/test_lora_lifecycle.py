@@ -171,6 +171,8 @@ def test_vllm_spellings_of_a_lora_request_and_chat_through_one(lora_base_dir, ad
     assert as_vllm.lora_name == "a" and as_vllm.lora_path == str(adapter_a)
     with pytest.raises(TypeError, match="name and a path"):
         LoRARequest("a")
+    # a pathlib path, the local path when the path is empty, and vLLM's other fields (not read here)
+    assert LoRARequest("a", adapter_a) == LoRARequest("a", 1, "", lora_local_path=str(adapter_a), base_model_name="m")
     with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
         check_against_hf(merged["a"], [PROMPT], llm.generate([PROMPT], GREEDY, use_tqdm=False, lora_request=as_vllm))
         conversation = [{"role": "user", "content": "Hi"}]
