@@ -385,6 +385,8 @@ def test_vllms_newer_name_of_swap_space():
     from engine.llm import engine_config_from_kwargs
 
     assert engine_config_from_kwargs(None, kv_offloading_size=1.5).cache.swap_space == 1.5
+    with pytest.raises(TypeError, match="both"):
+        engine_config_from_kwargs(None, kv_offloading_size=1.5, swap_space=2)
 
 
 def test_unknown_keyword_raises_type_error(tiny_llama_dir):
