@@ -38,12 +38,26 @@ _SECTIONS: dict[str, type[BaseModel]] = {
 }
 
 
+# vLLM's settings of what this engine always does: taken when they ask for that (vLLM scripts pass them), a
+# ValueError when they ask for something else
+_ALWAYS: dict[str, tuple[Any, str]] = {
+    "enable_chunked_prefill": (True, "this engine always chunks long prefills"),
+    "tokenizer_mode": ("auto", "the tokenizer is always the checkpoint's fast (Rust) one"),
+    "disable_log_stats": (True, "the offline engine logs no periodic statistics"),
+}
+
+
 def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:
     """Route flat keyword arguments (vLLM's names) to the config section that owns them."""
     sections: dict[str, dict] = {name: {} for name in _SECTIONS}
     sections["model"]["model"] = model
     top: dict[str, Any] = {}
     for key, value in kwargs.items():
+        if key in _ALWAYS:
+            wanted, what = _ALWAYS[key]
+            if value != wanted:
+                raise ValueError(f"LLM({key}={value!r}): {what}")
+            continue
         if key in ("attention_backend", "batch_invariant", "enforce_eager", "profile", "speculative_config"):
             top[key] = value
             continue
@@ -56,7 +70,8 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
         owner = next((name for name, cls in _SECTIONS.items() if key in cls.model_fields), None)
         if owner is None:
             raise TypeError(f"LLM() got an unknown argument {key!r}")
-        sections[owner][key] = value
+        if value is not None:  # (None: the default, as vLLM's arguments take it)
+            sections[owner][key] = value
     return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()}, **top)
 
 

@@ -389,6 +389,17 @@ def test_vllms_newer_name_of_swap_space():
         engine_config_from_kwargs(None, kv_offloading_size=1.5, swap_space=2)
 
 
+def test_vllm_settings_of_what_the_engine_always_does():
+    """vLLM scripts pass these; taken when they ask for what this engine does, refused otherwise."""
+    from engine.llm import engine_config_from_kwargs
+
+    engine_config_from_kwargs(None, enable_chunked_prefill=True, tokenizer_mode="auto", disable_log_stats=True)
+    assert engine_config_from_kwargs(None, distributed_executor_backend=None, max_num_seqs=None).scheduler.max_num_seqs
+    for key, value in (("enable_chunked_prefill", False), ("tokenizer_mode", "slow"), ("disable_log_stats", False)):
+        with pytest.raises(ValueError, match=key):
+            engine_config_from_kwargs(None, **{key: value})
+
+
 def test_unknown_keyword_raises_type_error(tiny_llama_dir):
     from engine import LLM
 
