@@ -21,6 +21,7 @@ from engine.engine_config import EngineConfig
 from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
+from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, joined_text
 from engine.text.tokenizer import Tokenizer
 from scheduler import SchedulerConfig
 
@@ -272,19 +273,17 @@ def _token_ids(prompt: Any) -> list[int]:
 
 
 def _plain_messages(conversation: list[dict]) -> list[dict]:
-    """Messages whose content is OpenAI's text parts, with their texts joined by newlines (as the server does);
-    other parts (images, audio) are refused: this engine reads text."""
+    """Messages whose content is OpenAI's text parts, read as the server reads them (engine/text/content_parts.py:
+    texts joined by newlines; other parts, images or audio, refused: this engine reads text)."""
     out = []
     for i, message in enumerate(conversation):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"message {i}: a content part of type {kind!r}; only text parts are read")
-                texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
+            kinds = ASSISTANT_PARTS if message.get("role") == "assistant" else CHAT_PARTS
+            try:
+                message = {**message, "content": joined_text(content, kinds)}
+            except ContentPartError as error:
+                raise ValueError(f"message {i}, part {error.index}: {error}") from None
         out.append(message)
     return out
 

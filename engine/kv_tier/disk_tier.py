@@ -17,8 +17,8 @@ from scheduler.kv_tier_file import BlockFileError, BlockFileKey, block_file_path
 
 class KVTierReadError(RuntimeError):
     """Block files the scheduler had verified no longer read back (deleted or altered in the moment since, by
-    another process): the blocks that did read are in the cache; `block_hashes` are those that did not, whose
-    requests fail rather than attend to wrong K/V (Engine: the step is scheduled again without them)."""
+    another process): the blocks that did read are in the cache; `block_hashes` are those that did not, never
+    attended to (Engine._lost_restores: the step is scheduled again, their requests compute those blocks)."""
 
     def __init__(self, message: str, block_hashes: Sequence[bytes]):
         super().__init__(message)

@@ -146,7 +146,7 @@ def _parse_object(body: bytes) -> None:
     if not isinstance(value, dict):
         raise BodyRefused(400, f"the request body must be a JSON object, not {_json_kind(value)}.")
     if _SURROGATE_ESCAPE.search(text):
-        found = _lone_surrogate(value, "")
+        found = _lone_surrogate(value)
         if found is not None:  # no tokenizer, grammar or UTF-8 output can take it (it was a 500 at the tokenizer)
             path, in_key = found
             where = f"a key of {path or 'the body'}" if in_key else path
@@ -157,7 +157,7 @@ def _parse_object(body: bytes) -> None:
             )
 
 
-def _lone_surrogate(value: object, path: str) -> Optional[tuple[str, bool]]:
+def _lone_surrogate(value: object) -> Optional[tuple[str, bool]]:
     """Where in `value` the first string with a lone surrogate is: its path (`messages[0].content`), and whether
     it is a key of that object. (A walk with its own stack, as json.loads may take deeper nesting than Python's
     recursion limit on some versions; each place is a link to its parent's, spelled out only when found.)"""
@@ -168,7 +168,7 @@ def _lone_surrogate(value: object, path: str) -> Optional[tuple[str, bool]]:
         while place is not None:
             place, step = place  # type: ignore[assignment]
             parts.append(f"[{step}]" if isinstance(step, int) else f".{step}")
-        text = path + "".join(reversed(parts))
+        text = "".join(reversed(parts))
         return text[1:] if text.startswith(".") else text
 
     stack: list[tuple[object, Place]] = [(value, None)]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence
 
+from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, joined_text
 from engine.text.tokenizer import Tokenizer
-from server.http.errors import bad_request
+from server.http.errors import APIError, bad_request
 from server.openai.protocol import ChatMessage
 
 
@@ -24,6 +25,13 @@ def render_prompt(
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
+
+
+def part_error(error: ContentPartError, param: str) -> APIError:
+    """A content part that cannot be read as the 400 naming it (`param`: the content's path)."""
+    if error.unsupported:
+        return bad_request(f"{error}.", param=f"{param}[{error.index}]", code="unsupported_parameter")
+    return bad_request(f"{error}.", param=f"{param}[{error.index}].{error.key}")
 
 
 def message_chars(messages: Sequence[ChatMessage]) -> int:
@@ -62,25 +70,10 @@ def _template_message(message: ChatMessage, index: int) -> dict:
     if isinstance(content, list):
         if not content:
             raise bad_request("content must be a string or a non-empty list of parts.", param=f"{param}.content")
-        texts = []
-        # an assistant's history may hold its refusal as a part (OpenAI's `refusal` parts): its text is what it said
-        kinds = {"text": "text", "refusal": "refusal"} if message.role == "assistant" else {"text": "text"}
-        for j, part in enumerate(content):
-            kind = part.get("type")
-            if kind not in kinds:
-                raise bad_request(
-                    f"content part of type {kind!r} is not supported; only {' or '.join(map(repr, kinds))}.",
-                    param=f"{param}.content[{j}]",
-                    code="unsupported_parameter",
-                )
-            text = part.get(kinds[kind])
-            if not isinstance(text, str):
-                raise bad_request(
-                    f"a {kind!r} content part needs its {kinds[kind]!r} as a string.",
-                    param=f"{param}.content[{j}].{kinds[kind]}",
-                )
-            texts.append(text)
-        content = "\n".join(texts)
+        try:
+            content = joined_text(content, ASSISTANT_PARTS if message.role == "assistant" else CHAT_PARTS)
+        except ContentPartError as error:
+            raise part_error(error, f"{param}.content") from None
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content or ""}
     if role == "tool":

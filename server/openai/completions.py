@@ -76,7 +76,7 @@ def _response(
         logprobs = None
         if body.logprobs is not None:
             entries: list[Optional[TokenLogprobs]] = [] if echo_only else list(result.logprobs or [])
-            tokens = list(token_ids)
+            tokens = token_ids
             if body.echo:
                 prompt_entries = list(result.prompt_logprobs or [])
                 if len(prompt_entries) != len(choice.prompt_token_ids):

@@ -13,11 +13,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from engine.structured import StructuredOutputs
+from engine.text.content_parts import ContentPartError, joined_text
 from server.http.errors import bad_request
+from server.openai.chat_messages import part_error
 from server.openai.protocol import ChatMessage
 
 _ROLES = ("user", "assistant", "system", "developer")
-_TEXT_PARTS = ("input_text", "output_text")
+_TEXT_PARTS = {"input_text": "text", "output_text": "text"}  # (output_text: an assistant's earlier output)
 
 
 def chat_messages(instructions: Optional[str], items: Any) -> list[ChatMessage]:
@@ -59,19 +61,10 @@ def _text(content: Any, param: str) -> str:
         return content
     if not isinstance(content, list):
         raise bad_request("content must be a string or a list of input_text parts.", param=param)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise bad_request(
-                f"content part of type {kind!r} is not supported; only input_text.",
-                param=f"{param}[{j}]",
-                code="unsupported_parameter",
-            )
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"an {kind} content part needs its 'text' as a string.", param=f"{param}[{j}].text")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    try:
+        return joined_text(content, _TEXT_PARTS)
+    except ContentPartError as error:
+        raise part_error(error, param) from None
 
 
 def _add_call(messages: list[ChatMessage], item: dict, param: str) -> None:
