@@ -3,7 +3,7 @@
     client --body--> BodyGuard: Content-Length > limit? -> 413 (the body is read and dropped)
                                  chunks add up past the limit? -> 413 (chunked uploads too)
                                  Content-Type not JSON? -> 415
-                                 not UTF-8 / not JSON / nested too deep / not an object? -> 400
+                                 not UTF-8 / not JSON / nested too deep / a number too long / not an object? -> 400
                                  a string with a lone UTF-16 surrogate (a "\ud800" escape)? -> 400
                      --the same bytes, replayed--> the app (FastAPI parses them again)
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from typing import Callable, Collection, Optional, Union
 
 from starlette.datastructures import Headers
@@ -143,6 +144,10 @@ def _parse_object(body: bytes) -> None:
         ) from None
     except RecursionError:
         raise BodyRefused(400, "the request body's JSON is nested too deeply.") from None
+    except ValueError:  # an integer literal past Python's int_max_str_digits (4300 digits by default)
+        raise BodyRefused(
+            400, f"the request body holds a number too long to read (more than {sys.get_int_max_str_digits()} digits)."
+        ) from None
     if not isinstance(value, dict):
         raise BodyRefused(400, f"the request body must be a JSON object, not {_json_kind(value)}.")
     if _SURROGATE_ESCAPE.search(text):
