@@ -70,7 +70,9 @@ class BodyGuard:
             await _send_error(send, refusal)
             return
         if b"content-type" not in dict(scope["headers"]):  # curl without -H: read as JSON all the same
-            scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+            # in place, not a copy: the router marks the route it matched on this scope, and the metrics
+            # middleware outside reads it there (a copy counted every such request as route "unmatched")
+            scope["headers"] = [*scope["headers"], (b"content-type", b"application/json")]
         await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, scope: Scope, receive: Receive) -> Optional[bytes]:

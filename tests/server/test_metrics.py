@@ -9,6 +9,7 @@ The workload, run once for the module:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -336,3 +337,21 @@ def test_cache_config_info_shows_the_kv_cache_dtype(tiny_model_dir, kv_cache_dty
     families = text_string_to_metric_families(app.state.server.metrics.render().decode())
     info = [s for f in families for s in f.samples if s.name == "pagedserve_cache_config_info"]
     assert engine.dtype == "float32" and info[0].labels["cache_dtype"] == label
+
+
+def test_a_body_without_content_type_is_counted_under_its_route(fresh, workload):
+    """A POST with no Content-Type header (Python's `requests.post(url, data=...)`, `curl -H 'Content-Type:'`) is
+    read as JSON, and its response counted under its route (it was counted as route "unmatched")."""
+    with fresh.client() as http:
+        before = scrape(http)
+        body = json.dumps({"model": MODEL, "prompt": prompt_ids(3, start=500), "max_tokens": 2}).encode()
+        response = http.post("/v1/completions", content=body)
+        assert "content-type" not in response.request.headers
+        assert response.status_code == 200, response.text
+        after = scrape(http)
+    counted = {
+        route: after.get("pagedserve_http_requests_total", default=0.0, route=route, status="200")
+        - before.get("pagedserve_http_requests_total", default=0.0, route=route, status="200")
+        for route in ("/v1/completions", "unmatched")
+    }
+    assert counted == {"/v1/completions": 1, "unmatched": 0}
