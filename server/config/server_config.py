@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -9,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.sampling.params import MAX_LOGPROBS
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+# what a browser's Origin header can hold: scheme://host[:port] (no path, no trailing slash), or "null"
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s\"']+")
 
 
 class ServerConfig(BaseModel):
@@ -64,6 +67,18 @@ class ServerConfig(BaseModel):
     root_path: str = Field("", description="path prefix of a proxy in front (FastAPI's root_path)")
     ssl_keyfile: Optional[str] = Field(None, description="TLS private key (PEM); with ssl_certfile, serve HTTPS")
     ssl_certfile: Optional[str] = Field(None, description="TLS certificate chain (PEM)")
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _check_origins(cls, origins: list[str]) -> list[str]:
+        """An entry no Origin header can equal would refuse its browser silently: a bad setting instead."""
+        for origin in origins:
+            if origin not in ("*", "null") and not _ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: give * or scheme://host[:port], with no path or trailing slash "
+                    "(e.g. https://app.example.com)"
+                )
+        return origins
 
     @field_validator("root_path")
     @classmethod

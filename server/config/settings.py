@@ -380,7 +380,7 @@ OPTIONS: tuple[Option, ...] = (
         "--allowed-origins",
         (*SERVER, "allowed_origins"),
         "list",
-        "CORS allowed origins, comma-separated (or repeat the flag)",
+        "CORS allowed origins, comma-separated (or repeat the flag, or vLLM's JSON list); each * or scheme://host[:port]",
         "ORIGINS",
     ),
     Option("--log-level", (*SERVER, "log_level"), "str", "log level of pagedserve and uvicorn"),
@@ -798,7 +798,8 @@ def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
     """A flag's or an environment variable's string as the field's type; ValueError says why not.
 
     A flag value of a list option is one item (the flag repeats); an environment
-    value is the whole list, comma-separated. The result of a list option is a list.
+    value is the whole list, comma-separated. Either may also be a JSON list of strings (vLLM's spelling).
+    The result of a list option is a list.
     """
     text = raw.strip()
     if option.nullable and text.lower() in _NONE:
@@ -806,6 +807,14 @@ def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
     if option.kind == "keys":
         return [key.strip() for key in raw.split(",") if key.strip()] if from_env else [raw]
     if option.kind == "list":
+        if text.startswith("["):  # vLLM's spelling: a JSON list (`--allowed-origins '["https://a.example"]'`)
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                items = None
+            if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+                raise ValueError(f"not a JSON list of strings: {raw!r}")
+            return [item.strip() for item in items if item.strip()]
         return [item.strip() for item in raw.split(",") if item.strip()]
     if option.kind == "lora_modules":  # a flag value is one module; a variable's value all of them
         return [_lora_module(item) for item in shlex.split(raw)] if from_env else _lora_module(text)

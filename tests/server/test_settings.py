@@ -564,3 +564,32 @@ def test_vllms_runtime_lora_variable_allows_the_endpoints_below_ours():
     assert load_settings(["--allow-runtime-lora-updating"], ours).engine.lora.allow_runtime_lora_updating
     with pytest.raises(SettingsError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING: expected a boolean"):
         load_settings([], {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "maybe"})
+
+
+def test_allowed_origins_take_vllms_json_list():
+    """vLLM's `--allowed-origins` is a JSON list (`'["https://a.test"]'`); it was split at the comma into two
+    strings that no browser's Origin header ever equals, so CORS silently refused the origins it was given."""
+    vllm_style = '["https://a.test", "http://b.test:8080"]'
+    assert load_settings(["--allowed-origins", vllm_style], {}).server.allowed_origins == [
+        "https://a.test",
+        "http://b.test:8080",
+    ]
+    from_env = load_settings([], {"PAGEDSERVE_ALLOWED_ORIGINS": vllm_style})
+    assert from_env.server.allowed_origins == ["https://a.test", "http://b.test:8080"]
+    with pytest.raises(SettingsError, match="--allowed-origins: not a JSON list of strings"):
+        load_settings(["--allowed-origins", '["https://a.test", 3]'], {})
+
+
+@pytest.mark.parametrize(
+    "origin", ['["https://a.test"', "https://a.test/", "https://a.test/app", "a.test", "'https://a.test'"]
+)
+def test_an_allowed_origin_that_no_browser_sends_is_refused(origin):
+    """An Origin header is `scheme://host[:port]`, no path: an entry that can never equal one is a bad setting
+    (exit 2), not a silent CORS refusal of every request."""
+    with pytest.raises(SettingsError, match="--allowed-origins"):
+        load_settings(["--allowed-origins", origin], {})
+
+
+def test_allowed_origins_that_browsers_send_are_kept():
+    origins = ["*", "null", "http://localhost:3000", "https://app.example.com", "http://[::1]:8080"]
+    assert load_settings(["--allowed-origins", ",".join(origins)], {}).server.allowed_origins == origins
