@@ -82,7 +82,12 @@ def create_app(
         for route in module.router.routes
         if getattr(route, "body_field", None) is not None
     ]
-    app.add_middleware(BodyGuard, max_bytes=server_config.max_request_body, json_paths=json_paths)  # after auth
+    app.add_middleware(  # after auth
+        BodyGuard,
+        max_bytes=server_config.max_request_body,
+        json_paths=json_paths,
+        on_refusal=lambda status: state.metrics.observe_failure("rejected"),  # as a 400 from validation counts
+    )
     _install_middleware(app, state)
     _drop_default_422(app)
     return app

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from server.config.server_config import ServerConfig
-from tests.reliability.conftest import assert_envelope, assert_gauges_zero, serving
+from tests.reliability.conftest import assert_envelope, assert_gauges_zero, metric, serving
 
 LIMIT = 1 << 20  # --max-request-body for these tests
 
@@ -188,6 +188,20 @@ def test_tokenizing_a_large_text_does_not_block_the_event_loop(server):
     assert result["response"].status_code == 200 and result["response"].json()["count"] > 100_000
     assert len(probes) >= 3
     assert max(probes) < 0.5 * max(sum(probes), 1.0)
+
+
+def test_bodies_refused_before_parsing_count_as_rejected_requests(server):
+    """The body guard's refusals (invalid JSON, a Content-Type not JSON, a body over the limit) are rejected
+    requests in pagedserve_request_failure_total, as a 400 from a field's validation is (they were not counted)."""
+    url = f"{server.base_url}/v1/completions"
+    before = metric(server.base_url, "pagedserve_request_failure_total", reason="rejected")
+    assert httpx.post(url, content=b'{"prompt": ', headers=JSON, timeout=30).status_code == 400
+    assert httpx.post(url, content=b'{"prompt": "a"}', headers={"content-type": "text/plain"}).status_code == 415
+    too_large = json.dumps({"prompt": "a " * LIMIT}).encode()
+    assert httpx.post(url, content=too_large, headers=JSON, timeout=30).status_code == 413
+    assert httpx.post(url, json={"prompt": "a", "max_tokens": -1}, timeout=30).status_code == 400  # validation
+    after = metric(server.base_url, "pagedserve_request_failure_total", reason="rejected")
+    assert after - before == 4
 
 
 def test_nothing_is_left_behind(server):
