@@ -157,6 +157,12 @@ class _GpuCollector(Collector):
 _GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+# the label values a request's end can take: an engine finish (stop string or token, max_tokens or the context),
+# or a failure (the client went, a 400, --request-timeout, an error in the engine)
+FINISHED_REASONS = ("stop", "length")
+FAILURE_REASONS = ("aborted", "rejected", "timeout", "error")
+
+
 class ServerMetrics(EngineObserver):
     """Everything `/metrics` shows; one instance per app."""
 
@@ -229,9 +235,34 @@ class ServerMetrics(EngineObserver):
         Info("pagedserve_cache_config", "KV cache configuration.", registry=r).info(
             {"model_name": model_name, **cache_info}
         )
+        self._zero_series()
         self.registry.register(_SchedulerCollector(model_name, stats))
         self.gpu_monitor: Optional[GpuMonitor] = None  # set by the app's lifespan where the engine is on CUDA
         self.registry.register(_GpuCollector(model_name, self._gpu_samples))
+
+    def _zero_series(self) -> None:
+        """Every series whose labels are known before any request, at 0 (as vLLM's are): an idle replica's
+        rate() and increase() read 0, not "no data" (a series first seen at 1 also loses that first increment)."""
+        name = self.model_name
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.queue_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.iteration_tokens,
+            self.grammar_compile,
+            self.grammar_mask_fill,
+        ):
+            metric.labels(name)
+        for finished_reason in FINISHED_REASONS:
+            self.request_success.labels(name, finished_reason)
+        for reason in FAILURE_REASONS:
+            self.request_failure.labels(name, reason)
+        self.request_rejected.labels(name, "queue_full")
 
     def _gpu_samples(self) -> Sequence[GpuSample]:
         monitor = self.gpu_monitor

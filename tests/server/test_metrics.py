@@ -175,8 +175,29 @@ def test_warm_up_generation_is_not_counted_as_a_request(workload):
         "pagedserve_e2e_request_latency_seconds_count",
         "pagedserve_time_to_first_token_seconds_count",
     ):
-        assert before.get(name, default=0.0) == 0, name
+        assert not [s for s in before.samples if s.name == name and s.value], name
     assert not [s for s in before.samples if s.name == "pagedserve_http_requests_total"]
+
+
+def test_an_idle_replica_shows_its_request_series_at_zero(workload):
+    """Before any request, every series whose labels are known is there at 0 (as vLLM's are), so an idle replica's
+    rate() reads 0 rather than no data, and a request's first increment is not lost to a series born at 1."""
+    before = workload.before
+    for name in (
+        "pagedserve_prompt_tokens_total",
+        "pagedserve_generation_tokens_total",
+        "pagedserve_time_to_first_token_seconds_count",
+        "pagedserve_e2e_request_latency_seconds_count",
+        "pagedserve_request_queue_time_seconds_count",
+        "pagedserve_time_per_output_token_seconds_count",
+        "pagedserve_grammar_compile_seconds_count",
+    ):
+        assert before.get(name) == 0, name
+    for reason in ("stop", "length"):
+        assert before.get("pagedserve_request_success_total", finished_reason=reason) == 0
+    for reason in ("aborted", "rejected", "timeout", "error"):
+        assert before.get("pagedserve_request_failure_total", reason=reason) == 0
+    assert before.get("pagedserve_request_rejected_total", reason="queue_full") == 0
 
 
 def test_token_and_request_counters_are_exact(workload):
@@ -186,9 +207,9 @@ def test_token_and_request_counters_are_exact(workload):
     assert after.get("pagedserve_prompt_tokens_total") == prompt_total
     assert after.get("pagedserve_generation_tokens_total") == generation_total
     assert after.get("pagedserve_request_success_total", finished_reason="length") == NUM_FINISHED
-    assert {s.labels["finished_reason"] for s in after.samples if s.name == "pagedserve_request_success_total"} == {
-        "length"
-    }
+    assert {
+        s.labels["finished_reason"] for s in after.samples if s.name == "pagedserve_request_success_total" and s.value
+    } == {"length"}
     assert after.get("pagedserve_request_failure_total", reason="rejected") == 1
     assert after.get("pagedserve_request_failure_total", default=0.0, reason="aborted") == 0
     assert after.get("pagedserve_request_prompt_tokens_sum") == prompt_total
