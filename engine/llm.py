@@ -39,13 +39,30 @@ _SECTIONS: dict[str, type[BaseModel]] = {
 }
 
 
-# vLLM's settings of what this engine always does: taken when they ask for that (vLLM scripts pass them), a
-# ValueError when they ask for something else
-_ALWAYS: dict[str, tuple[Any, str]] = {
-    "enable_chunked_prefill": (True, "this engine always chunks long prefills"),
-    "tokenizer_mode": ("auto", "the tokenizer is always the checkpoint's fast (Rust) one"),
-    "disable_log_stats": (True, "the offline engine logs no periodic statistics"),
+# vLLM's settings of what this engine always does: taken when they ask for that (vLLM scripts pass them; None is
+# vLLM's default, so it is taken too), a ValueError when they ask for something else
+_ALWAYS: dict[str, tuple[Optional[tuple[Any, ...]], str]] = {
+    "enable_chunked_prefill": ((True,), "this engine always chunks long prefills"),
+    "tokenizer_mode": (("auto",), "the tokenizer is always the checkpoint's fast (Rust) one"),
+    "disable_log_stats": ((True,), "the offline engine logs no periodic statistics"),
+    "skip_tokenizer_init": ((False,), "the engine always loads the tokenizer (it detokenizes and stops on strings)"),
+    "tokenizer_revision": ((), "the tokenizer is read at the model's revision"),
+    "cpu_offload_gb": ((0,), "weights are not offloaded to the CPU"),
+    "load_format": (("auto",), "weights load from what the checkpoint holds (safetensors, GGUF)"),
+    "task": (("auto", "generate"), "this engine generates text"),
+    "runner": (("auto", "generate"), "this engine generates text"),
+    "logprobs_mode": (("raw_logprobs",), "logprobs are the model's, before any penalty or temperature"),
+    "disable_sliding_window": ((False,), "a model's sliding window is always kept"),
+    "enable_sleep_mode": ((False,), "the engine has no sleep mode"),
+    "data_parallel_size": ((1,), "one engine per process (run a server per replica)"),
+    "calculate_kv_scales": ((False,), "fp8 K/V are stored unscaled"),
+    "compilation_config": ((0, {}), "the model is not compiled (CUDA graphs: enforce_eager)"),
+    # (None: any value is what this engine does)
+    "disable_custom_all_reduce": (None, "there is no custom CUDA all-reduce to turn off"),
+    "served_model_name": (None, "the name vLLM's server shows; the offline API shows none"),
 }
+# vLLM's names of this engine's settings
+_ALIASES = {"scheduling_policy": "policy", "num_gpu_blocks_override": "num_blocks"}
 
 
 def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:
@@ -56,15 +73,14 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
     for key, value in kwargs.items():
         if key in _ALWAYS:
             wanted, what = _ALWAYS[key]
-            if value != wanted:
+            if value is not None and wanted is not None and value not in wanted:
                 raise ValueError(f"LLM({key}={value!r}): {what}")
             continue
         if key in ("attention_backend", "batch_invariant", "enforce_eager", "profile", "speculative_config"):
             top[key] = value
             continue
-        if key == "scheduling_policy":
-            key = "policy"
-        elif key == "kv_offloading_size":  # vLLM's newer name of swap_space (as the server's flag)
+        key = _ALIASES.get(key, key)
+        if key == "kv_offloading_size":  # vLLM's newer name of swap_space (as the server's flag)
             if "swap_space" in kwargs:
                 raise TypeError("LLM() got both swap_space and kv_offloading_size (one setting, two names)")
             key = "swap_space"

@@ -400,6 +400,41 @@ def test_vllm_settings_of_what_the_engine_always_does():
             engine_config_from_kwargs(None, **{key: value})
 
 
+def test_vllm_llm_arguments_that_ask_for_what_the_engine_does():
+    """Arguments of vLLM's LLM() that scripts pass at their defaults are taken (they were TypeErrors); a value asking
+    for something this engine does not do is a ValueError naming it; vLLM's name of the block count sets it."""
+    from engine.llm import engine_config_from_kwargs
+
+    engine_config_from_kwargs(
+        None,
+        skip_tokenizer_init=False,
+        tokenizer_revision=None,
+        cpu_offload_gb=0,
+        load_format="auto",
+        task="generate",
+        runner="auto",
+        logprobs_mode="raw_logprobs",
+        disable_sliding_window=False,
+        enable_sleep_mode=False,
+        data_parallel_size=1,
+        calculate_kv_scales=False,
+        compilation_config=0,
+        disable_custom_all_reduce=True,
+        served_model_name="my-model",
+    )
+    assert engine_config_from_kwargs(None, num_gpu_blocks_override=64).cache.num_blocks == 64
+    for key, value in (
+        ("load_format", "dummy"),
+        ("cpu_offload_gb", 4),
+        ("task", "embed"),
+        ("compilation_config", {"level": 3}),
+        ("tokenizer_revision", "v2"),
+        ("data_parallel_size", 2),
+    ):
+        with pytest.raises(ValueError, match=key):
+            engine_config_from_kwargs(None, **{key: value})
+
+
 def test_unknown_keyword_raises_type_error(tiny_llama_dir):
     from engine import LLM
 
