@@ -115,8 +115,16 @@ def check_checkpoint_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         hint = " (it has .gguf files: pass one of them)" if any(path.glob("*.gguf")) else ""
         raise CheckpointError(f"model directory {str(path)!r} has no config.json{hint}")
-    if not weight_files(path):
+    files = weight_files(path)
+    if not files:
         raise CheckpointError(f"model directory {str(path)!r} has no *.safetensors or pytorch_model*.bin weights")
+    missing = [file.name for file in files if not file.is_file()]
+    if missing:  # an index naming shards that are not there (a download cut short, a shard left out of a copy)
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(
+            f"model directory {str(path)!r} lacks {len(missing)} of the {len(files)} weight files its index "
+            f"names: {shown}"
+        )
 
 
 def download_from_hub(
@@ -226,11 +234,18 @@ def iter_weights(path: Union[str, Path]) -> Iterator[tuple[str, "torch.Tensor"]]
         raise CheckpointError(f"no weight files in {str(path)!r}")
     for file in files:
         if file.suffix == ".safetensors":
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            try:
+                opened = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors' own error type for a damaged header, OSError for a missing file
+                raise CheckpointError(f"cannot read the weight file {str(file)!r}: {exc}") from exc
+            with opened as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         else:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except (OSError, RuntimeError, ValueError, EOFError) as exc:  # (torch.load's errors for a bad file)
+                raise CheckpointError(f"cannot read the weight file {str(file)!r}: {exc}") from exc
             yield from state.items()
             del state
 

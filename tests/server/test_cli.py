@@ -103,6 +103,30 @@ def test_a_max_model_len_over_the_models_context_exits_2_naming_the_flag_and_the
     assert "Traceback" not in result.stderr and "cannot load the model" not in result.stderr
 
 
+def _sharded_copy(model_dir: Path, out: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(out, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["missing shard", "truncated shard"])
+def test_a_checkpoint_with_a_missing_or_damaged_weight_file_exits_1_naming_it(tiny_model_dir, tmp_path, damage):
+    sharded = _sharded_copy(tiny_model_dir, tmp_path / "sharded")
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    if damage == "missing shard":  # the index names a shard that is not there: a download or copy cut short
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    result = run_serve("--model", str(sharded), "--port", "0")
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedserve serve: error: cannot load the model: ") and shard.name in last, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_draft_model_of_another_vocabulary_exits_2(tiny_model_dir, tmp_path):
     draft = shutil.copytree(tiny_model_dir, tmp_path / "draft")
     swap_token_ids(draft, "a", "b")
