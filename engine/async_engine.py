@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -168,6 +168,11 @@ class AsyncEngine:
     def model_name(self) -> str:
         """The checkpoint (or the name it was built with) that the engine serves."""
         return self.engine.model_name
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's sampling defaults (its generation_config.json's), for requests that leave them unset."""
+        return self.engine.default_sampling
 
     @property
     def model_config(self) -> ModelConfig:

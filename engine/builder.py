@@ -13,6 +13,7 @@ from engine.attention.attention_shape import AttentionShape, latent_rank_of
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
 from engine.attention.kv_cache import KVCache
+from engine.loading.generation_defaults import read_sampling_defaults
 from engine.loading.loader import Checkpoint, load_hf_config, prepare_checkpoint
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
@@ -61,6 +62,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     tokenizer = load_tokenizer(
         tokenizer_path, trust_remote_code=model_config.trust_remote_code, chat_template=model_config.chat_template
     )
+    default_sampling = read_sampling_defaults(model_config.generation_config, checkpoint.path)
     workers: Optional[TensorParallelWorkers] = None
     tp = ParallelGroup.single()
     parallel = config.parallel
@@ -76,11 +78,13 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             workers = TensorParallelWorkers.start(config, checkpoint, hf_config)
         tp = workers.group
     try:
-        return _build_rank0(config, checkpoint, hf_config, tokenizer, tp, workers, served_model_name, started)
+        engine = _build_rank0(config, checkpoint, hf_config, tokenizer, tp, workers, served_model_name, started)
     except BaseException:
         if workers is not None:
             workers.stop()
         raise
+    engine.default_sampling = default_sampling
+    return engine
 
 
 def set_cpu_threads(threads: int) -> None:
@@ -216,7 +220,13 @@ def _build_rank0(
         runner.cuda_graphs,
     )
     return EngineCore(
-        config, scheduler, runner, tokenizer, served_model_name or checkpoint.source, grammar_compiler, lora_manager
+        config,
+        scheduler,
+        runner,
+        tokenizer,
+        served_model_name or checkpoint.source,
+        grammar_compiler,
+        lora_manager,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -83,8 +83,12 @@ class EngineCore:
         model_name: str,
         grammar_compiler: GrammarCompiler,
         lora_manager: Optional[LoRAManager] = None,
+        default_sampling: Optional[Mapping[str, Any]] = None,
     ):
         self.config = config
+        # the model's sampling defaults (its generation_config.json: engine/loading/generation_defaults.py),
+        # taken by requests that leave those fields unset
+        self.default_sampling: dict[str, Any] = dict(default_sampling or {})
         self.lora_manager = lora_manager  # None unless enable_lora
         self._lora_waiting = LoRAWaitingRequests()  # requests whose adapters load in the background
         self.scheduler = scheduler

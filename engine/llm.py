@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import operator
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel
 from tqdm.auto import tqdm
@@ -121,6 +121,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams (vLLM's method): SamplingParams'
+        defaults, but for the model's own (its generation_config.json's repetition_penalty, temperature, top_k,
+        top_p and min_p, unless made with generation_config="vllm")."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
@@ -135,7 +141,7 @@ class LLM:
         priority scheduling policy, as in vLLM. `lora_request`: the adapter for every prompt or one per
         prompt (a LoRARequest, registered on first use; a LoRAMix of registered adapters; None: the base)."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(sampling_params, len(prompt_list), self.get_default_sampling_params)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         if priority is not None and any(priority) and self.engine.scheduler.scheduler_config.policy != "priority":
@@ -182,7 +188,8 @@ class LLM:
         texts = [tokenizer.render_chat(_plain_messages(c), add_generation_prompt) for c in conversations]
         encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
         loras = self._as_lora_list(lora_request, len(encoded))
-        return self._run(encoded, _as_params_list(sampling_params, len(encoded)), use_tqdm, loras=loras)
+        params_list = _as_params_list(sampling_params, len(encoded), self.get_default_sampling_params)
+        return self._run(encoded, params_list, use_tqdm, loras=loras)
 
     def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -309,9 +316,11 @@ def _is_conversation(messages: Union[list[dict], Sequence[list[dict]]]) -> "Type
     return bool(messages) and isinstance(messages[0], dict)
 
 
-def _as_params_list(params: Union[SamplingParams, Sequence[SamplingParams], None], count: int) -> list[SamplingParams]:
+def _as_params_list(
+    params: Union[SamplingParams, Sequence[SamplingParams], None], count: int, default: Callable[[], SamplingParams]
+) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(count)]
+        return [default() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     if not isinstance(params, Sequence) or isinstance(params, (str, dict)):

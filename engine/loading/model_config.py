@@ -78,6 +78,14 @@ class ModelConfig(BaseModel):
     chat_template: Optional[str] = Field(
         None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's"
     )
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="where requests' sampling defaults come from (vLLM's --generation-config): auto = the "
+        "model's generation_config.json (its repetition_penalty, temperature, top_k, top_p, min_p), vllm = none "
+        "(the neutral defaults), else a directory holding a generation_config.json "
+        "(engine/loading/generation_defaults.py)",
+    )
     hf_overrides: Optional[dict[str, Any]] = Field(
         None,
         description="keys set on the model's HF config after it is read (vLLM's --hf-overrides), e.g. a "

@@ -475,6 +475,16 @@ OPTIONS: tuple[Option, ...] = (
         nullable=True,
     ),
     Option(
+        "--generation-config",
+        (*MODEL, "generation_config"),
+        "str",
+        "where requests' sampling defaults come from (vLLM's flag): auto = the model's generation_config.json "
+        "(repetition_penalty, temperature, top_k, top_p, min_p; a request's own values win), vllm = none, else a "
+        "directory holding a generation_config.json",
+        "auto|vllm|DIR",
+        "auto",
+    ),
+    Option(
         "--chat-template",
         (*MODEL, "chat_template"),
         "str",

@@ -121,6 +121,7 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             structured_outputs=None if constraint is None else constraint[0],
+            defaults=state.engine.default_sampling,
         )
         choices = plan_choices(request.request_id, prompts, params)
         streams, guard = await _admit(state, choices, body.priority, arrival_time, lora)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from engine.sampling.params import SamplingParams
 from engine.structured import StructuredOutputs
@@ -20,8 +20,11 @@ def make_sampling_params(
     logprobs: Optional[int] = None,
     prompt_logprobs: Optional[int] = None,
     structured_outputs: Optional[StructuredOutputs] = None,
+    defaults: Mapping[str, Any] = {},
 ) -> SamplingParams:
-    """SamplingParams from the request's fields; a bad value is a RequestRejectedError naming its field."""
+    """SamplingParams from the request's fields; a bad value is a RequestRejectedError naming its field.
+    `defaults`: the model's sampling defaults (its generation_config.json's, engine/loading/generation_defaults.py),
+    taken for the fields the request leaves unset (null), as vLLM takes them."""
     values: dict[str, Any] = {  # SamplingParams checks each value: its field is named in a refusal
         "n": request.n,
         "temperature": request.temperature,
@@ -47,6 +50,9 @@ def make_sampling_params(
         "speculative": request.speculative,
         "num_speculative_tokens": request.num_speculative_tokens,
     }
+    for key, value in defaults.items():
+        if values.get(key) is None:
+            values[key] = value
     # An unset (null) field takes SamplingParams' default; for the others None is the default.
     kwargs = {k: v for k, v in values.items() if v is not None or k not in _DEFAULTED_WHEN_NULL}
     return SamplingParams(**kwargs)

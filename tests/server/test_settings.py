@@ -73,6 +73,7 @@ FLAG_CASES = [
     ("--revision", "v1.0", ("engine", "model", "revision"), "v1.0"),
     ("--download-dir", "/models/hf", ("engine", "model", "download_dir"), "/models/hf"),
     ("--chat-template", "{{ messages[0].content }}", ("engine", "model", "chat_template"), "{{ messages[0].content }}"),
+    ("--generation-config", "vllm", ("engine", "model", "generation_config"), "vllm"),
     ("--max-logprobs", "5", ("server", "max_logprobs"), 5),
     ("--root-path", "/llm", ("server", "root_path"), "/llm"),
     ("--ssl-keyfile", "key.pem", ("server", "ssl_keyfile"), "key.pem"),  # needs its pair: see below
