@@ -14,7 +14,7 @@ from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
 from engine.attention.kv_cache import KVCache
 from engine.loading.generation_defaults import read_sampling_defaults
-from engine.loading.loader import Checkpoint, load_hf_config, prepare_checkpoint
+from engine.loading.loader import Checkpoint, load_hf_config, prepare_checkpoint, prepare_tokenizer_source
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.speculative_config import SpeculativeConfig
@@ -58,7 +58,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     )
     tokenizer_path = checkpoint.path
     if model_config.tokenizer is not None:
-        tokenizer_path = prepare_checkpoint(model_config.tokenizer, download_dir=model_config.download_dir).path
+        tokenizer_path = prepare_tokenizer_source(model_config.tokenizer, download_dir=model_config.download_dir)
     tokenizer = load_tokenizer(
         tokenizer_path, trust_remote_code=model_config.trust_remote_code, chat_template=model_config.chat_template
     )

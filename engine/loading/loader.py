@@ -101,6 +101,22 @@ def prepare_checkpoint(
     return Checkpoint(download_from_hub(model, revision=revision, download_dir=download_dir), model)
 
 
+def prepare_tokenizer_source(
+    tokenizer: str, *, revision: Optional[str] = None, download_dir: Optional[Union[str, Path]] = None
+) -> Path:
+    """A local directory holding `tokenizer` (--tokenizer): a directory as it is (tokenizer files are enough, as
+    vLLM takes them: no config.json or weights needed), a .gguf file converted as a model, else a hub id's
+    tokenizer and config files alone (no weights are downloaded)."""
+    local = Path(tokenizer).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if local.is_file() or _looks_like_path(tokenizer):
+        return prepare_checkpoint(tokenizer, download_dir=download_dir).path  # a .gguf, or "not found" named
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in _OFFLINE_VALUES
+    cache = None if download_dir is None else str(Path(download_dir).expanduser())
+    return _snapshot(tokenizer, revision, HUB_CONFIG_PATTERNS, offline, cache)
+
+
 def _convert(gguf_path: Path, cache_dir: Path) -> Path:
     try:
         return ensure_converted(gguf_path, cache_dir)

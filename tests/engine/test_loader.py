@@ -425,3 +425,23 @@ def test_hf_overrides_serve_past_the_trained_context_as_hf_does(tiny_llama_dir, 
     llm = make_llm(tiny_llama_dir, max_model_len=512, hf_overrides=LONG_CONTEXT)
     results = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0))
     check_against_hf(reference, [prompt], results)
+
+
+def test_a_tokenizer_directory_of_tokenizer_files_alone_is_taken(tiny_llama_dir, tmp_path):
+    """--tokenizer DIR (LLM(tokenizer=...)) as vLLM takes it: tokenizer files are enough, no config.json or
+    weights (it was refused as a model directory without config.json)."""
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / name, tokenizer_dir / name)
+    llm = make_llm(tiny_llama_dir, tokenizer=str(tokenizer_dir))
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        (result,) = llm.generate("The quick brown fox", params, use_tqdm=False)
+        assert len(result.outputs[0].token_ids) == 4 and result.prompt_token_ids == load_tokenizer(
+            tiny_llama_dir
+        ).encode("The quick brown fox")
+    finally:
+        llm.shutdown()
+    with pytest.raises(CheckpointError, match="not found"):
+        make_llm(tiny_llama_dir, tokenizer=str(tmp_path / "missing"))
