@@ -59,8 +59,14 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     tokenizer_path = checkpoint.path
     if model_config.tokenizer is not None:
         tokenizer_path = prepare_tokenizer_source(model_config.tokenizer, download_dir=model_config.download_dir)
+    # eos ids of the generation config the sampling defaults come from (vLLM's): the model's, or the
+    # --generation-config directory's (also when the tokenizer comes from elsewhere)
+    generation_dir = model_config.generation_config
     tokenizer = load_tokenizer(
-        tokenizer_path, trust_remote_code=model_config.trust_remote_code, chat_template=model_config.chat_template
+        tokenizer_path,
+        trust_remote_code=model_config.trust_remote_code,
+        chat_template=model_config.chat_template,
+        generation_config_dir=checkpoint.path if generation_dir in ("auto", "vllm") else generation_dir,
     )
     default_sampling = read_sampling_defaults(model_config.generation_config, checkpoint.path)
     workers: Optional[TensorParallelWorkers] = None

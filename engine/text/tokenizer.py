@@ -106,12 +106,18 @@ class Tokenizer:
 
 
 def load_tokenizer(
-    path: Union[str, Path], *, trust_remote_code: bool = False, chat_template: Optional[str] = None
+    path: Union[str, Path],
+    *,
+    trust_remote_code: bool = False,
+    chat_template: Optional[str] = None,
+    generation_config_dir: Union[str, Path, None] = None,
 ) -> Tokenizer:
     """The tokenizer saved in a checkpoint directory (tokenizer.json et al., generation_config.json).
 
     `trust_remote_code` lets the checkpoint's own tokenizer code run; `chat_template` (Jinja text or a
-    file holding it, see `read_chat_template`) replaces the tokenizer's chat template.
+    file holding it, see `read_chat_template`) replaces the tokenizer's chat template. `generation_config_dir`:
+    where the generation_config.json whose `eos_token_id` also ends generation lies (the model's directory,
+    as vLLM reads it, when the tokenizer comes from elsewhere); None: `path`.
     """
     from transformers import AutoTokenizer
 
@@ -121,7 +127,7 @@ def load_tokenizer(
         raise CheckpointError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
     if chat_template is not None:
         hf.chat_template = read_chat_template(chat_template)
-    eos = set(generation_eos_token_ids(Path(path)))
+    eos = set(generation_eos_token_ids(Path(path if generation_config_dir is None else generation_config_dir)))
     if hf.eos_token_id is not None:
         eos.add(hf.eos_token_id)
     vocab = hf.get_vocab()

@@ -119,3 +119,23 @@ def test_a_generation_config_directory_and_a_bad_value(recommending_model_dir, t
     (bad / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_p": 0.0}))
     with pytest.raises(CheckpointError, match="generation_config.json: top_p must be in"):
         make_llm(bad)
+
+
+def test_the_models_eos_list_ends_generation_when_the_tokenizer_comes_from_elsewhere(tiny_model_dir, tmp_path):
+    """vLLM reads the eos ids of the model's generation_config.json, wherever `--tokenizer` points (a model
+    directory without tokenizer files, as hub repos of converted weights often are)."""
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, 1]}))  # 1: <|im_start|>
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_model_dir / name, tokenizer_dir / name)
+    llm = make_llm(model, tokenizer=str(tokenizer_dir))
+    try:
+        assert llm.get_tokenizer().eos_token_ids == frozenset({1, 2})
+        params = SamplingParams(max_tokens=4, temperature=0, logit_bias={1: 100.0})  # <|im_start|> first
+        (out,) = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs
+        assert (out.finish_reason, out.token_ids) == ("stop", [1])
+    finally:
+        llm.shutdown()
