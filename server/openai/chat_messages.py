@@ -17,14 +17,15 @@ def render_prompt(
     add_generation_prompt: bool,
     tools: Optional[list[dict]] = None,
     param: str = "messages",
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """The prompt token ids of a conversation (a template error is a 400 on `param`)."""
+    """The prompt token ids of a conversation (a template error is a 400 on `param`). The template writes the
+    special tokens it wants; `add_special_tokens` (vLLM's chat field) adds the tokenizer's own as well."""
     try:
-        return tokenizer.apply_chat_template(
-            template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools
-        )
+        text = tokenizer.render_chat(template_messages(messages), add_generation_prompt, tools)
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def part_error(error: ContentPartError, param: str) -> APIError:

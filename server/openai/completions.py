@@ -41,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         GenerationRequest(
             body=body,
             request_id=body.request_id or new_id("cmpl"),
-            prompt=TextPrompts(body.prompt),
+            prompt=TextPrompts(body.prompt, add_special_tokens=body.add_special_tokens),
             max_tokens=1 if echo_only else body.max_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,

@@ -93,6 +93,7 @@ class CompletionRequest(SamplingFields):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     response_format: Optional[ResponseFormat] = None  # (vLLM's extra on completions: as chat's)
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
 
 
 class ChatMessage(BaseModel):
@@ -118,6 +119,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    add_special_tokens: bool = False  # vLLM's: the rendered template also gets the tokenizer's special tokens
     # OpenAI fields with no implementation here: refused when set (server/serving/unsupported.py).
     audio: Optional[dict[str, Any]] = None
     modalities: Optional[list[str]] = None

@@ -38,6 +38,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     tools: Optional[list[dict]] = None
     param: str = "messages"
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes them
 
     @property
     def count(self) -> int:
@@ -49,7 +50,13 @@ class ChatPrompt:
         check_prompt_chars(state, message_chars(self.messages), self.param)
         return [
             await asyncio.to_thread(
-                render_prompt, state.tokenizer, self.messages, self.add_generation_prompt, self.tools, self.param
+                render_prompt,
+                state.tokenizer,
+                self.messages,
+                self.add_generation_prompt,
+                self.tools,
+                self.param,
+                self.add_special_tokens,
             )
         ]
 
@@ -63,6 +70,7 @@ class TextPrompts:
 
     prompt: TextOrTokens
     param: str = "prompt"
+    add_special_tokens: bool = True  # text only: the tokenizer's BOS and the like (vLLM's field and default)
 
     @property
     def count(self) -> int:
@@ -77,8 +85,8 @@ class TextPrompts:
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
             for text in texts:
                 check_prompt_chars(state, len(text), self.param)
-            tokenizer = state.tokenizer
-            return await asyncio.to_thread(lambda: [tokenizer.encode(text) for text in texts])
+            tokenizer, special = state.tokenizer, self.add_special_tokens
+            return await asyncio.to_thread(lambda: [tokenizer.encode(text, special) for text in texts])
         if isinstance(prompt[0], int):
             return [list(prompt)]
         return [list(p) for p in prompt]
