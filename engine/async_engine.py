@@ -170,6 +170,12 @@ class AsyncEngine:
         return self.engine.model_name
 
     @property
+    def model_source(self) -> str:
+        """The checkpoint as given: the embedded model's name, a path or a hub id (whatever name it is served
+        under)."""
+        return self.engine.model_source
+
+    @property
     def default_sampling(self) -> dict[str, Any]:
         """The model's sampling defaults (its generation_config.json's), for requests that leave them unset."""
         return self.engine.default_sampling

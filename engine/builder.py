@@ -233,6 +233,7 @@ def _build_rank0(
         served_model_name or checkpoint.source,
         grammar_compiler,
         lora_manager,
+        model_source=checkpoint.source,
     )
 
 

@@ -84,8 +84,10 @@ class EngineCore:
         grammar_compiler: GrammarCompiler,
         lora_manager: Optional[LoRAManager] = None,
         default_sampling: Optional[Mapping[str, Any]] = None,
+        model_source: Optional[str] = None,
     ):
         self.config = config
+        self.model_source = model_source or model_name  # the checkpoint as given (/v1/models' root)
         # the model's sampling defaults (its generation_config.json: engine/loading/generation_defaults.py),
         # taken by requests that leave those fields unset
         self.default_sampling: dict[str, Any] = dict(default_sampling or {})

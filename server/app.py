@@ -112,7 +112,8 @@ def _drop_default_422(app: FastAPI) -> None:
 
 
 def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
-    name = config.served_model_name or engine.model_name
+    names = config.served_model_name or [engine.model_name]
+    name = names[0]
     cache = engine.kv_cache_config
     assert cache.num_blocks is not None  # sized when the engine was built
     metrics = ServerMetrics(
@@ -138,7 +139,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     return ServerState(
         engine=engine,
         config=config,
-        served_model_names=[name],
+        served_model_names=names,
         metrics=metrics,
         formatter=LogprobFormatter(engine.tokenizer),
         admission=admission,

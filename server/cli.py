@@ -146,7 +146,10 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
     server_config = settings.server
     try:  # off the main thread, so the engine thread's OpenMP pool is the only one (see scratch_thread.py)
         engine = run_on_scratch_thread(
-            lambda: build_engine(settings.engine, served_model_name=server_config.served_model_name)
+            lambda: build_engine(
+                settings.engine,
+                served_model_name=server_config.served_model_name[0] if server_config.served_model_name else None,
+            )
         )
     except ContextLengthError as error:  # a setting, not the model: exit 2 as for any bad setting
         print(

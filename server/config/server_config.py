@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -28,8 +28,11 @@ class ServerConfig(BaseModel):
     api_keys: list[str] = Field(
         default_factory=list, repr=False, description="accepted bearer tokens; empty = no authentication"
     )
-    served_model_name: Optional[str] = Field(
-        None, min_length=1, description="the model id clients send and see; None = the model's source"
+    served_model_name: Optional[list[str]] = Field(
+        None,
+        min_length=1,
+        description="the model ids clients may send (the first: reported where a request names none, and in the "
+        "metrics); None = the model's source",
     )
     strict_params: bool = Field(False, description="also reject request fields the OpenAI API does not define")
     log_level: LogLevel = "info"
@@ -79,6 +82,19 @@ class ServerConfig(BaseModel):
                     "(e.g. https://app.example.com)"
                 )
         return origins
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        """One name is a list of one (a YAML preset's, ServerConfig(served_model_name="x"))."""
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _check_names(cls, names: Optional[list[str]]) -> Optional[list[str]]:
+        if names is not None and not all(name.strip() for name in names):
+            raise ValueError("a served model name must not be empty")
+        return names
 
     @field_validator("root_path")
     @classmethod

@@ -94,7 +94,7 @@ class Settings(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
 
 
-Kind = Literal["str", "int", "float", "bool", "size", "keys", "list", "json", "lora_modules"]
+Kind = Literal["str", "int", "float", "bool", "size", "keys", "list", "names", "json", "lora_modules"]
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--served-model-name",
         (*SERVER, "served_model_name"),
-        "str",
-        "model id that clients send and that responses report",
+        "names",
+        "model ids that clients may send (several after the flag, as vLLM's); the first is the one reported "
+        "where a request names none, and in the metrics",
         "NAME",
         "the --model value",
     ),
@@ -732,7 +733,7 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif option.kind in ("keys", "list"):
             kwargs.update(action="extend", type=_flag_type(option), metavar=option.metavar)
-        elif option.kind == "lora_modules":  # vLLM's: several after one flag, or the flag repeated
+        elif option.kind in ("lora_modules", "names"):  # vLLM's: several after one flag (or the flag repeated)
             kwargs.update(action="extend", nargs="+", type=_flag_type(option), metavar=option.metavar)
         else:
             metavar = option.metavar or ("{" + ",".join(choices) + "}" if choices else None)
@@ -826,6 +827,8 @@ def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
                 raise ValueError(f"not a JSON list of strings: {raw!r}")
             return [item.strip() for item in items if item.strip()]
         return [item.strip() for item in raw.split(",") if item.strip()]
+    if option.kind == "names":  # a flag value is one name; a variable's value all of them, comma-separated
+        return [name.strip() for name in raw.split(",") if name.strip()] if from_env else text
     if option.kind == "lora_modules":  # a flag value is one module; a variable's value all of them
         return [_lora_module(item) for item in shlex.split(raw)] if from_env else _lora_module(text)
     if option.kind == "bool":

@@ -35,4 +35,4 @@ def _card(state: ServerState, name: str) -> ModelCard:
         return ModelCard(
             id=name, created=now(), root=adapter.path, parent=adapter.parent, max_model_len=state.max_model_len
         )
-    return ModelCard(id=name, created=now(), root=state.engine.model_name, max_model_len=state.max_model_len)
+    return ModelCard(id=name, created=now(), root=state.engine.model_source, max_model_len=state.max_model_len)

@@ -130,3 +130,32 @@ def test_requests_are_not_logged_by_default(server, caplog):
     assert reply.status_code == 200
     assert not [r for r in caplog.records if reply.json()["id"] in r.getMessage()]
     assert "private prompt" not in caplog.text
+
+
+def test_several_served_names_each_answer_and_the_card_roots_at_the_checkpoint(tiny_model_dir):
+    """`--served-model-name a b` (vLLM's nargs): /v1/models lists every name, each with `root` the checkpoint as
+    given (it was the served name), a request may name any of them and is answered under that name, and one that
+    names none gets the first (it exited 2: "unrecognized arguments")."""
+    from server.config.server_config import ServerConfig
+    from server.config.settings import load_settings
+    from tests.server.conftest import start_server
+
+    settings = load_settings(["--served-model-name", "tiny-a", "tiny-b"], {})
+    assert settings.server.served_model_name == ["tiny-a", "tiny-b"]
+    assert load_settings([], {"PAGEDSERVE_SERVED_MODEL_NAME": "x, y"}).server.served_model_name == ["x", "y"]
+    assert ServerConfig(served_model_name="one").served_model_name == ["one"]
+
+    uv, thread, running = start_server(tiny_model_dir, settings.server)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+        cards = client.models.list().data
+        assert [card.id for card in cards] == ["tiny-a", "tiny-b"]
+        assert {card.model_dump()["root"] for card in cards} == {str(tiny_model_dir)}
+        for name in ("tiny-a", "tiny-b"):
+            assert client.completions.create(model=name, prompt="hi", max_tokens=1).model == name
+        with running.client() as c:
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()["model"] == "tiny-a"
+        assert 'model_name="tiny-a"' in running.state.metrics.render().decode()
+    finally:
+        uv.should_exit = True
+        thread.join(30)

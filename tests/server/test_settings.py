@@ -14,7 +14,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FLAG_CASES = [
     ("--model", "/models/llama", ("engine", "model", "model"), "/models/llama"),
     ("--tokenizer", "/models/tok", ("engine", "model", "tokenizer"), "/models/tok"),
-    ("--served-model-name", "my-model", ("server", "served_model_name"), "my-model"),
+    ("--served-model-name", "my-model", ("server", "served_model_name"), ["my-model"]),
     ("--host", "0.0.0.0", ("server", "host"), "0.0.0.0"),
     ("--port", "9000", ("server", "port"), 9000),
     ("--api-key", "k1", ("server", "api_keys"), ["k1"]),
