@@ -279,7 +279,7 @@ def _spawn(
     per_node = config.parallel.ranks_per_node
     for rank in ranks:
         process = context.Process(
-            target=_worker_main,
+            target=_worker_main if die_with_parent else _served_worker_main,
             args=(config, checkpoint, hf_config, rank, init_method, queue_handle, all_reduce_handles)
             + (os.getpid(), plan[rank % per_node], die_with_parent),
             name=f"pagedserve-tp{rank}",
@@ -329,6 +329,15 @@ def run_headless_node(config: EngineConfig) -> int:
     finally:
         _end(processes, STOP_WAIT_S)
     return status
+
+
+def _served_worker_main(*args: Any) -> None:
+    """`_worker_main` for a rank of the serving process's own host, deaf to SIGINT: a terminal's Ctrl-C reaches its
+    whole process group, and a worker that died of it would fail every request in flight at once, where rank 0
+    drains them (then closes the broadcast, which ends the worker). A second Ctrl-C, which exits rank 0 at once,
+    ends it too: a worker leaves within a second when its parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker_main(*args)
 
 
 def _worker_main(

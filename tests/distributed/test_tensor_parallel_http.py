@@ -130,3 +130,73 @@ def test_sigkill_of_the_server_takes_its_workers_with_it(tmp_path, tiny_model_di
     while any(alive(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in family if alive(pid)], "workers outlived a SIGKILLed server"
+
+
+@SPLITS
+def test_ctrl_c_at_the_terminal_drains_the_stream_and_exits_0(tmp_path, tiny_model_dir, split):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group, the workers included: they must
+    not die of it (a worker that did failed the stream in flight and the server exited 1), but go on until rank 0
+    has drained the requests and closes the broadcast."""
+    process, url, stderr = serve_process(
+        tmp_path, "--model", str(tiny_model_dir), *split, hooks=("--pace", "0.02"), new_session=True
+    )
+    (worker,) = worker_pids(stderr)
+    family = children(process.pid) | {worker}
+    try:
+        body = {
+            "model": "tiny",
+            "prompt": [3, 4, 5],
+            "max_tokens": 60,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                lines.append(line)
+                if len(lines) == 10:  # streaming: Ctrl-C at the terminal
+                    os.killpg(process.pid, signal.SIGINT)
+        events = sse_payloads(lines)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == 60, events[-2]
+        assert [event["choices"][0]["finish_reason"] for event in events[:-2]][-1] == "length", events[-3]
+        assert process.wait(timeout=60) == 0, stderr.read_text()[-3000:]
+        assert "KeyboardInterrupt" not in stderr.read_text()
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in family if alive(pid)], "processes left behind"
+
+
+def test_a_second_ctrl_c_exits_at_once_and_takes_the_workers_with_it(tmp_path, tiny_model_dir):
+    process, url, stderr = serve_process(
+        tmp_path,
+        "--model",
+        str(tiny_model_dir),
+        "--tensor-parallel-size",
+        "2",
+        hooks=("--pace", "0.05"),
+        new_session=True,
+    )
+    (worker,) = worker_pids(stderr)
+    family = children(process.pid) | {worker}
+    try:
+        body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for count, _ in enumerate(response.iter_lines()):
+                if count == 6:
+                    os.killpg(process.pid, signal.SIGINT)
+                    time.sleep(0.5)
+                    os.killpg(process.pid, signal.SIGINT)
+                    break
+        assert process.wait(timeout=30) == 130
+    finally:
+        process.kill()
+    deadline = time.monotonic() + 10  # a worker checks its parent every second
+    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in family if alive(pid)], "workers outlived a server that exited at once"

@@ -85,9 +85,13 @@ def sse_payloads(lines) -> list:
     return out
 
 
-def serve_process(tmp_path, *args: str, hooks: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, Path]:
+def serve_process(
+    tmp_path, *args: str, hooks: tuple[str, ...] = (), new_session: bool = False
+) -> tuple[subprocess.Popen, str, Path]:
     """`pagedserve serve` on the tiny preset in a child process (through tests/reliability/serve_with_hooks.py
-    when `hooks` are given); returns the process, its URL and its stderr file, once it is ready."""
+    when `hooks` are given); returns the process, its URL and its stderr file, once it is ready. `new_session`:
+    the process leads a process group of its own, as a terminal's foreground job (`os.killpg` reaches it and
+    whatever it started, never the tests)."""
     env = server_environment()
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     command = [
@@ -104,7 +108,7 @@ def serve_process(tmp_path, *args: str, hooks: tuple[str, ...] = ()) -> tuple[su
         *args,
     ]
     with stdout.open("w") as out, stderr.open("w") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=REPO)
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=new_session)
     deadline = time.monotonic() + 120
     while "curl " not in stdout.read_text():
         if process.poll() is not None or time.monotonic() > deadline:
