@@ -67,8 +67,13 @@ def read_draft_checkpoint(
     """The draft's checkpoint and config; SettingsConflictError when it cannot draft for the target (another
     vocabulary, an architecture not served)."""
     assert speculative.model is not None  # the config's validator requires it for draft_model
-    checkpoint = prepare_checkpoint(speculative.model, download_dir=download_dir)
-    hf_config = load_hf_config(checkpoint.path, trust_remote_code=trust_remote_code)
+    try:
+        checkpoint = prepare_checkpoint(speculative.model, download_dir=download_dir)
+        hf_config = load_hf_config(checkpoint.path, trust_remote_code=trust_remote_code)
+    except CheckpointError as error:  # a draft that cannot be had is a bad setting, not the target's fault
+        raise SettingsConflictError(
+            f"--speculative-config: the draft model {speculative.model!r} cannot be read: {error}"
+        ) from error
     try:
         family = family_of(hf_config)
     except ValueError as error:

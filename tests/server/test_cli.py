@@ -137,6 +137,19 @@ def test_a_draft_model_of_another_vocabulary_exits_2(tiny_model_dir, tmp_path):
     assert last.startswith("pagedserve serve: error: the draft model's tokenizer differs from the target's"), last
 
 
+def test_a_draft_model_path_that_cannot_be_read_exits_2_naming_the_flag_and_the_draft(tiny_model_dir, tmp_path):
+    """Not "cannot load the model: model path not found" and exit 1, which reads as the target's fault."""
+    for draft, reason in ((tmp_path / "missing", "model path not found"), (tmp_path, "has no config.json")):
+        config = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+        result = run_serve("--model", str(tiny_model_dir), "--port", "0", "--speculative-config", config)
+        assert result.returncode == 2, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(
+            f"pagedserve serve: error: --speculative-config: the draft model {str(draft)!r} cannot be read: "
+        ), last
+        assert reason in last and "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize(
     "args,expected",
     [
