@@ -681,7 +681,7 @@ def _describe(error: ValidationError, origins: Mapping[FieldPath, str]) -> str:
         elif not any(loc[: len(secret)] == secret for secret in _SECRET_FIELDS) and _is_scalar(item.get("input")):
             message += f" (got {item['input']!r})"
         inside = next((loc[end:] for end in range(len(loc), 0, -1) if loc[:end] in origins), ())
-        if inside and item["type"] == "missing":  # a key missing from a value given whole (a JSON object)
+        if inside:  # a key of a value given whole (a JSON object): missing, unknown or out of range
             message = f"{'.'.join(inside)}: {message}"
         lines.append(f"{source}: {message}")
     return "\n".join(lines)
