@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -29,7 +29,8 @@ class SpeculativeConfig(BaseModel):
 
     method: str = Field(
         "ngram",
-        description="the proposer: ngram (prompt lookup over the request's own tokens), "
+        description="the proposer (default: draft_model when model is given, else ngram): ngram (prompt lookup over "
+        "the request's own tokens), "
         "suffix (a suffix trie over recent requests' outputs, and the request's own tokens) "
         "or draft_model (a smaller model of the same vocabulary, greedy)",
     )
@@ -78,6 +79,15 @@ class SpeculativeConfig(BaseModel):
         "recent acceptance): speculation pauses itself in batches where rows cost more "
         "than they save",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_of_a_model(cls, data: Any) -> Any:
+        """A `model` without a `method` is a draft model, as vLLM reads it (`{"model": PATH, "num_speculative_tokens":
+        k}`, its spelling before `method` existed); a method given with a model is checked below."""
+        if isinstance(data, dict) and data.get("model") is not None and "method" not in data:
+            return {**data, "method": "draft_model"}
+        return data
 
     @field_validator("method")
     @classmethod

@@ -107,12 +107,22 @@ def test_the_flag_the_environment_and_yaml_set_it(tmp_path):
     )
 
 
+def test_a_model_without_a_method_is_a_draft_model_as_vllm_reads_it():
+    settings = load_settings(["--speculative-config", '{"model": "/some/draft", "num_speculative_tokens": 3}'], {})
+    speculative = settings.engine.speculative_config
+    assert (speculative.method, speculative.model, speculative.num_speculative_tokens) == (
+        "draft_model",
+        "/some/draft",
+        3,
+    )
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
         ('{"method": "eagle", "num_speculative_tokens": 3}', "'eagle' is not implemented yet"),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', 'method "draft_model" needs "model"'),
-        ('{"model": "/some/draft", "num_speculative_tokens": 3}', 'it goes with method "draft_model"'),
+        ('{"method": "suffix", "model": "/some/draft", "num_speculative_tokens": 3}', 'goes with method "draft_model"'),
         (
             '{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 2}',
             "suffix_decoding_min_token_prob: Input should be less than or equal to 1 (got 2)",
