@@ -18,7 +18,7 @@ from engine.lora.lora_config import LoRAConfig
 from engine.lora.request import LoRAMix, LoRARequest
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
-from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator
+from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator, PositionLogprobs, prompt_logprobs
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
 from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, joined_text
@@ -242,14 +242,32 @@ class LLM:
         except BaseException:  # (Ctrl-C in a notebook): this call's requests end here, not in the next call
             engine.abort([child for child, result in results.items() if result.finish_reason is None])
             raise
+        decode = _token_texts(engine.tokenizer)
         return [
-            _result(parent, prompt, token_ids, [results[child] for child in children])
+            _result(parent, prompt, token_ids, [results[child] for child in children], decode)
             for (parent, children), (prompt, token_ids) in zip(parents, encoded)
         ]
 
 
+def _token_texts(tokenizer: Tokenizer) -> Callable[[int], str]:
+    """A token id's text, decoded alone (special tokens shown), as vLLM's Logprob.decoded_token; each id once."""
+    texts: dict[int, str] = {}
+
+    def decode(token_id: int) -> str:
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    return decode
+
+
 def _result(
-    parent: str, prompt: Optional[str], token_ids: list[int], children: list[OutputAccumulator]
+    parent: str,
+    prompt: Optional[str],
+    token_ids: list[int],
+    children: list[OutputAccumulator],
+    decode: Callable[[int], str],
 ) -> GenerationResult:
     outputs = [
         CompletionOutput(
@@ -258,7 +276,7 @@ def _result(
             token_ids=child.token_ids,
             finish_reason=child.finish_reason,
             stop_reason=child.stop_reason,
-            logprobs=child.logprobs,
+            logprobs=None if child.logprobs is None else [PositionLogprobs(e, decode) for e in child.logprobs],
             error=child.error,
         )
         for index, child in enumerate(children)
@@ -267,7 +285,7 @@ def _result(
         request_id=parent,
         prompt=prompt,
         prompt_token_ids=token_ids,
-        prompt_logprobs=children[0].prompt_logprobs,
+        prompt_logprobs=prompt_logprobs(children[0].prompt_logprobs, decode),
         outputs=outputs,
         num_cached_tokens=children[0].num_cached_tokens,
     )

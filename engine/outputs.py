@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from engine.sampling.sampler import TokenLogprobs
 
@@ -108,6 +108,40 @@ class OutputAccumulator:
 
 
 @dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's: a token's raw logprob, its rank (1 + tokens strictly more likely) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+class PositionLogprobs(dict[int, Logprob]):
+    """One position's logprobs as vLLM's offline API gives them: token id -> Logprob, the chosen token first, then
+    the top alternatives best first (code written for vLLM reads `logprobs[i][token_id].logprob`). Also this
+    engine's view of the same entry: `token_id`, `logprob`, `rank` and `top` [(token id, logprob)]."""
+
+    __slots__ = ("token_id", "logprob", "rank", "top")
+
+    def __init__(self, entry: TokenLogprobs, decode: Callable[[int], str]):
+        super().__init__()
+        self.token_id, self.logprob, self.rank, self.top = entry.token_id, entry.logprob, entry.rank, entry.top
+        self[entry.token_id] = Logprob(entry.logprob, entry.rank, decode(entry.token_id))
+        for rank, (token_id, logprob) in enumerate(entry.top, 1):
+            if token_id not in self:
+                self[token_id] = Logprob(logprob, rank, decode(token_id))
+
+
+def prompt_logprobs(
+    entries: Optional[list[Optional[TokenLogprobs]]], decode: Callable[[int], str]
+) -> Optional[list[Optional[PositionLogprobs]]]:
+    """A prompt's `entries` (None: not asked for; the first position's None) in vLLM's offline shape."""
+    if entries is None:
+        return None
+    return [None if entry is None else PositionLogprobs(entry, decode) for entry in entries]
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionOutput:
     """One generated sequence of a finished request (the offline API)."""
 
@@ -116,7 +150,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str]
     stop_reason: Union[int, str, None]
-    logprobs: Optional[list[TokenLogprobs]]
+    logprobs: Optional[list[PositionLogprobs]]  # vLLM's shape: per token, token id -> Logprob
     error: Optional[str] = None  # finish_reason "error": what failed this sequence alone
 
 
@@ -127,6 +161,6 @@ class GenerationResult:
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
-    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]]
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]]  # the first None, as vLLM's
     outputs: list[CompletionOutput]
     num_cached_tokens: int

@@ -43,7 +43,9 @@ class SpeculativeConfig(BaseModel):
         "quantized kernels (CPU), none dequantizes it; auto: gguf where it can run, else none",
     )
     num_speculative_tokens: int = Field(ge=1, le=32, description="draft tokens a request verifies per step at most")
-    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram looked up (ngram)")
+    prompt_lookup_min: int = Field(
+        2, ge=1, description="shortest n-gram looked up (ngram; with only prompt_lookup_max given, 2 or that max)"
+    )
     prompt_lookup_max: Optional[int] = Field(
         None, ge=1, description="longest n-gram looked up (ngram; default: prompt_lookup_min + 3)"
     )
@@ -112,6 +114,8 @@ class SpeculativeConfig(BaseModel):
     def _lookup_range(self) -> "SpeculativeConfig":
         if self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min + 3
+        elif "prompt_lookup_min" not in self.model_fields_set:  # a max alone below the default min is taken
+            self.prompt_lookup_min = min(self.prompt_lookup_min, self.prompt_lookup_max)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import SamplingParams
-from engine.sampling.sampler import TokenLogprobs
+from engine.outputs import Logprob, PositionLogprobs
 from scheduler import RequestRejectedError
 from tests.engine.references import assert_idle
 
@@ -205,16 +205,35 @@ def test_logprobs_two_alternatives_per_token(llm):
     (out,) = result.outputs
     assert len(out.logprobs) == len(out.token_ids) == 6
     for token_id, lp in zip(out.token_ids, out.logprobs):
-        assert isinstance(lp, TokenLogprobs)
+        assert isinstance(lp, PositionLogprobs)
         assert lp.token_id == token_id and lp.logprob <= 0.0
         assert len(lp.top) == 2
         assert lp.top[0][1] >= lp.top[1][1]
         assert lp.rank == 1 and lp.top[0] == (token_id, pytest.approx(lp.logprob))  # greedy: the top token
 
 
+def test_logprobs_read_as_vllms_offline_api_gives_them(llm):
+    """vLLM's CompletionOutput.logprobs: per token a dict token id -> Logprob(logprob, rank, decoded_token), the
+    chosen token first, then the top alternatives (code ported from vLLM called .items() on a named tuple)."""
+    tokenizer = llm.get_tokenizer()
+    (result,) = generate(llm, "Hello, world!", SamplingParams(max_tokens=5, temperature=1.0, seed=7, logprobs=3))
+    (out,) = result.outputs
+    for token_id, position in zip(out.token_ids, out.logprobs):
+        assert next(iter(position)) == token_id and len(position.top) == 3
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        assert position[token_id] == Logprob(position.logprob, position.rank, text)
+        others = {t: (lp.logprob, lp.rank) for t, lp in position.items() if t != token_id}
+        assert others == {t: (v, rank) for rank, (t, v) in enumerate(position.top, 1) if t != token_id}
+    (prompted,) = generate(llm, "Hello, world!", greedy(1, prompt_logprobs=1))
+    assert prompted.prompt_logprobs[0] is None
+    for token_id, position in zip(prompted.prompt_token_ids[1:], prompted.prompt_logprobs[1:]):
+        assert position[token_id].logprob == position.logprob and 1 <= len(position) <= 2
+
+
 def test_logprobs_zero_gives_only_the_sampled_token(llm):
     (result,) = generate(llm, "Hello", greedy(3, logprobs=0))
     assert [lp.top for lp in result.outputs[0].logprobs] == [[], [], []]
+    assert [list(lp) for lp in result.outputs[0].logprobs] == [[t] for t in result.outputs[0].token_ids]
     (plain,) = generate(llm, "Hello", greedy(3))
     assert plain.outputs[0].logprobs is None
 
@@ -226,7 +245,7 @@ def test_prompt_logprobs(llm):
     assert len(lps) == len(prompt_ids)
     assert lps[0] is None
     assert [lp.token_id for lp in lps[1:]] == prompt_ids[1:]
-    assert all(isinstance(lp, TokenLogprobs) and len(lp.top) == 1 and lp.logprob <= 0.0 for lp in lps[1:])
+    assert all(isinstance(lp, PositionLogprobs) and len(lp.top) == 1 and lp.logprob <= 0.0 for lp in lps[1:])
     assert all(lp.top[0][1] >= lp.logprob - 1e-6 for lp in lps[1:])
 
 

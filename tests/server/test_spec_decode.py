@@ -90,6 +90,17 @@ def test_the_shared_server_without_speculation_shows_no_spec_metrics(server):
         assert "pagedserve_spec_decode" not in client.get("/metrics").text
 
 
+def test_a_lookup_max_alone_below_the_default_min_is_taken():
+    """`{"prompt_lookup_max": 1}` alone was refused (the default min, 2, above it); the range is then 1..1. A min
+    given above the max is still refused (test_a_bad_config_is_refused_at_start_up_naming_the_flag)."""
+    from engine.spec_decode.speculative_config import SpeculativeConfig
+
+    alone = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=1)
+    assert (alone.prompt_lookup_min, alone.prompt_lookup_max) == (1, 1)
+    wide = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4)
+    assert (wide.prompt_lookup_min, wide.prompt_lookup_max) == (2, 4)
+
+
 def test_the_flag_the_environment_and_yaml_set_it(tmp_path):
     flag = load_settings(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], {})
     assert flag.engine.speculative_config.num_speculative_tokens == 3
