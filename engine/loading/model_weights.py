@@ -18,6 +18,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from engine.errors import SettingsConflictError
 from engine.quantization.quantized_weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ WeightItem = tuple[str, Union[torch.Tensor, QuantizedWeight]]
 def resolve_gguf_storage(
     requested: str, gguf_file: Optional[Path], device: torch.device, dtype: torch.dtype, batch_invariant: bool = False
 ) -> str:
-    """The storage to load with: `none` or `gguf` (ValueError, naming the reason, when `gguf` cannot be)."""
+    """The storage to load with: `none` or `gguf`. SettingsConflictError, naming the reason, when `gguf` cannot
+    be: a setting that cannot run with this model, device, dtype or --batch-invariant (exit 2, as a bad flag)."""
     if requested not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {requested!r}; expected one of {', '.join(QUANTIZATIONS)}")
     if requested == "none":
@@ -45,7 +47,7 @@ def resolve_gguf_storage(
     problem = _gguf_problem(gguf_file, device, dtype, batch_invariant)
     if requested == "gguf":
         if problem:
-            raise ValueError(f"--quantization gguf is unavailable: {problem}")
+            raise SettingsConflictError(f"--quantization gguf is unavailable: {problem}")
         return "gguf"
     return "gguf" if GGUF_BY_DEFAULT and problem is None and dtype == torch.bfloat16 else "none"
 

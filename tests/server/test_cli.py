@@ -15,7 +15,7 @@ import pytest
 
 from server.cli import main, ready_message
 from tests.conftest import server_environment
-from tests.engine.factories import swap_token_ids
+from tests.engine.factories import make_tiny_gguf, swap_token_ids
 from server.config.settings import OPTIONS
 
 SERVE = [sys.executable, "-m", "server.cli", "serve"]
@@ -158,6 +158,7 @@ def test_a_draft_model_path_that_cannot_be_read_exits_2_naming_the_flag_and_the_
             ["--attention-backend", "cpu", "--kv-cache-dtype", "float16"],
             "--kv-cache-dtype float16: the cpu attention backend reads a KV cache of float32, bfloat16, fp8",
         ),
+        (["--quantization", "gguf"], "--quantization gguf is unavailable: the model is not a .gguf file"),
     ],
 )
 def test_settings_that_cannot_run_here_exit_2_as_a_bad_flag(tiny_model_dir, args, expected):
@@ -166,6 +167,24 @@ def test_settings_that_cannot_run_here_exit_2_as_a_bad_flag(tiny_model_dir, args
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("pagedserve serve: error: ") and expected in last, result.stderr
     assert "Traceback" not in result.stderr and "cannot load the model" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--batch-invariant"], "its products are not batch-invariant (--batch-invariant)"),
+        (["--dtype", "float16"], "its kernels take float32 or bfloat16 activations, not float16"),
+    ],
+)
+def test_gguf_blocks_with_settings_they_cannot_run_with_exit_2(tiny_model_dir, tmp_path, args, expected):
+    """docs/configuration.md: a quantization with batch-invariant mode (or any setting that cannot run with it)
+    exits 2 naming it, as --quantization int4 --batch-invariant does; not 1, as for a model that cannot load."""
+    gguf = make_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", matrix_type="Q8_0")
+    result = run_serve("--model", str(gguf), "--port", "0", "--quantization", "gguf", *args)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"pagedserve serve: error: --quantization gguf is unavailable: {expected}", result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_misspelled_variable_gets_a_warning_naming_the_setting_it_resembles():
