@@ -112,3 +112,18 @@ def test_slug_matches_githubs():
     )
     assert slug("Where a step's time goes") == "where-a-steps-time-goes"
     assert slug("int8, int4 and AWQ weights") == "int8-int4-and-awq-weights"
+
+
+def test_testing_page_names_every_test_folder_and_top_level_test_file():
+    """docs/testing.md says what each folder of tests/ checks: a folder or top-level test file it never names
+    is a part of `make test` a reader cannot find there (tests/lora was missing)."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    tests = ROOT / "tests"
+    folders = [p for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))]
+    files = list(tests.glob("test_*.py"))
+    missing = [
+        name
+        for name in [f"`tests/{p.name}`" for p in folders] + [f"`tests/{p.name}`" for p in files]
+        if name not in text
+    ]
+    assert not missing, f"docs/testing.md names none of: {', '.join(sorted(missing))}"
