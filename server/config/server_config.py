@@ -78,7 +78,7 @@ class ServerConfig(BaseModel):
         for origin in origins:
             if origin not in ("*", "null") and not _ORIGIN.fullmatch(origin):
                 raise ValueError(
-                    f"{origin!r} is not an origin: give * or scheme://host[:port], with no path or trailing slash "
+                    f"{origin!r} is not an origin: give *, null or scheme://host[:port], with no path or trailing slash "
                     "(e.g. https://app.example.com)"
                 )
         return origins

@@ -255,7 +255,8 @@ OPTIONS: tuple[Option, ...] = (
         "--tensor-parallel-size",
         (*PARALLEL, "tensor_parallel_size"),
         "int",
-        "processes that each hold 1/N of every layer (the Llama family; gloo on CPU, NCCL on CUDA)",
+        "processes that each hold 1/N of every layer (the Llama family, Gemma 2/3, Phi-3, OLMo 2, Granite, Mixtral, "
+        "Qwen2/3-MoE; all-reduce over shared memory on one CPU host, gloo across hosts, NCCL on CUDA)",
         "N",
     ),
     Option(
@@ -381,7 +382,7 @@ OPTIONS: tuple[Option, ...] = (
         "--allowed-origins",
         (*SERVER, "allowed_origins"),
         "list",
-        "CORS allowed origins, comma-separated (or repeat the flag, or vLLM's JSON list); each * or scheme://host[:port]",
+        "CORS allowed origins, comma-separated (or repeat the flag, or vLLM's JSON list); each *, null or scheme://host[:port]",
         "ORIGINS",
     ),
     Option("--log-level", (*SERVER, "log_level"), "str", "log level of pagedserve and uvicorn"),
