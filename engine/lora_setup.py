@@ -6,7 +6,7 @@ import logging
 from typing import Any, Optional
 
 from engine.engine_config import EngineConfig
-from engine.errors import SettingsConflictError
+from engine.errors import LoRAAdapterError, LoRARankError, SettingsConflictError
 from engine.lora.gguf_adapter import GgufTarget
 from engine.lora.lora_manager import LoRAManager
 from engine.lora_shard import AdapterShard
@@ -54,10 +54,16 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) ->
     manager = LoRAManager(lora, whole.num_layers, GgufTarget.of(whole), stack.dtype)
     for index, module in enumerate(lora.lora_modules):
         request = LoRARequest(module.name, module.path)
-        if index < lora.cpu_capacity:
-            manager.add_lora(request)
-        else:
-            manager.register(request)
+        try:
+            if index < lora.cpu_capacity:
+                manager.add_lora(request)
+            else:
+                manager.register(request)
+        except (
+            LoRAAdapterError,
+            LoRARankError,
+        ) as error:  # an adapter given at start that cannot be served is a bad flag (exit 2)
+            raise SettingsConflictError(f"--lora-modules: {error.problem}") from error
     logger.info(
         "LoRA: %d slots of rank up to %d (%.0f MiB), %d adapters kept loaded, %d registered",
         lora.max_loras,

@@ -238,6 +238,23 @@ def test_lora_modules_registered_at_start_up(lora_base_dir, adapter_a, adapter_b
         assert_idle(llm)
 
 
+@pytest.mark.parametrize("loaded_at_start", [True, False])
+def test_an_adapter_given_at_start_that_cannot_be_served_is_a_bad_setting(
+    lora_base_dir, adapter_a, adapter_b, loaded_at_start
+):
+    """A --lora-modules adapter over --max-lora-rank (or missing) is a settings conflict naming the flag, so the
+    server exits 2 as for any bad flag (it was "cannot load the model", exit 1), loaded at start or registered."""
+    from engine.errors import SettingsConflictError
+
+    modules = [{"name": "b", "path": str(adapter_b)}]  # rank 8
+    if not loaded_at_start:
+        modules.insert(0, {"name": "a", "path": str(adapter_a)})  # rank 4: loaded; b only registered
+    with pytest.raises(SettingsConflictError, match="--lora-modules: .*rank"):
+        make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=4, lora_modules=modules)
+    with pytest.raises(SettingsConflictError, match="--lora-modules"):
+        make_llm(lora_base_dir, enable_lora=True, lora_modules=[{"name": "gone", "path": str(lora_base_dir / "nope")}])
+
+
 def test_a_cold_load_runs_in_slices_between_steps(lora_base_dir, adapter_a, merged, monkeypatch):
     """A request for an adapter not loaded: the engine reads it a slice per step while the base request decodes
     (never the whole load in one step), admits it the step after the last slice, and both get their own output;
