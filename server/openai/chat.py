@@ -38,7 +38,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival_time = time.monotonic()  # queue time and TTFT include template rendering and tokenization
     state: ServerState = request.app.state.server
-    tools = plan_tools(body.tools, body.tool_choice)
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     num_top = _num_top_logprobs(body)
     names = dict(CHAT_FIELD_NAMES)
     if body.max_completion_tokens is not None:

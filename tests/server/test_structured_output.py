@@ -432,3 +432,48 @@ def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
         finish = chunk.choices[0].finish_reason or finish
     assert (content, finish) == ("Sure.", "tool_calls")
     assert list(calls.values()) == [["get_time", '{"zone": "UTC"}']]
+
+
+AUTO_TWO_CALLS = (
+    r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "days": 2\}\}</tool_call>\n'
+    r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_auto_calls_without_parallel_calls_keep_the_first(server, parallel):
+    """tool_choice auto, a model that writes two hermes calls (forced by a regex): parallel_tool_calls false keeps
+    the first call alone, as vLLM filters them, streamed (the SDK's stream helper) and not; unset keeps both."""
+    client = sdk(server)
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    kwargs = dict(
+        model="tiny",
+        messages=USER,
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"guided_regex": AUTO_TWO_CALLS},
+        **extra,
+    )
+    expected = [("get_weather", '{"city": "Oslo", "days": 2}'), ("get_time", '{"zone": "UTC"}')]
+    expected = expected[:1] if parallel is False else expected
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == expected
+    with client.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == expected
+    response = client.responses.create(
+        model="tiny",
+        input="Give me the data.",
+        tools=[{"type": "function", **t["function"]} for t in (WEATHER, TIME)],
+        max_output_tokens=200,
+        temperature=0,
+        extra_body={"guided_regex": AUTO_TWO_CALLS},
+        **extra,
+    )
+    assert [(item.name, item.arguments) for item in response.output if item.type == "function_call"] == expected

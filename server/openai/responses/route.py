@@ -43,7 +43,7 @@ FIELD_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input"}
 async def create_response(body: ResponsesRequest, request: Request):
     arrival_time = time.monotonic()  # queue time and TTFT include template rendering and tokenization
     state: ServerState = request.app.state.server
-    tools = plan_tools(chat_tools(body.tools), chat_tool_choice(body.tool_choice))
+    tools = plan_tools(chat_tools(body.tools), chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
     generation = await start_generation(
         state,
         GenerationRequest(

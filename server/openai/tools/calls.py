@@ -2,7 +2,8 @@
 `tool_calls` made of its output.
 
     none      tools not shown to the model; plain text
-    auto      tools in the chat template; calls parsed from the text (tool_parsers)
+    auto      tools in the chat template; calls parsed from the text (tool_parsers): the first one only when
+              parallel_tool_calls is false (as vLLM filters them: the model may still write several)
     required  output constrained to a JSON list of {"name", "arguments"} over the tools' schemas (one call
               when parallel_tool_calls is false; the list may end after any call)
     named     output constrained to the named function's arguments
@@ -28,6 +29,7 @@ class ToolPlan:
     functions: dict[str, dict] = field(default_factory=dict)  # name -> the tool's "function" object
     tools: Optional[list[dict]] = None  # for the chat template (None: not shown)
     named: Optional[str] = None
+    parallel: bool = True  # parallel_tool_calls not false: every call found; false: the first alone
 
     @property
     def constrained(self) -> bool:
@@ -65,13 +67,16 @@ class ToolPlan:
             calls = [ParsedCall(c.name, array.arguments(c)) for c in array.calls if c.name is not None]
             return (None, calls) if calls else (text, [])
         if self.mode == "auto":
-            return parse_tool_calls(text, parser)
+            content, calls = parse_tool_calls(text, parser)
+            return content, calls if self.parallel else calls[:1]
         return text, []
 
 
-def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
-    """Validate `tools` and `tool_choice` (400s naming them) into a ToolPlan."""
+def plan_tools(tools: Optional[list[dict]], tool_choice: Any, parallel_tool_calls: Optional[bool] = None) -> ToolPlan:
+    """Validate `tools` and `tool_choice` (400s naming them) into a ToolPlan; `parallel_tool_calls` false keeps
+    an `auto` output's calls to its first."""
     functions = _functions(tools or [])
+    parallel = parallel_tool_calls is not False
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
     if tool_choice == "none" or (tool_choice == "auto" and not functions):
@@ -81,7 +86,7 @@ def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
             raise bad_request("tool_choice 'required' needs tools.", param="tool_choice")
         if tool_choice == "required":
             _check_parameters(tools or [], set(functions))
-        return ToolPlan(tool_choice, functions, list(tools or []))
+        return ToolPlan(tool_choice, functions, list(tools or []), parallel=parallel)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in functions:
@@ -89,7 +94,7 @@ def plan_tools(tools: Optional[list[dict]], tool_choice: Any) -> ToolPlan:
                 f"tool_choice names the function {name!r}, which is not among the tools.", param="tool_choice"
             )
         _check_parameters(tools or [], {name})
-        return ToolPlan("named", functions, list(tools or []), name)
+        return ToolPlan("named", functions, list(tools or []), name, parallel=parallel)
     raise bad_request(
         'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}.',
         param="tool_choice",
