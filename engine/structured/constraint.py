@@ -15,8 +15,9 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """Exactly one of: a JSON Schema (`json`, canonical text: keywords sorted, properties in the schema's
-    order, which is the order the output writes them), a regex, a choice of strings, an EBNF grammar
-    (`grammar`, xgrammar's GBNF dialect), or `json_object` (any JSON object).
+    order, which is the order the output writes them), a regex, a choice of strings, a grammar
+    (`grammar`: EBNF in xgrammar's GBNF dialect, or Lark when no rule is written with `::=`, as vLLM reads
+    it), or `json_object` (any JSON object).
 
     Frozen and hashable: `key` is what compiled grammars are cached by. Build it with `parse`, which
     validates and names the request field (`field`) in its refusals.
@@ -87,7 +88,7 @@ class StructuredOutputs:
     @classmethod
     def _grammar(cls, grammar: Any, field: str) -> "StructuredOutputs":
         if not isinstance(grammar, str) or not grammar.strip():
-            _reject(field, "must be a non-empty grammar (EBNF, with a `root` rule)")
+            _reject(field, "must be a non-empty grammar (EBNF with a `root` rule, or Lark)")
         return cls(grammar=grammar)
 
     @classmethod

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from engine.errors import InvalidParameterError
 from engine.structured.constraint import StructuredOutputs
 from engine.structured.json_bounds import json_schema_grammar
+from engine.structured.lark import is_lark, lark_source
 from engine.structured.surrogates import without_surrogates
 
 if TYPE_CHECKING:
@@ -99,7 +100,11 @@ def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs
     if constraint.choice is not None:
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
         return compiler.compile_grammar(f"root ::= {literals}")
-    if constraint.grammar is not None:
+    if constraint.grammar is not None:  # EBNF (GBNF), or Lark as vLLM tells them apart (lark.py)
+        if is_lark(constraint.grammar):
+            import xgrammar as xgr
+
+            return compiler.compile_grammar(xgr.Grammar.from_lark(lark_source(constraint.grammar)))
         return compiler.compile_grammar(constraint.grammar)
     # json_object: an object, as OpenAI's json_object promises (the builtin grammar takes any value)
     return compiler.compile_grammar(_json_grammar('{"type": "object"}', strict=False))

@@ -477,3 +477,41 @@ def test_auto_calls_without_parallel_calls_keep_the_first(server, parallel):
         **extra,
     )
     assert [(item.name, item.arguments) for item in response.output if item.type == "function_call"] == expected
+
+
+LARK_CODE = """
+// a Lark grammar, as vLLM takes it in guided_grammar beside EBNF: no start rule (the first is the root),
+// single-quoted literals, terminals with regular expressions and ~ repetition
+code: letters '-' DIGIT~2
+letters: LETTER LETTER LETTER
+LETTER: /[A-Z]/
+DIGIT: "0".."9"
+"""
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"guided_grammar": LARK_CODE},
+        {"structured_outputs": {"grammar": '?start: answer\nanswer: "yes" | "no"\n'}},
+        {"guided_grammar": "start: WORD ('!' | '?')\n%import common.WORD\n"},
+    ],
+)
+def test_lark_grammars_constrain_as_vllm_reads_them(server, extra):
+    """A grammar with no `::=` rule is Lark (vLLM's reading): it was a 400 (xgrammar's EBNF parser refused it)."""
+    client = sdk(server)
+    # the whole output when the grammar ended it; a prefix of one when max_tokens cut it short (only WORD is unbounded)
+    whole, cut = {
+        "guided_grammar": (r"[A-Z]{3}-[0-9]{2}", None) if "code" in str(extra) else (r"[A-Za-z]+[!?]", r"[A-Za-z]+"),
+        "structured_outputs": (r"yes|no", None),
+    }[next(iter(extra))]
+    for choice in client.completions.create(
+        model="tiny", prompt="Code:", max_tokens=30, temperature=1.0, seed=3, n=2, extra_body=extra
+    ).choices:
+        if choice.finish_reason == "stop":
+            assert re.fullmatch(whole, choice.text), choice.text
+        else:
+            assert choice.finish_reason == "length" and cut and re.fullmatch(cut, choice.text), choice
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "guided_grammar": "start: undefined_rule"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
