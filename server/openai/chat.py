@@ -70,7 +70,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     for choice, result in zip(generation.choices, results):
         logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None
         content, calls = tools.calls_of(result.text, state.config.tool_call_parser)
-        finish_reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+        finish_reason = tools.finish_reason(result.finish_reason, bool(calls))
         message = AssistantMessage(content=content, tool_calls=tool_call_dicts(calls) if calls else None)
         out.append(
             ChatChoice(

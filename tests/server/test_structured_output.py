@@ -146,7 +146,8 @@ def test_tool_choice_constrains_to_valid_calls(server, tool_choice):
         seed=2,
     )
     choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    # a named function ends with "stop", as OpenAI and vLLM report a call the caller forced
+    assert choice.finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
     _valid_calls(choice.message.tool_calls)
     if isinstance(tool_choice, dict):
         assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
@@ -200,7 +201,7 @@ def test_streamed_tool_call_reassembles(server, tool_choice):
                 call["name"] = delta.function.name
             call["arguments"] += delta.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
+    assert finish == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole
     ]

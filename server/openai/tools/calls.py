@@ -56,6 +56,11 @@ class ToolPlan:
             schema["maxItems"] = 1
         return StructuredOutputs.of_kind("json", schema, "tools"), "tools"
 
+    def finish_reason(self, engine_reason: Optional[str], called: bool) -> Optional[str]:
+        """The choice's finish_reason: "tool_calls" when the model stopped after writing calls (`called`), but under
+        a named function, which OpenAI (and vLLM) report as "stop"; "length" and the rest as the engine gave them."""
+        return "tool_calls" if called and engine_reason == "stop" and self.mode != "named" else engine_reason
+
     def calls_of(self, text: str, parser: str) -> tuple[Optional[str], list[ParsedCall]]:
         """(content, calls) of a finished output."""
         if self.mode == "named":

@@ -102,7 +102,7 @@ class ToolCallStream:
         return out
 
     def finish_reason(self, engine_reason: Optional[str]) -> Optional[str]:
-        return "tool_calls" if self.num_calls and engine_reason == "stop" else engine_reason
+        return self.plan.finish_reason(engine_reason, self.num_calls > 0)
 
     def _call(self, call: ParsedCall) -> list[DeltaMessage]:
         index = self.num_calls
