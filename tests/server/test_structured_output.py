@@ -516,3 +516,52 @@ def test_lark_grammars_constrain_as_vllm_reads_them(server, extra):
     with server.client() as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "guided_grammar": "start: undefined_rule"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=8)
+
+
+class SetHome(BaseModel):
+    home: Address
+    past: list[Address] = Field(max_length=2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_takes_parameters_with_definitions(server, stream):
+    """A nested pydantic model's parameters hold `$defs` and "#/$defs/..." references: under tool_choice required
+    they sit inside the array of calls, so their definitions go to its root (as vLLM gathers them). They were a 400
+    ("Cannot find field '$defs'")."""
+    set_home = openai.pydantic_function_tool(SetHome, name="set_home")
+    assert "$defs" in set_home["function"]["parameters"]
+    client = sdk(server)
+    kwargs = dict(
+        model="tiny", messages=USER, tools=[set_home, TIME], tool_choice="required", max_tokens=200, temperature=0
+    )
+    if stream:
+        with client.chat.completions.stream(**kwargs) as events:
+            for _ in events:
+                pass
+            choice = events.get_final_completion().choices[0]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    for call in choice.message.tool_calls if choice.finish_reason == "tool_calls" else []:
+        schema = set_home["function"]["parameters"] if call.function.name == "set_home" else PARAMS["get_time"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    other = {
+        "$defs": {"Address": {"type": "string"}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/Address"}},
+    }
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": USER,
+                "tools": [set_home, {"type": "function", "function": {"name": "other", "parameters": other}}],
+                "tool_choice": "required",
+            },
+        )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters.$defs.Address", r.text

@@ -21,6 +21,7 @@ from server.openai.tools.array_reader import ToolArrayReader
 from server.openai.tools.parsers import ParsedCall, parse_tool_calls
 
 ToolMode = Literal["none", "auto", "required", "named"]
+_DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the subschemas its references name
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +43,32 @@ class ToolPlan:
             return StructuredOutputs.of_kind("json", _parameters(self.functions[self.named]), "tools"), "tools"
         if self.mode != "required":
             return None
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, "arguments": _parameters(function)},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for name, function in self.functions.items()
-        ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # Each function's definitions (`$defs`, `definitions`: what pydantic writes for a nested model) move to the
+        # array's root, where their "#/$defs/..." references point once the parameters sit inside it (as vLLM
+        # gathers them); a name two functions define differently is a 400.
+        definitions: dict[str, dict[str, Any]] = {}
+        calls = []
+        for i, (name, function) in enumerate(self.functions.items()):
+            parameters = dict(_parameters(function))
+            for keyword in (k for k in _DEFINITIONS if isinstance(parameters.get(k), dict)):
+                for def_name, def_schema in parameters.pop(keyword).items():
+                    known = definitions.setdefault(keyword, {})
+                    if def_name in known and known[def_name] != def_schema:
+                        raise bad_request(
+                            f"the definition {def_name!r} differs between two functions' parameters; "
+                            "tool_choice 'required' needs one schema per name.",
+                            param=f"tools[{i}].function.parameters.{keyword}.{def_name}",
+                        )
+                    known[def_name] = def_schema
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": parameters},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **definitions}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
         return StructuredOutputs.of_kind("json", schema, "tools"), "tools"
