@@ -320,6 +320,9 @@ def test_tool_follow_up_turn(server):
             "tools[0].function.parameters",
         ),
         ({"guided_grammar": "root ::= ( broken"}, "guided_grammar"),
+        # a function that is not an object: an AttributeError, a 500
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": ["get_weather"]}}, "tool_choice"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )

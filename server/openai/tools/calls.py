@@ -110,7 +110,8 @@ def plan_tools(tools: Optional[list[dict]], tool_choice: Any, parallel_tool_call
             _check_parameters(tools or [], set(functions))
         return ToolPlan(tool_choice, functions, list(tools or []), parallel=parallel)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in functions:
             raise bad_request(
                 f"tool_choice names the function {name!r}, which is not among the tools.", param="tool_choice"
