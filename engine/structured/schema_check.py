@@ -119,6 +119,13 @@ def _check(schema: Any, field: str, path: str) -> None:
 def _check_combination(schema: dict, field: str, path: str) -> None:
     """Refuse keywords the grammar engine would drop: beside a keyword it reads alone, a second schema of allOf,
     and a type's keyword where no type is given."""
+    ref = schema.get("$ref")
+    if ref is not None and (not isinstance(ref, str) or not ref.startswith("#")):
+        # xgrammar admits any value for a reference it cannot follow (another document, a URL)
+        raise InvalidParameterError(
+            field,
+            f"has a '$ref' to {ref!r} at {path}; this server can enforce only references inside the schema (#...)",
+        )
     alone = next((keyword for keyword in _ALONE if keyword in schema), None)
     if alone is not None:
         allowed = _BESIDE_VALUES if alone in ("const", "enum") else _BESIDE_ANYTHING

@@ -320,6 +320,18 @@ def test_tool_follow_up_turn(server):
             "tools[0].function.parameters",
         ),
         ({"guided_grammar": "root ::= ( broken"}, "guided_grammar"),
+        # a reference outside the schema: xgrammar admitted any value there
+        (
+            {"guided_json": {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}},
+            "guided_json",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "other.json#/x"}}}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
         # a function that is not an object: an AttributeError, a 500
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": ["get_weather"]}}, "tool_choice"),
