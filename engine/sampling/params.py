@@ -10,6 +10,9 @@ from typing import Any, NoReturn, Optional
 
 from engine.errors import InvalidParameterError, TokenIdOutOfVocabularyError
 from engine.structured.constraint import StructuredOutputs
+
+# (vLLM's sampling_params module has them too)
+from engine.structured.vllm_params import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401
 from scheduler import InvalidMaxTokensError, MinTokensOutOfRangeError
 
 MAX_LOGPROBS = 20
@@ -41,7 +44,8 @@ class SamplingParams:
     token. Both are capped at `MAX_LOGPROBS`.
 
     `structured_outputs` constrains the output to a grammar (JSON Schema, regex, choice, EBNF, any JSON
-    object); a dict in vLLM's spelling is parsed into a StructuredOutputs. The grammar ends the output with
+    object); a dict or a StructuredOutputsParams in vLLM's spelling is parsed into a StructuredOutputs (also given as
+    vLLM's older `guided_decoding`). The grammar ends the output with
     an eos token, so it cannot be combined with `ignore_eos`.
 
     `speculative` False keeps the request out of speculative decoding (when the engine runs it);
@@ -76,8 +80,13 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputs] = None
     speculative: bool = True
     num_speculative_tokens: Optional[int] = None
+    guided_decoding: dataclasses.InitVar[Any] = None  # vLLM's older name of structured_outputs
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: Any) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                _reject("guided_decoding", "is the older name of structured_outputs: give one of them")
+            self.structured_outputs = guided_decoding
         self._check_counts()
         if self.num_speculative_tokens is not None:
             self.num_speculative_tokens = _as_int(self.num_speculative_tokens, "num_speculative_tokens")

@@ -8,8 +8,12 @@ from typing import Any, NoReturn, Optional
 
 from engine.errors import InvalidParameterError
 from engine.structured.schema_check import canonical_schema, check_schema
+from engine.structured.vllm_params import StructuredOutputsParams
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options taken as what this engine does: the output has no free whitespace, and xgrammar is the only
+# backend (nothing to fall back from)
+_OPTIONS = {"disable_any_whitespace", "whitespace_pattern", "disable_fallback"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +44,15 @@ class StructuredOutputs:
     @classmethod
     def parse(cls, value: Any, field: str = "structured_outputs") -> "StructuredOutputs":
         """From vLLM's `structured_outputs` object ({"json": schema} | {"regex": ...} | {"choice": [...]} |
-        {"grammar": ...} | {"json_object": true}); a StructuredOutputs is returned as is."""
+        {"grammar": ...} | {"json_object": true}) or its offline StructuredOutputsParams; a StructuredOutputs is
+        returned as is."""
         if isinstance(value, cls):
             return value
+        if isinstance(value, StructuredOutputsParams):
+            value = value.as_dict()
         if not isinstance(value, dict):
             _reject(field, "must be an object with one of json, regex, choice, grammar, json_object")
-        unknown = sorted(set(value) - set(_KINDS) - {"disable_any_whitespace", "whitespace_pattern"})
+        unknown = sorted(set(value) - set(_KINDS) - _OPTIONS)
         if unknown:
             _reject(f"{field}.{unknown[0]}", "is not supported")
         given = [k for k in _KINDS if value.get(k) not in (None, False)]

@@ -59,6 +59,39 @@ def test_every_kind_of_constraint(llm):
         assert ok(out.outputs[0].text), out.outputs[0].text
 
 
+def test_vllms_offline_params_objects_are_read_as_the_dict_form(llm):
+    """vLLM's `SamplingParams(structured_outputs=StructuredOutputsParams(...))` and the older
+    `guided_decoding=GuidedDecodingParams(...)` constrain as the dict form does (they were TypeErrors); options
+    that are what this engine does are taken, others refused by name."""
+    from engine.sampling.params import GuidedDecodingParams, StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = [
+        SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": schema}),
+        SamplingParams(
+            max_tokens=60, temperature=0, structured_outputs=StructuredOutputsParams(json=schema, disable_fallback=True)
+        ),
+        SamplingParams(max_tokens=60, temperature=0, guided_decoding=GuidedDecodingParams(json=json.dumps(schema))),
+        SamplingParams(
+            max_tokens=60, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"], backend="xgrammar")
+        ),
+    ]
+    assert params[0].structured_outputs == params[1].structured_outputs == params[2].structured_outputs
+    outputs = [out.outputs[0].text for out in llm.generate(PROMPTS[:1] * 4, params)]
+    assert outputs[0] == outputs[1] == outputs[2] and isinstance(json.loads(outputs[0])["n"], int)
+    assert outputs[3] in ("yes", "no")
+    for bad, field in (
+        (StructuredOutputsParams(json=schema, structural_tag="{}"), "structural_tag"),
+        (GuidedDecodingParams(regex="a+", backend="outlines"), "backend"),
+        (StructuredOutputsParams(regex="a+", choice=["a"]), "structured_outputs"),
+    ):
+        with pytest.raises(InvalidParameterError, match=field):
+            SamplingParams(structured_outputs=bad)
+    with pytest.raises(InvalidParameterError, match="guided_decoding"):
+        SamplingParams(structured_outputs={"regex": "a"}, guided_decoding=GuidedDecodingParams(regex="b"))
+    assert SamplingParams(structured_outputs={"regex": "a"}).replace(n=2).structured_outputs.regex == "a"
+
+
 def test_penalties_logprobs_and_top_k_keep_working(llm):
     schema = {
         "type": "object",
