@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 from typing import Callable, Collection, Optional, Union
 
 from starlette.datastructures import Headers
@@ -148,7 +147,7 @@ def _parse_object(body: bytes) -> None:
         raise BodyRefused(400, "the request body's JSON is nested too deeply.") from None
     except ValueError:  # an integer literal past Python's int_max_str_digits (4300 digits by default)
         raise BodyRefused(
-            400, f"the request body holds a number too long to read (more than {sys.get_int_max_str_digits()} digits)."
+            400, "the request body holds an integer with more digits than Python reads (4300 by default)."
         ) from None
     if not isinstance(value, dict):
         raise BodyRefused(400, f"the request body must be a JSON object, not {_json_kind(value)}.")
