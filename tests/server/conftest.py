@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -30,6 +33,12 @@ class RunningServer:
     def client(self, **kwargs) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=60, **kwargs)
+
+    def sdk(self) -> openai.OpenAI:
+        """The openai SDK on this server (no retries: a failure shows as it is)."""
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=60
+        )
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Until no request is left in the engine and every KV block is free."""
@@ -59,6 +68,17 @@ def pace_engine(server: RunningServer, monkeypatch, seconds_per_step: float) -> 
 def start_server(model_dir, server_config: ServerConfig, *, on_engine_death=None, **engine_overrides):
     engine = AsyncEngine(make_llm(model_dir, **engine_overrides).engine)
     return serve_engine(engine, server_config, on_engine_death=on_engine_death)
+
+
+@contextlib.contextmanager
+def serving(model_dir, server_config: ServerConfig, **engine_overrides) -> Iterator[RunningServer]:
+    """`start_server` for a `with` block (or a fixture's yield): stopped when it ends."""
+    uv, thread, running = start_server(model_dir, server_config, **engine_overrides)
+    try:
+        yield running
+    finally:
+        uv.should_exit = True
+        thread.join(30)
 
 
 def serve_engine(engine: AsyncEngine, server_config: ServerConfig, *, on_engine_death=None):

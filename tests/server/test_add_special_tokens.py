@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import openai
 import pytest
 from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 
 from server.config.server_config import ServerConfig
-from tests.server.conftest import start_server
+from tests.server.conftest import serving
 
 BOS = "<|im_start|>"
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -31,19 +30,12 @@ def bos_server(tiny_model_dir, tmp_path_factory):
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "bos_token": BOS, "add_bos_token": True}))
-    uv, thread, running = start_server(path, ServerConfig(served_model_name="tiny"))
-    running.bos_id = bos_id
-    yield running
-    uv.should_exit = True
-    thread.join(30)
-
-
-def sdk(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with serving(path, ServerConfig(served_model_name="tiny")) as running:
+        yield running
 
 
 def test_completions_add_special_tokens_by_default_and_leave_them_out_when_asked(bos_server):
-    client = sdk(bos_server)
+    client = bos_server.sdk()
 
     def usage(**extra) -> int:
         return client.completions.create(
@@ -64,7 +56,7 @@ def test_completions_add_special_tokens_by_default_and_leave_them_out_when_asked
 
 
 def test_chat_leaves_special_tokens_to_the_template_unless_asked(bos_server):
-    client = sdk(bos_server)
+    client = bos_server.sdk()
 
     def usage(**extra) -> int:
         return client.chat.completions.create(

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 
-import openai
 import pytest
 
 from engine import SamplingParams
 from engine.loading.loader import CheckpointError
 from server.config.server_config import ServerConfig
 from tests.engine.references import make_llm
-from tests.server.conftest import start_server
+from tests.server.conftest import serving
 
 PROMPT = "The quick brown fox"
 # top_k 1 makes every default request greedy, whatever its temperature; the penalty changes which tokens win
@@ -32,18 +31,12 @@ def recommending_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recommending_server(recommending_model_dir):
-    uv, thread, running = start_server(recommending_model_dir, ServerConfig(served_model_name="tiny"))
-    yield running
-    uv.should_exit = True
-    thread.join(30)
-
-
-def sdk(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with serving(recommending_model_dir, ServerConfig(served_model_name="tiny")) as running:
+        yield running
 
 
 def test_requests_that_leave_sampling_unset_take_the_models_generation_config(recommending_server):
-    client = sdk(recommending_server)
+    client = recommending_server.sdk()
     # the model's defaults, spelled out: greedy (top_k 1) under its repetition penalty
     spelled = (
         client.completions.create(
@@ -77,7 +70,7 @@ def test_requests_that_leave_sampling_unset_take_the_models_generation_config(re
 
 
 def test_the_responses_api_reports_the_models_defaults(recommending_server):
-    reply = sdk(recommending_server).responses.create(model="tiny", input=PROMPT, max_output_tokens=4)
+    reply = recommending_server.sdk().responses.create(model="tiny", input=PROMPT, max_output_tokens=4)
     assert (reply.temperature, reply.top_p) == (0.7, 0.9)
 
 

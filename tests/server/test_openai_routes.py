@@ -138,16 +138,15 @@ def test_several_served_names_each_answer_and_the_card_roots_at_the_checkpoint(t
     names none gets the first (it exited 2: "unrecognized arguments")."""
     from server.config.server_config import ServerConfig
     from server.config.settings import load_settings
-    from tests.server.conftest import start_server
+    from tests.server.conftest import serving
 
     settings = load_settings(["--served-model-name", "tiny-a", "tiny-b"], {})
     assert settings.server.served_model_name == ["tiny-a", "tiny-b"]
     assert load_settings([], {"PAGEDSERVE_SERVED_MODEL_NAME": "x, y"}).server.served_model_name == ["x", "y"]
     assert ServerConfig(served_model_name="one").served_model_name == ["one"]
 
-    uv, thread, running = start_server(tiny_model_dir, settings.server)
-    try:
-        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+    with serving(tiny_model_dir, settings.server) as running:
+        client = running.sdk()
         cards = client.models.list().data
         assert [card.id for card in cards] == ["tiny-a", "tiny-b"]
         assert {card.model_dump()["root"] for card in cards} == {str(tiny_model_dir)}
@@ -156,6 +155,3 @@ def test_several_served_names_each_answer_and_the_card_roots_at_the_checkpoint(t
         with running.client() as c:
             assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()["model"] == "tiny-a"
         assert 'model_name="tiny-a"' in running.state.metrics.render().decode()
-    finally:
-        uv.should_exit = True
-        thread.join(30)
