@@ -78,7 +78,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache (or a KV tier) served at the first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Union[int, str, None] = None

@@ -378,3 +378,26 @@ def test_stats_snapshot():
     assert (stats.num_running, stats.num_waiting) == (1, 2)
     assert 0 < stats.kv_cache_usage < 1
     assert stats.prefix_cache_queries == 4
+
+
+def test_cached_tokens_are_the_prompt_hit_of_the_first_admission():
+    # A request preempted after it has output tokens resumes by hitting its own freed (still indexed) blocks:
+    # prompt and output. Its num_cached_tokens (usage's prompt_tokens_details.cached_tokens) must stay the
+    # prompt tokens the prefix cache served at its first admission, never more than its prompt.
+    s = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=4, enable_prefix_caching=True)
+    first = make_request(4, max_tokens=6, ignore_eos=True)
+    second = make_request(4, max_tokens=16, ignore_eos=True, first_token=400)
+    s.add_request(first)
+    s.add_request(second)
+    resumed_hits = []
+    while s.has_unfinished_requests:
+        out, _ = step(s)
+        for new in out.new_requests:
+            if new.request_id == second.request_id and second.num_preemptions:
+                resumed_hits.append(new.num_computed_tokens)
+        for r in (first, second):
+            assert r.num_cached_tokens <= r.num_prompt_tokens
+    assert second.num_preemptions >= 1
+    assert max(resumed_hits) > second.num_prompt_tokens  # it did resume from its own output blocks
+    assert second.num_cached_tokens == 0  # nothing of its prompt was cached when it was first admitted
+    assert first.num_cached_tokens == 0
