@@ -141,6 +141,20 @@ def test_api_key_and_model_come_from_the_environment():
     assert any(volume["target"] == "/cache/huggingface" and volume["type"] == "volume" for volume in service["volumes"])
 
 
+@pytest.mark.parametrize("file", ["docker-compose.yml", "docker-compose.cpu.yml"])
+def test_models_dir_is_relative_to_the_stack_not_to_the_shared_service(file):
+    """Compose resolves a relative host path against the file that writes it: written in deploy/compose/pagedserve.yml,
+    the default ./models and any relative PAGEDSERVE_MODELS_DIR landed in deploy/compose/ instead of the repository."""
+    for models_dir, expected in ((None, REPO / "models"), ("./my-models", REPO / "my-models")):
+        env = {"PAGEDSERVE_MODELS_DIR": models_dir} if models_dir else {}
+        result = _compose("-f", file, "--profile", "gateway", "config", "--format", "json", env=env)
+        assert result.returncode == 0, result.stderr
+        services = json.loads(result.stdout)["services"]
+        for name in ("pagedserve", "pagedserve-2"):
+            (models,) = [volume for volume in services[name]["volumes"] if volume["target"] == "/models"]
+            assert Path(models["source"]) == expected and models["read_only"], (name, models_dir, models)
+
+
 def test_compose_mounts_exist_and_prometheus_scrapes_the_replicas():
     config = _config("docker-compose.yml", "gateway")
     for service in config["services"].values():
