@@ -299,6 +299,38 @@ def test_promtool_check_config_and_rules():
         assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_promtool_test_rules():
+    """deploy/prometheus/alerts_test.yml: an idle replica (series at 0, scrapes and probes answered) fires nothing;
+    a replica down, a growing queue, a full KV cache, slow first tokens and a replica failing every API request
+    at low traffic each fire their alert."""
+    result = subprocess.run(
+        [require_promtool(), "test", "rules", str(DEPLOY / "prometheus" / "alerts_test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_error_ratio_counts_api_responses_only():
+    """Each /metrics scrape and /health probe is a response in pagedserve_http_requests_total: a ratio over all
+    routes depends on the scrape and probe rates, and hid a replica failing every one of its few requests."""
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pagedserve.json").read_text())
+    exprs = [next(rule["expr"] for rule in rules if rule["alert"] == "PagedserveHighErrorRate")]
+    exprs += [
+        target["expr"]
+        for panel in dashboard["panels"]
+        if panel["title"].startswith("Server error ratio")
+        for target in panel["targets"]
+    ]
+    assert len(exprs) == 2
+    for expr in exprs:
+        selectors = re.findall(r"pagedserve_http_requests_total\{([^}]*)\}", expr)
+        assert len(selectors) == 3 and all('route=~"/v1/.*"' in selector for selector in selectors), expr
+
+
 def test_alerts_cover_the_issue():
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
     exprs = {rule["alert"]: rule["expr"] for rule in rules}
