@@ -15,7 +15,8 @@
 # The CPU image serves the embedded SmolLM2-135M-Instruct with no volume and no network: the GGUF file is
 # converted at build time and the native CPU kernels are built then too. Those kernels are compiled for the
 # CPU they run on (-march=native, keyed by the CPU's flags), so the CPU image keeps g++ at run time: on a
-# machine whose CPU differs from the build machine's they are rebuilt on the first start (about 2 s).
+# machine whose CPU differs from the build machine's they are rebuilt on the first start (10-15 s on
+# 2 cores, into PAGEDSERVE_CACHE_DIR, which the image makes writable for its user).
 # The GPU image keeps gcc and the Python headers at run time for the same kind of reason: Triton (the
 # attention backend when flash-attn is absent) compiles its small launcher stubs on first use.
 #
