@@ -127,3 +127,41 @@ def test_testing_page_names_every_test_folder_and_top_level_test_file():
         if name not in text
     ]
     assert not missing, f"docs/testing.md names none of: {', '.join(sorted(missing))}"
+
+
+def _served_metric_names() -> set[str]:
+    """Every metric /metrics can serve, named as the exposition shows it (a counter's `_total`, an info's `_info`):
+    the server's families with speculation, both KV tiers and a GPU reading on, and the LoRA collector's."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.lora.lora_manager import LoRAStats
+    from scheduler import KVTierStats, SchedulerStats, SpecDecodeStats
+    from server.observability.gpu_monitor import GpuSample
+    from server.observability.lora_metrics import LoRACollector
+    from server.observability.metrics import ServerMetrics, cache_info
+
+    tiers = (KVTierStats("memory"), KVTierStats("disk"))
+    stats = SchedulerStats(1, 0, 0.5, 0, 10, 5, SpecDecodeStats(1, 3, 2, [1, 1, 0]), tiers)
+    metrics = ServerMetrics("m", lambda: stats, cache_info(8, 16, True, "auto", "cpu", 128))
+    metrics.gpu_monitor = SimpleNamespace(samples=[GpuSample("0", 0.5, 1, 2)])  # type: ignore[assignment]
+    metrics.registry.register(LoRACollector("m", lambda: LoRAStats(["a"], [], 4, {"a": 1})))
+    suffix = {"counter": "_total", "info": "_info"}
+    return {
+        family.name + suffix.get(family.type, "")
+        for family in text_string_to_metric_families(metrics.render().decode())
+        if not family.name.endswith("_created")  # prometheus-client's creation times beside each counter
+    }
+
+
+def test_operations_lists_every_metric_the_server_serves():
+    """docs/operations.md's metrics table names every family /metrics can show, and only those."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("\n## Metrics\n") :]
+    section = section[: section.index("\n## ", 1)]
+    documented = {name for name in re.findall(r"`(pagedserve_[a-z0-9_]+)", section) if not name.endswith("_")}
+    served = _served_metric_names()
+    assert len(served) >= 30
+    assert not served - documented, f"served but not in docs/operations.md#metrics: {sorted(served - documented)}"
+    assert not documented - served, f"in docs/operations.md#metrics but never served: {sorted(documented - served)}"
