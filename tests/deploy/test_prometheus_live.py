@@ -105,9 +105,10 @@ def _request(client: httpx.Client, prompt: str) -> None:
 
 
 def _first_requests(url: str) -> int:
-    """One completion and one rejected request: the series exist from here on. (pagedserve creates a
-    labelled series on its first observation, and rate() over a series born with its final value is 0,
-    so the workload proper comes after Prometheus has scraped these.)"""
+    """One completion and one rejected request: the series exist from here on. (The per-request series exist at 0
+    from start, but pagedserve_http_requests_total gets a series per route and status on its first response, and
+    rate() over a series born with its final value is 0, so the workload proper comes after Prometheus has
+    scraped these.)"""
     with httpx.Client(base_url=url, timeout=120) as client:
         _request(client, "first")
         assert (
