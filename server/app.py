@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.sampling.params import SamplingParams
@@ -88,7 +89,7 @@ def create_app(
         json_paths=json_paths,
         on_refusal=lambda status: state.metrics.observe_failure("rejected"),  # as a 400 from validation counts
     )
-    _install_middleware(app, state)
+    _install_middleware(app, state, [route for module in routers for route in module.router.routes])
     _drop_default_422(app)
     return app
 
@@ -206,10 +207,10 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
         )
 
 
-def _install_middleware(app: FastAPI, state: ServerState) -> None:
+def _install_middleware(app: FastAPI, state: ServerState, routes: list[BaseRoute]) -> None:
     keys = [key.encode() for key in state.config.api_keys]
     prefixes = _AUTH_PREFIXES + (("/metrics",) if state.config.metrics_require_auth else ())
-    app.add_middleware(AuthAndMetrics, keys=keys, prefixes=prefixes, metrics=state.metrics)
+    app.add_middleware(AuthAndMetrics, keys=keys, prefixes=prefixes, metrics=state.metrics, routes=routes)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=state.config.allowed_origins,

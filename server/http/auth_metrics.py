@@ -12,6 +12,7 @@ from typing import Sequence
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.http.errors import error_body
@@ -22,11 +23,19 @@ class AuthAndMetrics:
     """Refuses requests to `prefixes` without a valid `Authorization: Bearer <key>` (when keys are set) with
     a 401 in the OpenAI envelope, and counts every response by route template and status."""
 
-    def __init__(self, app: ASGIApp, keys: Sequence[bytes], prefixes: tuple[str, ...], metrics: ServerMetrics):
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Sequence[bytes],
+        prefixes: tuple[str, ...],
+        metrics: ServerMetrics,
+        routes: Sequence[BaseRoute] = (),
+    ):
         self.app = app
         self.keys = list(keys)
         self.prefixes = prefixes
         self.metrics = metrics
+        self.routes = list(routes)  # the app's routes, for a response given before the router ran
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,8 +66,19 @@ class AuthAndMetrics:
         try:
             await self.app(scope, receive, watch)
         finally:
-            route = scope.get("route")  # set by the router once a route matched
-            self.metrics.observe_http(getattr(route, "path", "unmatched"), status)
+            self.metrics.observe_http(self.route_template(scope), status)
+
+    def route_template(self, scope: Scope) -> str:
+        """The path template of the route that answered (the router marks it on the scope), else of the route the
+        request would have reached: the body guard answers before the router runs (413, 415, a body that is not a
+        JSON object). "unmatched" when no route takes the path and method."""
+        route = scope.get("route")  # set by the router once a route matched
+        if route is not None:
+            return getattr(route, "path", "unmatched")
+        for candidate in self.routes:
+            if candidate.matches(scope)[0] is Match.FULL:
+                return getattr(candidate, "path", "unmatched")
+        return "unmatched"
 
 
 def authorized(headers: Headers, keys: Sequence[bytes]) -> bool:

@@ -376,3 +376,27 @@ def test_a_body_without_content_type_is_counted_under_its_route(fresh, workload)
         for route in ("/v1/completions", "unmatched")
     }
     assert counted == {"/v1/completions": 1, "unmatched": 0}
+
+
+def test_a_body_refused_before_routing_is_counted_under_its_route(fresh, workload):
+    """The body guard answers before the router runs (415, 400 for a body that is not JSON): the response was
+    counted as route "unmatched", out of every per-route query (the dashboard's request rate takes /v1/...),
+    while the same refusal counted as a `rejected` failure of the API."""
+    with fresh.client() as http:
+        before = scrape(http)
+        assert http.post("/v1/completions", content=b"x", headers={"Content-Type": "text/plain"}).status_code == 415
+        assert (
+            http.post("/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"}).status_code
+            == 400
+        )
+        assert http.post("/no/such/route", content=b"{}").status_code == 404
+        after = scrape(http)
+
+    def counted(route: str, status: str) -> float:
+        return after.get("pagedserve_http_requests_total", default=0.0, route=route, status=status) - before.get(
+            "pagedserve_http_requests_total", default=0.0, route=route, status=status
+        )
+
+    assert counted("/v1/completions", "415") == 1 and counted("/v1/chat/completions", "400") == 1
+    assert counted("unmatched", "415") == counted("unmatched", "400") == 0
+    assert counted("unmatched", "404") == 1  # a path no route matches stays "unmatched"
