@@ -131,7 +131,8 @@ def _convert_dense(gguf_path: Path, out_dir: Path) -> None:
 
     source: dict[str, Any] = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
     with ConversionProgress(gguf_path.name) as progress, _quiet_transformers(progress):
-        model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+        config = _gguf_config(gguf_path, source)
+        model = AutoModelForCausalLM.from_pretrained(**source, config=config, dtype=torch.float32)
         progress.stage("writing the weights")
         _save_config(model.config, type(model).__name__, out_dir)
         _save_generation_config(model.config, out_dir)
@@ -139,6 +140,27 @@ def _convert_dense(gguf_path: Path, out_dir: Path) -> None:
         del model
         progress.stage("converting the tokenizer")
         AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
+
+
+def _gguf_config(gguf_path: Path, source: dict[str, Any]):
+    """transformers' config of the GGUF, with the head size the file states (`<arch>.attention.key_length`)
+    where transformers does not read it: its table for qwen3 leaves `head_dim` at Qwen3Config's default of
+    128, so a Qwen3 file of any other head size failed to load (a size mismatch of every attention matrix)."""
+    from transformers import AutoConfig
+
+    from engine.loading.gguf_reader import read_gguf
+
+    config = AutoConfig.from_pretrained(**source)
+    reader = read_gguf(gguf_path)
+    architecture = reader.fields.get("general.architecture")
+    key_length = architecture and reader.fields.get(f"{architecture.contents()}.attention.key_length")
+    head_dim = getattr(config, "head_dim", None)
+    if key_length and head_dim is not None and int(key_length.contents()) != head_dim:
+        logger.info(
+            "head_dim %s from the GGUF's attention.key_length (transformers read %s)", key_length.contents(), head_dim
+        )
+        config.head_dim = int(key_length.contents())
+    return config
 
 
 @contextlib.contextmanager

@@ -168,6 +168,43 @@ def test_gguf_file_converts_once_to_the_same_weights(tiny_gguf, tiny_llama_dir, 
     assert [p.name for p in (tmp_path / "gguf").iterdir() if ".tmp-" in p.name] == []
 
 
+def _qwen3_gguf(model_dir: Path, path: Path) -> Path:
+    """A Qwen3 checkpoint as llama.cpp's converter writes it: no q/k permutation, the head size in
+    `qwen3.attention.key_length` / `value_length` (its heads are not hidden_size / num_heads wide)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.engine.factories import _write_gguf_hparams, _write_gguf_tokenizer
+
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    _write_gguf_hparams(writer, config)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    _write_gguf_tokenizer(writer, model_dir)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config["num_hidden_layers"])
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_qwen3_gguf_keeps_its_head_size(tiny_qwen3_dir, tmp_path):
+    """transformers' GGUF config table has no head_dim for qwen3 (Qwen3Config's default, 128, was taken): a file
+    whose heads are 16 wide failed to convert with a size mismatch of every attention matrix."""
+    assert json.loads((tiny_qwen3_dir / "config.json").read_text())["head_dim"] == 16
+    path = _qwen3_gguf(tiny_qwen3_dir, tmp_path / "tiny-qwen3.F32.gguf")
+    checkpoint = prepare_checkpoint(str(path), cache_dir=tmp_path / "cache")
+    assert load_hf_config(checkpoint.path).head_dim == 16
+    ours, original = dict(iter_weights(checkpoint.path)), dict(iter_weights(tiny_qwen3_dir))
+    assert set(ours) == set(original)
+    assert all(torch.equal(ours[name], original[name]) for name in ours)
+
+
 def test_gguf_is_hashed_once_per_file_version(tiny_gguf, tmp_path, monkeypatch):
     """A second start finds the digest by path, size and mtime; a touched file is read again."""
     checkpoint = prepare_checkpoint(str(tiny_gguf), cache_dir=tmp_path)
