@@ -43,6 +43,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def assert_all_gone(pids, message: str, timeout: float = 10.0) -> None:
+    """Within `timeout` (a worker checks its parent every second), none of `pids` is alive."""
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if alive(pid)], message
+
+
 def worker_pids(stderr: Path) -> list[int]:
     match = re.search(r"\d+ ranks .*\(rank 0 here, pids ([\d, ]+)\)", stderr.read_text())
     assert match, stderr.read_text()[-2000:]
@@ -115,10 +123,7 @@ def test_a_worker_killed_mid_stream_fails_the_server_fast(tmp_path, tiny_model_d
         assert time.monotonic() - killed < 10
     finally:
         process.kill()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in family if alive(pid)], "processes left behind"
+    assert_all_gone(family, "processes left behind")
 
 
 def test_sigkill_of_the_server_takes_its_workers_with_it(tmp_path, tiny_model_dir):
@@ -126,10 +131,7 @@ def test_sigkill_of_the_server_takes_its_workers_with_it(tmp_path, tiny_model_di
     family = children(process.pid) | set(worker_pids(stderr))
     process.kill()
     process.wait(timeout=10)
-    deadline = time.monotonic() + 10  # a worker checks its parent every second while idle
-    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in family if alive(pid)], "workers outlived a SIGKILLed server"
+    assert_all_gone(family, "workers outlived a SIGKILLed server")
 
 
 @SPLITS
@@ -166,10 +168,7 @@ def test_ctrl_c_at_the_terminal_drains_the_stream_and_exits_0(tmp_path, tiny_mod
         assert "KeyboardInterrupt" not in stderr.read_text()
     finally:
         process.kill()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in family if alive(pid)], "processes left behind"
+    assert_all_gone(family, "processes left behind")
 
 
 def test_a_second_ctrl_c_exits_at_once_and_takes_the_workers_with_it(tmp_path, tiny_model_dir):
@@ -196,7 +195,4 @@ def test_a_second_ctrl_c_exits_at_once_and_takes_the_workers_with_it(tmp_path, t
         assert process.wait(timeout=30) == 130
     finally:
         process.kill()
-    deadline = time.monotonic() + 10  # a worker checks its parent every second
-    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in family if alive(pid)], "workers outlived a server that exited at once"
+    assert_all_gone(family, "workers outlived a server that exited at once")
