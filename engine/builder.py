@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -68,7 +68,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         chat_template=model_config.chat_template,
         generation_config_dir=checkpoint.path if generation_dir in ("auto", "vllm") else generation_dir,
     )
-    default_sampling = read_sampling_defaults(model_config.generation_config, checkpoint.path)
+    default_sampling = read_sampling_defaults(model_config.generation_config, checkpoint.path)  # (before workers)
     workers: Optional[TensorParallelWorkers] = None
     tp = ParallelGroup.single()
     parallel = config.parallel
@@ -84,13 +84,13 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             workers = TensorParallelWorkers.start(config, checkpoint, hf_config)
         tp = workers.group
     try:
-        engine = _build_rank0(config, checkpoint, hf_config, tokenizer, tp, workers, served_model_name, started)
+        return _build_rank0(
+            config, checkpoint, hf_config, tokenizer, tp, workers, served_model_name, default_sampling, started
+        )
     except BaseException:
         if workers is not None:
             workers.stop()
         raise
-    engine.default_sampling = default_sampling
-    return engine
 
 
 def set_cpu_threads(threads: int) -> None:
@@ -110,6 +110,7 @@ def _build_rank0(
     tp: ParallelGroup,
     workers: Optional["TensorParallelWorkers"],
     served_model_name: Optional[str],
+    default_sampling: dict[str, Any],
     started: float,
 ) -> EngineCore:
     parallel = config.parallel
@@ -233,6 +234,7 @@ def _build_rank0(
         served_model_name or checkpoint.source,
         grammar_compiler,
         lora_manager,
+        default_sampling=default_sampling,
         model_source=checkpoint.source,
     )
 

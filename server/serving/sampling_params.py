@@ -20,7 +20,7 @@ def make_sampling_params(
     logprobs: Optional[int] = None,
     prompt_logprobs: Optional[int] = None,
     structured_outputs: Optional[StructuredOutputs] = None,
-    defaults: Mapping[str, Any] = {},
+    defaults: Optional[Mapping[str, Any]] = None,
 ) -> SamplingParams:
     """SamplingParams from the request's fields; a bad value is a RequestRejectedError naming its field.
     `defaults`: the model's sampling defaults (its generation_config.json's, engine/loading/generation_defaults.py),
@@ -50,7 +50,7 @@ def make_sampling_params(
         "speculative": request.speculative,
         "num_speculative_tokens": request.num_speculative_tokens,
     }
-    for key, value in defaults.items():
+    for key, value in (defaults or {}).items():
         if values.get(key) is None:
             values[key] = value
     # An unset (null) field takes SamplingParams' default; for the others None is the default.
