@@ -390,6 +390,12 @@ def test_metrics_show_grammar_histograms(server):
             "llama3_json",
             [("f", '{"a": 2}'), ("g", "{}")],
         ),
+        (  # the arguments as written, as a stream sends them
+            '<tool_call>{"name":"f","arguments":{"a":1,  "b":"\\u00fc"}}</tool_call>',
+            "hermes",
+            [("f", '{"a":1,  "b":"\\u00fc"}')],
+        ),
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\":1}"}</tool_call>', "hermes", [("f", '{"a": 1}')]),
         ("just text", "hermes", []),
         ("<tool_call>{broken</tool_call>", "hermes", []),
     ],
@@ -448,6 +454,34 @@ def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
         finish = chunk.choices[0].finish_reason or finish
     assert (content, finish) == ("Sure.", "tool_calls")
     assert list(calls.values()) == [["get_time", '{"zone": "UTC"}']]
+
+
+def test_streamed_auto_calls_arrive_in_pieces(server):
+    """tool_choice auto, two hermes calls (forced by a regex): each call's header arrives once its name is written
+    and its arguments in pieces as they are generated, before the chunk that finishes the choice (vLLM streams them
+    so); the pieces add up to the non-streamed calls' arguments."""
+    client = sdk(server)
+    kwargs = dict(
+        model="tiny",
+        messages=USER,
+        tools=[WEATHER, TIME],
+        max_tokens=200,
+        temperature=0,
+        extra_body={"guided_regex": AUTO_TWO_CALLS},
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    headers, pieces = [], {0: [], 1: []}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:
+                headers.append((delta.index, delta.function.name, delta.function.arguments, choice.finish_reason))
+            elif delta.function.arguments:
+                pieces[delta.index].append((delta.function.arguments, choice.finish_reason))
+    assert headers == [(0, "get_weather", "", None), (1, "get_time", "", None)]
+    for index, call in enumerate(whole):
+        assert "".join(p for p, _ in pieces[index]) == call.function.arguments
+        assert len(pieces[index]) >= 3 and all(finish is None for _, finish in pieces[index]), pieces[index]
 
 
 AUTO_TWO_CALLS = (

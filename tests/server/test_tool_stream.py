@@ -1,5 +1,6 @@
 """tool_choice auto, streamed: whatever pieces the text arrives in, the content and calls a stream sends add up to
-what the non-streamed parse of the whole text gives, and the content before a call streams as it comes."""
+what the non-streamed parse of the whole text gives; the content before a call streams as it comes, and a call's
+header and arguments as they are written."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ TEXTS = {
     "no_call": "  plain text, spaces around  ",
     "malformed_call": "Here: <tool_call>{broken</tool_call> end",
     "whitespace_only_before": "\n  " + CALL,
+    "spacing_as_written": '<tool_call>{"name":"f","arguments":{"a":1,  "b" : [1, {"c": "}"}]}}</tool_call>',
+    "escapes_as_written": '<tool_call>{"name": "f", "arguments": {"city": "Z\\u00fcrich \\"q\\""}}</tool_call>',
+    "arguments_in_a_string": '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+    "no_arguments": '<tool_call>{"name": "f"}</tool_call>',
+    "arguments_before_the_name": '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
 }
 
 
@@ -74,9 +80,54 @@ def test_a_piece_of_the_marker_is_held_until_it_is_known():
     assert [d.content for d in stream.feed(" <", True)] == [" <"]
 
 
-def test_llama3_json_still_holds_text_that_may_be_a_call():
-    text = '{"name": "f", "parameters": {"a": 2}}'
-    content, calls, before_end, _ = _stream(text, list(range(1, len(text))), "llama3_json")
-    assert content is None and before_end == "" and calls == [("f", '{"a": 2}')]
+def _deltas(stream: ToolCallStream, text: str) -> list[tuple[bool, dict]]:
+    """The tool-call entries a stream sends for `text` fed a character at a time: (sent before the end, entry)."""
+    out = []
+    for i, char in enumerate(text):
+        finished = i == len(text) - 1
+        for delta in stream.feed(char, finished):
+            out += [(not finished, call) for call in delta.tool_calls or []]
+    return out
+
+
+@pytest.mark.parametrize(
+    "text, parser",
+    [
+        ("Sure. " + TEXTS["text_then_two_calls"], "hermes"),
+        ('{"name": "f", "parameters": {"a": 1}}; {"name": "f", "parameters": {"b": "<x>"}}', "llama3_json"),
+    ],
+)
+def test_calls_stream_as_they_are_written(text, parser):
+    """As vLLM streams auto calls (and OpenAI any): each call's header (id, type, name, arguments "") once its name
+    is written, then its arguments in pieces as they grow, long before the output ends."""
+    stream = ToolCallStream(plan_tools(TOOLS, "auto"), parser)
+    entries = _deltas(stream, text)
+    headers = [(early, c["index"], c["function"]["name"]) for early, c in entries if "id" in c]
+    assert headers == [(True, 0, "f"), (True, 1, "f")]
+    for index, arguments in enumerate(['{"a": 1}', '{"b": "<x>"}']):
+        pieces = [(early, c["function"]["arguments"]) for early, c in entries if c["index"] == index and "id" not in c]
+        assert "".join(p for _, p in pieces) == arguments
+        assert len(pieces) == len(arguments) and all(early for early, _ in pieces)  # a piece per character
+    assert stream.finish_reason("stop") == "tool_calls"
+
+
+def test_without_parallel_calls_only_the_first_streams():
+    stream = ToolCallStream(plan_tools(TOOLS, "auto", parallel_tool_calls=False), "hermes")
+    entries = _deltas(stream, TEXTS["text_then_two_calls"])
+    assert {c["index"] for _, c in entries} == {0}
+    assert "".join(c["function"]["arguments"] for _, c in entries) == '{"a": 1}'
+
+
+def test_a_call_cut_short_after_its_name_ends_as_written():
+    """An output cut off inside a call's arguments (max_tokens): the non-streamed parse finds no call in it (the text
+    is content, finish "length"), but the stream has sent the call's header and what was written of its arguments,
+    as vLLM's parsers leave it; nothing more is made up at the end."""
+    text = 'Ok <tool_call>\n{"name": "f", "arguments": {"a": [1, 2'
+    stream = ToolCallStream(plan_tools(TOOLS, "auto"), "hermes")
+    entries = _deltas(stream, text)
+    assert [c["function"].get("name") for _, c in entries if "id" in c] == ["f"]
+    assert "".join(c["function"]["arguments"] for _, c in entries) == '{"a": [1, 2'
+    assert stream.finish_reason("length") == "length"
+    assert parse_tool_calls(text, "hermes").calls == []
     content, calls, before_end, _ = _stream("no call {here}", [3, 8], "llama3_json")
     assert content == "no call {here}" and before_end == "no call " and not calls

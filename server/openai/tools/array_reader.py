@@ -1,12 +1,14 @@
-"""Reading `tool_choice: "required"` output as it is generated: a JSON array of `{"name", "arguments"}` objects
-(the grammar's), each call's name as soon as it is written and its arguments' text as it grows.
+"""Reading tool calls as they are generated: `tool_choice: "required"` output, a JSON array of `{"name", "arguments"}`
+objects (the grammar's), or under `auto` the bare call objects a model writes (`call_depth` 1: hermes' bodies,
+llama3_json's objects, whose arguments may be keyed "parameters"); each call's name as soon as it is written and
+its arguments' text as it grows.
 
     [{"name":"get_weather","arguments":{"city":"Os          <- text so far
       ^ call 0 (depth 2)  ^ arguments_start (depth 3)      arguments so far: {"city":"Os
 
 The arguments are the raw text the model wrote, so the pieces a stream sends add up to the finished call's
-arguments exactly. Only the array's structure is read (strings, nesting, keys at the call's depth); the grammar
-guarantees the rest.
+arguments exactly. Only the structure is read (strings, nesting, keys at the call's depth); the grammar guarantees
+the rest under `required`, and under `auto` the finished text's parse (parsers.py) decides what is a call.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
-_CALL_DEPTH = 2  # inside the array (1), inside a call object (2)
+ARRAY_CALL_DEPTH = 2  # inside the array (1), inside a call object (2)
 
 
 @dataclass(slots=True)
@@ -25,12 +27,15 @@ class CallSpan:
     name: Optional[str] = None
     arguments_start: Optional[int] = None
     arguments_end: Optional[int] = None  # one past the arguments' closing brace
+    arguments_key: Optional[str] = None  # the key they were written under
 
 
 @dataclass(slots=True)
 class ToolArrayReader:
     """Feed it the output's text deltas; `calls` grows as the calls are written."""
 
+    call_depth: int = ARRAY_CALL_DEPTH  # 1: bare call objects, one after another
+    arguments_keys: tuple[str, ...] = ("arguments",)  # the first of them written holds a call's arguments
     text: str = ""
     calls: list[CallSpan] = field(default_factory=list)
     _position: int = 0
@@ -68,33 +73,35 @@ class ToolArrayReader:
             self._in_string, self._string_start = True, i
         elif char in "{[":
             self._depth += 1
-            if char == "{" and self._depth == _CALL_DEPTH:
+            if char == "{" and self._depth == self.call_depth:
                 self.calls.append(CallSpan())
                 self._key, self._in_value = None, False
             elif (
-                self._depth == _CALL_DEPTH + 1
+                self._depth == self.call_depth + 1
                 and self._in_value
-                and self._key == "arguments"
+                and self._key in self.arguments_keys
                 and self.calls
                 and self.calls[-1].arguments_start is None
             ):
                 self.calls[-1].arguments_start = i
+                self.calls[-1].arguments_key = self._key
         elif char in "}]":
             self._depth -= 1
             if (
-                self._depth == _CALL_DEPTH
-                and self._key == "arguments"
+                self._depth == self.call_depth
                 and self.calls
+                and self.calls[-1].arguments_start is not None
                 and self.calls[-1].arguments_end is None
+                and self._key == self.calls[-1].arguments_key
             ):
                 self.calls[-1].arguments_end = i + 1
-        elif self._depth == _CALL_DEPTH and char == ":":
+        elif self._depth == self.call_depth and char == ":":
             self._in_value = True
-        elif self._depth == _CALL_DEPTH and char == ",":
+        elif self._depth == self.call_depth and char == ",":
             self._key, self._in_value = None, False
 
     def _string_ended(self, literal: str) -> None:
-        if self._depth != _CALL_DEPTH or not self.calls:
+        if self._depth != self.call_depth or not self.calls:
             return
         try:
             value = json.loads(literal, strict=False)

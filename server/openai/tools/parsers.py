@@ -2,6 +2,10 @@
 
 hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen, SmolLM, Hermes templates)
 llama3_json  {"name": ..., "parameters": {...}} (Llama 3.x; several separated by ";")
+
+A call's arguments are the object's text as the model wrote it (what a stream sends piece by piece, so the pieces
+add up to the finished call's), or, where they were written otherwise (a JSON string holding the object, or not
+at all), the object's JSON.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import json
 import re
 from typing import NamedTuple, Optional
+
+from server.openai.tools.array_reader import ToolArrayReader
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
@@ -67,7 +73,7 @@ def _llama3_json(text: str) -> list[ParsedCall]:
             value, end = decoder.raw_decode(text, position)
         except ValueError:
             return []
-        call = _from_object(value, "parameters")
+        call = _from_object(value, "parameters", text[position:end])
         if call is None:
             return []
         calls.append(call)
@@ -82,10 +88,11 @@ def _call(body: str, arguments_key: str) -> Optional[ParsedCall]:
         value = json.loads(body)
     except ValueError:
         return None
-    return _from_object(value, arguments_key)
+    return _from_object(value, arguments_key, body)
 
 
-def _from_object(value, arguments_key: str) -> Optional[ParsedCall]:
+def _from_object(value, arguments_key: str, written: str) -> Optional[ParsedCall]:
+    """The call an object holds (`written`: the object's text), or None when it is none."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
@@ -96,4 +103,24 @@ def _from_object(value, arguments_key: str) -> Optional[ParsedCall]:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return ParsedCall(value["name"], _as_written(written, arguments))
+
+
+def call_reader() -> ToolArrayReader:
+    """A reader of call objects as a model writes them under `auto` (hermes' bodies, llama3_json's objects)."""
+    return ToolArrayReader(call_depth=1, arguments_keys=("arguments", "parameters"))
+
+
+def _as_written(written: str, arguments: dict) -> str:
+    """The arguments' text in the object as written, where it is the object they parse to (a repeated key could
+    make them differ); else their JSON."""
+    reader = call_reader()
+    reader.feed(written)
+    if reader.calls and reader.calls[0].arguments_end is not None:
+        text = reader.arguments(reader.calls[0])
+        try:
+            if json.loads(text) == arguments:
+                return text
+        except ValueError:
+            pass
+    return json.dumps(arguments, ensure_ascii=False)

@@ -8,17 +8,20 @@ from typing import Optional
 from server.openai.protocol import DeltaMessage
 from server.openai.tools.array_reader import ToolArrayReader
 from server.openai.tools.calls import ToolPlan, new_call_id
-from server.openai.tools.parsers import HERMES_START, ParsedCall, may_start_tool_call
+from server.openai.tools.parsers import HERMES_START, ParsedCall, call_reader, may_start_tool_call
 
 
 class ToolCallStream:
     """Turns one choice's text deltas into the deltas to send (content, or tool-call pieces).
 
     named: the arguments stream as they come. required: each call's header once its name is written, then its
-    arguments as they grow (the output is a JSON array of calls, read as it comes: ToolArrayReader). auto: text
-    that may be a tool call is held back until the end, then sent as calls or as content; with hermes, calls may
-    follow text (as the non-streamed parse finds them), so the text before a call's marker streams as content,
-    all but a tail that may begin the marker (or be the whitespace the content's end drops).
+    arguments as they grow (the output is a JSON array of calls, read as it comes: ToolArrayReader). auto: the
+    same for the calls the model writes (hermes: after a call's marker; llama3_json: text that begins with an
+    object), as vLLM streams them; with hermes the text before the first marker streams as content, all but a
+    tail that may begin the marker (or be the whitespace the content's end drops). Until a call's name is written
+    nothing of it is sent, so an output that turns out to hold no call ends as the non-streamed parse reads it:
+    content. (Once a call is sent it stays sent: a call object left malformed after its name ends with what was
+    written of it, as vLLM's parsers leave it.)
     """
 
     def __init__(self, plan: ToolPlan, parser: str):
@@ -29,6 +32,8 @@ class ToolCallStream:
         self.num_calls = 0
         self._array = ToolArrayReader() if plan.mode == "required" else None
         self._arguments_sent: list[int] = []  # required: characters of each call's arguments sent so far
+        self._calls = call_reader() if plan.mode == "auto" else None  # auto: the calls written after `_start`
+        self._arguments: list[str] = []  # auto: each streamed call's arguments sent so far
         self._sent = 0  # auto: characters of the text sent as content before the end (hermes streams them)
         self._marker: Optional[int] = None  # auto, hermes: where the first call's marker begins, once written
 
@@ -50,10 +55,10 @@ class ToolCallStream:
             return self._auto_hermes(finished)
         if not self.holding:
             return [DeltaMessage(content=delta)] if delta else []
-        if mode == "auto" and not may_start_tool_call(self.text, self.parser):
+        if not may_start_tool_call(self.text, self.parser):
             self.holding = False
             return [DeltaMessage(content=self.text)]
-        return self._end() if finished else []
+        return self._end() if finished and self.num_calls == 0 else self._stream_calls(0, finished)
 
     def _end(self) -> list[DeltaMessage]:
         """The finished output's calls, after its content not yet sent (all of the text when no call parses)."""
@@ -69,14 +74,59 @@ class ToolCallStream:
         if self._marker is None:
             at = text.find(HERMES_START, self._sent)  # (no sent text ends in a piece of the marker)
             self._marker = at if at >= 0 else None
-        if finished:
+        if finished and self.num_calls == 0:
             return self._end()
+        out = []
         end = self._marker if self._marker is not None else len(text) - _marker_prefix(text)
         end = self._sent + len(text[self._sent : end].rstrip())  # (only the unsent text: no copy of it all)
-        if end <= self._sent:
-            return []
-        piece, self._sent = text[self._sent : end], end
-        return [DeltaMessage(content=piece)]
+        if end > self._sent:
+            out.append(DeltaMessage(content=text[self._sent : end]))
+            self._sent = end
+        if self._marker is not None:
+            out += self._stream_calls(self._marker + len(HERMES_START), finished)
+        return out
+
+    def _stream_calls(self, start: int, finished: bool) -> list[DeltaMessage]:
+        """auto: the headers of the calls written in the text from `start` whose names are complete, and their
+        arguments' text written since the last delta; at the end, what the finished text's parse adds to them."""
+        reader = self._calls
+        assert reader is not None  # auto only
+        reader.feed(self.text[start + len(reader.text) :])
+        calls = reader.calls if self.plan.parallel else reader.calls[:1]
+        out = []
+        for index in range(max(self.num_calls - 1, 0), len(calls)):  # earlier calls are complete and sent
+            call = calls[index]
+            if call.name is None:
+                break
+            if index == self.num_calls:
+                out.append(self._header(index, call.name))
+                self.num_calls += 1
+                self._arguments.append("")
+            piece = reader.arguments(call, skip=len(self._arguments[index]))
+            if piece:
+                self._arguments[index] += piece
+                out.append(DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": piece}}]))
+        if finished:
+            out += self._finish_calls()
+        return out
+
+    def _finish_calls(self) -> list[DeltaMessage]:
+        """The rest of each streamed call's arguments as the finished text's parse gives them: none where they
+        were written as an object (all sent), else their JSON (arguments written as a string, or not at all)."""
+        reader = self._calls
+        assert reader is not None
+        _, parsed = self.plan.calls_of(self.text, self.parser)
+        out = []
+        for index, sent in enumerate(self._arguments):
+            call = parsed[index] if index < len(parsed) else None
+            if call is not None and call.name == reader.calls[index].name and call.arguments.startswith(sent):
+                whole = call.arguments
+            else:  # the parse found no such call (malformed after its name): what was written, an object at least
+                whole = sent or "{}"
+            if len(whole) > len(sent):
+                self._arguments[index] = whole
+                out.append(DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": whole[len(sent) :]}}]))
+        return out
 
     def _required(self, delta: str, finished: bool) -> list[DeltaMessage]:
         """Headers of the calls whose names are complete, and the arguments' text written since the last
