@@ -11,6 +11,7 @@ add_request / abort
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from engine.lora.request import LoRAMix
 from engine.observer import EngineObserver
 from engine.outputs import ModelRunnerOutput, RequestOutput
 from engine.request_state import RequestState
+from engine.sampling.bad_words import bad_words_token_ids
 from engine.sampling.sampler import TokenLogprobs
 from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
@@ -235,6 +237,9 @@ class EngineCore:
         prompt = list(prompt_token_ids)
         check_token_ids(prompt, self.vocab_size, "prompt")
         params.verify_vocab(self.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            params = params.replace(bad_words_token_ids=bad_words_token_ids(encode, params.bad_words, self.vocab_size))
         grammar_ref = None
         if params.structured_outputs is not None:
             if grammar is None:

@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_N = 128
 """The most alternatives `logprobs` / `prompt_logprobs` may ask for."""
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (argmax)."""
@@ -48,6 +50,11 @@ class SamplingParams:
     vLLM's older `guided_decoding`). The grammar ends the output with
     an eos token, so it cannot be combined with `ignore_eos`.
 
+    `allowed_token_ids`: the only tokens the output may hold (every other one's logit -inf), as vLLM's.
+    `bad_words`: words the output may not hold: their tokens (each word as it starts a text and after a space,
+    tokenized by the engine into `bad_words_token_ids`, as vLLM's `update_from_tokenizer`) are masked wherever
+    the output so far ends with all of a word's tokens but its last; a one-token word is masked always.
+
     `speculative` False keeps the request out of speculative decoding (when the engine runs it);
     `num_speculative_tokens` caps its draft tokens per step below the engine's (0: none).
 
@@ -66,6 +73,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: Optional[list[list[int]]] = None  # the engine's tokenization of bad_words
     seed: Optional[int] = None
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
@@ -94,6 +104,7 @@ class SamplingParams:
                 _reject("num_speculative_tokens", f"must be non-negative, got {self.num_speculative_tokens}")
         self._check_sampling()
         self._check_penalties()
+        self._check_masks()
         self._check_stops()
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
@@ -138,10 +149,14 @@ class SamplingParams:
         return self.replace(n=1, seed=seed)
 
     def verify_vocab(self, vocab_size: int) -> None:
-        """Refuse `logit_bias` token ids the model does not have (call once the model is known)."""
+        """Refuse `logit_bias` and `allowed_token_ids` token ids the model does not have (call once the model is
+        known)."""
         for token_id in self.logit_bias or {}:
             if token_id >= vocab_size:
                 raise TokenIdOutOfVocabularyError("logit_bias", token_id, vocab_size)
+        for token_id in self.allowed_token_ids or ():
+            if token_id >= vocab_size:
+                raise TokenIdOutOfVocabularyError("allowed_token_ids", token_id, vocab_size)
 
     # ------------------------------------------------------------------ validation
 
@@ -195,6 +210,26 @@ class SamplingParams:
         if self.repetition_penalty <= 0.0:
             _reject("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    def _check_masks(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                _reject("allowed_token_ids", "must be a non-empty list of token ids")
+            self.allowed_token_ids = [_as_int(t, "allowed_token_ids") for t in self.allowed_token_ids]
+            if any(t < 0 for t in self.allowed_token_ids):
+                _reject("allowed_token_ids", "must be non-negative")
+        words = [] if self.bad_words is None else self.bad_words
+        if not isinstance(words, (list, tuple)):
+            _reject("bad_words", "must be a list of strings")
+        for word in words:
+            # (a word of spaces alone tokenizes to nothing: there would be no token to mask)
+            if not isinstance(word, str) or not word.strip():
+                _reject("bad_words", f"must hold strings with a non-space character, got {word!r}")
+        if len(words) > MAX_BAD_WORDS or any(len(word) > MAX_BAD_WORD_CHARS for word in words):
+            _reject(
+                "bad_words", f"must hold at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters each"
+            )
+        self.bad_words = list(words)
 
     def _check_stops(self) -> None:
         stop = self.stop

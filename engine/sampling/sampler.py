@@ -3,9 +3,11 @@
 raw logits ──► logprobs: the raw log-softmax, reported as is
     │
     ├─ min_tokens: eos (unless ignore_eos) and stop_token_ids -> -inf
+    ├─ bad_words: the last token of each word the output ends with the rest of -> -inf
     ├─ logit_bias, added
     ├─ repetition penalty over prompt + output tokens
     ├─ presence / frequency penalties over output tokens
+    ├─ allowed_token_ids: every other token -> -inf
     ├─ structured output: tokens outside the grammar -> -inf (a TokenBitmask, on the device)
     ▼
 greedy rows: argmax
@@ -129,6 +131,8 @@ class Sampler:
                 _apply_processors_native(x, states, plan, self.native_processors)
             else:
                 _apply_processors(x, states, plan, sync_free)
+            for row in plan.allowed_rows:
+                x[row].masked_fill_(states[row].disallowed(vocab, x.device), -math.inf)
             if token_bitmask is not None:
                 apply_token_bitmask(x, token_bitmask)
         native = self.native_rows if on_cpu else None
@@ -204,12 +208,13 @@ class _BatchPlan:
     logprob_tops: list[int] = field(default_factory=list)  # the alternatives each logprob row wants
     penalty_rows: list[int] = field(default_factory=list)
     add_rows: list[int] = field(default_factory=list)  # (row, id, value) added to the logits:
-    add_ids: list[int] = field(default_factory=list)  # logit_bias, and -inf for min_tokens
+    add_ids: list[int] = field(default_factory=list)  # logit_bias, and -inf for min_tokens and bad_words
     add_values: list[float] = field(default_factory=list)
+    allowed_rows: list[int] = field(default_factory=list)  # rows with allowed_token_ids
 
     @property
     def needs_processing(self) -> bool:
-        return bool(self.add_ids or self.penalty_rows)
+        return bool(self.add_ids or self.penalty_rows or self.allowed_rows)
 
     @classmethod
     def build(cls, states: Sequence[SamplingState], vocab: int) -> "_BatchPlan":
@@ -227,10 +232,13 @@ class _BatchPlan:
                 plan.logprob_tops.append(params.logprobs)
             if state.has_processors:
                 plan._add_processors(row, state, vocab)
+            if params.allowed_token_ids is not None:
+                plan.allowed_rows.append(row)
         return plan
 
     def _add_processors(self, row: int, state: SamplingState, vocab: int) -> None:
         additions = [(i, -math.inf) for i in state.suppressed_ids] if state.suppresses_stops else []
+        additions += [(i, -math.inf) for i in state.bad_word_ids]
         additions += (state.params.logit_bias or {}).items()
         for token_id, value in additions:
             if token_id < vocab:  # SamplingParams.verify_vocab refuses larger bias ids up front

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.sampling.bad_words import masked_by_bad_words
 from engine.sampling.device_io import to_device
 from engine.sampling.params import SamplingParams
 
@@ -38,10 +39,11 @@ class SamplingState:
     eos_token_ids: frozenset[int]
     seed: Optional[int]  # params.seed mod 2**64; None: draws come from torch's default generator
     suppressed_ids: tuple[int, ...] = field(default=(), init=False)  # masked until min_tokens
-    has_processors: bool = field(default=False, init=False)  # min_tokens, logit_bias or penalties
+    has_processors: bool = field(default=False, init=False)  # min_tokens, logit_bias, bad words or penalties
     _prompt_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
     _output_ids: Optional[torch.Tensor] = field(default=None, init=False, repr=False)  # capacity >= filled
     _num_output_ids: int = field(default=0, init=False, repr=False)  # entries of _output_ids filled
+    _disallowed: Optional[torch.Tensor] = field(default=None, init=False, repr=False)  # not allowed_token_ids
     # The request's own state when this one is what it will be after some draft tokens (`after`).
     origin: Optional["SamplingState"] = field(default=None, init=False, repr=False)
 
@@ -50,7 +52,9 @@ class SamplingState:
         if params.min_tokens > 0:
             eos = frozenset() if params.ignore_eos else self.eos_token_ids
             self.suppressed_ids = tuple(sorted(eos | set(params.stop_token_ids)))
-        self.has_processors = bool(self.suppressed_ids or params.logit_bias or params.needs_penalties)
+        self.has_processors = bool(
+            self.suppressed_ids or params.logit_bias or params.needs_penalties or params.bad_words_token_ids
+        )
 
     @classmethod
     def create(
@@ -77,6 +81,7 @@ class SamplingState:
             self.seed,
         )
         state._prompt_ids = self._prompt_ids
+        state._disallowed = self._disallowed
         state.origin = self
         return state
 
@@ -97,6 +102,22 @@ class SamplingState:
     def suppresses_stops(self) -> bool:
         """min_tokens not reached yet: eos and stop ids are masked at this step."""
         return bool(self.suppressed_ids) and len(self.output_token_ids) < self.params.min_tokens
+
+    @property
+    def bad_word_ids(self) -> list[int]:
+        """The tokens bad_words mask at this step (none without bad_words)."""
+        sequences = self.params.bad_words_token_ids
+        return masked_by_bad_words(sequences, self.output_token_ids) if sequences else []
+
+    def disallowed(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """True for the tokens outside `allowed_token_ids` (set), built once.  # [vocab] bool"""
+        if self._disallowed is None or self._disallowed.device != device or self._disallowed.numel() != vocab:
+            mask = torch.ones(vocab, dtype=torch.bool)
+            mask[torch.tensor(self.params.allowed_token_ids, dtype=torch.long)] = False
+            self._disallowed = mask.to(device)
+            if self.origin is not None:  # (a speculative step's copy: the request's own state keeps it)
+                self.origin._disallowed = self._disallowed
+        return self._disallowed
 
     def unique_prompt_ids(self, device: torch.device) -> torch.Tensor:
         """The distinct prompt ids, built once.  # [num_distinct_prompt_ids]"""

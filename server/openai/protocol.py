@@ -59,6 +59,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

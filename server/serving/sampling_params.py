@@ -35,6 +35,8 @@ def make_sampling_params(
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
         "logit_bias": request.logit_bias,
+        "allowed_token_ids": request.allowed_token_ids,
+        "bad_words": request.bad_words,
         "seed": request.seed,
         "max_tokens": max_tokens,
         "min_tokens": request.min_tokens,

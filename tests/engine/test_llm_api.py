@@ -459,3 +459,63 @@ def test_unknown_keyword_raises_type_error(tiny_llama_dir):
 
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(str(tiny_llama_dir), no_such_option=1)
+
+
+# ---------------------------------------------------------------------- allowed_token_ids, bad_words
+
+
+def _contains(ids: list[int], sequence: list[int]) -> bool:
+    return any(ids[i : i + len(sequence)] == sequence for i in range(len(ids) - len(sequence) + 1))
+
+
+def test_allowed_token_ids_are_the_only_tokens_written(llm):
+    """Greedy under allowed_token_ids is the argmax among them: with the reference's own tokens allowed the output
+    is the reference; with its first token taken out, every token is still among those allowed."""
+    prompt = "The quick brown fox"
+    (reference,) = generate(llm, prompt, greedy(12))
+    ids = reference.outputs[0].token_ids
+    (same,) = generate(llm, prompt, greedy(12, allowed_token_ids=sorted(set(ids))))
+    assert same.outputs[0].token_ids == ids
+    allowed = sorted((set(range(200, 400)) | set(ids[1:])) - {ids[0]})
+    (other,) = generate(llm, prompt, greedy(12, allowed_token_ids=allowed))
+    out = other.outputs[0].token_ids
+    assert out[0] != ids[0] and set(out) <= set(allowed)
+
+
+def test_bad_words_are_never_written(llm):
+    """A word of the greedy reference (one of its tokens' text), banned: the output is the reference until the
+    word's last token was due, and neither of its token sequences (as a text's start, and after a space) appears
+    in it."""
+    prompt = "The quick brown fox"
+    (reference,) = generate(llm, prompt, greedy(24))
+    ids = reference.outputs[0].token_ids
+    tokenizer = llm.get_tokenizer()
+    pieces = [tokenizer.decode([t]).strip() for t in ids[2:]]
+    word = next(p for p in pieces if p.isascii() and p.isalpha() and len(p) >= 2)
+    sequences = [
+        tokenizer.encode(word, add_special_tokens=False),
+        tokenizer.encode(" " + word, add_special_tokens=False),
+    ]
+    assert any(_contains(ids, s) for s in sequences), (word, sequences, ids)
+    (banned,) = generate(llm, prompt, greedy(24, bad_words=[word]))
+    out = banned.outputs[0].token_ids
+    assert not any(_contains(out, s) for s in sequences), (word, out)
+    start = min(i for s in sequences for i in range(len(ids)) if ids[i : i + len(s)] == s)
+    last = max(len(s) for s in sequences if _contains(ids, s))
+    assert out[: start + last - 1] == ids[: start + last - 1]  # unchanged until the word's last token was due
+
+
+@pytest.mark.parametrize(
+    "changes, param",
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
+        ({"bad_words": ["ok", "  "]}, "bad_words"),
+        ({"bad_words": "word"}, "bad_words"),
+    ],
+)
+def test_token_masks_refused_name_their_field(llm, changes, param):
+    with pytest.raises(RequestRejectedError) as info:
+        llm.engine.add_request("bad", [3, 4, 5], greedy(4, **changes))
+    assert info.value.field == param

@@ -104,6 +104,7 @@ SEEDED = {
         "logit_bias": {25: 1.0, 26: -2.0},
     },  # mild: the tiny model's logits are small
     "min_tokens and stops": {"min_tokens": 20, "stop_token_ids": [27, 28], "ignore_eos": False},
+    "allowed_token_ids": {"allowed_token_ids": list(range(0, 500, 3))},
 }
 
 

@@ -623,3 +623,43 @@ def test_an_fp8_kv_cache_serves_streams_and_ends_empty(tiny_model_dir):
     finally:
         uv.should_exit = True
         thread.join(timeout=30)
+
+
+def test_allowed_token_ids_and_bad_words_as_vllm_takes_them(server):
+    """vLLM's extras through the SDK's extra_body, on completions and chat: allowed_token_ids keeps the output to
+    those tokens; bad_words masks a word's tokens (here "_", forced by logit_bias, so the next best is written)."""
+    client = sdk(server)
+    (underscore,) = token_ids(server, "_")
+    (dash,) = token_ids(server, "-")
+    forced = {str(underscore): 100}
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias=forced, logprobs=0
+    )
+    assert out.choices[0].text == "____"
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias=forced, extra_body={"bad_words": ["_"]}
+    )
+    assert "_" not in out.choices[0].text and out.usage.completion_tokens == 4
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"allowed_token_ids": [dash], "ignore_eos": True},
+    )
+    assert chat.choices[0].message.content == "----"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+    ],
+)
+def test_token_masks_refused_name_their_field(server, extra, param):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
