@@ -59,6 +59,7 @@ class RequestInput(NamedTuple):
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     lora: Optional[LoRAMix] = None  # the LoRA adapters it runs with (None: the base model)
+    cache_salt: Optional[str] = None  # vLLM's: only requests with the same salt share cached blocks
 
 
 @dataclass(slots=True)
@@ -445,6 +446,7 @@ class AsyncEngine:
                     priority=command.priority,
                     grammar=None if constraint is None else command.grammars[constraint.key],
                     lora=item.lora,
+                    cache_salt=item.cache_salt,
                 )
                 added.append(engine_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop

@@ -176,14 +176,16 @@ class EngineCore:
         priority: int = 0,
         grammar: Optional["xgrammar.CompiledGrammar"] = None,
         lora: Optional[LoRAMix] = None,
+        cache_salt: Optional[str] = None,
     ) -> None:
         """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`).
 
         `grammar`: the compiled `params.structured_outputs`, compiled beforehand off this thread (AsyncEngine);
         without it the constraint is compiled here, synchronously (the offline `LLM`, which adds its requests
         before it steps). `lora`: the adapters to run with (None: the base model); one still loading makes the
-        request wait beside the queue. Raises a RequestRejectedError for a request that can never be served
-        (LoRANotFoundError for an unknown adapter).
+        request wait beside the queue. `cache_salt` (vLLM's): only requests of the same salt share cached blocks.
+        Raises a RequestRejectedError for a request that can never be served (LoRANotFoundError for an unknown
+        adapter).
         """
         self._check_running()
         if request_id in self._lora_waiting:  # (not yet in the scheduler, which checks the others)
@@ -200,7 +202,7 @@ class EngineCore:
             raise InvalidParameterError(
                 "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
             )
-        request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority, grammar)
+        request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority, grammar, cache_salt)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer.hf,
             request.prompt_token_ids,
@@ -231,12 +233,15 @@ class EngineCore:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         grammar: Optional["xgrammar.CompiledGrammar"] = None,
+        cache_salt: Optional[str] = None,
     ) -> Request:
         """The scheduler request for these inputs, validated against the model (not queued); a constrained one
         holds its compiled grammar (`grammar`, or compiled now) until it ends."""
         prompt = list(prompt_token_ids)
         check_token_ids(prompt, self.vocab_size, "prompt")
         params.verify_vocab(self.vocab_size)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", "must be a non-empty string")
         if params.bad_words and params.bad_words_token_ids is None:
             encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
             params = params.replace(bad_words_token_ids=bad_words_token_ids(encode, params.bad_words, self.vocab_size))
@@ -265,6 +270,7 @@ class EngineCore:
             stop_token_ids=frozenset(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             priority=priority,
+            cache_salt=cache_salt,
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling_params=params,
             grammar=grammar_ref,

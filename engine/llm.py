@@ -136,8 +136,9 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
         lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
     ) -> list[GenerationResult]:
-        """Complete each prompt (a string, a list of token ids or {"prompt_token_ids": [...]});
-        results come back in input order. `priority` (one per prompt, lower first) needs the
+        """Complete each prompt (a string, a list of token ids, or a dict of "prompt" or "prompt_token_ids" and
+        optionally vLLM's "cache_salt": only prompts of the same salt share cached blocks); results come back in
+        input order. `priority` (one per prompt, lower first) needs the
         priority scheduling policy, as in vLLM. `lora_request`: the adapter for every prompt or one per
         prompt (a LoRARequest, registered on first use; a LoRAMix of registered adapters; None: the base)."""
         prompt_list = _as_prompt_list(prompts)
@@ -148,7 +149,8 @@ class LLM:
             raise ValueError("priority needs an LLM made with scheduling_policy='priority' (as in vLLM)")
         loras = self._as_lora_list(lora_request, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
-        return self._run(encoded, params_list, use_tqdm, priority, loras)
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
+        return self._run(encoded, params_list, use_tqdm, priority, loras, salts)
 
     def _as_lora_list(self, choice: Union[LoRAChoice, Sequence[LoRAChoice]], count: int) -> list[Optional[LoRAMix]]:
         """One LoRAMix (or None) per prompt; LoRARequests are loaded first (idempotent by name)."""
@@ -209,6 +211,7 @@ class LLM:
         use_tqdm: bool,
         priority: Optional[Sequence[int]] = None,
         loras: Optional[Sequence[Optional[LoRAMix]]] = None,
+        salts: Optional[Sequence[Optional[str]]] = None,
     ) -> list[GenerationResult]:
         engine = self.engine
         parents: list[tuple[str, list[str]]] = []
@@ -224,6 +227,7 @@ class LLM:
                         child_params,
                         priority=0 if priority is None else priority[index],
                         lora=None if loras is None else loras[index],
+                        cache_salt=None if salts is None else salts[index],
                     )
         except BaseException:
             engine.abort([c for _, children in parents for c in children])

@@ -155,7 +155,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.skip_prefix_cache:
             return [[] for _ in self.group_windows], 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.lora_key)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.hash_seed)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]
         get_cached = self.block_pool.get_cached_block
@@ -418,7 +418,7 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[request.request_id]
         if num_full <= num_cached:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.lora_key)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.hash_seed)
         hashes = request.block_hashes
         pending = self._filling
         pending_step = self._pending_step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -70,6 +71,9 @@ class Request:
     # A stable key of the adapter mix (names, scales, contents), mixed into the first block's hash: requests under
     # different adapters (or an adapter and the base) never share KV blocks. None: the base model.
     lora_key: Optional[bytes] = None
+    # vLLM's cache_salt: mixed into the first block's hash too, so that only requests with the same salt share
+    # cached blocks (tenants of one server cannot learn from cache hits what another one's prompts were).
+    cache_salt: Optional[str] = None
     # Draft tokens this request may verify per step (speculative decoding): None, the engine's number; 0, none.
     num_speculative_tokens: Optional[int] = None
     # Recent share of its drafts accepted: a moving average, from an optimistic 1 (every draft accepted).
@@ -96,6 +100,13 @@ class Request:
             )
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
+
+    @property
+    def hash_seed(self) -> Optional[bytes]:
+        """What the first block's hash starts from: the LoRA mix's key and the cache salt (None: neither)."""
+        if self.cache_salt is None:
+            return self.lora_key
+        return hashlib.sha256(b"salt\0" + (self.lora_key or b"") + b"\0" + self.cache_salt.encode()).digest()
 
     @property
     def num_prompt_tokens(self) -> int:

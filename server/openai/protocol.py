@@ -66,6 +66,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     request_id: Optional[str] = None
+    cache_salt: Optional[str] = None
     # speculative decoding, per request (pagedserve's own)
     speculative: bool = True
     num_speculative_tokens: Optional[int] = None

@@ -124,7 +124,7 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
             defaults=state.engine.default_sampling,
         )
         choices = plan_choices(request.request_id, prompts, params)
-        streams, guard = await _admit(state, choices, body.priority, arrival_time, lora)
+        streams, guard = await _admit(state, choices, body.priority, arrival_time, lora, body.cache_salt)
     except LoRANotFoundError as exc:  # unloaded since the check above
         raise adapter_not_found(exc, "model" if body.lora is None else "lora") from None
     except RequestRejectedError as exc:  # named as the route spells its fields
@@ -143,7 +143,12 @@ def _one_constraint(found: Sequence[tuple[str, Optional[Constraint]]]) -> Option
 
 
 async def _admit(
-    state: "ServerState", choices: Sequence[Choice], priority: int, arrival_time: float, lora: Optional[LoRAMix]
+    state: "ServerState",
+    choices: Sequence[Choice],
+    priority: int,
+    arrival_time: float,
+    lora: Optional[LoRAMix],
+    cache_salt: Optional[str],
 ) -> tuple[list[RequestStream], RequestGuard]:
     """Take the choices' places in the queue (429 when full), then queue them in the engine, all or none,
     with their LoRA adapters (None: the base model). The guard returned holds the places and the deadline."""
@@ -152,7 +157,9 @@ async def _admit(
         _log_request(choices)
     timeout = state.config.request_timeout
     guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
-    inputs = [RequestInput(choice.request_id, choice.prompt_token_ids, choice.params, lora) for choice in choices]
+    inputs = [
+        RequestInput(choice.request_id, choice.prompt_token_ids, choice.params, lora, cache_salt) for choice in choices
+    ]
     try:
         streams = await state.engine.add_requests(inputs, priority=priority, arrival_time=arrival_time)
     except BaseException:

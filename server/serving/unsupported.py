@@ -39,7 +39,6 @@ VLLM_EXTRAS = frozenset(
         "lora_request",
         "kv_transfer_params",
         "vllm_xargs",
-        "cache_salt",
     }
 )
 

@@ -519,3 +519,14 @@ def test_token_masks_refused_name_their_field(llm, changes, param):
     with pytest.raises(RequestRejectedError) as info:
         llm.engine.add_request("bad", [3, 4, 5], greedy(4, **changes))
     assert info.value.field == param
+
+
+def test_cache_salt_in_a_prompt_dict_keeps_cache_hits_apart(llm):
+    prompt = token_prompt(7, 40)
+    stats = llm.engine.stats
+    generate(llm, {"prompt_token_ids": prompt, "cache_salt": "a"}, greedy(1))
+    before = stats().prefix_cache_hits
+    generate(llm, {"prompt_token_ids": prompt, "cache_salt": "b"}, greedy(1))
+    assert stats().prefix_cache_hits == before
+    generate(llm, {"prompt_token_ids": prompt, "cache_salt": "a"}, greedy(1))
+    assert stats().prefix_cache_hits > before

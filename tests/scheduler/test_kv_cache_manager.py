@@ -37,6 +37,23 @@ def test_hit_of_a_later_block_needs_the_same_prefix():
     assert kv.get_computed_blocks(make_request([9, 2, 3, 4, 5, 6, 7, 8, 0]))[1] == 0
 
 
+def test_cache_salt_shares_blocks_only_within_a_salt():
+    """vLLM's cache_salt: the same tokens under another salt (or none) hash apart, under the same salt they hit;
+    a salt with a LoRA mix's key is another seed than either alone."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    salted = make_request(list(range(10)))
+    salted.cache_salt = "tenant-a"
+    assert admit(kv, salted) == 0
+    for salt, hit in ((None, 0), ("tenant-b", 0), ("tenant-a", 8)):
+        other = make_request(list(range(10)))
+        other.cache_salt = salt
+        assert kv.get_computed_blocks(other)[1] == hit, salt
+    keyed = make_request(list(range(10)))
+    keyed.cache_salt, keyed.lora_key = "tenant-a", b"adapter"
+    assert keyed.hash_seed not in (salted.hash_seed, b"adapter", None)
+    assert kv.get_computed_blocks(keyed)[1] == 0
+
+
 def test_hit_is_capped_to_leave_one_token():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     admit(kv, make_request(list(range(8))))

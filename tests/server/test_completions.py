@@ -663,3 +663,24 @@ def test_token_masks_refused_name_their_field(server, extra, param):
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_cache_salt_separates_prefix_cache_hits(server):
+    """vLLM's cache_salt: a repeated prompt under another salt gets no cached tokens, under the same salt it does;
+    a salt that is not a non-empty string is a 400 naming it."""
+    client = sdk(server)
+    prompt = "cache salt test: " + "lorem ipsum dolor sit amet " * 12
+
+    def cached(salt):
+        out = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+        )
+        details = out.usage.prompt_tokens_details
+        return 0 if details is None else details.cached_tokens
+
+    assert cached("salt-one") == 0
+    assert cached("salt-two") == 0
+    assert cached("salt-one") > 0
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
