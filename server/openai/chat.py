@@ -68,7 +68,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     out = []
     counter = UsageCounter.of(generation.prompts, body.n)
     for choice, result in zip(generation.choices, results):
-        logprobs = state.formatter.chat(result.logprobs or [], num_top) if num_top is not None else None
+        logprobs = (
+            state.formatter.chat(result.logprobs or [], num_top, body.return_tokens_as_token_ids)
+            if num_top is not None
+            else None
+        )
         content, calls = tools.calls_of(result.text, state.config.tool_call_parser)
         finish_reason = tools.finish_reason(result.finish_reason, bool(calls))
         message = AssistantMessage(content=content, tool_calls=tool_call_dicts(calls) if calls else None)
@@ -124,7 +128,11 @@ async def _stream(
         counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not output.text_delta and not output.finished and num_top is None:
             continue
-        logprobs = state.formatter.chat(output.logprobs or [], num_top) if num_top is not None else None
+        logprobs = (
+            state.formatter.chat(output.logprobs or [], num_top, body.return_tokens_as_token_ids)
+            if num_top is not None
+            else None
+        )
         finish_reason = output.finish_reason
         deltas = [DeltaMessage(content=output.text_delta)]
         tool_stream = tool_streams.get(choice.index)

@@ -85,7 +85,9 @@ def _response(
                     )
                 entries = prompt_entries + entries
                 tokens = choice.prompt_token_ids + tokens
-            logprobs = state.formatter.completion(entries, tokens, body.logprobs)
+            logprobs = state.formatter.completion(
+                entries, tokens, body.logprobs, as_ids=body.return_tokens_as_token_ids
+            )
         out_choices.append(
             CompletionChoice(
                 index=choice.index,
@@ -128,7 +130,9 @@ async def _stream(generation: Generation, body: CompletionRequest, echo_only: bo
             continue  # nothing to say yet (text held back for a possible stop string)
         logprobs = None
         if body.logprobs is not None:
-            logprobs = state.formatter.completion(entries, tokens, body.logprobs, offsets[choice.index])
+            logprobs = state.formatter.completion(
+                entries, tokens, body.logprobs, offsets[choice.index], as_ids=body.return_tokens_as_token_ids
+            )
             offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
         chunk = CompletionResponse(
             id=request_id,

@@ -12,17 +12,22 @@ from server.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLog
 
 class LogprobFormatter:
     """Token strings are each token decoded alone (special tokens shown); their bytes the text's UTF-8, or the
-    token's raw bytes where it holds part of a character (engine/text/token_bytes.py); memoised per id."""
+    token's raw bytes where it holds part of a character (engine/text/token_bytes.py); memoised per id. With
+    `as_ids` (vLLM's return_tokens_as_token_ids) a token's string is "token_id:<id>" instead, so that a client
+    can tell apart tokens that decode alike (and its bytes that string's)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._raw_bytes = token_bytes_reader(tokenizer.hf)
 
-    def token_text(self, token_id: int) -> str:
-        return self._token(token_id)[0]
+    def token_text(self, token_id: int, as_ids: bool = False) -> str:
+        return self._token(token_id, as_ids)[0]
 
-    def _token(self, token_id: int) -> tuple[str, list[int]]:
+    def _token(self, token_id: int, as_ids: bool = False) -> tuple[str, list[int]]:
+        if as_ids:
+            text = f"token_id:{token_id}"
+            return text, list(text.encode())
         entry = self._cache.get(token_id)
         if entry is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
@@ -33,13 +38,18 @@ class LogprobFormatter:
         return entry
 
     def completion(
-        self, entries: Sequence[Optional[TokenLogprobs]], token_ids: Sequence[int], num_top: int, text_offset: int = 0
+        self,
+        entries: Sequence[Optional[TokenLogprobs]],
+        token_ids: Sequence[int],
+        num_top: int,
+        text_offset: int = 0,
+        as_ids: bool = False,
     ) -> CompletionLogprobs:
         """`entries[i]` scores `token_ids[i]`; None (the first prompt token) scores nothing."""
         out = CompletionLogprobs()
         offset = text_offset
         for entry, token_id in zip(entries, token_ids):
-            token = self.token_text(token_id)
+            token = self.token_text(token_id, as_ids)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -50,16 +60,16 @@ class LogprobFormatter:
             out.token_logprobs.append(entry.logprob)
             top: dict[str, float] = {}
             for t, lp in entry.top[:num_top]:  # best first: a text shared by several ids keeps its best
-                top.setdefault(self.token_text(t), lp)
+                top.setdefault(self.token_text(t, as_ids), lp)
             top[token] = entry.logprob  # the sampled token's own value, as token_logprobs says
             out.top_logprobs.append(top)
         return out
 
-    def chat(self, entries: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
+    def chat(self, entries: Sequence[TokenLogprobs], num_top: int, as_ids: bool = False) -> ChatLogprobs:
         content = []
         for entry in entries:
-            token, token_bytes = self._token(entry.token_id)
-            top = [(self._token(t), lp) for t, lp in entry.top[:num_top]]
+            token, token_bytes = self._token(entry.token_id, as_ids)
+            top = [(self._token(t, as_ids), lp) for t, lp in entry.top[:num_top]]
             content.append(
                 ChatTokenLogprob(
                     token=token,

@@ -67,6 +67,7 @@ class SamplingFields(BaseModel):
     priority: int = 0
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
+    return_tokens_as_token_ids: bool = False
     # speculative decoding, per request (pagedserve's own)
     speculative: bool = True
     num_speculative_tokens: Optional[int] = None

@@ -33,7 +33,6 @@ VLLM_EXTRAS = frozenset(
         "use_beam_search",
         "length_penalty",
         "prompt_logprobs",
-        "return_tokens_as_token_ids",
         "documents",
         "mm_processor_kwargs",
         "lora_request",

@@ -684,3 +684,42 @@ def test_cache_salt_separates_prefix_cache_hits(server):
     with server.client() as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_return_tokens_as_token_ids(server):
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (the ids of the output's tokens, as
+    /tokenize gives them), on completions (offsets over those strings) and chat (their bytes too), streamed or not."""
+    client = sdk(server)
+    extra = {"return_tokens_as_token_ids": True}
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, extra_body=extra
+    )
+    ids = token_ids(server, plain.choices[0].text)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{i}" for i in ids]
+    assert lp.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert all(top[token] == value for top, token, value in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    assert all(key.startswith("token_id:") for top in lp.top_logprobs for key in top)
+    streamed = [
+        t
+        for chunk in client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, stream=True, extra_body=extra
+        )
+        for t in (chunk.choices[0].logprobs.tokens if chunk.choices and chunk.choices[0].logprobs else [])
+    ]
+    assert streamed == lp.tokens
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{i}" for i in token_ids(server, chat.choices[0].message.content)]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
