@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.pipeline_stage import PipelineStage
+from engine.distributed.shm_all_reduce import PeerGoneError
 
 MAX_SENDS_IN_FLIGHT = 4
 """Sends a stage leaves in flight before waiting for the oldest (a bound on the memory they hold)."""
@@ -41,7 +42,10 @@ class PipelineLink:
         stage = self.stage
         source = stage.last_rank if stage.is_first else stage.previous_rank
         out = torch.empty((num_rows, self.hidden_size), dtype=self.dtype, device=self.device)
-        dist.recv(out, src=source)
+        try:
+            dist.recv(out, src=source)
+        except RuntimeError as exc:  # gloo's DistBackendError ("Connection closed by peer [...]:port"): chained
+            raise PeerGoneError(f"pipeline parallel: the stage on rank {source} is gone") from exc
         return out
 
     def flush(self) -> None:
@@ -62,6 +66,9 @@ class _Outbox:
         sends = self._sends
         while len(sends) > keep:
             work, _ = sends.popleft()
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as exc:  # as in receive
+                raise PeerGoneError("pipeline parallel: the next stage is gone") from exc
         while sends and sends[0][0].is_completed():
             sends.popleft()
