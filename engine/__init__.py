@@ -3,6 +3,7 @@
 from engine import LLM, SamplingParams
 """
 
+from engine.beam_search import BeamSearchParams
 from engine.lora.request import LoRAMix, LoRARequest
 from engine.sampling.params import SamplingParams
 
@@ -16,4 +17,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LoRAMix", "LoRARequest", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "LoRAMix", "LoRARequest", "SamplingParams"]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from pydantic import BaseModel
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.builder import build_engine
 from engine.cache_config import EngineCacheConfig
 from engine.distributed.parallel_config import ParallelConfig
@@ -193,6 +194,44 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(encoded), self.get_default_sampling_params)
         return self._run(encoded, params_list, use_tqdm, loras=loras)
 
+    def beam_search(
+        self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `beam_width` best beams (engine/beam_search.py), best first, in
+        input order. The prompts' searches step together: one engine step computes every live beam's next token."""
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            token_ids = self._encode(prompt)[1]
+            room = max(self.engine.max_model_len - len(token_ids), 1)  # (a prompt with no room: the step refuses it)
+            searches.append(BeamSearch(token_ids, params, self.engine.tokenizer.eos_token_ids, room))
+        engine = self.engine
+        while any(not search.done for search in searches):
+            tops: dict[str, list[tuple[int, float]]] = {}
+            steps = []  # per search: its beams' request ids
+            try:
+                for search in searches:
+                    ids = []
+                    for tokens in search.pending():
+                        ids.append(f"beam-{next(self._ids)}")
+                        engine.add_request(ids[-1], tokens, search.step_params())
+                        tops[ids[-1]] = []
+                    steps.append(ids)
+                while engine.has_work:
+                    for out in engine.step():
+                        if out.request_id in tops and out.logprobs:
+                            tops[out.request_id] = out.logprobs[0].top
+            except BaseException:
+                engine.abort(list(tops))
+                raise
+            for search, ids in zip(searches, steps):
+                if ids:
+                    search.advance([tops[i] for i in ids])
+        tokenizer = engine.tokenizer
+        return [
+            BeamSearchOutput(search.result(lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)))
+            for search in searches
+        ]
+
     def _encode(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt)
@@ -282,6 +321,7 @@ def _result(
             stop_reason=child.stop_reason,
             logprobs=None if child.logprobs is None else [PositionLogprobs(e, decode) for e in child.logprobs],
             error=child.error,
+            cumulative_logprob=None if child.logprobs is None else sum(e.logprob for e in child.logprobs),
         )
         for index, child in enumerate(children)
     ]

@@ -152,6 +152,7 @@ class CompletionOutput:
     stop_reason: Union[int, str, None]
     logprobs: Optional[list[PositionLogprobs]]  # vLLM's shape: per token, token id -> Logprob
     error: Optional[str] = None  # finish_reason "error": what failed this sequence alone
+    cumulative_logprob: Optional[float] = None  # the sum of its tokens' raw logprobs, when logprobs were asked
 
 
 @dataclass(frozen=True, slots=True)

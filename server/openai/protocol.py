@@ -68,6 +68,8 @@ class SamplingFields(BaseModel):
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
     return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False  # n is the beam width (serving/beam_search.py)
+    length_penalty: float = 1.0
     # speculative decoding, per request (pagedserve's own)
     speculative: bool = True
     num_speculative_tokens: Optional[int] = None

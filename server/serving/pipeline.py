@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional, Sequence
 from fastapi import Request
 
 from engine.async_engine import RequestInput
+from engine.beam_search import BeamSearchParams
 from engine.errors import LoRANotFoundError
 from engine.lora.request import LoRAMix
 from engine.outputs import OutputAccumulator, RequestOutput
@@ -34,6 +35,7 @@ from engine.structured import StructuredOutputs
 from scheduler import RequestRejectedError
 from server.http.errors import bad_request, rejection_error
 from server.openai.protocol import SamplingFields
+from server.serving.beam_search import beam_search_params, start_searches
 from server.serving.checks import check_fields, check_queue_room, check_server_and_model
 from server.serving.choices import Choice, plan_choices
 from server.serving.constraints import constraint_from_extras
@@ -111,9 +113,11 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
         state, request.prompt.count * max(body.n, 1), request.prompt.param if request.prompt.count > 1 else "n"
     )
     prompts = await request.prompt.token_ids(state)
-    names = dict(request.field_names)
+    names = {"beam_width": "n", **request.field_names}
     if constraint is not None:
         names["structured_outputs"] = constraint[1]
+    if body.length_penalty != 1.0 and not body.use_beam_search:
+        raise bad_request("length_penalty applies to use_beam_search only.", param="length_penalty")
     try:
         params = make_sampling_params(
             body,
@@ -121,10 +125,18 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             structured_outputs=None if constraint is None else constraint[0],
-            defaults=state.engine.default_sampling,
+            # (a beam search takes none of the model's sampling defaults: it reads raw logprobs)
+            defaults=None if body.use_beam_search else state.engine.default_sampling,
         )
         choices = plan_choices(request.request_id, prompts, params)
-        streams, guard = await _admit(state, choices, body.priority, arrival_time, lora, body.cache_salt)
+        if body.use_beam_search:
+            max_tokens = request.max_tokens or state.engine.max_model_len  # (BeamSearch stops where the context does)
+            beams = beam_search_params(params, max_tokens, body.length_penalty)
+            streams, guard = await _admit(
+                state, choices, body.priority, arrival_time, lora, body.cache_salt, beam_search=beams
+            )
+        else:
+            streams, guard = await _admit(state, choices, body.priority, arrival_time, lora, body.cache_salt)
     except LoRANotFoundError as exc:  # unloaded since the check above
         raise adapter_not_found(exc, "model" if body.lora is None else "lora") from None
     except RequestRejectedError as exc:  # named as the route spells its fields
@@ -149,14 +161,32 @@ async def _admit(
     arrival_time: float,
     lora: Optional[LoRAMix],
     cache_salt: Optional[str],
+    beam_search: Optional[BeamSearchParams] = None,
 ) -> tuple[list[RequestStream], RequestGuard]:
     """Take the choices' places in the queue (429 when full), then queue them in the engine, all or none,
-    with their LoRA adapters (None: the base model). The guard returned holds the places and the deadline."""
+    with their LoRA adapters (None: the base model); with `beam_search`, start each prompt's search instead (its
+    steps queue in the engine as they come, serving/beam_search.py). The guard returned holds the places and the
+    deadline."""
     ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
     if state.config.enable_log_requests:
         _log_request(choices)
     timeout = state.config.request_timeout
     guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
+    if beam_search is not None:
+        try:
+            searches = await start_searches(
+                state,
+                choices,
+                beam_search,
+                priority=priority,
+                arrival_time=arrival_time,
+                lora=lora,
+                cache_salt=cache_salt,
+            )
+        except BaseException:
+            ticket.release()
+            raise
+        return searches, guard
     inputs = [
         RequestInput(choice.request_id, choice.prompt_token_ids, choice.params, lora, cache_salt) for choice in choices
     ]

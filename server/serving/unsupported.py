@@ -30,8 +30,6 @@ VLLM_EXTRAS = frozenset(
         "chat_template",
         "chat_template_kwargs",
         "truncate_prompt_tokens",
-        "use_beam_search",
-        "length_penalty",
         "prompt_logprobs",
         "documents",
         "mm_processor_kwargs",

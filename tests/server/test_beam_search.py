@@ -1,0 +1,124 @@
+"""use_beam_search on the generation routes (server/serving/beam_search.py), through the real SDK: n beams, best
+first, as the offline beam search finds them; streamed as one chunk per choice; the fields a beam search would not
+read refused by name; a client that leaves cancels the search and frees every KV block."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from engine import BeamSearchParams
+from engine.beam_search import BeamSearch
+from tests.server.conftest import pace_engine
+from tests.server.test_disconnect import assert_gauges_reach_zero, successes
+
+PROMPT = "The quick brown fox"
+
+
+def offline_beams(server, prompt_ids, width, max_tokens, **fields):
+    """The beams the engine's search finds, stepped here on the server's own engine (no HTTP)."""
+    core = server.engine.engine
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, **fields)
+    search = BeamSearch(prompt_ids, params, core.tokenizer.eos_token_ids, core.max_model_len - len(prompt_ids))
+    step = 0
+    while not search.done:
+        ids = []
+        for i, tokens in enumerate(search.pending()):
+            ids.append(f"offline-{step}-{i}")
+            core.add_request(ids[-1], tokens, search.step_params())
+        tops = {}
+        while core.has_work:
+            for out in core.step():
+                if out.logprobs:
+                    tops[out.request_id] = out.logprobs[0].top
+        search.advance([tops[i] for i in ids])
+        step += 1
+    return search.result(lambda ids, skip: core.tokenizer.decode(ids, skip_special_tokens=skip))
+
+
+def test_completions_return_the_best_beams(server):
+    client = server.sdk()
+    prompt_ids = server.engine.tokenizer.encode(PROMPT)
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        n=3,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.5},
+    )
+    expected = offline_beams(server, prompt_ids, 3, 8, ignore_eos=True, length_penalty=0.5)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [b.text for b in expected]
+    assert len({c.text for c in out.choices}) == 3
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 3 * 8 and out.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_width_one_is_the_greedy_completion_and_chat_streams_one_chunk_per_choice(server):
+    client = server.sdk()
+    extra = {"ignore_eos": True}
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra)
+    beam = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, extra_body={**extra, "use_beam_search": True}
+    )
+    assert beam.choices[0].text == greedy.choices[0].text
+    messages = [{"role": "user", "content": "Hi"}]
+    kwargs = dict(model="tiny", messages=messages, n=2, max_tokens=5, extra_body={**extra, "use_beam_search": True})
+    whole = client.chat.completions.create(**kwargs)
+    streamed: dict[int, str] = {}
+    finishes = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {0: "length", 1: "length"}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"top_p": 0.5}, "top_p"),
+        ({"stop": ["x"]}, "stop"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 11}, "n"),
+    ],
+)
+def test_fields_a_beam_search_does_not_read_are_refused(server, extra, param):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, **extra}
+    with server.client() as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_length_penalty_without_beam_search_is_refused_and_a_long_prompt_too(server):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "length_penalty": 2.0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text
+        long = {"model": "tiny", "prompt": [5] * 5000, "max_tokens": 4, "use_beam_search": True}
+        r = c.post("/v1/completions", json=long)
+        assert r.status_code == 400, r.text
+    assert_gauges_reach_zero(server)
+
+
+def test_a_client_that_leaves_cancels_the_search(server, monkeypatch):
+    """Steps paced at 20 ms: the search's 400 steps would run for 8 s and more after the client left; each step
+    request finishes as a success, so the count stops growing once the search is cancelled."""
+    pace_engine(server, monkeypatch, 0.02)
+    body = {"model": "tiny", "prompt": PROMPT, "n": 4, "max_tokens": 400, "use_beam_search": True}
+    body["ignore_eos"] = True
+    before = successes(server)
+    with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.5)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)
+    assert_gauges_reach_zero(server)
+    steps = successes(server)
+    time.sleep(0.5)
+    assert successes(server) == steps < before + 400 * 4
+    server.wait_idle(timeout=1)
