@@ -3,7 +3,7 @@
 from engine import LLM, SamplingParams
 """
 
-from engine.beam_search import BeamSearchParams
+from engine.sampling.beam_search import BeamSearchParams
 from engine.lora.request import LoRAMix, LoRARequest
 from engine.sampling.params import SamplingParams
 

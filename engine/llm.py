@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from pydantic import BaseModel
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.builder import build_engine
 from engine.cache_config import EngineCacheConfig
 from engine.distributed.parallel_config import ParallelConfig
@@ -197,8 +197,9 @@ class LLM:
     def beam_search(
         self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
-        """vLLM's `LLM.beam_search`: each prompt's `beam_width` best beams (engine/beam_search.py), best first, in
-        input order. The prompts' searches step together: one engine step computes every live beam's next token."""
+        """vLLM's `LLM.beam_search`: each prompt's `beam_width` best beams (engine/sampling/beam_search.py), best
+        first, in input order. The prompts' searches step together: one engine step computes every live beam's next
+        token."""
         searches = []
         for prompt in _as_prompt_list(prompts):
             token_ids = self._encode(prompt)[1]

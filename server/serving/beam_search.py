@@ -1,5 +1,5 @@
 """`use_beam_search` on the generation routes, as vLLM serves it: `n` is the beam width, each prompt's choices are
-its best beams, best first (engine/beam_search.py runs the search; here its steps go through the AsyncEngine as
+its best beams, best first (engine/sampling/beam_search.py runs the search; here its steps go through the AsyncEngine as
 engine requests). A choice's stream gets one output, the whole beam, when the search ends: collected, or streamed
 as one chunk per choice. Closing the streams (the response ended, the client left, the deadline passed) cancels
 the search and aborts its step in flight.
@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from engine.async_engine import RequestInput
-from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.sampling.beam_search import BeamSearch, BeamSearchParams
 from engine.lora.request import LoRAMix
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request_stream import RequestStream

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional, Sequence
 from fastapi import Request
 
 from engine.async_engine import RequestInput
-from engine.beam_search import BeamSearchParams
+from engine.sampling.beam_search import BeamSearchParams
 from engine.errors import LoRANotFoundError
 from engine.lora.request import LoRAMix
 from engine.outputs import OutputAccumulator, RequestOutput

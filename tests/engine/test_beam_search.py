@@ -1,4 +1,4 @@
-"""Beam search (engine/beam_search.py) as vLLM runs it: the search itself on made-up next tokens, and
+"""Beam search (engine/sampling/beam_search.py) as vLLM runs it: the search itself on made-up next tokens, and
 `LLM.beam_search` on the tiny model against greedy decoding and against the model's own logprobs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from engine import BeamSearchParams, SamplingParams
-from engine.beam_search import BeamSearch, beam_score
+from engine.sampling.beam_search import BeamSearch, beam_score
 from engine.errors import InvalidParameterError
 from tests.engine.references import assert_idle
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine import BeamSearchParams
-from engine.beam_search import BeamSearch
+from engine.sampling.beam_search import BeamSearch
 from tests.server.conftest import pace_engine
 from tests.server.test_disconnect import assert_gauges_reach_zero, successes
 
