@@ -12,7 +12,16 @@ from server.openai.tools.stream import ToolCallStream
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-TEXTS = ["", "plain text", CALL, "Sure. " + CALL, "Both: " + CALL + "\n" + CALL, "Cut <tool_call>\n{"]
+TEXTS = [
+    "",
+    "plain text",
+    CALL,
+    "Sure. " + CALL,
+    "Both: " + CALL + "\n" + CALL,
+    "Cut <tool_call>\n{",
+    '<tool_call>{"name": "f"}</tool_call>\n' + CALL,  # a call's arguments known only once it is written whole
+    '<tool_call>{"name": "f", "arguments": "{\\"b\\": 2}"}</tool_call>\n' + CALL,
+]
 
 
 def _shape(items: list[dict]) -> list[tuple]:

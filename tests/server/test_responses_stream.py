@@ -214,3 +214,28 @@ def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
     assert items(whole) == [("message", "Sure."), ("function_call", "get_time", '{"zone": "UTC"}')]
     assert items(final) == items(whole)
     assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["message", "function_call"]
+
+
+def test_streamed_calls_without_arguments_each_get_theirs(server):
+    """Two hermes calls with no arguments (forced by a regex): each call's "{}" comes before the next call's
+    item opens, so each function_call item streams its own arguments; they were "" and "{}{}"."""
+    client = sdk(server)
+    regex = r'<tool_call>\n\{"name": "get_time"\}\n</tool_call>\n<tool_call>\n\{"name": "get_weather"\}\n</tool_call>'
+    kwargs = dict(
+        model=MODEL,
+        input="Time and weather?",
+        tools=[WEATHER, TIME],
+        max_output_tokens=150,
+        temperature=0,
+        extra_body={"guided_regex": regex},
+    )
+    whole = client.responses.create(**kwargs)
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    calls = [("function_call", "get_time", "{}"), ("function_call", "get_weather", "{}")]
+    assert [(i.type, i.name, i.arguments) for i in whole.output] == calls
+    assert [(i.type, i.name, i.arguments) for i in final.output] == calls
+    assert CALL_ORDER.fullmatch(order(events))
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert done == ["{}", "{}"]

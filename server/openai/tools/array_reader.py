@@ -24,6 +24,8 @@ ARRAY_CALL_DEPTH = 2  # inside the array (1), inside a call object (2)
 class CallSpan:
     """One call as far as it is written: its name once complete, where its arguments start and end in the text."""
 
+    start: int  # where the call's object begins
+    end: Optional[int] = None  # one past the object's closing bracket, once written
     name: Optional[str] = None
     arguments_start: Optional[int] = None
     arguments_end: Optional[int] = None  # one past the arguments' closing brace
@@ -74,7 +76,7 @@ class ToolArrayReader:
         elif char in "{[":
             self._depth += 1
             if char == "{" and self._depth == self.call_depth:
-                self.calls.append(CallSpan())
+                self.calls.append(CallSpan(i))
                 self._key, self._in_value = None, False
             elif (
                 self._depth == self.call_depth + 1
@@ -87,7 +89,9 @@ class ToolArrayReader:
                 self.calls[-1].arguments_key = self._key
         elif char in "}]":
             self._depth -= 1
-            if (
+            if self._depth == self.call_depth - 1 and self.calls and self.calls[-1].end is None:
+                self.calls[-1].end = i + 1
+            elif (
                 self._depth == self.call_depth
                 and self.calls
                 and self.calls[-1].arguments_start is not None

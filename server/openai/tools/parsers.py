@@ -106,6 +106,11 @@ def _from_object(value, arguments_key: str, written: str) -> Optional[ParsedCall
     return ParsedCall(value["name"], _as_written(written, arguments))
 
 
+def parse_call_object(written: str, parser: str) -> Optional[ParsedCall]:
+    """The call one object the model wrote holds (`written`: its text), or None when it is none."""
+    return _call(written, "arguments" if parser == "hermes" else "parameters")
+
+
 def call_reader() -> ToolArrayReader:
     """A reader of call objects as a model writes them under `auto` (hermes' bodies, llama3_json's objects)."""
     return ToolArrayReader(call_depth=1, arguments_keys=("arguments", "parameters"))

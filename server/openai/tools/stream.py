@@ -6,9 +6,15 @@ from __future__ import annotations
 from typing import Optional
 
 from server.openai.protocol import DeltaMessage
-from server.openai.tools.array_reader import ToolArrayReader
+from server.openai.tools.array_reader import CallSpan, ToolArrayReader
 from server.openai.tools.calls import ToolPlan, new_call_id
-from server.openai.tools.parsers import HERMES_START, ParsedCall, call_reader, may_start_tool_call
+from server.openai.tools.parsers import (
+    HERMES_START,
+    ParsedCall,
+    call_reader,
+    may_start_tool_call,
+    parse_call_object,
+)
 
 
 class ToolCallStream:
@@ -99,6 +105,8 @@ class ToolCallStream:
             if call.name is None:
                 break
             if index == self.num_calls:
+                if index > 0:  # the call before is written whole: all of it goes before the next one begins
+                    out += self._settle(index - 1, parse_call_object(self._written(calls[index - 1]), self.parser))
                 out.append(self._header(index, call.name))
                 self.num_calls += 1
                 self._arguments.append("")
@@ -111,22 +119,35 @@ class ToolCallStream:
         return out
 
     def _finish_calls(self) -> list[DeltaMessage]:
-        """The rest of each streamed call's arguments as the finished text's parse gives them: none where they
-        were written as an object (all sent), else their JSON (arguments written as a string, or not at all)."""
-        reader = self._calls
-        assert reader is not None
+        """The rest of each streamed call's arguments as the finished text's parse gives them (the calls before
+        the last were settled as the next began, so this adds to the last one only)."""
         _, parsed = self.plan.calls_of(self.text, self.parser)
         out = []
-        for index, sent in enumerate(self._arguments):
-            call = parsed[index] if index < len(parsed) else None
-            if call is not None and call.name == reader.calls[index].name and call.arguments.startswith(sent):
-                whole = call.arguments
-            else:  # the parse found no such call (malformed after its name): what was written, an object at least
-                whole = sent or "{}"
-            if len(whole) > len(sent):
-                self._arguments[index] = whole
-                out.append(DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": whole[len(sent) :]}}]))
+        for index in range(len(self._arguments)):
+            out += self._settle(index, parsed[index] if index < len(parsed) else None)
         return out
+
+    def _settle(self, index: int, call: Optional[ParsedCall]) -> list[DeltaMessage]:
+        """The rest of streamed call `index`'s arguments, `call` being its parse: none where they were written as
+        an object (all sent), else their JSON (arguments written as a string, or not at all). A Responses stream
+        closes each function_call item before the next opens, so no piece may come after the next call's header."""
+        reader = self._calls
+        assert reader is not None
+        sent = self._arguments[index]
+        if call is not None and call.name == reader.calls[index].name and call.arguments.startswith(sent):
+            whole = call.arguments
+        else:  # no such call (malformed after its name): what was written, an object at least
+            whole = sent or "{}"
+        if len(whole) <= len(sent):
+            return []
+        self._arguments[index] = whole
+        return [DeltaMessage(tool_calls=[{"index": index, "function": {"arguments": whole[len(sent) :]}}])]
+
+    def _written(self, call: CallSpan) -> str:
+        """The text of a call object the model wrote before the next (to its end, should its brackets not pair)."""
+        reader = self._calls
+        assert reader is not None
+        return reader.text[call.start : call.end]
 
     def _required(self, delta: str, finished: bool) -> list[DeltaMessage]:
         """Headers of the calls whose names are complete, and the arguments' text written since the last
