@@ -274,6 +274,18 @@ def test_unsupported_parameters_are_refused_by_name(server, body, param):
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        # as the Responses API spells them, not as the chat path does (messages[0].tool_calls[0]..., .function.name)
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+                ]
+            },
+            "input[1].arguments",
+        ),
+        ({"tools": [TIME, TIME]}, "tools[1].name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
     ],
 )
 def test_bad_values_are_400s_naming_the_field(server, body, param):
@@ -281,3 +293,11 @@ def test_bad_values_are_400s_naming_the_field(server, body, param):
         r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert '"function": {' not in r.json()["error"]["message"]  # (chat's shape of a named tool_choice)
+
+
+def test_a_tool_choice_of_no_kind_shows_the_responses_shape(server):
+    with server.client() as http:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "tools": [WEATHER], "tool_choice": "any"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert '{"type": "function", "name": ...}' in r.json()["error"]["message"]

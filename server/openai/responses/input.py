@@ -10,6 +10,7 @@ as the Responses API spells it (`input[2].content[0]`, `tools[1].parameters`, `t
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from engine.structured import StructuredOutputs
@@ -72,6 +73,10 @@ def _add_call(messages: list[ChatMessage], item: dict, param: str) -> None:
     for field in ("call_id", "name", "arguments"):
         if not isinstance(item.get(field), str):
             raise bad_request(f"a function_call item needs {field} as a string.", param=f"{param}.{field}")
+    try:  # here, where its place in `input` is known (the chat path would name messages[...].tool_calls)
+        json.loads(item["arguments"])
+    except ValueError:
+        raise bad_request("arguments must be a JSON object's text.", param=f"{param}.arguments") from None
     call = {
         "id": item["call_id"],
         "type": "function",
@@ -97,7 +102,7 @@ def chat_tools(tools: Optional[list]) -> Optional[list[dict]]:
     (web_search, file_search, ...) are refused by name."""
     if tools is None:
         return None
-    out = []
+    out: list[dict] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
@@ -108,6 +113,8 @@ def chat_tools(tools: Optional[list]) -> Optional[list[dict]]:
             )
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request("a function tool needs a name.", param=f"tools[{i}].name")
+        if any(earlier["function"]["name"] == tool["name"] for earlier in out):  # (chat's check names chat's field)
+            raise bad_request(f"tools[{i}] repeats the function name {tool['name']!r}.", param=f"tools[{i}].name")
         parameters = tool.get("parameters") or {"type": "object"}
         if not isinstance(parameters, dict):
             raise bad_request("parameters must be a JSON Schema object.", param=f"tools[{i}].parameters")
@@ -120,8 +127,12 @@ def chat_tools(tools: Optional[list]) -> Optional[list[dict]]:
 def chat_tool_choice(tool_choice: Any) -> Any:
     """`{"type": "function", "name"}` as chat's `{"type": "function", "function": {"name"}}`; the strings as
     they are; any other kind (allowed_tools, built-in tools, mcp...) refused by name."""
-    if tool_choice is None or isinstance(tool_choice, str):
+    if tool_choice is None or tool_choice in ("none", "auto", "required"):
         return tool_choice
+    if isinstance(tool_choice, str):  # (chat's message would show chat's shape of a named function)
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}.', param="tool_choice"
+        )
     kind = tool_choice.get("type")
     if kind != "function":
         raise bad_request(
@@ -130,7 +141,9 @@ def chat_tool_choice(tool_choice: Any) -> Any:
             param="tool_choice",
             code="unsupported_parameter",
         )
-    return {"type": "function", "function": {"name": tool_choice.get("name")}}
+    if not isinstance(tool_choice.get("name"), str):
+        raise bad_request("tool_choice of type function needs the function's name.", param="tool_choice.name")
+    return {"type": "function", "function": {"name": tool_choice["name"]}}
 
 
 def text_constraint(text: Optional[dict]) -> Optional[tuple[StructuredOutputs, str]]:
