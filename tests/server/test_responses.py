@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import openai
 import pytest
+
+from tests.server.conftest import pace_engine
 
 MODEL = "tiny"
 WEATHER = {
@@ -221,6 +224,18 @@ def test_vllm_extras_constrain_as_on_chat(server):
 def test_an_unknown_model_is_a_404(server):
     with pytest.raises(openai.NotFoundError):
         sdk(server).responses.create(model="gpt-4o", input="Hi", max_output_tokens=2)
+
+
+def test_created_at_is_when_the_request_came(server, monkeypatch):
+    """30 steps of at least 100 ms: created_at is the second the request came in, not the one the response was
+    written in, 3 s later (incomplete, so without a completed_at to compare it with)."""
+    pace_engine(server, monkeypatch, 0.1)
+    sent = time.time()
+    response = sdk(server).responses.create(
+        model=MODEL, input="Hi", max_output_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert time.time() - sent >= 3
+    assert int(sent) <= response.created_at <= int(sent) + 1
 
 
 def test_store_is_answered_false(server):

@@ -42,6 +42,7 @@ FIELD_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input"}
 @router.post("/v1/responses", responses=ERROR_RESPONSES)
 async def create_response(body: ResponsesRequest, request: Request):
     arrival_time = time.monotonic()  # queue time and TTFT include template rendering and tokenization
+    created_at = now()  # when the response was created, as OpenAI's completed_at - created_at is its duration
     state: ServerState = request.app.state.server
     tools = plan_tools(chat_tools(body.tools), chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
     generation = await start_generation(
@@ -63,14 +64,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     if body.stream:
         writer = ResponseEvents()
         framing = Framing(lambda error: sse_typed(writer.error(error)), b"")
-        return generation.stream(_stream(generation, body, tools, writer), framing)
+        return generation.stream(_stream(generation, body, tools, writer, created_at), framing)
     (result,) = await generation.collect(request)
     status = "incomplete" if result.finish_reason == "length" else "completed"
     output = _output(tools, result.text, state.config.tool_call_parser, status)
     response = response_object(
         body,
         response_id=generation.request_id,
-        created_at=now(),
+        created_at=created_at,
         model=generation.model,
         output=output,
         status=status,
@@ -93,10 +94,9 @@ def _output(tools: ToolPlan, text: str, parser: str, status: str) -> list[dict]:
 
 
 async def _stream(
-    generation: Generation, body: ResponsesRequest, tools: ToolPlan, writer: ResponseEvents
+    generation: Generation, body: ResponsesRequest, tools: ToolPlan, writer: ResponseEvents, created: int
 ) -> AsyncIterator[bytes]:
     state, (choice,) = generation.state, generation.choices
-    created = now()
 
     def response(status: str, usage_: Optional[dict] = None) -> dict:
         return response_object(
