@@ -30,6 +30,7 @@ from server.observability.metrics import ServerMetrics, cache_info
 from server.http import ops
 from server.openai import chat, completions, lora_admin, models, tokenize
 from server.openai.responses import route as responses
+from server.openai.responses import stored as stored_responses
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def create_app(
 
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
     app.state.server = state
-    routers = [completions, chat, responses, models, tokenize, ops]
+    routers = [completions, chat, responses, stored_responses, models, tokenize, ops]
     if state.adapters is not None and state.adapters.config.allow_runtime_lora_updating:
         routers.append(lora_admin)  # else the paths are a 404, as in vLLM
     for module in routers:

@@ -246,6 +246,26 @@ def test_store_is_answered_false(server):
 
 
 @pytest.mark.parametrize(
+    "call",
+    [
+        lambda client, id_: client.responses.retrieve(id_),
+        lambda client, id_: client.responses.delete(id_),
+        lambda client, id_: client.responses.cancel(id_),
+        lambda client, id_: client.responses.input_items.list(id_),
+    ],
+    ids=["retrieve", "delete", "cancel", "input_items"],
+)
+def test_a_created_response_is_not_stored_and_the_404_says_so(server, call):
+    """(These paths were not routed: a bare "Not Found" that did not tell a stateless server from a wrong URL.)"""
+    client = sdk(server)
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError) as raised:
+        call(client, response.id)
+    error = raised.value.body
+    assert error["param"] == "response_id" and response.id in error["message"] and "stores no" in error["message"]
+
+
+@pytest.mark.parametrize(
     "body, param",
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
