@@ -110,11 +110,9 @@ class ModelConfig(BaseModel):
     @classmethod
     def _check_chat_template(cls, value: Optional[str]) -> Optional[str]:
         """Inline Jinja that parses, or the path of a file that exists (read when the tokenizer loads)."""
-        from pathlib import Path
+        from engine.loading.chat_template import check_chat_template, is_template_file
 
-        from engine.loading.chat_template import check_chat_template
-
-        if value is None or Path(value).expanduser().is_file():
+        if value is None or is_template_file(value):
             return value
         if not any(m in value for m in ("{{", "{%", "{#")):
             raise ValueError(f"neither a file nor a Jinja template: no file {value!r}, and no {{{{ or {{%")

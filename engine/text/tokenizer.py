@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Literal, Optional, Sequence, Union, overload
 
 from engine.errors import TokenIdOutOfVocabularyError
-from engine.loading.chat_template import check_chat_template
+from engine.loading.chat_template import check_chat_template, is_template_file
 from engine.loading.loader import CheckpointError
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def read_chat_template(value: str) -> str:
     """The Jinja text of a chat template given as a file path (read) or inline (as is), checked to parse;
     ValueError says what is wrong (as vLLM's --chat-template, a path that exists wins)."""
     path = Path(value).expanduser()
-    if path.is_file():
+    if is_template_file(value):
         try:
             text, where = path.read_text(), f"chat template file {value!r}"
         except (OSError, UnicodeDecodeError) as exc:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.loading.loader import CheckpointError, load_hf_config, prepare_checkpoint
+from engine.loading.model_config import ModelConfig
 from engine.text.tokenizer import load_tokenizer, read_chat_template
 from tests.engine.factories import make_tiny_model_dir
 
@@ -82,6 +83,15 @@ def test_chat_template_from_a_file_or_inline_replaces_the_tokenizers(tiny_dir, t
     messages = [{"role": "user", "content": "hi"}]
     assert tokenizer.render_chat(messages) == "<user>hi>"
     assert "im_start" in load_tokenizer(tiny_dir).render_chat(messages)  # the tokenizer's own is untouched
+
+
+def test_a_long_inline_chat_template_is_not_taken_for_a_path(tiny_dir):
+    """A template with a stretch between slashes longer than a file name may be (255 bytes) was a crash: Python
+    3.11's Path.is_file raised ENAMETOOLONG from the config's check and from the tokenizer's read."""
+    long = TEMPLATE.replace(">{% endif %}", ">" + "x" * 300 + "{% endif %}")
+    assert ModelConfig(chat_template=long).chat_template == long
+    tokenizer = load_tokenizer(tiny_dir, chat_template=long)
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi>" + "x" * 300
 
 
 def test_a_bad_chat_template_is_refused_naming_it(tmp_path):
