@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Literal, Optional, Sequence, Union, overload
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Optional, Sequence, Union, overload
 
 from engine.errors import TokenIdOutOfVocabularyError
 from engine.loading.chat_template import check_chat_template, is_template_file
@@ -52,10 +52,18 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list[dict]] = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: Optional[list[dict]] = None,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Optional[Mapping[str, Any]] = None,
     ) -> str:
         """The prompt text the model's chat template makes of `messages` (and of `tools`, for templates that
-        show them)."""
+        show them). `continue_final_message`: the last message left open (no end-of-turn after it), so the model
+        continues it; `template_kwargs`: more variables for the template (vLLM's chat_template_kwargs, e.g.
+        `enable_thinking`), none of them one of the renderer's own arguments (`messages`, `tools`, ...)."""
         from jinja2.exceptions import TemplateError
 
         if not self.has_chat_template:
@@ -66,6 +74,8 @@ class Tokenizer:
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc

@@ -49,7 +49,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             body=body,
             request_id=body.request_id or new_id("chatcmpl"),
             prompt=ChatPrompt(
-                body.messages, body.add_generation_prompt, tools.tools, add_special_tokens=body.add_special_tokens
+                body.messages,
+                body.add_generation_prompt,
+                tools.tools,
+                add_special_tokens=body.add_special_tokens,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
             ),
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             logprobs=num_top,

@@ -11,6 +11,29 @@ from server.http.errors import APIError, bad_request
 from server.openai.protocol import ChatMessage
 
 
+# The chat template renderer's own arguments (HF's apply_chat_template and what it hands the template): a
+# chat_template_kwargs key of these names would collide with them.
+RENDERER_ARGUMENTS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def render_prompt(
     tokenizer: Tokenizer,
     messages: Sequence[ChatMessage],
@@ -18,14 +41,49 @@ def render_prompt(
     tools: Optional[list[dict]] = None,
     param: str = "messages",
     add_special_tokens: bool = False,
+    *,
+    continue_final_message: bool = False,
+    template_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[int]:
     """The prompt token ids of a conversation (a template error is a 400 on `param`). The template writes the
-    special tokens it wants; `add_special_tokens` (vLLM's chat field) adds the tokenizer's own as well."""
+    special tokens it wants; `add_special_tokens` (vLLM's chat field) adds the tokenizer's own as well.
+    `continue_final_message` and `template_kwargs` (vLLM's chat_template_kwargs) as Tokenizer.render_chat takes
+    them; check them first with `check_template_options`."""
     try:
-        text = tokenizer.render_chat(template_messages(messages), add_generation_prompt, tools)
+        text = tokenizer.render_chat(
+            template_messages(messages),
+            add_generation_prompt,
+            tools,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_template_options(
+    add_generation_prompt: bool, continue_final_message: bool, template_kwargs: Optional[dict[str, Any]]
+) -> None:
+    """400s for template options that cannot render: both a new turn and the last one continued (as vLLM refuses
+    them), or a chat_template_kwargs key that is one of the renderer's own arguments."""
+    if add_generation_prompt and continue_final_message:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt to "
+            "false to continue the last message.",
+            param="continue_final_message",
+        )
+    for key in template_kwargs or {}:
+        if key in ("add_generation_prompt", "continue_final_message"):
+            raise bad_request(
+                f"set {key} as a field of the request, not in chat_template_kwargs.",
+                param=f"chat_template_kwargs.{key}",
+            )
+        if key in RENDERER_ARGUMENTS:
+            raise bad_request(
+                f"chat_template_kwargs cannot set {key!r}: it is an argument of the template's renderer.",
+                param=f"chat_template_kwargs.{key}",
+            )
 
 
 def part_error(error: ContentPartError, param: str) -> APIError:

@@ -123,7 +123,8 @@ class ChatCompletionRequest(SamplingFields):
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    continue_final_message: bool = False  # vLLM's: the last message left open for the model to continue
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the chat template
     echo: bool = False
     add_special_tokens: bool = False  # vLLM's: the rendered template also gets the tokenizer's special tokens
     # OpenAI fields with no implementation here: refused when set (server/serving/unsupported.py).
@@ -147,7 +148,8 @@ class TokenizeRequest(BaseModel):
     tools: Optional[list[dict[str, Any]]] = None  # shown to the chat template, as the chat route does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    continue_final_message: bool = False  # refused when set, as on the chat route
+    continue_final_message: bool = False  # as on the chat route
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # as on the chat route
     return_token_strs: bool = False
 
 

@@ -12,21 +12,20 @@ from engine.text.tokenizer import check_token_ids
 
 from server.http.errors import ERROR_RESPONSES, bad_request
 from server.serving.checks import check_extra_fields, check_model
-from server.serving.unsupported import CHAT, VLLM_EXTRAS, Unsupported, refuse_unsupported
+from server.serving.unsupported import VLLM_EXTRAS, Unsupported, refuse_unsupported
 from server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.openai.chat_messages import render_prompt
+from server.openai.chat_messages import check_template_options, render_prompt
 from server.openai.tools.calls import plan_tools
 from server.state import ServerState
 
 router = APIRouter()
-TOKENIZE = {"continue_final_message": CHAT["continue_final_message"]}  # the chat route's refusal
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state: ServerState = request.app.state.server
     check_model(body.model, state.model_ids)
-    _check_fields(body, state, TOKENIZE)
+    _check_fields(body, state, {})
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages.", param="prompt")
     if body.tools is not None and body.messages is None:
@@ -37,7 +36,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     else:
         messages = body.messages or []  # given: exactly one of the two is
         tools = plan_tools(body.tools, None).tools if body.tools else None  # validated as the chat route does
-        tokens = await asyncio.to_thread(render_prompt, tokenizer, messages, body.add_generation_prompt, tools)
+        check_template_options(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+        tokens = await asyncio.to_thread(
+            lambda: render_prompt(
+                tokenizer,
+                messages,
+                body.add_generation_prompt,
+                tools,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        )
     strings = tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens, token_strs=strings)
 

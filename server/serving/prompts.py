@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
 from server.http.errors import bad_request
-from server.openai.chat_messages import message_chars, render_prompt
+from server.openai.chat_messages import check_template_options, message_chars, render_prompt
 from server.openai.protocol import ChatMessage
 from server.serving.checks import check_prompt_chars
 
@@ -39,6 +39,8 @@ class ChatPrompt:
     tools: Optional[list[dict]] = None
     param: str = "messages"
     add_special_tokens: bool = False  # vLLM's chat default: the template writes them
+    continue_final_message: bool = False
+    template_kwargs: Optional[dict[str, Any]] = None  # vLLM's chat_template_kwargs
 
     @property
     def count(self) -> int:
@@ -47,16 +49,20 @@ class ChatPrompt:
     async def token_ids(self, state: "ServerState") -> list[list[int]]:
         if not self.messages:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
+        check_template_options(self.add_generation_prompt, self.continue_final_message, self.template_kwargs)
         check_prompt_chars(state, message_chars(self.messages), self.param)
         return [
             await asyncio.to_thread(
-                render_prompt,
-                state.tokenizer,
-                self.messages,
-                self.add_generation_prompt,
-                self.tools,
-                self.param,
-                self.add_special_tokens,
+                lambda: render_prompt(
+                    state.tokenizer,
+                    self.messages,
+                    self.add_generation_prompt,
+                    self.tools,
+                    self.param,
+                    self.add_special_tokens,
+                    continue_final_message=self.continue_final_message,
+                    template_kwargs=self.template_kwargs,
+                )
             )
         ]
 

@@ -56,7 +56,6 @@ CHAT: Mapping[str, Unsupported] = {
     "service_tier": Unsupported((None, "auto", "default")),
     "modalities": Unsupported((None, ["text"]), "only text is generated"),
     "echo": Unsupported((False,)),
-    "continue_final_message": Unsupported((False,)),
 }
 
 RESPONSES: Mapping[str, Unsupported] = {

@@ -1,0 +1,100 @@
+"""vLLM's chat template options on /v1/chat/completions and /tokenize: `chat_template_kwargs` (more variables for
+the template, e.g. Qwen3's `enable_thinking`) and `continue_final_message` (the last message left open, so the
+model continues it: a prefilled answer). Both were refused as unsupported."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server.config.server_config import ServerConfig
+from tests.server.conftest import serving
+
+# ChatML with a variable of its own, as Qwen3's template reads `enable_thinking`
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ 'no thinking\n' }}{% endif %}{% endif %}"
+)
+QUESTION = [{"role": "user", "content": "hello there"}]
+PREFILL = [*QUESTION, {"role": "assistant", "content": "General Kenobi"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_model_dir):
+    with serving(tiny_model_dir, ServerConfig(served_model_name="tiny"), chat_template=THINKING_TEMPLATE) as running:
+        yield running
+
+
+def _prompt_text(server, **body) -> str:
+    with server.client() as c:
+        reply = c.post("/tokenize", json=body)
+        assert reply.status_code == 200, reply.text
+        return c.post("/detokenize", json={"tokens": reply.json()["tokens"]}).json()["prompt"]
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_server):
+    client = thinking_server.sdk()
+
+    def prompt_tokens(**extra) -> int:
+        reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=1, extra_body=extra)
+        return reply.usage.prompt_tokens
+
+    default = prompt_tokens()
+    without_thinking = prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+    assert without_thinking > default == prompt_tokens(chat_template_kwargs={"enable_thinking": True})
+    text = _prompt_text(thinking_server, messages=QUESTION, chat_template_kwargs={"enable_thinking": False})
+    assert text.endswith("<|im_start|>assistant\nno thinking\n")
+    with thinking_server.client() as c:
+        counted = c.post(
+            "/tokenize", json={"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}}
+        ).json()["count"]
+    assert counted == without_thinking
+
+
+@pytest.mark.parametrize("key", ["messages", "tools", "tokenize", "chat_template", "add_generation_prompt"])
+def test_chat_template_kwargs_cannot_set_the_renderers_own_arguments(thinking_server, key):
+    client = thinking_server.sdk()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=QUESTION, max_tokens=1, extra_body={"chat_template_kwargs": {key: True}}
+        )
+    assert caught.value.body["param"] == f"chat_template_kwargs.{key}"
+    with thinking_server.client() as c:
+        reply = c.post("/tokenize", json={"messages": QUESTION, "chat_template_kwargs": {key: True}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == f"chat_template_kwargs.{key}"
+
+
+def test_continue_final_message_leaves_the_last_message_open(thinking_server):
+    client = thinking_server.sdk()
+    text = _prompt_text(thinking_server, messages=PREFILL, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nGeneral Kenobi")
+    closed = _prompt_text(thinking_server, messages=PREFILL, add_generation_prompt=False)
+    assert closed.endswith("General Kenobi<|im_end|>\n")
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=PREFILL,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    with thinking_server.client() as c:
+        expected = c.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["count"]
+    assert reply.usage.prompt_tokens == expected
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_continue_final_message_with_a_generation_prompt_is_a_400(thinking_server):
+    client = thinking_server.sdk()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=PREFILL, max_tokens=1, extra_body={"continue_final_message": True}
+        )
+    assert caught.value.body["param"] == "continue_final_message"
+    with thinking_server.client() as c:
+        reply = c.post("/tokenize", json={"messages": PREFILL, "continue_final_message": True})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "continue_final_message"
