@@ -41,7 +41,11 @@ async def create_completion(body: CompletionRequest, request: Request):
         GenerationRequest(
             body=body,
             request_id=body.request_id or new_id("cmpl"),
-            prompt=TextPrompts(body.prompt, add_special_tokens=body.add_special_tokens),
+            prompt=TextPrompts(
+                body.prompt,
+                add_special_tokens=body.add_special_tokens,
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
+            ),
             max_tokens=1 if echo_only else body.max_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
@@ -57,7 +61,9 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 
 def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> str:
-    """The prompt as sent when it was text; token ids are decoded."""
+    """The prompt as sent when it was text; token ids, and a truncated prompt, are decoded."""
+    if body.truncate_prompt_tokens is not None:
+        return state.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
     if isinstance(body.prompt, str):
         return body.prompt
     if isinstance(body.prompt[0], str):

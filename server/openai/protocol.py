@@ -100,6 +100,7 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
     response_format: Optional[ResponseFormat] = None  # (vLLM's extra on completions: as chat's)
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: each prompt's last n tokens (-1: max_model_len)
 
 
 class ChatMessage(BaseModel):
@@ -125,6 +126,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message left open for the model to continue
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the chat template
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: the rendered prompt's last n tokens (-1: max_model_len)
     echo: bool = False
     add_special_tokens: bool = False  # vLLM's: the rendered template also gets the tokenizer's special tokens
     # OpenAI fields with no implementation here: refused when set (server/serving/unsupported.py).

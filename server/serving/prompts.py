@@ -17,6 +17,23 @@ if TYPE_CHECKING:
     from server.state import ServerState
 
 
+def truncate(state: "ServerState", prompts: list[list[int]], keep: Optional[int]) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: the model's context length); a 400
+    for a value that would leave no prompt or is more than the context holds."""
+    if keep is None:
+        return prompts
+    limit = state.max_model_len
+    if keep == -1:
+        keep = limit
+    if not 1 <= keep <= limit:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 (the context length) or between 1 and max_model_len ({limit}), "
+            f"got {keep}.",
+            param="truncate_prompt_tokens",
+        )
+    return [prompt[-keep:] for prompt in prompts]
+
+
 class Prompt(Protocol):
     @property
     def param(self) -> str:
@@ -27,7 +44,8 @@ class Prompt(Protocol):
         """How many prompts (each is answered by n choices)."""
 
     async def token_ids(self, state: "ServerState") -> list[list[int]]:
-        """Every prompt's token ids; a 400 naming `param` for one that is empty or cannot fit."""
+        """Every prompt's token ids (truncated as `truncate_prompt_tokens` asks); a 400 naming `param` for one
+        that is empty or cannot fit."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,7 @@ class ChatPrompt:
     add_special_tokens: bool = False  # vLLM's chat default: the template writes them
     continue_final_message: bool = False
     template_kwargs: Optional[dict[str, Any]] = None  # vLLM's chat_template_kwargs
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the rendered prompt's last tokens
 
     @property
     def count(self) -> int:
@@ -50,8 +69,10 @@ class ChatPrompt:
         if not self.messages:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
         check_template_options(self.add_generation_prompt, self.continue_final_message, self.template_kwargs)
-        check_prompt_chars(state, message_chars(self.messages), self.param)
-        return [
+        truncate(state, [], self.truncate_prompt_tokens)  # (a bad value refused before any work)
+        if self.truncate_prompt_tokens is None:  # (a prompt that will be truncated may be any length)
+            check_prompt_chars(state, message_chars(self.messages), self.param)
+        rendered = [
             await asyncio.to_thread(
                 lambda: render_prompt(
                     state.tokenizer,
@@ -65,6 +86,7 @@ class ChatPrompt:
                 )
             )
         ]
+        return truncate(state, rendered, self.truncate_prompt_tokens)
 
 
 TextOrTokens = Union[str, list[str], list[int], list[list[int]]]
@@ -77,6 +99,7 @@ class TextPrompts:
     prompt: TextOrTokens
     param: str = "prompt"
     add_special_tokens: bool = True  # text only: the tokenizer's BOS and the like (vLLM's field and default)
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep each prompt's last tokens
 
     @property
     def count(self) -> int:
@@ -87,12 +110,17 @@ class TextPrompts:
         prompt = self.prompt
         if not isinstance(prompt, str) and not prompt:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
+        keep = self.truncate_prompt_tokens
+        truncate(state, [], keep)  # (a bad value refused before any work)
         if isinstance(prompt, str) or isinstance(prompt[0], str):
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
-            for text in texts:
-                check_prompt_chars(state, len(text), self.param)
+            if keep is None:  # (a prompt that will be truncated may be any length)
+                for text in texts:
+                    check_prompt_chars(state, len(text), self.param)
             tokenizer, special = state.tokenizer, self.add_special_tokens
-            return await asyncio.to_thread(lambda: [tokenizer.encode(text, special) for text in texts])
+            return truncate(
+                state, await asyncio.to_thread(lambda: [tokenizer.encode(text, special) for text in texts]), keep
+            )
         if isinstance(prompt[0], int):
-            return [list(prompt)]
-        return [list(p) for p in prompt]
+            return truncate(state, [list(prompt)], keep)
+        return truncate(state, [list(p) for p in prompt], keep)
