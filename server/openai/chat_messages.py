@@ -135,6 +135,8 @@ def _template_message(message: ChatMessage, index: int) -> dict:
             raise part_error(error, f"{param}.content") from None
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.name is not None:  # a participant's name, for the templates that show it (as vLLM passes it)
+        out["name"] = message.name
     if role == "tool":
         out["tool_call_id"] = extra["tool_call_id"]
     if extra.get("tool_calls"):

@@ -1,6 +1,6 @@
-"""vLLM's chat template options on /v1/chat/completions and /tokenize: `chat_template_kwargs` (more variables for
-the template, e.g. Qwen3's `enable_thinking`) and `continue_final_message` (the last message left open, so the
-model continues it: a prefilled answer). Both were refused as unsupported."""
+"""What the chat template is given, on /v1/chat/completions and /tokenize: vLLM's `chat_template_kwargs` (more
+variables for the template, e.g. Qwen3's `enable_thinking`) and `continue_final_message` (the last message left open,
+so the model continues it: a prefilled answer), both once refused as unsupported; and each message's `name`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from tests.server.conftest import serving
 # ChatML with a variable of its own, as Qwen3's template reads `enable_thinking`
 THINKING_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{{ '<|im_start|>' + message['role'] }}{% if message.name %}{{ ' ' + message.name }}{% endif %}"
+    "{{ '\n' + message['content'] }}"
     "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}"
     "{{ '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}"
@@ -98,3 +99,12 @@ def test_continue_final_message_with_a_generation_prompt_is_a_400(thinking_serve
     with thinking_server.client() as c:
         reply = c.post("/tokenize", json={"messages": PREFILL, "continue_final_message": True})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_messages_name_reaches_the_template(thinking_server):
+    """OpenAI's `name` of a participant: vLLM hands it to the template with the message; it was dropped."""
+    named = [{"role": "user", "content": "hello there", "name": "obi_wan"}]
+    assert _prompt_text(thinking_server, messages=named).startswith("<|im_start|>user obi_wan\nhello there")
+    client = thinking_server.sdk()
+    plain = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=1).usage.prompt_tokens
+    assert client.chat.completions.create(model="tiny", messages=named, max_tokens=1).usage.prompt_tokens > plain
