@@ -59,6 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             ),
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             logprobs=num_top,
+            prompt_logprobs=body.prompt_logprobs,
             unsupported=unsupported.CHAT,
             constraints=[
                 ("response_format", constraint_from_response_format(body.response_format)),
@@ -93,7 +94,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         )
         counter.add(choice, len(result.token_ids), result.num_cached_tokens)
     response = ChatCompletionResponse(
-        id=generation.request_id, created=now(), model=generation.model, choices=out, usage=counter.usage()
+        id=generation.request_id,
+        created=now(),
+        model=generation.model,
+        choices=out,
+        usage=counter.usage(),
+        prompt_logprobs=None
+        if body.prompt_logprobs is None
+        else state.formatter.prompt(
+            results[0].prompt_logprobs or [], body.prompt_logprobs, body.return_tokens_as_token_ids
+        ),
     )
     return JSONResponse(response.model_dump())
 

@@ -48,7 +48,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             ),
             max_tokens=1 if echo_only else body.max_tokens,
             logprobs=body.logprobs,
-            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs(body),
             unsupported=unsupported.COMPLETIONS,
             constraints=[("response_format", constraint_from_response_format(body.response_format))],
         ),
@@ -58,6 +58,13 @@ async def create_completion(body: CompletionRequest, request: Request):
         return generation.stream(_stream(generation, body, echo_only))
     results = await generation.collect(request)
     return JSONResponse(_response(generation, body, results, echo_only).model_dump())
+
+
+def _prompt_logprobs(body: CompletionRequest) -> Optional[int]:
+    """The alternatives per prompt token the engine computes: vLLM's prompt_logprobs, and an echo's logprobs."""
+    counts = [body.prompt_logprobs, body.logprobs if body.echo else None]
+    present = [count for count in counts if count is not None]
+    return max(present) if present else None
 
 
 def _echo_text(state: ServerState, body: CompletionRequest, choice: Choice) -> str:
@@ -101,6 +108,11 @@ def _response(
                 logprobs=logprobs,
                 finish_reason="length" if echo_only else result.finish_reason,
                 stop_reason=None if echo_only else result.stop_reason,
+                prompt_logprobs=None
+                if body.prompt_logprobs is None
+                else state.formatter.prompt(
+                    result.prompt_logprobs or [], body.prompt_logprobs, body.return_tokens_as_token_ids
+                ),
             )
         )
     counter = UsageCounter.of(generation.prompts, body.n)

@@ -7,7 +7,14 @@ from typing import Optional, Sequence
 from engine.sampling.sampler import TokenLogprobs
 from engine.text.token_bytes import token_bytes_reader
 from engine.text.tokenizer import Tokenizer
-from server.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from server.openai.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 
 class LogprobFormatter:
@@ -79,3 +86,24 @@ class LogprobFormatter:
                 )
             )
         return ChatLogprobs(content=content)
+
+    def prompt(self, entries: Sequence[Optional[TokenLogprobs]], num_top: int, as_ids: bool = False) -> PromptLogprobs:
+        """vLLM's prompt_logprobs: per position (None where nothing scores it: the first) the prompt's own token with
+        its logprob and rank, then the `num_top` best tokens, ranked 1, 2, ... (a token once, at its first place)."""
+        out: PromptLogprobs = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            position = {
+                entry.token_id: PromptLogprob(
+                    logprob=entry.logprob, rank=entry.rank, decoded_token=self.token_text(entry.token_id, as_ids)
+                )
+            }
+            for rank, (token_id, logprob) in enumerate(entry.top[:num_top], start=1):
+                position.setdefault(
+                    token_id,
+                    PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.token_text(token_id, as_ids)),
+                )
+            out.append(position)
+        return out

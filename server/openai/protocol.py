@@ -101,6 +101,7 @@ class CompletionRequest(SamplingFields):
     response_format: Optional[ResponseFormat] = None  # (vLLM's extra on completions: as chat's)
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: each prompt's last n tokens (-1: max_model_len)
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and this many alternatives
 
 
 class ChatMessage(BaseModel):
@@ -127,6 +128,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # vLLM's: the last message left open for the model to continue
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the chat template
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the rendered prompt's last n tokens (-1: max_model_len)
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and this many alternatives
     echo: bool = False
     add_special_tokens: bool = False  # vLLM's: the rendered template also gets the tokenizer's special tokens
     # OpenAI fields with no implementation here: refused when set (server/serving/unsupported.py).
@@ -191,12 +193,26 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry at a prompt position (vLLM's `Logprob`): its logprob, its rank, its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: per prompt position (the first None) the prompt's token, then the best alternatives,
+# keyed by token id
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -247,6 +263,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
     system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class DeltaMessage(BaseModel):

@@ -55,6 +55,8 @@ def check_fields(request: SamplingFields, state: "ServerState") -> None:
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
     check_max_logprobs(request, state.config.max_logprobs)
+    if getattr(request, "prompt_logprobs", None) is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")
     if request.priority != 0 and state.engine.scheduling_policy != "priority":
         raise bad_request("priority needs a server started with --scheduling-policy priority.", param="priority")
 
@@ -77,8 +79,8 @@ def check_extra_fields(
 
 def check_max_logprobs(request: SamplingFields, limit: int) -> None:
     """Alternatives per token past --max-logprobs: a 400 naming the field (completions' `logprobs`, chat's
-    `top_logprobs`; chat's boolean `logprobs` is not a count)."""
-    for name in ("logprobs", "top_logprobs"):
+    `top_logprobs`, vLLM's `prompt_logprobs`; chat's boolean `logprobs` is not a count)."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
         value = getattr(request, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
             raise bad_request(f"{name} {value} is more than this server allows (--max-logprobs {limit}).", param=name)

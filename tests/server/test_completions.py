@@ -457,7 +457,7 @@ def test_vllm_extras_accepted(server):
     assert info.value.body["param"] == "priority"
 
 
-@pytest.mark.parametrize("field", ["guided_json", "prompt_logprobs", "use_beam_search"])
+@pytest.mark.parametrize("field", ["guided_json", "mm_processor_kwargs", "use_beam_search"])
 def test_known_unimplemented_vllm_extras_are_refused(server, field):
     with server.client() as c:
         response = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, field: {"type": "x"}})
