@@ -20,6 +20,7 @@ from server.openai.protocol import (
     new_id,
     now,
 )
+from server.openai.chat_messages import template_messages
 from server.openai.tools.calls import ToolPlan, plan_tools, tool_call_dicts
 from server.openai.tools.stream import ToolCallStream
 from server.serving import unsupported
@@ -74,6 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     results = await generation.collect(request)
     out = []
     counter = UsageCounter.of(generation.prompts, body.n)
+    echoed = _echoed(body)
     for choice, result in zip(generation.choices, results):
         logprobs = (
             state.formatter.chat(result.logprobs or [], num_top, body.return_tokens_as_token_ids)
@@ -82,6 +84,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         )
         content, calls = tools.calls_of(result.text, state.config.tool_call_parser)
         finish_reason = tools.finish_reason(result.finish_reason, bool(calls))
+        if echoed and content is not None:
+            content = echoed + content
         message = AssistantMessage(content=content, tool_calls=tool_call_dicts(calls) if calls else None)
         out.append(
             ChatChoice(
@@ -106,6 +110,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         ),
     )
     return JSONResponse(response.model_dump())
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text when it is the assistant's, which the answer continues (the
+    message's content parts joined as the template reads them)."""
+    last = body.messages[-1] if body.echo and body.messages else None
+    if last is None or last.role != "assistant":
+        return ""
+    return template_messages([last])[0]["content"]
 
 
 def _num_top_logprobs(body: ChatCompletionRequest) -> Optional[int]:
@@ -137,6 +150,13 @@ async def _stream(
             [ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))],
             counter.choice_usage(choice) if every_chunk else None,
         )
+    echoed = _echoed(body)
+    if echoed:
+        for choice in choices:
+            yield chunk(
+                [ChatChunkChoice(index=choice.index, delta=DeltaMessage(content=echoed))],
+                counter.choice_usage(choice) if every_chunk else None,
+            )
     tool_streams = (
         {c.index: ToolCallStream(tools, state.config.tool_call_parser) for c in choices} if tools.mode != "none" else {}
     )

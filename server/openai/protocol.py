@@ -129,7 +129,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the chat template
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the rendered prompt's last n tokens (-1: max_model_len)
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and this many alternatives
-    echo: bool = False
+    echo: bool = False  # vLLM's: the answer starts with the last message's text when that is the assistant's
     add_special_tokens: bool = False  # vLLM's: the rendered template also gets the tokenizer's special tokens
     # OpenAI fields with no implementation here: refused when set (server/serving/unsupported.py).
     audio: Optional[dict[str, Any]] = None

@@ -55,7 +55,6 @@ CHAT: Mapping[str, Unsupported] = {
     "store": Unsupported((None, False), "nothing is stored by this stateless server"),
     "service_tier": Unsupported((None, "auto", "default")),
     "modalities": Unsupported((None, ["text"]), "only text is generated"),
-    "echo": Unsupported((False,)),
 }
 
 RESPONSES: Mapping[str, Unsupported] = {
