@@ -57,6 +57,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
+                truncation_side=body.truncation_side,
             ),
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             logprobs=num_top,

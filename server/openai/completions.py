@@ -45,6 +45,7 @@ async def create_completion(body: CompletionRequest, request: Request):
                 body.prompt,
                 add_special_tokens=body.add_special_tokens,
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
+                truncation_side=body.truncation_side,
             ),
             max_tokens=1 if echo_only else body.max_tokens,
             logprobs=body.logprobs,

@@ -101,6 +101,7 @@ class CompletionRequest(SamplingFields):
     response_format: Optional[ResponseFormat] = None  # (vLLM's extra on completions: as chat's)
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: each prompt's last n tokens (-1: max_model_len)
+    truncation_side: Optional[Literal["left", "right"]] = None  # vLLM's: right keeps the first n instead
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and this many alternatives
 
 
@@ -128,6 +129,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # vLLM's: the last message left open for the model to continue
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the chat template
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the rendered prompt's last n tokens (-1: max_model_len)
+    truncation_side: Optional[Literal["left", "right"]] = None  # vLLM's: right keeps the first n instead
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and this many alternatives
     echo: bool = False  # vLLM's: the answer starts with the last message's text when that is the assistant's
     add_special_tokens: bool = False  # vLLM's: the rendered template also gets the tokenizer's special tokens

@@ -17,10 +17,15 @@ if TYPE_CHECKING:
     from server.state import ServerState
 
 
-def truncate(state: "ServerState", prompts: list[list[int]], keep: Optional[int]) -> list[list[int]]:
-    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: the model's context length); a 400
-    for a value that would leave no prompt or is more than the context holds."""
+def truncate(
+    state: "ServerState", prompts: list[list[int]], keep: Optional[int], side: Optional[str] = None
+) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: the model's context length), or with
+    truncation_side "right" its first; a 400 for a value that would leave no prompt or is more than the context
+    holds, and for a side without a count."""
     if keep is None:
+        if side is not None:
+            raise bad_request("truncation_side needs truncate_prompt_tokens.", param="truncation_side")
         return prompts
     limit = state.max_model_len
     if keep == -1:
@@ -31,7 +36,7 @@ def truncate(state: "ServerState", prompts: list[list[int]], keep: Optional[int]
             f"got {keep}.",
             param="truncate_prompt_tokens",
         )
-    return [prompt[-keep:] for prompt in prompts]
+    return [prompt[:keep] if side == "right" else prompt[-keep:] for prompt in prompts]
 
 
 class Prompt(Protocol):
@@ -60,6 +65,7 @@ class ChatPrompt:
     continue_final_message: bool = False
     template_kwargs: Optional[dict[str, Any]] = None  # vLLM's chat_template_kwargs
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the rendered prompt's last tokens
+    truncation_side: Optional[str] = None  # vLLM's: "right" keeps the first tokens instead
 
     @property
     def count(self) -> int:
@@ -69,7 +75,7 @@ class ChatPrompt:
         if not self.messages:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
         check_template_options(self.add_generation_prompt, self.continue_final_message, self.template_kwargs)
-        truncate(state, [], self.truncate_prompt_tokens)  # (a bad value refused before any work)
+        truncate(state, [], self.truncate_prompt_tokens, self.truncation_side)  # (refused before any work)
         if self.truncate_prompt_tokens is None:  # (a prompt that will be truncated may be any length)
             check_prompt_chars(state, message_chars(self.messages), self.param)
         rendered = [
@@ -86,7 +92,7 @@ class ChatPrompt:
                 )
             )
         ]
-        return truncate(state, rendered, self.truncate_prompt_tokens)
+        return truncate(state, rendered, self.truncate_prompt_tokens, self.truncation_side)
 
 
 TextOrTokens = Union[str, list[str], list[int], list[list[int]]]
@@ -100,6 +106,7 @@ class TextPrompts:
     param: str = "prompt"
     add_special_tokens: bool = True  # text only: the tokenizer's BOS and the like (vLLM's field and default)
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep each prompt's last tokens
+    truncation_side: Optional[str] = None  # vLLM's: "right" keeps the first tokens instead
 
     @property
     def count(self) -> int:
@@ -110,17 +117,16 @@ class TextPrompts:
         prompt = self.prompt
         if not isinstance(prompt, str) and not prompt:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
-        keep = self.truncate_prompt_tokens
-        truncate(state, [], keep)  # (a bad value refused before any work)
+        keep, side = self.truncate_prompt_tokens, self.truncation_side
+        truncate(state, [], keep, side)  # (a bad value refused before any work)
         if isinstance(prompt, str) or isinstance(prompt[0], str):
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
             if keep is None:  # (a prompt that will be truncated may be any length)
                 for text in texts:
                     check_prompt_chars(state, len(text), self.param)
             tokenizer, special = state.tokenizer, self.add_special_tokens
-            return truncate(
-                state, await asyncio.to_thread(lambda: [tokenizer.encode(text, special) for text in texts]), keep
-            )
+            encoded = await asyncio.to_thread(lambda: [tokenizer.encode(text, special) for text in texts])
+            return truncate(state, encoded, keep, side)
         if isinstance(prompt[0], int):
-            return truncate(state, [list(prompt)], keep)
-        return truncate(state, [list(p) for p in prompt], keep)
+            return truncate(state, [list(prompt)], keep, side)
+        return truncate(state, [list(p) for p in prompt], keep, side)

@@ -87,3 +87,22 @@ def test_a_value_that_leaves_no_prompt_or_exceeds_the_context_is_a_400(server, v
         with pytest.raises(openai.BadRequestError) as caught:
             create()
         assert caught.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_truncation_side_right_keeps_the_first_tokens(server):
+    """vLLM's truncation_side: "right" keeps a prompt's first n tokens; without truncate_prompt_tokens it is a 400
+    naming it (it would do nothing)."""
+    client = server.sdk()
+    ids = server.state.tokenizer.encode(PROMPT)
+    head = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 4, "truncation_side": "right"},
+    )
+    plain = client.completions.create(model="tiny", prompt=ids[:4], max_tokens=3, temperature=0)
+    assert head.usage.prompt_tokens == 4 and head.choices[0].text == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"truncation_side": "left"})
+    assert info.value.body["param"] == "truncation_side"
