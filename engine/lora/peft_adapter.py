@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generator, Optional
+from typing import Any, Generator, Optional
 
 import torch
 
@@ -73,6 +73,9 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
         raise LoRAAdapterError(name, f"adapter_config.json is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(name, f"adapter_config.json holds {type(config).__name__}, not a JSON object")
+    _check_field_types(name, config)
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise LoRAAdapterError(name, f"peft_type {kind!r} is not served (LoRA only)")
@@ -93,6 +96,39 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
     if max(ranks) > max_rank:
         raise LoRARankError(name, max(ranks), max_rank)
     return config
+
+
+def _check_field_types(name: str, config: dict) -> None:
+    """The fields read as numbers, lists and patterns hold such values: a hand-written or foreign config is a
+    LoRAAdapterError naming the field (a 400 at the load endpoint), not a TypeError from the reader (a 500)."""
+
+    def fail(key: str, value: object, what: str) -> LoRAAdapterError:
+        return LoRAAdapterError(name, f"adapter_config.json: {key} must be {what}, got {value!r}")
+
+    def number(key: str, value: Any, integer: bool) -> None:  # Any: JSON, checked here
+        what = "a positive integer" if integer else "a finite number"
+        try:  # as the reader takes them: int("8") and 8.0 pass, None, a list or NaN do not
+            converted = int(value) if integer else float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise fail(key, value, what) from None
+        if isinstance(value, bool) or not math.isfinite(converted) or (integer and converted < 1):
+            raise fail(key, value, what)
+
+    number("r", config.get("r", 8), integer=True)
+    number("lora_alpha", config.get("lora_alpha", 8), integer=False)
+    for key, integer in (("rank_pattern", True), ("alpha_pattern", False)):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise fail(key, patterns, "an object of module patterns")
+        for pattern, value in patterns.items():
+            number(f"{key}[{pattern!r}]", value, integer)
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise fail(f"{key}'s key", pattern, f"a regular expression ({exc})") from None
+    saved = config.get("modules_to_save") or []
+    if not isinstance(saved, list) or not all(isinstance(module, str) for module in saved):
+        raise fail("modules_to_save", saved, "a list of module names")
 
 
 READ_SLICE_BYTES = 4 << 20

@@ -5,6 +5,7 @@ for the same adapter (greedy, float32)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import openai
@@ -160,6 +161,31 @@ def test_load_use_unload_at_run_time(lora_server, sdk, adapters, expected, monke
         assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
     assert "c" not in [card.id for card in sdk.models.list().data]
     lora_server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        [1, 2],  # not an object
+        {"r": None},
+        {"lora_alpha": None},
+        {"rank_pattern": [8]},
+        {"alpha_pattern": {"(": 2}},  # not a regular expression
+        {"modules_to_save": 5},
+    ],
+    ids=["list", "r-null", "alpha-null", "rank-pattern-list", "alpha-pattern-regex", "modules-to-save-int"],
+)
+def test_a_malformed_adapter_config_is_a_400_naming_lora_path(lora_server, adapters, tmp_path, config):
+    """Fields of the wrong type reached the reader: an AttributeError or TypeError, a 500."""
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["a"], broken)
+    good = json.loads((broken / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps({**good, **config} if isinstance(config, dict) else config))
+    with lora_server.client() as client:
+        reply = client.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)})
+        assert (reply.status_code, reply.json()["error"]["param"]) == (400, "lora_path"), reply.text
+        assert "adapter_config.json" in reply.json()["error"]["message"]
+        assert "broken" not in [card["id"] for card in client.get("/v1/models").json()["data"]]
 
 
 def test_without_the_flag_the_endpoints_and_adapters_are_404(server):
