@@ -136,7 +136,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
     admission = Admission(*queue_limits(config, engine), on_reject=metrics.observe_rejected)
     adapters = None
     if engine.lora_manager is not None:  # --enable-lora
-        adapters = LoRAAdapters(engine, name, engine.lora_manager.config)
+        adapters = LoRAAdapters(engine, names, engine.lora_manager.config)
         metrics.registry.register(LoRACollector(name, engine.lora_stats))
     return ServerState(
         engine=engine,

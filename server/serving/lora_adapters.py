@@ -5,6 +5,7 @@
     request {"model": <base>, "lora": [{"name": "a", "scale": 0.7}, {"name": "b", "scale": 0.3}]}
                                                          -> (<base>, LoRAMix((("a", 0.7), ("b", 0.3))))
     request {"model": <base>} or no model                -> (<base>, None)
+    (<base>: any of the --served-model-name names, reported as the request named it)
 
 The engine's LoRA manager holds the weights (loaded, evicted and reloaded as it sees fit); this registry
 holds what clients see: each adapter's name, directory and parent model. Names are checked here first, so an
@@ -51,12 +52,15 @@ def adapter_not_found(error: LoRANotFoundError, param: str = "model") -> APIErro
 class LoRAAdapters:
     """The adapters of a server started with --enable-lora; `load` and `unload` run on the event loop."""
 
-    def __init__(self, engine: "AsyncEngine", base_name: str, config: LoRAConfig):
+    def __init__(self, engine: "AsyncEngine", base_names: Sequence[str], config: LoRAConfig):
         self._engine = engine
-        self.base_name = base_name
+        self.base_names = tuple(base_names)  # every --served-model-name: each one is the base model
+        self.base_name = base_names[0]
         self.config = config
         # the --lora-modules adapters: registered by the engine as it was built (the first --max-cpu-loras loaded)
-        self._cards = {m.name: AdapterCard(m.name, m.path, m.base_model_name or base_name) for m in config.lora_modules}
+        self._cards = {
+            m.name: AdapterCard(m.name, m.path, m.base_model_name or self.base_name) for m in config.lora_modules
+        }
         self._loading: set[str] = set()  # names whose load is under way: a second load of one is refused
 
     @property
@@ -74,7 +78,7 @@ class LoRAAdapters:
         """Load the PEFT directory (or llama.cpp `.gguf` adapter) `path` as adapter `name`; the seconds it took.
         400 for a name already served (or being loaded), a rank over --max-lora-rank or an adapter the engine
         refuses; 404 when `path` holds no adapter."""
-        if name == self.base_name:
+        if name in self.base_names:
             raise bad_request(f"{name!r} is the base model's name; give the adapter another.", param="lora_name")
         if name in self._cards or name in self._loading:
             raise bad_request(f"The lora adapter {name!r} has already been loaded.", param="lora_name")
@@ -104,19 +108,20 @@ class LoRAAdapters:
 
     def resolve(self, requested: Optional[str], mix: Optional[Sequence[LoRAPart]]) -> tuple[str, Optional[LoRAMix]]:
         """The model id a response reports and the adapters a request runs with (None: the base alone)."""
+        base = self.base_name if requested is None else requested
         if mix is not None:
-            if requested is not None and requested != self.base_name:
+            if base not in self.base_names:
                 raise bad_request(
                     f"lora mixes adapters over the base model: set model to {self.base_name!r} (or leave it out), "
                     f"not {requested!r}.",
                     param="lora",
                 )
-            return self.base_name, self._mix(mix)
-        if requested is None or requested == self.base_name:
-            return self.base_name, None
-        if requested in self._cards:
-            return requested, LoRAMix(((requested, 1.0),))
-        raise model_not_found(requested, [self.base_name, *self._cards])
+            return base, self._mix(mix)
+        if base in self.base_names:
+            return base, None
+        if base in self._cards:
+            return base, LoRAMix(((base, 1.0),))
+        raise model_not_found(base, [*self.base_names, *self._cards])
 
     def _mix(self, parts: Sequence[LoRAPart]) -> LoRAMix:
         """The mix as the engine takes it; its names checked here (404 before any tokenizing), its shape (at

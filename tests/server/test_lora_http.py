@@ -58,7 +58,7 @@ def expected(tiny_model_dir, adapters):
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir, adapters):
     b = json.dumps({"name": "b", "path": str(adapters["b"]), "base_model_name": "tiny-base"})
-    argv = ["--config", str(TINY_PRESET), "--model", str(tiny_model_dir), "--served-model-name", "tiny"]
+    argv = ["--config", str(TINY_PRESET), "--model", str(tiny_model_dir), "--served-model-name", "tiny", "tiny-alias"]
     argv += ["--enable-lora", "--lora-modules", f"a={adapters['a']}", b, "--max-lora-rank", "16"]
     argv += ["--allow-runtime-lora-updating", "--api-key", KEY]
     settings = load_settings(argv, {})
@@ -116,9 +116,24 @@ def test_the_lora_extension_mixes_adapters_over_the_base(lora_server, sdk, expec
     lora_server.wait_idle()
 
 
+def test_every_served_model_name_is_the_base_model(lora_server, sdk, adapters, expected):
+    """With --enable-lora only the first --served-model-name was taken: the others, listed by /v1/models, were a
+    404 on the generation routes, and an adapter could be loaded under one of them."""
+    completion = complete(sdk, "tiny-alias")
+    assert (completion.model, completion.choices[0].text) == ("tiny-alias", expected[None][0])
+    assert chat(sdk, "tiny-alias").choices[0].message.content == expected[None][1]
+    mix = [{"name": name, "scale": scale} for name, scale in MIX]
+    mixed = complete(sdk, "tiny-alias", extra_body={"lora": mix})
+    assert (mixed.model, mixed.choices[0].text) == ("tiny-alias", expected["mix"][0])
+    with lora_server.client() as client:
+        taken = client.post("/v1/load_lora_adapter", json={"lora_name": "tiny-alias", "lora_path": str(adapters["c"])})
+    assert (taken.status_code, taken.json()["error"]["param"]) == (400, "lora_name")
+    lora_server.wait_idle()
+
+
 def test_models_lists_the_adapters_with_parent_and_root(sdk, adapters):
     cards = {card.id: card for card in sdk.models.list().data}
-    assert list(cards) == ["tiny", "a", "b"]
+    assert list(cards) == ["tiny", "tiny-alias", "a", "b"]
     assert (cards["a"].parent, cards["a"].root) == ("tiny", str(adapters["a"]))
     assert (cards["b"].parent, cards["b"].root) == ("tiny-base", str(adapters["b"]))
     assert getattr(cards["tiny"], "parent", None) is None
