@@ -24,6 +24,9 @@ class ServerState:
     admission: Admission
     ready: bool = False
     draining: bool = False  # shutting down: new generation requests get a 503
+    # generation requests past the draining check and not yet queued in the engine (rendering, compiling their
+    # grammar): the drain waits for them too, as they came in before it began
+    preparing: int = 0
     adapters: Optional[LoRAAdapters] = None  # with --enable-lora: the adapters a request's model may name
 
     @property

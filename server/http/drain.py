@@ -2,7 +2,8 @@
 
 SIGTERM / SIGINT --> state.draining: /health 503, new generation requests 503 (the listener stays open,
                      so a load balancer reads the 503 and stops sending)
-                 --> in-flight requests run on, up to `timeout` seconds
+                 --> in-flight requests run on, up to `timeout` seconds (those still being rendered or having
+                     their grammar compiled too: they are queued in the engine, then run)
                  --> the engine stops: what is left ends with an error event (503), then [DONE]
                  --> the HTTP server exits (status 0)
 a second signal  --> the process exits at once (128 + the signal)
@@ -31,9 +32,9 @@ async def drain(state: "ServerState", timeout: float) -> int:
     state.draining = True
     engine = state.engine
     deadline = time.monotonic() + timeout
-    while engine.num_requests and time.monotonic() < deadline:
+    while (engine.num_requests or state.preparing) and time.monotonic() < deadline:  # (preparing: not queued yet)
         await asyncio.sleep(POLL_S)
-    remaining = engine.num_requests
+    remaining = engine.num_requests + state.preparing
     if remaining:
         logger.warning("shutdown timeout (%g s) reached: aborting %d request(s)", timeout, remaining)
     await engine.shutdown()

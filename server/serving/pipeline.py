@@ -103,6 +103,14 @@ class Generation:
 async def start_generation(state: "ServerState", request: GenerationRequest, arrival_time: float) -> Generation:
     """Check, constrain, render and admit `request`; `arrival_time` (time.monotonic) is when the route received it,
     so queue time and time to first token include rendering and tokenizing."""
+    state.preparing += 1  # with the draining check below, in one step of the event loop: a drain waits for it
+    try:
+        return await _prepare_and_admit(state, request, arrival_time)
+    finally:
+        state.preparing -= 1  # admitted (the engine counts it now) or refused
+
+
+async def _prepare_and_admit(state: "ServerState", request: GenerationRequest, arrival_time: float) -> Generation:
     body = request.body
     model, lora = check_server_and_model(state, body.model, body.lora)
     refuse_unsupported(body, request.unsupported)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -60,6 +61,24 @@ def test_a_stream_in_flight_completes_and_the_process_exits_0(tmp_path, stop):
     assert sum(len(c["choices"][0]["text"]) > 0 or c["choices"][0]["finish_reason"] is not None for c in chunks) >= 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1] == "[DONE]"
+
+
+def test_a_request_still_being_prepared_when_the_signal_comes_is_served(tmp_path):
+    """A request past the server's checks but not yet queued in the engine (its grammar compiling) was not
+    counted by the drain, which stopped the engine at once: the request got a 503 "the engine is not running"."""
+    process, url, stderr = serve_process(tmp_path, "--shutdown-timeout", "30", hooks=("--slow-grammar", "1.5"))
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "response_format": {"type": "json_object"}}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            time.sleep(0.5)  # the request is in its 1.5 s compile
+            process.send_signal(signal.SIGTERM)
+            result = reply.result()
+        assert process.wait(timeout=60) == 0, stderr.read_text()[-3000:]
+    finally:
+        process.kill()
+    assert result.status_code == 200, result.text
+    assert result.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_past_the_shutdown_timeout_the_stream_ends_with_an_error_event_and_exit_0(tmp_path):
