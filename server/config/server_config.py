@@ -127,4 +127,7 @@ class ServerConfig(BaseModel):
             if not key or any(char.isspace() for char in key):
                 # never echo the key itself
                 raise ValueError(f"API key #{index + 1} is empty or contains whitespace")
+            if not (key.isascii() and key.isprintable()):
+                # a header carries bytes: the SDKs cannot send such a key, and curl's UTF-8 never matched it
+                raise ValueError(f"API key #{index + 1} has a character outside printable ASCII")
         return keys

@@ -453,6 +453,8 @@ def test_a_bad_api_key_error_does_not_echo_the_key(tmp_path):
         ([], {"PAGEDSERVE_API_KEY": "ok, bad secret "}),
         (["--api-key", " bad-secret"], {}),
         (["--config", write_yaml(tmp_path, {"server": {"api_keys": [" bad-secret", 5]}})], {}),
+        (["--api-key", "ok", "--api-key", "clé-secret"], {}),  # was taken, and no client could send it
+        ([], {"PAGEDSERVE_API_KEY": "bell\x07secret"}),
     ]:
         with pytest.raises(SettingsError) as raised:
             load_settings(argv, env)
