@@ -78,6 +78,11 @@ class GrammarCompiler:
             compiled = _compile(compiler, constraint)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidParameterError(field, f"cannot be compiled into a grammar: {_first_line(exc)}") from None
+        if not _admits_a_first_token(compiled):
+            # every logit would be masked: the sampler took token 0 at each step, text outside the grammar
+            raise InvalidParameterError(
+                field, "matches no text: its grammar allows no first token (a rule that never reaches a terminal?)"
+            )
         if self.on_compile is not None:
             self.on_compile(time.perf_counter() - started)
         with self._lock:
@@ -108,6 +113,15 @@ def _compile(compiler: "xgrammar.GrammarCompiler", constraint: StructuredOutputs
         return compiler.compile_grammar(constraint.grammar)
     # json_object: an object, as OpenAI's json_object promises (the builtin grammar takes any value)
     return compiler.compile_grammar(_json_grammar('{"type": "object"}', strict=False))
+
+
+def _admits_a_first_token(compiled: "xgrammar.CompiledGrammar") -> bool:
+    """Whether a fresh matcher allows any token (a stop token counts: the empty text may match)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)  # [1, ceil(vocab / 32)] int32
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _json_grammar(schema_text: str, strict: bool = True) -> str:

@@ -320,6 +320,9 @@ def test_tool_follow_up_turn(server):
             "tools[0].function.parameters",
         ),
         ({"guided_grammar": "root ::= ( broken"}, "guided_grammar"),
+        # grammars that match no text: every token masked, the sampler gave token 0 (200, text outside the grammar)
+        ({"guided_grammar": "root ::= root"}, "guided_grammar"),
+        ({"guided_grammar": 'root ::= x\nx ::= x "b"'}, "guided_grammar"),
         # a reference outside the schema: xgrammar admitted any value there
         (
             {"guided_json": {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}},
@@ -343,6 +346,13 @@ def test_rejections_name_the_field(server, body, param):
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_grammar_matching_no_text_is_refused_on_completions_too(server):
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "guided_grammar": "root ::= root"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "guided_grammar"), r.text
+    assert "matches no text" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
