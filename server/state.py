@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.async_engine import AsyncEngine
@@ -28,6 +29,9 @@ class ServerState:
     # grammar): the drain waits for them too, as they came in before it began
     preparing: int = 0
     adapters: Optional[LoRAAdapters] = None  # with --enable-lora: the adapters a request's model may name
+    # use_beam_search's searches still running (serving/beam_search.py): in flight between their steps too,
+    # when none of their engine requests is
+    beam_searches: set[asyncio.Task] = field(default_factory=set)
 
     @property
     def model_ids(self) -> list[str]:

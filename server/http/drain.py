@@ -27,14 +27,15 @@ POLL_S = 0.05
 
 
 async def drain(state: "ServerState", timeout: float) -> int:
-    """Refuse new work, wait up to `timeout` s for in-flight requests, then stop the engine (failing what is
-    left). Returns how many engine requests were still running when the time ran out."""
+    """Refuse new work, wait up to `timeout` s for in-flight requests (a beam search's between its steps too),
+    then stop the engine (failing what is left). Returns how many engine requests and beam searches were still
+    running when the time ran out."""
     state.draining = True
     engine = state.engine
     deadline = time.monotonic() + timeout
-    while (engine.num_requests or state.preparing) and time.monotonic() < deadline:  # (preparing: not queued yet)
-        await asyncio.sleep(POLL_S)
-    remaining = engine.num_requests + state.preparing
+    while (engine.num_requests or state.preparing or state.beam_searches) and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)  # (preparing: not queued yet; beam searches: between two steps)
+    remaining = engine.num_requests + state.preparing + len(state.beam_searches)
     if remaining:
         logger.warning("shutdown timeout (%g s) reached: aborting %d request(s)", timeout, remaining)
     await engine.shutdown()

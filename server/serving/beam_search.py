@@ -102,6 +102,8 @@ async def start_searches(
         started.append(asyncio.get_running_loop().create_future())
         search = _search(state, beams, own, params, priority, arrival_time, lora, cache_salt, started[-1])
         tasks.append(asyncio.create_task(search))
+        state.beam_searches.add(tasks[-1])  # (a graceful drain waits for it: between steps no request runs)
+        tasks[-1].add_done_callback(state.beam_searches.discard)
         streams += own
     try:
         await asyncio.gather(*started)

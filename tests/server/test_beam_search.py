@@ -4,6 +4,9 @@ read refused by name; a client that leaves cancels the search and frees every KV
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -11,7 +14,9 @@ import pytest
 
 from engine import BeamSearchParams
 from engine.sampling.beam_search import BeamSearch
-from tests.server.conftest import pace_engine
+from server.config.server_config import ServerConfig
+from server.http.drain import drain
+from tests.server.conftest import pace_engine, serving
 from tests.server.test_disconnect import assert_gauges_reach_zero, successes
 
 PROMPT = "The quick brown fox"
@@ -122,3 +127,34 @@ def test_a_client_that_leaves_cancels_the_search(server, monkeypatch):
     time.sleep(0.5)
     assert successes(server) == steps < before + 400 * 4
     server.wait_idle(timeout=1)
+
+
+def test_a_drain_between_two_steps_lets_the_search_finish(tiny_model_dir, monkeypatch):
+    """Between two steps none of the search's engine requests runs (the engine counts none); a graceful drain
+    that looks then still waits for the search, which ends as a success, not a 503. (The gap is widened here:
+    the second step's requests reach the engine 0.3 s late.)"""
+    with serving(tiny_model_dir, ServerConfig(served_model_name="tiny")) as running:
+        engine_type = type(running.engine)
+        add_requests = engine_type.add_requests
+        loop: list[asyncio.AbstractEventLoop] = []
+        between = threading.Event()
+
+        async def late_second_step(self, inputs, **kwargs):
+            if "-step1-" in inputs[0].request_id:
+                loop.append(asyncio.get_running_loop())
+                between.set()
+                await asyncio.sleep(0.3)
+            return await add_requests(self, inputs, **kwargs)
+
+        monkeypatch.setattr(engine_type, "add_requests", late_second_step)
+        body = {"model": "tiny", "prompt": PROMPT, "n": 2, "max_tokens": 4, "use_beam_search": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with running.client() as c:
+                response = pool.submit(c.post, "/v1/completions", json={**body, "ignore_eos": True})
+                assert between.wait(30)
+                drained = asyncio.run_coroutine_threadsafe(drain(running.state, 30.0), loop[0])
+                assert drained.result(60) == 0
+                r = response.result(60)
+        assert r.status_code == 200, r.text
+        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+        assert not running.state.beam_searches
