@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from engine.async_engine import RequestInput
 from engine.sampling.beam_search import BeamSearch, BeamSearchParams
@@ -82,10 +82,13 @@ async def start_searches(
     arrival_time: float,
     lora: Optional[LoRAMix],
     cache_salt: Optional[str],
+    on_running: Callable[[str], None],
 ) -> list[RequestStream]:
     """One search per prompt (its choices are its beams, in order), each a task; the choices' streams, in order,
     once every search's first step is in the engine. A search refused there (a RequestRejectedError: the prompt
-    leaves no room, an unknown adapter) cancels them all and is raised, as a refused request is."""
+    leaves no room, an unknown adapter) cancels them all and is raised, as a refused request is. `on_running`
+    (a choice's request id) once its search's first step is done: it no longer waits in the queue, though its
+    stream's one output comes only at the end."""
     by_prompt: dict[int, list[Choice]] = {}
     for choice in choices:
         by_prompt.setdefault(choice.prompt_index, []).append(choice)
@@ -100,7 +103,7 @@ async def start_searches(
 
         own = [RequestStream(choice.request_id, f"{choice.request_id}#beams", cancel) for choice in beams]
         started.append(asyncio.get_running_loop().create_future())
-        search = _search(state, beams, own, params, priority, arrival_time, lora, cache_salt, started[-1])
+        search = _search(state, beams, own, params, priority, arrival_time, lora, cache_salt, started[-1], on_running)
         tasks.append(asyncio.create_task(search))
         state.beam_searches.add(tasks[-1])  # (a graceful drain waits for it: between steps no request runs)
         tasks[-1].add_done_callback(state.beam_searches.discard)
@@ -124,6 +127,7 @@ async def _search(
     lora: Optional[LoRAMix],
     cache_salt: Optional[str],
     started: asyncio.Future,
+    on_running: Callable[[str], None],
 ) -> None:
     """`started` is settled once the first step is in the engine (or was refused)."""
     engine = state.engine
@@ -154,7 +158,10 @@ async def _search(
                 for s in step_streams:
                     await s.aclose()
             search.advance(tops)
-            first_token_time = first_token_time or time.monotonic()
+            if first_token_time is None:
+                first_token_time = time.monotonic()
+                for choice in beams:
+                    on_running(choice.request_id)
             step += 1
         tokenizer = engine.tokenizer
         best = search.result(lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))

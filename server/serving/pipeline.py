@@ -190,6 +190,7 @@ async def _admit(
                 arrival_time=arrival_time,
                 lora=lora,
                 cache_salt=cache_salt,
+                on_running=guard.started,
             )
         except BaseException:
             ticket.release()

@@ -158,3 +158,30 @@ def test_a_drain_between_two_steps_lets_the_search_finish(tiny_model_dir, monkey
         assert r.status_code == 200, r.text
         assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
         assert not running.state.beam_searches
+
+
+def test_a_running_search_does_not_hold_places_in_the_queue(tiny_model_dir, monkeypatch):
+    """--max-queued-requests bounds the sequences waiting for their first token: a search's beams wait until its
+    first step is done (their one output comes at the end), so a search that runs does not fill the queue and
+    another request is admitted, not refused with a 429."""
+    with serving(tiny_model_dir, ServerConfig(served_model_name="tiny", max_queued_requests=2)) as running:
+        pace_engine(running, monkeypatch, 0.02)
+        first_step = threading.Event()
+        advance = BeamSearch.advance
+
+        def noting_advance(self, tops):
+            advance(self, tops)
+            first_step.set()
+
+        monkeypatch.setattr(BeamSearch, "advance", noting_advance)
+        body = {"model": "tiny", "prompt": PROMPT, "n": 2, "max_tokens": 60, "use_beam_search": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with running.client() as c:
+                search = pool.submit(c.post, "/v1/completions", json={**body, "ignore_eos": True})
+                assert first_step.wait(30)
+                time.sleep(0.1)  # (the places are given back on the event loop, after the step)
+                assert running.state.admission.num_requests == 0
+                other = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+                assert other.status_code == 200, other.text
+                assert not search.done()
+                assert search.result(60).status_code == 200
