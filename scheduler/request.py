@@ -106,7 +106,8 @@ class Request:
         """What the first block's hash starts from: the LoRA mix's key and the cache salt (None: neither)."""
         if self.cache_salt is None:
             return self.lora_key
-        return hashlib.sha256(b"salt\0" + (self.lora_key or b"") + b"\0" + self.cache_salt.encode()).digest()
+        key = self.lora_key or b""  # (length-prefixed: a key and a salt with zero bytes cannot pass for others)
+        return hashlib.sha256(b"salt\0" + len(key).to_bytes(8, "little") + key + self.cache_salt.encode()).digest()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -54,6 +54,20 @@ def test_cache_salt_shares_blocks_only_within_a_salt():
     assert kv.get_computed_blocks(keyed)[1] == 0
 
 
+def test_a_salt_cannot_pass_for_a_lora_key_and_another_salt():
+    """The key and the salt are hashed apart: a base-model request whose salt spells an adapter's key (here one
+    that begins with a zero byte) and another salt never gets that adapter's blocks."""
+    key = b"\0" + b"k" * 31
+    adapter = make_request(list(range(10)))
+    adapter.lora_key, adapter.cache_salt = key, "s"
+    base = make_request(list(range(10)))
+    base.cache_salt = "k" * 31 + "\0s"
+    assert base.hash_seed != adapter.hash_seed
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    assert admit(kv, adapter) == 0
+    assert kv.get_computed_blocks(base)[1] == 0
+
+
 def test_hit_is_capped_to_leave_one_token():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     admit(kv, make_request(list(range(8))))
