@@ -16,34 +16,23 @@ from engine import BeamSearchParams
 from engine.sampling.beam_search import BeamSearch
 from server.config.server_config import ServerConfig
 from server.http.drain import drain
+from tests.engine.references import make_llm
 from tests.server.conftest import pace_engine, serving
 from tests.server.test_disconnect import assert_gauges_reach_zero, successes
 
 PROMPT = "The quick brown fox"
 
 
-def offline_beams(server, prompt_ids, width, max_tokens, **fields):
-    """The beams the engine's search finds, stepped here on the server's own engine (no HTTP)."""
-    core = server.engine.engine
-    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, **fields)
-    search = BeamSearch(prompt_ids, params, core.tokenizer.eos_token_ids, core.max_model_len - len(prompt_ids))
-    step = 0
-    while not search.done:
-        ids = []
-        for i, tokens in enumerate(search.pending()):
-            ids.append(f"offline-{step}-{i}")
-            core.add_request(ids[-1], tokens, search.step_params())
-        tops = {}
-        while core.has_work:
-            for out in core.step():
-                if out.logprobs:
-                    tops[out.request_id] = out.logprobs[0].top
-        search.advance([tops[i] for i in ids])
-        step += 1
-    return search.result(lambda ids, skip: core.tokenizer.decode(ids, skip_special_tokens=skip))
+def offline_beams(model_dir, prompt_ids, width, max_tokens, **fields):
+    """The beams the offline LLM's search finds on the server's checkpoint, in an engine of its own (the server's
+    engine belongs to its loop thread)."""
+    with make_llm(model_dir) as llm:
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, **fields)
+        (out,) = llm.beam_search([{"prompt_token_ids": prompt_ids}], params)
+    return out.sequences
 
 
-def test_completions_return_the_best_beams(server):
+def test_completions_return_the_best_beams(server, tiny_model_dir):
     client = server.sdk()
     prompt_ids = server.engine.tokenizer.encode(PROMPT)
     out = client.completions.create(
@@ -54,7 +43,7 @@ def test_completions_return_the_best_beams(server):
         temperature=0,
         extra_body={"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.5},
     )
-    expected = offline_beams(server, prompt_ids, 3, 8, ignore_eos=True, length_penalty=0.5)
+    expected = offline_beams(tiny_model_dir, prompt_ids, 3, 8, ignore_eos=True, length_penalty=0.5)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.text for c in out.choices] == [b.text for b in expected]
     assert len({c.text for c in out.choices}) == 3
