@@ -242,7 +242,9 @@ class EngineCore:
         params.verify_vocab(self.vocab_size)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt", "must be a non-empty string")
-        if params.bad_words and params.bad_words_token_ids is None:
+        if params.bad_words_token_ids is not None:  # (vLLM's _bad_words_token_ids: never the caller's)
+            raise InvalidParameterError("bad_words_token_ids", "is set by the engine from bad_words; give bad_words")
+        if params.bad_words:
             encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
             params = params.replace(bad_words_token_ids=bad_words_token_ids(encode, params.bad_words, self.vocab_size))
         grammar_ref = None

@@ -112,9 +112,10 @@ class SamplingState:
     def disallowed(self, vocab: int, device: torch.device) -> torch.Tensor:
         """True for the tokens outside `allowed_token_ids` (set), built once.  # [vocab] bool"""
         if self._disallowed is None or self._disallowed.device != device or self._disallowed.numel() != vocab:
-            mask = torch.ones(vocab, dtype=torch.bool)
-            mask[torch.tensor(self.params.allowed_token_ids, dtype=torch.long)] = False
-            self._disallowed = mask.to(device)
+            # made on the device, the ids sent up from pinned memory: the GPU sampler never waits on a copy
+            mask = torch.ones(vocab, dtype=torch.bool, device=device)
+            mask[to_device(self.params.allowed_token_ids or [], torch.long, device)] = False
+            self._disallowed = mask
             if self.origin is not None:  # (a speculative step's copy: the request's own state keeps it)
                 self.origin._disallowed = self._disallowed
         return self._disallowed

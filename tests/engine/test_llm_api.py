@@ -530,3 +530,11 @@ def test_cache_salt_in_a_prompt_dict_keeps_cache_hits_apart(llm):
     assert stats().prefix_cache_hits == before
     generate(llm, {"prompt_token_ids": prompt, "cache_salt": "a"}, greedy(1))
     assert stats().prefix_cache_hits > before
+
+
+def test_bad_words_token_ids_are_the_engines_own(llm):
+    """vLLM's _bad_words_token_ids: made by the engine from bad_words, never taken from the caller (an empty or
+    negative id would fail the request or mask a token counted from the vocabulary's end)."""
+    with pytest.raises(RequestRejectedError) as info:
+        llm.engine.add_request("bad", [3, 4, 5], greedy(4, bad_words_token_ids=[[-1]]))
+    assert info.value.field == "bad_words_token_ids"
