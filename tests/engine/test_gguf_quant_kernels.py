@@ -211,6 +211,28 @@ def test_four_bit_products_at_the_edge_of_their_16_bit_sums(kernels, name, layou
         assert np.abs(got.double().numpy()).max() > 0.9 * np.abs(x.double().numpy() @ reference.T).max()
 
 
+@pytest.mark.parametrize("layout", list(LAYOUT_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_nan_activation_makes_its_rows_products_nan(kernels, weights, dtype, layout):
+    """A NaN in an activation row (one element, or the whole row: a model's overflow after a norm) makes every
+    product of that row NaN, as float64's are, in each product a row can take (integer, float32 logits, bf16
+    tiles), so that it reaches the engine's check of the logits; the other rows keep their values. (The
+    activations' quantization left a NaN out: a one-NaN row came out finite, an all-NaN row all 0.)"""
+    for name in TYPES:
+        w = make_weight(kernels, weights, name, LAYOUT_SHAPES[layout][2], layout)
+        p = w.packed
+        x = make_x(4, w.in_features, dtype, seed=5)
+        x[1, 37] = float("nan")
+        x[3] = float("nan")
+        options = [{}, {"float32_out": True}, {"tile_min_rows": 1}] if dtype == torch.bfloat16 else [{}]
+        for option in options:
+            got = kernels.linear(x, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout, **option)
+            assert got[[1, 3]].isnan().all(), (name, option)
+            clean = x[[0, 2]].contiguous()
+            expected = kernels.linear(clean, p.qs, p.d, p.m, w.out_features, p.nbp, w.fmt.code, p.layout, **option)
+            assert torch.equal(got[[0, 2]], expected), (name, option)
+
+
 def check_float_product(got: torch.Tensor, x: torch.Tensor, reference: np.ndarray, relative: float) -> None:
     """Within `relative` of the sum of absolute products (bf16 rounding of weights or of the result)."""
     xs = x.double().numpy()

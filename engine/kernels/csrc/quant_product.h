@@ -42,6 +42,8 @@ constexpr int kMaxRows = 4;  // activation rows per micro-kernel call
 // One block of 32 activations: amax = max |x| (a NaN left out, as std::max leaves it), its scale amax / 127,
 // q = x * (127 / amax) rounded to nearest even (the default rounding mode, as std::nearbyint), kept as its low 8
 // bits, and the scale times the sum of the q. The vector paths compute exactly what the scalar loop does.
+// A block holding a NaN gets a NaN scale (and sum): every product with it is NaN, as float64's is, so that a
+// model's overflow reaches the engine's check of the logits (left out, it made an all-NaN row's products 0).
 // (GCC vectorized the scalar loop by halves it joined through the stack: a 64-byte load of two 32-byte stores,
 // which the store buffer cannot forward, stalled every block: docs/performance.md.)
 #if defined(__AVX512F__)
@@ -66,7 +68,8 @@ inline void quantize_block(const T* src, int8_t* xq, float* dx, float* sx) {
     // max(|x|, running): the running value where |x| is NaN
     const __m512 running = _mm512_max_ps(absolute(lo), _mm512_setzero_ps());
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(absolute(hi), running));
-    const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const bool nan = (_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) != 0;
+    const float scale = nan ? NAN : amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
     const __m512 inv = _mm512_set1_ps(inverse);
     const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // MXCSR's rounding: nearest even
     const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
@@ -92,7 +95,9 @@ inline void quantize_block(const T* src, int8_t* xq, float* dx, float* sx) {
     const __m128 four = _mm_max_ps(_mm256_castps256_ps128(running), _mm256_extractf128_ps(running, 1));
     const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
     const float amax = _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
-    const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int nan = 0;
+    for (int i = 0; i < 4; ++i) nan |= _mm256_movemask_ps(_mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
+    const float scale = nan != 0 ? NAN : amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
     const __m256 inv = _mm256_set1_ps(inverse);
     const __m256i low_byte = _mm256_set1_epi32(0xff);
     __m256i q[4], bytes[4];
@@ -116,13 +121,20 @@ inline void quantize_block(const T* src, int8_t* xq, float* dx, float* sx) {
 template <typename T>
 inline void quantize_block(const T* src, int8_t* xq, float* dx, float* sx) {
     float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(to_float(src[j])));
-    const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
+    for (int j = 0; j < kBlock; ++j) {
+        const float v = to_float(src[j]);
+        amax = std::max(amax, std::fabs(v));
+        nan |= v != v;
+    }
+    const float scale = nan != 0 ? NAN : amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
     int sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < kBlock; ++j) {
-        const int q = static_cast<int>(std::nearbyint(to_float(src[j]) * inverse));
+        const float v = to_float(src[j]) * inverse;
+        // NaN (or inf x 0) has no int: 0 stands for it here (the scale is NaN or inf then, and so the products)
+        const int q = v == v ? static_cast<int>(std::nearbyint(v)) : 0;
         xq[j] = static_cast<int8_t>(q);
         sum += q;
     }
