@@ -106,6 +106,26 @@ def test_relative_links_resolve(page):
     assert not broken, f"{page.name}: " + "; ".join(broken)
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_fences_close_cleanly(page):
+    """A closing fence holds nothing but the fence (CommonMark): text after it (docs/configuration.md had
+    "``` A request names an adapter") leaves the block open, and the rest of the page renders as code."""
+    bad, opened_at = [], None
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        match = re.match(r"^\s*(```|~~~)(.*)$", line)
+        if match is None:
+            continue
+        if opened_at is None:
+            opened_at = number
+        else:
+            if match.group(2).strip():
+                bad.append(f"line {number}: {line!r} (text after a closing fence)")
+            opened_at = None
+    if opened_at is not None:
+        bad.append(f"line {opened_at}: a fence never closed")
+    assert not bad, f"{page.name}: " + "; ".join(bad)
+
+
 def test_slug_matches_githubs():
     assert (
         slug("GGUF weights kept quantized (`--quantization gguf`)") == "gguf-weights-kept-quantized---quantization-gguf"
