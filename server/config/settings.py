@@ -122,6 +122,7 @@ class Option:
 # Where each section's fields live in Settings (an option's path is its section's plus the field name).
 MODEL, CACHE, SCHEDULER, SERVER = ("engine", "model"), ("engine", "cache"), ("engine", "scheduler"), ("server",)
 PARALLEL, LORA = ("engine", "parallel"), ("engine", "lora")
+MODEL_TAG = "model_tag"  # the dest of the positional MODEL (`pagedserve serve ./model`, as `vllm serve` takes it)
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch of the load/unload endpoints, taken too
 
 OPTIONS: tuple[Option, ...] = (
@@ -604,6 +605,12 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     for option in OPTIONS:
         if option.path is not None and option.dest in args:
             _set(data, origins, option.path, _negated(option, args[option.dest]), option.flag)
+    if MODEL_TAG in args:  # vLLM's `vllm serve MODEL`: the positional model, a flag's equal
+        if "model" in args and args["model"] != args[MODEL_TAG]:
+            raise SettingsError(
+                f"the model is given twice, as {args[MODEL_TAG]!r} and as --model {args['model']!r}: give one"
+            )
+        _set(data, origins, (*MODEL, "model"), args[MODEL_TAG], "MODEL (the positional argument)")
     try:
         return Settings.model_validate(data)
     except ValidationError as error:
@@ -724,6 +731,13 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,
     )
+    parser.add_argument(
+        MODEL_TAG,
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as vLLM's `vllm serve MODEL` takes it: the same as --model (put it before flags that "
+        "take several values, --served-model-name and --lora-modules)",
+    )
     for option in OPTIONS:
         help_text = f"{option.help} (default: {_default_text(option)}; env: {option.env})".replace("%", "%%")
         kwargs: dict[str, Any] = {"help": help_text}
@@ -753,6 +767,7 @@ converted models and built kernels; the compose files' and scripts' own).
 the default). VLLM_ALLOW_RUNTIME_LORA_UPDATING counts as PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING (which wins).
 Examples:
   pagedserve serve --config configs/default.yaml
+  pagedserve serve ./my-model --max-model-len 4096     (as vllm serve: the model first, or --model)
   PAGEDSERVE_API_KEY=secret pagedserve serve --model ./my-model --port 8080"""
 
 

@@ -596,3 +596,21 @@ def test_an_allowed_origin_that_no_browser_sends_is_refused(origin):
 def test_allowed_origins_that_browsers_send_are_kept():
     origins = ["*", "null", "http://localhost:3000", "https://app.example.com", "http://[::1]:8080"]
     assert load_settings(["--allowed-origins", ",".join(origins)], {}).server.allowed_origins == origins
+
+
+def test_the_model_as_a_positional_argument_as_vllm_serve_takes_it():
+    """`vllm serve MODEL` is how vLLM users start a server; `pagedserve serve ./model` was 'unrecognized
+    arguments'. The positional model is the flag's equal: above the environment, and with --model only when
+    both say the same."""
+    path = ("engine", "model", "model")
+    assert get(load_settings(["/models/llama"], {}), path) == "/models/llama"
+    assert get(load_settings(["/models/llama", "--port", "9000"], {"PAGEDSERVE_MODEL": "/other"}), path) == (
+        "/models/llama"
+    )
+    assert get(load_settings(["--port", "9000", "/models/llama"], {}), path) == "/models/llama"
+    assert get(load_settings(["/models/llama", "--model", "/models/llama"], {}), path) == "/models/llama"
+    with pytest.raises(SettingsError, match="given twice, as '/models/llama' and as --model '/other'"):
+        load_settings(["/models/llama", "--model", "/other"], {})
+    with pytest.raises(SettingsError, match="unrecognized arguments: /second"):
+        load_settings(["/models/llama", "/second"], {})
+    assert get(load_settings([], {}), path) is None
