@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -41,6 +42,10 @@ class ContextLengthError(ValueError):
     def __init__(self, requested: int, limit: int, key: str):
         super().__init__(f"max_model_len={requested} is larger than the model's context length ({key}={limit})")
         self.requested, self.limit, self.key = requested, limit, key
+
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's other names of --dtype's values (`--dtype half`, `LLM(dtype="float")`), read as the names they stand for."""
 
 
 class ModelConfig(BaseModel):
@@ -99,6 +104,17 @@ class ModelConfig(BaseModel):
         "checkpoint's own with awq. A value is refused where no groups apply (none, gguf, int8, a float checkpoint "
         "under auto) and with awq when it is not the checkpoint's (engine/builder.py)",
     )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _vllm_dtype_names(cls, value: Any) -> Any:
+        """vLLM's `half` and `float`, and a torch dtype (`LLM(dtype=torch.float16)`), as vLLM takes them."""
+        if isinstance(value, str):
+            return DTYPE_ALIASES.get(value, value)
+        torch = sys.modules.get("torch")  # a torch dtype can only come from a process that imported torch
+        if torch is not None and isinstance(value, torch.dtype):
+            return str(value).removeprefix("torch.")  # float32, bfloat16, float16; any other stays refused
+        return value
 
     @field_validator("quantization", mode="before")
     @classmethod

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.cache_config import parse_size
 from engine.engine_config import EngineConfig
+from engine.loading.model_config import DTYPE_ALIASES
 from server.config.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Option:
     default_text: Optional[str] = None  # what "default:" says when the field's default reads badly
     nullable: bool = False  # "none" resets to the default of None
     negates: bool = False  # a bool flag that sets its field to False (vLLM's --disable-*), no --no- form
+    aliases: Optional[Mapping[str, str]] = None  # other names of its choices (vLLM's `--dtype half`)
 
     @property
     def dest(self) -> str:
@@ -166,7 +168,9 @@ OPTIONS: tuple[Option, ...] = (
         "--dtype",
         (*MODEL, "dtype"),
         "str",
-        "weight and activation dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32",
+        "weight and activation dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32; "
+        "vLLM's half and float are float16 and float32",
+        aliases=DTYPE_ALIASES,
     ),
     Option("--device", (*MODEL, "device"), "str", "where the model runs"),
     Option(
@@ -872,6 +876,7 @@ def convert_value(option: Option, raw: str, *, from_env: bool = False) -> Any:
             raise ValueError(f"expected a JSON object, got {raw!r}")
         return value
     choices = _choices(option)
+    text = (option.aliases or {}).get(text, text)
     if choices is not None and text not in choices:
         raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")
     return text

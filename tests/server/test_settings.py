@@ -614,3 +614,21 @@ def test_the_model_as_a_positional_argument_as_vllm_serve_takes_it():
     with pytest.raises(SettingsError, match="unrecognized arguments: /second"):
         load_settings(["/models/llama", "/second"], {})
     assert get(load_settings([], {}), path) is None
+
+
+@pytest.mark.parametrize("name, expected", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")])
+def test_dtype_takes_vllms_names(name, expected, tmp_path):
+    """vLLM's --dtype takes half and float beside float16 and float32; `--dtype half` was an exit 2. The flag,
+    the variable, a preset and the offline LLM's ModelConfig (which also takes a torch dtype) read them alike."""
+    import torch
+
+    from engine.loading.model_config import ModelConfig
+
+    path = ("engine", "model", "dtype")
+    assert get(load_settings(["--dtype", name], {}), path) == expected
+    assert get(load_settings([], {"PAGEDSERVE_DTYPE": name}), path) == expected
+    assert get(load_settings(["--config", write_yaml(tmp_path, {"model": {"dtype": name}})], {}), path) == expected
+    assert ModelConfig(dtype=name).dtype == expected
+    assert ModelConfig(dtype=getattr(torch, expected)).dtype == expected
+    with pytest.raises(SettingsError, match="--dtype: expected one of auto, float32, bfloat16, float16, got 'double'"):
+        load_settings(["--dtype", "double"], {})
