@@ -136,22 +136,38 @@ def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     return jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len)
 
 
+_ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # vLLM's --endpoint values
+
+
+def _endpoint(text: str) -> str:
+    return _ENDPOINT_PATHS.get(text.rstrip("/"), text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedserve bench serve",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (any OpenAI-compatible one)")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="the server (any OpenAI-compatible one); unset: http://HOST:PORT of --host and --port",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="the server's address, as vLLM's bench takes it")
+    p.add_argument("--port", type=int, default=8000, help="the server's port, as vLLM's bench takes it")
     p.add_argument("--model", default=None, help="model name to send; none: the first at /v1/models")
     p.add_argument(
         "--endpoint",
+        type=_endpoint,
         choices=("completions", "chat"),
         default="completions",
-        help="the API to load: /v1/completions, or /v1/chat/completions with each prompt as one user message",
+        help="the API to load: /v1/completions, or /v1/chat/completions with each prompt as one user message "
+        "(vLLM's paths, /v1/completions and /v1/chat/completions, name them too)",
     )
     p.add_argument(
         "--dataset",
+        "--dataset-name",
         choices=("random", "prefix-shared", "sharegpt", "jsonl"),
         default="random",
         help="where the prompts come from: random tokens (--input-len, --output-len), one shared prefix "
@@ -167,9 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
         "path, else the embedded model's)",
     )
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (the run's size)")
-    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="random, prefix-shared: max_tokens")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in len * [1-r, 1+r]")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=128, help="random: prompt tokens")
+    p.add_argument(
+        "--output-len", "--random-output-len", type=int, default=128, help="random, prefix-shared: max_tokens"
+    )
+    p.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths uniform in len * [1-r, 1+r]",
+    )
     p.add_argument("--prefix-len", type=int, default=448, help="prefix-shared: tokens of the common prefix")
     p.add_argument("--suffix-len", type=int, default=64, help="prefix-shared: tokens of each own suffix")
     p.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt, jsonl: override output lengths")
@@ -245,8 +269,19 @@ def benchmark(args: argparse.Namespace) -> tuple[BenchmarkMetrics, dict]:
     return metrics, record
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The arguments, vLLM's spellings taken: `--host` / `--port` make the base URL unless `--base-url` is
+    given; `--dataset-name`, `--random-input-len`, `--random-output-len`, `--random-range-ratio` and an
+    `--endpoint` path are the same options as `--dataset`, `--input-len`, ... and `--endpoint completions`."""
     args = build_parser().parse_args(argv)
+    if args.base_url is None:
+        host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
+        args.base_url = f"http://{host}:{args.port}"
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per request, across the progress bar
     try:

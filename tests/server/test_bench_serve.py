@@ -320,3 +320,36 @@ def test_bench_serve_reports_an_unreachable_server(capsys):
         ]
     )
     assert code == 1 and "first request failed" in capsys.readouterr().err
+
+
+def test_bench_serve_takes_vllms_spellings():
+    """`vllm bench serve --host H --port P --dataset-name random --random-input-len N ...` is how vLLM users
+    run it; `pagedserve bench serve` refused each of those as unrecognized arguments (exit 2)."""
+    from server.benchmark.serve import parse_args
+
+    args = parse_args(
+        [
+            "--host",
+            "10.0.0.2",
+            "--port",
+            "8011",
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "0.5",
+            "--endpoint",
+            "/v1/chat/completions",
+        ]
+    )
+    assert args.base_url == "http://10.0.0.2:8011" and args.dataset == "random" and args.endpoint == "chat"
+    assert (args.input_len, args.output_len, args.range_ratio) == (24, 5, 0.5)
+    assert parse_args(["--endpoint", "/v1/completions"]).endpoint == "completions"
+    assert parse_args([]).base_url == "http://127.0.0.1:8000"  # the default as before
+    assert parse_args(["--base-url", "http://a:1", "--port", "2"]).base_url == "http://a:1"  # as vLLM: it wins
+    assert parse_args(["--host", "::1", "--port", "9"]).base_url == "http://[::1]:9"
+    with pytest.raises(SystemExit):
+        parse_args(["--endpoint", "/v1/embeddings"])
