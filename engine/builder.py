@@ -14,7 +14,13 @@ from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
 from engine.attention.kv_cache import KVCache
 from engine.loading.generation_defaults import read_sampling_defaults
-from engine.loading.loader import Checkpoint, load_hf_config, prepare_checkpoint, prepare_tokenizer_source
+from engine.loading.loader import (
+    Checkpoint,
+    CheckpointError,
+    load_hf_config,
+    prepare_checkpoint,
+    prepare_tokenizer_source,
+)
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.speculative_config import SpeculativeConfig
@@ -56,18 +62,26 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     hf_config = load_hf_config(
         checkpoint.path, trust_remote_code=model_config.trust_remote_code, overrides=model_config.hf_overrides
     )
-    tokenizer_path = checkpoint.path
-    if model_config.tokenizer is not None:
-        tokenizer_path = prepare_tokenizer_source(model_config.tokenizer, download_dir=model_config.download_dir)
     # eos ids of the generation config the sampling defaults come from (vLLM's): the model's, or the
     # --generation-config directory's (also when the tokenizer comes from elsewhere)
     generation_dir = model_config.generation_config
-    tokenizer = load_tokenizer(
-        tokenizer_path,
-        trust_remote_code=model_config.trust_remote_code,
-        chat_template=model_config.chat_template,
-        generation_config_dir=checkpoint.path if generation_dir in ("auto", "vllm") else generation_dir,
-    )
+    try:
+        tokenizer_path = checkpoint.path
+        if model_config.tokenizer is not None:
+            tokenizer_path = prepare_tokenizer_source(model_config.tokenizer, download_dir=model_config.download_dir)
+        tokenizer = load_tokenizer(
+            tokenizer_path,
+            trust_remote_code=model_config.trust_remote_code,
+            chat_template=model_config.chat_template,
+            generation_config_dir=checkpoint.path if generation_dir in ("auto", "vllm") else generation_dir,
+        )
+    except CheckpointError as error:
+        if model_config.tokenizer is None:
+            raise
+        # a --tokenizer that cannot be had is a bad setting, not the model's fault ("cannot load the model")
+        raise SettingsConflictError(
+            f"--tokenizer: the tokenizer {model_config.tokenizer!r} cannot be read: {error}"
+        ) from error
     default_sampling = read_sampling_defaults(model_config.generation_config, checkpoint.path)  # (before workers)
     workers: Optional[TensorParallelWorkers] = None
     tp = ParallelGroup.single()

@@ -110,8 +110,10 @@ def prepare_tokenizer_source(
     local = Path(tokenizer).expanduser()
     if local.is_dir():
         return local.resolve()
-    if local.is_file() or _looks_like_path(tokenizer):
-        return prepare_checkpoint(tokenizer, download_dir=download_dir).path  # a .gguf, or "not found" named
+    if not local.exists() and _looks_like_path(tokenizer):  # not "model path not found": the model is fine
+        raise CheckpointError(f"path not found: {tokenizer!r}")
+    if local.is_file():
+        return prepare_checkpoint(tokenizer, download_dir=download_dir).path  # a .gguf, converted as a model
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in _OFFLINE_VALUES
     cache = None if download_dir is None else str(Path(download_dir).expanduser())
     return _snapshot(tokenizer, revision, HUB_CONFIG_PATTERNS, offline, cache)

@@ -150,6 +150,19 @@ def test_a_draft_model_path_that_cannot_be_read_exits_2_naming_the_flag_and_the_
         assert reason in last and "Traceback" not in result.stderr
 
 
+def test_a_tokenizer_that_cannot_be_read_exits_2_naming_the_flag(tiny_model_dir, tmp_path):
+    """A missing --tokenizer path was "cannot load the model: model path not found: '<the tokenizer>'" and exit 1,
+    which blames the model (that loads fine) for the flag's value."""
+    for tokenizer, reason in ((tmp_path / "missing", "path not found"), (tmp_path, "cannot load a tokenizer")):
+        result = run_serve("--model", str(tiny_model_dir), "--port", "0", "--tokenizer", str(tokenizer))
+        assert result.returncode == 2, result.stderr
+        assert "model path not found" not in result.stderr and "cannot load the model" not in result.stderr
+        assert f"pagedserve serve: error: --tokenizer: the tokenizer {str(tokenizer)!r} cannot be read: " in (
+            result.stderr
+        ), result.stderr
+        assert reason in result.stderr and "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize(
     "args,expected",
     [
