@@ -39,6 +39,11 @@ class ServerConfig(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="how tool calls are found in the text under tool_choice auto"
     )
+    enable_auto_tool_choice: bool = Field(
+        True,
+        description="vLLM's switch of tool_choice auto, which this server always serves (calls parsed with "
+        "tool_call_parser): taken, and false refused",
+    )
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
     metrics_require_auth: bool = Field(False, description="/metrics also needs an API key (when keys are set)")
     # limits (see README, "Running in production")
@@ -70,6 +75,15 @@ class ServerConfig(BaseModel):
     root_path: str = Field("", description="path prefix of a proxy in front (FastAPI's root_path)")
     ssl_keyfile: Optional[str] = Field(None, description="TLS private key (PEM); with ssl_certfile, serve HTTPS")
     ssl_certfile: Optional[str] = Field(None, description="TLS certificate chain (PEM)")
+
+    @field_validator("enable_auto_tool_choice")
+    @classmethod
+    def _auto_tool_choice_is_always_on(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "tool_choice auto is always served (its calls parsed with --tool-call-parser); it cannot be turned off"
+            )
+        return value
 
     @field_validator("allowed_origins")
     @classmethod

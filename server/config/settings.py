@@ -400,6 +400,14 @@ OPTIONS: tuple[Option, ...] = (
         "PARSER",
     ),
     Option(
+        "--enable-auto-tool-choice",
+        (*SERVER, "enable_auto_tool_choice"),
+        "bool",
+        "vLLM's switch of tool_choice auto, taken as written (vllm serve ... --enable-auto-tool-choice "
+        "--tool-call-parser hermes): this server always serves it, its calls parsed with --tool-call-parser; "
+        "--no-enable-auto-tool-choice is refused",
+    ),
+    Option(
         "--metrics-require-auth", (*SERVER, "metrics_require_auth"), "bool", "with --api-key, /metrics needs a key too"
     ),
     Option(

@@ -105,6 +105,7 @@ ALL_FLAGS = (
     | {
         "--config",
         "--disable-log-requests",
+        "--enable-auto-tool-choice",
         "--headless",
         "--lora-modules",
     }
@@ -632,3 +633,17 @@ def test_dtype_takes_vllms_names(name, expected, tmp_path):
     assert ModelConfig(dtype=getattr(torch, expected)).dtype == expected
     with pytest.raises(SettingsError, match="--dtype: expected one of auto, float32, bfloat16, float16, got 'double'"):
         load_settings(["--dtype", "double"], {})
+
+
+def test_enable_auto_tool_choice_is_taken_as_vllms_guides_write_it():
+    """`vllm serve M --enable-auto-tool-choice --tool-call-parser hermes` is how vLLM serves tool calls; the flag
+    was 'unrecognized arguments' (exit 2). tool_choice auto is always served here: the flag is taken, and turning
+    it off is refused rather than ignored."""
+    path = ("server", "enable_auto_tool_choice")
+    settings = load_settings(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], {})
+    assert get(settings, path) is True and settings.server.tool_call_parser == "hermes"
+    assert get(load_settings([], {"PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE": "true"}), path) is True
+    assert get(load_settings([], {}), path) is True
+    for argv, environ in ((["--no-enable-auto-tool-choice"], {}), ([], {"PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE": "0"})):
+        with pytest.raises(SettingsError, match="tool_choice auto is always served"):
+            load_settings(argv, environ)
