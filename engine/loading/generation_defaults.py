@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+from engine.errors import SettingsConflictError
 from engine.loading.loader import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 def read_sampling_defaults(source: str, model_path: Path) -> dict[str, Any]:
     """The sampling defaults `source` names: "auto" the model directory's generation_config.json (none when it
     has none), "vllm" none, else a directory holding a generation_config.json. A value SamplingParams refuses, or
-    a file that cannot be read, is a CheckpointError naming the file."""
+    a file that cannot be read, is a CheckpointError naming the file; a directory without the file, a
+    SettingsConflictError naming the flag."""
     if source == "vllm":
         return {}
     directory = model_path if source == "auto" else Path(source).expanduser()
@@ -36,7 +38,8 @@ def read_sampling_defaults(source: str, model_path: Path) -> dict[str, Any]:
     if not path.is_file():
         if source == "auto":
             return {}
-        raise CheckpointError(f"--generation-config {source!r}: no {GENERATION_CONFIG_NAME} in that directory")
+        # a bad setting (exit 2, as a bad flag), not a model that cannot be loaded (exit 1)
+        raise SettingsConflictError(f"--generation-config {source!r}: no {GENERATION_CONFIG_NAME} in that directory")
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:

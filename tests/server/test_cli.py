@@ -150,6 +150,17 @@ def test_a_draft_model_path_that_cannot_be_read_exits_2_naming_the_flag_and_the_
         assert reason in last and "Traceback" not in result.stderr
 
 
+def test_a_generation_config_directory_without_the_file_exits_2(tiny_model_dir, tmp_path):
+    """A --generation-config directory with no generation_config.json is a bad flag value (exit 2), not "cannot
+    load the model" and exit 1 (which a supervisor reads as a fault worth restarting for)."""
+    result = run_serve("--model", str(tiny_model_dir), "--port", "0", "--generation-config", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"pagedserve serve: error: --generation-config {str(tmp_path)!r}: no generation_config.json in that directory"
+    ), result.stderr
+
+
 def test_a_tokenizer_that_cannot_be_read_exits_2_naming_the_flag(tiny_model_dir, tmp_path):
     """A missing --tokenizer path was "cannot load the model: model path not found: '<the tokenizer>'" and exit 1,
     which blames the model (that loads fine) for the flag's value."""

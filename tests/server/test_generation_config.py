@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from engine import SamplingParams
+from engine.errors import SettingsConflictError
 from engine.loading.loader import CheckpointError
 from server.config.server_config import ServerConfig
 from tests.engine.references import make_llm
@@ -106,7 +107,7 @@ def test_a_generation_config_directory_and_a_bad_value(recommending_model_dir, t
         assert (defaults.top_k, defaults.min_p, defaults.temperature) == (5, 0.1, 1.0)
     finally:
         llm.shutdown()
-    with pytest.raises(CheckpointError, match="no generation_config.json"):
+    with pytest.raises(SettingsConflictError, match="no generation_config.json"):  # a bad setting: exit 2
         make_llm(tiny_model_dir, generation_config=str(tmp_path / "missing"))
     bad = shutil.copytree(recommending_model_dir, tmp_path / "bad")
     (bad / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_p": 0.0}))
