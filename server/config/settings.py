@@ -24,6 +24,7 @@ import argparse
 import difflib
 import json
 import logging
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,7 @@ class Option:
     nullable: bool = False  # "none" resets to the default of None
     negates: bool = False  # a bool flag that sets its field to False (vLLM's --disable-*), no --no- form
     aliases: Optional[Mapping[str, str]] = None  # other names of its choices (vLLM's `--dtype half`)
+    short: Optional[str] = None  # vLLM's short spelling of the flag (`-tp 2`)
 
     @property
     def dest(self) -> str:
@@ -263,6 +265,7 @@ OPTIONS: tuple[Option, ...] = (
         "processes that each hold 1/N of every layer (the Llama family, Gemma 2/3, Phi-3, OLMo 2, Granite, Mixtral, "
         "Qwen2/3-MoE; all-reduce over shared memory on one CPU host, gloo across hosts, NCCL on CUDA)",
         "N",
+        short="-tp",
     ),
     Option(
         "--pipeline-parallel-size",
@@ -270,6 +273,7 @@ OPTIONS: tuple[Option, ...] = (
         "int",
         "stages of consecutive layers, each in its own process(es), steps overlapped (the Llama family)",
         "N",
+        short="-pp",
     ),
     Option(
         "--distributed-executor-backend",
@@ -357,6 +361,7 @@ OPTIONS: tuple[Option, ...] = (
         "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
         "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
         "else none",
+        short="-q",
     ),
     Option(
         "--quantization-group-size",
@@ -765,7 +770,7 @@ def build_parser(prog: str = "pagedserve serve") -> argparse.ArgumentParser:
         else:
             metavar = option.metavar or ("{" + ",".join(choices) + "}" if choices else None)
             kwargs.update(type=_flag_type(option), metavar=metavar)
-        parser.add_argument(option.flag, **kwargs)
+        parser.add_argument(*((option.flag, option.short) if option.short else (option.flag,)), **kwargs)
     return parser
 
 
@@ -787,7 +792,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises SettingsError instead of exiting on a bad flag."""
 
     def error(self, message: str):
-        raise SettingsError(message.removeprefix("argument "))
+        # a flag with a short spelling is named by its long one ("--quantization/-q: ..." reads as two flags)
+        raise SettingsError(re.sub(r"^(--[\w-]+)/-\w+: ", r"\1: ", message.removeprefix("argument ")))
 
 
 def _field(path: FieldPath):

@@ -647,3 +647,12 @@ def test_enable_auto_tool_choice_is_taken_as_vllms_guides_write_it():
     for argv, environ in ((["--no-enable-auto-tool-choice"], {}), ([], {"PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE": "0"})):
         with pytest.raises(SettingsError, match="tool_choice auto is always served"):
             load_settings(argv, environ)
+
+
+def test_vllms_short_flags():
+    """vLLM's -tp, -pp and -q (`vllm serve M -tp 2`) were unrecognized arguments; they are the long flags'."""
+    settings = load_settings(["-tp", "2", "-pp", "3", "-q", "int8"], {})
+    assert (settings.engine.parallel.tensor_parallel_size, settings.engine.parallel.pipeline_parallel_size) == (2, 3)
+    assert settings.engine.model.quantization == "int8"
+    with pytest.raises(SettingsError, match="^--tensor-parallel-size: expected an integer, got 'x'"):
+        load_settings(["-tp", "x"], {})
