@@ -36,6 +36,10 @@ class ServerConfig(BaseModel):
     )
     strict_params: bool = Field(False, description="also reject request fields the OpenAI API does not define")
     log_level: LogLevel = "info"
+    uvicorn_log_level: Optional[Literal["trace", "debug", "info", "warning", "error", "critical"]] = Field(
+        None, description="uvicorn's log level alone (vLLM's --uvicorn-log-level; None: log_level)"
+    )
+    uvicorn_access_log: bool = Field(True, description="an access log line per HTTP request (uvicorn's)")
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="how tool calls are found in the text under tool_choice auto"
     )

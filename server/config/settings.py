@@ -113,6 +113,9 @@ class Option:
     negates: bool = False  # a bool flag that sets its field to False (vLLM's --disable-*), no --no- form
     aliases: Optional[Mapping[str, str]] = None  # other names of its choices (vLLM's `--dtype half`)
     short: Optional[str] = None  # vLLM's short spelling of the flag (`-tp 2`)
+    # vLLM's flag of something this server always does (no field): these values are taken and change nothing,
+    # any other is refused naming the flag (() : any value, there being nothing it could change)
+    always: Optional[tuple[Any, ...]] = None
 
     @property
     def dest(self) -> str:
@@ -416,6 +419,71 @@ OPTIONS: tuple[Option, ...] = (
         "--metrics-require-auth", (*SERVER, "metrics_require_auth"), "bool", "with --api-key, /metrics needs a key too"
     ),
     Option(
+        "--uvicorn-log-level",
+        (*SERVER, "uvicorn_log_level"),
+        "str",
+        "vLLM's: the log level of uvicorn alone (none: --log-level's)",
+        default_text="--log-level's",
+        nullable=True,
+    ),
+    Option(
+        "--disable-uvicorn-access-log",
+        (*SERVER, "uvicorn_access_log"),
+        "bool",
+        "vLLM's: no access log line per HTTP request",
+        default_text="not set",
+        negates=True,
+    ),
+    Option(
+        "--enable-chunked-prefill",
+        None,
+        "bool",
+        "vLLM's: long prompts are always prefilled in chunks of --max-num-batched-tokens here",
+        default_text="on",
+        always=(True,),
+    ),
+    Option(
+        "--tokenizer-mode",
+        None,
+        "str",
+        "vLLM's: the tokenizer is always the checkpoint's fast (Rust) one; only auto is taken",
+        default_text="auto",
+        always=("auto",),
+    ),
+    Option(
+        "--load-format",
+        None,
+        "str",
+        "vLLM's: weights load from what the checkpoint holds (safetensors, or a GGUF file); "
+        "auto, safetensors and gguf are taken",
+        default_text="auto",
+        always=("auto", "safetensors", "gguf"),
+    ),
+    Option(
+        "--task",
+        None,
+        "str",
+        "vLLM's: this server generates text; auto and generate are taken",
+        default_text="auto",
+        always=("auto", "generate"),
+    ),
+    Option(
+        "--guided-decoding-backend",
+        None,
+        "str",
+        "vLLM's: structured output always runs on xgrammar; auto and xgrammar are taken",
+        default_text="auto",
+        always=("auto", "xgrammar"),
+    ),
+    Option(
+        "--max-log-len",
+        None,
+        "int",
+        "vLLM's: taken, with nothing to shorten (prompts and outputs are never logged here)",
+        default_text="none",
+        always=(),
+    ),
+    Option(
         "--max-queued-requests",
         (*SERVER, "max_queued_requests"),
         "int",
@@ -617,9 +685,13 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         _set(data, origins, (*LORA, runtime_lora.dest), value, RUNTIME_LORA_ENV)
     for option in OPTIONS:
         raw = environ.get(option.env)
+        if option.always is not None and raw:
+            _check_always(option, _convert_env(option, raw), option.env)
         if option.path is not None and raw:  # an empty variable counts as unset
             _set(data, origins, option.path, _negated(option, _convert_env(option, raw)), option.env)
     for option in OPTIONS:
+        if option.always is not None and option.dest in args:
+            _check_always(option, args[option.dest], option.flag)
         if option.path is not None and option.dest in args:
             _set(data, origins, option.path, _negated(option, args[option.dest]), option.flag)
     if MODEL_TAG in args:  # vLLM's `vllm serve MODEL`: the positional model, a flag's equal
@@ -651,6 +723,14 @@ def warn_unknown_variables(environ: Mapping[str, str]) -> None:
             else "each flag --x-y is PAGEDSERVE_X_Y: pagedserve serve --help"
         )
         logger.warning("%s is not a pagedserve setting, ignored (%s)", name, hint)
+
+
+def _check_always(option: Option, value: Any, source: str) -> None:
+    """A vLLM flag of what this server always does: its value must be one that asks for that."""
+    if option.always and value not in option.always:
+        shown = "--no-" + option.flag[2:] if option.kind == "bool" and value is False else repr(value)
+        why = option.help.removeprefix("vLLM's: ")
+        raise SettingsError(f"{source}: {shown} is refused: {why}")
 
 
 def _negated(option: Option, value: Any) -> Any:
@@ -802,7 +882,7 @@ def _field(path: FieldPath):
 
 def _choices(option: Option) -> Optional[tuple[str, ...]]:
     if option.path is None:
-        return None
+        return None if option.kind == "bool" or not option.always else tuple(option.always)
     annotation = _field(option.path).annotation
     return tuple(get_args(annotation)) if get_origin(annotation) is Literal else None
 

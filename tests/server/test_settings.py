@@ -84,6 +84,7 @@ FLAG_CASES = [
     ("--max-loras", "2", ("engine", "lora", "max_loras"), 2),
     ("--max-lora-rank", "64", ("engine", "lora", "max_lora_rank"), 64),
     ("--max-cpu-loras", "8", ("engine", "lora", "max_cpu_loras"), 8),
+    ("--uvicorn-log-level", "warning", ("server", "uvicorn_log_level"), "warning"),
 ]
 _PAIRS = {"--ssl-keyfile": ("--ssl-certfile", "cert.pem"), "--ssl-certfile": ("--ssl-keyfile", "key.pem")}
 # boolean flags: place in Settings, default
@@ -99,6 +100,15 @@ BOOL_FLAGS = {
     "--enable-lora": (("engine", "lora", "enable_lora"), False),
     "--allow-runtime-lora-updating": (("engine", "lora", "allow_runtime_lora_updating"), False),
 }
+# vLLM's flags of what this server always does: (a value taken, a value refused)
+ALWAYS_FLAGS = {
+    "--enable-chunked-prefill": (["--enable-chunked-prefill"], ["--no-enable-chunked-prefill"]),
+    "--tokenizer-mode": (["--tokenizer-mode", "auto"], ["--tokenizer-mode", "slow"]),
+    "--load-format": (["--load-format", "safetensors"], ["--load-format", "pt"]),
+    "--task": (["--task", "generate"], ["--task", "embed"]),
+    "--guided-decoding-backend": (["--guided-decoding-backend", "xgrammar"], ["--guided-decoding-backend", "outlines"]),
+    "--max-log-len": (["--max-log-len", "100"], ["--max-log-len", "many"]),
+}
 ALL_FLAGS = (
     {case[0] for case in FLAG_CASES}
     | set(BOOL_FLAGS)
@@ -108,7 +118,9 @@ ALL_FLAGS = (
         "--enable-auto-tool-choice",
         "--headless",
         "--lora-modules",
+        "--disable-uvicorn-access-log",
     }
+    | set(ALWAYS_FLAGS)
 )
 
 
@@ -656,3 +668,24 @@ def test_vllms_short_flags():
     assert settings.engine.model.quantization == "int8"
     with pytest.raises(SettingsError, match="^--tensor-parallel-size: expected an integer, got 'x'"):
         load_settings(["-tp", "x"], {})
+
+
+@pytest.mark.parametrize("flag", list(ALWAYS_FLAGS))
+def test_vllms_flags_of_what_this_server_always_does(flag):
+    """vLLM's serve flags for what this server always does (chunked prefill, the fast tokenizer, xgrammar, ...)
+    were 'unrecognized arguments' (exit 2) in vLLM's commands: the values that ask for it are taken and change
+    nothing, by flag or variable; another is refused naming the flag, never ignored."""
+    taken, refused = ALWAYS_FLAGS[flag]
+    assert load_settings(taken, {}) == Settings()
+    if len(taken) == 2:
+        assert load_settings([], {env_name(flag): taken[1]}) == Settings()
+    with pytest.raises(SettingsError, match=flag):
+        load_settings(refused, {})
+
+
+def test_uvicorns_log_level_and_access_log():
+    settings = load_settings(["--uvicorn-log-level", "error", "--disable-uvicorn-access-log"], {})
+    assert settings.server.uvicorn_log_level == "error" and settings.server.uvicorn_access_log is False
+    assert load_settings([], {}).server.uvicorn_access_log is True
+    with pytest.raises(SettingsError, match="--uvicorn-log-level"):
+        load_settings(["--uvicorn-log-level", "loud"], {})
