@@ -43,6 +43,9 @@ class ServerConfig(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="how tool calls are found in the text under tool_choice auto"
     )
+    reasoning_parser: Optional[Literal["deepseek_r1", "qwen3"]] = Field(
+        None, description="how a reasoning model's thinking is told from its answer (server/openai/reasoning.py)"
+    )
     enable_auto_tool_choice: bool = Field(
         True,
         description="vLLM's switch of tool_choice auto, which this server always serves (calls parsed with "

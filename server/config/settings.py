@@ -419,6 +419,16 @@ OPTIONS: tuple[Option, ...] = (
         "--metrics-require-auth", (*SERVER, "metrics_require_auth"), "bool", "with --api-key, /metrics needs a key too"
     ),
     Option(
+        "--reasoning-parser",
+        (*SERVER, "reasoning_parser"),
+        "str",
+        "vLLM's: a reasoning model's thinking (<think>...</think>) returned apart from its answer, in chat's "
+        "`reasoning` (deepseek_r1 or qwen3)",
+        "PARSER",
+        "none",
+        nullable=True,
+    ),
+    Option(
         "--uvicorn-log-level",
         (*SERVER, "uvicorn_log_level"),
         "str",

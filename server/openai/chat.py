@@ -21,6 +21,7 @@ from server.openai.protocol import (
     now,
 )
 from server.openai.chat_messages import template_messages
+from server.openai.reasoning import ReasoningSplitter, starts_in_reasoning
 from server.openai.tools.calls import ToolPlan, plan_tools, tool_call_dicts
 from server.openai.tools.stream import ToolCallStream
 from server.serving import unsupported
@@ -83,11 +84,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             if num_top is not None
             else None
         )
-        content, calls = tools.calls_of(result.text, state.config.tool_call_parser)
+        reasoning: Optional[str] = None
+        answer: Optional[str] = result.text
+        splitter = _reasoning_splitter(generation, choice.prompt_index)
+        if splitter is not None:
+            reasoning, answer = splitter.split(result.text)
+        content, calls = (None, []) if answer is None else tools.calls_of(answer, state.config.tool_call_parser)
         finish_reason = tools.finish_reason(result.finish_reason, bool(calls))
         if echoed and content is not None:
             content = echoed + content
-        message = AssistantMessage(content=content, tool_calls=tool_call_dicts(calls) if calls else None)
+        message = AssistantMessage(
+            content=content, reasoning=reasoning, tool_calls=tool_call_dicts(calls) if calls else None
+        )
         out.append(
             ChatChoice(
                 index=choice.index,
@@ -111,6 +119,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         ),
     )
     return JSONResponse(response.model_dump())
+
+
+def _reasoning_splitter(generation: Generation, prompt_index: int) -> Optional[ReasoningSplitter]:
+    """With --reasoning-parser, a choice's splitter, started as the rendered prompt's end says (None: no parser)."""
+    parser = generation.state.config.reasoning_parser
+    if parser is None:
+        return None
+    tail = generation.state.tokenizer.decode(generation.prompts[prompt_index][-4:], skip_special_tokens=False)
+    return ReasoningSplitter(starts_in_reasoning(parser, tail))
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
@@ -161,6 +178,7 @@ async def _stream(
     tool_streams = (
         {c.index: ToolCallStream(tools, state.config.tool_call_parser) for c in choices} if tools.mode != "none" else {}
     )
+    splitters = {c.index: _reasoning_splitter(generation, c.prompt_index) for c in choices}
     async for choice, output in generation.outputs():
         counter.add(choice, len(output.new_token_ids), output.num_cached_tokens)
         if not output.text_delta and not output.finished and num_top is None:
@@ -171,19 +189,27 @@ async def _stream(
             else None
         )
         finish_reason = output.finish_reason
-        deltas = [DeltaMessage(content=output.text_delta)]
+        text, deltas = output.text_delta, []
+        splitter = splitters[choice.index]
+        if splitter is not None:  # the thinking first, then what the answer's text is
+            thought, text = splitter.feed(text, output.finished)
+            if thought:
+                deltas.append(DeltaMessage(reasoning=thought))
         tool_stream = tool_streams.get(choice.index)
         if tool_stream is not None:
-            deltas = tool_stream.feed(output.text_delta, output.finished)
+            deltas += tool_stream.feed(text, output.finished)
             finish_reason = tool_stream.finish_reason(finish_reason)
-            for delta in deltas[:-1]:
-                yield chunk(
-                    [ChatChunkChoice(index=choice.index, delta=delta)],
-                    counter.choice_usage(choice) if every_chunk else None,
-                )
-            deltas = deltas[-1:] or [DeltaMessage()]
-            if deltas[0] == DeltaMessage() and not output.finished and num_top is None:
-                continue
+        elif text or not deltas:
+            deltas.append(DeltaMessage(content=text))
+        for delta in deltas[:-1]:
+            yield chunk(
+                [ChatChunkChoice(index=choice.index, delta=delta)],
+                counter.choice_usage(choice) if every_chunk else None,
+            )
+        deltas = deltas[-1:] or [DeltaMessage()]
+        # (a splitter or a tool stream holding text back: nothing to send yet)
+        if deltas[0] in (DeltaMessage(), DeltaMessage(content="")) and not output.finished and num_top is None:
+            continue
         yield chunk(
             [
                 ChatChunkChoice(

@@ -11,7 +11,15 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 # ------------------------------------------------------------------ requests
 
@@ -242,7 +250,21 @@ class ChatLogprobs(BaseModel):
     refusal: Optional[list[ChatTokenLogprob]] = None
 
 
-class AssistantMessage(BaseModel):
+class _ReasoningWhenSet(BaseModel):
+    """A message that carries `reasoning` (vLLM's, under --reasoning-parser) only when it has some: without a
+    parser the shapes stay OpenAI's."""
+
+    reasoning: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("reasoning") is None:
+            data.pop("reasoning", None)
+        return data
+
+
+class AssistantMessage(_ReasoningWhenSet):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
@@ -268,7 +290,7 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: Optional[PromptLogprobs] = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_ReasoningWhenSet):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None

@@ -85,6 +85,7 @@ FLAG_CASES = [
     ("--max-lora-rank", "64", ("engine", "lora", "max_lora_rank"), 64),
     ("--max-cpu-loras", "8", ("engine", "lora", "max_cpu_loras"), 8),
     ("--uvicorn-log-level", "warning", ("server", "uvicorn_log_level"), "warning"),
+    ("--reasoning-parser", "qwen3", ("server", "reasoning_parser"), "qwen3"),
 ]
 _PAIRS = {"--ssl-keyfile": ("--ssl-certfile", "cert.pem"), "--ssl-certfile": ("--ssl-keyfile", "key.pem")}
 # boolean flags: place in Settings, default
