@@ -139,6 +139,11 @@ def _template_message(message: ChatMessage, index: int) -> dict:
         out["name"] = message.name
     if role == "tool":
         out["tool_call_id"] = extra["tool_call_id"]
+    # an earlier turn's thinking, as --reasoning-parser returned it (vLLM's `reasoning`, or its older
+    # `reasoning_content`): given to the template under both names (Qwen3's reads `reasoning_content`)
+    thought = extra.get("reasoning", extra.get("reasoning_content"))
+    if role == "assistant" and isinstance(thought, str):
+        out["reasoning"] = out["reasoning_content"] = thought
     if extra.get("tool_calls"):
         if role != "assistant":
             raise bad_request("only assistant messages carry tool_calls.", param=f"{param}.tool_calls")

@@ -14,6 +14,7 @@ from tests.server.conftest import serving
 THINKING_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] }}{% if message.name %}{{ ' ' + message.name }}{% endif %}"
+    "{% if message.reasoning_content %}{{ ' <think>' + message.reasoning_content + '</think>' }}{% endif %}"
     "{{ '\n' + message['content'] }}"
     "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}"
     "{{ '<|im_end|>\n' }}{% endif %}"
@@ -108,3 +109,13 @@ def test_a_messages_name_reaches_the_template(thinking_server):
     client = thinking_server.sdk()
     plain = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=1).usage.prompt_tokens
     assert client.chat.completions.create(model="tiny", messages=named, max_tokens=1).usage.prompt_tokens > plain
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_an_earlier_turns_thinking_reaches_the_template(thinking_server, key):
+    """An assistant turn's thinking, as --reasoning-parser returns it (vLLM's `reasoning`, or its older name),
+    goes to the template as `reasoning_content` (Qwen3's templates read it) and `reasoning`."""
+    turns = [*QUESTION, {"role": "assistant", "content": "General Kenobi", key: "mulling"}, *QUESTION]
+    assert "<|im_start|>assistant <think>mulling</think>\nGeneral Kenobi" in _prompt_text(
+        thinking_server, messages=turns
+    )
