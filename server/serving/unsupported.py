@@ -64,7 +64,8 @@ RESPONSES: Mapping[str, Unsupported] = {
         (None, False), "background responses need a response store, which this stateless server has not"
     ),
     "background_options": Unsupported((None,)),
-    "reasoning": Unsupported((None,)),
+    # (an empty reasoning object, or one of nulls, asks for nothing: agent SDKs send them)
+    "reasoning": Unsupported((None, {}, {"effort": None}, {"summary": None}, {"effort": None, "summary": None})),
     "include": Unsupported((None, [])),
     "max_tool_calls": Unsupported((None,)),
     "prompt": Unsupported((None,)),

@@ -336,3 +336,14 @@ def test_a_tool_choice_of_no_kind_shows_the_responses_shape(server):
         r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "tools": [WEATHER], "tool_choice": "any"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert '{"type": "function", "name": ...}' in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("reasoning", [{}, {"effort": None}, {"effort": None, "summary": None}])
+def test_a_reasoning_object_that_asks_for_nothing_is_taken(server, reasoning):
+    """Agent SDKs send `reasoning: {}` or one of nulls by default: that asks for nothing, so it is not refused
+    (a set effort still is, above)."""
+    with server.client() as http:
+        r = http.post(
+            "/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, "reasoning": reasoning}
+        )
+    assert r.status_code == 200, r.text
