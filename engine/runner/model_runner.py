@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -35,8 +34,6 @@ from scheduler import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     import xgrammar
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -513,9 +510,15 @@ class ModelRunner:
                 if matcher is not None:
                     for token_id in token_ids:
                         if not accept(matcher, token_id):
-                            logger.warning(
-                                "request %s: sampled token %d is outside its grammar", state.request_id, token_id
+                            # the mask let every other token through, so only a grammar that allows no next
+                            # token here (a rule that never ends) gives one outside it: the request fails alone
+                            # rather than write tokens its grammar never allows
+                            self.sampler.failures.setdefault(
+                                state.request_id,
+                                f"its output grammar allows no token after {len(state.sampling.output_token_ids)} "
+                                "tokens (a rule that can never end?)",
                             )
+                            break
                 state.token_ids += token_ids
                 state.sampling.output_token_ids += token_ids
                 sampled[state.request_id] = token_ids

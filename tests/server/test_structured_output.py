@@ -624,3 +624,16 @@ def test_required_takes_parameters_with_definitions(server, stream):
             },
         )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters.$defs.Address", r.text
+
+
+def test_a_grammar_that_dead_ends_mid_output_fails_the_request(server):
+    """'a', then a rule that can never end: after the 'a' no token is allowed. The request fails alone with a
+    message saying so (before, the sampler wrote token 0 over and over, outside the grammar, until max_tokens);
+    the server goes on."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8, "guided_grammar": 'root ::= "a" x\nx ::= x'}
+    with server.client() as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 500, r.text
+        assert "grammar allows no token after 1 tokens" in r.json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
