@@ -187,14 +187,13 @@ def test_a_non_streamed_client_that_times_out_is_aborted(server, monkeypatch):
     assert successes(server) == before  # aborted, not run to max_output_tokens
 
 
-def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
-    """tool_choice auto, text and then a hermes call (forced by a regex): the streamed output items are the
-    non-streamed ones, a message with the text and the function call."""
+def _forced_tool_output(server, prompt: str, regex: str):
+    """tool_choice auto with the model's output forced by `regex`: the non-streamed response, and the streamed
+    one's events and final response."""
     client = sdk(server)
-    regex = r'Sure\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
     kwargs = dict(
         model=MODEL,
-        input="Time?",
+        input=prompt,
         tools=[WEATHER, TIME],
         max_output_tokens=150,
         temperature=0,
@@ -204,6 +203,14 @@ def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
     with client.responses.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()
+    return whole, events, final
+
+
+def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
+    """tool_choice auto, text and then a hermes call (forced by a regex): the streamed output items are the
+    non-streamed ones, a message with the text and the function call."""
+    regex = r'Sure\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
+    whole, events, final = _forced_tool_output(server, "Time?", regex)
 
     def items(response):
         return [
@@ -219,20 +226,8 @@ def test_streamed_auto_call_after_text_is_the_non_streamed_one(server):
 def test_streamed_calls_without_arguments_each_get_theirs(server):
     """Two hermes calls with no arguments (forced by a regex): each call's "{}" comes before the next call's
     item opens, so each function_call item streams its own arguments; they were "" and "{}{}"."""
-    client = sdk(server)
     regex = r'<tool_call>\n\{"name": "get_time"\}\n</tool_call>\n<tool_call>\n\{"name": "get_weather"\}\n</tool_call>'
-    kwargs = dict(
-        model=MODEL,
-        input="Time and weather?",
-        tools=[WEATHER, TIME],
-        max_output_tokens=150,
-        temperature=0,
-        extra_body={"guided_regex": regex},
-    )
-    whole = client.responses.create(**kwargs)
-    with client.responses.stream(**kwargs) as stream:
-        events = list(stream)
-        final = stream.get_final_response()
+    whole, events, final = _forced_tool_output(server, "Time and weather?", regex)
     calls = [("function_call", "get_time", "{}"), ("function_call", "get_weather", "{}")]
     assert [(i.type, i.name, i.arguments) for i in whole.output] == calls
     assert [(i.type, i.name, i.arguments) for i in final.output] == calls
