@@ -155,7 +155,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.skip_prefix_cache:
             return [[] for _ in self.group_windows], 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.hash_seed)
+        self._extend_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]
         get_cached = self.block_pool.get_cached_block
@@ -410,6 +410,12 @@ class KVCacheManager:
             return block_hash
         return BlockHash(block_hash.value + group.to_bytes(2, "little"), block_hash.token_ids)
 
+    def _extend_hashes(self, request: Request) -> None:
+        """The request's full blocks' hashes, brought up to its tokens; its seed (LoRA key, cache salt) is read
+        only for the first block, which it roots (a salted seed is a digest: not made again every step)."""
+        seed = request.hash_seed if not request.block_hashes else None
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, seed)
+
     def _cache_full_blocks(self, request: Request, groups: list[list[KVBlock]], num_tokens: int) -> None:
         """Mark pending the blocks that `num_tokens` (scheduled, so known) tokens fill."""
         if not self.enable_caching:
@@ -418,7 +424,7 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[request.request_id]
         if num_full <= num_cached:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.hash_seed)
+        self._extend_hashes(request)
         hashes = request.block_hashes
         pending = self._filling
         pending_step = self._pending_step
