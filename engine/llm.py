@@ -214,7 +214,7 @@ class LLM:
                     ids = []
                     for tokens in search.pending():
                         ids.append(f"beam-{next(self._ids)}")
-                        engine.add_request(ids[-1], tokens, search.step_params())
+                        engine.add_request(ids[-1], tokens, search.step_params)
                         tops[ids[-1]] = []
                     steps.append(ids)
                 while engine.has_work:

@@ -91,6 +91,8 @@ class BeamSearch:
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
         self.completed: list[BeamSearchSequence] = []
         self.steps_left = max(min(params.max_tokens, max_tokens), 0)
+        # what every step request of the search samples with (one object: the engine does not change it)
+        self.step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature)
 
     @property
     def done(self) -> bool:
@@ -99,9 +101,6 @@ class BeamSearch:
     def pending(self) -> list[list[int]]:
         """Each live beam's tokens (prompt and output): the step's prompts (none once done)."""
         return [] if self.done else [beam.tokens for beam in self.beams]
-
-    def step_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=1, logprobs=2 * self.params.beam_width, temperature=self.params.temperature)
 
     def advance(self, tops: Sequence[Sequence[tuple[int, float]]]) -> None:
         """`tops[i]`: live beam i's best next tokens, (token, raw logprob) best first."""

@@ -139,9 +139,7 @@ async def _search(
         step = 0
         while not search.done:
             inputs = [
-                RequestInput(
-                    f"{beams[0].request_id}-step{step}-beam{i}", tokens, search.step_params(), lora, cache_salt
-                )
+                RequestInput(f"{beams[0].request_id}-step{step}-beam{i}", tokens, search.step_params, lora, cache_salt)
                 for i, tokens in enumerate(search.pending())
             ]
             try:
@@ -152,9 +150,12 @@ async def _search(
                 raise
             if not started.done():
                 started.set_result(None)
+            reads = [asyncio.ensure_future(_next_tokens(s)) for s in step_streams]
             try:
-                tops = await asyncio.gather(*(_next_tokens(s) for s in step_streams))
-            finally:
+                tops = await asyncio.gather(*reads)
+            finally:  # (one beam's failure leaves the others' reads waiting on streams about to close)
+                for read in reads:
+                    read.cancel()
                 for s in step_streams:
                     await s.aclose()
             search.advance(tops)
