@@ -24,6 +24,7 @@ from server.http.body_guard import BodyGuard
 from server.config.server_config import ServerConfig
 from server.http.errors import APIError, error_body, handle_error
 from server.observability.gpu_monitor import cuda_devices, start_gpu_monitor
+from server.openai.chat_templates import ChatTemplates
 from server.openai.logprob_format import LogprobFormatter
 from server.observability.lora_metrics import LoRACollector
 from server.observability.metrics import ServerMetrics, cache_info
@@ -145,6 +146,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         metrics=metrics,
         formatter=LogprobFormatter(engine.tokenizer),
         admission=admission,
+        templates=ChatTemplates(engine.tokenizer, config),
         adapters=adapters,
     )
 

@@ -11,6 +11,7 @@ from server.serving.admission import Admission
 from server.serving.lora_adapters import LoRAAdapters
 from engine.text.tokenizer import Tokenizer
 from server.config.server_config import ServerConfig
+from server.openai.chat_templates import ChatTemplates
 from server.openai.logprob_format import LogprobFormatter
 from server.observability.metrics import ServerMetrics
 
@@ -23,6 +24,7 @@ class ServerState:
     metrics: ServerMetrics
     formatter: LogprobFormatter
     admission: Admission
+    templates: ChatTemplates  # which chat template a request renders with, and how
     ready: bool = False
     draining: bool = False  # shutting down: new generation requests get a 503
     # generation requests past the draining check and not yet queued in the engine (rendering, compiling their

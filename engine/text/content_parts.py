@@ -28,6 +28,11 @@ class ContentPartError(ValueError):
 
 def joined_text(parts: list, kinds: Mapping[str, str]) -> str:
     """The texts of `parts` (each of a type in `kinds`), joined by newlines."""
+    return "\n".join(part_texts(parts, kinds))
+
+
+def part_texts(parts: list, kinds: Mapping[str, str]) -> list[str]:
+    """The text of each of `parts` (each of a type in `kinds`)."""
     texts = []
     for index, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -38,4 +43,4 @@ def joined_text(parts: list, kinds: Mapping[str, str]) -> str:
         if not isinstance(text, str):
             raise ContentPartError(index, kind, key, False, kinds)
         texts.append(text)
-    return "\n".join(texts)
+    return texts

@@ -15,6 +15,29 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# The chat template renderer's own arguments (HF's apply_chat_template and what it hands the template): a
+# template variable of these names (vLLM's chat_template_kwargs) would collide with them.
+TEMPLATE_RENDERER_ARGUMENTS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str) -> None:
     """Refuse ids outside the model's vocabulary (TokenIdOutOfVocabularyError naming `field`)."""
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -59,14 +82,17 @@ class Tokenizer:
         *,
         continue_final_message: bool = False,
         template_kwargs: Optional[Mapping[str, Any]] = None,
+        chat_template: Optional[str] = None,
     ) -> str:
         """The prompt text the model's chat template makes of `messages` (and of `tools`, for templates that
         show them). `continue_final_message`: the last message left open (no end-of-turn after it), so the model
         continues it; `template_kwargs`: more variables for the template (vLLM's chat_template_kwargs, e.g.
-        `enable_thinking`), none of them one of the renderer's own arguments (`messages`, `tools`, ...)."""
+        `enable_thinking`), none of them one of the renderer's own arguments (`messages`, `tools`, ...);
+        `chat_template`: Jinja text used instead of the tokenizer's (a request's, under
+        --trust-request-chat-template)."""
         from jinja2.exceptions import TemplateError
 
-        if not self.has_chat_template:
+        if chat_template is None and not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
         try:
             return self.hf.apply_chat_template(
@@ -75,10 +101,18 @@ class Tokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                chat_template=chat_template,
                 **(template_kwargs or {}),
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+
+    def chat_template_text(self, tools: Optional[list[dict]] = None) -> Optional[str]:
+        """The Jinja text `render_chat` renders with `tools` (a tokenizer may keep a named `tool_use` template
+        beside its default), or None when it has none."""
+        if not self.has_chat_template:
+            return None
+        return self.hf.get_chat_template(None, tools)
 
     @overload
     def apply_chat_template(

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling.params import MAX_LOGPROBS
+from engine.text.tokenizer import TEMPLATE_RENDERER_ARGUMENTS
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 # what a browser's Origin header can hold: scheme://host[:port] (no path, no trailing slash), or "null"
@@ -51,6 +52,20 @@ class ServerConfig(BaseModel):
         description="vLLM's switch of tool_choice auto, which this server always serves (calls parsed with "
         "tool_call_parser): taken, and false refused",
     )
+    response_role: str = Field(
+        "assistant", min_length=1, description="the role of a chat answer to a new turn (add_generation_prompt)"
+    )
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto",
+        description="how a message's content reaches the chat template: text, or OpenAI's list of parts; auto "
+        "reads it from the template (engine/text/chat_content_format.py)",
+    )
+    trust_request_chat_template: bool = Field(
+        False, description="a request's own chat_template is rendered (else refused, as vLLM refuses it)"
+    )
+    default_chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="template variables every chat request gets, under its own chat_template_kwargs"
+    )
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
     metrics_require_auth: bool = Field(False, description="/metrics also needs an API key (when keys are set)")
     # limits (see README, "Running in production")
@@ -90,6 +105,14 @@ class ServerConfig(BaseModel):
             raise ValueError(
                 "tool_choice auto is always served (its calls parsed with --tool-call-parser); it cannot be turned off"
             )
+        return value
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        for key in value or {}:
+            if key in TEMPLATE_RENDERER_ARGUMENTS:
+                raise ValueError(f"{key!r} is an argument of the template's renderer, not a template variable")
         return value
 
     @field_validator("allowed_origins")

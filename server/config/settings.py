@@ -592,6 +592,45 @@ OPTIONS: tuple[Option, ...] = (
         nullable=True,
     ),
     Option(
+        "--chat-template-content-format",
+        (*SERVER, "chat_template_content_format"),
+        "str",
+        "how a message's content reaches the chat template: string (the text) or openai (a list of "
+        '{"type": "text", "text": ...} parts, for templates that loop over content); auto reads it from the '
+        "template",
+    ),
+    Option(
+        "--default-chat-template-kwargs",
+        (*SERVER, "default_chat_template_kwargs"),
+        "json",
+        "a JSON object of chat template variables every request gets (a request's chat_template_kwargs win), "
+        """e.g. '{"enable_thinking": false}'""",
+        "JSON",
+        "none",
+        nullable=True,
+    ),
+    Option(
+        "--trust-request-chat-template",
+        (*SERVER, "trust_request_chat_template"),
+        "bool",
+        "render a request's own chat_template (chat and /tokenize); without it such a request is a 400",
+    ),
+    Option(
+        "--response-role",
+        (*SERVER, "response_role"),
+        "str",
+        "the role of a chat answer when add_generation_prompt is true (else the last message's role)",
+        "ROLE",
+    ),
+    Option(
+        "--exclude-tools-when-tool-choice-none",
+        None,
+        "bool",
+        "vLLM's: with tool_choice none the tools are never shown to the chat template here",
+        default_text="on",
+        always=(True,),
+    ),
+    Option(
         "--max-logprobs",
         (*SERVER, "max_logprobs"),
         "int",

@@ -59,6 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                 template_kwargs=body.chat_template_kwargs,
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 truncation_side=body.truncation_side,
+                chat_template=body.chat_template,
             ),
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             logprobs=num_top,
@@ -94,7 +95,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if echoed and content is not None:
             content = echoed + content
         message = AssistantMessage(
-            content=content, reasoning=reasoning, tool_calls=tool_call_dicts(calls) if calls else None
+            role=_response_role(state, body),
+            content=content,
+            reasoning=reasoning,
+            tool_calls=tool_call_dicts(calls) if calls else None,
         )
         out.append(
             ChatChoice(
@@ -119,6 +123,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         ),
     )
     return JSONResponse(response.model_dump())
+
+
+def _response_role(state: ServerState, body: ChatCompletionRequest) -> str:
+    """The answer's role: --response-role's for a new turn, else the role of the message it continues (vLLM's)."""
+    return state.config.response_role if body.add_generation_prompt or not body.messages else body.messages[-1].role
 
 
 def _reasoning_splitter(generation: Generation, prompt_index: int) -> Optional[ReasoningSplitter]:
@@ -163,9 +172,10 @@ async def _stream(
             )
         )
 
+    role = _response_role(state, body)
     for choice in choices:  # closed here, the response still closes the streams
         yield chunk(
-            [ChatChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))],
+            [ChatChunkChoice(index=choice.index, delta=DeltaMessage(role=role, content=""))],
             counter.choice_usage(choice) if every_chunk else None,
         )
     echoed = _echoed(body)

@@ -5,33 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Sequence
 
-from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, joined_text
-from engine.text.tokenizer import Tokenizer
+from engine.text.chat_content_format import ContentFormat
+from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, part_texts
+from engine.text.tokenizer import TEMPLATE_RENDERER_ARGUMENTS, Tokenizer
 from server.http.errors import APIError, bad_request
+from server.openai.chat_templates import TemplateChoice
 from server.openai.protocol import ChatMessage
-
-
-# The chat template renderer's own arguments (HF's apply_chat_template and what it hands the template): a
-# chat_template_kwargs key of these names would collide with them.
-RENDERER_ARGUMENTS = frozenset(
-    {
-        "messages",
-        "conversation",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
 
 
 def render_prompt(
@@ -44,18 +23,21 @@ def render_prompt(
     *,
     continue_final_message: bool = False,
     template_kwargs: Optional[dict[str, Any]] = None,
+    template: TemplateChoice = TemplateChoice(),
 ) -> list[int]:
     """The prompt token ids of a conversation (a template error is a 400 on `param`). The template writes the
     special tokens it wants; `add_special_tokens` (vLLM's chat field) adds the tokenizer's own as well.
     `continue_final_message` and `template_kwargs` (vLLM's chat_template_kwargs) as Tokenizer.render_chat takes
-    them; check them first with `check_template_options`."""
+    them; check them first with `check_template_options`. `template`: which template, and how content reaches it
+    (ChatTemplates.choose)."""
     try:
         text = tokenizer.render_chat(
-            template_messages(messages),
+            template_messages(messages, template.content_format, template.keep_developer),
             add_generation_prompt,
             tools,
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
+            chat_template=template.text,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
@@ -79,7 +61,7 @@ def check_template_options(
                 f"set {key} as a field of the request, not in chat_template_kwargs.",
                 param=f"chat_template_kwargs.{key}",
             )
-        if key in RENDERER_ARGUMENTS:
+        if key in TEMPLATE_RENDERER_ARGUMENTS:
             raise bad_request(
                 f"chat_template_kwargs cannot set {key!r}: it is an argument of the template's renderer.",
                 param=f"chat_template_kwargs.{key}",
@@ -105,12 +87,15 @@ def message_chars(messages: Sequence[ChatMessage]) -> int:
     return total
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
-    """`[{"role", "content"}]` for the tokenizer's chat template; `developer` becomes `system`."""
-    return [_template_message(m, i) for i, m in enumerate(messages)]
+def template_messages(
+    messages: Sequence[ChatMessage], content_format: ContentFormat = "string", keep_developer: bool = False
+) -> list[dict]:
+    """`[{"role", "content"}]` for the chat template: content as text, or with `content_format` "openai" as a list
+    of text parts; `developer` becomes `system` unless `keep_developer` (a template that knows the role)."""
+    return [_template_message(m, i, content_format, keep_developer) for i, m in enumerate(messages)]
 
 
-def _template_message(message: ChatMessage, index: int) -> dict:
+def _template_message(message: ChatMessage, index: int, content_format: ContentFormat, keep_developer: bool) -> dict:
     param = f"messages[{index}]"
     if message.role == "function":
         raise bad_request(
@@ -126,15 +111,22 @@ def _template_message(message: ChatMessage, index: int) -> dict:
         raise bad_request(f"{article} {message.role} message needs content.", param=f"{param}.content")
     if message.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
         raise bad_request("a tool message needs the tool_call_id it answers.", param=f"{param}.tool_call_id")
+    kinds = ASSISTANT_PARTS if message.role == "assistant" else CHAT_PARTS
     if isinstance(content, list):
         if not content:
             raise bad_request("content must be a string or a non-empty list of parts.", param=f"{param}.content")
         try:
-            content = joined_text(content, ASSISTANT_PARTS if message.role == "assistant" else CHAT_PARTS)
+            texts = part_texts(content, kinds)
         except ContentPartError as error:
             raise part_error(error, f"{param}.content") from None
-    role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": content or ""}
+    else:
+        texts = [content] if content else []
+    role = "system" if message.role == "developer" and not keep_developer else message.role
+    out: dict[str, Any] = {"role": role}
+    if content_format == "openai":  # as vLLM hands such templates content: text parts, a string as one
+        out["content"] = [{"type": "text", "text": text} for text in texts]
+    else:
+        out["content"] = "\n".join(texts)
     if message.name is not None:  # a participant's name, for the templates that show it (as vLLM passes it)
         out["name"] = message.name
     if role == "tool":

@@ -136,6 +136,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message left open for the model to continue
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the chat template
+    chat_template: Optional[str] = None  # vLLM's: this request's own template (--trust-request-chat-template)
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the rendered prompt's last n tokens (-1: max_model_len)
     truncation_side: Optional[Literal["left", "right"]] = None  # vLLM's: right keeps the first n instead
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and this many alternatives
@@ -164,6 +165,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # as on the chat route
     chat_template_kwargs: Optional[dict[str, Any]] = None  # as on the chat route
+    chat_template: Optional[str] = None  # as on the chat route
     return_token_strs: bool = False
 
 
@@ -265,7 +267,7 @@ class _ReasoningWhenSet(BaseModel):
 
 
 class AssistantMessage(_ReasoningWhenSet):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role's, or the last message's without add_generation_prompt (as vLLM)
     content: Optional[str] = None
     refusal: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
@@ -291,7 +293,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(_ReasoningWhenSet):
-    role: Optional[Literal["assistant"]] = None
+    role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
 

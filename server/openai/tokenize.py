@@ -36,7 +36,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     else:
         messages = body.messages or []  # given: exactly one of the two is
         tools = plan_tools(body.tools, None).tools if body.tools else None  # validated as the chat route does
-        check_template_options(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+        template_kwargs = state.templates.kwargs(body.chat_template_kwargs)
+        check_template_options(body.add_generation_prompt, body.continue_final_message, template_kwargs)
         tokens = await asyncio.to_thread(
             lambda: render_prompt(
                 tokenizer,
@@ -44,7 +45,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
                 body.add_generation_prompt,
                 tools,
                 continue_final_message=body.continue_final_message,
-                template_kwargs=body.chat_template_kwargs,
+                template_kwargs=template_kwargs,
+                template=state.templates.choose(body.chat_template, tools, "chat_template"),
             )
         )
     strings = tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None

@@ -66,6 +66,7 @@ class ChatPrompt:
     template_kwargs: Optional[dict[str, Any]] = None  # vLLM's chat_template_kwargs
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the rendered prompt's last tokens
     truncation_side: Optional[str] = None  # vLLM's: "right" keeps the first tokens instead
+    chat_template: Optional[str] = None  # vLLM's: the request's own template (under --trust-request-chat-template)
 
     @property
     def count(self) -> int:
@@ -74,7 +75,8 @@ class ChatPrompt:
     async def token_ids(self, state: "ServerState") -> list[list[int]]:
         if not self.messages:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
-        check_template_options(self.add_generation_prompt, self.continue_final_message, self.template_kwargs)
+        template_kwargs = state.templates.kwargs(self.template_kwargs)
+        check_template_options(self.add_generation_prompt, self.continue_final_message, template_kwargs)
         truncate(state, [], self.truncate_prompt_tokens, self.truncation_side)  # (refused before any work)
         if self.truncate_prompt_tokens is None:  # (a prompt that will be truncated may be any length)
             check_prompt_chars(state, message_chars(self.messages), self.param)
@@ -88,7 +90,8 @@ class ChatPrompt:
                     self.param,
                     self.add_special_tokens,
                     continue_final_message=self.continue_final_message,
-                    template_kwargs=self.template_kwargs,
+                    template_kwargs=template_kwargs,
+                    template=state.templates.choose(self.chat_template, self.tools, "chat_template"),
                 )
             )
         ]

@@ -27,7 +27,6 @@ VLLM_EXTRAS = frozenset(
     {
         "guided_decoding_backend",
         "guided_whitespace_pattern",
-        "chat_template",
         "chat_template_kwargs",
         "truncate_prompt_tokens",
         "prompt_logprobs",

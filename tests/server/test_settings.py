@@ -86,6 +86,14 @@ FLAG_CASES = [
     ("--max-cpu-loras", "8", ("engine", "lora", "max_cpu_loras"), 8),
     ("--uvicorn-log-level", "warning", ("server", "uvicorn_log_level"), "warning"),
     ("--reasoning-parser", "qwen3", ("server", "reasoning_parser"), "qwen3"),
+    ("--chat-template-content-format", "openai", ("server", "chat_template_content_format"), "openai"),
+    (
+        "--default-chat-template-kwargs",
+        '{"enable_thinking": false}',
+        ("server", "default_chat_template_kwargs"),
+        {"enable_thinking": False},
+    ),
+    ("--response-role", "model", ("server", "response_role"), "model"),
 ]
 _PAIRS = {"--ssl-keyfile": ("--ssl-certfile", "cert.pem"), "--ssl-certfile": ("--ssl-keyfile", "key.pem")}
 # boolean flags: place in Settings, default
@@ -100,6 +108,7 @@ BOOL_FLAGS = {
     "--enable-log-requests": (("server", "enable_log_requests"), False),
     "--enable-lora": (("engine", "lora", "enable_lora"), False),
     "--allow-runtime-lora-updating": (("engine", "lora", "allow_runtime_lora_updating"), False),
+    "--trust-request-chat-template": (("server", "trust_request_chat_template"), False),
 }
 # vLLM's flags of what this server always does: (a value taken, a value refused)
 ALWAYS_FLAGS = {
@@ -109,6 +118,10 @@ ALWAYS_FLAGS = {
     "--task": (["--task", "generate"], ["--task", "embed"]),
     "--guided-decoding-backend": (["--guided-decoding-backend", "xgrammar"], ["--guided-decoding-backend", "outlines"]),
     "--max-log-len": (["--max-log-len", "100"], ["--max-log-len", "many"]),
+    "--exclude-tools-when-tool-choice-none": (
+        ["--exclude-tools-when-tool-choice-none"],
+        ["--no-exclude-tools-when-tool-choice-none"],
+    ),
 }
 ALL_FLAGS = (
     {case[0] for case in FLAG_CASES}
