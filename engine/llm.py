@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import operator
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel
 from tqdm.auto import tqdm
@@ -22,7 +22,8 @@ from engine.engine_config import EngineConfig
 from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator, PositionLogprobs, prompt_logprobs
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
-from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, joined_text
+from engine.text.chat_content_format import ContentFormat, detect_content_format
+from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, part_texts
 from engine.text.tokenizer import Tokenizer
 from scheduler import SchedulerConfig
 
@@ -180,15 +181,37 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
+        chat_template: Optional[str] = None,
+        chat_template_content_format: Literal["auto", "string", "openai"] = "auto",
+        continue_final_message: bool = False,
+        tools: Optional[list[dict]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[GenerationResult]:
-        """Generate replies to one conversation or a list of them, using the model's chat template. A message's
-        content is a string or OpenAI's text parts (`[{"type": "text", "text": ...}]`, joined by newlines as the
-        server joins them); `lora_request` as for `generate`."""
+        """Generate replies to one conversation or a list of them, using the model's chat template (or
+        `chat_template`, Jinja text). A message's content is a string or OpenAI's text parts (`[{"type": "text",
+        "text": ...}]`), which reach the template as vLLM's `chat_template_content_format` says: `string` joins
+        the parts by newlines, `openai` gives a list of parts (a string as one), `auto` reads which from the
+        template, as the server does. `continue_final_message`, `tools` and `chat_template_kwargs` as the chat
+        route takes them; `lora_request` as for `generate`."""
         if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
             raise TypeError("chat() takes a conversation (a list of message dicts) or a list of conversations")
         conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.engine.tokenizer
-        texts = [tokenizer.render_chat(_plain_messages(c), add_generation_prompt) for c in conversations]
+        template = chat_template if chat_template is not None else tokenizer.chat_template_text(tools)
+        content_format = chat_template_content_format
+        if content_format == "auto":
+            content_format = detect_content_format(template) if template is not None else "string"
+        texts = [
+            tokenizer.render_chat(
+                _plain_messages(c, content_format),
+                add_generation_prompt,
+                tools,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+                chat_template=chat_template,
+            )
+            for c in conversations
+        ]
         encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
         loras = self._as_lora_list(lora_request, len(encoded))
         params_list = _as_params_list(sampling_params, len(encoded), self.get_default_sampling_params)
@@ -358,18 +381,28 @@ def _token_ids(prompt: Any) -> list[int]:
     return ids
 
 
-def _plain_messages(conversation: list[dict]) -> list[dict]:
+def _plain_messages(conversation: list[dict], content_format: ContentFormat = "string") -> list[dict]:
     """Messages whose content is OpenAI's text parts, read as the server reads them (engine/text/content_parts.py:
-    texts joined by newlines; other parts, images or audio, refused: this engine reads text)."""
+    with the `string` format, texts joined by newlines; with `openai`, text parts, a string as one; other parts,
+    images or audio, refused: this engine reads text)."""
     out = []
     for i, message in enumerate(conversation):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             kinds = ASSISTANT_PARTS if message.get("role") == "assistant" else CHAT_PARTS
             try:
-                message = {**message, "content": joined_text(content, kinds)}
+                texts = part_texts(content, kinds)
             except ContentPartError as error:
                 raise ValueError(f"message {i}, part {error.index}: {error}") from None
+        elif isinstance(content, str):
+            texts = [content] if content else []
+        else:
+            out.append(message)
+            continue
+        if content_format == "openai":
+            message = {**message, "content": [{"type": "text", "text": text} for text in texts]}
+        else:
+            message = {**message, "content": "\n".join(texts)}
         out.append(message)
     return out
 

@@ -310,6 +310,28 @@ def test_chat_takes_text_parts(llm):
         llm.chat("hello", use_tqdm=False)
 
 
+PARTS_TEMPLATE = (
+    "{% for message in messages %}{{ message.role }}:{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for part in message.content %}[{{ part.text }}]{% endfor %}{% endif %};{% endfor %}"
+    "{% if add_generation_prompt %}>{% if terse is defined %}terse{% endif %}{% endif %}"
+)
+
+
+def test_chat_takes_vllms_template_arguments(llm):
+    """chat_template, chat_template_content_format (auto: read from the template), continue_final_message and
+    chat_template_kwargs, as vLLM's LLM.chat takes them."""
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "c"},
+    ]
+    prompt = lambda **kwargs: llm.chat(parts, greedy(1), use_tqdm=False, **kwargs)[0].prompt  # noqa: E731
+    assert prompt(chat_template=PARTS_TEMPLATE) == "user:[a][b];assistant:[c];>"
+    assert prompt(chat_template=PARTS_TEMPLATE, chat_template_content_format="string") == "user:a\nb;assistant:c;>"
+    assert prompt(chat_template=PARTS_TEMPLATE, chat_template_kwargs={"terse": 1}) == "user:[a][b];assistant:[c];>terse"
+    continued = prompt(add_generation_prompt=False, continue_final_message=True)
+    assert continued == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\nc"
+
+
 @pytest.mark.parametrize(
     "prompts, params, error",
     [
