@@ -144,7 +144,7 @@ def _make_state(engine: AsyncEngine, config: ServerConfig) -> ServerState:
         config=config,
         served_model_names=names,
         metrics=metrics,
-        formatter=LogprobFormatter(engine.tokenizer),
+        formatter=LogprobFormatter(engine.tokenizer, config.return_tokens_as_token_ids),
         admission=admission,
         templates=ChatTemplates(engine.tokenizer, config),
         adapters=adapters,

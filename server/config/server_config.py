@@ -66,6 +66,12 @@ class ServerConfig(BaseModel):
     default_chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="template variables every chat request gets, under its own chat_template_kwargs"
     )
+    return_tokens_as_token_ids: bool = Field(
+        False, description="logprobs' tokens as 'token_id:<id>' unless a request says otherwise (vLLM's flag)"
+    )
+    enable_force_include_usage: bool = Field(
+        False, description="every stream ends with a usage chunk, as if it asked with stream_options.include_usage"
+    )
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
     metrics_require_auth: bool = Field(False, description="/metrics also needs an API key (when keys are set)")
     # limits (see README, "Running in production")

@@ -631,6 +631,27 @@ OPTIONS: tuple[Option, ...] = (
         always=(True,),
     ),
     Option(
+        "--return-tokens-as-token-ids",
+        (*SERVER, "return_tokens_as_token_ids"),
+        "bool",
+        "logprobs name each token 'token_id:<id>' (tokens that decode alike told apart) unless a request's "
+        "return_tokens_as_token_ids says otherwise",
+    ),
+    Option(
+        "--enable-force-include-usage",
+        (*SERVER, "enable_force_include_usage"),
+        "bool",
+        "every stream ends with a usage chunk, as if its stream_options asked for it",
+    ),
+    Option(
+        "--enable-prompt-tokens-details",
+        None,
+        "bool",
+        "vLLM's: usage always holds prompt_tokens_details (cached_tokens) here",
+        default_text="on",
+        always=(True,),
+    ),
+    Option(
         "--max-logprobs",
         (*SERVER, "max_logprobs"),
         "int",

@@ -161,7 +161,9 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     state, choices = generation.state, generation.choices
     created = now()
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    include_usage = state.config.enable_force_include_usage or (
+        body.stream_options is not None and body.stream_options.include_usage
+    )
     every_chunk = body.stream_options is not None and body.stream_options.continuous_usage_stats
     counter = UsageCounter.of(generation.prompts, body.n)
 

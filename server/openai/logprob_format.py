@@ -21,18 +21,20 @@ class LogprobFormatter:
     """Token strings are each token decoded alone (special tokens shown); their bytes the text's UTF-8, or the
     token's raw bytes where it holds part of a character (engine/text/token_bytes.py); memoised per id. With
     `as_ids` (vLLM's return_tokens_as_token_ids) a token's string is "token_id:<id>" instead, so that a client
-    can tell apart tokens that decode alike (and its bytes that string's)."""
+    can tell apart tokens that decode alike (and its bytes that string's); `as_ids` None takes `default_as_ids`
+    (--return-tokens-as-token-ids)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, default_as_ids: Optional[bool] = None):
         self._tokenizer = tokenizer
+        self._default_as_ids = default_as_ids
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._raw_bytes = token_bytes_reader(tokenizer.hf)
 
-    def token_text(self, token_id: int, as_ids: bool = False) -> str:
+    def token_text(self, token_id: int, as_ids: Optional[bool] = None) -> str:
         return self._token(token_id, as_ids)[0]
 
-    def _token(self, token_id: int, as_ids: bool = False) -> tuple[str, list[int]]:
-        if as_ids:
+    def _token(self, token_id: int, as_ids: Optional[bool] = None) -> tuple[str, list[int]]:
+        if as_ids if as_ids is not None else self._default_as_ids:
             text = f"token_id:{token_id}"
             return text, list(text.encode())
         entry = self._cache.get(token_id)
@@ -50,7 +52,7 @@ class LogprobFormatter:
         token_ids: Sequence[int],
         num_top: int,
         text_offset: int = 0,
-        as_ids: bool = False,
+        as_ids: Optional[bool] = None,
     ) -> CompletionLogprobs:
         """`entries[i]` scores `token_ids[i]`; None (the first prompt token) scores nothing."""
         out = CompletionLogprobs()
@@ -72,7 +74,7 @@ class LogprobFormatter:
             out.top_logprobs.append(top)
         return out
 
-    def chat(self, entries: Sequence[TokenLogprobs], num_top: int, as_ids: bool = False) -> ChatLogprobs:
+    def chat(self, entries: Sequence[TokenLogprobs], num_top: int, as_ids: Optional[bool] = None) -> ChatLogprobs:
         content = []
         for entry in entries:
             token, token_bytes = self._token(entry.token_id, as_ids)
@@ -87,7 +89,9 @@ class LogprobFormatter:
             )
         return ChatLogprobs(content=content)
 
-    def prompt(self, entries: Sequence[Optional[TokenLogprobs]], num_top: int, as_ids: bool = False) -> PromptLogprobs:
+    def prompt(
+        self, entries: Sequence[Optional[TokenLogprobs]], num_top: int, as_ids: Optional[bool] = None
+    ) -> PromptLogprobs:
         """vLLM's prompt_logprobs: per position (None where nothing scores it: the first) the prompt's own token with
         its logprob and rank, then the `num_top` best tokens, ranked 1, 2, ... (a token once, at its first place)."""
         out: PromptLogprobs = []

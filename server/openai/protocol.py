@@ -75,7 +75,7 @@ class SamplingFields(BaseModel):
     priority: int = 0
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: Optional[bool] = None  # None: --return-tokens-as-token-ids
     use_beam_search: bool = False  # n is the beam width (serving/beam_search.py)
     length_penalty: float = 1.0
     # speculative decoding, per request (pagedserve's own)

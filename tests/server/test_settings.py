@@ -109,6 +109,8 @@ BOOL_FLAGS = {
     "--enable-lora": (("engine", "lora", "enable_lora"), False),
     "--allow-runtime-lora-updating": (("engine", "lora", "allow_runtime_lora_updating"), False),
     "--trust-request-chat-template": (("server", "trust_request_chat_template"), False),
+    "--return-tokens-as-token-ids": (("server", "return_tokens_as_token_ids"), False),
+    "--enable-force-include-usage": (("server", "enable_force_include_usage"), False),
 }
 # vLLM's flags of what this server always does: (a value taken, a value refused)
 ALWAYS_FLAGS = {
@@ -118,6 +120,7 @@ ALWAYS_FLAGS = {
     "--task": (["--task", "generate"], ["--task", "embed"]),
     "--guided-decoding-backend": (["--guided-decoding-backend", "xgrammar"], ["--guided-decoding-backend", "outlines"]),
     "--max-log-len": (["--max-log-len", "100"], ["--max-log-len", "many"]),
+    "--enable-prompt-tokens-details": (["--enable-prompt-tokens-details"], ["--no-enable-prompt-tokens-details"]),
     "--exclude-tools-when-tool-choice-none": (
         ["--exclude-tools-when-tool-choice-none"],
         ["--no-exclude-tools-when-tool-choice-none"],
