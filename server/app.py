@@ -23,6 +23,9 @@ from server.http.auth_metrics import AuthAndMetrics
 from server.http.body_guard import BodyGuard
 from server.config.server_config import ServerConfig
 from server.http.errors import APIError, error_body, handle_error
+from server.http.header_limit import HeaderLimit
+from server.http.request_id_header import RequestIdHeader
+from server.http.user_middleware import install_middleware
 from server.observability.gpu_monitor import cuda_devices, start_gpu_monitor
 from server.openai.chat_templates import ChatTemplates
 from server.openai.logprob_format import LogprobFormatter
@@ -71,7 +74,10 @@ def create_app(
             state.metrics.gpu_monitor = None
             await asyncio.to_thread(monitor.close)
 
-    app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan)
+    docs: dict = (
+        {"openapi_url": None, "docs_url": None, "redoc_url": None} if server_config.disable_fastapi_docs else {}
+    )
+    app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan, **docs)
     app.state.server = state
     routers = [completions, chat, responses, stored_responses, models, tokenize, ops]
     if state.adapters is not None and state.adapters.config.allow_runtime_lora_updating:
@@ -92,6 +98,9 @@ def create_app(
         on_refusal=lambda status: state.metrics.observe_failure("rejected"),  # as a 400 from validation counts
     )
     _install_middleware(app, state, [route for module in routers for route in module.router.routes])
+    if server_config.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
+    install_middleware(app, server_config.middleware)  # the operator's own, outermost (as vLLM adds them)
     _drop_default_422(app)
     return app
 
@@ -182,7 +191,7 @@ async def _warm_up(state: ServerState) -> None:
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def failed(request: Request, exc: Exception):
         """APIError, RequestRejectedError (400), EngineDeadError (503), anything else (500)."""
-        error = handle_error(exc, state.metrics, request.url.path)
+        error = handle_error(exc, state.metrics, request.url.path, log_stack=state.config.log_error_stack)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     for exception in (APIError, RequestRejectedError, EngineDeadError, Exception):
@@ -214,10 +223,12 @@ def _install_middleware(app: FastAPI, state: ServerState, routes: list[BaseRoute
     keys = [key.encode() for key in state.config.api_keys]
     prefixes = _AUTH_PREFIXES + (("/metrics",) if state.config.metrics_require_auth else ())
     app.add_middleware(AuthAndMetrics, keys=keys, prefixes=prefixes, metrics=state.metrics, routes=routes)
+    if state.config.h11_max_header_count is not None:
+        app.add_middleware(HeaderLimit, max_headers=state.config.h11_max_header_count)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=state.config.allowed_origins,
-        allow_methods=["*"],
-        allow_headers=["*"],
-        allow_credentials=False,
+        allow_methods=state.config.allowed_methods,
+        allow_headers=state.config.allowed_headers,
+        allow_credentials=state.config.allow_credentials,
     )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import logging.config
 import os
 import shlex
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from server.version import package_version
@@ -80,22 +82,41 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         print(f"pagedserve serve: error: {error}\n(pagedserve serve --help lists the flags)", file=sys.stderr)
         return 2
     server_config = settings.server
-    tls_error = check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
+    from server.http.user_middleware import MiddlewareError, load_middleware
+
+    try:
+        tls_error = check_tls_files(
+            server_config.ssl_certfile,
+            server_config.ssl_keyfile,
+            server_config.ssl_ca_certs,
+            server_config.ssl_ciphers,
+        )
+        log_config = read_log_config(server_config.log_config_file)
+        for path in server_config.middleware:
+            load_middleware(path)
+        if tls_error is None:
+            _configure_logging(server_config.log_level, log_config)
+    except (MiddlewareError, LogConfigError) as error:
+        tls_error = str(error)
+    except ValueError as error:  # dictConfig's: the file read, but it does not configure
+        tls_error = f"--log-config-file {server_config.log_config_file!r}: {error}"
     if tls_error is not None:
         print(f"pagedserve serve: error: {tls_error}", file=sys.stderr)
         return 2
-    _configure_logging(server_config.log_level)
     warn_unknown_variables(environ)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
     if settings.engine.parallel.headless:
         return _run_headless(_with_cpu_runtime(settings)[0])
+    where = server_config.uds or f"{server_config.host}:{server_config.port}"
     try:
-        sock = bind_socket(server_config.host, server_config.port)
+        if server_config.uds is not None:
+            sock = bind_unix_socket(server_config.uds)
+        else:
+            sock = bind_socket(server_config.host, server_config.port)
     except OSError as error:
+        flags = "--uds" if server_config.uds is not None else "--host/--port"
         print(
-            f"pagedserve serve: error: cannot listen on {server_config.host}:{server_config.port} "
-            f"(--host/--port): {error.strerror or error}",
-            file=sys.stderr,
+            f"pagedserve serve: error: cannot listen on {where} ({flags}): {error.strerror or error}", file=sys.stderr
         )
         return 1
     try:
@@ -175,7 +196,7 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
         if server_config.api_keys
         else "none (set --api-key or PAGEDSERVE_API_KEY to require one)",
     )
-    port = sock.getsockname()[1]
+    port = sock.getsockname()[1] if server_config.uds is None else 0
     keys = server_config.api_keys
     message = ready_message(
         server_config.host,
@@ -184,10 +205,13 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
         bool(keys),
         scheme=server_config.scheme,
         key=keys[0] if keys and _is_terminal(sys.stdout) else None,
+        uds=server_config.uds,
     )
 
     from server.app import create_app
+    from server.http.access_log_filter import QuietPaths
     from server.http.drain import GracefulShutdown
+    from server.http.ssl_refresh import refresh_tls
 
     server: Optional[uvicorn.Server] = None
     exit_status = [0]
@@ -200,8 +224,15 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
         exit_status[0] = 1  # non-zero: a supervisor restarts the process
         request_exit()
 
+    refresher: list[asyncio.Task] = []  # (held: the loop keeps only a weak reference to a task)
+
     def on_ready() -> None:  # on the event loop, once warmed up
         shutdown.bind(asyncio.get_running_loop())
+        if server_config.enable_ssl_refresh:
+            assert server is not None and server.config.ssl is not None and server_config.ssl_keyfile is not None
+            certfile = server_config.ssl_certfile or ""
+            refresh = refresh_tls(server.config.ssl, certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
+            refresher.append(asyncio.get_running_loop().create_task(refresh))
         print(message, flush=True)
 
     from server.cpu_runtime import thread_governor
@@ -210,19 +241,33 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
     async_engine = AsyncEngine(engine, governor=governor)
     app = create_app(async_engine, server_config, on_ready=on_ready, on_engine_death=on_engine_death)
     shutdown = GracefulShutdown(app.state.server, server_config.shutdown_timeout, request_exit)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=server_config.host,
-            port=port,
-            log_level=server_config.uvicorn_log_level or server_config.log_level,
-            access_log=server_config.uvicorn_access_log,
-            timeout_graceful_shutdown=_RESPONSE_TAIL_S,
-            root_path=server_config.root_path,
-            ssl_keyfile=server_config.ssl_keyfile,
-            ssl_certfile=server_config.ssl_certfile,
-        )
+    log_config = read_log_config(server_config.log_config_file)  # (read and used once already, by serve)
+    tls: dict = {}
+    if server_config.ssl_certfile is not None:
+        tls = {
+            "ssl_keyfile": server_config.ssl_keyfile,
+            "ssl_certfile": server_config.ssl_certfile,
+            "ssl_ca_certs": server_config.ssl_ca_certs,
+            "ssl_cert_reqs": server_config.ssl_cert_reqs,
+        }
+        if server_config.ssl_ciphers is not None:
+            tls["ssl_ciphers"] = server_config.ssl_ciphers
+    config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=port,
+        uds=server_config.uds,
+        log_level=server_config.uvicorn_log_level or server_config.log_level,
+        log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,
+        access_log=server_config.uvicorn_access_log,
+        timeout_graceful_shutdown=_RESPONSE_TAIL_S,
+        root_path=server_config.root_path,
+        h11_max_incomplete_event_size=server_config.h11_max_incomplete_event_size,
+        **tls,
     )
+    if server_config.disable_access_log_for_endpoints:  # (after the Config: it sets up uvicorn's loggers)
+        logging.getLogger("uvicorn.access").addFilter(QuietPaths(server_config.disable_access_log_for_endpoints))
+    server = uvicorn.Server(config)
     server.handle_exit = shutdown.handle_signal  # type: ignore[method-assign]  # what uvicorn installs as the SIGINT / SIGTERM handler
     server.run(sockets=[sock])
     if not async_engine.is_alive and async_engine.error is None:  # stopped cleanly (not stuck, not failed)
@@ -253,8 +298,35 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """A Unix domain socket bound (not yet listening) at `path` (--uds); a socket file left there by a server that
+    is gone is replaced, anything else is an error."""
+    import stat
+
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def ready_message(
-    host: str, port: int, model_name: str, needs_key: bool, *, key: Optional[str] = None, scheme: str = "http"
+    host: str,
+    port: int,
+    model_name: str,
+    needs_key: bool,
+    *,
+    key: Optional[str] = None,
+    scheme: str = "http",
+    uds: Optional[str] = None,
 ) -> str:
     """The URL and a ready-to-paste curl line.
 
@@ -265,6 +337,9 @@ def ready_message(
     """
     reachable = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     url = f"{scheme}://[{reachable}]:{port}" if ":" in reachable else f"{scheme}://{reachable}:{port}"
+    socket_flag = ""
+    if uds is not None:  # (the host part of the URL names no one: curl connects to the socket)
+        url, socket_flag = f"{scheme}://localhost", " --unix-socket " + shlex.quote(uds)
     body = json.dumps({"model": model_name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0})
     insecure = " -k" if scheme == "https" else ""
     auth, before = "", ""
@@ -273,8 +348,12 @@ def ready_message(
     elif needs_key:
         auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"'
         before = "  export PAGEDSERVE_API_KEY=...  # one of the keys given with --api-key or PAGEDSERVE_API_KEY\n"
-    curl = f'curl{insecure} {url}/v1/completions -H "Content-Type: application/json"{auth} -d {shlex.quote(body)}'
-    return f"pagedserve: serving {model_name!r} at {url}/v1 (metrics at {url}/metrics)\ntry:\n{before}  {curl}"
+    curl = (
+        f'curl{insecure}{socket_flag} {url}/v1/completions -H "Content-Type: application/json"{auth} '
+        f"-d {shlex.quote(body)}"
+    )
+    where = f"{url}/v1 on the Unix socket {uds}" if uds is not None else f"{url}/v1"
+    return f"pagedserve: serving {model_name!r} at {where} (metrics at {url}/metrics)\ntry:\n{before}  {curl}"
 
 
 def _is_terminal(stream) -> bool:
@@ -284,14 +363,28 @@ def _is_terminal(stream) -> bool:
         return False
 
 
-def check_tls_files(certfile: Optional[str], keyfile: Optional[str]) -> Optional[str]:
-    """Why --ssl-certfile / --ssl-keyfile cannot serve HTTPS (checked before the model loads), or None."""
+def check_tls_files(
+    certfile: Optional[str], keyfile: Optional[str], ca_certs: Optional[str] = None, ciphers: Optional[str] = None
+) -> Optional[str]:
+    """Why --ssl-certfile / --ssl-keyfile (with --ssl-ca-certs and --ssl-ciphers) cannot serve HTTPS (checked
+    before the model loads), or None."""
     if certfile is None or keyfile is None:
         return None
     import ssl
 
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+        if ca_certs is not None:
+            context.load_verify_locations(ca_certs)
+    except (OSError, ssl.SSLError) as error:
+        return f"--ssl-ca-certs {ca_certs!r}: cannot load it: {getattr(error, 'strerror', None) or error}"
+    try:
+        if ciphers is not None:
+            context.set_ciphers(ciphers)
+    except ssl.SSLError as error:
+        return f"--ssl-ciphers {ciphers!r}: OpenSSL takes none of them: {error}"
+    try:
+        context.load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as error:
         return (
             f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}: cannot load them: "
@@ -300,7 +393,28 @@ def check_tls_files(certfile: Optional[str], keyfile: Optional[str]) -> Optional
     return None
 
 
-def _configure_logging(level: str) -> None:
+def read_log_config(path: Optional[str]) -> Optional[dict]:
+    """--log-config-file's JSON (a logging.config.dictConfig dictionary), or None; LogConfigError for a file that
+    cannot be read or is not such an object."""
+    if path is None:
+        return None
+    try:
+        config = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError) as error:
+        raise LogConfigError(f"--log-config-file {path!r}: cannot read it as JSON: {error}") from None
+    if not isinstance(config, dict) or "version" not in config:
+        raise LogConfigError(f"--log-config-file {path!r}: not a logging config (a JSON object with a version)")
+    return config
+
+
+class LogConfigError(ValueError):
+    """A --log-config-file that cannot be used; the message names it."""
+
+
+def _configure_logging(level: str, config: Optional[dict] = None) -> None:
+    if config is not None:
+        logging.config.dictConfig(config)
+        return
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -73,6 +73,31 @@ class ServerConfig(BaseModel):
         False, description="every stream ends with a usage chunk, as if it asked with stream_options.include_usage"
     )
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins")
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed methods")
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed request headers")
+    allow_credentials: bool = Field(False, description="CORS: browsers may send cookies and credentials")
+    enable_request_id_headers: bool = Field(
+        False, description="each response carries X-Request-Id: the request's own, else a new one"
+    )
+    disable_fastapi_docs: bool = Field(False, description="no /docs, /redoc or /openapi.json")
+    middleware: list[str] = Field(
+        default_factory=list,
+        description="import paths of ASGI middleware classes (added) or functions (as @app.middleware('http'))",
+    )
+    disable_access_log_for_endpoints: list[str] = Field(
+        default_factory=list, description="paths whose requests get no access-log line (e.g. /health, /metrics)"
+    )
+    uds: Optional[str] = Field(None, description="listen on this Unix domain socket instead of host:port")
+    h11_max_incomplete_event_size: Optional[int] = Field(
+        None, ge=1, description="bytes of an HTTP head (or chunk) still incomplete at most (uvicorn's h11 limit)"
+    )
+    h11_max_header_count: Optional[int] = Field(
+        None, ge=1, description="headers a request may carry at most (431 beyond)"
+    )
+    log_config_file: Optional[str] = Field(
+        None, description="a JSON logging config (logging.config.dictConfig) for pagedserve and uvicorn"
+    )
+    log_error_stack: bool = Field(False, description="log the traceback of every error response, not only 500s")
     metrics_require_auth: bool = Field(False, description="/metrics also needs an API key (when keys are set)")
     # limits (see README, "Running in production")
     max_queued_requests: Optional[int] = Field(
@@ -103,6 +128,14 @@ class ServerConfig(BaseModel):
     root_path: str = Field("", description="path prefix of a proxy in front (FastAPI's root_path)")
     ssl_keyfile: Optional[str] = Field(None, description="TLS private key (PEM); with ssl_certfile, serve HTTPS")
     ssl_certfile: Optional[str] = Field(None, description="TLS certificate chain (PEM)")
+    ssl_ca_certs: Optional[str] = Field(
+        None, description="CA certificates (PEM) that client certificates are checked against"
+    )
+    ssl_cert_reqs: int = Field(0, ge=0, le=2, description="client certificates: 0 not asked, 1 optional, 2 required")
+    ssl_ciphers: Optional[str] = Field(None, description="OpenSSL cipher list for TLS 1.2 and below")
+    enable_ssl_refresh: bool = Field(
+        False, description="reload the key, certificate and CA files when they change, without a restart"
+    )
 
     @field_validator("enable_auto_tool_choice")
     @classmethod
@@ -157,7 +190,26 @@ class ServerConfig(BaseModel):
     def _check_ssl(self) -> "ServerConfig":
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together (--ssl-keyfile and --ssl-certfile)")
+        https = self.ssl_certfile is not None
+        for name, given in (
+            ("ssl_ca_certs", self.ssl_ca_certs is not None),
+            ("ssl_cert_reqs", self.ssl_cert_reqs != 0),
+            ("ssl_ciphers", self.ssl_ciphers is not None),
+            ("enable_ssl_refresh", self.enable_ssl_refresh),
+        ):
+            if given and not https:
+                raise ValueError(f"{name} needs HTTPS: give --ssl-keyfile and --ssl-certfile too")
+        if self.ssl_cert_reqs != 0 and self.ssl_ca_certs is None:
+            raise ValueError("ssl_cert_reqs asks for client certificates: give --ssl-ca-certs to check them against")
         return self
+
+    @field_validator("disable_access_log_for_endpoints")
+    @classmethod
+    def _check_paths(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not path.startswith("/"):
+                raise ValueError(f"{path!r} is not a path: give paths such as /health")
+        return paths
 
     @property
     def scheme(self) -> str:

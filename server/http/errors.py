@@ -87,12 +87,15 @@ def model_not_found(requested: str, served: Sequence[str], param: str = "model")
     )
 
 
-def handle_error(exc: BaseException, metrics: ServerMetrics, where: str) -> APIError:
+def handle_error(exc: BaseException, metrics: ServerMetrics, where: str, *, log_stack: bool = False) -> APIError:
     """What the client sees for an exception raised while serving `where`; counted in the request-failure
-    metric, and logged with its traceback when it is a bug (500)."""
+    metric, and logged with its traceback when it is a bug (500), or whatever it is with `log_stack`
+    (--log-error-stack)."""
     error, failure = _classify(exc)
     if error.status == 500:
         logger.error("unhandled error on %s", where, exc_info=exc)
+    elif log_stack:
+        logger.info("error response %d on %s: %s", error.status, where, error.message, exc_info=exc)
     if failure is not None:
         metrics.observe_failure(failure)
     return error

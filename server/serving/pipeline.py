@@ -96,7 +96,9 @@ class Generation:
     def stream(self, events: AsyncIterator[bytes], framing: Framing = DATA_FRAMING) -> ChoicesStreamingResponse:
         """The SSE response sending `events`; an error after it began is one error frame."""
         return ChoicesStreamingResponse(
-            with_error_events(events, framing, self.state.metrics), self.streams, self.guard
+            with_error_events(events, framing, self.state.metrics, self.state.config.log_error_stack),
+            self.streams,
+            self.guard,
         )
 
 

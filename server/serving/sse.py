@@ -43,7 +43,7 @@ DATA_FRAMING = Framing(sse_event, DONE)
 
 
 async def with_error_events(
-    events: AsyncIterator[bytes], framing: Framing, metrics: ServerMetrics
+    events: AsyncIterator[bytes], framing: Framing, metrics: ServerMetrics, log_stack: bool = False
 ) -> AsyncIterator[bytes]:
     """Pass events through; an error after the stream started becomes one error frame (the same envelope and
     failure count as the app's error handlers), then the stream's end."""
@@ -51,6 +51,6 @@ async def with_error_events(
         async for event in events:
             yield event
     except Exception as exc:  # noqa: BLE001 - the client must learn the stream failed
-        yield framing.error(handle_error(exc, metrics, "a stream").body())
+        yield framing.error(handle_error(exc, metrics, "a stream", log_stack=log_stack).body())
     if framing.end:
         yield framing.end

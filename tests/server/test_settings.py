@@ -94,8 +94,31 @@ FLAG_CASES = [
         {"enable_thinking": False},
     ),
     ("--response-role", "model", ("server", "response_role"), "model"),
+    ("--allowed-methods", "GET,POST", ("server", "allowed_methods"), ["GET", "POST"]),
+    ("--allowed-headers", "Authorization", ("server", "allowed_headers"), ["Authorization"]),
+    ("--middleware", "json.JSONDecoder", ("server", "middleware"), ["json.JSONDecoder"]),
+    (
+        "--disable-access-log-for-endpoints",
+        "/health,/metrics",
+        ("server", "disable_access_log_for_endpoints"),
+        ["/health", "/metrics"],
+    ),
+    ("--uds", "pagedserve.sock", ("server", "uds"), "pagedserve.sock"),
+    ("--h11-max-incomplete-event-size", "65536", ("server", "h11_max_incomplete_event_size"), 65536),
+    ("--h11-max-header-count", "64", ("server", "h11_max_header_count"), 64),
+    ("--log-config-file", "logging.json", ("server", "log_config_file"), "logging.json"),
+    ("--ssl-ca-certs", "ca.pem", ("server", "ssl_ca_certs"), "ca.pem"),  # these need HTTPS: see below
+    ("--ssl-cert-reqs", "2", ("server", "ssl_cert_reqs"), 2),
+    ("--ssl-ciphers", "ECDHE+AESGCM", ("server", "ssl_ciphers"), "ECDHE+AESGCM"),
 ]
-_PAIRS = {"--ssl-keyfile": ("--ssl-certfile", "cert.pem"), "--ssl-certfile": ("--ssl-keyfile", "key.pem")}
+_HTTPS = ("--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem")
+_PAIRS = {
+    "--ssl-keyfile": ("--ssl-certfile", "cert.pem"),
+    "--ssl-certfile": ("--ssl-keyfile", "key.pem"),
+    "--ssl-ca-certs": _HTTPS,
+    "--ssl-cert-reqs": (*_HTTPS, "--ssl-ca-certs", "ca.pem"),
+    "--ssl-ciphers": _HTTPS,
+}
 # boolean flags: place in Settings, default
 BOOL_FLAGS = {
     "--enable-prefix-caching": (("engine", "cache", "enable_prefix_caching"), True),
@@ -111,6 +134,10 @@ BOOL_FLAGS = {
     "--trust-request-chat-template": (("server", "trust_request_chat_template"), False),
     "--return-tokens-as-token-ids": (("server", "return_tokens_as_token_ids"), False),
     "--enable-force-include-usage": (("server", "enable_force_include_usage"), False),
+    "--allow-credentials": (("server", "allow_credentials"), False),
+    "--enable-request-id-headers": (("server", "enable_request_id_headers"), False),
+    "--disable-fastapi-docs": (("server", "disable_fastapi_docs"), False),
+    "--log-error-stack": (("server", "log_error_stack"), False),
 }
 # vLLM's flags of what this server always does: (a value taken, a value refused)
 ALWAYS_FLAGS = {
@@ -120,6 +147,8 @@ ALWAYS_FLAGS = {
     "--task": (["--task", "generate"], ["--task", "embed"]),
     "--guided-decoding-backend": (["--guided-decoding-backend", "xgrammar"], ["--guided-decoding-backend", "outlines"]),
     "--max-log-len": (["--max-log-len", "100"], ["--max-log-len", "many"]),
+    "--enable-server-load-tracking": (["--no-enable-server-load-tracking"], None),  # either way: nothing refused
+    "--tool-parser-plugin": (["--tool-parser-plugin", ""], ["--tool-parser-plugin", "my_parsers.py"]),
     "--enable-prompt-tokens-details": (["--enable-prompt-tokens-details"], ["--no-enable-prompt-tokens-details"]),
     "--exclude-tools-when-tool-choice-none": (
         ["--exclude-tools-when-tool-choice-none"],
@@ -136,6 +165,7 @@ ALL_FLAGS = (
         "--headless",
         "--lora-modules",
         "--disable-uvicorn-access-log",
+        "--enable-ssl-refresh",  # needs HTTPS: test_ssl_refresh_and_client_certificates_need_https
     }
     | set(ALWAYS_FLAGS)
 )
@@ -208,6 +238,16 @@ def test_boolean_flags_both_ways(flag):
     assert get(load_settings([], {}), path) is default
     assert get(load_settings([flag], {}), path) is True
     assert get(load_settings(["--no-" + flag[2:]], {}), path) is False
+
+
+def test_ssl_refresh_and_client_certificates_need_https():
+    https = list(_HTTPS)
+    assert get(load_settings([*https, "--enable-ssl-refresh"], {}), ("server", "enable_ssl_refresh")) is True
+    for flags in (["--enable-ssl-refresh"], ["--ssl-ca-certs", "ca.pem"], ["--ssl-ciphers", "HIGH"]):
+        with pytest.raises(SettingsError, match="needs HTTPS"):
+            load_settings(flags, {})
+    with pytest.raises(SettingsError, match="--ssl-ca-certs"):
+        load_settings([*https, "--ssl-cert-reqs", "2"], {})
 
 
 # YAML section, YAML key, flag, YAML value, env value, flag value, place, expected for YAML / env / flag
@@ -696,6 +736,9 @@ def test_vllms_flags_of_what_this_server_always_does(flag):
     assert load_settings(taken, {}) == Settings()
     if len(taken) == 2:
         assert load_settings([], {env_name(flag): taken[1]}) == Settings()
+    if refused is None:  # a flag whose every value is what this server does
+        assert load_settings([flag], {}) == Settings()
+        return
     with pytest.raises(SettingsError, match=flag):
         load_settings(refused, {})
 
