@@ -191,6 +191,12 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def max_sequence_len(self) -> int:
+        """Prompt plus output tokens one sequence can reach: max_model_len, or fewer where the whole KV cache
+        holds fewer."""
+        return self.engine.max_sequence_len
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the model accepts are 0..vocab_size - 1."""
         return self.engine.vocab_size

@@ -254,9 +254,7 @@ class EngineCore:
             grammar_ref = GrammarRef(grammar)
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole KV cache holds it
-            kv = self.scheduler.kv_cache_manager
-            held = kv.max_tokens_held(self.scheduler.scheduler_config.max_num_batched_tokens)
-            limit = min(self.max_model_len, held + 1)
+            limit = self.max_sequence_len
             max_tokens = max(limit - len(prompt), 1)
             # only here is the bound min_tokens must respect known; a prompt that leaves no room at all is the
             # scheduler's context-length refusal instead (add_request)
@@ -279,6 +277,14 @@ class EngineCore:
             num_speculative_tokens=self._num_speculative_tokens(params),
             **kwargs,
         )
+
+    @property
+    def max_sequence_len(self) -> int:
+        """Prompt plus output tokens one sequence can reach: max_model_len, or fewer where the whole KV cache holds
+        fewer (the last sampled token needs no slot: it is never fed back)."""
+        scheduler = self.scheduler
+        held = scheduler.kv_cache_manager.max_tokens_held(scheduler.scheduler_config.max_num_batched_tokens)
+        return min(self.max_model_len, held + 1)
 
     @staticmethod
     def _num_speculative_tokens(params: SamplingParams) -> Optional[int]:

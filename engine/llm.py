@@ -226,7 +226,8 @@ class LLM:
         searches = []
         for prompt in _as_prompt_list(prompts):
             token_ids = self._encode(prompt)[1]
-            room = max(self.engine.max_model_len - len(token_ids), 1)  # (a prompt with no room: the step refuses it)
+            # (the context as far as the KV cache holds it, as for max_tokens None; no room: the step refuses it)
+            room = max(self.engine.max_sequence_len - len(token_ids), 1)
             searches.append(BeamSearch(token_ids, params, self.engine.tokenizer.eos_token_ids, room))
         engine = self.engine
         while any(not search.done for search in searches):

@@ -132,8 +132,10 @@ async def _search(
     """`started` is settled once the first step is in the engine (or was refused)."""
     engine = state.engine
     prompt = beams[0].prompt_token_ids
-    # (at least one step: a prompt that leaves no room is refused there, as any request is)
-    search = BeamSearch(prompt, params, engine.tokenizer.eos_token_ids, max(engine.max_model_len - len(prompt), 1))
+    # (steps until the context ends, as far as the KV cache holds it: a later step would be refused; at least one:
+    # a prompt that leaves no room is refused there, as any request is)
+    room = max(engine.max_sequence_len - len(prompt), 1)
+    search = BeamSearch(prompt, params, engine.tokenizer.eos_token_ids, room)
     first_token_time = None
     try:
         step = 0

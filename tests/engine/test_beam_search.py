@@ -10,7 +10,7 @@ import pytest
 from engine import BeamSearchParams, SamplingParams
 from engine.sampling.beam_search import BeamSearch, beam_score
 from engine.errors import InvalidParameterError
-from tests.engine.references import assert_idle
+from tests.engine.references import assert_idle, make_llm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 EOS = frozenset({2})
@@ -97,3 +97,22 @@ def test_beams_score_as_the_model_scores_them(llm):
     (reference,) = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
     assert beams[0].cum_logprob >= reference.outputs[0].cumulative_logprob - 1e-4
     assert_idle(llm)
+
+
+def test_a_search_stops_where_the_kv_cache_does(tiny_llama_dir, llm):
+    """A pool of 30 blocks of 4 holds a sequence of 121 tokens (the last sampled token needs no slot), fewer than
+    max_model_len: a search of 30 steps on a 100-token prompt ends after 21 with the beams the same search finds
+    in a roomy pool, where its 22nd step would have been refused after all that work."""
+    prompt = [5 + i % 7 for i in range(100)]
+    params = BeamSearchParams(beam_width=2, max_tokens=30, ignore_eos=True)
+    with make_llm(tiny_llama_dir, num_blocks=30) as small:
+        (out,) = small.beam_search([{"prompt_token_ids": prompt}], params)
+        assert small.engine.max_sequence_len == 121 < small.engine.max_model_len
+        assert_idle(small)
+    (roomy,) = llm.beam_search(
+        [{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=21, ignore_eos=True)
+    )
+    assert [len(b.tokens) - len(prompt) for b in out.sequences] == [21, 21]
+    assert [b.finish_reason for b in out.sequences] == ["length", "length"]
+    assert [b.tokens for b in out.sequences] == [b.tokens for b in roomy.sequences]
+    assert [b.cum_logprob for b in out.sequences] == pytest.approx([b.cum_logprob for b in roomy.sequences], abs=1e-4)

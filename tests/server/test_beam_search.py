@@ -174,3 +174,29 @@ def test_a_running_search_does_not_hold_places_in_the_queue(tiny_model_dir, monk
                 assert other.status_code == 200, other.text
                 assert not search.done()
                 assert search.result(60).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
+def test_a_search_stops_where_the_kv_cache_does(tiny_model_dir, stream):
+    """30 KV blocks of 4 hold a sequence of 121 tokens, fewer than max_model_len: a search on a 100-token prompt
+    asking 30 tokens gets the 21 the cache holds, as the offline search finds them, not an error after 21 steps
+    (a plain request asking as much is refused at once: that is tested elsewhere)."""
+    prompt = [5 + i % 7 for i in range(100)]
+    with serving(tiny_model_dir, ServerConfig(served_model_name="tiny"), num_blocks=30) as running:
+        client = running.sdk()
+        extra = {"use_beam_search": True, "ignore_eos": True}
+        out = client.completions.create(
+            model="tiny", prompt=prompt, n=2, max_tokens=30, stream=stream, extra_body=extra
+        )
+        if stream:
+            chunks = list(out)
+            texts = {c.index: c.text for chunk in chunks for c in chunk.choices}
+            reasons = {c.index: c.finish_reason for chunk in chunks for c in chunk.choices}
+        else:
+            texts = {c.index: c.text for c in out.choices}
+            reasons = {c.index: c.finish_reason for c in out.choices}
+            assert out.usage.completion_tokens == 2 * 21 and out.usage.prompt_tokens == 100
+        running.wait_idle()
+    expected = offline_beams(tiny_model_dir, prompt, 2, 21, ignore_eos=True)
+    assert texts == {0: expected[0].text, 1: expected[1].text}
+    assert reasons == {0: "length", 1: "length"}
