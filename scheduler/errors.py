@@ -79,12 +79,16 @@ class ContextLengthExceededError(RequestRejectedError):
 
 
 class KVCacheTooSmallError(RequestRejectedError):
-    """The request needs more KV blocks than the whole pool holds."""
-
-    field = "max_tokens"
+    """The request needs more KV blocks than the whole pool holds (`prompt_alone`: even with max_tokens 1)."""
 
     def __init__(
-        self, num_prompt_tokens: int, max_tokens: int, num_blocks_needed: int, num_blocks: int, block_size: int
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        num_blocks_needed: int,
+        num_blocks: int,
+        block_size: int,
+        prompt_alone: bool = False,
     ):
         super().__init__(
             f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens need {num_blocks_needed} KV blocks "
@@ -95,6 +99,12 @@ class KVCacheTooSmallError(RequestRejectedError):
         self.num_blocks_needed = num_blocks_needed
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prompt_alone = prompt_alone
+
+    @property
+    def field(self) -> str:  # type: ignore[override]
+        """ "prompt" when the prompt alone does not fit (no max_tokens would make it), else "max_tokens"."""
+        return "prompt" if self.prompt_alone else "max_tokens"
 
 
 class DuplicateRequestIdError(RequestRejectedError):

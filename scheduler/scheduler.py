@@ -732,6 +732,11 @@ class Scheduler:
             raise ContextLengthExceededError(num_prompt, request.max_tokens, self.max_model_len)
         kv = self.kv_cache_manager
         # The last sampled token is never fed back, so it needs no slot.
-        num_blocks = kv.num_blocks_needed(total - 1, self.scheduler_config.max_num_batched_tokens)
+        max_step_tokens = self.scheduler_config.max_num_batched_tokens
+        num_blocks = kv.num_blocks_needed(total - 1, max_step_tokens)
         if num_blocks > kv.num_blocks:
-            raise KVCacheTooSmallError(num_prompt, request.max_tokens, num_blocks, kv.num_blocks, self.block_size)
+            # (the prompt alone: it is at fault whatever max_tokens is, one max_tokens None resolved to included)
+            prompt_alone = kv.num_blocks_needed(num_prompt, max_step_tokens) > kv.num_blocks
+            raise KVCacheTooSmallError(
+                num_prompt, request.max_tokens, num_blocks, kv.num_blocks, self.block_size, prompt_alone
+            )

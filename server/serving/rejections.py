@@ -51,6 +51,14 @@ def describe_rejection(exc: RequestRejectedError, names: Mapping[str, str]) -> R
             name(exc.field),
             CONTEXT_LENGTH_EXCEEDED,
         )
+    if isinstance(exc, KVCacheTooSmallError) and exc.prompt_alone:
+        return Refusal(
+            f"The prompt's {exc.num_prompt_tokens} tokens do not fit in the KV cache, which holds "
+            f"{exc.num_blocks} blocks of {exc.block_size} tokens ({exc.num_blocks * exc.block_size} tokens) "
+            f"in all. Shorten the prompt.",
+            name(exc.field),
+            CONTEXT_LENGTH_EXCEEDED,
+        )
     if isinstance(exc, KVCacheTooSmallError):
         return Refusal(
             f"{exc.num_prompt_tokens} prompt tokens plus {name('max_tokens')} {exc.max_tokens} need "

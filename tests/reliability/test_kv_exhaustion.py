@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import openai
 import pytest
 
 from tests.reliability.conftest import assert_gauges_zero, metric, serving
@@ -48,4 +49,24 @@ def test_preempted_requests_complete_with_their_solo_outputs(server):
     assert [r.json()["choices"][0]["text"] for r in responses] == alone
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
     assert metric(server.base_url, "pagedserve_num_preemptions_total") > preemptions_before
+    assert_gauges_zero(server)
+
+
+def test_a_prompt_the_whole_cache_cannot_hold_is_refused_naming_the_prompt(server):
+    """The pool holds 192 tokens, max_model_len 256: a longer prompt (the chat one: about 200 tokens) never fits,
+    whatever max_tokens is. The 400 names the prompt (chat: messages), not a max_tokens the client may not even
+    have sent."""
+    client = server.sdk()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[5] * 200, max_tokens=1)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    assert "200" in info.value.message and "192 tokens" in info.value.message
+    messages = [{"role": "user", "content": " ".join(["hello"] * 62)}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages)  # no max_tokens: the rest of the context
+    assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
+    # asking too much beside a prompt that fits is max_tokens' fault, as before
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[5] * 100, max_tokens=100)
+    assert info.value.param == "max_tokens"
     assert_gauges_zero(server)

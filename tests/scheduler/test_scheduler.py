@@ -269,6 +269,7 @@ def test_finish_for_stop_string():
         (dict(prompt=250, max_tokens=10), ContextLengthExceededError, "max_tokens"),
         (dict(prompt=300, max_tokens=1), ContextLengthExceededError, "prompt"),
         (dict(prompt=100, max_tokens=100), KVCacheTooSmallError, "max_tokens"),  # > whole pool
+        (dict(prompt=170, max_tokens=1), KVCacheTooSmallError, "prompt"),  # the prompt alone > whole pool
     ],
 )
 def test_impossible_requests_are_refused(kwargs, error, field):
