@@ -300,8 +300,8 @@ class KVCacheManager:
         return tuple(new_ids)
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
-        """Count a prefix-cache lookup for an admitted request (its hits from the tiers included; each tier
-        counts its own when the restore is planned)."""
+        """Count a prefix-cache lookup for a request admitted for the first time (its hits from the tiers included;
+        each tier counts its own when the restore is planned). The scheduler does not count a resumed one."""
         if self.enable_caching:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_hit_tokens

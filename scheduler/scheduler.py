@@ -637,11 +637,12 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             if not request.num_preemptions:
-                # The prompt tokens the prefix cache served (usage's cached_tokens): counted at the first
-                # admission only. A resumed request's hit covers its own recomputed prompt and output
-                # tokens, which are neither cached prompt tokens nor bounded by the prompt.
+                # The prompt tokens the prefix cache served (usage's cached_tokens, and the prefix-cache
+                # counters, as vLLM counts them): at the first admission only. A resumed request's hit covers
+                # its own recomputed prompt and output tokens, which are neither cached prompt tokens nor
+                # bounded by the prompt: counted, they would raise the hit rate with every preemption.
                 request.num_cached_tokens = num_hit
-            kv.record_admission(request, num_hit)
+                kv.record_admission(request, num_hit)
             self.running.append(request)
             plan.add(request, num_tokens)
             plan.new_requests.append(

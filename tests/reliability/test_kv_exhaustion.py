@@ -37,6 +37,8 @@ def test_preempted_requests_complete_with_their_solo_outputs(server):
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         alone = [client.post("/v1/completions", json=_body(i)).json()["choices"][0]["text"] for i in range(NUM)]
     preemptions_before = metric(server.base_url, "pagedserve_num_preemptions_total")
+    queries_before = metric(server.base_url, "pagedserve_prefix_cache_queries_total")
+    hits_before = metric(server.base_url, "pagedserve_prefix_cache_hits_total")
 
     async def together():
         async with httpx.AsyncClient(
@@ -49,6 +51,10 @@ def test_preempted_requests_complete_with_their_solo_outputs(server):
     assert [r.json()["choices"][0]["text"] for r in responses] == alone
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
     assert metric(server.base_url, "pagedserve_num_preemptions_total") > preemptions_before
+    # The prefix-cache counters count each request's prompt once, as vLLM does: a resumed request's lookup of
+    # its own recomputed prompt and output is no prompt served from the cache (it would inflate the hit rate).
+    assert metric(server.base_url, "pagedserve_prefix_cache_queries_total") - queries_before == NUM * 5
+    assert metric(server.base_url, "pagedserve_prefix_cache_hits_total") - hits_before <= NUM * 4
     assert_gauges_zero(server)
 
 

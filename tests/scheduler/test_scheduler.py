@@ -402,3 +402,21 @@ def test_cached_tokens_are_the_prompt_hit_of_the_first_admission():
     assert max(resumed_hits) > second.num_prompt_tokens  # it did resume from its own output blocks
     assert second.num_cached_tokens == 0  # nothing of its prompt was cached when it was first admitted
     assert first.num_cached_tokens == 0
+
+
+def test_prefix_cache_counters_count_each_prompt_once_through_preemptions():
+    """Two requests that do not fit together: the later one is preempted and resumed, its own blocks then hits.
+    The counters count each request's prompt at its first admission only (vLLM's prefix-cache stats), so the same
+    requests count the same with or without a tight pool."""
+
+    def counters(num_blocks):
+        s = make_scheduler(num_blocks=num_blocks, block_size=4)
+        for first in (10, 50):
+            s.add_request(make_request(list(range(first, first + 8)), max_tokens=20, ignore_eos=True))
+        run_until_done(s)
+        stats = s.stats()
+        return stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits
+
+    roomy, tight = counters(64), counters(10)
+    assert roomy == (0, 16, 0)
+    assert tight[0] > 0 and tight[1:] == roomy[1:]
