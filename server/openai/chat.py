@@ -26,7 +26,7 @@ from server.openai.tools.calls import ToolPlan, plan_tools, tool_call_dicts
 from server.openai.tools.stream import ToolCallStream
 from server.serving import unsupported
 from server.serving.choices import UsageCounter
-from server.serving.constraints import constraint_from_response_format
+from server.serving.constraints import constraint_from_response_format, format_beside_forced_calls
 from server.serving.pipeline import Generation, GenerationRequest, start_generation
 from server.serving.prompts import ChatPrompt
 from server.serving.rejections import CHAT_FIELD_NAMES
@@ -42,6 +42,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     num_top = _num_top_logprobs(body)
+    response_format = constraint_from_response_format(body.response_format)
+    forced_calls = tools.constraint(body.parallel_tool_calls)
     names = dict(CHAT_FIELD_NAMES)
     if body.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
@@ -66,8 +68,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             prompt_logprobs=body.prompt_logprobs,
             unsupported=unsupported.CHAT,
             constraints=[
-                ("response_format", constraint_from_response_format(body.response_format)),
-                ("tool_choice required or named", tools.constraint(body.parallel_tool_calls)),
+                ("response_format", format_beside_forced_calls(response_format, forced_calls)),
+                ("tool_choice required or named", forced_calls),
             ],
             field_names=names,
         ),

@@ -28,6 +28,17 @@ def constraint_from_extras(body: SamplingFields) -> Optional[tuple[StructuredOut
     return StructuredOutputs.of_kind(GUIDED_EXTRAS[name], value, name), name
 
 
+def format_beside_forced_calls(
+    format_constraint: Optional[tuple[StructuredOutputs, str]],
+    tool_constraint: Optional[tuple[StructuredOutputs, str]],
+) -> Optional[tuple[StructuredOutputs, str]]:
+    """The format field's constraint (`response_format`, `text.format`), or None when `tool_choice` (required or
+    named) forces calls: the output is then the calls, and the format governs only text the model does not write.
+    OpenAI takes both (the Agents SDK and instructor send an output type beside a forced tool), and vLLM's tool
+    schema takes the format's place, so the tools' grammar governs here too. The format is still checked."""
+    return None if tool_constraint is not None else format_constraint
+
+
 def constraint_from_response_format(
     response_format: Optional[ResponseFormat],
 ) -> Optional[tuple[StructuredOutputs, str]]:

@@ -10,6 +10,7 @@ import time
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.server.conftest import pace_engine
@@ -173,6 +174,40 @@ def test_tool_choice_gives_function_call_items(server, tool_choice):
     assert response.tools[0].name == "get_weather"
 
 
+class Forecast(pydantic.BaseModel):
+    summary: str = pydantic.Field(max_length=10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_format_beside_a_forced_call_is_taken(server, stream):
+    """instructor's RESPONSES_TOOLS mode sends its output type as text.format beside the tool it names in
+    tool_choice (OpenAI and vLLM take both): the call is the output. It was a 400 ("text.format and tool_choice
+    required or named each constrain the output; use one.")."""
+    client = sdk(server)
+    kwargs = dict(
+        model=MODEL,
+        input="What's the weather?",
+        text_format=Forecast,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "name": "get_time"},
+        max_output_tokens=200,
+        temperature=1.0,
+        extra_body={"seed": 2},
+    )
+    if stream:
+        with client.responses.stream(**kwargs) as events:
+            for _ in events:
+                pass
+            response = events.get_final_response()
+    else:
+        response = client.responses.parse(**kwargs)
+    assert response.status == "completed" and response.output_parsed is None
+    assert [item.type for item in response.output] == ["function_call"]
+    assert response.output[0].name == "get_time"
+    jsonschema.validate(json.loads(response.output[0].arguments), PARAMS["get_time"])
+    assert response.text.format.type == "json_schema"
+
+
 def test_function_call_output_follow_up_turn(server):
     call = {
         "type": "function_call",
@@ -304,7 +339,8 @@ def test_unsupported_parameters_are_refused_by_name(server, body, param):
             "tools[0].parameters",
         ),
         ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
-        ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "[0-9]+"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"guided_regex": "[0-9]+", "text": {"format": {"type": "json_object"}}}, "guided_regex"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),

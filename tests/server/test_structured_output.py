@@ -422,7 +422,7 @@ def test_two_sources_of_a_grammar_are_refused_naming_the_ones_set(server):
         "model": "tiny",
         "messages": USER,
         "max_tokens": 5,
-        "response_format": {"type": "json_object"},
+        "guided_json": {"type": "object"},
         "tools": [WEATHER],
         "tool_choice": {"type": "function", "function": {"name": WEATHER["function"]["name"]}},
     }
@@ -431,8 +431,58 @@ def test_two_sources_of_a_grammar_are_refused_naming_the_ones_set(server):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "tools" and error["message"] == (
-        "response_format and tool_choice required or named each constrain the output; use one."
+        "structured_outputs / guided_* and tool_choice required or named each constrain the output; use one."
     )
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=8)
+    days: int = Field(ge=1, le=7)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "GetWeather"}}])
+def test_a_response_format_beside_a_forced_call_is_taken(server, stream, tool_choice):
+    """An output type beside a forced tool call, as instructor and the Agents SDK send them (OpenAI and vLLM take
+    both): the call is the output, constrained to the tool's parameters. It was a 400 ("response_format and
+    tool_choice required or named each constrain the output; use one.")."""
+    client = sdk(server)
+    kwargs = dict(
+        model="tiny",
+        messages=USER,
+        response_format=Point,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice=tool_choice,
+        max_tokens=200,
+        temperature=1.0,
+        seed=2,
+    )
+    if stream:
+        with client.chat.completions.stream(**kwargs) as events:
+            for _ in events:
+                pass
+            choice = events.get_final_completion().choices[0]
+    else:
+        choice = client.chat.completions.parse(**kwargs).choices[0]
+    assert choice.finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
+    assert choice.message.parsed is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_a_response_format_beside_a_forced_call_is_still_checked(server):
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": USER,
+                "response_format": {"type": "yaml"},
+                "tools": [WEATHER],
+                "tool_choice": "required",
+            },
+        )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type", r.text
 
 
 AUTO_CALL_AFTER_TEXT = r'Sure\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'

@@ -28,6 +28,7 @@ from server.openai.responses.protocol import (
 from server.openai.tools.calls import ToolPlan, new_call_id, plan_tools
 from server.openai.tools.stream import ToolCallStream
 from server.serving import unsupported
+from server.serving.constraints import format_beside_forced_calls
 from server.serving.pipeline import Generation, GenerationRequest, start_generation
 from server.serving.prompts import ChatPrompt
 from server.serving.sse import Framing, sse_typed
@@ -45,6 +46,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     created_at = now()  # when the response was created, as OpenAI's completed_at - created_at is its duration
     state: ServerState = request.app.state.server
     tools = plan_tools(chat_tools(body.tools), chat_tool_choice(body.tool_choice), body.parallel_tool_calls)
+    text_format, forced_calls = text_constraint(body.text), tools.constraint(body.parallel_tool_calls)
     generation = await start_generation(
         state,
         GenerationRequest(
@@ -54,8 +56,8 @@ async def create_response(body: ResponsesRequest, request: Request):
             max_tokens=body.max_output_tokens,
             unsupported=unsupported.RESPONSES,
             constraints=[
-                ("text.format", text_constraint(body.text)),
-                ("tool_choice required or named", tools.constraint(body.parallel_tool_calls)),
+                ("text.format", format_beside_forced_calls(text_format, forced_calls)),
+                ("tool_choice required or named", forced_calls),
             ],
             field_names=FIELD_NAMES,
         ),
