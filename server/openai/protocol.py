@@ -29,6 +29,9 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # OpenAI's: random padding on each chunk against length side channels. This server never pads, so false
+    # (what latency-minded clients send) is what it does; true is refused by name (serving/checks.py).
+    include_obfuscation: Optional[bool] = None
 
 
 class LoRAPart(BaseModel):

@@ -50,10 +50,17 @@ def check_model(requested: Optional[str], served: Sequence[str]) -> str:
 
 
 def check_fields(request: SamplingFields, state: "ServerState") -> None:
-    """Unknown fields, stream_options without stream, too many logprobs, a priority without the policy."""
+    """Unknown fields, stream_options without stream (or asking for padding), too many logprobs, a priority without
+    the policy."""
     check_extra_fields(request, state.config.strict_params)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
+    if getattr(request.stream_options, "include_obfuscation", None):  # (the Responses API's options are a dict)
+        raise bad_request(
+            "stream_options.include_obfuscation is not supported: this server does not pad its chunks.",
+            param="stream_options.include_obfuscation",
+            code="unsupported_parameter",
+        )
     check_max_logprobs(request, state.config.max_logprobs)
     if getattr(request, "prompt_logprobs", None) is not None and request.stream:
         raise bad_request("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")

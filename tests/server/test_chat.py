@@ -312,6 +312,23 @@ def test_include_usage(server):
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_stream_options_without_obfuscation_are_taken(server, route):
+    """OpenAI's stream_options.include_obfuscation: false (no padding on the chunks, which this server never
+    adds), as the SDK types it. It was a 400 ("Extra inputs are not permitted") on chat and completions while the
+    Responses API took it; true, padding this server does not write, is refused by name."""
+    client = sdk(server)
+    create = client.chat.completions.create if route == "chat" else client.completions.create
+    prompt = {"messages": USER} if route == "chat" else {"prompt": "Hello"}
+    options = {"include_usage": True, "include_obfuscation": False}
+    chunks = list(create(model="tiny", max_tokens=4, temperature=0, stream=True, stream_options=options, **prompt))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(model="tiny", max_tokens=4, stream=True, stream_options={"include_obfuscation": True}, **prompt)
+    error = refused.value.body
+    assert (error["param"], error["code"]) == ("stream_options.include_obfuscation", "unsupported_parameter")
+
+
 def test_response_format_text_accepted(server):
     out = sdk(server).chat.completions.create(
         model="tiny", messages=USER, max_tokens=3, temperature=0, response_format={"type": "text"}
