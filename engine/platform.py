@@ -73,10 +73,12 @@ def choose_numerics(
     batch_invariant: bool = False,
     latent: bool = False,
     kv_cache_dtype: str = "auto",
+    needs: frozenset[str] = frozenset(),
 ) -> Numerics:
     """The parts for this device and dtype; ValueError saying why when the settings cannot run here. `latent`:
     the model's attention is multi-head latent attention over a latent cache (auto then means torch);
-    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto then passes over a backend that cannot read it)."""
+    `kv_cache_dtype` as `--kv-cache-dtype` names it (auto then passes over a backend that cannot read it); `needs`
+    the layer features the model uses, when known (auto then passes over a flash-attn that lacks one)."""
     if batch_invariant:
         return batch_invariant_numerics(attention_backend, device, dtype)
     if latent and attention_backend == "auto":
@@ -91,6 +93,7 @@ def choose_numerics(
         block_size=block_size,
         shape=shape,
         kv_cache_dtype=KV_CACHE_DTYPES.get(kv_cache_dtype),  # an unknown name: refused by resolve_kv_cache_dtype
+        needs=needs,
     )
     if not isinstance(backend, CpuAttentionBackend):
         return Numerics(backend, None, None)

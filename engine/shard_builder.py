@@ -13,7 +13,7 @@ import torch
 from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape, latent_rank_of
-from engine.attention.layer_attention import check_backend_serves
+from engine.attention.layer_attention import check_backend_serves, features_of, missing_features
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.huge_pages import back_weights_with_huge_pages
 from engine.engine_config import EngineConfig
@@ -111,6 +111,26 @@ def build_shard(
     if stage is not None and stage.is_split:
         model.hold_stage(stage)
         logger.info("pipeline %s", stage.describe())
+    if (
+        device.type == "cuda"
+        and config.attention_backend == "auto"
+        and missing_features(backend, model.attention_layers)
+    ):
+        # auto chose before the model's layers said what they compute: choose again, passing over a flash-attn
+        # release without one of their features (flash-attn 2 has no attention sinks: GPT-OSS). CUDA numerics
+        # bring no layer ops or products, so the model built without them stands. (On CPU, auto's cpu backend
+        # computes all but latent attention, which auto gives torch.)
+        backend = choose_numerics(
+            config.attention_backend,
+            device,
+            dtype,
+            block_size=config.cache.block_size,
+            shape=shape,
+            latent=latent_rank is not None,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            needs=features_of(model.attention_layers),
+        ).backend
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     check_backend_serves(backend, model.attention_layers, family.architecture)
     # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window.
     kv_groups = KVGroups.of([attention.sliding_window for attention in model.attention_layers], max_model_len)

@@ -70,6 +70,7 @@ def get_attention_backend(
     block_size: Optional[int] = None,
     shape: Optional[AttentionShape] = None,
     kv_cache_dtype: Optional[torch.dtype] = None,
+    needs: frozenset[str] = frozenset(),
 ) -> AttentionBackend:
     """The backend `name` names, for this device, dtype and KV block size (None: not known, which rules
     flash-attn 2 out). With the model's attention `shape` (and the block size), flash-attn is chosen only
@@ -79,10 +80,11 @@ def get_attention_backend(
     None: the model's), else the torch backend; on CUDA flash-attn when it imports, fits the block size and
     reads the KV cache's dtype, else the triton backend when it is available, else torch (`cuda_auto_choice`). The choice and
     the reason are logged. Naming `cpu` or `flash` insists: a ValueError saying why it cannot serve here and
-    what to do instead."""
+    what to do instead. `needs`: the layer features the model uses (layer_attention.py); `auto` on CUDA passes
+    over a flash-attn release that does not compute one of them."""
     if name == "auto":
         if device.type == "cuda":
-            return _cuda_auto(device, dtype, block_size, shape, kv_cache_dtype)
+            return _cuda_auto(device, dtype, block_size, shape, kv_cache_dtype, needs)
         if device.type == "cpu":
             backend = _cpu_backend(device, dtype, required=False)
             if backend is not None and kv_cache_dtype in (None, *backend.kv_cache_dtypes(dtype)):
@@ -136,6 +138,7 @@ def _cuda_auto(
     block_size: Optional[int],
     shape: Optional[AttentionShape],
     kv_cache_dtype: Optional[torch.dtype],
+    needs: frozenset[str],
 ) -> AttentionBackend:
     from engine.attention.flash_backend import FlashAttentionBackend, find_flash_kernel
 
@@ -144,7 +147,7 @@ def _cuda_auto(
         choice = cuda_auto_choice(False, _triton_available(device, dtype))
         logger.info("attention backend auto on CUDA: %s (flash-attn does not read a %s KV cache)", choice, cache)
         return get_attention_backend(choice, device, dtype, block_size=block_size)
-    search = find_flash_kernel(device, dtype, block_size, shape)
+    search = find_flash_kernel(device, dtype, block_size, shape, needs=needs)
     choice = cuda_auto_choice(search.kernel is not None, _triton_available(device, dtype))
     logger.info("attention backend auto on CUDA: %s (%s)", choice, search.summary)
     if search.kernel is not None and choice == "flash":

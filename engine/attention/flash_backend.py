@@ -80,6 +80,7 @@ def find_flash_kernel(
     shape: Optional[AttentionShape] = None,
     *,
     generations: tuple[int, ...] = (4, 2),
+    needs: frozenset[str] = frozenset(),
 ) -> FlashSearch:
     """The flash-attn implementation that can serve this device, dtype and KV block size: flash-attn 4
     when it imports on a Hopper or newer GPU, else flash-attn 2 when it imports and the block size is
@@ -88,7 +89,9 @@ def find_flash_kernel(
     With `shape` (the model's heads and head dim) and a block size, each candidate must also run one
     tiny paged step of exactly that configuration on the device and agree with a float32 reference
     (engine/attention/probe.py): a release or GPU whose kernels assert on it is passed over, with why.
-    `generations` limits the search (the GPU check measures each installed one on its own)."""
+    `generations` limits the search (the GPU check measures each installed one on its own). `needs`: the
+    layer features (engine/attention/layer_attention.py) the model's layers use; a release whose varlen
+    function does not take one of them (flash-attn 2 has no attention sinks) is passed over, with why."""
     if device.type != "cuda":
         return FlashSearch(None, (f"flash-attn runs on CUDA, not {device.type}",))
     if dtype not in FLASH_DTYPES:
@@ -96,7 +99,11 @@ def find_flash_kernel(
     reasons: list[str] = []
     if 4 in generations:
         kernel = _flash_attn_4(device, reasons)
-        if kernel is not None and _passes_probe(kernel, device, dtype, block_size, shape, reasons):
+        if (
+            kernel is not None
+            and _computes(kernel, needs, reasons)
+            and _passes_probe(kernel, device, dtype, block_size, shape, reasons)
+        ):
             return FlashSearch(
                 kernel,
                 (
@@ -122,7 +129,7 @@ def find_flash_kernel(
                 "paged cache at every call)"
             )
             return FlashSearch(None, tuple(reasons))
-        if _passes_probe(kernel, device, dtype, block_size, shape, reasons):
+        if _computes(kernel, needs, reasons) and _passes_probe(kernel, device, dtype, block_size, shape, reasons):
             return FlashSearch(
                 kernel,
                 (*reasons, f"flash-attn 2 {kernel.version}: block size {block_size} fits{_probed(shape, block_size)}"),
@@ -151,6 +158,17 @@ def _flash_attn_4(device: torch.device, reasons: list[str]) -> Optional[FlashKer
         )
         return None
     return _import_flash_attn_4(reasons)
+
+
+def _computes(kernel: FlashKernel, needs: frozenset[str], reasons: list[str]) -> bool:
+    """Whether `kernel` takes every layer feature in `needs` (else why not, in `reasons`)."""
+    missing = sorted(needs - frozenset(FlashAttentionBackend(kernel).attention_features))
+    if missing:
+        reasons.append(
+            f"{kernel.label} {kernel.version}: its varlen function does not compute {' or '.join(missing)}, "
+            "which the model's layers use"
+        )
+    return not missing
 
 
 def _passes_probe(

@@ -73,15 +73,25 @@ class LayerAttention:
         return replace(self, sliding_window=None)
 
 
+def features_of(layers: Iterable[LayerAttention]) -> frozenset[str]:
+    """Every feature some layer uses."""
+    return frozenset().union(*(layer.features for layer in layers))
+
+
+def missing_features(backend, layers: Iterable[LayerAttention]) -> frozenset[str]:
+    """The features some layer uses that `backend` does not compute (it lists those it does in
+    `attention_features`; none when absent)."""
+    return features_of(layers) - frozenset(getattr(backend, "attention_features", ()))
+
+
 def check_backend_serves(backend, layers: Iterable[LayerAttention], architecture: str) -> None:
     """ValueError naming the architecture, the backend and the feature when `backend` cannot compute
     a feature some layer uses. A backend lists what it computes in `attention_features` (none when absent)."""
-    supported = frozenset(getattr(backend, "attention_features", ()))
-    needed = frozenset().union(*(layer.features for layer in layers))
-    missing = sorted(needed - supported)
+    missing = sorted(missing_features(backend, layers))
     if missing:
+        supported = sorted(getattr(backend, "attention_features", ()))
         raise ValueError(
             f"attention backend {backend.name!r} cannot serve {architecture}: it does not implement "
-            f"{' or '.join(missing)} (it implements: {', '.join(sorted(supported)) or 'none'}); "
+            f"{' or '.join(missing)} (it implements: {', '.join(supported) or 'none'}); "
             "choose another --attention-backend"
         )

@@ -707,3 +707,30 @@ def test_auto_on_cuda_passes_flash_over_for_a_cache_it_cannot_read(monkeypatch, 
     assert backend.name == "triton" and kv_cache_dtype in backend.kv_cache_dtypes(torch.bfloat16)
     name = "fp8" if kv_cache_dtype == torch.float8_e4m3fn else "float16"  # as the flag names it
     assert f"attention backend auto on CUDA: torch (flash-attn does not read a {name} KV cache)" in caplog.text
+
+
+def test_auto_on_cuda_passes_flash_over_for_a_layer_feature_it_lacks(monkeypatch, caplog):
+    """GPT-OSS's layers have attention sinks, which flash-attn 2's varlen function does not take: auto must choose
+    a backend that computes them (triton, else torch), not flash-attn 2, which start-up's check then refuses
+    with "choose another --attention-backend" although the user chose none. flash-attn 4 takes sinks."""
+    pytest.importorskip("triton")
+    from engine.attention.layer_attention import SINKS, SLIDING_WINDOW, LayerAttention, check_backend_serves
+    from engine.platform import choose_numerics
+
+    install(monkeypatch, fa2=FakeFlashAttn2(), capability=AMPERE)
+    layers = [LayerAttention(0.1, sliding_window=128, sinks=torch.zeros(HEADS)), LayerAttention(0.1)]
+    assert get_attention_backend("auto", CUDA, torch.bfloat16, block_size=256).name == "flash (flash-attn 2)"
+    with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
+        backend = get_attention_backend(
+            "auto", CUDA, torch.bfloat16, block_size=256, needs=frozenset({SINKS, SLIDING_WINDOW})
+        )
+    assert backend.name == "torch"  # Triton taken out of the order by this file's fixture
+    assert "flash-attn 2 2.8.3: its varlen function does not compute attention sinks" in caplog.text
+    monkeypatch.setattr(backend_module, "_triton_available", lambda device, dtype: True)
+    numerics = choose_numerics("auto", CUDA, torch.bfloat16, block_size=256, shape=SHAPE, needs=frozenset({SINKS}))
+    assert numerics.backend.name == "triton"
+    check_backend_serves(numerics.backend, layers, "GptOssForCausalLM")
+    install(monkeypatch, fa4=FakeFlashAttn4(), fa2=FakeFlashAttn2())  # flash-attn 4 names learnable_sink
+    backend = get_attention_backend("auto", CUDA, torch.bfloat16, block_size=16, needs=frozenset({SINKS}))
+    assert backend.name == "flash (flash-attn 4)"
+    check_backend_serves(backend, layers, "GptOssForCausalLM")
