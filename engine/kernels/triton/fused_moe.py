@@ -102,7 +102,7 @@ def _grouped_product_kernel(
 
 def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     """expert_ids [T, k] -> (sorted_pairs [P_max] int32, tile_expert [P_max / block_m] int32, num_padded [1])."""
-    flat = expert_ids.reshape(-1)
+    flat = expert_ids.reshape(-1).long()  # int32 ids too (vLLM's top-k ids): scatter_add_ takes int64 indices
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
     # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync on CUDA

@@ -52,6 +52,24 @@ def test_fused_moe_matches_the_float64_reference(dtype, tokens, top_k, renormali
     torch.testing.assert_close(got.cpu().double(), expected, atol=tolerance, rtol=tolerance)
 
 
+def test_fused_moe_takes_int32_expert_ids_with_experts_left_empty():
+    """Top-k ids as int32 (vLLM's routing gives them so) route alike; experts 3 and 5 receive no token."""
+    experts, hidden, intermediate, tokens, top_k = 6, 40, 24, 9, 2
+    _, gate_up, down = random_experts(experts, hidden, intermediate, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, hidden, generator=gen)
+    expert_ids = torch.stack([torch.randperm(3, generator=gen)[:top_k] for _ in range(tokens)])
+    expert_ids[0, 0] = 4
+    weights = torch.rand(tokens, top_k, generator=gen)
+    got = fused_moe(x, gate_up, down, weights, expert_ids.to(torch.int32))
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for e, w in zip(expert_ids[t].tolist(), weights[t].double()):
+            gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
+            expected[t] += w * (down[e].double() @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_with_biases_and_the_clamped_swiglu(dtype):
     """GPT-OSS's experts: biases on both products, the clamped SwiGLU between, against float64 per token."""
