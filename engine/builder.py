@@ -68,7 +68,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
     try:
         tokenizer_path = checkpoint.path
         if model_config.tokenizer is not None:
-            tokenizer_path = prepare_tokenizer_source(model_config.tokenizer, download_dir=model_config.download_dir)
+            tokenizer_path = prepare_tokenizer_source(
+                model_config.tokenizer, revision=model_config.tokenizer_revision, download_dir=model_config.download_dir
+            )
         tokenizer = load_tokenizer(
             tokenizer_path,
             trust_remote_code=model_config.trust_remote_code,
@@ -82,7 +84,9 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
         raise SettingsConflictError(
             f"--tokenizer: the tokenizer {model_config.tokenizer!r} cannot be read: {error}"
         ) from error
-    default_sampling = read_sampling_defaults(model_config.generation_config, checkpoint.path)  # (before workers)
+    default_sampling = read_sampling_defaults(  # (before workers)
+        model_config.generation_config, checkpoint.path, model_config.override_generation_config
+    )
     workers: Optional[TensorParallelWorkers] = None
     tp = ParallelGroup.single()
     parallel = config.parallel

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from engine.errors import SettingsConflictError
 from engine.loading.loader import CheckpointError
@@ -26,11 +26,36 @@ SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
-def read_sampling_defaults(source: str, model_path: Path) -> dict[str, Any]:
+def read_sampling_defaults(
+    source: str, model_path: Path, overrides: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
     """The sampling defaults `source` names: "auto" the model directory's generation_config.json (none when it
-    has none), "vllm" none, else a directory holding a generation_config.json. A value SamplingParams refuses, or
-    a file that cannot be read, is a CheckpointError naming the file; a directory without the file, a
-    SettingsConflictError naming the flag."""
+    has none), "vllm" none, else a directory holding a generation_config.json; `overrides` (vLLM's
+    --override-generation-config) set over them, with "vllm" too. A value SamplingParams refuses, or a file that
+    cannot be read, is a CheckpointError naming the file; a directory without the file, or an override of another
+    key or value, a SettingsConflictError naming the flag."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
+    if unknown:
+        raise SettingsConflictError(
+            f"--override-generation-config: {', '.join(map(repr, unknown))} cannot be overridden (the sampling "
+            f"defaults are {', '.join(SAMPLING_KEYS)})"
+        )
+    try:
+        check_sampling_defaults(overrides, "--override-generation-config")
+    except CheckpointError as error:
+        raise SettingsConflictError(str(error)) from None
+    defaults = {**_file_defaults(source, model_path), **overrides}
+    if overrides:
+        logger.info(
+            "sampling defaults (--override-generation-config over --generation-config %s): %s",
+            source,
+            ", ".join(f"{key}={value}" for key, value in defaults.items()),
+        )
+    return defaults
+
+
+def _file_defaults(source: str, model_path: Path) -> dict[str, Any]:
     if source == "vllm":
         return {}
     directory = model_path if source == "auto" else Path(source).expanduser()

@@ -64,6 +64,9 @@ class ModelConfig(BaseModel):
     max_model_len: Optional[int] = Field(None, ge=1, description="None = the model's own context length")
     seed: int = 0
     revision: Optional[str] = Field(None, description="hub revision (branch, tag or commit) of a hub id")
+    tokenizer_revision: Optional[str] = Field(
+        None, description="hub revision of a hub --tokenizer (vLLM's --tokenizer-revision); None: its main branch"
+    )
     download_dir: Optional[str] = Field(
         None, description="where hub downloads go and are looked up; None = the Hugging Face cache"
     )
@@ -90,6 +93,11 @@ class ModelConfig(BaseModel):
         "model's generation_config.json (its repetition_penalty, temperature, top_k, top_p, min_p), vllm = none "
         "(the neutral defaults), else a directory holding a generation_config.json "
         "(engine/loading/generation_defaults.py)",
+    )
+    override_generation_config: Optional[dict[str, Any]] = Field(
+        None,
+        description="sampling defaults set over generation_config's (vLLM's --override-generation-config), e.g. "
+        '{"temperature": 0.5}: repetition_penalty, temperature, top_k, top_p, min_p',
     )
     hf_overrides: Optional[dict[str, Any]] = Field(
         None,

@@ -11,6 +11,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.errors import SettingsConflictError
+from engine.loading.generation_defaults import read_sampling_defaults
 from engine.loading.loader import CheckpointError
 from server.config.server_config import ServerConfig
 from tests.engine.references import make_llm
@@ -113,6 +114,24 @@ def test_a_generation_config_directory_and_a_bad_value(recommending_model_dir, t
     (bad / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_p": 0.0}))
     with pytest.raises(CheckpointError, match="generation_config.json: top_p must be in"):
         make_llm(bad)
+
+
+def test_override_generation_config_sets_defaults_over_the_files(recommending_model_dir):
+    """vLLM's --override-generation-config: its keys over the file's (auto), or alone (vllm)."""
+    for source, expected in (("auto", (0.2, 1, 0.9, 1.5)), ("vllm", (0.2, None, 1.0, 1.0))):
+        defaults = read_sampling_defaults(source, recommending_model_dir, {"temperature": 0.2})
+        params = SamplingParams(**defaults)
+        assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == expected
+    llm = make_llm(recommending_model_dir, override_generation_config={"top_k": 3, "min_p": 0.05})
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.top_k, defaults.min_p, defaults.temperature) == (3, 0.05, 0.7)
+    finally:
+        llm.shutdown()
+    with pytest.raises(SettingsConflictError, match="'max_new_tokens' cannot be overridden"):
+        read_sampling_defaults("auto", recommending_model_dir, {"max_new_tokens": 5})
+    with pytest.raises(SettingsConflictError, match="--override-generation-config: top_p must be in"):
+        read_sampling_defaults("auto", recommending_model_dir, {"top_p": 0.0})
 
 
 def test_the_models_eos_list_ends_generation_when_the_tokenizer_comes_from_elsewhere(tiny_model_dir, tmp_path):

@@ -110,6 +110,15 @@ FLAG_CASES = [
     ("--ssl-ca-certs", "ca.pem", ("server", "ssl_ca_certs"), "ca.pem"),  # these need HTTPS: see below
     ("--ssl-cert-reqs", "2", ("server", "ssl_cert_reqs"), 2),
     ("--ssl-ciphers", "ECDHE+AESGCM", ("server", "ssl_ciphers"), "ECDHE+AESGCM"),
+    (
+        "--override-generation-config",
+        '{"temperature": 0.5}',
+        ("engine", "model", "override_generation_config"),
+        {"temperature": 0.5},
+    ),
+    ("--tokenizer-revision", "v2", ("engine", "model", "tokenizer_revision"), "v2"),
+    ("--num-gpu-blocks-override", "64", ("engine", "cache", "num_blocks"), 64),
+    ("--kv-cache-memory-bytes", "256MiB", ("engine", "cache", "kv_cache_memory"), 256 * 2**20),
 ]
 _HTTPS = ("--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem")
 _PAIRS = {
@@ -149,6 +158,18 @@ ALWAYS_FLAGS = {
     "--max-log-len": (["--max-log-len", "100"], ["--max-log-len", "many"]),
     "--enable-server-load-tracking": (["--no-enable-server-load-tracking"], None),  # either way: nothing refused
     "--tool-parser-plugin": (["--tool-parser-plugin", ""], ["--tool-parser-plugin", "my_parsers.py"]),
+    "--data-parallel-size": (["--data-parallel-size", "1"], ["-dp", "2"]),
+    "--cpu-offload-gb": (["--cpu-offload-gb", "0"], ["--cpu-offload-gb", "4"]),
+    "--disable-log-stats": (["--disable-log-stats"], ["--no-disable-log-stats"]),
+    "--disable-sliding-window": (["--no-disable-sliding-window"], ["--disable-sliding-window"]),
+    "--calculate-kv-scales": (["--no-calculate-kv-scales"], ["--calculate-kv-scales"]),
+    "--model-impl": (["--model-impl", "vllm"], ["--model-impl", "transformers"]),
+    "--config-format": (["--config-format", "hf"], ["--config-format", "mistral"]),
+    "--max-parallel-loading-workers": (
+        ["--max-parallel-loading-workers", "4"],
+        ["--max-parallel-loading-workers", "x"],
+    ),
+    "--disable-custom-all-reduce": (["--disable-custom-all-reduce"], None),
     "--enable-prompt-tokens-details": (["--enable-prompt-tokens-details"], ["--no-enable-prompt-tokens-details"]),
     "--exclude-tools-when-tool-choice-none": (
         ["--exclude-tools-when-tool-choice-none"],
