@@ -30,6 +30,13 @@ class SchedulerConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per step at most")
     max_model_len: Optional[int] = Field(None, ge=1, description="prompt + output tokens at most")
     policy: Literal["fcfs", "priority"] = "fcfs"
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="prompt tokens one request computes per step at most (vLLM's): a long prompt is prefilled in "
+        "chunks this large, so prompts arriving behind it share the step's budget instead of waiting for it; 0: "
+        "no cap but the budget",
+    )
     max_concurrent_batches: int = Field(
         1,
         ge=1,

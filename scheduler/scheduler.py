@@ -285,7 +285,7 @@ class Scheduler:
                 break
             if request.status is _RUNNING:
                 num_left = request.num_tokens - request.num_computed_tokens
-                self._schedule_running(plan, request, min(num_left, plan.budget))
+                self._schedule_running(plan, request, min(num_left, plan.budget, self._chunk_cap))
         if not plan.preempted and not plan.waits_for_blocks:
             self._admit_waiting(plan, max_requests)
 
@@ -569,6 +569,13 @@ class Scheduler:
             if victim is request:
                 return False
 
+    @property
+    def _chunk_cap(self) -> int:
+        """The most prompt tokens one request computes in a step: --long-prefill-token-threshold, else the
+        whole budget."""
+        config = self.scheduler_config
+        return config.long_prefill_token_threshold or config.max_num_batched_tokens
+
     def _fair_share(self) -> int:
         """The most requests one of N steps in flight schedules: an N-th of those running and admissible.
 
@@ -620,7 +627,7 @@ class Scheduler:
                 break
             num_hit += num_restored * self.block_size
             num_left = request.num_tokens - num_hit
-            num_tokens = min(num_left, plan.budget)
+            num_tokens = min(num_left, plan.budget, self._chunk_cap)
             # Blocks for the whole rest of the prompt, not just this chunk: a request admitted
             # without them would be preempted by its own next chunk and lose its work, repeatedly.
             new_blocks = kv.allocate_slots(

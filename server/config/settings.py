@@ -280,6 +280,32 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("--scheduling-policy", (*SCHEDULER, "policy"), "str", "order of admission to the running batch"),
     Option(
+        "--long-prefill-token-threshold",
+        (*SCHEDULER, "long_prefill_token_threshold"),
+        "int",
+        "prompt tokens one request computes per step at most (vLLM's): a long prompt goes in chunks this large, "
+        "so prompts behind it share the step; 0 = only --max-num-batched-tokens",
+        "N",
+    ),
+    Option(
+        "--max-num-partial-prefills",
+        None,
+        "int",
+        "vLLM's: taken at 1 (its V1 engine's value); prompts share a step through --long-prefill-token-threshold",
+        "N",
+        default_text="1",
+        always=(1,),
+    ),
+    Option(
+        "--max-long-partial-prefills",
+        None,
+        "int",
+        "vLLM's: taken at 1 (its V1 engine's value)",
+        "N",
+        default_text="1",
+        always=(1,),
+    ),
+    Option(
         "--tensor-parallel-size",
         (*PARALLEL, "tensor_parallel_size"),
         "int",

@@ -49,6 +49,13 @@ def test_chunked_prefill(model_dir):
     check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
 
 
+def test_long_prefill_token_threshold(tiny_llama_dir):
+    """Prompts prefilled side by side in chunks of at most 5 tokens (vLLM's long_prefill_token_threshold)."""
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=32, max_num_seqs=8, long_prefill_token_threshold=5)
+    prompts = mixed_prompts(2)
+    check_against_hf(tiny_llama_dir, prompts, run_greedy(llm, prompts))
+
+
 def test_prefix_caching_with_repeated_prefixes(model_dir):
     llm = make_llm(model_dir, enable_prefix_caching=True)
     prompts = mixed_prompts(2, shared_prefix=21)

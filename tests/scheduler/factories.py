@@ -37,6 +37,7 @@ def make_scheduler(
     kv_group_windows: Sequence[Optional[int]] = (None,),
     draft_cost: Optional[StepCost] = None,
     max_concurrent_batches: int = 1,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -45,6 +46,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             policy=policy,
             max_concurrent_batches=max_concurrent_batches,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         CacheConfig(
             block_size=block_size,

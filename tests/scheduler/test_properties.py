@@ -24,6 +24,7 @@ def scheduler_setups(draw):
         max_model_len=draw(st.integers(4, 96)),
         enable_prefix_caching=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8])),
     )
 
 

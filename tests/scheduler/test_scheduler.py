@@ -58,6 +58,29 @@ def test_chunked_prefill_splits_long_prompt_while_decodes_flow():
     run_until_done(s)
 
 
+def test_long_prefill_token_threshold_lets_a_short_prompt_in_beside_a_long_one():
+    """vLLM's long_prefill_token_threshold: a long prompt computes at most that many tokens a step, so a prompt
+    arriving behind it shares the step instead of waiting until the long one is done."""
+    for threshold, expected_long, short_waits in ((0, [64, 64, 32], True), (24, [24] * 6 + [16], False)):
+        s = make_scheduler(
+            max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64, long_prefill_token_threshold=threshold
+        )
+        long = make_request(160, max_tokens=2, first_token=300)
+        short = make_request(6, max_tokens=2)
+        s.add_request(long)
+        s.add_request(short)
+        chunks, short_started = [], None
+        while long.num_computed_tokens < long.num_prompt_tokens:
+            out, _ = step(s)
+            chunks.append(out.num_scheduled_tokens[long.request_id])
+            if short_started is None and short.request_id in out.num_scheduled_tokens:
+                short_started = len(chunks)
+        assert chunks == expected_long
+        assert (short_started == len(chunks)) is short_waits and short_started is not None
+        run_until_done(s)
+        assert s.kv_cache_manager.block_pool.num_free_blocks == 64
+
+
 def test_decodes_go_before_running_prompt_chunks():
     """Whatever the order of the running list, every decode is scheduled before prompt chunks."""
     s = make_scheduler(max_num_batched_tokens=16, max_num_seqs=8, num_blocks=64)

@@ -118,6 +118,7 @@ FLAG_CASES = [
     ),
     ("--tokenizer-revision", "v2", ("engine", "model", "tokenizer_revision"), "v2"),
     ("--num-gpu-blocks-override", "64", ("engine", "cache", "num_blocks"), 64),
+    ("--long-prefill-token-threshold", "256", ("engine", "scheduler", "long_prefill_token_threshold"), 256),
     ("--kv-cache-memory-bytes", "256MiB", ("engine", "cache", "kv_cache_memory"), 256 * 2**20),
 ]
 _HTTPS = ("--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem")
@@ -158,6 +159,8 @@ ALWAYS_FLAGS = {
     "--max-log-len": (["--max-log-len", "100"], ["--max-log-len", "many"]),
     "--enable-server-load-tracking": (["--no-enable-server-load-tracking"], None),  # either way: nothing refused
     "--tool-parser-plugin": (["--tool-parser-plugin", ""], ["--tool-parser-plugin", "my_parsers.py"]),
+    "--max-num-partial-prefills": (["--max-num-partial-prefills", "1"], ["--max-num-partial-prefills", "4"]),
+    "--max-long-partial-prefills": (["--max-long-partial-prefills", "1"], ["--max-long-partial-prefills", "2"]),
     "--data-parallel-size": (["--data-parallel-size", "1"], ["-dp", "2"]),
     "--cpu-offload-gb": (["--cpu-offload-gb", "0"], ["--cpu-offload-gb", "4"]),
     "--disable-log-stats": (["--disable-log-stats"], ["--no-disable-log-stats"]),
@@ -465,7 +468,7 @@ def test_errors_name_the_flag_or_variable(argv, env, expected):
         ),
         (
             {"scheduler": {"max_num_seq": 3}},
-            "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: "
+            "preset.yaml: scheduler.max_num_seq: unknown key (expected one of: long_prefill_token_threshold, "
             "max_concurrent_batches, max_model_len, max_num_batched_tokens, max_num_seqs, policy)",
         ),
         ({"server": {"port": "eighty"}}, "preset.yaml: server.port: Input should be a valid integer"),
