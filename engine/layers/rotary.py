@@ -174,8 +174,11 @@ class RotaryEmbedding:
         check_longrope_factors(scaling, rotary_dim)
         long_context = uses_long_factors(scaling, max_positions if max_model_len is None else max_model_len)
         inv_freq = inverse_frequencies(rotary_dim, theta, scaling, max_positions, long_context)
-        positions = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
+        # a row per position served: past max_position_embeddings where a RoPE scaling extends the context
+        # (engine/layers/rope_context.py), as HF rotates any position
+        num_rows = max(max_positions, max_model_len or 0)
+        positions = torch.arange(num_rows, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [num_rows, rotary_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         half = rotary_dim // 2
         factor = attention_factor(scaling, max_positions)
@@ -185,8 +188,8 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.long_context = long_context  # LongRoPE: its long factors serve every position
-        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, rotary_dim]
-        self.sin_signed = sin.to(dtype=dtype, device=device)  # [max_positions, rotary_dim]
+        self.cos = cos.to(dtype=dtype, device=device)  # [num_rows, rotary_dim]
+        self.sin_signed = sin.to(dtype=dtype, device=device)  # [num_rows, rotary_dim]
 
     @property
     def partial(self) -> bool:

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from engine.layers.rope_context import ScaledContext
+
 
 def cpu_has_fast_bf16() -> bool:
     """True when this CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
@@ -27,12 +29,23 @@ def model_max_length(hf_config: "PretrainedConfig") -> Optional[int]:
 
 
 def _declared_context_length(hf_config: "PretrainedConfig") -> Optional[tuple[str, int]]:
-    """(the config key, the context length) a HF config declares, or None."""
+    """(where it comes from, the context length) a HF config declares, or None: its RoPE scaling's extended
+    context where a linear or YaRN scaling reaches past the key it states (engine/layers/rope_context.py)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
-            return key, value
+            scaled = _rope_scaled_context(hf_config, key, value)
+            return (scaled.source, scaled.length) if scaled is not None and scaled.length > value else (key, value)
     return None
+
+
+def _rope_scaled_context(hf_config: "PretrainedConfig", key: str, value: int) -> Optional["ScaledContext"]:
+    from engine.layers.rope_context import scaled_context
+    from engine.loading.loader import rope_settings
+
+    if key != "max_position_embeddings":
+        return None
+    return scaled_context(str(getattr(hf_config, "model_type", "")), value, rope_settings(hf_config)[1])
 
 
 class ContextLengthError(ValueError):
@@ -40,7 +53,9 @@ class ContextLengthError(ValueError):
     honour (the server exits 2 for it, naming the flag), not a model that fails to load."""
 
     def __init__(self, requested: int, limit: int, key: str):
-        super().__init__(f"max_model_len={requested} is larger than the model's context length ({key}={limit})")
+        # key: a config key, or how a RoPE scaling extends one ("original_max_position_embeddings 32 x the ...")
+        detail = f"{key}={limit}" if key.isidentifier() else f"{limit}: {key}"
+        super().__init__(f"max_model_len={requested} is larger than the model's context length ({detail})")
         self.requested, self.limit, self.key = requested, limit, key
 
 
@@ -102,7 +117,7 @@ class ModelConfig(BaseModel):
     hf_overrides: Optional[dict[str, Any]] = Field(
         None,
         description="keys set on the model's HF config after it is read (vLLM's --hf-overrides), e.g. a "
-        "rope_scaling with a larger max_position_embeddings to serve past the trained context "
+        "YaRN rope_scaling to serve past the trained context "
         "(engine/loading/loader.py's apply_hf_overrides)",
     )
     quantization_group_size: Optional[Literal[32, 64, 128]] = Field(

@@ -61,14 +61,21 @@ class DeepseekForCausalLM(MoeForCausalLM):
         ops: Optional[TorchLayerOps] = None,
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
     ):
-        super().__init__(arch, deepseek.moe, dtype, device, ops, linear, quantizer)
+        super().__init__(arch, deepseek.moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
         mla = deepseek.mla
         self.mla = mla
         self.routing = deepseek.routing
         # the rope part of each head only (arch.head_dim is the cache entry's width, kv_lora_rank + rope)
         self.rotary = RotaryEmbedding(
-            mla.qk_rope_head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype, device
+            mla.qk_rope_head_dim,
+            arch.max_position_embeddings,
+            arch.rope_theta,
+            arch.rope_scaling,
+            dtype,
+            device,
+            max_model_len=max_model_len,
         )
         self.scale = mla.softmax_scale
         self.layer_attention = (LayerAttention(mla.softmax_scale, latent_rank=mla.kv_lora_rank),) * arch.num_layers

@@ -48,8 +48,9 @@ class GptOssForCausalLM(MoeForCausalLM):
         ops: Optional[TorchLayerOps] = None,
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
     ):
-        super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer)
+        super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
         self.mxfp4 = arch.mxfp4
         self.layer_attention = arch.layer_attention  # the sinks join them at load
         self.sinks: dict[int, torch.Tensor] = {}  # layer -> [heads], float32

@@ -48,7 +48,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         tp: ParallelGroup = ParallelGroup.single(),
+        max_model_len: Optional[int] = None,
     ):
+        """`max_model_len`: the longest sequence served (None: the config's context), as LlamaForCausalLM's."""
         if quantizer is not None and not self.quantized_experts:
             raise ValueError(
                 f"--quantization {quantizer.method} is not supported for {arch.model_type}: its experts are "
@@ -56,7 +58,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             )
         # with several ranks `arch` and `moe` are this rank's share (its heads, each expert's share of the width):
         # the block's partial output is all-reduced with the layer's, as a dense MLP's
-        super().__init__(arch, dtype, device, ops, linear, quantizer, tp=tp)
+        super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
         self.moe = moe
         self.fused = None  # the fused decode step (layers/fused_decode.py) runs dense MLPs only
         self.moe_blocks: dict[int, SparseMoeBlock] = {}

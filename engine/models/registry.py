@@ -263,7 +263,7 @@ def build_model(
         shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size)
         if family.implementation == "moe":
             moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
-            return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp=tp)
+            return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM
 
@@ -273,7 +273,7 @@ def build_model(
         from engine.models.gpt_oss import GptOssForCausalLM
         from engine.models.gpt_oss_arch import gpt_oss_arch
 
-        return GptOssForCausalLM(gpt_oss_arch(hf_config), dtype, device, ops, linear, quantizer)
+        return GptOssForCausalLM(gpt_oss_arch(hf_config), dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "deepseek":
         from engine.models.deepseek import DeepseekForCausalLM
         from engine.models.deepseek_arch import read_deepseek
@@ -287,11 +287,13 @@ def build_model(
             ops,
             linear,
             quantizer,
+            max_model_len,
         )
     if family.implementation in ("llama", "moe"):
         arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
         if family.implementation == "moe":
-            return MoeForCausalLM(arch, MoeArch.from_hf_config(hf_config), dtype, device, ops, linear, quantizer)
+            moe = MoeArch.from_hf_config(hf_config)
+            return MoeForCausalLM(arch, moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
         return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)
     from engine.models.decoder import DecoderForCausalLM
     from engine.models.families import ARCH_READERS

@@ -793,8 +793,8 @@ OPTIONS: tuple[Option, ...] = (
         (*MODEL, "hf_overrides"),
         "json",
         "a JSON object of keys set on the model's HF config after it is read (vLLM's flag), e.g. "
-        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}, '
-        '"max_position_embeddings": 16384}\' to serve twice the trained context',
+        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}}\' '
+        "to serve twice the trained context",
         "JSON",
         "none",
         nullable=True,
