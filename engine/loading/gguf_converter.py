@@ -31,9 +31,10 @@ from engine.loading.child_process import call_in_child_process
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "pagedserve-checkpoint.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Conversions recorded under another version are redone (2: mixture-of-experts GGUFs, which version 1 handed to
-transformers, which reads a Mixtral GGUF as a dense Llama, are converted by gguf_moe_checkpoint.py)."""
+transformers, which reads a Mixtral GGUF as a dense Llama, are converted by gguf_moe_checkpoint.py; 3: a Llama
+3.x GGUF's llama3 RoPE scaling, read from its rope_freqs.weight, which earlier conversions left out)."""
 _HASH_CHUNK = 1 << 20
 
 
@@ -160,7 +161,29 @@ def _gguf_config(gguf_path: Path, source: dict[str, Any]):
             "head_dim %s from the GGUF's attention.key_length (transformers read %s)", key_length.contents(), head_dim
         )
         config.head_dim = int(key_length.contents())
+    _read_rope_freqs(config, reader)
     return config
+
+
+def _read_rope_freqs(config, reader) -> None:
+    """The llama3 RoPE scaling a Llama 3.x GGUF keeps in its `rope_freqs.weight` tensor (gguf_rope_freqs.py), set
+    on `config` (transformers reads neither it nor any scaling from a Llama GGUF); ValueError when the tensor is
+    not one."""
+    from engine.loading.gguf_rope_freqs import ROPE_FREQS, llama3_scaling
+    from engine.loading.gguf_weights import read_float
+    from engine.loading.loader import rope_settings
+
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return
+    theta, scaling = rope_settings(config)
+    if scaling is not None:
+        raise ValueError(f"the GGUF has both a RoPE scaling ({scaling['rope_type']}) and {ROPE_FREQS}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    found = llama3_scaling(read_float(tensor).tolist(), theta, head_dim)
+    if found is not None:
+        logger.info("RoPE scaling %s from the GGUF's %s", found, ROPE_FREQS)
+        config.rope_parameters = {"rope_theta": theta, **found}
 
 
 @contextlib.contextmanager

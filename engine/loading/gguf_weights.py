@@ -30,6 +30,7 @@ import torch
 
 from engine.kernels.quant import QuantKernels
 from engine.loading.gguf_experts import STACKS, expert_name, moe_layer_name, split_stack
+from engine.loading.gguf_rope_freqs import ROPE_FREQS
 from engine.quantization.gguf_formats import FORMATS, repack
 from engine.quantization.gguf_transcode import transcode
 from engine.quantization.gguf_weight import GgufWeight
@@ -100,6 +101,8 @@ def iter_gguf_weights(
     field = reader.fields.get("general.architecture")
     architecture = field.contents() if field is not None else "llama"
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # the converted config's llama3 RoPE scaling (engine/loading/gguf_rope_freqs.py)
         match = _LAYER.fullmatch(tensor.name)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         if match is not None and match.group(2) in STACKS:

@@ -223,6 +223,9 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path, matrix_type: str = "F32", e
             writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter: baked into per-pair frequency divisors
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(config))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -269,6 +272,30 @@ def _llama_cpp_permute(weights, n_head: int):
     """llama.cpp's q/k row order: each head's rotary halves interleaved."""
     rows = weights.shape[0]
     return weights.reshape(n_head, 2, rows // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _llama_cpp_rope_freqs(config: dict):
+    """llama.cpp's convert_hf_to_gguf.py for a llama3 rope scaling: each rotary pair's frequency divisor."""
+    import math
+
+    import numpy as np
+
+    rope = config["rope_parameters"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            divisors.append(1.0)
+        elif wavelen > old_context / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def _write_gguf_hparams(writer, config: dict) -> None:
