@@ -106,6 +106,10 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        except (TypeError, ArithmeticError, LookupError, RecursionError) as exc:
+            # a template's own expression failing on these messages (`1 / 0`, `'a' + 1`, endless recursion), which a
+            # request's template under --trust-request-chat-template can write: the request's fault, not a bug
+            raise ValueError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from exc
 
     def chat_template_text(self, tools: Optional[list[dict]] = None) -> Optional[str]:
         """The Jinja text `render_chat` renders with `tools` (a tokenizer may keep a named `tool_use` template

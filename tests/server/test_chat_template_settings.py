@@ -132,3 +132,24 @@ def test_the_answers_role(trusting_server, text_server):
 def test_default_template_kwargs_cannot_set_the_renderers_arguments(key):
     with pytest.raises(SettingsError, match="--default-chat-template-kwargs"):
         load_settings(["--default-chat-template-kwargs", f'{{"{key}": 1}}'], {})
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 1 / 0 }}",
+        "{{ 'a' + 1 }}",
+        "{{ '{}'.format() }}",
+        "{% macro deeper() %}{{ deeper() }}{% endmacro %}{{ deeper() }}",
+    ],
+)
+def test_a_trusted_template_that_fails_while_rendering_is_a_400(trusting_server, template):
+    # a runtime error in the request's own template is the request's fault (as vLLM answers it), not a 500
+    with pytest.raises(openai.BadRequestError) as caught:
+        trusting_server.sdk().chat.completions.create(
+            model="tiny", messages=CONVERSATION[-1:], max_tokens=1, extra_body={"chat_template": template}
+        )
+    assert "the chat template failed" in caught.value.body["message"]
+    with trusting_server.client() as c:
+        reply = c.post("/tokenize", json={"messages": CONVERSATION[-1:], "chat_template": template})
+    assert reply.status_code == 400, reply.text
