@@ -300,11 +300,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def bind_unix_socket(path: str) -> socket.socket:
     """A Unix domain socket bound (not yet listening) at `path` (--uds); a socket file left there by a server that
-    is gone is replaced, anything else is an error."""
+    is gone is replaced, anything else (a server still listening there included) is an error."""
+    import errno
     import stat
 
     try:
         if stat.S_ISSOCK(os.stat(path).st_mode):
+            if _accepts_connections(path):  # unlinked, the running server would stay up but unreachable
+                raise OSError(errno.EADDRINUSE, "a server is listening on that socket")
             os.unlink(path)
     except FileNotFoundError:
         pass
@@ -316,6 +319,22 @@ def bind_unix_socket(path: str) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def _accepts_connections(path: str) -> bool:
+    """Whether a server may listen on the Unix socket at `path`: only a refused connection says that none does
+    (one that times out may be a busy server's, whose socket must not be taken)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return True
 
 
 def ready_message(

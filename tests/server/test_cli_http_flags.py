@@ -76,6 +76,18 @@ def test_a_unix_socket_with_a_log_config_and_quiet_health_checks(tiny_model_dir,
             assert client.get("/health").status_code == 200
             assert client.get("/metrics?x=1").status_code == 200
             assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+            # a second server on the same socket is refused, as a port in use is: it must not take the socket
+            # from this one (which would go on running, unreachable)
+            second = subprocess.run(
+                [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), *flags],
+                capture_output=True,
+                text=True,
+                env=server_environment(),
+                cwd=REPO,
+                timeout=120,
+            )
+            assert second.returncode == 1 and "--uds" in second.stderr, second.stderr
+            assert client.get("/health").status_code == 200
             reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
             assert reply.json()["usage"]["completion_tokens"] == 2
             if shutil.which("curl") is not None:  # the printed line works as printed
