@@ -24,7 +24,7 @@ from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
 from engine.text.chat_content_format import ContentFormat, detect_content_format
 from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, part_texts
-from engine.text.tokenizer import Tokenizer
+from engine.text.tokenizer import TEMPLATE_RENDERER_ARGUMENTS, Tokenizer
 from scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
@@ -196,6 +196,9 @@ class LLM:
         if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
             raise TypeError("chat() takes a conversation (a list of message dicts) or a list of conversations")
         conversations = [messages] if _is_conversation(messages) else list(messages)
+        clashing = sorted(set(chat_template_kwargs or {}) & TEMPLATE_RENDERER_ARGUMENTS)
+        if clashing:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(clashing)}: the renderer's own arguments")
         tokenizer = self.engine.tokenizer
         template = chat_template if chat_template is not None else tokenizer.chat_template_text(tools)
         content_format = chat_template_content_format

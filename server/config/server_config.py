@@ -92,7 +92,7 @@ class ServerConfig(BaseModel):
         None, ge=1, description="bytes of an HTTP head (or chunk) still incomplete at most (uvicorn's h11 limit)"
     )
     h11_max_header_count: Optional[int] = Field(
-        None, ge=1, description="headers a request may carry at most (431 beyond)"
+        256, ge=1, description="headers a request may carry at most (431 beyond; vLLM's default); None: no limit"
     )
     log_config_file: Optional[str] = Field(
         None, description="a JSON logging config (logging.config.dictConfig) for pagedserve and uvicorn"

@@ -511,9 +511,8 @@ OPTIONS: tuple[Option, ...] = (
         "--h11-max-header-count",
         (*SERVER, "h11_max_header_count"),
         "int",
-        "headers a request may carry; more is a 431",
+        "headers a request may carry; more is a 431 (none: no limit)",
         "N",
-        "no limit",
         nullable=True,
     ),
     Option(

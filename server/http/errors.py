@@ -95,7 +95,7 @@ def handle_error(exc: BaseException, metrics: ServerMetrics, where: str, *, log_
     if error.status == 500:
         logger.error("unhandled error on %s", where, exc_info=exc)
     elif log_stack:
-        logger.info("error response %d on %s: %s", error.status, where, error.message, exc_info=exc)
+        logger.warning("error response %d on %s: %s", error.status, where, error.message, exc_info=exc)
     if failure is not None:
         metrics.observe_failure(failure)
     return error

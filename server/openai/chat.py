@@ -80,7 +80,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     results = await generation.collect(request)
     out = []
     counter = UsageCounter.of(generation.prompts, body.n)
-    echoed = _echoed(body)
+    echoed = _echoed(state, body)
     for choice, result in zip(generation.choices, results):
         logprobs = (
             state.formatter.chat(result.logprobs or [], num_top, body.return_tokens_as_token_ids)
@@ -141,11 +141,11 @@ def _reasoning_splitter(generation: Generation, prompt_index: int) -> Optional[R
     return ReasoningSplitter(starts_in_reasoning(parser, tail))
 
 
-def _echoed(body: ChatCompletionRequest) -> str:
-    """vLLM's chat echo: the last message's text when it is the assistant's, which the answer continues (the
+def _echoed(state: ServerState, body: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text when it is in the answer's role (the answer continues it; the
     message's content parts joined as the template reads them)."""
     last = body.messages[-1] if body.echo and body.messages else None
-    if last is None or last.role != "assistant":
+    if last is None or last.role != _response_role(state, body):
         return ""
     return template_messages([last])[0]["content"]
 
@@ -182,7 +182,7 @@ async def _stream(
             [ChatChunkChoice(index=choice.index, delta=DeltaMessage(role=role, content=""))],
             counter.choice_usage(choice) if every_chunk else None,
         )
-    echoed = _echoed(body)
+    echoed = _echoed(state, body)
     if echoed:
         for choice in choices:
             yield chunk(

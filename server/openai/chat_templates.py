@@ -48,7 +48,10 @@ class ChatTemplates:
             except ValueError as error:
                 raise bad_request(f"{error}.", param=param) from None
             return self._choice(request_template)
-        text = self.tokenizer.chat_template_text(tools)
+        try:
+            text = self.tokenizer.chat_template_text(tools)
+        except ValueError as error:  # HF's: named templates and none of them the default
+            raise bad_request(f"the model's chat template cannot be chosen: {error}", param=param) from None
         if text is None:
             return TemplateChoice(content_format=self._fixed_format() or "string")
         known = self._known.get(text)

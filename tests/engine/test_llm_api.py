@@ -328,6 +328,8 @@ def test_chat_takes_vllms_template_arguments(llm):
     assert prompt(chat_template=PARTS_TEMPLATE) == "user:[a][b];assistant:[c];>"
     assert prompt(chat_template=PARTS_TEMPLATE, chat_template_content_format="string") == "user:a\nb;assistant:c;>"
     assert prompt(chat_template=PARTS_TEMPLATE, chat_template_kwargs={"terse": 1}) == "user:[a][b];assistant:[c];>terse"
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set tools"):
+        prompt(chat_template_kwargs={"tools": []})
     continued = prompt(add_generation_prompt=False, continue_final_message=True)
     assert continued == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\nc"
 

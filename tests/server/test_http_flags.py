@@ -80,6 +80,13 @@ def test_too_many_headers_is_a_431(server):
         assert c.get("/v1/models", headers=dict(list(many.items())[:20])).status_code == 200
 
 
+def test_a_header_flood_is_a_431_by_default(tiny_model_dir):
+    """vLLM's default of --h11-max-header-count: 256 headers."""
+    with serving(tiny_model_dir, ServerConfig(served_model_name="tiny")) as running, running.client() as c:
+        assert c.get("/health", headers={f"x-h{i}": "1" for i in range(250)}).status_code == 200
+        assert c.get("/health", headers={f"x-h{i}": "1" for i in range(300)}).status_code == 431
+
+
 def test_the_operators_middleware_runs(server):
     with server.client() as c:
         reply = c.get("/health")
