@@ -32,7 +32,7 @@ from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
-from engine.platform import choose_numerics
+from engine.platform import Numerics, choose_numerics
 from engine.quantization.awq import awq_weights
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.quantized_weight import QuantizedWeight
@@ -85,16 +85,21 @@ def build_shard(
             num_heads=shape.num_heads // tp.world_size,
             num_kv_heads=max(shape.num_kv_heads // tp.world_size, 1),
         )
-    backend, ops, linear = choose_numerics(
-        config.attention_backend,
-        device,
-        dtype,
-        block_size=config.cache.block_size,
-        shape=shape,
-        latent=latent_rank is not None,
-        batch_invariant=config.batch_invariant,
-        kv_cache_dtype=config.cache.kv_cache_dtype,
-    )
+
+    def numerics(needs: frozenset[str] = frozenset()) -> Numerics:
+        return choose_numerics(
+            config.attention_backend,
+            device,
+            dtype,
+            block_size=config.cache.block_size,
+            shape=shape,
+            latent=latent_rank is not None,
+            batch_invariant=config.batch_invariant,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            needs=needs,
+        )
+
+    backend, ops, linear = numerics()
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
     quantizer = _quantizer(
@@ -120,16 +125,7 @@ def build_shard(
         # release without one of their features (flash-attn 2 has no attention sinks: GPT-OSS). CUDA numerics
         # bring no layer ops or products, so the model built without them stands. (On CPU, auto's cpu backend
         # computes all but latent attention, which auto gives torch.)
-        backend = choose_numerics(
-            config.attention_backend,
-            device,
-            dtype,
-            block_size=config.cache.block_size,
-            shape=shape,
-            latent=latent_rank is not None,
-            kv_cache_dtype=config.cache.kv_cache_dtype,
-            needs=features_of(model.attention_layers),
-        ).backend
+        backend = numerics(features_of(model.attention_layers)).backend
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     check_backend_serves(backend, model.attention_layers, family.architecture)
     # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window.

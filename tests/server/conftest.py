@@ -124,3 +124,11 @@ def leaves_engine_idle(request):
     yield
     if "server" in request.fixturenames:
         request.getfixturevalue("server").wait_idle()
+
+
+def prompt_text(server: RunningServer, **body) -> str:
+    """The text of the prompt /tokenize renders from `body` (its tokens read back through /detokenize)."""
+    with server.client() as c:
+        reply = c.post("/tokenize", json=body)
+        assert reply.status_code == 200, reply.text
+        return c.post("/detokenize", json={"tokens": reply.json()["tokens"]}).json()["prompt"]

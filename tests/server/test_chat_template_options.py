@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from server.config.server_config import ServerConfig
-from tests.server.conftest import serving
+from tests.server.conftest import prompt_text, serving
 
 # ChatML with a variable of its own, as Qwen3's template reads `enable_thinking`
 THINKING_TEMPLATE = (
@@ -32,13 +32,6 @@ def thinking_server(tiny_model_dir):
         yield running
 
 
-def _prompt_text(server, **body) -> str:
-    with server.client() as c:
-        reply = c.post("/tokenize", json=body)
-        assert reply.status_code == 200, reply.text
-        return c.post("/detokenize", json={"tokens": reply.json()["tokens"]}).json()["prompt"]
-
-
 def test_chat_template_kwargs_reach_the_template(thinking_server):
     client = thinking_server.sdk()
 
@@ -49,7 +42,7 @@ def test_chat_template_kwargs_reach_the_template(thinking_server):
     default = prompt_tokens()
     without_thinking = prompt_tokens(chat_template_kwargs={"enable_thinking": False})
     assert without_thinking > default == prompt_tokens(chat_template_kwargs={"enable_thinking": True})
-    text = _prompt_text(thinking_server, messages=QUESTION, chat_template_kwargs={"enable_thinking": False})
+    text = prompt_text(thinking_server, messages=QUESTION, chat_template_kwargs={"enable_thinking": False})
     assert text.endswith("<|im_start|>assistant\nno thinking\n")
     with thinking_server.client() as c:
         counted = c.post(
@@ -73,9 +66,9 @@ def test_chat_template_kwargs_cannot_set_the_renderers_own_arguments(thinking_se
 
 def test_continue_final_message_leaves_the_last_message_open(thinking_server):
     client = thinking_server.sdk()
-    text = _prompt_text(thinking_server, messages=PREFILL, add_generation_prompt=False, continue_final_message=True)
+    text = prompt_text(thinking_server, messages=PREFILL, add_generation_prompt=False, continue_final_message=True)
     assert text.endswith("<|im_start|>assistant\nGeneral Kenobi")
-    closed = _prompt_text(thinking_server, messages=PREFILL, add_generation_prompt=False)
+    closed = prompt_text(thinking_server, messages=PREFILL, add_generation_prompt=False)
     assert closed.endswith("General Kenobi<|im_end|>\n")
     reply = client.chat.completions.create(
         model="tiny",
@@ -105,7 +98,7 @@ def test_continue_final_message_with_a_generation_prompt_is_a_400(thinking_serve
 def test_a_messages_name_reaches_the_template(thinking_server):
     """OpenAI's `name` of a participant: vLLM hands it to the template with the message; it was dropped."""
     named = [{"role": "user", "content": "hello there", "name": "obi_wan"}]
-    assert _prompt_text(thinking_server, messages=named).startswith("<|im_start|>user obi_wan\nhello there")
+    assert prompt_text(thinking_server, messages=named).startswith("<|im_start|>user obi_wan\nhello there")
     client = thinking_server.sdk()
     plain = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=1).usage.prompt_tokens
     assert client.chat.completions.create(model="tiny", messages=named, max_tokens=1).usage.prompt_tokens > plain
@@ -116,6 +109,6 @@ def test_an_earlier_turns_thinking_reaches_the_template(thinking_server, key):
     """An assistant turn's thinking, as --reasoning-parser returns it (vLLM's `reasoning`, or its older name),
     goes to the template as `reasoning_content` (Qwen3's templates read it) and `reasoning`."""
     turns = [*QUESTION, {"role": "assistant", "content": "General Kenobi", key: "mulling"}, *QUESTION]
-    assert "<|im_start|>assistant <think>mulling</think>\nGeneral Kenobi" in _prompt_text(
+    assert "<|im_start|>assistant <think>mulling</think>\nGeneral Kenobi" in prompt_text(
         thinking_server, messages=turns
     )

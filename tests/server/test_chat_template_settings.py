@@ -9,7 +9,7 @@ import pytest
 
 from server.config.server_config import ServerConfig
 from server.config.settings import SettingsError, load_settings
-from tests.server.conftest import serving
+from tests.server.conftest import prompt_text, serving
 
 # loops over a message's content when it is a list (as Llama 3.2's does); knows the developer role and a variable
 PARTS_TEMPLATE = (
@@ -49,27 +49,20 @@ def text_server(tiny_model_dir):
         yield running
 
 
-def _prompt_text(server, **body) -> str:
-    with server.client() as c:
-        reply = c.post("/tokenize", json=body)
-        assert reply.status_code == 200, reply.text
-        return c.post("/detokenize", json={"tokens": reply.json()["tokens"]}).json()["prompt"]
-
-
 def test_a_template_that_loops_over_content_gets_parts(trusting_server):
     # auto: the template loops over content, so every message's content comes as parts (a string as one part),
     # and a template that names the developer role keeps it
-    text = _prompt_text(trusting_server, messages=CONVERSATION)
+    text = prompt_text(trusting_server, messages=CONVERSATION)
     assert text == "DEV:[be brief]\nuser:[a][b]\nassistant:[ok]\nuser:[hello]\nassistant:no thinking"
 
 
 def test_the_string_format_joins_the_parts(text_server):
-    text = _prompt_text(text_server, messages=CONVERSATION)
+    text = prompt_text(text_server, messages=CONVERSATION)
     assert text == "DEV:text=be brief\nuser:text=a\nb\nassistant:text=ok\nuser:text=hello\nassistant:"
 
 
 def test_default_template_kwargs_yield_to_the_requests(trusting_server):
-    text = _prompt_text(trusting_server, messages=CONVERSATION[-1:], chat_template_kwargs={"enable_thinking": True})
+    text = prompt_text(trusting_server, messages=CONVERSATION[-1:], chat_template_kwargs={"enable_thinking": True})
     assert text.endswith("assistant:")
     client = trusting_server.sdk()
     default = client.chat.completions.create(model="tiny", messages=CONVERSATION[-1:], max_tokens=1)
@@ -83,7 +76,7 @@ def test_default_template_kwargs_yield_to_the_requests(trusting_server):
 
 
 def test_a_trusted_requests_template_is_rendered(trusting_server):
-    text = _prompt_text(trusting_server, messages=CONVERSATION[-1:], chat_template=REQUEST_TEMPLATE)
+    text = prompt_text(trusting_server, messages=CONVERSATION[-1:], chat_template=REQUEST_TEMPLATE)
     assert text == "<<hello>>"
     reply = trusting_server.sdk().chat.completions.create(
         model="tiny", messages=CONVERSATION[-1:], max_tokens=1, extra_body={"chat_template": REQUEST_TEMPLATE}
