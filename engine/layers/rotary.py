@@ -175,7 +175,7 @@ class RotaryEmbedding:
         long_context = uses_long_factors(scaling, max_positions if max_model_len is None else max_model_len)
         inv_freq = inverse_frequencies(rotary_dim, theta, scaling, max_positions, long_context)
         # a row per position served: past max_position_embeddings where a RoPE scaling extends the context
-        # (engine/layers/rope_context.py), as HF rotates any position
+        # (engine/loading/rope_context.py), as HF rotates any position
         num_rows = max(max_positions, max_model_len or 0)
         positions = torch.arange(num_rows, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [num_rows, rotary_dim // 2]

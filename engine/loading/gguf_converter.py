@@ -171,7 +171,7 @@ def _read_rope_freqs(config, reader) -> None:
     not one."""
     from engine.loading.gguf_rope_freqs import ROPE_FREQS, llama3_scaling
     from engine.loading.gguf_weights import read_float
-    from engine.loading.loader import rope_settings
+    from engine.loading.rope_settings import rope_settings
 
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:

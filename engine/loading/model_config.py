@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from engine.layers.rope_context import ScaledContext
+    from engine.loading.rope_context import ScaledContext
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -30,7 +30,7 @@ def model_max_length(hf_config: "PretrainedConfig") -> Optional[int]:
 
 def _declared_context_length(hf_config: "PretrainedConfig") -> Optional[tuple[str, int]]:
     """(where it comes from, the context length) a HF config declares, or None: its RoPE scaling's extended
-    context where a linear or YaRN scaling reaches past the key it states (engine/layers/rope_context.py)."""
+    context where a linear or YaRN scaling reaches past the key it states (engine/loading/rope_context.py)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
@@ -40,8 +40,8 @@ def _declared_context_length(hf_config: "PretrainedConfig") -> Optional[tuple[st
 
 
 def _rope_scaled_context(hf_config: "PretrainedConfig", key: str, value: int) -> Optional["ScaledContext"]:
-    from engine.layers.rope_context import scaled_context
-    from engine.loading.loader import rope_settings
+    from engine.loading.rope_context import scaled_context
+    from engine.loading.rope_settings import rope_settings
 
     if key != "max_position_embeddings":
         return None

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from engine.attention.attention_shape import AttentionShape
 from engine.attention.layer_attention import LayerAttention
 from engine.layers.rotary import check_longrope_factors, check_rope_scaling
-from engine.loading.loader import rope_settings
+from engine.loading.rope_settings import rope_settings
 from engine.models.decoder_arch import LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
 from engine.models.llama_arch import shared_fields
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.attention.layer_attention import LayerAttention
 from engine.layers.rotary import check_rope_scaling
-from engine.loading.loader import rope_settings
+from engine.loading.rope_settings import rope_settings
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
 from engine.quantization.awq import quantization_config

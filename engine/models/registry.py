@@ -251,7 +251,7 @@ def build_model(
     """An empty model for the config's architecture (load weights with `load_weights`); `max_model_len`: the
     longest sequence it will serve (None: the config's context), which picks LongRoPE's factor set; `tp`: the
     tensor-parallel group whose rank's shard it holds (its weights cut by tensor_parallel.shard_weights)."""
-    from engine.loading.loader import rope_settings
+    from engine.loading.rope_settings import rope_settings
 
     family = family_of(hf_config)
     if is_mxfp4_checkpoint(hf_config) and MXFP4 not in family.formats:
@@ -304,7 +304,7 @@ def build_model(
 
 def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
     """The shape and recipe of a Llama-family or generic-decoder model (DecoderArch for the latter)."""
-    from engine.loading.loader import rope_settings
+    from engine.loading.rope_settings import rope_settings
 
     if family.implementation == "decoder":
         from engine.models.families import ARCH_READERS

@@ -6,7 +6,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention.kv_cache import KVCache, KVCacheSpec
-from engine.loading.loader import rope_settings
+from engine.loading.rope_settings import rope_settings
 from engine.models import build_model
 from engine.layers.rotary import RotaryEmbedding, attention_factor, inverse_frequencies
 

@@ -1,4 +1,4 @@
-"""The context a linear or YaRN RoPE scaling extends a config's to (engine/layers/rope_context.py), as vLLM derives
+"""The context a linear or YaRN RoPE scaling extends a config's to (engine/loading/rope_context.py), as vLLM derives
 it: `max_model_len` defaults to it and may reach it, and the sequences past max_position_embeddings give HF
 transformers' greedy tokens and logprobs on the same checkpoint (HF rotates any position)."""
 

@@ -12,7 +12,8 @@ import torch
 
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import LoRAAdapterError
-from engine.loading.loader import load_hf_config, rope_settings
+from engine.loading.loader import load_hf_config
+from engine.loading.rope_settings import rope_settings
 from engine.lora.adapter_source import AdapterSource
 from engine.lora.lora_manager import LoRARef, adapter_key
 from engine.lora_shard import AdapterShard
