@@ -41,7 +41,8 @@ tests/engine/test_dense_quantization.py).
 Sliding windows and attention soft-caps are computed by every attention backend (`torch`, `cpu`,
 `cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`),
 and so are attention sinks (GPT-OSS; `flash` only where flash-attn 4's varlen function takes `learnable_sink`);
-a backend that cannot is refused at start-up, naming the model and the feature.
+a backend named by `--attention-backend` that cannot is refused at start-up, naming the model and the feature;
+`auto` passes it over (on CUDA: `triton`, else `torch`).
 
 LongRoPE (Phi-3, Phi-4, Llama configs that name it) rotates every position with one factor set, chosen at
 start-up as vLLM does: the long factors when `max_model_len` passes `original_max_position_embeddings`, else the
