@@ -561,9 +561,13 @@ def test_tokenize_takes_vllms_fields_and_logs_unknown_ones(server, caplog):
             assert c.post("/tokenize", json={"prompt": "hi", "not_a_field": 1}).status_code == 200
             assert c.post("/detokenize", json={"tokens": [5], "not_a_field": 1}).status_code == 200
         assert sum("not_a_field" in record.getMessage() for record in caplog.records) == 2
-        r = c.post("/tokenize", json={"messages": messages, "chat_template": "{{ messages }}"})
+        r = c.post("/tokenize", json={"messages": messages, "documents": [{"text": "a"}]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
-        assert r.json()["error"]["param"] == "chat_template"
+        assert r.json()["error"]["param"] == "documents"
+        # a request's own template: rendered only under --trust-request-chat-template
+        r = c.post("/tokenize", json={"messages": messages, "chat_template": "{{ messages }}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in r.json()["error"]["message"]
     out = sdk(server).chat.completions.create(model="tiny", messages=messages, tools=[weather], max_tokens=1)
     assert out.usage.prompt_tokens == with_tools
 
