@@ -224,16 +224,24 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
         exit_status[0] = 1  # non-zero: a supervisor restarts the process
         request_exit()
 
-    refresher: list[asyncio.Task] = []  # (held: the loop keeps only a weak reference to a task)
+    tasks: list[asyncio.Task] = []  # (held: the loop keeps only a weak reference to a task)
+
+    async def announce() -> None:
+        # The warm-up ends inside uvicorn's start-up, before it listens: a client that connects as soon as the line
+        # is printed (a supervisor, a test) would be refused, so the line waits until uvicorn serves.
+        while server is not None and not server.started:
+            await asyncio.sleep(0.01)
+        print(message, flush=True)
 
     def on_ready() -> None:  # on the event loop, once warmed up
-        shutdown.bind(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        shutdown.bind(loop)
         if server_config.enable_ssl_refresh:
             assert server is not None and server.config.ssl is not None and server_config.ssl_keyfile is not None
             certfile = server_config.ssl_certfile or ""
             refresh = refresh_tls(server.config.ssl, certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
-            refresher.append(asyncio.get_running_loop().create_task(refresh))
-        print(message, flush=True)
+            tasks.append(loop.create_task(refresh))
+        tasks.append(loop.create_task(announce()))
 
     from server.cpu_runtime import thread_governor
 

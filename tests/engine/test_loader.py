@@ -24,13 +24,13 @@ from engine.loading import gguf_converter as gguf_converter
 from engine.errors import SettingsConflictError
 from engine.loading.model_config import ContextLengthError, ModelConfig, cpu_has_fast_bf16
 from engine.loading.gguf_converter import MANIFEST_NAME, file_sha256, is_complete_checkpoint
+from engine.loading.rope_settings import rope_settings
 from engine.loading.loader import (
     CheckpointError,
     embedded_gguf_path,
     iter_weights,
     load_hf_config,
     prepare_checkpoint,
-    rope_settings,
     weight_files,
 )
 from engine.text.tokenizer import load_tokenizer
