@@ -230,6 +230,8 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
         # The warm-up ends inside uvicorn's start-up, before it listens: a client that connects as soon as the line
         # is printed (a supervisor, a test) would be refused, so the line waits until uvicorn serves.
         while server is not None and not server.started:
+            if server.should_exit:  # it never came to listen (a failed start-up, a signal): nothing to announce
+                return
             await asyncio.sleep(0.01)
         print(message, flush=True)
 

@@ -81,6 +81,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     out = []
     counter = UsageCounter.of(generation.prompts, body.n)
     echoed = _echoed(state, body)
+    role = _response_role(state, body)
     for choice, result in zip(generation.choices, results):
         logprobs = (
             state.formatter.chat(result.logprobs or [], num_top, body.return_tokens_as_token_ids)
@@ -97,7 +98,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if echoed and content is not None:
             content = echoed + content
         message = AssistantMessage(
-            role=_response_role(state, body),
+            role=role,
             content=content,
             reasoning=reasoning,
             tool_calls=tool_call_dicts(calls) if calls else None,
