@@ -17,6 +17,7 @@ from server.version import package_version
 
 if TYPE_CHECKING:
     from engine.cpu_threads import CpuThreads
+    from server.config.server_config import ServerConfig
     from server.config.settings import Settings
 
 logger = logging.getLogger("server.cli")
@@ -82,26 +83,11 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         print(f"pagedserve serve: error: {error}\n(pagedserve serve --help lists the flags)", file=sys.stderr)
         return 2
     server_config = settings.server
-    from server.http.user_middleware import MiddlewareError, load_middleware
-
-    try:
-        tls_error = check_tls_files(
-            server_config.ssl_certfile,
-            server_config.ssl_keyfile,
-            server_config.ssl_ca_certs,
-            server_config.ssl_ciphers,
-        )
-        log_config = read_log_config(server_config.log_config_file)
-        for path in server_config.middleware:
-            load_middleware(path)
-        if tls_error is None:
-            _configure_logging(server_config.log_level, log_config)
-    except (MiddlewareError, LogConfigError) as error:
-        tls_error = str(error)
-    except ValueError as error:  # dictConfig's: the file read, but it does not configure
-        tls_error = f"--log-config-file {server_config.log_config_file!r}: {error}"
-    if tls_error is not None:
-        print(f"pagedserve serve: error: {tls_error}", file=sys.stderr)
+    try:  # the server's own settings, before the model loads: a bad one is exit 2 at once
+        log_config = _check_server_settings(server_config)
+        _configure_logging(server_config.log_level, log_config)
+    except ValueError as error:
+        print(f"pagedserve serve: error: {error}", file=sys.stderr)
         return 2
     warn_unknown_variables(environ)
     logger.debug("settings: %r", settings)  # the repr leaves out the API keys
@@ -120,7 +106,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         )
         return 1
     try:
-        return _run(*_with_cpu_runtime(settings), sock)
+        return _run(*_with_cpu_runtime(settings), sock, log_config)
     except KeyboardInterrupt:
         return 130
     finally:
@@ -151,7 +137,7 @@ def _run_headless(settings: "Settings") -> int:
         return 130
 
 
-def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> int:
+def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket, log_config: Optional[dict]) -> int:
     import asyncio
     import gc
 
@@ -251,7 +237,6 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket) -> in
     async_engine = AsyncEngine(engine, governor=governor)
     app = create_app(async_engine, server_config, on_ready=on_ready, on_engine_death=on_engine_death)
     shutdown = GracefulShutdown(app.state.server, server_config.shutdown_timeout, request_exit)
-    log_config = read_log_config(server_config.log_config_file)  # (read and used once already, by serve)
     tls: dict = {}
     if server_config.ssl_certfile is not None:
         tls = {
@@ -422,6 +407,20 @@ def check_tls_files(
     return None
 
 
+def _check_server_settings(config: "ServerConfig") -> Optional[dict]:
+    """The server's own files and imports, checked before the model loads: the TLS files, the --log-config-file
+    (returned, for logging and uvicorn to apply), the --middleware paths. ValueError names the setting."""
+    from server.http.user_middleware import load_middleware
+
+    tls_error = check_tls_files(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs, config.ssl_ciphers)
+    if tls_error is not None:
+        raise ValueError(tls_error)
+    log_config = read_log_config(config.log_config_file)
+    for path in config.middleware:
+        load_middleware(path)  # (MiddlewareError, a ValueError)
+    return log_config
+
+
 def read_log_config(path: Optional[str]) -> Optional[dict]:
     """--log-config-file's JSON (a logging.config.dictConfig dictionary), or None; LogConfigError for a file that
     cannot be read or is not such an object."""
@@ -442,7 +441,10 @@ class LogConfigError(ValueError):
 
 def _configure_logging(level: str, config: Optional[dict] = None) -> None:
     if config is not None:
-        logging.config.dictConfig(config)
+        try:
+            logging.config.dictConfig(config)
+        except ValueError as error:  # the file read, but it does not configure
+            raise LogConfigError(f"--log-config-file: {error}") from None
         return
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

@@ -102,6 +102,31 @@ def test_a_unix_socket_with_a_log_config_and_quiet_health_checks(tiny_model_dir,
     assert all(line.startswith("ACCESS ") for line in lines)
 
 
+@pytest.mark.parametrize(
+    "content, flag, why",
+    [
+        ("{not json", "--log-config-file", "cannot read it as JSON"),
+        ('{"handlers": {}}', "--log-config-file", "not a logging config"),
+        ('{"version": 1, "handlers": {"h": {"class": "no.such.Handler"}}}', "--log-config-file", "--log-config-file:"),
+        (None, "--middleware", "cannot import"),
+    ],
+)
+def test_a_bad_log_config_or_middleware_exits_2_before_the_model_loads(tiny_model_dir, tmp_path, content, flag, why):
+    value = "no_such_module_here.Thing"
+    if content is not None:
+        value = str(tmp_path / "logging.json")
+        (tmp_path / "logging.json").write_text(content)
+    process = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), flag, value],
+        capture_output=True,
+        text=True,
+        env=server_environment(),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert process.returncode == 2 and why in process.stderr, process.stderr
+
+
 def test_client_certificates_and_a_renewed_certificate(tiny_model_dir, tmp_path):
     server_dir, client_dir, renewed_dir = (tmp_path / name for name in ("server", "client", "renewed"))
     for directory in (server_dir, client_dir, renewed_dir):
