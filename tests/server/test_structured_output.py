@@ -54,6 +54,16 @@ def sdk(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def _final_choice(client: openai.OpenAI, stream: bool, call, **kwargs):
+    """The first choice as the SDK's stream helper accumulates it (every event read), or as `call` returns it."""
+    if not stream:
+        return call(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as events:
+        for _ in events:
+            pass
+        return events.get_final_completion().choices[0]
+
+
 def _valid_calls(calls) -> None:
     assert calls
     for call in calls:
@@ -457,13 +467,7 @@ def test_a_response_format_beside_a_forced_call_is_taken(server, stream, tool_ch
         temperature=1.0,
         seed=2,
     )
-    if stream:
-        with client.chat.completions.stream(**kwargs) as events:
-            for _ in events:
-                pass
-            choice = events.get_final_completion().choices[0]
-    else:
-        choice = client.chat.completions.parse(**kwargs).choices[0]
+    choice = _final_choice(client, stream, client.chat.completions.parse, **kwargs)
     assert choice.finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
     assert choice.message.parsed is None and choice.message.tool_calls
     for call in choice.message.tool_calls:
@@ -647,13 +651,7 @@ def test_required_takes_parameters_with_definitions(server, stream):
     kwargs = dict(
         model="tiny", messages=USER, tools=[set_home, TIME], tool_choice="required", max_tokens=200, temperature=0
     )
-    if stream:
-        with client.chat.completions.stream(**kwargs) as events:
-            for _ in events:
-                pass
-            choice = events.get_final_completion().choices[0]
-    else:
-        choice = client.chat.completions.create(**kwargs).choices[0]
+    choice = _final_choice(client, stream, client.chat.completions.create, **kwargs)
     assert choice.finish_reason in ("tool_calls", "length")
     for call in choice.message.tool_calls if choice.finish_reason == "tool_calls" else []:
         schema = set_home["function"]["parameters"] if call.function.name == "set_home" else PARAMS["get_time"]
