@@ -37,6 +37,8 @@ from engine.lora.request import LoRAMix, LoRARequest
 from engine.observer import EngineObserver
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
+from engine.pooling.params import PoolingParams
+from engine.pooling.pooler_config import ModelPooler
 from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.text.tokenizer import Tokenizer
@@ -53,11 +55,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestInput(NamedTuple):
-    """One sequence to generate: the caller's request id, the prompt's token ids, its parameters (n == 1)."""
+    """One sequence to generate (or with PoolingParams, one prompt to pool): the caller's request id, the prompt's
+    token ids, its parameters (n == 1)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
-    params: SamplingParams
+    params: Union[SamplingParams, PoolingParams]
     lora: Optional[LoRAMix] = None  # the LoRA adapters it runs with (None: the base model)
     cache_salt: Optional[str] = None  # vLLM's: only requests with the same salt share cached blocks
 
@@ -238,6 +241,11 @@ class AsyncEngine:
         return self.engine.runner.cuda_graphs
 
     @property
+    def pooler(self) -> Optional[ModelPooler]:
+        """A pooling model's pooler (it serves embeddings, and generates nothing); None for a generative model."""
+        return self.engine.pooler
+
+    @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Compiles structured-output constraints (thread-safe, cached); `add_requests` compiles a request's
         off the event loop and the engine thread."""
@@ -323,7 +331,7 @@ class AsyncEngine:
         constraints = {
             item.params.structured_outputs.key: item.params.structured_outputs
             for item in inputs
-            if item.params.structured_outputs is not None
+            if isinstance(item.params, SamplingParams) and item.params.structured_outputs is not None
         }
         compile_ = self.engine.grammar_compiler.compile
         return {key: await asyncio.to_thread(compile_, constraint) for key, constraint in constraints.items()}
@@ -332,13 +340,14 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        params: Union[SamplingParams, PoolingParams],
         *,
         priority: int = 0,
         arrival_time: Optional[float] = None,
         lora: Optional[LoRAMix] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes (one `add_requests` stream). Closing the
+        """Yield the request's outputs until it finishes (one `add_requests` stream; with PoolingParams one
+        output, its embedding). Closing the
         iterator (a client that went away) aborts the request in the engine at once."""
         (stream,) = await self.add_requests(
             [RequestInput(request_id, prompt_token_ids, params, lora)], priority=priority, arrival_time=arrival_time
@@ -443,7 +452,7 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for engine_id, item in zip(command.engine_ids, command.inputs):
-                constraint = item.params.structured_outputs
+                constraint = item.params.structured_outputs if isinstance(item.params, SamplingParams) else None
                 self.engine.add_request(
                     engine_id,
                     item.prompt_token_ids,

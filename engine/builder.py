@@ -34,6 +34,7 @@ from engine.kv_tier_setup import check_kv_tiers, open_disk_tier, open_kv_tiers, 
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
+from engine.pooling.pooler_config import ModelPooler, model_pooler, resolve_runner
 from engine.profiling.step_profile import StepProfile
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
@@ -132,6 +133,7 @@ def _build_rank0(
     started: float,
 ) -> EngineCore:
     parallel = config.parallel
+    pooler = _pooler(config, checkpoint, hf_config)  # (before the weights load: a bad setting fails at once)
     stage = PipelineStage.of_rank(
         0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, hf_config.num_hidden_layers
     )
@@ -254,7 +256,28 @@ def _build_rank0(
         lora_manager,
         default_sampling=default_sampling,
         model_source=checkpoint.source,
+        pooler=pooler,
     )
+
+
+def _pooler(config: EngineConfig, checkpoint: Checkpoint, hf_config: Any) -> Optional[ModelPooler]:
+    """The pooler of a model served for pooling (embeddings); None for a generative one."""
+    model_config = config.model
+    if resolve_runner(model_config.runner, model_config.convert, hf_config) == "generate":
+        if model_config.pooler_config is not None:
+            raise SettingsConflictError("--pooler-config applies to a pooling model (--runner pooling)")
+        return None
+    if config.speculative_config is not None:
+        raise SettingsConflictError("speculative decoding drafts generated tokens: a pooling model generates none")
+    pooler = model_pooler(hf_config, checkpoint.path, model_config.pooler_config)
+    logger.info(
+        "pooling model (embeddings): %s pooling%s, %d dimensions%s",
+        pooler.type.value,
+        ", normalized" if pooler.normalize else "",
+        pooler.hidden_size,
+        "" if pooler.matryoshka is None else f" (matryoshka: {list(pooler.matryoshka) or 'any'})",
+    )
+    return pooler
 
 
 def _draft_model(

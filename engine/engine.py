@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -40,6 +40,8 @@ from engine.outputs import ModelRunnerOutput, RequestOutput
 from engine.request_state import RequestState
 from engine.sampling.bad_words import bad_words_token_ids
 from engine.sampling.sampler import TokenLogprobs
+from engine.pooling.params import PoolingParams, PoolingType
+from engine.pooling.pooler_config import ModelPooler
 from engine.sampling.params import SamplingParams
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_ref import GrammarRef
@@ -87,8 +89,10 @@ class EngineCore:
         lora_manager: Optional[LoRAManager] = None,
         default_sampling: Optional[Mapping[str, Any]] = None,
         model_source: Optional[str] = None,
+        pooler: Optional[ModelPooler] = None,
     ):
         self.config = config
+        self.pooler = pooler  # a pooling model's (embeddings; it generates nothing): None for a generative one
         self.model_source = model_source or model_name  # the checkpoint as given (/v1/models' root)
         # the model's sampling defaults (its generation_config.json: engine/loading/generation_defaults.py),
         # taken by requests that leave those fields unset
@@ -170,7 +174,7 @@ class EngineCore:
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        params: Union[SamplingParams, PoolingParams],
         *,
         arrival_time: Optional[float] = None,
         priority: int = 0,
@@ -178,7 +182,8 @@ class EngineCore:
         lora: Optional[LoRAMix] = None,
         cache_salt: Optional[str] = None,
     ) -> None:
-        """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`).
+        """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`), or with PoolingParams one
+        prompt to pool (a pooling model's: its one output carries the embedding).
 
         `grammar`: the compiled `params.structured_outputs`, compiled beforehand off this thread (AsyncEngine);
         without it the constraint is compiled here, synchronously (the offline `LLM`, which adds its requests
@@ -198,21 +203,33 @@ class EngineCore:
                 raise DuplicateRequestIdError(request_id)
             self.lora_manager.check(lora)
             ref = self.lora_manager.resolve(lora)
-        if params.n != 1:
-            raise InvalidParameterError(
-                "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
+        if isinstance(params, PoolingParams):
+            request = self.make_pooling_request(
+                request_id, prompt_token_ids, params, arrival_time, priority, cache_salt
             )
-        request = self.make_request(request_id, prompt_token_ids, params, arrival_time, priority, grammar, cache_salt)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer.hf,
-            request.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-        )
-        matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
-        state = RequestState(request, params, detokenizer, matcher)
-        if params.prompt_logprobs is not None:
-            state.prompt_logprobs = [None]
+            state = RequestState(request, params, None, None)
+        else:
+            if self.pooler is not None:
+                raise InvalidParameterError(
+                    "model", f"{self.model_name!r} is served for pooling (embeddings): it generates no tokens"
+                )
+            if params.n != 1:
+                raise InvalidParameterError(
+                    "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
+                )
+            request = self.make_request(
+                request_id, prompt_token_ids, params, arrival_time, priority, grammar, cache_salt
+            )
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer.hf,
+                request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+            matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+            state = RequestState(request, params, detokenizer, matcher)
+            if params.prompt_logprobs is not None:
+                state.prompt_logprobs = [None]
         if lora is not None and ref is None:  # its adapter loads in the background
             self.scheduler.check_request(request)
             self._lora_waiting.add(request, lora)
@@ -275,6 +292,40 @@ class EngineCore:
             sampling_params=params,
             grammar=grammar_ref,
             num_speculative_tokens=self._num_speculative_tokens(params),
+            **kwargs,
+        )
+
+    def make_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: PoolingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+    ) -> Request:
+        """The scheduler request pooling this prompt (computed, nothing sampled), validated against the model."""
+        if self.pooler is None:
+            raise InvalidParameterError(
+                "pooling", f"needs a pooling model; {self.model_name!r} is served for generation (--runner generate)"
+            )
+        pooling = self.pooler.resolve(params, self.model_name)
+        prompt = list(prompt_token_ids)
+        check_token_ids(prompt, self.vocab_size, "prompt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", "must be a non-empty string")
+        kwargs: dict[str, Any] = {} if arrival_time is None else {"arrival_time": arrival_time}
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_tokens=0,
+            prefill_only=True,
+            priority=priority,
+            cache_salt=cache_salt,
+            # a cached block's positions would not be pooled: only the last token's pooling takes cache hits
+            skip_prefix_cache=pooling.type is not PoolingType.LAST,
+            sampling_params=pooling,
+            num_speculative_tokens=0,
             **kwargs,
         )
 
@@ -471,9 +522,13 @@ class EngineCore:
             assert num_repeated >= 0, "prompt logprobs arrived out of order"
             held.extend(chunk[num_repeated:])
         outputs = []
+        pooled = runner_output.pooled
         for step_output in step_outputs:
             request_id = step_output.request_id
             failure = failures.get(request_id)
+            if request_id in pooled:
+                outputs.append(self._pooled(request_id, pooled[request_id], now))
+                continue
             if failure is None:
                 try:
                     outputs.append(self._process(step_output, runner_output.logprobs.get(request_id), now))
@@ -487,6 +542,12 @@ class EngineCore:
             if self.num_steps % PROFILE_LOG_EVERY == 0:
                 logger.info("%s", profile.table())
         return outputs
+
+    def _pooled(self, request_id: str, embedding: torch.Tensor, now: float) -> RequestOutput:
+        """A pooling request's one output: its prompt computed, its embedding (finish_reason "stop")."""
+        state = self._states.pop(request_id)
+        state.first_token_time = state.last_token_time = now
+        return self._output(state, [], "", "stop", now, embedding=embedding.tolist())
 
     def _fail(self, request_id: str, message: str, now: float) -> RequestOutput:
         """End one request with finish_reason "error"; the others go on."""
@@ -540,16 +601,16 @@ class EngineCore:
         text_ids = self._text_token_ids(state, step_output)
         num_new = len(step_output.new_token_ids)
         before = state.request.num_output_tokens - num_new  # output tokens before this step's
-        min_tokens = state.params.min_tokens
+        min_tokens = state.sampling.min_tokens
         if state.stop_matcher is None or len(text_ids) <= 1:
-            text = state.detokenizer.add_tokens(text_ids)
+            text = state.text_decoder.add_tokens(text_ids)
             delta, stop = state.take_text(text, finishing=finishing, check_stops=before + num_new >= min_tokens)
             return delta, stop, num_new
         pieces = []
         for index, token_id in enumerate(text_ids):
             last = index == len(text_ids) - 1
             piece, stop = state.take_text(
-                state.detokenizer.add_tokens([token_id]),
+                state.text_decoder.add_tokens([token_id]),
                 finishing=finishing and last,
                 check_stops=before + index + 1 >= min_tokens,
             )
@@ -566,7 +627,7 @@ class EngineCore:
         if (
             step_output.status is RequestStatus.FINISHED_STOPPED
             and token_ids
-            and not state.params.include_stop_str_in_output
+            and not state.sampling.include_stop_str_in_output
         ):
             return token_ids[:-1]
         return token_ids
@@ -582,6 +643,7 @@ class EngineCore:
         logprobs=None,
         error: Optional[str] = None,
         abort_reason: Optional[str] = None,
+        embedding: Optional[list[float]] = None,
     ) -> RequestOutput:
         request = state.request
         prompt_logprobs = None
@@ -603,4 +665,5 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             error=error,
             abort_reason=abort_reason,
+            embedding=embedding,
         )

@@ -19,7 +19,16 @@ from engine.lora.lora_config import LoRAConfig
 from engine.lora.request import LoRAMix, LoRARequest
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
-from engine.outputs import CompletionOutput, GenerationResult, OutputAccumulator, PositionLogprobs, prompt_logprobs
+from engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    GenerationResult,
+    OutputAccumulator,
+    PositionLogprobs,
+    prompt_logprobs,
+)
+from engine.pooling.params import PoolingParams
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
 from engine.text.chat_content_format import ContentFormat, detect_content_format
@@ -51,8 +60,6 @@ _ALWAYS: dict[str, tuple[Optional[tuple[Any, ...]], str]] = {
     "tokenizer_revision": ((), "the tokenizer is read at the model's revision"),
     "cpu_offload_gb": ((0,), "weights are not offloaded to the CPU"),
     "load_format": (("auto",), "weights load from what the checkpoint holds (safetensors, GGUF)"),
-    "task": (("auto", "generate"), "this engine generates text"),
-    "runner": (("auto", "generate"), "this engine generates text"),
     "logprobs_mode": (("raw_logprobs",), "logprobs are the model's, before any penalty or temperature"),
     "disable_sliding_window": ((False,), "a model's sliding window is always kept"),
     "enable_sleep_mode": ((False,), "the engine has no sleep mode"),
@@ -64,7 +71,13 @@ _ALWAYS: dict[str, tuple[Optional[tuple[Any, ...]], str]] = {
     "served_model_name": (None, "the name vLLM's server shows; the offline API shows none"),
 }
 # vLLM's names of this engine's settings
-_ALIASES = {"scheduling_policy": "policy", "num_gpu_blocks_override": "num_blocks"}
+_ALIASES = {
+    "scheduling_policy": "policy",
+    "num_gpu_blocks_override": "num_blocks",
+    "override_pooler_config": "pooler_config",
+}
+# vLLM's older `task`, as the runner it chose
+_TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
 
 def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:
@@ -80,6 +93,12 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
             continue
         if key in ("attention_backend", "batch_invariant", "enforce_eager", "profile", "speculative_config"):
             top[key] = value
+            continue
+        if key == "task":
+            if value is not None and value not in _TASK_RUNNERS:
+                raise ValueError(f"LLM(task={value!r}): served tasks are {', '.join(_TASK_RUNNERS)}")
+            if value is not None and value != "auto":
+                sections["model"].setdefault("runner", _TASK_RUNNERS[value])
             continue
         key = _ALIASES.get(key, key)
         if key == "kv_offloading_size":  # vLLM's newer name of swap_space (as the server's flag)
@@ -153,6 +172,57 @@ class LLM:
         encoded = [self._encode(p) for p in prompt_list]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
         return self._run(encoded, params_list, use_tqdm, priority, loras, salts)
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), in input order, from a model served
+        for pooling (`LLM(model, runner="pooling")`, or a checkpoint whose architecture names a base model).
+        `truncate_prompt_tokens` keeps each prompt's last that many tokens."""
+        engine = self.engine
+        if engine.pooler is None:
+            raise ValueError("embed() needs a pooling model: LLM(model, runner='pooling') (this one generates)")
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, not {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        encoded = [self._encode(p)[1] for p in prompt_list]
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens < 1:
+                raise ValueError(f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}")
+            encoded = [ids[-truncate_prompt_tokens:] for ids in encoded]
+        loras = self._as_lora_list(lora_request, len(encoded))
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
+        ids = [f"embd-{next(self._ids)}" for _ in encoded]
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        done: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            for request_id, token_ids, lora, salt in zip(ids, encoded, loras, salts):
+                engine.add_request(request_id, token_ids, params, lora=lora, cache_salt=salt)
+            with tqdm(total=len(ids), desc="embedding", unit="prompt", disable=not use_tqdm) as bar:
+                while engine.has_work:
+                    for out in engine.step():
+                        if out.request_id not in index or not out.finished:
+                            continue
+                        if out.embedding is None:
+                            raise RuntimeError(f"prompt {index[out.request_id]} was not embedded: {out.error}")
+                        done[out.request_id] = EmbeddingRequestOutput(
+                            out.request_id,
+                            EmbeddingOutput(out.embedding),
+                            encoded[index[out.request_id]],
+                            num_cached_tokens=out.num_cached_tokens,
+                        )
+                        bar.update(1)
+        except BaseException:
+            engine.abort([request_id for request_id in ids if request_id not in done])
+            raise
+        return [done[request_id] for request_id in ids]
 
     def _as_lora_list(self, choice: Union[LoRAChoice, Sequence[LoRAChoice]], count: int) -> list[Optional[LoRAMix]]:
         """One LoRAMix (or None) per prompt; LoRARequests are loaded first (idempotent by name)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+import torch
+
 from engine.sampling.sampler import TokenLogprobs
 
 
@@ -16,6 +18,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # requests that asked
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's prompt chunk
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests done: [dimensions] float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,7 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
     error: Optional[str] = None  # finish_reason "error": what failed this request alone (see fault_isolation)
     abort_reason: Optional[str] = None  # finish_reason "abort": why ("aborted": the caller; "timeout": its deadline)
+    embedding: Optional[list[float]] = None  # a pooling request's, on its one (finished) output
 
     @property
     def finished(self) -> bool:
@@ -91,6 +95,7 @@ class OutputAccumulator:
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None  # finish_reason "error": what failed it
+    embedding: Optional[list[float]] = None  # a pooling request's
 
     def add(self, output: RequestOutput) -> None:
         self.text = output.text
@@ -105,6 +110,8 @@ class OutputAccumulator:
         self.stop_reason = output.stop_reason
         self.num_cached_tokens = output.num_cached_tokens
         self.error = output.error
+        if output.embedding is not None:
+            self.embedding = output.embedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,3 +172,25 @@ class GenerationResult:
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]]  # the first None, as vLLM's
     outputs: list[CompletionOutput]
     num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequestOutput:
+    """A pooled prompt, as `LLM.embed` returns it (vLLM's shape: `outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestMetrics
 from engine.sampling.sampler import TokenLogprobs
+from engine.pooling.params import PoolingParams
 from engine.sampling.params import SamplingParams
 from engine.text.stop_strings import StopStringMatcher
 from scheduler import Request
@@ -16,8 +17,8 @@ from scheduler import Request
 @dataclass(slots=True)
 class RequestState:
     request: Request
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    params: Union[SamplingParams, PoolingParams]
+    detokenizer: Optional[IncrementalDetokenizer]  # None for a pooling request: it has no text
     stop_matcher: Optional[StopStringMatcher]
     text: str = ""
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
@@ -26,6 +27,17 @@ class RequestState:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     previous_token_time: Optional[float] = None
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The parameters of a request that generates (every request whose tokens are processed)."""
+        assert isinstance(self.params, SamplingParams), "a pooling request has no tokens to process"
+        return self.params
+
+    @property
+    def text_decoder(self) -> IncrementalDetokenizer:
+        assert self.detokenizer is not None, "a pooling request has no text"
+        return self.detokenizer
 
     def metrics(self, finished_time: Optional[float]) -> RequestMetrics:
         return RequestMetrics(
@@ -42,7 +54,7 @@ class RequestState:
 
         Before `min_tokens` output tokens (`check_stops` False) stop strings are not looked for."""
         if finishing:
-            delta += self.detokenizer.flush()
+            delta += self.text_decoder.flush()
         stop = None
         if self.stop_matcher is not None and check_stops:
             match = self.stop_matcher.add_text(delta)

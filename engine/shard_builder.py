@@ -26,6 +26,7 @@ from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
 from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
+from engine.pooling.pooler_config import resolve_runner
 from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe_arch import MoeArch
@@ -113,6 +114,7 @@ def build_shard(
             f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
         )
     model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp)
+    model.keeps_lm_head = resolve_runner(model_config.runner, model_config.convert, hf_config) == "generate"
     if stage is not None and stage.is_split:
         model.hold_stage(stage)
         logger.info("pipeline %s", stage.describe())

@@ -63,6 +63,8 @@ class ContextLengthExceededError(RequestRejectedError):
         super().__init__(
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} prompt + {max_tokens} max_tokens) "
             f"exceed max_model_len {max_model_len}"
+            if max_tokens  # (0: a prefill-only request's, which generates nothing)
+            else f"{num_prompt_tokens} prompt tokens exceed max_model_len {max_model_len}"
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
@@ -90,9 +92,9 @@ class KVCacheTooSmallError(RequestRejectedError):
         block_size: int,
         prompt_alone: bool = False,
     ):
+        needs = f"{num_prompt_tokens} prompt tokens" + (f" + {max_tokens} max_tokens" if max_tokens else "")
         super().__init__(
-            f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens need {num_blocks_needed} KV blocks "
-            f"of {block_size} tokens; the pool holds {num_blocks}"
+            f"{needs} need {num_blocks_needed} KV blocks of {block_size} tokens; the pool holds {num_blocks}"
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens

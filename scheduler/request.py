@@ -58,6 +58,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     skip_prefix_cache: bool = False  # e.g. prompt logprobs, which cached positions would not produce
+    # A pooling request (embeddings): its prompt is computed and nothing sampled; it finishes (stopped) in the
+    # step that computes its last prompt token, and its max_tokens is 0.
+    prefill_only: bool = False
     # What the runner samples with (the engine's SamplingParams); opaque to the scheduler, which
     # hands it over in the step that first schedules the request (NewRequestData).
     sampling_params: object = None
@@ -93,7 +96,10 @@ class Request:
     def __post_init__(self) -> None:
         # Validated where the request was made (SamplingParams, the engine's resolution of max_tokens): here an
         # invariant, whose breach is a bug rather than a bad request.
-        if self.max_tokens < 1 or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.prefill_only:
+            if self.max_tokens or self.min_tokens:
+                raise ValueError(f"a prefill-only request samples nothing: max_tokens {self.max_tokens}, not 0")
+        elif self.max_tokens < 1 or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"a request needs 0 <= min_tokens ({self.min_tokens}) <= max_tokens ({self.max_tokens}) "
                 f"and max_tokens >= 1"

@@ -356,6 +356,12 @@ class Scheduler:
             all_token_ids = request.all_token_ids
             if num_computed < len(all_token_ids):
                 continue  # a prompt chunk short of the end samples nothing
+            if request.prefill_only:  # its prompt computed: done (the runner pooled it)
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._release(request)
+                any_finished = True
+                append_output(new_output(RequestStepOutput, (request_id, [], request.status, None)))
+                continue
             token_ids = get_sampled(request_id)
             if not token_ids:
                 continue
@@ -741,7 +747,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         # The last sampled token is never fed back, so it needs no slot.
         max_step_tokens = self.scheduler_config.max_num_batched_tokens
-        num_blocks = kv.num_blocks_needed(total - 1, max_step_tokens)
+        num_blocks = kv.num_blocks_needed(max(total - 1, num_prompt), max_step_tokens)
         if num_blocks > kv.num_blocks:
             # (the prompt alone: it is at fault whatever max_tokens is, one max_tokens None resolved to included)
             prompt_alone = kv.num_blocks_needed(num_prompt, max_step_tokens) > kv.num_blocks

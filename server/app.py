@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.pooling.params import PoolingParams
 from engine.sampling.params import SamplingParams
 from scheduler import RequestRejectedError
 from server.serving.admission import Admission
@@ -32,7 +33,7 @@ from server.openai.logprob_format import LogprobFormatter
 from server.observability.lora_metrics import LoRACollector
 from server.observability.metrics import ServerMetrics, cache_info
 from server.http import ops
-from server.openai import chat, completions, lora_admin, models, tokenize
+from server.openai import chat, completions, embeddings, lora_admin, models, tokenize
 from server.openai.responses import route as responses
 from server.openai.responses import stored as stored_responses
 from server.state import ServerState
@@ -79,7 +80,7 @@ def create_app(
     )
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan, **docs)
     app.state.server = state
-    routers = [completions, chat, responses, stored_responses, models, tokenize, ops]
+    routers = [completions, chat, responses, stored_responses, embeddings, models, tokenize, ops]
     if state.adapters is not None and state.adapters.config.allow_runtime_lora_updating:
         routers.append(lora_admin)  # else the paths are a 404, as in vLLM
     for module in routers:
@@ -181,7 +182,9 @@ async def _watch_engine(engine: AsyncEngine, on_death: Optional[Callable[[BaseEx
 
 async def _warm_up(state: ServerState) -> None:
     prompt = state.tokenizer.encode("Hello") or [0]
-    params = SamplingParams(max_tokens=2, temperature=0)
+    params: Union[SamplingParams, PoolingParams] = (
+        SamplingParams(max_tokens=2, temperature=0) if state.engine.pooler is None else PoolingParams()
+    )
     async for _ in state.engine.generate("warmup", prompt, params):
         pass
     state.ready = True

@@ -10,6 +10,7 @@ server -> engine -> scheduler; and inside the engine each room keeps to its floo
     spec_decode  the proposers of draft tokens                -> models, loading (a draft model's, to come)
     loading    checkpoints and GGUF files                       -> quantization, kernels
     profiling  step timings and bandwidth floors                -> quantization
+    pooling    pooling requests' settings and the runner's pooling (a floor: engine.errors only)
     quantization, kernels (the floor: kernels import nothing of the engine but its cache folder)
     distributed  the step broadcast and all-reduce of ranks    (a floor of its own: imports nothing of the engine)
 
@@ -52,6 +53,10 @@ ENGINE_FORBIDDEN = {  # engine room -> rooms it must not import
     "profiling": {"runner", "models", "layers", "platform", "builder", "llm", "async_engine", "engine"},
     "runner": {"platform", "builder", "llm", "async_engine"},
     "spec_decode": {"runner", "platform", "builder", "llm", "async_engine", "engine"},
+    "pooling": {  # a floor: loading's model config and the runner read it
+        p.stem for p in (ROOT / "engine").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()
+    }
+    - {"pooling", "errors", "__init__"},
     "distributed": {  # a floor: workers receive the step message through it, whatever rooms they run
         p.stem for p in (ROOT / "engine").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()
     }

@@ -7,6 +7,8 @@ from typing import Any, TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.pooling.pooler_config import PoolerConfig
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
@@ -119,6 +121,20 @@ class ModelConfig(BaseModel):
         description="keys set on the model's HF config after it is read (vLLM's --hf-overrides), e.g. a "
         "YaRN rope_scaling to serve past the trained context "
         "(engine/loading/loader.py's apply_hf_overrides)",
+    )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description="vLLM's --runner: generate (completions, chat, responses) or pooling (embeddings); auto: "
+        "pooling for a checkpoint whose architecture names a base model without an LM head (LlamaModel, "
+        "Qwen2Model, ...), else generate (engine/pooling/pooler_config.py)",
+    )
+    convert: Literal["auto", "none", "embed"] = Field(
+        "auto", description="vLLM's --convert: embed serves a generative checkpoint for embeddings (pooling runner)"
+    )
+    pooler_config: Optional[PoolerConfig] = Field(
+        None,
+        description="vLLM's --pooler-config: the pooling model's pooling_type (LAST, MEAN, CLS), normalize and "
+        "default dimensions, over its Sentence Transformers files' and vLLM's default (LAST, normalized)",
     )
     quantization_group_size: Optional[Literal[32, 64, 128]] = Field(
         None,

@@ -112,6 +112,8 @@ class LlamaForCausalLM:
         self.embed: Any = None  # [vocab, hidden]
         self.final_norm: Any = None  # [hidden]
         self.lm_head: Any = None  # [vocab, hidden]
+        # False for a model served for pooling (embeddings): its LM head is never loaded, nor needed at all
+        self.keeps_lm_head = True
         self.layers: list[LlamaLayerWeights] = []
         self.stage = PipelineStage.whole(arch.num_layers)  # the layers this process holds (`hold_stage`)
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
@@ -208,8 +210,13 @@ class LlamaForCausalLM:
         self.embed = take("embed_tokens.weight")
         self.final_norm = take("norm.weight")
         lm_head = state.pop("lm_head.weight", None)
+        if not self.keeps_lm_head:
+            return  # (a pooling model's output is its final hidden states)
         if lm_head is None and not arch.tie_word_embeddings:
-            raise ValueError("checkpoint has no lm_head.weight and the config does not tie embeddings")
+            raise ValueError(
+                "checkpoint has no lm_head.weight and the config does not tie embeddings (a base model saved "
+                "without its head, as embedding models are: serve it with --runner pooling)"
+            )
         lm_head = self.embed if arch.tie_word_embeddings or lm_head is None else lm_head
         self.lm_head = self.linear.prepare(lm_head if self.quantizer is None else self.quantizer.lm_head(lm_head))
         if lm_head is self.embed and (
@@ -397,6 +404,11 @@ class LlamaForCausalLM:
             lora.add(index, "o_proj", out, projected)
         return projected
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] (the forward's rows) -> [n, hidden] through the final norm: what the LM head
+        reads, and what a HF base model returns as its last hidden state (a pooling model's output)."""
+        return self.ops.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
+
     @torch.inference_mode()
     def compute_logits(
         self, hidden: torch.Tensor, lm_heads: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
@@ -407,7 +419,7 @@ class LlamaForCausalLM:
         adapter's modules_to_save). A quantized LM head's kernel may write float32 outright (GGUF's integer
         product, eagerly, on one rank: logits not rounded to the model's dtype first); other products, and the
         vocabulary slices gathered across ranks, are rounded to it, then widened."""
-        x = self.ops.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
+        x = self.final_hidden(hidden)
         if self.vocab_parallel is None and isinstance(self.lm_head, QuantizedWeight):
             logits = self.lm_head.matmul_float32(x)  # [n, vocab], by a kernel that writes float32 where it can
         else:

@@ -76,7 +76,7 @@ def profile_step_peak_bytes(
         hidden = model.forward(input_ids, positions, scratch.layers, layers_metadata, backend)
     else:
         hidden = model.forward(input_ids, positions, scratch.layers, layers_metadata, backend, arrived)
-    if stage.is_first:
+    if stage.is_first and model.lm_head is not None:  # (a pooling model has none: it computes no logits)
         logits = model.compute_logits(hidden[: min(num_logit_rows, num_tokens)])
         Sampler()(logits, worst_case_sampling_states(logits.shape[0], device))
         del logits

@@ -23,6 +23,8 @@ from engine.kv_tier.memory_tier import MemoryTier
 from engine.runner.step_buffers import StepBuffers
 from engine.profiling.step_profile import StepProfile
 from engine.outputs import ModelRunnerOutput
+from engine.pooling import pooler
+from engine.pooling.params import Pooling
 from engine.sampling.device_io import to_device
 from engine.sampling.rejection_sampler import num_accepted
 from engine.sampling.sampler import Sampler, TokenLogprobs, prompt_logprobs
@@ -47,15 +49,23 @@ class CachedRequestState:
 
     request_id: str
     num_prompt_tokens: int
-    sampling: SamplingState
+    sampling: Optional[SamplingState]  # None: a pooling request's, which samples nothing
     row: int  # in the runner's BlockTable, which holds the request's block ids
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     matcher: Optional["xgrammar.GrammarMatcher"] = None  # when the request is constrained
     lora_slots: tuple[tuple[int, float], ...] = ()  # its adapters' (slot, scale) pairs; empty: the base model
+    pooling: Optional[Pooling] = None  # a pooling request's: how its prompt's final hidden states are pooled
+    pooled: Optional[torch.Tensor] = None  # [hidden] float32: the sum of its rows pooled so far
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.sampling.params.prompt_logprobs is not None
+        return self.sampling is not None and self.sampling.params.prompt_logprobs is not None
+
+    @property
+    def sampler_state(self) -> SamplingState:
+        """The sampling state of a request that samples (every request in a step's sample rows)."""
+        assert self.sampling is not None, "a pooling request reached the sampler"
+        return self.sampling
 
 
 def _request_id_lookup(requests: dict[str, CachedRequestState]) -> Callable[[SamplingState], str]:
@@ -92,6 +102,7 @@ class _Batch:
     sample_rows: list[int] = field(default_factory=list)
     sample_states: list[CachedRequestState] = field(default_factory=list)
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, row, count, pos0
+    pool_rows: list[tuple[CachedRequestState, int, int, bool]] = field(default_factory=list)  # state, row, count, last
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # first of a request's sample rows -> its drafts
     lora: Optional[LoRAStep] = None  # the step's adapter deltas (None: no token runs with an adapter)
 
@@ -165,7 +176,7 @@ class ModelRunner:
             state = self.requests.get(request_id)
             if state is not None:
                 state.token_ids += token_ids
-                state.sampling.output_token_ids += token_ids
+                state.sampler_state.output_token_ids += token_ids
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request that has ended (its state and its table row)."""
@@ -317,8 +328,18 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
+        if isinstance(params, Pooling):
+            return CachedRequestState(
+                new.request_id,
+                new.num_prompt_tokens,
+                None,
+                self.block_table.acquire(),
+                list(new.token_ids),
+                lora_slots=self._acquire_lora(new),
+                pooling=params,
+            )
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {new.request_id!r} reached the runner without SamplingParams")
+            raise TypeError(f"request {new.request_id!r} reached the runner without SamplingParams or Pooling")
         prompt = list(new.prompt_token_ids)
         sampling = SamplingState.create(params, prompt, list(new.output_token_ids), new.eos_token_ids, self.device)
         matcher = None
@@ -327,11 +348,6 @@ class ModelRunner:
                 raise RuntimeError("a constrained request reached a runner without a grammar decoder")
             held = new.grammar.compiled if isinstance(new.grammar, GrammarRef) else None
             matcher = self.grammar.new_matcher(params.structured_outputs, new.output_token_ids, held)
-        lora_slots: tuple[tuple[int, float], ...] = ()
-        if isinstance(new.lora, LoRARef):
-            if self.lora_slots is None:
-                raise RuntimeError("a request with LoRA adapters reached a runner built without LoRA")
-            lora_slots = self.lora_slots.acquire(new.lora)
         return CachedRequestState(
             new.request_id,
             new.num_prompt_tokens,
@@ -339,8 +355,16 @@ class ModelRunner:
             self.block_table.acquire(),
             list(new.token_ids),
             matcher,
-            lora_slots,
+            self._acquire_lora(new),
         )
+
+    def _acquire_lora(self, new: NewRequestData) -> tuple[tuple[int, float], ...]:
+        """The slots of the request's adapters (loaded into free slots where they are not held); () for none."""
+        if not isinstance(new.lora, LoRARef):
+            return ()
+        if self.lora_slots is None:
+            raise RuntimeError("a request with LoRA adapters reached a runner built without LoRA")
+        return self.lora_slots.acquire(new.lora)
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
@@ -365,7 +389,11 @@ class ModelRunner:
             if drafts:
                 tokens = (state.token_ids[start], *drafts)
                 decodes += [(state, start + i, token_id) for i, token_id in enumerate(tokens)]
-            elif num_tokens == 1 and (not state.wants_prompt_logprobs or start >= state.num_prompt_tokens - 1):
+            elif (
+                num_tokens == 1
+                and state.pooling is None
+                and (not state.wants_prompt_logprobs or start >= state.num_prompt_tokens - 1)
+            ):
                 decodes.append((state, start, state.token_ids[start]))
             else:
                 chunks.append((state, start, num_tokens))
@@ -463,8 +491,14 @@ class ModelRunner:
     def _add_chunk_outputs(
         batch: _Batch, state: CachedRequestState, first_row: int, start: int, num_tokens: int
     ) -> None:
-        """What a chunk samples (its last row, at the end of the sequence) and scores (prompt logprobs)."""
+        """What a chunk samples (its last row, at the end of the sequence), scores (prompt logprobs) or pools."""
         end = start + num_tokens
+        if state.pooling is not None:
+            offset, count = pooler.rows_to_pool(state.pooling, start, num_tokens, state.num_prompt_tokens)
+            last = end == state.num_prompt_tokens
+            if count or last:
+                batch.pool_rows.append((state, first_row + offset, count, last))
+            return
         if state.wants_prompt_logprobs:
             # Row of position j predicts token j + 1: rows start .. min(end, prompt - 1) - 1. After a
             # preemption they are scored again; the engine keeps the first score of each position.
@@ -515,25 +549,43 @@ class ModelRunner:
                             # rather than write tokens its grammar never allows
                             self.sampler.failures.setdefault(
                                 state.request_id,
-                                f"its output grammar allows no token after {len(state.sampling.output_token_ids)} "
+                                f"its output grammar allows no token after {len(state.sampler_state.output_token_ids)} "
                                 "tokens (a rule that can never end?)",
                             )
                             break
                 state.token_ids += token_ids
-                state.sampling.output_token_ids += token_ids
+                state.sampler_state.output_token_ids += token_ids
                 sampled[state.request_id] = token_ids
                 entries = None if result.logprobs is None else result.logprobs[i : i + len(token_ids)]
                 if entries is not None and all(entry is not None for entry in entries):
                     logprobs[state.request_id] = [entry for entry in entries if entry is not None]
                 i += num_rows
         for state, first_row, count, pos0 in batch.prompt_rows:
-            num_top = state.sampling.params.prompt_logprobs
+            num_top = state.sampler_state.params.prompt_logprobs
             assert num_top is not None  # a prompt row is scored only when it is asked for (wants_prompt_logprobs)
             lm_heads = self._lm_heads([state.lora_slots] * count) if batch.lora is not None else []
             logits = model.compute_logits(hidden[first_row : first_row + count], lm_heads)
             targets = to_device(state.token_ids[pos0 + 1 : pos0 + 1 + count], torch.int64, hidden.device)
             prompt_lps[state.request_id] = prompt_logprobs(logits, targets, num_top, self._row_logprobs)
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
+        pooled = self._pool(hidden, batch) if batch.pool_rows else {}
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps, pooled=pooled
+        )
+
+    def _pool(self, hidden: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
+        """Add the pool rows of `hidden` [num_tokens, hidden] (every row of the step) to their requests' sums,
+        final norm applied; the embeddings of the requests whose prompts this step completed."""
+        model = self.model
+        assert model is not None  # not shut down
+        pooled: dict[str, torch.Tensor] = {}
+        for state, first_row, count, last in batch.pool_rows:
+            if count:
+                rows = model.final_hidden(hidden[first_row : first_row + count])  # [count, hidden]
+                state.pooled = pooler.add_rows(state.pooled, rows)
+            if last:
+                assert state.pooling is not None and state.pooled is not None  # (its rows came first)
+                pooled[state.request_id] = pooler.finish(state.pooled, state.pooling, state.num_prompt_tokens)
+        return pooled
 
     def _lm_heads(self, row_slots: list[tuple[tuple[int, float], ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The logits rows whose adapter replaces the LM head (modules_to_save), with its matrix."""
@@ -567,7 +619,7 @@ class ModelRunner:
     def _sampling_states(batch: _Batch) -> list[SamplingState]:
         """The sampling state of every sample row: a request's own, and for its rows after j draft tokens
         the state it will have once they are accepted."""
-        states = [s.sampling for s in batch.sample_states]
+        states = [s.sampler_state for s in batch.sample_states]
         for first, drafts in batch.drafts.items():
             own = states[first]
             for j in range(1, len(drafts) + 1):

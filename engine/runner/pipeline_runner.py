@@ -32,9 +32,15 @@ class LaunchedStep(NamedTuple):
     batch: Any  # the runner's _Batch; None for a step that ran no forward pass
 
 
+def returns_every_row(batch: Any) -> bool:
+    """Whether the last stage sends back every row of a step (it scores prompt rows or pools rows), not only the
+    sample rows."""
+    return bool(batch.prompt_rows or batch.pool_rows)
+
+
 def returned_rows(batch: Any) -> int:
-    """The rows the last stage sends back for a step: the sample rows, or every row when prompt rows are scored."""
-    return batch.num_tokens if batch.prompt_rows else len(batch.sample_rows)
+    """The rows the last stage sends back for a step: the sample rows, or every row (`returns_every_row`)."""
+    return batch.num_tokens if returns_every_row(batch) else len(batch.sample_rows)
 
 
 class PipelineRunner(ModelRunner):
@@ -108,7 +114,7 @@ class PipelineRunner(ModelRunner):
         if batch is None or returned_rows(batch) == 0:
             return ModelRunnerOutput()  # (prompt chunks short of their end: nothing to sample or score)
         hidden = self.pipeline.receive(returned_rows(batch))
-        selected = not batch.prompt_rows
+        selected = not returns_every_row(batch)
         if not self.samples:
             self._contribute_logits(hidden, batch, selected)
             return ModelRunnerOutput()
@@ -140,7 +146,7 @@ class PipelineRunner(ModelRunner):
             if not self.stage.is_last:
                 self.pipeline.send_forward(hidden)
             elif returned_rows(batch):
-                self.pipeline.send_forward(hidden if batch.prompt_rows else self._sample_hidden(hidden, batch))
+                self.pipeline.send_forward(hidden if returns_every_row(batch) else self._sample_hidden(hidden, batch))
         finally:
             model.lora_step = None
             buffers.end_step()

@@ -621,11 +621,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--task",
-        None,
+        (*MODEL, "runner"),
         "str",
-        "vLLM's: this server generates text; auto and generate are taken",
-        default_text="auto",
-        always=("auto", "generate"),
+        "vLLM's older name of --runner: generate, or embed (embedding) for the pooling runner",
+        "auto|generate|embed",
+        "auto",
+        aliases={"embed": "pooling", "embedding": "pooling"},
     ),
     Option(
         "--guided-decoding-backend",
@@ -807,6 +808,43 @@ OPTIONS: tuple[Option, ...] = (
         "directory holding a generation_config.json",
         "auto|vllm|DIR",
         "auto",
+    ),
+    Option(
+        "--runner",
+        (*MODEL, "runner"),
+        "str",
+        "vLLM's flag: generate (completions, chat, responses) or pooling (/v1/embeddings); auto: pooling for a "
+        "checkpoint whose architecture is a base model without an LM head (LlamaModel, Qwen2Model, ...), else generate",
+        "auto|generate|pooling",
+        "auto",
+    ),
+    Option(
+        "--convert",
+        (*MODEL, "convert"),
+        "str",
+        "vLLM's flag: embed serves a generative checkpoint (Qwen3-Embedding's Qwen3ForCausalLM, ...) for "
+        "embeddings, as --runner pooling",
+        "auto|none|embed",
+        "auto",
+    ),
+    Option(
+        "--pooler-config",
+        (*MODEL, "pooler_config"),
+        "json",
+        "a pooling model's pooler as a JSON object (vLLM's flag): pooling_type LAST, MEAN or CLS, normalize, "
+        "dimensions; unset keys keep the checkpoint's Sentence Transformers files', else LAST and normalized",
+        "JSON",
+        "none",
+        nullable=True,
+    ),
+    Option(
+        "--override-pooler-config",
+        (*MODEL, "pooler_config"),
+        "json",
+        "the same as --pooler-config (vLLM's older name)",
+        "JSON",
+        "none",
+        nullable=True,
     ),
     Option(
         "--override-generation-config",

@@ -64,7 +64,12 @@ def check_fields(request: SamplingFields, state: "ServerState") -> None:
     check_max_logprobs(request, state.config.max_logprobs)
     if getattr(request, "prompt_logprobs", None) is not None and request.stream:
         raise bad_request("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")
-    if request.priority != 0 and state.engine.scheduling_policy != "priority":
+    check_priority(state, request.priority)
+
+
+def check_priority(state: "ServerState", priority: int) -> None:
+    """A priority needs the priority policy."""
+    if priority != 0 and state.engine.scheduling_policy != "priority":
         raise bad_request("priority needs a server started with --scheduling-policy priority.", param="priority")
 
 

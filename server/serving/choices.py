@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, Union
 
 from engine.sampling.parallel import fan_out
+from engine.pooling.params import PoolingParams
 from engine.sampling.params import SamplingParams
 from server.openai.protocol import PromptTokensDetails, Usage
 
@@ -18,7 +19,13 @@ class Choice:
     request_id: str
     prompt_index: int
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Union[SamplingParams, PoolingParams]  # PoolingParams: an embedding's (one per input)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """A generation choice's parameters."""
+        assert isinstance(self.params, SamplingParams), "an embedding's choice samples nothing"
+        return self.params
 
 
 def plan_choices(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:

@@ -1,4 +1,4 @@
-"""The one serving pipeline every generation route goes through.
+"""The one serving pipeline every generation route goes through (and the embeddings route: `start_pooling`).
 
 A route translates its protocol into a GenerationRequest, hands it to `start_generation`, and writes the
 Generation it gets back in its protocol: collected into one response, or as a stream of events. Between the
@@ -24,19 +24,28 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional, Sequence
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from engine.async_engine import RequestInput
 from engine.sampling.beam_search import BeamSearchParams
 from engine.errors import LoRANotFoundError
 from engine.lora.request import LoRAMix
 from engine.outputs import OutputAccumulator, RequestOutput
+from engine.pooling.params import PoolingParams
+from engine.sampling.params import SamplingParams
 from engine.request_stream import RequestStream
 from engine.structured import StructuredOutputs
 from scheduler import RequestRejectedError
 from server.http.errors import bad_request, rejection_error
 from server.openai.protocol import SamplingFields
 from server.serving.beam_search import beam_search_params, start_searches
-from server.serving.checks import check_fields, check_queue_room, check_server_and_model
+from server.serving.checks import (
+    check_extra_fields,
+    check_fields,
+    check_priority,
+    check_queue_room,
+    check_server_and_model,
+)
 from server.serving.choices import Choice, plan_choices
 from server.serving.constraints import constraint_from_extras
 from server.serving.lora_adapters import adapter_not_found
@@ -69,6 +78,21 @@ class GenerationRequest:
     # The route's sources of an output grammar, (source as the route names it, constraint): its format field
     # first, then its tools; the vLLM extras (structured_outputs, guided_*) go between, on every route.
     constraints: Sequence[tuple[str, Optional[Constraint]]] = ()
+    field_names: Mapping[str, str] = field(default_factory=dict)  # engine field -> the route's name for it
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolingRequest:
+    """One pooling (embeddings) request in the pipeline's terms: each of its prompts is one engine request,
+    answered by one choice."""
+
+    body: BaseModel  # the route's request (its unknown fields: logged, or refused under --strict-params)
+    model: Optional[str]
+    request_id: str
+    prompt: Prompt
+    params: PoolingParams
+    priority: int = 0
+    cache_salt: Optional[str] = None
     field_names: Mapping[str, str] = field(default_factory=dict)  # engine field -> the route's name for it
 
 
@@ -112,9 +136,47 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
         state.preparing -= 1  # admitted (the engine counts it now) or refused
 
 
+async def start_pooling(state: "ServerState", request: PoolingRequest, arrival_time: float) -> Generation:
+    """Check, render and admit a pooling request: its Generation's outputs carry the embeddings. A generative
+    model's server refuses it (400)."""
+    state.preparing += 1
+    try:
+        model, lora = check_server_and_model(state, request.model)
+        if state.engine.pooler is None:
+            raise bad_request(
+                f"The model {model!r} does not support the Embeddings API: it is served for generation "
+                "(start a pooling model, or --runner pooling).",
+                param="model",
+            )
+        check_extra_fields(request.body, state.config.strict_params, known=frozenset())
+        check_priority(state, request.priority)
+        check_queue_room(state, request.prompt.count, request.prompt.param)
+        prompts = await request.prompt.token_ids(state)
+        choices = [
+            Choice(
+                i, request.request_id if len(prompts) == 1 else f"{request.request_id}-{i}", i, prompt, request.params
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            streams, guard = await _admit(state, choices, request.priority, arrival_time, lora, request.cache_salt)
+        except LoRANotFoundError as exc:
+            raise adapter_not_found(exc, "model") from None
+        except RequestRejectedError as exc:
+            raise rejection_error(exc, request.field_names) from None
+        return Generation(state, model, request.request_id, prompts, choices, streams, guard)
+    finally:
+        state.preparing -= 1
+
+
 async def _prepare_and_admit(state: "ServerState", request: GenerationRequest, arrival_time: float) -> Generation:
     body = request.body
     model, lora = check_server_and_model(state, body.model, body.lora)
+    if state.engine.pooler is not None:
+        raise bad_request(
+            f"The model {model!r} is served for pooling (embeddings): it generates no text; use /v1/embeddings.",
+            param="model",
+        )
     refuse_unsupported(body, request.unsupported)
     check_fields(body, state)
     extras = ("structured_outputs / guided_*", constraint_from_extras(body))
@@ -178,7 +240,7 @@ async def _admit(
     steps queue in the engine as they come, serving/beam_search.py). The guard returned holds the places and the
     deadline."""
     ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
-    if state.config.enable_log_requests:
+    if state.config.enable_log_requests and isinstance(choices[0].params, SamplingParams):
         _log_request(choices)
     timeout = state.config.request_timeout
     guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
@@ -212,7 +274,7 @@ async def _admit(
 def _log_request(choices: Sequence[Choice]) -> None:
     """One info line per request (--enable-log-requests): ids, token counts and sampling settings. Never its
     text: no prompt, no stop strings, no logit_bias keys."""
-    params = choices[0].params
+    params = choices[0].sampling
     prompts = {choice.prompt_index: len(choice.prompt_token_ids) for choice in choices}
     logger.info(
         "request %s: %d choice(s), prompt tokens %s, max_tokens %s, temperature %g, top_p %g, top_k %s, "

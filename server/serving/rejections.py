@@ -43,6 +43,13 @@ def describe_rejection(exc: RequestRejectedError, names: Mapping[str, str]) -> R
     def param(field: Optional[str]) -> Optional[str]:
         return None if field is None else name(field)
 
+    if isinstance(exc, ContextLengthExceededError) and not exc.max_tokens:  # (a pooling request generates none)
+        return Refusal(
+            f"This model's maximum context length is {exc.max_model_len} tokens, but the input has "
+            f"{exc.num_prompt_tokens}. Shorten it, or set truncate_prompt_tokens.",
+            name(exc.field),
+            CONTEXT_LENGTH_EXCEEDED,
+        )
     if isinstance(exc, ContextLengthExceededError):
         return Refusal(
             f"This model's maximum context length is {exc.max_model_len} tokens, but {exc.num_tokens} were "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Optional
 from pathlib import Path
 import yaml
 
@@ -333,3 +334,44 @@ def _write_gguf_tokenizer(writer, model_dir: Path) -> None:
     writer.add_eos_token_id(EOS_ID)
     writer.add_pad_token_id(0)
     writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def make_tiny_embedding_dir(
+    path: Path,
+    arch: str = "llama",
+    *,
+    pooling_mode: Optional[str] = None,
+    normalize: bool = True,
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    """A tiny random embedding model as such checkpoints are saved: the HF base model without its LM head
+    (`AutoModel`: architectures ["LlamaModel"], unprefixed tensor names), a tokenizer; with `pooling_mode`
+    ("lasttoken", "mean_tokens", "cls_token") also Sentence Transformers' modules.json and pooling config,
+    with a Normalize module when `normalize`."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.for_model(**tiny_config_dict(arch, **overrides))
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config, dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tiny_tokenizer().save_pretrained(path)
+    if pooling_mode is not None:
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]
+        if normalize:
+            modules.append(
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+            )
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "1_Pooling").mkdir(exist_ok=True)
+        modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+        pooling = {f"pooling_mode_{mode}": mode == pooling_mode for mode in modes}
+        (path / "1_Pooling" / "config.json").write_text(
+            json.dumps({"word_embedding_dimension": config.hidden_size, **pooling})
+        )
+    return path

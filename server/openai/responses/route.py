@@ -139,7 +139,7 @@ async def _stream(
 
 
 def _sampling(generation: Generation) -> tuple[float, float]:
-    params = generation.choices[0].params
+    params = generation.choices[0].sampling
     return params.temperature, params.top_p
 
 

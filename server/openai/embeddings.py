@@ -1,0 +1,138 @@
+"""POST /v1/embeddings: OpenAI's embeddings protocol (and vLLM's chat-style `messages` input) in and out of the
+serving pipeline, for a model served for pooling."""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any, Literal, Optional, Union
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.errors import RequestRejectedError
+from engine.pooling.params import PoolingParams
+from server.http.errors import ERROR_RESPONSES, bad_request, rejection_error
+from server.openai.protocol import ChatMessage, new_id, now
+from server.serving.pipeline import PoolingRequest, start_pooling
+from server.serving.prompts import ChatPrompt, Prompt, TextPrompts
+from server.state import ServerState
+
+router = APIRouter()
+
+# vLLM's byte orders of a base64 embedding ("native": this machine's)
+_BYTE_ORDERS = {"native": "=", "little": "<", "big": ">"}
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request, with vLLM's extras; `messages` (vLLM's chat embeddings) in place of `input`
+    renders a conversation by the chat template first."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[str] = None
+    input: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    # vLLM extras
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = False  # (vLLM's chat-embedding default: the conversation as it stands)
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: Optional[bool] = None  # None: true for input, false for messages (the template writes them)
+    truncate_prompt_tokens: Optional[int] = None
+    normalize: Optional[bool] = None
+    priority: int = 0
+    request_id: Optional[str] = None
+    cache_salt: Optional[str] = None
+    embed_dtype: Literal["float32"] = "float32"  # (vLLM's other storage types are not served)
+    endianness: Literal["native", "little", "big"] = "native"
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: Union[list[float], str]
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: new_id("embd"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+    arrival_time = time.monotonic()
+    state: ServerState = request.app.state.server
+    try:
+        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+    except RequestRejectedError as exc:
+        raise rejection_error(exc) from None
+    generation = await start_pooling(
+        state,
+        PoolingRequest(
+            body=body,
+            model=body.model,
+            request_id=body.request_id or new_id("embd"),
+            prompt=_prompt(body),
+            params=params,
+            priority=body.priority,
+            cache_salt=body.cache_salt,
+            field_names={"prompt": "messages" if body.messages is not None else "input"},
+        ),
+        arrival_time,
+    )
+    results = await generation.collect(request)
+    data = []
+    for choice, result in zip(generation.choices, results):
+        assert result.embedding is not None  # (a request that failed raised in collect)
+        data.append(EmbeddingData(index=choice.index, embedding=_encoded(result.embedding, body)))
+    num_tokens = sum(len(prompt) for prompt in generation.prompts)
+    return EmbeddingResponse(
+        id=generation.request_id,
+        model=generation.model,
+        data=data,
+        usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+    )
+
+
+def _prompt(body: EmbeddingRequest) -> Prompt:
+    if (body.input is None) == (body.messages is None):
+        raise bad_request("give exactly one of input or messages.", param="input")
+    if body.messages is not None:
+        return ChatPrompt(
+            body.messages,
+            body.add_generation_prompt,
+            add_special_tokens=bool(body.add_special_tokens),
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            chat_template=body.chat_template,
+        )
+    assert body.input is not None
+    return TextPrompts(
+        body.input,
+        param="input",
+        add_special_tokens=body.add_special_tokens is not False,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+    )
+
+
+def _encoded(embedding: list[float], body: EmbeddingRequest) -> Union[list[float], str]:
+    """The vector as asked: a list of floats, or base64 of its float32 bytes (what the OpenAI SDKs ask for and
+    decode), in `endianness` byte order."""
+    if body.encoding_format == "float":
+        return embedding
+    return base64.b64encode(np.asarray(embedding, dtype=_BYTE_ORDERS[body.endianness] + "f4").tobytes()).decode()

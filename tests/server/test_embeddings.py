@@ -1,0 +1,154 @@
+"""POST /v1/embeddings on a real uvicorn server, through the openai SDK (which asks for base64) and httpx:
+the vectors the offline engine gives (and HF's, tests/engine/test_pooling.py), OpenAI's response shape and
+errors, vLLM's chat-style `messages` input; a generative model refuses it and a pooling model refuses
+generation."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from engine.pooling import PoolingParams
+from server.config.server_config import ServerConfig
+from tests.engine.factories import make_tiny_embedding_dir
+from tests.engine.references import make_llm
+from tests.server.conftest import serving
+
+TEXTS = ["hello world, this is a test", "the quick brown fox jumps over the lazy dog " * 4]
+
+
+@pytest.fixture(scope="module")
+def embedding_dir(tmp_path_factory):
+    return make_tiny_embedding_dir(tmp_path_factory.mktemp("embed"), matryoshka_dimensions=[16, 64])
+
+
+@pytest.fixture(scope="module")
+def embedder(embedding_dir):
+    with serving(embedding_dir, ServerConfig(served_model_name="tiny-embed")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(embedding_dir):
+    """The offline engine's embeddings of TEXTS (which test_pooling.py checks against HF)."""
+    llm = make_llm(embedding_dir)
+    return {
+        dims: [
+            torch.tensor(r.outputs.embedding) for r in llm.embed(TEXTS, PoolingParams(dimensions=dims), use_tqdm=False)
+        ]
+        for dims in (None, 16)
+    }
+
+
+def test_the_openai_sdk_gets_the_engines_vectors(embedder, reference):
+    """The SDK sends encoding_format base64 and decodes float32 itself."""
+    response = embedder.sdk().embeddings.create(model="tiny-embed", input=TEXTS)
+    assert response.object == "list" and response.model == "tiny-embed"
+    assert [d.index for d in response.data] == [0, 1]
+    for data, expected in zip(response.data, reference[None]):
+        assert data.object == "embedding"
+        torch.testing.assert_close(torch.tensor(data.embedding), expected)
+    tokenizer = embedder.engine.tokenizer
+    num_tokens = sum(len(tokenizer.encode(t)) for t in TEXTS)
+    assert response.usage.prompt_tokens == response.usage.total_tokens == num_tokens
+    embedder.wait_idle()
+
+
+def test_floats_token_ids_and_dimensions(embedder, reference):
+    with embedder.client() as client:
+        body = client.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "float"}).json()
+        assert body["id"].startswith("embd-") and isinstance(body["created"], int)
+        torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), reference[None][0])
+        ids = embedder.engine.tokenizer.encode(TEXTS[1])
+        for given in (ids, [ids]):
+            body = client.post("/v1/embeddings", json={"input": given, "encoding_format": "float"}).json()
+            torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), reference[None][1])
+        body = client.post("/v1/embeddings", json={"input": TEXTS, "dimensions": 16}).json()
+        assert [len(d["embedding"]) for d in body["data"]] == [16, 16]
+        torch.testing.assert_close(torch.tensor(body["data"][1]["embedding"]), reference[16][1])
+        # vLLM's byte order of base64 vectors
+        body = client.post(
+            "/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64", "endianness": "big"}
+        ).json()
+        raw = base64.b64decode(body["data"][0]["embedding"])
+        vector = torch.tensor(struct.unpack(f">{len(raw) // 4}f", raw))
+        torch.testing.assert_close(vector, reference[None][0])
+        # vLLM's truncate_prompt_tokens: the last tokens kept
+        body = client.post("/v1/embeddings", json={"input": TEXTS[1], "truncate_prompt_tokens": 5}).json()
+        assert body["usage"]["prompt_tokens"] == 5
+        # vLLM's normalize extra
+        body = client.post("/v1/embeddings", json={"input": TEXTS[0], "normalize": False}).json()
+        norm = float(np.linalg.norm(body["data"][0]["embedding"]))
+        assert abs(norm - 1.0) > 1e-3
+    embedder.wait_idle()
+
+
+def test_chat_messages_are_rendered_by_the_template(embedder):
+    """vLLM's chat embeddings: the conversation as the chat template writes it, without a generation prompt."""
+    messages = [{"role": "user", "content": "hello there"}]
+    with embedder.client() as client:
+        chat = client.post("/v1/embeddings", json={"messages": messages, "encoding_format": "float"}).json()
+        rendered = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        by_ids = client.post("/v1/embeddings", json={"input": rendered["tokens"], "encoding_format": "float"}).json()
+    assert chat["usage"]["prompt_tokens"] == rendered["count"]
+    torch.testing.assert_close(torch.tensor(chat["data"][0]["embedding"]), torch.tensor(by_ids["data"][0]["embedding"]))
+    embedder.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "body,param,fragment",
+    [
+        ({"input": TEXTS[0], "dimensions": 8}, "dimensions", "matryoshka dimensions [16, 64]"),
+        ({"input": TEXTS[0], "dimensions": 0}, "dimensions", "at least 1"),
+        ({"input": ""}, "input", None),
+        ({"input": []}, "input", "must not be empty"),
+        ({}, "input", "exactly one of input or messages"),
+        ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input", "exactly one"),
+        ({"input": [list(range(300))]}, "input", "context length is 256 tokens, but the input has 300"),
+        ({"input": [[100000]]}, "input", "outside the vocabulary"),
+        ({"input": "x", "model": "nope"}, "model", "nope"),
+        ({"input": "x", "encoding_format": "bytes"}, "encoding_format", None),
+        ({"input": "x", "embed_dtype": "float16"}, "embed_dtype", None),
+        ({"input": "x", "priority": 3}, "priority", "scheduling-policy priority"),
+    ],
+)
+def test_bad_requests_name_their_field(embedder, body, param, fragment):
+    with embedder.client() as client:
+        response = client.post("/v1/embeddings", json=body)
+    error = response.json()["error"]
+    assert response.status_code == (404 if param == "model" else 400), error
+    assert error["param"] == param or param in (error["param"] or ""), error
+    if fragment is not None:
+        assert fragment in error["message"]
+    embedder.wait_idle()
+
+
+def test_a_pooling_model_generates_nothing(embedder):
+    sdk = embedder.sdk()
+    with pytest.raises(openai.BadRequestError, match="served for pooling"):
+        sdk.completions.create(model="tiny-embed", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="served for pooling"):
+        sdk.chat.completions.create(model="tiny-embed", messages=[{"role": "user", "content": "hi"}])
+    with embedder.client() as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-embed"
+        assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+    embedder.wait_idle()
+
+
+def test_a_generative_model_refuses_embeddings(server):
+    with pytest.raises(openai.BadRequestError, match="does not support the Embeddings API") as caught:
+        server.sdk().embeddings.create(model=server.model_name, input="hi")
+    assert caught.value.body["param"] == "model"
+
+
+def test_strict_params_refuse_unknown_fields(embedding_dir):
+    with serving(embedding_dir, ServerConfig(strict_params=True)) as running, running.client() as client:
+        response = client.post("/v1/embeddings", json={"input": "x", "colour": "blue"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "colour"
+        assert client.post("/v1/embeddings", json={"input": "x", "user": "u1"}).status_code == 200
+        running.wait_idle()
