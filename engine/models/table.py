@@ -51,6 +51,10 @@ cache); a paged server cannot re-rotate cached keys. Outputs equal HF's whenever
 original context, and for sequences longer than it; shorter sequences served with a longer `max_model_len` rotate
 with the long factors where HF would take the short ones.
 
+Every family also serves embeddings (`--runner pooling`, or a checkpoint saved as the base model,
+`LlamaModel`, `Qwen2Model`, ...: the prompt's final hidden state pooled; [embeddings](api.md#embeddings)),
+checked against HF's base model (tests/engine/test_pooling.py).
+
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
 Qwen2/3, Gemma 2/3, Phi-3/4, OLMo 2, Granite); mixture-of-experts models refuse them at start-up.
 
