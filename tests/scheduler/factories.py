@@ -77,6 +77,7 @@ def make_request(
     priority: int = 0,
     arrival_time: Optional[float] = None,
     first_token: int = 100,
+    prefill_only: bool = False,
 ) -> Request:
     """A request; an int prompt means that many distinct tokens starting at `first_token`."""
     prompt_ids = list(range(first_token, first_token + prompt)) if isinstance(prompt, int) else list(prompt)
@@ -90,6 +91,7 @@ def make_request(
         stop_token_ids=frozenset(stop_token_ids),
         ignore_eos=ignore_eos,
         priority=priority,
+        prefill_only=prefill_only,
         **kwargs,
     )
 

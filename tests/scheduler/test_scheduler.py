@@ -443,3 +443,41 @@ def test_prefix_cache_counters_count_each_prompt_once_through_preemptions():
     roomy, tight = counters(64), counters(10)
     assert roomy == (0, 16, 0)
     assert tight[0] > 0 and tight[1:] == roomy[1:]
+
+
+def test_a_prefill_only_request_finishes_when_its_prompt_is_computed():
+    """A pooling request (embeddings) is chunked like any prompt and ends, stopped and with no token, in the step
+    that computes its last prompt token; its blocks are freed then and stay in the prefix cache for the next."""
+    s = make_scheduler(max_num_batched_tokens=16)
+    pooled = make_request(40, max_tokens=0, prefill_only=True)
+    decoding = make_request(6, max_tokens=5)
+    s.add_request(pooled)
+    s.add_request(decoding)
+    ends = {}
+    for _ in range(20):
+        if not s.has_unfinished_requests:
+            break
+        _, results = step(s)
+        for result in results:
+            if result.status.is_finished:
+                ends[result.request_id] = result
+    assert ends[pooled.request_id].status is RequestStatus.FINISHED_STOPPED
+    assert ends[pooled.request_id].new_token_ids == [] and pooled.output_token_ids == []
+    assert len(decoding.output_token_ids) == 5
+    assert s.kv_cache_manager.usage == 0
+    again = make_request(40, max_tokens=0, prefill_only=True)
+    s.add_request(again)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens[again.request_id] == 40 - 36  # cached up to the last full block before its end
+    run_until_done(s)
+
+
+def test_a_prefill_only_request_may_fill_the_context_and_samples_nothing():
+    s = make_scheduler(max_model_len=32, num_blocks=8)
+    s.check_request(make_request(32, max_tokens=0, prefill_only=True))  # 8 blocks of 4: the whole pool
+    with pytest.raises(ContextLengthExceededError, match="33 prompt tokens exceed max_model_len 32"):
+        s.check_request(make_request(33, max_tokens=0, prefill_only=True))
+    with pytest.raises(ValueError, match="samples nothing"):
+        make_request(8, max_tokens=1, prefill_only=True)
+    with pytest.raises(ValueError, match="max_tokens >= 1"):
+        make_request(8, max_tokens=0)
