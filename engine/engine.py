@@ -209,27 +209,10 @@ class EngineCore:
             )
             state = RequestState(request, params, None, None)
         else:
-            if self.pooler is not None:
-                raise InvalidParameterError(
-                    "model", f"{self.model_name!r} is served for pooling (embeddings): it generates no tokens"
-                )
-            if params.n != 1:
-                raise InvalidParameterError(
-                    "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
-                )
-            request = self.make_request(
-                request_id, prompt_token_ids, params, arrival_time, priority, grammar, cache_salt
+            state = self._generation_state(
+                self.make_request(request_id, prompt_token_ids, params, arrival_time, priority, grammar, cache_salt)
             )
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer.hf,
-                request.prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-            )
-            matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
-            state = RequestState(request, params, detokenizer, matcher)
-            if params.prompt_logprobs is not None:
-                state.prompt_logprobs = [None]
+            request = state.request
         if lora is not None and ref is None:  # its adapter loads in the background
             self.scheduler.check_request(request)
             self._lora_waiting.add(request, lora)
@@ -241,6 +224,22 @@ class EngineCore:
         if lora is not None and self.lora_manager is not None:
             self.lora_manager.count_request(lora)
         self._states[request_id] = state
+
+    def _generation_state(self, request: Request) -> RequestState:
+        """The engine's bookkeeping of a request that generates: its detokenizer and stop strings."""
+        params = request.sampling_params
+        assert isinstance(params, SamplingParams)  # (make_request's)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer.hf,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+        matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        state = RequestState(request, params, detokenizer, matcher)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        return state
 
     def make_request(
         self,
@@ -254,6 +253,14 @@ class EngineCore:
     ) -> Request:
         """The scheduler request for these inputs, validated against the model (not queued); a constrained one
         holds its compiled grammar (`grammar`, or compiled now) until it ends."""
+        if self.pooler is not None:
+            raise InvalidParameterError(
+                "model", f"{self.model_name!r} is served for pooling (embeddings): it generates no tokens"
+            )
+        if params.n != 1:
+            raise InvalidParameterError(
+                "n", "must be 1 for one engine request (fan n > 1 out with engine.sampling.parallel.fan_out)"
+            )
         prompt = list(prompt_token_ids)
         check_token_ids(prompt, self.vocab_size, "prompt")
         params.verify_vocab(self.vocab_size)
