@@ -12,11 +12,13 @@ import numpy as np
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.pooling import PoolingParams
 from server.config.server_config import ServerConfig
 from tests.engine.factories import make_tiny_embedding_dir
 from tests.engine.references import make_llm
+from tests.promtool import check_metrics
 from tests.server.conftest import serving
 
 TEXTS = ["hello world, this is a test", "the quick brown fox jumps over the lazy dog " * 4]
@@ -138,6 +140,45 @@ def test_a_pooling_model_generates_nothing(embedder):
         assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-embed"
         assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200
     embedder.wait_idle()
+
+
+def scrape(client) -> tuple[str, dict[tuple[str, frozenset], float]]:
+    """/metrics: its text, and every sample's value by (name, labels)."""
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    families = text_string_to_metric_families(response.text)
+    return response.text, {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
+
+
+def test_metrics_count_embedding_requests(embedder):
+    """Each input is one request: finished ("stop") with its prompt tokens and no generated ones; an input the
+    engine refuses is a rejected failure; the exposition stays valid for Prometheus."""
+    with embedder.client() as client:
+        _, before = scrape(client)
+        prompt_tokens = 0
+        for body in ({"input": TEXTS}, {"input": TEXTS[0], "dimensions": 16}):
+            response = client.post("/v1/embeddings", json=body)
+            assert response.status_code == 200
+            prompt_tokens += response.json()["usage"]["prompt_tokens"]
+        assert client.post("/v1/embeddings", json={"input": [[100000]]}).status_code == 400
+        embedder.wait_idle()
+        text, after = scrape(client)
+    result = check_metrics(text)
+    assert result.returncode == 0 and not result.stdout.strip(), f"promtool:\n{result.stdout}{result.stderr}"
+
+    def grown(name: str, **labels: str) -> float:
+        key = (name, frozenset({"model_name": "tiny-embed", **labels}.items()))
+        return after[key] - before.get(key, 0.0)
+
+    assert grown("pagedserve_request_success_total", finished_reason="stop") == 3
+    assert grown("pagedserve_prompt_tokens_total") == prompt_tokens
+    assert grown("pagedserve_generation_tokens_total") == 0
+    assert grown("pagedserve_request_failure_total", reason="rejected") == 1
+    assert grown("pagedserve_e2e_request_latency_seconds_count") == 3
+    assert grown("pagedserve_request_prompt_tokens_sum") == prompt_tokens
+    assert grown("pagedserve_http_requests_total", route="/v1/embeddings", status="200") == 2
+    assert grown("pagedserve_http_requests_total", route="/v1/embeddings", status="400") == 1
+    assert after[("pagedserve_num_requests_running", frozenset({"model_name": "tiny-embed"}.items()))] == 0
 
 
 def test_a_generative_model_refuses_embeddings(server):
