@@ -2,7 +2,7 @@
 Python, never imported by pagedserve): serves until SIGTERM / SIGINT.
 
     python llamacpp_server.py --model FILE.gguf --port P --parallel N [--threads 2] [--ctx-per-slot 1024] [--alias NAME]
-        [--yarn-factor F --yarn-orig-ctx N]
+        [--yarn-factor F --yarn-orig-ctx N] [--embedding last|mean|cls]
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ def main() -> int:
         help="how hard its threads spin waiting for work, 0-100 (llama.cpp's default: 50)",
     )
     parser.add_argument("--alias", default=None, help="the model name clients send and responses carry")
+    parser.add_argument(
+        "--embedding",
+        choices=("last", "mean", "cls"),
+        default=None,
+        help="serve /v1/embeddings with this pooling (vectors L2-normalized), not generation",
+    )
     parser.add_argument("--yarn-factor", type=float, default=None, help="YaRN rope scaling by this factor")
     parser.add_argument("--yarn-orig-ctx", type=int, default=0, help="with --yarn-factor: the trained context")
     args = parser.parse_args()
@@ -43,6 +49,10 @@ def main() -> int:
     if args.poll is not None:
         params.cpuparams.poll = args.poll
         params.cpuparams_batch.poll = args.poll
+    if args.embedding:
+        params.embedding = True
+        params.pooling_type = getattr(xllamacpp.llama_pooling_type, f"LLAMA_POOLING_TYPE_{args.embedding.upper()}")
+        params.n_batch = params.n_ubatch = args.ctx_per_slot  # an input is embedded in one batch: it must fit
     if args.yarn_factor:
         params.rope_scaling_type = xllamacpp.llama_rope_scaling_type.LLAMA_ROPE_SCALING_TYPE_YARN
         params.rope_freq_scale = 1.0 / args.yarn_factor

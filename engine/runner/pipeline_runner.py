@@ -34,8 +34,8 @@ class LaunchedStep(NamedTuple):
 
 def returns_every_row(batch: Any) -> bool:
     """Whether the last stage sends back every row of a step (it scores prompt rows or pools rows), not only the
-    sample rows."""
-    return bool(batch.prompt_rows or batch.pool_rows)
+    sample rows. (A pooling request's last chunk may pool no row, as CLS's past its first: it needs none.)"""
+    return bool(batch.prompt_rows) or any(count for _, _, count, _ in batch.pool_rows)
 
 
 def returned_rows(batch: Any) -> int:
