@@ -192,6 +192,7 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket, log_c
         scheme=server_config.scheme,
         key=keys[0] if keys and _is_terminal(sys.stdout) else None,
         uds=server_config.uds,
+        pooling=engine.pooler is not None,
     )
 
     from server.app import create_app
@@ -341,8 +342,10 @@ def ready_message(
     key: Optional[str] = None,
     scheme: str = "http",
     uds: Optional[str] = None,
+    pooling: bool = False,
 ) -> str:
-    """The URL and a ready-to-paste curl line.
+    """The URL and a ready-to-paste curl line: a completion, or for a model served for pooling (which generates
+    nothing) an embedding.
 
     With API keys, the line carries `key` itself when given (the CLI gives it only when stdout is a
     terminal: the screen of whoever started the server); otherwise `$PAGEDSERVE_API_KEY`, with a line
@@ -354,7 +357,13 @@ def ready_message(
     socket_flag = ""
     if uds is not None:  # (the host part of the URL names no one: curl connects to the socket)
         url, socket_flag = f"{scheme}://localhost", " --unix-socket " + shlex.quote(uds)
-    body = json.dumps({"model": model_name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0})
+    if pooling:
+        route, body = "/v1/embeddings", json.dumps({"model": model_name, "input": "The capital of France is"})
+    else:
+        route = "/v1/completions"
+        body = json.dumps(
+            {"model": model_name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+        )
     insecure = " -k" if scheme == "https" else ""
     auth, before = "", ""
     if needs_key and key is not None:
@@ -362,10 +371,7 @@ def ready_message(
     elif needs_key:
         auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"'
         before = "  export PAGEDSERVE_API_KEY=...  # one of the keys given with --api-key or PAGEDSERVE_API_KEY\n"
-    curl = (
-        f'curl{insecure}{socket_flag} {url}/v1/completions -H "Content-Type: application/json"{auth} '
-        f"-d {shlex.quote(body)}"
-    )
+    curl = f'curl{insecure}{socket_flag} {url}{route} -H "Content-Type: application/json"{auth} -d {shlex.quote(body)}'
     where = f"{url}/v1 on the Unix socket {uds}" if uds is not None else f"{url}/v1"
     return f"pagedserve: serving {model_name!r} at {where} (metrics at {url}/metrics)\ntry:\n{before}  {curl}"
 

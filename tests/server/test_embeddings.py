@@ -6,7 +6,10 @@ generation."""
 from __future__ import annotations
 
 import base64
+import json
+import shlex
 import struct
+from urllib.parse import urlsplit
 
 import numpy as np
 import openai
@@ -15,6 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.pooling import PoolingParams
+from server.cli import ready_message
 from server.config.server_config import ServerConfig
 from tests.engine.factories import make_tiny_embedding_dir
 from tests.engine.references import make_llm
@@ -179,6 +183,26 @@ def test_metrics_count_embedding_requests(embedder):
     assert grown("pagedserve_http_requests_total", route="/v1/embeddings", status="200") == 2
     assert grown("pagedserve_http_requests_total", route="/v1/embeddings", status="400") == 1
     assert after[("pagedserve_num_requests_running", frozenset({"model_name": "tiny-embed"}.items()))] == 0
+
+
+def test_the_start_up_lines_curl_embeds_on_a_pooling_model(embedder):
+    """The ready-to-paste curl line that `pagedserve serve` prints asks a pooling model for an embedding (a
+    completion would be refused), and the server answers it."""
+    url = urlsplit(embedder.base_url)
+    assert url.hostname is not None and url.port is not None
+    message = ready_message(
+        url.hostname, url.port, "tiny-embed", False, pooling=embedder.engine.engine.pooler is not None
+    )
+    curl = shlex.split(message.splitlines()[-1])
+    assert urlsplit(curl[1]).path == "/v1/embeddings"
+    with embedder.client() as client:
+        response = client.post(
+            curl[1], content=curl[curl.index("-d") + 1], headers={"Content-Type": "application/json"}
+        )
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"][0]["embedding"]) == 64
+    assert json.loads(curl[curl.index("-d") + 1]) == {"model": "tiny-embed", "input": "The capital of France is"}
+    embedder.wait_idle()
 
 
 def test_a_generative_model_refuses_embeddings(server):
