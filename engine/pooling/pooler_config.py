@@ -56,20 +56,22 @@ class ModelPooler:
     matryoshka: Optional[tuple[int, ...]] = None
     default_dimensions: Optional[int] = None
 
-    def resolve(self, params: PoolingParams, model: str) -> Pooling:
+    def resolve(self, params: PoolingParams, model: Optional[str]) -> Pooling:
         """The request's settings against the model's: `dimensions` only for a Matryoshka model, at most its
-        hidden size, one of its listed sizes where it lists them (InvalidParameterError, vLLM's wording)."""
+        hidden size, one of its listed sizes where it lists them (InvalidParameterError, vLLM's wording; `model`
+        names the model in it, None: "the model", as at start-up)."""
+        who = "the model" if model is None else f"model {model!r}"
         dimensions = params.dimensions if params.dimensions is not None else self.default_dimensions
         if dimensions is not None and dimensions != self.hidden_size:
             if self.matryoshka is None:
                 raise InvalidParameterError(
                     "dimensions",
-                    f"cannot be set: model {model!r} does not support matryoshka representation, and changing "
+                    f"cannot be set: {who} does not support matryoshka representation, and changing "
                     "the output dimensions would give poor results",
                 )
             if self.matryoshka and dimensions not in self.matryoshka:
                 raise InvalidParameterError(
-                    "dimensions", f"must be one of model {model!r}'s matryoshka dimensions {list(self.matryoshka)}"
+                    "dimensions", f"must be one of the matryoshka dimensions {list(self.matryoshka)} of {who}"
                 )
             if dimensions > self.hidden_size:
                 raise InvalidParameterError(
@@ -116,7 +118,7 @@ def model_pooler(hf_config: Any, checkpoint_dir: Path, overrides: Optional[Poole
     pooler = ModelPooler(pooling_type, normalize, hidden_size, matryoshka, default_dimensions)
     if default_dimensions is not None:
         try:
-            pooler.resolve(PoolingParams(), "this")
+            pooler.resolve(PoolingParams(), None)
         except InvalidParameterError as error:
             raise SettingsConflictError(f"--pooler-config dimensions {default_dimensions}: {error.problem}") from None
     return pooler

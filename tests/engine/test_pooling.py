@@ -5,6 +5,7 @@ chunked prefill, prefix-cache hits, preemption, Matryoshka dimensions and the ru
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from engine import SamplingParams
 from engine.errors import InvalidParameterError, SettingsConflictError
 from engine.pooling import PoolingParams
+from engine.pooling.pooler_config import PoolerConfig, model_pooler
 from tests.engine.factories import make_tiny_embedding_dir
 from tests.engine.references import assert_idle, make_llm
 
@@ -177,6 +179,21 @@ def test_matryoshka_dimensions(tmp_path):
     with pytest.raises(InvalidParameterError, match="at least 1"):
         PoolingParams(dimensions=0)
     assert_idle(plain)
+
+
+def test_a_default_dimensions_the_model_lacks_is_refused_at_start_up(tmp_path):
+    """--pooler-config's dimensions is checked as a request's would be, its message naming no model (none is
+    served yet)."""
+    config = SimpleNamespace(hidden_size=64, matryoshka_dimensions=[16, 64])
+    with pytest.raises(SettingsConflictError) as caught:
+        model_pooler(config, tmp_path, PoolerConfig(dimensions=32))
+    assert (
+        str(caught.value)
+        == "--pooler-config dimensions 32: must be one of the matryoshka dimensions [16, 64] of the model"
+    )
+    with pytest.raises(SettingsConflictError, match="cannot be set: the model does not support matryoshka"):
+        model_pooler(SimpleNamespace(hidden_size=64), tmp_path, PoolerConfig(dimensions=16))
+    assert model_pooler(config, tmp_path, PoolerConfig(dimensions=16)).default_dimensions == 16
 
 
 def test_pooling_settings_that_cannot_hold(tmp_path, tiny_llama_dir):
