@@ -273,7 +273,7 @@ def _pooler(config: EngineConfig, checkpoint: Checkpoint, hf_config: Any) -> Opt
     logger.info(
         "pooling model (embeddings): %s pooling%s, %d dimensions%s",
         pooler.type.value,
-        ", normalized" if pooler.normalize else "",
+        ", normalized" if pooler.normalize else ", not normalized",
         pooler.hidden_size,
         "" if pooler.matryoshka is None else f" (matryoshka: {list(pooler.matryoshka) or 'any'})",
     )

@@ -33,7 +33,7 @@ class EmbeddingRequest(BaseModel):
 
     model: Optional[str] = None
     input: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Optional[Literal["float", "base64"]] = None  # None: float
     dimensions: Optional[int] = None
     user: Optional[str] = None
     # vLLM extras
@@ -133,6 +133,6 @@ def _prompt(body: EmbeddingRequest) -> Prompt:
 def _encoded(embedding: list[float], body: EmbeddingRequest) -> Union[list[float], str]:
     """The vector as asked: a list of floats, or base64 of its float32 bytes (what the OpenAI SDKs ask for and
     decode), in `endianness` byte order."""
-    if body.encoding_format == "float":
+    if body.encoding_format != "base64":
         return embedding
     return base64.b64encode(np.asarray(embedding, dtype=_BYTE_ORDERS[body.endianness] + "f4").tobytes()).decode()

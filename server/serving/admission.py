@@ -47,7 +47,7 @@ class Admission:
         """A request with more sequences than the queue can ever hold is a 400 (naming `param`), not a 429."""
         if num_sequences > self.max_requests:
             raise bad_request(
-                f"this request asks for {num_sequences} sequences (prompts x n); at most "
+                f"this request asks for {num_sequences} sequences (prompts x n, or inputs to embed); at most "
                 f"{self.max_requests} can be queued (--max-queued-requests).",
                 param=param,
             )

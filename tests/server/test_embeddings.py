@@ -84,6 +84,9 @@ def test_floats_token_ids_and_dimensions(embedder, reference):
         raw = base64.b64decode(body["data"][0]["embedding"])
         vector = torch.tensor(struct.unpack(f">{len(raw) // 4}f", raw))
         torch.testing.assert_close(vector, reference[None][0])
+        # null is the default (float)
+        body = client.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": None}).json()
+        torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), reference[None][0])
         # vLLM's truncate_prompt_tokens: the last tokens kept
         body = client.post("/v1/embeddings", json={"input": TEXTS[1], "truncate_prompt_tokens": 5}).json()
         assert body["usage"]["prompt_tokens"] == 5
