@@ -469,7 +469,7 @@ def test_vllm_llm_arguments_that_ask_for_what_the_engine_does():
     for key, value in (
         ("load_format", "dummy"),
         ("cpu_offload_gb", 4),
-        ("task", "embed"),
+        ("task", "classify"),
         ("compilation_config", {"level": 3}),
         ("tokenizer_revision", "v2"),
         ("data_parallel_size", 2),
