@@ -94,6 +94,7 @@ class PoolingRequest:
     priority: int = 0
     cache_salt: Optional[str] = None
     field_names: Mapping[str, str] = field(default_factory=dict)  # engine field -> the route's name for it
+    api: str = "Embeddings API"  # what a generative model's refusal says it does not serve
 
 
 @dataclass(slots=True)
@@ -144,7 +145,7 @@ async def start_pooling(state: "ServerState", request: PoolingRequest, arrival_t
         model, lora = check_server_and_model(state, request.model)
         if state.engine.pooler is None:
             raise bad_request(
-                f"The model {model!r} does not support the Embeddings API: it is served for generation "
+                f"The model {model!r} does not support the {request.api}: it is served for generation "
                 "(start a pooling model, or --runner pooling).",
                 param="model",
             )
