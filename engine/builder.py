@@ -34,7 +34,7 @@ from engine.kv_tier_setup import check_kv_tiers, open_disk_tier, open_kv_tiers, 
 from engine.tp_workers import TensorParallelWorkers, make_runner
 from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
-from engine.pooling.pooler_config import ModelPooler, model_pooler, resolve_runner
+from engine.pooling.pooler_config import ModelPooler, model_pooler, resolve_runner, resolve_task
 from engine.profiling.step_profile import StepProfile
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
@@ -138,6 +138,8 @@ def _build_rank0(
         0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, hf_config.num_hidden_layers
     )
     shard = build_shard(config, checkpoint, hf_config, tp, stage)
+    if pooler is not None and pooler.task == "classify":
+        _check_classifier(shard.model.classifier, len(pooler.labels), shard.model.arch.hidden_size)
     model, backend, spec, limits, device, dtype = (
         shard.model,
         shard.backend,
@@ -260,6 +262,16 @@ def _build_rank0(
     )
 
 
+def _check_classifier(classifier: Optional[torch.Tensor], num_labels: int, hidden_size: int) -> None:
+    if classifier is None:
+        raise ValueError("a classification model's checkpoint needs its classifier, score.weight; it has none")
+    if tuple(classifier.shape) != (num_labels, hidden_size):
+        raise ValueError(
+            f"score.weight is {list(classifier.shape)}; the config's {num_labels} labels over a hidden size of "
+            f"{hidden_size} need [{num_labels}, {hidden_size}]"
+        )
+
+
 def _pooler(config: EngineConfig, checkpoint: Checkpoint, hf_config: Any) -> Optional[ModelPooler]:
     """The pooler of a model served for pooling (embeddings); None for a generative one."""
     model_config = config.model
@@ -269,7 +281,17 @@ def _pooler(config: EngineConfig, checkpoint: Checkpoint, hf_config: Any) -> Opt
         return None
     if config.speculative_config is not None:
         raise SettingsConflictError("speculative decoding drafts generated tokens: a pooling model generates none")
-    pooler = model_pooler(hf_config, checkpoint.path, model_config.pooler_config)
+    task = resolve_task(model_config.convert, hf_config)
+    pooler = model_pooler(hf_config, checkpoint.path, model_config.pooler_config, task)
+    if task == "classify":
+        logger.info(
+            "pooling model (classification): %s pooling, %d labels (%s), %s",
+            pooler.type.value,
+            len(pooler.labels),
+            ", ".join(pooler.labels[:8]),
+            f"{pooler.activation} of the logits" if pooler.activation else "raw logits",
+        )
+        return pooler
     logger.info(
         "pooling model (embeddings): %s pooling%s, %d dimensions%s",
         pooler.type.value,

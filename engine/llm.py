@@ -19,10 +19,14 @@ from engine.lora.lora_config import LoRAConfig
 from engine.lora.request import LoRAMix, LoRARequest
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
+from engine.llm_pooling import pool_prompts
 from engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    RequestOutput,
     GenerationResult,
     OutputAccumulator,
     PositionLogprobs,
@@ -185,9 +189,47 @@ class LLM:
         """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), in input order, from a model served
         for pooling (`LLM(model, runner="pooling")`, or a checkpoint whose architecture names a base model).
         `truncate_prompt_tokens` keeps each prompt's last that many tokens."""
-        engine = self.engine
-        if engine.pooler is None:
-            raise ValueError("embed() needs a pooling model: LLM(model, runner='pooling') (this one generates)")
+        finals, encoded = self._pool("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
+        return [
+            EmbeddingRequestOutput(
+                out.request_id, EmbeddingOutput(out.embedding or []), ids, num_cached_tokens=out.num_cached_tokens
+            )
+            for out, ids in zip(finals, encoded)
+        ]
+
+    def classify(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`, one per label of the model's
+        id2label), in input order, from a sequence classification model (a "...ForSequenceClassification"
+        checkpoint, or `convert="classify"`)."""
+        finals, encoded = self._pool(
+            "classify", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request
+        )
+        return [
+            ClassificationRequestOutput(out.request_id, ClassificationOutput(out.embedding or []), ids)
+            for out, ids in zip(finals, encoded)
+        ]
+
+    def _pool(
+        self,
+        task: str,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams],
+        truncate_prompt_tokens: Optional[int],
+        use_tqdm: bool,
+        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]],
+    ) -> tuple[list[RequestOutput], list[list[int]]]:
+        pooler = self.engine.pooler
+        if pooler is None or pooler.task != task:
+            what = "a generative" if pooler is None else f"a {pooler.task}"
+            raise ValueError(f"{task}() needs a pooling model that does {task}: this is {what} model")
         params = pooling_params if pooling_params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, not {type(params).__name__}")
@@ -199,30 +241,10 @@ class LLM:
             encoded = [ids[-truncate_prompt_tokens:] for ids in encoded]
         loras = self._as_lora_list(lora_request, len(encoded))
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
-        ids = [f"embd-{next(self._ids)}" for _ in encoded]
-        index = {request_id: i for i, request_id in enumerate(ids)}
-        done: dict[str, EmbeddingRequestOutput] = {}
-        try:
-            for request_id, token_ids, lora, salt in zip(ids, encoded, loras, salts):
-                engine.add_request(request_id, token_ids, params, lora=lora, cache_salt=salt)
-            with tqdm(total=len(ids), desc="embedding", unit="prompt", disable=not use_tqdm) as bar:
-                while engine.has_work:
-                    for out in engine.step():
-                        if out.request_id not in index or not out.finished:
-                            continue
-                        if out.embedding is None:
-                            raise RuntimeError(f"prompt {index[out.request_id]} was not embedded: {out.error}")
-                        done[out.request_id] = EmbeddingRequestOutput(
-                            out.request_id,
-                            EmbeddingOutput(out.embedding),
-                            encoded[index[out.request_id]],
-                            num_cached_tokens=out.num_cached_tokens,
-                        )
-                        bar.update(1)
-        except BaseException:
-            engine.abort([request_id for request_id in ids if request_id not in done])
-            raise
-        return [done[request_id] for request_id in ids]
+        ids = [f"{task}-{next(self._ids)}" for _ in encoded]
+        desc = "embedding" if task == "embed" else "classifying"
+        finals = pool_prompts(self.engine, ids, encoded, params, loras, salts, use_tqdm, desc)
+        return finals, encoded
 
     def _as_lora_list(self, choice: Union[LoRAChoice, Sequence[LoRAChoice]], count: int) -> list[Optional[LoRAMix]]:
         """One LoRAMix (or None) per prompt; LoRARequests are loaded first (idempotent by name)."""

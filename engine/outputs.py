@@ -194,3 +194,24 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClassificationOutput:
+    """vLLM's: one prompt's class probabilities (the raw logits with use_activation false), one per label."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassificationRequestOutput:
+    """A classified prompt, as `LLM.classify` returns it (vLLM's shape: `outputs.probs`)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -128,8 +128,10 @@ class ModelConfig(BaseModel):
         "pooling for a checkpoint whose architecture names a base model without an LM head (LlamaModel, "
         "Qwen2Model, ...), else generate (engine/pooling/pooler_config.py)",
     )
-    convert: Literal["auto", "none", "embed"] = Field(
-        "auto", description="vLLM's --convert: embed serves a generative checkpoint for embeddings (pooling runner)"
+    convert: Literal["auto", "none", "embed", "classify"] = Field(
+        "auto",
+        description="vLLM's --convert: embed serves a generative checkpoint for embeddings, classify a sequence "
+        "classifier's for classification (pooling runner)",
     )
     pooler_config: Optional[PoolerConfig] = Field(
         None,

@@ -114,6 +114,7 @@ class LlamaForCausalLM:
         self.lm_head: Any = None  # [vocab, hidden]
         # False for a model served for pooling (embeddings): its LM head is never loaded, nor needed at all
         self.keeps_lm_head = True
+        self.classifier: Optional[torch.Tensor] = None  # [num_labels, hidden]: a sequence classifier's `score`
         self.layers: list[LlamaLayerWeights] = []
         self.stage = PipelineStage.whole(arch.num_layers)  # the layers this process holds (`hold_stage`)
         self.quantization = "none"  # the storage of its matrices (engine/quantization/model_weights.py)
@@ -210,8 +211,9 @@ class LlamaForCausalLM:
         self.embed = take("embed_tokens.weight")
         self.final_norm = take("norm.weight")
         lm_head = state.pop("lm_head.weight", None)
-        if not self.keeps_lm_head:
-            return  # (a pooling model's output is its final hidden states)
+        if not self.keeps_lm_head:  # a pooling model's output is its final hidden states, or their classes
+            self.classifier = state.pop("score.weight", None)
+            return
         if lm_head is None and not arch.tie_word_embeddings:
             raise ValueError(
                 "checkpoint has no lm_head.weight and the config does not tie embeddings (a base model saved "

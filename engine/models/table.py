@@ -52,8 +52,10 @@ original context, and for sequences longer than it; shorter sequences served wit
 with the long factors where HF would take the short ones.
 
 Every family also serves embeddings (`--runner pooling`, or a checkpoint saved as the base model,
-`LlamaModel`, `Qwen2Model`, ...: the prompt's final hidden state pooled; [embeddings](api.md#embeddings)),
-checked against HF's base model (tests/engine/test_pooling.py).
+`LlamaModel`, `Qwen2Model`, ...: the prompt's final hidden state pooled) and classification (a
+`...ForSequenceClassification` checkpoint: rerankers, reward and label models; [pooling
+models](api.md#pooling-models-embeddings-classification-scoring)), checked against HF's base model and
+`AutoModelForSequenceClassification` (tests/engine/test_pooling.py, tests/engine/test_classification.py).
 
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
 Qwen2/3, Gemma 2/3, Phi-3/4, OLMo 2, Granite); mixture-of-experts models refuse them at start-up.

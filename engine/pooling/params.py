@@ -21,18 +21,22 @@ class PoolingType(str, enum.Enum):
 class PoolingParams:
     """A pooling request's own settings, as vLLM's `PoolingParams`: `dimensions` keeps the first that many
     components (a Matryoshka model's shorter embedding; None: all of them); `normalize` scales the vector to unit
-    length (None: the model's pooler decides)."""
+    length (None: the model's pooler decides); `use_activation` (a classification model's) turns its logits into
+    probabilities (None or True: the model's activation; False: the raw logits)."""
 
     dimensions: Optional[int] = None
     normalize: Optional[bool] = None
+    use_activation: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)):
             raise InvalidParameterError("dimensions", f"must be an integer, got {self.dimensions!r}")
         if self.dimensions is not None and self.dimensions < 1:
             raise InvalidParameterError("dimensions", f"must be at least 1, got {self.dimensions}")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise InvalidParameterError("normalize", f"must be true or false, got {self.normalize!r}")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidParameterError(name, f"must be true or false, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +47,7 @@ class Pooling:
     type: PoolingType
     normalize: bool
     dimensions: Optional[int] = None  # None: the whole hidden state
+    # A classification model's: its logits (the classifier over the pooled state) through `activation`
+    # ("sigmoid", "softmax"; None: the raw logits)
+    classify: bool = False
+    activation: Optional[str] = None

@@ -27,11 +27,23 @@ def add_rows(held: Optional[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     return total if held is None else held + total
 
 
-def finish(total: torch.Tensor, pooling: Pooling, num_prompt_tokens: int) -> torch.Tensor:
-    """The request's embedding [dimensions or hidden] in float32 on the CPU, from the sum of its pooled rows:
-    the mean for MEAN, then its first `dimensions` components, then scaled to unit length if it normalizes
-    (truncation first: a Matryoshka model's shorter embedding is normalized at its own length)."""
+def finish(
+    total: torch.Tensor, pooling: Pooling, num_prompt_tokens: int, classifier: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The request's output in float32 on the CPU, from the sum of its pooled rows: the mean for MEAN; then for
+    a classification model its class scores (`classifier` [num_labels, hidden] over the vector, through its
+    activation); else its embedding [dimensions or hidden]: the first `dimensions` components, scaled to unit
+    length if it normalizes (truncation first: a Matryoshka model's shorter embedding is normalized at its own
+    length)."""
     vector = total / num_prompt_tokens if pooling.type is PoolingType.MEAN else total
+    if pooling.classify:
+        assert classifier is not None, "a classification request reached a model without a classifier"
+        logits = classifier.float() @ vector  # [num_labels]
+        if pooling.activation == "softmax":
+            logits = torch.softmax(logits, dim=-1)
+        elif pooling.activation == "sigmoid":
+            logits = torch.sigmoid(logits)
+        return logits.to("cpu")
     if pooling.dimensions is not None:
         vector = vector[: pooling.dimensions]
     if pooling.normalize:

@@ -14,9 +14,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.errors import InvalidParameterError, SettingsConflictError
 from engine.pooling.params import Pooling, PoolingParams, PoolingType
 
-# HF architecture names that say what a checkpoint is for (vLLM's suffix rules, the embedding ones): a base model
-# saved without its LM head ("LlamaModel", "Qwen2Model") is an embedding model.
-_POOLING_SUFFIXES = ("EmbeddingModel", "ForTextEncoding", "Model")
+# HF architecture names that say what a checkpoint is for (vLLM's suffix rules, the pooling ones): a base model
+# saved without its LM head ("LlamaModel", "Qwen2Model") is an embedding model, a "...ForSequenceClassification" a
+# classifier (its `score` matrix over the last token's hidden state: rerankers, reward and label models).
+_CLASSIFY_SUFFIXES = ("ForSequenceClassification",)
+_POOLING_SUFFIXES = (*_CLASSIFY_SUFFIXES, "EmbeddingModel", "ForTextEncoding", "Model")
+# Sentence Transformers' CrossEncoder activations (config.json's sentence_transformers.activation_fn)
+_ST_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.Softmax": "softmax",
+    "torch.nn.modules.linear.Identity": None,
+}
 _GENERATE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel", "ChatModel")
 
 # Sentence Transformers' Pooling module flags -> our pooling types (the others, max and weighted mean, are refused)
@@ -43,24 +51,40 @@ class PoolerConfig(BaseModel):
     dimensions: Optional[int] = Field(
         None, ge=1, description="the components returned when a request names none (a Matryoshka model's)"
     )
+    use_activation: Optional[bool] = Field(
+        None, description="a classification model's: false returns its raw logits, not probabilities"
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class ModelPooler:
     """A pooling model's pooler: its type, whether it normalizes, its Matryoshka dimensions (None: a model not
-    trained for shorter embeddings; () any number up to the hidden size)."""
+    trained for shorter embeddings; () any number up to the hidden size); a classification model's (`task`
+    "classify") class names, one per row of its classifier, and the activation of its logits."""
 
     type: PoolingType
     normalize: bool
     hidden_size: int
     matryoshka: Optional[tuple[int, ...]] = None
     default_dimensions: Optional[int] = None
+    task: Literal["embed", "classify"] = "embed"
+    labels: tuple[str, ...] = ()
+    activation: Optional[str] = None  # "sigmoid", "softmax", None: the raw logits
 
     def resolve(self, params: PoolingParams, model: Optional[str]) -> Pooling:
         """The request's settings against the model's: `dimensions` only for a Matryoshka model, at most its
         hidden size, one of its listed sizes where it lists them (InvalidParameterError, vLLM's wording; `model`
-        names the model in it, None: "the model", as at start-up)."""
+        names the model in it, None: "the model", as at start-up); a classification model takes
+        `use_activation` only, an embedding model all but it."""
         who = "the model" if model is None else f"model {model!r}"
+        if self.task == "classify":
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise InvalidParameterError(name, f"applies to embeddings; {who} classifies")
+            activation = None if params.use_activation is False else self.activation
+            return Pooling(self.type, False, classify=True, activation=activation)
+        if params.use_activation is not None:
+            raise InvalidParameterError("use_activation", f"applies to classification; {who} embeds")
         dimensions = params.dimensions if params.dimensions is not None else self.default_dimensions
         if dimensions is not None and dimensions != self.hidden_size:
             if self.matryoshka is None:
@@ -83,9 +107,9 @@ class ModelPooler:
 
 def resolve_runner(runner: str, convert: str, hf_config: Any) -> str:
     """ "generate" or "pooling" for `--runner` / `--convert` (vLLM's): "auto" reads the config's architectures."""
-    if convert == "embed":
+    if convert in ("embed", "classify"):
         if runner == "generate":
-            raise SettingsConflictError("--convert embed needs --runner pooling (or auto), not generate")
+            raise SettingsConflictError(f"--convert {convert} needs --runner pooling (or auto), not generate")
         return "pooling"
     if runner != "auto":
         return runner
@@ -97,9 +121,25 @@ def resolve_runner(runner: str, convert: str, hf_config: Any) -> str:
     return "generate"
 
 
-def model_pooler(hf_config: Any, checkpoint_dir: Path, overrides: Optional[PoolerConfig]) -> ModelPooler:
+def resolve_task(convert: str, hf_config: Any) -> Literal["embed", "classify"]:
+    """What a pooling model computes: "classify" for `--convert classify` or a "...ForSequenceClassification"
+    architecture, else "embed"."""
+    if convert == "classify":
+        return "classify"
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if convert != "embed" and any(a.endswith(_CLASSIFY_SUFFIXES) for a in architectures):
+        return "classify"
+    return "embed"
+
+
+def model_pooler(
+    hf_config: Any, checkpoint_dir: Path, overrides: Optional[PoolerConfig], task: str = "embed"
+) -> ModelPooler:
     """The pooler of a model served for pooling: `overrides` field by field over the checkpoint's Sentence
-    Transformers configuration, over vLLM's embedding default (LAST, normalized)."""
+    Transformers configuration, over vLLM's defaults (an embedding: LAST, normalized; a classifier: LAST, its
+    logits through the activation its config names)."""
+    if task == "classify":
+        return _classifier_pooler(hf_config, overrides)
     pooling_type, normalize = _sentence_transformers_pooler(checkpoint_dir) or (PoolingType.LAST, True)
     default_dimensions = None
     if overrides is not None:
@@ -122,6 +162,38 @@ def model_pooler(hf_config: Any, checkpoint_dir: Path, overrides: Optional[Poole
         except InvalidParameterError as error:
             raise SettingsConflictError(f"--pooler-config dimensions {default_dimensions}: {error.problem}") from None
     return pooler
+
+
+def _classifier_pooler(hf_config: Any, overrides: Optional[PoolerConfig]) -> ModelPooler:
+    """A sequence classifier's pooler: the last token (or --pooler-config's type), its labels from id2label, its
+    activation from the Sentence Transformers CrossEncoder config, else from problem_type, else sigmoid for one
+    label (a relevance score) and softmax for several (vLLM's choices)."""
+    num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
+    id2label = dict(getattr(hf_config, "id2label", None) or {})
+    labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+    st = getattr(hf_config, "sentence_transformers", None)
+    problem = getattr(hf_config, "problem_type", None)
+    if isinstance(st, dict) and st.get("activation_fn") in _ST_ACTIVATIONS:
+        activation = _ST_ACTIVATIONS[st["activation_fn"]]
+    elif problem == "regression":
+        activation = None
+    elif problem == "multi_label_classification" or (problem is None and num_labels == 1):
+        activation = "sigmoid"
+    else:
+        activation = "softmax"
+    pooling_type = PoolingType.LAST
+    if overrides is not None:
+        if overrides.normalize or overrides.dimensions is not None:
+            raise SettingsConflictError(
+                "--pooler-config: normalize and dimensions apply to embeddings, not classifiers"
+            )
+        if overrides.pooling_type is not None:
+            pooling_type = PoolingType(overrides.pooling_type)
+        if overrides.use_activation is False:
+            activation = None
+    return ModelPooler(
+        pooling_type, False, int(hf_config.hidden_size), task="classify", labels=labels, activation=activation
+    )
 
 
 def _sentence_transformers_pooler(checkpoint_dir: Path) -> Optional[tuple[PoolingType, bool]]:

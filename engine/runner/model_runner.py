@@ -584,7 +584,9 @@ class ModelRunner:
                 state.pooled = pooler.add_rows(state.pooled, rows)
             if last:
                 assert state.pooling is not None and state.pooled is not None  # (its rows came first)
-                pooled[state.request_id] = pooler.finish(state.pooled, state.pooling, state.num_prompt_tokens)
+                pooled[state.request_id] = pooler.finish(
+                    state.pooled, state.pooling, state.num_prompt_tokens, model.classifier
+                )
         return pooled
 
     def _lm_heads(self, row_slots: list[tuple[tuple[int, float], ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

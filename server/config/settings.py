@@ -823,8 +823,8 @@ OPTIONS: tuple[Option, ...] = (
         (*MODEL, "convert"),
         "str",
         "vLLM's flag: embed serves a generative checkpoint (Qwen3-Embedding's Qwen3ForCausalLM, ...) for "
-        "embeddings, as --runner pooling",
-        "auto|none|embed",
+        "embeddings, classify a checkpoint's score.weight classifier, as --runner pooling",
+        "auto|none|embed|classify",
         "auto",
     ),
     Option(

@@ -1,9 +1,12 @@
 """POST /score and POST /rerank (vLLM's scoring API, and the Jina / Cohere rerank shape), for a model served for
-pooling: a pair's score is the cosine similarity of the two texts' embeddings, as vLLM scores with an embedding
-model. Each distinct text is embedded once, through the serving pipeline, as /v1/embeddings embeds it."""
+pooling, scored as vLLM scores: with an embedding model, a pair's score is the cosine similarity of the two
+texts' embeddings (each distinct text embedded once); with a one-label classifier (a cross-encoder reranker), the
+classifier's score of the pair tokenized together as the tokenizer joins a text pair. Either way through the
+serving pipeline, as /v1/embeddings goes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Literal, Optional, Union
 
@@ -11,6 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.outputs import OutputAccumulator
 from engine.pooling.params import PoolingParams
 from server.http.errors import ERROR_RESPONSES, bad_request
 from server.openai.protocol import new_id, now
@@ -25,7 +29,8 @@ class _ScoringFields(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: Optional[str] = None
-    truncate_prompt_tokens: Optional[int] = None  # vLLM's: each text keeps its last tokens
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: each text (or pair) keeps its last tokens
+    use_activation: Optional[bool] = None  # a classifier's: false scores with its raw logit
     priority: int = 0
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
@@ -101,9 +106,8 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
             param="text_2",
         )
     pairs = [(firsts[0] if len(firsts) == 1 else firsts[i], second) for i, second in enumerate(seconds)]
-    texts = [text for pair in pairs for text in pair]
-    generation, vectors = await _embed(request, body, texts, "text_2", arrival_time)
-    data = [ScoreData(index=i, score=_cosine(vectors[a], vectors[b])) for i, (a, b) in enumerate(pairs)]
+    generation, scores = await _scores(request, body, pairs, "text_2", arrival_time)
+    data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
     return ScoreResponse(id=generation.request_id, model=generation.model, data=data, usage=_usage(generation))
 
 
@@ -117,9 +121,8 @@ async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
     if body.top_n is not None and body.top_n < 0:
         raise bad_request(f"top_n must be 0 (all) or more, got {body.top_n}.", param="top_n")
     documents = [d if isinstance(d, RerankDocument) else RerankDocument(text=d) for d in body.documents]
-    texts = [body.query, *(d.text for d in documents)]
-    generation, vectors = await _embed(request, body, texts, "documents", arrival_time)
-    scores = [_cosine(vectors[body.query], vectors[d.text]) for d in documents]
+    pairs = [(body.query, d.text) for d in documents]
+    generation, scores = await _scores(request, body, pairs, "documents", arrival_time)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])  # (stable: equal scores keep their order)
     if body.top_n:
         order = order[: body.top_n]
@@ -130,29 +133,56 @@ async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
     return RerankResponse(id=generation.request_id, model=generation.model, usage=_usage(generation), results=results)
 
 
-async def _embed(
-    request: Request, body: _ScoringFields, texts: list[str], param: str, arrival_time: float
-) -> tuple[Generation, dict[str, np.ndarray]]:
-    """Every distinct text's embedding, through the pooling pipeline (`param`: the field its errors name)."""
+async def _scores(
+    request: Request, body: _ScoringFields, pairs: list[tuple[str, str]], param: str, arrival_time: float
+) -> tuple[Generation, list[float]]:
+    """Each pair's score, by the model's kind (`param`: the field the errors name)."""
     state: ServerState = request.app.state.server
-    distinct = list(dict.fromkeys(texts))
+    pooler = state.engine.pooler
+    if pooler is not None and pooler.task == "classify":
+        if len(pooler.labels) != 1:
+            raise bad_request(
+                f"scoring takes a classifier with one label (a relevance score); this one has {len(pooler.labels)}.",
+                param="model",
+            )
+        tokenizer = state.tokenizer.hf
+        joined = await asyncio.to_thread(lambda: [tokenizer(text=a, text_pair=b)["input_ids"] for a, b in pairs])
+        generation, results = await _pool(request, body, joined, param, arrival_time)
+        return generation, [(result.embedding or [0.0])[0] for result in results]
+    if body.use_activation is not None:
+        raise bad_request(
+            "use_activation applies to a classifier's scores, not an embedding model's.", param="use_activation"
+        )
+    distinct = list(dict.fromkeys(text for pair in pairs for text in pair))
+    generation, results = await _pool(request, body, distinct, param, arrival_time)
+    vectors = {text: np.asarray(result.embedding, dtype=np.float64) for text, result in zip(distinct, results)}
+    return generation, [_cosine(vectors[a], vectors[b]) for a, b in pairs]
+
+
+async def _pool(
+    request: Request,
+    body: _ScoringFields,
+    prompts: Union[list[str], list[list[int]]],
+    param: str,
+    arrival_time: float,
+) -> tuple[Generation, list[OutputAccumulator]]:
     generation = await start_pooling(
-        state,
+        request.app.state.server,
         PoolingRequest(
             body=body,
             model=body.model,
             request_id=body.request_id or new_id("score"),
-            prompt=TextPrompts(distinct, param=param, truncate_prompt_tokens=body.truncate_prompt_tokens),
-            params=PoolingParams(),
+            prompt=TextPrompts(prompts, param=param, truncate_prompt_tokens=body.truncate_prompt_tokens),
+            params=PoolingParams(use_activation=body.use_activation),
             priority=body.priority,
             cache_salt=body.cache_salt,
             field_names={"prompt": param},
             api="Score API",
+            tasks=("embed", "classify"),
         ),
         arrival_time,
     )
-    results = await generation.collect(request)
-    return generation, {text: np.asarray(result.embedding, dtype=np.float64) for text, result in zip(distinct, results)}
+    return generation, await generation.collect(request)
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -94,7 +94,8 @@ class PoolingRequest:
     priority: int = 0
     cache_salt: Optional[str] = None
     field_names: Mapping[str, str] = field(default_factory=dict)  # engine field -> the route's name for it
-    api: str = "Embeddings API"  # what a generative model's refusal says it does not serve
+    api: str = "Embeddings API"  # what the refusal of a model that does none of `tasks` says it does not serve
+    tasks: tuple[str, ...] = ("embed",)  # what a pooling model must do to serve it: "embed", "classify"
 
 
 @dataclass(slots=True)
@@ -143,10 +144,12 @@ async def start_pooling(state: "ServerState", request: PoolingRequest, arrival_t
     state.preparing += 1
     try:
         model, lora = check_server_and_model(state, request.model)
-        if state.engine.pooler is None:
+        pooler = state.engine.pooler
+        if pooler is None or pooler.task not in request.tasks:
+            does = "served for generation" if pooler is None else f"a pooling model that does {pooler.task}"
             raise bad_request(
-                f"The model {model!r} does not support the {request.api}: it is served for generation "
-                "(start a pooling model, or --runner pooling).",
+                f"The model {model!r} does not support the {request.api}: it is {does} "
+                f"(this API needs one that does {' or '.join(request.tasks)}; --runner pooling, --convert).",
                 param="model",
             )
         check_extra_fields(request.body, state.config.strict_params, known=frozenset())

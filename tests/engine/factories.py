@@ -375,3 +375,21 @@ def make_tiny_embedding_dir(
             json.dumps({"word_embedding_dimension": config.hidden_size, **pooling})
         )
     return path
+
+
+def make_tiny_classifier_dir(
+    path: Path, arch: str = "llama", *, num_labels: int = 3, seed: int = 0, **overrides
+) -> Path:
+    """A tiny random sequence classifier as HF saves one (`AutoModelForSequenceClassification`: architectures
+    ["LlamaForSequenceClassification"], the decoder and its `score` matrix over the last token), a tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    labels = {i: f"label_{i}" for i in range(num_labels)}
+    config = AutoConfig.for_model(**{"pad_token_id": 0, **tiny_config_dict(arch, **overrides)}, id2label=labels)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path

@@ -106,7 +106,7 @@ def test_a_generative_checkpoint_converted_for_embeddings(tiny_llama_dir):
     assert legacy.engine.pooler is not None
     generative = make_llm(tiny_llama_dir)
     assert generative.engine.pooler is None
-    with pytest.raises(ValueError, match="pooling model"):
+    with pytest.raises(ValueError, match="needs a pooling model that does embed: this is a generative model"):
         generative.embed("hi", use_tqdm=False)
 
 
