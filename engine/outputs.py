@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -81,6 +82,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def then(self, later: "RequestOutput") -> "RequestOutput":
+        """This output and the `later` one of the same request as one (a stream that sends every few tokens):
+        their new tokens, text and logprobs joined, the rest as the later one says."""
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = later.logprobs if logprobs is None else logprobs + later.logprobs
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text_delta=self.text_delta + later.text_delta,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+        )
 
 
 @dataclass(slots=True)

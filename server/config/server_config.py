@@ -36,6 +36,12 @@ class ServerConfig(BaseModel):
         "metrics); None = the model's source",
     )
     strict_params: bool = Field(False, description="also reject request fields the OpenAI API does not define")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="vLLM's --stream-interval: a streamed choice sends its first token at once, then a chunk every "
+        "N new tokens (and its last): fewer events per token, for clients that do not need each one",
+    )
     log_level: LogLevel = "info"
     uvicorn_log_level: Optional[Literal["trace", "debug", "info", "warning", "error", "critical"]] = Field(
         None, description="uvicorn's log level alone (vLLM's --uvicorn-log-level; None: log_level)"

@@ -436,6 +436,14 @@ OPTIONS: tuple[Option, ...] = (
         "also reject request fields that the OpenAI API does not define (by default they are ignored)",
     ),
     Option(
+        "--stream-interval",
+        (*SERVER, "stream_interval"),
+        "int",
+        "vLLM's flag: a streamed choice sends its first token at once, then a chunk every N new tokens (and its last)",
+        "N",
+        "1",
+    ),
+    Option(
         "--allowed-origins",
         (*SERVER, "allowed_origins"),
         "list",

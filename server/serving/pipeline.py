@@ -113,7 +113,7 @@ class Generation:
 
     def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's outputs as they come (for a streamed response's events)."""
-        return stream_choices(self.choices, self.streams, guard=self.guard)
+        return stream_choices(self.choices, self.streams, guard=self.guard, interval=self.state.config.stream_interval)
 
     async def collect(self, request: Request) -> list[OutputAccumulator]:
         """Every choice's whole output, in the choices' order (all aborted if the client leaves first)."""

@@ -20,11 +20,19 @@ from server.serving.request_guard import RequestGuard, RequestTimeoutError
 
 
 async def stream_choices(
-    choices: Sequence[Choice], streams: Sequence[RequestStream], *, guard: Optional[RequestGuard] = None
+    choices: Sequence[Choice],
+    streams: Sequence[RequestStream],
+    *,
+    guard: Optional[RequestGuard] = None,
+    interval: int = 1,
 ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Interleave the outputs of every choice as they come. Ending or closing this iterator closes every
     stream, which aborts the choices still running. With a `guard`, each choice's first output frees its
-    place in the queue, and passing the deadline raises RequestTimeoutError (504)."""
+    place in the queue, and passing the deadline raises RequestTimeoutError (504). With `interval` n > 1
+    (vLLM's --stream-interval), a choice's outputs after its first are held and joined until they hold n new
+    tokens or it finishes: fewer, larger chunks."""
+    held: dict[str, RequestOutput] = {}  # a choice's outputs not yet sent, joined
+    sent: set[str] = set()  # choices that sent their first output
     if len(choices) == 1:  # nothing to interleave: read the engine's stream directly
         items: AsyncGenerator[tuple[Choice, RequestOutput], None] = _single(choices[0], streams[0])
     else:
@@ -44,6 +52,14 @@ async def stream_choices(
                     guard.started(choice.request_id)
                 if output.error is not None:
                     raise GenerationFailedError(output.error)
+                if interval > 1:
+                    earlier = held.pop(choice.request_id, None)
+                    if earlier is not None:
+                        output = earlier.then(output)
+                    if choice.request_id in sent and not output.finished and len(output.new_token_ids) < interval:
+                        held[choice.request_id] = output
+                        continue
+                    sent.add(choice.request_id)
                 yield choice, output
     finally:
         await close_streams(streams)

@@ -40,6 +40,7 @@ FLAG_CASES = [
     ("--pooler-config", '{"pooling_type": "MEAN"}', ("engine", "model", "pooler_config", "pooling_type"), "MEAN"),
     ("--override-pooler-config", '{"normalize": false}', ("engine", "model", "pooler_config", "normalize"), False),
     ("--block-size", "32", ("engine", "cache", "block_size"), 32),
+    ("--stream-interval", "4", ("server", "stream_interval"), 4),
     ("--num-kv-blocks", "100", ("engine", "cache", "num_blocks"), 100),
     ("--kv-cache-memory", "512MiB", ("engine", "cache", "kv_cache_memory"), 512 * 2**20),
     ("--kv-cache-dir", "kv", ("engine", "cache", "kv_cache_dir"), "kv"),

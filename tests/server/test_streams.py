@@ -45,3 +45,24 @@ def test_choices_whose_outputs_all_wait_come_interleaved():
 
     order = asyncio.run(read())
     assert order == [(index, step) for step in range(4) for index in range(3)]  # round robin, each in its order
+
+
+def test_a_stream_interval_joins_outputs_after_the_first(tiny_model_dir):
+    """--stream-interval 4 on a real server: each choice's first token alone, then chunks of 4 new tokens, the rest
+    with its finish; the text, tokens and logprobs the same as per token."""
+    from server.config.server_config import ServerConfig
+    from tests.server.conftest import serving
+
+    body = {"prompt": "Hello there", "max_tokens": 10, "temperature": 0, "logprobs": 1, "n": 2}
+    with serving(tiny_model_dir, ServerConfig(stream_interval=4)) as running:
+        sdk = running.sdk()
+        extra = {"ignore_eos": True}
+        whole = sdk.completions.create(model=running.model_name, extra_body=extra, **body)
+        chunks = list(sdk.completions.create(model=running.model_name, stream=True, extra_body=extra, **body))
+        running.wait_idle()
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert [len(c.logprobs.tokens) for c in mine] == [1, 4, 4, 1]
+        assert "".join(c.text for c in mine) == whole.choices[index].text
+        assert [t for c in mine for t in c.logprobs.tokens] == whole.choices[index].logprobs.tokens
+        assert mine[-1].finish_reason == "length" and all(c.finish_reason is None for c in mine[:-1])
