@@ -27,12 +27,15 @@ from engine.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
     GenerationResult,
     OutputAccumulator,
     PositionLogprobs,
     prompt_logprobs,
 )
 from engine.pooling.params import PoolingParams
+from engine.pooling.scoring import cosine, pair_up
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
 from engine.text.chat_content_format import ContentFormat, detect_content_format
@@ -215,6 +218,43 @@ class LLM:
         return [
             ClassificationRequestOutput(out.request_id, ClassificationOutput(out.embedding or []), ids)
             for out, ids in zip(finals, encoded)
+        ]
+
+    def score(
+        self,
+        data_1: Union[str, Sequence[str]],
+        data_2: Union[str, Sequence[str]],
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Optional[PoolingParams] = None,
+        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: `data_1` against each of `data_2` (or pairwise, two lists of one length), each
+        pair's `outputs.score`: a one-label classifier's score of the pair tokenized together (a cross-encoder
+        reranker), or an embedding model's cosine of the two texts' embeddings (each distinct text embedded once)."""
+        pairs = pair_up(data_1, data_2)
+        pooler = self.engine.pooler
+        if pooler is not None and pooler.task == "classify":
+            if len(pooler.labels) != 1:
+                raise ValueError(f"score() takes a classifier with one label; this one has {len(pooler.labels)}")
+            tokenizer = self.engine.tokenizer.hf
+            joined = [{"prompt_token_ids": tokenizer(text=a, text_pair=b)["input_ids"]} for a, b in pairs]
+            finals, encoded = self._pool(
+                "classify", joined, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request
+            )
+            return [
+                ScoringRequestOutput(out.request_id, ScoringOutput((out.embedding or [0.0])[0]), ids)
+                for out, ids in zip(finals, encoded)
+            ]
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        finals, encoded = self._pool("embed", texts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
+        vectors = {text: (out.embedding or [], ids) for text, out, ids in zip(texts, finals, encoded)}
+        return [
+            ScoringRequestOutput(
+                f"score-{next(self._ids)}", ScoringOutput(cosine(vectors[a][0], vectors[b][0])), vectors[b][1]
+            )
+            for a, b in pairs
         ]
 
     def _pool(

@@ -230,3 +230,20 @@ class ClassificationRequestOutput:
     outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringOutput:
+    """vLLM's: one pair's score."""
+
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringRequestOutput:
+    """A scored pair, as `LLM.score` returns it (vLLM's shape: `outputs.score`)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's together (a classifier's), or the second text's (an embedding model's)
+    finished: bool = True

@@ -68,3 +68,45 @@ def test_what_a_classifier_and_an_embedder_refuse(tmp_path, tiny_llama_dir):
         make_llm(tiny_llama_dir, convert="classify")
     assert_idle(classifier)
     assert_idle(embedder)
+
+
+def test_score_with_a_reranker_and_with_an_embedding_model(tmp_path):
+    """LLM.score: a one-label classifier scores each pair tokenized together; an embedding model, the cosine of the
+    two texts' embeddings; pairs one against many or pairwise, else a refusal naming the field."""
+    from transformers import AutoTokenizer
+
+    query, documents = "what does the fox do", ["the quick brown fox jumps", "a lazy dog sleeps", "the fox"]
+    reranker_dir = make_tiny_classifier_dir(tmp_path / "r", "qwen3", num_labels=1)
+    reranker = make_llm(reranker_dir)
+    tokenizer = AutoTokenizer.from_pretrained(reranker_dir)
+    pairs = [tokenizer(text=query, text_pair=d)["input_ids"] for d in documents]
+    expected = [torch.sigmoid(x)[0] for x in hf_logits_of_ids(reranker_dir, pairs)]
+    scored = reranker.score(query, documents, use_tqdm=False)
+    assert [r.prompt_token_ids for r in scored] == pairs
+    torch.testing.assert_close(
+        torch.tensor([r.outputs.score for r in scored]), torch.stack(expected), atol=2e-5, rtol=1e-4
+    )
+    pairwise = reranker.score(documents[:2], documents[1:], use_tqdm=False)
+    assert len(pairwise) == 2
+    with pytest.raises(InvalidParameterError, match="text_2 has 1 texts for 2 text_1"):
+        reranker.score(documents[:2], documents[:1], use_tqdm=False)
+    with pytest.raises(ValueError, match="one label; this one has 3"):
+        make_llm(make_tiny_classifier_dir(tmp_path / "c")).score("a", "b", use_tqdm=False)
+    embedder = make_llm(make_tiny_embedding_dir(tmp_path / "e"))
+    vectors = {
+        t: torch.tensor(r.outputs.embedding)
+        for t, r in zip([query, *documents], embedder.embed([query, *documents], use_tqdm=False))
+    }
+    cosines = [torch.nn.functional.cosine_similarity(vectors[query], vectors[d], dim=0) for d in documents]
+    got = [r.outputs.score for r in embedder.score(query, documents, use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(got), torch.stack(cosines), atol=1e-5, rtol=1e-5)
+    assert_idle(reranker)
+    assert_idle(embedder)
+
+
+def hf_logits_of_ids(model_dir, encodings) -> list[torch.Tensor]:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0] for ids in encodings]
