@@ -5,6 +5,7 @@ from engine import LLM, SamplingParams
 
 from engine.sampling.beam_search import BeamSearchParams
 from engine.lora.request import LoRAMix, LoRARequest
+from engine.pooling.params import PoolingParams
 from engine.sampling.params import SamplingParams
 
 
@@ -17,4 +18,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "BeamSearchParams", "LoRAMix", "LoRARequest", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "LoRAMix", "LoRARequest", "PoolingParams", "SamplingParams"]
