@@ -572,14 +572,16 @@ class ModelRunner:
             sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps, pooled=pooled
         )
 
-    def _pool(self, hidden: torch.Tensor, batch: _Batch) -> dict[str, torch.Tensor]:
-        """Add the pool rows of `hidden` [num_tokens, hidden] (every row of the step) to their requests' sums,
-        final norm applied; the embeddings of the requests whose prompts this step completed."""
+    def _pool(self, hidden: Optional[torch.Tensor], batch: _Batch) -> dict[str, torch.Tensor]:
+        """Add the pool rows of `hidden` [num_tokens, hidden] (every row of the step; None where the step pools
+        no row) to their requests' sums, final norm applied; the embeddings of the requests whose prompts this step
+        completed."""
         model = self.model
         assert model is not None  # not shut down
         pooled: dict[str, torch.Tensor] = {}
         for state, first_row, count, last in batch.pool_rows:
             if count:
+                assert hidden is not None  # (returns_every_row)
                 rows = model.final_hidden(hidden[first_row : first_row + count])  # [count, hidden]
                 state.pooled = pooler.add_rows(state.pooled, rows)
             if last:

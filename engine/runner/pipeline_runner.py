@@ -111,8 +111,13 @@ class PipelineRunner(ModelRunner):
             raise
 
     def _finish(self, batch: Optional[Any]) -> ModelRunnerOutput:
-        if batch is None or returned_rows(batch) == 0:
-            return ModelRunnerOutput()  # (prompt chunks short of their end: nothing to sample or score)
+        if batch is None:
+            return ModelRunnerOutput()
+        if returned_rows(batch) == 0:  # prompt chunks short of their end: nothing to sample, score or pool
+            # ... but a pooling prompt may still end here with no row to pool (CLS past its first chunk): its
+            # vector is the rows it pooled in earlier steps
+            ends = self.samples and any(last for *_, last in batch.pool_rows)
+            return ModelRunnerOutput(pooled=self._pool(None, batch)) if ends else ModelRunnerOutput()
         hidden = self.pipeline.receive(returned_rows(batch))
         selected = not returns_every_row(batch)
         if not self.samples:

@@ -1,7 +1,8 @@
 """Pooling (embeddings) with tensor and pipeline parallelism over gloo on CPU: `LLM.embed` on two tensor-parallel
 ranks, or two pipeline stages, gives the one-process vectors within float32 rounding. Over prefill chunks (MEAN
-sums every chunk's rows, which a pipeline's last stage sends back whole), LAST with prefix-cache hits, a request
-sent back mid-prompt (its partial sum is rank 0's alone, and dropped), and a LoRA adapter beside the base model."""
+sums every chunk's rows, which a pipeline's last stage sends back whole; CLS, whose last chunk pools no row), LAST
+with prefix-cache hits, a request sent back mid-prompt (its partial sum is rank 0's alone, and dropped), and a LoRA
+adapter beside the base model."""
 
 from __future__ import annotations
 
@@ -76,12 +77,21 @@ def mean_sent_back(base, **parallel) -> list[torch.Tensor]:
     return vectors
 
 
+def first_token_over_chunks(base, **parallel) -> list[torch.Tensor]:
+    """CLS pooling over prefill chunks: each prompt alone, so that a long one's last step pools no row and holds
+    no other request's."""
+    with LLM(str(base), **SETTINGS, convert="embed", pooler_config={"pooling_type": "CLS"}, **parallel) as llm:
+        vectors = [torch.tensor(llm.embed(prompt, use_tqdm=False)[0].outputs.embedding) for prompt in PROMPTS]
+        assert_idle(llm)
+    return vectors
+
+
 @pytest.fixture(scope="module")
 def one_process(model):
     base, adapter = model
     last = last_with_adapter(base, adapter)
     assert (last[0] - last[len(PROMPTS)]).abs().max() > 1e-2  # the adapter changes the vector
-    return {"last": last, "mean": mean_sent_back(base)}
+    return {"last": last, "mean": mean_sent_back(base), "cls": first_token_over_chunks(base)}
 
 
 def assert_same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
@@ -100,3 +110,9 @@ def test_last_token_pooling_with_an_adapter_and_cache_hits(model, one_process, p
 def test_mean_pooling_over_chunks_and_a_request_sent_back(model, one_process, parallel):
     base, _ = model
     assert_same(mean_sent_back(base, **PARALLEL[parallel]), one_process["mean"])
+
+
+@pytest.mark.parametrize("parallel", PARALLEL)
+def test_first_token_pooling_over_chunks(model, one_process, parallel):
+    base, _ = model
+    assert_same(first_token_over_chunks(base, **PARALLEL[parallel]), one_process["cls"])
