@@ -167,7 +167,7 @@ def model_pooler(
 def _classifier_pooler(hf_config: Any, overrides: Optional[PoolerConfig]) -> ModelPooler:
     """A sequence classifier's pooler: the last token (or --pooler-config's type), its labels from id2label, its
     activation from the Sentence Transformers CrossEncoder config, else from problem_type, else sigmoid for one
-    label (a relevance score) and softmax for several (vLLM's choices)."""
+    label (a relevance score) and softmax for several (vLLM's choices; one label is never a softmax)."""
     num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
     id2label = dict(getattr(hf_config, "id2label", None) or {})
     labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
@@ -181,6 +181,8 @@ def _classifier_pooler(hf_config: Any, overrides: Optional[PoolerConfig]) -> Mod
         activation = "sigmoid"
     else:
         activation = "softmax"
+    if activation == "softmax" and num_labels < 2:
+        activation = "sigmoid"  # a softmax over one label is always 1 (vLLM's PoolerClassify takes a sigmoid too)
     pooling_type = PoolingType.LAST
     if overrides is not None:
         if overrides.normalize or overrides.dimensions is not None:

@@ -110,3 +110,30 @@ def hf_logits_of_ids(model_dir, encodings) -> list[torch.Tensor]:
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return [model(torch.tensor([ids])).logits[0] for ids in encodings]
+
+
+@pytest.mark.parametrize(
+    "num_labels, extra, expected",
+    [
+        (3, {}, "softmax"),
+        (1, {}, "sigmoid"),
+        (3, {"problem_type": "multi_label_classification"}, "sigmoid"),
+        (3, {"problem_type": "regression"}, None),
+        (1, {"problem_type": "regression"}, None),
+        (1, {"problem_type": "single_label_classification"}, "sigmoid"),  # (softmax over one label: always 1)
+        (1, {"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Softmax"}}, "sigmoid"),
+        (1, {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}, None),
+        (3, {"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, "sigmoid"),
+    ],
+)
+def test_a_classifiers_activation(tmp_path, num_labels, extra, expected):
+    """vLLM's choice of activation: problem_type's, or a CrossEncoder's activation_fn; one label is never put
+    through a softmax (a constant 1), but through a sigmoid, as vLLM's PoolerClassify does."""
+    from types import SimpleNamespace
+
+    from engine.pooling.pooler_config import model_pooler
+
+    config = SimpleNamespace(
+        **{"hidden_size": 8, "num_labels": num_labels, "id2label": {}, "problem_type": None, **extra}
+    )
+    assert model_pooler(config, tmp_path, None, task="classify").activation == expected
