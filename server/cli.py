@@ -192,7 +192,7 @@ def _run(settings: "Settings", threads: "CpuThreads", sock: socket.socket, log_c
         scheme=server_config.scheme,
         key=keys[0] if keys and _is_terminal(sys.stdout) else None,
         uds=server_config.uds,
-        pooling=engine.pooler is not None,
+        pooling=None if engine.pooler is None else engine.pooler.task,
     )
 
     from server.app import create_app
@@ -342,10 +342,10 @@ def ready_message(
     key: Optional[str] = None,
     scheme: str = "http",
     uds: Optional[str] = None,
-    pooling: bool = False,
+    pooling: Optional[str] = None,
 ) -> str:
     """The URL and a ready-to-paste curl line: a completion, or for a model served for pooling (which generates
-    nothing) an embedding.
+    nothing; `pooling` its task, "embed" or "classify") an embedding or a classification.
 
     With API keys, the line carries `key` itself when given (the CLI gives it only when stdout is a
     terminal: the screen of whoever started the server); otherwise `$PAGEDSERVE_API_KEY`, with a line
@@ -357,8 +357,9 @@ def ready_message(
     socket_flag = ""
     if uds is not None:  # (the host part of the URL names no one: curl connects to the socket)
         url, socket_flag = f"{scheme}://localhost", " --unix-socket " + shlex.quote(uds)
-    if pooling:
-        route, body = "/v1/embeddings", json.dumps({"model": model_name, "input": "The capital of France is"})
+    if pooling is not None:
+        route = "/classify" if pooling == "classify" else "/v1/embeddings"
+        body = json.dumps({"model": model_name, "input": "The capital of France is"})
     else:
         route = "/v1/completions"
         body = json.dumps(

@@ -4,9 +4,13 @@ weights (float32), a pair tokenized together as the tokenizer joins a text pair.
 
 from __future__ import annotations
 
+import shlex
+from urllib.parse import urlsplit
+
 import pytest
 import torch
 
+from server.cli import ready_message
 from server.config.server_config import ServerConfig
 from tests.engine.factories import make_tiny_classifier_dir
 from tests.server.conftest import serving
@@ -87,3 +91,18 @@ def test_classify_on_an_embedding_or_generative_model_is_refused(server):
         response = client.post("/classify", json={"input": "x"})
     assert response.status_code == 400
     assert "does not support the Classification API: it is served for generation" in response.json()["error"]["message"]
+
+
+def test_the_start_up_curl_line_of_a_classifier_classifies(labeller):
+    """A classifier refuses embeddings: the ready message's line asks /classify, and the server answers it."""
+    url = urlsplit(labeller.base_url)
+    assert url.hostname is not None and url.port is not None
+    message = ready_message(url.hostname, url.port, "tiny-labels", False, pooling="classify")
+    curl = shlex.split(message.splitlines()[-1])
+    with labeller.client() as client:
+        response = client.post(
+            curl[1], content=curl[curl.index("-d") + 1], headers={"Content-Type": "application/json"}
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["data"][0]["num_classes"] == 3
+    labeller.wait_idle()

@@ -242,9 +242,13 @@ def test_ready_message_has_a_working_curl_line_and_never_a_key():
     assert "http://[::1]:8000/v1" in ready_message("::", 8000, "m", needs_key=False)
     assert "export PAGEDSERVE_API_KEY=" in message  # a log never holds the key: it says to export it
     # a model served for pooling generates nothing: the line asks for an embedding
-    pooling = shlex.split(ready_message("0.0.0.0", 8123, "e", needs_key=False, pooling=True).splitlines()[-1])
+    pooling = shlex.split(ready_message("0.0.0.0", 8123, "e", needs_key=False, pooling="embed").splitlines()[-1])
     assert pooling[1] == "http://127.0.0.1:8123/v1/embeddings"
     assert json.loads(pooling[pooling.index("-d") + 1]) == {"model": "e", "input": "The capital of France is"}
+    # ... and a classifier's, which refuses embeddings, a classification
+    classify = shlex.split(ready_message("0.0.0.0", 8123, "c", needs_key=False, pooling="classify").splitlines()[-1])
+    assert classify[1] == "http://127.0.0.1:8123/classify"
+    assert json.loads(classify[classify.index("-d") + 1]) == {"model": "c", "input": "The capital of France is"}
 
 
 def test_ready_message_on_a_terminal_carries_the_key_and_over_https_curl_gets_k():

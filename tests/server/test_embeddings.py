@@ -193,9 +193,9 @@ def test_the_start_up_lines_curl_embeds_on_a_pooling_model(embedder):
     completion would be refused), and the server answers it."""
     url = urlsplit(embedder.base_url)
     assert url.hostname is not None and url.port is not None
-    message = ready_message(
-        url.hostname, url.port, "tiny-embed", False, pooling=embedder.engine.engine.pooler is not None
-    )
+    pooler = embedder.engine.engine.pooler
+    assert pooler is not None
+    message = ready_message(url.hostname, url.port, "tiny-embed", False, pooling=pooler.task)
     curl = shlex.split(message.splitlines()[-1])
     assert urlsplit(curl[1]).path == "/v1/embeddings"
     with embedder.client() as client:
