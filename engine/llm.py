@@ -83,8 +83,15 @@ _ALIASES = {
     "num_gpu_blocks_override": "num_blocks",
     "override_pooler_config": "pooler_config",
 }
-# vLLM's older `task`, as the runner it chose
-_TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+# vLLM's older `task`, as the runner (and conversion) it chose
+_TASK_RUNNERS = {
+    "auto": "auto",
+    "generate": "generate",
+    "embed": "pooling",
+    "embedding": "pooling",
+    "classify": "pooling",
+    "score": "pooling",  # (a cross-encoder classifies, another model embeds: the checkpoint's architecture says)
+}
 
 
 def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConfig:
@@ -106,6 +113,8 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
                 raise ValueError(f"LLM(task={value!r}): served tasks are {', '.join(_TASK_RUNNERS)}")
             if value is not None and value != "auto":
                 sections["model"].setdefault("runner", _TASK_RUNNERS[value])
+            if value == "classify":
+                sections["model"].setdefault("convert", "classify")
             continue
         key = _ALIASES.get(key, key)
         if key == "kv_offloading_size":  # vLLM's newer name of swap_space (as the server's flag)

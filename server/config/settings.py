@@ -631,10 +631,11 @@ OPTIONS: tuple[Option, ...] = (
         "--task",
         (*MODEL, "runner"),
         "str",
-        "vLLM's older name of --runner: generate, or embed (embedding) for the pooling runner",
-        "auto|generate|embed",
+        "vLLM's older name of --runner: generate, or embed (embedding), classify or score for the pooling runner "
+        "(which classifies with a ...ForSequenceClassification checkpoint, else embeds)",
+        "auto|generate|embed|classify|score",
         "auto",
-        aliases={"embed": "pooling", "embedding": "pooling"},
+        aliases={"embed": "pooling", "embedding": "pooling", "classify": "pooling", "score": "pooling"},
     ),
     Option(
         "--guided-decoding-backend",

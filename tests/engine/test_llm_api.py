@@ -466,10 +466,18 @@ def test_vllm_llm_arguments_that_ask_for_what_the_engine_does():
         served_model_name="my-model",
     )
     assert engine_config_from_kwargs(None, num_gpu_blocks_override=64).cache.num_blocks == 64
+    # vLLM's older task, as its runner and conversion (vLLM's examples still write LLM(model, task="classify"))
+    for task, runner, convert in (
+        ("embed", "pooling", "auto"),
+        ("classify", "pooling", "classify"),
+        ("score", "pooling", "auto"),
+    ):
+        model = engine_config_from_kwargs(None, task=task).model
+        assert (model.runner, model.convert) == (runner, convert)
     for key, value in (
         ("load_format", "dummy"),
         ("cpu_offload_gb", 4),
-        ("task", "classify"),
+        ("task", "reward"),
         ("compilation_config", {"level": 3}),
         ("tokenizer_revision", "v2"),
         ("data_parallel_size", 2),

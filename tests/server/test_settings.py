@@ -36,6 +36,7 @@ FLAG_CASES = [
     ),
     ("--runner", "pooling", ("engine", "model", "runner"), "pooling"),
     ("--task", "embed", ("engine", "model", "runner"), "pooling"),
+    ("--task", "classify", ("engine", "model", "runner"), "pooling"),
     ("--convert", "embed", ("engine", "model", "convert"), "embed"),
     ("--pooler-config", '{"pooling_type": "MEAN"}', ("engine", "model", "pooler_config", "pooling_type"), "MEAN"),
     ("--override-pooler-config", '{"normalize": false}', ("engine", "model", "pooler_config", "normalize"), False),
