@@ -19,7 +19,7 @@ from engine.lora.lora_config import LoRAConfig
 from engine.lora.request import LoRAMix, LoRARequest
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
-from engine.llm_pooling import pool_prompts
+from engine.llm_pooling import pool_prompts, pooling_params_list
 from engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -192,7 +192,7 @@ class LLM:
     def embed(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
-        pooling_params: Optional[PoolingParams] = None,
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
         *,
         truncate_prompt_tokens: Optional[int] = None,
         use_tqdm: bool = True,
@@ -200,7 +200,8 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), in input order, from a model served
         for pooling (`LLM(model, runner="pooling")`, or a checkpoint whose architecture names a base model).
-        `truncate_prompt_tokens` keeps each prompt's last that many tokens."""
+        `pooling_params`: one for every prompt, or a list of one per prompt; `truncate_prompt_tokens` keeps each
+        prompt's last that many tokens."""
         finals, encoded = self._pool("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
         return [
             EmbeddingRequestOutput(
@@ -212,7 +213,7 @@ class LLM:
     def classify(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
-        pooling_params: Optional[PoolingParams] = None,
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
         *,
         truncate_prompt_tokens: Optional[int] = None,
         use_tqdm: bool = True,
@@ -270,7 +271,7 @@ class LLM:
         self,
         task: str,
         prompts: Union[PromptType, Sequence[PromptType]],
-        pooling_params: Optional[PoolingParams],
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None],
         truncate_prompt_tokens: Optional[int],
         use_tqdm: bool,
         lora_request: Union[LoRAChoice, Sequence[LoRAChoice]],
@@ -279,10 +280,8 @@ class LLM:
         if pooler is None or pooler.task != task:
             what = "a generative" if pooler is None else f"a {pooler.task}"
             raise ValueError(f"{task}() needs a pooling model that does {task}: this is {what} model")
-        params = pooling_params if pooling_params is not None else PoolingParams()
-        if not isinstance(params, PoolingParams):
-            raise TypeError(f"pooling_params must be a PoolingParams, not {type(params).__name__}")
         prompt_list = _as_prompt_list(prompts)
+        params = pooling_params_list(pooling_params, len(prompt_list))
         encoded = [self._encode(p)[1] for p in prompt_list]
         if truncate_prompt_tokens is not None:
             if truncate_prompt_tokens < 1:

@@ -3,7 +3,7 @@ stepped until each has its one output."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -17,7 +17,7 @@ def pool_prompts(
     engine: EngineCore,
     request_ids: list[str],
     prompts: list[list[int]],
-    params: PoolingParams,
+    params: Sequence[PoolingParams],
     loras: Sequence[Optional[LoRAMix]],
     salts: Sequence[Optional[str]],
     use_tqdm: bool,
@@ -28,8 +28,8 @@ def pool_prompts(
     index = {request_id: i for i, request_id in enumerate(request_ids)}
     done: dict[str, RequestOutput] = {}
     try:
-        for request_id, token_ids, lora, salt in zip(request_ids, prompts, loras, salts):
-            engine.add_request(request_id, token_ids, params, lora=lora, cache_salt=salt)
+        for request_id, token_ids, own, lora, salt in zip(request_ids, prompts, params, loras, salts):
+            engine.add_request(request_id, token_ids, own, lora=lora, cache_salt=salt)
         with tqdm(total=len(request_ids), desc=desc, unit="prompt", disable=not use_tqdm) as bar:
             while engine.has_work:
                 for out in engine.step():
@@ -43,3 +43,20 @@ def pool_prompts(
         engine.abort([request_id for request_id in request_ids if request_id not in done])
         raise
     return [done[request_id] for request_id in request_ids]
+
+
+def pooling_params_list(params: Union[PoolingParams, Sequence[PoolingParams], None], count: int) -> list[PoolingParams]:
+    """One PoolingParams per prompt (vLLM's: one for all, or a list of one per prompt; None: the defaults)."""
+    if params is None:
+        return [PoolingParams()] * count
+    if isinstance(params, PoolingParams):
+        return [params] * count
+    if not isinstance(params, Sequence) or isinstance(params, (str, dict)):
+        raise TypeError(f"pooling_params must be a PoolingParams or a list of them, not {type(params).__name__}")
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} PoolingParams for {count} prompts")
+    bad = next((p for p in params if not isinstance(p, PoolingParams)), None)
+    if bad is not None:
+        raise TypeError(f"pooling_params must be PoolingParams, not {type(bad).__name__}")
+    return params

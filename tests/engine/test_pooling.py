@@ -173,6 +173,12 @@ def test_matryoshka_dimensions(tmp_path):
     )
     with pytest.raises(InvalidParameterError, match=r"matryoshka dimensions \[16, 32\]"):
         llm.embed("hi", PoolingParams(dimensions=8), use_tqdm=False)
+    # vLLM's one PoolingParams per prompt
+    mixed = llm.embed(PROMPTS[:2], pooling_params=[PoolingParams(dimensions=16), PoolingParams()], use_tqdm=False)
+    assert [r.outputs.hidden_size for r in mixed] == [16, 64]
+    with pytest.raises(ValueError, match="got 1 PoolingParams for 2 prompts"):
+        llm.embed(PROMPTS[:2], pooling_params=[PoolingParams()], use_tqdm=False)
+    assert_idle(llm)
     plain = make_llm(make_tiny_embedding_dir(tmp_path / "p"))
     with pytest.raises(InvalidParameterError, match="does not support matryoshka"):
         plain.embed("hi", PoolingParams(dimensions=16), use_tqdm=False)
