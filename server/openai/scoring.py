@@ -106,7 +106,7 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
             param="text_2",
         )
     pairs = [(firsts[0] if len(firsts) == 1 else firsts[i], second) for i, second in enumerate(seconds)]
-    generation, scores = await _scores(request, body, pairs, "text_2", arrival_time)
+    generation, scores = await _scores(request, body, pairs, "text_2", "score", arrival_time)
     data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
     return ScoreResponse(id=generation.request_id, model=generation.model, data=data, usage=_usage(generation))
 
@@ -122,7 +122,7 @@ async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
         raise bad_request(f"top_n must be 0 (all) or more, got {body.top_n}.", param="top_n")
     documents = [d if isinstance(d, RerankDocument) else RerankDocument(text=d) for d in body.documents]
     pairs = [(body.query, d.text) for d in documents]
-    generation, scores = await _scores(request, body, pairs, "documents", arrival_time)
+    generation, scores = await _scores(request, body, pairs, "documents", "rerank", arrival_time)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])  # (stable: equal scores keep their order)
     if body.top_n:
         order = order[: body.top_n]
@@ -134,9 +134,10 @@ async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
 
 
 async def _scores(
-    request: Request, body: _ScoringFields, pairs: list[tuple[str, str]], param: str, arrival_time: float
+    request: Request, body: _ScoringFields, pairs: list[tuple[str, str]], param: str, kind: str, arrival_time: float
 ) -> tuple[Generation, list[float]]:
-    """Each pair's score, by the model's kind (`param`: the field the errors name)."""
+    """Each pair's score, by the model's kind (`param`: the field the errors name; `kind`: "score" or "rerank",
+    the request id's prefix)."""
     state: ServerState = request.app.state.server
     pooler = state.engine.pooler
     if pooler is not None and pooler.task == "classify":
@@ -147,14 +148,14 @@ async def _scores(
             )
         tokenizer = state.tokenizer.hf
         joined = await asyncio.to_thread(lambda: [tokenizer(text=a, text_pair=b)["input_ids"] for a, b in pairs])
-        generation, results = await _pool(request, body, joined, param, arrival_time)
+        generation, results = await _pool(request, body, joined, param, kind, arrival_time)
         return generation, [(result.embedding or [0.0])[0] for result in results]
     if body.use_activation is not None:
         raise bad_request(
             "use_activation applies to a classifier's scores, not an embedding model's.", param="use_activation"
         )
     distinct = list(dict.fromkeys(text for pair in pairs for text in pair))
-    generation, results = await _pool(request, body, distinct, param, arrival_time)
+    generation, results = await _pool(request, body, distinct, param, kind, arrival_time)
     vectors = {text: np.asarray(result.embedding, dtype=np.float64) for text, result in zip(distinct, results)}
     return generation, [_cosine(vectors[a], vectors[b]) for a, b in pairs]
 
@@ -164,6 +165,7 @@ async def _pool(
     body: _ScoringFields,
     prompts: Union[list[str], list[list[int]]],
     param: str,
+    kind: str,
     arrival_time: float,
 ) -> tuple[Generation, list[OutputAccumulator]]:
     generation = await start_pooling(
@@ -171,7 +173,7 @@ async def _pool(
         PoolingRequest(
             body=body,
             model=body.model,
-            request_id=body.request_id or new_id("score"),
+            request_id=body.request_id or new_id(kind),
             prompt=TextPrompts(prompts, param=param, truncate_prompt_tokens=body.truncate_prompt_tokens),
             params=PoolingParams(use_activation=body.use_activation),
             priority=body.priority,
