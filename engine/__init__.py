@@ -1,6 +1,6 @@
 """Tensors: model runner, models, attention backends, paged KV cache, sampler, loader, the step loop.
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams (PoolingParams: a pooling model's, LLM.embed and LLM.classify)
 """
 
 from engine.sampling.beam_search import BeamSearchParams

@@ -227,3 +227,10 @@ def test_a_prompt_longer_than_the_context_is_refused(tmp_path):
         llm.embed([list(range(17))], use_tqdm=False)
     assert len(llm.embed([list(range(16))], use_tqdm=False)[0].outputs.embedding) == 64
     assert_idle(llm)
+
+
+def test_pooling_params_are_imported_as_vllms_are():
+    """`from vllm import LLM, PoolingParams`, as vLLM's examples write it."""
+    import engine
+
+    assert engine.PoolingParams is PoolingParams and "PoolingParams" in engine.__all__
