@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.errors import RequestRejectedError
 from engine.pooling.params import PoolingParams
 from server.http.errors import ERROR_RESPONSES, rejection_error
-from server.openai.protocol import new_id, now
+from server.openai.protocol import PoolingUsage, new_id, now
 from server.serving.pipeline import PoolingRequest, start_pooling
 from server.serving.prompts import TextPrompts
 from server.state import ServerState
@@ -42,18 +42,13 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
 class ClassificationResponse(BaseModel):
     id: str = Field(default_factory=lambda: new_id("classify"))
     object: Literal["list"] = "list"
     created: int = Field(default_factory=now)
     model: str
     data: list[ClassificationData]
-    usage: ClassificationUsage
+    usage: PoolingUsage
 
 
 @router.post("/classify", response_model=ClassificationResponse, responses=ERROR_RESPONSES)
@@ -95,10 +90,9 @@ async def classify(body: ClassificationRequest, request: Request) -> Classificat
         best = max(range(len(probs)), key=probs.__getitem__) if probs else None
         label = labels[best] if best is not None and best < len(labels) else None
         data.append(ClassificationData(index=choice.index, label=label, probs=probs, num_classes=len(probs)))
-    num_tokens = sum(len(prompt) for prompt in generation.prompts)
     return ClassificationResponse(
         id=generation.request_id,
         model=generation.model,
         data=data,
-        usage=ClassificationUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        usage=PoolingUsage.of(generation.num_prompt_tokens),
     )

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.errors import RequestRejectedError
 from engine.pooling.params import PoolingParams
 from server.http.errors import ERROR_RESPONSES, bad_request, rejection_error
-from server.openai.protocol import ChatMessage, new_id, now
+from server.openai.protocol import ChatMessage, PoolingUsage, new_id, now
 from server.serving.pipeline import PoolingRequest, start_pooling
 from server.serving.prompts import ChatPrompt, Prompt, TextPrompts
 from server.state import ServerState
@@ -58,18 +58,13 @@ class EmbeddingData(BaseModel):
     embedding: Union[list[float], str]
 
 
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
 class EmbeddingResponse(BaseModel):
     id: str = Field(default_factory=lambda: new_id("embd"))
     object: Literal["list"] = "list"
     created: int = Field(default_factory=now)
     model: str
     data: list[EmbeddingData]
-    usage: EmbeddingUsage
+    usage: PoolingUsage
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
@@ -99,12 +94,11 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
     for choice, result in zip(generation.choices, results):
         assert result.embedding is not None  # (a request that failed raised in collect)
         data.append(EmbeddingData(index=choice.index, embedding=_encoded(result.embedding, body)))
-    num_tokens = sum(len(prompt) for prompt in generation.prompts)
     return EmbeddingResponse(
         id=generation.request_id,
         model=generation.model,
         data=data,
-        usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        usage=PoolingUsage.of(generation.num_prompt_tokens),
     )
 
 

@@ -201,6 +201,17 @@ class Usage(BaseModel):
     prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
+class PoolingUsage(BaseModel):
+    """The usage of a pooling response (embeddings, classification, scores): its inputs' tokens; none generated."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, num_tokens: int) -> "PoolingUsage":
+        return cls(prompt_tokens=num_tokens, total_tokens=num_tokens)
+
+
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[Optional[float]] = Field(default_factory=list)

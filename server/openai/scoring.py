@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.outputs import OutputAccumulator
 from engine.pooling.params import PoolingParams
 from server.http.errors import ERROR_RESPONSES, bad_request
-from server.openai.protocol import new_id, now
+from server.openai.protocol import PoolingUsage, new_id, now
 from server.serving.pipeline import Generation, PoolingRequest, start_pooling
 from server.serving.prompts import TextPrompts
 from server.state import ServerState
@@ -65,18 +65,13 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
 class ScoreResponse(BaseModel):
     id: str = Field(default_factory=lambda: new_id("score"))
     object: Literal["list"] = "list"
     created: int = Field(default_factory=now)
     model: str
     data: list[ScoreData]
-    usage: ScoreUsage
+    usage: PoolingUsage
 
 
 class RerankResult(BaseModel):
@@ -88,7 +83,7 @@ class RerankResult(BaseModel):
 class RerankResponse(BaseModel):
     id: str = Field(default_factory=lambda: new_id("rerank"))
     model: str
-    usage: ScoreUsage
+    usage: PoolingUsage
     results: list[RerankResult]
 
 
@@ -108,7 +103,9 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
     pairs = [(firsts[0] if len(firsts) == 1 else firsts[i], second) for i, second in enumerate(seconds)]
     generation, scores = await _scores(request, body, pairs, "text_2", "score", arrival_time)
     data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
-    return ScoreResponse(id=generation.request_id, model=generation.model, data=data, usage=_usage(generation))
+    return ScoreResponse(
+        id=generation.request_id, model=generation.model, data=data, usage=PoolingUsage.of(generation.num_prompt_tokens)
+    )
 
 
 @router.post("/rerank", response_model=RerankResponse, responses=ERROR_RESPONSES)
@@ -130,7 +127,12 @@ async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
         RerankResult(index=i, document=documents[i] if body.return_documents else None, relevance_score=scores[i])
         for i in order
     ]
-    return RerankResponse(id=generation.request_id, model=generation.model, usage=_usage(generation), results=results)
+    return RerankResponse(
+        id=generation.request_id,
+        model=generation.model,
+        usage=PoolingUsage.of(generation.num_prompt_tokens),
+        results=results,
+    )
 
 
 async def _scores(
@@ -190,8 +192,3 @@ async def _pool(
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     norms = float(np.linalg.norm(a) * np.linalg.norm(b))
     return float(a @ b) / norms if norms else 0.0
-
-
-def _usage(generation: Generation) -> ScoreUsage:
-    num_tokens = sum(len(prompt) for prompt in generation.prompts)
-    return ScoreUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)

@@ -111,6 +111,11 @@ class Generation:
     streams: list[RequestStream]
     guard: RequestGuard
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Its prompts' tokens, each counted once (a pooling response's usage)."""
+        return sum(len(prompt) for prompt in self.prompts)
+
     def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's outputs as they come (for a streamed response's events)."""
         return stream_choices(self.choices, self.streams, guard=self.guard, interval=self.state.config.stream_interval)
