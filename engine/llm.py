@@ -201,7 +201,7 @@ class LLM:
         """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), in input order, from a model served
         for pooling (`LLM(model, runner="pooling")`, or a checkpoint whose architecture names a base model).
         `pooling_params`: one for every prompt, or a list of one per prompt; `truncate_prompt_tokens` keeps each
-        prompt's last that many tokens."""
+        prompt's last that many tokens (-1: as many as the context holds)."""
         finals, encoded = self._pool("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
         return [
             EmbeddingRequestOutput(
@@ -283,9 +283,13 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = pooling_params_list(pooling_params, len(prompt_list))
         encoded = [self._encode(p)[1] for p in prompt_list]
+        if truncate_prompt_tokens == -1:  # (vLLM's: as many as the context holds)
+            truncate_prompt_tokens = self.engine.max_model_len
         if truncate_prompt_tokens is not None:
             if truncate_prompt_tokens < 1:
-                raise ValueError(f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}")
+                raise ValueError(
+                    f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {truncate_prompt_tokens}"
+                )
             encoded = [ids[-truncate_prompt_tokens:] for ids in encoded]
         loras = self._as_lora_list(lora_request, len(encoded))
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]

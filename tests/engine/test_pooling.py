@@ -226,6 +226,13 @@ def test_a_prompt_longer_than_the_context_is_refused(tmp_path):
     with pytest.raises(ContextLengthExceededError, match="17 prompt tokens exceed max_model_len 16"):
         llm.embed([list(range(17))], use_tqdm=False)
     assert len(llm.embed([list(range(16))], use_tqdm=False)[0].outputs.embedding) == 64
+    # truncate_prompt_tokens keeps the last tokens; -1 (vLLM's, as the server takes it) as many as the context holds
+    (cut,) = llm.embed([list(range(20))], truncate_prompt_tokens=-1, use_tqdm=False)
+    assert cut.prompt_token_ids == list(range(4, 20))
+    (last,) = llm.embed([list(range(4, 20))], use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(cut.outputs.embedding), torch.tensor(last.outputs.embedding))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.embed("hi", truncate_prompt_tokens=0, use_tqdm=False)
     assert_idle(llm)
 
 
