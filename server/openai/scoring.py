@@ -6,20 +6,20 @@ serving pipeline, as /v1/embeddings goes."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Literal, Optional, Union
 
-import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.outputs import OutputAccumulator
+from engine.errors import RequestRejectedError
 from engine.pooling.params import PoolingParams
-from server.http.errors import ERROR_RESPONSES, bad_request
+from engine.pooling.scoring import cosine, pair_up
+from server.http.errors import ERROR_RESPONSES, bad_request, rejection_error
 from server.openai.protocol import PoolingUsage, new_id, now
 from server.serving.pipeline import Generation, PoolingRequest, start_pooling
-from server.serving.prompts import TextPrompts
+from server.serving.prompts import PairPrompts, Prompt, TextPrompts
 from server.state import ServerState
 
 router = APIRouter()
@@ -91,16 +91,10 @@ class RerankResponse(BaseModel):
 @router.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES, include_in_schema=False)
 async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
     arrival_time = time.monotonic()
-    firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-    seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-    if not firsts or not seconds:
-        raise bad_request("text_1 and text_2 must not be empty.", param="text_1" if not firsts else "text_2")
-    if len(firsts) > 1 and len(firsts) != len(seconds):
-        raise bad_request(
-            f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or as many as text_2.",
-            param="text_2",
-        )
-    pairs = [(firsts[0] if len(firsts) == 1 else firsts[i], second) for i, second in enumerate(seconds)]
+    try:
+        pairs = pair_up(body.text_1, body.text_2)
+    except RequestRejectedError as exc:
+        raise rejection_error(exc) from None
     generation, scores = await _scores(request, body, pairs, "text_2", "score", arrival_time)
     data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
     return ScoreResponse(
@@ -148,8 +142,7 @@ async def _scores(
                 f"scoring takes a classifier with one label (a relevance score); this one has {len(pooler.labels)}.",
                 param="model",
             )
-        tokenizer = state.tokenizer.hf
-        joined = await asyncio.to_thread(lambda: [tokenizer(text=a, text_pair=b)["input_ids"] for a, b in pairs])
+        joined = PairPrompts(pairs, param, body.truncate_prompt_tokens)
         generation, results = await _pool(request, body, joined, param, kind, arrival_time)
         return generation, [(result.embedding or [0.0])[0] for result in results]
     if body.use_activation is not None:
@@ -157,15 +150,16 @@ async def _scores(
             "use_activation applies to a classifier's scores, not an embedding model's.", param="use_activation"
         )
     distinct = list(dict.fromkeys(text for pair in pairs for text in pair))
-    generation, results = await _pool(request, body, distinct, param, kind, arrival_time)
-    vectors = {text: np.asarray(result.embedding, dtype=np.float64) for text, result in zip(distinct, results)}
-    return generation, [_cosine(vectors[a], vectors[b]) for a, b in pairs]
+    texts = TextPrompts(distinct, param=param, truncate_prompt_tokens=body.truncate_prompt_tokens)
+    generation, results = await _pool(request, body, texts, param, kind, arrival_time)
+    vectors = {text: result.embedding or [] for text, result in zip(distinct, results)}
+    return generation, [cosine(vectors[a], vectors[b]) for a, b in pairs]
 
 
 async def _pool(
     request: Request,
     body: _ScoringFields,
-    prompts: Union[list[str], list[list[int]]],
+    prompt: Prompt,
     param: str,
     kind: str,
     arrival_time: float,
@@ -176,7 +170,7 @@ async def _pool(
             body=body,
             model=body.model,
             request_id=body.request_id or new_id(kind),
-            prompt=TextPrompts(prompts, param=param, truncate_prompt_tokens=body.truncate_prompt_tokens),
+            prompt=prompt,
             params=PoolingParams(use_activation=body.use_activation),
             priority=body.priority,
             cache_salt=body.cache_salt,
@@ -187,8 +181,3 @@ async def _pool(
         arrival_time,
     )
     return generation, await generation.collect(request)
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
-    return float(a @ b) / norms if norms else 0.0

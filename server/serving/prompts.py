@@ -133,3 +133,30 @@ class TextPrompts:
         if isinstance(prompt[0], int):
             return truncate(state, [list(prompt)], keep, side)
         return truncate(state, [list(p) for p in prompt], keep, side)
+
+
+@dataclass(frozen=True)
+class PairPrompts:
+    """Text pairs for a cross-encoder (scoring with a classifier): each pair tokenized together, as the tokenizer
+    joins a text pair, off the event loop; `truncate_prompt_tokens` keeps each pair's first tokens (the query's)."""
+
+    pairs: Sequence[tuple[str, str]]
+    param: str
+    truncate_prompt_tokens: Optional[int] = None
+
+    @property
+    def count(self) -> int:
+        return len(self.pairs)
+
+    async def token_ids(self, state: "ServerState") -> list[list[int]]:
+        keep = self.truncate_prompt_tokens
+        side = None if keep is None else "right"
+        truncate(state, [], keep, side)  # (a bad value refused before any work)
+        if keep is None:
+            for first, second in self.pairs:
+                check_prompt_chars(state, len(first) + len(second), self.param)
+        tokenizer = state.tokenizer.hf
+        joined = await asyncio.to_thread(lambda: [tokenizer(text=a, text_pair=b)["input_ids"] for a, b in self.pairs])
+        if any(not ids for ids in joined):
+            raise bad_request(f"{self.param} must not be empty.", param=self.param)
+        return truncate(state, joined, keep, side)

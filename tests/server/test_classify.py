@@ -80,6 +80,11 @@ def test_a_reranker_scores_pairs_as_hf(reranker, reranker_dir):
         ranked = client.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS, "top_n": 3}).json()
     assert [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=1e-5)
     assert scored["usage"]["prompt_tokens"] == sum(len(p) for p in pairs)
+    with reranker.client() as client:  # a pair cut to its first tokens: the query's are kept
+        cut = client.post("/score", json={"text_1": QUERY, "text_2": DOCUMENTS[0], "truncate_prompt_tokens": 5})
+    assert cut.json()["usage"]["prompt_tokens"] == 5
+    expected_cut = float(torch.sigmoid(hf_logits(reranker_dir, [pairs[0][:5]])[0])[0])
+    assert cut.json()["data"][0]["score"] == pytest.approx(expected_cut, abs=1e-5)
     order = sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])[:3]
     assert [r["index"] for r in ranked["results"]] == order
     assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([expected[i] for i in order], abs=1e-5)
