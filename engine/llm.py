@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import numbers
-import operator
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel
@@ -19,23 +17,15 @@ from engine.lora.lora_config import LoRAConfig
 from engine.lora.request import LoRAMix, LoRARequest
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
-from engine.llm_pooling import pool_prompts, pooling_params_list
+from engine.llm_pooling import LoRAChoice, PoolingCalls
+from engine.prompt_inputs import PromptType, as_prompt_list, token_ids_of
 from engine.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
     CompletionOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    RequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
     GenerationResult,
     OutputAccumulator,
     PositionLogprobs,
     prompt_logprobs,
 )
-from engine.pooling.params import PoolingParams
-from engine.pooling.scoring import cosine, pair_up
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
 from engine.text.chat_content_format import ContentFormat, detect_content_format
@@ -46,8 +36,6 @@ from scheduler import SchedulerConfig
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-PromptType = Union[str, Sequence[int], dict]
-LoRAChoice = Union[LoRARequest, LoRAMix, None]
 _SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
     "cache": EngineCacheConfig,
@@ -129,7 +117,7 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
     return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()}, **top)
 
 
-class LLM:
+class LLM(PoolingCalls):
     """Load a model once, then generate for batches of prompts.
 
     >>> llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
@@ -178,7 +166,7 @@ class LLM:
         input order. `priority` (one per prompt, lower first) needs the
         priority scheduling policy, as in vLLM. `lora_request`: the adapter for every prompt or one per
         prompt (a LoRARequest, registered on first use; a LoRAMix of registered adapters; None: the base)."""
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list), self.get_default_sampling_params)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
@@ -188,115 +176,6 @@ class LLM:
         encoded = [self._encode(p) for p in prompt_list]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
         return self._run(encoded, params_list, use_tqdm, priority, loras, salts)
-
-    def embed(
-        self,
-        prompts: Union[PromptType, Sequence[PromptType]],
-        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-        *,
-        truncate_prompt_tokens: Optional[int] = None,
-        use_tqdm: bool = True,
-        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
-    ) -> list[EmbeddingRequestOutput]:
-        """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), in input order, from a model served
-        for pooling (`LLM(model, runner="pooling")`, or a checkpoint whose architecture names a base model).
-        `pooling_params`: one for every prompt, or a list of one per prompt; `truncate_prompt_tokens` keeps each
-        prompt's last that many tokens (-1: as many as the context holds)."""
-        finals, encoded = self._pool("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
-        return [
-            EmbeddingRequestOutput(
-                out.request_id, EmbeddingOutput(out.embedding or []), ids, num_cached_tokens=out.num_cached_tokens
-            )
-            for out, ids in zip(finals, encoded)
-        ]
-
-    def classify(
-        self,
-        prompts: Union[PromptType, Sequence[PromptType]],
-        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-        *,
-        truncate_prompt_tokens: Optional[int] = None,
-        use_tqdm: bool = True,
-        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
-    ) -> list[ClassificationRequestOutput]:
-        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`, one per label of the model's
-        id2label), in input order, from a sequence classification model (a "...ForSequenceClassification"
-        checkpoint, or `convert="classify"`)."""
-        finals, encoded = self._pool(
-            "classify", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request
-        )
-        return [
-            ClassificationRequestOutput(out.request_id, ClassificationOutput(out.embedding or []), ids)
-            for out, ids in zip(finals, encoded)
-        ]
-
-    def score(
-        self,
-        data_1: Union[str, Sequence[str]],
-        data_2: Union[str, Sequence[str]],
-        *,
-        truncate_prompt_tokens: Optional[int] = None,
-        use_tqdm: bool = True,
-        pooling_params: Optional[PoolingParams] = None,
-        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
-    ) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score`: `data_1` against each of `data_2` (or pairwise, two lists of one length), each
-        pair's `outputs.score`: a one-label classifier's score of the pair tokenized together (a cross-encoder
-        reranker), or an embedding model's cosine of the two texts' embeddings (each distinct text embedded once)."""
-        pairs = pair_up(data_1, data_2)
-        pooler = self.engine.pooler
-        if pooler is not None and pooler.task == "classify":
-            if len(pooler.labels) != 1:
-                raise ValueError(f"score() takes a classifier with one label; this one has {len(pooler.labels)}")
-            tokenizer = self.engine.tokenizer.hf
-            joined = [{"prompt_token_ids": tokenizer(text=a, text_pair=b)["input_ids"]} for a, b in pairs]
-            finals, encoded = self._pool(
-                "classify", joined, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request
-            )
-            return [
-                ScoringRequestOutput(out.request_id, ScoringOutput((out.embedding or [0.0])[0]), ids)
-                for out, ids in zip(finals, encoded)
-            ]
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        finals, encoded = self._pool("embed", texts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
-        vectors = {text: (out.embedding or [], ids) for text, out, ids in zip(texts, finals, encoded)}
-        return [
-            ScoringRequestOutput(
-                f"score-{next(self._ids)}", ScoringOutput(cosine(vectors[a][0], vectors[b][0])), vectors[b][1]
-            )
-            for a, b in pairs
-        ]
-
-    def _pool(
-        self,
-        task: str,
-        prompts: Union[PromptType, Sequence[PromptType]],
-        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None],
-        truncate_prompt_tokens: Optional[int],
-        use_tqdm: bool,
-        lora_request: Union[LoRAChoice, Sequence[LoRAChoice]],
-    ) -> tuple[list[RequestOutput], list[list[int]]]:
-        pooler = self.engine.pooler
-        if pooler is None or pooler.task != task:
-            what = "a generative" if pooler is None else f"a {pooler.task}"
-            raise ValueError(f"{task}() needs a pooling model that does {task}: this is {what} model")
-        prompt_list = _as_prompt_list(prompts)
-        params = pooling_params_list(pooling_params, len(prompt_list))
-        encoded = [self._encode(p)[1] for p in prompt_list]
-        if truncate_prompt_tokens == -1:  # (vLLM's: as many as the context holds)
-            truncate_prompt_tokens = self.engine.max_model_len
-        if truncate_prompt_tokens is not None:
-            if truncate_prompt_tokens < 1:
-                raise ValueError(
-                    f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {truncate_prompt_tokens}"
-                )
-            encoded = [ids[-truncate_prompt_tokens:] for ids in encoded]
-        loras = self._as_lora_list(lora_request, len(encoded))
-        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
-        ids = [f"{task}-{next(self._ids)}" for _ in encoded]
-        desc = "embedding" if task == "embed" else "classifying"
-        finals = pool_prompts(self.engine, ids, encoded, params, loras, salts, use_tqdm, desc)
-        return finals, encoded
 
     def _as_lora_list(self, choice: Union[LoRAChoice, Sequence[LoRAChoice]], count: int) -> list[Optional[LoRAMix]]:
         """One LoRAMix (or None) per prompt; LoRARequests are loaded first (idempotent by name)."""
@@ -371,7 +250,7 @@ class LLM:
         first, in input order. The prompts' searches step together: one engine step computes every live beam's next
         token."""
         searches = []
-        for prompt in _as_prompt_list(prompts):
+        for prompt in as_prompt_list(prompts):
             token_ids = self._encode(prompt)[1]
             # (the context as far as the KV cache holds it, as for max_tokens None; no room: the step refuses it)
             room = max(self.engine.max_sequence_len - len(token_ids), 1)
@@ -409,11 +288,11 @@ class LLM:
             return prompt, self.engine.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), token_ids_of(prompt["prompt_token_ids"])
             if not isinstance(prompt.get("prompt"), str):
                 raise ValueError('a prompt dict needs "prompt" (a string) or "prompt_token_ids" (a list of ints)')
             return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
-        return None, _token_ids(prompt)
+        return None, token_ids_of(prompt)
 
     def _run(
         self,
@@ -505,28 +384,6 @@ def _result(
         outputs=outputs,
         num_cached_tokens=children[0].num_cached_tokens,
     )
-
-
-def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    items: list[Any] = list(prompts)  # one prompt's token ids, or prompts: told apart by the first item
-    if items and isinstance(items[0], numbers.Integral):
-        return [items]  # one prompt given as token ids (numpy's integers too)
-    return items
-
-
-def _token_ids(prompt: Any) -> list[int]:
-    """Plain ints of a prompt's ids (numpy's integers and arrays included)."""
-    ids = []
-    for token in prompt:
-        try:
-            if isinstance(token, bool):
-                raise TypeError
-            ids.append(operator.index(token))
-        except TypeError:
-            raise TypeError(f"a prompt is a string, token ids (ints) or a dict; got a token id {token!r}") from None
-    return ids
 
 
 def _plain_messages(conversation: list[dict], content_format: ContentFormat = "string") -> list[dict]:

@@ -86,6 +86,8 @@ def test_score_with_a_reranker_and_with_an_embedding_model(tmp_path):
     torch.testing.assert_close(
         torch.tensor([r.outputs.score for r in scored]), torch.stack(expected), atol=2e-5, rtol=1e-4
     )
+    (cut,) = reranker.score(query, documents[0], truncate_prompt_tokens=5, use_tqdm=False)
+    assert cut.prompt_token_ids == pairs[0][:5]  # a pair keeps its first tokens, the query's, as the server's
     pairwise = reranker.score(documents[:2], documents[1:], use_tqdm=False)
     assert len(pairwise) == 2
     with pytest.raises(InvalidParameterError, match="text_2 has 1 texts for 2 text_1"):
