@@ -5,6 +5,9 @@ ITL       the gaps between consecutive content chunks
 latency   send -> end of the stream
 output    completion tokens from the final usage chunk (`stream_options.include_usage`); without
           one, the number of content chunks
+
+An embeddings request (`--endpoint /v1/embeddings`) is not streamed: its TTFT and latency are both the time to
+its answer, and it outputs no tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Target:
 
     base_url: str
     model: str
-    endpoint: str = "completions"  # or "chat"
+    endpoint: str = "completions"  # or "chat", "embeddings"
     ignore_eos: bool = False
     api_key: Optional[str] = None
     temperature: float = 0.0
@@ -45,10 +48,11 @@ class Target:
 
     @property
     def url(self) -> str:
-        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
-        return self.base_url.rstrip("/") + path
+        return self.base_url.rstrip("/") + ENDPOINT_PATHS[self.endpoint]
 
     def body(self, request: BenchRequest) -> dict:
+        if self.endpoint == "embeddings":
+            return {"model": self.model, "input": request.prompt, **(self.extra_body or {})}
         body: dict = {
             "model": self.model,
             "max_tokens": request.output_len,
@@ -79,6 +83,7 @@ def _content(chunk: dict, endpoint: str) -> str:
 
 
 Clock = Callable[[], float]
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
 
 
 async def send(
@@ -86,6 +91,8 @@ async def send(
 ) -> RequestResult:
     """Send one request and time its stream with `clock` (read at send, at every chunk, at the end);
     failures are recorded, never raised."""
+    if target.endpoint == "embeddings":
+        return await _send_unstreamed(client, target, request, clock)
     result = RequestResult(prompt_len=request.prompt_len)
     chunks = 0
     usage = None
@@ -125,6 +132,28 @@ async def send(
         return result
     result.output_tokens = int(usage["completion_tokens"]) if usage else chunks
     if usage and usage.get("prompt_tokens"):
+        result.prompt_len = int(usage["prompt_tokens"])
+    result.success = True
+    return result
+
+
+async def _send_unstreamed(
+    client: httpx.AsyncClient, target: Target, request: BenchRequest, clock: Clock
+) -> RequestResult:
+    """An embeddings request: one answer, its time both the TTFT and the latency."""
+    result = RequestResult(prompt_len=request.prompt_len)
+    result.start = clock()
+    try:
+        response = await client.post(target.url, json=target.body(request), headers=target.headers())
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:300]}"
+            return result
+        usage = response.json().get("usage") or {}
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = result.ttft = clock() - result.start
+    if usage.get("prompt_tokens"):
         result.prompt_len = int(usage["prompt_tokens"])
     result.success = True
     return result

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import httpx
 
-from server.benchmark.client import Clock, RequestResult, Target, send
+from server.benchmark.client import ENDPOINT_PATHS, Clock, RequestResult, Target, send
 from server.benchmark.datasets import (
     BenchRequest,
     jsonl_requests,
@@ -136,7 +136,7 @@ def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     return jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len)
 
 
-_ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # vLLM's --endpoint values
+_ENDPOINT_PATHS = {path: name for name, path in ENDPOINT_PATHS.items()}  # vLLM's --endpoint values
 
 
 def _endpoint(text: str) -> str:
@@ -160,10 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--endpoint",
         type=_endpoint,
-        choices=("completions", "chat"),
+        choices=tuple(ENDPOINT_PATHS),
         default="completions",
-        help="the API to load: /v1/completions, or /v1/chat/completions with each prompt as one user message "
-        "(vLLM's paths, /v1/completions and /v1/chat/completions, name them too)",
+        help="the API to load: /v1/completions, /v1/chat/completions with each prompt as one user message, or "
+        "/v1/embeddings with each prompt as one input (a pooling model's; its requests generate nothing, their "
+        "TTFT is their latency); vLLM's paths name them too",
     )
     p.add_argument(
         "--dataset",

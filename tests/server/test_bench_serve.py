@@ -215,6 +215,30 @@ def test_client_keeps_to_the_concurrency_cap_and_records_failures(fake_server):
 # ---------------------------------------------------------------------- against pagedserve
 
 
+def test_bench_serve_loads_the_embeddings_route(tmp_path, capsys):
+    """--endpoint /v1/embeddings against a pooling model: every prompt one input, answered whole (TTFT = latency),
+    the input lengths the server counted, no output tokens."""
+    from server.config.server_config import ServerConfig
+    from tests.engine.factories import make_tiny_embedding_dir
+    from tests.server.conftest import serving
+
+    model_dir = make_tiny_embedding_dir(tmp_path / "embed")
+    out = tmp_path / "result.json"
+    with serving(model_dir, ServerConfig(served_model_name="tiny-embed")) as running:
+        code = main(
+            ["--base-url", running.base_url, "--tokenizer", str(model_dir), "--endpoint", "/v1/embeddings"]
+            + ["--num-prompts", "6", "--input-len", "24", "--max-concurrency", "3", "--disable-tqdm"]
+            + ["--result-json", str(out)]
+        )
+        running.wait_idle()
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["model"] == "tiny-embed" and record["completed"] == 6 and record["failed"] == 0
+    assert record["input_lens"] == [24] * 6 and record["total_output_tokens"] == 0
+    assert record["ttft_ms"]["mean"] == pytest.approx(record["e2el_ms"]["mean"])
+    assert "Request throughput (req/s)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_bench_serve_against_the_tiny_model(server, tiny_model_dir, tmp_path, capsys, caplog, endpoint):
     out = tmp_path / "result.json"
@@ -351,5 +375,6 @@ def test_bench_serve_takes_vllms_spellings():
     assert parse_args([]).base_url == "http://127.0.0.1:8000"  # the default as before
     assert parse_args(["--base-url", "http://a:1", "--port", "2"]).base_url == "http://a:1"  # as vLLM: it wins
     assert parse_args(["--host", "::1", "--port", "9"]).base_url == "http://[::1]:9"
+    assert parse_args(["--endpoint", "/v1/embeddings"]).endpoint == "embeddings"
     with pytest.raises(SystemExit):
-        parse_args(["--endpoint", "/v1/embeddings"])
+        parse_args(["--endpoint", "/v1/audio/transcriptions"])
