@@ -179,7 +179,7 @@ def build_shard(
         max_model_len,
         0 if speculative is None else speculative.num_speculative_tokens,
     )
-    buckets = () if model.stage.is_split else _graph_buckets(config, device, backend)
+    buckets = () if model.stage.is_split or not model.keeps_lm_head else _graph_buckets(config, device, backend)
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
 
 
@@ -300,7 +300,8 @@ def _cuda_graph_bytes(
 
 def _graph_buckets(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> tuple[int, ...]:
     """The decode batch sizes to capture as CUDA graphs (none off CUDA, with --enforce-eager, when the
-    backend cannot run in a graph, or in a pipeline stage, whose input arrives from another process)."""
+    backend cannot run in a graph, in a pipeline stage, whose input arrives from another process, or for a
+    pooling model, whose steps are prompt chunks only: a graph would never replay)."""
     if device.type != "cuda":
         return ()
     if config.enforce_eager:
