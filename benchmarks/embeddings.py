@@ -31,16 +31,8 @@ import numpy as np
 
 from benchmarks.machine import cpu_line
 from benchmarks.plot_runner import WORK_DIR
-from benchmarks.servers import (
-    LLAMACPP_VENV,
-    MODEL_NAME,
-    Peer,
-    ServerPool,
-    ensure_venv,
-)
+from benchmarks.servers import LLAMACPP_VENV, MODEL_NAME, Peer, ServerPool, ensure_venv, llamacpp_peer
 from server.benchmark.datasets import _ordinary_ids, text_of_length
-
-LLAMACPP_SCRIPT = Path(__file__).resolve().parent / "llamacpp_server.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,30 +72,6 @@ def pagedserve_embedder(extra: Sequence[str]) -> Peer:
         ]
 
     return Peer("pagedserve", command, ignore_eos=False)
-
-
-def llamacpp_embedder(python: Path, gguf: Path, threads: int, ctx_per_slot: int) -> Peer:
-    def command(port: int, slots: int) -> list[str]:
-        return [
-            str(python),
-            str(LLAMACPP_SCRIPT),
-            "--model",
-            str(gguf),
-            "--port",
-            str(port),
-            "--parallel",
-            str(slots),
-            "--threads",
-            str(threads),
-            "--ctx-per-slot",
-            str(ctx_per_slot),
-            "--alias",
-            MODEL_NAME,
-            "--embedding",
-            "last",
-        ]
-
-    return Peer("llama.cpp", command, ignore_eos=False, ready_timeout_s=180.0)
 
 
 def texts_for(tokenizer, pool: list[int], length: int, count: int, seed: int) -> list[str]:
@@ -161,7 +129,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     slots = args.batch * args.concurrency
     peers = [
         pagedserve_embedder(shlex.split(args.pagedserve_args)),
-        llamacpp_embedder(python, embedded_gguf(), args.threads, max(lengths) + 64),
+        # (each slot holds the longest input whole: llama.cpp embeds an input in one batch)
+        llamacpp_peer(
+            python, embedded_gguf(), args.threads, [], ["--ctx-per-slot", str(max(lengths) + 64), "--embedding", "last"]
+        ),
     ]
     print(
         f"{args.inputs} texts per length and round, {args.batch} per request, {args.concurrency} requests in flight; "

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import httpx
 
@@ -237,7 +237,8 @@ def pagedserve_peer(name: str = "pagedserve") -> Peer:
     return Peer(name, command, ignore_eos=True)
 
 
-def llamacpp_peer(python: Path, gguf: Path, threads: int, eos_ids: list[int]) -> Peer:
+def llamacpp_peer(python: Path, gguf: Path, threads: int, eos_ids: list[int], extra: Sequence[str] = ()) -> Peer:
+    """llama.cpp's server on `gguf` (`extra`: more llamacpp_server.py flags, e.g. its embedding mode)."""
     script = Path(__file__).resolve().parent / "llamacpp_server.py"
 
     def command(port: int, slots: int) -> list[str]:
@@ -254,6 +255,7 @@ def llamacpp_peer(python: Path, gguf: Path, threads: int, eos_ids: list[int]) ->
             str(threads),
             "--alias",
             MODEL_NAME,
+            *extra,
         ]
 
     bias = [[token, -100] for token in eos_ids]  # with ignore_eos: every request runs its max_tokens
