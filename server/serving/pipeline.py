@@ -1,4 +1,5 @@
-"""The one serving pipeline every generation route goes through (and the embeddings route: `start_pooling`).
+"""The one serving pipeline every generation route goes through (and, by `start_pooling`, every pooling route:
+embeddings, classify, score, rerank).
 
 A route translates its protocol into a GenerationRequest, hands it to `start_generation`, and writes the
 Generation it gets back in its protocol: collected into one response, or as a stream of events. Between the
@@ -183,7 +184,8 @@ async def _prepare_and_admit(state: "ServerState", request: GenerationRequest, a
     model, lora = check_server_and_model(state, body.model, body.lora)
     if state.engine.pooler is not None:
         raise bad_request(
-            f"The model {model!r} is served for pooling (embeddings): it generates no text; use /v1/embeddings.",
+            f"The model {model!r} is served for pooling: it generates no text; use /v1/embeddings (an embedding "
+            "model), /classify (a classifier), /score or /rerank.",
             param="model",
         )
     refuse_unsupported(body, request.unsupported)
