@@ -145,38 +145,40 @@ async def start_generation(state: "ServerState", request: GenerationRequest, arr
 
 
 async def start_pooling(state: "ServerState", request: PoolingRequest, arrival_time: float) -> Generation:
-    """Check, render and admit a pooling request: its Generation's outputs carry the embeddings. A generative
-    model's server refuses it (400)."""
-    state.preparing += 1
+    """Check, render and admit a pooling request: its Generation's outputs carry the pooled vectors (embeddings,
+    class scores). A model that does none of the request's tasks refuses it (400)."""
+    state.preparing += 1  # (as start_generation's)
     try:
-        model, lora = check_server_and_model(state, request.model)
-        pooler = state.engine.pooler
-        if pooler is None or pooler.task not in request.tasks:
-            does = "served for generation" if pooler is None else f"a pooling model that does {pooler.task}"
-            raise bad_request(
-                f"The model {model!r} does not support the {request.api}: it is {does} "
-                f"(this API needs one that does {' or '.join(request.tasks)}; --runner pooling, --convert).",
-                param="model",
-            )
-        check_extra_fields(request.body, state.config.strict_params, known=frozenset())
-        check_priority(state, request.priority)
-        check_queue_room(state, request.prompt.count, request.prompt.param)
-        prompts = await request.prompt.token_ids(state)
-        choices = [
-            Choice(
-                i, request.request_id if len(prompts) == 1 else f"{request.request_id}-{i}", i, prompt, request.params
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-        try:
-            streams, guard = await _admit(state, choices, request.priority, arrival_time, lora, request.cache_salt)
-        except LoRANotFoundError as exc:
-            raise adapter_not_found(exc, "model") from None
-        except RequestRejectedError as exc:
-            raise rejection_error(exc, request.field_names) from None
-        return Generation(state, model, request.request_id, prompts, choices, streams, guard)
+        return await _prepare_and_admit_pooling(state, request, arrival_time)
     finally:
         state.preparing -= 1
+
+
+async def _prepare_and_admit_pooling(state: "ServerState", request: PoolingRequest, arrival_time: float) -> Generation:
+    model, lora = check_server_and_model(state, request.model)
+    pooler = state.engine.pooler
+    if pooler is None or pooler.task not in request.tasks:
+        does = "served for generation" if pooler is None else f"a pooling model that does {pooler.task}"
+        raise bad_request(
+            f"The model {model!r} does not support the {request.api}: it is {does} "
+            f"(this API needs one that does {' or '.join(request.tasks)}; --runner pooling, --convert).",
+            param="model",
+        )
+    check_extra_fields(request.body, state.config.strict_params, known=frozenset())
+    check_priority(state, request.priority)
+    check_queue_room(state, request.prompt.count, request.prompt.param)
+    prompts = await request.prompt.token_ids(state)
+    choices = [
+        Choice(i, request.request_id if len(prompts) == 1 else f"{request.request_id}-{i}", i, prompt, request.params)
+        for i, prompt in enumerate(prompts)
+    ]
+    try:
+        streams, guard = await _admit(state, choices, request.priority, arrival_time, lora, request.cache_salt)
+    except LoRANotFoundError as exc:
+        raise adapter_not_found(exc, "model") from None
+    except RequestRejectedError as exc:
+        raise rejection_error(exc, request.field_names) from None
+    return Generation(state, model, request.request_id, prompts, choices, streams, guard)
 
 
 async def _prepare_and_admit(state: "ServerState", request: GenerationRequest, arrival_time: float) -> Generation:
@@ -251,7 +253,7 @@ async def _admit(
     steps queue in the engine as they come, serving/beam_search.py). The guard returned holds the places and the
     deadline."""
     ticket = state.admission.admit([c.request_id for c in choices], [len(c.prompt_token_ids) for c in choices])
-    if state.config.enable_log_requests and isinstance(choices[0].params, SamplingParams):
+    if state.config.enable_log_requests:
         _log_request(choices)
     timeout = state.config.request_timeout
     guard = RequestGuard(ticket, None if timeout is None else arrival_time + timeout, timeout or 0.0)
@@ -285,6 +287,14 @@ async def _admit(
 def _log_request(choices: Sequence[Choice]) -> None:
     """One info line per request (--enable-log-requests): ids, token counts and sampling settings. Never its
     text: no prompt, no stop strings, no logit_bias keys."""
+    if not isinstance(choices[0].params, SamplingParams):  # a pooling request's: its inputs and their lengths
+        logger.info(
+            "request %s: %d pooled input(s), prompt tokens %s",
+            choices[0].request_id,
+            len(choices),
+            ",".join(str(len(choice.prompt_token_ids)) for choice in choices),
+        )
+        return
     params = choices[0].sampling
     prompts = {choice.prompt_index: len(choice.prompt_token_ids) for choice in choices}
     logger.info(

@@ -220,3 +220,20 @@ def test_strict_params_refuse_unknown_fields(embedding_dir):
         assert response.status_code == 400 and response.json()["error"]["param"] == "colour"
         assert client.post("/v1/embeddings", json={"input": "x", "user": "u1"}).status_code == 200
         running.wait_idle()
+
+
+def test_log_requests_names_the_inputs_never_their_text(embedding_dir, caplog):
+    import logging
+
+    secret = "the secret input text"
+    with serving(embedding_dir, ServerConfig(enable_log_requests=True)) as running:
+        with caplog.at_level(logging.INFO, logger="server.serving.pipeline"), running.client() as client:
+            assert (
+                client.post("/v1/embeddings", json={"input": [secret, "b"], "request_id": "embd-log"}).status_code
+                == 200
+            )
+        running.wait_idle()
+    lines = [r.getMessage() for r in caplog.records if r.name == "server.serving.pipeline"]
+    tokens = len(running.engine.tokenizer.encode(secret))
+    assert f"request embd-log-0: 2 pooled input(s), prompt tokens {tokens}," in "\n".join(lines)
+    assert not any(secret in line for line in lines)
