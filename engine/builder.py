@@ -32,10 +32,11 @@ from engine.ray_workers import start_ray_workers
 from engine.kernels.cpu import KERNEL_DTYPES, start_build
 from engine.kv_tier_setup import check_kv_tiers, open_disk_tier, open_kv_tiers, open_memory_tier
 from engine.tp_workers import TensorParallelWorkers, make_runner
-from engine.shard_builder import build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
+from engine.shard_builder import Shard, build_shard, capture_graphs, resolved_model_config, shard_kv_blocks
 from engine.platform import choose_numerics
 from engine.pooling.pooler_config import ModelPooler, model_pooler, resolve_runner, resolve_task
 from engine.profiling.step_profile import StepProfile
+from engine.multimodal.processor import MultiModalProcessor
 from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.tokenizer import Tokenizer, load_tokenizer
@@ -149,6 +150,7 @@ def _build_rank0(
         shard.dtype,
     )
     kv_groups, max_model_len, buckets = shard.kv_groups, shard.max_model_len, shard.buckets
+    processor = _image_processor(config, checkpoint, shard)
     # (before the runner: its slots)
     lora_manager = build_lora(config, model, hf_config) if config.lora.enable_lora else None
     kv_dtype = spec.dtype
@@ -259,7 +261,30 @@ def _build_rank0(
         default_sampling=default_sampling,
         model_source=checkpoint.source,
         pooler=pooler,
+        processor=processor,
     )
+
+
+def _image_processor(config: EngineConfig, checkpoint: Checkpoint, shard: Shard) -> Optional[MultiModalProcessor]:
+    """A vision-language model's processor (None for a text model, or one served without images)."""
+    model_config = config.model
+    if shard.vision is None:
+        if model_config.limit_mm_per_prompt and model_config.max_images:
+            raise SettingsConflictError("--limit-mm-per-prompt applies to a vision-language model")
+        return None
+    if config.parallel.pipeline_parallel_size > 1 or shard.model.stage.is_split:
+        raise SettingsConflictError("a vision-language model is served with --pipeline-parallel-size 1")
+    processor = MultiModalProcessor.load(
+        checkpoint.path, shard.vision.image_token_id, model_config.max_images, model_config.trust_remote_code
+    )
+    logger.info(
+        "images: up to %d per prompt, placeholder %r (token %d), processor %s",
+        processor.max_images,
+        processor.image_placeholder,
+        processor.image_token_id,
+        type(processor.hf.image_processor).__name__,
+    )
+    return processor
 
 
 def _check_classifier(classifier: Optional[torch.Tensor], num_labels: int, hidden_size: int) -> None:

@@ -36,6 +36,8 @@ from engine.lora.lora_waiting import (
 )
 from engine.lora.request import LoRAMix
 from engine.observer import EngineObserver
+from engine.multimodal.inputs import MultiModalInputs
+from engine.multimodal.processor import MultiModalProcessor
 from engine.outputs import ModelRunnerOutput, RequestOutput
 from engine.request_state import RequestState
 from engine.sampling.bad_words import bad_words_token_ids
@@ -90,8 +92,11 @@ class EngineCore:
         default_sampling: Optional[Mapping[str, Any]] = None,
         model_source: Optional[str] = None,
         pooler: Optional[ModelPooler] = None,
+        processor: Optional[MultiModalProcessor] = None,
     ):
         self.config = config
+        # a vision-language model's processor (prompts with images: engine/multimodal/); None for a text model
+        self.processor = processor
         self.pooler = pooler  # a pooling model's (embeddings; it generates nothing): None for a generative one
         self.model_source = model_source or model_name  # the checkpoint as given (/v1/models' root)
         # the model's sampling defaults (its generation_config.json: engine/loading/generation_defaults.py),
@@ -181,6 +186,7 @@ class EngineCore:
         grammar: Optional["xgrammar.CompiledGrammar"] = None,
         lora: Optional[LoRAMix] = None,
         cache_salt: Optional[str] = None,
+        multi_modal: Optional[MultiModalInputs] = None,
     ) -> None:
         """Queue one sequence (fan `n > 1` out first, see `parallel_sampling.fan_out`), or with PoolingParams one
         prompt to pool (a pooling model's: its one output carries the embedding).
@@ -189,6 +195,7 @@ class EngineCore:
         without it the constraint is compiled here, synchronously (the offline `LLM`, which adds its requests
         before it steps). `lora`: the adapters to run with (None: the base model); one still loading makes the
         request wait beside the queue. `cache_salt` (vLLM's): only requests of the same salt share cached blocks.
+        `multi_modal`: the prompt's images (a vision-language model's processor made them with the token ids).
         Raises a RequestRejectedError for a request that can never be served (LoRANotFoundError for an unknown
         adapter).
         """
@@ -204,13 +211,17 @@ class EngineCore:
             self.lora_manager.check(lora)
             ref = self.lora_manager.resolve(lora)
         if isinstance(params, PoolingParams):
+            if multi_modal is not None:
+                raise InvalidParameterError("multi_modal_data", "is not taken by a pooling request")
             request = self.make_pooling_request(
                 request_id, prompt_token_ids, params, arrival_time, priority, cache_salt
             )
             state = RequestState(request, params, None, None)
         else:
             state = self._generation_state(
-                self.make_request(request_id, prompt_token_ids, params, arrival_time, priority, grammar, cache_salt)
+                self.make_request(
+                    request_id, prompt_token_ids, params, arrival_time, priority, grammar, cache_salt, multi_modal
+                )
             )
             request = state.request
         if lora is not None and ref is None:  # its adapter loads in the background
@@ -250,9 +261,11 @@ class EngineCore:
         priority: int = 0,
         grammar: Optional["xgrammar.CompiledGrammar"] = None,
         cache_salt: Optional[str] = None,
+        multi_modal: Optional[MultiModalInputs] = None,
     ) -> Request:
         """The scheduler request for these inputs, validated against the model (not queued); a constrained one
-        holds its compiled grammar (`grammar`, or compiled now) until it ends."""
+        holds its compiled grammar (`grammar`, or compiled now) until it ends; one with images (`multi_modal`)
+        carries them to the runner."""
         if self.pooler is not None:
             raise InvalidParameterError(
                 "model", f"{self.model_name!r} is served for pooling (embeddings): it generates no tokens"
@@ -266,6 +279,8 @@ class EngineCore:
         params.verify_vocab(self.vocab_size)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt", "must be a non-empty string")
+        if multi_modal is not None:
+            self._check_images(prompt, multi_modal)
         if params.bad_words_token_ids is not None:  # (vLLM's _bad_words_token_ids: never the caller's)
             raise InvalidParameterError("bad_words_token_ids", "is set by the engine from bad_words; give bad_words")
         if params.bad_words:
@@ -298,9 +313,27 @@ class EngineCore:
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling_params=params,
             grammar=grammar_ref,
+            multi_modal=multi_modal,
+            media_spans=() if multi_modal is None else multi_modal.spans,
             num_speculative_tokens=self._num_speculative_tokens(params),
             **kwargs,
         )
+
+    def _check_images(self, prompt: list[int], multi_modal: MultiModalInputs) -> None:
+        """The images' placeholders lie in the prompt, in order, on the model's image token."""
+        processor = self.processor
+        if processor is None:
+            raise InvalidParameterError(
+                "multi_modal_data", f"holds images; {self.model_name!r} is served without images"
+            )
+        processor.check_count(len(multi_modal.images), "multi_modal_data")
+        token, previous_end = processor.image_token_id, 0
+        for image in multi_modal.images:
+            if not image.positions or image.start < previous_end or image.end > len(prompt):
+                raise InvalidParameterError("multi_modal_data", "places an image outside its prompt, or out of order")
+            if any(prompt[p] != token for p in image.positions):
+                raise InvalidParameterError("multi_modal_data", f"places an image where the prompt holds no {token}")
+            previous_end = image.end
 
     def make_pooling_request(
         self,

@@ -19,7 +19,7 @@ from engine.huge_pages import back_weights_with_huge_pages
 from engine.engine_config import EngineConfig
 from engine.attention.kv_groups import KVGroups
 from engine.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_cache_dtype
-from engine.loading.loader import Checkpoint, iter_weights
+from engine.loading.loader import Checkpoint, is_vision_language, iter_weights, load_hf_config
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.runner.memory_profile import cuda_kv_budget, profile_peak_bytes
@@ -29,6 +29,13 @@ from engine.models import build_model
 from engine.pooling.pooler_config import resolve_runner
 from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of
 from engine.models.llama import LlamaForCausalLM
+from engine.models.vision_language import (
+    VISION_LANGUAGE_FAMILIES,
+    VisionEncoder,
+    VisionLanguageFamily,
+    text_weights,
+    vision_family_of,
+)
 from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
@@ -55,6 +62,7 @@ class Shard:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    vision: Optional[VisionEncoder] = None  # a vision-language model's image encoder (its language model: `model`)
 
 
 def resolved_model_config(config: EngineConfig):
@@ -113,6 +121,12 @@ def build_shard(
             "not from GGUF files; GGUF is supported for "
             f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
         )
+    vision_family, whole_config = _vision_language(checkpoint, config)
+    if vision_family is not None and stage is not None and stage.is_split:
+        raise SettingsConflictError(
+            f"--pipeline-parallel-size {stage.num_stages}: {vision_family.architecture} (a vision-language model) "
+            "is served with one pipeline stage"
+        )
     model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp)
     model.keeps_lm_head = resolve_runner(model_config.runner, model_config.convert, hf_config) == "generate"
     if stage is not None and stage.is_split:
@@ -149,8 +163,12 @@ def build_shard(
     if quantizer is None:
         full = AttentionShape.from_hf_config(hf_config)  # GGUF's q/k rows are un-permuted by the whole model's
         weights = model_weights(storage, checkpoint.path, checkpoint.gguf, full.num_heads, full.num_kv_heads)
+        if vision_family is not None:  # (the language model's tensors, by the names its model reads)
+            weights = text_weights(weights, vision_family)
     else:  # the quantizer takes the checkpoint's tensors as stored (an AWQ one's triples grouped first)
         tensors = iter_weights(checkpoint.path)
+        if vision_family is not None:
+            tensors = text_weights(tensors, vision_family)
         if quantizer.method == "awq":
             assert quantizer.group_size is not None  # the AWQ checkpoint's own (resolve_group_size)
             weights = awq_weights(tensors, quantizer.group_size)
@@ -160,6 +178,17 @@ def build_shard(
         full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
         weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))
     model.load_weights(weights)
+    vision = None
+    if vision_family is not None and model_config.max_images == 0:
+        logger.info("%s served as a text model: --limit-mm-per-prompt allows no image", vision_family.architecture)
+    elif vision_family is not None:
+        vision = VisionEncoder.load(checkpoint.path, whole_config, vision_family, dtype, device)
+        logger.info(
+            "vision encoder (%s): %.1f M parameters, %s",
+            vision_family.architecture,
+            vision.num_parameters / 1e6,
+            str(dtype).removeprefix("torch."),
+        )
     _log_weights(model)
     if device.type == "cpu":
         back_weights_with_huge_pages(model)
@@ -180,7 +209,24 @@ def build_shard(
         0 if speculative is None else speculative.num_speculative_tokens,
     )
     buckets = () if model.stage.is_split or not model.keeps_lm_head else _graph_buckets(config, device, backend)
-    return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len)
+    return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len, vision)
+
+
+def _vision_language(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Optional[VisionLanguageFamily], object]:
+    """A vision-language checkpoint's family and whole config ((None, None) for a text model); ValueError for a
+    vision-language architecture not served here."""
+    if checkpoint.gguf is not None:
+        return None, None
+    whole = load_hf_config(checkpoint.path, trust_remote_code=config.model.trust_remote_code, whole=True)
+    if not is_vision_language(whole):
+        return None, None
+    family = vision_family_of(whole)
+    if family is None:
+        raise ValueError(
+            f"vision-language architecture {list(whole.architectures or [whole.model_type])} is not supported; "
+            f"supported: {', '.join(f.architecture for f in VISION_LANGUAGE_FAMILIES)}"
+        )
+    return family, whole
 
 
 def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:

@@ -449,7 +449,7 @@ def make_runner(shard: Shard, kv_cache: KVCache, stage: PipelineStage, **kwargs:
     """A rank's runner over its shard: a pipeline stage's when the model is split into stages."""
     args = (shard.model, kv_cache, shard.backend, shard.device, shard.limits)
     if not stage.is_split:
-        return ModelRunner(*args, **kwargs)
+        return ModelRunner(*args, vision=shard.vision, **kwargs)
     link = PipelineLink(stage, shard.model.arch.hidden_size, shard.dtype, shard.device)
     return PipelineRunner(*args, pipeline=link, **kwargs)
 

@@ -16,24 +16,40 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
 
 
-def hash_block(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHash:
+MediaSpan = tuple[int, int, bytes]
+"""(start, end, key): a span of prompt positions whose K/V depend on more than their token ids (an image's
+placeholder tokens), and the key of what they stand for (the image's content hash)."""
+
+
+def hash_block(parent: Optional[BlockHash], token_ids: Sequence[int], keys: Sequence[bytes] = ()) -> BlockHash:
+    """`keys`: the media the block's positions stand for (their content hashes), so that the same placeholder
+    tokens for another image hash apart."""
     tokens = tuple(token_ids)
     digest = hashlib.sha256(parent.value if parent is not None else b"")
     digest.update(array("q", tokens).tobytes())
+    for key in keys:  # (length-prefixed: keys cannot pass for other keys)
+        digest.update(b"media" + len(key).to_bytes(4, "little") + key)
     return BlockHash(digest.digest(), tokens)
 
 
 def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, seed: Optional[bytes] = None
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: Optional[bytes] = None,
+    spans: Sequence[MediaSpan] = (),
 ) -> None:
     """Append the hashes of the full blocks of `token_ids` not yet in `block_hashes`.
 
     block i covers token_ids[i * block_size : (i + 1) * block_size]; `seed` (a LoRA mix's key) stands as the
-    first block's parent, so the same tokens under another seed hash apart.
+    first block's parent, so the same tokens under another seed hash apart; each block a media span overlaps
+    also digests that span's key (and, chained, every block after it).
     """
     num_full = len(token_ids) // block_size
     root = None if seed is None else BlockHash(seed, ())
     parent = block_hashes[-1] if block_hashes else root
     for i in range(len(block_hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        start, end = i * block_size, (i + 1) * block_size
+        keys = [key for first, last, key in spans if first < end and last > start] if spans else ()
+        parent = hash_block(parent, token_ids[start:end], keys)
         block_hashes.append(parent)

@@ -414,7 +414,7 @@ class KVCacheManager:
         """The request's full blocks' hashes, brought up to its tokens; its seed (LoRA key, cache salt) is read
         only for the first block, which it roots (a salted seed is a digest: not made again every step)."""
         seed = request.hash_seed if not request.block_hashes else None
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, seed)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, seed, request.media_spans)
 
     def _cache_full_blocks(self, request: Request, groups: list[list[KVBlock]], num_tokens: int) -> None:
         """Mark pending the blocks that `num_tokens` (scheduled, so known) tokens fill."""

@@ -45,6 +45,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     grammar: object = None
     lora: object = None  # the engine's LoRARef of a request run with adapters (opaque here), like `grammar`
+    multi_modal: object = None  # the engine's inputs of a prompt with images (opaque here), like `grammar`
 
     def __post_init__(self) -> None:
         token_ids: Any = self.token_ids
@@ -67,6 +68,7 @@ class NewRequestData:
             self.eos_token_ids,
             self.grammar,
             self.lora,
+            self.multi_modal,
         )
 
     @property

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from scheduler.block_hash import BlockHash
+from scheduler.block_hash import BlockHash, MediaSpan
 
 
 class RequestStatus(enum.IntEnum):
@@ -77,6 +77,11 @@ class Request:
     # vLLM's cache_salt: mixed into the first block's hash too, so that only requests with the same salt share
     # cached blocks (tenants of one server cannot learn from cache hits what another one's prompts were).
     cache_salt: Optional[str] = None
+    # A prompt with images: the engine's inputs for the runner (opaque here, handed over like `grammar`), and the
+    # prompt spans their placeholder tokens cover with each image's content hash, digested into the hashes of the
+    # blocks they overlap: the same placeholders for another image never hit this one's cached K/V.
+    multi_modal: object = None
+    media_spans: tuple[MediaSpan, ...] = ()
     # Draft tokens this request may verify per step (speculative decoding): None, the engine's number; 0, none.
     num_speculative_tokens: Optional[int] = None
     # Recent share of its drafts accepted: a moving average, from an optimistic 1 (every draft accepted).

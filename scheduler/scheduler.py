@@ -669,6 +669,7 @@ class Scheduler:
                     request.eos_token_ids,
                     request.grammar,
                     request.lora,
+                    request.multi_modal,
                 )
             )
 

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 from engine.cache_dir import default_cache_dir
 from engine.loading.gguf_converter import ensure_converted
@@ -195,19 +195,36 @@ def _looks_like_path(model: str) -> bool:
 
 
 def load_hf_config(
-    path: Union[str, Path], *, trust_remote_code: bool = False, overrides: Optional[dict] = None
+    path: Union[str, Path], *, trust_remote_code: bool = False, overrides: Optional[dict] = None, whole: bool = False
 ) -> "PretrainedConfig":
     """The HF config of a checkpoint directory (its own config code only with `trust_remote_code`), with
-    `overrides` applied (`apply_hf_overrides`)."""
+    `overrides` applied (`apply_hf_overrides`). A vision-language checkpoint's is its language model's config
+    (`text_config_of`), which the engine serves as it serves that family's text models, unless `whole`."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"cannot read the model config in {str(path)!r}: {exc}") from exc
+    if is_vision_language(config) and not whole:
+        config = text_config_of(config)
     if overrides:
         apply_hf_overrides(config, overrides)
     return config
+
+
+def is_vision_language(config: "PretrainedConfig") -> bool:
+    """Whether a checkpoint's config is a vision-language model's: a vision config beside its language model's."""
+    return getattr(config, "vision_config", None) is not None and config.get_text_config() is not config
+
+
+def text_config_of(config: "PretrainedConfig") -> "PretrainedConfig":
+    """The language model's config of a vision-language checkpoint (with the whole config's dtype where it sets
+    none)."""
+    text = copy.deepcopy(config.get_text_config())
+    if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    return text
 
 
 def apply_hf_overrides(config: "PretrainedConfig", overrides: dict) -> None:
@@ -239,8 +256,11 @@ def weight_files(path: Path) -> list[Path]:
     return []
 
 
-def iter_weights(path: Union[str, Path]) -> Iterator[tuple[str, "torch.Tensor"]]:
-    """(HF state-dict name, CPU tensor) for every stored tensor, one file open at a time.
+def iter_weights(
+    path: Union[str, Path], keep: Optional[Callable[[str], bool]] = None
+) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """(HF state-dict name, CPU tensor) for every stored tensor (with `keep`, those whose name it keeps: a
+    safetensors file reads no other), one file open at a time.
 
     Tied weights stored once (e.g. no lm_head.weight) are yielded once: the model ties them.
     """
@@ -258,11 +278,12 @@ def iter_weights(path: Union[str, Path]) -> Iterator[tuple[str, "torch.Tensor"]]
                 raise CheckpointError(f"cannot read the weight file {str(file)!r}: {exc}") from exc
             with opened as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         else:
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except (OSError, RuntimeError, ValueError, EOFError) as exc:  # (torch.load's errors for a bad file)
                 raise CheckpointError(f"cannot read the weight file {str(file)!r}: {exc}") from exc
-            yield from state.items()
+            yield from (item for item in state.items() if keep is None or keep(item[0]))
             del state

@@ -61,6 +61,8 @@ class ContextLengthError(ValueError):
         self.requested, self.limit, self.key = requested, limit, key
 
 
+DEFAULT_MAX_IMAGES = 999  # vLLM's default --limit-mm-per-prompt, per modality
+
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's other names of --dtype's values (`--dtype half`, `LLM(dtype="float")`), read as the names they stand for."""
 
@@ -138,6 +140,11 @@ class ModelConfig(BaseModel):
         description="vLLM's --pooler-config: the pooling model's pooling_type (LAST, MEAN, CLS), normalize and "
         "default dimensions, over its Sentence Transformers files' and vLLM's default (LAST, normalized)",
     )
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=dict,
+        description='vLLM\'s --limit-mm-per-prompt, e.g. {"image": 4}: the most images one prompt of a '
+        "vision-language model may hold (default 999); 0 serves it as a text model (no vision encoder loaded)",
+    )
     quantization_group_size: Optional[Literal[32, 64, 128]] = Field(
         None,
         description="input columns per int4 scale and zero; None = 32 with --quantization int4 (llama.cpp's "
@@ -156,6 +163,22 @@ class ModelConfig(BaseModel):
         if torch is not None and isinstance(value, torch.dtype):
             return str(value).removeprefix("torch.")  # float32, bfloat16, float16; any other stays refused
         return value
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _check_media_limits(cls, value: dict[str, int]) -> dict[str, int]:
+        """Images only (the models served take no audio or video), a count of at least 0."""
+        for modality, count in value.items():
+            if modality != "image":
+                raise ValueError(f"{modality!r}: the models served here take images only")
+            if count < 0:
+                raise ValueError(f"the image limit must be at least 0, got {count}")
+        return value
+
+    @property
+    def max_images(self) -> int:
+        """The most images one prompt may hold (vLLM's default: 999)."""
+        return self.limit_mm_per_prompt.get("image", DEFAULT_MAX_IMAGES)
 
     @field_validator("quantization", mode="before")
     @classmethod

@@ -194,14 +194,14 @@ class DecoderForCausalLM(LlamaForCausalLM):
         backend: AttentionBackend,
         hidden_states: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
-        if hidden_states is not None:  # (registry.check_pipeline_model refuses these families with stages)
-            raise ValueError(f"{type(self).__name__} runs whole: it is not split into pipeline stages")
-        if self._fuses(input_ids, metadata, kv_caches, backend):
+        # `hidden_states`: the first layer's input given (a vision-language model's step with image rows); these
+        # families run whole (registry.check_pipeline_model refuses them with stages)
+        if hidden_states is None and self._fuses(input_ids, metadata, kv_caches, backend):
             assert self.fused is not None
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         arch, ops, linear = self.arch, self.ops, self.linear
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
-        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             rope = arch.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
@@ -221,6 +221,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
             x = self.tp.all_reduce(linear(self._activate(x), layer.down, layer.down_bias))  # (partial sums)
             h = self._add(h, self._norm(x, layer, "mlp_post"))
         return h
+
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings as the first layer takes them: times `embedding_scale` (Gemma, Granite)."""

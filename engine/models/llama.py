@@ -305,17 +305,15 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         """The layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its own
         LayerAttention over its own KV group's metadata. A pipeline stage after the first starts from the
-        hidden states the stage before returned (its residual stream, before the next layer's norm)."""
-        if self._fuses(input_ids, metadata, kv_caches, backend):
+        hidden states the stage before returned (its residual stream, before the next layer's norm); a
+        vision-language model's step with image rows from `input_embeddings` with the images' rows replaced."""
+        if hidden_states is None and self._fuses(input_ids, metadata, kv_caches, backend):
             assert self.fused is not None
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
-        lora = self.lora_step
         eps = self.arch.rms_norm_eps
         ops = self.ops
         angles = ops.rotary_angles(positions, self.rotary)
-        h = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
-        if lora is not None and lora.embeds and hidden_states is None:
-            h = lora.embed(input_ids, h)
+        h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         attention, tp = self.layer_attention, self.tp
@@ -351,6 +349,15 @@ class LlamaForCausalLM:
         out = linear(act, layer.down, layer.down_bias)
         lora.add(index, "down", act, out)
         return out
+
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T, hidden]: what the first layer takes for these tokens (their embeddings, with a LoRA adapter's
+        embedding deltas)."""
+        h = self.embed_tokens(input_ids)
+        lora = self.lora_step
+        if lora is not None and lora.embeds:
+            h = lora.embed(input_ids, h)
+        return h
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden] in the model's dtype (quantized embeddings dequantized by row)."""

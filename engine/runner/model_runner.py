@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -13,6 +14,8 @@ from engine.lora.lora_manager import LoRARef
 from engine.lora.lora_slots import LoRASlots
 from engine.lora.lora_step import LoRASegment, LoRAStep, lm_head_rows
 from engine.models.llama import LlamaForCausalLM
+from engine.models.vision_language import VisionEncoder
+from engine.multimodal.inputs import MultiModalInputs
 from engine.runner.block_table import BlockTable
 from engine.runner.cuda_graphs import CudaGraph, DecodeGraphs, ForwardFn, model_forward
 from engine.runner.fault_isolation import GuardedSampler
@@ -56,6 +59,10 @@ class CachedRequestState:
     lora_slots: tuple[tuple[int, float], ...] = ()  # its adapters' (slot, scale) pairs; empty: the base model
     pooling: Optional[Pooling] = None  # a pooling request's: how its prompt's final hidden states are pooled
     pooled: Optional[torch.Tensor] = None  # [hidden] float32: the sum of its rows pooled so far
+    multi_modal: Optional[MultiModalInputs] = None  # a prompt's images
+    # Its images' embeddings (by image index), from the first step that computes one of an image's positions to
+    # the step that computes its last: a chunk ending inside an image leaves the rest for the next chunks.
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -104,6 +111,8 @@ class _Batch:
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # state, row, count, pos0
     pool_rows: list[tuple[CachedRequestState, int, int, bool]] = field(default_factory=list)  # state, row, count, last
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # first of a request's sample rows -> its drafts
+    image_rows: list[int] = field(default_factory=list)  # rows whose input is an image embedding, not a token's
+    image_embeds: list[torch.Tensor] = field(default_factory=list)  # those rows' embeddings, in their order
     lora: Optional[LoRAStep] = None  # the step's adapter deltas (None: no token runs with an adapter)
 
 
@@ -124,6 +133,7 @@ class ModelRunner:
         samples: bool = True,
         kv_tier: Optional[DiskTier] = None,
         memory_tier: Optional[MemoryTier] = None,
+        vision: Optional[VisionEncoder] = None,
     ):
         """`grammar` decodes structured-output constraints (None: a runner that is never given one);
         `profile` times each step's phases (`--profile`). Tensor parallelism: rank 0's runner hands every step
@@ -132,7 +142,8 @@ class ModelRunner:
         over its shard, takes those tokens (`take_sampled`), computes its slice of the same logits (the LM head
         is vocab-parallel: rank 0 gathers the slices) and samples nothing. `kv_tier`, `memory_tier`: this rank's
         side of the disk and host-memory KV tiers, which the step message's restores are read from and its saves
-        written to."""
+        written to. `vision`: a vision-language model's image encoder, which the runner runs on a request's images
+        as its prompt's chunks reach them (their embeddings replace the placeholder tokens' in the model's input)."""
         self.model: Optional[LlamaForCausalLM] = model  # None once shut down (as are _forward and buffers)
         self.kv_cache = kv_cache
         self.backend = backend
@@ -168,6 +179,7 @@ class ModelRunner:
         self.lora_slots = None if model.lora is None else LoRASlots(model.lora)  # which slot holds which adapter
         self.kv_tier = kv_tier
         self.memory_tier = memory_tier
+        self.vision = vision
 
     def take_sampled(self, sampled: dict[str, list[int]]) -> None:
         """A peer's runner: the tokens rank 0 sampled in the last step (accepted drafts included), appended as
@@ -243,9 +255,12 @@ class ModelRunner:
             assert steps is not None  # built whenever no graph replays
             input_ids = buffers.input_ids.upload(batch.num_tokens)
             positions = buffers.positions.upload(batch.num_tokens)
+            embeds = self._input_embeddings(input_ids, batch) if batch.image_rows else None
             if profile is not None:
                 profile.lap("prepare")
-            hidden = forward(input_ids, positions, steps)
+            hidden = (
+                forward(input_ids, positions, steps) if embeds is None else forward(input_ids, positions, steps, embeds)
+            )
         if profile is not None:
             profile.lap("forward")
         if not self.samples:
@@ -263,6 +278,15 @@ class ModelRunner:
             buffers.end_step()
             if profile is not None:
                 profile.lap("sample")
+
+    def _input_embeddings(self, input_ids: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """The step's first-layer input: the tokens' embeddings, the image rows' replaced by their images'."""
+        model = self.model
+        assert model is not None  # not shut down
+        embeds = model.input_embeddings(input_ids)
+        rows = torch.tensor(batch.image_rows, dtype=torch.int64, device=embeds.device)
+        embeds[rows] = torch.cat(batch.image_embeds).to(device=embeds.device, dtype=embeds.dtype)
+        return embeds
 
     def capture_decode_graphs(self, buckets: tuple[int, ...], graph_type: type = CudaGraph) -> None:
         """Capture (or, with EagerReplay, prepare) the decode graphs; from then on a decode-only step of at
@@ -348,6 +372,9 @@ class ModelRunner:
                 raise RuntimeError("a constrained request reached a runner without a grammar decoder")
             held = new.grammar.compiled if isinstance(new.grammar, GrammarRef) else None
             matcher = self.grammar.new_matcher(params.structured_outputs, new.output_token_ids, held)
+        multi_modal = new.multi_modal
+        if multi_modal is not None and (not isinstance(multi_modal, MultiModalInputs) or self.vision is None):
+            raise RuntimeError(f"request {new.request_id!r} brought images to a runner without a vision encoder")
         return CachedRequestState(
             new.request_id,
             new.num_prompt_tokens,
@@ -356,6 +383,7 @@ class ModelRunner:
             list(new.token_ids),
             matcher,
             self._acquire_lora(new),
+            multi_modal=multi_modal,
         )
 
     def _acquire_lora(self, new: NewRequestData) -> tuple[tuple[int, float], ...]:
@@ -416,6 +444,8 @@ class ModelRunner:
             starts[: num_decodes + 1] = np.arange(num_decodes + 1)
             seq_lens[:num_decodes] = decode_pos + 1
             for i, (state, pos, _) in enumerate(decodes):
+                if state.multi_modal is not None:  # (a prompt's last token may be an image's)
+                    self._add_image_rows(batch, state, i, pos, 1)
                 if pos + 1 >= len(state.token_ids):  # the sequence's last token, or a draft after it
                     if pos + 1 == len(state.token_ids) and spec and state.request_id in spec:
                         batch.drafts[len(batch.sample_rows)] = spec[state.request_id]
@@ -433,6 +463,8 @@ class ModelRunner:
                 slots[group][token : token + num_tokens] = group_slots
             rows[i], starts[i + 1], seq_lens[i] = state.row, token + num_tokens, end
             self._add_chunk_outputs(batch, state, token, start, num_tokens)
+            if state.multi_modal is not None:
+                self._add_image_rows(batch, state, token, start, num_tokens)
             token += num_tokens
             max_query_len = max(max_query_len, num_tokens)
         batch.num_tokens = token
@@ -442,7 +474,12 @@ class ModelRunner:
         buffers.check_fits(token, num_reqs, width)
         graphs = self.graphs
         bucket = None
-        if graphs is not None and not chunks and (segments is None or graphs.takes_lora(segments)):
+        if (
+            graphs is not None
+            and not chunks
+            and not batch.image_rows
+            and (segments is None or graphs.takes_lora(segments))
+        ):
             bucket = graphs.bucket_for(num_decodes)
         if graphs is not None and bucket is not None:
             for group in range(self.num_groups):
@@ -486,6 +523,31 @@ class ModelRunner:
             segments.append(LoRASegment(token, count, state.lora_slots))
             token += count
         return segments
+
+    def _add_image_rows(
+        self, batch: _Batch, state: CachedRequestState, first_row: int, start: int, num_tokens: int
+    ) -> None:
+        """The rows of positions [start, start + num_tokens) (laid out from `first_row`) that are image placeholders,
+        with their images' embeddings (each image encoded when a step first reaches it, dropped once a step
+        reaches its end)."""
+        multi_modal, vision = state.multi_modal, self.vision
+        assert multi_modal is not None and vision is not None  # (_new_state)
+        end = start + num_tokens
+        if start >= multi_modal.end:
+            return
+        for index, image in enumerate(multi_modal.images):
+            if image.end <= start or image.start >= end:
+                continue
+            embeds = state.image_embeds.get(index)
+            if embeds is None:
+                embeds = state.image_embeds[index] = vision.encode(image)
+            positions = image.positions
+            lo, hi = bisect.bisect_left(positions, start), bisect.bisect_left(positions, end)
+            if hi > lo:
+                batch.image_rows += [first_row + p - start for p in positions[lo:hi]]
+                batch.image_embeds.append(embeds[lo:hi])
+            if image.end <= end:
+                del state.image_embeds[index]  # (the step holds what it takes of it)
 
     @staticmethod
     def _add_chunk_outputs(

@@ -1,0 +1,165 @@
+"""Vision-language models: a language model of a family served here, given image embeddings in place of its
+image placeholder tokens. The language model is the house's own (the family of the checkpoint's `text_config`);
+the vision encoder and projector are transformers' own modules for the architecture, built without the language
+model and loaded with the checkpoint's vision weights only, and run through the model's `get_image_features` (one
+image at a time: its embeddings, one per placeholder position, as HF's model scatters them)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import torch
+
+from engine.multimodal.inputs import ImageInput
+
+
+@dataclass(frozen=True, slots=True)
+class VisionLanguageFamily:
+    architecture: str  # the HF `architectures` entry
+    model_class: str  # transformers' inner model (vision encoder, projector, language model): module.Class
+    text_attribute: str  # that model's language model attribute (dropped)
+    vision_modules: tuple[str, ...]  # its attributes that turn pixels into embeddings (loaded from the checkpoint)
+    features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
+
+
+VISION_LANGUAGE_FAMILIES = (
+    VisionLanguageFamily(
+        "LlavaForConditionalGeneration",
+        "transformers.models.llava.modeling_llava.LlavaModel",
+        "language_model",
+        ("vision_tower", "multi_modal_projector"),
+        (
+            "images: a CLIP / SigLIP vision tower (vision_feature_layer, vision_feature_select_strategy) and the "
+            "two-layer projector, transformers' modules",
+            "the language model as its family (Llama, Mistral, Qwen2, ...)",
+        ),
+    ),
+)
+
+
+def vision_family_of(config: Any) -> Optional[VisionLanguageFamily]:
+    """The vision-language family of a checkpoint's (whole) config; None for a text model."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    return next((family for family in VISION_LANGUAGE_FAMILIES if family.architecture in architectures), None)
+
+
+def image_token_id(config: Any) -> int:
+    """The id of the token each image's placeholder positions hold."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{config.architectures}: the config names no image token (image_token_id)")
+
+
+# Checkpoint names of the language model's tensors, as transformers writes them (older and newer layouts), and the
+# names the house's models read.
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def text_weight_name(name: str, family: VisionLanguageFamily) -> Optional[str]:
+    """A checkpoint tensor's name as the language model reads it; None for the vision encoder's and projector's."""
+    if _vision_module(name, family) is not None:
+        return None
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    raise ValueError(f"checkpoint tensor {name!r} belongs to neither the language model nor the vision encoder")
+
+
+def text_weights(weights: Iterable[tuple[str, Any]], family: VisionLanguageFamily) -> Iterator[tuple[str, Any]]:
+    """The language model's tensors of a checkpoint's, by the names the house's models read."""
+    for name, tensor in weights:
+        text_name = text_weight_name(name, family)
+        if text_name is not None:
+            yield text_name, tensor
+
+
+def _vision_module(name: str, family: VisionLanguageFamily) -> Optional[tuple[str, str]]:
+    """(module, the tensor's name inside it) for a vision encoder's or projector's tensor, else None."""
+    for module in family.vision_modules:
+        for prefix in (f"model.{module}.", f"{module}."):
+            if name.startswith(prefix):
+                return module, name[len(prefix) :]
+    return None
+
+
+class VisionEncoder:
+    """Images to embeddings in the language model's dtype: transformers' model of the architecture without its
+    language model."""
+
+    def __init__(self, hf_model: torch.nn.Module, family: VisionLanguageFamily, dtype: torch.dtype, token_id: int):
+        self.hf: Any = hf_model  # (its get_image_features, typed by transformers per architecture)
+        self.family = family
+        self.image_token_id = token_id  # what the prompt's placeholder positions hold
+        self.dtype = dtype
+        self.device = next(hf_model.parameters()).device
+        self.num_parameters = sum(p.numel() for p in hf_model.parameters())
+
+    @classmethod
+    def load(
+        cls,
+        path: Union[str, Path],
+        config: Any,
+        family: VisionLanguageFamily,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> "VisionEncoder":
+        """Built from the whole config with a language model of no layers (then dropped), its vision modules' weights
+        read from the checkpoint in `path`; ValueError for a tensor missing or left over."""
+        from transformers.initialization import no_init_weights
+
+        from engine.loading.loader import iter_weights
+
+        module_path, class_name = family.model_class.rsplit(".", 1)
+        model_class = getattr(importlib.import_module(module_path), class_name)
+        shell = copy.deepcopy(config)
+        text = shell.get_text_config()
+        text.num_hidden_layers, text.vocab_size = 0, 1  # (the language model is dropped: built as small as it goes)
+        with no_init_weights():
+            hf = model_class(shell)
+        setattr(hf, family.text_attribute, None)
+        state: dict[str, dict[str, torch.Tensor]] = {module: {} for module in family.vision_modules}
+        for name, tensor in iter_weights(path, keep=lambda n: _vision_module(n, family) is not None):
+            found = _vision_module(name, family)
+            assert found is not None
+            state[found[0]][found[1]] = tensor
+        for module in family.vision_modules:
+            target = getattr(hf, module)
+            missing, unexpected = target.load_state_dict(state[module], strict=False)
+            if missing or unexpected:
+                raise ValueError(
+                    f"{family.architecture}: the checkpoint's {module} weights do not fit transformers' module "
+                    f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})"
+                )
+        hf.to(device=device, dtype=dtype).eval()
+        return cls(hf, family, dtype, image_token_id(config))
+
+    @torch.inference_mode()
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        """[image.num_embeds, hidden]: the image's embeddings in the model's dtype, one per placeholder position."""
+        data = {
+            key: value.to(self.device, self.dtype if value.is_floating_point() else value.dtype)
+            for key, value in image.data.items()
+        }
+        out = self.hf.get_image_features(**data)
+        features = getattr(out, "pooler_output", out)
+        if isinstance(features, (list, tuple)):
+            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+        features = features.reshape(-1, features.shape[-1]).to(self.dtype)
+        if features.shape[0] != image.num_embeds:
+            raise ValueError(
+                f"the vision encoder gave {features.shape[0]} embeddings for an image of {image.num_embeds} "
+                "placeholder tokens"
+            )
+        return features

@@ -1,0 +1,81 @@
+"""An image from what a caller sent: encoded bytes (PNG, JPEG, WebP, GIF, BMP, ...), a `data:` URL, a file under an
+allowed folder, or a PIL image; decoded to RGB with Pillow. Fetching an http(s) URL is the server's (engine/ holds
+no HTTP client): it hands the bytes here."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import unquote, urlparse
+
+from engine.errors import InvalidParameterError
+
+# Pillow's own guard against decompression bombs is a warning up to twice this; refused here at once.
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+
+
+def open_image(data: bytes, param: str) -> Any:
+    """The decoded image (a PIL image in RGB); InvalidParameterError naming `param` for bytes that are no image
+    Pillow reads, or one of more than MAX_IMAGE_PIXELS pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise InvalidParameterError(
+                param, f"the image is {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} allowed"
+            )
+        image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise InvalidParameterError(param, f"cannot be read as an image: {error}") from None
+    return rgb(image)
+
+
+def rgb(image: Any) -> Any:
+    """A PIL image in RGB (an alpha channel composited over white, as vLLM converts RGBA)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def decode_data_url(url: str, param: str) -> bytes:
+    """The bytes of a `data:image/...;base64,...` URL (a non-base64 data URL's percent-decoded text too)."""
+    header, comma, payload = url.partition(",")
+    if not comma or not header.startswith("data:"):
+        raise InvalidParameterError(param, "is not a valid data URL (data:image/<type>;base64,<data>)")
+    media_type = header[5:].split(";")[0]
+    if media_type and not media_type.startswith("image/"):
+        raise InvalidParameterError(param, f"is a data URL of {media_type!r}, not of an image")
+    if header.endswith(";base64"):
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidParameterError(param, "holds invalid base64 data") from None
+    return unquote(payload).encode("latin-1", errors="replace")
+
+
+def read_local_image(url: str, allowed: Optional[Path], param: str) -> bytes:
+    """The bytes of a `file://` URL's file, which must lie under `allowed` (vLLM's --allowed-local-media-path;
+    None: no file is read)."""
+    if allowed is None:
+        raise InvalidParameterError(
+            param, "is a file URL; the server reads local files only under --allowed-local-media-path"
+        )
+    path = Path(unquote(urlparse(url).path)).resolve()
+    root = allowed.resolve()
+    if not path.is_relative_to(root):
+        raise InvalidParameterError(param, "names a file outside --allowed-local-media-path")
+    if not path.is_file():
+        raise InvalidParameterError(param, "names no file under --allowed-local-media-path")
+    return path.read_bytes()

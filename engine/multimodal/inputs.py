@@ -1,0 +1,56 @@
+"""A prompt's images as the runner reads them: each image's encoder inputs and the prompt positions its
+embeddings fill. Built by the processor (processor.py), carried opaque through the scheduler in the step
+message, so a worker process gets them with the request and needs nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from scheduler.block_hash import MediaSpan
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ImageInput:
+    """One image of a prompt.
+
+    `data`: the processor's outputs for this image alone (pixel_values and whatever else the model's vision
+    encoder takes, each with the image's rows only); `positions`: the prompt positions its embeddings replace,
+    in order (its placeholder tokens: the encoder returns one embedding per position); `key`: a digest of `data`,
+    which is what the encoder sees, so equal keys mean equal embeddings (the prefix cache's key for the image)."""
+
+    data: Mapping[str, torch.Tensor]
+    positions: tuple[int, ...]
+    key: bytes
+
+    @property
+    def start(self) -> int:
+        return self.positions[0]
+
+    @property
+    def end(self) -> int:
+        """One past its last placeholder position."""
+        return self.positions[-1] + 1
+
+    @property
+    def num_embeds(self) -> int:
+        return len(self.positions)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MultiModalInputs:
+    """A prompt's images, in prompt order (their spans do not overlap)."""
+
+    images: tuple[ImageInput, ...]
+
+    @property
+    def spans(self) -> tuple[MediaSpan, ...]:
+        """Each image's (start, end, key): what the scheduler digests into the hashes of the blocks it covers."""
+        return tuple((image.start, image.end, image.key) for image in self.images)
+
+    @property
+    def end(self) -> int:
+        """One past the last placeholder position of the last image."""
+        return self.images[-1].end

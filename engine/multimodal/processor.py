@@ -1,0 +1,123 @@
+"""A vision-language model's HF processor (AutoProcessor, from the checkpoint): a rendered prompt and its images
+to token ids, each image's placeholder expanded as the model expects, and each image's encoder inputs."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from engine.errors import InvalidParameterError
+from engine.multimodal.inputs import ImageInput, MultiModalInputs
+
+# The processor's outputs that belong to the text, not to an image.
+TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
+class MultiModalProcessor:
+    """The model's HF processor, and how many images a prompt may hold (vLLM's --limit-mm-per-prompt)."""
+
+    def __init__(self, hf_processor: Any, image_token_id: int, max_images: int):
+        self.hf = hf_processor
+        self.image_token_id = image_token_id
+        self.max_images = max_images
+        token = getattr(hf_processor, "image_token", None)
+        if not isinstance(token, str):
+            token = hf_processor.tokenizer.convert_ids_to_tokens(image_token_id)
+        self.image_placeholder: str = token  # what a prompt writes where an image goes
+
+    @classmethod
+    def load(
+        cls, path: Union[str, Path], image_token_id: int, max_images: int, trust_remote_code: bool = False
+    ) -> "MultiModalProcessor":
+        from transformers import AutoProcessor
+
+        try:
+            hf = AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"cannot load the model's image processor from {str(path)!r}: {error}") from error
+        if not hasattr(hf, "image_processor"):
+            raise ValueError(f"the processor in {str(path)!r} ({type(hf).__name__}) has no image processor")
+        return cls(hf, image_token_id, max_images)
+
+    def check_count(self, count: int, param: str) -> None:
+        if count > self.max_images:
+            raise InvalidParameterError(
+                param, f"holds {count} images; at most {self.max_images} per prompt (--limit-mm-per-prompt)"
+            )
+
+    def process(
+        self, text: str, images: Sequence[Any], *, add_special_tokens: bool = False, param: str = "messages"
+    ) -> tuple[list[int], Optional[MultiModalInputs]]:
+        """`text`'s token ids with each of its image placeholders (one per image, in order) expanded, and the
+        images' encoder inputs (None without images). InvalidParameterError naming `param` when the prompt's
+        placeholders and its images do not pair up."""
+        self.check_count(len(images), param)
+        written = text.count(self.image_placeholder)
+        if written != len(images):
+            raise InvalidParameterError(
+                param,
+                f"has {len(images)} image(s) but its prompt writes {written} placeholder(s) {self.image_placeholder!r}",
+            )
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": add_special_tokens}
+        if images:
+            kwargs["images"] = list(images)
+        try:
+            out = self.hf(**kwargs)
+        except (ValueError, TypeError, IndexError, RuntimeError) as error:
+            raise InvalidParameterError(param, f"cannot be processed with its images: {error}") from None
+        token_ids = [int(t) for t in out["input_ids"][0]]
+        if not images:
+            return token_ids, None
+        return token_ids, self._inputs(out, token_ids, [image.size for image in images], param)
+
+    def _inputs(self, out: Any, token_ids: list[int], sizes: list[tuple[int, int]], param: str) -> MultiModalInputs:
+        """Each image's rows of the processor's outputs and the placeholder positions its embeddings fill: the
+        images' placeholders in prompt order, as many per image as the processor says it expands it to (as the
+        model scatters its images' embeddings over them)."""
+        counts = self.hf._get_num_multimodal_tokens(image_sizes=[(height, width) for width, height in sizes])
+        num_tokens = list(counts.num_image_tokens)
+        num_rows = list(getattr(counts, "num_image_patches", None) or [1] * len(sizes))
+        positions = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
+        if len(positions) != sum(num_tokens):
+            raise InvalidParameterError(
+                param,
+                f"expands to {len(positions)} image tokens where its {len(sizes)} image(s) take {sum(num_tokens)} "
+                "(the prompt's own text holds the image token?)",
+            )
+        data = {key: value for key, value in out.items() if key not in TEXT_KEYS and isinstance(value, torch.Tensor)}
+        images = []
+        first_token = first_row = 0
+        for index, (tokens, rows) in enumerate(zip(num_tokens, num_rows)):
+            own = {
+                key: _rows(key, value, index, first_row, rows, sum(num_rows), len(sizes)) for key, value in data.items()
+            }
+            images.append(ImageInput(own, tuple(positions[first_token : first_token + tokens]), _digest(own)))
+            first_token += tokens
+            first_row += rows
+        return MultiModalInputs(tuple(images))
+
+
+def _rows(
+    key: str, value: torch.Tensor, index: int, first_row: int, rows: int, total_rows: int, num_images: int
+) -> torch.Tensor:
+    """Image `index`'s part of a processor output: its `rows` rows of a tensor with a row per tile (patch) of every
+    image, else its one row of a tensor with a row per image."""
+    total = value.shape[0] if value.dim() else -1
+    if total == total_rows:
+        return value[first_row : first_row + rows].contiguous()
+    if total == num_images:
+        return value[index : index + 1].contiguous()
+    raise ValueError(f"the processor's {key!r} ({list(value.shape)}) cannot be split by image")
+
+
+def _digest(data: dict[str, torch.Tensor]) -> bytes:
+    """A digest of what the encoder reads of one image: its tensors' names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for key in sorted(data):
+        tensor = data[key].contiguous()
+        digest.update(f"{key}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.digest()
