@@ -30,6 +30,8 @@ import torch
 from engine.attention.kv_cache import kv_cache_dtype_name
 from engine.cpu_contention import ThreadGovernor
 from engine.loading.model_config import ModelConfig
+from engine.multimodal.inputs import MultiModalInputs
+from engine.multimodal.processor import MultiModalProcessor
 from engine.engine import EngineCore
 from engine.errors import InvalidParameterError
 from engine.lora.lora_manager import LoadedLoRA, LoRAManager, LoRAStats
@@ -63,6 +65,7 @@ class RequestInput(NamedTuple):
     params: Union[SamplingParams, PoolingParams]
     lora: Optional[LoRAMix] = None  # the LoRA adapters it runs with (None: the base model)
     cache_salt: Optional[str] = None  # vLLM's: only requests with the same salt share cached blocks
+    multi_modal: Optional[MultiModalInputs] = None  # the prompt's images (the model's processor made both)
 
 
 @dataclass(slots=True)
@@ -244,6 +247,12 @@ class AsyncEngine:
     def pooler(self) -> Optional[ModelPooler]:
         """A pooling model's pooler (it serves embeddings, and generates nothing); None for a generative model."""
         return self.engine.pooler
+
+    @property
+    def processor(self) -> Optional[MultiModalProcessor]:
+        """A vision-language model's processor (prompts with images: thread-safe, for the server's worker threads);
+        None for a text model, or one served without images."""
+        return self.engine.processor
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -462,6 +471,7 @@ class AsyncEngine:
                     grammar=None if constraint is None else command.grammars[constraint.key],
                     lora=item.lora,
                     cache_salt=item.cache_salt,
+                    multi_modal=item.multi_modal,
                 )
                 added.append(engine_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone, never the loop

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel
@@ -18,7 +19,7 @@ from engine.lora.request import LoRAMix, LoRARequest
 from engine.engine import EngineCore
 from engine.engine_config import EngineConfig
 from engine.llm_pooling import LoRAChoice, PoolingCalls
-from engine.prompt_inputs import PromptType, as_prompt_list, token_ids_of
+from engine.prompt_inputs import EncodedPrompt, PromptType, as_prompt_list, chat_messages, token_ids_of
 from engine.outputs import (
     CompletionOutput,
     GenerationResult,
@@ -28,8 +29,8 @@ from engine.outputs import (
 )
 from engine.sampling.parallel import fan_out
 from engine.sampling.params import SamplingParams
-from engine.text.chat_content_format import ContentFormat, detect_content_format
-from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, part_texts
+from engine.multimodal.images import offline_image, pil_images
+from engine.text.chat_content_format import detect_content_format
 from engine.text.tokenizer import TEMPLATE_RENDERER_ARGUMENTS, Tokenizer
 from scheduler import SchedulerConfig
 
@@ -162,8 +163,9 @@ class LLM(PoolingCalls):
         lora_request: Union[LoRAChoice, Sequence[LoRAChoice]] = None,
     ) -> list[GenerationResult]:
         """Complete each prompt (a string, a list of token ids, or a dict of "prompt" or "prompt_token_ids" and
-        optionally vLLM's "cache_salt": only prompts of the same salt share cached blocks); results come back in
-        input order. `priority` (one per prompt, lower first) needs the
+        optionally vLLM's "cache_salt": only prompts of the same salt share cached blocks, and, for a
+        vision-language model, vLLM's "multi_modal_data": {"image": a PIL image or a list}, one per placeholder the
+        "prompt" writes); results come back in input order. `priority` (one per prompt, lower first) needs the
         priority scheduling policy, as in vLLM. `lora_request`: the adapter for every prompt or one per
         prompt (a LoRARequest, registered on first use; a LoRAMix of registered adapters; None: the base)."""
         prompt_list = as_prompt_list(prompts)
@@ -173,7 +175,7 @@ class LLM(PoolingCalls):
         if priority is not None and any(priority) and self.engine.scheduler.scheduler_config.policy != "priority":
             raise ValueError("priority needs an LLM made with scheduling_policy='priority' (as in vLLM)")
         loras = self._as_lora_list(lora_request, len(prompt_list))
-        encoded = [self._encode(p) for p in prompt_list]
+        encoded = [self._encode_with_images(p) for p in prompt_list]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
         return self._run(encoded, params_list, use_tqdm, priority, loras, salts)
 
@@ -215,7 +217,9 @@ class LLM(PoolingCalls):
         "text": ...}]`), which reach the template as vLLM's `chat_template_content_format` says: `string` joins
         the parts by newlines, `openai` gives a list of parts (a string as one), `auto` reads which from the
         template, as the server does. `continue_final_message`, `tools` and `chat_template_kwargs` as the chat
-        route takes them; `lora_request` as for `generate`."""
+        route takes them; `lora_request` as for `generate`. A vision-language model also reads image parts:
+        `{"type": "image_url", "image_url": {"url": ...}}` with a data: URL (or a file:// URL under
+        allowed_local_media_path), or vLLM's `{"type": "image_pil", "image_pil": <PIL image>}`."""
         if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
             raise TypeError("chat() takes a conversation (a list of message dicts) or a list of conversations")
         conversations = [messages] if _is_conversation(messages) else list(messages)
@@ -227,18 +231,25 @@ class LLM(PoolingCalls):
         content_format = chat_template_content_format
         if content_format == "auto":
             content_format = detect_content_format(template) if template is not None else "string"
-        texts = [
-            tokenizer.render_chat(
-                _plain_messages(c, content_format),
+        processor = self.engine.processor
+        placeholder = None if processor is None else processor.image_placeholder
+        encoded = []
+        for conversation in conversations:
+            messages, parts = chat_messages(conversation, content_format, placeholder)
+            text = tokenizer.render_chat(
+                messages,
                 add_generation_prompt,
                 tools,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
                 chat_template=chat_template,
             )
-            for c in conversations
-        ]
-        encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+            if processor is None:  # (a text model's chat_messages refused image parts)
+                encoded.append(EncodedPrompt(text, tokenizer.encode(text, add_special_tokens=False)))
+                continue
+            allowed = self._media_path()
+            images = [offline_image(part.kind, part.source, allowed, f"{where}.{part.kind}") for where, part in parts]
+            encoded.append(EncodedPrompt(text, *processor.process(text, images, param="messages")))
         loras = self._as_lora_list(lora_request, len(encoded))
         params_list = _as_params_list(sampling_params, len(encoded), self.get_default_sampling_params)
         return self._run(encoded, params_list, use_tqdm, loras=loras)
@@ -294,9 +305,30 @@ class LLM(PoolingCalls):
             return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
         return None, token_ids_of(prompt)
 
+    def _encode_with_images(self, prompt: PromptType) -> EncodedPrompt:
+        """A prompt as `_encode` reads it, or one with vLLM's multi_modal_data through the model's processor."""
+        media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if media is None:
+            return EncodedPrompt(*self._encode(prompt))
+        processor = self.engine.processor
+        if processor is None:
+            raise ValueError("multi_modal_data needs a vision-language model served with images")
+        assert isinstance(prompt, dict)
+        if not isinstance(media, dict) or set(media) - {"image"}:
+            raise ValueError('multi_modal_data takes {"image": <a PIL image or a list of them>}')
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError('a prompt with multi_modal_data needs its "prompt" text (its image placeholders)')
+        images = pil_images(media.get("image", []), "multi_modal_data.image")
+        return EncodedPrompt(text, *processor.process(text, images, add_special_tokens=True, param="multi_modal_data"))
+
+    def _media_path(self) -> Optional[Path]:
+        folder = self.engine.config.model.allowed_local_media_path
+        return None if folder is None else Path(folder)
+
     def _run(
         self,
-        encoded: Sequence[tuple[Optional[str], list[int]]],
+        encoded: Sequence[EncodedPrompt],
         params_list: list[SamplingParams],
         use_tqdm: bool,
         priority: Optional[Sequence[int]] = None,
@@ -306,7 +338,7 @@ class LLM(PoolingCalls):
         engine = self.engine
         parents: list[tuple[str, list[str]]] = []
         try:
-            for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
+            for index, ((_, token_ids, multi_modal), params) in enumerate(zip(encoded, params_list)):
                 parent = f"offline-{next(self._ids)}"
                 children = fan_out(parent, params)
                 parents.append((parent, [child_id for child_id, _ in children]))
@@ -318,6 +350,7 @@ class LLM(PoolingCalls):
                         priority=0 if priority is None else priority[index],
                         lora=None if loras is None else loras[index],
                         cache_salt=None if salts is None else salts[index],
+                        multi_modal=multi_modal,
                     )
         except BaseException:
             engine.abort([c for _, children in parents for c in children])
@@ -339,7 +372,7 @@ class LLM(PoolingCalls):
         decode = _token_texts(engine.tokenizer)
         return [
             _result(parent, prompt, token_ids, [results[child] for child in children], decode)
-            for (parent, children), (prompt, token_ids) in zip(parents, encoded)
+            for (parent, children), (prompt, token_ids, _) in zip(parents, encoded)
         ]
 
 
@@ -384,32 +417,6 @@ def _result(
         outputs=outputs,
         num_cached_tokens=children[0].num_cached_tokens,
     )
-
-
-def _plain_messages(conversation: list[dict], content_format: ContentFormat = "string") -> list[dict]:
-    """Messages whose content is OpenAI's text parts, read as the server reads them (engine/text/content_parts.py:
-    with the `string` format, texts joined by newlines; with `openai`, text parts, a string as one; other parts,
-    images or audio, refused: this engine reads text)."""
-    out = []
-    for i, message in enumerate(conversation):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            kinds = ASSISTANT_PARTS if message.get("role") == "assistant" else CHAT_PARTS
-            try:
-                texts = part_texts(content, kinds)
-            except ContentPartError as error:
-                raise ValueError(f"message {i}, part {error.index}: {error}") from None
-        elif isinstance(content, str):
-            texts = [content] if content else []
-        else:
-            out.append(message)
-            continue
-        if content_format == "openai":
-            message = {**message, "content": [{"type": "text", "text": text} for text in texts]}
-        else:
-            message = {**message, "content": "\n".join(texts)}
-        out.append(message)
-    return out
 
 
 def _is_conversation(messages: Union[list[dict], Sequence[list[dict]]]) -> "TypeIs[list[dict]]":

@@ -145,6 +145,11 @@ class ModelConfig(BaseModel):
         description='vLLM\'s --limit-mm-per-prompt, e.g. {"image": 4}: the most images one prompt of a '
         "vision-language model may hold (default 999); 0 serves it as a text model (no vision encoder loaded)",
     )
+    allowed_local_media_path: Optional[str] = Field(
+        None,
+        description="vLLM's --allowed-local-media-path: a folder whose files requests may name as images "
+        "(file:// URLs); None: no local file is read",
+    )
     quantization_group_size: Optional[Literal[32, 64, 128]] = Field(
         None,
         description="input columns per int4 scale and zero; None = 32 with --quantization int4 (llama.cpp's "

@@ -79,3 +79,35 @@ def read_local_image(url: str, allowed: Optional[Path], param: str) -> bytes:
     if not path.is_file():
         raise InvalidParameterError(param, "names no file under --allowed-local-media-path")
     return path.read_bytes()
+
+
+def offline_image(kind: str, source: Any, allowed: Optional[Path], param: str) -> Any:
+    """The image of an offline chat's image part: a PIL image (`image_pil`), or an `image_url`'s `data:` or
+    `file://` URL (http(s) URLs are the server's to fetch: the offline API reads none)."""
+    from PIL import Image
+
+    if kind == "image_pil":
+        if not isinstance(source, Image.Image):
+            raise InvalidParameterError(param, f"needs a PIL image, not {type(source).__name__}")
+        return rgb(source)
+    url = source.get("url") if isinstance(source, dict) else source
+    if not isinstance(url, str):
+        raise InvalidParameterError(param, 'needs {"url": "..."} with a data: or file:// URL')
+    if url.startswith("data:"):
+        return open_image(decode_data_url(url, param), param)
+    if url.startswith("file:"):
+        return open_image(read_local_image(url, allowed, param), param)
+    raise InvalidParameterError(
+        param, "is not a data: or file:// URL (the offline API fetches nothing: pass the image as image_pil)"
+    )
+
+
+def pil_images(value: Any, param: str) -> list[Any]:
+    """vLLM's `multi_modal_data["image"]`: a PIL image or a list of them, in RGB."""
+    from PIL import Image
+
+    images = value if isinstance(value, (list, tuple)) else [value]
+    for image in images:
+        if not isinstance(image, Image.Image):
+            raise InvalidParameterError(param, f"takes PIL images, not {type(image).__name__}")
+    return [rgb(image) for image in images]

@@ -4,6 +4,7 @@ to token ids, each image's placeholder expanded as the model expects, and each i
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -27,6 +28,8 @@ class MultiModalProcessor:
         if not isinstance(token, str):
             token = hf_processor.tokenizer.convert_ids_to_tokens(image_token_id)
         self.image_placeholder: str = token  # what a prompt writes where an image goes
+        # (one call at a time: a fast tokenizer's padding and truncation settings are state its calls share)
+        self._lock = threading.Lock()
 
     @classmethod
     def load(
@@ -65,7 +68,8 @@ class MultiModalProcessor:
         if images:
             kwargs["images"] = list(images)
         try:
-            out = self.hf(**kwargs)
+            with self._lock:
+                out = self.hf(**kwargs)
         except (ValueError, TypeError, IndexError, RuntimeError) as error:
             raise InvalidParameterError(param, f"cannot be processed with its images: {error}") from None
         token_ids = [int(t) for t in out["input_ids"][0]]
