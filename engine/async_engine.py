@@ -16,6 +16,7 @@ request before it answers anything.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 import contextlib
 import itertools
 import logging
@@ -247,6 +248,12 @@ class AsyncEngine:
     def pooler(self) -> Optional[ModelPooler]:
         """A pooling model's pooler (it serves embeddings, and generates nothing); None for a generative model."""
         return self.engine.pooler
+
+    @property
+    def media_path(self) -> Optional[Path]:
+        """The folder whose files requests may name as images (--allowed-local-media-path); None: none."""
+        folder = self.engine.config.model.allowed_local_media_path
+        return None if folder is None else Path(folder)
 
     @property
     def processor(self) -> Optional[MultiModalProcessor]:

@@ -30,7 +30,9 @@ def open_image(data: bytes, param: str) -> Any:
                 param, f"the image is {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} allowed"
             )
         image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+    except UnidentifiedImageError:
+        raise InvalidParameterError(param, "is not an image (no format Pillow reads: PNG, JPEG, WebP, GIF, ...)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         raise InvalidParameterError(param, f"cannot be read as an image: {error}") from None
     return rgb(image)
 

@@ -119,6 +119,17 @@ class ServerConfig(BaseModel):
         30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM/SIGINT"
     )
     max_request_body: int = Field(4 * 2**20, ge=1024, description="request body bytes at most (413 beyond)")
+    allowed_media_domains: Optional[list[str]] = Field(
+        None,
+        description="vLLM's --allowed-media-domains: the hosts whose http(s) image URLs the server fetches "
+        "(None: any host)",
+    )
+    media_fetch_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="seconds an image URL's fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); its bytes are bounded "
+        "by max_request_body",
+    )
     max_logprobs: int = Field(
         MAX_LOGPROBS,
         ge=0,

@@ -771,6 +771,41 @@ OPTIONS: tuple[Option, ...] = (
         "request body size at most, e.g. 4MiB (413 beyond, checked before the body is parsed)",
         "SIZE",
     ),
+    Option(
+        "--limit-mm-per-prompt",
+        (*MODEL, "limit_mm_per_prompt"),
+        "json",
+        "a vision-language model's most images per prompt, as vLLM's JSON: '{\"image\": 4}' (default 999); "
+        "0 serves it as a text model, its vision encoder not loaded",
+        "JSON",
+        "999 images",
+    ),
+    Option(
+        "--allowed-local-media-path",
+        (*MODEL, "allowed_local_media_path"),
+        "str",
+        "a folder whose files requests may name as images by file:// URLs (vLLM's flag; trusted clients only)",
+        "DIR",
+        "none: no file is read",
+        nullable=True,
+    ),
+    Option(
+        "--allowed-media-domains",
+        (*SERVER, "allowed_media_domains"),
+        "list",
+        "the hosts whose http(s) image URLs the server fetches, comma-separated (vLLM's flag); default any host",
+        "HOSTS",
+        "any host",
+        nullable=True,
+    ),
+    Option(
+        "--media-fetch-timeout",
+        (*SERVER, "media_fetch_timeout"),
+        "float",
+        "seconds an image URL's fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); its size is bounded by "
+        "--max-request-body",
+        "SECONDS",
+    ),
     # vLLM's flags where users reach for them
     Option(
         "--revision",

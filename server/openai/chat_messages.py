@@ -6,33 +6,40 @@ import json
 from typing import Any, Optional, Sequence
 
 from engine.text.chat_content_format import ContentFormat
-from engine.text.content_parts import ASSISTANT_PARTS, CHAT_PARTS, ContentPartError, part_texts
+from engine.text.content_parts import (
+    ASSISTANT_PARTS,
+    CHAT_PARTS,
+    ContentPartError,
+    ImagePart,
+    part_items,
+    template_content,
+)
 from engine.text.tokenizer import TEMPLATE_RENDERER_ARGUMENTS, Tokenizer
 from server.http.errors import APIError, bad_request
 from server.openai.chat_templates import TemplateChoice
 from server.openai.protocol import ChatMessage
 
 
-def render_prompt(
+def render_text(
     tokenizer: Tokenizer,
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool,
     tools: Optional[list[dict]] = None,
     param: str = "messages",
-    add_special_tokens: bool = False,
     *,
     continue_final_message: bool = False,
     template_kwargs: Optional[dict[str, Any]] = None,
     template: TemplateChoice = TemplateChoice(),
-) -> list[int]:
-    """The prompt token ids of a conversation (a template error is a 400 on `param`). The template writes the
-    special tokens it wants; `add_special_tokens` (vLLM's chat field) adds the tokenizer's own as well.
-    `continue_final_message` and `template_kwargs` (vLLM's chat_template_kwargs) as Tokenizer.render_chat takes
-    them; check them first with `check_template_options`. `template`: which template, and how content reaches it
-    (ChatTemplates.choose)."""
+    image_placeholder: Optional[str] = None,
+) -> str:
+    """The conversation as its chat template writes it (a template error is a 400 on `param`); each image part is
+    the template's `{"type": "image"}` part, or with the string format `image_placeholder` (a model that takes
+    images: else image parts are a 400). `continue_final_message` and `template_kwargs` (vLLM's
+    chat_template_kwargs) as Tokenizer.render_chat takes them; check them first with `check_template_options`.
+    `template`: which template, and how content reaches it (ChatTemplates.choose)."""
     try:
-        text = tokenizer.render_chat(
-            template_messages(messages, template.content_format, template.keep_developer),
+        return tokenizer.render_chat(
+            template_messages(messages, template.content_format, template.keep_developer, image_placeholder),
             add_generation_prompt,
             tools,
             continue_final_message=continue_final_message,
@@ -41,7 +48,6 @@ def render_prompt(
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def check_template_options(
@@ -88,14 +94,34 @@ def message_chars(messages: Sequence[ChatMessage]) -> int:
 
 
 def template_messages(
-    messages: Sequence[ChatMessage], content_format: ContentFormat = "string", keep_developer: bool = False
+    messages: Sequence[ChatMessage],
+    content_format: ContentFormat = "string",
+    keep_developer: bool = False,
+    image_placeholder: Optional[str] = None,
 ) -> list[dict]:
     """`[{"role", "content"}]` for the chat template: content as text, or with `content_format` "openai" as a list
-    of text parts; `developer` becomes `system` unless `keep_developer` (a template that knows the role)."""
-    return [_template_message(m, i, content_format, keep_developer) for i, m in enumerate(messages)]
+    of parts; `developer` becomes `system` unless `keep_developer` (a template that knows the role). Image parts
+    are read where the model takes images (`image_placeholder`: what the string format writes for one)."""
+    return [_template_message(m, i, content_format, keep_developer, image_placeholder) for i, m in enumerate(messages)]
 
 
-def _template_message(message: ChatMessage, index: int, content_format: ContentFormat, keep_developer: bool) -> dict:
+def image_parts(messages: Sequence[ChatMessage]) -> list[tuple[str, ImagePart]]:
+    """The messages' image parts in order, each with where it is (`messages[i].content[j]`)."""
+    found = []
+    for i, message in enumerate(messages):
+        if message.role != "assistant" and isinstance(message.content, list):
+            items = part_items(message.content, CHAT_PARTS, images=True)
+            found += [(f"messages[{i}].content[{item.index}]", item) for item in items if isinstance(item, ImagePart)]
+    return found
+
+
+def _template_message(
+    message: ChatMessage,
+    index: int,
+    content_format: ContentFormat,
+    keep_developer: bool,
+    image_placeholder: Optional[str] = None,
+) -> dict:
     param = f"messages[{index}]"
     if message.role == "function":
         raise bad_request(
@@ -116,17 +142,16 @@ def _template_message(message: ChatMessage, index: int, content_format: ContentF
         if not content:
             raise bad_request("content must be a string or a non-empty list of parts.", param=f"{param}.content")
         try:
-            texts = part_texts(content, kinds)
+            items = part_items(content, kinds, images=image_placeholder is not None and kinds is CHAT_PARTS)
         except ContentPartError as error:
             raise part_error(error, f"{param}.content") from None
     else:
-        texts = [content] if content else []
+        items = [content] if content else []
     role = "system" if message.role == "developer" and not keep_developer else message.role
     out: dict[str, Any] = {"role": role}
-    if content_format == "openai":  # as vLLM hands such templates content: text parts, a string as one
-        out["content"] = [{"type": "text", "text": text} for text in texts]
-    else:
-        out["content"] = "\n".join(texts)
+    # as vLLM hands content to templates: text (images as the model's placeholder), or with the openai format a list
+    # of parts (a string as one text part; an image as {"type": "image"})
+    out["content"] = template_content(items, content_format, image_placeholder)
     if message.name is not None:  # a participant's name, for the templates that show it (as vLLM passes it)
         out["name"] = message.name
     if role == "tool":

@@ -14,7 +14,7 @@ from server.http.errors import ERROR_RESPONSES, bad_request
 from server.serving.checks import check_extra_fields, check_model
 from server.serving.unsupported import VLLM_EXTRAS, Unsupported, refuse_unsupported
 from server.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.openai.chat_messages import check_template_options, render_prompt
+from server.serving.prompts import ChatPrompt
 from server.openai.tools.calls import plan_tools
 from server.state import ServerState
 
@@ -36,19 +36,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     else:
         messages = body.messages or []  # given: exactly one of the two is
         tools = plan_tools(body.tools, None).tools if body.tools else None  # validated as the chat route does
-        template_kwargs = state.templates.kwargs(body.chat_template_kwargs)
-        check_template_options(body.add_generation_prompt, body.continue_final_message, template_kwargs)
-        tokens = await asyncio.to_thread(
-            lambda: render_prompt(
-                tokenizer,
-                messages,
-                body.add_generation_prompt,
-                tools,
-                continue_final_message=body.continue_final_message,
-                template_kwargs=template_kwargs,
-                template=state.templates.choose(body.chat_template, tools, "chat_template"),
-            )
+        prompt = ChatPrompt(  # (a vision-language model's images expanded into their placeholder tokens)
+            messages,
+            body.add_generation_prompt,
+            tools,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+            chat_template=body.chat_template,
+            check_length=False,
         )
+        tokens = (await prompt.token_ids(state))[0]
     strings = tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens, token_strs=strings)
 

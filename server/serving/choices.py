@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
+from engine.multimodal.inputs import MultiModalInputs
 from engine.sampling.parallel import fan_out
 from engine.pooling.params import PoolingParams
 from engine.sampling.params import SamplingParams
@@ -20,6 +21,7 @@ class Choice:
     prompt_index: int
     prompt_token_ids: list[int]
     params: Union[SamplingParams, PoolingParams]  # PoolingParams: an embedding's (one per input)
+    multi_modal: Optional[MultiModalInputs] = None  # its prompt's images (a vision-language model's)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -28,13 +30,20 @@ class Choice:
         return self.params
 
 
-def plan_choices(request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
-    """Choice `prompt_index * n + i` is child i of prompt `prompt_index` (OpenAI's numbering)."""
+def plan_choices(
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    multi_modal: Optional[Sequence[Optional[MultiModalInputs]]] = None,
+) -> list[Choice]:
+    """Choice `prompt_index * n + i` is child i of prompt `prompt_index` (OpenAI's numbering); each carries its
+    prompt's images (`multi_modal`, one entry per prompt)."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         base = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_index}"
+        images = None if multi_modal is None else multi_modal[prompt_index]
         for i, (child_id, child_params) in enumerate(fan_out(base, params)):
-            choices.append(Choice(prompt_index * params.n + i, child_id, prompt_index, prompt, child_params))
+            choices.append(Choice(prompt_index * params.n + i, child_id, prompt_index, prompt, child_params, images))
     return choices
 
 

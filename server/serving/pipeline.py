@@ -10,7 +10,8 @@ two, in this order and only here:
                 (serving/checks.py, the refused fields' table in serving/unsupported.py)
     constrain   at most one source of an output grammar (response_format, structured_outputs, tools)
     room        the request fits the queue (400 if never, 429 if not now), before any tokenizing
-    render      the prompt's token ids, off the event loop (serving/prompts.py)
+    render      the prompt's token ids (and a vision-language model's images: fetched, serving/media.py, and processed
+                with the text), off the event loop (serving/prompts.py)
     admit       sampling parameters, one engine request per choice (prompts x n), places in the queue,
                 queued in the engine all or none; a refusal is a 400 naming the route's own field
     answer      the choices' outputs interleaved under the request's deadline; the streams closed, aborting
@@ -167,7 +168,10 @@ async def _prepare_and_admit_pooling(state: "ServerState", request: PoolingReque
     check_extra_fields(request.body, state.config.strict_params, known=frozenset())
     check_priority(state, request.priority)
     check_queue_room(state, request.prompt.count, request.prompt.param)
-    prompts = await request.prompt.token_ids(state)
+    rendered = await request.prompt.render(state)
+    if any(images is not None for images in rendered.multi_modal):
+        raise bad_request("a pooling request takes no images.", param=request.prompt.param)
+    prompts = rendered.token_ids
     choices = [
         Choice(i, request.request_id if len(prompts) == 1 else f"{request.request_id}-{i}", i, prompt, request.params)
         for i, prompt in enumerate(prompts)
@@ -197,7 +201,10 @@ async def _prepare_and_admit(state: "ServerState", request: GenerationRequest, a
     check_queue_room(
         state, request.prompt.count * max(body.n, 1), request.prompt.param if request.prompt.count > 1 else "n"
     )
-    prompts = await request.prompt.token_ids(state)
+    rendered = await request.prompt.render(state)
+    prompts = rendered.token_ids
+    if body.use_beam_search and any(images is not None for images in rendered.multi_modal):
+        raise bad_request("use_beam_search takes no images.", param="use_beam_search")
     names = {"beam_width": "n", **request.field_names}
     if constraint is not None:
         names["structured_outputs"] = constraint[1]
@@ -213,7 +220,7 @@ async def _prepare_and_admit(state: "ServerState", request: GenerationRequest, a
             # (a beam search takes none of the model's sampling defaults: it reads raw logprobs)
             defaults=None if body.use_beam_search else state.engine.default_sampling,
         )
-        choices = plan_choices(request.request_id, prompts, params)
+        choices = plan_choices(request.request_id, prompts, params, rendered.multi_modal)
         if body.use_beam_search:
             max_tokens = request.max_tokens or state.engine.max_model_len  # (BeamSearch stops where the context does)
             beams = beam_search_params(params, max_tokens, body.length_penalty)
@@ -274,7 +281,8 @@ async def _admit(
             raise
         return searches, guard
     inputs = [
-        RequestInput(choice.request_id, choice.prompt_token_ids, choice.params, lora, cache_salt) for choice in choices
+        RequestInput(choice.request_id, choice.prompt_token_ids, choice.params, lora, cache_salt, choice.multi_modal)
+        for choice in choices
     ]
     try:
         streams = await state.engine.add_requests(inputs, priority=priority, arrival_time=arrival_time)

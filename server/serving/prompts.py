@@ -1,5 +1,6 @@
 """What a generation request is prompted with, and its token ids: a conversation rendered by the chat
-template, or text / token ids as given. Text is measured first (a prompt that cannot fit is a 400 before
+template (with its images, for a vision-language model: fetched, then processed with the text by the model's
+processor), or text / token ids as given. Text is measured first (a prompt that cannot fit is a 400 before
 any tokenizing), then rendered and tokenized off the event loop."""
 
 from __future__ import annotations
@@ -8,10 +9,13 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
+from engine.errors import InvalidParameterError
+from engine.multimodal.inputs import MultiModalInputs
 from server.http.errors import bad_request
-from server.openai.chat_messages import check_template_options, message_chars, render_prompt
+from server.openai.chat_messages import check_template_options, image_parts, message_chars, render_text
 from server.openai.protocol import ChatMessage
 from server.serving.checks import check_prompt_chars
+from server.serving.media import load_images
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -39,6 +43,18 @@ def truncate(
     return [prompt[:keep] if side == "right" else prompt[-keep:] for prompt in prompts]
 
 
+@dataclass(frozen=True)
+class Rendered:
+    """A request's prompts: each one's token ids, and its images (a vision-language model's; else None)."""
+
+    token_ids: list[list[int]]
+    multi_modal: list[Optional[MultiModalInputs]]
+
+    @classmethod
+    def text(cls, token_ids: list[list[int]]) -> "Rendered":
+        return cls(token_ids, [None] * len(token_ids))
+
+
 class Prompt(Protocol):
     @property
     def param(self) -> str:
@@ -51,6 +67,9 @@ class Prompt(Protocol):
     async def token_ids(self, state: "ServerState") -> list[list[int]]:
         """Every prompt's token ids (truncated as `truncate_prompt_tokens` asks); a 400 naming `param` for one
         that is empty or cannot fit."""
+
+    async def render(self, state: "ServerState") -> Rendered:
+        """`token_ids`, with each prompt's images."""
 
 
 @dataclass(frozen=True)
@@ -67,35 +86,60 @@ class ChatPrompt:
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the rendered prompt's last tokens
     truncation_side: Optional[str] = None  # vLLM's: "right" keeps the first tokens instead
     chat_template: Optional[str] = None  # vLLM's: the request's own template (under --trust-request-chat-template)
+    check_length: bool = True  # a text too long to ever fit is a 400 before rendering (/tokenize measures any)
 
     @property
     def count(self) -> int:
         return 1
 
     async def token_ids(self, state: "ServerState") -> list[list[int]]:
+        return (await self.render(state)).token_ids
+
+    async def render(self, state: "ServerState") -> Rendered:
         if not self.messages:
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
         template_kwargs = state.templates.kwargs(self.template_kwargs)
         check_template_options(self.add_generation_prompt, self.continue_final_message, template_kwargs)
         truncate(state, [], self.truncate_prompt_tokens, self.truncation_side)  # (refused before any work)
-        if self.truncate_prompt_tokens is None:  # (a prompt that will be truncated may be any length)
+        if self.truncate_prompt_tokens is None and self.check_length:  # (a truncated prompt may be any length)
             check_prompt_chars(state, message_chars(self.messages), self.param)
-        rendered = [
-            await asyncio.to_thread(
-                lambda: render_prompt(
-                    state.tokenizer,
-                    self.messages,
-                    self.add_generation_prompt,
-                    self.tools,
-                    self.param,
-                    self.add_special_tokens,
-                    continue_final_message=self.continue_final_message,
-                    template_kwargs=template_kwargs,
-                    template=state.templates.choose(self.chat_template, self.tools, "chat_template"),
-                )
+        processor = state.engine.processor
+        parts = image_parts(self.messages) if processor is not None else []
+        if processor is not None:
+            try:
+                processor.check_count(len(parts), self.param)
+            except InvalidParameterError as error:
+                raise bad_request(f"{error}.", param=self.param) from None
+        images = await load_images(state, parts) if parts else []
+        template = state.templates.choose(self.chat_template, self.tools, "chat_template")
+
+        def work() -> tuple[list[int], Optional[MultiModalInputs]]:
+            text = render_text(
+                state.tokenizer,
+                self.messages,
+                self.add_generation_prompt,
+                self.tools,
+                self.param,
+                continue_final_message=self.continue_final_message,
+                template_kwargs=template_kwargs,
+                template=template,
+                image_placeholder=None if processor is None else processor.image_placeholder,
             )
-        ]
-        return truncate(state, rendered, self.truncate_prompt_tokens, self.truncation_side)
+            if processor is None:
+                return state.tokenizer.encode(text, add_special_tokens=self.add_special_tokens), None
+            try:
+                return processor.process(text, images, add_special_tokens=self.add_special_tokens, param=self.param)
+            except InvalidParameterError as error:
+                raise bad_request(f"{error}.", param=self.param) from None
+
+        token_ids, multi_modal = await asyncio.to_thread(work)
+        kept = truncate(state, [token_ids], self.truncate_prompt_tokens, self.truncation_side)
+        if multi_modal is not None and len(kept[0]) < len(token_ids):
+            raise bad_request(
+                "truncate_prompt_tokens cannot cut a prompt with images; leave it unset.",
+                param="truncate_prompt_tokens",
+            )
+        return Rendered(kept, [multi_modal])
 
 
 TextOrTokens = Union[str, list[str], list[int], list[list[int]]]
@@ -134,6 +178,9 @@ class TextPrompts:
             return truncate(state, [list(prompt)], keep, side)
         return truncate(state, [list(p) for p in prompt], keep, side)
 
+    async def render(self, state: "ServerState") -> Rendered:
+        return Rendered.text(await self.token_ids(state))
+
 
 @dataclass(frozen=True)
 class PairPrompts:
@@ -160,3 +207,6 @@ class PairPrompts:
         if any(not ids for ids in joined):
             raise bad_request(f"{self.param} must not be empty.", param=self.param)
         return truncate(state, joined, keep, side)
+
+    async def render(self, state: "ServerState") -> Rendered:
+        return Rendered.text(await self.token_ids(state))

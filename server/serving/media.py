@@ -1,0 +1,90 @@
+"""A chat request's images, read from its image parts before the prompt is rendered: `data:` URLs decoded,
+`file://` URLs read under --allowed-local-media-path, http(s) URLs fetched (hosts limited by
+--allowed-media-domains, each fetch by --media-fetch-timeout and at most --max-request-body bytes, redirects
+followed only to allowed hosts). All of a request's images are fetched at once; decoding runs off the event loop.
+A part that yields no image is a 400 naming it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Sequence
+from urllib.parse import urljoin, urlparse
+
+import httpx
+
+from engine.errors import InvalidParameterError
+from engine.multimodal.images import decode_data_url, open_image, read_local_image
+from engine.text.content_parts import ImagePart
+from server.http.errors import bad_request
+
+if TYPE_CHECKING:
+    from server.state import ServerState
+
+MAX_REDIRECTS = 5
+
+
+async def load_images(state: "ServerState", parts: Sequence[tuple[str, ImagePart]]) -> list[Any]:
+    """The PIL image (RGB) of each part, in order."""
+    async with httpx.AsyncClient(timeout=state.config.media_fetch_timeout, follow_redirects=False) as client:
+        return list(await asyncio.gather(*(_load(state, client, where, part) for where, part in parts)))
+
+
+async def _load(state: "ServerState", client: httpx.AsyncClient, where: str, part: ImagePart) -> Any:
+    param = f"{where}.image_url"
+    if part.kind != "image_url":
+        raise bad_request(
+            f"content part of type {part.kind!r} is not supported over HTTP; send image_url.", param=where
+        )
+    source = part.source
+    url = source.get("url") if isinstance(source, dict) else source
+    if not isinstance(url, str) or not url:
+        raise bad_request('an image_url part needs {"url": "..."}.', param=param)
+    param = f"{param}.url"
+    try:
+        if url.startswith("data:"):
+            data = decode_data_url(url, param)
+        elif url.startswith("file:"):
+            data = await asyncio.to_thread(read_local_image, url, state.engine.media_path, param)
+        elif urlparse(url).scheme in ("http", "https"):
+            data = await _fetch(state, client, url, param)
+        else:
+            raise InvalidParameterError(param, "must be an http(s), data: or file:// URL")
+        return await asyncio.to_thread(open_image, data, param)
+    except InvalidParameterError as error:
+        raise bad_request(f"{error}.", param=param) from None
+
+
+async def _fetch(state: "ServerState", client: httpx.AsyncClient, url: str, param: str) -> bytes:
+    """An http(s) URL's body (redirects followed while they lead to allowed hosts)."""
+    limit = state.config.max_request_body
+    for _ in range(MAX_REDIRECTS + 1):
+        _check_host(state, url, param)
+        try:
+            async with client.stream("GET", url) as response:
+                if response.is_redirect and "location" in response.headers:
+                    url = urljoin(url, response.headers["location"])
+                    continue
+                if response.status_code != 200:
+                    raise InvalidParameterError(param, f"could not be fetched: HTTP {response.status_code}")
+                body = bytearray()
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > limit:
+                        raise InvalidParameterError(param, f"is larger than {limit} bytes (--max-request-body)")
+                return bytes(body)
+        except httpx.TimeoutException:
+            raise InvalidParameterError(
+                param, f"could not be fetched within {state.config.media_fetch_timeout:g} s (--media-fetch-timeout)"
+            ) from None
+        except httpx.HTTPError as error:
+            raise InvalidParameterError(param, f"could not be fetched: {type(error).__name__}") from None
+    raise InvalidParameterError(param, f"redirects more than {MAX_REDIRECTS} times")
+
+
+def _check_host(state: "ServerState", url: str, param: str) -> None:
+    allowed = state.config.allowed_media_domains
+    host = urlparse(url).hostname or ""
+    if urlparse(url).scheme not in ("http", "https"):
+        raise InvalidParameterError(param, "redirects to a URL that is not http(s)")
+    if allowed is not None and host.lower() not in {domain.lower() for domain in allowed}:
+        raise InvalidParameterError(param, f"names host {host!r}, which --allowed-media-domains does not allow")
