@@ -110,7 +110,10 @@ def image_parts(messages: Sequence[ChatMessage]) -> list[tuple[str, ImagePart]]:
     found = []
     for i, message in enumerate(messages):
         if message.role != "assistant" and isinstance(message.content, list):
-            items = part_items(message.content, CHAT_PARTS, images=True)
+            try:
+                items = part_items(message.content, CHAT_PARTS, images=True)
+            except ContentPartError as error:
+                raise part_error(error, f"messages[{i}].content") from None
             found += [(f"messages[{i}].content[{item.index}]", item) for item in items if isinstance(item, ImagePart)]
     return found
 
