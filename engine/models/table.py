@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.models.registry import FAMILIES
+from engine.models.vision_language import VISION_LANGUAGE_FAMILIES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 IMPLEMENTATIONS = {
@@ -73,6 +74,23 @@ for these models); `cpu`, `cpu-batch-invariant` (`--batch-invariant`), `triton` 
 start-up, naming the model and the feature.
 """
 
+VISION_HEADER = """
+## Vision-language models
+
+A vision-language checkpoint (its config holds a `vision_config` beside the language model's `text_config`) is
+served when its architecture is one of these and its language model is one of the families above: the language
+model is the house's own (every feature above applies to it: the fused decode step, prefix caching, chunked
+prefill, speculative decoding, tensor parallelism, LoRA), and the vision encoder and projector are transformers'
+own modules for the architecture, built without the language model and loaded with the checkpoint's vision
+weights (engine/models/vision_language.py). Images come in chat requests' `image_url` parts and the offline API's
+`multi_modal_data` ([the API](api.md#images-vision-language-models)); the checkpoint's own processor
+(`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors. Each family is
+checked against transformers' model on a tiny random checkpoint (tests/engine/test_vision_language.py): greedy
+tokens identical and logprobs within 1e-4 in float32, with images across prompt chunks and preemptions. A
+vision-language architecture not listed is refused at start-up; `--limit-mm-per-prompt '{"image": 0}'` serves
+any listed one as a text model without loading its vision encoder. Pipeline parallelism is refused for them.
+"""
+
 
 def render() -> str:
     rows = ["| architecture | model_type | implementation | formats | features |", "|---|---|---|---|---|"]
@@ -82,7 +100,13 @@ def render() -> str:
             f"| `{family.architecture}` | {', '.join(f'`{t}`' for t in family.model_types)} | "
             f"{IMPLEMENTATIONS[family.implementation]} | {formats} | {'; '.join(family.features)} |"
         )
-    return HEADER + "\n" + "\n".join(rows) + "\n"
+    vision = ["| architecture | vision part (transformers') | features |", "|---|---|---|"]
+    for vl in VISION_LANGUAGE_FAMILIES:
+        modules = ", ".join(f"`{name}`" for name in vl.vision_modules)
+        vision.append(
+            f"| `{vl.architecture}` | `{vl.model_class.rsplit('.', 1)[1]}`: {modules} | {'; '.join(vl.features)} |"
+        )
+    return HEADER + "\n" + "\n".join(rows) + "\n" + VISION_HEADER + "\n" + "\n".join(vision) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,9 @@ def open_image(data: bytes, param: str) -> Any:
             )
         image.load()
     except UnidentifiedImageError:
-        raise InvalidParameterError(param, "is not an image (no format Pillow reads: PNG, JPEG, WebP, GIF, ...)") from None
+        raise InvalidParameterError(
+            param, "is not an image (no format Pillow reads: PNG, JPEG, WebP, GIF, ...)"
+        ) from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         raise InvalidParameterError(param, f"cannot be read as an image: {error}") from None
     return rgb(image)

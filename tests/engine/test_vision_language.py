@@ -105,9 +105,7 @@ def test_chat_takes_data_urls_and_pil_images(llm, llava_dir, tmp_path):
         {"type": "image_url", "image_url": data_url(image)},  # (vLLM takes the URL alone too)
         {"type": "image_pil", "image_pil": image},
     ]
-    results = [
-        llm.chat([{"role": "user", "content": [form, question]}], GREEDY, use_tqdm=False)[0] for form in forms
-    ]
+    results = [llm.chat([{"role": "user", "content": [form, question]}], GREEDY, use_tqdm=False)[0] for form in forms]
     assert_matches_hf(llava_dir, results[0], chat_text([image, "What is this?"]), [image])
     assert all(r.outputs[0].token_ids == results[0].outputs[0].token_ids for r in results)
     image.save(tmp_path / "picture.png")

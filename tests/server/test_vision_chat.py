@@ -107,9 +107,11 @@ def test_a_data_url_image_gets_hfs_answer(vlm, llava_dir):
     image = random_image(0)
     response = ask(vlm, image_part(data_url(image)), QUESTION)
     assert response.choices[0].message.content == expected_text(vlm, llava_dir, image)
-    tokens = vlm.client().post(
-        "/tokenize", json={"messages": [{"role": "user", "content": [image_part(data_url(image)), QUESTION]}]}
-    ).json()["tokens"]
+    tokens = (
+        vlm.client()
+        .post("/tokenize", json={"messages": [{"role": "user", "content": [image_part(data_url(image)), QUESTION]}]})
+        .json()["tokens"]
+    )
     assert response.usage.prompt_tokens == len(tokens) and tokens.count(512) == 25
     streamed = vlm.sdk().chat.completions.create(
         model=vlm.model_name,
