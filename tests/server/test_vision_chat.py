@@ -173,6 +173,32 @@ def test_parts_that_give_no_image_are_400s(vlm):
     vlm.wait_idle()
 
 
+def test_the_responses_api_takes_input_image_parts(vlm, llava_dir):
+    image = random_image(5)
+    response = vlm.sdk().responses.create(
+        model=vlm.model_name,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(image), "detail": "auto"},
+                    {"type": "input_text", "text": QUESTION["text"]},
+                ],
+            }
+        ],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert response.output_text == expected_text(vlm, llava_dir, image)
+    with pytest.raises(openai.BadRequestError, match="file_id"):
+        vlm.sdk().responses.create(
+            model=vlm.model_name,
+            input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}],
+            max_output_tokens=MAX_TOKENS,
+        )
+    vlm.wait_idle()
+
+
 def test_a_text_model_refuses_image_parts(server):
     body = refusal(server, image_part(data_url(random_image(4))), QUESTION)
     assert "takes no images" in body["message"] and body["param"] == "messages[0].content[0]"

@@ -4,6 +4,8 @@ as the Responses API spells it (`input[2].content[0]`, `tools[1].parameters`, `t
 
     input item                                      chat message
     {"role", "content": str | [input_text, ...]}    {"role", "content": str}
+    {"role": "user", "content": [input_image, ...]} {"role": "user", "content": [text and image_url parts]}
+                                                    (a vision-language model's; else input_image is a 400)
     {"type": "function_call", call_id, name, ...}   assistant message with tool_calls (consecutive ones merged)
     {"type": "function_call_output", call_id, ...}  {"role": "tool", "tool_call_id", "content"}
 """
@@ -23,8 +25,9 @@ _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = {"input_text": "text", "output_text": "text"}  # (output_text: an assistant's earlier output)
 
 
-def chat_messages(instructions: Optional[str], items: Any) -> list[ChatMessage]:
-    """The conversation the chat template renders: the instructions as the system message, then the input."""
+def chat_messages(instructions: Optional[str], items: Any, takes_images: bool = False) -> list[ChatMessage]:
+    """The conversation the chat template renders: the instructions as the system message, then the input (a
+    user message's `input_image` parts as chat's `image_url` parts where the model `takes_images`)."""
     messages = [ChatMessage(role="system", content=instructions)] if instructions else []
     if isinstance(items, str):
         return messages + [ChatMessage(role="user", content=items)]
@@ -34,7 +37,7 @@ def chat_messages(instructions: Optional[str], items: Any) -> list[ChatMessage]:
         param = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(_message(item, param))
+            messages.append(_message(item, param, takes_images))
         elif kind == "function_call":
             _add_call(messages, item, param)
         elif kind == "function_call_output":
@@ -49,11 +52,37 @@ def chat_messages(instructions: Optional[str], items: Any) -> list[ChatMessage]:
     return messages
 
 
-def _message(item: dict, param: str) -> ChatMessage:
+def _message(item: dict, param: str, takes_images: bool) -> ChatMessage:
     role = item.get("role")
     if role not in _ROLES:
         raise bad_request(f"role must be one of {', '.join(_ROLES)}.", param=f"{param}.role")
-    return ChatMessage(role=role, content=_text(item.get("content"), f"{param}.content"))
+    content = item.get("content")
+    if takes_images and role == "user" and isinstance(content, list):
+        if any(isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+            return ChatMessage(
+                role=role, content=[_chat_part(part, f"{param}.content[{j}]") for j, part in enumerate(content)]
+            )
+    return ChatMessage(role=role, content=_text(content, f"{param}.content"))
+
+
+def _chat_part(part: Any, param: str) -> dict:
+    """An input_text or input_image part as chat's text or image_url part (an image by URL: `file_id` is refused)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "input_text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "input_image":
+        if part.get("file_id") is not None:
+            raise bad_request(
+                "input_image by file_id is not supported; send image_url.",
+                param=f"{param}.file_id",
+                code="unsupported_parameter",
+            )
+        if not isinstance(part.get("image_url"), str):
+            raise bad_request(
+                "an input_image part needs image_url (an http(s) or data: URL).", param=f"{param}.image_url"
+            )
+        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+    raise bad_request("a user message with images takes input_text and input_image parts.", param=param)
 
 
 def _text(content: Any, param: str) -> str:

@@ -52,7 +52,12 @@ async def create_response(body: ResponsesRequest, request: Request):
         GenerationRequest(
             body=body,
             request_id=body.request_id or new_item_id("resp"),
-            prompt=ChatPrompt(chat_messages(body.instructions, body.input), True, tools.tools, "input"),
+            prompt=ChatPrompt(
+                chat_messages(body.instructions, body.input, state.engine.processor is not None),
+                True,
+                tools.tools,
+                "input",
+            ),
             max_tokens=body.max_output_tokens,
             unsupported=unsupported.RESPONSES,
             constraints=[
