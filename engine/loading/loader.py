@@ -36,6 +36,8 @@ HUB_CONFIG_PATTERNS = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# A vision-language checkpoint's LM head, as transformers writes it (older layout, newer)
+VISION_LANGUAGE_LM_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
 HUB_SAFETENSORS_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 HUB_BIN_PATTERNS = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
 
@@ -207,7 +209,7 @@ def load_hf_config(
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"cannot read the model config in {str(path)!r}: {exc}") from exc
     if is_vision_language(config) and not whole:
-        config = text_config_of(config)
+        config = text_config_of(config, stored_weight_names(Path(path)))
     if overrides:
         apply_hf_overrides(config, overrides)
     return config
@@ -218,13 +220,39 @@ def is_vision_language(config: "PretrainedConfig") -> bool:
     return getattr(config, "vision_config", None) is not None and config.get_text_config() is not config
 
 
-def text_config_of(config: "PretrainedConfig") -> "PretrainedConfig":
+def text_config_of(config: "PretrainedConfig", names: Optional[frozenset[str]] = None) -> "PretrainedConfig":
     """The language model's config of a vision-language checkpoint (with the whole config's dtype where it sets
-    none)."""
+    none). With the checkpoint's tensor `names`, its LM head tied to the embedding exactly where transformers 5 ties
+    it: by the whole config's flag (not the language model's), and only where the checkpoint stores no head (a
+    stored one is loaded, flag or not)."""
     text = copy.deepcopy(config.get_text_config())
     if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
         text.dtype = config.dtype
+    if names is not None:
+        stored = any(name in names for name in VISION_LANGUAGE_LM_HEADS)
+        text.tie_word_embeddings = not stored and bool(getattr(config, "tie_word_embeddings", False))
     return text
+
+
+def stored_weight_names(path: Path) -> Optional[frozenset[str]]:
+    """The names of a checkpoint's stored tensors, from its safetensors index or headers (no tensor read); None
+    for torch .bin files (reading their names loads them) or no weights."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return frozenset(json.loads(index.read_text())["weight_map"])
+    files = weight_files(path)
+    if not files or files[0].suffix != ".safetensors":
+        return None
+    names: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names.update(f.keys())
+        except Exception as exc:  # safetensors' own error type for a damaged header, OSError for a missing file
+            raise CheckpointError(f"cannot read the weight file {str(file)!r}: {exc}") from exc
+    return frozenset(names)
 
 
 def apply_hf_overrides(config: "PretrainedConfig", overrides: dict) -> None:
