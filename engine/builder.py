@@ -275,7 +275,11 @@ def _image_processor(config: EngineConfig, checkpoint: Checkpoint, shard: Shard)
     if config.parallel.pipeline_parallel_size > 1 or shard.model.stage.is_split:
         raise SettingsConflictError("a vision-language model is served with --pipeline-parallel-size 1")
     processor = MultiModalProcessor.load(
-        checkpoint.path, shard.vision.image_token_id, model_config.max_images, model_config.trust_remote_code
+        checkpoint.path,
+        shard.vision.image_token_id,
+        model_config.max_images,
+        model_config.trust_remote_code,
+        shard.vision.family.layout,
     )
     logger.info(
         "images: up to %d per prompt, placeholder %r (token %d), processor %s",

@@ -84,11 +84,17 @@ prefill, speculative decoding, tensor parallelism, LoRA), and the vision encoder
 own modules for the architecture, built without the language model and loaded with the checkpoint's vision
 weights (engine/models/vision_language.py). Images come in chat requests' `image_url` parts and the offline API's
 `multi_modal_data` ([the API](api.md#images-vision-language-models)); the checkpoint's own processor
-(`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors. Each family is
-checked against transformers' model on a tiny random checkpoint (tests/engine/test_vision_language.py): greedy
-tokens identical and logprobs within 1e-4 in float32, with images across prompt chunks and preemptions. A
-vision-language architecture not listed is refused at start-up; `--limit-mm-per-prompt '{"image": 0}'` serves
-any listed one as a text model without loading its vision encoder. Pipeline parallelism is refused for them.
+(`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors; some families'
+processors need `torchvision` (and SmolVLM's `num2words`) installed beside transformers, as the table says. Each
+family is checked against transformers' model on a tiny random checkpoint (tests/engine/test_vision_language.py,
+tests/engine/test_vision_families.py): greedy tokens identical and logprobs within 1e-4 in float32, with one image,
+images of different sizes, images across prompt chunks and preemptions. A vision-language architecture not listed
+is refused at start-up; `--limit-mm-per-prompt '{"image": 0}'` serves any listed one as a text model without
+loading its vision encoder. Pipeline parallelism is refused for them.
+
+Not served: Gemma 3 and PaliGemma (their language models attend bidirectionally among an image's tokens, which
+the causal paged attention here does not do: served so, their outputs would be wrong) and Aya Vision (its Cohere 2
+language model is not a family here).
 """
 
 

@@ -2,7 +2,12 @@
 image placeholder tokens. The language model is the house's own (the family of the checkpoint's `text_config`);
 the vision encoder and projector are transformers' own modules for the architecture, built without the language
 model and loaded with the checkpoint's vision weights only, and run through the model's `get_image_features` (one
-image at a time: its embeddings, one per placeholder position, as HF's model scatters them)."""
+image at a time: its embeddings, one per placeholder position, as HF's model scatters them).
+
+What differs between the families is data here: transformers' model class, its language model's attribute, the
+modules (and parameters) that turn pixels into embeddings, and how the processor lays images out (image_layout.py).
+A family is served only where HF's model does nothing but that: causal attention over the image tokens as over the
+text (Gemma 3 and PaliGemma attend bidirectionally within an image; they are not listed)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
+from engine.multimodal.image_layout import ImageLayout, crop_to_image_size, drop_padding_tiles
 from engine.multimodal.inputs import ImageInput
 
 
@@ -22,9 +28,18 @@ class VisionLanguageFamily:
     architecture: str  # the HF `architectures` entry
     model_class: str  # transformers' inner model (vision encoder, projector, language model): module.Class
     text_attribute: str  # that model's language model attribute (dropped)
-    vision_modules: tuple[str, ...]  # its attributes that turn pixels into embeddings (loaded from the checkpoint)
+    # its attributes that turn pixels into embeddings, loaded from the checkpoint: modules, or parameters (LLaVA-NeXT's
+    # image_newline, the embedding that closes each row of an image's tiles)
+    vision_modules: tuple[str, ...]
     features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
+    layout: ImageLayout = ImageLayout()  # how its processor lays a prompt's images out
 
+
+_LANGUAGE_MODEL = "the language model as its family (Llama, Mistral, Qwen2, ...)"
+_ANYRES = (
+    "anyres tiling (image_grid_pinpoints: the base image and its grid's tiles, unpadded, image_newline closing each "
+    "row), image_sizes"
+)
 
 VISION_LANGUAGE_FAMILIES = (
     VisionLanguageFamily(
@@ -35,8 +50,76 @@ VISION_LANGUAGE_FAMILIES = (
         (
             "images: a CLIP / SigLIP vision tower (vision_feature_layer, vision_feature_select_strategy) and the "
             "two-layer projector, transformers' modules",
-            "the language model as its family (Llama, Mistral, Qwen2, ...)",
+            _LANGUAGE_MODEL,
         ),
+    ),
+    VisionLanguageFamily(
+        "Mistral3ForConditionalGeneration",
+        "transformers.models.mistral3.modeling_mistral3.Mistral3Model",
+        "language_model",
+        ("vision_tower", "multi_modal_projector"),
+        (
+            "Mistral Small 3.1 / 3.2: the Pixtral vision encoder at each image's own size, the patch merger "
+            "(spatial_merge_size) and projector; an image's [IMG] positions filled row by row ([IMG_BREAK] and "
+            "[IMG_END] stay text tokens); its processor needs torchvision",
+            "the language model as its family (Mistral)",
+        ),
+        ImageLayout(trim=crop_to_image_size),
+    ),
+    VisionLanguageFamily(
+        "LlavaNextForConditionalGeneration",
+        "transformers.models.llava_next.modeling_llava_next.LlavaNextModel",
+        "language_model",
+        ("vision_tower", "multi_modal_projector", "image_newline"),
+        ("images: LLaVA-NeXT's " + _ANYRES, _LANGUAGE_MODEL),
+        ImageLayout(trim=drop_padding_tiles),
+    ),
+    VisionLanguageFamily(
+        "LlavaOnevisionForConditionalGeneration",
+        "transformers.models.llava_onevision.modeling_llava_onevision.LlavaOnevisionModel",
+        "language_model",
+        ("vision_tower", "multi_modal_projector", "image_newline"),
+        (
+            "images: a SigLIP tower, " + _ANYRES + ", vision_aspect_ratio (anyres_max_N: large grids "
+            "scaled down); no video; its processor needs torchvision",
+            "the language model as its family (Qwen2)",
+        ),
+        ImageLayout(trim=drop_padding_tiles),
+    ),
+    VisionLanguageFamily(
+        "InternVLForConditionalGeneration",
+        "transformers.models.internvl.modeling_internvl.InternVLModel",
+        "language_model",
+        ("vision_tower", "multi_modal_projector"),
+        (
+            "InternVL 3 in transformers' format: InternViT, tiles (crop_to_patches) and a thumbnail, pixel shuffle "
+            "(downsample_ratio) and the projector; no video; its processor needs torchvision",
+            "the language model as its family (Qwen2, Qwen3, ...)",
+        ),
+    ),
+    VisionLanguageFamily(
+        "Idefics3ForConditionalGeneration",
+        "transformers.models.idefics3.modeling_idefics3.Idefics3Model",
+        "text_model",
+        ("vision_model", "connector"),
+        (
+            "images: the SigLIP encoder on an image's tiles (do_image_splitting) and the global image, the pixel "
+            "shuffle connector (scale_factor), pixel_attention_mask",
+            "the language model as its family (Llama)",
+        ),
+        ImageLayout(rows_dim=1),
+    ),
+    VisionLanguageFamily(
+        "SmolVLMForConditionalGeneration",
+        "transformers.models.smolvlm.modeling_smolvlm.SmolVLMModel",
+        "text_model",
+        ("vision_model", "connector"),
+        (
+            "SmolVLM / SmolVLM2 images as Idefics3's (tiles and the global image, pixel shuffle connector); no "
+            "video; its processor needs torchvision and num2words",
+            "the language model as its family (Llama)",
+        ),
+        ImageLayout(rows_dim=1),
     ),
 )
 
@@ -63,6 +146,7 @@ _TEXT_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
     ("language_model.", "model."),
+    ("model.text_model.", "model."),  # (Idefics3, SmolVLM)
     ("lm_head.", "lm_head."),
 )
 
@@ -86,12 +170,38 @@ def text_weights(weights: Iterable[tuple[str, Any]], family: VisionLanguageFamil
 
 
 def _vision_module(name: str, family: VisionLanguageFamily) -> Optional[tuple[str, str]]:
-    """(module, the tensor's name inside it) for a vision encoder's or projector's tensor, else None."""
+    """(module, the tensor's name inside it: "" for a parameter of the model itself) for a vision encoder's or
+    projector's tensor, else None."""
     for module in family.vision_modules:
-        for prefix in (f"model.{module}.", f"{module}."):
-            if name.startswith(prefix):
-                return module, name[len(prefix) :]
+        for prefix in (f"model.{module}", module):
+            if name == prefix:
+                return module, ""
+            if name.startswith(prefix + "."):
+                return module, name[len(prefix) + 1 :]
     return None
+
+
+def _load_module(
+    hf: torch.nn.Module, module: str, state: dict[str, torch.Tensor], family: VisionLanguageFamily
+) -> None:
+    """The checkpoint's tensors of one of the model's vision modules (or its one tensor, for a parameter) loaded into
+    it; ValueError for a tensor missing or left over."""
+    target = getattr(hf, module)
+    if isinstance(target, torch.nn.Parameter):
+        if set(state) != {""} or state[""].shape != target.shape:
+            raise ValueError(
+                f"{family.architecture}: the checkpoint's {module} ({[list(t.shape) for t in state.values()]}) does "
+                f"not fit transformers' parameter ({list(target.shape)})"
+            )
+        with torch.no_grad():
+            target.copy_(state[""])
+        return
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{family.architecture}: the checkpoint's {module} weights do not fit transformers' module "
+            f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})"
+        )
 
 
 class VisionEncoder:
@@ -125,7 +235,8 @@ class VisionEncoder:
         model_class = getattr(importlib.import_module(module_path), class_name)
         shell = copy.deepcopy(config)
         text = shell.get_text_config()
-        text.num_hidden_layers, text.vocab_size = 0, 1  # (the language model is dropped: built as small as it goes)
+        # (the language model is dropped: built as small as it goes, with no padding row its one-row vocabulary lacks)
+        text.num_hidden_layers, text.vocab_size, text.pad_token_id = 0, 1, None
         with no_init_weights():
             hf = model_class(shell)
         setattr(hf, family.text_attribute, None)
@@ -135,13 +246,7 @@ class VisionEncoder:
             assert found is not None
             state[found[0]][found[1]] = tensor
         for module in family.vision_modules:
-            target = getattr(hf, module)
-            missing, unexpected = target.load_state_dict(state[module], strict=False)
-            if missing or unexpected:
-                raise ValueError(
-                    f"{family.architecture}: the checkpoint's {module} weights do not fit transformers' module "
-                    f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})"
-                )
+            _load_module(hf, module, state[module], family)
         hf.to(device=device, dtype=dtype).eval()
         return cls(hf, family, dtype, image_token_id(config))
 

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from engine.errors import InvalidParameterError
+from engine.multimodal.image_layout import ImageLayout
 from engine.multimodal.inputs import ImageInput, MultiModalInputs
 
 # The processor's outputs that belong to the text, not to an image.
@@ -18,12 +19,14 @@ TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_toke
 
 
 class MultiModalProcessor:
-    """The model's HF processor, and how many images a prompt may hold (vLLM's --limit-mm-per-prompt)."""
+    """The model's HF processor, how it lays a prompt's images out in its outputs (the family's), and how many
+    images a prompt may hold (vLLM's --limit-mm-per-prompt)."""
 
-    def __init__(self, hf_processor: Any, image_token_id: int, max_images: int):
+    def __init__(self, hf_processor: Any, image_token_id: int, max_images: int, layout: ImageLayout = ImageLayout()):
         self.hf = hf_processor
         self.image_token_id = image_token_id
         self.max_images = max_images
+        self.layout = layout
         token = getattr(hf_processor, "image_token", None)
         if not isinstance(token, str):
             token = hf_processor.tokenizer.convert_ids_to_tokens(image_token_id)
@@ -33,17 +36,23 @@ class MultiModalProcessor:
 
     @classmethod
     def load(
-        cls, path: Union[str, Path], image_token_id: int, max_images: int, trust_remote_code: bool = False
+        cls,
+        path: Union[str, Path],
+        image_token_id: int,
+        max_images: int,
+        trust_remote_code: bool = False,
+        layout: ImageLayout = ImageLayout(),
     ) -> "MultiModalProcessor":
         from transformers import AutoProcessor
 
         try:
             hf = AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, ImportError) as error:
+            # (ImportError: a processor that needs a package not installed, torchvision for most, names it)
             raise ValueError(f"cannot load the model's image processor from {str(path)!r}: {error}") from error
         if not hasattr(hf, "image_processor"):
             raise ValueError(f"the processor in {str(path)!r} ({type(hf).__name__}) has no image processor")
-        return cls(hf, image_token_id, max_images)
+        return cls(hf, image_token_id, max_images, layout)
 
     def check_count(self, count: int, param: str) -> None:
         if count > self.max_images:
@@ -94,10 +103,14 @@ class MultiModalProcessor:
         data = {key: value for key, value in out.items() if key not in TEXT_KEYS and isinstance(value, torch.Tensor)}
         images = []
         first_token = first_row = 0
+        dim, trim = self.layout.rows_dim, self.layout.trim
         for index, (tokens, rows) in enumerate(zip(num_tokens, num_rows)):
             own = {
-                key: _rows(key, value, index, first_row, rows, sum(num_rows), len(sizes)) for key, value in data.items()
+                key: _rows(key, value, index, (first_row, rows, sum(num_rows)), len(sizes), dim)
+                for key, value in data.items()
             }
+            if trim is not None:
+                own = trim(own, self.hf)
             images.append(ImageInput(own, tuple(positions[first_token : first_token + tokens]), _digest(own)))
             first_token += tokens
             first_row += rows
@@ -105,15 +118,17 @@ class MultiModalProcessor:
 
 
 def _rows(
-    key: str, value: torch.Tensor, index: int, first_row: int, rows: int, total_rows: int, num_images: int
+    key: str, value: torch.Tensor, index: int, tiles: tuple[int, int, int], num_images: int, dim: int
 ) -> torch.Tensor:
-    """Image `index`'s part of a processor output: its `rows` rows of a tensor with a row per tile (patch) of every
-    image, else its one row of a tensor with a row per image."""
-    total = value.shape[0] if value.dim() else -1
+    """Image `index`'s part of a processor output, along dimension `dim`: its tiles' rows of a tensor with a row per
+    tile (patch) of every image (`tiles`: its first row, its count, every image's), else its one row of a tensor with
+    a row per image."""
+    first_row, rows, total_rows = tiles
+    total = value.shape[dim] if value.dim() > dim else -1
     if total == total_rows:
-        return value[first_row : first_row + rows].contiguous()
+        return value.narrow(dim, first_row, rows).contiguous()
     if total == num_images:
-        return value[index : index + 1].contiguous()
+        return value.narrow(dim, index, 1).contiguous()
     raise ValueError(f"the processor's {key!r} ({list(value.shape)}) cannot be split by image")
 
 
