@@ -10,6 +10,7 @@ from scheduler.errors import (
     EmptyPromptError,
     InvalidMaxTokensError,
     KVCacheTooSmallError,
+    MediaSpanTooLongError,
     MinTokensOutOfRangeError,
     RequestRejectedError,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "KVTierIndex",
     "KVTierStats",
     "KVTiers",
+    "MediaSpanTooLongError",
     "MemoryTierIndex",
     "MinTokensOutOfRangeError",
     "NewRequestData",

@@ -117,3 +117,19 @@ class DuplicateRequestIdError(RequestRejectedError):
     def __init__(self, request_id: str):
         super().__init__(f"request id {request_id!r} is already in use")
         self.request_id = request_id
+
+
+class MediaSpanTooLongError(RequestRejectedError):
+    """A media span whose tokens attend to each other both ways (an image of Gemma 3) is computed in one step,
+    and is longer than a step's token budget."""
+
+    field = "prompt"
+
+    def __init__(self, span_tokens: int, max_num_batched_tokens: int):
+        super().__init__(
+            f"an image of {span_tokens} tokens must be computed in one step (its tokens attend to each other both "
+            f"ways), but a step computes at most {max_num_batched_tokens} tokens (max_num_batched_tokens); raise "
+            f"--max-num-batched-tokens to at least {span_tokens}"
+        )
+        self.span_tokens = span_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens

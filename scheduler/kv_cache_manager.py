@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from scheduler.bidirectional_spans import hit_limit
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.kv_tiers import KVTiers, TierOps
@@ -150,13 +151,15 @@ class KVCacheManager:
         """The longest run of leading full blocks already in the cache (per group), and its length in tokens.
 
         The hit stops one token short of the whole sequence, so that the step
-        that admits the request computes at least one token (and samples). A sliding group needs only
+        that admits the request computes at least one token (and samples), and never ends inside one of its
+        bidirectional spans (scheduler/bidirectional_spans.py). A sliding group needs only
         the blocks that the next token's window reaches (the others are null in its hit).
         """
         if not self.enable_caching or request.skip_prefix_cache:
             return [[] for _ in self.group_windows], 0
         self._extend_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        spans = request.bidirectional_spans
+        max_blocks = self._hit_blocks(spans, (request.num_tokens - 1) // self.block_size)
         hashes = request.block_hashes[:max_blocks]
         get_cached = self.block_pool.get_cached_block
         if self.num_groups == 1 and not self._sliding:
@@ -166,6 +169,7 @@ class KVCacheManager:
                 if block is None:
                     break
                 hits.append(block)
+            del hits[self._hit_blocks(spans, len(hits)) :]
             return [hits], len(hits) * self.block_size
         lookups: list[dict[int, Optional[KVBlock]]] = [{} for _ in self.group_windows]
 
@@ -181,6 +185,7 @@ class KVCacheManager:
                 while run < n and cached(g, run) is not None:
                     run += 1
                 n = run
+        n = self._hit_blocks(spans, n)
         while self._sliding:  # the largest n every sliding group's window serves (n = 0 always does)
             start = n
             for g, window in self._sliding:
@@ -189,6 +194,7 @@ class KVCacheManager:
                     if cached(g, i) is None:
                         n = i  # no hit reaching past block i: try one ending just before it
                     i -= 1
+            n = self._hit_blocks(spans, n)
             if n == start:
                 break
         groups: list[list[KVBlock]] = []
@@ -223,7 +229,15 @@ class KVCacheManager:
             return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[num_hit_blocks:max_blocks]
-        return tier.run([h.value for h in hashes])
+        run = tier.run([h.value for h in hashes])
+        spans = request.bidirectional_spans
+        return max(self._hit_blocks(spans, num_hit_blocks + run) - num_hit_blocks, 0) if spans else run
+
+    def _hit_blocks(self, spans: Sequence[tuple[int, int]], num_blocks: int) -> int:
+        """The most of `num_blocks` leading hit blocks that end inside no bidirectional span."""
+        if not spans:
+            return num_blocks
+        return hit_limit(spans, num_blocks * self.block_size, self.block_size) // self.block_size
 
     def take_tier_ops(self) -> TierOps:
         """The step's copies to and from the tiers, once its scheduling is done (KVTiers.take_ops)."""

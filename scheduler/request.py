@@ -82,6 +82,9 @@ class Request:
     # blocks they overlap: the same placeholders for another image never hit this one's cached K/V.
     multi_modal: object = None
     media_spans: tuple[MediaSpan, ...] = ()
+    # Whether each media span's tokens attend to each other both ways in the prompt (Gemma 3's images): then a
+    # step computes a span whole or not at all, and a prefix-cache hit never ends inside one (bidirectional_spans.py).
+    bidirectional_media: bool = False
     # Draft tokens this request may verify per step (speculative decoding): None, the engine's number; 0, none.
     num_speculative_tokens: Optional[int] = None
     # Recent share of its drafts accepted: a moving average, from an optimistic 1 (every draft accepted).
@@ -119,6 +122,14 @@ class Request:
             return self.lora_key
         key = self.lora_key or b""  # (length-prefixed: a key and a salt with zero bytes cannot pass for others)
         return hashlib.sha256(b"salt\0" + len(key).to_bytes(8, "little") + key + self.cache_salt.encode()).digest()
+
+    @property
+    def bidirectional_spans(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) of the spans a step must compute whole: the media spans of a request whose media attend
+        both ways (a span of one token attends to itself alone: causal already)."""
+        if not self.bidirectional_media:
+            return ()
+        return tuple((start, end) for start, end, _ in self.media_spans if end - start > 1)
 
     @property
     def num_prompt_tokens(self) -> int:

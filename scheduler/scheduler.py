@@ -6,9 +6,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
+from scheduler.bidirectional_spans import chunk_length, longest_span
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
-from scheduler.errors import ContextLengthExceededError, DuplicateRequestIdError, EmptyPromptError, KVCacheTooSmallError
+from scheduler.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestIdError,
+    EmptyPromptError,
+    KVCacheTooSmallError,
+    MediaSpanTooLongError,
+)
 from scheduler.kv_cache_manager import BlockIds, KVCacheManager
 from scheduler.kv_tiers import KVTiers
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats, token_array
@@ -34,6 +41,7 @@ class _StepPlan:
     preempted: list[str] = field(default_factory=list)
     spec_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafts to verify, by request
     waits_for_blocks: bool = False  # a running request found no blocks and no victim outside the steps in flight
+    waits_for_room: bool = False  # a running prompt's next span (computed whole) does not fit what is left of the step
 
     def add(self, request: Request, num_tokens: int, new_block_ids: Optional[BlockIds] = None) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -79,6 +87,11 @@ class Scheduler:
     in which order requests are scheduled (no invariant about partially prefilled
     requests is needed under either policy). Admission allocates a prompt's whole
     remainder, so a running prefill never needs blocks, and only decodes preempt.
+
+    A request whose media spans attend both ways (`Request.bidirectional_spans`, Gemma 3's images) computes each
+    span in one step: its chunks end before a span or after it (a span may pass the chunk cap, never the budget;
+    one longer than max_num_batched_tokens is refused at admission), and its prefix-cache hits end outside
+    them. While a running prompt's next span does not fit what the step has left, no request is admitted.
 
     With a `proposer` (speculative decoding) a decoding request also verifies the
     proposer's draft tokens: they take slots beyond the sequence (allocated, never
@@ -285,8 +298,14 @@ class Scheduler:
                 break
             if request.status is _RUNNING:
                 num_left = request.num_tokens - request.num_computed_tokens
-                self._schedule_running(plan, request, min(num_left, plan.budget, self._chunk_cap))
-        if not plan.preempted and not plan.waits_for_blocks:
+                num_tokens = self._chunk_length(request, request.num_computed_tokens, num_left, plan.budget)
+                if num_tokens:
+                    self._schedule_running(plan, request, num_tokens)
+                else:
+                    # No admissions this step: new prompts would become decodes that shrink what later steps
+                    # leave for the span, so it could wait forever.
+                    plan.waits_for_room = True
+        if not plan.preempted and not plan.waits_for_blocks and not plan.waits_for_room:
             self._admit_waiting(plan, max_requests)
 
         finished = frozenset(self._finished_since_last_step)
@@ -575,6 +594,13 @@ class Scheduler:
             if victim is request:
                 return False
 
+    def _chunk_length(self, request: Request, start: int, num_left: int, budget: int) -> int:
+        """The tokens a prompt chunk from `start` computes in a step with `budget` left: within the budget and
+        the chunk cap, and ending outside the request's bidirectional spans (0: its next span does not fit)."""
+        num_tokens = min(num_left, budget, self._chunk_cap)
+        spans = request.bidirectional_spans
+        return chunk_length(spans, start, num_tokens, budget) if spans else num_tokens
+
     @property
     def _chunk_cap(self) -> int:
         """The most prompt tokens one request computes in a step: --long-prefill-token-threshold, else the
@@ -633,7 +659,9 @@ class Scheduler:
                 break
             num_hit += num_restored * self.block_size
             num_left = request.num_tokens - num_hit
-            num_tokens = min(num_left, plan.budget, self._chunk_cap)
+            num_tokens = self._chunk_length(request, num_hit, num_left, plan.budget)
+            if not num_tokens:
+                break  # its first span does not fit what is left of this step: it heads the queue for the next
             # Blocks for the whole rest of the prompt, not just this chunk: a request admitted
             # without them would be preempted by its own next chunk and lose its work, repeatedly.
             new_blocks = kv.allocate_slots(
@@ -748,6 +776,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         # The last sampled token is never fed back, so it needs no slot.
         max_step_tokens = self.scheduler_config.max_num_batched_tokens
+        span_tokens = longest_span(request.bidirectional_spans)
+        if span_tokens > max_step_tokens:  # (it could never be scheduled)
+            raise MediaSpanTooLongError(span_tokens, max_step_tokens)
         num_blocks = kv.num_blocks_needed(max(total - 1, num_prompt), max_step_tokens)
         if num_blocks > kv.num_blocks:
             # (the prompt alone: it is at fault whatever max_tokens is, one max_tokens None resolved to included)
