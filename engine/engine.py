@@ -315,6 +315,7 @@ class EngineCore:
             grammar=grammar_ref,
             multi_modal=multi_modal,
             media_spans=() if multi_modal is None else multi_modal.spans,
+            bidirectional_media=multi_modal is not None and multi_modal.bidirectional,
             num_speculative_tokens=self._num_speculative_tokens(params),
             **kwargs,
         )

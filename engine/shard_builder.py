@@ -14,6 +14,7 @@ from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape, latent_rank_of
 from engine.attention.layer_attention import check_backend_serves, features_of, missing_features
+from engine.attention.step_metadata import computes_bidirectional_spans
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.huge_pages import back_weights_with_huge_pages
 from engine.engine_config import EngineConfig
@@ -127,6 +128,14 @@ def build_shard(
             f"--pipeline-parallel-size {stage.num_stages}: {vision_family.architecture} (a vision-language model) "
             "is served with one pipeline stage"
         )
+    bidirectional = vision_family is not None and vision_family.bidirectional_images
+    if bidirectional and config.batch_invariant and model_config.max_images:
+        assert vision_family is not None
+        raise SettingsConflictError(
+            f"--batch-invariant: {vision_family.architecture}'s image tokens attend to each other both ways, "
+            "which batch-invariant attention (every query a causal decode row) does not compute; serve it "
+            "without --batch-invariant, or as a text model with --limit-mm-per-prompt '{\"image\": 0}'"
+        )
     model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp)
     model.keeps_lm_head = resolve_runner(model_config.runner, model_config.convert, hf_config) == "generate"
     if stage is not None and stage.is_split:
@@ -189,6 +198,13 @@ def build_shard(
             vision.num_parameters / 1e6,
             str(dtype).removeprefix("torch."),
         )
+        if vision_family.bidirectional_images and not computes_bidirectional_spans(backend):
+            logger.info(
+                "attention backend %s computes causal attention only: the steps that compute an image of %s (its "
+                "tokens attend to each other both ways) run through the torch backend",
+                backend.name,
+                vision_family.architecture,
+            )
     _log_weights(model)
     if device.type == "cpu":
         back_weights_with_huge_pages(model)

@@ -1,7 +1,9 @@
 """The CPU backend: decodes through the native paged kernel; prompt chunks through the native prefill kernels
 (bf16: csrc/prefill_attention.cpp, AVX512-BF16 builds on CPUs without AMX; float32 over float32, bf16 or fp8
 caches: prefill_attention_f32.cpp, AVX-512 or AVX2 builds); other chunks that continue a cached prefix as two
-mask-free flash calls (prefix_attention.py), the rest as the torch backend does."""
+mask-free flash calls (prefix_attention.py), the rest as the torch backend does. A chunk with bidirectional
+ranges (an image of Gemma 3) takes the torch backend's masked path: the native kernels and the flash merge are
+causal by construction, and such a chunk is one per image, beside decodes that keep the native kernel."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
 from engine.attention.prefix_attention import prefix_and_chunk_attention
-from engine.attention.step_metadata import StepMetadata
+from engine.attention.step_metadata import BIDIRECTIONAL_SPANS, StepMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.amx import torch_bf16_products_use_amx
 from engine.kernels.cpu import PREFILL_HEAD_DIMS, CpuKernels
@@ -26,7 +28,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     cuda_graphs = False  # CPU only
     split_sequences = True  # the kernel may split a long sequence across threads when the batch is small
     # the decode kernel starts each sequence at its window, caps its scores, adds the sinks to its denominators
-    attention_features = (*FEATURES, SINKS)
+    attention_features: tuple[str, ...] = (*FEATURES, SINKS, BIDIRECTIONAL_SPANS)  # (the spans: the torch path)
 
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
@@ -82,6 +84,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         prefix = chunk.context_len - chunk.query_len
         plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
+        if chunk.bidirectional:
+            return super()._prefill(query, key, value, key_cache, value_cache, chunk, layer)
         if plain and layer.latent_rank is None and self._native_prefill(query, key_cache, value_cache):
             # the chunk's own K/V are in the cache already (written before attention), in the step's dtype
             return self.kernels.prefill_attention(

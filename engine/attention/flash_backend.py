@@ -32,7 +32,7 @@ from engine.attention.attention_shape import AttentionShape
 from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.layer_attention import SINKS, SLIDING_WINDOW, SOFTCAP, LayerAttention
 from engine.attention.probe import probe_backend
-from engine.attention.step_metadata import StepMetadata
+from engine.attention.step_metadata import StepMetadata, check_causal
 from engine.attention.kv_cache import KVCacheSpec
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -329,6 +329,7 @@ class FlashAttentionBackend:
         return (model_dtype,)  # both generations check that K/V have the query's dtype
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> FlashMetadata:
+        check_causal(step, self.name)
         cu_seqlens_k = None
         if self.kernel.major == 2:
             cu_seqlens_k = self._cumulative_kv_lens(step.seq_lens)

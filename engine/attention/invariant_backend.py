@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.layer_attention import FEATURES, SINKS
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.step_metadata import StepMetadata
+from engine.attention.step_metadata import StepMetadata, check_causal
 from engine.attention.kv_cache import KVCacheSpec
 
 
@@ -31,8 +32,12 @@ class BatchInvariantCpuBackend(CpuAttentionBackend):
     name = "cpu-batch-invariant"
     cuda_graphs = False  # CPU only
     split_sequences = False  # a split sums a row's keys in parts whose number depends on the batch and threads
+    # (no bidirectional spans: a row's keys end at its own position; the torch path they would need is not
+    # batch-invariant, so such a model's images are refused in this mode at start-up)
+    attention_features = (*FEATURES, SINKS)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> AttentionMetadata:
+        check_causal(step, self.name)
         if step.num_decodes == step.num_reqs:
             return super().build_metadata(step, spec)
         num_tokens = step.num_tokens

@@ -15,13 +15,15 @@ class PrefillChunk:
     """A run of query tokens of one request, attending to its cache causally.
 
     Queries are tokens `[query_start, query_start + query_len)` of the flat batch,
-    at positions `[context_len - query_len, context_len)` of the sequence.
+    at positions `[context_len - query_len, context_len)` of the sequence. `bidirectional`: ranges [first, end)
+    of the chunk's own queries (0 is its first) that also see each other's keys ahead (StepMetadata.bidirectional).
     """
 
     query_start: int
     query_len: int
     context_len: int
     block_table: torch.Tensor  # [>= num_blocks_of_request] int32: the request's row of the step's table
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +74,15 @@ def decode_and_chunks(step: StepMetadata, block_size: int) -> AttentionMetadata:
             query_len=starts[i + 1] - starts[i],
             context_len=seq_lens[i],
             block_table=step.block_table[i],
+            bidirectional=_within(step.bidirectional, starts[i], starts[i + 1]),
         )
         for i in range(num_decodes, step.num_reqs)
     )
     return AttentionMetadata(step.slot_mapping, num_decodes, tables, lens, prefills)
+
+
+def _within(ranges: tuple[tuple[int, int], ...], first: int, end: int) -> tuple[tuple[int, int], ...]:
+    """The row ranges inside the rows [first, end), counted from `first`."""
+    if not ranges:
+        return ()
+    return tuple((lo - first, hi - first) for lo, hi in ranges if first <= lo and hi <= end)

@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+
+BIDIRECTIONAL_SPANS = "bidirectional spans"
+"""What a backend lists in its `attention_features` when its `attend` computes `StepMetadata.bidirectional`; the
+runner runs a step that has such spans through the torch backend where its own backend does not."""
+
+
+def computes_bidirectional_spans(backend: Any) -> bool:
+    return BIDIRECTIONAL_SPANS in getattr(backend, "attention_features", ())
+
+
+def check_causal(step: "StepMetadata", backend_name: str) -> None:
+    """RuntimeError for a step with bidirectional ranges reaching a backend that computes causal attention only (the
+    runner sends those steps through the torch backend: reaching one here is a bug, never a wrong answer)."""
+    if step.bidirectional:
+        raise RuntimeError(f"attention backend {backend_name!r} got a step with bidirectional spans; it is causal only")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +41,13 @@ class StepMetadata:
     block table serves the whole batch; entries past a request's blocks are valid
     block ids that nothing reads. The `_cpu` tensors are host copies of the same
     values, for backends that walk the requests in Python without a device sync.
+
+    `bidirectional`: row ranges [first, end) of the step's tokens whose queries also see each other's keys ahead
+    of them (an image's tokens in a Gemma 3 prompt: HF's token_type_ids blocks); each lies inside one request's
+    prompt chunk. With a sliding window, a query sees keys behind it only within the window, ahead of it every key
+    of its range (HF's `(causal or same block) and window`):
+
+        query q, key k of one request:   seen  =  (k <= q  or  q, k in the same range)  and  k > q - window
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
@@ -37,6 +59,7 @@ class StepMetadata:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_reqs(self) -> int:
@@ -52,6 +75,7 @@ def step_metadata_for(
     slot_mapping: torch.Tensor,
     num_decodes: int,
     device: torch.device,
+    bidirectional: tuple[tuple[int, int], ...] = (),
 ) -> StepMetadata:
     """StepMetadata of a step given as (seq_len, query_len, block ids) per request, decodes first (tests and
     profiling steps; the runner writes its own into persistent buffers)."""
@@ -72,6 +96,7 @@ def step_metadata_for(
         num_decodes=num_decodes,
         max_query_len=max(query_lens),
         max_seq_len=int(seq_lens.max()),
+        bidirectional=bidirectional,
     )
 
 

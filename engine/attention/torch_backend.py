@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine.attention.kv_write import write_kv_by_slots
 from engine.attention.layer_attention import FEATURES, LATENT, SINKS, LayerAttention
 from engine.attention.metadata import AttentionMetadata, PrefillChunk, decode_and_chunks
-from engine.attention.step_metadata import StepMetadata
+from engine.attention.step_metadata import BIDIRECTIONAL_SPANS, StepMetadata
 from engine.attention.kv_cache import (
     KV_CACHE_DTYPES,
     KVCacheSpec,
@@ -30,8 +30,9 @@ class TorchAttentionBackend:
 
     name = "torch"
     cuda_graphs = False  # its metadata is shaped by host values (per-request chunks, the decode width)
-    # windows and soft-caps as masks and a tanh; sinks as a column; the latent layout (MLA)
-    attention_features: tuple[str, ...] = (*FEATURES, SINKS, LATENT)
+    # windows and soft-caps as masks and a tanh; sinks as a column; the latent layout (MLA); an image's rows seeing
+    # each other both ways, in its chunk's mask
+    attention_features: tuple[str, ...] = (*FEATURES, SINKS, LATENT, BIDIRECTIONAL_SPANS)
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return tuple(dict.fromkeys(KV_CACHE_DTYPES.values()))  # converted on read (from_cache), fp8 with its scale
@@ -147,12 +148,14 @@ class TorchAttentionBackend:
         """Causal attention of a chunk; continues a cached prefix when context_len > query_len.
 
         query i (position context_len - query_len + i) sees keys [0, context_len - query_len + i]
-        (with a sliding window W, only the last W of them)
+        (with a sliding window W, only the last W of them), and within a bidirectional range of the chunk's
+        every key of that range (ahead of it too: the window bounds only the keys behind)
         """
         # 4-D [1, heads, len, head_dim] views: SDPA's fused CPU kernel takes those (3-D ones fall back to
         # the unfused math path, 1.8x slower here).
         q = query.transpose(0, 1).unsqueeze(0)
         plain = layer.sliding_window is None and layer.softcap is None and layer.sinks is None
+        causal = not chunk.bidirectional
         if chunk.context_len == chunk.query_len:
             if key_cache.dtype != key.dtype:
                 # the chunk's K/V as the cache holds them, as every later read sees them: a prompt computed
@@ -161,7 +164,7 @@ class TorchAttentionBackend:
                 key = from_cache(to_cache(key, key_cache.dtype), query.dtype)
                 value = from_cache(to_cache(value, value_cache.dtype), query.dtype)
             k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
-            if plain:
+            if plain and causal:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
                 return out[0].transpose(0, 1)
         else:
@@ -181,6 +184,8 @@ class TorchAttentionBackend:
         query_pos = torch.arange(offset, chunk.context_len, device=query.device)
         key_pos = torch.arange(chunk.context_len, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
+        for first, end in chunk.bidirectional:  # (or'ed before the window: HF's `(causal or block) and window`)
+            mask[first:end, offset + first : offset + end] = True
         if layer.sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - layer.sliding_window
         if layer.softcap is None and layer.sinks is None:

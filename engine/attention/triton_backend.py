@@ -13,7 +13,7 @@ import os
 import torch
 
 from engine.attention.layer_attention import FEATURES, SINKS, LayerAttention
-from engine.attention.step_metadata import StepMetadata
+from engine.attention.step_metadata import StepMetadata, check_causal
 from engine.attention.kv_cache import FP8_DTYPES, KVCacheSpec, is_fp8, kv_scale, to_cache
 
 
@@ -35,6 +35,7 @@ class TritonAttentionBackend:
         return (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 
     def build_metadata(self, step: StepMetadata, spec: KVCacheSpec) -> StepMetadata:
+        check_causal(step, self.name)
         return step
 
     def write_kv(self, key, value, key_cache, value_cache, metadata: StepMetadata) -> None:

@@ -33,6 +33,9 @@ class VisionLanguageFamily:
     vision_modules: tuple[str, ...]
     features: tuple[str, ...]  # what of it is implemented, in words (the docs table's last column)
     layout: ImageLayout = ImageLayout()  # how its processor lays a prompt's images out
+    # Whether an image's tokens attend to each other both ways during the prompt (HF's token_type_ids mask), the
+    # rest causally: each image is then computed in one step (MultiModalInputs.bidirectional)
+    bidirectional_images: bool = False
 
 
 _LANGUAGE_MODEL = "the language model as its family (Llama, Mistral, Qwen2, ...)"

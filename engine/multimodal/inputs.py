@@ -41,9 +41,14 @@ class ImageInput:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class MultiModalInputs:
-    """A prompt's images, in prompt order (their spans do not overlap)."""
+    """A prompt's images, in prompt order (their spans do not overlap).
+
+    `bidirectional`: each image's tokens attend to each other both ways during the prompt (Gemma 3), everything
+    else causally; then each image's positions are contiguous, and every step computes an image whole
+    (scheduler/bidirectional_spans.py) and tells the attention backend which of its rows those are."""
 
     images: tuple[ImageInput, ...]
+    bidirectional: bool = False
 
     @property
     def spans(self) -> tuple[MediaSpan, ...]:

@@ -19,14 +19,23 @@ TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_toke
 
 
 class MultiModalProcessor:
-    """The model's HF processor, how it lays a prompt's images out in its outputs (the family's), and how many
-    images a prompt may hold (vLLM's --limit-mm-per-prompt)."""
+    """The model's HF processor, how it lays a prompt's images out in its outputs (the family's), how many images a
+    prompt may hold (vLLM's --limit-mm-per-prompt); `bidirectional`: the model's image tokens attend to each other
+    both ways (MultiModalInputs)."""
 
-    def __init__(self, hf_processor: Any, image_token_id: int, max_images: int, layout: ImageLayout = ImageLayout()):
+    def __init__(
+        self,
+        hf_processor: Any,
+        image_token_id: int,
+        max_images: int,
+        layout: ImageLayout = ImageLayout(),
+        bidirectional: bool = False,
+    ):
         self.hf = hf_processor
         self.image_token_id = image_token_id
         self.max_images = max_images
         self.layout = layout
+        self.bidirectional = bidirectional
         token = getattr(hf_processor, "image_token", None)
         if not isinstance(token, str):
             token = hf_processor.tokenizer.convert_ids_to_tokens(image_token_id)
@@ -42,6 +51,7 @@ class MultiModalProcessor:
         max_images: int,
         trust_remote_code: bool = False,
         layout: ImageLayout = ImageLayout(),
+        bidirectional: bool = False,
     ) -> "MultiModalProcessor":
         from transformers import AutoProcessor
 
@@ -52,7 +62,7 @@ class MultiModalProcessor:
             raise ValueError(f"cannot load the model's image processor from {str(path)!r}: {error}") from error
         if not hasattr(hf, "image_processor"):
             raise ValueError(f"the processor in {str(path)!r} ({type(hf).__name__}) has no image processor")
-        return cls(hf, image_token_id, max_images, layout)
+        return cls(hf, image_token_id, max_images, layout, bidirectional)
 
     def check_count(self, count: int, param: str) -> None:
         if count > self.max_images:
@@ -111,10 +121,16 @@ class MultiModalProcessor:
             }
             if trim is not None:
                 own = trim(own, self.hf)
-            images.append(ImageInput(own, tuple(positions[first_token : first_token + tokens]), _digest(own)))
+            own_positions = tuple(positions[first_token : first_token + tokens])
+            if self.bidirectional and own_positions and own_positions[-1] - own_positions[0] + 1 != len(own_positions):
+                # (a span the model attends both ways is one run of tokens, as the model's mask makes it)
+                raise InvalidParameterError(
+                    param, "places an image's tokens apart (its own text holds the image token?)"
+                )
+            images.append(ImageInput(own, own_positions, _digest(own)))
             first_token += tokens
             first_row += rows
-        return MultiModalInputs(tuple(images))
+        return MultiModalInputs(tuple(images), self.bidirectional)
 
 
 def _rows(

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, StepMetadata
+from engine.attention.step_metadata import computes_bidirectional_spans
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.lora.lora_manager import LoRARef
 from engine.lora.lora_slots import LoRASlots
 from engine.lora.lora_step import LoRASegment, LoRAStep, lm_head_rows
@@ -113,6 +115,7 @@ class _Batch:
     drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # first of a request's sample rows -> its drafts
     image_rows: list[int] = field(default_factory=list)  # rows whose input is an image embedding, not a token's
     image_embeds: list[torch.Tensor] = field(default_factory=list)  # those rows' embeddings, in their order
+    bidirectional: list[tuple[int, int]] = field(default_factory=list)  # row ranges of images seen both ways
     lora: Optional[LoRAStep] = None  # the step's adapter deltas (None: no token runs with an adapter)
 
 
@@ -180,6 +183,11 @@ class ModelRunner:
         self.kv_tier = kv_tier
         self.memory_tier = memory_tier
         self.vision = vision
+        # A model whose images attend both ways, over a backend that computes causal attention only: the steps
+        # that compute an image run through the torch backend (over the same cache), the others through `backend`.
+        self._span_forward: Optional[ForwardFn] = None
+        if vision is not None and vision.family.bidirectional_images and not computes_bidirectional_spans(backend):
+            self._span_forward = model_forward(model, TorchAttentionBackend(), kv_cache)
 
     def take_sampled(self, sampled: dict[str, list[int]]) -> None:
         """A peer's runner: the tokens rank 0 sampled in the last step (accepted drafts included), appended as
@@ -256,6 +264,8 @@ class ModelRunner:
             input_ids = buffers.input_ids.upload(batch.num_tokens)
             positions = buffers.positions.upload(batch.num_tokens)
             embeds = self._input_embeddings(input_ids, batch) if batch.image_rows else None
+            if batch.bidirectional and self._span_forward is not None:
+                forward = self._span_forward
             if profile is not None:
                 profile.lap("prepare")
             hidden = (
@@ -509,6 +519,7 @@ class ModelRunner:
                 num_decodes=num_decodes,
                 max_query_len=max_query_len,
                 max_seq_len=max_seq_len,
+                bidirectional=tuple(batch.bidirectional),
             )
             for group in range(self.num_groups)
         ]
@@ -529,7 +540,8 @@ class ModelRunner:
     ) -> None:
         """The rows of positions [start, start + num_tokens) (laid out from `first_row`) that are image placeholders,
         with their images' embeddings (each image encoded when a step first reaches it, dropped once a step
-        reaches its end)."""
+        reaches its end); the row range of each image whose tokens attend both ways (a step holds such an image
+        whole: the scheduler's chunks never cut one)."""
         multi_modal, vision = state.multi_modal, self.vision
         assert multi_modal is not None and vision is not None  # (_new_state)
         end = start + num_tokens
@@ -538,6 +550,12 @@ class ModelRunner:
         for index, image in enumerate(multi_modal.images):
             if image.end <= start or image.start >= end:
                 continue
+            if multi_modal.bidirectional and image.num_embeds > 1:
+                if image.start < start or image.end > end:
+                    raise RuntimeError(
+                        f"a step cuts image {index} of request {state.request_id!r}, whose tokens attend both ways"
+                    )
+                batch.bidirectional.append((first_row + image.start - start, first_row + image.end - start))
             embeds = state.image_embeds.get(index)
             if embeds is None:
                 embeds = state.image_embeds[index] = vision.encode(image)
