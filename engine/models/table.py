@@ -87,14 +87,16 @@ weights (engine/models/vision_language.py). Images come in chat requests' `image
 (`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors; some families'
 processors need `torchvision` (and SmolVLM's `num2words`) installed beside transformers, as the table says. Each
 family is checked against transformers' model on a tiny random checkpoint (tests/engine/test_vision_language.py,
-tests/engine/test_vision_families.py): greedy tokens identical and logprobs within 1e-4 in float32, with one image,
-images of different sizes, images across prompt chunks and preemptions. A vision-language architecture not listed
-is refused at start-up; `--limit-mm-per-prompt '{"image": 0}'` serves any listed one as a text model without
-loading its vision encoder. Pipeline parallelism is refused for them.
+tests/engine/test_vision_families.py, tests/engine/test_gemma3_vision.py): greedy tokens identical and logprobs
+within 1e-4 in float32, with one image, images of different sizes, images across prompt chunks and preemptions. A
+vision-language architecture not listed is refused at start-up; `--limit-mm-per-prompt '{"image": 0}'` serves any
+listed one as a text model without loading its vision encoder. Pipeline parallelism is refused for them.
 
-Not served: Gemma 3 and PaliGemma (their language models attend bidirectionally among an image's tokens, which
-the causal paged attention here does not do: served so, their outputs would be wrong) and Aya Vision (its Cohere 2
-language model is not a family here).
+Gemma 3's language model attends bidirectionally among an image's tokens during the prompt: each such image is
+computed in one step (a prompt chunk never ends inside it, a prefix-cache hit never ends inside it, an image
+longer than `--max-num-batched-tokens` is refused), and the step's attention takes the image's rows as a block
+([architecture](architecture.md)). Not served: PaliGemma (a prefix-LM mask over the whole prompt) and Aya Vision
+(its Cohere 2 language model is not a family here).
 """
 
 

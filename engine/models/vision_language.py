@@ -124,6 +124,21 @@ VISION_LANGUAGE_FAMILIES = (
         ),
         ImageLayout(rows_dim=1),
     ),
+    VisionLanguageFamily(
+        "Gemma3ForConditionalGeneration",
+        "transformers.models.gemma3.modeling_gemma3.Gemma3Model",
+        "language_model",
+        ("vision_tower", "multi_modal_projector"),
+        (
+            "images: the SigLIP vision tower and the projector (average pooling to mm_tokens_per_image, soft-emb "
+            "norm), transformers' modules; no pan-and-scan crops",
+            "the language model as Gemma 3's (gemma3_text: sliding and global layers); text embeddings scaled by "
+            "sqrt(hidden), the images' not",
+            "an image's tokens attend to each other both ways during the prompt (sliding layers too, within "
+            "their window), each image computed in one step",
+        ),
+        bidirectional_images=True,
+    ),
 )
 
 
