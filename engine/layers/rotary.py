@@ -12,6 +12,7 @@ sequences on a long-context server rotate with the long factors where HF would u
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
@@ -194,6 +195,12 @@ class RotaryEmbedding:
     @property
     def partial(self) -> bool:
         return self.rotary_dim != self.head_dim
+
+    def with_tables(self, cos: torch.Tensor, sin_signed: torch.Tensor) -> "RotaryEmbedding":
+        """The same rotation reading other tables [rows, rotary_dim] (M-RoPE: a step's own, engine/layers/mrope.py)."""
+        view = copy.copy(self)
+        view.cos, view.sin_signed = cos, sin_signed
+        return view
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin_signed for the step's positions: [num_tokens, 1, rotary_dim] each."""

@@ -32,3 +32,13 @@ def rope_settings(hf_config: "PretrainedConfig", layer_type: str = "full_attenti
     if scaling["rope_type"] == "default":
         return float(theta), None
     return float(theta), scaling
+
+
+def mrope_section(hf_config: "PretrainedConfig") -> Optional[tuple[int, ...]]:
+    """Multimodal RoPE's sections (Qwen2-VL, Qwen2.5-VL: `mrope_section`, e.g. [16, 24, 24]): how many of each
+    head's rotary pairs rotate by the temporal, height and width position in turn; None for 1-D RoPE."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(hf_config, name, None)
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return tuple(int(size) for size in params["mrope_section"])
+    return None

@@ -21,6 +21,7 @@ from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
+from engine.layers.mrope import SectionedRows
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.decoder_arch import DecoderArch
 from engine.models.llama import LlamaForCausalLM
@@ -193,9 +194,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
         metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's)
         backend: AttentionBackend,
         hidden_states: Optional[torch.Tensor] = None,
+        sectioned: Optional[SectionedRows] = None,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         # `hidden_states`: the first layer's input given (a vision-language model's step with image rows); these
         # families run whole (registry.check_pipeline_model refuses them with stages)
+        if sectioned is not None:  # (mrope_section is read for the Llama family's configs only: Qwen2-VL's)
+            raise ValueError(f"{type(self).__name__} does not rotate by multimodal RoPE")
         if hidden_states is None and self._fuses(input_ids, metadata, kv_caches, backend):
             assert self.fused is not None
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)

@@ -208,13 +208,13 @@ class DeepseekForCausalLM(MoeForCausalLM):
     # ------------------------------------------------------------------ forward
 
     def _attention(
-        self, layer, x, angles, key_cache, value_cache, metadata, backend, attention, index: int = 0
+        self, layer, x, angles, key_cache, value_cache, metadata, backend, attention, index: int = 0, rotary=None
     ) -> torch.Tensor:
         return latent_attention(
             layer.attention,
             x,
             angles,
-            self.rotary,
+            self.rotary if rotary is None else rotary,
             key_cache,
             value_cache,
             metadata,

@@ -25,6 +25,7 @@ from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.linear import GEMV_MAX_ROWS, GemvLinear, Linear, PackedOneDnnLinear, select_linear
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
+from engine.layers.mrope import MultimodalRotary, SectionedRows
 from engine.layers.rotary import RotaryEmbedding
 from engine.quantization.int4_groups import Int4Groups
 from engine.loading.model_weights import fuse_rows
@@ -87,6 +88,8 @@ class LlamaForCausalLM:
         self.max_model_len = max_model_len  # the longest sequence served (None: the config's context); LongRoPE's
         # factor set is chosen from it (engine/layers/rotary.py)
         self.rotary = self._rotary(arch.rope_theta, arch.rope_scaling)
+        # Qwen2-VL's multimodal RoPE: image rows of a step rotate by section (None: 1-D RoPE only)
+        self.mrope = None if arch.mrope_section is None else MultimodalRotary(arch.mrope_section, self.rotary)
         self.scale = arch.head_dim**-0.5
         # Each layer's attention: Mistral's sliding window (Qwen's, when on, from max_window_layers), no soft-cap.
         self.layer_attention: tuple[LayerAttention, ...] = tuple(
@@ -302,17 +305,24 @@ class LlamaForCausalLM:
         metadata: Sequence[AttentionMetadata],  # each layer's (its KV group's)
         backend: AttentionBackend,
         hidden_states: Optional[torch.Tensor] = None,  # [num_tokens, hidden]: the stage before's output
+        sectioned: Optional[SectionedRows] = None,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
         """The layer loop (pre-norms, residual adds fused with the next norm), each layer attending with its own
         LayerAttention over its own KV group's metadata. A pipeline stage after the first starts from the
         hidden states the stage before returned (its residual stream, before the next layer's norm); a
-        vision-language model's step with image rows from `input_embeddings` with the images' rows replaced."""
-        if hidden_states is None and self._fuses(input_ids, metadata, kv_caches, backend):
+        vision-language model's step with image rows from `input_embeddings` with the images' rows replaced, and
+        with M-RoPE (`sectioned`: those rows' three-component positions) rotates them by section."""
+        if hidden_states is None and sectioned is None and self._fuses(input_ids, metadata, kv_caches, backend):
             assert self.fused is not None
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         eps = self.arch.rms_norm_eps
         ops = self.ops
-        angles = ops.rotary_angles(positions, self.rotary)
+        rotary = self.rotary
+        if sectioned is not None:
+            if self.mrope is None:
+                raise ValueError("a step with multimodal RoPE positions reached a model without mrope_section")
+            rotary, positions = self.mrope.step_tables(rotary, positions, sectioned)
+        angles = ops.rotary_angles(positions, rotary)
         h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
@@ -321,7 +331,9 @@ class LlamaForCausalLM:
             if index:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
             h = tp.all_reduce(
-                self._attention(layer, x, angles, key_cache, value_cache, step, backend, attention[index], index)
+                self._attention(
+                    layer, x, angles, key_cache, value_cache, step, backend, attention[index], index, rotary
+                )
             )
             x, residual = ops.add_rms_norm(h, residual, layer.post_norm, eps)
             h = tp.all_reduce(self._mlp(index, layer, x))
@@ -384,8 +396,10 @@ class LlamaForCausalLM:
         backend: AttentionBackend,
         attention: LayerAttention,
         index: int = 0,
+        rotary: Optional[RotaryEmbedding] = None,
     ) -> torch.Tensor:
-        """Layer `index`'s attention block (the index selects its LoRA deltas)."""
+        """Layer `index`'s attention block (the index selects its LoRA deltas; `rotary`: the tables `angles` were
+        taken from, when not the model's: a step's own under M-RoPE)."""
         arch = self.arch
         ops = self.ops
         lora = self.lora_step
@@ -402,7 +416,7 @@ class LlamaForCausalLM:
             q = ops.rms_norm(qkv[:, :heads].reshape(-1, head_dim), layer.q_norm, eps)
             k = ops.rms_norm(qkv[:, heads : heads + kv_heads].reshape(-1, head_dim), layer.k_norm, eps)
             qk = torch.cat([q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)], dim=1)
-        qk = ops.rotary(qk, angles, self.rotary)
+        qk = ops.rotary(qk, angles, self.rotary if rotary is None else rotary)
         query, key = qk[:, :heads], qk[:, heads:]
         value = qkv[:, heads + kv_heads :]
         backend.write_kv(key, value, key_cache, value_cache, metadata)

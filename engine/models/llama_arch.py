@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.attention.attention_shape import AttentionShape
+from engine.loading.rope_settings import mrope_section
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class LlamaArch:
     # Which layers slide when `sliding_window` is set (HF's `layer_types`: Qwen2/3 slide only from
     # max_window_layers on); () = every layer.
     sliding_layers: tuple[bool, ...] = ()
+    # Multimodal RoPE (Qwen2-VL): each head's rotary pairs in sections rotated by a position's temporal, height and
+    # width component in turn (engine/layers/mrope.py); None: one position per token
+    mrope_section: Optional[tuple[int, ...]] = None
 
     @property
     def layer_windows(self) -> tuple[Optional[int], ...]:
@@ -48,7 +52,9 @@ class LlamaArch:
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
         sliding_window = getattr(config, "sliding_window", None)
-        if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        if config.model_type in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text") and not getattr(
+            config, "use_sliding_window", False
+        ):
             sliding_window = None
         if config.model_type == "qwen3" and not getattr(config, "use_sliding_window", False):
             sliding_window = None
@@ -56,7 +62,12 @@ class LlamaArch:
             sliding_window = None  # qwen2_moe writes 0 there when off
         layer_types = getattr(config, "layer_types", None) if sliding_window is not None else None
         sliding_layers = () if layer_types is None else tuple(kind == "sliding_attention" for kind in layer_types)
-        return cls(**shared_fields(config, rope), sliding_window=sliding_window, sliding_layers=sliding_layers)
+        return cls(
+            **shared_fields(config, rope),
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
+            mrope_section=mrope_section(config),
+        )
 
 
 def shared_fields(config: Any, rope: tuple[float, Optional[dict]]) -> dict[str, Any]:

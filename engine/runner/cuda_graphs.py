@@ -43,6 +43,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCache
+from engine.layers.mrope import SectionedRows
 from engine.lora.lora_graph_inputs import LoRAGraphInputs
 from engine.lora.lora_stack import LoRAStack
 from engine.lora.lora_step import LoRASegment, LoRAStep
@@ -124,7 +125,7 @@ class EagerReplay:
 
 
 ForwardFn = Callable[..., torch.Tensor]
-"""(input_ids, positions, steps[, hidden_states][, lora_step=]) -> hidden states: `model_forward`'s."""
+"""(input_ids, positions, steps[, hidden_states][, lora_step=][, sectioned=]) -> hidden states: `model_forward`'s."""
 """(input_ids, positions, the step per KV layer group) -> hidden states: the model's forward pass over the KV
 cache."""
 
@@ -142,6 +143,7 @@ def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> Forwar
         steps: Sequence[StepMetadata],
         hidden_states: Optional[torch.Tensor] = None,  # a pipeline stage's input, after the first stage
         lora_step: Optional[LoRAStep] = None,  # a decode graph's own LoRA inputs (else the runner's, if any)
+        sectioned: Optional[SectionedRows] = None,  # multimodal RoPE's image rows (with hidden_states: their embeds)
     ) -> torch.Tensor:
         per_group = [backend.build_metadata(step, kv_cache.spec) for step in steps]
         metadata = [per_group[group] for group in group_of_layer]
@@ -151,6 +153,8 @@ def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> Forwar
         try:
             if hidden_states is None:
                 return model.forward(input_ids, positions, kv_cache.layers, metadata, backend)
+            if sectioned is not None:
+                return model.forward(input_ids, positions, kv_cache.layers, metadata, backend, hidden_states, sectioned)
             return model.forward(input_ids, positions, kv_cache.layers, metadata, backend, hidden_states)
         finally:
             model.lora_step = before
