@@ -281,6 +281,7 @@ def _image_processor(config: EngineConfig, checkpoint: Checkpoint, shard: Shard)
         model_config.trust_remote_code,
         shard.vision.family.layout,
         shard.vision.family.bidirectional_images,
+        shard.vision.rope,
     )
     logger.info(
         "images: up to %d per prompt, placeholder %r (token %d), processor %s",

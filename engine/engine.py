@@ -321,7 +321,8 @@ class EngineCore:
         )
 
     def _check_images(self, prompt: list[int], multi_modal: MultiModalInputs) -> None:
-        """The images' placeholders lie in the prompt, in order, on the model's image token."""
+        """The images' placeholders lie in the prompt, in order, on the model's image token, with rotary positions
+        where the model's RoPE is multimodal (and only there)."""
         processor = self.processor
         if processor is None:
             raise InvalidParameterError(
@@ -334,6 +335,11 @@ class EngineCore:
                 raise InvalidParameterError("multi_modal_data", "places an image outside its prompt, or out of order")
             if any(prompt[p] != token for p in image.positions):
                 raise InvalidParameterError("multi_modal_data", f"places an image where the prompt holds no {token}")
+            rope = image.rope_positions
+            if (processor.rope is None) != (rope is None) or (rope is not None and rope.shape != (image.num_embeds, 3)):
+                raise InvalidParameterError(
+                    "multi_modal_data", "holds images whose multimodal RoPE positions do not fit the model's processor"
+                )
             previous_end = image.end
 
     def make_pooling_request(

@@ -223,14 +223,16 @@ def is_vision_language(config: "PretrainedConfig") -> bool:
 def text_config_of(config: "PretrainedConfig", names: Optional[frozenset[str]] = None) -> "PretrainedConfig":
     """The language model's config of a vision-language checkpoint (with the whole config's dtype where it sets
     none). With the checkpoint's tensor `names`, its LM head tied to the embedding exactly where transformers 5 ties
-    it: by the whole config's flag (not the language model's), and only where the checkpoint stores no head (a
-    stored one is loaded, flag or not)."""
+    it: by the whole config's flag (not the language model's, which Qwen2-VL's text config may not even hold), and
+    only where the checkpoint stores no head (a stored one is loaded, flag or not)."""
     text = copy.deepcopy(config.get_text_config())
     if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
         text.dtype = config.dtype
     if names is not None:
         stored = any(name in names for name in VISION_LANGUAGE_LM_HEADS)
         text.tie_word_embeddings = not stored and bool(getattr(config, "tie_word_embeddings", False))
+    elif isinstance(getattr(config, "tie_word_embeddings", None), bool):
+        text.tie_word_embeddings = config.tie_word_embeddings
     return text
 
 

@@ -56,7 +56,14 @@ FAMILIES = (
         LLAMA_FORMATS,
         ("as Llama", "sliding window (blocks behind it freed)"),
     ),
-    ModelFamily("Qwen2ForCausalLM", ("qwen2",), "llama", LLAMA_FORMATS, ("as Llama", "q/k/v bias")),
+    ModelFamily(
+        "Qwen2ForCausalLM",
+        # (and Qwen2-VL's and Qwen2.5-VL's language models: Qwen2 with multimodal RoPE, LlamaArch.mrope_section)
+        ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text"),
+        "llama",
+        LLAMA_FORMATS,
+        ("as Llama", "q/k/v bias"),
+    ),
     ModelFamily("Qwen3ForCausalLM", ("qwen3",), "llama", LLAMA_FORMATS, ("as Llama", "per-head q/k RMSNorm")),
     ModelFamily(
         "Gemma2ForCausalLM",

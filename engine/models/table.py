@@ -84,19 +84,23 @@ prefill, speculative decoding, tensor parallelism, LoRA), and the vision encoder
 own modules for the architecture, built without the language model and loaded with the checkpoint's vision
 weights (engine/models/vision_language.py). Images come in chat requests' `image_url` parts and the offline API's
 `multi_modal_data` ([the API](api.md#images-vision-language-models)); the checkpoint's own processor
-(`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors; some families'
-processors need `torchvision` (and SmolVLM's `num2words`) installed beside transformers, as the table says. Each
-family is checked against transformers' model on a tiny random checkpoint (tests/engine/test_vision_language.py,
-tests/engine/test_vision_families.py, tests/engine/test_gemma3_vision.py): greedy tokens identical and logprobs
-within 1e-4 in float32, with one image, images of different sizes, images across prompt chunks and preemptions. A
-vision-language architecture not listed is refused at start-up; `--limit-mm-per-prompt '{"image": 0}'` serves any
-listed one as a text model without loading its vision encoder. Pipeline parallelism is refused for them.
+(`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors. Some families'
+processors need `torchvision` (and SmolVLM's `num2words`) installed beside transformers, as the table says;
+Qwen2-VL's needs it for its video part only: without it, the checkpoint's tokenizer and image processor serve,
+expanding each image placeholder as HF's processor does. Each family is checked against transformers' model on a
+tiny random checkpoint (tests/engine/test_vision_language.py, tests/engine/test_vision_families.py,
+tests/engine/test_gemma3_vision.py, tests/engine/test_qwen_vl.py): greedy tokens identical and logprobs within 1e-4
+in float32, with one image, images of different sizes, images across prompt chunks, prefix-cache hits and
+preemptions. A vision-language architecture not listed is refused at start-up; `--limit-mm-per-prompt '{"image":
+0}'` serves any listed one as a text model without loading its vision encoder. Pipeline parallelism is refused for
+them; video inputs are not taken.
 
-Gemma 3's language model attends bidirectionally among an image's tokens during the prompt: each such image is
-computed in one step (a prompt chunk never ends inside it, a prefix-cache hit never ends inside it, an image
-longer than `--max-num-batched-tokens` is refused), and the step's attention takes the image's rows as a block
-([architecture](architecture.md)). Not served: PaliGemma (a prefix-LM mask over the whole prompt) and Aya Vision
-(its Cohere 2 language model is not a family here).
+Qwen2-VL's multimodal RoPE is served on the ordinary rotary path at shifted positions, image rows rotated by
+section ([the engine](architecture.md#the-engine)). Gemma 3's language model attends bidirectionally among an
+image's tokens during the prompt: each such image is computed in one step (a prompt chunk never ends inside it, a
+prefix-cache hit never ends inside it, an image longer than `--max-num-batched-tokens` is refused), and the step's
+attention takes the image's rows as a block ([architecture](architecture.md)). Not served: PaliGemma (a prefix-LM
+mask over the whole prompt) and Aya Vision (its Cohere 2 language model is not a family here).
 """
 
 

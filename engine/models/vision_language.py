@@ -21,6 +21,7 @@ import torch
 
 from engine.multimodal.image_layout import ImageLayout, crop_to_image_size, drop_padding_tiles
 from engine.multimodal.inputs import ImageInput
+from engine.multimodal.mrope_positions import MRopePositions
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class VisionLanguageFamily:
     # Whether an image's tokens attend to each other both ways during the prompt (HF's token_type_ids mask), the
     # rest causally: each image is then computed in one step (MultiModalInputs.bidirectional)
     bidirectional_images: bool = False
+    # Whether its language model rotates by multimodal RoPE (Qwen2-VL): images placed on three position axes
+    # (engine/multimodal/mrope_positions.py), their rows rotated by section (engine/layers/mrope.py)
+    mrope: bool = False
 
 
 _LANGUAGE_MODEL = "the language model as its family (Llama, Mistral, Qwen2, ...)"
@@ -139,6 +143,32 @@ VISION_LANGUAGE_FAMILIES = (
         ),
         bidirectional_images=True,
     ),
+    VisionLanguageFamily(
+        "Qwen2VLForConditionalGeneration",
+        "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLModel",
+        "language_model",
+        ("visual",),
+        (
+            "images at their own resolution (min_pixels / max_pixels), 2x2 patches merged to a token, transformers' "
+            "vision transformer and merger",
+            "the language model as Qwen2 with multimodal RoPE (mrope_section): text and decoding at 1-D positions "
+            "shifted past each image (fused CPU decode step), image rows rotated by section",
+            "no video",
+        ),
+        mrope=True,
+    ),
+    VisionLanguageFamily(
+        "Qwen2_5_VLForConditionalGeneration",
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLModel",
+        "language_model",
+        ("visual",),
+        (
+            "as Qwen2-VL: the vision transformer with window attention (fullatt_block_indexes), RMSNorm and SwiGLU",
+            "the language model as Qwen2 with multimodal RoPE",
+            "no video",
+        ),
+        mrope=True,
+    ),
 )
 
 
@@ -166,6 +196,7 @@ _TEXT_PREFIXES = (
     ("language_model.", "model."),
     ("model.text_model.", "model."),  # (Idefics3, SmolVLM)
     ("lm_head.", "lm_head."),
+    ("model.", "model."),  # (Qwen2-VL's layout: the language model's tensors as a text model's, beside visual.*)
 )
 
 
@@ -226,10 +257,18 @@ class VisionEncoder:
     """Images to embeddings in the language model's dtype: transformers' model of the architecture without its
     language model."""
 
-    def __init__(self, hf_model: torch.nn.Module, family: VisionLanguageFamily, dtype: torch.dtype, token_id: int):
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        family: VisionLanguageFamily,
+        dtype: torch.dtype,
+        token_id: int,
+        rope: Optional[MRopePositions] = None,
+    ):
         self.hf: Any = hf_model  # (its get_image_features, typed by transformers per architecture)
         self.family = family
         self.image_token_id = token_id  # what the prompt's placeholder positions hold
+        self.rope = rope  # where a multimodal-RoPE model places its images' rotary positions (the processor's rule)
         self.dtype = dtype
         self.device = next(hf_model.parameters()).device
         self.num_parameters = sum(p.numel() for p in hf_model.parameters())
@@ -266,7 +305,8 @@ class VisionEncoder:
         for module in family.vision_modules:
             _load_module(hf, module, state[module], family)
         hf.to(device=device, dtype=dtype).eval()
-        return cls(hf, family, dtype, image_token_id(config))
+        rope = MRopePositions(config.vision_config.spatial_merge_size) if family.mrope else None
+        return cls(hf, family, dtype, image_token_id(config), rope)
 
     @torch.inference_mode()
     def encode(self, image: ImageInput) -> torch.Tensor:

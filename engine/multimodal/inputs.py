@@ -5,7 +5,7 @@ message, so a worker process gets them with the request and needs nothing else."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -19,11 +19,19 @@ class ImageInput:
     `data`: the processor's outputs for this image alone (pixel_values and whatever else the model's vision
     encoder takes, each with the image's rows only); `positions`: the prompt positions its embeddings replace,
     in order (its placeholder tokens: the encoder returns one embedding per position); `key`: a digest of `data`,
-    which is what the encoder sees, so equal keys mean equal embeddings (the prefix cache's key for the image)."""
+    which is what the encoder sees, so equal keys mean equal embeddings (the prefix cache's key for the image).
+
+    Multimodal RoPE (Qwen2-VL; None and 0 otherwise): `rope_positions`, each placeholder's (temporal, height,
+    width) rotary position; `rope_shift`, what the rotary position of a token after the image differs from its
+    prompt position by (this image's and every earlier one's: an image of n placeholders advances the rotary
+    position by its grid's larger side, not by n). Both follow from the prompt and the images' grids, which `key`
+    digests, so blocks whose hashes match have the same rotary positions."""
 
     data: Mapping[str, torch.Tensor]
     positions: tuple[int, ...]
     key: bytes
+    rope_positions: Optional[torch.Tensor] = None  # [num_embeds, 3] int64
+    rope_shift: int = 0
 
     @property
     def start(self) -> int:
@@ -59,3 +67,18 @@ class MultiModalInputs:
     def end(self) -> int:
         """One past the last placeholder position of the last image."""
         return self.images[-1].end
+
+    @property
+    def mrope(self) -> bool:
+        """Whether its images carry multimodal RoPE positions."""
+        return self.images[0].rope_positions is not None
+
+    def rope_shift(self, position: int) -> int:
+        """What a text token's rotary position differs from its prompt position by (multimodal RoPE), at prompt
+        `position` (or past the prompt: a decode's, the last image's shift, HF's rope_delta)."""
+        shift = 0
+        for image in self.images:
+            if image.end > position:
+                break
+            shift = image.rope_shift
+        return shift

@@ -4,6 +4,7 @@ to token ids, each image's placeholder expanded as the model expects, and each i
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -12,7 +13,11 @@ import torch
 
 from engine.errors import InvalidParameterError
 from engine.multimodal.image_layout import ImageLayout
+from engine.multimodal.image_only_processor import ImageOnlyProcessor
 from engine.multimodal.inputs import ImageInput, MultiModalInputs
+from engine.multimodal.mrope_positions import MRopePositions
+
+logger = logging.getLogger(__name__)
 
 # The processor's outputs that belong to the text, not to an image.
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
@@ -30,12 +35,14 @@ class MultiModalProcessor:
         max_images: int,
         layout: ImageLayout = ImageLayout(),
         bidirectional: bool = False,
+        rope: Optional[MRopePositions] = None,
     ):
         self.hf = hf_processor
         self.image_token_id = image_token_id
         self.max_images = max_images
         self.layout = layout
         self.bidirectional = bidirectional
+        self.rope = rope  # a multimodal-RoPE model's rule placing its images' rotary positions (None: 1-D RoPE)
         token = getattr(hf_processor, "image_token", None)
         if not isinstance(token, str):
             token = hf_processor.tokenizer.convert_ids_to_tokens(image_token_id)
@@ -52,17 +59,19 @@ class MultiModalProcessor:
         trust_remote_code: bool = False,
         layout: ImageLayout = ImageLayout(),
         bidirectional: bool = False,
+        rope: Optional[MRopePositions] = None,
     ) -> "MultiModalProcessor":
         from transformers import AutoProcessor
 
         try:
             hf = AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, KeyError, TypeError, ImportError) as error:
-            # (ImportError: a processor that needs a package not installed, torchvision for most, names it)
+        except ImportError as error:  # (a part needs a package not installed, torchvision for most: a video processor)
+            hf = _image_only(path, image_token_id, trust_remote_code, error)
+        except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(f"cannot load the model's image processor from {str(path)!r}: {error}") from error
         if not hasattr(hf, "image_processor"):
             raise ValueError(f"the processor in {str(path)!r} ({type(hf).__name__}) has no image processor")
-        return cls(hf, image_token_id, max_images, layout, bidirectional)
+        return cls(hf, image_token_id, max_images, layout, bidirectional, rope)
 
     def check_count(self, count: int, param: str) -> None:
         if count > self.max_images:
@@ -100,9 +109,7 @@ class MultiModalProcessor:
         """Each image's rows of the processor's outputs and the placeholder positions its embeddings fill: the
         images' placeholders in prompt order, as many per image as the processor says it expands it to (as the
         model scatters its images' embeddings over them)."""
-        counts = self.hf._get_num_multimodal_tokens(image_sizes=[(height, width) for width, height in sizes])
-        num_tokens = list(counts.num_image_tokens)
-        num_rows = list(getattr(counts, "num_image_patches", None) or [1] * len(sizes))
+        num_tokens, num_rows = self._counts(out, sizes)
         positions = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
         if len(positions) != sum(num_tokens):
             raise InvalidParameterError(
@@ -130,7 +137,42 @@ class MultiModalProcessor:
             images.append(ImageInput(own, own_positions, _digest(own)))
             first_token += tokens
             first_row += rows
-        return MultiModalInputs(tuple(images), self.bidirectional)
+        placed = tuple(images) if self.rope is None else self.rope.place(tuple(images), param)
+        return MultiModalInputs(placed, self.bidirectional)
+
+    def _counts(self, out: Any, sizes: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """Each image's placeholder tokens and its rows of the outputs with a row per patch (or tile): a grid
+        processor's (Qwen2-VL's) read from the grids it returned, one token per merge_size² patches; others' from
+        the processor's own count for the images' sizes."""
+        grid, merge = out.get("image_grid_thw"), getattr(self.hf.image_processor, "merge_size", None)
+        if isinstance(grid, torch.Tensor) and isinstance(merge, int):
+            rows = [int(n) for n in grid.prod(-1)]
+            return [n // merge**2 for n in rows], rows
+        counts = self.hf._get_num_multimodal_tokens(image_sizes=[(height, width) for width, height in sizes])
+        return list(counts.num_image_tokens), list(getattr(counts, "num_image_patches", None) or [1] * len(sizes))
+
+
+def _image_only(path: Union[str, Path], image_token_id: int, trust_remote_code: bool, error: ImportError) -> Any:
+    """The checkpoint's tokenizer and image processor composed (ImageOnlyProcessor) where its whole processor
+    needs a library not installed for a part that images do not use; ValueError naming the library otherwise."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (ImportError, OSError, ValueError, KeyError, TypeError):
+        image_processor = None
+    if image_processor is None or not ImageOnlyProcessor.takes(image_processor):
+        raise ValueError(f"cannot load the model's image processor from {str(path)!r}: {error}") from error
+    token = getattr(tokenizer, "image_token", None)
+    if not isinstance(token, str):
+        token = tokenizer.convert_ids_to_tokens(image_token_id)
+    logger.info(
+        "the checkpoint's processor cannot load (%s); its %s and tokenizer serve images",
+        str(error).strip().splitlines()[0],
+        type(image_processor).__name__,
+    )
+    return ImageOnlyProcessor(tokenizer, image_processor, token)
 
 
 def _rows(

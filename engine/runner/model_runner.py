@@ -16,6 +16,7 @@ from engine.lora.lora_manager import LoRARef
 from engine.lora.lora_slots import LoRASlots
 from engine.lora.lora_step import LoRASegment, LoRAStep, lm_head_rows
 from engine.models.llama import LlamaForCausalLM
+from engine.layers.mrope import SectionedRows
 from engine.models.vision_language import VisionEncoder
 from engine.multimodal.inputs import MultiModalInputs
 from engine.runner.block_table import BlockTable
@@ -116,6 +117,9 @@ class _Batch:
     image_rows: list[int] = field(default_factory=list)  # rows whose input is an image embedding, not a token's
     image_embeds: list[torch.Tensor] = field(default_factory=list)  # those rows' embeddings, in their order
     bidirectional: list[tuple[int, int]] = field(default_factory=list)  # row ranges of images seen both ways
+    # multimodal RoPE: the image rows whose position differs per component, and their [n, 3] positions
+    rope_rows: list[int] = field(default_factory=list)
+    rope_positions: list[torch.Tensor] = field(default_factory=list)
     lora: Optional[LoRAStep] = None  # the step's adapter deltas (None: no token runs with an adapter)
 
 
@@ -266,11 +270,16 @@ class ModelRunner:
             embeds = self._input_embeddings(input_ids, batch) if batch.image_rows else None
             if batch.bidirectional and self._span_forward is not None:
                 forward = self._span_forward
+            sectioned = None
+            if batch.rope_rows:
+                rows = torch.tensor(batch.rope_rows, dtype=torch.int64, device=positions.device)
+                sectioned = SectionedRows(rows, torch.cat(batch.rope_positions).to(positions.device))
             if profile is not None:
                 profile.lap("prepare")
-            hidden = (
-                forward(input_ids, positions, steps) if embeds is None else forward(input_ids, positions, steps, embeds)
-            )
+            if embeds is None:
+                hidden = forward(input_ids, positions, steps)
+            else:
+                hidden = forward(input_ids, positions, steps, embeds, sectioned=sectioned)
         if profile is not None:
             profile.lap("forward")
         if not self.samples:
@@ -456,6 +465,8 @@ class ModelRunner:
             for i, (state, pos, _) in enumerate(decodes):
                 if state.multi_modal is not None:  # (a prompt's last token may be an image's)
                     self._add_image_rows(batch, state, i, pos, 1)
+                    if state.multi_modal.mrope:  # at its text rotary position (past the prompt: HF's rope_delta)
+                        positions[i] += state.multi_modal.rope_shift(pos)
                 if pos + 1 >= len(state.token_ids):  # the sequence's last token, or a draft after it
                     if pos + 1 == len(state.token_ids) and spec and state.request_id in spec:
                         batch.drafts[len(batch.sample_rows)] = spec[state.request_id]
@@ -469,6 +480,8 @@ class ModelRunner:
             end = start + num_tokens
             ids[token : token + num_tokens] = state.token_ids[start:end]
             positions[token : token + num_tokens] = np.arange(start, end)
+            if state.multi_modal is not None and state.multi_modal.mrope:
+                self._shift_chunk_positions(positions[token : token + num_tokens], state.multi_modal, start)
             for group, group_slots in enumerate(self.block_table.slots(state.row, start, end)):
                 slots[group][token : token + num_tokens] = group_slots
             rows[i], starts[i + 1], seq_lens[i] = state.row, token + num_tokens, end
@@ -562,10 +575,26 @@ class ModelRunner:
             positions = image.positions
             lo, hi = bisect.bisect_left(positions, start), bisect.bisect_left(positions, end)
             if hi > lo:
-                batch.image_rows += [first_row + p - start for p in positions[lo:hi]]
+                rows = [first_row + p - start for p in positions[lo:hi]]
+                batch.image_rows += rows
                 batch.image_embeds.append(embeds[lo:hi])
+                if image.rope_positions is not None:
+                    batch.rope_rows += rows
+                    batch.rope_positions.append(image.rope_positions[lo:hi])
             if image.end <= end:
                 del state.image_embeds[index]  # (the step holds what it takes of it)
+
+    @staticmethod
+    def _shift_chunk_positions(positions: np.ndarray, multi_modal: MultiModalInputs, start: int) -> None:
+        """Multimodal RoPE: a chunk's rows (prompt positions start ..) at their text rotary positions, each row
+        shifted by the images that end at or before it (an image's own rows are rotated by section instead)."""
+        end, previous = start + positions.shape[0], 0
+        for image in multi_modal.images:
+            if image.end >= end:
+                break
+            if image.rope_shift != previous:
+                positions[max(image.end, start) - start :] += image.rope_shift - previous
+            previous = image.rope_shift
 
     @staticmethod
     def _add_chunk_outputs(
