@@ -1,6 +1,7 @@
-"""Images in chat requests, on a real uvicorn server serving a tiny LLaVA, through the openai SDK and httpx: data:
-URLs, http(s) URLs fetched from a loopback image server (redirects, --allowed-media-domains, timeouts, sizes),
-the answers HF gives for the same images; refusals as 400s naming the part; the KV cache empty after each."""
+"""Images in chat requests, on a real uvicorn server serving a tiny LLaVA (and a tiny Qwen2-VL), through the openai
+SDK and httpx: data: URLs, http(s) URLs fetched from a loopback image server (redirects, --allowed-media-domains,
+timeouts, sizes), the answers HF gives for the same images; refusals as 400s naming the part; the KV cache empty
+after each."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import openai
 import pytest
 
 from server.config.server_config import ServerConfig
+from tests.engine.factories import EOS_ID
+from tests.engine.qwen_vl_factories import hf_greedy as qwen_hf_greedy
+from tests.engine.qwen_vl_factories import hf_inputs, make_tiny_qwen_vl_dir, qwen_chat_text
 from tests.engine.vision_factories import chat_text, data_url, hf_greedy, make_tiny_llava_dir, random_image
 from tests.server.conftest import RunningServer, serving
 
@@ -197,6 +201,30 @@ def test_the_responses_api_takes_input_image_parts(vlm, llava_dir):
             max_output_tokens=MAX_TOKENS,
         )
     vlm.wait_idle()
+
+
+def test_qwen2_vl_over_http(tmp_path):
+    """Qwen2-VL (multimodal RoPE, its own processor's placeholders) gets HF's answer for an image of its own grid,
+    streamed and not."""
+    model_dir = make_tiny_qwen_vl_dir(tmp_path / "qwen2-vl")
+    image = random_image(6, 30, 60)  # (an answer of MAX_TOKENS tokens: no end of turn among them)
+    text = qwen_chat_text([image, QUESTION["text"]])
+    tokens, _ = qwen_hf_greedy(model_dir, text, [image], MAX_TOKENS)
+    tokens = tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else tokens  # (the server stops there)
+    with serving(model_dir, ServerConfig(served_model_name="tiny-qwen2-vl")) as server:
+        expected = server.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        response = ask(server, image_part(data_url(image)), QUESTION)
+        assert response.choices[0].message.content == expected
+        assert response.usage.prompt_tokens == hf_inputs(model_dir, text, [image])["input_ids"].shape[1]
+        streamed = server.sdk().chat.completions.create(
+            model=server.model_name,
+            messages=[{"role": "user", "content": [image_part(data_url(image)), QUESTION]}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected
+        server.wait_idle()
 
 
 def test_a_text_model_refuses_image_parts(server):
