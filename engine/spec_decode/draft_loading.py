@@ -4,7 +4,9 @@ A draft must share the target's vocabulary: a draft token is a target token id, 
 the same strings to the same ids and agree on the special tokens. The models' embedding sizes may differ (padded
 rows past the tokenizer's ids): drafts are taken among the ids both models have. A `.gguf` draft keeps its
 quantized blocks on the native CPU kernels where they run (`quantization` auto), which makes the target's own
-GGUF, dequantized for the target, a cheap draft of it (a quantized self-draft).
+GGUF, dequantized for the target, a cheap draft of it (a quantized self-draft). A vision-language checkpoint
+drafts with its language model alone: it reads an image's placeholder tokens as tokens, never seeing the image, so
+its drafts after an image are guesses the target rejects more often (the target's tokens stay the same).
 """
 
 from __future__ import annotations
@@ -22,11 +24,19 @@ from engine.attention.layer_attention import check_backend_serves
 from engine.errors import SettingsConflictError
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
-from engine.loading.loader import Checkpoint, CheckpointError, load_hf_config, prepare_checkpoint
+from engine.loading.loader import (
+    Checkpoint,
+    CheckpointError,
+    is_vision_language,
+    load_hf_config,
+    prepare_checkpoint,
+    text_config_of,
+)
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import family_of
+from engine.models.vision_language import VisionLanguageFamily, text_weights, vision_family_of
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.text.tokenizer import Tokenizer, load_tokenizer
@@ -54,6 +64,7 @@ class DraftCheckpoint:
     hf_config: Any
     architecture: str
     vocab_limit: int  # drafts are taken among ids below this
+    vision: Optional[VisionLanguageFamily] = None  # a vision-language checkpoint's (its language model drafts)
 
 
 def read_draft_checkpoint(
@@ -69,11 +80,20 @@ def read_draft_checkpoint(
     assert speculative.model is not None  # the config's validator requires it for draft_model
     try:
         checkpoint = prepare_checkpoint(speculative.model, download_dir=download_dir)
-        hf_config = load_hf_config(checkpoint.path, trust_remote_code=trust_remote_code)
+        hf_config = load_hf_config(checkpoint.path, trust_remote_code=trust_remote_code, whole=True)
     except CheckpointError as error:  # a draft that cannot be had is a bad setting, not the target's fault
         raise SettingsConflictError(
             f"--speculative-config: the draft model {speculative.model!r} cannot be read: {error}"
         ) from error
+    vision = None
+    if is_vision_language(hf_config):  # (its checkpoint names the language model's tensors under a prefix)
+        vision = vision_family_of(hf_config)
+        if vision is None:
+            raise SettingsConflictError(
+                f"the draft model {speculative.model!r} is a vision-language model of an architecture not served "
+                f"({list(hf_config.architectures or [])})"
+            )
+        hf_config = text_config_of(hf_config)
     try:
         family = family_of(hf_config)
     except ValueError as error:
@@ -85,7 +105,7 @@ def read_draft_checkpoint(
     except CheckpointError:
         draft_tokenizer = None  # a bare checkpoint: the vocabulary sizes and special ids are compared instead
     vocab_limit = check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size, hf_config)
-    return DraftCheckpoint(checkpoint, hf_config, family.architecture, vocab_limit)
+    return DraftCheckpoint(checkpoint, hf_config, family.architecture, vocab_limit, vision)
 
 
 def load_draft_model(
@@ -107,7 +127,8 @@ def load_draft_model(
     storage = _storage(quantization, checkpoint.gguf, device, dtype, batch_invariant)
     model.quantization = storage
     arch = model.arch
-    model.load_weights(model_weights(storage, checkpoint.path, checkpoint.gguf, arch.num_heads, arch.num_kv_heads))
+    weights = model_weights(storage, checkpoint.path, checkpoint.gguf, arch.num_heads, arch.num_kv_heads)
+    model.load_weights(weights if draft.vision is None else text_weights(weights, draft.vision))
     latent_rank = latent_rank_of(hf_config)
     spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, latent_rank=latent_rank)
     logger.info(

@@ -1,10 +1,10 @@
 """What docs/models.md says a vision-language model keeps of its language model's features, checked on the tiny
 LLaVA with images: the fused bf16 decode step (the unfused path's tokens and logprobs, bit for bit), speculative
-decoding with n-gram drafts and with a draft model (a text model of its vocabulary: the greedy tokens and logprobs
-of no speculation), LoRA on the language model's projections (PEFT's merged LlavaForConditionalGeneration's
-tokens), an abort in the middle of an image (the KV cache and the runner empty, and the blocks it cached hit by the
-next request inside the image), a decode step on an image's token beside the decode graphs (eager: HF's
-tokens)."""
+decoding with n-gram drafts and with draft models (the LLaVA's own language model, and a text model of its
+vocabulary: the greedy tokens and logprobs of no speculation), LoRA on the language model's projections (PEFT's
+merged LlavaForConditionalGeneration's tokens), an abort in the middle of an image (the KV cache and the runner
+empty, and the blocks it cached hit by the next request inside the image), a decode step on an image's token
+beside the decode graphs (eager: HF's tokens)."""
 
 from __future__ import annotations
 
@@ -97,10 +97,11 @@ def text_draft(llava_dir, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("draft", ["text model"])
+@pytest.mark.parametrize("draft", ["itself", "text model"])
 def test_a_draft_model_keeps_the_greedy_outputs(llava_dir, text_draft, draft):
-    """A random text model of the LLaVA's vocabulary (drafts rejected): the outputs of no speculation, the draft's
-    cache empty at the end."""
+    """The LLaVA drafting for itself (its language model reads the placeholders as tokens: it agrees with the
+    target less after an image; drafts accepted and rejected), or a random text model of its vocabulary (drafts
+    rejected): the outputs of no speculation, the draft's cache empty at the end."""
     prompts = image_prompts()
     expected = outputs(make_llm(llava_dir), prompts)
     model = llava_dir if draft == "itself" else text_draft
