@@ -29,6 +29,13 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 SAVED_MODULES = ("embed_tokens", "lm_head")
 """The modules_to_save served: whole matrices that replace the base's for the adapter's requests."""
 
+LANGUAGE_MODEL_PATH = frozenset({"base_model", "model", "language_model"})
+"""What a served tensor's key may name before `layers.`: PEFT's wrapper and the path to the language model's layers
+(`model.`; a vision-language model's `model.language_model.` or `language_model.model.`). A vision tower's layers
+are named as the language model's are (`vision_tower.encoder.layers.0.self_attn.q_proj`), and PEFT's
+`target_modules: [q_proj]` adapts both: read as the language model's, its matrices would change the language
+model's layers of the same index."""
+
 _LORA_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -218,6 +225,11 @@ def _take_tensor(adapter: LoRAWeights, config: dict, key: str, tensor: torch.Ten
     match = _LORA_KEY.match(key)
     if match is None:
         raise LoRAAdapterError(name, f"tensor {key!r} is not a LoRA matrix of {list(PROJECTIONS)}")
+    path = key[: match.start(1) - len("layers.")].rstrip(".")
+    if not set(path.split(".")) <= LANGUAGE_MODEL_PATH | {""}:
+        raise LoRAAdapterError(
+            name, f"tensor {key!r} adapts {path!r}, not the language model's layers: LoRA is served on those alone"
+        )
     layer, projection, which = int(match.group(1)), match.group(2), match.group(3)
     if projection not in PROJECTIONS:
         raise LoRAAdapterError(name, f"target {projection!r} is not served (only {list(PROJECTIONS)})")

@@ -2,9 +2,9 @@
 LLaVA with images: the fused bf16 decode step (the unfused path's tokens and logprobs, bit for bit), speculative
 decoding with n-gram drafts and with draft models (the LLaVA's own language model, and a text model of its
 vocabulary: the greedy tokens and logprobs of no speculation), LoRA on the language model's projections (PEFT's
-merged LlavaForConditionalGeneration's tokens), an abort in the middle of an image (the KV cache and the runner
-empty, and the blocks it cached hit by the next request inside the image), a decode step on an image's token
-beside the decode graphs (eager: HF's tokens)."""
+merged LlavaForConditionalGeneration's tokens; an adapter of the vision tower refused), an abort in the middle of
+an image (the KV cache and the runner empty, and the blocks it cached hit by the next request inside the image),
+a decode step on an image's token beside the decode graphs (eager: HF's tokens)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LoRAMix, LoRARequest, SamplingParams
+from engine.errors import LoRAAdapterError
 from engine.runner.cuda_graphs import EagerReplay, decode_buckets
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, make_llm
@@ -164,6 +165,15 @@ def test_lora_on_the_language_model_matches_peft_merged(llava_dir, tmp_path):
     assert with_adapter.outputs[0].token_ids == tokens
     assert [e.logprob for e in with_adapter.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
     assert base.outputs[0].token_ids == hf_greedy(llava_dir, text, [image], MAX_TOKENS)[0] != tokens
+
+
+def test_an_adapter_of_the_vision_tower_is_refused(llava_dir, tmp_path):
+    """q_proj and v_proj match the CLIP tower's projections too: served on the language model alone, such an adapter
+    would run the tower's deltas in the language model's layers of the same index."""
+    _llava_adapter(llava_dir, tmp_path / "all", ["q_proj", "v_proj"], seed=2)
+    llm = make_llm(llava_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
+    with pytest.raises(LoRAAdapterError, match="vision_tower"):
+        llm.engine.lora_manager.add_lora(LoRARequest("all", str(tmp_path / "all")))
 
 
 def test_an_abort_inside_an_image_leaves_nothing_and_its_blocks_serve_the_next_request(llava_dir):
