@@ -76,13 +76,20 @@ def read_local_image(url: str, allowed: Optional[Path], param: str) -> bytes:
         raise InvalidParameterError(
             param, "is a file URL; the server reads local files only under --allowed-local-media-path"
         )
-    path = Path(unquote(urlparse(url).path)).resolve()
-    root = allowed.resolve()
-    if not path.is_relative_to(root):
-        raise InvalidParameterError(param, "names a file outside --allowed-local-media-path")
-    if not path.is_file():
-        raise InvalidParameterError(param, "names no file under --allowed-local-media-path")
-    return path.read_bytes()
+    try:
+        path = Path(unquote(urlparse(url).path)).resolve()
+        if not path.is_relative_to(allowed.resolve()):
+            raise InvalidParameterError(param, "names a file outside --allowed-local-media-path")
+        if not path.is_file():
+            raise InvalidParameterError(param, "names no file under --allowed-local-media-path")
+        return path.read_bytes()
+    except InvalidParameterError:
+        raise
+    except (OSError, ValueError, RuntimeError) as error:
+        # (a NUL byte, a name too long, a symlink loop, a file the server may not read: the URL's fault, not the
+        # server's; only the OS's reason is told, never the error's text, which names the resolved path)
+        reason = f" ({error.strerror})" if isinstance(error, OSError) and error.strerror else ""
+        raise InvalidParameterError(param, f"names a file that cannot be read{reason}") from None
 
 
 def offline_image(kind: str, source: Any, allowed: Optional[Path], param: str) -> Any:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidParameterError
+from engine.multimodal.images import read_local_image
 from engine.sampling.params import SamplingParams
 from scheduler import NewRequestData
 from tests.engine.factories import make_tiny_model_dir
@@ -118,6 +119,31 @@ def test_chat_takes_data_urls_and_pil_images(llm, llava_dir, tmp_path):
     outside = {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}
     with pytest.raises(InvalidParameterError, match="outside"):
         allowed.chat([{"role": "user", "content": [outside, question]}], GREEDY, use_tqdm=False)
+
+
+def test_file_urls_outside_the_folder_or_unreadable_are_invalid_parameters(tmp_path):
+    """Every file:// URL that reads no file under the folder is an InvalidParameterError (the server's 400 naming the
+    part), never another error (a 500): a symlink or `..` out of it, a NUL byte, a name too long, a symlink loop."""
+    folder = tmp_path / "media"
+    folder.mkdir()
+    (tmp_path / "secret.png").write_bytes(b"outside")
+    (folder / "picture.png").write_bytes(b"inside")
+    (folder / "out.png").symlink_to(tmp_path / "secret.png")
+    (folder / "loop1").symlink_to(folder / "loop2")
+    (folder / "loop2").symlink_to(folder / "loop1")
+    assert read_local_image(f"file://{folder}/picture.png", folder, "url") == b"inside"
+    cases = {
+        "out.png": "outside",
+        "..%2Fsecret.png": "outside",
+        "../media/../secret.png": "outside",
+        "picture%00.png": "cannot be read",
+        "a" * 300: "cannot be read",
+        "loop1": "cannot be read|names no file",
+        "": "names no file",
+    }
+    for name, message in cases.items():
+        with pytest.raises(InvalidParameterError, match=message):
+            read_local_image(f"file://{folder}/{name}", folder, "url")
 
 
 def test_images_and_placeholders_must_pair_up(llm):
