@@ -1,8 +1,8 @@
 """A chat request's images, read from its image parts before the prompt is rendered: `data:` URLs decoded,
 `file://` URLs read under --allowed-local-media-path, http(s) URLs fetched (hosts limited by
---allowed-media-domains, each fetch by --media-fetch-timeout and at most --max-request-body bytes, redirects
-followed only to allowed hosts). All of a request's images are fetched at once; decoding runs off the event loop.
-A part that yields no image is a 400 naming it."""
+--allowed-media-domains, redirects followed only to allowed hosts; each fetch, redirects included, within
+--media-fetch-timeout and at most --max-request-body bytes). All of a request's images are fetched at once;
+decoding runs off the event loop. A part that yields no image is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -55,7 +55,20 @@ async def _load(state: "ServerState", client: httpx.AsyncClient, where: str, par
 
 
 async def _fetch(state: "ServerState", client: httpx.AsyncClient, url: str, param: str) -> bytes:
-    """An http(s) URL's body (redirects followed while they lead to allowed hosts)."""
+    """An http(s) URL's body (redirects followed while they lead to allowed hosts), within --media-fetch-timeout in
+    all: the client's own timeout bounds each connect and each read alone, which a server dripping its body (or
+    its redirects) slowly never passes."""
+    timeout = state.config.media_fetch_timeout
+    try:
+        return await asyncio.wait_for(_follow(state, client, url, param), timeout)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        raise InvalidParameterError(
+            param, f"could not be fetched within {timeout:g} s (--media-fetch-timeout)"
+        ) from None
+
+
+async def _follow(state: "ServerState", client: httpx.AsyncClient, url: str, param: str) -> bytes:
+    """`_fetch`'s work."""
     limit = state.config.max_request_body
     for _ in range(MAX_REDIRECTS + 1):
         _check_host(state, url, param)
@@ -72,10 +85,8 @@ async def _fetch(state: "ServerState", client: httpx.AsyncClient, url: str, para
                     if len(body) > limit:
                         raise InvalidParameterError(param, f"is larger than {limit} bytes (--max-request-body)")
                 return bytes(body)
-        except httpx.TimeoutException:
-            raise InvalidParameterError(
-                param, f"could not be fetched within {state.config.media_fetch_timeout:g} s (--media-fetch-timeout)"
-            ) from None
+        except httpx.TimeoutException:  # (an HTTPError too: `_fetch` words it)
+            raise
         except httpx.HTTPError as error:
             raise InvalidParameterError(param, f"could not be fetched: {type(error).__name__}") from None
     raise InvalidParameterError(param, f"redirects more than {MAX_REDIRECTS} times")

@@ -19,6 +19,7 @@ from tests.engine.factories import EOS_ID
 from tests.engine.qwen_vl_factories import hf_greedy as qwen_hf_greedy
 from tests.engine.qwen_vl_factories import hf_inputs, make_tiny_qwen_vl_dir, qwen_chat_text
 from tests.engine.vision_factories import chat_text, data_url, hf_greedy, make_tiny_llava_dir, random_image
+from tests.ports import free_port
 from tests.server.conftest import RunningServer, serving
 
 QUESTION = {"type": "text", "text": "What is in the picture?"}
@@ -40,7 +41,8 @@ def vlm(llava_dir) -> Iterator[RunningServer]:
 @contextlib.contextmanager
 def image_server(png: bytes) -> Iterator[str]:
     """A loopback HTTP server: /picture.png, /moved (302 to it), /away (302 to the same file at `localhost`),
-    /slow (2 s before answering), /big (300 KiB), anything else 404."""
+    /slow (2 s before answering), /drip (its bytes in 8 parts 0.3 s apart: no single read waits a second),
+    /big (300 KiB), anything else 404."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -56,6 +58,17 @@ def image_server(png: bytes) -> Iterator[str]:
             elif self.path == "/slow":
                 time.sleep(2)
                 self._send(200, png, "image/png")
+            elif self.path == "/drip":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(png)))
+                self.end_headers()
+                step = -(-len(png) // 8)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    for start in range(0, len(png), step):
+                        self.wfile.write(png[start : start + step])
+                        self.wfile.flush()
+                        time.sleep(0.3)
             elif self.path == "/big":
                 self._send(200, b"\0" * (300 * 1024), "image/png")
             else:
@@ -72,7 +85,7 @@ def image_server(png: bytes) -> Iterator[str]:
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -136,9 +149,10 @@ def test_http_image_urls_are_fetched(vlm, llava_dir):
             assert ask(vlm, image_part(base + path), QUESTION).choices[0].message.content == expected
         missing = refusal(vlm, image_part(base + "/missing.png"), QUESTION)
         assert "HTTP 404" in missing["message"] and missing["param"] == "messages[0].content[0].image_url.url"
-        started = time.monotonic()
-        assert "--media-fetch-timeout" in refusal(vlm, image_part(base + "/slow"), QUESTION)["message"]
-        assert time.monotonic() - started < 1.9
+        for slow in ("/slow", "/drip"):  # (the timeout bounds the whole fetch, not each read)
+            started = time.monotonic()
+            assert "--media-fetch-timeout" in refusal(vlm, image_part(base + slow), QUESTION)["message"]
+            assert time.monotonic() - started < 1.9
         assert "--max-request-body" in refusal(vlm, image_part(base + "/big"), QUESTION)["message"]
     vlm.wait_idle()
 
