@@ -127,8 +127,8 @@ class ServerConfig(BaseModel):
     media_fetch_timeout: float = Field(
         5.0,
         gt=0,
-        description="seconds an image URL's fetch may take, redirects included (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); its "
-        "bytes are bounded by max_request_body",
+        description="seconds an image URL's fetch may take, redirects included (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); a "
+        "request's fetched images together are bounded by max_request_body",
     )
     max_logprobs: int = Field(
         MAX_LOGPROBS,

@@ -802,8 +802,8 @@ OPTIONS: tuple[Option, ...] = (
         "--media-fetch-timeout",
         (*SERVER, "media_fetch_timeout"),
         "float",
-        "seconds an image URL's fetch may take, redirects included (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); its size is "
-        "bounded by --max-request-body",
+        "seconds an image URL's fetch may take, redirects included (vLLM's VLLM_IMAGE_FETCH_TIMEOUT); a request's "
+        "fetched images together are bounded by --max-request-body",
         "SECONDS",
     ),
     # vLLM's flags where users reach for them

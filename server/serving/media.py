@@ -1,12 +1,14 @@
 """A chat request's images, read from its image parts before the prompt is rendered: `data:` URLs decoded,
 `file://` URLs read under --allowed-local-media-path, http(s) URLs fetched (hosts limited by
 --allowed-media-domains, redirects followed only to allowed hosts; each fetch, redirects included, within
---media-fetch-timeout and at most --max-request-body bytes). All of a request's images are fetched at once;
-decoding runs off the event loop. A part that yields no image is a 400 naming it."""
+--media-fetch-timeout; the request's fetched bodies together at most --max-request-body bytes, as if they had
+come in its body: a request of a few URLs cannot make the server hold gigabytes). All of a request's images are
+fetched at once; decoding runs off the event loop. A part that yields no image is a 400 naming it."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 from urllib.parse import urljoin, urlparse
 
@@ -23,13 +25,28 @@ if TYPE_CHECKING:
 MAX_REDIRECTS = 5
 
 
+@dataclass
+class _Budget:
+    """The bytes a request's fetches may still bring, together (its fetches share one event loop: no lock)."""
+
+    left: int
+
+    def take(self, count: int, limit: int, param: str) -> None:
+        self.left -= count
+        if self.left < 0:
+            raise InvalidParameterError(
+                param, f"takes the request's fetched images past {limit} bytes (--max-request-body)"
+            )
+
+
 async def load_images(state: "ServerState", parts: Sequence[tuple[str, ImagePart]]) -> list[Any]:
     """The PIL image (RGB) of each part, in order."""
+    budget = _Budget(state.config.max_request_body)
     async with httpx.AsyncClient(timeout=state.config.media_fetch_timeout, follow_redirects=False) as client:
-        return list(await asyncio.gather(*(_load(state, client, where, part) for where, part in parts)))
+        return list(await asyncio.gather(*(_load(state, client, budget, where, part) for where, part in parts)))
 
 
-async def _load(state: "ServerState", client: httpx.AsyncClient, where: str, part: ImagePart) -> Any:
+async def _load(state: "ServerState", client: httpx.AsyncClient, budget: _Budget, where: str, part: ImagePart) -> Any:
     param = f"{where}.image_url"
     if part.kind != "image_url":
         raise bad_request(
@@ -46,7 +63,7 @@ async def _load(state: "ServerState", client: httpx.AsyncClient, where: str, par
         elif url.startswith("file:"):
             data = await asyncio.to_thread(read_local_image, url, state.engine.media_path, param)
         elif urlparse(url).scheme in ("http", "https"):
-            data = await _fetch(state, client, url, param)
+            data = await _fetch(state, client, budget, url, param)
         else:
             raise InvalidParameterError(param, "must be an http(s), data: or file:// URL")
         return await asyncio.to_thread(open_image, data, param)
@@ -54,21 +71,21 @@ async def _load(state: "ServerState", client: httpx.AsyncClient, where: str, par
         raise bad_request(f"{error}.", param=param) from None
 
 
-async def _fetch(state: "ServerState", client: httpx.AsyncClient, url: str, param: str) -> bytes:
+async def _fetch(state: "ServerState", client: httpx.AsyncClient, budget: _Budget, url: str, param: str) -> bytes:
     """An http(s) URL's body (redirects followed while they lead to allowed hosts), within --media-fetch-timeout in
     all: the client's own timeout bounds each connect and each read alone, which a server dripping its body (or
     its redirects) slowly never passes."""
     timeout = state.config.media_fetch_timeout
     try:
-        return await asyncio.wait_for(_follow(state, client, url, param), timeout)
+        return await asyncio.wait_for(_follow(state, client, budget, url, param), timeout)
     except (asyncio.TimeoutError, httpx.TimeoutException):
         raise InvalidParameterError(
             param, f"could not be fetched within {timeout:g} s (--media-fetch-timeout)"
         ) from None
 
 
-async def _follow(state: "ServerState", client: httpx.AsyncClient, url: str, param: str) -> bytes:
-    """`_fetch`'s work."""
+async def _follow(state: "ServerState", client: httpx.AsyncClient, budget: _Budget, url: str, param: str) -> bytes:
+    """`_fetch`'s work: each body's bytes taken from the request's budget as they come."""
     limit = state.config.max_request_body
     for _ in range(MAX_REDIRECTS + 1):
         _check_host(state, url, param)
@@ -82,8 +99,7 @@ async def _follow(state: "ServerState", client: httpx.AsyncClient, url: str, par
                 body = bytearray()
                 async for chunk in response.aiter_bytes():
                     body += chunk
-                    if len(body) > limit:
-                        raise InvalidParameterError(param, f"is larger than {limit} bytes (--max-request-body)")
+                    budget.take(len(chunk), limit, param)
                 return bytes(body)
         except httpx.TimeoutException:  # (an HTTPError too: `_fetch` words it)
             raise

@@ -157,6 +157,19 @@ def test_http_image_urls_are_fetched(vlm, llava_dir):
     vlm.wait_idle()
 
 
+def test_a_requests_fetched_images_weigh_together_at_most_the_body_limit(vlm):
+    """Each under --max-request-body (256 KiB here), two over it: a request's URLs cannot make the server hold
+    more than its body could have brought (999 images of 4 MiB each, by default, before)."""
+    image = random_image(5, 240, 240)  # (random pixels: a PNG of about 170 KB)
+    png = _png(image)
+    assert 128 * 1024 < len(png) < 256 * 1024
+    with image_server(png) as base:
+        assert ask(vlm, image_part(base + "/picture.png"), QUESTION).choices[0].message.content is not None
+        body = refusal(vlm, image_part(base + "/picture.png"), image_part(base + "/picture.png"), QUESTION)
+        assert "--max-request-body" in body["message"] and body["param"].endswith(".image_url.url")
+    vlm.wait_idle()
+
+
 def test_allowed_media_domains(llava_dir):
     image = random_image(2)
     config = ServerConfig(served_model_name="tiny-llava", allowed_media_domains=["127.0.0.1"])
