@@ -79,9 +79,14 @@ VISION_HEADER = """
 
 A vision-language checkpoint (its config holds a `vision_config` beside the language model's `text_config`) is
 served when its architecture is one of these and its language model is one of the families above: the language
-model is the house's own (every feature above applies to it: the fused decode step, prefix caching, chunked
-prefill, speculative decoding, tensor parallelism, LoRA), and the vision encoder and projector are transformers'
-own modules for the architecture, built without the language model and loaded with the checkpoint's vision
+model is the house's own, and its family's features apply with images (tests/engine/test_vision_features.py,
+tests/distributed/test_vision_parallel.py): the fused decode step and the decode graphs (a step that computes an
+image's positions runs unfused and eagerly: its input is embeddings), prefix caching (a block holding an image's
+positions is keyed by the image), chunked prefill, speculative decoding (a vision-language draft model drafts with
+its language model alone, never seeing the images), tensor parallelism (every rank holds the vision encoder and
+encodes the images of the step message), LoRA (on the language model: an adapter's tensors of its vision tower are
+refused). The vision encoder and projector are transformers' own modules for the architecture, built without the
+language model and loaded with the checkpoint's vision
 weights (engine/models/vision_language.py). Images come in chat requests' `image_url` parts and the offline API's
 `multi_modal_data` ([the API](api.md#images-vision-language-models)); the checkpoint's own processor
 (`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors. Some families'
