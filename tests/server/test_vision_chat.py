@@ -11,6 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -20,7 +21,7 @@ from tests.engine.qwen_vl_factories import hf_greedy as qwen_hf_greedy
 from tests.engine.qwen_vl_factories import hf_inputs, make_tiny_qwen_vl_dir, qwen_chat_text
 from tests.engine.vision_factories import chat_text, data_url, hf_greedy, make_tiny_llava_dir, random_image
 from tests.ports import free_port
-from tests.server.conftest import RunningServer, serving
+from tests.server.conftest import RunningServer, pace_engine, serving
 
 QUESTION = {"type": "text", "text": "What is in the picture?"}
 MAX_TOKENS = 8
@@ -168,6 +169,37 @@ def test_a_requests_fetched_images_weigh_together_at_most_the_body_limit(vlm):
         body = refusal(vlm, image_part(base + "/picture.png"), image_part(base + "/picture.png"), QUESTION)
         assert "--max-request-body" in body["message"] and body["param"].endswith(".image_url.url")
     vlm.wait_idle()
+
+
+def test_a_client_gone_while_its_image_is_prefilled_leaves_the_engine_empty(llava_dir, monkeypatch):
+    """Chunks of 8 tokens, each step 0.2 s: the client gives up 0.7 s in (of 1 s of prompt), while its image's
+    positions are being computed. The server aborts the request: no KV block held; it serves on, and the runner
+    has dropped the aborted request's state and its image's embeddings (at its next step)."""
+    config = ServerConfig(served_model_name="tiny-llava")
+    with serving(llava_dir, config, max_num_batched_tokens=8, max_num_seqs=4) as server:
+        pace_engine(server, monkeypatch, 0.2)
+        runner = server.engine.engine.runner
+        seen: list[str] = []  # the requests whose image rows a step computed
+        add_rows = runner._add_image_rows
+
+        def adding_rows(batch, state, *args):
+            seen.append(state.request_id)
+            return add_rows(batch, state, *args)
+
+        monkeypatch.setattr(runner, "_add_image_rows", adding_rows)
+        body = {
+            "model": server.model_name,
+            "messages": [{"role": "user", "content": [image_part(data_url(random_image(6))), QUESTION]}],
+            "max_tokens": 4,
+        }
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.7)) as http:
+                http.post("/v1/chat/completions", json=body)
+        assert seen  # its image was being computed when the client left
+        server.wait_idle()  # (no KV block held)
+        assert ask(server, image_part(data_url(random_image(6))), QUESTION).choices[0].finish_reason == "length"
+        server.wait_idle()
+        assert seen[0] not in runner.requests and all(not state.image_embeds for state in runner.requests.values())
 
 
 def test_allowed_media_domains(llava_dir):
