@@ -16,7 +16,6 @@ request before it answers anything.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 import contextlib
 import itertools
 import logging
@@ -24,6 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -252,8 +252,7 @@ class AsyncEngine:
     @property
     def media_path(self) -> Optional[Path]:
         """The folder whose files requests may name as images (--allowed-local-media-path); None: none."""
-        folder = self.engine.config.model.allowed_local_media_path
-        return None if folder is None else Path(folder)
+        return self.engine.config.model.media_path
 
     @property
     def processor(self) -> Optional[MultiModalProcessor]:

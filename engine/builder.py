@@ -272,8 +272,6 @@ def _image_processor(config: EngineConfig, checkpoint: Checkpoint, shard: Shard)
         if model_config.limit_mm_per_prompt and model_config.max_images:
             raise SettingsConflictError("--limit-mm-per-prompt applies to a vision-language model")
         return None
-    if config.parallel.pipeline_parallel_size > 1 or shard.model.stage.is_split:
-        raise SettingsConflictError("a vision-language model is served with --pipeline-parallel-size 1")
     processor = MultiModalProcessor.load(
         checkpoint.path,
         shard.vision.image_token_id,

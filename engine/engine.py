@@ -329,12 +329,16 @@ class EngineCore:
                 "multi_modal_data", f"holds images; {self.model_name!r} is served without images"
             )
         processor.check_count(len(multi_modal.images), "multi_modal_data")
+        if not multi_modal.images:
+            raise InvalidParameterError("multi_modal_data", "holds no image (give None for a prompt without images)")
         token, previous_end = processor.image_token_id, 0
         for image in multi_modal.images:
             if not image.positions or image.start < previous_end or image.end > len(prompt):
                 raise InvalidParameterError("multi_modal_data", "places an image outside its prompt, or out of order")
             if any(prompt[p] != token for p in image.positions):
-                raise InvalidParameterError("multi_modal_data", f"places an image where the prompt holds no {token}")
+                raise InvalidParameterError(
+                    "multi_modal_data", f"places an image where the prompt holds no image token (id {token})"
+                )
             rope = image.rope_positions
             if (processor.rope is None) != (rope is None) or (rope is not None and rope.shape != (image.num_embeds, 3)):
                 raise InvalidParameterError(

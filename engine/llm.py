@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel
@@ -247,7 +246,7 @@ class LLM(PoolingCalls):
             if processor is None:  # (a text model's chat_messages refused image parts)
                 encoded.append(EncodedPrompt(text, tokenizer.encode(text, add_special_tokens=False)))
                 continue
-            allowed = self._media_path()
+            allowed = self.engine.config.model.media_path
             images = [offline_image(part.kind, part.source, allowed, f"{where}.{part.kind}") for where, part in parts]
             encoded.append(EncodedPrompt(text, *processor.process(text, images, param="messages")))
         loras = self._as_lora_list(lora_request, len(encoded))
@@ -321,10 +320,6 @@ class LLM(PoolingCalls):
             raise ValueError('a prompt with multi_modal_data needs its "prompt" text (its image placeholders)')
         images = pil_images(media.get("image", []), "multi_modal_data.image")
         return EncodedPrompt(text, *processor.process(text, images, add_special_tokens=True, param="multi_modal_data"))
-
-    def _media_path(self) -> Optional[Path]:
-        folder = self.engine.config.model.allowed_local_media_path
-        return None if folder is None else Path(folder)
 
     def _run(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -179,6 +180,11 @@ class ModelConfig(BaseModel):
             if count < 0:
                 raise ValueError(f"the image limit must be at least 0, got {count}")
         return value
+
+    @property
+    def media_path(self) -> Optional[Path]:
+        """The folder whose files requests may name as images (--allowed-local-media-path); None: none."""
+        return None if self.allowed_local_media_path is None else Path(self.allowed_local_media_path)
 
     @property
     def max_images(self) -> int:

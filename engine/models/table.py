@@ -86,8 +86,7 @@ positions is keyed by the image), chunked prefill, speculative decoding (a visio
 its language model alone, never seeing the images), tensor parallelism (every rank holds the vision encoder and
 encodes the images of the step message), LoRA (on the language model: an adapter's tensors of its vision tower are
 refused). The vision encoder and projector are transformers' own modules for the architecture, built without the
-language model and loaded with the checkpoint's vision
-weights (engine/models/vision_language.py). Images come in chat requests' `image_url` parts and the offline API's
+language model and loaded with the checkpoint's vision weights (engine/models/vision_language.py). Images come in chat requests' `image_url` parts and the offline API's
 `multi_modal_data` ([the API](api.md#images-vision-language-models)); the checkpoint's own processor
 (`AutoProcessor`) turns the rendered prompt and its images into token ids and pixel tensors. Some families'
 processors need `torchvision` (and SmolVLM's `num2words`) installed beside transformers, as the table says;

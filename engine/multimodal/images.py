@@ -15,6 +15,8 @@ from engine.errors import InvalidParameterError
 
 # Pillow's own guard against decompression bombs is a warning up to twice this; refused here at once.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# The formats clients send images in; not every one Pillow opens (EPS would run Ghostscript, where installed).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO")
 
 
 def open_image(data: bytes, param: str) -> Any:
@@ -23,7 +25,7 @@ def open_image(data: bytes, param: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
         width, height = image.size
         if width * height > MAX_IMAGE_PIXELS:
             raise InvalidParameterError(
