@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import threading
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import unquote, urlparse
@@ -15,13 +16,31 @@ from engine.errors import InvalidParameterError
 
 # Pillow's own guard against decompression bombs is a warning up to twice this; refused here at once.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# A request's images together (a few KiB of PNG can decode to MAX_IMAGE_PIXELS: a body of them would otherwise hold
+# gigabytes of pixels at once).
+MAX_REQUEST_PIXELS = 2 * MAX_IMAGE_PIXELS
 # The formats clients send images in; not every one Pillow opens (EPS would run Ghostscript, where installed).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO")
 
 
-def open_image(data: bytes, param: str) -> Any:
+class PixelBudget:
+    """The pixels a request's images may still decode to, together (its images decode on several threads)."""
+
+    def __init__(self, total: int = MAX_REQUEST_PIXELS):
+        self.total = self.left = total
+        self._lock = threading.Lock()
+
+    def take(self, pixels: int, param: str) -> None:
+        with self._lock:
+            if pixels > self.left:
+                raise InvalidParameterError(param, f"takes the request's images past {self.total} pixels together")
+            self.left -= pixels
+
+
+def open_image(data: bytes, param: str, budget: Optional[PixelBudget] = None) -> Any:
     """The decoded image (a PIL image in RGB); InvalidParameterError naming `param` for bytes that are no image
-    Pillow reads, or one of more than MAX_IMAGE_PIXELS pixels."""
+    Pillow reads, one of more than MAX_IMAGE_PIXELS pixels, or one past the request's `budget` (checked from the
+    image's header, before its pixels are decoded)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -31,6 +50,8 @@ def open_image(data: bytes, param: str) -> Any:
             raise InvalidParameterError(
                 param, f"the image is {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} allowed"
             )
+        if budget is not None:
+            budget.take(width * height, param)
         image.load()
     except UnidentifiedImageError:
         raise InvalidParameterError(

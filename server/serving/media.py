@@ -3,7 +3,8 @@
 --allowed-media-domains, redirects followed only to allowed hosts; each fetch, redirects included, within
 --media-fetch-timeout; the request's fetched bodies together at most --max-request-body bytes, as if they had
 come in its body: a request of a few URLs cannot make the server hold gigabytes). All of a request's images are
-fetched at once; decoding runs off the event loop. A part that yields no image is a 400 naming it."""
+fetched at once; decoding runs off the event loop, the request's images together at most MAX_REQUEST_PIXELS pixels
+(read from each image's header before it is decoded). A part that yields no image is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from urllib.parse import urljoin, urlparse
 import httpx
 
 from engine.errors import InvalidParameterError
-from engine.multimodal.images import decode_data_url, open_image, read_local_image
+from engine.multimodal.images import PixelBudget, decode_data_url, open_image, read_local_image
 from engine.text.content_parts import ImagePart
 from server.http.errors import bad_request
 
@@ -41,12 +42,14 @@ class _Budget:
 
 async def load_images(state: "ServerState", parts: Sequence[tuple[str, ImagePart]]) -> list[Any]:
     """The PIL image (RGB) of each part, in order."""
-    budget = _Budget(state.config.max_request_body)
+    budget, pixels = _Budget(state.config.max_request_body), PixelBudget()
     async with httpx.AsyncClient(timeout=state.config.media_fetch_timeout, follow_redirects=False) as client:
-        return list(await asyncio.gather(*(_load(state, client, budget, where, part) for where, part in parts)))
+        return list(await asyncio.gather(*(_load(state, client, budget, pixels, where, part) for where, part in parts)))
 
 
-async def _load(state: "ServerState", client: httpx.AsyncClient, budget: _Budget, where: str, part: ImagePart) -> Any:
+async def _load(
+    state: "ServerState", client: httpx.AsyncClient, budget: _Budget, pixels: PixelBudget, where: str, part: ImagePart
+) -> Any:
     param = f"{where}.image_url"
     if part.kind != "image_url":
         raise bad_request(
@@ -66,7 +69,7 @@ async def _load(state: "ServerState", client: httpx.AsyncClient, budget: _Budget
             data = await _fetch(state, client, budget, url, param)
         else:
             raise InvalidParameterError(param, "must be an http(s), data: or file:// URL")
-        return await asyncio.to_thread(open_image, data, param)
+        return await asyncio.to_thread(open_image, data, param, pixels)
     except InvalidParameterError as error:
         raise bad_request(f"{error}.", param=param) from None
 
