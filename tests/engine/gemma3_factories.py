@@ -5,11 +5,12 @@ images beside it; HF's greedy reference on it, token_type_ids and all (its bidir
 from __future__ import annotations
 
 import tempfile
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
 from tests.engine.factories import make_tiny_tokenizer, tiny_config_dict
+from tests.engine.vision_factories import chat_text as vision_chat_text
+from tests.engine.vision_factories import hf_greedy, hf_vision_model  # noqa: F401 (hf_greedy: re-exported)
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 BOI_ID, IMAGE_ID, EOI_ID = 512, 513, 514  # after the tiny tokenizer's 512
@@ -99,46 +100,14 @@ def make_tiny_gemma3_dir(path: Path, *, seed: int = 0, **text_overrides: Any) ->
 def chat_text(parts: Sequence[Any]) -> str:
     """One user turn's prompt text as GEMMA3_TEMPLATE renders it (strings are text parts, anything else an image),
     with the generation prompt."""
-    body = "".join(part if isinstance(part, str) else BOI for part in parts)
-    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
-
-
-@lru_cache(maxsize=2)
-def _hf(model_dir: str) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
-
-    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(model_dir)
-
-
-def hf_greedy(model_dir: Path, text: str, images: Sequence[Any], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """HF's greedy tokens after `text` with its images (float32; the processor's token_type_ids give the prompt
-    its bidirectional image blocks), and each token's logprob."""
-    import torch
-
-    model, processor = _hf(str(model_dir))
-    inputs = processor(text=[text], images=list(images) or None, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-        )
-    prompt_len = inputs["input_ids"].shape[1]
-    tokens = out.sequences[0, prompt_len:].tolist()
-    logprobs = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, tokens)]
-    return tokens, logprobs
+    return vision_chat_text(parts, BOI)
 
 
 def hf_prompt_logprobs(model_dir: Path, text: str, images: Sequence[Any]) -> list[float]:
     """log p(prompt[i] | prompt[:i]) for i >= 1, over HF's forward of the whole prompt with its images."""
     import torch
 
-    model, processor = _hf(str(model_dir))
+    model, processor = hf_vision_model(str(model_dir))
     inputs = processor(text=[text], images=list(images) or None, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         logits = model(**inputs).logits[0].float()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tests.engine.factories import make_tiny_tokenizer, tiny_config_dict
+from tests.engine.vision_factories import hf_generate
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
 IMAGE_TOKEN_ID = 514  # the tokenizer's 512, then vision_start (512), vision_end (513), image_pad (514), video_pad
@@ -123,20 +124,4 @@ def hf_inputs(model_dir: Path, text: str, images: Sequence[Any]) -> dict[str, An
 
 def hf_greedy(model_dir: Path, text: str, images: Sequence[Any], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """HF's greedy tokens after `text` with its images (float32), and each token's logprob."""
-    import torch
-
-    model = hf_reference(str(model_dir))[0]
-    inputs = hf_inputs(model_dir, text, images)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-        )
-    prompt_len = inputs["input_ids"].shape[1]
-    tokens = out.sequences[0, prompt_len:].tolist()
-    logprobs = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, tokens)]
-    return tokens, logprobs
+    return hf_generate(hf_reference(str(model_dir))[0], hf_inputs(model_dir, text, images), max_new_tokens)

@@ -111,28 +111,34 @@ def data_url(image: Any, image_format: str = "PNG") -> str:
     return f"data:image/{image_format.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
 
 
-def chat_text(parts: Sequence[Any]) -> str:
-    """One user turn's prompt text as VISION_TEMPLATE renders it (strings are text parts, anything else an image),
-    with the generation prompt."""
-    body = "".join(part if isinstance(part, str) else IMAGE_TOKEN for part in parts)
+def chat_text(parts: Sequence[Any], placeholder: str = IMAGE_TOKEN) -> str:
+    """One user turn's ChatML prompt as VISION_TEMPLATE renders it (strings are text parts, anything else an image,
+    written as `placeholder`), with the generation prompt."""
+    body = "".join(part if isinstance(part, str) else placeholder for part in parts)
     return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
 
 
-@lru_cache(maxsize=2)
-def _hf(model_dir: str) -> tuple[Any, Any]:
+@lru_cache(maxsize=4)
+def hf_vision_model(model_dir: str) -> tuple[Any, Any]:
+    """transformers' model of a vision-language checkpoint (float32, eval) and its processor."""
     import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model, AutoProcessor.from_pretrained(model_dir)
 
 
 def hf_greedy(model_dir: Path, text: str, images: Sequence[Any], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """HF's greedy tokens after `text` with its images (float32), and each token's logprob."""
+    model, processor = hf_vision_model(str(model_dir))
+    inputs = processor(text=[text], images=list(images) or None, return_tensors="pt", add_special_tokens=False)
+    return hf_generate(model, inputs, max_new_tokens)
+
+
+def hf_generate(model: Any, inputs: Any, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """`model.generate`'s greedy tokens after `inputs` (no end of sequence), and each token's logprob."""
     import torch
 
-    model, processor = _hf(str(model_dir))
-    inputs = processor(text=[text], images=list(images) or None, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(
             **inputs,

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tests.engine.factories import make_tiny_tokenizer, tiny_config_dict
-from tests.engine.vision_factories import VOCAB_SIZE
+from tests.engine.vision_factories import VOCAB_SIZE, chat_text, hf_greedy  # noqa: F401 (hf_greedy: re-exported)
 
 PINPOINTS = [[30, 60], [60, 30], [60, 60]]  # LLaVA-NeXT's anyres grids, in 30-pixel tiles
 
@@ -283,37 +282,5 @@ FAMILY_CASES = {
 
 
 def prompt_text(parts: Sequence[Any], placeholder: str) -> str:
-    """One user turn's ChatML prompt (strings are text parts, anything else an image, written as `placeholder`),
-    with the generation prompt."""
-    body = "".join(part if isinstance(part, str) else placeholder for part in parts)
-    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
-
-
-@lru_cache(maxsize=2)
-def _hf(model_dir: str) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(model_dir)
-
-
-def hf_greedy(model_dir: Path, text: str, images: Sequence[Any], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """HF's greedy tokens after `text` with its images (float32), and each token's logprob."""
-    import torch
-
-    model, processor = _hf(str(model_dir))
-    inputs = processor(text=[text], images=list(images) or None, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-        )
-    prompt_len = inputs["input_ids"].shape[1]
-    tokens = out.sequences[0, prompt_len:].tolist()
-    logprobs = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, tokens)]
-    return tokens, logprobs
+    """One user turn's ChatML prompt, each image written as `placeholder` (vision_factories.chat_text)."""
+    return chat_text(parts, placeholder)
