@@ -17,10 +17,11 @@ sequences (with GGUF blocks, fewer than the rows from which the unfused path lea
 on weights in the model's dtype (plain or packed in column blocks) or GGUF blocks, a KV cache of the model's
 dtype or of fp8 (`--kv-cache-dtype fp8`: K/V converted as they are written and widened as they are read), and
 models with RoPE over whole heads or their first dimensions (Phi-4-mini): Llama's family and the generic
-decoder's (engine/models/decoder.py), with their norms before and/or after each branch, q/k norms per head or
+decoder's (engine/models/decoder.py), with their RMSNorms before and/or after each branch, q/k norms per head or
 over the projection (OLMo 2), SwiGLU or GeGLU (Gemma), a residual scale (Granite), sliding-window layers in KV
 groups of their own with their own RoPE (Gemma 3) and soft-capped scores (Gemma 2); anything else (attention
-sinks, latent caches, int8/int4/AWQ weights among them) takes the general path.
+sinks, latent caches, int8/int4/AWQ weights, Cohere's LayerNorms, parallel branches and layers without RoPE among
+them) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,
@@ -303,10 +304,13 @@ def _integer_rows(model, limit: int) -> int:
 
 
 def _model_fits(model, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Contiguous weights in the model's dtype or GGUF blocks, caches in that dtype (or all fp8), q/k norms per head
+    """A recipe it computes (`model.fused_recipe`: RMSNorms, branches in sequence, RoPE in every layer),
+    contiguous weights in the model's dtype or GGUF blocks, caches in that dtype (or all fp8), q/k norms per head
     or over the projection, applied wherever loaded, RoPE tables in that dtype of one width in every layer (whole
     heads, or Phi-4-mini's first rotary_dim dimensions), and causal attention with one scale and one soft-cap in
     every layer, windowed or not (the native step has no sinks, no latent cache)."""
+    if not model.fused_recipe:  # LayerNorms, parallel branches, layers without RoPE: the kernel has none of them
+        return False
     dtype = model.dtype
     rotaries = {id(r): r for r in (model.rotary_of(layer) for layer in range(len(model.layers)))}.values()
     # one rotary width for every layer's tables and for the model's own (decode_layers reads it off `model.rotary`)

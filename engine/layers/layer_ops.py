@@ -5,6 +5,8 @@ Both implement the same contract (results agree to float32 rounding):
     rms_norm(x, w, eps)               -> x / sqrt(mean(x^2) + eps) * w
     add_rms_norm(x, residual, w, eps) -> (rms_norm(residual + x), residual + x); the native one
                                          updates `residual` in place
+    layer_norm(x, w, b, eps)          -> (x - mean(x)) / sqrt(var(x) + eps) * w (+ b), in float32 (torch's
+                                         in both: no family that needs it fuses its steps)
     silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
     gelu_tanh_and_mul(gate_up)        -> gelu(gate, approximate="tanh") * up (GeGLU)
     rotary(x, angles, rope)           -> x rotated by RoPE; `angles = rotary_angles(positions, rope)`,
@@ -15,6 +17,8 @@ what that saves a decode step is measured in docs/performance.md.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,15 @@ class TorchLayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual + x
         return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
+
+    def layer_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float
+    ) -> torch.Tensor:
+        """Over x's last dimension; `weight` and `bias` broadcast over x's trailing dimensions ([width], or
+        [heads, head_dim] for a weight per head: Cohere's q/k norms). Computed in float32 and rounded once to x's
+        dtype, as Cohere's LayerNorm (and nn.LayerNorm on float32) computes it."""
+        y = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps) * weight.float()
+        return (y if bias is None else y + bias.float()).to(x.dtype)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

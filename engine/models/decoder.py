@@ -1,12 +1,16 @@
 """The generic decoder: Llama's weights and attention call, the layer recipe read from a DecoderArch.
 
-    per layer   x = norm_attn_pre(h)?                      (each norm only where the arch has it)
-                h = h + residual_scale * norm_attn_post(attention(x))?
+    per layer   x = norm_attn_pre(h)?                      (each norm only where the arch has it, RMSNorm or
+                h = h + residual_scale * norm_attn_post(attention(x))?     LayerNorm as `norm_kind` says)
                 x = norm_mlp_pre(h)?
                 h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?
-    logits      cap(lm_head(final_norm(h)) / logits_divisor)
+    parallel    x = norm_attn_pre(h)                       (`parallel_branches`: Cohere)
+                h = h + attention(x) + mlp(x)              (each scaled and post-normed as above)
+    logits      cap(lm_head(final_norm(h)) / logits_divisor * logits_scale)
 
-The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too, for each family.
+Attention rotates q and k by the layer's RoPE, or not at all where `layer_rope` names none (Cohere 2's global
+layers). The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too, for each family
+whose norms are RMSNorms, whose branches run in sequence and whose every layer has RoPE (`fused_recipe`).
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 @dataclass(slots=True)
 class DecoderLayerWeights:
     norms: dict[str, torch.Tensor]  # role (NORM_ROLES) -> [hidden]
+    norm_biases: dict[str, torch.Tensor]  # role -> [hidden]: a LayerNorm's shift, where the checkpoint stores one
     qkv: Any  # [(heads + 2 * kv_heads) * head_dim, hidden]; projections as the Linear prepared them
     qkv_bias: Optional[torch.Tensor]
-    q_norm: Optional[torch.Tensor]  # [head_dim] per head, or [heads * head_dim] over the projection
+    q_norm: Optional[torch.Tensor]  # [head_dim] per head ([heads, head_dim]: each its own), or [heads * head_dim]
     k_norm: Optional[torch.Tensor]
     o_proj: Any  # [hidden, heads * head_dim]
     o_bias: Optional[torch.Tensor]
@@ -66,7 +71,7 @@ class DecoderLayerWeights:
 
 
 class DecoderForCausalLM(LlamaForCausalLM):
-    """Gemma 2/3, Phi-3, OLMo 2, Granite: the forward pass of `DecoderArch`'s recipe."""
+    """Gemma 2/3, Phi-3, OLMo 2, Granite, Cohere: the forward pass of `DecoderArch`'s recipe."""
 
     arch: DecoderArch
     layers: list[DecoderLayerWeights]  # type: ignore[assignment]  # its own layers: norms by role
@@ -91,6 +96,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.qk_norm_projection = arch.qk_norm == "projection"
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
         self.activation = arch.activation
+        # what the fused decode step does not compute: LayerNorms, branches side by side, layers without RoPE
+        self.fused_recipe = arch.norm_kind == "rms" and not arch.parallel_branches and arch.positional_layers
+        self.final_norm_bias: Optional[torch.Tensor] = None  # [hidden]: a final LayerNorm's shift, if stored
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
@@ -105,13 +113,33 @@ class DecoderForCausalLM(LlamaForCausalLM):
             layer.q_norm is None and layer.k_norm is None for layer in self.layers
         )
 
-    def rotary_of(self, layer: int) -> RotaryEmbedding:
-        return self.rotaries[self.arch.layer_rope[layer]]
+    def rotary_of(self, layer: int) -> Optional[RotaryEmbedding]:
+        rope = self.arch.layer_rope[layer]
+        return None if rope is None else self.rotaries[rope]
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(self._folded(weights) if self.arch.norm_offset else self._plain(weights))
+        weights = self._folded(weights) if self.arch.norm_offset else self._plain(weights)
+        super().load_weights(self._rope_halves(weights) if self.arch.rope_interleaved else weights)
+
+    def _rope_halves(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Each head's rows of q and k (their projections, biases and norm weights) from the checkpoint's
+        interleaved rotary pairs (x0, x1, x2, x3, ...) to the halves the rotary turns (x0, x2, ..., x1, x3, ...);
+        dimensions past rotary_dim keep their place. q and k move alike, so every score is the same; a norm over
+        a head's dimensions does not depend on their order."""
+        head_dim = self.arch.head_dim
+        rotated = self.arch.rotary_dim or head_dim
+        order = torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2), torch.arange(rotated, head_dim)])
+        for name, tensor in weights:
+            part = name.rsplit(".", 2)
+            if len(part) == 3 and part[1] in ("q_norm", "k_norm") and name.endswith(".weight"):
+                tensor = tensor.reshape(-1, head_dim)[:, order].reshape(tensor.shape)
+            elif len(part) == 3 and part[1] in ("q_proj", "k_proj", "qkv_proj"):
+                if part[1] == "qkv_proj":  # v's rows would move too: no family fuses them and interleaves
+                    raise ValueError(f"{self.arch.architecture}: {name}: interleaved RoPE over a fused qkv_proj")
+                tensor = tensor.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)  # [rows, ...] per head
+            yield name, tensor
 
     def _plain(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """The checkpoint's tensors, refusing pre-quantized storage (AWQ groups, GGUF blocks): the Llama family's.
@@ -162,8 +190,11 @@ class DecoderForCausalLM(LlamaForCausalLM):
         qkv_parts = tuple(attn + name for name in ("q_proj", "k_proj", "v_proj"))
         gate_up_parts = (mlp + "gate_proj", mlp + "up_proj")
         prepare = self._prepare
+        layer_norms = self.arch.norm_kind == "layer"
+        norm_biases = {role: maybe(name + ".bias") for role, name in self.arch.norms} if layer_norms else {}
         return DecoderLayerWeights(
             norms={role: take(name + ".weight") for role, name in self.arch.norms},
+            norm_biases={role: bias for role, bias in norm_biases.items() if bias is not None},
             qkv=prepare(fused(attn + "qkv_proj", qkv_parts)),
             qkv_bias=biases(qkv_parts),
             q_norm=maybe(attn + "q_norm.weight"),
@@ -177,11 +208,21 @@ class DecoderForCausalLM(LlamaForCausalLM):
         )
 
     def weight_bytes(self) -> int:
+        by_role = ("norms", "norm_biases")
         fields = [
-            getattr(layer, name) for layer in self.layers for name in DecoderLayerWeights.__slots__ if name != "norms"
+            getattr(layer, name)
+            for layer in self.layers
+            for name in DecoderLayerWeights.__slots__
+            if name not in by_role
         ]
-        norms = [norm for layer in self.layers for norm in layer.norms.values()]
-        return tensor_bytes([self.embed, self.final_norm, self.lm_head, *fields, *norms])
+        norms = [norm for layer in self.layers for kind in (layer.norms, layer.norm_biases) for norm in kind.values()]
+        ends = [t for t in (self.embed, self.final_norm, self.final_norm_bias, self.lm_head) if t is not None]
+        return tensor_bytes([*ends, *fields, *norms])
+
+    def _take_ends(self, state: dict[str, Any]) -> None:
+        if self.arch.norm_kind == "layer":
+            self.final_norm_bias = state.pop("norm.bias", None)
+        super()._take_ends(state)
 
     # ------------------------------------------------------------------ forward
 
@@ -203,28 +244,36 @@ class DecoderForCausalLM(LlamaForCausalLM):
         if hidden_states is None and self._fuses(input_ids, metadata, kv_caches, backend):
             assert self.fused is not None
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
-        arch, ops, linear = self.arch, self.ops, self.linear
+        arch, ops = self.arch, self.ops
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
         h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             rope = arch.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
-            x = self._layer_attention(
+            attended = self._layer_attention(
                 layer,
                 x,
-                self.rotaries[rope],
-                angles[rope],
+                None if rope is None else self.rotaries[rope],
+                None if rope is None else angles[rope],
                 key_cache,
                 value_cache,
                 step,
                 backend,
                 self.layer_attention[index],
             )
-            h = self._add(h, self._norm(x, layer, "attn_post"))
-            x = linear(self._norm(h, layer, "mlp_pre"), layer.gate_up, layer.gate_up_bias)
-            x = self.tp.all_reduce(linear(self._activate(x), layer.down, layer.down_bias))  # (partial sums)
-            h = self._add(h, self._norm(x, layer, "mlp_post"))
+            attended = self._norm(attended, layer, "attn_post")
+            if arch.parallel_branches:  # both branches read x; added in HF's order: (h + attention) + mlp
+                h = self._add(self._add(h, attended), self._norm(self._mlp_branch(layer, x), layer, "mlp_post"))
+            else:
+                h = self._add(h, attended)
+                h = self._add(
+                    h, self._norm(self._mlp_branch(layer, self._norm(h, layer, "mlp_pre")), layer, "mlp_post")
+                )
         return h
+
+    def _mlp_branch(self, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.linear(x, layer.gate_up, layer.gate_up_bias)
+        return self.tp.all_reduce(self.linear(self._activate(gate_up), layer.down, layer.down_bias))  # (partial sums)
 
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -236,7 +285,21 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
     def _norm(self, x: torch.Tensor, layer: DecoderLayerWeights, role: str) -> torch.Tensor:
         weight = layer.norms.get(role)
-        return x if weight is None else self.ops.rms_norm(x, weight, self.arch.rms_norm_eps)
+        return x if weight is None else self._normalize(x, weight, layer.norm_biases.get(role))
+
+    def _normalize(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, width] through the arch's kind of norm (an RMSNorm's weight only; a LayerNorm's and its shift)."""
+        if self.arch.norm_kind == "layer":
+            return self.ops.layer_norm(x, weight, bias, self.arch.rms_norm_eps)
+        return self.ops.rms_norm(x, weight, self.arch.rms_norm_eps)
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, heads * head_dim] normalized over each head's dimensions: a weight shared by the heads
+        [head_dim], or each head's own [heads, head_dim] (Cohere's LayerNorms)."""
+        head_dim = self.arch.head_dim
+        if self.arch.norm_kind == "layer":
+            return self.ops.layer_norm(x.reshape(x.shape[0], -1, head_dim), weight, None, self.arch.rms_norm_eps)
+        return self.ops.rms_norm(x.reshape(-1, head_dim), weight, self.arch.rms_norm_eps)
 
     def _add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         scale = self.residual_scale
@@ -251,7 +314,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self,
         layer: DecoderLayerWeights,
         x,
-        rotary: RotaryEmbedding,
+        rotary: Optional[RotaryEmbedding],  # None: the layer has no positional embedding
         angles,
         key_cache,
         value_cache,
@@ -262,7 +325,6 @@ class DecoderForCausalLM(LlamaForCausalLM):
         arch, ops = self.arch, self.ops
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        eps = arch.rms_norm_eps
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
         q, k = qkv[:, : arch.q_size], qkv[:, arch.q_size : arch.q_size + arch.kv_size]
         if arch.qk_norm is not None:
@@ -271,10 +333,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
             if arch.qk_norm == "projection":  # over all heads at once, before they are split
                 q, k = self._projection_norm(q, q_norm), self._projection_norm(k, k_norm)
             else:  # "head": each head's
-                q = ops.rms_norm(q.reshape(-1, head_dim), q_norm, eps)
-                k = ops.rms_norm(k.reshape(-1, head_dim), k_norm, eps)
+                q, k = self._head_norm(q, q_norm), self._head_norm(k, k_norm)
         qk = torch.cat([q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)], dim=1)
-        qk = ops.rotary(qk, angles, rotary)
+        if rotary is not None:
+            qk = ops.rotary(qk, angles, rotary)
         query, key = qk[:, :heads], qk[:, heads:]
         value = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, kv_heads, head_dim)
         backend.write_kv(key, value, key_cache, value_cache, metadata)
@@ -294,6 +356,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         mean = squares / (x.shape[-1] * tp.world_size)
         return (weight * (x32 * torch.rsqrt(mean + self.arch.rms_norm_eps))).to(x.dtype)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._normalize(hidden, self.final_norm, self.final_norm_bias)
+
     @torch.inference_mode()
     def compute_logits(
         self, hidden: torch.Tensor, lm_heads: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
@@ -304,5 +369,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         if self.arch.logits_divisor != 1.0:
             logits = logits / self.arch.logits_divisor
+        if self.arch.logits_scale != 1.0:
+            logits = logits * self.arch.logits_scale
         cap = self.arch.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,10 +1,12 @@
-"""The shape and the recipe of a generic pre/post-norm decoder (Gemma 2/3, Phi-3, OLMo 2, Granite), as data.
+"""The shape and the recipe of a generic pre/post-norm decoder (Gemma 2/3, Phi-3, OLMo 2, Granite, Cohere), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
-what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch), the MLP's
-activation, q/k norms per head or over the whole projection, scalars on the embeddings, the residual
-branches and the logits, a final soft-cap, per layer its attention (window, soft-cap, scale) and RoPE, and how
-much of each head RoPE rotates.
+what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
+(RMSNorm or LayerNorm), whether the two branches run in sequence or side by side on one norm of the input
+(`x + attn(norm(x)) + mlp(norm(x))`), the MLP's activation, q/k norms per head or over the whole projection,
+scalars on the embeddings, the residual branches and the logits, a final soft-cap, per layer its attention
+(window, soft-cap, scale) and its RoPE (or none), how much of each head RoPE rotates and whether the
+checkpoint rotates its pairs interleaved.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ SANDWICH_NORMS = (
     ("mlp_pre", "pre_feedforward_layernorm"),
     ("mlp_post", "post_feedforward_layernorm"),
 )
+INPUT_NORM = (("attn_pre", "input_layernorm"),)  # one norm, read by both branches (parallel_branches: Cohere)
 POST_NORMS = (("attn_post", "post_attention_layernorm"), ("mlp_post", "post_feedforward_layernorm"))
 ACTIVATIONS = ("silu", "gelu_tanh")
+NORM_KINDS = ("rms", "layer")
+"""RMSNorm (x / rms(x) * w), or LayerNorm without a learnt shift unless the checkpoint stores one
+((x - mean) / std * w (+ b): Cohere's, in float32)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,21 +41,37 @@ class DecoderArch(LlamaArch):
     architecture: str = ""  # the HF architecture served, for messages
     norms: tuple[tuple[str, str], ...] = LLAMA_NORMS  # (role in NORM_ROLES, the checkpoint's name of that norm)
     norm_offset: bool = False  # Gemma's RMSNorm multiplies by (1 + w): folded into w at load
+    norm_kind: str = "rms"  # of every norm (the layers', the q/k norms, the final one), in NORM_KINDS; its
+    # epsilon is `rms_norm_eps` whatever the kind (Cohere's layer_norm_eps)
+    parallel_branches: bool = False  # Cohere: x + attn(n(x)) + mlp(n(x)), the MLP reading the attention's input
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
     qk_norm: Optional[str] = None  # "head": each head's q and k (Gemma 3); "projection": all of q, all of k (OLMo 2)
     embedding_scale: Optional[float] = None  # Gemma: sqrt(hidden) (rounded to the model's dtype); Granite
     embedding_scale_in_dtype: bool = False  # Gemma rounds its scale to the model's dtype first
     residual_scale: float = 1.0  # Granite: residual + branch * residual_multiplier
     logits_divisor: float = 1.0  # Granite: logits / logits_scaling
+    logits_scale: float = 1.0  # Cohere: logits * logit_scale
     final_softcap: Optional[float] = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     layer_attention: tuple[LayerAttention, ...] = ()  # one per layer
     ropes: tuple[tuple[float, Optional[dict]], ...] = ()  # (theta, scaling) of each distinct RoPE
-    layer_rope: tuple[int, ...] = ()  # per layer, its index in `ropes` (Gemma 3: local and global layers)
+    # per layer, its index in `ropes` (Gemma 3: local and global layers); None: no positional embedding at all
+    # (Cohere 2's full-attention layers)
+    layer_rope: tuple[Optional[int], ...] = ()
     rotary_dim: Optional[int] = None  # RoPE rotates each head's first rotary_dim dimensions (None: all; Phi-4-mini)
+    # the checkpoint's RoPE turns pairs (x0, x1), (x2, x3), ... of each head (Cohere), where the rotary turns
+    # (x_i, x_{i + d/2}): q and k rows are reordered at load, the same permutation for both, so scores are the same
+    rope_interleaved: bool = False
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]
-        if not set(roles) <= set(NORM_ROLES) or self.activation not in ACTIVATIONS:
-            raise ValueError(f"norm roles {roles} / activation {self.activation!r} unknown")
+        if not set(roles) <= set(NORM_ROLES) or self.activation not in ACTIVATIONS or self.norm_kind not in NORM_KINDS:
+            raise ValueError(f"norm roles {roles} / activation {self.activation!r} / norm {self.norm_kind!r} unknown")
+        if self.parallel_branches and "mlp_pre" in roles:
+            raise ValueError("parallel branches read one norm of the input (attn_pre): no mlp_pre")
         if len(self.layer_attention) != self.num_layers or len(self.layer_rope) != self.num_layers:
             raise ValueError(f"{self.num_layers} layers need as many attention and RoPE entries")
+
+    @property
+    def positional_layers(self) -> bool:
+        """Whether every layer rotates its queries and keys (some families leave layers without RoPE)."""
+        return all(rope is not None for rope in self.layer_rope)

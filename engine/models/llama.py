@@ -169,6 +169,9 @@ class LlamaForCausalLM:
     """Whether the q and k norms normalize all of q and all of k (OLMo 2), not each head (Qwen3)."""
     activation = "silu"
     """The gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)."""
+    fused_recipe = True
+    """Whether the fused decode step computes this model's layer recipe (not the generic decoder's LayerNorms,
+    branches side by side, or layers without RoPE: Cohere's)."""
 
     @property
     def qk_norms_as_loaded(self) -> bool:
@@ -176,8 +179,8 @@ class LlamaForCausalLM:
         decode step does)."""
         return True
 
-    def rotary_of(self, layer: int) -> RotaryEmbedding:
-        """The RoPE of layer `layer` (of this stage's)."""
+    def rotary_of(self, layer: int) -> Optional[RotaryEmbedding]:
+        """The RoPE of layer `layer` (of this stage's); None: the layer has no positional embedding."""
         return self.rotary
 
     # ------------------------------------------------------------------ weights

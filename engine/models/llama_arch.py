@@ -70,8 +70,9 @@ class LlamaArch:
         )
 
 
-def shared_fields(config: Any, rope: tuple[float, Optional[dict]]) -> dict[str, Any]:
-    """The fields every decoder family reads the same way from its HF config (all but its sliding window)."""
+def shared_fields(config: Any, rope: tuple[float, Optional[dict]], norm_eps: Optional[float] = None) -> dict[str, Any]:
+    """The fields every decoder family reads the same way from its HF config (all but its sliding window);
+    `norm_eps`: the norms' epsilon where the config names it otherwise than rms_norm_eps (Cohere's layer_norm_eps)."""
     shape = AttentionShape.from_hf_config(config)  # what the attention backend was chosen for
     return dict(
         model_type=config.model_type,
@@ -82,7 +83,7 @@ def shared_fields(config: Any, rope: tuple[float, Optional[dict]]) -> dict[str, 
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
+        rms_norm_eps=config.rms_norm_eps if norm_eps is None else norm_eps,
         rope_theta=rope[0],
         rope_scaling=rope[1],
         max_position_embeddings=config.max_position_embeddings,
