@@ -13,7 +13,7 @@ from engine.attention.attention_shape import AttentionShape
 from engine.attention.layer_attention import LayerAttention
 from engine.layers.rotary import check_longrope_factors, check_rope_scaling
 from engine.loading.rope_settings import rope_settings
-from engine.models.decoder_arch import LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
+from engine.models.decoder_arch import INPUT_NORM, LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
 from engine.models.llama_arch import shared_fields
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -107,12 +107,41 @@ def granite_arch(config: Any) -> DecoderArch:
     )
 
 
+def cohere_arch(config: Any) -> DecoderArch:
+    """Command-R / Command-R+: one LayerNorm (no shift) of each layer's input, read by the attention and the MLP
+    side by side, per-head LayerNorms of q and k with a weight per head (use_qk_norm), RoPE over interleaved pairs,
+    logits times logit_scale, norms' epsilon layer_norm_eps."""
+    return _arch(
+        config,
+        rope_settings(config),
+        **_cohere_recipe(config),
+        qk_norm="head" if getattr(config, "use_qk_norm", False) else None,
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+    )
+
+
+def cohere2_arch(config: Any) -> DecoderArch:
+    """Command-R7B / Command-A: Cohere's layer (no q/k norms) with sliding-window layers by `layer_types` (or
+    `sliding_window_pattern`: every n-th layer full); only the sliding layers rotate by RoPE, the full-attention
+    layers have no positional embedding (as HF: a layer rotates when it has a window)."""
+    attention = _layer_attention(config, _head_scale(config), None)
+    return _arch(
+        config,
+        rope_settings(config),
+        **_cohere_recipe(config),
+        layer_attention=attention,
+        layer_rope=tuple(None if layer.sliding_window is None else 0 for layer in attention),
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
     "Phi3ForCausalLM": phi3_arch,
     "Olmo2ForCausalLM": olmo2_arch,
     "GraniteForCausalLM": granite_arch,
+    "CohereForCausalLM": cohere_arch,
+    "Cohere2ForCausalLM": cohere2_arch,
 }
 
 
@@ -123,7 +152,8 @@ def _arch(
     layer_attention: tuple[LayerAttention, ...],
     norms=LLAMA_NORMS,
     ropes: Optional[tuple] = None,
-    layer_rope: Optional[tuple[int, ...]] = None,
+    layer_rope: Optional[tuple[Optional[int], ...]] = None,
+    norm_eps: Optional[float] = None,
     **recipe,
 ) -> DecoderArch:
     ropes = ropes or (rope,)
@@ -132,7 +162,7 @@ def _arch(
         check_rope_scaling(scaling)
         check_longrope_factors(scaling, rotary_dim)
     return DecoderArch(
-        **shared_fields(config, rope),
+        **shared_fields(config, rope, norm_eps),
         sliding_window=None,
         architecture=_name(config),
         norms=norms,
@@ -140,6 +170,22 @@ def _arch(
         ropes=ropes,
         layer_rope=layer_rope or (0,) * config.num_hidden_layers,
         **recipe,
+    )
+
+
+def _cohere_recipe(config: Any) -> dict[str, Any]:
+    """What Cohere and Cohere 2 share: LayerNorms, parallel branches, interleaved RoPE, logit_scale."""
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:  # (HF's forward multiplies by it: None serves nothing)
+        raise ValueError(f"{_name(config)}: logit_scale must be set")
+    return dict(
+        norms=INPUT_NORM,
+        norm_kind="layer",
+        norm_eps=float(config.layer_norm_eps),
+        parallel_branches=True,
+        activation=_silu(config),
+        logits_scale=float(scale),
+        rope_interleaved=True,
     )
 
 

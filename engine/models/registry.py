@@ -177,6 +177,27 @@ FAMILIES = (
             "the multi-token-prediction layer not read",
         ),
     ),
+    ModelFamily(
+        "CohereForCausalLM",
+        ("cohere",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "LayerNorm without bias",
+            "attention and MLP in parallel on one norm",
+            "logit_scale",
+            "per-head q/k LayerNorm (use_qk_norm)",
+            "RoPE on interleaved pairs (q/k rows reordered at load)",
+            "decode steps unfused",
+        ),
+    ),
+    ModelFamily(
+        "Cohere2ForCausalLM",
+        ("cohere2",),
+        "decoder",
+        HF_FORMATS,
+        ("as Cohere", "sliding-window layers by layer_types / sliding_window_pattern", "global layers without RoPE"),
+    ),
 )
 
 
@@ -201,7 +222,7 @@ def family_of(hf_config: Any) -> ModelFamily:
 
 TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe")
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's (Gemma 2/3,
-Phi-3, OLMo 2, Granite) and the mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+Phi-3, OLMo 2, Granite, Cohere) and the mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:

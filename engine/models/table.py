@@ -13,7 +13,7 @@ from engine.models.vision_language import VISION_LANGUAGE_FAMILIES
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 IMPLEMENTATIONS = {
     "llama": "`LlamaForCausalLM` (engine/models/llama.py; the fused CPU decode step)",
-    "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; the fused CPU decode step)",
+    "decoder": "`DecoderForCausalLM` (engine/models/decoder.py; the fused CPU decode step where its recipe allows)",
     "moe": "`MoeForCausalLM` (engine/models/moe.py; experts grouped, one product each, unfused)",
     "gpt_oss": "`GptOssForCausalLM` (engine/models/gpt_oss.py; experts grouped, one product each, unfused)",
     "deepseek": "`DeepseekForCausalLM` (engine/models/deepseek.py; latent attention, experts grouped, unfused)",
@@ -59,7 +59,7 @@ models](api.md#pooling-models-embeddings-classification-scoring)), checked again
 `AutoModelForSequenceClassification` (tests/engine/test_pooling.py, tests/engine/test_classification.py).
 
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
-Qwen2/3, Gemma 2/3, Phi-3/4, OLMo 2, Granite); mixture-of-experts models refuse them at start-up.
+Qwen2/3, Gemma 2/3, Phi-3/4, OLMo 2, Granite, Cohere, Cohere 2); mixture-of-experts models refuse them at start-up.
 
 GPT-OSS's MXFP4 checkpoints (OpenAI's releases: config.json `quantization_config: {quant_method: mxfp4}`, the
 experts' `gate_up_proj` and `down_proj` stored as `*_blocks`/`*_scales`) are dequantized to the model's dtype as

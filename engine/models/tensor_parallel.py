@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Llama family, the generic decoder (Gemma 2/3, Phi-3, OLMo 2, Granite) and the
+"""Tensor parallelism for the Llama family, the generic decoder (Gemma 2/3, Phi-3, OLMo 2, Granite, Cohere) and the
 mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE): each rank's share of the heads and of the
 MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
@@ -9,7 +9,8 @@ MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and r
     embed, lm_head   vocab-parallel: rank r keeps its slice of the vocabulary's rows, zero-padded to
                      ceil(vocab / ranks) rows (engine/layers/vocab_parallel.py); tied, one slice serves both
     norms            replicated (Gemma's post-norms act on all-reduced outputs); OLMo 2's q/k norms over the whole
-                     projection are cut like q and k, their mean square all-reduced (models/decoder.py)
+                     projection are cut like q and k, their mean square all-reduced (models/decoder.py); Cohere's
+                     q/k norms, a weight per head [heads, head_dim], cut by this rank's heads
     qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
     experts          each expert (and Qwen2-MoE's shared expert) cut like an MLP: its share of the expert's
                      intermediate width; the router and the shared expert's gate replicated (every rank routes
@@ -174,6 +175,12 @@ def shard_weights(
         elif part.startswith(_FUSED_GATE_UP):  # Phi-3's [gate; up]
             gate, up = _split_rows(tensor, (arch.intermediate_size, arch.intermediate_size))
             yield name, _cat_rows([_rows(gate, rank, ranks), _rows(up, rank, ranks)])
+        elif part in _QK_NORMS and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
+            # Cohere: a weight per head [heads, head_dim]: those of this rank's heads
+            if part.startswith("self_attn.q"):
+                yield name, _rows(tensor, rank, ranks)
+            else:
+                yield name, _take_rows(tensor, first_kv_head, first_kv_head + kv_rank_heads)
         elif part in _QK_NORMS and _rows_of(tensor) != head_dim:  # OLMo 2: over the whole projection
             if part.startswith("self_attn.q"):
                 yield name, _rows(tensor, rank, ranks)

@@ -1,7 +1,8 @@
 """The generic decoder's families split over two gloo ranks compute what the whole model computes: Gemma 2 and 3
 (sandwich norms on all-reduced outputs, soft-caps, per-head q/k norms, sliding windows), Phi-3 (fused qkv_proj and
 gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
-all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), and the mixtures of experts
+all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), Cohere (a q/k norm weight per
+head, cut by heads; attention and MLP side by side) and Cohere 2 (layers without RoPE), and the mixtures of experts
 Mixtral (its experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between) and
 Qwen3-MoE (each expert cut like an MLP). Every family's logits of a
 prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then one family
@@ -32,6 +33,9 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "olmo2": ("olmo2", {}),
     "olmo2-kv1": ("olmo2", {"num_key_value_heads": 1}),
     "granite": ("granite", {}),
+    "cohere": ("cohere", {}),  # q/k norms of a weight per head, cut by heads; biases; parallel branches
+    "cohere-kv1": ("cohere", {"num_key_value_heads": 1}),  # its one KV head's norm replicated on both ranks
+    "cohere2": ("cohere2", {}),
     **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
 }
 

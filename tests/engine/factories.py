@@ -113,8 +113,32 @@ DENSE_FAMILIES = {
         "logits_scaling": 2.0,
         "pad_token_id": 0,
     },
+    "cohere": {
+        "architectures": ["CohereForCausalLM"],
+        "model_type": "cohere",
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "logit_scale": 0.5,
+        "layer_norm_eps": 1e-3,  # not the preset's rms_norm_eps, which the config also carries: the wrong one shows
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+    },
+    "cohere2": {
+        "architectures": ["Cohere2ForCausalLM"],
+        "model_type": "cohere2",
+        "num_hidden_layers": 4,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,  # sliding, full, sliding, full: the config turns it into layer_types
+        "logit_scale": 0.5,
+        "layer_norm_eps": 1e-3,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+    },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
+RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2")
+"""Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros, under
+which a norm or bias read in the wrong place (Cohere's q/k rows reordered for its interleaved RoPE) goes unseen."""
 _ROTARY_SHORT_FACTORS = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]  # per rotary pair of 12 rotated dimensions
 _ARCHITECTURES["phi4mini"] = {
     # Phi-4-mini's shape: RoPE over the first 0.75 of each 16-wide head (12 dimensions), LongRoPE past an original
@@ -160,6 +184,8 @@ def make_tiny_model_dir(
     config = AutoConfig.for_model(**config_dict)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in RANDOM_NORMS_AND_BIASES:
+        _randomize_norms_and_biases(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     GenerationConfig(
@@ -167,6 +193,15 @@ def make_tiny_model_dir(
     ).save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def _randomize_norms_and_biases(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
 
 
 def make_tiny_tokenizer():

@@ -1,5 +1,6 @@
-"""Gemma 2, Gemma 3 (text), Phi-3, OLMo 2 and Granite against HF transformers on tiny random checkpoints made here
-(tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and caps off their defaults),
+"""Gemma 2, Gemma 3 (text), Phi-3, OLMo 2, Granite, Cohere and Cohere 2 against HF transformers on tiny random
+checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and caps
+off their defaults; Cohere's norms and biases random),
 in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends,
 under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
 
@@ -13,6 +14,7 @@ from transformers import AutoConfig
 
 from engine import SamplingParams
 from engine import platform as engine_platform
+from engine.layers.fused_decode import _model_fits
 from engine.models import build_model
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
 from tests.engine.references import assert_idle, check_against_hf, hf_prompt_logprobs, make_llm
@@ -33,6 +35,8 @@ def test_batch_and_alone(model_dir, backend):
         assert runner.backend.name == backend and (runner.model.fused is not None) == (
             backend == "cpu" and runner.backend.kernels.f32_column_blocks
         )
+        if runner.model.fused is not None:  # declined where the native step lacks the recipe (Cohere's)
+            assert _model_fits(runner.model, runner.kv_cache.layers) == runner.model.fused_recipe
         check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
         check_against_hf(model_dir, prompts[6:7], run_greedy(llm, prompts[6:7]))  # 60 tokens, alone
 
@@ -137,6 +141,13 @@ def config_of(family: str, **overrides):
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
             r"RoPE scaling 'dynamic' is not supported \(supported: default, linear, llama3, yarn, longrope\)",
         ),
+        ("cohere", {"hidden_act": "gelu"}, r"CohereForCausalLM: hidden_act 'gelu' is not supported \(supported: silu"),
+        ("cohere", {"logit_scale": None}, "CohereForCausalLM: logit_scale must be set"),
+        (
+            "cohere2",
+            {"layer_types": ["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]},
+            r"layer types \['chunked_attention'\] are not supported",
+        ),
     ],
 )
 def test_unsupported_config_fields_are_refused(family, overrides, message):
@@ -156,3 +167,12 @@ def test_unservable_partial_rotary_longrope_factors_and_multimodal_gemma_are_ref
     gemma3.architectures, gemma3.model_type = ["Gemma3ForConditionalGeneration"], "gemma3"
     with pytest.raises(ValueError, match=r"not supported; supported: .*Gemma3ForCausalLM"):
         build_model(gemma3, torch.float32, torch.device("cpu"))
+
+
+def test_cohere2_rotates_only_its_sliding_layers():
+    """Cohere 2's global layers have no positional embedding; a layer rotates when it has a window, as in HF (with
+    no window at all, none does)."""
+    arch = build_model(config_of("cohere2"), torch.float32, torch.device("cpu")).arch
+    assert arch.layer_rope == (0, None, 0, None) and [a.sliding_window for a in arch.layer_attention] == [8, None] * 2
+    arch = build_model(config_of("cohere2", sliding_window=None), torch.float32, torch.device("cpu")).arch
+    assert arch.layer_rope == (None,) * 4 and not arch.positional_layers

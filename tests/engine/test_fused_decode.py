@@ -227,6 +227,22 @@ def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
     assert model.fused is not None and _model_fits(model, runner.kv_cache.layers)
 
 
+@pytest.mark.parametrize("family", ["cohere", "cohere2"])
+def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
+    """Cohere's LayerNorms and attention beside the MLP, Cohere 2's layers without RoPE: the native step computes
+    none of them, so the model says so (`fused_recipe`) and its bf16 decode steps take the general path (their
+    equality with HF: tests/engine/test_dense_families.py)."""
+    model_dir = make_tiny_model_dir(tmp_path / family, family)
+    with make_llm(model_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False) as llm:
+        runner = llm.engine.runner
+        model = runner.model
+        assert model.fused is not None and not model.fused_recipe
+        assert not _model_fits(model, runner.kv_cache.layers)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        (result,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
+        assert len(result.outputs[0].token_ids) == 8 and model.fused._model_ok is False  # decided, and declined
+
+
 def test_fused_decode_refuses_rope_tables_of_two_widths(tiny_gemma3_dir):
     """The kernel takes one rotary width for every layer's tables: a model whose layers rotate different widths
     (none is made so; a guard for one that would be) keeps the general path."""
