@@ -104,7 +104,7 @@ section ([the engine](architecture.md#the-engine)). Gemma 3's language model att
 image's tokens during the prompt: each such image is computed in one step (a prompt chunk never ends inside it, a
 prefix-cache hit never ends inside it, an image longer than `--max-num-batched-tokens` is refused), and the step's
 attention takes the image's rows as a block ([architecture](architecture.md)). Not served: PaliGemma (a prefix-LM
-mask over the whole prompt) and Aya Vision (its Cohere 2 language model is not a family here).
+mask over the whole prompt).
 """
 
 

@@ -169,6 +169,18 @@ VISION_LANGUAGE_FAMILIES = (
         ),
         mrope=True,
     ),
+    VisionLanguageFamily(
+        "AyaVisionForConditionalGeneration",
+        "transformers.models.aya_vision.modeling_aya_vision.AyaVisionModel",
+        "language_model",
+        ("vision_tower", "multi_modal_projector"),
+        (
+            "Aya Vision: the SigLIP tower on an image's tiles (crop_to_patches) and the global image, pixel shuffle "
+            "(downsample_factor) and the SwiGLU projector, transformers' modules; its image processor (GotOcr2's) "
+            "runs on PIL without torchvision",
+            "the language model as its family (Cohere 2: logit_scale, RoPE-less global layers)",
+        ),
+    ),
 )
 
 

@@ -1,5 +1,5 @@
-"""The vision-language families beyond LLaVA (Mistral 3, LLaVA-NeXT, LLaVA-OneVision, InternVL, Idefics3, SmolVLM)
-against HF transformers on the same tiny random checkpoint, float32 greedy: tokens identical, logprobs within 1e-4,
+"""The vision-language families beyond LLaVA (Mistral 3, LLaVA-NeXT, LLaVA-OneVision, InternVL, Idefics3, SmolVLM,
+Aya Vision) against HF transformers on the same tiny random checkpoint, float32 greedy: tokens identical, logprobs within 1e-4,
 with one image, two images of different sizes, and a prompt chunked inside its images; each image's placeholder
 positions as HF's model fills them, and its prefix-cache key its own whichever images share its prompt. A family
 whose processor needs a package not installed here (torchvision, num2words) is skipped, naming it."""

@@ -1,5 +1,5 @@
 """Tiny random checkpoints of the vision-language families beyond LLaVA (Mistral 3, LLaVA-NeXT, LLaVA-OneVision,
-InternVL, Idefics3, SmolVLM), saved as transformers 5 saves them, each with its own processor (tiny image and tile
+InternVL, Idefics3, SmolVLM, Aya Vision), saved as transformers 5 saves them, each with its own processor (tiny image and tile
 sizes: a few to a few dozen image tokens per image), and HF's greedy reference on the same checkpoint."""
 
 from __future__ import annotations
@@ -268,6 +268,46 @@ def make_tiny_smolvlm_dir(path: Path) -> Path:
     return _make_idefics_dir(path, smol=True)
 
 
+def make_tiny_aya_vision_dir(path: Path) -> Path:
+    """Aya Vision: a 2-layer SigLIP tower on 16-pixel tiles (16 patches, pixel-shuffled 2x2 to 4 tokens), the SwiGLU
+    projector, up to 4 tiles and the global image per image (GotOcr2's tiling), each between <|START_OF_IMG|> and
+    <|END_OF_IMG|>, a tiny Cohere 2 (sliding and RoPE-less global layers, logit_scale)."""
+    from transformers import (
+        AyaVisionConfig,
+        AyaVisionForConditionalGeneration,
+        AyaVisionProcessor,
+        GotOcr2ImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    tokenizer = _tokenizer(["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"])
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+        vision_use_head=False,  # (Aya Vision's: the tower's last hidden states, no pooling head)
+    )
+    config = AyaVisionConfig(
+        vision_config=vision,
+        text_config=_text_config("cohere2"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<|IMG_PATCH|>"),
+        downsample_factor=2,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        tie_word_embeddings=True,
+    )
+    image_processor = GotOcr2ImageProcessor(
+        size={"height": 16, "width": 16}, crop_to_patches=True, min_patches=1, max_patches=4
+    )
+    processor = AyaVisionProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=4, img_size=16, downsample_factor=2
+    )
+    return _save(path, AyaVisionForConditionalGeneration, config, processor, ("vision_tower", "multi_modal_projector"))
+
+
 FAMILY_CASES = {
     case.name: case
     for case in (
@@ -277,6 +317,7 @@ FAMILY_CASES = {
         VisionFamilyCase("internvl", make_tiny_internvl_dir, "<IMG_CONTEXT>", ("torchvision",)),
         VisionFamilyCase("idefics3", make_tiny_idefics3_dir, "<image>"),
         VisionFamilyCase("smolvlm", make_tiny_smolvlm_dir, "<image>", ("torchvision", "num2words")),
+        VisionFamilyCase("aya_vision", make_tiny_aya_vision_dir, "<image>"),  # (GotOcr2's PIL image processor)
     )
 }
 
