@@ -37,7 +37,7 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 @dataclass(slots=True)
 class DecoderLayerWeights:
     norms: dict[str, torch.Tensor]  # role (NORM_ROLES) -> [hidden]
-    norm_biases: dict[str, torch.Tensor]  # role -> [hidden]: a LayerNorm's shift, where the checkpoint stores one
+    norm_biases: dict[str, torch.Tensor]  # role -> [hidden]: a LayerNorm's shift (DecoderArch.norm_bias)
     qkv: Any  # [(heads + 2 * kv_heads) * head_dim, hidden]; projections as the Linear prepared them
     qkv_bias: Optional[torch.Tensor]
     q_norm: Optional[torch.Tensor]  # [head_dim] per head ([heads, head_dim]: each its own), or [heads * head_dim]
@@ -98,7 +98,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.activation = arch.activation
         # what the fused decode step does not compute: LayerNorms, branches side by side, layers without RoPE
         self.fused_recipe = arch.norm_kind == "rms" and not arch.parallel_branches and arch.positional_layers
-        self.final_norm_bias: Optional[torch.Tensor] = None  # [hidden]: a final LayerNorm's shift, if stored
+        self.final_norm_bias: Optional[torch.Tensor] = None  # [hidden]: the final LayerNorm's shift (norm_bias)
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
@@ -190,11 +190,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
         qkv_parts = tuple(attn + name for name in ("q_proj", "k_proj", "v_proj"))
         gate_up_parts = (mlp + "gate_proj", mlp + "up_proj")
         prepare = self._prepare
-        layer_norms = self.arch.norm_kind == "layer"
-        norm_biases = {role: maybe(name + ".bias") for role, name in self.arch.norms} if layer_norms else {}
+        norms = self.arch.norms
         return DecoderLayerWeights(
-            norms={role: take(name + ".weight") for role, name in self.arch.norms},
-            norm_biases={role: bias for role, bias in norm_biases.items() if bias is not None},
+            norms={role: take(name + ".weight") for role, name in norms},
+            norm_biases={role: take(name + ".bias") for role, name in norms} if self.arch.norm_bias else {},
             qkv=prepare(fused(attn + "qkv_proj", qkv_parts)),
             qkv_bias=biases(qkv_parts),
             q_norm=maybe(attn + "q_norm.weight"),
@@ -220,8 +219,11 @@ class DecoderForCausalLM(LlamaForCausalLM):
         return tensor_bytes([*ends, *fields, *norms])
 
     def _take_ends(self, state: dict[str, Any]) -> None:
-        if self.arch.norm_kind == "layer":
-            self.final_norm_bias = state.pop("norm.bias", None)
+        # (without norm_bias a stored norm.bias stays unused, and load_weights refuses it by name)
+        if self.arch.norm_bias:
+            if "norm.bias" not in state:
+                raise ValueError("checkpoint lacks norm.bias")
+            self.final_norm_bias = state.pop("norm.bias")
         super()._take_ends(state)
 
     # ------------------------------------------------------------------ forward

@@ -30,8 +30,7 @@ INPUT_NORM = (("attn_pre", "input_layernorm"),)  # one norm, read by both branch
 POST_NORMS = (("attn_post", "post_attention_layernorm"), ("mlp_post", "post_feedforward_layernorm"))
 ACTIVATIONS = ("silu", "gelu_tanh")
 NORM_KINDS = ("rms", "layer")
-"""RMSNorm (x / rms(x) * w), or LayerNorm without a learnt shift unless the checkpoint stores one
-((x - mean) / std * w (+ b): Cohere's, in float32)."""
+"""RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: Cohere's has no b)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +42,7 @@ class DecoderArch(LlamaArch):
     norm_offset: bool = False  # Gemma's RMSNorm multiplies by (1 + w): folded into w at load
     norm_kind: str = "rms"  # of every norm (the layers', the q/k norms, the final one), in NORM_KINDS; its
     # epsilon is `rms_norm_eps` whatever the kind (Cohere's layer_norm_eps)
+    norm_bias: bool = False  # the LayerNorms (the layers' and the final one) have a shift: each norm's `.bias`
     parallel_branches: bool = False  # Cohere: x + attn(n(x)) + mlp(n(x)), the MLP reading the attention's input
     activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
     qk_norm: Optional[str] = None  # "head": each head's q and k (Gemma 3); "projection": all of q, all of k (OLMo 2)
@@ -66,6 +66,10 @@ class DecoderArch(LlamaArch):
         roles = [role for role, _ in self.norms]
         if not set(roles) <= set(NORM_ROLES) or self.activation not in ACTIVATIONS or self.norm_kind not in NORM_KINDS:
             raise ValueError(f"norm roles {roles} / activation {self.activation!r} / norm {self.norm_kind!r} unknown")
+        if self.norm_bias and self.norm_kind != "layer":
+            raise ValueError("a norm's shift (norm_bias) is a LayerNorm's")
+        if self.qk_norm == "projection" and self.norm_kind != "rms":
+            raise ValueError("q/k norms over the whole projection are RMSNorms (OLMo 2's)")
         if self.parallel_branches and "mlp_pre" in roles:
             raise ValueError("parallel branches read one norm of the input (attn_pre): no mlp_pre")
         if len(self.layer_attention) != self.num_layers or len(self.layer_rope) != self.num_layers:

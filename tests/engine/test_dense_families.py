@@ -6,6 +6,7 @@ under chunked prefill with preemption, with prefix-cache hits, and prompt logpro
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import pytest
@@ -17,7 +18,7 @@ from engine import platform as engine_platform
 from engine.layers.fused_decode import _model_fits
 from engine.models import build_model
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
-from tests.engine.references import assert_idle, check_against_hf, hf_prompt_logprobs, make_llm
+from tests.engine.references import assert_idle, check_against_hf, hf_greedy_of, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
 
 
@@ -176,3 +177,40 @@ def test_cohere2_rotates_only_its_sliding_layers():
     assert arch.layer_rope == (0, None, 0, None) and [a.sliding_window for a in arch.layer_attention] == [8, None] * 2
     arch = build_model(config_of("cohere2", sliding_window=None), torch.float32, torch.device("cpu")).arch
     assert arch.layer_rope == (None,) * 4 and not arch.positional_layers
+
+
+def test_layernorm_shifts_where_the_arch_has_them(tmp_path, monkeypatch):
+    """DecoderArch.norm_bias (nn.LayerNorm's shift; no family here has it yet): Cohere's layer with a shift on each
+    LayerNorm, read from each norm's `.bias`, gives HF's Cohere whose LayerNorms add those shifts; without it the
+    same checkpoint is refused (its shifts would go unused)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    import engine.models.families as families
+
+    model_dir = make_tiny_model_dir(tmp_path / "cohere", "cohere")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    for name, module in hf.named_modules():
+        if isinstance(module, CohereLayerNorm) and module.weight.dim() == 1:  # the layers' and the final one
+            shift = torch.randn(module.weight.shape, generator=generator) * 0.2
+            module.forward = lambda x, norm=module, shift=shift: CohereLayerNorm.forward(norm, x) + shift
+            state[name + ".bias"] = shift
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match="3 checkpoint tensors were not used by the model: layers.0.input_layernorm.bias"
+    ):
+        make_llm(model_dir)
+    cohere = families.ARCH_READERS["CohereForCausalLM"]
+    monkeypatch.setitem(
+        families.ARCH_READERS, "CohereForCausalLM", lambda config: dataclasses.replace(cohere(config), norm_bias=True)
+    )
+    prompts = mixed_prompts()[4:7]
+    with make_llm(model_dir) as llm:
+        results = run_greedy(llm, prompts)
+    for prompt, result in zip(prompts, results):
+        tokens, logprobs = hf_greedy_of(hf, prompt, NEW_TOKENS)
+        assert result.outputs[0].token_ids == tokens
+        assert [lp.logprob for lp in result.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
