@@ -120,6 +120,21 @@ def cohere_arch(config: Any) -> DecoderArch:
     )
 
 
+def gemma_arch(config: Any) -> DecoderArch:
+    """Gemma (1): Llama's layer with RMSNorms of (1 + w), GeGLU (HF reads `hidden_act` here, not
+    `hidden_activation`) and the embeddings times sqrt(hidden), rounded to the model's dtype."""
+    _refuse_bidirectional(config)
+    return _arch(
+        config,
+        rope_settings(config),
+        norm_offset=True,
+        activation=_gelu_tanh(config, "hidden_act"),
+        embedding_scale=config.hidden_size**0.5,
+        embedding_scale_in_dtype=True,
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+    )
+
+
 def cohere2_arch(config: Any) -> DecoderArch:
     """Command-R7B / Command-A: Cohere's layer (no q/k norms) with sliding-window layers by `layer_types` (or
     `sliding_window_pattern`: every n-th layer full); only the sliding layers rotate by RoPE, the full-attention
@@ -142,6 +157,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "GraniteForCausalLM": granite_arch,
     "CohereForCausalLM": cohere_arch,
     "Cohere2ForCausalLM": cohere2_arch,
+    "GemmaForCausalLM": gemma_arch,
 }
 
 
@@ -250,12 +266,11 @@ def _activation(config: Any) -> str:
     return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
 
 
-def _gelu_tanh(config: Any) -> str:
-    act = _activation(config)
+def _gelu_tanh(config: Any, field: str = "hidden_activation") -> str:
+    """GELU(tanh), as the family's `field` (Gemma 2/3's hidden_activation, else hidden_act) names it."""
+    act = _activation(config) if field == "hidden_activation" else str(getattr(config, field))
     if act not in GELU_TANH:
-        raise ValueError(
-            f"{_name(config)}: hidden_activation {act!r} is not supported (supported: {', '.join(GELU_TANH)})"
-        )
+        raise ValueError(f"{_name(config)}: {field} {act!r} is not supported (supported: {', '.join(GELU_TANH)})")
     return "gelu_tanh"
 
 

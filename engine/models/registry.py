@@ -113,6 +113,13 @@ FAMILIES = (
         ("embedding/residual/attention multipliers", "logits_scaling"),
     ),
     ModelFamily(
+        "GemmaForCausalLM",
+        ("gemma",),
+        "decoder",
+        HF_FORMATS,
+        ("as Llama", "RMSNorm (1 + w)", "GeGLU (tanh)", "embeddings x sqrt(hidden)"),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

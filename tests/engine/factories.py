@@ -157,6 +157,22 @@ _ARCHITECTURES["phi4mini"] = {
     },
 }
 
+# More dense families, appended here (and served by the generic decoder): each as its HF release has it, with
+# what it adds set off its default
+DENSE_FAMILIES.update(
+    {
+        "gemma": {
+            "architectures": ["GemmaForCausalLM"],
+            "model_type": "gemma",
+            "head_dim": 16,
+            "hidden_act": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
+    }
+)
+_ARCHITECTURES.update(DENSE_FAMILIES)
+
 
 def tiny_config_dict(arch: str = "llama", **overrides) -> dict:
     """The HF config of the tiny test model: configs/tiny.yaml's `tiny_model`, the arch, overrides."""

@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 (text), Phi-3, OLMo 2, Granite, Cohere and Cohere 2 against HF transformers on tiny random
+"""Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere and Cohere 2 against HF transformers on tiny random
 checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and caps
 off their defaults; Cohere's norms and biases random),
 in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends,
@@ -137,6 +137,8 @@ def config_of(family: str, **overrides):
             r"hidden_activation 'gelu' is not supported \(supported: gelu_pytorch",
         ),
         ("granite", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+        ("gemma", {"hidden_act": "relu"}, r"hidden_act 'relu' is not supported \(supported: gelu_pytorch"),
+        ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
         (
             "olmo2",
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
