@@ -28,6 +28,12 @@ SANDWICH_NORMS = (
 )
 INPUT_NORM = (("attn_pre", "input_layernorm"),)  # one norm, read by both branches (parallel_branches: Cohere)
 POST_NORMS = (("attn_post", "post_attention_layernorm"), ("mlp_post", "post_feedforward_layernorm"))
+GLM4_NORMS = (  # GLM-4-0414's sandwich, by its own names
+    ("attn_pre", "input_layernorm"),
+    ("attn_post", "post_self_attn_layernorm"),
+    ("mlp_pre", "post_attention_layernorm"),
+    ("mlp_post", "post_mlp_layernorm"),
+)
 ACTIVATIONS = ("silu", "gelu_tanh")
 NORM_KINDS = ("rms", "layer")
 """RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: Cohere's has no b)."""
@@ -58,8 +64,9 @@ class DecoderArch(LlamaArch):
     # (Cohere 2's full-attention layers)
     layer_rope: tuple[Optional[int], ...] = ()
     rotary_dim: Optional[int] = None  # RoPE rotates each head's first rotary_dim dimensions (None: all; Phi-4-mini)
-    # the checkpoint's RoPE turns pairs (x0, x1), (x2, x3), ... of each head (Cohere), where the rotary turns
-    # (x_i, x_{i + d/2}): q and k rows are reordered at load, the same permutation for both, so scores are the same
+    # the checkpoint's RoPE turns pairs (x0, x1), (x2, x3), ... of each head (Cohere, GLM), where the rotary turns
+    # (x_i, x_{i + d/2}): q and k rows are reordered into halves at load (DecoderForCausalLM._rope_halves), the same
+    # permutation for both, so every score is the same (the fused decode step reads the reordered rows too)
     rope_interleaved: bool = False
 
     def __post_init__(self):

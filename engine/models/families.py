@@ -13,7 +13,7 @@ from engine.attention.attention_shape import AttentionShape
 from engine.attention.layer_attention import LayerAttention
 from engine.layers.rotary import check_longrope_factors, check_rope_scaling
 from engine.loading.rope_settings import rope_settings
-from engine.models.decoder_arch import INPUT_NORM, LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
+from engine.models.decoder_arch import GLM4_NORMS, INPUT_NORM, LLAMA_NORMS, POST_NORMS, SANDWICH_NORMS, DecoderArch
 from engine.models.llama_arch import shared_fields
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -149,6 +149,29 @@ def cohere2_arch(config: Any) -> DecoderArch:
     )
 
 
+def glm_arch(config: Any) -> DecoderArch:
+    """GLM-4 (glm: GLM-4-9B): Llama's layer from a fused gate_up_proj, with q/k/v biases and RoPE over the first
+    `partial_rotary_factor` of each head in interleaved pairs (reordered into halves at load)."""
+    return _glm(config, LLAMA_NORMS)
+
+
+def glm4_arch(config: Any) -> DecoderArch:
+    """GLM-4-0414 (glm4): GLM's layer with norms on the attention's and the MLP's outputs too (a sandwich)."""
+    return _glm(config, GLM4_NORMS)
+
+
+def _glm(config: Any, norms: tuple[tuple[str, str], ...]) -> DecoderArch:
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=norms,
+        activation=_silu(config),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        rotary_dim=_rotary_dim(config),
+        rope_interleaved=True,
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -158,6 +181,8 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "CohereForCausalLM": cohere_arch,
     "Cohere2ForCausalLM": cohere2_arch,
     "GemmaForCausalLM": gemma_arch,
+    "GlmForCausalLM": glm_arch,
+    "Glm4ForCausalLM": glm4_arch,
 }
 
 

@@ -120,6 +120,24 @@ FAMILIES = (
         ("as Llama", "RMSNorm (1 + w)", "GeGLU (tanh)", "embeddings x sqrt(hidden)"),
     ),
     ModelFamily(
+        "GlmForCausalLM",
+        ("glm",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "fused gate_up_proj",
+            "q/k/v bias",
+            "partial rotary (partial_rotary_factor) in interleaved pairs, reordered into halves at load",
+        ),
+    ),
+    ModelFamily(
+        "Glm4ForCausalLM",
+        ("glm4",),
+        "decoder",
+        HF_FORMATS,
+        ("as GLM", "norms after the attention and the MLP too (post_self_attn_layernorm, post_mlp_layernorm)"),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

@@ -2,11 +2,11 @@
 (sandwich norms on all-reduced outputs, soft-caps, per-head q/k norms, sliding windows), Phi-3 (fused qkv_proj and
 gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
 all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), Cohere (a q/k norm weight per
-head, cut by heads; attention and MLP side by side) and Cohere 2 (layers without RoPE), and the mixtures of experts
-Mixtral (its experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between) and
-Qwen3-MoE (each expert cut like an MLP). Every family's logits of a
-prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then one family
-served end to end: greedy float32 tokens identical to one process."""
+head, cut by heads; attention and MLP side by side), Cohere 2 (layers without RoPE), Gemma 1, GLM and GLM-4-0414
+(each rank reorders its own heads' interleaved rotary pairs), and the mixtures of experts Mixtral (its experts also
+stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between) and Qwen3-MoE (each expert cut like an
+MLP). Every family's logits of a prefill and a decode over a paged cache in one pair of spawned processes (spawning
+costs seconds), then one family served end to end: greedy float32 tokens identical to one process."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "cohere": ("cohere", {}),  # q/k norms of a weight per head, cut by heads; biases; parallel branches
     "cohere-kv1": ("cohere", {"num_key_value_heads": 1}),  # its one KV head's norm replicated on both ranks
     "cohere2": ("cohere2", {}),
+    "gemma": ("gemma", {}),
+    "glm": ("glm", {}),  # (each rank reorders its own heads' rotary pairs)
+    "glm4": ("glm4", {}),
     **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
 }
 

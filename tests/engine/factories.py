@@ -169,6 +169,23 @@ DENSE_FAMILIES.update(
             "tie_word_embeddings": True,
             "pad_token_id": 0,
         },
+        # RoPE over half (glm: 4 interleaved pairs, as the releases) and three quarters (glm4) of each 16-wide head
+        "glm": {
+            "architectures": ["GlmForCausalLM"],
+            "model_type": "glm",
+            "head_dim": 16,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "pad_token_id": 0,
+        },
+        "glm4": {
+            "architectures": ["Glm4ForCausalLM"],
+            "model_type": "glm4",
+            "head_dim": 16,
+            "partial_rotary_factor": 0.75,
+            "attention_bias": True,
+            "pad_token_id": 0,
+        },
     }
 )
 _ARCHITECTURES.update(DENSE_FAMILIES)

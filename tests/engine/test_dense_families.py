@@ -139,6 +139,13 @@ def config_of(family: str, **overrides):
         ("granite", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
         ("gemma", {"hidden_act": "relu"}, r"hidden_act 'relu' is not supported \(supported: gelu_pytorch"),
         ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
+        ("glm", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ("glm4", {"partial_rotary_factor": 0.35}, "partial_rotary_factor 0.35 rotates 5 of 16 dimensions"),
+        (
+            "glm4",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            r"RoPE scaling 'dynamic' is not supported",
+        ),
         (
             "olmo2",
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},

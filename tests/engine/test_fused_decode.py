@@ -211,8 +211,10 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
         ("gemma2", {}),  # GeGLU, soft-caps, windowed layers in a KV group of their own
         ("gemma3", {}),  # the same, per-head q/k norms, two RoPEs
         ("gemma", {}),  # GeGLU, norms of (1 + w) folded at load, scaled embeddings
+        ("glm", {}),  # partial rotary whose interleaved pairs were put in halves at load, q/k/v biases
+        ("glm4", {}),  # the same with norms after the branches
     ],
-    ids=["granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3", "gemma"],
+    ids=["granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3", "gemma", "glm", "glm4"],
 )
 def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
     """The generic decoder (engine/models/decoder.py) takes the fused step in every family, Phi-4-mini's RoPE over
