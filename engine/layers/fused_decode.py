@@ -21,7 +21,7 @@ decoder's (engine/models/decoder.py), with their RMSNorms before and/or after ea
 over the projection (OLMo 2), SwiGLU or GeGLU (Gemma), a residual scale (Granite), sliding-window layers in KV
 groups of their own with their own RoPE (Gemma 3) and soft-capped scores (Gemma 2); anything else (attention
 sinks, latent caches, int8/int4/AWQ weights, Cohere's LayerNorms, parallel branches and layers without RoPE among
-them) takes the general path.
+them, and StarCoder2's plain MLP) takes the general path.
 
 A step with LoRA adapters stays fused when their deltas run on the native kernels (the stack's `native`):
 each projection's deltas (csrc/lora_delta.h, the code the unfused path calls) are added inside the same team,

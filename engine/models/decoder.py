@@ -3,14 +3,15 @@
     per layer   x = norm_attn_pre(h)?                      (each norm only where the arch has it, RMSNorm or
                 h = h + residual_scale * norm_attn_post(attention(x))?     LayerNorm as `norm_kind` says)
                 x = norm_mlp_pre(h)?
-                h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?
+                h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?   (plain MLP: down(act(up(x))))
     parallel    x = norm_attn_pre(h)                       (`parallel_branches`: Cohere)
                 h = h + attention(x) + mlp(x)              (each scaled and post-normed as above)
     logits      cap(lm_head(final_norm(h)) / logits_divisor * logits_scale)
 
 Attention rotates q and k by the layer's RoPE, or not at all where `layer_rope` names none (Cohere 2's global
 layers). The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too, for each family
-whose norms are RMSNorms, whose branches run in sequence and whose every layer has RoPE (`fused_recipe`).
+whose norms are RMSNorms, whose MLP is gated, whose branches run in sequence and whose every layer has RoPE
+(`fused_recipe`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
@@ -44,7 +46,7 @@ class DecoderLayerWeights:
     k_norm: Optional[torch.Tensor]
     o_proj: Any  # [hidden, heads * head_dim]
     o_bias: Optional[torch.Tensor]
-    gate_up: Any  # [2 * intermediate, hidden]
+    gate_up: Any  # [2 * intermediate, hidden]; a plain MLP's up (StarCoder2's c_fc) [intermediate, hidden]
     gate_up_bias: Optional[torch.Tensor]
     down: Any  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
@@ -97,7 +99,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
         self.activation = arch.activation
         # what the fused decode step does not compute: LayerNorms, branches side by side, layers without RoPE
-        self.fused_recipe = arch.norm_kind == "rms" and not arch.parallel_branches and arch.positional_layers
+        self.fused_recipe = (
+            arch.norm_kind == "rms" and arch.plain_mlp is None and not arch.parallel_branches and arch.positional_layers
+        )
         self.final_norm_bias: Optional[torch.Tensor] = None  # [hidden]: the final LayerNorm's shift (norm_bias)
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
@@ -188,7 +192,13 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
         attn, mlp = "self_attn.", "mlp."
         qkv_parts = tuple(attn + name for name in ("q_proj", "k_proj", "v_proj"))
-        gate_up_parts = (mlp + "gate_proj", mlp + "up_proj")
+        if self.arch.plain_mlp is None:
+            gate_up_parts = (mlp + "gate_proj", mlp + "up_proj")
+            gate_up, gate_up_bias = fused(mlp + "gate_up_proj", gate_up_parts), biases(gate_up_parts)
+            down_name = mlp + "down_proj"
+        else:  # StarCoder2's c_fc, c_proj
+            up_name, down_name = (mlp + name for name in self.arch.plain_mlp)
+            gate_up, gate_up_bias = take(up_name + ".weight"), maybe(up_name + ".bias")
         prepare = self._prepare
         norms = self.arch.norms
         return DecoderLayerWeights(
@@ -200,10 +210,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
             k_norm=maybe(attn + "k_norm.weight"),
             o_proj=prepare(take(attn + "o_proj.weight")),
             o_bias=maybe(attn + "o_proj.bias"),
-            gate_up=prepare(fused(mlp + "gate_up_proj", gate_up_parts)),
-            gate_up_bias=biases(gate_up_parts),
-            down=prepare(take(mlp + "down_proj.weight")),
-            down_bias=maybe(mlp + "down_proj.bias"),
+            gate_up=prepare(gate_up),
+            gate_up_bias=gate_up_bias,
+            down=prepare(take(down_name + ".weight")),
+            down_bias=maybe(down_name + ".bias"),
         )
 
     def weight_bytes(self) -> int:
@@ -308,6 +318,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
         return residual + (branch if scale == 1.0 else branch * scale)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.arch.plain_mlp is not None:  # no gate: the activation of all of up's output
+            return F.gelu(gate_up, approximate="tanh") if self.arch.activation == "gelu_tanh" else F.silu(gate_up)
         if self.arch.activation == "silu":
             return self.ops.silu_and_mul(gate_up)
         return self.ops.gelu_tanh_and_mul(gate_up)

@@ -36,7 +36,8 @@ GLM4_NORMS = (  # GLM-4-0414's sandwich, by its own names
 )
 ACTIVATIONS = ("silu", "gelu_tanh")
 NORM_KINDS = ("rms", "layer")
-"""RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: Cohere's has no b)."""
+"""RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: StarCoder2's; Cohere's has
+no b)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,9 @@ class DecoderArch(LlamaArch):
     # (x_i, x_{i + d/2}): q and k rows are reordered into halves at load (DecoderForCausalLM._rope_halves), the same
     # permutation for both, so every score is the same (the fused decode step reads the reordered rows too)
     rope_interleaved: bool = False
+    # A non-gated MLP, x -> down(act(up(x))), by the checkpoint's names of its two products (StarCoder2: c_fc,
+    # c_proj); None: the gated one (gate_proj and up_proj, or gate_up_proj; down_proj)
+    plain_mlp: Optional[tuple[str, str]] = None
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]

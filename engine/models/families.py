@@ -172,6 +172,25 @@ def _glm(config: Any, norms: tuple[tuple[str, str], ...]) -> DecoderArch:
     )
 
 
+def starcoder2_arch(config: Any) -> DecoderArch:
+    """StarCoder2: LayerNorms with biases (norm_epsilon), biases on every projection (use_bias: read from the
+    checkpoint), a plain GELU(tanh) MLP c_fc -> c_proj, a sliding window on every layer when the config sets one."""
+    window = getattr(config, "sliding_window", None)
+    attention = tuple(
+        LayerAttention(_head_scale(config), sliding_window=window) for _ in range(config.num_hidden_layers)
+    )
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_gelu_tanh(config, "hidden_act"),
+        layer_attention=attention,
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.norm_epsilon),
+        plain_mlp=("c_fc", "c_proj"),
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -183,6 +202,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "GemmaForCausalLM": gemma_arch,
     "GlmForCausalLM": glm_arch,
     "Glm4ForCausalLM": glm4_arch,
+    "Starcoder2ForCausalLM": starcoder2_arch,
 }
 
 

@@ -138,6 +138,19 @@ FAMILIES = (
         ("as GLM", "norms after the attention and the MLP too (post_self_attn_layernorm, post_mlp_layernorm)"),
     ),
     ModelFamily(
+        "Starcoder2ForCausalLM",
+        ("starcoder2",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "LayerNorm with bias",
+            "biases on every projection (use_bias)",
+            "plain GELU (tanh) MLP c_fc/c_proj",
+            "sliding window (blocks behind it freed)",
+            "decode steps unfused (the native step has no LayerNorm)",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

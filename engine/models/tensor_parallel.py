@@ -8,9 +8,10 @@ MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and r
                      all-reduced after the layer (the model's `tp.all_reduce`); the bias joins on rank 0 only
     embed, lm_head   vocab-parallel: rank r keeps its slice of the vocabulary's rows, zero-padded to
                      ceil(vocab / ranks) rows (engine/layers/vocab_parallel.py); tied, one slice serves both
-    norms            replicated (Gemma's post-norms act on all-reduced outputs); OLMo 2's q/k norms over the whole
-                     projection are cut like q and k, their mean square all-reduced (models/decoder.py); Cohere's
-                     q/k norms, a weight per head [heads, head_dim], cut by this rank's heads
+    norms            replicated, LayerNorms' shifts too (Gemma's post-norms act on all-reduced outputs); OLMo 2's
+                     q/k norms over the whole projection are cut like q and k, their mean square all-reduced
+                     (models/decoder.py); Cohere's q/k norms, a weight per head [heads, head_dim], cut by this
+                     rank's heads
     qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
     experts          each expert (and Qwen2-MoE's shared expert) cut like an MLP: its share of the expert's
                      intermediate width; the router and the shared expert's gate replicated (every rank routes
@@ -47,7 +48,7 @@ from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 
 _LAYER = re.compile(r"(?:model\.)?layers\.\d+\.(.+)")
-_COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")  # rows split evenly
+_COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.c_fc.")  # rows split evenly (c_fc: StarCoder2)
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
@@ -59,8 +60,8 @@ _EXPERT_ROW = re.compile(
 )
 _STACKED = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")  # [E, 2I, H], [E, H, I]
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
-_ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # input columns split
-_ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias")  # added once (rank 0)
+_ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.c_proj.weight")  # input columns split
+_ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.c_proj.bias")  # added once (rank 0)
 _VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight")  # rows split by vocab_parallel
 
 

@@ -39,6 +39,7 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "gemma": ("gemma", {}),
     "glm": ("glm", {}),  # (each rank reorders its own heads' rotary pairs)
     "glm4": ("glm4", {}),
+    "starcoder2": ("starcoder2", {}),  # c_fc column-, c_proj row-parallel (its bias on rank 0)
     **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
 }
 

@@ -136,9 +136,10 @@ DENSE_FAMILIES = {
     },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
-RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2")
-"""Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros, under
-which a norm or bias read in the wrong place (Cohere's q/k rows reordered for its interleaved RoPE) goes unseen."""
+RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2")
+"""Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
+norms to 0, of 1 + w), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
+interleaved RoPE) goes unseen."""
 _ROTARY_SHORT_FACTORS = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]  # per rotary pair of 12 rotated dimensions
 _ARCHITECTURES["phi4mini"] = {
     # Phi-4-mini's shape: RoPE over the first 0.75 of each 16-wide head (12 dimensions), LongRoPE past an original
@@ -184,6 +185,15 @@ DENSE_FAMILIES.update(
             "head_dim": 16,
             "partial_rotary_factor": 0.75,
             "attention_bias": True,
+            "pad_token_id": 0,
+        },
+        "starcoder2": {
+            "architectures": ["Starcoder2ForCausalLM"],
+            "model_type": "starcoder2",
+            "sliding_window": 12,
+            "norm_epsilon": 1e-5,
+            "use_bias": True,
+            "hidden_act": "gelu_pytorch_tanh",
             "pad_token_id": 0,
         },
     }

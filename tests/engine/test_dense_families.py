@@ -1,6 +1,6 @@
-"""Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere and Cohere 2 against HF transformers on tiny random
-checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and caps
-off their defaults; Cohere's norms and biases random),
+"""Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414 and StarCoder2 against HF
+transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than
+the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0 or 1),
 in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends,
 under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
 
@@ -140,6 +140,7 @@ def config_of(family: str, **overrides):
         ("gemma", {"hidden_act": "relu"}, r"hidden_act 'relu' is not supported \(supported: gelu_pytorch"),
         ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
         ("glm", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ("starcoder2", {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: gelu_pytorch"),
         ("glm4", {"partial_rotary_factor": 0.35}, "partial_rotary_factor 0.35 rotates 5 of 16 dimensions"),
         (
             "glm4",

@@ -27,6 +27,7 @@ FAMILIES = {
     "llama": ("llama", {}),
     "qwen3": ("qwen3", {}),
     "gemma2": ("gemma2", {}),  # the generic decoder: (1 + w) norms folded at load, embeddings scaled
+    "starcoder2": ("starcoder2", {}),  # its final norm a LayerNorm with a bias
     "mixtral": ("llama", dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8)),
 }
 

@@ -21,8 +21,12 @@ from engine.kernels.column_block_weight import PackedWeight
 from tests.engine.references import make_llm
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a small town by the sea"]
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
-"""Every decoder projection, as separate matrices or fused as stored (Phi-3: qkv_proj, gate_up_proj)."""
+PROJECTIONS = (
+    *("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"),
+    *("c_fc", "c_proj"),
+)
+"""Every decoder projection, as separate matrices or fused as stored (Phi-3: qkv_proj, gate_up_proj), or a plain
+MLP's (StarCoder2: c_fc, c_proj)."""
 PARAMS = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
 CPU = torch.device("cpu")
 FLOAT_CHECKPOINT = SimpleNamespace()  # an HF config without quantization_config
