@@ -124,6 +124,18 @@ def test_two_ranks_serve_one_process_quantized_weights(tiny_dir, tmp_path, stora
     assert (whole[1], shard[1]) == (64, 32)
 
 
+@pytest.mark.parametrize("family, storage", [("starcoder2", "int8"), ("glm4", "int4")])
+def test_two_ranks_serve_generic_decoders_quantized(tmp_path, family, storage):
+    """StarCoder2's plain MLP (c_fc column-parallel; c_proj row-parallel, quantized whole before its columns are cut,
+    its bias on rank 0) and GLM-4-0414's heads (each rank reorders its own rotary pairs), quantized on two ranks:
+    one process's tokens on the same quantized weights."""
+    model = str(make_tiny_model_dir(tmp_path / family, family))
+    expected, whole = generate_quantized(model, PROMPTS, 1, quantization=storage)
+    got, shard = generate_quantized(model, PROMPTS, 2, quantization=storage)
+    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
+    assert whole[0] == shard[0] != "float32" and (whole[1], shard[1]) == (64, 32)
+
+
 def test_embedded_gguf_on_three_ranks(embedded_checkpoint):
     """SmolLM2-135M's Q4_1 projections and Q8_0 embedding kept in their blocks on three ranks: o_proj's 192 and
     down's 512 inputs per rank are whole blocks."""
