@@ -25,6 +25,7 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.moe import SharedExpert, SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.grouped_routing import GroupedTopK
 from engine.models.deepseek_arch import DeepseekArch
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM, _cat_rows, _float
@@ -158,29 +159,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
         )
 
     def _take_block(self, take, maybe, cat) -> SparseMoeBlock:
-        moe, p = self.moe, self.moe.prefix
-        shared = None
-        if moe.shared_intermediate_size is not None:
-            s = p + "shared_experts."
-            shared = SharedExpert(
-                gate_up=self._prepare(
-                    _cat_rows(_float(take(s + "gate_proj.weight")), _float(take(s + "up_proj.weight")))
-                ),
-                down=self._prepare(_float(take(s + "down_proj.weight"))),
-                gate=None,
-            )
-        bias = maybe(p + "gate.e_score_correction_bias")
-        routing = dataclasses.replace(self.routing, correction_bias=None if bias is None else bias.float())
-        return SparseMoeBlock(
-            _float(take(p + "gate.weight")),
-            self._take_experts(take, maybe, cat),
-            moe.top_k,
-            moe.renormalize,
-            self.linear,
-            shared,
-            select=routing,
-            router_in_float32=True,
-        )
+        return grouped_experts_block(self, self.routing, take, maybe, cat)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         dense = [
@@ -223,3 +202,30 @@ class DeepseekForCausalLM(MoeForCausalLM):
             self.linear,
             self.ops,
         )
+
+
+def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, maybe, cat) -> SparseMoeBlock:
+    """A layer's experts as DeepSeek's checkpoints name them (and GLM-4.5's: engine/models/glm4_moe.py): the router
+    `gate.weight` (logits in float32) with its `gate.e_score_correction_bias`, `routing` over them, and the
+    ungated `shared_experts`."""
+    moe, p = model.moe, model.moe.prefix
+    shared = None
+    if moe.shared_intermediate_size is not None:
+        s = p + "shared_experts."
+        shared = SharedExpert(
+            gate_up=model._prepare(_cat_rows(_float(take(s + "gate_proj.weight")), _float(take(s + "up_proj.weight")))),
+            down=model._prepare(_float(take(s + "down_proj.weight"))),
+            gate=None,
+        )
+    bias = maybe(p + "gate.e_score_correction_bias")
+    routing = dataclasses.replace(routing, correction_bias=None if bias is None else bias.float())
+    return SparseMoeBlock(
+        _float(take(p + "gate.weight")),
+        model._take_experts(take, maybe, cat),
+        moe.top_k,
+        moe.renormalize,
+        model.linear,
+        shared,
+        select=routing,
+        router_in_float32=True,
+    )

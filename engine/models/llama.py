@@ -173,6 +173,10 @@ class LlamaForCausalLM:
     """Whether the fused decode step computes this model's layer recipe (not the generic decoder's LayerNorms,
     branches side by side, or layers without RoPE: Cohere's)."""
 
+    float32_names: tuple[str, ...] = ()
+    """Ends of the checkpoint names loaded in float32 whatever the model's dtype (HF's _keep_in_fp32_modules_strict:
+    GLM-4.5's router and its correction bias)."""
+
     @property
     def qk_norms_as_loaded(self) -> bool:
         """Whether the forward pass applies each layer's q/k norms wherever the layer has them (as the fused
@@ -194,9 +198,8 @@ class LlamaForCausalLM:
             if "rotary_emb" in name or not self._held(name):
                 continue
             # quantized matrices keep their own storage: GGUF blocks (on CPU), AWQ groups until `_prepare`
-            state[name] = (
-                tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=self.dtype, device=self.device)
-            )
+            dtype = torch.float32 if name.endswith(self.float32_names) else self.dtype
+            state[name] = tensor if not isinstance(tensor, torch.Tensor) else tensor.to(dtype=dtype, device=self.device)
         self.layers = [self._take_layer(state, i) for i in self.stage.layers]
         if (
             self.fused is not None

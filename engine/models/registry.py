@@ -32,7 +32,8 @@ class ModelFamily:
     model_types: tuple[str, ...]  # config `model_type`s it is also recognised by
     # "llama" (LlamaForCausalLM, the fused CPU decode step), "decoder" (DecoderForCausalLM), "moe"
     # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs), "gpt_oss" (GptOssForCausalLM) or
-    # "deepseek" (DeepseekForCausalLM: multi-head latent attention and DeepSeek's mixture of experts)
+    # "deepseek" (DeepseekForCausalLM: multi-head latent attention and DeepSeek's mixture of experts) or "glm4_moe"
+    # (Glm4MoeForCausalLM: the Llama decoder, partial rotary, DeepSeek-V3's experts)
     implementation: str
     # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load, or kept in its blocks with
     # --quantization gguf; the mixtures of experts from llama.cpp's stacked expert tensors), mxfp4 (safetensors
@@ -236,6 +237,22 @@ FAMILIES = (
         HF_FORMATS,
         ("as Cohere", "sliding-window layers by layer_types / sliding_window_pattern", "global layers without RoPE"),
     ),
+    ModelFamily(
+        "Glm4MoeForCausalLM",
+        ("glm4_moe",),
+        "glm4_moe",
+        HF_FORMATS,
+        (
+            "GLM-4.5 / 4.6 / 4.5-Air",
+            "q/k/v bias; per-head q/k norms (use_qk_norm)",
+            "partial rotary (partial_rotary_factor)",
+            "first_k_dense_replace dense layers",
+            "DeepSeek-V3's routing: sigmoid scores with e_score_correction_bias, group-limited top-k (n_group, "
+            "topk_group), norm_topk_prob, routed_scaling_factor; router kept in float32",
+            "shared experts",
+            "the multi-token-prediction layer not read",
+        ),
+    ),
 )
 
 
@@ -355,6 +372,13 @@ def build_model(
             quantizer,
             max_model_len,
         )
+    if family.implementation == "glm4_moe":
+        from engine.models.glm4_moe import Glm4MoeForCausalLM
+        from engine.models.glm4_moe_arch import read_glm4_moe
+
+        arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
+        glm = read_glm4_moe(hf_config)
+        return Glm4MoeForCausalLM(arch, glm, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation in ("llama", "moe"):
         arch = LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))
         if family.implementation == "moe":

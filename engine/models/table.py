@@ -17,6 +17,7 @@ IMPLEMENTATIONS = {
     "moe": "`MoeForCausalLM` (engine/models/moe.py; experts grouped, one product each, unfused)",
     "gpt_oss": "`GptOssForCausalLM` (engine/models/gpt_oss.py; experts grouped, one product each, unfused)",
     "deepseek": "`DeepseekForCausalLM` (engine/models/deepseek.py; latent attention, experts grouped, unfused)",
+    "glm4_moe": "`Glm4MoeForCausalLM` (engine/models/glm4_moe.py; experts grouped, one product each, unfused)",
 }
 FORMAT_NAMES = {
     "safetensors": "safetensors",
@@ -34,10 +35,10 @@ other is refused at start-up with this list. A config field that changes the out
 (an unknown RoPE scaling type, bidirectional attention, an activation) is refused at start-up naming it.
 Every family is checked against HF transformers on a tiny random checkpoint
 (tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py, tests/engine/test_moe_equivalence.py,
-tests/engine/test_phi4_mini.py, tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py): greedy
-tokens identical and logprobs within 1e-4 in float32. `--quantization int8|int4` on the dense families is checked
-against the model whose matrices are the quantized ones dequantized (tests/engine/test_quantization_flag.py,
-tests/engine/test_dense_quantization.py).
+tests/engine/test_phi4_mini.py, tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py,
+tests/engine/test_glm4_moe.py): greedy tokens identical and logprobs within 1e-4 in float32. `--quantization
+int8|int4` on the dense families is checked against the model whose matrices are the quantized ones dequantized
+(tests/engine/test_quantization_flag.py, tests/engine/test_dense_quantization.py).
 
 Sliding windows and attention soft-caps are computed by every attention backend (`torch`, `cpu`,
 `cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`),
@@ -59,7 +60,10 @@ models](api.md#pooling-models-embeddings-classification-scoring)), checked again
 `AutoModelForSequenceClassification` (tests/engine/test_pooling.py, tests/engine/test_classification.py).
 
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
-Qwen2/3, Gemma 2/3, Phi-3/4, OLMo 2, Granite, Cohere, Cohere 2); mixture-of-experts models refuse them at start-up.
+Qwen2/3, Gemma 1/2/3, Phi-3/4, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2) and, each
+expert quantized on its own (the router kept float), Mixtral, Qwen2/3-MoE and GLM-4.5
+(tests/engine/test_moe_int_quantization.py, tests/engine/test_glm4_moe.py); GPT-OSS and DeepSeek refuse them at
+start-up.
 
 GPT-OSS's MXFP4 checkpoints (OpenAI's releases: config.json `quantization_config: {quant_method: mxfp4}`, the
 experts' `gate_up_proj` and `down_proj` stored as `*_blocks`/`*_scales`) are dequantized to the model's dtype as

@@ -136,9 +136,9 @@ DENSE_FAMILIES = {
     },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
-RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2")
+RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2", "glm4_moe")
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
-norms to 0, of 1 + w), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
+norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
 interleaved RoPE) goes unseen."""
 _ROTARY_SHORT_FACTORS = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]  # per rotary pair of 12 rotated dimensions
 _ARCHITECTURES["phi4mini"] = {
@@ -199,6 +199,24 @@ DENSE_FAMILIES.update(
     }
 )
 _ARCHITECTURES.update(DENSE_FAMILIES)
+_ARCHITECTURES["glm4_moe"] = {
+    # GLM-4.5-Air's recipe at the tiny size: a dense first layer, then 8 experts (top 2) and a shared one, RoPE over
+    # half of each head, q/k/v biases; tests/engine/test_glm4_moe.py varies the groups and the q/k norms
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+    "first_k_dense_replace": 1,
+    "moe_intermediate_size": 24,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "pad_token_id": 0,
+}
 
 
 def tiny_config_dict(arch: str = "llama", **overrides) -> dict:
@@ -243,7 +261,7 @@ def _randomize_norms_and_biases(model) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
+            if name.endswith("bias") or "norm" in name:  # (GLM-4.5: e_score_correction_bias)
                 param.add_(torch.randn_like(param) * 0.2)
 
 
