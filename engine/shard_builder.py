@@ -28,7 +28,7 @@ from engine.runner.cuda_graphs import decode_buckets
 from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.pooling.pooler_config import resolve_runner
-from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of
+from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of, moe_arch_of
 from engine.models.llama import LlamaForCausalLM
 from engine.models.vision_language import (
     VISION_LANGUAGE_FAMILIES,
@@ -37,7 +37,6 @@ from engine.models.vision_language import (
     text_weights,
     vision_family_of,
 )
-from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
@@ -251,7 +250,7 @@ def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp:
     if quantizer is not None and quantizer.method == "int4":
         assert quantizer.group_size is not None  # resolve_group_size gives int4 one
         arch = check_tensor_parallel_model(hf_config, tp.world_size)
-        moe = MoeArch.from_hf_config(hf_config) if family_of(hf_config).implementation == "moe" else None
+        moe = moe_arch_of(hf_config)
         storage_name = f"--quantization int4 (group size {quantizer.group_size})"
         check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe)
 

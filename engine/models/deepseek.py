@@ -214,7 +214,8 @@ def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, may
         s = p + "shared_experts."
         shared = SharedExpert(
             gate_up=model._prepare(_cat_rows(_float(take(s + "gate_proj.weight")), _float(take(s + "up_proj.weight")))),
-            down=model._prepare(_float(take(s + "down_proj.weight"))),
+            # (int8 over several ranks: quantized whole before its columns were cut, models/tensor_parallel.py)
+            down=model._prepare(take(s + "down_proj.weight")),
             gate=None,
         )
     bias = maybe(p + "gate.e_score_correction_bias")

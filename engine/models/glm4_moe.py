@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.moe import SparseMoeBlock
@@ -45,9 +46,11 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
+        """With several ranks `arch` and `glm.moe` are this rank's share (registry.build_model)."""
         self.rotary_dim = glm.rotary_dim  # (read by `_rotary`, which the base's constructor calls)
-        super().__init__(arch, glm.moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
+        super().__init__(arch, glm.moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         self.routing = glm.routing
 
     def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:

@@ -3,6 +3,7 @@ generated from this table by `python -m engine.models.table`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -275,9 +276,10 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe")
-"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's (Gemma 2/3,
-Phi-3, OLMo 2, Granite, Cohere) and the mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe")
+"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's (Gemma 1/2/3,
+Phi-3, OLMo 2, Granite, Cohere, GLM-4, StarCoder2) and the mixtures of experts on Llama's decoder (Mixtral,
+Qwen2-MoE, Qwen3-MoE, GLM-4.5)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
@@ -299,9 +301,22 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
         )
     arch = _dense_arch(hf_config, family)
     check_shardable(arch, world_size)
-    if family.implementation == "moe":
-        check_experts_shardable(MoeArch.from_hf_config(hf_config), world_size)
+    moe = moe_arch_of(hf_config)
+    if moe is not None:
+        check_experts_shardable(moe, world_size)
     return arch
+
+
+def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
+    """The experts' shape of a mixture of experts on Llama's decoder (what tensor parallelism cuts), else None."""
+    implementation = family_of(hf_config).implementation
+    if implementation == "moe":
+        return MoeArch.from_hf_config(hf_config)
+    if implementation == "glm4_moe":
+        from engine.models.glm4_moe_arch import read_glm4_moe
+
+        return read_glm4_moe(hf_config).moe
+    return None
 
 
 def check_pipeline_model(hf_config: Any, num_stages: int) -> None:
@@ -347,6 +362,13 @@ def build_model(
         if family.implementation == "moe":
             moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
             return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
+        if family.implementation == "glm4_moe":
+            from engine.models.glm4_moe import Glm4MoeForCausalLM
+            from engine.models.glm4_moe_arch import read_glm4_moe
+
+            glm = read_glm4_moe(hf_config)
+            glm = dataclasses.replace(glm, moe=shard_moe(glm.moe, tp.world_size))
+            return Glm4MoeForCausalLM(shard, glm, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM
 

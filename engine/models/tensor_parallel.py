@@ -13,9 +13,10 @@ MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and r
                      (models/decoder.py); Cohere's q/k norms, a weight per head [heads, head_dim], cut by this
                      rank's heads
     qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
-    experts          each expert (and Qwen2-MoE's shared expert) cut like an MLP: its share of the expert's
-                     intermediate width; the router and the shared expert's gate replicated (every rank routes
-                     every token alike), the weighted sum of partial outputs all-reduced with the layer's
+    experts          each expert (and Qwen2-MoE's shared expert, GLM-4.5's shared experts) cut like an MLP: its
+                     share of the expert's intermediate width; the router (GLM-4.5's correction bias too) and the
+                     shared expert's gate replicated (every rank routes every token alike), the weighted sum of
+                     partial outputs all-reduced with the layer's
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -52,11 +53,13 @@ _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.c_fc.")  
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
-_EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's) gate and up: cut like an MLP's
-    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w1|w3|gate_proj|up_proj)|shared_expert\.(?:gate_proj|up_proj))\..+"
+_EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's, GLM-4.5's shared experts') gate and
+    # up: cut like an MLP's
+    r"(?:block_sparse_moe|mlp)\."
+    r"(?:experts\.\d+\.(?:w1|w3|gate_proj|up_proj)|shared_experts?\.(?:gate_proj|up_proj))\..+"
 )
 _EXPERT_ROW = re.compile(
-    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_expert\.down_proj)\.weight"
+    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_experts?\.down_proj)\.weight"
 )
 _STACKED = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")  # [E, 2I, H], [E, H, I]
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection

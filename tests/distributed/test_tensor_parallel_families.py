@@ -3,10 +3,11 @@
 gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
 all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), Cohere (a q/k norm weight per
 head, cut by heads; attention and MLP side by side), Cohere 2 (layers without RoPE), Gemma 1, GLM and GLM-4-0414
-(each rank reorders its own heads' interleaved rotary pairs), and the mixtures of experts Mixtral (its experts also
-stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between) and Qwen3-MoE (each expert cut like an
-MLP). Every family's logits of a prefill and a decode over a paged cache in one pair of spawned processes (spawning
-costs seconds), then one family served end to end: greedy float32 tokens identical to one process."""
+(each rank reorders its own heads' interleaved rotary pairs), StarCoder2, and the mixtures of experts Mixtral (its
+experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert cut
+like an MLP) and GLM-4.5 (shared experts, grouped routing). Every family's logits of a prefill and a decode over a
+paged cache in one pair of spawned processes (spawning costs seconds), then one family served end to end: greedy
+float32 tokens identical to one process."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "glm": ("glm", {}),  # (each rank reorders its own heads' rotary pairs)
     "glm4": ("glm4", {}),
     "starcoder2": ("starcoder2", {}),  # c_fc column-, c_proj row-parallel (its bias on rank 0)
+    # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
+    "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),
     **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
 }
 
