@@ -73,7 +73,7 @@ class DecoderLayerWeights:
 
 
 class DecoderForCausalLM(LlamaForCausalLM):
-    """Gemma 2/3, Phi-3, OLMo 2, Granite, Cohere: the forward pass of `DecoderArch`'s recipe."""
+    """Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4, StarCoder2: the forward pass of `DecoderArch`'s recipe."""
 
     arch: DecoderArch
     layers: list[DecoderLayerWeights]  # type: ignore[assignment]  # its own layers: norms by role

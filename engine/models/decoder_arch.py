@@ -1,11 +1,12 @@
-"""The shape and the recipe of a generic pre/post-norm decoder (Gemma 2/3, Phi-3, OLMo 2, Granite, Cohere), as data.
+"""The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
+StarCoder2), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
 (RMSNorm or LayerNorm), whether the two branches run in sequence or side by side on one norm of the input
-(`x + attn(norm(x)) + mlp(norm(x))`), the MLP's activation, q/k norms per head or over the whole projection,
-scalars on the embeddings, the residual branches and the logits, a final soft-cap, per layer its attention
-(window, soft-cap, scale) and its RoPE (or none), how much of each head RoPE rotates and whether the
+(`x + attn(norm(x)) + mlp(norm(x))`), the MLP's activation and whether it is gated, q/k norms per head or over
+the whole projection, scalars on the embeddings, the residual branches and the logits, a final soft-cap, per layer
+its attention (window, soft-cap, scale) and its RoPE (or none), how much of each head RoPE rotates and whether the
 checkpoint rotates its pairs interleaved.
 """
 
