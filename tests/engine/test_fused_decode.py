@@ -233,8 +233,8 @@ def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
 @pytest.mark.parametrize("family", ["cohere", "cohere2", "starcoder2"])
 def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
     """Cohere's LayerNorms and attention beside the MLP, Cohere 2's layers without RoPE, StarCoder2's LayerNorms
-    with shifts and its plain MLP: the native step computes none of them, so the model says so (`fused_recipe`) and its bf16 decode steps take the general path (their
-    equality with HF: tests/engine/test_dense_families.py)."""
+    with shifts and its plain MLP: the native step computes none of them, so the model says so (`fused_recipe`) and
+    its bf16 decode steps take the general path (their equality with HF: tests/engine/test_dense_families.py)."""
     model_dir = make_tiny_model_dir(tmp_path / family, family)
     with make_llm(model_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False) as llm:
         runner = llm.engine.runner
@@ -244,6 +244,18 @@ def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         (result,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
         assert len(result.outputs[0].token_ids) == 8 and model.fused._model_ok is False  # decided, and declined
+
+
+@pytest.mark.parametrize("family", ["gemma", "glm", "glm4"])
+def test_fused_steps_equal_the_unfused_ones(family, tmp_path):
+    """bfloat16 decode steps, fused, give the unfused path's tokens and logprobs bit for bit: Gemma's norms folded
+    at load, GLM's rotary pairs reordered into halves at load, GLM-4-0414's post-branch norms."""
+    model_dir = make_tiny_model_dir(tmp_path / family, family)
+    with make_llm(model_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False) as llm:
+        assert llm.engine.runner.model.fused is not None and llm.engine.runner.model.fused_recipe
+        prompts = [[5, 6, 7, 8] * 4, list(range(30, 50))]
+        params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)] * 2
+        assert _generate_each(llm, prompts, params) == _unfused(llm, prompts, params)
 
 
 def test_fused_decode_refuses_rope_tables_of_two_widths(tiny_gemma3_dir):
