@@ -23,6 +23,8 @@ from engine.loading.loader import (
 )
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
+from engine.spec_decode.eagle_loading import load_eagle_head, make_eagle_proposer
+from engine.spec_decode.eagle_model import METHODS as EAGLE_METHODS
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
@@ -97,6 +99,12 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             f"--pipeline-parallel-size {parallel.pipeline_parallel_size} cannot be combined with speculative "
             "decoding (a step's drafts would wait for the step before it through every stage)"
         )
+    speculative = config.speculative_config
+    if parallel.world_size > 1 and speculative is not None and speculative.method in EAGLE_METHODS:
+        raise SettingsConflictError(
+            f"--speculative-config method {speculative.method!r} runs on one process for now (its head reads the "
+            f"target's whole embedding and LM head): not with --tensor-parallel-size {parallel.tensor_parallel_size}"
+        )
     if parallel.world_size > 1:
         if parallel.distributed_executor_backend == "ray":
             workers = start_ray_workers(config, hf_config)
@@ -155,11 +163,24 @@ def _build_rank0(
     lora_manager = build_lora(config, model, hf_config) if config.lora.enable_lora else None
     kv_dtype = spec.dtype
     speculative = config.speculative_config
-    draft = None
+    draft = head = None
     if speculative is not None and speculative.method == "draft_model":
         draft = _draft_model(config, speculative, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
-    # A draft's cache holds as many blocks as the target's, from the same budget.
-    draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
+    elif speculative is not None and speculative.method in EAGLE_METHODS:
+        head = load_eagle_head(
+            speculative,
+            model,
+            attention_backend=config.attention_backend,
+            block_size=config.cache.block_size,
+            kv_dtype=kv_dtype,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            max_model_len=max_model_len,
+            download_dir=config.model.download_dir,
+        )
+        model.feature_layers = head.feature_layers
+    # A draft's (or a head's) cache holds as many blocks as the target's, from the same budget.
+    draft_spec = draft.spec if draft is not None else None if head is None else head.spec
+    draft_bytes = 0 if draft_spec is None else draft_spec.bytes_per_block
     num_blocks = shard_kv_blocks(config, shard, tp, draft_bytes)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
     check_kv_tiers(config, shard)
@@ -176,7 +197,9 @@ def _build_rank0(
         kv_tier=kv_tier,
         memory_tier=memory_tier,
     )
-    if buckets:
+    if head is not None:  # the runner's step outputs carry the target's features the head reads
+        runner.draft_features = "tapped" if head.feature_layers else "final"
+    if buckets and not model.feature_layers:  # (a graph's replay returns the final hidden states alone)
         capture_graphs(runner, buckets)
     step_cost = draft_cost = None
     if speculative is not None and speculative.step_cost_model:
@@ -202,6 +225,13 @@ def _build_rank0(
             "draft model KV cache: %d blocks (%.0f MiB) beside the target's",
             num_blocks,
             num_blocks * draft_bytes / 2**20,
+        )
+    elif head is not None and speculative is not None:
+        proposer = make_eagle_proposer(
+            head, num_blocks, speculative.num_speculative_tokens, model.arch.vocab_size, limits.max_num_batched_tokens
+        )
+        logger.info(
+            "%s head KV cache: %d blocks (%.0f MiB)", speculative.method, num_blocks, num_blocks * draft_bytes / 2**20
         )
     elif speculative is not None:
         proposer = speculative.make_proposer()

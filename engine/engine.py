@@ -25,6 +25,7 @@ from engine.runner.fault_isolation import FaultInjector
 from engine.runner.model_runner import ModelRunner
 from engine.runner.pipeline_runner import LaunchedStep, PipelineRunner
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.eagle import EagleProposer
 from engine.errors import InvalidParameterError
 from engine.kv_tier.disk_tier import KVTierReadError
 from engine.lora.lora_manager import LoRAManager
@@ -153,7 +154,7 @@ class EngineCore:
             self.runner.shutdown()
             if self.scheduler.kv_cache_manager.kv_tiers is not None:  # (after the runner has written its blocks)
                 self.scheduler.kv_cache_manager.kv_tiers.close()
-            if isinstance(self.scheduler.proposer, DraftModelProposer):
+            if isinstance(self.scheduler.proposer, (DraftModelProposer, EagleProposer)):
                 self.scheduler.proposer.shutdown()  # the draft's KV cache (its weights go with the engine)
         finally:  # half released is no state to step in
             self.is_shut_down = True
@@ -556,7 +557,9 @@ class EngineCore:
         """The scheduler and the requests' texts advanced by a step's output."""
         profile = self.profile
         failures = self.runner.sampler.take_failures()
-        step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        step_outputs = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids, runner_output.draft_features
+        )
         if profile is not None:
             profile.lap("update")
         now = time.monotonic()

@@ -20,6 +20,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # requests that asked
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # this step's prompt chunk
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests done: [dimensions] float32
+    # An EAGLE proposer's input (engine/spec_decode/eagle.py): each request's features of the positions this step
+    # computed, (its first position, [rows, width]), drafts rejected in this step included
+    draft_features: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,13 @@
 from scheduler.block_hash import BlockHash, hash_block
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
+from scheduler.draft_proposer import (
+    BatchDraftProposer,
+    DraftProposer,
+    DraftQuery,
+    FeatureDraftProposer,
+    SpecDecodeStats,
+)
 from scheduler.errors import (
     ContextLengthExceededError,
     DuplicateRequestIdError,
@@ -32,6 +38,7 @@ __all__ = [
     "DraftProposer",
     "DraftQuery",
     "DuplicateRequestIdError",
+    "FeatureDraftProposer",
     "EmptyPromptError",
     "InvalidMaxTokensError",
     "KVCacheTooSmallError",

@@ -59,6 +59,20 @@ class BatchDraftProposer(Protocol):
     def on_request_finished(self, output_token_ids: Sequence[int]) -> None: ...
 
 
+@runtime_checkable
+class FeatureDraftProposer(BatchDraftProposer, Protocol):
+    """A batched proposer that reads what the target computed (EAGLE: its hidden states beside each token).
+
+    The runner puts them in its step output; `Scheduler.update_from_output` hands each running request's to
+    `observe` before the step's tokens are appended, so they reach the proposer by the step's own path (a worker
+    rebuilt from the step message needs none of them). They are opaque here (torch tensors: the proposer's).
+    """
+
+    def observe(self, request_id: str, features: object) -> None:
+        """The request's features of the positions the step computed."""
+        ...
+
+
 @dataclass(slots=True)
 class SpecDecodeStats:
     """Cumulative counts of speculation, vLLM's names: steps with a draft, draft tokens proposed and

@@ -8,7 +8,13 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from scheduler.bidirectional_spans import chunk_length, longest_span
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.draft_proposer import BatchDraftProposer, DraftProposer, DraftQuery, SpecDecodeStats
+from scheduler.draft_proposer import (
+    BatchDraftProposer,
+    DraftProposer,
+    DraftQuery,
+    FeatureDraftProposer,
+    SpecDecodeStats,
+)
 from scheduler.errors import (
     ContextLengthExceededError,
     DuplicateRequestIdError,
@@ -163,6 +169,8 @@ class Scheduler:
         self._outstanding: deque[SchedulerOutput] = deque()  # non-empty steps awaiting their update, oldest first
         self._in_flight: set[str] = set()  # ids of the requests they schedule (kept only when N > 1)
         self.proposer = proposer
+        # an EAGLE proposer: fed the target's features of each step (update_from_output)
+        self._feature_proposer = proposer if isinstance(proposer, FeatureDraftProposer) else None
         self.adaptive_drafts = adaptive_drafts
         self.max_drafting_batch = max_drafting_batch
         self.step_cost = step_cost
@@ -335,8 +343,10 @@ class Scheduler:
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Sequence[int]],
+        draft_features: Optional[Mapping[str, object]] = None,
     ) -> list[RequestStepOutput]:
-        """Advance the scheduled requests, append sampled tokens, apply stop rules.
+        """Advance the scheduled requests, append sampled tokens, apply stop rules. `draft_features`: what the
+        runner computed for a `FeatureDraftProposer` (EAGLE's hidden states), by request, handed to it.
 
         Requests that finish are freed here; the outputs list every request that
         got tokens or finished. The blocks the step filled join the prefix-cache index.
@@ -368,6 +378,8 @@ class Scheduler:
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # ended between schedule() and now
+            if draft_features and request_id in draft_features and self._feature_proposer is not None:
+                self._feature_proposer.observe(request_id, draft_features[request_id])
             num_computed = request.num_computed_tokens + num_tokens
             if spec_tokens and request_id in spec_tokens:
                 num_computed -= self._num_rejected(request, spec_tokens[request_id], get_sampled(request_id))

@@ -259,7 +259,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
         arch, ops = self.arch, self.ops
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
         h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
+        taps, tapped = self.feature_layers, self.tapped_features
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
+            if index in taps:
+                tapped[index] = h  # the stream entering this layer (EAGLE-3's features; never written in place here)
             rope = arch.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
             attended = self._layer_attention(

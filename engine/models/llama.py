@@ -125,6 +125,11 @@ class LlamaForCausalLM:
         # current step's deltas, which the runner sets around a forward pass and its logits (None: base only).
         self.lora: Optional["LoRAStack"] = None
         self.lora_step: Optional["LoRAStep"] = None
+        # EAGLE-3's features (engine/spec_decode/eagle_model.py): the residual stream entering each of these layers
+        # (in the head's order) is kept in `tapped_features` by every forward pass, by layer, which the runner
+        # takes after it (the fused decode step, which runs every layer in one call, is then not used)
+        self.feature_layers: tuple[int, ...] = ()
+        self.tapped_features: dict[int, torch.Tensor] = {}
 
     def _rotary(self, theta: float, scaling: Optional[dict], rotary_dim: Optional[int] = None) -> RotaryEmbedding:
         arch = self.arch
@@ -333,9 +338,12 @@ class LlamaForCausalLM:
         residual = h  # the residual stream; ops.add_rms_norm may update it in place
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         attention, tp = self.layer_attention, self.tp
+        taps, tapped = self.feature_layers, self.tapped_features
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             if index:
                 x, residual = ops.add_rms_norm(h, residual, layer.input_norm, eps)
+            if index in taps:
+                tapped[index] = residual.clone()  # the stream entering this layer (later adds may write in place)
             h = tp.all_reduce(
                 self._attention(
                     layer, x, angles, key_cache, value_cache, step, backend, attention[index], index, rotary
@@ -350,6 +358,7 @@ class LlamaForCausalLM:
         lora = self.lora_step
         return (
             self.fused is not None
+            and not self.feature_layers
             and (lora is None or lora.fusable)
             and self.fused.takes(self, input_ids.shape[0], metadata, kv_caches, backend)
         )
@@ -448,7 +457,11 @@ class LlamaForCausalLM:
         adapter's modules_to_save). A quantized LM head's kernel may write float32 outright (GGUF's integer
         product, eagerly, on one rank: logits not rounded to the model's dtype first); other products, and the
         vocabulary slices gathered across ranks, are rounded to it, then widened."""
-        x = self.final_hidden(hidden)
+        return self.head_logits(self.final_hidden(hidden), lm_heads)
+
+    def head_logits(self, x: torch.Tensor, lm_heads: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
+        """x [n, hidden] (after the final norm; an EAGLE head's output as it is) -> logits [n, vocab] in float32
+        through the LM head (as `compute_logits`)."""
         if self.vocab_parallel is None and isinstance(self.lm_head, QuantizedWeight):
             logits = self.lm_head.matmul_float32(x)  # [n, vocab], by a kernel that writes float32 where it can
         else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -121,6 +121,8 @@ class _Batch:
     rope_rows: list[int] = field(default_factory=list)
     rope_positions: list[torch.Tensor] = field(default_factory=list)
     lora: Optional[LoRAStep] = None  # the step's adapter deltas (None: no token runs with an adapter)
+    # each request's rows, with the runner's `draft_features` on: (request id, first row, count, first position)
+    feature_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -187,6 +189,10 @@ class ModelRunner:
         self.kv_tier = kv_tier
         self.memory_tier = memory_tier
         self.vision = vision
+        # What an EAGLE proposer reads of each step (the step output's draft_features): "final" (the rows' final
+        # hidden states), "tapped" (the residual stream entering the model's feature_layers, side by side), or
+        # None (no features)
+        self.draft_features: Optional[str] = None
         # A model whose images attend both ways, over a backend that computes causal attention only: the steps
         # that compute an image run through the torch backend (over the same cache), the others through `backend`.
         self._span_forward: Optional[ForwardFn] = None
@@ -241,6 +247,7 @@ class ModelRunner:
         model = self.model
         assert model is not None
         model.lora_step = batch.lora  # read by the forward pass and the logits; cleared when the step ends
+        model.tapped_features = {}  # (a step that failed may have left some)
         try:
             output = self._run_step(batch, steps, bucket)
         finally:
@@ -290,6 +297,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         try:
             output = self._sample(hidden, batch)
+            if batch.feature_rows:
+                output = replace(output, draft_features=self._features(hidden, batch))
             if self.peers is not None:
                 self._sampled = output.sampled_token_ids
             return output
@@ -491,6 +500,8 @@ class ModelRunner:
             token += num_tokens
             max_query_len = max(max_query_len, num_tokens)
         batch.num_tokens = token
+        if self.draft_features is not None:
+            self._add_feature_rows(batch, decodes, chunks)
         segments = None if self.lora_slots is None else self._lora_segments(decodes, chunks)
         max_seq_len = int(seq_lens[:num_reqs].max())
         width = -(-max_seq_len // self.block_table.block_size)
@@ -537,6 +548,36 @@ class ModelRunner:
             for group in range(self.num_groups)
         ]
         return batch, steps, None
+
+    @staticmethod
+    def _add_feature_rows(batch: _Batch, decodes: list, chunks: list) -> None:
+        """Each request's rows as laid out (a request's verify rows are consecutive decodes), for draft_features."""
+        rows = batch.feature_rows
+        for i, (state, pos, _) in enumerate(decodes):
+            if rows and rows[-1][0] == state.request_id and rows[-1][1] + rows[-1][2] == i:
+                request_id, first, count, start = rows[-1]
+                rows[-1] = (request_id, first, count + 1, start)
+            else:
+                rows.append((state.request_id, i, 1, pos))
+        token = len(decodes)
+        for state, start, count in chunks:
+            rows.append((state.request_id, token, count, start))
+            token += count
+
+    def _features(self, hidden: torch.Tensor, batch: _Batch) -> dict[str, tuple[int, torch.Tensor]]:
+        """The step's draft_features: each request's rows of the features `self.draft_features` names."""
+        model = self.model
+        assert model is not None
+        num_tokens = batch.num_tokens
+        if self.draft_features == "tapped":
+            tapped, model.tapped_features = model.tapped_features, {}
+            features = torch.cat([tapped[i][:num_tokens] for i in model.feature_layers], dim=-1)  # [T, 3 * hidden]
+        else:
+            features = model.final_hidden(hidden[:num_tokens])
+        return {
+            request_id: (start, features[first : first + count])
+            for request_id, first, count, start in batch.feature_rows
+        }
 
     @staticmethod
     def _lora_segments(decodes: list, chunks: list) -> list[LoRASegment]:

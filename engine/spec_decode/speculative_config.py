@@ -9,8 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix", "draft_model")
-PLANNED_METHODS = ("eagle", "medusa", "mtp")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+"""Methods whose proposer is a model named by `model`."""
+PLANNED_METHODS = ("medusa", "mtp", "deepseek_mtp")
 """Methods vLLM spells that this engine does not run (yet): refused by name at start-up."""
 
 
@@ -18,7 +20,9 @@ class SpeculativeConfig(BaseModel):
     """`{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`, or
     `{"method": "suffix", "num_speculative_tokens": k, ...}` with the `suffix_decoding_*` keys, or
     `{"method": "draft_model", "model": PATH_OR_GGUF, "num_speculative_tokens": k}`: a smaller model of the same
-    vocabulary proposes k tokens greedily (engine/spec_decode/draft_model.py).
+    vocabulary proposes k tokens greedily (engine/spec_decode/draft_model.py), or
+    `{"method": "eagle" | "eagle3", "model": HEAD_DIR, "num_speculative_tokens": k}`: an EAGLE / EAGLE-3 head
+    trained on the target reads its hidden states beside the tokens (engine/spec_decode/eagle.py).
 
     Each decoding request verifies up to k draft tokens per step; a request opts out with `speculative: false`
     or asks for fewer with its own `num_speculative_tokens`. A constrained request's drafts are checked by its
@@ -32,10 +36,13 @@ class SpeculativeConfig(BaseModel):
         description="the proposer (default: draft_model when model is given, else ngram): ngram (prompt lookup over "
         "the request's own tokens), "
         "suffix (a suffix trie over recent requests' outputs, and the request's own tokens) "
-        "or draft_model (a smaller model of the same vocabulary, greedy)",
+        "draft_model (a smaller model of the same vocabulary, greedy), "
+        "eagle or eagle3 (a draft head trained on the target, reading its hidden states)",
     )
     model: Optional[str] = Field(
-        None, description="the draft model (draft_model): a checkpoint directory or a .gguf file, same vocabulary"
+        None,
+        description="the draft model (draft_model): a checkpoint directory or a .gguf file, same vocabulary; the "
+        "head's checkpoint directory (eagle, eagle3)",
     )
     quantization: Literal["auto", "none", "gguf"] = Field(
         "auto",
@@ -106,8 +113,13 @@ class SpeculativeConfig(BaseModel):
     def _draft_model(self) -> "SpeculativeConfig":
         if self.method == "draft_model" and self.model is None:
             raise ValueError('method "draft_model" needs "model": the draft\'s checkpoint directory or .gguf file')
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f'"model" names a draft model: it goes with method "draft_model", not {self.method!r}')
+        if self.method in ("eagle", "eagle3") and self.model is None:
+            raise ValueError(f'method "{self.method}" needs "model": the head\'s checkpoint directory')
+        if self.method not in MODEL_METHODS and self.model is not None:
+            raise ValueError(
+                f'"model" names a draft model: it goes with method "draft_model", "eagle" or "eagle3", not '
+                f"{self.method!r}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -125,8 +137,8 @@ class SpeculativeConfig(BaseModel):
     def make_proposer(self) -> Union[NgramProposer, SuffixProposer]:
         """The proposer of a method that needs no model (draft_model's is built with its weights:
         engine/spec_decode/draft_loading.py)."""
-        if self.method == "draft_model":
-            raise ValueError("a draft model's proposer is built by build_draft_proposer, with its weights")
+        if self.method in MODEL_METHODS:
+            raise ValueError(f"{self.method}'s proposer is built with its weights (engine/builder.py)")
         if self.method == "suffix":
             return SuffixProposer(
                 self.num_speculative_tokens,

@@ -1,0 +1,153 @@
+"""Loading an EAGLE or EAGLE-3 draft head for `{"method": "eagle" | "eagle3", "model": DIR}` and checking it
+against the target.
+
+The head's directory holds a Llama config (EAGLE-3's may name `draft_vocab_size`, `target_hidden_size`,
+`norm_before_residual` and, in `eagle_config`, the target layers it reads: `eagle_aux_hidden_state_layer_ids`, by
+default 2, L // 2 and L - 3 of the target's L layers, as vLLM reads them) and its tensors (safetensors or
+PyTorch .bin), as the EAGLE authors' checkpoints store them. It runs beside the target in the engine's process
+and reads the target's embedding (and EAGLE's, its LM head), so one process holds all of the target's rows:
+tensor and pipeline parallelism are refused with it for now.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.attention.attention_shape import AttentionShape
+from engine.attention.kv_cache import KVCache, KVCacheSpec
+from engine.errors import SettingsConflictError
+from engine.loading.loader import CheckpointError, iter_weights, load_hf_config, prepare_checkpoint
+from engine.loading.rope_settings import rope_settings
+from engine.models.llama import LlamaForCausalLM
+from engine.models.llama_arch import LlamaArch
+from engine.platform import choose_numerics
+from engine.spec_decode.eagle import EagleProposer
+from engine.spec_decode.eagle_model import EagleHead
+from engine.spec_decode.speculative_config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedHead:
+    """An EAGLE head loaded beside its target, before its KV cache is sized."""
+
+    head: EagleHead
+    backend: AttentionBackend
+    spec: KVCacheSpec
+    feature_layers: tuple[int, ...]  # EAGLE-3: the target layers whose entering residual stream it reads
+    source: str
+
+
+def load_eagle_head(
+    speculative: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    *,
+    attention_backend: str,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    max_model_len: Optional[int] = None,
+    download_dir: Optional[str] = None,
+) -> LoadedHead:
+    """The head of `speculative.model` on the target's device and dtype; SettingsConflictError when it cannot be
+    read or does not fit the target (hidden size, feature layers)."""
+    assert speculative.model is not None  # the config's validator requires it for eagle and eagle3
+    method, name = speculative.method, speculative.model
+    try:
+        checkpoint = prepare_checkpoint(name, download_dir=download_dir)
+        config = load_hf_config(checkpoint.path)
+        if checkpoint.gguf is not None:
+            raise CheckpointError("an EAGLE head is read from safetensors or PyTorch .bin files, not GGUF")
+    except CheckpointError as error:
+        raise SettingsConflictError(
+            f"--speculative-config: the {method} head {name!r} cannot be read: {error}"
+        ) from error
+    if getattr(config, "add_para_norm", False):
+        raise SettingsConflictError(f"the {method} head {name!r}: HASS's extra norms (add_para_norm) are not served")
+    target_arch = target.arch
+    feature_layers = _feature_layers(config, target_arch.num_layers) if method == "eagle3" else ()
+    target_hidden = int(getattr(config, "target_hidden_size", None) or config.hidden_size)
+    if target_hidden != target_arch.hidden_size or (method == "eagle" and config.hidden_size != target_hidden):
+        raise SettingsConflictError(
+            f"the {method} head {name!r} reads hidden states of width {target_hidden}; the target's are "
+            f"{target_arch.hidden_size} wide"
+        )
+    try:
+        arch = LlamaArch.from_hf_config(config, rope_settings(config))
+        numerics = choose_numerics(
+            attention_backend,
+            target.device,
+            target.dtype,
+            block_size=block_size,
+            shape=AttentionShape.from_hf_config(config),
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        head = EagleHead(
+            method,
+            target,
+            arch,
+            target.dtype,
+            target.device,
+            numerics.ops,
+            numerics.linear,
+            max_model_len=max_model_len,
+        )
+        head.load_head(list(iter_weights(checkpoint.path)), bool(getattr(config, "norm_before_residual", False)))
+    except (ValueError, CheckpointError) as error:
+        raise SettingsConflictError(f"the {method} head {name!r} cannot serve this target: {error}") from error
+    _check_shapes(head, method, target_arch.hidden_size, len(feature_layers))
+    spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)
+    logger.info(
+        "%s head %s: %d layer(s), %.1f MB of weights%s",
+        method,
+        checkpoint.source,
+        arch.num_layers,
+        head.weight_bytes() / 1e6,
+        f", reading the target's layers {list(feature_layers)}" if feature_layers else "",
+    )
+    return LoadedHead(head, numerics.backend, spec, feature_layers, checkpoint.source)
+
+
+def make_eagle_proposer(
+    loaded: LoadedHead, num_blocks: int, num_speculative_tokens: int, vocab_limit: int, max_catch_up_tokens: int
+) -> EagleProposer:
+    """The proposer over a head KV cache of `num_blocks` blocks."""
+    head = loaded.head
+    return EagleProposer(
+        head,
+        loaded.backend,
+        KVCache(loaded.spec, num_blocks, head.device),
+        num_speculative_tokens,
+        vocab_limit,
+        max_catch_up_tokens,
+        head.arch.max_position_embeddings,
+    )
+
+
+def _feature_layers(config: Any, num_target_layers: int) -> tuple[int, ...]:
+    eagle_config = getattr(config, "eagle_config", None) or {}
+    layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if layers is None:
+        layers = (2, num_target_layers // 2, num_target_layers - 3)
+    layers = tuple(int(i) for i in layers)
+    if len(layers) != 3 or not all(0 <= i < num_target_layers for i in layers):
+        raise SettingsConflictError(
+            f"the eagle3 head reads the target's layers {list(layers)}: three of its {num_target_layers} are needed"
+        )
+    return layers
+
+
+def _check_shapes(head: EagleHead, method: str, target_hidden: int, num_features: int) -> None:
+    hidden = head.arch.hidden_size
+    fc_in = head.fc.shape[1] if isinstance(head.fc, torch.Tensor) else None
+    want = 3 * target_hidden if method == "eagle3" else 2 * hidden
+    if fc_in is not None and fc_in != want:
+        raise SettingsConflictError(f"the {method} head's fc reads {fc_in} features; {want} expected")
+    if method == "eagle3" and num_features != 3:
+        raise SettingsConflictError("an eagle3 head reads three of the target's layers")

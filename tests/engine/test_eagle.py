@@ -1,0 +1,232 @@
+"""EAGLE and EAGLE-3 speculation end to end, on tiny targets and heads made here (tests/engine/eagle_factories.py).
+
+- Every proposal's drafts equal a float64 reference's: the head's recipe written out from the papers and vLLM's
+  layout, reading the HF target's hidden states (its final ones, or the streams entering three layers).
+- Greedy tokens and logprobs with the head's drafts equal those without, under chunked prefill, preemption,
+  prefix-cache hits (the head's context then starts where the target's features do) and aborts; afterwards the
+  target's KV blocks and the head's are all free and it holds no request.
+- A head that computes what a one-layer target computes has most of its drafts accepted (the features, the
+  positions and the head's cache line up).
+- Refusals name what is wrong: no model, a GGUF file, another hidden width, missing tensors, feature layers out
+  of range, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import SamplingParams
+from engine.errors import SettingsConflictError
+from tests.engine.eagle_factories import make_eagle_head, mimic_head_tensors, random_head_tensors, reference_drafts
+from tests.engine.factories import make_tiny_model_dir
+from tests.engine.references import assert_idle, make_llm
+from tests.engine.test_spec_decode import PROMPTS, assert_same, run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FEATURE_LAYERS = [1, 2, 0]
+"""EAGLE-3's target layers in the tests (a 4-layer target; not in order, to catch a sorted read)."""
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("eagle") / "target", "llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("heads")
+    return {
+        "eagle": make_eagle_head(root / "eagle", "eagle", seed=1),
+        "eagle3": make_eagle_head(root / "eagle3", "eagle3", seed=2, feature_layers=FEATURE_LAYERS, draft_vocab=200),
+    }
+
+
+def eagle_config(method: str, head: Path, k: int = 3) -> dict:
+    # every decoding request drafts k each step (no adaptive k, no step-cost model), so every path is taken
+    return {
+        "method": method,
+        "model": str(head),
+        "num_speculative_tokens": k,
+        "adaptive": False,
+        "step_cost_model": False,
+    }
+
+
+def assert_head_idle(llm) -> None:
+    assert_idle(llm)
+    proposer = llm.engine.scheduler.proposer
+    assert proposer.num_requests == 0
+    assert proposer.cache.num_free_blocks == proposer.cache.num_blocks
+
+
+def record_proposals(llm) -> list:
+    """Each proposal's (query tokens, drafts), recorded as the scheduler receives them."""
+    proposer = llm.engine.scheduler.proposer
+    calls: list = []
+    propose = proposer.propose_batch
+
+    def recorded(queries):
+        drafts = propose(queries)
+        calls.extend((list(q.token_ids), list(d)) for q, d in zip(queries, drafts))
+        return drafts
+
+    proposer.propose_batch = recorded
+    return calls
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_each_proposal_is_the_reference_heads(method, target_dir, heads):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    tensors = load_file(str(heads[method] / "model.safetensors"))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with make_llm(target_dir, speculative_config=eagle_config(method, heads[method])) as llm:
+        model = llm.engine.runner.model
+        assert model.feature_layers == (tuple(FEATURE_LAYERS) if method == "eagle3" else ())
+        assert llm.engine.runner.draft_features == ("tapped" if method == "eagle3" else "final")
+        calls = record_proposals(llm)
+        run(llm, PROMPTS[:3], params)
+        assert_head_idle(llm)
+    drafted = [(tokens, drafts) for tokens, drafts in calls if drafts]
+    assert len(drafted) >= 6 and any(len(d) == 3 for _, d in drafted)
+    for tokens, drafts in drafted:
+        assert drafts == reference_drafts(target, tensors, method, tokens, len(drafts), FEATURE_LAYERS)
+
+
+SCENARIOS = {
+    "default": {},
+    # prompts longer than a step's budget: the head reads them over several steps
+    "chunked prefill": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+    "preemption": {"num_blocks": 30},
+    "no prefix caching": {"enable_prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("overrides", SCENARIOS.values(), ids=SCENARIOS.keys())
+def test_greedy_output_and_logprobs_equal_those_without_speculation(method, overrides, target_dir, heads):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    with make_llm(target_dir, **overrides) as base:
+        expected = run(base, PROMPTS, params)
+    with make_llm(target_dir, speculative_config=eagle_config(method, heads[method]), **overrides) as spec:
+        got = run(spec, PROMPTS, params)
+        assert spec.engine.stats().speculation.num_draft_tokens > 0
+        if "num_blocks" in overrides:
+            assert spec.engine.stats().num_preemptions > 0
+        assert_head_idle(spec)
+    assert_same(expected, got)
+
+
+def test_a_prefix_cache_hit_starts_the_heads_context_at_the_first_feature(target_dir, heads):
+    """The second request's first 16 tokens come from the prefix cache: the target computes no feature there, so
+    the head reads from position 16 on (its positions still the absolute ones); its tokens stay the target's."""
+    shared = list(range(60, 76))
+    prompts = [shared + [3, 4, 5], shared + [9, 8, 7, 6]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with make_llm(target_dir) as base:
+        expected = [run(base, [p], params) for p in prompts]
+    with make_llm(target_dir, speculative_config=eagle_config("eagle3", heads["eagle3"])) as spec:
+        proposer = spec.engine.scheduler.proposer
+        offsets = []
+        release = proposer.release
+
+        def release_and_note(request_id):
+            sequence = proposer._sequences.get(request_id)
+            if sequence is not None:
+                offsets.append(sequence.offset)
+            release(request_id)
+
+        proposer.release = release_and_note
+        got = [run(spec, [p], params) for p in prompts]
+        assert spec.engine.stats().prefix_cache_hits > 0
+        assert offsets == [0, 16]
+        assert_head_idle(spec)
+    for want, have in zip(expected, got):
+        assert_same(want, have)
+
+
+def test_a_head_mimicking_a_one_layer_target_has_most_drafts_accepted(tmp_path):
+    target_dir = make_tiny_model_dir(tmp_path / "target", "llama", num_hidden_layers=1)
+    state = load_file(str(target_dir / "model.safetensors"))
+    embed = state["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()  # RMS 1 per row
+    for name in state:
+        if "norm" in name:
+            state[name] = torch.ones_like(state[name])
+    save_file(state, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
+    head = make_eagle_head(tmp_path / "head", "eagle", tensors=mimic_head_tensors(state))
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    with make_llm(target_dir) as base:
+        expected = run(base, PROMPTS, params)
+    with make_llm(target_dir, speculative_config=eagle_config("eagle", head, k=4)) as spec:
+        got = run(spec, PROMPTS, params)
+        stats = spec.engine.stats().speculation
+        assert stats.num_accepted_tokens >= 0.6 * stats.num_draft_tokens > 0
+        assert_head_idle(spec)
+    assert_same(expected, got)
+
+
+def test_aborts_mid_run_leave_the_others_exact_and_free_the_heads_cache(target_dir, heads):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    with make_llm(target_dir) as base:
+        expected = run(base, PROMPTS, params)
+    with make_llm(target_dir, speculative_config=eagle_config("eagle3", heads["eagle3"])) as spec:
+        engine = spec.engine
+        tokens: dict[str, list[int]] = {}
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+            tokens[f"r{i}"] = []
+        for step in range(6):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            if step == 3:
+                engine.abort(["r1", "r4"])
+                assert "r1" not in engine.scheduler.proposer._sequences
+        while engine.has_work:
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert_head_idle(spec)
+    for i, want in enumerate(expected):
+        got = tokens[f"r{i}"]
+        assert got == (want[0][0][: len(got)] if i in (1, 4) else want[0][0])
+
+
+def test_bfloat16_runs(target_dir, heads):
+    """In bfloat16 (the cpu backend's fused decode step where EAGLE's final hidden states are read; EAGLE-3 taps
+    layers inside the loop, so its steps run unfused)."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for method in ("eagle", "eagle3"):
+        with make_llm(target_dir, dtype="bfloat16", speculative_config=eagle_config(method, heads[method])) as spec:
+            results = spec.generate([PROMPTS[0]], params, use_tqdm=False)
+            assert len(results[0].outputs[0].token_ids) == 12
+            assert spec.engine.stats().speculation.num_draft_tokens > 0
+            assert_head_idle(spec)
+
+
+def test_refusals_name_what_is_wrong(target_dir, heads, tmp_path):
+    def refused(config, match, **overrides):
+        with pytest.raises((SettingsConflictError, ValueError), match=match):
+            make_llm(target_dir, speculative_config=config, **overrides)
+
+    refused({"method": "eagle", "num_speculative_tokens": 2}, 'needs "model"')
+    refused({"method": "ngram", "model": str(heads["eagle"]), "num_speculative_tokens": 2}, "eagle3")
+    wide = make_eagle_head(tmp_path / "wide", "eagle3", feature_layers=FEATURE_LAYERS)
+    config = (
+        (wide / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 64, "target_hidden_size": 96')
+    )
+    (wide / "config.json").write_text(config)
+    refused(eagle_config("eagle3", wide), "width 96")
+    tensors = random_head_tensors("eagle3", 0, None, 512)
+    del tensors["midlayer.hidden_norm.weight"]
+    refused(eagle_config("eagle3", make_eagle_head(tmp_path / "lacks", "eagle3", tensors=tensors)), "hidden_norm")
+    refused(eagle_config("eagle3", make_eagle_head(tmp_path / "far", "eagle3", feature_layers=[0, 1, 9])), "layers")
+    tensors = random_head_tensors("eagle", 0, None, 512)
+    tensors["layers.0.extra.weight"] = torch.zeros(2)
+    refused(eagle_config("eagle", make_eagle_head(tmp_path / "extra", "eagle", tensors=tensors)), "not used")
+    refused(eagle_config("eagle", heads["eagle"]), "tensor-parallel", tensor_parallel_size=2)
