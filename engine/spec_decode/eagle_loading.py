@@ -73,10 +73,11 @@ def load_eagle_head(
     target_arch = target.arch
     feature_layers = _feature_layers(config, target_arch.num_layers) if method == "eagle3" else ()
     target_hidden = int(getattr(config, "target_hidden_size", None) or config.hidden_size)
-    if target_hidden != target_arch.hidden_size or (method == "eagle" and config.hidden_size != target_hidden):
+    if target_hidden != target_arch.hidden_size or config.hidden_size != target_arch.hidden_size:
         raise SettingsConflictError(
-            f"the {method} head {name!r} reads hidden states of width {target_hidden}; the target's are "
-            f"{target_arch.hidden_size} wide"
+            f"the {method} head {name!r} reads hidden states of width {target_hidden} and is "
+            f"{config.hidden_size} wide; the target's are {target_arch.hidden_size} wide (the head reads its "
+            "embedding)"
         )
     try:
         arch = LlamaArch.from_hf_config(config, rope_settings(config))

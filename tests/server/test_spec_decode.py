@@ -9,7 +9,8 @@ import pytest
 
 from server.config.server_config import ServerConfig
 from server.config.settings import SettingsError, load_settings
-from tests.server.conftest import start_server
+from tests.engine.eagle_factories import make_eagle_head
+from tests.server.conftest import serving, start_server
 
 NGRAM = {
     "method": "ngram",
@@ -76,6 +77,39 @@ def test_speculation_on_and_off_give_the_same_greedy_text_and_the_metrics_count_
     assert values['pagedserve_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}'] > 0
 
 
+def test_an_eagle3_head_served_gives_the_greedy_text_of_no_speculation(tiny_model_dir, tmp_path):
+    """The openai SDK against a server whose drafts come from an EAGLE-3 head (reading the tiny model's layers 0,
+    1 and 1): completions and streamed chat equal their runs with `speculative: false`; drafts were verified."""
+    head = make_eagle_head(tmp_path / "head", "eagle3", feature_layers=[0, 1, 1], draft_vocab=300)
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "step_cost_model": False}
+    with serving(tiny_model_dir, ServerConfig(served_model_name="tiny"), speculative_config=config) as running:
+        sdk = running.sdk()
+        texts = []
+        for speculative in (False, True):
+            completion = sdk.completions.create(
+                model="tiny",
+                prompt=LOOPING_PROMPT,
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True, "speculative": speculative},
+            )
+            stream = sdk.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "the quick brown fox"}],
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                extra_body={"speculative": speculative},
+            )
+            chat = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+            texts.append((completion.choices[0].text, chat))
+        assert texts[0] == texts[1]
+        running.wait_idle()
+        assert running.engine.engine.stats().speculation.num_draft_tokens > 0
+        proposer = running.engine.engine.scheduler.proposer
+        assert proposer.num_requests == 0 and proposer.cache.num_free_blocks == proposer.cache.num_blocks
+
+
 def test_a_bad_per_request_value_is_a_400_naming_it(spec_server):
     with spec_server.client() as client:
         response = client.post(
@@ -131,7 +165,8 @@ def test_a_model_without_a_method_is_a_draft_model_as_vllm_reads_it():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ('{"method": "eagle", "num_speculative_tokens": 3}', "'eagle' is not implemented yet"),
+        ('{"method": "mtp", "num_speculative_tokens": 3}', "'mtp' is not implemented yet"),
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', 'method "eagle3" needs "model"'),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', 'method "draft_model" needs "model"'),
         ('{"method": "suffix", "model": "/some/draft", "num_speculative_tokens": 3}', 'goes with method "draft_model"'),
         (
