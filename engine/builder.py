@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -23,8 +23,9 @@ from engine.loading.loader import (
 )
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
-from engine.spec_decode.eagle_loading import load_eagle_head, make_eagle_proposer
+from engine.spec_decode.eagle_loading import LoadedHead, load_eagle_head, make_eagle_proposer
 from engine.spec_decode.eagle_model import METHODS as EAGLE_METHODS
+from engine.spec_decode.mtp import LoadedMtp, load_mtp_head
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
@@ -100,7 +101,7 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             "decoding (a step's drafts would wait for the step before it through every stage)"
         )
     speculative = config.speculative_config
-    if parallel.world_size > 1 and speculative is not None and speculative.method in EAGLE_METHODS:
+    if parallel.world_size > 1 and speculative is not None and speculative.method in (*EAGLE_METHODS, "mtp"):
         raise SettingsConflictError(
             f"--speculative-config method {speculative.method!r} runs on one process for now (its head reads the "
             f"target's whole embedding and LM head): not with --tensor-parallel-size {parallel.tensor_parallel_size}"
@@ -163,7 +164,8 @@ def _build_rank0(
     lora_manager = build_lora(config, model, hf_config) if config.lora.enable_lora else None
     kv_dtype = spec.dtype
     speculative = config.speculative_config
-    draft = head = None
+    draft = None
+    head: Optional[Union[LoadedHead, LoadedMtp]] = None
     if speculative is not None and speculative.method == "draft_model":
         draft = _draft_model(config, speculative, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
     elif speculative is not None and speculative.method in EAGLE_METHODS:
@@ -178,6 +180,17 @@ def _build_rank0(
             download_dir=config.model.download_dir,
         )
         model.feature_layers = head.feature_layers
+    elif speculative is not None and speculative.method == "mtp":
+        head = load_mtp_head(
+            hf_config,
+            checkpoint.path,
+            model,
+            attention_backend=config.attention_backend,
+            block_size=config.cache.block_size,
+            kv_dtype=kv_dtype,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            max_model_len=max_model_len,
+        )
     # A draft's (or a head's) cache holds as many blocks as the target's, from the same budget.
     draft_spec = draft.spec if draft is not None else None if head is None else head.spec
     draft_bytes = 0 if draft_spec is None else draft_spec.bytes_per_block

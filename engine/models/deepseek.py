@@ -5,9 +5,9 @@ layer, dense MLPs in the first ones.
 Checkpoints as `save_pretrained` writes them: `self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
 kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`, `mlp.gate.weight` (+ `e_score_correction_bias`, V3),
 `mlp.experts.N.{gate,up,down}_proj` (or stacked), `mlp.shared_experts.{gate,up,down}_proj`. Layers past
-num_hidden_layers (V3's multi-token-prediction layer) are not read. Where the rotary pairs are interleaved,
-the rope rows of the q and k_pe projections are reordered at load into the two halves the rotary embedding
-turns (the same products, so the same scores).
+num_hidden_layers (V3's multi-token-prediction layer, which engine/spec_decode/mtp.py reads) are not read. Where
+the rotary pairs are interleaved, the rope rows of the q and k_pe projections are reordered at load into the two
+halves the rotary embedding turns (the same products, so the same scores).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ experts (engine/models/deepseek.py's `grouped_experts_block`).
 Checkpoints as `save_pretrained` writes them (`mlp.experts.N.{gate,up,down}_proj` or stacked, `mlp.gate.weight`,
 `mlp.gate.e_score_correction_bias`, `mlp.shared_experts.*`). The router and its correction bias load in float32
 whatever the model's dtype, as transformers keeps them. Layers past num_hidden_layers (the multi-token-prediction
-layer, num_nextn_predict_layers) are not read.
+layer, num_nextn_predict_layers, which engine/spec_decode/mtp.py reads) are not read.
 """
 
 from __future__ import annotations

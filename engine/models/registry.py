@@ -214,7 +214,7 @@ FAMILIES = (
             "sigmoid routing with e_score_correction_bias (noaux_tc)",
             "norm_topk_prob",
             "rope_interleave",
-            "the multi-token-prediction layer not read",
+            "the multi-token-prediction layer drafts with --speculative-config mtp",
         ),
     ),
     ModelFamily(
@@ -251,7 +251,7 @@ FAMILIES = (
             "DeepSeek-V3's routing: sigmoid scores with e_score_correction_bias, group-limited top-k (n_group, "
             "topk_group), norm_topk_prob, routed_scaling_factor; router kept in float32",
             "shared experts",
-            "the multi-token-prediction layer not read",
+            "the multi-token-prediction layer drafts with --speculative-config mtp",
         ),
     ),
 )

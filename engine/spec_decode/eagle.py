@@ -1,4 +1,5 @@
-"""EAGLE and EAGLE-3 speculation: a draft head reads the target's hidden states beside the tokens.
+"""EAGLE, EAGLE-3 and multi-token-prediction speculation: a draft head reads the target's hidden states beside
+the tokens (an EAGLE head trained on the target, or the target checkpoint's own prediction layer: mtp.py).
 
 The runner puts each step's features of every computed position in its output (`draft_features`: the final
 hidden states, or EAGLE-3's three layers' residual streams); the scheduler hands each running request's to
@@ -19,7 +20,7 @@ cache then starts past it (`offset`), its positions still the absolute ones, so 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence, cast
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, cast
 
 import torch
 
@@ -27,8 +28,26 @@ from engine.attention import AttentionBackend
 from engine.attention.kv_cache import KVCache
 from engine.attention.step_metadata import step_metadata_for
 from engine.spec_decode.draft_cache import DraftCache, DraftSequence
-from engine.spec_decode.eagle_model import EagleHead
 from scheduler import DraftQuery
+
+
+class DraftHead(Protocol):
+    """What the proposer runs: an EAGLE / EAGLE-3 head (eagle_model.py) or a prediction layer (mtp.py)."""
+
+    arch: Any  # its LlamaArch (max_position_embeddings: its context)
+    device: torch.device
+
+    def combine(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features of some positions -> what the head reads as a position's feature."""
+        ...
+
+    def forward_head(self, input_ids, positions, features, kv_caches, metadata, backend) -> torch.Tensor:
+        """Rows reading token p + 1 and the feature of p at position p -> their outputs (the next features)."""
+        ...
+
+    def draft_tokens(self, out: torch.Tensor, vocab_limit: int) -> list[int]:
+        """The greedy next target token of each output row."""
+        ...
 
 
 @dataclass(slots=True)
@@ -58,11 +77,11 @@ class _Row(NamedTuple):
 
 
 class EagleProposer:
-    """The `FeatureDraftProposer` of `{"method": "eagle"}` and `{"method": "eagle3"}`."""
+    """The `FeatureDraftProposer` of `{"method": "eagle"}`, `{"method": "eagle3"}` and `{"method": "mtp"}`."""
 
     def __init__(
         self,
-        head: EagleHead,
+        head: DraftHead,
         backend: AttentionBackend,
         kv_cache: KVCache,
         num_speculative_tokens: int,

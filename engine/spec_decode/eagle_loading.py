@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -28,6 +28,7 @@ from engine.models.llama_arch import LlamaArch
 from engine.platform import choose_numerics
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.eagle_model import EagleHead
+from engine.spec_decode.mtp import LoadedMtp
 from engine.spec_decode.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -116,9 +117,13 @@ def load_eagle_head(
 
 
 def make_eagle_proposer(
-    loaded: LoadedHead, num_blocks: int, num_speculative_tokens: int, vocab_limit: int, max_catch_up_tokens: int
+    loaded: Union[LoadedHead, LoadedMtp],
+    num_blocks: int,
+    num_speculative_tokens: int,
+    vocab_limit: int,
+    max_catch_up_tokens: int,
 ) -> EagleProposer:
-    """The proposer over a head KV cache of `num_blocks` blocks."""
+    """The proposer over a head KV cache of `num_blocks` blocks (an EAGLE head's, or a prediction layer's)."""
     head = loaded.head
     return EagleProposer(
         head,

@@ -9,10 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 """Methods whose proposer is a model named by `model`."""
-PLANNED_METHODS = ("medusa", "mtp", "deepseek_mtp")
+PLANNED_METHODS = ("medusa",)
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
+"""vLLM's earlier names of `mtp`, read as it."""
 """Methods vLLM spells that this engine does not run (yet): refused by name at start-up."""
 
 
@@ -22,7 +24,9 @@ class SpeculativeConfig(BaseModel):
     `{"method": "draft_model", "model": PATH_OR_GGUF, "num_speculative_tokens": k}`: a smaller model of the same
     vocabulary proposes k tokens greedily (engine/spec_decode/draft_model.py), or
     `{"method": "eagle" | "eagle3", "model": HEAD_DIR, "num_speculative_tokens": k}`: an EAGLE / EAGLE-3 head
-    trained on the target reads its hidden states beside the tokens (engine/spec_decode/eagle.py).
+    trained on the target reads its hidden states beside the tokens (engine/spec_decode/eagle.py), or
+    `{"method": "mtp", "num_speculative_tokens": k}`: the target checkpoint's own multi-token-prediction layer
+    does (DeepSeek-V3, GLM-4.5: engine/spec_decode/mtp.py).
 
     Each decoding request verifies up to k draft tokens per step; a request opts out with `speculative: false`
     or asks for fewer with its own `num_speculative_tokens`. A constrained request's drafts are checked by its
@@ -37,7 +41,8 @@ class SpeculativeConfig(BaseModel):
         "the request's own tokens), "
         "suffix (a suffix trie over recent requests' outputs, and the request's own tokens) "
         "draft_model (a smaller model of the same vocabulary, greedy), "
-        "eagle or eagle3 (a draft head trained on the target, reading its hidden states)",
+        "eagle or eagle3 (a draft head trained on the target, reading its hidden states), "
+        "mtp (the target checkpoint's own multi-token-prediction layer: DeepSeek-V3, GLM-4.5)",
     )
     model: Optional[str] = Field(
         None,
@@ -101,6 +106,8 @@ class SpeculativeConfig(BaseModel):
     @field_validator("method")
     @classmethod
     def _known_method(cls, method: str) -> str:
+        if method in MTP_ALIASES:
+            return "mtp"
         if method in METHODS:
             return method
         if method in PLANNED_METHODS:

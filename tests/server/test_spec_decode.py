@@ -152,6 +152,12 @@ def test_the_flag_the_environment_and_yaml_set_it(tmp_path):
     )
 
 
+def test_vllms_earlier_names_of_mtp_are_read_as_mtp():
+    for name in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):
+        settings = load_settings(["--speculative-config", f'{{"method": "{name}", "num_speculative_tokens": 1}}'], {})
+        assert settings.engine.speculative_config.method == "mtp"
+
+
 def test_a_model_without_a_method_is_a_draft_model_as_vllm_reads_it():
     settings = load_settings(["--speculative-config", '{"model": "/some/draft", "num_speculative_tokens": 3}'], {})
     speculative = settings.engine.speculative_config
@@ -165,7 +171,7 @@ def test_a_model_without_a_method_is_a_draft_model_as_vllm_reads_it():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ('{"method": "mtp", "num_speculative_tokens": 3}', "'mtp' is not implemented yet"),
+        ('{"method": "medusa", "num_speculative_tokens": 3}', "'medusa' is not implemented yet"),
         ('{"method": "eagle3", "num_speculative_tokens": 3}', 'method "eagle3" needs "model"'),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', 'method "draft_model" needs "model"'),
         ('{"method": "suffix", "model": "/some/draft", "num_speculative_tokens": 3}', 'goes with method "draft_model"'),
