@@ -165,13 +165,17 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server):
 
 def test_tokenizing_a_large_text_does_not_block_the_event_loop(server):
     """/tokenize has no context bound: ~1 MB of text tokenizes for a second or more, on a worker thread, while
-    /health keeps answering (a generous bound: on the event loop each probe would wait out the tokenization)."""
+    /health keeps answering. On the event loop no probe would be answered while it ran, and one would wait out
+    all of it: several probes answered, none near the whole request's time (the bound leaves a loaded machine's
+    scheduling its margin: one probe of 0.72 s in a 1.4 s request failed a bound of half)."""
     text = "hello world, this is a test. " * (LIMIT // 32)
     done = threading.Event()
     result = {}
 
     def tokenize():
+        started = time.monotonic()
         result["response"] = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}, timeout=60)
+        result["seconds"] = time.monotonic() - started
         done.set()
 
     thread = threading.Thread(target=tokenize)
@@ -187,7 +191,7 @@ def test_tokenizing_a_large_text_does_not_block_the_event_loop(server):
     thread.join()
     assert result["response"].status_code == 200 and result["response"].json()["count"] > 100_000
     assert len(probes) >= 3
-    assert max(probes) < 0.5 * max(sum(probes), 1.0)
+    assert max(probes) < 0.8 * max(result["seconds"], 1.0)
 
 
 def test_bodies_refused_before_parsing_count_as_rejected_requests(server):
