@@ -100,12 +100,6 @@ def build_engine(config: EngineConfig, *, served_model_name: Optional[str] = Non
             f"--pipeline-parallel-size {parallel.pipeline_parallel_size} cannot be combined with speculative "
             "decoding (a step's drafts would wait for the step before it through every stage)"
         )
-    speculative = config.speculative_config
-    if parallel.world_size > 1 and speculative is not None and speculative.method in (*EAGLE_METHODS, "mtp"):
-        raise SettingsConflictError(
-            f"--speculative-config method {speculative.method!r} runs on one process for now (its head reads the "
-            f"target's whole embedding and LM head): not with --tensor-parallel-size {parallel.tensor_parallel_size}"
-        )
     if parallel.world_size > 1:
         if parallel.distributed_executor_backend == "ray":
             workers = start_ray_workers(config, hf_config)
@@ -178,6 +172,7 @@ def _build_rank0(
             kv_cache_dtype=config.cache.kv_cache_dtype,
             max_model_len=max_model_len,
             download_dir=config.model.download_dir,
+            target_checkpoint=checkpoint.path,
         )
         model.feature_layers = head.feature_layers
     elif speculative is not None and speculative.method == "mtp":

@@ -5,14 +5,16 @@ The head's directory holds a Llama config (EAGLE-3's may name `draft_vocab_size`
 `norm_before_residual` and, in `eagle_config`, the target layers it reads: `eagle_aux_hidden_state_layer_ids`, by
 default 2, L // 2 and L - 3 of the target's L layers, as vLLM reads them) and its tensors (safetensors or
 PyTorch .bin), as the EAGLE authors' checkpoints store them. It runs beside the target in the engine's process
-and reads the target's embedding (and EAGLE's, its LM head), so one process holds all of the target's rows:
-tensor and pipeline parallelism are refused with it for now.
+and reads the target's embedding (and EAGLE's, its LM head);
+with tensor parallelism, where the target holds a slice of the vocabulary's rows, the head holds all of them,
+read from the target's checkpoint at start-up (`full_target_rows`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -29,6 +31,7 @@ from engine.platform import choose_numerics
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.eagle_model import EagleHead
 from engine.spec_decode.mtp import LoadedMtp
+from engine.spec_decode.target_rows import full_target_rows
 from engine.spec_decode.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ def load_eagle_head(
     kv_cache_dtype: str = "auto",
     max_model_len: Optional[int] = None,
     download_dir: Optional[str] = None,
+    target_checkpoint: Optional[Path] = None,
 ) -> LoadedHead:
     """The head of `speculative.model` on the target's device and dtype; SettingsConflictError when it cannot be
     read or does not fit the target (hidden size, feature layers)."""
@@ -104,6 +108,9 @@ def load_eagle_head(
     except (ValueError, CheckpointError) as error:
         raise SettingsConflictError(f"the {method} head {name!r} cannot serve this target: {error}") from error
     _check_shapes(head, method, target_arch.hidden_size, len(feature_layers))
+    if target.vocab_parallel is not None:
+        assert target_checkpoint is not None  # (the builder passes it)
+        head.target_rows = full_target_rows(target_checkpoint, target.dtype, target.device)
     spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)
     logger.info(
         "%s head %s: %d layer(s), %.1f MB of weights%s",

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.llama import LlamaForCausalLM, LlamaLayerWeights
@@ -44,6 +45,9 @@ class EagleHead(LlamaForCausalLM):
         self.hidden_norm: Optional[torch.Tensor] = None  # EAGLE-3: the feature's norm in layer 0
         self.norm_before_residual = False  # EAGLE-3: layer 0's residual is the feature after hidden_norm
         self.draft_to_target: Optional[torch.Tensor] = None  # EAGLE-3: [draft vocab] target id - draft id (d2t)
+        # With tensor parallelism the target holds a slice of the vocabulary's rows: the head holds all of them,
+        # read from the target's checkpoint (its embedding, and EAGLE's LM head); None: the target's serve
+        self.target_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     # ------------------------------------------------------------------ weights
 
@@ -103,7 +107,10 @@ class EagleHead(LlamaForCausalLM):
     ) -> torch.Tensor:  # [T, hidden]: `out`, each row's logits' input and the next position's feature
         ops, eps = self.ops, self.arch.rms_norm_eps
         angles = ops.rotary_angles(positions, self.rotary)
-        embeds = self.target.embed_tokens(input_ids)
+        if self.target_rows is None:
+            embeds = self.target.embed_tokens(input_ids)
+        else:
+            embeds = F.embedding(input_ids, self.target_rows[0])
         if self.method == "eagle3":
             assert self.hidden_norm is not None
             normed = ops.rms_norm(features, self.hidden_norm, eps)
@@ -123,6 +130,9 @@ class EagleHead(LlamaForCausalLM):
     @torch.inference_mode()
     def draft_tokens(self, out: torch.Tensor, vocab_limit: int) -> list[int]:
         """The greedy next token (a target id below `vocab_limit`) of each row of `out` [n, hidden]."""
+        if self.method == "eagle" and self.target_rows is not None:
+            logits = F.linear(out, self.target_rows[1]).float()
+            return logits[:, :vocab_limit].argmax(dim=-1).tolist()
         if self.method == "eagle":
             logits = self.target.head_logits(out)  # the target's LM head on the head's output, no norm between
             return logits[:, :vocab_limit].argmax(dim=-1).tolist()

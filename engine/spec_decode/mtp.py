@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -30,6 +31,7 @@ from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import family_of
 from engine.platform import choose_numerics
+from engine.spec_decode.target_rows import full_target_rows
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +134,14 @@ def load_mtp_head(
     )
     block = build_model(config, target.dtype, target.device, numerics.ops, numerics.linear, max_model_len=max_model_len)
     weights = {("layers.0." + name): tensor for name, tensor in stored.items() if not _head_tensor(name)}
-    weights["embed_tokens.weight"] = _target_matrix(target.embed, "embedding")  # a stored copy: the same rows
+    if target.vocab_parallel is None:
+        embed, lm_head = _target_matrix(target.embed, "embedding"), target.lm_head
+    else:  # each rank holds a slice of the target's rows: the layer, on this one, all of them
+        embed, lm_head = full_target_rows(Path(checkpoint_path), target.dtype, target.device)
+    weights["embed_tokens.weight"] = embed  # (a copy is stored in the layer too: the same rows)
     weights["norm.weight"] = _pop(stored, "shared_head.norm.weight")
     head_matrix = stored.pop("shared_head.head.weight", None)
-    weights["lm_head.weight"] = head_matrix if head_matrix is not None else _target_matrix(target.lm_head, "LM head")
+    weights["lm_head.weight"] = head_matrix if head_matrix is not None else _target_matrix(lm_head, "LM head")
     try:
         block.load_weights(weights.items())
     except ValueError as error:

@@ -110,6 +110,30 @@ def test_speculative_decoding(model_dir):
     assert_same(got, expected)
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_draft_heads_beside_two_ranks(method, model_dir, tmp_path):
+    """An EAGLE or EAGLE-3 head (on a 4-layer Llama), or GLM-4.5's prediction layer, drafts on rank 0 beside a
+    target whose ranks each hold half of the vocabulary's rows: the head reads the whole embedding (and EAGLE's LM
+    head) from the target's checkpoint, the target's features from rank 0's forward. The tokens of one process
+    without speculation."""
+    from tests.engine.eagle_factories import make_eagle_head
+    from tests.engine.test_mtp import add_prediction_layer
+
+    if method == "mtp":
+        whole = make_tiny_model_dir(tmp_path / "whole", "glm4_moe", num_hidden_layers=3)
+        target, config = add_prediction_layer(whole, tmp_path / "target"), {"method": "mtp"}
+    else:
+        target = make_tiny_model_dir(tmp_path / "target", "llama", num_hidden_layers=4)
+        head = make_eagle_head(tmp_path / "head", method, feature_layers=[1, 2, 0], draft_vocab=200)
+        config = {"method": method, "model": str(head)}
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8]
+    expected, _ = generate(target, prompts, 1)
+    config.update(num_speculative_tokens=3, adaptive=False, step_cost_model=False)
+    got, stats = generate(target, prompts, 2, speculative_config=config)
+    assert stats.speculation is not None and stats.speculation.num_draft_tokens > 0
+    assert_same(got, expected)
+
+
 def test_the_step_cost_timing_runs_on_every_rank_in_lockstep(model_dir):
     """The start-up's step-cost timing runs the same steps on every rank (a rank that skipped them would leave the
     others waiting at a collective): the engine starts, holds a cost for each row count measured, and serves the

@@ -7,8 +7,8 @@
   target's KV blocks and the head's are all free and it holds no request.
 - A head that computes what a one-layer target computes has most of its drafts accepted (the features, the
   positions and the head's cache line up).
-- Refusals name what is wrong: no model, a GGUF file, another hidden width, missing tensors, feature layers out
-  of range, tensor parallelism.
+- Refusals name what is wrong: no model, another hidden width, missing or unused tensors, feature layers out of
+  range (two tensor-parallel ranks: tests/distributed/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -229,4 +229,3 @@ def test_refusals_name_what_is_wrong(target_dir, heads, tmp_path):
     tensors = random_head_tensors("eagle", 0, None, 512)
     tensors["layers.0.extra.weight"] = torch.zeros(2)
     refused(eagle_config("eagle", make_eagle_head(tmp_path / "extra", "eagle", tensors=tensors)), "not used")
-    refused(eagle_config("eagle", heads["eagle"]), "tensor-parallel", tensor_parallel_size=2)
