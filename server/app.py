@@ -33,14 +33,14 @@ from server.openai.logprob_format import LogprobFormatter
 from server.observability.lora_metrics import LoRACollector
 from server.observability.metrics import ServerMetrics, cache_info
 from server.http import ops
-from server.openai import chat, classify, completions, embeddings, lora_admin, models, scoring, tokenize
+from server.openai import chat, classify, completions, embeddings, lora_admin, models, pooling, scoring, tokenize
 from server.openai.responses import route as responses
 from server.openai.responses import stored as stored_responses
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
-_AUTH_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/classify")
+_AUTH_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/classify", "/pooling")
 _WATCH_INTERVAL_S = 0.1
 
 
@@ -80,7 +80,19 @@ def create_app(
     )
     app = FastAPI(title="pagedserve", description="OpenAI-compatible LLM inference server", lifespan=lifespan, **docs)
     app.state.server = state
-    routers = [completions, chat, responses, stored_responses, embeddings, scoring, classify, models, tokenize, ops]
+    routers = [
+        completions,
+        chat,
+        responses,
+        stored_responses,
+        embeddings,
+        pooling,
+        scoring,
+        classify,
+        models,
+        tokenize,
+        ops,
+    ]
     if state.adapters is not None and state.adapters.config.allow_runtime_lora_updating:
         routers.append(lora_admin)  # else the paths are a 404, as in vLLM
     for module in routers:

@@ -81,7 +81,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
             body=body,
             model=body.model,
             request_id=body.request_id or new_id("embd"),
-            prompt=_prompt(body),
+            prompt=prompt_of(body),
             params=params,
             priority=body.priority,
             cache_salt=body.cache_salt,
@@ -93,7 +93,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
     data = []
     for choice, result in zip(generation.choices, results):
         assert result.embedding is not None  # (a request that failed raised in collect)
-        data.append(EmbeddingData(index=choice.index, embedding=_encoded(result.embedding, body)))
+        data.append(EmbeddingData(index=choice.index, embedding=encoded(result.embedding, body)))
     return EmbeddingResponse(
         id=generation.request_id,
         model=generation.model,
@@ -102,7 +102,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
     )
 
 
-def _prompt(body: EmbeddingRequest) -> Prompt:
+def prompt_of(body: EmbeddingRequest) -> Prompt:
     if (body.input is None) == (body.messages is None):
         raise bad_request("give exactly one of input or messages.", param="input")
     if body.messages is not None:
@@ -124,7 +124,7 @@ def _prompt(body: EmbeddingRequest) -> Prompt:
     )
 
 
-def _encoded(embedding: list[float], body: EmbeddingRequest) -> Union[list[float], str]:
+def encoded(embedding: list[float], body: EmbeddingRequest) -> Union[list[float], str]:
     """The vector as asked: a list of floats, or base64 of its float32 bytes (what the OpenAI SDKs ask for and
     decode), in `endianness` byte order."""
     if body.encoding_format != "base64":

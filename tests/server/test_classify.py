@@ -71,6 +71,23 @@ def test_classify_gives_hfs_probabilities_and_the_best_label(labeller, labeller_
     labeller.wait_idle()
 
 
+def test_the_pooling_api_gives_a_classifiers_probabilities(labeller, labeller_dir):
+    """vLLM's POST /pooling on a classification model: each input's class probabilities (raw logits with
+    use_activation false), as /classify gives them."""
+    tokenizer = labeller.engine.tokenizer
+    logits = hf_logits(labeller_dir, [tokenizer.encode(t) for t in TEXTS])
+    with labeller.client() as client:
+        body = client.post("/pooling", json={"input": TEXTS, "encoding_format": "float"}).json()
+        raw = client.post("/pooling", json={"input": TEXTS[0], "use_activation": False}).json()
+        refused = client.post("/pooling", json={"input": TEXTS[0], "dimensions": 2})
+    assert [d["object"] for d in body["data"]] == ["pooling", "pooling"]
+    for data, expected in zip(body["data"], logits):
+        torch.testing.assert_close(torch.tensor(data["data"]), torch.softmax(expected, -1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(raw["data"][0]["data"]), logits[0], atol=1e-5, rtol=1e-4)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"
+    labeller.wait_idle()
+
+
 def test_a_reranker_scores_pairs_as_hf(reranker, reranker_dir):
     hf_tokenizer = reranker.engine.tokenizer.hf
     pairs = [hf_tokenizer(text=QUERY, text_pair=d)["input_ids"] for d in DOCUMENTS]

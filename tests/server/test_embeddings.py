@@ -237,3 +237,27 @@ def test_log_requests_names_the_inputs_never_their_text(embedding_dir, caplog):
     tokens = len(running.engine.tokenizer.encode(secret))
     assert f"request embd-log-0: 2 pooled input(s), prompt tokens {tokens}," in "\n".join(lines)
     assert not any(secret in line for line in lines)
+
+
+def test_the_pooling_api_gives_an_embedding_models_vectors(embedder, reference):
+    """vLLM's POST /pooling: /v1/embeddings' request, each input's pooled vector in `data`."""
+    with embedder.client() as client:
+        body = client.post("/pooling", json={"input": TEXTS, "encoding_format": "float"}).json()
+        assert body["id"].startswith("pool-") and body["object"] == "list" and body["model"] == "tiny-embed"
+        assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "pooling"), (1, "pooling")]
+        for data, expected in zip(body["data"], reference[None]):
+            torch.testing.assert_close(torch.tensor(data["data"]), expected)
+        short = client.post("/pooling", json={"input": TEXTS[1], "dimensions": 16}).json()
+        torch.testing.assert_close(torch.tensor(short["data"][0]["data"]), reference[16][1])
+        encoded = client.post("/pooling", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+        raw = base64.b64decode(encoded["data"][0]["data"])
+        torch.testing.assert_close(torch.tensor(struct.unpack(f"={len(raw) // 4}f", raw)), reference[None][0])
+        refused = client.post("/pooling", json={"input": TEXTS[0], "use_activation": False})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "use_activation"
+    embedder.wait_idle()
+
+
+def test_a_generative_model_refuses_the_pooling_api(server):
+    with server.client() as client:
+        response = client.post("/pooling", json={"input": "hi"})
+    assert response.status_code == 400 and "does not support the Pooling API" in response.json()["error"]["message"]
