@@ -378,7 +378,12 @@ class Scheduler:
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # ended between schedule() and now
-            if draft_features and request_id in draft_features and self._feature_proposer is not None:
+            if (
+                draft_features
+                and self._feature_proposer is not None
+                and request.num_speculative_tokens != 0  # (one that opted out never drafts: nothing to keep)
+                and request_id in draft_features
+            ):
                 self._feature_proposer.observe(request_id, draft_features[request_id])
             num_computed = request.num_computed_tokens + num_tokens
             if spec_tokens and request_id in spec_tokens:

@@ -229,3 +229,26 @@ def test_refusals_name_what_is_wrong(target_dir, heads, tmp_path):
     tensors = random_head_tensors("eagle", 0, None, 512)
     tensors["layers.0.extra.weight"] = torch.zeros(2)
     refused(eagle_config("eagle", make_eagle_head(tmp_path / "extra", "eagle", tensors=tensors)), "not used")
+
+
+def test_a_request_that_opted_out_keeps_no_features_in_the_head(target_dir, heads):
+    """A `speculative: false` request never drafts: the head keeps none of its target features (they would pile
+    up to max_num_batched_tokens rows a request, copied every step); the others still draft."""
+    spec_params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, speculative=False)
+    with make_llm(target_dir) as base:
+        expected = run(base, PROMPTS[:2], spec_params) + run(base, PROMPTS[2:3], plain)
+    with make_llm(target_dir, speculative_config=eagle_config("eagle", heads["eagle"])) as spec:
+        engine = spec.engine
+        proposer = engine.scheduler.proposer
+        engine.add_request("s0", PROMPTS[0], spec_params)
+        engine.add_request("s1", PROMPTS[1], spec_params)
+        engine.add_request("plain", PROMPTS[2], plain)
+        tokens: dict[str, list[int]] = {"s0": [], "s1": [], "plain": []}
+        while engine.has_work:
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            assert "plain" not in proposer._sequences
+        assert engine.stats().speculation.num_draft_tokens > 0
+        assert_head_idle(spec)
+    assert [tokens["s0"], tokens["s1"], tokens["plain"]] == [want[0][0] for want in expected]
