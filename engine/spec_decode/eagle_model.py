@@ -107,8 +107,10 @@ class EagleHead(LlamaForCausalLM):
     ) -> torch.Tensor:  # [T, hidden]: `out`, each row's logits' input and the next position's feature
         ops, eps = self.ops, self.arch.rms_norm_eps
         angles = ops.rotary_angles(positions, self.rotary)
+        # the embedding's rows as stored: not a target's own scaling of them (Gemma's sqrt(hidden), Granite's
+        # multiplier), which its forward applies and a head's training never saw (vLLM shares the module alone)
         if self.target_rows is None:
-            embeds = self.target.embed_tokens(input_ids)
+            embeds = LlamaForCausalLM.embed_tokens(self.target, input_ids)
         else:
             embeds = F.embedding(input_ids, self.target_rows[0])
         if self.method == "eagle3":
