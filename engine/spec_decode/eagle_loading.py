@@ -148,7 +148,9 @@ def _feature_layers(config: Any, num_target_layers: int) -> tuple[int, ...]:
     layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
     if layers is None:
         layers = (2, num_target_layers // 2, num_target_layers - 3)
-    layers = tuple(int(i) for i in layers)
+    # in the target's layer order, whatever the order listed: vLLM's (and SGLang's) layer loop appends each
+    # layer's stream as it passes it, and fc's three input blocks are trained in that order
+    layers = tuple(sorted(int(i) for i in layers))
     if len(layers) != 3 or not all(0 <= i < num_target_layers for i in layers):
         raise SettingsConflictError(
             f"the eagle3 head reads the target's layers {list(layers)}: three of its {num_target_layers} are needed"
