@@ -236,7 +236,12 @@ def _build_rank0(
         )
     elif head is not None and speculative is not None:
         proposer = make_eagle_proposer(
-            head, num_blocks, speculative.num_speculative_tokens, model.arch.vocab_size, limits.max_num_batched_tokens
+            head,
+            num_blocks,
+            speculative.num_speculative_tokens,
+            model.arch.vocab_size,
+            limits.max_num_batched_tokens,
+            max_model_len,
         )
         logger.info(
             "%s head KV cache: %d blocks (%.0f MiB)", speculative.method, num_blocks, num_blocks * draft_bytes / 2**20

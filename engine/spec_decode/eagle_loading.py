@@ -129,9 +129,13 @@ def make_eagle_proposer(
     num_speculative_tokens: int,
     vocab_limit: int,
     max_catch_up_tokens: int,
+    max_model_len: Optional[int] = None,
 ) -> EagleProposer:
-    """The proposer over a head KV cache of `num_blocks` blocks (an EAGLE head's, or a prediction layer's)."""
+    """The proposer over a head KV cache of `num_blocks` blocks (an EAGLE head's, or a prediction layer's). It
+    drafts up to the target's `max_model_len` where the head's config names a shorter context (the head runs at
+    the target's positions; its rotary tables are built that long, as vLLM raises the draft's value)."""
     head = loaded.head
+    max_positions = max(head.arch.max_position_embeddings, max_model_len or 0)
     return EagleProposer(
         head,
         loaded.backend,
@@ -139,7 +143,7 @@ def make_eagle_proposer(
         num_speculative_tokens,
         vocab_limit,
         max_catch_up_tokens,
-        head.arch.max_position_embeddings,
+        max_positions,
     )
 
 

@@ -272,3 +272,30 @@ def test_a_head_on_a_scaled_embedding_target_reads_the_embedding_rows_as_stored(
     assert drafted
     for tokens, drafts in drafted:
         assert drafts == reference_drafts(target, tensors, "eagle", tokens, len(drafts), [])
+
+
+def test_a_head_configured_for_a_shorter_context_drafts_past_it(target_dir, heads, tmp_path):
+    """An EAGLE head's config may name a shorter max_position_embeddings than the target serves (2048 in
+    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): the head runs at the target's positions (its rotary tables reach
+    max_model_len), so drafting goes on past it, as vLLM raises the draft's value to the target's context."""
+    import json
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(heads["eagle"], short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 32
+    (short / "config.json").write_text(json.dumps(config))
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    tensors = load_file(str(short / "model.safetensors"))
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    with make_llm(target_dir, speculative_config=eagle_config("eagle", short)) as llm:
+        calls = record_proposals(llm)
+        run(llm, PROMPTS[2:3], params)
+        assert_head_idle(llm)
+    late = [(tokens, drafts) for tokens, drafts in calls if drafts and len(tokens) > 40]
+    assert late
+    for tokens, drafts in late:
+        assert drafts == reference_drafts(target, tensors, "eagle", tokens, len(drafts), [])
