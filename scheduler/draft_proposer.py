@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 
 class DraftProposer(Protocol):
@@ -63,13 +63,14 @@ class BatchDraftProposer(Protocol):
 class FeatureDraftProposer(BatchDraftProposer, Protocol):
     """A batched proposer that reads what the target computed (EAGLE: its hidden states beside each token).
 
-    The runner puts them in its step output; `Scheduler.update_from_output` hands each running request's to
+    The runner puts them in its step output; `Scheduler.update_from_output` hands the running requests' to
     `observe` before the step's tokens are appended, so they reach the proposer by the step's own path (a worker
     rebuilt from the step message needs none of them). They are opaque here (torch tensors: the proposer's).
     """
 
-    def observe(self, request_id: str, features: object) -> None:
-        """The request's features of the positions the step computed."""
+    def observe(self, step: Mapping[str, tuple[object, Sequence[int]]]) -> None:
+        """Each running request's features of the positions the step computed, with its tokens before the step's
+        (a request that opted out of speculation is left out)."""
         ...
 
 

@@ -374,17 +374,12 @@ class Scheduler:
         get_request = self.requests.get
         get_sampled = sampled_token_ids.get
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if draft_features and self._feature_proposer is not None:
+            self._observe_features(draft_features)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = get_request(request_id)
             if request is None or request.status is not _RUNNING:
                 continue  # ended between schedule() and now
-            if (
-                draft_features
-                and self._feature_proposer is not None
-                and request.num_speculative_tokens != 0  # (one that opted out never drafts: nothing to keep)
-                and request_id in draft_features
-            ):
-                self._feature_proposer.observe(request_id, draft_features[request_id])
             num_computed = request.num_computed_tokens + num_tokens
             if spec_tokens and request_id in spec_tokens:
                 num_computed -= self._num_rejected(request, spec_tokens[request_id], get_sampled(request_id))
@@ -425,6 +420,18 @@ class Scheduler:
         return outputs
 
     # ------------------------------------------------------------------ internals
+
+    def _observe_features(self, draft_features: Mapping[str, object]) -> None:
+        """The step's features of the requests still running, with their tokens before the step's, to the feature
+        proposer (one that opted out of speculation never drafts: nothing of it is kept)."""
+        assert self._feature_proposer is not None
+        step = {}
+        for request_id, features in draft_features.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status is _RUNNING and request.num_speculative_tokens != 0:
+                step[request_id] = (features, request.all_token_ids)
+        if step:
+            self._feature_proposer.observe(step)
 
     def _schedule_decodes(self, plan: _StepPlan, running: list[Request]) -> None:
         """One token for every request of `running` (a copy of the running ones not in flight) at the end of its

@@ -2,12 +2,14 @@
 the tokens (an EAGLE head trained on the target, or the target checkpoint's own prediction layer: mtp.py).
 
 The runner puts each step's features of every computed position in its output (`draft_features`: the final
-hidden states, or EAGLE-3's three layers' residual streams); the scheduler hands each running request's to
+hidden states, or EAGLE-3's three layers' residual streams); the scheduler hands the running requests' to
 `observe` before it appends the step's tokens. The head at position p reads token p + 1 with the target's
-feature of p (engine/spec_decode/eagle_model.py), so for a request of n tokens it can take positions up to n - 2:
+feature of p (engine/spec_decode/eagle_model.py), so for a request of n tokens it can take positions up to n - 2.
+`observe` reads at once every position whose next token is known (a prompt's chunks, in the step that computed
+them, for all the step's requests in one forward), and keeps the rest (a row or two) for the proposal:
 
     forward 1      positions the head has not read, with the target's features (the accepted tokens since the
-                   last proposal: 1 to k + 1 of them; a new request's prompt within a token budget) -> d1
+                   last proposal: 1 to k + 1 of them) -> d1
     forward j      d(j-1) at the next position, with the head's own output before it as its feature -> dj
 
 The positions fed with the head's own outputs are not the target's: the next proposal drops them and feeds the
@@ -20,7 +22,7 @@ cache then starts past it (`offset`), its positions still the absolute ones, so 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Protocol, Sequence, cast
+from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence, cast
 
 import torch
 
@@ -107,9 +109,21 @@ class EagleProposer:
         """Requests the head holds any state of."""
         return len(self._sequences)
 
-    def observe(self, request_id: str, features: object) -> None:
-        """The target's features of the positions a step computed: (first position, [rows, width])."""
-        start, rows = cast(tuple[int, torch.Tensor], features)
+    @torch.inference_mode()
+    def observe(self, step: Mapping[str, tuple[object, Sequence[int]]]) -> None:
+        """A step's features of the positions it computed, by request, (first position, [rows, width]), with each
+        request's tokens before the step's: the head reads at once every position whose next token is known (a
+        prompt's chunks as they are computed: its context whole, the features kept a row or two), one forward
+        for the step's requests together."""
+        for request_id, (features, _) in step.items():
+            self._keep(request_id, *cast(tuple[int, torch.Tensor], features))
+        queries = [DraftQuery(request_id, token_ids, 1) for request_id, (_, token_ids) in step.items()]
+        rows = self._catch_up_rows(queries, [1] * len(queries))  # (a limit of 1: no room kept for drafts)
+        if rows:
+            self._read(rows)
+
+    def _keep(self, request_id: str, start: int, rows: torch.Tensor) -> None:
+        """The target's features of positions start .. start + len(rows) - 1, joined to those kept unread."""
         sequence = self._sequences.get(request_id)
         if sequence is None:
             sequence = self._sequences[request_id] = _HeadSequence()
@@ -121,7 +135,7 @@ class EagleProposer:
         if start < sequence.read_end:  # positions the head read already (a target step recomputing them)
             rows, start = rows[sequence.read_end - start :], sequence.read_end
         excess = rows.shape[0] - self.max_catch_up_tokens
-        if excess > 0:  # more than a proposal reads: the oldest go (the head's context starts later)
+        if excess > 0:  # more than a proposal reads (none read for long): the oldest go, the context starts later
             rows, start = rows[excess:], start + excess
         sequence.features, sequence.features_start = rows.clone() if rows.shape[0] else None, start
 
@@ -147,17 +161,7 @@ class EagleProposer:
             return list(drafts)
         # Only a row that reached the request's position n - 2 drafts (a prompt read in part waits).
         last = [row for row in rows if row.start + len(row.token_ids) == len(queries[row.query].token_ids) - 1]
-        outs = self._forward(rows)
-        for row, out in zip(rows, outs):
-            sequence = row.sequence
-            sequence.num_read += len(row.token_ids)
-            sequence.cached.token_ids += row.token_ids
-            sequence.cached.num_confirmed = sequence.num_read
-            if sequence.features is not None:  # the rows read go (features_start <= row.start: _catch_up_rows)
-                keep = sequence.features[sequence.read_end - sequence.features_start :]
-                sequence.features = keep if keep.shape[0] else None
-                sequence.features_start = sequence.read_end
-        outputs = {row.query: out[-1:] for row, out in zip(rows, outs)}
+        outputs = {row.query: out[-1:] for row, out in zip(rows, self._read(rows))}
         active = [row for row in last]
         step_outs = [outputs[row.query] for row in active]
         while active:
@@ -175,6 +179,21 @@ class EagleProposer:
                 break
             active, step_outs = next_rows, [out[-1:] for out in self._forward(next_rows)]
         return list(drafts)
+
+    def _read(self, rows: list[_Row]) -> list[torch.Tensor]:
+        """A forward over rows of the target's features; the positions are the head's to keep (read), the
+        features read dropped. Each row's outputs."""
+        outs = self._forward(rows)
+        for row in rows:
+            sequence = row.sequence
+            sequence.num_read += len(row.token_ids)
+            sequence.cached.token_ids += row.token_ids
+            sequence.cached.num_confirmed = sequence.num_read
+            if sequence.features is not None:  # the rows read go (features_start <= row.start: _catch_up_rows)
+                keep = sequence.features[sequence.read_end - sequence.features_start :]
+                sequence.features = keep if keep.shape[0] else None
+                sequence.features_start = sequence.read_end
+        return outs
 
     def _catch_up_rows(self, queries: Sequence[DraftQuery], limits: list[int]) -> list[_Row]:
         """Each query's positions the head has not read with the target's features (within the catch-up budget),

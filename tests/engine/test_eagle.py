@@ -152,7 +152,10 @@ def test_a_prefix_cache_hit_starts_the_heads_context_at_the_first_feature(target
         assert_same(want, have)
 
 
-def test_a_head_mimicking_a_one_layer_target_has_most_drafts_accepted(tmp_path):
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}], ids=["", "chunked"])
+def test_a_head_mimicking_a_one_layer_target_has_most_drafts_accepted(overrides, tmp_path):
+    """Also when prompts are computed in chunks of 16: the head reads each chunk's positions in the step that
+    computed them (observe), so its context is the whole prompt (it was the last 16 positions: 48% accepted)."""
     target_dir = make_tiny_model_dir(tmp_path / "target", "llama", num_hidden_layers=1)
     state = load_file(str(target_dir / "model.safetensors"))
     embed = state["model.embed_tokens.weight"]
@@ -163,12 +166,12 @@ def test_a_head_mimicking_a_one_layer_target_has_most_drafts_accepted(tmp_path):
     save_file(state, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
     head = make_eagle_head(tmp_path / "head", "eagle", tensors=mimic_head_tensors(state))
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    with make_llm(target_dir) as base:
+    with make_llm(target_dir, **overrides) as base:
         expected = run(base, PROMPTS, params)
-    with make_llm(target_dir, speculative_config=eagle_config("eagle", head, k=4)) as spec:
+    with make_llm(target_dir, speculative_config=eagle_config("eagle", head, k=4), **overrides) as spec:
         got = run(spec, PROMPTS, params)
         stats = spec.engine.stats().speculation
-        assert stats.num_accepted_tokens >= 0.6 * stats.num_draft_tokens > 0
+        assert stats.num_accepted_tokens >= 0.7 * stats.num_draft_tokens > 0  # (measured: 130 of 160 both ways)
         assert_head_idle(spec)
     assert_same(expected, got)
 
