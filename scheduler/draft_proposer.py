@@ -34,6 +34,9 @@ class DraftQuery(NamedTuple):
     request_id: str
     token_ids: Sequence[int]
     max_num_tokens: int
+    # the content hashes of its full blocks, so far (with prefix caching; a proposer may share its own cache's
+    # blocks between requests by them)
+    block_hashes: Sequence[object] = ()
 
 
 @runtime_checkable
@@ -68,9 +71,10 @@ class FeatureDraftProposer(BatchDraftProposer, Protocol):
     rebuilt from the step message needs none of them). They are opaque here (torch tensors: the proposer's).
     """
 
-    def observe(self, step: Mapping[str, tuple[object, Sequence[int]]]) -> None:
-        """Each running request's features of the positions the step computed, with its tokens before the step's
-        (a request that opted out of speculation is left out)."""
+    def observe(self, features: Mapping[str, object], requests: Sequence[DraftQuery]) -> None:
+        """The running requests' features of the positions the step computed (`features`, by request id), with
+        each one's tokens before the step's (`requests`: their max_num_tokens 0; a request that opted out of
+        speculation is left out)."""
         ...
 
 

@@ -425,13 +425,13 @@ class Scheduler:
         """The step's features of the requests still running, with their tokens before the step's, to the feature
         proposer (one that opted out of speculation never drafts: nothing of it is kept)."""
         assert self._feature_proposer is not None
-        step = {}
-        for request_id, features in draft_features.items():
+        requests = []
+        for request_id in draft_features:
             request = self.requests.get(request_id)
             if request is not None and request.status is _RUNNING and request.num_speculative_tokens != 0:
-                step[request_id] = (features, request.all_token_ids)
-        if step:
-            self._feature_proposer.observe(step)
+                requests.append(DraftQuery(request_id, request.all_token_ids, 0, request.block_hashes))
+        if requests:
+            self._feature_proposer.observe(draft_features, requests)
 
     def _schedule_decodes(self, plan: _StepPlan, running: list[Request]) -> None:
         """One token for every request of `running` (a copy of the running ones not in flight) at the end of its
@@ -571,7 +571,9 @@ class Scheduler:
         if self.step_cost is not None and any(limit for _, limit in planned):
             # Weighed before proposing: a draft model's forwards are the cost of drafting itself.
             planned = self._paying(planned, self.step_cost, self.draft_cost)
-        queries = [DraftQuery(r.request_id, r.all_token_ids, len(slots)) for r, slots in planned if slots]
+        queries = [
+            DraftQuery(r.request_id, r.all_token_ids, len(slots), r.block_hashes) for r, slots in planned if slots
+        ]
         drafted = proposer.propose_batch(queries) if queries else []
         by_id = {query.request_id: tuple(drafts[: query.max_num_tokens]) for query, drafts in zip(queries, drafted)}
         return [(request, by_id.get(request.request_id, ())) for request in decoding]

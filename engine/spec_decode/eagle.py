@@ -14,8 +14,9 @@ them, for all the step's requests in one forward), and keeps the rest (a row or 
 
 The positions fed with the head's own outputs are not the target's: the next proposal drops them and feeds the
 target's features there instead (the head's cache keeps only positions read with the target's). A position the
-target never computed (a prefix-cache hit, a prompt longer than the features kept) has no feature: the head's
-cache then starts past it (`offset`), its positions still the absolute ones, so drafts read a shorter context
+target never computed (a prefix-cache hit) has no feature: the head takes the blocks it read whole for another
+request with the same prefix (indexed in its cache by the target's block hashes: draft_cache.py), else its
+cache starts past the hit (`offset`), its positions still the absolute ones, so drafts read a shorter context
 (more rejections, the same tokens). The drafts travel in the step message like any proposer's.
 """
 
@@ -62,6 +63,7 @@ class _HeadSequence:
     # with the head's own outputs, dropped by the next proposal)
     features_start: int = 0  # the position of features' first row
     features: Optional[torch.Tensor] = None  # [rows, width]: the target's, positions the head has not read
+    num_indexed: int = 0  # leading blocks indexed in the cache for other requests (DraftCache.register)
 
     @property
     def read_end(self) -> int:
@@ -110,17 +112,17 @@ class EagleProposer:
         return len(self._sequences)
 
     @torch.inference_mode()
-    def observe(self, step: Mapping[str, tuple[object, Sequence[int]]]) -> None:
+    def observe(self, features: Mapping[str, object], requests: Sequence[DraftQuery]) -> None:
         """A step's features of the positions it computed, by request, (first position, [rows, width]), with each
         request's tokens before the step's: the head reads at once every position whose next token is known (a
         prompt's chunks as they are computed: its context whole, the features kept a row or two), one forward
         for the step's requests together."""
-        for request_id, (features, _) in step.items():
-            self._keep(request_id, *cast(tuple[int, torch.Tensor], features))
-        queries = [DraftQuery(request_id, token_ids, 1) for request_id, (_, token_ids) in step.items()]
+        for request in requests:
+            self._keep(request.request_id, *cast(tuple[int, torch.Tensor], features[request.request_id]))
+        queries = [request._replace(max_num_tokens=1) for request in requests]
         rows = self._catch_up_rows(queries, [1] * len(queries))  # (a limit of 1: no room kept for drafts)
         if rows:
-            self._read(rows)
+            self._read(rows, queries)
 
     def _keep(self, request_id: str, start: int, rows: torch.Tensor) -> None:
         """The target's features of positions start .. start + len(rows) - 1, joined to those kept unread."""
@@ -161,7 +163,7 @@ class EagleProposer:
             return list(drafts)
         # Only a row that reached the request's position n - 2 drafts (a prompt read in part waits).
         last = [row for row in rows if row.start + len(row.token_ids) == len(queries[row.query].token_ids) - 1]
-        outputs = {row.query: out[-1:] for row, out in zip(rows, self._read(rows))}
+        outputs = {row.query: out[-1:] for row, out in zip(rows, self._read(rows, queries))}
         active = [row for row in last]
         step_outs = [outputs[row.query] for row in active]
         while active:
@@ -180,9 +182,10 @@ class EagleProposer:
             active, step_outs = next_rows, [out[-1:] for out in self._forward(next_rows)]
         return list(drafts)
 
-    def _read(self, rows: list[_Row]) -> list[torch.Tensor]:
+    def _read(self, rows: list[_Row], queries: Sequence[DraftQuery]) -> list[torch.Tensor]:
         """A forward over rows of the target's features; the positions are the head's to keep (read), the
-        features read dropped. Each row's outputs."""
+        features read dropped, the blocks read whole from position 0 on indexed for other requests. Each row's
+        outputs."""
         outs = self._forward(rows)
         for row in rows:
             sequence = row.sequence
@@ -193,7 +196,40 @@ class EagleProposer:
                 keep = sequence.features[sequence.read_end - sequence.features_start :]
                 sequence.features = keep if keep.shape[0] else None
                 sequence.features_start = sequence.read_end
+            self._index_blocks(sequence, queries[row.query])
         return outs
+
+    def _index_blocks(self, sequence: _HeadSequence, query: DraftQuery) -> None:
+        """Index the sequence's blocks it has read whole (from position 0: a context that starts later is not
+        another request's) by their content hash and the token after them."""
+        if sequence.offset:
+            return
+        size, tokens, hashes = self.cache.block_size, query.token_ids, query.block_hashes
+        done = min(sequence.read_end // size, len(hashes), (len(tokens) - 1) // size)
+        for block in range(sequence.num_indexed, done):
+            self.cache.register(sequence.cached.block_ids[block], _block_key(hashes[block], tokens[(block + 1) * size]))
+        sequence.num_indexed = max(sequence.num_indexed, done)
+
+    def _adopt(self, sequence: _HeadSequence, query: DraftQuery) -> None:
+        """A new sequence whose first target feature is past position 0 (a prefix-cache hit): the indexed blocks
+        of its prefix, if other requests read all of them, so that it reads on from there with their context."""
+        size, tokens, hashes = self.cache.block_size, query.token_ids, query.block_hashes
+        wanted = sequence.features_start // size
+        if not hashes or wanted * size != sequence.features_start or len(hashes) < wanted:
+            return
+        blocks = []
+        for block in range(wanted):
+            found = self.cache.lookup(_block_key(hashes[block], tokens[(block + 1) * size]))
+            if found is None:
+                break
+            blocks.append(found)
+        if len(blocks) < wanted:
+            self.cache.drop(blocks)
+            return
+        cached = sequence.cached
+        cached.block_ids = blocks
+        cached.token_ids = list(tokens[1 : wanted * size + 1])
+        sequence.num_read = sequence.num_indexed = cached.num_confirmed = wanted * size
 
     def _catch_up_rows(self, queries: Sequence[DraftQuery], limits: list[int]) -> list[_Row]:
         """Each query's positions the head has not read with the target's features (within the catch-up budget),
@@ -207,6 +243,9 @@ class EagleProposer:
             sequence = self._sequences.get(query.request_id)
             if limit <= 0 or sequence is None or sequence.features is None:
                 continue
+            self.cache.sequences[query.request_id] = sequence.cached
+            if sequence.read_end == 0 and sequence.features_start > 0:  # new, after a prefix-cache hit
+                self._adopt(sequence, query)
             cached = sequence.cached
             del cached.token_ids[sequence.num_read :]  # the positions fed with the head's own outputs
             first = sequence.read_end
@@ -214,8 +253,8 @@ class EagleProposer:
                 self.cache.release(query.request_id)
                 sequence.cached = cached = DraftSequence()
                 sequence.offset = first = sequence.features_start
-                sequence.num_read = 0
-            self.cache.sequences[query.request_id] = cached
+                sequence.num_read = sequence.num_indexed = 0
+                self.cache.sequences[query.request_id] = cached
             target_end = len(query.token_ids) - 1  # positions below it have the target's features
             end = min(target_end, sequence.features_start + sequence.features.shape[0], first + budget)
             if end <= first:
@@ -271,3 +310,9 @@ class EagleProposer:
             self.backend,
         )  # [num_tokens, hidden]
         return [out[spans[i][0] : spans[i][1]] for i in range(len(rows))]
+
+
+def _block_key(block_hash: object, next_token: int) -> tuple[object, int]:
+    """A head block's key: the target's block hash (its tokens, and what else the target's K/V depended on:
+    adapters, images, a salt) and the token the head read at its last position."""
+    return getattr(block_hash, "value", block_hash), next_token
