@@ -4,9 +4,10 @@
                 h = h + residual_scale * norm_attn_post(attention(x))?     LayerNorm as `norm_kind` says)
                 x = norm_mlp_pre(h)?
                 h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?   (plain MLP: down(act(up(x))))
+                                                           (a sparse layer's MLP: its experts, models/decoder_moe.py)
     parallel    x = norm_attn_pre(h)                       (`parallel_branches`: Cohere)
                 h = h + attention(x) + mlp(x)              (each scaled and post-normed as above)
-    logits      cap(lm_head(final_norm(h)) / logits_divisor * logits_scale)
+    logits      cap((lm_head(final_norm(h)) + lm_head_bias?) / logits_divisor * logits_scale)
 
 Attention rotates q and k by the layer's RoPE, or not at all where `layer_rope` names none (Cohere 2's global
 layers). The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too, for each family
@@ -46,7 +47,9 @@ class DecoderLayerWeights:
     k_norm: Optional[torch.Tensor]
     o_proj: Any  # [hidden, heads * head_dim]
     o_bias: Optional[torch.Tensor]
-    gate_up: Any  # [2 * intermediate, hidden]; a plain MLP's up (StarCoder2's c_fc) [intermediate, hidden]
+    # [2 * intermediate, hidden]; a plain MLP's up (StarCoder2's c_fc) [intermediate, hidden]; None: the layer's MLP
+    # is a mixture of experts (models/decoder_moe.py)
+    gate_up: Any
     gate_up_bias: Optional[torch.Tensor]
     down: Any  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
@@ -73,7 +76,8 @@ class DecoderLayerWeights:
 
 
 class DecoderForCausalLM(LlamaForCausalLM):
-    """Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4, StarCoder2: the forward pass of `DecoderArch`'s recipe."""
+    """Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4, StarCoder2: the forward pass of `DecoderArch`'s recipe
+    (with mixture-of-experts layers: OLMoE, Granite MoE, Phi-3.5-MoE, models/decoder_moe.py)."""
 
     arch: DecoderArch
     layers: list[DecoderLayerWeights]  # type: ignore[assignment]  # its own layers: norms by role
@@ -103,6 +107,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
             arch.norm_kind == "rms" and arch.plain_mlp is None and not arch.parallel_branches and arch.positional_layers
         )
         self.final_norm_bias: Optional[torch.Tensor] = None  # [hidden]: the final LayerNorm's shift (norm_bias)
+        self.lm_head_bias: Optional[torch.Tensor] = None  # [vocab]: the LM head's (set at load where the arch has it)
         self.embedding_scale = arch.embedding_scale
         if arch.embedding_scale is not None and arch.embedding_scale_in_dtype:
             self.embedding_scale = float(torch.tensor(arch.embedding_scale, dtype=dtype))
@@ -176,43 +181,38 @@ class DecoderForCausalLM(LlamaForCausalLM):
         def maybe(name: str) -> Optional[torch.Tensor]:
             return state.pop(p + name, None)
 
-        def fused(name: str, parts: tuple[str, ...]) -> torch.Tensor:
-            """A fused projection as stored (Phi-3's qkv_proj, gate_up_proj), else its parts stacked."""
-            whole = maybe(name + ".weight")
-            return whole if whole is not None else torch.cat([take(part + ".weight") for part in parts]).contiguous()
-
-        def biases(parts: tuple[str, ...]) -> Optional[torch.Tensor]:
-            found = [maybe(part + ".bias") for part in parts]
-            present = [bias for bias in found if bias is not None]
-            if not present:
-                return None
-            if len(present) < len(found):
-                raise ValueError(f"checkpoint has biases for some of {', '.join(parts)} only")
-            return torch.cat(present).contiguous()
-
-        attn, mlp = "self_attn.", "mlp."
+        attn = "self_attn."
         qkv_parts = tuple(attn + name for name in ("q_proj", "k_proj", "v_proj"))
-        if self.arch.plain_mlp is None:
-            gate_up_parts = (mlp + "gate_proj", mlp + "up_proj")
-            gate_up, gate_up_bias = fused(mlp + "gate_up_proj", gate_up_parts), biases(gate_up_parts)
-            down_name = mlp + "down_proj"
-        else:  # StarCoder2's c_fc, c_proj
-            up_name, down_name = (mlp + name for name in self.arch.plain_mlp)
-            gate_up, gate_up_bias = take(up_name + ".weight"), maybe(up_name + ".bias")
         prepare = self._prepare
         norms = self.arch.norms
         return DecoderLayerWeights(
             norms={role: take(name + ".weight") for role, name in norms},
             norm_biases={role: take(name + ".bias") for role, name in norms} if self.arch.norm_bias else {},
-            qkv=prepare(fused(attn + "qkv_proj", qkv_parts)),
-            qkv_bias=biases(qkv_parts),
+            qkv=prepare(_fused(take, maybe, attn + "qkv_proj", qkv_parts)),
+            qkv_bias=_biases(maybe, qkv_parts),
             q_norm=maybe(attn + "q_norm.weight"),
             k_norm=maybe(attn + "k_norm.weight"),
             o_proj=prepare(take(attn + "o_proj.weight")),
             o_bias=maybe(attn + "o_proj.bias"),
-            gate_up=prepare(gate_up),
+            **self._take_mlp(index, take, maybe, self._cat_rows),
+        )
+
+    def _take_mlp(self, index: int, take, maybe, cat) -> dict:
+        """The dense MLP's fields of layer `index`: gated (gate_proj and up_proj, or Phi-3's gate_up_proj;
+        down_proj) or plain (`plain_mlp`); a mixture of experts takes a sparse layer's own (models/moe.py)."""
+        mlp = "mlp."
+        if self.arch.plain_mlp is None:
+            gate_up_parts = (mlp + "gate_proj", mlp + "up_proj")
+            gate_up = _fused(take, maybe, mlp + "gate_up_proj", gate_up_parts)
+            gate_up_bias = _biases(maybe, gate_up_parts)
+            down_name = mlp + "down_proj"
+        else:  # StarCoder2's c_fc, c_proj
+            up_name, down_name = (mlp + name for name in self.arch.plain_mlp)
+            gate_up, gate_up_bias = take(up_name + ".weight"), maybe(up_name + ".bias")
+        return dict(
+            gate_up=self._prepare(gate_up),
             gate_up_bias=gate_up_bias,
-            down=prepare(take(down_name + ".weight")),
+            down=self._prepare(take(down_name + ".weight")),
             down_bias=maybe(down_name + ".bias"),
         )
 
@@ -225,7 +225,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
             if name not in by_role
         ]
         norms = [norm for layer in self.layers for kind in (layer.norms, layer.norm_biases) for norm in kind.values()]
-        ends = [t for t in (self.embed, self.final_norm, self.final_norm_bias, self.lm_head) if t is not None]
+        ends = [self.embed, self.final_norm, self.final_norm_bias, self.lm_head, self.lm_head_bias]
+        ends = [t for t in ends if t is not None]
         return tensor_bytes([*ends, *fields, *norms])
 
     def _take_ends(self, state: dict[str, Any]) -> None:
@@ -234,6 +235,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
             if "norm.bias" not in state:
                 raise ValueError("checkpoint lacks norm.bias")
             self.final_norm_bias = state.pop("norm.bias")
+        if self.arch.lm_head_bias:
+            # a pooling model serves no LM head: its bias, where the checkpoint has one, is not read
+            bias = state.pop("lm_head.bias", None)
+            if bias is None and self.keeps_lm_head:
+                raise ValueError("checkpoint lacks lm_head.bias")
+            self.lm_head_bias = bias if self.keeps_lm_head else None
         super()._take_ends(state)
 
     # ------------------------------------------------------------------ forward
@@ -278,17 +285,23 @@ class DecoderForCausalLM(LlamaForCausalLM):
             )
             attended = self._norm(attended, layer, "attn_post")
             if arch.parallel_branches:  # both branches read x; added in HF's order: (h + attention) + mlp
-                h = self._add(self._add(h, attended), self._norm(self._mlp_branch(layer, x), layer, "mlp_post"))
+                mlp = self._mlp_branch(index, layer, x)
+                h = self._add(self._add(h, attended), self._norm(mlp, layer, "mlp_post"))
             else:
                 h = self._add(h, attended)
-                h = self._add(
-                    h, self._norm(self._mlp_branch(layer, self._norm(h, layer, "mlp_pre")), layer, "mlp_post")
-                )
+                mlp = self._mlp_branch(index, layer, self._norm(h, layer, "mlp_pre"))
+                h = self._add(h, self._norm(mlp, layer, "mlp_post"))
         return h
 
-    def _mlp_branch(self, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp_branch(self, index: int, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """Layer `index`'s MLP of x [T, hidden] (normed), all-reduced over the ranks."""
+        return self.tp.all_reduce(self._mlp(index, layer, x))  # (each rank's partial sums)
+
+    def _mlp(self, index: int, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """The dense MLP of x [T, hidden]: a partial sum with several ranks (a sparse layer's experts:
+        models/moe.py's `_mlp`, by the MRO of models/decoder_moe.py)."""
         gate_up = self.linear(x, layer.gate_up, layer.gate_up_bias)
-        return self.tp.all_reduce(self.linear(self._activate(gate_up), layer.down, layer.down_bias))  # (partial sums)
+        return self.linear(self._activate(gate_up), layer.down, layer.down_bias)
 
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -384,9 +397,28 @@ class DecoderForCausalLM(LlamaForCausalLM):
         families are not served with: always empty)."""
         assert not lm_heads, "LoRA is refused for this family at start-up"
         logits = super().compute_logits(hidden)
+        if self.lm_head_bias is not None:  # (the whole vocabulary's on every rank: added to the gathered logits)
+            logits = logits + self.lm_head_bias.float()
         if self.arch.logits_divisor != 1.0:
             logits = logits / self.arch.logits_divisor
         if self.arch.logits_scale != 1.0:
             logits = logits * self.arch.logits_scale
         cap = self.arch.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _fused(take, maybe, name: str, parts: tuple[str, ...]) -> torch.Tensor:
+    """A fused projection as stored (Phi-3's qkv_proj, gate_up_proj), else its parts stacked."""
+    whole = maybe(name + ".weight")
+    return whole if whole is not None else torch.cat([take(part + ".weight") for part in parts]).contiguous()
+
+
+def _biases(maybe, parts: tuple[str, ...]) -> Optional[torch.Tensor]:
+    """The parts' biases stacked (None: none has one)."""
+    found = [maybe(part + ".bias") for part in parts]
+    present = [bias for bias in found if bias is not None]
+    if not present:
+        return None
+    if len(present) < len(found):
+        raise ValueError(f"checkpoint has biases for some of {', '.join(parts)} only")
+    return torch.cat(present).contiguous()

@@ -1,13 +1,13 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2), as data.
+StarCoder2; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
 (RMSNorm or LayerNorm), whether the two branches run in sequence or side by side on one norm of the input
 (`x + attn(norm(x)) + mlp(norm(x))`), the MLP's activation and whether it is gated, q/k norms per head or over
-the whole projection, scalars on the embeddings, the residual branches and the logits, a final soft-cap, per layer
-its attention (window, soft-cap, scale) and its RoPE (or none), how much of each head RoPE rotates and whether the
-checkpoint rotates its pairs interleaved.
+the whole projection, scalars on the embeddings, the residual branches and the logits, a bias on the logits, a
+final soft-cap, per layer its attention (window, soft-cap, scale) and its RoPE (or none), how much of each head
+RoPE rotates and whether the checkpoint rotates its pairs interleaved.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class DecoderArch(LlamaArch):
     residual_scale: float = 1.0  # Granite: residual + branch * residual_multiplier
     logits_divisor: float = 1.0  # Granite: logits / logits_scaling
     logits_scale: float = 1.0  # Cohere: logits * logit_scale
+    lm_head_bias: bool = False  # the LM head adds its `lm_head.bias` to the logits (Phi-3.5-MoE's lm_head_bias)
     final_softcap: Optional[float] = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     layer_attention: tuple[LayerAttention, ...] = ()  # one per layer
     ropes: tuple[tuple[float, Optional[dict]], ...] = ()  # (theta, scaling) of each distinct RoPE

@@ -254,15 +254,7 @@ class LlamaForCausalLM:
         def maybe(name: str) -> Optional[torch.Tensor]:
             return state.pop(p + name, None)
 
-        def cat(*tensors: Any) -> Any:  # tensors, GGUF blocks or AWQ groups: fused in their own storage
-            if tensors[0] is None:
-                return None
-            if isinstance(tensors[0], Int4Groups):
-                return Int4Groups.concat(list(tensors))
-            if any(isinstance(t, QuantizedWeight) for t in tensors):
-                return fuse_rows(tensors, self.dtype)
-            return torch.cat(tensors, dim=0).contiguous()
-
+        cat = self._cat_rows
         attn = "self_attn."
         prepare = self._prepare
         return LlamaLayerWeights(
@@ -276,6 +268,17 @@ class LlamaForCausalLM:
             post_norm=take("post_attention_layernorm.weight"),
             **self._take_mlp(index, take, maybe, cat),
         )
+
+    def _cat_rows(self, *tensors: Any) -> Any:
+        """Matrices stacked by rows, fused in their own storage (tensors, GGUF blocks or AWQ groups); None where
+        the first is None (an absent bias)."""
+        if tensors[0] is None:
+            return None
+        if isinstance(tensors[0], Int4Groups):
+            return Int4Groups.concat(list(tensors))
+        if any(isinstance(t, QuantizedWeight) for t in tensors):
+            return fuse_rows(tensors, self.dtype)
+        return torch.cat(tensors, dim=0).contiguous()
 
     def _take_mlp(self, index: int, take, maybe, cat) -> dict:
         """The dense MLP's fields of layer `index` (a mixture of experts takes its own: models/moe.py)."""
