@@ -8,6 +8,10 @@ breaks the relative encoding; so, as vLLM does, one set serves every position: t
 `max_model_len` passes the original context, else the short one. That is HF exactly for every sequence when
 `max_model_len` stays within the original context, and for every sequence longer than it otherwise; shorter
 sequences on a long-context server rotate with the long factors where HF would use the short ones.
+
+A LongRoPE scaling may carry `attention_factors` (short, long): cos and sin are scaled by the one matching the set
+served, instead of the factor derived from the context lengths (Phi-3.5-MoE's short_mscale and long_mscale, put
+there by models/families.py).
 """
 
 from __future__ import annotations
@@ -77,11 +81,17 @@ def check_longrope_factors(scaling: Optional[dict], rotary_dim: int) -> None:
             )
 
 
-def attention_factor(scaling: Optional[dict], max_position_embeddings: Optional[int] = None) -> float:
-    """What cos and sin are multiplied by (YaRN's and LongRoPE's attention scaling; 1 otherwise)."""
+def attention_factor(
+    scaling: Optional[dict], max_position_embeddings: Optional[int] = None, long_context: bool = False
+) -> float:
+    """What cos and sin are multiplied by (YaRN's and LongRoPE's attention scaling; 1 otherwise); `long_context`:
+    LongRoPE serves its long factors (which of its `attention_factors` applies, where it has them)."""
     rope_type = rope_type_of(scaling)
     if scaling is None or rope_type not in ("yarn", "longrope"):
         return 1.0
+    if rope_type == "longrope" and scaling.get("attention_factors") is not None:
+        short, long = scaling["attention_factors"]
+        return float(long if long_context else short)
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = _factor(scaling, max_position_embeddings)
@@ -182,7 +192,7 @@ class RotaryEmbedding:
         freqs = positions[:, None] * inv_freq[None, :]  # [num_rows, rotary_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         half = rotary_dim // 2
-        factor = attention_factor(scaling, max_positions)
+        factor = attention_factor(scaling, max_positions, long_context)
         cos, sin = emb.cos() * factor, emb.sin() * factor
         sin[:, :half] = -sin[:, :half]
         self.half = half
