@@ -5,7 +5,10 @@ select_experts(router_logits [T, E], top_k, renormalize) -> Routing
     `renormalize` (Mixtral always; Qwen MoE when the config's `norm_topk_prob`): HF's routers.
 
 select_top_logits(router_logits [T, E], top_k) -> Routing
-    the top_k largest logits, then a softmax over those k only (GPT-OSS's router).
+    the top_k largest logits, then a softmax over those k only (GPT-OSS's and Granite MoE's routers).
+
+sparse_mixer(router_logits [T, E], jitter_eps) -> Routing
+    Phi-3.5-MoE's sparsemixer at inference: two experts, each weighted by a softmax over the logits near its own.
 
 group_by_expert(routing) -> ExpertGroups
     the T * top_k (token, expert) pairs sorted by expert id (stable: tokens ascending within an
@@ -64,3 +67,26 @@ def group_by_expert(routing: Routing) -> ExpertGroups:
     sorted_ids, order = torch.sort(routing.expert_ids.reshape(-1), stable=True)  # [T * top_k]
     experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     return ExpertGroups(order // top_k, routing.weights.reshape(-1)[order], experts.tolist(), counts.tolist())
+
+
+def sparse_mixer(router_logits: torch.Tensor, jitter_eps: float) -> Routing:
+    """router_logits [T, E] -> two experts per token and their weights, in the logits' dtype, computed as
+    transformers' modeling_phimoe.py `sparsemixer` computes them at inference (no sampling, no jitter):
+
+        first   = argmax(scores)     weight: softmax over the scores within 2 * jitter_eps of its score, taken
+                                     relative to max(|score|, its score), at `first`
+        second  = argmax(scores without first)     weight: the same around its score, `first` left out
+
+    Each weight is a softmax over the experts near the chosen one, not over the two chosen: with a small epsilon
+    both weights are near 1. The operations are HF's own, in its order (ties broken alike: the lowest index)."""
+    threshold = 2 * jitter_eps
+    first_score, first = router_logits.max(dim=-1, keepdim=True)  # [T, 1]
+    factor = router_logits.abs().clamp(min=first_score)
+    gates = router_logits.masked_fill((first_score - router_logits) / factor > threshold, float("-inf"))
+    first_weight = torch.softmax(gates, dim=-1).gather(dim=-1, index=first)
+    rest = torch.scatter(router_logits, -1, first, float("-inf"))  # the first expert left out
+    second_score, second = rest.max(dim=-1, keepdim=True)
+    factor = router_logits.abs().clamp(min=second_score)  # (HF's: of all the scores, the first's included)
+    gates = rest.masked_fill((second_score - router_logits) / factor > threshold, float("-inf"))
+    second_weight = torch.softmax(gates, dim=-1).gather(dim=-1, index=second)
+    return Routing(torch.cat([first_weight, second_weight], dim=-1), torch.cat([first, second], dim=-1))

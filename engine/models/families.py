@@ -324,3 +324,66 @@ def _silu(config: Any) -> str:
     if act not in ("silu", "swish"):
         raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: silu)")
     return "silu"
+
+
+# ---------------------------------------------------------------- mixtures of experts on the generic decoder
+# (models/decoder_moe.py; their routing and experts are read by models/moe_arch.py)
+
+
+def olmoe_arch(config: Any) -> DecoderArch:
+    """OLMoE: Llama's pre-norms with q and k normalised over the whole projection before RoPE (as OLMo 2's)."""
+    if getattr(config, "clip_qkv", None) is not None:
+        raise ValueError(f"{_name(config)}: clip_qkv {config.clip_qkv} is not supported")
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_silu(config),
+        qk_norm="projection",
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+    )
+
+
+PHIMOE_ROPE_TYPES = ("default", "longrope")
+
+
+def phimoe_arch(config: Any) -> DecoderArch:
+    """Phi-3.5-MoE: LayerNorms (with biases) before each branch and at the end, q/k/v/o biases where
+    attention_bias, a biased LM head where lm_head_bias, a sliding window on every layer when set, and LongRoPE
+    whose cos and sin are scaled by the config's short_mscale or long_mscale (HF reads those, not the factor
+    Phi-3's LongRoPE derives), the one matching the factor set served."""
+    theta, scaling = rope_settings(config)
+    if scaling is not None:
+        if scaling["rope_type"] not in PHIMOE_ROPE_TYPES:
+            raise ValueError(
+                f"{_name(config)}: RoPE scaling {scaling['rope_type']!r} is not supported "
+                f"(supported: {', '.join(PHIMOE_ROPE_TYPES)})"
+            )
+        scaling.setdefault(
+            "original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None)
+        )
+        mscales = [scaling.pop(key, None) for key in ("short_mscale", "long_mscale")]
+        if any(not isinstance(mscale, (int, float)) for mscale in mscales):
+            raise ValueError(f"{_name(config)}: LongRoPE needs short_mscale and long_mscale, got {mscales}")
+        scaling["attention_factors"] = tuple(float(mscale) for mscale in mscales)  # engine/layers/rotary.py
+    window = getattr(config, "sliding_window", None)
+    attention = tuple(
+        LayerAttention(_head_scale(config), sliding_window=window) for _ in range(config.num_hidden_layers)
+    )
+    return _arch(
+        config,
+        (theta, scaling),
+        activation=_silu(config),
+        layer_attention=attention,
+        norm_kind="layer",  # (their epsilon: rms_norm_eps, as HF's nn.LayerNorm reads it)
+        norm_bias=True,
+        lm_head_bias=bool(getattr(config, "lm_head_bias", False)),
+    )
+
+
+MOE_ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
+    "OlmoeForCausalLM": olmoe_arch,
+    "GraniteMoeForCausalLM": granite_arch,  # Granite's multipliers, read alike
+    "GraniteMoeSharedForCausalLM": granite_arch,
+    "PhimoeForCausalLM": phimoe_arch,
+}
+"""The generic decoder's reading of each mixture of experts served on it (their experts: MoeArch)."""

@@ -1,11 +1,12 @@
 """Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama-family decoder (attention, norms, RoPE, q/k norms, qkv
-biases as there) whose MLP is, in its sparse layers, a mixture of experts (engine/layers/moe.py).
+biases as there) whose MLP is, in its sparse layers, a mixture of experts (engine/layers/moe.py). The same blocks
+serve the generic decoder's mixtures of experts (models/decoder_moe.py: OLMoE, Granite MoE, Phi-3.5-MoE).
 
-Checkpoints name each expert's matrices apart (`block_sparse_moe.experts.N.w1|w3|w2` for Mixtral,
-`mlp.experts.N.gate_proj|up_proj|down_proj` for Qwen MoE: what transformers' `save_pretrained` writes);
-they are stacked at load into [E, 2I, H] (gate|up) and [E, H, I] (down). Checkpoints that already store
-them stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I], transformers' in-memory
-layout) are taken as they are.
+Checkpoints name each expert's matrices apart (`block_sparse_moe.experts.N.w1|w3|w2` for Mixtral and
+Phi-3.5-MoE, `mlp.experts.N.gate_proj|up_proj|down_proj` for Qwen MoE and OLMoE: what transformers'
+`save_pretrained` writes); they are stacked at load into [E, 2I, H] (gate|up) and [E, H, I] (down). Checkpoints
+that already store them stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I], transformers'
+in-memory layout; Granite MoE's `input_linear` and `output_linear`) are taken as they are.
 
 Quantized experts stay one matrix per expert (gate|up fused in their own storage): a GGUF's blocks as read
 (engine/loading/gguf_experts.py cuts llama.cpp's stacks per expert), or each expert quantized by
@@ -16,6 +17,7 @@ token reaches, not only by how much.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -24,6 +26,7 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.moe import ExpertWeights, SharedExpert, SparseMoeBlock
+from engine.layers.moe_routing import sparse_mixer
 from engine.models.llama import LlamaForCausalLM, LlamaLayerWeights
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
@@ -37,6 +40,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with a `SparseMoeBlock` in place of the dense MLP of each sparse layer."""
 
     quantized_experts = True  # whether --quantization int8/int4 serves this family (its subclasses say)
+    # (with the generic decoder, models/decoder_moe.py, the MRO puts DecoderForCausalLM where LlamaForCausalLM is:
+    # `super()` here reaches the generic decoder's layer, MLP and loading)
 
     def __init__(
         self,
@@ -54,7 +59,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         if quantizer is not None and not self.quantized_experts:
             raise ValueError(
                 f"--quantization {quantizer.method} is not supported for {arch.model_type}: its experts are "
-                f"kept in {str(dtype).removeprefix('torch.')} (supported for Mixtral, Qwen2-MoE and Qwen3-MoE)"
+                f"kept in {str(dtype).removeprefix('torch.')} (supported for Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, "
+                "OLMoE, Granite MoE and Phi-3.5-MoE)"
             )
         # with several ranks `arch` and `moe` are this rank's share (its heads, each expert's share of the width):
         # the block's partial output is all-reduced with the layer's, as a dense MLP's
@@ -75,35 +81,42 @@ class MoeForCausalLM(LlamaForCausalLM):
         experts = self._take_experts(take, maybe, cat)
         shared = None
         if moe.shared_intermediate_size is not None:
-            s = p + "shared_expert."
+            names = moe.shared_names
+            assert names is not None  # MoeArch names the shared expert wherever it has one
             shared = SharedExpert(
-                gate_up=self._prepare(cat(take(s + "gate_proj.weight"), take(s + "up_proj.weight"))),
-                down=self._prepare(take(s + "down_proj.weight")),
-                gate=self.linear.prepare(self._full_precision(take(p + "shared_expert_gate.weight"))),
+                gate_up=self._prepare(cat(*(take(name) for name in names.gate_up))),
+                down=self._prepare(take(names.down)),
+                gate=None if names.gate is None else self.linear.prepare(self._full_precision(take(names.gate))),
             )
+        eps = moe.sparse_mixer_eps
         return SparseMoeBlock(
-            self._full_precision(take(p + "gate.weight")),
+            self._full_precision(take(p + moe.router_name)),
             experts,
             moe.top_k,
             moe.renormalize,
             self.linear,
             shared,
             moe.weights_in_model_dtype,
+            softmax_after_top_k=moe.softmax_after_top_k,
+            select=None if eps is None else partial(sparse_mixer, jitter_eps=eps),
         )
 
     def _take_experts(self, take, maybe, cat) -> ExpertWeights:
         moe = self.moe
-        p = moe.prefix + "experts."
-        stacked_gate_up = maybe(p + "gate_up_proj")
+        p = moe.prefix
+        gate_up_name, down_stacked = moe.stacked_names
+        # (a family stored stacked only: its tensors required)
+        stacked_gate_up = maybe(p + gate_up_name) if moe.expert_names is not None else take(p + gate_up_name)
         stacked: Optional[ExpertWeights] = None
         if stacked_gate_up is not None:  # already stacked: [E, 2I, H] and [E, H, I], kept so where they stay float
-            stacked = ExpertWeights(_float(stacked_gate_up), _float(take(p + "down_proj")))
+            stacked = ExpertWeights(_float(stacked_gate_up), _float(take(p + down_stacked)))
             gate_up, down = list(stacked.gate_up), list(stacked.down)
         else:
+            assert moe.expert_names is not None  # (else taken stacked above)
             gate, up, down_name = moe.expert_names
             gate_up, down = [], []
             for e in range(moe.num_experts):
-                q = f"{p}{e}."
+                q = f"{p}experts.{e}."
                 gate_up.append(cat(take(q + gate + ".weight"), take(q + up + ".weight")))
                 down.append(take(q + down_name + ".weight"))
         experts = stacked if stacked is not None and self.quantizer is None else self._expert_weights(gate_up, down)

@@ -1,16 +1,40 @@
-"""The mixture-of-experts shape of Mixtral, Qwen2-MoE and Qwen3-MoE, read from the HF config; what their
-checkpoints call the experts. (GPT-OSS's is read with the rest of its shape: engine/models/gpt_oss_arch.py.)"""
+"""The mixture-of-experts shape of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE (and its shared-expert
+variant) and Phi-3.5-MoE, read from the HF config: how they route, and what their checkpoints call the experts, the
+router and the shared expert. (GPT-OSS's is read with the rest of its shape: engine/models/gpt_oss_arch.py.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 MOE_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
+    "PhimoeForCausalLM": "phimoe",
 }
+SPARSE_MIXER_TOP_K = 2
+"""Phi-3.5-MoE's sparsemixer picks exactly two experts per token, whatever num_experts_per_tok says."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedExpertNames:
+    """Where a layer's shared expert is stored, by names within the layer."""
+
+    gate_up: tuple[str, ...]  # its gate and up matrices, stacked in this order (one name: stored fused)
+    down: str
+    gate: Optional[str]  # its sigmoid gate [1, H] (Qwen2-MoE); None: added ungated (Granite MoE shared)
+
+
+QWEN2_SHARED_EXPERT = SharedExpertNames(
+    ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+    "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_expert_gate.weight",
+)
+GRANITE_SHARED_EXPERT = SharedExpertNames(("shared_mlp.input_linear.weight",), "shared_mlp.output_linear.weight", None)
 
 _ROUTING_FIELDS = {
     # config fields of other MoE families that would change the routing if honoured: refused, not ignored
@@ -34,12 +58,21 @@ class MoeArch:
     shared_intermediate_size: Optional[int]  # Qwen2-MoE's shared expert (None: none)
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE block (others are dense)
     prefix: str  # the block's name in a layer: "block_sparse_moe." (Mixtral) or "mlp."
-    expert_names: tuple[str, str, str]  # each expert's gate, up and down matrices
+    # each expert's gate, up and down matrices (`experts.N.<name>.weight`); None: stored stacked only (Granite MoE)
+    expert_names: Optional[tuple[str, str, str]]
     # GPT-OSS (engine/models/gpt_oss_arch.py): the top-k router logits, then a softmax over those k; the experts'
     # clamped SwiGLU (swiglu_limit None: plain SwiGLU)
     softmax_after_top_k: bool = False
     swiglu_alpha: float = 1.0
     swiglu_limit: Optional[float] = None
+    router_name: str = "gate.weight"  # the router's [E, H] in the block (Granite MoE: "router.layer.weight")
+    # the experts stacked in the block: gate|up [E, 2I, H] and down [E, H, I] (Granite MoE: input_linear,
+    # output_linear; the others where a checkpoint holds transformers' in-memory layout)
+    stacked_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+    shared_names: Optional[SharedExpertNames] = None  # where the shared expert is, when shared_intermediate_size
+    # Phi-3.5-MoE's sparsemixer routing (moe_routing.sparse_mixer) with this jitter epsilon, its router_jitter_noise;
+    # None: top-k routing
+    sparse_mixer_eps: Optional[float] = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -77,7 +110,11 @@ class MoeArch:
                 sparse_layers=sparse,
                 prefix="mlp.",
                 expert_names=("gate_proj", "up_proj", "down_proj"),
+                shared_names=QWEN2_SHARED_EXPERT if shared is not None else None,
             )
+        reader = _GENERIC_DECODER_MOE.get(config.model_type)
+        if reader is not None:
+            return reader(config)
         raise ValueError(
             f"model_type {config.model_type!r} is not a supported mixture of experts; "
             f"supported: {', '.join(sorted(MOE_ARCHITECTURES))}"
@@ -99,3 +136,72 @@ def _refuse_unsupported(config: Any) -> None:
     step = getattr(config, "decoder_sparse_step", 1)
     if step is not None and step < 1:
         raise ValueError(f"decoder_sparse_step {step} must be at least 1")
+
+
+def _olmoe(config: Any) -> MoeArch:
+    """OLMoE: Qwen3-MoE's routing (softmax, top-k, renormalised by norm_topk_prob, weights in the model's dtype) in
+    every layer."""
+    return MoeArch(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        expert_intermediate_size=config.intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        weights_in_model_dtype=True,
+        shared_intermediate_size=None,
+        sparse_layers=tuple(range(config.num_hidden_layers)),
+        prefix="mlp.",
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+    )
+
+
+def _granite_moe(config: Any) -> MoeArch:
+    """Granite MoE: the top-k logits, a softmax over those k (in float32, then the model's dtype); experts stacked
+    as `input_linear` [E, 2I, H] (gate rows, then up) and `output_linear` [E, H, I]; the shared variant's ungated
+    `shared_mlp` (none where shared_intermediate_size is 0)."""
+    shared = int(getattr(config, "shared_intermediate_size", 0) or 0) or None
+    return MoeArch(
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        expert_intermediate_size=config.intermediate_size,
+        renormalize=False,  # the softmax over the top-k logits already sums to 1
+        weights_in_model_dtype=True,
+        shared_intermediate_size=shared,
+        sparse_layers=tuple(range(config.num_hidden_layers)),
+        prefix="block_sparse_moe.",
+        expert_names=None,
+        softmax_after_top_k=True,
+        router_name="router.layer.weight",
+        stacked_names=("input_linear.weight", "output_linear.weight"),
+        shared_names=GRANITE_SHARED_EXPERT if shared is not None else None,
+    )
+
+
+def _phimoe(config: Any) -> MoeArch:
+    """Phi-3.5-MoE: Mixtral's experts and names, routed by sparsemixer (two experts per token)."""
+    top_k = config.num_experts_per_tok
+    if top_k != SPARSE_MIXER_TOP_K:
+        raise ValueError(
+            f"num_experts_per_tok {top_k} is not supported for phimoe: its sparsemixer routing picks exactly "
+            f"{SPARSE_MIXER_TOP_K} experts per token"
+        )
+    return MoeArch(
+        num_experts=config.num_local_experts,
+        top_k=top_k,
+        expert_intermediate_size=config.intermediate_size,
+        renormalize=False,
+        weights_in_model_dtype=True,  # (sparsemixer's weights are in the logits' dtype already)
+        shared_intermediate_size=None,
+        sparse_layers=tuple(range(config.num_hidden_layers)),
+        prefix="block_sparse_moe.",
+        expert_names=("w1", "w3", "w2"),
+        sparse_mixer_eps=float(config.router_jitter_noise),
+    )
+
+
+_GENERIC_DECODER_MOE: dict[str, Callable[[Any], MoeArch]] = {
+    "olmoe": _olmoe,
+    "granitemoe": _granite_moe,
+    "granitemoeshared": _granite_moe,
+    "phimoe": _phimoe,
+}
+"""The mixtures of experts on the generic decoder (models/decoder_moe.py), by model_type."""

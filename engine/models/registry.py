@@ -32,9 +32,10 @@ class ModelFamily:
     architecture: str  # the HF `architectures` entry
     model_types: tuple[str, ...]  # config `model_type`s it is also recognised by
     # "llama" (LlamaForCausalLM, the fused CPU decode step), "decoder" (DecoderForCausalLM), "moe"
-    # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs), "gpt_oss" (GptOssForCausalLM) or
-    # "deepseek" (DeepseekForCausalLM: multi-head latent attention and DeepSeek's mixture of experts) or "glm4_moe"
-    # (Glm4MoeForCausalLM: the Llama decoder, partial rotary, DeepSeek-V3's experts)
+    # (MoeForCausalLM: the Llama decoder with mixture-of-experts MLPs), "gpt_oss" (GptOssForCausalLM),
+    # "deepseek" (DeepseekForCausalLM: multi-head latent attention and DeepSeek's mixture of experts), "glm4_moe"
+    # (Glm4MoeForCausalLM: the Llama decoder, partial rotary, DeepSeek-V3's experts) or "decoder_moe"
+    # (DecoderMoeForCausalLM: the generic decoder with mixture-of-experts MLPs)
     implementation: str
     # checkpoint formats: safetensors, bin (torch pickles), gguf (dequantized on load, or kept in its blocks with
     # --quantization gguf; the mixtures of experts from llama.cpp's stacked expert tensors), mxfp4 (safetensors
@@ -254,6 +255,44 @@ FAMILIES = (
             "the multi-token-prediction layer drafts with --speculative-config mtp",
         ),
     ),
+    ModelFamily(
+        "OlmoeForCausalLM",
+        ("olmoe",),
+        "decoder_moe",
+        HF_FORMATS,
+        ("q/k RMSNorm over the whole projection", "top-k softmax routing", "norm_topk_prob"),
+    ),
+    ModelFamily(
+        "GraniteMoeForCausalLM",
+        ("granitemoe",),
+        "decoder_moe",
+        HF_FORMATS,
+        (
+            "as Granite",
+            "experts stacked (block_sparse_moe.input_linear / output_linear)",
+            "softmax over the top-k logits",
+        ),
+    ),
+    ModelFamily(
+        "GraniteMoeSharedForCausalLM",
+        ("granitemoeshared",),
+        "decoder_moe",
+        HF_FORMATS,
+        ("as Granite MoE", "shared expert (shared_mlp), ungated"),
+    ),
+    ModelFamily(
+        "PhimoeForCausalLM",
+        ("phimoe",),
+        "decoder_moe",
+        HF_FORMATS,
+        (
+            "LayerNorm with bias",
+            "q/k/v/o and LM-head biases",
+            "LongRoPE (one factor set, by max_model_len) with short_mscale / long_mscale",
+            "sliding window",
+            "sparsemixer routing (two experts, as transformers computes it at inference)",
+        ),
+    ),
 )
 
 
@@ -276,10 +315,10 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe")
+TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe")
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's (Gemma 1/2/3,
-Phi-3, OLMo 2, Granite, Cohere, GLM-4, StarCoder2) and the mixtures of experts on Llama's decoder (Mixtral,
-Qwen2-MoE, Qwen3-MoE, GLM-4.5)."""
+Phi-3, OLMo 2, Granite, Cohere, GLM-4, StarCoder2) and the mixtures of experts on either (Mixtral, Qwen2-MoE,
+Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE, Phi-3.5-MoE)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
@@ -308,9 +347,10 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
 
 
 def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
-    """The experts' shape of a mixture of experts on Llama's decoder (what tensor parallelism cuts), else None."""
+    """The experts' shape of a mixture of experts on Llama's decoder or the generic one (what tensor parallelism
+    cuts), else None."""
     implementation = family_of(hf_config).implementation
-    if implementation == "moe":
+    if implementation in ("moe", "decoder_moe"):
         return MoeArch.from_hf_config(hf_config)
     if implementation == "glm4_moe":
         from engine.models.glm4_moe_arch import read_glm4_moe
@@ -359,6 +399,12 @@ def build_model(
         )
     if tp.is_parallel:
         shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size)
+        if family.implementation == "decoder_moe":
+            from engine.models.decoder_moe import DecoderMoeForCausalLM
+
+            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
+            assert isinstance(shard, DecoderArch)  # _dense_arch reads these families so
+            return DecoderMoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         if family.implementation == "moe":
             moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
             return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
@@ -407,6 +453,13 @@ def build_model(
             moe = MoeArch.from_hf_config(hf_config)
             return MoeForCausalLM(arch, moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
         return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)
+    if family.implementation == "decoder_moe":
+        from engine.models.decoder_moe import DecoderMoeForCausalLM
+        from engine.models.families import MOE_ARCH_READERS
+
+        arch = MOE_ARCH_READERS[family.architecture](hf_config)
+        moe = MoeArch.from_hf_config(hf_config)
+        return DecoderMoeForCausalLM(arch, moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
     from engine.models.decoder import DecoderForCausalLM
     from engine.models.families import ARCH_READERS
 
@@ -422,4 +475,8 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
         from engine.models.families import ARCH_READERS
 
         return ARCH_READERS[family.architecture](hf_config)
+    if family.implementation == "decoder_moe":
+        from engine.models.families import MOE_ARCH_READERS
+
+        return MOE_ARCH_READERS[family.architecture](hf_config)
     return LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))

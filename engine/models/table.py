@@ -18,6 +18,9 @@ IMPLEMENTATIONS = {
     "gpt_oss": "`GptOssForCausalLM` (engine/models/gpt_oss.py; experts grouped, one product each, unfused)",
     "deepseek": "`DeepseekForCausalLM` (engine/models/deepseek.py; latent attention, experts grouped, unfused)",
     "glm4_moe": "`Glm4MoeForCausalLM` (engine/models/glm4_moe.py; experts grouped, one product each, unfused)",
+    "decoder_moe": (
+        "`DecoderMoeForCausalLM` (engine/models/decoder_moe.py; the generic decoder, experts grouped, unfused)"
+    ),
 }
 FORMAT_NAMES = {
     "safetensors": "safetensors",
@@ -37,8 +40,9 @@ Every family is checked against HF transformers on a tiny random checkpoint
 (tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py, tests/engine/test_moe_equivalence.py,
 tests/engine/test_phi4_mini.py, tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py,
 tests/engine/test_glm4_moe.py): greedy tokens identical and logprobs within 1e-4 in float32. `--quantization
-int8|int4` on the dense families is checked against the model whose matrices are the quantized ones dequantized
-(tests/engine/test_quantization_flag.py, tests/engine/test_dense_quantization.py).
+int8|int4` is checked against the model whose matrices are the quantized ones dequantized
+(tests/engine/test_quantization_flag.py, tests/engine/test_dense_quantization.py,
+tests/engine/test_moe_int_quantization.py).
 
 Sliding windows and attention soft-caps are computed by every attention backend (`torch`, `cpu`,
 `cpu-batch-invariant`, `triton`; `flash` by releases whose varlen function takes `window_size` and `softcap`),
@@ -61,9 +65,16 @@ models](api.md#pooling-models-embeddings-classification-scoring)), checked again
 
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
 Qwen2/3, Gemma 1/2/3, Phi-3/4, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2) and, each
-expert quantized on its own (the router kept float), Mixtral, Qwen2/3-MoE and GLM-4.5
-(tests/engine/test_moe_int_quantization.py, tests/engine/test_glm4_moe.py); GPT-OSS and DeepSeek refuse them at
-start-up.
+expert quantized on its own (the router kept float), Mixtral, Qwen2/3-MoE, GLM-4.5, OLMoE, Granite MoE and
+Phi-3.5-MoE (tests/engine/test_moe_int_quantization.py, tests/engine/test_glm4_moe.py); GPT-OSS and DeepSeek
+refuse them at start-up.
+
+Phi-3.5-MoE's sparsemixer routing is computed as transformers' `modeling_phimoe.py` computes it at inference (two
+experts per token, each weighted by a softmax over the router logits within `2 * router_jitter_noise` of its own,
+in the model's dtype; tests/engine/test_moe_families.py checks it bit for bit against transformers' function); a
+`num_experts_per_tok` other than 2 is refused. Its LongRoPE scales cos and sin by the config's `short_mscale` or
+`long_mscale`, the one matching the factor set served (below). Past the original context transformers' port
+rotates with the short factors and `long_mscale`; here, as in Microsoft's code and vLLM, the long factors serve.
 
 GPT-OSS's MXFP4 checkpoints (OpenAI's releases: config.json `quantization_config: {quant_method: mxfp4}`, the
 experts' `gate_up_proj` and `down_proj` stored as `*_blocks`/`*_scales`) are dequantized to the model's dtype as

@@ -1,7 +1,7 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2) and the mixtures of experts on Llama's decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5): each rank's
-share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and
-row-parallel layers).
+StarCoder2) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
+Phi-3.5-MoE): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor
+(Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -10,12 +10,14 @@ row-parallel layers).
     embed, lm_head   vocab-parallel: rank r keeps its slice of the vocabulary's rows, zero-padded to
                      ceil(vocab / ranks) rows (engine/layers/vocab_parallel.py); tied, one slice serves both
     norms            replicated, LayerNorms' shifts too (Gemma's post-norms act on all-reduced outputs); OLMo 2's
-                     q/k norms over the whole projection are cut like q and k, their mean square all-reduced
-                     (models/decoder.py); Cohere's q/k norms, a weight per head [heads, head_dim], cut by this
-                     rank's heads
+                     and OLMoE's q/k norms over the whole projection are cut like q and k, their mean square
+                     all-reduced (models/decoder.py); Cohere's q/k norms, a weight per head [heads, head_dim], cut
+                     by this rank's heads
+    lm_head.bias     replicated: added to the gathered logits (Phi-3.5-MoE)
     qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
-    experts          each expert (and Qwen2-MoE's shared expert, GLM-4.5's shared experts) cut like an MLP: its
-                     share of the expert's intermediate width; the router (GLM-4.5's correction bias too) and the
+    experts          each expert (and Qwen2-MoE's shared expert, GLM-4.5's shared experts, Granite MoE's shared_mlp)
+                     cut like an MLP: its share of the expert's intermediate width (stacked experts, Granite MoE's
+                     input_linear and output_linear, alike); the router (GLM-4.5's correction bias too) and the
                      shared expert's gate replicated (every rank routes every token alike), the weighted sum of
                      partial outputs all-reduced with the layer's
 
@@ -62,7 +64,13 @@ _EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's, 
 _EXPERT_ROW = re.compile(
     r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_experts?\.down_proj)\.weight"
 )
-_STACKED = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")  # [E, 2I, H], [E, H, I]
+# stacked experts [E, 2I, H] and [E, H, I]: transformers' in-memory names, Granite MoE's checkpoint names
+_STACKED = re.compile(
+    r"(?:block_sparse_moe|mlp)\.(?:experts\.(gate_up_proj|down_proj)|(input_linear|output_linear)\.weight)"
+)
+_STACKED_DOWN = ("down_proj", "output_linear")
+_SHARED_GATE_UP = "shared_mlp.input_linear.weight"  # Granite MoE's shared expert: [gate; up] fused
+_SHARED_DOWN = "shared_mlp.output_linear.weight"
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
 _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.c_proj.weight")  # input columns split
 _ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.c_proj.bias")  # added once (rank 0)
@@ -173,6 +181,11 @@ def shard_weights(
             yield name, _columns(name, tensor, rank, ranks, quantize_whole)
         elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
             yield name, _stacked_experts(name, tensor, rank, ranks)
+        elif part == _SHARED_GATE_UP:  # each half (gate, up) cut like an MLP's
+            gate, up = _split_rows(tensor, (_rows_of(tensor) // 2,) * 2)
+            yield name, _cat_rows([_rows(gate, rank, ranks), _rows(up, rank, ranks)])
+        elif part == _SHARED_DOWN:
+            yield name, _columns(name, tensor, rank, ranks, quantize_whole)
         elif part.startswith(_FUSED_QKV):  # Phi-3's [q; k; v]: each part's rows of this rank
             q, k, v = _split_rows(tensor, (arch.q_size, arch.kv_size, arch.kv_size))
             kv_rows = (first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
@@ -209,7 +222,7 @@ def _stacked_experts(name: str, tensor: Any, rank: int, ranks: int) -> torch.Ten
     rows), down [E, H, I] -> [E, H, I / ranks]."""
     if not isinstance(tensor, torch.Tensor):
         raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
-    if name.endswith("down_proj"):
+    if name.removesuffix(".weight").endswith(_STACKED_DOWN):
         return tensor.chunk(ranks, dim=2)[rank].contiguous()
     gate, up = tensor.chunk(2, dim=1)
     return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()

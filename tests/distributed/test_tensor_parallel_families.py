@@ -5,9 +5,11 @@ all-reduced; with one KV head replicated on both ranks too), Granite (multiplier
 head, cut by heads; attention and MLP side by side), Cohere 2 (layers without RoPE), Gemma 1, GLM and GLM-4-0414
 (each rank reorders its own heads' interleaved rotary pairs), StarCoder2, and the mixtures of experts Mixtral (its
 experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert cut
-like an MLP) and GLM-4.5 (shared experts, grouped routing). Every family's logits of a prefill and a decode over a
-paged cache in one pair of spawned processes (spawning costs seconds), then one family served end to end: greedy
-float32 tokens identical to one process."""
+like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
+(stacked input_linear / output_linear, the shared variant's fused shared_mlp) and Phi-3.5-MoE (LayerNorms, q/k/v/o
+biases, the LM head's bias on gathered logits). Every family's logits of a prefill and a decode over a paged cache
+in one pair of spawned processes (spawning costs seconds), then one family served end to end: greedy float32
+tokens identical to one process."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tests.distributed.test_tensor_parallel import assert_same, generate
 from tests.distributed.test_tensor_parallel_model import run_model, two_rank_results
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
+from tests.engine.test_moe_equivalence import make_moe_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,7 +46,6 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "starcoder2": ("starcoder2", {}),  # c_fc column-, c_proj row-parallel (its bias on rank 0)
     # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
     "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),
-    **{name: ("llama", {"num_experts_per_tok": 2, **overrides}) for name, overrides in MOE_FAMILIES.items()},
 }
 
 
@@ -51,6 +53,7 @@ FAMILIES = {  # name: (factory arch, config overrides)
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in FAMILIES.items()}
+    dirs.update({name: make_moe_dir(root / name, name) for name in MOE_FAMILIES})
     dirs["mixtral-stacked"] = stacked_copy(dirs["mixtral"], root / "mixtral-stacked")
     return dirs
 

@@ -235,9 +235,12 @@ def make_tiny_model_dir(
     arch: str = "llama",
     *,
     seed: int = 0,
+    random_norms: Optional[bool] = None,
     **overrides,
 ) -> Path:
-    """Write a tiny random-weight model (safetensors, config, generation config, tokenizer) to `path`."""
+    """Write a tiny random-weight model (safetensors, config, generation config, tokenizer) to `path`; its norm
+    weights and biases drawn at random where `random_norms` says (by default: the arch is in
+    RANDOM_NORMS_AND_BIASES)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -245,7 +248,7 @@ def make_tiny_model_dir(
     config = AutoConfig.for_model(**config_dict)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch in RANDOM_NORMS_AND_BIASES:
+    if arch in RANDOM_NORMS_AND_BIASES if random_norms is None else random_norms:
         _randomize_norms_and_biases(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -17,6 +17,7 @@ from engine.pooling import PoolingParams
 from engine.pooling.pooler_config import PoolerConfig, model_pooler
 from tests.engine.factories import make_tiny_embedding_dir
 from tests.engine.references import assert_idle, make_llm
+from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 
 PROMPTS = [
     "hello world, this is a test",
@@ -29,6 +30,8 @@ FAMILIES = {
     "gemma2": ("gemma2", {}),  # the generic decoder: (1 + w) norms folded at load, embeddings scaled
     "starcoder2": ("starcoder2", {}),  # its final norm a LayerNorm with a bias
     "mixtral": ("llama", dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8)),
+    # the generic decoder with experts: LayerNorms (the final one's bias), a biased LM head the base model lacks
+    "phimoe": ("llama", dict(num_experts_per_tok=2, **MOE_FAMILIES["phimoe"])),
 }
 
 
