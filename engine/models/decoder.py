@@ -154,7 +154,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         """The checkpoint's tensors, refusing pre-quantized storage (AWQ groups, GGUF blocks): the Llama family's.
         (int8 matrices pass: a tensor-parallel rank's row-parallel shards, quantized whole by the loader.)"""
         for name, tensor in weights:
-            if isinstance(tensor, Int8Weight):
+            if isinstance(tensor, Int8Weight) or (
+                isinstance(tensor, list) and all(isinstance(part, Int8Weight) for part in tensor)
+            ):  # (a list: stacked experts' downs, tensor_parallel._stacked_experts)
                 yield name, tensor
                 continue
             if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):

@@ -108,8 +108,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         # (a family stored stacked only: its tensors required)
         stacked_gate_up = maybe(p + gate_up_name) if moe.expert_names is not None else take(p + gate_up_name)
         stacked: Optional[ExpertWeights] = None
-        if stacked_gate_up is not None:  # already stacked: [E, 2I, H] and [E, H, I], kept so where they stay float
-            stacked = ExpertWeights(_float(stacked_gate_up), _float(take(p + down_stacked)))
+        stacked_down = None if stacked_gate_up is None else take(p + down_stacked)
+        if isinstance(stacked_down, list):  # a tensor-parallel rank's int8 downs, each cut from its whole expert's
+            gate_up, down = list(_float(stacked_gate_up)), stacked_down
+        elif stacked_gate_up is not None:  # already stacked: [E, 2I, H] and [E, H, I], kept so where they stay float
+            stacked = ExpertWeights(_float(stacked_gate_up), _float(stacked_down))
             gate_up, down = list(stacked.gate_up), list(stacked.down)
         else:
             assert moe.expert_names is not None  # (else taken stacked above)

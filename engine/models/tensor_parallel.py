@@ -180,7 +180,7 @@ def shard_weights(
         elif _EXPERT_ROW.fullmatch(part):
             yield name, _columns(name, tensor, rank, ranks, quantize_whole)
         elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
-            yield name, _stacked_experts(name, tensor, rank, ranks)
+            yield name, _stacked_experts(name, tensor, rank, ranks, quantize_whole)
         elif part == _SHARED_GATE_UP:  # each half (gate, up) cut like an MLP's
             gate, up = _split_rows(tensor, (_rows_of(tensor) // 2,) * 2)
             yield name, _cat_rows([_rows(gate, rank, ranks), _rows(up, rank, ranks)])
@@ -217,12 +217,22 @@ def shard_weights(
             yield name, tensor  # norms (Qwen3's per-head q/k norms are one head wide: the same on every rank)
 
 
-def _stacked_experts(name: str, tensor: Any, rank: int, ranks: int) -> torch.Tensor:
+def _stacked_experts(
+    name: str,
+    tensor: Any,
+    rank: int,
+    ranks: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Union[torch.Tensor, list[QuantizedWeight]]:
     """Stacked experts' share: gate_up [E, 2I, H] -> [E, 2I / ranks, H] (this rank's gate rows, then its up
-    rows), down [E, H, I] -> [E, H, I / ranks]."""
+    rows), down [E, H, I] -> [E, H, I / ranks]; with `quantize_whole` (int8) the down matrices as a list, each
+    expert's quantized whole, then cut (the whole rows' scales, as a per-expert checkpoint's)."""
     if not isinstance(tensor, torch.Tensor):
         raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
     if name.removesuffix(".weight").endswith(_STACKED_DOWN):
+        if quantize_whole is not None:
+            share = tensor.shape[2] // ranks
+            return [quantize_whole(expert).take_columns(rank * share, (rank + 1) * share) for expert in tensor]
         return tensor.chunk(ranks, dim=2)[rank].contiguous()
     gate, up = tensor.chunk(2, dim=1)
     return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()

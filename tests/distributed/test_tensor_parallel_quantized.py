@@ -23,6 +23,7 @@ from tests.distributed.test_tensor_parallel import TINY, assert_same
 from tests.engine.references import assert_idle
 from tests.engine.factories import make_tiny_gguf, make_tiny_model_dir, tiny_config_dict
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
+from tests.engine.test_moe_equivalence import make_moe_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,6 +72,25 @@ def test_int8_row_shards_keep_the_whole_rows_scales():
     x = torch.randn(2, 64)
     partial = halves[0].matmul(x[:, :32]) + halves[1].matmul(x[:, 32:])
     torch.testing.assert_close(partial, whole.matmul(x), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_experts_int8_downs_keep_each_experts_whole_rows_scales():
+    """Granite MoE stores its experts stacked (`output_linear` [E, H, I]): with int8 each rank gets every expert's
+    down quantized whole, then cut, as a per-expert checkpoint's (a shard's own row maxima would give other
+    scales)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**tiny_config_dict("llama", num_experts_per_tok=2, **MOE_FAMILIES["granitemoe"]))
+    arch = check_tensor_parallel_model(config, 2)
+    down = torch.randn(6, 64, 48)
+    name = "model.layers.0.block_sparse_moe.output_linear.weight"
+    for rank in range(2):
+        ((_, shard),) = shard_weights([(name, down)], arch, ParallelGroup(rank, 2), Int8Weight.quantize)
+        assert len(shard) == 6
+        for expert, cut in zip(down, shard):
+            whole = Int8Weight.quantize(expert)
+            assert torch.equal(cut.scales, whole.scales) and cut.in_features == 24
+            torch.testing.assert_close(cut.dequantize(), whole.dequantize()[:, rank * 24 : (rank + 1) * 24])
 
 
 def test_what_cannot_be_cut_exactly_is_refused_by_name(tiny_dir, embedded_checkpoint):
@@ -135,6 +155,19 @@ def test_two_ranks_serve_generic_decoders_quantized(tmp_path, family, storage):
     got, shard = generate_quantized(model, PROMPTS, 2, quantization=storage)
     assert_same(got, expected, abs=LOGPROB_TOLERANCE)
     assert whole[0] == shard[0] != "float32" and (whole[1], shard[1]) == (64, 32)
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_granite_moe_on_two_ranks_serves_one_process_quantized_weights(tmp_path, storage):
+    """Granite MoE with its shared expert (stacked experts, a fused shared_mlp): two ranks serve the tokens of one
+    process on the same int8 / int4 weights (experts and shared expert 64 wide: 32 inputs of their downs per rank,
+    whole int4 groups of 32)."""
+    widths = dict(intermediate_size=64, shared_intermediate_size=64)
+    model = str(make_moe_dir(tmp_path / "granitemoeshared", "granitemoeshared", **widths))
+    settings = dict(quantization=storage, **({"quantization_group_size": 32} if storage == "int4" else {}))
+    expected, _ = generate_quantized(model, PROMPTS, 1, **settings)
+    got, _ = generate_quantized(model, PROMPTS, 2, **settings)
+    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
 
 
 def test_embedded_gguf_on_three_ranks(embedded_checkpoint):
