@@ -270,23 +270,25 @@ def test_a_request_that_opted_out_keeps_no_features_in_the_head(target_dir, head
     assert [tokens["s0"], tokens["s1"], tokens["plain"]] == [want[0][0] for want in expected]
 
 
-def test_a_head_on_a_scaled_embedding_target_reads_the_embedding_rows_as_stored(tmp_path, heads):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_head_on_a_scaled_embedding_target_reads_the_embedding_rows_as_stored(method, tmp_path, heads):
     """Gemma's model scales its embeddings by sqrt(hidden) inside its forward; the head reads the embedding's rows
-    (vLLM's head shares the embedding module, without the target's normalizer; the heads are trained so)."""
+    (vLLM's head shares the embedding module, without the target's normalizer; the heads are trained so). On the
+    generic decoder, whose layer loop taps EAGLE-3's layers too."""
     from transformers import AutoModelForCausalLM
 
     target_dir = make_tiny_model_dir(tmp_path / "gemma", "gemma", num_hidden_layers=4)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
-    tensors = load_file(str(heads["eagle"] / "model.safetensors"))
+    tensors = load_file(str(heads[method] / "model.safetensors"))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    with make_llm(target_dir, speculative_config=eagle_config("eagle", heads["eagle"])) as llm:
+    with make_llm(target_dir, speculative_config=eagle_config(method, heads[method])) as llm:
         calls = record_proposals(llm)
         run(llm, PROMPTS[:2], params)
         assert_head_idle(llm)
     drafted = [(tokens, drafts) for tokens, drafts in calls if drafts]
     assert drafted
     for tokens, drafts in drafted:
-        assert drafts == reference_drafts(target, tensors, "eagle", tokens, len(drafts), [])
+        assert drafts == reference_drafts(target, tensors, method, tokens, len(drafts), sorted(FEATURE_LAYERS))
 
 
 def test_a_head_configured_for_a_shorter_context_drafts_past_it(target_dir, heads, tmp_path):
