@@ -207,7 +207,7 @@ def _build_rank0(
     )
     if head is not None:  # the runner's step outputs carry the target's features the head reads
         runner.draft_features = "tapped" if head.feature_layers else "final"
-    if buckets and not model.feature_layers:  # (a graph's replay returns the final hidden states alone)
+    if buckets:
         capture_graphs(runner, buckets)
     step_cost = draft_cost = None
     if speculative is not None and speculative.step_cost_model:

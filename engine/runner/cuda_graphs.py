@@ -176,8 +176,11 @@ class DecodeGraphs:
         max_model_len: int,
         graph_type: type = CudaGraph,
         lora: Optional[LoRAStack] = None,
+        tapped: Optional[Callable[[], dict[int, torch.Tensor]]] = None,
     ):
-        """`lora`: the model's adapter slots (LoRA enabled): each graph is captured with static LoRA inputs."""
+        """`lora`: the model's adapter slots (LoRA enabled): each graph is captured with static LoRA inputs.
+        `tapped`: the model's features of its last forward (EAGLE-3's layers: `LlamaForCausalLM.tapped_features`),
+        which each graph copies into static buffers of its own (`tapped_of` after a replay)."""
         if buckets[-1] > buffers.max_num_reqs:
             raise ValueError(f"bucket {buckets[-1]} exceeds the step buffers' {buffers.max_num_reqs} requests")
         self.forward: Optional[ForwardFn] = forward  # None once released
@@ -193,6 +196,8 @@ class DecodeGraphs:
         self._graphs: dict[int, Graph] = {}
         self.lora = lora
         self._lora_inputs = {} if lora is None else {size: LoRAGraphInputs(lora, size) for size in buckets}
+        self.tapped = tapped
+        self._tapped: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> layer -> its static [bucket, hidden]
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -222,6 +227,7 @@ class DecodeGraphs:
             graph.release()
         self._graphs.clear()
         self._lora_inputs.clear()
+        self._tapped.clear()
         self.forward = None
 
     # ------------------------------------------------------------------ capture
@@ -284,8 +290,18 @@ class DecodeGraphs:
             lora.fill(())  # (captured with no slot for any row: a zero delta)
         lora_step = None if lora is None else lora.step
 
+        tapped, statics = self.tapped, self._tapped
+
         def run() -> torch.Tensor:
-            return forward(input_ids, positions, steps, lora_step=lora_step)
+            hidden = forward(input_ids, positions, steps, lora_step=lora_step)
+            if tapped is not None:
+                # copied into buffers made at the first run (the warm-up, outside the graph), so that the captured
+                # graph rewrites them at each replay
+                taps = tapped()
+                static = statics.setdefault(size, {layer: torch.empty_like(t[:size]) for layer, t in taps.items()})
+                for layer, tensor in taps.items():
+                    static[layer].copy_(tensor[:size])
+            return hidden
 
         return run
 
@@ -299,6 +315,10 @@ class DecodeGraphs:
     def replay(self, bucket: int) -> torch.Tensor:
         """Run the bucket's graph over what was uploaded; its output is valid until the next replay."""
         return self._graphs[bucket].replay()
+
+    def tapped_of(self, bucket: int) -> dict[int, torch.Tensor]:
+        """The features the bucket's last replay tapped (with `tapped`), valid until the next replay."""
+        return self._tapped[bucket]
 
     def _write_padding(self, start: int, end: int) -> None:
         if start >= end:

@@ -270,6 +270,9 @@ class ModelRunner:
             if profile is not None:
                 profile.lap("prepare")
             hidden = self.graphs.replay(bucket)  # its inputs are uploaded
+            if self.draft_features == "tapped":
+                assert self.model is not None
+                self.model.tapped_features = self.graphs.tapped_of(bucket)
         else:
             assert steps is not None  # built whenever no graph replays
             input_ids = buffers.input_ids.upload(batch.num_tokens)
@@ -332,6 +335,7 @@ class ModelRunner:
             self.limits.max_model_len,
             graph_type,
             self.model.lora,  # (with LoRA: captured with static LoRA inputs, so steps with adapters replay)
+            _tapped_of(self.model) if self.draft_features == "tapped" else None,
         )
         graphs.capture()
         self.graphs = graphs
@@ -779,3 +783,8 @@ class ModelRunner:
             for j in range(1, len(drafts) + 1):
                 states[first + j] = own.after(drafts[:j])
         return states
+
+
+def _tapped_of(model: LlamaForCausalLM) -> Callable[[], dict[int, torch.Tensor]]:
+    """The model's tapped features after a forward (a closure over the model alone: the graphs keep it)."""
+    return lambda: model.tapped_features

@@ -316,3 +316,30 @@ def test_a_head_configured_for_a_shorter_context_drafts_past_it(target_dir, head
     assert late
     for tokens, drafts in late:
         assert drafts == reference_drafts(target, tensors, "eagle", tokens, len(drafts), [])
+
+
+def test_eagle3_decode_steps_replay_decode_graphs_with_their_taps(target_dir, heads):
+    """Decode graphs (EagerReplay: the padded step a CUDA graph runs) copy EAGLE-3's tapped layers into static
+    buffers of their own, which the step's features are read from: every proposal still the reference's, the
+    tokens those without speculation."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.runner.cuda_graphs import EagerReplay, decode_buckets
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    tensors = load_file(str(heads["eagle3"] / "model.safetensors"))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with make_llm(target_dir) as base:
+        expected = run(base, PROMPTS[:3], params)
+    with make_llm(target_dir, speculative_config=eagle_config("eagle3", heads["eagle3"], k=1)) as llm:
+        runner = llm.engine.runner
+        runner.capture_decode_graphs(decode_buckets(runner.limits.max_num_seqs), EagerReplay)
+        calls = record_proposals(llm)
+        got = run(llm, PROMPTS[:3], params)
+        assert sum(graph.replays for graph in runner.graphs._graphs.values()) > 0
+        assert_head_idle(llm)
+    assert_same(expected, got)
+    drafted = [(tokens, drafts) for tokens, drafts in calls if drafts]
+    assert len(drafted) >= 6
+    for tokens, drafts in drafted:
+        assert drafts == reference_drafts(target, tensors, "eagle3", tokens, len(drafts), sorted(FEATURE_LAYERS))
