@@ -170,3 +170,18 @@ def mimic_head_tensors(target_state: dict[str, torch.Tensor]) -> dict[str, torch
     }
     tensors["fc.weight"] = torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], dim=1)
     return tensors
+
+
+def record_proposals(llm) -> list:
+    """Each proposal's (query tokens, drafts), recorded as the scheduler receives them."""
+    proposer = llm.engine.scheduler.proposer
+    calls: list = []
+    propose = proposer.propose_batch
+
+    def recorded(queries):
+        drafts = propose(queries)
+        calls.extend((list(q.token_ids), list(d)) for q, d in zip(queries, drafts))
+        return drafts
+
+    proposer.propose_batch = recorded
+    return calls

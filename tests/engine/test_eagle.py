@@ -21,7 +21,13 @@ from safetensors.torch import load_file, save_file
 
 from engine import SamplingParams
 from engine.errors import SettingsConflictError
-from tests.engine.eagle_factories import make_eagle_head, mimic_head_tensors, random_head_tensors, reference_drafts
+from tests.engine.eagle_factories import (
+    make_eagle_head,
+    mimic_head_tensors,
+    random_head_tensors,
+    record_proposals,
+    reference_drafts,
+)
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, make_llm
 from tests.engine.test_spec_decode import PROMPTS, assert_same, run
@@ -63,21 +69,6 @@ def assert_head_idle(llm) -> None:
     proposer = llm.engine.scheduler.proposer
     assert proposer.num_requests == 0
     assert proposer.cache.num_free_blocks == proposer.cache.num_blocks
-
-
-def record_proposals(llm) -> list:
-    """Each proposal's (query tokens, drafts), recorded as the scheduler receives them."""
-    proposer = llm.engine.scheduler.proposer
-    calls: list = []
-    propose = proposer.propose_batch
-
-    def recorded(queries):
-        drafts = propose(queries)
-        calls.extend((list(q.token_ids), list(d)) for q, d in zip(queries, drafts))
-        return drafts
-
-    proposer.propose_batch = recorded
-    return calls
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

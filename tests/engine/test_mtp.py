@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import SamplingParams
 from engine.errors import SettingsConflictError
+from tests.engine.eagle_factories import record_proposals
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, make_llm
 from tests.engine.test_deepseek_equivalence import make_deepseek_dir
@@ -109,17 +110,9 @@ def test_each_proposal_is_the_reference_layers(checkpoints):
     whole = AutoModelForCausalLM.from_pretrained(whole_dir, dtype=torch.float32, attn_implementation="sdpa")
     target = AutoModelForCausalLM.from_pretrained(mtp_dir, dtype=torch.float32, attn_implementation="sdpa")
     state = load_file(str(mtp_dir / "model.safetensors"))
-    calls: list = []
     with make_llm(mtp_dir, speculative_config=mtp_config()) as llm:
         proposer = llm.engine.scheduler.proposer
-        propose = proposer.propose_batch
-
-        def recorded(queries):
-            drafts = propose(queries)
-            calls.extend((list(q.token_ids), list(d)) for q, d in zip(queries, drafts))
-            return drafts
-
-        proposer.propose_batch = recorded
+        calls = record_proposals(llm)
         run(llm, PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert proposer.num_requests == 0 and proposer.cache.num_free_blocks == proposer.cache.num_blocks
     drafted = [(tokens, drafts) for tokens, drafts in calls if drafts]

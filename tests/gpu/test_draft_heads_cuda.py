@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from tests.engine.eagle_factories import make_eagle_head
+from tests.engine.eagle_factories import make_eagle_head, record_proposals
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import make_llm
 from tests.engine.test_mtp import add_prediction_layer
@@ -17,20 +17,6 @@ from tests.engine.test_mtp import add_prediction_layer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 PROMPTS = [list(range(20, 30)) * 3, [5, 6, 7, 8, 9] * 4 + [40, 41], list(range(100, 131)), [7] * 6]
-
-
-def recorded(llm) -> list:
-    proposer = llm.engine.scheduler.proposer
-    calls: list = []
-    propose = proposer.propose_batch
-
-    def record(queries):
-        drafts = propose(queries)
-        calls.extend((list(q.token_ids), list(d)) for q, d in zip(queries, drafts))
-        return drafts
-
-    proposer.propose_batch = record
-    return calls
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
@@ -51,7 +37,7 @@ def test_draft_heads_on_cuda_with_and_without_graphs(method, tmp_path):
     for eager in (True, False):
         with make_llm(target, enforce_eager=eager, speculative_config=config, **settings) as llm:
             assert (llm.engine.runner.cuda_graphs == "off") == eager
-            calls = recorded(llm)
+            calls = record_proposals(llm)
             got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params, use_tqdm=False)]
             assert got == expected
             assert llm.engine.stats().speculation.num_draft_tokens > 0
