@@ -191,6 +191,27 @@ def starcoder2_arch(config: Any) -> DecoderArch:
     )
 
 
+def smollm3_arch(config: Any) -> DecoderArch:
+    """SmolLM3: Llama's layer (biases where attention_bias / mlp_bias) whose NoPE layers (`no_rope_layers`: 0,
+    by default every `no_rope_layer_interval`-th) rotate nothing, and sliding-window layers by `layer_types` where
+    use_sliding_window."""
+    no_rope = list(config.no_rope_layers)
+    if len(no_rope) != config.num_hidden_layers:
+        raise ValueError(f"{_name(config)}: no_rope_layers must name each of the {config.num_hidden_layers} layers")
+    layer_types = _layer_types(config)
+    # HF's masks slide wherever layer_types says so, its flash-attention path only where use_sliding_window: a
+    # sliding layer without both is read neither way
+    if "sliding_attention" in layer_types and not (config.use_sliding_window and config.sliding_window):
+        raise ValueError(f"{_name(config)}: sliding_attention layers need use_sliding_window and a sliding_window")
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_silu(config),
+        layer_attention=_layer_attention(config, _head_scale(config), None),
+        layer_rope=tuple(0 if use_rope else None for use_rope in no_rope),
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -203,6 +224,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "GlmForCausalLM": glm_arch,
     "Glm4ForCausalLM": glm4_arch,
     "Starcoder2ForCausalLM": starcoder2_arch,
+    "SmolLM3ForCausalLM": smollm3_arch,
 }
 
 

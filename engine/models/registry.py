@@ -154,6 +154,18 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "SmolLM3ForCausalLM",
+        ("smollm3",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "as Llama",
+            "NoPE layers (no_rope_layers / no_rope_layer_interval)",
+            "sliding-window layers by layer_types (use_sliding_window)",
+            "decode steps unfused (layers without RoPE)",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

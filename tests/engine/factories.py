@@ -136,7 +136,7 @@ DENSE_FAMILIES = {
     },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
-RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2", "glm4_moe")
+RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2", "glm4_moe", "smollm3")
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
 interleaved RoPE) goes unseen."""
@@ -194,6 +194,25 @@ DENSE_FAMILIES.update(
             "norm_epsilon": 1e-5,
             "use_bias": True,
             "hidden_act": "gelu_pytorch_tanh",
+            "pad_token_id": 0,
+        },
+    }
+)
+# Families whose releases transformers added since, each with what it adds set off its default
+DENSE_FAMILIES.update(
+    {
+        # NoPE on layers 1 and 3, windows on layers 0 and 1: each pairing of RoPE and window; every bias there
+        "smollm3": {
+            "architectures": ["SmolLM3ForCausalLM"],
+            "model_type": "smollm3",
+            "num_hidden_layers": 4,
+            "no_rope_layers": [1, 0, 1, 0],
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": False,
             "pad_token_id": 0,
         },
     }

@@ -1,8 +1,9 @@
-"""Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414 and StarCoder2 against HF
-transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than
-the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0 or 1),
-in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends,
-under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
+"""Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2 and SmolLM3
+against HF transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows
+shorter than the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0
+or 1), in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch
+backends, under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is
+not served."""
 
 from __future__ import annotations
 
@@ -159,6 +160,12 @@ def config_of(family: str, **overrides):
             {"layer_types": ["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]},
             r"layer types \['chunked_attention'\] are not supported",
         ),
+        (
+            "smollm3",
+            {"use_sliding_window": False},
+            "SmolLM3ForCausalLM: sliding_attention layers need use_sliding_window and a sliding_window",
+        ),
+        ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must name each of the 4 layers"),
     ],
 )
 def test_unsupported_config_fields_are_refused(family, overrides, message):
