@@ -93,6 +93,23 @@ def olmo2_arch(config: Any) -> DecoderArch:
     )
 
 
+def olmo3_arch(config: Any) -> DecoderArch:
+    """OLMo 3: OLMo 2's layer with sliding-window layers by `layer_types`; each kind of layer rotates by its own
+    RoPE (rope_parameters per layer type: the config's scaling on the full-attention layers)."""
+    layer_types = _layer_types(config)
+    ropes = (rope_settings(config, "full_attention"), rope_settings(config, "sliding_attention"))
+    return _arch(
+        config,
+        ropes[0],
+        norms=POST_NORMS,
+        activation=_silu(config),
+        qk_norm="projection",
+        layer_attention=_layer_attention(config, _head_scale(config), None),
+        ropes=ropes,
+        layer_rope=tuple(1 if kind == "sliding_attention" else 0 for kind in layer_types),
+    )
+
+
 def granite_arch(config: Any) -> DecoderArch:
     """Granite: Llama's layer with embedding_multiplier, residual_multiplier, attention_multiplier as the
     attention scale and the logits divided by logits_scaling."""
@@ -225,6 +242,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Glm4ForCausalLM": glm4_arch,
     "Starcoder2ForCausalLM": starcoder2_arch,
     "SmolLM3ForCausalLM": smollm3_arch,
+    "Olmo3ForCausalLM": olmo3_arch,
 }
 
 

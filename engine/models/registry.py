@@ -166,6 +166,13 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "Olmo3ForCausalLM",
+        ("olmo3",),
+        "decoder",
+        HF_FORMATS,
+        ("as OLMo 2", "sliding-window layers by layer_types", "RoPE per layer type (scaling on the full layers)"),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

@@ -136,7 +136,7 @@ DENSE_FAMILIES = {
     },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
-RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2", "glm4_moe", "smollm3")
+RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2", "glm4_moe", "smollm3", "olmo3")
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
 interleaved RoPE) goes unseen."""
@@ -213,6 +213,19 @@ DENSE_FAMILIES.update(
             "attention_bias": True,
             "mlp_bias": True,
             "tie_word_embeddings": False,
+            "pad_token_id": 0,
+        },
+        # a window on layers 0 and 2; the full layers' RoPE scaled (linear) and of another base than the sliding ones'
+        "olmo3": {
+            "architectures": ["Olmo3ForCausalLM"],
+            "model_type": "olmo3",
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
             "pad_token_id": 0,
         },
     }
