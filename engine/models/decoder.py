@@ -337,6 +337,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.arch.plain_mlp is not None:  # no gate: the activation of all of up's output
+            if self.arch.activation == "relu2":  # Arcee's: relu(x)^2, as HF's ReLUSquaredActivation
+                return torch.square(F.relu(gate_up))
             return F.gelu(gate_up, approximate="tanh") if self.arch.activation == "gelu_tanh" else F.silu(gate_up)
         if self.arch.activation == "silu":
             return self.ops.silu_and_mul(gate_up)

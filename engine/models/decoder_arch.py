@@ -1,5 +1,5 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE), as data.
+StarCoder2, Arcee; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
@@ -35,7 +35,8 @@ GLM4_NORMS = (  # GLM-4-0414's sandwich, by its own names
     ("mlp_pre", "post_attention_layernorm"),
     ("mlp_post", "post_mlp_layernorm"),
 )
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
+"""silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); relu2, relu(x)^2, of a plain MLP only (Arcee's)."""
 NORM_KINDS = ("rms", "layer")
 """RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: StarCoder2's; Cohere's has
 no b)."""
@@ -52,7 +53,7 @@ class DecoderArch(LlamaArch):
     # epsilon is `rms_norm_eps` whatever the kind (Cohere's layer_norm_eps)
     norm_bias: bool = False  # the LayerNorms (the layers' and the final one) have a shift: each norm's `.bias`
     parallel_branches: bool = False  # Cohere: x + attn(n(x)) + mlp(n(x)), the MLP reading the attention's input
-    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    activation: str = "silu"  # of the MLP, in ACTIVATIONS
     qk_norm: Optional[str] = None  # "head": each head's q and k (Gemma 3); "projection": all of q, all of k (OLMo 2)
     embedding_scale: Optional[float] = None  # Gemma: sqrt(hidden) (rounded to the model's dtype); Granite
     embedding_scale_in_dtype: bool = False  # Gemma rounds its scale to the model's dtype first
@@ -72,13 +73,15 @@ class DecoderArch(LlamaArch):
     # permutation for both, so every score is the same (the fused decode step reads the reordered rows too)
     rope_interleaved: bool = False
     # A non-gated MLP, x -> down(act(up(x))), by the checkpoint's names of its two products (StarCoder2: c_fc,
-    # c_proj); None: the gated one (gate_proj and up_proj, or gate_up_proj; down_proj)
+    # c_proj; Arcee: up_proj, down_proj); None: the gated one (gate_proj and up_proj, or gate_up_proj; down_proj)
     plain_mlp: Optional[tuple[str, str]] = None
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]
         if not set(roles) <= set(NORM_ROLES) or self.activation not in ACTIVATIONS or self.norm_kind not in NORM_KINDS:
             raise ValueError(f"norm roles {roles} / activation {self.activation!r} / norm {self.norm_kind!r} unknown")
+        if self.activation == "relu2" and self.plain_mlp is None:
+            raise ValueError("relu2 is a plain MLP's activation (Arcee's): no gated kernel computes it")
         if self.norm_bias and self.norm_kind != "layer":
             raise ValueError("a norm's shift (norm_bias) is a LayerNorm's")
         if self.qk_norm == "projection" and self.norm_kind != "rms":

@@ -229,6 +229,20 @@ def smollm3_arch(config: Any) -> DecoderArch:
     )
 
 
+def arcee_arch(config: Any) -> DecoderArch:
+    """Arcee (AFM): Llama's layer with a plain MLP up_proj -> relu^2 -> down_proj (biases where mlp_bias)."""
+    act = str(getattr(config, "hidden_act", "relu2"))
+    if act != "relu2":
+        raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: relu2)")
+    return _arch(
+        config,
+        rope_settings(config),
+        activation="relu2",
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        plain_mlp=("up_proj", "down_proj"),
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -243,6 +257,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Starcoder2ForCausalLM": starcoder2_arch,
     "SmolLM3ForCausalLM": smollm3_arch,
     "Olmo3ForCausalLM": olmo3_arch,
+    "ArceeForCausalLM": arcee_arch,
 }
 
 

@@ -173,6 +173,17 @@ FAMILIES = (
         ("as OLMo 2", "sliding-window layers by layer_types", "RoPE per layer type (scaling on the full layers)"),
     ),
     ModelFamily(
+        "ArceeForCausalLM",
+        ("arcee",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "as Llama",
+            "plain MLP up_proj -> relu^2 -> down_proj",
+            "decode steps unfused (the native step's MLP is gated)",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

@@ -136,7 +136,18 @@ DENSE_FAMILIES = {
     },
 }
 _ARCHITECTURES.update(DENSE_FAMILIES)
-RANDOM_NORMS_AND_BIASES = ("cohere", "cohere2", "gemma", "glm", "glm4", "starcoder2", "glm4_moe", "smollm3", "olmo3")
+RANDOM_NORMS_AND_BIASES = (
+    "cohere",
+    "cohere2",
+    "gemma",
+    "glm",
+    "glm4",
+    "starcoder2",
+    "glm4_moe",
+    "smollm3",
+    "olmo3",
+    "arcee",
+)
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
 interleaved RoPE) goes unseen."""
@@ -225,6 +236,20 @@ DENSE_FAMILIES.update(
             "rope_parameters": {
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+            "pad_token_id": 0,
+        },
+        # AFM-4.5B's YaRN (past an original context of 64 tokens: the tests' longer sequences) and MLP biases
+        "arcee": {
+            "architectures": ["ArceeForCausalLM"],
+            "model_type": "arcee",
+            "hidden_act": "relu2",
+            "mlp_bias": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
             },
             "pad_token_id": 0,
         },

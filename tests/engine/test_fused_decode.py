@@ -234,10 +234,10 @@ def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
     assert model.fused is not None and _model_fits(model, runner.kv_cache.layers)
 
 
-@pytest.mark.parametrize("family", ["cohere", "cohere2", "starcoder2", "smollm3"])
+@pytest.mark.parametrize("family", ["cohere", "cohere2", "starcoder2", "smollm3", "arcee"])
 def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
     """Cohere's LayerNorms and attention beside the MLP, Cohere 2's and SmolLM3's layers without RoPE, StarCoder2's
-    LayerNorms with shifts and its plain MLP: the native step computes none of them, so the model says so
+    LayerNorms with shifts and its plain MLP, Arcee's plain relu^2 MLP: the native step computes none of them, so the model says so
     (`fused_recipe`) and its bf16 decode steps take the general path (their equality with HF:
     tests/engine/test_dense_families.py)."""
     model_dir = make_tiny_model_dir(tmp_path / family, family)
