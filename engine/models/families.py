@@ -243,6 +243,18 @@ def arcee_arch(config: Any) -> DecoderArch:
     )
 
 
+def ernie4_5_arch(config: Any) -> DecoderArch:
+    """ERNIE 4.5 (dense): Llama's layer with RoPE over interleaved pairs (reordered into halves at load) and biases
+    on every projection where use_bias (read from the checkpoint)."""
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_silu(config),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        rope_interleaved=True,
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -258,6 +270,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "SmolLM3ForCausalLM": smollm3_arch,
     "Olmo3ForCausalLM": olmo3_arch,
     "ArceeForCausalLM": arcee_arch,
+    "Ernie4_5ForCausalLM": ernie4_5_arch,
 }
 
 

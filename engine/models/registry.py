@@ -184,6 +184,13 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "Ernie4_5ForCausalLM",
+        ("ernie4_5",),
+        "decoder",
+        HF_FORMATS,
+        ("as Llama", "biases on every projection (use_bias)", "RoPE on interleaved pairs (q/k rows reordered at load)"),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

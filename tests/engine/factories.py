@@ -253,6 +253,14 @@ DENSE_FAMILIES.update(
             },
             "pad_token_id": 0,
         },
+        "ernie4_5": {
+            "architectures": ["Ernie4_5ForCausalLM"],
+            "model_type": "ernie4_5",
+            "head_dim": 16,
+            "use_bias": True,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+        },
     }
 )
 _ARCHITECTURES.update(DENSE_FAMILIES)

@@ -1,8 +1,9 @@
-"""Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, OLMo 3 and
-Arcee against HF transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows
-shorter than the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0 or 1),
-in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends, under
-chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
+"""Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, OLMo 3,
+Arcee and ERNIE 4.5 against HF transformers on tiny random checkpoints made here (tests/engine/factories.py's
+DENSE_FAMILIES: windows shorter than the prompts, scales and caps off their defaults; norms and biases random where HF
+would leave them 0 or 1), in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu
+and torch backends, under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what
+is not served."""
 
 from __future__ import annotations
 

@@ -214,10 +214,11 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
         ("glm", {}),  # partial rotary whose interleaved pairs were put in halves at load, q/k/v biases
         ("glm4", {}),  # the same with norms after the branches
         ("olmo3", {}),  # OLMo 2's with windowed layers and two RoPEs
+        ("ernie4_5", {}),  # interleaved pairs put in halves at load, biases on every projection
     ],
     ids=[
         *("granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3", "gemma", "glm"),
-        *("glm4", "olmo3"),
+        *("glm4", "olmo3", "ernie4_5"),
     ],
 )
 def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
@@ -251,11 +252,11 @@ def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
         assert len(result.outputs[0].token_ids) == 8 and model.fused._model_ok is False  # decided, and declined
 
 
-@pytest.mark.parametrize("family", ["gemma", "glm", "glm4", "olmo3"])
+@pytest.mark.parametrize("family", ["gemma", "glm", "glm4", "olmo3", "ernie4_5"])
 def test_fused_steps_equal_the_unfused_ones(family, tmp_path):
     """bfloat16 decode steps, fused, give the unfused path's tokens and logprobs bit for bit: Gemma's norms folded
     at load, GLM's rotary pairs reordered into halves at load, GLM-4-0414's post-branch norms, OLMo 3's windowed
-    layers with their own RoPE."""
+    layers with their own RoPE, ERNIE 4.5's biases on every projection."""
     model_dir = make_tiny_model_dir(tmp_path / family, family)
     with make_llm(model_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False) as llm:
         assert llm.engine.runner.model.fused is not None and llm.engine.runner.model.fused_recipe
