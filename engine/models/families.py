@@ -255,6 +255,23 @@ def ernie4_5_arch(config: Any) -> DecoderArch:
     )
 
 
+def exaone4_arch(config: Any) -> DecoderArch:
+    """EXAONE 4.0: OLMo 2's post-norms with per-head q/k RMSNorms, sliding-window layers by `layer_types` (or
+    `sliding_window_pattern`); with a window set only the sliding layers rotate by RoPE, the global ones have no
+    positional embedding (as HF: without a window every layer rotates)."""
+    attention = _layer_attention(config, _head_scale(config), None)
+    hybrid = config.sliding_window is not None
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=POST_NORMS,
+        activation=_silu(config),
+        qk_norm="head",
+        layer_attention=attention,
+        layer_rope=tuple(None if hybrid and layer.sliding_window is None else 0 for layer in attention),
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -271,6 +288,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Olmo3ForCausalLM": olmo3_arch,
     "ArceeForCausalLM": arcee_arch,
     "Ernie4_5ForCausalLM": ernie4_5_arch,
+    "Exaone4ForCausalLM": exaone4_arch,
 }
 
 

@@ -191,6 +191,19 @@ FAMILIES = (
         ("as Llama", "biases on every projection (use_bias)", "RoPE on interleaved pairs (q/k rows reordered at load)"),
     ),
     ModelFamily(
+        "Exaone4ForCausalLM",
+        ("exaone4",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "norms after the attention and the MLP only",
+            "per-head q/k RMSNorm",
+            "sliding-window layers by layer_types / sliding_window_pattern",
+            "global layers without RoPE where a window is set",
+            "decode steps unfused where some layer has no RoPE",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

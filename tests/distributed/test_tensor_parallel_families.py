@@ -5,7 +5,8 @@ all-reduced; with one KV head replicated on both ranks too), Granite (multiplier
 head, cut by heads; attention and MLP side by side), Cohere 2 (layers without RoPE), Gemma 1, GLM and GLM-4-0414
 (each rank reorders its own heads' interleaved rotary pairs), StarCoder2, SmolLM3 (NoPE layers, MLP biases), OLMo 3
 (OLMo 2's q/k norms, sliding layers), Arcee (a plain
-MLP), ERNIE 4.5 (biases, interleaved rotary pairs), and
+MLP), ERNIE 4.5 (biases, interleaved rotary pairs), EXAONE 4
+(per-head q/k norms, global layers without RoPE), and
 the mixtures of experts Mixtral (its
 experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert cut
 like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
@@ -49,7 +50,8 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "starcoder2": ("starcoder2", {}),  # c_fc column-, c_proj row-parallel (its bias on rank 0)
     "olmo3": ("olmo3", {}),
     "ernie4_5": ("ernie4_5", {}),
-    "arcee": ("arcee", {}),  # up_proj column-, down_proj row-parallel, with no gate beside them
+    "arcee": ("arcee", {}),
+    "exaone4": ("exaone4", {}),  # up_proj column-, down_proj row-parallel, with no gate beside them
     "smollm3": ("smollm3", {}),  # NoPE layers; gate/up/down biases cut like their matrices (down's on rank 0)
     # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
     "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),

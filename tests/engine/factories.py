@@ -261,6 +261,15 @@ DENSE_FAMILIES.update(
             "tie_word_embeddings": True,
             "pad_token_id": 0,
         },
+        "exaone4": {
+            "architectures": ["Exaone4ForCausalLM"],
+            "model_type": "exaone4",
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,  # sliding, full, sliding, full: the config turns it into layer_types
+            "pad_token_id": 0,
+        },
     }
 )
 _ARCHITECTURES.update(DENSE_FAMILIES)

@@ -1,5 +1,5 @@
 """Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, OLMo 3,
-Arcee and ERNIE 4.5 against HF transformers on tiny random checkpoints made here (tests/engine/factories.py's
+Arcee, ERNIE 4.5 and EXAONE 4 against HF transformers on tiny random checkpoints made here (tests/engine/factories.py's
 DENSE_FAMILIES: windows shorter than the prompts, scales and caps off their defaults; norms and biases random where HF
 would leave them 0 or 1), in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu
 and torch backends, under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what
@@ -196,6 +196,23 @@ def test_cohere2_rotates_only_its_sliding_layers():
     assert arch.layer_rope == (0, None, 0, None) and [a.sliding_window for a in arch.layer_attention] == [8, None] * 2
     arch = build_model(config_of("cohere2", sliding_window=None), torch.float32, torch.device("cpu")).arch
     assert arch.layer_rope == (None,) * 4 and not arch.positional_layers
+
+
+def test_smollm3_and_exaone4_leave_layers_without_rope():
+    """SmolLM3's NoPE layers are its no_rope_layers' zeros, whatever their window; EXAONE 4's global layers rotate
+    only when no layer has a window (as HF)."""
+    arch = build_model(config_of("smollm3"), torch.float32, torch.device("cpu")).arch
+    assert arch.layer_rope == (0, None, 0, None) and [a.sliding_window for a in arch.layer_attention] == [
+        8,
+        8,
+        None,
+        None,
+    ]
+    arch = build_model(config_of("exaone4"), torch.float32, torch.device("cpu")).arch
+    assert arch.layer_rope == (0, None, 0, None) and [a.sliding_window for a in arch.layer_attention] == [8, None] * 2
+    config = config_of("exaone4", sliding_window=None, layer_types=["full_attention"] * 4)
+    arch = build_model(config, torch.float32, torch.device("cpu")).arch
+    assert arch.layer_rope == (0,) * 4 and arch.positional_layers
 
 
 def test_layernorm_shifts_where_the_arch_has_them(tmp_path, monkeypatch):

@@ -215,10 +215,12 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
         ("glm4", {}),  # the same with norms after the branches
         ("olmo3", {}),  # OLMo 2's with windowed layers and two RoPEs
         ("ernie4_5", {}),  # interleaved pairs put in halves at load, biases on every projection
+        # without a window every layer rotates: post-norms, per-head q/k norms
+        ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
     ],
     ids=[
         *("granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3", "gemma", "glm"),
-        *("glm4", "olmo3", "ernie4_5"),
+        *("glm4", "olmo3", "ernie4_5", "exaone4-global"),
     ],
 )
 def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
@@ -235,12 +237,12 @@ def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
     assert model.fused is not None and _model_fits(model, runner.kv_cache.layers)
 
 
-@pytest.mark.parametrize("family", ["cohere", "cohere2", "starcoder2", "smollm3", "arcee"])
+@pytest.mark.parametrize("family", ["cohere", "cohere2", "starcoder2", "smollm3", "arcee", "exaone4"])
 def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
-    """Cohere's LayerNorms and attention beside the MLP, Cohere 2's and SmolLM3's layers without RoPE, StarCoder2's
-    LayerNorms with shifts and its plain MLP, Arcee's plain relu^2 MLP: the native step computes none of them, so the model says so
-    (`fused_recipe`) and its bf16 decode steps take the general path (their equality with HF:
-    tests/engine/test_dense_families.py)."""
+    """Cohere's LayerNorms and attention beside the MLP, Cohere 2's, SmolLM3's and EXAONE 4's layers without RoPE,
+    StarCoder2's LayerNorms with shifts and its plain MLP, Arcee's plain relu^2 MLP: the native step computes none of
+    them, so the model says so (`fused_recipe`) and its bf16 decode steps take the general path (their equality with
+    HF: tests/engine/test_dense_families.py)."""
     model_dir = make_tiny_model_dir(tmp_path / family, family)
     with make_llm(model_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False) as llm:
         runner = llm.engine.runner
