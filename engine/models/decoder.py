@@ -5,8 +5,9 @@
                 x = norm_mlp_pre(h)?
                 h = h + residual_scale * norm_mlp_post(down(act(gate(x)) * up(x)))?   (plain MLP: down(act(up(x))))
                                                            (a sparse layer's MLP: its experts, models/decoder_moe.py)
-    parallel    x = norm_attn_pre(h)                       (`parallel_branches`: Cohere)
-                h = h + attention(x) + mlp(x)              (each scaled and post-normed as above)
+    parallel    x = norm_attn_pre(h)                       (`parallel_branches`: Cohere, Phi-2)
+                h = h + attention(x) + mlp(x)              (each scaled and post-normed as above; with an
+                                                           mlp_pre norm: mlp(norm_mlp_pre(h)), GPT-NeoX)
     logits      cap((lm_head(final_norm(h)) + lm_head_bias?) / logits_divisor * logits_scale)
 
 Attention rotates q and k by the layer's RoPE, or not at all where `layer_rope` names none (Cohere 2's global
@@ -30,6 +31,7 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mrope import SectionedRows
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.checkpoint_names import llama_names
 from engine.models.decoder_arch import DecoderArch
 from engine.models.llama import LlamaForCausalLM
 from engine.profiling.memory_bandwidth import tensor_bytes
@@ -53,6 +55,8 @@ class DecoderLayerWeights:
     gate_up_bias: Optional[torch.Tensor]
     down: Any  # [hidden, intermediate]
     down_bias: Optional[torch.Tensor]
+    q_norm_bias: Optional[torch.Tensor] = None  # [head_dim]: per-head q/k LayerNorms' shifts (Phi-2's q_layernorm)
+    k_norm_bias: Optional[torch.Tensor] = None
 
     @property
     def input_norm(self) -> Optional[torch.Tensor]:
@@ -129,6 +133,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        if self.arch.renames or self.arch.ignored or self.arch.qkv_per_head:  # (Phi-2's, GPT-NeoX's names)
+            weights = llama_names(weights, self.arch)
         weights = self._folded(weights) if self.arch.norm_offset else self._plain(weights)
         super().load_weights(self._rope_halves(weights) if self.arch.rope_interleaved else weights)
 
@@ -191,12 +197,14 @@ class DecoderForCausalLM(LlamaForCausalLM):
             norms={role: take(name + ".weight") for role, name in norms},
             norm_biases={role: take(name + ".bias") for role, name in norms} if self.arch.norm_bias else {},
             qkv=prepare(_fused(take, maybe, attn + "qkv_proj", qkv_parts)),
-            qkv_bias=_biases(maybe, qkv_parts),
+            qkv_bias=_fused_bias(maybe, attn + "qkv_proj", qkv_parts),
             q_norm=maybe(attn + "q_norm.weight"),
             k_norm=maybe(attn + "k_norm.weight"),
             o_proj=prepare(take(attn + "o_proj.weight")),
             o_bias=maybe(attn + "o_proj.bias"),
             **self._take_mlp(index, take, maybe, self._cat_rows),
+            q_norm_bias=maybe(attn + "q_norm.bias"),
+            k_norm_bias=maybe(attn + "k_norm.bias"),
         )
 
     def _take_mlp(self, index: int, take, maybe, cat) -> dict:
@@ -286,8 +294,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
                 self.layer_attention[index],
             )
             attended = self._norm(attended, layer, "attn_post")
-            if arch.parallel_branches:  # both branches read x; added in HF's order: (h + attention) + mlp
-                mlp = self._mlp_branch(index, layer, x)
+            if arch.parallel_branches:  # both read x (GPT-NeoX's MLP its own norm of h); HF's order: (h + attn) + mlp
+                mlp_input = self._norm(h, layer, "mlp_pre") if "mlp_pre" in layer.norms else x
+                mlp = self._mlp_branch(index, layer, mlp_input)
                 h = self._add(self._add(h, attended), self._norm(mlp, layer, "mlp_post"))
             else:
                 h = self._add(h, attended)
@@ -323,12 +332,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
             return self.ops.layer_norm(x, weight, bias, self.arch.rms_norm_eps)
         return self.ops.rms_norm(x, weight, self.arch.rms_norm_eps)
 
-    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [T, heads * head_dim] normalized over each head's dimensions: a weight shared by the heads
-        [head_dim], or each head's own [heads, head_dim] (Cohere's LayerNorms)."""
+        [head_dim], or each head's own [heads, head_dim] (Cohere's LayerNorms); a LayerNorm's shift (Phi-2's)."""
         head_dim = self.arch.head_dim
         if self.arch.norm_kind == "layer":
-            return self.ops.layer_norm(x.reshape(x.shape[0], -1, head_dim), weight, None, self.arch.rms_norm_eps)
+            return self.ops.layer_norm(x.reshape(x.shape[0], -1, head_dim), weight, bias, self.arch.rms_norm_eps)
         return self.ops.rms_norm(x.reshape(-1, head_dim), weight, self.arch.rms_norm_eps)
 
     def _add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
@@ -339,7 +348,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         if self.arch.plain_mlp is not None:  # no gate: the activation of all of up's output
             if self.arch.activation == "relu2":  # Arcee's: relu(x)^2, as HF's ReLUSquaredActivation
                 return torch.square(F.relu(gate_up))
-            return F.gelu(gate_up, approximate="tanh") if self.arch.activation == "gelu_tanh" else F.silu(gate_up)
+            if self.arch.activation == "silu":
+                return F.silu(gate_up)
+            return F.gelu(gate_up, approximate="tanh" if self.arch.activation == "gelu_tanh" else "none")
         if self.arch.activation == "silu":
             return self.ops.silu_and_mul(gate_up)
         return self.ops.gelu_tanh_and_mul(gate_up)
@@ -367,7 +378,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
             if arch.qk_norm == "projection":  # over all heads at once, before they are split
                 q, k = self._projection_norm(q, q_norm), self._projection_norm(k, k_norm)
             else:  # "head": each head's
-                q, k = self._head_norm(q, q_norm), self._head_norm(k, k_norm)
+                q, k = self._head_norm(q, q_norm, layer.q_norm_bias), self._head_norm(k, k_norm, layer.k_norm_bias)
         qk = torch.cat([q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)], dim=1)
         if rotary is not None:
             qk = ops.rotary(qk, angles, rotary)
@@ -415,6 +426,12 @@ def _fused(take, maybe, name: str, parts: tuple[str, ...]) -> torch.Tensor:
     """A fused projection as stored (Phi-3's qkv_proj, gate_up_proj), else its parts stacked."""
     whole = maybe(name + ".weight")
     return whole if whole is not None else torch.cat([take(part + ".weight") for part in parts]).contiguous()
+
+
+def _fused_bias(maybe, name: str, parts: tuple[str, ...]) -> Optional[torch.Tensor]:
+    """A fused projection's bias as stored (GPT-NeoX's query_key_value, renamed qkv_proj), else its parts'."""
+    whole = maybe(name + ".bias")
+    return whole if whole is not None else _biases(maybe, parts)
 
 
 def _biases(maybe, parts: tuple[str, ...]) -> Optional[torch.Tensor]:

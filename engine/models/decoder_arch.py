@@ -1,13 +1,14 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2, Arcee; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE), as data.
+StarCoder2, Arcee, Phi-2, GPT-NeoX; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
 (RMSNorm or LayerNorm), whether the two branches run in sequence or side by side on one norm of the input
-(`x + attn(norm(x)) + mlp(norm(x))`), the MLP's activation and whether it is gated, q/k norms per head or over
-the whole projection, scalars on the embeddings, the residual branches and the logits, a bias on the logits, a
-final soft-cap, per layer its attention (window, soft-cap, scale) and its RoPE (or none), how much of each head
-RoPE rotates and whether the checkpoint rotates its pairs interleaved.
+(`x + attn(norm(x)) + mlp(norm(x))`, or each branch on its own norm: GPT-NeoX), the MLP's activation and whether
+it is gated, q/k norms per head or over the whole projection, scalars on the embeddings, the residual branches and
+the logits, a bias on the logits, a final soft-cap, per layer its attention (window, soft-cap, scale) and its RoPE
+(or none), how much of each head RoPE rotates and whether the checkpoint rotates its pairs interleaved, and the
+checkpoint's names where they are not Llama's (renamed at load: engine/models/checkpoint_names.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SANDWICH_NORMS = (
     ("mlp_pre", "pre_feedforward_layernorm"),
     ("mlp_post", "post_feedforward_layernorm"),
 )
-INPUT_NORM = (("attn_pre", "input_layernorm"),)  # one norm, read by both branches (parallel_branches: Cohere)
+INPUT_NORM = (("attn_pre", "input_layernorm"),)  # one norm, read by both branches (parallel_branches: Cohere, Phi-2)
 POST_NORMS = (("attn_post", "post_attention_layernorm"), ("mlp_post", "post_feedforward_layernorm"))
 GLM4_NORMS = (  # GLM-4-0414's sandwich, by its own names
     ("attn_pre", "input_layernorm"),
@@ -35,8 +36,9 @@ GLM4_NORMS = (  # GLM-4-0414's sandwich, by its own names
     ("mlp_pre", "post_attention_layernorm"),
     ("mlp_post", "post_mlp_layernorm"),
 )
-ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
-"""silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); relu2, relu(x)^2, of a plain MLP only (Arcee's)."""
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2")
+"""silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); gelu (erf: GPT-NeoX's) and relu2, relu(x)^2
+(Arcee's), of a plain MLP only."""
 NORM_KINDS = ("rms", "layer")
 """RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: StarCoder2's; Cohere's has
 no b)."""
@@ -52,7 +54,9 @@ class DecoderArch(LlamaArch):
     norm_kind: str = "rms"  # of every norm (the layers', the q/k norms, the final one), in NORM_KINDS; its
     # epsilon is `rms_norm_eps` whatever the kind (Cohere's layer_norm_eps)
     norm_bias: bool = False  # the LayerNorms (the layers' and the final one) have a shift: each norm's `.bias`
-    parallel_branches: bool = False  # Cohere: x + attn(n(x)) + mlp(n(x)), the MLP reading the attention's input
+    # Cohere: x + attn(n(x)) + mlp(n(x)), the MLP reading the attention's input; with an mlp_pre norm the MLP reads
+    # its own norm of x (GPT-NeoX's use_parallel_residual: x + attn(n1(x)) + mlp(n2(x)))
+    parallel_branches: bool = False
     activation: str = "silu"  # of the MLP, in ACTIVATIONS
     qk_norm: Optional[str] = None  # "head": each head's q and k (Gemma 3); "projection": all of q, all of k (OLMo 2)
     embedding_scale: Optional[float] = None  # Gemma: sqrt(hidden) (rounded to the model's dtype); Granite
@@ -75,6 +79,13 @@ class DecoderArch(LlamaArch):
     # A non-gated MLP, x -> down(act(up(x))), by the checkpoint's names of its two products (StarCoder2: c_fc,
     # c_proj; Arcee: up_proj, down_proj); None: the gated one (gate_proj and up_proj, or gate_up_proj; down_proj)
     plain_mlp: Optional[tuple[str, str]] = None
+    # (checkpoint's, Llama's) parts of tensor names, replaced in each name in turn at load (Phi-2's self_attn.dense
+    # -> self_attn.o_proj; GPT-NeoX's gpt_neox.layers. -> model.layers., ...): the loader reads Llama's names
+    renames: tuple[tuple[str, str], ...] = ()
+    ignored: tuple[str, ...] = ()  # name endings of stored tensors nothing reads (GPT-NeoX's old mask buffers)
+    # the fused qkv_proj's rows are per head [q_h; k_h; v_h] (GPT-NeoX's query_key_value): reordered at load into
+    # q | k | v, the layout the attention splits (with several ranks, each reorders its own heads)
+    qkv_per_head: bool = False
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]
@@ -86,8 +97,10 @@ class DecoderArch(LlamaArch):
             raise ValueError("a norm's shift (norm_bias) is a LayerNorm's")
         if self.qk_norm == "projection" and self.norm_kind != "rms":
             raise ValueError("q/k norms over the whole projection are RMSNorms (OLMo 2's)")
-        if self.parallel_branches and "mlp_pre" in roles:
-            raise ValueError("parallel branches read one norm of the input (attn_pre): no mlp_pre")
+        if self.activation == "gelu" and self.plain_mlp is None:
+            raise ValueError("gelu (erf) is served for a plain MLP only (a gated one: silu or gelu_tanh)")
+        if self.qkv_per_head and self.num_kv_heads != self.num_heads:
+            raise ValueError("a per-head fused qkv (GPT-NeoX's) has as many KV heads as query heads")
         if len(self.layer_attention) != self.num_layers or len(self.layer_rope) != self.num_layers:
             raise ValueError(f"{self.num_layers} layers need as many attention and RoPE entries")
 

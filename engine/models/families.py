@@ -272,6 +272,74 @@ def exaone4_arch(config: Any) -> DecoderArch:
     )
 
 
+PHI_NAMES = (
+    ("self_attn.dense.", "self_attn.o_proj."),
+    ("self_attn.q_layernorm.", "self_attn.q_norm."),
+    ("self_attn.k_layernorm.", "self_attn.k_norm."),
+    ("model.final_layernorm.", "model.norm."),
+)
+"""Phi-2's names that are not Llama's (its fc1, fc2: `plain_mlp`)."""
+
+
+def phi_arch(config: Any) -> DecoderArch:
+    """Phi-1.5 / Phi-2: one LayerNorm (with a bias) of each layer's input, read by the attention and the MLP side by
+    side, q/k/v and output (dense) biases, per-head q/k LayerNorms shared by the heads (qk_layernorm), RoPE over
+    the first `partial_rotary_factor` of each head, a plain GELU MLP fc1 -> fc2 with biases, a final LayerNorm and
+    an LM head with a bias; norms' epsilon layer_norm_eps."""
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=INPUT_NORM,
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_eps),
+        parallel_branches=True,
+        activation=_plain_gelu(config),
+        qk_norm="head" if getattr(config, "qk_layernorm", False) else None,
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        rotary_dim=_rotary_dim(config),
+        plain_mlp=("fc1", "fc2"),
+        lm_head_bias=True,
+        renames=PHI_NAMES,
+    )
+
+
+GPT_NEOX_NAMES = (
+    ("gpt_neox.embed_in.", "model.embed_tokens."),
+    ("gpt_neox.final_layer_norm.", "model.norm."),
+    ("gpt_neox.layers.", "model.layers."),
+    (".attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".attention.dense.", ".self_attn.o_proj."),
+    ("embed_out.", "lm_head."),
+)
+"""GPT-NeoX's names that are not Llama's (its dense_h_to_4h, dense_4h_to_h: `plain_mlp`)."""
+
+
+def gpt_neox_arch(config: Any) -> DecoderArch:
+    """GPT-NeoX / Pythia: LayerNorms with biases before the attention and the MLP, side by side on the layer's input
+    (use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x))) or in sequence, a fused query_key_value whose rows are
+    per head (reordered at load), biases where attention_bias, RoPE over the first rotary_pct of each head (as
+    partial_rotary_factor), a plain GELU MLP dense_h_to_4h -> dense_4h_to_h with biases, an LM head embed_out."""
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and kv_heads != heads:  # (the model's view of query_key_value has no KV groups)
+        raise ValueError(f"{_name(config)}: num_key_value_heads {kv_heads} is not served (as many as the heads)")
+    return _arch(
+        config,
+        rope_settings(config),
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_eps),
+        parallel_branches=bool(getattr(config, "use_parallel_residual", True)),
+        activation=_plain_gelu(config),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        rotary_dim=_rotary_dim(config),
+        plain_mlp=("dense_h_to_4h", "dense_4h_to_h"),
+        renames=GPT_NEOX_NAMES,
+        ignored=(".attention.bias", ".attention.masked_bias"),  # old transformers' causal-mask buffers
+        qkv_per_head=True,
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -289,6 +357,8 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "ArceeForCausalLM": arcee_arch,
     "Ernie4_5ForCausalLM": ernie4_5_arch,
     "Exaone4ForCausalLM": exaone4_arch,
+    "PhiForCausalLM": phi_arch,
+    "GPTNeoXForCausalLM": gpt_neox_arch,
 }
 
 
@@ -403,6 +473,17 @@ def _gelu_tanh(config: Any, field: str = "hidden_activation") -> str:
     if act not in GELU_TANH:
         raise ValueError(f"{_name(config)}: {field} {act!r} is not supported (supported: {', '.join(GELU_TANH)})")
     return "gelu_tanh"
+
+
+PLAIN_GELUS = ("gelu", *GELU_TANH)
+
+
+def _plain_gelu(config: Any) -> str:
+    """A plain MLP's GELU as hidden_act names it: erf's (gelu: GPT-NeoX) or tanh's (gelu_new: Phi-2)."""
+    act = str(getattr(config, "hidden_act", None))
+    if act not in PLAIN_GELUS:
+        raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: {', '.join(PLAIN_GELUS)})")
+    return "gelu" if act == "gelu" else "gelu_tanh"
 
 
 def _silu(config: Any) -> str:

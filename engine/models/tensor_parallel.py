@@ -1,7 +1,7 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor
-(Megatron's column- and row-parallel layers).
+StarCoder2, Phi-2, GPT-NeoX) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE,
+Granite MoE, Phi-3.5-MoE): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint
+tensor (Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -15,6 +15,8 @@ Phi-3.5-MoE): each rank's share of the heads and of the MLPs' widths, and its sl
                      by this rank's heads
     lm_head.bias     replicated: added to the gathered logits (Phi-3.5-MoE)
     qkv_proj, gate_up_proj   Phi-3's fused tensors: each part cut as above, this rank's parts fused again
+    query_key_value  GPT-NeoX's, rows per head [q_h; k_h; v_h] (no KV groups): this rank's heads are whole rows,
+                     reordered into q | k | v by the model (models/checkpoint_names.py)
     experts          each expert (and Qwen2-MoE's shared expert, GLM-4.5's shared experts, Granite MoE's shared_mlp)
                      cut like an MLP: its share of the expert's intermediate width (stacked experts, Granite MoE's
                      input_linear and output_linear, alike); the router (GLM-4.5's correction bias too) and the
@@ -51,8 +53,13 @@ from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 
-_LAYER = re.compile(r"(?:model\.)?layers\.\d+\.(.+)")
-_COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.c_fc.")  # rows split evenly (c_fc: StarCoder2)
+_LAYER = re.compile(r"(?:model\.|gpt_neox\.)?layers\.\d+\.(.+)")
+# rows split evenly (plain MLPs' ups: StarCoder2's c_fc, Phi-2's fc1, GPT-NeoX's dense_h_to_4h; GPT-NeoX's
+# query_key_value, whose rows are per head)
+_COLUMN = (
+    *("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.c_fc.", "mlp.fc1.", "mlp.dense_h_to_4h."),
+    "attention.query_key_value.",
+)
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
@@ -72,9 +79,16 @@ _STACKED_DOWN = ("down_proj", "output_linear")
 _SHARED_GATE_UP = "shared_mlp.input_linear.weight"  # Granite MoE's shared expert: [gate; up] fused
 _SHARED_DOWN = "shared_mlp.output_linear.weight"
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
-_ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.c_proj.weight")  # input columns split
-_ROW_BIAS = ("self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.c_proj.bias")  # added once (rank 0)
-_VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight")  # rows split by vocab_parallel
+# input columns split, their biases added once (rank 0): the output projections (Phi-2's and GPT-NeoX's dense) and
+# the downs (plain MLPs': c_proj, fc2, dense_4h_to_h)
+_ROW_NAMES = (
+    *("self_attn.o_proj.", "self_attn.dense.", "attention.dense."),
+    *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h."),
+)
+_ROW = tuple(name + "weight" for name in _ROW_NAMES)
+_ROW_BIAS = tuple(name + "bias" for name in _ROW_NAMES)
+# rows split by vocab_parallel (GPT-NeoX's embed_in and embed_out too)
+_VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight|(?:gpt_neox\.embed_in|embed_out)\.weight")
 
 
 def check_shardable(arch: LlamaArch, world_size: int) -> None:

@@ -147,6 +147,9 @@ RANDOM_NORMS_AND_BIASES = (
     "smollm3",
     "olmo3",
     "arcee",
+    "phi",
+    "gpt_neox",
+    "gpt_neox_sequential",
 )
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
@@ -205,6 +208,35 @@ DENSE_FAMILIES.update(
             "norm_epsilon": 1e-5,
             "use_bias": True,
             "hidden_act": "gelu_pytorch_tanh",
+            "pad_token_id": 0,
+        },
+        # RoPE over half of each 16-wide head; Phi-2's GQA-less releases aside, its config takes KV groups
+        "phi": {
+            "architectures": ["PhiForCausalLM"],
+            "model_type": "phi",
+            "partial_rotary_factor": 0.5,
+            "qk_layernorm": True,
+            "hidden_act": "gelu_new",
+            "layer_norm_eps": 1e-3,
+            "pad_token_id": 0,
+        },
+        # Pythia's recipe (RoPE over a quarter of each head: 4 dimensions, parallel residual, erf GELU), and its
+        # sequential variant; one KV head per query head, as GPT-NeoX has
+        "gpt_neox": {
+            "architectures": ["GPTNeoXForCausalLM"],
+            "model_type": "gpt_neox",
+            "num_key_value_heads": 4,
+            "rotary_pct": 0.25,
+            "layer_norm_eps": 1e-3,
+            "pad_token_id": 0,
+        },
+        "gpt_neox_sequential": {
+            "architectures": ["GPTNeoXForCausalLM"],
+            "model_type": "gpt_neox",
+            "num_key_value_heads": 4,
+            "rotary_pct": 0.5,
+            "use_parallel_residual": False,
+            "hidden_act": "gelu_new",
             "pad_token_id": 0,
         },
     }

@@ -1,9 +1,9 @@
 """Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, OLMo 3,
-Arcee, ERNIE 4.5 and EXAONE 4 against HF transformers on tiny random checkpoints made here (tests/engine/factories.py's
-DENSE_FAMILIES: windows shorter than the prompts, scales and caps off their defaults; norms and biases random where HF
-would leave them 0 or 1), in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu
-and torch backends, under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what
-is not served."""
+Arcee, ERNIE 4.5, EXAONE 4, Phi-2 and GPT-NeoX (its parallel and sequential residuals) against HF transformers on tiny
+random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and
+caps off their defaults; norms and biases random where HF would leave them 0 or 1), in float32: greedy tokens
+identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends, under chunked prefill with
+preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
 
 from __future__ import annotations
 
@@ -142,6 +142,14 @@ def config_of(family: str, **overrides):
         ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
         ("glm", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ("starcoder2", {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: gelu_pytorch"),
+        ("phi", {"hidden_act": "relu"}, r"PhiForCausalLM: hidden_act 'relu' is not supported \(supported: gelu, gelu_"),
+        ("phi", {"partial_rotary_factor": 0.35}, "PhiForCausalLM: partial_rotary_factor 0.35 rotates 5 of 16"),
+        ("gpt_neox", {"num_key_value_heads": 2}, "GPTNeoXForCausalLM: num_key_value_heads 2 is not served"),
+        (
+            "gpt_neox",
+            {"hidden_act": "silu"},
+            r"hidden_act 'silu' is not supported \(supported: gelu, gelu_pytorch_tanh",
+        ),
         ("glm4", {"partial_rotary_factor": 0.35}, "partial_rotary_factor 0.35 rotates 5 of 16 dimensions"),
         (
             "glm4",

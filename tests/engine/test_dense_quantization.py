@@ -1,5 +1,5 @@
 """`--quantization int8|int4` on the generic decoder's families (Gemma 2, Gemma 3, Phi-3, Phi-4-mini's partial
-rotary, OLMo 2, Granite), judged as tests/engine/test_quantization_flag.py judges Llama: every projection (fused
+rotary, OLMo 2, Granite, ... every family in DENSE_FAMILIES: Phi-2, GPT-NeoX's per-head query_key_value), judged as tests/engine/test_quantization_flag.py judges Llama: every projection (fused
 qkv_proj / gate_up_proj quantized as stored) is served as exactly the model whose matrices are the quantized ones
 dequantized, embeddings, norms and the LM head stay float, and per-channel int8 stays close to the float model."""
 
