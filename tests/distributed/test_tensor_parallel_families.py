@@ -4,10 +4,10 @@ gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole proje
 all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), Cohere (a q/k norm weight per
 head, cut by heads; attention and MLP side by side), Cohere 2 (layers without RoPE), Gemma 1, GLM and GLM-4-0414
 (each rank reorders its own heads' interleaved rotary pairs), StarCoder2, SmolLM3 (NoPE layers, MLP biases), OLMo 3
-(OLMo 2's q/k norms, sliding layers), Arcee (a plain
-MLP), ERNIE 4.5 (biases, interleaved rotary pairs), EXAONE 4
-(per-head q/k norms, global layers without RoPE), and
-the mixtures of experts Mixtral (its
+(OLMo 2's q/k norms, sliding layers), Arcee (a plain MLP), ERNIE 4.5 (biases, interleaved rotary pairs), EXAONE 4
+(per-head q/k norms, global layers without RoPE), Phi-2 (row-parallel dense and fc2, the q/k LayerNorms
+replicated), GPT-NeoX (query_key_value cut by whole heads, each rank reordering its own rows; parallel and
+sequential residuals), and the mixtures of experts Mixtral (its
 experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert cut
 like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
 (stacked input_linear / output_linear, the shared variant's fused shared_mlp) and Phi-3.5-MoE (LayerNorms, q/k/v/o
@@ -53,6 +53,9 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "arcee": ("arcee", {}),
     "exaone4": ("exaone4", {}),  # up_proj column-, down_proj row-parallel, with no gate beside them
     "smollm3": ("smollm3", {}),  # NoPE layers; gate/up/down biases cut like their matrices (down's on rank 0)
+    "phi": ("phi", {}),  # dense and fc2 row-parallel, the q/k LayerNorms (one head wide) and LM-head bias replicated
+    "gpt_neox": ("gpt_neox", {}),  # query_key_value cut by whole heads, each rank reordering its own into q | k | v
+    "gpt_neox_sequential": ("gpt_neox_sequential", {}),
     # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
     "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),
 }
