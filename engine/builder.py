@@ -166,10 +166,9 @@ def _build_rank0(
         head = load_eagle_head(
             speculative,
             model,
-            attention_backend=config.attention_backend,
+            _head_numerics(config, device, dtype),
             block_size=config.cache.block_size,
             kv_dtype=kv_dtype,
-            kv_cache_dtype=config.cache.kv_cache_dtype,
             max_model_len=max_model_len,
             download_dir=config.model.download_dir,
             target_checkpoint=checkpoint.path,
@@ -180,10 +179,9 @@ def _build_rank0(
             hf_config,
             checkpoint.path,
             model,
-            attention_backend=config.attention_backend,
+            _head_numerics(config, device, dtype),
             block_size=config.cache.block_size,
             kv_dtype=kv_dtype,
-            kv_cache_dtype=config.cache.kv_cache_dtype,
             max_model_len=max_model_len,
         )
     # A draft's (or a head's) cache holds as many blocks as the target's, from the same budget.
@@ -411,6 +409,23 @@ def _draft_model(
         kv_dtype,
         config.batch_invariant,
     )
+
+
+def _head_numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """The parts a draft head runs with, chosen for its own shape (its HF config) as the target's are."""
+
+    def numerics_for(head_config: Any):
+        return choose_numerics(
+            config.attention_backend,
+            device,
+            dtype,
+            block_size=config.cache.block_size,
+            shape=AttentionShape.from_hf_config(head_config),
+            latent=latent_rank_of(head_config) is not None,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+        )
+
+    return numerics_for
 
 
 def _step_profile(device: torch.device) -> StepProfile:

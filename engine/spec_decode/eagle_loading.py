@@ -15,19 +15,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from engine.attention import AttentionBackend
-from engine.attention.attention_shape import AttentionShape
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.errors import SettingsConflictError
 from engine.loading.loader import CheckpointError, iter_weights, load_hf_config, prepare_checkpoint
 from engine.loading.rope_settings import rope_settings
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
-from engine.platform import choose_numerics
 from engine.spec_decode.eagle import EagleProposer
 from engine.spec_decode.eagle_model import EagleHead
 from engine.spec_decode.mtp import LoadedMtp
@@ -51,17 +49,17 @@ class LoadedHead:
 def load_eagle_head(
     speculative: SpeculativeConfig,
     target: LlamaForCausalLM,
+    numerics_for: Callable[[Any], tuple[AttentionBackend, Any, Any]],
     *,
-    attention_backend: str,
     block_size: int,
     kv_dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
     max_model_len: Optional[int] = None,
     download_dir: Optional[str] = None,
     target_checkpoint: Optional[Path] = None,
 ) -> LoadedHead:
-    """The head of `speculative.model` on the target's device and dtype; SettingsConflictError when it cannot be
-    read or does not fit the target (hidden size, feature layers)."""
+    """The head of `speculative.model` on the target's device and dtype, through `numerics_for(its HF config)`
+    (the attention backend, layer ops and product for its shape); SettingsConflictError when it cannot be read or
+    does not fit the target (hidden size, feature layers)."""
     assert speculative.model is not None  # the config's validator requires it for eagle and eagle3
     method, name = speculative.method, speculative.model
     try:
@@ -86,24 +84,8 @@ def load_eagle_head(
         )
     try:
         arch = LlamaArch.from_hf_config(config, rope_settings(config))
-        numerics = choose_numerics(
-            attention_backend,
-            target.device,
-            target.dtype,
-            block_size=block_size,
-            shape=AttentionShape.from_hf_config(config),
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        head = EagleHead(
-            method,
-            target,
-            arch,
-            target.dtype,
-            target.device,
-            numerics.ops,
-            numerics.linear,
-            max_model_len=max_model_len,
-        )
+        backend, ops, linear = numerics_for(config)
+        head = EagleHead(method, target, arch, target.dtype, target.device, ops, linear, max_model_len=max_model_len)
         head.load_head(list(iter_weights(checkpoint.path)), bool(getattr(config, "norm_before_residual", False)))
     except (ValueError, CheckpointError) as error:
         raise SettingsConflictError(f"the {method} head {name!r} cannot serve this target: {error}") from error
@@ -120,7 +102,7 @@ def load_eagle_head(
         head.weight_bytes() / 1e6,
         f", reading the target's layers {list(feature_layers)}" if feature_layers else "",
     )
-    return LoadedHead(head, numerics.backend, spec, feature_layers, checkpoint.source)
+    return LoadedHead(head, backend, spec, feature_layers, checkpoint.source)
 
 
 def make_eagle_proposer(

@@ -18,19 +18,18 @@ import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.attention.attention_shape import AttentionShape, latent_rank_of
+from engine.attention.attention_shape import latent_rank_of
 from engine.attention.kv_cache import KVCacheSpec
 from engine.errors import SettingsConflictError
 from engine.loading.loader import iter_weights
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import family_of
-from engine.platform import choose_numerics
 from engine.spec_decode.target_rows import full_target_rows
 
 logger = logging.getLogger(__name__)
@@ -89,15 +88,15 @@ def load_mtp_head(
     hf_config: Any,
     checkpoint_path,
     target: LlamaForCausalLM,
+    numerics_for: Callable[[Any], tuple[AttentionBackend, Any, Any]],
     *,
-    attention_backend: str,
     block_size: int,
     kv_dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
     max_model_len: Optional[int] = None,
 ) -> LoadedMtp:
-    """The target checkpoint's first prediction layer, on the target's device and dtype; SettingsConflictError
-    when the family has none served or the checkpoint stores none."""
+    """The target checkpoint's first prediction layer, on the target's device and dtype, through
+    `numerics_for(its one-layer HF config)`; SettingsConflictError when the family has none served or the
+    checkpoint stores none."""
     architecture = family_of(hf_config).architecture
     if architecture not in MTP_ARCHITECTURES:
         raise SettingsConflictError(
@@ -123,16 +122,8 @@ def load_mtp_head(
     config = copy.deepcopy(hf_config)
     config.num_hidden_layers = 1
     config.first_k_dense_replace = 0  # the prediction layer is sparse where the family's later layers are
-    numerics = choose_numerics(
-        attention_backend,
-        target.device,
-        target.dtype,
-        block_size=block_size,
-        shape=AttentionShape.from_hf_config(config),
-        latent=latent_rank_of(config) is not None,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    block = build_model(config, target.dtype, target.device, numerics.ops, numerics.linear, max_model_len=max_model_len)
+    backend, ops, linear = numerics_for(config)
+    block = build_model(config, target.dtype, target.device, ops, linear, max_model_len=max_model_len)
     weights = {("layers.0." + name): tensor for name, tensor in stored.items() if not _head_tensor(name)}
     if target.vocab_parallel is None:
         embed, lm_head = _target_matrix(target.embed, "embedding"), target.lm_head
@@ -152,7 +143,7 @@ def load_mtp_head(
     arch = block.arch
     spec = KVCacheSpec(1, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, latent_rank=latent_rank_of(config))
     logger.info("multi-token prediction: layer %d of the checkpoint drafts (%.1f MB)", index, head.weight_bytes() / 1e6)
-    return LoadedMtp(head, numerics.backend, spec)
+    return LoadedMtp(head, backend, spec)
 
 
 def _head_tensor(name: str) -> bool:
