@@ -69,10 +69,31 @@ class EmbeddingResponse(BaseModel):
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+    generation, vectors = await pool_inputs(body, request, "embd")
+    data = [EmbeddingData(index=i, embedding=encoded(vector, body)) for i, vector in vectors]
+    return EmbeddingResponse(
+        id=generation.request_id,
+        model=generation.model,
+        data=data,
+        usage=PoolingUsage.of(generation.num_prompt_tokens),
+    )
+
+
+async def pool_inputs(
+    body: EmbeddingRequest,
+    request: Request,
+    id_prefix: str,
+    api: str = "Embeddings API",
+    tasks: tuple[str, ...] = ("embed",),
+    **settings: Any,
+) -> tuple[Any, list[tuple[int, list[float]]]]:
+    """An `EmbeddingRequest`-shaped body's inputs through the serving pipeline (/v1/embeddings', /pooling's):
+    the generation and each choice's (index, pooled vector). `settings`: the request's PoolingParams fields
+    beyond dimensions and normalize (a 400 naming a bad one)."""
     arrival_time = time.monotonic()
     state: ServerState = request.app.state.server
     try:
-        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize, **settings)
     except RequestRejectedError as exc:
         raise rejection_error(exc) from None
     generation = await start_pooling(
@@ -80,26 +101,23 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
         PoolingRequest(
             body=body,
             model=body.model,
-            request_id=body.request_id or new_id("embd"),
+            request_id=body.request_id or new_id(id_prefix),
             prompt=prompt_of(body),
             params=params,
             priority=body.priority,
             cache_salt=body.cache_salt,
             field_names={"prompt": "messages" if body.messages is not None else "input"},
+            api=api,
+            tasks=tasks,
         ),
         arrival_time,
     )
     results = await generation.collect(request)
-    data = []
+    vectors = []
     for choice, result in zip(generation.choices, results):
         assert result.embedding is not None  # (a request that failed raised in collect)
-        data.append(EmbeddingData(index=choice.index, embedding=encoded(result.embedding, body)))
-    return EmbeddingResponse(
-        id=generation.request_id,
-        model=generation.model,
-        data=data,
-        usage=PoolingUsage.of(generation.num_prompt_tokens),
-    )
+        vectors.append((choice.index, result.embedding))
+    return generation, vectors
 
 
 def prompt_of(body: EmbeddingRequest) -> Prompt:

@@ -5,19 +5,14 @@ goes through the serving pipeline as those do."""
 
 from __future__ import annotations
 
-import time
 from typing import Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from engine.errors import RequestRejectedError
-from engine.pooling.params import PoolingParams
-from server.http.errors import ERROR_RESPONSES, rejection_error
-from server.openai.embeddings import EmbeddingRequest, encoded, prompt_of
+from server.http.errors import ERROR_RESPONSES
+from server.openai.embeddings import EmbeddingRequest, encoded, pool_inputs
 from server.openai.protocol import PoolingUsage, new_id, now
-from server.serving.pipeline import PoolingRequest, start_pooling
-from server.state import ServerState
 
 router = APIRouter()
 
@@ -43,36 +38,17 @@ class PoolingResponse(BaseModel):
 
 @router.post("/pooling", response_model=PoolingResponse, responses=ERROR_RESPONSES)
 async def create_pooling(body: PoolingApiRequest, request: Request) -> PoolingResponse:
-    arrival_time = time.monotonic()
-    state: ServerState = request.app.state.server
-    try:
-        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize, use_activation=body.use_activation)
-    except RequestRejectedError as exc:
-        raise rejection_error(exc) from None
-    generation = await start_pooling(
-        state,
-        PoolingRequest(
-            body=body,
-            model=body.model,
-            request_id=body.request_id or new_id("pool"),
-            prompt=prompt_of(body),
-            params=params,
-            priority=body.priority,
-            cache_salt=body.cache_salt,
-            field_names={"prompt": "messages" if body.messages is not None else "input"},
-            api="Pooling API",
-            tasks=("embed", "classify"),
-        ),
-        arrival_time,
+    generation, vectors = await pool_inputs(
+        body,
+        request,
+        "pool",
+        api="Pooling API",
+        tasks=("embed", "classify"),
+        use_activation=body.use_activation,
     )
-    results = await generation.collect(request)
-    data = []
-    for choice, result in zip(generation.choices, results):
-        assert result.embedding is not None  # (a request that failed raised in collect)
-        data.append(PoolingData(index=choice.index, data=encoded(result.embedding, body)))
     return PoolingResponse(
         id=generation.request_id,
         model=generation.model,
-        data=data,
+        data=[PoolingData(index=i, data=encoded(vector, body)) for i, vector in vectors],
         usage=PoolingUsage.of(generation.num_prompt_tokens),
     )
