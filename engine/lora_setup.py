@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from engine.engine_config import EngineConfig
 from engine.errors import LoRAAdapterError, LoRARankError, SettingsConflictError
+from engine.lora.adapter_layout import AdapterLayout
 from engine.lora.gguf_adapter import GgufTarget
 from engine.lora.lora_manager import LoRAManager
 from engine.lora_shard import AdapterShard
@@ -15,7 +16,12 @@ from engine.kernels.cpu import KERNEL_DTYPES
 from engine.layers.invariant_linear import ColumnBlockLinear
 from engine.layers.layer_ops import NativeLayerOps
 from engine.lora.request import LoRARequest
+from engine.models.checkpoint_names import checkpoint_rows
+from engine.models.decoder_arch import DecoderArch
+from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llama_arch import LlamaArch
+from engine.models.moe import MoeForCausalLM
 from engine.models.registry import check_tensor_parallel_model
 
 logger = logging.getLogger(__name__)
@@ -28,11 +34,12 @@ is merged into the quantized weights."""
 
 def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
     """Refuse what LoRA does not run with yet: the deltas are added beside the base products (float or quantized,
-    LORA_BASE_STORAGES) of the Llama-family model (each rank's shard with tensor or pipeline parallelism:
-    engine/lora_shard.py)."""
-    if type(model) is not LlamaForCausalLM:
+    LORA_BASE_STORAGES) of every family's attention and dense MLP projections (a mixture of experts': its
+    attention's; each rank's shard with tensor or pipeline parallelism: engine/lora_shard.py)."""
+    if isinstance(model, DeepseekForCausalLM):
         raise SettingsConflictError(
-            f"--enable-lora serves the Llama family (llama, mistral, qwen2, qwen3), not {model.arch.model_type!r}"
+            f"--enable-lora does not serve {model.arch.model_type!r}: its latent attention's projections "
+            "(q_a_proj, kv_a_proj_with_mqa, ...) have no LoRA deltas here"
         )
     if model.quantization not in LORA_BASE_STORAGES:
         raise SettingsConflictError(
@@ -51,7 +58,7 @@ def build_lora(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) ->
     lora = config.lora
     stack = attach_lora_stack(config, model, hf_config)
     whole = model.arch if stack.shard is None else stack.shard.whole  # a GGUF adapter's heads are the whole model's
-    manager = LoRAManager(lora, whole.num_layers, GgufTarget.of(whole), stack.dtype)
+    manager = LoRAManager(lora, whole.num_layers, GgufTarget.of(whole), stack.dtype, stack.layout)
     for index, module in enumerate(lora.lora_modules):
         request = LoRARequest(module.name, module.path)
         try:
@@ -88,6 +95,7 @@ def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: 
     kernels = LoRAKernels.load() if model.device.type == "cuda" else None  # (else the torch products)
     if model.device.type == "cuda" and kernels is None:
         logger.warning("LoRA: the Triton SGMV kernels cannot be imported; the deltas run as torch products")
+    shard = _adapter_shard(model, hf_config)
     stack = LoRAStack(
         model.arch,
         lora.max_loras,
@@ -96,8 +104,9 @@ def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: 
         model.device,
         model.linear if packs else None,
         kernels,
-        shard=_adapter_shard(model, hf_config),
+        shard=shard,
         native=native,
+        layout=adapter_layout(model, model.arch if shard is None else shard.whole),
     )
     model.lora = stack
     return stack
@@ -110,3 +119,27 @@ def _adapter_shard(model: LlamaForCausalLM, hf_config: Any) -> Optional[AdapterS
         return None
     whole = check_tensor_parallel_model(hf_config, tp.world_size) if tp.is_parallel else model.arch
     return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first)
+
+
+def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch) -> AdapterLayout:
+    """How the family's adapters map onto `model`'s projections (`whole`: the whole model's shape): its MLP's kind
+    (none adapted in a mixture of experts), and for the generic decoder's families the checkpoint transform of
+    their base rows (names, per-head q/k/v, RoPE halves), which B's rows take too."""
+    mlp = "none" if isinstance(model, MoeForCausalLM) else "gated"
+    if not isinstance(whole, DecoderArch):
+        return AdapterLayout(whole.model_type, whole.q_size, whole.kv_size, whole.intermediate_size, mlp)
+    plain = whole.plain_mlp
+    return AdapterLayout(
+        whole.model_type,
+        whole.q_size,
+        whole.kv_size,
+        whole.intermediate_size,
+        "plain" if plain is not None and mlp != "none" else mlp,
+        plain or ("up_proj", "down_proj"),
+        rows=lambda weights: iter(checkpoint_rows(weights, whole)),
+        aliases=tuple(
+            (new.strip(".").rsplit(".", 1)[-1], old.strip(".").rsplit(".", 1)[-1])
+            for old, new in whole.renames
+            if new.strip(".").rsplit(".", 1)[-1] in ("o_proj", "qkv_proj")
+        ),
+    )

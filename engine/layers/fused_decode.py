@@ -126,10 +126,9 @@ class FusedDecode:
             self._addresses = cache_addresses(*self._caches)
         key_caches, value_caches = self._caches
         tables, lens = _step_tables(step)
-        residual = model.embed_tokens(input_ids)  # [T, hidden], updated in place layer by layer
+        # [T, hidden], updated in place layer by layer (an adapter's replacement embedding rows looked up there)
+        residual = model.input_embeddings(input_ids)
         lora = self._lora(model.lora, model.lora_step)
-        if lora is not None and model.lora_step.embeds:
-            residual = model.lora_step.embed(input_ids, residual)
         self.kernels.decode_layers(
             residual,
             self._weights,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from engine.errors import LoRAAdapterError
+from engine.lora.adapter_layout import AdapterLayout
 from engine.lora.gguf_adapter import GgufTarget, is_gguf_adapter, load_gguf_adapter
 from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter
 
@@ -26,13 +27,16 @@ class AdapterSource(NamedTuple):
         return cls(weights.name, weights.path, weights.content_hash)
 
 
-def read_source(source: AdapterSource, max_rank: int, num_layers: int, target: GgufTarget) -> LoRAWeights:
-    """The whole adapter at `source` (a PEFT directory, or a llama.cpp GGUF file read against the whole model's
-    `target`), as rank 0 read it; LoRAAdapterError when it cannot be read or its files changed since."""
+def read_source(
+    source: AdapterSource, max_rank: int, num_layers: int, target: GgufTarget, layout: AdapterLayout
+) -> LoRAWeights:
+    """The whole adapter at `source` (a PEFT directory mapped by the family's `layout`, or a llama.cpp GGUF file
+    read against the whole model's `target`), as rank 0 read it; LoRAAdapterError when it cannot be read or its
+    files changed since."""
     if is_gguf_adapter(source.path):
         weights = load_gguf_adapter(source.name, source.path, max_rank, num_layers, target)
     else:
-        weights = load_peft_adapter(source.name, source.path, max_rank, num_layers)
+        weights = load_peft_adapter(source.name, source.path, max_rank, num_layers, layout)
     if weights.content_hash != source.content_hash:
         raise LoRAAdapterError(source.name, f"the files in {source.path!r} changed after the engine loaded them")
     return weights

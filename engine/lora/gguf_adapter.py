@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.errors import LoRAAdapterError, LoRARankError
-from engine.lora.peft_adapter import PROJECTIONS, LoRAWeights
+from engine.lora.adapter_layout import PROJECTIONS
+from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:
     from engine.lora.lora_stack import ModelShape
@@ -114,6 +115,11 @@ def _open(name: str, path: str, target: GgufTarget) -> Any:
         raise LoRAAdapterError(name, "activated LoRA (adapter.alora.invocation_tokens) is not served")
     architecture = _field(reader, "general.architecture", None)
     expected = GGUF_ARCHITECTURES.get(target.model_type)
+    if expected is None:  # (other families' GGUF tensors are named and laid out otherwise: not read here)
+        raise LoRAAdapterError(
+            name,
+            f"llama.cpp adapters are read for {sorted(GGUF_ARCHITECTURES)} bases; the base is {target.model_type!r}",
+        )
     if architecture != expected:
         raise LoRAAdapterError(
             name, f"the adapter was converted for a {architecture!r} model; the base is {target.model_type!r}"

@@ -29,6 +29,7 @@ from engine.errors import InvalidParameterError, LoRAAdapterError, LoRANotFoundE
 from engine.lora.adapter_source import AdapterSource
 from engine.lora.lora_config import LoRAConfig
 from engine.lora.gguf_adapter import GgufTarget, check_gguf_adapter, is_gguf_adapter, load_gguf_adapter
+from engine.lora.adapter_layout import AdapterLayout
 from engine.lora.peft_adapter import LoRAWeights, drain, load_peft_steps, read_adapter_config
 from engine.lora.request import LoRAMix, LoRARequest
 
@@ -95,13 +96,16 @@ class LoRAManager:
         num_layers: int,
         gguf_target: Optional[GgufTarget] = None,
         dtype: torch.dtype = torch.float32,
+        layout: AdapterLayout = AdapterLayout(),
     ):
         """`gguf_target`: the base's type and heads, which llama.cpp's adapter files are read against (None:
-        they are refused). `dtype`: the slot stacks', which PEFT adapters are converted to as they load."""
+        they are refused). `dtype`: the slot stacks', which PEFT adapters are converted to as they load.
+        `layout`: how the family's module names map onto the model's projections (adapter_layout.py)."""
         self.config = config
         self.dtype = dtype
         self.num_layers = num_layers
         self.gguf_target = gguf_target
+        self.layout = layout
         self.max_loras = config.max_loras
         self.capacity = config.cpu_capacity
         self._lock = threading.Lock()
@@ -337,7 +341,8 @@ class LoRAManager:
     def _load_steps(self, request: LoRARequest) -> LoadSteps:
         if is_gguf_adapter(request.path):
             return _whole(lambda: load_gguf_adapter(request.name, request.path, *self._gguf_args(request.name)))
-        return load_peft_steps(request.name, request.path, self.config.max_lora_rank, self.num_layers, self.dtype)
+        max_rank = self.config.max_lora_rank
+        return load_peft_steps(request.name, request.path, max_rank, self.num_layers, self.dtype, self.layout)
 
     def _store(self, weights: LoRAWeights) -> None:
         """Keep `weights` loaded (under the lock), evicting least recently used idle adapters over capacity."""

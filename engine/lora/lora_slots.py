@@ -52,7 +52,7 @@ class LoRASlots:
     def _read(self, source: AdapterSource) -> LoRAWeights:
         stack = self.stack
         whole = stack.arch if stack.shard is None else stack.shard.whole
-        return read_source(source, stack.max_rank, whole.num_layers, GgufTarget.of(whole))
+        return read_source(source, stack.max_rank, whole.num_layers, GgufTarget.of(whole), stack.layout)
 
     def _slot_of(self, key: str) -> Optional[int]:
         try:

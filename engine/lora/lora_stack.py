@@ -6,8 +6,9 @@ the model's (fused) projections:
     a[proj]  [max_loras, parts * max_rank, in]    lora_A of each part, one rank block per part
     b[proj]  [max_loras, parts * max_rank, out]   lora_B^T (scale folded in), block-diagonal over the parts
 
-`parts` is how many HF projections the model fuses into it: qkv = q|k|v (3), gate_up = gate|up (2), o and
-down (1). For qkv of one slot, with r = max_rank:
+`parts` is how many projections the model fuses into it (the family's AdapterLayout.fused): qkv = q|k|v (3),
+gate_up = gate|up (2; a plain MLP's up alone: 1), o and down (1); a mixture of experts has no MLP stacks. For
+qkv of one slot, with r = max_rank:
 
     a rows   [0, r) q's A    [r, 2r) k's A    [2r, 3r) v's A
     b rows   [0, r) -> q's output columns only, [r, 2r) -> k's, [2r, 3r) -> v's (zeros elsewhere)
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
+from engine.lora.adapter_layout import AdapterLayout
 from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
@@ -84,15 +86,6 @@ class AdapterCut(Protocol):
         ...
 
 
-FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-"""The model's projections and the HF projections fused into each, in their order along the output."""
-
-
 class LoRAKernels(NamedTuple):
     """The segmented (SGMV) products of engine/kernels/triton/lora_sgmv.py: per token its slots, no slot range."""
 
@@ -110,16 +103,18 @@ class LoRAKernels(NamedTuple):
         return cls(lora_shrink, lora_expand, group_by_slot)
 
 
-def projection_shapes(arch: ModelShape) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Each fused projection's input width and its parts' output widths."""
+def projection_shapes(arch: ModelShape, layout: AdapterLayout) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each fused projection's input width and its parts' output widths (`arch`: this rank's shape)."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     hidden, inter = arch.hidden_size, arch.intermediate_size
-    return {
+    shapes = {
         "qkv": (hidden, (q, kv, kv)),
         "o_proj": (q, (hidden,)),
         "gate_up": (hidden, (inter, inter)),
         "down": (inter, (hidden,)),
     }
+    fused = layout.fused  # (a plain MLP's gate_up: its up alone)
+    return {proj: (width, outs[-len(fused[proj]) :]) for proj, (width, outs) in shapes.items() if proj in fused}
 
 
 class LoRAStack:
@@ -137,6 +132,7 @@ class LoRAStack:
         kernels: Optional[LoRAKernels] = None,
         shard: Optional[AdapterCut] = None,
         native: Optional["CpuKernels"] = None,
+        layout: AdapterLayout = AdapterLayout(),
     ):
         """`linear`: a product that packs its weights (the model's, on CPU): every slot's A and B^T are then also
         kept packed for it, re-packed when a slot loads, and a step multiplies all slots through it (packed
@@ -145,13 +141,16 @@ class LoRAStack:
         `shard`: a tensor-parallel rank's or pipeline stage's part of every adapter (`arch` is then the rank's
         shape), cut from the whole adapter as it loads (engine/lora_shard.py).
         `native`: the CPU kernels, whose deltas (csrc/lora_delta.h) read each token's slots from the raw stacks,
-        up to each slot's rank (`ranks`); the fused decode step adds the same deltas."""
+        up to each slot's rank (`ranks`); the fused decode step adds the same deltas.
+        `layout`: which projections the family adapts and how its adapters' modules map onto them (a plain MLP's
+        gate|up is its up alone; a mixture of experts has no MLP slots)."""
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.shapes = projection_shapes(arch)
+        self.layout = layout
+        self.shapes = projection_shapes(arch, layout)
         self.shard = shard
         num_layers = arch.num_layers if shard is None else len(shard.layers)
         # One tensor per projection over every layer ([layers, max_loras, rows, width]), each layer's a view: a
@@ -196,7 +195,7 @@ class LoRAStack:
             weights = self.shard.cut(weights)
         r = self.max_rank
         num_layers = len(self.a)
-        for proj, parts in FUSED_PROJECTIONS.items():
+        for proj, parts in self.layout.fused.items():
             a_all, b_all = self.a_all[proj][:, slot], self.b_all[proj][:, slot]  # [L, parts * r, in], [L, ., out]
             a_all.zero_()
             b_all.zero_()

@@ -117,8 +117,11 @@ class LoRAStep:
         return mixing
 
     def add(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out [T, out] += the deltas of projection `proj` of `layer` for x [T, in], in place."""
+        """out [T, out] += the deltas of projection `proj` of `layer` for x [T, in], in place (nothing where the
+        family adapts no such projection: a mixture of experts' MLPs)."""
         stack = self.stack
+        if proj not in stack.shapes:
+            return
         if stack.native is not None and self.native_slots is not None:
             slots, scales = self.native_slots
             widths = stack.shapes[proj][1]

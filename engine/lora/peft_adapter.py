@@ -1,6 +1,7 @@
 """Reading a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) into per-layer matrices.
 
-What is served: LoRA (`peft_type` "LORA") on the Llama family's q/k/v/o/gate/up/down projections, any rank,
+What is served: LoRA (`peft_type` "LORA") on the attention and MLP projections of a layer, by the family's own
+module names (adapter_layout.py maps them onto the model's projections), any rank,
 `lora_alpha / r` scaling or rsLoRA's `lora_alpha / sqrt(r)` (per-module `rank_pattern` / `alpha_pattern`
 honoured), and `modules_to_save` holding `embed_tokens` and `lm_head` (whole replacement matrices). Anything
 else (DoRA, bias training, other targets or adapter kinds) is refused by name: serving it as plain LoRA would
@@ -22,21 +23,15 @@ from typing import Any, Generator, Optional
 import torch
 
 from engine.errors import LoRAAdapterError, LoRARankError
+from engine.lora.adapter_layout import AdapterLayout, UnservedModule
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections an adapter may target (HF's names, as PEFT's keys carry them)."""
+_LORA_KEY = re.compile(r"(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 SAVED_MODULES = ("embed_tokens", "lm_head")
 """The modules_to_save served: whole matrices that replace the base's for the adapter's requests."""
 
-LANGUAGE_MODEL_PATH = frozenset({"base_model", "model", "language_model"})
-"""What a served tensor's key may name before `layers.`: PEFT's wrapper and the path to the language model's layers
-(`model.`; a vision-language model's `model.language_model.` or `language_model.model.`). A vision tower's layers
-are named as the language model's are (`vision_tower.encoder.layers.0.self_attn.q_proj`), and PEFT's
-`target_modules: [q_proj]` adapts both: read as the language model's, its matrices would change the language
-model's layers of the same index."""
-
-_LORA_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+_PEFT_WRAPPER = "base_model.model."
+"""What PEFT's saved keys hold before the base model's own module names."""
 
 
 @dataclass(slots=True)
@@ -91,7 +86,7 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         raise LoRAAdapterError(name, f"trained biases (bias {config.get('bias')!r}, lora_bias) are not served")
     if config.get("fan_in_fan_out"):
-        raise LoRAAdapterError(name, "fan_in_fan_out (Conv1D-style weights) is not served on the Llama family")
+        raise LoRAAdapterError(name, "fan_in_fan_out (Conv1D-style weights) is not served")
     for key in ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters"):
         if config.get(key):
             raise LoRAAdapterError(name, f"{key} is not served")
@@ -145,9 +140,11 @@ TENSORS_PER_SLICE = 96
 """Tensors taken between two yields of `load_peft_steps`."""
 
 
-def load_peft_adapter(name: str, path: str, max_rank: int, num_layers: int) -> LoRAWeights:
+def load_peft_adapter(
+    name: str, path: str, max_rank: int, num_layers: int, layout: AdapterLayout = AdapterLayout()
+) -> LoRAWeights:
     """Read and validate `path`'s adapter (float32 on CPU; the manager copies it into its slot's dtype)."""
-    return drain(load_peft_steps(name, path, max_rank, num_layers))
+    return drain(load_peft_steps(name, path, max_rank, num_layers, layout=layout))
 
 
 def drain(steps: Generator[None, None, LoRAWeights]) -> LoRAWeights:
@@ -160,13 +157,19 @@ def drain(steps: Generator[None, None, LoRAWeights]) -> LoRAWeights:
 
 
 def load_peft_steps(
-    name: str, path: str, max_rank: int, num_layers: int, dtype: torch.dtype = torch.float32
+    name: str,
+    path: str,
+    max_rank: int,
+    num_layers: int,
+    dtype: torch.dtype = torch.float32,
+    layout: AdapterLayout = AdapterLayout(),
 ) -> Generator[None, None, LoRAWeights]:
-    """`path`'s adapter, validated (rank, targets, pairs), each module's scale folded into B, with the files'
-    content hash, made in slices: the generator yields between slices of a few milliseconds, so that a serving
-    engine can interleave a load with its steps (LoRAManager.advance_loads). A and the scaled B end in `dtype`,
-    the slot stacks' (the scale applied in float32 first, so the bits are those a copy into the stack gives): the
-    conversion runs in the slices, not in the step that copies the adapter into a slot."""
+    """`path`'s adapter, validated (rank, targets, pairs), each module's scale folded into B and its matrices
+    mapped onto the model's projections (`layout`), with the files' content hash, made in slices: the generator
+    yields between slices of a few milliseconds, so that a serving engine can interleave a load with its steps
+    (LoRAManager.advance_loads). A and the scaled B end in `dtype`, the slot stacks' (the scale applied in float32
+    first, so the bits are those a copy into the stack gives): the conversion runs in the slices, not in the step
+    that copies the adapter into a slot."""
     from safetensors import safe_open
 
     directory = Path(path)
@@ -192,22 +195,33 @@ def load_peft_steps(
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise LoRAAdapterError(name, f"adapter_model.safetensors cannot be read: {exc}") from None
     adapter = LoRAWeights(name, path, rank=0, content_hash=digest.digest())
+    pairs: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})  # A and B by module name
     for i, key in enumerate(keys, start=1):
-        _take_tensor(adapter, config, key, tensors.get_tensor(key).float(), num_layers)
+        _take_tensor(adapter, pairs, key, tensors.get_tensor(key).float())
         if i % TENSORS_PER_SLICE == 0:
             yield
-    missing = sorted(set(adapter.a).symmetric_difference(adapter.b))
+    lora_a, lora_b = pairs
+    missing = sorted(set(lora_a).symmetric_difference(lora_b))
     if missing:
         raise LoRAAdapterError(name, f"lora_A and lora_B do not pair up at {missing[:4]}")
-    for i, (module, a) in enumerate(adapter.a.items(), start=1):
-        b = adapter.b[module]
+    for i, (module, a) in enumerate(lora_a.items(), start=1):
+        b = lora_b[module]
         if a.shape[0] != b.shape[1]:
             raise LoRAAdapterError(name, f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {module} differ")
         rank = a.shape[0]
         if rank > max_rank:
             raise LoRARankError(name, rank, max_rank)
-        adapter.a[module] = a.to(dtype)
-        adapter.b[module] = (b * _scale(config, module, rank)).to(dtype).contiguous()
+        try:
+            pieces = layout.split(module, a, b * _scale(config, module, rank))
+        except UnservedModule as exc:
+            raise LoRAAdapterError(name, str(exc)) from None
+        for layer, projection, part_a, part_b in pieces:
+            if layer >= num_layers:
+                raise LoRAAdapterError(name, f"module {module!r} is in layer {layer}; the model has {num_layers}")
+            if (layer, projection) in adapter.a:
+                raise LoRAAdapterError(name, f"layer {layer}'s {projection} is adapted twice (by {module!r})")
+            adapter.a[(layer, projection)] = part_a.to(dtype)
+            adapter.b[(layer, projection)] = part_b.to(dtype).contiguous()
         adapter.rank = max(adapter.rank, rank)
         if i % TENSORS_PER_SLICE == 0:
             yield
@@ -216,40 +230,31 @@ def load_peft_steps(
     return adapter
 
 
-def _take_tensor(adapter: LoRAWeights, config: dict, key: str, tensor: torch.Tensor, num_layers: int) -> None:
-    name = adapter.name
+def _take_tensor(
+    adapter: LoRAWeights, pairs: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], key: str, tensor: torch.Tensor
+) -> None:
+    """Keep one stored tensor: a modules_to_save matrix, or a LoRA A or B under its module's name in the base model
+    (PEFT's wrapper prefix removed: model.layers.3.self_attn.q_proj)."""
     for saved in SAVED_MODULES:
         if key.endswith(f"{saved}.weight") and "lora_" not in key:
             setattr(adapter, "embed" if saved == "embed_tokens" else "lm_head", tensor.contiguous())
             return
     match = _LORA_KEY.match(key)
     if match is None:
-        raise LoRAAdapterError(name, f"tensor {key!r} is not a LoRA matrix of {list(PROJECTIONS)}")
-    path = key[: match.start(1) - len("layers.")].rstrip(".")
-    if not set(path.split(".")) <= LANGUAGE_MODEL_PATH | {""}:
-        raise LoRAAdapterError(
-            name, f"tensor {key!r} adapts {path!r}, not the language model's layers: LoRA is served on those alone"
-        )
-    layer, projection, which = int(match.group(1)), match.group(2), match.group(3)
-    if projection not in PROJECTIONS:
-        raise LoRAAdapterError(name, f"target {projection!r} is not served (only {list(PROJECTIONS)})")
-    if layer >= num_layers:
-        raise LoRAAdapterError(name, f"tensor {key!r} names layer {layer}; the model has {num_layers}")
-    (adapter.a if which == "A" else adapter.b)[(layer, projection)] = tensor.contiguous()
+        raise LoRAAdapterError(adapter.name, f"tensor {key!r} is neither a LoRA matrix nor {list(SAVED_MODULES)}")
+    module = match.group(1).removeprefix(_PEFT_WRAPPER)
+    pairs[0 if match.group(2) == "A" else 1][module] = tensor.contiguous()
 
 
-def _scale(config: dict, module: tuple[int, str], rank: int) -> float:
+def _scale(config: dict, module: str, rank: int) -> float:
     """PEFT's scaling of one module: alpha / r, or alpha / sqrt(r) with rsLoRA (alpha_pattern may set alpha)."""
     alpha = float(config.get("lora_alpha", 8))
-    layer, projection = module
     for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if _pattern_matches(pattern, layer, projection):
+        if _pattern_matches(pattern, module):
             alpha = float(value)
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _pattern_matches(pattern: str, layer: int, projection: str) -> bool:
+def _pattern_matches(pattern: str, module: str) -> bool:
     """PEFT's rank/alpha pattern match: the key as a regex against the module's full name's tail."""
-    parent = "self_attn" if projection in PROJECTIONS[:4] else "mlp"
-    full = f"model.layers.{layer}.{parent}.{projection}"
-    return re.match(rf"(.*\.)?({pattern})$", full) is not None
+    return re.match(rf"(.*\.)?({pattern})$", module) is not None

@@ -3,7 +3,9 @@
 Families whose checkpoints name their tensors otherwise (Phi-2's self_attn.dense and final_layernorm, GPT-NeoX's
 gpt_neox.embed_in, attention.query_key_value, embed_out) say so in their DecoderArch (`renames`, `ignored`,
 `qkv_per_head`); the tensors are renamed here as they stream to the model, so the layer's reading stays one.
-Tensor parallelism cuts the checkpoint's own names before this (engine/models/tensor_parallel.py).
+Families whose RoPE turns interleaved pairs have q's and k's rows reordered into halves (`rope_interleaved`).
+Tensor parallelism cuts the checkpoint's own names before this (engine/models/tensor_parallel.py). A LoRA
+adapter's B matrices go through the same transform, under their base matrix's name (engine/lora/adapter_layout.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,32 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from engine.models.decoder_arch import DecoderArch
+
+
+def checkpoint_rows(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterable[tuple[str, Any]]:
+    """The checkpoint's tensors as the model reads them: Llama's names, q | k | v, RoPE halves."""
+    if arch.renames or arch.ignored or arch.qkv_per_head:
+        weights = llama_names(weights, arch)
+    return rope_halves(weights, arch) if arch.rope_interleaved else weights
+
+
+def rope_halves(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterator[tuple[str, Any]]:
+    """Each head's rows of q and k (their projections, biases and norm weights) from the checkpoint's interleaved
+    rotary pairs (x0, x1, x2, x3, ...) to the halves the rotary turns (x0, x2, ..., x1, x3, ...); dimensions past
+    rotary_dim keep their place. q and k move alike, so every score is the same; a norm over a head's dimensions
+    does not depend on their order."""
+    head_dim = arch.head_dim
+    rotated = arch.rotary_dim or head_dim
+    order = torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2), torch.arange(rotated, head_dim)])
+    for name, tensor in weights:
+        part = name.rsplit(".", 2)
+        if len(part) == 3 and part[1] in ("q_norm", "k_norm") and name.endswith(".weight"):
+            tensor = tensor.reshape(-1, head_dim)[:, order].reshape(tensor.shape)
+        elif len(part) == 3 and part[1] in ("q_proj", "k_proj", "qkv_proj"):
+            if part[1] == "qkv_proj":  # v's rows would move too: no family fuses them and interleaves
+                raise ValueError(f"{arch.architecture}: {name}: interleaved RoPE over a fused qkv_proj")
+            tensor = tensor.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)  # [rows, ...] per head
+        yield name, tensor
 
 
 def llama_names(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterator[tuple[str, Any]]:

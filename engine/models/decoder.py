@@ -31,7 +31,7 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mrope import SectionedRows
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.checkpoint_names import llama_names
+from engine.models.checkpoint_names import checkpoint_rows
 from engine.models.decoder_arch import DecoderArch
 from engine.models.llama import LlamaForCausalLM
 from engine.profiling.memory_bandwidth import tensor_bytes
@@ -133,28 +133,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        if self.arch.renames or self.arch.ignored or self.arch.qkv_per_head:  # (Phi-2's, GPT-NeoX's names)
-            weights = llama_names(weights, self.arch)
         weights = self._folded(weights) if self.arch.norm_offset else self._plain(weights)
-        super().load_weights(self._rope_halves(weights) if self.arch.rope_interleaved else weights)
-
-    def _rope_halves(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """Each head's rows of q and k (their projections, biases and norm weights) from the checkpoint's
-        interleaved rotary pairs (x0, x1, x2, x3, ...) to the halves the rotary turns (x0, x2, ..., x1, x3, ...);
-        dimensions past rotary_dim keep their place. q and k move alike, so every score is the same; a norm over
-        a head's dimensions does not depend on their order."""
-        head_dim = self.arch.head_dim
-        rotated = self.arch.rotary_dim or head_dim
-        order = torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2), torch.arange(rotated, head_dim)])
-        for name, tensor in weights:
-            part = name.rsplit(".", 2)
-            if len(part) == 3 and part[1] in ("q_norm", "k_norm") and name.endswith(".weight"):
-                tensor = tensor.reshape(-1, head_dim)[:, order].reshape(tensor.shape)
-            elif len(part) == 3 and part[1] in ("q_proj", "k_proj", "qkv_proj"):
-                if part[1] == "qkv_proj":  # v's rows would move too: no family fuses them and interleaves
-                    raise ValueError(f"{self.arch.architecture}: {name}: interleaved RoPE over a fused qkv_proj")
-                tensor = tensor.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)  # [rows, ...] per head
-            yield name, tensor
+        super().load_weights(checkpoint_rows(weights, self.arch))
 
     def _plain(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """The checkpoint's tensors, refusing pre-quantized storage (AWQ groups, GGUF blocks): the Llama family's.
@@ -292,6 +272,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
                 step,
                 backend,
                 self.layer_attention[index],
+                index,
             )
             attended = self._norm(attended, layer, "attn_post")
             if arch.parallel_branches:  # both read x (GPT-NeoX's MLP its own norm of h); HF's order: (h + attn) + mlp
@@ -311,11 +292,24 @@ class DecoderForCausalLM(LlamaForCausalLM):
     def _mlp(self, index: int, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """The dense MLP of x [T, hidden]: a partial sum with several ranks (a sparse layer's experts:
         models/moe.py's `_mlp`, by the MRO of models/decoder_moe.py)."""
+        lora = self.lora_step
         gate_up = self.linear(x, layer.gate_up, layer.gate_up_bias)
-        return self.linear(self._activate(gate_up), layer.down, layer.down_bias)
+        if lora is not None:
+            lora.add(index, "gate_up", x, gate_up)
+        act = self._activate(gate_up)
+        out = self.linear(act, layer.down, layer.down_bias)
+        if lora is not None:
+            lora.add(index, "down", act, out)
+        return out
 
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        """The embeddings as the first layer takes them, a LoRA adapter's replacement rows scaled as the base's
+        (HF scales whatever the embedding module returns)."""
+        lora = self.lora_step
+        if lora is None or not lora.embeds:
+            return self.embed_tokens(input_ids)
+        h = lora.embed(input_ids, super().embed_tokens(input_ids))
+        return h if self.embedding_scale is None else h * self.embedding_scale
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings as the first layer takes them: times `embedding_scale` (Gemma, Granite)."""
@@ -366,11 +360,15 @@ class DecoderForCausalLM(LlamaForCausalLM):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         attention: LayerAttention,
+        index: int,
     ) -> torch.Tensor:
-        arch, ops = self.arch, self.ops
+        """Layer `index`'s attention block (the index selects its LoRA deltas)."""
+        arch, ops, lora = self.arch, self.ops, self.lora_step
         num_tokens = x.shape[0]
         heads, kv_heads, head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
+        if lora is not None:
+            lora.add(index, "qkv", x, qkv)
         q, k = qkv[:, : arch.q_size], qkv[:, arch.q_size : arch.q_size + arch.kv_size]
         if arch.qk_norm is not None:
             q_norm, k_norm = layer.q_norm, layer.k_norm
@@ -386,8 +384,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
         value = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, kv_heads, head_dim)
         backend.write_kv(key, value, key_cache, value_cache, metadata)
         out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
+        out = out.reshape(num_tokens, heads * head_dim)
+        projected = self.linear(out, layer.o_proj, layer.o_bias)
+        if lora is not None:
+            lora.add(index, "o_proj", out, projected)
         # (with several ranks: partial sums, all-reduced before the post-norm that Gemma and OLMo 2 apply to them)
-        return self.tp.all_reduce(self.linear(out.reshape(num_tokens, heads * head_dim), layer.o_proj, layer.o_bias))
+        return self.tp.all_reduce(projected)
 
     def _projection_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over a whole q or k projection (OLMo 2) [T, width]. With several ranks each holds its heads'
@@ -408,10 +410,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
     def compute_logits(
         self, hidden: torch.Tensor, lm_heads: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
     ) -> torch.Tensor:
-        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32 (`lm_heads`: LoRA's, which these
-        families are not served with: always empty)."""
-        assert not lm_heads, "LoRA is refused for this family at start-up"
-        logits = super().compute_logits(hidden)
+        """hidden [n, hidden] (rows to sample) -> logits [n, vocab] in float32 (`lm_heads`: LoRA adapters'
+        replacement LM heads, whose logits take the family's bias, scales and cap as the base's do)."""
+        logits = super().compute_logits(hidden, lm_heads)
         if self.lm_head_bias is not None:  # (the whole vocabulary's on every rank: added to the gathered logits)
             logits = logits + self.lm_head_bias.float()
         if self.arch.logits_divisor != 1.0:

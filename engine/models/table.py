@@ -63,6 +63,12 @@ Every family also serves embeddings (`--runner pooling`, or a checkpoint saved a
 models](api.md#pooling-models-embeddings-classification-scoring)), checked against HF's base model and
 `AutoModelForSequenceClassification` (tests/engine/test_pooling.py, tests/engine/test_classification.py).
 
+LoRA adapters (`--enable-lora`, PEFT directories) serve on every family here but DeepSeek (its latent
+attention), by the family's own module names (Phi-3's fused `qkv_proj`/`gate_up_proj`, StarCoder2's `c_fc`,
+Phi-2's `dense`/`fc1`/`fc2`, GPT-NeoX's `query_key_value`, ...); a mixture of experts takes adapters of its
+attention. Each family is checked with a PEFT `all-linear` adapter against PEFT's merged model
+(tests/lora/test_lora_families.py; [LoRA adapters](architecture.md#lora-adapters)).
+
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
 Qwen2/3, Gemma 1/2/3, Phi-3/4, OLMo 2/3, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3,
 Arcee, ERNIE 4.5, EXAONE 4.0) and, each

@@ -12,8 +12,8 @@ import pytest
 
 from engine import LLM, LoRAMix, LoRARequest, SamplingParams
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.references import assert_idle
-from tests.lora.adapters import make_adapter
+from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf
+from tests.lora.adapters import make_adapter, merged_model_dir
 from tests.lora.gguf_adapters import write_gguf_adapter
 
 pytestmark = pytest.mark.timeout(300)
@@ -93,3 +93,22 @@ def test_two_stages_of_two_ranks_match_one_process(adapters):
     assert len({tuple(tokens) for tokens in expected}) == len(CHOICES) - 1  # every adapter changes the output
     assert expected[5] == expected[1]  # a's two forms
     assert generate(base, made, tensor_parallel_size=2, pipeline_parallel_size=2) == expected
+
+
+@pytest.mark.parametrize("family", ["phi3", "gpt_neox"])
+def test_other_families_on_two_ranks_match_peft_merged(family, tmp_path_factory):
+    """Phi-3's fused qkv_proj and gate_up_proj (each part's rows cut by its own heads), GPT-NeoX's per-head
+    query_key_value (regrouped by the whole model's heads before the cut): each
+    rank's delta lines up with its slice of the base product."""
+    base = make_tiny_model_dir(tmp_path_factory.mktemp(family), family)
+    adapter = make_adapter(base, tmp_path_factory.mktemp("adapter"), seed=5, r=4, alpha=8, targets="all-linear")
+    merged = merged_model_dir(base, [(adapter, 1.0)], tmp_path_factory.mktemp("merged"))
+    prompts = PROMPTS[:3]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    modules = [{"name": "a", "path": str(adapter)}]
+    with LLM(str(base), **SETTINGS, lora_modules=modules, tensor_parallel_size=2) as llm:
+        loras = [LoRAMix.single("a"), None, LoRAMix.single("a")]
+        results = llm.generate(prompts, greedy, use_tqdm=False, lora_request=loras)
+        assert_idle(llm)
+    check_against_hf(merged, prompts[::2], results[::2])
+    check_against_hf(base, prompts[1:2], results[1:2])

@@ -4,7 +4,7 @@ serving must match (PEFT's own merge_and_unload, so scaling, rsLoRA and modules_
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -27,7 +27,7 @@ def make_adapter(
     seed: int,
     r: int = 4,
     alpha: float = 8,
-    targets: Sequence[str] = ALL_TARGETS,
+    targets: Union[str, Sequence[str]] = ALL_TARGETS,
     use_rslora: bool = False,
     use_dora: bool = False,
     modules_to_save: Optional[list[str]] = None,
@@ -46,7 +46,7 @@ def make_adapter(
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
-        target_modules=list(targets),
+        target_modules=targets if isinstance(targets, str) else list(targets),  # ("all-linear": PEFT's choice)
         use_rslora=use_rslora,
         use_dora=use_dora,
         modules_to_save=modules_to_save,

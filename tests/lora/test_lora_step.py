@@ -11,7 +11,7 @@ import torch
 
 from engine.kernels.cpu import load_cpu_kernels
 from engine.layers.linear import Linear, select_linear
-from engine.lora.lora_stack import FUSED_PROJECTIONS, LoRAStack
+from engine.lora.lora_stack import LoRAStack
 from engine.lora.lora_step import LoRASegment, LoRAStep
 from tests.lora.adapters import ARCH, random_weights
 
@@ -52,7 +52,7 @@ def test_deltas_match_their_definition(kind, dtype, request):
     ]
     step = LoRAStep.build(stack, 8, segments)
     assert step is not None and step.fusable == (native is not None)
-    for proj, parts in FUSED_PROJECTIONS.items():
+    for proj, parts in stack.layout.fused.items():
         width, outs = stack.shapes[proj]
         x = torch.randn(8, width).to(dtype)
         out = torch.zeros(8, sum(outs), dtype=dtype)

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.lora.lora_graph_inputs import LoRAGraphInputs  # noqa: E402
-from engine.lora.lora_stack import FUSED_PROJECTIONS, LoRAKernels, LoRAStack  # noqa: E402
+from engine.lora.lora_stack import LoRAKernels, LoRAStack  # noqa: E402
 from engine.lora.lora_step import LoRASegment, LoRAStep  # noqa: E402
 from tests.lora.adapters import ARCH, random_weights  # noqa: E402
 
@@ -33,7 +33,7 @@ def test_segmented_kernels_match_the_torch_products():
     ]
     torch_step, kernel_step = (LoRAStep.build(stack, 8, segments) for stack in stacks)
     assert torch_step is not None and kernel_step is not None and kernel_step.token_slots is not None
-    for proj in FUSED_PROJECTIONS:
+    for proj in stacks[0].layout.fused:
         width, outs = stacks[0].shapes[proj]
         x = torch.randn(8, width, device=DEVICE)
         base = torch.randn(8, sum(outs), device=DEVICE)
@@ -65,7 +65,7 @@ def test_a_decode_graphs_static_lora_inputs_refill_in_place():
         assert step.scales[5:].eq(0).all() and step.scales[1].eq(0).all()
         eager = LoRAStep.build(stack, 5, segments)
         assert eager is not None
-        for proj in FUSED_PROJECTIONS:
+        for proj in stack.layout.fused:
             width, outs = stack.shapes[proj]
             x = torch.randn(8, width, device=DEVICE)
             base = torch.randn(8, sum(outs), device=DEVICE)

@@ -1,0 +1,116 @@
+"""LoRA on every family beside Llama's: a PEFT adapter over each family's linear layers (PEFT's `all-linear`, by the
+family's own module names: Phi-3's fused qkv_proj and gate_up_proj, StarCoder2's c_fc, Phi-2's dense and fc1,
+GPT-NeoX's query_key_value, ...), served beside base requests in the same batch, against PEFT's merge_and_unload
+of the tiny random checkpoint: float32 greedy tokens identical, logprobs within 1e-4. Mixtures of experts take
+adapters of their attention; an expert or MLP target is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LoRAMix, LoRARequest, SamplingParams
+from engine.errors import LoRAAdapterError, SettingsConflictError
+from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir
+from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf, hf_greedy, hf_greedy_of, make_llm
+from tests.engine.test_model_equivalence import mixed_prompts
+from tests.engine.test_moe_equivalence import make_moe_dir
+from tests.lora.adapters import make_adapter, merged_model_dir
+from tests.lora.fused_steps import fused_then_unfused
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+MOE = ("mixtral", "qwen3_moe", "olmoe")  # the Llama-loop MoE, one with a dense layer, the generic decoder's
+
+
+def _base(tmp_path_factory, family: str):
+    if family in MOE:
+        return make_moe_dir(tmp_path_factory.mktemp(family), family)
+    return make_tiny_model_dir(tmp_path_factory.mktemp(family), family)
+
+
+@pytest.mark.parametrize("family", sorted(DENSE_FAMILIES) + list(MOE))
+def test_adapter_beside_base_requests_matches_peft_merged(family, tmp_path_factory):
+    base = _base(tmp_path_factory, family)
+    targets = ATTENTION if family in MOE else "all-linear"
+    adapter = make_adapter(base, tmp_path_factory.mktemp("adapter"), seed=7, r=4, alpha=8, targets=targets)
+    merged = merged_model_dir(base, [(adapter, 1.0)], tmp_path_factory.mktemp("merged"))
+    prompts = mixed_prompts(3)[4:7]  # 17, 33 and 60 tokens: prompt chunks and decodes of both kinds in a step
+    with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4, max_num_batched_tokens=32) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("a", str(adapter)))
+        loras = [LoRAMix.single("a"), None, LoRAMix.single("a")]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+        assert_idle(llm)
+    check_against_hf(merged, prompts[::2], results[::2])
+    check_against_hf(base, prompts[1:2], results[1:2])
+    # the adapter changes what the model says (else the check above would hold for the base too)
+    _, base_logprobs = hf_greedy(base, prompts[2], NEW_TOKENS)
+    assert [lp.logprob for lp in results[2].outputs[0].logprobs] != pytest.approx(base_logprobs, abs=1e-2)
+
+
+def test_mlp_targets_of_a_mixture_of_experts_are_refused_by_name(tmp_path_factory):
+    """Experts (PEFT adapts their stacked tensors as target_parameters) and the dense MLP of a layer beside them."""
+    base = _base(tmp_path_factory, "qwen3_moe")  # layer 1 is a dense MLP (mlp_only_layers)
+    experts = make_adapter(base, tmp_path_factory.mktemp("experts"), seed=1, targets=("q_proj", "gate_proj", "up_proj"))
+    dense = make_adapter(base, tmp_path_factory.mktemp("dense"), seed=1, targets=("q_proj",))
+    weights = load_file(dense / "adapter_model.safetensors")
+    module = "base_model.model.model.layers.1.mlp.gate_proj"
+    weights[f"{module}.lora_A.weight"], weights[f"{module}.lora_B.weight"] = torch.randn(4, 32), torch.randn(64, 4)
+    save_file(weights, dense / "adapter_model.safetensors")
+    with make_llm(base, enable_lora=True, max_lora_rank=8) as llm:
+        with pytest.raises(LoRAAdapterError, match="target_parameters is not served"):
+            llm.engine.lora_manager.add_lora(LoRARequest("experts", str(experts)))
+        with pytest.raises(LoRAAdapterError, match=r"'model\.layers\.1\.mlp\.gate_proj' is not served on qwen3_moe"):
+            llm.engine.lora_manager.add_lora(LoRARequest("dense", str(dense)))
+
+
+def test_latent_attention_is_refused_at_start_up(tmp_path):
+    from tests.engine.test_deepseek_equivalence import COMMON, FAMILIES
+
+    base = make_tiny_model_dir(tmp_path, "llama", **COMMON, **FAMILIES["deepseek_v3"])
+    with pytest.raises(SettingsConflictError, match="latent attention"):
+        make_llm(base, enable_lora=True)
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma"])
+def test_replacement_embedding_and_lm_head_take_the_familys_scales(family, tmp_path_factory):
+    """modules_to_save: Granite's embedding multiplier and logits divisor, Gemma's sqrt(hidden) apply to the
+    adapter's matrices as to the base's; Gemma ties its LM head to the embedding, and the adapter's own LM head
+    serves, as in PEFT's model (a merged checkpoint re-ties them on load: the PEFT model is the reference)."""
+    base = _base(tmp_path_factory, family)
+    adapter, peft_model = make_adapter(
+        base,
+        tmp_path_factory.mktemp("saved"),
+        seed=3,
+        r=2,
+        targets=("v_proj",),
+        modules_to_save=["embed_tokens", "lm_head"],
+        keep=True,
+    )
+    prompts = mixed_prompts(3)[4:6]
+    with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("saved", str(adapter)))
+        loras = [LoRAMix.single("saved"), None]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+        assert_idle(llm)
+    tokens, logprobs = hf_greedy_of(peft_model, prompts[0], NEW_TOKENS)
+    assert results[0].outputs[0].token_ids == tokens
+    assert [lp.logprob for lp in results[0].outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
+    check_against_hf(base, prompts[1:], results[1:])
+
+
+def test_fused_decode_with_an_adapter_equals_the_unfused_path(tmp_path_factory, cpu_kernels):
+    """bf16 on the cpu backend, Gemma 3 (GeGLU, q/k norms, sliding layers): decode steps of base and adapter
+    requests run fused with the deltas inside the native step and give the unfused path's bits."""
+    base = _base(tmp_path_factory, "gemma3")
+    adapter = make_adapter(base, tmp_path_factory.mktemp("adapter"), seed=2, r=4, targets="all-linear")
+    settings = dict(dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False)
+    with make_llm(base, **settings, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("a", str(adapter)))
+        prompts = [{"prompt_token_ids": p} for p in mixed_prompts(5)[3:5]] * 2
+        fused, unfused, rows = fused_then_unfused(
+            llm, prompts, [None, None, LoRAMix.single("a"), LoRAMix.single("a")], GREEDY
+        )
+    assert max(rows) == 4 and unfused == fused
+    assert fused[0] != fused[2]  # the adapter changes the output
