@@ -272,6 +272,17 @@ def exaone4_arch(config: Any) -> DecoderArch:
     )
 
 
+def seed_oss_arch(config: Any) -> DecoderArch:
+    """Seed-OSS: Llama's layer with q/k/v biases (attention_bias), an output bias (attention_out_bias) and MLP
+    biases (mlp_bias), each read from the checkpoint where stored; its own head_dim."""
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_silu(config),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+    )
+
+
 PHI_NAMES = (
     ("self_attn.dense.", "self_attn.o_proj."),
     ("self_attn.q_layernorm.", "self_attn.q_norm."),
@@ -359,6 +370,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Exaone4ForCausalLM": exaone4_arch,
     "PhiForCausalLM": phi_arch,
     "GPTNeoXForCausalLM": gpt_neox_arch,
+    "SeedOssForCausalLM": seed_oss_arch,
 }
 
 

@@ -235,6 +235,13 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "SeedOssForCausalLM",
+        ("seed_oss",),
+        "decoder",
+        HF_FORMATS,
+        ("as Llama", "q/k/v bias (attention_bias), o_proj bias (attention_out_bias), MLP bias (mlp_bias)", "head_dim"),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

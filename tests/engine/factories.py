@@ -150,6 +150,7 @@ RANDOM_NORMS_AND_BIASES = (
     "phi",
     "gpt_neox",
     "gpt_neox_sequential",
+    "seed_oss",
 )
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
@@ -300,6 +301,16 @@ DENSE_FAMILIES.update(
             "head_dim": 16,
             "sliding_window": 8,
             "sliding_window_pattern": 2,  # sliding, full, sliding, full: the config turns it into layer_types
+            "pad_token_id": 0,
+        },
+        # every bias Seed-OSS can have; heads wider than hidden / heads (q and o not square)
+        "seed_oss": {
+            "architectures": ["SeedOssForCausalLM"],
+            "model_type": "seed_oss",
+            "head_dim": 32,
+            "attention_bias": True,
+            "attention_out_bias": True,
+            "mlp_bias": True,
             "pad_token_id": 0,
         },
     }

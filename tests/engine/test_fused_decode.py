@@ -217,10 +217,11 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
         ("ernie4_5", {}),  # interleaved pairs put in halves at load, biases on every projection
         # without a window every layer rotates: post-norms, per-head q/k norms
         ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
+        ("seed_oss", {}),  # biases on q/k/v, o and the MLP; heads wider than hidden / heads
     ],
     ids=[
         *("granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3", "gemma", "glm"),
-        *("glm4", "olmo3", "ernie4_5", "exaone4-global"),
+        *("glm4", "olmo3", "ernie4_5", "exaone4-global", "seed_oss"),
     ],
 )
 def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
