@@ -57,6 +57,9 @@ class DecoderLayerWeights:
     down_bias: Optional[torch.Tensor]
     q_norm_bias: Optional[torch.Tensor] = None  # [head_dim]: per-head q/k LayerNorms' shifts (Phi-2's q_layernorm)
     k_norm_bias: Optional[torch.Tensor] = None
+    # [4] in the model's dtype: xIELU's softplus(alpha_p), beta + softplus(alpha_n), beta, eps (Apertus: each layer's
+    # own, computed once at load in the dtype HF computes them in on every forward, so the values are HF's)
+    act_params: Optional[torch.Tensor] = None
 
     @property
     def input_norm(self) -> Optional[torch.Tensor]:
@@ -219,12 +222,16 @@ class DecoderForCausalLM(LlamaForCausalLM):
         else:  # StarCoder2's c_fc, c_proj
             up_name, down_name = (mlp + name for name in self.arch.plain_mlp)
             gate_up, gate_up_bias = take(up_name + ".weight"), maybe(up_name + ".bias")
-        return dict(
+        fields = dict(
             gate_up=self._prepare(gate_up),
             gate_up_bias=gate_up_bias,
             down=self._prepare(take(down_name + ".weight")),
             down_bias=maybe(down_name + ".bias"),
         )
+        if self.arch.activation == "xielu":
+            alpha_p, alpha_n, beta, eps = (take(f"{mlp}act_fn.{name}").reshape(()) for name in XIELU_PARAMS)
+            fields["act_params"] = torch.stack([F.softplus(alpha_p), beta + F.softplus(alpha_n), beta, eps])
+        return fields
 
     def weight_bytes(self) -> int:
         by_role = ("norms", "norm_biases")
@@ -312,7 +319,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         """The dense MLP of x [T, hidden]: a partial sum with several ranks (a sparse layer's experts:
         models/moe.py's `_mlp`, by the MRO of models/decoder_moe.py)."""
         gate_up = self.linear(x, layer.gate_up, layer.gate_up_bias)
-        return self.linear(self._activate(gate_up), layer.down, layer.down_bias)
+        return self.linear(self._activate(gate_up, layer.act_params), layer.down, layer.down_bias)
 
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -344,10 +351,13 @@ class DecoderForCausalLM(LlamaForCausalLM):
         scale = self.residual_scale
         return residual + (branch if scale == 1.0 else branch * scale)
 
-    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _activate(self, gate_up: torch.Tensor, params: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.arch.plain_mlp is not None:  # no gate: the activation of all of up's output
             if self.arch.activation == "relu2":  # Arcee's: relu(x)^2, as HF's ReLUSquaredActivation
                 return torch.square(F.relu(gate_up))
+            if self.arch.activation == "xielu":
+                assert params is not None  # (the loader took the layer's)
+                return _xielu(gate_up, params)
             if self.arch.activation == "silu":
                 return F.silu(gate_up)
             return F.gelu(gate_up, approximate="tanh" if self.arch.activation == "gelu_tanh" else "none")
@@ -420,6 +430,21 @@ class DecoderForCausalLM(LlamaForCausalLM):
             logits = logits * self.arch.logits_scale
         cap = self.arch.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+XIELU_PARAMS = ("alpha_p", "alpha_n", "beta", "eps")
+"""An xIELU activation's tensors in the checkpoint (mlp.act_fn.*: Apertus), in the order `_xielu` reads them."""
+
+
+def _xielu(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """xIELU of x [T, width] as transformers' XIELUActivation computes it in Python (its CUDA kernel is optional),
+    operation for operation in x's dtype: params [4] as `_take_mlp` derives them from the checkpoint."""
+    alpha_p, alpha_n, beta, eps = params[0:1], params[1:2], params[2], params[3]
+    return torch.where(
+        x > 0,
+        alpha_p * x * x + beta * x,
+        (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + beta * x,
+    )
 
 
 def _fused(take, maybe, name: str, parts: tuple[str, ...]) -> torch.Tensor:

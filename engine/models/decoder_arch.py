@@ -1,5 +1,6 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE), as data.
+StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS, Apertus; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE),
+as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
@@ -36,9 +37,10 @@ GLM4_NORMS = (  # GLM-4-0414's sandwich, by its own names
     ("mlp_pre", "post_attention_layernorm"),
     ("mlp_post", "post_mlp_layernorm"),
 )
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2")
-"""silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); gelu (erf: GPT-NeoX's) and relu2, relu(x)^2
-(Arcee's), of a plain MLP only."""
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2", "xielu")
+"""silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); gelu (erf: GPT-NeoX's), relu2, relu(x)^2
+(Arcee's), and xielu (Apertus's xIELU, its alpha_p, alpha_n, beta and eps each layer's, from the checkpoint), of a
+plain MLP only."""
 NORM_KINDS = ("rms", "layer")
 """RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: StarCoder2's; Cohere's has
 no b)."""
@@ -91,8 +93,8 @@ class DecoderArch(LlamaArch):
         roles = [role for role, _ in self.norms]
         if not set(roles) <= set(NORM_ROLES) or self.activation not in ACTIVATIONS or self.norm_kind not in NORM_KINDS:
             raise ValueError(f"norm roles {roles} / activation {self.activation!r} / norm {self.norm_kind!r} unknown")
-        if self.activation == "relu2" and self.plain_mlp is None:
-            raise ValueError("relu2 is a plain MLP's activation (Arcee's): no gated kernel computes it")
+        if self.activation in ("relu2", "xielu") and self.plain_mlp is None:
+            raise ValueError(f"{self.activation} is a plain MLP's activation (Arcee's, Apertus's): no gated kernel")
         if self.norm_bias and self.norm_kind != "layer":
             raise ValueError("a norm's shift (norm_bias) is a LayerNorm's")
         if self.qk_norm == "projection" and self.norm_kind != "rms":

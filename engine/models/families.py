@@ -283,6 +283,27 @@ def seed_oss_arch(config: Any) -> DecoderArch:
     )
 
 
+APERTUS_NORMS = (("attn_pre", "attention_layernorm"), ("mlp_pre", "feedforward_layernorm"))
+
+
+def apertus_arch(config: Any) -> DecoderArch:
+    """Apertus: Llama's layer (its norms named attention_layernorm, feedforward_layernorm) with per-head q/k RMSNorms
+    before RoPE (llama3 scaling by default), q/k/v/o biases where attention_bias, and a plain MLP
+    up_proj -> xIELU -> down_proj whose activation has each layer's learned alpha_p, alpha_n, beta and eps."""
+    act = str(getattr(config, "hidden_act", "xielu"))
+    if act != "xielu":
+        raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: xielu)")
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=APERTUS_NORMS,
+        activation="xielu",
+        qk_norm="head",
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        plain_mlp=("up_proj", "down_proj"),
+    )
+
+
 PHI_NAMES = (
     ("self_attn.dense.", "self_attn.o_proj."),
     ("self_attn.q_layernorm.", "self_attn.q_norm."),
@@ -371,6 +392,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "PhiForCausalLM": phi_arch,
     "GPTNeoXForCausalLM": gpt_neox_arch,
     "SeedOssForCausalLM": seed_oss_arch,
+    "ApertusForCausalLM": apertus_arch,
 }
 
 

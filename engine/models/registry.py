@@ -242,6 +242,19 @@ FAMILIES = (
         ("as Llama", "q/k/v bias (attention_bias), o_proj bias (attention_out_bias), MLP bias (mlp_bias)", "head_dim"),
     ),
     ModelFamily(
+        "ApertusForCausalLM",
+        ("apertus",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "as Llama (llama3 RoPE)",
+            "per-head q/k RMSNorm",
+            "q/k/v/o bias (attention_bias)",
+            "plain MLP up_proj -> xIELU -> down_proj, each layer's alpha_p/alpha_n/beta/eps",
+            "decode steps unfused (the native step's MLP is gated)",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

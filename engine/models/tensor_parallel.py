@@ -1,7 +1,8 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
-GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS) and the mixtures of experts on
-either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE, Phi-3.5-MoE): each rank's share of the heads and
-of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
+GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus) and the mixtures of
+experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE, Phi-3.5-MoE): each rank's share of
+the heads and of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel
+layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication

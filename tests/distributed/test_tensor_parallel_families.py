@@ -7,7 +7,8 @@ head, cut by heads; attention and MLP side by side), Cohere 2 (layers without Ro
 (OLMo 2's q/k norms, sliding layers), Arcee (a plain MLP), ERNIE 4.5 (biases, interleaved rotary pairs), EXAONE 4
 (per-head q/k norms, global layers without RoPE), Phi-2 (row-parallel dense and fc2, the q/k LayerNorms
 replicated), GPT-NeoX (query_key_value cut by whole heads, each rank reordering its own rows; parallel and
-sequential residuals), Seed-OSS (q/k/v/o and MLP biases), and the mixtures of experts Mixtral (its experts
+sequential residuals), Seed-OSS (q/k/v/o and MLP biases), Apertus (xIELU's
+per-layer scalars replicated), and the mixtures of experts Mixtral (its experts
 also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert cut
 like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
 (stacked input_linear / output_linear, the shared variant's fused shared_mlp) and Phi-3.5-MoE (LayerNorms, q/k/v/o
@@ -57,6 +58,7 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "gpt_neox": ("gpt_neox", {}),  # query_key_value cut by whole heads, each rank reordering its own into q | k | v
     "gpt_neox_sequential": ("gpt_neox_sequential", {}),
     "seed_oss": ("seed_oss", {}),  # q/k/v biases cut like their rows, o_proj's and down_proj's on rank 0
+    "apertus": ("apertus", {}),  # xIELU's scalars replicated; per-head q/k norms one head wide
     # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
     "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),
 }

@@ -151,6 +151,7 @@ RANDOM_NORMS_AND_BIASES = (
     "gpt_neox",
     "gpt_neox_sequential",
     "seed_oss",
+    "apertus",
 )
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
@@ -313,6 +314,23 @@ DENSE_FAMILIES.update(
             "mlp_bias": True,
             "pad_token_id": 0,
         },
+        # its llama3 RoPE past an original context of 64 tokens (the tests' longer sequences); xIELU's learned
+        # scalars drawn off their initial values per layer below (RANDOM_NORMS_AND_BIASES: `act_fn`)
+        "apertus": {
+            "architectures": ["ApertusForCausalLM"],
+            "model_type": "apertus",
+            "hidden_act": "xielu",
+            "attention_bias": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+            "pad_token_id": 0,
+        },
     }
 )
 _ARCHITECTURES.update(DENSE_FAMILIES)
@@ -383,6 +401,11 @@ def _randomize_norms_and_biases(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # (GLM-4.5: e_score_correction_bias)
                 param.add_(torch.randn_like(param) * 0.2)
+            elif ".act_fn." in name:  # Apertus's xIELU alpha_p, alpha_n: each layer's own
+                param.add_(torch.randn_like(param) * 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith(".act_fn.beta"):  # (xIELU's beta, a saved buffer: read from the checkpoint too)
+                buffer.add_(torch.randn_like(buffer) * 0.2)
 
 
 def make_tiny_tokenizer():

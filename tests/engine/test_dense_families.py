@@ -1,5 +1,5 @@
 """Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, OLMo 3,
-Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX (its parallel and sequential residuals) and Seed-OSS against HF
+Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX (its parallel and sequential residuals), Seed-OSS and Apertus against HF
 transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than
 the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0 or 1), in
 float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends, under
@@ -177,6 +177,11 @@ def config_of(family: str, **overrides):
         ("arcee", {"hidden_act": "silu"}, r"ArceeForCausalLM: hidden_act 'silu' is not supported \(supported: relu2\)"),
         ("arcee", {"sliding_window": 8}, "ArceeForCausalLM: sliding_window is not supported"),
         ("seed_oss", {"hidden_act": "gelu"}, r"SeedOssForCausalLM: hidden_act 'gelu' is not supported"),
+        (
+            "apertus",
+            {"hidden_act": "silu"},
+            r"ApertusForCausalLM: hidden_act 'silu' is not supported \(supported: xielu",
+        ),
     ],
 )
 def test_unsupported_config_fields_are_refused(family, overrides, message):
