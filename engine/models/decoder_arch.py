@@ -1,6 +1,6 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS, Apertus; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE),
-as data.
+StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J; with mixtures of experts: OLMoE, Granite MoE,
+Phi-3.5-MoE), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind

@@ -372,6 +372,48 @@ def gpt_neox_arch(config: Any) -> DecoderArch:
     )
 
 
+GPTJ_NAMES = (
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".attn.out_proj.", ".self_attn.o_proj."),
+    (".attn.", ".self_attn."),
+)
+"""GPT-J's names that are not Llama's (its ln_1: `norms`; fc_in, fc_out: `plain_mlp`)."""
+
+
+def gptj_arch(config: Any) -> DecoderArch:
+    """GPT-J: one LayerNorm (with a bias) of each layer's input, read by the attention and the MLP side by side, q/k/v
+    and out_proj without biases, RoPE (base 10000, fixed in HF's code) over each head's first rotary_dim dimensions in
+    interleaved pairs (rotate_every_two: reordered into halves at load), a plain GELU MLP fc_in -> fc_out (n_inner,
+    else 4 x hidden) with biases, an LM head with a bias; norms' epsilon layer_norm_epsilon."""
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and kv_heads != heads:  # (HF's GPT-J has no KV groups: it reads no such field)
+        raise ValueError(f"{_name(config)}: num_key_value_heads {kv_heads} is not served (as many as the heads)")
+    head_dim = AttentionShape.from_hf_config(config).head_dim
+    rotary_dim = int(config.rotary_dim)  # (transformers' GPTJConfig requires one)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"{_name(config)}: rotary_dim {rotary_dim} is not an even number of at most {head_dim}")
+    return _arch(
+        config,
+        (10000.0, None),
+        norms=(("attn_pre", "ln_1"),),
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_epsilon),
+        parallel_branches=True,
+        activation=_plain_gelu(config, "activation_function"),
+        layer_attention=_uniform_attention(config, head_dim**-0.5),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        rope_interleaved=True,
+        plain_mlp=("fc_in", "fc_out"),
+        lm_head_bias=True,
+        renames=GPTJ_NAMES,
+        ignored=(".attn.bias", ".attn.masked_bias"),  # old transformers' causal-mask buffers
+        intermediate_size=getattr(config, "n_inner", None) or 4 * config.hidden_size,
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -393,6 +435,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "GPTNeoXForCausalLM": gpt_neox_arch,
     "SeedOssForCausalLM": seed_oss_arch,
     "ApertusForCausalLM": apertus_arch,
+    "GPTJForCausalLM": gptj_arch,
 }
 
 
@@ -405,15 +448,18 @@ def _arch(
     ropes: Optional[tuple] = None,
     layer_rope: Optional[tuple[Optional[int], ...]] = None,
     norm_eps: Optional[float] = None,
+    intermediate_size: Optional[int] = None,
     **recipe,
 ) -> DecoderArch:
+    """`intermediate_size`: the MLP's width where the config names it otherwise (GPT-J's n_inner)."""
     ropes = ropes or (rope,)
     rotary_dim = recipe.get("rotary_dim") or AttentionShape.from_hf_config(config).head_dim
     for _, scaling in ropes:
         check_rope_scaling(scaling)
         check_longrope_factors(scaling, rotary_dim)
+    fields = shared_fields(config, rope, norm_eps, intermediate_size)
     return DecoderArch(
-        **shared_fields(config, rope, norm_eps),
+        **fields,
         sliding_window=None,
         architecture=_name(config),
         norms=norms,
@@ -512,11 +558,12 @@ def _gelu_tanh(config: Any, field: str = "hidden_activation") -> str:
 PLAIN_GELUS = ("gelu", *GELU_TANH)
 
 
-def _plain_gelu(config: Any) -> str:
-    """A plain MLP's GELU as hidden_act names it: erf's (gelu: GPT-NeoX) or tanh's (gelu_new: Phi-2)."""
-    act = str(getattr(config, "hidden_act", None))
+def _plain_gelu(config: Any, field: str = "hidden_act") -> str:
+    """A plain MLP's GELU as `field` names it (GPT-J's activation_function): erf's (gelu: GPT-NeoX) or tanh's
+    (gelu_new: Phi-2)."""
+    act = str(getattr(config, field, None))
     if act not in PLAIN_GELUS:
-        raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: {', '.join(PLAIN_GELUS)})")
+        raise ValueError(f"{_name(config)}: {field} {act!r} is not supported (supported: {', '.join(PLAIN_GELUS)})")
     return "gelu" if act == "gelu" else "gelu_tanh"
 
 

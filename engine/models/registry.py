@@ -255,6 +255,20 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "GPTJForCausalLM",
+        ("gptj",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "LayerNorm with bias",
+            "attention and MLP in parallel on one norm",
+            "partial rotary (rotary_dim) in interleaved pairs, reordered into halves at load",
+            "plain GELU MLP fc_in/fc_out (n_inner) with biases",
+            "LM-head bias",
+            "decode steps unfused",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

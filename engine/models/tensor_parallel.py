@@ -1,6 +1,6 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
-GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus) and the mixtures of
-experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE, Phi-3.5-MoE): each rank's share of
+GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J) and the mixtures
+of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE, Phi-3.5-MoE): each rank's share of
 the heads and of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel
 layers).
 
@@ -54,14 +54,14 @@ from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 
-_LAYER = re.compile(r"(?:model\.|gpt_neox\.)?layers\.\d+\.(.+)")
+_LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+)")  # (GPT-J's transformer.h.N.)
 # rows split evenly (plain MLPs' ups: StarCoder2's c_fc, Phi-2's fc1, GPT-NeoX's dense_h_to_4h; GPT-NeoX's
 # query_key_value, whose rows are per head)
 _COLUMN = (
     *("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.c_fc.", "mlp.fc1.", "mlp.dense_h_to_4h."),
-    "attention.query_key_value.",
+    *("attention.query_key_value.", "attn.q_proj.", "mlp.fc_in."),
 )
-_KV = ("self_attn.k_proj.", "self_attn.v_proj.")
+_KV = ("self_attn.k_proj.", "self_attn.v_proj.", "attn.k_proj.", "attn.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
 _EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's, GLM-4.5's shared experts') gate and
@@ -83,13 +83,15 @@ _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (
 # input columns split, their biases added once (rank 0): the output projections (Phi-2's and GPT-NeoX's dense) and
 # the downs (plain MLPs': c_proj, fc2, dense_4h_to_h)
 _ROW_NAMES = (
-    *("self_attn.o_proj.", "self_attn.dense.", "attention.dense."),
-    *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h."),
+    *("self_attn.o_proj.", "self_attn.dense.", "attention.dense.", "attn.out_proj."),
+    *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h.", "mlp.fc_out."),
 )
 _ROW = tuple(name + "weight" for name in _ROW_NAMES)
 _ROW_BIAS = tuple(name + "bias" for name in _ROW_NAMES)
 # rows split by vocab_parallel (GPT-NeoX's embed_in and embed_out too)
-_VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight|(?:gpt_neox\.embed_in|embed_out)\.weight")
+_VOCAB = re.compile(
+    r"(?:model\.)?embed_tokens\.weight|lm_head\.weight|(?:gpt_neox\.embed_in|embed_out|transformer\.wte)\.weight"
+)
 
 
 def check_shardable(arch: LlamaArch, world_size: int) -> None:

@@ -152,6 +152,7 @@ RANDOM_NORMS_AND_BIASES = (
     "gpt_neox_sequential",
     "seed_oss",
     "apertus",
+    "gptj",
 )
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
@@ -329,6 +330,18 @@ DENSE_FAMILIES.update(
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
             },
+            "pad_token_id": 0,
+        },
+        # RoPE over half of each 16-wide head in interleaved pairs; the MLP 4 x hidden wide (n_inner None), not the
+        # preset's intermediate_size, which GPT-J's config carries unread; one KV head per query head, as GPT-J has
+        "gptj": {
+            "architectures": ["GPTJForCausalLM"],
+            "model_type": "gptj",
+            "num_key_value_heads": 4,
+            "rotary_dim": 8,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-3,
             "pad_token_id": 0,
         },
     }
