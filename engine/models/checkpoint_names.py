@@ -1,9 +1,9 @@
 """A generic-decoder checkpoint's tensors under the names (and in the layout) the Llama loader reads.
 
 Families whose checkpoints name their tensors otherwise (Phi-2's self_attn.dense and final_layernorm, GPT-NeoX's
-gpt_neox.embed_in, attention.query_key_value, embed_out; GPT-J's transformer.h, attn.out_proj) say so in their
-DecoderArch (`renames`, `ignored`, `qkv_per_head`); the tensors are renamed here as they stream to the model, so the
-layer's reading stays one. Tensor parallelism cuts the checkpoint's own names before this
+gpt_neox.embed_in, attention.query_key_value, embed_out; GPT-J's transformer.h, attn.out_proj; GPT-BigCode's wpe,
+attn.c_attn) say so in their DecoderArch (`renames`, `ignored`, `qkv_per_head`); the tensors are renamed here as they
+stream to the model, so the layer's reading stays one. Tensor parallelism cuts the checkpoint's own names before this
 (engine/models/tensor_parallel.py).
 """
 

@@ -111,8 +111,18 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.activation = arch.activation
         # what the fused decode step does not compute: LayerNorms, branches side by side, layers without RoPE
         self.fused_recipe = (
-            arch.norm_kind == "rms" and arch.plain_mlp is None and not arch.parallel_branches and arch.positional_layers
+            arch.norm_kind == "rms"
+            and arch.plain_mlp is None
+            and not arch.parallel_branches
+            and arch.positional_layers
+            and not arch.learned_positions
         )
+        if arch.learned_positions and max_model_len is not None and max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"{arch.architecture}: max_model_len {max_model_len} is past its {arch.max_position_embeddings} "
+                "learned positions"
+            )
+        self.embed_positions: Optional[torch.Tensor] = None  # [max_positions, hidden]: learned_positions
         self.final_norm_bias: Optional[torch.Tensor] = None  # [hidden]: the final LayerNorm's shift (norm_bias)
         self.lm_head_bias: Optional[torch.Tensor] = None  # [vocab]: the LM head's (set at load where the arch has it)
         self.embedding_scale = arch.embedding_scale
@@ -242,12 +252,23 @@ class DecoderForCausalLM(LlamaForCausalLM):
             if name not in by_role
         ]
         norms = [norm for layer in self.layers for kind in (layer.norms, layer.norm_biases) for norm in kind.values()]
-        ends = [self.embed, self.final_norm, self.final_norm_bias, self.lm_head, self.lm_head_bias]
+        ends = [
+            self.embed,
+            self.embed_positions,
+            self.final_norm,
+            self.final_norm_bias,
+            self.lm_head,
+            self.lm_head_bias,
+        ]
         ends = [t for t in ends if t is not None]
         return tensor_bytes([*ends, *fields, *norms])
 
     def _take_ends(self, state: dict[str, Any]) -> None:
         # (without norm_bias a stored norm.bias stays unused, and load_weights refuses it by name)
+        if self.arch.learned_positions:
+            if "embed_positions.weight" not in state:
+                raise ValueError("checkpoint lacks embed_positions.weight")
+            self.embed_positions = state.pop("embed_positions.weight")
         if self.arch.norm_bias:
             if "norm.bias" not in state:
                 raise ValueError("checkpoint lacks norm.bias")
@@ -283,6 +304,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
         arch, ops = self.arch, self.ops
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
         h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
+        if self.embed_positions is not None:  # (HF adds them to whatever embeddings enter the first layer)
+            h = h + self.embed_positions[positions]
         taps, tapped = self.feature_layers, self.tapped_features
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             if index in taps:

@@ -1,6 +1,6 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J; with mixtures of experts: OLMoE, Granite MoE,
-Phi-3.5-MoE), as data.
+StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode; with mixtures of experts: OLMoE, Granite
+MoE, Phi-3.5-MoE), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
@@ -88,6 +88,9 @@ class DecoderArch(LlamaArch):
     # the fused qkv_proj's rows are per head [q_h; k_h; v_h] (GPT-NeoX's query_key_value): reordered at load into
     # q | k | v, the layout the attention splits (with several ranks, each reorders its own heads)
     qkv_per_head: bool = False
+    # learned absolute positions added to the token embeddings (GPT-BigCode's wpe): the checkpoint's
+    # embed_positions.weight [max_position_embeddings, hidden], read at each token's position
+    learned_positions: bool = False
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]

@@ -414,6 +414,54 @@ def gptj_arch(config: Any) -> DecoderArch:
     )
 
 
+GPT_BIGCODE_NAMES = (
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.wpe.", "model.embed_positions."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".attn.c_attn.", ".self_attn.qkv_proj."),
+    (".attn.c_proj.", ".self_attn.o_proj."),
+)
+"""GPT-BigCode's names that are not Llama's (its ln_1, ln_2: `norms`; mlp.c_fc, mlp.c_proj: `plain_mlp`)."""
+
+
+def gpt_bigcode_arch(config: Any) -> DecoderArch:
+    """GPT-BigCode (StarCoder 1, SantaCoder): learned absolute positions (wpe) added to the token embeddings, no RoPE,
+    LayerNorms with biases before the attention and the MLP in sequence, a fused c_attn with biases whose rows are
+    q | k | v with one KV head (multi_query) or per head [q_h; k_h; v_h] (reordered at load), scores scaled by
+    head_dim^-0.5 where scale_attn_weights (else 1), a plain GELU MLP c_fc -> c_proj (n_inner, else 4 x hidden) with
+    biases; norms' epsilon layer_norm_epsilon."""
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{_name(config)}: add_cross_attention is not supported (a decoder alone)")
+    heads = config.num_attention_heads
+    kv_heads = 1 if config.multi_query else heads
+    stated = AttentionShape.from_hf_config(config).num_kv_heads  # (what the engine sizes the KV cache by)
+    if stated != kv_heads:  # (HF's attention reads multi_query only; its config derives the field unless given)
+        raise ValueError(
+            f"{_name(config)}: num_key_value_heads {stated} disagrees with multi_query {config.multi_query} "
+            f"({kv_heads} KV heads)"
+        )
+    head_dim = AttentionShape.from_hf_config(config).head_dim
+    scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    return _arch(
+        config,
+        (10000.0, None),  # (no RoPE: every layer's layer_rope is None)
+        norms=(("attn_pre", "ln_1"), ("mlp_pre", "ln_2")),
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_epsilon),
+        activation=_plain_gelu(config, "activation_function"),
+        layer_attention=_uniform_attention(config, scale),
+        layer_rope=(None,) * config.num_hidden_layers,
+        plain_mlp=("c_fc", "c_proj"),
+        renames=GPT_BIGCODE_NAMES,
+        ignored=(".attn.bias", ".attn.masked_bias"),  # old transformers' causal-mask buffers
+        qkv_per_head=not config.multi_query,
+        learned_positions=True,
+        intermediate_size=getattr(config, "n_inner", None) or 4 * config.hidden_size,
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -436,6 +484,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "SeedOssForCausalLM": seed_oss_arch,
     "ApertusForCausalLM": apertus_arch,
     "GPTJForCausalLM": gptj_arch,
+    "GPTBigCodeForCausalLM": gpt_bigcode_arch,
 }
 
 

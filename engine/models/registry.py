@@ -269,6 +269,21 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "GPTBigCodeForCausalLM",
+        ("gpt_bigcode",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "StarCoder 1 / SantaCoder",
+            "learned absolute positions (wpe), no RoPE",
+            "multi-query (multi_query) or multi-head fused c_attn with biases",
+            "LayerNorm with bias",
+            "plain GELU MLP c_fc/c_proj (n_inner) with biases",
+            "scale_attn_weights",
+            "decode steps unfused",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

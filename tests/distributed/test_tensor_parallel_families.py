@@ -58,6 +58,8 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "gpt_neox_sequential": ("gpt_neox_sequential", {}),
     "seed_oss": ("seed_oss", {}),  # q/k/v biases cut like their rows, o_proj's and down_proj's on rank 0
     "apertus": ("apertus", {}),  # xIELU's scalars replicated; per-head q/k norms one head wide
+    "gpt_bigcode": ("gpt_bigcode", {}),  # multi-query c_attn cut part by part, its one KV head replicated; wpe too
+    "gpt_bigcode_mha": ("gpt_bigcode_mha", {}),  # c_attn's rows per head: whole heads, each rank reordering its own
     "gptj": ("gptj", {}),  # transformer.h.N.attn/mlp cut as Llama's; each rank reorders its heads' rotary pairs
     # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
     "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),

@@ -153,6 +153,8 @@ RANDOM_NORMS_AND_BIASES = (
     "seed_oss",
     "apertus",
     "gptj",
+    "gpt_bigcode",
+    "gpt_bigcode_mha",
 )
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
@@ -342,6 +344,28 @@ DENSE_FAMILIES.update(
             "n_inner": None,
             "activation_function": "gelu_new",
             "layer_norm_epsilon": 1e-3,
+            "pad_token_id": 0,
+        },
+        # StarCoder's recipe: one KV head (multi_query), learned positions; and its multi-head variant (SantaCoder's
+        # successors' option), whose c_attn rows are per head
+        "gpt_bigcode": {
+            "architectures": ["GPTBigCodeForCausalLM"],
+            "model_type": "gpt_bigcode",
+            "multi_query": True,
+            "num_key_value_heads": 1,  # (the preset's 2 would be saved unread by HF: refused)
+            "n_inner": None,
+            "activation_function": "gelu_pytorch_tanh",
+            "layer_norm_epsilon": 1e-3,
+            "pad_token_id": 0,
+        },
+        "gpt_bigcode_mha": {
+            "architectures": ["GPTBigCodeForCausalLM"],
+            "model_type": "gpt_bigcode",
+            "multi_query": False,
+            "num_key_value_heads": 4,
+            "n_inner": 96,
+            "activation_function": "gelu",
+            "tie_word_embeddings": False,
             "pad_token_id": 0,
         },
     }

@@ -1,10 +1,10 @@
 """Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, OLMo 3,
-Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX (its parallel and sequential residuals), Seed-OSS, Apertus and GPT-J
-against HF transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows
-shorter than the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0 or
-1), in float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends,
-under chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not
-served."""
+Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX (its parallel and sequential residuals), Seed-OSS, Apertus, GPT-J and
+GPT-BigCode (multi-query and multi-head) against HF transformers on tiny random checkpoints made here
+(tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and caps off their defaults;
+norms and biases random where HF would leave them 0 or 1), in float32: greedy tokens identical and logprobs within
+1e-4, batched and alone, on the cpu and torch backends, under chunked prefill with preemption, with prefix-cache
+hits, and prompt logprobs; refusals of what is not served."""
 
 from __future__ import annotations
 
@@ -185,6 +185,13 @@ def config_of(family: str, **overrides):
         ),
         ("gptj", {"activation_function": "relu"}, r"GPTJForCausalLM: activation_function 'relu' is not supported"),
         ("gptj", {"num_key_value_heads": 2}, "GPTJForCausalLM: num_key_value_heads 2 is not served"),
+        ("gpt_bigcode", {"add_cross_attention": True}, "GPTBigCodeForCausalLM: add_cross_attention is not supported"),
+        (
+            "gpt_bigcode",
+            {"num_key_value_heads": 2},
+            r"GPTBigCodeForCausalLM: num_key_value_heads 2 disagrees with multi_query True \(1 KV heads\)",
+        ),
+        ("gpt_bigcode", {"activation_function": "relu"}, "GPTBigCodeForCausalLM: activation_function 'relu' is not"),
         ("gptj", {"rotary_dim": 5}, "GPTJForCausalLM: rotary_dim 5 is not an even number of at most 16"),
     ],
 )

@@ -239,7 +239,20 @@ def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family", ["cohere", "cohere2", "starcoder2", "smollm3", "arcee", "exaone4", "phi", "gpt_neox", "apertus", "gptj"]
+    "family",
+    [
+        "cohere",
+        "cohere2",
+        "starcoder2",
+        "smollm3",
+        "arcee",
+        "exaone4",
+        "phi",
+        "gpt_neox",
+        "apertus",
+        "gptj",
+        "gpt_bigcode",
+    ],
 )
 def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
     """Cohere's LayerNorms and attention beside the MLP, Cohere 2's, SmolLM3's and EXAONE 4's layers without RoPE,
