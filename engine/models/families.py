@@ -462,6 +462,56 @@ def gpt_bigcode_arch(config: Any) -> DecoderArch:
     )
 
 
+FALCON_NAMES = (
+    ("transformer.word_embeddings.", "model.embed_tokens."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".self_attention.dense.", ".self_attn.o_proj."),
+)
+"""Falcon's names that are not Llama's (its ln_attn, ln_mlp: `norms`; dense_h_to_4h, dense_4h_to_h: `plain_mlp`)."""
+
+
+def falcon_arch(config: Any) -> DecoderArch:
+    """Falcon: LayerNorms with biases; new_decoder_architecture (Falcon-40B/180B, Falcon2): attention and MLP side by
+    side, each on its own norm (ln_attn, ln_mlp) or both on one (num_ln_in_parallel_attn 1), query_key_value's rows
+    by KV group (num_kv_heads; reordered at load); else (Falcon-7B/1B) side by side on one norm where parallel_attn or
+    in sequence, query_key_value q | k | v with one KV head where multi_query or per head; biases where `bias`,
+    RoPE over whole heads, a plain GELU MLP dense_h_to_4h -> dense_4h_to_h of ffn_hidden_size."""
+    if getattr(config, "alibi", False):  # (Falcon-RW: a per-head bias on the scores no attention backend adds)
+        raise ValueError(f"{_name(config)}: alibi is not supported (RoPE only)")
+    heads = config.num_attention_heads
+    new, multi_query, parallel = config.new_decoder_architecture, config.multi_query, config.parallel_attn
+    kv_heads = config.num_kv_heads if new or not multi_query else 1
+    stated = AttentionShape.from_hf_config(config).num_kv_heads  # (what the engine sizes the KV cache by)
+    if stated != kv_heads:  # (HF's attention reads num_kv_heads and multi_query; its config derives the field)
+        raise ValueError(f"{_name(config)}: num_key_value_heads {stated} disagrees with its {kv_heads} KV heads")
+    if not new and not multi_query and kv_heads != heads:  # (HF splits query_key_value per head there)
+        raise ValueError(f"{_name(config)}: num_kv_heads {kv_heads} without new_decoder_architecture or multi_query")
+    if new and not parallel:  # (HF's layer then builds norms its forward does not read)
+        raise ValueError(f"{_name(config)}: new_decoder_architecture without parallel_attn is not supported")
+    if new:
+        two_norms = (getattr(config, "num_ln_in_parallel_attn", None) or 2) == 2
+        norms = (("attn_pre", "ln_attn"), ("mlp_pre", "ln_mlp")) if two_norms else INPUT_NORM
+    else:
+        norms = INPUT_NORM if parallel else LLAMA_NORMS
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=norms,
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_epsilon),
+        parallel_branches=bool(new or parallel),
+        activation=_plain_gelu(config, "activation"),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        plain_mlp=("dense_h_to_4h", "dense_4h_to_h"),
+        renames=FALCON_NAMES,
+        qkv_per_head=bool(new or not multi_query),
+        intermediate_size=getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size,
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -485,6 +535,7 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "ApertusForCausalLM": apertus_arch,
     "GPTJForCausalLM": gptj_arch,
     "GPTBigCodeForCausalLM": gpt_bigcode_arch,
+    "FalconForCausalLM": falcon_arch,
 }
 
 

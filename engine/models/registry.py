@@ -284,6 +284,21 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "FalconForCausalLM",
+        ("falcon",),
+        "decoder",
+        HF_FORMATS,
+        (
+            "Falcon-7B/1B (multi_query, parallel_attn or in sequence) and Falcon-40B/180B, Falcon2 "
+            "(new_decoder_architecture: KV groups, one or two norms in parallel)",
+            "LayerNorm with bias",
+            "fused query_key_value, per head or per KV group reordered at load; biases (bias)",
+            "plain GELU MLP dense_h_to_4h/dense_4h_to_h (ffn_hidden_size)",
+            "ALiBi (Falcon-RW) refused",
+            "decode steps unfused",
+        ),
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         ("mixtral",),
         "moe",

@@ -155,6 +155,9 @@ RANDOM_NORMS_AND_BIASES = (
     "gptj",
     "gpt_bigcode",
     "gpt_bigcode_mha",
+    "falcon",
+    "falcon_new",
+    "falcon_sequential",
 )
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
@@ -356,6 +359,40 @@ DENSE_FAMILIES.update(
             "n_inner": None,
             "activation_function": "gelu_pytorch_tanh",
             "layer_norm_epsilon": 1e-3,
+            "pad_token_id": 0,
+        },
+        # Falcon-7B's recipe (one KV head, attention beside the MLP on one norm); Falcon-40B's (KV groups, two norms,
+        # another RoPE base); the old sequential layer with every bias, per-head query_key_value
+        "falcon": {
+            "architectures": ["FalconForCausalLM"],
+            "model_type": "falcon",
+            "new_decoder_architecture": False,
+            "multi_query": True,
+            "parallel_attn": True,
+            "num_key_value_heads": 1,
+            "layer_norm_epsilon": 1e-3,
+            "pad_token_id": 0,
+        },
+        "falcon_new": {
+            "architectures": ["FalconForCausalLM"],
+            "model_type": "falcon",
+            "new_decoder_architecture": True,
+            "num_kv_heads": 2,
+            "num_key_value_heads": 2,
+            "ffn_hidden_size": 96,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+        },
+        "falcon_sequential": {
+            "architectures": ["FalconForCausalLM"],
+            "model_type": "falcon",
+            "new_decoder_architecture": False,
+            "multi_query": False,
+            "parallel_attn": False,
+            "bias": True,
+            "num_key_value_heads": 4,
+            "activation": "gelu_new",
             "pad_token_id": 0,
         },
         "gpt_bigcode_mha": {

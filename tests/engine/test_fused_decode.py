@@ -252,6 +252,7 @@ def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
         "apertus",
         "gptj",
         "gpt_bigcode",
+        "falcon",
     ],
 )
 def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
