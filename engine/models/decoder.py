@@ -57,6 +57,9 @@ class DecoderLayerWeights:
     down_bias: Optional[torch.Tensor]
     q_norm_bias: Optional[torch.Tensor] = None  # [head_dim]: per-head q/k LayerNorms' shifts (Phi-2's q_layernorm)
     k_norm_bias: Optional[torch.Tensor] = None
+    # [4] in the model's dtype: xIELU's softplus(alpha_p), beta + softplus(alpha_n), beta, eps (Apertus: each layer's
+    # own, computed once at load in the dtype HF computes them in on every forward, so the values are HF's)
+    act_params: Optional[torch.Tensor] = None
 
     @property
     def input_norm(self) -> Optional[torch.Tensor]:
@@ -108,8 +111,18 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.activation = arch.activation
         # what the fused decode step does not compute: LayerNorms, branches side by side, layers without RoPE
         self.fused_recipe = (
-            arch.norm_kind == "rms" and arch.plain_mlp is None and not arch.parallel_branches and arch.positional_layers
+            arch.norm_kind == "rms"
+            and arch.plain_mlp is None
+            and not arch.parallel_branches
+            and arch.positional_layers
+            and not arch.learned_positions
         )
+        if arch.learned_positions and max_model_len is not None and max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"{arch.architecture}: max_model_len {max_model_len} is past its {arch.max_position_embeddings} "
+                "learned positions"
+            )
+        self.embed_positions: Optional[torch.Tensor] = None  # [max_positions, hidden]: learned_positions
         self.final_norm_bias: Optional[torch.Tensor] = None  # [hidden]: the final LayerNorm's shift (norm_bias)
         self.lm_head_bias: Optional[torch.Tensor] = None  # [vocab]: the LM head's (set at load where the arch has it)
         self.embedding_scale = arch.embedding_scale
@@ -199,12 +212,16 @@ class DecoderForCausalLM(LlamaForCausalLM):
         else:  # StarCoder2's c_fc, c_proj
             up_name, down_name = (mlp + name for name in self.arch.plain_mlp)
             gate_up, gate_up_bias = take(up_name + ".weight"), maybe(up_name + ".bias")
-        return dict(
+        fields = dict(
             gate_up=self._prepare(gate_up),
             gate_up_bias=gate_up_bias,
             down=self._prepare(take(down_name + ".weight")),
             down_bias=maybe(down_name + ".bias"),
         )
+        if self.arch.activation == "xielu":
+            alpha_p, alpha_n, beta, eps = (take(f"{mlp}act_fn.{name}").reshape(()) for name in XIELU_PARAMS)
+            fields["act_params"] = torch.stack([F.softplus(alpha_p), beta + F.softplus(alpha_n), beta, eps])
+        return fields
 
     def weight_bytes(self) -> int:
         by_role = ("norms", "norm_biases")
@@ -215,12 +232,23 @@ class DecoderForCausalLM(LlamaForCausalLM):
             if name not in by_role
         ]
         norms = [norm for layer in self.layers for kind in (layer.norms, layer.norm_biases) for norm in kind.values()]
-        ends = [self.embed, self.final_norm, self.final_norm_bias, self.lm_head, self.lm_head_bias]
+        ends = [
+            self.embed,
+            self.embed_positions,
+            self.final_norm,
+            self.final_norm_bias,
+            self.lm_head,
+            self.lm_head_bias,
+        ]
         ends = [t for t in ends if t is not None]
         return tensor_bytes([*ends, *fields, *norms])
 
     def _take_ends(self, state: dict[str, Any]) -> None:
         # (without norm_bias a stored norm.bias stays unused, and load_weights refuses it by name)
+        if self.arch.learned_positions:
+            if "embed_positions.weight" not in state:
+                raise ValueError("checkpoint lacks embed_positions.weight")
+            self.embed_positions = state.pop("embed_positions.weight")
         if self.arch.norm_bias:
             if "norm.bias" not in state:
                 raise ValueError("checkpoint lacks norm.bias")
@@ -256,6 +284,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
         arch, ops = self.arch, self.ops
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
         h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
+        if self.embed_positions is not None:  # (HF adds them to whatever embeddings enter the first layer)
+            h = h + self.embed_positions[positions]
         taps, tapped = self.feature_layers, self.tapped_features
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             if index in taps:
@@ -296,7 +326,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         gate_up = self.linear(x, layer.gate_up, layer.gate_up_bias)
         if lora is not None:
             lora.add(index, "gate_up", x, gate_up)
-        act = self._activate(gate_up)
+        act = self._activate(gate_up, layer.act_params)
         out = self.linear(act, layer.down, layer.down_bias)
         if lora is not None:
             lora.add(index, "down", act, out)
@@ -338,10 +368,13 @@ class DecoderForCausalLM(LlamaForCausalLM):
         scale = self.residual_scale
         return residual + (branch if scale == 1.0 else branch * scale)
 
-    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _activate(self, gate_up: torch.Tensor, params: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.arch.plain_mlp is not None:  # no gate: the activation of all of up's output
             if self.arch.activation == "relu2":  # Arcee's: relu(x)^2, as HF's ReLUSquaredActivation
                 return torch.square(F.relu(gate_up))
+            if self.arch.activation == "xielu":
+                assert params is not None  # (the loader took the layer's)
+                return _xielu(gate_up, params)
             if self.arch.activation == "silu":
                 return F.silu(gate_up)
             return F.gelu(gate_up, approximate="tanh" if self.arch.activation == "gelu_tanh" else "none")
@@ -421,6 +454,21 @@ class DecoderForCausalLM(LlamaForCausalLM):
             logits = logits * self.arch.logits_scale
         cap = self.arch.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+XIELU_PARAMS = ("alpha_p", "alpha_n", "beta", "eps")
+"""An xIELU activation's tensors in the checkpoint (mlp.act_fn.*: Apertus), in the order `_xielu` reads them."""
+
+
+def _xielu(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """xIELU of x [T, width] as transformers' XIELUActivation computes it in Python (its CUDA kernel is optional),
+    operation for operation in x's dtype: params [4] as `_take_mlp` derives them from the checkpoint."""
+    alpha_p, alpha_n, beta, eps = params[0:1], params[1:2], params[2], params[3]
+    return torch.where(
+        x > 0,
+        alpha_p * x * x + beta * x,
+        (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + beta * x,
+    )
 
 
 def _fused(take, maybe, name: str, parts: tuple[str, ...]) -> torch.Tensor:

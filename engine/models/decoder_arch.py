@@ -1,5 +1,6 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
-StarCoder2, Arcee, Phi-2, GPT-NeoX; with mixtures of experts: OLMoE, Granite MoE, Phi-3.5-MoE), as data.
+StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode, Falcon; with mixtures of experts: OLMoE,
+Granite MoE, Phi-3.5-MoE), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
@@ -36,9 +37,10 @@ GLM4_NORMS = (  # GLM-4-0414's sandwich, by its own names
     ("mlp_pre", "post_attention_layernorm"),
     ("mlp_post", "post_mlp_layernorm"),
 )
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2")
-"""silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); gelu (erf: GPT-NeoX's) and relu2, relu(x)^2
-(Arcee's), of a plain MLP only."""
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2", "xielu")
+"""silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); gelu (erf: GPT-NeoX's), relu2, relu(x)^2
+(Arcee's), and xielu (Apertus's xIELU, its alpha_p, alpha_n, beta and eps each layer's, from the checkpoint), of a
+plain MLP only."""
 NORM_KINDS = ("rms", "layer")
 """RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: StarCoder2's; Cohere's has
 no b)."""
@@ -83,24 +85,28 @@ class DecoderArch(LlamaArch):
     # -> self_attn.o_proj; GPT-NeoX's gpt_neox.layers. -> model.layers., ...): the loader reads Llama's names
     renames: tuple[tuple[str, str], ...] = ()
     ignored: tuple[str, ...] = ()  # name endings of stored tensors nothing reads (GPT-NeoX's old mask buffers)
-    # the fused qkv_proj's rows are per head [q_h; k_h; v_h] (GPT-NeoX's query_key_value): reordered at load into
-    # q | k | v, the layout the attention splits (with several ranks, each reorders its own heads)
+    # the fused qkv_proj's rows are per KV head, each group's query heads then its k and v ([q_h; k_h; v_h] with as
+    # many KV heads as queries: GPT-NeoX's query_key_value; Falcon's new_decoder_architecture groups): reordered at
+    # load into q | k | v, the layout the attention splits (with several ranks, each reorders its own groups)
     qkv_per_head: bool = False
+    # learned absolute positions added to the token embeddings (GPT-BigCode's wpe): the checkpoint's
+    # embed_positions.weight [max_position_embeddings, hidden], read at each token's position
+    learned_positions: bool = False
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]
         if not set(roles) <= set(NORM_ROLES) or self.activation not in ACTIVATIONS or self.norm_kind not in NORM_KINDS:
             raise ValueError(f"norm roles {roles} / activation {self.activation!r} / norm {self.norm_kind!r} unknown")
-        if self.activation == "relu2" and self.plain_mlp is None:
-            raise ValueError("relu2 is a plain MLP's activation (Arcee's): no gated kernel computes it")
+        if self.activation in ("relu2", "xielu") and self.plain_mlp is None:
+            raise ValueError(f"{self.activation} is a plain MLP's activation (Arcee's, Apertus's): no gated kernel")
         if self.norm_bias and self.norm_kind != "layer":
             raise ValueError("a norm's shift (norm_bias) is a LayerNorm's")
         if self.qk_norm == "projection" and self.norm_kind != "rms":
             raise ValueError("q/k norms over the whole projection are RMSNorms (OLMo 2's)")
         if self.activation == "gelu" and self.plain_mlp is None:
             raise ValueError("gelu (erf) is served for a plain MLP only (a gated one: silu or gelu_tanh)")
-        if self.qkv_per_head and self.num_kv_heads != self.num_heads:
-            raise ValueError("a per-head fused qkv (GPT-NeoX's) has as many KV heads as query heads")
+        if self.qkv_per_head and self.num_heads % self.num_kv_heads:
+            raise ValueError("a fused qkv by KV groups needs the query heads in whole groups")
         if len(self.layer_attention) != self.num_layers or len(self.layer_rope) != self.num_layers:
             raise ValueError(f"{self.num_layers} layers need as many attention and RoPE entries")
 

@@ -272,6 +272,38 @@ def exaone4_arch(config: Any) -> DecoderArch:
     )
 
 
+def seed_oss_arch(config: Any) -> DecoderArch:
+    """Seed-OSS: Llama's layer with q/k/v biases (attention_bias), an output bias (attention_out_bias) and MLP
+    biases (mlp_bias), each read from the checkpoint where stored; its own head_dim."""
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_silu(config),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+    )
+
+
+APERTUS_NORMS = (("attn_pre", "attention_layernorm"), ("mlp_pre", "feedforward_layernorm"))
+
+
+def apertus_arch(config: Any) -> DecoderArch:
+    """Apertus: Llama's layer (its norms named attention_layernorm, feedforward_layernorm) with per-head q/k RMSNorms
+    before RoPE (llama3 scaling by default), q/k/v/o biases where attention_bias, and a plain MLP
+    up_proj -> xIELU -> down_proj whose activation has each layer's learned alpha_p, alpha_n, beta and eps."""
+    act = str(getattr(config, "hidden_act", "xielu"))
+    if act != "xielu":
+        raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: xielu)")
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=APERTUS_NORMS,
+        activation="xielu",
+        qk_norm="head",
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        plain_mlp=("up_proj", "down_proj"),
+    )
+
+
 PHI_NAMES = (
     ("self_attn.dense.", "self_attn.o_proj."),
     ("self_attn.q_layernorm.", "self_attn.q_norm."),
@@ -340,6 +372,146 @@ def gpt_neox_arch(config: Any) -> DecoderArch:
     )
 
 
+GPTJ_NAMES = (
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".attn.out_proj.", ".self_attn.o_proj."),
+    (".attn.", ".self_attn."),
+)
+"""GPT-J's names that are not Llama's (its ln_1: `norms`; fc_in, fc_out: `plain_mlp`)."""
+
+
+def gptj_arch(config: Any) -> DecoderArch:
+    """GPT-J: one LayerNorm (with a bias) of each layer's input, read by the attention and the MLP side by side, q/k/v
+    and out_proj without biases, RoPE (base 10000, fixed in HF's code) over each head's first rotary_dim dimensions in
+    interleaved pairs (rotate_every_two: reordered into halves at load), a plain GELU MLP fc_in -> fc_out (n_inner,
+    else 4 x hidden) with biases, an LM head with a bias; norms' epsilon layer_norm_epsilon."""
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and kv_heads != heads:  # (HF's GPT-J has no KV groups: it reads no such field)
+        raise ValueError(f"{_name(config)}: num_key_value_heads {kv_heads} is not served (as many as the heads)")
+    head_dim = AttentionShape.from_hf_config(config).head_dim
+    rotary_dim = int(config.rotary_dim)  # (transformers' GPTJConfig requires one)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"{_name(config)}: rotary_dim {rotary_dim} is not an even number of at most {head_dim}")
+    return _arch(
+        config,
+        (10000.0, None),
+        norms=(("attn_pre", "ln_1"),),
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_epsilon),
+        parallel_branches=True,
+        activation=_plain_gelu(config, "activation_function"),
+        layer_attention=_uniform_attention(config, head_dim**-0.5),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        rope_interleaved=True,
+        plain_mlp=("fc_in", "fc_out"),
+        lm_head_bias=True,
+        renames=GPTJ_NAMES,
+        ignored=(".attn.bias", ".attn.masked_bias"),  # old transformers' causal-mask buffers
+        intermediate_size=getattr(config, "n_inner", None) or 4 * config.hidden_size,
+    )
+
+
+GPT_BIGCODE_NAMES = (
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.wpe.", "model.embed_positions."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".attn.c_attn.", ".self_attn.qkv_proj."),
+    (".attn.c_proj.", ".self_attn.o_proj."),
+)
+"""GPT-BigCode's names that are not Llama's (its ln_1, ln_2: `norms`; mlp.c_fc, mlp.c_proj: `plain_mlp`)."""
+
+
+def gpt_bigcode_arch(config: Any) -> DecoderArch:
+    """GPT-BigCode (StarCoder 1, SantaCoder): learned absolute positions (wpe) added to the token embeddings, no RoPE,
+    LayerNorms with biases before the attention and the MLP in sequence, a fused c_attn with biases whose rows are
+    q | k | v with one KV head (multi_query) or per head [q_h; k_h; v_h] (reordered at load), scores scaled by
+    head_dim^-0.5 where scale_attn_weights (else 1), a plain GELU MLP c_fc -> c_proj (n_inner, else 4 x hidden) with
+    biases; norms' epsilon layer_norm_epsilon."""
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{_name(config)}: add_cross_attention is not supported (a decoder alone)")
+    heads = config.num_attention_heads
+    kv_heads = 1 if config.multi_query else heads
+    stated = AttentionShape.from_hf_config(config).num_kv_heads  # (what the engine sizes the KV cache by)
+    if stated != kv_heads:  # (HF's attention reads multi_query only; its config derives the field unless given)
+        raise ValueError(
+            f"{_name(config)}: num_key_value_heads {stated} disagrees with multi_query {config.multi_query} "
+            f"({kv_heads} KV heads)"
+        )
+    head_dim = AttentionShape.from_hf_config(config).head_dim
+    scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    return _arch(
+        config,
+        (10000.0, None),  # (no RoPE: every layer's layer_rope is None)
+        norms=(("attn_pre", "ln_1"), ("mlp_pre", "ln_2")),
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_epsilon),
+        activation=_plain_gelu(config, "activation_function"),
+        layer_attention=_uniform_attention(config, scale),
+        layer_rope=(None,) * config.num_hidden_layers,
+        plain_mlp=("c_fc", "c_proj"),
+        renames=GPT_BIGCODE_NAMES,
+        ignored=(".attn.bias", ".attn.masked_bias"),  # old transformers' causal-mask buffers
+        qkv_per_head=not config.multi_query,
+        learned_positions=True,
+        intermediate_size=getattr(config, "n_inner", None) or 4 * config.hidden_size,
+    )
+
+
+FALCON_NAMES = (
+    ("transformer.word_embeddings.", "model.embed_tokens."),
+    ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."),
+    (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".self_attention.dense.", ".self_attn.o_proj."),
+)
+"""Falcon's names that are not Llama's (its ln_attn, ln_mlp: `norms`; dense_h_to_4h, dense_4h_to_h: `plain_mlp`)."""
+
+
+def falcon_arch(config: Any) -> DecoderArch:
+    """Falcon: LayerNorms with biases; new_decoder_architecture (Falcon-40B/180B, Falcon2): attention and MLP side by
+    side, each on its own norm (ln_attn, ln_mlp) or both on one (num_ln_in_parallel_attn 1), query_key_value's rows
+    by KV group (num_kv_heads; reordered at load); else (Falcon-7B/1B) side by side on one norm where parallel_attn or
+    in sequence, query_key_value q | k | v with one KV head where multi_query or per head; biases where `bias`,
+    RoPE over whole heads, a plain GELU MLP dense_h_to_4h -> dense_4h_to_h of ffn_hidden_size."""
+    if getattr(config, "alibi", False):  # (Falcon-RW: a per-head bias on the scores no attention backend adds)
+        raise ValueError(f"{_name(config)}: alibi is not supported (RoPE only)")
+    heads = config.num_attention_heads
+    new, multi_query, parallel = config.new_decoder_architecture, config.multi_query, config.parallel_attn
+    kv_heads = config.num_kv_heads if new or not multi_query else 1
+    stated = AttentionShape.from_hf_config(config).num_kv_heads  # (what the engine sizes the KV cache by)
+    if stated != kv_heads:  # (HF's attention reads num_kv_heads and multi_query; its config derives the field)
+        raise ValueError(f"{_name(config)}: num_key_value_heads {stated} disagrees with its {kv_heads} KV heads")
+    if not new and not multi_query and kv_heads != heads:  # (HF splits query_key_value per head there)
+        raise ValueError(f"{_name(config)}: num_kv_heads {kv_heads} without new_decoder_architecture or multi_query")
+    if new and not parallel:  # (HF's layer then builds norms its forward does not read)
+        raise ValueError(f"{_name(config)}: new_decoder_architecture without parallel_attn is not supported")
+    if new:
+        two_norms = (getattr(config, "num_ln_in_parallel_attn", None) or 2) == 2
+        norms = (("attn_pre", "ln_attn"), ("mlp_pre", "ln_mlp")) if two_norms else INPUT_NORM
+    else:
+        norms = INPUT_NORM if parallel else LLAMA_NORMS
+    return _arch(
+        config,
+        rope_settings(config),
+        norms=norms,
+        norm_kind="layer",
+        norm_bias=True,
+        norm_eps=float(config.layer_norm_epsilon),
+        parallel_branches=bool(new or parallel),
+        activation=_plain_gelu(config, "activation"),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        plain_mlp=("dense_h_to_4h", "dense_4h_to_h"),
+        renames=FALCON_NAMES,
+        qkv_per_head=bool(new or not multi_query),
+        intermediate_size=getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size,
+    )
+
+
 ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Gemma2ForCausalLM": gemma2_arch,
     "Gemma3ForCausalLM": gemma3_arch,
@@ -359,6 +531,11 @@ ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "Exaone4ForCausalLM": exaone4_arch,
     "PhiForCausalLM": phi_arch,
     "GPTNeoXForCausalLM": gpt_neox_arch,
+    "SeedOssForCausalLM": seed_oss_arch,
+    "ApertusForCausalLM": apertus_arch,
+    "GPTJForCausalLM": gptj_arch,
+    "GPTBigCodeForCausalLM": gpt_bigcode_arch,
+    "FalconForCausalLM": falcon_arch,
 }
 
 
@@ -371,15 +548,18 @@ def _arch(
     ropes: Optional[tuple] = None,
     layer_rope: Optional[tuple[Optional[int], ...]] = None,
     norm_eps: Optional[float] = None,
+    intermediate_size: Optional[int] = None,
     **recipe,
 ) -> DecoderArch:
+    """`intermediate_size`: the MLP's width where the config names it otherwise (GPT-J's n_inner)."""
     ropes = ropes or (rope,)
     rotary_dim = recipe.get("rotary_dim") or AttentionShape.from_hf_config(config).head_dim
     for _, scaling in ropes:
         check_rope_scaling(scaling)
         check_longrope_factors(scaling, rotary_dim)
+    fields = shared_fields(config, rope, norm_eps, intermediate_size)
     return DecoderArch(
-        **shared_fields(config, rope, norm_eps),
+        **fields,
         sliding_window=None,
         architecture=_name(config),
         norms=norms,
@@ -478,11 +658,12 @@ def _gelu_tanh(config: Any, field: str = "hidden_activation") -> str:
 PLAIN_GELUS = ("gelu", *GELU_TANH)
 
 
-def _plain_gelu(config: Any) -> str:
-    """A plain MLP's GELU as hidden_act names it: erf's (gelu: GPT-NeoX) or tanh's (gelu_new: Phi-2)."""
-    act = str(getattr(config, "hidden_act", None))
+def _plain_gelu(config: Any, field: str = "hidden_act") -> str:
+    """A plain MLP's GELU as `field` names it (GPT-J's activation_function): erf's (gelu: GPT-NeoX) or tanh's
+    (gelu_new: Phi-2)."""
+    act = str(getattr(config, field, None))
     if act not in PLAIN_GELUS:
-        raise ValueError(f"{_name(config)}: hidden_act {act!r} is not supported (supported: {', '.join(PLAIN_GELUS)})")
+        raise ValueError(f"{_name(config)}: {field} {act!r} is not supported (supported: {', '.join(PLAIN_GELUS)})")
     return "gelu" if act == "gelu" else "gelu_tanh"
 
 

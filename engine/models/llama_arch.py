@@ -70,15 +70,21 @@ class LlamaArch:
         )
 
 
-def shared_fields(config: Any, rope: tuple[float, Optional[dict]], norm_eps: Optional[float] = None) -> dict[str, Any]:
+def shared_fields(
+    config: Any,
+    rope: tuple[float, Optional[dict]],
+    norm_eps: Optional[float] = None,
+    intermediate_size: Optional[int] = None,
+) -> dict[str, Any]:
     """The fields every decoder family reads the same way from its HF config (all but its sliding window);
-    `norm_eps`: the norms' epsilon where the config names it otherwise than rms_norm_eps (Cohere's layer_norm_eps)."""
+    `norm_eps`: the norms' epsilon where the config names it otherwise than rms_norm_eps (Cohere's layer_norm_eps);
+    `intermediate_size`: the MLP's width where it is not the config's intermediate_size (GPT-J's n_inner)."""
     shape = AttentionShape.from_hf_config(config)  # what the attention backend was chosen for
     return dict(
         model_type=config.model_type,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=config.intermediate_size if intermediate_size is None else intermediate_size,
         num_layers=config.num_hidden_layers,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,

@@ -69,9 +69,9 @@ Phi-2's `dense`/`fc1`/`fc2`, GPT-NeoX's `query_key_value`, ...); a mixture of ex
 attention. Each family is checked with a PEFT `all-linear` adapter against PEFT's merged model
 (tests/lora/test_lora_families.py; [LoRA adapters](architecture.md#lora-adapters)).
 
-`--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral,
-Qwen2/3, Gemma 1/2/3, Phi-3/4, OLMo 2/3, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3,
-Arcee, ERNIE 4.5, EXAONE 4.0) and, each
+`--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral, Qwen2/3,
+Gemma 1/2/3, Phi-3/4, OLMo 2/3, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, Arcee, ERNIE 4.5,
+EXAONE 4.0, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode, Falcon) and, each
 expert quantized on its own (the router kept float), Mixtral, Qwen2/3-MoE, GLM-4.5, OLMoE, Granite MoE and
 Phi-3.5-MoE (tests/engine/test_moe_int_quantization.py, tests/engine/test_glm4_moe.py); GPT-OSS and DeepSeek
 refuse them at start-up.

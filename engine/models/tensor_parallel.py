@@ -1,7 +1,10 @@
-"""Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere, GLM-4,
-StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE,
-Granite MoE, Phi-3.5-MoE): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint
-tensor (Megatron's column- and row-parallel layers).
+"""Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
+GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
+Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
+Phi-3.5-MoE): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor
+(Megatron's column- and
+row-parallel
+layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -53,15 +56,20 @@ from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.quantized_weight import QuantizedWeight
 
-_LAYER = re.compile(r"(?:model\.|gpt_neox\.)?layers\.\d+\.(.+)")
+_LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+)")  # (GPT-J's transformer.h.N.)
 # rows split evenly (plain MLPs' ups: StarCoder2's c_fc, Phi-2's fc1, GPT-NeoX's dense_h_to_4h; GPT-NeoX's
 # query_key_value, whose rows are per head)
 _COLUMN = (
     *("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.c_fc.", "mlp.fc1.", "mlp.dense_h_to_4h."),
-    "attention.query_key_value.",
+    *("attention.query_key_value.", "attn.q_proj.", "mlp.fc_in."),
+    # (GPT-BigCode's c_attn, Falcon's query_key_value: by heads or KV groups, else cut as _FUSED_QKV)
+    *("attn.c_attn.", "self_attention.query_key_value."),
 )
-_KV = ("self_attn.k_proj.", "self_attn.v_proj.")
+_KV = ("self_attn.k_proj.", "self_attn.v_proj.", "attn.k_proj.", "attn.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
+# fused q | k | v (GPT-BigCode's, one KV head where multi_query; Falcon's), or, where the arch says qkv_per_head,
+# rows by KV group (a rank's whole groups: its query heads and their KV head)
+_QKV_BY_ARCH = ("attn.c_attn.", "self_attention.query_key_value.")
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
 _EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's, GLM-4.5's shared experts') gate and
     # up: cut like an MLP's
@@ -82,13 +90,17 @@ _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (
 # input columns split, their biases added once (rank 0): the output projections (Phi-2's and GPT-NeoX's dense) and
 # the downs (plain MLPs': c_proj, fc2, dense_4h_to_h)
 _ROW_NAMES = (
-    *("self_attn.o_proj.", "self_attn.dense.", "attention.dense."),
-    *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h."),
+    *("self_attn.o_proj.", "self_attn.dense.", "attention.dense.", "attn.out_proj.", "attn.c_proj."),
+    "self_attention.dense.",
+    *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h.", "mlp.fc_out."),
 )
 _ROW = tuple(name + "weight" for name in _ROW_NAMES)
 _ROW_BIAS = tuple(name + "bias" for name in _ROW_NAMES)
 # rows split by vocab_parallel (GPT-NeoX's embed_in and embed_out too)
-_VOCAB = re.compile(r"(?:model\.)?embed_tokens\.weight|lm_head\.weight|(?:gpt_neox\.embed_in|embed_out)\.weight")
+_VOCAB = re.compile(
+    r"(?:model\.)?embed_tokens\.weight|lm_head\.weight"
+    r"|(?:gpt_neox\.embed_in|embed_out|transformer\.wte|transformer\.word_embeddings)\.weight"
+)
 
 
 def check_shardable(arch: LlamaArch, world_size: int) -> None:
@@ -100,6 +112,8 @@ def check_shardable(arch: LlamaArch, world_size: int) -> None:
         problems.append(f"{arch.num_kv_heads} KV heads (neither a multiple nor a divisor of the ranks)")
     if arch.intermediate_size % world_size:
         problems.append(f"intermediate size {arch.intermediate_size}")
+    if getattr(arch, "qkv_per_head", False) and arch.num_kv_heads % world_size:  # (rows by KV group: whole groups)
+        problems.append(f"{arch.num_kv_heads} KV heads, whose groups' rows query_key_value interleaves")
     if problems:
         raise SettingsConflictError(
             f"--tensor-parallel-size {world_size} does not divide the model's {', '.join(problems)}"
@@ -200,7 +214,10 @@ def shard_weights(
             yield name, _cat_rows([_rows(gate, rank, ranks), _rows(up, rank, ranks)])
         elif part == _SHARED_DOWN:
             yield name, _columns(name, tensor, rank, ranks, quantize_whole)
-        elif part.startswith(_FUSED_QKV):  # Phi-3's [q; k; v]: each part's rows of this rank
+        elif part.startswith(_FUSED_QKV) or (
+            part.startswith(_QKV_BY_ARCH) and not getattr(arch, "qkv_per_head", False)
+        ):
+            # Phi-3's [q; k; v], GPT-BigCode's multi-query c_attn: each part's rows of this rank
             q, k, v = _split_rows(tensor, (arch.q_size, arch.kv_size, arch.kv_size))
             kv_rows = (first_kv_head * head_dim, (first_kv_head + kv_rank_heads) * head_dim)
             yield name, _cat_rows([_rows(q, rank, ranks), _take_rows(k, *kv_rows), _take_rows(v, *kv_rows)])

@@ -1,19 +1,22 @@
 """The generic decoder's families split over two gloo ranks compute what the whole model computes: Gemma 2 and 3
 (sandwich norms on all-reduced outputs, soft-caps, per-head q/k norms, sliding windows), Phi-3 (fused qkv_proj and
-gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square
-all-reduced; with one KV head replicated on both ranks too), Granite (multipliers), Cohere (a q/k norm weight per
-head, cut by heads; attention and MLP side by side), Cohere 2 (layers without RoPE), Gemma 1, GLM and GLM-4-0414
-(each rank reorders its own heads' interleaved rotary pairs), StarCoder2, SmolLM3 (NoPE layers, MLP biases), OLMo 3
-(OLMo 2's q/k norms, sliding layers), Arcee (a plain MLP), ERNIE 4.5 (biases, interleaved rotary pairs), EXAONE 4
-(per-head q/k norms, global layers without RoPE), Phi-2 (row-parallel dense and fc2, the q/k LayerNorms
-replicated), GPT-NeoX (query_key_value cut by whole heads, each rank reordering its own rows; parallel and
-sequential residuals), and the mixtures of experts Mixtral (its
-experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert cut
-like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
+gate_up_proj cut part by part, LongRoPE), OLMo 2 (q/k norms over the whole projection: the mean square all-reduced;
+with one KV head replicated on both ranks too), Granite (multipliers), Cohere (a q/k norm weight per head, cut by
+heads; attention and MLP side by side), Cohere 2 (layers without RoPE), Gemma 1, GLM and GLM-4-0414 (each rank
+reorders its own heads' interleaved rotary pairs), StarCoder2, SmolLM3 (NoPE layers, MLP biases), OLMo 3 (OLMo 2's
+q/k norms, sliding layers), Arcee (a plain MLP), ERNIE 4.5 (biases, interleaved rotary pairs), EXAONE 4 (per-head q/k
+norms, global layers without RoPE), Phi-2 (row-parallel dense and fc2, the q/k LayerNorms replicated), GPT-NeoX
+(query_key_value cut by whole heads, each rank reordering its own rows; parallel and sequential residuals), Seed-OSS
+(q/k/v/o and MLP biases), Apertus (xIELU's per-layer scalars replicated), GPT-J (interleaved rotary pairs, the LM
+head's bias), GPT-BigCode (multi-query c_attn cut part by part, multi-head c_attn by whole heads; learned positions
+replicated), Falcon (query_key_value part by part with one KV head, by whole KV groups under
+new_decoder_architecture; one or two norms beside the branches, or in sequence), and the mixtures of experts Mixtral
+(its experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert
+cut like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
 (stacked input_linear / output_linear, the shared variant's fused shared_mlp) and Phi-3.5-MoE (LayerNorms, q/k/v/o
-biases, the LM head's bias on gathered logits). Every family's logits of a prefill and a decode over a paged cache
-in one pair of spawned processes (spawning costs seconds), then one family served end to end: greedy float32
-tokens identical to one process."""
+biases, the LM head's bias on gathered logits). Every family's logits of a prefill and a decode over a paged cache in
+one pair of spawned processes (spawning costs seconds), then one family served end to end: greedy float32 tokens
+identical to one process."""
 
 from __future__ import annotations
 
@@ -56,6 +59,15 @@ FAMILIES = {  # name: (factory arch, config overrides)
     "phi": ("phi", {}),  # dense and fc2 row-parallel, the q/k LayerNorms (one head wide) and LM-head bias replicated
     "gpt_neox": ("gpt_neox", {}),  # query_key_value cut by whole heads, each rank reordering its own into q | k | v
     "gpt_neox_sequential": ("gpt_neox_sequential", {}),
+    "seed_oss": ("seed_oss", {}),  # q/k/v biases cut like their rows, o_proj's and down_proj's on rank 0
+    "apertus": ("apertus", {}),  # xIELU's scalars replicated; per-head q/k norms one head wide
+    "gpt_bigcode": ("gpt_bigcode", {}),  # multi-query c_attn cut part by part, its one KV head replicated; wpe too
+    "gpt_bigcode_mha": ("gpt_bigcode_mha", {}),  # c_attn's rows per head: whole heads, each rank reordering its own
+    "falcon": ("falcon", {}),  # one KV head replicated, query_key_value cut part by part
+    "falcon_new": ("falcon_new", {}),  # query_key_value by KV group: each rank its whole groups, reordered
+    "falcon_new-ln1": ("falcon_new", {"num_ln_in_parallel_attn": 1}),  # Falcon2's one norm for both branches
+    "falcon_sequential": ("falcon_sequential", {}),
+    "gptj": ("gptj", {}),  # transformer.h.N.attn/mlp cut as Llama's; each rank reorders its heads' rotary pairs
     # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
     "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),
 }

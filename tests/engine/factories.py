@@ -150,6 +150,14 @@ RANDOM_NORMS_AND_BIASES = (
     "phi",
     "gpt_neox",
     "gpt_neox_sequential",
+    "seed_oss",
+    "apertus",
+    "gptj",
+    "gpt_bigcode",
+    "gpt_bigcode_mha",
+    "falcon",
+    "falcon_new",
+    "falcon_sequential",
 )
 """Families whose tiny checkpoints get random norm weights and biases: HF initialises them to ones and zeros (Gemma's
 norms to 0, of 1 + w; GLM-4.5's e_score_correction_bias to 0), under which a norm or bias dropped or read in the wrong place (q/k rows reordered for an
@@ -302,6 +310,101 @@ DENSE_FAMILIES.update(
             "sliding_window_pattern": 2,  # sliding, full, sliding, full: the config turns it into layer_types
             "pad_token_id": 0,
         },
+        # every bias Seed-OSS can have; heads wider than hidden / heads (q and o not square)
+        "seed_oss": {
+            "architectures": ["SeedOssForCausalLM"],
+            "model_type": "seed_oss",
+            "head_dim": 32,
+            "attention_bias": True,
+            "attention_out_bias": True,
+            "mlp_bias": True,
+            "pad_token_id": 0,
+        },
+        # its llama3 RoPE past an original context of 64 tokens (the tests' longer sequences); xIELU's learned
+        # scalars drawn off their initial values per layer below (RANDOM_NORMS_AND_BIASES: `act_fn`)
+        "apertus": {
+            "architectures": ["ApertusForCausalLM"],
+            "model_type": "apertus",
+            "hidden_act": "xielu",
+            "attention_bias": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+            "pad_token_id": 0,
+        },
+        # RoPE over half of each 16-wide head in interleaved pairs; the MLP 4 x hidden wide (n_inner None), not the
+        # preset's intermediate_size, which GPT-J's config carries unread; one KV head per query head, as GPT-J has
+        "gptj": {
+            "architectures": ["GPTJForCausalLM"],
+            "model_type": "gptj",
+            "num_key_value_heads": 4,
+            "rotary_dim": 8,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-3,
+            "pad_token_id": 0,
+        },
+        # StarCoder's recipe: one KV head (multi_query), learned positions; and its multi-head variant (SantaCoder's
+        # successors' option), whose c_attn rows are per head
+        "gpt_bigcode": {
+            "architectures": ["GPTBigCodeForCausalLM"],
+            "model_type": "gpt_bigcode",
+            "multi_query": True,
+            "num_key_value_heads": 1,  # (the preset's 2 would be saved unread by HF: refused)
+            "n_inner": None,
+            "activation_function": "gelu_pytorch_tanh",
+            "layer_norm_epsilon": 1e-3,
+            "pad_token_id": 0,
+        },
+        # Falcon-7B's recipe (one KV head, attention beside the MLP on one norm); Falcon-40B's (KV groups, two norms,
+        # another RoPE base); the old sequential layer with every bias, per-head query_key_value
+        "falcon": {
+            "architectures": ["FalconForCausalLM"],
+            "model_type": "falcon",
+            "new_decoder_architecture": False,
+            "multi_query": True,
+            "parallel_attn": True,
+            "num_key_value_heads": 1,
+            "layer_norm_epsilon": 1e-3,
+            "pad_token_id": 0,
+        },
+        "falcon_new": {
+            "architectures": ["FalconForCausalLM"],
+            "model_type": "falcon",
+            "new_decoder_architecture": True,
+            "num_kv_heads": 2,
+            "num_key_value_heads": 2,
+            "ffn_hidden_size": 96,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+        },
+        "falcon_sequential": {
+            "architectures": ["FalconForCausalLM"],
+            "model_type": "falcon",
+            "new_decoder_architecture": False,
+            "multi_query": False,
+            "parallel_attn": False,
+            "bias": True,
+            "num_key_value_heads": 4,
+            "activation": "gelu_new",
+            "pad_token_id": 0,
+        },
+        "gpt_bigcode_mha": {
+            "architectures": ["GPTBigCodeForCausalLM"],
+            "model_type": "gpt_bigcode",
+            "multi_query": False,
+            "num_key_value_heads": 4,
+            "n_inner": 96,
+            "activation_function": "gelu",
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+        },
     }
 )
 _ARCHITECTURES.update(DENSE_FAMILIES)
@@ -372,6 +475,11 @@ def _randomize_norms_and_biases(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # (GLM-4.5: e_score_correction_bias)
                 param.add_(torch.randn_like(param) * 0.2)
+            elif ".act_fn." in name:  # Apertus's xIELU alpha_p, alpha_n: each layer's own
+                param.add_(torch.randn_like(param) * 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith(".act_fn.beta"):  # (xIELU's beta, a saved buffer: read from the checkpoint too)
+                buffer.add_(torch.randn_like(buffer) * 0.2)
 
 
 def make_tiny_tokenizer():

@@ -1,9 +1,10 @@
 """Gemma 1, 2 and 3 (text), Phi-3, OLMo 2, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, OLMo 3,
-Arcee, ERNIE 4.5, EXAONE 4, Phi-2 and GPT-NeoX (its parallel and sequential residuals) against HF transformers on tiny
-random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than the prompts, scales and
-caps off their defaults; norms and biases random where HF would leave them 0 or 1), in float32: greedy tokens
-identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends, under chunked prefill with
-preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
+Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX (its parallel and sequential residuals), Seed-OSS, Apertus, GPT-J,
+GPT-BigCode (multi-query and multi-head) and Falcon (Falcon-7B's, Falcon-40B's and the sequential layer) against HF
+transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than
+the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0 or 1), in
+float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends, under
+chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
 
 from __future__ import annotations
 
@@ -176,6 +177,39 @@ def config_of(family: str, **overrides):
         ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers must name each of the 4 layers"),
         ("arcee", {"hidden_act": "silu"}, r"ArceeForCausalLM: hidden_act 'silu' is not supported \(supported: relu2\)"),
         ("arcee", {"sliding_window": 8}, "ArceeForCausalLM: sliding_window is not supported"),
+        ("seed_oss", {"hidden_act": "gelu"}, r"SeedOssForCausalLM: hidden_act 'gelu' is not supported"),
+        (
+            "apertus",
+            {"hidden_act": "silu"},
+            r"ApertusForCausalLM: hidden_act 'silu' is not supported \(supported: xielu",
+        ),
+        ("gptj", {"activation_function": "relu"}, r"GPTJForCausalLM: activation_function 'relu' is not supported"),
+        ("gptj", {"num_key_value_heads": 2}, "GPTJForCausalLM: num_key_value_heads 2 is not served"),
+        ("gpt_bigcode", {"add_cross_attention": True}, "GPTBigCodeForCausalLM: add_cross_attention is not supported"),
+        (
+            "gpt_bigcode",
+            {"num_key_value_heads": 2},
+            r"GPTBigCodeForCausalLM: num_key_value_heads 2 disagrees with multi_query True \(1 KV heads\)",
+        ),
+        ("gpt_bigcode", {"activation_function": "relu"}, "GPTBigCodeForCausalLM: activation_function 'relu' is not"),
+        ("falcon", {"alibi": True}, r"FalconForCausalLM: alibi is not supported \(RoPE only\)"),
+        (
+            "falcon_new",
+            {"parallel_attn": False},
+            "FalconForCausalLM: new_decoder_architecture without parallel_attn is not supported",
+        ),
+        (
+            "falcon",
+            {"num_key_value_heads": 2},
+            "FalconForCausalLM: num_key_value_heads 2 disagrees with its 1 KV heads",
+        ),
+        (
+            "falcon_sequential",
+            {"num_kv_heads": 2, "num_key_value_heads": 2},
+            "FalconForCausalLM: num_kv_heads 2 without new_decoder_architecture or multi_query",
+        ),
+        ("falcon", {"activation": "relu"}, r"FalconForCausalLM: activation 'relu' is not supported \(supported: gelu"),
+        ("gptj", {"rotary_dim": 5}, "GPTJForCausalLM: rotary_dim 5 is not an even number of at most 16"),
     ],
 )
 def test_unsupported_config_fields_are_refused(family, overrides, message):

@@ -217,10 +217,11 @@ def test_fused_decode_refuses_qk_norms_it_does_not_compute(tiny_qwen3_dir):
         ("ernie4_5", {}),  # interleaved pairs put in halves at load, biases on every projection
         # without a window every layer rotates: post-norms, per-head q/k norms
         ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
+        ("seed_oss", {}),  # biases on q/k/v, o and the MLP; heads wider than hidden / heads
     ],
     ids=[
         *("granite", "phi3-long-window", "phi3-window", "phi4mini", "olmo2", "gemma2", "gemma3", "gemma", "glm"),
-        *("glm4", "olmo3", "ernie4_5", "exaone4-global"),
+        *("glm4", "olmo3", "ernie4_5", "exaone4-global", "seed_oss"),
     ],
 )
 def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
@@ -238,12 +239,26 @@ def test_generic_decoders_fuse_in_every_family(family, overrides, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family", ["cohere", "cohere2", "starcoder2", "smollm3", "arcee", "exaone4", "phi", "gpt_neox"]
+    "family",
+    [
+        "cohere",
+        "cohere2",
+        "starcoder2",
+        "smollm3",
+        "arcee",
+        "exaone4",
+        "phi",
+        "gpt_neox",
+        "apertus",
+        "gptj",
+        "gpt_bigcode",
+        "falcon",
+    ],
 )
 def test_fused_decode_declines_recipes_it_does_not_compute(family, tmp_path):
     """Cohere's LayerNorms and attention beside the MLP, Cohere 2's, SmolLM3's and EXAONE 4's layers without RoPE,
     StarCoder2's LayerNorms with shifts and its plain MLP (Phi-2's and GPT-NeoX's too, their branches side by side),
-    Arcee's plain relu^2 MLP: the native step computes none of them, so the model says so (`fused_recipe`) and its
+    Arcee's plain relu^2 MLP, Apertus's plain xIELU MLP: the native step computes none of them, so the model says so (`fused_recipe`) and its
     bf16 decode steps take the general path (their equality with HF: tests/engine/test_dense_families.py)."""
     model_dir = make_tiny_model_dir(tmp_path / family, family)
     with make_llm(model_dir, dtype="bfloat16", attention_backend="cpu", enable_prefix_caching=False) as llm:

@@ -23,12 +23,13 @@ from tests.engine.references import make_llm
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a small town by the sea"]
 PROJECTIONS = (
     *("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"),
-    *("c_fc", "c_proj", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h"),
-    *("dense", "query_key_value"),
+    *("c_fc", "c_proj", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h", "fc_in", "fc_out"),
+    *("dense", "query_key_value", "out_proj", "c_attn"),
 )
 """Every decoder projection, as separate matrices or fused as stored (Phi-3: qkv_proj, gate_up_proj; GPT-NeoX:
-query_key_value), a plain MLP's (StarCoder2: c_fc, c_proj; Phi-2: fc1, fc2; GPT-NeoX: dense_h_to_4h,
-dense_4h_to_h), or an output projection by another name (Phi-2's and GPT-NeoX's dense)."""
+query_key_value; GPT-BigCode: c_attn), a plain MLP's (StarCoder2: c_fc, c_proj; Phi-2: fc1, fc2; GPT-NeoX:
+dense_h_to_4h, dense_4h_to_h; GPT-J: fc_in, fc_out), or an output projection by another name (Phi-2's and GPT-NeoX's
+dense, GPT-J's out_proj)."""
 PARAMS = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
 CPU = torch.device("cpu")
 FLOAT_CHECKPOINT = SimpleNamespace()  # an HF config without quantization_config
