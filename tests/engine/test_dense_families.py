@@ -3,8 +3,9 @@ Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX (its parallel and sequential residua
 GPT-BigCode (multi-query and multi-head) and Falcon (Falcon-7B's, Falcon-40B's and the sequential layer) against HF
 transformers on tiny random checkpoints made here (tests/engine/factories.py's DENSE_FAMILIES: windows shorter than
 the prompts, scales and caps off their defaults; norms and biases random where HF would leave them 0 or 1), in
-float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu and torch backends, under
-chunked prefill with preemption, with prefix-cache hits, and prompt logprobs; refusals of what is not served."""
+float32: greedy tokens identical and logprobs within 1e-4, batched and alone, on the cpu backend (and the torch one where
+windows or caps make the backends differ), under chunked prefill with preemption and prefix-cache hits, and prompt
+logprobs; refusals of what is not served."""
 
 from __future__ import annotations
 
@@ -24,12 +25,37 @@ from tests.engine.references import assert_idle, check_against_hf, hf_greedy_of,
 from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
 
 
-@pytest.fixture(scope="module", params=sorted(DENSE_FAMILIES))
+FAMILIES = sorted(DENSE_FAMILIES)
+
+
+def _attention_variants(family: str) -> bool:
+    """Whether the family's tiny checkpoint has sliding windows or soft-capped scores: what the attention backends
+    compute each their own way (the rest of the forward is one code path whichever backend attends)."""
+    config = tiny_config_dict(family)
+    return any(config.get(key) is not None for key in ("sliding_window", "attn_logit_softcapping"))
+
+
+WINDOWED = [family for family in FAMILIES if _attention_variants(family)]
+
+
+def pytest_generate_tests(metafunc):
+    """Every test over every family (one checkpoint per family for the module), but the torch backend's and the
+    sliding layers' over the families with windows or caps."""
+    if "model_dir" not in metafunc.fixturenames:
+        return
+    if "backend" in metafunc.fixturenames:
+        cases = [(family, "cpu") for family in FAMILIES] + [(family, "torch") for family in WINDOWED]
+        metafunc.parametrize("model_dir, backend", cases, indirect=["model_dir"], scope="module")
+    else:
+        families = WINDOWED if metafunc.function is test_sliding_layers_hold_only_their_windows_blocks else FAMILIES
+        metafunc.parametrize("model_dir", families, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
 def model_dir(request, tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_batch_and_alone(model_dir, backend):
     prompts = mixed_prompts()
     with make_llm(model_dir, attention_backend=backend) as llm:
@@ -71,13 +97,17 @@ def _built(model_dir):
     return build_model(AutoConfig.from_pretrained(model_dir), torch.float32, torch.device("cpu"))
 
 
-def test_chunked_prefill_with_preemption(model_dir):
+def test_chunked_prefill_preemption_and_prefix_hits(model_dir):
+    """Prompts in chunks of 16 tokens, a pool small enough to preempt, and prompts sharing a 21-token prefix with
+    two that finished before them: prefix-cache hits."""
     # A model whose every layer slides (Phi-3 here) holds only its windows' blocks: a smaller pool preempts.
     num_blocks = 12 if all(_layer_windows(model_dir)) else 30
-    with make_llm(model_dir, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, max_num_seqs=4) as llm:
-        prompts = mixed_prompts(3)
-        results = run_greedy(llm, prompts)
+    settings = dict(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    with make_llm(model_dir, **settings, enable_prefix_caching=True) as llm:
+        prompts = mixed_prompts(3, shared_prefix=21)
+        results = run_greedy(llm, prompts[:2]) + run_greedy(llm, prompts[2:])
         assert llm.engine.stats().num_preemptions > 0
+        assert any(r.num_cached_tokens >= 20 for r in results[2:])
         check_against_hf(model_dir, prompts, results)
 
 
@@ -86,8 +116,7 @@ def test_sliding_layers_hold_only_their_windows_blocks(model_dir):
     theirs), and the tokens stay HF's: the pool's peak over a long request is that of its full layers plus a
     window's worth, not every layer's whole sequence."""
     windows = _layer_windows(model_dir)
-    if not any(windows):
-        pytest.skip("no sliding-window layers")
+    assert any(windows)
     prompt = mixed_prompts(6)[6]  # 60 tokens, past every window
     with make_llm(model_dir, block_size=4, max_num_batched_tokens=16, num_blocks=256) as llm:
         kv = llm.engine.scheduler.kv_cache_manager
@@ -105,14 +134,6 @@ def test_sliding_layers_hold_only_their_windows_blocks(model_dir):
     window_blocks = -(-(max(w for w in windows if w) + 16) // 4) + 1  # a window and a chunk
     full_groups = len(kv.group_windows) - 1
     assert peak[0] <= full_groups * num_blocks + window_blocks < len(kv.group_windows) * num_blocks
-
-
-def test_prefix_cache_hits(model_dir):
-    with make_llm(model_dir, enable_prefix_caching=True, max_num_batched_tokens=32) as llm:
-        prompts = mixed_prompts(2, shared_prefix=21)
-        results = run_greedy(llm, prompts[:2]) + run_greedy(llm, prompts[2:])
-        assert any(r.num_cached_tokens >= 20 for r in results[2:])
-        check_against_hf(model_dir, prompts, results)
 
 
 def test_prompt_logprobs(model_dir):
