@@ -93,7 +93,14 @@ def engine_config_from_kwargs(model: Optional[str], **kwargs: Any) -> EngineConf
             if value is not None and wanted is not None and value not in wanted:
                 raise ValueError(f"LLM({key}={value!r}): {what}")
             continue
-        if key in ("attention_backend", "batch_invariant", "enforce_eager", "profile", "speculative_config"):
+        if key in (
+            "attention_backend",
+            "batch_invariant",
+            "cpu_threads",
+            "enforce_eager",
+            "profile",
+            "speculative_config",
+        ):
             top[key] = value
             continue
         if key == "task":

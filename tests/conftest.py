@@ -44,6 +44,16 @@ def embedded_checkpoint() -> Checkpoint:
     return prepare_checkpoint(None)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """Each test leaves torch's thread count as it found it: an engine sizes torch's pool to its own cpu_threads
+    (tests/engine/references.make_llm's engines to 1) and leaves it so, which would change later tests' products."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny tensors: torch's intra-op thread barriers cost more than the work (opt in per module)."""

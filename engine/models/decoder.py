@@ -83,8 +83,9 @@ class DecoderLayerWeights:
 
 
 class DecoderForCausalLM(LlamaForCausalLM):
-    """Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4, StarCoder2: the forward pass of `DecoderArch`'s recipe
-    (with mixture-of-experts layers: OLMoE, Granite MoE, Phi-3.5-MoE, models/decoder_moe.py)."""
+    """The generic decoder's families (models/families.py; Gemma, Phi-3, OLMo, Granite, Cohere, GLM-4, ...): the
+    forward pass of `DecoderArch`'s recipe (with mixture-of-experts layers: OLMoE, Granite MoE, Phi-3.5-MoE,
+    models/decoder_moe.py)."""
 
     arch: DecoderArch
     layers: list[DecoderLayerWeights]  # type: ignore[assignment]  # its own layers: norms by role

@@ -461,9 +461,8 @@ def family_of(hf_config: Any) -> ModelFamily:
 
 
 TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe")
-"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's (Gemma 1/2/3,
-Phi-3, OLMo 2/3, Granite, Cohere, GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4) and the mixtures of
-experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE, Phi-3.5-MoE)."""
+"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's and the mixtures
+of experts on either (their families: FAMILIES' entries of these implementations, listed in docs/models.md)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:

@@ -309,8 +309,8 @@ OPTIONS: tuple[Option, ...] = (
         "--tensor-parallel-size",
         (*PARALLEL, "tensor_parallel_size"),
         "int",
-        "processes that each hold 1/N of every layer (the Llama family, Gemma 2/3, Phi-3, OLMo 2, Granite, Mixtral, "
-        "Qwen2/3-MoE; all-reduce over shared memory on one CPU host, gloo across hosts, NCCL on CUDA)",
+        "processes that each hold 1/N of every layer (every family but GPT-OSS and DeepSeek, docs/models.md; "
+        "all-reduce over shared memory on one CPU host, gloo across hosts, NCCL on CUDA)",
         "N",
         short="-tp",
     ),

@@ -16,9 +16,11 @@ TINY_PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 def make_llm(model_dir: Path, **overrides) -> LLM:
-    """An LLM over a checkpoint with configs/tiny.yaml's cache and scheduler settings, fp32 on CPU."""
+    """An LLM over a checkpoint with configs/tiny.yaml's cache and scheduler settings, fp32 on CPU, one thread:
+    a tiny model's operators are microseconds long, and on 2 cores with `make test`'s two workers a team of two
+    waits at every barrier for a thread the other worker holds (the suite's model matrices ran 2x slower)."""
     preset = yaml.safe_load(TINY_PRESET.read_text())
-    kwargs = {**preset["cache"], **preset["scheduler"], "dtype": "float32", "device": "cpu"}
+    kwargs = {**preset["cache"], **preset["scheduler"], "dtype": "float32", "device": "cpu", "cpu_threads": 1}
     kwargs.update(overrides)
     return LLM(str(model_dir), **kwargs)
 

@@ -30,7 +30,14 @@ from engine.attention.invariant_backend import BatchInvariantCpuBackend
 from engine.platform import batch_invariant_numerics
 from engine.attention.kv_cache import KVCacheSpec
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.references import assert_idle, make_llm
+from tests.engine.references import assert_idle, make_llm as one_thread_llm
+
+
+def make_llm(model_dir, **overrides):
+    """references.make_llm on the machine's team (not one thread): these tests check the native kernels' work
+    split over threads."""
+    return one_thread_llm(model_dir, **{"cpu_threads": None, **overrides})
+
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

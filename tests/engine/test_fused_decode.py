@@ -30,7 +30,14 @@ from engine.quantization.gguf_formats import X16
 from engine.quantization.gguf_weight import GgufWeight
 from tests.engine.cpu_flags import FLOAT32_TILE_ARCHES, cpu_has
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.references import assert_idle, make_llm
+from tests.engine.references import assert_idle, make_llm as one_thread_llm
+
+
+def make_llm(model_dir, **overrides):
+    """references.make_llm on the machine's team (not one thread): these tests check the native kernels' work
+    split over threads."""
+    return one_thread_llm(model_dir, **{"cpu_threads": None, **overrides})
+
 
 PROMPTS = [
     "The capital of France is",
