@@ -25,6 +25,8 @@ from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.eagle_loading import LoadedHead, load_eagle_head, make_eagle_proposer
 from engine.spec_decode.eagle_model import METHODS as EAGLE_METHODS
+from engine.spec_decode.medusa import MedusaHeads, MedusaProposer
+from engine.spec_decode.medusa_loading import load_medusa_heads
 from engine.spec_decode.mtp import LoadedMtp, load_mtp_head
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
@@ -160,6 +162,7 @@ def _build_rank0(
     speculative = config.speculative_config
     draft = None
     head: Optional[Union[LoadedHead, LoadedMtp]] = None
+    medusa: Optional[MedusaHeads] = None
     if speculative is not None and speculative.method == "draft_model":
         draft = _draft_model(config, speculative, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
     elif speculative is not None and speculative.method in EAGLE_METHODS:
@@ -184,6 +187,10 @@ def _build_rank0(
             kv_dtype=kv_dtype,
             max_model_len=max_model_len,
         )
+    elif speculative is not None and speculative.method == "medusa":
+        medusa = load_medusa_heads(
+            speculative, model, download_dir=config.model.download_dir, target_checkpoint=checkpoint.path
+        )
     # A draft's (or a head's) cache holds as many blocks as the target's, from the same budget.
     draft_spec = draft.spec if draft is not None else None if head is None else head.spec
     draft_bytes = 0 if draft_spec is None else draft_spec.bytes_per_block
@@ -205,6 +212,8 @@ def _build_rank0(
     )
     if head is not None:  # the runner's step outputs carry the target's features the head reads
         runner.draft_features = "tapped" if head.feature_layers else "final"
+    if medusa is not None:  # (Medusa's heads read the last hidden states, after the final norm)
+        runner.draft_features = "final"
     if buckets:
         capture_graphs(runner, buckets)
     step_cost = draft_cost = None
@@ -244,6 +253,8 @@ def _build_rank0(
         logger.info(
             "%s head KV cache: %d blocks (%.0f MiB)", speculative.method, num_blocks, num_blocks * draft_bytes / 2**20
         )
+    elif medusa is not None and speculative is not None:
+        proposer = MedusaProposer(medusa, speculative.num_speculative_tokens, model.arch.vocab_size)
     elif speculative is not None:
         proposer = speculative.make_proposer()
     scheduler = Scheduler(

@@ -9,13 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
 """Methods whose proposer is a model named by `model`."""
-PLANNED_METHODS = ("medusa",)
+PLANNED_METHODS = ("mlp_speculator",)
+"""Methods vLLM spells that this engine does not run (yet): refused by name at start-up."""
 MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 """vLLM's earlier names of `mtp`, read as it."""
-"""Methods vLLM spells that this engine does not run (yet): refused by name at start-up."""
 
 
 class SpeculativeConfig(BaseModel):
@@ -26,7 +26,9 @@ class SpeculativeConfig(BaseModel):
     `{"method": "eagle" | "eagle3", "model": HEAD_DIR, "num_speculative_tokens": k}`: an EAGLE / EAGLE-3 head
     trained on the target reads its hidden states beside the tokens (engine/spec_decode/eagle.py), or
     `{"method": "mtp", "num_speculative_tokens": k}`: the target checkpoint's own multi-token-prediction layer
-    does (DeepSeek-V3, GLM-4.5: engine/spec_decode/mtp.py).
+    does (DeepSeek-V3, GLM-4.5: engine/spec_decode/mtp.py), or
+    `{"method": "medusa", "model": HEADS_DIR, "num_speculative_tokens": k}`: k Medusa heads on the target's last
+    hidden state each guess one token further ahead (engine/spec_decode/medusa.py).
 
     Each decoding request verifies up to k draft tokens per step; a request opts out with `speculative: false`
     or asks for fewer with its own `num_speculative_tokens`. A constrained request's drafts are checked by its
@@ -42,12 +44,13 @@ class SpeculativeConfig(BaseModel):
         "suffix (a suffix trie over recent requests' outputs, and the request's own tokens) "
         "draft_model (a smaller model of the same vocabulary, greedy), "
         "eagle or eagle3 (a draft head trained on the target, reading its hidden states), "
-        "mtp (the target checkpoint's own multi-token-prediction layer: DeepSeek-V3, GLM-4.5)",
+        "mtp (the target checkpoint's own multi-token-prediction layer: DeepSeek-V3, GLM-4.5), "
+        "medusa (heads trained on the target's last hidden state, head i guessing the token i + 1 ahead)",
     )
     model: Optional[str] = Field(
         None,
         description="the draft model (draft_model): a checkpoint directory or a .gguf file, same vocabulary; the "
-        "head's checkpoint directory (eagle, eagle3)",
+        "head's checkpoint directory (eagle, eagle3), the Medusa heads' (medusa)",
     )
     quantization: Literal["auto", "none", "gguf"] = Field(
         "auto",
@@ -120,12 +123,12 @@ class SpeculativeConfig(BaseModel):
     def _draft_model(self) -> "SpeculativeConfig":
         if self.method == "draft_model" and self.model is None:
             raise ValueError('method "draft_model" needs "model": the draft\'s checkpoint directory or .gguf file')
-        if self.method in ("eagle", "eagle3") and self.model is None:
+        if self.method in ("eagle", "eagle3", "medusa") and self.model is None:
             raise ValueError(f'method "{self.method}" needs "model": the head\'s checkpoint directory')
         if self.method not in MODEL_METHODS and self.model is not None:
             raise ValueError(
-                f'"model" names a draft model: it goes with method "draft_model", "eagle" or "eagle3", not '
-                f"{self.method!r}"
+                f'"model" names a draft model: it goes with method "draft_model", "eagle", "eagle3" or "medusa", '
+                f"not {self.method!r}"
             )
         return self
 

@@ -10,6 +10,7 @@ import pytest
 from server.config.server_config import ServerConfig
 from server.config.settings import SettingsError, load_settings
 from tests.engine.eagle_factories import make_eagle_head
+from tests.engine.medusa_factories import make_medusa_heads
 from tests.server.conftest import serving, start_server
 
 NGRAM = {
@@ -110,6 +111,40 @@ def test_an_eagle3_head_served_gives_the_greedy_text_of_no_speculation(tiny_mode
         assert proposer.num_requests == 0 and proposer.cache.num_free_blocks == proposer.cache.num_blocks
 
 
+def test_medusa_heads_served_give_the_greedy_text_of_no_speculation(tiny_model_dir, tmp_path):
+    """The openai SDK against a server whose drafts come from Medusa heads: a completion and a streamed chat
+    equal their runs with `speculative: false`; drafts were verified and the proposer holds nothing after."""
+    heads = make_medusa_heads(tmp_path / "heads", num_heads=3)
+    config = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3, "step_cost_model": False}
+    with serving(tiny_model_dir, ServerConfig(served_model_name="tiny"), speculative_config=config) as running:
+        sdk = running.sdk()
+        texts = []
+        for speculative in (False, True):
+            completion = sdk.completions.create(
+                model="tiny",
+                prompt=LOOPING_PROMPT,
+                max_tokens=24,
+                temperature=0,
+                logprobs=1,
+                extra_body={"ignore_eos": True, "speculative": speculative},
+            )
+            stream = sdk.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "the quick brown fox"}],
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                extra_body={"speculative": speculative},
+            )
+            chat = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+            choice = completion.choices[0]
+            texts.append((choice.text, choice.logprobs.tokens, chat))
+        assert texts[0] == texts[1]
+        running.wait_idle()
+        assert running.engine.engine.stats().speculation.num_draft_tokens > 0
+        assert running.engine.engine.scheduler.proposer.num_requests == 0
+
+
 def test_a_bad_per_request_value_is_a_400_naming_it(spec_server):
     with spec_server.client() as client:
         response = client.post(
@@ -171,7 +206,8 @@ def test_a_model_without_a_method_is_a_draft_model_as_vllm_reads_it():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ('{"method": "medusa", "num_speculative_tokens": 3}', "'medusa' is not implemented yet"),
+        ('{"method": "medusa", "num_speculative_tokens": 3}', 'method "medusa" needs "model"'),
+        ('{"method": "mlp_speculator", "num_speculative_tokens": 3}', "'mlp_speculator' is not implemented yet"),
         ('{"method": "eagle3", "num_speculative_tokens": 3}', 'method "eagle3" needs "model"'),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', 'method "draft_model" needs "model"'),
         ('{"method": "suffix", "model": "/some/draft", "num_speculative_tokens": 3}', 'goes with method "draft_model"'),
