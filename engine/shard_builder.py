@@ -187,7 +187,9 @@ def build_shard(
         weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))
     model.load_weights(weights)
     vision = None
-    if vision_family is not None and model_config.max_images == 0:
+    if vision_family is not None and not vision_family.images:
+        logger.info("%s served as a text model: its images are not served", vision_family.architecture)
+    elif vision_family is not None and model_config.max_images == 0:
         logger.info("%s served as a text model: --limit-mm-per-prompt allows no image", vision_family.architecture)
     elif vision_family is not None:
         vision = VisionEncoder.load(checkpoint.path, whole_config, vision_family, dtype, device)

@@ -6,6 +6,7 @@
     expert e      = down_e(silu(gate_e(rows)) * up_e(rows)), one product per expert with rows
                     (GPT-OSS: biases on both products and its clamped SwiGLU, clamped_swiglu.py)
     out[t]       += weight(t, e) * expert e's row of t     (index_add over the sorted rows)
+                    (Llama 4, `scores_on_input`: expert e of weight(t, e) * x[t], added unweighted)
     (+ sigmoid(x @ shared_gate^T) * shared MLP(x)          Qwen2-MoE's shared expert)
     (+ shared MLP(x)                                       DeepSeek's shared experts: no gate)
 
@@ -90,6 +91,7 @@ class SparseMoeBlock:
         activation: Optional[ClampedSwiGLU] = None,
         select: Optional[Callable[[torch.Tensor], Routing]] = None,
         router_in_float32: bool = False,
+        scores_on_input: bool = False,
     ):
         if not 0 < top_k <= experts.num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
@@ -101,6 +103,9 @@ class SparseMoeBlock:
         self.softmax_after_top_k = softmax_after_top_k  # GPT-OSS: top-k of the logits, softmax over those
         self.select = select  # a family's own routing of the logits (DeepSeek's grouped routing)
         self.activation = activation  # None: SwiGLU (the layer ops' silu_and_mul)
+        # Llama 4: each routed row is the token's input times its weight, in the model's dtype, and the experts'
+        # outputs are summed as they come (the grouped Triton kernel weighs outputs: the per-expert path serves it)
+        self.scores_on_input = scores_on_input
         self.biases = [
             (
                 None if experts.gate_up_bias is None else experts.gate_up_bias[e],
@@ -178,7 +183,7 @@ class SparseMoeBlock:
 
     def _fused_kernel(self, device: torch.device):
         """The grouped Triton kernel on CUDA (when Triton is installed), else None: the per-expert products."""
-        if device.type != "cuda" or self.stacked is None:
+        if device.type != "cuda" or self.stacked is None or self.scores_on_input:
             return None
         try:
             from engine.kernels.triton.fused_moe import fused_moe
@@ -189,6 +194,8 @@ class SparseMoeBlock:
     def _grouped(self, x: torch.Tensor, routing: Routing, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
         groups = group_by_expert(routing)
         rows = x.index_select(0, groups.token_index)  # [T * top_k, H], sorted by expert
+        if self.scores_on_input:  # (HF: the product in the model's dtype, its weights rounded to it)
+            rows = rows * groups.weights[:, None].to(x.dtype)
         outputs = []
         for expert, start, count in groups.segments():
             gate_up, down = self.per_expert[expert]
@@ -198,7 +205,10 @@ class SparseMoeBlock:
             outputs.append(linear(h, down, down_bias))
         out_rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         # as HF: each expert's output, rounded to the model's dtype, times its weight, rounded, then added
-        weighted = (out_rows * groups.weights[:, None]).to(x.dtype)
+        if self.scores_on_input:
+            weighted = out_rows.to(x.dtype)
+        else:
+            weighted = (out_rows * groups.weights[:, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, groups.token_index, weighted)
 
 

@@ -7,6 +7,10 @@ select_experts(router_logits [T, E], top_k, renormalize) -> Routing
 select_top_logits(router_logits [T, E], top_k) -> Routing
     the top_k largest logits, then a softmax over those k only (GPT-OSS's and Granite MoE's routers).
 
+select_top_sigmoid(router_logits [T, E], top_k) -> Routing
+    the top_k largest logits, each through a sigmoid on its own (Llama 4's router: its weights scale the experts'
+    inputs, SparseMoeBlock's `scores_on_input`).
+
 sparse_mixer(router_logits [T, E], jitter_eps) -> Routing
     Phi-3.5-MoE's sparsemixer at inference: two experts, each weighted by a softmax over the logits near its own.
 
@@ -60,6 +64,13 @@ def select_top_logits(router_logits: torch.Tensor, top_k: int) -> Routing:
     """router_logits [T, E] -> the top_k experts of each token, weighted by a softmax over their k logits."""
     logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)  # [T, top_k]
     return Routing(torch.softmax(logits.float(), dim=-1), expert_ids)
+
+
+def select_top_sigmoid(router_logits: torch.Tensor, top_k: int) -> Routing:
+    """router_logits [T, E] -> the top_k experts of each token, each weighted by the sigmoid of its logit, in the
+    logits' dtype: transformers' Llama4Router (its sigmoid in float32, rounded back)."""
+    logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)  # [T, top_k]
+    return Routing(torch.sigmoid(logits.float()).to(router_logits.dtype), expert_ids)
 
 
 def group_by_expert(routing: Routing) -> ExpertGroups:

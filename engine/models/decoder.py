@@ -11,9 +11,10 @@
     logits      cap((lm_head(final_norm(h)) + lm_head_bias?) / logits_divisor * logits_scale)
 
 Attention rotates q and k by the layer's RoPE, or not at all where `layer_rope` names none (Cohere 2's global
-layers). The fused CPU decode step (engine/layers/fused_decode.py) computes this recipe too, for each family
-whose norms are RMSNorms, whose MLP is gated, whose branches run in sequence and whose every layer has RoPE
-(`fused_recipe`).
+layers); Llama 4 normalises each head's rotated q and k without a weight, and scales its NoPE layers' queries by
+position (attention temperature tuning). The fused CPU decode step (engine/layers/fused_decode.py) computes this
+recipe too, for each family whose norms are RMSNorms, whose MLP is gated, whose branches run in sequence and whose
+every layer has RoPE (`fused_recipe`), without Llama 4's additions.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
+from engine.errors import SettingsConflictError
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mrope import SectionedRows
@@ -85,7 +87,7 @@ class DecoderLayerWeights:
 class DecoderForCausalLM(LlamaForCausalLM):
     """The generic decoder's families (models/families.py; Gemma, Phi-3, OLMo, Granite, Cohere, GLM-4, ...): the
     forward pass of `DecoderArch`'s recipe (with mixture-of-experts layers: OLMoE, Granite MoE, Phi-3.5-MoE,
-    models/decoder_moe.py)."""
+    Llama 4, models/decoder_moe.py)."""
 
     arch: DecoderArch
     layers: list[DecoderLayerWeights]  # type: ignore[assignment]  # its own layers: norms by role
@@ -117,7 +119,16 @@ class DecoderForCausalLM(LlamaForCausalLM):
             and not arch.parallel_branches
             and arch.positional_layers
             and not arch.learned_positions
+            and arch.fused_attention
         )
+        chunk = arch.attention_chunk
+        if chunk is not None and max_model_len is not None and max_model_len > chunk:
+            # (no attention backend masks by chunk; within one chunk the mask is the causal one)
+            raise SettingsConflictError(
+                f"--max-model-len {max_model_len}: {arch.architecture}'s chunked attention (attention_chunk_size "
+                f"{chunk}) is served for sequences of one chunk at most, where it is causal attention; give "
+                f"--max-model-len {chunk} or less"
+            )
         if arch.learned_positions and max_model_len is not None and max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"{arch.architecture}: max_model_len {max_model_len} is past its {arch.max_position_embeddings} "
@@ -284,6 +295,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
             return self.fused.forward(self, input_ids, positions, kv_caches, metadata)
         arch, ops = self.arch, self.ops
         angles = [ops.rotary_angles(positions, rotary) for rotary in self.rotaries]
+        query_scales = None if arch.temperature_tuning is None else _temperature_scales(positions, arch)
         h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states  # [num_tokens, hidden]
         if self.embed_positions is not None:  # (HF adds them to whatever embeddings enter the first layer)
             h = h + self.embed_positions[positions]
@@ -304,6 +316,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
                 backend,
                 self.layer_attention[index],
                 index,
+                query_scales if rope is None else None,
             )
             attended = self._norm(attended, layer, "attn_post")
             if arch.parallel_branches:  # both read x (GPT-NeoX's MLP its own norm of h); HF's order: (h + attn) + mlp
@@ -395,6 +408,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         backend: AttentionBackend,
         attention: LayerAttention,
         index: int,
+        query_scales: Optional[torch.Tensor] = None,  # [T] float32: each query's multiplier (temperature tuning)
     ) -> torch.Tensor:
         """Layer `index`'s attention block (the index selects its LoRA deltas)."""
         arch, ops, lora = self.arch, self.ops, self.lora_step
@@ -404,7 +418,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         if lora is not None:
             lora.add(index, "qkv", x, qkv)
         q, k = qkv[:, : arch.q_size], qkv[:, arch.q_size : arch.q_size + arch.kv_size]
-        if arch.qk_norm is not None:
+        if arch.qk_norm is not None and arch.qk_norm != "l2":
             q_norm, k_norm = layer.q_norm, layer.k_norm
             assert q_norm is not None and k_norm is not None  # an arch with q/k norms: the loader took both
             if arch.qk_norm == "projection":  # over all heads at once, before they are split
@@ -414,7 +428,11 @@ class DecoderForCausalLM(LlamaForCausalLM):
         qk = torch.cat([q.reshape(num_tokens, heads, head_dim), k.reshape(num_tokens, kv_heads, head_dim)], dim=1)
         if rotary is not None:
             qk = ops.rotary(qk, angles, rotary)
+            if arch.qk_norm == "l2":  # (Llama 4: after RoPE, and on the layers that rotate only)
+                qk = _l2_norm(qk, arch.rms_norm_eps)
         query, key = qk[:, :heads], qk[:, heads:]
+        if query_scales is not None:  # (HF: the product in float32, rounded to the model's dtype)
+            query = (query * query_scales[:, None, None]).to(qk.dtype)
         value = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, kv_heads, head_dim)
         backend.write_kv(key, value, key_cache, value_cache, metadata)
         out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
@@ -455,6 +473,21 @@ class DecoderForCausalLM(LlamaForCausalLM):
             logits = logits * self.arch.logits_scale
         cap = self.arch.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, heads, head_dim] over each head's dimensions, without weight, in float32 (HF's
+    Llama4TextWeightlessRMSNorm, operation for operation)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _temperature_scales(positions: torch.Tensor, arch: DecoderArch) -> torch.Tensor:
+    """[T] float32: Llama 4's query multiplier at each position (its NoPE layers' attention temperature tuning),
+    computed as HF computes it."""
+    assert arch.temperature_tuning is not None
+    floor_scale, attn_scale = arch.temperature_tuning
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
 XIELU_PARAMS = ("alpha_p", "alpha_n", "beta", "eps")

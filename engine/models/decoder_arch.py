@@ -1,6 +1,6 @@
 """The shape and the recipe of a generic pre/post-norm decoder (Gemma 1/2/3, Phi-3, OLMo 2, Granite, Cohere, GLM-4,
 StarCoder2, Arcee, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode, Falcon; with mixtures of experts: OLMoE,
-Granite MoE, Phi-3.5-MoE), as data.
+Granite MoE, Phi-3.5-MoE, Llama 4), as data.
 
 A Llama layer is `x + attn(norm(x))`, then `x + mlp(norm(x))`. The families here differ from it only in
 what `DecoderArch` says: which norms a layer has (`norms`: before and/or after each branch) and of which kind
@@ -41,6 +41,7 @@ ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2", "xielu")
 """silu (SwiGLU), gelu_tanh (GeGLU, or StarCoder2's plain GELU); gelu (erf: GPT-NeoX's), relu2, relu(x)^2
 (Arcee's), and xielu (Apertus's xIELU, its alpha_p, alpha_n, beta and eps each layer's, from the checkpoint), of a
 plain MLP only."""
+QK_NORMS = (None, "head", "projection", "l2")
 NORM_KINDS = ("rms", "layer")
 """RMSNorm (x / rms(x) * w), or LayerNorm ((x - mean) / std * w, + b with `norm_bias`: StarCoder2's; Cohere's has
 no b)."""
@@ -60,7 +61,9 @@ class DecoderArch(LlamaArch):
     # its own norm of x (GPT-NeoX's use_parallel_residual: x + attn(n1(x)) + mlp(n2(x)))
     parallel_branches: bool = False
     activation: str = "silu"  # of the MLP, in ACTIVATIONS
-    qk_norm: Optional[str] = None  # "head": each head's q and k (Gemma 3); "projection": all of q, all of k (OLMo 2)
+    # "head": each head's q and k (Gemma 3); "projection": all of q, all of k (OLMo 2); "l2": each head's q and k
+    # through a norm without weight after RoPE, on the layers that rotate only (Llama 4's use_qk_norm)
+    qk_norm: Optional[str] = None
     embedding_scale: Optional[float] = None  # Gemma: sqrt(hidden) (rounded to the model's dtype); Granite
     embedding_scale_in_dtype: bool = False  # Gemma rounds its scale to the model's dtype first
     residual_scale: float = 1.0  # Granite: residual + branch * residual_multiplier
@@ -92,6 +95,13 @@ class DecoderArch(LlamaArch):
     # learned absolute positions added to the token embeddings (GPT-BigCode's wpe): the checkpoint's
     # embed_positions.weight [max_position_embeddings, hidden], read at each token's position
     learned_positions: bool = False
+    # Llama 4's attention temperature tuning (floor_scale, attn_scale): on the layers without RoPE each query is
+    # multiplied by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1 before its scores
+    temperature_tuning: Optional[tuple[float, float]] = None
+    # Llama 4's chunked local attention (attention_chunk_size) on the layers that rotate: a query sees the keys of
+    # its own chunk of this many positions only. No backend masks by chunk: it is served where it is causal
+    # attention, sequences of at most one chunk (DecoderForCausalLM refuses a longer max_model_len)
+    attention_chunk: Optional[int] = None
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]
@@ -101,14 +111,22 @@ class DecoderArch(LlamaArch):
             raise ValueError(f"{self.activation} is a plain MLP's activation (Arcee's, Apertus's): no gated kernel")
         if self.norm_bias and self.norm_kind != "layer":
             raise ValueError("a norm's shift (norm_bias) is a LayerNorm's")
-        if self.qk_norm == "projection" and self.norm_kind != "rms":
-            raise ValueError("q/k norms over the whole projection are RMSNorms (OLMo 2's)")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"q/k norm {self.qk_norm!r} unknown")
+        if self.qk_norm in ("projection", "l2") and self.norm_kind != "rms":
+            raise ValueError("q/k norms over the whole projection or without weight are RMSNorms (OLMo 2's, Llama 4's)")
         if self.activation == "gelu" and self.plain_mlp is None:
             raise ValueError("gelu (erf) is served for a plain MLP only (a gated one: silu or gelu_tanh)")
         if self.qkv_per_head and self.num_heads % self.num_kv_heads:
             raise ValueError("a fused qkv by KV groups needs the query heads in whole groups")
         if len(self.layer_attention) != self.num_layers or len(self.layer_rope) != self.num_layers:
             raise ValueError(f"{self.num_layers} layers need as many attention and RoPE entries")
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether the fused decode step computes this attention: no weightless q/k norm after RoPE, no
+        temperature tuning (Llama 4's)."""
+        return self.qk_norm != "l2" and self.temperature_tuning is None
 
     @property
     def positional_layers(self) -> bool:

@@ -1,6 +1,6 @@
-"""OLMoE, Granite MoE (and its shared-expert variant) and Phi-3.5-MoE: the generic decoder's layer (DecoderArch:
-where its norms sit and of which kind, q/k norms, multipliers, biases, windows, RoPE) whose MLP is, in its sparse
-layers, MoeForCausalLM's mixture of experts (MoeArch: the routing, the experts' names).
+"""OLMoE, Granite MoE (and its shared-expert variant), Phi-3.5-MoE and Llama 4: the generic decoder's layer
+(DecoderArch: where its norms sit and of which kind, q/k norms, multipliers, biases, windows, RoPE) whose MLP is,
+in its sparse layers, MoeForCausalLM's mixture of experts (MoeArch: the routing, the experts' names).
 
     OLMoE          Llama's pre-norms, q and k RMSNorm over the whole projection; softmax top-k routing
                    (norm_topk_prob)
@@ -9,6 +9,9 @@ layers, MoeForCausalLM's mixture of experts (MoeArch: the routing, the experts' 
                    shared_mlp added to every token
     Phi-3.5-MoE    LayerNorms with biases, q/k/v/o and LM-head biases, LongRoPE with its own mscales, a sliding
                    window; sparsemixer routing (layers/moe_routing.py)
+    Llama 4        feed_forward renamed mlp; experts on moe_layers, dense MLPs (intermediate_size_mlp) between;
+                   the top-k logits' sigmoids scale the experts' inputs; an ungated shared expert; NoPE layers with
+                   attention temperature tuning, RoPE layers (interleaved pairs, llama3 scaling) with q/k L2 norms
 
 Which family is which is the data its config gives (models/families.py, models/moe_arch.py); the layer loop
 (DecoderForCausalLM.forward) names none.

@@ -7,6 +7,7 @@ ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 from engine.attention.attention_shape import AttentionShape
@@ -728,10 +729,68 @@ def phimoe_arch(config: Any) -> DecoderArch:
     )
 
 
+LLAMA4_NAMES = ((".feed_forward.", ".mlp."),)
+"""Llama 4's names that are not Llama's: its layers' feed_forward (dense MLP, or experts, router, shared_expert)."""
+LLAMA4_ROPE_TYPES = ("default", "llama3")
+LLAMA4_LAYER_TYPES = ("full_attention", "chunked_attention")
+
+
+def llama4_arch(config: Any) -> DecoderArch:
+    """Llama 4 (text): Llama's layer (its MLP feed_forward: the experts where moe_layers says, else a dense SwiGLU of
+    intermediate_size_mlp) whose NoPE layers (`no_rope_layers` 0, by default every 4th) rotate nothing and scale
+    their queries by attention temperature tuning (attn_temperature_tuning: floor_scale, attn_scale), the others
+    rotate by RoPE (llama3 scaling where configured) over interleaved pairs (reordered into halves at load), then
+    normalise each head's q and k without weight (use_qk_norm); chunked attention (attention_chunk_size) on the
+    layers `layer_types` names, served up to one chunk (where it is causal attention)."""
+    layers = config.num_hidden_layers
+    no_rope = list(config.no_rope_layers)
+    if len(no_rope) < layers:  # (HF reads it by layer index: longer lists are served as HF reads them)
+        raise ValueError(f"{_name(config)}: no_rope_layers must name each of the {layers} layers")
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    unknown = sorted(set(layer_types) - set(LLAMA4_LAYER_TYPES))
+    if len(layer_types) != layers or unknown:
+        raise ValueError(
+            f"{_name(config)}: layer_types must name each of the {layers} layers, of the types "
+            f"{', '.join(LLAMA4_LAYER_TYPES)}"
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if "chunked_attention" in layer_types and not chunk:
+        raise ValueError(f"{_name(config)}: chunked_attention layers need an attention_chunk_size")
+    theta, scaling = rope_settings(config)
+    if scaling is not None and scaling["rope_type"] not in LLAMA4_ROPE_TYPES:
+        raise ValueError(
+            f"{_name(config)}: RoPE scaling {scaling['rope_type']!r} is not supported "
+            f"(supported: {', '.join(LLAMA4_ROPE_TYPES)})"
+        )
+    tuning: Optional[tuple[float, float]] = None
+    if getattr(config, "attn_temperature_tuning", False):
+        tuning = (float(config.floor_scale), float(config.attn_scale))
+    chunk = chunk if "chunked_attention" in layer_types else None
+    arch = _arch(
+        config,
+        (theta, scaling),
+        activation=_silu(config),
+        qk_norm="l2" if getattr(config, "use_qk_norm", False) else None,
+        layer_attention=(LayerAttention(_head_scale(config)),) * layers,
+        layer_rope=tuple(0 if use_rope else None for use_rope in no_rope[:layers]),
+        rope_interleaved=True,
+        renames=LLAMA4_NAMES,
+        temperature_tuning=tuning,
+        attention_chunk=chunk,
+        intermediate_size=config.intermediate_size_mlp,
+    )
+    if chunk is None or arch.max_position_embeddings <= chunk:
+        return arch
+    # The RoPE tables hold a row per position up to max_position_embeddings (Scout's: 10M, gigabytes); no sequence
+    # passes one chunk here, and the frequencies served (default, llama3) do not read it
+    return dataclasses.replace(arch, max_position_embeddings=chunk)
+
+
 MOE_ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "OlmoeForCausalLM": olmoe_arch,
     "GraniteMoeForCausalLM": granite_arch,  # Granite's multipliers, read alike
     "GraniteMoeSharedForCausalLM": granite_arch,
     "PhimoeForCausalLM": phimoe_arch,
+    "Llama4ForCausalLM": llama4_arch,
 }
 """The generic decoder's reading of each mixture of experts served on it (their experts: MoeArch)."""

@@ -1,12 +1,14 @@
 """Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama-family decoder (attention, norms, RoPE, q/k norms, qkv
 biases as there) whose MLP is, in its sparse layers, a mixture of experts (engine/layers/moe.py). The same blocks
-serve the generic decoder's mixtures of experts (models/decoder_moe.py: OLMoE, Granite MoE, Phi-3.5-MoE).
+serve the generic decoder's mixtures of experts (models/decoder_moe.py: OLMoE, Granite MoE, Phi-3.5-MoE,
+Llama 4).
 
 Checkpoints name each expert's matrices apart (`block_sparse_moe.experts.N.w1|w3|w2` for Mixtral and
 Phi-3.5-MoE, `mlp.experts.N.gate_proj|up_proj|down_proj` for Qwen MoE and OLMoE: what transformers'
 `save_pretrained` writes); they are stacked at load into [E, 2I, H] (gate|up) and [E, H, I] (down). Checkpoints
 that already store them stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I], transformers'
-in-memory layout; Granite MoE's `input_linear` and `output_linear`) are taken as they are.
+in-memory layout; Granite MoE's `input_linear` and `output_linear`) are taken as they are; Llama 4's, stored
+transposed (`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H]), are transposed at load.
 
 Quantized experts stay one matrix per expert (gate|up fused in their own storage): a GGUF's blocks as read
 (engine/loading/gguf_experts.py cuts llama.cpp's stacks per expert), or each expert quantized by
@@ -26,7 +28,7 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.moe import ExpertWeights, SharedExpert, SparseMoeBlock
-from engine.layers.moe_routing import sparse_mixer
+from engine.layers.moe_routing import select_top_sigmoid, sparse_mixer
 from engine.models.llama import LlamaForCausalLM, LlamaLayerWeights
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
@@ -60,7 +62,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             raise ValueError(
                 f"--quantization {quantizer.method} is not supported for {arch.model_type}: its experts are "
                 f"kept in {str(dtype).removeprefix('torch.')} (supported for Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, "
-                "OLMoE, Granite MoE and Phi-3.5-MoE)"
+                "OLMoE, Granite MoE, Phi-3.5-MoE and Llama 4)"
             )
         # with several ranks `arch` and `moe` are this rank's share (its heads, each expert's share of the width):
         # the block's partial output is all-reduced with the layer's, as a dense MLP's
@@ -89,6 +91,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                 gate=None if names.gate is None else self.linear.prepare(self._full_precision(take(names.gate))),
             )
         eps = moe.sparse_mixer_eps
+        select = None if eps is None else partial(sparse_mixer, jitter_eps=eps)
+        if moe.sigmoid_scores_on_input:
+            select = partial(select_top_sigmoid, top_k=moe.top_k)
         return SparseMoeBlock(
             self._full_precision(take(p + moe.router_name)),
             experts,
@@ -98,7 +103,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             shared,
             moe.weights_in_model_dtype,
             softmax_after_top_k=moe.softmax_after_top_k,
-            select=None if eps is None else partial(sparse_mixer, jitter_eps=eps),
+            select=select,
+            scores_on_input=moe.sigmoid_scores_on_input,
         )
 
     def _take_experts(self, take, maybe, cat) -> ExpertWeights:
@@ -109,6 +115,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         stacked_gate_up = maybe(p + gate_up_name) if moe.expert_names is not None else take(p + gate_up_name)
         stacked: Optional[ExpertWeights] = None
         stacked_down = None if stacked_gate_up is None else take(p + down_stacked)
+        if moe.stacked_transposed and stacked_gate_up is not None:  # Llama 4's [E, H, 2I] and [E, I, H]
+            stacked_gate_up = _float(stacked_gate_up).transpose(1, 2).contiguous()
+            if not isinstance(stacked_down, list):  # (a rank's int8 downs: transposed before they were cut)
+                stacked_down = _float(stacked_down).transpose(1, 2).contiguous()
         if isinstance(stacked_down, list):  # a tensor-parallel rank's int8 downs, each cut from its whole expert's
             gate_up, down = list(_float(stacked_gate_up)), stacked_down
         elif stacked_gate_up is not None:  # already stacked: [E, 2I, H] and [E, H, I], kept so where they stay float

@@ -1,6 +1,7 @@
 """The mixture-of-experts shape of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE (and its shared-expert
-variant) and Phi-3.5-MoE, read from the HF config: how they route, and what their checkpoints call the experts, the
-router and the shared expert. (GPT-OSS's is read with the rest of its shape: engine/models/gpt_oss_arch.py.)"""
+variant), Phi-3.5-MoE and Llama 4, read from the HF config: how they route, and what their checkpoints call the
+experts, the router and the shared expert. (GPT-OSS's is read with the rest of its shape:
+engine/models/gpt_oss_arch.py.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ MOE_ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "PhimoeForCausalLM": "phimoe",
+    "Llama4ForCausalLM": "llama4_text",
 }
 SPARSE_MIXER_TOP_K = 2
 """Phi-3.5-MoE's sparsemixer picks exactly two experts per token, whatever num_experts_per_tok says."""
@@ -33,6 +35,11 @@ QWEN2_SHARED_EXPERT = SharedExpertNames(
     ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
     "mlp.shared_expert.down_proj.weight",
     "mlp.shared_expert_gate.weight",
+)
+LLAMA4_SHARED_EXPERT = SharedExpertNames(
+    ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+    "mlp.shared_expert.down_proj.weight",
+    None,
 )
 GRANITE_SHARED_EXPERT = SharedExpertNames(("shared_mlp.input_linear.weight",), "shared_mlp.output_linear.weight", None)
 
@@ -73,6 +80,11 @@ class MoeArch:
     # Phi-3.5-MoE's sparsemixer routing (moe_routing.sparse_mixer) with this jitter epsilon, its router_jitter_noise;
     # None: top-k routing
     sparse_mixer_eps: Optional[float] = None
+    # Llama 4: the top-k logits each through a sigmoid (moe_routing.select_top_sigmoid), scaling the experts' inputs
+    # (SparseMoeBlock's scores_on_input); its experts stacked as gate|up [E, H, 2I] and down [E, I, H], the
+    # transpose of the layout above (transposed at load)
+    sigmoid_scores_on_input: bool = False
+    stacked_transposed: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -198,10 +210,36 @@ def _phimoe(config: Any) -> MoeArch:
     )
 
 
+def _llama4(config: Any) -> MoeArch:
+    """Llama 4: in the layers `moe_layers` names (by default every interleave_moe_layer_step-th), the top-k logits'
+    sigmoids scale each chosen expert's input; a shared expert (intermediate_size wide, as each expert) added
+    ungated; the experts stored stacked in transformers' layout ([E, H, 2I], [E, I, H])."""
+    layers = config.num_hidden_layers
+    sparse = tuple(sorted(set(config.moe_layers)))
+    if any(not 0 <= layer < layers for layer in sparse):
+        raise ValueError(f"moe_layers {list(config.moe_layers)} name layers outside the model's {layers}")
+    return MoeArch(
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        expert_intermediate_size=config.intermediate_size,
+        renormalize=False,  # (each weight is its own sigmoid)
+        weights_in_model_dtype=True,
+        shared_intermediate_size=config.intermediate_size,
+        sparse_layers=sparse,
+        prefix="mlp.",  # (the checkpoint's feed_forward., renamed at load: families.llama4_arch)
+        expert_names=None,
+        router_name="router.weight",
+        shared_names=LLAMA4_SHARED_EXPERT,
+        sigmoid_scores_on_input=True,
+        stacked_transposed=True,
+    )
+
+
 _GENERIC_DECODER_MOE: dict[str, Callable[[Any], MoeArch]] = {
     "olmoe": _olmoe,
     "granitemoe": _granite_moe,
     "granitemoeshared": _granite_moe,
     "phimoe": _phimoe,
+    "llama4_text": _llama4,
 }
 """The mixtures of experts on the generic decoder (models/decoder_moe.py), by model_type."""

@@ -438,6 +438,23 @@ FAMILIES = (
             "sparsemixer routing (two experts, as transformers computes it at inference)",
         ),
     ),
+    ModelFamily(
+        "Llama4ForCausalLM",
+        ("llama4_text",),
+        "decoder_moe",
+        HF_FORMATS,
+        (
+            "Llama 4 Scout / Maverick, text only (also a Llama4ForConditionalGeneration checkpoint's language model)",
+            "experts on moe_layers / interleave_moe_layer_step, dense MLPs (intermediate_size_mlp) between",
+            "top-k routing, each chosen expert's input scaled by the sigmoid of its logit; shared expert",
+            "experts stacked transposed (feed_forward.experts.gate_up_proj [E, H, 2I]), transposed at load",
+            "NoPE layers (no_rope_layers) with attention temperature tuning (floor_scale, attn_scale)",
+            "RoPE (llama3 scaling) on interleaved pairs, reordered at load; q/k L2 norm after it (use_qk_norm)",
+            "chunked attention (attention_chunk_size) served up to one chunk: max_model_len defaults to it, "
+            "a longer one refused",
+            "decode steps unfused",
+        ),
+    ),
 )
 
 

@@ -72,8 +72,8 @@ attention. Each family is checked with a PEFT `all-linear` adapter against PEFT'
 `--quantization int8` and `int4` (weights quantized at load) serve every dense family here (Llama, Mistral, Qwen2/3,
 Gemma 1/2/3, Phi-3/4, OLMo 2/3, Granite, Cohere, Cohere 2, GLM-4, GLM-4-0414, StarCoder2, SmolLM3, Arcee, ERNIE 4.5,
 EXAONE 4.0, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode, Falcon) and, each
-expert quantized on its own (the router kept float), Mixtral, Qwen2/3-MoE, GLM-4.5, OLMoE, Granite MoE and
-Phi-3.5-MoE (tests/engine/test_moe_int_quantization.py, tests/engine/test_glm4_moe.py); GPT-OSS and DeepSeek
+expert quantized on its own (the router kept float), Mixtral, Qwen2/3-MoE, GLM-4.5, OLMoE, Granite MoE,
+Phi-3.5-MoE and Llama 4 (tests/engine/test_moe_int_quantization.py, tests/engine/test_glm4_moe.py); GPT-OSS and DeepSeek
 refuse them at start-up.
 
 Phi-3.5-MoE's sparsemixer routing is computed as transformers' `modeling_phimoe.py` computes it at inference (two
@@ -82,6 +82,16 @@ in the model's dtype; tests/engine/test_moe_families.py checks it bit for bit ag
 `num_experts_per_tok` other than 2 is refused. Its LongRoPE scales cos and sin by the config's `short_mscale` or
 `long_mscale`, the one matching the factor set served (below). Past the original context transformers' port
 rotates with the short factors and `long_mscale`; here, as in Microsoft's code and vLLM, the long factors serve.
+
+Llama 4's chunked local attention (`attention_chunk_size`: a query sees only the keys of its own chunk, on the
+RoPE layers) is a mask no attention backend computes; within one chunk it is causal attention, so its
+`max_model_len` defaults to the chunk (8192 for Scout and Maverick) and a longer `--max-model-len` is refused at
+start-up naming `attention_chunk_size`. Its experts' routing weights (the sigmoids of the top-k router logits) scale
+each chosen expert's input, as transformers' `Llama4TextMoe` does (tests/engine/test_moe_families.py checks the
+block against it); such blocks run the per-expert products on CUDA too (the grouped Triton kernel weighs outputs).
+A multimodal `Llama4ForConditionalGeneration` checkpoint is served as a text model: its language model
+(`language_model.*`) as `Llama4ForCausalLM`, its vision model's and projector's tensors skipped, its images
+refused as a text model's (no vision encoder is built).
 
 GPT-OSS's MXFP4 checkpoints (OpenAI's releases: config.json `quantization_config: {quant_method: mxfp4}`, the
 experts' `gate_up_proj` and `down_proj` stored as `*_blocks`/`*_scales`) are dequantized to the model's dtype as

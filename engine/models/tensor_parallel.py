@@ -1,7 +1,7 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
 GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
 Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor
+Phi-3.5-MoE, Llama 4): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor
 (Megatron's column- and
 row-parallel
 layers).
@@ -22,7 +22,8 @@ layers).
                      reordered into q | k | v by the model (models/checkpoint_names.py)
     experts          each expert (and Qwen2-MoE's shared expert, GLM-4.5's shared experts, Granite MoE's shared_mlp)
                      cut like an MLP: its share of the expert's intermediate width (stacked experts, Granite MoE's
-                     input_linear and output_linear, alike); the router (GLM-4.5's correction bias too) and the
+                     input_linear and output_linear, alike; Llama 4's, stacked transposed, along their own axes);
+                     the router (GLM-4.5's correction bias too) and the
                      shared expert's gate replicated (every rank routes every token alike), the weighted sum of
                      partial outputs all-reduced with the layer's
 
@@ -61,7 +62,7 @@ _LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+
 # query_key_value, whose rows are per head)
 _COLUMN = (
     *("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.c_fc.", "mlp.fc1.", "mlp.dense_h_to_4h."),
-    *("attention.query_key_value.", "attn.q_proj.", "mlp.fc_in."),
+    *("attention.query_key_value.", "attn.q_proj.", "mlp.fc_in.", "feed_forward.gate_proj.", "feed_forward.up_proj."),
     # (GPT-BigCode's c_attn, Falcon's query_key_value: by heads or KV groups, else cut as _FUSED_QKV)
     *("attn.c_attn.", "self_attention.query_key_value."),
 )
@@ -73,17 +74,18 @@ _QKV_BY_ARCH = ("attn.c_attn.", "self_attention.query_key_value.")
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
 _EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's, GLM-4.5's shared experts') gate and
     # up: cut like an MLP's
-    r"(?:block_sparse_moe|mlp)\."
+    r"(?:block_sparse_moe|mlp|feed_forward)\."
     r"(?:experts\.\d+\.(?:w1|w3|gate_proj|up_proj)|shared_experts?\.(?:gate_proj|up_proj))\..+"
 )
 _EXPERT_ROW = re.compile(
-    r"(?:block_sparse_moe|mlp)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_experts?\.down_proj)\.weight"
+    r"(?:block_sparse_moe|mlp|feed_forward)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_experts?\.down_proj)\.weight"
 )
 # stacked experts [E, 2I, H] and [E, H, I]: transformers' in-memory names, Granite MoE's checkpoint names
 _STACKED = re.compile(
     r"(?:block_sparse_moe|mlp)\.(?:experts\.(gate_up_proj|down_proj)|(input_linear|output_linear)\.weight)"
 )
 _STACKED_DOWN = ("down_proj", "output_linear")
+_STACKED_TRANSPOSED = re.compile(r"feed_forward\.experts\.(gate_up_proj|down_proj)")  # Llama 4's [E, H, 2I], [E, I, H]
 _SHARED_GATE_UP = "shared_mlp.input_linear.weight"  # Granite MoE's shared expert: [gate; up] fused
 _SHARED_DOWN = "shared_mlp.output_linear.weight"
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
@@ -92,7 +94,7 @@ _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (
 _ROW_NAMES = (
     *("self_attn.o_proj.", "self_attn.dense.", "attention.dense.", "attn.out_proj.", "attn.c_proj."),
     "self_attention.dense.",
-    *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h.", "mlp.fc_out."),
+    *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h.", "mlp.fc_out.", "feed_forward.down_proj."),
 )
 _ROW = tuple(name + "weight" for name in _ROW_NAMES)
 _ROW_BIAS = tuple(name + "bias" for name in _ROW_NAMES)
@@ -207,6 +209,8 @@ def shard_weights(
             yield name, _rows(tensor, rank, ranks)
         elif _EXPERT_ROW.fullmatch(part):
             yield name, _columns(name, tensor, rank, ranks, quantize_whole)
+        elif _STACKED_TRANSPOSED.fullmatch(part):
+            yield name, _transposed_experts(name, tensor, rank, ranks, quantize_whole)
         elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
             yield name, _stacked_experts(name, tensor, rank, ranks, quantize_whole)
         elif part == _SHARED_GATE_UP:  # each half (gate, up) cut like an MLP's
@@ -267,6 +271,27 @@ def _stacked_experts(
         return tensor.chunk(ranks, dim=2)[rank].contiguous()
     gate, up = tensor.chunk(2, dim=1)
     return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()
+
+
+def _transposed_experts(
+    name: str,
+    tensor: Any,
+    rank: int,
+    ranks: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Union[torch.Tensor, list[QuantizedWeight]]:
+    """Llama 4's stacked experts' share, in their own layout: gate_up [E, H, 2I] -> [E, H, 2I / ranks] (this rank's
+    gate columns, then its up columns), down [E, I, H] -> [E, I / ranks, H]; with `quantize_whole` (int8) the down
+    matrices as a list, each expert's transposed to [H, I] and quantized whole, then cut."""
+    if not isinstance(tensor, torch.Tensor):
+        raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
+    if name.endswith("down_proj"):
+        if quantize_whole is not None:
+            share = tensor.shape[1] // ranks
+            return [quantize_whole(expert.t()).take_columns(rank * share, (rank + 1) * share) for expert in tensor]
+        return tensor.chunk(ranks, dim=1)[rank].contiguous()
+    gate, up = tensor.chunk(2, dim=2)
+    return torch.cat([gate.chunk(ranks, dim=2)[rank], up.chunk(ranks, dim=2)[rank]], dim=2).contiguous()
 
 
 def _rows_of(tensor: Union[torch.Tensor, GgufWeight]) -> int:

@@ -40,6 +40,9 @@ class VisionLanguageFamily:
     # Whether its language model rotates by multimodal RoPE (Qwen2-VL): images placed on three position axes
     # (engine/multimodal/mrope_positions.py), their rows rotated by section (engine/layers/mrope.py)
     mrope: bool = False
+    # Whether its images are served: False for a checkpoint whose language model alone is (TEXT_ONLY_FAMILIES: no
+    # vision encoder is built, its tensors are skipped, a request's images are refused as a text model's)
+    images: bool = True
 
 
 _LANGUAGE_MODEL = "the language model as its family (Llama, Mistral, Qwen2, ...)"
@@ -184,10 +187,25 @@ VISION_LANGUAGE_FAMILIES = (
 )
 
 
+TEXT_ONLY_FAMILIES = (
+    VisionLanguageFamily(
+        "Llama4ForConditionalGeneration",
+        "",  # (no transformers model is built: its images are not served)
+        "language_model",
+        ("vision_model", "multi_modal_projector"),
+        ("Llama 4's language model (language_model.*) as Llama4ForCausalLM; its images refused",),
+        images=False,
+    ),
+)
+"""Multimodal checkpoints whose language model is served, as a text model, without their images."""
+
+
 def vision_family_of(config: Any) -> Optional[VisionLanguageFamily]:
-    """The vision-language family of a checkpoint's (whole) config; None for a text model."""
+    """The vision-language family of a checkpoint's (whole) config (one served text only too); None for a text
+    model."""
     architectures = list(getattr(config, "architectures", None) or [])
-    return next((family for family in VISION_LANGUAGE_FAMILIES if family.architecture in architectures), None)
+    families = VISION_LANGUAGE_FAMILIES + TEXT_ONLY_FAMILIES
+    return next((family for family in families if family.architecture in architectures), None)
 
 
 def image_token_id(config: Any) -> int:

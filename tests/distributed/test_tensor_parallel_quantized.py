@@ -93,6 +93,29 @@ def test_stacked_experts_int8_downs_keep_each_experts_whole_rows_scales():
             torch.testing.assert_close(cut.dequantize(), whole.dequantize()[:, rank * 24 : (rank + 1) * 24])
 
 
+def test_llama4_transposed_experts_int8_downs_keep_each_experts_whole_rows_scales():
+    """Llama 4 stores its experts stacked and transposed (`feed_forward.experts.down_proj` [E, I, H], gate_up_proj
+    [E, H, 2I]): each rank's down of every expert is its [H, I] matrix quantized whole, then cut; its gate_up its
+    gate columns, then its up columns."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**tiny_config_dict("llama", num_experts_per_tok=2, **MOE_FAMILIES["llama4"]))
+    arch = check_tensor_parallel_model(config, 2)
+    down, gate_up = torch.randn(6, 48, 64), torch.randn(6, 64, 96)
+    prefix = "model.layers.1.feed_forward.experts."
+    for rank in range(2):
+        weights = [(prefix + "down_proj", down), (prefix + "gate_up_proj", gate_up)]
+        (_, down_shard), (_, gate_up_shard) = shard_weights(weights, arch, ParallelGroup(rank, 2), Int8Weight.quantize)
+        assert len(down_shard) == 6
+        for expert, cut in zip(down, down_shard):
+            whole = Int8Weight.quantize(expert.t())
+            assert torch.equal(cut.scales, whole.scales) and cut.in_features == 24
+            torch.testing.assert_close(cut.dequantize(), whole.dequantize()[:, rank * 24 : (rank + 1) * 24])
+        gate, up = gate_up[..., :48], gate_up[..., 48:]
+        mine = slice(rank * 24, (rank + 1) * 24)
+        assert torch.equal(gate_up_shard, torch.cat([gate[..., mine], up[..., mine]], dim=2))
+
+
 def test_what_cannot_be_cut_exactly_is_refused_by_name(tiny_dir, embedded_checkpoint):
     from transformers import AutoConfig
 
@@ -172,6 +195,18 @@ def test_granite_moe_on_two_ranks_serves_one_process_quantized_weights(tmp_path,
     whole int4 groups of 32)."""
     widths = dict(intermediate_size=64, shared_intermediate_size=64)
     model = str(make_moe_dir(tmp_path / "granitemoeshared", "granitemoeshared", **widths))
+    settings = dict(quantization=storage, **({"quantization_group_size": 32} if storage == "int4" else {}))
+    expected, _ = generate_quantized(model, PROMPTS, 1, **settings)
+    got, _ = generate_quantized(model, PROMPTS, 2, **settings)
+    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_llama4_on_two_ranks_serves_one_process_quantized_weights(tmp_path, storage):
+    """Llama 4 (experts stacked transposed, a shared expert, dense layers between): two ranks serve the tokens of one
+    process on the same int8 / int4 weights (experts, shared expert and dense MLPs 64 wide: 32 inputs of their downs
+    per rank, whole int4 groups of 32)."""
+    model = str(make_moe_dir(tmp_path / "llama4", "llama4", intermediate_size=64, intermediate_size_mlp=64))
     settings = dict(quantization=storage, **({"quantization_group_size": 32} if storage == "int4" else {}))
     expected, _ = generate_quantized(model, PROMPTS, 1, **settings)
     got, _ = generate_quantized(model, PROMPTS, 2, **settings)

@@ -1,6 +1,6 @@
-"""Mixtral, Qwen3-MoE and Qwen2-MoE (on Llama's decoder), OLMoE, Granite MoE (and its shared-expert variant) and
-Phi-3.5-MoE (on the generic decoder): greedy tokens identical to HF transformers on tiny random checkpoints (fp32),
-alone and batched, under chunked prefill, prefix-cache hits and preemption; prompt logprobs."""
+"""Mixtral, Qwen3-MoE and Qwen2-MoE (on Llama's decoder), OLMoE, Granite MoE (and its shared-expert variant),
+Phi-3.5-MoE and Llama 4 (on the generic decoder): greedy tokens identical to HF transformers on tiny random
+checkpoints (fp32), alone and batched, under chunked prefill, prefix-cache hits and preemption; prompt logprobs."""
 
 from __future__ import annotations
 
@@ -95,8 +95,36 @@ FAMILIES = {
             "original_max_position_embeddings": 256,
         },
     ),
+    # Llama 4 (text): dense layers 0 and 2 (intermediate_size_mlp), experts and the shared expert in 1 and 3
+    # (interleave_moe_layer_step 2), NoPE layers 1 and 3 whose temperature tuning moves every few positions
+    # (floor_scale 4), RoPE layers with llama3 scaling and q/k L2 norms; chunks as long as the context (so the
+    # default max_model_len, one chunk, is the tests' 256)
+    "llama4": dict(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        num_hidden_layers=4,
+        head_dim=16,
+        num_local_experts=6,
+        intermediate_size=48,
+        intermediate_size_mlp=96,
+        interleave_moe_layer_step=2,
+        no_rope_layer_interval=2,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        attn_scale=0.5,
+        attention_chunk_size=256,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
 }
-RANDOM_NORMS = ("olmoe", "granitemoe", "granitemoeshared", "phimoe")
+RANDOM_NORMS = ("olmoe", "granitemoe", "granitemoeshared", "phimoe", "llama4")
 """Families whose checkpoints get random norm weights and biases (the LM head's too; factories.py): HF initialises
 them to ones and zeros, which would leave the q/k norms, LayerNorm biases and the LM head's bias untested."""
 

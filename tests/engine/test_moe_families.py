@@ -1,6 +1,7 @@
-"""The mixtures of experts on the generic decoder (OLMoE, Granite MoE, Phi-3.5-MoE) beyond their equivalence with HF
-(tests/engine/test_moe_equivalence.py): Phi-3.5-MoE's sparsemixer routing equal to transformers' own function,
-its LongRoPE's factor set and mscale, and the config fields refused at start-up by name."""
+"""The mixtures of experts on the generic decoder (OLMoE, Granite MoE, Phi-3.5-MoE, Llama 4) beyond their equivalence
+with HF (tests/engine/test_moe_equivalence.py): Phi-3.5-MoE's sparsemixer routing equal to transformers' own function,
+its LongRoPE's factor set and mscale, Llama 4's routing and experts equal to transformers' modules, its context capped
+at one attention chunk, and the config fields refused at start-up by name."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from engine.layers.moe_routing import sparse_mixer
+from engine.errors import SettingsConflictError
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
+from engine.layers.moe import ExpertWeights, SharedExpert, SparseMoeBlock
+from engine.layers.moe_routing import select_top_sigmoid, sparse_mixer
+from engine.loading.model_config import ModelConfig
 from engine.layers.rotary import inverse_frequencies
 from engine.models import build_model
 from engine.models.decoder_moe import DecoderMoeForCausalLM
-from tests.engine.factories import tiny_config_dict
+from tests.engine.factories import make_tiny_tokenizer, tiny_config_dict
+from tests.engine.references import check_against_hf, make_llm
+from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 from tests.engine.test_moe_equivalence import FAMILIES, SHORT_FACTORS
 
 
@@ -63,6 +71,18 @@ def test_phimoe_longrope_serves_one_factor_set_with_its_mscale():
         ("olmoe", {"sliding_window": 16}, "OlmoeForCausalLM: sliding_window is not supported"),
         ("granitemoe", {"hidden_act": "gelu"}, "GraniteMoeForCausalLM: hidden_act 'gelu' is not supported"),
         (
+            "llama4",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            r"Llama4ForCausalLM: RoPE scaling 'linear' is not supported \(supported: default, llama3\)",
+        ),
+        (
+            "llama4",
+            {"layer_types": ["full_attention", "sliding_attention"] * 2},
+            "Llama4ForCausalLM: layer_types must name each of the 4 layers, of the types full_attention, "
+            "chunked_attention",
+        ),
+        ("llama4", {"moe_layers": [1, 4]}, r"moe_layers \[1, 4\] name layers outside the model's 4"),
+        (
             "phimoe",
             {"num_experts_per_tok": 3},
             "num_experts_per_tok 3 is not supported for phimoe: its sparsemixer routing picks exactly 2",
@@ -92,3 +112,116 @@ def test_phimoe_longrope_without_its_mscales_is_refused():
     del config.rope_parameters["long_mscale"]  # (transformers' own check runs when the config is made)
     with pytest.raises(ValueError, match=r"LongRoPE needs short_mscale and long_mscale, got \[1.3, None\]"):
         build_model(config, torch.float32, torch.device("cpu"))
+
+
+def _llama4_moe(dtype: torch.dtype, top_k: int):
+    """transformers' Llama4TextMoe of the tiny config with random weights, and the same weights as a SparseMoeBlock."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    torch.manual_seed(0)
+    hf = Llama4TextMoe(config_of("llama4", num_experts_per_tok=top_k)).to(dtype).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0, 0.3)
+    experts = ExpertWeights(  # (HF's [E, H, 2I] and [E, I, H], transposed as the loader does)
+        hf.experts.gate_up_proj.detach().transpose(1, 2).contiguous(),
+        hf.experts.down_proj.detach().transpose(1, 2).contiguous(),
+    )
+    shared_mlp = hf.shared_expert
+    shared = SharedExpert(
+        torch.cat([shared_mlp.gate_proj.weight, shared_mlp.up_proj.weight]).detach(),
+        shared_mlp.down_proj.weight.detach(),
+        None,
+    )
+    block = SparseMoeBlock(
+        hf.router.weight.detach(),
+        experts,
+        top_k,
+        False,
+        Linear(),
+        shared,
+        True,
+        select=lambda logits: select_top_sigmoid(logits, top_k),
+        scores_on_input=True,
+    )
+    return hf, block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_routing_and_experts_are_transformers_modules(dtype, top_k):
+    """The router's choices and sigmoid weights bit for bit (the logits from the same product); the block's output,
+    each chosen expert's input scaled by its weight, the shared expert added, as Llama4TextMoe's."""
+    hf, block = _llama4_moe(dtype, top_k)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        scores, logits = hf.router(x)
+        routing = select_top_sigmoid(logits, top_k)
+        # (HF's scores: each chosen expert's sigmoid, the others' sigmoid(-inf) = 0)
+        assert torch.equal(torch.zeros_like(scores).scatter_(1, routing.expert_ids, routing.weights), scores)
+        want, _ = hf(x)
+        got = block.forward(x, Linear(), TorchLayerOps())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+def test_llama4_context_is_one_attention_chunk():
+    """Chunked attention equals causal attention within one chunk: max_model_len defaults to the chunk, a longer
+    one is refused naming the flag and the field (by the model as by the settings)."""
+    config = config_of("llama4", attention_chunk_size=64)
+    assert ModelConfig().resolve_max_model_len(config) == 64
+    assert ModelConfig(max_model_len=32).resolve_max_model_len(config) == 32
+    message = r"--max-model-len 65: .*chunked attention \(attention_chunk_size 64\).*--max-model-len 64 or less"
+    with pytest.raises(SettingsConflictError, match=message):
+        ModelConfig(max_model_len=65).resolve_max_model_len(config)
+    with pytest.raises(SettingsConflictError, match=message):
+        build_model(config, torch.float32, torch.device("cpu"), max_model_len=65)
+    model = build_model(config, torch.float32, torch.device("cpu"), max_model_len=64)
+    assert model.rotary.cos.shape[0] == 64  # (a row per position served: a chunk's, not max_position_embeddings')
+    unchunked = config_of("llama4", attention_chunk_size=None)  # (every layer full attention: no cap)
+    assert set(unchunked.layer_types) == {"full_attention"}
+    assert ModelConfig().resolve_max_model_len(unchunked) == 256
+    assert build_model(unchunked, torch.float32, torch.device("cpu"), max_model_len=256).arch.attention_chunk is None
+
+
+def test_llama4_layers_as_the_config_places_them():
+    model = build_model(config_of("llama4"), torch.float32, torch.device("cpu"))
+    assert isinstance(model, DecoderMoeForCausalLM)
+    assert model.moe.sparse_layers == (1, 3) and model.arch.layer_rope == (0, None, 0, None)
+    assert model.arch.intermediate_size == 96 and model.moe.expert_intermediate_size == 48
+    assert model.arch.qk_norm == "l2" and model.arch.temperature_tuning == (4.0, 0.5) and not model.fused_recipe
+
+
+def test_llama4_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Llama4ForConditionalGeneration: its language model (language_model.*) served as Llama4ForCausalLM, the vision
+    model's and projector's tensors skipped, token for token with that language model alone in HF; its images
+    are not served (no vision encoder is built)."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    text = tiny_config_dict("llama", num_experts_per_tok=2, **FAMILIES["llama4"])
+    del text["architectures"], text["model_type"]
+    vision = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vision_output_dim=32,
+        image_size=56,
+        patch_size=14,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    )
+    config = Llama4Config(text_config=text, vision_config=vision, architectures=["Llama4ForConditionalGeneration"])
+    torch.manual_seed(0)
+    whole = Llama4ForConditionalGeneration(config).eval()
+    whole.save_pretrained(tmp_path / "whole")
+    language_model = whole.language_model
+    language_model.config.architectures = ["Llama4ForCausalLM"]
+    language_model.save_pretrained(tmp_path / "text")
+    for path in (tmp_path / "whole", tmp_path / "text"):
+        make_tiny_tokenizer().save_pretrained(path)
+    prompts = mixed_prompts()[3:6]
+    with make_llm(tmp_path / "whole") as llm:
+        assert llm.engine.runner.vision is None and llm.engine.runner.model.moe_blocks
+        results = run_greedy(llm, prompts)
+    check_against_hf(tmp_path / "text", prompts, results)

@@ -1,5 +1,5 @@
 """`--quantization int8|int4` on every mixture of experts of tests/engine/test_moe_equivalence.py (Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, Granite MoE and its shared variant, Phi-3.5-MoE): each expert (and the shared expert, and the
+Qwen3-MoE, OLMoE, Granite MoE and its shared variant, Phi-3.5-MoE, Llama 4): each expert (and the shared expert, and the
 attention) quantized on its own, router and shared-expert gate kept float; the engine serves exactly the model
 whose matrices are those quantized ones dequantized, and stays close to the float model."""
 
@@ -28,6 +28,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs
 QUANTIZED = re.compile(
     r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3|input_linear|output_linear)\.weight"
 )
+# Llama 4's experts, stacked transposed ([E, H, 2I], [E, I, H]): each expert's matrix is its transpose
+TRANSPOSED = re.compile(r".*\.feed_forward\.experts\.(gate_up_proj|down_proj)")
 METHODS = {
     "int8": (lambda w: Int8Weight.quantize(w).dequantize(), Int8Weight),
     "int4": (lambda w: Int4Groups.quantize(w, 32).dequantize(), Int4Weight),
@@ -43,7 +45,9 @@ def _dequantized_copy(model_dir, target, round_trip):
     shutil.copytree(model_dir, target)
     state = load_file(str(model_dir / "model.safetensors"))
     for name, tensor in state.items():
-        if QUANTIZED.fullmatch(name) and tensor.dim() == 3:  # stacked experts
+        if TRANSPOSED.fullmatch(name):
+            state[name] = torch.stack([round_trip(expert.t()).t() for expert in tensor]).contiguous()
+        elif QUANTIZED.fullmatch(name) and tensor.dim() == 3:  # stacked experts
             state[name] = torch.stack([round_trip(expert) for expert in tensor]).contiguous()
         elif QUANTIZED.fullmatch(name):
             state[name] = round_trip(tensor).contiguous()
@@ -84,13 +88,23 @@ the weight by a step, not a little. Measured on this checkpoint 7.3% (int8) and 
 0.5-8% (int8) and 3-26% (int4): the exact test above is the one that checks the quantized experts."""
 
 
+LLAMA4_BOUND = 0.1
+"""Llama 4's bound for either method. Measured on this checkpoint 5.3% (int8) and 4.3% (int4); with seeds 1 and 2
+0.9-1.0% (int8) and 3.3-10.9% (int4). (Not investigated further; a likely amplifier: its NoPE layers' temperature
+tuning scales the queries 2.2x by position 40 with this config's floor_scale 4 and attn_scale 0.5, sharpening their
+attention.) The exact test above is the one that checks the quantized experts."""
+
+
 @pytest.mark.parametrize("method, bound", [("int8", 0.02), ("int4", 0.1)])
 def test_quantized_experts_stay_close_to_the_float_model(moe_dir, method, bound):
     """Prompt perplexity moves by under 2% (int8, per channel) and 10% (int4, groups of 32): measured 0.5-1.1% and
     4-7.7% on these random models, whose routers turn a rounding into another expert now and then (the dense
-    tiny model's int8 bound is 1%); Phi-3.5-MoE's by SPARSEMIXER_BOUND."""
-    if json.loads((moe_dir / "config.json").read_text())["model_type"] == "phimoe":
+    tiny model's int8 bound is 1%); Phi-3.5-MoE's by SPARSEMIXER_BOUND, Llama 4's by LLAMA4_BOUND."""
+    model_type = json.loads((moe_dir / "config.json").read_text())["model_type"]
+    if model_type == "phimoe":
         bound = SPARSEMIXER_BOUND
+    elif model_type == "llama4_text":
+        bound = LLAMA4_BOUND
     with make_llm(moe_dir) as llm:
         float_nll = -torch.cat([_prompt_logprobs(r) for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]).mean()
     with make_llm(moe_dir, quantization=method) as llm:

@@ -21,7 +21,9 @@ from tests.lora.fused_steps import fused_then_unfused
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-MOE = ("mixtral", "qwen3_moe", "olmoe")  # the Llama-loop MoE, one with a dense layer, the generic decoder's
+# the Llama-loop MoE, one with a dense layer, the generic decoder's; Llama 4's (q and k rows reordered for its
+# interleaved RoPE, B's too)
+MOE = ("mixtral", "qwen3_moe", "olmoe", "llama4")
 
 
 def _base(tmp_path_factory, family: str):
