@@ -249,9 +249,12 @@ def _take_tensor(
 def _scale(config: dict, module: str, rank: int) -> float:
     """PEFT's scaling of one module: alpha / r, or alpha / sqrt(r) with rsLoRA (alpha_pattern may set alpha)."""
     alpha = float(config.get("lora_alpha", 8))
+    # The first key that matches, in the file's order, as PEFT's get_pattern_key picks it (not the last: a config
+    # saved with sorted keys lists `layers.0.self_attn.q_proj` before the bare `q_proj` that matches it too).
     for pattern, value in (config.get("alpha_pattern") or {}).items():
         if _pattern_matches(pattern, module):
             alpha = float(value)
+            break
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 

@@ -114,3 +114,23 @@ def test_fused_decode_with_an_adapter_equals_the_unfused_path(tmp_path_factory, 
         )
     assert max(rows) == 4 and unfused == fused
     assert fused[0] != fused[2]  # the adapter changes the output
+
+
+def test_alpha_pattern_takes_the_first_matching_key_as_peft_does(tmp_path_factory):
+    """PEFT scales a module by the first alpha_pattern key matching its full name (get_pattern_key), in the order
+    of the saved adapter_config.json (written with sorted keys): Phi-3's layer 0 qkv_proj takes the layer's key,
+    listed before the bare module name that also matches it; the other layers the bare name's."""
+    base = _base(tmp_path_factory, "phi3")
+    pattern = {"qkv_proj": 2, "layers.0.self_attn.qkv_proj": 32}
+    adapter = make_adapter(
+        base, tmp_path_factory.mktemp("adapter"), seed=4, r=4, targets=("qkv_proj",), alpha_pattern=pattern
+    )
+    merged = merged_model_dir(base, [(adapter, 1.0)], tmp_path_factory.mktemp("merged"))
+    prompts = mixed_prompts(3)[4:6]
+    with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("a", str(adapter)))
+        results = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=LoRAMix.single("a")
+        )
+        assert_idle(llm)
+    check_against_hf(merged, prompts, results)
