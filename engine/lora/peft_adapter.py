@@ -23,7 +23,7 @@ from typing import Any, Generator, Optional
 import torch
 
 from engine.errors import LoRAAdapterError, LoRARankError
-from engine.lora.adapter_layout import AdapterLayout, UnservedModule
+from engine.lora.adapter_layout import LANGUAGE_MODEL_PATH, AdapterLayout, UnservedModule
 
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -90,7 +90,7 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
     for key in ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters"):
         if config.get(key):
             raise LoRAAdapterError(name, f"{key} is not served")
-    saved = [m for m in config.get("modules_to_save") or [] if m not in SAVED_MODULES]
+    saved = [m for m in config.get("modules_to_save") or [] if not _saved_module(m)]
     if saved:
         raise LoRAAdapterError(name, f"modules_to_save {saved} are not served (only {list(SAVED_MODULES)})")
     rank = int(config.get("r", 8))
@@ -98,6 +98,14 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
     if max(ranks) > max_rank:
         raise LoRARankError(name, max(ranks), max_rank)
     return config
+
+
+def _saved_module(module: str) -> bool:
+    """Whether a modules_to_save entry names the embedding or the LM head: bare, or by its path in the model (PEFT
+    matches entries as suffixes of the full name, and its ensure_weight_tying writes the tied module's path,
+    `model.embed_tokens`, beside the entry given)."""
+    *path, last = module.split(".")
+    return last in SAVED_MODULES and set(path) <= LANGUAGE_MODEL_PATH
 
 
 def _check_field_types(name: str, config: dict) -> None:

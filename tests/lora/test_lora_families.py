@@ -134,3 +134,33 @@ def test_alpha_pattern_takes_the_first_matching_key_as_peft_does(tmp_path_factor
         )
         assert_idle(llm)
     check_against_hf(merged, prompts, results)
+
+
+def test_a_tied_embedding_saved_with_ensure_weight_tying(tmp_path_factory):
+    """PEFT's ensure_weight_tying (which PEFT asks for when a tied embedding is saved) writes modules_to_save as
+    ["embed_tokens", "model.embed_tokens"] and stores the LM head beside the embedding: served as PEFT's loaded
+    model runs it, the adapter's embedding and LM head both replaced (Gemma ties them)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = _base(tmp_path_factory, "gemma")
+    adapter = make_adapter(
+        base,
+        tmp_path_factory.mktemp("tied"),
+        seed=3,
+        r=2,
+        targets=("v_proj",),
+        modules_to_save=["embed_tokens"],
+        ensure_weight_tying=True,
+    )
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(adapter)).eval()
+    prompts = mixed_prompts(3)[4:6]
+    with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("tied", str(adapter)))
+        loras = [LoRAMix.single("tied"), None]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+        assert_idle(llm)
+    tokens, logprobs = hf_greedy_of(reference, prompts[0], NEW_TOKENS)
+    assert results[0].outputs[0].token_ids == tokens
+    assert [lp.logprob for lp in results[0].outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
+    check_against_hf(base, prompts[1:], results[1:])
