@@ -87,7 +87,10 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
         raise LoRAAdapterError(name, f"trained biases (bias {config.get('bias')!r}, lora_bias) are not served")
     if config.get("fan_in_fan_out"):
         raise LoRAAdapterError(name, "fan_in_fan_out (Conv1D-style weights) is not served")
-    for key in ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters"):
+    # (alora_invocation_tokens: activated LoRA adapts only the tokens from the invocation on; use_qalora: A reads
+    # inputs pooled by groups. Either served as plain LoRA would change every token's output otherwise.)
+    refused = ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters")
+    for key in (*refused, "alora_invocation_tokens", "use_qalora"):
         if config.get(key):
             raise LoRAAdapterError(name, f"{key} is not served")
     saved = [m for m in config.get("modules_to_save") or [] if not _saved_module(m)]
