@@ -88,7 +88,12 @@ class AdapterLayout:
         """One adapted module (its name in the base model, as PEFT's rank_pattern reads it: model.layers.3.mlp.c_fc),
         its A [r, in] and B [out, r] -> (layer, projection, A, B) per served projection it covers, B's rows in the
         model's order. UnservedModule when the model does not adapt it."""
-        named = (module + ".weight", b) if self.rows is None else next(iter(self.rows([(module + ".weight", b)])), None)
+        try:
+            named = (
+                (module + ".weight", b) if self.rows is None else next(iter(self.rows([(module + ".weight", b)])), None)
+            )
+        except (ValueError, RuntimeError) as exc:  # B's rows do not fit the family's regrouping (another size's)
+            raise UnservedModule(f"{module!r}: its lora_B of {b.shape[0]} rows does not fit the model: {exc}") from None
         if named is None:  # (a name the family's loader drops: GPT-NeoX's mask buffers)
             raise UnservedModule(f"{module!r} is not a layer's projection (targets served: {self.targets()})")
         name, b = named

@@ -23,7 +23,7 @@ from typing import Any, Generator, Optional
 import torch
 
 from engine.errors import LoRAAdapterError, LoRARankError
-from engine.lora.adapter_layout import AdapterLayout, UnservedModule
+from engine.lora.adapter_layout import LANGUAGE_MODEL_PATH, AdapterLayout, UnservedModule
 
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -87,10 +87,13 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
         raise LoRAAdapterError(name, f"trained biases (bias {config.get('bias')!r}, lora_bias) are not served")
     if config.get("fan_in_fan_out"):
         raise LoRAAdapterError(name, "fan_in_fan_out (Conv1D-style weights) is not served")
-    for key in ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters"):
+    # (alora_invocation_tokens: activated LoRA adapts only the tokens from the invocation on; use_qalora: A reads
+    # inputs pooled by groups. Either served as plain LoRA would change every token's output otherwise.)
+    refused = ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters")
+    for key in (*refused, "alora_invocation_tokens", "use_qalora"):
         if config.get(key):
             raise LoRAAdapterError(name, f"{key} is not served")
-    saved = [m for m in config.get("modules_to_save") or [] if m not in SAVED_MODULES]
+    saved = [m for m in config.get("modules_to_save") or [] if not _saved_module(m)]
     if saved:
         raise LoRAAdapterError(name, f"modules_to_save {saved} are not served (only {list(SAVED_MODULES)})")
     rank = int(config.get("r", 8))
@@ -98,6 +101,14 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
     if max(ranks) > max_rank:
         raise LoRARankError(name, max(ranks), max_rank)
     return config
+
+
+def _saved_module(module: str) -> bool:
+    """Whether a modules_to_save entry names the embedding or the LM head: bare, or by its path in the model (PEFT
+    matches entries as suffixes of the full name, and its ensure_weight_tying writes the tied module's path,
+    `model.embed_tokens`, beside the entry given)."""
+    *path, last = module.split(".")
+    return last in SAVED_MODULES and set(path) <= LANGUAGE_MODEL_PATH
 
 
 def _check_field_types(name: str, config: dict) -> None:
@@ -249,9 +260,12 @@ def _take_tensor(
 def _scale(config: dict, module: str, rank: int) -> float:
     """PEFT's scaling of one module: alpha / r, or alpha / sqrt(r) with rsLoRA (alpha_pattern may set alpha)."""
     alpha = float(config.get("lora_alpha", 8))
+    # The first key that matches, in the file's order, as PEFT's get_pattern_key picks it (not the last: a config
+    # saved with sorted keys lists `layers.0.self_attn.q_proj` before the bare `q_proj` that matches it too).
     for pattern, value in (config.get("alpha_pattern") or {}).items():
         if _pattern_matches(pattern, module):
             alpha = float(value)
+            break
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 

@@ -83,10 +83,16 @@ class MedusaHeads:
     def _argmax(self, h: torch.Tensor, lm_head: Any, vocab_limit: int) -> torch.Tensor:
         if lm_head is not None:
             logits = self.linear(h, lm_head, None).float()  # [n, rows]
-        elif self.target_lm_head is not None:
-            logits = F.linear(h, self.target_lm_head).float()
         else:
-            logits = self.target.head_logits(h)
+            if self.target_lm_head is not None:
+                logits = F.linear(h, self.target_lm_head).float()
+            else:
+                logits = self.target.head_logits(h)
+            # The target's LM head as the target reads it: its bias (Phi-2's) moves the argmax; the family's
+            # divisor, scale and soft-cap do not.
+            bias = getattr(self.target, "lm_head_bias", None)
+            if bias is not None:
+                logits = logits + bias.float()
         if self.token_map is not None:  # (its ids are checked below vocab_limit at load)
             return self.token_map[logits.argmax(dim=-1)]
         return logits[:, :vocab_limit].argmax(dim=-1)

@@ -32,7 +32,6 @@ from engine.errors import SettingsConflictError
 from engine.loading.loader import CheckpointError, iter_weights, prepare_checkpoint, weight_files
 from engine.spec_decode.medusa import MedusaHead, MedusaHeads
 from engine.spec_decode.speculative_config import SpeculativeConfig
-from engine.spec_decode.target_rows import full_target_rows
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +163,7 @@ def _build(
             raise ValueError("a truncated vocabulary (token_map) needs the heads' own LM head (lm_head.weight)")
         if matrix is None and target.vocab_parallel is not None:  # the target's, whole on this rank
             assert target_checkpoint is not None  # (the builder passes it)
-            target_lm_head = full_target_rows(target_checkpoint, target.dtype, target.device)[1]
+            target_lm_head = _target_lm_head(target_checkpoint, target)
         shared = None if matrix is None else _lm_head(matrix, token_map, target)
         matrices = [shared] * num_heads
     else:
@@ -180,6 +179,32 @@ def _build(
     if token_map is not None:
         token_map = token_map.to(target.device)  # (kept on the host until the LM heads' rows were taken)
     return MedusaHeads(heads, target, target.linear, token_map=token_map, target_lm_head=target_lm_head)
+
+
+def _target_lm_head(checkpoint: Path, target: Any) -> torch.Tensor:
+    """The target's whole LM head, read from its checkpoint (its ranks each hold a slice) by the family's names:
+    GPT-J's and Falcon's embedding is transformer.wte / word_embeddings, GPT-NeoX's head embed_out. The heads need
+    the head alone; the embedding where the model ties them or stores no head, as the model itself takes it."""
+    renames = getattr(target.arch, "renames", ())
+
+    def llama_name(name: str) -> str:
+        for old, new in renames:
+            name = name.replace(old, new)
+        return name.removeprefix("model.")
+
+    wanted = ("lm_head.weight", "embed_tokens.weight")
+    rows: dict[str, torch.Tensor] = {}
+    try:
+        for name, tensor in iter_weights(checkpoint, keep=lambda n: llama_name(n) in wanted):
+            rows[llama_name(name)] = tensor
+    except CheckpointError as error:
+        raise ValueError(f"the target's LM head cannot be read: {error}") from error
+    head = rows.get("lm_head.weight")
+    if target.arch.tie_word_embeddings or head is None:
+        head = rows.get("embed_tokens.weight")
+    if head is None:
+        raise ValueError("the target's checkpoint stores no LM head (nor an embedding tied to it) by its names")
+    return head.to(dtype=target.dtype, device=target.device)
 
 
 def _blocks(

@@ -204,3 +204,21 @@ def test_a_step_that_fails_on_rank_0_stops_every_later_step(model_dir):
             llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
         with pytest.raises(RuntimeError, match="rank 0|worker rank"):
             llm.generate([{"prompt_token_ids": [5, 6, 7, 9]}], params, use_tqdm=False)
+
+
+def test_medusa_heads_sharing_the_lm_head_of_a_family_named_otherwise(tmp_path):
+    """Medusa heads sharing the target's LM head beside two ranks, on GPT-J (its embedding stored as
+    transformer.wte, its LM head with a bias): the whole LM head is read from the target's checkpoint by the
+    family's names; the tokens of one process without speculation."""
+    from tests.engine.medusa_factories import make_medusa_heads, random_medusa_tensors
+
+    target = make_tiny_model_dir(tmp_path / "target", "gptj")
+    tensors = {name: t for name, t in random_medusa_tensors(3).items() if not name.startswith("lm_heads.")}
+    heads = make_medusa_heads(tmp_path / "heads", tensors, original_lm_head=True)
+    config = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3}
+    config.update(adaptive=False, step_cost_model=False)
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8]
+    expected, _ = generate(target, prompts, 1)
+    got, stats = generate(target, prompts, 2, speculative_config=config)
+    assert stats.speculation is not None and stats.speculation.num_draft_tokens > 0
+    assert_same(got, expected)

@@ -78,9 +78,10 @@ def reference_drafts(
     k: int,
     token_map: Optional[torch.Tensor] = None,
     shared_lm_head: Optional[torch.Tensor] = None,
+    shared_lm_head_bias: Optional[torch.Tensor] = None,
 ) -> list[int]:
     """The k drafts after `token_ids` of heads of `tensors` on the HF `target` (float64). `shared_lm_head`: one
-    LM head for every head (original_lm_head)."""
+    LM head for every head (original_lm_head), with `shared_lm_head_bias` where it is the target's with a bias."""
     t = {name: tensor.double() for name, tensor in tensors.items() if tensor.is_floating_point()}
     with torch.no_grad():
         states = target(torch.tensor([token_ids]), output_hidden_states=True).hidden_states
@@ -99,7 +100,8 @@ def reference_drafts(
                 lm_head = lm_head[token_map] if lm_head.shape[0] != token_map.numel() else lm_head
                 drafts.append(int(token_map[int((lm_head @ h).argmax())]))
             else:
-                drafts.append(int((lm_head @ h).argmax()))
+                logits = lm_head @ h
+                drafts.append(int((logits if shared_lm_head_bias is None else logits + shared_lm_head_bias).argmax()))
     return drafts
 
 

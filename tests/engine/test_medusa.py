@@ -102,6 +102,36 @@ def test_each_proposal_is_the_reference_heads(kind, target_dir, tmp_path):
         assert drafts == reference_drafts(target, k=len(drafts), token_ids=tokens, **reference)
 
 
+def test_heads_sharing_a_target_lm_head_with_a_bias_add_it(tmp_path):
+    """Heads that share the target's LM head (original_lm_head, none stored) read it as the target does: Phi-2's
+    lm_head has a bias, which moves the argmax of the tiny heads' logits."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir = make_tiny_model_dir(tmp_path / "phi", "phi")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64)
+    path, reference = _variant("target_lm_head", tmp_path / "heads")
+    reference["shared_lm_head"] = target.lm_head.weight
+    reference["shared_lm_head_bias"] = target.lm_head.bias * 20  # (the tiny model's bias, made to matter)
+    with torch.no_grad():
+        target.lm_head.bias.mul_(20)
+    state = {name: tensor.float() for name, tensor in target.state_dict().items()}
+    target.float().save_pretrained(target_dir, state_dict=state)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with make_llm(target_dir, speculative_config=medusa_config(path)) as llm:
+        calls = record_proposals(llm)
+        run(llm, PROMPTS[:3], params)
+        assert_heads_idle(llm)
+    drafted = [(tokens, drafts) for tokens, drafts in calls if drafts]
+    assert len(drafted) >= 6
+    for tokens, drafts in drafted:
+        assert drafts == reference_drafts(target.double(), k=len(drafts), token_ids=tokens, **reference)
+    without_bias = {**reference, "shared_lm_head_bias": None}
+    assert any(
+        drafts != reference_drafts(target, k=len(drafts), token_ids=tokens, **without_bias)
+        for tokens, drafts in drafted
+    )
+
+
 SCENARIOS = {
     "default": {},
     "chunked prefill": {"max_num_batched_tokens": 16, "max_num_seqs": 4},

@@ -32,6 +32,8 @@ def make_adapter(
     use_dora: bool = False,
     modules_to_save: Optional[list[str]] = None,
     weight_scale: float = 1.0,
+    alpha_pattern: Optional[dict[str, float]] = None,
+    ensure_weight_tying: bool = False,
     merge: bool = False,
     keep: bool = False,
 ):
@@ -51,6 +53,8 @@ def make_adapter(
         use_dora=use_dora,
         modules_to_save=modules_to_save,
         init_lora_weights=False,
+        alpha_pattern=alpha_pattern or {},
+        ensure_weight_tying=ensure_weight_tying,
     )
     model = get_peft_model(_base(base_dir), config)
     with torch.no_grad():

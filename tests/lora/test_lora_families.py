@@ -116,3 +116,67 @@ def test_fused_decode_with_an_adapter_equals_the_unfused_path(tmp_path_factory, 
         )
     assert max(rows) == 4 and unfused == fused
     assert fused[0] != fused[2]  # the adapter changes the output
+
+
+def test_alpha_pattern_takes_the_first_matching_key_as_peft_does(tmp_path_factory):
+    """PEFT scales a module by the first alpha_pattern key matching its full name (get_pattern_key), in the order
+    of the saved adapter_config.json (written with sorted keys): Phi-3's layer 0 qkv_proj takes the layer's key,
+    listed before the bare module name that also matches it; the other layers the bare name's."""
+    base = _base(tmp_path_factory, "phi3")
+    pattern = {"qkv_proj": 2, "layers.0.self_attn.qkv_proj": 32}
+    adapter = make_adapter(
+        base, tmp_path_factory.mktemp("adapter"), seed=4, r=4, targets=("qkv_proj",), alpha_pattern=pattern
+    )
+    merged = merged_model_dir(base, [(adapter, 1.0)], tmp_path_factory.mktemp("merged"))
+    prompts = mixed_prompts(3)[4:6]
+    with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("a", str(adapter)))
+        results = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=LoRAMix.single("a")
+        )
+        assert_idle(llm)
+    check_against_hf(merged, prompts, results)
+
+
+def test_a_tied_embedding_saved_with_ensure_weight_tying(tmp_path_factory):
+    """PEFT's ensure_weight_tying (which PEFT asks for when a tied embedding is saved) writes modules_to_save as
+    ["embed_tokens", "model.embed_tokens"] and stores the LM head beside the embedding: served as PEFT's loaded
+    model runs it, the adapter's embedding and LM head both replaced (Gemma ties them)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = _base(tmp_path_factory, "gemma")
+    adapter = make_adapter(
+        base,
+        tmp_path_factory.mktemp("tied"),
+        seed=3,
+        r=2,
+        targets=("v_proj",),
+        modules_to_save=["embed_tokens"],
+        ensure_weight_tying=True,
+    )
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(adapter)).eval()
+    prompts = mixed_prompts(3)[4:6]
+    with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        llm.engine.lora_manager.add_lora(LoRARequest("tied", str(adapter)))
+        loras = [LoRAMix.single("tied"), None]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+        assert_idle(llm)
+    tokens, logprobs = hf_greedy_of(reference, prompts[0], NEW_TOKENS)
+    assert results[0].outputs[0].token_ids == tokens
+    assert [lp.logprob for lp in results[0].outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
+    check_against_hf(base, prompts[1:], results[1:])
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "cohere"])
+def test_an_adapter_of_another_size_is_refused_by_name(family, tmp_path_factory):
+    """B's rows regrouped by the family's transform (GPT-NeoX's per-head query_key_value, Cohere's interleaved RoPE
+    pairs) that do not fit the model's heads: a LoRAAdapterError naming the module (a 400), not the transform's
+    ValueError or torch's RuntimeError (a 500, or a start-up traceback instead of a named flag)."""
+    base = _base(tmp_path_factory, family)
+    other = make_tiny_model_dir(tmp_path_factory.mktemp("other"), family, hidden_size=40, intermediate_size=64)
+    adapter = make_adapter(other, tmp_path_factory.mktemp("adapter"), seed=1, r=2, targets="all-linear")
+    with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
+        with pytest.raises(LoRAAdapterError, match=r"layers\.0\..* does not fit the model"):
+            llm.engine.lora_manager.add_lora(LoRARequest("other", str(adapter)))
+        assert_idle(llm)

@@ -3,6 +3,7 @@ and at most max_loras adapters in a step."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -286,4 +287,17 @@ def test_a_cold_load_runs_in_slices_between_steps(lora_base_dir, adapter_a, merg
         assert first[0] + tokens["a-cold"] == _reference(merged["a"])
         assert future.done() and future.result().request.name == "b" and "b" in manager.loaded_names()
         assert [r.name for r in manager.list_loras()] == ["a", "b"]
+        assert_idle(llm)
+
+
+@pytest.mark.parametrize("key, value", [("alora_invocation_tokens", [5, 6]), ("use_qalora", True)])
+def test_adapters_whose_forward_is_not_plain_lora_are_refused(lora_base_dir, tmp_path, key, value):
+    """PEFT's activated LoRA adapts the tokens from its invocation on only, QALoRA's A reads pooled inputs: served
+    as plain LoRA every token's output would differ from PEFT's."""
+    adapter = make_adapter(lora_base_dir, tmp_path / "adapter", seed=5, r=2)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=2) as llm:
+        with pytest.raises(LoRAAdapterError, match=f"{key} is not served"):
+            llm.engine.lora_manager.add_lora(LoRARequest("x", str(adapter)))
         assert_idle(llm)
