@@ -127,7 +127,9 @@ def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch) -> AdapterLayout:
     their base rows (names, per-head q/k/v, RoPE halves), which B's rows take too."""
     mlp = "none" if isinstance(model, MoeForCausalLM) else "gated"
     if not isinstance(whole, DecoderArch):
-        return AdapterLayout(whole.model_type, whole.q_size, whole.kv_size, whole.intermediate_size, mlp)
+        return AdapterLayout(
+            whole.model_type, whole.q_size, whole.kv_size, whole.intermediate_size, mlp, hidden_size=whole.hidden_size
+        )
     plain = whole.plain_mlp
     return AdapterLayout(
         whole.model_type,
@@ -142,4 +144,5 @@ def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch) -> AdapterLayout:
             for old, new in whole.renames
             if new.strip(".").rsplit(".", 1)[-1] in ("o_proj", "qkv_proj")
         ),
+        hidden_size=whole.hidden_size,
     )

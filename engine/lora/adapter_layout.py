@@ -60,6 +60,7 @@ class AdapterLayout:
     plain_names: tuple[str, str] = ("up_proj", "down_proj")  # a plain MLP's two products, by the checkpoint's names
     rows: Optional[Rows] = None  # None: the checkpoint's names and rows are the model's (the Llama family)
     aliases: tuple[tuple[str, str], ...] = ()  # (Llama's name, the family's) where `rows` renames (Phi-2's dense)
+    hidden_size: int = 0  # with the sizes above, each piece's shape is checked against the model's (0: not checked)
 
     def __post_init__(self):
         if self.mlp not in MLP_KINDS:
@@ -108,7 +109,23 @@ class AdapterLayout:
         pieces = self._pieces(parent, projection, b)
         if pieces is None:
             raise UnservedModule(f"target {module!r} is not served on {self.family} (only {self.targets()})")
+        for served, rows in pieces:
+            self._check_shape(module, served, a, rows)
         return [(layer, served, a, rows) for served, rows in pieces]
+
+    def _check_shape(self, module: str, projection: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """An adapter trained on another size of the family is refused as it loads, not when a slot first takes it."""
+        if not self.hidden_size:
+            return
+        hidden, q, kv, inter = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
+        widths = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+        widths.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
+        inputs, outputs = widths[projection]
+        if a.shape[1] != inputs or b.shape[0] != outputs:
+            raise UnservedModule(
+                f"{module!r} ({projection}) is {b.shape[0]} x {a.shape[1]} (lora_B rows x lora_A columns); the "
+                f"model's is {outputs} x {inputs}: an adapter of another model"
+            )
 
     def _pieces(self, parent: str, projection: str, b: torch.Tensor) -> Optional[list[tuple[str, torch.Tensor]]]:
         if parent == "self_attn":

@@ -168,15 +168,18 @@ def test_a_tied_embedding_saved_with_ensure_weight_tying(tmp_path_factory):
     check_against_hf(base, prompts[1:], results[1:])
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "cohere"])
+@pytest.mark.parametrize("family", ["gpt_neox", "cohere", "llama"])
 def test_an_adapter_of_another_size_is_refused_by_name(family, tmp_path_factory):
     """B's rows regrouped by the family's transform (GPT-NeoX's per-head query_key_value, Cohere's interleaved RoPE
-    pairs) that do not fit the model's heads: a LoRAAdapterError naming the module (a 400), not the transform's
-    ValueError or torch's RuntimeError (a 500, or a start-up traceback instead of a named flag)."""
+    pairs) that do not fit the model's heads, or matrices of another width (any family): a LoRAAdapterError naming
+    the module as the adapter loads (a 400), not the transform's ValueError or torch's RuntimeError (a 500, or a
+    start-up traceback instead of a named flag), nor a failure when a slot first takes it."""
     base = _base(tmp_path_factory, family)
     other = make_tiny_model_dir(tmp_path_factory.mktemp("other"), family, hidden_size=40, intermediate_size=64)
     adapter = make_adapter(other, tmp_path_factory.mktemp("adapter"), seed=1, r=2, targets="all-linear")
     with make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4) as llm:
-        with pytest.raises(LoRAAdapterError, match=r"layers\.0\..* does not fit the model"):
+        with pytest.raises(
+            LoRAAdapterError, match=r"layers\.0\..*(does not fit the model|an adapter of another model)"
+        ):
             llm.engine.lora_manager.add_lora(LoRARequest("other", str(adapter)))
         assert_idle(llm)
