@@ -30,6 +30,10 @@ _LORA_KEY = re.compile(r"(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
 SAVED_MODULES = ("embed_tokens", "lm_head")
 """The modules_to_save served: whole matrices that replace the base's for the adapter's requests."""
 
+BASE_CHANGING_INITS = ("olora", "corda", "lora_ga")
+"""PEFT initialisations that change the base weights (as PiSSA's do): saved unconverted, such an adapter's deltas
+are relative to that changed base."""
+
 _PEFT_WRAPPER = "base_model.model."
 """What PEFT's saved keys hold before the base model's own module names."""
 
@@ -93,6 +97,13 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
     for key in (*refused, "alora_invocation_tokens", "use_qalora"):
         if config.get(key):
             raise LoRAAdapterError(name, f"{key} is not served")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and (init.startswith("pissa") or init in BASE_CHANGING_INITS):
+        raise LoRAAdapterError(
+            name,
+            f"init_lora_weights {init!r}: its initialisation subtracted B A from the base weights, so it adapts a base "
+            "other than this one (PEFT converts it to plain LoRA when saved with path_initial_model_for_weight_conversion)",
+        )
     saved = [m for m in config.get("modules_to_save") or [] if not _saved_module(m)]
     if saved:
         raise LoRAAdapterError(name, f"modules_to_save {saved} are not served (only {list(SAVED_MODULES)})")

@@ -290,14 +290,23 @@ def test_a_cold_load_runs_in_slices_between_steps(lora_base_dir, adapter_a, merg
         assert_idle(llm)
 
 
-@pytest.mark.parametrize("key, value", [("alora_invocation_tokens", [5, 6]), ("use_qalora", True)])
-def test_adapters_whose_forward_is_not_plain_lora_are_refused(lora_base_dir, tmp_path, key, value):
-    """PEFT's activated LoRA adapts the tokens from its invocation on only, QALoRA's A reads pooled inputs: served
-    as plain LoRA every token's output would differ from PEFT's."""
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("alora_invocation_tokens", [5, 6], "alora_invocation_tokens is not served"),
+        ("use_qalora", True, "use_qalora is not served"),
+        ("init_lora_weights", "pissa_niter_4", "subtracted B A from the base weights"),
+        ("init_lora_weights", "olora", "subtracted B A from the base weights"),
+    ],
+)
+def test_adapters_whose_forward_is_not_plain_lora_are_refused(lora_base_dir, tmp_path, key, value, message):
+    """PEFT's activated LoRA adapts the tokens from its invocation on only, QALoRA's A reads pooled inputs, PiSSA's
+    and OLoRA's (saved unconverted) adapt a base they changed: served as plain LoRA over this base every token's
+    output would differ from PEFT's."""
     adapter = make_adapter(lora_base_dir, tmp_path / "adapter", seed=5, r=2)
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, key: value}))
     with make_llm(lora_base_dir, enable_lora=True, max_loras=1, max_lora_rank=2) as llm:
-        with pytest.raises(LoRAAdapterError, match=f"{key} is not served"):
+        with pytest.raises(LoRAAdapterError, match=message):
             llm.engine.lora_manager.add_lora(LoRARequest("x", str(adapter)))
         assert_idle(llm)
