@@ -20,7 +20,7 @@ from engine.models.decoder_arch import DecoderArch
 
 def checkpoint_rows(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterable[tuple[str, Any]]:
     """The checkpoint's tensors as the model reads them: Llama's names, q | k | v, RoPE halves."""
-    if arch.renames or arch.ignored or arch.qkv_per_head:
+    if arch.renames or arch.ignored or arch.qkv_per_head or arch.base_prefix:
         weights = llama_names(weights, arch)
     return rope_halves(weights, arch) if arch.rope_interleaved else weights
 
@@ -45,11 +45,15 @@ def rope_halves(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterat
 
 
 def llama_names(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterator[tuple[str, Any]]:
-    """Each tensor by Llama's name (`arch.renames` replaced in turn), those `arch.ignored` dropped, a per-head fused
-    qkv reordered into q | k | v."""
+    """Each tensor by Llama's name (`arch.renames` replaced in turn, after a base model's names get the causal LM's
+    `base_prefix`), those `arch.ignored` dropped, a per-head fused qkv reordered into q | k | v."""
+    prefix = arch.base_prefix
+    heads = ("lm_head.", *(old for old, new in arch.renames if new.startswith("lm_head.")))  # (outside the prefix)
     for name, tensor in weights:
         if name.endswith(arch.ignored) and arch.ignored:
             continue  # (GPT-NeoX's causal-mask buffers, saved by old transformers)
+        if prefix and not name.startswith((prefix, *heads)):
+            name = prefix + name
         for old, new in arch.renames:
             name = name.replace(old, new)
         if arch.qkv_per_head and ".self_attn.qkv_proj." in name:

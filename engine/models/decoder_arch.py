@@ -87,6 +87,9 @@ class DecoderArch(LlamaArch):
     # (checkpoint's, Llama's) parts of tensor names, replaced in each name in turn at load (Phi-2's self_attn.dense
     # -> self_attn.o_proj; GPT-NeoX's gpt_neox.layers. -> model.layers., ...): the loader reads Llama's names
     renames: tuple[tuple[str, str], ...] = ()
+    # the causal LM's path to its base model (GPT-NeoX's gpt_neox., GPT-J's transformer.): a checkpoint saved as the
+    # base model (AutoModel: an embedding model) names its tensors without it, and gets it back before `renames`
+    base_prefix: str = ""
     ignored: tuple[str, ...] = ()  # name endings of stored tensors nothing reads (GPT-NeoX's old mask buffers)
     # the fused qkv_proj's rows are per KV head, each group's query heads then its k and v ([q_h; k_h; v_h] with as
     # many KV heads as queries: GPT-NeoX's query_key_value; Falcon's new_decoder_architecture groups): reordered at

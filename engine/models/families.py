@@ -368,6 +368,7 @@ def gpt_neox_arch(config: Any) -> DecoderArch:
         rotary_dim=_rotary_dim(config),
         plain_mlp=("dense_h_to_4h", "dense_4h_to_h"),
         renames=GPT_NEOX_NAMES,
+        base_prefix="gpt_neox.",
         ignored=(".attention.bias", ".attention.masked_bias"),  # old transformers' causal-mask buffers
         qkv_per_head=True,
     )
@@ -410,6 +411,7 @@ def gptj_arch(config: Any) -> DecoderArch:
         plain_mlp=("fc_in", "fc_out"),
         lm_head_bias=True,
         renames=GPTJ_NAMES,
+        base_prefix="transformer.",
         ignored=(".attn.bias", ".attn.masked_bias"),  # old transformers' causal-mask buffers
         intermediate_size=getattr(config, "n_inner", None) or 4 * config.hidden_size,
     )
@@ -456,6 +458,7 @@ def gpt_bigcode_arch(config: Any) -> DecoderArch:
         layer_rope=(None,) * config.num_hidden_layers,
         plain_mlp=("c_fc", "c_proj"),
         renames=GPT_BIGCODE_NAMES,
+        base_prefix="transformer.",
         ignored=(".attn.bias", ".attn.masked_bias"),  # old transformers' causal-mask buffers
         qkv_per_head=not config.multi_query,
         learned_positions=True,
@@ -508,6 +511,7 @@ def falcon_arch(config: Any) -> DecoderArch:
         layer_attention=_uniform_attention(config, _head_scale(config)),
         plain_mlp=("dense_h_to_4h", "dense_4h_to_h"),
         renames=FALCON_NAMES,
+        base_prefix="transformer.",
         qkv_per_head=bool(new or not multi_query),
         intermediate_size=getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size,
     )

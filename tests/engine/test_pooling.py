@@ -29,6 +29,12 @@ FAMILIES = {
     "qwen3": ("qwen3", {}),
     "gemma2": ("gemma2", {}),  # the generic decoder: (1 + w) norms folded at load, embeddings scaled
     "starcoder2": ("starcoder2", {}),  # its final norm a LayerNorm with a bias
+    # base models whose tensors carry no prefix (GPTNeoXModel's embed_in, layers; GPTJModel's wte, h): the CausalLM's
+    # gpt_neox. / transformer. is what their names are read under
+    "gpt_neox": ("gpt_neox", {}),
+    "gptj": ("gptj", {}),
+    "falcon_new": ("falcon_new", {}),
+    "gpt_bigcode": ("gpt_bigcode", {}),
     "mixtral": ("llama", dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8)),
     # the generic decoder with experts: LayerNorms (the final one's bias), a biased LM head the base model lacks
     "phimoe": ("llama", dict(num_experts_per_tok=2, **MOE_FAMILIES["phimoe"])),
