@@ -282,16 +282,12 @@ def _transposed_experts(
 ) -> Union[torch.Tensor, list[QuantizedWeight]]:
     """Llama 4's stacked experts' share, in their own layout: gate_up [E, H, 2I] -> [E, H, 2I / ranks] (this rank's
     gate columns, then its up columns), down [E, I, H] -> [E, I / ranks, H]; with `quantize_whole` (int8) the down
-    matrices as a list, each expert's transposed to [H, I] and quantized whole, then cut."""
+    matrices as a list, each expert's transposed to [H, I] and quantized whole, then cut: `_stacked_experts`' cut of
+    the transpose, transposed back."""
     if not isinstance(tensor, torch.Tensor):
         raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
-    if name.endswith("down_proj"):
-        if quantize_whole is not None:
-            share = tensor.shape[1] // ranks
-            return [quantize_whole(expert.t()).take_columns(rank * share, (rank + 1) * share) for expert in tensor]
-        return tensor.chunk(ranks, dim=1)[rank].contiguous()
-    gate, up = tensor.chunk(2, dim=2)
-    return torch.cat([gate.chunk(ranks, dim=2)[rank], up.chunk(ranks, dim=2)[rank]], dim=2).contiguous()
+    share = _stacked_experts(name, tensor.transpose(1, 2), rank, ranks, quantize_whole)
+    return share if isinstance(share, list) else share.transpose(1, 2).contiguous()
 
 
 def _rows_of(tensor: Union[torch.Tensor, GgufWeight]) -> int:

@@ -78,35 +78,44 @@ def test_speculation_on_and_off_give_the_same_greedy_text_and_the_metrics_count_
     assert values['pagedserve_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}'] > 0
 
 
+def _sdk_outputs_without_and_with_speculation(running) -> list[tuple]:
+    """(completion text, its tokens, streamed chat text) through the openai SDK, with `speculative: false` then on;
+    afterwards the engine is idle and drafts were verified."""
+    sdk = running.sdk()
+    outputs = []
+    for speculative in (False, True):
+        completion = sdk.completions.create(
+            model="tiny",
+            prompt=LOOPING_PROMPT,
+            max_tokens=24,
+            temperature=0,
+            logprobs=1,
+            extra_body={"ignore_eos": True, "speculative": speculative},
+        )
+        stream = sdk.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "the quick brown fox"}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"speculative": speculative},
+        )
+        chat = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        choice = completion.choices[0]
+        outputs.append((choice.text, choice.logprobs.tokens, chat))
+    running.wait_idle()
+    assert running.engine.engine.stats().speculation.num_draft_tokens > 0
+    return outputs
+
+
 def test_an_eagle3_head_served_gives_the_greedy_text_of_no_speculation(tiny_model_dir, tmp_path):
     """The openai SDK against a server whose drafts come from an EAGLE-3 head (reading the tiny model's layers 0,
     1 and 1): completions and streamed chat equal their runs with `speculative: false`; drafts were verified."""
     head = make_eagle_head(tmp_path / "head", "eagle3", feature_layers=[0, 1, 1], draft_vocab=300)
     config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "step_cost_model": False}
     with serving(tiny_model_dir, ServerConfig(served_model_name="tiny"), speculative_config=config) as running:
-        sdk = running.sdk()
-        texts = []
-        for speculative in (False, True):
-            completion = sdk.completions.create(
-                model="tiny",
-                prompt=LOOPING_PROMPT,
-                max_tokens=24,
-                temperature=0,
-                extra_body={"ignore_eos": True, "speculative": speculative},
-            )
-            stream = sdk.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": "the quick brown fox"}],
-                max_tokens=16,
-                temperature=0,
-                stream=True,
-                extra_body={"speculative": speculative},
-            )
-            chat = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-            texts.append((completion.choices[0].text, chat))
-        assert texts[0] == texts[1]
-        running.wait_idle()
-        assert running.engine.engine.stats().speculation.num_draft_tokens > 0
+        without, with_drafts = _sdk_outputs_without_and_with_speculation(running)
+        assert without == with_drafts
         proposer = running.engine.engine.scheduler.proposer
         assert proposer.num_requests == 0 and proposer.cache.num_free_blocks == proposer.cache.num_blocks
 
@@ -117,31 +126,8 @@ def test_medusa_heads_served_give_the_greedy_text_of_no_speculation(tiny_model_d
     heads = make_medusa_heads(tmp_path / "heads", num_heads=3)
     config = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3, "step_cost_model": False}
     with serving(tiny_model_dir, ServerConfig(served_model_name="tiny"), speculative_config=config) as running:
-        sdk = running.sdk()
-        texts = []
-        for speculative in (False, True):
-            completion = sdk.completions.create(
-                model="tiny",
-                prompt=LOOPING_PROMPT,
-                max_tokens=24,
-                temperature=0,
-                logprobs=1,
-                extra_body={"ignore_eos": True, "speculative": speculative},
-            )
-            stream = sdk.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": "the quick brown fox"}],
-                max_tokens=16,
-                temperature=0,
-                stream=True,
-                extra_body={"speculative": speculative},
-            )
-            chat = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-            choice = completion.choices[0]
-            texts.append((choice.text, choice.logprobs.tokens, chat))
-        assert texts[0] == texts[1]
-        running.wait_idle()
-        assert running.engine.engine.stats().speculation.num_draft_tokens > 0
+        without, with_drafts = _sdk_outputs_without_and_with_speculation(running)
+        assert without == with_drafts
         assert running.engine.engine.scheduler.proposer.num_requests == 0
 
 
