@@ -125,23 +125,20 @@ def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch) -> AdapterLayout:
     """How the family's adapters map onto `model`'s projections (`whole`: the whole model's shape): its MLP's kind
     (none adapted in a mixture of experts), and for the generic decoder's families the checkpoint transform of
     their base rows (names, per-head q/k/v, RoPE halves), which B's rows take too."""
-    mlp = "none" if isinstance(model, MoeForCausalLM) else "gated"
-    if not isinstance(whole, DecoderArch):
-        return AdapterLayout(
-            whole.model_type, whole.q_size, whole.kv_size, whole.intermediate_size, mlp, hidden_size=whole.hidden_size
-        )
-    plain = whole.plain_mlp
+    decoder = whole if isinstance(whole, DecoderArch) else None  # (the Llama family reads Llama's names as they are)
+    plain = None if decoder is None else decoder.plain_mlp
+    mlp = "none" if isinstance(model, MoeForCausalLM) else "gated" if plain is None else "plain"
     return AdapterLayout(
         whole.model_type,
         whole.q_size,
         whole.kv_size,
         whole.intermediate_size,
-        "plain" if plain is not None and mlp != "none" else mlp,
+        mlp,
         plain or ("up_proj", "down_proj"),
-        rows=lambda weights: iter(checkpoint_rows(weights, whole)),
+        rows=None if decoder is None else lambda weights: iter(checkpoint_rows(weights, decoder)),
         aliases=tuple(
             (new.strip(".").rsplit(".", 1)[-1], old.strip(".").rsplit(".", 1)[-1])
-            for old, new in whole.renames
+            for old, new in (() if decoder is None else decoder.renames)
             if new.strip(".").rsplit(".", 1)[-1] in ("o_proj", "qkv_proj")
         ),
         hidden_size=whole.hidden_size,

@@ -59,6 +59,18 @@ def chunked_attention_size(hf_config: "PretrainedConfig") -> Optional[int]:
     return chunk if isinstance(chunk, int) and chunk > 0 and "chunked_attention" in layer_types else None
 
 
+def check_chunked_context(max_model_len: int, chunk: Optional[int]) -> None:
+    """SettingsConflictError when `max_model_len` passes a chunked-attention model's chunk (None: no chunks): no
+    attention backend masks by chunk, and within one chunk the mask is the causal one."""
+    from engine.errors import SettingsConflictError
+
+    if chunk is not None and max_model_len > chunk:
+        raise SettingsConflictError(
+            f"--max-model-len {max_model_len}: the model's chunked attention (attention_chunk_size {chunk}) is served "
+            f"for sequences of one chunk at most, where it is causal attention; give --max-model-len {chunk} or less"
+        )
+
+
 class ContextLengthError(ValueError):
     """max_model_len over the model's context length: a setting the user chose that this model cannot
     honour (the server exits 2 for it, naming the flag), not a model that fails to load."""
@@ -250,8 +262,6 @@ class ModelConfig(BaseModel):
         """`max_model_len`, checked against the model's context length (which it defaults to); ContextLengthError
         when it is larger. A model with chunked attention (Llama 4) is served up to one chunk: the default is
         capped there, and a longer max_model_len is a SettingsConflictError."""
-        from engine.errors import SettingsConflictError
-
         declared = _declared_context_length(hf_config)
         chunk = chunked_attention_size(hf_config)
         if self.max_model_len is None:
@@ -260,11 +270,5 @@ class ModelConfig(BaseModel):
             return declared[1] if chunk is None else min(declared[1], chunk)
         if declared is not None and self.max_model_len > declared[1]:
             raise ContextLengthError(self.max_model_len, declared[1], declared[0])
-        if chunk is not None and self.max_model_len > chunk:
-            # (no attention backend masks by chunk; within one chunk the mask is the causal one)
-            raise SettingsConflictError(
-                f"--max-model-len {self.max_model_len}: the model's chunked attention (attention_chunk_size "
-                f"{chunk}) is served for sequences of one chunk at most, where it is causal attention; give "
-                f"--max-model-len {chunk} or less"
-            )
+        check_chunked_context(self.max_model_len, chunk)
         return self.max_model_len

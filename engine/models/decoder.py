@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
-from engine.errors import SettingsConflictError
+from engine.loading.model_config import check_chunked_context
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mrope import SectionedRows
@@ -121,14 +121,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
             and not arch.learned_positions
             and arch.fused_attention
         )
-        chunk = arch.attention_chunk
-        if chunk is not None and max_model_len is not None and max_model_len > chunk:
-            # (no attention backend masks by chunk; within one chunk the mask is the causal one)
-            raise SettingsConflictError(
-                f"--max-model-len {max_model_len}: {arch.architecture}'s chunked attention (attention_chunk_size "
-                f"{chunk}) is served for sequences of one chunk at most, where it is causal attention; give "
-                f"--max-model-len {chunk} or less"
-            )
+        if max_model_len is not None:  # (a model built without ModelConfig's check, as tests build them)
+            check_chunked_context(max_model_len, arch.attention_chunk)
         if arch.learned_positions and max_model_len is not None and max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"{arch.architecture}: max_model_len {max_model_len} is past its {arch.max_position_embeddings} "
@@ -349,15 +343,13 @@ class DecoderForCausalLM(LlamaForCausalLM):
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings as the first layer takes them, a LoRA adapter's replacement rows scaled as the base's
         (HF scales whatever the embedding module returns)."""
-        lora = self.lora_step
-        if lora is None or not lora.embeds:
-            return self.embed_tokens(input_ids)
-        h = lora.embed(input_ids, super().embed_tokens(input_ids))
-        return h if self.embedding_scale is None else h * self.embedding_scale
+        return self._scaled(self._adapter_rows(input_ids, super().embed_tokens(input_ids)))
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings as the first layer takes them: times `embedding_scale` (Gemma, Granite)."""
-        h = super().embed_tokens(input_ids)
+        return self._scaled(super().embed_tokens(input_ids))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.embedding_scale is None else h * self.embedding_scale
 
     def _norm(self, x: torch.Tensor, layer: DecoderLayerWeights, role: str) -> torch.Tensor:

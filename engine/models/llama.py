@@ -383,11 +383,12 @@ class LlamaForCausalLM:
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T, hidden]: what the first layer takes for these tokens (their embeddings, with a LoRA adapter's
         embedding deltas)."""
-        h = self.embed_tokens(input_ids)
+        return self._adapter_rows(input_ids, self.embed_tokens(input_ids))
+
+    def _adapter_rows(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] with the rows of tokens whose LoRA adapter replaces the embedding looked up in its own."""
         lora = self.lora_step
-        if lora is not None and lora.embeds:
-            h = lora.embed(input_ids, h)
-        return h
+        return h if lora is None or not lora.embeds else lora.embed(input_ids, h)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden] in the model's dtype (quantized embeddings dequantized by row)."""
