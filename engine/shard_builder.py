@@ -247,13 +247,14 @@ def _vision_language(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Opti
 
 
 def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:
-    """SettingsConflictError for int4 groups that a rank's input columns would cut (AWQ checkpoints are refused
-    with the model, check_tensor_parallel_model; GGUF blocks per tensor as they are cut, shard_weights)."""
-    if quantizer is not None and quantizer.method == "int4":
-        assert quantizer.group_size is not None  # resolve_group_size gives int4 one
+    """SettingsConflictError for int4 groups (quantized at load, or an AWQ checkpoint's) that a rank's input columns
+    would cut (GGUF blocks are checked per tensor as they are cut, shard_weights)."""
+    if quantizer is not None and quantizer.method in ("int4", "awq"):
+        assert quantizer.group_size is not None  # resolve_group_size gives int4 one, AWQ its checkpoint's
         arch = check_tensor_parallel_model(hf_config, tp.world_size)
         moe = moe_arch_of(hf_config)
-        storage_name = f"--quantization int4 (group size {quantizer.group_size})"
+        what = "an AWQ checkpoint" if quantizer.method == "awq" else "--quantization int4"
+        storage_name = f"{what} (group size {quantizer.group_size})"
         check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe)
 
 

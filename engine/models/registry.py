@@ -19,7 +19,6 @@ from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_experts_shardable, check_shardable, shard_arch, shard_moe
-from engine.quantization.awq import quantization_config
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -492,12 +491,6 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
         raise SettingsConflictError(
             f"--tensor-parallel-size {world_size}: {family.architecture} is not served with tensor "
             f"parallelism yet (served: {served})"
-        )
-    stored = quantization_config(hf_config)
-    if stored is not None and str(stored.get("quant_method", "")).lower() == "awq":
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {world_size}: AWQ checkpoints are served with --tensor-parallel-size 1 "
-            "(float checkpoints shard with --quantization int8, int4 or none; GGUF files with gguf or none)"
         )
     arch = _dense_arch(hf_config, family)
     check_shardable(arch, world_size)

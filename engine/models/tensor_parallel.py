@@ -39,6 +39,8 @@ weights TP=1 serves; only the all-reduce's summation order differs):
                   matrices are quantized whole, then cut (a shard's own maximum would give other scales)
     int4          groups of G inputs per row: each rank quantizes its shard, whose groups are the whole
                   model's when each rank's inputs are whole groups (check_group_split refuses otherwise)
+    AWQ           the checkpoint's own groups (Int4Groups): output rows cut anywhere, input columns at group
+                  boundaries (check_group_split, with the checkpoint's group size)
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
+from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.quantized_weight import QuantizedWeight
 
 _LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+)")  # (GPT-J's transformer.h.N.)
@@ -196,12 +199,13 @@ def shard_weights(
         if match is None and _VOCAB.fullmatch(name) is None:
             yield name, tensor  # the final norm
             continue
-        if not isinstance(tensor, (torch.Tensor, GgufWeight)):
+        if not isinstance(tensor, (torch.Tensor, GgufWeight, Int4Groups)):
             raise SettingsConflictError(
-                f"tensor parallelism takes float or GGUF checkpoint tensors; {name} is stored as "
+                f"tensor parallelism takes float, GGUF or AWQ checkpoint tensors; {name} is stored as "
                 f"{type(tensor).__name__} (serve it with --tensor-parallel-size 1)"
             )
         if match is None:
+            assert not isinstance(tensor, Int4Groups)  # AWQ leaves embeddings and the LM head float
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
@@ -290,11 +294,14 @@ def _transposed_experts(
     return share if isinstance(share, list) else share.transpose(1, 2).contiguous()
 
 
-def _rows_of(tensor: Union[torch.Tensor, GgufWeight]) -> int:
-    return tensor.out_features if isinstance(tensor, GgufWeight) else tensor.shape[0]
+_Cuttable = Union[torch.Tensor, GgufWeight, Int4Groups]  # a checkpoint matrix as stored: float, GGUF blocks, AWQ groups
 
 
-def _split_rows(tensor: Union[torch.Tensor, GgufWeight], sizes: tuple[int, ...]) -> list[Any]:
+def _rows_of(tensor: _Cuttable) -> int:
+    return tensor.out_features if isinstance(tensor, (GgufWeight, Int4Groups)) else tensor.shape[0]
+
+
+def _split_rows(tensor: _Cuttable, sizes: tuple[int, ...]) -> list[Any]:
     """A fused projection's parts, `sizes` rows each."""
     if _rows_of(tensor) != sum(sizes):
         raise ValueError(f"a fused projection of {_rows_of(tensor)} rows, expected {' + '.join(map(str, sizes))}")
@@ -302,33 +309,37 @@ def _split_rows(tensor: Union[torch.Tensor, GgufWeight], sizes: tuple[int, ...])
     return [_take_rows(tensor, start, start + size) for start, size in zip(starts, sizes)]
 
 
-def _cat_rows(parts: list[Any]) -> Union[torch.Tensor, GgufWeight]:
+def _cat_rows(parts: list[Any]) -> _Cuttable:
     if isinstance(parts[0], GgufWeight):
         return GgufWeight.concat_rows(parts)
+    if isinstance(parts[0], Int4Groups):
+        return Int4Groups.concat(parts)
     return torch.cat(parts).contiguous()
 
 
-def _rows(tensor: Union[torch.Tensor, GgufWeight], rank: int, ranks: int) -> Union[torch.Tensor, GgufWeight]:
+def _rows(tensor: _Cuttable, rank: int, ranks: int) -> _Cuttable:
     """Rank `rank`'s equal share of the output rows (a column-parallel shard)."""
     share = _rows_of(tensor) // ranks
     return _take_rows(tensor, rank * share, (rank + 1) * share)
 
 
-def _take_rows(tensor: Union[torch.Tensor, GgufWeight], start: int, stop: int) -> Union[torch.Tensor, GgufWeight]:
+def _take_rows(tensor: _Cuttable, start: int, stop: int) -> _Cuttable:
     if isinstance(tensor, GgufWeight):
         return tensor.take_rows(torch.arange(start, stop))  # whole rows of blocks: exact
+    if isinstance(tensor, Int4Groups):
+        return tensor.take_rows(start, stop)  # each row's own groups: exact
     return tensor[start:stop].contiguous()
 
 
 def _columns(
     name: str,
-    tensor: Union[torch.Tensor, GgufWeight],
+    tensor: _Cuttable,
     rank: int,
     ranks: int,
     quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
-) -> Union[torch.Tensor, QuantizedWeight]:
+) -> Union[_Cuttable, QuantizedWeight]:
     """Rank `rank`'s equal share of the input columns (a row-parallel shard)."""
-    total = tensor.in_features if isinstance(tensor, GgufWeight) else tensor.shape[1]
+    total = tensor.in_features if isinstance(tensor, (GgufWeight, Int4Groups)) else tensor.shape[1]
     share = total // ranks
     start, stop = rank * share, (rank + 1) * share
     if isinstance(tensor, GgufWeight):
@@ -339,6 +350,8 @@ def _columns(
                 f"--tensor-parallel-size {ranks}: {name} ({tensor.format}, {total} inputs) splits into {share} "
                 f"inputs per rank: {error}; serve it with a size that splits whole blocks"
             ) from None
+    if isinstance(tensor, Int4Groups):  # (whole groups: check_group_split refused other sizes at start-up)
+        return tensor.take_columns(start, stop)
     if quantize_whole is not None:
         return quantize_whole(tensor).take_columns(start, stop)
     return tensor[:, start:stop].contiguous()

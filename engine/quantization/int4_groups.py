@@ -78,6 +78,32 @@ class Int4Groups:
             first.in_features,
         )
 
+    def take_rows(self, start: int, stop: int) -> "Int4Groups":
+        """Output rows start .. stop (a column-parallel shard): each row keeps its own groups."""
+        return Int4Groups(
+            self.codes[start:stop].contiguous(),
+            self.scales[start:stop].contiguous(),
+            self.zeros[start:stop].contiguous(),
+            self.group_size,
+            self.in_features,
+        )
+
+    def take_columns(self, start: int, stop: int) -> "Int4Groups":
+        """Input columns start .. stop (a row-parallel shard), cut at group boundaries: a group's one scale and zero
+        cannot be cut between ranks (ValueError otherwise). The last group's padding goes with the matrix's end."""
+        group = self.group_size
+        if start % group or (stop % group and stop != self.in_features) or not 0 <= start < stop <= self.in_features:
+            raise ValueError(f"columns {start} .. {stop} cut a {group}-input group of {self.in_features} inputs")
+        padded_stop = self.padded_in_features if stop == self.in_features else stop
+        groups = slice(start // group, padded_stop // group)
+        return Int4Groups(
+            self.codes[:, start:padded_stop].contiguous(),
+            self.scales[:, groups].contiguous(),
+            self.zeros[:, groups].contiguous(),
+            group,
+            stop - start,
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[out, in_features] float."""
         out_features, padded = self.codes.shape

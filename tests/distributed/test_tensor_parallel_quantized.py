@@ -18,9 +18,11 @@ from engine.models.registry import check_tensor_parallel_model
 from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.quantization.gguf_formats import FORMATS, repack
 from engine.quantization.gguf_weight import GgufWeight
+from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.int8_weight import Int8Weight
 from tests.distributed.test_tensor_parallel import TINY, assert_same
 from tests.engine.references import assert_idle
+from tests.engine.test_awq import make_awq_dirs
 from tests.engine.factories import make_tiny_gguf, make_tiny_model_dir, tiny_config_dict
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 from tests.engine.test_moe_equivalence import make_moe_dir
@@ -131,15 +133,49 @@ def test_what_cannot_be_cut_exactly_is_refused_by_name(tiny_dir, embedded_checkp
     with pytest.raises(SettingsConflictError, match="the experts' down_proj's 48 inputs split into 24 per rank"):
         moe_arch = MoeArch.from_hf_config(qwen3_moe)
         check_group_split(check_tensor_parallel_model(qwen3_moe, 2), 2, 32, "--quantization int4", moe_arch)
-    awq = load_hf_config(tiny_dir)
-    awq.quantization_config = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32}
-    with pytest.raises(SettingsConflictError, match="AWQ checkpoints are served with --tensor-parallel-size 1"):
-        check_tensor_parallel_model(awq, 2)
     # four ranks of the tiny model's 64-input o_proj: 16 inputs each, half a Q8_0 block (rank 1's own cut)
     arch = check_tensor_parallel_model(load_hf_config(tiny_dir), 4)
     o_proj = ("model.layers.0.self_attn.o_proj.weight", gguf_weight("q8_0", 64, 64))
     with pytest.raises(SettingsConflictError, match=r"o_proj.weight \(q8_0, 64 inputs\) splits into 16 inputs"):
         list(shard_weights([o_proj], arch, ParallelGroup(1, 4)))
+
+
+def test_awq_cuts_are_exact():
+    """An AWQ matrix's groups (Int4Groups) cut at group boundaries: rows anywhere, input columns by whole groups
+    (the last group's padding kept with the matrix's end); a cut inside a group is refused."""
+    weight = Int4Groups.quantize(torch.randn(12, 100), 32)  # 100 inputs: 4 groups, the last padded to 128
+    whole = weight.dequantize()
+    for start, stop in [(0, 32), (32, 96), (64, 100), (0, 100)]:
+        cut = weight.take_columns(start, stop)
+        assert cut.in_features == stop - start
+        torch.testing.assert_close(cut.dequantize(), whole[:, start:stop], rtol=0, atol=0)
+    torch.testing.assert_close(weight.take_rows(3, 9).dequantize(), whole[3:9], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="columns 16 .. 48 cut a 32-input group of 100 inputs"):
+        weight.take_columns(16, 48)
+
+
+def test_awq_checkpoint_on_two_ranks_serves_one_process_weights(tiny_dir, tmp_path):
+    """An AutoAWQ checkpoint (groups of 32) kept in its own groups on two ranks: o_proj's 32 and down's 64 inputs
+    per rank are whole groups, so the tokens are one process's on the same weights. Groups of 64 would cut o_proj's:
+    refused at start-up, naming it."""
+    awq_dir, _ = make_awq_dirs(tiny_dir, tmp_path / "g32", 32)
+    expected, whole = generate_quantized(str(awq_dir), PROMPTS, 1, quantization="awq")
+    got, shard = generate_quantized(str(awq_dir), PROMPTS, 2, quantization="awq")
+    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
+    assert whole[0] == shard[0] != "float32" and (whole[1], shard[1]) == (64, 32)
+    wide_dir, _ = make_awq_dirs(tiny_dir, tmp_path / "g64", 64)
+    with pytest.raises(SettingsConflictError, match=r"an AWQ checkpoint \(group size 64\): o_proj's 64 inputs"):
+        LLM(str(wide_dir), **TINY, quantization="awq", tensor_parallel_size=2)
+
+
+def test_awq_mixture_of_experts_on_two_ranks_serves_one_process_weights(tmp_path):
+    """Qwen3-MoE's AWQ experts (each expert's gate, up and down in groups of 32, a dense layer between) cut like
+    an MLP's: 32 inputs of each expert's down per rank, whole groups; one process's tokens."""
+    float_dir = make_moe_dir(tmp_path / "float", "qwen3_moe", moe_intermediate_size=64)
+    awq_dir, _ = make_awq_dirs(float_dir, tmp_path, 32)
+    expected, _ = generate_quantized(str(awq_dir), PROMPTS, 1, quantization="awq")
+    got, _ = generate_quantized(str(awq_dir), PROMPTS, 2, quantization="awq")
+    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,12 @@ def awq_pair(tmp_path_factory):
     """(an AWQ checkpoint, the same model with (q - z) * s stored as floats)."""
     root = tmp_path_factory.mktemp("awq")
     float_dir = make_tiny_model_dir(root / "float", hidden_size=128, intermediate_size=256, head_dim=32)
+    return make_awq_dirs(float_dir, root, GROUP)
+
+
+def make_awq_dirs(float_dir: Path, root: Path, group: int) -> tuple[Path, Path]:
+    """`float_dir`'s model quantized and packed as AutoAWQ does, with groups of `group` inputs (root / "awq"), and
+    the same model with its dequantized weights stored as floats (root / "reference")."""
     awq_dir, reference_dir = root / "awq", root / "reference"
     shutil.copytree(float_dir, awq_dir)
     shutil.copytree(float_dir, reference_dir)
@@ -64,16 +70,16 @@ def awq_pair(tmp_path_factory):
         if not prefix.endswith(PROJECTIONS):
             awq_state[name] = reference_state[name] = tensor
             continue
-        q, scales, zeros = awq_pseudo_quantize(tensor, GROUP)
+        q, scales, zeros = awq_pseudo_quantize(tensor, group)
         awq_state[prefix + ".qweight"] = awq_pack_columns(q.t().contiguous())  # [in, out / 8]
         awq_state[prefix + ".qzeros"] = awq_pack_columns(zeros.t().contiguous())  # [in / G, out / 8]
         awq_state[prefix + ".scales"] = scales.t().contiguous()  # [in / G, out]
-        deq = (q.view(q.shape[0], -1, GROUP) - zeros[..., None]) * scales.float()[..., None]
+        deq = (q.view(q.shape[0], -1, group) - zeros[..., None]) * scales.float()[..., None]
         reference_state[name] = deq.view_as(tensor).contiguous()
     save_file(awq_state, str(awq_dir / "model.safetensors"))
     save_file(reference_state, str(reference_dir / "model.safetensors"))
     config = json.loads((awq_dir / "config.json").read_text())
-    config["quantization_config"] = AWQ_CONFIG
+    config["quantization_config"] = {**AWQ_CONFIG, "group_size": group}
     (awq_dir / "config.json").write_text(json.dumps(config))
     return awq_dir, reference_dir
 
