@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 import torch
 
 from engine.attention.layer_attention import LayerAttention
+from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.latent_attention import LatentAttentionWeights, latent_attention, split_kv_b
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
@@ -63,8 +64,11 @@ class DeepseekForCausalLM(MoeForCausalLM):
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
-        super().__init__(arch, deepseek.moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
+        """With several ranks `arch` and `deepseek` are this rank's share (registry.build_model): its query heads,
+        each expert's share of the width; the latent and the cache it fills are the same on every rank."""
+        super().__init__(arch, deepseek.moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         mla = deepseek.mla
         self.mla = mla
         self.routing = deepseek.routing

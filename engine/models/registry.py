@@ -19,6 +19,7 @@ from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_experts_shardable, check_shardable, shard_arch, shard_moe
+from engine.models.tensor_parallel import shard_deepseek
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -476,9 +477,10 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe")
+TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek")
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's and the mixtures
-of experts on either (their families: FAMILIES' entries of these implementations, listed in docs/models.md)."""
+of experts on either, and DeepSeek's (their families: FAMILIES' entries of these implementations, listed in
+docs/models.md)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
@@ -501,8 +503,8 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
 
 
 def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
-    """The experts' shape of a mixture of experts on Llama's decoder or the generic one (what tensor parallelism
-    cuts), else None."""
+    """The experts' shape of a mixture of experts on Llama's decoder or the generic one, or DeepSeek's (what tensor
+    parallelism cuts), else None."""
     implementation = family_of(hf_config).implementation
     if implementation in ("moe", "decoder_moe"):
         return MoeArch.from_hf_config(hf_config)
@@ -510,6 +512,11 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
         from engine.models.glm4_moe_arch import read_glm4_moe
 
         return read_glm4_moe(hf_config).moe
+    if implementation == "deepseek":
+        from engine.loading.rope_settings import rope_settings
+        from engine.models.deepseek_arch import read_deepseek
+
+        return read_deepseek(hf_config, rope_settings(hf_config)[1]).moe
     return None
 
 
@@ -569,6 +576,12 @@ def build_model(
             glm = read_glm4_moe(hf_config)
             glm = dataclasses.replace(glm, moe=shard_moe(glm.moe, tp.world_size))
             return Glm4MoeForCausalLM(shard, glm, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        if family.implementation == "deepseek":
+            from engine.models.deepseek import DeepseekForCausalLM
+            from engine.models.deepseek_arch import read_deepseek
+
+            deepseek = shard_deepseek(read_deepseek(hf_config, rope_settings(hf_config)[1]), tp.world_size)
+            return DeepseekForCausalLM(shard, deepseek, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM
 

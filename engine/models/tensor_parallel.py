@@ -1,8 +1,8 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
 GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
 Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE, Llama 4): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor
-(Megatron's column- and
+Phi-3.5-MoE, Llama 4), and DeepSeek-V2/V3: each rank's share of the heads and of the MLPs' widths, and its slice
+of every checkpoint tensor (Megatron's column- and
 row-parallel
 layers).
 
@@ -26,6 +26,11 @@ layers).
                      the router (GLM-4.5's correction bias too) and the
                      shared expert's gate replicated (every rank routes every token alike), the weighted sum of
                      partial outputs all-reduced with the layer's
+    latent attention DeepSeek's, by heads: q_proj or q_b_proj (rows per head, q_nope | q_pe) and kv_b_proj (k_nope |
+                     v per head) column-parallel, o_proj row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms
+                     replicated, so the latent and the shared rope key (the KV cache's entries) are the same on every
+                     rank, each rank's cache a whole copy (as vLLM's); its experts as above, the routed scaling
+                     factor unchanged
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -54,6 +59,7 @@ import torch
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.vocab_parallel import VocabParallel
+from engine.models.deepseek_arch import DeepseekArch
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
@@ -68,6 +74,8 @@ _COLUMN = (
     *("attention.query_key_value.", "attn.q_proj.", "mlp.fc_in.", "feed_forward.gate_proj.", "feed_forward.up_proj."),
     # (GPT-BigCode's c_attn, Falcon's query_key_value: by heads or KV groups, else cut as _FUSED_QKV)
     *("attn.c_attn.", "self_attention.query_key_value."),
+    # DeepSeek's latent attention: rows per head (q_nope | q_pe; k_nope | v), so an even cut is by heads
+    *("self_attn.q_b_proj.", "self_attn.kv_b_proj."),
 )
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.", "attn.k_proj.", "attn.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
@@ -146,6 +154,13 @@ def shard_moe(moe: MoeArch, world_size: int) -> MoeArch:
         expert_intermediate_size=moe.expert_intermediate_size // world_size,
         shared_intermediate_size=None if shared is None else shared // world_size,
     )
+
+
+def shard_deepseek(deepseek: DeepseekArch, world_size: int) -> DeepseekArch:
+    """One rank's latent attention and experts: its query heads (the latent, shared by every head, whole), every
+    expert with its share of the width; the routing (its scaling factor too) as it is."""
+    mla = dataclasses.replace(deepseek.mla, num_heads=deepseek.mla.num_heads // world_size)
+    return dataclasses.replace(deepseek, mla=mla, moe=shard_moe(deepseek.moe, world_size))
 
 
 def shard_arch(arch: LlamaArch, world_size: int) -> LlamaArch:

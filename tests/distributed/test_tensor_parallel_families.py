@@ -14,9 +14,11 @@ new_decoder_architecture; one or two norms beside the branches, or in sequence),
 (its experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert
 cut like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
 (stacked input_linear / output_linear, the shared variant's fused shared_mlp) and Phi-3.5-MoE (LayerNorms, q/k/v/o
-biases, the LM head's bias on gathered logits). Every family's logits of a prefill and a decode over a paged cache in
-one pair of spawned processes (spawning costs seconds), then one family served end to end: greedy float32 tokens
-identical to one process."""
+biases, the LM head's bias on gathered logits), and DeepSeek-V2 (q_proj, or q_a_proj and q_b_proj) and V3 (latent
+attention cut by heads over a latent cache the same on every rank; shared experts, grouped routing, a dense first
+layer). Every family's logits of a prefill and a decode over a paged cache in one pair of spawned processes (spawning
+costs seconds), then OLMo 2 and DeepSeek-V3 (with its multi-token-prediction layer drafting too) served end to end:
+greedy float32 tokens identical to one process; sizes that do not divide refused by number."""
 
 from __future__ import annotations
 
@@ -28,10 +30,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import LLM
 from engine.distributed.parallel_group import ParallelGroup
-from tests.distributed.test_tensor_parallel import assert_same, generate
+from engine.errors import SettingsConflictError
+from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
 from tests.distributed.test_tensor_parallel_model import run_model, two_rank_results
 from tests.engine.factories import make_tiny_model_dir
+from tests.engine.test_deepseek_equivalence import make_deepseek_dir
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 from tests.engine.test_moe_equivalence import make_moe_dir
 
@@ -71,6 +76,11 @@ FAMILIES = {  # name: (factory arch, config overrides)
     # GLM-4.5: shared experts cut like an MLP, the router and its correction bias replicated; groups and q/k norms
     "glm4_moe": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": True}),
 }
+DEEPSEEK = {  # name: (tests/engine/test_deepseek_equivalence.py's family, config overrides)
+    "deepseek_v2": ("deepseek_v2", {}),  # q_proj cut by heads (V2-Lite), group-limited greedy routing
+    "deepseek_v2-q_lora": ("deepseek_v2", {"q_lora_rank": 24}),  # q_a_proj and its norm replicated, q_b_proj cut
+    "deepseek_v3": ("deepseek_v3", {}),  # sigmoid routing with a (random) correction bias replicated, YaRN
+}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +89,7 @@ def model_dirs(tmp_path_factory):
     dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in FAMILIES.items()}
     dirs.update({name: make_moe_dir(root / name, name) for name in MOE_FAMILIES})
     dirs["mixtral-stacked"] = stacked_copy(dirs["mixtral"], root / "mixtral-stacked")
+    dirs.update({name: make_deepseek_dir(root / name, family, **o) for name, (family, o) in DEEPSEEK.items()})
     return dirs
 
 
@@ -121,3 +132,42 @@ def test_olmo2_served_on_two_ranks(model_dirs):
     expected, _ = generate(model_dirs["olmo2-kv1"], prompts, 1)
     got, _ = generate(model_dirs["olmo2-kv1"], prompts, 2)
     assert_same(got, expected)
+
+
+def test_deepseek_v3_served_on_two_ranks(tmp_path):
+    """Through the engine, under chunked prefill (each rank builds its shard: its heads, its share of every expert,
+    the latent cache whole): the tokens and logprobs of one process; its prediction layer, whole on rank 0, drafts
+    beside the two ranks with the same tokens."""
+    from tests.engine.test_mtp import add_prediction_layer
+
+    whole = make_deepseek_dir(tmp_path / "whole", "deepseek_v3", num_hidden_layers=4)
+    target = add_prediction_layer(whole, tmp_path / "target")
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8, [40, 41, 42]]
+    expected, _ = generate(target, prompts, 1)
+    got, _ = generate(target, prompts, 2)
+    assert_same(got, expected)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False, "step_cost_model": False}
+    got, stats = generate(target, prompts, 2, speculative_config=mtp)
+    assert stats.speculation is not None and stats.speculation.num_draft_tokens > 0
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48},
+            "does not divide the model's 3 attention heads",
+        ),
+        (
+            {"moe_intermediate_size": 25},
+            "does not divide the model's expert intermediate size 25, shared expert intermediate size 25",
+        ),
+        ({"intermediate_size": 129}, "does not divide the model's intermediate size 129"),
+    ],
+    ids=["heads", "experts", "dense-mlp"],
+)
+def test_deepseek_sizes_that_do_not_divide_are_refused(tmp_path, overrides, message):
+    model_dir = make_deepseek_dir(tmp_path, "deepseek_v2", **overrides)
+    with pytest.raises(SettingsConflictError, match=message):
+        LLM(str(model_dir), **TINY, tensor_parallel_size=2)

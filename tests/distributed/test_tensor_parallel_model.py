@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from engine.attention.attention_shape import latent_rank_of
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.attention.step_metadata import step_metadata_for
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -39,9 +40,9 @@ def run_model(model_dir: Path, tp: ParallelGroup, shapes=None, rank: int = 0) ->
     if shapes is not None:
         shapes[("vocab", rank)] = (tuple(model.embed.shape), tuple(model.lm_head.shape))
     arch = model.arch
-    cache = KVCache(
-        KVCacheSpec(arch.num_layers, BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32), 8, torch.device("cpu")
-    )
+    latent = latent_rank_of(hf_config)  # (DeepSeek's latent cache: the same entries on every rank)
+    spec = KVCacheSpec(arch.num_layers, BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32, latent_rank=latent)
+    cache = KVCache(spec, 8, torch.device("cpu"))
     backend = TorchAttentionBackend()
     prompt = torch.arange(3, 13)
     prefill = step_metadata_for([(10, 10, [0, 1, 2])], torch.arange(10), 0, torch.device("cpu"))
