@@ -25,8 +25,9 @@ from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.eagle_loading import LoadedHead, load_eagle_head, make_eagle_proposer
 from engine.spec_decode.eagle_model import METHODS as EAGLE_METHODS
-from engine.spec_decode.medusa import MedusaHeads, MedusaProposer
+from engine.spec_decode.last_state_proposer import LastStateDrafter, LastStateProposer
 from engine.spec_decode.medusa_loading import load_medusa_heads
+from engine.spec_decode.mlp_speculator_loading import load_mlp_speculator
 from engine.spec_decode.mtp import LoadedMtp, load_mtp_head
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.distributed.parallel_group import ParallelGroup
@@ -162,7 +163,7 @@ def _build_rank0(
     speculative = config.speculative_config
     draft = None
     head: Optional[Union[LoadedHead, LoadedMtp]] = None
-    medusa: Optional[MedusaHeads] = None
+    last_state: Optional[LastStateDrafter] = None  # Medusa's heads, an MLP speculator
     if speculative is not None and speculative.method == "draft_model":
         draft = _draft_model(config, speculative, tokenizer, model.arch.vocab_size, device, dtype, kv_dtype)
     elif speculative is not None and speculative.method in EAGLE_METHODS:
@@ -188,9 +189,11 @@ def _build_rank0(
             max_model_len=max_model_len,
         )
     elif speculative is not None and speculative.method == "medusa":
-        medusa = load_medusa_heads(
+        last_state = load_medusa_heads(
             speculative, model, download_dir=config.model.download_dir, target_checkpoint=checkpoint.path
         )
+    elif speculative is not None and speculative.method == "mlp_speculator":
+        last_state = load_mlp_speculator(speculative, model, download_dir=config.model.download_dir)
     # A draft's (or a head's) cache holds as many blocks as the target's, from the same budget.
     draft_spec = draft.spec if draft is not None else None if head is None else head.spec
     draft_bytes = 0 if draft_spec is None else draft_spec.bytes_per_block
@@ -212,7 +215,7 @@ def _build_rank0(
     )
     if head is not None:  # the runner's step outputs carry the target's features the head reads
         runner.draft_features = "tapped" if head.feature_layers else "final"
-    if medusa is not None:  # (Medusa's heads read the last hidden states, after the final norm)
+    if last_state is not None:  # (they read the last hidden states, after the final norm)
         runner.draft_features = "final"
     if buckets:
         capture_graphs(runner, buckets)
@@ -253,8 +256,8 @@ def _build_rank0(
         logger.info(
             "%s head KV cache: %d blocks (%.0f MiB)", speculative.method, num_blocks, num_blocks * draft_bytes / 2**20
         )
-    elif medusa is not None and speculative is not None:
-        proposer = MedusaProposer(medusa, speculative.num_speculative_tokens, model.arch.vocab_size)
+    elif last_state is not None and speculative is not None:
+        proposer = LastStateProposer(last_state, speculative.num_speculative_tokens, model.arch.vocab_size)
     elif speculative is not None:
         proposer = speculative.make_proposer()
     scheduler = Scheduler(

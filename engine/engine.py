@@ -26,7 +26,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.pipeline_runner import LaunchedStep, PipelineRunner
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.eagle import EagleProposer
-from engine.spec_decode.medusa import MedusaProposer
+from engine.spec_decode.last_state_proposer import LastStateProposer
 from engine.errors import InvalidParameterError
 from engine.kv_tier.disk_tier import KVTierReadError
 from engine.lora.lora_manager import LoRAManager
@@ -155,8 +155,8 @@ class EngineCore:
             self.runner.shutdown()
             if self.scheduler.kv_cache_manager.kv_tiers is not None:  # (after the runner has written its blocks)
                 self.scheduler.kv_cache_manager.kv_tiers.close()
-            if isinstance(self.scheduler.proposer, (DraftModelProposer, EagleProposer, MedusaProposer)):
-                self.scheduler.proposer.shutdown()  # the draft's KV cache, Medusa's features (weights go with it)
+            if isinstance(self.scheduler.proposer, (DraftModelProposer, EagleProposer, LastStateProposer)):
+                self.scheduler.proposer.shutdown()  # the draft's KV cache, the last states kept (weights go with it)
         finally:  # half released is no state to step in
             self.is_shut_down = True
 

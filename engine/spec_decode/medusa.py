@@ -11,19 +11,18 @@ n - 2 (after its final norm: what its LM head reads). Head i reads that state al
 The drafts are each head's top-1 token, a chain verified as any proposer's (the Medusa authors' tree of top-k
 candidates is not run, nor by vLLM). The features arrive as EAGLE's do (engine/spec_decode/eagle.py): the runner
 puts each step's final hidden states in its output and the scheduler hands them to `observe`, before the step's
-tokens are known; the proposer keeps the rows that sampled a token (the request's last position before the step,
-and its drafts'), one of which is position n - 2 once the accepted ones are appended.
+tokens are known; the proposer (engine/spec_decode/last_state_proposer.py) keeps the rows that sampled a token (the
+request's last position before the step, and its drafts'), one of which is position n - 2 once the accepted ones are
+appended.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, cast
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-
-from scheduler import DraftQuery
 
 
 @dataclass(frozen=True)
@@ -68,9 +67,11 @@ class MedusaHeads:
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     @torch.inference_mode()
-    def draft(self, features: torch.Tensor, num_heads: int, vocab_limit: int) -> list[list[int]]:
+    def draft(
+        self, features: torch.Tensor, last_tokens: torch.Tensor, num_heads: int, vocab_limit: int
+    ) -> list[list[int]]:
         """features [n, hidden] -> each row's guesses of the first `num_heads` heads (target ids below
-        `vocab_limit`)."""
+        `vocab_limit`); the heads read no token (`last_tokens` is the MLP speculator's)."""
         x = features.to(device=self.device, dtype=self.dtype)
         guesses = []
         for head in self.heads[:num_heads]:
@@ -96,63 +97,3 @@ class MedusaHeads:
         if self.token_map is not None:  # (its ids are checked below vocab_limit at load)
             return self.token_map[logits.argmax(dim=-1)]
         return logits[:, :vocab_limit].argmax(dim=-1)
-
-
-class MedusaProposer:
-    """The `FeatureDraftProposer` of `{"method": "medusa"}`: it keeps, per request, the target's final hidden
-    states of the rows that sampled a token in the request's last step, and drafts from the one at position
-    n - 2."""
-
-    def __init__(self, heads: MedusaHeads, num_speculative_tokens: int, vocab_limit: int):
-        if num_speculative_tokens > len(heads):
-            raise ValueError(f"{num_speculative_tokens} draft tokens asked of {len(heads)} Medusa heads")
-        self.heads = heads
-        self.num_speculative_tokens = num_speculative_tokens
-        self.vocab_limit = vocab_limit
-        self._features: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first position, [rows, hidden])
-
-    @property
-    def num_requests(self) -> int:
-        """Requests the proposer holds features of."""
-        return len(self._features)
-
-    def observe(self, features: Mapping[str, object], requests: Sequence[DraftQuery]) -> None:
-        """Keep each request's rows at positions from its last token on (before the step's: the rows that
-        sampled). A prompt chunk short of the prompt's end sampled nothing: none kept."""
-        for request in requests:
-            start, rows = cast(tuple[int, torch.Tensor], features[request.request_id])
-            skip = max(len(request.token_ids) - 1 - start, 0)
-            if skip < rows.shape[0]:
-                # a copy: a view would keep the step's whole [tokens, hidden] output alive
-                self._features[request.request_id] = (start + skip, rows[skip:].clone())
-            else:
-                self._features.pop(request.request_id, None)
-
-    @torch.inference_mode()
-    def propose_batch(self, queries: Sequence[DraftQuery]) -> list[Sequence[int]]:
-        drafts: list[Sequence[int]] = [[] for _ in queries]
-        picked, rows = [], []
-        for index, query in enumerate(queries):
-            kept = self._features.get(query.request_id)
-            if kept is None or query.max_num_tokens <= 0:
-                continue
-            start, features = kept
-            row = len(query.token_ids) - 2 - start  # position n - 2: its next token is the last one sampled
-            if 0 <= row < features.shape[0]:
-                picked.append(index)
-                rows.append(features[row])
-        if not rows:
-            return drafts
-        num_heads = min(self.num_speculative_tokens, max(queries[i].max_num_tokens for i in picked))
-        for index, guesses in zip(picked, self.heads.draft(torch.stack(rows), num_heads, self.vocab_limit)):
-            drafts[index] = guesses[: queries[index].max_num_tokens]
-        return drafts
-
-    def release(self, request_id: str) -> None:
-        self._features.pop(request_id, None)
-
-    def on_request_finished(self, output_token_ids: Sequence[int]) -> None:
-        """Nothing: the heads learn nothing from outputs."""
-
-    def shutdown(self) -> None:
-        self._features.clear()

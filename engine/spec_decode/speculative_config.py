@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -9,11 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa")
-MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")
 """Methods whose proposer is a model named by `model`."""
-PLANNED_METHODS = ("mlp_speculator",)
-"""Methods vLLM spells that this engine does not run (yet): refused by name at start-up."""
+HEAD_MODEL_TYPES = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
+"""A draft directory's config.json model_type -> the method that reads it, where `model` comes without `method`
+(vLLM picks the method so)."""
 MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 """vLLM's earlier names of `mtp`, read as it."""
 
@@ -28,7 +31,10 @@ class SpeculativeConfig(BaseModel):
     `{"method": "mtp", "num_speculative_tokens": k}`: the target checkpoint's own multi-token-prediction layer
     does (DeepSeek-V3, GLM-4.5: engine/spec_decode/mtp.py), or
     `{"method": "medusa", "model": HEADS_DIR, "num_speculative_tokens": k}`: k Medusa heads on the target's last
-    hidden state each guess one token further ahead (engine/spec_decode/medusa.py).
+    hidden state each guess one token further ahead (engine/spec_decode/medusa.py), or
+    `{"method": "mlp_speculator", "model": DIR, "num_speculative_tokens": k}`: IBM's MLP speculator, a chain of
+    stages on the target's last hidden state and the token each stage before guessed
+    (engine/spec_decode/mlp_speculator.py).
 
     Each decoding request verifies up to k draft tokens per step; a request opts out with `speculative: false`
     or asks for fewer with its own `num_speculative_tokens`. A constrained request's drafts are checked by its
@@ -45,12 +51,14 @@ class SpeculativeConfig(BaseModel):
         "draft_model (a smaller model of the same vocabulary, greedy), "
         "eagle or eagle3 (a draft head trained on the target, reading its hidden states), "
         "mtp (the target checkpoint's own multi-token-prediction layer: DeepSeek-V3, GLM-4.5), "
-        "medusa (heads trained on the target's last hidden state, head i guessing the token i + 1 ahead)",
+        "medusa (heads trained on the target's last hidden state, head i guessing the token i + 1 ahead), "
+        "mlp_speculator (IBM's: MLP stages on the target's last hidden state, each fed the token guessed before)",
     )
     model: Optional[str] = Field(
         None,
         description="the draft model (draft_model): a checkpoint directory or a .gguf file, same vocabulary; the "
-        "head's checkpoint directory (eagle, eagle3), the Medusa heads' (medusa)",
+        "head's checkpoint directory (eagle, eagle3), the Medusa heads' (medusa), the speculator's (mlp_speculator); "
+        "without a method, a directory whose config.json says model_type medusa or mlp_speculator is read as one",
     )
     quantization: Literal["auto", "none", "gguf"] = Field(
         "auto",
@@ -58,6 +66,11 @@ class SpeculativeConfig(BaseModel):
         "quantized kernels (CPU), none dequantizes it; auto: gguf where it can run, else none",
     )
     num_speculative_tokens: int = Field(ge=1, le=32, description="draft tokens a request verifies per step at most")
+    draft_tensor_parallel_size: Optional[Literal[1]] = Field(
+        None,
+        description="vLLM's key: the draft, head or speculator runs whole on rank 0 beside tensor-parallel ranks, so "
+        "1 is taken and changes nothing; another size is refused",
+    )
     prompt_lookup_min: int = Field(
         2, ge=1, description="shortest n-gram looked up (ngram; with only prompt_lookup_max given, 2 or that max)"
     )
@@ -101,9 +114,11 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def _method_of_a_model(cls, data: Any) -> Any:
         """A `model` without a `method` is a draft model, as vLLM reads it (`{"model": PATH, "num_speculative_tokens":
-        k}`, its spelling before `method` existed); a method given with a model is checked below."""
+        k}`, its spelling before `method` existed), unless its local config.json names a Medusa or MLP speculator
+        checkpoint (vLLM reads the draft's config so: IBM's accelerators are served with a model alone); a method
+        given with a model is checked below."""
         if isinstance(data, dict) and data.get("model") is not None and "method" not in data:
-            return {**data, "method": "draft_model"}
+            return {**data, "method": _method_of_a_directory(str(data["model"]))}
         return data
 
     @field_validator("method")
@@ -113,22 +128,18 @@ class SpeculativeConfig(BaseModel):
             return "mtp"
         if method in METHODS:
             return method
-        if method in PLANNED_METHODS:
-            raise ValueError(
-                f"speculative method {method!r} is not implemented yet (implemented: {', '.join(METHODS)})"
-            )
         raise ValueError(f"unknown speculative method {method!r} (expected one of: {', '.join(METHODS)})")
 
     @model_validator(mode="after")
     def _draft_model(self) -> "SpeculativeConfig":
         if self.method == "draft_model" and self.model is None:
             raise ValueError('method "draft_model" needs "model": the draft\'s checkpoint directory or .gguf file')
-        if self.method in ("eagle", "eagle3", "medusa") and self.model is None:
+        if self.method in ("eagle", "eagle3", "medusa", "mlp_speculator") and self.model is None:
             raise ValueError(f'method "{self.method}" needs "model": the head\'s checkpoint directory')
         if self.method not in MODEL_METHODS and self.model is not None:
             raise ValueError(
-                f'"model" names a draft model: it goes with method "draft_model", "eagle", "eagle3" or "medusa", '
-                f"not {self.method!r}"
+                f'"model" names a draft model: it goes with method "draft_model", "eagle", "eagle3", "medusa" or '
+                f'"mlp_speculator", not {self.method!r}'
             )
         return self
 
@@ -160,3 +171,13 @@ class SpeculativeConfig(BaseModel):
             )
         assert self.prompt_lookup_max is not None  # set by the validator
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+def _method_of_a_directory(model: str) -> str:
+    """draft_model, or the method a local draft directory's config.json model_type names (HEAD_MODEL_TYPES)."""
+    config = Path(model).expanduser() / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        model_type = None  # (read again, and refused by name, where the draft loads)
+    return HEAD_MODEL_TYPES.get(str(model_type), "draft_model")

@@ -11,6 +11,7 @@ from server.config.server_config import ServerConfig
 from server.config.settings import SettingsError, load_settings
 from tests.engine.eagle_factories import make_eagle_head
 from tests.engine.medusa_factories import make_medusa_heads
+from tests.engine.mlp_speculator_factories import make_mlp_speculator
 from tests.server.conftest import serving, start_server
 
 NGRAM = {
@@ -120,11 +121,16 @@ def test_an_eagle3_head_served_gives_the_greedy_text_of_no_speculation(tiny_mode
         assert proposer.num_requests == 0 and proposer.cache.num_free_blocks == proposer.cache.num_blocks
 
 
-def test_medusa_heads_served_give_the_greedy_text_of_no_speculation(tiny_model_dir, tmp_path):
-    """The openai SDK against a server whose drafts come from Medusa heads: a completion and a streamed chat
+@pytest.mark.parametrize("method", ["medusa", "mlp_speculator"])
+def test_last_state_drafters_served_give_the_greedy_text_of_no_speculation(method, tiny_model_dir, tmp_path):
+    """The openai SDK against a server whose drafts come from Medusa heads, or from an MLP speculator named as
+    vLLM's guides name IBM's (a model alone, its method read from its config): a completion and a streamed chat
     equal their runs with `speculative: false`; drafts were verified and the proposer holds nothing after."""
-    heads = make_medusa_heads(tmp_path / "heads", num_heads=3)
-    config = {"method": "medusa", "model": str(heads), "num_speculative_tokens": 3, "step_cost_model": False}
+    if method == "medusa":
+        config = {"method": "medusa", "model": str(make_medusa_heads(tmp_path / "heads", num_heads=3))}
+    else:
+        config = {"model": str(make_mlp_speculator(tmp_path / "speculator"))}
+    config.update(num_speculative_tokens=3, step_cost_model=False)
     with serving(tiny_model_dir, ServerConfig(served_model_name="tiny"), speculative_config=config) as running:
         without, with_drafts = _sdk_outputs_without_and_with_speculation(running)
         assert without == with_drafts
@@ -193,7 +199,11 @@ def test_a_model_without_a_method_is_a_draft_model_as_vllm_reads_it():
     "value, message",
     [
         ('{"method": "medusa", "num_speculative_tokens": 3}', 'method "medusa" needs "model"'),
-        ('{"method": "mlp_speculator", "num_speculative_tokens": 3}', "'mlp_speculator' is not implemented yet"),
+        ('{"method": "mlp_speculator", "num_speculative_tokens": 3}', 'method "mlp_speculator" needs "model"'),
+        (
+            '{"model": "/some/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}',
+            "draft_tensor_parallel_size: Input should be 1",
+        ),
         ('{"method": "eagle3", "num_speculative_tokens": 3}', 'method "eagle3" needs "model"'),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', 'method "draft_model" needs "model"'),
         ('{"method": "suffix", "model": "/some/draft", "num_speculative_tokens": 3}', 'goes with method "draft_model"'),
