@@ -19,6 +19,7 @@ from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_experts_shardable, check_shardable, shard_arch, shard_moe
+from engine.models.tensor_parallel import check_mxfp4_split
 from engine.quantization.awq import quantization_config
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
@@ -477,7 +478,7 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe")
+TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "gpt_oss")
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's and the mixtures
 of experts on either (their families: FAMILIES' entries of these implementations, listed in docs/models.md)."""
 
@@ -504,6 +505,8 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
     moe = moe_arch_of(hf_config)
     if moe is not None:
         check_experts_shardable(moe, world_size)
+        if is_mxfp4_checkpoint(hf_config):  # (GPT-OSS's experts: their blocks cut whole)
+            check_mxfp4_split(moe, world_size)
     return arch
 
 
@@ -517,6 +520,10 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
         from engine.models.glm4_moe_arch import read_glm4_moe
 
         return read_glm4_moe(hf_config).moe
+    if implementation == "gpt_oss":
+        from engine.models.gpt_oss_arch import gpt_oss_arch
+
+        return gpt_oss_arch(hf_config).moe
     return None
 
 
@@ -576,6 +583,12 @@ def build_model(
             glm = read_glm4_moe(hf_config)
             glm = dataclasses.replace(glm, moe=shard_moe(glm.moe, tp.world_size))
             return Glm4MoeForCausalLM(shard, glm, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        if family.implementation == "gpt_oss":
+            from engine.models.gpt_oss import GptOssForCausalLM
+            from engine.models.gpt_oss_arch import gpt_oss_arch, shard_gpt_oss_arch
+
+            gpt_oss = shard_gpt_oss_arch(gpt_oss_arch(hf_config), tp.world_size)
+            return GptOssForCausalLM(gpt_oss, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM
 
@@ -640,4 +653,8 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
         from engine.models.families import MOE_ARCH_READERS
 
         return MOE_ARCH_READERS[family.architecture](hf_config)
+    if family.implementation == "gpt_oss":  # (its refusals of what is not served too)
+        from engine.models.gpt_oss_arch import gpt_oss_arch
+
+        return gpt_oss_arch(hf_config).llama
     return LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))

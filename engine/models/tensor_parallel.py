@@ -55,6 +55,7 @@ from engine.layers.vocab_parallel import VocabParallel
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
+from engine.quantization.mxfp4 import BLOCK_VALUES as MXFP4_BLOCK
 from engine.quantization.quantized_weight import QuantizedWeight
 
 _LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+)")  # (GPT-J's transformer.h.N.)
@@ -86,6 +87,12 @@ _STACKED = re.compile(
 )
 _STACKED_DOWN = ("down_proj", "output_linear")
 _STACKED_TRANSPOSED = re.compile(r"feed_forward\.experts\.(gate_up_proj|down_proj)")  # Llama 4's [E, H, 2I], [E, I, H]
+# GPT-OSS's experts as transformers stores them: gate_up_proj [E, H, 2I] with gate and up interleaved in its columns
+# (gate j at 2j, up j at 2j + 1: a rank's share of the width is one contiguous run of 2I / ranks columns) and its
+# bias [E, 2I] alike, down_proj [E, I, H] and its bias [E, H]; MXFP4 checkpoints store each matrix's transpose in
+# blocks of 32 inputs: *_blocks [E, out, in / 32, 16], *_scales [E, out, in / 32]
+_GPT_OSS_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
+_SINKS = "self_attn.sinks"  # GPT-OSS: one per query head
 _SHARED_GATE_UP = "shared_mlp.input_linear.weight"  # Granite MoE's shared expert: [gate; up] fused
 _SHARED_DOWN = "shared_mlp.output_linear.weight"
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
@@ -176,6 +183,18 @@ def check_group_split(
             )
 
 
+def check_mxfp4_split(moe: MoeArch, world_size: int) -> None:
+    """SettingsConflictError unless each rank's share of an MXFP4 checkpoint's expert width is whole blocks: the
+    experts' down_proj is stored by blocks of its inputs (gate_up_proj by its outputs' rows, which cut anywhere)."""
+    inputs = moe.expert_intermediate_size
+    if inputs % (MXFP4_BLOCK * world_size):
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size} with MXFP4: the experts' down_proj (mlp.experts.down_proj_blocks, "
+            f"{inputs} inputs in blocks of {MXFP4_BLOCK}) splits into {inputs / world_size:g} inputs per rank, not "
+            "whole blocks; serve it with a size that splits whole blocks"
+        )
+
+
 def shard_weights(
     weights: Iterable[tuple[str, Any]],
     arch: LlamaArch,
@@ -209,6 +228,11 @@ def shard_weights(
             yield name, _rows(tensor, rank, ranks)
         elif _EXPERT_ROW.fullmatch(part):
             yield name, _columns(name, tensor, rank, ranks, quantize_whole)
+        elif arch.model_type == "gpt_oss" and (experts := _GPT_OSS_EXPERTS.fullmatch(part)) is not None:
+            matrix, suffix = experts.groups()
+            yield name, _gpt_oss_experts(name, tensor, matrix, suffix or "", rank, ranks)
+        elif part == _SINKS:
+            yield name, _rows(tensor, rank, ranks)
         elif _STACKED_TRANSPOSED.fullmatch(part):
             yield name, _transposed_experts(name, tensor, rank, ranks, quantize_whole)
         elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
@@ -271,6 +295,29 @@ def _stacked_experts(
         return tensor.chunk(ranks, dim=2)[rank].contiguous()
     gate, up = tensor.chunk(2, dim=1)
     return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()
+
+
+def _gpt_oss_experts(name: str, tensor: Any, matrix: str, suffix: str, rank: int, ranks: int) -> torch.Tensor:
+    """GPT-OSS's experts' share (their width's rank-th run of each axis it runs along; the down bias on rank 0),
+    float or MXFP4: a block's 32 inputs share one scale, so down_proj's blocks are cut whole or refused."""
+    if not isinstance(tensor, torch.Tensor):
+        raise SettingsConflictError(f"{name}: GPT-OSS's experts are cut as float or MXFP4 tensors")
+    if suffix == "_bias" and matrix == "down_proj":  # added once, before the all-reduce
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    if suffix in ("_blocks", "_scales"):
+        # [E, 2I, H / 32, ...]: gate_up's output rows (interleaved as its columns were); [E, H, I / 32, ...]: down's
+        # input blocks
+        dim = 1 if matrix == "gate_up_proj" else 2
+    else:
+        dim = 2 if matrix == "gate_up_proj" and suffix == "" else 1  # [E, H, 2I]; [E, 2I], [E, I, H]
+    if tensor.shape[dim] % ranks:  # (float widths are checked with the model: check_experts_shardable)
+        blocks = tensor.shape[dim]
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {ranks}: {name} (MXFP4, {blocks * MXFP4_BLOCK} inputs in {blocks} blocks of "
+            f"{MXFP4_BLOCK}) splits into {blocks * MXFP4_BLOCK / ranks:g} inputs per rank, not whole blocks; serve it "
+            "with a size that splits whole blocks"
+        )
+    return tensor.chunk(ranks, dim=dim)[rank].contiguous()
 
 
 def _transposed_experts(
