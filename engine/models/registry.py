@@ -479,8 +479,9 @@ def family_of(hf_config: Any) -> ModelFamily:
 
 
 TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "gpt_oss")
-"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's and the mixtures
-of experts on either (their families: FAMILIES' entries of these implementations, listed in docs/models.md)."""
+"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's, the mixtures
+of experts on either and GPT-OSS's (their families: FAMILIES' entries of these implementations, listed in
+docs/models.md)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:

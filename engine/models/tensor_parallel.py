@@ -1,8 +1,8 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
 GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
 Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE, Llama 4): each rank's share of the heads and of the MLPs' widths, and its slice of every checkpoint tensor
-(Megatron's column- and
+Phi-3.5-MoE, Llama 4), and GPT-OSS: each rank's share of the heads and of the MLPs' widths, and its slice of
+every checkpoint tensor (Megatron's column- and
 row-parallel
 layers).
 
@@ -26,6 +26,11 @@ layers).
                      the router (GLM-4.5's correction bias too) and the
                      shared expert's gate replicated (every rank routes every token alike), the weighted sum of
                      partial outputs all-reduced with the layer's
+    GPT-OSS          q/k/v (and biases) by heads, o_proj row-parallel (its bias on rank 0), the attention sinks (one
+                     per query head) cut by this rank's heads; its experts in transformers' layout: gate_up_proj
+                     [E, H, 2I] interleaves gate and up in its columns, so a rank's share of the width is one run
+                     of 2I / ranks columns (its bias alike), down_proj [E, I, H] its rows, down's bias [E, H] on
+                     rank 0 (added once before the all-reduce); the router replicated
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -39,6 +44,10 @@ weights TP=1 serves; only the all-reduce's summation order differs):
                   matrices are quantized whole, then cut (a shard's own maximum would give other scales)
     int4          groups of G inputs per row: each rank quantizes its shard, whose groups are the whole
                   model's when each rank's inputs are whole groups (check_group_split refuses otherwise)
+    MXFP4         GPT-OSS's experts, 32 inputs of a row per block with one E8M0 scale: cut in their blocks before
+                  they are dequantized (the slices of the dequantized whole: decoding is per value); gate_up's
+                  blocks [E, 2I, H / 32, 16] by rows, anywhere; down's [E, H, I / 32, 16] by whole blocks of
+                  inputs (check_mxfp4_split refuses at start-up a width whose share is not whole blocks)
 """
 
 from __future__ import annotations
