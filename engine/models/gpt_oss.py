@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.clamped_swiglu import ClampedSwiGLU
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
@@ -49,8 +50,11 @@ class GptOssForCausalLM(MoeForCausalLM):
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
-        super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
+        """With several ranks `arch` is this rank's share (gpt_oss_arch.shard_gpt_oss_arch) and the weights its
+        slices (tensor_parallel.shard_weights: MXFP4 blocks are cut before they are dequantized)."""
+        super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         self.mxfp4 = arch.mxfp4
         self.layer_attention = arch.layer_attention  # the sinks join them at load
         self.sinks: dict[int, torch.Tensor] = {}  # layer -> [heads], float32

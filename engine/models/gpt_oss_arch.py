@@ -13,6 +13,7 @@ from engine.layers.rotary import check_rope_scaling
 from engine.loading.rope_settings import rope_settings
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
+from engine.models.tensor_parallel import shard_arch, shard_moe
 from engine.quantization.awq import quantization_config
 from engine.quantization.mxfp4 import is_mxfp4_checkpoint
 
@@ -59,6 +60,14 @@ def gpt_oss_arch(config: Any) -> GptOssArch:
         for kind in config.layer_types
     )
     return GptOssArch(llama, moe, attention, is_mxfp4_checkpoint(config))
+
+
+def shard_gpt_oss_arch(arch: GptOssArch, world_size: int) -> GptOssArch:
+    """One tensor-parallel rank's shape: its heads (and their sinks, zeros until the weights load), each expert's
+    share of the width (engine/models/tensor_parallel.py); the windows as the whole model's."""
+    llama = shard_arch(arch.llama, world_size)
+    attention = tuple(dataclasses.replace(a, sinks=torch.zeros(llama.num_heads)) for a in arch.layer_attention)
+    return arch._replace(llama=llama, moe=shard_moe(arch.moe, world_size), layer_attention=attention)
 
 
 def _refuse_unsupported(config: Any) -> None:

@@ -20,6 +20,7 @@ from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
 from engine.models.tensor_parallel import check_experts_shardable, check_shardable, shard_arch, shard_moe
 from engine.models.tensor_parallel import shard_deepseek
+from engine.models.tensor_parallel import check_mxfp4_split
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -477,9 +478,9 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek")
-"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's and the mixtures
-of experts on either, and DeepSeek's (their families: FAMILIES' entries of these implementations, listed in
+TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss")
+"""The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's, the mixtures
+of experts on either, DeepSeek's and GPT-OSS's (their families: FAMILIES' entries of these implementations, listed in
 docs/models.md)."""
 
 
@@ -499,6 +500,8 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
     moe = moe_arch_of(hf_config)
     if moe is not None:
         check_experts_shardable(moe, world_size)
+        if is_mxfp4_checkpoint(hf_config):  # (GPT-OSS's experts: their blocks cut whole)
+            check_mxfp4_split(moe, world_size)
     return arch
 
 
@@ -517,6 +520,10 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
         from engine.models.deepseek_arch import read_deepseek
 
         return read_deepseek(hf_config, rope_settings(hf_config)[1]).moe
+    if implementation == "gpt_oss":
+        from engine.models.gpt_oss_arch import gpt_oss_arch
+
+        return gpt_oss_arch(hf_config).moe
     return None
 
 
@@ -582,6 +589,12 @@ def build_model(
 
             deepseek = shard_deepseek(read_deepseek(hf_config, rope_settings(hf_config)[1]), tp.world_size)
             return DeepseekForCausalLM(shard, deepseek, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        if family.implementation == "gpt_oss":
+            from engine.models.gpt_oss import GptOssForCausalLM
+            from engine.models.gpt_oss_arch import gpt_oss_arch, shard_gpt_oss_arch
+
+            gpt_oss = shard_gpt_oss_arch(gpt_oss_arch(hf_config), tp.world_size)
+            return GptOssForCausalLM(gpt_oss, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM
 
@@ -646,4 +659,8 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
         from engine.models.families import MOE_ARCH_READERS
 
         return MOE_ARCH_READERS[family.architecture](hf_config)
+    if family.implementation == "gpt_oss":  # (its refusals of what is not served too)
+        from engine.models.gpt_oss_arch import gpt_oss_arch
+
+        return gpt_oss_arch(hf_config).llama
     return LlamaArch.from_hf_config(hf_config, rope_settings(hf_config))

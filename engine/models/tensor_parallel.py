@@ -1,10 +1,8 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
 GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
 Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE, Llama 4), and DeepSeek-V2/V3: each rank's share of the heads and of the MLPs' widths, and its slice
-of every checkpoint tensor (Megatron's column- and
-row-parallel
-layers).
+Phi-3.5-MoE, Llama 4), DeepSeek-V2/V3 and GPT-OSS: each rank's share of the heads and of the MLPs' widths, and its
+slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -31,6 +29,11 @@ layers).
                      replicated, so the latent and the shared rope key (the KV cache's entries) are the same on every
                      rank, each rank's cache a whole copy (as vLLM's); its experts as above, the routed scaling
                      factor unchanged
+    GPT-OSS          q/k/v (and biases) by heads, o_proj row-parallel (its bias on rank 0), the attention sinks (one
+                     per query head) cut by this rank's heads; its experts in transformers' layout: gate_up_proj
+                     [E, H, 2I] interleaves gate and up in its columns, so a rank's share of the width is one run
+                     of 2I / ranks columns (its bias alike), down_proj [E, I, H] its rows, down's bias [E, H] on
+                     rank 0 (added once before the all-reduce); the router replicated
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -46,6 +49,10 @@ weights TP=1 serves; only the all-reduce's summation order differs):
                   model's when each rank's inputs are whole groups (check_group_split refuses otherwise)
     AWQ           the checkpoint's own groups (Int4Groups): output rows cut anywhere, input columns at group
                   boundaries (check_group_split, with the checkpoint's group size)
+    MXFP4         GPT-OSS's experts, 32 inputs of a row per block with one E8M0 scale: cut in their blocks before
+                  they are dequantized (the slices of the dequantized whole: decoding is per value); gate_up's
+                  blocks [E, 2I, H / 32, 16] by rows, anywhere; down's [E, H, I / 32, 16] by whole blocks of
+                  inputs (check_mxfp4_split refuses at start-up a width whose share is not whole blocks)
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.int4_groups import Int4Groups
+from engine.quantization.mxfp4 import BLOCK_VALUES as MXFP4_BLOCK
 from engine.quantization.quantized_weight import QuantizedWeight
 
 _LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+)")  # (GPT-J's transformer.h.N.)
@@ -97,6 +105,12 @@ _STACKED = re.compile(
 )
 _STACKED_DOWN = ("down_proj", "output_linear")
 _STACKED_TRANSPOSED = re.compile(r"feed_forward\.experts\.(gate_up_proj|down_proj)")  # Llama 4's [E, H, 2I], [E, I, H]
+# GPT-OSS's experts as transformers stores them: gate_up_proj [E, H, 2I] with gate and up interleaved in its columns
+# (gate j at 2j, up j at 2j + 1: a rank's share of the width is one contiguous run of 2I / ranks columns) and its
+# bias [E, 2I] alike, down_proj [E, I, H] and its bias [E, H]; MXFP4 checkpoints store each matrix's transpose in
+# blocks of 32 inputs: *_blocks [E, out, in / 32, 16], *_scales [E, out, in / 32]
+_GPT_OSS_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
+_SINKS = "self_attn.sinks"  # GPT-OSS: one per query head
 _SHARED_GATE_UP = "shared_mlp.input_linear.weight"  # Granite MoE's shared expert: [gate; up] fused
 _SHARED_DOWN = "shared_mlp.output_linear.weight"
 _QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per head (replicated) or per projection
@@ -194,6 +208,18 @@ def check_group_split(
             )
 
 
+def check_mxfp4_split(moe: MoeArch, world_size: int) -> None:
+    """SettingsConflictError unless each rank's share of an MXFP4 checkpoint's expert width is whole blocks: the
+    experts' down_proj is stored by blocks of its inputs (gate_up_proj by its outputs' rows, which cut anywhere)."""
+    inputs = moe.expert_intermediate_size
+    if inputs % (MXFP4_BLOCK * world_size):
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size} with MXFP4: the experts' down_proj (mlp.experts.down_proj_blocks, "
+            f"{inputs} inputs in blocks of {MXFP4_BLOCK}) splits into {inputs / world_size:g} inputs per rank, not "
+            "whole blocks; serve it with a size that splits whole blocks"
+        )
+
+
 def shard_weights(
     weights: Iterable[tuple[str, Any]],
     arch: LlamaArch,
@@ -228,6 +254,11 @@ def shard_weights(
             yield name, _rows(tensor, rank, ranks)
         elif _EXPERT_ROW.fullmatch(part):
             yield name, _columns(name, tensor, rank, ranks, quantize_whole)
+        elif arch.model_type == "gpt_oss" and (experts := _GPT_OSS_EXPERTS.fullmatch(part)) is not None:
+            matrix, suffix = experts.groups()
+            yield name, _gpt_oss_experts(name, tensor, matrix, suffix or "", rank, ranks)
+        elif part == _SINKS:
+            yield name, _rows(tensor, rank, ranks)
         elif _STACKED_TRANSPOSED.fullmatch(part):
             yield name, _transposed_experts(name, tensor, rank, ranks, quantize_whole)
         elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
@@ -290,6 +321,29 @@ def _stacked_experts(
         return tensor.chunk(ranks, dim=2)[rank].contiguous()
     gate, up = tensor.chunk(2, dim=1)
     return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()
+
+
+def _gpt_oss_experts(name: str, tensor: Any, matrix: str, suffix: str, rank: int, ranks: int) -> torch.Tensor:
+    """GPT-OSS's experts' share (their width's rank-th run of each axis it runs along; the down bias on rank 0),
+    float or MXFP4: a block's 32 inputs share one scale, so down_proj's blocks are cut whole or refused."""
+    if not isinstance(tensor, torch.Tensor):
+        raise SettingsConflictError(f"{name}: GPT-OSS's experts are cut as float or MXFP4 tensors")
+    if suffix == "_bias" and matrix == "down_proj":  # added once, before the all-reduce
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    if suffix in ("_blocks", "_scales"):
+        # [E, 2I, H / 32, ...]: gate_up's output rows (interleaved as its columns were); [E, H, I / 32, ...]: down's
+        # input blocks
+        dim = 1 if matrix == "gate_up_proj" else 2
+    else:
+        dim = 2 if matrix == "gate_up_proj" and suffix == "" else 1  # [E, H, 2I]; [E, 2I], [E, I, H]
+    if tensor.shape[dim] % ranks:  # (float widths are checked with the model: check_experts_shardable)
+        blocks = tensor.shape[dim]
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {ranks}: {name} (MXFP4, {blocks * MXFP4_BLOCK} inputs in {blocks} blocks of "
+            f"{MXFP4_BLOCK}) splits into {blocks * MXFP4_BLOCK / ranks:g} inputs per rank, not whole blocks; serve it "
+            "with a size that splits whole blocks"
+        )
+    return tensor.chunk(ranks, dim=dim)[rank].contiguous()
 
 
 def _transposed_experts(

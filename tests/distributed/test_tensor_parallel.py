@@ -11,7 +11,6 @@ from engine import LLM, SamplingParams
 from engine.errors import SettingsConflictError
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle
-from tests.engine.test_gpt_oss import GPT_OSS
 from tests.engine.test_model_equivalence import mixed_prompts
 from tests.distributed.stepping import tokens_with_an_abort
 
@@ -175,7 +174,6 @@ def test_nine_heads_and_three_kv_heads_on_three_ranks(tmp_path):
 @pytest.mark.parametrize(
     "arch, overrides, flags, message",
     [
-        ("llama", GPT_OSS, {}, "GptOssForCausalLM is not served with tensor parallelism"),
         (
             "llama",
             {"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 16, "hidden_size": 48},

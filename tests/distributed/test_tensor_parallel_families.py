@@ -14,11 +14,13 @@ new_decoder_architecture; one or two norms beside the branches, or in sequence),
 (its experts also stacked in one tensor), Qwen2-MoE (a shared expert, dense layers between), Qwen3-MoE (each expert
 cut like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms over the projection), Granite MoE
 (stacked input_linear / output_linear, the shared variant's fused shared_mlp) and Phi-3.5-MoE (LayerNorms, q/k/v/o
-biases, the LM head's bias on gathered logits), and DeepSeek-V2 (q_proj, or q_a_proj and q_b_proj) and V3 (latent
+biases, the LM head's bias on gathered logits), DeepSeek-V2 (q_proj, or q_a_proj and q_b_proj) and V3 (latent
 attention cut by heads over a latent cache the same on every rank; shared experts, grouped routing, a dense first
-layer). Every family's logits of a prefill and a decode over a paged cache in one pair of spawned processes (spawning
-costs seconds), then OLMo 2 and DeepSeek-V3 (with its multi-token-prediction layer drafting too) served end to end:
-greedy float32 tokens identical to one process; sizes that do not divide refused by number."""
+layer), and GPT-OSS (q/k/v/o biases, attention sinks cut by heads, sliding and full layers; its interleaved gate|up
+experts with biases cut along their width, float and MXFP4, whose blocks are cut whole). Every family's logits of a
+prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then OLMo 2,
+DeepSeek-V3 (with its multi-token-prediction layer drafting too) and GPT-OSS (MXFP4) served end to end: greedy
+float32 tokens identical to one process; sizes that do not divide refused by number."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
 from tests.distributed.test_tensor_parallel_model import run_model, two_rank_results
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.test_deepseek_equivalence import make_deepseek_dir
+from tests.engine.test_gpt_oss import make_gpt_oss_dir
+from tests.engine.test_gpt_oss_mxfp4 import write_checkpoints
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 from tests.engine.test_moe_equivalence import make_moe_dir
 
@@ -90,6 +94,11 @@ def model_dirs(tmp_path_factory):
     dirs.update({name: make_moe_dir(root / name, name) for name in MOE_FAMILIES})
     dirs["mixtral-stacked"] = stacked_copy(dirs["mixtral"], root / "mixtral-stacked")
     dirs.update({name: make_deepseek_dir(root / name, family, **o) for name, (family, o) in DEEPSEEK.items()})
+    # GPT-OSS: 4 heads over 2 KV heads, experts 64 wide (two MXFP4 blocks per row of down_proj: one per rank)
+    dirs["gpt_oss"] = make_gpt_oss_dir(root / "gpt_oss", intermediate_size=64)
+    dirs["gpt_oss-kv1"] = make_gpt_oss_dir(root / "gpt_oss-kv1", num_key_value_heads=1)  # its KV head replicated
+    write_checkpoints(dirs["gpt_oss"], root / "gpt_oss-mxfp4", root / "gpt_oss-dequantized")
+    dirs["gpt_oss-mxfp4"] = root / "gpt_oss-mxfp4"
     return dirs
 
 
@@ -169,5 +178,40 @@ def test_deepseek_v3_served_on_two_ranks(tmp_path):
 )
 def test_deepseek_sizes_that_do_not_divide_are_refused(tmp_path, overrides, message):
     model_dir = make_deepseek_dir(tmp_path, "deepseek_v2", **overrides)
+    with pytest.raises(SettingsConflictError, match=message):
+        LLM(str(model_dir), **TINY, tensor_parallel_size=2)
+
+
+def test_gpt_oss_mxfp4_served_on_two_ranks(model_dirs):
+    """Each rank cuts the MXFP4 blocks of its experts' share, then dequantizes them: the tokens and logprobs of
+    one process (prompts longer than the sliding layers' window of 8)."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [300, 301, 17], [40] * 18]
+    expected, _ = generate(model_dirs["gpt_oss-mxfp4"], prompts, 1)
+    got, _ = generate(model_dirs["gpt_oss-mxfp4"], prompts, 2)
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize(
+    "overrides, mxfp4, message",
+    [
+        ({"num_attention_heads": 3, "num_key_value_heads": 3}, False, "3 attention heads"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 3}, False, r"3 KV heads \(neither a multiple"),
+        ({"intermediate_size": 45}, False, "intermediate size 45"),
+        # 32 inputs: one block of down_proj per row, which two ranks would cut in half
+        (
+            {"intermediate_size": 32},
+            True,
+            r"MXFP4: the experts' down_proj \(mlp.experts.down_proj_blocks, 32 inputs in blocks of 32\) splits into "
+            "16 inputs per rank",
+        ),
+    ],
+    ids=["heads", "kv-heads", "expert-width", "mxfp4-blocks"],
+)
+def test_gpt_oss_sizes_that_do_not_divide_are_refused(tmp_path, overrides, mxfp4, message):
+    """At start-up, before any worker is spawned or a weight is read."""
+    model_dir = make_gpt_oss_dir(tmp_path / "float", **overrides)
+    if mxfp4:
+        write_checkpoints(model_dir, tmp_path / "mxfp4", tmp_path / "dequantized")
+        model_dir = tmp_path / "mxfp4"
     with pytest.raises(SettingsConflictError, match=message):
         LLM(str(model_dir), **TINY, tensor_parallel_size=2)
