@@ -14,6 +14,7 @@ from engine.errors import SettingsConflictError
 from engine.attention import AttentionBackend
 from engine.attention.attention_shape import AttentionShape, latent_rank_of
 from engine.attention.layer_attention import check_backend_serves, features_of, missing_features
+from engine.attention.local_chunks import check_chunk
 from engine.attention.step_metadata import computes_bidirectional_spans
 from engine.cache_config import DEFAULT_CPU_KV_CACHE_MEMORY
 from engine.huge_pages import back_weights_with_huge_pages
@@ -225,7 +226,19 @@ def build_shard(
         max_model_len,
         0 if speculative is None else speculative.num_speculative_tokens,
     )
-    buckets = () if model.stage.is_split or not model.keeps_lm_head else _graph_buckets(config, device, backend)
+    chunks = {attention.chunk for attention in model.attention_layers if attention.chunk is not None}
+    for chunk in chunks:
+        try:
+            check_chunk(chunk, config.cache.block_size)
+        except ValueError as error:
+            raise SettingsConflictError(str(error)) from None
+    if chunks and device.type == "cuda":
+        # (a decode graph would replay the virtual requests of the step it captured: local_chunks builds them from
+        # the step's host copies)
+        logger.info("CUDA graphs off: the model's chunked local attention cuts each step at its chunks' boundaries")
+    buckets = (
+        () if model.stage.is_split or not model.keeps_lm_head or chunks else _graph_buckets(config, device, backend)
+    )
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len, vision)
 
 

@@ -29,6 +29,9 @@ class LayerAttention:
         s = softcap * tanh(s / softcap)          when softcap is set
         k is seen only if k > q - sliding_window  when sliding_window is set (the query's own key included,
                                                   so `sliding_window` keys at most: HF's convention)
+        k is seen only if k // chunk == q // chunk   when chunk is set (Llama 4's chunked local attention: computed
+                                                  before the backend, which sees the step cut at the chunks'
+                                                  boundaries as causal attention: attention/local_chunks.py)
         p = softmax over [s(k) for the seen k] + [sinks[h]], the sink's share dropped (it has no value):
             out = sum_k p_k v_k, so the weights of the keys sum to less than 1     when sinks is set (GPT-OSS)
 
@@ -44,12 +47,15 @@ class LayerAttention:
     # of equality and hashing, which compare the layer's settings.
     sinks: Optional[torch.Tensor] = field(default=None, compare=False)
     latent_rank: Optional[int] = None
+    chunk: Optional[int] = None
 
     def __post_init__(self):
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.softcap is not None and self.softcap <= 0:
             raise ValueError(f"softcap must be > 0, got {self.softcap}")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
 
     @property
     def features(self) -> frozenset[str]:
@@ -67,8 +73,12 @@ class LayerAttention:
     def within(self, max_model_len: Optional[int]) -> "LayerAttention":
         """This attention over sequences of at most `max_model_len` tokens: a window that long or longer reads
         every key, and is dropped (the fused decode step and the kernels' unwindowed variants then serve it; the
-        KV groups take it so too, engine/attention/kv_groups.py)."""
-        if self.sliding_window is None or not max_model_len or self.sliding_window < max_model_len:
+        KV groups take it so too, engine/attention/kv_groups.py); so is a chunk that holds every position."""
+        if not max_model_len:
+            return self
+        if self.chunk is not None and self.chunk >= max_model_len:
+            return replace(self, chunk=None).within(max_model_len)
+        if self.sliding_window is None or self.sliding_window < max_model_len:
             return self
         return replace(self, sliding_window=None)
 

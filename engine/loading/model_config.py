@@ -51,26 +51,6 @@ def _rope_scaled_context(hf_config: "PretrainedConfig", key: str, value: int) ->
     return scaled_context(str(getattr(hf_config, "model_type", "")), value, rope_settings(hf_config)[1])
 
 
-def chunked_attention_size(hf_config: "PretrainedConfig") -> Optional[int]:
-    """The chunk of a model whose layers (some of them) attend within chunks of positions (Llama 4's
-    attention_chunk_size, on its `chunked_attention` layers); None for one without."""
-    chunk = getattr(hf_config, "attention_chunk_size", None)
-    layer_types = getattr(hf_config, "layer_types", None) or ()
-    return chunk if isinstance(chunk, int) and chunk > 0 and "chunked_attention" in layer_types else None
-
-
-def check_chunked_context(max_model_len: int, chunk: Optional[int]) -> None:
-    """SettingsConflictError when `max_model_len` passes a chunked-attention model's chunk (None: no chunks): no
-    attention backend masks by chunk, and within one chunk the mask is the causal one."""
-    from engine.errors import SettingsConflictError
-
-    if chunk is not None and max_model_len > chunk:
-        raise SettingsConflictError(
-            f"--max-model-len {max_model_len}: the model's chunked attention (attention_chunk_size {chunk}) is served "
-            f"for sequences of one chunk at most, where it is causal attention; give --max-model-len {chunk} or less"
-        )
-
-
 class ContextLengthError(ValueError):
     """max_model_len over the model's context length: a setting the user chose that this model cannot
     honour (the server exits 2 for it, naming the flag), not a model that fails to load."""
@@ -260,15 +240,12 @@ class ModelConfig(BaseModel):
 
     def resolve_max_model_len(self, hf_config: "PretrainedConfig") -> int:
         """`max_model_len`, checked against the model's context length (which it defaults to); ContextLengthError
-        when it is larger. A model with chunked attention (Llama 4) is served up to one chunk: the default is
-        capped there, and a longer max_model_len is a SettingsConflictError."""
+        when it is larger."""
         declared = _declared_context_length(hf_config)
-        chunk = chunked_attention_size(hf_config)
         if self.max_model_len is None:
             if declared is None:
                 raise ValueError("the model config declares no context length; set max_model_len")
-            return declared[1] if chunk is None else min(declared[1], chunk)
+            return declared[1]
         if declared is not None and self.max_model_len > declared[1]:
             raise ContextLengthError(self.max_model_len, declared[1], declared[0])
-        check_chunked_context(self.max_model_len, chunk)
         return self.max_model_len

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
-from engine.loading.model_config import check_chunked_context
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mrope import SectionedRows
@@ -121,8 +120,6 @@ class DecoderForCausalLM(LlamaForCausalLM):
             and not arch.learned_positions
             and arch.fused_attention
         )
-        if max_model_len is not None:  # (a model built without ModelConfig's check, as tests build them)
-            check_chunked_context(max_model_len, arch.attention_chunk)
         if arch.learned_positions and max_model_len is not None and max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"{arch.architecture}: max_model_len {max_model_len} is past its {arch.max_position_embeddings} "

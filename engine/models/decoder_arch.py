@@ -101,10 +101,6 @@ class DecoderArch(LlamaArch):
     # Llama 4's attention temperature tuning (floor_scale, attn_scale): on the layers without RoPE each query is
     # multiplied by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1 before its scores
     temperature_tuning: Optional[tuple[float, float]] = None
-    # Llama 4's chunked local attention (attention_chunk_size) on the layers that rotate: a query sees the keys of
-    # its own chunk of this many positions only. No backend masks by chunk: it is served where it is causal
-    # attention, sequences of at most one chunk (DecoderForCausalLM refuses a longer max_model_len)
-    attention_chunk: Optional[int] = None
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]

@@ -744,8 +744,8 @@ def llama4_arch(config: Any) -> DecoderArch:
     intermediate_size_mlp) whose NoPE layers (`no_rope_layers` 0, by default every 4th) rotate nothing and scale
     their queries by attention temperature tuning (attn_temperature_tuning: floor_scale, attn_scale), the others
     rotate by RoPE (llama3 scaling where configured) over interleaved pairs (reordered into halves at load), then
-    normalise each head's q and k without weight (use_qk_norm); chunked attention (attention_chunk_size) on the
-    layers `layer_types` names, served up to one chunk (where it is causal attention)."""
+    normalise each head's q and k without weight (use_qk_norm); chunked local attention (attention_chunk_size) on
+    the layers `layer_types` names (LayerAttention.chunk)."""
     layers = config.num_hidden_layers
     no_rope = list(config.no_rope_layers)
     if len(no_rope) < layers:  # (HF reads it by layer index: longer lists are served as HF reads them)
@@ -775,18 +775,21 @@ def llama4_arch(config: Any) -> DecoderArch:
         (theta, scaling),
         activation=_silu(config),
         qk_norm="l2" if getattr(config, "use_qk_norm", False) else None,
-        layer_attention=(LayerAttention(_head_scale(config)),) * layers,
+        layer_attention=tuple(
+            LayerAttention(_head_scale(config), chunk=chunk if kind == "chunked_attention" else None)
+            for kind in layer_types
+        ),
         layer_rope=tuple(0 if use_rope else None for use_rope in no_rope[:layers]),
         rope_interleaved=True,
         renames=LLAMA4_NAMES,
         temperature_tuning=tuning,
-        attention_chunk=chunk,
         intermediate_size=config.intermediate_size_mlp,
     )
     if chunk is None or arch.max_position_embeddings <= chunk:
         return arch
-    # The RoPE tables hold a row per position up to max_position_embeddings (Scout's: 10M, gigabytes); no sequence
-    # passes one chunk here, and the frequencies served (default, llama3) do not read it
+    # The RoPE tables hold a row per position up to max(max_position_embeddings, max_model_len) (Scout's
+    # max_position_embeddings: 10M, gigabytes of rows no served sequence reaches); the frequencies served (default,
+    # llama3) do not read it, so the tables follow max_model_len past one chunk
     return dataclasses.replace(arch, max_position_embeddings=chunk)
 
 

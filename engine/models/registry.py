@@ -451,8 +451,7 @@ FAMILIES = (
             "experts stacked transposed (feed_forward.experts.gate_up_proj [E, H, 2I]), transposed at load",
             "NoPE layers (no_rope_layers) with attention temperature tuning (floor_scale, attn_scale)",
             "RoPE (llama3 scaling) on interleaved pairs, reordered at load; q/k L2 norm after it (use_qk_norm)",
-            "chunked attention (attention_chunk_size) served up to one chunk: max_model_len defaults to it, "
-            "a longer one refused",
+            "chunked local attention (attention_chunk_size) on the RoPE layers, past one chunk",
             "decode steps unfused",
         ),
     ),

@@ -84,9 +84,9 @@ in the model's dtype; tests/engine/test_moe_families.py checks it bit for bit ag
 rotates with the short factors and `long_mscale`; here, as in Microsoft's code and vLLM, the long factors serve.
 
 Llama 4's chunked local attention (`attention_chunk_size`: a query sees only the keys of its own chunk, on the
-RoPE layers) is a mask no attention backend computes; within one chunk it is causal attention, so its
-`max_model_len` defaults to the chunk (8192 for Scout and Maverick) and a longer `--max-model-len` is refused at
-start-up naming `attention_chunk_size`. Its experts' routing weights (the sigmoids of the top-k router logits) scale
+RoPE layers) is served at any `--max-model-len`: each step is cut at the chunks' boundaries into virtual requests
+that every attention backend computes as causal attention (as vLLM's local-attention virtual batches), so the
+block size must divide the chunk (8192 for Scout and Maverick), and CUDA graphs are off. Its experts' routing weights (the sigmoids of the top-k router logits) scale
 each chosen expert's input, as transformers' `Llama4TextMoe` does (tests/engine/test_moe_families.py checks the
 block against it); such blocks run the per-expert products on CUDA too (the grouped Triton kernel weighs outputs).
 A multimodal `Llama4ForConditionalGeneration` checkpoint is served as a text model: its language model

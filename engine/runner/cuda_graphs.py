@@ -35,7 +35,7 @@ import bisect
 import gc
 import logging
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention.step_metadata import StepMetadata
 from engine.attention.kv_cache import KVCache
+from engine.attention.local_chunks import local_chunks
 from engine.layers.mrope import SectionedRows
 from engine.lora.lora_graph_inputs import LoRAGraphInputs
 from engine.lora.lora_stack import LoRAStack
@@ -134,8 +135,14 @@ def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> Forwar
     """The model's forward pass over `kv_cache` through `backend`: what a step runs and a decode graph
     captures. A closure over the three parts, not a method of the runner: the graphs keep it, and a
     runner <-> graphs cycle would outlive the last reference to the engine. The step comes as one
-    StepMetadata per KV layer group; each layer attends with its group's metadata."""
+    StepMetadata per KV layer group; each layer attends with its group's metadata, a layer with chunked local
+    attention with its group's step cut at its chunks' boundaries (attention/local_chunks.py)."""
     group_of_layer = kv_cache.spec.group_of_layer
+    block_size = kv_cache.spec.block_size
+    # (group, chunk) of each layer; chunk None: the group's step as it is
+    layer_keys = [
+        (group, attention.chunk) for group, attention in zip(group_of_layer, model.attention_layers, strict=True)
+    ]
 
     def forward(
         input_ids: torch.Tensor,
@@ -145,8 +152,13 @@ def model_forward(model, backend: AttentionBackend, kv_cache: KVCache) -> Forwar
         lora_step: Optional[LoRAStep] = None,  # a decode graph's own LoRA inputs (else the runner's, if any)
         sectioned: Optional[SectionedRows] = None,  # multimodal RoPE's image rows (with hidden_states: their embeds)
     ) -> torch.Tensor:
-        per_group = [backend.build_metadata(step, kv_cache.spec) for step in steps]
-        metadata = [per_group[group] for group in group_of_layer]
+        built: dict[tuple[int, Optional[int]], Any] = {}
+        for key in layer_keys:
+            if key not in built:
+                group, chunk = key
+                step = steps[group] if chunk is None else local_chunks(steps[group], chunk, block_size)
+                built[key] = backend.build_metadata(step, kv_cache.spec)
+        metadata = [built[key] for key in layer_keys]
         before = model.lora_step
         if lora_step is not None:
             model.lora_step = lora_step

@@ -1,7 +1,7 @@
 """The mixtures of experts on the generic decoder (OLMoE, Granite MoE, Phi-3.5-MoE, Llama 4) beyond their equivalence
 with HF (tests/engine/test_moe_equivalence.py): Phi-3.5-MoE's sparsemixer routing equal to transformers' own function,
-its LongRoPE's factor set and mscale, Llama 4's routing and experts equal to transformers' modules, its context capped
-at one attention chunk, and the config fields refused at start-up by name."""
+its LongRoPE's factor set and mscale, Llama 4's routing and experts equal to transformers' modules, its chunked local
+attention past one chunk equal to HF's, and the config fields refused at start-up by name."""
 
 from __future__ import annotations
 
@@ -165,23 +165,51 @@ def test_llama4_routing_and_experts_are_transformers_modules(dtype, top_k):
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
-def test_llama4_context_is_one_attention_chunk():
-    """Chunked attention equals causal attention within one chunk: max_model_len defaults to the chunk, a longer
-    one is refused naming the flag and the field (by the model as by the settings)."""
+@pytest.fixture(scope="module")
+def llama4_chunked(tmp_path_factory):
+    """Llama 4 whose RoPE layers attend within chunks of 16 positions: the tests' prompts and outputs cross
+    several chunk boundaries (its NoPE layers attend to every key)."""
+    from tests.engine.test_moe_equivalence import make_moe_dir
+
+    return make_moe_dir(tmp_path_factory.mktemp("llama4") / "chunked", "llama4", attention_chunk_size=16)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"attention_backend": "torch"},
+        {"max_num_batched_tokens": 12, "max_num_seqs": 3},  # prompts cut at other places than the chunks
+        {"block_size": 16, "num_blocks": 24},  # one block per chunk; preemption
+    ],
+    ids=["cpu", "torch", "chunked-prefill", "block-16-preemption"],
+)
+def test_llama4_chunked_attention_past_one_chunk_is_hfs(llama4_chunked, settings):
+    """Each RoPE layer's query sees its own chunk's keys only (the step cut into virtual requests at the chunks'
+    boundaries, attention/local_chunks.py): HF's greedy tokens and logprobs on sequences of up to 60 + 8 tokens,
+    batched and alone, with prefix-cache hits on the repeated prompt."""
+    prompts = mixed_prompts()
+    with make_llm(llama4_chunked, **settings) as llm:
+        assert {attention.chunk for attention in llm.engine.runner.model.attention_layers} == {16, None}
+        check_against_hf(llama4_chunked, prompts, run_greedy(llm, prompts))
+        check_against_hf(llama4_chunked, prompts[6:7], run_greedy(llm, prompts[6:7]))
+
+
+def test_llama4_chunks_the_block_size_does_not_divide_are_refused(llama4_chunked):
+    with pytest.raises(SettingsConflictError, match="attention_chunk_size 16.*--block-size 32 does not"):
+        make_llm(llama4_chunked, block_size=32)
+
+
+def test_llama4_context_is_the_models_and_a_chunk_that_holds_it_is_causal():
+    """max_model_len defaults to the model's context, past the chunk; a chunk as long as max_model_len or longer
+    holds every position, and is served as causal attention (no cut steps)."""
     config = config_of("llama4", attention_chunk_size=64)
-    assert ModelConfig().resolve_max_model_len(config) == 64
-    assert ModelConfig(max_model_len=32).resolve_max_model_len(config) == 32
-    message = r"--max-model-len 65: .*chunked attention \(attention_chunk_size 64\).*--max-model-len 64 or less"
-    with pytest.raises(SettingsConflictError, match=message):
-        ModelConfig(max_model_len=65).resolve_max_model_len(config)
-    with pytest.raises(SettingsConflictError, match=message):
-        build_model(config, torch.float32, torch.device("cpu"), max_model_len=65)
-    model = build_model(config, torch.float32, torch.device("cpu"), max_model_len=64)
-    assert model.rotary.cos.shape[0] == 64  # (a row per position served: a chunk's, not max_position_embeddings')
-    unchunked = config_of("llama4", attention_chunk_size=None)  # (every layer full attention: no cap)
-    assert set(unchunked.layer_types) == {"full_attention"}
-    assert ModelConfig().resolve_max_model_len(unchunked) == 256
-    assert build_model(unchunked, torch.float32, torch.device("cpu"), max_model_len=256).arch.attention_chunk is None
+    assert ModelConfig().resolve_max_model_len(config) == 256
+    model = build_model(config, torch.float32, torch.device("cpu"), max_model_len=256)
+    assert {attention.chunk for attention in model.attention_layers} == {64, None}
+    assert model.rotary.cos.shape[0] == 256  # (a row per position served)
+    whole = build_model(config, torch.float32, torch.device("cpu"), max_model_len=64)
+    assert {attention.chunk for attention in whole.attention_layers} == {None}
 
 
 def test_llama4_layers_as_the_config_places_them():
