@@ -172,12 +172,24 @@ def test_a_dead_stage_fails_the_engine_within_seconds(model_dir):
 # ------------------------------------------------------------------ the other families
 
 
+SLIDING_FULL = ["sliding_attention", "full_attention", "sliding_attention"]
+ODD_SPLITS = {  # name: (factory arch, config overrides)
+    "gemma3-3": ("gemma3", {"num_hidden_layers": 3, "layer_types": SLIDING_FULL}),  # local and global RoPEs
+    "cohere2-3": ("cohere2", {"num_hidden_layers": 3}),  # full layers without RoPE
+    "smollm3-3": ("smollm3", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "layer_types": SLIDING_FULL}),
+}
+"""Three layers split 1 + 2, so that stage 1's layers are not the pattern's first ones (four layers split 2 + 2 would
+put an alternating pattern's first two layers on each stage)."""
+
+
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    """Every generic-decoder family and mixture of experts that tensor parallelism's tests build."""
+    """Every generic-decoder family and mixture of experts that tensor parallelism's tests build, and ODD_SPLITS."""
     root = tmp_path_factory.mktemp("families")
-    dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in tp_families.FAMILIES.items()}
+    dense = {**tp_families.FAMILIES, **ODD_SPLITS}
+    dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in dense.items()}
     dirs.update({name: make_moe_dir(root / name, name) for name in MOE_FAMILIES})
+    dirs["llama4-3"] = make_moe_dir(root / "llama4-3", "llama4", num_hidden_layers=3)  # NoPE layer 1, sparse 1
     return dirs
 
 
@@ -262,6 +274,7 @@ def test_two_stages_compute_every_familys_logits(family_dirs):
     assert [results[("qwen3_moe", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[0], [1]]
     assert [results[("glm4_moe", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0, 1]]
     assert [results[("llama4", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[1], [1]]
+    assert [results[("llama4-3", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0]]
 
 
 def test_gemma2_layer_groups_follow_the_stages(family_dirs):
