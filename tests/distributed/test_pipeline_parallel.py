@@ -7,7 +7,7 @@ prompt logprobs and aborts, alone and with tensor parallelism within each stage;
 Every family tensor parallelism serves beside Llama's (the generic decoder's and the mixtures of experts': per-layer
 RoPE, windows and layer kinds, dense layers between sparse ones, embedding scales and learned positions on stage 0,
 soft-caps, logit scales and LM-head biases with the head) splits into two stages that compute one process's logits,
-every family in one spawned pair; served end to end, Gemma 2's sliding and full layers keep the whole model's KV
+every family in one spawned pair; served end to end, Gemma 3's sliding and full layers keep the whole model's KV
 groups on each stage, a mixture of experts takes tensor parallelism within its stages, and Gemma serves a LoRA adapter (its own embedding and LM head) over int8 weights."""
 
 from __future__ import annotations
@@ -277,13 +277,14 @@ def test_two_stages_compute_every_familys_logits(family_dirs):
     assert [results[("llama4-3", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0]]
 
 
-def test_gemma2_layer_groups_follow_the_stages(family_dirs):
-    """Sliding and full layers: each stage's cache holds its layers of the whole model's KV groups (the
-    scheduler's), under chunked prefill, preemption and prefix hits past the window."""
+def test_layer_groups_follow_the_stages(family_dirs):
+    """Gemma 3's sliding layers 0 and 2 and full layer 1, split 1 + 2: the whole model's KV groups (full: 1;
+    sliding: 0; sliding: 2, a layer each) on both stages, stage 0's cache holding layer 0 only (its other groups
+    empty), under chunked prefill, preemption and prefix hits past the window."""
     prompts = mixed_prompts(25, shared_prefix=12)
     settings = dict(num_blocks=40, enable_prefix_caching=True)
-    expected = run(family_dirs["gemma2"], prompts, GREEDY, **settings)
-    got = run(family_dirs["gemma2"], prompts, GREEDY, **settings, pipeline_parallel_size=2)
+    expected = run(family_dirs["gemma3-3"], prompts, GREEDY, **settings)
+    got = run(family_dirs["gemma3-3"], prompts, GREEDY, **settings, pipeline_parallel_size=2)
     assert got[3].num_preemptions > 0 and got[3].prefix_cache_hits > 0
     assert_same(got, expected)
 
