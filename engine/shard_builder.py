@@ -138,6 +138,9 @@ def build_shard(
         )
     model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp)
     model.keeps_lm_head = resolve_runner(model_config.runner, model_config.convert, hf_config) == "generate"
+    # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window. The
+    # groups are the whole model's (the scheduler's, the same on every stage); a stage's cache holds its layers'.
+    kv_groups = KVGroups.of([attention.sliding_window for attention in model.attention_layers], max_model_len)
     if stage is not None and stage.is_split:
         model.hold_stage(stage)
         logger.info("pipeline %s", stage.describe())
@@ -153,13 +156,6 @@ def build_shard(
         backend = numerics(features_of(model.attention_layers)).backend
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     check_backend_serves(backend, model.attention_layers, family.architecture)
-    # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window.
-    kv_groups = KVGroups.of([attention.sliding_window for attention in model.attention_layers], max_model_len)
-    if model.stage.is_split and kv_groups.num_groups > 1:
-        raise SettingsConflictError(
-            f"--pipeline-parallel-size {model.stage.num_stages}: the model's layers attend in {kv_groups.num_groups} "
-            "ways (sliding-window and full layers); pipeline stages serve models whose layers attend alike"
-        )
     storage = (
         quantizer.method
         if quantizer is not None
@@ -217,7 +213,7 @@ def build_shard(
         model.arch.head_dim,
         kv_dtype,
         latent_rank=latent_rank,  # MLA: the latent layout
-        layer_groups=kv_groups.layers if kv_groups.num_groups > 1 else (),
+        layer_groups=kv_groups.held(model.stage.layers) if kv_groups.num_groups > 1 else (),
     )
     speculative = config.speculative_config
     limits = RunnerLimits(

@@ -48,3 +48,9 @@ class KVGroups:
     @property
     def num_groups(self) -> int:
         return len(self.windows)
+
+    def held(self, layers: range) -> tuple[tuple[int, ...], ...]:
+        """Each group's layers among `layers` (a pipeline stage's), counted from the first of them: the stage's
+        cache layout. Every group stays, empty where the stage holds none of its layers: the scheduler hands
+        out blocks by the whole model's groups, and a block id names the same group's rows on every stage."""
+        return tuple(tuple(layer - layers.start for layer in group if layer in layers) for group in self.layers)

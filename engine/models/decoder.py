@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.pipeline_stage import PipelineStage
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mrope import SectionedRows
@@ -110,6 +111,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.residual_scale = arch.residual_scale
         self.qk_norm_projection = arch.qk_norm == "projection"
         self.rotaries = [self.rotary] + [self._rotary(theta, scaling) for theta, scaling in arch.ropes[1:]]
+        # each held layer's index in `rotaries` (None: no RoPE), by the index the layer loop counts (a stage's own)
+        self.layer_rope: tuple[Optional[int], ...] = arch.layer_rope
         self.activation = arch.activation
         # what the fused decode step does not compute: LayerNorms, branches side by side, layers without RoPE
         self.fused_recipe = (
@@ -142,8 +145,13 @@ class DecoderForCausalLM(LlamaForCausalLM):
             layer.q_norm is None and layer.k_norm is None for layer in self.layers
         )
 
+    def hold_stage(self, stage: PipelineStage) -> None:
+        """Llama's stage, and each held layer's RoPE (`layer_rope`, read by the stage's own layer index)."""
+        super().hold_stage(stage)
+        self.layer_rope = self.arch.layer_rope[stage.layers.start : stage.layers.stop]
+
     def rotary_of(self, layer: int) -> Optional[RotaryEmbedding]:
-        rope = self.arch.layer_rope[layer]
+        rope = self.layer_rope[layer]
         return None if rope is None else self.rotaries[rope]
 
     # ------------------------------------------------------------------ weights
@@ -277,8 +285,9 @@ class DecoderForCausalLM(LlamaForCausalLM):
         hidden_states: Optional[torch.Tensor] = None,
         sectioned: Optional[SectionedRows] = None,
     ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
-        # `hidden_states`: the first layer's input given (a vision-language model's step with image rows); these
-        # families run whole (registry.check_pipeline_model refuses them with stages)
+        # `hidden_states`: the first layer's input given: a pipeline stage's after the first (the stage before's
+        # residual stream, what its next layer reads: the embeddings' scale and learned positions were added on
+        # stage 0, which alone holds them), or a vision-language model's step with image rows
         if sectioned is not None:  # (mrope_section is read for the Llama family's configs only: Qwen2-VL's)
             raise ValueError(f"{type(self).__name__} does not rotate by multimodal RoPE")
         if hidden_states is None and self._fuses(input_ids, metadata, kv_caches, backend):
@@ -294,7 +303,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
             if index in taps:
                 tapped[index] = h  # the stream entering this layer (EAGLE-3's features; never written in place here)
-            rope = arch.layer_rope[index]
+            rope = self.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
             attended = self._layer_attention(
                 layer,

@@ -69,12 +69,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
         self.moe = moe
         self.fused = None  # the fused decode step (layers/fused_decode.py) runs dense MLPs only
+        # by the layer loop's index: a pipeline stage's own (its first layer 0), the model's when it runs whole
         self.moe_blocks: dict[int, SparseMoeBlock] = {}
 
     def _take_mlp(self, index: int, take, maybe, cat) -> dict:
-        if not self.moe.is_sparse(index):
+        if not self.moe.is_sparse(index):  # (`index`: the model's, which the sparse layers' pattern counts)
             return super()._take_mlp(index, take, maybe, cat)
-        self.moe_blocks[index] = self._take_block(take, maybe, cat)
+        self.moe_blocks[index - self.stage.layers.start] = self._take_block(take, maybe, cat)
         return dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None)
 
     def _take_block(self, take, maybe, cat) -> SparseMoeBlock:

@@ -526,12 +526,17 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
     return None
 
 
+PIPELINE_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe")
+"""The implementations whose layer loop takes a stage's slice of the layers (`hold_stage`) and the stage before's
+hidden states: Llama's, the generic decoder's and the mixtures of experts on either (DeepSeek's and GPT-OSS's run
+whole)."""
+
+
 def check_pipeline_model(hf_config: Any, num_stages: int) -> None:
-    """SettingsConflictError unless the model's layers can be split into `num_stages` pipeline stages (the Llama
-    family's layer loop takes a stage's input from the stage before)."""
+    """SettingsConflictError unless the model's layers can be split into `num_stages` pipeline stages."""
     family = family_of(hf_config)
-    if family.implementation != "llama":
-        served = ", ".join(f.architecture for f in FAMILIES if f.implementation == "llama")
+    if family.implementation not in PIPELINE_IMPLEMENTATIONS:
+        served = ", ".join(f.architecture for f in FAMILIES if f.implementation in PIPELINE_IMPLEMENTATIONS)
         raise SettingsConflictError(
             f"--pipeline-parallel-size {num_stages}: {family.architecture} is not served with pipeline "
             f"parallelism yet (served: {served})"

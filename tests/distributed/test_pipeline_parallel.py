@@ -2,23 +2,49 @@
 hidden states sent to the next, the last stage's back to stage 0 (the engine's process), which samples; as many
 steps in flight as stages. Greedy tokens identical to one process and logprobs within 1e-5 in float32 (a stage
 computes exactly what one process computes for its layers), under chunked prefill, prefix caching, preemption,
-prompt logprobs and aborts, alone and with tensor parallelism within each stage; a dead stage fails the engine."""
+prompt logprobs and aborts, alone and with tensor parallelism within each stage; a dead stage fails the engine.
+
+Every family tensor parallelism serves beside Llama's (the generic decoder's and the mixtures of experts': per-layer
+RoPE, windows and layer kinds, dense layers between sparse ones, embedding scales and learned positions on stage 0,
+soft-caps, logit scales and LM-head biases with the head) splits into two stages that compute one process's logits,
+every family in one spawned pair; served end to end, Gemma 3's sliding and full layers keep the whole model's KV
+groups on each stage, a mixture of experts takes tensor parallelism within its stages, and Gemma serves a LoRA adapter (its own embedding and LM head) over int8 weights."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRAMix, LoRARequest, SamplingParams
+from engine.attention.kv_cache import KVCache, KVCacheSpec
+from engine.attention.step_metadata import step_metadata_for
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.pipeline_link import PipelineLink
+from engine.distributed.pipeline_stage import PipelineStage
 from engine.distributed.shm_all_reduce import PeerGoneError
 from engine.errors import SettingsConflictError
+from engine.loading.loader import iter_weights, load_hf_config
+from engine.models import build_model
+from tests.distributed import test_tensor_parallel_families as tp_families
+from tests.distributed.test_tensor_parallel_model import BLOCK, run_model
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle
+from tests.engine.test_deepseek_equivalence import COMMON as DEEPSEEK_COMMON
+from tests.engine.test_deepseek_equivalence import FAMILIES as DEEPSEEK_FAMILIES
+from tests.engine.test_gpt_oss import make_gpt_oss_dir
 from tests.engine.test_model_equivalence import mixed_prompts
+from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
+from tests.engine.test_moe_equivalence import make_moe_dir
 from tests.distributed.stepping import tokens_with_an_abort
+from tests.lora.adapters import make_adapter
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,10 +169,160 @@ def test_a_dead_stage_fails_the_engine_within_seconds(model_dir):
         assert "gloo" not in str(info.value) and isinstance(info.value.__cause__, RuntimeError)
 
 
+# ------------------------------------------------------------------ the other families
+
+
+SLIDING_FULL = ["sliding_attention", "full_attention", "sliding_attention"]
+ODD_SPLITS = {  # name: (factory arch, config overrides)
+    "gemma3-3": ("gemma3", {"num_hidden_layers": 3, "layer_types": SLIDING_FULL}),  # local and global RoPEs
+    "cohere2-3": ("cohere2", {"num_hidden_layers": 3}),  # full layers without RoPE
+    "smollm3-3": ("smollm3", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "layer_types": SLIDING_FULL}),
+}
+"""Three layers split 1 + 2, so that stage 1's layers are not the pattern's first ones (four layers split 2 + 2 would
+put an alternating pattern's first two layers on each stage)."""
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """Every generic-decoder family and mixture of experts that tensor parallelism's tests build, and ODD_SPLITS."""
+    root = tmp_path_factory.mktemp("families")
+    dense = {**tp_families.FAMILIES, **ODD_SPLITS}
+    dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in dense.items()}
+    dirs.update({name: make_moe_dir(root / name, name) for name in MOE_FAMILIES})
+    dirs["llama4-3"] = make_moe_dir(root / "llama4-3", "llama4", num_hidden_layers=3)  # NoPE layer 1, sparse 1
+    return dirs
+
+
+def stage_logits(model_dir: Path, rank: int) -> dict:
+    """`run_model`'s prefill and decode with the model split in two stages, this process being stage `rank`:
+    stage 0 embeds and runs its layers, stage 1 takes its hidden states over the pipeline link, runs the other
+    layers and sends the sampled row back, stage 0 computes the logits. Stage 0's: the two steps' logits; both:
+    what the stage holds."""
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    hf_config = load_hf_config(model_dir)
+    model = build_model(hf_config, torch.float32, cpu)
+    stage = PipelineStage.of_rank(rank, 1, 2, hf_config.num_hidden_layers)
+    model.hold_stage(stage)
+    model.load_weights(iter_weights(model_dir))
+    arch = model.arch
+    cache = KVCache(KVCacheSpec(len(stage.layers), BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32), 8, cpu)
+    backend = TorchAttentionBackend()
+    link = PipelineLink(stage, arch.hidden_size, torch.float32, cpu)
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, blocks) -> torch.Tensor:
+        metadata = [backend.build_metadata(blocks, cache.spec)] * len(stage.layers)
+        if stage.is_first:
+            link.send_forward(model.forward(input_ids, positions, cache.layers, metadata, backend))
+            return model.compute_logits(link.receive(1))
+        arrived = link.receive(len(positions))  # (a later stage reads no token ids)
+        link.send_forward(model.forward(input_ids, positions, cache.layers, metadata, backend, arrived)[-1:])
+        return torch.empty(0)
+
+    prefill = step_metadata_for([(10, 10, [0, 1, 2])], torch.arange(10), 0, cpu)
+    first = step(torch.arange(3, 13), torch.arange(10), prefill)
+    decode = step_metadata_for([(11, 1, [0, 1, 2])], torch.tensor([10]), 1, cpu)
+    token = first.argmax(-1) if stage.is_first else torch.zeros(1, dtype=torch.int64)
+    second = step(token, torch.tensor([10]), decode)
+    link.flush()
+    held = dict(
+        layers=len(model.layers),
+        ends=[model.embed is not None, model.lm_head is not None],
+        moe_blocks=sorted(getattr(model, "moe_blocks", {})),
+    )
+    return dict(logits=(first, second), held=held) if stage.is_first else dict(held=held)
+
+
+def _stage(rank: int, port: int, model_dirs: dict, results) -> None:
+    group = ParallelGroup.join_stage(rank, 1, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 30)
+    try:
+        for name, model_dir in model_dirs.items():
+            results[(name, rank)] = stage_logits(Path(model_dir), rank)
+    finally:
+        results[("left", rank)] = group.leave()
+
+
+def two_stage_results(model_dirs: dict) -> dict:
+    """Each checkpoint's `stage_logits` on both stages of one spawned pair (spawning costs seconds)."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        shared = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_stage, args=(r, port, model_dirs, shared)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0, 0]
+        return dict(shared)
+
+
+@pytest.mark.timeout(180)
+def test_two_stages_compute_every_familys_logits(family_dirs):
+    expected = {name: run_model(model_dir, ParallelGroup.single()) for name, model_dir in family_dirs.items()}
+    results = two_stage_results({name: str(d) for name, d in family_dirs.items()})
+    assert results[("left", 0)] and results[("left", 1)]
+    for name, want in expected.items():
+        num_layers = load_hf_config(family_dirs[name]).num_hidden_layers
+        first, last = (results[(name, rank)]["held"] for rank in range(2))
+        assert first["layers"] + last["layers"] == num_layers and last["layers"] >= first["layers"] >= 1, name
+        assert first["ends"] == [True, True] and last["ends"] == [False, False], name  # (tied or not)
+        for got, logits in zip(results[(name, 0)]["logits"], want):
+            torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=name)
+    # sparse layers keyed by each stage's own layer index: Qwen3-MoE's layer 1 dense (stage 1 = layers 1, 2);
+    # GLM-4.5's first layer dense; Llama 4's experts on layers 1 and 3 (stages of layers 0, 1 and 2, 3)
+    assert [results[("qwen3_moe", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[0], [1]]
+    assert [results[("glm4_moe", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0, 1]]
+    assert [results[("llama4", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[1], [1]]
+    assert [results[("llama4-3", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0]]
+
+
+def test_layer_groups_follow_the_stages(family_dirs):
+    """Gemma 3's sliding layers 0 and 2 and full layer 1, split 1 + 2: the whole model's KV groups (full: 1;
+    sliding: 0; sliding: 2, a layer each) on both stages, stage 0's cache holding layer 0 only (its other groups
+    empty), under chunked prefill, preemption and prefix hits past the window."""
+    prompts = mixed_prompts(25, shared_prefix=12)
+    settings = dict(num_blocks=40, enable_prefix_caching=True)
+    expected = run(family_dirs["gemma3-3"], prompts, GREEDY, **settings)
+    got = run(family_dirs["gemma3-3"], prompts, GREEDY, **settings, pipeline_parallel_size=2)
+    assert got[3].num_preemptions > 0 and got[3].prefix_cache_hits > 0
+    assert_same(got, expected)
+
+
+def test_mixture_of_experts_with_tensor_parallelism_within_each_stage(family_dirs):
+    """Qwen2-MoE (a shared expert, dense layers between the sparse ones): two stages of two ranks each."""
+    prompts = mixed_prompts(27)[:3]
+    expected = run(family_dirs["qwen2_moe"], prompts, GREEDY)
+    got = run(family_dirs["qwen2_moe"], prompts, GREEDY, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert_same(got, expected)
+
+
+def test_gemma_lora_over_int8_weights(family_dirs, tmp_path):
+    """An adapter with its own embedding and LM head (scaled by Gemma's sqrt(hidden) as the base's) on stage 0,
+    its layers' deltas on each stage by the stage's own layer index, over int8 weights: one process's tokens."""
+    base = family_dirs["gemma"]
+    adapter = make_adapter(
+        base, tmp_path / "saved", seed=3, r=2, targets=("v_proj", "o_proj"), modules_to_save=["embed_tokens", "lm_head"]
+    )
+    one, two = mixed_prompts(28)[:2]
+    prompts = [one, one, two, two]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    settings = dict(TINY, quantization="int8", enable_lora=True, max_loras=1, max_lora_rank=4)
+    outputs = []
+    for pp in (1, 2):
+        with LLM(str(base), **settings, pipeline_parallel_size=pp) as llm:
+            llm.engine.lora_manager.add_lora(LoRARequest("saved", str(adapter)))
+            loras = [LoRAMix.single("saved"), None] * 2
+            results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            outputs.append([list(r.outputs[0].token_ids) for r in results])
+            assert_idle(llm)
+    assert outputs[1] == outputs[0]
+    assert outputs[0][0] != outputs[0][1]  # the adapter changes what the model says
+
+
 @pytest.mark.parametrize(
     "arch, settings, message",
     [
-        ("gemma2", {}, "not served with pipeline parallelism"),
         ("llama", {"pipeline_parallel_size": 3}, "2 layers, fewer than the stages"),
         (
             "llama",
@@ -159,3 +335,16 @@ def test_refusals_name_the_combination(tmp_path, arch, settings, message):
     model_dir = make_tiny_model_dir(tmp_path / arch, arch)
     with pytest.raises(SettingsConflictError, match=message):
         LLM(str(model_dir), **TINY, **{"pipeline_parallel_size": 2, **settings})
+
+
+@pytest.mark.parametrize("family", ["DeepseekV3ForCausalLM", "GptOssForCausalLM"])
+def test_families_that_run_whole_are_refused_by_name(tmp_path, family):
+    """DeepSeek's and GPT-OSS's layer loops take no stage: refused before any process starts."""
+    if family == "GptOssForCausalLM":
+        model_dir = make_gpt_oss_dir(tmp_path / "gpt_oss")
+    else:
+        model_dir = make_tiny_model_dir(
+            tmp_path / "deepseek", "llama", **DEEPSEEK_COMMON, **DEEPSEEK_FAMILIES["deepseek_v3"]
+        )
+    with pytest.raises(SettingsConflictError, match=f"{family} is not served with pipeline parallelism"):
+        LLM(str(model_dir), **TINY, pipeline_parallel_size=2)

@@ -140,6 +140,10 @@ def test_unsupported_config_fields_are_refused(overrides, message):
         build_model(config_of(**overrides), torch.float32, torch.device("cpu"))
 
 
-def test_pipeline_parallelism_is_refused():
-    with pytest.raises(SettingsConflictError, match="Glm4MoeForCausalLM is not served with pipeline parallelism"):
-        check_pipeline_model(config_of(), 2)
+def test_pipeline_stages_are_checked_by_its_layers():
+    """Its layers split into stages (served so: tests/distributed/test_pipeline_parallel.py); never past one layer
+    a stage (its multi-token-prediction layer not counted)."""
+    config = config_of()
+    check_pipeline_model(config, config.num_hidden_layers)
+    with pytest.raises(SettingsConflictError, match="fewer than the stages"):
+        check_pipeline_model(config, config.num_hidden_layers + 1)
