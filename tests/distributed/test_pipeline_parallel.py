@@ -348,3 +348,13 @@ def test_families_that_run_whole_are_refused_by_name(tmp_path, family):
         )
     with pytest.raises(SettingsConflictError, match=f"{family} is not served with pipeline parallelism"):
         LLM(str(model_dir), **TINY, pipeline_parallel_size=2)
+
+
+def test_llama4_chunked_attention_on_two_stages(tmp_path):
+    """Llama 4 whose RoPE layers attend within chunks of 16 positions, split in two stages: each stage cuts its
+    steps at the chunks' boundaries for its own chunked layers; one process's tokens on sequences crossing several."""
+    model = make_moe_dir(tmp_path / "llama4", "llama4", attention_chunk_size=16)
+    prompts = mixed_prompts(29)[4:7]  # 17, 33 and 60 tokens
+    expected = run(model, prompts, GREEDY)
+    got = run(model, prompts, GREEDY, pipeline_parallel_size=2)
+    assert_same(got, expected)
