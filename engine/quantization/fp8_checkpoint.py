@@ -112,12 +112,30 @@ def dequantize_fp8(
         if block is None:
             values.mul_(scale if scale.dim() == 0 else scale[start : start + step])
         else:
-            bn, bk = block
-            scales = scale[start // bn : (start + values.shape[0] + bn - 1) // bn]  # [r / bn (rounded up), in / bk]
-            expanded = scales.repeat_interleave(bn, 0)[: values.shape[0]].repeat_interleave(bk, 1)[:, :columns]
-            values.mul_(expanded)
+            bn = block[0]
+            _scale_blocks(values, scale[start // bn : (start + values.shape[0] + bn - 1) // bn], block)
         out[start : start + step] = values
     return out
+
+
+def _scale_blocks(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> None:
+    """values [r, c] *= each one's block scale, scales [ceil(r / bn), ceil(c / bk)], in place: the whole blocks
+    through a broadcast view (no scale expanded to every value: that doubled the time), then the partial last
+    row of blocks, column of blocks and corner.
+
+        columns:  0 .. full_c (whole bk-wide blocks) | full_c .. c (partial)
+        rows:     0 .. full_r (whole bn-high blocks) | full_r .. r (partial)"""
+    bn, bk = block
+    rows, columns = values.shape
+    full_r, full_c = rows // bn, columns // bk  # whole blocks each way
+    body = values[: full_r * bn, : full_c * bk].unflatten(1, (full_c, bk)).unflatten(0, (full_r, bn))
+    body.mul_(scales[:full_r, :full_c, None].unsqueeze(1))  # [R, bn, C, bk] x [R, 1, C, 1]
+    if full_c * bk < columns:
+        values[: full_r * bn, full_c * bk :].unflatten(0, (full_r, bn)).mul_(scales[:full_r, full_c, None, None])
+    if full_r * bn < rows:
+        values[full_r * bn :, : full_c * bk].unflatten(1, (full_c, bk)).mul_(scales[full_r, :full_c, None])
+        if full_c * bk < columns:
+            values[full_r * bn :, full_c * bk :].mul_(scales[full_r, full_c])
 
 
 def _scale_rows(weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:

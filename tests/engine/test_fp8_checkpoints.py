@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import SamplingParams
 from engine.errors import SettingsConflictError
 from engine.quantization.fp8_checkpoint import dequantize_fp8, fp8_scheme, fp8_weights
 from engine.quantization.weight_quantizer import resolve_quantization
@@ -165,11 +166,18 @@ def test_two_tensor_parallel_ranks_equal_one_process(llama_blockwise):
     assert_same(got, expected, abs=LOGPROB_TOLERANCE)
 
 
-def test_dequantization_in_chunks_and_in_bfloat16():
-    weight = torch.randn(200, 160)
-    codes, scale, want = quantize_fp8(weight, (64, 64))
-    got = dequantize_fp8(codes, scale, (64, 64), torch.float32, torch.device("cpu"), chunk_values=1000)
-    assert torch.equal(got, want)  # chunks of 64 rows: each chunk's scale rows start at a block boundary
+@pytest.mark.parametrize("rows,columns,block", [(200, 160, (64, 64)), (5, 7, (4, 3)), (3, 2, (4, 4)), (8, 6, (4, 3))])
+def test_blockwise_dequantization_in_chunks_with_partial_blocks(rows, columns, block):
+    """Whole blocks, a partial last row or column of blocks, a corner, a block larger than the matrix: each value
+    times its own block's scale, whatever the chunks (at least one row of blocks each)."""
+    codes, scale, want = quantize_fp8(torch.randn(rows, columns), block)
+    for chunk_values in (1, 1000, 1 << 24):
+        got = dequantize_fp8(codes, scale, block, torch.float32, torch.device("cpu"), chunk_values=chunk_values)
+        assert torch.equal(got, want)
+
+
+def test_dequantization_in_bfloat16_rounds_once():
+    codes, scale, want = quantize_fp8(torch.randn(200, 160), (64, 64))
     bf16 = dequantize_fp8(codes, scale, (64, 64), torch.bfloat16, torch.device("cpu"))
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, want.to(torch.bfloat16))  # rounded once
 
@@ -239,3 +247,24 @@ def test_malformed_per_tensor_scales_are_refused():
         _stream({"l.weight": codes, "l.weight_scale": torch.ones(4)}, PER_TENSOR)
     ((name, matrix),) = _stream({"l.weight_scale": torch.tensor([2.0]), "l.weight": codes}, PER_TENSOR)
     assert name == "l.weight" and matrix.shape == (6, 4)  # the scale first: held until its weight comes
+
+
+def test_deepseek_v3_prediction_layer_in_fp8_drafts_exactly(tmp_path):
+    """The multi-token-prediction layer of an FP8 checkpoint is FP8 too (its projections and experts): dequantized as
+    the target's layers are, its drafts leave greedy tokens and logprobs as they are without speculation."""
+    from tests.engine.test_mtp import add_prediction_layer, mtp_config
+    from tests.engine.test_spec_decode import PROMPTS as SPEC_PROMPTS
+    from tests.engine.test_spec_decode import assert_same as assert_spec_same
+    from tests.engine.test_spec_decode import run
+
+    whole = make_deepseek_dir(tmp_path / "whole", "deepseek_v3", num_hidden_layers=4)
+    float_dir = add_prediction_layer(whole, tmp_path / "float")
+    config = {**BLOCKWISE, "weight_block_size": [16, 16]}
+    fp8_dir, _ = make_fp8_dirs(float_dir, tmp_path, config, (16, 16), not_converted=("embed_tokens", "shared_head"))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+    with make_llm(fp8_dir) as base:
+        expected = run(base, SPEC_PROMPTS[:3], params)
+    with make_llm(fp8_dir, speculative_config=mtp_config(2)) as spec:
+        got = run(spec, SPEC_PROMPTS[:3], params)
+        assert spec.engine.stats().speculation.num_draft_tokens > 0
+    assert_spec_same(expected, got)
