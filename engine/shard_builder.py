@@ -43,6 +43,7 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.platform import Numerics, choose_numerics
 from engine.quantization.awq import awq_weights
+from engine.quantization.fp8_checkpoint import fp8_checkpoint_weights
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
@@ -179,6 +180,8 @@ def build_shard(
             weights = awq_weights(tensors, quantizer.group_size)
         else:
             weights = tensors
+    # An FP8 checkpoint's matrices in the model's dtype before any cut (exact), as a float checkpoint's would be.
+    weights = fp8_checkpoint_weights(weights, hf_config if whole_config is None else whole_config, dtype, device)
     if tp.is_parallel:
         full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
         weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))

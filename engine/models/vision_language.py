@@ -317,6 +317,7 @@ class VisionEncoder:
         from transformers.initialization import no_init_weights
 
         from engine.loading.loader import iter_weights
+        from engine.quantization.fp8_checkpoint import fp8_checkpoint_weights
 
         module_path, class_name = family.model_class.rsplit(".", 1)
         model_class = getattr(importlib.import_module(module_path), class_name)
@@ -328,7 +329,8 @@ class VisionEncoder:
             hf = model_class(shell)
         setattr(hf, family.text_attribute, None)
         state: dict[str, dict[str, torch.Tensor]] = {module: {} for module in family.vision_modules}
-        for name, tensor in iter_weights(path, keep=lambda n: _vision_module(n, family) is not None):
+        stored = iter_weights(path, keep=lambda n: _vision_module(n, family) is not None)
+        for name, tensor in fp8_checkpoint_weights(stored, config, dtype, device):  # (FP8 vision matrices too)
             found = _vision_module(name, family)
             assert found is not None
             state[found[0]][found[1]] = tensor

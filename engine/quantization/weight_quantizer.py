@@ -6,6 +6,7 @@
 
 An MXFP4 checkpoint (GPT-OSS's experts, auto-detected) has no load-time quantizer: its blocks are dequantized to
 the model's dtype as they are read (mxfp4.py), and int8/int4/awq are refused on it.
+An FP8 checkpoint's matrices are dequantized likewise (fp8_checkpoint.py); int8/int4 then quantize those floats.
 
 Quantized: the matrices of every decoder layer (q|k|v, o, gate|up, down), which are nearly all of a
 step's weight reads in a model of some size. Kept in the model's dtype: the norms (a few KiB), the
@@ -26,6 +27,7 @@ import torch
 
 from engine.errors import SettingsConflictError
 from engine.quantization.awq import awq_group_size, quantization_config
+from engine.quantization.fp8_checkpoint import FP8, fp8_scheme
 from engine.quantization.int4_groups import DEFAULT_INT4_GROUP_SIZE, Int4Groups
 from engine.quantization.int4_weight import Int4Weight, int4_weight
 from engine.quantization.int8_weight import Int8KernelCheck, Int8Weight
@@ -35,7 +37,7 @@ from engine.quantization.quantized_weight import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 Weight = Union[torch.Tensor, QuantizedWeight]
-PRE_QUANTIZED = ("awq", MXFP4)
+PRE_QUANTIZED = ("awq", MXFP4, FP8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,8 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
 
     None (auto) with an AWQ checkpoint is AWQ; `awq` needs one; int8/int4 need a float checkpoint; any other
     value (none, gguf: not applied at load) is (None, None) on a float checkpoint and refused on an AWQ one.
-    An MXFP4 checkpoint is (None, None) under auto or none: the model dequantizes it as it loads."""
+    An MXFP4 checkpoint is (None, None) under auto or none: the model dequantizes it as it loads. So is an FP8 one
+    (fp8_checkpoint.py), whose dequantized floats int8/int4 may then quantize; awq and gguf are refused on it."""
     config = quantization_config(hf_config)
     method = None if config is None else str(config.get("quant_method", "unknown")).lower()
     if method is not None and method not in PRE_QUANTIZED:
@@ -91,6 +94,8 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
             )
         logger.info("MXFP4 checkpoint (config.json quantization_config): its experts are dequantized at load")
         return None, None
+    if method == FP8:
+        return _resolve_fp8(requested, hf_config)
     if requested == "awq" or (requested is None and method == "awq"):
         if method != "awq":
             raise SettingsConflictError(
@@ -104,6 +109,24 @@ def resolve_quantization(requested: Optional[str], hf_config: Any) -> tuple[Opti
             f"--quantization {requested}: the checkpoint is already AWQ int4; leave --quantization unset (or awq)"
         )
     return (requested, None) if requested in LOAD_TIME_METHODS else (None, None)
+
+
+def _resolve_fp8(requested: Optional[str], hf_config: Any) -> tuple[Optional[str], Optional[int]]:
+    """An FP8 checkpoint's weights are dequantized to the model's dtype as they load: int8/int4 quantize those
+    floats; awq and gguf name storages it does not have."""
+    scheme = fp8_scheme(hf_config)  # (ValueError for a variant not read)
+    assert scheme is not None  # quant_method fp8
+    if requested in ("awq", "gguf"):
+        raise SettingsConflictError(
+            f"--quantization {requested}: the checkpoint is FP8 ({scheme.describe()}), read by dequantizing it to "
+            "the model's dtype at load; leave --quantization unset (or none), or give int8 or int4 to quantize "
+            "the dequantized weights"
+        )
+    if requested in ("int8", "int4"):
+        logger.info("FP8 checkpoint (%s): dequantized at load, then quantized to %s", scheme.describe(), requested)
+        return requested, None
+    logger.info("FP8 checkpoint (%s): its matrices are dequantized to the model's dtype at load", scheme.describe())
+    return None, None
 
 
 _NO_GROUPS = MappingProxyType(

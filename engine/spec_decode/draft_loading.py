@@ -37,6 +37,7 @@ from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import family_of
 from engine.models.vision_language import VisionLanguageFamily, text_weights, vision_family_of
+from engine.quantization.fp8_checkpoint import fp8_checkpoint_weights
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.speculative_config import SpeculativeConfig
 from engine.text.tokenizer import Tokenizer, load_tokenizer
@@ -127,7 +128,8 @@ def load_draft_model(
     storage = _storage(quantization, checkpoint.gguf, device, dtype, batch_invariant)
     model.quantization = storage
     arch = model.arch
-    weights = model_weights(storage, checkpoint.path, checkpoint.gguf, arch.num_heads, arch.num_kv_heads)
+    stored = model_weights(storage, checkpoint.path, checkpoint.gguf, arch.num_heads, arch.num_kv_heads)
+    weights = fp8_checkpoint_weights(stored, hf_config, dtype, device)  # (an FP8 draft: dequantized as it loads)
     model.load_weights(weights if draft.vision is None else text_weights(weights, draft.vision))
     latent_rank = latent_rank_of(hf_config)
     spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, latent_rank=latent_rank)

@@ -30,6 +30,7 @@ from engine.loading.loader import iter_weights
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import family_of
+from engine.quantization.fp8_checkpoint import fp8_checkpoint_weights
 from engine.spec_decode.target_rows import full_target_rows
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,10 @@ def load_mtp_head(
         raise SettingsConflictError('--speculative-config method "mtp": the config sets no num_nextn_predict_layers')
     index = int(hf_config.num_hidden_layers)
     prefix = f"model.layers.{index}."
-    stored = {
+    layer = iter_weights(checkpoint_path, keep=lambda n: n.startswith(prefix))
+    stored = {  # (an FP8 checkpoint's prediction layer is FP8 too: dequantized as the target's layers are)
         name[len(prefix) :]: tensor
-        for name, tensor in iter_weights(checkpoint_path, keep=lambda n: n.startswith(prefix))
+        for name, tensor in fp8_checkpoint_weights(layer, hf_config, target.dtype, target.device)
     }
     names = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
     missing = [name for name in names if name not in stored]
