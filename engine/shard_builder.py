@@ -256,7 +256,7 @@ def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp:
     if quantizer is not None and quantizer.group_size is not None:
         arch = check_tensor_parallel_model(hf_config, tp.world_size)
         moe = moe_arch_of(hf_config)
-        what = f"an {quantizer.method.upper()} checkpoint" if quantizer.method != "int4" else "--quantization int4"
+        what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint"}.get(quantizer.method, "--quantization int4")
         storage_name = f"{what} (group size {quantizer.group_size})"
         check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe)
 
