@@ -270,3 +270,16 @@ def test_an_unsupported_checkpoint_fails_at_load(float_dirs, tmp_path):
     (gptq_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="bits 3"):
         make_llm(gptq_dir)
+
+
+def test_generic_decoder_families_take_dequantized_gptq(tmp_path):
+    """Gemma 2 (the generic decoder): a GPTQ checkpoint dequantized at load is float weights, served as any; one
+    kept in int4 groups is refused as AWQ's are (pre-quantized storage: the Llama family's)."""
+    float_dir = make_tiny_model_dir(tmp_path / "float", "gemma2")
+    gptq_dir, reference_dir = make_gptq_dirs(float_dir, tmp_path / "g8", gptq_config(8, 32, desc_act=True))
+    prompts = mixed_prompts()[1:7:2]
+    with make_llm(gptq_dir) as llm:
+        check_against_hf(reference_dir, prompts, run_greedy(llm, prompts))
+    int4_dir, _ = make_gptq_dirs(float_dir, tmp_path / "g4", gptq_config(4, 32))
+    with pytest.raises(ValueError, match="pre-quantized checkpoints are served for the Llama family only"):
+        make_llm(int4_dir)
