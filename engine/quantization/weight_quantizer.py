@@ -7,7 +7,7 @@
            input order read into the int4 path as stored, every other served layout dequantized at load (gptq.py)
 
 An MXFP4 checkpoint (GPT-OSS's experts, auto-detected) has no load-time quantizer: its blocks are dequantized to
-the model's dtype as they are read (mxfp4.py), and int8/int4/awq are refused on it.
+the model's dtype as they are read (mxfp4.py), and int8/int4/awq/gptq are refused on it.
 
 Quantized: the matrices of every decoder layer (q|k|v, o, gate|up, down), which are nearly all of a
 step's weight reads in a model of some size. Kept in the model's dtype: the norms (a few KiB), the
