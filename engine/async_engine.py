@@ -221,7 +221,7 @@ class AsyncEngine:
 
     @property
     def quantization(self) -> str:
-        """The weights' storage: "none", "gguf", "int8", "int4" or "awq"."""
+        """The weights' storage: "none", "gguf", "int8", "int4", "awq" or "gptq"."""
         return self.engine.quantization
 
     @property

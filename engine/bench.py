@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "gguf", "int8", "int4", "awq"],
+        choices=["auto", "none", "gguf", "int8", "int4", "awq", "gptq"],
         help="weight storage (gguf: a .gguf file's quantized blocks; its floor counts their bytes)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

@@ -26,7 +26,7 @@ from engine.models.registry import check_tensor_parallel_model
 
 logger = logging.getLogger(__name__)
 
-LORA_BASE_STORAGES = ("none", "gguf", "int8", "int4", "awq")
+LORA_BASE_STORAGES = ("none", "gguf", "int8", "int4", "awq", "gptq")
 """The base weights' storages LoRA serves: the deltas are float products of the adapter's own matrices added to
 whatever the base projection returned (llama.py), so a quantized product is covered as a float one is; nothing
 is merged into the quantized weights."""

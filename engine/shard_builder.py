@@ -42,8 +42,9 @@ from engine.models.tensor_parallel import check_group_split, shard_weights
 from engine.distributed.parallel_group import ParallelGroup
 from engine.distributed.pipeline_stage import PipelineStage
 from engine.platform import Numerics, choose_numerics
-from engine.quantization.awq import awq_weights
+from engine.quantization.awq import awq_weights, quantization_config
 from engine.quantization.fp8_checkpoint import fp8_checkpoint_weights
+from engine.quantization.gptq import GPTQ, GptqConfig, gptq_weights
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer, resolve_group_size, resolve_quantization
@@ -171,13 +172,15 @@ def build_shard(
         weights = model_weights(storage, checkpoint.path, checkpoint.gguf, full.num_heads, full.num_kv_heads)
         if vision_family is not None:  # (the language model's tensors, by the names its model reads)
             weights = text_weights(weights, vision_family)
-    else:  # the quantizer takes the checkpoint's tensors as stored (an AWQ one's triples grouped first)
+    else:  # the quantizer takes the checkpoint's tensors as stored (an AWQ or GPTQ one's layers grouped first)
         tensors = iter_weights(checkpoint.path)
         if vision_family is not None:
             tensors = text_weights(tensors, vision_family)
         if quantizer.method == "awq":
             assert quantizer.group_size is not None  # the AWQ checkpoint's own (resolve_group_size)
             weights = awq_weights(tensors, quantizer.group_size)
+        elif quantizer.method == GPTQ:
+            weights = gptq_weights(tensors, GptqConfig.from_config(quantization_config(hf_config) or {}))
         else:
             weights = tensors
     # An FP8 checkpoint's matrices in the model's dtype before any cut (exact), as a float checkpoint's would be.
@@ -259,13 +262,13 @@ def _vision_language(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Opti
 
 
 def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp: ParallelGroup) -> None:
-    """SettingsConflictError for int4 groups (quantized at load, or an AWQ checkpoint's) that a rank's input columns
-    would cut (GGUF blocks are checked per tensor as they are cut, shard_weights)."""
-    if quantizer is not None and quantizer.method in ("int4", "awq"):
-        assert quantizer.group_size is not None  # resolve_group_size gives int4 one, AWQ its checkpoint's
+    """SettingsConflictError for int4 groups (quantized at load, or an AWQ or GPTQ checkpoint's) that a rank's input
+    columns would cut (GGUF blocks are checked per tensor as they are cut, shard_weights; a GPTQ checkpoint
+    dequantized at load is floats, cut anywhere)."""
+    if quantizer is not None and quantizer.group_size is not None:
         arch = check_tensor_parallel_model(hf_config, tp.world_size)
         moe = moe_arch_of(hf_config)
-        what = "an AWQ checkpoint" if quantizer.method == "awq" else "--quantization int4"
+        what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint"}.get(quantizer.method, "--quantization int4")
         storage_name = f"{what} (group size {quantizer.group_size})"
         check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe)
 
@@ -320,7 +323,7 @@ def _quantizer(
             f"--quantization {method} cannot be combined with --batch-invariant (its products are "
             "float ones whose rows do not depend on the batch)"
         )
-    if method != "int8" and device.type == "cpu" and dtype == torch.float32:
+    if group_size is not None and device.type == "cpu" and dtype == torch.float32:  # int4 groups
         logger.warning(
             "int4 weights with float32 activations run torch's slow fp32 int4 kernel on CPU (measured "
             "~20x a bf16 product); --dtype bfloat16 is much faster where the CPU has bf16"

@@ -95,13 +95,13 @@ class ModelConfig(BaseModel):
         description="let the checkpoint's own Python code build its config and tokenizer (transformers' "
         "trust_remote_code); the model itself always runs pagedserve's implementation",
     )
-    quantization: Literal["auto", "none", "gguf", "int8", "int4", "awq"] = Field(
+    quantization: Literal["auto", "none", "gguf", "int8", "int4", "awq", "gptq", "gptq_marlin"] = Field(
         "auto",
         description="weight storage: gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0 blocks quantized (native CPU "
         "kernels, engine/quantization/model_weights.py); int8 (per output channel) or int4 (group-wise) quantize "
-        "a float checkpoint's projections at load time, awq loads an AWQ checkpoint "
-        "(engine/quantization/weight_quantizer.py); none loads float weights; auto = awq for an AWQ checkpoint, "
-        "else none",
+        "a float checkpoint's projections at load time, awq loads an AWQ checkpoint, gptq (or vLLM's gptq_marlin) "
+        "a GPTQ one (engine/quantization/weight_quantizer.py); none loads float weights; auto = awq or gptq for "
+        "such a checkpoint, else none",
     )
     chat_template: Optional[str] = Field(
         None, description="a Jinja chat template, or a file holding one, instead of the tokenizer's"
@@ -194,8 +194,9 @@ class ModelConfig(BaseModel):
     @field_validator("quantization", mode="before")
     @classmethod
     def _none_is_auto(cls, value: Any) -> Any:
-        """vLLM's `quantization=None` (what the checkpoint says) is auto."""
-        return "auto" if value is None else value
+        """vLLM's `quantization=None` (what the checkpoint says) is auto; its `gptq_marlin` (GPTQ through its Marlin
+        kernels) reads the same checkpoints as gptq."""
+        return "auto" if value is None else "gptq" if value == "gptq_marlin" else value
 
     @field_validator("chat_template")
     @classmethod

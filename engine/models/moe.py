@@ -148,7 +148,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Float experts stacked ([E, 2I, H], [E, H, I]: what the grouped CUDA kernel reads); quantized ones (stored
         so, or by --quantization) one matrix per expert."""
         if self.quantizer is not None:
-            return ExpertWeights([self.quantizer(g) for g in gate_up], [self.quantizer(d) for d in down])
+            gate_up, down = [self.quantizer(g) for g in gate_up], [self.quantizer(d) for d in down]
+            if not all(isinstance(w, torch.Tensor) for w in gate_up + down):
+                return ExpertWeights(gate_up, down)
+            # (a GPTQ checkpoint's experts dequantized at load: floats, stacked as a float checkpoint's)
         if all(isinstance(w, torch.Tensor) for w in gate_up + down):
             return ExpertWeights(torch.stack(gate_up), torch.stack(down))
         if any(isinstance(w, Int4Groups) for w in gate_up + down):

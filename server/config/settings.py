@@ -406,8 +406,8 @@ OPTIONS: tuple[Option, ...] = (
         "str",
         "weight storage: gguf keeps a .gguf file's "
         "Q4_0/Q4_1/Q8_0 blocks quantized (native CPU kernels); int8 or int4 quantize a float checkpoint at "
-        "load; awq loads an AWQ int4 checkpoint; none loads float weights; auto = awq for AWQ checkpoints, "
-        "else none",
+        "load; awq loads an AWQ int4 checkpoint, gptq (or gptq_marlin) a GPTQ one; none loads float weights; "
+        "auto = awq or gptq for such checkpoints, else none",
         short="-q",
     ),
     Option(
@@ -415,9 +415,9 @@ OPTIONS: tuple[Option, ...] = (
         (*MODEL, "quantization_group_size"),
         "int",
         "input columns per int4 scale and zero: 32, 64 or 128, with --quantization int4 (or, unchanged, an "
-        "AWQ checkpoint's own); refused with --quantization none, gguf or int8, where no groups apply",
+        "AWQ or GPTQ checkpoint's own); refused with --quantization none, gguf or int8, where no groups apply",
         "N",
-        "32 with int4, the checkpoint's with awq",
+        "32 with int4, the checkpoint's with awq or gptq",
         nullable=True,
     ),
     Option(

@@ -23,6 +23,7 @@ from engine.quantization.int8_weight import Int8Weight
 from tests.distributed.test_tensor_parallel import TINY, assert_same
 from tests.engine.references import assert_idle
 from tests.engine.test_awq import make_awq_dirs
+from tests.engine.test_gptq import gptq_config, make_gptq_dirs
 from tests.engine.factories import make_tiny_gguf, make_tiny_model_dir, tiny_config_dict
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 from tests.engine.test_moe_equivalence import make_moe_dir
@@ -178,6 +179,22 @@ def test_awq_mixture_of_experts_on_two_ranks_serves_one_process_weights(tmp_path
     assert_same(got, expected, abs=LOGPROB_TOLERANCE)
 
 
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_checkpoint_on_two_ranks_serves_one_process_weights(tiny_dir, tmp_path, desc_act):
+    """A GPTQ checkpoint (4 bits, groups of 32) on two ranks: kept in its groups, whole ones per rank (a split
+    that would cut o_proj's groups of 64 refused by name, as AWQ's); with desc_act dequantized at load and cut as
+    floats. One process's tokens either way."""
+    gptq_dir, _ = make_gptq_dirs(tiny_dir, tmp_path / "g32", gptq_config(4, 32, desc_act=desc_act, sym=False))
+    expected, whole = generate_quantized(str(gptq_dir), PROMPTS, 1)
+    got, shard = generate_quantized(str(gptq_dir), PROMPTS, 2, quantization="gptq")
+    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
+    assert whole[0] == shard[0] and (whole[0] == "float32") == desc_act and (whole[1], shard[1]) == (64, 32)
+    if not desc_act:
+        wide_dir, _ = make_gptq_dirs(tiny_dir, tmp_path / "g64", gptq_config(4, 64))
+        with pytest.raises(SettingsConflictError, match=r"a GPTQ checkpoint \(group size 64\): o_proj's 64 inputs"):
+            LLM(str(wide_dir), **TINY, tensor_parallel_size=2)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama")
@@ -273,4 +290,5 @@ def generate_quantized(model, prompts, tp: int, max_tokens: int = 10, **settings
         o_proj = llm.engine.runner.model.layers[0].o_proj
         assert_idle(llm)
     outputs = [(r.outputs[0].token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results]
-    return outputs, (getattr(o_proj, "format", "float32"), o_proj.in_features)
+    width = o_proj.shape[1] if isinstance(o_proj, torch.Tensor) else o_proj.in_features
+    return outputs, (getattr(o_proj, "format", "float32"), width)

@@ -145,8 +145,8 @@ def test_quantization_flag_against_the_checkpoint_kind():
         resolve_quantization("awq", plain)
     with pytest.raises(ValueError, match="--quantization int8: the checkpoint is already AWQ"):
         resolve_quantization("int8", awq)
-    with pytest.raises(ValueError, match="'gptq'.*not supported"):
-        resolve_quantization(None, _Config({"quant_method": "gptq", "bits": 4}))
+    with pytest.raises(ValueError, match="'bitsandbytes'.*not supported"):
+        resolve_quantization(None, _Config({"quant_method": "bitsandbytes", "load_in_4bit": True}))
 
 
 def test_an_unsupported_awq_checkpoint_fails_at_load(awq_pair, tmp_path):

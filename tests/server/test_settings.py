@@ -254,7 +254,10 @@ def test_disable_log_requests_is_vllms_spelling_of_no_enable():
         (["--max-logprobs", "21"], "--max-logprobs: Input should be less than or equal to 20"),
         (["--root-path", "llm/"], "--root-path: must start with /"),
         (["--ssl-certfile", "cert.pem"], "ssl_keyfile and ssl_certfile go together"),
-        (["--quantization", "int3"], "--quantization: expected one of auto, none, gguf, int8, int4, awq, got 'int3'"),
+        (
+            ["--quantization", "int3"],
+            "--quantization: expected one of auto, none, gguf, int8, int4, awq, gptq, gptq_marlin, got 'int3'",
+        ),
         (["--quantization-group-size", "48"], "--quantization-group-size: Input should be 32, 64 or 128"),
         (["--kv-cache-dtype", "int8"], "kv-cache-dtype: expected one of auto, float32, bfloat16, float16, fp8"),
         (["--hf-overrides", "[1]"], "--hf-overrides: expected a JSON object"),
