@@ -34,6 +34,13 @@ slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
                      [E, H, 2I] interleaves gate and up in its columns, so a rank's share of the width is one run
                      of 2I / ranks columns (its bias alike), down_proj [E, I, H] its rows, down's bias [E, H] on
                      rank 0 (added once before the all-reduce); the router replicated
+    padded experts   an expert's (or shared expert's) width that does not split into equal shares of whole units
+                     (1 for floats, 32 for MXFP4 blocks, G for int4 groups) is padded with zero units up to the
+                     smallest multiple of ranks x unit, as vLLM pads it (engine/models/expert_padding.py): a zero
+                     unit adds nothing (zero gate/up rows and biases, zero down column), so gpt-oss-120b's 2880 (90
+                     blocks) serves on 4 ranks as 2944 (23 blocks each); the padding is appended, so GPT-OSS's
+                     interleaved gate|up stays paired in each rank's run. Heads and dense MLP widths are not padded
+                     (refused, as vLLM refuses them), nor are GGUF experts (refused by number)
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -46,13 +53,14 @@ weights TP=1 serves; only the all-reduce's summation order differs):
     int8          one scale per output row: column-parallel shards quantize alike whole or cut; row-parallel
                   matrices are quantized whole, then cut (a shard's own maximum would give other scales)
     int4          groups of G inputs per row: each rank quantizes its shard, whose groups are the whole
-                  model's when each rank's inputs are whole groups (check_group_split refuses otherwise)
+                  model's when each rank's inputs are whole groups (check_group_split refuses otherwise; the
+                  experts' downs are padded to whole groups instead, and a group of zeros quantizes to zeros)
     AWQ           the checkpoint's own groups (Int4Groups): output rows cut anywhere, input columns at group
-                  boundaries (check_group_split, with the checkpoint's group size)
+                  boundaries (check_group_split, with the checkpoint's group size; experts padded with zero groups)
     MXFP4         GPT-OSS's experts, 32 inputs of a row per block with one E8M0 scale: cut in their blocks before
                   they are dequantized (the slices of the dequantized whole: decoding is per value); gate_up's
-                  blocks [E, 2I, H / 32, 16] by rows, anywhere; down's [E, H, I / 32, 16] by whole blocks of
-                  inputs (check_mxfp4_split refuses at start-up a width whose share is not whole blocks)
+                  blocks [E, 2I, H / 32, 16] by rows; down's [E, H, I / 32, 16] by whole blocks of inputs, each
+                  rank's share padded to whole blocks (zero blocks: code 0 is +0.0 under any scale)
 """
 
 from __future__ import annotations
