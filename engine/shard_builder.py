@@ -30,6 +30,7 @@ from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.pooling.pooler_config import resolve_runner
 from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of, moe_arch_of
+from engine.models.registry import tensor_parallel_expert_unit
 from engine.models.llama import LlamaForCausalLM
 from engine.models.vision_language import (
     VISION_LANGUAGE_FAMILIES,
@@ -187,7 +188,8 @@ def build_shard(
     weights = fp8_checkpoint_weights(weights, hf_config if whole_config is None else whole_config, dtype, device)
     if tp.is_parallel:
         full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
-        weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device))
+        unit = tensor_parallel_expert_unit(hf_config, quantizer)  # (as build_model's experts were padded)
+        weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device), unit)
     model.load_weights(weights)
     vision = None
     if vision_family is not None and not vision_family.images:

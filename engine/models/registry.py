@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+import logging
 from typing import Any, Optional
 
 import torch
@@ -18,11 +19,13 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
-from engine.models.tensor_parallel import check_experts_shardable, check_shardable, shard_arch, shard_moe
+from engine.models.expert_padding import expert_unit, padding_notes
+from engine.models.tensor_parallel import check_shardable, shard_arch, shard_moe
 from engine.models.tensor_parallel import shard_deepseek
-from engine.models.tensor_parallel import check_mxfp4_split
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
 from engine.quantization.weight_quantizer import WeightQuantizer
+
+logger = logging.getLogger(__name__)
 
 HF_FORMATS = ("safetensors", "bin")
 LLAMA_FORMATS = (*HF_FORMATS, "gguf")
@@ -495,13 +498,14 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
             f"parallelism yet (served: {served})"
         )
     arch = _dense_arch(hf_config, family)
-    check_shardable(arch, world_size)
-    moe = moe_arch_of(hf_config)
-    if moe is not None:
-        check_experts_shardable(moe, world_size)
-        if is_mxfp4_checkpoint(hf_config):  # (GPT-OSS's experts: their blocks cut whole)
-            check_mxfp4_split(moe, world_size)
+    check_shardable(arch, world_size, moe_arch_of(hf_config))  # (experts' widths are padded, not refused)
     return arch
+
+
+def tensor_parallel_expert_unit(hf_config: Any, quantizer: Optional[WeightQuantizer]) -> int:
+    """What each rank's share of an expert's width holds whole (expert_padding.py): MXFP4 blocks (GPT-OSS's
+    checkpoints), int4 groups (quantized at load, or an AWQ checkpoint's), else single units."""
+    return expert_unit(is_mxfp4_checkpoint(hf_config), None if quantizer is None else quantizer.group_size)
 
 
 def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
@@ -570,34 +574,39 @@ def build_model(
             f"{', '.join(f.architecture for f in FAMILIES if MXFP4 in f.formats)} only"
         )
     if tp.is_parallel:
-        shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size)
+        whole_moe = moe_arch_of(hf_config)
+        shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size, whole_moe)
+        unit = tensor_parallel_expert_unit(hf_config, quantizer)
+        if whole_moe is not None and tp.rank == 0:
+            for note in padding_notes(whole_moe, tp.world_size, unit):
+                logger.info("%s", note)
         if family.implementation == "decoder_moe":
             from engine.models.decoder_moe import DecoderMoeForCausalLM
 
-            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
+            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size, unit)
             assert isinstance(shard, DecoderArch)  # _dense_arch reads these families so
             return DecoderMoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         if family.implementation == "moe":
-            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size)
+            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size, unit)
             return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         if family.implementation == "glm4_moe":
             from engine.models.glm4_moe import Glm4MoeForCausalLM
             from engine.models.glm4_moe_arch import read_glm4_moe
 
             glm = read_glm4_moe(hf_config)
-            glm = dataclasses.replace(glm, moe=shard_moe(glm.moe, tp.world_size))
+            glm = dataclasses.replace(glm, moe=shard_moe(glm.moe, tp.world_size, unit))
             return Glm4MoeForCausalLM(shard, glm, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "deepseek":
             from engine.models.deepseek import DeepseekForCausalLM
             from engine.models.deepseek_arch import read_deepseek
 
-            deepseek = shard_deepseek(read_deepseek(hf_config, rope_settings(hf_config)[1]), tp.world_size)
+            deepseek = shard_deepseek(read_deepseek(hf_config, rope_settings(hf_config)[1]), tp.world_size, unit)
             return DeepseekForCausalLM(shard, deepseek, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "gpt_oss":
             from engine.models.gpt_oss import GptOssForCausalLM
             from engine.models.gpt_oss_arch import gpt_oss_arch, shard_gpt_oss_arch
 
-            gpt_oss = shard_gpt_oss_arch(gpt_oss_arch(hf_config), tp.world_size)
+            gpt_oss = shard_gpt_oss_arch(gpt_oss_arch(hf_config), tp.world_size, unit)
             return GptOssForCausalLM(gpt_oss, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM

@@ -34,6 +34,13 @@ slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
                      [E, H, 2I] interleaves gate and up in its columns, so a rank's share of the width is one run
                      of 2I / ranks columns (its bias alike), down_proj [E, I, H] its rows, down's bias [E, H] on
                      rank 0 (added once before the all-reduce); the router replicated
+    padded experts   an expert's (or shared expert's) width that does not split into equal shares of whole units
+                     (1 for floats, 32 for MXFP4 blocks, G for int4 groups) is padded with zero units up to the
+                     smallest multiple of ranks x unit, as vLLM pads it (engine/models/expert_padding.py): a zero
+                     unit adds nothing (zero gate/up rows and biases, zero down column), so gpt-oss-120b's 2880 (90
+                     blocks) serves on 4 ranks as 2944 (23 blocks each); the padding is appended, so GPT-OSS's
+                     interleaved gate|up stays paired in each rank's run. Heads and dense MLP widths are not padded
+                     (refused, as vLLM refuses them), nor are GGUF experts (refused by number)
 
 With fewer KV heads than ranks (GQA), the KV heads are replicated: rank r reads KV head r * kv_heads // ranks,
 the one its query heads share; each rank's KV cache holds its own KV heads only.
@@ -46,13 +53,14 @@ weights TP=1 serves; only the all-reduce's summation order differs):
     int8          one scale per output row: column-parallel shards quantize alike whole or cut; row-parallel
                   matrices are quantized whole, then cut (a shard's own maximum would give other scales)
     int4          groups of G inputs per row: each rank quantizes its shard, whose groups are the whole
-                  model's when each rank's inputs are whole groups (check_group_split refuses otherwise)
+                  model's when each rank's inputs are whole groups (check_group_split refuses otherwise; the
+                  experts' downs are padded to whole groups instead, and a group of zeros quantizes to zeros)
     AWQ           the checkpoint's own groups (Int4Groups): output rows cut anywhere, input columns at group
-                  boundaries (check_group_split, with the checkpoint's group size)
+                  boundaries (check_group_split, with the checkpoint's group size; experts padded with zero groups)
     MXFP4         GPT-OSS's experts, 32 inputs of a row per block with one E8M0 scale: cut in their blocks before
                   they are dequantized (the slices of the dequantized whole: decoding is per value); gate_up's
-                  blocks [E, 2I, H / 32, 16] by rows, anywhere; down's [E, H, I / 32, 16] by whole blocks of
-                  inputs (check_mxfp4_split refuses at start-up a width whose share is not whole blocks)
+                  blocks [E, 2I, H / 32, 16] by rows; down's [E, H, I / 32, 16] by whole blocks of inputs, each
+                  rank's share padded to whole blocks (zero blocks: code 0 is +0.0 under any scale)
 """
 
 from __future__ import annotations
@@ -67,11 +75,13 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.deepseek_arch import DeepseekArch
+from engine.models.expert_padding import expert_share, padded_int4_columns, padded_int4_rows, padded_slice
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe_arch import MoeArch
 from engine.quantization.gguf_weight import GgufWeight
 from engine.quantization.int4_groups import Int4Groups
 from engine.quantization.mxfp4 import BLOCK_VALUES as MXFP4_BLOCK
+from engine.quantization.mxfp4 import E8M0_BIAS
 from engine.quantization.quantized_weight import QuantizedWeight
 
 _LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+)")  # (GPT-J's transformer.h.N.)
@@ -130,14 +140,21 @@ _VOCAB = re.compile(
 )
 
 
-def check_shardable(arch: LlamaArch, world_size: int) -> None:
-    """SettingsConflictError unless heads, KV heads and the MLP width divide among `world_size` ranks."""
+def has_dense_mlp(arch: LlamaArch, moe: Optional[MoeArch]) -> bool:
+    """Whether some layer runs a dense MLP of `arch.intermediate_size` (a mixture of experts whose every layer is
+    sparse reads that width as its experts', which are padded instead)."""
+    return moe is None or len(moe.sparse_layers) < arch.num_layers
+
+
+def check_shardable(arch: LlamaArch, world_size: int, moe: Optional[MoeArch] = None) -> None:
+    """SettingsConflictError unless heads, KV heads and the dense MLPs' width (where a layer has one; `moe`: the
+    model's experts) divide among `world_size` ranks (as vLLM, which pads only experts)."""
     problems = []
     if arch.num_heads % world_size:
         problems.append(f"{arch.num_heads} attention heads")
     if arch.num_kv_heads % world_size and world_size % arch.num_kv_heads:
         problems.append(f"{arch.num_kv_heads} KV heads (neither a multiple nor a divisor of the ranks)")
-    if arch.intermediate_size % world_size:
+    if has_dense_mlp(arch, moe) and arch.intermediate_size % world_size:
         problems.append(f"intermediate size {arch.intermediate_size}")
     if getattr(arch, "qkv_per_head", False) and arch.num_kv_heads % world_size:  # (rows by KV group: whole groups)
         problems.append(f"{arch.num_kv_heads} KV heads, whose groups' rows query_key_value interleaves")
@@ -147,58 +164,45 @@ def check_shardable(arch: LlamaArch, world_size: int) -> None:
         )
 
 
-def check_experts_shardable(moe: MoeArch, world_size: int) -> None:
-    """SettingsConflictError unless every expert's (and the shared expert's) width divides among the ranks."""
-    widths = [("expert intermediate size", moe.expert_intermediate_size)]
-    if moe.shared_intermediate_size is not None:
-        widths.append(("shared expert intermediate size", moe.shared_intermediate_size))
-    problems = [f"{what} {width}" for what, width in widths if width % world_size]
-    if problems:
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {world_size} does not divide the model's {', '.join(problems)}"
-        )
-
-
-def shard_moe(moe: MoeArch, world_size: int) -> MoeArch:
-    """One rank's experts: every expert, each its share of the intermediate width."""
-    check_experts_shardable(moe, world_size)
+def shard_moe(moe: MoeArch, world_size: int, unit: int = 1) -> MoeArch:
+    """One rank's experts: every expert, each its share of the intermediate width, padded with zero units where the
+    width does not split into equal shares of whole `unit`s (engine/models/expert_padding.py)."""
     shared = moe.shared_intermediate_size
     return dataclasses.replace(
         moe,
-        expert_intermediate_size=moe.expert_intermediate_size // world_size,
-        shared_intermediate_size=None if shared is None else shared // world_size,
+        expert_intermediate_size=expert_share(moe.expert_intermediate_size, world_size, unit),
+        shared_intermediate_size=None if shared is None else expert_share(shared, world_size, unit),
     )
 
 
-def shard_deepseek(deepseek: DeepseekArch, world_size: int) -> DeepseekArch:
+def shard_deepseek(deepseek: DeepseekArch, world_size: int, unit: int = 1) -> DeepseekArch:
     """One rank's latent attention and experts: its query heads (the latent, shared by every head, whole), every
-    expert with its share of the width; the routing (its scaling factor too) as it is."""
+    expert with its (padded) share of the width; the routing (its scaling factor too) as it is."""
     mla = dataclasses.replace(deepseek.mla, num_heads=deepseek.mla.num_heads // world_size)
-    return dataclasses.replace(deepseek, mla=mla, moe=shard_moe(deepseek.moe, world_size))
+    return dataclasses.replace(deepseek, mla=mla, moe=shard_moe(deepseek.moe, world_size, unit))
 
 
-def shard_arch(arch: LlamaArch, world_size: int) -> LlamaArch:
+def shard_arch(arch: LlamaArch, world_size: int, moe: Optional[MoeArch] = None) -> LlamaArch:
     """One rank's shape: its query heads, its KV heads (one, replicated, when there are fewer than ranks), its
-    share of the MLP width."""
-    check_shardable(arch, world_size)
+    share of the MLP width (rounded up where no layer has a dense MLP: `moe`'s experts hold the width, padded)."""
+    check_shardable(arch, world_size, moe)
     return dataclasses.replace(
         arch,
         num_heads=arch.num_heads // world_size,
         num_kv_heads=max(arch.num_kv_heads // world_size, 1),
-        intermediate_size=arch.intermediate_size // world_size,
+        intermediate_size=-(-arch.intermediate_size // world_size),
     )
 
 
 def check_group_split(
     arch: LlamaArch, world_size: int, group: int, storage: str, moe: Optional[MoeArch] = None
 ) -> None:
-    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, down, the
-    experts' down) are a whole number of `group`-input groups: a group's one scale cannot be cut between ranks."""
-    widths = [("o_proj", arch.num_heads * arch.head_dim), ("down_proj", arch.intermediate_size)]
-    if moe is not None:
-        widths.append(("the experts' down_proj", moe.expert_intermediate_size))
-        if moe.shared_intermediate_size is not None:
-            widths.append(("the shared expert's down_proj", moe.shared_intermediate_size))
+    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, a dense down)
+    are a whole number of `group`-input groups: a group's one scale cannot be cut between ranks. (The experts'
+    downs, `moe`'s, are padded to whole groups per rank instead: expert_padding.expert_unit.)"""
+    widths = [("o_proj", arch.num_heads * arch.head_dim)]
+    if has_dense_mlp(arch, moe):
+        widths.append(("down_proj", arch.intermediate_size))
     for name, inputs in widths:
         share = inputs // world_size
         if share % group:
@@ -208,28 +212,19 @@ def check_group_split(
             )
 
 
-def check_mxfp4_split(moe: MoeArch, world_size: int) -> None:
-    """SettingsConflictError unless each rank's share of an MXFP4 checkpoint's expert width is whole blocks: the
-    experts' down_proj is stored by blocks of its inputs (gate_up_proj by its outputs' rows, which cut anywhere)."""
-    inputs = moe.expert_intermediate_size
-    if inputs % (MXFP4_BLOCK * world_size):
-        raise SettingsConflictError(
-            f"--tensor-parallel-size {world_size} with MXFP4: the experts' down_proj (mlp.experts.down_proj_blocks, "
-            f"{inputs} inputs in blocks of {MXFP4_BLOCK}) splits into {inputs / world_size:g} inputs per rank, not "
-            "whole blocks; serve it with a size that splits whole blocks"
-        )
-
-
 def shard_weights(
     weights: Iterable[tuple[str, Any]],
     arch: LlamaArch,
     tp: ParallelGroup,
     quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]] = None,
+    expert_unit: int = 1,
 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice: float
     tensors, or GGUF blocks (rows freely, input columns at block boundaries). `quantize_whole` (int8): the
     row-parallel matrices are quantized whole before their columns are cut, so each rank's columns keep the
-    whole rows' scales (column-parallel rows quantize alike whole or cut: the model quantizes its shard)."""
+    whole rows' scales (column-parallel rows quantize alike whole or cut: the model quantizes its shard).
+    `expert_unit`: what each rank's share of an expert's width holds whole (expert_padding.expert_unit, as
+    shard_moe was given); a width that does not split into equal shares of it is padded with zero units."""
     rank, ranks = tp.rank, tp.world_size
     head_dim = arch.head_dim
     kv_rank_heads = max(arch.num_kv_heads // ranks, 1)
@@ -251,23 +246,23 @@ def shard_weights(
             continue
         part = match.group(1)
         if _EXPERT_COLUMN.fullmatch(part):
-            yield name, _rows(tensor, rank, ranks)
+            yield name, _expert_rows(name, tensor, rank, ranks, expert_unit)
         elif _EXPERT_ROW.fullmatch(part):
-            yield name, _columns(name, tensor, rank, ranks, quantize_whole)
+            yield name, _expert_columns(name, tensor, rank, ranks, expert_unit, quantize_whole)
         elif arch.model_type == "gpt_oss" and (experts := _GPT_OSS_EXPERTS.fullmatch(part)) is not None:
             matrix, suffix = experts.groups()
-            yield name, _gpt_oss_experts(name, tensor, matrix, suffix or "", rank, ranks)
+            yield name, _gpt_oss_experts(name, tensor, matrix, suffix or "", rank, ranks, expert_unit)
         elif part == _SINKS:
             yield name, _rows(tensor, rank, ranks)
         elif _STACKED_TRANSPOSED.fullmatch(part):
-            yield name, _transposed_experts(name, tensor, rank, ranks, quantize_whole)
+            yield name, _transposed_experts(name, tensor, rank, ranks, expert_unit, quantize_whole)
         elif _STACKED.fullmatch(part):  # transformers' in-memory layout, where a checkpoint stores it so
-            yield name, _stacked_experts(name, tensor, rank, ranks, quantize_whole)
+            yield name, _stacked_experts(name, tensor, rank, ranks, expert_unit, quantize_whole)
         elif part == _SHARED_GATE_UP:  # each half (gate, up) cut like an MLP's
-            gate, up = _split_rows(tensor, (_rows_of(tensor) // 2,) * 2)
-            yield name, _cat_rows([_rows(gate, rank, ranks), _rows(up, rank, ranks)])
+            halves = _split_rows(tensor, (_rows_of(tensor) // 2,) * 2)
+            yield name, _cat_rows([_expert_rows(name, half, rank, ranks, expert_unit) for half in halves])
         elif part == _SHARED_DOWN:
-            yield name, _columns(name, tensor, rank, ranks, quantize_whole)
+            yield name, _expert_columns(name, tensor, rank, ranks, expert_unit, quantize_whole)
         elif part.startswith(_FUSED_QKV) or (
             part.startswith(_QKV_BY_ARCH) and not getattr(arch, "qkv_per_head", False)
         ):
@@ -302,30 +297,41 @@ def shard_weights(
             yield name, tensor  # norms (Qwen3's per-head q/k norms are one head wide: the same on every rank)
 
 
+_Cuttable = Union[torch.Tensor, GgufWeight, Int4Groups]  # a checkpoint matrix as stored: float, GGUF blocks, AWQ groups
+
+
 def _stacked_experts(
     name: str,
     tensor: Any,
     rank: int,
     ranks: int,
+    unit: int,
     quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
 ) -> Union[torch.Tensor, list[QuantizedWeight]]:
-    """Stacked experts' share: gate_up [E, 2I, H] -> [E, 2I / ranks, H] (this rank's gate rows, then its up
-    rows), down [E, H, I] -> [E, H, I / ranks]; with `quantize_whole` (int8) the down matrices as a list, each
-    expert's quantized whole, then cut (the whole rows' scales, as a per-expert checkpoint's)."""
+    """Stacked experts' share (I' = I's padded share, expert_padding.expert_share): gate_up [E, 2I, H] ->
+    [E, 2I', H] (this rank's gate rows, then its up rows), down [E, H, I] -> [E, H, I']; with `quantize_whole`
+    (int8) the down matrices as a list, each expert's quantized whole (zero-padded: its rows' maxima unchanged),
+    then cut (the whole rows' scales, as a per-expert checkpoint's)."""
     if not isinstance(tensor, torch.Tensor):
         raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
     if name.removesuffix(".weight").endswith(_STACKED_DOWN):
+        share = expert_share(tensor.shape[2], ranks, unit)
         if quantize_whole is not None:
-            share = tensor.shape[2] // ranks
-            return [quantize_whole(expert).take_columns(rank * share, (rank + 1) * share) for expert in tensor]
-        return tensor.chunk(ranks, dim=2)[rank].contiguous()
+            padded = torch.nn.functional.pad(tensor, (0, share * ranks - tensor.shape[2]))
+            return [quantize_whole(expert).take_columns(rank * share, (rank + 1) * share) for expert in padded]
+        return padded_slice(tensor, 2, rank, share)
     gate, up = tensor.chunk(2, dim=1)
-    return torch.cat([gate.chunk(ranks, dim=1)[rank], up.chunk(ranks, dim=1)[rank]], dim=1).contiguous()
+    share = expert_share(gate.shape[1], ranks, unit)
+    return torch.cat([padded_slice(gate, 1, rank, share), padded_slice(up, 1, rank, share)], dim=1).contiguous()
 
 
-def _gpt_oss_experts(name: str, tensor: Any, matrix: str, suffix: str, rank: int, ranks: int) -> torch.Tensor:
-    """GPT-OSS's experts' share (their width's rank-th run of each axis it runs along; the down bias on rank 0),
-    float or MXFP4: a block's 32 inputs share one scale, so down_proj's blocks are cut whole or refused."""
+def _gpt_oss_experts(
+    name: str, tensor: Any, matrix: str, suffix: str, rank: int, ranks: int, unit: int
+) -> torch.Tensor:
+    """GPT-OSS's experts' share (their padded width's rank-th run of each axis it runs along; the down bias on rank
+    0), float or MXFP4. The axes hold the width I as 2I interleaved gate|up entries (gate_up_proj, its bias, its
+    blocks' rows), I rows (down_proj) or I / 32 blocks (down_proj's blocks: each rank's share whole blocks, so the
+    unit is 32); the padded units are appended, so gate|up stays interleaved in each rank's run."""
     if not isinstance(tensor, torch.Tensor):
         raise SettingsConflictError(f"{name}: GPT-OSS's experts are cut as float or MXFP4 tensors")
     if suffix == "_bias" and matrix == "down_proj":  # added once, before the all-reduce
@@ -336,14 +342,19 @@ def _gpt_oss_experts(name: str, tensor: Any, matrix: str, suffix: str, rank: int
         dim = 1 if matrix == "gate_up_proj" else 2
     else:
         dim = 2 if matrix == "gate_up_proj" and suffix == "" else 1  # [E, H, 2I]; [E, 2I], [E, I, H]
-    if tensor.shape[dim] % ranks:  # (float widths are checked with the model: check_experts_shardable)
-        blocks = tensor.shape[dim]
+    fill = E8M0_BIAS if suffix == "_scales" else 0  # (a zero block is zero under any scale: 2^0)
+    if matrix == "gate_up_proj":
+        return padded_slice(tensor, dim, rank, 2 * expert_share(tensor.shape[dim] // 2, ranks, unit), fill)
+    if suffix == "":
+        return padded_slice(tensor, dim, rank, expert_share(tensor.shape[dim], ranks, unit), fill)
+    blocks = tensor.shape[dim]
+    share = expert_share(blocks * MXFP4_BLOCK, ranks, unit)
+    if share % MXFP4_BLOCK:  # (a unit of whole blocks, expert_padding.expert_unit, never leaves one)
         raise SettingsConflictError(
             f"--tensor-parallel-size {ranks}: {name} (MXFP4, {blocks * MXFP4_BLOCK} inputs in {blocks} blocks of "
-            f"{MXFP4_BLOCK}) splits into {blocks * MXFP4_BLOCK / ranks:g} inputs per rank, not whole blocks; serve it "
-            "with a size that splits whole blocks"
+            f"{MXFP4_BLOCK}) splits into {share} inputs per rank, not whole blocks"
         )
-    return tensor.chunk(ranks, dim=dim)[rank].contiguous()
+    return padded_slice(tensor, dim, rank, share // MXFP4_BLOCK, fill)
 
 
 def _transposed_experts(
@@ -351,19 +362,63 @@ def _transposed_experts(
     tensor: Any,
     rank: int,
     ranks: int,
+    unit: int,
     quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
 ) -> Union[torch.Tensor, list[QuantizedWeight]]:
-    """Llama 4's stacked experts' share, in their own layout: gate_up [E, H, 2I] -> [E, H, 2I / ranks] (this rank's
-    gate columns, then its up columns), down [E, I, H] -> [E, I / ranks, H]; with `quantize_whole` (int8) the down
-    matrices as a list, each expert's transposed to [H, I] and quantized whole, then cut: `_stacked_experts`' cut of
-    the transpose, transposed back."""
+    """Llama 4's stacked experts' share, in their own layout: gate_up [E, H, 2I] -> [E, H, 2I'] (this rank's gate
+    columns, then its up columns), down [E, I, H] -> [E, I', H]; with `quantize_whole` (int8) the down matrices as
+    a list, each expert's transposed to [H, I] and quantized whole, then cut: `_stacked_experts`' cut of the
+    transpose, transposed back."""
     if not isinstance(tensor, torch.Tensor):
         raise SettingsConflictError(f"{name}: stacked experts are cut as float tensors, not {type(tensor).__name__}")
-    share = _stacked_experts(name, tensor.transpose(1, 2), rank, ranks, quantize_whole)
+    share = _stacked_experts(name, tensor.transpose(1, 2), rank, ranks, unit, quantize_whole)
     return share if isinstance(share, list) else share.transpose(1, 2).contiguous()
 
 
-_Cuttable = Union[torch.Tensor, GgufWeight, Int4Groups]  # a checkpoint matrix as stored: float, GGUF blocks, AWQ groups
+def _expert_rows(name: str, tensor: _Cuttable, rank: int, ranks: int, unit: int) -> _Cuttable:
+    """An expert's (or shared expert's) gate or up: this rank's share of its rows, zero rows after the real ones
+    where the width is padded (expert_padding.py)."""
+    width = _rows_of(tensor)
+    share = expert_share(width, ranks, unit)
+    if share * ranks == width:
+        return _rows(tensor, rank, ranks)
+    if isinstance(tensor, GgufWeight):
+        raise _unpadded_gguf(name, tensor, width, ranks)
+    if isinstance(tensor, Int4Groups):
+        return padded_int4_rows(tensor, rank, share)
+    return padded_slice(tensor, 0, rank, share)
+
+
+def _expert_columns(
+    name: str,
+    tensor: _Cuttable,
+    rank: int,
+    ranks: int,
+    unit: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Union[_Cuttable, QuantizedWeight]:
+    """An expert's (or shared expert's) down: this rank's share of its input columns, zero columns after the real
+    ones where the width is padded; int8's quantized whole with its zero columns (its rows' maxima unchanged)."""
+    width = tensor.in_features if isinstance(tensor, (GgufWeight, Int4Groups)) else tensor.shape[1]
+    share = expert_share(width, ranks, unit)
+    if share * ranks == width:
+        return _columns(name, tensor, rank, ranks, quantize_whole)
+    if isinstance(tensor, GgufWeight):
+        raise _unpadded_gguf(name, tensor, width, ranks)
+    if isinstance(tensor, Int4Groups):
+        return padded_int4_columns(tensor, rank, share)
+    if quantize_whole is not None:
+        padded = torch.nn.functional.pad(tensor, (0, share * ranks - width))
+        return quantize_whole(padded).take_columns(rank * share, (rank + 1) * share)
+    return padded_slice(tensor, 1, rank, share)
+
+
+def _unpadded_gguf(name: str, tensor: GgufWeight, width: int, ranks: int) -> SettingsConflictError:
+    return SettingsConflictError(
+        f"--tensor-parallel-size {ranks}: {name} ({tensor.format}) is an expert {width} wide, which does not split "
+        "into equal shares, and experts kept in GGUF blocks are not padded; serve it with a size that divides "
+        f"{width}, or with --quantization none (dequantized at load, then padded)"
+    )
 
 
 def _rows_of(tensor: _Cuttable) -> int:

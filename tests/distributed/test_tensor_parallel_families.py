@@ -17,10 +17,11 @@ cut like an MLP), GLM-4.5 (shared experts, grouped routing), OLMoE (q/k norms ov
 biases, the LM head's bias on gathered logits), DeepSeek-V2 (q_proj, or q_a_proj and q_b_proj) and V3 (latent
 attention cut by heads over a latent cache the same on every rank; shared experts, grouped routing, a dense first
 layer), and GPT-OSS (q/k/v/o biases, attention sinks cut by heads, sliding and full layers; its interleaved gate|up
-experts with biases cut along their width, float and MXFP4, whose blocks are cut whole). Every family's logits of a
+experts with biases cut along their width, float and MXFP4, whose blocks are cut whole; widths that do not split
+into equal shares, as gpt-oss-120b's over 4 ranks, padded with zero units, as Qwen2-MoE's). Every family's logits of a
 prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then OLMo 2,
 DeepSeek-V3 (with its multi-token-prediction layer drafting too) and GPT-OSS (MXFP4) served end to end: greedy
-float32 tokens identical to one process; sizes that do not divide refused by number."""
+float32 tokens identical to one process; heads and dense widths that do not divide refused by number."""
 
 from __future__ import annotations
 
@@ -168,13 +169,9 @@ def test_deepseek_v3_served_on_two_ranks(tmp_path):
             {"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48},
             "does not divide the model's 3 attention heads",
         ),
-        (
-            {"moe_intermediate_size": 25},
-            "does not divide the model's expert intermediate size 25, shared expert intermediate size 25",
-        ),
-        ({"intermediate_size": 129}, "does not divide the model's intermediate size 129"),
+        ({"intermediate_size": 129}, "does not divide the model's intermediate size 129"),  # (its dense layer)
     ],
-    ids=["heads", "experts", "dense-mlp"],
+    ids=["heads", "dense-mlp"],
 )
 def test_deepseek_sizes_that_do_not_divide_are_refused(tmp_path, overrides, message):
     model_dir = make_deepseek_dir(tmp_path, "deepseek_v2", **overrides)
@@ -192,26 +189,34 @@ def test_gpt_oss_mxfp4_served_on_two_ranks(model_dirs):
 
 
 @pytest.mark.parametrize(
-    "overrides, mxfp4, message",
+    "overrides, message",
     [
-        ({"num_attention_heads": 3, "num_key_value_heads": 3}, False, "3 attention heads"),
-        ({"num_attention_heads": 6, "num_key_value_heads": 3}, False, r"3 KV heads \(neither a multiple"),
-        ({"intermediate_size": 45}, False, "intermediate size 45"),
-        # 32 inputs: one block of down_proj per row, which two ranks would cut in half
-        (
-            {"intermediate_size": 32},
-            True,
-            r"MXFP4: the experts' down_proj \(mlp.experts.down_proj_blocks, 32 inputs in blocks of 32\) splits into "
-            "16 inputs per rank",
-        ),
+        ({"num_attention_heads": 3, "num_key_value_heads": 3}, "3 attention heads"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 3}, r"3 KV heads \(neither a multiple"),
     ],
-    ids=["heads", "kv-heads", "expert-width", "mxfp4-blocks"],
+    ids=["heads", "kv-heads"],
 )
-def test_gpt_oss_sizes_that_do_not_divide_are_refused(tmp_path, overrides, mxfp4, message):
-    """At start-up, before any worker is spawned or a weight is read."""
+def test_gpt_oss_sizes_that_do_not_divide_are_refused(tmp_path, overrides, message):
+    """At start-up, before any worker is spawned or a weight is read (its experts' width is padded instead)."""
     model_dir = make_gpt_oss_dir(tmp_path / "float", **overrides)
-    if mxfp4:
-        write_checkpoints(model_dir, tmp_path / "mxfp4", tmp_path / "dequantized")
-        model_dir = tmp_path / "mxfp4"
     with pytest.raises(SettingsConflictError, match=message):
         LLM(str(model_dir), **TINY, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gpt_oss-mxfp4", "qwen2_moe"])
+def test_expert_widths_that_do_not_divide_are_padded(tmp_path, family):
+    """Each rank's share of the width padded with zero units (as vLLM serves gpt-oss-120b on 4 and 8 ranks): the
+    tokens and logprobs of one process. GPT-OSS float 45 wide (23 per rank, its interleaved gate|up padded at the
+    end); MXFP4 with down_proj 3 blocks wide (1.5 per rank: padded to 4 blocks, 2 per rank, the zero blocks decoding
+    to zeros); Qwen2-MoE's experts 45 and shared expert 91 wide (23 and 46 per rank; dense layers between)."""
+    if family == "qwen2_moe":
+        model_dir = make_moe_dir(tmp_path, family, moe_intermediate_size=45, shared_expert_intermediate_size=91)
+    else:
+        model_dir = make_gpt_oss_dir(tmp_path / "float", intermediate_size=45 if family == "gpt_oss" else 96)
+    if family == "gpt_oss-mxfp4":
+        write_checkpoints(model_dir, tmp_path / "mxfp4", tmp_path / "dequantized")
+        model_dir = tmp_path / "mxfp4"
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [300, 301, 17], [40] * 18]
+    expected, _ = generate(model_dir, prompts, 1)
+    got, _ = generate(model_dir, prompts, 2)
+    assert_same(got, expected)
