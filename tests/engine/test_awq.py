@@ -110,7 +110,9 @@ def test_awq_checkpoint_serves_its_dequantized_weights(awq_pair, quantization):
         )
 
 
-class _Config:
+class HfConfig:
+    """An HF config holding only a quantization_config (or none)."""
+
     def __init__(self, quantization_config=None):
         if quantization_config is not None:
             self.quantization_config = quantization_config
@@ -133,7 +135,7 @@ def test_unsupported_awq_variants_are_named(change, message):
 
 
 def test_quantization_flag_against_the_checkpoint_kind():
-    awq, plain = _Config(AWQ_CONFIG), _Config()
+    awq, plain = HfConfig(AWQ_CONFIG), HfConfig()
     assert resolve_quantization(None, awq) == ("awq", 128)
     assert resolve_quantization(None, plain) == (None, None)
     assert resolve_quantization("int4", plain) == ("int4", None)
@@ -146,7 +148,7 @@ def test_quantization_flag_against_the_checkpoint_kind():
     with pytest.raises(ValueError, match="--quantization int8: the checkpoint is already AWQ"):
         resolve_quantization("int8", awq)
     with pytest.raises(ValueError, match="'bitsandbytes'.*not supported"):
-        resolve_quantization(None, _Config({"quant_method": "bitsandbytes", "load_in_4bit": True}))
+        resolve_quantization(None, HfConfig({"quant_method": "bitsandbytes", "load_in_4bit": True}))
 
 
 def test_an_unsupported_awq_checkpoint_fails_at_load(awq_pair, tmp_path):

@@ -21,6 +21,7 @@ from engine.quantization.int4_weight import Int4Weight
 from engine.quantization.weight_quantizer import resolve_group_size, resolve_quantization
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import check_against_hf, make_llm
+from tests.engine.test_awq import HfConfig
 from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 from tests.engine.test_moe_equivalence import make_moe_dir
 
@@ -208,12 +209,6 @@ def test_mixture_of_experts(tmp_path, bits):
         check_against_hf(reference_dir, prompts, run_greedy(llm, prompts))
 
 
-class _Config:
-    def __init__(self, quantization_config=None):
-        if quantization_config is not None:
-            self.quantization_config = quantization_config
-
-
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -227,19 +222,19 @@ class _Config:
 )
 def test_unsupported_gptq_variants_are_named(change, message):
     with pytest.raises(ValueError, match="--quantization gptq: this GPTQ checkpoint is not supported") as error:
-        resolve_quantization(None, _Config(gptq_config(**change)))
+        resolve_quantization(None, HfConfig(gptq_config(**change)))
     assert message in str(error.value)
 
 
 def test_quantization_flag_against_the_checkpoint_kind():
-    plain = _Config()
-    assert resolve_quantization(None, _Config(gptq_config(4, 128))) == ("gptq", 128)
-    assert resolve_quantization("gptq", _Config(gptq_config(4, 128))) == ("gptq", 128)
+    plain = HfConfig()
+    assert resolve_quantization(None, HfConfig(gptq_config(4, 128))) == ("gptq", 128)
+    assert resolve_quantization("gptq", HfConfig(gptq_config(4, 128))) == ("gptq", 128)
     for dequantized in (gptq_config(8, 128), gptq_config(4, -1), gptq_config(4, 256), gptq_config(desc_act=True)):
-        assert resolve_quantization(None, _Config(dequantized)) == ("gptq", None)
+        assert resolve_quantization(None, HfConfig(dequantized)) == ("gptq", None)
     for storage in ("none", "gguf", "int8", "int4", "awq"):
         with pytest.raises(ValueError, match="already GPTQ|needs an AWQ checkpoint"):
-            resolve_quantization(storage, _Config(gptq_config()))
+            resolve_quantization(storage, HfConfig(gptq_config()))
     with pytest.raises(SettingsConflictError, match="--quantization gptq needs a GPTQ checkpoint"):
         resolve_quantization("gptq", plain)
     assert resolve_group_size(None, "gptq", 32, 32) == 32

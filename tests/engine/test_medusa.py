@@ -32,7 +32,7 @@ from tests.engine.medusa_factories import (
     successor_target_state,
 )
 from tests.engine.references import assert_idle, make_llm
-from tests.engine.test_spec_decode import PROMPTS, assert_same, run
+from tests.engine.test_spec_decode import PROMPTS, assert_same, check_aborts_and_an_opted_out_request, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -198,31 +198,11 @@ def test_heads_guessing_a_successor_target_have_their_drafts_accepted(overrides,
 def test_aborts_and_a_request_that_opted_out(target_dir, heads):
     """Aborted requests leave the others exact and nothing behind; a `speculative: false` request never drafts
     and the proposer keeps none of its features."""
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    plain = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculative=False)
     with make_llm(target_dir) as base:
-        expected = run(base, PROMPTS, params)
+        expected = run(base, PROMPTS, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     with make_llm(target_dir, speculative_config=medusa_config(heads)) as spec:
-        engine = spec.engine
-        proposer = engine.scheduler.proposer
-        tokens: dict[str, list[int]] = {}
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, plain if i == 2 else params)
-            tokens[f"r{i}"] = []
-        step = 0
-        while engine.has_work:
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            if step == 3:
-                engine.abort(["r1", "r4"])
-                assert "r1" not in proposer._features
-            assert "r2" not in proposer._features
-            step += 1
-        assert engine.stats().speculation.num_draft_tokens > 0
+        check_aborts_and_an_opted_out_request(spec, expected, spec.engine.scheduler.proposer._features)
         assert_heads_idle(spec)
-    for i, want in enumerate(expected):
-        got = tokens[f"r{i}"]
-        assert got == (want[0][0][: len(got)] if i in (1, 4) else want[0][0])
 
 
 def test_bfloat16_runs(target_dir, heads):

@@ -29,7 +29,7 @@ from tests.engine.mlp_speculator_factories import (
     successor_speculator,
 )
 from tests.engine.references import assert_idle, make_llm
-from tests.engine.test_spec_decode import PROMPTS, assert_same, run
+from tests.engine.test_spec_decode import PROMPTS, assert_same, check_aborts_and_an_opted_out_request, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -117,34 +117,15 @@ def test_prefix_hits_n_siblings_aborts_and_a_request_that_opted_out(target_dir, 
     shared = list(range(60, 76))
     prompts = [shared + [3, 4, 5], shared + [9, 8, 7, 6]]
     siblings = SamplingParams(n=3, max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    plain = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculative=False)
     with make_llm(target_dir) as base:
         expected_siblings = [run(base, [p], siblings) for p in prompts]
-        expected = run(base, PROMPTS, params)
+        expected = run(base, PROMPTS, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     with make_llm(target_dir, speculative_config=speculator_config(speculator)) as spec:
         for want, prompt in zip(expected_siblings, prompts):
             assert_same(want, run(spec, [prompt], siblings))
         assert spec.engine.stats().prefix_cache_hits > 0
-        engine, proposer = spec.engine, spec.engine.scheduler.proposer
-        tokens: dict[str, list[int]] = {}
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, plain if i == 2 else params)
-            tokens[f"r{i}"] = []
-        step = 0
-        while engine.has_work:
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            if step == 3:
-                engine.abort(["r1", "r4"])
-                assert "r1" not in proposer._features
-            assert "r2" not in proposer._features
-            step += 1
-        assert engine.stats().speculation.num_draft_tokens > 0
+        check_aborts_and_an_opted_out_request(spec, expected, spec.engine.scheduler.proposer._features)
         assert_speculator_idle(spec)
-    for i, want in enumerate(expected):
-        got = tokens[f"r{i}"]
-        assert got == (want[0][0][: len(got)] if i in (1, 4) else want[0][0])
 
 
 @pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}], ids=["", "chunked"])

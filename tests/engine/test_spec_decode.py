@@ -45,6 +45,32 @@ def run(llm, prompts, params):
     return [[(o.token_ids, [lp.logprob for lp in o.logprobs or []]) for o in r.outputs] for r in results]
 
 
+def check_aborts_and_an_opted_out_request(spec, expected, features) -> None:
+    """Requests r1 and r4 of PROMPTS aborted after the fourth step, r2 with `speculative: false`: the others' tokens
+    `expected` (30 greedy tokens each, `run`'s), the aborted ones' a prefix of theirs; `features` (the proposer's
+    per-request state) never holds r2 and drops r1 at its abort."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, speculative=False)
+    engine = spec.engine
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, plain if i == 2 else params)
+        tokens[f"r{i}"] = []
+    step = 0
+    while engine.has_work:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        if step == 3:
+            engine.abort(["r1", "r4"])
+            assert "r1" not in features
+        assert "r2" not in features
+        step += 1
+    assert engine.stats().speculation.num_draft_tokens > 0
+    for i, want in enumerate(expected):
+        got = tokens[f"r{i}"]
+        assert got == (want[0][0][: len(got)] if i in (1, 4) else want[0][0])
+
+
 def assert_same(expected, got, abs: float = 1e-5):
     for want_prompt, got_prompt in zip(expected, got, strict=True):
         for (want_ids, want_lps), (got_ids, got_lps) in zip(want_prompt, got_prompt, strict=True):
