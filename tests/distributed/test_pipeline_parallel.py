@@ -4,11 +4,13 @@ steps in flight as stages. Greedy tokens identical to one process and logprobs w
 computes exactly what one process computes for its layers), under chunked prefill, prefix caching, preemption,
 prompt logprobs and aborts, alone and with tensor parallelism within each stage; a dead stage fails the engine.
 
-Every family tensor parallelism serves beside Llama's (the generic decoder's and the mixtures of experts': per-layer
-RoPE, windows and layer kinds, dense layers between sparse ones, embedding scales and learned positions on stage 0,
-soft-caps, logit scales and LM-head biases with the head) splits into two stages that compute one process's logits,
-every family in one spawned pair; served end to end, Gemma 3's sliding and full layers keep the whole model's KV
-groups on each stage, a mixture of experts takes tensor parallelism within its stages, and Gemma serves a LoRA adapter (its own embedding and LM head) over int8 weights."""
+Every family tensor parallelism serves beside Llama's (the generic decoder's, the mixtures of experts', DeepSeek's
+and GPT-OSS's: per-layer RoPE, windows, sinks and layer kinds, dense layers between sparse ones, latent caches,
+embedding scales and learned positions on stage 0, soft-caps, logit scales and LM-head biases with the head) splits
+into two stages that compute one process's logits, every family in one spawned pair; served end to end, Gemma 3's
+and GPT-OSS's sliding and full layers keep the whole model's KV groups on each stage, a mixture of experts takes
+tensor parallelism within its stages, DeepSeek-V3 serves its latent cache per stage, and Gemma serves a LoRA adapter
+(its own embedding and LM head) over int8 weights."""
 
 from __future__ import annotations
 
@@ -356,13 +358,12 @@ def test_refusals_name_the_combination(tmp_path, arch, settings, message):
         LLM(str(model_dir), **TINY, **{"pipeline_parallel_size": 2, **settings})
 
 
-def test_deepseek_v3_on_two_stages_of_two_tensor_parallel_ranks(family_dirs):
-    """Four ranks: each stage's latent attention cut by heads over its layers' latent cache (the same on both of
-    its ranks), its experts by width; stage 0 the dense first layer, stage 1 the sparse ones. One process's tokens
-    and logprobs."""
+def test_deepseek_v3_on_two_stages(family_dirs):
+    """Each stage's latent cache holds its layers' latents; stage 0 the dense first layer, stage 1 the sparse ones
+    (grouped routing): one process's tokens and logprobs."""
     prompts = mixed_prompts(30)[:3]
     expected = run(family_dirs["deepseek_v3"], prompts, GREEDY)
-    got = run(family_dirs["deepseek_v3"], prompts, GREEDY, pipeline_parallel_size=2, tensor_parallel_size=2)
+    got = run(family_dirs["deepseek_v3"], prompts, GREEDY, pipeline_parallel_size=2)
     assert_same(got, expected)
 
 
