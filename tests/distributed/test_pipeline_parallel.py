@@ -358,12 +358,13 @@ def test_refusals_name_the_combination(tmp_path, arch, settings, message):
         LLM(str(model_dir), **TINY, **{"pipeline_parallel_size": 2, **settings})
 
 
-def test_deepseek_v3_on_two_stages(family_dirs):
-    """Each stage's latent cache holds its layers' latents; stage 0 the dense first layer, stage 1 the sparse ones
-    (grouped routing): one process's tokens and logprobs."""
+def test_deepseek_v3_on_two_stages_of_two_tensor_parallel_ranks(family_dirs):
+    """Four ranks: each stage's latent cache holds its layers' latents (the same on both of its ranks), its latent
+    attention cut by heads and its experts by width; stage 0 the dense first layer, stage 1 the sparse ones (grouped
+    routing): one process's tokens and logprobs."""
     prompts = mixed_prompts(30)[:3]
     expected = run(family_dirs["deepseek_v3"], prompts, GREEDY)
-    got = run(family_dirs["deepseek_v3"], prompts, GREEDY, pipeline_parallel_size=2)
+    got = run(family_dirs["deepseek_v3"], prompts, GREEDY, pipeline_parallel_size=2, tensor_parallel_size=2)
     assert_same(got, expected)
 
 
