@@ -96,6 +96,8 @@ class DeepseekForCausalLM(MoeForCausalLM):
             match = _LAYER.fullmatch(name)
             if match is not None and int(match.group(1)) >= self.arch.num_layers:
                 continue  # V3's multi-token-prediction layer: not a layer of the causal LM
+            if not self._held(name.removeprefix("model.")):
+                continue  # another pipeline stage's (its rope rows left as they are)
             if match is not None and self.mla.rope_interleaved:
                 tensor = self._rope_halves(match.group(2), tensor)
             yield name, tensor
@@ -173,7 +175,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
             if w is not None
         ]
         experts = [m for block in self.moe_blocks.values() for m in block.matrices()]
-        return dense + experts + [self.lm_head]
+        return dense + experts + ([self.lm_head] if self.lm_head is not None else [])  # (a stage without the head)
 
     def weight_bytes(self) -> int:
         attention = [

@@ -57,13 +57,16 @@ class GptOssForCausalLM(MoeForCausalLM):
         super().__init__(arch.llama, arch.moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         self.mxfp4 = arch.mxfp4
         self.layer_attention = arch.layer_attention  # the sinks join them at load
-        self.sinks: dict[int, torch.Tensor] = {}  # layer -> [heads], float32
+        # layer -> [heads], float32; by the layer loop's index (a pipeline stage's own, as `layer_attention`'s)
+        self.sinks: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         if self.mxfp4:
-            weights = mxfp4_weights(weights, MXFP4_TENSORS, self.dtype, self.device)
+            # (a pipeline stage leaves the other stages' expert blocks packed: never dequantized)
+            held = ((name, tensor) for name, tensor in weights if self._held(name.removeprefix("model.")))
+            weights = mxfp4_weights(held, MXFP4_TENSORS, self.dtype, self.device)
         else:
             weights = self._refuse_mxfp4(weights)
         super().load_weights(weights)
@@ -87,7 +90,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         sinks = state.pop(name, None)
         if sinks is None:
             raise ValueError(f"checkpoint lacks {name}")
-        self.sinks[index] = sinks.to(torch.float32).contiguous()
+        self.sinks[index - self.stage.layers.start] = sinks.to(torch.float32).contiguous()
         return super()._take_layer(state, index)
 
     def _take_block(self, take, maybe, cat) -> SparseMoeBlock:

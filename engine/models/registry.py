@@ -530,10 +530,10 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
     return None
 
 
-PIPELINE_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe")
+PIPELINE_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss")
 """The implementations whose layer loop takes a stage's slice of the layers (`hold_stage`) and the stage before's
-hidden states: Llama's, the generic decoder's and the mixtures of experts on either (DeepSeek's and GPT-OSS's run
-whole)."""
+hidden states: Llama's, the generic decoder's, the mixtures of experts on either, DeepSeek's (latent attention,
+its dense first layers) and GPT-OSS's (sliding and full layers with sinks)."""
 
 
 def check_pipeline_model(hf_config: Any, num_stages: int) -> None:

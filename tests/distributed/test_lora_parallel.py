@@ -13,6 +13,7 @@ import pytest
 from engine import LLM, LoRAMix, LoRARequest, SamplingParams
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf
+from tests.engine.test_gpt_oss import make_gpt_oss_dir
 from tests.lora.adapters import make_adapter, merged_model_dir
 from tests.lora.gguf_adapters import write_gguf_adapter
 
@@ -112,3 +113,22 @@ def test_other_families_on_two_ranks_match_peft_merged(family, tmp_path_factory)
         assert_idle(llm)
     check_against_hf(merged, prompts[::2], results[::2])
     check_against_hf(base, prompts[1:2], results[1:2])
+
+
+def test_gpt_oss_attention_adapter_on_two_ranks_matches_one_process(tmp_path_factory):
+    """GPT-OSS's q/k/v/o (biased, its sinks cut with the heads), sliding and full layers: each rank's delta on its
+    heads' rows and o_proj's columns, beside base requests in one batch; one process's tokens."""
+    base = make_gpt_oss_dir(tmp_path_factory.mktemp("gpt_oss"))
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapter = make_adapter(base, tmp_path_factory.mktemp("adapter"), seed=6, r=4, alpha=8, targets=targets)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1]]  # 19 tokens: past the window of 8
+    modules = [{"name": "a", "path": str(adapter)}]
+    loras = [LoRAMix.single("a"), None, None]
+    outputs = []
+    for tp in (1, 2):
+        with LLM(str(base), **SETTINGS, lora_modules=modules, tensor_parallel_size=tp) as llm:
+            results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+            outputs.append([list(result.outputs[0].token_ids) for result in results])
+            assert_idle(llm)
+    assert outputs[1] == outputs[0]
+    assert outputs[0][0] != outputs[0][2]  # the adapter changes what the model says

@@ -4,11 +4,13 @@ steps in flight as stages. Greedy tokens identical to one process and logprobs w
 computes exactly what one process computes for its layers), under chunked prefill, prefix caching, preemption,
 prompt logprobs and aborts, alone and with tensor parallelism within each stage; a dead stage fails the engine.
 
-Every family tensor parallelism serves beside Llama's (the generic decoder's and the mixtures of experts': per-layer
-RoPE, windows and layer kinds, dense layers between sparse ones, embedding scales and learned positions on stage 0,
-soft-caps, logit scales and LM-head biases with the head) splits into two stages that compute one process's logits,
-every family in one spawned pair; served end to end, Gemma 3's sliding and full layers keep the whole model's KV
-groups on each stage, a mixture of experts takes tensor parallelism within its stages, and Gemma serves a LoRA adapter (its own embedding and LM head) over int8 weights."""
+Every family tensor parallelism serves beside Llama's (the generic decoder's, the mixtures of experts', DeepSeek's
+and GPT-OSS's: per-layer RoPE, windows, sinks and layer kinds, dense layers between sparse ones, latent caches,
+embedding scales and learned positions on stage 0, soft-caps, logit scales and LM-head biases with the head) splits
+into two stages that compute one process's logits, every family in one spawned pair; served end to end, Gemma 3's
+and GPT-OSS's sliding and full layers keep the whole model's KV groups on each stage, a mixture of experts takes
+tensor parallelism within its stages, DeepSeek-V3 serves its latent cache per stage, and Gemma serves a LoRA adapter
+(its own embedding and LM head) over int8 weights."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine import LLM, LoRAMix, LoRARequest, SamplingParams
+from engine.attention.attention_shape import latent_rank_of
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.attention.step_metadata import step_metadata_for
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -36,9 +39,9 @@ from tests.distributed import test_tensor_parallel_families as tp_families
 from tests.distributed.test_tensor_parallel_model import BLOCK, run_model
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle
-from tests.engine.test_deepseek_equivalence import COMMON as DEEPSEEK_COMMON
-from tests.engine.test_deepseek_equivalence import FAMILIES as DEEPSEEK_FAMILIES
+from tests.engine.test_deepseek_equivalence import make_deepseek_dir
 from tests.engine.test_gpt_oss import make_gpt_oss_dir
+from tests.engine.test_gpt_oss_mxfp4 import write_checkpoints
 from tests.engine.test_model_equivalence import mixed_prompts
 from tests.engine.test_moe_equivalence import FAMILIES as MOE_FAMILIES
 from tests.engine.test_moe_equivalence import make_moe_dir
@@ -184,12 +187,18 @@ put an alternating pattern's first two layers on each stage)."""
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    """Every generic-decoder family and mixture of experts that tensor parallelism's tests build, and ODD_SPLITS."""
+    """Every generic-decoder family and mixture of experts that tensor parallelism's tests build, and ODD_SPLITS;
+    DeepSeek-V2 (q_proj, or q_a_proj and q_b_proj) and V3 (grouped routing), three layers, the first dense; GPT-OSS
+    (sliding, full, sliding) in float and in MXFP4 (experts 64 wide: two blocks per row)."""
     root = tmp_path_factory.mktemp("families")
     dense = {**tp_families.FAMILIES, **ODD_SPLITS}
     dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in dense.items()}
     dirs.update({name: make_moe_dir(root / name, name) for name in MOE_FAMILIES})
     dirs["llama4-3"] = make_moe_dir(root / "llama4-3", "llama4", num_hidden_layers=3)  # NoPE layer 1, sparse 1
+    dirs.update({name: make_deepseek_dir(root / name, f, **o) for name, (f, o) in tp_families.DEEPSEEK.items()})
+    dirs["gpt_oss"] = make_gpt_oss_dir(root / "gpt_oss", intermediate_size=64)
+    write_checkpoints(dirs["gpt_oss"], root / "gpt_oss-mxfp4", root / "gpt_oss-dequantized")
+    dirs["gpt_oss-mxfp4"] = root / "gpt_oss-mxfp4"
     return dirs
 
 
@@ -206,7 +215,9 @@ def stage_logits(model_dir: Path, rank: int) -> dict:
     model.hold_stage(stage)
     model.load_weights(iter_weights(model_dir))
     arch = model.arch
-    cache = KVCache(KVCacheSpec(len(stage.layers), BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32), 8, cpu)
+    latent = latent_rank_of(hf_config)  # (DeepSeek's latent cache: its stage's layers of it)
+    spec = KVCacheSpec(len(stage.layers), BLOCK, arch.num_kv_heads, arch.head_dim, torch.float32, latent_rank=latent)
+    cache = KVCache(spec, 8, cpu)
     backend = TorchAttentionBackend()
     link = PipelineLink(stage, arch.hidden_size, torch.float32, cpu)
 
@@ -229,6 +240,8 @@ def stage_logits(model_dir: Path, rank: int) -> dict:
         layers=len(model.layers),
         ends=[model.embed is not None, model.lm_head is not None],
         moe_blocks=sorted(getattr(model, "moe_blocks", {})),
+        windows=[attention.sliding_window for attention in model.attention_layers],
+        sinks=[attention.sinks is not None and bool(attention.sinks.any()) for attention in model.attention_layers],
     )
     return dict(logits=(first, second), held=held) if stage.is_first else dict(held=held)
 
@@ -275,6 +288,14 @@ def test_two_stages_compute_every_familys_logits(family_dirs):
     assert [results[("glm4_moe", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0, 1]]
     assert [results[("llama4", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[1], [1]]
     assert [results[("llama4-3", rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0]]
+    # DeepSeek's first layer dense (first_k_dense_replace 1), alone on stage 0
+    for name in tp_families.DEEPSEEK:
+        assert [results[(name, rank)]["held"]["moe_blocks"] for rank in range(2)] == [[], [0, 1]], name
+    # GPT-OSS's sliding, full, sliding: each stage's windows and the checkpoint's sinks by its own layer index
+    for name in ("gpt_oss", "gpt_oss-mxfp4"):
+        first, last = (results[(name, rank)]["held"] for rank in range(2))
+        assert (first["windows"], last["windows"]) == ([8], [None, 8]), name
+        assert first["sinks"] + last["sinks"] == [True] * 3 and last["moe_blocks"] == [0, 1], name
 
 
 def test_layer_groups_follow_the_stages(family_dirs):
@@ -337,17 +358,38 @@ def test_refusals_name_the_combination(tmp_path, arch, settings, message):
         LLM(str(model_dir), **TINY, **{"pipeline_parallel_size": 2, **settings})
 
 
-@pytest.mark.parametrize("family", ["DeepseekV3ForCausalLM", "GptOssForCausalLM"])
-def test_families_that_run_whole_are_refused_by_name(tmp_path, family):
-    """DeepSeek's and GPT-OSS's layer loops take no stage: refused before any process starts."""
-    if family == "GptOssForCausalLM":
-        model_dir = make_gpt_oss_dir(tmp_path / "gpt_oss")
-    else:
-        model_dir = make_tiny_model_dir(
-            tmp_path / "deepseek", "llama", **DEEPSEEK_COMMON, **DEEPSEEK_FAMILIES["deepseek_v3"]
+def test_deepseek_v3_on_two_stages_of_two_tensor_parallel_ranks(family_dirs):
+    """Four ranks: each stage's latent cache holds its layers' latents (the same on both of its ranks), its latent
+    attention cut by heads and its experts by width; stage 0 the dense first layer, stage 1 the sparse ones (grouped
+    routing): one process's tokens and logprobs."""
+    prompts = mixed_prompts(30)[:3]
+    expected = run(family_dirs["deepseek_v3"], prompts, GREEDY)
+    got = run(family_dirs["deepseek_v3"], prompts, GREEDY, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert_same(got, expected)
+
+
+def test_gpt_oss_mxfp4_sliding_and_full_layers_on_two_stages(family_dirs):
+    """GPT-OSS's sliding layers 0 and 2 and full layer 1 split 1 + 2: the whole model's KV groups on both stages
+    (stage 0's cache holds layer 0 alone), prompts past the window of 8, under preemption and prefix hits; each
+    stage dequantizes its own layers' MXFP4 experts."""
+    prompts = mixed_prompts(31, shared_prefix=12)[:4]
+    settings = dict(num_blocks=24, enable_prefix_caching=True)
+    expected = run(family_dirs["gpt_oss-mxfp4"], prompts, GREEDY, **settings)
+    got = run(family_dirs["gpt_oss-mxfp4"], prompts, GREEDY, **settings, pipeline_parallel_size=2)
+    assert got[3].num_preemptions > 0 and got[3].prefix_cache_hits > 0
+    assert_same(got, expected)
+
+
+def test_deepseek_speculation_is_refused_with_stages(family_dirs):
+    """DeepSeek-V3's own prediction layer (method mtp) drafts for the next step: refused with stages, as any
+    speculation, before any process starts."""
+    with pytest.raises(SettingsConflictError, match="speculative decoding"):
+        LLM(
+            str(family_dirs["deepseek_v3"]),
+            **TINY,
+            pipeline_parallel_size=2,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
         )
-    with pytest.raises(SettingsConflictError, match=f"{family} is not served with pipeline parallelism"):
-        LLM(str(model_dir), **TINY, pipeline_parallel_size=2)
 
 
 def test_llama4_chunked_attention_on_two_stages(tmp_path):
