@@ -56,21 +56,24 @@ class AdapterShard:
             return weights
         # Each kept module's cut matrix under its base weight's checkpoint name (that name picks the cut).
         kept = [(layer, proj) for layer, proj in weights.a if layer in self.layers]
-        names = {module: _base_name(*module) for module in kept}
         to_cut = [
-            (names[module], _expert_rows(weights.b[module]) if module[1] in _COLUMN_PARALLEL else weights.a[module])
+            (
+                _base_name(*module),
+                _expert_rows(weights.b[module]) if module[1] in _COLUMN_PARALLEL else weights.a[module],
+            )
             for module in kept
         ]
-        cut = dict(shard_weights(to_cut, self.whole, self.tp))
+        # (by position: the experts' gate and up share their base weight's name)
+        cut = dict(zip(kept, (tensor for _, tensor in shard_weights(to_cut, self.whole, self.tp)), strict=True))
         part = LoRAWeights(weights.name, weights.path, weights.rank, content_hash=weights.content_hash)
         for layer, proj in kept:
             a, b = weights.a[(layer, proj)], weights.b[(layer, proj)]
             if proj in _COLUMN_PARALLEL:
-                b = cut[names[(layer, proj)]]  # [this rank's outputs, rank] ([E, this rank's outputs, rank])
+                b = cut[(layer, proj)]  # [this rank's outputs, rank] ([E, this rank's outputs, rank])
                 if proj in EXPERT_PROJECTIONS:  # (the gate half of the stacked cut: see _expert_rows)
                     b = b[:, : b.shape[1] // 2].contiguous()
             else:
-                a = cut[names[(layer, proj)]]  # [rank, this rank's inputs]
+                a = cut[(layer, proj)]  # [rank, this rank's inputs]
             local = (layer - self.layers.start, proj)
             part.a[local], part.b[local] = a, b
         if self.holds_vocab:
