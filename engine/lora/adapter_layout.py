@@ -38,7 +38,7 @@ are named as the language model's are (`vision_tower.encoder.layers.0.self_attn.
 model's layers of the same index."""
 
 MLP_KINDS = ("gated", "plain", "none")
-"""gate|up and down; a plain MLP's up and down (no gate); none adapted (a mixture of experts)."""
+"""gate|up and down; a plain MLP's up and down (no gate); none adapted (a mixture of experts: its experts apart)."""
 
 Rows = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
 """A family's transform of its checkpoint's (name, tensor) pairs into Llama's names and the model's row order."""

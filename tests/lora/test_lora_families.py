@@ -54,11 +54,12 @@ def test_adapter_beside_base_requests_matches_peft_merged(family, tmp_path_facto
     assert [lp.logprob for lp in results[2].outputs[0].logprobs] != pytest.approx(base_logprobs, abs=1e-2)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "llama4"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama4"])
 def test_expert_adapter_beside_base_requests_matches_peft_merged(family, tmp_path_factory):
     """An adapter of the attention and every expert's gate|up and down (PEFT's target_parameters on transformers'
     stacked experts; Llama 4's stored transposed), beside a base request and the same adapter without its experts,
-    against PEFT's merge_and_unload. Qwen3-MoE's layer 1 is a dense MLP (no expert deltas there)."""
+    against PEFT's merge_and_unload. Qwen3-MoE's layer 1 and Llama 4's 0 and 2 are dense MLPs, Qwen2-MoE's and
+    Llama 4's shared experts are not adapted."""
     base = _base(tmp_path_factory, family)
     adapter = make_adapter(
         base,
