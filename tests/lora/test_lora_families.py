@@ -57,8 +57,8 @@ def test_adapter_beside_base_requests_matches_peft_merged(family, tmp_path_facto
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama4"])
 def test_expert_adapter_beside_base_requests_matches_peft_merged(family, tmp_path_factory):
     """An adapter of the attention and every expert's gate|up and down (PEFT's target_parameters on transformers'
-    stacked experts; Llama 4's stored transposed), beside a base request and the same adapter without its experts,
-    against PEFT's merge_and_unload. Qwen3-MoE's layer 1 and Llama 4's 0 and 2 are dense MLPs, Qwen2-MoE's and
+    stacked experts; Llama 4's stored transposed), beside a base request, the same adapter without its experts and
+    a 0.5 / 0.5 mix of the two, against PEFT's merge_and_unload. Qwen3-MoE's layer 1 and Llama 4's 0 and 2 are dense MLPs, Qwen2-MoE's and
     Llama 4's shared experts are not adapted."""
     base = _base(tmp_path_factory, family)
     adapter = make_adapter(
@@ -72,18 +72,21 @@ def test_expert_adapter_beside_base_requests_matches_peft_merged(family, tmp_pat
     )
     attention = without_experts(adapter, tmp_path_factory.mktemp("attention"))
     merged = merged_model_dir(base, [(adapter, 1.0)], tmp_path_factory.mktemp("merged"))
+    mix = merged_model_dir(base, [(adapter, 0.5), (attention, 0.5)], tmp_path_factory.mktemp("mix"))
     prompts = mixed_prompts(3)[4:7]  # 17, 33 and 60 tokens: prompt chunks and decodes of both kinds in a step
-    prompts.append(prompts[2])
+    prompts += [prompts[2], prompts[0]]
     with make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=4, max_num_batched_tokens=32) as llm:
         llm.engine.lora_manager.add_lora(LoRARequest("a", str(adapter)))
         llm.engine.lora_manager.add_lora(LoRARequest("attention", str(attention)))
         loras = [LoRAMix.single("a"), None, LoRAMix.single("a"), LoRAMix.single("attention")]
+        loras.append(LoRAMix((("a", 0.5), ("attention", 0.5))))
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
         assert_idle(llm)
     check_against_hf(merged, prompts[:3:2], results[:3:2])
     check_against_hf(base, prompts[1:2], results[1:2])
+    check_against_hf(mix, prompts[4:], results[4:])  # a weighted mix: half the experts' deltas
     # the experts' deltas change what the model says (else the check above would hold without them)
-    with_experts, attention_only = ([lp.logprob for lp in r.outputs[0].logprobs] for r in results[2:])
+    with_experts, attention_only = ([lp.logprob for lp in r.outputs[0].logprobs] for r in results[2:4])
     assert with_experts != pytest.approx(attention_only, abs=1e-2)
 
 

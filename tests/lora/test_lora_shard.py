@@ -17,6 +17,7 @@ from engine.loading.rope_settings import rope_settings
 from engine.lora.adapter_layout import AdapterLayout
 from engine.lora.adapter_source import AdapterSource
 from engine.lora.expert_stack import ExpertLoRAStack
+from engine.lora.lora_graph_inputs import LoRAGraphInputs
 from engine.lora.lora_manager import LoRARef, adapter_key
 from engine.lora_shard import AdapterShard
 from engine.lora.lora_slots import LoRASlots
@@ -135,15 +136,33 @@ def _expert_delta(stack: LoRAStack, layer: int, expert: int, proj: str, x: torch
     return out
 
 
-def test_expert_parts_add_up_to_the_whole_delta():
-    """Each expert's gate|up: a rank's columns are its share of the gate's and of the up's; its down: the ranks'
-    partial deltas (their shares of the inputs) sum to the whole one. A pipeline stage holds its own layer's."""
+def _expert_adapter() -> LoRAWeights:
+    """Random deltas of 4 experts 32 wide (rank 3) in each of ARCH's layers."""
     generator = torch.Generator().manual_seed(3)
     adapter = LoRAWeights("x", "", 3)
     for layer in range(ARCH.num_layers):
-        for proj, (width, out) in {"gate_proj": (32, 32), "up_proj": (32, 32), "down_proj": (32, 32)}.items():
-            adapter.a[(layer, "experts." + proj)] = torch.randn(4, 3, width, generator=generator)
-            adapter.b[(layer, "experts." + proj)] = torch.randn(4, out, 3, generator=generator)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            adapter.a[(layer, "experts." + proj)] = torch.randn(4, 3, 32, generator=generator)
+            adapter.b[(layer, "experts." + proj)] = torch.randn(4, 32, 3, generator=generator)
+    return adapter
+
+
+def test_a_step_of_expert_adapters_runs_eagerly():
+    """A decode graph's captured step adds no expert deltas: a step with an adapter of the experts does not replay
+    one; a step of attention-only adapters does (and builds no expert deltas)."""
+    stack = _expert_stack(ARCH, width=32)
+    stack.load(0, random_weights("attention", 2, 1, skip="up_proj"))
+    stack.load(1, _expert_adapter())
+    attention, experts = [LoRASegment(0, 2, ((0, 1.0),))], [LoRASegment(0, 1, ()), LoRASegment(1, 1, ((1, 1.0),))]
+    assert LoRAGraphInputs.takes(stack, attention) and not LoRAGraphInputs.takes(stack, experts)
+    step = LoRAStep.build(stack, 2, attention)
+    assert step is not None and step.experts is None
+
+
+def test_expert_parts_add_up_to_the_whole_delta():
+    """Each expert's gate|up: a rank's columns are its share of the gate's and of the up's; its down: the ranks'
+    partial deltas (their shares of the inputs) sum to the whole one. A pipeline stage holds its own layer's."""
+    adapter = _expert_adapter()
     whole = _expert_stack(ARCH, width=32)
     whole.load(1, adapter)
     ranks = [
