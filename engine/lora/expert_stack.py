@@ -20,6 +20,7 @@ import torch
 from engine.lora.peft_adapter import LoRAWeights
 
 _PARTS = {"gate_up": ("experts.gate_proj", "experts.up_proj"), "down": ("experts.down_proj",)}
+_ALL_PARTS = frozenset(name for names in _PARTS.values() for name in names)
 
 
 class ExpertLoRAStack:
@@ -56,6 +57,8 @@ class ExpertLoRAStack:
     def load(self, slot: int, weights: LoRAWeights) -> None:
         """Copy an adapter's expert deltas (this rank's part, layers renumbered as the model's loop counts them)
         into `slot`; zeros where it adapts none."""
+        if not self.holds[slot] and not any(proj in _ALL_PARTS for _, proj in weights.a):
+            return  # (its zeros are in place: an attention adapter's load does not rewrite every expert's rows)
         r = self.max_rank
         held = False
         for layer in self.a:
