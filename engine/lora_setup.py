@@ -8,6 +8,8 @@ from typing import Any, Optional
 from engine.engine_config import EngineConfig
 from engine.errors import LoRAAdapterError, LoRARankError, SettingsConflictError
 from engine.lora.adapter_layout import AdapterLayout
+from engine.lora.expert_layout import ExpertLayout
+from engine.lora.expert_stack import ExpertLoRAStack
 from engine.lora.gguf_adapter import GgufTarget
 from engine.lora.lora_manager import LoRAManager
 from engine.lora_shard import AdapterShard
@@ -22,9 +24,16 @@ from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
-from engine.models.registry import check_tensor_parallel_model
+from engine.models.moe_arch import MoeArch
+from engine.models.registry import check_tensor_parallel_model, moe_arch_of
 
 logger = logging.getLogger(__name__)
+
+EXPERT_LORA_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4_text")
+"""The mixtures of experts whose experts take adapters: their experts are transformers' stacked gate|up and down
+(Llama 4's transposed, which PEFT's matrices do not see), every block on engine/layers/moe.py's per-expert
+products. GPT-OSS's interleaved gate|up with biases, GLM-4.5's, Granite MoE's and Phi-3.5-MoE's experts are not
+adapted (their attention is)."""
 
 LORA_BASE_STORAGES = ("none", "gguf", "int8", "int4", "awq", "gptq")
 """The base weights' storages LoRA serves: the deltas are float products of the adapter's own matrices added to
@@ -35,7 +44,8 @@ is merged into the quantized weights."""
 def check_lora_settings(config: EngineConfig, model: LlamaForCausalLM) -> None:
     """Refuse what LoRA does not run with yet: the deltas are added beside the base products (float or quantized,
     LORA_BASE_STORAGES) of every family's attention and dense MLP projections (a mixture of experts': its
-    attention's; each rank's shard with tensor or pipeline parallelism: engine/lora_shard.py)."""
+    attention's and, in EXPERT_LORA_FAMILIES, its experts'; each rank's shard with tensor or pipeline parallelism:
+    engine/lora_shard.py)."""
     if isinstance(model, DeepseekForCausalLM):
         raise SettingsConflictError(
             f"--enable-lora does not serve {model.arch.model_type!r}: its latent attention's projections "
@@ -96,6 +106,7 @@ def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: 
     if model.device.type == "cuda" and kernels is None:
         logger.warning("LoRA: the Triton SGMV kernels cannot be imported; the deltas run as torch products")
     shard = _adapter_shard(model, hf_config)
+    whole_moe = _whole_experts(model, hf_config)
     stack = LoRAStack(
         model.arch,
         lora.max_loras,
@@ -106,10 +117,33 @@ def attach_lora_stack(config: EngineConfig, model: LlamaForCausalLM, hf_config: 
         kernels,
         shard=shard,
         native=native,
-        layout=adapter_layout(model, model.arch if shard is None else shard.whole),
+        layout=adapter_layout(model, model.arch if shard is None else shard.whole, whole_moe),
+        experts=_expert_stack(config, model) if whole_moe is not None and isinstance(model, MoeForCausalLM) else None,
     )
     model.lora = stack
     return stack
+
+
+def _whole_experts(model: LlamaForCausalLM, hf_config: Any) -> Optional[MoeArch]:
+    """The whole model's experts where they take adapters (EXPERT_LORA_FAMILIES), else None."""
+    if not isinstance(model, MoeForCausalLM) or model.arch.model_type not in EXPERT_LORA_FAMILIES:
+        return None
+    return moe_arch_of(hf_config) if model.tp.is_parallel else model.moe
+
+
+def _expert_stack(config: EngineConfig, model: MoeForCausalLM) -> ExpertLoRAStack:
+    """The slots' expert deltas of this rank's sparse layers (each expert's share of the width its own)."""
+    moe = model.moe
+    return ExpertLoRAStack(
+        tuple(sorted(model.moe_blocks)),
+        moe.num_experts,
+        model.arch.hidden_size,
+        moe.expert_intermediate_size,
+        config.lora.max_loras,
+        config.lora.max_lora_rank,
+        model.dtype,
+        model.device,
+    )
 
 
 def _adapter_shard(model: LlamaForCausalLM, hf_config: Any) -> Optional[AdapterShard]:
@@ -121,10 +155,11 @@ def _adapter_shard(model: LlamaForCausalLM, hf_config: Any) -> Optional[AdapterS
     return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first)
 
 
-def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch) -> AdapterLayout:
+def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch, experts: Optional[MoeArch] = None) -> AdapterLayout:
     """How the family's adapters map onto `model`'s projections (`whole`: the whole model's shape): its MLP's kind
-    (none adapted in a mixture of experts), and for the generic decoder's families the checkpoint transform of
-    their base rows (names, per-head q/k/v, RoPE halves), which B's rows take too."""
+    (no dense MLP adapted in a mixture of experts; its experts where `experts`, the whole model's, is given), and
+    for the generic decoder's families the checkpoint transform of their base rows (names, per-head q/k/v, RoPE
+    halves), which B's rows take too."""
     decoder = whole if isinstance(whole, DecoderArch) else None  # (the Llama family reads Llama's names as they are)
     plain = None if decoder is None else decoder.plain_mlp
     mlp = "none" if isinstance(model, MoeForCausalLM) else "gated" if plain is None else "plain"
@@ -142,4 +177,14 @@ def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch) -> AdapterLayout:
             if new.strip(".").rsplit(".", 1)[-1] in ("o_proj", "qkv_proj")
         ),
         hidden_size=whole.hidden_size,
+        experts=None
+        if experts is None
+        else ExpertLayout(
+            experts.num_experts,
+            whole.hidden_size,
+            experts.expert_intermediate_size,
+            experts.sparse_layers,
+            experts.expert_names or ("gate_proj", "up_proj", "down_proj"),
+            transposed=experts.stacked_transposed,
+        ),
     )

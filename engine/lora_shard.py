@@ -8,6 +8,8 @@ rank's delta lines up with its slice of the base product:
                      of the intermediate rows), part by part like the fused base weight
     o_proj, down     row-parallel: A's input columns this rank's, B whole; the rank's delta (x_r A_r^T) B^T is a
                      partial sum added before the layer's all-reduce, and sum_r x_r A_r^T = x A^T
+    experts          each expert's gate|up and down as the stacked experts are cut (transformers' names: each
+                     expert's gate rows and up rows of this rank in B, down's input columns of this rank in A)
     layers           a pipeline stage keeps its own layers, renumbered from 0 (the model's layer index)
     embed, lm_head   (modules_to_save) whole, on the first stage only (it embeds and samples)
 """
@@ -16,13 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.distributed.parallel_group import ParallelGroup
+from engine.lora.expert_layout import EXPERT_PROJECTIONS
 from engine.lora.peft_adapter import LoRAWeights
 from engine.models.llama_arch import LlamaArch
 from engine.models.tensor_parallel import shard_weights
 
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # B's rows cut; o, down: A's columns
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", *EXPERT_PROJECTIONS[:2])
+"""B's rows cut; o, down and the experts' down: A's columns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,21 +56,41 @@ class AdapterShard:
             return weights
         # Each kept module's cut matrix under its base weight's checkpoint name (that name picks the cut).
         kept = [(layer, proj) for layer, proj in weights.a if layer in self.layers]
-        names = {module: f"layers.{module[0]}.{_PARENT.get(module[1], 'mlp')}.{module[1]}.weight" for module in kept}
         to_cut = [
-            (names[module], weights.b[module] if module[1] in _COLUMN_PARALLEL else weights.a[module])
+            (
+                _base_name(*module),
+                _expert_rows(weights.b[module]) if module[1] in _COLUMN_PARALLEL else weights.a[module],
+            )
             for module in kept
         ]
-        cut = dict(shard_weights(to_cut, self.whole, self.tp))
+        # (by position: the experts' gate and up share their base weight's name)
+        cut = dict(zip(kept, (tensor for _, tensor in shard_weights(to_cut, self.whole, self.tp)), strict=True))
         part = LoRAWeights(weights.name, weights.path, weights.rank, content_hash=weights.content_hash)
         for layer, proj in kept:
             a, b = weights.a[(layer, proj)], weights.b[(layer, proj)]
             if proj in _COLUMN_PARALLEL:
-                b = cut[names[(layer, proj)]]  # [this rank's outputs, rank]
+                b = cut[(layer, proj)]  # [this rank's outputs, rank] ([E, this rank's outputs, rank])
+                if proj in EXPERT_PROJECTIONS:  # (the gate half of the stacked cut: see _expert_rows)
+                    b = b[:, : b.shape[1] // 2].contiguous()
             else:
-                a = cut[names[(layer, proj)]]  # [rank, this rank's inputs]
+                a = cut[(layer, proj)]  # [rank, this rank's inputs]
             local = (layer - self.layers.start, proj)
             part.a[local], part.b[local] = a, b
         if self.holds_vocab:
             part.embed, part.lm_head = weights.embed, weights.lm_head
         return part
+
+
+def _base_name(layer: int, proj: str) -> str:
+    """The checkpoint name of the base weight whose cut a module's matrix takes: the stacked experts' for the
+    experts' gate and up (B [E, out, r]) and down (A [E, r, I])."""
+    if proj in EXPERT_PROJECTIONS:
+        return f"layers.{layer}.mlp.experts.{'down_proj' if proj == 'experts.down_proj' else 'gate_up_proj'}"
+    return f"layers.{layer}.{_PARENT.get(proj, 'mlp')}.{proj}.weight"
+
+
+def _expert_rows(b: torch.Tensor) -> torch.Tensor:
+    """An expert gate's or up's B [E, I, r] as the stacked gate|up [E, 2I, r] whose cut gives its rows: the
+    stacked cut takes this rank's rows of each half, so B given as both halves comes back as its own rows twice
+    (the first kept). A dense projection's B as it is."""
+    return torch.cat([b, b], dim=1) if b.dim() == 3 else b

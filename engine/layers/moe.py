@@ -29,7 +29,7 @@ included).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear, Weight
 from engine.layers.row_invariant import rowwise_sigmoid
 from engine.layers.moe_routing import Routing, group_by_expert, select_experts, select_top_logits
+
+if TYPE_CHECKING:
+    from engine.lora.expert_deltas import LayerExpertDeltas
 
 
 @dataclass(slots=True)
@@ -154,10 +157,13 @@ class SparseMoeBlock:
             return Routing(routing.weights.to(x.dtype), routing.expert_ids)
         return routing
 
-    def forward(self, x: torch.Tensor, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
-        """x [T, H] (normed) -> [T, H]."""
+    def forward(
+        self, x: torch.Tensor, linear: Linear, ops: TorchLayerOps, lora: Optional["LayerExpertDeltas"] = None
+    ) -> torch.Tensor:
+        """x [T, H] (normed) -> [T, H]. `lora`: the step's adapters' expert deltas, added to each expert's gate|up
+        and down products over its rows (the per-expert products then run: the grouped kernel's are not split)."""
         routing = self.route(x, linear)
-        fused_moe = self._fused_kernel(x.device)
+        fused_moe = None if lora is not None else self._fused_kernel(x.device)
         if fused_moe is not None:
             stacked = self.stacked
             assert stacked is not None  # _fused_kernel gives a kernel only where the stacked tensors are kept
@@ -172,7 +178,7 @@ class SparseMoeBlock:
                 activation=self.activation,
             )
         else:
-            out = self._grouped(x, routing, linear, ops)
+            out = self._grouped(x, routing, linear, ops, lora)
         if self.shared is None:
             return out
         shared = self.shared
@@ -191,7 +197,14 @@ class SparseMoeBlock:
             return None
         return fused_moe
 
-    def _grouped(self, x: torch.Tensor, routing: Routing, linear: Linear, ops: TorchLayerOps) -> torch.Tensor:
+    def _grouped(
+        self,
+        x: torch.Tensor,
+        routing: Routing,
+        linear: Linear,
+        ops: TorchLayerOps,
+        lora: Optional["LayerExpertDeltas"] = None,
+    ) -> torch.Tensor:
         groups = group_by_expert(routing)
         rows = x.index_select(0, groups.token_index)  # [T * top_k, H], sorted by expert
         if self.scores_on_input:  # (HF: the product in the model's dtype, its weights rounded to it)
@@ -200,9 +213,16 @@ class SparseMoeBlock:
         for expert, start, count in groups.segments():
             gate_up, down = self.per_expert[expert]
             gate_up_bias, down_bias = self.biases[expert]
-            h = linear(rows[start : start + count], gate_up, gate_up_bias)
+            expert_rows = rows[start : start + count]
+            h = linear(expert_rows, gate_up, gate_up_bias)
+            if lora is not None:
+                tokens = groups.token_index[start : start + count]
+                lora.add(expert, "gate_up", expert_rows, tokens, h)
             h = ops.silu_and_mul(h) if self.activation is None else self.activation(h)
-            outputs.append(linear(h, down, down_bias))
+            out = linear(h, down, down_bias)
+            if lora is not None:
+                lora.add(expert, "down", h, tokens, out)
+            outputs.append(out)
         out_rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         # as HF: each expert's output, rounded to the model's dtype, times its weight, rounded, then added
         if self.scores_on_input:

@@ -10,8 +10,9 @@ module's B is then cut into its parts' rows, each part reading the module's one 
 
     qkv_proj   A [r, hidden], B [q + 2 kv, r]  ->  q_proj (A, B[:q]), k_proj (A, B[q:q+kv]), v_proj (A, B[q+kv:])
 
-which is exactly the fused delta, (x A^T)(B^T) side by side. Experts (and the dense MLPs beside them in a mixture
-of experts' layers) are not adapted: such a target is refused by name, as is any module the model does not run.
+which is exactly the fused delta, (x A^T)(B^T) side by side. A mixture of experts' experts are read apart
+(`experts`, expert_layout.py); the dense MLPs beside them and its shared experts are not adapted: such a target is
+refused by name, as is any module the model does not run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
+
+from engine.lora.expert_layout import ExpertLayout
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The served projections, by Llama's names (what every adapter's modules become)."""
@@ -35,7 +38,7 @@ are named as the language model's are (`vision_tower.encoder.layers.0.self_attn.
 model's layers of the same index."""
 
 MLP_KINDS = ("gated", "plain", "none")
-"""gate|up and down; a plain MLP's up and down (no gate); none adapted (a mixture of experts)."""
+"""gate|up and down; a plain MLP's up and down (no gate); none adapted (a mixture of experts: its experts apart)."""
 
 Rows = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
 """A family's transform of its checkpoint's (name, tensor) pairs into Llama's names and the model's row order."""
@@ -61,6 +64,7 @@ class AdapterLayout:
     rows: Optional[Rows] = None  # None: the checkpoint's names and rows are the model's (the Llama family)
     aliases: tuple[tuple[str, str], ...] = ()  # (Llama's name, the family's) where `rows` renames (Phi-2's dense)
     hidden_size: int = 0  # with the sizes above, each piece's shape is checked against the model's (0: not checked)
+    experts: Optional[ExpertLayout] = None  # a mixture of experts whose experts take adapters
 
     def __post_init__(self):
         if self.mlp not in MLP_KINDS:
@@ -82,6 +86,8 @@ class AdapterLayout:
             names += ["gate_proj", "up_proj", "down_proj"] + (["gate_up_proj"] if self.intermediate_size else [])
         elif self.mlp == "plain":
             names += list(self.plain_names)
+        if self.experts is not None:
+            names += ["experts.gate_up_proj", "experts.down_proj", "experts.{e}." + "|".join(self.experts.names)]
         aliases = dict(self.aliases)
         return [aliases.get(name, name) for name in names]
 

@@ -8,7 +8,8 @@ slot -1): their delta is zero. The slot range is every slot ([0, max_loras)): a 
 the captured views.
 
 A step in which an adapter replaces the embedding (modules_to_save) runs eagerly: its rows are looked up by
-index lists, whose lengths vary per step. (Its LM head is applied after the graph, with the logits.)
+index lists, whose lengths vary per step. (Its LM head is applied after the graph, with the logits.) So does a
+step with an adapter of a mixture of experts' experts: their deltas follow the routing's rows per expert.
 """
 
 from __future__ import annotations
@@ -40,8 +41,14 @@ class LoRAGraphInputs:
 
     @staticmethod
     def takes(stack: LoRAStack, segments: Sequence[LoRASegment]) -> bool:
-        """Whether a step of `segments` can replay a graph (no adapter of it replaces the embedding)."""
-        return not any(replaces_embedding(stack, segment.slots) for segment in segments)
+        """Whether a step of `segments` can replay a graph (no adapter of it replaces the embedding or adapts a
+        mixture of experts' experts: their deltas are added per expert's rows, whose counts vary per step)."""
+        experts = stack.experts
+        return not any(
+            replaces_embedding(stack, segment.slots)
+            or (experts is not None and any(experts.holds[slot] for slot, _ in segment.slots))
+            for segment in segments
+        )
 
     def fill(self, segments: Sequence[LoRASegment]) -> LoRAStep:
         """Write the step's slots and scales (its first rows; the rest padding) and return the captured step."""

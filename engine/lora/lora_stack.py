@@ -7,7 +7,8 @@ the model's (fused) projections:
     b[proj]  [max_loras, parts * max_rank, out]   lora_B^T (scale folded in), block-diagonal over the parts
 
 `parts` is how many projections the model fuses into it (the family's AdapterLayout.fused): qkv = q|k|v (3),
-gate_up = gate|up (2; a plain MLP's up alone: 1), o and down (1); a mixture of experts has no MLP stacks. For
+gate_up = gate|up (2; a plain MLP's up alone: 1), o and down (1); a mixture of experts has no MLP stacks (its
+experts' are `experts`, expert_stack.py). For
 qkv of one slot, with r = max_rank:
 
     a rows   [0, r) q's A    [r, 2r) k's A    [2r, 3r) v's A
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 import torch
 
 from engine.lora.adapter_layout import AdapterLayout
+from engine.lora.expert_stack import ExpertLoRAStack
 from engine.lora.peft_adapter import LoRAWeights
 
 if TYPE_CHECKING:  # (engine.models imports the model, which reads a LoRAStack)
@@ -133,6 +135,7 @@ class LoRAStack:
         shard: Optional[AdapterCut] = None,
         native: Optional["CpuKernels"] = None,
         layout: AdapterLayout = AdapterLayout(),
+        experts: Optional[ExpertLoRAStack] = None,
     ):
         """`linear`: a product that packs its weights (the model's, on CPU): every slot's A and B^T are then also
         kept packed for it, re-packed when a slot loads, and a step multiplies all slots through it (packed
@@ -143,7 +146,8 @@ class LoRAStack:
         `native`: the CPU kernels, whose deltas (csrc/lora_delta.h) read each token's slots from the raw stacks,
         up to each slot's rank (`ranks`); the fused decode step adds the same deltas.
         `layout`: which projections the family adapts and how its adapters' modules map onto them (a plain MLP's
-        gate|up is its up alone; a mixture of experts has no MLP slots)."""
+        gate|up is its up alone; a mixture of experts has no MLP slots).
+        `experts`: the slots' expert deltas of a mixture of experts whose experts take adapters."""
         self.arch = arch
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -183,6 +187,7 @@ class LoRAStack:
             self.bt_packed = [
                 {p: linear.prepare(t.t().contiguous()) for p, t in layer.items()} for layer in self.b_rows
             ]
+        self.experts = experts
         self.embed: list[Optional[torch.Tensor]] = [None] * max_loras  # [vocab, hidden] per slot
         self.lm_head: list[Optional[torch.Tensor]] = [None] * max_loras
 
@@ -229,6 +234,8 @@ class LoRAStack:
                 for layer in range(num_layers):
                     self.a_packed[layer][proj] = self.linear.prepare(self.a_rows[layer][proj])
                     self.bt_packed[layer][proj] = self.linear.prepare(self.b_rows[layer][proj].t().contiguous())
+        if self.experts is not None:
+            self.experts.load(slot, weights)
         self.ranks[slot] = min(weights.rank, r)
         vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
         for field in ("embed", "lm_head"):
@@ -245,4 +252,5 @@ class LoRAStack:
 
     def nbytes(self) -> int:
         """The raw stacked matrices' bytes (packed copies, when kept, take as much again)."""
-        return sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
+        dense = sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
+        return dense + (0 if self.experts is None else self.experts.nbytes())

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.lora.expert_deltas import ExpertDeltas
 from engine.lora.lora_stack import LoRAKernels, LoRAStack
 
 
@@ -61,6 +62,9 @@ class LoRAStep:
         self.embeds = embeds
         self.token_slots = token_slots
         self.native_slots = native_slots
+        # a mixture of experts' expert deltas (None: no adapter of the step adapts the experts; a decode graph's
+        # step has none, lora_graph_inputs.py)
+        self.experts: Optional[ExpertDeltas] = None
         self._mixing: dict[int, torch.Tensor] = {}  # parts -> M [T, S * parts * max_rank]
         # per projection: (first row, end row) of the slot range in the stack's row views, and its M
         self._ranges = (
@@ -78,6 +82,14 @@ class LoRAStep:
         used = [slot for segment in segments for slot, _ in segment.slots]
         if not used:
             return None
+        step = cls._build(stack, num_tokens, segments)
+        if stack.experts is not None:
+            step.experts = ExpertDeltas.build(stack.experts, num_tokens, segments, stack.dtype, stack.device)
+        return step
+
+    @classmethod
+    def _build(cls, stack: LoRAStack, num_tokens: int, segments: Sequence[LoRASegment]) -> "LoRAStep":
+        used = [slot for segment in segments for slot, _ in segment.slots]
         if stack.native is not None:
             return cls._native(stack, num_tokens, segments)
         lo, hi = (0, stack.max_loras) if stack.packed else (min(used), max(used) + 1)

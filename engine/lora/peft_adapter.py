@@ -3,7 +3,8 @@
 What is served: LoRA (`peft_type` "LORA") on the attention and MLP projections of a layer, by the family's own
 module names (adapter_layout.py maps them onto the model's projections), any rank,
 `lora_alpha / r` scaling or rsLoRA's `lora_alpha / sqrt(r)` (per-module `rank_pattern` / `alpha_pattern`
-honoured), and `modules_to_save` holding `embed_tokens` and `lm_head` (whole replacement matrices). Anything
+honoured), a mixture of experts' experts (PEFT's `target_parameters` on the stacked experts, or per-expert
+modules: expert_layout.py), and `modules_to_save` holding `embed_tokens` and `lm_head` (whole replacement matrices). Anything
 else (DoRA, bias training, other targets or adapter kinds) is refused by name: serving it as plain LoRA would
 give other outputs than the adapter was trained to give.
 """
@@ -24,6 +25,7 @@ import torch
 
 from engine.errors import LoRAAdapterError, LoRARankError
 from engine.lora.adapter_layout import LANGUAGE_MODEL_PATH, AdapterLayout, UnservedModule
+from engine.lora.expert_layout import ExpertModule, ExpertPieces, UnservedExperts, expert_module
 
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -33,6 +35,9 @@ SAVED_MODULES = ("embed_tokens", "lm_head")
 BASE_CHANGING_INITS = ("olora", "corda", "lora_ga")
 """PEFT initialisations that change the base weights (as PiSSA's do): saved unconverted, such an adapter's deltas
 are relative to that changed base."""
+
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+"""The parameters PEFT's `target_parameters` may name: a mixture of experts' stacked experts (expert_layout.py)."""
 
 _PEFT_WRAPPER = "base_model.model."
 """What PEFT's saved keys hold before the base model's own module names."""
@@ -93,10 +98,16 @@ def parse_adapter_config(name: str, text: bytes, max_rank: int) -> dict:
         raise LoRAAdapterError(name, "fan_in_fan_out (Conv1D-style weights) is not served")
     # (alora_invocation_tokens: activated LoRA adapts only the tokens from the invocation on; use_qalora: A reads
     # inputs pooled by groups. Either served as plain LoRA would change every token's output otherwise.)
-    refused = ("layers_to_transform", "layer_replication", "trainable_token_indices", "target_parameters")
+    refused = ("layers_to_transform", "layer_replication", "trainable_token_indices")
     for key in (*refused, "alora_invocation_tokens", "use_qalora"):
         if config.get(key):
             raise LoRAAdapterError(name, f"{key} is not served")
+    parameters = config.get("target_parameters") or []
+    unserved = [p for p in parameters if not isinstance(p, str) or not p.endswith(EXPERT_PARAMETERS)]
+    if unserved:
+        raise LoRAAdapterError(
+            name, f"target_parameters {unserved} are not served (only a mixture of experts' {list(EXPERT_PARAMETERS)})"
+        )
     init = config.get("init_lora_weights")
     if isinstance(init, str) and (init.startswith("pissa") or init in BASE_CHANGING_INITS):
         raise LoRAAdapterError(
@@ -226,30 +237,72 @@ def load_peft_steps(
     missing = sorted(set(lora_a).symmetric_difference(lora_b))
     if missing:
         raise LoRAAdapterError(name, f"lora_A and lora_B do not pair up at {missing[:4]}")
+    experts = None if layout.experts is None else layout.experts.collect()
     for i, (module, a) in enumerate(lora_a.items(), start=1):
         b = lora_b[module]
         if a.shape[0] != b.shape[1]:
             raise LoRAAdapterError(name, f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of {module} differ")
-        rank = a.shape[0]
+        found = expert_module(module)
+        if found is not None:
+            rank = _take_experts(name, layout, experts, module, found, a, b, config)
+            pieces = []
+        else:
+            rank = a.shape[0]
+            try:
+                pieces = layout.split(module, a, b * _scale(config, module, rank))
+            except UnservedModule as exc:
+                raise LoRAAdapterError(name, str(exc)) from None
         if rank > max_rank:
             raise LoRARankError(name, rank, max_rank)
-        try:
-            pieces = layout.split(module, a, b * _scale(config, module, rank))
-        except UnservedModule as exc:
-            raise LoRAAdapterError(name, str(exc)) from None
-        for layer, projection, part_a, part_b in pieces:
-            if layer >= num_layers:
-                raise LoRAAdapterError(name, f"module {module!r} is in layer {layer}; the model has {num_layers}")
-            if (layer, projection) in adapter.a:
-                raise LoRAAdapterError(name, f"layer {layer}'s {projection} is adapted twice (by {module!r})")
-            adapter.a[(layer, projection)] = part_a.to(dtype)
-            adapter.b[(layer, projection)] = part_b.to(dtype).contiguous()
+        _keep(adapter, module, pieces, num_layers, dtype)
         adapter.rank = max(adapter.rank, rank)
         if i % TENSORS_PER_SLICE == 0:
             yield
+    if experts is not None:
+        _keep(adapter, "the experts", list(experts.stacked()), num_layers, dtype)
     if not adapter.a and adapter.embed is None and adapter.lm_head is None:
         raise LoRAAdapterError(name, "the adapter file holds no LoRA matrices")
     return adapter
+
+
+def _keep(
+    adapter: LoRAWeights,
+    module: str,
+    pieces: list[tuple[int, str, torch.Tensor, torch.Tensor]],
+    num_layers: int,
+    dtype: torch.dtype,
+) -> None:
+    """Keep a module's (layer, projection, A, B) pieces, B scaled, in the slots' dtype."""
+    for layer, projection, part_a, part_b in pieces:
+        if layer >= num_layers:
+            raise LoRAAdapterError(adapter.name, f"module {module!r} is in layer {layer}; the model has {num_layers}")
+        if (layer, projection) in adapter.a:
+            raise LoRAAdapterError(adapter.name, f"layer {layer}'s {projection} is adapted twice (by {module!r})")
+        adapter.a[(layer, projection)] = part_a.to(dtype)
+        adapter.b[(layer, projection)] = part_b.to(dtype).contiguous()
+
+
+def _take_experts(
+    name: str,
+    layout: AdapterLayout,
+    experts: Optional[ExpertPieces],
+    module: str,
+    found: ExpertModule,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    config: dict,
+) -> int:
+    """Take a module of a layer's experts (expert_layout.py); its rank (per expert)."""
+    if experts is None:
+        raise LoRAAdapterError(
+            name, f"{module!r}: LoRA on the experts is not served on {layout.family} (only {layout.targets()})"
+        )
+    if not set(found.path.split(".")) <= LANGUAGE_MODEL_PATH | {""}:
+        raise LoRAAdapterError(name, f"{module!r} adapts {found.path!r}, not the language model's layers")
+    try:
+        return experts.add(module, found, a, b, lambda key, rank: _scale(config, key, rank))
+    except UnservedExperts as exc:
+        raise LoRAAdapterError(name, str(exc)) from None
 
 
 def _take_tensor(

@@ -168,7 +168,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         block = self.moe_blocks.get(index)
         if block is None:
             return super()._mlp(index, layer, x)
-        return block.forward(x, self.linear, self.ops)
+        step = self.lora_step  # (an adapter's expert deltas: engine/lora/expert_deltas.py)
+        experts = None if step is None or step.experts is None else step.experts.at(index)
+        return block.forward(x, self.linear, self.ops, experts)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The dense matrices, then every expert's (a step whose tokens reach every expert reads them all)."""

@@ -2,7 +2,7 @@
 each), every rank holding its part of every adapter, read from the adapter's files when a step message first
 gives it a slot. Base, two adapters, a mix, an adapter with modules_to_save and a llama.cpp GGUF adapter in the
 same steps: greedy float32 tokens identical to the one-process LoRA engine; an adapter loaded at run time reaches
-the workers."""
+the workers. A mixture of experts' expert adapter on two tensor-parallel ranks as in one process."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from engine import LLM, LoRAMix, LoRARequest, SamplingParams
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import NEW_TOKENS, assert_idle, check_against_hf
 from tests.engine.test_gpt_oss import make_gpt_oss_dir
+from tests.engine.test_model_equivalence import mixed_prompts
+from tests.engine.test_moe_equivalence import make_moe_dir
 from tests.lora.adapters import make_adapter, merged_model_dir
+from tests.lora.expert_adapters import EXPERT_PARAMETERS
 from tests.lora.gguf_adapters import write_gguf_adapter
 
 pytestmark = pytest.mark.timeout(300)
@@ -132,3 +135,33 @@ def test_gpt_oss_attention_adapter_on_two_ranks_matches_one_process(tmp_path_fac
             assert_idle(llm)
     assert outputs[1] == outputs[0]
     assert outputs[0][0] != outputs[0][2]  # the adapter changes what the model says
+
+
+def test_expert_adapter_on_two_ranks_matches_one_process(tmp_path_factory):
+    """Qwen3-MoE (a dense layer between sparse ones) with an adapter of its attention and its experts (PEFT's
+    target_parameters): each rank's B rows of its share of every expert's gate and up, A's columns of its share of
+    every expert's down (a partial delta summed by the layer's all-reduce), beside a base request."""
+    base = make_moe_dir(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+    adapter = make_adapter(
+        base,
+        tmp_path_factory.mktemp("adapter"),
+        seed=6,
+        r=4,
+        alpha=8,
+        targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+        target_parameters=EXPERT_PARAMETERS,
+    )
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(3)[4:7]]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    loras = [LoRAMix.single("a"), None, LoRAMix.single("a")]
+    outputs = []
+    for parallel in ({}, {"tensor_parallel_size": 2}):
+        with LLM(str(base), **SETTINGS, lora_modules=[{"name": "a", "path": str(adapter)}], **parallel) as llm:
+            results = llm.generate(prompts, greedy, use_tqdm=False, lora_request=loras)
+            assert_idle(llm)
+        outputs.append([result.outputs[0] for result in results])
+    one, two = outputs
+    assert [out.token_ids for out in two] == [out.token_ids for out in one]
+    for got, expected in zip(two, one):
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
+    assert one[0].token_ids != one[1].token_ids or one[2].token_ids != one[1].token_ids

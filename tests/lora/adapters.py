@@ -28,6 +28,7 @@ def make_adapter(
     r: int = 4,
     alpha: float = 8,
     targets: Union[str, Sequence[str]] = ALL_TARGETS,
+    target_parameters: Optional[list[str]] = None,
     use_rslora: bool = False,
     use_dora: bool = False,
     modules_to_save: Optional[list[str]] = None,
@@ -49,6 +50,7 @@ def make_adapter(
         r=r,
         lora_alpha=alpha,
         target_modules=targets if isinstance(targets, str) else list(targets),  # ("all-linear": PEFT's choice)
+        target_parameters=target_parameters,  # (a mixture of experts' stacked experts)
         use_rslora=use_rslora,
         use_dora=use_dora,
         modules_to_save=modules_to_save,

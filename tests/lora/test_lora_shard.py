@@ -1,6 +1,6 @@
 """A rank's part of an adapter (engine/lora_shard.py) against the whole adapter's deltas: column-parallel
 ranks' deltas are the whole delta's columns of their heads, row-parallel ranks' partial deltas sum to the whole
-one, a pipeline stage holds its own layers; a worker rank reads an adapter from the step message's sources."""
+one (a mixture of experts' experts' alike), a pipeline stage holds its own layers; a worker rank reads an adapter from the step message's sources."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import LoRAAdapterError
 from engine.loading.loader import load_hf_config
 from engine.loading.rope_settings import rope_settings
+from engine.lora.adapter_layout import AdapterLayout
 from engine.lora.adapter_source import AdapterSource
+from engine.lora.expert_stack import ExpertLoRAStack
+from engine.lora.lora_graph_inputs import LoRAGraphInputs
 from engine.lora.lora_manager import LoRARef, adapter_key
 from engine.lora_shard import AdapterShard
 from engine.lora.lora_slots import LoRASlots
 from engine.lora.lora_stack import LoRAStack
 from engine.lora.lora_step import LoRASegment, LoRAStep
-from engine.lora.peft_adapter import load_peft_adapter
+from engine.lora.peft_adapter import LoRAWeights, load_peft_adapter
 from engine.lora.request import LoRAMix
 from engine.models.llama_arch import LlamaArch
 from engine.models.tensor_parallel import shard_arch
@@ -111,3 +114,70 @@ def test_a_worker_reads_the_adapter_the_step_message_names(lora_base_dir, adapte
     moved = pickle.loads(pickle.dumps(ref._replace(adapters=(AdapterSource("a", str(changed), weights.content_hash),))))
     with pytest.raises(LoRAAdapterError, match="changed after the engine loaded them"):
         LoRASlots(LoRAStack(arch, 1, 8, torch.float32, CPU)).acquire(moved)
+
+
+def _expert_stack(arch, shard=None, width: int = 16) -> LoRAStack:
+    """Slots over ARCH's attention and 4 experts of `width` in every one of the stack's layers."""
+    layers = len(shard.layers) if shard is not None else arch.num_layers
+    experts = ExpertLoRAStack(tuple(range(layers)), 4, arch.hidden_size, width, 2, 4, torch.float32, CPU)
+    layout = AdapterLayout(mlp="none")
+    return LoRAStack(
+        arch, max_loras=2, max_rank=4, dtype=torch.float32, device=CPU, shard=shard, layout=layout, experts=experts
+    )
+
+
+def _expert_delta(stack: LoRAStack, layer: int, expert: int, proj: str, x: torch.Tensor) -> torch.Tensor:
+    step = LoRAStep.build(stack, T, [LoRASegment(0, T, ((1, 0.5),))])
+    assert step is not None and step.experts is not None
+    assert stack.experts is not None
+    width = stack.experts.b[layer][proj].shape[-1]
+    out = torch.zeros(T, width)
+    step.experts.at(layer).add(expert, proj, x, torch.arange(T), out)
+    return out
+
+
+def _expert_adapter() -> LoRAWeights:
+    """Random deltas of 4 experts 32 wide (rank 3) in each of ARCH's layers."""
+    generator = torch.Generator().manual_seed(3)
+    adapter = LoRAWeights("x", "", 3)
+    for layer in range(ARCH.num_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            adapter.a[(layer, "experts." + proj)] = torch.randn(4, 3, 32, generator=generator)
+            adapter.b[(layer, "experts." + proj)] = torch.randn(4, 32, 3, generator=generator)
+    return adapter
+
+
+def test_a_step_of_expert_adapters_runs_eagerly():
+    """A decode graph's captured step adds no expert deltas: a step with an adapter of the experts does not replay
+    one; a step of attention-only adapters does (and builds no expert deltas)."""
+    stack = _expert_stack(ARCH, width=32)
+    stack.load(0, random_weights("attention", 2, 1, skip="up_proj"))
+    stack.load(1, _expert_adapter())
+    attention, experts = [LoRASegment(0, 2, ((0, 1.0),))], [LoRASegment(0, 1, ()), LoRASegment(1, 1, ((1, 1.0),))]
+    assert LoRAGraphInputs.takes(stack, attention) and not LoRAGraphInputs.takes(stack, experts)
+    step = LoRAStep.build(stack, 2, attention)
+    assert step is not None and step.experts is None
+
+
+def test_expert_parts_add_up_to_the_whole_delta():
+    """Each expert's gate|up: a rank's columns are its share of the gate's and of the up's; its down: the ranks'
+    partial deltas (their shares of the inputs) sum to the whole one. A pipeline stage holds its own layer's."""
+    adapter = _expert_adapter()
+    whole = _expert_stack(ARCH, width=32)
+    whole.load(1, adapter)
+    ranks = [
+        _expert_stack(shard_arch(ARCH, 2), AdapterShard(ARCH, ParallelGroup(r, 2), range(2), True)) for r in (0, 1)
+    ]
+    for stack in ranks:
+        stack.load(1, adapter)
+    x, h = torch.randn(T, 32), torch.randn(T, 32)
+    for layer in range(2):
+        expected = _expert_delta(whole, layer, 2, "gate_up", x)  # [T, gate 32 | up 32]
+        for rank, stack in enumerate(ranks):
+            mine = torch.cat([torch.arange(16) + 16 * rank, torch.arange(16) + 32 + 16 * rank])
+            torch.testing.assert_close(_expert_delta(stack, layer, 2, "gate_up", x), expected[:, mine])
+        partial = [_expert_delta(stack, layer, 2, "down", h[:, 16 * r : 16 * (r + 1)]) for r, stack in enumerate(ranks)]
+        torch.testing.assert_close(partial[0] + partial[1], _expert_delta(whole, layer, 2, "down", h))
+    stage = _expert_stack(ARCH, AdapterShard(ARCH, ParallelGroup.single(), range(1, 2), False), width=32)
+    stage.load(1, adapter)
+    torch.testing.assert_close(_expert_delta(stage, 0, 3, "gate_up", x), _expert_delta(whole, 1, 3, "gate_up", x))
