@@ -25,7 +25,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
-from engine.models.registry import check_tensor_parallel_model, moe_arch_of
+from engine.models.registry import check_tensor_parallel_model, moe_arch_of, tensor_parallel_expert_unit
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,9 @@ def _adapter_shard(model: LlamaForCausalLM, hf_config: Any) -> Optional[AdapterS
     if not tp.is_parallel and not stage.is_split:
         return None
     whole = check_tensor_parallel_model(hf_config, tp.world_size) if tp.is_parallel else model.arch
-    return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first)
+    # (an expert width that does not split evenly is padded as the base experts were: the deltas line up with them)
+    unit = tensor_parallel_expert_unit(hf_config, model.quantizer) if tp.is_parallel else 1
+    return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first, expert_unit=unit)
 
 
 def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch, experts: Optional[MoeArch] = None) -> AdapterLayout:

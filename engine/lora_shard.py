@@ -40,6 +40,7 @@ class AdapterShard:
     tp: ParallelGroup
     layers: range  # this stage's layers (all of them without pipeline parallelism)
     holds_vocab: bool  # the first stage: the embedding and the LM head
+    expert_unit: int = 1  # what each rank's share of an expert's width holds whole, as the base experts were cut
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +65,13 @@ class AdapterShard:
             for module in kept
         ]
         # (by position: the experts' gate and up share their base weight's name)
-        cut = dict(zip(kept, (tensor for _, tensor in shard_weights(to_cut, self.whole, self.tp)), strict=True))
+        cut = dict(
+            zip(
+                kept,
+                (tensor for _, tensor in shard_weights(to_cut, self.whole, self.tp, expert_unit=self.expert_unit)),
+                strict=True,
+            )
+        )
         part = LoRAWeights(weights.name, weights.path, weights.rank, content_hash=weights.content_hash)
         for layer, proj in kept:
             a, b = weights.a[(layer, proj)], weights.b[(layer, proj)]

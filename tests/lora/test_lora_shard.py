@@ -181,3 +181,21 @@ def test_expert_parts_add_up_to_the_whole_delta():
     stage = _expert_stack(ARCH, AdapterShard(ARCH, ParallelGroup.single(), range(1, 2), False), width=32)
     stage.load(1, adapter)
     torch.testing.assert_close(_expert_delta(stage, 0, 3, "gate_up", x), _expert_delta(whole, 1, 3, "gate_up", x))
+
+
+def test_expert_parts_are_padded_as_the_base_experts_are():
+    """Experts 32 wide on 2 ranks whose shares must hold whole units of 24 (int4 groups, say): the base experts'
+    width is padded to 48 at its end, rank 0 holding units 0..23 and rank 1 units 24..31 and 16 zeros; each rank's
+    gate and up rows of B, and down's columns of A, are cut alike, so they meet the base rows and columns they
+    belong to."""
+    adapter = _expert_adapter()
+    for rank, real in ((0, slice(0, 24)), (1, slice(24, 32))):
+        part = AdapterShard(ARCH, ParallelGroup(rank, 2), range(2), True, expert_unit=24).cut(adapter)
+        count = real.stop - real.start
+        for proj in ("experts.gate_proj", "experts.up_proj"):
+            b = part.b[(0, proj)]  # [E, this rank's rows, r]
+            assert b.shape == (4, 24, 3)
+            assert torch.equal(b[:, :count], adapter.b[(0, proj)][:, real]) and not b[:, count:].any()
+        a = part.a[(0, "experts.down_proj")]  # [E, r, this rank's inputs]
+        assert a.shape == (4, 3, 24)
+        assert torch.equal(a[..., :count], adapter.a[(0, "experts.down_proj")][..., real]) and not a[..., count:].any()
