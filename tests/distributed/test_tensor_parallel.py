@@ -109,21 +109,18 @@ def test_speculative_decoding(model_dir):
     assert_same(got, expected)
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "medusa", "mlp_speculator"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "medusa"])
 def test_draft_heads_beside_two_ranks(method, model_dir, tmp_path):
-    """An EAGLE or EAGLE-3 head (on a 4-layer Llama), GLM-4.5's prediction layer, Medusa heads sharing the
-    target's LM head (original_lm_head) or an MLP speculator draft on rank 0 beside a target whose ranks each hold
-    half of the vocabulary's rows: the head reads the whole embedding (and EAGLE's and these Medusa heads' LM head)
-    from the target's checkpoint, the target's features from rank 0's forward. The tokens of one process without
-    speculation."""
+    """An EAGLE or EAGLE-3 head (on a 4-layer Llama), GLM-4.5's prediction layer, or Medusa heads sharing the
+    target's LM head (original_lm_head) draft on rank 0 beside a target whose ranks each hold half of the
+    vocabulary's rows: the head reads the whole embedding (and EAGLE's and these Medusa heads' LM head) from the
+    target's checkpoint, the target's features from rank 0's forward (the MLP speculator drafts through Medusa's
+    proposer, on rank 0 alike). The tokens of one process without speculation."""
     from tests.engine.eagle_factories import make_eagle_head
     from tests.engine.medusa_factories import make_medusa_heads, random_medusa_tensors
-    from tests.engine.mlp_speculator_factories import make_mlp_speculator
     from tests.engine.test_mtp import add_prediction_layer
 
-    if method == "mlp_speculator":
-        target, config = model_dir, {"method": method, "model": str(make_mlp_speculator(tmp_path / "speculator"))}
-    elif method == "medusa":
+    if method == "medusa":
         target = model_dir
         tensors = {name: t for name, t in random_medusa_tensors(3).items() if not name.startswith("lm_heads.")}
         heads = make_medusa_heads(tmp_path / "heads", tensors, original_lm_head=True)

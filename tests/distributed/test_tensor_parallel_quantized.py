@@ -150,15 +150,10 @@ def test_awq_cuts_are_exact():
         weight.take_columns(16, 48)
 
 
-def test_awq_checkpoint_on_two_ranks_serves_one_process_weights(tiny_dir, tmp_path):
-    """An AutoAWQ checkpoint (groups of 32) kept in its own groups on two ranks: o_proj's 32 and down's 64 inputs
-    per rank are whole groups, so the tokens are one process's on the same weights. Groups of 64 would cut o_proj's:
-    refused at start-up, naming it."""
-    awq_dir, _ = make_awq_dirs(tiny_dir, tmp_path / "g32", 32)
-    expected, whole = generate_quantized(str(awq_dir), PROMPTS, 1, quantization="awq")
-    got, shard = generate_quantized(str(awq_dir), PROMPTS, 2, quantization="awq")
-    assert_same(got, expected, abs=LOGPROB_TOLERANCE)
-    assert whole[0] == shard[0] != "float32" and (whole[1], shard[1]) == (64, 32)
+def test_awq_groups_a_split_would_cut_are_refused(tiny_dir, tmp_path):
+    """An AutoAWQ checkpoint with groups of 64 on two ranks would cut o_proj's (32 inputs per rank): refused at
+    start-up, naming it (its groups of 32 are served as a GPTQ checkpoint's int4 groups are, below and in
+    test_awq_mixture_of_experts_on_two_ranks_serves_one_process_weights)."""
     wide_dir, _ = make_awq_dirs(tiny_dir, tmp_path / "g64", 64)
     with pytest.raises(SettingsConflictError, match=r"an AWQ checkpoint \(group size 64\): o_proj's 64 inputs"):
         LLM(str(wide_dir), **TINY, quantization="awq", tensor_parallel_size=2)
@@ -174,20 +169,18 @@ def test_awq_mixture_of_experts_on_two_ranks_serves_one_process_weights(tmp_path
     assert_same(got, expected, abs=LOGPROB_TOLERANCE)
 
 
-@pytest.mark.parametrize("desc_act", [False, True])
-def test_gptq_checkpoint_on_two_ranks_serves_one_process_weights(tiny_dir, tmp_path, desc_act):
-    """A GPTQ checkpoint (4 bits, groups of 32) on two ranks: kept in its groups, whole ones per rank (a split
-    that would cut o_proj's groups of 64 refused by name, as AWQ's); with desc_act dequantized at load and cut as
-    floats. One process's tokens either way."""
-    gptq_dir, _ = make_gptq_dirs(tiny_dir, tmp_path / "g32", gptq_config(4, 32, desc_act=desc_act, sym=False))
+def test_gptq_checkpoint_on_two_ranks_serves_one_process_weights(tiny_dir, tmp_path):
+    """A GPTQ checkpoint (4 bits, groups of 32) on two ranks: kept in its groups, whole ones per rank (the int4
+    groups AWQ's checkpoints are read into too); a split that would cut o_proj's groups of 64 refused by name, as
+    AWQ's (a desc_act checkpoint's matrices, dequantized at load, are cut as any floats). One process's tokens."""
+    gptq_dir, _ = make_gptq_dirs(tiny_dir, tmp_path / "g32", gptq_config(4, 32, sym=False))
     expected, whole = generate_quantized(str(gptq_dir), PROMPTS, 1)
     got, shard = generate_quantized(str(gptq_dir), PROMPTS, 2, quantization="gptq")
     assert_same(got, expected, abs=LOGPROB_TOLERANCE)
-    assert whole[0] == shard[0] and (whole[0] == "float32") == desc_act and (whole[1], shard[1]) == (64, 32)
-    if not desc_act:
-        wide_dir, _ = make_gptq_dirs(tiny_dir, tmp_path / "g64", gptq_config(4, 64))
-        with pytest.raises(SettingsConflictError, match=r"a GPTQ checkpoint \(group size 64\): o_proj's 64 inputs"):
-            LLM(str(wide_dir), **TINY, tensor_parallel_size=2)
+    assert whole[0] == shard[0] != "float32" and (whole[1], shard[1]) == (64, 32)
+    wide_dir, _ = make_gptq_dirs(tiny_dir, tmp_path / "g64", gptq_config(4, 64))
+    with pytest.raises(SettingsConflictError, match=r"a GPTQ checkpoint \(group size 64\): o_proj's 64 inputs"):
+        LLM(str(wide_dir), **TINY, tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")
