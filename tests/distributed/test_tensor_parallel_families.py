@@ -20,7 +20,7 @@ layer), and GPT-OSS (q/k/v/o biases, attention sinks cut by heads, sliding and f
 experts with biases cut along their width, float and MXFP4, whose blocks are cut whole; widths that do not split
 into equal shares, as gpt-oss-120b's over 4 ranks, padded with zero units, as Qwen2-MoE's). Every family's logits of a
 prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then OLMo 2,
-DeepSeek-V3 (with its multi-token-prediction layer drafting too) and GPT-OSS (MXFP4) served end to end: greedy
+DeepSeek-V3 (its multi-token-prediction layer drafting) and the padded widths served end to end: greedy
 float32 tokens identical to one process; heads and dense widths that do not divide refused by number."""
 
 from __future__ import annotations
@@ -146,16 +146,14 @@ def test_olmo2_served_on_two_ranks(model_dirs):
 
 def test_deepseek_v3_served_on_two_ranks(tmp_path):
     """Through the engine, under chunked prefill (each rank builds its shard: its heads, its share of every expert,
-    the latent cache whole): the tokens and logprobs of one process; its prediction layer, whole on rank 0, drafts
-    beside the two ranks with the same tokens."""
+    the latent cache whole), its prediction layer drafting whole on rank 0 beside them: the tokens and logprobs of
+    one process without drafts."""
     from tests.engine.test_mtp import add_prediction_layer
 
     whole = make_deepseek_dir(tmp_path / "whole", "deepseek_v3", num_hidden_layers=4)
     target = add_prediction_layer(whole, tmp_path / "target")
     prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8, [40, 41, 42]]
     expected, _ = generate(target, prompts, 1)
-    got, _ = generate(target, prompts, 2)
-    assert_same(got, expected)
     mtp = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False, "step_cost_model": False}
     got, stats = generate(target, prompts, 2, speculative_config=mtp)
     assert stats.speculation is not None and stats.speculation.num_draft_tokens > 0
@@ -177,15 +175,6 @@ def test_deepseek_sizes_that_do_not_divide_are_refused(tmp_path, overrides, mess
     model_dir = make_deepseek_dir(tmp_path, "deepseek_v2", **overrides)
     with pytest.raises(SettingsConflictError, match=message):
         LLM(str(model_dir), **TINY, tensor_parallel_size=2)
-
-
-def test_gpt_oss_mxfp4_served_on_two_ranks(model_dirs):
-    """Each rank cuts the MXFP4 blocks of its experts' share, then dequantizes them: the tokens and logprobs of
-    one process (prompts longer than the sliding layers' window of 8)."""
-    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [300, 301, 17], [40] * 18]
-    expected, _ = generate(model_dirs["gpt_oss-mxfp4"], prompts, 1)
-    got, _ = generate(model_dirs["gpt_oss-mxfp4"], prompts, 2)
-    assert_same(got, expected)
 
 
 @pytest.mark.parametrize(
