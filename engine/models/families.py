@@ -787,9 +787,10 @@ def llama4_arch(config: Any) -> DecoderArch:
     )
     if chunk is None or arch.max_position_embeddings <= chunk:
         return arch
-    # The RoPE tables hold a row per position up to max(max_position_embeddings, max_model_len) (Scout's
-    # max_position_embeddings: 10M, gigabytes of rows no served sequence reaches); the frequencies served (default,
-    # llama3) do not read it, so the tables follow max_model_len past one chunk
+    # The RoPE tables hold a row per position up to max(max_position_embeddings, max_model_len); the frequencies
+    # served (default, llama3) do not read max_position_embeddings, so the tables follow max_model_len alone. (Its
+    # default is the declared context, as vLLM's: Scout's 10M positions make tables of gigabytes, and a KV cache no
+    # machine holds; deployments give --max-model-len, as vLLM's do.)
     return dataclasses.replace(arch, max_position_embeddings=chunk)
 
 
