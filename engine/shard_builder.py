@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 import logging
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union, cast
 
 import torch
 
@@ -115,8 +115,11 @@ def build_shard(
     backend, ops, linear = numerics()
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     requested = None if model_config.quantization == "auto" else model_config.quantization
+    vision_family, whole_config = _vision_language(checkpoint, config)
+    # (a vision-language checkpoint's quantization_config sits at the top of its config.json, beside text_config)
+    quantized_config = hf_config if whole_config is None else whole_config
     quantizer = _quantizer(
-        requested, model_config.quantization_group_size, hf_config, device, dtype, config.batch_invariant
+        requested, model_config.quantization_group_size, quantized_config, device, dtype, config.batch_invariant
     )
     family = family_of(hf_config)
     if checkpoint.gguf is not None and "gguf" not in family.formats:
@@ -125,7 +128,6 @@ def build_shard(
             "not from GGUF files; GGUF is supported for "
             f"{', '.join(f.architecture for f in FAMILIES if 'gguf' in f.formats)}"
         )
-    vision_family, whole_config = _vision_language(checkpoint, config)
     if vision_family is not None and stage is not None and stage.is_split:
         raise SettingsConflictError(
             f"--pipeline-parallel-size {stage.num_stages}: {vision_family.architecture} (a vision-language model) "
@@ -159,10 +161,12 @@ def build_shard(
         backend = numerics(features_of(model.attention_layers)).backend
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, backend)
     check_backend_serves(backend, model.attention_layers, family.architecture)
+    # (a GPTQ checkpoint dequantized at load, asked for by name or not, is read as a float checkpoint's)
+    stored_as = "none" if quantizer is None and model_config.quantization == GPTQ else model_config.quantization
     storage = (
         quantizer.method
         if quantizer is not None
-        else resolve_gguf_storage(model_config.quantization, checkpoint.gguf, device, dtype, config.batch_invariant)
+        else resolve_gguf_storage(stored_as, checkpoint.gguf, device, dtype, config.batch_invariant)
     )
     if tp.is_parallel:
         _check_parallel_storage(quantizer, hf_config, tp)
@@ -173,6 +177,11 @@ def build_shard(
         weights = model_weights(storage, checkpoint.path, checkpoint.gguf, full.num_heads, full.num_kv_heads)
         if vision_family is not None:  # (the language model's tensors, by the names its model reads)
             weights = text_weights(weights, vision_family)
+        stored = quantization_config(quantized_config)
+        if stored is not None and str(stored.get("quant_method", "")).lower() == GPTQ:
+            # a GPTQ checkpoint whose matrices are dequantized at load (no int4 groups kept): floats, as a float
+            # checkpoint's, for every family and product a float checkpoint takes
+            weights = gptq_weights(cast(Iterable[tuple[str, torch.Tensor]], weights), GptqConfig.from_config(stored))
     else:  # the quantizer takes the checkpoint's tensors as stored (an AWQ or GPTQ one's layers grouped first)
         tensors = iter_weights(checkpoint.path)
         if vision_family is not None:
@@ -181,11 +190,11 @@ def build_shard(
             assert quantizer.group_size is not None  # the AWQ checkpoint's own (resolve_group_size)
             weights = awq_weights(tensors, quantizer.group_size)
         elif quantizer.method == GPTQ:
-            weights = gptq_weights(tensors, GptqConfig.from_config(quantization_config(hf_config) or {}))
+            weights = gptq_weights(tensors, GptqConfig.from_config(quantization_config(quantized_config) or {}))
         else:
             weights = tensors
     # An FP8 checkpoint's matrices in the model's dtype before any cut (exact), as a float checkpoint's would be.
-    weights = fp8_checkpoint_weights(weights, hf_config if whole_config is None else whole_config, dtype, device)
+    weights = fp8_checkpoint_weights(weights, quantized_config, dtype, device)
     if tp.is_parallel:
         full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
         unit = tensor_parallel_expert_unit(hf_config, quantizer)  # (as build_model's experts were padded)
@@ -318,7 +327,7 @@ def _quantizer(
     unset) on the checkpoint (None: weights as stored); ValueError for a group size that would not apply."""
     method, awq_group_size = resolve_quantization(requested, hf_config)
     group_size = resolve_group_size(requested, method, group_size, awq_group_size)
-    if method is None:
+    if method is None or (method == GPTQ and group_size is None):  # (a GPTQ checkpoint dequantized at load)
         return None
     if batch_invariant:
         raise SettingsConflictError(

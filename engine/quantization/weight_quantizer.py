@@ -134,7 +134,7 @@ def _resolve_fp8(requested: Optional[str], hf_config: Any) -> tuple[Optional[str
     floats; awq and gguf name storages it does not have."""
     scheme = fp8_scheme(hf_config)  # (ValueError for a variant not read)
     assert scheme is not None  # quant_method fp8
-    if requested in ("awq", "gguf"):
+    if requested in ("awq", GPTQ, "gguf"):
         raise SettingsConflictError(
             f"--quantization {requested}: the checkpoint is FP8 ({scheme.describe()}), read by dequantizing it to "
             "the model's dtype at load; leave --quantization unset (or none), or give int8 or int4 to quantize "

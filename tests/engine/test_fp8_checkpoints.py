@@ -208,7 +208,7 @@ def test_quantization_flag_against_an_fp8_checkpoint():
     assert resolve_quantization(None, fp8) == resolve_quantization("none", fp8) == (None, None)
     assert resolve_quantization("int8", fp8) == ("int8", None)
     assert resolve_quantization("int4", fp8) == ("int4", None)
-    for storage in ("awq", "gguf"):
+    for storage in ("awq", "gptq", "gguf"):
         with pytest.raises(SettingsConflictError, match=f"--quantization {storage}: the checkpoint is FP8"):
             resolve_quantization(storage, fp8)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import SamplingParams
 from engine.errors import SettingsConflictError
 from engine.models.moe import MoeForCausalLM
 from engine.quantization.gptq import GptqConfig, gptq_matrix, gptq_weights, unpack_columns, unpack_rows
@@ -190,7 +191,7 @@ def test_gptq_checkpoint_serves_its_dequantized_weights(float_dirs, tmp_path, va
         model = llm.engine.runner.model
         kept = all(isinstance(w, Int4Weight) for w in model.weight_tensors()[:-1])
         assert kept == (settings["bits"] == 4 and settings["group_size"] > 0 and not settings["desc_act"])
-        assert model.quantization == "gptq"
+        assert model.quantization == ("gptq" if kept else "none")  # (dequantized: read as float weights)
         check_against_hf(reference_dir, prompts, run_greedy(llm, prompts))
 
 
@@ -278,3 +279,42 @@ def test_generic_decoder_families_take_dequantized_gptq(tmp_path):
     int4_dir, _ = make_gptq_dirs(float_dir, tmp_path / "g4", gptq_config(4, 32))
     with pytest.raises(ValueError, match="pre-quantized checkpoints are served for the Llama family only"):
         make_llm(int4_dir)
+
+
+def test_a_mixture_of_experts_with_float_experts_takes_dequantized_gptq(tmp_path):
+    """DeepSeek-V2 keeps its experts in floats (no int4 experts): a GPTQ checkpoint dequantized at load (8 bits,
+    desc_act, one group per column) is float weights, served as an FP8 checkpoint's are (it was refused as if
+    asked to quantize the experts)."""
+    from tests.engine.test_deepseek_equivalence import make_deepseek_dir
+
+    float_dir = make_deepseek_dir(tmp_path / "float", "deepseek_v2")
+    gptq_dir, reference_dir = make_gptq_dirs(float_dir, tmp_path, gptq_config(8, -1, desc_act=True))
+    prompts = mixed_prompts()[1:3]
+    with make_llm(gptq_dir) as llm:
+        check_against_hf(reference_dir, prompts, run_greedy(llm, prompts))
+
+
+@pytest.mark.parametrize("quantization", [None, "gptq"])
+def test_a_vision_language_checkpoint_reads_its_quantization_config_at_the_top(tmp_path, quantization):
+    """Qwen2-VL with its language model's projections in GPTQ groups (as Qwen2-VL-7B-Instruct-GPTQ-Int4): the
+    quantization_config sits at the top of config.json, beside text_config, not in the text model's config that
+    builds the model (it was read there, and found missing)."""
+    from tests.engine.qwen_vl_factories import make_tiny_qwen_vl_dir
+
+    model_dir = make_tiny_qwen_vl_dir(tmp_path / "vl")
+    settings = gptq_config(4, 32)
+    state, stored = load_file(str(model_dir / "model.safetensors")), {}
+    for name, tensor in state.items():
+        prefix = name.removesuffix(".weight")
+        if "visual" not in name and name.endswith(".weight") and prefix.endswith(PROJECTIONS):
+            tensors, _ = gptq_tensors(tensor, settings)
+            stored.update({f"{prefix}.{part}": value for part, value in tensors.items()})
+        else:
+            stored[name] = tensor
+    save_file(stored, str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": settings}))
+    with make_llm(model_dir, **({} if quantization is None else {"quantization": quantization})) as llm:
+        assert llm.engine.runner.model.quantization == "gptq"
+        results = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert len(results[0].outputs[0].token_ids) == 3
