@@ -9,7 +9,7 @@ and GPT-OSS's: per-layer RoPE, windows, sinks and layer kinds, dense layers betw
 embedding scales and learned positions on stage 0, soft-caps, logit scales and LM-head biases with the head) splits
 into two stages that compute one process's logits, every family in one spawned pair; served end to end, Gemma 3's
 and GPT-OSS's sliding and full layers keep the whole model's KV groups on each stage, DeepSeek-V3 serves its
-latent cache per stage with tensor parallelism within its stages, and Gemma serves a LoRA adapter
+latent cache per stage, and Gemma serves a LoRA adapter
 (its own embedding and LM head) over int8 weights."""
 
 from __future__ import annotations
@@ -350,13 +350,13 @@ def test_refusals_name_the_combination(tmp_path, arch, settings, message):
         LLM(str(model_dir), **TINY, **{"pipeline_parallel_size": 2, **settings})
 
 
-def test_deepseek_v3_on_two_stages_of_two_tensor_parallel_ranks(family_dirs):
-    """Four ranks: each stage's latent cache holds its layers' latents (the same on both of its ranks), its latent
-    attention cut by heads and its experts by width; stage 0 the dense first layer, stage 1 the sparse ones (grouped
-    routing): one process's tokens and logprobs."""
+def test_deepseek_v3_on_two_stages(family_dirs):
+    """Each stage's latent cache holds its layers' latents; stage 0 the dense first layer, stage 1 the sparse ones
+    (grouped routing): one process's tokens and logprobs (tensor parallelism within stages: the Llama test above;
+    DeepSeek's cut by heads and widths: test_tensor_parallel_families)."""
     prompts = mixed_prompts(30)[:3]
     expected = run(family_dirs["deepseek_v3"], prompts, GREEDY)
-    got = run(family_dirs["deepseek_v3"], prompts, GREEDY, pipeline_parallel_size=2, tensor_parallel_size=2)
+    got = run(family_dirs["deepseek_v3"], prompts, GREEDY, pipeline_parallel_size=2)
     assert_same(got, expected)
 
 

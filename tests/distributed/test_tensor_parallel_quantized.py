@@ -211,17 +211,15 @@ def test_two_ranks_serve_one_process_quantized_weights(tiny_dir, tmp_path, stora
 @pytest.mark.parametrize(
     "family, storage",
     [
-        *(("starcoder2", "int8"), ("glm4", "int4"), ("glm4_moe", "int8"), ("phi", "int4"), ("gpt_neox", "int8")),
-        *(("gptj", "int4"), ("falcon_new", "int8")),
+        *(("starcoder2", "int8"), ("phi", "int4"), ("gpt_neox", "int8"), ("falcon_new", "int8")),
     ],
 )
 def test_two_ranks_serve_generic_decoders_quantized(tmp_path, family, storage):
     """StarCoder2's plain MLP (c_fc column-parallel; c_proj row-parallel, quantized whole before its columns are cut,
-    its bias on rank 0), GLM-4-0414's heads (each rank reorders its own rotary pairs), GLM-4.5's experts and shared
-    experts (their down_proj quantized whole, then cut), Phi-2's dense and fc2 (whole int4 groups per rank) and
-    GPT-NeoX's per-head query_key_value (each rank reorders its own heads) and dense / dense_4h_to_h, GPT-J's
-    out_proj and fc_out, Falcon-40B's query_key_value by KV group (each rank its whole groups), quantized on two ranks:
-    one process's tokens on the same quantized weights."""
+    its bias on rank 0), Phi-2's dense and fc2 (whole int4 groups per rank), GPT-NeoX's per-head query_key_value
+    (each rank reorders its own heads) and dense / dense_4h_to_h, Falcon-40B's query_key_value by KV group (each rank
+    its whole groups), quantized on two ranks: one process's tokens on the same quantized weights. (Experts quantized
+    whole, then cut: Granite MoE's and Llama 4's below; each family's own cuts in floats: test_tensor_parallel_families.)"""
     model = str(make_tiny_model_dir(tmp_path / family, family))
     expected, whole = generate_quantized(model, PROMPTS, 1, quantization=storage)
     got, shard = generate_quantized(model, PROMPTS, 2, quantization=storage)
