@@ -14,9 +14,9 @@ from engine.spec_decode.suffix import SuffixProposer
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")
 """Methods whose proposer is a model named by `model`."""
-HEAD_MODEL_TYPES = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
-"""A draft directory's config.json model_type -> the method that reads it, where `model` comes without `method`
-(vLLM picks the method so)."""
+HEAD_MODEL_TYPES = ("medusa", "mlp_speculator")
+"""The methods a draft directory's config.json names by its model_type, where `model` comes without `method` (vLLM
+picks the method so)."""
 MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 """vLLM's earlier names of `mtp`, read as it."""
 
@@ -134,7 +134,7 @@ class SpeculativeConfig(BaseModel):
     def _draft_model(self) -> "SpeculativeConfig":
         if self.method == "draft_model" and self.model is None:
             raise ValueError('method "draft_model" needs "model": the draft\'s checkpoint directory or .gguf file')
-        if self.method in ("eagle", "eagle3", "medusa", "mlp_speculator") and self.model is None:
+        if self.method in MODEL_METHODS and self.model is None:  # (draft_model's own message above)
             raise ValueError(f'method "{self.method}" needs "model": the head\'s checkpoint directory')
         if self.method not in MODEL_METHODS and self.model is not None:
             raise ValueError(
@@ -174,10 +174,10 @@ class SpeculativeConfig(BaseModel):
 
 
 def _method_of_a_directory(model: str) -> str:
-    """draft_model, or the method a local draft directory's config.json model_type names (HEAD_MODEL_TYPES)."""
+    """The method a local draft directory's config.json model_type names (HEAD_MODEL_TYPES), else draft_model."""
     config = Path(model).expanduser() / "config.json"
     try:
         model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
     except (OSError, ValueError, AttributeError):
         model_type = None  # (read again, and refused by name, where the draft loads)
-    return HEAD_MODEL_TYPES.get(str(model_type), "draft_model")
+    return model_type if model_type in HEAD_MODEL_TYPES else "draft_model"
