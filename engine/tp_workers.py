@@ -15,8 +15,9 @@ start at once (rank 0 watches the launched ranks while it waits for their check-
 A worker leaves when rank 0 closes the broadcast, and on its own when its parent process is gone (SIGKILL of the
 server included).
 
-How ranks start is a seam (distributed/launched_ranks.py): spawned processes here (`SpawnedRanks`), Ray actors in
-engine/ray_workers.py (--distributed-executor-backend ray); both run `_worker_main`.
+How ranks start is a seam (distributed/launched_ranks.py): worker processes of this host (`ForkedRanks`, forks of
+multiprocessing's fork server: distributed/worker_processes.py), Ray actors in engine/ray_workers.py
+(--distributed-executor-backend ray); both run `_worker_main`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -42,6 +42,7 @@ from engine.distributed.rendezvous import check_in, host
 from engine.distributed.shm_all_reduce import ShmAllReduce, ShmAllReduceOwner
 from engine.distributed.gloo_broadcast import BroadcastClosedByRankZero, GlooBroadcast
 from engine.distributed.shm_broadcast import BroadcastClosed, ShmBroadcastQueue
+from engine.distributed.worker_processes import run_in_environment, worker_context
 from engine.engine_config import EngineConfig
 from engine.kv_tier_setup import open_disk_tier, open_memory_tier
 from engine.loading.loader import Checkpoint
@@ -68,7 +69,7 @@ StepChannel = Union[ShmBroadcastQueue, GlooBroadcast]
 hosts."""
 
 
-class SpawnedRanks:
+class ForkedRanks:
     """Worker processes of this host, watched through their sentinels."""
 
     def __init__(self, processes: list[Any]):
@@ -117,7 +118,7 @@ class TensorParallelWorkers:
 
     @classmethod
     def start(cls, config: EngineConfig, checkpoint: Checkpoint, hf_config: Any) -> "TensorParallelWorkers":
-        """Start this host's ranks 1 .. N/nnodes - 1 (spawned: a fresh interpreter, no forked threads) and join
+        """Start this host's ranks 1 .. N/nnodes - 1 (forks of the fork server: distributed/worker_processes.py) and join
         the group of all ranks as rank 0; they load their shards while this process loads its own. With several
         hosts the others' ranks come from their `pagedserve serve --headless` (`run_headless_node`)."""
         check_parallel_model(config, hf_config)
@@ -140,10 +141,10 @@ class TensorParallelWorkers:
             else []
         )
         shm_handles = [owner.handle for owner in all_reduces]
-        ranks = SpawnedRanks([])
+        ranks = ForkedRanks([])
         try:
             handle = None if queue is None else queue.handle
-            ranks = SpawnedRanks(
+            ranks = ForkedRanks(
                 _spawn(config, checkpoint, hf_config, range(1, local), init_method, handle, shm_handles, plan)
             )
             _bind(plan[0], 0)  # after spawning: the workers start from this process's mask, not rank 0's share
@@ -274,13 +275,14 @@ def _spawn(
     """Start a worker process for each of `ranks`: their step broadcast (the shared-memory ring's handle, or None
     for the gloo one), each stage's all-reduce's shared memory (none: gloo or NCCL), each one's CPUs (`plan`, by
     the rank's place on this host)."""
-    context = mp.get_context("spawn")
+    context = worker_context([type(hf_config).__module__])
     processes = []
     per_node = config.parallel.ranks_per_node
     for rank in ranks:
-        process = context.Process(
-            target=_worker_main if die_with_parent else _served_worker_main,
-            args=(config, checkpoint, hf_config, rank, init_method, queue_handle, all_reduce_handles)
+        process = context.Process(  # type: ignore[attr-defined]
+            target=run_in_environment,
+            args=(dict(os.environ), _worker_main if die_with_parent else _served_worker_main)
+            + (config, checkpoint, hf_config, rank, init_method, queue_handle, all_reduce_handles)
             + (os.getpid(), plan[rank % per_node], die_with_parent),
             name=f"pagedserve-tp{rank}",
             daemon=True,  # (also ended by the interpreter's exit)
@@ -357,9 +359,10 @@ def _worker_main(
     its device among those visible (None: its place on this host; a Ray actor sees only its own GPU)."""
     started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
+    launcher = os.getppid()  # the fork server this process was forked by (it leaves when rank 0's process ends)
     if die_with_parent:  # (a headless node's ranks wait in a collective, where they cannot look for their parent)
         _die_with_parent()
-        if os.getppid() != parent_pid:
+        if _parent_gone(parent_pid, launcher):
             return
     _bind(share, rank)
     device = config.model.resolve_device()
@@ -410,7 +413,7 @@ def _worker_main(
                     assert reader is not None  # (one broadcast or the other)
                     step = reader.dequeue(timeout=PARENT_CHECK_S)
             except TimeoutError:
-                if os.getppid() != parent_pid:
+                if _parent_gone(parent_pid, launcher):
                     logger.error("rank 0 (pid %d) is gone: leaving", parent_pid)
                     return
                 continue
@@ -454,9 +457,23 @@ def make_runner(shard: Shard, kv_cache: KVCache, stage: PipelineStage, **kwargs:
     return PipelineRunner(*args, pipeline=link, **kwargs)
 
 
+def _parent_gone(parent_pid: int, launcher: int) -> bool:
+    """Rank 0's process (`parent_pid`) has ended, or the process that started this one (`launcher`: the fork
+    server, which leaves as soon as rank 0's process ends, or rank 0 itself) has."""
+    if os.getppid() != launcher:
+        return True
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # (alive, another user's: not this engine's, but not a reason to leave)
+        return False
+    return False
+
+
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the thread that started it ends (a headless node's main thread, which
-    lives as long as its process)."""
+    """Linux: SIGKILL this process when the thread that forked it ends (the fork server's, which ends as soon as
+    the headless node's process does)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -1,6 +1,6 @@
-"""The ranks rank 0 launched, however they run: the seam between how tensor-parallel ranks start (spawned
-processes: engine/tp_workers.py; Ray actors: engine/ray_workers.py) and how rank 0 waits for them, watches them
-and ends them."""
+"""The ranks rank 0 launched, however they run: the seam between how tensor-parallel ranks start (worker
+processes of this host: engine/tp_workers.py; Ray actors: engine/ray_workers.py) and how rank 0 waits for them,
+watches them and ends them."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ class ParallelConfig(BaseModel):
     )
     distributed_executor_backend: Literal["mp", "ray"] = Field(
         "mp",
-        description="how ranks 1 .. N-1 start: mp (processes spawned here and by --headless nodes); ray (actors "
+        description="how ranks 1 .. N-1 start: mp (processes forked here and by --headless nodes); ray (actors "
         "on the Ray cluster at RAY_ADDRESS, else the one `ray start` runs on this host; engine/ray_workers.py)",
     )
     ray_cpus_per_rank: int = Field(

@@ -4,7 +4,7 @@ ranks hold bit-identical results, the same from run to run. It replaces gloo's l
 parallelism on CPU (a [1, 2048] bf16 all-reduce: ~435 us over gloo between two processes).
 
     owner (rank 0):  shm = ShmAllReduce.create(world_size, timeout_s=...)   # before spawning the other ranks
-                     Process(target=worker, args=(shm.handle, ...))         # spawn; the handle rides in the args
+                     Process(target=worker, args=(shm.handle, ...))         # the workers' context; the handle rides in the args
     every rank:      comm = handle.open(rank); comm.all_reduce(tensor)      # in place, tensor back
                      comm.close();  owner: shm.close()                      # unlinks the segment
 
@@ -23,7 +23,7 @@ Two buffers need one barrier per chunk, not two: a rank writes chunk g + 2 into 
 after it passed chunk g + 1's barrier, which every peer reaches only after it finished summing chunk g.
 
 Waiting: a short spin on the flags (the peer is usually microseconds away in a decode step), then sleep on this
-rank's semaphore (a `multiprocessing` spawn-context semaphore per rank, made by the owner before the ranks
+rank's semaphore (one per rank, of the workers' `multiprocessing` context, made by the owner before the ranks
 exist). The flags are the truth and the semaphore is only a wake-up: a rank checks the flags before each sleep,
 and a peer posts after storing its flag, so no wake-up is lost; posts that find the rank awake are drained after
 the barrier (sem_trywait: no system call), so the count stays bounded. Every 50 ms asleep a rank checks that
@@ -45,7 +45,6 @@ in bf16 would round N - 1 times. Other dtypes are summed in their own.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
 import time
@@ -57,6 +56,7 @@ from typing import Callable, Optional
 
 import torch
 
+from engine.distributed.worker_processes import worker_context
 from engine.distributed.shm_segment import attach_segment, create_segment, segment_buffer
 
 SEGMENT_PREFIX = "psar"  # + the owner's pid: what a test looks for in /dev/shm
@@ -98,8 +98,8 @@ class _Layout:
 
 @dataclass(frozen=True)
 class AllReduceHandle:
-    """What a rank needs to join: pass it in `multiprocessing` (spawn) Process args, since its semaphores pickle
-    only while a process is being spawned."""
+    """What a rank needs to join: pass it in `multiprocessing` Process args, since its semaphores pickle
+    only while a process is being started."""
 
     name: str
     world_size: int
@@ -158,7 +158,7 @@ class ShmAllReduce:
         segment = create_segment(SEGMENT_PREFIX, layout.size)
         try:
             segment_buffer(segment)[: layout.buffers_offset] = bytes(layout.buffers_offset)  # not aborted, no arrival
-            context = multiprocessing.get_context("spawn")
+            context = worker_context()
             wake = tuple(context.Semaphore(0) for _ in range(world_size))
             return ShmAllReduceOwner(segment, AllReduceHandle(segment.name, world_size, slot_bytes, timeout_s, wake))
         except BaseException:

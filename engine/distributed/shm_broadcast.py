@@ -2,7 +2,7 @@
 (the engine process) to every worker process of the host, pickled once, read in place by all.
 
     writer:  queue = ShmBroadcastQueue.create(num_readers=3)     # before spawning the workers
-             Process(target=worker, args=(queue.handle, k))     # spawn context; the handle rides in the args
+             Process(target=worker, args=(queue.handle, k))     # the workers' context; the handle rides in the args
              queue.enqueue(step) ... queue.close()
     reader:  reader = handle.open(k); step = reader.dequeue(timeout=...)   # BroadcastClosed after close()
 
@@ -16,7 +16,8 @@ pickle larger than a slot goes into a segment of its own, named in the slot and 
 every reader has read it (or at close).
 
 Waiting sleeps (the host's cores are the workers'): per reader k, two semaphores of the `multiprocessing`
-spawn context, made before the readers exist and passed to them in the handle:
+context the workers start in (distributed/worker_processes.py), made before the readers exist and passed to
+them in the handle:
 
     data[k]     posted by the writer once per message (and once at close); taken by reader k once per dequeue
     credits[k]  starts at num_slots; taken by the writer once per message, given back by reader k after each
@@ -41,7 +42,6 @@ lock acquire/release as a fence; the semaphores here give the ordering and the s
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import struct
 import time
@@ -50,6 +50,7 @@ from multiprocessing import shared_memory
 from multiprocessing.synchronize import Semaphore
 from typing import Optional
 
+from engine.distributed.worker_processes import worker_context
 from engine.distributed.shm_segment import attach_segment, create_segment, segment_buffer
 
 SEGMENT_PREFIX = "psb"  # + the writer's pid: what a test looks for in /dev/shm
@@ -121,8 +122,8 @@ class _Ring:
 
 @dataclass(frozen=True)
 class BroadcastHandle:
-    """What a reader needs to open the queue: pass it to `multiprocessing` (spawn) Process args, since its
-    semaphores pickle only while a process is being spawned."""
+    """What a reader needs to open the queue: pass it to `multiprocessing` Process args, since its
+    semaphores pickle only while a process is being started."""
 
     name: str
     num_readers: int
@@ -156,7 +157,7 @@ class ShmBroadcastQueue:
         segment = create_segment(SEGMENT_PREFIX, layout.size)
         try:
             segment_buffer(segment)[: layout.slots_offset] = bytes(layout.slots_offset)  # no flag set, not closed
-            context = multiprocessing.get_context("spawn")
+            context = worker_context()
             handle = BroadcastHandle(
                 name=segment.name,
                 num_readers=num_readers,

@@ -202,14 +202,14 @@ def build_library(
     return target
 
 
-def start_build(cache_dir: Optional[Path] = None) -> threading.Thread:
+def start_build(cache_dir: Optional[Path] = None, *, sources: tuple[str, ...] = SOURCES) -> threading.Thread:
     """`build_library` for this CPU on a thread of its own, for a start with other work to do before it loads
     the kernels (a GGUF to convert, weights to read): the compilers run meanwhile, and `load_cpu_kernels` waits
     for them through the build's lock. A failure is left to that load to report (it tries once more)."""
 
     def build() -> None:
         try:
-            build_library(cache_dir)
+            build_library(cache_dir, sources=sources)
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             logger.debug("the background build of the native CPU kernels failed: %s", error)
 

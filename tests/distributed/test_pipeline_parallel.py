@@ -7,7 +7,7 @@ prompt logprobs and aborts, alone and with tensor parallelism within each stage;
 Every family tensor parallelism serves beside Llama's (the generic decoder's, the mixtures of experts', DeepSeek's
 and GPT-OSS's: per-layer RoPE, windows, sinks and layer kinds, dense layers between sparse ones, latent caches,
 embedding scales and learned positions on stage 0, soft-caps, logit scales and LM-head biases with the head) splits
-into two stages that compute one process's logits, every family in one spawned pair; served end to end, Gemma 3's
+into two stages that compute one process's logits, every family in one pair of worker processes; served end to end, Gemma 3's
 and GPT-OSS's sliding and full layers keep the whole model's KV groups on each stage, DeepSeek-V3 serves its
 latent cache per stage, and Gemma serves a LoRA adapter
 (its own embedding and LM head) over int8 weights."""
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engine import LLM, LoRAMix, LoRARequest, SamplingParams
+from engine.distributed.worker_processes import worker_context
 from engine.attention.attention_shape import latent_rank_of
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.attention.step_metadata import step_metadata_for
@@ -256,8 +256,8 @@ def _stage(rank: int, port: int, model_dirs: dict, results) -> None:
 
 
 def two_stage_results(model_dirs: dict) -> dict:
-    """Each checkpoint's `stage_logits` on both stages of one spawned pair (spawning costs seconds)."""
-    ctx = mp.get_context("spawn")
+    """Each checkpoint's `stage_logits` on both stages of one pair of worker processes."""
+    ctx = worker_context()
     with ctx.Manager() as manager:
         shared = manager.dict()
         port = free_port()

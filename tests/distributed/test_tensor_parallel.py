@@ -1,4 +1,4 @@
-"""--tensor-parallel-size over gloo on CPU: real worker processes (spawned), each holding a shard, fed every step
+"""--tensor-parallel-size over gloo on CPU: real worker processes (forked), each holding a shard, fed every step
 through the shared-memory broadcast. Greedy tokens identical to one process and logprobs within 1e-5 in float32,
 on tiny Llama-family models (GQA, fewer KV heads than ranks, the embedded model's 9 and 3 heads on 3 ranks), under chunked prefill,
 prefix caching, preemption, aborts and speculative decoding; refusals of what it does not serve."""

@@ -19,7 +19,7 @@ attention cut by heads over a latent cache the same on every rank; shared expert
 layer), and GPT-OSS (q/k/v/o biases, attention sinks cut by heads, sliding and full layers; its interleaved gate|up
 experts with biases cut along their width, float and MXFP4, whose blocks are cut whole; widths that do not split
 into equal shares, as gpt-oss-120b's over 4 ranks, padded with zero units, as Qwen2-MoE's). Every family's logits of a
-prefill and a decode over a paged cache in one pair of spawned processes (spawning costs seconds), then OLMo 2,
+prefill and a decode over a paged cache in one pair of worker processes, then OLMo 2,
 DeepSeek-V3 (its multi-token-prediction layer drafting) and the padded widths served end to end: greedy
 float32 tokens identical to one process; heads and dense widths that do not divide refused by number."""
 

@@ -1,7 +1,7 @@
 """A Llama-family model split over two gloo ranks computes what the whole model computes: each rank's shard of
 q|k|v, o_proj, gate|up and down (engine/models/tensor_parallel.py), its own KV heads in its own cache, partial
 sums all-reduced, its slice of the vocabulary's rows (embedding and LM head, tied or not; a vocabulary of 511
-padded to 2 x 256), logits gathered. Two real processes (spawn), float32, a prefill and a decode step over a
+padded to 2 x 256), logits gathered. Two real processes (forks of the workers' fork server), float32, a prefill and a decode step over a
 paged cache."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from engine.distributed.worker_processes import worker_context
 from engine.attention.attention_shape import latent_rank_of
 from engine.attention.kv_cache import KVCache, KVCacheSpec
 from engine.attention.step_metadata import step_metadata_for
@@ -80,9 +80,9 @@ def native_thread_names() -> list[str]:
 
 
 def two_rank_results(model_dirs: dict) -> dict:
-    """Each checkpoint's `run_model` on both ranks of one spawned pair (spawning costs seconds): by (name, rank),
+    """Each checkpoint's `run_model` on both ranks of one pair of worker processes: by (name, rank),
     and its vocabulary's shapes by (name, "vocab", rank)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     with ctx.Manager() as manager:
         shared = manager.dict()
         port = free_port()
@@ -106,7 +106,7 @@ CHECKPOINTS = {
 
 @pytest.mark.timeout(180)
 def test_two_ranks_compute_the_whole_models_logits(tmp_path):
-    """Every checkpoint in one pair of spawned processes (spawning costs seconds)."""
+    """Every checkpoint in one pair of processes (starting them costs seconds)."""
     model_dirs = {name: str(make_tiny_model_dir(tmp_path / name, arch, **o)) for name, (arch, o) in CHECKPOINTS.items()}
     expected = {name: run_model(Path(d), ParallelGroup.single()) for name, d in model_dirs.items()}
     results = two_rank_results(model_dirs)

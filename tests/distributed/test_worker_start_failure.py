@@ -1,6 +1,6 @@
-"""A tensor-parallel worker that dies before the group is made (SIGKILLed while it still imports, here) fails the
+"""A tensor-parallel worker that dies before the group is made (SIGKILLed as soon as it exists, here) fails the
 engine's start within seconds with an error naming its rank, not after --distributed-timeout (60 s): rank 0 waits
-for the ranks' check-ins in short polls, watching its spawned processes between them."""
+for the ranks' check-ins in short polls, watching its launched processes between them."""
 
 from __future__ import annotations
 
@@ -17,14 +17,10 @@ from engine.distributed.launched_ranks import WorkerDiedError
 
 pytestmark = pytest.mark.timeout(60)
 
-KILL_AFTER_S = 0.5
-"""When the worker dies after it appeared: rank 0 waits for its check-in by then, while it still imports torch
-(seconds on a CPU runner)."""
 
-
-def spawned_workers() -> list[int]:
-    """This process's children started by multiprocessing's spawn (the workers; not its resource tracker)."""
-    found = []
+def launched_workers() -> list[int]:
+    """The workers: the children of this process's fork server (multiprocessing's, a child of this process)."""
+    children: dict[int, list[tuple[int, bytes]]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -33,24 +29,23 @@ def spawned_workers() -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if ppid == os.getpid() and b"spawn_main" in cmdline:
-            found.append(int(entry.name))
-    return found
+        children.setdefault(ppid, []).append((int(entry.name), cmdline))
+    servers = [pid for pid, cmdline in children.get(os.getpid(), []) if b"forkserver" in cmdline]
+    return [pid for server in servers for pid, _ in children.get(server, [])]
 
 
 def test_a_worker_killed_before_the_rendezvous_fails_the_start_fast(tiny_model_dir):
     killed: list[float] = []
 
-    def kill_the_worker_once_spawned() -> None:
+    def kill_the_worker_once_launched() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not killed:
-            for pid in spawned_workers():
-                time.sleep(KILL_AFTER_S)
+            for pid in launched_workers():  # (a fork checks in some tens of milliseconds after it exists)
                 os.kill(pid, signal.SIGKILL)
                 killed.append(time.monotonic())
-            time.sleep(0.005)
+            time.sleep(0.001)
 
-    killer = threading.Thread(target=kill_the_worker_once_spawned)
+    killer = threading.Thread(target=kill_the_worker_once_launched)
     killer.start()
     try:
         with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pagedserve-tp1\) exited with code -9"):
@@ -59,4 +54,4 @@ def test_a_worker_killed_before_the_rendezvous_fails_the_start_fast(tiny_model_d
         killer.join()
     assert killed
     assert time.monotonic() - killed[0] < 5  # the poll is 0.1 s; the rest is the engine's clean-up
-    assert not spawned_workers()
+    assert not launched_workers()

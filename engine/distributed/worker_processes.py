@@ -1,0 +1,42 @@
+"""How this host's worker processes start: forked by multiprocessing's fork server, which imported the worker's
+modules once, instead of spawned as fresh interpreters that each import torch and the engine again.
+
+A spawned rank spends seconds importing before it does any work, and every engine a process builds pays it again
+(a script or a test suite building several, the ranks of each). The fork server is one clean process (no threads,
+no CUDA context, no OpenMP pool: it only imported `PRELOAD`), started the first time this process launches
+workers and kept until it exits; each rank is a fork of it. Rank 0's changes to its own process since (CPU
+affinity, threads) never reach the ranks, as with spawn.
+
+What a fork of the server does not take from the launching process, it is given: the environment of the moment
+(`run_in_environment`). Settings a library reads once when it is loaded (libgomp's `OMP_*`, torch's) are the fork
+server's, which inherited the launching process's environment when it started: the CLI sets those before any
+engine exists.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing.context import BaseContext
+from typing import Any, Callable, Sequence
+
+PRELOAD = ("engine.tp_workers",)
+"""The modules a worker runs (and everything they import), imported once by the fork server."""
+
+
+def worker_context(preload: Sequence[str] = ()) -> BaseContext:
+    """The multiprocessing context worker processes and the semaphores handed to them are made in. `preload`:
+    modules the workers' arguments need besides `PRELOAD` (the model config's class: unpickling a transformers
+    config imports its module, which imports most of transformers), imported by the fork server if this call
+    starts it."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*PRELOAD, *preload])  # (read when the server starts; later calls change nothing)
+    return context
+
+
+def run_in_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
+    """A worker process's entry: the launching process's environment (`dict(os.environ)` when it launched),
+    then `target(*args)`."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return target(*args)
