@@ -136,7 +136,7 @@ def _expert_stack(config: EngineConfig, model: MoeForCausalLM) -> ExpertLoRAStac
     moe = model.moe
     return ExpertLoRAStack(
         tuple(sorted(model.moe_blocks)),
-        moe.num_experts,
+        len(moe.local_experts),
         model.arch.hidden_size,
         moe.expert_intermediate_size,
         config.lora.max_loras,
@@ -154,7 +154,8 @@ def _adapter_shard(model: LlamaForCausalLM, hf_config: Any) -> Optional[AdapterS
     whole = check_tensor_parallel_model(hf_config, tp.world_size) if tp.is_parallel else model.arch
     # (an expert width that does not split evenly is padded as the base experts were: the deltas line up with them)
     unit = tensor_parallel_expert_unit(hf_config, model.quantizer) if tp.is_parallel else 1
-    return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first, expert_unit=unit)
+    held = model.moe.held_experts if isinstance(model, MoeForCausalLM) else None  # (expert parallelism)
+    return AdapterShard(whole, tp, stage.layers, holds_vocab=stage.is_first, expert_unit=unit, held_experts=held)
 
 
 def adapter_layout(model: LlamaForCausalLM, whole: LlamaArch, experts: Optional[MoeArch] = None) -> AdapterLayout:

@@ -17,6 +17,7 @@ rank's delta lines up with its slice of the base product:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -41,6 +42,7 @@ class AdapterShard:
     layers: range  # this stage's layers (all of them without pipeline parallelism)
     holds_vocab: bool  # the first stage: the embedding and the LM head
     expert_unit: int = 1  # what each rank's share of an expert's width holds whole, as the base experts were cut
+    held_experts: Optional[range] = None  # expert parallelism: the routed experts this rank holds (whole)
 
     @property
     def num_layers(self) -> int:
@@ -68,7 +70,12 @@ class AdapterShard:
         cut = dict(
             zip(
                 kept,
-                (tensor for _, tensor in shard_weights(to_cut, self.whole, self.tp, expert_unit=self.expert_unit)),
+                (
+                    tensor
+                    for _, tensor in shard_weights(
+                        to_cut, self.whole, self.tp, expert_unit=self.expert_unit, held_experts=self.held_experts
+                    )
+                ),
                 strict=True,
             )
         )
@@ -81,6 +88,9 @@ class AdapterShard:
                     b = b[:, : b.shape[1] // 2].contiguous()
             else:
                 a = cut[(layer, proj)]  # [rank, this rank's inputs]
+            if proj in EXPERT_PROJECTIONS and self.held_experts is not None:  # (whole experts: the other matrix too)
+                held = slice(self.held_experts.start, self.held_experts.stop)
+                a, b = (a[held], b) if proj in _COLUMN_PARALLEL else (a, b[held])
             local = (layer - self.layers.start, proj)
             part.a[local], part.b[local] = a, b
         if self.holds_vocab:

@@ -30,7 +30,7 @@ from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.pooling.pooler_config import resolve_runner
 from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of, moe_arch_of
-from engine.models.registry import tensor_parallel_expert_unit
+from engine.models.registry import held_experts_of, tensor_parallel_expert_unit
 from engine.models.llama import LlamaForCausalLM
 from engine.models.vision_language import (
     VISION_LANGUAGE_FAMILIES,
@@ -141,7 +141,8 @@ def build_shard(
             "which batch-invariant attention (every query a causal decode row) does not compute; serve it "
             "without --batch-invariant, or as a text model with --limit-mm-per-prompt '{\"image\": 0}'"
         )
-    model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp)
+    expert_parallel = config.parallel.enable_expert_parallel and tp.is_parallel
+    model = build_model(hf_config, dtype, device, ops, linear, quantizer, max_model_len, tp, expert_parallel)
     model.keeps_lm_head = resolve_runner(model_config.runner, model_config.convert, hf_config) == "generate"
     # Layers that attend alike share a block table; sliding-window layers free the blocks behind their window. The
     # groups are the whole model's (the scheduler's, the same on every stage); a stage's cache holds its layers'.
@@ -198,7 +199,8 @@ def build_shard(
     if tp.is_parallel:
         full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
         unit = tensor_parallel_expert_unit(hf_config, quantizer)  # (as build_model's experts were padded)
-        weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device), unit)
+        held = held_experts_of(hf_config, tp) if expert_parallel else None
+        weights = shard_weights(weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device), unit, held)
     model.load_weights(weights)
     vision = None
     if vision_family is not None and not vision_family.images:

@@ -31,6 +31,12 @@ class ParallelConfig(BaseModel):
         description="stages the layers are split into, each in its own process(es) (times tensor_parallel_size "
         "ranks in all); as many steps are in flight as there are stages, so the stages overlap",
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="a mixture of experts' routed experts shared out whole among each stage's tensor-parallel ranks "
+        "(E / N experts per rank) instead of each rank holding 1/N of every expert's width; attention and shared "
+        "experts are cut as without it (engine/models/expert_parallel.py)",
+    )
     distributed_executor_backend: Literal["mp", "ray"] = Field(
         "mp",
         description="how ranks 1 .. N-1 start: mp (processes forked here and by --headless nodes); ray (actors "

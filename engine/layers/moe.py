@@ -95,9 +95,17 @@ class SparseMoeBlock:
         select: Optional[Callable[[torch.Tensor], Routing]] = None,
         router_in_float32: bool = False,
         scores_on_input: bool = False,
+        first_expert: int = 0,
     ):
-        if not 0 < top_k <= experts.num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {experts.num_experts} experts")
+        routed = router.shape[0]  # every expert the router scores; `experts` may hold some (expert parallelism)
+        if not 0 < top_k <= routed:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {routed} experts")
+        if not 0 <= first_expert <= routed - experts.num_experts:
+            raise ValueError(f"experts {first_expert}.. ({experts.num_experts} of them) are not among {routed}")
+        # expert parallelism (models/expert_parallel.py): this block holds experts [first, first + num_experts) and
+        # computes only their (token, expert) pairs; the ranks' outputs add up in the layer's all-reduce
+        self.first_expert = first_expert
+        self.holds_every_expert = experts.num_experts == routed
         self.router_in_float32 = router_in_float32
         # [E, H]: float32 as stored where the logits are float32 (DeepSeek), else through the model's product
         # (batch invariant when it is)
@@ -161,7 +169,9 @@ class SparseMoeBlock:
         self, x: torch.Tensor, linear: Linear, ops: TorchLayerOps, lora: Optional["LayerExpertDeltas"] = None
     ) -> torch.Tensor:
         """x [T, H] (normed) -> [T, H]. `lora`: the step's adapters' expert deltas, added to each expert's gate|up
-        and down products over its rows (the per-expert products then run: the grouped kernel's are not split)."""
+        and down products over its rows (the per-expert products then run: the grouped kernel's are not split).
+        Holding some of the experts (expert parallelism), the sum of their pairs' outputs (plus the shared
+        expert's share) for the layer's all-reduce."""
         routing = self.route(x, linear)
         fused_moe = None if lora is not None else self._fused_kernel(x.device)
         if fused_moe is not None:
@@ -176,6 +186,7 @@ class SparseMoeBlock:
                 gate_up_bias=stacked.gate_up_bias,
                 down_bias=stacked.down_bias,
                 activation=self.activation,
+                first_expert=None if self.holds_every_expert else self.first_expert,
             )
         else:
             out = self._grouped(x, routing, linear, ops, lora)
@@ -206,7 +217,11 @@ class SparseMoeBlock:
         lora: Optional["LayerExpertDeltas"] = None,
     ) -> torch.Tensor:
         groups = group_by_expert(routing)
-        rows = x.index_select(0, groups.token_index)  # [T * top_k, H], sorted by expert
+        if not self.holds_every_expert:
+            groups = groups.held(self.first_expert, self.num_experts)
+            if not groups.experts:  # no token chose this rank's experts
+                return torch.zeros_like(x)
+        rows = x.index_select(0, groups.token_index)  # [T * top_k, H] (this block's pairs), sorted by expert
         if self.scores_on_input:  # (HF: the product in the model's dtype, its weights rounded to it)
             rows = rows * groups.weights[:, None].to(x.dtype)
         outputs = []

@@ -50,6 +50,17 @@ class ExpertGroups(NamedTuple):
             yield expert, start, count
             start += count
 
+    def held(self, first: int, count: int) -> "ExpertGroups":
+        """The rows of experts [first, first + count) only (one run, the rows being sorted by expert), numbered
+        from `first` (expert parallelism: a rank's own experts)."""
+        kept = [(e, start, n) for e, start, n in self.segments() if first <= e < first + count]
+        if not kept:
+            return ExpertGroups(self.token_index[:0], self.weights[:0], [], [])
+        lo, hi = kept[0][1], kept[-1][1] + kept[-1][2]
+        return ExpertGroups(
+            self.token_index[lo:hi], self.weights[lo:hi], [e - first for e, _, _ in kept], [n for _, _, n in kept]
+        )
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     """router_logits [T, E] -> the top_k experts of each token and their weights."""

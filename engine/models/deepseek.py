@@ -235,4 +235,5 @@ def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, may
         shared,
         select=routing,
         router_in_float32=True,
+        first_expert=moe.local_experts.start,
     )

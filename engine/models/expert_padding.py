@@ -35,9 +35,10 @@ def expert_share(width: int, ranks: int, unit: int = 1) -> int:
     return -(-width // (ranks * unit)) * unit
 
 
-def padding_notes(moe: MoeArch, ranks: int, unit: int) -> list[str]:
-    """A line for each expert width padded for `ranks` ranks (what start-up logs), none where all divide."""
-    widths = [("expert width", moe.expert_intermediate_size)]
+def padding_notes(moe: MoeArch, ranks: int, unit: int, routed: bool = True) -> list[str]:
+    """A line for each expert width padded for `ranks` ranks (what start-up logs), none where all divide.
+    `routed` False: the routed experts are held whole (expert parallelism), a shared expert's width alone is cut."""
+    widths = [("expert width", moe.expert_intermediate_size)] if routed else []
     if moe.shared_intermediate_size is not None:
         widths.append(("shared expert width", moe.shared_intermediate_size))
     notes = []

@@ -99,7 +99,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         gate_up = _float(take(p + "experts.gate_up_proj"))  # [E, H, 2I], gate and up interleaved
         gate_up_bias = _float(take(p + "experts.gate_up_proj_bias"))  # [E, 2I], interleaved alike
         down = _float(take(p + "experts.down_proj"))  # [E, I, H]
-        expected = (moe.num_experts, hidden, 2 * moe.expert_intermediate_size)
+        expected = (len(moe.local_experts), hidden, 2 * moe.expert_intermediate_size)
         if tuple(gate_up.shape) != expected or tuple(down.shape) != (expected[0], expected[2] // 2, hidden):
             raise ValueError(
                 f"experts of shapes {tuple(gate_up.shape)} and {tuple(down.shape)}, expected "
@@ -123,6 +123,7 @@ class GptOssForCausalLM(MoeForCausalLM):
             router_bias=_float(take(p + "router.bias")),
             softmax_after_top_k=moe.softmax_after_top_k,
             activation=ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit),
+            first_expert=moe.local_experts.start,
         )
 
     def weight_bytes(self) -> int:

@@ -4,7 +4,7 @@ each layer's attention (sliding or full by `layer_types`, with attention sinks),
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -62,13 +62,16 @@ def gpt_oss_arch(config: Any) -> GptOssArch:
     return GptOssArch(llama, moe, attention, is_mxfp4_checkpoint(config))
 
 
-def shard_gpt_oss_arch(arch: GptOssArch, world_size: int, expert_unit: int = 1) -> GptOssArch:
+def shard_gpt_oss_arch(
+    arch: GptOssArch, world_size: int, expert_unit: int = 1, held: Optional[range] = None
+) -> GptOssArch:
     """One tensor-parallel rank's shape: its heads (and their sinks, zeros until the weights load), each expert's
-    share of the width, padded to whole `expert_unit`s (32 for MXFP4 blocks: engine/models/expert_padding.py);
-    the windows as the whole model's."""
+    share of the width, padded to whole `expert_unit`s (32 for MXFP4 blocks: engine/models/expert_padding.py),
+    or its `held` experts whole (expert parallelism); the windows as the whole model's."""
     llama = shard_arch(arch.llama, world_size, arch.moe)
     attention = tuple(dataclasses.replace(a, sinks=torch.zeros(llama.num_heads)) for a in arch.layer_attention)
-    return arch._replace(llama=llama, moe=shard_moe(arch.moe, world_size, expert_unit), layer_attention=attention)
+    moe = shard_moe(arch.moe, world_size, expert_unit, held)
+    return arch._replace(llama=llama, moe=moe, layer_attention=attention)
 
 
 def _refuse_unsupported(config: Any) -> None:

@@ -106,6 +106,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             softmax_after_top_k=moe.softmax_after_top_k,
             select=select,
             scores_on_input=moe.sigmoid_scores_on_input,
+            first_expert=moe.local_experts.start,
         )
 
     def _take_experts(self, take, maybe, cat) -> ExpertWeights:
@@ -129,7 +130,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             assert moe.expert_names is not None  # (else taken stacked above)
             gate, up, down_name = moe.expert_names
             gate_up, down = [], []
-            for e in range(moe.num_experts):
+            for e in moe.local_experts:
                 q = f"{p}experts.{e}."
                 gate_up.append(cat(take(q + gate + ".weight"), take(q + up + ".weight")))
                 down.append(take(q + down_name + ".weight"))
@@ -137,9 +138,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         intermediate, hidden = moe.expert_intermediate_size, self.arch.hidden_size
         expected = ((2 * intermediate, hidden), (hidden, intermediate))
         shapes = {(_shape(g), _shape(d)) for g, d in zip(gate_up, down)}
-        if len(gate_up) != moe.num_experts or shapes != {expected}:
+        if len(gate_up) != len(moe.local_experts) or shapes != {expected}:
             raise ValueError(
-                f"{len(gate_up)} experts of shapes {sorted(shapes)}, expected {moe.num_experts} of "
+                f"{len(gate_up)} experts of shapes {sorted(shapes)}, expected {len(moe.local_experts)} of "
                 f"{expected[0]} and {expected[1]} from the config"
             )
         return experts

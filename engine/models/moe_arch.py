@@ -85,9 +85,16 @@ class MoeArch:
     # transpose of the layout above (transposed at load)
     sigmoid_scores_on_input: bool = False
     stacked_transposed: bool = False
+    # expert parallelism (models/expert_parallel.py): the routed experts this rank holds, whole; None: all of them
+    held_experts: Optional[range] = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
+
+    @property
+    def local_experts(self) -> range:
+        """The routed experts this model holds (their global numbers)."""
+        return range(self.num_experts) if self.held_experts is None else self.held_experts
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "MoeArch":

@@ -20,6 +20,7 @@ from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM
 from engine.models.moe_arch import MoeArch
 from engine.models.expert_padding import expert_unit, padding_notes
+from engine.models.expert_parallel import describe_placement, held_experts
 from engine.models.tensor_parallel import check_shardable, shard_arch, shard_moe
 from engine.models.tensor_parallel import shard_deepseek
 from engine.quantization.mxfp4 import MXFP4, is_mxfp4_checkpoint
@@ -508,6 +509,12 @@ def tensor_parallel_expert_unit(hf_config: Any, quantizer: Optional[WeightQuanti
     return expert_unit(is_mxfp4_checkpoint(hf_config), None if quantizer is None else quantizer.group_size)
 
 
+def held_experts_of(hf_config: Any, tp: ParallelGroup) -> Optional[range]:
+    """The routed experts rank `tp.rank` holds under expert parallelism (None: the model has none)."""
+    moe = moe_arch_of(hf_config)
+    return None if moe is None else held_experts(moe.num_experts, tp.rank, tp.world_size)
+
+
 def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
     """The experts' shape of a mixture of experts on Llama's decoder or the generic one, or DeepSeek's (what tensor
     parallelism cuts), else None."""
@@ -561,10 +568,13 @@ def build_model(
     quantizer: Optional[WeightQuantizer] = None,
     max_model_len: Optional[int] = None,
     tp: ParallelGroup = ParallelGroup.single(),
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """An empty model for the config's architecture (load weights with `load_weights`); `max_model_len`: the
     longest sequence it will serve (None: the config's context), which picks LongRoPE's factor set; `tp`: the
-    tensor-parallel group whose rank's shard it holds (its weights cut by tensor_parallel.shard_weights)."""
+    tensor-parallel group whose rank's shard it holds (its weights cut by tensor_parallel.shard_weights);
+    `expert_parallel`: that rank holds its share of the routed experts whole (models/expert_parallel.py), not its
+    share of each one's width."""
     from engine.loading.rope_settings import rope_settings
 
     family = family_of(hf_config)
@@ -577,36 +587,39 @@ def build_model(
         whole_moe = moe_arch_of(hf_config)
         shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size, whole_moe)
         unit = tensor_parallel_expert_unit(hf_config, quantizer)
+        held = held_experts_of(hf_config, tp) if expert_parallel else None
         if whole_moe is not None and tp.rank == 0:
-            for note in padding_notes(whole_moe, tp.world_size, unit):
+            if held is not None:
+                logger.info("%s", describe_placement(whole_moe.num_experts, tp.world_size))
+            for note in padding_notes(whole_moe, tp.world_size, unit, routed=held is None):
                 logger.info("%s", note)
         if family.implementation == "decoder_moe":
             from engine.models.decoder_moe import DecoderMoeForCausalLM
 
-            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size, unit)
+            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size, unit, held)
             assert isinstance(shard, DecoderArch)  # _dense_arch reads these families so
             return DecoderMoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         if family.implementation == "moe":
-            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size, unit)
+            moe = shard_moe(MoeArch.from_hf_config(hf_config), tp.world_size, unit, held)
             return MoeForCausalLM(shard, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         if family.implementation == "glm4_moe":
             from engine.models.glm4_moe import Glm4MoeForCausalLM
             from engine.models.glm4_moe_arch import read_glm4_moe
 
             glm = read_glm4_moe(hf_config)
-            glm = dataclasses.replace(glm, moe=shard_moe(glm.moe, tp.world_size, unit))
+            glm = dataclasses.replace(glm, moe=shard_moe(glm.moe, tp.world_size, unit, held))
             return Glm4MoeForCausalLM(shard, glm, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "deepseek":
             from engine.models.deepseek import DeepseekForCausalLM
             from engine.models.deepseek_arch import read_deepseek
 
-            deepseek = shard_deepseek(read_deepseek(hf_config, rope_settings(hf_config)[1]), tp.world_size, unit)
+            deepseek = shard_deepseek(read_deepseek(hf_config, rope_settings(hf_config)[1]), tp.world_size, unit, held)
             return DeepseekForCausalLM(shard, deepseek, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "gpt_oss":
             from engine.models.gpt_oss import GptOssForCausalLM
             from engine.models.gpt_oss_arch import gpt_oss_arch, shard_gpt_oss_arch
 
-            gpt_oss = shard_gpt_oss_arch(gpt_oss_arch(hf_config), tp.world_size, unit)
+            gpt_oss = shard_gpt_oss_arch(gpt_oss_arch(hf_config), tp.world_size, unit, held)
             return GptOssForCausalLM(gpt_oss, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if isinstance(shard, DecoderArch):
             from engine.models.decoder import DecoderForCausalLM

@@ -164,22 +164,32 @@ def check_shardable(arch: LlamaArch, world_size: int, moe: Optional[MoeArch] = N
         )
 
 
-def shard_moe(moe: MoeArch, world_size: int, unit: int = 1) -> MoeArch:
+def shard_moe(moe: MoeArch, world_size: int, unit: int = 1, held: Optional[range] = None) -> MoeArch:
     """One rank's experts: every expert, each its share of the intermediate width, padded with zero units where the
-    width does not split into equal shares of whole `unit`s (engine/models/expert_padding.py)."""
+    width does not split into equal shares of whole `unit`s (engine/models/expert_padding.py); with expert
+    parallelism (`held`: models/expert_parallel.py) those experts whole instead. A shared expert: its share."""
     shared = moe.shared_intermediate_size
+    width = (
+        moe.expert_intermediate_size
+        if held is not None
+        else expert_share(moe.expert_intermediate_size, world_size, unit)
+    )
     return dataclasses.replace(
         moe,
-        expert_intermediate_size=expert_share(moe.expert_intermediate_size, world_size, unit),
+        expert_intermediate_size=width,
         shared_intermediate_size=None if shared is None else expert_share(shared, world_size, unit),
+        held_experts=held,
     )
 
 
-def shard_deepseek(deepseek: DeepseekArch, world_size: int, unit: int = 1) -> DeepseekArch:
+def shard_deepseek(
+    deepseek: DeepseekArch, world_size: int, unit: int = 1, held: Optional[range] = None
+) -> DeepseekArch:
     """One rank's latent attention and experts: its query heads (the latent, shared by every head, whole), every
-    expert with its (padded) share of the width; the routing (its scaling factor too) as it is."""
+    expert with its (padded) share of the width, or its `held` experts whole (expert parallelism); the routing (its
+    scaling factor too) as it is."""
     mla = dataclasses.replace(deepseek.mla, num_heads=deepseek.mla.num_heads // world_size)
-    return dataclasses.replace(deepseek, mla=mla, moe=shard_moe(deepseek.moe, world_size, unit))
+    return dataclasses.replace(deepseek, mla=mla, moe=shard_moe(deepseek.moe, world_size, unit, held))
 
 
 def shard_arch(arch: LlamaArch, world_size: int, moe: Optional[MoeArch] = None) -> LlamaArch:
@@ -218,13 +228,17 @@ def shard_weights(
     tp: ParallelGroup,
     quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]] = None,
     expert_unit: int = 1,
+    held_experts: Optional[range] = None,
 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice: float
     tensors, or GGUF blocks (rows freely, input columns at block boundaries). `quantize_whole` (int8): the
     row-parallel matrices are quantized whole before their columns are cut, so each rank's columns keep the
     whole rows' scales (column-parallel rows quantize alike whole or cut: the model quantizes its shard).
     `expert_unit`: what each rank's share of an expert's width holds whole (expert_padding.expert_unit, as
-    shard_moe was given); a width that does not split into equal shares of it is padded with zero units."""
+    shard_moe was given); a width that does not split into equal shares of it is padded with zero units.
+    `held_experts` (expert parallelism, models/expert_parallel.py): the routed experts this rank holds, taken whole
+    (stacked tensors sliced along their experts, another expert's own tensors left out); shared experts cut as
+    above."""
     rank, ranks = tp.rank, tp.world_size
     head_dim = arch.head_dim
     kv_rank_heads = max(arch.num_kv_heads // ranks, 1)
@@ -245,6 +259,12 @@ def shard_weights(
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
+        if held_experts is not None and (routed := _routed_experts(part, arch)) is not None:
+            if routed == "stacked":
+                yield name, _held_rows(name, tensor, held_experts)
+            elif routed in held_experts:
+                yield name, tensor
+            continue
         if _EXPERT_COLUMN.fullmatch(part):
             yield name, _expert_rows(name, tensor, rank, ranks, expert_unit)
         elif _EXPERT_ROW.fullmatch(part):
@@ -298,6 +318,30 @@ def shard_weights(
 
 
 _Cuttable = Union[torch.Tensor, GgufWeight, Int4Groups]  # a checkpoint matrix as stored: float, GGUF blocks, AWQ groups
+_ONE_EXPERT = re.compile(r"(?:block_sparse_moe|mlp|feed_forward)\.experts\.(\d+)\..+")
+
+
+def _routed_experts(part: str, arch: LlamaArch) -> Union[int, str, None]:
+    """A layer's tensor as one routed expert's (its number), the routed experts' stacked ("stacked"), or None (not
+    a routed expert's: shared experts, routers, the rest of the layer)."""
+    one = _ONE_EXPERT.fullmatch(part)
+    if one is not None:
+        return int(one.group(1))
+    stacked = (
+        _STACKED.fullmatch(part)
+        or _STACKED_TRANSPOSED.fullmatch(part)
+        or (arch.model_type == "gpt_oss" and _GPT_OSS_EXPERTS.fullmatch(part))
+    )
+    return "stacked" if stacked else None
+
+
+def _held_rows(name: str, tensor: Any, held: range) -> torch.Tensor:
+    """Stacked experts' tensor [E, ...] (their weights, biases, MXFP4 blocks or scales) -> the held experts'."""
+    if not isinstance(tensor, torch.Tensor):
+        raise SettingsConflictError(
+            f"{name}: stacked experts are taken as float or MXFP4 tensors, not {type(tensor).__name__}"
+        )
+    return tensor[held.start : held.stop]
 
 
 def _stacked_experts(

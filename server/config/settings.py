@@ -309,8 +309,8 @@ OPTIONS: tuple[Option, ...] = (
         "--tensor-parallel-size",
         (*PARALLEL, "tensor_parallel_size"),
         "int",
-        "processes that each hold 1/N of every layer (every family but GPT-OSS and DeepSeek, docs/models.md; "
-        "all-reduce over shared memory on one CPU host, gloo across hosts, NCCL on CUDA)",
+        "processes that each hold 1/N of every layer (every family, docs/models.md; all-reduce over shared "
+        "memory on one CPU host, gloo across hosts, NCCL on CUDA)",
         "N",
         short="-tp",
     ),
@@ -318,9 +318,17 @@ OPTIONS: tuple[Option, ...] = (
         "--pipeline-parallel-size",
         (*PARALLEL, "pipeline_parallel_size"),
         "int",
-        "stages of consecutive layers, each in its own process(es), steps overlapped (the Llama family)",
+        "stages of consecutive layers, each in its own process(es), steps overlapped (every text family)",
         "N",
         short="-pp",
+    ),
+    Option(
+        "--enable-expert-parallel",
+        (*PARALLEL, "enable_expert_parallel"),
+        "bool",
+        "a mixture of experts' routed experts shared out whole among the tensor-parallel ranks (E/N each) "
+        "instead of cut by width; attention and shared experts cut as without it",
+        short="-ep",
     ),
     Option(
         "--distributed-executor-backend",

@@ -140,7 +140,8 @@ def test_gpt_oss_attention_adapter_on_two_ranks_matches_one_process(tmp_path_fac
 def test_expert_adapter_on_two_ranks_matches_one_process(tmp_path_factory):
     """Qwen3-MoE (a dense layer between sparse ones) with an adapter of its attention and its experts (PEFT's
     target_parameters): each rank's B rows of its share of every expert's gate and up, A's columns of its share of
-    every expert's down (a partial delta summed by the layer's all-reduce), beside a base request."""
+    every expert's down (a partial delta summed by the layer's all-reduce), beside a base request; and with expert
+    parallelism, each rank the whole deltas of its own experts."""
     base = make_moe_dir(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
     adapter = make_adapter(
         base,
@@ -155,13 +156,16 @@ def test_expert_adapter_on_two_ranks_matches_one_process(tmp_path_factory):
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     loras = [LoRAMix.single("a"), None, LoRAMix.single("a")]
     outputs = []
-    for parallel in ({}, {"tensor_parallel_size": 2}):
+    for parallel in ({}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}):
         with LLM(str(base), **SETTINGS, lora_modules=[{"name": "a", "path": str(adapter)}], **parallel) as llm:
             results = llm.generate(prompts, greedy, use_tqdm=False, lora_request=loras)
             assert_idle(llm)
         outputs.append([result.outputs[0] for result in results])
-    one, two = outputs
-    assert [out.token_ids for out in two] == [out.token_ids for out in one]
-    for got, expected in zip(two, one):
-        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
+    one = outputs[0]
+    for parallel in outputs[1:]:
+        assert [out.token_ids for out in parallel] == [out.token_ids for out in one]
+        for got, expected in zip(parallel, one):
+            assert [lp.logprob for lp in got.logprobs] == pytest.approx(
+                [lp.logprob for lp in expected.logprobs], abs=1e-4
+            )
     assert one[0].token_ids != one[1].token_ids or one[2].token_ids != one[1].token_ids

@@ -36,8 +36,10 @@ from safetensors.torch import load_file, save_file
 from engine import LLM
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
+from engine.loading.loader import load_hf_config
+from engine.models.registry import moe_arch_of
 from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
-from tests.distributed.test_tensor_parallel_model import run_model, two_rank_results
+from tests.distributed.test_tensor_parallel_model import EXPERT_PARALLEL, run_model, two_rank_results
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.test_deepseek_equivalence import make_deepseek_dir
 from tests.engine.test_gpt_oss import make_gpt_oss_dir
@@ -94,6 +96,7 @@ def model_dirs(tmp_path_factory):
     dirs = {name: make_tiny_model_dir(root / name, arch, **o) for name, (arch, o) in FAMILIES.items()}
     dirs.update({name: make_moe_dir(root / name, name) for name in MOE_FAMILIES})
     dirs["mixtral-stacked"] = stacked_copy(dirs["mixtral"], root / "mixtral-stacked")
+    dirs["qwen3_moe-5"] = make_moe_dir(root / "qwen3_moe-5", "qwen3_moe", num_experts=5)  # (3 + 2 under experts)
     dirs.update({name: make_deepseek_dir(root / name, family, **o) for name, (family, o) in DEEPSEEK.items()})
     # GPT-OSS: 4 heads over 2 KV heads, experts 64 wide (two MXFP4 blocks per row of down_proj: one per rank)
     dirs["gpt_oss"] = make_gpt_oss_dir(root / "gpt_oss", intermediate_size=64)
@@ -127,9 +130,15 @@ def stacked_copy(model_dir: Path, path: Path) -> Path:
 
 @pytest.mark.timeout(180)
 def test_two_ranks_compute_every_familys_logits(model_dirs):
+    """Each mixture of experts also with expert parallelism (each rank its experts whole; Qwen3-MoE's 5 experts
+    over 2 ranks: 3 and 2)."""
     expected = {name: run_model(model_dir, ParallelGroup.single()) for name, model_dir in model_dirs.items()}
-    results = two_rank_results({name: str(d) for name, d in model_dirs.items()})
-    for name, want in expected.items():
+    experts = [name for name, d in model_dirs.items() if moe_arch_of(load_hf_config(d)) is not None]
+    assert len(experts) >= 15  # (every mixture among them: Mixtral .. Llama 4, DeepSeek, GPT-OSS)
+    runs = {name: str(d) for name, d in model_dirs.items()} | {n + EXPERT_PARALLEL: str(model_dirs[n]) for n in experts}
+    results = two_rank_results(runs)
+    for name in runs:
+        want = expected[name.removesuffix(EXPERT_PARALLEL)]
         for rank in range(2):
             for got, logits in zip(results[(name, rank)], want):
                 torch.testing.assert_close(got, logits, atol=1e-5, rtol=1e-5, msg=f"{name}, rank {rank}")
@@ -193,11 +202,13 @@ def test_gpt_oss_sizes_that_do_not_divide_are_refused(tmp_path, overrides, messa
 
 
 @pytest.mark.parametrize("family", ["gpt_oss-mxfp4", "qwen2_moe"])
-def test_expert_widths_that_do_not_divide_are_padded(tmp_path, family):
+def test_expert_widths_that_do_not_divide_are_padded_or_held_whole(tmp_path, family):
     """Each rank's share of the width padded with zero units (as vLLM serves gpt-oss-120b on 4 and 8 ranks): the
     tokens and logprobs of one process (GPT-OSS float, 45 wide: its interleaved gate|up padded at the end, checked
-    cut by cut in test_expert_padding.py). MXFP4 with down_proj 3 blocks wide (1.5 per rank: padded to 4 blocks, 2 per rank, the zero blocks decoding
-    to zeros); Qwen2-MoE's experts 45 and shared expert 91 wide (23 and 46 per rank; dense layers between)."""
+    cut by cut in test_expert_padding.py). MXFP4 with down_proj 3 blocks wide (1.5 per rank: padded to 4 blocks, 2
+    per rank, the zero blocks decoding to zeros); Qwen2-MoE's experts 45 and shared expert 91 wide (23 and 46 per
+    rank; dense layers between). With expert parallelism the routed experts are held whole (GPT-OSS's MXFP4 blocks
+    and biases sliced by expert; Qwen2-MoE's 6 experts 3 per rank, its shared expert still padded), also int8."""
     if family == "qwen2_moe":
         model_dir = make_moe_dir(tmp_path, family, moe_intermediate_size=45, shared_expert_intermediate_size=91)
     else:
@@ -209,3 +220,7 @@ def test_expert_widths_that_do_not_divide_are_padded(tmp_path, family):
     expected, _ = generate(model_dir, prompts, 1)
     got, _ = generate(model_dir, prompts, 2)
     assert_same(got, expected)
+    assert_same(generate(model_dir, prompts, 2, enable_expert_parallel=True)[0], expected)
+    if family == "qwen2_moe":  # (each expert quantized whole, as one process quantizes it)
+        int8, _ = generate(model_dir, prompts, 1, quantization="int8")
+        assert_same(generate(model_dir, prompts, 2, enable_expert_parallel=True, quantization="int8")[0], int8)

@@ -19,23 +19,30 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.parallel_group import ParallelGroup
 from engine.loading.loader import iter_weights, load_hf_config
 from engine.models import build_model
+from engine.models.registry import held_experts_of
 from engine.models.tensor_parallel import shard_weights
 from tests.engine.factories import make_tiny_model_dir
 from tests.ports import free_port
 
 BLOCK = 4
+EXPERT_PARALLEL = "+ep"
+"""A checkpoint's name in `two_rank_results` ending so runs with expert parallelism."""
 
 
-def run_model(model_dir: Path, tp: ParallelGroup, shapes=None, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def run_model(
+    model_dir: Path, tp: ParallelGroup, shapes=None, rank: int = 0, expert_parallel: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of a 10-token prefill and of a decode after it, over a fresh paged cache; the shapes of the
-    vocabulary's matrices into `shapes[("vocab", rank)]` when given."""
+    vocabulary's matrices into `shapes[("vocab", rank)]` when given. `expert_parallel`: each rank holds its share
+    of the routed experts whole."""
     torch.manual_seed(0)
     hf_config = load_hf_config(model_dir)
-    model = build_model(hf_config, torch.float32, torch.device("cpu"), tp=tp)
+    model = build_model(hf_config, torch.float32, torch.device("cpu"), tp=tp, expert_parallel=expert_parallel)
     weights = iter_weights(model_dir)
     if tp.is_parallel:
         full = build_model(hf_config, torch.float32, torch.device("cpu")).arch
-        weights = shard_weights(weights, full, tp)
+        held = held_experts_of(hf_config, tp) if expert_parallel else None
+        weights = shard_weights(weights, full, tp, held_experts=held)
     model.load_weights(weights)
     if shapes is not None:
         shapes[("vocab", rank)] = (tuple(model.embed.shape), tuple(model.lm_head.shape))
@@ -60,7 +67,8 @@ def _rank(rank: int, world: int, port: int, model_dirs: dict, results) -> None:
     try:
         for name, model_dir in model_dirs.items():
             shapes: dict = {}
-            results[(name, rank)] = run_model(Path(model_dir), tp, shapes, rank)
+            expert_parallel = name.endswith(EXPERT_PARALLEL)
+            results[(name, rank)] = run_model(Path(model_dir), tp, shapes, rank, expert_parallel)
             results[(name, "vocab", rank)] = shapes[("vocab", rank)]
     finally:
         # The group and its gloo threads end here, not in the interpreter's exit (see BINDS_THE_DEFAULT_GROUP):

@@ -151,6 +151,7 @@ BOOL_FLAGS = {
     "--trust-remote-code": (("engine", "model", "trust_remote_code"), False),
     "--enable-log-requests": (("server", "enable_log_requests"), False),
     "--enable-lora": (("engine", "lora", "enable_lora"), False),
+    "--enable-expert-parallel": (("engine", "parallel", "enable_expert_parallel"), False),
     "--allow-runtime-lora-updating": (("engine", "lora", "allow_runtime_lora_updating"), False),
     "--trust-request-chat-template": (("server", "trust_request_chat_template"), False),
     "--return-tokens-as-token-ids": (("server", "return_tokens_as_token_ids"), False),
@@ -756,9 +757,10 @@ def test_enable_auto_tool_choice_is_taken_as_vllms_guides_write_it():
 
 
 def test_vllms_short_flags():
-    """vLLM's -tp, -pp and -q (`vllm serve M -tp 2`) were unrecognized arguments; they are the long flags'."""
-    settings = load_settings(["-tp", "2", "-pp", "3", "-q", "int8"], {})
+    """vLLM's -tp, -pp, -q and -ep (`vllm serve M -tp 2`) were unrecognized arguments; they are the long flags'."""
+    settings = load_settings(["-tp", "2", "-pp", "3", "-q", "int8", "-ep"], {})
     assert (settings.engine.parallel.tensor_parallel_size, settings.engine.parallel.pipeline_parallel_size) == (2, 3)
+    assert settings.engine.parallel.enable_expert_parallel
     assert settings.engine.model.quantization == "int8"
     with pytest.raises(SettingsError, match="^--tensor-parallel-size: expected an integer, got 'x'"):
         load_settings(["-tp", "x"], {})

@@ -3,7 +3,9 @@ on CPU tensors under Triton's interpreter).
 
     fused_moe(x [T, H], gate_up [E, 2I, H], down [E, H, I], weights [T, k] float32, expert_ids [T, k]) -> [T, H]
         optional: gate_up_bias [E, 2I], down_bias [E, H] (added to each product's rows of their expert), and
-        the activation of [gate | up] (default SwiGLU; GPT-OSS's clamped one, layers/clamped_swiglu.py)
+        the activation of [gate | up] (default SwiGLU; GPT-OSS's clamped one, layers/clamped_swiglu.py);
+        first_expert (expert parallelism: the weights are experts [first, first + E) of those the ids name, and
+        the other experts' pairs add nothing)
 
 The T * k (token, expert) pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M,
 so every tile of BLOCK_M rows belongs to one expert (`align_rows`, plain torch on the device: no host
@@ -100,24 +102,34 @@ def _grouped_product_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
 
 
-def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int):
-    """expert_ids [T, k] -> (sorted_pairs [P_max] int32, tile_expert [P_max / block_m] int32, num_padded [1])."""
+def align_rows(expert_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: Optional[int] = None):
+    """expert_ids [T, k] -> (sorted_pairs [P_max] int32, tile_expert [P_max / block_m] int32, num_padded [1]).
+    `first_expert` (expert parallelism): the weights hold experts [first, first + num_experts) only; the pairs of
+    other experts get no row (their outputs stay as the caller made them)."""
     flat = expert_ids.reshape(-1).long()  # int32 ids too (vLLM's top-k ids): scatter_add_ takes int64 indices
     num_pairs = flat.numel()
+    buckets = num_experts
+    if first_expert is not None:  # another rank's pairs: one bucket after every held expert's, past the tiles
+        flat = flat - first_expert
+        flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+        buckets += 1
     order = torch.argsort(flat, stable=True)
     # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
+    counts = torch.zeros(buckets, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
+    starts = padded_end - padded
+    if first_expert is not None:
+        starts = torch.cat([starts, padded_end[-1:]])  # (read by the kernel up to num_padded only)
     sorted_experts = flat[order]
     rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
-    destination = (padded_end - padded)[sorted_experts] + rank
+    destination = starts[sorted_experts] + rank
     # each expert with pairs adds at most one partly filled tile
     num_tiles = num_pairs // block_m + min(num_pairs, num_experts)
-    sorted_pairs = torch.full((num_tiles * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    room = num_pairs if first_expert is not None else 0  # where the other experts' pairs land, cut off below
+    sorted_pairs = torch.full((num_tiles * block_m + room,), num_pairs, dtype=torch.int32, device=flat.device)
     sorted_pairs[destination] = order.to(torch.int32)
+    sorted_pairs = sorted_pairs[: num_tiles * block_m]
     tile_starts = torch.arange(num_tiles, device=flat.device) * block_m
     tile_expert = torch.searchsorted(padded_end, tile_starts, right=True).clamp_(max=num_experts - 1)
     return sorted_pairs, tile_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
@@ -176,8 +188,10 @@ def fused_moe(
     gate_up_bias: Optional[torch.Tensor] = None,
     down_bias: Optional[torch.Tensor] = None,
     activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    first_expert: Optional[int] = None,
 ) -> torch.Tensor:
-    """The experts' weighted sum for each token of x (see the module docstring)."""
+    """The experts' weighted sum for each token of x (see the module docstring). `first_expert` (expert
+    parallelism): gate_up and down hold experts [first, first + E) of those expert_ids name; the sum over those."""
     num_tokens, top_k = expert_ids.shape
     num_experts, intermediate = gate_up.shape[0], down.shape[2]
     if gate_up.shape[1:] != (2 * intermediate, x.shape[1]) or down.shape[:2] != (num_experts, x.shape[1]):
@@ -185,7 +199,7 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    aligned = align_rows(expert_ids, num_experts, block_m)
+    aligned = align_rows(expert_ids, num_experts, block_m, first_expert)
     h1 = x.new_empty((num_pairs, 2 * intermediate))
     _grouped_product(x, gate_up, h1, aligned, top_k, None, block_m, _contiguous(gate_up_bias))
     if activation is None:
@@ -193,7 +207,8 @@ def fused_moe(
         h2 = (F.silu(gate) * up).contiguous()  # [T * k, I]
     else:
         h2 = activation(h1).contiguous()
-    h3 = x.new_empty((num_pairs, x.shape[1]))
+    # (another rank's pairs are never written: zeros in the sum)
+    h3 = x.new_empty((num_pairs, x.shape[1])) if first_expert is None else x.new_zeros((num_pairs, x.shape[1]))
     _grouped_product(
         h2, down, h3, aligned, 1, weights.reshape(-1).float().contiguous(), block_m, _contiguous(down_bias)
     )

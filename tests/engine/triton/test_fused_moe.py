@@ -144,3 +144,62 @@ def test_the_grouped_product_compiles_for_hopper_without_a_gpu(compile_ahead_of_
     bfloat16 and float32, compiled for sm_90 in a process without TRITON_INTERPRET, down to a cubin by
     Triton's own ptxas."""
     assert len(compile_ahead_of_time(90, "moe")) == 4
+
+
+def test_align_rows_leaves_out_the_pairs_of_another_ranks_experts():
+    """Expert parallelism: experts 2 and 3 held (first_expert 2, two of them); the pairs of 0, 1 and 4 get no row."""
+    ids = torch.tensor([[3, 0], [0, 3], [3, 1], [2, 4], [3, 2]])
+    sorted_pairs, tile_expert, num_padded = align_rows(ids, 2, block_m=4, first_expert=2)
+    pairs, flat = ids.numel(), ids.reshape(-1)
+    assert num_padded.item() == 8  # expert 2's two pairs and expert 3's four, each padded to 4
+    tiles = sorted_pairs[: num_padded.item()].view(-1, 4)
+    for tile, expert in zip(tiles, tile_expert.tolist()):
+        real = tile[tile < pairs]
+        assert real.numel() > 0 and (flat[real.long()] == expert + 2).all()
+    held = sorted_pairs[: num_padded.item()]
+    assert sorted(held[held < pairs].tolist()) == [j for j in range(pairs) if flat[j] in (2, 3)]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["per-expert", "grouped-kernel"])
+def test_blocks_holding_a_share_of_the_experts_sum_to_the_whole_block(kernel, monkeypatch):
+    """Expert parallelism's blocks: 5 experts held as 3 + 2 (first_expert 0 and 3, with GPT-OSS's biases and
+    clamped SwiGLU), each computing only its experts' pairs; their outputs add up to the whole block's."""
+    from engine.layers.clamped_swiglu import ClampedSwiGLU
+    from engine.layers.layer_ops import TorchLayerOps
+    from engine.layers.linear import Linear
+    from engine.layers.moe import ExpertWeights, SparseMoeBlock
+
+    experts, hidden, intermediate = 5, 40, 24
+    router, gate_up, down = random_experts(experts, hidden, intermediate, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    gate_up_bias = torch.randn(experts, 2 * intermediate, generator=gen) * 0.5
+    down_bias = torch.randn(experts, hidden, generator=gen) * 0.5
+    router_bias = torch.randn(experts, generator=gen)
+    linear = Linear()
+
+    def block(held: range) -> SparseMoeBlock:
+        share = slice(held.start, held.stop)
+        weights = ExpertWeights(gate_up[share], down[share], gate_up_bias[share], down_bias[share])
+        made = SparseMoeBlock(
+            router,
+            weights,
+            2,
+            False,
+            linear,
+            router_bias=router_bias,
+            softmax_after_top_k=True,
+            activation=ClampedSwiGLU(1.702, 0.8),
+            first_expert=held.start,
+        )
+        if kernel:
+            monkeypatch.setattr(made, "_fused_kernel", lambda device: fused_moe)
+        return made
+
+    x = torch.randn(13, hidden, generator=gen)
+    whole = block(range(5)).forward(x, linear, TorchLayerOps())
+    shares = [block(held).forward(x, linear, TorchLayerOps()) for held in (range(0, 3), range(3, 5))]
+    assert all(share.abs().sum() > 0 for share in shares)  # (both ranks' experts are chosen)
+    torch.testing.assert_close(shares[0] + shares[1], whole, atol=1e-5, rtol=1e-5)
+    tokens = torch.randn(1, hidden, generator=gen)  # one token: a share whose experts it did not choose gives zeros
+    outs = [block(held).forward(tokens, linear, TorchLayerOps()) for held in (range(0, 3), range(3, 5))]
+    torch.testing.assert_close(outs[0] + outs[1], block(range(5)).forward(tokens, linear, TorchLayerOps()))
