@@ -149,6 +149,22 @@ def test_gguf_experts_that_do_not_divide_are_refused_by_number():
         shards([gate], arch, 2)
 
 
+def test_with_expert_parallelism_an_expert_of_any_width_and_format_is_held_whole():
+    """The same GGUF expert, 45 wide: held whole by the rank its expert is placed on (expert 1 of 8 on rank 0 of 2),
+    left out by the other; the shared expert still cut; the router on both."""
+    arch = qwen3_moe(45, 2)
+    gate = (QWEN3_EXPERT + "gate_proj.weight", gguf_weight("q8_0", 45, 64))
+    other = ("model.layers.0.mlp.experts.6.down_proj.weight", torch.randn(64, 45))
+    router = ("model.layers.0.mlp.gate.weight", torch.randn(8, 64))
+    held = [
+        dict(shard_weights([gate, other, router], arch, ParallelGroup(r, 2), held_experts=span))
+        for r, span in enumerate((range(0, 4), range(4, 8)))
+    ]
+    assert held[0][gate[0]] is gate[1] and other[0] not in held[0]
+    assert held[1][other[0]] is other[1] and gate[0] not in held[1]
+    assert all(shard[router[0]] is router[1] for shard in held)
+
+
 def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """`tensor` followed by zeros along `dim` up to `size`."""
     shape = list(tensor.shape)
