@@ -271,16 +271,19 @@ def _build_rank0(
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
         step_cost=step_cost,
         kv_group_windows=kv_groups.windows,
+        kv_group_chunks=kv_groups.chunks,
         draft_cost=draft_cost,
         max_loras=None if lora_manager is None else config.lora.max_loras,
         kv_tiers=open_kv_tiers(config, hf_config, kv_tier, memory_tier, kv_cache),
     )
-    if kv_groups.num_groups > 1 or kv_groups.windows[0] is not None:
+    if not kv_groups.is_uniform:
+        kinds = [
+            f"window {window}" if window else f"chunk {chunk}" if chunk else "full"
+            for window, chunk in zip(kv_groups.windows, kv_groups.chunks)
+        ]
         logger.info(
-            "KV cache layer groups (window: layers): %s; a sliding group frees the blocks behind its window",
-            "; ".join(
-                f"{window or 'full'}: {len(layers)}" for window, layers in zip(kv_groups.windows, kv_groups.layers)
-            ),
+            "KV cache layer groups (kind: layers): %s; a sliding or chunked group frees the blocks no query reads",
+            "; ".join(f"{kind}: {len(layers)}" for kind, layers in zip(kinds, kv_groups.layers)),
         )
     if speculative is not None:
         logger.info(

@@ -40,7 +40,7 @@ def check_kv_tiers(config: EngineConfig, shard: Shard) -> None:
     named = " / ".join(flags)
     if not cache.enable_prefix_caching:
         raise SettingsConflictError(f"{named} needs prefix caching (the tiers hold the prefix cache's blocks)")
-    if shard.kv_groups.num_groups > 1 or shard.kv_groups.windows[0] is not None:
+    if not shard.kv_groups.is_uniform:
         raise SettingsConflictError(
             f"{named}: models with sliding-window layer groups are not supported by the KV tiers yet"
         )

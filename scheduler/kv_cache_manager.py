@@ -1,4 +1,4 @@
-"""Per-request block tables over the block pool, with prefix caching and sliding-window groups."""
+"""Per-request block tables over the block pool, with prefix caching and sliding-window and chunked groups."""
 
 from __future__ import annotations
 
@@ -48,7 +48,13 @@ class KVCacheManager:
         full group       [ 7 ] [ 2 ] [ 5 ] [ 9 ]
         sliding group    [nul] [nul] [ 4 ] [ 8 ]    window 6, 14 tokens computed: keys >= 9 are read
 
-    So a long chat holds, in its sliding layers, only its window's blocks (vLLM's hybrid allocator).
+    So a long chat holds, in its sliding layers, only its window's blocks (vLLM's hybrid allocator). A chunked
+    group (`group_chunks`: Llama 4's local attention, where a query reads the keys of its own chunk of C
+    positions only) frees the blocks wholly before the chunk of the first token still to compute, as vLLM's
+    chunked-local-attention manager does:
+
+        chunked group    [nul] [nul] [nul] [ 3 ]    chunk 8, 14 tokens computed: keys >= 8 are read
+
     A prompt's unscheduled remainder is reserved in the full groups only (a sliding group would free most of
     it before reading it).
 
@@ -75,11 +81,19 @@ class KVCacheManager:
         enable_caching: bool = True,
         group_windows: Sequence[Optional[int]] = (None,),
         kv_tiers: Optional[KVTiers] = None,
+        group_chunks: Sequence[Optional[int]] = (),
     ):
         if not group_windows:
             raise ValueError("a KV cache has at least one layer group")
         if any(window is not None and window < 1 for window in group_windows):
             raise ValueError(f"sliding windows must be >= 1, got {tuple(group_windows)}")
+        group_chunks = tuple(group_chunks) or (None,) * len(group_windows)
+        if len(group_chunks) != len(group_windows) or any(
+            chunk is not None and (chunk < 1 or window is not None)
+            for window, chunk in zip(group_windows, group_chunks)
+        ):
+            raise ValueError(f"chunks {group_chunks} (>= 1, on groups without a window) for windows {group_windows}")
+        self.group_chunks = group_chunks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
@@ -87,7 +101,10 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.null_block = KVBlock(num_blocks, ref_cnt=1)  # the cache's padding block: never freed, never read
         self.prefix_cache_stats = PrefixCacheStats()
-        self._sliding = [(g, window) for g, window in enumerate(self.group_windows) if window is not None]
+        # the groups whose queries read part of the past (a window or a chunk)
+        self._sliding = [
+            g for g, (window, chunk) in enumerate(zip(self.group_windows, group_chunks)) if window or chunk
+        ]
         self._no_blocks: BlockIds = ((),) * self.num_groups
         self._req_blocks: dict[str, list[list[KVBlock]]] = {}  # per request, per group
         self._first_live: dict[str, list[int]] = {}  # per request, per group: entries before it are null
@@ -119,11 +136,11 @@ class KVCacheManager:
 
     def num_blocks_needed(self, num_tokens: int, max_step_tokens: int) -> int:
         """Blocks a request of `num_tokens` tokens holds at once at most, over all groups, computing at most
-        `max_step_tokens` per step (a sliding group: its window and a step's tokens)."""
+        `max_step_tokens` per step (a sliding or chunked group: its window or chunk and a step's tokens)."""
         whole = self.num_blocks_for(num_tokens)
         return sum(
-            whole if window is None else min(whole, self.num_blocks_for(window + max_step_tokens) + 1)
-            for window in self.group_windows
+            whole if span is None else min(whole, self.num_blocks_for(span + max_step_tokens) + 1)
+            for span in (window or chunk for window, chunk in zip(self.group_windows, self.group_chunks))
         )
 
     def max_tokens_held(self, max_step_tokens: int) -> int:
@@ -179,8 +196,8 @@ class KVCacheManager:
             return lookups[g][i]
 
         n = max_blocks
-        for g, window in enumerate(self.group_windows):
-            if window is None:
+        for g in range(self.num_groups):
+            if g not in self._sliding:
                 run = 0
                 while run < n and cached(g, run) is not None:
                     run += 1
@@ -188,9 +205,9 @@ class KVCacheManager:
         n = self._hit_blocks(spans, n)
         while self._sliding:  # the largest n every sliding group's window serves (n = 0 always does)
             start = n
-            for g, window in self._sliding:
+            for g in self._sliding:
                 i = n - 1
-                while i >= self._first_read(n, window):
+                while i >= self._first_needed(g, n * self.block_size) // self.block_size:
                     if cached(g, i) is None:
                         n = i  # no hit reaching past block i: try one ending just before it
                     i -= 1
@@ -198,8 +215,8 @@ class KVCacheManager:
             if n == start:
                 break
         groups: list[list[KVBlock]] = []
-        for g, window in enumerate(self.group_windows):
-            first = 0 if window is None else self._first_read(n, window)
+        for g in range(self.num_groups):
+            first = self._first_needed(g, n * self.block_size) // self.block_size
             blocks = [self.null_block] * first
             for i in range(first, n):
                 block = cached(g, i)
@@ -281,8 +298,8 @@ class KVCacheManager:
         num_total = num_computed + num_new_tokens
         current = groups if groups is not None else [[] for _ in self.group_windows]
         needs = []
-        for g, window in enumerate(self.group_windows):
-            end = num_total + num_lookahead_tokens + (num_reserved_tokens if window is None else 0)
+        for g in range(self.num_groups):
+            end = num_total + num_lookahead_tokens + (0 if g in self._sliding else num_reserved_tokens)
             num_held = len(current[g]) + (len(hits[g]) if hits is not None else 0)
             needs.append(max(self.num_blocks_for(end) - num_held, 0))
         num_reclaimed = 0 if hits is None else sum(1 for blocks in hits for b in blocks if b.ref_cnt == 0)
@@ -399,18 +416,21 @@ class KVCacheManager:
                     del self._pending_hashes[block_hash.value]
         self.block_pool.free_blocks(blocks)
 
-    def _first_read(self, num_computed_blocks: int, window: int) -> int:
-        """The first block a sliding window reaches from the token after `num_computed_blocks` full blocks."""
-        return max(num_computed_blocks * self.block_size - window + 1, 0) // self.block_size
+    def _first_needed(self, g: int, position: int) -> int:
+        """The first key group g's queries from `position` on read: k > q - window in a sliding group, k in q's
+        chunk in a chunked one, every key in a full one."""
+        window, chunk = self.group_windows[g], self.group_chunks[g]
+        if window is not None:
+            return max(position - window + 1, 0)
+        return 0 if chunk is None else position // chunk * chunk
 
     def _free_outside_windows(self, request_id: str, groups: list[list[KVBlock]], num_computed: int) -> None:
-        """Free each sliding group's blocks that no query from position `num_computed` on reads (keys k are
-        read by query q only if k > q - window)."""
+        """Free each sliding or chunked group's blocks that no query from position `num_computed` on reads."""
         first_live = self._first_live[request_id]
         null = self.null_block
-        for g, window in self._sliding:
+        for g in self._sliding:
             blocks = groups[g]
-            first_read = min(max(num_computed - window + 1, 0) // self.block_size, len(blocks))
+            first_read = min(self._first_needed(g, num_computed) // self.block_size, len(blocks))
             if first_read <= first_live[g]:
                 continue
             self._release([b for b in blocks[first_live[g] : first_read] if b is not null])

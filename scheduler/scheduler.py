@@ -133,6 +133,7 @@ class Scheduler:
         draft_cost: Optional[StepCost] = None,
         max_loras: Optional[int] = None,
         kv_tiers: Optional[KVTiers] = None,
+        kv_group_chunks: Sequence[Optional[int]] = (),
     ):
         """`adaptive_drafts`: each request's k follows the share of its recent drafts accepted (1 when none are,
         the proposer's k when all are); `max_drafting_batch`: no drafts in a step with more decodes than this;
@@ -140,7 +141,8 @@ class Scheduler:
         (`_drafts_that_pay`); `draft_cost`: one forward of a batched proposer's draft model by its rows, k of
         which a step with drafts adds (the requests to draft for are then chosen before proposing);
         `kv_group_windows`: the sliding window of each of the KV cache's layer groups (None: full attention; see
-        KVCacheManager); `max_loras`: distinct LoRA adapters across running requests at most (a request
+        KVCacheManager); `kv_group_chunks`: each group's attention chunk (None: none; () none at all);
+        `max_loras`: distinct LoRA adapters across running requests at most (a request
         whose adapters would exceed it waits, and those behind it that fit go first; base requests never count);
         `kv_tiers`: host-memory and disk tiers (KVCacheManager: blocks beyond the pool, restored, not computed)."""
         if cache_config.num_blocks is None:
@@ -157,6 +159,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             kv_group_windows,
             kv_tiers,
+            kv_group_chunks,
         )
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []

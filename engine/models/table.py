@@ -86,7 +86,10 @@ rotates with the short factors and `long_mscale`; here, as in Microsoft's code a
 Llama 4's chunked local attention (`attention_chunk_size`: a query sees only the keys of its own chunk, on the
 RoPE layers) is served at any `--max-model-len`: each step is cut at the chunks' boundaries into virtual requests
 that every attention backend computes as causal attention (as vLLM's local-attention virtual batches), so the
-block size must divide the chunk (8192 for Scout and Maverick), and CUDA graphs are off. Its experts' routing weights (the sigmoids of the top-k router logits) scale
+block size must divide the chunk (8192 for Scout and Maverick), and CUDA graphs are off. The chunked layers' KV
+groups free the blocks before each request's current chunk (unless a KV tier is set: the tiers hold one
+full-attention group), so their memory per request is a chunk's, not the sequence's. Its experts' routing weights
+(the sigmoids of the top-k router logits) scale
 each chosen expert's input, as transformers' `Llama4TextMoe` does (tests/engine/test_moe_families.py checks the
 block against it); such blocks run the per-expert products on CUDA too (the grouped Triton kernel weighs outputs).
 A multimodal `Llama4ForConditionalGeneration` checkpoint is served as a text model: its language model

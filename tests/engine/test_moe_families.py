@@ -195,6 +195,32 @@ def test_llama4_chunked_attention_past_one_chunk_is_hfs(llama4_chunked, settings
         check_against_hf(llama4_chunked, prompts[6:7], run_greedy(llm, prompts[6:7]))
 
 
+def test_llama4_chunked_layers_hold_only_their_chunks_blocks(llama4_chunked):
+    """The chunked layers' KV groups free the blocks before each request's current chunk (the NoPE layers' group
+    keeps them all), the tokens still HF's: the pool's peak over a 68-token request is its full group's sequence
+    plus a chunk and a step per chunked group, not every group's whole sequence. With a KV tier (which holds one
+    full-attention group) the chunked layers stay in the full group."""
+    prompt = mixed_prompts(6)[6]  # 60 tokens + 8 new: past four chunks of 16
+    with make_llm(llama4_chunked, block_size=4, max_num_batched_tokens=16, num_blocks=256) as llm:
+        kv = llm.engine.scheduler.kv_cache_manager
+        chunked = sum(1 for chunk in kv.group_chunks if chunk == 16)
+        assert chunked >= 1 and None in kv.group_chunks
+        peak, allocate = [0], kv.allocate_slots
+
+        def recording_allocate(*args, **kwargs):
+            new = allocate(*args, **kwargs)
+            peak[0] = max(peak[0], kv.block_pool.num_blocks - kv.block_pool.num_free_blocks)
+            return new
+
+        kv.allocate_slots = recording_allocate
+        check_against_hf(llama4_chunked, [prompt], run_greedy(llm, [prompt]))
+    sequence = -(-(len(prompt) + 8) // 4)  # one group's blocks for the whole sequence
+    full = len(kv.group_chunks) - chunked
+    assert peak[0] <= full * sequence + chunked * (-(-(16 + 16) // 4) + 1) < len(kv.group_chunks) * sequence
+    with make_llm(llama4_chunked, block_size=4, swap_space=0.001) as llm:
+        assert not any(llm.engine.scheduler.kv_cache_manager.group_chunks)
+
+
 def test_llama4_chunks_the_block_size_does_not_divide_are_refused(llama4_chunked):
     with pytest.raises(SettingsConflictError, match="attention_chunk_size 16.*--block-size 32 does not"):
         make_llm(llama4_chunked, block_size=32)

@@ -1,3 +1,5 @@
+import pytest
+
 from scheduler import KVCacheManager
 
 from tests.scheduler.factories import make_request
@@ -228,6 +230,46 @@ def test_an_evicted_block_inside_the_window_shortens_the_hit_to_where_the_window
     (full, sliding), num_hit = kv.get_computed_blocks(make_request(list(range(25))))
     # A hit of 20 tokens reads keys 16..20 (block 4, then 5 computed anew); 24 would need block 5.
     assert num_hit == 20 and len(full) == len(sliding) == 5 and sliding[4] is not kv.null_block
+
+
+def test_a_chunked_group_frees_the_blocks_before_the_current_chunk():
+    """Llama 4's local attention (chunks of 8): a query reads its own chunk's keys only, so once the next token
+    to compute is in chunk c, the blocks wholly before c * 8 go back to the pool (the full group keeps all)."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, None), group_chunks=(None, 8))
+    a = make_request(list(range(6)))
+    admit(kv, a)
+    live = []
+    for token in range(100, 130):
+        a.append_output_token(token)
+        assert kv.allocate_slots(a, 1) is not None
+        kv.commit_step(0)
+        live.append([i for i, b in enumerate(kv.get_blocks(a.request_id)[1]) if b is not kv.null_block])
+        a.num_computed_tokens += 1
+    # computing token 6 + i: its chunk starts at (6 + i) // 8 * 8, whose block is (6 + i) // 8 * 2
+    assert all(blocks[0] == (6 + i) // 8 * 2 for i, blocks in enumerate(live))
+    full, chunked = kv.get_blocks(a.request_id)
+    assert all(b is not kv.null_block for b in full) and chunked[:6] == [kv.null_block] * 6
+    assert kv.num_blocks_needed(1000, 16) == 250 + (-(-(8 + 16) // 4) + 1)  # a chunk and a step, not the sequence
+    kv.free(a)
+    assert kv.usage == 0
+
+
+def test_a_chunked_group_hit_needs_only_the_blocks_of_the_next_tokens_chunk():
+    kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, None), group_chunks=(None, 8))
+    a = make_request(list(range(24)))
+    assert kv.allocate_slots(a, 24) is not None
+    a.num_computed_tokens = 24
+    kv.commit_step(0)
+    kv.free(a)
+    (full, chunked), num_hit = kv.get_computed_blocks(make_request(list(range(22)) + [7, 7, 7]))
+    # 20 tokens hit (block 5 differs); the next token, 20, is in chunk 16..23: block 4 only
+    assert num_hit == 20 and len(full) == len(chunked) == 5
+    assert chunked[:4] == [kv.null_block] * 4 and chunked[4] is not kv.null_block
+
+
+def test_chunks_go_on_groups_without_a_window():
+    with pytest.raises(ValueError, match="chunks"):
+        KVCacheManager(num_blocks=8, block_size=4, group_windows=(None, 4), group_chunks=(None, 8))
 
 
 def test_a_prompt_remainder_is_reserved_in_full_groups_only():
