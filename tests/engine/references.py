@@ -34,6 +34,21 @@ def assert_idle(llm: LLM) -> None:
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def record_peak_blocks(llm: LLM) -> list[int]:
+    """A one-element list that holds the most blocks the engine's pool has had in use after any allocation from
+    now on (a test of what the KV groups free)."""
+    kv = llm.engine.scheduler.kv_cache_manager
+    peak, allocate = [0], kv.allocate_slots
+
+    def recording_allocate(*args, **kwargs):
+        new = allocate(*args, **kwargs)
+        peak[0] = max(peak[0], kv.block_pool.num_blocks - kv.block_pool.num_free_blocks)
+        return new
+
+    kv.allocate_slots = recording_allocate
+    return peak
+
+
 @lru_cache(maxsize=4)
 def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM

@@ -22,6 +22,7 @@ from engine.layers.fused_decode import _model_fits
 from engine.models import build_model
 from tests.engine.factories import DENSE_FAMILIES, make_tiny_model_dir, tiny_config_dict
 from tests.engine.references import assert_idle, check_against_hf, hf_greedy_of, hf_prompt_logprobs, make_llm
+from tests.engine.references import record_peak_blocks
 from tests.engine.test_model_equivalence import NEW_TOKENS, mixed_prompts, run_greedy
 
 
@@ -121,14 +122,7 @@ def test_sliding_layers_hold_only_their_windows_blocks(model_dir):
     with make_llm(model_dir, block_size=4, max_num_batched_tokens=16, num_blocks=256) as llm:
         kv = llm.engine.scheduler.kv_cache_manager
         assert len(kv.group_windows) == (1 if all(windows) else 2)  # all sliding, or sliding and full halves
-        peak, allocate = [0], kv.allocate_slots
-
-        def recording_allocate(*args, **kwargs):
-            new = allocate(*args, **kwargs)
-            peak[0] = max(peak[0], kv.block_pool.num_blocks - kv.block_pool.num_free_blocks)
-            return new
-
-        kv.allocate_slots = recording_allocate
+        peak = record_peak_blocks(llm)
         check_against_hf(model_dir, [prompt], run_greedy(llm, [prompt]))
     num_blocks = -(-(len(prompt) + NEW_TOKENS) // 4)  # the sequence's blocks in one group
     window_blocks = -(-(max(w for w in windows if w) + 16) // 4) + 1  # a window and a chunk

@@ -21,7 +21,7 @@ from engine.layers.rotary import inverse_frequencies
 from engine.models import build_model
 from engine.models.decoder_moe import DecoderMoeForCausalLM
 from tests.engine.factories import make_tiny_tokenizer, tiny_config_dict
-from tests.engine.references import check_against_hf, make_llm
+from tests.engine.references import check_against_hf, make_llm, record_peak_blocks
 from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
 from tests.engine.test_moe_equivalence import FAMILIES, SHORT_FACTORS
 
@@ -205,14 +205,7 @@ def test_llama4_chunked_layers_hold_only_their_chunks_blocks(llama4_chunked):
         kv = llm.engine.scheduler.kv_cache_manager
         chunked = sum(1 for chunk in kv.group_chunks if chunk == 16)
         assert chunked >= 1 and None in kv.group_chunks
-        peak, allocate = [0], kv.allocate_slots
-
-        def recording_allocate(*args, **kwargs):
-            new = allocate(*args, **kwargs)
-            peak[0] = max(peak[0], kv.block_pool.num_blocks - kv.block_pool.num_free_blocks)
-            return new
-
-        kv.allocate_slots = recording_allocate
+        peak = record_peak_blocks(llm)
         check_against_hf(llama4_chunked, [prompt], run_greedy(llm, [prompt]))
     sequence = -(-(len(prompt) + 8) // 4)  # one group's blocks for the whole sequence
     full = len(kv.group_chunks) - chunked

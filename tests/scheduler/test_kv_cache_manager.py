@@ -5,6 +5,17 @@ from scheduler import KVCacheManager
 from tests.scheduler.factories import make_request
 
 
+def decode(kv: KVCacheManager, request, tokens):
+    """Each token appended and computed by a decode step of its own; yields the request's blocks per group after
+    each."""
+    for token in tokens:
+        request.append_output_token(token)
+        assert kv.allocate_slots(request, 1) is not None
+        kv.commit_step(0)
+        request.num_computed_tokens += 1
+        yield kv.get_blocks(request.request_id)
+
+
 def admit(kv: KVCacheManager, request):
     blocks, num_hit = kv.get_computed_blocks(request)
     assert kv.allocate_slots(request, request.num_tokens - num_hit, blocks) is not None
@@ -181,13 +192,7 @@ def test_a_sliding_group_frees_the_blocks_behind_its_window_as_a_request_decodes
     kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, 6))
     a = make_request(list(range(8)))
     admit(kv, a)
-    held = []
-    for token in range(100, 140):
-        a.append_output_token(token)
-        assert kv.allocate_slots(a, 1) is not None
-        kv.commit_step(0)
-        a.num_computed_tokens += 1
-        held.append(sum(1 for b in kv.get_blocks(a.request_id)[1] if b is not kv.null_block))
+    held = [sum(1 for b in groups[1] if b is not kv.null_block) for groups in decode(kv, a, range(100, 140))]
     full, sliding = kv.get_blocks(a.request_id)
     assert len(full) == len(sliding) == 12  # 48 tokens' entries in both tables
     assert all(b is not kv.null_block for b in full)
@@ -238,13 +243,7 @@ def test_a_chunked_group_frees_the_blocks_before_the_current_chunk():
     kv = KVCacheManager(num_blocks=64, block_size=4, group_windows=(None, None), group_chunks=(None, 8))
     a = make_request(list(range(6)))
     admit(kv, a)
-    live = []
-    for token in range(100, 130):
-        a.append_output_token(token)
-        assert kv.allocate_slots(a, 1) is not None
-        kv.commit_step(0)
-        live.append([i for i, b in enumerate(kv.get_blocks(a.request_id)[1]) if b is not kv.null_block])
-        a.num_computed_tokens += 1
+    live = [[i for i, b in enumerate(groups[1]) if b is not kv.null_block] for groups in decode(kv, a, range(100, 130))]
     # computing token 6 + i: its chunk starts at (6 + i) // 8 * 8, whose block is (6 + i) // 8 * 2
     assert all(blocks[0] == (6 + i) // 8 * 2 for i, blocks in enumerate(live))
     full, chunked = kv.get_blocks(a.request_id)
