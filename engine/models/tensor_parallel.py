@@ -341,7 +341,7 @@ def _held_rows(name: str, tensor: Any, held: range) -> torch.Tensor:
         raise SettingsConflictError(
             f"{name}: stacked experts are taken as float or MXFP4 tensors, not {type(tensor).__name__}"
         )
-    return tensor[held.start : held.stop]
+    return tensor[held.start : held.stop].clone()  # (not a view: the other experts' memory goes with the whole)
 
 
 def _stacked_experts(
