@@ -163,6 +163,9 @@ def test_with_expert_parallelism_an_expert_of_any_width_and_format_is_held_whole
     assert held[0][gate[0]] is gate[1] and other[0] not in held[0]
     assert held[1][other[0]] is other[1] and gate[0] not in held[1]
     assert all(shard[router[0]] is router[1] for shard in held)
+    stacked = ("model.layers.0.mlp.experts.gate_up_proj", torch.randn(8, 90, 64))  # (transformers' layout)
+    (name, part), *_ = shard_weights([stacked], arch, ParallelGroup(1, 2), held_experts=range(4, 8))
+    assert torch.equal(part, stacked[1][4:]) and part.untyped_storage().nbytes() == part.numel() * 4  # a copy
 
 
 def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
