@@ -460,8 +460,9 @@ def _expert_columns(
 def _unpadded_gguf(name: str, tensor: GgufWeight, width: int, ranks: int) -> SettingsConflictError:
     return SettingsConflictError(
         f"--tensor-parallel-size {ranks}: {name} ({tensor.format}) is an expert {width} wide, which does not split "
-        "into equal shares, and experts kept in GGUF blocks are not padded; serve it with a size that divides "
-        f"{width}, or with --quantization none (dequantized at load, then padded)"
+        "into equal shares, and experts kept in GGUF blocks are not padded; serve it with --enable-expert-parallel "
+        f"(each expert whole on one rank), a size that divides {width}, or --quantization none (dequantized at "
+        "load, then padded)"
     )
 
 
