@@ -59,6 +59,8 @@ _ALWAYS: dict[str, tuple[Optional[tuple[Any, ...]], str]] = {
     "disable_sliding_window": ((False,), "a model's sliding window is always kept"),
     "enable_sleep_mode": ((False,), "the engine has no sleep mode"),
     "data_parallel_size": ((1,), "one engine per process (run a server per replica)"),
+    "expert_placement_strategy": (("linear",), "each rank holds a contiguous run of experts"),
+    "enable_eplb": ((False,), "experts are not rebalanced between ranks"),
     "calculate_kv_scales": ((False,), "fp8 K/V are stored unscaled"),
     "compilation_config": ((0, {}), "the model is not compiled (CUDA graphs: enforce_eager)"),
     # (None: any value is what this engine does)

@@ -664,6 +664,22 @@ OPTIONS: tuple[Option, ...] = (
         short="-dp",
     ),
     Option(
+        "--expert-placement-strategy",
+        None,
+        "str",
+        "vLLM's: with --enable-expert-parallel each rank holds a contiguous run of experts here; only linear is taken",
+        default_text="linear",
+        always=("linear",),
+    ),
+    Option(
+        "--enable-eplb",
+        None,
+        "bool",
+        "vLLM's: experts are not rebalanced between ranks here (no redundant experts); only the default is taken",
+        default_text="not set",
+        always=(False,),
+    ),
+    Option(
         "--cpu-offload-gb",
         None,
         "float",

@@ -460,6 +460,8 @@ def test_vllm_llm_arguments_that_ask_for_what_the_engine_does():
         disable_sliding_window=False,
         enable_sleep_mode=False,
         data_parallel_size=1,
+        expert_placement_strategy="linear",
+        enable_eplb=False,
         calculate_kv_scales=False,
         compilation_config=0,
         disable_custom_all_reduce=True,
@@ -481,6 +483,8 @@ def test_vllm_llm_arguments_that_ask_for_what_the_engine_does():
         ("compilation_config", {"level": 3}),
         ("tokenizer_revision", "v2"),
         ("data_parallel_size", 2),
+        ("expert_placement_strategy", "round_robin"),
+        ("enable_eplb", True),
     ):
         with pytest.raises(ValueError, match=key):
             engine_config_from_kwargs(None, **{key: value})

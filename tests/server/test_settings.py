@@ -174,6 +174,11 @@ ALWAYS_FLAGS = {
     "--max-long-partial-prefills": (["--max-long-partial-prefills", "1"], ["--max-long-partial-prefills", "2"]),
     "--data-parallel-size": (["--data-parallel-size", "1"], ["-dp", "2"]),
     "--cpu-offload-gb": (["--cpu-offload-gb", "0"], ["--cpu-offload-gb", "4"]),
+    "--expert-placement-strategy": (
+        ["--expert-placement-strategy", "linear"],
+        ["--expert-placement-strategy", "round_robin"],
+    ),
+    "--enable-eplb": (["--no-enable-eplb"], ["--enable-eplb"]),
     "--disable-log-stats": (["--disable-log-stats"], ["--no-disable-log-stats"]),
     "--disable-sliding-window": (["--no-disable-sliding-window"], ["--disable-sliding-window"]),
     "--calculate-kv-scales": (["--no-calculate-kv-scales"], ["--calculate-kv-scales"]),
