@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Sequence
 
@@ -36,7 +37,21 @@ def worker_context(preload: Sequence[str] = ()) -> BaseContext:
 
 def run_in_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
     """A worker process's entry: the launching process's environment (`dict(os.environ)` when it launched),
-    then `target(*args)`."""
+    then `target(*args)`. The worker lets go of the fork server first (`_let_go_of_the_fork_server`)."""
+    _let_go_of_the_fork_server()
     os.environ.clear()
     os.environ.update(environ)
     return target(*args)
+
+
+def _let_go_of_the_fork_server() -> None:
+    """Close this fork's copy of the fork server's "alive" pipe, which multiprocessing hands every fork (for forks
+    that start processes of their own). The server leaves when every copy is closed: kept here, it would outlive
+    the launching process as long as this worker lives, so the worker's parent never changes and a headless node's
+    ranks (PR_SET_PDEATHSIG on the fork server's thread) outlive their SIGKILLed node. Let go, the server leaves as
+    soon as the launching process ends, and the worker sees it gone."""
+    server = forkserver._forkserver  # (multiprocessing's own; no public way to this pipe)
+    inherited = getattr(server, "_forkserver_alive_fd", None)
+    if inherited is not None and getattr(server, "_forkserver_pid", None) is None:  # (not a server this one started)
+        os.close(inherited)
+        server._forkserver_alive_fd = None
