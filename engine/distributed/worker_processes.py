@@ -11,13 +11,20 @@ What a fork of the server does not take from the launching process, it is given:
 (`run_in_environment`). Settings a library reads once when it is loaded (libgomp's `OMP_*`, torch's) are the fork
 server's, which inherited the launching process's environment when it started: the CLI sets those before any
 engine exists.
+
+The fork server imports its preloads from its own `sys.path` (a fresh `python -c` in this directory's), not the
+launching process's (multiprocessing applies that to each fork only, after the preloads). Where a fresh
+interpreter here would import another `engine` than this process's (a copy found through a `sys.path` entry
+added at run time, a second checkout beside an installed one), the workers are spawned instead, so that every
+rank runs the same code (`_fork_server_imports_this_engine`, asked once before the server starts).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-from multiprocessing import forkserver
+import subprocess
+from multiprocessing import forkserver, spawn, util
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Sequence
 
@@ -29,10 +36,26 @@ def worker_context(preload: Sequence[str] = ()) -> BaseContext:
     """The multiprocessing context worker processes and the semaphores handed to them are made in. `preload`:
     modules the workers' arguments need besides `PRELOAD` (the model config's class: unpickling a transformers
     config imports its module, which imports most of transformers), imported by the fork server if this call
-    starts it."""
+    starts it. Spawn where a fork server would import another `engine` (see the module docstring)."""
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None and not _fork_server_imports_this_engine():
+        return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([*PRELOAD, *preload])  # (read when the server starts; later calls change nothing)
     return context
+
+
+def _fork_server_imports_this_engine() -> bool:
+    """Whether an interpreter started as multiprocessing starts the fork server (this executable and interpreter
+    flags, `-c`, this directory and environment) finds this process's `engine` package."""
+    import engine
+
+    probe = "import importlib.util as u; s = u.find_spec('engine'); print(s.origin if s and s.origin else '')"
+    command = [spawn.get_executable(), *util._args_from_interpreter_flags(), "-c", probe]  # type: ignore[attr-defined]
+    try:
+        found = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+        return bool(found) and os.path.samefile(found, str(engine.__file__))
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def run_in_environment(environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:
@@ -54,4 +77,4 @@ def _let_go_of_the_fork_server() -> None:
     inherited = getattr(server, "_forkserver_alive_fd", None)
     if inherited is not None and getattr(server, "_forkserver_pid", None) is None:  # (not a server this one started)
         os.close(inherited)
-        server._forkserver_alive_fd = None
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]

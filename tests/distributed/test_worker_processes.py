@@ -5,6 +5,7 @@ started)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,3 +107,24 @@ def test_workers_leave_with_their_sigkilled_launcher(tmp_path):
         for pid in workers:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+WHICH_CONTEXT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import engine
+from engine.distributed.worker_processes import worker_context
+print(engine.__file__, worker_context().get_start_method())
+"""
+
+
+def test_a_process_whose_engine_a_fresh_interpreter_would_not_import_spawns_its_workers(tmp_path):
+    """The fork server imports its preloads from its own sys.path: a process running another copy of `engine` (a
+    path put first at run time, as a second checkout) spawns its workers instead, so that they run its code."""
+    root = Path(__file__).resolve().parents[2]
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "engine", copy / "engine", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for path, method in ((copy, "spawn"), (root, "forkserver")):
+        command = [sys.executable, "-c", WHICH_CONTEXT, str(path)]
+        found = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+        assert found.stdout.split() == [str(path / "engine" / "__init__.py"), method]
