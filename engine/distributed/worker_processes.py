@@ -26,6 +26,7 @@ import os
 import subprocess
 from multiprocessing import forkserver, spawn, util
 from multiprocessing.context import BaseContext
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 PRELOAD = ("engine.tp_workers",)
@@ -47,13 +48,12 @@ def worker_context(preload: Sequence[str] = ()) -> BaseContext:
 def _fork_server_imports_this_engine() -> bool:
     """Whether an interpreter started as multiprocessing starts the fork server (this executable and interpreter
     flags, `-c`, this directory and environment) finds this process's `engine` package."""
-    import engine
-
+    this_engine = Path(__file__).resolve().parents[1] / "__init__.py"  # (this module's own package)
     probe = "import importlib.util as u; s = u.find_spec('engine'); print(s.origin if s and s.origin else '')"
     command = [spawn.get_executable(), *util._args_from_interpreter_flags(), "-c", probe]  # type: ignore[attr-defined]
     try:
         found = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-        return bool(found) and os.path.samefile(found, str(engine.__file__))
+        return bool(found) and os.path.samefile(found, this_engine)
     except (OSError, subprocess.SubprocessError):
         return False
 
