@@ -78,6 +78,12 @@ class EngineCacheConfig(CacheConfig):
         "a second bounded pool beside the cache); 0 = none",
     )
 
+    @property
+    def tier_flags(self) -> list[str]:
+        """The flags that asked for a KV tier (none: no tier)."""
+        wanted = (("--swap-space", bool(self.swap_space)), ("--kv-cache-dir", self.kv_cache_dir is not None))
+        return [flag for flag, asked in wanted if asked]
+
     @field_validator("kv_cache_memory")
     @classmethod
     def _check_size(cls, value: Optional[Union[int, str]]) -> Optional[int]:

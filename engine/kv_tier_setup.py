@@ -27,14 +27,7 @@ logger = logging.getLogger(__name__)
 def check_kv_tiers(config: EngineConfig, shard: Shard) -> None:
     """SettingsConflictError for a tier this engine cannot keep."""
     cache = config.cache
-    flags = [
-        flag
-        for flag, wanted in (
-            ("--swap-space", bool(cache.swap_space)),
-            ("--kv-cache-dir", cache.kv_cache_dir is not None),
-        )
-        if wanted
-    ]
+    flags = cache.tier_flags
     if not flags:
         return
     named = " / ".join(flags)

@@ -148,8 +148,7 @@ def build_shard(
     # groups are the whole model's (the scheduler's, the same on every stage); a stage's cache holds its layers'.
     # Chunked local attention (Llama 4) frees the blocks before each request's chunk, but the KV tiers hold one
     # full-attention group: with a tier its layers stay in the full group (their blocks kept, as a full layer's).
-    tiers = bool(config.cache.swap_space) or config.cache.kv_cache_dir is not None
-    layer_chunks = () if tiers else [attention.chunk for attention in model.attention_layers]
+    layer_chunks = () if config.cache.tier_flags else [attention.chunk for attention in model.attention_layers]
     windows = [attention.sliding_window for attention in model.attention_layers]
     kv_groups = KVGroups.of(windows, max_model_len, layer_chunks)
     if stage is not None and stage.is_split:

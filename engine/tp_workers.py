@@ -118,8 +118,8 @@ class TensorParallelWorkers:
 
     @classmethod
     def start(cls, config: EngineConfig, checkpoint: Checkpoint, hf_config: Any) -> "TensorParallelWorkers":
-        """Start this host's ranks 1 .. N/nnodes - 1 (forks of the fork server: distributed/worker_processes.py) and join
-        the group of all ranks as rank 0; they load their shards while this process loads its own. With several
+        """Start this host's ranks 1 .. N/nnodes - 1 (forks of the fork server: distributed/worker_processes.py) and
+        join the group of all ranks as rank 0; they load their shards while this process loads its own. With several
         hosts the others' ranks come from their `pagedserve serve --headless` (`run_headless_node`)."""
         check_parallel_model(config, hf_config)
         parallel = config.parallel

@@ -102,9 +102,9 @@ class KVCacheManager:
         self.null_block = KVBlock(num_blocks, ref_cnt=1)  # the cache's padding block: never freed, never read
         self.prefix_cache_stats = PrefixCacheStats()
         # the groups whose queries read part of the past (a window or a chunk)
-        self._sliding = [
+        self._partial = tuple(
             g for g, (window, chunk) in enumerate(zip(self.group_windows, group_chunks)) if window or chunk
-        ]
+        )
         self._no_blocks: BlockIds = ((),) * self.num_groups
         self._req_blocks: dict[str, list[list[KVBlock]]] = {}  # per request, per group
         self._first_live: dict[str, list[int]] = {}  # per request, per group: entries before it are null
@@ -119,7 +119,7 @@ class KVCacheManager:
         # step id -> {request id -> its _num_cached_blocks before the step}: put back if the step never runs
         self._advanced: dict[int, dict[str, int]] = {}
         self.num_slots: dict[str, int] = {}  # token slots allocated per request in every group (read-only outside)
-        if kv_tiers is not None and (len(self.group_windows) > 1 or self._sliding or not enable_caching):
+        if kv_tiers is not None and (len(self.group_windows) > 1 or self._partial or not enable_caching):
             raise ValueError("a KV tier needs prefix caching and one full-attention layer group")
         self.kv_tiers = kv_tiers
 
@@ -179,7 +179,7 @@ class KVCacheManager:
         max_blocks = self._hit_blocks(spans, (request.num_tokens - 1) // self.block_size)
         hashes = request.block_hashes[:max_blocks]
         get_cached = self.block_pool.get_cached_block
-        if self.num_groups == 1 and not self._sliding:
+        if self.num_groups == 1 and not self._partial:
             hits: list[KVBlock] = []
             for block_hash in hashes:
                 block = get_cached(block_hash)
@@ -197,15 +197,15 @@ class KVCacheManager:
 
         n = max_blocks
         for g in range(self.num_groups):
-            if g not in self._sliding:
+            if g not in self._partial:
                 run = 0
                 while run < n and cached(g, run) is not None:
                     run += 1
                 n = run
         n = self._hit_blocks(spans, n)
-        while self._sliding:  # the largest n every sliding group's window serves (n = 0 always does)
+        while self._partial:  # the largest n every sliding or chunked group serves (n = 0 always does)
             start = n
-            for g in self._sliding:
+            for g in self._partial:
                 i = n - 1
                 while i >= self._first_needed(g, n * self.block_size) // self.block_size:
                     if cached(g, i) is None:
@@ -285,7 +285,7 @@ class KVCacheManager:
         groups = self._req_blocks.get(request_id)
         block_size = self.block_size
         hits = new_computed_blocks if new_computed_blocks and new_computed_blocks[0] else None
-        if groups is not None and self._sliding:
+        if groups is not None and self._partial:
             self._free_outside_windows(request_id, groups, request.num_computed_tokens)
         if groups is not None and hits is None:
             num_total = request.num_computed_tokens + num_new_tokens
@@ -299,7 +299,7 @@ class KVCacheManager:
         current = groups if groups is not None else [[] for _ in self.group_windows]
         needs = []
         for g in range(self.num_groups):
-            end = num_total + num_lookahead_tokens + (0 if g in self._sliding else num_reserved_tokens)
+            end = num_total + num_lookahead_tokens + (0 if g in self._partial else num_reserved_tokens)
             num_held = len(current[g]) + (len(hits[g]) if hits is not None else 0)
             needs.append(max(self.num_blocks_for(end) - num_held, 0))
         num_reclaimed = 0 if hits is None else sum(1 for blocks in hits for b in blocks if b.ref_cnt == 0)
@@ -428,7 +428,7 @@ class KVCacheManager:
         """Free each sliding or chunked group's blocks that no query from position `num_computed` on reads."""
         first_live = self._first_live[request_id]
         null = self.null_block
-        for g in self._sliding:
+        for g in self._partial:
             blocks = groups[g]
             first_read = min(self._first_needed(g, num_computed) // self.block_size, len(blocks))
             if first_read <= first_live[g]:

@@ -22,7 +22,7 @@ class KVGroups:
 
     windows: tuple[Optional[int], ...]
     layers: tuple[tuple[int, ...], ...]
-    chunks: tuple[Optional[int], ...] = ()
+    chunks: tuple[Optional[int], ...]
 
     @classmethod
     def of(

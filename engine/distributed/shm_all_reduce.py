@@ -4,7 +4,7 @@ ranks hold bit-identical results, the same from run to run. It replaces gloo's l
 parallelism on CPU (a [1, 2048] bf16 all-reduce: ~435 us over gloo between two processes).
 
     owner (rank 0):  shm = ShmAllReduce.create(world_size, timeout_s=...)   # before spawning the other ranks
-                     Process(target=worker, args=(shm.handle, ...))         # the workers' context; the handle rides in the args
+                     Process(target=worker, args=(shm.handle, ...))         # the handle rides in the args
     every rank:      comm = handle.open(rank); comm.all_reduce(tensor)      # in place, tensor back
                      comm.close();  owner: shm.close()                      # unlinks the segment
 
@@ -23,12 +23,12 @@ Two buffers need one barrier per chunk, not two: a rank writes chunk g + 2 into 
 after it passed chunk g + 1's barrier, which every peer reaches only after it finished summing chunk g.
 
 Waiting: a short spin on the flags (the peer is usually microseconds away in a decode step), then sleep on this
-rank's semaphore (one per rank, of the workers' `multiprocessing` context, made by the owner before the ranks
-exist). The flags are the truth and the semaphore is only a wake-up: a rank checks the flags before each sleep,
-and a peer posts after storing its flag, so no wake-up is lost; posts that find the rank awake are drained after
-the barrier (sem_trywait: no system call), so the count stays bounded. Every 50 ms asleep a rank checks that
-its peers live (their pids, and the `aborted` flag any rank or rank 0's watcher sets), so a dead peer fails the
-others within a fraction of a second; a peer alive but absent fails them after `timeout_s`.
+rank's semaphore (one per rank, of the `multiprocessing` context of semaphores handed to workers, made by the owner
+before the ranks exist). The flags are the truth and the semaphore is only a wake-up: a rank checks the flags
+before each sleep, and a peer posts after storing its flag, so no wake-up is lost; posts that find the rank awake
+are drained after the barrier (sem_trywait: no system call), so the count stays bounded. Every 50 ms asleep a rank
+checks that its peers live (their pids, and the `aborted` flag any rank or rank 0's watcher sets), so a dead peer
+fails the others within a fraction of a second; a peer alive but absent fails them after `timeout_s`.
 
 Memory ordering: the slot's stores must be visible before the flag that announces them, and a waiter must not
 load a slot before it saw the flag. x86-64 keeps stores in order and loads in order, but AArch64 does not; a
@@ -56,7 +56,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.distributed.worker_processes import worker_context
+from engine.distributed.worker_processes import semaphore_context
 from engine.distributed.shm_segment import attach_segment, create_segment, segment_buffer
 
 SEGMENT_PREFIX = "psar"  # + the owner's pid: what a test looks for in /dev/shm
@@ -158,7 +158,7 @@ class ShmAllReduce:
         segment = create_segment(SEGMENT_PREFIX, layout.size)
         try:
             segment_buffer(segment)[: layout.buffers_offset] = bytes(layout.buffers_offset)  # not aborted, no arrival
-            context = worker_context()
+            context = semaphore_context()
             wake = tuple(context.Semaphore(0) for _ in range(world_size))
             return ShmAllReduceOwner(segment, AllReduceHandle(segment.name, world_size, slot_bytes, timeout_s, wake))
         except BaseException:

@@ -2,7 +2,7 @@
 (the engine process) to every worker process of the host, pickled once, read in place by all.
 
     writer:  queue = ShmBroadcastQueue.create(num_readers=3)     # before spawning the workers
-             Process(target=worker, args=(queue.handle, k))     # the workers' context; the handle rides in the args
+             Process(target=worker, args=(queue.handle, k))     # the handle rides in the args
              queue.enqueue(step) ... queue.close()
     reader:  reader = handle.open(k); step = reader.dequeue(timeout=...)   # BroadcastClosed after close()
 
@@ -15,8 +15,8 @@ Layout of the shared memory (message `seq` = 1, 2, ... lives in slot (seq - 1) %
 pickle larger than a slot goes into a segment of its own, named in the slot and unlinked by the writer once
 every reader has read it (or at close).
 
-Waiting sleeps (the host's cores are the workers'): per reader k, two semaphores of the `multiprocessing`
-context the workers start in (distributed/worker_processes.py), made before the readers exist and passed to
+Waiting sleeps (the host's cores are the workers'): per reader k, two semaphores of the `multiprocessing` context
+of the semaphores handed to workers (distributed/worker_processes.py), made before the readers exist and passed to
 them in the handle:
 
     data[k]     posted by the writer once per message (and once at close); taken by reader k once per dequeue
@@ -50,7 +50,7 @@ from multiprocessing import shared_memory
 from multiprocessing.synchronize import Semaphore
 from typing import Optional
 
-from engine.distributed.worker_processes import worker_context
+from engine.distributed.worker_processes import semaphore_context
 from engine.distributed.shm_segment import attach_segment, create_segment, segment_buffer
 
 SEGMENT_PREFIX = "psb"  # + the writer's pid: what a test looks for in /dev/shm
@@ -157,7 +157,7 @@ class ShmBroadcastQueue:
         segment = create_segment(SEGMENT_PREFIX, layout.size)
         try:
             segment_buffer(segment)[: layout.slots_offset] = bytes(layout.slots_offset)  # no flag set, not closed
-            context = worker_context()
+            context = semaphore_context()
             handle = BroadcastHandle(
                 name=segment.name,
                 num_readers=num_readers,

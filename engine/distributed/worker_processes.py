@@ -33,8 +33,15 @@ PRELOAD = ("engine.tp_workers",)
 """The modules a worker runs (and everything they import), imported once by the fork server."""
 
 
+def semaphore_context() -> BaseContext:
+    """The context of the semaphores handed to workers: spawn's, whose named semaphores a worker reopens by name
+    whether it was forked by the fork server or spawned (a fork context's cannot be handed over), without asking
+    which of the two `worker_context` will choose."""
+    return multiprocessing.get_context("spawn")
+
+
 def worker_context(preload: Sequence[str] = ()) -> BaseContext:
-    """The multiprocessing context worker processes and the semaphores handed to them are made in. `preload`:
+    """The multiprocessing context worker processes are made in. `preload`:
     modules the workers' arguments need besides `PRELOAD` (the model config's class: unpickling a transformers
     config imports its module, which imports most of transformers), imported by the fork server if this call
     starts it. Spawn where a fork server would import another `engine` (see the module docstring)."""

@@ -587,7 +587,9 @@ def build_model(
         whole_moe = moe_arch_of(hf_config)
         shard = shard_arch(check_tensor_parallel_model(hf_config, tp.world_size), tp.world_size, whole_moe)
         unit = tensor_parallel_expert_unit(hf_config, quantizer)
-        held = held_experts_of(hf_config, tp) if expert_parallel else None
+        held = None
+        if expert_parallel and whole_moe is not None:
+            held = held_experts(whole_moe.num_experts, tp.rank, tp.world_size)
         if whole_moe is not None and tp.rank == 0:
             if held is not None:
                 logger.info("%s", describe_placement(whole_moe.num_experts, tp.world_size))
