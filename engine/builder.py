@@ -21,6 +21,7 @@ from engine.loading.loader import (
     prepare_checkpoint,
     prepare_tokenizer_source,
 )
+from engine.runner.model_runner import ModelRunner
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.eagle_loading import LoadedHead, load_eagle_head, make_eagle_proposer
@@ -47,6 +48,7 @@ from engine.structured.grammar_compiler import GrammarCompiler
 from engine.structured.grammar_decoder import GrammarDecoder
 from engine.text.tokenizer import Tokenizer, load_tokenizer
 from scheduler import Scheduler
+from scheduler.config import CacheConfig
 from scheduler.scheduler import AnyDraftProposer
 
 logger = logging.getLogger(__name__)
@@ -265,7 +267,7 @@ def _build_rank0(
         config.scheduler.model_copy(
             update={"max_model_len": max_model_len, "max_concurrent_batches": parallel.pipeline_parallel_size}
         ),
-        config.cache.for_scheduler(num_blocks),
+        _scheduler_cache(config, num_blocks, runner),
         proposer=proposer,
         adaptive_drafts=speculative is not None and speculative.adaptive,
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
@@ -321,6 +323,16 @@ def _build_rank0(
         pooler=pooler,
         processor=processor,
     )
+
+
+def _scheduler_cache(config: EngineConfig, num_blocks: int, runner: ModelRunner) -> CacheConfig:
+    """The scheduler's cache section: prefix caching off for a model with recurrent states (a hybrid model's
+    Mamba-2 layers), whose state summarises a request's whole prefix and cannot be restored from cached blocks."""
+    cache = config.cache.for_scheduler(num_blocks)
+    if runner.states is None or not cache.enable_prefix_caching:
+        return cache
+    logger.info("prefix caching off: the Mamba-2 layers keep each request's state, which cached blocks cannot restore")
+    return cache.model_copy(update={"enable_prefix_caching": False})
 
 
 def _image_processor(config: EngineConfig, checkpoint: Checkpoint, shard: Shard) -> Optional[MultiModalProcessor]:

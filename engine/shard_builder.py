@@ -230,7 +230,7 @@ def build_shard(
     if device.type == "cpu":
         back_weights_with_huge_pages(model)
     spec = KVCacheSpec(
-        len(model.stage.layers),
+        len(model.attention_layers),  # (a hybrid model's Mamba-2 layers keep recurrent states instead)
         config.cache.block_size,
         model.arch.num_kv_heads,
         model.arch.head_dim,
@@ -255,8 +255,15 @@ def build_shard(
         # (a decode graph would replay the virtual requests of the step it captured: local_chunks builds them from
         # the step's host copies)
         logger.info("CUDA graphs off: the model's chunked local attention cuts each step at its chunks' boundaries")
+    recurrent = model.recurrent_state_bytes(1) > 0
+    if recurrent:
+        _check_recurrent(config, family.architecture)
+        if device.type == "cuda":
+            logger.info("CUDA graphs off: the Mamba-2 layers scan each request's rows on their own")
     buckets = (
-        () if model.stage.is_split or not model.keeps_lm_head or chunks else _graph_buckets(config, device, backend)
+        ()
+        if model.stage.is_split or not model.keeps_lm_head or chunks or recurrent
+        else _graph_buckets(config, device, backend)
     )
     return Shard(model, backend, spec, kv_groups, limits, buckets, device, dtype, max_model_len, vision)
 
@@ -303,6 +310,25 @@ def _whole_rows_quantizer(
         return quantized
 
     return quantize
+
+
+def _check_recurrent(config: EngineConfig, architecture: str) -> None:
+    """SettingsConflictError for what a model with recurrent states (a hybrid model's Mamba-2 layers) is not
+    served with: each request's state summarises its whole prefix, so no other request's cached blocks, no KV
+    tier and no rejected draft can stand for or be taken out of it; batch-invariant mode's promise would need the
+    scans to read the same chunks whatever the batch."""
+    refused = {
+        "--speculative-config": config.speculative_config is not None,
+        "--enable-lora": config.lora.enable_lora,
+        "--batch-invariant": config.batch_invariant,
+        "--swap-space / --kv-cache-dir (KV tiers)": bool(config.cache.tier_flags),
+    }
+    for flag, given in refused.items():
+        if given:
+            raise SettingsConflictError(
+                f"{flag}: {architecture} keeps a recurrent state per request in its Mamba-2 layers, which this "
+                "is not served with"
+            )
 
 
 def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft_bytes_per_block: int = 0) -> int:
@@ -447,6 +473,21 @@ def _num_kv_blocks(
         )
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
+    states = model.recurrent_state_bytes(limits.max_num_seqs)  # a hybrid model's: a row per running request
+    if states:
+        logger.info(
+            "recurrent states of the Mamba-2 layers: %.0f MiB (%d requests x %.1f MiB), from the KV cache budget",
+            states / 2**20,
+            limits.max_num_seqs,
+            states / limits.max_num_seqs / 2**20,
+        )
+        if states >= budget:
+            raise SettingsConflictError(
+                f"the recurrent states of --max-num-seqs {limits.max_num_seqs} requests ({states / 2**20:.0f} MiB) "
+                f"take the whole KV cache budget ({budget / 2**20:.0f} MiB); lower --max-num-seqs or raise "
+                "kv_cache_memory / gpu_memory_utilization"
+            )
+        budget -= states
     num_blocks = budget // (spec.bytes_per_block + draft_bytes_per_block) - 1  # KVCache adds its padding block
     if num_blocks < 1:
         raise SettingsConflictError(

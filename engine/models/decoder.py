@@ -300,24 +300,30 @@ class DecoderForCausalLM(LlamaForCausalLM):
         if self.embed_positions is not None:  # (HF adds them to whatever embeddings enter the first layer)
             h = h + self.embed_positions[positions]
         taps, tapped = self.feature_layers, self.tapped_features
-        for index, (layer, (key_cache, value_cache), step) in enumerate(zip(self.layers, kv_caches, metadata)):
+        recurrent = self.recurrent_layers
+        caches = iter(zip(kv_caches, metadata, strict=True))  # the attention layers', in their order
+        for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped[index] = h  # the stream entering this layer (EAGLE-3's features; never written in place here)
-            rope = self.layer_rope[index]
             x = self._norm(h, layer, "attn_pre")
-            attended = self._layer_attention(
-                layer,
-                x,
-                None if rope is None else self.rotaries[rope],
-                None if rope is None else angles[rope],
-                key_cache,
-                value_cache,
-                step,
-                backend,
-                self.layer_attention[index],
-                index,
-                query_scales if rope is None else None,
-            )
+            if index in recurrent:  # a hybrid model's Mamba-2 layer (models/hybrid.py): no KV cache
+                attended = self._recurrent_mix(index, x)
+            else:
+                rope = self.layer_rope[index]
+                (key_cache, value_cache), step = next(caches)
+                attended = self._layer_attention(
+                    layer,
+                    x,
+                    None if rope is None else self.rotaries[rope],
+                    None if rope is None else angles[rope],
+                    key_cache,
+                    value_cache,
+                    step,
+                    backend,
+                    self.layer_attention[index],
+                    index,
+                    query_scales if rope is None else None,
+                )
             attended = self._norm(attended, layer, "attn_post")
             if arch.parallel_branches:  # both read x (GPT-NeoX's MLP its own norm of h); HF's order: (h + attn) + mlp
                 mlp_input = self._norm(h, layer, "mlp_pre") if "mlp_pre" in layer.norms else x
@@ -328,6 +334,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
                 mlp = self._mlp_branch(index, layer, self._norm(h, layer, "mlp_pre"))
                 h = self._add(h, self._norm(mlp, layer, "mlp_post"))
         return h
+
+    recurrent_layers: frozenset[int] = frozenset()
+    """The layers whose token mixer is a Mamba-2 layer, not attention (a hybrid model's: models/hybrid.py)."""
+
+    def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no recurrent layers")
 
     def _mlp_branch(self, index: int, layer: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
         """Layer `index`'s MLP of x [T, hidden] (normed), all-reduced over the ranks."""

@@ -33,6 +33,7 @@ from engine.quantization.quantized_weight import QuantizedWeight
 from engine.quantization.weight_quantizer import WeightQuantizer
 
 if TYPE_CHECKING:
+    from engine.layers.recurrent_state import RecurrentStates, RecurrentStep
     from engine.lora.lora_stack import LoRAStack
     from engine.lora.lora_step import LoRAStep
 
@@ -125,6 +126,8 @@ class LlamaForCausalLM:
         # current step's deltas, which the runner sets around a forward pass and its logits (None: base only).
         self.lora: Optional["LoRAStack"] = None
         self.lora_step: Optional["LoRAStep"] = None
+        # A hybrid model's step of recurrent states (models/hybrid.py), set by the runner as `lora_step` is.
+        self.recurrent_step: Optional["RecurrentStep"] = None
         # EAGLE-3's features (engine/spec_decode/eagle_model.py): the residual stream entering each of these layers
         # (in the head's order) is kept in `tapped_features` by every forward pass, by layer, which the runner
         # takes after it (the fused decode step, which runs every layer in one call, is then not used)
@@ -187,6 +190,15 @@ class LlamaForCausalLM:
         """Whether the forward pass applies each layer's q/k norms wherever the layer has them (as the fused
         decode step does)."""
         return True
+
+    def recurrent_states(self, rows: int) -> Optional["RecurrentStates"]:
+        """Zeroed recurrent states for `rows` requests, which the runner holds beside the KV cache (a hybrid
+        model's Mamba-2 layers: models/hybrid.py); None: every layer attends over the KV cache."""
+        return None
+
+    def recurrent_state_bytes(self, rows: int) -> int:
+        """What `recurrent_states(rows)` takes."""
+        return 0
 
     def rotary_of(self, layer: int) -> Optional[RotaryEmbedding]:
         """The RoPE of layer `layer` (of this stage's); None: the layer has no positional embedding."""

@@ -246,6 +246,7 @@ _GENERIC_DECODER_MOE: dict[str, Callable[[Any], MoeArch]] = {
     "olmoe": _olmoe,
     "granitemoe": _granite_moe,
     "granitemoeshared": _granite_moe,
+    "granitemoehybrid": _granite_moe,  # (Granite 4.0-H's experts: models/hybrid.py)
     "phimoe": _phimoe,
     "llama4_text": _llama4,
 }

@@ -459,6 +459,19 @@ FAMILIES = (
             "decode steps unfused",
         ),
     ),
+    ModelFamily(
+        "GraniteMoeHybridForCausalLM",
+        ("granitemoehybrid",),
+        "hybrid",
+        HF_FORMATS,
+        (
+            "Granite 4.0 (-H Micro / Tiny / Small, Micro): as Granite MoE shared, or its shared MLP alone",
+            "Mamba-2 layers by layer_types: causal conv, chunked scan (SSD), gated RMSNorm; a recurrent state per "
+            "request beside the attention layers' KV cache",
+            "NoPE attention (position_embedding_type) or RoPE",
+            "no prefix caching, speculative decoding, LoRA, tensor or pipeline parallelism, CUDA graphs",
+        ),
+    ),
 )
 
 
@@ -661,6 +674,15 @@ def build_model(
             moe = MoeArch.from_hf_config(hf_config)
             return MoeForCausalLM(arch, moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
         return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)
+    if family.implementation == "hybrid":
+        from engine.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
+        from engine.models.hybrid_arch import granite_hybrid_arch, read_hybrid
+
+        arch, hybrid = granite_hybrid_arch(hf_config), read_hybrid(hf_config)
+        if hybrid.has_experts:
+            moe = MoeArch.from_hf_config(hf_config)
+            return HybridMoeForCausalLM(arch, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len)
+        return HybridForCausalLM(arch, hybrid, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "decoder_moe":
         from engine.models.decoder_moe import DecoderMoeForCausalLM
         from engine.models.families import MOE_ARCH_READERS

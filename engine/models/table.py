@@ -21,6 +21,10 @@ IMPLEMENTATIONS = {
     "decoder_moe": (
         "`DecoderMoeForCausalLM` (engine/models/decoder_moe.py; the generic decoder, experts grouped, unfused)"
     ),
+    "hybrid": (
+        "`HybridForCausalLM` / `HybridMoeForCausalLM` (engine/models/hybrid.py; the generic decoder with Mamba-2 "
+        "layers, unfused)"
+    ),
 }
 FORMAT_NAMES = {
     "safetensors": "safetensors",

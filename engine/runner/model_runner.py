@@ -17,6 +17,7 @@ from engine.lora.lora_slots import LoRASlots
 from engine.lora.lora_step import LoRASegment, LoRAStep, lm_head_rows
 from engine.models.llama import LlamaForCausalLM
 from engine.layers.mrope import SectionedRows
+from engine.layers.recurrent_state import RecurrentStates, RecurrentStep
 from engine.models.vision_language import VisionEncoder
 from engine.multimodal.inputs import MultiModalInputs
 from engine.runner.block_table import BlockTable
@@ -123,6 +124,7 @@ class _Batch:
     lora: Optional[LoRAStep] = None  # the step's adapter deltas (None: no token runs with an adapter)
     # each request's rows, with the runner's `draft_features` on: (request id, first row, count, first position)
     feature_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+    recurrent: Optional[RecurrentStep] = None  # a hybrid model's requests' recurrent states (their rows)
 
 
 class ModelRunner:
@@ -179,6 +181,8 @@ class ModelRunner:
             limits.max_num_batched_tokens, limits.max_query_rows, max_blocks, device, self.num_groups
         )
         self._forward: Optional[ForwardFn] = model_forward(model, backend, kv_cache)
+        # a hybrid model's Mamba-2 states, a row per request: its block table row (layers/recurrent_state.py)
+        self.states: Optional[RecurrentStates] = model.recurrent_states(limits.max_num_seqs)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile = profile
         self.grammar = grammar
@@ -247,11 +251,12 @@ class ModelRunner:
         model = self.model
         assert model is not None
         model.lora_step = batch.lora  # read by the forward pass and the logits; cleared when the step ends
+        model.recurrent_step = batch.recurrent
         model.tapped_features = {}  # (a step that failed may have left some)
         try:
             output = self._run_step(batch, steps, bucket)
         finally:
-            model.lora_step = None
+            model.lora_step = model.recurrent_step = None
         self._save_to_tier(scheduler_output)
         return output
 
@@ -356,6 +361,8 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
         self.kv_cache.release()
+        if self.states is not None:
+            self.states.release()
         self.model = self._forward = self.buffers = self.grammar = None
         if self.device.type == "cuda":  # (torch's per-stream cuBLAS workspaces stay: clearing them all would
             torch.cuda.synchronize(self.device)  # free those baked into another live engine's graphs)
@@ -508,6 +515,10 @@ class ModelRunner:
             self._add_feature_rows(batch, decodes, chunks)
         segments = None if self.lora_slots is None else self._lora_segments(decodes, chunks)
         max_seq_len = int(seq_lens[:num_reqs].max())
+        if self.states is not None:  # (zeroes the rows of requests whose first token this step computes)
+            batch.recurrent = self.states.step(
+                rows.tolist(), starts[: num_reqs + 1].tolist(), seq_lens[:num_reqs].tolist(), num_decodes
+            )
         width = -(-max_seq_len // self.block_table.block_size)
         buffers.check_fits(token, num_reqs, width)
         graphs = self.graphs

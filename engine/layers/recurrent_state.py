@@ -1,0 +1,106 @@
+"""The recurrent state of a hybrid model's Mamba-2 layers: per request, a convolution window and an SSM state.
+
+An attention layer keeps every past token's K/V in blocks (engine/attention/kv_cache.py); a Mamba-2 layer keeps a
+fixed-size summary instead, whatever the sequence's length: the last `d_conv - 1` inputs of its causal
+convolution and the [heads, head_dim, d_state] state of its scan. Each request owns one row of these tensors, the
+row of the runner's block table it already holds (engine/runner/block_table.py: at most `max_num_seqs`), so a
+worker process that follows the step messages holds the same rows. A row is zeroed by the step that computes its
+request's first token (a new request, a resumed one that recomputes, or a row handed to another request), and
+every later step of the request reads it and writes it back.
+
+A state summarises the whole prefix, so a cached prefix (another request's blocks) cannot restore it, and a
+rejected draft token cannot be taken back out of it: hybrid models run without prefix caching and speculative
+decoding (engine/shard_builder.py says so at start-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class MambaShape:
+    """One Mamba-2 layer's sizes, as HF's configs name them (mamba_n_heads, mamba_d_head, mamba_d_state, ...)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int  # d_state: N
+    num_groups: int  # B and C are shared by num_heads / num_groups heads each
+    conv_kernel: int  # d_conv
+    intermediate_size: int  # num_heads * head_dim
+    chunk_size: int  # the scan's chunk over a prompt
+    time_step_limit: tuple[float, float]
+    norm_eps: float
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: x, B and C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStep:
+    """The requests of one step as a Mamba-2 layer reads them: decodes (one token each) first, in batch order.
+
+    Request i's tokens are rows `query_start_loc[i] .. query_start_loc[i + 1] - 1` of the step, and its state is
+    row `rows[i]` of every layer's state tensors (`rows_cpu[i]` on the host)."""
+
+    states: "RecurrentStates"
+    rows: torch.Tensor  # [num_reqs] int64, on the states' device
+    rows_cpu: tuple[int, ...]
+    query_start_loc_cpu: tuple[int, ...]  # [num_reqs + 1]
+    num_decodes: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.rows_cpu)
+
+
+class RecurrentStates:
+    """Per Mamba-2 layer, the conv windows `[rows, conv_dim, d_conv - 1]` (the model's dtype: they are inputs
+    the layer computed) and the SSM states `[rows, heads, head_dim, d_state]` (float32: the scan adds into them
+    every token, as HF's reference scan computes in float32)."""
+
+    def __init__(self, shape: MambaShape, num_layers: int, rows: int, dtype: torch.dtype, device: torch.device):
+        self.shape = shape
+        self.rows = rows
+        self.conv = torch.zeros((num_layers, rows, shape.conv_dim, shape.conv_kernel - 1), dtype=dtype, device=device)
+        self.ssm = torch.zeros(
+            (num_layers, rows, shape.num_heads, shape.head_dim, shape.state_size), dtype=torch.float32, device=device
+        )
+
+    @staticmethod
+    def bytes_per_row(shape: MambaShape, num_layers: int, dtype: torch.dtype) -> int:
+        """What one request's state takes over every Mamba-2 layer."""
+        conv = shape.conv_dim * (shape.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        ssm = shape.num_heads * shape.head_dim * shape.state_size * 4
+        return num_layers * (conv + ssm)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+    def step(
+        self, rows: Sequence[int], query_start_loc: Sequence[int], seq_lens: Sequence[int], num_decodes: int
+    ) -> RecurrentStep:
+        """The step of requests on `rows` (batch order, decodes first) computing tokens up to `seq_lens`; the
+        rows of requests whose first token the step computes are zeroed here, before any layer reads them."""
+        rows_cpu, starts = tuple(rows), tuple(query_start_loc)
+        fresh = [
+            row
+            for i, row in enumerate(rows_cpu)
+            if seq_lens[i] == starts[i + 1] - starts[i]  # (no token of it computed before this step)
+        ]
+        if fresh:
+            index = torch.tensor(fresh, dtype=torch.int64, device=self.conv.device)
+            self.conv[:, index] = 0
+            self.ssm[:, index] = 0
+        index = torch.tensor(rows_cpu, dtype=torch.int64, device=self.conv.device)
+        return RecurrentStep(self, index, rows_cpu, starts, num_decodes)
+
+    def release(self) -> None:
+        """Drop the tensors (the engine is shutting down)."""
+        self.conv = self.ssm = torch.empty(0)

@@ -1,0 +1,172 @@
+"""Hybrid decoders: the generic decoder's layers, some of whose token mixers are Mamba-2 layers (Granite 4.0-H).
+
+The layer loop is the generic decoder's (models/decoder.py): where a layer is one of `recurrent_layers` it runs
+`_recurrent_mix` instead of attention, and takes no KV cache (the runner's KV cache holds the attention layers
+only, in their order: `attention_layers`). The Mamba-2 layers read and write the requests' recurrent states
+through the step the runner sets (`recurrent_step`, as it sets `lora_step`; layers/recurrent_state.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from engine.attention.layer_attention import LayerAttention
+from engine.distributed.parallel_group import ParallelGroup
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
+from engine.layers.mamba2 import MambaWeights, mamba_mix
+from engine.layers.recurrent_state import RecurrentStates, RecurrentStep
+from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
+from engine.models.decoder_arch import DecoderArch
+from engine.models.decoder_moe import DecoderMoeForCausalLM
+from engine.models.hybrid_arch import HybridArch
+from engine.models.moe_arch import MoeArch
+from engine.profiling.memory_bandwidth import tensor_bytes
+from engine.quantization.weight_quantizer import WeightQuantizer
+
+
+class HybridLayers:
+    """What a hybrid decoder adds to the generic one (mixed in before it): its Mamba-2 layers' weights, loading
+    and forward, and the attention layers alone as the KV cache's."""
+
+    hybrid: HybridArch
+    layer_attention: tuple[LayerAttention, ...]
+    recurrent_step: Optional[RecurrentStep]
+
+    def _hold_mamba_layers(self, hybrid: HybridArch) -> None:
+        self.hybrid = hybrid
+        self.recurrent_layers = frozenset(hybrid.mamba_layers)
+        self.mixers: dict[int, MambaWeights] = {}  # by layer
+        self._state_layer = {layer: k for k, layer in enumerate(hybrid.mamba_layers)}  # its states' index
+        self.recurrent_step = None  # set by the runner around each step's forward pass
+
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """The attention layers' attention, in their order: the KV cache's layers."""
+        return tuple(a for i, a in enumerate(self.layer_attention) if i not in self.recurrent_layers)
+
+    def recurrent_states(self, rows: int) -> Optional[RecurrentStates]:
+        """Zeroed states of `rows` requests for every Mamba-2 layer (None: the model has none)."""
+        if not self.hybrid.mamba_layers:
+            return None
+        model: Any = self
+        return RecurrentStates(self.hybrid.mamba, len(self.hybrid.mamba_layers), rows, model.dtype, model.device)
+
+    def recurrent_state_bytes(self, rows: int) -> int:
+        model: Any = self
+        count = len(self.hybrid.mamba_layers)
+        return rows * RecurrentStates.bytes_per_row(self.hybrid.mamba, count, model.dtype) if count else 0
+
+    def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        model: Any = self
+        if index not in self.recurrent_layers:
+            return model._take_attention_layer(state, index)
+        p = f"layers.{index}."
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return state.pop(p + name)
+            except KeyError:
+                raise ValueError(f"checkpoint lacks {p + name}") from None
+
+        def maybe(name: str) -> Optional[torch.Tensor]:
+            return state.pop(p + name, None)
+
+        m = "mamba."
+        prepare = model._prepare
+        self.mixers[index] = MambaWeights(
+            in_proj=prepare(take(m + "in_proj.weight")),
+            in_proj_bias=maybe(m + "in_proj.bias"),
+            conv_weight=take(m + "conv1d.weight")[:, 0, :].contiguous(),
+            conv_bias=maybe(m + "conv1d.bias"),
+            dt_bias=take(m + "dt_bias").float(),
+            A=-torch.exp(take(m + "A_log").float()),
+            D=take(m + "D").float(),
+            norm=take(m + "norm.weight"),
+            out_proj=prepare(take(m + "out_proj.weight")),
+            out_proj_bias=maybe(m + "out_proj.bias"),
+        )
+        norms = model.arch.norms
+        return DecoderLayerWeights(
+            norms={role: take(name + ".weight") for role, name in norms},
+            norm_biases={},
+            qkv=None,
+            qkv_bias=None,
+            q_norm=None,
+            k_norm=None,
+            o_proj=None,
+            o_bias=None,
+            **model._take_mlp(index, take, maybe, model._cat_rows),
+        )
+
+    def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        model: Any = self
+        step = self.recurrent_step
+        return mamba_mix(x, self.mixers[index], self.hybrid.mamba, model.linear, step, self._state_layer[index])
+
+    def _mixer_tensors(self) -> list[Any]:
+        return [w for mixer in self.mixers.values() for w in (mixer.in_proj, mixer.out_proj)]
+
+    def _mixer_bytes(self) -> int:
+        return tensor_bytes([getattr(m, name) for m in self.mixers.values() for name in MambaWeights.__slots__])
+
+
+# (mypy: the generic decoder's `_take_layer` is typed with its own layer weights, and DecoderMoeForCausalLM's bases
+# type `_mlp`'s layer each their own)
+class HybridForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]
+    """A hybrid decoder whose every MLP is dense (Granite 4.0-H without experts: its shared MLP)."""
+
+    def __init__(
+        self,
+        arch: DecoderArch,
+        hybrid: HybridArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
+    ):
+        super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        self._hold_mamba_layers(hybrid)
+        self.fused = None  # (the fused decode step runs attention layers only)
+
+    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        return DecoderForCausalLM._take_layer(self, state, index)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return super().weight_tensors() + self._mixer_tensors()
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + self._mixer_bytes()
+
+
+class HybridMoeForCausalLM(HybridLayers, DecoderMoeForCausalLM):  # type: ignore[misc]
+    """A hybrid decoder whose MLPs are mixtures of experts (Granite 4.0-H Tiny and Small)."""
+
+    def __init__(
+        self,
+        arch: DecoderArch,
+        moe: MoeArch,
+        hybrid: HybridArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
+    ):
+        super().__init__(arch, moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
+        self._hold_mamba_layers(hybrid)
+
+    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        return DecoderMoeForCausalLM._take_layer(self, state, index)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return super().weight_tensors() + self._mixer_tensors()
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + self._mixer_bytes()

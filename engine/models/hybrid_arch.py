@@ -1,0 +1,82 @@
+"""Granite 4.0's hybrid decoder (GraniteMoeHybridForCausalLM) read from its HF config: Granite's layer, whose token
+mixer is, on the layers `layer_types` names so, a Mamba-2 layer instead of attention.
+
+    attention layers   Granite's attention (attention_multiplier as its scale); RoPE where
+                       position_embedding_type is "rope", else none (Granite 4.0-H's NoPE)
+    Mamba-2 layers     layers/mamba2.py, shaped by the config's mamba_* fields
+    every layer        the MLP: a mixture of experts with its shared expert (num_local_experts > 0: Granite MoE
+                       shared's block), or the shared MLP alone as a dense gated MLP (num_local_experts 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.layers.recurrent_state import MambaShape
+from engine.models.decoder_arch import DecoderArch
+from engine.models.families import granite_arch
+
+MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
+"""Granite 4.0's names of a Mamba-2 layer (its checkpoints' "mamba"; transformers 5 rewrites it "linear_attention")."""
+ATTENTION_LAYER_TYPES = ("attention", "full_attention")
+
+DENSE_RENAMES = (("shared_mlp.input_linear.", "mlp.gate_up_proj."), ("shared_mlp.output_linear.", "mlp.down_proj."))
+"""Without experts, the shared MLP is each layer's whole MLP: gate|up stacked as the generic decoder's gate_up_proj."""
+
+
+@dataclass(frozen=True, slots=True)
+class HybridArch:
+    """Which layers are Mamba-2 layers, and their shape."""
+
+    mamba_layers: tuple[int, ...]
+    mamba: MambaShape
+    has_experts: bool
+
+
+def read_hybrid(config: Any) -> HybridArch:
+    """The config's Mamba-2 layers and shape; ValueError naming a field this server does not compute."""
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != config.num_hidden_layers:
+        raise ValueError(f"{config.model_type}: layer_types must name each of the {config.num_hidden_layers} layers")
+    unknown = sorted(set(types) - set(MAMBA_LAYER_TYPES) - set(ATTENTION_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{config.model_type}: layer types {unknown} are not served (mamba, attention)")
+    if getattr(config, "mamba_proj_bias", False):
+        raise ValueError(f"{config.model_type}: mamba_proj_bias is not served")
+    if config.hidden_act != "silu":
+        raise ValueError(f"{config.model_type}: hidden_act {config.hidden_act!r} is not served (silu)")
+    heads, groups = int(config.mamba_n_heads), int(config.mamba_n_groups)
+    intermediate = int(config.mamba_expand * config.hidden_size)
+    head_dim = int(config.mamba_d_head)
+    if heads * head_dim != intermediate or heads % groups:
+        raise ValueError(
+            f"{config.model_type}: mamba_n_heads {heads} x mamba_d_head {head_dim} must be mamba_expand x hidden_size "
+            f"({intermediate}), in whole groups of mamba_n_groups {groups}"
+        )
+    limit = getattr(config, "time_step_limit", None) or (0.0, float("inf"))
+    shape = MambaShape(
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=int(config.mamba_d_state),
+        num_groups=groups,
+        conv_kernel=int(config.mamba_d_conv),
+        intermediate_size=intermediate,
+        chunk_size=int(config.mamba_chunk_size),
+        time_step_limit=(float(limit[0]), float(limit[1])),
+        norm_eps=float(config.rms_norm_eps),
+    )
+    mamba = tuple(i for i, kind in enumerate(types) if kind in MAMBA_LAYER_TYPES)
+    return HybridArch(mamba, shape, int(getattr(config, "num_local_experts", 0) or 0) > 0)
+
+
+def granite_hybrid_arch(config: Any) -> DecoderArch:
+    """Granite's layer recipe; the attention layers rotate by RoPE only where position_embedding_type is "rope";
+    without experts, the shared MLP read as the dense MLP."""
+    arch = granite_arch(config)
+    if getattr(config, "position_embedding_type", None) != "rope":
+        arch = dataclasses.replace(arch, layer_rope=(None,) * config.num_hidden_layers)
+    if not read_hybrid(config).has_experts:
+        arch = dataclasses.replace(arch, renames=DENSE_RENAMES, intermediate_size=int(config.shared_intermediate_size))
+    return arch

@@ -1,0 +1,212 @@
+"""Granite 4.0's hybrid decoder (GraniteMoeHybridForCausalLM: Mamba-2 and attention layers) against transformers on
+tiny random checkpoints: greedy tokens identical and logprobs within 1e-4 in float32, batched, in prompt chunks,
+through preemptions, with and without experts, NoPE and RoPE; the Mamba-2 layer alone against transformers' in
+float64; what hybrid models are not served with, refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.errors import SettingsConflictError
+from engine.layers.mamba2 import MambaWeights, mamba_mix
+from engine.layers.recurrent_state import MambaShape, RecurrentStates
+from tests.engine.factories import make_tiny_model_dir
+from tests.engine.references import assert_idle, check_against_hf, make_llm
+from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
+
+GRANITE_HYBRID = dict(
+    architectures=["GraniteMoeHybridForCausalLM"],
+    model_type="granitemoehybrid",
+    num_hidden_layers=4,
+    layer_types=["mamba", "attention", "mamba", "mamba"],
+    num_local_experts=6,
+    num_experts_per_tok=2,
+    intermediate_size=48,
+    shared_intermediate_size=80,
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.015625,
+    logits_scaling=2.0,
+    position_embedding_type="nope",
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_expand=2,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,  # prompts and chunks cross several of the scan's chunks
+)
+
+
+def make_hybrid_dir(path, **overrides):
+    return make_tiny_model_dir(path, "llama", random_norms=True, **{**GRANITE_HYBRID, **overrides})
+
+
+@pytest.fixture(scope="module")
+def hybrid_moe(tmp_path_factory):
+    return make_hybrid_dir(tmp_path_factory.mktemp("granite_hybrid") / "moe")
+
+
+@pytest.fixture(scope="module")
+def hybrid_dense(tmp_path_factory):
+    """Without experts (the shared MLP is each layer's MLP), with RoPE, the attention layers first and last."""
+    return make_hybrid_dir(
+        tmp_path_factory.mktemp("granite_hybrid") / "dense",
+        num_local_experts=0,
+        position_embedding_type="rope",
+        layer_types=["attention", "mamba", "mamba", "attention"],
+    )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"attention_backend": "torch"},
+        {"max_num_batched_tokens": 12, "max_num_seqs": 3},  # prompts in chunks across steps
+        {"num_blocks": 20, "max_num_seqs": 4},  # preemption: resumed requests recompute from a zeroed state
+    ],
+    ids=["cpu", "torch", "chunked-prefill", "preemption"],
+)
+def test_granite_hybrid_is_hfs(hybrid_moe, settings):
+    """Each request's Mamba-2 states carried from step to step (its chunks, its decodes beside others' prompts)
+    give HF's greedy tokens and logprobs, batched and alone; the prompt repeated gives the same again (its rows
+    zeroed for the next request)."""
+    prompts = mixed_prompts()
+    with make_llm(hybrid_moe, **settings) as llm:
+        engine = llm.engine
+        assert not engine.scheduler.kv_cache_manager.enable_caching  # (tiny.yaml asks for it: turned off)
+        assert engine.runner.states is not None and engine.runner.states.ssm.shape[0] == 3  # three Mamba-2 layers
+        assert len(engine.runner.kv_cache.layers) == 1  # the attention layer alone
+        check_against_hf(hybrid_moe, prompts, run_greedy(llm, prompts))
+        check_against_hf(hybrid_moe, prompts[6:7], run_greedy(llm, prompts[6:7]))
+        if "num_blocks" in settings:
+            assert engine.scheduler.num_preemptions > 0
+
+
+def test_granite_hybrid_without_experts_with_rope_is_hfs(hybrid_dense):
+    prompts = mixed_prompts()
+    with make_llm(hybrid_dense) as llm:
+        assert len(llm.engine.runner.kv_cache.layers) == 2
+        check_against_hf(hybrid_dense, prompts, run_greedy(llm, prompts))
+
+
+def test_granite_hybrid_stops_and_aborts_leave_nothing(hybrid_moe):
+    """Requests that end early (max_tokens 1) and one aborted mid-decode leave the pool empty, and
+    the rows they held serve the next requests from zero."""
+    prompts = mixed_prompts()
+    with make_llm(hybrid_moe) as llm:
+        short = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], short, use_tqdm=False)
+        engine = llm.engine
+        engine.add_request("aborted", prompts[6], SamplingParams(max_tokens=50, temperature=0))
+        for _ in range(3):
+            engine.step()
+        engine.abort(["aborted"])
+        engine.step()
+        assert_idle(llm)
+        check_against_hf(hybrid_moe, prompts, run_greedy(llm, prompts))
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
+        ({"enable_lora": True}, "--enable-lora"),
+        ({"kv_cache_dir": "unused"}, "KV tiers"),
+    ],
+)
+def test_granite_hybrid_refuses_what_recurrent_states_cannot_serve(hybrid_moe, tmp_path, overrides, flag):
+    if "kv_cache_dir" in overrides:
+        overrides = {"kv_cache_dir": str(tmp_path / "tier")}
+    with pytest.raises(SettingsConflictError, match=flag):
+        make_llm(hybrid_moe, **overrides)
+
+
+def test_granite_hybrid_is_refused_on_two_ranks(hybrid_moe):
+    from transformers import AutoConfig
+
+    from engine.models.registry import check_tensor_parallel_model
+
+    with pytest.raises(SettingsConflictError, match="GraniteMoeHybridForCausalLM is not served with tensor"):
+        check_tensor_parallel_model(AutoConfig.from_pretrained(hybrid_moe), 2)
+
+
+def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
+    """The recurrent states of max_num_seqs requests come out of the KV cache budget; a budget they fill is refused
+    naming --max-num-seqs."""
+    with make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=2**20) as llm:
+        states = llm.engine.runner.states
+        assert states is not None
+        state_bytes, spec = states.nbytes, llm.engine.runner.kv_cache.spec
+        assert llm.engine.runner.kv_cache.num_blocks == (2**20 - state_bytes) // spec.bytes_per_block - 1
+    with pytest.raises(SettingsConflictError, match="--max-num-seqs"):
+        make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
+
+
+def _hf_mamba_layer(dtype: torch.dtype):
+    from transformers import GraniteMoeHybridConfig
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    config = GraniteMoeHybridConfig(
+        hidden_size=64,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        layer_types=["mamba"],
+        num_hidden_layers=1,
+    )
+    torch.manual_seed(0)
+    layer = GraniteMoeHybridMambaLayer(config, 0).to(dtype)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, 0.3)
+        layer.A_log.copy_(torch.log(torch.rand(8) + 0.5))
+    shape = MambaShape(8, 16, 16, 2, 4, 128, 8, (0.0, float("inf")), config.rms_norm_eps)
+    weights = MambaWeights(
+        layer.in_proj.weight.float(),
+        None,
+        layer.conv1d.weight[:, 0].float(),
+        layer.conv1d.bias.float(),
+        layer.dt_bias.float(),
+        -torch.exp(layer.A_log.float()),
+        layer.D.float(),
+        layer.norm.weight.float(),
+        layer.out_proj.weight.float(),
+        None,
+    )
+    return layer, shape, weights
+
+
+def _linear(x, weight, bias=None):
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def test_mamba_layer_in_pieces_is_transformers_whole_in_float64():
+    """A 37-token sequence in chunks of 13, three decodes and 21 (the scan's chunk is 8), and two requests in one
+    step (a decode beside another's prompt) on other state rows: transformers' layer on the whole sequence in
+    float64, within 1e-5 (the mixer computes in float32)."""
+    layer, shape, weights = _hf_mamba_layer(torch.float64)
+    x = torch.randn(1, 37, 64, dtype=torch.float64)
+    with torch.no_grad():
+        want = layer(x)[0]
+    x32 = x[0].float()
+    torch.testing.assert_close(mamba_mix(x32, weights, shape, _linear, None, 0).double(), want, atol=1e-5, rtol=0)
+    states = RecurrentStates(shape, 1, 4, torch.float32, torch.device("cpu"))
+    pieces, position = [], 0
+    for count in (13, 1, 1, 1, 21):
+        step = states.step([2], [0, count], [position + count], 1 if count == 1 else 0)
+        pieces.append(mamba_mix(x32[position : position + count], weights, shape, _linear, step, 0))
+        position += count
+    torch.testing.assert_close(torch.cat(pieces).double(), want, atol=1e-5, rtol=0)
+    first = mamba_mix(x32[:10], weights, shape, _linear, states.step([1], [0, 10], [10], 0), 0)
+    both = mamba_mix(  # request on row 1 decodes its 11th token; a new one on row 2 (its old state zeroed) prefills 20
+        torch.cat([x32[10:11], x32[:20]]), weights, shape, _linear, states.step([1, 2], [0, 1, 21], [11, 20], 1), 0
+    )
+    torch.testing.assert_close(torch.cat([first, both[:1]]).double(), want[:11], atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[1:].double(), want[:20], atol=1e-5, rtol=0)
