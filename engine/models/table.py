@@ -43,7 +43,7 @@ other is refused at start-up with this list. A config field that changes the out
 Every family is checked against HF transformers on a tiny random checkpoint
 (tests/engine/test_model_equivalence.py, tests/engine/test_dense_families.py, tests/engine/test_moe_equivalence.py,
 tests/engine/test_phi4_mini.py, tests/engine/test_gpt_oss.py, tests/engine/test_deepseek_equivalence.py,
-tests/engine/test_glm4_moe.py): greedy tokens identical and logprobs within 1e-4 in float32. `--quantization
+tests/engine/test_glm4_moe.py, tests/engine/test_hybrid.py): greedy tokens identical and logprobs within 1e-4 in float32. `--quantization
 int8|int4` is checked against the model whose matrices are the quantized ones dequantized
 (tests/engine/test_quantization_flag.py, tests/engine/test_dense_quantization.py,
 tests/engine/test_moe_int_quantization.py).
@@ -111,6 +111,12 @@ qk_rope_head_dim` values: the normalised c_kv and the rotated shared key), and a
 (W_UK folded into the query, W_UV applied to the output). The `torch` backend reads that cache (`auto` picks it
 for these models); `cpu`, `cpu-batch-invariant` (`--batch-invariant`), `triton` and `flash` are refused at
 start-up, naming the model and the feature.
+
+Granite 4.0-H (`GraniteMoeHybridForCausalLM`) mixes attention layers with Mamba-2 layers, which keep a fixed-size
+recurrent state per request instead of K/V (engine/layers/mamba2.py; tests/engine/test_hybrid.py checks it against
+transformers, and the layer alone in float64). The states of `--max-num-seqs` requests come out of the KV cache
+budget; prefix caching is off for these models, and speculative decoding, LoRA, `--batch-invariant`, the KV tiers,
+tensor and pipeline parallelism are refused at start-up ([hybrid decoders](architecture.md#the-engine)).
 """
 
 VISION_HEADER = """

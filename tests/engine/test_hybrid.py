@@ -5,6 +5,8 @@ float64; what hybrid models are not served with, refused by name."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -15,6 +17,14 @@ from engine.layers.recurrent_state import MambaShape, RecurrentStates
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, check_against_hf, make_llm
 from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
+from tests.engine.test_moe_int_quantization import (
+    METHODS,
+    PARAMS,
+    PROMPTS,
+    QUANTIZED,
+    dequantized_copy,
+    prompt_logprobs_of,
+)
 
 GRANITE_HYBRID = dict(
     architectures=["GraniteMoeHybridForCausalLM"],
@@ -144,6 +154,23 @@ def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
         assert llm.engine.runner.kv_cache.num_blocks == (2**20 - state_bytes) // spec.bytes_per_block - 1
     with pytest.raises(SettingsConflictError, match="--max-num-seqs"):
         make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_granite_hybrid_quantized_serves_the_dequantized_model(hybrid_moe, tmp_path, method):
+    """--quantization int8|int4 quantizes the Mamba-2 layers' in_proj and out_proj beside the attention and the
+    experts: the engine serves exactly the model whose matrices are the quantized ones dequantized."""
+    round_trip, weight_type = METHODS[method]
+    with make_llm(hybrid_moe, quantization=method) as llm:
+        mixers = llm.engine.runner.model.mixers.values()
+        assert all(isinstance(w, weight_type) for mixer in mixers for w in (mixer.in_proj, mixer.out_proj))
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    pattern = re.compile(rf"{QUANTIZED.pattern}|.*\.mamba\.(in_proj|out_proj)\.weight")
+    with make_llm(dequantized_copy(hybrid_moe, tmp_path / "deq", round_trip, pattern)) as reference:
+        want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        torch.testing.assert_close(prompt_logprobs_of(g), prompt_logprobs_of(w), rtol=0, atol=1e-3)
 
 
 def _hf_mamba_layer(dtype: torch.dtype):

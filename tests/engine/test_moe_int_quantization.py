@@ -41,21 +41,22 @@ def moe_dir(request, tmp_path_factory):
     return make_moe_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def _dequantized_copy(model_dir, target, round_trip):
+def dequantized_copy(model_dir, target, round_trip, quantized: re.Pattern = QUANTIZED):
+    """A copy of the checkpoint whose `quantized` matrices are their round trips (each expert's on its own)."""
     shutil.copytree(model_dir, target)
     state = load_file(str(model_dir / "model.safetensors"))
     for name, tensor in state.items():
         if TRANSPOSED.fullmatch(name):
             state[name] = torch.stack([round_trip(expert.t()).t() for expert in tensor]).contiguous()
-        elif QUANTIZED.fullmatch(name) and tensor.dim() == 3:  # stacked experts
+        elif quantized.fullmatch(name) and tensor.dim() == 3:  # stacked experts
             state[name] = torch.stack([round_trip(expert) for expert in tensor]).contiguous()
-        elif QUANTIZED.fullmatch(name):
+        elif quantized.fullmatch(name):
             state[name] = round_trip(tensor).contiguous()
     save_file(state, str(target / "model.safetensors"))
     return target
 
 
-def _prompt_logprobs(result) -> torch.Tensor:
+def prompt_logprobs_of(result) -> torch.Tensor:
     return torch.tensor([entry.logprob for entry in result.prompt_logprobs[1:]])
 
 
@@ -74,11 +75,11 @@ def test_quantized_experts_serve_the_dequantized_model(moe_dir, tmp_path, method
                 or isinstance(block.shared.gate, (torch.Tensor, PackedWeight))
             )
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    with make_llm(_dequantized_copy(moe_dir, tmp_path / "deq", round_trip)) as reference:
+    with make_llm(dequantized_copy(moe_dir, tmp_path / "deq", round_trip)) as reference:
         want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        torch.testing.assert_close(_prompt_logprobs(g), _prompt_logprobs(w), rtol=0, atol=1e-3)
+        torch.testing.assert_close(prompt_logprobs_of(g), prompt_logprobs_of(w), rtol=0, atol=1e-3)
 
 
 SPARSEMIXER_BOUND = 0.1
@@ -106,8 +107,8 @@ def test_quantized_experts_stay_close_to_the_float_model(moe_dir, method, bound)
     elif model_type == "llama4_text":
         bound = LLAMA4_BOUND
     with make_llm(moe_dir) as llm:
-        float_nll = -torch.cat([_prompt_logprobs(r) for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]).mean()
+        float_nll = -torch.cat([prompt_logprobs_of(r) for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]).mean()
     with make_llm(moe_dir, quantization=method) as llm:
         results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    nll = -torch.cat([_prompt_logprobs(r) for r in results]).mean()
+    nll = -torch.cat([prompt_logprobs_of(r) for r in results]).mean()
     assert abs(float(torch.exp(nll - float_nll)) - 1) < bound
