@@ -47,9 +47,11 @@ def mamba_mix(
     linear: Callable[..., torch.Tensor],  # the model's product: linear(x, weight, bias)
     step: Optional[RecurrentStep],
     layer: int,  # the layer's index among the model's Mamba-2 layers (its states' first axis)
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,  # over the ranks (`shape.norm_ranks` > 1)
 ) -> torch.Tensor:
-    """The layer's output [T, hidden] for a step; `step` None: the rows are one sequence from an empty state,
-    kept nowhere (a profiling pass)."""
+    """The layer's output [T, hidden] for a step (with several ranks: this rank's heads' partial sum, which the
+    caller all-reduces); `step` None: the rows are one sequence from an empty state, kept nowhere (a profiling
+    pass)."""
     intermediate, conv_dim = shape.intermediate_size, shape.conv_dim
     proj = linear(x, weights.in_proj, weights.in_proj_bias)
     gate, xbc, dt = proj.split([intermediate, conv_dim, shape.num_heads], dim=-1)
@@ -66,7 +68,7 @@ def mamba_mix(
         for i in range(decodes, step.num_reqs):
             first, end = starts[i], starts[i + 1]
             y[first:end] = _prefill(xbc[first:end], dt[first:end], weights, shape, conv, ssm, step.rows_cpu[i])
-    normed = _gated_norm(y, gate, weights.norm, shape)
+    normed = _gated_norm(y, gate, weights.norm, shape, all_reduce)
     return linear(normed.to(x.dtype), weights.out_proj, weights.out_proj_bias)
 
 
@@ -177,9 +179,21 @@ def _segment_sums(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~causal, float("-inf"))
 
 
-def _gated_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, shape: MambaShape) -> torch.Tensor:
-    """RMSNorm of y * silu(gate) over each group's channels, times the weight, in float32."""
+def _gated_norm(
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    shape: MambaShape,
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
+    """RMSNorm of y * silu(gate) over each group's channels, times the weight, in float32 (a group that spans the
+    ranks: the sum of squares over every rank's channels)."""
     gated = y * F.silu(gate.float())
     groups = gated.reshape(gated.shape[0], shape.num_groups, -1)
-    normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + shape.norm_eps)
+    if shape.norm_ranks > 1:
+        assert all_reduce is not None  # (the model passes its group's whenever it holds a share)
+        mean = all_reduce(groups.pow(2).sum(-1, keepdim=True)) / (groups.shape[-1] * shape.norm_ranks)
+    else:
+        mean = groups.pow(2).mean(-1, keepdim=True)
+    normed = groups * torch.rsqrt(mean + shape.norm_eps)
     return weight.float() * normed.reshape(gated.shape)

@@ -34,6 +34,9 @@ class MambaShape:
     chunk_size: int  # the scan's chunk over a prompt
     time_step_limit: tuple[float, float]
     norm_eps: float
+    # >1: one rank's share under tensor parallelism whose gated norm's group spans this many ranks (one group of B
+    # and C, replicated on every rank: its mean square all-reduced)
+    norm_ranks: int = 1
 
     @property
     def conv_dim(self) -> int:

@@ -29,7 +29,8 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 
 class HybridLayers:
     """What a hybrid decoder adds to the generic one (mixed in before it): its Mamba-2 layers' weights, loading
-    and forward, and the attention layers alone as the KV cache's."""
+    and forward, and the attention layers alone as the KV cache's. With several ranks `hybrid` is this rank's
+    share (hybrid_arch.shard_mamba): its heads, and its groups of B and C."""
 
     hybrid: HybridArch
     layer_attention: tuple[LayerAttention, ...]
@@ -102,9 +103,19 @@ class HybridLayers:
         )
 
     def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `index`'s Mamba-2 output, all-reduced over the ranks (each rank's heads' partial sums)."""
         model: Any = self
-        step = self.recurrent_step
-        return mamba_mix(x, self.mixers[index], self.hybrid.mamba, model.linear, step, self._state_layer[index])
+        tp = model.tp
+        out = mamba_mix(
+            x,
+            self.mixers[index],
+            self.hybrid.mamba,
+            model.linear,
+            self.recurrent_step,
+            self._state_layer[index],
+            tp.all_reduce,
+        )
+        return tp.all_reduce(out)
 
     def _mixer_tensors(self) -> list[Any]:
         return [w for mixer in self.mixers.values() for w in (mixer.in_proj, mixer.out_proj)]
@@ -158,8 +169,9 @@ class HybridMoeForCausalLM(HybridLayers, DecoderMoeForCausalLM):  # type: ignore
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
-        super().__init__(arch, moe, dtype, device, ops, linear, quantizer, max_model_len=max_model_len)
+        super().__init__(arch, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         self._hold_mamba_layers(hybrid)
 
     def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import SettingsConflictError
 from engine.layers.recurrent_state import MambaShape
 from engine.models.decoder_arch import DecoderArch
 from engine.models.families import granite_arch
@@ -80,3 +81,31 @@ def granite_hybrid_arch(config: Any) -> DecoderArch:
     if not read_hybrid(config).has_experts:
         arch = dataclasses.replace(arch, renames=DENSE_RENAMES, intermediate_size=int(config.shared_intermediate_size))
     return arch
+
+
+def check_mamba_shardable(shape: MambaShape, world_size: int) -> None:
+    """SettingsConflictError unless the Mamba-2 heads divide among `world_size` ranks and the groups of B and C do
+    too, or are one group every rank holds (vLLM's rule)."""
+    problems = []
+    if shape.num_heads % world_size:
+        problems.append(f"{shape.num_heads} Mamba-2 heads (mamba_n_heads)")
+    if shape.num_groups % world_size and shape.num_groups != 1:
+        problems.append(f"{shape.num_groups} Mamba-2 groups (mamba_n_groups: a multiple of the ranks, or 1)")
+    if problems:
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size} does not divide the model's {', '.join(problems)}"
+        )
+
+
+def shard_mamba(shape: MambaShape, world_size: int) -> MambaShape:
+    """One rank's Mamba-2 layer: its share of the heads (their x, dt, A, D, gate and norm channels) and of the
+    groups of B and C, or the one group whole, whose norm then spans every rank."""
+    check_mamba_shardable(shape, world_size)
+    split_groups = shape.num_groups % world_size == 0
+    return dataclasses.replace(
+        shape,
+        num_heads=shape.num_heads // world_size,
+        intermediate_size=shape.intermediate_size // world_size,
+        num_groups=shape.num_groups // world_size if split_groups else 1,
+        norm_ranks=1 if split_groups else world_size,
+    )

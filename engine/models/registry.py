@@ -13,6 +13,7 @@ import torch
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.recurrent_state import MambaShape
 from engine.layers.linear import Linear
 from engine.models.decoder_arch import DecoderArch
 from engine.models.llama import LlamaForCausalLM
@@ -469,7 +470,8 @@ FAMILIES = (
             "Mamba-2 layers by layer_types: causal conv, chunked scan (SSD), gated RMSNorm; a recurrent state per "
             "request beside the attention layers' KV cache",
             "NoPE attention (position_embedding_type) or RoPE",
-            "no prefix caching, speculative decoding, LoRA, tensor or pipeline parallelism, CUDA graphs",
+            "tensor parallelism by Mamba-2 heads (B and C's groups cut, or one group on every rank)",
+            "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
         ),
     ),
 )
@@ -494,10 +496,12 @@ def family_of(hf_config: Any) -> ModelFamily:
     )
 
 
-TENSOR_PARALLEL_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss")
+TENSOR_PARALLEL_IMPLEMENTATIONS = (
+    *("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss", "hybrid"),
+)
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's, the mixtures
-of experts on either, DeepSeek's and GPT-OSS's (their families: FAMILIES' entries of these implementations, listed in
-docs/models.md)."""
+of experts on either, DeepSeek's, GPT-OSS's and the hybrid Mamba-2 decoders' (their families: FAMILIES' entries of
+these implementations, listed in docs/models.md)."""
 
 
 def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
@@ -513,7 +517,21 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
         )
     arch = _dense_arch(hf_config, family)
     check_shardable(arch, world_size, moe_arch_of(hf_config))  # (experts' widths are padded, not refused)
+    mamba = mamba_shape_of(hf_config)
+    if mamba is not None:
+        from engine.models.hybrid_arch import check_mamba_shardable
+
+        check_mamba_shardable(mamba, world_size)
     return arch
+
+
+def mamba_shape_of(hf_config: Any) -> Optional[MambaShape]:
+    """A hybrid model's whole Mamba-2 layer shape (what tensor parallelism cuts), else None."""
+    if family_of(hf_config).implementation != "hybrid":
+        return None
+    from engine.models.hybrid_arch import read_hybrid
+
+    return read_hybrid(hf_config).mamba
 
 
 def tensor_parallel_expert_unit(hf_config: Any, quantizer: Optional[WeightQuantizer]) -> int:
@@ -534,6 +552,10 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
     implementation = family_of(hf_config).implementation
     if implementation in ("moe", "decoder_moe"):
         return MoeArch.from_hf_config(hf_config)
+    if implementation == "hybrid":
+        from engine.models.hybrid_arch import read_hybrid
+
+        return MoeArch.from_hf_config(hf_config) if read_hybrid(hf_config).has_experts else None
     if implementation == "glm4_moe":
         from engine.models.glm4_moe_arch import read_glm4_moe
 
@@ -608,6 +630,19 @@ def build_model(
                 logger.info("%s", describe_placement(whole_moe.num_experts, tp.world_size))
             for note in padding_notes(whole_moe, tp.world_size, unit, routed=held is None):
                 logger.info("%s", note)
+        if family.implementation == "hybrid":
+            from engine.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
+            from engine.models.hybrid_arch import read_hybrid, shard_mamba
+
+            assert isinstance(shard, DecoderArch)  # _dense_arch reads it so
+            hybrid = read_hybrid(hf_config)
+            hybrid = dataclasses.replace(hybrid, mamba=shard_mamba(hybrid.mamba, tp.world_size))
+            if whole_moe is not None:
+                moe = shard_moe(whole_moe, tp.world_size, unit, held)
+                return HybridMoeForCausalLM(
+                    shard, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp
+                )
+            return HybridForCausalLM(shard, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "decoder_moe":
             from engine.models.decoder_moe import DecoderMoeForCausalLM
 
@@ -709,6 +744,10 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
         from engine.models.families import MOE_ARCH_READERS
 
         return MOE_ARCH_READERS[family.architecture](hf_config)
+    if family.implementation == "hybrid":
+        from engine.models.hybrid_arch import granite_hybrid_arch
+
+        return granite_hybrid_arch(hf_config)
     if family.implementation == "gpt_oss":  # (its refusals of what is not served too)
         from engine.models.gpt_oss_arch import gpt_oss_arch
 

@@ -115,8 +115,9 @@ start-up, naming the model and the feature.
 Granite 4.0-H (`GraniteMoeHybridForCausalLM`) mixes attention layers with Mamba-2 layers, which keep a fixed-size
 recurrent state per request instead of K/V (engine/layers/mamba2.py; tests/engine/test_hybrid.py checks it against
 transformers, and the layer alone in float64). The states of `--max-num-seqs` requests come out of the KV cache
-budget; prefix caching is off for these models, and speculative decoding, LoRA, `--batch-invariant`, the KV tiers,
-tensor and pipeline parallelism are refused at start-up ([hybrid decoders](architecture.md#the-engine)).
+budget; prefix caching is off for these models, and speculative decoding, LoRA, `--batch-invariant`, the KV tiers
+and pipeline parallelism are refused at start-up; tensor parallelism cuts the Mamba-2 layers by heads
+(tests/distributed/test_hybrid_parallel.py; [hybrid decoders](architecture.md#the-engine)).
 """
 
 VISION_HEADER = """

@@ -1,8 +1,8 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
 GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
 Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE, Llama 4), DeepSeek-V2/V3 and GPT-OSS: each rank's share of the heads and of the MLPs' widths, and its
-slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
+Phi-3.5-MoE, Llama 4), DeepSeek-V2/V3, GPT-OSS and the hybrid Granite 4.0-H: each rank's share of the heads and of
+the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -29,6 +29,9 @@ slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
                      replicated, so the latent and the shared rope key (the KV cache's entries) are the same on every
                      rank, each rank's cache a whole copy (as vLLM's); its experts as above, the routed scaling
                      factor unchanged
+    Mamba-2          a hybrid model's: in_proj's rows and the convolution's channels part by part, by heads (gate,
+                     x, dt) and by groups (B, C; one group whole on every rank), the heads' dt_bias, A_log, D and
+                     norm channels; out_proj row-parallel
     GPT-OSS          q/k/v (and biases) by heads, o_proj row-parallel (its bias on rank 0), the attention sinks (one
                      per query head) cut by this rank's heads; its experts in transformers' layout: gate_up_proj
                      [E, H, 2I] interleaves gate and up in its columns, so a rank's share of the width is one run
@@ -73,6 +76,7 @@ import torch
 
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
+from engine.layers.recurrent_state import MambaShape
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.deepseek_arch import DeepseekArch
 from engine.models.expert_padding import expert_share, padded_int4_columns, padded_int4_rows, padded_slice
@@ -205,14 +209,22 @@ def shard_arch(arch: LlamaArch, world_size: int, moe: Optional[MoeArch] = None) 
 
 
 def check_group_split(
-    arch: LlamaArch, world_size: int, group: int, storage: str, moe: Optional[MoeArch] = None
+    arch: LlamaArch,
+    world_size: int,
+    group: int,
+    storage: str,
+    moe: Optional[MoeArch] = None,
+    mamba: Optional[MambaShape] = None,
 ) -> None:
-    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, a dense down)
-    are a whole number of `group`-input groups: a group's one scale cannot be cut between ranks. (The experts'
-    downs, `moe`'s, are padded to whole groups per rank instead: expert_padding.expert_unit.)"""
+    """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, a dense down,
+    a Mamba-2 layer's out_proj) are a whole number of `group`-input groups: a group's one scale cannot be cut
+    between ranks. (The experts' downs, `moe`'s, are padded to whole groups per rank instead:
+    expert_padding.expert_unit.)"""
     widths = [("o_proj", arch.num_heads * arch.head_dim)]
     if has_dense_mlp(arch, moe):
         widths.append(("down_proj", arch.intermediate_size))
+    if mamba is not None:
+        widths.append(("out_proj", mamba.intermediate_size))
     for name, inputs in widths:
         share = inputs // world_size
         if share % group:
@@ -229,6 +241,7 @@ def shard_weights(
     quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]] = None,
     expert_unit: int = 1,
     held_experts: Optional[range] = None,
+    mamba: Optional[MambaShape] = None,
 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice: float
     tensors, or GGUF blocks (rows freely, input columns at block boundaries). `quantize_whole` (int8): the
@@ -238,7 +251,7 @@ def shard_weights(
     shard_moe was given); a width that does not split into equal shares of it is padded with zero units.
     `held_experts` (expert parallelism, models/expert_parallel.py): the routed experts this rank holds, taken whole
     (stacked tensors sliced along their experts, another expert's own tensors left out); shared experts cut as
-    above."""
+    above. `mamba`: a hybrid model's whole Mamba-2 layer shape, whose tensors are cut by heads (`_mamba_share`)."""
     rank, ranks = tp.rank, tp.world_size
     head_dim = arch.head_dim
     kv_rank_heads = max(arch.num_kv_heads // ranks, 1)
@@ -259,6 +272,9 @@ def shard_weights(
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
+        if mamba is not None and part.startswith(_MAMBA):
+            yield name, _mamba_share(name, part.removeprefix(_MAMBA), tensor, mamba, rank, ranks, quantize_whole)
+            continue
         if held_experts is not None and (routed := _routed_experts(part, arch)) is not None:
             if routed == "stacked":
                 yield name, _held_rows(name, tensor, held_experts)
@@ -318,6 +334,42 @@ def shard_weights(
 
 
 _Cuttable = Union[torch.Tensor, GgufWeight, Int4Groups]  # a checkpoint matrix as stored: float, GGUF blocks, AWQ groups
+_MAMBA = "mamba."
+_MAMBA_HEADS = ("dt_bias", "A_log", "D")  # one value per head
+
+
+def _mamba_share(
+    name: str,
+    part: str,
+    tensor: Any,
+    shape: MambaShape,
+    rank: int,
+    ranks: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Any:
+    """A Mamba-2 layer's tensor cut by heads (as vLLM's MambaMixer2): in_proj's rows [gate | x | B | C | dt] and
+    conv1d's [x | B | C] each part's share of this rank (B and C by groups, or the one group whole on every
+    rank), the heads' dt_bias, A_log, D and their channels of the norm; out_proj row-parallel."""
+    if part == "out_proj.weight":
+        return _columns(name, tensor, rank, ranks, quantize_whole)
+    if not isinstance(tensor, torch.Tensor):
+        raise SettingsConflictError(f"{name}: a Mamba-2 layer is cut as float tensors, not {type(tensor).__name__}")
+    if part in _MAMBA_HEADS or part == "norm.weight":
+        return _rows(tensor, rank, ranks)
+    width, groups = shape.intermediate_size, shape.num_groups * shape.state_size
+    sizes = (width, groups, groups) if part.startswith("conv1d.") else (width, width, groups, groups, shape.num_heads)
+    if part not in ("in_proj.weight", "conv1d.weight", "conv1d.bias"):
+        raise SettingsConflictError(f"{name}: not a Mamba-2 tensor this server cuts for tensor parallelism")
+    whole_groups = shape.num_groups % ranks != 0  # (one group: every rank's heads read it)
+    group_parts = (1, 2) if part.startswith("conv1d.") else (2, 3)
+    return _cat_rows(
+        [
+            piece if whole_groups and i in group_parts else _rows(piece, rank, ranks)
+            for i, piece in enumerate(_split_rows(tensor, sizes))
+        ]
+    )
+
+
 _ONE_EXPERT = re.compile(r"(?:block_sparse_moe|mlp|feed_forward)\.experts\.(\d+)\..+")
 
 

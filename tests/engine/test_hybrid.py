@@ -135,15 +135,6 @@ def test_granite_hybrid_refuses_what_recurrent_states_cannot_serve(hybrid_moe, t
         make_llm(hybrid_moe, **overrides)
 
 
-def test_granite_hybrid_is_refused_on_two_ranks(hybrid_moe):
-    from transformers import AutoConfig
-
-    from engine.models.registry import check_tensor_parallel_model
-
-    with pytest.raises(SettingsConflictError, match="GraniteMoeHybridForCausalLM is not served with tensor"):
-        check_tensor_parallel_model(AutoConfig.from_pretrained(hybrid_moe), 2)
-
-
 def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
     """The recurrent states of max_num_seqs requests come out of the KV cache budget; a budget they fill is refused
     naming --max-num-seqs."""

@@ -1,0 +1,58 @@
+"""Granite 4.0-H (Mamba-2 and attention layers) on two tensor-parallel ranks: each rank its share of the Mamba-2
+heads (their in_proj rows, conv channels, dt, A, D, norm channels and out_proj columns; the groups of B and C cut
+when they divide, else the one group whole on both ranks, its gated norm's mean square all-reduced), of the
+attention heads and of the experts or the dense MLP, and its own recurrent states: the tokens and logprobs of one
+process, with chunked prefill and preemption, with expert parallelism and with int8; Mamba-2 heads or groups that
+do not divide refused by number."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM
+from engine.errors import SettingsConflictError
+from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
+from tests.engine.test_hybrid import make_hybrid_dir
+from tests.engine.test_model_equivalence import mixed_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+VARIANTS = {
+    "moe-2-groups": {},  # B and C's 2 groups: one per rank
+    # one group, on both ranks (its norm across them); one KV head replicated; the shared MLP alone, with RoPE
+    "dense-1-group": dict(
+        num_local_experts=0,
+        mamba_n_groups=1,
+        num_key_value_heads=1,
+        position_embedding_type="rope",
+        layer_types=["attention", "mamba", "mamba", "attention"],
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_granite_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
+    model_dir = make_hybrid_dir(tmp_path / variant, **VARIANTS[variant])
+    prompts = mixed_prompts(11)
+    expected, _ = generate(model_dir, prompts, 1, num_blocks=20)
+    got, stats = generate(model_dir, prompts, 2, num_blocks=20)
+    assert stats.num_preemptions > 0
+    assert_same(got, expected)
+    if variant.startswith("moe"):
+        assert_same(generate(model_dir, prompts, 2, num_blocks=20, enable_expert_parallel=True)[0], expected)
+    int8, _ = generate(model_dir, prompts[:4], 1, quantization="int8")
+    assert_same(generate(model_dir, prompts[:4], 2, quantization="int8")[0], int8)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"mamba_n_heads": 6, "mamba_d_head": 32, "mamba_expand": 3, "mamba_n_groups": 3}, "3 Mamba-2 groups"),
+        ({"mamba_n_heads": 3, "mamba_d_head": 64, "mamba_expand": 3, "mamba_n_groups": 1}, "3 Mamba-2 heads"),
+    ],
+    ids=["groups", "heads"],
+)
+def test_mamba_sizes_that_do_not_divide_are_refused(tmp_path, overrides, message):
+    model_dir = make_hybrid_dir(tmp_path, **overrides)
+    with pytest.raises(SettingsConflictError, match=message):
+        LLM(str(model_dir), **TINY, tensor_parallel_size=2)
