@@ -135,6 +135,14 @@ def test_granite_hybrid_refuses_what_recurrent_states_cannot_serve(hybrid_moe, t
         make_llm(hybrid_moe, **overrides)
 
 
+def test_granite_hybrid_is_refused_as_a_draft_model(hybrid_moe, tiny_llama_dir):
+    """A hybrid draft for another target: its forward passes would carry no recurrent states (each pass's rows
+    read as one sequence from zero), so it is refused rather than drafting from garbage."""
+    speculative = {"method": "draft_model", "model": str(hybrid_moe), "num_speculative_tokens": 2}
+    with pytest.raises(SettingsConflictError, match="draft model.*GraniteMoeHybridForCausalLM"):
+        make_llm(tiny_llama_dir, speculative_config=speculative)
+
+
 def test_granite_hybrid_is_refused_on_two_ranks(hybrid_moe):
     from transformers import AutoConfig
 
