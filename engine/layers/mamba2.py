@@ -24,6 +24,10 @@ import torch.nn.functional as F
 from engine.layers.recurrent_state import MambaShape, RecurrentStep
 
 
+DECODE_ROWS = 32
+"""Decoding requests whose states one slice of a step's decodes reads and writes at once."""
+
+
 @dataclass(slots=True)
 class MambaWeights:
     """One layer's mixer: in_proj and out_proj as the model's Linear prepared them, the rest as tensors."""
@@ -63,8 +67,12 @@ def mamba_mix(
     else:
         conv, ssm = step.states.conv[layer], step.states.ssm[layer]
         decodes, starts = step.num_decodes, step.query_start_loc_cpu
-        if decodes:
-            y[:decodes] = _decode(xbc[:decodes], dt[:decodes], weights, shape, conv, ssm, step.rows[:decodes])
+        # (in slices of rows: a decode reads each request's whole state out and writes it back, so one slice of
+        # DECODE_ROWS bounds the step's temporaries, which the start-up memory profile does not see)
+        for first in range(0, decodes, DECODE_ROWS):
+            end = min(first + DECODE_ROWS, decodes)
+            rows = step.rows[first:end]
+            y[first:end] = _decode(xbc[first:end], dt[first:end], weights, shape, conv, ssm, rows)
         for i in range(decodes, step.num_reqs):
             first, end = starts[i], starts[i + 1]
             y[first:end] = _prefill(xbc[first:end], dt[first:end], weights, shape, conv, ssm, step.rows_cpu[i])
@@ -110,7 +118,9 @@ def _decode(
     if weights.conv_bias is not None:
         convolved = convolved + weights.conv_bias.float()
     x, B, C = _split(F.silu(convolved.to(xbc.dtype)), shape, d)  # [d, heads, head_dim], [d, heads, N] x 2
-    dt = _time_steps(dt, weights, shape)  # [d, heads]
+    # (not clamped to time_step_limit: transformers' and vLLM's single-step updates take dt as softplus gives it;
+    # only their chunked scans clamp, as `_prefill` does)
+    dt = F.softplus(dt.float() + weights.dt_bias)  # [d, heads]
     decay = torch.exp(dt * weights.A)  # [d, heads]
     state = ssm_states[rows] * decay[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
     ssm_states[rows] = state

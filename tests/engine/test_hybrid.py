@@ -12,7 +12,7 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import SettingsConflictError
-from engine.layers.mamba2 import MambaWeights, mamba_mix
+from engine.layers.mamba2 import DECODE_ROWS, MambaWeights, mamba_mix
 from engine.layers.recurrent_state import MambaShape, RecurrentStates
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, check_against_hf, make_llm
@@ -135,6 +135,14 @@ def test_granite_hybrid_refuses_what_recurrent_states_cannot_serve(hybrid_moe, t
         make_llm(hybrid_moe, **overrides)
 
 
+def test_granite_hybrid_is_refused_as_a_draft_model(hybrid_moe, tiny_llama_dir):
+    """A hybrid draft for another target: its forward passes would carry no recurrent states (each pass's rows
+    read as one sequence from zero), so it is refused rather than drafting from garbage."""
+    speculative = {"method": "draft_model", "model": str(hybrid_moe), "num_speculative_tokens": 2}
+    with pytest.raises(SettingsConflictError, match="draft model.*GraniteMoeHybridForCausalLM"):
+        make_llm(tiny_llama_dir, speculative_config=speculative)
+
+
 def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
     """The recurrent states of max_num_seqs requests come out of the KV cache budget; a budget they fill is refused
     naming --max-num-seqs."""
@@ -228,3 +236,22 @@ def test_mamba_layer_in_pieces_is_transformers_whole_in_float64():
     )
     torch.testing.assert_close(torch.cat([first, both[:1]]).double(), want[:11], atol=1e-5, rtol=0)
     torch.testing.assert_close(both[1:].double(), want[:20], atol=1e-5, rtol=0)
+
+
+def test_mamba_layer_decodes_more_requests_than_one_slice():
+    """41 requests' prompts in one step, then their decodes in one step (more than DECODE_ROWS, so in slices):
+    transformers' layer over each whole sequence."""
+    layer, shape, weights = _hf_mamba_layer(torch.float64)
+    count = DECODE_ROWS + 9
+    x = torch.randn(count, 5, 64, dtype=torch.float64)
+    with torch.no_grad():
+        want = layer(x)
+    x32 = x.float()
+    states = RecurrentStates(shape, 1, count, torch.float32, torch.device("cpu"))
+    rows = list(range(count))
+    prompts = states.step(rows, [4 * i for i in range(count + 1)], [4] * count, 0)
+    first = mamba_mix(x32[:, :4].reshape(-1, 64), weights, shape, _linear, prompts, 0)
+    decodes = states.step(rows, list(range(count + 1)), [5] * count, count)
+    last = mamba_mix(x32[:, 4], weights, shape, _linear, decodes, 0)
+    torch.testing.assert_close(first.reshape(count, 4, 64).double(), want[:, :4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(last.double(), want[:, 4], atol=1e-5, rtol=0)
