@@ -35,6 +35,8 @@ class HybridLayers:
     hybrid: HybridArch
     layer_attention: tuple[LayerAttention, ...]
     recurrent_step: Optional[RecurrentStep]
+    mamba_layers_have_mlp = True  # (Granite 4.0-H's layers: a mixer and an MLP; Nemotron-H's blocks: one mixer)
+    mamba_prefix = "mamba."  # the Mamba-2 layer's tensors' names within a layer (Nemotron-H's: "mixer.")
 
     def _hold_mamba_layers(self, hybrid: HybridArch) -> None:
         self.hybrid = hybrid
@@ -75,7 +77,7 @@ class HybridLayers:
         def maybe(name: str) -> Optional[torch.Tensor]:
             return state.pop(p + name, None)
 
-        m = "mamba."
+        m = self.mamba_prefix
         prepare = model._prepare
         self.mixers[index] = MambaWeights(
             in_proj=prepare(take(m + "in_proj.weight")),
@@ -90,6 +92,7 @@ class HybridLayers:
             out_proj_bias=maybe(m + "out_proj.bias"),
         )
         norms = model.arch.norms
+        no_mlp = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None)
         return DecoderLayerWeights(
             norms={role: take(name + ".weight") for role, name in norms},
             norm_biases={},
@@ -99,7 +102,7 @@ class HybridLayers:
             k_norm=None,
             o_proj=None,
             o_bias=None,
-            **model._take_mlp(index, take, maybe, model._cat_rows),
+            **(model._take_mlp(index, take, maybe, model._cat_rows) if self.mamba_layers_have_mlp else no_mlp),
         )
 
     def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:

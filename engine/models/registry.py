@@ -474,7 +474,23 @@ FAMILIES = (
             "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
         ),
     ),
+    ModelFamily(
+        "NemotronHForCausalLM",
+        ("nemotron_h",),
+        "nemotron_h",
+        HF_FORMATS,
+        (
+            "Nemotron-H 8B / 47B / 56B, Nemotron Nano 2: blocks of one mixer each by layers_block_type or "
+            "hybrid_override_pattern",
+            "Mamba-2 blocks (as Granite 4.0-H's), attention without positional embedding, plain relu^2 MLPs",
+            "backbone. names, embeddings, norm_f",
+            "no mixture-of-experts blocks (Nemotron 3), prefix caching, speculative decoding, LoRA, tensor or "
+            "pipeline parallelism, CUDA graphs",
+        ),
+    ),
 )
+RECURRENT_IMPLEMENTATIONS = ("hybrid", "nemotron_h")
+"""The implementations with Mamba-2 layers, which keep a recurrent state per request (models/hybrid.py)."""
 
 
 def supported_architectures() -> list[str]:
@@ -718,6 +734,11 @@ def build_model(
             moe = MoeArch.from_hf_config(hf_config)
             return HybridMoeForCausalLM(arch, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len)
         return HybridForCausalLM(arch, hybrid, dtype, device, ops, linear, quantizer, max_model_len)
+    if family.implementation == "nemotron_h":
+        from engine.models.nemotron_h import NemotronHForCausalLM
+        from engine.models.nemotron_h_arch import read_nemotron_h
+
+        return NemotronHForCausalLM(read_nemotron_h(hf_config), dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "decoder_moe":
         from engine.models.decoder_moe import DecoderMoeForCausalLM
         from engine.models.families import MOE_ARCH_READERS

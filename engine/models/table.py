@@ -25,6 +25,7 @@ IMPLEMENTATIONS = {
         "`HybridForCausalLM` / `HybridMoeForCausalLM` (engine/models/hybrid.py; the generic decoder with Mamba-2 "
         "layers, unfused)"
     ),
+    "nemotron_h": "`NemotronHForCausalLM` (engine/models/nemotron_h.py; blocks of one mixer each, unfused)",
 }
 FORMAT_NAMES = {
     "safetensors": "safetensors",
@@ -112,11 +113,11 @@ qk_rope_head_dim` values: the normalised c_kv and the rotated shared key), and a
 for these models); `cpu`, `cpu-batch-invariant` (`--batch-invariant`), `triton` and `flash` are refused at
 start-up, naming the model and the feature.
 
-Granite 4.0-H (`GraniteMoeHybridForCausalLM`) mixes attention layers with Mamba-2 layers, which keep a fixed-size
-recurrent state per request instead of K/V (engine/layers/mamba2.py; tests/engine/test_hybrid.py checks it against
+Granite 4.0-H (`GraniteMoeHybridForCausalLM`) and Nemotron-H (`NemotronHForCausalLM`) mix attention layers with
+Mamba-2 layers, which keep a fixed-size recurrent state per request instead of K/V (engine/layers/mamba2.py; tests/engine/test_hybrid.py checks it against
 transformers, and the layer alone in float64). The states of `--max-num-seqs` requests come out of the KV cache
 budget; prefix caching is off for these models, and speculative decoding, LoRA, `--batch-invariant`, the KV tiers
-and pipeline parallelism are refused at start-up; tensor parallelism cuts the Mamba-2 layers by heads
+and pipeline parallelism are refused at start-up; tensor parallelism cuts Granite 4.0-H's Mamba-2 layers by heads
 (tests/distributed/test_hybrid_parallel.py; [hybrid decoders](architecture.md#the-engine)).
 """
 

@@ -54,6 +54,55 @@ def make_hybrid_dir(path, **overrides):
     return make_tiny_model_dir(path, "llama", random_norms=True, **{**GRANITE_HYBRID, **overrides})
 
 
+NEMOTRON_H = dict(
+    architectures=["NemotronHForCausalLM"],
+    model_type="nemotron_h",
+    hybrid_override_pattern="M-*-MM-",  # Mamba-2, MLP and attention blocks (the older field: layers_block_type read)
+    intermediate_size=96,
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    ssm_state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=8,
+    layer_norm_epsilon=1e-5,
+)
+
+
+def make_nemotron_h_dir(path, **overrides):
+    config = {**NEMOTRON_H, **overrides}
+    return make_tiny_model_dir(path, "llama", random_norms=True, **config)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory):
+    return make_nemotron_h_dir(tmp_path_factory.mktemp("nemotron_h") / "dense")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"max_num_batched_tokens": 12, "max_num_seqs": 3}, {"num_blocks": 20, "max_num_seqs": 4}],
+    ids=["batched", "chunked-prefill", "preemption"],
+)
+def test_nemotron_h_is_hfs(nemotron_h, settings):
+    """Blocks of one mixer each (Mamba-2, attention without RoPE, relu^2 MLP) by transformers' names (backbone.,
+    mixer.): HF's greedy tokens and logprobs, batched, in chunks and through preemptions."""
+    prompts = mixed_prompts()
+    with make_llm(nemotron_h, **settings) as llm:
+        engine = llm.engine
+        assert engine.runner.states is not None and engine.runner.states.ssm.shape[0] == 3
+        assert len(engine.runner.kv_cache.layers) == 1
+        check_against_hf(nemotron_h, prompts, run_greedy(llm, prompts))
+        if "num_blocks" in settings:
+            assert engine.scheduler.num_preemptions > 0
+
+
+def test_nemotron_h_experts_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="mixture-of-experts blocks"):
+        make_llm(make_nemotron_h_dir(tmp_path, hybrid_override_pattern="M*E", n_routed_experts=4))
+
+
 @pytest.fixture(scope="module")
 def hybrid_moe(tmp_path_factory):
     return make_hybrid_dir(tmp_path_factory.mktemp("granite_hybrid") / "moe")
@@ -155,17 +204,19 @@ def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
         make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
 
 
+@pytest.mark.parametrize("model", ["hybrid_moe", "nemotron_h"])
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_granite_hybrid_quantized_serves_the_dequantized_model(hybrid_moe, tmp_path, method):
-    """--quantization int8|int4 quantizes the Mamba-2 layers' in_proj and out_proj beside the attention and the
-    experts: the engine serves exactly the model whose matrices are the quantized ones dequantized."""
+def test_hybrid_quantized_serves_the_dequantized_model(request, tmp_path, method, model):
+    """--quantization int8|int4 quantizes the Mamba-2 layers' in_proj and out_proj beside the attention, the experts
+    and the MLPs: the engine serves exactly the model whose matrices are the quantized ones dequantized."""
+    model_dir = request.getfixturevalue(model)
     round_trip, weight_type = METHODS[method]
-    with make_llm(hybrid_moe, quantization=method) as llm:
+    with make_llm(model_dir, quantization=method) as llm:
         mixers = llm.engine.runner.model.mixers.values()
         assert all(isinstance(w, weight_type) for mixer in mixers for w in (mixer.in_proj, mixer.out_proj))
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    pattern = re.compile(rf"{QUANTIZED.pattern}|.*\.mamba\.(in_proj|out_proj)\.weight")
-    with make_llm(dequantized_copy(hybrid_moe, tmp_path / "deq", round_trip, pattern)) as reference:
+    pattern = re.compile(rf"{QUANTIZED.pattern}|.*\.(?:mamba|mixer)\.(?:in_proj|out_proj)\.weight")
+    with make_llm(dequantized_copy(model_dir, tmp_path / "deq", round_trip, pattern)) as reference:
         want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids

@@ -1,0 +1,105 @@
+"""Nemotron-H (models/nemotron_h_arch.py): blocks of one mixer each, `h + mixer(RMSNorm(h))`, the mixer a Mamba-2
+layer (models/hybrid.py's), attention without positional embedding, or a plain relu^2 MLP.
+
+The generic decoder's parts serve each mixer (its attention call, its plain MLP, its norms, embeddings and LM head);
+the layer loop is this model's own, since a block holds one mixer where the generic decoder's layer holds attention
+and an MLP. The KV cache holds the attention blocks only, in their order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.layer_attention import LayerAttention
+from engine.layers.linear import Linear
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.mrope import SectionedRows
+from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
+from engine.models.hybrid import HybridLayers
+from engine.models.nemotron_h_arch import NemotronHArch
+from engine.quantization.weight_quantizer import WeightQuantizer
+
+
+class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]  # (as models/hybrid.py's)
+    mamba_layers_have_mlp = False
+    mamba_prefix = "mixer."
+
+    def __init__(
+        self,
+        nemotron: NemotronHArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
+    ):
+        super().__init__(nemotron.decoder, dtype, device, ops, linear, quantizer, max_model_len)
+        self._hold_mamba_layers(nemotron.hybrid)
+        self.blocks = nemotron.blocks
+        self.fused = None  # (the fused decode step runs the generic decoder's layer)
+
+    @property
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        return tuple(a for a, kind in zip(self.layer_attention, self.blocks) if kind == "attention")
+
+    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        """An attention or MLP block (a Mamba-2 block: HybridLayers._take_layer) by its mixer's names."""
+        p = f"layers.{index}."
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return state.pop(p + name)
+            except KeyError:
+                raise ValueError(f"checkpoint lacks {p + name}") from None
+
+        prepare, attention = self._prepare, self.blocks[index] == "attention"
+        qkv = self._cat_rows(*(take(f"mixer.{part}_proj.weight") for part in "qkv")) if attention else None
+        return DecoderLayerWeights(
+            norms={"attn_pre": take("norm.weight")},
+            norm_biases={},
+            qkv=prepare(qkv) if attention else None,
+            qkv_bias=None,
+            q_norm=None,
+            k_norm=None,
+            o_proj=prepare(take("mixer.o_proj.weight")) if attention else None,
+            o_bias=None,
+            gate_up=None if attention else prepare(take("mixer.up_proj.weight")),
+            gate_up_bias=None if attention else state.pop(p + "mixer.up_proj.bias", None),
+            down=None if attention else prepare(take("mixer.down_proj.weight")),
+            down_bias=None if attention else state.pop(p + "mixer.down_proj.bias", None),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens] (read by no block: none has a positional embedding)
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: Sequence[AttentionMetadata],  # each attention block's
+        backend: AttentionBackend,
+        hidden_states: Optional[torch.Tensor] = None,
+        sectioned: Optional[SectionedRows] = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        if sectioned is not None:
+            raise ValueError("NemotronHForCausalLM does not rotate by multimodal RoPE")
+        h = self.input_embeddings(input_ids) if hidden_states is None else hidden_states
+        caches = iter(zip(kv_caches, metadata, strict=True))
+        for index, (layer, kind) in enumerate(zip(self.layers, self.blocks)):
+            x = self._norm(h, layer, "attn_pre")
+            out: Any
+            if kind == "mamba":
+                out = self._recurrent_mix(index, x)
+            elif kind == "attention":
+                (key_cache, value_cache), step = next(caches)
+                attention = self.layer_attention[index]
+                out = self._layer_attention(
+                    layer, x, None, None, key_cache, value_cache, step, backend, attention, index
+                )
+            else:
+                out = self._mlp_branch(index, layer, x)
+            h = h + out
+        return h
