@@ -14,6 +14,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
+from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.linear import Linear
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.mrope import SectionedRows
@@ -36,8 +37,10 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
         linear: Optional[Linear] = None,
         quantizer: Optional[WeightQuantizer] = None,
         max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
     ):
-        super().__init__(nemotron.decoder, dtype, device, ops, linear, quantizer, max_model_len)
+        """`nemotron`: this rank's share with several ranks (its heads, its MLPs' width, its Mamba-2 heads)."""
+        super().__init__(nemotron.decoder, dtype, device, ops, linear, quantizer, max_model_len, tp)
         self._hold_mamba_layers(nemotron.hybrid)
         self.blocks = nemotron.blocks
         self.fused = None  # (the fused decode step runs the generic decoder's layer)

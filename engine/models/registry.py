@@ -484,8 +484,9 @@ FAMILIES = (
             "hybrid_override_pattern",
             "Mamba-2 blocks (as Granite 4.0-H's), attention without positional embedding, plain relu^2 MLPs",
             "backbone. names, embeddings, norm_f",
-            "no mixture-of-experts blocks (Nemotron 3), prefix caching, speculative decoding, LoRA, tensor or "
-            "pipeline parallelism, CUDA graphs",
+            "tensor parallelism as Granite 4.0-H's",
+            "no mixture-of-experts blocks (Nemotron 3), prefix caching, speculative decoding, LoRA, pipeline "
+            "parallelism, CUDA graphs",
         ),
     ),
 )
@@ -513,7 +514,7 @@ def family_of(hf_config: Any) -> ModelFamily:
 
 
 TENSOR_PARALLEL_IMPLEMENTATIONS = (
-    *("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss", "hybrid"),
+    *("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss", "hybrid", "nemotron_h"),
 )
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's, the mixtures
 of experts on either, DeepSeek's, GPT-OSS's and the hybrid Mamba-2 decoders' (their families: FAMILIES' entries of
@@ -543,7 +544,12 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
 
 def mamba_shape_of(hf_config: Any) -> Optional[MambaShape]:
     """A hybrid model's whole Mamba-2 layer shape (what tensor parallelism cuts), else None."""
-    if family_of(hf_config).implementation != "hybrid":
+    implementation = family_of(hf_config).implementation
+    if implementation == "nemotron_h":
+        from engine.models.nemotron_h_arch import read_nemotron_h
+
+        return read_nemotron_h(hf_config).hybrid.mamba
+    if implementation != "hybrid":
         return None
     from engine.models.hybrid_arch import read_hybrid
 
@@ -659,6 +665,16 @@ def build_model(
                     shard, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp
                 )
             return HybridForCausalLM(shard, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        if family.implementation == "nemotron_h":
+            from engine.models.hybrid_arch import shard_mamba
+            from engine.models.nemotron_h import NemotronHForCausalLM
+            from engine.models.nemotron_h_arch import read_nemotron_h
+
+            assert isinstance(shard, DecoderArch)  # _dense_arch reads it so
+            nemotron = read_nemotron_h(hf_config)
+            hybrid = dataclasses.replace(nemotron.hybrid, mamba=shard_mamba(nemotron.hybrid.mamba, tp.world_size))
+            nemotron = dataclasses.replace(nemotron, decoder=shard, hybrid=hybrid)
+            return NemotronHForCausalLM(nemotron, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "decoder_moe":
             from engine.models.decoder_moe import DecoderMoeForCausalLM
 
@@ -769,6 +785,10 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
         from engine.models.hybrid_arch import granite_hybrid_arch
 
         return granite_hybrid_arch(hf_config)
+    if family.implementation == "nemotron_h":
+        from engine.models.nemotron_h_arch import read_nemotron_h
+
+        return read_nemotron_h(hf_config).decoder
     if family.implementation == "gpt_oss":  # (its refusals of what is not served too)
         from engine.models.gpt_oss_arch import gpt_oss_arch
 

@@ -1,8 +1,8 @@
 """Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
 GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
 Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE, Llama 4), DeepSeek-V2/V3, GPT-OSS and the hybrid Granite 4.0-H: each rank's share of the heads and of
-the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
+Phi-3.5-MoE, Llama 4), DeepSeek-V2/V3, GPT-OSS and the hybrids Granite 4.0-H and Nemotron-H: each rank's share of the
+heads and of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -88,7 +88,8 @@ from engine.quantization.mxfp4 import BLOCK_VALUES as MXFP4_BLOCK
 from engine.quantization.mxfp4 import E8M0_BIAS
 from engine.quantization.quantized_weight import QuantizedWeight
 
-_LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.)?layers|transformer\.h)\.\d+\.(.+)")  # (GPT-J's transformer.h.N.)
+# (GPT-J's transformer.h.N.; Nemotron-H's backbone.layers.N.)
+_LAYER = re.compile(r"(?:(?:model\.|gpt_neox\.|backbone\.)?layers|transformer\.h)\.\d+\.(.+)")
 # rows split evenly (plain MLPs' ups: StarCoder2's c_fc, Phi-2's fc1, GPT-NeoX's dense_h_to_4h; GPT-NeoX's
 # query_key_value, whose rows are per head)
 _COLUMN = (
@@ -98,8 +99,9 @@ _COLUMN = (
     *("attn.c_attn.", "self_attention.query_key_value."),
     # DeepSeek's latent attention: rows per head (q_nope | q_pe; k_nope | v), so an even cut is by heads
     *("self_attn.q_b_proj.", "self_attn.kv_b_proj."),
+    *("mixer.q_proj.", "mixer.up_proj."),  # Nemotron-H's attention and MLP blocks (one mixer each)
 )
-_KV = ("self_attn.k_proj.", "self_attn.v_proj.", "attn.k_proj.", "attn.v_proj.")
+_KV = ("self_attn.k_proj.", "self_attn.v_proj.", "attn.k_proj.", "attn.v_proj.", "mixer.k_proj.", "mixer.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
 # fused q | k | v (GPT-BigCode's, one KV head where multi_query; Falcon's), or, where the arch says qkv_per_head,
 # rows by KV group (a rank's whole groups: its query heads and their KV head)
@@ -134,12 +136,13 @@ _ROW_NAMES = (
     *("self_attn.o_proj.", "self_attn.dense.", "attention.dense.", "attn.out_proj.", "attn.c_proj."),
     "self_attention.dense.",
     *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h.", "mlp.fc_out.", "feed_forward.down_proj."),
+    *("mixer.o_proj.", "mixer.down_proj."),
 )
 _ROW = tuple(name + "weight" for name in _ROW_NAMES)
 _ROW_BIAS = tuple(name + "bias" for name in _ROW_NAMES)
 # rows split by vocab_parallel (GPT-NeoX's embed_in and embed_out too)
 _VOCAB = re.compile(
-    r"(?:model\.)?embed_tokens\.weight|lm_head\.weight"
+    r"(?:model\.)?embed_tokens\.weight|lm_head\.weight|backbone\.embeddings\.weight"
     r"|(?:gpt_neox\.embed_in|embed_out|transformer\.wte|transformer\.word_embeddings)\.weight"
 )
 
@@ -272,8 +275,8 @@ def shard_weights(
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
-        if mamba is not None and part.startswith(_MAMBA):
-            yield name, _mamba_share(name, part.removeprefix(_MAMBA), tensor, mamba, rank, ranks, quantize_whole)
+        if mamba is not None and part.startswith(_MAMBA) and part.split(".", 1)[1] in _MAMBA_TENSORS:
+            yield name, _mamba_share(name, part.split(".", 1)[1], tensor, mamba, rank, ranks, quantize_whole)
             continue
         if held_experts is not None and (routed := _routed_experts(part, arch)) is not None:
             if routed == "stacked":
@@ -334,8 +337,9 @@ def shard_weights(
 
 
 _Cuttable = Union[torch.Tensor, GgufWeight, Int4Groups]  # a checkpoint matrix as stored: float, GGUF blocks, AWQ groups
-_MAMBA = "mamba."
+_MAMBA = ("mamba.", "mixer.")  # Granite 4.0-H's Mamba-2 layer; Nemotron-H's block mixer (attention and MLPs: above)
 _MAMBA_HEADS = ("dt_bias", "A_log", "D")  # one value per head
+_MAMBA_TENSORS = (*_MAMBA_HEADS, "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias", "out_proj.weight")
 
 
 def _mamba_share(
@@ -358,8 +362,6 @@ def _mamba_share(
         return _rows(tensor, rank, ranks)
     width, groups = shape.intermediate_size, shape.num_groups * shape.state_size
     sizes = (width, groups, groups) if part.startswith("conv1d.") else (width, width, groups, groups, shape.num_heads)
-    if part not in ("in_proj.weight", "conv1d.weight", "conv1d.bias"):
-        raise SettingsConflictError(f"{name}: not a Mamba-2 tensor this server cuts for tensor parallelism")
     whole_groups = shape.num_groups % ranks != 0  # (one group: every rank's heads read it)
     group_parts = (1, 2) if part.startswith("conv1d.") else (2, 3)
     return _cat_rows(

@@ -1,4 +1,4 @@
-"""Granite 4.0-H (Mamba-2 and attention layers) on two tensor-parallel ranks: each rank its share of the Mamba-2
+"""Granite 4.0-H and Nemotron-H (Mamba-2 and attention layers) on two tensor-parallel ranks: each rank its share of the Mamba-2
 heads (their in_proj rows, conv channels, dt, A, D, norm channels and out_proj columns; the groups of B and C cut
 when they divide, else the one group whole on both ranks, its gated norm's mean square all-reduced), of the
 attention heads and of the experts or the dense MLP, and its own recurrent states: the tokens and logprobs of one
@@ -12,7 +12,7 @@ import pytest
 from engine import LLM
 from engine.errors import SettingsConflictError
 from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
-from tests.engine.test_hybrid import make_hybrid_dir
+from tests.engine.test_hybrid import make_hybrid_dir, make_nemotron_h_dir
 from tests.engine.test_model_equivalence import mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,9 +30,14 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_granite_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
-    model_dir = make_hybrid_dir(tmp_path / variant, **VARIANTS[variant])
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "nemotron_h"])
+def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
+    """Nemotron-H: its blocks' mixers (Mamba-2, attention, MLP) under their names `backbone.layers.N.mixer.*`, the
+    embedding `backbone.embeddings` vocab-parallel."""
+    if variant == "nemotron_h":
+        model_dir = make_nemotron_h_dir(tmp_path / variant)
+    else:
+        model_dir = make_hybrid_dir(tmp_path / variant, **VARIANTS[variant])
     prompts = mixed_prompts(11)
     expected, _ = generate(model_dir, prompts, 1, num_blocks=20)
     got, stats = generate(model_dir, prompts, 2, num_blocks=20)
