@@ -1,5 +1,5 @@
-"""Granite 4.0-H and Nemotron-H (Mamba-2 and attention layers) on two tensor-parallel ranks: each rank its share of the Mamba-2
-heads (their in_proj rows, conv channels, dt, A, D, norm channels and out_proj columns; the groups of B and C cut
+"""Granite 4.0-H and Nemotron-H (Mamba-2 and attention layers) on two tensor-parallel ranks: each rank its share of
+the Mamba-2 heads (their in_proj rows, conv channels, dt, A, D, norm channels and out_proj columns; the groups of B and C cut
 when they divide, else the one group whole on both ranks, its gated norm's mean square all-reduced), of the
 attention heads and of the experts or the dense MLP, and its own recurrent states: the tokens and logprobs of one
 process, with chunked prefill and preemption, with expert parallelism and with int8; Mamba-2 heads or groups that
