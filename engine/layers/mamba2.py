@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from engine.layers.causal_conv import conv_decode, conv_prefill
 from engine.layers.recurrent_state import MambaShape, RecurrentStep
 
 
@@ -91,10 +92,7 @@ def _prefill(
 ) -> torch.Tensor:
     """One request's n tokens [n, I] float32, continuing from (and leaving) its states at `row`."""
     n = xbc.shape[0]
-    window = torch.cat([conv_states[row], xbc.t().to(conv_states.dtype)], dim=1)  # [conv_dim, d_conv - 1 + n]
-    conv_states[row] = window[:, n:]
-    convolved = F.conv1d(window[None], weights.conv_weight[:, None, :], weights.conv_bias, groups=shape.conv_dim)[0]
-    xbc = F.silu(convolved).t()  # [n, conv_dim]
+    xbc = F.silu(conv_prefill(xbc, weights.conv_weight, weights.conv_bias, conv_states, row))  # [n, conv_dim]
     x, B, C = _split(xbc, shape, n)
     y, final = _chunk_scan(x, _time_steps(dt, weights, shape), weights.A, B, C, ssm_states[row], shape.chunk_size)
     ssm_states[row] = final
@@ -112,12 +110,8 @@ def _decode(
 ) -> torch.Tensor:
     """d requests' next tokens [d, I] float32: one step of the conv window and the recurrence each."""
     d = xbc.shape[0]
-    window = torch.cat([conv_states[rows], xbc[:, :, None].to(conv_states.dtype)], dim=2)  # [d, conv_dim, d_conv]
-    conv_states[rows] = window[:, :, 1:]
-    convolved = (window.float() * weights.conv_weight.float()).sum(dim=2)
-    if weights.conv_bias is not None:
-        convolved = convolved + weights.conv_bias.float()
-    x, B, C = _split(F.silu(convolved.to(xbc.dtype)), shape, d)  # [d, heads, head_dim], [d, heads, N] x 2
+    convolved = conv_decode(xbc, weights.conv_weight, weights.conv_bias, conv_states, rows)
+    x, B, C = _split(F.silu(convolved), shape, d)  # [d, heads, head_dim], [d, heads, N] x 2
     # (not clamped to time_step_limit: transformers' and vLLM's single-step updates take dt as softplus gives it;
     # only their chunked scans clamp, as `_prefill` does)
     dt = F.softplus(dt.float() + weights.dt_bias)  # [d, heads]

@@ -1,8 +1,10 @@
-"""The recurrent state of a hybrid model's Mamba-2 layers: per request, a convolution window and an SSM state.
+"""The recurrent state of a hybrid model's recurrent layers: per request, a convolution window and (Mamba-2) an SSM
+state.
 
-An attention layer keeps every past token's K/V in blocks (engine/attention/kv_cache.py); a Mamba-2 layer keeps a
-fixed-size summary instead, whatever the sequence's length: the last `d_conv - 1` inputs of its causal
-convolution and the [heads, head_dim, d_state] state of its scan. Each request owns one row of these tensors, the
+An attention layer keeps every past token's K/V in blocks (engine/attention/kv_cache.py); a recurrent layer keeps a
+fixed-size summary instead, whatever the sequence's length: the last `kernel - 1` inputs of its causal
+convolution, and a Mamba-2 layer the [heads, head_dim, d_state] state of its scan (LFM2's short convolutions keep
+the window alone). Each request owns one row of these tensors, the
 row of the runner's block table it already holds (engine/runner/block_table.py: at most `max_num_seqs`), so a
 worker process that follows the step messages holds the same rows. A row is zeroed by the step that computes its
 request's first token (a new request, a resumed one that recomputes, or a row handed to another request), and
@@ -15,10 +17,28 @@ decoding (engine/shard_builder.py says so at start-up).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class StateShape:
+    """What one recurrent layer keeps per request: a convolution window of `conv_dim` channels and `conv_kernel - 1`
+    positions, and an SSM state of `ssm` (() none)."""
+
+    conv_dim: int
+    conv_kernel: int
+    ssm: tuple[int, ...] = ()
+
+    def bytes_per_row(self, num_layers: int, dtype: torch.dtype) -> int:
+        """What one request's state takes over `num_layers` such layers (the window in `dtype`, the SSM in
+        float32)."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        ssm = 4 * math.prod(self.ssm) if self.ssm else 0
+        return num_layers * (conv + ssm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +63,10 @@ class MambaShape:
         """The convolved channels: x, B and C."""
         return self.intermediate_size + 2 * self.num_groups * self.state_size
 
+    @property
+    def state(self) -> StateShape:
+        return StateShape(self.conv_dim, self.conv_kernel, (self.num_heads, self.head_dim, self.state_size))
+
 
 @dataclass(frozen=True, slots=True)
 class RecurrentStep:
@@ -63,24 +87,15 @@ class RecurrentStep:
 
 
 class RecurrentStates:
-    """Per Mamba-2 layer, the conv windows `[rows, conv_dim, d_conv - 1]` (the model's dtype: they are inputs
-    the layer computed) and the SSM states `[rows, heads, head_dim, d_state]` (float32: the scan adds into them
-    every token, as HF's reference scan computes in float32)."""
+    """Per recurrent layer, the conv windows `[rows, conv_dim, kernel - 1]` (the model's dtype: they are inputs the
+    layer computed) and the SSM states `[rows, *ssm]` (Mamba-2's [heads, head_dim, d_state], float32: the scan adds
+    into them every token, as HF's reference scan computes in float32; `[rows, 0]` for a layer without one)."""
 
-    def __init__(self, shape: MambaShape, num_layers: int, rows: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: StateShape, num_layers: int, rows: int, dtype: torch.dtype, device: torch.device):
         self.shape = shape
         self.rows = rows
         self.conv = torch.zeros((num_layers, rows, shape.conv_dim, shape.conv_kernel - 1), dtype=dtype, device=device)
-        self.ssm = torch.zeros(
-            (num_layers, rows, shape.num_heads, shape.head_dim, shape.state_size), dtype=torch.float32, device=device
-        )
-
-    @staticmethod
-    def bytes_per_row(shape: MambaShape, num_layers: int, dtype: torch.dtype) -> int:
-        """What one request's state takes over every Mamba-2 layer."""
-        conv = shape.conv_dim * (shape.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
-        ssm = shape.num_heads * shape.head_dim * shape.state_size * 4
-        return num_layers * (conv + ssm)
+        self.ssm = torch.zeros((num_layers, rows, *(shape.ssm or (0,))), dtype=torch.float32, device=device)
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@ through the step the runner sets (`recurrent_step`, as it sets `lora_step`; laye
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -17,7 +17,7 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mamba2 import MambaWeights, mamba_mix
-from engine.layers.recurrent_state import RecurrentStates, RecurrentStep
+from engine.layers.recurrent_state import RecurrentStates, RecurrentStep, StateShape
 from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
 from engine.models.decoder_arch import DecoderArch
 from engine.models.decoder_moe import DecoderMoeForCausalLM
@@ -38,11 +38,10 @@ class HybridLayers:
     mamba_layers_have_mlp = True  # (Granite 4.0-H's layers: a mixer and an MLP; Nemotron-H's blocks: one mixer)
     mamba_prefix = "mamba."  # the Mamba-2 layer's tensors' names within a layer (Nemotron-H's: "mixer.")
 
-    def _hold_mamba_layers(self, hybrid: HybridArch) -> None:
-        self.hybrid = hybrid
-        self.recurrent_layers = frozenset(hybrid.mamba_layers)
-        self.mixers: dict[int, MambaWeights] = {}  # by layer
-        self._state_layer = {layer: k for k, layer in enumerate(hybrid.mamba_layers)}  # its states' index
+    def _hold_recurrent_layers(self, layers: tuple[int, ...]) -> None:
+        self.recurrent_layers = frozenset(layers)
+        self.mixers: dict[int, Any] = {}  # by layer: MambaWeights (a short convolution's: models/lfm2.py)
+        self._state_layer = {layer: k for k, layer in enumerate(layers)}  # its states' index
         self.recurrent_step = None  # set by the runner around each step's forward pass
 
     @property
@@ -50,17 +49,21 @@ class HybridLayers:
         """The attention layers' attention, in their order: the KV cache's layers."""
         return tuple(a for i, a in enumerate(self.layer_attention) if i not in self.recurrent_layers)
 
+    @property
+    def state_shape(self) -> StateShape:
+        """What each recurrent layer keeps per request."""
+        return self.hybrid.mamba.state
+
     def recurrent_states(self, rows: int) -> Optional[RecurrentStates]:
-        """Zeroed states of `rows` requests for every Mamba-2 layer (None: the model has none)."""
-        if not self.hybrid.mamba_layers:
+        """Zeroed states of `rows` requests for every recurrent layer (None: the model has none)."""
+        if not self.recurrent_layers:
             return None
         model: Any = self
-        return RecurrentStates(self.hybrid.mamba, len(self.hybrid.mamba_layers), rows, model.dtype, model.device)
+        return RecurrentStates(self.state_shape, len(self.recurrent_layers), rows, model.dtype, model.device)
 
     def recurrent_state_bytes(self, rows: int) -> int:
         model: Any = self
-        count = len(self.hybrid.mamba_layers)
-        return rows * RecurrentStates.bytes_per_row(self.hybrid.mamba, count, model.dtype) if count else 0
+        return rows * self.state_shape.bytes_per_row(len(self.recurrent_layers), model.dtype)
 
     def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:
         model: Any = self
@@ -77,20 +80,7 @@ class HybridLayers:
         def maybe(name: str) -> Optional[torch.Tensor]:
             return state.pop(p + name, None)
 
-        m = self.mamba_prefix
-        prepare = model._prepare
-        self.mixers[index] = MambaWeights(
-            in_proj=prepare(take(m + "in_proj.weight")),
-            in_proj_bias=maybe(m + "in_proj.bias"),
-            conv_weight=take(m + "conv1d.weight")[:, 0, :].contiguous(),
-            conv_bias=maybe(m + "conv1d.bias"),
-            dt_bias=take(m + "dt_bias").float(),
-            A=-torch.exp(take(m + "A_log").float()),
-            D=take(m + "D").float(),
-            norm=take(m + "norm.weight"),
-            out_proj=prepare(take(m + "out_proj.weight")),
-            out_proj_bias=maybe(m + "out_proj.bias"),
-        )
+        self.mixers[index] = self._take_mixer(take, maybe)
         norms = model.arch.norms
         no_mlp = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None)
         return DecoderLayerWeights(
@@ -103,6 +93,24 @@ class HybridLayers:
             o_proj=None,
             o_bias=None,
             **(model._take_mlp(index, take, maybe, model._cat_rows) if self.mamba_layers_have_mlp else no_mlp),
+        )
+
+    def _take_mixer(self, take: Callable[[str], torch.Tensor], maybe: Callable[[str], Optional[torch.Tensor]]) -> Any:
+        """A recurrent layer's mixer weights (a Mamba-2 layer's), by their names within the layer."""
+        model: Any = self
+        m = self.mamba_prefix
+        prepare = model._prepare
+        return MambaWeights(
+            in_proj=prepare(take(m + "in_proj.weight")),
+            in_proj_bias=maybe(m + "in_proj.bias"),
+            conv_weight=take(m + "conv1d.weight")[:, 0, :].contiguous(),
+            conv_bias=maybe(m + "conv1d.bias"),
+            dt_bias=take(m + "dt_bias").float(),
+            A=-torch.exp(take(m + "A_log").float()),
+            D=take(m + "D").float(),
+            norm=take(m + "norm.weight"),
+            out_proj=prepare(take(m + "out_proj.weight")),
+            out_proj_bias=maybe(m + "out_proj.bias"),
         )
 
     def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +132,7 @@ class HybridLayers:
         return [w for mixer in self.mixers.values() for w in (mixer.in_proj, mixer.out_proj)]
 
     def _mixer_bytes(self) -> int:
-        return tensor_bytes([getattr(m, name) for m in self.mixers.values() for name in MambaWeights.__slots__])
+        return tensor_bytes([getattr(m, name) for m in self.mixers.values() for name in type(m).__slots__])
 
 
 # (mypy: the generic decoder's `_take_layer` is typed with its own layer weights, and DecoderMoeForCausalLM's bases
@@ -145,7 +153,8 @@ class HybridForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]
         tp: ParallelGroup = ParallelGroup.single(),
     ):
         super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
-        self._hold_mamba_layers(hybrid)
+        self.hybrid = hybrid
+        self._hold_recurrent_layers(hybrid.recurrent_layers)
         self.fused = None  # (the fused decode step runs attention layers only)
 
     def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
@@ -175,7 +184,8 @@ class HybridMoeForCausalLM(HybridLayers, DecoderMoeForCausalLM):  # type: ignore
         tp: ParallelGroup = ParallelGroup.single(),
     ):
         super().__init__(arch, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
-        self._hold_mamba_layers(hybrid)
+        self.hybrid = hybrid
+        self._hold_recurrent_layers(hybrid.recurrent_layers)
 
     def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
         return DecoderMoeForCausalLM._take_layer(self, state, index)

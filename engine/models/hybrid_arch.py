@@ -29,9 +29,9 @@ DENSE_RENAMES = (("shared_mlp.input_linear.", "mlp.gate_up_proj."), ("shared_mlp
 
 @dataclass(frozen=True, slots=True)
 class HybridArch:
-    """Which layers are Mamba-2 layers, and their shape."""
+    """Which layers are recurrent (Mamba-2) layers, and their shape."""
 
-    mamba_layers: tuple[int, ...]
+    recurrent_layers: tuple[int, ...]
     mamba: MambaShape
     has_experts: bool
 

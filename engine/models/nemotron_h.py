@@ -41,7 +41,8 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
     ):
         """`nemotron`: this rank's share with several ranks (its heads, its MLPs' width, its Mamba-2 heads)."""
         super().__init__(nemotron.decoder, dtype, device, ops, linear, quantizer, max_model_len, tp)
-        self._hold_mamba_layers(nemotron.hybrid)
+        self.hybrid = nemotron.hybrid
+        self._hold_recurrent_layers(nemotron.hybrid.recurrent_layers)
         self.blocks = nemotron.blocks
         self.fused = None  # (the fused decode step runs the generic decoder's layer)
 

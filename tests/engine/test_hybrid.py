@@ -274,7 +274,7 @@ def test_mamba_layer_in_pieces_is_transformers_whole_in_float64():
         want = layer(x)[0]
     x32 = x[0].float()
     torch.testing.assert_close(mamba_mix(x32, weights, shape, _linear, None, 0).double(), want, atol=1e-5, rtol=0)
-    states = RecurrentStates(shape, 1, 4, torch.float32, torch.device("cpu"))
+    states = RecurrentStates(shape.state, 1, 4, torch.float32, torch.device("cpu"))
     pieces, position = [], 0
     for count in (13, 1, 1, 1, 21):
         step = states.step([2], [0, count], [position + count], 1 if count == 1 else 0)
@@ -298,7 +298,7 @@ def test_mamba_layer_decodes_more_requests_than_one_slice():
     with torch.no_grad():
         want = layer(x)
     x32 = x.float()
-    states = RecurrentStates(shape, 1, count, torch.float32, torch.device("cpu"))
+    states = RecurrentStates(shape.state, 1, count, torch.float32, torch.device("cpu"))
     rows = list(range(count))
     prompts = states.step(rows, [4 * i for i in range(count + 1)], [4] * count, 0)
     first = mamba_mix(x32[:, :4].reshape(-1, 64), weights, shape, _linear, prompts, 0)
