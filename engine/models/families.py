@@ -794,6 +794,56 @@ def llama4_arch(config: Any) -> DecoderArch:
     return dataclasses.replace(arch, max_position_embeddings=chunk)
 
 
+LFM2_NAMES = (
+    ("model.embedding_norm.", "model.norm."),
+    (".operator_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+)
+
+
+def lfm2_arch(config: Any) -> DecoderArch:
+    """LFM2: Llama's layer (its short-convolution layers: models/lfm2.py) under its own names (operator_norm,
+    ffn_norm, out_proj, feed_forward.w1/w3/w2, embedding_norm), each head's q and k RMSNormed (q_layernorm,
+    k_layernorm), the SwiGLU's width as transformers computes it from intermediate_size."""
+    lfm2_conv_layers(config)
+    return _arch(
+        config,
+        rope_settings(config),
+        qk_norm="head",
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        norm_eps=float(config.norm_eps),
+        intermediate_size=_lfm2_mlp_width(config),
+        renames=LFM2_NAMES,
+    )
+
+
+def lfm2_conv_layers(config: Any) -> tuple[int, ...]:
+    """LFM2's layers whose mixer is a short convolution; ValueError for a layer type other than conv or attention."""
+    types = list(config.layer_types)
+    unknown = sorted(set(types) - {"conv", "full_attention"})
+    if unknown:
+        raise ValueError(f"{_name(config)}: layer types {unknown} are not supported (conv, full_attention)")
+    return tuple(i for i, kind in enumerate(types) if kind == "conv")
+
+
+def _lfm2_mlp_width(config: Any) -> int:
+    """The SwiGLU's width as transformers' Lfm2MLP computes it (block_auto_adjust_ff_dim)."""
+    width = int(config.intermediate_size)
+    if config.block_auto_adjust_ff_dim:
+        width = int(2 * width / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            width = int(config.block_ffn_dim_multiplier * width)
+            multiple = int(config.block_multiple_of)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
 MOE_ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "OlmoeForCausalLM": olmoe_arch,
     "GraniteMoeForCausalLM": granite_arch,  # Granite's multipliers, read alike

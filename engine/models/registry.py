@@ -489,9 +489,24 @@ FAMILIES = (
             "parallelism, CUDA graphs",
         ),
     ),
+    ModelFamily(
+        "Lfm2ForCausalLM",
+        ("lfm2",),
+        "lfm2",
+        HF_FORMATS,
+        (
+            "LFM2 (350M / 700M / 1.2B / 2.6B): Llama's layer, its mixer a gated short convolution on the layers "
+            "layer_types names conv, a window of its last inputs per request beside the attention layers' KV cache",
+            "per-head q/k RMSNorm (q_layernorm, k_layernorm)",
+            "SwiGLU of the adjusted width (block_auto_adjust_ff_dim)",
+            "tensor parallelism by channels of the convolutions",
+            "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
+        ),
+    ),
 )
-RECURRENT_IMPLEMENTATIONS = ("hybrid", "nemotron_h")
-"""The implementations with Mamba-2 layers, which keep a recurrent state per request (models/hybrid.py)."""
+RECURRENT_IMPLEMENTATIONS = ("hybrid", "nemotron_h", "lfm2")
+"""The implementations with recurrent layers (Mamba-2, short convolutions), which keep a state per request
+(models/hybrid.py)."""
 
 
 def supported_architectures() -> list[str]:
@@ -514,7 +529,7 @@ def family_of(hf_config: Any) -> ModelFamily:
 
 
 TENSOR_PARALLEL_IMPLEMENTATIONS = (
-    *("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss", "hybrid", "nemotron_h"),
+    *("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss", "hybrid", "nemotron_h", "lfm2"),
 )
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's, the mixtures
 of experts on either, DeepSeek's, GPT-OSS's and the hybrid Mamba-2 decoders' (their families: FAMILIES' entries of
@@ -539,6 +554,10 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
         from engine.models.hybrid_arch import check_mamba_shardable
 
         check_mamba_shardable(mamba, world_size)
+    if family.implementation == "lfm2" and arch.hidden_size % world_size:  # (its convolutions' channels)
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size} does not divide the model's {arch.hidden_size} convolution channels"
+        )
     return arch
 
 
@@ -665,6 +684,13 @@ def build_model(
                     shard, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp
                 )
             return HybridForCausalLM(shard, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        if family.implementation == "lfm2":
+            from engine.models.families import lfm2_conv_layers
+            from engine.models.lfm2 import Lfm2ForCausalLM
+
+            assert isinstance(shard, DecoderArch)  # _dense_arch reads it so
+            layers, kernel = lfm2_conv_layers(hf_config), int(hf_config.conv_L_cache)
+            return Lfm2ForCausalLM(shard, layers, kernel, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "nemotron_h":
             from engine.models.hybrid_arch import shard_mamba
             from engine.models.nemotron_h import NemotronHForCausalLM
@@ -755,6 +781,12 @@ def build_model(
         from engine.models.nemotron_h_arch import read_nemotron_h
 
         return NemotronHForCausalLM(read_nemotron_h(hf_config), dtype, device, ops, linear, quantizer, max_model_len)
+    if family.implementation == "lfm2":
+        from engine.models.families import lfm2_arch, lfm2_conv_layers
+        from engine.models.lfm2 import Lfm2ForCausalLM
+
+        arch, layers, kernel = lfm2_arch(hf_config), lfm2_conv_layers(hf_config), int(hf_config.conv_L_cache)
+        return Lfm2ForCausalLM(arch, layers, kernel, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "decoder_moe":
         from engine.models.decoder_moe import DecoderMoeForCausalLM
         from engine.models.families import MOE_ARCH_READERS
@@ -789,6 +821,10 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
         from engine.models.nemotron_h_arch import read_nemotron_h
 
         return read_nemotron_h(hf_config).decoder
+    if family.implementation == "lfm2":
+        from engine.models.families import lfm2_arch
+
+        return lfm2_arch(hf_config)
     if family.implementation == "gpt_oss":  # (its refusals of what is not served too)
         from engine.models.gpt_oss_arch import gpt_oss_arch
 

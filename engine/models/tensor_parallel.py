@@ -1,8 +1,8 @@
-"""Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere,
-GLM-4, StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode,
-Falcon) and the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE,
-Phi-3.5-MoE, Llama 4), DeepSeek-V2/V3, GPT-OSS and the hybrids Granite 4.0-H and Nemotron-H: each rank's share of the
-heads and of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
+"""Tensor parallelism for the Llama family, the generic decoder (Gemma 1/2/3, Phi-3, OLMo 2/3, Granite, Cohere, GLM-4,
+StarCoder2, SmolLM3, Arcee, ERNIE 4.5, EXAONE 4, Phi-2, GPT-NeoX, Seed-OSS, Apertus, GPT-J, GPT-BigCode, Falcon) and
+the mixtures of experts on either (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5; OLMoE, Granite MoE, Phi-3.5-MoE, Llama
+4), DeepSeek-V2/V3, GPT-OSS and the hybrids Granite 4.0-H, Nemotron-H and LFM2: each rank's share of the heads and
+of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column- and row-parallel layers).
 
     q|k|v, gate|up   column-parallel: rank r keeps its heads' rows (its query heads, and the KV heads they read)
                      and its share of the intermediate rows; no communication
@@ -32,6 +32,8 @@ heads and of the MLPs' widths, and its slice of every checkpoint tensor (Megatro
     Mamba-2          a hybrid model's: in_proj's rows and the convolution's channels part by part, by heads (gate,
                      x, dt) and by groups (B, C; one group whole on every rank), the heads' dt_bias, A_log, D and
                      norm channels; out_proj row-parallel
+    short conv       LFM2's: in_proj's B, C and x rows each by channels, the convolution's channels, out_proj
+                     row-parallel (its bias on rank 0)
     GPT-OSS          q/k/v (and biases) by heads, o_proj row-parallel (its bias on rank 0), the attention sinks (one
                      per query head) cut by this rank's heads; its experts in transformers' layout: gate_up_proj
                      [E, H, 2I] interleaves gate and up in its columns, so a rank's share of the width is one run
@@ -100,6 +102,7 @@ _COLUMN = (
     # DeepSeek's latent attention: rows per head (q_nope | q_pe; k_nope | v), so an even cut is by heads
     *("self_attn.q_b_proj.", "self_attn.kv_b_proj."),
     *("mixer.q_proj.", "mixer.up_proj."),  # Nemotron-H's attention and MLP blocks (one mixer each)
+    *("feed_forward.w1.", "feed_forward.w3."),  # LFM2's SwiGLU
 )
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.", "attn.k_proj.", "attn.v_proj.", "mixer.k_proj.", "mixer.v_proj.")
 _FUSED_QKV = "self_attn.qkv_proj."  # Phi-3: [q; k; v] rows in one tensor
@@ -137,6 +140,7 @@ _ROW_NAMES = (
     "self_attention.dense.",
     *("mlp.down_proj.", "mlp.c_proj.", "mlp.fc2.", "mlp.dense_4h_to_h.", "mlp.fc_out.", "feed_forward.down_proj."),
     *("mixer.o_proj.", "mixer.down_proj."),
+    *("self_attn.out_proj.", "feed_forward.w2."),  # LFM2's
 )
 _ROW = tuple(name + "weight" for name in _ROW_NAMES)
 _ROW_BIAS = tuple(name + "bias" for name in _ROW_NAMES)
@@ -275,6 +279,9 @@ def shard_weights(
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
+        if arch.model_type == "lfm2" and part.startswith(_SHORT_CONV):
+            yield name, _short_conv_share(name, part.removeprefix(_SHORT_CONV), tensor, rank, ranks, quantize_whole)
+            continue
         if mamba is not None and part.startswith(_MAMBA) and part.split(".", 1)[1] in _MAMBA_TENSORS:
             yield name, _mamba_share(name, part.split(".", 1)[1], tensor, mamba, rank, ranks, quantize_whole)
             continue
@@ -340,6 +347,28 @@ _Cuttable = Union[torch.Tensor, GgufWeight, Int4Groups]  # a checkpoint matrix a
 _MAMBA = ("mamba.", "mixer.")  # Granite 4.0-H's Mamba-2 layer; Nemotron-H's block mixer (attention and MLPs: above)
 _MAMBA_HEADS = ("dt_bias", "A_log", "D")  # one value per head
 _MAMBA_TENSORS = (*_MAMBA_HEADS, "norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias", "out_proj.weight")
+
+
+_SHORT_CONV = "conv."  # LFM2's short-convolution layer
+
+
+def _short_conv_share(
+    name: str,
+    part: str,
+    tensor: Any,
+    rank: int,
+    ranks: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Any:
+    """LFM2's short convolution cut by channels: in_proj's rows [B | C | x] each part's share (its bias alike), the
+    convolution's channels, out_proj row-parallel (its bias on rank 0)."""
+    if part == "out_proj.weight":
+        return _columns(name, tensor, rank, ranks, quantize_whole)
+    if part == "out_proj.bias":
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    if part.startswith("in_proj."):
+        return _cat_rows([_rows(third, rank, ranks) for third in _split_rows(tensor, (_rows_of(tensor) // 3,) * 3)])
+    return _rows(tensor, rank, ranks)  # conv.weight [channels, 1, kernel], conv.bias
 
 
 def _mamba_share(

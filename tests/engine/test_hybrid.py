@@ -103,6 +103,43 @@ def test_nemotron_h_experts_are_refused(tmp_path):
         make_llm(make_nemotron_h_dir(tmp_path, hybrid_override_pattern="M*E", n_routed_experts=4))
 
 
+LFM2 = dict(
+    architectures=["Lfm2ForCausalLM"],
+    model_type="lfm2",
+    num_hidden_layers=4,
+    layer_types=["conv", "full_attention", "conv", "conv"],
+    intermediate_size=96,  # (the SwiGLU's width: 256, as transformers adjusts it)
+    norm_eps=1e-5,
+    conv_L_cache=3,
+    conv_bias=True,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("lfm2") / "lfm2", "llama", random_norms=True, **LFM2)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"attention_backend": "torch"}, {"max_num_batched_tokens": 12, "max_num_seqs": 3}, {"num_blocks": 20}],
+    ids=["cpu", "torch", "chunked-prefill", "preemption"],
+)
+def test_lfm2_is_hfs(lfm2, settings):
+    """Short-convolution layers (B * x convolved, times C; a window of 2 gated inputs per request) beside RoPE
+    attention with per-head q/k norms: HF's greedy tokens and logprobs, batched, in chunks and through preemptions."""
+    prompts = mixed_prompts()
+    with make_llm(lfm2, **settings) as llm:
+        engine = llm.engine
+        assert engine.runner.states is not None and engine.runner.states.conv.shape[0] == 3
+        assert len(engine.runner.kv_cache.layers) == 1
+        check_against_hf(lfm2, prompts, run_greedy(llm, prompts))
+        check_against_hf(lfm2, prompts[6:7], run_greedy(llm, prompts[6:7]))
+        if "num_blocks" in settings:
+            assert engine.scheduler.num_preemptions > 0
+
+
 @pytest.fixture(scope="module")
 def hybrid_moe(tmp_path_factory):
     return make_hybrid_dir(tmp_path_factory.mktemp("granite_hybrid") / "moe")
@@ -204,7 +241,7 @@ def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
         make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
 
 
-@pytest.mark.parametrize("model", ["hybrid_moe", "nemotron_h"])
+@pytest.mark.parametrize("model", ["hybrid_moe", "nemotron_h", "lfm2"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_hybrid_quantized_serves_the_dequantized_model(request, tmp_path, method, model):
     """--quantization int8|int4 quantizes the Mamba-2 layers' in_proj and out_proj beside the attention, the experts
@@ -215,7 +252,8 @@ def test_hybrid_quantized_serves_the_dequantized_model(request, tmp_path, method
         mixers = llm.engine.runner.model.mixers.values()
         assert all(isinstance(w, weight_type) for mixer in mixers for w in (mixer.in_proj, mixer.out_proj))
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    pattern = re.compile(rf"{QUANTIZED.pattern}|.*\.(?:mamba|mixer)\.(?:in_proj|out_proj)\.weight")
+    # (and each recurrent mixer's in_proj and out_proj, LFM2's attention out_proj)
+    pattern = re.compile(rf"{QUANTIZED.pattern}|.*\.(?:mamba|mixer|conv|self_attn)\.(?:in_proj|out_proj)\.weight")
     with make_llm(dequantized_copy(model_dir, tmp_path / "deq", round_trip, pattern)) as reference:
         want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)
     for g, w in zip(got, want):
