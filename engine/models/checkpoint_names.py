@@ -22,7 +22,23 @@ def checkpoint_rows(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> It
     """The checkpoint's tensors as the model reads them: Llama's names, q | k | v, RoPE halves."""
     if arch.renames or arch.ignored or arch.qkv_per_head or arch.base_prefix:
         weights = llama_names(weights, arch)
+    if arch.attention_gate:
+        weights = gated_queries(weights, arch)
     return rope_halves(weights, arch) if arch.rope_interleaved else weights
+
+
+def gated_queries(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterator[tuple[str, Any]]:
+    """Qwen3.5's q_proj, whose rows per head are [q_h; gate_h] (head_dim each), as q_proj (the heads' q rows) and
+    gate_proj (their gate rows); a tensor-parallel rank's shard holds whole heads, so it splits alike."""
+    for name, tensor in weights:
+        if name.endswith(".self_attn.q_proj.weight"):
+            per_head = tensor.unflatten(0, (-1, 2, arch.head_dim))  # [heads, 2, head_dim, hidden]
+            yield name, per_head[:, 0].flatten(0, 1).contiguous()
+            yield name.replace(".q_proj.", ".gate_proj."), per_head[:, 1].flatten(0, 1).contiguous()
+        elif name.endswith(".self_attn.q_proj.bias"):
+            raise ValueError(f"{arch.architecture}: {name}: a gated q_proj's bias is not served")
+        else:
+            yield name, tensor
 
 
 def rope_halves(weights: Iterable[tuple[str, Any]], arch: DecoderArch) -> Iterator[tuple[str, Any]]:

@@ -178,8 +178,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
     def _folded(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Gemma's norms scale by (1 + w): w + 1, in float32 before any rounding to the model's dtype."""
+        unfolded = self.arch.unfolded
         for name, tensor in self._plain(weights):
-            yield name, (tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
+            folds = name.endswith("norm.weight") and not (unfolded and name.endswith(unfolded))
+            yield name, (tensor.float() + 1.0 if folds else tensor)
 
     def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:  # type: ignore[override]
         p = f"layers.{index}."
@@ -194,7 +196,10 @@ class DecoderForCausalLM(LlamaForCausalLM):
             return state.pop(p + name, None)
 
         attn = "self_attn."
-        qkv_parts = tuple(attn + name for name in ("q_proj", "k_proj", "v_proj"))
+        parts = (
+            ("q_proj", "k_proj", "v_proj", "gate_proj") if self.arch.attention_gate else ("q_proj", "k_proj", "v_proj")
+        )
+        qkv_parts = tuple(attn + name for name in parts)
         prepare = self._prepare
         norms = self.arch.norms
         return DecoderLayerWeights(
@@ -443,10 +448,12 @@ class DecoderForCausalLM(LlamaForCausalLM):
         query, key = qk[:, :heads], qk[:, heads:]
         if query_scales is not None:  # (HF: the product in float32, rounded to the model's dtype)
             query = (query * query_scales[:, None, None]).to(qk.dtype)
-        value = qkv[:, arch.q_size + arch.kv_size :].view(num_tokens, kv_heads, head_dim)
+        value = qkv[:, arch.q_size + arch.kv_size : arch.q_size + 2 * arch.kv_size].view(num_tokens, kv_heads, head_dim)
         backend.write_kv(key, value, key_cache, value_cache, metadata)
         out = backend.attend(query, key, value, key_cache, value_cache, metadata, attention)
         out = out.reshape(num_tokens, heads * head_dim)
+        if arch.attention_gate:  # (Qwen3.5: in the model's dtype, as transformers multiplies)
+            out = out * torch.sigmoid(qkv[:, arch.q_size + 2 * arch.kv_size :])
         projected = self.linear(out, layer.o_proj, layer.o_bias)
         if lora is not None:
             lora.add(index, "o_proj", out, projected)

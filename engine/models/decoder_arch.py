@@ -101,6 +101,12 @@ class DecoderArch(LlamaArch):
     # Llama 4's attention temperature tuning (floor_scale, attn_scale): on the layers without RoPE each query is
     # multiplied by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1 before its scores
     temperature_tuning: Optional[tuple[float, float]] = None
+    # each head's attention output times the sigmoid of a gate projected from the layer's input (Qwen3.5's: q_proj's
+    # rows per head are [q_h; gate_h], split at load into q_proj and gate_proj, fused after v as q | k | v | gate)
+    attention_gate: bool = False
+    # ends of norm weights that `norm_offset` leaves as they are (Qwen3.5's linear attention's gated norm is w, not
+    # 1 + w)
+    unfolded: tuple[str, ...] = ()
 
     def __post_init__(self):
         roles = [role for role, _ in self.norms]
@@ -124,8 +130,8 @@ class DecoderArch(LlamaArch):
     @property
     def fused_attention(self) -> bool:
         """Whether the fused decode step computes this attention: no weightless q/k norm after RoPE, no
-        temperature tuning (Llama 4's)."""
-        return self.qk_norm != "l2" and self.temperature_tuning is None
+        temperature tuning (Llama 4's), no output gate (Qwen3.5's)."""
+        return self.qk_norm != "l2" and self.temperature_tuning is None and not self.attention_gate
 
     @property
     def positional_layers(self) -> bool:

@@ -844,6 +844,34 @@ def _lfm2_mlp_width(config: Any) -> int:
     return width
 
 
+def qwen3_5_arch(config: Any) -> DecoderArch:
+    """Qwen3.5's text model: Llama's layer (its linear-attention layers: models/qwen3_5.py) with zero-centred RMSNorms
+    (1 + w; not the linear attention's gated norm), per-head q/k norms, each head's output gated by the sigmoid of
+    its gate rows of q_proj, partial RoPE (partial_rotary_factor; mrope's sections rotate a text prompt's one
+    position alike)."""
+    qwen3_5_linear_layers(config)
+    return _arch(
+        config,
+        rope_settings(config),
+        norm_offset=True,
+        unfolded=("linear_attn.norm.weight",),
+        activation=_silu(config),
+        qk_norm="head",
+        attention_gate=True,
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        rotary_dim=_rotary_dim(config),
+    )
+
+
+def qwen3_5_linear_layers(config: Any) -> tuple[int, ...]:
+    """Qwen3.5's layers whose mixer is linear attention (Gated DeltaNet); ValueError for another layer type."""
+    types = list(config.layer_types)
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{_name(config)}: layer types {unknown} are not supported (linear_attention, full_attention)")
+    return tuple(i for i, kind in enumerate(types) if kind == "linear_attention")
+
+
 MOE_ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "OlmoeForCausalLM": olmoe_arch,
     "GraniteMoeForCausalLM": granite_arch,  # Granite's multipliers, read alike

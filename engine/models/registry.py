@@ -503,8 +503,21 @@ FAMILIES = (
             "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
         ),
     ),
+    ModelFamily(
+        "Qwen3_5ForCausalLM",
+        ("qwen3_5_text",),
+        "qwen3_5",
+        HF_FORMATS,
+        (
+            "Qwen3.5 (text): Gated DeltaNet layers by layer_types (linear_attention: a conv window and a "
+            "[v_heads, d_k, d_v] state per request, the delta rule in chunks of 64) beside gated attention",
+            "attention: q_proj's per-head gate rows, sigmoid-gated outputs, per-head q/k norms, partial RoPE",
+            "zero-centred RMSNorms (1 + w)",
+            "no prefix caching, speculative decoding, LoRA, tensor or pipeline parallelism, CUDA graphs",
+        ),
+    ),
 )
-RECURRENT_IMPLEMENTATIONS = ("hybrid", "nemotron_h", "lfm2")
+RECURRENT_IMPLEMENTATIONS = ("hybrid", "nemotron_h", "lfm2", "qwen3_5")
 """The implementations with recurrent layers (Mamba-2, short convolutions), which keep a state per request
 (models/hybrid.py)."""
 
@@ -781,6 +794,12 @@ def build_model(
         from engine.models.nemotron_h_arch import read_nemotron_h
 
         return NemotronHForCausalLM(read_nemotron_h(hf_config), dtype, device, ops, linear, quantizer, max_model_len)
+    if family.implementation == "qwen3_5":
+        from engine.models.families import qwen3_5_arch, qwen3_5_linear_layers
+        from engine.models.qwen3_5 import Qwen3_5ForCausalLM, read_delta_net
+
+        arch, layers, delta_net = qwen3_5_arch(hf_config), qwen3_5_linear_layers(hf_config), read_delta_net(hf_config)
+        return Qwen3_5ForCausalLM(arch, layers, delta_net, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "lfm2":
         from engine.models.families import lfm2_arch, lfm2_conv_layers
         from engine.models.lfm2 import Lfm2ForCausalLM

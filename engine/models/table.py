@@ -27,6 +27,7 @@ IMPLEMENTATIONS = {
     ),
     "nemotron_h": "`NemotronHForCausalLM` (engine/models/nemotron_h.py; blocks of one mixer each, unfused)",
     "lfm2": "`Lfm2ForCausalLM` (engine/models/lfm2.py; the generic decoder with short convolutions, unfused)",
+    "qwen3_5": "`Qwen3_5ForCausalLM` (engine/models/qwen3_5.py; the generic decoder with Gated DeltaNet, unfused)",
 }
 FORMAT_NAMES = {
     "safetensors": "safetensors",

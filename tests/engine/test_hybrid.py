@@ -140,6 +140,46 @@ def test_lfm2_is_hfs(lfm2, settings):
             assert engine.scheduler.num_preemptions > 0
 
 
+QWEN3_5 = dict(
+    architectures=["Qwen3_5ForCausalLM"],
+    model_type="qwen3_5_text",
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5") / "dense", "llama", random_norms=True, **QWEN3_5)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"attention_backend": "torch"}, {"max_num_batched_tokens": 12, "max_num_seqs": 3}, {"num_blocks": 40}],
+    ids=["cpu", "torch", "chunked-prefill", "preemption"],
+)
+def test_qwen3_5_is_hfs(qwen3_5, settings):
+    """Gated DeltaNet layers (the delta rule over chunks of 64: a 130-token prompt crosses two boundaries) beside
+    attention whose heads' outputs are gated, with partial RoPE and zero-centred norms: HF's greedy tokens and
+    logprobs, batched, in chunks and through preemptions."""
+    prompts = [*mixed_prompts(), [(7 * i) % 500 + 3 for i in range(130)]]
+    with make_llm(qwen3_5, **settings) as llm:
+        engine = llm.engine
+        states = engine.runner.states
+        assert states is not None and states.ssm.shape[0] == 3 and states.ssm.shape[2:] == (4, 16, 8)
+        assert len(engine.runner.kv_cache.layers) == 1
+        check_against_hf(qwen3_5, prompts, run_greedy(llm, prompts))
+        if "num_blocks" in settings:
+            assert engine.scheduler.num_preemptions > 0
+
+
 @pytest.fixture(scope="module")
 def hybrid_moe(tmp_path_factory):
     return make_hybrid_dir(tmp_path_factory.mktemp("granite_hybrid") / "moe")
@@ -241,7 +281,7 @@ def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
         make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
 
 
-@pytest.mark.parametrize("model", ["hybrid_moe", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("model", ["hybrid_moe", "nemotron_h", "lfm2", "qwen3_5"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_hybrid_quantized_serves_the_dequantized_model(request, tmp_path, method, model):
     """--quantization int8|int4 quantizes the Mamba-2 layers' in_proj and out_proj beside the attention, the experts
@@ -252,8 +292,9 @@ def test_hybrid_quantized_serves_the_dequantized_model(request, tmp_path, method
         mixers = llm.engine.runner.model.mixers.values()
         assert all(isinstance(w, weight_type) for mixer in mixers for w in (mixer.in_proj, mixer.out_proj))
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    # (and each recurrent mixer's in_proj and out_proj, LFM2's attention out_proj)
-    pattern = re.compile(rf"{QUANTIZED.pattern}|.*\.(?:mamba|mixer|conv|self_attn)\.(?:in_proj|out_proj)\.weight")
+    # (and each recurrent mixer's in_proj(s) and out_proj, LFM2's attention out_proj)
+    mixers = r".*\.(?:mamba|mixer|conv|self_attn|linear_attn)\.(?:in_proj\w*|out_proj)\.weight"
+    pattern = re.compile(rf"{QUANTIZED.pattern}|{mixers}")
     with make_llm(dequantized_copy(model_dir, tmp_path / "deq", round_trip, pattern)) as reference:
         want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)
     for g, w in zip(got, want):
@@ -345,3 +386,46 @@ def test_mamba_layer_decodes_more_requests_than_one_slice():
     # (float32 against float64 over 41 random sequences: 1e-4, where the single sequences above hold 1e-5)
     torch.testing.assert_close(first.reshape(count, 4, 64).double(), want[:, :4], atol=1e-4, rtol=0)
     torch.testing.assert_close(last.double(), want[:, 4], atol=1e-4, rtol=0)
+
+
+def test_gated_delta_net_in_pieces_is_transformers_whole_in_float64():
+    """Qwen3.5's linear attention over 150 tokens (three chunks of the delta rule) whole, and in pieces of 70, three
+    decodes and 77 carrying the conv window and state: transformers' layer in float64, within 2e-5."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from engine.layers.gated_delta_net import DeltaNetShape, DeltaNetWeights, delta_net_mix
+
+    config = Qwen3_5TextConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        **{name: value for name, value in QWEN3_5.items() if name.startswith("linear_")},
+    )
+    torch.manual_seed(0)
+    layer = Qwen3_5GatedDeltaNet(config, 0).double()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, 0.3)
+        layer.A_log.copy_(torch.log(torch.rand(4) + 0.5))
+        x = torch.randn(1, 150, 64, dtype=torch.float64)
+        want = layer(x)[0]
+    shape = DeltaNetShape(2, 4, 16, 8, 4, config.rms_norm_eps)
+    projections = [getattr(layer, f"in_proj_{part}").weight for part in ("qkv", "z", "b", "a")]
+    weights = DeltaNetWeights(
+        torch.cat(projections).float(),
+        layer.conv1d.weight[:, 0].float(),
+        layer.dt_bias.float(),
+        -torch.exp(layer.A_log.float()),
+        layer.norm.weight.float(),
+        layer.out_proj.weight.float(),
+    )
+    x32 = x[0].float()
+    torch.testing.assert_close(delta_net_mix(x32, weights, shape, _linear, None, 0).double(), want, atol=2e-5, rtol=0)
+    states = RecurrentStates(shape.state, 1, 4, torch.float32, torch.device("cpu"))
+    pieces, position = [], 0
+    for count in (70, 1, 1, 1, 77):
+        step = states.step([3], [0, count], [position + count], 1 if count == 1 else 0)
+        pieces.append(delta_net_mix(x32[position : position + count], weights, shape, _linear, step, 0))
+        position += count
+    torch.testing.assert_close(torch.cat(pieces).double(), want, atol=2e-5, rtol=0)

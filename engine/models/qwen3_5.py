@@ -1,0 +1,89 @@
+"""Qwen3.5's text model (families.py's qwen3_5_arch): the generic decoder's layer, whose token mixer is, on the layers
+`layer_types` names `linear_attention`, a Gated DeltaNet (layers/gated_delta_net.py) keeping a conv window and a
+[v_heads, d_k, d_v] state per request (layers/recurrent_state.py), instead of attention; models/hybrid.py's
+recurrent layers otherwise. Its attention layers gate each head's output (DecoderArch.attention_gate)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from engine.distributed.parallel_group import ParallelGroup
+from engine.layers.gated_delta_net import DeltaNetShape, DeltaNetWeights, delta_net_mix
+from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.linear import Linear
+from engine.layers.recurrent_state import StateShape
+from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
+from engine.models.decoder_arch import DecoderArch
+from engine.models.hybrid import HybridLayers
+from engine.quantization.weight_quantizer import WeightQuantizer
+
+
+def read_delta_net(config: Any) -> DeltaNetShape:
+    """The linear-attention layers' shape from a Qwen3.5 text config; ValueError for what is not served."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"Qwen3.5: hidden_act {config.hidden_act!r} is not served (silu)")
+    shape = DeltaNetShape(
+        num_k_heads=int(config.linear_num_key_heads),
+        num_v_heads=int(config.linear_num_value_heads),
+        head_k_dim=int(config.linear_key_head_dim),
+        head_v_dim=int(config.linear_value_head_dim),
+        conv_kernel=int(config.linear_conv_kernel_dim),
+        norm_eps=float(config.rms_norm_eps),
+    )
+    if shape.num_v_heads % shape.num_k_heads:
+        raise ValueError(
+            f"Qwen3.5: linear_num_value_heads {shape.num_v_heads} are not whole groups of linear_num_key_heads "
+            f"{shape.num_k_heads}"
+        )
+    return shape
+
+
+class Qwen3_5ForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]  # (as models/hybrid.py's)
+    def __init__(
+        self,
+        arch: DecoderArch,
+        linear_layers: tuple[int, ...],
+        delta_net: DeltaNetShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
+    ):
+        super().__init__(arch, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        self._hold_recurrent_layers(linear_layers)
+        self.delta_net = delta_net
+        self.fused = None  # (the fused decode step runs attention layers only)
+
+    @property
+    def state_shape(self) -> StateShape:
+        return self.delta_net.state
+
+    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        return DecoderForCausalLM._take_layer(self, state, index)
+
+    def _take_mixer(self, take: Callable[[str], torch.Tensor], maybe: Callable[[str], Optional[torch.Tensor]]) -> Any:
+        p = "linear_attn."
+        projections = [take(f"{p}in_proj_{part}.weight") for part in ("qkv", "z", "b", "a")]
+        return DeltaNetWeights(
+            in_proj=self._prepare(self._cat_rows(*projections)),
+            conv_weight=take(p + "conv1d.weight")[:, 0, :].contiguous(),
+            dt_bias=take(p + "dt_bias").float(),
+            A=-torch.exp(take(p + "A_log").float()),
+            norm=take(p + "norm.weight"),
+            out_proj=self._prepare(take(p + "out_proj.weight")),
+        )
+
+    def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        step, layer = self.recurrent_step, self._state_layer[index]
+        return self.tp.all_reduce(delta_net_mix(x, self.mixers[index], self.delta_net, self.linear, step, layer))
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return super().weight_tensors() + self._mixer_tensors()
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + self._mixer_bytes()
