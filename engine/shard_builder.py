@@ -30,7 +30,8 @@ from engine.runner.model_runner import ModelRunner, RunnerLimits
 from engine.models import build_model
 from engine.pooling.pooler_config import resolve_runner
 from engine.models.registry import FAMILIES, check_tensor_parallel_model, family_of, moe_arch_of
-from engine.models.registry import held_experts_of, mamba_shape_of, tensor_parallel_expert_unit
+from engine.models.registry import delta_net_shape_of, held_experts_of, mamba_shape_of, recurrent_width_of
+from engine.models.registry import tensor_parallel_expert_unit
 from engine.models.llama import LlamaForCausalLM
 from engine.models.vision_language import (
     VISION_LANGUAGE_FAMILIES,
@@ -204,10 +205,9 @@ def build_shard(
         full_arch = check_tensor_parallel_model(hf_config, tp.world_size)
         unit = tensor_parallel_expert_unit(hf_config, quantizer)  # (as build_model's experts were padded)
         held = held_experts_of(hf_config, tp) if expert_parallel else None
-        mamba = mamba_shape_of(hf_config)
-        weights = shard_weights(
-            weights, full_arch, tp, _whole_rows_quantizer(quantizer, dtype, device), unit, held, mamba
-        )
+        mamba, delta_net = mamba_shape_of(hf_config), delta_net_shape_of(hf_config)
+        quantize_whole = _whole_rows_quantizer(quantizer, dtype, device)
+        weights = shard_weights(weights, full_arch, tp, quantize_whole, unit, held, mamba, delta_net)
     model.load_weights(weights)
     vision = None
     if vision_family is not None and not vision_family.images:
@@ -297,7 +297,7 @@ def _check_parallel_storage(quantizer: Optional[WeightQuantizer], hf_config, tp:
         moe = moe_arch_of(hf_config)
         what = {"awq": "an AWQ checkpoint", "gptq": "a GPTQ checkpoint"}.get(quantizer.method, "--quantization int4")
         storage_name = f"{what} (group size {quantizer.group_size})"
-        check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe, mamba_shape_of(hf_config))
+        check_group_split(arch, tp.world_size, quantizer.group_size, storage_name, moe, recurrent_width_of(hf_config))
 
 
 def _whole_rows_quantizer(

@@ -13,6 +13,7 @@ import torch
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
 from engine.layers.layer_ops import TorchLayerOps
+from engine.layers.gated_delta_net import DeltaNetShape
 from engine.layers.recurrent_state import MambaShape
 from engine.layers.linear import Linear
 from engine.models.decoder_arch import DecoderArch
@@ -513,7 +514,8 @@ FAMILIES = (
             "[v_heads, d_k, d_v] state per request, the delta rule in chunks of 64) beside gated attention",
             "attention: q_proj's per-head gate rows, sigmoid-gated outputs, per-head q/k norms, partial RoPE",
             "zero-centred RMSNorms (1 + w)",
-            "no prefix caching, speculative decoding, LoRA, tensor or pipeline parallelism, CUDA graphs",
+            "tensor parallelism by heads (the linear attention's key heads and their value heads)",
+            "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
         ),
     ),
 )
@@ -543,6 +545,7 @@ def family_of(hf_config: Any) -> ModelFamily:
 
 TENSOR_PARALLEL_IMPLEMENTATIONS = (
     *("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss", "hybrid", "nemotron_h", "lfm2"),
+    "qwen3_5",
 )
 """The implementations whose layers take a tensor-parallel group: Llama's, the generic decoder's, the mixtures
 of experts on either, DeepSeek's, GPT-OSS's and the hybrid Mamba-2 decoders' (their families: FAMILIES' entries of
@@ -571,7 +574,32 @@ def check_tensor_parallel_model(hf_config: Any, world_size: int) -> LlamaArch:
         raise SettingsConflictError(
             f"--tensor-parallel-size {world_size} does not divide the model's {arch.hidden_size} convolution channels"
         )
+    delta_net = delta_net_shape_of(hf_config)
+    if delta_net is not None and delta_net.num_k_heads % world_size:  # (the value heads: whole groups of them)
+        raise SettingsConflictError(
+            f"--tensor-parallel-size {world_size} does not divide the model's {delta_net.num_k_heads} linear-attention "
+            "key heads (linear_num_key_heads)"
+        )
     return arch
+
+
+def recurrent_width_of(hf_config: Any) -> Optional[int]:
+    """The inputs of a recurrent layer's out_proj (a row-parallel matrix under tensor parallelism), else None."""
+    mamba, delta_net = mamba_shape_of(hf_config), delta_net_shape_of(hf_config)
+    if mamba is not None:
+        return mamba.intermediate_size
+    if delta_net is not None:
+        return delta_net.value_dim
+    return int(hf_config.hidden_size) if family_of(hf_config).implementation == "lfm2" else None
+
+
+def delta_net_shape_of(hf_config: Any) -> Optional[DeltaNetShape]:
+    """Qwen3.5's whole linear-attention shape (what tensor parallelism cuts), else None."""
+    if family_of(hf_config).implementation != "qwen3_5":
+        return None
+    from engine.models.qwen3_5 import read_delta_net
+
+    return read_delta_net(hf_config)
 
 
 def mamba_shape_of(hf_config: Any) -> Optional[MambaShape]:
@@ -697,6 +725,19 @@ def build_model(
                     shard, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp
                 )
             return HybridForCausalLM(shard, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        if family.implementation == "qwen3_5":
+            from engine.models.families import qwen3_5_linear_layers
+            from engine.models.qwen3_5 import Qwen3_5ForCausalLM, read_delta_net
+
+            assert isinstance(shard, DecoderArch)  # _dense_arch reads it so
+            whole = read_delta_net(hf_config)
+            delta_net = dataclasses.replace(
+                whole, num_k_heads=whole.num_k_heads // tp.world_size, num_v_heads=whole.num_v_heads // tp.world_size
+            )
+            layers = qwen3_5_linear_layers(hf_config)
+            return Qwen3_5ForCausalLM(
+                shard, layers, delta_net, dtype, device, ops, linear, quantizer, max_model_len, tp
+            )
         if family.implementation == "lfm2":
             from engine.models.families import lfm2_conv_layers
             from engine.models.lfm2 import Lfm2ForCausalLM
@@ -844,6 +885,10 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
         from engine.models.families import lfm2_arch
 
         return lfm2_arch(hf_config)
+    if family.implementation == "qwen3_5":
+        from engine.models.families import qwen3_5_arch
+
+        return qwen3_5_arch(hf_config)
     if family.implementation == "gpt_oss":  # (its refusals of what is not served too)
         from engine.models.gpt_oss_arch import gpt_oss_arch
 

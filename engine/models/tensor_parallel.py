@@ -32,6 +32,8 @@ of the MLPs' widths, and its slice of every checkpoint tensor (Megatron's column
     Mamba-2          a hybrid model's: in_proj's rows and the convolution's channels part by part, by heads (gate,
                      x, dt) and by groups (B, C; one group whole on every rank), the heads' dt_bias, A_log, D and
                      norm channels; out_proj row-parallel
+    Gated DeltaNet   Qwen3.5's: by heads, in_proj_qkv's rows and the convolution's channels part by part (q, k by
+                     key heads, v by value heads), z, b, a, dt_bias and A_log by value heads, out_proj row-parallel
     short conv       LFM2's: in_proj's B, C and x rows each by channels, the convolution's channels, out_proj
                      row-parallel (its bias on rank 0)
     GPT-OSS          q/k/v (and biases) by heads, o_proj row-parallel (its bias on rank 0), the attention sinks (one
@@ -78,6 +80,7 @@ import torch
 
 from engine.distributed.parallel_group import ParallelGroup
 from engine.errors import SettingsConflictError
+from engine.layers.gated_delta_net import DeltaNetShape
 from engine.layers.recurrent_state import MambaShape
 from engine.layers.vocab_parallel import VocabParallel
 from engine.models.deepseek_arch import DeepseekArch
@@ -221,17 +224,17 @@ def check_group_split(
     group: int,
     storage: str,
     moe: Optional[MoeArch] = None,
-    mamba: Optional[MambaShape] = None,
+    recurrent_width: Optional[int] = None,
 ) -> None:
     """SettingsConflictError unless each rank's input columns of the row-parallel matrices (o_proj, a dense down,
-    a Mamba-2 layer's out_proj) are a whole number of `group`-input groups: a group's one scale cannot be cut
-    between ranks. (The experts' downs, `moe`'s, are padded to whole groups per rank instead:
-    expert_padding.expert_unit.)"""
+    a recurrent layer's out_proj, `recurrent_width` inputs) are a whole number of `group`-input groups: a group's
+    one scale cannot be cut between ranks. (The experts' downs, `moe`'s, are padded to whole groups per rank
+    instead: expert_padding.expert_unit.)"""
     widths = [("o_proj", arch.num_heads * arch.head_dim)]
     if has_dense_mlp(arch, moe):
         widths.append(("down_proj", arch.intermediate_size))
-    if mamba is not None:
-        widths.append(("out_proj", mamba.intermediate_size))
+    if recurrent_width is not None:
+        widths.append(("out_proj", recurrent_width))
     for name, inputs in widths:
         share = inputs // world_size
         if share % group:
@@ -249,6 +252,7 @@ def shard_weights(
     expert_unit: int = 1,
     held_experts: Optional[range] = None,
     mamba: Optional[MambaShape] = None,
+    delta_net: Optional[DeltaNetShape] = None,
 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (HF-named) tensors of the whole model `arch`, each cut to rank `tp.rank`'s slice: float
     tensors, or GGUF blocks (rows freely, input columns at block boundaries). `quantize_whole` (int8): the
@@ -258,7 +262,8 @@ def shard_weights(
     shard_moe was given); a width that does not split into equal shares of it is padded with zero units.
     `held_experts` (expert parallelism, models/expert_parallel.py): the routed experts this rank holds, taken whole
     (stacked tensors sliced along their experts, another expert's own tensors left out); shared experts cut as
-    above. `mamba`: a hybrid model's whole Mamba-2 layer shape, whose tensors are cut by heads (`_mamba_share`)."""
+    above. `mamba`: a hybrid model's whole Mamba-2 layer shape, whose tensors are cut by heads (`_mamba_share`);
+    `delta_net`: Qwen3.5's whole linear-attention shape, cut by heads alike (`_delta_net_share`)."""
     rank, ranks = tp.rank, tp.world_size
     head_dim = arch.head_dim
     kv_rank_heads = max(arch.num_kv_heads // ranks, 1)
@@ -279,6 +284,9 @@ def shard_weights(
             yield name, vocab.shard(tensor)
             continue
         part = match.group(1)
+        if delta_net is not None and part.startswith(_DELTA_NET):
+            yield name, _delta_net_share(part.removeprefix(_DELTA_NET), tensor, delta_net, rank, ranks, quantize_whole)
+            continue
         if arch.model_type == "lfm2" and part.startswith(_SHORT_CONV):
             yield name, _short_conv_share(name, part.removeprefix(_SHORT_CONV), tensor, rank, ranks, quantize_whole)
             continue
@@ -350,6 +358,29 @@ _MAMBA_TENSORS = (*_MAMBA_HEADS, "norm.weight", "in_proj.weight", "conv1d.weight
 
 
 _SHORT_CONV = "conv."  # LFM2's short-convolution layer
+_DELTA_NET = "linear_attn."  # Qwen3.5's Gated DeltaNet
+
+
+def _delta_net_share(
+    part: str,
+    tensor: Any,
+    shape: DeltaNetShape,
+    rank: int,
+    ranks: int,
+    quantize_whole: Optional[Callable[[torch.Tensor], QuantizedWeight]],
+) -> Any:
+    """A Gated DeltaNet cut by heads (as vLLM's): in_proj_qkv's rows and the convolution's channels [q | k | v] each
+    part's share (q and k by key heads, v by value heads: each rank's value heads read its key heads), in_proj_z's,
+    in_proj_b's and in_proj_a's rows and dt_bias and A_log by value heads, out_proj row-parallel; the gated norm (one
+    head wide) replicated."""
+    if part == "out_proj.weight":
+        return _columns(part, tensor, rank, ranks, quantize_whole)
+    if part in ("in_proj_qkv.weight", "conv1d.weight"):
+        sizes = (shape.key_dim, shape.key_dim, shape.value_dim)
+        return _cat_rows([_rows(piece, rank, ranks) for piece in _split_rows(tensor, sizes)])
+    if part == "norm.weight":
+        return tensor
+    return _rows(tensor, rank, ranks)  # in_proj_z, in_proj_b, in_proj_a, dt_bias, A_log
 
 
 def _short_conv_share(

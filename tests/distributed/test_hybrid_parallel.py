@@ -1,9 +1,10 @@
-"""Granite 4.0-H, Nemotron-H (Mamba-2 and attention layers) and LFM2 (short convolutions) on two tensor-parallel ranks:
-each rank its share of the Mamba-2 heads (LFM2: of the convolutions' channels; the heads' in_proj rows, conv
-channels, dt, A, D, norm channels and out_proj columns; the groups of B and C cut when they divide, else the one
-group whole on both ranks, its gated norm's mean square all-reduced), of the attention heads and of the experts or
-the dense MLP, and its own recurrent states: the tokens and logprobs of one process, with chunked prefill and
-preemption, with expert parallelism and with int8; Mamba-2 heads or groups that do not divide refused by number."""
+"""Granite 4.0-H, Nemotron-H (Mamba-2 and attention layers), LFM2 (short convolutions) and Qwen3.5 (Gated DeltaNet) on
+two tensor-parallel ranks: each rank its share of the Mamba-2 heads (LFM2: of the convolutions' channels; Qwen3.5:
+of the linear attention's key heads, with their value heads; the Mamba-2 heads' in_proj rows, conv channels, dt, A,
+D, norm channels and out_proj columns; the groups of B and C cut when they divide, else the one group whole on both
+ranks, its gated norm's mean square all-reduced), of the attention heads and of the experts or the dense MLP, and
+its own recurrent states: the tokens and logprobs of one process, with chunked prefill and preemption, with expert
+parallelism and with int8; Mamba-2 heads or groups that do not divide refused by number."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from engine import LLM
 from engine.errors import SettingsConflictError
 from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.test_hybrid import LFM2, make_hybrid_dir, make_nemotron_h_dir
+from tests.engine.test_hybrid import LFM2, QWEN3_5, make_hybrid_dir, make_nemotron_h_dir
 from tests.engine.test_model_equivalence import mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,7 +32,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "nemotron_h", "lfm2", "qwen3_5"])
 def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
     """Nemotron-H: its blocks' mixers (Mamba-2, attention, MLP) under their names `backbone.layers.N.mixer.*`, the
     embedding `backbone.embeddings` vocab-parallel."""
@@ -39,6 +40,8 @@ def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
         model_dir = make_nemotron_h_dir(tmp_path / variant)
     elif variant == "lfm2":  # its convolutions cut by channels, the attention's out_proj and w2 row-parallel
         model_dir = make_tiny_model_dir(tmp_path / variant, "llama", random_norms=True, **LFM2)
+    elif variant == "qwen3_5":  # its key heads (one per rank) with their value heads; the gated q_proj by heads
+        model_dir = make_tiny_model_dir(tmp_path / variant, "llama", random_norms=True, **QWEN3_5)
     else:
         model_dir = make_hybrid_dir(tmp_path / variant, **VARIANTS[variant])
     prompts = mixed_prompts(11)
