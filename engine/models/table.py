@@ -116,13 +116,14 @@ for these models); `cpu`, `cpu-batch-invariant` (`--batch-invariant`), `triton` 
 start-up, naming the model and the feature.
 
 Granite 4.0-H (`GraniteMoeHybridForCausalLM`) and Nemotron-H (`NemotronHForCausalLM`) mix attention layers with
-Mamba-2 layers, and LFM2 (`Lfm2ForCausalLM`) with short convolutions, which keep a fixed-size recurrent state per
-request instead of K/V (engine/layers/mamba2.py, engine/layers/short_conv.py; tests/engine/test_hybrid.py checks
-them against transformers, and the Mamba-2 layer alone in float64). The states of `--max-num-seqs` requests come out
-of the KV cache budget; prefix caching is off for these models, and speculative decoding, LoRA, `--batch-invariant`,
-the KV tiers and pipeline parallelism are refused at start-up; tensor parallelism cuts the Mamba-2 layers by heads
-(LFM2's convolutions by channels) (tests/distributed/test_hybrid_parallel.py; [hybrid decoders](architecture.md#the-
-engine)).
+Mamba-2 layers, LFM2 (`Lfm2ForCausalLM`) with short convolutions and Qwen3.5 (`Qwen3_5ForCausalLM`) with Gated
+DeltaNet layers, which keep a fixed-size recurrent state per request instead of K/V (engine/layers/mamba2.py,
+engine/layers/short_conv.py, engine/layers/gated_delta_net.py; tests/engine/test_hybrid.py checks them against
+transformers, and the Mamba-2 and Gated DeltaNet layers alone in float64). The states of `--max-num-seqs` requests
+come out of the KV cache budget; prefix caching is off for these models, and speculative decoding, LoRA,
+`--batch-invariant`, the KV tiers and pipeline parallelism are refused at start-up; tensor parallelism cuts the
+recurrent layers by heads (LFM2's convolutions by channels; tests/distributed/test_hybrid_parallel.py; [hybrid
+decoders](architecture.md#the-engine)).
 """
 
 VISION_HEADER = """
