@@ -860,6 +860,8 @@ def qwen3_5_arch(config: Any) -> DecoderArch:
         attention_gate=True,
         layer_attention=_uniform_attention(config, _head_scale(config)),
         rotary_dim=_rotary_dim(config),
+        # (Qwen3.5-MoE's config names no dense width: every layer's MLP is its experts)
+        intermediate_size=getattr(config, "intermediate_size", None) or config.moe_intermediate_size,
     )
 
 

@@ -195,6 +195,24 @@ def _granite_moe(config: Any) -> MoeArch:
     )
 
 
+def _qwen3_5_moe(config: Any) -> MoeArch:
+    """Qwen3.5-MoE: Qwen2-MoE's experts and sigmoid-gated shared expert in every layer, the top-k softmax weights
+    always renormalised."""
+    shared = int(config.shared_expert_intermediate_size)
+    return MoeArch(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        expert_intermediate_size=config.moe_intermediate_size,
+        renormalize=True,
+        weights_in_model_dtype=True,
+        shared_intermediate_size=shared,
+        sparse_layers=tuple(range(config.num_hidden_layers)),
+        prefix="mlp.",
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+        shared_names=QWEN2_SHARED_EXPERT,
+    )
+
+
 def _phimoe(config: Any) -> MoeArch:
     """Phi-3.5-MoE: Mixtral's experts and names, routed by sparsemixer (two experts per token)."""
     top_k = config.num_experts_per_tok
@@ -247,6 +265,7 @@ _GENERIC_DECODER_MOE: dict[str, Callable[[Any], MoeArch]] = {
     "granitemoe": _granite_moe,
     "granitemoeshared": _granite_moe,
     "granitemoehybrid": _granite_moe,  # (Granite 4.0-H's experts: models/hybrid.py)
+    "qwen3_5_moe_text": _qwen3_5_moe,  # (models/qwen3_5.py)
     "phimoe": _phimoe,
     "llama4_text": _llama4,
 }

@@ -16,7 +16,9 @@ from engine.layers.linear import Linear
 from engine.layers.recurrent_state import StateShape
 from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
 from engine.models.decoder_arch import DecoderArch
+from engine.models.decoder_moe import DecoderMoeForCausalLM
 from engine.models.hybrid import HybridLayers
+from engine.models.moe_arch import MoeArch
 from engine.quantization.weight_quantizer import WeightQuantizer
 
 
@@ -40,7 +42,35 @@ def read_delta_net(config: Any) -> DeltaNetShape:
     return shape
 
 
-class Qwen3_5ForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]  # (as models/hybrid.py's)
+class DeltaNetLayers(HybridLayers):
+    """A Qwen3.5 model's linear-attention layers (mixed in before its decoder): their weights, state and forward."""
+
+    delta_net: DeltaNetShape
+
+    @property
+    def state_shape(self) -> StateShape:
+        return self.delta_net.state
+
+    def _take_mixer(self, take: Callable[[str], torch.Tensor], maybe: Callable[[str], Optional[torch.Tensor]]) -> Any:
+        p = "linear_attn."
+        projections = [take(f"{p}in_proj_{part}.weight") for part in ("qkv", "z", "b", "a")]
+        model: Any = self
+        return DeltaNetWeights(
+            in_proj=model._prepare(model._cat_rows(*projections)),
+            conv_weight=take(p + "conv1d.weight")[:, 0, :].contiguous(),
+            dt_bias=take(p + "dt_bias").float(),
+            A=-torch.exp(take(p + "A_log").float()),
+            norm=take(p + "norm.weight"),
+            out_proj=model._prepare(take(p + "out_proj.weight")),
+        )
+
+    def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        model: Any = self
+        step, layer = self.recurrent_step, self._state_layer[index]
+        return model.tp.all_reduce(delta_net_mix(x, self.mixers[index], self.delta_net, model.linear, step, layer))
+
+
+class Qwen3_5ForCausalLM(DeltaNetLayers, DecoderForCausalLM):  # type: ignore[misc]  # (as models/hybrid.py's)
     def __init__(
         self,
         arch: DecoderArch,
@@ -59,28 +89,41 @@ class Qwen3_5ForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc
         self.delta_net = delta_net
         self.fused = None  # (the fused decode step runs attention layers only)
 
-    @property
-    def state_shape(self) -> StateShape:
-        return self.delta_net.state
-
     def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
         return DecoderForCausalLM._take_layer(self, state, index)
 
-    def _take_mixer(self, take: Callable[[str], torch.Tensor], maybe: Callable[[str], Optional[torch.Tensor]]) -> Any:
-        p = "linear_attn."
-        projections = [take(f"{p}in_proj_{part}.weight") for part in ("qkv", "z", "b", "a")]
-        return DeltaNetWeights(
-            in_proj=self._prepare(self._cat_rows(*projections)),
-            conv_weight=take(p + "conv1d.weight")[:, 0, :].contiguous(),
-            dt_bias=take(p + "dt_bias").float(),
-            A=-torch.exp(take(p + "A_log").float()),
-            norm=take(p + "norm.weight"),
-            out_proj=self._prepare(take(p + "out_proj.weight")),
-        )
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return super().weight_tensors() + self._mixer_tensors()
 
-    def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        step, layer = self.recurrent_step, self._state_layer[index]
-        return self.tp.all_reduce(delta_net_mix(x, self.mixers[index], self.delta_net, self.linear, step, layer))
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + self._mixer_bytes()
+
+
+class Qwen3_5MoeForCausalLM(DeltaNetLayers, DecoderMoeForCausalLM):  # type: ignore[misc]  # (as models/hybrid.py's)
+    """Qwen3.5-MoE's text model: Qwen3.5's layers whose MLPs are mixtures of experts (Qwen2-MoE's, with a gated
+    shared expert)."""
+
+    def __init__(
+        self,
+        arch: DecoderArch,
+        moe: MoeArch,
+        linear_layers: tuple[int, ...],
+        delta_net: DeltaNetShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
+    ):
+        super().__init__(arch, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
+        self._hold_recurrent_layers(linear_layers)
+        self.delta_net = delta_net
+        self.fused = None
+
+    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        return DecoderMoeForCausalLM._take_layer(self, state, index)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return super().weight_tensors() + self._mixer_tensors()

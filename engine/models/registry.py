@@ -518,6 +518,17 @@ FAMILIES = (
             "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
         ),
     ),
+    ModelFamily(
+        "Qwen3_5MoeForCausalLM",
+        ("qwen3_5_moe_text",),
+        "qwen3_5",
+        HF_FORMATS,
+        (
+            "Qwen3.5-MoE (text): as Qwen3.5, each MLP Qwen2-MoE's experts (top-k softmax, renormalised) and shared "
+            "expert (sigmoid-gated)",
+            "tensor and expert parallelism as the other mixtures'",
+        ),
+    ),
 )
 RECURRENT_IMPLEMENTATIONS = ("hybrid", "nemotron_h", "lfm2", "qwen3_5")
 """The implementations with recurrent layers (Mamba-2, short convolutions), which keep a state per request
@@ -638,6 +649,8 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
         from engine.models.hybrid_arch import read_hybrid
 
         return MoeArch.from_hf_config(hf_config) if read_hybrid(hf_config).has_experts else None
+    if implementation == "qwen3_5":
+        return MoeArch.from_hf_config(hf_config) if hf_config.model_type == "qwen3_5_moe_text" else None
     if implementation == "glm4_moe":
         from engine.models.glm4_moe_arch import read_glm4_moe
 
@@ -727,7 +740,7 @@ def build_model(
             return HybridForCausalLM(shard, hybrid, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "qwen3_5":
             from engine.models.families import qwen3_5_linear_layers
-            from engine.models.qwen3_5 import Qwen3_5ForCausalLM, read_delta_net
+            from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, read_delta_net
 
             assert isinstance(shard, DecoderArch)  # _dense_arch reads it so
             whole = read_delta_net(hf_config)
@@ -735,6 +748,11 @@ def build_model(
                 whole, num_k_heads=whole.num_k_heads // tp.world_size, num_v_heads=whole.num_v_heads // tp.world_size
             )
             layers = qwen3_5_linear_layers(hf_config)
+            if whole_moe is not None:
+                moe = shard_moe(whole_moe, tp.world_size, unit, held)
+                return Qwen3_5MoeForCausalLM(
+                    shard, moe, layers, delta_net, dtype, device, ops, linear, quantizer, max_model_len, tp
+                )
             return Qwen3_5ForCausalLM(
                 shard, layers, delta_net, dtype, device, ops, linear, quantizer, max_model_len, tp
             )
@@ -837,9 +855,14 @@ def build_model(
         return NemotronHForCausalLM(read_nemotron_h(hf_config), dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "qwen3_5":
         from engine.models.families import qwen3_5_arch, qwen3_5_linear_layers
-        from engine.models.qwen3_5 import Qwen3_5ForCausalLM, read_delta_net
+        from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, read_delta_net
 
         arch, layers, delta_net = qwen3_5_arch(hf_config), qwen3_5_linear_layers(hf_config), read_delta_net(hf_config)
+        experts = moe_arch_of(hf_config)
+        if experts is not None:
+            return Qwen3_5MoeForCausalLM(
+                arch, experts, layers, delta_net, dtype, device, ops, linear, quantizer, max_model_len
+            )
         return Qwen3_5ForCausalLM(arch, layers, delta_net, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "lfm2":
         from engine.models.families import lfm2_arch, lfm2_conv_layers

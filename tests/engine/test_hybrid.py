@@ -160,6 +160,30 @@ def qwen3_5(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5") / "dense", "llama", random_norms=True, **QWEN3_5)
 
 
+QWEN3_5_MOE = dict(
+    QWEN3_5,
+    architectures=["Qwen3_5MoeForCausalLM"],
+    model_type="qwen3_5_moe_text",
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    shared_expert_intermediate_size=80,
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5") / "moe", "llama", random_norms=True, **QWEN3_5_MOE)
+
+
+def test_qwen3_5_moe_is_hfs(qwen3_5_moe):
+    """Qwen3.5's layers with Qwen2-MoE's experts and gated shared expert in every MLP: HF's greedy tokens and
+    logprobs, in prompt chunks."""
+    prompts = [*mixed_prompts(), [(7 * i) % 500 + 3 for i in range(130)]]
+    with make_llm(qwen3_5_moe, max_num_batched_tokens=24, max_num_seqs=4) as llm:
+        check_against_hf(qwen3_5_moe, prompts, run_greedy(llm, prompts))
+
+
 @pytest.mark.parametrize(
     "settings",
     [{}, {"attention_backend": "torch"}, {"max_num_batched_tokens": 12, "max_num_seqs": 3}, {"num_blocks": 40}],
