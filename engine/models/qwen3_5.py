@@ -51,6 +51,12 @@ class DeltaNetLayers(HybridLayers):
     def state_shape(self) -> StateShape:
         return self.delta_net.state
 
+    def _held(self, name: str) -> bool:
+        """Not the multi-token-prediction layer's tensors (mtp.*, which the checkpoints hold beside the model, as
+        transformers skips them): speculative decoding is not served with recurrent states."""
+        model: Any = super()
+        return not name.startswith("mtp.") and model._held(name)
+
     def _take_mixer(self, take: Callable[[str], torch.Tensor], maybe: Callable[[str], Optional[torch.Tensor]]) -> Any:
         p = "linear_attn."
         projections = [take(f"{p}in_proj_{part}.weight") for part in ("qkv", "z", "b", "a")]

@@ -124,6 +124,10 @@ come out of the KV cache budget; prefix caching is off for these models, and spe
 `--batch-invariant`, the KV tiers and pipeline parallelism are refused at start-up; tensor parallelism cuts the
 recurrent layers by heads (LFM2's convolutions by channels; tests/distributed/test_hybrid_parallel.py; [hybrid
 decoders](architecture.md#the-engine)).
+Qwen3.5's releases are multimodal checkpoints (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5MoeForConditionalGeneration`): their language model (`model.language_model.*`) is served as the text model,
+the vision encoder's (`model.visual.*`) and the multi-token-prediction layer's (`mtp.*`) tensors left unread, images
+refused as a text model's.
 """
 
 VISION_HEADER = """

@@ -196,6 +196,25 @@ TEXT_ONLY_FAMILIES = (
         ("Llama 4's language model (language_model.*) as Llama4ForCausalLM; its images refused",),
         images=False,
     ),
+    # Qwen3.5's checkpoints are multimodal: their language model served as Qwen3_5(Moe)ForCausalLM; the tensors of
+    # the vision encoder (visual.*) and of the multi-token-prediction layer (mtp.*, which transformers skips too)
+    # are not read
+    VisionLanguageFamily(
+        "Qwen3_5ForConditionalGeneration",
+        "",
+        "language_model",
+        ("visual", "mtp"),
+        ("Qwen3.5's language model (language_model.*) as Qwen3_5ForCausalLM; its images refused",),
+        images=False,
+    ),
+    VisionLanguageFamily(
+        "Qwen3_5MoeForConditionalGeneration",
+        "",
+        "language_model",
+        ("visual", "mtp"),
+        ("Qwen3.5-MoE's language model (language_model.*) as Qwen3_5MoeForCausalLM; its images refused",),
+        images=False,
+    ),
 )
 """Multimodal checkpoints whose language model is served, as a text model, without their images."""
 

@@ -453,3 +453,60 @@ def test_gated_delta_net_in_pieces_is_transformers_whole_in_float64():
         pieces.append(delta_net_mix(x32[position : position + count], weights, shape, _linear, step, 0))
         position += count
     torch.testing.assert_close(torch.cat(pieces).double(), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(request, tmp_path, variant):
+    """Qwen3.5's releases are multimodal (Qwen3_5(Moe)ForConditionalGeneration): their language model
+    (model.language_model.*) is served as the text model, the vision encoder's (model.visual.*) and the
+    multi-token-prediction layer's (mtp.*) tensors left unread; the same tokens and logprobs as the text checkpoint
+    (which, with mtp.* tensors beside it, serves the same too)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    text_dir = request.getfixturevalue("qwen3_5" if variant == "dense" else "qwen3_5_moe")
+    whole = tmp_path / "multimodal"
+    shutil.copytree(text_dir, whole)
+    state = load_file(str(text_dir / "model.safetensors"))
+    state = {
+        (f"model.language_model.{name[6:]}" if name.startswith("model.") else name): t for name, t in state.items()
+    }
+    state["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    state["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(state, str(whole / "model.safetensors"))
+    text_config = json.loads((text_dir / "config.json").read_text())
+    architecture = "Qwen3_5ForConditionalGeneration" if variant == "dense" else "Qwen3_5MoeForConditionalGeneration"
+    config = {
+        "architectures": [architecture],
+        "model_type": "qwen3_5" if variant == "dense" else "qwen3_5_moe",
+        "text_config": {key: value for key, value in text_config.items() if key != "architectures"},
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        },
+        "tie_word_embeddings": False,
+    }
+    (whole / "config.json").write_text(json.dumps(config))
+    prompts = mixed_prompts()[3:7]
+    with make_llm(text_dir) as llm:
+        want = run_greedy(llm, prompts)
+    with make_llm(whole) as llm:
+        got = run_greedy(llm, prompts)
+    text_with_mtp = tmp_path / "text-with-mtp"  # (the text checkpoint's mtp.* tensors are left unread too)
+    shutil.copytree(text_dir, text_with_mtp)
+    save_file(
+        {**load_file(str(text_dir / "model.safetensors")), "mtp.fc.weight": torch.zeros(4, 4)},
+        str(text_with_mtp / "model.safetensors"),
+    )
+    with make_llm(text_with_mtp) as llm:
+        got_text = run_greedy(llm, prompts)
+    for g, w in [*zip(got, want), *zip(got_text, want)]:
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [lp.logprob for lp in g.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in w.outputs[0].logprobs]
+        )
