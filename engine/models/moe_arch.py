@@ -213,6 +213,26 @@ def _qwen3_5_moe(config: Any) -> MoeArch:
     )
 
 
+def _qwen3_next(config: Any) -> MoeArch:
+    """Qwen3-Next: Qwen2-MoE's experts, sigmoid-gated shared expert and sparse layers (decoder_sparse_step,
+    mlp_only_layers: dense MLPs between)."""
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    layers = range(config.num_hidden_layers)
+    return MoeArch(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        expert_intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        weights_in_model_dtype=True,
+        shared_intermediate_size=int(config.shared_expert_intermediate_size),
+        sparse_layers=tuple(i for i in layers if i not in dense and config.num_experts > 0 and (i + 1) % step == 0),
+        prefix="mlp.",
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+        shared_names=QWEN2_SHARED_EXPERT,
+    )
+
+
 def _phimoe(config: Any) -> MoeArch:
     """Phi-3.5-MoE: Mixtral's experts and names, routed by sparsemixer (two experts per token)."""
     top_k = config.num_experts_per_tok
@@ -266,6 +286,7 @@ _GENERIC_DECODER_MOE: dict[str, Callable[[Any], MoeArch]] = {
     "granitemoeshared": _granite_moe,
     "granitemoehybrid": _granite_moe,  # (Granite 4.0-H's experts: models/hybrid.py)
     "qwen3_5_moe_text": _qwen3_5_moe,  # (models/qwen3_5.py)
+    "qwen3_next": _qwen3_next,
     "phimoe": _phimoe,
     "llama4_text": _llama4,
 }

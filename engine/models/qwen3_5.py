@@ -42,6 +42,22 @@ def read_delta_net(config: Any) -> DeltaNetShape:
     return shape
 
 
+def ungrouped_projections(
+    qkvz: torch.Tensor, ba: torch.Tensor, shape: DeltaNetShape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's fused projections, whose rows come per key head ([q_h; k_h; its value heads' v; their z] and
+    [their b; their a]), as Qwen3.5's: q | k | v, z, b, a, each in head order (transformers'
+    fix_query_key_value_ordering, applied to the weights' rows). A tensor-parallel rank's rows are whole key heads'
+    groups, so its shard reorders alike."""
+    per_key = shape.num_v_heads // shape.num_k_heads
+    dk, dv = shape.head_k_dim, shape.head_v_dim
+    groups = qkvz.unflatten(0, (shape.num_k_heads, -1))  # [k_heads, 2 dk + 2 per_key dv, hidden]
+    q, k, v, z = groups.split([dk, dk, per_key * dv, per_key * dv], dim=1)
+    b, a = ba.unflatten(0, (shape.num_k_heads, -1)).split([per_key, per_key], dim=1)
+    qkv = torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+    return qkv, z.flatten(0, 1), b.flatten(0, 1), a.flatten(0, 1)
+
+
 class DeltaNetLayers(HybridLayers):
     """A Qwen3.5 model's linear-attention layers (mixed in before its decoder): their weights, state and forward."""
 
@@ -59,10 +75,15 @@ class DeltaNetLayers(HybridLayers):
 
     def _take_mixer(self, take: Callable[[str], torch.Tensor], maybe: Callable[[str], Optional[torch.Tensor]]) -> Any:
         p = "linear_attn."
-        projections = [take(f"{p}in_proj_{part}.weight") for part in ("qkv", "z", "b", "a")]
+        qkvz = maybe(p + "in_proj_qkvz.weight")
+        projections: tuple[torch.Tensor, ...]
+        if qkvz is not None:  # Qwen3-Next's projections, grouped by key head
+            projections = ungrouped_projections(qkvz, take(p + "in_proj_ba.weight"), self.delta_net)
+        else:
+            projections = tuple(take(f"{p}in_proj_{part}.weight") for part in ("qkv", "z", "b", "a"))
         model: Any = self
         return DeltaNetWeights(
-            in_proj=model._prepare(model._cat_rows(*projections)),
+            in_proj=model._prepare(torch.cat(projections).contiguous()),
             conv_weight=take(p + "conv1d.weight")[:, 0, :].contiguous(),
             dt_bias=take(p + "dt_bias").float(),
             A=-torch.exp(take(p + "A_log").float()),

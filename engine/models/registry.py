@@ -529,6 +529,17 @@ FAMILIES = (
             "tensor and expert parallelism as the other mixtures'",
         ),
     ),
+    ModelFamily(
+        "Qwen3NextForCausalLM",
+        ("qwen3_next",),
+        "qwen3_5",
+        HF_FORMATS,
+        (
+            "Qwen3-Next: as Qwen3.5-MoE, its linear attention's projections fused by key head (in_proj_qkvz, "
+            "in_proj_ba: reordered at load)",
+            "norm_topk_prob; dense MLPs by decoder_sparse_step / mlp_only_layers",
+        ),
+    ),
 )
 RECURRENT_IMPLEMENTATIONS = ("hybrid", "nemotron_h", "lfm2", "qwen3_5")
 """The implementations with recurrent layers (Mamba-2, short convolutions), which keep a state per request
@@ -650,7 +661,7 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
 
         return MoeArch.from_hf_config(hf_config) if read_hybrid(hf_config).has_experts else None
     if implementation == "qwen3_5":
-        return MoeArch.from_hf_config(hf_config) if hf_config.model_type == "qwen3_5_moe_text" else None
+        return MoeArch.from_hf_config(hf_config) if hf_config.model_type in ("qwen3_5_moe_text", "qwen3_next") else None
     if implementation == "glm4_moe":
         from engine.models.glm4_moe_arch import read_glm4_moe
 

@@ -14,7 +14,7 @@ from engine import LLM
 from engine.errors import SettingsConflictError
 from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.test_hybrid import LFM2, QWEN3_5, QWEN3_5_MOE, make_hybrid_dir, make_nemotron_h_dir
+from tests.engine.test_hybrid import LFM2, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, make_hybrid_dir, make_nemotron_h_dir
 from tests.engine.test_model_equivalence import mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,7 +32,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "nemotron_h", "lfm2", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "nemotron_h", "lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
     """Nemotron-H: its blocks' mixers (Mamba-2, attention, MLP) under their names `backbone.layers.N.mixer.*`, the
     embedding `backbone.embeddings` vocab-parallel."""
@@ -40,8 +40,9 @@ def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
         model_dir = make_nemotron_h_dir(tmp_path / variant)
     elif variant == "lfm2":  # its convolutions cut by channels, the attention's out_proj and w2 row-parallel
         model_dir = make_tiny_model_dir(tmp_path / variant, "llama", random_norms=True, **LFM2)
-    elif variant.startswith("qwen3_5"):  # its key heads (one per rank) with their value heads; q_proj by heads
-        config = QWEN3_5_MOE if variant == "qwen3_5_moe" else QWEN3_5
+    elif variant.startswith("qwen3"):  # its key heads (one per rank) with their value heads; q_proj by heads
+        # (Qwen3-Next: its projections' rows by key head, each rank's whole groups reordered as its own)
+        config = {"qwen3_5_moe": QWEN3_5_MOE, "qwen3_next": QWEN3_NEXT}.get(variant, QWEN3_5)
         model_dir = make_tiny_model_dir(tmp_path / variant, "llama", random_norms=True, **config)
     else:
         model_dir = make_hybrid_dir(tmp_path / variant, **VARIANTS[variant])
@@ -50,7 +51,7 @@ def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
     got, stats = generate(model_dir, prompts, 2, num_blocks=20)
     assert stats.num_preemptions > 0
     assert_same(got, expected)
-    if variant.startswith("moe") or variant.endswith("moe"):
+    if variant.startswith("moe") or variant in ("qwen3_5_moe", "qwen3_next"):
         assert_same(generate(model_dir, prompts, 2, num_blocks=20, enable_expert_parallel=True)[0], expected)
     int8, _ = generate(model_dir, prompts[:4], 1, quantization="int8")
     assert_same(generate(model_dir, prompts[:4], 2, quantization="int8")[0], int8)

@@ -19,7 +19,7 @@ from engine.models.registry import check_pipeline_model
 from tests.engine.factories import make_tiny_model_dir, tiny_config_dict
 from tests.engine.references import assert_idle, check_against_hf, hf_prompt_logprobs, make_llm
 from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
-from tests.engine.test_moe_int_quantization import METHODS, PARAMS, PROMPTS, _dequantized_copy, _prompt_logprobs
+from tests.engine.test_moe_int_quantization import METHODS, PARAMS, PROMPTS, dequantized_copy, prompt_logprobs_of
 
 VARIANTS = {
     "air": {},  # one group of experts, no q/k norms (GLM-4.5-Air's settings)
@@ -85,11 +85,11 @@ def test_quantized_experts_serve_the_dequantized_model(glm_dir, tmp_path, method
             assert all(isinstance(w, weight_type) for w in block.matrices())
             assert block.router.dtype == torch.float32 and block.select.correction_bias.dtype == torch.float32
         got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    with make_llm(_dequantized_copy(glm_dir, tmp_path / "deq", round_trip)) as reference:
+    with make_llm(dequantized_copy(glm_dir, tmp_path / "deq", round_trip)) as reference:
         want = reference.generate(PROMPTS, PARAMS, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        torch.testing.assert_close(_prompt_logprobs(g), _prompt_logprobs(w), rtol=0, atol=1e-3)
+        torch.testing.assert_close(prompt_logprobs_of(g), prompt_logprobs_of(w), rtol=0, atol=1e-3)
 
 
 def test_bfloat16_keeps_the_router_in_float32_and_skips_the_prediction_layer(glm_dir, tmp_path):

@@ -176,6 +176,30 @@ def qwen3_5_moe(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5") / "moe", "llama", random_norms=True, **QWEN3_5_MOE)
 
 
+QWEN3_NEXT = dict(
+    QWEN3_5_MOE,
+    architectures=["Qwen3NextForCausalLM"],
+    model_type="qwen3_next",
+    intermediate_size=96,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[2],  # (a dense MLP between the sparse layers)
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_next") / "q", "llama", random_norms=True, **QWEN3_NEXT)
+
+
+def test_qwen3_next_is_hfs(qwen3_next):
+    """Qwen3-Next: its linear attention's projections fused by key head (reordered at load), a dense layer among the
+    sparse ones: HF's greedy tokens and logprobs, in prompt chunks."""
+    prompts = [*mixed_prompts(), [(7 * i) % 500 + 3 for i in range(130)]]
+    with make_llm(qwen3_next, max_num_batched_tokens=24, max_num_seqs=4) as llm:
+        check_against_hf(qwen3_next, prompts, run_greedy(llm, prompts))
+
+
 def test_qwen3_5_moe_is_hfs(qwen3_5_moe):
     """Qwen3.5's layers with Qwen2-MoE's experts and gated shared expert in every MLP: HF's greedy tokens and
     logprobs, in prompt chunks."""
