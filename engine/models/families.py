@@ -874,6 +874,27 @@ def qwen3_5_linear_layers(config: Any) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(types) if kind == "linear_attention")
 
 
+BAMBA_NAMES = (
+    (".feed_forward.", ".mlp."),
+    (".pre_ff_layernorm.", ".post_attention_layernorm."),
+    ("model.final_layernorm.", "model.norm."),
+)
+
+
+def bamba_arch(config: Any) -> DecoderArch:
+    """Bamba: Llama's layer (its Mamba-2 layers: models/hybrid.py) under its names (feed_forward, pre_ff_layernorm,
+    final_layernorm), RoPE over the first half of each head (partial_rotary_factor 0.5), q/k/v/o and MLP biases
+    where the config sets them."""
+    return _arch(
+        config,
+        rope_settings(config),
+        activation=_silu(config),
+        layer_attention=_uniform_attention(config, _head_scale(config)),
+        rotary_dim=_rotary_dim(config),
+        renames=BAMBA_NAMES,
+    )
+
+
 MOE_ARCH_READERS: dict[str, Callable[[Any], DecoderArch]] = {
     "OlmoeForCausalLM": olmoe_arch,
     "GraniteMoeForCausalLM": granite_arch,  # Granite's multipliers, read alike

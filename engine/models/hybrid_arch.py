@@ -1,5 +1,6 @@
 """Granite 4.0's hybrid decoder (GraniteMoeHybridForCausalLM) read from its HF config: Granite's layer, whose token
-mixer is, on the layers `layer_types` names so, a Mamba-2 layer instead of attention.
+mixer is, on the layers `layer_types` names so, a Mamba-2 layer instead of attention (Bamba's alike: Llama's layer
+with partial RoPE, its attention layers by attn_layer_indices).
 
     attention layers   Granite's attention (attention_multiplier as its scale); RoPE where
                        position_embedding_type is "rope", else none (Granite 4.0-H's NoPE)
@@ -17,7 +18,7 @@ from typing import Any
 from engine.errors import SettingsConflictError
 from engine.layers.recurrent_state import MambaShape
 from engine.models.decoder_arch import DecoderArch
-from engine.models.families import granite_arch
+from engine.models.families import bamba_arch, granite_arch
 
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
 """Granite 4.0's names of a Mamba-2 layer (its checkpoints' "mamba"; transformers 5 rewrites it "linear_attention")."""
@@ -38,7 +39,8 @@ class HybridArch:
 
 def read_hybrid(config: Any) -> HybridArch:
     """The config's Mamba-2 layers and shape; ValueError naming a field this server does not compute."""
-    types = list(getattr(config, "layer_types", None) or [])
+    # (Bamba's config names them by attn_layer_indices: its layers_block_type)
+    types = list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
     if len(types) != config.num_hidden_layers:
         raise ValueError(f"{config.model_type}: layer_types must name each of the {config.num_hidden_layers} layers")
     unknown = sorted(set(types) - set(MAMBA_LAYER_TYPES) - set(ATTENTION_LAYER_TYPES))
@@ -70,6 +72,11 @@ def read_hybrid(config: Any) -> HybridArch:
     )
     mamba = tuple(i for i, kind in enumerate(types) if kind in MAMBA_LAYER_TYPES)
     return HybridArch(mamba, shape, int(getattr(config, "num_local_experts", 0) or 0) > 0)
+
+
+def hybrid_decoder_arch(config: Any) -> DecoderArch:
+    """The layer recipe of a hybrid decoder on the generic one: Bamba's or Granite 4.0-H's."""
+    return bamba_arch(config) if config.model_type == "bamba" else granite_hybrid_arch(config)
 
 
 def granite_hybrid_arch(config: Any) -> DecoderArch:

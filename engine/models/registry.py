@@ -476,6 +476,17 @@ FAMILIES = (
         ),
     ),
     ModelFamily(
+        "BambaForCausalLM",
+        ("bamba",),
+        "hybrid",
+        HF_FORMATS,
+        (
+            "Bamba: Llama's layer, Mamba-2 layers but on attn_layer_indices (as Granite 4.0-H's)",
+            "RoPE over half of each head (partial_rotary_factor)",
+            "tensor parallelism as Granite 4.0-H's",
+        ),
+    ),
+    ModelFamily(
         "NemotronHForCausalLM",
         ("nemotron_h",),
         "nemotron_h",
@@ -852,9 +863,9 @@ def build_model(
         return LlamaForCausalLM(arch, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "hybrid":
         from engine.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
-        from engine.models.hybrid_arch import granite_hybrid_arch, read_hybrid
+        from engine.models.hybrid_arch import hybrid_decoder_arch, read_hybrid
 
-        arch, hybrid = granite_hybrid_arch(hf_config), read_hybrid(hf_config)
+        arch, hybrid = hybrid_decoder_arch(hf_config), read_hybrid(hf_config)
         if hybrid.has_experts:
             moe = MoeArch.from_hf_config(hf_config)
             return HybridMoeForCausalLM(arch, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len)
@@ -908,9 +919,9 @@ def _dense_arch(hf_config: Any, family: ModelFamily) -> LlamaArch:
 
         return MOE_ARCH_READERS[family.architecture](hf_config)
     if family.implementation == "hybrid":
-        from engine.models.hybrid_arch import granite_hybrid_arch
+        from engine.models.hybrid_arch import hybrid_decoder_arch
 
-        return granite_hybrid_arch(hf_config)
+        return hybrid_decoder_arch(hf_config)
     if family.implementation == "nemotron_h":
         from engine.models.nemotron_h_arch import read_nemotron_h
 

@@ -115,8 +115,8 @@ qk_rope_head_dim` values: the normalised c_kv and the rotated shared key), and a
 for these models); `cpu`, `cpu-batch-invariant` (`--batch-invariant`), `triton` and `flash` are refused at
 start-up, naming the model and the feature.
 
-Granite 4.0-H (`GraniteMoeHybridForCausalLM`) and Nemotron-H (`NemotronHForCausalLM`) mix attention layers with
-Mamba-2 layers, LFM2 (`Lfm2ForCausalLM`) with short convolutions and Qwen3.5 (`Qwen3_5ForCausalLM`) with Gated
+Granite 4.0-H (`GraniteMoeHybridForCausalLM`), Bamba and Nemotron-H (`NemotronHForCausalLM`) mix attention layers
+with Mamba-2 layers, LFM2 (`Lfm2ForCausalLM`) with short convolutions and Qwen3.5 (`Qwen3_5ForCausalLM`) with Gated
 DeltaNet layers, which keep a fixed-size recurrent state per request instead of K/V (engine/layers/mamba2.py,
 engine/layers/short_conv.py, engine/layers/gated_delta_net.py; tests/engine/test_hybrid.py checks them against
 transformers, and the Mamba-2 and Gated DeltaNet layers alone in float64). The states of `--max-num-seqs` requests

@@ -14,7 +14,7 @@ from engine import LLM
 from engine.errors import SettingsConflictError
 from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.test_hybrid import LFM2, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, make_hybrid_dir, make_nemotron_h_dir
+from tests.engine.test_hybrid import BAMBA, LFM2, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, make_hybrid_dir, make_nemotron_h_dir
 from tests.engine.test_model_equivalence import mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,12 +32,17 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "nemotron_h", "lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
+OTHER_FAMILIES = ("nemotron_h", "lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
+
+
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), *OTHER_FAMILIES])
 def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
     """Nemotron-H: its blocks' mixers (Mamba-2, attention, MLP) under their names `backbone.layers.N.mixer.*`, the
     embedding `backbone.embeddings` vocab-parallel."""
     if variant == "nemotron_h":
         model_dir = make_nemotron_h_dir(tmp_path / variant)
+    elif variant == "bamba":  # its biases cut with their rows (o_proj's and down's on rank 0)
+        model_dir = make_tiny_model_dir(tmp_path / variant, "llama", random_norms=True, **BAMBA)
     elif variant == "lfm2":  # its convolutions cut by channels, the attention's out_proj and w2 row-parallel
         model_dir = make_tiny_model_dir(tmp_path / variant, "llama", random_norms=True, **LFM2)
     elif variant.startswith("qwen3"):  # its key heads (one per rank) with their value heads; q_proj by heads

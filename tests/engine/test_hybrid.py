@@ -98,6 +98,32 @@ def test_nemotron_h_is_hfs(nemotron_h, settings):
             assert engine.scheduler.num_preemptions > 0
 
 
+BAMBA = dict(
+    architectures=["BambaForCausalLM"],
+    model_type="bamba",
+    num_hidden_layers=4,
+    attn_layer_indices=[1],
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_expand=2,
+    mamba_chunk_size=8,
+    attention_bias=True,
+    mlp_bias=True,
+)
+
+
+def test_bamba_is_hfs(tmp_path):
+    """Bamba: Llama's layer with RoPE over half of each head, its MLP under feed_forward, Mamba-2 layers but on
+    attn_layer_indices, biases: HF's greedy tokens and logprobs, in prompt chunks."""
+    model_dir = make_tiny_model_dir(tmp_path / "bamba", "llama", random_norms=True, **BAMBA)
+    prompts = mixed_prompts()
+    with make_llm(model_dir, max_num_batched_tokens=12, max_num_seqs=3) as llm:
+        assert len(llm.engine.runner.kv_cache.layers) == 1
+        check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
+
+
 def test_nemotron_h_experts_are_refused(tmp_path):
     with pytest.raises(ValueError, match="mixture-of-experts blocks"):
         make_llm(make_nemotron_h_dir(tmp_path, hybrid_override_pattern="M*E", n_routed_experts=4))
