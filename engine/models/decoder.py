@@ -35,7 +35,7 @@ from engine.layers.mrope import SectionedRows
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.checkpoint_names import checkpoint_rows
 from engine.models.decoder_arch import DecoderArch
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, layer_tensors
 from engine.profiling.memory_bandwidth import tensor_bytes
 from engine.quantization.int8_weight import Int8Weight
 from engine.quantization.weight_quantizer import WeightQuantizer
@@ -184,16 +184,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
             yield name, (tensor.float() + 1.0 if folds else tensor)
 
     def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:  # type: ignore[override]
-        p = f"layers.{index}."
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                return state.pop(p + name)
-            except KeyError:
-                raise ValueError(f"checkpoint lacks {p + name}") from None
-
-        def maybe(name: str) -> Optional[torch.Tensor]:
-            return state.pop(p + name, None)
+        take, maybe = layer_tensors(state, index)
 
         attn = "self_attn."
         parts = (

@@ -27,6 +27,7 @@ from engine.layers.linear import Linear
 from engine.layers.moe import SharedExpert, SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.grouped_routing import GroupedTopK
+from engine.models.llama import layer_tensors
 from engine.models.deepseek_arch import DeepseekArch
 from engine.models.llama_arch import LlamaArch
 from engine.models.moe import MoeForCausalLM, _cat_rows, _float
@@ -116,16 +117,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
         return tensor
 
     def _take_layer(self, state: dict, index: int) -> DeepseekLayerWeights:  # type: ignore[override]
-        p = f"layers.{index}."
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                return state.pop(p + name)
-            except KeyError:
-                raise ValueError(f"checkpoint lacks {p + name}") from None
-
-        def maybe(name: str) -> Optional[torch.Tensor]:
-            return state.pop(p + name, None)
+        take, maybe = layer_tensors(state, index)
 
         def cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if tensors[0] is None else torch.cat(tensors, dim=0).contiguous()  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mamba2 import MambaWeights, mamba_mix
 from engine.layers.recurrent_state import RecurrentStates, RecurrentStep, StateShape
+from engine.models.llama import layer_tensors
 from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
 from engine.models.decoder_arch import DecoderArch
 from engine.models.decoder_moe import DecoderMoeForCausalLM
@@ -68,17 +69,8 @@ class HybridLayers:
     def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:
         model: Any = self
         if index not in self.recurrent_layers:
-            return model._take_attention_layer(state, index)
-        p = f"layers.{index}."
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                return state.pop(p + name)
-            except KeyError:
-                raise ValueError(f"checkpoint lacks {p + name}") from None
-
-        def maybe(name: str) -> Optional[torch.Tensor]:
-            return state.pop(p + name, None)
+            return self._take_attention_layer(state, index)
+        take, maybe = layer_tensors(state, index)
 
         self.mixers[index] = self._take_mixer(take, maybe)
         norms = model.arch.norms
@@ -128,11 +120,20 @@ class HybridLayers:
         )
         return tp.all_reduce(out)
 
-    def _mixer_tensors(self) -> list[Any]:
-        return [w for mixer in self.mixers.values() for w in (mixer.in_proj, mixer.out_proj)]
+    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        """An attention layer: the decoder's (the next class in the model's MRO)."""
+        model: Any = super()
+        return model._take_layer(state, index)
 
-    def _mixer_bytes(self) -> int:
-        return tensor_bytes([getattr(m, name) for m in self.mixers.values() for name in type(m).__slots__])
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The decoder's matrices and the recurrent layers' in_proj and out_proj."""
+        model: Any = super()
+        return model.weight_tensors() + [w for m in self.mixers.values() for w in (m.in_proj, m.out_proj)]
+
+    def weight_bytes(self) -> int:
+        model: Any = super()
+        mixers = [getattr(m, name) for m in self.mixers.values() for name in type(m).__slots__]
+        return model.weight_bytes() + tensor_bytes(mixers)
 
 
 # (mypy: the generic decoder's `_take_layer` is typed with its own layer weights, and DecoderMoeForCausalLM's bases
@@ -157,15 +158,6 @@ class HybridForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]
         self._hold_recurrent_layers(hybrid.recurrent_layers)
         self.fused = None  # (the fused decode step runs attention layers only)
 
-    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
-        return DecoderForCausalLM._take_layer(self, state, index)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        return super().weight_tensors() + self._mixer_tensors()
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + self._mixer_bytes()
-
 
 class HybridMoeForCausalLM(HybridLayers, DecoderMoeForCausalLM):  # type: ignore[misc]
     """A hybrid decoder whose MLPs are mixtures of experts (Granite 4.0-H Tiny and Small)."""
@@ -186,12 +178,3 @@ class HybridMoeForCausalLM(HybridLayers, DecoderMoeForCausalLM):  # type: ignore
         super().__init__(arch, moe, dtype, device, ops, linear, quantizer, tp, max_model_len)
         self.hybrid = hybrid
         self._hold_recurrent_layers(hybrid.recurrent_layers)
-
-    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
-        return DecoderMoeForCausalLM._take_layer(self, state, index)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        return super().weight_tensors() + self._mixer_tensors()
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + self._mixer_bytes()

@@ -13,7 +13,7 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.recurrent_state import StateShape
 from engine.layers.short_conv import ShortConvWeights, short_conv_mix
-from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
+from engine.models.decoder import DecoderForCausalLM
 from engine.models.decoder_arch import DecoderArch
 from engine.models.hybrid import HybridLayers
 from engine.quantization.weight_quantizer import WeightQuantizer
@@ -45,9 +45,6 @@ class Lfm2ForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]  
     def state_shape(self) -> StateShape:
         return StateShape(self.conv_width, self.conv_kernel)
 
-    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
-        return DecoderForCausalLM._take_layer(self, state, index)
-
     def _take_mixer(self, take: Callable[[str], torch.Tensor], maybe: Callable[[str], Optional[torch.Tensor]]) -> Any:
         prepare = self._prepare
         return ShortConvWeights(
@@ -62,9 +59,3 @@ class Lfm2ForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[misc]  
     def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
         out = short_conv_mix(x, self.mixers[index], self.linear, self.recurrent_step, self._state_layer[index])
         return self.tp.all_reduce(out)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        return super().weight_tensors() + self._mixer_tensors()
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + self._mixer_bytes()

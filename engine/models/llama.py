@@ -8,7 +8,7 @@ layer costs few operator calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,23 @@ class LlamaLayerWeights:
     @property
     def mlp_post_norm(self) -> None:
         return None
+
+
+def layer_tensors(state: dict[str, Any], index: int) -> tuple[Callable[[str], Any], Callable[[str], Optional[Any]]]:
+    """(take, maybe): layer `index`'s checkpoint tensor by its name within the layer, popped from `state` (take: a
+    ValueError naming it where the checkpoint lacks it; maybe: None)."""
+    prefix = f"layers.{index}."
+
+    def take(name: str) -> Any:
+        try:
+            return state.pop(prefix + name)
+        except KeyError:
+            raise ValueError(f"checkpoint lacks {prefix + name}") from None
+
+    def maybe(name: str) -> Optional[Any]:
+        return state.pop(prefix + name, None)
+
+    return take, maybe
 
 
 class LlamaForCausalLM:
@@ -255,16 +272,7 @@ class LlamaForCausalLM:
             self.embed = self.lm_head
 
     def _take_layer(self, state: dict, index: int) -> LlamaLayerWeights:
-        p = f"layers.{index}."
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                return state.pop(p + name)
-            except KeyError:
-                raise ValueError(f"checkpoint lacks {p + name}") from None
-
-        def maybe(name: str) -> Optional[torch.Tensor]:
-            return state.pop(p + name, None)
+        take, maybe = layer_tensors(state, index)
 
         cat = self._cat_rows
         attn = "self_attn."

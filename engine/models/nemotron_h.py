@@ -20,6 +20,7 @@ from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.mrope import SectionedRows
 from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
 from engine.models.hybrid import HybridLayers
+from engine.models.llama import layer_tensors
 from engine.models.nemotron_h_arch import NemotronHArch
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -52,14 +53,7 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
 
     def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
         """An attention or MLP block (a Mamba-2 block: HybridLayers._take_layer) by its mixer's names."""
-        p = f"layers.{index}."
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                return state.pop(p + name)
-            except KeyError:
-                raise ValueError(f"checkpoint lacks {p + name}") from None
-
+        take, maybe = layer_tensors(state, index)
         prepare, attention = self._prepare, self.blocks[index] == "attention"
         qkv = self._cat_rows(*(take(f"mixer.{part}_proj.weight") for part in "qkv")) if attention else None
         return DecoderLayerWeights(
@@ -72,9 +66,9 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
             o_proj=prepare(take("mixer.o_proj.weight")) if attention else None,
             o_bias=None,
             gate_up=None if attention else prepare(take("mixer.up_proj.weight")),
-            gate_up_bias=None if attention else state.pop(p + "mixer.up_proj.bias", None),
+            gate_up_bias=None if attention else maybe("mixer.up_proj.bias"),
             down=None if attention else prepare(take("mixer.down_proj.weight")),
-            down_bias=None if attention else state.pop(p + "mixer.down_proj.bias", None),
+            down_bias=None if attention else maybe("mixer.down_proj.bias"),
         )
 
     @torch.inference_mode()

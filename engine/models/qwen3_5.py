@@ -14,7 +14,7 @@ from engine.layers.gated_delta_net import DeltaNetShape, DeltaNetWeights, delta_
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.recurrent_state import StateShape
-from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
+from engine.models.decoder import DecoderForCausalLM
 from engine.models.decoder_arch import DecoderArch
 from engine.models.decoder_moe import DecoderMoeForCausalLM
 from engine.models.hybrid import HybridLayers
@@ -116,15 +116,6 @@ class Qwen3_5ForCausalLM(DeltaNetLayers, DecoderForCausalLM):  # type: ignore[mi
         self.delta_net = delta_net
         self.fused = None  # (the fused decode step runs attention layers only)
 
-    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
-        return DecoderForCausalLM._take_layer(self, state, index)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        return super().weight_tensors() + self._mixer_tensors()
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + self._mixer_bytes()
-
 
 class Qwen3_5MoeForCausalLM(DeltaNetLayers, DecoderMoeForCausalLM):  # type: ignore[misc]  # (as models/hybrid.py's)
     """Qwen3.5-MoE's text model: Qwen3.5's layers whose MLPs are mixtures of experts (Qwen2-MoE's, with a gated
@@ -148,12 +139,3 @@ class Qwen3_5MoeForCausalLM(DeltaNetLayers, DecoderMoeForCausalLM):  # type: ign
         self._hold_recurrent_layers(linear_layers)
         self.delta_net = delta_net
         self.fused = None
-
-    def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
-        return DecoderMoeForCausalLM._take_layer(self, state, index)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        return super().weight_tensors() + self._mixer_tensors()
-
-    def weight_bytes(self) -> int:
-        return super().weight_bytes() + self._mixer_bytes()
