@@ -200,6 +200,7 @@ def _build_rank0(
     draft_spec = draft.spec if draft is not None else None if head is None else head.spec
     draft_bytes = 0 if draft_spec is None else draft_spec.bytes_per_block
     num_blocks = shard_kv_blocks(config, shard, tp, draft_bytes)
+    limits = shard.limits  # (a model with recurrent states may run fewer requests than asked for by default)
     grammar_compiler = GrammarCompiler(tokenizer.hf, model.arch.vocab_size, tokenizer.eos_token_ids)
     check_kv_tiers(config, shard)
     kv_tier = open_disk_tier(config, checkpoint, hf_config, shard, rank=0)
@@ -265,7 +266,11 @@ def _build_rank0(
     scheduler = Scheduler(
         # as many steps in flight as there are pipeline stages, so that every stage has one to run
         config.scheduler.model_copy(
-            update={"max_model_len": max_model_len, "max_concurrent_batches": parallel.pipeline_parallel_size}
+            update={
+                "max_model_len": max_model_len,
+                "max_concurrent_batches": parallel.pipeline_parallel_size,
+                "max_num_seqs": limits.max_num_seqs,
+            }
         ),
         _scheduler_cache(config, num_blocks, runner),
         proposer=proposer,

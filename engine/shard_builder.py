@@ -3,6 +3,8 @@ its attention numerics, its KV cache's layout and size: what the engine's proces
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 from dataclasses import dataclass
 import logging
@@ -337,7 +339,7 @@ def _check_recurrent(config: EngineConfig, architecture: str) -> None:
 def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft_bytes_per_block: int = 0) -> int:
     """The KV blocks of this rank's cache: the fewest any rank's budget holds (every rank's cache indexes the
     same block ids)."""
-    num_blocks = _num_kv_blocks(
+    num_blocks, rows = _num_kv_blocks(
         config,
         shard.spec,
         shard.device,
@@ -347,6 +349,9 @@ def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft
         shard.buckets,
         draft_bytes_per_block,
     )
+    rows = tp.min_over_ranks(rows)
+    if rows < shard.limits.max_num_seqs:  # (the engine's builder gives the scheduler the same)
+        shard.limits = dataclasses.replace(shard.limits, max_num_seqs=rows)
     return tp.min_over_ranks(num_blocks)
 
 
@@ -447,12 +452,16 @@ def _num_kv_blocks(
     limits: RunnerLimits,
     buckets: tuple[int, ...],
     draft_bytes_per_block: int = 0,
-) -> int:
-    """KV blocks from the budget; with a draft model, each block of the target's comes with one of the draft's
-    (`draft_bytes_per_block`) from the same budget."""
+) -> tuple[int, int]:
+    """(KV blocks, requests at most) from the budget; with a draft model, each block of the target's comes with one
+    of the draft's (`draft_bytes_per_block`) from the same budget. A model with recurrent states keeps a state per
+    running request from the budget too: when --max-num-seqs was not given and the default's states would take more
+    than half of it, fewer requests run (a hybrid model's states can be tens of MiB each: 256 of them would leave
+    no room for the attention layers' blocks)."""
     cache = config.cache
+    rows = limits.max_num_seqs
     if cache.num_blocks is not None:
-        return cache.num_blocks
+        return cache.num_blocks, rows
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
@@ -476,17 +485,29 @@ def _num_kv_blocks(
         )
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
-    states = model.recurrent_state_bytes(limits.max_num_seqs)  # a hybrid model's: a row per running request
-    if states:
+    per_row = model.recurrent_state_bytes(1)  # a hybrid model's: a row per running request
+    if per_row:
+        if "max_num_seqs" not in config.scheduler.model_fields_set and per_row * rows > budget // 2:
+            fitted = max(1, budget // 2 // per_row)
+            logger.info(
+                "max_num_seqs %d -> %d: the recurrent states of %d requests would take more than half the KV cache "
+                "budget (%.0f MiB); --max-num-seqs sets it",
+                rows,
+                fitted,
+                rows,
+                budget / 2**20,
+            )
+            rows = fitted
+        states = per_row * rows
         logger.info(
-            "recurrent states of the Mamba-2 layers: %.0f MiB (%d requests x %.1f MiB), from the KV cache budget",
+            "recurrent states of the recurrent layers: %.0f MiB (%d requests x %.1f MiB), from the KV cache budget",
             states / 2**20,
-            limits.max_num_seqs,
-            states / limits.max_num_seqs / 2**20,
+            rows,
+            per_row / 2**20,
         )
         if states >= budget:
             raise SettingsConflictError(
-                f"the recurrent states of --max-num-seqs {limits.max_num_seqs} requests ({states / 2**20:.0f} MiB) "
+                f"the recurrent states of --max-num-seqs {rows} requests ({states / 2**20:.0f} MiB) "
                 f"take the whole KV cache budget ({budget / 2**20:.0f} MiB); lower --max-num-seqs or raise "
                 "kv_cache_memory / gpu_memory_utilization"
             )
@@ -497,7 +518,7 @@ def _num_kv_blocks(
             f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "
             "raise kv_cache_memory / gpu_memory_utilization or set num_blocks"
         )
-    return num_blocks
+    return num_blocks, rows
 
 
 def capture_graphs(runner: ModelRunner, buckets: tuple[int, ...]) -> None:

@@ -355,6 +355,34 @@ def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
         make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
 
 
+def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybrid_moe):
+    """Without --max-num-seqs, the default 256 requests' states would take more than half the budget: fewer run (the
+    runner's rows, the scheduler's batch), the rest of the budget holding KV blocks; the tokens are HF's."""
+    import yaml
+
+    from engine import LLM
+    from tests.engine.references import TINY_PRESET
+
+    preset = yaml.safe_load(TINY_PRESET.read_text())
+    scheduler = {key: value for key, value in preset["scheduler"].items() if key != "max_num_seqs"}
+    scheduler["max_num_batched_tokens"] = 256  # (the default batch's decodes: a token each)
+    budget = 4 * 2**20
+    kwargs = dict(scheduler, block_size=4, kv_cache_memory=budget, dtype="float32", device="cpu", cpu_threads=1)
+    with LLM(str(hybrid_moe), **kwargs) as llm:
+        engine = llm.engine
+        per_row = engine.runner.model.recurrent_state_bytes(1)
+        assert 256 * per_row > budget // 2
+        rows = budget // 2 // per_row
+        assert engine.runner.limits.max_num_seqs == engine.scheduler.scheduler_config.max_num_seqs == rows
+        assert engine.runner.states is not None and engine.runner.states.rows == rows
+        assert (
+            engine.runner.kv_cache.num_blocks
+            == (budget - rows * per_row) // engine.runner.kv_cache.spec.bytes_per_block - 1
+        )
+        prompts = mixed_prompts()
+        check_against_hf(hybrid_moe, prompts, run_greedy(llm, prompts))
+
+
 @pytest.mark.parametrize("model", ["hybrid_moe", "nemotron_h", "lfm2", "qwen3_5"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_hybrid_quantized_serves_the_dequantized_model(request, tmp_path, method, model):
