@@ -332,11 +332,13 @@ def _build_rank0(
 
 def _scheduler_cache(config: EngineConfig, num_blocks: int, runner: ModelRunner) -> CacheConfig:
     """The scheduler's cache section: prefix caching off for a model with recurrent states (a hybrid model's
-    Mamba-2 layers), whose state summarises a request's whole prefix and cannot be restored from cached blocks."""
+    recurrent layers), whose state summarises a request's whole prefix and cannot be restored from cached blocks."""
     cache = config.cache.for_scheduler(num_blocks)
     if runner.states is None or not cache.enable_prefix_caching:
         return cache
-    logger.info("prefix caching off: the Mamba-2 layers keep each request's state, which cached blocks cannot restore")
+    logger.info(
+        "prefix caching off: the recurrent layers keep each request's state, which cached blocks cannot restore"
+    )
     return cache.model_copy(update={"enable_prefix_caching": False})
 
 

@@ -4,7 +4,6 @@ its attention numerics, its KV cache's layout and size: what the engine's proces
 from __future__ import annotations
 
 import dataclasses
-
 import gc
 from dataclasses import dataclass
 import logging
@@ -235,7 +234,7 @@ def build_shard(
     if device.type == "cpu":
         back_weights_with_huge_pages(model)
     spec = KVCacheSpec(
-        len(model.attention_layers),  # (a hybrid model's Mamba-2 layers keep recurrent states instead)
+        len(model.attention_layers),  # (a hybrid model's recurrent layers keep states of their own instead)
         config.cache.block_size,
         model.arch.num_kv_heads,
         model.arch.head_dim,
@@ -264,7 +263,7 @@ def build_shard(
     if recurrent:
         _check_recurrent(config, family.architecture)
         if device.type == "cuda":
-            logger.info("CUDA graphs off: the Mamba-2 layers scan each request's rows on their own")
+            logger.info("CUDA graphs off: the recurrent layers scan each request's rows on their own")
     buckets = (
         ()
         if model.stage.is_split or not model.keeps_lm_head or chunks or recurrent
@@ -318,7 +317,7 @@ def _whole_rows_quantizer(
 
 
 def _check_recurrent(config: EngineConfig, architecture: str) -> None:
-    """SettingsConflictError for what a model with recurrent states (a hybrid model's Mamba-2 layers) is not
+    """SettingsConflictError for what a model with recurrent states (a hybrid model's recurrent layers) is not
     served with: each request's state summarises its whole prefix, so no other request's cached blocks, no KV
     tier and no rejected draft can stand for or be taken out of it; batch-invariant mode's promise would need the
     scans to read the same chunks whatever the batch."""
@@ -331,7 +330,7 @@ def _check_recurrent(config: EngineConfig, architecture: str) -> None:
     for flag, given in refused.items():
         if given:
             raise SettingsConflictError(
-                f"{flag}: {architecture} keeps a recurrent state per request in its Mamba-2 layers, which this "
+                f"{flag}: {architecture} keeps a recurrent state per request in its recurrent layers, which this "
                 "is not served with"
             )
 
@@ -500,7 +499,7 @@ def _num_kv_blocks(
             rows = fitted
         states = per_row * rows
         logger.info(
-            "recurrent states of the recurrent layers: %.0f MiB (%d requests x %.1f MiB), from the KV cache budget",
+            "states of the recurrent layers: %.0f MiB (%d requests x %.1f MiB), from the KV cache budget",
             states / 2**20,
             rows,
             per_row / 2**20,

@@ -70,7 +70,7 @@ class MambaShape:
 
 @dataclass(frozen=True, slots=True)
 class RecurrentStep:
-    """The requests of one step as a Mamba-2 layer reads them: decodes (one token each) first, in batch order.
+    """The requests of one step as a recurrent layer reads them: decodes (one token each) first, in batch order.
 
     Request i's tokens are rows `query_start_loc[i] .. query_start_loc[i + 1] - 1` of the step, and its state is
     row `rows[i]` of every layer's state tensors (`rows_cpu[i]` on the host)."""

@@ -302,7 +302,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
             if index in taps:
                 tapped[index] = h  # the stream entering this layer (EAGLE-3's features; never written in place here)
             x = self._norm(h, layer, "attn_pre")
-            if index in recurrent:  # a hybrid model's Mamba-2 layer (models/hybrid.py): no KV cache
+            if index in recurrent:  # a hybrid model's recurrent layer (models/hybrid.py): no KV cache
                 attended = self._recurrent_mix(index, x)
             else:
                 rope = self.layer_rope[index]
@@ -332,7 +332,8 @@ class DecoderForCausalLM(LlamaForCausalLM):
         return h
 
     recurrent_layers: frozenset[int] = frozenset()
-    """The layers whose token mixer is a Mamba-2 layer, not attention (a hybrid model's: models/hybrid.py)."""
+    """The layers whose token mixer is a recurrent layer (Mamba-2, a short convolution, linear attention), not
+    attention (a hybrid model's: models/hybrid.py)."""
 
     def _recurrent_mix(self, index: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no recurrent layers")

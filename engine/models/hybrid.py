@@ -1,9 +1,11 @@
-"""Hybrid decoders: the generic decoder's layers, some of whose token mixers are Mamba-2 layers (Granite 4.0-H).
+"""Hybrid decoders: the generic decoder's layers, some of whose token mixers are recurrent layers: Mamba-2 (Granite
+4.0-H, Bamba here; Nemotron-H: models/nemotron_h.py), LFM2's short convolutions (models/lfm2.py), Qwen3.5's Gated
+DeltaNet (models/qwen3_5.py).
 
 The layer loop is the generic decoder's (models/decoder.py): where a layer is one of `recurrent_layers` it runs
 `_recurrent_mix` instead of attention, and takes no KV cache (the runner's KV cache holds the attention layers
-only, in their order: `attention_layers`). The Mamba-2 layers read and write the requests' recurrent states
-through the step the runner sets (`recurrent_step`, as it sets `lora_step`; layers/recurrent_state.py).
+only, in their order: `attention_layers`). The recurrent layers read and write the requests' states through the
+step the runner sets (`recurrent_step`, as it sets `lora_step`; layers/recurrent_state.py).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from engine.quantization.weight_quantizer import WeightQuantizer
 
 
 class HybridLayers:
-    """What a hybrid decoder adds to the generic one (mixed in before it): its Mamba-2 layers' weights, loading
-    and forward, and the attention layers alone as the KV cache's. With several ranks `hybrid` is this rank's
-    share (hybrid_arch.shard_mamba): its heads, and its groups of B and C."""
+    """What a hybrid decoder adds to the generic one (mixed in before it): its recurrent layers' weights, loading,
+    states and forward (Mamba-2's here; other mixers override `_take_mixer`, `_recurrent_mix` and `state_shape`), and
+    the attention layers alone as the KV cache's. With several ranks `hybrid` is this rank's share
+    (hybrid_arch.shard_mamba): its heads, and its groups of B and C."""
 
     hybrid: HybridArch
     layer_attention: tuple[LayerAttention, ...]

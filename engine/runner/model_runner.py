@@ -181,7 +181,7 @@ class ModelRunner:
             limits.max_num_batched_tokens, limits.max_query_rows, max_blocks, device, self.num_groups
         )
         self._forward: Optional[ForwardFn] = model_forward(model, backend, kv_cache)
-        # a hybrid model's Mamba-2 states, a row per request: its block table row (layers/recurrent_state.py)
+        # a hybrid model's recurrent states, a row per request: its block table row (layers/recurrent_state.py)
         self.states: Optional[RecurrentStates] = model.recurrent_states(limits.max_num_seqs)
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile = profile

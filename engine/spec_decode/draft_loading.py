@@ -99,13 +99,12 @@ def read_draft_checkpoint(
         family = family_of(hf_config)
     except ValueError as error:
         raise SettingsConflictError(f"the draft model {speculative.model!r} cannot be served: {error}") from error
-    if (
-        family.implementation in RECURRENT_IMPLEMENTATIONS
-    ):  # (the draft's forward passes carry no recurrent states: a Mamba-2
-        # layer would read each pass's rows as one sequence from zero, and no rejected draft can be taken back out)
+    # (a draft's forward passes carry no recurrent states: a recurrent layer would read each pass's rows as one
+    # sequence from zero, and no rejected draft can be taken back out of a state)
+    if family.implementation in RECURRENT_IMPLEMENTATIONS:
         raise SettingsConflictError(
             f"--speculative-config: the draft model's architecture {family.architecture} keeps a recurrent state per "
-            "request in its Mamba-2 layers, which a draft model is not served with"
+            "request in its recurrent layers, which a draft model is not served with"
         )
     if checkpoint.gguf is not None and "gguf" not in family.formats:
         raise SettingsConflictError(f"the draft model's architecture {family.architecture} is not served from GGUF")
