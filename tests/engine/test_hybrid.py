@@ -1,7 +1,8 @@
-"""Granite 4.0's hybrid decoder (GraniteMoeHybridForCausalLM: Mamba-2 and attention layers) against transformers on
-tiny random checkpoints: greedy tokens identical and logprobs within 1e-4 in float32, batched, in prompt chunks,
-through preemptions, with and without experts, NoPE and RoPE; the Mamba-2 layer alone against transformers' in
-float64; what hybrid models are not served with, refused by name."""
+"""The hybrid families (recurrent layers beside attention: Granite 4.0-H, Bamba and Nemotron-H's Mamba-2, LFM2's short
+convolutions, Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet) against transformers on tiny random checkpoints:
+greedy tokens identical and logprobs within 1e-4 in float32, batched, in prompt chunks, through preemptions; the
+Mamba-2 and Gated DeltaNet layers alone against transformers' in float64; quantized weights, the states' share of
+the KV cache budget, multimodal Qwen3.5 checkpoints; what hybrid models are not served with, refused by name."""
 
 from __future__ import annotations
 
@@ -70,34 +71,6 @@ NEMOTRON_H = dict(
 )
 
 
-def make_nemotron_h_dir(path, **overrides):
-    config = {**NEMOTRON_H, **overrides}
-    return make_tiny_model_dir(path, "llama", random_norms=True, **config)
-
-
-@pytest.fixture(scope="module")
-def nemotron_h(tmp_path_factory):
-    return make_nemotron_h_dir(tmp_path_factory.mktemp("nemotron_h") / "dense")
-
-
-@pytest.mark.parametrize(
-    "settings",
-    [{}, {"max_num_batched_tokens": 12, "max_num_seqs": 3}, {"num_blocks": 20, "max_num_seqs": 4}],
-    ids=["batched", "chunked-prefill", "preemption"],
-)
-def test_nemotron_h_is_hfs(nemotron_h, settings):
-    """Blocks of one mixer each (Mamba-2, attention without RoPE, relu^2 MLP) by transformers' names (backbone.,
-    mixer.): HF's greedy tokens and logprobs, batched, in chunks and through preemptions."""
-    prompts = mixed_prompts()
-    with make_llm(nemotron_h, **settings) as llm:
-        engine = llm.engine
-        assert engine.runner.states is not None and engine.runner.states.ssm.shape[0] == 3
-        assert len(engine.runner.kv_cache.layers) == 1
-        check_against_hf(nemotron_h, prompts, run_greedy(llm, prompts))
-        if "num_blocks" in settings:
-            assert engine.scheduler.num_preemptions > 0
-
-
 BAMBA = dict(
     architectures=["BambaForCausalLM"],
     model_type="bamba",
@@ -114,21 +87,6 @@ BAMBA = dict(
 )
 
 
-def test_bamba_is_hfs(tmp_path):
-    """Bamba: Llama's layer with RoPE over half of each head, its MLP under feed_forward, Mamba-2 layers but on
-    attn_layer_indices, biases: HF's greedy tokens and logprobs, in prompt chunks."""
-    model_dir = make_tiny_model_dir(tmp_path / "bamba", "llama", random_norms=True, **BAMBA)
-    prompts = mixed_prompts()
-    with make_llm(model_dir, max_num_batched_tokens=12, max_num_seqs=3) as llm:
-        assert len(llm.engine.runner.kv_cache.layers) == 1
-        check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
-
-
-def test_nemotron_h_experts_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="mixture-of-experts blocks"):
-        make_llm(make_nemotron_h_dir(tmp_path, hybrid_override_pattern="M*E", n_routed_experts=4))
-
-
 LFM2 = dict(
     architectures=["Lfm2ForCausalLM"],
     model_type="lfm2",
@@ -140,30 +98,6 @@ LFM2 = dict(
     conv_bias=True,
     tie_word_embeddings=True,
 )
-
-
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("lfm2") / "lfm2", "llama", random_norms=True, **LFM2)
-
-
-@pytest.mark.parametrize(
-    "settings",
-    [{}, {"attention_backend": "torch"}, {"max_num_batched_tokens": 12, "max_num_seqs": 3}, {"num_blocks": 20}],
-    ids=["cpu", "torch", "chunked-prefill", "preemption"],
-)
-def test_lfm2_is_hfs(lfm2, settings):
-    """Short-convolution layers (B * x convolved, times C; a window of 2 gated inputs per request) beside RoPE
-    attention with per-head q/k norms: HF's greedy tokens and logprobs, batched, in chunks and through preemptions."""
-    prompts = mixed_prompts()
-    with make_llm(lfm2, **settings) as llm:
-        engine = llm.engine
-        assert engine.runner.states is not None and engine.runner.states.conv.shape[0] == 3
-        assert len(engine.runner.kv_cache.layers) == 1
-        check_against_hf(lfm2, prompts, run_greedy(llm, prompts))
-        check_against_hf(lfm2, prompts[6:7], run_greedy(llm, prompts[6:7]))
-        if "num_blocks" in settings:
-            assert engine.scheduler.num_preemptions > 0
 
 
 QWEN3_5 = dict(
@@ -181,11 +115,6 @@ QWEN3_5 = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5") / "dense", "llama", random_norms=True, **QWEN3_5)
-
-
 QWEN3_5_MOE = dict(
     QWEN3_5,
     architectures=["Qwen3_5MoeForCausalLM"],
@@ -195,11 +124,6 @@ QWEN3_5_MOE = dict(
     moe_intermediate_size=48,
     shared_expert_intermediate_size=80,
 )
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_moe(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_5") / "moe", "llama", random_norms=True, **QWEN3_5_MOE)
 
 
 QWEN3_NEXT = dict(
@@ -213,25 +137,74 @@ QWEN3_NEXT = dict(
 )
 
 
+def make_nemotron_h_dir(path, **overrides):
+    return make_tiny_model_dir(path, "llama", random_norms=True, **{**NEMOTRON_H, **overrides})
+
+
+FAMILIES = {  # name: (config, attention layers)
+    "granite-4.0-h": (GRANITE_HYBRID, 1),
+    # without experts (the shared MLP is each layer's MLP), with RoPE, the attention layers first and last
+    "granite-4.0-h-dense": (
+        dict(
+            GRANITE_HYBRID,
+            num_local_experts=0,
+            position_embedding_type="rope",
+            layer_types=["attention", "mamba", "mamba", "attention"],
+        ),
+        2,
+    ),
+    "bamba": (BAMBA, 1),
+    "nemotron_h": (NEMOTRON_H, 1),
+    "lfm2": (LFM2, 1),
+    "qwen3_5": (QWEN3_5, 1),
+    "qwen3_5_moe": (QWEN3_5_MOE, 1),
+    "qwen3_next": (QWEN3_NEXT, 1),
+}
+"""Every hybrid family (Granite 4.0-H with and without experts, Bamba, Nemotron-H: Mamba-2; LFM2: short
+convolutions; Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet), as the tests build it."""
+
+
 @pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3_next") / "q", "llama", random_norms=True, **QWEN3_NEXT)
+def family_dirs(tmp_path_factory):
+    """Each family's tiny checkpoint, made when a test first asks for it."""
+    made: dict = {}
+
+    def model_dir(name: str):
+        if name not in made:
+            made[name] = make_tiny_model_dir(
+                tmp_path_factory.mktemp(name) / name, "llama", random_norms=True, **FAMILIES[name][0]
+            )
+        return made[name]
+
+    return model_dir
 
 
-def test_qwen3_next_is_hfs(qwen3_next):
-    """Qwen3-Next: its linear attention's projections fused by key head (reordered at load), a dense layer among the
-    sparse ones: HF's greedy tokens and logprobs, in prompt chunks."""
-    prompts = [*mixed_prompts(), [(7 * i) % 500 + 3 for i in range(130)]]
-    with make_llm(qwen3_next, max_num_batched_tokens=24, max_num_seqs=4) as llm:
-        check_against_hf(qwen3_next, prompts, run_greedy(llm, prompts))
+@pytest.fixture(scope="module")
+def hybrid_moe(family_dirs):
+    return family_dirs("granite-4.0-h")
 
 
-def test_qwen3_5_moe_is_hfs(qwen3_5_moe):
-    """Qwen3.5's layers with Qwen2-MoE's experts and gated shared expert in every MLP: HF's greedy tokens and
-    logprobs, in prompt chunks."""
-    prompts = [*mixed_prompts(), [(7 * i) % 500 + 3 for i in range(130)]]
-    with make_llm(qwen3_5_moe, max_num_batched_tokens=24, max_num_seqs=4) as llm:
-        check_against_hf(qwen3_5_moe, prompts, run_greedy(llm, prompts))
+@pytest.fixture(scope="module")
+def nemotron_h(family_dirs):
+    return family_dirs("nemotron_h")
+
+
+@pytest.fixture(scope="module")
+def lfm2(family_dirs):
+    return family_dirs("lfm2")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(family_dirs):
+    return family_dirs("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(family_dirs):
+    return family_dirs("qwen3_5_moe")
+
+
+LONG_PROMPT = [(7 * i) % 500 + 3 for i in range(130)]  # (three of the delta rule's chunks of 64)
 
 
 @pytest.mark.parametrize(
@@ -239,68 +212,28 @@ def test_qwen3_5_moe_is_hfs(qwen3_5_moe):
     [{}, {"attention_backend": "torch"}, {"max_num_batched_tokens": 12, "max_num_seqs": 3}, {"num_blocks": 40}],
     ids=["cpu", "torch", "chunked-prefill", "preemption"],
 )
-def test_qwen3_5_is_hfs(qwen3_5, settings):
-    """Gated DeltaNet layers (the delta rule over chunks of 64: a 130-token prompt crosses two boundaries) beside
-    attention whose heads' outputs are gated, with partial RoPE and zero-centred norms: HF's greedy tokens and
-    logprobs, batched, in chunks and through preemptions."""
-    prompts = [*mixed_prompts(), [(7 * i) % 500 + 3 for i in range(130)]]
-    with make_llm(qwen3_5, **settings) as llm:
-        engine = llm.engine
-        states = engine.runner.states
-        assert states is not None and states.ssm.shape[0] == 3 and states.ssm.shape[2:] == (4, 16, 8)
-        assert len(engine.runner.kv_cache.layers) == 1
-        check_against_hf(qwen3_5, prompts, run_greedy(llm, prompts))
-        if "num_blocks" in settings:
-            assert engine.scheduler.num_preemptions > 0
-
-
-@pytest.fixture(scope="module")
-def hybrid_moe(tmp_path_factory):
-    return make_hybrid_dir(tmp_path_factory.mktemp("granite_hybrid") / "moe")
-
-
-@pytest.fixture(scope="module")
-def hybrid_dense(tmp_path_factory):
-    """Without experts (the shared MLP is each layer's MLP), with RoPE, the attention layers first and last."""
-    return make_hybrid_dir(
-        tmp_path_factory.mktemp("granite_hybrid") / "dense",
-        num_local_experts=0,
-        position_embedding_type="rope",
-        layer_types=["attention", "mamba", "mamba", "attention"],
-    )
-
-
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {},
-        {"attention_backend": "torch"},
-        {"max_num_batched_tokens": 12, "max_num_seqs": 3},  # prompts in chunks across steps
-        {"num_blocks": 20, "max_num_seqs": 4},  # preemption: resumed requests recompute from a zeroed state
-    ],
-    ids=["cpu", "torch", "chunked-prefill", "preemption"],
-)
-def test_granite_hybrid_is_hfs(hybrid_moe, settings):
-    """Each request's Mamba-2 states carried from step to step (its chunks, its decodes beside others' prompts)
-    give HF's greedy tokens and logprobs, batched and alone; the prompt repeated gives the same again (its rows
-    zeroed for the next request)."""
-    prompts = mixed_prompts()
-    with make_llm(hybrid_moe, **settings) as llm:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_is_hfs(family_dirs, family, settings):
+    """Each request's recurrent states carried from step to step (its prompt's chunks, its decodes beside others'
+    prompts) give HF's greedy tokens and logprobs, batched, in chunks and through preemptions (resumed requests
+    recompute from a zeroed state); the KV cache holds the attention layers alone; the prompt repeated gives the
+    same again (its rows zeroed for the next request)."""
+    model_dir = family_dirs(family)
+    prompts = [*mixed_prompts(), LONG_PROMPT]
+    with make_llm(model_dir, **settings) as llm:
         engine = llm.engine
         assert not engine.scheduler.kv_cache_manager.enable_caching  # (tiny.yaml asks for it: turned off)
-        assert engine.runner.states is not None and engine.runner.states.ssm.shape[0] == 3  # three Mamba-2 layers
-        assert len(engine.runner.kv_cache.layers) == 1  # the attention layer alone
-        check_against_hf(hybrid_moe, prompts, run_greedy(llm, prompts))
-        check_against_hf(hybrid_moe, prompts[6:7], run_greedy(llm, prompts[6:7]))
+        assert engine.runner.states is not None
+        assert len(engine.runner.kv_cache.layers) == FAMILIES[family][1]
+        check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
+        check_against_hf(model_dir, prompts[6:7], run_greedy(llm, prompts[6:7]))
         if "num_blocks" in settings:
             assert engine.scheduler.num_preemptions > 0
 
 
-def test_granite_hybrid_without_experts_with_rope_is_hfs(hybrid_dense):
-    prompts = mixed_prompts()
-    with make_llm(hybrid_dense) as llm:
-        assert len(llm.engine.runner.kv_cache.layers) == 2
-        check_against_hf(hybrid_dense, prompts, run_greedy(llm, prompts))
+def test_nemotron_h_experts_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="mixture-of-experts blocks"):
+        make_llm(make_nemotron_h_dir(tmp_path, hybrid_override_pattern="M*E", n_routed_experts=4))
 
 
 def test_granite_hybrid_stops_and_aborts_leave_nothing(hybrid_moe):
