@@ -184,26 +184,6 @@ def hybrid_moe(family_dirs):
     return family_dirs("granite-4.0-h")
 
 
-@pytest.fixture(scope="module")
-def nemotron_h(family_dirs):
-    return family_dirs("nemotron_h")
-
-
-@pytest.fixture(scope="module")
-def lfm2(family_dirs):
-    return family_dirs("lfm2")
-
-
-@pytest.fixture(scope="module")
-def qwen3_5(family_dirs):
-    return family_dirs("qwen3_5")
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_moe(family_dirs):
-    return family_dirs("qwen3_5_moe")
-
-
 LONG_PROMPT = [(7 * i) % 500 + 3 for i in range(130)]  # (three of the delta rule's chunks of 64)
 
 
@@ -316,12 +296,12 @@ def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybri
         check_against_hf(hybrid_moe, prompts, run_greedy(llm, prompts))
 
 
-@pytest.mark.parametrize("model", ["hybrid_moe", "nemotron_h", "lfm2", "qwen3_5"])
+@pytest.mark.parametrize("model", ["granite-4.0-h", "nemotron_h", "lfm2", "qwen3_5"])
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_hybrid_quantized_serves_the_dequantized_model(request, tmp_path, method, model):
+def test_hybrid_quantized_serves_the_dequantized_model(family_dirs, tmp_path, method, model):
     """--quantization int8|int4 quantizes the Mamba-2 layers' in_proj and out_proj beside the attention, the experts
     and the MLPs: the engine serves exactly the model whose matrices are the quantized ones dequantized."""
-    model_dir = request.getfixturevalue(model)
+    model_dir = family_dirs(model)
     round_trip, weight_type = METHODS[method]
     with make_llm(model_dir, quantization=method) as llm:
         mixers = llm.engine.runner.model.mixers.values()
@@ -467,7 +447,7 @@ def test_gated_delta_net_in_pieces_is_transformers_whole_in_float64():
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])
-def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(request, tmp_path, variant):
+def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(family_dirs, tmp_path, variant):
     """Qwen3.5's releases are multimodal (Qwen3_5(Moe)ForConditionalGeneration): their language model
     (model.language_model.*) is served as the text model, the vision encoder's (model.visual.*) and the
     multi-token-prediction layer's (mtp.*) tensors left unread; the same tokens and logprobs as the text checkpoint
@@ -477,7 +457,7 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(request, tmp_pa
 
     from safetensors.torch import load_file, save_file
 
-    text_dir = request.getfixturevalue("qwen3_5" if variant == "dense" else "qwen3_5_moe")
+    text_dir = family_dirs("qwen3_5" if variant == "dense" else "qwen3_5_moe")
     whole = tmp_path / "multimodal"
     shutil.copytree(text_dir, whole)
     state = load_file(str(text_dir / "model.safetensors"))
