@@ -335,6 +335,10 @@ def _check_recurrent(config: EngineConfig, architecture: str) -> None:
             )
 
 
+NO_BLOCK_LIMIT = 2**62
+"""The blocks a rank without attention layers holds (it stores none): any other rank's count is smaller."""
+
+
 def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft_bytes_per_block: int = 0) -> int:
     """The KV blocks of this rank's cache: the fewest any rank's budget holds (every rank's cache indexes the
     same block ids)."""
@@ -511,6 +515,8 @@ def _num_kv_blocks(
                 "kv_cache_memory / gpu_memory_utilization"
             )
         budget -= states
+    if spec.bytes_per_block + draft_bytes_per_block == 0:  # a pipeline stage of a hybrid model's recurrent layers
+        return NO_BLOCK_LIMIT, rows  # (no KV of its own: the other stages' budgets size the pool)
     num_blocks = budget // (spec.bytes_per_block + draft_bytes_per_block) - 1  # KVCache adds its padding block
     if num_blocks < 1:
         raise SettingsConflictError(

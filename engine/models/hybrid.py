@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.pipeline_stage import PipelineStage
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
 from engine.layers.mamba2 import MambaWeights, mamba_mix
@@ -69,13 +70,24 @@ class HybridLayers:
         model: Any = self
         return rows * self.state_shape.bytes_per_row(len(self.recurrent_layers), model.dtype)
 
+    def hold_stage(self, stage: PipelineStage) -> None:
+        """The decoder's stage, and its recurrent layers by the stage's own index (the layer loop's)."""
+        model: Any = super()
+        model.hold_stage(stage)
+        layers = stage.layers
+        self._hold_recurrent_layers(
+            tuple(layer - layers.start for layer in sorted(self.recurrent_layers) if layer in layers)
+        )
+
     def _take_layer(self, state: dict, index: int) -> DecoderLayerWeights:
+        """Layer `index` (the model's; the stage's own: `local`)."""
         model: Any = self
-        if index not in self.recurrent_layers:
+        local = index - model.stage.layers.start
+        if local not in self.recurrent_layers:
             return self._take_attention_layer(state, index)
         take, maybe = layer_tensors(state, index)
 
-        self.mixers[index] = self._take_mixer(take, maybe)
+        self.mixers[local] = self._take_mixer(take, maybe)
         norms = model.arch.norms
         no_mlp = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None)
         return DecoderLayerWeights(

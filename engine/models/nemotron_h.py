@@ -15,6 +15,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.layer_attention import LayerAttention
 from engine.distributed.parallel_group import ParallelGroup
+from engine.distributed.pipeline_stage import PipelineStage
 from engine.layers.linear import Linear
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.mrope import SectionedRows
@@ -51,10 +52,14 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
     def attention_layers(self) -> tuple[LayerAttention, ...]:
         return tuple(a for a, kind in zip(self.layer_attention, self.blocks) if kind == "attention")
 
+    def hold_stage(self, stage: PipelineStage) -> None:
+        super().hold_stage(stage)
+        self.blocks = self.blocks[stage.layers.start : stage.layers.stop]
+
     def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
         """An attention or MLP block (a Mamba-2 block: HybridLayers._take_layer) by its mixer's names."""
         take, maybe = layer_tensors(state, index)
-        prepare, attention = self._prepare, self.blocks[index] == "attention"
+        prepare, attention = self._prepare, self.blocks[index - self.stage.layers.start] == "attention"
         qkv = self._cat_rows(*(take(f"mixer.{part}_proj.weight") for part in "qkv")) if attention else None
         return DecoderLayerWeights(
             norms={"attn_pre": take("norm.weight")},

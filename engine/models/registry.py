@@ -472,7 +472,8 @@ FAMILIES = (
             "request beside the attention layers' KV cache",
             "NoPE attention (position_embedding_type) or RoPE",
             "tensor parallelism by Mamba-2 heads (B and C's groups cut, or one group on every rank)",
-            "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
+            "pipeline parallelism: each stage its recurrent layers' states",
+            "no prefix caching, speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -497,8 +498,7 @@ FAMILIES = (
             "Mamba-2 blocks (as Granite 4.0-H's), attention without positional embedding, plain relu^2 MLPs",
             "backbone. names, embeddings, norm_f",
             "tensor parallelism as Granite 4.0-H's",
-            "no mixture-of-experts blocks (Nemotron 3), prefix caching, speculative decoding, LoRA, pipeline "
-            "parallelism, CUDA graphs",
+            "no mixture-of-experts blocks (Nemotron 3), prefix caching, speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -512,7 +512,8 @@ FAMILIES = (
             "per-head q/k RMSNorm (q_layernorm, k_layernorm)",
             "SwiGLU of the adjusted width (block_auto_adjust_ff_dim)",
             "tensor parallelism by channels of the convolutions",
-            "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
+            "pipeline parallelism: each stage its recurrent layers' states",
+            "no prefix caching, speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -526,7 +527,8 @@ FAMILIES = (
             "attention: q_proj's per-head gate rows, sigmoid-gated outputs, per-head q/k norms, partial RoPE",
             "zero-centred RMSNorms (1 + w)",
             "tensor parallelism by heads (the linear attention's key heads and their value heads)",
-            "no prefix caching, speculative decoding, LoRA, pipeline parallelism, CUDA graphs",
+            "pipeline parallelism: each stage its recurrent layers' states",
+            "no prefix caching, speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -689,10 +691,14 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
     return None
 
 
-PIPELINE_IMPLEMENTATIONS = ("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss")
+PIPELINE_IMPLEMENTATIONS = (
+    *("llama", "decoder", "moe", "glm4_moe", "decoder_moe", "deepseek", "gpt_oss"),
+    *RECURRENT_IMPLEMENTATIONS,
+)
 """The implementations whose layer loop takes a stage's slice of the layers (`hold_stage`) and the stage before's
 hidden states: Llama's, the generic decoder's, the mixtures of experts on either, DeepSeek's (latent attention,
-its dense first layers) and GPT-OSS's (sliding and full layers with sinks)."""
+its dense first layers), GPT-OSS's (sliding and full layers with sinks) and the hybrids' (each stage its recurrent
+layers' states)."""
 
 
 def check_pipeline_model(hf_config: Any, num_stages: int) -> None:

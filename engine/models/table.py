@@ -121,9 +121,9 @@ DeltaNet layers, which keep a fixed-size recurrent state per request instead of 
 engine/layers/short_conv.py, engine/layers/gated_delta_net.py; tests/engine/test_hybrid.py checks them against
 transformers, and the Mamba-2 and Gated DeltaNet layers alone in float64). The states of `--max-num-seqs` requests
 come out of the KV cache budget; prefix caching is off for these models, and speculative decoding, LoRA,
-`--batch-invariant`, the KV tiers and pipeline parallelism are refused at start-up; tensor parallelism cuts the
-recurrent layers by heads (LFM2's convolutions by channels; tests/distributed/test_hybrid_parallel.py; [hybrid
-decoders](architecture.md#the-engine)).
+`--batch-invariant` and the KV tiers are refused at start-up; tensor parallelism cuts the recurrent layers by heads
+(LFM2's convolutions by channels), and pipeline stages each keep their own layers' states
+(tests/distributed/test_hybrid_parallel.py; [hybrid decoders](architecture.md#the-engine)).
 Qwen3.5's releases are multimodal checkpoints (`Qwen3_5ForConditionalGeneration`,
 `Qwen3_5MoeForConditionalGeneration`): their language model (`model.language_model.*`) is served as the text model,
 the vision encoder's (`model.visual.*`) and the multi-token-prediction layer's (`mtp.*`) tensors left unread, images

@@ -86,14 +86,14 @@ class PipelineRunner(ModelRunner):
         buffers.begin_step()
         try:
             batch, steps, _ = self._prepare_inputs(scheduler_output)  # (no decode graphs in a pipeline)
-            model.lora_step = batch.lora
+            model.lora_step, model.recurrent_step = batch.lora, batch.recurrent
             hidden = forward(
                 buffers.input_ids.upload(batch.num_tokens), buffers.positions.upload(batch.num_tokens), steps
             )
             self._save_to_tier(scheduler_output)
             self.pipeline.send_forward(hidden)
         finally:
-            model.lora_step = None
+            model.lora_step = model.recurrent_step = None
             buffers.end_step()
         return batch
 
@@ -139,7 +139,7 @@ class PipelineRunner(ModelRunner):
         buffers.begin_step()
         try:
             batch, steps, _ = self._prepare_inputs(scheduler_output)
-            model.lora_step = batch.lora
+            model.lora_step, model.recurrent_step = batch.lora, batch.recurrent
             arrived = self.pipeline.receive(batch.num_tokens)
             hidden = forward(
                 buffers.input_ids.upload(batch.num_tokens),
@@ -153,5 +153,5 @@ class PipelineRunner(ModelRunner):
             elif returned_rows(batch):
                 self.pipeline.send_forward(hidden if returns_every_row(batch) else self._sample_hidden(hidden, batch))
         finally:
-            model.lora_step = None
+            model.lora_step = model.recurrent_step = None
             buffers.end_step()

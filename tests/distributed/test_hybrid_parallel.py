@@ -74,3 +74,24 @@ def test_mamba_sizes_that_do_not_divide_are_refused(tmp_path, overrides, message
     model_dir = make_hybrid_dir(tmp_path, **overrides)
     with pytest.raises(SettingsConflictError, match=message):
         LLM(str(model_dir), **TINY, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("family", ["granite-4.0-h", "nemotron_h", "lfm2", "qwen3_next"])
+def test_hybrid_on_two_pipeline_stages_is_one_process(tmp_path, family):
+    """Each stage keeps its own recurrent layers' states (Granite 4.0-H's second stage holds Mamba-2 layers alone:
+    no KV cache of its own) and steps in flight overlap: the tokens and logprobs of one process, with chunked
+    prefill and preemption."""
+    from tests.distributed.test_pipeline_parallel import GREEDY, run
+    from tests.distributed.test_pipeline_parallel import assert_same as assert_same_steps
+    from tests.engine.test_hybrid import FAMILIES
+
+    model_dir = make_tiny_model_dir(tmp_path / family, "llama", random_norms=True, **FAMILIES[family][0])
+    prompts = mixed_prompts(21)
+    expected = run(model_dir, prompts, GREEDY, num_blocks=20)
+    got = run(model_dir, prompts, GREEDY, num_blocks=20, pipeline_parallel_size=2)
+    assert got[3].num_preemptions > 0
+    assert got[4] == 2  # (both stages had a step)
+    assert_same_steps(got, expected)
+    if family == "granite-4.0-h":  # (the pool sized from the budgets: the second stage, holding no KV, sets none)
+        sized = run(model_dir, prompts, GREEDY, kv_cache_memory=2**22, pipeline_parallel_size=2)
+        assert_same_steps(sized, expected)
