@@ -128,10 +128,11 @@ def _prefill(qkv, g, beta, weights: DeltaNetWeights, shape: DeltaNetShape, conv,
 def _decode(qkv, g, beta, weights: DeltaNetWeights, shape: DeltaNetShape, conv, states, rows) -> torch.Tensor:
     """d requests' next tokens [d, v_heads, d_v]: one step of the conv window and the delta rule each."""
     q, k, v = _heads(F.silu(conv_decode(qkv, weights.conv_weight, None, conv, rows)), shape)
-    state = states[rows] * torch.exp(g)[:, :, None, None]  # [d, h, d_k, d_v]
+    # (in place on the one copy the gather makes: the state is the step's largest tensor)
+    state = states.index_select(0, rows).mul_(torch.exp(g)[:, :, None, None])  # [d, h, d_k, d_v]
     remembered = torch.einsum("dhkv,dhk->dhv", state, k)
-    state = state + k[..., None] * ((v - remembered) * beta[..., None])[:, :, None, :]
-    states[rows] = state
+    state.addcmul_(k[..., None], ((v - remembered) * beta[..., None])[:, :, None, :])
+    states.index_copy_(0, rows, state)
     return torch.einsum("dhkv,dhk->dhv", state, q)
 
 

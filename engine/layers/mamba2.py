@@ -116,8 +116,10 @@ def _decode(
     # only their chunked scans clamp, as `_prefill` does)
     dt = F.softplus(dt.float() + weights.dt_bias)  # [d, heads]
     decay = torch.exp(dt * weights.A)  # [d, heads]
-    state = ssm_states[rows] * decay[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
-    ssm_states[rows] = state
+    # (in place on the one copy the gather makes: the state is the step's largest tensor)
+    state = ssm_states.index_select(0, rows).mul_(decay[:, :, None, None])
+    state.addcmul_((dt[:, :, None] * x)[..., None], B[:, :, None, :])
+    ssm_states.index_copy_(0, rows, state)
     y = torch.einsum("dhpn,dhn->dhp", state, C) + weights.D[:, None] * x
     return y.reshape(d, -1)
 
