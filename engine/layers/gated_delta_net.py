@@ -21,12 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.causal_conv import conv_decode, conv_prefill
-from engine.layers.recurrent_state import RecurrentStep, StateShape
+from engine.layers.recurrent_state import RecurrentStep, StateShape, lone_sequence
 
 CHUNK = 64
 """Tokens per chunk of a prompt's delta rule (transformers' and FLA's)."""
-DECODE_ROWS = 32
-"""Decoding requests whose states one slice of a step's decodes reads and writes at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,22 +76,14 @@ def delta_net_mix(
     qkv, z, b, a = linear(x, weights.in_proj, None).split([conv_dim, value_dim, heads, heads], dim=-1)
     beta = torch.sigmoid(b.float())
     g = weights.A * F.softplus(a.float() + weights.dt_bias)  # [T, v_heads]: the log of each token's decay
-    out = torch.empty((x.shape[0], heads, shape.head_v_dim), dtype=torch.float32, device=x.device)
     if step is None:
-        conv = torch.zeros((1, conv_dim, shape.conv_kernel - 1), dtype=x.dtype, device=x.device)
-        states = torch.zeros((1, *shape.state.ssm), device=x.device)
-        out[:] = _prefill(qkv, g, beta, weights, shape, conv, states, 0)
-    else:
-        conv, states = step.states.conv[layer], step.states.ssm[layer]
-        decodes, starts = step.num_decodes, step.query_start_loc_cpu
-        for first in range(0, decodes, DECODE_ROWS):  # (as the Mamba-2 layer's: bounded temporaries)
-            end = min(first + DECODE_ROWS, decodes)
-            rows = step.rows[first:end]
-            out[first:end] = _decode(qkv[first:end], g[first:end], beta[first:end], weights, shape, conv, states, rows)
-        for i in range(decodes, step.num_reqs):
-            first, end = starts[i], starts[i + 1]
-            row = step.rows_cpu[i]
-            out[first:end] = _prefill(qkv[first:end], g[first:end], beta[first:end], weights, shape, conv, states, row)
+        step, layer = lone_sequence(shape.state, x.shape[0], x.dtype, x.device), 0
+    conv, states = step.states.conv[layer], step.states.ssm[layer]
+    out = torch.empty((x.shape[0], heads, shape.head_v_dim), dtype=torch.float32, device=x.device)
+    for first, end, rows in step.decode_slices():
+        out[first:end] = _decode(qkv[first:end], g[first:end], beta[first:end], weights, shape, conv, states, rows)
+    for first, end, row in step.prefills():
+        out[first:end] = _prefill(qkv[first:end], g[first:end], beta[first:end], weights, shape, conv, states, row)
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + shape.norm_eps)
     gated = (weights.norm * normed.to(x.dtype)).float() * F.silu(z.float().reshape(out.shape))
     return linear(gated.to(x.dtype).reshape(x.shape[0], value_dim), weights.out_proj, None)

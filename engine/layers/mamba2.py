@@ -22,11 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.causal_conv import conv_decode, conv_prefill
-from engine.layers.recurrent_state import MambaShape, RecurrentStep
-
-
-DECODE_ROWS = 32
-"""Decoding requests whose states one slice of a step's decodes reads and writes at once."""
+from engine.layers.recurrent_state import MambaShape, RecurrentStep, lone_sequence
 
 
 @dataclass(slots=True)
@@ -60,23 +56,14 @@ def mamba_mix(
     intermediate, conv_dim = shape.intermediate_size, shape.conv_dim
     proj = linear(x, weights.in_proj, weights.in_proj_bias)
     gate, xbc, dt = proj.split([intermediate, conv_dim, shape.num_heads], dim=-1)
-    y = torch.empty((x.shape[0], intermediate), dtype=torch.float32, device=x.device)
     if step is None:
-        conv = torch.zeros((1, conv_dim, shape.conv_kernel - 1), dtype=x.dtype, device=x.device)
-        ssm = torch.zeros((1, shape.num_heads, shape.head_dim, shape.state_size), device=x.device)
-        y[:] = _prefill(xbc, dt, weights, shape, conv, ssm, 0)
-    else:
-        conv, ssm = step.states.conv[layer], step.states.ssm[layer]
-        decodes, starts = step.num_decodes, step.query_start_loc_cpu
-        # (in slices of rows: a decode reads each request's whole state out and writes it back, so one slice of
-        # DECODE_ROWS bounds the step's temporaries, which the start-up memory profile does not see)
-        for first in range(0, decodes, DECODE_ROWS):
-            end = min(first + DECODE_ROWS, decodes)
-            rows = step.rows[first:end]
-            y[first:end] = _decode(xbc[first:end], dt[first:end], weights, shape, conv, ssm, rows)
-        for i in range(decodes, step.num_reqs):
-            first, end = starts[i], starts[i + 1]
-            y[first:end] = _prefill(xbc[first:end], dt[first:end], weights, shape, conv, ssm, step.rows_cpu[i])
+        step, layer = lone_sequence(shape.state, x.shape[0], x.dtype, x.device), 0
+    conv, ssm = step.states.conv[layer], step.states.ssm[layer]
+    y = torch.empty((x.shape[0], intermediate), dtype=torch.float32, device=x.device)
+    for first, end, rows in step.decode_slices():
+        y[first:end] = _decode(xbc[first:end], dt[first:end], weights, shape, conv, ssm, rows)
+    for first, end, row in step.prefills():
+        y[first:end] = _prefill(xbc[first:end], dt[first:end], weights, shape, conv, ssm, row)
     normed = _gated_norm(y, gate, weights.norm, shape, all_reduce)
     return linear(normed.to(x.dtype), weights.out_proj, weights.out_proj_bias)
 

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
+
+
+DECODE_ROWS = 32
+"""Decoding requests whose states one slice of a step's decodes reads and writes at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,27 @@ class RecurrentStep:
     @property
     def num_reqs(self) -> int:
         return len(self.rows_cpu)
+
+    def decode_slices(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first, end, their state rows) of the step's decodes, DECODE_ROWS at a time: a decode reads each request's
+        whole state out and writes it back, so a slice bounds the step's temporaries (which the start-up memory
+        profile does not see)."""
+        for first in range(0, self.num_decodes, DECODE_ROWS):
+            end = min(first + DECODE_ROWS, self.num_decodes)
+            yield first, end, self.rows[first:end]
+
+    def prefills(self) -> Iterator[tuple[int, int, int]]:
+        """(first, end, its state row) of each request computing a prompt chunk (its tokens first .. end - 1)."""
+        starts = self.query_start_loc_cpu
+        for i in range(self.num_decodes, self.num_reqs):
+            yield starts[i], starts[i + 1], self.rows_cpu[i]
+
+
+def lone_sequence(shape: StateShape, num_tokens: int, dtype: torch.dtype, device: torch.device) -> RecurrentStep:
+    """A step of one request's first `num_tokens` tokens over a state of its own, kept nowhere: what a recurrent layer
+    computes in a forward pass no runner set a step for (a profiling pass)."""
+    states = RecurrentStates(shape, 1, 1, dtype, device)
+    return states.step([0], [0, num_tokens], [num_tokens], 0)
 
 
 class RecurrentStates:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from engine.layers.causal_conv import conv_decode, conv_prefill
-from engine.layers.recurrent_state import RecurrentStep
+from engine.layers.recurrent_state import RecurrentStep, StateShape, lone_sequence
 
 
 @dataclass(slots=True)
@@ -37,19 +37,13 @@ def short_conv_mix(
     are one sequence from an empty window, kept nowhere (a profiling pass)."""
     B, C, values = linear(x, weights.in_proj, weights.in_proj_bias).chunk(3, dim=-1)
     gated = B * values
-    width, kernel = gated.shape[1], weights.conv_weight.shape[1]
     if step is None:
-        windows = torch.zeros((1, width, kernel - 1), dtype=x.dtype, device=x.device)
-        convolved = conv_prefill(gated, weights.conv_weight, weights.conv_bias, windows, 0)
-    else:
-        windows, starts, decodes = step.states.conv[layer], step.query_start_loc_cpu, step.num_decodes
-        convolved = torch.empty_like(gated)
-        if decodes:
-            convolved[:decodes] = conv_decode(
-                gated[:decodes], weights.conv_weight, weights.conv_bias, windows, step.rows[:decodes]
-            )
-        for i in range(decodes, step.num_reqs):
-            first, end = starts[i], starts[i + 1]
-            rows = gated[first:end]
-            convolved[first:end] = conv_prefill(rows, weights.conv_weight, weights.conv_bias, windows, step.rows_cpu[i])
+        shape = StateShape(gated.shape[1], weights.conv_weight.shape[1])
+        step, layer = lone_sequence(shape, x.shape[0], x.dtype, x.device), 0
+    windows, weight, bias = step.states.conv[layer], weights.conv_weight, weights.conv_bias
+    convolved = torch.empty_like(gated)
+    for first, end, rows in step.decode_slices():
+        convolved[first:end] = conv_decode(gated[first:end], weight, bias, windows, rows)
+    for first, end, row in step.prefills():
+        convolved[first:end] = conv_prefill(gated[first:end], weight, bias, windows, row)
     return linear((C * convolved).to(x.dtype), weights.out_proj, weights.out_proj_bias)

@@ -13,8 +13,8 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import SettingsConflictError
-from engine.layers.mamba2 import DECODE_ROWS, MambaWeights, mamba_mix
-from engine.layers.recurrent_state import MambaShape, RecurrentStates
+from engine.layers.mamba2 import MambaWeights, mamba_mix
+from engine.layers.recurrent_state import DECODE_ROWS, MambaShape, RecurrentStates
 from tests.engine.factories import make_tiny_model_dir
 from tests.engine.references import assert_idle, check_against_hf, make_llm
 from tests.engine.test_model_equivalence import mixed_prompts, run_greedy
