@@ -21,7 +21,7 @@ from engine.loading.loader import (
     prepare_checkpoint,
     prepare_tokenizer_source,
 )
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import RunnerLimits
 from engine.runner.step_timing import STEP_COST_MAX_ROWS, measure_step_cost
 from engine.spec_decode.draft_loading import DraftModel, load_draft_model, make_draft_proposer, read_draft_checkpoint
 from engine.spec_decode.eagle_loading import LoadedHead, load_eagle_head, make_eagle_proposer
@@ -272,7 +272,7 @@ def _build_rank0(
                 "max_num_seqs": limits.max_num_seqs,
             }
         ),
-        _scheduler_cache(config, num_blocks, runner),
+        _scheduler_cache(config, num_blocks, limits),
         proposer=proposer,
         adaptive_drafts=speculative is not None and speculative.adaptive,
         max_drafting_batch=None if speculative is None else speculative.disable_by_batch_size,
@@ -330,16 +330,21 @@ def _build_rank0(
     )
 
 
-def _scheduler_cache(config: EngineConfig, num_blocks: int, runner: ModelRunner) -> CacheConfig:
-    """The scheduler's cache section: prefix caching off for a model with recurrent states (a hybrid model's
-    recurrent layers), whose state summarises a request's whole prefix and cannot be restored from cached blocks."""
+def _scheduler_cache(config: EngineConfig, num_blocks: int, limits: RunnerLimits) -> CacheConfig:
+    """The scheduler's cache section: a model with recurrent states (a hybrid model's recurrent layers) caches
+    prefixes only with snapshots of them (a state summarises a request's whole prefix: cached blocks alone cannot
+    restore it)."""
     cache = config.cache.for_scheduler(num_blocks)
-    if runner.states is None or not cache.enable_prefix_caching:
+    snapshots = limits.num_state_snapshots
+    if snapshots is None or not cache.enable_prefix_caching:
         return cache
-    logger.info(
-        "prefix caching off: the recurrent layers keep each request's state, which cached blocks cannot restore"
-    )
-    return cache.model_copy(update={"enable_prefix_caching": False})
+    if not snapshots:
+        logger.info(
+            "prefix caching off: a hit needs a snapshot of the recurrent layers' states, and there are none "
+            "(--state-snapshots 0, or KV layer groups with a sliding window or chunks)"
+        )
+        return cache.model_copy(update={"enable_prefix_caching": False})
+    return cache.model_copy(update={"num_state_snapshots": snapshots})
 
 
 def _image_processor(config: EngineConfig, checkpoint: Checkpoint, shard: Shard) -> Optional[MultiModalProcessor]:

@@ -78,6 +78,14 @@ class EngineCacheConfig(CacheConfig):
         "a second bounded pool beside the cache); 0 = none",
     )
 
+    state_snapshots: Optional[int] = Field(
+        None,
+        ge=0,
+        description="a hybrid model's snapshots of recurrent states at block boundaries, which its prefix-cache "
+        "hits restore (scheduler/state_snapshots.py), from the KV cache budget; None = as many as --max-num-seqs; "
+        "0 = none (prefix caching off for such a model)",
+    )
+
     @property
     def tier_flags(self) -> list[str]:
         """The flags that asked for a KV tier (none: no tier)."""
@@ -94,8 +102,11 @@ class EngineCacheConfig(CacheConfig):
             raise SettingsConflictError("kv_cache_memory must be positive")
         return size
 
-    def for_scheduler(self, num_blocks: int) -> CacheConfig:
-        """The scheduler's section with the pool size the engine resolved."""
+    def for_scheduler(self, num_blocks: int, num_state_snapshots: int = 0) -> CacheConfig:
+        """The scheduler's section with the pool size and the snapshot slots the engine resolved."""
         return CacheConfig(
-            block_size=self.block_size, num_blocks=num_blocks, enable_prefix_caching=self.enable_prefix_caching
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_state_snapshots=num_state_snapshots,
         )

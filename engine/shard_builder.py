@@ -341,8 +341,8 @@ NO_BLOCK_LIMIT = 2**62
 
 def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft_bytes_per_block: int = 0) -> int:
     """The KV blocks of this rank's cache: the fewest any rank's budget holds (every rank's cache indexes the
-    same block ids)."""
-    num_blocks, rows = _num_kv_blocks(
+    same block ids). The requests and the recurrent states' snapshots every rank holds go into `shard.limits`."""
+    num_blocks, rows, snapshots = _num_kv_blocks(
         config,
         shard.spec,
         shard.device,
@@ -351,10 +351,15 @@ def shard_kv_blocks(config: EngineConfig, shard: Shard, tp: ParallelGroup, draft
         shard.limits,
         shard.buckets,
         draft_bytes_per_block,
+        shard.kv_groups,
     )
     rows = tp.min_over_ranks(rows)
-    if rows < shard.limits.max_num_seqs:  # (the engine's builder gives the scheduler the same)
-        shard.limits = dataclasses.replace(shard.limits, max_num_seqs=rows)
+    snapshots = tp.min_over_ranks(snapshots)  # (NO_BLOCK_LIMIT from every rank: no rank keeps recurrent states)
+    shard.limits = dataclasses.replace(
+        shard.limits,
+        max_num_seqs=min(rows, shard.limits.max_num_seqs),  # (the engine's builder gives the scheduler the same)
+        num_state_snapshots=None if snapshots == NO_BLOCK_LIMIT else snapshots,
+    )
     return tp.min_over_ranks(num_blocks)
 
 
@@ -454,17 +459,25 @@ def _num_kv_blocks(
     backend: AttentionBackend,
     limits: RunnerLimits,
     buckets: tuple[int, ...],
-    draft_bytes_per_block: int = 0,
-) -> tuple[int, int]:
-    """(KV blocks, requests at most) from the budget; with a draft model, each block of the target's comes with one
-    of the draft's (`draft_bytes_per_block`) from the same budget. A model with recurrent states keeps a state per
-    running request from the budget too: when --max-num-seqs was not given and the default's states would take more
-    than half of it, fewer requests run (a hybrid model's states can be tens of MiB each: 256 of them would leave
-    no room for the attention layers' blocks)."""
+    draft_bytes_per_block: int,
+    kv_groups: KVGroups,
+) -> tuple[int, int, int]:
+    """(KV blocks, requests at most, snapshots of recurrent states) from the budget; with a draft model, each block
+    of the target's comes with one of the draft's (`draft_bytes_per_block`) from the same budget.
+
+    A model with recurrent states keeps a state per running request from the budget too, and for prefix caching as
+    many snapshots of states (--state-snapshots; scheduler/state_snapshots.py). When --max-num-seqs was not given
+    and these would take more than half of the budget, fewer requests run (a hybrid model's states can be tens of
+    MiB each: 256 of them would leave no room for the attention layers' blocks). Snapshots NO_BLOCK_LIMIT: this
+    rank keeps no recurrent state (the other ranks' counts hold)."""
     cache = config.cache
     rows = limits.max_num_seqs
+    per_row = model.recurrent_state_bytes(1)  # a hybrid model's: a row per running request, and per snapshot
+    wanted = cache.state_snapshots
+    if not cache.enable_prefix_caching or any(kv_groups.windows) or any(kv_groups.chunks):
+        wanted = 0  # (no hit to restore: a sliding or chunked group's hits are not served with snapshots)
     if cache.num_blocks is not None:
-        return cache.num_blocks, rows
+        return cache.num_blocks, rows, (rows if wanted is None else wanted) if per_row else NO_BLOCK_LIMIT
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
@@ -488,42 +501,60 @@ def _num_kv_blocks(
         )
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
-    per_row = model.recurrent_state_bytes(1)  # a hybrid model's: a row per running request
+    snapshots = NO_BLOCK_LIMIT
     if per_row:
-        if "max_num_seqs" not in config.scheduler.model_fields_set and per_row * rows > budget // 2:
-            fitted = max(1, budget // 2 // per_row)
-            logger.info(
-                "max_num_seqs %d -> %d: the recurrent states of %d requests would take more than half the KV cache "
-                "budget (%.0f MiB); --max-num-seqs sets it",
-                rows,
-                fitted,
-                rows,
-                budget / 2**20,
-            )
-            rows = fitted
-        states = per_row * rows
-        logger.info(
-            "states of the recurrent layers: %.0f MiB (%d requests x %.1f MiB), from the KV cache budget",
-            states / 2**20,
-            rows,
-            per_row / 2**20,
-        )
-        if states >= budget:
-            raise SettingsConflictError(
-                f"the recurrent states of --max-num-seqs {rows} requests ({states / 2**20:.0f} MiB) "
-                f"take the whole KV cache budget ({budget / 2**20:.0f} MiB); lower --max-num-seqs or raise "
-                "kv_cache_memory / gpu_memory_utilization"
-            )
-        budget -= states
+        rows, snapshots = _fit_recurrent_states(config, per_row, rows, wanted, budget)
+        budget -= per_row * (rows + snapshots)
     if spec.bytes_per_block + draft_bytes_per_block == 0:  # a pipeline stage of a hybrid model's recurrent layers
-        return NO_BLOCK_LIMIT, rows  # (no KV of its own: the other stages' budgets size the pool)
+        return NO_BLOCK_LIMIT, rows, snapshots  # (no KV of its own: the other stages' budgets size the pool)
     num_blocks = budget // (spec.bytes_per_block + draft_bytes_per_block) - 1  # KVCache adds its padding block
     if num_blocks < 1:
         raise SettingsConflictError(
             f"the KV cache budget ({budget / 2**20:.0f} MiB) holds no block of {spec.bytes_per_block} bytes; "
             "raise kv_cache_memory / gpu_memory_utilization or set num_blocks"
         )
-    return num_blocks, rows
+    return num_blocks, rows, snapshots
+
+
+def _fit_recurrent_states(
+    config: EngineConfig, per_row: int, rows: int, wanted: Optional[int], budget: int
+) -> tuple[int, int]:
+    """(requests, snapshots) whose recurrent states (`per_row` bytes each) the budget holds: `wanted` snapshots (None:
+    as many as requests); fewer requests than the default when --max-num-seqs was not given and all of them would
+    take more than half the budget."""
+    if (
+        "max_num_seqs" not in config.scheduler.model_fields_set
+        and per_row * (rows + (rows if wanted is None else wanted)) > budget // 2
+    ):
+        share = budget // 2 // per_row
+        fitted = max(1, share // 2 if wanted is None else share - wanted)
+        logger.info(
+            "max_num_seqs %d -> %d: the recurrent states of %d requests%s would take more than half the KV cache "
+            "budget (%.0f MiB); --max-num-seqs sets it",
+            rows,
+            fitted,
+            rows,
+            " and as many snapshots" if wanted is None else f" and {wanted} snapshots",
+            budget / 2**20,
+        )
+        rows = fitted
+    snapshots = rows if wanted is None else wanted
+    states = per_row * (rows + snapshots)
+    logger.info(
+        "states of the recurrent layers: %.0f MiB (%d requests and %d snapshots for prefix caching x %.1f MiB), from "
+        "the KV cache budget",
+        states / 2**20,
+        rows,
+        snapshots,
+        per_row / 2**20,
+    )
+    if states >= budget:
+        raise SettingsConflictError(
+            f"the recurrent states of --max-num-seqs {rows} requests and {snapshots} snapshots "
+            f"({states / 2**20:.0f} MiB) take the whole KV cache budget ({budget / 2**20:.0f} MiB); lower "
+            "--max-num-seqs or --state-snapshots, or raise kv_cache_memory / gpu_memory_utilization"
+        )
+    return rows, snapshots
 
 
 def capture_graphs(runner: ModelRunner, buckets: tuple[int, ...]) -> None:

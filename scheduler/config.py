@@ -19,6 +19,12 @@ class CacheConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: Optional[int] = Field(None, ge=1, description="KV blocks in the pool")
     enable_prefix_caching: bool = True
+    num_state_snapshots: int = Field(
+        0,
+        ge=0,
+        description="slots for snapshots of a hybrid model's recurrent states, which its prefix-cache hits need "
+        "(scheduler/state_snapshots.py); 0: none",
+    )
 
 
 class SchedulerConfig(BaseModel):

@@ -10,6 +10,7 @@ from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.kv_tiers import KVTiers, TierOps
 from scheduler.request import Request
+from scheduler.state_snapshots import StateSnapshots
 
 BlockIds = tuple[tuple[int, ...], ...]
 """Block ids per KV-cache group (one tuple per group, in the groups' order)."""
@@ -82,6 +83,7 @@ class KVCacheManager:
         group_windows: Sequence[Optional[int]] = (None,),
         kv_tiers: Optional[KVTiers] = None,
         group_chunks: Sequence[Optional[int]] = (),
+        num_state_snapshots: int = 0,
     ):
         if not group_windows:
             raise ValueError("a KV cache has at least one layer group")
@@ -122,6 +124,11 @@ class KVCacheManager:
         if kv_tiers is not None and (len(self.group_windows) > 1 or self._partial or not enable_caching):
             raise ValueError("a KV tier needs prefix caching and one full-attention layer group")
         self.kv_tiers = kv_tiers
+        self.snapshots: Optional[StateSnapshots] = None
+        if num_state_snapshots:
+            if self._partial or kv_tiers is not None or not enable_caching:
+                raise ValueError("state snapshots need prefix caching, full-attention layer groups and no KV tier")
+            self.snapshots = StateSnapshots(num_state_snapshots, block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -186,7 +193,10 @@ class KVCacheManager:
                 if block is None:
                     break
                 hits.append(block)
-            del hits[self._hit_blocks(spans, len(hits)) :]
+            num_hits = self._hit_blocks(spans, len(hits))
+            if self.snapshots is not None:  # (a hybrid model's: only as far as its recurrent states were kept)
+                num_hits = self._hit_blocks(spans, self.snapshots.longest_hit(hashes, num_hits))
+            del hits[num_hits:]
             return [hits], len(hits) * self.block_size
         lookups: list[dict[int, Optional[KVBlock]]] = [{} for _ in self.group_windows]
 
@@ -214,6 +224,8 @@ class KVCacheManager:
             n = self._hit_blocks(spans, n)
             if n == start:
                 break
+        if self.snapshots is not None:  # (no partial group: any shorter run is a hit in every group)
+            n = self._hit_blocks(spans, self.snapshots.longest_hit(hashes, n))
         groups: list[list[KVBlock]] = []
         for g in range(self.num_groups):
             first = self._first_needed(g, n * self.block_size) // self.block_size
@@ -309,6 +321,8 @@ class KVCacheManager:
             groups = self._req_blocks[request_id] = current
             self._first_live[request_id] = [0] * self.num_groups
             self._num_cached_blocks[request_id] = 0
+            if self.snapshots is not None and not request.skip_prefix_cache:
+                self.snapshots.admit(request, num_hit_blocks, self._kv_run(request))
         if hits is not None:
             null = self.null_block
             first_live = self._first_live[request_id]
@@ -344,6 +358,8 @@ class KVCacheManager:
         self._first_live.pop(request_id, None)
         num_cached = self._num_cached_blocks.pop(request_id, 0)
         self.num_slots.pop(request_id, None)
+        if self.snapshots is not None:
+            self.snapshots.release(request_id)
         if not groups:
             return
         if self.kv_tiers is not None and num_cached and not request.skip_prefix_cache:
@@ -370,6 +386,8 @@ class KVCacheManager:
         """Step `step_id` has run: index the blocks it filled, and only those (see the class docstring)."""
         if self.kv_tiers is not None:
             self.kv_tiers.commit(step_id)
+        if self.snapshots is not None:
+            self.snapshots.commit(step_id)
         self._advanced.pop(step_id, None)
         entries = self._pending.get(step_id)
         if not entries:
@@ -390,6 +408,8 @@ class KVCacheManager:
         step superseded by a newer one)."""
         if self.kv_tiers is not None:
             self.kv_tiers.discard()
+        if self.snapshots is not None:
+            self.snapshots.discard()
         num_cached = self._num_cached_blocks
         for advanced in self._advanced.values():  # their blocks are marked again when a step fills them
             for request_id, before in advanced.items():
@@ -404,7 +424,24 @@ class KVCacheManager:
         self._pending = {self._filling_step: self._filling}
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.snapshots is not None:
+            self.snapshots.reset()
+        return True
+
+    def _kv_run(self, request: Request) -> int:
+        """How many of the request's leading blocks (capped as a hit is) every group's index holds, snapshots or
+        not."""
+        self._extend_hashes(request)
+        max_blocks = self._hit_blocks(request.bidirectional_spans, (request.num_tokens - 1) // self.block_size)
+        get_cached = self.block_pool.get_cached_block
+        n = 0
+        for block_hash in request.block_hashes[:max_blocks]:
+            if any(get_cached(self._group_hash(block_hash, g)) is None for g in range(self.num_groups)):
+                break
+            n += 1
+        return n
 
     def _release(self, blocks: list[KVBlock]) -> None:
         if self._pending_step:  # freed before the step that was to fill them completed: never indexed

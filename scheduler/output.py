@@ -128,6 +128,11 @@ class SchedulerOutput:
     `kv_memory_restores` (slot, block id) are copied in before the forward, `kv_memory_saves` (block id, slot)
     out after it. Each rank reads and writes its own file or row of a block (its shard, its stage's layers):
     the message is all any worker needs.
+
+    A hybrid model's recurrent states (scheduler/state_snapshots.py): `state_restores` (request id, slot) copy a
+    snapshot into the request's state row before the forward (its prefix-cache hit); `state_saves` (request id,
+    position, slot) copy the request's states after its first `position` tokens into a slot, as the step's
+    recurrent layers reach that position.
     """
 
     num_scheduled_tokens: dict[str, int]
@@ -142,6 +147,8 @@ class SchedulerOutput:
     kv_tier_restores: tuple[tuple[bytes, int], ...] = ()
     kv_memory_saves: tuple[tuple[int, int], ...] = ()
     kv_memory_restores: tuple[tuple[int, int], ...] = ()
+    state_restores: tuple[tuple[str, int], ...] = ()
+    state_saves: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:

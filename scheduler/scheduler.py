@@ -24,6 +24,7 @@ from scheduler.errors import (
 )
 from scheduler.kv_cache_manager import BlockIds, KVCacheManager
 from scheduler.kv_tiers import KVTiers
+from scheduler.state_snapshots import SnapshotOps
 from scheduler.output import NewRequestData, RequestStepOutput, SchedulerOutput, SchedulerStats, token_array
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import make_request_queue
@@ -160,6 +161,7 @@ class Scheduler:
             kv_group_windows,
             kv_tiers,
             kv_group_chunks,
+            cache_config.num_state_snapshots,
         )
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -322,6 +324,7 @@ class Scheduler:
         finished = frozenset(self._finished_since_last_step)
         self._finished_since_last_step.clear()
         tier_ops = self.kv_cache_manager.take_tier_ops()
+        snapshot_ops = self._snapshot_ops(plan)
         output = SchedulerOutput(
             num_scheduled_tokens=plan.num_scheduled,
             num_computed_tokens=plan.num_computed,
@@ -335,6 +338,8 @@ class Scheduler:
             kv_tier_restores=tier_ops.disk_restores,
             kv_memory_saves=tier_ops.memory_saves,
             kv_memory_restores=tier_ops.memory_restores,
+            state_restores=snapshot_ops.restores,
+            state_saves=snapshot_ops.saves,
         )
         if plan.num_scheduled:
             self._outstanding.append(output)
@@ -423,6 +428,15 @@ class Scheduler:
         return outputs
 
     # ------------------------------------------------------------------ internals
+
+    def _snapshot_ops(self, plan: _StepPlan) -> SnapshotOps:
+        """The step's copies between the recurrent states and their snapshots (none without snapshots)."""
+        snapshots = self.kv_cache_manager.snapshots
+        if snapshots is None:
+            return SnapshotOps()
+        requests, computed = self.requests, plan.num_computed
+        scheduled = [(requests[i], computed[i], n) for i, n in plan.num_scheduled.items()]
+        return snapshots.take_ops(self.num_steps, scheduled)
 
     def _observe_features(self, draft_features: Mapping[str, object]) -> None:
         """The step's features of the requests still running, with their tokens before the step's, to the feature

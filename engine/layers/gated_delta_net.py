@@ -82,7 +82,7 @@ def delta_net_mix(
     out = torch.empty((x.shape[0], heads, shape.head_v_dim), dtype=torch.float32, device=x.device)
     for first, end, rows in step.decode_slices():
         out[first:end] = _decode(qkv[first:end], g[first:end], beta[first:end], weights, shape, conv, states, rows)
-    for first, end, row in step.prefills():
+    for first, end, row in step.prefills(layer):
         out[first:end] = _prefill(qkv[first:end], g[first:end], beta[first:end], weights, shape, conv, states, row)
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + shape.norm_eps)
     gated = (weights.norm * normed.to(x.dtype)).float() * F.silu(z.float().reshape(out.shape))

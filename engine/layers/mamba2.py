@@ -62,7 +62,7 @@ def mamba_mix(
     y = torch.empty((x.shape[0], intermediate), dtype=torch.float32, device=x.device)
     for first, end, rows in step.decode_slices():
         y[first:end] = _decode(xbc[first:end], dt[first:end], weights, shape, conv, ssm, rows)
-    for first, end, row in step.prefills():
+    for first, end, row in step.prefills(layer):
         y[first:end] = _prefill(xbc[first:end], dt[first:end], weights, shape, conv, ssm, row)
     normed = _gated_norm(y, gate, weights.norm, shape, all_reduce)
     return linear(normed.to(x.dtype), weights.out_proj, weights.out_proj_bias)

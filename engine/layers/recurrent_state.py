@@ -10,16 +10,18 @@ worker process that follows the step messages holds the same rows. A row is zero
 request's first token (a new request, a resumed one that recomputes, or a row handed to another request), and
 every later step of the request reads it and writes it back.
 
-A state summarises the whole prefix, so a cached prefix (another request's blocks) cannot restore it, and a
-rejected draft token cannot be taken back out of it: hybrid models run without prefix caching and speculative
-decoding (engine/shard_builder.py says so at start-up).
+A state summarises the whole prefix, so cached K/V blocks alone cannot restore it: the rows after the requests'
+hold snapshots of states at block boundaries (scheduler/state_snapshots.py says which), which a prefix-cache hit
+copies into the request's row. A snapshot inside a step's prompt chunk is taken by each layer as its scan reaches
+it (`RecurrentStep.prefills` ends a piece there). A rejected draft token cannot be taken back out of a state:
+hybrid models run without speculative decoding (engine/shard_builder.py says so at start-up).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -84,6 +86,9 @@ class RecurrentStep:
     rows_cpu: tuple[int, ...]
     query_start_loc_cpu: tuple[int, ...]  # [num_reqs + 1]
     num_decodes: int
+    # request i -> (offset, row) of the snapshots taken inside its chunk: its state after its first `offset` tokens
+    # of the step is copied to `row`
+    splits: Mapping[int, Sequence[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -97,11 +102,18 @@ class RecurrentStep:
             end = min(first + DECODE_ROWS, self.num_decodes)
             yield first, end, self.rows[first:end]
 
-    def prefills(self) -> Iterator[tuple[int, int, int]]:
-        """(first, end, its state row) of each request computing a prompt chunk (its tokens first .. end - 1)."""
-        starts = self.query_start_loc_cpu
+    def prefills(self, layer: int) -> Iterator[tuple[int, int, int]]:
+        """(first, end, its state row) of each request computing a prompt chunk (its tokens first .. end - 1), in
+        pieces where the chunk holds snapshots: recurrent layer `layer`'s state is copied out after each piece that
+        ends at one (before the next piece is asked for)."""
+        starts, splits = self.query_start_loc_cpu, self.splits
         for i in range(self.num_decodes, self.num_reqs):
-            yield starts[i], starts[i + 1], self.rows_cpu[i]
+            first, row = starts[i], self.rows_cpu[i]
+            for offset, target in splits.get(i, ()):
+                yield first, starts[i] + offset, row
+                self.states.copy_layer(layer, row, target)
+                first = starts[i] + offset
+            yield first, starts[i + 1], row
 
 
 def lone_sequence(shape: StateShape, num_tokens: int, dtype: torch.dtype, device: torch.device) -> RecurrentStep:
@@ -114,23 +126,60 @@ def lone_sequence(shape: StateShape, num_tokens: int, dtype: torch.dtype, device
 class RecurrentStates:
     """Per recurrent layer, the conv windows `[rows, conv_dim, kernel - 1]` (the model's dtype: they are inputs the
     layer computed) and the SSM states `[rows, *ssm]` (Mamba-2's [heads, head_dim, d_state], float32: the scan adds
-    into them every token, as HF's reference scan computes in float32; `[rows, 0]` for a layer without one)."""
+    into them every token, as HF's reference scan computes in float32; `[rows, 0]` for a layer without one). The
+    requests' `rows` come first, then `snapshots` rows (snapshot slot k: row `rows + k`)."""
 
-    def __init__(self, shape: StateShape, num_layers: int, rows: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        shape: StateShape,
+        num_layers: int,
+        rows: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        snapshots: int = 0,
+    ):
         self.shape = shape
         self.rows = rows
-        self.conv = torch.zeros((num_layers, rows, shape.conv_dim, shape.conv_kernel - 1), dtype=dtype, device=device)
-        self.ssm = torch.zeros((num_layers, rows, *(shape.ssm or (0,))), dtype=torch.float32, device=device)
+        self.snapshots = snapshots
+        total = rows + snapshots
+        self.conv = torch.zeros((num_layers, total, shape.conv_dim, shape.conv_kernel - 1), dtype=dtype, device=device)
+        self.ssm = torch.zeros((num_layers, total, *(shape.ssm or (0,))), dtype=torch.float32, device=device)
+
+    def snapshot_row(self, slot: int) -> int:
+        if not 0 <= slot < self.snapshots:
+            raise IndexError(f"snapshot slot {slot} of {self.snapshots}")
+        return self.rows + slot
+
+    def copy_rows(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Every layer's state of row `sources[i]` into row `targets[i]` (a snapshot taken, or restored)."""
+        if not sources:
+            return
+        device = self.conv.device
+        source = torch.tensor(sources, dtype=torch.int64, device=device)
+        target = torch.tensor(targets, dtype=torch.int64, device=device)
+        self.conv.index_copy_(1, target, self.conv.index_select(1, source))
+        self.ssm.index_copy_(1, target, self.ssm.index_select(1, source))
+
+    def copy_layer(self, layer: int, source: int, target: int) -> None:
+        """Layer `layer`'s state of row `source` into row `target`."""
+        self.conv[layer, target] = self.conv[layer, source]
+        self.ssm[layer, target] = self.ssm[layer, source]
 
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
     def step(
-        self, rows: Sequence[int], query_start_loc: Sequence[int], seq_lens: Sequence[int], num_decodes: int
+        self,
+        rows: Sequence[int],
+        query_start_loc: Sequence[int],
+        seq_lens: Sequence[int],
+        num_decodes: int,
+        splits: Optional[Mapping[int, Sequence[tuple[int, int]]]] = None,
     ) -> RecurrentStep:
-        """The step of requests on `rows` (batch order, decodes first) computing tokens up to `seq_lens`; the
-        rows of requests whose first token the step computes are zeroed here, before any layer reads them."""
+        """The step of requests on `rows` (batch order, decodes first) computing tokens up to `seq_lens`, with
+        snapshots inside their chunks (`splits`: RecurrentStep's); the rows of requests whose first token the step
+        computes are zeroed here, before any layer reads them."""
         rows_cpu, starts = tuple(rows), tuple(query_start_loc)
         fresh = [
             row
@@ -142,7 +191,7 @@ class RecurrentStates:
             self.conv[:, index] = 0
             self.ssm[:, index] = 0
         index = torch.tensor(rows_cpu, dtype=torch.int64, device=self.conv.device)
-        return RecurrentStep(self, index, rows_cpu, starts, num_decodes)
+        return RecurrentStep(self, index, rows_cpu, starts, num_decodes, dict(splits or {}))
 
     def release(self) -> None:
         """Drop the tensors (the engine is shutting down)."""

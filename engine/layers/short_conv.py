@@ -44,6 +44,6 @@ def short_conv_mix(
     convolved = torch.empty_like(gated)
     for first, end, rows in step.decode_slices():
         convolved[first:end] = conv_decode(gated[first:end], weight, bias, windows, rows)
-    for first, end, row in step.prefills():
+    for first, end, row in step.prefills(layer):
         convolved[first:end] = conv_prefill(gated[first:end], weight, bias, windows, row)
     return linear((C * convolved).to(x.dtype), weights.out_proj, weights.out_proj_bias)

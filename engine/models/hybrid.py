@@ -59,12 +59,14 @@ class HybridLayers:
         """What each recurrent layer keeps per request."""
         return self.hybrid.mamba.state
 
-    def recurrent_states(self, rows: int) -> Optional[RecurrentStates]:
-        """Zeroed states of `rows` requests for every recurrent layer (None: the model has none)."""
+    def recurrent_states(self, rows: int, snapshots: int = 0) -> Optional[RecurrentStates]:
+        """Zeroed states of `rows` requests and `snapshots` snapshots for every recurrent layer (None: the model has
+        none)."""
         if not self.recurrent_layers:
             return None
         model: Any = self
-        return RecurrentStates(self.state_shape, len(self.recurrent_layers), rows, model.dtype, model.device)
+        shape, num_layers = self.state_shape, len(self.recurrent_layers)
+        return RecurrentStates(shape, num_layers, rows, model.dtype, model.device, snapshots)
 
     def recurrent_state_bytes(self, rows: int) -> int:
         model: Any = self

@@ -208,9 +208,10 @@ class LlamaForCausalLM:
         decode step does)."""
         return True
 
-    def recurrent_states(self, rows: int) -> Optional["RecurrentStates"]:
-        """Zeroed recurrent states for `rows` requests, which the runner holds beside the KV cache (a hybrid
-        model's Mamba-2 layers: models/hybrid.py); None: every layer attends over the KV cache."""
+    def recurrent_states(self, rows: int, snapshots: int = 0) -> Optional["RecurrentStates"]:
+        """Zeroed recurrent states for `rows` requests and `snapshots` snapshots of them, which the runner holds
+        beside the KV cache (a hybrid model's recurrent layers: models/hybrid.py); None: every layer attends over
+        the KV cache."""
         return None
 
     def recurrent_state_bytes(self, rows: int) -> int:

@@ -98,6 +98,8 @@ class RunnerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     num_speculative_tokens: int = 0  # draft tokens a request may verify per step
+    # a hybrid model's snapshots of recurrent states (scheduler/state_snapshots.py); None: no recurrent state at all
+    num_state_snapshots: Optional[int] = None
 
     @property
     def max_query_rows(self) -> int:
@@ -182,7 +184,9 @@ class ModelRunner:
         )
         self._forward: Optional[ForwardFn] = model_forward(model, backend, kv_cache)
         # a hybrid model's recurrent states, a row per request: its block table row (layers/recurrent_state.py)
-        self.states: Optional[RecurrentStates] = model.recurrent_states(limits.max_num_seqs)
+        self.states: Optional[RecurrentStates] = model.recurrent_states(
+            limits.max_num_seqs, limits.num_state_snapshots or 0
+        )
         self.graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs
         self.profile = profile
         self.grammar = grammar
@@ -257,11 +261,20 @@ class ModelRunner:
             output = self._run_step(batch, steps, bucket)
         finally:
             model.lora_step = model.recurrent_step = None
-        self._save_to_tier(scheduler_output)
+        self._save_after_forward(scheduler_output)
         return output
 
-    def _save_to_tier(self, scheduler_output: SchedulerOutput) -> None:
-        """Copy the blocks the step's forward filled out to the KV tiers (before a later step may reuse them)."""
+    def _save_after_forward(self, scheduler_output: SchedulerOutput) -> None:
+        """Copy the blocks the step's forward filled out to the KV tiers (before a later step may reuse them), and
+        the recurrent states that reached a snapshot at the step's end to their slots."""
+        if scheduler_output.state_saves and self.states is not None:
+            scheduled, computed = scheduler_output.num_scheduled_tokens, scheduler_output.num_computed_tokens
+            ends = [
+                (self.requests[request_id].row, self.states.snapshot_row(slot))
+                for request_id, position, slot in scheduler_output.state_saves
+                if position == computed[request_id] + scheduled[request_id]
+            ]
+            self.states.copy_rows([row for row, _ in ends], [target for _, target in ends])
         if self.memory_tier is not None and scheduler_output.kv_memory_saves:
             self.memory_tier.save(self.kv_cache, scheduler_output.kv_memory_saves)
         if self.kv_tier is not None and scheduler_output.kv_tier_saves:
@@ -384,6 +397,12 @@ class ModelRunner:
             table.set(state.row, new.block_ids)
         for request_id, block_ids in scheduler_output.new_block_ids.items():
             table.append(self.requests[request_id].row, block_ids)
+        if scheduler_output.state_restores and self.states is not None:  # (a hit's recurrent states)
+            states, requests = self.states, self.requests
+            restores = scheduler_output.state_restores
+            states.copy_rows(
+                [states.snapshot_row(slot) for _, slot in restores], [requests[i].row for i, _ in restores]
+            )
         if self.memory_tier is not None and scheduler_output.kv_memory_restores:  # in before the forward attends
             self.memory_tier.restore(self.kv_cache, scheduler_output.kv_memory_restores)
         if self.kv_tier is not None and scheduler_output.kv_tier_restores:
@@ -424,6 +443,22 @@ class ModelRunner:
             self._acquire_lora(new),
             multi_modal=multi_modal,
         )
+
+    def _state_splits(
+        self, scheduler_output: SchedulerOutput, chunks: list[tuple[CachedRequestState, int, int]], first: int
+    ) -> dict[int, list[tuple[int, int]]]:
+        """The snapshots the step takes inside its prompt chunks (batch index from `first` -> (offset in its chunk,
+        snapshot row)); those at a chunk's end are copied after the forward."""
+        assert self.states is not None
+        inside: dict[str, list[tuple[int, int]]] = {}
+        for request_id, position, slot in scheduler_output.state_saves:
+            inside.setdefault(request_id, []).append((position, slot))
+        splits: dict[int, list[tuple[int, int]]] = {}
+        for i, (state, start, num_tokens) in enumerate(chunks, first):
+            for position, slot in sorted(inside.get(state.request_id, ())):
+                if start < position < start + num_tokens:
+                    splits.setdefault(i, []).append((position - start, self.states.snapshot_row(slot)))
+        return splits
 
     def _acquire_lora(self, new: NewRequestData) -> tuple[tuple[int, float], ...]:
         """The slots of the request's adapters (loaded into free slots where they are not held); () for none."""
@@ -516,8 +551,9 @@ class ModelRunner:
         segments = None if self.lora_slots is None else self._lora_segments(decodes, chunks)
         max_seq_len = int(seq_lens[:num_reqs].max())
         if self.states is not None:  # (zeroes the rows of requests whose first token this step computes)
+            splits = self._state_splits(scheduler_output, chunks, num_decodes) if scheduler_output.state_saves else {}
             batch.recurrent = self.states.step(
-                rows.tolist(), starts[: num_reqs + 1].tolist(), seq_lens[:num_reqs].tolist(), num_decodes
+                rows.tolist(), starts[: num_reqs + 1].tolist(), seq_lens[:num_reqs].tolist(), num_decodes, splits
             )
         width = -(-max_seq_len // self.block_table.block_size)
         buffers.check_fits(token, num_reqs, width)

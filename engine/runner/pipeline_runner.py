@@ -90,7 +90,7 @@ class PipelineRunner(ModelRunner):
             hidden = forward(
                 buffers.input_ids.upload(batch.num_tokens), buffers.positions.upload(batch.num_tokens), steps
             )
-            self._save_to_tier(scheduler_output)
+            self._save_after_forward(scheduler_output)
             self.pipeline.send_forward(hidden)
         finally:
             model.lora_step = model.recurrent_step = None
@@ -147,7 +147,7 @@ class PipelineRunner(ModelRunner):
                 steps,
                 arrived,
             )
-            self._save_to_tier(scheduler_output)
+            self._save_after_forward(scheduler_output)
             if not self.stage.is_last:
                 self.pipeline.send_forward(hidden)
             elif returned_rows(batch):

@@ -278,6 +278,16 @@ OPTIONS: tuple[Option, ...] = (
         "bool",
         "reuse the KV blocks of shared prompt prefixes",
     ),
+    Option(
+        "--state-snapshots",
+        (*CACHE, "state_snapshots"),
+        "int",
+        "a hybrid model's snapshots of its recurrent layers' states at block boundaries, which its prefix-cache "
+        "hits restore, from the KV cache budget; 0 = none (prefix caching off for such a model)",
+        "N",
+        "as many as --max-num-seqs",
+        nullable=True,
+    ),
     Option("--scheduling-policy", (*SCHEDULER, "policy"), "str", "order of admission to the running batch"),
     Option(
         "--long-prefill-token-threshold",

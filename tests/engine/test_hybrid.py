@@ -202,7 +202,7 @@ def test_family_is_hfs(family_dirs, family, settings):
     prompts = [*mixed_prompts(), LONG_PROMPT]
     with make_llm(model_dir, **settings) as llm:
         engine = llm.engine
-        assert not engine.scheduler.kv_cache_manager.enable_caching  # (tiny.yaml asks for it: turned off)
+        assert engine.scheduler.kv_cache_manager.snapshots is not None  # (tiny.yaml asks for prefix caching)
         assert engine.runner.states is not None
         assert len(engine.runner.kv_cache.layers) == FAMILIES[family][1]
         check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
@@ -268,9 +268,11 @@ def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
         make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
 
 
-def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybrid_moe):
-    """Without --max-num-seqs, the default 256 requests' states would take more than half the budget: fewer run (the
-    runner's rows, the scheduler's batch), the rest of the budget holding KV blocks; the tokens are HF's."""
+@pytest.mark.parametrize("snapshots", [None, 5, 0])
+def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybrid_moe, snapshots):
+    """Without --max-num-seqs, the default 256 requests' states and as many snapshots (or --state-snapshots) would
+    take more than half the budget: fewer requests run (the runner's rows, the scheduler's batch), the rest of the
+    budget holding KV blocks; the tokens are HF's. No snapshots: no prefix caching."""
     import yaml
 
     from engine import LLM
@@ -281,16 +283,21 @@ def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybri
     scheduler["max_num_batched_tokens"] = 256  # (the default batch's decodes: a token each)
     budget = 4 * 2**20
     kwargs = dict(scheduler, block_size=4, kv_cache_memory=budget, dtype="float32", device="cpu", cpu_threads=1)
-    with LLM(str(hybrid_moe), **kwargs) as llm:
+    with LLM(str(hybrid_moe), state_snapshots=snapshots, **kwargs) as llm:
         engine = llm.engine
         per_row = engine.runner.model.recurrent_state_bytes(1)
         assert 256 * per_row > budget // 2
-        rows = budget // 2 // per_row
+        share = budget // 2 // per_row
+        rows = share // 2 if snapshots is None else share - snapshots
+        slots = rows if snapshots is None else snapshots
         assert engine.runner.limits.max_num_seqs == engine.scheduler.scheduler_config.max_num_seqs == rows
-        assert engine.runner.states is not None and engine.runner.states.rows == rows
+        states = engine.runner.states
+        assert states is not None and (states.rows, states.snapshots) == (rows, slots)
+        kv = engine.scheduler.kv_cache_manager
+        assert kv.enable_caching == bool(slots) and (kv.snapshots.num_slots if kv.snapshots else 0) == slots
         assert (
             engine.runner.kv_cache.num_blocks
-            == (budget - rows * per_row) // engine.runner.kv_cache.spec.bytes_per_block - 1
+            == (budget - (rows + slots) * per_row) // engine.runner.kv_cache.spec.bytes_per_block - 1
         )
         prompts = mixed_prompts()
         check_against_hf(hybrid_moe, prompts, run_greedy(llm, prompts))
