@@ -246,6 +246,8 @@ class KVCacheManager:
         """
         if not self._pending_hashes or request.skip_prefix_cache:
             return False
+        if self.snapshots is not None:  # (blocks may be hit beyond the snapshot: the next after them is the one)
+            num_hit_blocks = max(num_hit_blocks, self._kv_run(request))
         if num_hit_blocks >= (request.num_tokens - 1) // self.block_size:
             return False  # the hit is capped there anyway
         return request.block_hashes[num_hit_blocks].value in self._pending_hashes

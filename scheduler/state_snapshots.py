@@ -68,6 +68,8 @@ class StateSnapshots:
         self._points: dict[str, list[int]] = {}  # request -> positions to keep besides its ends
         self._end: dict[str, tuple[int, bytes]] = {}  # request -> (slot, key) of its latest end kept
         self._restores: list[tuple[str, int]] = []  # the step being scheduled's
+        self.num_restored = 0  # admissions that restored a snapshot, ever
+        self.num_saved = 0  # saves planned, ever
 
     @property
     def num_indexed(self) -> int:
@@ -90,6 +92,7 @@ class StateSnapshots:
             slot = self._index[request.block_hashes[num_hit_blocks - 1].value]
             self._lru.move_to_end(slot)
             self._restores.append((request.request_id, slot))
+            self.num_restored += 1
         last = (request.num_tokens - 1) // block_size * block_size
         points = sorted({p for p in (num_kv_blocks * block_size, last) if p > hit})
         if points:
@@ -130,6 +133,7 @@ class StateSnapshots:
                 self._pending.setdefault(step_id, {})[slot] = _Save(request.request_id, key, is_end and position == end)
                 self._pending_keys.add(key)
                 saves.append((request.request_id, position, slot))
+        self.num_saved += len(saves)
         restores, self._restores = tuple(self._restores), []
         return SnapshotOps(restores, tuple(saves))
 

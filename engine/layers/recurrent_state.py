@@ -151,14 +151,13 @@ class RecurrentStates:
         return self.rows + slot
 
     def copy_rows(self, sources: Sequence[int], targets: Sequence[int]) -> None:
-        """Every layer's state of row `sources[i]` into row `targets[i]` (a snapshot taken, or restored)."""
-        if not sources:
-            return
-        device = self.conv.device
-        source = torch.tensor(sources, dtype=torch.int64, device=device)
-        target = torch.tensor(targets, dtype=torch.int64, device=device)
-        self.conv.index_copy_(1, target, self.conv.index_select(1, source))
-        self.ssm.index_copy_(1, target, self.ssm.index_select(1, source))
+        """Every layer's state of row `sources[i]` into row `targets[i]` (a snapshot taken, or restored): row by
+        row, with no temporary (a gather of several rows would hold them all at once, unseen by the memory
+        profile)."""
+        conv, ssm = self.conv, self.ssm
+        for source, target in zip(sources, targets, strict=True):
+            conv[:, target].copy_(conv[:, source])
+            ssm[:, target].copy_(ssm[:, source])
 
     def copy_layer(self, layer: int, source: int, target: int) -> None:
         """Layer `layer`'s state of row `source` into row `target`."""

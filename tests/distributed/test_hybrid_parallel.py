@@ -95,3 +95,20 @@ def test_hybrid_on_two_pipeline_stages_is_one_process(tmp_path, family):
     if family == "granite-4.0-h":  # (the pool sized from the budgets: the second stage, holding no KV, sets none)
         sized = run(model_dir, prompts, GREEDY, kv_cache_memory=2**22, pipeline_parallel_size=2)
         assert_same_steps(sized, expected)
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp", "pp"])
+@pytest.mark.parametrize("family", ["granite-4.0-h", "qwen3_5"])
+def test_prefix_hits_restore_every_ranks_states(tmp_path, family, parallel):
+    """Each rank (each stage) takes and restores its own layers' snapshots as the step messages say: the same
+    prompt again, a chat's next turn and a shared prompt's junction hit as in one process, with transformers'
+    tokens and logprobs."""
+    from tests.engine.references import check_against_hf, make_llm
+    from tests.engine.test_hybrid import FAMILIES
+    from tests.engine.test_hybrid_prefix_cache import chat_rounds
+
+    model_dir = make_tiny_model_dir(tmp_path / family, "llama", random_norms=True, **FAMILIES[family][0])
+    with make_llm(model_dir, **parallel) as llm:
+        prompts, results = chat_rounds(llm)
+        check_against_hf(model_dir, prompts, results)
+        assert [r.num_cached_tokens for r in results] == [0, 48, 60, 0, 0, 68]

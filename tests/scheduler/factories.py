@@ -38,6 +38,7 @@ def make_scheduler(
     draft_cost: Optional[StepCost] = None,
     max_concurrent_batches: int = 1,
     long_prefill_token_threshold: int = 0,
+    num_state_snapshots: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -52,6 +53,7 @@ def make_scheduler(
             block_size=block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            num_state_snapshots=num_state_snapshots,
         ),
         proposer,
         adaptive_drafts=adaptive_drafts,

@@ -19,6 +19,12 @@ exactly as a real or out-of-process runner must. Each step it
      `accept_fn` accepts and one token more.
 
 A violation raises `UnwrittenKVError` naming the request, position and slot.
+
+With `track_states` it also plays a hybrid model's recurrent states: each request's state is the tokens it has
+consumed (unknown when it arrives: the row may hold anyone's), a step's `state_restores` set it from a snapshot
+slot before anything is computed, a chunk must continue from exactly its first `num_computed_tokens` tokens (a
+request computing its first token starts from zero), and `state_saves` put its tokens up to the position into
+the slot. A restore must read a slot saved by an earlier, completed step.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class RecordingRunner:
         group_windows: Sequence[Optional[int]] = (None,),
         null_block: Optional[int] = None,
         track_completion: bool = False,
+        track_states: bool = False,
     ):
         """`group_windows`: the scheduler's KV groups' sliding windows; `null_block`: the id a freed sliding
         block's entry becomes (never written, never read inside a window); `track_completion`: reads of computed
@@ -69,6 +76,11 @@ class RecordingRunner:
         self.completed: Optional[set[int]] = set() if track_completion else None  # step ids updated
         self.num_steps = 0
         self.num_tokens_written = 0
+        # with track_states: request -> the tokens its recurrent state has consumed (None: unknown), and snapshot
+        # slot -> (the tokens it holds the state after, its step_id)
+        self.states: Optional[dict[str, Optional[tuple[int, ...]]]] = {} if track_states else None
+        self.snapshots: dict[int, tuple[tuple[int, ...], int]] = {}
+        self.num_restores = 0
 
     def complete(self, step_id: int) -> None:
         """The scheduler has taken step `step_id`'s update: later steps may count its writes as computed."""
@@ -86,6 +98,8 @@ class RecordingRunner:
             assert len(block_ids) == len(self.group_windows)
             for group, ids in zip(self.seqs[request_id].block_ids, block_ids):
                 group.extend(ids)
+        if self.states is not None:
+            self._play_states(so)
         spec = so.scheduled_spec_decode_tokens
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             seq = self.seqs[request_id]
@@ -110,6 +124,45 @@ class RecordingRunner:
                 seq.token_ids.append(token_id)
                 sampled[request_id] = [*accepted, token_id]
         return sampled
+
+    def _play_states(self, so: SchedulerOutput) -> None:
+        states = self.states
+        assert states is not None
+        for request_id in so.finished_request_ids | so.preempted_request_ids:
+            states.pop(request_id, None)
+        for new in so.new_requests:
+            states[new.request_id] = None  # (its row's content is whoever held it last)
+        for request_id, slot in so.state_restores:
+            entry = self.snapshots.get(slot)
+            if entry is None:
+                raise UnwrittenKVError(
+                    f"step {self.num_steps}: {request_id} restores snapshot slot {slot}, never saved"
+                )
+            if self.completed is not None and entry[1] not in self.completed:
+                raise UnwrittenKVError(
+                    f"step {self.num_steps}: {request_id} restores snapshot slot {slot}, saved by step id {entry[1]}, "
+                    "still in flight"
+                )
+            states[request_id] = entry[0]
+            self.num_restores += 1
+        saves: dict[str, list[tuple[int, int]]] = {}
+        for request_id, position, slot in so.state_saves:
+            saves.setdefault(request_id, []).append((position, slot))
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            tokens, start = self.seqs[request_id].token_ids, so.num_computed_tokens[request_id]
+            state = () if start == 0 else states[request_id]
+            if state != tuple(tokens[:start]):
+                raise UnwrittenKVError(
+                    f"step {self.num_steps}: {request_id} continues from position {start} on a recurrent state "
+                    f"of {'unknown tokens' if state is None else f'{len(state)} other tokens'}"
+                )
+            for position, slot in saves.pop(request_id, ()):
+                if not start < position <= start + num_tokens:
+                    raise UnwrittenKVError(f"{request_id} saves position {position} outside its chunk")
+                self.snapshots[slot] = (tuple(tokens[:position]), so.step_id)
+            states[request_id] = tuple(tokens[: start + num_tokens])
+        if saves:
+            raise UnwrittenKVError(f"saves of requests the step does not compute: {sorted(saves)}")
 
     def _check_reads(self, request_id: str, seq: _Seq, start: int, end: int, drafts: tuple[int, ...] = ()) -> None:
         tokens = seq.token_ids + list(drafts)

@@ -199,6 +199,8 @@ def setups(draw):
         # are freed, and whose hits need only the window's blocks)
         kv_group_windows=draw(st.sampled_from([(None,), (None, "w"), ("w",), ("w", None, "w")])),  # "w": `window`
         window=draw(st.integers(1, 12)),
+        # a hybrid model's snapshots of recurrent states (with prefix caching and full attention only)
+        num_state_snapshots=draw(st.sampled_from([0, 0, 1, 3, 8])),
     )
 
 
@@ -207,6 +209,8 @@ def _scheduler_and_runner(setup, token_fn, depth=1):
     setup = dict(setup)
     window = setup.pop("window")
     windows = tuple(window if w == "w" else w for w in setup.pop("kv_group_windows"))
+    if any(windows) or not setup["enable_prefix_caching"]:
+        setup["num_state_snapshots"] = 0
     s = make_scheduler(**setup, kv_group_windows=windows, max_concurrent_batches=depth)
     runner = RecordingRunner(
         setup["block_size"],
@@ -214,6 +218,7 @@ def _scheduler_and_runner(setup, token_fn, depth=1):
         group_windows=windows,
         null_block=s.kv_cache_manager.null_block.block_id,
         track_completion=True,
+        track_states=bool(setup["num_state_snapshots"]),
     )
     return s, runner
 
