@@ -91,7 +91,15 @@ def run(args: argparse.Namespace) -> dict:
         hf = write_checkpoint(Path(directory), family_config(args.family, args.hidden, args.layers))
         greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
         first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        settings = dict(dtype="bfloat16", device="cpu", max_model_len=4096, max_num_batched_tokens=4096)
+        # (no prefix caching: every round computes its prompts, as transformers does; benchmarks/hybrid_prefix_cache.py
+        # times the hits)
+        settings = dict(
+            dtype="bfloat16",
+            device="cpu",
+            max_model_len=4096,
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=False,
+        )
         with LLM(directory, **settings) as llm, torch.inference_mode():
             llm.generate([{"prompt_token_ids": prompts[0]}], first, use_tqdm=False)  # (warm-up)
             ids = torch.tensor(prompts)

@@ -141,21 +141,22 @@ def _chunked_rule(
     entering state already predicts (T (beta k decayed) S), and each position reads the entering state and the
     chunk's earlier writes."""
     n = q.shape[0]
-    pad = (-n) % CHUNK
+    size = min(CHUNK, n)  # (a piece shorter than a chunk is its own chunk: no padding to compute)
+    pad = (-n) % size
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
         g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
-    count = q.shape[0] // CHUNK
+    count = q.shape[0] // size
     # [h, c, l, d]: heads first, then chunks and positions in a chunk
-    q, k, v = (t.reshape(count, CHUNK, *t.shape[1:]).permute(2, 0, 1, 3) for t in (q, k, v))
-    g, beta = (t.reshape(count, CHUNK, -1).permute(2, 0, 1) for t in (g, beta))
+    q, k, v = (t.reshape(count, size, *t.shape[1:]).permute(2, 0, 1, 3) for t in (q, k, v))
+    g, beta = (t.reshape(count, size, -1).permute(2, 0, 1) for t in (g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     decay = g.cumsum(dim=-1)  # [h, c, l]: log of the decay from the chunk's start through position l
-    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
     between = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # [h, c, l, s]
     system = (k_beta @ k.transpose(-1, -2)) * between
     scores = (q @ k.transpose(-1, -2)) * between
-    eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    eye = torch.eye(size, dtype=q.dtype, device=q.device)
     lower = system.masked_fill(~torch.ones_like(later).tril(-1), 0) + eye  # unit lower-triangular I + A
     values = torch.linalg.solve_triangular(lower, v_beta, upper=False, unitriangular=True)
     reads = torch.linalg.solve_triangular(lower, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
@@ -168,5 +169,5 @@ def _chunked_rule(
         written = values[:, c] - reads[:, c] @ state  # [h, l, d_v]
         out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ written
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ written
-    out = out.permute(1, 2, 0, 3).reshape(count * CHUNK, *out.shape[:1], out.shape[-1])[:n]
+    out = out.permute(1, 2, 0, 3).reshape(count * size, *out.shape[:1], out.shape[-1])[:n]
     return out, state

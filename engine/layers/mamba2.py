@@ -139,6 +139,7 @@ def _chunk_scan(
     final state [heads, head_dim, N]. Within a chunk, y_l = sum_{s <= l} (C_l . B_s) exp(sum_{s < j <= l} a_j)
     dt_s x_s (a = dt A); each chunk also reads the state entering it, decayed to each position."""
     n = x.shape[0]
+    chunk = min(chunk, n)  # (a piece shorter than a chunk is its own chunk: no padding to compute)
     pad = (-n) % chunk
     if pad:
         x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, dt, B, C))

@@ -473,7 +473,7 @@ FAMILIES = (
             "NoPE attention (position_embedding_type) or RoPE",
             "tensor parallelism by Mamba-2 heads (B and C's groups cut, or one group on every rank)",
             "pipeline parallelism: each stage its recurrent layers' states",
-            "no prefix caching, speculative decoding, LoRA, CUDA graphs",
+            "prefix caching by snapshots of the states; no speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -498,7 +498,8 @@ FAMILIES = (
             "Mamba-2 blocks (as Granite 4.0-H's), attention without positional embedding, plain relu^2 MLPs",
             "backbone. names, embeddings, norm_f",
             "tensor parallelism as Granite 4.0-H's",
-            "no mixture-of-experts blocks (Nemotron 3), prefix caching, speculative decoding, LoRA, CUDA graphs",
+            "prefix caching by snapshots of the states; no mixture-of-experts blocks (Nemotron 3), speculative "
+            "decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -513,7 +514,7 @@ FAMILIES = (
             "SwiGLU of the adjusted width (block_auto_adjust_ff_dim)",
             "tensor parallelism by channels of the convolutions",
             "pipeline parallelism: each stage its recurrent layers' states",
-            "no prefix caching, speculative decoding, LoRA, CUDA graphs",
+            "prefix caching by snapshots of the states; no speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -528,7 +529,7 @@ FAMILIES = (
             "zero-centred RMSNorms (1 + w)",
             "tensor parallelism by heads (the linear attention's key heads and their value heads)",
             "pipeline parallelism: each stage its recurrent layers' states",
-            "no prefix caching, speculative decoding, LoRA, CUDA graphs",
+            "prefix caching by snapshots of the states; no speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(

@@ -120,7 +120,8 @@ with Mamba-2 layers, LFM2 (`Lfm2ForCausalLM`) with short convolutions and Qwen3.
 DeltaNet layers, which keep a fixed-size recurrent state per request instead of K/V (engine/layers/mamba2.py,
 engine/layers/short_conv.py, engine/layers/gated_delta_net.py; tests/engine/test_hybrid.py checks them against
 transformers, and the Mamba-2 and Gated DeltaNet layers alone in float64). The states of `--max-num-seqs` requests
-come out of the KV cache budget; prefix caching is off for these models, and speculative decoding, LoRA,
+come out of the KV cache budget, and for prefix caching as many snapshots of them at block boundaries
+(`--state-snapshots`; a hit restores one: tests/engine/test_hybrid_prefix_cache.py); speculative decoding, LoRA,
 `--batch-invariant` and the KV tiers are refused at start-up; tensor parallelism cuts the recurrent layers by heads
 (LFM2's convolutions by channels), and pipeline stages each keep their own layers' states
 (tests/distributed/test_hybrid_parallel.py; [hybrid decoders](architecture.md#the-engine)).
