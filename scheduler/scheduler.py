@@ -150,6 +150,8 @@ class Scheduler:
             raise ValueError("cache_config.num_blocks must be resolved before building a Scheduler")
         if scheduler_config.max_model_len is None:
             raise ValueError("scheduler_config.max_model_len must be resolved before building a Scheduler")
+        if proposer is not None and cache_config.num_state_snapshots:
+            raise ValueError("draft tokens cannot be taken back out of a recurrent state: no proposer with snapshots")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len: int = scheduler_config.max_model_len

@@ -222,3 +222,12 @@ def test_snapshots_under_preemption_aborts_and_steps_in_flight(depth):
         assert len(snapshots._free) + len(snapshots._lru) == snapshots.num_slots
         assert s.kv_cache_manager.usage == 0
     assert restores > 50 and saves > 200
+
+
+def test_a_draft_proposer_is_refused_beside_snapshots():
+    """A rejected draft cannot be taken back out of a recurrent state (the engine refuses speculative decoding for
+    hybrid models by name first)."""
+    from tests.scheduler.test_spec_decode import FixedProposer
+
+    with pytest.raises(ValueError, match="proposer"):
+        make_scheduler(num_state_snapshots=2, proposer=FixedProposer(2))
