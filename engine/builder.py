@@ -334,17 +334,15 @@ def _scheduler_cache(config: EngineConfig, num_blocks: int, limits: RunnerLimits
     """The scheduler's cache section: a model with recurrent states (a hybrid model's recurrent layers) caches
     prefixes only with snapshots of them (a state summarises a request's whole prefix: cached blocks alone cannot
     restore it)."""
-    cache = config.cache.for_scheduler(num_blocks)
-    snapshots = limits.num_state_snapshots
-    if snapshots is None or not cache.enable_prefix_caching:
+    cache = config.cache.for_scheduler(num_blocks, limits.num_state_snapshots or 0)
+    if limits.num_state_snapshots != 0 or not cache.enable_prefix_caching:  # (None: no recurrent state at all)
         return cache
-    if not snapshots:
-        logger.info(
-            "prefix caching off: a hit needs a snapshot of the recurrent layers' states, and there are none "
-            "(--state-snapshots 0, or KV layer groups with a sliding window or chunks)"
-        )
-        return cache.model_copy(update={"enable_prefix_caching": False})
-    return cache.model_copy(update={"num_state_snapshots": snapshots})
+    logger.info(
+        "prefix caching off: a hit needs a snapshot of the recurrent layers' states, and there are none "
+        "(--state-snapshots 0, no room for any beside the requests' states, or KV layer groups with a sliding "
+        "window or chunks)"
+    )
+    return cache.model_copy(update={"enable_prefix_caching": False})
 
 
 def _image_processor(config: EngineConfig, checkpoint: Checkpoint, shard: Shard) -> Optional[MultiModalProcessor]:

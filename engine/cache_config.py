@@ -82,9 +82,17 @@ class EngineCacheConfig(CacheConfig):
         None,
         ge=0,
         description="a hybrid model's snapshots of recurrent states at block boundaries, which its prefix-cache "
-        "hits restore (scheduler/state_snapshots.py), from the KV cache budget; None = as many as --max-num-seqs; "
-        "0 = none (prefix caching off for such a model)",
+        "hits restore (scheduler/state_snapshots.py), from the KV cache budget; None = as many as the requests "
+        "that run (fewer where their states and the snapshots would take more than half the budget); 0 = none "
+        "(prefix caching off for such a model)",
     )
+
+    @field_validator("num_state_snapshots")
+    @classmethod
+    def _resolved_by_the_engine(cls, value: int) -> int:
+        if value:
+            raise SettingsConflictError("num_state_snapshots is resolved at start-up: set state_snapshots")
+        return value
 
     @property
     def tier_flags(self) -> list[str]:

@@ -476,8 +476,20 @@ def _num_kv_blocks(
     wanted = cache.state_snapshots
     if not cache.enable_prefix_caching or any(kv_groups.windows) or any(kv_groups.chunks):
         wanted = 0  # (no hit to restore: a sliding or chunked group's hits are not served with snapshots)
-    if cache.num_blocks is not None:
-        return cache.num_blocks, rows, (rows if wanted is None else wanted) if per_row else NO_BLOCK_LIMIT
+    if cache.num_blocks is not None:  # (the states beside the blocks given, as many snapshots as requests)
+        if not per_row:
+            return cache.num_blocks, rows, NO_BLOCK_LIMIT
+        snapshots = rows if wanted is None else wanted
+        logger.info(
+            "states of the recurrent layers: %.0f MiB (%d requests and %d snapshots for prefix caching x %.1f MiB), "
+            "beside the %d KV blocks given",
+            per_row * (rows + snapshots) / 2**20,
+            rows,
+            snapshots,
+            per_row / 2**20,
+            cache.num_blocks,
+        )
+        return cache.num_blocks, rows, snapshots
     if cache.kv_cache_memory is not None:
         budget = int(cache.kv_cache_memory)
     elif device.type == "cuda":
@@ -519,15 +531,23 @@ def _num_kv_blocks(
 def _fit_recurrent_states(
     config: EngineConfig, per_row: int, rows: int, wanted: Optional[int], budget: int
 ) -> tuple[int, int]:
-    """(requests, snapshots) whose recurrent states (`per_row` bytes each) the budget holds: `wanted` snapshots (None:
-    as many as requests); fewer requests than the default when --max-num-seqs was not given and all of them would
-    take more than half the budget."""
-    if (
-        "max_num_seqs" not in config.scheduler.model_fields_set
-        and per_row * (rows + (rows if wanted is None else wanted)) > budget // 2
-    ):
-        share = budget // 2 // per_row
-        fitted = max(1, share // 2 if wanted is None else share - wanted)
+    """(requests, snapshots) whose recurrent states (`per_row` bytes each) the budget holds.
+
+    The requests' states and the snapshots (`wanted`, --state-snapshots) share at most half the budget where either
+    count is the default: without --max-num-seqs fewer requests run (half the share each, when the snapshots are
+    the default too); without --state-snapshots there are as many snapshots as requests, or as many as the share
+    leaves beside them (none: no prefix caching). Counts both given are taken as they are, and refused only when
+    they fill the whole budget."""
+    share = budget // 2 // per_row  # the rows half the budget holds
+    rows_given = "max_num_seqs" in config.scheduler.model_fields_set
+    if not rows_given and rows + (rows if wanted is None else wanted) > share:
+        fitted = share // 2 if wanted is None else share - wanted
+        if fitted < 1:
+            raise SettingsConflictError(
+                f"--state-snapshots {wanted} take half the KV cache budget ({budget / 2**20:.0f} MiB) by themselves "
+                f"({per_row / 2**20:.1f} MiB each); lower --state-snapshots or raise kv_cache_memory / "
+                "gpu_memory_utilization"
+            )
         logger.info(
             "max_num_seqs %d -> %d: the recurrent states of %d requests%s would take more than half the KV cache "
             "budget (%.0f MiB); --max-num-seqs sets it",
@@ -538,7 +558,7 @@ def _fit_recurrent_states(
             budget / 2**20,
         )
         rows = fitted
-    snapshots = rows if wanted is None else wanted
+    snapshots = wanted if wanted is not None else min(rows, max(share - rows, 0))
     states = per_row * (rows + snapshots)
     logger.info(
         "states of the recurrent layers: %.0f MiB (%d requests and %d snapshots for prefix caching x %.1f MiB), from "

@@ -68,6 +68,10 @@ class KVCacheManager:
     than one in flight); each commits only its own blocks. Each group indexes its own blocks (their
     hashes tagged with the group); a hit in a sliding group needs only the blocks inside the window.
 
+    A hybrid model's recurrent layers keep a state per request instead of K/V (`num_state_snapshots`): a hit is
+    served only as far as a snapshot of those states was kept (scheduler/state_snapshots.py, which this manager
+    keeps in step with its blocks: admitted, committed, discarded and freed alike).
+
     Tiers below the pool (`kv_tiers`: host memory, disk or both; one full-attention group only) hold blocks
     beyond it: every block a step fills is written to them too (`take_tier_ops`' saves, which the runner copies
     out after the step's forward), and a miss looks there for the blocks that follow the pool's hits
@@ -177,7 +181,8 @@ class KVCacheManager:
         The hit stops one token short of the whole sequence, so that the step
         that admits the request computes at least one token (and samples), and never ends inside one of its
         bidirectional spans (scheduler/bidirectional_spans.py). A sliding group needs only
-        the blocks that the next token's window reaches (the others are null in its hit).
+        the blocks that the next token's window reaches (the others are null in its hit). With snapshots (a hybrid
+        model's recurrent states) it stops at the last block after which one is kept.
         """
         if not self.enable_caching or request.skip_prefix_cache:
             return [[] for _ in self.group_windows], 0
@@ -193,9 +198,7 @@ class KVCacheManager:
                 if block is None:
                     break
                 hits.append(block)
-            num_hits = self._hit_blocks(spans, len(hits))
-            if self.snapshots is not None:  # (a hybrid model's: only as far as its recurrent states were kept)
-                num_hits = self._hit_blocks(spans, self.snapshots.longest_hit(hashes, num_hits))
+            num_hits = self._snapshot_hit(spans, hashes, self._hit_blocks(spans, len(hits)))
             del hits[num_hits:]
             return [hits], len(hits) * self.block_size
         lookups: list[dict[int, Optional[KVBlock]]] = [{} for _ in self.group_windows]
@@ -224,8 +227,7 @@ class KVCacheManager:
             n = self._hit_blocks(spans, n)
             if n == start:
                 break
-        if self.snapshots is not None:  # (no partial group: any shorter run is a hit in every group)
-            n = self._hit_blocks(spans, self.snapshots.longest_hit(hashes, n))
+        n = self._snapshot_hit(spans, hashes, n)  # (no partial group beside snapshots: a shorter run is a hit too)
         groups: list[list[KVBlock]] = []
         for g in range(self.num_groups):
             first = self._first_needed(g, n * self.block_size) // self.block_size
@@ -238,8 +240,9 @@ class KVCacheManager:
         return groups, n * self.block_size
 
     def next_block_pending(self, request: Request, num_hit_blocks: int) -> bool:
-        """Whether the block after a request's `num_hit_blocks` hits is being filled by a step not yet completed
-        (the one being scheduled, or one in flight).
+        """Whether the block after a request's `num_hit_blocks` hits (with snapshots: after every block the index
+        holds, the hit may stop short of them) is being filled by a step not yet completed (the one being
+        scheduled, or one in flight).
 
         The request would hit it once that step completes: admitting it now would compute
         the same K/V twice (n > 1 siblings, identical prompts arriving together).
@@ -431,6 +434,17 @@ class KVCacheManager:
         if self.snapshots is not None:
             self.snapshots.reset()
         return True
+
+    def _snapshot_hit(self, spans: Sequence[tuple[int, int]], hashes: Sequence[BlockHash], num_blocks: int) -> int:
+        """The most of `num_blocks` leading hit blocks after which a hybrid model's recurrent states were kept
+        (`num_blocks` without snapshots), ending inside no bidirectional span."""
+        if self.snapshots is None:
+            return num_blocks
+        while True:  # (each cut can only shorten the other's answer: this ends)
+            cut = self._hit_blocks(spans, self.snapshots.longest_hit(hashes, num_blocks))
+            if cut == num_blocks:
+                return cut
+            num_blocks = cut
 
     def _kv_run(self, request: Request) -> int:
         """How many of the request's leading blocks (capped as a hit is) every group's index holds, snapshots or

@@ -37,6 +37,16 @@ def test_unknown_keys_refused():
 
 def test_scheduler_gets_the_layout_only():
     cache = EngineConfig(cache={"block_size": 8, "kv_cache_memory": "1MiB", "enable_prefix_caching": False}).cache
-    section = cache.for_scheduler(num_blocks=12)
+    section = cache.for_scheduler(num_blocks=12, num_state_snapshots=3)
     assert type(section) is CacheConfig
-    assert section.model_dump() == {"block_size": 8, "num_blocks": 12, "enable_prefix_caching": False}
+    assert section.model_dump() == {
+        "block_size": 8,
+        "num_blocks": 12,
+        "enable_prefix_caching": False,
+        "num_state_snapshots": 3,
+    }
+
+
+def test_the_snapshot_slots_are_the_engines_to_resolve():
+    with pytest.raises(ValueError, match="set state_snapshots"):
+        EngineCacheConfig(num_state_snapshots=4)

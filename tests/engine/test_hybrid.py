@@ -268,6 +268,37 @@ def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
         make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=state_bytes // 2)
 
 
+def test_default_snapshots_take_what_the_requests_leave_of_half_the_budget(hybrid_moe):
+    """With --max-num-seqs given and --state-snapshots not, the snapshots take what the requests' states leave of half
+    the budget (none left: no prefix caching); --state-snapshots alone taking half of it is refused."""
+    with make_llm(hybrid_moe) as llm:
+        per_row = llm.engine.runner.model.recurrent_state_bytes(1)
+    for share, slots in ((20, 4), (16, 0)):  # (16 requests: tiny.yaml's --max-num-seqs)
+        with make_llm(hybrid_moe, num_blocks=None, kv_cache_memory=2 * share * per_row + 1) as llm:
+            engine = llm.engine
+            states = engine.runner.states
+            assert states is not None and (states.rows, states.snapshots) == (16, slots)
+            kv = engine.scheduler.kv_cache_manager
+            assert kv.enable_caching == bool(slots) and (kv.snapshots is not None) == bool(slots)
+    import yaml
+
+    from engine import LLM
+    from tests.engine.references import TINY_PRESET
+
+    preset = yaml.safe_load(TINY_PRESET.read_text())
+    scheduler = {key: value for key, value in preset["scheduler"].items() if key != "max_num_seqs"}
+    scheduler["max_num_batched_tokens"] = 256  # (the default batch's decodes: a token each)
+    with pytest.raises(SettingsConflictError, match="--state-snapshots 40 take half"):
+        LLM(
+            str(hybrid_moe),
+            **scheduler,
+            block_size=4,
+            kv_cache_memory=2 * 40 * per_row,
+            state_snapshots=40,
+            dtype="float32",
+        )
+
+
 @pytest.mark.parametrize("snapshots", [None, 5, 0])
 def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybrid_moe, snapshots):
     """Without --max-num-seqs, the default 256 requests' states and as many snapshots (or --state-snapshots) would
