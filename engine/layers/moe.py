@@ -9,6 +9,7 @@
                     (Llama 4, `scores_on_input`: expert e of weight(t, e) * x[t], added unweighted)
     (+ sigmoid(x @ shared_gate^T) * shared MLP(x)          Qwen2-MoE's shared expert)
     (+ shared MLP(x)                                       DeepSeek's shared experts: no gate)
+    (Nemotron-H: ungated experts, down_e(relu(up_e(rows))^2), its shared expert alike: `gated` False)
 
 A family may bring its own routing of the logits (`select`: DeepSeek's grouped top-k, grouped_routing.py),
 computed from float32 logits where HF keeps the router in float32 (`router_in_float32`).
@@ -66,14 +67,20 @@ class ExpertWeights:
         return isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)
 
 
+def relu_squared(h: torch.Tensor) -> torch.Tensor:
+    """relu(h)^2 of an ungated expert's up product (HF's ReLUSquaredActivation, Nemotron-H's relu2)."""
+    return torch.square(F.relu(h))
+
+
 @dataclass(slots=True)
 class SharedExpert:
     """The dense expert every token goes through: Qwen2-MoE's scaled by a sigmoid gate of its own, DeepSeek's
     (its n_shared_experts as one MLP) added as it is."""
 
-    gate_up: torch.Tensor  # [2 * I_shared, H], in the form `linear` takes
+    gate_up: torch.Tensor  # [2 * I_shared, H], in the form `linear` takes (ungated: up [I_shared, H])
     down: torch.Tensor  # [H, I_shared], idem
     gate: Optional[torch.Tensor]  # [1, H], idem; None: no gate
+    activation: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # an ungated MLP's; None: SwiGLU
 
 
 class SparseMoeBlock:
@@ -91,7 +98,8 @@ class SparseMoeBlock:
         *,
         router_bias: Optional[torch.Tensor] = None,
         softmax_after_top_k: bool = False,
-        activation: Optional[ClampedSwiGLU] = None,
+        activation: Optional[Union[ClampedSwiGLU, Callable[[torch.Tensor], torch.Tensor]]] = None,
+        gated: bool = True,
         select: Optional[Callable[[torch.Tensor], Routing]] = None,
         router_in_float32: bool = False,
         scores_on_input: bool = False,
@@ -114,6 +122,8 @@ class SparseMoeBlock:
         self.softmax_after_top_k = softmax_after_top_k  # GPT-OSS: top-k of the logits, softmax over those
         self.select = select  # a family's own routing of the logits (DeepSeek's grouped routing)
         self.activation = activation  # None: SwiGLU (the layer ops' silu_and_mul)
+        # False: each expert's "gate_up" is its up alone [I, H], `activation` taking all of its output (Nemotron-H)
+        self.gated = gated
         # Llama 4: each routed row is the token's input times its weight, in the model's dtype, and the experts'
         # outputs are summed as they come (the grouped Triton kernel weighs outputs: the per-expert path serves it)
         self.scores_on_input = scores_on_input
@@ -193,15 +203,16 @@ class SparseMoeBlock:
         if self.shared is None:
             return out
         shared = self.shared
-        dense = linear(ops.silu_and_mul(linear(x, shared.gate_up, None)), shared.down, None)
+        up = linear(x, shared.gate_up, None)
+        dense = linear(ops.silu_and_mul(up) if shared.activation is None else shared.activation(up), shared.down, None)
         if shared.gate is None:
             return out + dense
         return out + rowwise_sigmoid(linear(x, shared.gate, None)) * dense
 
     def _fused_kernel(self, device: torch.device):
         """The grouped Triton kernel on CUDA (when Triton is installed), else None: the per-expert products."""
-        if device.type != "cuda" or self.stacked is None or self.scores_on_input:
-            return None
+        if device.type != "cuda" or self.stacked is None or self.scores_on_input or not self.gated:
+            return None  # (the kernel computes gate|up experts)
         try:
             from engine.kernels.triton.fused_moe import fused_moe
         except ImportError:  # CUDA without Triton (flash-attn serves attention): the grouped torch path

@@ -132,11 +132,12 @@ class MoeForCausalLM(LlamaForCausalLM):
             gate_up, down = [], []
             for e in moe.local_experts:
                 q = f"{p}experts.{e}."
-                gate_up.append(cat(take(q + gate + ".weight"), take(q + up + ".weight")))
+                ups = take(q + up + ".weight")
+                gate_up.append(ups if moe.ungated else cat(take(q + gate + ".weight"), ups))
                 down.append(take(q + down_name + ".weight"))
         experts = stacked if stacked is not None and self.quantizer is None else self._expert_weights(gate_up, down)
         intermediate, hidden = moe.expert_intermediate_size, self.arch.hidden_size
-        expected = ((2 * intermediate, hidden), (hidden, intermediate))
+        expected = (((1 if moe.ungated else 2) * intermediate, hidden), (hidden, intermediate))
         shapes = {(_shape(g), _shape(d)) for g, d in zip(gate_up, down)}
         if len(gate_up) != len(moe.local_experts) or shapes != {expected}:
             raise ValueError(

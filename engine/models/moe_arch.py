@@ -87,6 +87,8 @@ class MoeArch:
     stacked_transposed: bool = False
     # expert parallelism (models/expert_parallel.py): the routed experts this rank holds, whole; None: all of them
     held_experts: Optional[range] = None
+    # Nemotron-H: each expert (and the shared expert) up -> relu^2 -> down, no gate (`expert_names`' gate unused)
+    ungated: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers

@@ -1,13 +1,16 @@
 """Nemotron-H (models/nemotron_h_arch.py): blocks of one mixer each, `h + mixer(RMSNorm(h))`, the mixer a Mamba-2
-layer (models/hybrid.py's), attention without positional embedding, or a plain relu^2 MLP.
+layer (models/hybrid.py's), attention without positional embedding, a plain relu^2 MLP, or (Nemotron 3,
+`NemotronHMoeForCausalLM`) a mixture of such MLPs with DeepSeek-V3's routing and a shared expert.
 
-The generic decoder's parts serve each mixer (its attention call, its plain MLP, its norms, embeddings and LM head);
-the layer loop is this model's own, since a block holds one mixer where the generic decoder's layer holds attention
-and an MLP. The KV cache holds the attention blocks only, in their order.
+The generic decoder's parts serve each mixer (its attention call, its plain MLP, its norms, embeddings and LM head;
+a mixture: models/moe.py's experts and layers/moe.py's block); the layer loop is this model's own, since a block
+holds one mixer where the generic decoder's layer holds attention and an MLP. The KV cache holds the attention blocks
+only, in their order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -19,9 +22,12 @@ from engine.distributed.pipeline_stage import PipelineStage
 from engine.layers.linear import Linear
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.mrope import SectionedRows
+from engine.layers.moe import SharedExpert, SparseMoeBlock, relu_squared
 from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
+from engine.models.decoder_moe import DecoderMoeForCausalLM
 from engine.models.hybrid import HybridLayers
 from engine.models.llama import layer_tensors
+from engine.models.moe import _float
 from engine.models.nemotron_h_arch import NemotronHArch
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -43,6 +49,9 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
     ):
         """`nemotron`: this rank's share with several ranks (its heads, its MLPs' width, its Mamba-2 heads)."""
         super().__init__(nemotron.decoder, dtype, device, ops, linear, quantizer, max_model_len, tp)
+        self._hold_blocks(nemotron)
+
+    def _hold_blocks(self, nemotron: NemotronHArch) -> None:
         self.hybrid = nemotron.hybrid
         self._hold_recurrent_layers(nemotron.hybrid.recurrent_layers)
         self.blocks = nemotron.blocks
@@ -59,7 +68,12 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
     def _take_attention_layer(self, state: dict, index: int) -> DecoderLayerWeights:
         """An attention or MLP block (a Mamba-2 block: HybridLayers._take_layer) by its mixer's names."""
         take, maybe = layer_tensors(state, index)
-        prepare, attention = self._prepare, self.blocks[index - self.stage.layers.start] == "attention"
+        kind = self.blocks[index - self.stage.layers.start]
+        if kind == "moe":
+            model: Any = self  # (a NemotronHMoeForCausalLM: its blocks by the layer loop's index)
+            model.moe_blocks[index - self.stage.layers.start] = model._take_block(take, maybe, self._cat_rows)
+        prepare, attention = self._prepare, kind == "attention"
+        mlp = kind == "mlp"
         qkv = self._cat_rows(*(take(f"mixer.{part}_proj.weight") for part in "qkv")) if attention else None
         return DecoderLayerWeights(
             norms={"attn_pre": take("norm.weight")},
@@ -70,10 +84,10 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
             k_norm=None,
             o_proj=prepare(take("mixer.o_proj.weight")) if attention else None,
             o_bias=None,
-            gate_up=None if attention else prepare(take("mixer.up_proj.weight")),
-            gate_up_bias=None if attention else maybe("mixer.up_proj.bias"),
-            down=None if attention else prepare(take("mixer.down_proj.weight")),
-            down_bias=None if attention else maybe("mixer.down_proj.bias"),
+            gate_up=prepare(take("mixer.up_proj.weight")) if mlp else None,
+            gate_up_bias=maybe("mixer.up_proj.bias") if mlp else None,
+            down=prepare(take("mixer.down_proj.weight")) if mlp else None,
+            down_bias=maybe("mixer.down_proj.bias") if mlp else None,
         )
 
     @torch.inference_mode()
@@ -106,3 +120,60 @@ class NemotronHForCausalLM(HybridLayers, DecoderForCausalLM):  # type: ignore[mi
                 out = self._mlp_branch(index, layer, x)
             h = h + out
         return h
+
+
+# (mypy: as models/hybrid.py's HybridMoeForCausalLM, the bases type `_mlp`'s layer as their own layer weights)
+class NemotronHMoeForCausalLM(NemotronHForCausalLM, DecoderMoeForCausalLM):  # type: ignore[misc]
+    """Nemotron 3: Nemotron-H with mixture-of-experts blocks. Its experts load as models/moe.py loads every
+    family's (per expert or stacked, quantized, each rank's share or held experts), ungated; its router and the
+    correction bias in float32, as transformers keeps them."""
+
+    float32_names = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")
+
+    def __init__(
+        self,
+        nemotron: NemotronHArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: Optional[TorchLayerOps] = None,
+        linear: Optional[Linear] = None,
+        quantizer: Optional[WeightQuantizer] = None,
+        max_model_len: Optional[int] = None,
+        tp: ParallelGroup = ParallelGroup.single(),
+    ):
+        """`nemotron.moe`: this rank's experts with several ranks (each one's share of the width, or those held)."""
+        if nemotron.moe is None or nemotron.routing is None:
+            raise ValueError("NemotronHMoeForCausalLM: the config has no mixture-of-experts block")
+        DecoderMoeForCausalLM.__init__(
+            self, nemotron.decoder, nemotron.moe, dtype, device, ops, linear, quantizer, tp, max_model_len
+        )
+        self.routing = nemotron.routing
+        self._hold_blocks(nemotron)
+
+    def _take_block(self, take, maybe, cat) -> SparseMoeBlock:
+        moe, p = self.moe, self.moe.prefix
+        shared = None
+        if moe.shared_intermediate_size is not None:
+            names = moe.shared_names
+            assert names is not None  # (read_nemotron_h names it)
+            shared = SharedExpert(
+                gate_up=self._prepare(take(names.gate_up[0])),
+                down=self._prepare(take(names.down)),
+                gate=None,
+                activation=relu_squared,
+            )
+        bias = maybe(p + "gate.e_score_correction_bias")
+        routing = dataclasses.replace(self.routing, correction_bias=None if bias is None else bias.float())
+        return SparseMoeBlock(
+            _float(take(p + "gate.weight")),
+            self._take_experts(take, maybe, cat),
+            moe.top_k,
+            moe.renormalize,
+            self.linear,
+            shared,
+            activation=relu_squared,
+            gated=False,
+            select=routing,
+            router_in_float32=True,
+            first_expert=moe.local_experts.start,
+        )

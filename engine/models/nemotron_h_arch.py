@@ -1,21 +1,28 @@
-"""NVIDIA's Nemotron-H (NemotronHForCausalLM: Nemotron-H 8B / 47B / 56B, Nemotron Nano 2) read from its HF config.
+"""NVIDIA's Nemotron-H (NemotronHForCausalLM: Nemotron-H 8B / 47B / 56B, Nemotron Nano 2, Nemotron 3) read from its
+HF config.
 
 Its layers are blocks of one mixer each, `h + mixer(RMSNorm(h))`, of the kind `layers_block_type` (or the older
-`hybrid_override_pattern`) names: a Mamba-2 layer (`M`), attention without positional embedding (`*`), or a plain
-MLP, up -> relu^2 -> down (`-`). Its checkpoints name the model `backbone.`, the embedding `embeddings` and the
-final norm `norm_f`, and each block's mixer `mixer.`.
+`hybrid_override_pattern`) names: a Mamba-2 layer (`M`), attention without positional embedding (`*`), a plain
+MLP, up -> relu^2 -> down (`-`), or (Nemotron 3) a mixture of such MLPs (`E`): DeepSeek-V3's routing (sigmoid scores,
+e_score_correction_bias, the best topk_group of n_group groups, norm_topk_prob, routed_scaling_factor) over
+n_routed_experts ungated experts, and a shared expert of moe_shared_expert_intermediate_size added to every token.
+Its checkpoints name the model `backbone.`, the embedding `embeddings` and the final norm `norm_f`, and each block's
+mixer `mixer.` (a mixture's: `mixer.gate.weight`, `mixer.gate.e_score_correction_bias`, `mixer.experts.N.up_proj`,
+`mixer.experts.N.down_proj`, `mixer.shared_experts.up_proj`, `mixer.shared_experts.down_proj`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from engine.attention.layer_attention import LayerAttention
+from engine.layers.grouped_routing import GroupedTopK
 from engine.layers.recurrent_state import MambaShape
 from engine.models.decoder_arch import DecoderArch
 from engine.models.hybrid_arch import HybridArch
 from engine.models.llama_arch import shared_fields
+from engine.models.moe_arch import MoeArch, SharedExpertNames
 
 BLOCK_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 """transformers' names of a block's mixer (`layers_block_type`) -> this server's."""
@@ -26,18 +33,18 @@ RENAMES = (("backbone.", "model."), ("model.embeddings.", "model.embed_tokens.")
 class NemotronHArch:
     decoder: DecoderArch  # the attention's and MLP's shapes; one norm per block (its `attn_pre`)
     hybrid: HybridArch
-    blocks: tuple[str, ...]  # each layer's mixer: "mamba", "attention" or "mlp"
+    blocks: tuple[str, ...]  # each layer's mixer: "mamba", "attention", "mlp" or "moe"
+    moe: Optional[MoeArch] = None  # the "moe" blocks' experts (None: none)
+    routing: Optional[GroupedTopK] = None  # and their router's settings
 
 
 def read_nemotron_h(config: Any) -> NemotronHArch:
     """The config's blocks and shapes; ValueError naming a field or block kind this server does not compute."""
     name = "NemotronHForCausalLM"
     blocks = tuple(BLOCK_KINDS.get(kind, kind) for kind in config.layers_block_type)
-    if "moe" in blocks:
-        raise ValueError(f"{name}: mixture-of-experts blocks (E, Nemotron 3) are not served; mamba, attention, mlp are")
-    unknown = sorted(set(blocks) - {"mamba", "attention", "mlp"})
+    unknown = sorted(set(blocks) - {"mamba", "attention", "mlp", "moe"})
     if unknown:
-        raise ValueError(f"{name}: block types {unknown} are not served (mamba, attention, mlp)")
+        raise ValueError(f"{name}: block types {unknown} are not served (mamba, attention, mlp, moe)")
     refused = {
         "mamba_hidden_act": getattr(config, "mamba_hidden_act", "silu") != "silu",
         "mlp_hidden_act": getattr(config, "mlp_hidden_act", "relu2") != "relu2",
@@ -45,6 +52,7 @@ def read_nemotron_h(config: Any) -> NemotronHArch:
         "attention_bias": bool(getattr(config, "attention_bias", False)),
         "sliding_window": getattr(config, "sliding_window", None) is not None,
         "num_nextn_predict_layers": int(getattr(config, "num_nextn_predict_layers", 0) or 0) > 0,
+        "moe_latent_size": getattr(config, "moe_latent_size", None) is not None and "moe" in blocks,
     }
     for field, given in refused.items():
         if given:
@@ -80,4 +88,42 @@ def read_nemotron_h(config: Any) -> NemotronHArch:
         renames=RENAMES,
     )
     mamba = tuple(i for i, kind in enumerate(blocks) if kind == "mamba")
-    return NemotronHArch(decoder, HybridArch(mamba, shape, has_experts=False), blocks)
+    sparse = tuple(i for i, kind in enumerate(blocks) if kind == "moe")
+    hybrid = HybridArch(mamba, shape, has_experts=bool(sparse))
+    if not sparse:
+        return NemotronHArch(decoder, hybrid, blocks)
+    return NemotronHArch(decoder, hybrid, blocks, *_experts(config, sparse))
+
+
+def _experts(config: Any, sparse: tuple[int, ...]) -> tuple[MoeArch, GroupedTopK]:
+    """The mixture-of-experts blocks' experts and routing (Nemotron 3)."""
+    experts, groups = int(config.n_routed_experts), int(getattr(config, "n_group", 1) or 1)
+    if experts % groups:
+        raise ValueError(f"NemotronHForCausalLM: n_routed_experts {experts} are not whole groups of n_group {groups}")
+    shared = getattr(config, "moe_shared_expert_intermediate_size", None)
+    moe = MoeArch(
+        num_experts=experts,
+        top_k=int(config.num_experts_per_tok),
+        expert_intermediate_size=int(config.moe_intermediate_size),
+        renormalize=bool(config.norm_topk_prob),
+        weights_in_model_dtype=False,
+        shared_intermediate_size=int(shared) if shared else None,
+        sparse_layers=sparse,
+        prefix="mixer.",
+        expert_names=("", "up_proj", "down_proj"),
+        stacked_names=("experts.up_proj", "experts.down_proj"),
+        shared_names=SharedExpertNames(
+            ("mixer.shared_experts.up_proj.weight",), "mixer.shared_experts.down_proj.weight", None
+        ),
+        ungated=True,
+    )
+    routing = GroupedTopK(
+        top_k=moe.top_k,
+        scoring="sigmoid",
+        method="noaux_tc",
+        num_groups=groups,
+        topk_groups=int(getattr(config, "topk_group", None) or groups),
+        renormalize=moe.renormalize,
+        scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+    )
+    return moe, routing

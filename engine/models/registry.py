@@ -493,13 +493,14 @@ FAMILIES = (
         "nemotron_h",
         HF_FORMATS,
         (
-            "Nemotron-H 8B / 47B / 56B, Nemotron Nano 2: blocks of one mixer each by layers_block_type or "
-            "hybrid_override_pattern",
+            "Nemotron-H 8B / 47B / 56B, Nemotron Nano 2, Nemotron 3 Nano: blocks of one mixer each by "
+            "layers_block_type or hybrid_override_pattern",
             "Mamba-2 blocks (as Granite 4.0-H's), attention without positional embedding, plain relu^2 MLPs",
+            "mixture-of-experts blocks (Nemotron 3): ungated relu^2 experts and shared expert, DeepSeek-V3's routing "
+            "(sigmoid, e_score_correction_bias, groups); not moe_latent_size",
             "backbone. names, embeddings, norm_f",
-            "tensor parallelism as Granite 4.0-H's",
-            "prefix caching by snapshots of the states; no mixture-of-experts blocks (Nemotron 3), speculative "
-            "decoding, LoRA, CUDA graphs",
+            "tensor parallelism as Granite 4.0-H's, experts cut or held (expert parallelism)",
+            "prefix caching by snapshots of the states; no speculative decoding, LoRA, CUDA graphs",
         ),
     ),
     ModelFamily(
@@ -676,6 +677,10 @@ def moe_arch_of(hf_config: Any) -> Optional[MoeArch]:
         return MoeArch.from_hf_config(hf_config) if read_hybrid(hf_config).has_experts else None
     if implementation == "qwen3_5":
         return MoeArch.from_hf_config(hf_config) if hf_config.model_type in ("qwen3_5_moe_text", "qwen3_next") else None
+    if implementation == "nemotron_h":
+        from engine.models.nemotron_h_arch import read_nemotron_h
+
+        return read_nemotron_h(hf_config).moe
     if implementation == "glm4_moe":
         from engine.models.glm4_moe_arch import read_glm4_moe
 
@@ -794,13 +799,16 @@ def build_model(
             return Lfm2ForCausalLM(shard, layers, kernel, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "nemotron_h":
             from engine.models.hybrid_arch import shard_mamba
-            from engine.models.nemotron_h import NemotronHForCausalLM
+            from engine.models.nemotron_h import NemotronHForCausalLM, NemotronHMoeForCausalLM
             from engine.models.nemotron_h_arch import read_nemotron_h
 
             assert isinstance(shard, DecoderArch)  # _dense_arch reads it so
             nemotron = read_nemotron_h(hf_config)
             hybrid = dataclasses.replace(nemotron.hybrid, mamba=shard_mamba(nemotron.hybrid.mamba, tp.world_size))
             nemotron = dataclasses.replace(nemotron, decoder=shard, hybrid=hybrid)
+            if whole_moe is not None:
+                nemotron = dataclasses.replace(nemotron, moe=shard_moe(whole_moe, tp.world_size, unit, held))
+                return NemotronHMoeForCausalLM(nemotron, dtype, device, ops, linear, quantizer, max_model_len, tp)
             return NemotronHForCausalLM(nemotron, dtype, device, ops, linear, quantizer, max_model_len, tp)
         if family.implementation == "decoder_moe":
             from engine.models.decoder_moe import DecoderMoeForCausalLM
@@ -878,10 +886,12 @@ def build_model(
             return HybridMoeForCausalLM(arch, moe, hybrid, dtype, device, ops, linear, quantizer, max_model_len)
         return HybridForCausalLM(arch, hybrid, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "nemotron_h":
-        from engine.models.nemotron_h import NemotronHForCausalLM
+        from engine.models.nemotron_h import NemotronHForCausalLM, NemotronHMoeForCausalLM
         from engine.models.nemotron_h_arch import read_nemotron_h
 
-        return NemotronHForCausalLM(read_nemotron_h(hf_config), dtype, device, ops, linear, quantizer, max_model_len)
+        nemotron = read_nemotron_h(hf_config)
+        model_class = NemotronHForCausalLM if nemotron.moe is None else NemotronHMoeForCausalLM
+        return model_class(nemotron, dtype, device, ops, linear, quantizer, max_model_len)
     if family.implementation == "qwen3_5":
         from engine.models.families import qwen3_5_arch, qwen3_5_linear_layers
         from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, read_delta_net

@@ -115,15 +115,16 @@ _QKV_BY_ARCH = ("attn.c_attn.", "self_attention.query_key_value.")
 _FUSED_GATE_UP = "mlp.gate_up_proj."  # Phi-3: [gate; up]
 _EXPERT_COLUMN = re.compile(  # each expert's (and Qwen2-MoE's shared expert's, GLM-4.5's shared experts') gate and
     # up: cut like an MLP's
-    r"(?:block_sparse_moe|mlp|feed_forward)\."
+    r"(?:block_sparse_moe|mlp|feed_forward|mixer)\."
     r"(?:experts\.\d+\.(?:w1|w3|gate_proj|up_proj)|shared_experts?\.(?:gate_proj|up_proj))\..+"
 )
 _EXPERT_ROW = re.compile(
-    r"(?:block_sparse_moe|mlp|feed_forward)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_experts?\.down_proj)\.weight"
+    r"(?:block_sparse_moe|mlp|feed_forward|mixer)\.(?:experts\.\d+\.(?:w2|down_proj)|shared_experts?\.down_proj)\.weight"
 )
 # stacked experts [E, 2I, H] and [E, H, I]: transformers' in-memory names, Granite MoE's checkpoint names
 _STACKED = re.compile(
     r"(?:block_sparse_moe|mlp)\.(?:experts\.(gate_up_proj|down_proj)|(input_linear|output_linear)\.weight)"
+    r"|mixer\.experts\.(up_proj|down_proj)"  # (Nemotron 3's ungated experts, as transformers holds them)
 )
 _STACKED_DOWN = ("down_proj", "output_linear")
 _STACKED_TRANSPOSED = re.compile(r"feed_forward\.experts\.(gate_up_proj|down_proj)")  # Llama 4's [E, H, 2I], [E, I, H]
@@ -432,7 +433,7 @@ def _mamba_share(
     )
 
 
-_ONE_EXPERT = re.compile(r"(?:block_sparse_moe|mlp|feed_forward)\.experts\.(\d+)\..+")
+_ONE_EXPERT = re.compile(r"(?:block_sparse_moe|mlp|feed_forward|mixer)\.experts\.(\d+)\..+")
 
 
 def _routed_experts(part: str, arch: LlamaArch) -> Union[int, str, None]:
@@ -478,6 +479,8 @@ def _stacked_experts(
             padded = torch.nn.functional.pad(tensor, (0, share * ranks - tensor.shape[2]))
             return [quantize_whole(expert).take_columns(rank * share, (rank + 1) * share) for expert in padded]
         return padded_slice(tensor, 2, rank, share)
+    if name.endswith("mixer.experts.up_proj"):  # ungated: up [E, I, H] alone
+        return padded_slice(tensor, 1, rank, expert_share(tensor.shape[1], ranks, unit)).contiguous()
     gate, up = tensor.chunk(2, dim=1)
     share = expert_share(gate.shape[1], ranks, unit)
     return torch.cat([padded_slice(gate, 1, rank, share), padded_slice(up, 1, rank, share)], dim=1).contiguous()

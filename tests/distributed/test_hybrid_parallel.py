@@ -14,7 +14,16 @@ from engine import LLM
 from engine.errors import SettingsConflictError
 from tests.distributed.test_tensor_parallel import TINY, assert_same, generate
 from tests.engine.factories import make_tiny_model_dir
-from tests.engine.test_hybrid import BAMBA, LFM2, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT, make_hybrid_dir, make_nemotron_h_dir
+from tests.engine.test_hybrid import (
+    BAMBA,
+    LFM2,
+    NEMOTRON_3,
+    QWEN3_5,
+    QWEN3_5_MOE,
+    QWEN3_NEXT,
+    make_hybrid_dir,
+    make_nemotron_h_dir,
+)
 from tests.engine.test_model_equivalence import mixed_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,7 +41,7 @@ VARIANTS = {
 }
 
 
-OTHER_FAMILIES = ("nemotron_h", "lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
+OTHER_FAMILIES = ("nemotron_h", "nemotron_3", "lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "bamba")
 
 
 @pytest.mark.parametrize("variant", [*sorted(VARIANTS), *OTHER_FAMILIES])
@@ -41,6 +50,8 @@ def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
     embedding `backbone.embeddings` vocab-parallel."""
     if variant == "nemotron_h":
         model_dir = make_nemotron_h_dir(tmp_path / variant)
+    elif variant == "nemotron_3":  # its ungated experts' up rows and down columns cut, or whole experts held
+        model_dir = make_nemotron_h_dir(tmp_path / variant, **NEMOTRON_3)
     elif variant == "bamba":  # its biases cut with their rows (o_proj's and down's on rank 0)
         model_dir = make_tiny_model_dir(tmp_path / variant, "llama", random_norms=True, **BAMBA)
     elif variant == "lfm2":  # its convolutions cut by channels, the attention's out_proj and w2 row-parallel
@@ -56,7 +67,7 @@ def test_hybrid_on_two_ranks_is_one_process(tmp_path, variant):
     got, stats = generate(model_dir, prompts, 2, num_blocks=20)
     assert stats.num_preemptions > 0
     assert_same(got, expected)
-    if variant.startswith("moe") or variant in ("qwen3_5_moe", "qwen3_next"):
+    if variant.startswith("moe") or variant in ("qwen3_5_moe", "qwen3_next", "nemotron_3"):
         assert_same(generate(model_dir, prompts, 2, num_blocks=20, enable_expert_parallel=True)[0], expected)
     int8, _ = generate(model_dir, prompts[:4], 1, quantization="int8")
     assert_same(generate(model_dir, prompts[:4], 2, quantization="int8")[0], int8)
@@ -76,7 +87,7 @@ def test_mamba_sizes_that_do_not_divide_are_refused(tmp_path, overrides, message
         LLM(str(model_dir), **TINY, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("family", ["granite-4.0-h", "nemotron_h", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("family", ["granite-4.0-h", "nemotron_3", "lfm2", "qwen3_next"])
 def test_hybrid_on_two_pipeline_stages_is_one_process(tmp_path, family):
     """Each stage keeps its own recurrent layers' states (Granite 4.0-H's second stage holds Mamba-2 layers alone:
     no KV cache of its own) and steps in flight overlap: the tokens and logprobs of one process, with chunked

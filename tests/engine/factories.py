@@ -478,7 +478,8 @@ def _randomize_norms_and_biases(model) -> None:
             elif ".act_fn." in name:  # Apertus's xIELU alpha_p, alpha_n: each layer's own
                 param.add_(torch.randn_like(param) * 0.5)
         for name, buffer in model.named_buffers():
-            if name.endswith(".act_fn.beta"):  # (xIELU's beta, a saved buffer: read from the checkpoint too)
+            # (xIELU's beta; a router's correction bias where it is a buffer, Nemotron 3's: saved, read back)
+            if name.endswith((".act_fn.beta", "e_score_correction_bias")):
                 buffer.add_(torch.randn_like(buffer) * 0.2)
 
 

@@ -137,6 +137,20 @@ QWEN3_NEXT = dict(
 )
 
 
+NEMOTRON_3 = dict(
+    NEMOTRON_H,
+    hybrid_override_pattern="M*EME-",  # mixture-of-experts blocks between Mamba-2, attention and MLP blocks
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)
+
+
 def make_nemotron_h_dir(path, **overrides):
     return make_tiny_model_dir(path, "llama", random_norms=True, **{**NEMOTRON_H, **overrides})
 
@@ -155,6 +169,7 @@ FAMILIES = {  # name: (config, attention layers)
     ),
     "bamba": (BAMBA, 1),
     "nemotron_h": (NEMOTRON_H, 1),
+    "nemotron_3": (NEMOTRON_3, 1),
     "lfm2": (LFM2, 1),
     "qwen3_5": (QWEN3_5, 1),
     "qwen3_5_moe": (QWEN3_5_MOE, 1),
@@ -211,9 +226,9 @@ def test_family_is_hfs(family_dirs, family, settings):
             assert engine.scheduler.num_preemptions > 0
 
 
-def test_nemotron_h_experts_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="mixture-of-experts blocks"):
-        make_llm(make_nemotron_h_dir(tmp_path, hybrid_override_pattern="M*E", n_routed_experts=4))
+def test_nemotron_3_latent_experts_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="moe_latent_size"):
+        make_llm(make_nemotron_h_dir(tmp_path, **{**NEMOTRON_3, "moe_latent_size": 16}))
 
 
 def test_granite_hybrid_stops_and_aborts_leave_nothing(hybrid_moe):
@@ -334,7 +349,7 @@ def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybri
         check_against_hf(hybrid_moe, prompts, run_greedy(llm, prompts))
 
 
-@pytest.mark.parametrize("model", ["granite-4.0-h", "nemotron_h", "lfm2", "qwen3_5"])
+@pytest.mark.parametrize("model", ["granite-4.0-h", "nemotron_3", "lfm2", "qwen3_5"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_hybrid_quantized_serves_the_dequantized_model(family_dirs, tmp_path, method, model):
     """--quantization int8|int4 quantizes the Mamba-2 layers' in_proj and out_proj beside the attention, the experts
