@@ -1,4 +1,5 @@
-"""The hybrid families (recurrent layers beside attention: Granite 4.0-H, Bamba and Nemotron-H's Mamba-2, LFM2's short
+"""The hybrid families (recurrent layers beside attention: Granite 4.0-H, Bamba and Nemotron-H's Mamba-2 (Nemotron 3 with
+mixture-of-experts blocks too), LFM2's short
 convolutions, Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet) against transformers on tiny random checkpoints:
 greedy tokens identical and logprobs within 1e-4 in float32, batched, in prompt chunks, through preemptions; the
 Mamba-2 and Gated DeltaNet layers alone against transformers' in float64; quantized weights, the states' share of
@@ -554,3 +555,28 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(family_dirs, tm
         assert [lp.logprob for lp in g.outputs[0].logprobs] == pytest.approx(
             [lp.logprob for lp in w.outputs[0].logprobs]
         )
+
+
+def test_nemotron_3_experts_stored_stacked_are_read_alike(tmp_path):
+    """Experts as transformers holds them in memory (`mixer.experts.up_proj` [E, I, H], `mixer.experts.down_proj`
+    [E, H, I]) serve the tokens the per-expert checkpoint does, in one process and cut over two ranks."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.distributed.test_tensor_parallel import assert_same, generate
+
+    per_expert = make_nemotron_h_dir(tmp_path / "per-expert", **NEMOTRON_3)
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for path in per_expert.iterdir():
+        if path.name != "model.safetensors":
+            (stacked / path.name).write_bytes(path.read_bytes())
+    state = load_file(str(per_expert / "model.safetensors"))
+    for layer in (2, 4):  # (NEMOTRON_3's mixture-of-experts blocks)
+        for matrix in ("up_proj", "down_proj"):
+            names = [f"backbone.layers.{layer}.mixer.experts.{e}.{matrix}.weight" for e in range(8)]
+            state[f"backbone.layers.{layer}.mixer.experts.{matrix}"] = torch.stack([state.pop(n) for n in names])
+    save_file(state, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    prompts = mixed_prompts()[:4]
+    expected, _ = generate(per_expert, prompts, 1)
+    assert_same(generate(stacked, prompts, 1)[0], expected)
+    assert_same(generate(stacked, prompts, 2)[0], expected)
