@@ -1,9 +1,9 @@
-"""The hybrid families (recurrent layers beside attention: Granite 4.0-H, Bamba and Nemotron-H's Mamba-2 (Nemotron 3 with
-mixture-of-experts blocks too), LFM2's short
-convolutions, Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet) against transformers on tiny random checkpoints:
-greedy tokens identical and logprobs within 1e-4 in float32, batched, in prompt chunks, through preemptions; the
-Mamba-2 and Gated DeltaNet layers alone against transformers' in float64; quantized weights, the states' share of
-the KV cache budget, multimodal Qwen3.5 checkpoints; what hybrid models are not served with, refused by name."""
+"""The hybrid families (recurrent layers beside attention: Granite 4.0-H, Bamba and Nemotron-H's Mamba-2 (Nemotron 3
+with mixture-of-experts blocks too), LFM2's short convolutions, Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet)
+against transformers on tiny random checkpoints: greedy tokens identical and logprobs within 1e-4 in float32, batched,
+in prompt chunks, through preemptions; the Mamba-2 and Gated DeltaNet layers alone against transformers' in float64;
+quantized weights, the states' share of the KV cache budget, multimodal Qwen3.5 checkpoints; what hybrid models are not
+served with, refused by name."""
 
 from __future__ import annotations
 
