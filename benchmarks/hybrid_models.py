@@ -132,11 +132,17 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the random checkpoint's settings (benchmarks/hybrid_prefix_cache.py's too)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--family", default="qwen3_5", choices=("qwen3_5", "granite"))
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = model_arguments(__doc__.splitlines()[0])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--batch", type=int, default=1)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.hybrid_models import family_config, write_checkpoint
+from benchmarks.hybrid_models import family_config, model_arguments, write_checkpoint
 from benchmarks.machine import cpu_info
 
 
@@ -105,10 +105,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="qwen3_5", choices=("qwen3_5", "granite"))
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser = model_arguments(__doc__.splitlines()[0])
     parser.add_argument("--system-len", type=int, default=256, help="the chat's system prompt")
     parser.add_argument("--message-len", type=int, default=64, help="each user message, or question")
     parser.add_argument("--answer-len", type=int, default=32)

@@ -24,7 +24,7 @@ from engine.distributed.parallel_group import ParallelGroup
 from engine.layers.latent_attention import LatentAttentionWeights, latent_attention, split_kv_b
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.linear import Linear
-from engine.layers.moe import SharedExpert, SparseMoeBlock
+from engine.layers.moe import SharedExpert, SparseMoeBlock, relu_squared
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.grouped_routing import GroupedTopK
 from engine.models.llama import layer_tensors
@@ -203,18 +203,22 @@ class DeepseekForCausalLM(MoeForCausalLM):
 
 
 def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, maybe, cat) -> SparseMoeBlock:
-    """A layer's experts as DeepSeek's checkpoints name them (and GLM-4.5's: engine/models/glm4_moe.py): the router
-    `gate.weight` (logits in float32) with its `gate.e_score_correction_bias`, `routing` over them, and the
-    ungated `shared_experts`."""
+    """A layer's experts as DeepSeek's checkpoints name them (and GLM-4.5's: engine/models/glm4_moe.py; Nemotron 3's,
+    whose experts and shared expert are ungated relu^2 MLPs: engine/models/nemotron_h.py): the router `gate.weight`
+    (logits in float32) with its `gate.e_score_correction_bias`, `routing` over them, and the `shared_experts`,
+    added ungated."""
     moe, p = model.moe, model.moe.prefix
+    activation = relu_squared if moe.ungated else None
     shared = None
     if moe.shared_intermediate_size is not None:
         s = p + "shared_experts."
+        up = _float(take(s + "up_proj.weight"))
         shared = SharedExpert(
-            gate_up=model._prepare(_cat_rows(_float(take(s + "gate_proj.weight")), _float(take(s + "up_proj.weight")))),
+            gate_up=model._prepare(up if moe.ungated else _cat_rows(_float(take(s + "gate_proj.weight")), up)),
             # (int8 over several ranks: quantized whole before its columns were cut, models/tensor_parallel.py)
             down=model._prepare(take(s + "down_proj.weight")),
             gate=None,
+            activation=activation,
         )
     bias = maybe(p + "gate.e_score_correction_bias")
     routing = dataclasses.replace(routing, correction_bias=None if bias is None else bias.float())
@@ -225,6 +229,8 @@ def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, may
         moe.renormalize,
         model.linear,
         shared,
+        activation=activation,
+        gated=not moe.ungated,
         select=routing,
         router_in_float32=True,
         first_expert=moe.local_experts.start,

@@ -10,7 +10,6 @@ only, in their order.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -22,12 +21,12 @@ from engine.distributed.pipeline_stage import PipelineStage
 from engine.layers.linear import Linear
 from engine.layers.layer_ops import TorchLayerOps
 from engine.layers.mrope import SectionedRows
-from engine.layers.moe import SharedExpert, SparseMoeBlock, relu_squared
+from engine.layers.moe import SparseMoeBlock
 from engine.models.decoder import DecoderForCausalLM, DecoderLayerWeights
 from engine.models.decoder_moe import DecoderMoeForCausalLM
 from engine.models.hybrid import HybridLayers
+from engine.models.deepseek import grouped_experts_block
 from engine.models.llama import layer_tensors
-from engine.models.moe import _float
 from engine.models.nemotron_h_arch import NemotronHArch
 from engine.quantization.weight_quantizer import WeightQuantizer
 
@@ -151,29 +150,4 @@ class NemotronHMoeForCausalLM(NemotronHForCausalLM, DecoderMoeForCausalLM):  # t
         self._hold_blocks(nemotron)
 
     def _take_block(self, take, maybe, cat) -> SparseMoeBlock:
-        moe, p = self.moe, self.moe.prefix
-        shared = None
-        if moe.shared_intermediate_size is not None:
-            names = moe.shared_names
-            assert names is not None  # (read_nemotron_h names it)
-            shared = SharedExpert(
-                gate_up=self._prepare(take(names.gate_up[0])),
-                down=self._prepare(take(names.down)),
-                gate=None,
-                activation=relu_squared,
-            )
-        bias = maybe(p + "gate.e_score_correction_bias")
-        routing = dataclasses.replace(self.routing, correction_bias=None if bias is None else bias.float())
-        return SparseMoeBlock(
-            _float(take(p + "gate.weight")),
-            self._take_experts(take, maybe, cat),
-            moe.top_k,
-            moe.renormalize,
-            self.linear,
-            shared,
-            activation=relu_squared,
-            gated=False,
-            select=routing,
-            router_in_float32=True,
-            first_expert=moe.local_experts.start,
-        )
+        return grouped_experts_block(self, self.routing, take, maybe, cat)

@@ -22,7 +22,7 @@ from engine.layers.recurrent_state import MambaShape
 from engine.models.decoder_arch import DecoderArch
 from engine.models.hybrid_arch import HybridArch
 from engine.models.llama_arch import shared_fields
-from engine.models.moe_arch import MoeArch, SharedExpertNames
+from engine.models.moe_arch import MoeArch
 
 BLOCK_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 """transformers' names of a block's mixer (`layers_block_type`) -> this server's."""
@@ -112,9 +112,6 @@ def _experts(config: Any, sparse: tuple[int, ...]) -> tuple[MoeArch, GroupedTopK
         prefix="mixer.",
         expert_names=("", "up_proj", "down_proj"),
         stacked_names=("experts.up_proj", "experts.down_proj"),
-        shared_names=SharedExpertNames(
-            ("mixer.shared_experts.up_proj.weight",), "mixer.shared_experts.down_proj.weight", None
-        ),
         ungated=True,
     )
     routing = GroupedTopK(
