@@ -9,7 +9,8 @@
                     (Llama 4, `scores_on_input`: expert e of weight(t, e) * x[t], added unweighted)
     (+ sigmoid(x @ shared_gate^T) * shared MLP(x)          Qwen2-MoE's shared expert)
     (+ shared MLP(x)                                       DeepSeek's shared experts: no gate)
-    (Nemotron-H: ungated experts, down_e(relu(up_e(rows))^2), its shared expert alike: `gated` False)
+    (Nemotron-H: ungated experts, down_e(relu(up_e(rows))^2), its shared expert alike: `gated` False; with a
+     `latent` width, the routed experts' rows are fc1(x) and their sum goes through fc2)
 
 A family may bring its own routing of the logits (`select`: DeepSeek's grouped top-k, grouped_routing.py),
 computed from float32 logits where HF keeps the router in float32 (`router_in_float32`).
@@ -104,6 +105,7 @@ class SparseMoeBlock:
         router_in_float32: bool = False,
         scores_on_input: bool = False,
         first_expert: int = 0,
+        latent: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ):
         routed = router.shape[0]  # every expert the router scores; `experts` may hold some (expert parallelism)
         if not 0 < top_k <= routed:
@@ -127,6 +129,9 @@ class SparseMoeBlock:
         # Llama 4: each routed row is the token's input times its weight, in the model's dtype, and the experts'
         # outputs are summed as they come (the grouped Triton kernel weighs outputs: the per-expert path serves it)
         self.scores_on_input = scores_on_input
+        # Nemotron 3's moe_latent_size: the routed experts run in a narrower width L, between fc1 [L, H] and
+        # fc2 [H, L] (in `linear`'s form; no bias: fc2 over a rank's partial sum is that rank's share)
+        self.latent = latent
         self.biases = [
             (
                 None if experts.gate_up_bias is None else experts.gate_up_bias[e],
@@ -150,7 +155,7 @@ class SparseMoeBlock:
 
     def matrices(self) -> list:
         """Every matrix the block may read (all experts'), as its product takes them."""
-        mats = [m for pair in self.per_expert for m in pair]
+        mats = [m for pair in self.per_expert for m in pair] + list(self.latent or ())
         return mats + ([self.shared.gate_up, self.shared.down] if self.shared is not None else [])
 
     def tensors(self) -> list:
@@ -183,6 +188,28 @@ class SparseMoeBlock:
         Holding some of the experts (expert parallelism), the sum of their pairs' outputs (plus the shared
         expert's share) for the layer's all-reduce."""
         routing = self.route(x, linear)
+        inputs = x if self.latent is None else linear(x, self.latent[0], None)
+        out = self._routed(inputs, routing, linear, ops, lora)
+        if self.latent is not None:
+            out = linear(out, self.latent[1], None)
+        if self.shared is None:
+            return out
+        shared = self.shared
+        up = linear(x, shared.gate_up, None)
+        dense = linear(ops.silu_and_mul(up) if shared.activation is None else shared.activation(up), shared.down, None)
+        if shared.gate is None:
+            return out + dense
+        return out + rowwise_sigmoid(linear(x, shared.gate, None)) * dense
+
+    def _routed(
+        self,
+        x: torch.Tensor,
+        routing: Routing,
+        linear: Linear,
+        ops: TorchLayerOps,
+        lora: Optional["LayerExpertDeltas"],
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum for each row of x (the grouped CUDA kernel, or a product per expert)."""
         fused_moe = None if lora is not None else self._fused_kernel(x.device)
         if fused_moe is not None:
             stacked = self.stacked
@@ -198,16 +225,8 @@ class SparseMoeBlock:
                 activation=self.activation,
                 first_expert=None if self.holds_every_expert else self.first_expert,
             )
-        else:
-            out = self._grouped(x, routing, linear, ops, lora)
-        if self.shared is None:
             return out
-        shared = self.shared
-        up = linear(x, shared.gate_up, None)
-        dense = linear(ops.silu_and_mul(up) if shared.activation is None else shared.activation(up), shared.down, None)
-        if shared.gate is None:
-            return out + dense
-        return out + rowwise_sigmoid(linear(x, shared.gate, None)) * dense
+        return self._grouped(x, routing, linear, ops, lora)
 
     def _fused_kernel(self, device: torch.device):
         """The grouped Triton kernel on CUDA (when Triton is installed), else None: the per-expert products."""

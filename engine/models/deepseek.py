@@ -206,7 +206,8 @@ def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, may
     """A layer's experts as DeepSeek's checkpoints name them (and GLM-4.5's: engine/models/glm4_moe.py; Nemotron 3's,
     whose experts and shared expert are ungated relu^2 MLPs: engine/models/nemotron_h.py): the router `gate.weight`
     (logits in float32) with its `gate.e_score_correction_bias`, `routing` over them, and the `shared_experts`,
-    added ungated."""
+    added ungated; Nemotron 3's latent projections where its experts are narrower (`fc1_latent_proj`,
+    `fc2_latent_proj`)."""
     moe, p = model.moe, model.moe.prefix
     activation = relu_squared if moe.ungated else None
     shared = None
@@ -222,6 +223,12 @@ def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, may
         )
     bias = maybe(p + "gate.e_score_correction_bias")
     routing = dataclasses.replace(routing, correction_bias=None if bias is None else bias.float())
+    latent = None
+    if moe.latent_size is not None:  # (Nemotron 3's: the routed experts between two projections, replicated)
+        latent = (
+            model._prepare(take(p + "fc1_latent_proj.weight")),
+            model._prepare(take(p + "fc2_latent_proj.weight")),
+        )
     return SparseMoeBlock(
         _float(take(p + "gate.weight")),
         model._take_experts(take, maybe, cat),
@@ -234,4 +241,5 @@ def grouped_experts_block(model: MoeForCausalLM, routing: GroupedTopK, take, may
         select=routing,
         router_in_float32=True,
         first_expert=moe.local_experts.start,
+        latent=latent,
     )

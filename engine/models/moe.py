@@ -136,7 +136,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 gate_up.append(ups if moe.ungated else cat(take(q + gate + ".weight"), ups))
                 down.append(take(q + down_name + ".weight"))
         experts = stacked if stacked is not None and self.quantizer is None else self._expert_weights(gate_up, down)
-        intermediate, hidden = moe.expert_intermediate_size, self.arch.hidden_size
+        intermediate, hidden = moe.expert_intermediate_size, moe.latent_size or self.arch.hidden_size
         expected = (((1 if moe.ungated else 2) * intermediate, hidden), (hidden, intermediate))
         shapes = {(_shape(g), _shape(d)) for g, d in zip(gate_up, down)}
         if len(gate_up) != len(moe.local_experts) or shapes != {expected}:

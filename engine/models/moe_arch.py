@@ -89,6 +89,9 @@ class MoeArch:
     held_experts: Optional[range] = None
     # Nemotron-H: each expert (and the shared expert) up -> relu^2 -> down, no gate (`expert_names`' gate unused)
     ungated: bool = False
+    # Nemotron 3's moe_latent_size: the routed experts' input and output width, between the block's
+    # fc1_latent_proj and fc2_latent_proj (None: the model's hidden size, no projections)
+    latent_size: Optional[int] = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers

@@ -5,7 +5,8 @@ Its layers are blocks of one mixer each, `h + mixer(RMSNorm(h))`, of the kind `l
 `hybrid_override_pattern`) names: a Mamba-2 layer (`M`), attention without positional embedding (`*`), a plain
 MLP, up -> relu^2 -> down (`-`), or (Nemotron 3) a mixture of such MLPs (`E`): DeepSeek-V3's routing (sigmoid scores,
 e_score_correction_bias, the best topk_group of n_group groups, norm_topk_prob, routed_scaling_factor) over
-n_routed_experts ungated experts, and a shared expert of moe_shared_expert_intermediate_size added to every token.
+n_routed_experts ungated experts (moe_latent_size: narrower, between two projections), and a shared expert of
+moe_shared_expert_intermediate_size added to every token.
 Its checkpoints name the model `backbone.`, the embedding `embeddings` and the final norm `norm_f`, and each block's
 mixer `mixer.` (a mixture's: `mixer.gate.weight`, `mixer.gate.e_score_correction_bias`, `mixer.experts.N.up_proj`,
 `mixer.experts.N.down_proj`, `mixer.shared_experts.up_proj`, `mixer.shared_experts.down_proj`).
@@ -52,7 +53,8 @@ def read_nemotron_h(config: Any) -> NemotronHArch:
         "attention_bias": bool(getattr(config, "attention_bias", False)),
         "sliding_window": getattr(config, "sliding_window", None) is not None,
         "num_nextn_predict_layers": int(getattr(config, "num_nextn_predict_layers", 0) or 0) > 0,
-        "moe_latent_size": getattr(config, "moe_latent_size", None) is not None and "moe" in blocks,
+        # (the latent projections' biases would be added by every rank under tensor parallelism)
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)) and getattr(config, "moe_latent_size", None) is not None,
     }
     for field, given in refused.items():
         if given:
@@ -113,6 +115,7 @@ def _experts(config: Any, sparse: tuple[int, ...]) -> tuple[MoeArch, GroupedTopK
         expert_names=("", "up_proj", "down_proj"),
         stacked_names=("experts.up_proj", "experts.down_proj"),
         ungated=True,
+        latent_size=int(latent) if (latent := getattr(config, "moe_latent_size", None)) else None,
     )
     routing = GroupedTopK(
         top_k=moe.top_k,

@@ -497,7 +497,7 @@ FAMILIES = (
             "layers_block_type or hybrid_override_pattern",
             "Mamba-2 blocks (as Granite 4.0-H's), attention without positional embedding, plain relu^2 MLPs",
             "mixture-of-experts blocks (Nemotron 3): ungated relu^2 experts and shared expert, DeepSeek-V3's routing "
-            "(sigmoid, e_score_correction_bias, groups); not moe_latent_size",
+            "(sigmoid, e_score_correction_bias, groups), latent experts (moe_latent_size)",
             "backbone. names, embeddings, norm_f",
             "tensor parallelism as Granite 4.0-H's, experts cut or held (expert parallelism)",
             "prefix caching by snapshots of the states; no speculative decoding, LoRA, CUDA graphs",

@@ -227,9 +227,23 @@ def test_family_is_hfs(family_dirs, family, settings):
             assert engine.scheduler.num_preemptions > 0
 
 
-def test_nemotron_3_latent_experts_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="moe_latent_size"):
-        make_llm(make_nemotron_h_dir(tmp_path, **{**NEMOTRON_3, "moe_latent_size": 16}))
+def test_nemotron_3_latent_experts_are_hfs_on_one_and_two_ranks(tmp_path):
+    """moe_latent_size: the routed experts run in a narrower width between fc1_latent_proj and fc2_latent_proj (the
+    router and the shared expert on the hidden state): HF's tokens and logprobs; on two ranks (each its share of
+    every expert, or half the experts whole) the tokens of one process. Their biases (mlp_bias) are refused."""
+    from tests.distributed.test_tensor_parallel import assert_same, generate
+
+    model_dir = make_nemotron_h_dir(tmp_path / "latent", **{**NEMOTRON_3, "moe_latent_size": 24})
+    prompts = mixed_prompts()
+    with make_llm(model_dir) as llm:
+        block = llm.engine.runner.model.moe_blocks[2]
+        assert block.latent is not None and llm.engine.runner.model.moe.latent_size == 24
+        check_against_hf(model_dir, prompts, run_greedy(llm, prompts))
+    expected, _ = generate(model_dir, prompts[:4], 1)
+    assert_same(generate(model_dir, prompts[:4], 2)[0], expected)
+    assert_same(generate(model_dir, prompts[:4], 2, enable_expert_parallel=True)[0], expected)
+    with pytest.raises(ValueError, match="mlp_bias"):
+        make_llm(make_nemotron_h_dir(tmp_path / "bias", **{**NEMOTRON_3, "moe_latent_size": 24, "mlp_bias": True}))
 
 
 def test_granite_hybrid_stops_and_aborts_leave_nothing(hybrid_moe):
