@@ -639,6 +639,29 @@ def delta_net_shape_of(hf_config: Any) -> Optional[DeltaNetShape]:
     return read_delta_net(hf_config)
 
 
+def recurrent_layers_of(hf_config: Any) -> tuple[int, ...]:
+    """The layers of a hybrid model that keep a recurrent state (Mamba-2, short convolutions, Gated DeltaNet); ()
+    for a model of attention layers alone (Granite 4.0 Micro's config is a hybrid one without them)."""
+    implementation = family_of(hf_config).implementation
+    if implementation == "hybrid":
+        from engine.models.hybrid_arch import read_hybrid
+
+        return read_hybrid(hf_config).recurrent_layers
+    if implementation == "nemotron_h":
+        from engine.models.nemotron_h_arch import read_nemotron_h
+
+        return read_nemotron_h(hf_config).hybrid.recurrent_layers
+    if implementation == "lfm2":
+        from engine.models.families import lfm2_conv_layers
+
+        return lfm2_conv_layers(hf_config)
+    if implementation == "qwen3_5":
+        from engine.models.families import qwen3_5_linear_layers
+
+        return qwen3_5_linear_layers(hf_config)
+    return ()
+
+
 def mamba_shape_of(hf_config: Any) -> Optional[MambaShape]:
     """A hybrid model's whole Mamba-2 layer shape (what tensor parallelism cuts), else None."""
     implementation = family_of(hf_config).implementation

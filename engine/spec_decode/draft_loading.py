@@ -35,7 +35,7 @@ from engine.loading.loader import (
 from engine.loading.model_weights import model_weights, resolve_gguf_storage
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import RECURRENT_IMPLEMENTATIONS, family_of
+from engine.models.registry import family_of, recurrent_layers_of
 from engine.models.vision_language import VisionLanguageFamily, text_weights, vision_family_of
 from engine.quantization.fp8_checkpoint import fp8_checkpoint_weights
 from engine.spec_decode.draft_model import DraftModelProposer
@@ -101,7 +101,7 @@ def read_draft_checkpoint(
         raise SettingsConflictError(f"the draft model {speculative.model!r} cannot be served: {error}") from error
     # (a draft's forward passes carry no recurrent states: a recurrent layer would read each pass's rows as one
     # sequence from zero, and no rejected draft can be taken back out of a state)
-    if family.implementation in RECURRENT_IMPLEMENTATIONS:
+    if recurrent_layers_of(hf_config):
         raise SettingsConflictError(
             f"--speculative-config: the draft model's architecture {family.architecture} keeps a recurrent state per "
             "request in its recurrent layers, which a draft model is not served with"

@@ -286,6 +286,22 @@ def test_granite_hybrid_is_refused_as_a_draft_model(hybrid_moe, tiny_llama_dir):
         make_llm(tiny_llama_dir, speculative_config=speculative)
 
 
+def test_granite_4_micro_of_attention_layers_alone_serves_as_a_draft_model(tmp_path, tiny_llama_dir):
+    """Granite 4.0 Micro's config is a hybrid one whose layers all attend: no state to carry, so it drafts (the
+    target's greedy tokens kept, drafts proposed and some accepted)."""
+    micro = make_hybrid_dir(
+        tmp_path / "micro", num_local_experts=0, position_embedding_type="rope", layer_types=["attention"] * 4
+    )
+    prompts = mixed_prompts()[:4]
+    with make_llm(tiny_llama_dir) as llm:
+        expected = [r.outputs[0].token_ids for r in run_greedy(llm, prompts)]
+    speculative = {"method": "draft_model", "model": str(micro), "num_speculative_tokens": 2, "step_cost_model": False}
+    with make_llm(tiny_llama_dir, speculative_config=speculative) as llm:
+        assert [r.outputs[0].token_ids for r in run_greedy(llm, prompts)] == expected
+        stats = llm.engine.scheduler.spec_decode_stats
+        assert stats is not None and stats.num_draft_tokens > 0
+
+
 def test_states_take_their_share_of_the_kv_budget(hybrid_moe):
     """The recurrent states of max_num_seqs requests come out of the KV cache budget; a budget they fill is refused
     naming --max-num-seqs."""
