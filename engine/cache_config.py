@@ -12,7 +12,7 @@ from typing import Literal, Optional, Union
 
 from engine.errors import SettingsConflictError
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from scheduler import CacheConfig
 
@@ -86,6 +86,20 @@ class EngineCacheConfig(CacheConfig):
         "that run (fewer where their states and the snapshots would take more than half the budget); 0 = none "
         "(prefix caching off for such a model)",
     )
+
+    mamba_cache_mode: Literal["align", "none"] = Field(
+        "align",
+        description="vLLM's: how a hybrid model's prefix-cache hits restore its recurrent states; align = from "
+        "snapshots at block boundaries (state_snapshots), none = no prefix caching for such a model",
+    )
+
+    @model_validator(mode="after")
+    def _one_answer_for_snapshots(self) -> "EngineCacheConfig":
+        if self.mamba_cache_mode == "none" and self.state_snapshots:
+            raise SettingsConflictError(
+                f"--mamba-cache-mode none keeps no snapshot, but --state-snapshots asks for {self.state_snapshots}"
+            )
+        return self
 
     @field_validator("num_state_snapshots")
     @classmethod

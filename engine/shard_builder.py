@@ -474,8 +474,13 @@ def _num_kv_blocks(
     rows = limits.max_num_seqs
     per_row = model.recurrent_state_bytes(1)  # a hybrid model's: a row per running request, and per snapshot
     wanted = cache.state_snapshots
-    if not cache.enable_prefix_caching or any(kv_groups.windows) or any(kv_groups.chunks):
-        wanted = 0  # (no hit to restore: a sliding or chunked group's hits are not served with snapshots)
+    if (
+        not cache.enable_prefix_caching
+        or cache.mamba_cache_mode == "none"
+        or any(kv_groups.windows)  # (a sliding or chunked group's hits are not served with snapshots)
+        or any(kv_groups.chunks)
+    ):
+        wanted = 0  # (no hit to restore)
     if cache.num_blocks is not None:  # (the states beside the blocks given, as many snapshots as requests)
         if not per_row:
             return cache.num_blocks, rows, NO_BLOCK_LIMIT

@@ -288,6 +288,13 @@ OPTIONS: tuple[Option, ...] = (
         "as many as --max-num-seqs",
         nullable=True,
     ),
+    Option(
+        "--mamba-cache-mode",
+        (*CACHE, "mamba_cache_mode"),
+        "str",
+        "vLLM's: how a hybrid model's prefix-cache hits restore its recurrent states: align, from snapshots at "
+        "block boundaries (--state-snapshots); none, no prefix caching for such a model",
+    ),
     Option("--scheduling-policy", (*SCHEDULER, "policy"), "str", "order of admission to the running batch"),
     Option(
         "--long-prefill-token-threshold",

@@ -50,3 +50,5 @@ def test_scheduler_gets_the_layout_only():
 def test_the_snapshot_slots_are_the_engines_to_resolve():
     with pytest.raises(ValueError, match="set state_snapshots"):
         EngineCacheConfig(num_state_snapshots=4)
+    with pytest.raises(ValueError, match="--mamba-cache-mode none keeps no snapshot"):
+        EngineCacheConfig(mamba_cache_mode="none", state_snapshots=4)

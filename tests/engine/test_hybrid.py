@@ -345,6 +345,13 @@ def test_default_snapshots_take_what_the_requests_leave_of_half_the_budget(hybri
         )
 
 
+def test_mamba_cache_mode_none_serves_without_prefix_caching(hybrid_moe):
+    with make_llm(hybrid_moe, mamba_cache_mode="none") as llm:
+        engine = llm.engine
+        assert not engine.scheduler.kv_cache_manager.enable_caching
+        assert engine.runner.states is not None and engine.runner.states.snapshots == 0
+
+
 @pytest.mark.parametrize("snapshots", [None, 5, 0])
 def test_default_max_num_seqs_is_lowered_to_what_the_states_leave_room_for(hybrid_moe, snapshots):
     """Without --max-num-seqs, the default 256 requests' states and as many snapshots (or --state-snapshots) would

@@ -52,6 +52,7 @@ FLAG_CASES = [
     ("--kv-cache-dir-size", "2.5", ("engine", "cache", "kv_cache_dir_size"), 2.5),
     ("--swap-space", "4", ("engine", "cache", "swap_space"), 4.0),
     ("--state-snapshots", "12", ("engine", "cache", "state_snapshots"), 12),
+    ("--mamba-cache-mode", "none", ("engine", "cache", "mamba_cache_mode"), "none"),
     ("--kv-offloading-size", "4", ("engine", "cache", "swap_space"), 4.0),
     ("--gpu-memory-utilization", "0.5", ("engine", "cache", "gpu_memory_utilization"), 0.5),
     ("--max-num-seqs", "8", ("engine", "scheduler", "max_num_seqs"), 8),
