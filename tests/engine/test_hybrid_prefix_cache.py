@@ -6,6 +6,8 @@ n > 1, with fewer slots than prompts, and after aborts the pool is empty."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from engine import SamplingParams
@@ -117,3 +119,48 @@ def test_aborted_requests_leave_their_kept_snapshots_and_an_empty_pool(family_di
         results = run_greedy(llm, [SYSTEM])
         check_against_hf(model_dir, [SYSTEM], results)
         assert results[0].num_cached_tokens == 68
+
+
+@pytest.mark.parametrize("family", ["granite-4.0-h", "qwen3_5"])
+def test_interleaved_chats_in_a_tight_pool_are_hfs(family_dirs, family):  # noqa: F811
+    """Five conversations at once, each turn sent when its previous answer ends (its prompt the conversation so
+    far), in 12-token chunks and a pool that preempts: restores, saves inside chunks and at their ends, and
+    preemptions interleave in the same steps; every answer is transformers', and the pool ends empty."""
+    model_dir = family_dirs(family)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    conversations = {f"chat{c}": LONG_PROMPT[10 * c : 10 * c + 9 + 6 * c] for c in range(5)}
+    turns_left = {name: 3 for name in conversations}
+    sent: dict[str, list[int]] = {}
+    answers: dict[str, tuple[list[int], list]] = {}
+    with make_llm(model_dir, max_num_batched_tokens=12, max_num_seqs=3, num_blocks=40, state_snapshots=16) as llm:
+        engine = llm.engine
+
+        def send(name: str) -> None:
+            request_id = f"{name}-{3 - turns_left[name]}"
+            sent[request_id] = list(conversations[name])
+            answers[request_id] = ([], [])
+            engine.add_request(request_id, sent[request_id], greedy)
+
+        for name in conversations:
+            send(name)
+        while engine.has_unfinished_requests:
+            for output in engine.step():
+                tokens, logprobs = answers[output.request_id]
+                tokens += output.new_token_ids
+                logprobs += output.logprobs or []
+                if output.finish_reason is None:
+                    continue
+                name = output.request_id.rsplit("-", 1)[0]
+                turns_left[name] -= 1
+                conversations[name] = conversations[name] + tokens + [40 + turns_left[name], 41]
+                if turns_left[name]:
+                    send(name)
+        kv = engine.scheduler.kv_cache_manager
+        assert kv.snapshots is not None and kv.snapshots.num_restored > 0 and engine.scheduler.num_preemptions > 0
+        assert_idle(llm)
+    results = [
+        SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs)])
+        for tokens, logprobs in answers.values()
+    ]
+    assert len(results) == 15
+    check_against_hf(model_dir, list(sent.values()), results)
