@@ -19,7 +19,8 @@ Which boundaries a request keeps (copying a state costs a read and a write of it
 - the *last* boundary before the prompt's final token: the same prompt again (n > 1, retries) restores it;
 - the sequence's *end*, at each boundary a step reaches with all its tokens computed (a decode filling a block):
   the next turn of a chat, whose prompt is this one with its answer, restores it. Each end replaces the request's
-  previous end in its slot, so a running request holds at most one.
+  previous end in its slot, so a running request holds at most one, and once it holds one its last boundary is
+  evicted first (a chat's next turn needs the end; the same prompt again, its siblings, came sooner).
 
 A boundary inside a step's prompt chunk is kept by the recurrent layers as they reach it (the runner splits the
 request's chunk there), so no chunk is cut short for it. Saves are pending until their step has run (as KV blocks
@@ -49,7 +50,7 @@ class SnapshotOps:
 class _Save:
     request_id: str
     key: bytes
-    is_end: bool  # the request's latest end (replaced by its next)
+    kind: str  # "end" (the request's latest: replaced by its next), "last" or "junction"
 
 
 class StateSnapshots:
@@ -65,8 +66,9 @@ class StateSnapshots:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # (pop() hands out slot 0 first)
         self._pending: dict[int, dict[int, _Save]] = {}  # step id -> slot -> the save it runs
         self._pending_keys: set[bytes] = set()
-        self._points: dict[str, list[int]] = {}  # request -> positions to keep besides its ends
+        self._points: dict[str, list[tuple[int, str]]] = {}  # request -> (position, kind) to keep besides its ends
         self._end: dict[str, tuple[int, bytes]] = {}  # request -> (slot, key) of its latest end kept
+        self._last: dict[str, tuple[int, bytes]] = {}  # request -> (slot, key) of its prompt's last boundary kept
         self._restores: list[tuple[str, int]] = []  # the step being scheduled's
         self.num_restored = 0  # admissions that restored a snapshot, ever
         self.num_saved = 0  # saves planned, ever
@@ -94,7 +96,8 @@ class StateSnapshots:
             self._restores.append((request.request_id, slot))
             self.num_restored += 1
         last = (request.num_tokens - 1) // block_size * block_size
-        points = sorted({p for p in (num_kv_blocks * block_size, last) if p > hit})
+        junction = num_kv_blocks * block_size
+        points = sorted({(p, "junction" if p == junction else "last") for p in (junction, last) if p > hit})
         if points:
             self._points[request.request_id] = points
         else:
@@ -109,28 +112,30 @@ class StateSnapshots:
         for request, start, num_tokens in scheduled:
             end = start + num_tokens
             points = self._points.get(request.request_id)
-            positions = []
+            positions: list[tuple[int, str]] = []
             if points is not None:
-                while points and points[0] <= end:
-                    position = points.pop(0)
-                    if position > start:
-                        positions.append(position)
+                while points and points[0][0] <= end:
+                    point = points.pop(0)
+                    if point[0] > start:
+                        positions.append(point)
                 if not points:
                     del self._points[request.request_id]
-            is_end = end % block_size == 0 and end == len(request.all_token_ids)
-            if is_end and (not positions or positions[-1] != end):
-                positions.append(end)
+            if end % block_size == 0 and end == len(request.all_token_ids):
+                if positions and positions[-1][0] == end:
+                    positions.pop()
+                positions.append((end, "end"))
+                self._demote_last(request.request_id)
             hashes = request.block_hashes
-            for position in positions:
+            for position, kind in positions:
                 if len(hashes) < position // block_size:
                     continue  # (not hashed: never the case for tokens the step computes)
                 key = hashes[position // block_size - 1].value
                 if key in self._index or key in self._pending_keys:
                     continue
-                slot = self._take_slot(request.request_id if is_end and position == end else None)
+                slot = self._take_slot(request.request_id if kind == "end" else None)
                 if slot is None:
                     continue
-                self._pending.setdefault(step_id, {})[slot] = _Save(request.request_id, key, is_end and position == end)
+                self._pending.setdefault(step_id, {})[slot] = _Save(request.request_id, key, kind)
                 self._pending_keys.add(key)
                 saves.append((request.request_id, position, slot))
         self.num_saved += len(saves)
@@ -143,8 +148,10 @@ class StateSnapshots:
             self._pending_keys.discard(save.key)
             self._index[save.key] = slot
             self._lru[slot] = save.key
-            if save.is_end:
+            if save.kind == "end":
                 self._end[save.request_id] = (slot, save.key)
+            elif save.kind == "last":
+                self._last[save.request_id] = (slot, save.key)
 
     def discard(self) -> None:
         """No pending step will run: their slots are free again."""
@@ -158,6 +165,7 @@ class StateSnapshots:
         slots, before any later step writes them again), and what it was to keep is forgotten."""
         self._points.pop(request_id, None)
         self._end.pop(request_id, None)
+        self._last.pop(request_id, None)
         for saves in self._pending.values():
             for slot in [slot for slot, save in saves.items() if save.request_id == request_id]:
                 self._pending_keys.discard(saves.pop(slot).key)
@@ -172,6 +180,7 @@ class StateSnapshots:
         self._index.clear()
         self._lru.clear()
         self._end.clear()
+        self._last.clear()
 
     def _take_slot(self, ending: Optional[str]) -> Optional[int]:
         """A slot for a save: the previous end's of request `ending` (replaced), a free one, or the least recently
@@ -188,6 +197,13 @@ class StateSnapshots:
             self._unindex(slot)
             return slot
         return None
+
+    def _demote_last(self, request_id: str) -> None:
+        """The request keeps an end now (what its next turn restores): its prompt's last boundary, kept for the
+        same prompt again, is evicted first from now on (it stays until a slot is needed)."""
+        kept = self._last.pop(request_id, None)
+        if kept is not None and self._index.get(kept[1]) == kept[0]:
+            self._lru.move_to_end(kept[0], last=False)
 
     def _unindex(self, slot: int) -> None:
         del self._index[self._lru.pop(slot)]

@@ -89,6 +89,35 @@ def test_slots_are_evicted_least_recently_used_first_and_a_full_index_skips_save
     assert snapshots.longest_hit(b.block_hashes, 1) == 0 and snapshots.longest_hit(a.block_hashes, 1) == 1
 
 
+def test_a_requests_last_boundary_is_evicted_first_once_it_keeps_an_end():
+    """The prompt's last boundary serves the same prompt again, which comes soon if at all; a chat's next turn needs
+    the end: once a request keeps an end, its last boundary goes first, even just after a restore touched it."""
+    snapshots = StateSnapshots(3, BLOCK)
+    a = make_request(list(range(6)))  # last boundary 4
+    a.block_hashes.extend(_keys(1, 2))
+    snapshots.admit(a, 0, 0)
+    assert snapshots.take_ops(1, [(a, 0, 6)]).saves == ((a.request_id, 4, 0),)
+    snapshots.commit(1)
+    x = make_request(list(range(100, 105)))
+    x.block_hashes.extend(_keys(9))
+    snapshots.admit(x, 0, 0)
+    assert snapshots.take_ops(2, [(x, 0, 5)]).saves == ((x.request_id, 4, 1),)
+    snapshots.commit(2)
+    again = make_request(list(range(6)))
+    again.block_hashes.extend(a.block_hashes)
+    snapshots.admit(again, 1, 1)  # (restores a's last boundary: now the most recently used)
+    a.append_output_token(7), a.append_output_token(8)
+    assert snapshots.take_ops(3, [(a, 7, 1)]).saves == ((a.request_id, 8, 2),)  # its end (demoting its last)
+    snapshots.commit(3)
+    y = make_request(list(range(200, 205)))
+    y.block_hashes.extend(_keys(8))
+    snapshots.admit(y, 0, 0)
+    assert snapshots.take_ops(4, [(y, 0, 5)]).saves == ((y.request_id, 4, 0),), "a's last boundary evicted"
+    snapshots.commit(4)
+    assert snapshots.longest_hit(x.block_hashes, 1) == 1 and snapshots.longest_hit(a.block_hashes, 1) == 0
+    assert snapshots.longest_hit(a.block_hashes, 2) == 2
+
+
 def test_pending_saves_of_a_released_request_or_a_discarded_step_free_their_slots():
     snapshots = StateSnapshots(1, BLOCK)
     a = make_request(list(range(5)))
