@@ -92,6 +92,8 @@ class MoeArch:
     # Nemotron 3's moe_latent_size: the routed experts' input and output width, between the block's
     # fc1_latent_proj and fc2_latent_proj (None: the model's hidden size, no projections)
     latent_size: Optional[int] = None
+    # the layers with a dense MLP; None: every layer not sparse (Nemotron-H's other blocks hold no MLP at all)
+    dense_layers: Optional[tuple[int, ...]] = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers

@@ -53,8 +53,9 @@ def read_nemotron_h(config: Any) -> NemotronHArch:
         "attention_bias": bool(getattr(config, "attention_bias", False)),
         "sliding_window": getattr(config, "sliding_window", None) is not None,
         "num_nextn_predict_layers": int(getattr(config, "num_nextn_predict_layers", 0) or 0) > 0,
-        # (the latent projections' biases would be added by every rank under tensor parallelism)
-        "mlp_bias": bool(getattr(config, "mlp_bias", False)) and getattr(config, "moe_latent_size", None) is not None,
+        # (the experts' and the shared expert's biases: not read; the latent projections' would be added by every
+        # rank under tensor parallelism)
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)) and "moe" in blocks,
     }
     for field, given in refused.items():
         if given:
@@ -94,10 +95,11 @@ def read_nemotron_h(config: Any) -> NemotronHArch:
     hybrid = HybridArch(mamba, shape, has_experts=bool(sparse))
     if not sparse:
         return NemotronHArch(decoder, hybrid, blocks)
-    return NemotronHArch(decoder, hybrid, blocks, *_experts(config, sparse))
+    dense = tuple(i for i, kind in enumerate(blocks) if kind == "mlp")
+    return NemotronHArch(decoder, hybrid, blocks, *_experts(config, sparse, dense))
 
 
-def _experts(config: Any, sparse: tuple[int, ...]) -> tuple[MoeArch, GroupedTopK]:
+def _experts(config: Any, sparse: tuple[int, ...], dense: tuple[int, ...]) -> tuple[MoeArch, GroupedTopK]:
     """The mixture-of-experts blocks' experts and routing (Nemotron 3)."""
     experts, groups = int(config.n_routed_experts), int(getattr(config, "n_group", 1) or 1)
     if experts % groups:
@@ -116,6 +118,7 @@ def _experts(config: Any, sparse: tuple[int, ...]) -> tuple[MoeArch, GroupedTopK
         stacked_names=("experts.up_proj", "experts.down_proj"),
         ungated=True,
         latent_size=int(latent) if (latent := getattr(config, "moe_latent_size", None)) else None,
+        dense_layers=dense,
     )
     routing = GroupedTopK(
         top_k=moe.top_k,

@@ -158,6 +158,8 @@ _VOCAB = re.compile(
 def has_dense_mlp(arch: LlamaArch, moe: Optional[MoeArch]) -> bool:
     """Whether some layer runs a dense MLP of `arch.intermediate_size` (a mixture of experts whose every layer is
     sparse reads that width as its experts', which are padded instead)."""
+    if moe is not None and moe.dense_layers is not None:
+        return bool(moe.dense_layers)
     return moe is None or len(moe.sparse_layers) < arch.num_layers
 
 

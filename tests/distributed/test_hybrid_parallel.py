@@ -123,3 +123,16 @@ def test_prefix_hits_restore_every_ranks_states(tmp_path, family, parallel):
         prompts, results = chat_rounds(llm)
         check_against_hf(model_dir, prompts, results)
         assert [r.num_cached_tokens for r in results] == [0, 48, 60, 0, 0, 68]
+
+
+def test_nemotron_3_without_mlp_blocks_is_cut_whatever_the_unused_dense_width(tmp_path):
+    """Nemotron 3 Nano's blocks are Mamba-2, attention and experts, no plain MLP: its config's intermediate_size is
+    read by no layer, so ranks that do not divide it (nor, in int4, its groups) still serve the model."""
+    from tests.engine.test_hybrid import NEMOTRON_3
+
+    model_dir = make_nemotron_h_dir(
+        tmp_path, **{**NEMOTRON_3, "hybrid_override_pattern": "M*EME", "intermediate_size": 97}
+    )
+    prompts = mixed_prompts(11)[:4]
+    expected, _ = generate(model_dir, prompts, 1)
+    assert_same(generate(model_dir, prompts, 2)[0], expected)

@@ -243,7 +243,7 @@ def test_nemotron_3_latent_experts_are_hfs_on_one_and_two_ranks(tmp_path):
     assert_same(generate(model_dir, prompts[:4], 2)[0], expected)
     assert_same(generate(model_dir, prompts[:4], 2, enable_expert_parallel=True)[0], expected)
     with pytest.raises(ValueError, match="mlp_bias"):
-        make_llm(make_nemotron_h_dir(tmp_path / "bias", **{**NEMOTRON_3, "moe_latent_size": 24, "mlp_bias": True}))
+        make_llm(make_nemotron_h_dir(tmp_path / "bias", **{**NEMOTRON_3, "mlp_bias": True}))
 
 
 def test_granite_hybrid_stops_and_aborts_leave_nothing(hybrid_moe):
