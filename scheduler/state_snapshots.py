@@ -71,7 +71,6 @@ class StateSnapshots:
         self._last: dict[str, tuple[int, bytes]] = {}  # request -> (slot, key) of its prompt's last boundary kept
         self._restores: list[tuple[str, int]] = []  # the step being scheduled's
         self.num_restored = 0  # admissions that restored a snapshot, ever
-        self.num_saved = 0  # saves planned, ever
 
     @property
     def num_indexed(self) -> int:
@@ -138,7 +137,6 @@ class StateSnapshots:
                 self._pending.setdefault(step_id, {})[slot] = _Save(request.request_id, key, kind)
                 self._pending_keys.add(key)
                 saves.append((request.request_id, position, slot))
-        self.num_saved += len(saves)
         restores, self._restores = tuple(self._restores), []
         return SnapshotOps(restores, tuple(saves))
 
